@@ -1,0 +1,292 @@
+"""Loads, type-checks and freezes the run configuration.
+
+Sources, lowest to highest precedence:
+  1. `configs/base.yml` (or a YAML naming a parent through `base_config`),
+  2. `configs/cpu_defaults.yml` when the backend is CPU and `cpu_defaults` is True,
+  3. `configs/models/<model_name>.yml`,
+  4. `M_<UPPERCASE_KEY>` environment variables,
+  5. `key=value` command-line arguments (argv wins over the environment, as in MaxText;
+     a key set in both is reported).
+
+Every key must exist in base.yml; values are coerced to the type of the base.yml default.
+The result is a frozen `Config` holding the flat values plus typed groups
+(`config.model`, `config.mesh`, ...) built in `config_groups.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import types
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from MaxText import config_groups
+from MaxText.accelerators import DeviceTarget
+from MaxText.errors import ConfigError
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+BASE_CONFIG_PATH = CONFIGS_DIR / "base.yml"
+CPU_DEFAULTS_PATH = CONFIGS_DIR / "cpu_defaults.yml"
+MODELS_DIR = CONFIGS_DIR / "models"
+ENV_PREFIX = "M_"
+
+# Values computed from other keys; setting them directly is a mistake we can explain.
+DERIVED_KEYS = {
+    "emb_dim": "base_emb_dim",
+    "num_query_heads": "base_num_query_heads",
+    "num_kv_heads": "base_num_kv_heads",
+    "mlp_dim": "base_mlp_dim",
+    "num_decoder_layers": "base_num_decoder_layers",
+    "global_batch_size": "per_device_batch_size",
+}
+
+_KEY_LINE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*):.*?\s#\s?(.*)$")
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+  """Reads one YAML mapping, following `base_config: parent.yml` (relative to the file)."""
+  if not path.is_file():
+    raise ConfigError(f"config file {str(path)!r} does not exist")
+  try:
+    data = yaml.safe_load(path.read_text()) or {}
+  except yaml.YAMLError as e:
+    raise ConfigError(f"cannot parse {str(path)!r}: {str(e).splitlines()[0]}") from None
+  if not isinstance(data, dict):
+    raise ConfigError(f"{str(path)!r} must hold a mapping of key: value lines")
+  parent = data.pop("base_config", None)
+  if parent is None:
+    return data
+  parent_path = Path(parent) if Path(parent).is_absolute() else path.parent / parent
+  return {**read_yaml(parent_path), **data}
+
+
+def read_descriptions(path: Path = BASE_CONFIG_PATH) -> dict[str, str]:
+  """The one-line description of each key: its trailing comment in base.yml."""
+  descriptions = {}
+  for line in path.read_text().splitlines():
+    match = _KEY_LINE.match(line)
+    if match:
+      descriptions[match.group(1)] = match.group(2).strip()
+  return descriptions
+
+
+def _type_name(value: Any) -> str:
+  return type(value).__name__
+
+
+def coerce(key: str, value: Any, default: Any) -> Any:
+  """Converts `value` (a YAML scalar/list or a command-line string) to the type of `default`."""
+  if isinstance(default, bool):
+    if isinstance(value, bool):
+      return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+      return True
+    if text in _FALSE:
+      return False
+  elif isinstance(default, int):
+    if isinstance(value, int) and not isinstance(value, bool):
+      return value
+    if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value.strip()):
+      return int(value)
+    if isinstance(value, float) and value.is_integer():
+      return int(value)
+  elif isinstance(default, float):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return float(value)
+    try:
+      return float(str(value))
+    except ValueError:
+      pass
+  elif isinstance(default, str):
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+      return str(value)
+  elif isinstance(default, list):
+    if isinstance(value, (list, tuple)):
+      return list(value)
+    if isinstance(value, str):
+      return [item.strip() for item in value.split(",") if item.strip()]
+  raise ConfigError(
+      f"{key} must be a {_type_name(default)} (like its default {default!r}), got {value!r}"
+  )
+
+
+def _parse_cli_value(text: str) -> Any:
+  """Command-line values are YAML scalars/flow lists (`[a, b]`); anything unparsable stays text."""
+  try:
+    return yaml.safe_load(text)
+  except yaml.YAMLError:
+    return text
+
+
+def _unknown_key_error(key: str, known: Mapping[str, Any], source: str) -> ConfigError:
+  if key in DERIVED_KEYS:
+    return ConfigError(
+        f"{key} ({source}) is derived, not set directly: set {DERIVED_KEYS[key]!r} instead"
+    )
+  close = difflib.get_close_matches(key, list(known) + list(DERIVED_KEYS), n=1, cutoff=0.6)
+  hint = f" (did you mean {close[0]!r}?)" if close else ""
+  return ConfigError(f"unknown config key {key!r} from {source}{hint}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Overrides:
+  """What the user asked for, before any platform is known: YAML path, argv and env overrides."""
+
+  yaml_path: Path
+  file_values: Mapping[str, Any]
+  argv_values: Mapping[str, Any]
+  env_values: Mapping[str, Any]
+  schema: Mapping[str, Any]
+
+  def explicit_keys(self) -> set[str]:
+    return set(self.argv_values) | set(self.env_values)
+
+  def peek(self, key: str) -> Any:
+    """The value of `key` ignoring the model/CPU layers (used for platform and flag selection)."""
+    for layer in (self.argv_values, self.env_values, self.file_values):
+      if key in layer:
+        return layer[key]
+    return self.schema[key]
+
+
+def parse_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -> Overrides:
+  """Parses `prog [config.yml] key=value ...` and `M_<KEY>` variables, checking every key."""
+  environ = os.environ if environ is None else environ
+  schema = read_yaml(BASE_CONFIG_PATH)
+  args = list(argv[1:])
+  yaml_path = BASE_CONFIG_PATH
+  if args and "=" not in args[0]:
+    yaml_path = Path(args.pop(0))
+  file_values = read_yaml(yaml_path)
+  for key in file_values:
+    if key not in schema:
+      raise _unknown_key_error(key, schema, str(yaml_path))
+
+  argv_values: dict[str, Any] = {}
+  for arg in args:
+    key, sep, text = arg.partition("=")
+    if not sep or not key:
+      raise ConfigError(f"expected key=value, got {arg!r}")
+    if key not in schema:
+      raise _unknown_key_error(key, schema, "the command line")
+    argv_values[key] = coerce(key, _parse_cli_value(text), schema[key])
+
+  env_values: dict[str, Any] = {}
+  for name, text in environ.items():
+    if not name.startswith(ENV_PREFIX) or len(name) == len(ENV_PREFIX):
+      continue
+    key = name[len(ENV_PREFIX):].lower()
+    if key not in schema:
+      raise _unknown_key_error(key, schema, f"environment variable {name}")
+    env_values[key] = coerce(key, _parse_cli_value(text), schema[key])
+    if key in argv_values:
+      print(f"config: {key} is set by both {name} and the command line; the command line wins")
+
+  file_values = {k: coerce(k, v, schema[k]) for k, v in file_values.items()}
+  return Overrides(yaml_path, file_values, argv_values, env_values, schema)
+
+
+def _model_values(model_name: str, schema: Mapping[str, Any]) -> dict[str, Any]:
+  path = MODELS_DIR / f"{model_name}.yml"
+  if not path.is_file():
+    known = sorted(p.stem for p in MODELS_DIR.glob("*.yml"))
+    raise ConfigError(f"unknown model_name {model_name!r}; known models: {', '.join(known)}")
+  values = read_yaml(path)
+  for key in values:
+    if key not in schema:
+      raise _unknown_key_error(key, schema, str(path))
+  return {k: coerce(k, v, schema[k]) for k, v in values.items()}
+
+
+def resolve_values(overrides: Overrides, platform: str) -> dict[str, Any]:
+  """Merges every layer into one flat dict of typed values."""
+  schema = overrides.schema
+  values = dict(schema)
+  values.update(overrides.file_values)
+  if platform == "cpu" and overrides.peek("cpu_defaults"):
+    values.update({k: coerce(k, v, schema[k]) for k, v in read_yaml(CPU_DEFAULTS_PATH).items()})
+  values.update(_model_values(str(overrides.peek("model_name")), schema))
+  values.update(overrides.env_values)
+  values.update(overrides.argv_values)
+  return values
+
+
+class Config:
+  """The immutable configuration of one run: flat values (`config["steps"]`) and typed groups."""
+
+  def __init__(self, values: Mapping[str, Any], target: DeviceTarget):
+    groups = config_groups.build_groups(values, target)
+    self.values: Mapping[str, Any] = types.MappingProxyType(dict(values))
+    self.target = target
+    self.model: config_groups.ModelConfig = groups.model
+    self.mesh: config_groups.MeshConfig = groups.mesh
+    self.optim: config_groups.OptimConfig = groups.optim
+    self.data: config_groups.DataConfig = groups.data
+    self.run: config_groups.RunConfig = groups.run
+    self._frozen = True
+
+  def __setattr__(self, name: str, value: Any) -> None:
+    if getattr(self, "_frozen", False):
+      raise AttributeError("Config is immutable; build a new one with different overrides")
+    super().__setattr__(name, value)
+
+  def __getitem__(self, key: str) -> Any:
+    return self.values[key]
+
+  def to_yaml(self) -> str:
+    """The resolved flat values plus the derived ones, as YAML (saved next to the run's outputs)."""
+    derived = {
+        "emb_dim": self.model.emb_dim,
+        "num_query_heads": self.model.num_query_heads,
+        "num_kv_heads": self.model.num_kv_heads,
+        "mlp_dim": self.model.mlp_dim,
+        "num_decoder_layers": self.model.num_decoder_layers,
+        "global_batch_size": self.data.global_batch_size,
+        "mesh_shape": dict(self.mesh.shape),
+        "platform": self.target.platform,
+        "num_devices": self.target.num_devices,
+    }
+    return yaml.safe_dump({**dict(self.values), "derived": derived}, sort_keys=False)
+
+  def describe(self) -> str:
+    """Human-readable key = value listing, one per line, derived values last."""
+    lines = [f"  {k} = {v!r}" for k, v in self.values.items()]
+    lines.append(f"  (derived) model = {self.model}")
+    lines.append(f"  (derived) mesh = {dict(self.mesh.shape)}")
+    lines.append(f"  (derived) global_batch_size = {self.data.global_batch_size}")
+    return "\n".join(lines)
+
+  @classmethod
+  def for_testing(cls, target: DeviceTarget | None = None, **overrides: Any) -> "Config":
+    """A config from base.yml (+ CPU defaults on CPU) and keyword overrides, for tests."""
+    from MaxText import accelerators  # local: needs an initialised JAX backend
+
+    target = target or accelerators.local_target()
+    argv = ["test"] + [f"{k}={_to_cli(v)}" for k, v in overrides.items()]
+    return load_config(argv, environ={}, target=target)
+
+
+def _to_cli(value: Any) -> str:
+  if isinstance(value, (list, tuple)):
+    return yaml.safe_dump(list(value), default_flow_style=True).strip()
+  return str(value)
+
+
+def load_config(
+    argv: list[str], environ: Mapping[str, str] | None = None, target: DeviceTarget | None = None
+) -> Config:
+  """argv/env → validated, frozen Config for `target` (the local devices unless given)."""
+  overrides = parse_overrides(argv, environ)
+  if target is None:
+    from MaxText import accelerators
+
+    target = accelerators.local_target()
+  return Config(resolve_values(overrides, target.platform), target)

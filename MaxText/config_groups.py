@@ -1,0 +1,287 @@
+"""Typed, frozen groups of the configuration, each validated next to its own fields.
+
+`build_groups(flat_values, target)` turns the flat key=value dict into
+ModelConfig / MeshConfig / OptimConfig / DataConfig / RunConfig, filling in the
+derived values (scaled sizes, global batch, -1 mesh axes). Layers receive a
+ModelConfig only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+from typing import Any, Mapping
+
+from MaxText.accelerators import DeviceTarget
+from MaxText.errors import ConfigError
+
+MESH_AXES = ("data", "stage", "fsdp", "fsdp_transpose", "sequence", "tensor", "expert")
+# config key suffix for each mesh axis (`ici_<name>_parallelism`).
+_AXIS_KEY = {"data": "data", "stage": "pipeline", "fsdp": "fsdp", "fsdp_transpose": "fsdp_transpose",
+             "sequence": "sequence", "tensor": "tensor", "expert": "expert"}
+REMAT_POLICIES = ("full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "minimal_offloaded", "none")
+ATTENTION_KINDS = ("dot_product", "autoselected")
+ACTIVATIONS = ("silu", "gelu", "relu", "linear", "tanh")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _require(condition: bool, message: str) -> None:
+  if not condition:
+    raise ConfigError(message)
+
+
+def _positive(values: Mapping[str, Any], *keys: str) -> None:
+  for key in keys:
+    _require(values[key] > 0, f"{key} must be > 0, got {values[key]}")
+
+
+def parameter_scales(global_parameter_scale: int) -> dict[str, int]:
+  """Per-dimension multipliers for `global_parameter_scale` (a power of two, 2**k).
+
+  Parameters grow with width × heads × layers, so each doubling of the scale
+  doubles one dimension in turn, cycling heads+mlp → embedding → layers.
+  Three doublings (8x parameters) double heads, mlp, embedding and layers once
+  each: with k = 3q + r, heads and mlp scale by 2**(q + (r>=1)), the embedding
+  by 2**(q + (r>=2)) and layers by 2**q.
+  """
+  scale = global_parameter_scale
+  _require(scale >= 1 and scale & (scale - 1) == 0,
+           f"global_parameter_scale must be a power of two (1, 2, 4, ...), got {scale}")
+  q, r = divmod(int(math.log2(scale)), 3)
+  heads = 2 ** (q + (r >= 1))
+  return {"emb": 2 ** (q + (r >= 2)), "heads": heads, "mlp": heads, "layers": 2**q}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  decoder_block: str
+  vocab_size: int
+  emb_dim: int
+  num_query_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  num_decoder_layers: int
+  mlp_activations: tuple[str, ...]
+  normalization_layer_epsilon: float
+  rope_min_timescale: float
+  rope_max_timescale: float
+  logits_via_embedding: bool
+  dropout_rate: float
+  dtype: str
+  weight_dtype: str
+  logits_dot_in_fp32: bool
+  attention: str
+  scan_layers: bool
+  remat_policy: str
+  max_target_length: int
+
+  @classmethod
+  def from_values(cls, v: Mapping[str, Any]) -> "ModelConfig":
+    _positive(v, "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim",
+              "base_num_decoder_layers", "head_dim", "vocab_size", "max_target_length")
+    s = parameter_scales(v["global_parameter_scale"])
+    num_q, num_kv = v["base_num_query_heads"] * s["heads"], v["base_num_kv_heads"] * s["heads"]
+    _require(num_q % num_kv == 0,
+             f"num_query_heads ({num_q}) must be a multiple of num_kv_heads ({num_kv}) for grouped-query attention")
+    _require(v["remat_policy"] in REMAT_POLICIES,
+             f"remat_policy must be one of {', '.join(REMAT_POLICIES)}; got {v['remat_policy']!r}")
+    _require(v["attention"] in ATTENTION_KINDS,
+             f"attention must be one of {', '.join(ATTENTION_KINDS)}; got {v['attention']!r}")
+    for key in ("dtype", "weight_dtype"):
+      _require(v[key] in DTYPES, f"{key} must be one of {', '.join(DTYPES)}; got {v[key]!r}")
+    acts = tuple(v["mlp_activations"])
+    _require(len(acts) >= 1 and all(a in ACTIVATIONS for a in acts),
+             f"mlp_activations must be a non-empty list of {', '.join(ACTIVATIONS)}; got {list(acts)}")
+    _require(0.0 <= v["dropout_rate"] < 1.0, f"dropout_rate must be in [0, 1), got {v['dropout_rate']}")
+    _require(v["head_dim"] % 2 == 0, f"head_dim must be even for rotary embeddings, got {v['head_dim']}")
+    return cls(
+        decoder_block=v["decoder_block"], vocab_size=v["vocab_size"],
+        emb_dim=v["base_emb_dim"] * s["emb"], num_query_heads=num_q, num_kv_heads=num_kv,
+        head_dim=v["head_dim"], mlp_dim=v["base_mlp_dim"] * s["mlp"],
+        num_decoder_layers=v["base_num_decoder_layers"] * s["layers"], mlp_activations=acts,
+        normalization_layer_epsilon=v["normalization_layer_epsilon"],
+        rope_min_timescale=v["rope_min_timescale"], rope_max_timescale=v["rope_max_timescale"],
+        logits_via_embedding=v["logits_via_embedding"], dropout_rate=v["dropout_rate"],
+        dtype=v["dtype"], weight_dtype=v["weight_dtype"], logits_dot_in_fp32=v["logits_dot_in_fp32"],
+        attention=v["attention"], scan_layers=v["scan_layers"], remat_policy=v["remat_policy"],
+        max_target_length=v["max_target_length"],
+    )
+
+
+def _fill_auto_axis(degrees: dict[str, int], total: int, group: str) -> dict[str, int]:
+  """Replaces at most one -1 degree so the group's product equals `total`."""
+  auto = [axis for axis, d in degrees.items() if d == -1]
+  _require(len(auto) <= 1, f"at most one {group}_*_parallelism may be -1, got {len(auto)}: "
+           + ", ".join(f"{group}_{_AXIS_KEY[a]}_parallelism" for a in auto))
+  for axis, d in degrees.items():
+    _require(d == -1 or d >= 1, f"{group}_{_AXIS_KEY[axis]}_parallelism must be >= 1 or -1, got {d}")
+  known = math.prod(d for d in degrees.values() if d != -1)
+  if auto:
+    _require(total % known == 0, f"{group}_* parallelism product {known} (without the -1 axis) "
+             f"does not divide {total} devices")
+    degrees = {**degrees, auto[0]: total // known}
+  product = math.prod(degrees.values())
+  detail = " * ".join(f"{group}_{_AXIS_KEY[a]}_parallelism" for a, d in degrees.items() if d != 1) or "1"
+  _require(product == total, f"{detail} = {product} does not match {total} "
+           f"{'devices per slice' if group == 'ici' else 'slices'}")
+  return degrees
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  ici: tuple[tuple[str, int], ...]
+  dcn: tuple[tuple[str, int], ...]
+  num_slices: int
+  logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...]
+  data_sharding: tuple[str, ...]
+  sharding_tolerance: float
+
+  @property
+  def shape(self) -> tuple[tuple[str, int], ...]:
+    """Total degree per mesh axis (ici × dcn), in MESH_AXES order."""
+    dcn = dict(self.dcn)
+    return tuple((axis, degree * dcn[axis]) for axis, degree in self.ici)
+
+  @classmethod
+  def from_values(cls, v: Mapping[str, Any], target: DeviceTarget) -> "MeshConfig":
+    num_slices = v["num_slices"] if v["num_slices"] != -1 else target.num_slices
+    _require(num_slices >= 1 and target.num_devices % num_slices == 0,
+             f"num_slices={num_slices} does not divide the {target.num_devices} devices")
+    ici = {a: v[f"ici_{_AXIS_KEY[a]}_parallelism"] for a in MESH_AXES}
+    dcn = {a: v[f"dcn_{_AXIS_KEY[a]}_parallelism"] for a in MESH_AXES}
+    ici = _fill_auto_axis(ici, target.num_devices // num_slices, "ici")
+    dcn = _fill_auto_axis(dcn, num_slices, "dcn")
+    _require(ici["stage"] * dcn["stage"] == 1, "pipeline parallelism is not supported yet: "
+             "set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
+    rules = []
+    for rule in v["logical_axis_rules"]:
+      _require(isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str),
+               f"each logical_axis_rules entry must be [logical_name, [mesh_axes...]], got {rule!r}")
+      mesh_axes = (rule[1],) if isinstance(rule[1], str) else tuple(rule[1] or ())
+      for axis in mesh_axes:
+        _require(axis in MESH_AXES, f"logical_axis_rules maps {rule[0]!r} to unknown mesh axis "
+                 f"{axis!r}; mesh axes are {', '.join(MESH_AXES)}")
+      rules.append((rule[0], mesh_axes))
+    for axis in v["data_sharding"]:
+      _require(axis in MESH_AXES, f"data_sharding names unknown mesh axis {axis!r}")
+    _require(0.0 <= v["sharding_tolerance"] <= 1.0,
+             f"sharding_tolerance must be in [0, 1], got {v['sharding_tolerance']}")
+    return cls(ici=tuple(ici.items()), dcn=tuple(dcn.items()), num_slices=num_slices,
+               logical_axis_rules=tuple(rules), data_sharding=tuple(v["data_sharding"]),
+               sharding_tolerance=v["sharding_tolerance"])
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  opt_type: str
+  learning_rate: float
+  warmup_steps: int
+  schedule_steps: int
+  cosine_final_fraction: float
+  adam_b1: float
+  adam_b2: float
+  adam_eps: float
+  adam_eps_root: float
+  weight_decay: float
+  gradient_clipping_threshold: float
+  gradient_accumulation_steps: int
+  z_loss_multiplier: float
+
+  @classmethod
+  def from_values(cls, v: Mapping[str, Any]) -> "OptimConfig":
+    _require(v["opt_type"] == "adamw", f"opt_type must be 'adamw', got {v['opt_type']!r}")
+    _positive(v, "learning_rate", "gradient_accumulation_steps")
+    _require(0.0 <= v["warmup_steps_fraction"] <= 1.0,
+             f"warmup_steps_fraction must be in [0, 1], got {v['warmup_steps_fraction']}")
+    schedule_steps = v["learning_rate_schedule_steps"]
+    schedule_steps = v["steps"] if schedule_steps == -1 else schedule_steps
+    _require(schedule_steps > 0, f"learning_rate_schedule_steps must be > 0 or -1, got {schedule_steps}")
+    for key in ("adam_b1", "adam_b2"):
+      _require(0.0 <= v[key] < 1.0, f"{key} must be in [0, 1), got {v[key]}")
+    _require(v["gradient_clipping_threshold"] >= 0, "gradient_clipping_threshold must be >= 0 (0 = off)")
+    return cls(
+        opt_type=v["opt_type"], learning_rate=v["learning_rate"],
+        warmup_steps=int(v["warmup_steps_fraction"] * schedule_steps), schedule_steps=schedule_steps,
+        cosine_final_fraction=v["cosine_learning_rate_final_fraction"], adam_b1=v["adam_b1"],
+        adam_b2=v["adam_b2"], adam_eps=v["adam_eps"], adam_eps_root=v["adam_eps_root"],
+        weight_decay=v["adam_weight_decay"], gradient_clipping_threshold=v["gradient_clipping_threshold"],
+        gradient_accumulation_steps=v["gradient_accumulation_steps"], z_loss_multiplier=v["z_loss_multiplier"],
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  dataset_type: str
+  per_device_batch_size: float
+  global_batch_size: int
+  max_target_length: int
+  vocab_size: int
+  seed: int
+  synthetic_max_stride: int
+  eval_steps: int
+
+  @classmethod
+  def from_values(cls, v: Mapping[str, Any], target: DeviceTarget, mesh: MeshConfig) -> "DataConfig":
+    _require(v["dataset_type"] == "synthetic",
+             f"dataset_type must be 'synthetic' (the only pipeline so far), got {v['dataset_type']!r}")
+    _positive(v, "per_device_batch_size", "synthetic_max_stride", "eval_steps")
+    global_batch = v["per_device_batch_size"] * target.num_devices
+    _require(float(global_batch).is_integer(), f"per_device_batch_size {v['per_device_batch_size']} x "
+             f"{target.num_devices} devices = {global_batch} is not a whole number of sequences")
+    global_batch = int(global_batch)
+    shape = dict(mesh.shape)
+    batch_shards = math.prod(shape[a] for a in mesh.data_sharding)
+    accum = v["gradient_accumulation_steps"]
+    _require(global_batch % (batch_shards * accum) == 0,
+             f"global batch {global_batch} must split evenly into gradient_accumulation_steps={accum} "
+             f"micro-batches over the {batch_shards} devices of data_sharding; raise per_device_batch_size")
+    return cls(dataset_type=v["dataset_type"], per_device_batch_size=v["per_device_batch_size"],
+               global_batch_size=global_batch, max_target_length=v["max_target_length"],
+               vocab_size=v["vocab_size"], seed=v["data_shuffle_seed"],
+               synthetic_max_stride=v["synthetic_max_stride"], eval_steps=v["eval_steps"])
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  run_name: str
+  base_output_directory: str
+  run_dir: str
+  steps: int
+  log_period: int
+  eval_interval: int
+  init_weights_seed: int
+  enable_tensorboard: bool
+  enable_jsonl_metrics: bool
+  print_config: bool
+  cpu_peak_tflops: float
+
+  @classmethod
+  def from_values(cls, v: Mapping[str, Any]) -> "RunConfig":
+    _positive(v, "steps", "log_period")
+    _require(v["eval_interval"] == -1 or v["eval_interval"] > 0, "eval_interval must be > 0 or -1 (never)")
+    run_name = v["run_name"] or datetime.datetime.now().strftime("run_%Y%m%d_%H%M%S")
+    _require("/" not in run_name, f"run_name must not contain '/', got {run_name!r}")
+    return cls(run_name=run_name, base_output_directory=v["base_output_directory"],
+               run_dir=os.path.join(v["base_output_directory"], run_name), steps=v["steps"],
+               log_period=v["log_period"], eval_interval=v["eval_interval"],
+               init_weights_seed=v["init_weights_seed"], enable_tensorboard=v["enable_tensorboard"],
+               enable_jsonl_metrics=v["enable_jsonl_metrics"], print_config=v["print_config"],
+               cpu_peak_tflops=v["cpu_peak_tflops"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Groups:
+  model: ModelConfig
+  mesh: MeshConfig
+  optim: OptimConfig
+  data: DataConfig
+  run: RunConfig
+
+
+def build_groups(values: Mapping[str, Any], target: DeviceTarget) -> Groups:
+  mesh = MeshConfig.from_values(values, target)
+  return Groups(model=ModelConfig.from_values(values), mesh=mesh, optim=OptimConfig.from_values(values),
+                data=DataConfig.from_values(values, target, mesh), run=RunConfig.from_values(values))

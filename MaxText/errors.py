@@ -1,0 +1,35 @@
+"""Errors a user can fix, and the entry-point wrapper that prints them as one line."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, NoReturn
+
+
+class UserError(Exception):
+  """A problem with the user's input (config, files, mesh): printed as one line, exit code 2."""
+
+  exit_code = 2
+
+
+class ConfigError(UserError):
+  """An unknown key, a value of the wrong type, or an impossible combination of values."""
+
+
+class TrainingError(UserError):
+  """The run itself went wrong in a way the user must act on (e.g. a NaN loss)."""
+
+  exit_code = 3
+
+
+def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> NoReturn:
+  """Runs an entry point; user errors become `error: ...` on stderr and a non-zero exit."""
+  try:
+    code = main(list(sys.argv if argv is None else argv))
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(e.exit_code)
+  except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr, flush=True)
+    sys.exit(130)
+  sys.exit(code or 0)

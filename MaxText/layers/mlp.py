@@ -1,0 +1,37 @@
+"""Gated MLP: out = W_o · (act_0(W_0 x) * act_1(W_1 x) * ...)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from MaxText import sharding
+from MaxText.config_groups import ModelConfig
+from MaxText.layers.linears import DenseGeneral
+
+ACTIVATION_FNS = {
+    "silu": jax.nn.silu,
+    "gelu": jax.nn.gelu,
+    "relu": jax.nn.relu,
+    "tanh": jnp.tanh,
+    "linear": lambda x: x,
+}
+
+
+class MlpBlock(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    dense = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs)
+    # Named wi_0, wi_1, ... (not a list) so checkpoints have string keys only.
+    for i in range(len(cfg.mlp_activations)):
+      setattr(self, f"wi_{i}", DenseGeneral((cfg.emb_dim,), (cfg.mlp_dim,), ("embed", "mlp"), tag="mlpwi", **dense))
+    self.wo = DenseGeneral((cfg.mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), tag="mlpwo", **dense)
+    self.activations = tuple(cfg.mlp_activations)
+
+  def __call__(self, x_BLD: jax.Array) -> jax.Array:
+    hidden_BLF = None
+    for i, name in enumerate(self.activations):
+      h = ACTIVATION_FNS[name](getattr(self, f"wi_{i}")(x_BLD))
+      hidden_BLF = h if hidden_BLF is None else hidden_BLF * h
+    hidden_BLF = sharding.constrain(hidden_BLF, ("activation_batch", "activation_length", "activation_mlp"))
+    return self.wo(hidden_BLF)

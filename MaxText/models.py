@@ -1,0 +1,152 @@
+"""The decoder-only Transformer: embed → decoder stack (scanned or unrolled, rematerialised) → norm → logits.
+
+Parameters live outside the module as a plain nested dict (`params`), so the
+train state, optimizer, checkpoints and converters all see ordinary pytrees;
+`ModelSpec.apply` merges them back into the NNX module inside the jitted step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from MaxText import sharding
+from MaxText.config_groups import ModelConfig
+from MaxText.layers.decoders import ACTIVATION_NAMES, decoder_layer_class
+from MaxText.layers.embeddings import Embed
+from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.normalizations import RMSNorm
+
+_DOT_NAMES_EXCEPT_MLP = ("query_proj", "key_proj", "value_proj", "out_proj")
+
+
+def remat_policy(name: str) -> Callable[..., bool] | None | str:
+  """jax.checkpoint policy for `remat_policy`; "none" means no rematerialisation at all."""
+  policies = jax.checkpoint_policies
+  table: dict[str, Any] = {
+      "full": policies.nothing_saveable,
+      "minimal": policies.checkpoint_dots_with_no_batch_dims,
+      "save_dot_except_mlp": policies.save_only_these_names(*_DOT_NAMES_EXCEPT_MLP),
+      "save_qkv_proj": policies.save_only_these_names("query_proj", "key_proj", "value_proj"),
+      "minimal_offloaded": policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+      "none": "none",
+  }
+  return table[name]
+
+
+class Transformer(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
+    self.cfg = cfg
+    self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
+    layer_class = decoder_layer_class(cfg.decoder_block)
+    if cfg.scan_layers:
+      @nnx.split_rngs(splits=cfg.num_decoder_layers)
+      @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+      def stacked(rngs: nnx.Rngs) -> nnx.Module:
+        return layer_class(cfg, rngs=rngs)
+      self.layers = stacked(rngs)
+    else:
+      # layers_0, layers_1, ... as attributes so checkpoints have string keys only.
+      for i in range(cfg.num_decoder_layers):
+        setattr(self, f"layers_{i}", layer_class(cfg, rngs=rngs))
+    self.decoder_norm = RMSNorm(cfg.emb_dim, epsilon=cfg.normalization_layer_epsilon, dtype=dtype,
+                                weight_dtype=weight_dtype)
+    if not cfg.logits_via_embedding:
+      logits_dtype = jnp.float32 if cfg.logits_dot_in_fp32 else dtype
+      self.logits_dense = DenseGeneral((cfg.emb_dim,), (cfg.vocab_size,), ("embed", "vocab"),
+                                       dtype=logits_dtype, weight_dtype=weight_dtype, rngs=rngs)
+
+  def _run_layers(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
+                  dropout_rng: jax.Array | None) -> jax.Array:
+    cfg = self.cfg
+    num_layers = cfg.num_decoder_layers
+    layer_rngs = jax.random.split(dropout_rng, num_layers) if dropout_rng is not None else None
+
+    def one_layer(graphdef: nnx.GraphDef, x: jax.Array, layer_state: nnx.State, rng: jax.Array | None) -> jax.Array:
+      layer = nnx.merge(graphdef, layer_state)
+      return layer(x, positions_BL, segment_ids_BL, rng)
+
+    policy = remat_policy(cfg.remat_policy)
+    if policy != "none":
+      one_layer = jax.checkpoint(one_layer, policy=policy, static_argnums=(0,))
+
+    if cfg.scan_layers:
+      graphdef, stacked_state = nnx.split(self.layers)
+
+      def body(x: jax.Array, per_layer: tuple[nnx.State, jax.Array | None]) -> tuple[jax.Array, None]:
+        return one_layer(graphdef, x, *per_layer), None
+
+      x_BLD, _ = jax.lax.scan(body, x_BLD, (stacked_state, layer_rngs))
+      return x_BLD
+    for i in range(num_layers):
+      graphdef, state = nnx.split(getattr(self, f"layers_{i}"))
+      x_BLD = one_layer(graphdef, x_BLD, state, None if layer_rngs is None else layer_rngs[i])
+    return x_BLD
+
+  def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
+               dropout_rng: jax.Array | None = None) -> jax.Array:
+    """Returns float32 logits [B, L, V]. `dropout_rng=None` means deterministic (no dropout)."""
+    cfg = self.cfg
+    x_BLD = sharding.constrain(self.token_embedder(tokens_BL), ACTIVATION_NAMES)
+    x_BLD = self._run_layers(x_BLD, positions_BL, segment_ids_BL, dropout_rng)
+    x_BLD = self.decoder_norm(x_BLD)
+    if cfg.logits_via_embedding:
+      logits_dtype = jnp.float32 if cfg.logits_dot_in_fp32 else jnp.dtype(cfg.dtype)
+      logits_BLV = self.token_embedder.attend(x_BLD, logits_dtype)
+    else:
+      logits_BLV = self.logits_dense(x_BLD)
+    logits_BLV = sharding.constrain(logits_BLV, ("activation_batch", "activation_length", "activation_vocab"))
+    return logits_BLV.astype(jnp.float32)
+
+
+def _logical_names(variable: nnx.Variable) -> tuple[str | None, ...]:
+  names = variable.get_metadata().get("out_sharding")
+  if names is None:
+    raise ValueError(f"parameter of shape {variable.shape} has no logical axis names")
+  return tuple(names)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """Everything about the model except its parameter values."""
+
+  cfg: ModelConfig
+  graphdef: nnx.GraphDef
+  abstract_params: Any  # nested dict of ShapeDtypeStruct
+  logical_names: Any  # nested dict (same structure) of tuples of logical axis names
+
+  def init_params(self, rng: jax.Array) -> Any:
+    """Fresh parameters as a nested dict; jit this with out_shardings to create them sharded."""
+    with nnx.use_eager_sharding(False):
+      model = Transformer(self.cfg, rngs=nnx.Rngs(params=rng))
+    return nnx.state(model, nnx.Param).to_pure_dict()
+
+  def apply(self, params: Any, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
+            dropout_rng: jax.Array | None = None) -> jax.Array:
+    model = nnx.merge(self.graphdef, params)
+    return model(tokens_BL, positions_BL, segment_ids_BL, dropout_rng)
+
+
+def build_model_spec(cfg: ModelConfig) -> ModelSpec:
+  """Traces the model abstractly (no parameter memory) to get its structure and axis names."""
+  with nnx.use_eager_sharding(False):
+    abstract_model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
+  graphdef, state = nnx.split(abstract_model)
+  abstract_params = state.to_pure_dict()
+  names_state = jax.tree.map(_logical_names, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  logical_names = nnx.State(names_state).to_pure_dict() if not isinstance(names_state, dict) else names_state
+  return ModelSpec(cfg, graphdef, abstract_params, logical_names)
+
+
+def num_params(abstract_params: Any) -> int:
+  return sum(int(jnp.size(x)) if hasattr(x, "size") else 0 for x in jax.tree.leaves(abstract_params))
+
+
+def shard_params_like(spec: ModelSpec, mesh: Any, rules: Any) -> Any:
+  """NamedShardings for the parameter dict under `rules`."""
+  return sharding.named_shardings(spec.abstract_params, spec.logical_names, mesh, rules)

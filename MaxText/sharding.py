@@ -1,0 +1,150 @@
+"""Device mesh, logical-axis rules and the shardings derived from them.
+
+Layers name tensor dimensions logically ("embed", "activation_batch", ...);
+`logical_axis_rules` alone decides which mesh axes those names map to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Any, Iterator, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from MaxText.config_groups import MESH_AXES, MeshConfig
+from MaxText.errors import ConfigError
+
+Rules = tuple[tuple[str, tuple[str, ...]], ...]
+LogicalNames = tuple[str | None, ...]
+
+
+def create_mesh(mesh_config: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh:
+  """Builds the (data, stage, fsdp, fsdp_transpose, sequence, tensor, expert) mesh.
+
+  Several slices (or, off TPU, several processes) get a hybrid mesh whose dcn
+  degrees span slices and ici degrees stay inside one.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  ici = [degree for _, degree in mesh_config.ici]
+  dcn = [degree for _, degree in mesh_config.dcn]
+  try:
+    if math.prod(dcn) > 1:
+      on_tpu = hasattr(devices[0], "slice_index")
+      array = mesh_utils.create_hybrid_device_mesh(
+          ici, dcn, devices, process_is_granule=not on_tpu, allow_split_physical_axes=True)
+    else:
+      array = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
+  except (AssertionError, ValueError, NotImplementedError) as e:
+    raise ConfigError(f"cannot lay out mesh ici={ici} dcn={dcn} on {len(devices)} devices: {e}") from None
+  return Mesh(array, MESH_AXES)
+
+
+def logical_to_mesh_spec(
+    names: LogicalNames, rules: Rules, mesh: Mesh | None = None, shape: Sequence[int] | None = None
+) -> PartitionSpec:
+  """Maps logical dimension names to a PartitionSpec.
+
+  For each name the first rule whose mesh axes are not yet used by an earlier
+  dimension wins (the flax/MaxText convention). When `mesh` and `shape` are
+  given, mesh axes that would not divide the dimension evenly are dropped
+  (the dimension is then replicated over them; `check_sharding_tolerance`
+  decides whether that is acceptable).
+  """
+  used: set[str] = set()
+  spec: list[Any] = []
+  for dim, name in enumerate(names):
+    if name is None:
+      spec.append(None)
+      continue
+    candidates = [axes for rule_name, axes in rules if rule_name == name]
+    if not candidates:
+      raise ConfigError(f"logical axis {name!r} has no entry in logical_axis_rules; add one (use [] to replicate)")
+    chosen: tuple[str, ...] = ()
+    for axes in candidates:
+      if not any(axis in used for axis in axes):
+        chosen = axes
+        break
+    if mesh is not None and shape is not None:
+      kept, product = [], 1
+      for axis in chosen:
+        size = mesh.shape[axis]
+        if size > 1 and shape[dim] % (product * size) == 0:
+          kept.append(axis)
+          product *= size
+      chosen = tuple(kept)
+    used.update(chosen)
+    spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
+  return PartitionSpec(*spec)
+
+
+def named_shardings(abstract_tree: Any, names_tree: Any, mesh: Mesh, rules: Rules) -> Any:
+  """NamedShardings for a tree of arrays/ShapeDtypeStructs and a matching tree of logical names."""
+  return jax.tree.map(
+      lambda x, names: NamedSharding(mesh, logical_to_mesh_spec(names, rules, mesh, x.shape)),
+      abstract_tree, names_tree, is_leaf=lambda n: isinstance(n, tuple),
+  )
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_sharding(mesh: Mesh, data_axes: Sequence[str]) -> NamedSharding:
+  """Sharding of a [batch, length] input: batch split over `data_sharding` axes."""
+  axes = tuple(a for a in data_axes if mesh.shape[a] > 1)
+  return NamedSharding(mesh, PartitionSpec(axes if axes else None, None))
+
+
+def unsharded_fraction(abstract_tree: Any, shardings: Any, mesh: Mesh) -> float:
+  """Fraction of bytes not split over every non-data mesh axis (pure data parallelism
+  replicates parameters by design, so the data axis does not count)."""
+  target = math.prod(size for axis, size in mesh.shape.items() if axis != "data")
+  total = unsharded = 0
+  for x, sharding in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings)):
+    nbytes = math.prod(x.shape) * np.dtype(x.dtype).itemsize
+    shards = math.prod(
+        mesh.shape[a] for entry in sharding.spec if entry for a in ((entry,) if isinstance(entry, str) else entry))
+    total += nbytes
+    if shards < target:
+      unsharded += nbytes
+  return unsharded / total if total else 0.0
+
+
+def check_sharding_tolerance(abstract_tree: Any, shardings: Any, mesh: Mesh, tolerance: float) -> float:
+  fraction = unsharded_fraction(abstract_tree, shardings, mesh)
+  if fraction > tolerance:
+    raise ConfigError(
+        f"{fraction:.1%} of parameter bytes are not fully sharded over mesh {dict(mesh.shape)} "
+        f"(sharding_tolerance={tolerance}); adjust the parallelism degrees so they divide the model "
+        "dimensions, or raise sharding_tolerance")
+  return fraction
+
+
+# ---- activation constraints: layers call `constrain`; a run sets the mesh and rules once.
+_ACTIVATION_CONTEXT: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
+    "activation_sharding", default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh, rules: Rules) -> Iterator[None]:
+  """While tracing inside this context, `constrain` pins activations to the mesh."""
+  token = _ACTIVATION_CONTEXT.set((mesh, rules))
+  try:
+    yield
+  finally:
+    _ACTIVATION_CONTEXT.reset(token)
+
+
+def constrain(x: jax.Array, names: LogicalNames) -> jax.Array:
+  """with_sharding_constraint by logical names; a no-op outside `activation_sharding`."""
+  context = _ACTIVATION_CONTEXT.get()
+  if context is None:
+    return x
+  mesh, rules = context
+  spec = logical_to_mesh_spec(names, rules, mesh, x.shape)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
