@@ -1,0 +1,112 @@
+"""Model FLOPs per step, throughput and MFU, and the metric writers (stdout, JSONL, TensorBoard).
+
+FLOPs formula (training = forward + backward = 3 × forward matmul FLOPs; a
+multiply-add counts 2):
+
+  per token, forward:
+    attention projections  2·D·H·(N + 2K)  (q, k, v)  +  2·N·H·D  (output)
+    MLP                    2·D·F·(number of mlp_activations)  +  2·F·D
+    logits                 2·D·V
+  per sequence, forward, attention scores and the weighted sum of values:
+    2 · 2·L²·N·H, halved for causal masking (only the lower triangle is useful work)
+
+  tflops_per_step = 3 · (B·L · per_token · num_layers (+ logits) + B · attention) / 1e12
+
+The causal halving follows the convention of published MFU figures (it counts
+the useful FLOPs, not what a dense kernel executes). Embedding lookups, norms,
+softmax and the optimizer are not counted; for realistic widths they are <1%.
+Rematerialisation is also not counted: MFU measures useful model FLOPs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Mapping
+
+from MaxText.config_groups import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFlops:
+  weight_tflops: float  # matmuls against parameters (the 6·N·tokens part)
+  attention_tflops: float  # QK^T and AV, causal-halved
+  total_tflops: float
+
+
+def forward_flops_per_sequence(cfg: ModelConfig, length: int, causal: bool = True) -> tuple[float, float]:
+  """(weight-matmul FLOPs, attention FLOPs) of one forward pass over one sequence."""
+  d, n, k, h, f, v = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
+  attn_proj = 2 * d * h * (n + 2 * k) + 2 * n * h * d
+  mlp = 2 * d * f * len(cfg.mlp_activations) + 2 * f * d
+  weights = length * ((attn_proj + mlp) * cfg.num_decoder_layers + 2 * d * v)
+  scores = 2 * 2 * length * length * n * h * cfg.num_decoder_layers
+  return float(weights), float(scores / 2 if causal else scores)
+
+
+def training_tflops_per_step(cfg: ModelConfig, global_batch: int, length: int) -> StepFlops:
+  weights, attention = forward_flops_per_sequence(cfg, length)
+  weight_tflops = 3 * global_batch * weights / 1e12
+  attention_tflops = 3 * global_batch * attention / 1e12
+  return StepFlops(weight_tflops, attention_tflops, weight_tflops + attention_tflops)
+
+
+@dataclasses.dataclass(frozen=True)
+class Throughput:
+  tokens_per_s: float
+  tokens_per_s_per_device: float
+  tflops_per_s_per_device: float
+  mfu: float  # fraction of peak, nan if unknown
+
+
+def throughput(step_seconds: float, tokens: float, flops: StepFlops, num_devices: int,
+               peak_tflops_per_device: float) -> Throughput:
+  tflops_per_device = flops.total_tflops / num_devices / step_seconds
+  mfu = tflops_per_device / peak_tflops_per_device if peak_tflops_per_device > 0 else math.nan
+  return Throughput(tokens / step_seconds, tokens / step_seconds / num_devices, tflops_per_device, mfu)
+
+
+def format_step_line(step: int, loss: float, seconds: float, t: Throughput) -> str:
+  mfu = "n/a" if math.isnan(t.mfu) else f"{100 * t.mfu:.2f}%"
+  return (f"step {step:>6d} | loss {loss:8.4f} | {seconds:7.3f} s | {t.tokens_per_s:11.1f} tokens/s | "
+          f"{t.tflops_per_s_per_device:8.3f} TFLOP/s/device | MFU {mfu}")
+
+
+class MetricWriter:
+  """Writes each logged step's scalars to metrics.jsonl and TensorBoard (process 0 only)."""
+
+  def __init__(self, run_dir: str, enable_jsonl: bool, enable_tensorboard: bool, append: bool = False):
+    """`append` keeps earlier lines (a resumed run); a fresh run starts the file anew."""
+    os.makedirs(run_dir, exist_ok=True)
+    jsonl_path = os.path.join(run_dir, "metrics.jsonl")
+    self._jsonl = open(jsonl_path, "a" if append else "w") if enable_jsonl else None
+    self._tb = None
+    if enable_tensorboard:
+      from tensorboardX import SummaryWriter  # heavy import; only when used
+
+      self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+
+  def write(self, step: int, scalars: Mapping[str, Any]) -> None:
+    if self._jsonl is not None:
+      record = {"step": step, **{k: _jsonable(v) for k, v in scalars.items()}}
+      self._jsonl.write(json.dumps(record) + "\n")
+      self._jsonl.flush()
+    if self._tb is not None:
+      for key, value in scalars.items():
+        if isinstance(value, (int, float)) and not math.isnan(value):
+          self._tb.add_scalar(key, value, step)
+
+  def close(self) -> None:
+    if self._jsonl is not None:
+      self._jsonl.close()
+    if self._tb is not None:
+      self._tb.flush()
+      self._tb.close()
+
+
+def _jsonable(value: Any) -> Any:
+  if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+    return str(value)
+  return value

@@ -1,0 +1,91 @@
+"""Pre-train or fine-tune a decoder: `python3 -m MaxText.train configs/base.yml run_name=NAME [key=value ...]`.
+
+Reads like a table of contents: config → backend → mesh → sharded state → data → jitted step → loop.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python3 MaxText/train.py`: import the package, not sibling files.
+  sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+import jax
+
+from MaxText import accelerators, config as config_lib, metrics, sharding, train_state, train_step, xla_flags
+from MaxText.errors import run_cli
+from MaxText.input_pipeline import create_data_iterator, create_eval_iterator
+from MaxText.layers.attention import select_kernel
+from MaxText.trainer import EvalHook, LoggingHook, Trainer
+
+
+def load_config_and_start_backend(argv: list[str]) -> config_lib.Config:
+  """Parses the config, sets platform and XLA flags *before* JAX starts, then finalises it."""
+  overrides = config_lib.parse_overrides(argv)
+  accelerators.select_jax_platforms(str(overrides.peek("hardware")))
+  xla_flags.export_flags(str(overrides.peek("libtpu_init_args")), str(overrides.peek("xla_flags")))
+  target = accelerators.local_target()
+  return config_lib.Config(config_lib.resolve_values(overrides, target.platform), target)
+
+
+def log(message: str) -> None:
+  if jax.process_index() == 0:
+    print(message, flush=True)
+
+
+def prepare_run_dir(config: config_lib.Config) -> str:
+  run_dir = config.run.run_dir
+  if jax.process_index() == 0:
+    os.makedirs(run_dir, exist_ok=True)
+    Path(run_dir, "config.yml").write_text(config.to_yaml())
+  return run_dir
+
+
+def main(argv: list[str]) -> int:
+  config = load_config_and_start_backend(argv)
+  if config.run.print_config:
+    log("config:\n" + config.describe())
+  run_dir = prepare_run_dir(config)
+  target = config.target
+  log(f"devices: {target.num_devices} x {target.device_kind} ({target.platform}), "
+      f"{target.num_processes} process(es), {config.mesh.num_slices} slice(s)")
+
+  mesh = sharding.create_mesh(config.mesh)
+  log(f"mesh: {', '.join(f'{a}={n}' for a, n in mesh.shape.items() if n > 1) or 'single device'}")
+  setup = train_state.build_state_setup(config, mesh)
+  state = train_state.init_state(setup, config.run.init_weights_seed)
+  num_params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
+  log(f"model: {num_params / 1e6:.2f}M parameters, {config.model.num_decoder_layers} layers, "
+      f"attention={select_kernel(config.model.attention, target.platform)}, "
+      f"{setup.param_unsharded_fraction:.2%} of parameter bytes not fully sharded")
+
+  batch_sharding = sharding.batch_sharding(mesh, config.mesh.data_sharding)
+  step_fn = train_step.jit_train_step(setup, config, batch_sharding)
+  flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size,
+                                           config.data.max_target_length)
+  peak, peak_source = accelerators.peak_tflops_per_device(target, config.run.cpu_peak_tflops)
+  log(f"per step: {flops.total_tflops:.4f} model TFLOPs ({config.data.global_batch_size} sequences x "
+      f"{config.data.max_target_length} tokens); peak {peak:.3f} TFLOP/s/device ({peak_source})")
+  log(f"outputs: {run_dir}")
+
+  is_primary = jax.process_index() == 0
+  writer = metrics.MetricWriter(run_dir, config.run.enable_jsonl_metrics, config.run.enable_tensorboard) \
+      if is_primary else None
+  hooks = [
+      LoggingHook(writer, config.run.log_period, is_primary),
+      EvalHook(train_step.make_eval_step(setup, config), lambda: create_eval_iterator(config, mesh),
+               config.run.eval_interval, config.data.eval_steps, writer, is_primary),
+  ]
+  trainer = Trainer(config, step_fn, create_data_iterator(config, mesh), jax.random.key(config.run.init_weights_seed),
+                    flops, peak, hooks)
+  loop = trainer.run(state)
+  if loop.history:
+    first, last = loop.history[0].scalars["loss"], loop.history[-1].scalars["loss"]
+    log(f"done: {len(loop.history)} steps, loss {first:.4f} -> {last:.4f}; metrics in {run_dir}")
+  return 0
+
+
+if __name__ == "__main__":
+  run_cli(main)

@@ -1,0 +1,73 @@
+"""The train state and how it is born sharded: abstract shapes → shardings → jitted init.
+
+Shared by train.py, train_compile.py and the tests, so every path builds the
+same state with the same shardings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import Mesh, NamedSharding
+
+from MaxText import models, optimizers, sharding
+
+
+@struct.dataclass
+class TrainState:
+  step: jax.Array  # int32 scalar: optimizer steps taken
+  params: Any  # nested dict of arrays
+  opt_state: optax.OptState
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSetup:
+  """Everything needed to create, shard and step the train state for one config and mesh."""
+
+  model: models.ModelSpec
+  optimizer: optax.GradientTransformation
+  mesh: Mesh
+  abstract_state: TrainState
+  state_shardings: TrainState
+  param_unsharded_fraction: float
+
+
+def _create_state(model: models.ModelSpec, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+  params = model.init_params(rng)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+
+def build_state_setup(config, mesh: Mesh) -> StateSetup:
+  """Abstract state and its shardings; fails when too many parameter bytes stay unsharded."""
+  model = models.build_model_spec(config.model)
+  optimizer = optimizers.create_optimizer(config.optim)
+  abstract_state = jax.eval_shape(lambda: _create_state(model, optimizer, jax.random.key(0)))
+  rules = config.mesh.logical_axis_rules
+  param_shardings = models.shard_params_like(model, mesh, rules)
+  fraction = sharding.check_sharding_tolerance(
+      model.abstract_params, param_shardings, mesh, config.mesh.sharding_tolerance)
+  replicated = sharding.replicated(mesh)
+  opt_shardings = optax.tree_map_params(
+      optimizer, lambda _, s: s, abstract_state.opt_state, param_shardings,
+      transform_non_params=lambda _: replicated)
+  state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+  return StateSetup(model, optimizer, mesh, abstract_state, state_shardings, fraction)
+
+
+def init_state(setup: StateSetup, seed: int) -> TrainState:
+  """Initialises parameters and optimizer state directly into their shardings
+  (no device ever holds the whole model)."""
+  create = jax.jit(lambda rng: _create_state(setup.model, setup.optimizer, rng),
+                   out_shardings=setup.state_shardings)
+  return create(jax.random.key(seed))
+
+
+def shardings_summary(shardings: Any) -> dict[str, str]:
+  """'path' -> PartitionSpec text for every parameter (for logs and tests)."""
+  flat = jax.tree_util.tree_flatten_with_path(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))[0]
+  return {jax.tree_util.keystr(path): str(s.spec) for path, s in flat}

@@ -1,0 +1,113 @@
+"""Loss, gradients (with accumulation) and the jitted train/eval step factories."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from MaxText import optimizers, sharding
+from MaxText.input_pipeline import Batch
+from MaxText.models import ModelSpec
+from MaxText.train_state import StateSetup, TrainState
+
+Metrics = dict[str, jax.Array]
+
+
+def loss_sums(model: ModelSpec, params: Any, batch: Batch, dropout_rng: jax.Array | None,
+              z_loss_multiplier: float) -> tuple[jax.Array, Metrics]:
+  """Summed (not averaged) loss over non-padding targets, so micro-batches add up exactly.
+
+  Returns (cross-entropy sum + z_loss_multiplier * z-loss sum, {xent_sum, z_loss_sum, weight_sum}).
+  """
+  logits_BLV = model.apply(params, batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"],
+                           dropout_rng)
+  xent_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["targets"])
+  weights_BL = (batch["targets_segmentation"] != 0).astype(jnp.float32)
+  # z-loss pushes log Z towards 0, keeping logits from drifting (PaLM's stabiliser).
+  z_BL = jnp.square(jax.nn.logsumexp(logits_BLV, axis=-1))
+  xent_sum, z_sum = jnp.sum(xent_BL * weights_BL), jnp.sum(z_BL * weights_BL)
+  total = xent_sum + z_loss_multiplier * z_sum
+  return total, {"xent_sum": xent_sum, "z_loss_sum": z_sum, "weight_sum": jnp.sum(weights_BL)}
+
+
+def _split_microbatches(batch: Batch, num_micro: int) -> Batch:
+  """[B, ...] → [num_micro, B / num_micro, ...], taking every num_micro-th row so each
+  device keeps its own rows (no data movement under batch sharding)."""
+  def split(x: jax.Array) -> jax.Array:
+    per_micro = x.shape[0] // num_micro
+    return jnp.swapaxes(x.reshape((per_micro, num_micro) + x.shape[1:]), 0, 1)
+  return jax.tree.map(split, batch)
+
+
+def _grads_and_sums(setup: StateSetup, config, params: Any, batch: Batch,
+                    dropout_rng: jax.Array | None) -> tuple[Any, Metrics]:
+  grad_fn = jax.grad(
+      lambda p, b, r: loss_sums(setup.model, p, b, r, config.optim.z_loss_multiplier), has_aux=True)
+  num_micro = config.optim.gradient_accumulation_steps
+  if num_micro == 1:
+    return grad_fn(params, batch, dropout_rng)
+
+  micro_batches = _split_microbatches(batch, num_micro)
+  rngs = jax.random.split(dropout_rng, num_micro) if dropout_rng is not None else None
+
+  def accumulate(carry: tuple[Any, Metrics], xs: tuple[Batch, Any]) -> tuple[tuple[Any, Metrics], None]:
+    grads_acc, sums_acc = carry
+    micro_batch, rng = xs
+    grads, sums = grad_fn(params, micro_batch, rng)
+    grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
+    return (grads_acc, jax.tree.map(jnp.add, sums_acc, sums)), None
+
+  zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  zero_sums = {k: jnp.zeros((), jnp.float32) for k in ("xent_sum", "z_loss_sum", "weight_sum")}
+  (grads, sums), _ = jax.lax.scan(accumulate, (zero_grads, zero_sums), (micro_batches, rngs))
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+  return grads, sums
+
+
+def make_train_step(setup: StateSetup, config) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, Metrics]]:
+  """The pure step (state, batch, rng) -> (new state, metrics); jit it with `jit_train_step`."""
+  schedule = optimizers.learning_rate_schedule(config.optim)
+  use_dropout = config.model.dropout_rate > 0
+
+  def train_step(state: TrainState, batch: Batch, rng: jax.Array) -> tuple[TrainState, Metrics]:
+    dropout_rng = jax.random.fold_in(rng, state.step) if use_dropout else None
+    with sharding.activation_sharding(setup.mesh, config.mesh.logical_axis_rules):
+      grads, sums = _grads_and_sums(setup, config, state.params, batch, dropout_rng)
+    num_tokens = jnp.maximum(sums["weight_sum"], 1.0)
+    grads = jax.tree.map(lambda g: g / num_tokens, grads)
+    updates, opt_state = setup.optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {
+        "loss": sums["xent_sum"] / num_tokens,
+        "z_loss": sums["z_loss_sum"] / num_tokens,
+        "grad_norm": optax.global_norm(grads),
+        "param_norm": optax.global_norm(params),
+        "learning_rate": schedule(state.step),
+        "num_tokens": sums["weight_sum"],
+    }
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+  return train_step
+
+
+def jit_train_step(setup: StateSetup, config, batch_sharding: Any) -> Callable:
+  """jit with explicit shardings; the old state is donated so its buffers are reused."""
+  replicated = sharding.replicated(setup.mesh)
+  return jax.jit(
+      make_train_step(setup, config),
+      in_shardings=(setup.state_shardings, batch_sharding, replicated),
+      out_shardings=(setup.state_shardings, replicated),
+      donate_argnums=(0,),
+  )
+
+
+def make_eval_step(setup: StateSetup, config) -> Callable[[Any, Batch], Metrics]:
+  def eval_step(params: Any, batch: Batch) -> Metrics:
+    with sharding.activation_sharding(setup.mesh, config.mesh.logical_axis_rules):
+      _, sums = loss_sums(setup.model, params, batch, None, 0.0)
+    return sums
+
+  return jax.jit(eval_step)

@@ -1,0 +1,158 @@
+"""The training loop and its hooks.
+
+The loop dispatches step t before it reads step t-1's metrics, so the host never
+stalls the device on logging. Side effects (printing, metric files, evaluation)
+are hooks; the jitted step stays pure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Iterator, Protocol
+
+import jax
+import numpy as np
+
+from MaxText import metrics as metrics_lib
+from MaxText.errors import TrainingError
+from MaxText.train_state import TrainState
+
+
+@dataclasses.dataclass
+class StepRecord:
+  """Host-side metrics of one finished step."""
+
+  step: int  # 1-based: the number of optimizer steps done after it
+  seconds: float
+  scalars: dict[str, float]
+
+
+class Hook(Protocol):
+  def needs_state(self, step: int) -> bool:
+    """True if on_step for `step` must see the state right after that step (e.g. eval,
+    checkpoint); the loop then waits for that step instead of overlapping it."""
+    ...
+
+  def on_step(self, trainer: "Trainer", record: StepRecord, state: TrainState | None) -> None: ...
+
+  def on_end(self, trainer: "Trainer", state: TrainState | None) -> None: ...
+
+
+@dataclasses.dataclass
+class LoopState:
+  """What the loop carries between iterations (instead of a long tuple)."""
+
+  state: TrainState
+  next_step: int  # 0-based index of the next step to dispatch
+  pending: tuple[int, dict[str, jax.Array]] | None = None  # dispatched, not yet read
+  last_done: float = dataclasses.field(default_factory=time.perf_counter)
+  history: list[StepRecord] = dataclasses.field(default_factory=list)
+
+
+class Trainer:
+  def __init__(self, config: Any, train_step: Callable, data: Iterator, rng: jax.Array,
+               flops: metrics_lib.StepFlops, peak_tflops_per_device: float, hooks: list[Hook]):
+    self.config, self.train_step, self.data, self.rng = config, train_step, data, rng
+    self.flops, self.peak = flops, peak_tflops_per_device
+    self.hooks = hooks
+    self.tokens_per_step = config.data.global_batch_size * config.data.max_target_length
+
+  def _finish(self, loop: LoopState, state: TrainState | None) -> None:
+    """Waits for the pending step's metrics, checks them and runs the hooks."""
+    assert loop.pending is not None
+    index, device_metrics = loop.pending
+    loop.pending = None
+    scalars = {k: float(np.asarray(v)) for k, v in jax.device_get(device_metrics).items()}
+    now = time.perf_counter()
+    seconds, loop.last_done = now - loop.last_done, now
+    if not math.isfinite(scalars["loss"]):
+      raise TrainingError(
+          f"loss became {scalars['loss']} at step {index + 1} (grad_norm {scalars['grad_norm']:.3g}); "
+          "lower learning_rate, enable gradient_clipping_threshold, or check the data")
+    t = metrics_lib.throughput(seconds, scalars["num_tokens"], self.flops, self.config.target.num_devices,
+                               self.peak)
+    scalars.update(step_seconds=seconds, tokens_per_s=t.tokens_per_s, tokens_per_s_per_device=t.tokens_per_s_per_device,
+                   tflops_per_s_per_device=t.tflops_per_s_per_device, mfu=t.mfu)
+    record = StepRecord(index + 1, seconds, scalars)
+    loop.history.append(record)
+    for hook in self.hooks:
+      hook.on_step(self, record, state)
+
+  def run(self, state: TrainState, start_step: int = 0) -> LoopState:
+    """Runs steps start_step..steps-1; returns the loop state (with every step's record)."""
+    loop = LoopState(state=state, next_step=start_step)
+    try:
+      while loop.next_step < self.config.run.steps:
+        batch = next(self.data)
+        loop.state, device_metrics = self.train_step(loop.state, batch, self.rng)
+        if loop.pending is not None:
+          self._finish(loop, None)  # the state after that step was donated to this one
+        loop.pending = (loop.next_step, device_metrics)
+        loop.next_step += 1
+        if any(hook.needs_state(loop.next_step) for hook in self.hooks):
+          self._finish(loop, loop.state)
+      if loop.pending is not None:
+        self._finish(loop, loop.state)
+    except KeyboardInterrupt:
+      done = loop.history[-1].step if loop.history else start_step
+      print(f"stopped by Ctrl-C after step {done}", flush=True)
+      raise
+    finally:
+      for hook in self.hooks:
+        hook.on_end(self, loop.state)
+    return loop
+
+
+class LoggingHook:
+  """Prints one line per `log_period` steps and writes every scalar to JSONL/TensorBoard."""
+
+  def __init__(self, writer: metrics_lib.MetricWriter | None, log_period: int, is_primary: bool):
+    self.writer, self.log_period, self.is_primary = writer, log_period, is_primary
+
+  def needs_state(self, step: int) -> bool:
+    return False
+
+  def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
+    if not self.is_primary or record.step % self.log_period:
+      return
+    s = record.scalars
+    t = metrics_lib.Throughput(s["tokens_per_s"], s["tokens_per_s_per_device"], s["tflops_per_s_per_device"], s["mfu"])
+    print(metrics_lib.format_step_line(record.step, s["loss"], record.seconds, t), flush=True)
+    if self.writer is not None:
+      self.writer.write(record.step, s)
+
+  def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
+    if self.writer is not None:
+      self.writer.close()
+
+
+class EvalHook:
+  """Every `eval_interval` steps: mean loss and perplexity over `eval_steps` eval batches."""
+
+  def __init__(self, eval_step: Callable, make_eval_data: Callable[[], Iterator], eval_interval: int,
+               eval_steps: int, writer: metrics_lib.MetricWriter | None, is_primary: bool):
+    self.eval_step, self.make_eval_data = eval_step, make_eval_data
+    self.eval_interval, self.eval_steps = eval_interval, eval_steps
+    self.writer, self.is_primary = writer, is_primary
+
+  def needs_state(self, step: int) -> bool:
+    return self.eval_interval > 0 and step % self.eval_interval == 0
+
+  def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
+    if state is None or not self.needs_state(record.step):
+      return
+    data = self.make_eval_data()
+    xent = weight = 0.0
+    for _ in range(self.eval_steps):
+      sums = jax.device_get(self.eval_step(state.params, next(data)))
+      xent, weight = xent + float(sums["xent_sum"]), weight + float(sums["weight_sum"])
+    loss = xent / max(weight, 1.0)
+    if self.is_primary:
+      print(f"eval   {record.step:>6d} | loss {loss:8.4f} | perplexity {math.exp(min(loss, 50.0)):.3f}", flush=True)
+      if self.writer is not None:
+        self.writer.write(record.step, {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))})
+
+  def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
+    pass
