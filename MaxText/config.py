@@ -1,11 +1,13 @@
 """Loads, type-checks and freezes the run configuration.
 
 Sources, lowest to highest precedence:
-  1. `configs/base.yml` (or a YAML naming a parent through `base_config`),
+  1. `configs/base.yml`,
   2. `configs/cpu_defaults.yml` when the backend is CPU and `cpu_defaults` is True,
-  3. `configs/models/<model_name>.yml`,
-  4. `M_<UPPERCASE_KEY>` environment variables,
-  5. `key=value` command-line arguments (argv wins over the environment, as in MaxText;
+  3. the YAML given as the first argument, if it is not base.yml (it may name a parent
+     through `base_config: base.yml`),
+  4. `configs/models/<model_name>.yml`,
+  5. `M_<UPPERCASE_KEY>` environment variables,
+  6. `key=value` command-line arguments (argv wins over the environment, as in MaxText;
      a key set in both is reported).
 
 Every key must exist in base.yml; values are coerced to the type of the base.yml default.
@@ -50,8 +52,13 @@ _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
 
-def read_yaml(path: Path) -> dict[str, Any]:
-  """Reads one YAML mapping, following `base_config: parent.yml` (relative to the file)."""
+def read_yaml(path: Path, stop_at: Path | None = None) -> dict[str, Any]:
+  """Reads one YAML mapping, following `base_config: parent.yml` (relative to the file).
+
+  The chain stops before `stop_at` (used to keep base.yml out of a recipe's own values).
+  """
+  if stop_at is not None and path.resolve() == stop_at.resolve():
+    return {}
   if not path.is_file():
     raise ConfigError(f"config file {str(path)!r} does not exist")
   try:
@@ -64,7 +71,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
   if parent is None:
     return data
   parent_path = Path(parent) if Path(parent).is_absolute() else path.parent / parent
-  return {**read_yaml(parent_path), **data}
+  return {**read_yaml(parent_path, stop_at), **data}
 
 
 def read_descriptions(path: Path = BASE_CONFIG_PATH) -> dict[str, str]:
@@ -132,7 +139,8 @@ def _unknown_key_error(key: str, known: Mapping[str, Any], source: str) -> Confi
         f"{key} ({source}) is derived, not set directly: set {DERIVED_KEYS[key]!r} instead"
     )
   close = difflib.get_close_matches(key, list(known) + list(DERIVED_KEYS), n=1, cutoff=0.6)
-  hint = f" (did you mean {close[0]!r}?)" if close else ""
+  suggestion = DERIVED_KEYS.get(close[0], close[0]) if close else None  # derived names point at their base key
+  hint = f" (did you mean {suggestion!r}?)" if suggestion else ""
   return ConfigError(f"unknown config key {key!r} from {source}{hint}")
 
 
@@ -165,7 +173,7 @@ def parse_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -
   yaml_path = BASE_CONFIG_PATH
   if args and "=" not in args[0]:
     yaml_path = Path(args.pop(0))
-  file_values = read_yaml(yaml_path)
+  file_values = read_yaml(yaml_path, stop_at=BASE_CONFIG_PATH)  # the user's own YAML layer
   for key in file_values:
     if key not in schema:
       raise _unknown_key_error(key, schema, str(yaml_path))
@@ -210,9 +218,9 @@ def resolve_values(overrides: Overrides, platform: str) -> dict[str, Any]:
   """Merges every layer into one flat dict of typed values."""
   schema = overrides.schema
   values = dict(schema)
-  values.update(overrides.file_values)
   if platform == "cpu" and overrides.peek("cpu_defaults"):
     values.update({k: coerce(k, v, schema[k]) for k, v in read_yaml(CPU_DEFAULTS_PATH).items()})
+  values.update(overrides.file_values)
   values.update(_model_values(str(overrides.peek("model_name")), schema))
   values.update(overrides.env_values)
   values.update(overrides.argv_values)

@@ -113,20 +113,21 @@ class ModelConfig:
 
 def _fill_auto_axis(degrees: dict[str, int], total: int, group: str) -> dict[str, int]:
   """Replaces at most one -1 degree so the group's product equals `total`."""
+  key = lambda axis: f"{group}_{_AXIS_KEY[axis]}_parallelism"  # noqa: E731
+  unit = "devices per slice" if group == "ici" else "slices"
   auto = [axis for axis, d in degrees.items() if d == -1]
-  _require(len(auto) <= 1, f"at most one {group}_*_parallelism may be -1, got {len(auto)}: "
-           + ", ".join(f"{group}_{_AXIS_KEY[a]}_parallelism" for a in auto))
+  _require(len(auto) <= 1, f"at most one {group}_*_parallelism may be -1, got {', '.join(map(key, auto))}")
   for axis, d in degrees.items():
-    _require(d == -1 or d >= 1, f"{group}_{_AXIS_KEY[axis]}_parallelism must be >= 1 or -1, got {d}")
-  known = math.prod(d for d in degrees.values() if d != -1)
+    _require(d == -1 or d >= 1, f"{key(axis)} must be >= 1 or -1, got {d}")
+  fixed = {a: d for a, d in degrees.items() if d != -1}
+  product = math.prod(fixed.values())
+  named = " * ".join(key(a) for a, d in fixed.items() if d != 1) or f"the {group}_* degrees"
+  if total % product:
+    raise ConfigError(f"{named} = {product} does not divide {total} {unit}")
   if auto:
-    _require(total % known == 0, f"{group}_* parallelism product {known} (without the -1 axis) "
-             f"does not divide {total} devices")
-    degrees = {**degrees, auto[0]: total // known}
-  product = math.prod(degrees.values())
-  detail = " * ".join(f"{group}_{_AXIS_KEY[a]}_parallelism" for a, d in degrees.items() if d != 1) or "1"
-  _require(product == total, f"{detail} = {product} does not match {total} "
-           f"{'devices per slice' if group == 'ici' else 'slices'}")
+    return {**degrees, auto[0]: total // product}
+  _require(product == total, f"{named} = {product} uses only {product} of {total} {unit}; "
+           f"set one {group}_*_parallelism to -1 to fill the rest")
   return degrees
 
 

@@ -1,0 +1,23 @@
+"""Every test runs on CPU with 8 simulated devices; set before JAX is imported anywhere."""
+
+import os
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+  os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SHAKESPEARE = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+@pytest.fixture
+def tiny_overrides() -> dict:
+  """A model small enough that a train step compiles and runs in about a second."""
+  return dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16, base_mlp_dim=128,
+              base_num_decoder_layers=2, vocab_size=128, max_target_length=32, per_device_batch_size=1,
+              print_config=False)

@@ -1,0 +1,153 @@
+"""Config loading: precedence, type parsing, user errors, derived values."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from MaxText import xla_flags
+from MaxText.accelerators import DeviceTarget
+from MaxText.config import BASE_CONFIG_PATH, CONFIGS_DIR, Config, load_config, read_descriptions, read_yaml
+from MaxText.config_groups import parameter_scales
+from MaxText.errors import ConfigError
+
+CPU8 = DeviceTarget(platform="cpu", device_kind="cpu", num_devices=8)
+TPU256 = DeviceTarget(platform="tpu", device_kind="TPU v5 lite", num_devices=256)
+REPO = Path(__file__).resolve().parent.parent
+
+
+def load(*args: str, env: dict | None = None, target: DeviceTarget = CPU8) -> Config:
+  return load_config(["train.py", str(BASE_CONFIG_PATH), *args], environ=env or {}, target=target)
+
+
+def test_precedence_base_model_env_argv(tmp_path):
+  assert load().model.emb_dim == 256  # cpu_defaults.yml over base.yml on CPU
+  assert load(target=TPU256).model.emb_dim == 2048  # base.yml elsewhere
+  assert load("cpu_defaults=False").model.emb_dim == 2048
+  assert load("model_name=llama2-7b").model.emb_dim == 4096  # model YAML over cpu defaults
+  assert load("model_name=llama2-7b", env={"M_BASE_EMB_DIM": "512"}).model.emb_dim == 512  # env over model
+  assert load("base_emb_dim=128", env={"M_BASE_EMB_DIM": "512"}).model.emb_dim == 128  # argv over env
+  child = tmp_path / "recipe.yml"
+  child.write_text(f"base_config: {BASE_CONFIG_PATH}\nsteps: 7\n")
+  config = load_config(["train.py", str(child)], environ={}, target=CPU8)
+  assert config["steps"] == 7 and config["learning_rate"] == 3e-3
+
+
+def test_types_are_coerced_to_the_default_type():
+  config = load("scan_layers=false", "steps=12", "learning_rate=1e-4", "mlp_activations=gelu,linear",
+                "per_device_batch_size=2", "run_name=123")
+  assert config["scan_layers"] is False and config["steps"] == 12 and config["learning_rate"] == 1e-4
+  assert config.model.mlp_activations == ("gelu", "linear")
+  assert config["per_device_batch_size"] == 2.0 and config["run_name"] == "123"
+  assert load("mlp_activations=[silu, linear]").model.mlp_activations == ("silu", "linear")
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["embd_dim=3"], {}, "unknown config key 'embd_dim' from the command line (did you mean 'base_emb_dim'?)"),
+    (["emb_dim=3"], {}, "emb_dim (the command line) is derived, not set directly: set 'base_emb_dim'"),
+    ([], {"M_STEPZ": "3"}, "unknown config key 'stepz' from environment variable M_STEPZ (did you mean 'steps'?)"),
+    (["per_device_batch_size=-2"], {}, "per_device_batch_size must be > 0, got -2"),
+    (["steps=ten"], {}, "steps must be a int (like its default 150001), got 'ten'"),
+    (["scan_layers=maybe"], {}, "scan_layers must be a bool"),
+    (["ici_fsdp_parallelism=3", "ici_tensor_parallelism=2"], {},
+     "ici_fsdp_parallelism * ici_tensor_parallelism = 6 does not divide 8 devices per slice"),
+    (["ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"], {}, "uses only 4 of 8 devices per slice"),
+    (["ici_fsdp_parallelism=-1", "ici_tensor_parallelism=-1"], {}, "at most one ici_*_parallelism may be -1"),
+    (["model_name=llama9"], {}, "unknown model_name 'llama9'; known models:"),
+    (["remat_policy=some"], {}, "remat_policy must be one of full, minimal"),
+    (["global_parameter_scale=3"], {}, "global_parameter_scale must be a power of two"),
+    (["base_num_query_heads=3", "base_num_kv_heads=2"], {}, "must be a multiple of num_kv_heads"),
+    (["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"], {}, "pipeline parallelism is not supported yet"),
+    (["per_device_batch_size=0.5", "gradient_accumulation_steps=2"], {}, "must split evenly"),
+    (["steps"], {}, "expected key=value, got 'steps'"),
+])
+def test_user_errors_are_one_clear_line(args, env, message):
+  with pytest.raises(ConfigError) as info:
+    load(*args, env=env)
+  assert message in str(info.value)
+  assert "\n" not in str(info.value)
+
+
+def test_config_is_immutable_and_printable():
+  config = load()
+  with pytest.raises(AttributeError):
+    config.model = None
+  with pytest.raises(dataclasses_error()):
+    config.model.emb_dim = 1
+  with pytest.raises(TypeError):
+    config.values["steps"] = 1
+  saved = yaml.safe_load(config.to_yaml())
+  assert saved["steps"] == config["steps"] and saved["derived"]["emb_dim"] == 256
+  assert "base_emb_dim = 256" in config.describe()
+
+
+def dataclasses_error():
+  import dataclasses
+  return dataclasses.FrozenInstanceError
+
+
+@pytest.mark.parametrize("scale", [1, 2, 4, 8, 16, 32, 64, 128])
+def test_global_parameter_scale(scale):
+  base = load(target=TPU256).model
+  model = load(f"global_parameter_scale={scale}", target=TPU256).model
+  s = parameter_scales(scale)
+  assert (model.emb_dim, model.mlp_dim, model.num_query_heads, model.num_kv_heads, model.num_decoder_layers) == (
+      base.emb_dim * s["emb"], base.mlp_dim * s["mlp"], base.num_query_heads * s["heads"],
+      base.num_kv_heads * s["heads"], base.num_decoder_layers * s["layers"])
+  # Layer parameters (attention + MLP) grow exactly in proportion to the scale.
+  def layer_params(m):
+    return m.num_decoder_layers * m.emb_dim * (m.head_dim * (2 * m.num_query_heads + 2 * m.num_kv_heads) + 3 * m.mlp_dim)
+  assert layer_params(model) == scale * layer_params(base)
+
+
+def test_derived_batch_and_mesh():
+  config = load("per_device_batch_size=2", "ici_fsdp_parallelism=-1", "ici_tensor_parallelism=2")
+  assert config.data.global_batch_size == 16
+  assert dict(config.mesh.shape) == {"data": 1, "stage": 1, "fsdp": 4, "fsdp_transpose": 1, "sequence": 1,
+                                      "tensor": 2, "expert": 1}
+  two_slices = DeviceTarget(platform="tpu", device_kind="TPU v5 lite", num_devices=512, num_slices=2)
+  mesh = load(target=two_slices).mesh
+  assert dict(mesh.dcn)["data"] == 2 and dict(mesh.ici)["fsdp"] == 256 and dict(mesh.shape)["data"] == 2
+  assert load("steps=50").optim.schedule_steps == 50 and load("steps=50").optim.warmup_steps == 2
+
+
+def test_environment_and_argv_both_set_reports_it(capsys):
+  assert load("steps=9", env={"M_STEPS": "7"})["steps"] == 9
+  assert "steps is set by both M_STEPS and the command line" in capsys.readouterr().out
+  assert load(env={"M_STEPS": "7"})["steps"] == 7
+
+
+def test_every_base_key_has_a_description():
+  keys = read_yaml(BASE_CONFIG_PATH)
+  descriptions = read_descriptions()
+  missing = [k for k in keys if not descriptions.get(k)]
+  assert not missing, f"keys without a one-line comment in base.yml: {missing}"
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS_DIR / "models").glob("*.yml")), ids=lambda p: p.stem)
+def test_every_model_yaml_loads(path):
+  config = load(f"model_name={path.stem}", target=TPU256)
+  assert config.model.emb_dim > 0
+
+
+def test_xla_flags_never_clobber_user_flags():
+  env = {"XLA_FLAGS": "--xla_a=1"}
+  xla_flags.export_flags("--tpu_x=true", "--xla_a=2 --xla_b=3", env)
+  assert env == {"XLA_FLAGS": "--xla_a=1 --xla_b=3", "LIBTPU_INIT_ARGS": "--tpu_x=true"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["embd_dim=3"], "error: unknown config key 'embd_dim'"),
+    (["per_device_batch_size=-2"], "error: per_device_batch_size must be > 0, got -2"),
+    (["ici_fsdp_parallelism=3", "ici_tensor_parallelism=2"], "= 6 does not divide 8 devices"),
+])
+def test_cli_user_errors_exit_nonzero_without_traceback(args, message, tmp_path):
+  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PATH": "/usr/bin:/bin"}
+  proc = subprocess.run([sys.executable, "-m", "MaxText.train", "configs/base.yml", f"base_output_directory={tmp_path}",
+                         *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2
+  assert message in proc.stderr and "Traceback" not in proc.stderr
+  assert len([line for line in proc.stderr.splitlines() if line.startswith("error:")]) == 1
