@@ -124,7 +124,7 @@ class ModelSpec:
     """Fresh parameters as a nested dict; jit this with out_shardings to create them sharded."""
     with nnx.use_eager_sharding(False):
       model = Transformer(self.cfg, rngs=nnx.Rngs(params=rng))
-    return nnx.state(model, nnx.Param).to_pure_dict()
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
   def apply(self, params: Any, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
             dropout_rng: jax.Array | None = None) -> jax.Array:
@@ -137,10 +137,25 @@ def build_model_spec(cfg: ModelConfig) -> ModelSpec:
   with nnx.use_eager_sharding(False):
     abstract_model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
   graphdef, state = nnx.split(abstract_model)
-  abstract_params = state.to_pure_dict()
+  abstract_params = nnx.to_pure_dict(state)
   names_state = jax.tree.map(_logical_names, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-  logical_names = nnx.State(names_state).to_pure_dict() if not isinstance(names_state, dict) else names_state
+  logical_names = nnx.to_pure_dict(names_state)
   return ModelSpec(cfg, graphdef, abstract_params, logical_names)
+
+
+def unstack_layers(params: dict, num_layers: int) -> dict:
+  """Scanned parameters ({'layers': leaves with a leading layer dim}) → {'layers_0': ..., ...}."""
+  out = {k: v for k, v in params.items() if k != "layers"}
+  for i in range(num_layers):
+    out[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], params["layers"])
+  return out
+
+
+def stack_layers(params: dict, num_layers: int) -> dict:
+  """Inverse of `unstack_layers`."""
+  out = {k: v for k, v in params.items() if not k.startswith("layers_")}
+  out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[params[f"layers_{i}"] for i in range(num_layers)])
+  return out
 
 
 def num_params(abstract_params: Any) -> int:

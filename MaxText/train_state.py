@@ -67,7 +67,7 @@ def init_state(setup: StateSetup, seed: int) -> TrainState:
   return create(jax.random.key(seed))
 
 
-def shardings_summary(shardings: Any) -> dict[str, str]:
-  """'path' -> PartitionSpec text for every parameter (for logs and tests)."""
+def shardings_summary(shardings: Any) -> dict[str, tuple]:
+  """'path' -> PartitionSpec entries (a plain tuple) for every leaf (for logs and tests)."""
   flat = jax.tree_util.tree_flatten_with_path(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))[0]
-  return {jax.tree_util.keystr(path): str(s.spec) for path, s in flat}
+  return {jax.tree_util.keystr(path): tuple(s.spec) for path, s in flat}

@@ -83,8 +83,8 @@ def make_train_step(setup: StateSetup, config) -> Callable[[TrainState, Batch, j
     metrics = {
         "loss": sums["xent_sum"] / num_tokens,
         "z_loss": sums["z_loss_sum"] / num_tokens,
-        "grad_norm": optax.global_norm(grads),
-        "param_norm": optax.global_norm(params),
+        "grad_norm": optax.tree.norm(grads),
+        "param_norm": optax.tree.norm(params),
         "learning_rate": schedule(state.step),
         "num_tokens": sums["weight_sum"],
     }

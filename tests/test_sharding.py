@@ -1,0 +1,77 @@
+"""Mesh construction, logical→mesh mapping, and numerical agreement across meshes."""
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText import models, sharding
+from MaxText.config import Config
+from MaxText.errors import ConfigError
+from MaxText.train_state import shardings_summary
+from train_utils import Run, losses
+
+MESHES = {
+    "data=8": dict(ici_data_parallelism=8, ici_fsdp_parallelism=1),
+    "fsdp=8": dict(ici_fsdp_parallelism=8),
+    "fsdp=4,tensor=2": dict(ici_fsdp_parallelism=4, ici_tensor_parallelism=2),
+    "data=2,fsdp=2,tensor=2": dict(ici_data_parallelism=2, ici_fsdp_parallelism=2, ici_tensor_parallelism=2),
+}
+# float32 everywhere; differences come only from the order of cross-device sums.
+RTOL = 2e-5
+
+
+def test_param_shardings_follow_logical_rules(tiny_overrides):
+  config = Config.for_testing(**tiny_overrides, **MESHES["fsdp=4,tensor=2"])
+  run = Run(config)
+  specs = shardings_summary(run.setup.state_shardings.params)
+  assert specs["['token_embedder']['embedding']"] == ('tensor', 'fsdp')
+  assert specs["['layers']['self_attention']['query']['kernel']"] == (None, 'fsdp', 'tensor', None)
+  assert specs["['layers']['self_attention']['out']['kernel']"] == (None, 'tensor', None, 'fsdp')
+  assert specs["['layers']['mlp']['wi_0']['kernel']"] == (None, 'fsdp', 'tensor')
+  assert specs["['layers']['mlp']['wo']['kernel']"] == (None, 'tensor', 'fsdp')
+  assert specs["['logits_dense']['kernel']"] == ('fsdp', 'tensor')
+  assert specs["['decoder_norm']['scale']"] == (None,)
+  # Adam moments are sharded exactly like the parameters they belong to.
+  mu = run.setup.state_shardings.opt_state[1][0].mu
+  assert shardings_summary(mu) == specs
+  # The state is born sharded: each device holds 1/8 of the query kernel.
+  state = run.init()
+  query = state.params["layers"]["self_attention"]["query"]["kernel"]
+  assert query.addressable_shards[0].data.size == query.size // 8
+
+
+def test_logical_rules_first_unused_axis_wins_and_unknown_names_fail():
+  rules = (("a", ("fsdp",)), ("b", ("fsdp",)), ("b", ("tensor",)), ("c", ()))
+  assert sharding.logical_to_mesh_spec(("a", "b", "c"), rules) == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+  with pytest.raises(ConfigError, match="logical axis 'zz' has no entry in logical_axis_rules"):
+    sharding.logical_to_mesh_spec(("zz",), rules)
+
+
+def test_too_much_replication_fails_loudly(tiny_overrides):
+  # kv_heads=2 cannot be split 8 ways over tensor; with a zero tolerance the run must refuse.
+  config = Config.for_testing(**{**tiny_overrides, "ici_fsdp_parallelism": 1, "ici_tensor_parallelism": 8,
+                                 "sharding_tolerance": 0.0})
+  with pytest.raises(ConfigError, match="not fully sharded"):
+    Run(config)
+
+
+def test_loss_agrees_across_meshes(tiny_overrides):
+  results = {name: losses(Config.for_testing(**tiny_overrides, **mesh), 3) for name, mesh in MESHES.items()}
+  reference = results["data=8"]
+  for name, values in results.items():
+    np.testing.assert_allclose(values, reference, rtol=RTOL, err_msg=name)
+
+
+def test_scan_and_unrolled_layers_agree(tiny_overrides):
+  scanned = Config.for_testing(**tiny_overrides, scan_layers=True)
+  unrolled = Config.for_testing(**tiny_overrides, scan_layers=False)
+  params = jax.device_get(Run(scanned).init().params)
+  unstacked = models.unstack_layers(params, scanned.model.num_decoder_layers)
+  np.testing.assert_allclose(losses(unrolled, 3, unstacked), losses(scanned, 3, params), rtol=RTOL)
+
+
+@pytest.mark.parametrize("policy", ["full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "minimal_offloaded"])
+def test_remat_policies_do_not_change_the_math(tiny_overrides, policy):
+  reference = losses(Config.for_testing(**tiny_overrides, remat_policy="none"), 3)
+  np.testing.assert_allclose(losses(Config.for_testing(**tiny_overrides, remat_policy=policy), 3), reference,
+                             rtol=RTOL)
