@@ -119,9 +119,9 @@ class LoggingHook:
       return
     s = record.scalars
     t = metrics_lib.Throughput(s["tokens_per_s"], s["tokens_per_s_per_device"], s["tflops_per_s_per_device"], s["mfu"])
-    print(metrics_lib.format_step_line(record.step, s["loss"], record.seconds, t), flush=True)
-    if self.writer is not None:
+    if self.writer is not None:  # files first: a reader of stdout may act on the line at once
       self.writer.write(record.step, s)
+    print(metrics_lib.format_step_line(record.step, s["loss"], record.seconds, t), flush=True)
 
   def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
     if self.writer is not None:

@@ -110,3 +110,23 @@ def test_train_cli_end_to_end(tmp_path, entry):
   assert any("eval_loss" in r for r in records)
   assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
   assert "base_emb_dim: 64" in (run_dir / "config.yml").read_text()
+
+
+def test_ctrl_c_stops_cleanly(tmp_path):
+  import signal
+  import time
+
+  args = ["configs/base.yml", "run_name=int", f"base_output_directory={tmp_path}", "steps=100000", "base_emb_dim=64",
+          "base_num_decoder_layers=1", "base_mlp_dim=128", "head_dim=16", "max_target_length=32", "print_config=False",
+          "cpu_peak_tflops=0.1"]
+  proc = subprocess.Popen([sys.executable, "-m", "MaxText.train", *args], cwd=REPO, env=_cli_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 300
+  for line in proc.stdout:
+    if line.startswith("step ") or time.time() > deadline:
+      break
+  proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130, err[-2000:]
+  assert "stopped by Ctrl-C after step" in out and "Traceback" not in err
+  assert (tmp_path / "int" / "metrics.jsonl").read_text().strip()  # what was logged is kept
