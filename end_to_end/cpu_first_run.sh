@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${1:-$(mktemp -d)}"
+mkdir -p "$OUT"
 python3 -m MaxText.train configs/base.yml run_name=e2e_first base_output_directory="$OUT" print_config=False \
   | tee "$OUT/stdout.txt"
 python3 - "$OUT/e2e_first" <<'PY'
