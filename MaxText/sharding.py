@@ -23,25 +23,28 @@ Rules = tuple[tuple[str, tuple[str, ...]], ...]
 LogicalNames = tuple[str | None, ...]
 
 
-def create_mesh(mesh_config: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh:
-  """Builds the (data, stage, fsdp, fsdp_transpose, sequence, tensor, expert) mesh.
+def device_array(mesh_config: MeshConfig, devices: Sequence[Any]) -> np.ndarray:
+  """Devices arranged in the mesh shape (ici × dcn per axis).
 
-  Several slices (or, off TPU, several processes) get a hybrid mesh whose dcn
-  degrees span slices and ici degrees stay inside one.
+  Several slices (or, off TPU, several processes) get a hybrid layout whose dcn
+  degrees span slices and whose ici degrees stay inside one.
   """
-  devices = list(jax.devices() if devices is None else devices)
   ici = [degree for _, degree in mesh_config.ici]
   dcn = [degree for _, degree in mesh_config.dcn]
   try:
     if math.prod(dcn) > 1:
       on_tpu = hasattr(devices[0], "slice_index")
-      array = mesh_utils.create_hybrid_device_mesh(
+      return mesh_utils.create_hybrid_device_mesh(
           ici, dcn, devices, process_is_granule=not on_tpu, allow_split_physical_axes=True)
-    else:
-      array = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
+    return mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
   except (AssertionError, ValueError, NotImplementedError) as e:
     raise ConfigError(f"cannot lay out mesh ici={ici} dcn={dcn} on {len(devices)} devices: {e}") from None
-  return Mesh(array, MESH_AXES)
+
+
+def create_mesh(mesh_config: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh:
+  """The (data, stage, fsdp, fsdp_transpose, sequence, tensor, expert) mesh."""
+  devices = list(jax.devices() if devices is None else devices)
+  return Mesh(device_array(mesh_config, devices), MESH_AXES)
 
 
 def logical_to_mesh_spec(

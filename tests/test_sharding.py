@@ -75,3 +75,28 @@ def test_remat_policies_do_not_change_the_math(tiny_overrides, policy):
   reference = losses(Config.for_testing(**tiny_overrides, remat_policy="none"), 3)
   np.testing.assert_allclose(losses(Config.for_testing(**tiny_overrides, remat_policy=policy), 3), reference,
                              rtol=RTOL)
+
+
+class _FakeDevice:
+  """Stands in for a device of a multi-slice TPU job (only what mesh_utils reads)."""
+
+  def __init__(self, index: int, slice_index: int):
+    self.id, self.slice_index, self.process_index = index, slice_index, index // 4
+    self.platform, self.device_kind, self.coords, self.core_on_chip = "cpu", "fake", (index % 4, 0, 0), 0
+
+  def __repr__(self) -> str:
+    return f"D{self.id}/s{self.slice_index}"
+
+
+def test_two_slices_get_a_hybrid_mesh_with_dcn_across_slices():
+  from MaxText.accelerators import DeviceTarget
+
+  target = DeviceTarget(platform="cpu", device_kind="fake", num_devices=8, num_slices=2)
+  config = Config.for_testing(target=target, ici_fsdp_parallelism=-1, dcn_data_parallelism=-1, print_config=False)
+  assert dict(config.mesh.dcn)["data"] == 2 and dict(config.mesh.ici)["fsdp"] == 4
+  devices = [_FakeDevice(i, slice_index=i // 4) for i in range(8)]
+  array = sharding.device_array(config.mesh, devices)
+  assert array.shape == (2, 1, 4, 1, 1, 1, 1)
+  # Each data-parallel replica lives entirely inside one slice; fsdp never crosses slices.
+  for replica in range(2):
+    assert {d.slice_index for d in array[replica].flat} == {replica}
