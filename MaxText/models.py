@@ -158,10 +158,6 @@ def stack_layers(params: dict, num_layers: int) -> dict:
   return out
 
 
-def num_params(abstract_params: Any) -> int:
-  return sum(int(jnp.size(x)) if hasattr(x, "size") else 0 for x in jax.tree.leaves(abstract_params))
-
-
 def shard_params_like(spec: ModelSpec, mesh: Any, rules: Any) -> Any:
   """NamedShardings for the parameter dict under `rules`."""
   return sharding.named_shardings(spec.abstract_params, spec.logical_names, mesh, rules)
