@@ -48,10 +48,6 @@ class DeviceTarget:
   num_processes: int = 1
   num_slices: int = 1
 
-  @property
-  def devices_per_slice(self) -> int:
-    return self.num_devices // self.num_slices
-
 
 def _has_tpu() -> bool:
   # TPU VMs expose /dev/accel* (v2-v4) or VFIO groups (v5e and later), or name a TPU type.

@@ -28,6 +28,7 @@ from typing import Any, Mapping
 import yaml
 
 from MaxText import config_groups
+from MaxText import accelerators
 from MaxText.accelerators import DeviceTarget
 from MaxText.errors import ConfigError
 
@@ -275,8 +276,6 @@ class Config:
   @classmethod
   def for_testing(cls, target: DeviceTarget | None = None, **overrides: Any) -> "Config":
     """A config from base.yml (+ CPU defaults on CPU) and keyword overrides, for tests."""
-    from MaxText import accelerators  # local: needs an initialised JAX backend
-
     target = target or accelerators.local_target()
     argv = ["test"] + [f"{k}={_to_cli(v)}" for k, v in overrides.items()]
     return load_config(argv, environ={}, target=target)
@@ -294,7 +293,5 @@ def load_config(
   """argv/env → validated, frozen Config for `target` (the local devices unless given)."""
   overrides = parse_overrides(argv, environ)
   if target is None:
-    from MaxText import accelerators
-
     target = accelerators.local_target()
   return Config(resolve_values(overrides, target.platform), target)

@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
       if is_primary else None
   hooks = [
       LoggingHook(writer, config.run.log_period, is_primary),
-      EvalHook(train_step.make_eval_step(setup, config), lambda: create_eval_iterator(config, mesh),
+      EvalHook(train_step.make_eval_step(setup, config), create_eval_iterator(config, mesh),
                config.run.eval_interval, config.data.eval_steps, writer, is_primary),
   ]
   trainer = Trainer(config, step_fn, create_data_iterator(config, mesh), jax.random.key(config.run.init_weights_seed),

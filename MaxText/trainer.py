@@ -131,9 +131,10 @@ class LoggingHook:
 class EvalHook:
   """Every `eval_interval` steps: mean loss and perplexity over `eval_steps` eval batches."""
 
-  def __init__(self, eval_step: Callable, make_eval_data: Callable[[], Iterator], eval_interval: int,
+  def __init__(self, eval_step: Callable, eval_data: Any, eval_interval: int,
                eval_steps: int, writer: metrics_lib.MetricWriter | None, is_primary: bool):
-    self.eval_step, self.make_eval_data = eval_step, make_eval_data
+    """`eval_data` has `reset()`, so every evaluation sees the same batches."""
+    self.eval_step, self.eval_data = eval_step, eval_data
     self.eval_interval, self.eval_steps = eval_interval, eval_steps
     self.writer, self.is_primary = writer, is_primary
 
@@ -143,7 +144,7 @@ class EvalHook:
   def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
     if state is None or not self.needs_state(record.step):
       return
-    data = self.make_eval_data()
+    data = self.eval_data.reset()
     xent = weight = 0.0
     for _ in range(self.eval_steps):
       sums = jax.device_get(self.eval_step(state.params, next(data)))

@@ -51,6 +51,11 @@ class SyntheticIterator:
     self._seed_offset = seed_offset
     self._make = jax.jit(lambda s: make_batch(cfg, s, cfg.global_batch_size), out_shardings=sharding)
 
+  def reset(self, step: int = 0) -> "SyntheticIterator":
+    """Rewinds to `step` without recompiling the generator (eval reuses one iterator)."""
+    self.step = step
+    return self
+
   def __iter__(self) -> Iterator[Batch]:
     return self
 
