@@ -25,6 +25,10 @@ REMAT_POLICIES = ("full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "mi
 ATTENTION_KINDS = ("dot_product", "autoselected")
 ACTIVATIONS = ("silu", "gelu", "relu", "linear", "tanh")
 DTYPES = ("float32", "bfloat16", "float16")
+NORMALIZATION_TYPES = ("rms", "rms_plus_one", "layer")
+POSITION_EMBEDDINGS = ("rope", "learned", "sinusoidal")
+ROPE_TYPES = ("default", "llama3")
+ATTENTION_LAYER_KINDS = ("global", "local")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -77,6 +81,26 @@ class ModelConfig:
   scan_layers: bool
   remat_policy: str
   max_target_length: int
+  normalization_type: str  # rms | rms_plus_one | layer
+  use_bias: bool
+  position_embedding: str  # rope | learned | sinusoidal
+  max_position_embeddings: int
+  rope_interleaved: bool
+  rope_type: str  # default | llama3
+  rope_scaling_factor: float
+  rope_low_freq_factor: float
+  rope_high_freq_factor: float
+  rope_original_max_position: int
+  attention_layer_pattern: tuple[str, ...]  # cycled over layers: global | local
+  sliding_window_size: int
+  attn_logits_soft_cap: float  # 0 = off
+  final_logits_soft_cap: float  # 0 = off
+  query_pre_attn_scalar: float  # 0 = head_dim
+  scale_embedding: bool
+  num_experts: int  # 1 = dense MLP
+  num_experts_per_tok: int
+  capacity_factor: float  # <= 0 = dropless
+  load_balance_loss_weight: float
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any]) -> "ModelConfig":
@@ -96,7 +120,8 @@ class ModelConfig:
     _require(len(acts) >= 1 and all(a in ACTIVATIONS for a in acts),
              f"mlp_activations must be a non-empty list of {', '.join(ACTIVATIONS)}; got {list(acts)}")
     _require(0.0 <= v["dropout_rate"] < 1.0, f"dropout_rate must be in [0, 1), got {v['dropout_rate']}")
-    _require(v["head_dim"] % 2 == 0, f"head_dim must be even for rotary embeddings, got {v['head_dim']}")
+    _check_positions_and_attention(v)
+    _check_moe(v)
     return cls(
         decoder_block=v["decoder_block"], vocab_size=v["vocab_size"],
         emb_dim=v["base_emb_dim"] * s["emb"], num_query_heads=num_q, num_kv_heads=num_kv,
@@ -108,7 +133,64 @@ class ModelConfig:
         dtype=v["dtype"], weight_dtype=v["weight_dtype"], logits_dot_in_fp32=v["logits_dot_in_fp32"],
         attention=v["attention"], scan_layers=v["scan_layers"], remat_policy=v["remat_policy"],
         max_target_length=v["max_target_length"],
+        **{key: v[key] for key in _FAMILY_KEYS},
+        attention_layer_pattern=tuple(v["attention_layer_pattern"]),
+        num_experts=v["num_experts"], num_experts_per_tok=v["num_experts_per_tok"],
+        capacity_factor=v["capacity_factor"], load_balance_loss_weight=v["load_balance_loss_weight"],
     )
+
+
+# Keys copied as they are into ModelConfig (validated by _check_positions_and_attention).
+_FAMILY_KEYS = ("normalization_type", "use_bias", "position_embedding", "max_position_embeddings",
+                "rope_interleaved", "rope_type", "rope_scaling_factor", "rope_low_freq_factor",
+                "rope_high_freq_factor", "rope_original_max_position", "sliding_window_size",
+                "attn_logits_soft_cap", "final_logits_soft_cap", "query_pre_attn_scalar", "scale_embedding")
+
+
+def _one_of(v: Mapping[str, Any], key: str, allowed: tuple[str, ...]) -> None:
+  _require(v[key] in allowed, f"{key} must be one of {', '.join(allowed)}; got {v[key]!r}")
+
+
+def _check_positions_and_attention(v: Mapping[str, Any]) -> None:
+  """Normalization, position embedding, RoPE scaling and attention-pattern keys."""
+  _one_of(v, "normalization_type", NORMALIZATION_TYPES)
+  _one_of(v, "position_embedding", POSITION_EMBEDDINGS)
+  _one_of(v, "rope_type", ROPE_TYPES)
+  if v["position_embedding"] == "rope":
+    _require(v["head_dim"] % 2 == 0, f"head_dim must be even for rotary embeddings, got {v['head_dim']}")
+  else:
+    _require(not v["rope_interleaved"] and v["rope_type"] == "default",
+             f"rope_interleaved and rope_type apply only with position_embedding=rope, "
+             f"not {v['position_embedding']!r}")
+  if v["position_embedding"] == "learned":
+    _require(v["max_target_length"] <= v["max_position_embeddings"],
+             f"max_target_length ({v['max_target_length']}) exceeds max_position_embeddings "
+             f"({v['max_position_embeddings']}), the rows of the learned position table")
+  if v["position_embedding"] == "sinusoidal":
+    _require(v["base_emb_dim"] % 2 == 0, f"position_embedding=sinusoidal needs an even emb_dim, "
+             f"got {v['base_emb_dim']}")
+  if v["rope_type"] == "llama3":
+    _require(v["rope_scaling_factor"] >= 1.0 and 0 < v["rope_low_freq_factor"] < v["rope_high_freq_factor"]
+             and v["rope_original_max_position"] > 0,
+             "rope_type=llama3 needs rope_scaling_factor >= 1, 0 < rope_low_freq_factor < "
+             f"rope_high_freq_factor and rope_original_max_position > 0; got {v['rope_scaling_factor']}, "
+             f"{v['rope_low_freq_factor']}, {v['rope_high_freq_factor']}, {v['rope_original_max_position']}")
+  pattern = list(v["attention_layer_pattern"])
+  _require(len(pattern) >= 1 and all(kind in ATTENTION_LAYER_KINDS for kind in pattern),
+           f"attention_layer_pattern must be a non-empty list of {', '.join(ATTENTION_LAYER_KINDS)}; got {pattern}")
+  if "local" in pattern:
+    _positive(v, "sliding_window_size")
+  for key in ("attn_logits_soft_cap", "final_logits_soft_cap", "query_pre_attn_scalar"):
+    _require(v[key] >= 0, f"{key} must be >= 0 (0 = off), got {v[key]}")
+
+
+def _check_moe(v: Mapping[str, Any]) -> None:
+  num_experts, top_k = v["num_experts"], v["num_experts_per_tok"]
+  _require(num_experts >= 1, f"num_experts must be >= 1 (1 = dense MLP), got {num_experts}")
+  _require(1 <= top_k <= num_experts,
+           f"num_experts_per_tok must be between 1 and num_experts ({num_experts}), got {top_k}")
+  _require(v["load_balance_loss_weight"] >= 0,
+           f"load_balance_loss_weight must be >= 0, got {v['load_balance_loss_weight']}")
 
 
 def _fill_auto_axis(degrees: dict[str, int], total: int, group: str) -> dict[str, int]:
@@ -274,15 +356,51 @@ class RunConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  enabled: bool
+  async_checkpointing: bool
+  period: int
+  max_to_keep: int | None  # None = keep all
+  directory: str  # run_dir/checkpoints
+  load_parameters_path: str
+  load_full_state_path: str
+  param_only_checkpoint_path: str
+  force_unroll: bool
+
+  @classmethod
+  def from_values(cls, v: Mapping[str, Any], run: "RunConfig") -> "CheckpointConfig":
+    _require(v["checkpoint_period"] > 0, f"checkpoint_period must be > 0, got {v['checkpoint_period']} "
+             "(to turn checkpoints off set enable_checkpointing=False)")
+    keep = v["max_num_checkpoints_to_keep"]
+    _require(keep == -1 or keep >= 1, f"max_num_checkpoints_to_keep must be >= 1 or -1 (keep all), got {keep}")
+    _require(not (v["load_parameters_path"] and v["load_full_state_path"]),
+             "set at most one of load_parameters_path (weights only, fresh optimizer) and "
+             "load_full_state_path (weights, optimizer state and step)")
+    return cls(enabled=v["enable_checkpointing"], async_checkpointing=v["async_checkpointing"],
+               period=v["checkpoint_period"], max_to_keep=None if keep == -1 else keep,
+               directory=os.path.join(run.run_dir, "checkpoints"),
+               load_parameters_path=v["load_parameters_path"], load_full_state_path=v["load_full_state_path"],
+               param_only_checkpoint_path=v["param_only_checkpoint_path"], force_unroll=v["force_unroll"])
+
+
+@dataclasses.dataclass(frozen=True)
 class Groups:
   model: ModelConfig
   mesh: MeshConfig
   optim: OptimConfig
   data: DataConfig
   run: RunConfig
+  checkpoint: CheckpointConfig
 
 
 def build_groups(values: Mapping[str, Any], target: DeviceTarget) -> Groups:
   mesh = MeshConfig.from_values(values, target)
+  run = RunConfig.from_values(values)
+  num_experts, expert_degree = values["num_experts"], dict(mesh.shape)["expert"]
+  # Experts are split evenly over the expert axis; a dense model may use that axis as extra FSDP.
+  _require(num_experts == 1 or num_experts % expert_degree == 0,
+           f"num_experts ({num_experts}) must be a multiple of the expert parallelism "
+           f"(ici_expert_parallelism * dcn_expert_parallelism = {expert_degree})")
   return Groups(model=ModelConfig.from_values(values), mesh=mesh, optim=OptimConfig.from_values(values),
-                data=DataConfig.from_values(values, target, mesh), run=RunConfig.from_values(values))
+                data=DataConfig.from_values(values, target, mesh), run=run,
+                checkpoint=CheckpointConfig.from_values(values, run))

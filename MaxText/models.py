@@ -17,11 +17,22 @@ from flax import nnx
 from MaxText import sharding
 from MaxText.config_groups import ModelConfig
 from MaxText.layers.decoders import ACTIVATION_NAMES, decoder_layer_class
-from MaxText.layers.embeddings import Embed
+from MaxText.layers.embeddings import Embed, sinusoidal_positions
 from MaxText.layers.linears import DenseGeneral
-from MaxText.layers.normalizations import RMSNorm
+from MaxText.layers.normalizations import make_norm
 
 _DOT_NAMES_EXCEPT_MLP = ("query_proj", "key_proj", "value_proj", "out_proj")
+# Scalar losses layers sow as nnx.Intermediate (e.g. MoE load balancing), by name.
+AuxLosses = dict[str, jax.Array]
+
+
+def sum_sown_losses(sown: nnx.State) -> AuxLosses:
+  """Adds up every value sown under the same name anywhere in a layer (e.g. several MoE blocks)."""
+  totals: AuxLosses = {}
+  for path, value in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(sown))[0]:
+    name = next(str(key.key) for key in reversed(path) if isinstance(key, jax.tree_util.DictKey))
+    totals[name] = totals.get(name, 0.0) + jnp.sum(value)
+  return totals
 
 
 def remat_policy(name: str) -> Callable[..., bool] | None | str:
@@ -54,22 +65,41 @@ class Transformer(nnx.Module):
       # layers_0, layers_1, ... as attributes so checkpoints have string keys only.
       for i in range(cfg.num_decoder_layers):
         setattr(self, f"layers_{i}", layer_class(cfg, rngs=rngs))
-    self.decoder_norm = RMSNorm(cfg.emb_dim, epsilon=cfg.normalization_layer_epsilon, dtype=dtype,
-                                weight_dtype=weight_dtype)
+    if cfg.position_embedding == "learned":
+      self.position_embedder = Embed(cfg.max_position_embeddings, cfg.emb_dim, dtype=dtype,
+                                     weight_dtype=weight_dtype, rngs=rngs, names=(None, "embed"))
+    self.decoder_norm = make_norm(cfg)
     if not cfg.logits_via_embedding:
       logits_dtype = jnp.float32 if cfg.logits_dot_in_fp32 else dtype
       self.logits_dense = DenseGeneral((cfg.emb_dim,), (cfg.vocab_size,), ("embed", "vocab"),
                                        dtype=logits_dtype, weight_dtype=weight_dtype, rngs=rngs)
 
+  def _embed(self, tokens_BL: jax.Array, positions_BL: jax.Array) -> jax.Array:
+    """Token embeddings, scaled (Gemma) and with absolute positions added (GPT-3) as configured."""
+    cfg = self.cfg
+    x_BLD = self.token_embedder(tokens_BL)
+    if cfg.scale_embedding:  # the factor is rounded to the activation dtype, as the reference does
+      x_BLD = x_BLD * jnp.asarray(cfg.emb_dim**0.5, x_BLD.dtype)
+    if cfg.position_embedding == "learned":
+      x_BLD = x_BLD + self.position_embedder(positions_BL)
+    elif cfg.position_embedding == "sinusoidal":
+      x_BLD = x_BLD + sinusoidal_positions(positions_BL, cfg.emb_dim).astype(x_BLD.dtype)
+    return x_BLD
+
   def _run_layers(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
-                  dropout_rng: jax.Array | None) -> jax.Array:
+                  dropout_rng: jax.Array | None) -> tuple[jax.Array, AuxLosses]:
+    """The decoder stack; also returns each auxiliary loss the layers sow, summed over layers."""
     cfg = self.cfg
     num_layers = cfg.num_decoder_layers
     layer_rngs = jax.random.split(dropout_rng, num_layers) if dropout_rng is not None else None
 
-    def one_layer(graphdef: nnx.GraphDef, x: jax.Array, layer_state: nnx.State, rng: jax.Array | None) -> jax.Array:
+    # layer_index lets a layer pick its per-layer behaviour (e.g. local vs global attention)
+    # inside a scan, where every layer shares one traced body.
+    def one_layer(graphdef: nnx.GraphDef, x: jax.Array, layer_state: nnx.State,
+                  rng: jax.Array | None, layer_index: jax.Array) -> tuple[jax.Array, AuxLosses]:
       layer = nnx.merge(graphdef, layer_state)
-      return layer(x, positions_BL, segment_ids_BL, rng)
+      x, sown = nnx.capture(layer, nnx.Intermediate)(x, positions_BL, segment_ids_BL, rng, layer_index)
+      return x, sum_sown_losses(sown)
 
     policy = remat_policy(cfg.remat_policy)
     if policy != "none":
@@ -78,22 +108,31 @@ class Transformer(nnx.Module):
     if cfg.scan_layers:
       graphdef, stacked_state = nnx.split(self.layers)
 
-      def body(x: jax.Array, per_layer: tuple[nnx.State, jax.Array | None]) -> tuple[jax.Array, None]:
-        return one_layer(graphdef, x, *per_layer), None
+      def body(x: jax.Array, per_layer: tuple[nnx.State, jax.Array | None, jax.Array]
+               ) -> tuple[jax.Array, AuxLosses]:
+        return one_layer(graphdef, x, *per_layer)
 
-      x_BLD, _ = jax.lax.scan(body, x_BLD, (stacked_state, layer_rngs))
-      return x_BLD
+      x_BLD, aux_per_layer = jax.lax.scan(body, x_BLD, (stacked_state, layer_rngs, jnp.arange(num_layers)))
+      return x_BLD, {name: jnp.sum(values) for name, values in aux_per_layer.items()}
+    aux: AuxLosses = {}
     for i in range(num_layers):
       graphdef, state = nnx.split(getattr(self, f"layers_{i}"))
-      x_BLD = one_layer(graphdef, x_BLD, state, None if layer_rngs is None else layer_rngs[i])
-    return x_BLD
+      x_BLD, layer_aux = one_layer(graphdef, x_BLD, state, None if layer_rngs is None else layer_rngs[i],
+                                   jnp.asarray(i, jnp.int32))
+      aux = {name: aux.get(name, 0.0) + value for name, value in layer_aux.items()}
+    return x_BLD, aux
 
   def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
                dropout_rng: jax.Array | None = None) -> jax.Array:
     """Returns float32 logits [B, L, V]. `dropout_rng=None` means deterministic (no dropout)."""
+    return self.logits_and_aux(tokens_BL, positions_BL, segment_ids_BL, dropout_rng)[0]
+
+  def logits_and_aux(self, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
+                     dropout_rng: jax.Array | None = None) -> tuple[jax.Array, AuxLosses]:
+    """Float32 logits [B, L, V] and the auxiliary losses (e.g. `moe_lb_loss`), each a mean over layers."""
     cfg = self.cfg
-    x_BLD = sharding.constrain(self.token_embedder(tokens_BL), ACTIVATION_NAMES)
-    x_BLD = self._run_layers(x_BLD, positions_BL, segment_ids_BL, dropout_rng)
+    x_BLD = sharding.constrain(self._embed(tokens_BL, positions_BL), ACTIVATION_NAMES)
+    x_BLD, aux = self._run_layers(x_BLD, positions_BL, segment_ids_BL, dropout_rng)
     x_BLD = self.decoder_norm(x_BLD)
     if cfg.logits_via_embedding:
       logits_dtype = jnp.float32 if cfg.logits_dot_in_fp32 else jnp.dtype(cfg.dtype)
@@ -101,7 +140,10 @@ class Transformer(nnx.Module):
     else:
       logits_BLV = self.logits_dense(x_BLD)
     logits_BLV = sharding.constrain(logits_BLV, ("activation_batch", "activation_length", "activation_vocab"))
-    return logits_BLV.astype(jnp.float32)
+    logits_BLV = logits_BLV.astype(jnp.float32)
+    if cfg.final_logits_soft_cap > 0:
+      logits_BLV = cfg.final_logits_soft_cap * jnp.tanh(logits_BLV / cfg.final_logits_soft_cap)
+    return logits_BLV, {name: total / cfg.num_decoder_layers for name, total in aux.items()}
 
 
 def _logical_names(variable: nnx.Variable) -> tuple[str | None, ...]:
@@ -130,6 +172,12 @@ class ModelSpec:
             dropout_rng: jax.Array | None = None) -> jax.Array:
     model = nnx.merge(self.graphdef, params)
     return model(tokens_BL, positions_BL, segment_ids_BL, dropout_rng)
+
+  def apply_with_aux(self, params: Any, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
+                     dropout_rng: jax.Array | None = None) -> tuple[jax.Array, AuxLosses]:
+    """(logits, auxiliary losses): what the train step needs (e.g. the MoE load-balancing loss)."""
+    model = nnx.merge(self.graphdef, params)
+    return model.logits_and_aux(tokens_BL, positions_BL, segment_ids_BL, dropout_rng)
 
 
 def build_model_spec(cfg: ModelConfig) -> ModelSpec:

@@ -1,4 +1,5 @@
-"""Grouped-query self-attention with RoPE and causal + document (segment) masking.
+"""Grouped-query self-attention: RoPE, causal + document (segment) masking, optional sliding
+window and score soft-capping.
 
 Kernels are looked up by name in ATTENTION_KERNELS so flash / cuDNN / splash
 implementations can be added without touching the layer.
@@ -14,35 +15,45 @@ from flax import nnx
 
 from MaxText import sharding
 from MaxText.config_groups import ModelConfig
-from MaxText.layers.embeddings import apply_rope
+from MaxText.layers.embeddings import apply_rope, rope_inverse_frequencies
 from MaxText.layers.linears import DenseGeneral
 
 # Large finite negative (not -inf) so fully masked rows (padding) stay NaN-free.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def attention_mask(segment_ids_BL: jax.Array) -> jax.Array:
-  """[B, 1, 1, L, S] boolean: key s is visible to query l (causal, same document)."""
+def attention_mask(segment_ids_BL: jax.Array, window_size: int | jax.Array | None = None) -> jax.Array:
+  """[B, 1, 1, L, S] boolean: key s is visible to query l (causal, same document, and, with a
+  window, at most window_size - 1 tokens back, so each query sees window_size tokens)."""
   length = segment_ids_BL.shape[1]
-  causal_LS = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
+  offset_LS = jnp.arange(length)[:, None] - jnp.arange(length)[None, :]
+  visible_LS = offset_LS >= 0
+  if window_size is not None:
+    visible_LS = visible_LS & (offset_LS < window_size)
   same_segment_BLS = segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :]
-  return (causal_LS[None] & same_segment_BLS)[:, None, None]
+  return (visible_LS[None] & same_segment_BLS)[:, None, None]
 
 
-def dot_product_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-                          segment_ids_BL: jax.Array) -> jax.Array:
-  """Plain XLA attention; softmax in float32. Queries must already be scaled."""
+def dot_product_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BL: jax.Array,
+                          window_size: int | jax.Array | None = None, soft_cap: float = 0.0) -> jax.Array:
+  """Plain XLA attention; softmax in float32. Queries must already be scaled.
+
+  `soft_cap` > 0 squashes scores to cap * tanh(score / cap) before masking (Gemma 2).
+  """
   batch, length, num_q, head_dim = q_BLNH.shape
   num_kv = k_BSKH.shape[2]
   q_BLKGH = q_BLNH.reshape(batch, length, num_kv, num_q // num_kv, head_dim)
   logits_BKGLS = jnp.einsum("blkgh,bskh->bkgls", q_BLKGH, k_BSKH, preferred_element_type=jnp.float32)
-  logits_BKGLS = jnp.where(attention_mask(segment_ids_BL), logits_BKGLS, _MASK_VALUE)
+  if soft_cap > 0:
+    logits_BKGLS = soft_cap * jnp.tanh(logits_BKGLS / soft_cap)
+  logits_BKGLS = jnp.where(attention_mask(segment_ids_BL, window_size), logits_BKGLS, _MASK_VALUE)
   probs_BKGLS = jax.nn.softmax(logits_BKGLS, axis=-1).astype(v_BSKH.dtype)
   out_BLKGH = jnp.einsum("bkgls,bskh->blkgh", probs_BKGLS, v_BSKH)
   return out_BLKGH.reshape(batch, length, num_q, head_dim)
 
 
-AttentionKernel = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+# (q, k, v, segment_ids, window_size, soft_cap) -> out
+AttentionKernel = Callable[..., jax.Array]
 ATTENTION_KERNELS: dict[str, AttentionKernel] = {"dot_product": dot_product_attention}
 
 
@@ -52,25 +63,49 @@ def select_kernel(name: str, platform: str | None = None) -> str:
   return "dot_product" if name == "autoselected" else name
 
 
+def layer_window_size(cfg: ModelConfig, layer_index: int | jax.Array) -> int | jax.Array | None:
+  """Sliding-window size of layer `layer_index` under `attention_layer_pattern`, or None for
+  full attention. Static when the pattern is uniform; a traced scalar when a scanned stack
+  mixes local and global layers (a global layer then gets a window longer than any sequence)."""
+  pattern = cfg.attention_layer_pattern
+  if "local" not in pattern:
+    return None
+  if all(kind == "local" for kind in pattern):
+    return cfg.sliding_window_size
+  is_local = jnp.asarray([kind == "local" for kind in pattern])[layer_index % len(pattern)]
+  return jnp.where(is_local, cfg.sliding_window_size, jnp.iinfo(jnp.int32).max)
+
+
 class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, n, k, h = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
-    dense = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs)
+    dense = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs,
+                 use_bias=cfg.use_bias)
     self.query = DenseGeneral((d,), (n, h), ("embed", "heads", "kv"), tag="query_proj", **dense)
     self.key = DenseGeneral((d,), (k, h), ("embed", "kv_heads", "kv"), tag="key_proj", **dense)
     self.value = DenseGeneral((d,), (k, h), ("embed", "kv_heads", "kv"), tag="value_proj", **dense)
     self.out = DenseGeneral((n, h), (d,), ("heads", "kv", "embed"), tag="out_proj", **dense)
     self.cfg = cfg
     self.kernel = ATTENTION_KERNELS[select_kernel(cfg.attention)]
+    # Gemma 2 27B scales by (emb_dim / num_heads)**-0.5 rather than head_dim**-0.5.
+    self.query_scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
 
-  def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array) -> jax.Array:
+  def _rope(self, x_BLNH: jax.Array, positions_BL: jax.Array) -> jax.Array:
+    cfg = self.cfg
+    if cfg.position_embedding != "rope":
+      return x_BLNH
+    return apply_rope(x_BLNH, positions_BL, rope_inverse_frequencies(cfg), cfg.rope_interleaved)
+
+  def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
+               layer_index: int | jax.Array = 0) -> jax.Array:
     cfg = self.cfg
     heads_names = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
     kv_names = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
-    q_BLNH = apply_rope(self.query(x_BLD), positions_BL, cfg.rope_min_timescale, cfg.rope_max_timescale)
-    k_BSKH = apply_rope(self.key(x_BLD), positions_BL, cfg.rope_min_timescale, cfg.rope_max_timescale)
-    q_BLNH = sharding.constrain(q_BLNH * cfg.head_dim**-0.5, heads_names)
+    q_BLNH = self._rope(self.query(x_BLD), positions_BL)
+    k_BSKH = self._rope(self.key(x_BLD), positions_BL)
+    q_BLNH = sharding.constrain(q_BLNH * jnp.asarray(self.query_scale, q_BLNH.dtype), heads_names)
     k_BSKH = sharding.constrain(k_BSKH, kv_names)
     v_BSKH = sharding.constrain(self.value(x_BLD), kv_names)
-    out_BLNH = sharding.constrain(self.kernel(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL), heads_names)
-    return self.out(out_BLNH)
+    out_BLNH = self.kernel(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, layer_window_size(cfg, layer_index),
+                           cfg.attn_logits_soft_cap)
+    return self.out(sharding.constrain(out_BLNH, heads_names))

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from MaxText import sharding
@@ -18,14 +17,17 @@ from MaxText.errors import ConfigError
 from MaxText.layers.attention import Attention
 from MaxText.layers.linears import dropout
 from MaxText.layers.mlp import MlpBlock
-from MaxText.layers.normalizations import RMSNorm
+from MaxText.layers.moe import MoeBlock
+from MaxText.layers.normalizations import make_norm
 
 ACTIVATION_NAMES = ("activation_batch", "activation_length", "activation_embed")
 
 
-class DecoderLayer(Protocol):
+class DecoderLayerCall(Protocol):
+  """What models.py calls on every registered layer (`layer_index` counts from 0 up the stack)."""
+
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
-               dropout_rng: jax.Array | None) -> jax.Array: ...
+               dropout_rng: jax.Array | None, layer_index: int | jax.Array) -> jax.Array: ...
 
 
 _DECODERS: dict[str, Callable[..., nnx.Module]] = {}
@@ -44,24 +46,52 @@ def decoder_layer_class(name: str) -> Callable[..., nnx.Module]:
   return _DECODERS[name]
 
 
+def feed_forward_block(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+  """The one place a decoder layer's MLP is chosen: routed experts when num_experts > 1, else dense."""
+  return MoeBlock(cfg, rngs=rngs) if cfg.num_experts > 1 else MlpBlock(cfg, rngs=rngs)
+
+
 @register_decoder("llama2")
-class LlamaDecoderLayer(nnx.Module):
-  """Pre-norm block: x + Attn(RMSNorm(x)), then h + MLP(RMSNorm(h))."""
+@register_decoder("mistral")
+@register_decoder("gemma")
+@register_decoder("gpt3")
+class DecoderLayer(nnx.Module):
+  """Pre-norm block: h = x + Attn(norm(x)), then h + MLP(norm(h)).
+
+  Every dense family shares it; what differs is config-driven (normalization_type, use_bias,
+  attention_layer_pattern, soft caps, RoPE settings) or a small subclass switch below.
+  """
+
+  # Gemma 2: also normalise each sub-block's output before it joins the residual stream.
+  normalize_block_outputs: bool = False
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    norm = dict(epsilon=cfg.normalization_layer_epsilon, dtype=jnp.dtype(cfg.dtype),
-                weight_dtype=jnp.dtype(cfg.weight_dtype))
-    self.pre_self_attention_layer_norm = RMSNorm(cfg.emb_dim, **norm)
+    self.pre_self_attention_layer_norm = make_norm(cfg)
     self.self_attention = Attention(cfg, rngs=rngs)
-    self.post_self_attention_layer_norm = RMSNorm(cfg.emb_dim, **norm)
-    self.mlp = MlpBlock(cfg, rngs=rngs)
+    self.post_self_attention_layer_norm = make_norm(cfg)  # the norm in front of the MLP
+    self.mlp = feed_forward_block(cfg, rngs)
+    if self.normalize_block_outputs:
+      self.attention_output_norm = make_norm(cfg)
+      self.mlp_output_norm = make_norm(cfg)
     self.dropout_rate = cfg.dropout_rate
 
+  def _block_output(self, name: str, y_BLD: jax.Array) -> jax.Array:
+    return getattr(self, name)(y_BLD) if self.normalize_block_outputs else y_BLD
+
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
-               dropout_rng: jax.Array | None) -> jax.Array:
+               dropout_rng: jax.Array | None, layer_index: int | jax.Array = 0) -> jax.Array:
     attn_rng, mlp_rng = jax.random.split(dropout_rng) if dropout_rng is not None else (None, None)
     x_BLD = sharding.constrain(x_BLD, ACTIVATION_NAMES)
-    attn_BLD = self.self_attention(self.pre_self_attention_layer_norm(x_BLD), positions_BL, segment_ids_BL)
-    h_BLD = x_BLD + dropout(attn_BLD, self.dropout_rate, attn_rng)
+    attn_BLD = self.self_attention(self.pre_self_attention_layer_norm(x_BLD), positions_BL, segment_ids_BL,
+                                   layer_index)
+    h_BLD = x_BLD + dropout(self._block_output("attention_output_norm", attn_BLD), self.dropout_rate, attn_rng)
     mlp_BLD = self.mlp(self.post_self_attention_layer_norm(h_BLD))
-    return sharding.constrain(h_BLD + dropout(mlp_BLD, self.dropout_rate, mlp_rng), ACTIVATION_NAMES)
+    out_BLD = h_BLD + dropout(self._block_output("mlp_output_norm", mlp_BLD), self.dropout_rate, mlp_rng)
+    return sharding.constrain(out_BLD, ACTIVATION_NAMES)
+
+
+@register_decoder("gemma2")
+class Gemma2DecoderLayer(DecoderLayer):
+  """Gemma 2: the shared block with normalised sub-block outputs ("sandwich" norms)."""
+
+  normalize_block_outputs = True

@@ -1,18 +1,26 @@
-"""Token embedding and rotary position embedding (RoPE)."""
+"""Token and learned position tables, rotary position embedding (RoPE) and sinusoidal positions."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+
+from MaxText.config_groups import ModelConfig
 
 
 class Embed(nnx.Module):
-  """Token table [V, D]; `attend` reuses it as the output projection (tied embeddings)."""
+  """Token table [V, D]; `attend` reuses it as the output projection (tied embeddings).
 
-  def __init__(self, vocab_size: int, dim: int, *, dtype: jnp.dtype, weight_dtype: jnp.dtype, rngs: nnx.Rngs):
+  Also the learned position table [max_position_embeddings, D] (GPT-3), with `names`
+  (None, "embed") since its rows are positions, not vocabulary.
+  """
+
+  def __init__(self, vocab_size: int, dim: int, *, dtype: jnp.dtype, weight_dtype: jnp.dtype, rngs: nnx.Rngs,
+               names: tuple[str | None, str] = ("vocab", "embed")):
     table = nnx.initializers.normal(stddev=1.0)(rngs.params(), (vocab_size, dim), weight_dtype)
-    self.embedding = nnx.Param(table, out_sharding=("vocab", "embed"))
+    self.embedding = nnx.Param(table, out_sharding=names)
     self.dtype = dtype
 
   def __call__(self, tokens_BL: jax.Array) -> jax.Array:
@@ -22,17 +30,53 @@ class Embed(nnx.Module):
     return jnp.einsum("bld,vd->blv", x_BLD.astype(dtype), self.embedding[...].astype(dtype))
 
 
-def apply_rope(x_BLNH: jax.Array, positions_BL: jax.Array, min_timescale: float, max_timescale: float) -> jax.Array:
-  """Rotates the two halves of each head by position-dependent angles.
+def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
+  """[H/2] float32 angular frequency of each rotated pair: 1 / (min * (max/min)**(2i/H)).
 
-  Frequency i of H/2 has wavelength min * (max/min)**(2i/H); the halves-split
-  layout is the one Hugging Face Llama checkpoints use.
+  With rope_type=llama3 (Llama 3.1) the long wavelengths are stretched for longer contexts:
+  wavelengths above original_max / low_freq_factor are divided by `factor` in frequency,
+  those below original_max / high_freq_factor are kept, and those between are blended
+  linearly in original_max / wavelength.
   """
-  head_dim = x_BLNH.shape[-1]
-  fraction = 2 * jnp.arange(head_dim // 2, dtype=jnp.float32) / head_dim
-  timescale = min_timescale * (max_timescale / min_timescale) ** fraction
-  angles_BLh = positions_BL[..., None].astype(jnp.float32) / timescale
+  head_dim = cfg.head_dim
+  fraction = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+  timescale = np.float32(cfg.rope_min_timescale) * (
+      np.float32(cfg.rope_max_timescale / cfg.rope_min_timescale) ** fraction)
+  inv_freq = (np.float32(1.0) / timescale).astype(np.float32)
+  if cfg.rope_type != "llama3":
+    return inv_freq
+  factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+  original = cfg.rope_original_max_position
+  wavelength = 2 * np.pi / inv_freq
+  blend = (original / wavelength - low) / (high - low)
+  blended = (1 - blend) * inv_freq / factor + blend * inv_freq
+  scaled = np.where(wavelength > original / low, inv_freq / factor, np.where(
+      wavelength < original / high, inv_freq, blended))
+  return scaled.astype(np.float32)
+
+
+def apply_rope(x_BLNH: jax.Array, positions_BL: jax.Array, inv_freq_h: np.ndarray,
+               interleaved: bool = False) -> jax.Array:
+  """Rotates pairs of each head's features by position × frequency, in float32.
+
+  Pair i is (x[i], x[i + H/2]) (the halves layout of Hugging Face checkpoints) or,
+  with `interleaved`, (x[2i], x[2i+1]) (Meta's original layout). The two differ only by a
+  fixed permutation of the q/k projection outputs, which the converters apply.
+  """
+  angles_BLh = positions_BL[..., None].astype(jnp.float32) * jnp.asarray(inv_freq_h)
   sin, cos = jnp.sin(angles_BLh)[:, :, None, :], jnp.cos(angles_BLh)[:, :, None, :]
-  first, second = jnp.split(x_BLNH.astype(jnp.float32), 2, axis=-1)
-  rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+  x = x_BLNH.astype(jnp.float32)
+  if interleaved:
+    first, second = x[..., 0::2], x[..., 1::2]
+    rotated = jnp.stack([first * cos - second * sin, second * cos + first * sin], axis=-1).reshape(x.shape)
+  else:
+    first, second = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
   return rotated.astype(x_BLNH.dtype)
+
+
+def sinusoidal_positions(positions_BL: jax.Array, dim: int, max_timescale: float = 10000.0) -> jax.Array:
+  """[B, L, D] fixed position signal: sin of D/2 geometric frequencies, then their cos."""
+  inv_freq = max_timescale ** (-jnp.arange(dim // 2, dtype=jnp.float32) / (dim // 2))
+  angles_BLh = positions_BL[..., None].astype(jnp.float32) * inv_freq
+  return jnp.concatenate([jnp.sin(angles_BLh), jnp.cos(angles_BLh)], axis=-1)

@@ -11,14 +11,16 @@ from jax.ad_checkpoint import checkpoint_name
 
 
 class DenseGeneral(nnx.Module):
-  """y = x · W over the trailing `in_shape` dims of x, producing `out_shape` dims.
+  """y = x · W (+ b) over the trailing `in_shape` dims of x, producing `out_shape` dims.
 
-  The kernel has shape in_shape + out_shape and logical names `kernel_names`.
+  The kernel has shape in_shape + out_shape and logical names `kernel_names`; the
+  optional bias (`use_bias`, GPT-3) has shape out_shape and the output dims' names.
   `tag` names the output for remat policies (jax.ad_checkpoint.checkpoint_name).
   """
 
   def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], kernel_names: Sequence[str], *,
-               dtype: jnp.dtype, weight_dtype: jnp.dtype, rngs: nnx.Rngs, tag: str | None = None):
+               dtype: jnp.dtype, weight_dtype: jnp.dtype, rngs: nnx.Rngs, tag: str | None = None,
+               use_bias: bool = False):
     self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
     num_in = len(self.in_shape)
     init = nnx.initializers.variance_scaling(
@@ -26,12 +28,16 @@ class DenseGeneral(nnx.Module):
         in_axis=tuple(range(num_in)), out_axis=tuple(range(num_in, num_in + len(self.out_shape))))
     self.kernel = nnx.Param(init(rngs.params(), self.in_shape + self.out_shape, weight_dtype),
                             out_sharding=tuple(kernel_names))
-    self.dtype, self.tag = dtype, tag
+    if use_bias:
+      self.bias = nnx.Param(jnp.zeros(self.out_shape, weight_dtype), out_sharding=tuple(kernel_names)[num_in:])
+    self.dtype, self.tag, self.use_bias = dtype, tag, use_bias
 
   def __call__(self, x: jax.Array) -> jax.Array:
     num_in = len(self.in_shape)
     contract = (tuple(range(x.ndim - num_in, x.ndim)), tuple(range(num_in)))
     y = jax.lax.dot_general(x.astype(self.dtype), self.kernel[...].astype(self.dtype), (contract, ((), ())))
+    if self.use_bias:
+      y = y + self.bias[...].astype(self.dtype)
     return checkpoint_name(y, self.tag) if self.tag else y
 
 

@@ -1,4 +1,4 @@
-"""Gated MLP: out = W_o · (act_0(W_0 x) * act_1(W_1 x) * ...)."""
+"""Gated MLP: out = W_o · (act_0(W_0 x) * act_1(W_1 x) * ...); one activation is a plain MLP (GPT-3)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ ACTIVATION_FNS = {
 
 class MlpBlock(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    dense = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs)
+    dense = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs,
+                 use_bias=cfg.use_bias)
     # Named wi_0, wi_1, ... (not a list) so checkpoints have string keys only.
     for i in range(len(cfg.mlp_activations)):
       setattr(self, f"wi_{i}", DenseGeneral((cfg.emb_dim,), (cfg.mlp_dim,), ("embed", "mlp"), tag="mlpwi", **dense))

@@ -1,0 +1,85 @@
+"""Every shipped model YAML builds abstractly and has its published parameter count.
+
+`python3 tests/test_model_zoo.py` prints the table that getting_started/Models.md holds.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from MaxText import models
+from MaxText.accelerators import DeviceTarget
+from MaxText.config import MODELS_DIR, Config
+
+REPO = Path(__file__).resolve().parent.parent
+MODELS_MD = REPO / "getting_started" / "Models.md"
+# A TPU target so the CPU defaults (a small model) stay out of the picture.
+TPU256 = DeviceTarget(platform="tpu", device_kind="TPU v5 lite", num_devices=256)
+
+# Parameter counts as published with each release (model cards / papers); exact where the
+# checkpoint's count is published, otherwise the paper's headline figure. gpt3-52k is this
+# project's own test model (named for its size).
+PUBLISHED = {
+    "llama2-7b": 6.74e9, "llama2-13b": 13.02e9, "llama2-70b": 68.98e9,
+    "llama3-8b": 8.03e9, "llama3-70b": 70.55e9,
+    "llama3.1-8b": 8.03e9, "llama3.1-70b": 70.55e9, "llama3.1-405b": 405.85e9,
+    "mistral-7b": 7.24e9,
+    "gemma-2b": 2.51e9, "gemma-7b": 8.54e9,
+    "gemma2-2b": 2.61e9, "gemma2-9b": 9.24e9, "gemma2-27b": 27.23e9,
+    "gpt3-6b": 6.7e9, "gpt3-175b": 175.0e9, "gpt3-52k": 52e3,
+}
+# The `default` family has no published size: it follows global_parameter_scale.
+UNPUBLISHED = {"default"}
+MODEL_NAMES = sorted(p.stem for p in MODELS_DIR.glob("*.yml"))
+
+
+def parameter_count(model_name: str) -> tuple[Config, int]:
+  config = Config.for_testing(target=TPU256, model_name=model_name, print_config=False)
+  spec = models.build_model_spec(config.model)  # jax.eval_shape underneath: no parameter memory
+  return config, sum(math.prod(x.shape) for x in jax.tree.leaves(spec.abstract_params))
+
+
+def _human(count: float) -> str:
+  for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    if count >= scale:
+      return f"{count / scale:.2f}{unit}"
+  return str(int(count))
+
+
+def models_table() -> str:
+  """The markdown table of getting_started/Models.md."""
+  lines = ["| model_name | decoder_block | layers | emb_dim | heads (q/kv) x head_dim | mlp_dim | vocab "
+           "| parameters | published |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for name in MODEL_NAMES:
+    config, count = parameter_count(name)
+    m = config.model
+    published = _human(PUBLISHED[name]) if name in PUBLISHED else "n/a (scaled)"
+    lines.append(f"| {name} | {m.decoder_block} | {m.num_decoder_layers} | {m.emb_dim} | "
+                 f"{m.num_query_heads}/{m.num_kv_heads} x {m.head_dim} | {m.mlp_dim} | {m.vocab_size} | "
+                 f"{count:,} | {published} |")
+  return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_model_builds_abstractly_with_its_published_size(name):
+  _, count = parameter_count(name)
+  if name in UNPUBLISHED:
+    assert count > 0
+    return
+  assert name in PUBLISHED, f"add the published parameter count of {name} to PUBLISHED"
+  assert abs(count - PUBLISHED[name]) <= 0.01 * PUBLISHED[name], f"{name}: {count:,} vs {PUBLISHED[name]:,.0f}"
+
+
+def test_models_md_lists_every_model_with_its_count():
+  text = MODELS_MD.read_text()
+  assert models_table() in text, "getting_started/Models.md is stale: regenerate with python3 tests/test_model_zoo.py"
+
+
+if __name__ == "__main__":
+  sys.stdout.write(models_table())
