@@ -128,6 +128,8 @@ def coerce(key: str, value: Any, default: Any) -> Any:
 
 def _parse_cli_value(text: str) -> Any:
   """Command-line values are YAML scalars/flow lists (`[a, b]`); anything unparsable stays text."""
+  if not text.strip():
+    return ""  # `key=` means an empty value, not YAML's null
   try:
     return yaml.safe_load(text)
   except yaml.YAMLError:
@@ -240,6 +242,7 @@ class Config:
     self.optim: config_groups.OptimConfig = groups.optim
     self.data: config_groups.DataConfig = groups.data
     self.run: config_groups.RunConfig = groups.run
+    self.checkpoint: config_groups.CheckpointConfig = groups.checkpoint
     self._frozen = True
 
   def __setattr__(self, name: str, value: Any) -> None:

@@ -6,6 +6,7 @@ Reads like a table of contents: config → backend → mesh → sharded state �
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -13,12 +14,14 @@ if __package__ in (None, ""):  # `python3 MaxText/train.py`: import the package,
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import jax
+from jax.sharding import Mesh
 
-from MaxText import accelerators, config as config_lib, metrics, sharding, train_state, train_step, xla_flags
+from MaxText import accelerators, checkpointing, config as config_lib, metrics, sharding, train_state, train_step
+from MaxText import xla_flags
 from MaxText.errors import run_cli
 from MaxText.input_pipeline import create_data_iterator, create_eval_iterator
 from MaxText.layers.attention import select_kernel
-from MaxText.trainer import EvalHook, LoggingHook, Trainer
+from MaxText.trainer import CheckpointHook, EvalHook, LoggingHook, Trainer
 
 
 def load_config_and_start_backend(argv: list[str]) -> config_lib.Config:
@@ -55,7 +58,10 @@ def main(argv: list[str]) -> int:
   mesh = sharding.create_mesh(config.mesh)
   log(f"mesh: {', '.join(f'{a}={n}' for a, n in mesh.shape.items() if n > 1) or 'single device'}")
   setup = train_state.build_state_setup(config, mesh)
-  state = train_state.init_state(setup, config.run.init_weights_seed)
+  checkpoints = checkpointing.RunCheckpoints(config.checkpoint) if config.checkpoint.enabled else None
+  start = checkpointing.initial_state(
+      config, setup, checkpoints, lambda: train_state.init_state(setup, config.run.init_weights_seed))
+  log(f"state: {start.description}")
   num_params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
   log(f"model: {num_params / 1e6:.2f}M parameters, {config.model.num_decoder_layers} layers, "
       f"attention={select_kernel(config.model.attention, target.platform)}, "
@@ -70,21 +76,44 @@ def main(argv: list[str]) -> int:
       f"{config.data.max_target_length} tokens); peak {peak:.3f} TFLOP/s/device ({peak_source})")
   log(f"outputs: {run_dir}")
 
+  start_step = int(start.state.step)
+  if start_step >= config.run.steps:
+    log(f"done: the run is already at step {start_step} of steps={config.run.steps}; raise steps to train further")
+    if checkpoints is not None:
+      checkpoints.close()
+    return 0
+  data = create_data_iterator(config, mesh)
+  if start.data_state is not None:
+    data.set_state(start.data_state)
+  rng = jax.random.key(config.run.init_weights_seed) if start.rng_key_data is None \
+      else jax.random.wrap_key_data(jax.numpy.asarray(start.rng_key_data, jax.numpy.uint32))
+  trainer = Trainer(config, step_fn, data, rng, flops, peak,
+                    build_hooks(config, setup, mesh, checkpoints, rng, resumed=start_step > 0))
+  loop = trainer.run(start.state, start_step)
+  if trainer.stop_reason is not None:
+    log(f"stopped: {trainer.stop_reason}; rerun the same command to resume")
+    return 128 + signal.SIGTERM
+  if loop.history:
+    first, last = loop.history[0].scalars["loss"], loop.history[-1].scalars["loss"]
+    log(f"done: steps {start_step + 1}..{loop.history[-1].step}, loss {first:.4f} -> {last:.4f}; "
+        f"metrics in {run_dir}")
+  return 0
+
+
+def build_hooks(config: config_lib.Config, setup: train_state.StateSetup, mesh: Mesh,
+                checkpoints: checkpointing.RunCheckpoints | None, rng: jax.Array, resumed: bool) -> list:
+  """Logging and eval hooks, plus checkpointing when it is enabled. A resumed run appends to its metrics."""
   is_primary = jax.process_index() == 0
-  writer = metrics.MetricWriter(run_dir, config.run.enable_jsonl_metrics, config.run.enable_tensorboard) \
-      if is_primary else None
+  writer = metrics.MetricWriter(config.run.run_dir, config.run.enable_jsonl_metrics, config.run.enable_tensorboard,
+                                append=resumed) if is_primary else None
   hooks = [
       LoggingHook(writer, config.run.log_period, is_primary),
       EvalHook(train_step.make_eval_step(setup, config), create_eval_iterator(config, mesh),
                config.run.eval_interval, config.data.eval_steps, writer, is_primary),
   ]
-  trainer = Trainer(config, step_fn, create_data_iterator(config, mesh), jax.random.key(config.run.init_weights_seed),
-                    flops, peak, hooks)
-  loop = trainer.run(state)
-  if loop.history:
-    first, last = loop.history[0].scalars["loss"], loop.history[-1].scalars["loss"]
-    log(f"done: {len(loop.history)} steps, loss {first:.4f} -> {last:.4f}; metrics in {run_dir}")
-  return 0
+  if checkpoints is not None:
+    hooks.append(CheckpointHook(checkpoints, config.checkpoint.period, checkpointing.PreemptionWatcher(), rng))
+  return hooks
 
 
 if __name__ == "__main__":

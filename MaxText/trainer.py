@@ -58,6 +58,7 @@ class Trainer:
     self.flops, self.peak = flops, peak_tflops_per_device
     self.hooks = hooks
     self.tokens_per_step = config.data.global_batch_size * config.data.max_target_length
+    self.stop_reason: str | None = None  # a hook sets it to end the run after the current step
 
   def _finish(self, loop: LoopState, state: TrainState | None) -> None:
     """Waits for the pending step's metrics, checks them and runs the hooks."""
@@ -91,8 +92,10 @@ class Trainer:
           self._finish(loop, None)  # the state after that step was donated to this one
         loop.pending = (loop.next_step, device_metrics)
         loop.next_step += 1
-        if any(hook.needs_state(loop.next_step) for hook in self.hooks):
+        if any([hook.needs_state(loop.next_step) for hook in self.hooks]):  # a list: ask every hook
           self._finish(loop, loop.state)
+        if self.stop_reason is not None:
+          break
       if loop.pending is not None:
         self._finish(loop, loop.state)
     except KeyboardInterrupt:
@@ -157,3 +160,37 @@ class EvalHook:
 
   def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
     pass
+
+
+class CheckpointHook:
+  """Saves the train state and data position every `checkpoint_period` steps, after the last
+  step, and at the first step boundary after SIGTERM (then asks the loop to stop)."""
+
+  def __init__(self, checkpoints: Any, period: int, preemption: Any, rng: jax.Array):
+    self.checkpoints, self.period, self.preemption = checkpoints, period, preemption
+    self.meta = {"rng_key_data": np.asarray(jax.random.key_data(rng)).tolist()}
+    self._preempted_at: int | None = None
+
+  def needs_state(self, step: int) -> bool:
+    # Asked once per step, right after it is dispatched; JAX's multi-process sync point must
+    # be queried exactly once per step.
+    if self._preempted_at is None and self.preemption.reached(step):
+      self._preempted_at = step
+    return self._due(step)
+
+  def _due(self, step: int) -> bool:
+    return step % self.period == 0 or self._preempted_at == step
+
+  def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
+    last = record.step == trainer.config.run.steps
+    if state is None or not (self._due(record.step) or last):
+      return
+    if self.checkpoints.last_saved_step != record.step:
+      self.checkpoints.save(record.step, state, trainer.data.get_state(), {**self.meta, "step": record.step})
+    if self._preempted_at == record.step:
+      self.checkpoints.wait(record.step)
+      trainer.stop_reason = f"SIGTERM: saved step {record.step} to {self.checkpoints.directory}"
+
+  def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
+    self.preemption.close()
+    self.checkpoints.close()

@@ -56,6 +56,13 @@ class SyntheticIterator:
     self.step = step
     return self
 
+  def get_state(self) -> dict[str, int]:
+    """What a checkpoint stores to resume the exact batch sequence."""
+    return {"step": self.step}
+
+  def set_state(self, state: dict[str, int]) -> None:
+    self.step = int(state["step"])
+
   def __iter__(self) -> Iterator[Batch]:
     return self
 

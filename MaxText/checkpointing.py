@@ -1,0 +1,287 @@
+"""Orbax checkpoints: save the full train state every `checkpoint_period` steps, resume after a
+kill, start from someone else's weights, and never lose a checkpoint that was once complete.
+
+Layout of a run (`base_output_directory/run_name/checkpoints`):
+    <step>/state   TrainState {step, params, opt_state} (Orbax PyTree, sharded arrays)
+    <step>/data    the data iterator's state (JSON)
+    <step>/meta    the train RNG key and what wrote the checkpoint (JSON)
+A parameters-only checkpoint (converters, `generate_param_only_checkpoint`) is one Orbax
+PyTree directory holding {"params": params}.
+
+Restores are sharded: arrays are read straight into the shardings of the current mesh,
+which may differ from the mesh that saved them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from MaxText.config_groups import CheckpointConfig
+from MaxText.errors import TrainingError, UserError
+from MaxText.train_state import TrainState
+
+STATE, DATA, META = "state", "data", "meta"
+PARAMS = "params"
+
+
+def _log(message: str) -> None:
+  if jax.process_index() == 0:
+    print(message, flush=True)
+
+
+def with_shardings(abstract: Any, shardings: Any) -> Any:
+  """ShapeDtypeStructs that carry the target shardings (what Orbax restores into)."""
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+# ---------------------------------------------------------------- parameters only
+
+def save_params(path: str, params: Any) -> None:
+  """Writes a parameters-only checkpoint (synchronously) to a new directory `path`."""
+  if Path(path).exists():
+    raise UserError(f"{path} already exists; choose a new output path or remove it first")
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(os.path.abspath(path), {PARAMS: params})
+  checkpointer.wait_until_finished()
+  checkpointer.close()
+
+
+def _is_step_dir(path: Path) -> bool:
+  return (path / STATE).is_dir()
+
+
+def _pytree_dir(path: str) -> tuple[Path, str]:
+  """(Orbax PyTree directory holding the params, what kind of checkpoint `path` is)."""
+  root = Path(path)
+  if not root.exists():
+    raise UserError(f"checkpoint {path} does not exist")
+  if _is_step_dir(root):
+    return root / STATE, "full-state step"
+  steps = sorted((int(p.name) for p in root.iterdir() if p.name.isdigit() and _is_step_dir(p)), reverse=True)
+  if steps:
+    return root / str(steps[0]) / STATE, f"latest step ({steps[0]}) of a checkpoints directory"
+  if (root / "_METADATA").exists() or (root / "_CHECKPOINT_METADATA").exists():
+    return root, "parameters-only"
+  raise UserError(f"{path} is not a checkpoint: expected a parameters-only checkpoint, a step directory "
+                  f"containing '{STATE}/', or a checkpoints directory with numbered steps")
+
+
+def load_params(path: str, abstract_params: Any, shardings: Any) -> Any:
+  """Reads only the parameters from any of our checkpoint kinds, into `shardings`."""
+  directory, kind = _pytree_dir(path)
+  target = {PARAMS: with_shardings(abstract_params, shardings)}
+  try:
+    restored = ocp.PyTreeCheckpointer().restore(
+        directory.absolute(), args=ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
+  except (ValueError, KeyError, FileNotFoundError) as e:
+    raise UserError(f"cannot load parameters from {path} ({kind} checkpoint): {_first_line(e)}; "
+                    "check that the model config matches the one that wrote it") from None
+  _log(f"checkpoint: loaded parameters from {path} ({kind} checkpoint)")
+  return restored[PARAMS]
+
+
+def _first_line(error: BaseException) -> str:
+  text = str(error).strip().splitlines()
+  return f"{type(error).__name__}: {text[0] if text else ''}"[:400]
+
+
+# ---------------------------------------------------------------- full train state
+
+@dataclasses.dataclass
+class Restored:
+  state: Any
+  data_state: dict[str, Any] | None
+  meta: dict[str, Any]
+  step: int
+
+
+class RunCheckpoints:
+  """The run's CheckpointManager: periodic (async) saves, resume with fallback, clear failures."""
+
+  def __init__(self, cfg: CheckpointConfig, directory: str | None = None):
+    self.cfg = cfg
+    self.directory = os.path.abspath(directory or cfg.directory)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=cfg.max_to_keep, enable_async_checkpointing=cfg.async_checkpointing, create=True)
+    try:
+      self._manager = ocp.CheckpointManager(self.directory, item_names=(STATE, DATA, META), options=options)
+    except OSError as e:
+      raise UserError(f"cannot use checkpoint directory {self.directory}: {_first_line(e)}") from None
+    self.last_saved_step: int | None = self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
+  def save(self, step: int, state: Any, data_state: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Starts (async) or completes (sync) a save of `step`; raises TrainingError if any save failed."""
+    self._raise_if_failed(step)
+    args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), DATA: ocp.args.JsonSave(data_state),
+                                 META: ocp.args.JsonSave(meta)})
+    try:
+      self._manager.save(step, args=args, force=True)
+    except Exception as e:  # noqa: BLE001 - any storage failure must stop the run with a clear message
+      raise self._save_error(step, e) from None
+    self.last_saved_step = step
+    if not self.cfg.async_checkpointing:
+      self.wait(step)
+
+  def _save_error(self, step: int, error: BaseException) -> TrainingError:
+    older = [s for s in self.all_steps() if s != step]
+    kept = f"older checkpoints are untouched ({', '.join(map(str, older[-3:]))})" if older else "no older checkpoint"
+    return TrainingError(f"saving checkpoint of step {step} to {self.directory} failed: {_first_line(error)}; "
+                         f"{kept}; free space or fix permissions, then rerun the same command to resume")
+
+  def _raise_if_failed(self, step: int) -> None:
+    try:
+      self._manager.check_for_errors()
+    except Exception as e:  # noqa: BLE001
+      raise self._save_error(self.last_saved_step if self.last_saved_step is not None else step, e) from None
+
+  def wait(self, step: int | None = None) -> None:
+    """Blocks until the pending save is on disk; raises TrainingError if it failed."""
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001
+      raise self._save_error(step if step is not None else self.last_saved_step or 0, e) from None
+
+  def close(self) -> None:
+    try:
+      self.wait()
+    finally:
+      self._manager.close()
+
+  def restore_latest(self, abstract_state: Any, shardings: Any) -> Restored | None:
+    """Newest step that restores cleanly; a damaged one is set aside (renamed, never deleted)."""
+    for step in reversed(self.all_steps()):
+      try:
+        return self._restore_step(step, abstract_state, shardings)
+      except Exception as e:  # noqa: BLE001 - any damage means: fall back to the previous step
+        moved = self._set_aside(step)
+        _log(f"warning: checkpoint step {step} in {self.directory} is incomplete or corrupt "
+             f"({_first_line(e)}); moved it to {moved} and falling back to the previous one")
+    return None
+
+  def _restore_step(self, step: int, abstract_state: Any, shardings: Any) -> Restored:
+    args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(with_shardings(abstract_state, shardings)),
+                                 DATA: ocp.args.JsonRestore(), META: ocp.args.JsonRestore()})
+    restored = self._manager.restore(step, args=args)
+    return Restored(restored[STATE], restored[DATA], restored[META] or {}, step)
+
+  def _set_aside(self, step: int) -> str:
+    source = Path(self.directory) / str(step)
+    target = source.with_name(f"{step}.corrupt-{int(time.time())}")
+    if jax.process_index() == 0 and source.exists():
+      source.rename(target)
+    multihost_utils.sync_global_devices(f"checkpoint_set_aside_{step}")
+    self._manager.reload()
+    return str(target)
+
+
+def restore_full_state(path: str, abstract_state: Any, shardings: Any) -> Restored:
+  """Full state from a step directory or a checkpoints root (its latest good step)."""
+  root = Path(path)
+  if not root.exists():
+    raise UserError(f"load_full_state_path {path} does not exist")
+  if _is_step_dir(root):
+    directory, steps = root.parent, [int(root.name)] if root.name.isdigit() else []
+    if not steps:
+      raise UserError(f"load_full_state_path {path}: a step directory must be named by its step number")
+  else:
+    directory, steps = root, None
+  cfg = CheckpointConfig(enabled=True, async_checkpointing=False, period=1, max_to_keep=None, directory=str(directory),
+                         load_parameters_path="", load_full_state_path="", param_only_checkpoint_path="",
+                         force_unroll=False)
+  checkpoints = RunCheckpoints(cfg)
+  try:
+    if steps is not None:
+      return checkpoints._restore_step(steps[0], abstract_state, shardings)
+    restored = checkpoints.restore_latest(abstract_state, shardings)
+  except UserError:
+    raise
+  except Exception as e:  # noqa: BLE001
+    raise UserError(f"cannot restore the full state from {path}: {_first_line(e)}") from None
+  finally:
+    checkpoints._manager.close()
+  if restored is None:
+    raise UserError(f"load_full_state_path {path} holds no complete checkpoint")
+  return restored
+
+
+# ---------------------------------------------------------------- preemption
+
+class PreemptionWatcher:
+  """Turns SIGTERM (what TPU/GKE preemption sends) into "checkpoint at the next step boundary".
+
+  With several processes JAX's own preemption sync point makes every process pick the same
+  step; a single process installs a SIGTERM handler that sets a flag.
+  """
+
+  def __init__(self) -> None:
+    self._flag = False
+    self._multi = jax.process_count() > 1
+    self._previous = None
+    if not self._multi:
+      self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+  def _on_sigterm(self, signum: int, frame: Any) -> None:
+    self._flag = True
+
+  def reached(self, step: int) -> bool:
+    if self._multi:
+      return multihost_utils.reached_preemption_sync_point(step)
+    return self._flag
+
+  def close(self) -> None:
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+      self._previous = None
+
+
+# ---------------------------------------------------------------- where a run starts
+
+@dataclasses.dataclass
+class Start:
+  state: Any
+  data_state: dict[str, Any] | None
+  rng_key_data: list[int] | None
+  description: str
+
+
+def _state_from_params(setup: Any, params: Any) -> Any:
+  """Step 0 and a fresh optimizer around loaded parameters (fine-tuning)."""
+  def create(p: Any) -> Any:
+    return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=setup.optimizer.init(p))
+
+  return jax.jit(create, out_shardings=setup.state_shardings, donate_argnums=(0,))(params)
+
+
+def initial_state(config: Any, setup: Any, checkpoints: RunCheckpoints | None, init_fn: Any) -> Start:
+  """Resume this run's latest checkpoint, else load_full_state_path, else load_parameters_path,
+  else `init_fn()` — the order MaxText users rely on when they rerun the same command."""
+  cfg: CheckpointConfig = config.checkpoint
+  abstract, shardings = setup.abstract_state, setup.state_shardings
+  if checkpoints is not None:
+    restored = checkpoints.restore_latest(abstract, shardings)
+    if restored is not None:
+      return Start(restored.state, restored.data_state, restored.meta.get("rng_key_data"),
+                   f"resumed from step {restored.step} of {checkpoints.directory}")
+  if cfg.load_full_state_path:
+    restored = restore_full_state(cfg.load_full_state_path, abstract, shardings)
+    return Start(restored.state, restored.data_state, restored.meta.get("rng_key_data"),
+                 f"loaded the full state of step {restored.step} from {cfg.load_full_state_path}")
+  if cfg.load_parameters_path:
+    params = load_params(cfg.load_parameters_path, abstract.params, shardings.params)
+    return Start(_state_from_params(setup, params), None, None,
+                 f"loaded parameters from {cfg.load_parameters_path}; fresh optimizer state, step 0")
+  return Start(init_fn(), None, None, f"initialised from seed {config.run.init_weights_seed}")

@@ -1,0 +1,166 @@
+"""Checkpoints: save/restore in-process (corruption, failed saves, other meshes, params only)."""
+
+from __future__ import annotations
+
+import resource
+import signal
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText import checkpointing, models
+from MaxText.config import Config
+from MaxText.errors import ConfigError, TrainingError, UserError
+from tests.train_utils import Run
+
+
+def _config(tiny_overrides: dict, tmp_path: Path, **overrides) -> Config:
+  values = dict(tiny_overrides, base_output_directory=str(tmp_path), run_name="run", steps=20,
+                async_checkpointing=True)
+  values.update(overrides)
+  return Config.for_testing(**values)
+
+
+def _leaves_equal(a, b) -> bool:
+  return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.fixture
+def trained(tiny_overrides, tmp_path):
+  """A run with checkpoints of steps 2 and 4 on disk (fsdp=8), and its state after step 4."""
+  config = _config(tiny_overrides, tmp_path)
+  run = Run(config)
+  checkpoints = checkpointing.RunCheckpoints(config.checkpoint)
+  state = run.init()
+  for step in (1, 2, 3, 4):
+    state, _ = run.train(state, 1)
+    if step % 2 == 0:
+      checkpoints.save(step, state, run.data.get_state(), {"step": step})
+  checkpoints.wait()
+  yield config, run, checkpoints, state
+  try:
+    checkpoints.close()
+  except TrainingError:
+    pass  # the failed-save test leaves a failed save behind on purpose
+
+
+def _restore(config: Config, run: Run):
+  checkpoints = checkpointing.RunCheckpoints(config.checkpoint)
+  return checkpoints, checkpoints.restore_latest(run.setup.abstract_state, run.setup.state_shardings)
+
+
+def test_restore_latest_gives_back_the_saved_state_and_data_position(trained):
+  config, run, checkpoints, state = trained
+  checkpoints.close()
+  _, restored = _restore(config, Run(config))
+  assert restored.step == 4 and int(restored.state.step) == 4
+  assert restored.data_state == {"step": 4}
+  assert _leaves_equal(restored.state.params, state.params)
+  assert _leaves_equal(restored.state.opt_state, state.opt_state)
+
+
+def test_truncated_latest_checkpoint_falls_back_to_the_previous_one(trained, capsys):
+  config, run, checkpoints, _ = trained
+  checkpoints.close()
+  data_files = [p for p in (Path(config.checkpoint.directory) / "4" / "state").rglob("*") if p.is_file()]
+  largest = max(data_files, key=lambda p: p.stat().st_size)
+  largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
+
+  checkpoints, restored = _restore(config, Run(config))
+  assert restored.step == 2 and int(restored.state.step) == 2
+  out = capsys.readouterr().out
+  assert "checkpoint step 4" in out and "falling back" in out
+  aside = [p.name for p in Path(config.checkpoint.directory).iterdir() if p.name.startswith("4.corrupt-")]
+  assert aside, "the damaged step is kept (renamed), not deleted"
+  assert checkpoints.all_steps() == [2]
+
+
+def test_failed_save_is_reported_and_keeps_older_checkpoints(trained):
+  """A write that fails (here: a per-file size limit, as a full disk would) stops the run with a
+  clear error; steps 2 and 4 stay restorable."""
+  config, run, checkpoints, state = trained
+  soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+  previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
+  try:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))
+    with pytest.raises(TrainingError, match="saving checkpoint of step 6 .* failed.*older checkpoints are untouched"):
+      checkpoints.save(6, state, {"step": 6}, {})
+      checkpoints.wait(6)
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    signal.signal(signal.SIGXFSZ, previous)
+  _, restored = _restore(config, Run(config))
+  assert restored.step == 4
+
+
+def test_restore_onto_a_different_mesh_gives_the_same_next_step_loss(trained, tiny_overrides, tmp_path):
+  config, run, checkpoints, state = trained
+  checkpoints.close()
+  _, expected = run.train(state, 1)
+  other = _config(tiny_overrides, tmp_path, ici_fsdp_parallelism=4, ici_tensor_parallelism=2)
+  other_run = Run(other)
+  assert dict(other_run.mesh.shape)["tensor"] == 2
+  _, restored = _restore(other, other_run)
+  other_run.data.set_state(restored.data_state)
+  _, got = other_run.train(restored.state, 1)
+  # Another mesh sums partial results in another order: equal up to float32 rounding.
+  np.testing.assert_allclose(got[0]["loss"], expected[0]["loss"], rtol=1e-5)
+
+
+def test_load_parameters_starts_at_step_zero_with_fresh_optimizer(trained, tiny_overrides, tmp_path):
+  config, run, checkpoints, state = trained
+  checkpoints.close()
+  path = str(tmp_path / "params_only")
+  checkpointing.save_params(path, state.params)
+  with pytest.raises(UserError, match="already exists"):
+    checkpointing.save_params(path, state.params)
+  fine_tune = _config(tiny_overrides, tmp_path, run_name="finetune", load_parameters_path=path)
+  fresh = Run(fine_tune)
+  start = checkpointing.initial_state(fine_tune, fresh.setup, None, lambda: pytest.fail("must not initialise"))
+  assert int(start.state.step) == 0 and "fresh optimizer" in start.description
+  assert _leaves_equal(start.state.params, state.params)
+  mu = start.state.opt_state[1][0].mu  # chain(clip, adamw): adam's first moment starts at zero
+  assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(mu))
+  # A full-state step directory and a checkpoints root also serve as parameter sources.
+  for source in (Path(config.checkpoint.directory) / "4", Path(config.checkpoint.directory)):
+    params = checkpointing.load_params(str(source), run.setup.abstract_state.params,
+                                       run.setup.state_shardings.params)
+    assert _leaves_equal(params, state.params)
+
+
+def test_loading_errors_are_one_line_user_errors(trained, tiny_overrides, tmp_path):
+  config, run, checkpoints, _ = trained
+  checkpoints.close()
+  abstract, shardings = run.setup.abstract_state.params, run.setup.state_shardings.params
+  with pytest.raises(UserError, match="does not exist"):
+    checkpointing.load_params(str(tmp_path / "missing"), abstract, shardings)
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(UserError, match="is not a checkpoint"):
+    checkpointing.load_params(str(tmp_path / "empty"), abstract, shardings)
+  bigger = _config(tiny_overrides, tmp_path, base_emb_dim=128)
+  big_spec = models.build_model_spec(bigger.model)
+  with pytest.raises(UserError, match="cannot load parameters"):
+    checkpointing.load_params(str(Path(config.checkpoint.directory) / "4"), big_spec.abstract_params,
+                              Run(bigger).setup.state_shardings.params)
+
+
+def test_checkpoint_config_errors(tiny_overrides, tmp_path):
+  with pytest.raises(ConfigError, match="checkpoint_period must be > 0"):
+    _config(tiny_overrides, tmp_path, checkpoint_period=0)
+  with pytest.raises(ConfigError, match="at most one of load_parameters_path"):
+    _config(tiny_overrides, tmp_path, load_parameters_path="a", load_full_state_path="b")
+  with pytest.raises(ConfigError, match="max_num_checkpoints_to_keep"):
+    _config(tiny_overrides, tmp_path, max_num_checkpoints_to_keep=0)
+
+
+def test_max_to_keep_prunes_old_checkpoints(tiny_overrides, tmp_path):
+  config = _config(tiny_overrides, tmp_path, max_num_checkpoints_to_keep=2, async_checkpointing=False)
+  run = Run(config)
+  checkpoints = checkpointing.RunCheckpoints(config.checkpoint)
+  state = run.init()
+  for step in (1, 2, 3):
+    checkpoints.save(step, state, {"step": step}, {})
+  checkpoints.close()
+  assert checkpoints.all_steps() == [2, 3]
