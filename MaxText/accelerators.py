@@ -49,7 +49,7 @@ class DeviceTarget:
   num_slices: int = 1
 
 
-def _has_tpu() -> bool:
+def has_tpu() -> bool:
   # TPU VMs expose /dev/accel* (v2-v4) or VFIO groups (v5e and later), or name a TPU type.
   return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or os.environ.get("TPU_ACCELERATOR_TYPE"))
 
@@ -69,7 +69,7 @@ def select_jax_platforms(hardware: str) -> str | None:
   if hardware not in ("auto", *PLATFORMS_FOR_HARDWARE):
     raise ConfigError(f"hardware must be one of auto, tpu, gpu, cpu; got {hardware!r}")
   if hardware == "auto":
-    hardware = "tpu" if _has_tpu() else "gpu" if _has_nvidia_gpu() else "cpu"
+    hardware = "tpu" if has_tpu() else "gpu" if _has_nvidia_gpu() else "cpu"
   platforms = PLATFORMS_FOR_HARDWARE[hardware]
   jax.config.update("jax_platforms", platforms)
   return platforms
@@ -132,3 +132,126 @@ def peak_tflops_per_device(target: DeviceTarget, cpu_peak_tflops: float) -> tupl
   if peak is None:
     return float("nan"), f"unknown device kind {target.device_kind!r}: MFU not reported"
   return peak, f"published peak of {target.device_kind}"
+
+
+# ---- TPU topologies for ahead-of-time compilation (train_compile.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuGeneration:
+  """Per-generation facts libtpu needs to describe a topology, and what MFU is measured against."""
+
+  name: str  # user-facing prefix: "v5e" in "v5e-256"
+  topology_prefix: str  # libtpu's name: "v5" for v5p, "v5e", ...
+  device_kind: str  # what jax.Device.device_kind reports on the real chip
+  chip_config: str  # "megacore": one JAX device drives both TensorCores of a chip
+  cores_per_chip: int  # v4/v5p names count TensorCores (v4-8 is 4 chips), v5e/v6e names count chips
+  torus_dims: int
+  hbm_gib: float
+  peak_tflops: float  # dense bf16 per chip
+  # Derived as peak FLOP/s / MXU FLOPs per cycle (MXUs x 128^2 MACs, 256^2 on v6e, x 2); used to
+  # turn the compiler's per-op cycle estimates into seconds.
+  clock_ghz: float
+  sizes: tuple[int, ...]  # the published slice names' numbers
+
+
+def _v5p_sizes() -> tuple[int, ...]:
+  return (8, 16, 32, 64) + tuple(range(128, 12288 + 1, 128))
+
+
+TPU_GENERATIONS: dict[str, TpuGeneration] = {
+    "v4": TpuGeneration("v4", "v4", "TPU v4", "megacore", 2, 3, 32.0, 275.0, 1.05,
+                        (8, 16, 32, 64, 128, 256, 384, 512, 1024, 1536, 2048, 4096)),
+    "v5e": TpuGeneration("v5e", "v5e", "TPU v5 lite", "default", 1, 2, 16.0, 197.0, 1.5,
+                         (1, 4, 8, 16, 32, 64, 128, 256)),
+    "v5p": TpuGeneration("v5p", "v5", "TPU v5", "megacore", 2, 3, 95.0, 459.0, 1.75, _v5p_sizes()),
+    "v6e": TpuGeneration("v6e", "v6e", "TPU v6 lite", "default", 1, 2, 32.0, 918.0, 1.75,
+                         (1, 4, 8, 16, 32, 64, 128, 256)),
+}
+
+# 2D (v5e/v6e) slice shapes; a side of 16 is a full ring and wraps around.
+_TORUS_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}
+_SMALL_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4)}  # below one 4x4x4 cube
+
+
+def _cube_shape(chips: int) -> tuple[int, int, int]:
+  """3D slices of >= 64 chips are built from 4x4x4 cubes: among the ways to stack chips/64
+  cubes as a x b x c (a <= b <= c), the most compact (smallest a + b + c, then smallest c)."""
+  cubes = chips // 64
+  best = None
+  for a in range(1, cubes + 1):
+    for b in range(a, cubes // a + 1):
+      c, rest = divmod(cubes, a * b)
+      if rest or c < b:
+        continue
+      key = (a + b + c, c)
+      if best is None or key < best[0]:
+        best = (key, (a, b, c))
+  assert best is not None
+  return tuple(4 * d for d in best[1])  # type: ignore[return-value]
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuTopology:
+  """One slice of a named TPU type, e.g. v5e-256 (256 chips on 64 hosts, a 16x16 torus)."""
+
+  name: str
+  generation: TpuGeneration
+  chips: int
+  chips_per_host: int
+  shape: tuple[int, ...]
+
+  @property
+  def hosts(self) -> int:
+    return self.chips // self.chips_per_host
+
+  @property
+  def topology_name(self) -> str:
+    """libtpu's name for the slice: "v5e:16x16", "v5:4x4x8"."""
+    return f"{self.generation.topology_prefix}:{'x'.join(map(str, self.shape))}"
+
+  @property
+  def host_bounds(self) -> tuple[int, int, int]:
+    return (1, 1, 1) if self.chips_per_host == 1 else (2, 2, 1)
+
+  @property
+  def wrap(self) -> tuple[bool, bool, bool]:
+    """Torus wrap-around links: 3D slices of whole cubes wrap; a 2D side wraps at full length 16."""
+    if self.generation.torus_dims == 3:
+      return (self.chips >= 64,) * 3  # type: ignore[return-value]
+    return (self.shape[0] == 16, self.shape[1] == 16, False)
+
+  def target(self, num_slices: int = 1) -> DeviceTarget:
+    """The DeviceTarget a Config is built for: one JAX device per chip, on every slice."""
+    return DeviceTarget(platform="tpu", device_kind=self.generation.device_kind,
+                        num_devices=self.chips * num_slices, num_processes=self.hosts * num_slices,
+                        num_slices=num_slices)
+
+
+def known_topology_names() -> list[str]:
+  return [f"{g.name}-{n}" for g in TPU_GENERATIONS.values() for n in g.sizes]
+
+
+def _abbreviated_names() -> str:
+  """The valid names per generation, as first...last plus the count (v5p has 100 sizes)."""
+  parts = []
+  for g in TPU_GENERATIONS.values():
+    listed = ", ".join(f"{g.name}-{n}" for n in g.sizes) if len(g.sizes) <= 12 else \
+        f"{g.name}-{g.sizes[0]} ... {g.name}-{g.sizes[-1]} (every multiple of 128 from {g.name}-128)"
+    parts.append(listed)
+  return "; ".join(parts)
+
+
+def tpu_topology(name: str) -> TpuTopology:
+  """`v5e-256` -> its TpuTopology; an unknown name is a ConfigError listing the valid ones."""
+  gen_name, _, size_text = name.strip().lower().partition("-")
+  generation = TPU_GENERATIONS.get(gen_name)
+  if generation is None or not size_text.isdigit() or int(size_text) not in generation.sizes:
+    raise ConfigError(f"unknown compile_topology {name!r}; valid names: {_abbreviated_names()}")
+  chips = int(size_text) // generation.cores_per_chip
+  if generation.torus_dims == 2:
+    shape: tuple[int, ...] = _TORUS_2D[chips]
+  else:
+    shape = _SMALL_3D[chips] if chips < 64 else _cube_shape(chips)
+  return TpuTopology(name=f"{generation.name}-{size_text}", generation=generation, chips=chips,
+                     chips_per_host=1 if chips == 1 else 4, shape=shape)

@@ -1,0 +1,147 @@
+"""Compile the train step ahead of time for a TPU topology you do not have (or for this
+machine's devices), report whether it fits, and optionally save the executable:
+
+  python3 -m MaxText.train_compile configs/base.yml compile_topology=v5e-256 \
+      compile_topology_num_slices=2 global_parameter_scale=16 per_device_batch_size=4 \
+      [compiled_trainstep_file=step.aot]
+
+The mesh, state shardings and step are the ones train.py builds (train_state,
+train_step, sharding); only the devices differ: libtpu describes the topology and XLA
+compiles for it without any TPU attached. `compile_topology=local` compiles for the local
+devices instead. The saved file is executable code (see MaxText/aot.py): load it only
+from a trusted source, with `train.py ... compiled_trainstep_file=PATH`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+if __package__ in (None, ""):  # `python3 MaxText/train_compile.py`: import the package, not sibling files.
+  sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+import jax
+from jax.experimental import topologies
+
+from MaxText import accelerators, aot, config as config_lib, metrics, sharding, train_state, train_step, xla_flags
+from MaxText.errors import ConfigError, UserError, run_cli
+
+
+def describe_topology(topology: accelerators.TpuTopology, num_slices: int) -> Sequence[Any]:
+  """Compile-only devices of `num_slices` slices of `topology`, described by libtpu."""
+  if not accelerators.has_tpu():
+    # Off a TPU VM libtpu cannot discover its workers and logs a multi-line error about it;
+    # naming this host as the only worker silences that without changing the compile.
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  description = topologies.get_topology_desc(
+      topology_name=topology.topology_name, platform="tpu", chip_config_name=topology.generation.chip_config,
+      chips_per_host_bounds=topology.host_bounds, num_slices=num_slices, wrap=topology.wrap)
+  return description.devices
+
+
+def load_target_config(argv: list[str]) -> tuple[config_lib.Config, Sequence[Any], accelerators.TpuTopology | None]:
+  """The config for the compile target, its devices, and the TPU topology (None for local).
+
+  Flags are exported before libtpu or a backend starts, so the compiled step reflects them.
+  """
+  overrides = config_lib.parse_overrides(argv)
+  name = str(overrides.peek("compile_topology")).strip()
+  num_slices = int(overrides.peek("compile_topology_num_slices"))
+  if not name:
+    raise ConfigError("train_compile needs compile_topology=NAME (e.g. v5e-256), or compile_topology=local "
+                      "for this machine's devices")
+  if num_slices < 1:
+    raise ConfigError(f"compile_topology_num_slices must be >= 1, got {num_slices}")
+  topology = None if name == "local" else accelerators.tpu_topology(name)
+  # A topology compile needs no local accelerator: keep the local backend on CPU.
+  accelerators.select_jax_platforms("cpu" if topology else str(overrides.peek("hardware")))
+  xla_flags.export_flags(str(overrides.peek("libtpu_init_args")), str(overrides.peek("xla_flags")))
+  if topology is None:
+    if num_slices != 1:
+      raise ConfigError("compile_topology_num_slices applies to a TPU compile_topology, not to local")
+    devices, target = jax.devices(), accelerators.local_target()
+  else:
+    devices, target = describe_topology(topology, num_slices), topology.target(num_slices)
+  return config_lib.Config(config_lib.resolve_values(overrides, target.platform), target), devices, topology
+
+
+def compile_or_explain(step_fn: Any, inputs: aot.StepInputs, topology: accelerators.TpuTopology | None) -> Any:
+  """Lowers and compiles; XLA's out-of-memory error becomes a one-line 'does not fit'."""
+  try:
+    return step_fn.lower(*inputs.as_args()).compile()
+  except jax.errors.JaxRuntimeError as e:
+    message = str(e)
+    if "RESOURCE_EXHAUSTED" not in message or topology is None:
+      raise
+    first_line = message.strip().splitlines()[0]
+    needed = aot.oom_bytes_from_xla(first_line) or 0
+    if "temporaries" in first_line:  # XLA names only the temporaries; the state shard comes on top
+      needed += aot.bytes_per_device(inputs.as_args())
+    raise UserError(aot.does_not_fit_message(needed, topology.generation.name, topology.generation.hbm_gib,
+                                             f"XLA: {first_line}")) from None
+
+
+def report(config: config_lib.Config, topology: accelerators.TpuTopology | None, compiled: Any,
+           num_params: int) -> aot.MemoryReport:
+  """Prints memory per device, parameters, FLOPs and the compiler's step-time estimate."""
+  memory = aot.MemoryReport.from_compiled(compiled)
+  print("memory per device (XLA memory analysis of the compiled step):")
+  print("\n".join(memory.lines()))
+  if topology is not None:
+    gen = topology.generation
+    print(f"  HBM per {gen.name} chip {gen.hbm_gib:g} GiB: {memory.total / (gen.hbm_gib * aot.GIB):.1%} used")
+  flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size,
+                                           config.data.max_target_length)
+  num_devices = config.target.num_devices
+  print(f"parameters: {num_params / 1e9:.3f} B ({num_params:,})")
+  print(f"model FLOPs per step: {flops.total_tflops:,.4g} TFLOP ({flops.total_tflops / num_devices:,.4g} per device; "
+        f"{config.data.global_batch_size} sequences x {config.data.max_target_length} tokens)")
+  cycles = aot.estimated_cycles(compiled.as_text()) if topology is not None else None
+  if cycles is None:
+    print("compiler estimate of step time: not available for this platform")
+  else:
+    gen = topology.generation
+    seconds = cycles / (gen.clock_ghz * 1e9)
+    mfu = flops.total_tflops / num_devices / seconds / gen.peak_tflops
+    print(f"compiler estimate (not a measurement): step {seconds * 1e3:,.1f} ms = {cycles:,} cycles at {gen.clock_ghz:g} GHz, "
+          f"assuming communication hidden behind compute -> implied MFU {mfu:.1%} of {gen.peak_tflops:g} TFLOP/s")
+  return memory
+
+
+def main(argv: list[str]) -> int:
+  config, devices, topology = load_target_config(argv)
+  where = f"{config.mesh.num_slices} x {topology.name} ({topology.topology_name}, {topology.hosts} hosts of " \
+          f"{topology.chips_per_host} chips per slice)" if topology else f"the local {config.target.platform} devices"
+  print(f"compiling for {where}: {config.target.num_devices} devices, {config.target.device_kind}")
+  for name in ("LIBTPU_INIT_ARGS", "XLA_FLAGS"):
+    if os.environ.get(name):
+      print(f"  {name}={os.environ[name]}")
+  mesh = sharding.create_mesh(config.mesh, devices)
+  print(f"mesh: {', '.join(f'{a}={n}' for a, n in mesh.shape.items() if n > 1) or 'single device'}")
+  setup = train_state.build_state_setup(config, mesh)
+  batch_sharding = sharding.batch_sharding(mesh, config.mesh.data_sharding)
+  step_fn = train_step.jit_train_step(setup, config, batch_sharding)
+  inputs = aot.abstract_inputs(config, setup, batch_sharding)
+  start = time.perf_counter()
+  compiled = compile_or_explain(step_fn, inputs, topology)
+  print(f"compiled in {time.perf_counter() - start:.1f} s")
+  num_params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
+  memory = report(config, topology, compiled, num_params)
+  if topology is not None:
+    gen = topology.generation
+    if memory.total > gen.hbm_gib * aot.GIB:
+      raise UserError(aot.does_not_fit_message(memory.total, gen.name, gen.hbm_gib, "XLA memory analysis"))
+    print(f"fits: {aot.format_bytes(memory.total)} of {gen.hbm_gib:g} GiB per {gen.name} chip")
+  path = config["compiled_trainstep_file"]
+  if path:
+    size = aot.save_compiled_step(path, compiled, aot.step_header(config, inputs, topology.name if topology else "local"))
+    print(f"saved the compiled train step to {path} ({size / 2**20:.1f} MiB); it is executable code: "
+          "share and load it only where you trust its origin")
+  return 0
+
+
+if __name__ == "__main__":
+  run_cli(main)
