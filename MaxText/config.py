@@ -126,8 +126,13 @@ def coerce(key: str, value: Any, default: Any) -> Any:
   )
 
 
-def _parse_cli_value(text: str) -> Any:
-  """Command-line values are YAML scalars/flow lists (`[a, b]`); anything unparsable stays text."""
+def _parse_cli_value(text: str, default: Any = None) -> Any:
+  """Command-line values are YAML scalars/flow lists (`[a, b]`); anything unparsable stays text.
+
+  A string-typed key takes the text as is (YAML would turn `run_name=off` into False)."""
+  if isinstance(default, str):
+    quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
+    return text[1:-1] if quoted else text
   if not text.strip():
     return ""  # `key=` means an empty value, not YAML's null
   try:
@@ -188,7 +193,7 @@ def parse_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -
       raise ConfigError(f"expected key=value, got {arg!r}")
     if key not in schema:
       raise _unknown_key_error(key, schema, "the command line")
-    argv_values[key] = coerce(key, _parse_cli_value(text), schema[key])
+    argv_values[key] = coerce(key, _parse_cli_value(text, schema[key]), schema[key])
 
   env_values: dict[str, Any] = {}
   for name, text in environ.items():
@@ -197,7 +202,7 @@ def parse_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -
     key = name[len(ENV_PREFIX):].lower()
     if key not in schema:
       raise _unknown_key_error(key, schema, f"environment variable {name}")
-    env_values[key] = coerce(key, _parse_cli_value(text), schema[key])
+    env_values[key] = coerce(key, _parse_cli_value(text, schema[key]), schema[key])
     if key in argv_values:
       print(f"config: {key} is set by both {name} and the command line; the command line wins")
 

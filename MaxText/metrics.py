@@ -74,14 +74,35 @@ def format_step_line(step: int, loss: float, seconds: float, t: Throughput) -> s
           f"{t.tflops_per_s_per_device:8.3f} TFLOP/s/device | MFU {mfu}")
 
 
+def _lines_up_to(jsonl_path: str, step: int) -> list[str]:
+  if not os.path.exists(jsonl_path):
+    return []
+  with open(jsonl_path) as f:
+    lines = [line for line in f if line.strip()]
+  kept = []
+  for line in lines:
+    try:
+      if json.loads(line).get("step", 0) <= step:
+        kept.append(line)
+    except json.JSONDecodeError:
+      pass  # a line cut short by the kill
+  return kept
+
+
 class MetricWriter:
   """Writes each logged step's scalars to metrics.jsonl and TensorBoard (process 0 only)."""
 
-  def __init__(self, run_dir: str, enable_jsonl: bool, enable_tensorboard: bool, append: bool = False):
-    """`append` keeps earlier lines (a resumed run); a fresh run starts the file anew."""
+  def __init__(self, run_dir: str, enable_jsonl: bool, enable_tensorboard: bool, resume_step: int = 0):
+    """A fresh run (resume_step 0) starts metrics.jsonl anew; a run resumed from a checkpoint
+    keeps the lines up to that step and drops later ones, which the killed run logged but
+    the resumed run will log again."""
     os.makedirs(run_dir, exist_ok=True)
     jsonl_path = os.path.join(run_dir, "metrics.jsonl")
-    self._jsonl = open(jsonl_path, "a" if append else "w") if enable_jsonl else None
+    self._jsonl = None
+    if enable_jsonl:
+      kept = _lines_up_to(jsonl_path, resume_step) if resume_step > 0 else []
+      self._jsonl = open(jsonl_path, "w")
+      self._jsonl.writelines(kept)
     self._tb = None
     if enable_tensorboard:
       from tensorboardX import SummaryWriter  # heavy import; only when used

@@ -88,7 +88,7 @@ def main(argv: list[str]) -> int:
   rng = jax.random.key(config.run.init_weights_seed) if start.rng_key_data is None \
       else jax.random.wrap_key_data(jax.numpy.asarray(start.rng_key_data, jax.numpy.uint32))
   trainer = Trainer(config, step_fn, data, rng, flops, peak,
-                    build_hooks(config, setup, mesh, checkpoints, rng, resumed=start_step > 0))
+                    build_hooks(config, setup, mesh, checkpoints, rng, start_step))
   loop = trainer.run(start.state, start_step)
   if trainer.stop_reason is not None:
     log(f"stopped: {trainer.stop_reason}; rerun the same command to resume")
@@ -101,11 +101,11 @@ def main(argv: list[str]) -> int:
 
 
 def build_hooks(config: config_lib.Config, setup: train_state.StateSetup, mesh: Mesh,
-                checkpoints: checkpointing.RunCheckpoints | None, rng: jax.Array, resumed: bool) -> list:
-  """Logging and eval hooks, plus checkpointing when it is enabled. A resumed run appends to its metrics."""
+                checkpoints: checkpointing.RunCheckpoints | None, rng: jax.Array, start_step: int) -> list:
+  """Logging and eval hooks, plus checkpointing when it is enabled."""
   is_primary = jax.process_index() == 0
   writer = metrics.MetricWriter(config.run.run_dir, config.run.enable_jsonl_metrics, config.run.enable_tensorboard,
-                                append=resumed) if is_primary else None
+                                resume_step=start_step) if is_primary else None
   hooks = [
       LoggingHook(writer, config.run.log_period, is_primary),
       EvalHook(train_step.make_eval_step(setup, config), create_eval_iterator(config, mesh),

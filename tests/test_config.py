@@ -43,6 +43,9 @@ def test_types_are_coerced_to_the_default_type():
   assert config.model.mlp_activations == ("gelu", "linear")
   assert config["per_device_batch_size"] == 2.0 and config["run_name"] == "123"
   assert load("mlp_activations=[silu, linear]").model.mlp_activations == ("silu", "linear")
+  # String keys take the text as typed: no YAML booleans or nulls.
+  assert load("run_name=off")["run_name"] == "off" and load("run_name='on'")["run_name"] == "on"
+  assert load("load_parameters_path=")["load_parameters_path"] == ""
 
 
 @pytest.mark.parametrize("args, env, message", [
