@@ -36,6 +36,8 @@ CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 BASE_CONFIG_PATH = CONFIGS_DIR / "base.yml"
 CPU_DEFAULTS_PATH = CONFIGS_DIR / "cpu_defaults.yml"
 MODELS_DIR = CONFIGS_DIR / "models"
+# Written beside a converted checkpoint: its model keys, used when no model_name is given.
+MODEL_CONFIG_FILE = "model_config.yml"
 ENV_PREFIX = "M_"
 
 # Values computed from other keys; setting them directly is a mistake we can explain.
@@ -215,11 +217,27 @@ def _model_values(model_name: str, schema: Mapping[str, Any]) -> dict[str, Any]:
   if not path.is_file():
     known = sorted(p.stem for p in MODELS_DIR.glob("*.yml"))
     raise ConfigError(f"unknown model_name {model_name!r}; known models: {', '.join(known)}")
+  return _read_model_keys(path, schema)
+
+
+def _read_model_keys(path: Path, schema: Mapping[str, Any]) -> dict[str, Any]:
   values = read_yaml(path)
   for key in values:
     if key not in schema:
       raise _unknown_key_error(key, schema, str(path))
   return {k: coerce(k, v, schema[k]) for k, v in values.items()}
+
+
+def _model_layer(overrides: Overrides, schema: Mapping[str, Any]) -> dict[str, Any]:
+  """configs/models/<model_name>.yml, or, when the user named no model, the model keys saved
+  beside load_parameters_path (a converted checkpoint's model_config.yml) if there are any."""
+  named = "model_name" in overrides.file_values or "model_name" in overrides.explicit_keys()
+  checkpoint = str(overrides.peek("load_parameters_path"))
+  saved = Path(checkpoint) / MODEL_CONFIG_FILE if checkpoint else None
+  if named or saved is None or not saved.is_file():
+    return _model_values(str(overrides.peek("model_name")), schema)
+  print(f"config: no model_name given; using the model keys saved with the checkpoint in {saved}")
+  return _read_model_keys(saved, schema)
 
 
 def resolve_values(overrides: Overrides, platform: str) -> dict[str, Any]:
@@ -229,7 +247,7 @@ def resolve_values(overrides: Overrides, platform: str) -> dict[str, Any]:
   if platform == "cpu" and overrides.peek("cpu_defaults"):
     values.update({k: coerce(k, v, schema[k]) for k, v in read_yaml(CPU_DEFAULTS_PATH).items()})
   values.update(overrides.file_values)
-  values.update(_model_values(str(overrides.peek("model_name")), schema))
+  values.update(_model_layer(overrides, schema))
   values.update(overrides.env_values)
   values.update(overrides.argv_values)
   return values

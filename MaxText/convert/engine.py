@@ -1,0 +1,214 @@
+"""Applies a family's tensor table in either direction, and matches HF configs to ours.
+
+HF → ours streams: each HF tensor is transformed and written straight into a disk-backed
+(memory-mapped) array of our parameter tree, then dropped, so host memory holds about one
+tensor (plus the transposed copy) at a time. The staged tree is then written to Orbax
+without copying it into memory (see `save_staged_params`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import yaml
+
+from MaxText.config import MODEL_CONFIG_FILE
+from MaxText.config_groups import ModelConfig
+from MaxText.convert import registry
+from MaxText.errors import ConfigError, UserError
+
+PARAMS = "params"  # the single item of a parameters-only checkpoint (MaxText.checkpointing's layout)
+
+
+def _layer_key(cfg: ModelConfig, layer: int | None) -> tuple[tuple[str, ...], tuple[int, ...]]:
+  """Where layer `layer`'s parameters live: ('layers',) with a leading index when scanned."""
+  if layer is None:
+    return (), ()
+  return (("layers",), (layer,)) if cfg.scan_layers else ((f"layers_{layer}",), ())
+
+
+def _flat_abstract(abstract_params: Any) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
+  flat = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+  return {tuple(str(k.key) for k in path): leaf for path, leaf in flat}
+
+
+class StagedParams:
+  """Our parameter tree as memory-mapped files under `directory`, filled one slice at a time."""
+
+  def __init__(self, abstract_params: Any, directory: str, weight_dtype: np.dtype):
+    self.directory = Path(directory)
+    self.leaves = _flat_abstract(abstract_params)
+    self.dtype = np.dtype(weight_dtype)
+    self._written: dict[tuple[str, ...], set[tuple[int, ...]]] = {}
+    self._depth: dict[tuple[str, ...], int] = {}
+
+  def _file(self, path: tuple[str, ...]) -> Path:
+    return self.directory / ("__".join(path) + ".bin")
+
+  def put(self, path: tuple[str, ...], index: tuple[int, ...], value: np.ndarray, source: str) -> None:
+    if path not in self.leaves:
+      raise ConfigError(f"HF tensor {source} maps to {'/'.join(path)}, which this model config does not have; "
+                        "check the model keys (e.g. decoder_block, logits_via_embedding)")
+    leaf = self.leaves[path]
+    expected = tuple(leaf.shape[len(index):])
+    if tuple(value.shape) != expected:
+      raise ConfigError(f"HF tensor {source} becomes shape {tuple(value.shape)} but {'/'.join(path)} expects "
+                        f"{expected}; the model config does not match the checkpoint")
+    written = self._written.setdefault(path, set())
+    if index in written:
+      raise UserError(f"HF tensor {source} sets {'/'.join(path)}{list(index) or ''} a second time")
+    mode = "r+" if self._file(path).exists() else "w+"
+    staged = np.memmap(self._file(path), dtype=self.dtype, mode=mode, shape=tuple(leaf.shape))
+    staged[index] = value.astype(self.dtype)
+    staged.flush()
+    del staged  # unmap: the written pages belong to the page cache, not to this process
+    written.add(index)
+    self._depth[path] = len(index)
+
+  def missing(self) -> list[str]:
+    out = []
+    for path, leaf in self.leaves.items():
+      depth = self._depth.get(path, 0)
+      if len(self._written.get(path, ())) < math.prod(leaf.shape[:depth]):
+        out.append("/".join(path))
+    return out
+
+  def tree(self) -> dict:
+    """The nested dict of read-only memory maps (what gets saved)."""
+    out: dict = {}
+    for path, leaf in self.leaves.items():
+      node = out
+      for key in path[:-1]:
+        node = node.setdefault(key, {})
+      node[path[-1]] = np.memmap(self._file(path), dtype=self.dtype, mode="r", shape=tuple(leaf.shape))
+    return out
+
+
+def _match(maps: list[registry.TensorMap], name: str) -> tuple[registry.TensorMap, int | None, int | None] | None:
+  for m in maps:
+    found = m.pattern().match(name)
+    if found:
+      groups = found.groupdict()
+      return m, int(groups["i"]) if "i" in groups else None, int(groups["e"]) if "e" in groups else None
+  return None
+
+
+def stage_hf_tensors(tensors: Iterable[tuple[str, np.ndarray]], family: registry.Family, cfg: ModelConfig,
+                     staged: StagedParams) -> int:
+  """Streams HF tensors into `staged`; returns the largest HF tensor's size in bytes."""
+  maps = family.tensors(cfg)
+  largest, unknown = 0, []
+  for name, array in tensors:
+    largest = max(largest, array.nbytes)
+    found = _match(maps, name)
+    if found is None:
+      unknown.append(name)
+      continue
+    tensor_map, layer, expert = found
+    if layer is not None and layer >= cfg.num_decoder_layers:
+      raise ConfigError(f"HF tensor {name} is for layer {layer}, but the model has {cfg.num_decoder_layers} layers")
+    prefix, index = _layer_key(cfg, layer)
+    index = index + ((expert,) if expert is not None else ())
+    for path, value in zip(tensor_map.ours, tensor_map.to_ours(array, cfg)):
+      staged.put(prefix + tuple(path.split("/")), index, value, name)
+  if unknown:
+    raise ConfigError(f"{len(unknown)} HF tensor(s) have no mapping in the {family.name} converter, e.g. "
+                      f"{', '.join(unknown[:3])}; is this the right model family?")
+  missing = staged.missing()
+  if missing:
+    raise ConfigError(f"the HF checkpoint does not fill {len(missing)} of our parameters, e.g. "
+                      f"{', '.join(missing[:3])}; some shards may be missing")
+  return largest
+
+
+def hf_tensors_from_params(params: Mapping[str, Any], family: registry.Family,
+                           cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+  """(HF name, array) for every tensor the family writes, from our (scanned or unrolled) params."""
+  def leaf(path: str, layer: int | None, expert: int | None) -> np.ndarray:
+    prefix, index = _layer_key(cfg, layer)
+    node: Any = params
+    for key in prefix + tuple(path.split("/")):
+      node = node[key]
+    index = index + ((expert,) if expert is not None else ())
+    return np.asarray(node[index] if index else node)
+
+  for m in family.tensors(cfg):
+    if not m.write:
+      continue
+    layers = range(cfg.num_decoder_layers) if m.per_layer else [None]
+    experts = range(cfg.num_experts) if m.per_expert else [None]
+    for layer in layers:
+      for expert in experts:
+        name = m.hf.format(i=layer, e=expert)
+        yield name, m.to_hf(tuple(leaf(p, layer, expert) for p in m.ours), cfg)
+
+
+def save_staged_params(path: str, params: Any) -> None:
+  """Writes a parameters-only checkpoint ({"params": params}, the layout `checkpointing.load_params`
+  reads) from host arrays WITHOUT first copying them: Orbax's default numpy handler deep-copies
+  every host array, which would put the whole model in memory; the save is synchronous, so the
+  memory maps stay valid until it finishes."""
+  if Path(path).exists():
+    raise UserError(f"{path} already exists; choose a new output path or remove it first")
+  handlers = ocp.type_handlers.create_type_handler_registry(
+      (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
+      (jax.Array, ocp.type_handlers.ArrayHandler()))
+  checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=handlers))
+  checkpointer.save(os.path.abspath(path), args=ocp.args.PyTreeSave({PARAMS: params}))
+  checkpointer.close()
+
+
+# ---- model keys: HF config.json ↔ our base.yml keys
+
+def canonical(keys: Mapping[str, Any]) -> dict[str, Any]:
+  """Architecture keys with settings that have no effect blanked, so equal models compare equal."""
+  out = {k: keys[k] for k in registry.ARCHITECTURE_KEYS if k in keys}
+  out["mlp_activations"] = list(out.get("mlp_activations", []))
+  out["attention_layer_pattern"] = list(out.get("attention_layer_pattern", []))
+  if not out.get("query_pre_attn_scalar"):
+    out["query_pre_attn_scalar"] = float(out.get("head_dim", 0))
+  if "local" not in out["attention_layer_pattern"]:
+    out["sliding_window_size"] = None
+  if out.get("rope_type") != "llama3":
+    for key in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position"):
+      out[key] = None
+  if out.get("position_embedding") != "learned":
+    out["max_position_embeddings"] = None
+  if out.get("position_embedding") != "rope":
+    for key in ("rope_min_timescale", "rope_max_timescale", "rope_interleaved", "rope_type"):
+      out[key] = None
+  for key, value in out.items():  # 1 and 1.0 are the same setting
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      out[key] = float(value)
+  return out
+
+
+def differences(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:
+  a, b = canonical(ours), canonical(theirs)
+  return [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in registry.ARCHITECTURE_KEYS if a.get(k) != b.get(k)]
+
+
+def full_model_keys(schema: Mapping[str, Any], inferred: Mapping[str, Any]) -> dict[str, Any]:
+  """Every architecture key: the inferred ones over base.yml's defaults."""
+  return {k: inferred.get(k, schema[k]) for k in registry.ARCHITECTURE_KEYS if k in schema}
+
+
+def override_args(keys: Mapping[str, Any]) -> list[str]:
+  """key=value arguments equivalent to `keys` (lists in YAML flow style)."""
+  def text(value: Any) -> str:
+    return "[" + ",".join(map(str, value)) + "]" if isinstance(value, (list, tuple)) else str(value)
+  return [f"{k}={text(v)}" for k, v in keys.items()]
+
+
+def write_model_config(output_path: str, keys: Mapping[str, Any], source: str) -> Path:
+  path = Path(output_path) / MODEL_CONFIG_FILE
+  header = (f"# Model keys of this checkpoint (converted from {source}); train.py, the logit checker and\n"
+            "# maxtext_to_hf read them when load_parameters_path points here and no model_name is given.\n")
+  path.write_text(header + yaml.safe_dump(dict(keys), sort_keys=False, default_flow_style=None))
+  return path

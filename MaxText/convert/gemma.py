@@ -1,0 +1,87 @@
+"""Gemma (HF `gemma`) and Gemma 2 (HF `gemma2`): config and tensor mappings.
+
+The tensors follow the Llama layout (see llama.py); the embedding is tied (no lm_head) and
+the RMSNorm weights are stored as the gain's offset from 1 in both frameworks. Gemma 2's
+four norms per layer map as
+  input_layernorm            → pre_self_attention_layer_norm
+  post_attention_layernorm   → attention_output_norm   (on the attention output)
+  pre_feedforward_layernorm  → post_self_attention_layer_norm   (in front of the MLP)
+  post_feedforward_layernorm → mlp_output_norm
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from MaxText.config_groups import ModelConfig
+from MaxText.convert import registry as r
+from MaxText.convert.llama import (decoder_tensors, embedding_tensors, gated_mlp_tensors, rope_hf_config, rope_keys,
+                                   shape_hf_config, shape_keys)
+
+# HF activation names that are the tanh-approximated GELU our "gelu" computes.
+_TANH_GELU = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
+
+
+def _activation(hf: Mapping[str, Any]) -> None:
+  key = "hidden_activation" if hf.get("hidden_activation") else "hidden_act"
+  r.require_hf(hf, key, _TANH_GELU, "gelu_pytorch_tanh")
+
+
+def gemma_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  _activation(hf)
+  r.require_hf(hf, "attention_bias", (False,), False)
+  r.require_hf(hf, "tie_word_embeddings", (True,), True)
+  return {"decoder_block": "gemma", **shape_keys(hf), **rope_keys(hf), "mlp_activations": ["gelu", "linear"],
+          "normalization_type": "rms_plus_one", "logits_via_embedding": True, "scale_embedding": True}
+
+
+def gemma_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+  return {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", **shape_hf_config(cfg),
+          **rope_hf_config(cfg), "hidden_act": "gelu_pytorch_tanh", "attention_bias": False,
+          "max_position_embeddings": max(cfg.max_target_length, 8192)}
+
+
+def gemma_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
+  return embedding_tensors(cfg) + decoder_tensors(cfg) + gated_mlp_tensors()
+
+
+def gemma2_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  keys = gemma_model_keys(hf)
+  num_layers = hf["num_hidden_layers"]
+  layer_types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                          for i in range(num_layers)]
+  window = hf.get("sliding_window")
+  pattern = r.attention_pattern([kind == "sliding_attention" and bool(window) for kind in layer_types])
+  keys.update(decoder_block="gemma2", attention_layer_pattern=pattern,
+              attn_logits_soft_cap=float(hf.get("attn_logit_softcapping") or 0.0),
+              final_logits_soft_cap=float(hf.get("final_logit_softcapping") or 0.0),
+              query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", keys["head_dim"])))
+  if "local" in pattern:
+    keys["sliding_window_size"] = int(window)
+  return keys
+
+
+def gemma2_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+  pattern = cfg.attention_layer_pattern
+  layer_types = ["sliding_attention" if pattern[i % len(pattern)] == "local" else "full_attention"
+                 for i in range(cfg.num_decoder_layers)]
+  return {**gemma_hf_config(cfg), "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+          "hidden_activation": "gelu_pytorch_tanh", "layer_types": layer_types,
+          "sliding_window": cfg.sliding_window_size, "attn_logit_softcapping": cfg.attn_logits_soft_cap or None,
+          "final_logit_softcapping": cfg.final_logits_soft_cap or None,
+          "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim}
+
+
+def gemma2_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
+  layer = "model.layers.{i}."
+  attention = [m for m in decoder_tensors(cfg) if not m.hf.endswith("post_attention_layernorm.weight")]
+  return embedding_tensors(cfg) + attention + gated_mlp_tensors() + [
+      r.one(layer + "post_attention_layernorm.weight", "attention_output_norm/scale"),
+      r.one(layer + "pre_feedforward_layernorm.weight", "post_self_attention_layer_norm/scale"),
+      r.one(layer + "post_feedforward_layernorm.weight", "mlp_output_norm/scale"),
+  ]
+
+
+r.register_family(r.Family("gemma", ("gemma",), ("gemma",), gemma_model_keys, gemma_hf_config, gemma_tensors))
+r.register_family(r.Family("gemma2", ("gemma2",), ("gemma2",), gemma2_model_keys, gemma2_hf_config,
+                           gemma2_tensors))

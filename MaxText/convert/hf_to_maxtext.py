@@ -1,0 +1,62 @@
+"""Hugging Face checkpoint → parameters-only Orbax checkpoint.
+
+  python3 -m MaxText.convert.hf_to_maxtext --hf_path DIR --output_path CKPT [model_name=<name>] \\
+      [scan_layers=True|False] [weight_dtype=float32|bfloat16] [key=value ...]
+
+Without model_name the family and every dimension come from DIR/config.json (printed as
+key=value overrides); with it, a disagreement with config.json is an error naming the keys.
+Writes CKPT (load it with `load_parameters_path=CKPT`) and CKPT/model_config.yml.
+
+Memory: HF tensors are read one at a time (safetensors shard by shard; .bin shards
+memory-mapped) and written into memory-mapped staging files beside CKPT, so the process holds
+about one tensor and its transposed copy at a time; the Orbax write then streams from those
+files (Orbax is told not to copy host arrays). Staging needs disk space for one extra copy of
+the converted model, removed at the end.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import tempfile
+from pathlib import Path
+
+from MaxText import models
+from MaxText.convert import cli, engine, hf_io, registry
+from MaxText.errors import UserError, run_cli
+
+PROG = "hf_to_maxtext"
+
+
+def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict:
+  """Converts and returns a summary (tensor bytes, peak memory) for logs and tests."""
+  if Path(output_path).exists():
+    raise UserError(f"{output_path} already exists; choose a new --output_path or remove it first")
+  target = cli.start_cpu_backend()
+  hf_config = hf_io.read_hf_config(hf_path)
+  config, model_keys = cli.config_matching_hf(hf_config, user_args, hf_path, target, PROG)
+  cfg = config.model
+  family = registry.family_for_hf_config(hf_config)
+  spec = models.build_model_spec(cfg)
+  parent = Path(output_path).absolute().parent
+  parent.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=parent, prefix=".hf_to_maxtext-staging-") as staging_dir:
+    staged = engine.StagedParams(spec.abstract_params, staging_dir, cfg.weight_dtype)
+    largest = engine.stage_hf_tensors(hf_io.iter_hf_tensors(hf_path), family, cfg, staged)
+    engine.save_staged_params(output_path, staged.tree())
+  saved = engine.write_model_config(output_path, {**model_keys, "scan_layers": cfg.scan_layers}, hf_path)
+  peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  print(f"{PROG}: wrote {output_path} ({family.name}, {cfg.num_decoder_layers} layers, "
+        f"{'scanned' if cfg.scan_layers else 'unrolled'}, {cfg.weight_dtype}) and {saved.name}; largest HF tensor "
+        f"{largest / 2**20:.1f} MiB, peak resident memory {peak_mib:.0f} MiB (includes the runtime and mapped pages)")
+  return {"largest_tensor_bytes": largest, "peak_rss_mib": peak_mib}
+
+
+def main(argv: list[str]) -> int:
+  flags, user_args = cli.split_args(argv[1:], ("hf_path", "output_path"))
+  convert(flags["hf_path"], flags["output_path"], user_args)
+  return 0
+
+
+if __name__ == "__main__":
+  run_cli(main, sys.argv)

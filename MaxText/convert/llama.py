@@ -1,0 +1,146 @@
+"""Llama 2 / 3 / 3.1 (HF `llama`) and Mistral (HF `mistral`): config and tensor mappings.
+
+HF names (per layer i)                               ours (inside layer i)
+  model.layers.{i}.input_layernorm.weight            pre_self_attention_layer_norm/scale
+  model.layers.{i}.self_attn.{q,k,v}_proj.weight     self_attention/{query,key,value}/kernel [D, heads, H]
+  model.layers.{i}.self_attn.o_proj.weight           self_attention/out/kernel [N, H, D]
+  model.layers.{i}.post_attention_layernorm.weight   post_self_attention_layer_norm/scale
+  model.layers.{i}.mlp.{gate,up,down}_proj.weight    mlp/{wi_0,wi_1,wo}/kernel
+and model.embed_tokens / model.norm / lm_head at the top. HF stores RoPE in the halves
+layout our default uses; with rope_interleaved the q/k kernels are permuted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from MaxText.config_groups import ModelConfig
+from MaxText.convert import registry as r
+from MaxText.errors import ConfigError
+
+
+def decoder_tensors(cfg: ModelConfig, prefix: str = "model.layers.{i}.") -> list[r.TensorMap]:
+  """Attention and norm tensors of a Llama-layout layer (also Gemma's and Mixtral's)."""
+  q_in, q_out = r.heads_in(r.query_heads, rope=True)
+  k_in, k_out = r.heads_in(r.kv_heads, rope=True)
+  v_in, v_out = r.heads_in(r.kv_heads)
+  attn = prefix + "self_attn."
+  return [
+      r.one(prefix + "input_layernorm.weight", "pre_self_attention_layer_norm/scale"),
+      r.one(prefix + "post_attention_layernorm.weight", "post_self_attention_layer_norm/scale"),
+      r.one(attn + "q_proj.weight", "self_attention/query/kernel", q_in, q_out),
+      r.one(attn + "k_proj.weight", "self_attention/key/kernel", k_in, k_out),
+      r.one(attn + "v_proj.weight", "self_attention/value/kernel", v_in, v_out),
+      r.one(attn + "o_proj.weight", "self_attention/out/kernel", r.heads_out, r.heads_out_to_hf),
+  ]
+
+
+def gated_mlp_tensors(prefix: str = "model.layers.{i}.mlp.") -> list[r.TensorMap]:
+  return [
+      r.one(prefix + "gate_proj.weight", "mlp/wi_0/kernel", r.transpose, r.transpose),
+      r.one(prefix + "up_proj.weight", "mlp/wi_1/kernel", r.transpose, r.transpose),
+      r.one(prefix + "down_proj.weight", "mlp/wo/kernel", r.transpose, r.transpose),
+  ]
+
+
+def embedding_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
+  """Token table, final norm and (untied) output projection; a tied checkpoint's lm_head copy is skipped."""
+  maps = [r.one("model.embed_tokens.weight", "token_embedder/embedding"),
+          r.one("model.norm.weight", "decoder_norm/scale")]
+  if cfg.logits_via_embedding:
+    return maps + [r.ignored("lm_head.weight")]
+  return maps + [r.one("lm_head.weight", "logits_dense/kernel", r.transpose, r.transpose)]
+
+
+def llama_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
+  return embedding_tensors(cfg) + decoder_tensors(cfg) + gated_mlp_tensors() + [
+      r.ignored("model.layers.{i}.self_attn.rotary_emb.inv_freq")]  # a buffer older checkpoints saved
+
+
+def rope_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  """RoPE keys from either the transformers>=5 `rope_parameters` or the older `rope_theta`/`rope_scaling`."""
+  params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+  theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+  rope_type = params.get("rope_type", params.get("type", "default"))
+  keys: dict[str, Any] = {"rope_max_timescale": float(theta), "rope_type": "default"}
+  if rope_type == "llama3":
+    keys.update(rope_type="llama3", rope_scaling_factor=float(params["factor"]),
+                rope_low_freq_factor=float(params["low_freq_factor"]),
+                rope_high_freq_factor=float(params["high_freq_factor"]),
+                rope_original_max_position=int(params["original_max_position_embeddings"]))
+  elif rope_type != "default":
+    raise ConfigError(f"HF rope type {rope_type!r} is not supported (supported: default, llama3)")
+  return keys
+
+
+def max_positions(cfg: ModelConfig) -> int:
+  """HF's max_position_embeddings (metadata for RoPE models): the scaled context for llama3 RoPE."""
+  if cfg.rope_type == "llama3":
+    return int(cfg.rope_original_max_position * cfg.rope_scaling_factor)
+  return max(cfg.max_target_length, 4096)
+
+
+def rope_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+  params: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_max_timescale}
+  if cfg.rope_type == "llama3":
+    params.update(factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_low_freq_factor,
+                  high_freq_factor=cfg.rope_high_freq_factor,
+                  original_max_position_embeddings=cfg.rope_original_max_position)
+  return {"rope_parameters": params, "rope_theta": cfg.rope_max_timescale}
+
+
+def shape_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  """Widths, heads and depth shared by every Llama-layout config.json."""
+  heads = hf["num_attention_heads"]
+  return {
+      "base_emb_dim": hf["hidden_size"], "base_num_query_heads": heads,
+      "base_num_kv_heads": hf.get("num_key_value_heads") or heads, "base_mlp_dim": hf["intermediate_size"],
+      "base_num_decoder_layers": hf["num_hidden_layers"], "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+      "vocab_size": hf["vocab_size"], "normalization_layer_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
+  }
+
+
+def shape_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+  return {
+      "hidden_size": cfg.emb_dim, "num_attention_heads": cfg.num_query_heads, "num_key_value_heads": cfg.num_kv_heads,
+      "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_decoder_layers, "head_dim": cfg.head_dim,
+      "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.normalization_layer_epsilon,
+      "tie_word_embeddings": cfg.logits_via_embedding,
+  }
+
+
+def llama_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  r.require_hf(hf, "hidden_act", ("silu",), "silu")
+  r.require_hf(hf, "attention_bias", (False,), False)
+  r.require_hf(hf, "mlp_bias", (False,), False)
+  return {"decoder_block": "llama2", **shape_keys(hf), **rope_keys(hf), "mlp_activations": ["silu", "linear"],
+          "logits_via_embedding": bool(hf.get("tie_word_embeddings", False))}
+
+
+def llama_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+  return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape_hf_config(cfg),
+          **rope_hf_config(cfg), "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+          "max_position_embeddings": max_positions(cfg)}
+
+
+def mistral_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  r.require_hf(hf, "hidden_act", ("silu",), "silu")
+  window = hf.get("sliding_window")
+  keys = {"decoder_block": "mistral", **shape_keys(hf), **rope_keys(hf), "mlp_activations": ["silu", "linear"],
+          "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
+          "attention_layer_pattern": ["local"] if window else ["global"]}
+  if window:
+    keys["sliding_window_size"] = int(window)
+  return keys
+
+
+def mistral_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+  window = cfg.sliding_window_size if "local" in cfg.attention_layer_pattern else None
+  return {"architectures": ["MistralForCausalLM"], "model_type": "mistral", **shape_hf_config(cfg),
+          **rope_hf_config(cfg), "hidden_act": "silu", "sliding_window": window,
+          "max_position_embeddings": max_positions(cfg)}
+
+
+r.register_family(r.Family("llama", ("llama",), ("llama2",), llama_model_keys, llama_hf_config, llama_tensors))
+r.register_family(r.Family("mistral", ("mistral",), ("mistral",), mistral_model_keys, mistral_hf_config,
+                           llama_tensors))

@@ -1,0 +1,98 @@
+"""Our checkpoint → a Hugging Face model directory (config.json + safetensors shards).
+
+  python3 -m MaxText.convert.maxtext_to_hf --checkpoint CKPT --output_path DIR [model_name=<name>] \\
+      [max_shard_mb=5000] [key=value ...]
+
+CKPT may be a parameters-only checkpoint (model keys from its model_config.yml unless
+model_name is given), a training step directory or a run's checkpoints directory (then pass
+model_name and the overrides the run used). `transformers.AutoModelForCausalLM.from_pretrained(DIR)`
+loads the result. Tensors are written in the checkpoint's weight dtype. The parameters are
+loaded whole (host memory ~ the model size); the HF tensors are produced and written shard
+by shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from MaxText import checkpointing, models
+from MaxText import config as config_lib
+from MaxText.convert import cli, engine, hf_io, registry
+from MaxText.errors import ConfigError, UserError, run_cli
+
+PROG = "maxtext_to_hf"
+
+
+def _load_params(checkpoint: str, config: config_lib.Config) -> tuple[Any, Any]:
+  """(numpy params, ModelConfig), trying the other layer layout if the checkpoint is not in the configured one."""
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  first_error: UserError | None = None
+  for scan_layers in (config.model.scan_layers, not config.model.scan_layers):
+    cfg = dataclasses.replace(config.model, scan_layers=scan_layers)
+    spec = models.build_model_spec(cfg)
+    shardings = jax.tree.map(lambda _: device, spec.abstract_params)
+    try:
+      params = checkpointing.load_params(checkpoint, spec.abstract_params, shardings)
+    except UserError as e:
+      first_error = first_error or e
+      continue
+    return jax.tree.map(np.asarray, params), cfg
+  raise first_error
+
+
+def _hf_config(config: config_lib.Config, family: registry.Family) -> dict[str, Any]:
+  """config.json for the model, refusing models the HF class would compute differently."""
+  hf_config = family.hf_config(config.model)
+  schema = config_lib.read_yaml(config_lib.BASE_CONFIG_PATH)
+  round_trip = engine.full_model_keys(schema, family.model_keys(hf_config))
+  lost = engine.differences(dict(config.values), round_trip)
+  if lost:
+    raise ConfigError(f"HF {hf_config['model_type']} cannot express this model (ours vs what HF would "
+                      f"compute): {'; '.join(lost)}")
+  return hf_config
+
+
+def export(checkpoint: str, output_path: str, user_args: list[str], max_shard_mb: int = 5000) -> list[str]:
+  out = Path(output_path)
+  if out.exists() and any(out.iterdir()):
+    raise UserError(f"{output_path} exists and is not empty; choose a new --output_path")
+  target = cli.start_cpu_backend()
+  config = cli.config_for_checkpoint(checkpoint, user_args, target, PROG)
+  family = registry.family_for_decoder_block(config.model.decoder_block)
+  hf_config = _hf_config(config, family)
+  params, cfg = _load_params(checkpoint, config)
+  out.mkdir(parents=True, exist_ok=True)
+  writer = hf_io.SafetensorsWriter(output_path, max_shard_mb * 2**20)
+  for name, array in engine.hf_tensors_from_params(params, family, cfg):
+    writer.add(name, array)
+  files = writer.close()
+  dtype = str(np.dtype(cfg.weight_dtype))
+  (out / hf_io.CONFIG_FILE).write_text(json.dumps({**hf_config, "dtype": dtype}, indent=2) + "\n")
+  print(f"{PROG}: wrote {output_path} ({hf_config['model_type']}, {len(files)} safetensors file(s), "
+        f"{writer.total_bytes / 2**20:.1f} MiB, {dtype})")
+  return files
+
+
+def main(argv: list[str]) -> int:
+  flags, user_args = cli.split_args(argv[1:], ("checkpoint", "output_path"))
+  shard_args = [a for a in user_args if a.startswith("max_shard_mb=")]
+  user_args = [a for a in user_args if not a.startswith("max_shard_mb=")]
+  max_shard_mb = 5000
+  if shard_args:
+    text = shard_args[-1].partition("=")[2]
+    if not text.isdigit() or int(text) < 1:
+      raise UserError(f"max_shard_mb must be a positive whole number of MiB, got {text!r}")
+    max_shard_mb = int(text)
+  export(flags["checkpoint"], flags["output_path"], user_args, max_shard_mb)
+  return 0
+
+
+if __name__ == "__main__":
+  run_cli(main, sys.argv)

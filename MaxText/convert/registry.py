@@ -1,0 +1,195 @@
+"""Per-family checkpoint mappings between Hugging Face and this framework, in one registry.
+
+A family module (llama.py, gemma.py, gpt3.py, ...) describes itself with a `Family`:
+  * which HF `model_type`s it reads and which `decoder_block`s it writes,
+  * `model_keys(hf_config)`: HF config.json → our base.yml model keys,
+  * `hf_config(cfg)`: our ModelConfig → HF config.json,
+  * `tensors(cfg)`: a list of `TensorMap`s, one per HF tensor name.
+and calls `register_family(...)` at import. To add a family, add its module name to
+FAMILY_MODULES; nothing else changes (the converters and the logit checker look families
+up here).
+
+A `TensorMap` pairs ONE HF tensor with one or more of ours (a fused HF tensor such as
+GPT-2's c_attn feeds three of our kernels). Names may hold "{i}" (layer index) and "{e}"
+(expert index): our paths are then relative to one layer (and, with "{e}", index the
+leading expert dimension of our tensor), so the same table serves scanned and unrolled
+stacks. Converting HF → ours streams tensor by tensor through the table; ours → HF walks
+the table. `write=False` marks an alternative HF form that is read but never written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from MaxText.config_groups import ModelConfig
+from MaxText.errors import ConfigError
+
+# One module per family; each registers itself on import.
+FAMILY_MODULES = ("llama", "gemma", "gpt3", "mixtral")
+
+# The base.yml keys that fix a checkpoint's architecture (parameter shapes and the function
+# they compute). model_config.yml beside a converted checkpoint holds all of them, so a later
+# change of a base.yml default cannot silently change what the checkpoint means.
+ARCHITECTURE_KEYS = (
+    "decoder_block", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim",
+    "base_num_decoder_layers", "head_dim", "vocab_size", "mlp_activations", "normalization_type",
+    "normalization_layer_epsilon", "use_bias", "position_embedding", "max_position_embeddings",
+    "rope_min_timescale", "rope_max_timescale", "rope_interleaved", "rope_type", "rope_scaling_factor",
+    "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position", "attention_layer_pattern",
+    "sliding_window_size", "attn_logits_soft_cap", "final_logits_soft_cap", "query_pre_attn_scalar",
+    "scale_embedding", "logits_via_embedding", "num_experts", "num_experts_per_tok",
+)
+
+Array = np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMap:
+  """One HF tensor ↔ our tensor(s) at `ours` ('/'-separated paths)."""
+
+  hf: str
+  ours: tuple[str, ...]
+  to_ours: Callable[[Array, ModelConfig], tuple[Array, ...]]
+  to_hf: Callable[[tuple[Array, ...], ModelConfig], Array]
+  write: bool = True
+
+  @property
+  def per_layer(self) -> bool:
+    return "{i}" in self.hf
+
+  @property
+  def per_expert(self) -> bool:
+    return "{e}" in self.hf
+
+  def pattern(self) -> re.Pattern:
+    escaped = re.escape(self.hf).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)")
+    return re.compile(escaped + "$")
+
+
+def _same(x: Array, cfg: ModelConfig) -> Array:
+  del cfg
+  return x
+
+
+def one(hf: str, ours: str, to_ours: Callable[[Array, ModelConfig], Array] = _same,
+        to_hf: Callable[[Array, ModelConfig], Array] = _same, write: bool = True) -> TensorMap:
+  """The common 1:1 case: `to_ours`/`to_hf` take and return single arrays."""
+  return TensorMap(hf, (ours,), lambda x, cfg: (to_ours(x, cfg),), lambda xs, cfg: to_hf(xs[0], cfg), write)
+
+
+def ignored(hf: str) -> TensorMap:
+  """An HF tensor to skip (non-persistent buffers, a tied lm_head copy)."""
+  return TensorMap(hf, (), lambda x, cfg: (), lambda xs, cfg: np.zeros(()), write=False)
+
+
+# ---- transforms shared by the families: torch Linear weights are [out, in], our kernels [in, out...].
+
+def transpose(x: Array, cfg: ModelConfig) -> Array:
+  del cfg
+  return x.T
+
+
+def rope_permutation(head_dim: int) -> np.ndarray:
+  """Feature order taking HF's halves RoPE layout to the interleaved one: pair i is
+  (i, i + H/2) in HF and (2i, 2i + 1) interleaved."""
+  half = head_dim // 2
+  return np.stack([np.arange(half), np.arange(half) + half], axis=-1).reshape(-1)
+
+
+def heads_in(num_heads: Callable[[ModelConfig], int], rope: bool = False) -> tuple[Callable, Callable]:
+  """HF [heads*H, D] projection ↔ our [D, heads, H] kernel (q/k permuted when `rope` and
+  the model uses interleaved RoPE; v never is)."""
+  def to_ours(w: Array, cfg: ModelConfig) -> Array:
+    kernel = w.T.reshape(cfg.emb_dim, num_heads(cfg), cfg.head_dim)
+    return kernel[..., rope_permutation(cfg.head_dim)] if rope and cfg.rope_interleaved else kernel
+
+  def to_hf(kernel: Array, cfg: ModelConfig) -> Array:
+    if rope and cfg.rope_interleaved:
+      kernel = kernel[..., np.argsort(rope_permutation(cfg.head_dim))]
+    return kernel.reshape(cfg.emb_dim, -1).T
+  return to_ours, to_hf
+
+
+def heads_out(w: Array, cfg: ModelConfig) -> Array:
+  """HF o_proj [D, N*H] → our out kernel [N, H, D]."""
+  return w.T.reshape(cfg.num_query_heads, cfg.head_dim, cfg.emb_dim)
+
+
+def heads_out_to_hf(kernel: Array, cfg: ModelConfig) -> Array:
+  return kernel.reshape(-1, cfg.emb_dim).T
+
+
+def query_heads(cfg: ModelConfig) -> int:
+  return cfg.num_query_heads
+
+
+def kv_heads(cfg: ModelConfig) -> int:
+  return cfg.num_kv_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  name: str
+  hf_model_types: tuple[str, ...]
+  decoder_blocks: tuple[str, ...]
+  model_keys: Callable[[Mapping[str, Any]], dict[str, Any]]
+  hf_config: Callable[[ModelConfig], dict[str, Any]]
+  tensors: Callable[[ModelConfig], list[TensorMap]]
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+  _FAMILIES[family.name] = family
+  return family
+
+
+def families() -> dict[str, Family]:
+  for module in FAMILY_MODULES:
+    try:
+      importlib.import_module(f"MaxText.convert.{module}")
+    except ModuleNotFoundError as e:
+      if e.name != f"MaxText.convert.{module}":
+        raise
+  return dict(_FAMILIES)
+
+
+def family_for_hf_config(hf_config: Mapping[str, Any]) -> Family:
+  model_type = hf_config.get("model_type")
+  for family in families().values():
+    if model_type in family.hf_model_types:
+      return family
+  known = sorted(t for f in families().values() for t in f.hf_model_types)
+  raise ConfigError(f"HF model_type {model_type!r} has no converter; supported: {', '.join(known)}")
+
+
+def family_for_decoder_block(decoder_block: str) -> Family:
+  for family in families().values():
+    if decoder_block in family.decoder_blocks:
+      return family
+  known = sorted(b for f in families().values() for b in f.decoder_blocks)
+  raise ConfigError(f"decoder_block {decoder_block!r} has no HF converter; supported: {', '.join(known)}")
+
+
+def require_hf(hf_config: Mapping[str, Any], key: str, allowed: Sequence[Any], default: Any = None) -> Any:
+  """Reads an HF config field that must take one of `allowed` values for us to reproduce it."""
+  value = hf_config.get(key, default)
+  if value not in allowed:
+    raise ConfigError(f"HF config {key}={value!r} is not supported by the "
+                      f"{hf_config.get('model_type')} converter (supported: {', '.join(map(repr, allowed))})")
+  return value
+
+
+def attention_pattern(layer_is_local: Sequence[bool]) -> list[str]:
+  """The shortest repeating [local/global...] list that reproduces a per-layer pattern."""
+  kinds = ["local" if local else "global" for local in layer_is_local]
+  for period in range(1, len(kinds) + 1):
+    if all(kinds[i] == kinds[i % period] for i in range(len(kinds))):
+      return kinds[:period]
+  return kinds
