@@ -25,7 +25,9 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
+from MaxText import models
 from MaxText.config_groups import CheckpointConfig
 from MaxText.errors import TrainingError, UserError
 from MaxText.train_state import TrainState
@@ -77,9 +79,18 @@ def _pytree_dir(path: str) -> tuple[Path, str]:
 
 
 def load_params(path: str, abstract_params: Any, shardings: Any) -> Any:
-  """Reads only the parameters from any of our checkpoint kinds, into `shardings`."""
+  """Reads only the parameters from any of our checkpoint kinds, into `shardings`.
+
+  A checkpoint written with the other layer layout (scanned `layers` vs `layers_0..N`) is
+  read in its own layout and converted, so scan_layers may differ between writer and reader.
+  """
   directory, kind = _pytree_dir(path)
-  target = {PARAMS: with_shardings(abstract_params, shardings)}
+  stored_scanned = _stored_layout_is_scanned(directory)
+  wanted_scanned = "layers" in abstract_params
+  convert = stored_scanned is not None and stored_scanned != wanted_scanned
+  read_abstract, read_shardings = (_other_layout(abstract_params, shardings) if convert
+                                   else (abstract_params, shardings))
+  target = {PARAMS: with_shardings(read_abstract, read_shardings)}
   try:
     restored = ocp.PyTreeCheckpointer().restore(
         directory.absolute(), args=ocp.args.PyTreeRestore(
@@ -87,8 +98,53 @@ def load_params(path: str, abstract_params: Any, shardings: Any) -> Any:
   except (ValueError, KeyError, FileNotFoundError) as e:
     raise UserError(f"cannot load parameters from {path} ({kind} checkpoint): {_first_line(e)}; "
                     "check that the model config matches the one that wrote it") from None
-  _log(f"checkpoint: loaded parameters from {path} ({kind} checkpoint)")
-  return restored[PARAMS]
+  params = restored[PARAMS]
+  if convert:
+    num_layers = _num_layers(abstract_params)
+    relayout = models.unstack_layers if stored_scanned else models.stack_layers
+    params = jax.jit(lambda p: relayout(p, num_layers), out_shardings=shardings)(params)
+  layout = "" if not convert else f", {'scanned' if stored_scanned else 'unrolled'} layers converted"
+  _log(f"checkpoint: loaded parameters from {path} ({kind} checkpoint{layout})")
+  return params
+
+
+def _stored_layout_is_scanned(directory: Path) -> bool | None:
+  try:
+    keys = ocp.PyTreeCheckpointer().metadata(directory.absolute()).item_metadata[PARAMS].keys()
+  except Exception:  # noqa: BLE001 - unreadable metadata: let the restore report the problem
+    return None
+  return "layers" in keys
+
+
+def _num_layers(params: Any) -> int:
+  if "layers" in params:
+    return jax.tree.leaves(params["layers"])[0].shape[0]
+  return sum(1 for k in params if k.startswith("layers_"))
+
+
+def _other_layout(abstract_params: Any, shardings: Any) -> tuple[Any, Any]:
+  """Abstract params and shardings in the opposite layer layout (the stacked dim unsharded)."""
+  def unstack(a: jax.ShapeDtypeStruct, s: NamedSharding) -> tuple[Any, Any]:
+    return jax.ShapeDtypeStruct(a.shape[1:], a.dtype), NamedSharding(s.mesh, PartitionSpec(*s.spec[1:]))
+
+  def stack(a: jax.ShapeDtypeStruct, s: NamedSharding, n: int) -> tuple[Any, Any]:
+    return jax.ShapeDtypeStruct((n, *a.shape), a.dtype), NamedSharding(s.mesh, PartitionSpec(None, *s.spec))
+
+  rest = [k for k in abstract_params if k != "layers" and not k.startswith("layers_")]
+  out_a, out_s = {k: abstract_params[k] for k in rest}, {k: shardings[k] for k in rest}
+  num_layers = _num_layers(abstract_params)
+  is_leaf = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
+  if "layers" in abstract_params:
+    pairs = jax.tree.map(unstack, abstract_params["layers"], shardings["layers"], is_leaf=is_leaf)
+    for i in range(num_layers):
+      out_a[f"layers_{i}"] = jax.tree.map(lambda pair: pair[0], pairs, is_leaf=lambda x: isinstance(x, tuple))
+      out_s[f"layers_{i}"] = jax.tree.map(lambda pair: pair[1], pairs, is_leaf=lambda x: isinstance(x, tuple))
+  else:
+    pairs = jax.tree.map(lambda a, s: stack(a, s, num_layers), abstract_params["layers_0"], shardings["layers_0"],
+                         is_leaf=is_leaf)
+    out_a["layers"] = jax.tree.map(lambda pair: pair[0], pairs, is_leaf=lambda x: isinstance(x, tuple))
+    out_s["layers"] = jax.tree.map(lambda pair: pair[1], pairs, is_leaf=lambda x: isinstance(x, tuple))
+  return out_a, out_s
 
 
 def _first_line(error: BaseException) -> str:

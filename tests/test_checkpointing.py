@@ -164,3 +164,25 @@ def test_max_to_keep_prunes_old_checkpoints(tiny_overrides, tmp_path):
     checkpoints.save(step, state, {"step": step}, {})
   checkpoints.close()
   assert checkpoints.all_steps() == [2, 3]
+
+
+def test_generate_param_only_checkpoint_unrolls_and_loads_in_either_layout(trained, tiny_overrides, tmp_path):
+  from MaxText import generate_param_only_checkpoint
+
+  config, run, checkpoints, state = trained
+  checkpoints.close()
+  out = tmp_path / "params_for_decode"
+  generate_param_only_checkpoint.generate(
+      _config(tiny_overrides, tmp_path, param_only_checkpoint_path=str(out), force_unroll=True))
+  assert (out / "model_config.yml").exists()
+  unrolled = Run(_config(tiny_overrides, tmp_path, scan_layers=False))
+  params = checkpointing.load_params(str(out), unrolled.setup.abstract_state.params,
+                                     unrolled.setup.state_shardings.params)
+  assert set(params) >= {"layers_0", "layers_1"} and "layers" not in params
+  assert _leaves_equal(params, models.unstack_layers(state.params, 2))
+  # A scanned reader gets the stack back.
+  scanned = checkpointing.load_params(str(out), run.setup.abstract_state.params, run.setup.state_shardings.params)
+  assert _leaves_equal(scanned, state.params)
+  with pytest.raises(UserError, match="already exists"):
+    generate_param_only_checkpoint.generate(
+        _config(tiny_overrides, tmp_path, param_only_checkpoint_path=str(out)))

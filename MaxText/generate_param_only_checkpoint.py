@@ -1,0 +1,62 @@
+"""Write a parameters-only checkpoint (for decode.py or fine-tuning) from a training run's full state.
+
+    python3 -m MaxText.generate_param_only_checkpoint configs/base.yml run_name=RUN \\
+        param_only_checkpoint_path=OUT [force_unroll=True] [load_full_state_path=STEP_OR_CHECKPOINTS_DIR]
+
+Reads only the parameters of the latest complete checkpoint of `run_name` (or of
+`load_full_state_path`), never the optimizer state, so it needs about one model's worth of
+memory. `force_unroll=True` writes `layers_0..N` instead of a scanned stack. The model keys
+are written beside the checkpoint (model_config.yml), so later runs need no model_name.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python3 MaxText/generate_param_only_checkpoint.py`
+  sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+import jax
+
+from MaxText import checkpointing, models, sharding
+from MaxText.config import Config
+from MaxText.convert import engine, registry
+from MaxText.errors import ConfigError, UserError, run_cli
+from MaxText.train import load_config_and_start_backend, log
+
+
+def generate(config: Config) -> str:
+  """Returns the path written."""
+  cfg = config.checkpoint
+  output = cfg.param_only_checkpoint_path
+  if not output:
+    raise ConfigError("set param_only_checkpoint_path=DIR: where to write the parameters-only checkpoint")
+  source = cfg.load_full_state_path or cfg.directory
+  if not Path(source).exists():
+    raise UserError(f"no checkpoint to read: {source} does not exist (set run_name of a run with checkpoints, "
+                    "or load_full_state_path)")
+  if Path(output).exists():
+    raise UserError(f"{output} already exists; choose a new param_only_checkpoint_path or remove it first")
+  mesh = sharding.create_mesh(config.mesh)
+  spec = models.build_model_spec(config.model)
+  params = checkpointing.load_params(source, spec.abstract_params,
+                                     models.shard_params_like(spec, mesh, config.mesh.logical_axis_rules))
+  if cfg.force_unroll and config.model.scan_layers:
+    params = models.unstack_layers(params, config.model.num_decoder_layers)
+  checkpointing.save_params(output, params)
+  if jax.process_index() == 0:
+    keys = {k: config[k] for k in registry.ARCHITECTURE_KEYS if k in config.values}
+    engine.write_model_config(output, keys, f"training checkpoint {source}")
+  layout = "unrolled layers_0..N" if cfg.force_unroll or not config.model.scan_layers else "scanned layers"
+  log(f"wrote parameters-only checkpoint ({layout}) to {output}")
+  return output
+
+
+def main(argv: list[str]) -> int:
+  generate(load_config_and_start_backend(argv))
+  return 0
+
+
+if __name__ == "__main__":
+  run_cli(main)
