@@ -6,6 +6,8 @@ multiply-add counts 2):
   per token, forward:
     attention projections  2·D·H·(N + 2K)  (q, k, v)  +  2·N·H·D  (output)
     MLP                    2·D·F·(number of mlp_activations)  +  2·F·D
+                           (MoE: that times num_experts_per_tok, plus the router 2·D·E; the
+                           useful routed work, not the padded capacity slots the kernel runs)
     logits                 2·D·V
   per sequence, forward, attention scores and the weighted sum of values:
     2 · 2·L²·N·H, halved for causal masking (only the lower triangle is useful work)
@@ -41,6 +43,8 @@ def forward_flops_per_sequence(cfg: ModelConfig, length: int, causal: bool = Tru
   d, n, k, h, f, v = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
   attn_proj = 2 * d * h * (n + 2 * k) + 2 * n * h * d
   mlp = 2 * d * f * len(cfg.mlp_activations) + 2 * f * d
+  if cfg.num_experts > 1:
+    mlp = mlp * cfg.num_experts_per_tok + 2 * d * cfg.num_experts
   weights = length * ((attn_proj + mlp) * cfg.num_decoder_layers + 2 * d * v)
   scores = 2 * 2 * length * length * n * h * cfg.num_decoder_layers
   return float(weights), float(scores / 2 if causal else scores)

@@ -17,20 +17,24 @@ Metrics = dict[str, jax.Array]
 
 
 def loss_sums(model: ModelSpec, params: Any, batch: Batch, dropout_rng: jax.Array | None,
-              z_loss_multiplier: float) -> tuple[jax.Array, Metrics]:
+              z_loss_multiplier: float, load_balance_loss_weight: float = 0.0) -> tuple[jax.Array, Metrics]:
   """Summed (not averaged) loss over non-padding targets, so micro-batches add up exactly.
 
-  Returns (cross-entropy sum + z_loss_multiplier * z-loss sum, {xent_sum, z_loss_sum, weight_sum}).
+  Returns (cross-entropy sum + z_loss_multiplier * z-loss sum + load_balance_loss_weight * MoE
+  load-balancing sum, {xent_sum, z_loss_sum, moe_lb_loss_sum, weight_sum}). The load-balancing loss
+  is a per-batch mean, so it enters weighted by the batch's target count (0 for dense models).
   """
-  logits_BLV = model.apply(params, batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"],
-                           dropout_rng)
+  logits_BLV, aux = model.apply_with_aux(params, batch["inputs"], batch["inputs_position"],
+                                         batch["inputs_segmentation"], dropout_rng)
   xent_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["targets"])
   weights_BL = (batch["targets_segmentation"] != 0).astype(jnp.float32)
   # z-loss pushes log Z towards 0, keeping logits from drifting (PaLM's stabiliser).
   z_BL = jnp.square(jax.nn.logsumexp(logits_BLV, axis=-1))
   xent_sum, z_sum = jnp.sum(xent_BL * weights_BL), jnp.sum(z_BL * weights_BL)
-  total = xent_sum + z_loss_multiplier * z_sum
-  return total, {"xent_sum": xent_sum, "z_loss_sum": z_sum, "weight_sum": jnp.sum(weights_BL)}
+  weight_sum = jnp.sum(weights_BL)
+  lb_sum = aux.get("moe_lb_loss", jnp.zeros((), jnp.float32)) * weight_sum
+  total = xent_sum + z_loss_multiplier * z_sum + load_balance_loss_weight * lb_sum
+  return total, {"xent_sum": xent_sum, "z_loss_sum": z_sum, "moe_lb_loss_sum": lb_sum, "weight_sum": weight_sum}
 
 
 def _split_microbatches(batch: Batch, num_micro: int) -> Batch:
@@ -45,7 +49,8 @@ def _split_microbatches(batch: Batch, num_micro: int) -> Batch:
 def _grads_and_sums(setup: StateSetup, config, params: Any, batch: Batch,
                     dropout_rng: jax.Array | None) -> tuple[Any, Metrics]:
   grad_fn = jax.grad(
-      lambda p, b, r: loss_sums(setup.model, p, b, r, config.optim.z_loss_multiplier), has_aux=True)
+      lambda p, b, r: loss_sums(setup.model, p, b, r, config.optim.z_loss_multiplier,
+                                config.model.load_balance_loss_weight), has_aux=True)
   num_micro = config.optim.gradient_accumulation_steps
   if num_micro == 1:
     return grad_fn(params, batch, dropout_rng)
@@ -61,7 +66,7 @@ def _grads_and_sums(setup: StateSetup, config, params: Any, batch: Batch,
     return (grads_acc, jax.tree.map(jnp.add, sums_acc, sums)), None
 
   zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-  zero_sums = {k: jnp.zeros((), jnp.float32) for k in ("xent_sum", "z_loss_sum", "weight_sum")}
+  zero_sums = {k: jnp.zeros((), jnp.float32) for k in ("xent_sum", "z_loss_sum", "moe_lb_loss_sum", "weight_sum")}
   (grads, sums), _ = jax.lax.scan(accumulate, (zero_grads, zero_sums), (micro_batches, rngs))
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
   return grads, sums
@@ -88,6 +93,8 @@ def make_train_step(setup: StateSetup, config) -> Callable[[TrainState, Batch, j
         "learning_rate": schedule(state.step),
         "num_tokens": sums["weight_sum"],
     }
+    if config.model.num_experts > 1:
+      metrics["moe_lb_loss"] = sums["moe_lb_loss_sum"] / num_tokens
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   return train_step

@@ -1,0 +1,167 @@
+"""Sparse mixture-of-experts MLP: top-k routing over gated (SwiGLU) experts, as in Mixtral.
+
+Shape legend (extends layers/__init__.py): E num_experts, k num_experts_per_tok,
+A = k·L routed assignments per sequence, C expert capacity (slots per expert per sequence).
+
+Routing. Router logits x·W_gate are computed in the activation dtype, the softmax
+over all E experts in float32; each token keeps its k most probable experts and
+their probabilities renormalised to sum to one (the Mixtral / HF rule). The
+token's output is the weighted sum of those experts' gated MLPs.
+
+Capacity and dropping. Routing happens per sequence (one batch row is one routing
+group, so routing never crosses batch shards). Each expert has
+C = min(L, ceil(capacity_factor · k · L / E)) slots per sequence. Slots are handed
+out in priority order: every token's first choice in sequence order, then every
+token's second choice, and so on. An assignment that finds its expert full is
+dropped: that expert adds nothing to that token, the token's kept experts still add
+their (not renormalised) weights, and a token that loses all k choices gets zeros
+from this block, i.e. it passes the layer on the residual connection alone.
+capacity_factor <= 0 is dropless: C = L, which no expert can overflow because a
+token picks an expert at most once. Dropless is exact (what HF computes) but pads
+every expert to L slots, so the expert matmuls cost E/k times the routed FLOPs;
+set capacity_factor (e.g. 1.25) to train faster.
+
+Load balancing (Switch Transformer, as Mixtral trains it). With f_e the fraction of
+tokens whose top-k includes expert e (before any dropping; the f_e sum to k) and P_e
+the mean router probability of e over the tokens, the loss is E · Σ_e f_e · P_e:
+k for perfectly even routing, up to k·E when every token goes to the same experts.
+It is computed per layer over the whole batch (padding included), sown as
+`moe_lb_loss`, averaged over layers by models.py and added to the training loss
+with weight load_balance_loss_weight by train_step.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from MaxText import sharding
+from MaxText.config_groups import ModelConfig
+from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.mlp import ACTIVATION_FNS
+
+# The expert buffer leads with E so "exp" claims the expert mesh axis first; the batch
+# dimension then falls back to its rule without the expert axis. Going from the
+# batch-sharded tokens to this layout is the all-to-all of expert parallelism.
+_BUFFER_NAMES = ("activation_exp", "activation_batch", None, "activation_embed")
+_TOKEN_BUFFER_NAMES = ("activation_batch", None, None, "activation_embed")
+
+
+class ExpertKernel(nnx.Module):
+  """Stacked weights of all experts, [E, in, out], initialised per expert by fan-in."""
+
+  def __init__(self, num_experts: int, dim_in: int, dim_out: int, names: tuple[str, str, str], *,
+               weight_dtype: jnp.dtype, rngs: nnx.Rngs):
+    init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=2,
+                                             batch_axis=(0,))
+    self.kernel = nnx.Param(init(rngs.params(), (num_experts, dim_in, dim_out), weight_dtype), out_sharding=names)
+
+
+def expert_capacity(cfg: ModelConfig, length: int) -> int:
+  """Slots per expert for one sequence of `length` tokens (see the module docstring)."""
+  if cfg.capacity_factor <= 0:
+    return length
+  even_share = cfg.num_experts_per_tok * length / cfg.num_experts
+  return max(1, min(length, math.ceil(cfg.capacity_factor * even_share)))
+
+
+def route(logits_BLE: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(router probabilities [B, L, E], chosen experts [B, L, k], their renormalised weights [B, L, k])."""
+  probs_BLE = jax.nn.softmax(logits_BLE.astype(jnp.float32), axis=-1)
+  top_probs_BLk, experts_BLk = jax.lax.top_k(probs_BLE, top_k)
+  weights_BLk = top_probs_BLk / jnp.sum(top_probs_BLk, axis=-1, keepdims=True)
+  return probs_BLE, experts_BLk, weights_BLk
+
+
+def load_balance_loss(probs_BLE: jax.Array, experts_BLk: jax.Array) -> jax.Array:
+  """E · Σ_e (fraction of tokens routed to e) · (mean router probability of e)."""
+  num_experts = probs_BLE.shape[-1]
+  num_tokens = probs_BLE.shape[0] * probs_BLE.shape[1]
+  routed_E = jnp.sum(jax.nn.one_hot(experts_BLk, num_experts, dtype=jnp.float32), axis=(0, 1, 2)) / num_tokens
+  mean_prob_E = jnp.mean(probs_BLE, axis=(0, 1))
+  return num_experts * jnp.sum(routed_E * mean_prob_E)
+
+
+def assign_slots(experts_BLk: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+  """Flattens choices to assignments in priority order (choice-major) and gives each its
+  slot in its expert: a running count of earlier assignments to the same expert.
+
+  Returns (expert [B, A], slot [B, A]); slot >= capacity means dropped.
+  """
+  batch = experts_BLk.shape[0]
+  expert_BA = jnp.swapaxes(experts_BLk, 1, 2).reshape(batch, -1)
+  onehot_BAE = jax.nn.one_hot(expert_BA, num_experts, dtype=jnp.int32)
+  slot_BA = jnp.sum((jnp.cumsum(onehot_BAE, axis=1) - 1) * onehot_BAE, axis=-1)
+  return expert_BA, slot_BA
+
+
+def _dispatch_one(x_LD: jax.Array, expert_A: jax.Array, slot_A: jax.Array, num_experts: int,
+                  capacity: int, top_k: int) -> jax.Array:
+  """One sequence's tokens copied into their experts' slots: [E, C, D] (empty slots are 0)."""
+  x_AD = jnp.tile(x_LD, (top_k, 1))
+  buffer_ECD = jnp.zeros((num_experts, capacity, x_LD.shape[-1]), x_LD.dtype)
+  return buffer_ECD.at[expert_A, slot_A].set(x_AD, mode="drop", unique_indices=True)
+
+
+def _combine_one(out_ECD: jax.Array, expert_A: jax.Array, slot_A: jax.Array, weight_A: jax.Array,
+                 top_k: int) -> jax.Array:
+  """Each token's weighted sum of its experts' outputs: [L, D]; dropped assignments read 0."""
+  rows_AD = out_ECD.at[expert_A, slot_A].get(mode="fill", fill_value=0)
+  rows_AD = rows_AD * weight_A[:, None].astype(rows_AD.dtype)
+  return jnp.sum(rows_AD.reshape(top_k, -1, rows_AD.shape[-1]), axis=0)
+
+
+class MoeBlock(nnx.Module):
+  """Drop-in for MlpBlock (same call): x [B, L, D] -> [B, L, D]; sows `moe_lb_loss`."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    e, d, f = cfg.num_experts, cfg.emb_dim, cfg.mlp_dim
+    dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
+    # The router is tiny; its expert dimension stays replicated.
+    self.gate = DenseGeneral((d,), (e,), ("embed", None), dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
+    for i in range(len(cfg.mlp_activations)):
+      setattr(self, f"wi_{i}", ExpertKernel(e, d, f, ("exp", "embed", "mlp"), weight_dtype=weight_dtype, rngs=rngs))
+    self.wo = ExpertKernel(e, f, d, ("exp", "mlp", "embed"), weight_dtype=weight_dtype, rngs=rngs)
+    self.cfg, self.dtype = cfg, dtype
+
+  def _experts(self, x_EBCD: jax.Array) -> jax.Array:
+    """Every expert's gated MLP over its slots, one batched matmul per projection."""
+    hidden_EBCF = None
+    for i, name in enumerate(self.cfg.mlp_activations):
+      kernel_EDF = getattr(self, f"wi_{i}").kernel[...].astype(self.dtype)
+      h = ACTIVATION_FNS[name](checkpoint_name(jnp.einsum("ebcd,edf->ebcf", x_EBCD, kernel_EDF), "mlpwi"))
+      hidden_EBCF = h if hidden_EBCF is None else hidden_EBCF * h
+    out_EBCD = jnp.einsum("ebcf,efd->ebcd", hidden_EBCF, self.wo.kernel[...].astype(self.dtype))
+    return checkpoint_name(out_EBCD, "mlpwo")
+
+  def __call__(self, x_BLD: jax.Array) -> jax.Array:
+    # Why index scatter/gather and not one-hot dispatch einsums: a [L, E, C] one-hot
+    # dispatch mask costs O(L·E·C·D) FLOPs and memory quadratic in L per sequence; here
+    # each routed token costs one row copy in and one row copy out (O(k·L·D)), and the
+    # experts stay one batched matmul over a static [E, B, C, D] buffer, the dense tile
+    # shape MXUs and tensor cores run at full rate. vmap over sequences gives the
+    # scatter/gather batch dimensions, which the SPMD partitioner keeps local to each
+    # batch shard.
+    cfg = self.cfg
+    top_k, num_experts, length = cfg.num_experts_per_tok, cfg.num_experts, x_BLD.shape[1]
+    x_BLD = x_BLD.astype(self.dtype)
+    probs_BLE, experts_BLk, weights_BLk = route(self.gate(x_BLD), top_k)
+    self.sow(nnx.Intermediate, "moe_lb_loss", load_balance_loss(probs_BLE, experts_BLk))
+
+    capacity = expert_capacity(cfg, length)
+    expert_BA, slot_BA = assign_slots(experts_BLk, num_experts)
+    weight_BA = jnp.swapaxes(weights_BLk, 1, 2).reshape(weights_BLk.shape[0], -1)
+    dispatch = jax.vmap(_dispatch_one, in_axes=(0, 0, 0, None, None, None))
+    # Pinning the buffer to the token layout first keeps the scatter local; the change of
+    # layout below is then one all-to-all (left unpinned, XLA all-gathers the tokens instead).
+    buffer_BECD = sharding.constrain(dispatch(x_BLD, expert_BA, slot_BA, num_experts, capacity, top_k),
+                                     _TOKEN_BUFFER_NAMES)
+    buffer_EBCD = sharding.constrain(jnp.swapaxes(buffer_BECD, 0, 1), _BUFFER_NAMES)
+    out_EBCD = sharding.constrain(self._experts(buffer_EBCD), _BUFFER_NAMES)
+    out_BECD = sharding.constrain(jnp.swapaxes(out_EBCD, 0, 1), _TOKEN_BUFFER_NAMES)
+    combine = jax.vmap(_combine_one, in_axes=(0, 0, 0, 0, None))
+    return combine(out_BECD, expert_BA, slot_BA, weight_BA, top_k)

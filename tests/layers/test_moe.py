@@ -1,0 +1,259 @@
+"""Sparse MoE (Mixtral): HF logits, the load-balancing loss, capacity dropping, expert-parallel training.
+
+Shape legend: B batch, L length, D emb_dim, E experts, k experts per token.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from MaxText import metrics, models, sharding, train_state
+from MaxText.config import Config
+from MaxText.convert import mixtral
+from MaxText.errors import ConfigError
+from MaxText.layers import moe
+from train_utils import Run
+
+D, N, K, H, F, V, E, TOP_K, LAYERS, LENGTH = 64, 4, 2, 16, 128, 128, 4, 2, 2, 24
+MOE = dict(num_experts=E, num_experts_per_tok=TOP_K)
+
+
+def tiny_mixtral(**overrides) -> Config:
+  values = dict(base_emb_dim=D, base_num_query_heads=N, base_num_kv_heads=K, head_dim=H, base_mlp_dim=F,
+                base_num_decoder_layers=LAYERS, vocab_size=V, rope_max_timescale=1e6, normalization_layer_epsilon=1e-5,
+                dtype="float32", print_config=False, **MOE)
+  return Config.for_testing(**{**values, **overrides})
+
+
+# ---------------------------------------------------------------- against Hugging Face
+
+
+@pytest.fixture(scope="module")
+def hf_mixtral():
+  """A random tiny MixtralForCausalLM (2 layers, 4 experts, top-2, GQA) and a token batch."""
+  torch = pytest.importorskip("torch", reason="needs torch (EXTRAS=test bash setup.sh)")
+  transformers = pytest.importorskip("transformers", reason="needs transformers (EXTRAS=test bash setup.sh)")
+  torch.manual_seed(0)
+  hf_config = transformers.MixtralConfig(
+      vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=LAYERS, num_attention_heads=N,
+      num_key_value_heads=K, head_dim=H, num_local_experts=E, num_experts_per_tok=TOP_K, rope_theta=1e6,
+      sliding_window=None, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False)
+  model = transformers.MixtralForCausalLM(hf_config).eval()
+  with torch.no_grad():
+    # HF's init (std 0.02) leaves router probabilities near uniform; a wider router makes the
+    # top-k choices and their renormalised weights differ clearly from token to token.
+    for layer in model.model.layers:
+      layer.mlp.gate.weight.mul_(25.0)
+  tokens = np.random.default_rng(0).integers(0, V, size=(2, LENGTH))
+  return torch, model, tokens
+
+
+def _hf_logits(torch, model, tokens) -> tuple[np.ndarray, tuple]:
+  with torch.no_grad():
+    out = model(torch.tensor(tokens), output_router_logits=True)
+  return out.logits.float().numpy(), out.router_logits
+
+
+def _ours(config: Config, hf_model, tokens) -> tuple[np.ndarray, dict]:
+  weights = {name: t.detach().float().numpy() for name, t in hf_model.state_dict().items()}
+  params = mixtral.from_hf(weights, config.model)
+  if config.model.scan_layers:
+    params = models.stack_layers(params, LAYERS)
+  spec = models.build_model_spec(config.model)
+  assert jax.tree.structure(spec.abstract_params) == jax.tree.structure(params)
+  positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+  logits, aux = jax.jit(spec.apply_with_aux)(params, jnp.asarray(tokens), jnp.asarray(positions),
+                                             jnp.ones(tokens.shape, jnp.int32))
+  return np.asarray(logits), aux
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_float32_logits_and_aux_loss_match_hf(hf_mixtral, scan_layers):
+  torch, hf_model, tokens = hf_mixtral
+  expected, router_logits = _hf_logits(torch, hf_model, tokens)
+  ours, aux = _ours(tiny_mixtral(scan_layers=scan_layers), hf_model, tokens)
+  # Dropless routing is exact, so only float32 summation order differs (observed ~1e-6).
+  np.testing.assert_allclose(ours, expected, atol=2e-5, rtol=2e-5)
+  # HF pools router statistics over all layers; ours is the per-layer loss averaged over
+  # layers (Switch applies it per layer), so compare with HF's function applied layer by layer.
+  from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+  per_layer = [float(load_balancing_loss_func((logits,), E, TOP_K)) for logits in router_logits]
+  np.testing.assert_allclose(float(aux["moe_lb_loss"]), np.mean(per_layer), rtol=1e-5)
+
+
+def test_bfloat16_logits_match_hf(hf_mixtral):
+  torch, hf_model, tokens = hf_mixtral
+  truth, _ = _hf_logits(torch, hf_model, tokens)
+  hf_bf16 = type(hf_model)(hf_model.config).eval()
+  hf_bf16.load_state_dict(hf_model.state_dict())
+  hf_bf16 = hf_bf16.to(torch.bfloat16)
+  hf_logits, _ = _hf_logits(torch, hf_bf16, tokens)
+  ours, _ = _ours(tiny_mixtral(dtype="bfloat16", scan_layers=True), hf_model, tokens)
+  # bfloat16 keeps 8 mantissa bits (relative rounding 2**-9 ≈ 0.2% per op) and both sides round
+  # at different points (we keep norms, softmaxes and routing in float32), so the bar is HF's own
+  # bfloat16 error against float32: ours may not be more than twice as far from the truth.
+  hf_error, our_error = np.abs(hf_logits - truth).max(), np.abs(ours - truth).max()
+  assert our_error <= 2 * hf_error, (our_error, hf_error)
+  # And no routing decision flipped: a flipped expert would move logits by O(logit scale).
+  scale = np.abs(truth).max()
+  np.testing.assert_allclose(ours, hf_logits, atol=0.02 * scale)
+
+
+# ---------------------------------------------------------------- the layer itself
+
+
+def test_load_balance_loss_hand_computed():
+  probs_BLE = jnp.array([[[0.9, 0.1], [0.8, 0.2], [0.3, 0.7], [0.6, 0.4]]])
+  experts_BLk = jnp.argmax(probs_BLE, axis=-1)[..., None]  # top-1: experts 0, 0, 1, 0
+  # fraction routed (0.75, 0.25), mean probability (0.65, 0.35): 2 * (0.4875 + 0.0875) = 1.15
+  np.testing.assert_allclose(float(moe.load_balance_loss(probs_BLE, experts_BLk)), 1.15, rtol=1e-6)
+  # Even routing and uniform probabilities give k (here top-2 of 4 experts: 2).
+  uniform_BLE = jnp.full((1, 4, 4), 0.25)
+  pairs_BLk = jnp.array([[[0, 1], [2, 3], [0, 1], [2, 3]]])
+  np.testing.assert_allclose(float(moe.load_balance_loss(uniform_BLE, pairs_BLk)), 2.0, rtol=1e-6)
+
+
+def _block(cfg: Config, gate_DE: np.ndarray | None = None) -> moe.MoeBlock:
+  with nnx.use_eager_sharding(False):
+    block = moe.MoeBlock(cfg.model, rngs=nnx.Rngs(params=1))
+  if gate_DE is not None:
+    block.gate.kernel[...] = jnp.asarray(gate_DE)
+  return block
+
+
+def _apply(block: moe.MoeBlock, x_BLD: np.ndarray) -> np.ndarray:
+  return np.asarray(nnx.capture(block, nnx.Intermediate)(jnp.asarray(x_BLD))[0])
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+  return x / (1.0 + np.exp(-x))
+
+
+def _reference(block: moe.MoeBlock, x_BLD: np.ndarray, capacity: int) -> np.ndarray:
+  """Token-by-token loops implementing the documented policy: first choices claim slots
+  before second choices, in sequence order; an over-capacity assignment adds nothing."""
+  probs_BLE, experts_BLk, weights_BLk = (np.asarray(a) for a in moe.route(block.gate(jnp.asarray(x_BLD)), TOP_K))
+  wi_0, wi_1, wo = (np.asarray(m.kernel[...]) for m in (block.wi_0, block.wi_1, block.wo))
+  out_BLD = np.zeros_like(x_BLD)
+  for b in range(x_BLD.shape[0]):
+    used = np.zeros(E, int)
+    for j in range(TOP_K):
+      for t in range(x_BLD.shape[1]):
+        e = experts_BLk[b, t, j]
+        used[e] += 1
+        if used[e] > capacity:
+          continue
+        h = _silu(x_BLD[b, t] @ wi_0[e]) * (x_BLD[b, t] @ wi_1[e])
+        out_BLD[b, t] += weights_BLk[b, t, j] * (h @ wo[e])
+  return out_BLD
+
+
+def test_capacity_drops_overflow_as_documented():
+  x_BLD = np.random.default_rng(1).normal(size=(2, 8, D)).astype(np.float32)
+  # A router biased towards expert 0 (feature 0 is shifted up), so it overflows.
+  x_BLD[..., 0] = np.abs(x_BLD[..., 0]) + 1.0
+  gate_DE = np.random.default_rng(2).normal(size=(D, E)).astype(np.float32) * 0.1
+  gate_DE[0, 0] = 5.0
+  # capacity_factor 1.0: C = ceil(1.0 * 2 * 8 / 4) = 4 slots per expert for 8 tokens.
+  cfg = tiny_mixtral(capacity_factor=1.0)
+  assert moe.expert_capacity(cfg.model, 8) == 4
+  block = _block(cfg, gate_DE)
+  _, experts_BLk, _ = moe.route(block.gate(jnp.asarray(x_BLD)), TOP_K)
+  assert int(jnp.sum(experts_BLk[..., 0] == 0)) == 16  # every first choice is expert 0: 4 kept per row
+  ours = _apply(block, x_BLD)
+  np.testing.assert_allclose(ours, _reference(block, x_BLD, capacity=4), atol=1e-5, rtol=1e-5)
+  # Tokens 4..7 lost expert 0 but keep their second expert; the dropless block differs exactly there.
+  dropless = _apply(_block(tiny_mixtral(capacity_factor=-1.0), gate_DE), x_BLD)
+  np.testing.assert_allclose(dropless, _reference(block, x_BLD, capacity=8), atol=1e-5, rtol=1e-5)
+  changed = np.abs(ours - dropless).max(axis=-1) > 1e-6
+  assert (changed[:, 4:].all() and not changed[:, :4].any()), changed
+  assert np.abs(ours[:, 4:]).min(axis=-1).max() > 0  # not zeroed: the second expert still adds
+
+
+def test_token_losing_every_choice_gets_zeros():
+  cfg = tiny_mixtral(capacity_factor=0.01)  # C = 1 slot per expert
+  assert moe.expert_capacity(cfg.model, 8) == 1
+  x_BLD = np.ones((1, 8, D), np.float32)  # identical tokens pick the same two experts
+  out_BLD = _apply(_block(cfg), x_BLD)
+  assert np.abs(out_BLD[0, 0]).max() > 0 and np.abs(out_BLD[0, 1:]).max() == 0
+
+
+def test_layer_sows_its_loss_and_models_average_it():
+  cfg = tiny_mixtral(scan_layers=False)
+  spec = models.build_model_spec(cfg.model)
+  params = jax.jit(spec.init_params)(jax.random.key(0))
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, V, size=(2, 16)))
+  positions, segments = jnp.broadcast_to(jnp.arange(16), tokens.shape), jnp.ones(tokens.shape, jnp.int32)
+  logits, aux = jax.jit(spec.apply_with_aux)(params, tokens, positions, segments)
+  np.testing.assert_array_equal(np.asarray(logits), np.asarray(jax.jit(spec.apply)(params, tokens, positions, segments)))
+  # Each layer's loss lies in [k, k·E]; the model reports their mean.
+  assert set(aux) == {"moe_lb_loss"} and TOP_K <= float(aux["moe_lb_loss"]) <= TOP_K * E
+  dense = models.build_model_spec(tiny_mixtral(num_experts=1, num_experts_per_tok=1).model)
+  dense_aux = jax.eval_shape(dense.apply_with_aux, dense.abstract_params, tokens, positions, segments)[1]
+  assert dense_aux == {}
+
+
+# ---------------------------------------------------------------- config, sharding, training
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(num_experts=0), "num_experts must be >= 1 (1 = dense MLP), got 0"),
+    (dict(num_experts=4, num_experts_per_tok=5), "num_experts_per_tok must be between 1 and num_experts (4), got 5"),
+    (dict(load_balance_loss_weight=-0.1), "load_balance_loss_weight must be >= 0, got -0.1"),
+    (dict(num_experts=3, num_experts_per_tok=1, ici_expert_parallelism=2),
+     "num_experts (3) must be a multiple of the expert parallelism"),
+])
+def test_moe_config_errors(overrides, message):
+  with pytest.raises(ConfigError) as info:
+    tiny_mixtral(**overrides)
+  assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_mixtral_8x7b_parameter_count():
+  config = Config.for_testing(model_name="mixtral-8x7b", print_config=False)
+  spec = models.build_model_spec(config.model)
+  total = sum(math.prod(x.shape) for x in jax.tree.leaves(spec.abstract_params))
+  assert abs(total / 46.7e9 - 1) < 0.01, total  # published: 46.7B
+  mlp = spec.abstract_params["layers"]["mlp"]
+  experts = sum(math.prod(mlp[name]["kernel"].shape) for name in ("wi_0", "wi_1", "wo"))
+  active = total - experts + experts * 2 / 8
+  assert abs(active / 12.9e9 - 1) < 0.01, active  # published: 12.9B active per token
+
+
+def test_expert_weights_live_on_the_expert_axis():
+  config = tiny_mixtral(ici_expert_parallelism=2, ici_fsdp_parallelism=-1)
+  setup = train_state.build_state_setup(config, sharding.create_mesh(config.mesh))
+  specs = train_state.shardings_summary(setup.state_shardings.params)
+  # Scanned: [layers, E, D, F]; experts over `expert`, the model dim over FSDP.
+  assert specs["['layers']['mlp']['wi_0']['kernel']"] == (None, "expert", "fsdp", None)
+  assert specs["['layers']['mlp']['wo']['kernel']"] == (None, "expert", None, "fsdp")
+  assert setup.param_unsharded_fraction <= config.mesh.sharding_tolerance
+
+
+def test_training_with_expert_parallelism_lowers_the_loss():
+  config = tiny_mixtral(ici_expert_parallelism=2, ici_fsdp_parallelism=-1, max_target_length=32, vocab_size=64,
+                        learning_rate=3e-3, steps=25, capacity_factor=1.5)
+  run = Run(config)
+  _, history = run.train(run.init(), 25)
+  start, end = np.mean([h["loss"] for h in history[:3]]), np.mean([h["loss"] for h in history[-5:]])
+  assert end < 0.6 * start, (start, end)
+  lb = [h["moe_lb_loss"] for h in history]
+  assert all(TOP_K <= x <= TOP_K * E for x in lb), lb
+
+
+def test_flops_formula_counts_routed_experts_only():
+  # capacity_factor 1 makes the kernel's slots exactly the routed work (C·E = k·L), so XLA's
+  # count of executed FLOPs must agree with the formula (same band as the dense test).
+  config = tiny_mixtral(capacity_factor=1.0, scan_layers=False, max_target_length=32,
+                        ici_data_parallelism=8, ici_fsdp_parallelism=1)
+  spec = models.build_model_spec(config.model)
+  tokens = jax.ShapeDtypeStruct((2, 32), jnp.int32)
+  cost = jax.jit(spec.apply).lower(spec.abstract_params, tokens, tokens, tokens).compile().cost_analysis()
+  xla_flops = (cost[0] if isinstance(cost, list) else cost)["flops"]
+  weights, attention = metrics.forward_flops_per_sequence(config.model, 32, causal=False)
+  ours = 2 * (weights + attention)
+  assert ours <= xla_flops <= 1.06 * ours, (ours, xla_flops)
