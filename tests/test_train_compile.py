@@ -1,0 +1,187 @@
+"""Ahead-of-time compilation: the topology table, compiling for v5e-256 without a TPU,
+does-not-fit reporting, and the saved step file (save -> load -> train on CPU, refusals)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from MaxText import accelerators, aot, train, train_compile
+from MaxText.config import BASE_CONFIG_PATH
+from MaxText.errors import ConfigError, UserError
+
+REPO = Path(__file__).resolve().parent.parent
+# Small enough that a 512-device TPU compile takes seconds, not minutes.
+TPU_TINY = dict(base_emb_dim=128, base_num_query_heads=2, base_num_kv_heads=2, head_dim=64, base_mlp_dim=256,
+                base_num_decoder_layers=1, vocab_size=256, max_target_length=64, per_device_batch_size=1,
+                print_config=False)
+
+
+def argv(**overrides) -> list[str]:
+  return ["train_compile", str(BASE_CONFIG_PATH)] + [f"{k}={v}" for k, v in overrides.items()]
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+  full_env = {**os.environ, **(env or {})}
+  return subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=full_env, capture_output=True, text=True,
+                        timeout=timeout)
+
+
+@pytest.mark.parametrize("name, chips, hosts, topology", [
+    ("v5e-1", 1, 1, "v5e:1x1"), ("v5e-8", 8, 2, "v5e:2x4"), ("v5e-256", 256, 64, "v5e:16x16"),
+    ("v4-8", 4, 1, "v4:2x2x1"), ("v4-384", 192, 48, "v4:4x4x12"), ("v4-4096", 2048, 512, "v4:8x16x16"),
+    ("v5p-8", 4, 1, "v5:2x2x1"), ("v5p-640", 320, 80, "v5:4x4x20"), ("v5p-1152", 576, 144, "v5:4x12x12"),
+    ("v5p-7680", 3840, 960, "v5:12x16x20"), ("v5p-12288", 6144, 1536, "v5:16x16x24"),
+    ("v6e-1", 1, 1, "v6e:1x1"), ("v6e-256", 256, 64, "v6e:16x16"),
+])
+def test_topology_table_matches_published_slice_shapes(name, chips, hosts, topology):
+  t = accelerators.tpu_topology(name)
+  assert (t.chips, t.hosts, t.topology_name) == (chips, hosts, topology)
+  assert t.target(num_slices=2).num_devices == 2 * chips
+
+
+def test_topology_table_hardware_facts_and_names():
+  v5e, v5p = accelerators.tpu_topology("v5e-256"), accelerators.tpu_topology("v5p-128")
+  assert (v5e.generation.hbm_gib, v5e.generation.peak_tflops, v5e.chips_per_host) == (16.0, 197.0, 4)
+  assert (v5p.generation.hbm_gib, v5p.generation.peak_tflops, v5p.generation.chip_config) == (95.0, 459.0, "megacore")
+  assert v5e.wrap == (True, True, False) and accelerators.tpu_topology("v5e-128").wrap == (False, True, False)
+  names = accelerators.known_topology_names()
+  for expected in ("v4-8", "v4-4096", "v5e-1", "v5e-256", "v5p-8", "v5p-12288", "v6e-1", "v6e-256"):
+    assert expected in names
+  with pytest.raises(ConfigError, match=r"unknown compile_topology 'v5e-512'; valid names: v4-8, .*v5e-256.*v5p-12288"):
+    accelerators.tpu_topology("v5e-512")
+
+
+def test_unknown_or_missing_topology_is_a_one_line_error():
+  with pytest.raises(ConfigError, match="unknown compile_topology 'v9-8'"):
+    train_compile.main(argv(compile_topology="v9-8"))
+  with pytest.raises(ConfigError, match="train_compile needs compile_topology=NAME"):
+    train_compile.main(argv())
+  with pytest.raises(ConfigError, match="compile_topology_num_slices must be >= 1"):
+    train_compile.main(argv(compile_topology="v5e-256", compile_topology_num_slices=0))
+
+
+def test_compiles_for_one_v5e_256_slice(capsys):
+  assert train_compile.main(argv(compile_topology="v5e-256", **TPU_TINY)) == 0
+  out = capsys.readouterr().out
+  assert "1 x v5e-256 (v5e:16x16, 64 hosts of 4 chips per slice): 256 devices, TPU v5 lite" in out
+  assert "mesh: fsdp=256" in out
+  assert "generated code" in out and "fits:" in out and "of 16 GiB per v5e chip" in out
+  assert "compiler estimate (not a measurement)" in out and "implied MFU" in out
+
+
+def test_compiles_and_saves_for_two_v5e_256_slices(tmp_path, capsys):
+  path = tmp_path / "step.aot"
+  assert train_compile.main(argv(compile_topology="v5e-256", compile_topology_num_slices=2, dcn_data_parallelism=2,
+                                 compiled_trainstep_file=path, **TPU_TINY)) == 0
+  out = capsys.readouterr().out
+  assert "2 x v5e-256" in out and "512 devices" in out and "mesh: data=2, fsdp=256" in out
+  header, _ = aot.read_header(str(path))
+  assert header["topology"] == "v5e-256"
+  assert header["target"] == {"platform": "tpu", "device_kind": "TPU v5 lite", "num_devices": 512, "num_slices": 2}
+  assert header["batch"]["global_batch_size"] == 512
+  assert header["versions"]["libtpu"] is not None
+
+
+def test_does_not_fit_is_one_line_and_non_zero():
+  big = dict(TPU_TINY, base_emb_dim=4096, base_num_query_heads=32, base_num_kv_heads=32, head_dim=128,
+             base_mlp_dim=16384, base_num_decoder_layers=4, vocab_size=32000)
+  result = run_cli("MaxText.train_compile", *argv(compile_topology="v5e-1", **big)[1:])
+  assert result.returncode == 2, result.stderr[-2000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: does not fit: needs ") and "GiB per chip, v5e has 16 GiB" in last
+  needed = float(last.split("needs ")[1].split(" GiB")[0])
+  assert needed > 16  # 1.3B parameters with AdamW state are ~16 GiB before any activation
+  assert "Traceback" not in result.stderr
+
+
+def test_aot_compile_honours_libtpu_flags():
+  """libtpu parses LIBTPU_INIT_ARGS when it describes the topology: an unknown flag stops the compile."""
+  result = run_cli("MaxText.train_compile", *argv(compile_topology="v5e-4", **TPU_TINY)[1:],
+                   env={"LIBTPU_INIT_ARGS": "--xla_flag_that_does_not_exist_for_test=1"}, timeout=300)
+  assert result.returncode != 0
+  assert "xla_flag_that_does_not_exist_for_test" in result.stderr
+
+
+# ---------------------------------------------------------------- saved step: CPU round trip
+
+
+def _train(tmp_path: Path, run_name: str, overrides: dict, **extra) -> list[float]:
+  args = {**overrides, "run_name": run_name, "base_output_directory": tmp_path, "enable_checkpointing": False,
+          "enable_tensorboard": False, "steps": 3, "cpu_peak_tflops": 1.0, **extra}
+  assert train.main(["train", str(BASE_CONFIG_PATH)] + [f"{k}={v}" for k, v in args.items()]) == 0
+  lines = (tmp_path / run_name / "metrics.jsonl").read_text().splitlines()
+  return [json.loads(line)["loss"] for line in lines]
+
+
+def test_saved_step_trains_like_a_jitted_one_on_cpu(tmp_path, tiny_overrides, capsys):
+  path = tmp_path / "cpu_step.aot"
+  assert train_compile.main(argv(compile_topology="local", compiled_trainstep_file=path, steps=3,
+                                 **tiny_overrides)) == 0
+  assert "compiling for the local cpu devices: 8 devices" in capsys.readouterr().out
+  loaded = _train(tmp_path, "loaded", tiny_overrides, compiled_trainstep_file=path)
+  assert "loaded the compiled executable" in capsys.readouterr().out
+  jitted = _train(tmp_path, "jitted", tiny_overrides)
+  assert len(loaded) == 3 and loaded == jitted  # the same program on the same inputs: bitwise equal
+
+
+def test_mismatched_step_file_is_refused(tmp_path, tiny_overrides):
+  path = tmp_path / "cpu_step.aot"
+  assert train_compile.main(argv(compile_topology="local", compiled_trainstep_file=path, steps=3,
+                                 **tiny_overrides)) == 0
+  with pytest.raises(UserError, match=r"compiled for a different run \(topology local\): .*model.emb_dim: file 64, "
+                                      r"this run 128"):
+    _train(tmp_path, "wider", dict(tiny_overrides, base_emb_dim=128), compiled_trainstep_file=path)
+  with pytest.raises(UserError, match=r"optim.learning_rate: file 0.003, this run 0.01"):
+    _train(tmp_path, "lr", tiny_overrides, compiled_trainstep_file=path, learning_rate=0.01)
+
+  header, offset = aot.read_header(str(path))
+  header["versions"]["jax"] = "0.0.1"
+  payload = path.read_bytes()[offset:]  # rebuild the file by hand with a stale jax version
+  data = json.dumps(header).encode()
+  path.write_bytes(b"MAXTEXT-COMPILED-TRAIN-STEP\n" + len(data).to_bytes(8, "big") + data + payload)
+  with pytest.raises(UserError, match=r"versions.jax: file '0.0.1', this run '"):
+    _train(tmp_path, "stale", tiny_overrides, compiled_trainstep_file=path)
+
+
+def test_files_that_are_not_saved_steps_are_refused(tmp_path, tiny_overrides):
+  junk = tmp_path / "junk.bin"
+  junk.write_bytes(b"\x80\x04not a step")
+  with pytest.raises(UserError, match="is not a compiled train step written by train_compile"):
+    aot.read_header(str(junk))
+  with pytest.raises(UserError, match="cannot read compiled_trainstep_file"):
+    aot.read_header(str(tmp_path / "missing.aot"))
+
+
+# ---------------------------------------------------------------- pure helpers
+
+
+def test_oom_message_parsing_and_wording():
+  message = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+             "(19.70G) exceeds available HBM (15.75G).")
+  assert aot.oom_bytes_from_xla(message) == int(19.70 * aot.GIB)
+  assert aot.oom_bytes_from_xla("Used 20.5G of 15.75G hbm") == int(20.5 * aot.GIB)
+  assert aot.oom_bytes_from_xla("no sizes here") is None
+  assert aot.does_not_fit_message(21.4 * aot.GIB, "v5e", 16.0, "x") == \
+      "does not fit: needs 21.4 GiB per chip, v5e has 16 GiB (x)"
+
+
+def test_estimated_cycles_counts_loop_bodies_per_iteration():
+  hlo = "\n".join([
+      "%body (p: (s32[])) -> (s32[]) {",
+      '  %f = f32[] fusion(%p), kind=kOutput, backend_config={"estimated_cycles":"100"}',
+      "}",
+      "%cond (p: (s32[])) -> pred[] {",
+      "  %c = s32[] constant(16)",
+      "  ROOT %lt = pred[] compare(%x, %c), direction=LT",
+      "}",
+      "ENTRY %main (a: f32[]) -> f32[] {",
+      '  %g = f32[] fusion(%a), kind=kLoop, backend_config={"estimated_cycles":"7"}',
+      "  %w = (s32[]) while(%t), condition=%cond, body=%body",
+      "}",
+  ])
+  assert aot.estimated_cycles(hlo) == 7 + 16 * 100
+  assert aot.estimated_cycles("ENTRY %main () -> f32[] {\n  %a = f32[] add(%x, %y)\n}") is None
