@@ -1,0 +1,105 @@
+"""Each dense family equals Hugging Face transformers (CPU torch) on a tiny random model whose
+distinctive features are on (see tests/hf_families.py), scanned and unrolled, in float32 and
+bfloat16. The parameters go through the converter's tensor tables (MaxText/convert)."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hf_families as H
+
+# float32: |logits| <= 8 here and a forward pass is a few hundred roundings of relative size
+# 6e-8 that mostly cancel; the two implementations order their sums differently, so about
+# 1e-5 separates them (observed: <= 5e-6). A missing feature moves the logits by >= 0.3.
+FP32_ATOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def staging(tmp_path_factory) -> Path:
+  return tmp_path_factory.mktemp("staging")
+
+
+@pytest.mark.parametrize("family", H.FAMILIES)
+def test_float32_logits_match_hf_scanned_and_unrolled(family, staging):
+  model = H.build_hf_model(family)
+  token_ids = H.tokens()
+  expected = H.hf_logits(model, token_ids)
+  for scan_layers in (True, False):
+    config = H.our_config(model, dtype="float32", scan_layers=scan_layers)
+    params = H.our_params(model, config, staging / f"{family}-{scan_layers}")
+    np.testing.assert_allclose(H.our_logits(config, params, token_ids), expected, atol=FP32_ATOL, rtol=0,
+                               err_msg=f"{family} scan_layers={scan_layers}")
+
+
+# Each distinctive feature, switched off on our side, must break the match: the test above
+# would catch a family that silently ignored it.
+_slow = pytest.mark.slow
+FEATURE_OFF = [
+    ("llama3.1", {"rope_type": "default"}),
+    ("mistral", {"attention_layer_pattern": ["global"]}),
+    ("gemma", {"normalization_type": "rms"}),
+    ("gemma2", {"attn_logits_soft_cap": 0.0}),
+    ("gemma2", {"attention_layer_pattern": ["global"]}),
+    pytest.param("gemma", {"scale_embedding": False}, marks=_slow),
+    pytest.param("gemma2", {"final_logits_soft_cap": 0.0}, marks=_slow),
+    pytest.param("gemma2", {"attention_layer_pattern": ["local"]}, marks=_slow),
+    pytest.param("gemma2", {"query_pre_attn_scalar": 0.0}, marks=_slow),
+    pytest.param("gpt3", {"normalization_layer_epsilon": 0.5}, marks=_slow),
+]
+
+
+def _feature_id(case) -> str:
+  family, off = case.values if hasattr(case, "values") else case
+  return f"{family}-{next(iter(off))}={next(iter(off.values()))}"
+
+
+@pytest.mark.parametrize("family, off", FEATURE_OFF, ids=[_feature_id(c) for c in FEATURE_OFF])
+def test_switching_a_feature_off_breaks_the_match(family, off, staging):
+  model = H.build_hf_model(family)
+  token_ids = H.tokens()
+  config = H.our_config(model, dtype="float32", **off)
+  params = H.our_params(model, config, staging / f"off-{family}-{next(iter(off))}")
+  assert np.abs(H.our_logits(config, params, token_ids) - H.hf_logits(model, token_ids)).max() > 100 * FP32_ATOL
+
+
+def _rms(x: np.ndarray) -> float:
+  return float(np.sqrt(np.mean(np.square(x))))
+
+
+@pytest.mark.parametrize("family", H.FAMILIES)
+def test_bfloat16_error_is_no_worse_than_hf_bfloat16(family, staging):
+  """bfloat16 keeps 8 significant bits (relative rounding 2^-9 = 0.2%), so logits of size ~5 move
+  by a few hundredths whoever computes them, and the two implementations round at different
+  points (HF rounds RoPE tables and norm outputs to bf16; we keep those in float32). Neither
+  result is "the" bf16 answer, so both are compared with the float32 reference on the same
+  bf16-rounded weights: our error may exceed HF's own bf16 error by at most 50% (RMS) and 2x
+  (max). A real bug (a wrong norm, mask or scale) moves logits by >= 0.3, far outside this."""
+  model = H.round_to_bfloat16(H.build_hf_model(family))
+  token_ids = H.tokens()
+  reference = H.hf_logits(model, token_ids)
+  hf_bf16 = H.hf_logits(model.to(H.torch.bfloat16), token_ids)
+  model = model.float()
+  config = H.our_config(model, dtype="bfloat16")
+  ours = H.our_logits(config, H.our_params(model, config, staging / f"bf16-{family}"), token_ids)
+  ours_error, hf_error = ours - reference, hf_bf16 - reference
+  assert _rms(ours_error) <= 1.5 * _rms(hf_error), (_rms(ours_error), _rms(hf_error))
+  assert np.abs(ours_error).max() <= 2 * np.abs(hf_error).max(), (np.abs(ours_error).max(), np.abs(hf_error).max())
+  assert (ours.argmax(-1) == reference.argmax(-1)).mean() >= (hf_bf16.argmax(-1) == reference.argmax(-1)).mean() - 0.05
+
+
+def test_interleaved_rope_layout_is_the_same_model(staging):
+  """With rope_interleaved the converter permutes q/k features so the model is unchanged."""
+  model = H.build_hf_model("llama3.1")
+  token_ids = H.tokens()
+  halves = H.our_config(model, dtype="float32")
+  interleaved = H.our_config(model, dtype="float32", rope_interleaved=True)
+  halves_params = H.our_params(model, halves, staging / "rope-halves")
+  interleaved_params = H.our_params(model, interleaved, staging / "rope-interleaved")
+  query = ("layers", "self_attention", "query", "kernel")
+  get = lambda p: p[query[0]][query[1]][query[2]][query[3]]  # noqa: E731
+  assert not np.array_equal(get(halves_params), get(interleaved_params))
+  np.testing.assert_allclose(H.our_logits(interleaved, interleaved_params, token_ids), H.hf_logits(model, token_ids),
+                             atol=FP32_ATOL, rtol=0)
+  # and the halves parameters under the interleaved rotation are a different model
+  assert np.abs(H.our_logits(interleaved, halves_params, token_ids) - H.hf_logits(model, token_ids)).max() > 0.01
