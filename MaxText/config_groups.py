@@ -191,6 +191,8 @@ def _check_moe(v: Mapping[str, Any]) -> None:
            f"num_experts_per_tok must be between 1 and num_experts ({num_experts}), got {top_k}")
   _require(v["load_balance_loss_weight"] >= 0,
            f"load_balance_loss_weight must be >= 0, got {v['load_balance_loss_weight']}")
+  _require(num_experts == 1 or not v["use_bias"],
+           "use_bias=True is not supported with num_experts > 1 (the MoE experts have no biases)")
 
 
 def _fill_auto_axis(degrees: dict[str, int], total: int, group: str) -> dict[str, int]:

@@ -53,6 +53,7 @@ def feed_forward_block(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
 
 @register_decoder("llama2")
 @register_decoder("mistral")
+@register_decoder("mixtral")  # Mistral's layer; its sparse MoE MLP comes from num_experts > 1
 @register_decoder("gemma")
 @register_decoder("gpt3")
 class DecoderLayer(nnx.Module):
