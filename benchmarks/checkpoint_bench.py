@@ -1,0 +1,97 @@
+"""Checkpoint save/restore throughput and the step-time cost of async saving, ~200M parameters on CPU.
+
+    python3 benchmarks/checkpoint_bench.py [--dir /tmp/ckpt_bench] [--steps 4]
+
+The full train state (parameters + AdamW's two moments, float32) is ~2.4 GB. Prints:
+  * synchronous save and restore throughput (GB/s of state bytes),
+  * how long an async save blocks the caller (the device→host copy) and how much it slows
+    the training steps that run while it writes in the background.
+The last line is machine-readable: `RESULT save_gbps=... restore_gbps=... async_block_s=...
+step_s=... step_s_during_async_save=...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# 8 layers of width 1024 (8 heads of 128, MLP 4096, SwiGLU) and a 32000 vocabulary: ~200M parameters.
+MODEL = dict(base_emb_dim=1024, base_num_query_heads=8, base_num_kv_heads=8, head_dim=128, base_mlp_dim=4096,
+             base_num_decoder_layers=8, vocab_size=32000, dtype="float32", remat_policy="none",
+             max_target_length=128, print_config=False)
+
+
+def _timed(fn) -> float:
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--dir", default="/tmp/checkpoint_bench")
+  parser.add_argument("--steps", type=int, default=4, help="train steps timed with and without a save in flight")
+  args = parser.parse_args()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+  import jax
+
+  from MaxText import checkpointing, sharding, train_state, train_step
+  from MaxText.config import Config
+  from MaxText.input_pipeline import create_data_iterator
+
+  shutil.rmtree(args.dir, ignore_errors=True)
+  base = dict(MODEL, per_device_batch_size=1.0 / jax.device_count() if jax.device_count() > 1 else 1.0,
+              base_output_directory=args.dir, run_name="bench", steps=1000)
+  sync_cfg = Config.for_testing(**base, async_checkpointing=False)
+  async_cfg = Config.for_testing(**base, async_checkpointing=True)
+  mesh = sharding.create_mesh(sync_cfg.mesh)
+  setup = train_state.build_state_setup(sync_cfg, mesh)
+  state = train_state.init_state(setup, 0)
+  step_fn = train_step.jit_train_step(setup, sync_cfg, sharding.batch_sharding(mesh, sync_cfg.mesh.data_sharding))
+  data, rng = create_data_iterator(sync_cfg, mesh), jax.random.key(0)
+  num_params = sum(x.size for x in jax.tree.leaves(state.params))
+  state_gb = sum(x.nbytes for x in jax.tree.leaves(state)) / 1e9
+  print(f"state: {num_params / 1e6:.1f}M parameters, {state_gb:.2f} GB with optimizer moments")
+
+  def train(n: int) -> float:
+    nonlocal state
+    start = time.perf_counter()
+    for _ in range(n):
+      state, metrics = step_fn(state, next(data), rng)
+      jax.block_until_ready(metrics)
+    return (time.perf_counter() - start) / n
+
+  train(1)  # compile
+  step_s = train(args.steps)
+
+  checkpoints = checkpointing.RunCheckpoints(sync_cfg.checkpoint)
+  save_s = _timed(lambda: checkpoints.save(1, state, {"step": 1}, {}))
+  checkpoints.close()
+  restore_s = _timed(lambda: jax.block_until_ready(checkpointing.RunCheckpoints(sync_cfg.checkpoint).restore_latest(
+      setup.abstract_state, setup.state_shardings).state))
+
+  checkpoints = checkpointing.RunCheckpoints(async_cfg.checkpoint)
+  block_s = _timed(lambda: checkpoints.save(2, state, {"step": 2}, {}))
+  during_s = train(args.steps)
+  wait_s = _timed(checkpoints.wait)
+  checkpoints.close()
+
+  print(f"sync save: {save_s:.2f} s = {state_gb / save_s:.2f} GB/s; restore: {restore_s:.2f} s = "
+        f"{state_gb / restore_s:.2f} GB/s")
+  print(f"async save: blocks the loop {block_s:.2f} s, then {wait_s:.2f} s more after {args.steps} steps; "
+        f"step time {step_s:.3f} s without a save, {during_s:.3f} s with one in flight "
+        f"({100 * (during_s / step_s - 1):+.1f}%)")
+  print(f"RESULT save_gbps={state_gb / save_s:.3f} restore_gbps={state_gb / restore_s:.3f} "
+        f"async_block_s={block_s:.3f} step_s={step_s:.3f} step_s_during_async_save={during_s:.3f}")
+  shutil.rmtree(args.dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+  main()
