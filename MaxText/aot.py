@@ -69,6 +69,8 @@ def bytes_per_device(tree: Any) -> int:
   """Bytes one device holds of a tree of sharded ShapeDtypeStructs."""
   total = 0
   for leaf in jax.tree.leaves(tree):
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      continue  # the replicated rng key: a few bytes, and no numpy dtype
     shard = leaf.sharding.shard_shape(leaf.shape)
     total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
   return total

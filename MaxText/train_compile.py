@@ -36,6 +36,8 @@ def describe_topology(topology: accelerators.TpuTopology, num_slices: int) -> Se
     # Off a TPU VM libtpu cannot discover its workers and logs a multi-line error about it;
     # naming this host as the only worker silences that without changing the compile.
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # libtpu's lock file guards TPU chips; with none attached, several compiles may run at once.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   description = topologies.get_topology_desc(
       topology_name=topology.topology_name, platform="tpu", chip_config_name=topology.generation.chip_config,
       chips_per_host_bounds=topology.host_bounds, num_slices=num_slices, wrap=topology.wrap)

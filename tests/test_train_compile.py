@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from MaxText import accelerators, aot, train, train_compile
-from MaxText.config import BASE_CONFIG_PATH
+from MaxText import accelerators, aot, sharding, train, train_compile, train_state
+from MaxText.config import BASE_CONFIG_PATH, Config
 from MaxText.errors import ConfigError, UserError
 
 REPO = Path(__file__).resolve().parent.parent
 # Small enough that a 512-device TPU compile takes seconds, not minutes.
-TPU_TINY = dict(base_emb_dim=128, base_num_query_heads=2, base_num_kv_heads=2, head_dim=64, base_mlp_dim=256,
+TPU_TINY = dict(base_emb_dim=256, base_num_query_heads=2, base_num_kv_heads=2, head_dim=64, base_mlp_dim=512,
                 base_num_decoder_layers=1, vocab_size=256, max_target_length=64, per_device_batch_size=1,
                 print_config=False)
 
@@ -108,46 +108,63 @@ def test_aot_compile_honours_libtpu_flags():
 
 # ---------------------------------------------------------------- saved step: CPU round trip
 
+# The conftest tiny model, plus the schedule length (part of the compiled step).
+CPU_TINY = dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16, base_mlp_dim=128,
+                base_num_decoder_layers=2, vocab_size=128, max_target_length=32, per_device_batch_size=1,
+                print_config=False, steps=3)
 
-def _train(tmp_path: Path, run_name: str, overrides: dict, **extra) -> list[float]:
-  args = {**overrides, "run_name": run_name, "base_output_directory": tmp_path, "enable_checkpointing": False,
-          "enable_tensorboard": False, "steps": 3, "cpu_peak_tflops": 1.0, **extra}
+
+@pytest.fixture(scope="module")
+def cpu_step_file(tmp_path_factory) -> Path:
+  path = tmp_path_factory.mktemp("aot") / "cpu_step.aot"
+  assert train_compile.main(argv(compile_topology="local", compiled_trainstep_file=path, **CPU_TINY)) == 0
+  return path
+
+
+def _train(tmp_path: Path, run_name: str, **extra) -> list[float]:
+  args = {**CPU_TINY, "run_name": run_name, "base_output_directory": tmp_path, "enable_checkpointing": False,
+          "enable_tensorboard": False, "cpu_peak_tflops": 1.0, **extra}
   assert train.main(["train", str(BASE_CONFIG_PATH)] + [f"{k}={v}" for k, v in args.items()]) == 0
   lines = (tmp_path / run_name / "metrics.jsonl").read_text().splitlines()
   return [json.loads(line)["loss"] for line in lines]
 
 
-def test_saved_step_trains_like_a_jitted_one_on_cpu(tmp_path, tiny_overrides, capsys):
-  path = tmp_path / "cpu_step.aot"
-  assert train_compile.main(argv(compile_topology="local", compiled_trainstep_file=path, steps=3,
-                                 **tiny_overrides)) == 0
-  assert "compiling for the local cpu devices: 8 devices" in capsys.readouterr().out
-  loaded = _train(tmp_path, "loaded", tiny_overrides, compiled_trainstep_file=path)
+def test_saved_step_trains_like_a_jitted_one_on_cpu(tmp_path, cpu_step_file, capsys):
+  loaded = _train(tmp_path, "loaded", compiled_trainstep_file=cpu_step_file)
   assert "loaded the compiled executable" in capsys.readouterr().out
-  jitted = _train(tmp_path, "jitted", tiny_overrides)
+  jitted = _train(tmp_path, "jitted")
   assert len(loaded) == 3 and loaded == jitted  # the same program on the same inputs: bitwise equal
 
 
-def test_mismatched_step_file_is_refused(tmp_path, tiny_overrides):
-  path = tmp_path / "cpu_step.aot"
-  assert train_compile.main(argv(compile_topology="local", compiled_trainstep_file=path, steps=3,
-                                 **tiny_overrides)) == 0
+def _load_for(path: Path, **overrides) -> None:
+  """What train.py does with compiled_trainstep_file, without initialising or training."""
+  config = Config.for_testing(**{**CPU_TINY, **overrides, "compiled_trainstep_file": str(path)})
+  mesh = sharding.create_mesh(config.mesh)
+  setup = train_state.build_state_setup(config, mesh)
+  aot.train_step_for_run(config, setup, sharding.batch_sharding(mesh, config.mesh.data_sharding))
+
+
+def test_mismatched_step_file_is_refused(tmp_path, cpu_step_file):
+  _load_for(cpu_step_file)  # the matching run loads it
   with pytest.raises(UserError, match=r"compiled for a different run \(topology local\): .*model.emb_dim: file 64, "
                                       r"this run 128"):
-    _train(tmp_path, "wider", dict(tiny_overrides, base_emb_dim=128), compiled_trainstep_file=path)
+    _load_for(cpu_step_file, base_emb_dim=128)
   with pytest.raises(UserError, match=r"optim.learning_rate: file 0.003, this run 0.01"):
-    _train(tmp_path, "lr", tiny_overrides, compiled_trainstep_file=path, learning_rate=0.01)
+    _load_for(cpu_step_file, learning_rate=0.01)
+  with pytest.raises(UserError, match=r"batch.global_batch_size: file 8, this run 16"):
+    _load_for(cpu_step_file, per_device_batch_size=2)
 
-  header, offset = aot.read_header(str(path))
-  header["versions"]["jax"] = "0.0.1"
-  payload = path.read_bytes()[offset:]  # rebuild the file by hand with a stale jax version
+  header, offset = aot.read_header(str(cpu_step_file))
+  header["versions"]["jax"] = "0.0.1"  # as if compiled by another JAX: rebuild the file by hand
   data = json.dumps(header).encode()
-  path.write_bytes(b"MAXTEXT-COMPILED-TRAIN-STEP\n" + len(data).to_bytes(8, "big") + data + payload)
+  stale = tmp_path / "stale.aot"
+  stale.write_bytes(b"MAXTEXT-COMPILED-TRAIN-STEP\n" + len(data).to_bytes(8, "big") + data +
+                    cpu_step_file.read_bytes()[offset:])
   with pytest.raises(UserError, match=r"versions.jax: file '0.0.1', this run '"):
-    _train(tmp_path, "stale", tiny_overrides, compiled_trainstep_file=path)
+    _load_for(stale)
 
 
-def test_files_that_are_not_saved_steps_are_refused(tmp_path, tiny_overrides):
+def test_files_that_are_not_saved_steps_are_refused(tmp_path):
   junk = tmp_path / "junk.bin"
   junk.write_bytes(b"\x80\x04not a step")
   with pytest.raises(UserError, match="is not a compiled train step written by train_compile"):
