@@ -17,7 +17,7 @@ import jax
 from jax.sharding import Mesh
 
 from MaxText import accelerators, checkpointing, config as config_lib, metrics, sharding, train_state, train_step
-from MaxText import xla_flags
+from MaxText import aot, xla_flags
 from MaxText.errors import run_cli
 from MaxText.input_pipeline import create_data_iterator, create_eval_iterator
 from MaxText.layers.attention import select_kernel
@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
       f"{setup.param_unsharded_fraction:.2%} of parameter bytes not fully sharded")
 
   batch_sharding = sharding.batch_sharding(mesh, config.mesh.data_sharding)
-  step_fn = train_step.jit_train_step(setup, config, batch_sharding)
+  step_fn = aot.train_step_for_run(config, setup, batch_sharding)  # jitted, or loaded from compiled_trainstep_file
   flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size,
                                            config.data.max_target_length)
   peak, peak_source = accelerators.peak_tflops_per_device(target, config.run.cpu_peak_tflops)
