@@ -1,0 +1,324 @@
+"""Run one command on every worker of one or more existing TPU VM slices, for development.
+
+  python3 -m MaxText.multihost_runner --TPU_PREFIX=my-v5e --COMMAND="bash setup.sh && python3 -m MaxText.train configs/base.yml run_name=r1"
+  python3 -m MaxText.multihost_runner --TPU_PREFIX=my-v5e --NUM_SLICES=2 --COMMAND="..." --dry-run
+
+Finds the workers (`gcloud compute tpus tpu-vm describe`), copies SCRIPT_DIR to each of them as a
+tarball, starts the command on all of them at once over `gcloud compute tpus tpu-vm ssh`, prints
+slice 0 worker 0's output as it comes and keeps every worker's output in LOG_DIR. The exit code is
+0 only when every worker succeeded. Ctrl-C (or SIGTERM) stops the command on every worker: the
+remote command runs in its own process group whose id is kept in a file, so it can be killed even
+after the ssh session that started it is gone. Production jobs: see multihost_job.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import IO, Iterator
+
+if __package__ in (None, ""):  # `python3 MaxText/multihost_runner.py`: import the package, not sibling files.
+  sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from MaxText import tpu_launch
+from MaxText.errors import UserError, run_cli
+from MaxText.tpu_launch import Gcloud, log_to_stderr
+
+PID_FILE = ".multihost_runner.pid"
+KILL_GRACE_S = 10  # SIGTERM first, so a training run can finish an emergency checkpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class Worker:
+  slice_name: str
+  slice_id: int
+  index: int
+  ip: str
+
+  @property
+  def label(self) -> str:
+    return f"slice-{self.slice_id}-worker-{self.index}"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="python3 -m MaxText.multihost_runner", description=__doc__.split("\n")[0])
+  parser.add_argument("--TPU_PREFIX", required=True,
+                      help="the slice's name; with --NUM_SLICES=N the slices are TPU_PREFIX-0 .. TPU_PREFIX-(N-1)")
+  tpu_launch.add_common_arguments(parser)
+  parser.add_argument("--USE_EXISTING_FOLDER", action="store_true",
+                      help="skip the copy and run in the workers' existing ~/RUN_NAME folder (needs --RUN_NAME)")
+  parser.add_argument("--LOG_DIR", default=None, help="local folder for every worker's log (default: a temp folder)")
+  parser.add_argument("--INTERNAL_IP", action="store_true", help="reach the workers by internal IP (from inside GCP)")
+  parser.add_argument("--MEGASCALE_PORT", type=int, default=8080, help="multislice coordinator port")
+  parser.add_argument("--FAIL_FAST", action="store_true",
+                      help="stop every worker as soon as one fails (default: wait for all of them)")
+  parser.add_argument("--NUM_WORKERS", type=int, default=1,
+                      help="with --dry-run only: workers per slice to print commands for (a real run asks gcloud)")
+  args = parser.parse_args(argv)
+  if args.USE_EXISTING_FOLDER and not args.RUN_NAME:
+    raise UserError("--USE_EXISTING_FOLDER needs --RUN_NAME: the folder ~/RUN_NAME on the workers is reused")
+  tpu_launch.check_common_arguments(args)
+  args.LOG_DIR = Path(args.LOG_DIR or Path(tempfile.gettempdir(), "multihost_runner", args.RUN_NAME))
+  return args
+
+
+# ----------------------------------------------------------------------------------------- discovery
+def describe_slice(gcloud: Gcloud, name: str, slice_id: int) -> list[Worker]:
+  argv = gcloud.command("compute", "tpus", "tpu-vm", "describe", name, "--format=json")
+  try:
+    info = json.loads(gcloud.read(argv, f"describing TPU '{name}'"))
+  except json.JSONDecodeError as e:
+    raise UserError(f"could not read the description of TPU '{name}': {e}") from None
+  state = info.get("state", "UNKNOWN")
+  if state != "READY":
+    raise UserError(f"TPU '{name}' is {state}, not READY; wait for it or recreate it")
+  endpoints = info.get("networkEndpoints") or []
+  if not endpoints:
+    raise UserError(f"TPU '{name}' lists no workers (networkEndpoints is empty)")
+  return [Worker(name, slice_id, i, e.get("ipAddress", "")) for i, e in enumerate(endpoints)]
+
+
+def discover_workers(gcloud: Gcloud, args: argparse.Namespace) -> list[Worker]:
+  names = tpu_launch.slice_names(args.TPU_PREFIX, args.NUM_SLICES)
+  if gcloud.dry_run:
+    # No gcloud call at all in a dry run: the worker count comes from --NUM_WORKERS.
+    print(f"# dry run: {len(names)} slice(s) x {args.NUM_WORKERS} worker(s) assumed (--NUM_WORKERS); "
+          f"a real run reads the workers with: {tpu_launch.quote(gcloud.command('compute', 'tpus', 'tpu-vm', 'describe', names[0], '--format=json'))}")
+    return [Worker(n, s, w, f"<{n}-worker-{w}-ip>") for s, n in enumerate(names) for w in range(args.NUM_WORKERS)]
+  listed = gcloud.read(gcloud.command("compute", "tpus", "tpu-vm", "list", "--format=value(name.basename())"),
+                       "listing TPU VMs").split()
+  missing = [n for n in names if n not in listed]
+  if missing:
+    near = sorted(n for n in listed if n.startswith(args.TPU_PREFIX))
+    hint = f"; TPUs with that prefix: {', '.join(near)}" if near else ""
+    raise UserError(f"no TPU VM named {', '.join(missing)} in this project/zone{hint}")
+  workers = [w for s, n in enumerate(names) for w in describe_slice(gcloud, n, s)]
+  counts = {w.slice_name: w.index + 1 for w in workers}
+  if len(set(counts.values())) > 1:
+    raise UserError(f"the slices have different numbers of workers ({counts}); multislice needs equal slices")
+  return workers
+
+
+# ------------------------------------------------------------------------------ what runs remotely
+def worker_env(worker: Worker, coordinator_ip: str, num_slices: int, port: int) -> dict[str, str]:
+  """The variables that join several slices into one job (the TPU runtime's multislice contract)."""
+  if num_slices == 1:
+    return {}
+  return {"MEGASCALE_COORDINATOR_ADDRESS": f"{coordinator_ip}:{port}", "MEGASCALE_PORT": str(port),
+          "MEGASCALE_NUM_SLICES": str(num_slices), "MEGASCALE_SLICE_ID": str(worker.slice_id)}
+
+
+def remote_script(run_name: str, command: str, env: dict[str, str], unpack: bool) -> str:
+  """The shell text one worker runs over ssh."""
+  folder = f'"$HOME"/{run_name}'  # run names are [-a-z0-9] only, so no further quoting is needed
+  if unpack:
+    prepare = f"mkdir -p {folder} && tar -xzf {folder}.tar.gz -C {folder} && rm -f {folder}.tar.gz"
+  else:
+    prepare = f"test -d {folder} || {{ echo \"error: $(hostname) has no folder ~/{run_name}\" >&2; exit 2; }}"
+  exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in env.items())
+  # `echo $$` in the new session leader records the process-group id for the kill command.
+  inner = f"echo $$ > {PID_FILE}; {exports}exec bash -c {shlex.quote(command)}"
+  return f"{prepare} && cd {folder} && exec setsid -w bash -c {shlex.quote(inner)}"
+
+
+def kill_script(run_name: str) -> str:
+  """Stops the process group recorded by `remote_script`: SIGTERM, then SIGKILL after a grace period."""
+  pid_file = f'"$HOME"/{run_name}/{PID_FILE}'
+  return (f"if [ -s {pid_file} ]; then pg=$(cat {pid_file}); kill -TERM -- -$pg 2>/dev/null; "
+          f"for _ in $(seq {KILL_GRACE_S}); do kill -0 -- -$pg 2>/dev/null || break; sleep 1; done; "
+          f"kill -KILL -- -$pg 2>/dev/null; rm -f {pid_file}; fi; true")
+
+
+def ssh_command(gcloud: Gcloud, slice_name: str, worker: str, script: str, internal_ip: bool) -> list[str]:
+  argv = gcloud.command("compute", "tpus", "tpu-vm", "ssh", slice_name, f"--worker={worker}", "--quiet",
+                        "--strict-host-key-checking=no", f"--command={script}")
+  return argv + (["--internal-ip"] if internal_ip else [])
+
+
+def copy_commands(gcloud: Gcloud, names: list[str], tarball: Path, run_name: str, internal_ip: bool) -> list[list[str]]:
+  return [gcloud.command("compute", "tpus", "tpu-vm", "scp", str(tarball), f"{name}:{run_name}.tar.gz",
+                         "--worker=all", "--quiet", "--strict-host-key-checking=no",
+                         *(["--internal-ip"] if internal_ip else [])) for name in names]
+
+
+# ------------------------------------------------------------------------------- local processes
+@dataclasses.dataclass
+class HostProcess:
+  worker: Worker
+  proc: subprocess.Popen
+  log_path: Path
+  log: IO[bytes]
+  tee: threading.Thread | None = None
+
+  def close(self) -> None:
+    if self.tee is not None:
+      self.tee.join(timeout=5)
+    self.log.close()
+
+
+def _tee(source: IO[bytes], log: IO[bytes]) -> None:
+  for line in iter(source.readline, b""):
+    sys.stdout.buffer.write(line)
+    sys.stdout.buffer.flush()
+    log.write(line)
+    log.flush()
+
+
+def start_host(argv: list[str], worker: Worker, log_dir: Path, stream: bool) -> HostProcess:
+  log_path = log_dir / f"{worker.label}.log"
+  log = open(log_path, "wb")  # noqa: SIM115 - closed by HostProcess.close
+  # A session of its own: a terminal's Ctrl-C reaches only this runner, which then stops the
+  # remote side first instead of leaving ssh to die and the remote command running on.
+  proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if stream else log,
+                          stderr=subprocess.STDOUT, start_new_session=True)
+  host = HostProcess(worker, proc, log_path, log)
+  if stream:
+    host.tee = threading.Thread(target=_tee, args=(proc.stdout, log), daemon=True)
+    host.tee.start()
+  return host
+
+
+def run_parallel(commands: list[list[str]], what: str) -> None:
+  """Runs a few short gcloud commands at once (one per slice); all must succeed."""
+  procs = [subprocess.Popen(c, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True) for c in commands]
+  try:
+    outputs = [p.communicate(timeout=900)[0].decode(errors="replace") for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+  failed = [(c, p.returncode, o) for c, p, o in zip(commands, procs, outputs) if p.returncode != 0]
+  if failed:
+    command, code, output = failed[0]
+    last = (output.strip().splitlines() or ["no output"])[-1]
+    raise UserError(f"{what} failed (exit {code}): {last}; command: {tpu_launch.quote(command)}")
+
+
+def stop_everything(hosts: list[HostProcess], kill_commands: list[list[str]]) -> None:
+  """Stops the remote commands (by process group, see kill_script), then the local ssh processes."""
+  log_to_stderr(f"stopping the command on {len(hosts)} worker(s) ...")
+  try:
+    run_parallel(kill_commands, "stopping the remote commands")
+  except UserError as e:
+    log_to_stderr(f"warning: {e}; check the workers for leftover processes")
+  for host in hosts:
+    if host.proc.poll() is None:
+      os.killpg(host.proc.pid, signal.SIGTERM)
+  deadline = time.monotonic() + 5
+  for host in hosts:
+    try:
+      host.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      os.killpg(host.proc.pid, signal.SIGKILL)
+      host.proc.wait()
+
+
+class _FailFast(Exception):
+  pass
+
+
+def wait_for_hosts(hosts: list[HostProcess], fail_fast: bool) -> dict[str, int]:
+  codes: dict[str, int] = {}
+  pending = list(hosts)
+  while pending:
+    for host in list(pending):
+      code = host.proc.poll()
+      if code is None:
+        continue
+      pending.remove(host)
+      host.close()
+      codes[host.worker.label] = code
+      if code != 0:
+        log_to_stderr(f"{host.worker.label} exited with code {code}; its log: {host.log_path}")
+        if fail_fast and pending:
+          raise _FailFast()
+    time.sleep(0.1)
+  return codes
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+  """A scheduler's SIGTERM takes the same clean-up path as Ctrl-C."""
+  def handler(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt()
+  previous = signal.signal(signal.SIGTERM, handler)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
+def summarize(codes: list[tuple[str, int]], log_dir: Path) -> int:
+  """One closing line; the exit code is the first failed worker's (in worker order), else 0."""
+  failed = [(label, code) for label, code in codes if code != 0]
+  if not failed:
+    print(f"multihost_runner: all {len(codes)} worker(s) succeeded; logs in {log_dir}", flush=True)
+    return 0
+  listing = ", ".join(f"{label} (exit {code})" for label, code in failed)
+  log_to_stderr(f"multihost_runner: {len(failed)} of {len(codes)} worker(s) failed: {listing}; logs in {log_dir}")
+  return failed[0][1]
+
+
+def main(argv: list[str]) -> int:
+  args = parse_args(argv[1:])
+  gcloud = Gcloud(args.PROJECT, args.ZONE, args.dry_run)
+  workers = discover_workers(gcloud, args)
+  names = tpu_launch.slice_names(args.TPU_PREFIX, args.NUM_SLICES)
+  tarball = args.LOG_DIR / "code.tar.gz"
+  copies = [] if args.USE_EXISTING_FOLDER else copy_commands(gcloud, names, tarball, args.RUN_NAME, args.INTERNAL_IP)
+  runs = [ssh_command(gcloud, w.slice_name, str(w.index),
+                      remote_script(args.RUN_NAME, args.COMMAND,
+                                    worker_env(w, workers[0].ip, args.NUM_SLICES, args.MEGASCALE_PORT),
+                                    unpack=not args.USE_EXISTING_FOLDER), args.INTERNAL_IP) for w in workers]
+  kills = [ssh_command(gcloud, n, "all", kill_script(args.RUN_NAME), args.INTERNAL_IP) for n in names]
+  if args.dry_run:
+    if copies:
+      print(f"# package {args.SCRIPT_DIR} into {tarball}, then copy it to every worker:")
+    for argv_ in copies + runs:
+      gcloud.show(argv_)
+    print("# on Ctrl-C:")
+    for argv_ in kills:
+      gcloud.show(argv_)
+    return 0
+
+  args.LOG_DIR.mkdir(parents=True, exist_ok=True)
+  hosts: list[HostProcess] = []
+  with sigterm_as_interrupt():
+    try:
+      if copies:
+        log_to_stderr(f"copying {args.SCRIPT_DIR} to {len(workers)} worker(s) of {len(names)} slice(s) ...")
+        tpu_launch.package_directory(args.SCRIPT_DIR, tarball)
+        run_parallel(copies, "copying the code to the workers")
+      log_to_stderr(f"running on {len(workers)} worker(s); showing {workers[0].label}, "
+                    f"every worker's log in {args.LOG_DIR}")
+      for i, (argv_, worker) in enumerate(zip(runs, workers)):
+        hosts.append(start_host(argv_, worker, args.LOG_DIR, stream=(i == 0)))
+      codes = wait_for_hosts(hosts, args.FAIL_FAST)
+      return summarize([(w.label, codes[w.label]) for w in workers], args.LOG_DIR)
+    except (KeyboardInterrupt, _FailFast) as stop:
+      with contextlib.suppress(KeyboardInterrupt):
+        stop_everything(hosts, kills)
+      for host in hosts:
+        host.close()
+      if isinstance(stop, _FailFast):
+        log_to_stderr(f"multihost_runner: stopped every worker after the first failure; logs in {args.LOG_DIR}")
+        return 1
+      log_to_stderr(f"multihost_runner: interrupted; every worker's command was stopped; logs in {args.LOG_DIR}")
+      return 130
+
+
+if __name__ == "__main__":
+  run_cli(main)

@@ -1,0 +1,134 @@
+"""What `multihost_runner.py` and `multihost_job.py` share: gcloud invocations, the code tarball,
+run names and the arguments both take.
+
+Every cloud action goes through `Gcloud`, so a dry run prints exactly the commands a real run
+executes, and tests can put a fake `gcloud` first on PATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import Sequence
+
+from MaxText.errors import UserError
+
+# Never shipped to the workers: version control, caches and local run outputs can be large
+# and are useless (or harmful: stale .pyc files) on the other side.
+EXCLUDED_NAMES = frozenset({".git", "__pycache__", ".pytest_cache", ".venv", "outputs", ".benchmarks"})
+EXCLUDED_SUFFIXES = (".pyc", ".egg-info")
+_RUN_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def quote(words: Sequence[str]) -> str:
+  return " ".join(shlex.quote(w) for w in words)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gcloud:
+  """Runs (or, in a dry run, prints) gcloud commands for one project and zone."""
+
+  project: str | None
+  zone: str | None
+  dry_run: bool
+  executable: str = "gcloud"
+
+  def command(self, *args: str, zonal: bool = True) -> list[str]:
+    """A full argv; `zonal=False` for commands that take no --zone (gcloud storage)."""
+    words = [self.executable, *args]
+    if zonal and self.zone:
+      words.append(f"--zone={self.zone}")
+    if self.project:
+      words.append(f"--project={self.project}")
+    return words
+
+  def show(self, argv: Sequence[str]) -> None:
+    print(quote(argv), flush=True)
+
+  def read(self, argv: Sequence[str], what: str) -> str:
+    """Runs a read-only command and returns its stdout; a failure names what was being done."""
+    try:
+      done = subprocess.run(list(argv), capture_output=True, text=True, check=False, timeout=300)
+    except FileNotFoundError:
+      raise UserError(f"'{argv[0]}' was not found on PATH: install the Google Cloud CLI "
+                      "(https://cloud.google.com/sdk/docs/install) or use --dry-run") from None
+    if done.returncode != 0:
+      last = (done.stderr.strip().splitlines() or ["no error output"])[-1]
+      raise UserError(f"{what} failed (exit {done.returncode}): {last}; command: {quote(argv)}")
+    return done.stdout
+
+  def act(self, argv: Sequence[str], what: str) -> None:
+    """Runs a command that changes something, or prints it in a dry run."""
+    if self.dry_run:
+      self.show(argv)
+      return
+    self.read(argv, what)
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--COMMAND", required=True, help="shell command every worker runs, from the copied directory")
+  parser.add_argument("--SCRIPT_DIR", default=os.getcwd(),
+                      help="directory copied to the workers (default: the current directory)")
+  parser.add_argument("--RUN_NAME", default=None,
+                      help="names the job, its folder on the workers and its logs (default: user-date-time)")
+  parser.add_argument("--NUM_SLICES", type=int, default=1, help="number of TPU slices (multislice when > 1)")
+  parser.add_argument("--PROJECT", default=None, help="GCP project (default: gcloud's configured project)")
+  parser.add_argument("--ZONE", default=None, help="GCP zone (default: gcloud's configured compute/zone)")
+  parser.add_argument("--dry-run", "--DRY_RUN", dest="dry_run", action="store_true",
+                      help="print every gcloud command instead of running it")
+
+
+def check_common_arguments(args: argparse.Namespace) -> None:
+  if args.NUM_SLICES < 1:
+    raise UserError(f"--NUM_SLICES must be at least 1, got {args.NUM_SLICES}")
+  if not Path(args.SCRIPT_DIR).is_dir():
+    raise UserError(f"--SCRIPT_DIR {args.SCRIPT_DIR} is not a directory")
+  if not args.COMMAND.strip():
+    raise UserError("--COMMAND is empty")
+  args.RUN_NAME = args.RUN_NAME or default_run_name()
+  if not _RUN_NAME.match(args.RUN_NAME):
+    # Queued-resource and node names, and folder names on the workers, must all accept it.
+    raise UserError(f"--RUN_NAME '{args.RUN_NAME}' must be lower-case letters, digits and '-', "
+                    "starting with a letter and not ending with '-'")
+
+
+def default_run_name() -> str:
+  user = re.sub(r"[^a-z0-9]+", "-", os.environ.get("USER", "user").lower()).strip("-") or "user"
+  return f"{user}-{datetime.datetime.now().strftime('%Y-%m-%d-%H-%M-%S')}"
+
+
+def slice_names(tpu_prefix: str, num_slices: int) -> list[str]:
+  """One slice is named TPU_PREFIX; several are TPU_PREFIX-0, -1, ... as queued resources
+  created with --node-prefix name them."""
+  return [tpu_prefix] if num_slices == 1 else [f"{tpu_prefix}-{i}" for i in range(num_slices)]
+
+
+def _keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+  name = Path(info.name).name
+  if name in EXCLUDED_NAMES or name.endswith(EXCLUDED_SUFFIXES):
+    return None
+  return info
+
+
+def package_directory(source: str | Path, tarball: str | Path) -> Path:
+  """Writes SOURCE's contents (without caches and VCS data) to a gzip tarball, paths relative."""
+  tarball = Path(tarball)
+  tarball.parent.mkdir(parents=True, exist_ok=True)
+  with tarfile.open(tarball, "w:gz") as tar:
+    for entry in sorted(Path(source).iterdir()):
+      if entry.resolve() == tarball.resolve():
+        continue
+      tar.add(entry, arcname=entry.name, filter=_keep)
+  return tarball
+
+
+def log_to_stderr(message: str) -> None:
+  print(message, file=sys.stderr, flush=True)
