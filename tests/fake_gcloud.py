@@ -124,12 +124,15 @@ def ssh(name: str, worker: str, command: str) -> int:
 
 
 def storage_cp(source: str, target: str) -> int:
-  if not target.startswith("gs://"):
-    print("fake gcloud: only uploads are simulated", file=sys.stderr)
-    return 2
-  dest = state() / "gcs" / target.removeprefix("gs://")
-  dest.parent.mkdir(parents=True, exist_ok=True)
-  shutil.copy(source, dest)
+  """Uploads to and downloads from gs://... as files under gcs/."""
+  bucket = state() / "gcs"
+  source_path = bucket / source.removeprefix("gs://") if source.startswith("gs://") else Path(source)
+  target_path = bucket / target.removeprefix("gs://") if target.startswith("gs://") else Path(target)
+  if not source_path.is_file():
+    print(f"ERROR: (gcloud.storage.cp) URL not found: {source}", file=sys.stderr)
+    return 1
+  target_path.parent.mkdir(parents=True, exist_ok=True)
+  shutil.copy(source_path, target_path)
   return 0
 
 
