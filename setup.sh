@@ -3,6 +3,11 @@
 #   bash setup.sh                      # auto: tpu if /dev/accel* or /dev/vfio, gpu if nvidia-smi, else cpu
 #   DEVICE=tpu|gpu|cpu bash setup.sh   # choose explicitly
 #   EXTRAS=test bash setup.sh          # also the test dependencies (pytest, CPU torch, transformers)
+#   MODE=stable|nightly bash setup.sh  # stable (default): released JAX in JAX_RANGE; nightly: the
+#                                      # newest pre-release jax/jaxlib (+ libtpu, + the CUDA 13 plugin
+#                                      # for DEVICE=gpu) from JAX's nightly wheel index, over the
+#                                      # stable install (so every other dependency stays pinned)
+#   DRY_RUN=1 bash setup.sh            # print the pip commands instead of running them
 # Every mode installs libtpu (through jax's `tpu` extra, so its version matches jaxlib):
 # ahead-of-time compilation for TPU topologies needs it on CPU too. Training never
 # starts a TPU backend on a machine without a TPU (see `hardware` in configs/base.yml).
@@ -12,7 +17,25 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 PYTHON="${PYTHON:-python3}"
 DEVICE="${DEVICE:-auto}"
 EXTRAS="${EXTRAS:-}"
+MODE="${MODE:-stable}"
+DRY_RUN="${DRY_RUN:-0}"
 JAX_RANGE=">=0.10,<0.13"
+JAX_NIGHTLY_INDEX="https://us-python.pkg.dev/ml-oss-artifacts-published/jax/simple/"
+LIBTPU_NIGHTLY_LINKS="https://storage.googleapis.com/jax-releases/libtpu_releases.html"
+
+case "$MODE" in
+  stable|nightly) ;;
+  *) echo "error: MODE must be stable or nightly; got '$MODE'" >&2; exit 2 ;;
+esac
+
+pip_install() {
+  if [[ "$DRY_RUN" == "1" ]]; then
+    printf '%q ' "$PYTHON" -m pip install "$@"
+    echo
+  else
+    "$PYTHON" -m pip install "$@"
+  fi
+}
 
 if [[ "$DEVICE" == "auto" ]]; then
   if compgen -G "/dev/accel*" >/dev/null || compgen -G "/dev/vfio/[0-9]*" >/dev/null; then
@@ -30,12 +53,23 @@ case "$DEVICE" in
   *) echo "error: DEVICE must be tpu, gpu, cpu or auto; got '$DEVICE'" >&2; exit 2 ;;
 esac
 
-echo "setup.sh: installing for DEVICE=$DEVICE with $PYTHON ($($PYTHON --version 2>&1))"
-"$PYTHON" -m pip install --quiet "$JAX_SPEC" -r requirements.txt
+echo "setup.sh: installing for DEVICE=$DEVICE MODE=$MODE with $PYTHON ($($PYTHON --version 2>&1))"
+pip_install --quiet "$JAX_SPEC" -r requirements.txt
 if [[ ",$EXTRAS," == *",test,"* ]]; then
-  "$PYTHON" -m pip install --quiet -r requirements-test.txt
+  pip_install --quiet -r requirements-test.txt
 fi
-"$PYTHON" -m pip install --quiet --no-deps -e .
+pip_install --quiet --no-deps -e .
+if [[ "$MODE" == "nightly" ]]; then
+  # Swap in the pre-release JAX last, without dependencies: pip would otherwise undo it to
+  # satisfy requirements.txt's range, and the stable install above already brought every
+  # dependency (CUDA libraries included). libtpu nightlies live on a separate links page.
+  NIGHTLY_PACKAGES=(jax jaxlib libtpu)
+  [[ "$DEVICE" == "gpu" ]] && NIGHTLY_PACKAGES+=(jax-cuda13-plugin jax-cuda13-pjrt)
+  pip_install --quiet -U --pre --no-deps "${NIGHTLY_PACKAGES[@]}" -i "$JAX_NIGHTLY_INDEX" -f "$LIBTPU_NIGHTLY_LINKS"
+fi
+if [[ "$DRY_RUN" == "1" ]]; then
+  exit 0
+fi
 "$PYTHON" - <<'PY'
 import jax, flax, optax
 print(f"setup.sh: ok: jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}")
