@@ -29,6 +29,7 @@ NORMALIZATION_TYPES = ("rms", "rms_plus_one", "layer")
 POSITION_EMBEDDINGS = ("rope", "learned", "sinusoidal")
 ROPE_TYPES = ("default", "llama3")
 ATTENTION_LAYER_KINDS = ("global", "local")
+DATASET_TYPES = ("synthetic", "tfds", "hf", "grain")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -307,12 +308,33 @@ class DataConfig:
   seed: int
   synthetic_max_stride: int
   eval_steps: int
+  # Real data (dataset_type tfds | hf | grain); see input_pipeline/.
+  dataset_path: str = ""
+  dataset_name: str = ""
+  train_split: str = "train"
+  eval_split: str = "validation"
+  hf_path: str = ""
+  hf_data_files: str = ""
+  hf_eval_files: str = ""
+  grain_train_files: str = ""
+  grain_eval_files: str = ""
+  grain_worker_count: int = 0
+  text_column: str = "text"
+  tokenizer_type: str = "sentencepiece"
+  tokenizer_path: str = ""
+  add_bos: bool = True
+  add_eos: bool = True
+  packing: bool = True
+  enable_data_shuffling: bool = True
+  data_prefetch_batches: int = 2
+  has_eval_source: bool = False  # real data with eval_interval > 0
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any], target: DeviceTarget, mesh: MeshConfig) -> "DataConfig":
-    _require(v["dataset_type"] == "synthetic",
-             f"dataset_type must be 'synthetic' (the only pipeline so far), got {v['dataset_type']!r}")
+    _one_of(v, "dataset_type", DATASET_TYPES)
     _positive(v, "per_device_batch_size", "synthetic_max_stride", "eval_steps")
+    if v["dataset_type"] != "synthetic":
+      _check_real_data(v)
     global_batch = v["per_device_batch_size"] * target.num_devices
     _require(float(global_batch).is_integer(), f"per_device_batch_size {v['per_device_batch_size']} x "
              f"{target.num_devices} devices = {global_batch} is not a whole number of sequences")
@@ -326,7 +348,48 @@ class DataConfig:
     return cls(dataset_type=v["dataset_type"], per_device_batch_size=v["per_device_batch_size"],
                global_batch_size=global_batch, max_target_length=v["max_target_length"],
                vocab_size=v["vocab_size"], seed=v["data_shuffle_seed"],
-               synthetic_max_stride=v["synthetic_max_stride"], eval_steps=v["eval_steps"])
+               synthetic_max_stride=v["synthetic_max_stride"], eval_steps=v["eval_steps"],
+               **{key: v[key] for key in _REAL_DATA_KEYS}, text_column=v["train_data_columns"][0],
+               has_eval_source=v["dataset_type"] != "synthetic" and v["eval_interval"] > 0)
+
+
+# Keys copied as they are into DataConfig (validated by _check_real_data).
+_REAL_DATA_KEYS = ("dataset_path", "dataset_name", "train_split", "eval_split", "hf_path", "hf_data_files",
+                   "hf_eval_files", "grain_train_files", "grain_eval_files", "grain_worker_count", "tokenizer_type",
+                   "tokenizer_path", "add_bos", "add_eos", "packing", "enable_data_shuffling", "data_prefetch_batches")
+
+
+def _check_real_data(v: Mapping[str, Any]) -> None:
+  """What can be checked before any data is opened: the keys each dataset_type needs, that named
+  files exist, and that the tokenizer loads and fits in vocab_size."""
+  from MaxText.input_pipeline import files, tokenizer  # lazily: the pipeline imports this module
+
+  kind, evaluates = v["dataset_type"], v["eval_interval"] > 0
+  _require(len(v["train_data_columns"]) == 1,
+           f"train_data_columns must name exactly one text column, got {list(v['train_data_columns'])}")
+  _require(v["grain_worker_count"] >= 0 and v["data_prefetch_batches"] >= 0,
+           "grain_worker_count and data_prefetch_batches must be >= 0")
+  _require(v["max_target_length"] >= 2, f"max_target_length must be >= 2 for real data, got {v['max_target_length']}")
+  if kind == "tfds":
+    _require(bool(v["dataset_name"]), "dataset_type=tfds needs dataset_name (and dataset_path, its data_dir)")
+    _require(not v["dataset_path"] or "://" in v["dataset_path"] or os.path.isdir(v["dataset_path"]),
+             f"dataset_path {v['dataset_path']} is not a directory")
+  elif kind == "hf":
+    _require(bool(v["hf_path"] or v["hf_data_files"]), "dataset_type=hf needs hf_path or hf_data_files")
+    for key in ("hf_data_files", "hf_eval_files"):
+      if v[key]:
+        files.expand_files(key, v[key])
+    _require(not evaluates or bool(v["hf_eval_files"] or (v["hf_path"] and not v["hf_data_files"])),
+             "eval_interval > 0 with hf_data_files needs hf_eval_files (the eval split's files)")
+  else:
+    files.expand_files("grain_train_files", v["grain_train_files"])
+    _require(not evaluates or bool(v["grain_eval_files"]), "eval_interval > 0 with dataset_type=grain "
+             "needs grain_eval_files")
+    if v["grain_eval_files"]:
+      files.expand_files("grain_eval_files", v["grain_eval_files"])
+  vocab = tokenizer.load_tokenizer(v["tokenizer_type"], v["tokenizer_path"]).vocab_size
+  _require(vocab <= v["vocab_size"], f"the tokenizer {v['tokenizer_path']} has {vocab} tokens, more than "
+           f"vocab_size={v['vocab_size']}; set vocab_size >= {vocab}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -86,11 +86,13 @@ class Trainer:
     loop = LoopState(state=state, next_step=start_step)
     try:
       while loop.next_step < self.config.run.steps:
+        waited_from = time.perf_counter()
         batch = next(self.data)
+        input_wait_s = time.perf_counter() - waited_from  # > 0 means the input pipeline is the bottleneck
         loop.state, device_metrics = self.train_step(loop.state, batch, self.rng)
         if loop.pending is not None:
           self._finish(loop, None)  # the state after that step was donated to this one
-        loop.pending = (loop.next_step, device_metrics)
+        loop.pending = (loop.next_step, {**device_metrics, "input_wait_s": input_wait_s})
         loop.next_step += 1
         if any([hook.needs_state(loop.next_step) for hook in self.hooks]):  # a list: ask every hook
           self._finish(loop, loop.state)

@@ -1,6 +1,10 @@
-"""Input pipelines: `create_data_iterator(config, mesh)` is the one front door."""
+"""Input pipelines: `create_data_iterator(config, mesh)` and `create_eval_iterator(config, mesh)` are
+the front doors; `dataset_type` picks synthetic (generated on device) or a real dataset (tfds, hf,
+grain) tokenised, packed and sharded by `pipeline.py`."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from jax.sharding import Mesh
 
@@ -11,13 +15,58 @@ from MaxText.sharding import batch_sharding
 _EVAL_SEED_OFFSET = 1 << 30
 
 
-def create_data_iterator(config, mesh: Mesh, start_step: int = 0) -> SyntheticIterator:
+def _open_source(cfg: Any, train: bool) -> tuple[Any, str]:
+  """The random-access records of the train or eval split and a description of them."""
+  split = cfg.train_split if train else cfg.eval_split
+  if cfg.dataset_type == "tfds":
+    from MaxText.input_pipeline import tfds
+
+    return tfds.open_split(cfg.dataset_name, cfg.dataset_path, split)
+  if cfg.dataset_type == "hf":
+    from MaxText.input_pipeline import hf
+
+    files, key = (cfg.hf_data_files, "hf_data_files") if train else (cfg.hf_eval_files, "hf_eval_files")
+    return hf.open_split(cfg.hf_path, files, split, key)
+  from MaxText.input_pipeline import grain
+
+  return grain.open_files(*(("grain_train_files", cfg.grain_train_files) if train
+                            else ("grain_eval_files", cfg.grain_eval_files)))
+
+
+def _real_data_iterator(config: Any, mesh: Mesh, train: bool) -> Any:
+  from MaxText.input_pipeline import pipeline
+  from MaxText.input_pipeline.tokenizer import DocumentEncoder, load_tokenizer
+
+  cfg = config.data
+  sharding = batch_sharding(mesh, config.mesh.data_sharding)
+  shard = pipeline.host_shard(sharding, cfg.global_batch_size, cfg.max_target_length)
+  source, describe = _open_source(cfg, train)
+  encoder = DocumentEncoder(load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path), cfg.add_bos, cfg.add_eos)
+  seed = cfg.seed if (train and cfg.enable_data_shuffling) else None
+  what = f"the {'train' if train else 'eval'} data ({describe})"
+  dataset = pipeline.document_dataset(source, shard, encoder, cfg.text_column, seed, repeat=train, what=what)
+  # An endless run of unusable documents would hang the packer; one epoch of them is an error.
+  epoch = len(source) // shard.count
+  return pipeline.PackedBatchIterator(dataset, shard, sharding, cfg.global_batch_size, cfg.max_target_length,
+                                      cfg.packing, cfg.grain_worker_count, cfg.data_prefetch_batches,
+                                      max_empty_run=max(epoch, 1), describe=describe)
+
+
+def create_data_iterator(config: Any, mesh: Mesh, start_step: int = 0) -> Any:
   """The training iterator for `config.data`, producing batches sharded by `data_sharding`."""
+  if config.data.dataset_type != "synthetic":
+    return _real_data_iterator(config, mesh, train=True)
   sharding = batch_sharding(mesh, config.mesh.data_sharding)
   return SyntheticIterator(config.data, sharding, start_step=start_step)
 
 
-def create_eval_iterator(config, mesh: Mesh) -> SyntheticIterator:
+def create_eval_iterator(config: Any, mesh: Mesh) -> Any:
+  """Eval batches (with `reset()`); real data is read from the eval split in order, and once it
+  runs out the remaining batches are padding, which adds nothing to the eval loss."""
+  if config.data.dataset_type != "synthetic":
+    if not config.data.has_eval_source:
+      return None
+    return _real_data_iterator(config, mesh, train=False)
   sharding = batch_sharding(mesh, config.mesh.data_sharding)
   return SyntheticIterator(config.data, sharding, seed_offset=_EVAL_SEED_OFFSET)
 

@@ -1,0 +1,24 @@
+"""ArrayRecord files read with Grain's ArrayRecordDataSource (random access, no TensorFlow).
+
+Each record is one document: a JSON object (its `train_data_columns` field is the text), a JSON
+string, or raw UTF-8 text. `python3 -m MaxText.input_pipeline.prepare_data` writes such files.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from MaxText.errors import ConfigError
+from MaxText.input_pipeline.files import expand_files
+
+
+def open_files(key: str, value: str) -> tuple[Any, str]:
+  """(random-access source of record bytes, description)."""
+  import grain
+
+  files = expand_files(key, value)
+  try:
+    source = grain.sources.ArrayRecordDataSource(files)
+  except (RuntimeError, ValueError, OSError) as e:
+    raise ConfigError(f"{key}: cannot read {value} as ArrayRecord files ({str(e).splitlines()[0]})") from None
+  return source, f"grain {len(files)} ArrayRecord file(s) {value}"

@@ -1,0 +1,121 @@
+"""Turning tokenised documents into fixed-length rows: packed (several documents per row) or padded.
+
+Each document of n tokens gives n - 1 (input, target) pairs: inputs = tokens[:-1], targets =
+tokens[1:], so no target is ever predicted from another document's tokens. A row holds L pairs:
+  inputs_segmentation / targets_segmentation  1, 2, ... per document in the row, 0 on padding
+  inputs_position                             0, 1, ... restarting at every document
+Attention masks by segment id and the loss skips segment 0, so packing changes neither.
+
+Packing is greedy and in order: a document that does not fit in the row's remaining space
+starts the next row, unless it is longer than a whole row, in which case it fills the rest of
+this row and continues in the next (a continuation restarts its positions at 0). So the next
+row always begins at (document index, pair offset), and that pair is the pipeline's entire
+resumable state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterator
+
+import numpy as np
+
+from MaxText.errors import UserError
+
+FIELDS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+  index: int = 0  # the document the next row starts in
+  offset: int = 0  # (input, target) pairs of that document already emitted
+
+
+class DocumentCursor:
+  """Reads documents index, index+1, ... through `read_from(index)`, an iterator of token lists
+  (finite for eval data, endless for repeated train data); remembers the current document so a
+  document that moves to the next row is not read twice."""
+
+  def __init__(self, read_from: Callable[[int], Iterator[list[int]]], max_empty_run: int,
+               position: Position = Position()):
+    self._read_from, self.max_empty_run = read_from, max_empty_run
+    self.seek(position)
+
+  def seek(self, position: Position) -> None:
+    self.position = position
+    self._docs = self._read_from(position.index)
+    self._current: np.ndarray | None = None
+    self._loaded = False
+
+  def current(self) -> np.ndarray | None:
+    """Tokens of the current document (int32), or None past the end of finite data."""
+    if not self._loaded:
+      self._current = next(map(lambda t: np.asarray(t, np.int32), self._docs), None)
+      self._loaded = True
+    return self._current
+
+  def advance(self, pairs: int = 0) -> None:
+    """Consumes `pairs` more pairs of the current document, or moves to the next one (pairs=0)."""
+    if pairs:
+      self.position = Position(self.position.index, self.position.offset + pairs)
+    else:
+      self.position = Position(self.position.index + 1, 0)
+      self._loaded = False
+
+
+def _empty_row(length: int) -> dict[str, np.ndarray]:
+  return {name: np.zeros(length, np.int32) for name in FIELDS}
+
+
+def pack_row(cursor: DocumentCursor, length: int, packing: bool) -> dict[str, np.ndarray] | None:
+  """One row of `length` pairs from the cursor onwards; None when the data has ended."""
+  row, filled, segment, empty_run = _empty_row(length), 0, 1, 0
+  while filled < length:
+    tokens = cursor.current()
+    if tokens is None:
+      break
+    remaining = len(tokens) - 1 - cursor.position.offset
+    if remaining <= 0:  # a document too short to give a pair (or already used up)
+      empty_run += 1
+      if empty_run > cursor.max_empty_run:
+        raise UserError(f"{empty_run} documents in a row give no (input, target) pair: every document needs "
+                        "at least 2 tokens after tokenisation (check the text column and add_bos/add_eos)")
+      cursor.advance()
+      continue
+    empty_run = 0
+    space = length - filled
+    if remaining > space and filled > 0 and (remaining <= length or not packing):
+      break  # it fits in a row of its own: start the next row with it
+    take = min(remaining, space)
+    start = cursor.position.offset
+    _place(row, filled, tokens[start:start + take], tokens[start + 1:start + take + 1], segment)
+    filled, segment = filled + take, segment + 1
+    if take < remaining and packing:
+      cursor.advance(take)  # a long document continues in the next row
+    else:
+      cursor.advance()  # done with it (without packing the rest is truncated)
+    if not packing:
+      break
+  return row if filled else None
+
+
+def _place(row: dict[str, np.ndarray], at: int, inputs: np.ndarray, targets: np.ndarray, segment: int) -> None:
+  span = slice(at, at + len(inputs))
+  row["inputs"][span], row["targets"][span] = inputs, targets
+  row["inputs_position"][span] = np.arange(len(inputs), dtype=np.int32)
+  row["inputs_segmentation"][span] = segment
+  row["targets_segmentation"][span] = segment
+
+
+def pack_batch(cursor: DocumentCursor, num_rows: int, length: int, packing: bool) -> tuple[dict[str, np.ndarray], int]:
+  """[num_rows, length] int32 arrays and how many rows hold data; past the end of finite data the
+  remaining rows are all padding (segment 0), so they add nothing to a loss."""
+  rows = []
+  for _ in range(num_rows):
+    row = pack_row(cursor, length, packing)
+    if row is None:
+      break
+    rows.append(row)
+  num_real = len(rows)
+  rows += [_empty_row(length) for _ in range(num_rows - num_real)]
+  return {name: np.stack([r[name] for r in rows]) for name in FIELDS}, num_real

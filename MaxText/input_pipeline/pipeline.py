@@ -1,0 +1,249 @@
+"""The shared back half of the tfds, hf and grain pipelines: records → tokens → packed rows →
+this host's part of the global batch, prepared ahead in a background thread.
+
+    source (random access) ─► Grain MapDataset: this host's shard, shuffled per epoch, repeated,
+        tokenised ─► DocumentCursor ─► pack_batch ─► prefetch thread ─► make_array_from_process_local_data
+
+Each process reads a disjoint shard of the records (every `num_shards`-th one) and builds only
+the rows its devices hold. Processes whose devices hold the same rows (batch replicated over a
+mesh axis that is not in data_sharding) read the same shard, so their rows agree.
+
+State: the (document index, pair offset) where this shard's next row starts, after exactly the
+batches handed out so far (prefetched batches do not count). Checkpoints store one JSON dict
+holding every shard's position.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import queue
+import threading
+import weakref
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from MaxText.errors import ConfigError
+from MaxText.input_pipeline.packing import FIELDS, DocumentCursor, Position, pack_batch
+
+STATE_FORMAT = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class HostShard:
+  """Which rows of the global batch this process builds and which slice of the data it reads."""
+
+  index: int  # data shard read by this process
+  count: int  # number of distinct data shards (processes that hold different rows)
+  rows: int  # rows of the global batch this process builds (= global batch / count)
+
+
+def host_shard(sharding: NamedSharding, global_batch: int, length: int, process_index: int | None = None,
+               process_of: Callable[[Any], int] | None = None) -> HostShard:
+  """The rows of a [global_batch, length] array that `process_index`'s devices hold, as a shard.
+
+  `process_of` maps a device to its process (tests use it to simulate several processes on one).
+  """
+  process_index = jax.process_index() if process_index is None else process_index
+  process_of = process_of or (lambda d: d.process_index)
+  row_sets = set()
+  for device, index in sharding.devices_indices_map((global_batch, length)).items():
+    if process_of(device) == process_index:
+      row_sets.add(index[0].indices(global_batch)[:2])
+  if not row_sets:
+    raise ConfigError(f"process {process_index} holds no device of the batch sharding")
+  start, stop = min(r[0] for r in row_sets), max(r[1] for r in row_sets)
+  rows = stop - start
+  covered = sum(b - a for a, b in row_sets)
+  if covered != rows or start % rows or global_batch % rows:
+    raise ConfigError(f"process {process_index} holds rows {sorted(row_sets)} of the global batch of {global_batch}, "
+                      "not one contiguous block; use a mesh whose data_sharding axes keep each process's devices together")
+  return HostShard(index=start // rows, count=global_batch // rows, rows=rows)
+
+
+def record_text(record: Any, column: str) -> str:
+  """The document text of one record: a dict (HF, TFDS) or bytes holding JSON or raw UTF-8 (ArrayRecord)."""
+  if isinstance(record, (bytes, bytearray)):
+    text = bytes(record).decode("utf-8", errors="replace")
+    if text[:1] in ('{', '"'):
+      try:
+        record = json.loads(text)
+      except json.JSONDecodeError:
+        return text
+      if isinstance(record, str):
+        return record
+    else:
+      return text
+  if isinstance(record, dict):
+    if column not in record:
+      raise ConfigError(f"records have no column {column!r} (they have {', '.join(map(str, record))}); "
+                        "set train_data_columns")
+    value = record[column]
+    return value.decode("utf-8", errors="replace") if isinstance(value, (bytes, bytearray)) else str(value)
+  return str(record)
+
+
+def document_dataset(source: Sequence[Any], shard: HostShard, encode: Callable[[str], list[int]], column: str,
+                     shuffle_seed: int | None, repeat: bool, what: str):
+  """Grain MapDataset of token lists: this shard's records, shuffled per epoch and repeated if asked."""
+  import grain
+
+  num_records = len(source)
+  if num_records == 0:
+    raise ConfigError(f"{what} is empty")
+  if num_records < shard.count:
+    raise ConfigError(f"{what} has {num_records} records, fewer than the {shard.count} data shards (one per "
+                      "process holding distinct rows); every process needs at least one")
+  dataset = grain.MapDataset.source(source)[shard.index::shard.count]
+  if shuffle_seed is not None:
+    dataset = dataset.shuffle(seed=shuffle_seed)
+  if repeat:
+    dataset = dataset.repeat()  # grain reshuffles every epoch of a shuffled dataset
+  return dataset.map(lambda record: encode(record_text(record, column)))
+
+
+def reader(dataset: Any, num_threads: int) -> Callable[[int], Iterator[list[int]]]:
+  """index → iterator over documents index, index+1, ...; with threads, Grain reads ahead in parallel."""
+  import grain
+
+  def read_from(index: int) -> Iterator[list[int]]:
+    rest = dataset[index:]
+    if num_threads > 0:
+      options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=4 * num_threads)
+      return iter(rest.to_iter_dataset(options))
+    return (rest[i] for i in range(len(rest)))
+
+  return read_from
+
+
+_LIVE_PREFETCHERS: "weakref.WeakSet[_Prefetcher]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_prefetchers() -> None:
+  # A daemon thread still inside a native reader while the interpreter tears down aborts the process.
+  for prefetcher in list(_LIVE_PREFETCHERS):
+    prefetcher.close()
+
+
+class _Prefetcher:
+  """A daemon thread that keeps up to `depth` (host batch, position after it) pairs ready."""
+
+  def __init__(self, produce: Callable[[], tuple[dict[str, np.ndarray], Position]], depth: int):
+    self._produce, self._queue = produce, queue.Queue(maxsize=depth)
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, name="data-prefetch", daemon=True)
+    self._thread.start()
+    _LIVE_PREFETCHERS.add(self)
+
+  def _run(self) -> None:
+    while not self._stop.is_set():
+      try:
+        item: Any = self._produce()
+      except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+        item = e
+      while not self._stop.is_set():
+        try:
+          self._queue.put(item, timeout=0.1)
+          break
+        except queue.Full:
+          continue
+      if isinstance(item, BaseException):
+        return
+
+  def get(self) -> tuple[dict[str, np.ndarray], Position]:
+    item = self._queue.get()
+    if isinstance(item, BaseException):
+      raise item
+    return item
+
+  def close(self) -> None:
+    self._stop.set()
+    self._thread.join()
+
+
+class PackedBatchIterator:
+  """Global [B, L] int32 batches sharded by `sharding`; `get_state`/`set_state`/`reset` as the
+  trainer, the checkpoint hook and the eval hook expect."""
+
+  def __init__(self, dataset: Any, shard: HostShard, sharding: NamedSharding, global_batch: int, length: int,
+               packing: bool, num_threads: int, prefetch: int, max_empty_run: int, describe: str):
+    self.shard, self.sharding, self.describe = shard, sharding, describe
+    self.global_shape = (global_batch, length)
+    self._length, self._packing, self._prefetch_depth = length, packing, prefetch
+    self._cursor = DocumentCursor(reader(dataset, num_threads), max_empty_run)
+    self._position = Position()  # where the next handed-out batch starts
+    self._prefetcher: _Prefetcher | None = None
+    self.rows_with_data = 0  # rows of the last batch that hold any data (eval data can run out)
+
+  def _produce(self) -> tuple[dict[str, np.ndarray], Position]:
+    batch, num_real = pack_batch(self._cursor, self.shard.rows, self._length, self._packing)
+    return {**batch, "_num_real": num_real}, self._cursor.position
+
+  def __iter__(self) -> "PackedBatchIterator":
+    return self
+
+  def __next__(self) -> dict[str, jax.Array]:
+    if self._prefetch_depth == 0:
+      host_batch, position = self._produce()
+    else:
+      if self._prefetcher is None:
+        self._prefetcher = _Prefetcher(self._produce, self._prefetch_depth)
+      host_batch, position = self._prefetcher.get()
+    self._position = position
+    self.rows_with_data = int(host_batch.pop("_num_real"))
+    return {name: jax.make_array_from_process_local_data(self.sharding, host_batch[name], self.global_shape)
+            for name in FIELDS}
+
+  def _seek(self, position: Position) -> None:
+    self.close()
+    self._cursor.seek(position)
+    self._position = position
+
+  def reset(self) -> "PackedBatchIterator":
+    """Back to the first batch (every evaluation reads the same batches)."""
+    self._seek(Position())
+    return self
+
+  def close(self) -> None:
+    if self._prefetcher is not None:
+      self._prefetcher.close()
+      self._prefetcher = None
+
+  def get_state(self) -> dict[str, Any]:
+    """JSON-serialisable position after the batches handed out so far, of every shard.
+
+    With several processes this gathers every process's position, so every process must call it
+    at the same step (the checkpoint hook does)."""
+    mine = np.array([self.shard.index, self._position.index, self._position.offset], np.int64)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+
+      rows = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 3)
+    else:
+      rows = mine[None]
+    shards = {str(int(s)): {"index": int(i), "offset": int(o)} for s, i, o in rows}
+    return {"format": STATE_FORMAT, "source": self.describe, "num_shards": self.shard.count,
+            "global_batch_size": self.global_shape[0], "max_target_length": self._length, "shards": shards}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    """Continues after the batches `state` describes; refuses a state from another data layout."""
+    if "shards" not in state:
+      raise ConfigError(f"the checkpoint's data state {state} was written by another dataset_type; "
+                        f"it cannot position {self.describe}")
+    saved = (state.get("global_batch_size"), state.get("max_target_length"), state.get("num_shards"))
+    wanted = (self.global_shape[0], self._length, self.shard.count)
+    if saved != wanted:
+      raise ConfigError(f"the checkpoint's data position is for global batch {saved[0]} x max_target_length "
+                        f"{saved[1]} over {saved[2]} data shard(s); this run has {wanted[0]} x {wanted[1]} over "
+                        f"{wanted[2]}: the same position would not give the same batches")
+    if state.get("source") != self.describe:
+      print(f"warning: the checkpoint's data position was saved for {state.get('source')}, "
+            f"now reading {self.describe}", flush=True)
+    mine = state["shards"][str(self.shard.index)]
+    self._seek(Position(int(mine["index"]), int(mine["offset"])))
+

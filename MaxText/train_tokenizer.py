@@ -1,0 +1,92 @@
+"""Train a SentencePiece tokenizer on a local corpus:
+
+    python3 -m MaxText.train_tokenizer --dataset_path corpus.txt --vocab_size 1024 --output tokenizer.model
+
+`--dataset_path` takes comma-separated files or globs: `.txt` files give one sentence per line,
+`.json`/`.jsonl` files one document per line in the `--text_column` field. The output is a
+`.model` file for `tokenizer_type=sentencepiece tokenizer_path=...`, with ids 0 = <unk>,
+1 = <s> (bos), 2 = </s> (eos).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Iterator
+
+if __package__ in (None, ""):  # `python3 MaxText/train_tokenizer.py`
+  sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from MaxText.errors import UserError, run_cli
+from MaxText.input_pipeline.files import expand_files
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="python3 -m MaxText.train_tokenizer", description=__doc__.split("\n\n")[0])
+  parser.add_argument("--dataset_path", required=True, help="comma-separated .txt/.jsonl files or globs")
+  parser.add_argument("--vocab_size", type=int, required=True, help="number of tokens, special ones included")
+  parser.add_argument("--output", required=True, help="where to write the .model file")
+  parser.add_argument("--model_type", default="bpe", choices=("bpe", "unigram", "char", "word"))
+  parser.add_argument("--text_column", default="text", help="field holding the text in .json/.jsonl files")
+  parser.add_argument("--character_coverage", type=float, default=1.0,
+                      help="fraction of characters the vocabulary covers (lower for large alphabets)")
+  parser.add_argument("--max_lines", type=int, default=10_000_000, help="read at most this many lines")
+  return parser.parse_args(argv[1:])
+
+
+def iterate_lines(paths: list[str], text_column: str, max_lines: int) -> Iterator[str]:
+  """Non-empty lines of the corpus (the text field of JSON lines), at most `max_lines`."""
+  count = 0
+  for path in paths:
+    is_json = path.endswith((".json", ".jsonl"))
+    with open(path, encoding="utf-8", errors="replace") as f:
+      for line in f:
+        text = json.loads(line).get(text_column, "") if is_json and line.strip() else line.rstrip("\n")
+        if not text.strip():
+          continue
+        yield text
+        count += 1
+        if count >= max_lines:
+          return
+
+
+def train(paths: list[str], vocab_size: int, output: str, model_type: str = "bpe", text_column: str = "text",
+          character_coverage: float = 1.0, max_lines: int = 10_000_000) -> int:
+  """Trains and writes the model; returns the number of corpus lines used."""
+  import sentencepiece as spm
+
+  if vocab_size < 4:
+    raise UserError(f"--vocab_size must be at least 4 (3 special tokens and one more), got {vocab_size}")
+  lines = list(iterate_lines(paths, text_column, max_lines))
+  if not lines:
+    raise UserError(f"the corpus {', '.join(paths)} holds no text")
+  Path(output).parent.mkdir(parents=True, exist_ok=True)
+  prefix = str(Path(output).with_suffix(""))
+  try:
+    spm.SentencePieceTrainer.Train(
+        sentence_iterator=iter(lines), model_prefix=prefix, vocab_size=vocab_size, model_type=model_type,
+        character_coverage=character_coverage, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        num_threads=os.cpu_count() or 1, minloglevel=2)
+  except RuntimeError as e:  # e.g. a vocabulary larger than the corpus can fill
+    raise UserError(f"SentencePiece training failed: {str(e).strip().splitlines()[-1]}") from None
+  if prefix + ".model" != output:
+    os.replace(prefix + ".model", output)
+  os.remove(prefix + ".vocab")
+  return len(lines)
+
+
+def main(argv: list[str]) -> int:
+  args = _parse(argv)
+  paths = expand_files("--dataset_path", args.dataset_path)
+  num_lines = train(paths, args.vocab_size, args.output, args.model_type, args.text_column,
+                    args.character_coverage, args.max_lines)
+  print(f"train_tokenizer: wrote {args.output} ({args.vocab_size} tokens, {args.model_type}) "
+        f"from {num_lines} lines of {len(paths)} file(s)")
+  return 0
+
+
+if __name__ == "__main__":
+  run_cli(main)
