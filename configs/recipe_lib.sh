@@ -18,6 +18,7 @@
 #   NUM_SLICES=N       with EXECUTABLE=train_compile: how many slices to compile for (default 1)
 #   DRY_RUN=1          print the exact command instead of running it
 
+set -euo pipefail
 RECIPE_REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RECIPE_PLATFORM_DEFAULT="gce"
 RECIPE_ENV=()
@@ -27,6 +28,14 @@ RECIPE_FLAGS=""
 # data-parallel all-reduces and of FSDP all-gathers with compute.
 V5E_LIBTPU_FLAGS="--xla_tpu_enable_data_parallel_all_reduce_opt=true --xla_tpu_data_parallel_opt_different_sized_ops=true --xla_tpu_enable_async_collective_fusion=true --xla_tpu_enable_async_collective_fusion_fuse_all_gather=true --xla_tpu_enable_async_collective_fusion_multiple_steps=true --xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true"
 V5P_LIBTPU_FLAGS="--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true --xla_tpu_megacore_fusion_allow_ags=false --xla_enable_async_collective_permute=true --xla_tpu_enable_ag_backward_pipelining=true --xla_tpu_enable_data_parallel_all_reduce_opt=true --xla_tpu_data_parallel_opt_different_sized_ops=true --xla_tpu_enable_async_collective_fusion=true --xla_tpu_enable_async_collective_fusion_multiple_steps=true --xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true"
+
+# Multislice jobs of thousands of hosts on GKE: default PLATFORM=gke, and let the idle gRPC
+# connections to the coordinator send keepalive pings without being cut off.
+recipe_use_largest_job_settings() {
+  RECIPE_PLATFORM_DEFAULT="gke"
+  RECIPE_ENV=(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS=1 GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS=0
+              GRPC_ARG_HTTP2_MAX_PING_STRIKES=0)
+}
 
 _recipe_fail() {
   echo "error: $(basename "$0"): $*" >&2

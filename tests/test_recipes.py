@@ -41,7 +41,7 @@ def dry_run(path: Path, *args: str, env: dict | None = None) -> tuple[dict[str, 
 
 
 def recipe_topology(path: Path) -> str:
-  return re.search(r"^RECIPE_TOPOLOGY=(\S+)$", (REPO / path).read_text(), re.M).group(1)
+  return re.search(r"^RECIPE_TOPOLOGY=(\S+)", (REPO / path).read_text(), re.M).group(1)
 
 
 def test_every_hardware_family_has_recipes():

@@ -3,9 +3,7 @@
 # parameter (~108 GB), so this recipe keeps weights and optimizer state in bfloat16 (~54 GB
 # with gradients) and rematerialises every layer.
 #   bash configs/gpu/llama2-7b-1gpu.sh RUN_NAME=my_run OUTPUT_PATH=/data/runs [DRY_RUN=1]
-# Every argument is described in configs/recipe_lib.sh.
-set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/../recipe_lib.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/../recipe_lib.sh"  # arguments: see recipe_lib.sh
 RECIPE_TOPOLOGY=gpu
 # One device has no collectives to overlap: what matters is cuBLAS GEMMs and command buffers
 # (CUDA graphs) to cut kernel-launch overhead.

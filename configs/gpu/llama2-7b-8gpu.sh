@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # Llama 2 7B on one node of 8 H100 GPUs: 8-way FSDP, float32 master weights and AdamW state.
 #   bash configs/gpu/llama2-7b-8gpu.sh RUN_NAME=my_run OUTPUT_PATH=/data/runs [DRY_RUN=1]
-# Every argument is described in configs/recipe_lib.sh.
-set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/../recipe_lib.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/../recipe_lib.sh"  # arguments: see recipe_lib.sh
 RECIPE_TOPOLOGY=gpu
 # Overlap collectives with compute (latency-hiding scheduler, pipelined collectives, loop double
 # buffering), combine small collectives into ~one layer's worth, use cuBLAS rather than Triton

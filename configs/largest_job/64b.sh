@@ -4,14 +4,8 @@
 # thousands of hosts, PLATFORM=gke by default.
 #   bash configs/largest_job/64b.sh RUN_NAME=my_run OUTPUT_PATH=gs://my-bucket/runs [PLATFORM=gce|gke] [DRY_RUN=1]
 #   bash configs/largest_job/64b.sh EXECUTABLE=train_compile NUM_SLICES=2   # compile for 2 x v5e-256 on any machine
-# Every argument is described in configs/recipe_lib.sh.
-set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/../recipe_lib.sh"
-RECIPE_TOPOLOGY=v5e-256
-RECIPE_FLAGS="$V5E_LIBTPU_FLAGS"
-RECIPE_PLATFORM_DEFAULT=gke
-# Thousands of hosts keep idle gRPC connections to the coordinator: allow keepalive pings.
-RECIPE_ENV=(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS=1 GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS=0
-            GRPC_ARG_HTTP2_MAX_PING_STRIKES=0)
+source "$(dirname "${BASH_SOURCE[0]}")/../recipe_lib.sh"  # arguments: see recipe_lib.sh
+RECIPE_TOPOLOGY=v5e-256 RECIPE_FLAGS="$V5E_LIBTPU_FLAGS"
+recipe_use_largest_job_settings
 RECIPE_ARGS=(global_parameter_scale=64 per_device_batch_size=2 remat_policy=full max_target_length=2048 steps=30 enable_checkpointing=false dataset_type=synthetic)
 recipe_run "$@"

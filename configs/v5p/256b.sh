@@ -3,10 +3,7 @@
 # Published: 316 TFLOP/s/chip, 68.82% MFU on 1 x v5p-1024.
 #   bash configs/v5p/256b.sh RUN_NAME=my_run OUTPUT_PATH=gs://my-bucket/runs [PLATFORM=gce|gke] [DRY_RUN=1]
 #   bash configs/v5p/256b.sh EXECUTABLE=train_compile NUM_SLICES=2   # compile for 2 x v5p-1024 on any machine
-# Every argument is described in configs/recipe_lib.sh.
-set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/../recipe_lib.sh"
-RECIPE_TOPOLOGY=v5p-1024
-RECIPE_FLAGS="$V5P_LIBTPU_FLAGS"
+source "$(dirname "${BASH_SOURCE[0]}")/../recipe_lib.sh"  # arguments: see recipe_lib.sh
+RECIPE_TOPOLOGY=v5p-1024 RECIPE_FLAGS="$V5P_LIBTPU_FLAGS"
 RECIPE_ARGS=(global_parameter_scale=256 per_device_batch_size=1 remat_policy=minimal ici_fsdp_parallelism=-1 ici_tensor_parallelism=8 max_target_length=2048 steps=15 enable_checkpointing=false dataset_type=synthetic)
 recipe_run "$@"
