@@ -61,7 +61,8 @@ route_without_tuning() {
 
 plan_route() {
   local route rto quickack
-  route="$(ip route show default | head -n 1)"
+  # sed, not head: head exits early, and under pipefail the writer's SIGPIPE would fail the script.
+  route="$(ip route show default | sed -n 1p)"
   [[ -n "$route" ]] || fail "no default route (ip route show default printed nothing)"
   rto="$(sed -n 's/.* rto_min \(lock \)\{0,1\}\([^ ]*\).*/\2/p' <<<"$route ")"
   quickack="$(sed -n 's/.* quickack \([^ ]*\).*/\1/p' <<<"$route ")"

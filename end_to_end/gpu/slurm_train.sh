@@ -56,7 +56,8 @@ num_tasks="${SLURM_NTASKS:-$num_nodes}"
 if [[ "$PROCESSES" == "node" && "$num_tasks" != "$num_nodes" ]]; then
   fail "PROCESSES=node needs one task per node (sbatch --ntasks-per-node=1); this job has $num_tasks tasks on $num_nodes nodes"
 fi
-head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+# sed, not head: head exits early, and under pipefail scontrol's SIGPIPE would fail the script.
+head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"
 export JAX_COORDINATOR_ADDRESS="$head_node:${COORDINATOR_PORT:-$((SLURM_JOB_ID % 4096 + 61440))}"
 export JAX_PROCESS_COUNT="$num_tasks"
 export SLURM_TRAIN_TASK=1
