@@ -1,6 +1,7 @@
 """Run one command on every worker of one or more existing TPU VM slices, for development.
 
-  python3 -m MaxText.multihost_runner --TPU_PREFIX=my-v5e --COMMAND="bash setup.sh && python3 -m MaxText.train configs/base.yml run_name=r1"
+  python3 -m MaxText.multihost_runner --TPU_PREFIX=my-v5e \
+      --COMMAND="bash setup.sh && python3 -m MaxText.train configs/base.yml run_name=r1"
   python3 -m MaxText.multihost_runner --TPU_PREFIX=my-v5e --NUM_SLICES=2 --COMMAND="..." --dry-run
 
 Finds the workers (`gcloud compute tpus tpu-vm describe`), copies SCRIPT_DIR to each of them as a
@@ -74,8 +75,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------------------- discovery
+def describe_command(gcloud: Gcloud, name: str) -> list[str]:
+  return gcloud.command("compute", "tpus", "tpu-vm", "describe", name, "--format=json")
+
+
 def describe_slice(gcloud: Gcloud, name: str, slice_id: int) -> list[Worker]:
-  argv = gcloud.command("compute", "tpus", "tpu-vm", "describe", name, "--format=json")
+  argv = describe_command(gcloud, name)
   try:
     info = json.loads(gcloud.read(argv, f"describing TPU '{name}'"))
   except json.JSONDecodeError as e:
@@ -94,7 +99,7 @@ def discover_workers(gcloud: Gcloud, args: argparse.Namespace) -> list[Worker]:
   if gcloud.dry_run:
     # No gcloud call at all in a dry run: the worker count comes from --NUM_WORKERS.
     print(f"# dry run: {len(names)} slice(s) x {args.NUM_WORKERS} worker(s) assumed (--NUM_WORKERS); "
-          f"a real run reads the workers with: {tpu_launch.quote(gcloud.command('compute', 'tpus', 'tpu-vm', 'describe', names[0], '--format=json'))}")
+          f"a real run reads the workers with: {tpu_launch.quote(describe_command(gcloud, names[0]))}")
     return [Worker(n, s, w, f"<{n}-worker-{w}-ip>") for s, n in enumerate(names) for w in range(args.NUM_WORKERS)]
   listed = gcloud.read(gcloud.command("compute", "tpus", "tpu-vm", "list", "--format=value(name.basename())"),
                        "listing TPU VMs").split()
