@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes  # noqa: F401 (re-exported for tests)
 import numpy as np
 
 from MaxText import models

@@ -36,9 +36,15 @@ def split_args(argv: Sequence[str], flags: Sequence[str]) -> tuple[dict[str, str
   return values, rest
 
 
-def start_cpu_backend() -> accelerators.DeviceTarget:
-  """Conversion is host work: keep JAX on the CPU (unless JAX_PLATFORMS says otherwise)."""
-  accelerators.select_jax_platforms("cpu")
+def start_backend(user_args: Sequence[str], default: str = "cpu") -> accelerators.DeviceTarget:
+  """Picks the JAX platform before the backend starts: `hardware=` if given, else `default`
+  (conversion is host work, so the converters keep JAX on the CPU)."""
+  hardware = default
+  for arg in user_args:
+    key, _, value = arg.partition("=")
+    if key == "hardware":
+      hardware = value
+  accelerators.select_jax_platforms(hardware)
   return accelerators.local_target()
 
 
@@ -57,18 +63,28 @@ def config_matching_hf(hf_config: Mapping[str, Any], user_args: Sequence[str], h
   family = registry.family_for_hf_config(hf_config)
   schema = config_lib.read_yaml(config_lib.BASE_CONFIG_PATH)
   inferred = engine.full_model_keys(schema, family.model_keys(hf_config))
-  argv = [prog, *user_args]
-  if "model_name" not in _user_keys(user_args) and not _saved_model_keys(user_args):
-    print(f"{prog}: inferred from {hf_path}/config.json ({family.name} family): "
-          f"{' '.join(engine.override_args(inferred))}")
-    argv = [prog, *engine.override_args(inferred), *user_args]
+  yaml_args = list(user_args[:1]) if user_args and "=" not in user_args[0] else []
+  key_args = list(user_args[len(yaml_args):])
+  inferred_args: list[str] = []
+  if "model_name" not in _user_keys(key_args) and not _saved_model_keys(key_args):
+    inferred_args = engine.override_args(inferred)
+    print(f"{prog}: inferred from {hf_path}/config.json ({family.name} family): {' '.join(inferred_args)}")
+  argv = [prog, *yaml_args, *inferred_args, *_length_for(inferred, key_args), *key_args]
   config = config_lib.load_config(argv, target=target)
   _require_scale_one(config)
   mismatch = engine.differences(dict(config.values), inferred)
   if mismatch:
-    what = "model_name=" + config["model_name"] if "model_name" in _user_keys(user_args) else "the model config"
+    what = "model_name=" + config["model_name"] if "model_name" in _user_keys(key_args) else "the model config"
     raise ConfigError(f"{what} does not match {hf_path}/config.json (ours vs HF): {'; '.join(mismatch)}")
   return config, inferred
+
+
+def _length_for(model_keys: Mapping[str, Any], key_args: Sequence[str]) -> list[str]:
+  """Conversion and checking never train, so an unset max_target_length (the CPU defaults' 128)
+  must not trip the check that it fits a learned position table: use the table's size."""
+  if "max_target_length" in _user_keys(key_args) or model_keys.get("position_embedding") != "learned":
+    return []
+  return [f"max_target_length={model_keys['max_position_embeddings']}"]
 
 
 def _saved_model_keys(user_args: Sequence[str]) -> bool:
@@ -88,9 +104,16 @@ def config_for_checkpoint(checkpoint: str, user_args: Sequence[str], target: acc
                           prog: str) -> config_lib.Config:
   """The config of one of our checkpoints: model_name= if given, else its saved model_config.yml."""
   args = [f"load_parameters_path={checkpoint}", *user_args]
-  if "model_name" not in _user_keys(user_args) and not _saved_model_keys(args):
+  saved = Path(checkpoint) / config_lib.MODEL_CONFIG_FILE
+  if "model_name" in _user_keys(user_args):
+    name = [a.partition("=")[2] for a in user_args if a.startswith("model_name=")][-1]
+    named = config_lib.MODELS_DIR / f"{name}.yml"
+    model_keys = config_lib.read_yaml(named) if named.is_file() else {}
+  elif saved.is_file():
+    model_keys = config_lib.read_yaml(saved)
+  else:
     raise UserError(f"{checkpoint} has no {config_lib.MODEL_CONFIG_FILE}; say which model it holds with "
                     "model_name=<name> (and any key=value overrides it was trained with)")
-  config = config_lib.load_config([prog, *args], target=target)
+  config = config_lib.load_config([prog, *_length_for(model_keys, user_args), *args], target=target)
   _require_scale_one(config)
   return config

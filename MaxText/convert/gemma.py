@@ -69,7 +69,12 @@ def gemma2_hf_config(cfg: ModelConfig) -> dict[str, Any]:
           "hidden_activation": "gelu_pytorch_tanh", "layer_types": layer_types,
           "sliding_window": cfg.sliding_window_size, "attn_logit_softcapping": cfg.attn_logits_soft_cap or None,
           "final_logit_softcapping": cfg.final_logits_soft_cap or None,
-          "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim}
+          "query_pre_attn_scalar": _whole(cfg.query_pre_attn_scalar or cfg.head_dim)}
+
+
+def _whole(value: float) -> int | float:
+  """HF's config validation wants ints where the value is whole (query_pre_attn_scalar)."""
+  return int(value) if float(value).is_integer() else value
 
 
 def gemma2_tensors(cfg: ModelConfig) -> list[r.TensorMap]:

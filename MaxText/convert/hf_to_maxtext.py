@@ -32,7 +32,7 @@ def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict:
   """Converts and returns a summary (tensor bytes, peak memory) for logs and tests."""
   if Path(output_path).exists():
     raise UserError(f"{output_path} already exists; choose a new --output_path or remove it first")
-  target = cli.start_cpu_backend()
+  target = cli.start_backend(user_args)
   hf_config = hf_io.read_hf_config(hf_path)
   config, model_keys = cli.config_matching_hf(hf_config, user_args, hf_path, target, PROG)
   cfg = config.model
@@ -44,7 +44,7 @@ def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict:
     staged = engine.StagedParams(spec.abstract_params, staging_dir, cfg.weight_dtype)
     largest = engine.stage_hf_tensors(hf_io.iter_hf_tensors(hf_path), family, cfg, staged)
     engine.save_staged_params(output_path, staged.tree())
-  saved = engine.write_model_config(output_path, {**model_keys, "scan_layers": cfg.scan_layers}, hf_path)
+  saved = engine.write_model_config(output_path, model_keys, hf_path)
   peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
   print(f"{PROG}: wrote {output_path} ({family.name}, {cfg.num_decoder_layers} layers, "
         f"{'scanned' if cfg.scan_layers else 'unrolled'}, {cfg.weight_dtype}) and {saved.name}; largest HF tensor "

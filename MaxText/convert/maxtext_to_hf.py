@@ -13,7 +13,6 @@ by shard.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from MaxText import checkpointing, models
+from MaxText import checkpointing, models, sharding
 from MaxText import config as config_lib
 from MaxText.convert import cli, engine, hf_io, registry
 from MaxText.errors import ConfigError, UserError, run_cli
@@ -30,21 +29,13 @@ from MaxText.errors import ConfigError, UserError, run_cli
 PROG = "maxtext_to_hf"
 
 
-def _load_params(checkpoint: str, config: config_lib.Config) -> tuple[Any, Any]:
-  """(numpy params, ModelConfig), trying the other layer layout if the checkpoint is not in the configured one."""
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  first_error: UserError | None = None
-  for scan_layers in (config.model.scan_layers, not config.model.scan_layers):
-    cfg = dataclasses.replace(config.model, scan_layers=scan_layers)
-    spec = models.build_model_spec(cfg)
-    shardings = jax.tree.map(lambda _: device, spec.abstract_params)
-    try:
-      params = checkpointing.load_params(checkpoint, spec.abstract_params, shardings)
-    except UserError as e:
-      first_error = first_error or e
-      continue
-    return jax.tree.map(np.asarray, params), cfg
-  raise first_error
+def _load_params(checkpoint: str, config: config_lib.Config) -> Any:
+  """Our parameters as numpy arrays (load_params reads either stored layer layout)."""
+  spec = models.build_model_spec(config.model)
+  mesh = sharding.create_mesh(config.mesh)
+  params = checkpointing.load_params(checkpoint, spec.abstract_params,
+                                     models.shard_params_like(spec, mesh, config.mesh.logical_axis_rules))
+  return jax.tree.map(np.asarray, params)
 
 
 def _hf_config(config: config_lib.Config, family: registry.Family) -> dict[str, Any]:
@@ -63,11 +54,11 @@ def export(checkpoint: str, output_path: str, user_args: list[str], max_shard_mb
   out = Path(output_path)
   if out.exists() and any(out.iterdir()):
     raise UserError(f"{output_path} exists and is not empty; choose a new --output_path")
-  target = cli.start_cpu_backend()
+  target = cli.start_backend(user_args)
   config = cli.config_for_checkpoint(checkpoint, user_args, target, PROG)
   family = registry.family_for_decoder_block(config.model.decoder_block)
   hf_config = _hf_config(config, family)
-  params, cfg = _load_params(checkpoint, config)
+  params, cfg = _load_params(checkpoint, config), config.model
   out.mkdir(parents=True, exist_ok=True)
   writer = hf_io.SafetensorsWriter(output_path, max_shard_mb * 2**20)
   for name, array in engine.hf_tensors_from_params(params, family, cfg):

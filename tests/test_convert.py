@@ -1,0 +1,186 @@
+"""HF → ours → logit checker, ours → HF round trips, and the converters' user errors, on the
+tiny random models of tests/hf_families.py (one conversion per family, shared by the tests)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import hf_families as H
+from MaxText import checkpointing, config as config_lib, logit_checker, models
+from MaxText.convert import hf_to_maxtext, maxtext_to_hf
+from MaxText.errors import ConfigError, UserError
+
+REPO = Path(__file__).resolve().parent.parent
+BASE = str(REPO / "configs" / "base.yml")
+
+
+def _save_hf(model, directory: Path, **kwargs) -> Path:
+  model.save_pretrained(str(directory), **kwargs)
+  return directory
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+  """family -> (HF dir, our checkpoint), converted once per module with inferred model keys."""
+  cache: dict[str, tuple[Path, Path]] = {}
+
+  def get(family: str) -> tuple[Path, Path]:
+    if family not in cache:
+      root = tmp_path_factory.mktemp(family)
+      hf_dir = _save_hf(H.build_hf_model(family), root / "hf")
+      hf_to_maxtext.convert(str(hf_dir), str(root / "ckpt"), [])
+      cache[family] = (hf_dir, root / "ckpt")
+    return cache[family]
+  return get
+
+
+def _check(hf_dir: Path, ckpt: Path, *args: str) -> int:
+  return logit_checker.main(["logit_checker", BASE, f"load_parameters_path={ckpt}", f"hf_model_path={hf_dir}",
+                             *args])
+
+
+def _load(path: Path, scan_layers: bool):
+  config = config_lib.Config.for_testing(load_parameters_path=str(path), scan_layers=scan_layers, print_config=False)
+  spec = models.build_model_spec(config.model)
+  one_device = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)),
+                                          jax.sharding.PartitionSpec())
+  return checkpointing.load_params(str(path), spec.abstract_params,
+                                   jax.tree.map(lambda _: one_device, spec.abstract_params))
+
+
+@pytest.mark.parametrize("family", H.FAMILIES)
+def test_converted_checkpoint_passes_the_logit_checker_float32(family, converted, capsys):
+  hf_dir, ckpt = converted(family)
+  # The tolerance of tests/layers/test_families_vs_hf.py; KL ~ |Δlogit|^2 / 2.
+  assert _check(hf_dir, ckpt, "dtype=float32", "atol=2e-5", "max_kl=1e-9") == 0
+  out = capsys.readouterr().out
+  assert "no model_name given; using the model keys saved with the checkpoint" in out
+  assert "logit_checker: PASS" in out
+
+
+# Every family's bf16 numerics are checked against HF in test_families_vs_hf; through the
+# converted checkpoint and the checker CLI two families suffice by default.
+@pytest.mark.parametrize("family", [f if f in ("llama3.1", "gemma2") else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in H.FAMILIES])
+def test_converted_checkpoint_passes_the_logit_checker_bfloat16(family, converted, capsys):
+  """Against HF float32: bf16 rounding of weights and activations (2^-9 relative) moves logits of
+  size <= 8 by up to ~0.1 and the distributions by KL ~ 1e-4 (HF's own bf16 run does the same,
+  see test_families_vs_hf); 0.25 / 1e-3 stay well under what a real bug does (>= 0.3)."""
+  hf_dir, ckpt = converted(family)
+  assert _check(hf_dir, ckpt, "dtype=bfloat16", "atol=0.25", "max_kl=1e-3") == 0
+  assert "logit_checker: PASS" in capsys.readouterr().out
+
+
+def test_corrupting_one_weight_makes_the_checker_fail(converted, tmp_path):
+  hf_dir, ckpt = converted("llama3.1")
+  params = jax.tree.map(np.array, _load(ckpt, scan_layers=True))
+  params["layers"]["mlp"]["wo"]["kernel"][1, 3, 5] += 0.5  # one number in layer 1's MLP
+  corrupt = tmp_path / "corrupt"
+  checkpointing.save_params(str(corrupt), params)
+  shutil.copy(ckpt / config_lib.MODEL_CONFIG_FILE, corrupt / config_lib.MODEL_CONFIG_FILE)
+  proc = subprocess.run(
+      [sys.executable, "-m", "MaxText.logit_checker", BASE, f"load_parameters_path={corrupt}",
+       f"hf_model_path={hf_dir}", "dtype=float32", "atol=2e-5", "max_kl=1e-9", "hardware=cpu"],
+      cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  summary = [line for line in proc.stdout.splitlines() if line.startswith("logit_checker: FAIL")]
+  assert summary and float(summary[0].split("max |Δlogit| ")[1].split()[0]) > 0.01, proc.stdout[-500:]
+
+
+@pytest.mark.parametrize("family", H.FAMILIES)
+def test_round_trip_to_hf_reproduces_the_weights_exactly(family, converted, tmp_path):
+  hf_dir, ckpt = converted(family)
+  maxtext_to_hf.export(str(ckpt), str(tmp_path / "hf"), [])
+  original, exported = load_file(str(hf_dir / "model.safetensors")), load_file(str(tmp_path / "hf" / "model.safetensors"))
+  assert sorted(exported) == sorted(original)
+  for name, value in original.items():
+    np.testing.assert_array_equal(exported[name], value, err_msg=name)
+  reloaded, info = H.transformers.AutoModelForCausalLM.from_pretrained(
+      str(tmp_path / "hf"), attn_implementation="eager", output_loading_info=True)
+  assert not info["missing_keys"] and not info["unexpected_keys"]
+  token_ids = H.tokens()
+  reference = H.transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), attn_implementation="eager")
+  np.testing.assert_array_equal(H.hf_logits(reloaded.eval(), token_ids), H.hf_logits(reference.eval(), token_ids))
+
+
+def test_sharded_and_bin_checkpoints_convert_to_the_same_parameters(converted, tmp_path):
+  hf_dir, ckpt = converted("llama3.1")
+  model = H.transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir))
+  sharded = _save_hf(model, tmp_path / "sharded", max_shard_size="20KB")
+  assert len(list(sharded.glob("*.safetensors"))) > 1
+  # torch pickles (older checkpoints), in two shards, in bfloat16 (numpy has no bf16: the reader reinterprets bits)
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  shutil.copy(hf_dir / "config.json", bin_dir / "config.json")
+  state = model.state_dict()
+  names = sorted(state)
+  for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+    H.torch.save({n: state[n].to(H.torch.bfloat16) for n in part}, bin_dir / f"pytorch_model-0000{i + 1}-of-00002.bin")
+  hf_to_maxtext.convert(str(sharded), str(tmp_path / "unrolled"), ["scan_layers=False"])
+  hf_to_maxtext.convert(str(bin_dir), str(tmp_path / "from_bin"), [])
+  unrolled = _load(tmp_path / "unrolled", scan_layers=False)
+  assert "layers_1" in unrolled
+  reference = _load(ckpt, scan_layers=False)  # scanned on disk, relaid out by load_params
+  jax.tree.map(np.testing.assert_array_equal, unrolled, reference)
+  from_bin, scanned = _load(tmp_path / "from_bin", True), _load(ckpt, True)
+  to_bf16 = lambda x: np.asarray(x).astype(H.ml_dtypes.bfloat16).astype(np.float32)  # noqa: E731
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), to_bf16(b)), from_bin, scanned)
+
+
+def test_named_model_must_match_config_json(converted, tmp_path):
+  hf_dir, _ = converted("llama3.1")
+  with pytest.raises(ConfigError) as info:
+    hf_to_maxtext.convert(str(hf_dir), str(tmp_path / "out"), ["model_name=llama2-7b"])
+  message = str(info.value)
+  assert message.startswith("model_name=llama2-7b does not match")
+  assert "base_emb_dim: 4096.0 vs 64.0" in message and "rope_type: 'default' vs 'llama3'" in message
+  assert "\n" not in message and not (tmp_path / "out").exists()
+
+
+def test_named_model_gpt3_52k_converts_and_checks(tmp_path, capsys):
+  torch = H.torch
+  torch.manual_seed(0)
+  config = H.transformers.GPT2Config(vocab_size=1024, n_embd=16, n_layer=1, n_head=2, n_inner=64, n_positions=2048)
+  hf_dir = _save_hf(H.transformers.GPT2LMHeadModel(config).eval(), tmp_path / "hf")
+  hf_to_maxtext.convert(str(hf_dir), str(tmp_path / "ckpt"), ["model_name=gpt3-52k"])
+  assert _check(hf_dir, tmp_path / "ckpt", "model_name=gpt3-52k", "dtype=float32", "atol=2e-5") == 0
+  assert "inferred from" not in capsys.readouterr().out
+
+
+def test_training_config_reads_the_saved_model_keys(converted, capsys):
+  _, ckpt = converted("gemma2")
+  config = config_lib.load_config(["train", BASE, f"load_parameters_path={ckpt}"], environ={})
+  assert (config.model.decoder_block, config.model.emb_dim, config.model.attention_layer_pattern) == (
+      "gemma2", 64, ("local", "global"))
+  assert f"using the model keys saved with the checkpoint in {ckpt}" in capsys.readouterr().out
+  named = config_lib.load_config(["train", BASE, f"load_parameters_path={ckpt}", "model_name=gemma2-2b"], environ={})
+  assert named.model.emb_dim == 2304  # an explicit model_name wins over the saved keys
+
+
+@pytest.mark.parametrize("make_args, message", [
+    (lambda d, c, o: ["--hf_path", str(d)], "missing --output_path"),
+    (lambda d, c, o: ["--hf_path", str(d), "--output_path", str(c)], "already exists"),
+    (lambda d, c, o: ["--hf_path", str(o), "--output_path", str(o / "x")], "config.json is missing"),
+    (lambda d, c, o: ["--hf_path", str(d), "--output_path", str(o / "x"), "base_num_decoder_layers=3"],
+     "base_num_decoder_layers: 3.0 vs 2.0"),
+])
+def test_hf_to_maxtext_user_errors(make_args, message, converted, tmp_path):
+  hf_dir, ckpt = converted("mistral")
+  with pytest.raises(UserError, match=message.replace("[", r"\[").replace(".", r"\.")):
+    hf_to_maxtext.main(["hf_to_maxtext", *make_args(hf_dir, ckpt, tmp_path)])
+
+
+def test_maxtext_to_hf_refuses_what_hf_cannot_express(converted, tmp_path):
+  _, ckpt = converted("llama3.1")
+  with pytest.raises(ConfigError, match="HF llama cannot express this model.*attention_layer_pattern"):
+    maxtext_to_hf.export(str(ckpt), str(tmp_path / "hf"), ["attention_layer_pattern=[local]"])
+  with pytest.raises(UserError, match="has no model_config.yml; say which model"):
+    maxtext_to_hf.export(str(tmp_path), str(tmp_path / "hf"), [])
