@@ -60,6 +60,8 @@ class Gcloud:
     except FileNotFoundError:
       raise UserError(f"'{argv[0]}' was not found on PATH: install the Google Cloud CLI "
                       "(https://cloud.google.com/sdk/docs/install) or use --dry-run") from None
+    except subprocess.TimeoutExpired:
+      raise UserError(f"{what} did not finish within 300 s; command: {quote(argv)}") from None
     if done.returncode != 0:
       last = (done.stderr.strip().splitlines() or ["no error output"])[-1]
       raise UserError(f"{what} failed (exit {done.returncode}): {last}; command: {quote(argv)}")
