@@ -16,13 +16,14 @@ from MaxText.errors import ConfigError
 def _builder(dataset_name: str, dataset_path: str) -> Any:
   import tensorflow_datasets as tfds
 
+  where = f"under dataset_path {dataset_path}" if dataset_path else "in the default TFDS data_dir"
   try:
     return tfds.builder(dataset_name, data_dir=dataset_path or None)
   except tfds.core.registered.DatasetNotFoundError:
-    where = f"under dataset_path {dataset_path}" if dataset_path else "in the default TFDS data_dir"
     raise ConfigError(f"tfds dataset {dataset_name!r} not found {where}") from None
-  except (ValueError, FileNotFoundError) as e:
-    raise ConfigError(f"tfds dataset {dataset_name!r}: {str(e).splitlines()[0]}") from None
+  except (ValueError, FileNotFoundError) as e:  # e.g. an unknown config or version of a known dataset
+    reason = re.split(r"\. Here are|\n", str(e), maxsplit=1)[0]
+    raise ConfigError(f"tfds dataset {dataset_name!r} not found {where}: {reason}") from None
 
 
 def open_split(dataset_name: str, dataset_path: str, split: str) -> tuple[Any, str]:

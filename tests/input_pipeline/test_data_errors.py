@@ -1,0 +1,93 @@
+"""Each user error of the data keys and datasets ends in one clear ConfigError, before training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from MaxText import sharding
+from MaxText.config import Config
+from MaxText.errors import ConfigError
+from MaxText.input_pipeline import create_data_iterator, create_eval_iterator
+
+
+def _grain(spm_model: str, prepared: Path, **overrides) -> dict:
+  values = dict(dataset_type="grain", tokenizer_path=spm_model, vocab_size=512, max_target_length=16,
+                per_device_batch_size=1, print_config=False,
+                grain_train_files=str(prepared / "arrayrecord" / "train.array_record"))
+  values.update(overrides)
+  return values
+
+
+def _open(values: dict, evaluation: bool = False):
+  config = Config.for_testing(**values)
+  mesh = sharding.create_mesh(config.mesh)
+  return create_eval_iterator(config, mesh) if evaluation else create_data_iterator(config, mesh)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(dataset_type="c4"), "dataset_type must be one of synthetic, tfds, hf, grain"),
+    (dict(tokenizer_path="/nonexistent/tok.model"), "tokenizer_path /nonexistent/tok.model does not exist"),
+    (dict(vocab_size=256), "has 512 tokens, more than vocab_size=256; set vocab_size >= 512"),
+    (dict(grain_train_files="/nonexistent/*.array_record"), "grain_train_files: no file matches"),
+    (dict(eval_interval=10), "needs grain_eval_files"),
+    (dict(train_data_columns=["text", "title"]), "exactly one text column"),
+    (dict(dataset_type="tfds"), "dataset_type=tfds needs dataset_name"),
+    (dict(dataset_type="tfds", dataset_name="x", dataset_path="/nonexistent"), "is not a directory"),
+    (dict(dataset_type="hf"), "dataset_type=hf needs hf_path or hf_data_files"),
+    (dict(dataset_type="hf", hf_data_files="/nonexistent.jsonl"), "hf_data_files: no file matches"),
+    (dict(max_target_length=1), "max_target_length must be >= 2"),
+])
+def test_config_errors(spm_model, prepared, overrides, message):
+  with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+    Config.for_testing(**_grain(spm_model, prepared, **overrides))
+
+
+def test_empty_dataset(spm_model, prepared, tmp_path):
+  from array_record.python.array_record_module import ArrayRecordWriter
+
+  empty = tmp_path / "empty.array_record"
+  ArrayRecordWriter(str(empty), "group_size:1").close()
+  with pytest.raises(ConfigError, match="the train data .* is empty"):
+    _open(_grain(spm_model, prepared, grain_train_files=str(empty)))
+
+
+def test_fewer_records_than_hosts_is_explained():
+  from MaxText.input_pipeline import pipeline
+
+  with pytest.raises(ConfigError, match="has 1 records, fewer than the 2 data shards"):
+    pipeline.document_dataset(["one"], pipeline.HostShard(0, 2, 4), list, "text", None, True, "the train data")
+
+
+def test_missing_text_column(spm_model, prepared):
+  data = _open(_grain(spm_model, prepared, train_data_columns=["body"], data_prefetch_batches=0))
+  with pytest.raises(ConfigError, match="records have no column 'body' \\(they have text\\)"):
+    next(data)
+
+
+def test_split_that_does_not_exist_tfds(spm_model, prepared):
+  values = _grain(spm_model, prepared, dataset_type="tfds", dataset_path=str(prepared / "tfds"),
+                  dataset_name="local_text/corpus", eval_split="test", eval_interval=5)
+  with pytest.raises(ConfigError, match="split 'test' does not exist in tfds dataset 'local_text/corpus'; "
+                                        "it has (train, validation|validation, train)"):
+    _open(values, evaluation=True)
+  with pytest.raises(ConfigError, match="tfds dataset 'local_text/other' not found under dataset_path"):
+    _open(dict(values, dataset_name="local_text/other"))
+
+
+def test_split_that_does_not_exist_hf(spm_model, prepared, tmp_path):
+  import datasets
+
+  datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a b c", "d e f"]})}).save_to_disk(
+      str(tmp_path / "saved"))
+  values = _grain(spm_model, prepared, dataset_type="hf", hf_path=str(tmp_path / "saved"), eval_interval=5)
+  assert len(next(_open(values))["inputs"]) == 8  # the train split reads
+  with pytest.raises(ConfigError, match="split 'validation' does not exist in .*saved; it has train"):
+    _open(values, evaluation=True)
+
+
+def test_hub_dataset_is_never_downloaded(spm_model, prepared):
+  values = _grain(spm_model, prepared, dataset_type="hf", hf_path="someone/not_cached_here")
+  with pytest.raises(ConfigError, match="is not available offline"):
+    _open(values)

@@ -1,0 +1,77 @@
+"""The three tokenizer kinds, bos/eos handling and the train_tokenizer entry point."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+
+import pytest
+
+from MaxText.errors import ConfigError
+from MaxText.input_pipeline.tokenizer import DocumentEncoder, load_tokenizer
+from tests.conftest import REPO_ROOT
+from tests.input_pipeline.data_fixtures import numbered_documents
+
+TEXT = "To be, or not to be: that is the question."
+
+
+def test_sentencepiece_round_trip_with_bos_and_eos(spm_model):
+  tokenizer = load_tokenizer("sentencepiece", spm_model)
+  assert tokenizer.vocab_size == 512 and (tokenizer.bos_id, tokenizer.eos_id) == (1, 2)
+  ids = DocumentEncoder(tokenizer, add_bos=True, add_eos=True)(TEXT)
+  assert ids[0] == 1 and ids[-1] == 2 and 1 not in ids[1:-1]
+  assert tokenizer.decode(ids[1:-1]) == TEXT
+  assert DocumentEncoder(tokenizer, add_bos=False, add_eos=False)(TEXT) == ids[1:-1]
+
+
+def test_huggingface_tokenizer_json_with_its_config(tmp_path):
+  from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+  hf = Tokenizer(models.BPE(unk_token="<unk>"))
+  hf.pre_tokenizer = pre_tokenizers.Whitespace()
+  hf.train_from_iterator(numbered_documents() + [TEXT], trainers.BpeTrainer(
+      vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+  hf.save(str(tmp_path / "tokenizer.json"))
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}}))
+  tokenizer = load_tokenizer("huggingface", str(tmp_path))
+  assert (tokenizer.bos_id, tokenizer.eos_id) == (1, 2) and tokenizer.vocab_size <= 120
+  ids = DocumentEncoder(tokenizer, True, True)("doc 3 alpha bravo")
+  assert ids[0] == 1 and ids[-1] == 2 and tokenizer.decode(ids[1:-1]) == "doc 3 alpha bravo"
+
+
+def test_tiktoken_ranks_file_in_llama3_layout(tmp_path):
+  path = tmp_path / "bytes.tiktoken"
+  path.write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
+  tokenizer = load_tokenizer("tiktoken", str(path))
+  assert tokenizer.vocab_size == 512 and (tokenizer.bos_id, tokenizer.eos_id) == (256, 257)
+  ids = tokenizer.encode(TEXT + " <|begin_of_text|>")
+  assert ids[:2] == [ord("T"), ord("o")] and max(ids) < 256  # special-token text in data stays text
+  assert tokenizer.decode(ids) == TEXT + " <|begin_of_text|>"
+
+
+def test_tokenizer_errors(tmp_path, spm_model):
+  with pytest.raises(ConfigError, match="tokenizer_type must be one of"):
+    load_tokenizer("bytes", spm_model)
+  with pytest.raises(ConfigError, match="does not exist"):
+    load_tokenizer("sentencepiece", str(tmp_path / "missing.model"))
+  (tmp_path / "junk.model").write_text("not a model")
+  with pytest.raises(ConfigError, match="not a SentencePiece model"):
+    load_tokenizer("sentencepiece", str(tmp_path / "junk.model"))
+  with pytest.raises(ConfigError, match="tokenizer_path is empty"):
+    load_tokenizer("sentencepiece", "")
+
+
+def test_train_tokenizer_command_line(tmp_path):
+  corpus = tmp_path / "corpus.jsonl"
+  corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in numbered_documents() * 3))
+  output = tmp_path / "out" / "tok.model"
+  command = [sys.executable, "-m", "MaxText.train_tokenizer", "--dataset_path", str(tmp_path / "*.jsonl"),
+             "--vocab_size", "80", "--output", str(output)]
+  proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert "wrote" in proc.stdout and load_tokenizer("sentencepiece", str(output)).vocab_size == 80
+  bad = subprocess.run(command[:4] + [str(tmp_path / "none*.txt")] + command[5:], cwd=REPO_ROOT,
+                       capture_output=True, text=True, timeout=120)
+  assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --dataset_path: no file matches")
