@@ -67,7 +67,11 @@ def load_target_config(argv: list[str]) -> tuple[config_lib.Config, Sequence[Any
     devices, target = jax.devices(), accelerators.local_target()
   else:
     devices, target = describe_topology(topology, num_slices), topology.target(num_slices)
-  return config_lib.Config(config_lib.resolve_values(overrides, target.platform), target), devices, topology
+  values = config_lib.resolve_values(overrides, target.platform)
+  # Nothing is written under a run directory here; a fixed name satisfies the multi-host rule
+  # that every process of a real run must be given the same run_name.
+  values["run_name"] = values["run_name"] or "train_compile"
+  return config_lib.Config(values, target), devices, topology
 
 
 def compile_or_explain(step_fn: Any, inputs: aot.StepInputs, topology: accelerators.TpuTopology | None) -> Any:
