@@ -34,7 +34,7 @@ GIB = 1024**3
 _MAGIC = b"MAXTEXT-COMPILED-TRAIN-STEP\n"
 _FORMAT_VERSION = 1
 # Header sections that must agree between the file and the run that loads it.
-_CHECKED_SECTIONS = ("model", "optim", "mesh", "batch", "inputs", "target", "versions")
+_CHECKED_SECTIONS = ("target", "versions", "batch", "model", "optim", "mesh", "inputs")
 
 
 # ---------------------------------------------------------------- abstract inputs
