@@ -90,9 +90,8 @@ def compile_or_explain(step_fn: Any, inputs: aot.StepInputs, topology: accelerat
                                              f"XLA: {first_line}")) from None
 
 
-def report(config: config_lib.Config, topology: accelerators.TpuTopology | None, compiled: Any,
-           num_params: int) -> aot.MemoryReport:
-  """Prints memory per device, parameters, FLOPs and the compiler's step-time estimate."""
+def report(config: config_lib.Config, topology: accelerators.TpuTopology | None, compiled: Any) -> aot.MemoryReport:
+  """Prints memory per device, FLOPs and the compiler's step-time estimate."""
   memory = aot.MemoryReport.from_compiled(compiled)
   print("memory per device (XLA memory analysis of the compiled step):")
   print("\n".join(memory.lines()))
@@ -102,7 +101,6 @@ def report(config: config_lib.Config, topology: accelerators.TpuTopology | None,
   flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size,
                                            config.data.max_target_length)
   num_devices = config.target.num_devices
-  print(f"parameters: {num_params / 1e9:.3f} B ({num_params:,})")
   print(f"model FLOPs per step: {flops.total_tflops:,.4g} TFLOP ({flops.total_tflops / num_devices:,.4g} per device; "
         f"{config.data.global_batch_size} sequences x {config.data.max_target_length} tokens)")
   cycles = aot.estimated_cycles(compiled.as_text()) if topology is not None else None
@@ -128,14 +126,15 @@ def main(argv: list[str]) -> int:
   mesh = sharding.create_mesh(config.mesh, devices)
   print(f"mesh: {', '.join(f'{a}={n}' for a, n in mesh.shape.items() if n > 1) or 'single device'}")
   setup = train_state.build_state_setup(config, mesh)
+  num_params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
+  print(f"parameters: {num_params / 1e9:.3f} B ({num_params:,})")
   batch_sharding = sharding.batch_sharding(mesh, config.mesh.data_sharding)
   step_fn = train_step.jit_train_step(setup, config, batch_sharding)
   inputs = aot.abstract_inputs(config, setup, batch_sharding)
   start = time.perf_counter()
   compiled = compile_or_explain(step_fn, inputs, topology)
   print(f"compiled in {time.perf_counter() - start:.1f} s")
-  num_params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
-  memory = report(config, topology, compiled, num_params)
+  memory = report(config, topology, compiled)
   if topology is not None:
     gen = topology.generation
     if memory.total > gen.hbm_gib * aot.GIB:
