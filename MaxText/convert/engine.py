@@ -3,7 +3,7 @@
 HF → ours streams: each HF tensor is transformed and written straight into a disk-backed
 (memory-mapped) array of our parameter tree, then dropped, so host memory holds about one
 tensor (plus the transposed copy) at a time. The staged tree is then written to Orbax
-without copying it into memory (see `save_staged_params`).
+without a host copy (see `save_staged_params` for what Orbax itself still buffers).
 """
 
 from __future__ import annotations
@@ -150,10 +150,13 @@ def hf_tensors_from_params(params: Mapping[str, Any], family: registry.Family,
 
 
 def save_staged_params(path: str, params: Any) -> None:
-  """Writes a parameters-only checkpoint ({"params": params}, the layout `checkpointing.load_params`
-  reads) from host arrays WITHOUT first copying them: Orbax's default numpy handler deep-copies
-  every host array, which would put the whole model in memory; the save is synchronous, so the
-  memory maps stay valid until it finishes."""
+  """Writes a parameters-only checkpoint ({"params": params}, the layout of `checkpointing.save_params`,
+  which `checkpointing.load_params` reads) from host arrays without copying them first.
+
+  Orbax's default numpy handler deep-copies every host array before writing (a whole extra
+  model in memory); the save here is synchronous, so the memory maps stay valid until it
+  finishes. The OCDBT writer still buffers the chunk data until commit (~ one model).
+  """
   if Path(path).exists():
     raise UserError(f"{path} already exists; choose a new output path or remove it first")
   handlers = ocp.type_handlers.create_type_handler_registry(
