@@ -5,14 +5,12 @@
 # the held-out split -> asserts on the eval loss.
 #   bash end_to_end/cpu/tinyshakespeare.sh [OUTPUT_DIR]
 #   STEPS=300 EVAL_THRESHOLD=4.6 DATASET_TYPES="grain hf tfds" CORPUS=path/to/text bash end_to_end/cpu/tinyshakespeare.sh
-# Threshold: see the comment at the assertion below.
+# The eval-loss threshold is justified at its assertion below.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+# Knobs (environment): STEPS, EVAL_THRESHOLD, DATASET_TYPES, CORPUS.
+: "${STEPS:=300}" "${EVAL_THRESHOLD:=4.6}" "${DATASET_TYPES:=grain hf tfds}" "${CORPUS:=../shared/data/tinyshakespeare.txt}"
 OUT="${1:-$(mktemp -d)}"
-CORPUS="${CORPUS:-../shared/data/tinyshakespeare.txt}"
-STEPS="${STEPS:-300}"
-EVAL_THRESHOLD="${EVAL_THRESHOLD:-4.6}"
-DATASET_TYPES="${DATASET_TYPES:-grain hf tfds}"
 mkdir -p "$OUT"
 if [[ ! -f "$CORPUS" ]]; then
   echo "error: corpus $CORPUS not found (set CORPUS=...)" >&2
@@ -66,6 +64,10 @@ for kind in kinds:
   final = evals[max(evals)]
   curve = ", ".join(f"{s}: {l:.3f}" for s, l in sorted(evals.items()))
   print(f"{kind}: eval loss {curve}; median input wait {sorted(waits)[len(waits) // 2] * 1e3:.2f} ms/step")
+  # Measured at 300 steps (2 cores): final eval loss 4.09 for grain and hf (same document order)
+  # and 4.27 for tfds (TFDS shuffles records when preparing, so other eval batches), against 6.03
+  # for the unigram baseline. The default threshold 4.6 leaves ~0.3 nats for other machines and
+  # XLA versions while still requiring 1.4 nats of context use; fewer STEPS need a higher one.
   assert final < unigram - 1.0, (kind, final, unigram)
   assert final < threshold, (kind, final, threshold)
   assert list(evals.values()) == sorted(evals.values(), reverse=True) or final == min(evals.values()), (kind, evals)
