@@ -184,3 +184,16 @@ def test_maxtext_to_hf_refuses_what_hf_cannot_express(converted, tmp_path):
     maxtext_to_hf.export(str(ckpt), str(tmp_path / "hf"), ["attention_layer_pattern=[local]"])
   with pytest.raises(UserError, match="has no model_config.yml; say which model"):
     maxtext_to_hf.export(str(tmp_path), str(tmp_path / "hf"), [])
+
+
+@pytest.mark.slow
+def test_train_fine_tunes_from_a_converted_checkpoint(converted, tmp_path):
+  _, ckpt = converted("gemma2")
+  proc = subprocess.run(
+      [sys.executable, "-m", "MaxText.train", BASE, f"load_parameters_path={ckpt}", "run_name=ft", "steps=2",
+       f"base_output_directory={tmp_path}", "enable_checkpointing=False", "print_config=False", "hardware=cpu",
+       "max_target_length=32", "per_device_batch_size=1"],
+      cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "using the model keys saved with the checkpoint" in proc.stdout
+  assert f"loaded parameters from {ckpt}" in proc.stdout and "done: steps 1..2" in proc.stdout
