@@ -75,6 +75,17 @@ def select_jax_platforms(hardware: str) -> str | None:
   return platforms
 
 
+def requested_platform() -> str:
+  """"cpu", "gpu" or "tpu": the first platform JAX will start (without starting it)."""
+  platforms = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or ""
+  first = platforms.split(",")[0].strip().lower()
+  if first in ("cuda", "rocm", "gpu"):
+    return "gpu"
+  if first in ("cpu", "tpu"):
+    return first
+  return "tpu" if has_tpu() else "gpu" if _has_nvidia_gpu() else "cpu"
+
+
 def _platform_of(device: jax.Device) -> str:
   return "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
 
@@ -82,13 +93,18 @@ def _platform_of(device: jax.Device) -> str:
 def local_target() -> DeviceTarget:
   """Describes the devices of this (possibly multi-process) run. Starts the JAX backend."""
   devices = jax.devices()
-  slice_ids = {getattr(d, "slice_index", 0) for d in devices}
+  # TPU devices name their slice; elsewhere each process (a GPU node, a CPU host) counts as
+  # one, so the dcn_* degrees span processes and the ici_* degrees stay inside one.
+  if devices[0].platform == "tpu":  # multi-process CPU devices carry a slice_index too, always 0
+    num_slices = len({d.slice_index for d in devices})
+  else:
+    num_slices = jax.process_count()
   return DeviceTarget(
       platform=_platform_of(devices[0]),
       device_kind=devices[0].device_kind,
       num_devices=len(devices),
       num_processes=jax.process_count(),
-      num_slices=len(slice_ids),
+      num_slices=num_slices,
   )
 
 

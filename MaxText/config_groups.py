@@ -405,19 +405,34 @@ class RunConfig:
   enable_jsonl_metrics: bool
   print_config: bool
   cpu_peak_tflops: float
+  profiler: str  # "" (off) or "xplane"
+  profile_start_step: int
+  profile_steps: int
+  profile_all_processes: bool
+  collect_stack_trace: bool
+  stack_trace_to_cloud: bool
+  stack_trace_interval_seconds: int
 
   @classmethod
-  def from_values(cls, v: Mapping[str, Any]) -> "RunConfig":
-    _positive(v, "steps", "log_period")
+  def from_values(cls, v: Mapping[str, Any], num_processes: int = 1) -> "RunConfig":
+    _positive(v, "steps", "log_period", "profile_steps", "stack_trace_interval_seconds")
     _require(v["eval_interval"] == -1 or v["eval_interval"] > 0, "eval_interval must be > 0 or -1 (never)")
+    _require(num_processes == 1 or v["run_name"], f"set run_name=NAME: with {num_processes} processes each "
+             "would otherwise name the run after its own clock")
     run_name = v["run_name"] or datetime.datetime.now().strftime("run_%Y%m%d_%H%M%S")
     _require("/" not in run_name, f"run_name must not contain '/', got {run_name!r}")
+    _require(v["profiler"] in ("", "xplane"), f"profiler must be '' (off) or 'xplane', got {v['profiler']!r}")
+    _require(v["profile_start_step"] >= 0, f"profile_start_step must be >= 0, got {v['profile_start_step']}")
     return cls(run_name=run_name, base_output_directory=v["base_output_directory"],
                run_dir=os.path.join(v["base_output_directory"], run_name), steps=v["steps"],
                log_period=v["log_period"], eval_interval=v["eval_interval"],
                init_weights_seed=v["init_weights_seed"], enable_tensorboard=v["enable_tensorboard"],
                enable_jsonl_metrics=v["enable_jsonl_metrics"], print_config=v["print_config"],
-               cpu_peak_tflops=v["cpu_peak_tflops"])
+               cpu_peak_tflops=v["cpu_peak_tflops"], profiler=v["profiler"],
+               profile_start_step=v["profile_start_step"], profile_steps=v["profile_steps"],
+               profile_all_processes=v["profile_all_processes"], collect_stack_trace=v["collect_stack_trace"],
+               stack_trace_to_cloud=v["stack_trace_to_cloud"],
+               stack_trace_interval_seconds=v["stack_trace_interval_seconds"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -460,7 +475,7 @@ class Groups:
 
 def build_groups(values: Mapping[str, Any], target: DeviceTarget) -> Groups:
   mesh = MeshConfig.from_values(values, target)
-  run = RunConfig.from_values(values)
+  run = RunConfig.from_values(values, target.num_processes)
   num_experts, expert_degree = values["num_experts"], dict(mesh.shape)["expert"]
   # Experts are split evenly over the expert axis; a dense model may use that axis as extra FSDP.
   _require(num_experts == 1 or num_experts % expert_degree == 0,

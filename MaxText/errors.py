@@ -22,12 +22,22 @@ class TrainingError(UserError):
   exit_code = 3
 
 
+# "process i/n" once a multi-process job is joined, so each process's errors say which it is.
+_process_label = ""
+
+
+def set_process_label(label: str) -> None:
+  global _process_label
+  _process_label = label
+
+
 def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> NoReturn:
   """Runs an entry point; user errors become `error: ...` on stderr and a non-zero exit."""
   try:
     code = main(list(sys.argv if argv is None else argv))
   except UserError as e:
-    print(f"error: {e}", file=sys.stderr, flush=True)
+    where = f" [{_process_label}]" if _process_label else ""
+    print(f"error{where}: {e}", file=sys.stderr, flush=True)
     sys.exit(e.exit_code)
   except KeyboardInterrupt:
     print("interrupted", file=sys.stderr, flush=True)

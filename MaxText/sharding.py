@@ -33,7 +33,7 @@ def device_array(mesh_config: MeshConfig, devices: Sequence[Any]) -> np.ndarray:
   dcn = [degree for _, degree in mesh_config.dcn]
   try:
     if math.prod(dcn) > 1:
-      on_tpu = hasattr(devices[0], "slice_index")
+      on_tpu = getattr(devices[0], "platform", "") == "tpu"
       return mesh_utils.create_hybrid_device_mesh(
           ici, dcn, devices, process_is_granule=not on_tpu, allow_split_physical_axes=True)
     return mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)

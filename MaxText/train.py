@@ -17,11 +17,11 @@ import jax
 from jax.sharding import Mesh
 
 from MaxText import accelerators, checkpointing, config as config_lib, metrics, sharding, train_state, train_step
-from MaxText import aot, xla_flags
+from MaxText import aot, distributed, xla_flags
 from MaxText.errors import run_cli
 from MaxText.input_pipeline import create_data_iterator, create_eval_iterator
 from MaxText.layers.attention import select_kernel
-from MaxText.trainer import CheckpointHook, EvalHook, LoggingHook, Trainer
+from MaxText.trainer import CheckpointHook, EvalHook, LoggingHook, ProfilerHook, Trainer
 
 
 def load_config_and_start_backend(argv: list[str]) -> config_lib.Config:
@@ -29,6 +29,8 @@ def load_config_and_start_backend(argv: list[str]) -> config_lib.Config:
   overrides = config_lib.parse_overrides(argv)
   accelerators.select_jax_platforms(str(overrides.peek("hardware")))
   xla_flags.export_flags(str(overrides.peek("libtpu_init_args")), str(overrides.peek("xla_flags")))
+  distributed.initialize(accelerators.requested_platform(), int(overrides.peek("distributed_init_timeout_seconds")),
+                         int(overrides.peek("distributed_heartbeat_timeout_seconds")))
   target = accelerators.local_target()
   return config_lib.Config(config_lib.resolve_values(overrides, target.platform), target)
 
@@ -48,6 +50,12 @@ def prepare_run_dir(config: config_lib.Config) -> str:
 
 def main(argv: list[str]) -> int:
   config = load_config_and_start_backend(argv)
+  run = config.run
+  with distributed.stack_traces(run.collect_stack_trace, run.stack_trace_to_cloud, run.stack_trace_interval_seconds):
+    return train(config)
+
+
+def train(config: config_lib.Config) -> int:
   if config.run.print_config:
     log("config:\n" + config.describe())
   run_dir = prepare_run_dir(config)
@@ -113,6 +121,10 @@ def build_hooks(config: config_lib.Config, setup: train_state.StateSetup, mesh: 
   ]
   if checkpoints is not None:
     hooks.append(CheckpointHook(checkpoints, config.checkpoint.period, checkpointing.PreemptionWatcher(), rng))
+  run = config.run
+  if run.profiler:
+    hooks.append(ProfilerHook(os.path.join(run.run_dir, "profile"), run.profile_start_step, run.profile_steps,
+                              active=is_primary or run.profile_all_processes))
   return hooks
 
 

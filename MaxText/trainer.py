@@ -196,3 +196,39 @@ class CheckpointHook:
   def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
     self.preemption.close()
     self.checkpoints.close()
+
+
+class ProfilerHook:
+  """Captures a jax.profiler (xplane) trace of steps first+1 .. first+num_steps into `directory`;
+  the loop waits at both ends so the trace holds exactly those steps."""
+
+  def __init__(self, directory: str, first: int, num_steps: int, active: bool):
+    self.directory, self.first, self.last, self.active = directory, first, first + num_steps, active
+    self.tracing = False
+    if active and first == 0:
+      self._start()
+
+  def _start(self) -> None:
+    jax.profiler.start_trace(self.directory)
+    self.tracing = True
+
+  def _stop(self) -> None:
+    jax.profiler.stop_trace()
+    self.tracing = False
+    print(f"profile: steps {self.first + 1}..{self.last} traced into {self.directory} "
+          "(open with TensorBoard's profile plugin or Perfetto)", flush=True)
+
+  def needs_state(self, step: int) -> bool:
+    return self.active and step in (self.first, self.last)
+
+  def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
+    if not self.active:
+      return
+    if record.step == self.first and not self.tracing:
+      self._start()
+    elif record.step == self.last and self.tracing:
+      self._stop()
+
+  def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
+    if self.tracing:
+      self._stop()

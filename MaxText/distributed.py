@@ -1,0 +1,114 @@
+"""Multi-process start-up (JAX's own multi-controller runtime), and per-process diagnostics.
+
+Every host runs the same program; `initialize(...)` must run before the JAX backend starts.
+Where the process topology comes from, first match wins:
+  * JAX_COORDINATOR_ADDRESS + JAX_PROCESS_COUNT + JAX_PROCESS_ID (any platform, e.g. CPU tests),
+  * SLURM (SLURM_JOB_ID with more than one task): JAX's own SLURM detection,
+  * a TPU VM slice with several hosts: JAX's auto-detection from the TPU metadata,
+  * otherwise one process: nothing to initialise.
+On CPU the cross-process collectives use gloo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import socket
+import time
+from typing import Iterator, Mapping
+
+import jax
+
+from MaxText import errors
+from MaxText.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessTopology:
+  coordinator_address: str | None  # None: let JAX detect it (TPU, SLURM)
+  num_processes: int | None
+  process_id: int | None
+  source: str
+
+
+def detect(environ: Mapping[str, str], platform_hint: str) -> ProcessTopology | None:
+  """Which multi-process setup this process is part of, or None when it runs alone."""
+  address = environ.get("JAX_COORDINATOR_ADDRESS")
+  if address:
+    missing = [k for k in ("JAX_PROCESS_COUNT", "JAX_PROCESS_ID") if not environ.get(k, "").isdigit()]
+    if missing:
+      raise UserError(f"JAX_COORDINATOR_ADDRESS={address} is set but {', '.join(missing)} is missing or "
+                      "not a number; set all three (or none for a single process)")
+    count, index = int(environ["JAX_PROCESS_COUNT"]), int(environ["JAX_PROCESS_ID"])
+    if not 0 <= index < count:
+      raise UserError(f"JAX_PROCESS_ID={index} must be in [0, JAX_PROCESS_COUNT={count})")
+    return None if count == 1 else ProcessTopology(address, count, index, "JAX_* environment variables")
+  if environ.get("SLURM_JOB_ID") and int(environ.get("SLURM_NTASKS", "1") or 1) > 1:
+    return ProcessTopology(None, None, None, "SLURM")
+  worker_hosts = [h for h in environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
+  if platform_hint == "tpu" and len(worker_hosts) > 1:
+    return ProcessTopology(None, None, None, "TPU VM metadata")
+  return None
+
+
+def initialize(platform_hint: str, init_timeout_s: int, heartbeat_timeout_s: int,
+               environ: Mapping[str, str] | None = None) -> ProcessTopology | None:
+  """Joins the multi-process job if there is one. Fails (never hangs) after `init_timeout_s`."""
+  topology = detect(os.environ if environ is None else environ, platform_hint)
+  if topology is None:
+    return None
+  if platform_hint == "cpu":
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  where = topology.coordinator_address or f"the coordinator found via {topology.source}"
+  if topology.coordinator_address and topology.process_id != 0:
+    # XLA aborts the whole process (no Python exception) when the coordinator never answers,
+    # so wait for its port here and fail with a message that names it.
+    _wait_for_coordinator(topology.coordinator_address, init_timeout_s, topology.process_id)
+  try:
+    jax.distributed.initialize(
+        coordinator_address=topology.coordinator_address, num_processes=topology.num_processes,
+        process_id=topology.process_id, initialization_timeout=init_timeout_s,
+        heartbeat_timeout_seconds=heartbeat_timeout_s)
+  except Exception as e:  # noqa: BLE001 - XLA raises several types; all mean "could not join"
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    raise UserError(f"could not join the multi-process job at {where} within {init_timeout_s} s "
+                    f"(process {topology.process_id} of {topology.num_processes}): {first}; check that "
+                    "every process was started and that the address is reachable") from None
+  errors.set_process_label(f"process {jax.process_index()}/{jax.process_count()}")
+  return topology
+
+
+def _wait_for_coordinator(address: str, timeout_s: int, process_id: int | None) -> None:
+  host, _, port = address.rpartition(":")
+  if not host or not port.isdigit():
+    raise UserError(f"JAX_COORDINATOR_ADDRESS must be host:port, got {address!r}")
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+        return
+    except OSError as e:
+      if time.monotonic() >= deadline:
+        raise UserError(f"could not join the multi-process job at {address} within {timeout_s} s (process "
+                        f"{process_id}): {e.strerror or e}; check that process 0 was started and that the "
+                        "address is reachable (distributed_init_timeout_seconds sets the wait)") from None
+      time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def stack_traces(collect: bool, to_cloud: bool, interval_s: int) -> Iterator[None]:
+  """cloud-tpu-diagnostics: on a crash or hang-check signal, dump every Python stack, to the
+  console (stack_trace_to_cloud=False) or to the file its Cloud Logging agent uploads."""
+  if not collect:
+    yield
+    return
+  from cloud_tpu_diagnostics import diagnostic  # noqa: PLC0415 - only when asked for
+  from cloud_tpu_diagnostics.configuration import debug_configuration, diagnostic_configuration
+  from cloud_tpu_diagnostics.configuration import stack_trace_configuration
+
+  config = diagnostic_configuration.DiagnosticConfig(debug_config=debug_configuration.DebugConfig(
+      stack_trace_config=stack_trace_configuration.StackTraceConfig(
+          collect_stack_trace=True, stack_trace_to_cloud=to_cloud, stack_trace_interval_seconds=interval_s)))
+  with diagnostic.diagnose(config):
+    yield
