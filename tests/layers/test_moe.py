@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import metrics, models, sharding, train_state
+from MaxText import metrics, models, sharding, train_state, train_step
 from MaxText.config import Config
 from MaxText.errors import ConfigError
 from MaxText.layers import moe
@@ -232,6 +232,13 @@ def test_layer_sows_its_loss_and_models_average_it():
   dense = models.build_model_spec(tiny_mixtral(num_experts=1, num_experts_per_tok=1).model)
   dense_aux = jax.eval_shape(dense.apply_with_aux, dense.abstract_params, tokens, positions, segments)[1]
   assert dense_aux == {}
+  # The train step's objective adds weight x (mean over layers) x target count.
+  batch = dict(inputs=tokens, inputs_position=positions, inputs_segmentation=segments, targets=tokens,
+               targets_segmentation=segments)
+  objective = jax.jit(lambda p, weight: train_step.loss_sums(spec, p, batch, None, 0.0, weight))
+  (plain, sums), (weighted, _) = objective(params, 0.0), objective(params, 0.5)
+  np.testing.assert_allclose(float(sums["moe_lb_loss_sum"]), float(aux["moe_lb_loss"]) * tokens.size, rtol=1e-5)
+  np.testing.assert_allclose(float(weighted - plain), 0.5 * float(sums["moe_lb_loss_sum"]), rtol=1e-4)
 
 
 # ---------------------------------------------------------------- config, sharding, training
@@ -274,7 +281,7 @@ def test_expert_weights_live_on_the_expert_axis():
 
 def test_training_with_expert_parallelism_lowers_the_loss():
   config = tiny_mixtral(ici_expert_parallelism=2, ici_fsdp_parallelism=-1, max_target_length=32, vocab_size=64,
-                        learning_rate=3e-3, steps=25, capacity_factor=1.5)
+                        learning_rate=3e-3, steps=25, capacity_factor=1.5, remat_policy="full")
   run = Run(config)
   _, history = run.train(run.init(), 25)
   start, end = np.mean([h["loss"] for h in history[:3]]), np.mean([h["loss"] for h in history[-5:]])
