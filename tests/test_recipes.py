@@ -130,8 +130,23 @@ def test_gpu_recipe_flags_exist_in_this_jaxlib(path):
   assert result.returncode == 0, result.stderr[-2000:]
 
 
+# Measured with train_compile on this project's dot-product attention (getting_started/AOT.md);
+# the published runs used a fused attention kernel. Strict: a recipe that starts fitting fails here.
+DOES_NOT_FIT_YET = {
+    "configs/v5e/16b.sh": "18.8 GiB of 16", "configs/v5e/32b.sh": "XLA OOM at 15.93G of 15.75G",
+    "configs/v5e/64b.sh": "19.0 GiB of 16", "configs/v5e/128b.sh": "19.2 GiB of 16",
+    "configs/v5p/32b.sh": "115.1 GiB of 95", "configs/v5p/64b.sh": "106.8 GiB of 95",
+    "configs/v5p/v5p-12288.sh": "107.4 GiB of 95",
+}
+
+
+def _with_known_misfits(paths: list[Path]) -> list:
+  return [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=f"needs {DOES_NOT_FIT_YET[str(p)]}"))
+          if str(p) in DOES_NOT_FIT_YET else p for p in paths]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("path", TPU_RECIPES, ids=str)
+@pytest.mark.parametrize("path", _with_known_misfits(TPU_RECIPES), ids=str)
 def test_tpu_recipe_compiles_for_its_topology_and_fits(path):
   result = recipe(path, "EXECUTABLE=train_compile", "print_config=false", timeout=3600)
   print(result.stdout)
