@@ -124,11 +124,16 @@ def _num_layers(params: Any) -> int:
 
 def _other_layout(abstract_params: Any, shardings: Any) -> tuple[Any, Any]:
   """Abstract params and shardings in the opposite layer layout (the stacked dim unsharded)."""
-  def unstack(a: jax.ShapeDtypeStruct, s: NamedSharding) -> tuple[Any, Any]:
-    return jax.ShapeDtypeStruct(a.shape[1:], a.dtype), NamedSharding(s.mesh, PartitionSpec(*s.spec[1:]))
+  # Only named shardings carry a per-dimension spec; any other sharding fits either shape.
+  def unstack(a: jax.ShapeDtypeStruct, s: Any) -> tuple[Any, Any]:
+    if isinstance(s, NamedSharding):
+      s = NamedSharding(s.mesh, PartitionSpec(*s.spec[1:]))
+    return jax.ShapeDtypeStruct(a.shape[1:], a.dtype), s
 
-  def stack(a: jax.ShapeDtypeStruct, s: NamedSharding, n: int) -> tuple[Any, Any]:
-    return jax.ShapeDtypeStruct((n, *a.shape), a.dtype), NamedSharding(s.mesh, PartitionSpec(None, *s.spec))
+  def stack(a: jax.ShapeDtypeStruct, s: Any, n: int) -> tuple[Any, Any]:
+    if isinstance(s, NamedSharding):
+      s = NamedSharding(s.mesh, PartitionSpec(None, *s.spec))
+    return jax.ShapeDtypeStruct((n, *a.shape), a.dtype), s
 
   rest = [k for k in abstract_params if k != "layers" and not k.startswith("layers_")]
   out_a, out_s = {k: abstract_params[k] for k in rest}, {k: shardings[k] for k in rest}

@@ -110,5 +110,8 @@ def stack_traces(collect: bool, to_cloud: bool, interval_s: int) -> Iterator[Non
   config = diagnostic_configuration.DiagnosticConfig(debug_config=debug_configuration.DebugConfig(
       stack_trace_config=stack_trace_configuration.StackTraceConfig(
           collect_stack_trace=True, stack_trace_to_cloud=to_cloud, stack_trace_interval_seconds=interval_s)))
-  with diagnostic.diagnose(config):
-    yield
+  # Entered, never exited: the library's exit joins a daemon thread that sleeps a whole
+  # stack_trace_interval_seconds, which would hold every finished run for up to that long.
+  # The thread is a daemon, so it ends with the process.
+  diagnostic.diagnose(config).__enter__()
+  yield

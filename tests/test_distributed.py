@@ -60,12 +60,13 @@ def test_profiler_traces_the_chosen_steps(tmp_path, tiny_overrides):
          "HOME": str(Path.home()), "PYTHONPATH": str(REPO_ROOT)}
   proc = subprocess.run([sys.executable, "-m", "MaxText.train", "configs/base.yml", "run_name=prof",
                          f"base_output_directory={tmp_path}", *args, "steps=6", "profiler=xplane",
-                         "profile_start_step=2", "profile_steps=2", "collect_stack_trace=True",
+                         "profile_start_step=2", "profile_steps=2", "collect_stack_trace=True", "stack_trace_interval_seconds=1",
                          "cpu_peak_tflops=0.1", "enable_checkpointing=False"],
                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "profile: steps 3..4 traced into" in proc.stdout
   assert list((tmp_path / "prof" / "profile").rglob("*.xplane.pb"))
+  assert "stack trace snapshot every 1 seconds" in proc.stderr  # cloud-tpu-diagnostics, to the console
 
 
 def test_stack_traces_context_is_a_no_op_when_off():
