@@ -101,7 +101,7 @@ def test_more_process_layouts_match_one_process(tmp_path, reference, num_process
 
 
 def test_a_killed_process_fails_the_others_fast_and_the_job_resumes(tmp_path):
-  args = ["steps=400", "dcn_data_parallelism=2"]
+  args = ["steps=30", "dcn_data_parallelism=2"]
   procs = _launch(tmp_path, "crash", 2, *args)
   deadline = time.time() + 300
   for line in procs[0].stdout:
