@@ -1,12 +1,13 @@
-"""Peak host memory of `hf_to_maxtext` against the size of the largest tensor and of the model.
+"""Peak host memory of `hf_to_maxtext` and `maxtext_to_hf` against the largest tensor and the model.
 
-  python3 benchmarks/convert_memory.py [--hidden 1024] [--layers 8] [--vocab 32000] [--workdir DIR]
+  python3 benchmarks/convert_memory.py [--hidden 1024] [--layers 8] [--vocab 32000] [--scan_layers True]
+      [--max_shard_mb 200] [--workdir DIR]
 
-Saves a random Llama checkpoint with transformers (float32, 200 MB shards), converts it in a
-child process while sampling the child's /proc/<pid>/status every 10 ms, and does the same for
-a tiny model to measure what the runtime itself (Python, JAX, Orbax) occupies. Prints the peak
-anonymous memory (RssAnon: what the process really holds; memory-mapped file pages, which
-the kernel can drop, are reported separately as RssFile) above that baseline.
+Saves a random Llama checkpoint with transformers (float32, 200 MB shards), converts it to ours
+and back in child processes while sampling each child's /proc/<pid>/status every 10 ms, and does
+the same for a tiny model to measure what the runtime itself (Python, JAX, Orbax) occupies.
+Prints the peak anonymous memory (RssAnon: what the process really holds; memory-mapped file
+pages, which the kernel can drop, are reported separately as RssFile) above that baseline.
 """
 
 from __future__ import annotations
@@ -34,10 +35,9 @@ def _status_kib(pid: int) -> dict[str, int]:
   return values
 
 
-def convert_and_sample(hf_dir: Path, out_dir: Path) -> dict[str, int]:
-  """Runs the converter as a child and returns its peak RssAnon / RssFile / VmRSS in KiB."""
-  child = subprocess.Popen([sys.executable, "-m", "MaxText.convert.hf_to_maxtext", "--hf_path", str(hf_dir),
-                            "--output_path", str(out_dir), "hardware=cpu"], cwd=REPO,
+def run_and_sample(args: list[str]) -> dict[str, int]:
+  """Runs `python -m args` as a child and returns its peak RssAnon / RssFile / VmRSS in KiB."""
+  child = subprocess.Popen([sys.executable, "-m", *args, "hardware=cpu"], cwd=REPO,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   peaks = {"RssAnon": 0, "RssFile": 0, "VmRSS": 0}
 
@@ -52,8 +52,27 @@ def convert_and_sample(hf_dir: Path, out_dir: Path) -> dict[str, int]:
   output, _ = child.communicate()
   sampler.join()
   if child.returncode != 0:
-    raise SystemExit(f"conversion failed:\n{output[-3000:]}")
+    raise SystemExit(f"{args[0]} failed:\n{output[-3000:]}")
   return peaks
+
+
+def round_trip(work_dir: Path, name: str, scan_layers: str, max_shard_mb: int) -> tuple[dict, dict]:
+  """Peaks of HF → ours (from work_dir/name) and ours → HF."""
+  ckpt, back = work_dir / f"{name}_ckpt", work_dir / f"{name}_back"
+  to_ours = run_and_sample(["MaxText.convert.hf_to_maxtext", "--hf_path", str(work_dir / name),
+                            "--output_path", str(ckpt), f"scan_layers={scan_layers}"])
+  to_hf = run_and_sample(["MaxText.convert.maxtext_to_hf", "--checkpoint", str(ckpt), "--output_path", str(back),
+                          f"max_shard_mb={max_shard_mb}"])
+  return to_ours, to_hf
+
+
+def report(label: str, peaks: dict, baseline: dict, largest: int, total: int) -> None:
+  mib = 1024
+  extra = (peaks["RssAnon"] - baseline["RssAnon"]) / mib
+  print(f"{label}: peak RssAnon {peaks['RssAnon'] / mib:.0f} MiB = baseline {baseline['RssAnon'] / mib:.0f} MiB "
+        f"+ {extra:.0f} MiB ({extra / (largest / 2**20):.1f}x the largest tensor, {extra / (total / 2**20):.0%} "
+        f"of the model); peak RssFile (mapped, reclaimable) {peaks['RssFile'] / mib:.0f} MiB, "
+        f"peak VmRSS {peaks['VmRSS'] / mib:.0f} MiB")
 
 
 def save_llama(directory: Path, hidden: int, layers: int, vocab: int) -> tuple[int, int]:
@@ -76,21 +95,23 @@ def main() -> None:
   parser.add_argument("--hidden", type=int, default=1024)
   parser.add_argument("--layers", type=int, default=8)
   parser.add_argument("--vocab", type=int, default=32000)
+  parser.add_argument("--scan_layers", default="True", choices=("True", "False"))
+  parser.add_argument("--max_shard_mb", type=int, default=200)
   parser.add_argument("--workdir", default=None)
   args = parser.parse_args()
   with tempfile.TemporaryDirectory(dir=args.workdir) as work:
     work_dir = Path(work)
     save_llama(work_dir / "tiny", 128, 1, 256)
-    baseline = convert_and_sample(work_dir / "tiny", work_dir / "tiny_ckpt")
+    base_ours, base_hf = round_trip(work_dir, "tiny", args.scan_layers, args.max_shard_mb)
     largest, total = save_llama(work_dir / "hf", args.hidden, args.layers, args.vocab)
-    peaks = convert_and_sample(work_dir / "hf", work_dir / "ckpt")
-  mib = 1024
-  print(f"model: {total / 2**20:.0f} MiB float32, largest tensor {largest / 2**20:.0f} MiB")
-  print(f"runtime baseline (tiny model): RssAnon {baseline['RssAnon'] / mib:.0f} MiB")
-  extra = (peaks["RssAnon"] - baseline["RssAnon"]) / mib
-  print(f"conversion: peak RssAnon {peaks['RssAnon'] / mib:.0f} MiB = baseline + {extra:.0f} MiB "
-        f"({extra / (largest / 2**20):.1f}x the largest tensor, {extra / (total / 2**20):.0%} of the model); "
-        f"peak RssFile (mapped, reclaimable) {peaks['RssFile'] / mib:.0f} MiB, peak VmRSS {peaks['VmRSS'] / mib:.0f} MiB")
+    to_ours, to_hf = round_trip(work_dir, "hf", args.scan_layers, args.max_shard_mb)
+  # Stored parameters stack the layers when scanned: the MLP kernels are 4 * hidden^2 per layer.
+  per_layer = 4 * args.hidden * args.hidden * 4
+  stacked = max(largest, per_layer * (args.layers if args.scan_layers == "True" else 1))
+  print(f"model: {total / 2**20:.0f} MiB float32, largest tensor {largest / 2**20:.0f} MiB; "
+        f"scan_layers={args.scan_layers}, largest stored parameter {stacked / 2**20:.0f} MiB")
+  report("hf_to_maxtext", to_ours, base_ours, largest, total)
+  report(f"maxtext_to_hf (max_shard_mb={args.max_shard_mb})", to_hf, base_hf, largest, total)
 
 
 if __name__ == "__main__":

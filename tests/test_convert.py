@@ -15,7 +15,7 @@ from safetensors.numpy import load_file
 
 import hf_families as H
 from MaxText import checkpointing, config as config_lib, logit_checker, models
-from MaxText.convert import hf_to_maxtext, maxtext_to_hf
+from MaxText.convert import hf_io, hf_to_maxtext, maxtext_to_hf
 from MaxText.errors import ConfigError, UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,6 +109,30 @@ def test_round_trip_to_hf_reproduces_the_weights_exactly(family, converted, tmp_
   token_ids = H.tokens()
   reference = H.transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), attn_implementation="eager")
   np.testing.assert_array_equal(H.hf_logits(reloaded.eval(), token_ids), H.hf_logits(reference.eval(), token_ids))
+
+
+def test_unrolled_checkpoint_exports_streaming_to_several_shards(converted, tmp_path):
+  hf_dir, _ = converted("gemma2")  # unrolled: every layer's tensors are separate stored parameters
+  hf_to_maxtext.convert(str(hf_dir), str(tmp_path / "unrolled"), ["scan_layers=False"])
+  files = maxtext_to_hf.export(str(tmp_path / "unrolled"), str(tmp_path / "hf"), [], max_shard_mb=0.05)
+  assert len(files) > 2 and (tmp_path / "hf" / hf_io.INDEX_FILE).exists()
+  assert not list((tmp_path / "hf").glob("*.tmp"))
+  exported = {k: v for f in files for k, v in load_file(str(tmp_path / "hf" / f)).items()}
+  original = load_file(str(hf_dir / "model.safetensors"))
+  assert sorted(exported) == sorted(original)
+  for name, value in original.items():
+    np.testing.assert_array_equal(exported[name], value, err_msg=name)
+  reloaded, info = H.transformers.AutoModelForCausalLM.from_pretrained(
+      str(tmp_path / "hf"), attn_implementation="eager", output_loading_info=True)
+  assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_maxtext_to_hf_names_parameters_that_do_not_match_the_config(converted, tmp_path):
+  _, ckpt = converted("llama3.1")
+  with pytest.raises(UserError, match=r"does not match the model config in 6 parameter\(s\), e\.g\. "
+                     r"layers/self_attention/key/kernel \(2, 64, 2, 16\) vs \(2, 64, 8, 128\)"):
+    maxtext_to_hf.export(str(ckpt), str(tmp_path / "hf"), ["model_name=llama3.1-8b", "base_emb_dim=64",
+                                                            "base_num_decoder_layers=2", "base_mlp_dim=96"])
 
 
 def test_sharded_and_bin_checkpoints_convert_to_the_same_parameters(converted, tmp_path):

@@ -2,28 +2,24 @@
 
 HF → ours streams: each HF tensor is transformed and written straight into a disk-backed
 (memory-mapped) array of our parameter tree, then dropped, so host memory holds about one
-tensor (plus the transposed copy) at a time. The staged tree is then written to Orbax
-without a host copy (see `save_staged_params` for what Orbax itself still buffers).
+tensor (plus the transposed copy) at a time. The staged tree is then written to Orbax one
+parameter at a time (`streaming.save_params_one_by_one`).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import yaml
 
 from MaxText.config import MODEL_CONFIG_FILE
 from MaxText.config_groups import ModelConfig
 from MaxText.convert import registry
 from MaxText.errors import ConfigError, UserError
-
-PARAMS = "params"  # the single item of a parameters-only checkpoint (MaxText.checkpointing's layout)
 
 
 def _layer_key(cfg: ModelConfig, layer: int | None) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -33,7 +29,7 @@ def _layer_key(cfg: ModelConfig, layer: int | None) -> tuple[tuple[str, ...], tu
   return (("layers",), (layer,)) if cfg.scan_layers else ((f"layers_{layer}",), ())
 
 
-def _flat_abstract(abstract_params: Any) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
+def flat_abstract(abstract_params: Any) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
   flat = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
   return {tuple(str(k.key) for k in path): leaf for path, leaf in flat}
 
@@ -43,7 +39,7 @@ class StagedParams:
 
   def __init__(self, abstract_params: Any, directory: str, weight_dtype: np.dtype):
     self.directory = Path(directory)
-    self.leaves = _flat_abstract(abstract_params)
+    self.leaves = flat_abstract(abstract_params)
     self.dtype = np.dtype(weight_dtype)
     self._written: dict[tuple[str, ...], set[tuple[int, ...]]] = {}
     self._depth: dict[tuple[str, ...], int] = {}
@@ -65,7 +61,7 @@ class StagedParams:
       raise UserError(f"HF tensor {source} sets {'/'.join(path)}{list(index) or ''} a second time")
     mode = "r+" if self._file(path).exists() else "w+"
     staged = np.memmap(self._file(path), dtype=self.dtype, mode=mode, shape=tuple(leaf.shape))
-    staged[index] = value.astype(self.dtype)
+    staged[index] = value  # numpy casts while copying: no converted temporary
     staged.flush()
     del staged  # unmap: the written pages belong to the page cache, not to this process
     written.add(index)
@@ -127,44 +123,35 @@ def stage_hf_tensors(tensors: Iterable[tuple[str, np.ndarray]], family: registry
   return largest
 
 
-def hf_tensors_from_params(params: Mapping[str, Any], family: registry.Family,
+def _leaf_path(cfg: ModelConfig, path: str, layer: int | None) -> tuple[tuple[str, ...], tuple[int, ...]]:
+  prefix, index = _layer_key(cfg, layer)
+  return prefix + tuple(path.split("/")), index
+
+
+def hf_tensors_from_params(read_leaf: Callable[[tuple[str, ...]], np.ndarray], family: registry.Family,
                            cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-  """(HF name, array) for every tensor the family writes, from our (scanned or unrolled) params."""
-  def leaf(path: str, layer: int | None, expert: int | None) -> np.ndarray:
-    prefix, index = _layer_key(cfg, layer)
-    node: Any = params
-    for key in prefix + tuple(path.split("/")):
-      node = node[key]
-    index = index + ((expert,) if expert is not None else ())
-    return np.asarray(node[index] if index else node)
-
-  for m in family.tensors(cfg):
-    if not m.write:
-      continue
-    layers = range(cfg.num_decoder_layers) if m.per_layer else [None]
-    experts = range(cfg.num_experts) if m.per_expert else [None]
-    for layer in layers:
-      for expert in experts:
-        name = m.hf.format(i=layer, e=expert)
-        yield name, m.to_hf(tuple(leaf(p, layer, expert) for p in m.ours), cfg)
-
-
-def save_staged_params(path: str, params: Any) -> None:
-  """Writes a parameters-only checkpoint ({"params": params}, the layout of `checkpointing.save_params`,
-  which `checkpointing.load_params` reads) from host arrays without copying them first.
-
-  Orbax's default numpy handler deep-copies every host array before writing (a whole extra
-  model in memory); the save here is synchronous, so the memory maps stay valid until it
-  finishes. The OCDBT writer still buffers the chunk data until commit (~ one model).
-  """
-  if Path(path).exists():
-    raise UserError(f"{path} already exists; choose a new output path or remove it first")
-  handlers = ocp.type_handlers.create_type_handler_registry(
-      (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
-      (jax.Array, ocp.type_handlers.ArrayHandler()))
-  checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=handlers))
-  checkpointer.save(os.path.abspath(path), args=ocp.args.PyTreeSave({PARAMS: params}))
-  checkpointer.close()
+  """(HF name, array) for every tensor the family writes, reading our (scanned or unrolled)
+  parameters through `read_leaf(path)` when first needed and dropping each after its last use,
+  so at most the leaves of one HF tensor (a whole layer stack when scanned) are held."""
+  steps = [(m, layer) for m in family.tensors(cfg) if m.write
+           for layer in (range(cfg.num_decoder_layers) if m.per_layer else [None])]
+  last_use = {_leaf_path(cfg, p, layer)[0]: i for i, (m, layer) in enumerate(steps) for p in m.ours}
+  cache: dict[tuple[str, ...], np.ndarray] = {}
+  for i, (m, layer) in enumerate(steps):
+    for expert in (range(cfg.num_experts) if m.per_expert else [None]):
+      leaves = []
+      for p in m.ours:
+        path, index = _leaf_path(cfg, p, layer)
+        if path not in cache:
+          cache[path] = read_leaf(path)
+        index = index + ((expert,) if expert is not None else ())
+        leaves.append(np.asarray(cache[path][index] if index else cache[path]))
+      tensor = m.to_hf(tuple(leaves), cfg)
+      del leaves  # views keep a whole stored parameter alive
+      yield m.hf.format(i=layer, e=expert), tensor
+      del tensor
+    for path in [path for path in cache if last_use[path] == i]:
+      del cache[path]
 
 
 # ---- model keys: HF config.json ↔ our base.yml keys

@@ -2,8 +2,8 @@
 
 Reading: every `*.safetensors` file (then `*.bin` torch pickles, memory-mapped) in name
 order, yielding (name, numpy array) so at most one HF tensor is materialised at once.
-Writing: safetensors shards of at most `max_shard_bytes`, plus the
-`model.safetensors.index.json` weight map when there is more than one shard.
+Writing: safetensors shards of at most `max_shard_bytes`, streamed to disk tensor by tensor,
+plus the `model.safetensors.index.json` weight map when there is more than one shard.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any, Iterator
 import ml_dtypes
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from MaxText.errors import UserError
 
@@ -70,33 +69,67 @@ def iter_hf_tensors(hf_path: str) -> Iterator[tuple[str, np.ndarray]]:
     del state
 
 
+# safetensors dtype names (https://github.com/huggingface/safetensors format description)
+_SAFETENSORS_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16",
+                       np.dtype(np.float64): "F64", np.dtype(np.int64): "I64", np.dtype(np.int32): "I32",
+                       np.dtype(np.int8): "I8", np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
+_COPY_CHUNK = 16 * 2**20
+
+
 class SafetensorsWriter:
-  """Appends tensors to numbered shards of at most `max_shard_bytes` (a larger tensor gets its own)."""
+  """Appends tensors to numbered shards of at most `max_shard_bytes` (a larger tensor gets its own).
+
+  Streams: each tensor's bytes go straight to the current shard's data file on disk; when the
+  shard is full its header (which must list every tensor's offsets first) is written and the
+  data copied behind it in bounded chunks, so memory never holds more than one tensor.
+  """
 
   def __init__(self, output_dir: str, max_shard_bytes: int):
     self.output_dir = Path(output_dir)
     self.max_shard_bytes = max_shard_bytes
-    self._pending: dict[str, np.ndarray] = {}
-    self._pending_bytes = 0
+    self._header: dict[str, Any] = {}
+    self._data: Any = None  # open data file of the current shard
+    self._data_bytes = 0
     self._shards: list[list[str]] = []
     self.total_bytes = 0
 
+  def _data_path(self, index: int) -> Path:
+    return self.output_dir / f"shard-{index}.data.tmp"
+
   def add(self, name: str, array: np.ndarray) -> None:
-    if self._pending and self._pending_bytes + array.nbytes > self.max_shard_bytes:
+    array = np.ascontiguousarray(array)
+    if array.dtype not in _SAFETENSORS_DTYPES:
+      raise UserError(f"tensor {name} has dtype {array.dtype}, which safetensors cannot store")
+    if self._header and self._data_bytes + array.nbytes > self.max_shard_bytes:
       self._flush()
-    self._pending[name] = np.ascontiguousarray(array)
-    self._pending_bytes += array.nbytes
+    if self._data is None:
+      self._data = open(self._data_path(len(self._shards)), "wb")  # noqa: SIM115 - closed in _flush
+    self._data.write(memoryview(array.reshape(-1).view(np.uint8)))
+    self._header[name] = {"dtype": _SAFETENSORS_DTYPES[array.dtype], "shape": list(array.shape),
+                          "data_offsets": [self._data_bytes, self._data_bytes + array.nbytes]}
+    self._data_bytes += array.nbytes
     self.total_bytes += array.nbytes
 
   def _flush(self) -> None:
     index = len(self._shards)
-    save_file(self._pending, str(self.output_dir / f"shard-{index}.tmp"), metadata={"format": "pt"})
-    self._shards.append(list(self._pending))
-    self._pending, self._pending_bytes = {}, 0
+    data_path = self._data_path(index)
+    if self._data is None:  # an empty model still gets one (empty) file
+      data_path.write_bytes(b"")
+    else:
+      self._data.close()
+    header = json.dumps({"__metadata__": {"format": "pt"}, **self._header}, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # the data start stays 8-byte aligned
+    with open(self.output_dir / f"shard-{index}.tmp", "wb") as out, open(data_path, "rb") as data:
+      out.write(len(header).to_bytes(8, "little") + header)
+      while chunk := data.read(_COPY_CHUNK):
+        out.write(chunk)
+    data_path.unlink()
+    self._shards.append(list(self._header))
+    self._header, self._data, self._data_bytes = {}, None, 0
 
   def close(self) -> list[str]:
     """Writes the last shard, names the shards as HF does and writes the index; returns the file names."""
-    if self._pending or not self._shards:
+    if self._header or not self._shards:
       self._flush()
     count = len(self._shards)
     names = ["model.safetensors"] if count == 1 else [

@@ -9,13 +9,11 @@ Writes CKPT (load it with `load_parameters_path=CKPT`) and CKPT/model_config.yml
 
 Memory (benchmarks/convert_memory.py): HF tensors are read one at a time (safetensors shard by
 shard, .bin shards memory-mapped) and written into memory-mapped staging files beside CKPT, so
-reading and re-laying-out holds about two copies of the largest tensor. The final Orbax write
-then streams from those files without copying them, but Orbax's OCDBT writer keeps the written
-chunk data in memory until the checkpoint commits, so the peak of that stage is about the size
-of the converted model (measured: 714 MiB model, largest tensor 125 MiB → peak +659 MiB
-anonymous memory over the runtime; writing the same arrays with checkpointing.save_params, which
-copies host arrays first, peaks at +1376 MiB). Staging needs disk space for one extra copy of
-the converted model, removed at the end.
+reading and re-laying-out holds about two copies of the largest tensor. The Orbax (OCDBT)
+write then streams from those files one parameter at a time (`streaming.save_params_one_by_one`),
+so it holds about one parameter: a whole layer stack when scan_layers=True, one layer's tensor
+when False. Staging needs disk space for one extra copy of the converted model, removed at the end.
+Measured figures are in getting_started/Models.md.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from MaxText import models
-from MaxText.convert import cli, engine, hf_io, registry
+from MaxText.convert import cli, engine, hf_io, registry, streaming
 from MaxText.errors import UserError, run_cli
 
 PROG = "hf_to_maxtext"
@@ -47,7 +45,7 @@ def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict:
   with tempfile.TemporaryDirectory(dir=parent, prefix=".hf_to_maxtext-staging-") as staging_dir:
     staged = engine.StagedParams(spec.abstract_params, staging_dir, cfg.weight_dtype)
     largest = engine.stage_hf_tensors(hf_io.iter_hf_tensors(hf_path), family, cfg, staged)
-    engine.save_staged_params(output_path, staged.tree())
+    streaming.save_params_one_by_one(output_path, staged.tree())
   saved = engine.write_model_config(output_path, model_keys, hf_path)
   peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
   print(f"{PROG}: wrote {output_path} ({family.name}, {cfg.num_decoder_layers} layers, "

@@ -6,36 +6,47 @@
 CKPT may be a parameters-only checkpoint (model keys from its model_config.yml unless
 model_name is given), a training step directory or a run's checkpoints directory (then pass
 model_name and the overrides the run used). `transformers.AutoModelForCausalLM.from_pretrained(DIR)`
-loads the result. Tensors are written in the checkpoint's weight dtype. The parameters are
-loaded whole (host memory ~ the model size); the HF tensors are produced and written shard
-by shard.
+loads the result. Tensors are written in the config's weight dtype.
+
+Streaming: our parameters are restored one at a time (a whole layer stack when the checkpoint
+is scanned) and dropped after their last HF tensor is produced; each HF tensor is appended to
+the shard's data file on disk at once, and the shard gets its header when it is full (at most
+max_shard_mb). Peak host memory is about the largest stored parameter plus one HF tensor
+(measured in getting_started/Models.md, benchmarks/convert_memory.py --direction to_hf).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
-from MaxText import checkpointing, models, sharding
+from MaxText import checkpointing, models
 from MaxText import config as config_lib
-from MaxText.convert import cli, engine, hf_io, registry
+from MaxText.config_groups import ModelConfig
+from MaxText.convert import cli, engine, hf_io, registry, streaming
 from MaxText.errors import ConfigError, UserError, run_cli
 
 PROG = "maxtext_to_hf"
 
 
-def _load_params(checkpoint: str, config: config_lib.Config) -> Any:
-  """Our parameters as numpy arrays (load_params reads either stored layer layout)."""
-  spec = models.build_model_spec(config.model)
-  mesh = sharding.create_mesh(config.mesh)
-  params = checkpointing.load_params(checkpoint, spec.abstract_params,
-                                     models.shard_params_like(spec, mesh, config.mesh.logical_axis_rules))
-  return jax.tree.map(np.asarray, params)
+def _open_checkpoint(checkpoint: str, config: config_lib.Config) -> tuple[streaming.ParamReader, ModelConfig]:
+  """A one-parameter-at-a-time reader and the model config in the checkpoint's stored layer
+  layout, after checking every stored shape against the model config."""
+  directory, kind = checkpointing._pytree_dir(checkpoint)  # noqa: SLF001 - the same checkpoint kinds as load_params
+  reader = streaming.ParamReader(directory, config.model.weight_dtype)
+  cfg = dataclasses.replace(config.model, scan_layers=reader.scanned)
+  expected = engine.flat_abstract(models.build_model_spec(cfg).abstract_params)
+  wrong = [f"{'/'.join(p)} {reader.shapes.get(p, 'missing')} vs {a.shape}" for p, a in expected.items()
+           if reader.shapes.get(p) != tuple(a.shape)]
+  if wrong:
+    raise UserError(f"{checkpoint} ({kind} checkpoint) does not match the model config in {len(wrong)} "
+                    f"parameter(s), e.g. {'; '.join(wrong[:3])}; pass the model keys the checkpoint was written with")
+  return reader, cfg
 
 
 def _hf_config(config: config_lib.Config, family: registry.Family) -> dict[str, Any]:
@@ -58,11 +69,15 @@ def export(checkpoint: str, output_path: str, user_args: list[str], max_shard_mb
   config = cli.config_for_checkpoint(checkpoint, user_args, target, PROG)
   family = registry.family_for_decoder_block(config.model.decoder_block)
   hf_config = _hf_config(config, family)
-  params, cfg = _load_params(checkpoint, config), config.model
+  reader, cfg = _open_checkpoint(checkpoint, config)
   out.mkdir(parents=True, exist_ok=True)
   writer = hf_io.SafetensorsWriter(output_path, max_shard_mb * 2**20)
-  for name, array in engine.hf_tensors_from_params(params, family, cfg):
-    writer.add(name, array)
+  try:
+    for name, array in engine.hf_tensors_from_params(reader.read, family, cfg):
+      writer.add(name, array)
+      del array  # may be a view of a stored parameter the generator is about to drop
+  finally:
+    reader.close()
   files = writer.close()
   dtype = str(np.dtype(cfg.weight_dtype))
   (out / hf_io.CONFIG_FILE).write_text(json.dumps({**hf_config, "dtype": dtype}, indent=2) + "\n")
