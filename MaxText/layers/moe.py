@@ -19,7 +19,17 @@ from this block, i.e. it passes the layer on the residual connection alone.
 capacity_factor <= 0 is dropless: C = L, which no expert can overflow because a
 token picks an expert at most once. Dropless is exact (what HF computes) but pads
 every expert to L slots, so the expert matmuls cost E/k times the routed FLOPs;
-set capacity_factor (e.g. 1.25) to train faster.
+set capacity_factor (e.g. 1.25) to train faster, or sparse_matmul.
+
+Grouped (sparse_matmul=True, dropless only). The B·L·k assignments are sorted by
+expert, each expert projection is one `jax.lax.ragged_dot` over the sorted rows with
+the per-expert row counts as group sizes, and the rows are unsorted and combined with
+the routing weights. Same result as the padded dropless path; on GPU and TPU, XLA runs
+ragged_dot as a grouped GEMM (routed FLOPs only). On CPU, jax lowers ragged_dot to a
+masked dense product over all groups (E times the routed FLOPs, like the padded path).
+The sort spans the whole batch, so with the batch sharded XLA gathers the assignments
+onto every device and the expert weights are gathered from the `expert` axis (weights
+stay sharded at rest; the expert compute is not split by expert).
 
 Load balancing (Switch Transformer, as Mixtral trains it). With f_e the fraction of
 tokens whose top-k includes expert e (before any dropping; the f_e sum to k) and P_e
@@ -138,6 +148,31 @@ class MoeBlock(nnx.Module):
     out_EBCD = jnp.einsum("ebcf,efd->ebcd", hidden_EBCF, self.wo.kernel[...].astype(self.dtype))
     return checkpoint_name(out_EBCD, "mlpwo")
 
+  def _grouped(self, x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.Array) -> jax.Array:
+    """Dropless experts as grouped matmuls over the assignments sorted by expert."""
+    cfg = self.cfg
+    batch, length, dim = x_BLD.shape
+    top_k = cfg.num_experts_per_tok
+    expert_A = experts_BLk.reshape(-1)  # token-major: assignment a is token a // k
+    order_A = jnp.argsort(expert_A, stable=True)
+    x_AD = x_BLD.reshape(-1, dim)[order_A // top_k]
+    group_sizes_E = jnp.bincount(expert_A, length=cfg.num_experts).astype(jnp.int32)
+    hidden_AF = None
+    for i, name in enumerate(cfg.mlp_activations):
+      kernel_EDF = getattr(self, f"wi_{i}").kernel[...].astype(self.dtype)
+      h = ACTIVATION_FNS[name](checkpoint_name(jax.lax.ragged_dot(x_AD, kernel_EDF, group_sizes_E), "mlpwi"))
+      hidden_AF = h if hidden_AF is None else hidden_AF * h
+    out_AD = jax.lax.ragged_dot(hidden_AF, self.wo.kernel[...].astype(self.dtype), group_sizes_E)
+    out_AD = checkpoint_name(out_AD, "mlpwo")
+    # Unsort with the inverse permutation (a gather, whose gradient is a scatter-add).
+    out_BLkD = out_AD[jnp.argsort(order_A)].reshape(batch, length, top_k, dim)
+    out_BLkD = out_BLkD * weights_BLk[..., None].astype(out_BLkD.dtype)
+    # Summed choice by choice, in the padded path's order, so both paths round alike.
+    out_BLD = out_BLkD[:, :, 0]
+    for choice in range(1, top_k):
+      out_BLD = out_BLD + out_BLkD[:, :, choice]
+    return out_BLD
+
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
     # Why index scatter/gather and not one-hot dispatch einsums: a [L, E, C] one-hot
     # dispatch mask costs O(L·E·C·D) FLOPs and memory quadratic in L per sequence; here
@@ -151,6 +186,8 @@ class MoeBlock(nnx.Module):
     x_BLD = x_BLD.astype(self.dtype)
     probs_BLE, experts_BLk, weights_BLk = route(self.gate(x_BLD), top_k)
     self.sow(nnx.Intermediate, "moe_lb_loss", load_balance_loss(probs_BLE, experts_BLk))
+    if cfg.sparse_matmul:
+      return self._grouped(x_BLD, experts_BLk, weights_BLk)
 
     capacity = expert_capacity(cfg, length)
     expert_BA, slot_BA = assign_slots(experts_BLk, num_experts)
