@@ -101,6 +101,7 @@ class ModelConfig:
   num_experts: int  # 1 = dense MLP
   num_experts_per_tok: int
   capacity_factor: float  # <= 0 = dropless
+  sparse_matmul: bool  # dropless experts as grouped matmuls (jax.lax.ragged_dot)
   load_balance_loss_weight: float
 
   @classmethod
@@ -137,7 +138,8 @@ class ModelConfig:
         **{key: v[key] for key in _FAMILY_KEYS},
         attention_layer_pattern=tuple(v["attention_layer_pattern"]),
         num_experts=v["num_experts"], num_experts_per_tok=v["num_experts_per_tok"],
-        capacity_factor=v["capacity_factor"], load_balance_loss_weight=v["load_balance_loss_weight"],
+        capacity_factor=v["capacity_factor"], sparse_matmul=v["sparse_matmul"],
+        load_balance_loss_weight=v["load_balance_loss_weight"],
     )
 
 
@@ -194,6 +196,10 @@ def _check_moe(v: Mapping[str, Any]) -> None:
            f"load_balance_loss_weight must be >= 0, got {v['load_balance_loss_weight']}")
   _require(num_experts == 1 or not v["use_bias"],
            "use_bias=True is not supported with num_experts > 1 (the MoE experts have no biases)")
+  _require(isinstance(v["sparse_matmul"], bool), f"sparse_matmul must be True or False, got {v['sparse_matmul']!r}")
+  _require(not v["sparse_matmul"] or v["capacity_factor"] <= 0,
+           f"sparse_matmul=True is the dropless grouped-matmul path but capacity_factor={v['capacity_factor']} "
+           "asks for dropping; set capacity_factor=-1 or sparse_matmul=False")
 
 
 def _fill_auto_axis(degrees: dict[str, int], total: int, group: str) -> dict[str, int]:
