@@ -6,16 +6,26 @@ multiply-add counts 2):
   per token, forward:
     attention projections  2·D·H·(N + 2K)  (q, k, v)  +  2·N·H·D  (output)
     MLP                    2·D·F·(number of mlp_activations)  +  2·F·D
-                           (MoE: that times num_experts_per_tok, plus the router 2·D·E; the
-                           useful routed work, not the padded capacity slots the kernel runs)
+                           (MoE: that per expert row the path computes, per token, plus the
+                           router 2·D·E; see below)
     logits                 2·D·V
-  per sequence, forward, attention scores and the weighted sum of values:
-    2 · 2·L²·N·H, halved for causal masking (only the lower triangle is useful work)
+  per sequence and layer, forward, attention scores and the weighted sum of values:
+    2·2·N·H per query-key pair the layer attends: L² without masking; with causal masking
+    L²/2 for a global layer and W·L − W²/2 for a local (sliding-window) layer with window
+    W < L (each query sees at most W keys; the first W queries see a causal triangle).
+    The layer kinds cycle over attention_layer_pattern.
 
   tflops_per_step = 3 · (B·L · per_token · num_layers (+ logits) + B · attention) / 1e12
 
-The causal halving follows the convention of published MFU figures (it counts
-the useful FLOPs, not what a dense kernel executes). Embedding lookups, norms,
+MoE expert rows per sequence: the padded path (sparse_matmul=False) runs every expert
+over its C slots, E·C rows (dropless: C = L, E/k times the routed work; capacity_factor 1:
+E·C = k·L); the grouped path (sparse_matmul=True) runs the k·L routed rows only, which is
+what ragged_dot costs on GPU/TPU (jax's CPU lowering of ragged_dot is a masked dense product
+over all experts; that extra is not counted).
+
+Causal and window masking count the useful FLOPs, not what a dense kernel executes (the
+convention of published MFU figures); the `causal=False` figure is what the dense
+attention kernel executes for every layer, masked or not. Embedding lookups, norms,
 softmax and the optimizer are not counted; for realistic widths they are <1%.
 Rematerialisation is also not counted: MFU measures useful model FLOPs.
 """
@@ -38,16 +48,42 @@ class StepFlops:
   total_tflops: float
 
 
+def attended_pairs(cfg: ModelConfig, length: int, causal: bool = True) -> float:
+  """Query-key pairs of one sequence summed over the layers (see the module docstring)."""
+  pattern = cfg.attention_layer_pattern
+  total = 0.0
+  for layer in range(cfg.num_decoder_layers):
+    window = cfg.sliding_window_size if pattern[layer % len(pattern)] == "local" else None
+    if not causal:
+      total += length * length
+    elif window is not None and window < length:
+      total += window * length - window * window / 2
+    else:
+      total += length * length / 2
+  return total
+
+
+def moe_expert_rows(cfg: ModelConfig, length: int) -> float:
+  """Rows the expert matmuls process per sequence: routed (k·L) or padded slots (E·C)."""
+  if cfg.sparse_matmul:
+    return float(cfg.num_experts_per_tok * length)
+  # The capacity formula lives with the kernel it sizes; imported lazily (flax) for MoE models only.
+  from MaxText.layers.moe import expert_capacity  # noqa: PLC0415
+  return float(cfg.num_experts * expert_capacity(cfg, length))
+
+
 def forward_flops_per_sequence(cfg: ModelConfig, length: int, causal: bool = True) -> tuple[float, float]:
   """(weight-matmul FLOPs, attention FLOPs) of one forward pass over one sequence."""
   d, n, k, h, f, v = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
   attn_proj = 2 * d * h * (n + 2 * k) + 2 * n * h * d
-  mlp = 2 * d * f * len(cfg.mlp_activations) + 2 * f * d
+  expert_mlp = 2 * d * f * len(cfg.mlp_activations) + 2 * f * d
   if cfg.num_experts > 1:
-    mlp = mlp * cfg.num_experts_per_tok + 2 * d * cfg.num_experts
-  weights = length * ((attn_proj + mlp) * cfg.num_decoder_layers + 2 * d * v)
-  scores = 2 * 2 * length * length * n * h * cfg.num_decoder_layers
-  return float(weights), float(scores / 2 if causal else scores)
+    mlp_per_sequence = expert_mlp * moe_expert_rows(cfg, length) + 2 * d * cfg.num_experts * length
+  else:
+    mlp_per_sequence = expert_mlp * length
+  weights = (length * attn_proj + mlp_per_sequence) * cfg.num_decoder_layers + length * 2 * d * v
+  scores = 2 * 2 * n * h * attended_pairs(cfg, length, causal)
+  return float(weights), float(scores)
 
 
 def training_tflops_per_step(cfg: ModelConfig, global_batch: int, length: int) -> StepFlops:

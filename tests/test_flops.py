@@ -1,0 +1,115 @@
+"""The FLOPs formula of MaxText/metrics.py: sliding-window layers and the two MoE paths, checked
+against XLA's cost analysis, the real attention mask, and the matmuls in the model's jaxpr."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jax_core
+import numpy as np
+import pytest
+
+from MaxText import metrics, models
+from MaxText.config import Config
+from MaxText.layers import attention
+
+BATCH, LENGTH, WINDOW = 2, 128, 32
+DENSE = dict(base_emb_dim=256, base_num_query_heads=4, base_num_kv_heads=2, head_dim=64, base_mlp_dim=1024,
+             vocab_size=512, scan_layers=False, ici_data_parallelism=8, ici_fsdp_parallelism=1, print_config=False)
+MOE = dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16, base_mlp_dim=128,
+           base_num_decoder_layers=2, vocab_size=128, num_experts=4, num_experts_per_tok=2, scan_layers=False,
+           ici_data_parallelism=8, ici_fsdp_parallelism=1, print_config=False, dtype="float32")
+
+
+def _windowed(**overrides) -> Config:
+  values = dict(DENSE, base_num_decoder_layers=3, attention_layer_pattern=["local", "global"],
+                sliding_window_size=WINDOW, max_target_length=LENGTH)
+  return Config.for_testing(**{**values, **overrides})
+
+
+def _xla_forward_flops(config: Config, batch: int, length: int) -> float:
+  spec = models.build_model_spec(config.model)
+  tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+  cost = jax.jit(spec.apply).lower(spec.abstract_params, tokens, tokens, tokens).compile().cost_analysis()
+  return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+
+def test_window_shorter_than_the_sequence_counts_only_attended_pairs():
+  config = _windowed()
+  # Layers cycle local, global, local: the causal count per layer is what the real mask
+  # (attention.attention_mask with each layer's window) lets through, less the half diagonal
+  # (the formula's continuous convention: L²/2 for a global layer, W·L - W²/2 for a local one).
+  segments = jnp.ones((1, LENGTH), jnp.int32)
+  mask_pairs, diagonal = 0, 0.0
+  for layer in range(3):
+    window = attention.layer_window_size(config.model, layer)
+    mask_pairs += int(jnp.sum(attention.attention_mask(segments, window)))
+    diagonal += min(int(window), LENGTH) / 2
+  ours = metrics.attended_pairs(config.model, LENGTH)
+  assert ours + diagonal == mask_pairs
+  assert ours == 2 * (WINDOW * LENGTH - WINDOW**2 / 2) + LENGTH**2 / 2
+  weights, attention_flops = metrics.forward_flops_per_sequence(config.model, LENGTH)
+  assert attention_flops == 2 * 2 * 4 * 64 * ours
+  step = metrics.training_tflops_per_step(config.model, BATCH, LENGTH)
+  assert math.isclose(step.attention_tflops, 3 * BATCH * attention_flops / 1e12)
+  # A window at least as long as the sequence is global attention.
+  long_window = _windowed(sliding_window_size=LENGTH)
+  assert metrics.attended_pairs(long_window.model, LENGTH) == 3 * LENGTH**2 / 2
+
+
+def test_window_flops_unmasked_match_xla_cost_analysis():
+  # The dense attention kernel computes every score and masks afterwards, so XLA counts all
+  # L² pairs on every layer: the unmasked figure must match it in the band of the dense test,
+  # and the masked (useful) figure is below it by exactly the skipped pairs.
+  config = _windowed()
+  xla_flops = _xla_forward_flops(config, BATCH, LENGTH)
+  weights, unmasked = metrics.forward_flops_per_sequence(config.model, LENGTH, causal=False)
+  ours = BATCH * (weights + unmasked)
+  assert ours <= xla_flops <= 1.06 * ours, (ours, xla_flops)
+  _, masked = metrics.forward_flops_per_sequence(config.model, LENGTH)
+  assert masked < unmasked / 3  # two of three layers see 32 of 128 keys
+
+
+def _jaxpr_matmul_flops(jaxpr: jax_core.Jaxpr) -> float:
+  """2·M·K·N of every dot_general and ragged_dot_general (at its grouped cost), sub-jaxprs included."""
+  total = 0.0
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "dot_general":
+      (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+      lhs = eqn.invars[0].aval.shape
+      total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lhs_contract)
+    elif name == "ragged_dot_general":
+      (rows, contract), (_, _, out) = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+      total += 2 * rows * contract * out
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(sub, jax_core.ClosedJaxpr):
+          total += _jaxpr_matmul_flops(sub.jaxpr)
+        elif isinstance(sub, jax_core.Jaxpr):
+          total += _jaxpr_matmul_flops(sub)
+  return total
+
+
+@pytest.mark.parametrize("sparse_matmul", [False, True])
+def test_moe_formula_counts_the_expert_rows_each_path_computes(sparse_matmul):
+  """Dropless: the padded path multiplies E·L rows per sequence, the grouped path the k·L routed
+  rows; the formula must equal every matmul the model's jaxpr contains (attention unmasked)."""
+  config = Config.for_testing(**MOE, max_target_length=32, sparse_matmul=sparse_matmul, capacity_factor=-1.0)
+  spec = models.build_model_spec(config.model)
+  tokens = jax.ShapeDtypeStruct((BATCH, 32), jnp.int32)
+  jaxpr = jax.make_jaxpr(spec.apply)(spec.abstract_params, tokens, tokens, tokens).jaxpr
+  weights, attention_flops = metrics.forward_flops_per_sequence(config.model, 32, causal=False)
+  assert _jaxpr_matmul_flops(jaxpr) == BATCH * (weights + attention_flops)
+  assert metrics.moe_expert_rows(config.model, 32) == (2 * 32 if sparse_matmul else 4 * 32)
+
+
+def test_padded_dropless_moe_flops_match_xla_cost_analysis():
+  # The padded path is plain batched matmuls, so XLA's count is its real cost: E/k times the routed work.
+  config = Config.for_testing(**MOE, max_target_length=32, capacity_factor=-1.0)
+  xla_flops = _xla_forward_flops(config, BATCH, 32)
+  weights, attention_flops = metrics.forward_flops_per_sequence(config.model, 32, causal=False)
+  ours = BATCH * (weights + attention_flops)
+  assert ours <= xla_flops <= 1.06 * ours, (ours, xla_flops)
+  grouped = Config.for_testing(**MOE, max_target_length=32, capacity_factor=-1.0, sparse_matmul=True)
+  assert metrics.forward_flops_per_sequence(grouped.model, 32)[0] < weights
