@@ -27,9 +27,11 @@ the per-expert row counts as group sizes, and the rows are unsorted and combined
 the routing weights. Same result as the padded dropless path; on GPU and TPU, XLA runs
 ragged_dot as a grouped GEMM (routed FLOPs only). On CPU, jax lowers ragged_dot to a
 masked dense product over all groups (E times the routed FLOPs, like the padded path).
-The sort spans the whole batch, so with the batch sharded XLA gathers the assignments
-onto every device and the expert weights are gathered from the `expert` axis (weights
-stay sharded at rest; the expert compute is not split by expert).
+Sharding: a shard_map over the batch axes lets every device sort and compute only its
+own sequences; the expert weights stay sharded at rest (`expert`, `fsdp`, `tensor`) and
+are all-gathered for the matmuls, as FSDP does for dense weights. There is no all-to-all
+dispatch of tokens to the devices that own their experts (true expert parallelism, which
+needs a ragged all-to-all), so each device holds every expert's weights while computing.
 
 Load balancing (Switch Transformer, as Mixtral trains it). With f_e the fraction of
 tokens whose top-k includes expert e (before any dropping; the f_e sum to k) and P_e
@@ -42,12 +44,14 @@ with weight load_balance_loss_weight by train_step.py.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
 
 from MaxText import sharding
 from MaxText.config_groups import ModelConfig
@@ -125,6 +129,30 @@ def _combine_one(out_ECD: jax.Array, expert_A: jax.Array, slot_A: jax.Array, wei
   return jnp.sum(rows_AD.reshape(top_k, -1, rows_AD.shape[-1]), axis=0)
 
 
+def _grouped_experts(x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.Array, *kernels: jax.Array,
+                     activations: tuple[str, ...], num_experts: int) -> jax.Array:
+  """Sort the B·L·k assignments by expert, ragged_dot per projection, unsort, combine."""
+  batch, length, dim = x_BLD.shape
+  top_k = experts_BLk.shape[-1]
+  expert_A = experts_BLk.reshape(-1)  # token-major: assignment a is token a // k
+  order_A = jnp.argsort(expert_A, stable=True)
+  x_AD = x_BLD.reshape(-1, dim)[order_A // top_k]
+  group_sizes_E = jnp.bincount(expert_A, length=num_experts).astype(jnp.int32)
+  hidden_AF = None
+  for name, kernel_EDF in zip(activations, kernels[:-1]):
+    h = ACTIVATION_FNS[name](checkpoint_name(jax.lax.ragged_dot(x_AD, kernel_EDF, group_sizes_E), "mlpwi"))
+    hidden_AF = h if hidden_AF is None else hidden_AF * h
+  out_AD = checkpoint_name(jax.lax.ragged_dot(hidden_AF, kernels[-1], group_sizes_E), "mlpwo")
+  # Unsort with the inverse permutation (a gather, whose gradient is a scatter-add).
+  out_BLkD = out_AD[jnp.argsort(order_A)].reshape(batch, length, top_k, dim)
+  out_BLkD = out_BLkD * weights_BLk[..., None].astype(out_BLkD.dtype)
+  # Summed choice by choice, in the padded path's order, so both paths round alike.
+  out_BLD = out_BLkD[:, :, 0]
+  for choice in range(1, top_k):
+    out_BLD = out_BLD + out_BLkD[:, :, choice]
+  return out_BLD
+
+
 class MoeBlock(nnx.Module):
   """Drop-in for MlpBlock (same call): x [B, L, D] -> [B, L, D]; sows `moe_lb_loss`."""
 
@@ -149,29 +177,26 @@ class MoeBlock(nnx.Module):
     return checkpoint_name(out_EBCD, "mlpwo")
 
   def _grouped(self, x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.Array) -> jax.Array:
-    """Dropless experts as grouped matmuls over the assignments sorted by expert."""
+    """Dropless experts as grouped matmuls, each batch shard sorting and computing its own tokens."""
     cfg = self.cfg
-    batch, length, dim = x_BLD.shape
-    top_k = cfg.num_experts_per_tok
-    expert_A = experts_BLk.reshape(-1)  # token-major: assignment a is token a // k
-    order_A = jnp.argsort(expert_A, stable=True)
-    x_AD = x_BLD.reshape(-1, dim)[order_A // top_k]
-    group_sizes_E = jnp.bincount(expert_A, length=cfg.num_experts).astype(jnp.int32)
-    hidden_AF = None
-    for i, name in enumerate(cfg.mlp_activations):
-      kernel_EDF = getattr(self, f"wi_{i}").kernel[...].astype(self.dtype)
-      h = ACTIVATION_FNS[name](checkpoint_name(jax.lax.ragged_dot(x_AD, kernel_EDF, group_sizes_E), "mlpwi"))
-      hidden_AF = h if hidden_AF is None else hidden_AF * h
-    out_AD = jax.lax.ragged_dot(hidden_AF, self.wo.kernel[...].astype(self.dtype), group_sizes_E)
-    out_AD = checkpoint_name(out_AD, "mlpwo")
-    # Unsort with the inverse permutation (a gather, whose gradient is a scatter-add).
-    out_BLkD = out_AD[jnp.argsort(order_A)].reshape(batch, length, top_k, dim)
-    out_BLkD = out_BLkD * weights_BLk[..., None].astype(out_BLkD.dtype)
-    # Summed choice by choice, in the padded path's order, so both paths round alike.
-    out_BLD = out_BLkD[:, :, 0]
-    for choice in range(1, top_k):
-      out_BLD = out_BLD + out_BLkD[:, :, choice]
-    return out_BLD
+    kernels = tuple(getattr(self, f"wi_{i}").kernel[...].astype(self.dtype) for i in range(len(cfg.mlp_activations)))
+    kernels += (self.wo.kernel[...].astype(self.dtype),)
+    grouped = functools.partial(_grouped_experts, activations=cfg.mlp_activations, num_experts=cfg.num_experts)
+    # The mesh and rules `sharding.constrain` uses (sharding.py has no public getter for them).
+    context = sharding._ACTIVATION_CONTEXT.get()  # noqa: SLF001
+    if context is None:
+      return grouped(x_BLD, experts_BLk, weights_BLk, *kernels)
+    mesh, rules = context
+    batch_axes = sharding.logical_to_mesh_spec(("activation_batch",), rules, mesh, x_BLD.shape[:1])[0]
+    if batch_axes is None:
+      return grouped(x_BLD, experts_BLk, weights_BLk, *kernels)
+    # A sort over the global batch would make XLA gather every assignment onto every device;
+    # per shard, each device sorts its own B/shards sequences. The expert weights enter whole
+    # (XLA all-gathers them from `expert`/`fsdp`/`tensor`, as FSDP gathers dense weights); the
+    # cotangents of those replicated inputs are summed over the batch shards by shard_map.
+    tokens, whole = PartitionSpec(batch_axes), PartitionSpec()
+    return jax.shard_map(grouped, mesh=mesh, in_specs=(tokens, tokens, tokens, *(whole,) * len(kernels)),
+                         out_specs=tokens, check_vma=False)(x_BLD, experts_BLk, weights_BLk, *kernels)
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
     # Why index scatter/gather and not one-hot dispatch einsums: a [L, E, C] one-hot
