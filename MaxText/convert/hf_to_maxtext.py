@@ -9,7 +9,7 @@ Writes CKPT (load it with `load_parameters_path=CKPT`) and CKPT/model_config.yml
 
 Memory (benchmarks/convert_memory.py): HF tensors are read one at a time (safetensors shard by
 shard, .bin shards memory-mapped) and written into memory-mapped staging files beside CKPT, so
-reading and re-laying-out holds about two copies of the largest tensor. The Orbax (OCDBT)
+reading and re-laying-out holds about one copy of the largest tensor. The Orbax (OCDBT)
 write then streams from those files one parameter at a time (`streaming.save_params_one_by_one`),
 so it holds about one parameter: a whole layer stack when scan_layers=True, one layer's tensor
 when False. Staging needs disk space for one extra copy of the converted model, removed at the end.
