@@ -27,11 +27,12 @@ the per-expert row counts as group sizes, and the rows are unsorted and combined
 the routing weights. Same result as the padded dropless path; on GPU and TPU, XLA runs
 ragged_dot as a grouped GEMM (routed FLOPs only). On CPU, jax lowers ragged_dot to a
 masked dense product over all groups (E times the routed FLOPs, like the padded path).
-Sharding: a shard_map over the batch axes lets every device sort and compute only its
-own sequences; the expert weights stay sharded at rest (`expert`, `fsdp`, `tensor`) and
-are all-gathered for the matmuls, as FSDP does for dense weights. There is no all-to-all
-dispatch of tokens to the devices that own their experts (true expert parallelism, which
-needs a ragged all-to-all), so each device holds every expert's weights while computing.
+Sharding (a shard_map): every device sorts only its own batch shard's sequences. Under
+expert parallelism the tokens are all-gathered over the `expert` axis, each device runs
+ragged_dot on its own E/shards experts' rows only (its weights stay expert-sharded; their
+`fsdp`/`tensor` parts are all-gathered as FSDP does), and the expert shards' outputs are
+summed with an all-reduce over `expert`. A ragged all-to-all, moving only the routed rows to
+their experts' devices, would need less communication; it is not implemented.
 
 Load balancing (Switch Transformer, as Mixtral trains it). With f_e the fraction of
 tokens whose top-k includes expert e (before any dropping; the f_e sum to k) and P_e
@@ -130,19 +131,34 @@ def _combine_one(out_ECD: jax.Array, expert_A: jax.Array, slot_A: jax.Array, wei
 
 
 def _grouped_experts(x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.Array, *kernels: jax.Array,
-                     activations: tuple[str, ...], num_experts: int) -> jax.Array:
-  """Sort the B·L·k assignments by expert, ragged_dot per projection, unsort, combine."""
+                     activations: tuple[str, ...], num_experts: int, expert_axis: str | None = None) -> jax.Array:
+  """Sort the B·L·k assignments by expert, ragged_dot per projection, unsort, combine.
+
+  With `expert_axis` (inside shard_map) the kernels hold this device's E/shards experts: it
+  computes only the rows of its experts and the expert shards' outputs are summed.
+  """
   batch, length, dim = x_BLD.shape
   top_k = experts_BLk.shape[-1]
   expert_A = experts_BLk.reshape(-1)  # token-major: assignment a is token a // k
   order_A = jnp.argsort(expert_A, stable=True)
   x_AD = x_BLD.reshape(-1, dim)[order_A // top_k]
   group_sizes_E = jnp.bincount(expert_A, length=num_experts).astype(jnp.int32)
+  offset = 0
+  if expert_axis is not None:
+    # This shard's experts own a contiguous run of the sorted rows: rotate it to the front;
+    # ragged_dot gives zeros for the rows after the last group, i.e. every other shard's rows.
+    local = kernels[-1].shape[0]
+    first = jax.lax.axis_index(expert_axis) * local
+    offset = jnp.sum(jnp.where(jnp.arange(num_experts) < first, group_sizes_E, 0))
+    group_sizes_E = jax.lax.dynamic_slice(group_sizes_E, (first,), (local,))
+    x_AD = jnp.roll(x_AD, -offset, axis=0)
   hidden_AF = None
   for name, kernel_EDF in zip(activations, kernels[:-1]):
     h = ACTIVATION_FNS[name](checkpoint_name(jax.lax.ragged_dot(x_AD, kernel_EDF, group_sizes_E), "mlpwi"))
     hidden_AF = h if hidden_AF is None else hidden_AF * h
   out_AD = checkpoint_name(jax.lax.ragged_dot(hidden_AF, kernels[-1], group_sizes_E), "mlpwo")
+  if expert_axis is not None:
+    out_AD = jax.lax.psum(jnp.roll(out_AD, offset, axis=0), expert_axis)
   # Unsort with the inverse permutation (a gather, whose gradient is a scatter-add).
   out_BLkD = out_AD[jnp.argsort(order_A)].reshape(batch, length, top_k, dim)
   out_BLkD = out_BLkD * weights_BLk[..., None].astype(out_BLkD.dtype)
@@ -188,15 +204,24 @@ class MoeBlock(nnx.Module):
       return grouped(x_BLD, experts_BLk, weights_BLk, *kernels)
     mesh, rules = context
     batch_axes = sharding.logical_to_mesh_spec(("activation_batch",), rules, mesh, x_BLD.shape[:1])[0]
-    if batch_axes is None:
+    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
+    expert_axes = sharding.logical_to_mesh_spec(("exp",), rules, mesh, kernels[-1].shape[:1])[0]
+    expert_axis = expert_axes if isinstance(expert_axes, str) else (expert_axes[0] if expert_axes else None)
+    if expert_axis is not None and len(expert_axes if not isinstance(expert_axes, str) else [expert_axes]) > 1:
+      expert_axis = None  # several mesh axes on the expert dim: gather the weights instead
+    token_axes = tuple(a for a in batch_axes if a != expert_axis)
+    if not token_axes and expert_axis is None:
       return grouped(x_BLD, experts_BLk, weights_BLk, *kernels)
-    # A sort over the global batch would make XLA gather every assignment onto every device;
-    # per shard, each device sorts its own B/shards sequences. The expert weights enter whole
-    # (XLA all-gathers them from `expert`/`fsdp`/`tensor`, as FSDP gathers dense weights); the
-    # cotangents of those replicated inputs are summed over the batch shards by shard_map.
-    tokens, whole = PartitionSpec(batch_axes), PartitionSpec()
-    return jax.shard_map(grouped, mesh=mesh, in_specs=(tokens, tokens, tokens, *(whole,) * len(kernels)),
-                         out_specs=tokens, check_vma=False)(x_BLD, experts_BLk, weights_BLk, *kernels)
+    # Each device sorts only its own sequences (a global sort would gather every assignment
+    # onto every device). Expert parallelism: the tokens are gathered over the `expert` axis,
+    # each device multiplies only the rows routed to its own experts, and the expert shards'
+    # outputs are summed (an all-reduce of [A, D], where a ragged all-to-all would move only
+    # the routed rows). The weights' other axes (fsdp, tensor) are all-gathered, as FSDP does.
+    tokens = PartitionSpec(token_axes or None)
+    expert_spec = PartitionSpec(expert_axis)
+    return jax.shard_map(functools.partial(grouped, expert_axis=expert_axis), mesh=mesh,
+                         in_specs=(tokens, tokens, tokens, *(expert_spec,) * len(kernels)),
+                         out_specs=tokens)(x_BLD, experts_BLk, weights_BLk, *kernels)
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
     # Why index scatter/gather and not one-hot dispatch einsums: a [L, E, C] one-hot

@@ -351,10 +351,12 @@ def test_grouped_path_matches_hf_float32(hf, scan_layers, tmp_path):
 
 
 @pytest.mark.parametrize("mesh", [dict(ici_expert_parallelism=2, ici_fsdp_parallelism=-1), pytest.param(
-    dict(ici_expert_parallelism=2, ici_tensor_parallelism=2, ici_fsdp_parallelism=-1), marks=pytest.mark.slow)])
+    dict(ici_expert_parallelism=2, ici_tensor_parallelism=2, ici_fsdp_parallelism=-1), marks=pytest.mark.slow),
+    pytest.param(dict(ici_expert_parallelism=4, ici_fsdp_parallelism=-1), marks=pytest.mark.slow)])
 def test_grouped_path_trains_like_padded_under_expert_parallelism(mesh):
-  """On the 8 simulated devices with experts sharded over `expert` (and `tensor`): same losses
-  and gradient norms as the padded dropless path, step by step."""
+  """On the 8 simulated devices with experts sharded over `expert` (and `tensor`; with 4 expert
+  shards each device owns one expert): same losses and gradient norms as the padded dropless
+  path, step by step."""
   base = dict(mesh, max_target_length=16, vocab_size=64, learning_rate=3e-3, capacity_factor=-1.0)
   histories = []
   for sparse in (False, True):
