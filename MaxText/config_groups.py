@@ -103,6 +103,16 @@ class ModelConfig:
   capacity_factor: float  # <= 0 = dropless
   sparse_matmul: bool  # dropless experts as grouped matmuls (jax.lax.ragged_dot)
   load_balance_loss_weight: float
+  # Pipeline parallelism (filled in by build_groups from the mesh; 1 stage = no pipeline).
+  num_pipeline_stages: int = 1
+  num_pipeline_microbatches: int = 1
+  num_pipeline_repeats: int = 1
+  pipeline_schedule: str = "gpipe"  # gpipe | circular
+
+  @property
+  def layers_per_pipeline_stage(self) -> int:
+    """Decoder layers one stage runs per pass (per repeat)."""
+    return self.num_decoder_layers // (self.num_pipeline_stages * self.num_pipeline_repeats)
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any]) -> "ModelConfig":
@@ -246,8 +256,6 @@ class MeshConfig:
     dcn = {a: v[f"dcn_{_AXIS_KEY[a]}_parallelism"] for a in MESH_AXES}
     ici = _fill_auto_axis(ici, target.num_devices // num_slices, "ici")
     dcn = _fill_auto_axis(dcn, num_slices, "dcn")
-    _require(ici["stage"] * dcn["stage"] == 1, "pipeline parallelism is not supported yet: "
-             "set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
     rules = []
     for rule in v["logical_axis_rules"]:
       _require(isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str),
@@ -264,6 +272,50 @@ class MeshConfig:
     return cls(ici=tuple(ici.items()), dcn=tuple(dcn.items()), num_slices=num_slices,
                logical_axis_rules=tuple(rules), data_sharding=tuple(v["data_sharding"]),
                sharding_tolerance=v["sharding_tolerance"])
+
+
+PIPELINE_SCHEDULES = ("gpipe", "circular")
+
+
+def _with_pipeline(model: ModelConfig, v: Mapping[str, Any], mesh: MeshConfig, global_batch: int) -> ModelConfig:
+  """Validates the pipeline keys against the model, mesh and batch; fills in the derived stage counts."""
+  stages = dict(mesh.shape)["stage"]
+  repeats, schedule = v["num_pipeline_repeats"], v["pipeline_schedule"]
+  micro = v["num_pipeline_microbatches"]
+  _one_of(v, "pipeline_schedule", PIPELINE_SCHEDULES)
+  _require(repeats >= 1, f"num_pipeline_repeats must be >= 1, got {repeats}")
+  _require(micro == -1 or micro >= 1, f"num_pipeline_microbatches must be >= 1 or -1 (= stages), got {micro}")
+  if stages == 1:
+    _require(repeats == 1 and micro in (-1, 1) and schedule == "gpipe",
+             "num_pipeline_microbatches, num_pipeline_repeats and pipeline_schedule apply only with pipeline "
+             "parallelism; set ici_pipeline_parallelism or dcn_pipeline_parallelism > 1, or leave them at their defaults")
+    return model
+  micro = stages if micro == -1 else micro
+  layers = model.num_decoder_layers
+  _require(model.scan_layers, "pipeline parallelism needs scan_layers=True (the stage axis splits the scanned layer stack)")
+  _require(schedule == "circular" or repeats == 1,
+           f"num_pipeline_repeats={repeats} needs pipeline_schedule=circular (gpipe makes one pass through the stages)")
+  _require(schedule == "gpipe" or repeats > 1,
+           "pipeline_schedule=circular needs num_pipeline_repeats >= 2 (with one repeat it is gpipe)")
+  _require(layers % (stages * repeats) == 0,
+           f"num_decoder_layers ({layers}) must be divisible by pipeline stages ({stages}) x num_pipeline_repeats "
+           f"({repeats}); change the layer count, the stage degree or the repeats")
+  _require(schedule == "gpipe" or micro >= stages,
+           f"pipeline_schedule=circular needs num_pipeline_microbatches ({micro}) >= pipeline stages ({stages}): "
+           "a microbatch must leave the last stage before it re-enters the first")
+  layer_rules = [axes for name, axes in mesh.logical_axis_rules if name == "layers"]
+  _require(bool(layer_rules) and "stage" in layer_rules[0],
+           'pipeline parallelism needs the logical_axis_rules entry ["layers", ["stage"]] so each stage holds its layers')
+  accum = v["gradient_accumulation_steps"]
+  rows = global_batch // accum
+  shape = dict(mesh.shape)
+  row_shards = math.prod(shape[a] for a in mesh.data_sharding if a != "stage")
+  _require(rows % (micro * row_shards) == 0,
+           f"the batch of {rows} sequences per gradient-accumulation step must split into num_pipeline_microbatches="
+           f"{micro} microbatches, each divisible by the {row_shards} non-stage data_sharding devices; raise "
+           "per_device_batch_size or change num_pipeline_microbatches")
+  return dataclasses.replace(model, num_pipeline_stages=stages, num_pipeline_microbatches=micro,
+                             num_pipeline_repeats=repeats, pipeline_schedule=schedule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -487,6 +539,7 @@ def build_groups(values: Mapping[str, Any], target: DeviceTarget) -> Groups:
   _require(num_experts == 1 or num_experts % expert_degree == 0,
            f"num_experts ({num_experts}) must be a multiple of the expert parallelism "
            f"(ici_expert_parallelism * dcn_expert_parallelism = {expert_degree})")
-  return Groups(model=ModelConfig.from_values(values), mesh=mesh, optim=OptimConfig.from_values(values),
-                data=DataConfig.from_values(values, target, mesh), run=run,
+  data = DataConfig.from_values(values, target, mesh)
+  model = _with_pipeline(ModelConfig.from_values(values), values, mesh, data.global_batch_size)
+  return Groups(model=model, mesh=mesh, optim=OptimConfig.from_values(values), data=data, run=run,
                 checkpoint=CheckpointConfig.from_values(values, run))

@@ -19,6 +19,7 @@ from MaxText.config_groups import ModelConfig
 from MaxText.layers.decoders import ACTIVATION_NAMES, decoder_layer_class
 from MaxText.layers.embeddings import Embed, sinusoidal_positions
 from MaxText.layers.linears import DenseGeneral
+from MaxText.layers import pipeline
 from MaxText.layers.normalizations import make_norm
 
 _DOT_NAMES_EXCEPT_MLP = ("query_proj", "key_proj", "value_proj", "out_proj")
@@ -91,6 +92,8 @@ class Transformer(nnx.Module):
     """The decoder stack; also returns each auxiliary loss the layers sow, summed over layers."""
     cfg = self.cfg
     num_layers = cfg.num_decoder_layers
+    if cfg.num_pipeline_stages > 1:  # the stage-sharded scanned stack runs as a pipeline
+      return self._run_pipeline(x_BLD, positions_BL, segment_ids_BL, dropout_rng)
     layer_rngs = jax.random.split(dropout_rng, num_layers) if dropout_rng is not None else None
 
     # layer_index lets a layer pick its per-layer behaviour (e.g. local vs global attention)
@@ -121,6 +124,20 @@ class Transformer(nnx.Module):
                                    jnp.asarray(i, jnp.int32))
       aux = {name: aux.get(name, 0.0) + value for name, value in layer_aux.items()}
     return x_BLD, aux
+
+  def _run_pipeline(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
+                    dropout_rng: jax.Array | None) -> tuple[jax.Array, AuxLosses]:
+    """`_run_layers` over pipeline stages (layers/pipeline.py); microbatches bring their own positions."""
+    graphdef, stacked_state = nnx.split(self.layers)
+
+    def apply_layer(x: jax.Array, layer_state: nnx.State, rng: jax.Array | None, layer_index: jax.Array,
+                    positions: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, AuxLosses]:
+      layer = nnx.merge(graphdef, layer_state)
+      x, sown = nnx.capture(layer, nnx.Intermediate)(x, positions, segment_ids, rng, layer_index)
+      return x, sum_sown_losses(sown)
+
+    return pipeline.run_pipeline(self.cfg, apply_layer, stacked_state, x_BLD, positions_BL, segment_ids_BL,
+                                 dropout_rng, remat_policy(self.cfg.remat_policy))
 
   def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
                dropout_rng: jax.Array | None = None) -> jax.Array:

@@ -105,13 +105,15 @@ def batch_sharding(mesh: Mesh, data_axes: Sequence[str]) -> NamedSharding:
 
 def unsharded_fraction(abstract_tree: Any, shardings: Any, mesh: Mesh) -> float:
   """Fraction of bytes not split over every non-data mesh axis (pure data parallelism
-  replicates parameters by design, so the data axis does not count)."""
-  target = math.prod(size for axis, size in mesh.shape.items() if axis != "data")
+  replicates parameters by design, so the data axis does not count; nor does the pipeline
+  `stage` axis, over which only the layer stack is split and embeddings are replicated by design)."""
+  ignored = ("data", "stage")
+  target = math.prod(size for axis, size in mesh.shape.items() if axis not in ignored)
   total = unsharded = 0
   for x, sharding in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings)):
     nbytes = math.prod(x.shape) * np.dtype(x.dtype).itemsize
-    shards = math.prod(
-        mesh.shape[a] for entry in sharding.spec if entry for a in ((entry,) if isinstance(entry, str) else entry))
+    shards = math.prod(mesh.shape[a] for entry in sharding.spec if entry
+                       for a in ((entry,) if isinstance(entry, str) else entry) if a not in ignored)
     total += nbytes
     if shards < target:
       unsharded += nbytes

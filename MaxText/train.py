@@ -20,6 +20,7 @@ from MaxText import accelerators, checkpointing, config as config_lib, metrics, 
 from MaxText import aot, distributed, xla_flags
 from MaxText.errors import run_cli
 from MaxText.input_pipeline import create_data_iterator, create_eval_iterator
+from MaxText.layers import pipeline
 from MaxText.layers.attention import select_kernel
 from MaxText.trainer import CheckpointHook, EvalHook, LoggingHook, ProfilerHook, Trainer
 
@@ -65,6 +66,8 @@ def train(config: config_lib.Config) -> int:
 
   mesh = sharding.create_mesh(config.mesh)
   log(f"mesh: {', '.join(f'{a}={n}' for a, n in mesh.shape.items() if n > 1) or 'single device'}")
+  if config.model.num_pipeline_stages > 1:
+    log(pipeline.describe(config.model))
   setup = train_state.build_state_setup(config, mesh)
   checkpoints = checkpointing.RunCheckpoints(config.checkpoint) if config.checkpoint.enabled else None
   start = checkpointing.initial_state(

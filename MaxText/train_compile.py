@@ -28,6 +28,7 @@ from jax.experimental import topologies
 
 from MaxText import accelerators, aot, config as config_lib, metrics, sharding, train_state, train_step, xla_flags
 from MaxText.errors import ConfigError, UserError, run_cli
+from MaxText.layers import pipeline
 
 
 def describe_topology(topology: accelerators.TpuTopology, num_slices: int) -> Sequence[Any]:
@@ -125,6 +126,8 @@ def main(argv: list[str]) -> int:
       print(f"  {name}={os.environ[name]}")
   mesh = sharding.create_mesh(config.mesh, devices)
   print(f"mesh: {', '.join(f'{a}={n}' for a, n in mesh.shape.items() if n > 1) or 'single device'}")
+  if config.model.num_pipeline_stages > 1:
+    print(pipeline.describe(config.model))
   setup = train_state.build_state_setup(config, mesh)
   num_params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
   print(f"parameters: {num_params / 1e9:.3f} B ({num_params:,})")

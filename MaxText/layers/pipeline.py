@@ -1,0 +1,169 @@
+"""Pipeline parallelism of the scanned decoder stack over the `stage` mesh axis.
+
+Shape legend: S pipeline stages, R repeats (passes through the stages), M microbatches,
+m rows per microbatch, L length, D embed, T schedule iterations.
+
+The formulation is "vmap over stages and rotate": every device runs the same SPMD
+program. The scanned layer parameters keep their checkpoint layout (a leading layer dim
+of size num_decoder_layers, the `layers` logical axis mapped to `stage`), so pipelined
+and non-pipelined runs share checkpoints, converters and optimizer-state shardings.
+Each iteration of a `lax.scan`:
+
+1. the activation buffer `state_SmLD` shifts by one stage (`jnp.roll` over the
+   stage-sharded dim, which XLA lowers to a collective permute); stage 0 takes the next
+   microbatch (or, in the circular schedule, a microbatch coming back for its next pass);
+2. `jax.vmap(..., spmd_axis_name="stage")` runs every stage on its own microbatch with
+   its own slice of the layer weights, so the layers' activation sharding constraints
+   keep the stage dim on the `stage` axis;
+3. the last stage's output is written to the output buffer slot of its microbatch.
+
+Stage s at iteration t works on virtual index k = t - s, i.e. microbatch k mod M of
+pass k div M; it idles (the bubble) when k is outside [0, M·R). That needs
+T = M·R + S - 1 iterations, of which each stage computes M·R, so the idle fraction is
+(S - 1) / (M·R + S - 1): (S - 1) / (M + S - 1) for GPipe (R = 1) and R times fewer
+idle slots relative to the work for the circular schedule.
+
+Schedules:
+- `gpipe`: stage s owns layers [s·L/S, (s+1)·L/S), one pass. These are exactly the
+  rows of the stage-sharded stack, so no weights move.
+- `circular` (interleaved): stage s owns R non-contiguous groups; in pass r it runs
+  layers [(r·S + s)·G, (r·S + s + 1)·G) with G = L/(S·R), so a microbatch loops through
+  the stages R times. Because the stored stack is split into contiguous blocks, the
+  step regroups the layer weights into [S, R, G] once per step (an all-to-all of the
+  layer weights and, in the backward pass, of their gradients). Storing the stack
+  block-cyclically would avoid that traffic but would give pipelined runs a different
+  checkpoint layout; it is not done here.
+
+The backward pass is JAX's transpose of this forward schedule: all forward iterations,
+then all backward iterations in reverse (the GPipe order), with each stage step
+rematerialised under `remat_policy` so only stage inputs are kept between them.
+A 1F1B schedule would interleave one backward after each forward once the pipeline is
+full, which keeps at most S microbatches' activations alive instead of M·R; its bubble
+is the same, and it needs a hand-written backward (custom_vjp over the whole
+schedule), which this module does not implement.
+
+Per-layer behaviour stays tied to the true layer: each layer gets its global
+`layer_index` (local/global attention patterns), positions and segment ids travel with
+their microbatch, dropout keys are per (layer, microbatch), and auxiliary losses (MoE
+load balancing) are summed over layers and averaged over microbatches, skipping bubbles.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from MaxText import sharding
+from MaxText.config_groups import ModelConfig
+
+AuxLosses = dict[str, jax.Array]
+# (x_mLD, one layer's state, dropout key or None, layer_index, positions_mL, segment_ids_mL) -> (x_mLD, aux)
+LayerFn = Callable[[jax.Array, Any, "jax.Array | None", jax.Array, jax.Array, jax.Array], tuple[jax.Array, AuxLosses]]
+Policy = Callable[..., bool] | None | str
+
+_BUFFER_NAMES = ("layers", "activation_batch", "activation_length", "activation_embed")
+_MICRO_NAMES = (None, "activation_batch", "activation_length", "activation_embed")
+
+
+def num_iterations(num_stages: int, num_microbatches: int, num_repeats: int = 1) -> int:
+  """Schedule length: every microbatch passes every stage `num_repeats` times, plus the fill."""
+  return num_microbatches * num_repeats + num_stages - 1
+
+
+def bubble_fraction(num_stages: int, num_microbatches: int, num_repeats: int = 1) -> float:
+  """Fraction of stage-iterations spent idle: (S - 1) / (M·R + S - 1)."""
+  return (num_stages - 1) / num_iterations(num_stages, num_microbatches, num_repeats)
+
+
+def describe(cfg: ModelConfig) -> str:
+  """One start-up log line: schedule, layer split and bubble fraction."""
+  s, m, r = cfg.num_pipeline_stages, cfg.num_pipeline_microbatches, cfg.num_pipeline_repeats
+  layout = f"{cfg.layers_per_pipeline_stage} layers per stage" + (f" x {r} repeats" if r > 1 else "")
+  return (f"pipeline: {cfg.pipeline_schedule} schedule, {s} stages, {m} microbatches, {layout}; "
+          f"{num_iterations(s, m, r)} iterations, bubble fraction {bubble_fraction(s, m, r):.3f}")
+
+
+def _split_micro(x: jax.Array, num_micro: int) -> jax.Array:
+  """[B, ...] → [M, B/M, ...], microbatch i taking rows i, M + i, 2M + i, ... (as train_step does)."""
+  return jnp.swapaxes(x.reshape((x.shape[0] // num_micro, num_micro) + x.shape[1:]), 0, 1)
+
+
+def _merge_micro(x: jax.Array) -> jax.Array:
+  """Inverse of `_split_micro`."""
+  return jnp.swapaxes(x, 0, 1).reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+
+def stage_weights(stacked_state: Any, cfg: ModelConfig) -> Any:
+  """Stacked [num_layers, ...] leaves → [S, R, G, ...]: [s, r, g] is layer (r·S + s)·G + g."""
+  s, r, g = cfg.num_pipeline_stages, cfg.num_pipeline_repeats, cfg.layers_per_pipeline_stage
+
+  def regroup(w: jax.Array) -> jax.Array:
+    return jnp.swapaxes(w.reshape((r, s, g) + w.shape[1:]), 0, 1)
+
+  return jax.tree.map(regroup, stacked_state)
+
+
+def _stage_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None, policy: Policy) -> Callable:
+  """One stage's work in one iteration: its G layers of pass `repeat` on one microbatch."""
+  num_stages, group = cfg.num_pipeline_stages, cfg.layers_per_pipeline_stage
+
+  def run(weights_RG: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
+          stage: jax.Array, repeat: jax.Array, micro: jax.Array) -> tuple[jax.Array, AuxLosses]:
+    weights_G = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, repeat, keepdims=False), weights_RG)
+    first_layer = (repeat * num_stages + stage) * group
+
+    def one(x: jax.Array, per_layer: tuple[Any, jax.Array]) -> tuple[jax.Array, AuxLosses]:
+      layer_state, g = per_layer
+      layer_index = first_layer + g
+      rng = None if layer_rngs is None else jax.random.fold_in(layer_rngs[layer_index], micro)
+      return layer_fn(x, layer_state, rng, layer_index, positions_mL, segment_ids_mL)
+
+    x_mLD, aux_G = jax.lax.scan(one, x_mLD, (weights_G, jnp.arange(group)))
+    return x_mLD, {name: jnp.sum(values) for name, values in aux_G.items()}
+
+  if policy == "none":
+    return run
+  return jax.checkpoint(run, policy=policy)
+
+
+def run_pipeline(cfg: ModelConfig, layer_fn: LayerFn, stacked_state: Any, x_BLD: jax.Array,
+                 positions_BL: jax.Array, segment_ids_BL: jax.Array, dropout_rng: jax.Array | None,
+                 policy: Policy) -> tuple[jax.Array, AuxLosses]:
+  """The decoder stack as a pipeline; returns x_BLD and the aux losses summed over layers
+  (averaged over microbatches), like the non-pipelined stack."""
+  num_stages, num_micro, num_repeats = cfg.num_pipeline_stages, cfg.num_pipeline_microbatches, cfg.num_pipeline_repeats
+  layer_rngs = jax.random.split(dropout_rng, cfg.num_decoder_layers) if dropout_rng is not None else None
+  inputs_MmLD = sharding.constrain(_split_micro(x_BLD, num_micro), _MICRO_NAMES)
+  positions_MmL, segment_ids_MmL = _split_micro(positions_BL, num_micro), _split_micro(segment_ids_BL, num_micro)
+  weights_SRG = stage_weights(stacked_state, cfg)
+  stages_S = jnp.arange(num_stages)
+  run_stages = jax.vmap(_stage_fn(cfg, layer_fn, layer_rngs, policy), spmd_axis_name="stage")
+
+  def iteration(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array], AuxLosses]:
+    state_SmLD, outputs_MmLD = carry
+    # Stage 0 takes microbatch t on the first pass, later the same microbatch back from the last stage.
+    feed_mLD = jnp.where(t < num_micro, inputs_MmLD[t % num_micro], outputs_MmLD[t % num_micro])
+    state_SmLD = jnp.roll(state_SmLD, 1, axis=0).at[0].set(feed_mLD)
+    state_SmLD = sharding.constrain(state_SmLD, _BUFFER_NAMES)
+    k_S = t - stages_S
+    micro_S, repeat_S = k_S % num_micro, jnp.clip(k_S // num_micro, 0, num_repeats - 1)
+    valid_S = (k_S >= 0) & (k_S < num_micro * num_repeats)
+    state_SmLD, aux_S = run_stages(weights_SRG, state_SmLD, positions_MmL[micro_S], segment_ids_MmL[micro_S],
+                                   stages_S, repeat_S, micro_S)
+    state_SmLD = sharding.constrain(state_SmLD, _BUFFER_NAMES)
+    # The last stage finished microbatch k_last (its row in the output buffer) unless it idled.
+    k_last = t - (num_stages - 1)
+    slot = k_last % num_micro
+    done_mLD = jnp.where(k_last >= 0, state_SmLD[num_stages - 1], outputs_MmLD[slot])
+    outputs_MmLD = jax.lax.dynamic_update_index_in_dim(outputs_MmLD, done_mLD, slot, axis=0)
+    aux = {name: jnp.sum(jnp.where(valid_S, values, 0.0)) for name, values in aux_S.items()}
+    return (state_SmLD, outputs_MmLD), aux
+
+  state_SmLD = jnp.zeros((num_stages,) + inputs_MmLD.shape[1:], x_BLD.dtype)
+  carry = (sharding.constrain(state_SmLD, _BUFFER_NAMES), jnp.zeros_like(inputs_MmLD))
+  steps = jnp.arange(num_iterations(num_stages, num_micro, num_repeats))
+  (_, outputs_MmLD), aux_T = jax.lax.scan(iteration, carry, steps)
+  x_BLD = _merge_micro(sharding.constrain(outputs_MmLD, _MICRO_NAMES))
+  return x_BLD, {name: jnp.sum(values) / num_micro for name, values in aux_T.items()}

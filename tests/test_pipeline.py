@@ -1,0 +1,151 @@
+"""Pipeline parallelism on the `stage` axis: the loss and gradients of each schedule equal the
+non-pipelined run on the 8 simulated CPU devices; bad configs are one-line errors; the bubble
+fraction; an AOT compile for a v5p topology with stages > 1."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText import sharding, train_compile, train_state, train_step
+from MaxText.config import BASE_CONFIG_PATH, Config
+from MaxText.errors import ConfigError
+from MaxText.layers import pipeline
+
+
+def _model_overrides(num_layers: int) -> dict:
+  # Alternating local/global attention makes every layer's output depend on its true layer index.
+  return dict(base_emb_dim=32, base_num_query_heads=2, base_num_kv_heads=1, head_dim=16, base_mlp_dim=64,
+              base_num_decoder_layers=num_layers, vocab_size=64, max_target_length=16, per_device_batch_size=2,
+              attention_layer_pattern=["local", "global"], sliding_window_size=4, print_config=False)
+
+
+def _packed_batch(global_batch: int, length: int, vocab: int) -> dict:
+  """Random tokens packed as two documents per row, so positions and segment ids matter."""
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(1, vocab, (global_batch, length + 1), dtype=np.int32)
+  cut = length // 2 - 1
+  segments = np.where(np.arange(length) < cut, 1, 2).astype(np.int32)[None].repeat(global_batch, 0)
+  positions = np.where(np.arange(length) < cut, np.arange(length), np.arange(length) - cut)
+  positions = positions.astype(np.int32)[None].repeat(global_batch, 0)
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "inputs_position": positions,
+          "inputs_segmentation": segments, "targets_segmentation": segments}
+
+
+def _grads_and_step(config: Config, params, batch: dict):
+  """(gradients, loss sums, metrics of one full jitted train step) for `config` from `params`."""
+  mesh = sharding.create_mesh(config.mesh)
+  setup = train_state.build_state_setup(config, mesh)
+  batch_sharding = sharding.batch_sharding(mesh, config.mesh.data_sharding)
+  batch = jax.device_put(batch, batch_sharding)
+  params = jax.device_put(params, setup.state_shardings.params)
+
+  def grads_fn(p, b):
+    with sharding.activation_sharding(mesh, config.mesh.logical_axis_rules):
+      return train_step._grads_and_sums(setup, config, p, b, None)
+
+  grads, sums = jax.jit(grads_fn)(params, batch)
+  # Per-token gradients, as the optimizer sees them (the raw sums grow with the token count).
+  grads = jax.tree.map(lambda g: g / sums["weight_sum"], grads)
+  state = train_state.init_state(setup, 0).replace(params=params)
+  state = state.replace(opt_state=jax.jit(setup.optimizer.init, out_shardings=setup.state_shardings.opt_state)(params))
+  step = train_step.jit_train_step(setup, config, batch_sharding)
+  new_state, metrics = step(state, batch, jax.random.key(0))
+  return jax.device_get(grads), jax.device_get(sums), jax.device_get(metrics), jax.device_get(new_state.params)
+
+
+@pytest.mark.parametrize("schedule, stages, repeats, micro, other_axis", [
+    ("gpipe", 2, 1, 4, dict(ici_data_parallelism=4)),
+    ("gpipe", 4, 1, 4, dict(ici_fsdp_parallelism=2)),
+    ("circular", 2, 2, 2, dict(ici_fsdp_parallelism=4)),
+    ("circular", 4, 2, 4, dict(ici_data_parallelism=2)),
+])
+def test_pipeline_equals_the_non_pipelined_run(schedule, stages, repeats, micro, other_axis):
+  layers = stages * repeats
+  other = {"ici_fsdp_parallelism": 1, **other_axis}
+  piped = Config.for_testing(**_model_overrides(layers), ici_pipeline_parallelism=stages, pipeline_schedule=schedule,
+                             num_pipeline_repeats=repeats, num_pipeline_microbatches=micro, **other)
+  plain = Config.for_testing(**_model_overrides(layers))  # fsdp over all 8 devices
+  assert piped.model.num_pipeline_stages == stages and piped.model.layers_per_pipeline_stage == 1
+  ref_setup = train_state.build_state_setup(plain, sharding.create_mesh(plain.mesh))
+  params = jax.device_get(train_state.init_state(ref_setup, 0).params)
+  batch = _packed_batch(plain.data.global_batch_size, 16, 64)
+
+  want_grads, want_sums, want_metrics, want_params = _grads_and_step(plain, params, batch)
+  got_grads, got_sums, got_metrics, got_params = _grads_and_step(piped, params, batch)
+  for key in want_sums:
+    np.testing.assert_allclose(got_sums[key], want_sums[key], rtol=2e-5, err_msg=key)
+  close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)  # noqa: E731
+  jax.tree.map(close, got_grads, want_grads)
+  for key in ("loss", "grad_norm", "param_norm"):
+    np.testing.assert_allclose(got_metrics[key], want_metrics[key], rtol=2e-5, err_msg=key)
+  jax.tree.map(close, got_params, want_params)
+  # The layer gradients are not trivially zero (a pipeline that dropped microbatches would fail above).
+  assert float(np.abs(np.asarray(jax.tree.leaves(got_grads["layers"])[0])).max()) > 0
+
+
+def test_layer_weights_are_stage_sharded_and_checkpoint_layout_is_unchanged():
+  config = Config.for_testing(**_model_overrides(4), ici_pipeline_parallelism=4, ici_fsdp_parallelism=2)
+  setup = train_state.build_state_setup(config, sharding.create_mesh(config.mesh))
+  specs = train_state.shardings_summary(setup.state_shardings.params)
+  layer_specs = [spec for path, spec in specs.items() if path.startswith("['layers']")]
+  assert layer_specs and all(spec[0] == "stage" for spec in layer_specs)
+  assert all(leaf.shape[0] == 4 for leaf in jax.tree.leaves(setup.abstract_state.params["layers"]))
+  assert setup.param_unsharded_fraction <= config.mesh.sharding_tolerance
+
+
+def test_stage_weights_regroup_layers_per_schedule():
+  config = Config.for_testing(**_model_overrides(8), ici_pipeline_parallelism=2, pipeline_schedule="circular",
+                              num_pipeline_repeats=2, num_pipeline_microbatches=2)
+  stacked = {"w": jnp.arange(8)}
+  # [stage, repeat, layer in group]: stage 0 runs layers 0-1 then 4-5; stage 1 runs 2-3 then 6-7.
+  np.testing.assert_array_equal(pipeline.stage_weights(stacked, config.model)["w"],
+                                [[[0, 1], [4, 5]], [[2, 3], [6, 7]]])
+
+
+def test_bubble_fraction_per_schedule():
+  assert pipeline.bubble_fraction(4, 4) == pytest.approx(3 / 7)  # GPipe: (S-1)/(M+S-1)
+  assert pipeline.bubble_fraction(4, 16) == pytest.approx(3 / 19)
+  assert pipeline.bubble_fraction(4, 4, 2) == pytest.approx(3 / 11)  # circular: (S-1)/(M*R+S-1)
+  assert pipeline.num_iterations(4, 8, 3) == 27
+  config = Config.for_testing(**_model_overrides(8), ici_pipeline_parallelism=4, pipeline_schedule="circular",
+                              num_pipeline_repeats=2)
+  assert config.model.num_pipeline_microbatches == 4  # -1 = the number of stages
+  assert pipeline.describe(config.model) == ("pipeline: circular schedule, 4 stages, 4 microbatches, 1 layers per "
+                                             "stage x 2 repeats; 11 iterations, bubble fraction 0.273")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(ici_pipeline_parallelism=2, base_num_decoder_layers=3), r"num_decoder_layers \(3\) must be divisible by"),
+    (dict(ici_pipeline_parallelism=2, pipeline_schedule="circular", num_pipeline_repeats=2, base_num_decoder_layers=2),
+     r"num_decoder_layers \(2\) must be divisible by pipeline stages \(2\) x num_pipeline_repeats \(2\)"),
+    (dict(ici_pipeline_parallelism=2, scan_layers=False), "pipeline parallelism needs scan_layers=True"),
+    (dict(ici_pipeline_parallelism=2, num_pipeline_repeats=2), "num_pipeline_repeats=2 needs pipeline_schedule=circular"),
+    (dict(ici_pipeline_parallelism=2, pipeline_schedule="circular"), "circular needs num_pipeline_repeats >= 2"),
+    (dict(ici_pipeline_parallelism=4, pipeline_schedule="circular", num_pipeline_repeats=2, base_num_decoder_layers=8,
+          num_pipeline_microbatches=2), r"num_pipeline_microbatches \(2\) >= pipeline stages \(4\)"),
+    (dict(ici_pipeline_parallelism=2, num_pipeline_microbatches=3), "must split into num_pipeline_microbatches=3"),
+    (dict(ici_pipeline_parallelism=2, pipeline_schedule="1f1b"), "pipeline_schedule must be one of gpipe, circular"),
+    (dict(num_pipeline_repeats=2), "apply only with pipeline parallelism"),
+    (dict(ici_pipeline_parallelism=2, logical_axis_rules=[["layers", []]]), r'needs the logical_axis_rules entry'),
+])
+def test_bad_pipeline_configs_are_one_line_errors(overrides, message):
+  with pytest.raises(ConfigError, match=message) as info:
+    Config.for_testing(**{**_model_overrides(2), **overrides})
+  assert "\n" not in str(info.value)
+
+
+def test_compiles_for_a_v5p_topology_with_stages(capsys):
+  argv = ["train_compile", str(BASE_CONFIG_PATH), "compile_topology=v5p-8", "ici_pipeline_parallelism=2",
+          "pipeline_schedule=circular", "num_pipeline_repeats=2", "num_pipeline_microbatches=4",
+          "base_emb_dim=256", "base_num_query_heads=2", "base_num_kv_heads=2", "head_dim=64", "base_mlp_dim=512",
+          "base_num_decoder_layers=4", "vocab_size=256", "max_target_length=64", "per_device_batch_size=2",
+          "print_config=False"]
+  assert train_compile.main(argv) == 0
+  out = capsys.readouterr().out
+  assert "mesh: stage=2, fsdp=2" in out
+  assert "pipeline: circular schedule, 2 stages, 4 microbatches, 1 layers per stage x 2 repeats; 9 iterations, " \
+         "bubble fraction 0.111" in out
+  assert "fits:" in out
