@@ -145,6 +145,12 @@ def activation_sharding(mesh: Mesh, rules: Rules) -> Iterator[None]:
     _ACTIVATION_CONTEXT.reset(token)
 
 
+def current_activation_context() -> tuple[Mesh, Rules] | None:
+  """The (mesh, rules) set by the enclosing `activation_sharding`, or None (e.g. for layers that
+  need the mesh to build a shard_map)."""
+  return _ACTIVATION_CONTEXT.get()
+
+
 def constrain(x: jax.Array, names: LogicalNames) -> jax.Array:
   """with_sharding_constraint by logical names; a no-op outside `activation_sharding`."""
   context = _ACTIVATION_CONTEXT.get()

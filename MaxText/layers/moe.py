@@ -199,7 +199,7 @@ class MoeBlock(nnx.Module):
     kernels += (self.wo.kernel[...].astype(self.dtype),)
     grouped = functools.partial(_grouped_experts, activations=cfg.mlp_activations, num_experts=cfg.num_experts)
     # The mesh and rules `sharding.constrain` uses (sharding.py has no public getter for them).
-    context = sharding._ACTIVATION_CONTEXT.get()  # noqa: SLF001
+    context = sharding.current_activation_context()
     if context is None:
       return grouped(x_BLD, experts_BLk, weights_BLk, *kernels)
     mesh, rules = context
