@@ -77,7 +77,7 @@ def select_jax_platforms(hardware: str) -> str | None:
 
 def requested_platform() -> str:
   """"cpu", "gpu" or "tpu": the first platform JAX will start (without starting it)."""
-  platforms = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or ""
+  platforms = os.environ.get("JAX_PLATFORMS") or getattr(jax.config, "jax_platforms", None) or ""
   first = platforms.split(",")[0].strip().lower()
   if first in ("cuda", "rocm", "gpu"):
     return "gpu"

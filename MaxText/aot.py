@@ -96,6 +96,8 @@ class MemoryReport:
   @classmethod
   def from_compiled(cls, compiled: jax.stages.Compiled) -> "MemoryReport":
     m = compiled.memory_analysis()
+    if m is None:
+      raise RuntimeError("this backend reports no memory analysis for the compiled step")
     return cls(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes,
                m.temp_size_in_bytes, m.generated_code_size_in_bytes)
 

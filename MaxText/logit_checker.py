@@ -38,7 +38,7 @@ _DEFAULT_TOLERANCES = {"float32": (0.01, 1e-5)}  # anything lower-precision: (1.
 
 def split_checker_args(args: list[str]) -> tuple[dict[str, Any], list[str]]:
   """The checker's own key=value arguments, typed; the rest go to the model config."""
-  values = dict(_CHECKER_KEYS)
+  values: dict[str, Any] = dict(_CHECKER_KEYS)
   rest = []
   for arg in args:
     key, sep, text = arg.partition("=")

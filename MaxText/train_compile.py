@@ -65,9 +65,9 @@ def load_target_config(argv: list[str]) -> tuple[config_lib.Config, Sequence[Any
   if topology is None:
     if num_slices != 1:
       raise ConfigError("compile_topology_num_slices applies to a TPU compile_topology, not to local")
-    devices, target = jax.devices(), accelerators.local_target()
+    devices, target = list(jax.devices()), accelerators.local_target()
   else:
-    devices, target = describe_topology(topology, num_slices), topology.target(num_slices)
+    devices, target = list(describe_topology(topology, num_slices)), topology.target(num_slices)
   values = config_lib.resolve_values(overrides, target.platform)
   # Nothing is written under a run directory here; a fixed name satisfies the multi-host rule
   # that every process of a real run must be given the same run_name.
@@ -105,7 +105,7 @@ def report(config: config_lib.Config, topology: accelerators.TpuTopology | None,
   print(f"model FLOPs per step: {flops.total_tflops:,.4g} TFLOP ({flops.total_tflops / num_devices:,.4g} per device; "
         f"{config.data.global_batch_size} sequences x {config.data.max_target_length} tokens)")
   cycles = aot.estimated_cycles(compiled.as_text()) if topology is not None else None
-  if cycles is None:
+  if cycles is None or topology is None:
     print("compiler estimate of step time: not available for this platform")
   else:
     gen = topology.generation

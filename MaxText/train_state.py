@@ -55,7 +55,8 @@ def build_state_setup(config, mesh: Mesh) -> StateSetup:
   opt_shardings = optax.tree_map_params(
       optimizer, lambda _, s: s, abstract_state.opt_state, param_shardings,
       transform_non_params=lambda _: replicated)
-  state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+  # The same dataclass holding shardings in place of arrays, as jit's in/out_shardings expect.
+  state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)  # type: ignore[arg-type]
   return StateSetup(model, optimizer, mesh, abstract_state, state_shardings, fraction)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Protocol
 
 import jax
 import numpy as np
@@ -27,6 +27,14 @@ class StepRecord:
   step: int  # 1-based: the number of optimizer steps done after it
   seconds: float
   scalars: dict[str, float]
+
+
+class ResumableBatches(Protocol):
+  """The data iterators of input_pipeline: global batches plus a checkpointable position."""
+
+  def __next__(self) -> Any: ...
+
+  def get_state(self) -> Any: ...
 
 
 class Hook(Protocol):
@@ -46,13 +54,13 @@ class LoopState:
 
   state: TrainState
   next_step: int  # 0-based index of the next step to dispatch
-  pending: tuple[int, dict[str, jax.Array]] | None = None  # dispatched, not yet read
+  pending: tuple[int, dict[str, jax.Array | float]] | None = None  # dispatched, not yet read
   last_done: float = dataclasses.field(default_factory=time.perf_counter)
   history: list[StepRecord] = dataclasses.field(default_factory=list)
 
 
 class Trainer:
-  def __init__(self, config: Any, train_step: Callable, data: Iterator, rng: jax.Array,
+  def __init__(self, config: Any, train_step: Callable, data: ResumableBatches, rng: jax.Array,
                flops: metrics_lib.StepFlops, peak_tflops_per_device: float, hooks: list[Hook]):
     self.config, self.train_step, self.data, self.rng = config, train_step, data, rng
     self.flops, self.peak = flops, peak_tflops_per_device

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Literal, Mapping
 
 import jax
 import numpy as np
@@ -37,7 +37,7 @@ def flat_abstract(abstract_params: Any) -> dict[tuple[str, ...], jax.ShapeDtypeS
 class StagedParams:
   """Our parameter tree as memory-mapped files under `directory`, filled one slice at a time."""
 
-  def __init__(self, abstract_params: Any, directory: str, weight_dtype: np.dtype):
+  def __init__(self, abstract_params: Any, directory: str, weight_dtype: np.dtype | str):
     self.directory = Path(directory)
     self.leaves = flat_abstract(abstract_params)
     self.dtype = np.dtype(weight_dtype)
@@ -59,8 +59,8 @@ class StagedParams:
     written = self._written.setdefault(path, set())
     if index in written:
       raise UserError(f"HF tensor {source} sets {'/'.join(path)}{list(index) or ''} a second time")
-    mode = "r+" if self._file(path).exists() else "w+"
-    staged = np.memmap(self._file(path), dtype=self.dtype, mode=mode, shape=tuple(leaf.shape))
+    mode: Literal["r+", "w+"] = "r+" if self._file(path).exists() else "w+"
+    staged = np.memmap(str(self._file(path)), dtype=self.dtype, mode=mode, shape=tuple(leaf.shape))
     staged[index] = value  # numpy casts while copying: no converted temporary
     staged.flush()
     del staged  # unmap: the written pages belong to the page cache, not to this process

@@ -56,7 +56,7 @@ def gemma2_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
               attn_logits_soft_cap=float(hf.get("attn_logit_softcapping") or 0.0),
               final_logits_soft_cap=float(hf.get("final_logit_softcapping") or 0.0),
               query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", keys["head_dim"])))
-  if "local" in pattern:
+  if "local" in pattern and window:
     keys["sliding_window_size"] = int(window)
   return keys
 

@@ -104,7 +104,7 @@ class SafetensorsWriter:
       self._flush()
     if self._data is None:
       self._data = open(self._data_path(len(self._shards)), "wb")  # noqa: SIM115 - closed in _flush
-    self._data.write(memoryview(array.reshape(-1).view(np.uint8)))
+    self._data.write(array.reshape(-1).view(np.uint8).data)
     self._header[name] = {"dtype": _SAFETENSORS_DTYPES[array.dtype], "shape": list(array.shape),
                           "data_offsets": [self._data_bytes, self._data_bytes + array.nbytes]}
     self._data_bytes += array.nbytes

@@ -93,7 +93,7 @@ def _nested(path: ParamPath, leaf: Any) -> dict:
 class ParamReader:
   """Reads single parameters of an Orbax PyTree directory whose item holds {"params": ...}."""
 
-  def __init__(self, directory: Path, dtype: np.dtype):
+  def __init__(self, directory: Path, dtype: np.dtype | str):
     self.directory = directory.absolute()
     self.dtype = np.dtype(dtype)
     self._checkpointer = ocp.PyTreeCheckpointer()

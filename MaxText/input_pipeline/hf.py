@@ -35,7 +35,9 @@ def _builder_for(hf_path: str, files: list[str]) -> str:
   if len(builders) != 1 or None in builders:
     raise ConfigError(f"cannot tell the format of hf data files with suffixes {sorted(suffixes)}; "
                       "set hf_path to json, parquet, text or csv")
-  return builders.pop()
+  builder = builders.pop()
+  assert builder is not None  # excluded above
+  return builder
 
 
 def open_split(hf_path: str, data_files: str, split: str, files_key: str) -> tuple[Any, str]:

@@ -134,7 +134,8 @@ class _Prefetcher:
   """A daemon thread that keeps up to `depth` (host batch, position after it) pairs ready."""
 
   def __init__(self, produce: Callable[[], tuple[dict[str, np.ndarray], Position]], depth: int):
-    self._produce, self._queue = produce, queue.Queue(maxsize=depth)
+    self._produce = produce
+    self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, name="data-prefetch", daemon=True)
     self._thread.start()
@@ -182,7 +183,7 @@ class PackedBatchIterator:
 
   def _produce(self) -> tuple[dict[str, np.ndarray], Position]:
     batch, num_real = pack_batch(self._cursor, self.shard.rows, self._length, self._packing)
-    return {**batch, "_num_real": num_real}, self._cursor.position
+    return {**batch, "_num_real": np.asarray(num_real)}, self._cursor.position
 
   def __iter__(self) -> "PackedBatchIterator":
     return self

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 from MaxText.errors import ConfigError
 
@@ -71,7 +71,8 @@ class TiktokenTokenizer:
     self._enc = tiktoken.Encoding(name=Path(path).name, pat_str=_LLAMA3_PATTERN, mergeable_ranks=ranks,
                                   special_tokens=special)
     self.vocab_size = num_base + _NUM_TIKTOKEN_SPECIAL
-    self.bos_id, self.eos_id = special["<|begin_of_text|>"], special["<|end_of_text|>"]
+    self.bos_id: int | None = special["<|begin_of_text|>"]
+    self.eos_id: int | None = special["<|end_of_text|>"]
 
   def encode(self, text: str) -> list[int]:
     # Special-token text inside a document is data, not control: encode it as ordinary bytes.
@@ -123,22 +124,23 @@ def load_tokenizer(tokenizer_type: str, path: str) -> Tokenizer:
                       "(train one with `python3 -m MaxText.train_tokenizer`)")
   if not Path(path).exists():
     raise ConfigError(f"tokenizer_path {path} does not exist")
-  kind = {"sentencepiece": SentencePieceTokenizer, "tiktoken": TiktokenTokenizer,
-          "huggingface": HuggingFaceTokenizer}[tokenizer_type]
-  return kind(path)
+  kinds: dict[str, Callable[[str], Tokenizer]] = {
+      "sentencepiece": SentencePieceTokenizer, "tiktoken": TiktokenTokenizer, "huggingface": HuggingFaceTokenizer}
+  return kinds[tokenizer_type](path)
 
 
 class DocumentEncoder:
   """text -> int32 token ids with the configured bos/eos around each document."""
 
   def __init__(self, tokenizer: Tokenizer, add_bos: bool, add_eos: bool):
-    if add_bos and tokenizer.bos_id is None:
+    bos_id, eos_id = tokenizer.bos_id, tokenizer.eos_id
+    if add_bos and bos_id is None:
       raise ConfigError("add_bos=True but the tokenizer defines no beginning-of-sequence token; set add_bos=False")
-    if add_eos and tokenizer.eos_id is None:
+    if add_eos and eos_id is None:
       raise ConfigError("add_eos=True but the tokenizer defines no end-of-sequence token; set add_eos=False")
     self.tokenizer = tokenizer
-    self._prefix = [tokenizer.bos_id] if add_bos else []
-    self._suffix = [tokenizer.eos_id] if add_eos else []
+    self._prefix = [bos_id] if add_bos and bos_id is not None else []
+    self._suffix = [eos_id] if add_eos and eos_id is not None else []
 
   def __call__(self, text: str) -> list[int]:
     return self._prefix + self.tokenizer.encode(text) + self._suffix

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -21,7 +23,7 @@ ACTIVATION_FNS = {
 
 class MlpBlock(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    dense = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs,
+    dense: dict[str, Any] = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs,
                  use_bias=cfg.use_bias)
     # Named wi_0, wi_1, ... (not a list) so checkpoints have string keys only.
     for i in range(len(cfg.mlp_activations)):
@@ -30,9 +32,10 @@ class MlpBlock(nnx.Module):
     self.activations = tuple(cfg.mlp_activations)
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
-    hidden_BLF = None
+    hidden_BLF: jax.Array | None = None
     for i, name in enumerate(self.activations):
       h = ACTIVATION_FNS[name](getattr(self, f"wi_{i}")(x_BLD))
       hidden_BLF = h if hidden_BLF is None else hidden_BLF * h
+    assert hidden_BLF is not None  # config validation requires at least one activation
     hidden_BLF = sharding.constrain(hidden_BLF, ("activation_batch", "activation_length", "activation_mlp"))
     return self.wo(hidden_BLF)

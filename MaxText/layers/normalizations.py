@@ -6,6 +6,8 @@ switches on the family.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -50,7 +52,7 @@ class LayerNorm(nnx.Module):
 
 def make_norm(cfg: ModelConfig) -> nnx.Module:
   """The normalization `cfg.normalization_type` names, over emb_dim."""
-  common = dict(epsilon=cfg.normalization_layer_epsilon, dtype=jnp.dtype(cfg.dtype),
+  common: dict[str, Any] = dict(epsilon=cfg.normalization_layer_epsilon, dtype=jnp.dtype(cfg.dtype),
                 weight_dtype=jnp.dtype(cfg.weight_dtype))
   if cfg.normalization_type == "layer":
     return LayerNorm(cfg.emb_dim, **common)
