@@ -87,6 +87,24 @@ def test_pipeline_equals_the_non_pipelined_run(schedule, stages, repeats, micro,
   assert float(np.abs(np.asarray(jax.tree.leaves(got_grads["layers"])[0])).max()) > 0
 
 
+@pytest.mark.slow  # ~50 s: two MoE train steps compiled
+def test_moe_under_the_pipeline_matches_the_non_pipelined_run():
+  # The cross-entropy loss is the same; the load-balancing loss is computed per microbatch in
+  # the pipeline (its f·P product is not linear in the batch), so it differs by a little.
+  moe = dict(decoder_block="mixtral", num_experts=4, num_experts_per_tok=2, load_balance_loss_weight=0.01)
+  piped = Config.for_testing(**_model_overrides(2), **moe, ici_pipeline_parallelism=2, num_pipeline_microbatches=4,
+                             ici_data_parallelism=4, ici_fsdp_parallelism=1)
+  plain = Config.for_testing(**_model_overrides(2), **moe)
+  setup = train_state.build_state_setup(plain, sharding.create_mesh(plain.mesh))
+  params = jax.device_get(train_state.init_state(setup, 0).params)
+  batch = _packed_batch(plain.data.global_batch_size, 16, 64)
+  _, _, want, _ = _grads_and_step(plain, params, batch)
+  _, _, got, _ = _grads_and_step(piped, params, batch)
+  np.testing.assert_allclose(got["loss"], want["loss"], rtol=2e-5)
+  np.testing.assert_allclose(got["moe_lb_loss"], want["moe_lb_loss"], rtol=0.05)
+  np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=1e-3)
+
+
 def test_layer_weights_are_stage_sharded_and_checkpoint_layout_is_unchanged():
   config = Config.for_testing(**_model_overrides(4), ici_pipeline_parallelism=4, ici_fsdp_parallelism=2)
   setup = train_state.build_state_setup(config, sharding.create_mesh(config.mesh))
