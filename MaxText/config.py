@@ -266,6 +266,7 @@ class Config:
     self.data: config_groups.DataConfig = groups.data
     self.run: config_groups.RunConfig = groups.run
     self.checkpoint: config_groups.CheckpointConfig = groups.checkpoint
+    self.decode: config_groups.DecodeConfig = groups.decode
     self._frozen = True
 
   def __setattr__(self, name: str, value: Any) -> None:

@@ -521,6 +521,49 @@ class CheckpointConfig:
                param_only_checkpoint_path=v["param_only_checkpoint_path"], force_unroll=v["force_unroll"])
 
 
+SAMPLING_STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  prompt: str
+  prompt_token_ids: tuple[int, ...]  # empty = tokenize `prompt`
+  max_prefill_predict_length: int
+  sampling_strategy: str
+  sampling_temperature: float
+  sampling_nucleus_p: float
+  sampling_top_k: int
+  sampling_seed: int
+  quantize_kvcache: bool
+
+  @classmethod
+  def from_values(cls, v: Mapping[str, Any]) -> "DecodeConfig":
+    _one_of(v, "decode_sampling_strategy", SAMPLING_STRATEGIES)
+    # Checked against max_target_length by the decode engine only: training runs never read it.
+    prefill = v["max_prefill_predict_length"]
+    _require(prefill > 0, f"max_prefill_predict_length must be > 0, got {prefill}")
+    _require(v["decode_sampling_temperature"] > 0,
+             f"decode_sampling_temperature must be > 0, got {v['decode_sampling_temperature']}")
+    _require(0 < v["decode_sampling_nucleus_p"] <= 1,
+             f"decode_sampling_nucleus_p must be in (0, 1], got {v['decode_sampling_nucleus_p']}")
+    _require(1 <= v["decode_sampling_top_k"] <= v["vocab_size"],
+             f"decode_sampling_top_k must be between 1 and vocab_size, got {v['decode_sampling_top_k']}")
+    try:
+      ids = tuple(int(str(t)) for t in v["prompt_token_ids"])
+    except ValueError:
+      raise ConfigError(f"prompt_token_ids must be comma-separated integers like 5,17,42, "
+                        f"got {list(v['prompt_token_ids'])}") from None
+    _require(all(0 <= t < v["vocab_size"] for t in ids),
+             f"prompt_token_ids must lie in [0, vocab_size={v['vocab_size']}), got {list(ids)}")
+    _require(len(ids) <= prefill, f"prompt_token_ids has {len(ids)} tokens, more than max_prefill_predict_length="
+             f"{prefill}; raise max_prefill_predict_length or shorten the prompt")
+    return cls(prompt=v["prompt"], prompt_token_ids=ids, max_prefill_predict_length=prefill,
+               sampling_strategy=v["decode_sampling_strategy"],
+               sampling_temperature=v["decode_sampling_temperature"],
+               sampling_nucleus_p=v["decode_sampling_nucleus_p"], sampling_top_k=v["decode_sampling_top_k"],
+               sampling_seed=v["decode_sampling_seed"], quantize_kvcache=v["quantize_kvcache"])
+
+
 @dataclasses.dataclass(frozen=True)
 class Groups:
   model: ModelConfig
@@ -529,6 +572,7 @@ class Groups:
   data: DataConfig
   run: RunConfig
   checkpoint: CheckpointConfig
+  decode: DecodeConfig
 
 
 def build_groups(values: Mapping[str, Any], target: DeviceTarget) -> Groups:
@@ -542,4 +586,4 @@ def build_groups(values: Mapping[str, Any], target: DeviceTarget) -> Groups:
   data = DataConfig.from_values(values, target, mesh)
   model = _with_pipeline(ModelConfig.from_values(values), values, mesh, data.global_batch_size)
   return Groups(model=model, mesh=mesh, optim=OptimConfig.from_values(values), data=data, run=run,
-                checkpoint=CheckpointConfig.from_values(values, run))
+                checkpoint=CheckpointConfig.from_values(values, run), decode=DecodeConfig.from_values(values))

@@ -15,6 +15,7 @@ from flax import nnx
 
 from MaxText import sharding
 from MaxText.config_groups import ModelConfig
+from MaxText.layers import kv_cache
 from MaxText.layers.embeddings import apply_rope, rope_inverse_frequencies
 from MaxText.layers.linears import DenseGeneral
 
@@ -97,7 +98,10 @@ class Attention(nnx.Module):
     return apply_rope(x_BLNH, positions_BL, rope_inverse_frequencies(cfg), cfg.rope_interleaved)
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
-               layer_index: int | jax.Array = 0) -> jax.Array:
+               layer_index: int | jax.Array = 0, cache: kv_cache.KVCache | None = None
+               ) -> jax.Array | tuple[jax.Array, kv_cache.KVCache]:
+    """Output [B, L, D]; with a `cache` (decoding), (output, the cache with this call's keys and
+    values written at `positions_BL`), the queries attending over the cache (see layers/kv_cache.py)."""
     cfg = self.cfg
     heads_names = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
     kv_names = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
@@ -106,6 +110,11 @@ class Attention(nnx.Module):
     q_BLNH = sharding.constrain(q_BLNH * jnp.asarray(self.query_scale, q_BLNH.dtype), heads_names)
     k_BSKH = sharding.constrain(k_BSKH, kv_names)
     v_BSKH = sharding.constrain(self.value(x_BLD), kv_names)
+    if cache is not None:
+      cache = kv_cache.write(cache, k_BSKH, v_BSKH, positions_BL)
+      out_BLNH = kv_cache.cached_attention(q_BLNH, cache, positions_BL, layer_window_size(cfg, layer_index),
+                                           cfg.attn_logits_soft_cap)
+      return self.out(sharding.constrain(out_BLNH, heads_names)), cache
     out_BLNH = self.kernel(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, layer_window_size(cfg, layer_index),
                            cfg.attn_logits_soft_cap)
     return self.out(sharding.constrain(out_BLNH, heads_names))

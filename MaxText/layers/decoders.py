@@ -15,6 +15,7 @@ from MaxText import sharding
 from MaxText.config_groups import ModelConfig
 from MaxText.errors import ConfigError
 from MaxText.layers.attention import Attention
+from MaxText.layers.kv_cache import KVCache
 from MaxText.layers.linears import dropout
 from MaxText.layers.mlp import MlpBlock
 from MaxText.layers.moe import MoeBlock
@@ -80,15 +81,20 @@ class DecoderLayer(nnx.Module):
     return getattr(self, name)(y_BLD) if self.normalize_block_outputs else y_BLD
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
-               dropout_rng: jax.Array | None, layer_index: int | jax.Array = 0) -> jax.Array:
+               dropout_rng: jax.Array | None, layer_index: int | jax.Array = 0,
+               cache: KVCache | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
+    """Output [B, L, D]; with a decode `cache`, (output, updated cache)."""
     attn_rng, mlp_rng = jax.random.split(dropout_rng) if dropout_rng is not None else (None, None)
     x_BLD = sharding.constrain(x_BLD, ACTIVATION_NAMES)
     attn_BLD = self.self_attention(self.pre_self_attention_layer_norm(x_BLD), positions_BL, segment_ids_BL,
-                                   layer_index)
+                                   layer_index, cache)
+    if cache is not None:
+      attn_BLD, cache = attn_BLD
     h_BLD = x_BLD + dropout(self._block_output("attention_output_norm", attn_BLD), self.dropout_rate, attn_rng)
     mlp_BLD = self.mlp(self.post_self_attention_layer_norm(h_BLD))
     out_BLD = h_BLD + dropout(self._block_output("mlp_output_norm", mlp_BLD), self.dropout_rate, mlp_rng)
-    return sharding.constrain(out_BLD, ACTIVATION_NAMES)
+    out_BLD = sharding.constrain(out_BLD, ACTIVATION_NAMES)
+    return out_BLD if cache is None else (out_BLD, cache)
 
 
 @register_decoder("gemma2")

@@ -1,0 +1,204 @@
+"""A decode engine with the JetStream shape: load_params, prefill, insert, generate.
+
+Shape legend: B prompts in one prefill, P max_prefill_predict_length (padded prompt length),
+T slots of the batched decode state, S max_target_length (cache length), V vocabulary.
+
+- `prefill` runs right-padded prompts [B, P] in one pass and returns a `Prefix`: their caches
+  (length P), true lengths and first sampled tokens.
+- `insert` copies one prefix row into slot i of a `DecodeState` (caches of length S for T slots).
+- `generate` advances every slot by one token: one jitted, shape-stable step (it compiles once).
+Continuous batching is `serve`: requests wait for a free slot, are prefilled and inserted, and
+leave their slot when done, all while the other slots keep generating.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from MaxText import checkpointing, models, sharding
+from MaxText.config import Config
+from MaxText.errors import UserError
+from MaxText.inference import sampling
+from MaxText.layers import kv_cache
+
+
+@struct.dataclass
+class Prefix:
+  caches: Any  # per-layer KV caches of length P (batch B)
+  next_positions_B: jax.Array  # the prompts' true lengths: where each first generated token goes
+  first_tokens_B: jax.Array  # token sampled from each prompt's last position
+
+
+@struct.dataclass
+class DecodeState:
+  caches: Any  # per-layer KV caches of length S (batch T)
+  next_positions_B: jax.Array  # [T] position the slot's pending token is written at
+  tokens_B: jax.Array  # [T] each slot's latest sampled token (input of the next step)
+  key: jax.Array  # sampling PRNG key, split every step
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], length: int) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pads token lists to [B, length] (pad id 0); returns (tokens, true lengths)."""
+  for i, prompt in enumerate(prompts):
+    if not 1 <= len(prompt) <= length:
+      raise UserError(f"prompt {i} has {len(prompt)} tokens; it must have 1 to max_prefill_predict_length="
+                      f"{length} tokens (raise max_prefill_predict_length or shorten the prompt)")
+  tokens = np.zeros((len(prompts), length), np.int32)
+  for i, prompt in enumerate(prompts):
+    tokens[i, :len(prompt)] = prompt
+  return tokens, np.asarray([len(p) for p in prompts], np.int32)
+
+
+class Engine:
+  """Prefill/insert/generate over one model; every step function is jitted once per shape."""
+
+  def __init__(self, config: Config, num_slots: int = 1, mesh: Mesh | None = None):
+    self.config, self.cfg, self.decode_cfg = config, config.model, config.decode
+    self.num_slots = num_slots
+    prefill, target = self.decode_cfg.max_prefill_predict_length, self.cfg.max_target_length
+    if prefill >= target:
+      raise UserError(f"max_prefill_predict_length ({prefill}) must be less than max_target_length ({target}): "
+                      "the cache needs room for generated tokens")
+    self.mesh = mesh if mesh is not None else sharding.create_mesh(config.mesh)
+    self.rules = config.mesh.logical_axis_rules
+    self.spec = models.build_model_spec(self.cfg)
+    self.param_shardings = models.shard_params_like(self.spec, self.mesh, self.rules)
+    self.sampling = sampling.SamplingParams(
+        self.decode_cfg.sampling_strategy, self.decode_cfg.sampling_temperature,
+        self.decode_cfg.sampling_nucleus_p, self.decode_cfg.sampling_top_k)
+    quantized = self.decode_cfg.quantize_kvcache
+    abstract_caches = jax.eval_shape(lambda: kv_cache.model_caches(self.cfg, num_slots, self.cfg.max_target_length,
+                                                                   quantized))
+    replicated = NamedSharding(self.mesh, PartitionSpec())
+    self.state_shardings = DecodeState(
+        sharding.named_shardings(abstract_caches, kv_cache.model_cache_names(self.cfg, quantized), self.mesh,
+                                 self.rules), replicated, replicated, replicated)
+    self._prefill = jax.jit(self._prefill_fn)
+    self._insert = jax.jit(self._insert_fn, donate_argnums=(1,), out_shardings=self.state_shardings)
+    self._generate = jax.jit(self._generate_fn, donate_argnums=(1,),
+                             out_shardings=(self.state_shardings, replicated))
+
+  # ---------------------------------------------------------------- public API
+  def load_params(self, path: str | None = None, seed: int = 0) -> Any:
+    """Parameters from a checkpoint (params-only, step directory or checkpoints root), sharded for
+    this mesh; with no path, freshly initialised ones (for tests and benchmarks)."""
+    if path:
+      return checkpointing.load_params(path, self.spec.abstract_params, self.param_shardings)
+    return jax.jit(self.spec.init_params, out_shardings=self.param_shardings)(jax.random.key(seed))
+
+  def init_decode_state(self, seed: int = 0) -> DecodeState:
+    quantized = self.decode_cfg.quantize_kvcache
+
+    def init() -> DecodeState:
+      zeros = jnp.zeros((self.num_slots,), jnp.int32)
+      return DecodeState(kv_cache.model_caches(self.cfg, self.num_slots, self.cfg.max_target_length, quantized),
+                         zeros, zeros, jax.random.key_data(jax.random.key(seed)))
+    return jax.jit(init, out_shardings=self.state_shardings)()
+
+  def prefill(self, params: Any, prompts: Sequence[Sequence[int]], seed: int = 0) -> Prefix:
+    """One pass over the right-padded prompts (each at most max_prefill_predict_length tokens)."""
+    tokens_BP, lengths_B = pad_prompts(prompts, self.decode_cfg.max_prefill_predict_length)
+    with sharding.activation_sharding(self.mesh, self.rules):
+      return self._prefill(params, jnp.asarray(tokens_BP), jnp.asarray(lengths_B),
+                           jax.random.key_data(jax.random.key(seed)))
+
+  def insert(self, prefix: Prefix, state: DecodeState, slot: int, row: int = 0) -> DecodeState:
+    """`state` with prompt `row` of `prefix` in slot `slot` (slot and row are traced: no recompiles)."""
+    if not 0 <= slot < self.num_slots:
+      raise ValueError(f"slot {slot} out of range for {self.num_slots} slots")
+    return self._insert(prefix, state, jnp.int32(slot), jnp.int32(row))
+
+  def generate(self, params: Any, state: DecodeState) -> tuple[DecodeState, jax.Array]:
+    """Every slot's next token [T]; the state moves on by one position per slot."""
+    with sharding.activation_sharding(self.mesh, self.rules):
+      return self._generate(params, state)
+
+  def generate_compilations(self) -> int:
+    """How many distinct programs `generate` has compiled (1 after any number of steps)."""
+    return self._generate._cache_size()
+
+  # ---------------------------------------------------------------- jitted bodies
+  def _sample(self, logits_BV: jax.Array, key_data: jax.Array) -> jax.Array:
+    return sampling.sample(logits_BV, jax.random.wrap_key_data(key_data), self.sampling)
+
+  def _prefill_fn(self, params: Any, tokens_BP: jax.Array, lengths_B: jax.Array, key_data: jax.Array) -> Prefix:
+    batch, length = tokens_BP.shape
+    caches = kv_cache.model_caches(self.cfg, batch, length, self.decode_cfg.quantize_kvcache)
+    positions_BP = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens_BP.shape)
+    logits_BPV, caches = self.spec.apply_decode(params, tokens_BP, positions_BP, caches)
+    last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+    return Prefix(caches, lengths_B, self._sample(last_BV, key_data))
+
+  def _insert_fn(self, prefix: Prefix, state: DecodeState, slot: jax.Array, row: jax.Array) -> DecodeState:
+    batch_axis = 1 if self.cfg.scan_layers else 0  # stacked caches carry a leading layer dim
+
+    def put(big: jax.Array, small: jax.Array) -> jax.Array:
+      one_row = jax.lax.dynamic_slice_in_dim(small, row, 1, axis=batch_axis)
+      start = [0] * big.ndim
+      start[batch_axis] = slot
+      return jax.lax.dynamic_update_slice(big, one_row.astype(big.dtype), start)
+
+    return state.replace(caches=jax.tree.map(put, state.caches, prefix.caches),
+                         next_positions_B=state.next_positions_B.at[slot].set(prefix.next_positions_B[row]),
+                         tokens_B=state.tokens_B.at[slot].set(prefix.first_tokens_B[row]))
+
+  def _generate_fn(self, params: Any, state: DecodeState) -> tuple[DecodeState, jax.Array]:
+    logits_B1V, caches = self.spec.apply_decode(params, state.tokens_B[:, None], state.next_positions_B[:, None],
+                                                state.caches)
+    key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
+    tokens_B = self._sample(logits_B1V[:, 0], jax.random.key_data(step_key))
+    return DecodeState(caches, state.next_positions_B + 1, tokens_B, jax.random.key_data(key)), tokens_B
+
+
+@dataclasses.dataclass
+class Request:
+  prompt: list[int]
+  max_new_tokens: int
+  output: list[int] = dataclasses.field(default_factory=list)
+
+
+def serve(engine: Engine, params: Any, requests: Sequence[Request], eos_id: int | None = None,
+          seed: int = 0) -> list[Request]:
+  """Continuous batching: each request takes a free slot (prefill + insert), generates until
+  max_new_tokens or eos_id, and frees the slot for the next waiting request. Returns `requests`
+  with their outputs filled in (the first token comes from prefill)."""
+  limit = engine.cfg.max_target_length
+  for i, request in enumerate(requests):
+    if len(request.prompt) + request.max_new_tokens > limit + 1:
+      raise UserError(f"request {i}: {len(request.prompt)} prompt + {request.max_new_tokens} new tokens exceed "
+                      f"max_target_length={limit} (+1: the last token needs no cache entry)")
+  waiting = collections.deque(enumerate(requests))
+  active: dict[int, Request] = {}
+  state = engine.init_decode_state(seed)
+  while waiting or active:
+    for slot in range(engine.num_slots):
+      if slot in active or not waiting:
+        continue
+      index, request = waiting.popleft()
+      prefix = engine.prefill(params, [request.prompt], seed=seed + index)
+      state = engine.insert(prefix, state, slot)
+      request.output.append(int(prefix.first_tokens_B[0]))
+      if not _finished(request, eos_id):
+        active[slot] = request
+    if not active:
+      continue
+    state, tokens_T = engine.generate(params, state)
+    tokens = np.asarray(tokens_T)
+    for slot in list(active):
+      request = active[slot]
+      request.output.append(int(tokens[slot]))
+      if _finished(request, eos_id):
+        del active[slot]
+  return list(requests)
+
+
+def _finished(request: Request, eos_id: int | None) -> bool:
+  return len(request.output) >= request.max_new_tokens or (eos_id is not None and request.output[-1] == eos_id)

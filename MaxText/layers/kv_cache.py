@@ -1,0 +1,135 @@
+"""Key/value cache for autoregressive decoding, and attention of new queries over it.
+
+Shape legend: B batch (decode slots), L new tokens this call (the padded prompt in prefill,
+1 in generate), S cache length, N query heads, K key/value heads, G = N / K, H head dim.
+
+Layout rule: the token at absolute position p lives at cache index p. Prompts are right-padded,
+so a row's padding sits after its last real token and is overwritten by the tokens generated
+there; a query at position p sees only cache indices s <= p (and, in a sliding-window layer,
+p - s < window), so padding and stale entries past p are never attended. No separate padding
+mask is needed.
+
+`quantize_kvcache` stores keys and values as int8 with one float32 scale per token per head
+(symmetric, scale = max|x| / 127 over the head dim), dequantized when read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from MaxText import sharding
+from MaxText.config_groups import ModelConfig
+
+# Large finite negative (not -inf) so a fully masked row stays NaN-free.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+CACHE_NAMES = ("cache_batch", "cache_sequence", "cache_kv_heads", "cache_kv")
+SCALE_NAMES = ("cache_batch", "cache_sequence", "cache_kv_heads", None)
+
+
+@struct.dataclass
+class KVCache:
+  """One attention layer's cache (a plain pytree). Scales are None unless int8-quantized."""
+
+  key_BSKH: jax.Array
+  value_BSKH: jax.Array
+  key_scale_BSK1: jax.Array | None = None
+  value_scale_BSK1: jax.Array | None = None
+
+  @property
+  def quantized(self) -> bool:
+    return self.key_scale_BSK1 is not None
+
+  def read(self, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """Keys and values in `dtype`, dequantized if stored as int8."""
+    if not self.quantized:
+      return self.key_BSKH.astype(dtype), self.value_BSKH.astype(dtype)
+    return ((self.key_BSKH * self.key_scale_BSK1).astype(dtype),
+            (self.value_BSKH * self.value_scale_BSK1).astype(dtype))
+
+
+def empty_cache(batch: int, length: int, num_kv_heads: int, head_dim: int, dtype: Any,
+                quantized: bool = False) -> KVCache:
+  shape = (batch, length, num_kv_heads, head_dim)
+  if not quantized:
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+  scale = jnp.zeros(shape[:3] + (1,), jnp.float32)
+  return KVCache(jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8), scale, scale)
+
+
+def cache_logical_names(cache: KVCache, stacked: bool) -> KVCache:
+  """Logical axis names of each leaf (a leading unsharded layer dim when stacked for scan)."""
+  prefix = ("cache_layers",) if stacked else ()
+  scale_names = None if not cache.quantized else prefix + SCALE_NAMES
+  return KVCache(prefix + CACHE_NAMES, prefix + CACHE_NAMES, scale_names, scale_names)
+
+
+def quantize_int8(x_BLKH: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Symmetric per-token-per-head int8: (values, float32 scales [B, L, K, 1])."""
+  x = x_BLKH.astype(jnp.float32)
+  scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0
+  safe = jnp.where(scale == 0, 1.0, scale)
+  return jnp.clip(jnp.round(x / safe), -127, 127).astype(jnp.int8), scale
+
+
+def _scatter(buffer_BS: jax.Array, update_BL: jax.Array, positions_BL: jax.Array) -> jax.Array:
+  """buffer[b, positions[b, l]] = update[b, l]; positions past the end are dropped."""
+  rows_BL = jnp.broadcast_to(jnp.arange(buffer_BS.shape[0])[:, None], positions_BL.shape)
+  return buffer_BS.at[rows_BL, positions_BL].set(update_BL.astype(buffer_BS.dtype), mode="drop")
+
+
+def write(cache: KVCache, k_BLKH: jax.Array, v_BLKH: jax.Array, positions_BL: jax.Array) -> KVCache:
+  """The cache with each new key/value stored at its token's absolute position."""
+  if cache.quantized:
+    (k_q, k_scale), (v_q, v_scale) = quantize_int8(k_BLKH), quantize_int8(v_BLKH)
+    new = KVCache(_scatter(cache.key_BSKH, k_q, positions_BL), _scatter(cache.value_BSKH, v_q, positions_BL),
+                  _scatter(cache.key_scale_BSK1, k_scale, positions_BL),
+                  _scatter(cache.value_scale_BSK1, v_scale, positions_BL))
+  else:
+    new = KVCache(_scatter(cache.key_BSKH, k_BLKH, positions_BL), _scatter(cache.value_BSKH, v_BLKH, positions_BL))
+  return jax.tree.map(sharding.constrain, new, cache_logical_names(new, stacked=False))
+
+
+def cached_mask(positions_BL: jax.Array, cache_length: int, window_size: int | jax.Array | None) -> jax.Array:
+  """[B, L, S] boolean: query at position p sees cache index s iff s <= p (and p - s < window)."""
+  offset_BLS = positions_BL[:, :, None] - jnp.arange(cache_length)[None, None, :]
+  visible_BLS = offset_BLS >= 0
+  if window_size is not None:
+    visible_BLS = visible_BLS & (offset_BLS < window_size)
+  return visible_BLS
+
+
+def cached_attention(q_BLNH: jax.Array, cache: KVCache, positions_BL: jax.Array,
+                     window_size: int | jax.Array | None = None, soft_cap: float = 0.0) -> jax.Array:
+  """Grouped-query attention of already-scaled queries over the whole cache; softmax in float32."""
+  batch, length, num_q, head_dim = q_BLNH.shape
+  k_BSKH, v_BSKH = cache.read(q_BLNH.dtype)
+  num_kv, cache_length = k_BSKH.shape[2], k_BSKH.shape[1]
+  q_BLKGH = q_BLNH.reshape(batch, length, num_kv, num_q // num_kv, head_dim)
+  logits_BKGLS = jnp.einsum("blkgh,bskh->bkgls", q_BLKGH, k_BSKH, preferred_element_type=jnp.float32)
+  if soft_cap > 0:
+    logits_BKGLS = soft_cap * jnp.tanh(logits_BKGLS / soft_cap)
+  mask_B11LS = cached_mask(positions_BL, cache_length, window_size)[:, None, None]
+  logits_BKGLS = jnp.where(mask_B11LS, logits_BKGLS, _MASK_VALUE)
+  probs_BKGLS = jax.nn.softmax(logits_BKGLS, axis=-1).astype(v_BSKH.dtype)
+  out_BLKGH = jnp.einsum("bkgls,bskh->blkgh", probs_BKGLS, v_BSKH)
+  return out_BLKGH.reshape(batch, length, num_q, head_dim)
+
+
+def model_caches(cfg: ModelConfig, batch: int, length: int, quantized: bool = False) -> Any:
+  """Empty caches for every layer: one KVCache stacked over layers (scan_layers) or a list."""
+  one = empty_cache(batch, length, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype), quantized)
+  if cfg.scan_layers:
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (cfg.num_decoder_layers, *x.shape)), one)
+  # A list, not a tuple: logical-name trees treat tuples as leaves.
+  return [one for _ in range(cfg.num_decoder_layers)]
+
+
+def model_cache_names(cfg: ModelConfig, quantized: bool = False) -> Any:
+  """Logical axis names matching `model_caches`."""
+  one = empty_cache(1, 1, 1, 1, jnp.float32, quantized)
+  names = cache_logical_names(one, stacked=cfg.scan_layers)
+  return names if cfg.scan_layers else [names for _ in range(cfg.num_decoder_layers)]

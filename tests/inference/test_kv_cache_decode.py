@@ -1,0 +1,119 @@
+"""Cached decoding against two outside truths, for every model family: greedy decoding that re-runs
+the full forward pass each step (no cache), and Hugging Face `generate(do_sample=False)` on the
+same tiny random models converted through our converters.
+
+Prompts of different lengths share one batch (right padding), and generation runs past the
+sliding windows of Mistral (5) and Gemma 2 (6), so windows, padding and GQA are all exercised.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText.inference.engine import Engine
+from MaxText.layers import kv_cache
+
+PREFILL, TARGET, NEW_TOKENS = 12, 32, 10
+PROMPTS = [[5, 17, 42, 7, 99, 3, 64, 20, 11], [101, 2, 33, 8]]
+
+
+@pytest.fixture(scope="module")
+def hf():
+  pytest.importorskip("torch", reason="needs torch (EXTRAS=test bash setup.sh)")
+  pytest.importorskip("transformers", reason="needs transformers (EXTRAS=test bash setup.sh)")
+  import hf_families
+  return hf_families
+
+
+def build_mixtral(hf, seed: int = 0):
+  """A tiny random Mixtral (4 experts, top-2, GQA), randomised like tests/hf_families.py does."""
+  hf.torch.manual_seed(seed)
+  config = hf.transformers.MixtralConfig(
+      vocab_size=hf.VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+      max_position_embeddings=64, rms_norm_eps=1e-5)
+  model = hf.transformers.MixtralForCausalLM(config).eval()
+  generator = hf.torch.Generator().manual_seed(seed)
+  with hf.torch.no_grad():
+    for param in model.parameters():
+      noise = hf.torch.randn(param.shape, generator=generator)
+      param.copy_(param + 0.1 * noise if param.ndim == 1 else 0.15 * noise)
+  return model
+
+
+def engine_tokens(engine: Engine, params, prompts, num_new: int) -> list[list[int]]:
+  """Greedy tokens through prefill (batched) + insert + generate."""
+  prefix = engine.prefill(params, prompts)
+  state = engine.init_decode_state()
+  for row in range(len(prompts)):
+    state = engine.insert(prefix, state, slot=row, row=row)
+  out = [[int(t)] for t in np.asarray(prefix.first_tokens_B)]
+  for _ in range(num_new - 1):
+    state, tokens = engine.generate(params, state)
+    for row, token in enumerate(np.asarray(tokens)[:len(prompts)]):
+      out[row].append(int(token))
+  return out
+
+
+def uncached_greedy(spec, params, prompt: list[int], num_new: int, length: int) -> list[int]:
+  """The full forward pass over a fixed [1, length] buffer each step (causal: padding after the
+  last real token cannot change its logits), so it compiles once."""
+  apply = jax.jit(spec.apply)
+  buffer = np.zeros((1, length), np.int32)
+  buffer[0, :len(prompt)] = prompt
+  positions = jnp.arange(length)[None]
+  out = []
+  for step in range(num_new):
+    last = len(prompt) + step - 1
+    logits = apply(params, jnp.asarray(buffer), positions, jnp.ones((1, length), jnp.int32))
+    token = int(jnp.argmax(logits[0, last]))
+    out.append(token)
+    if last + 1 < length:
+      buffer[0, last + 1] = token
+  return out
+
+
+def hf_greedy(hf, model, prompt: list[int], num_new: int) -> list[int]:
+  with hf.torch.no_grad():
+    ids = model.generate(hf.torch.tensor([prompt]), max_new_tokens=num_new, min_new_tokens=num_new,
+                         do_sample=False, pad_token_id=0, eos_token_id=None)
+  return ids[0, len(prompt):].tolist()
+
+
+# scan_layers alternates so both cache layouts (stacked and per-layer tuple) are covered.
+CASES = [("llama3.1", True), ("llama2-tied", False), ("mistral", True), ("gemma", False), ("gemma2", True),
+         ("gpt3", False), ("mixtral", True)]
+
+
+@pytest.mark.parametrize("family,scan_layers", CASES)
+def test_cached_greedy_equals_uncached_and_hf(hf, family, scan_layers, tmp_path):
+  model = build_mixtral(hf) if family == "mixtral" else hf.build_hf_model(family)
+  config = hf.our_config(model, dtype="float32", scan_layers=scan_layers, max_target_length=TARGET,
+                         max_prefill_predict_length=PREFILL)
+  params = hf.our_params(model, config, tmp_path)
+  engine = Engine(config, num_slots=2)
+  cached = engine_tokens(engine, params, PROMPTS, NEW_TOKENS)
+  for prompt, ours in zip(PROMPTS, cached):
+    assert ours == uncached_greedy(engine.spec, params, prompt, NEW_TOKENS, TARGET), family
+    assert ours == hf_greedy(hf, model, prompt, NEW_TOKENS), family
+  assert engine.generate_compilations() == 1
+
+
+def test_mask_sees_only_past_and_window():
+  positions_BL = jnp.asarray([[3, 4]])
+  mask = np.asarray(kv_cache.cached_mask(positions_BL, 8, window_size=2))
+  np.testing.assert_array_equal(mask[0, 0], [0, 0, 1, 1, 0, 0, 0, 0])
+  np.testing.assert_array_equal(mask[0, 1], [0, 0, 0, 1, 1, 0, 0, 0])
+  full = np.asarray(kv_cache.cached_mask(positions_BL, 8, None))
+  np.testing.assert_array_equal(full[0, 1], [1, 1, 1, 1, 1, 0, 0, 0])
+
+
+def test_int8_round_trip_within_half_a_step():
+  x = jax.random.normal(jax.random.key(0), (2, 5, 3, 16)) * 4
+  q, scale = kv_cache.quantize_int8(x)
+  assert q.dtype == jnp.int8 and scale.shape == (2, 5, 3, 1)
+  error = np.abs(np.asarray(q * scale - x))
+  assert (error <= np.asarray(scale) / 2 + 1e-6).all()
