@@ -1,0 +1,99 @@
+"""Complete a prompt with a trained or converted model:
+
+    python3 -m MaxText.decode configs/base.yml load_parameters_path=CKPT tokenizer_path=TOK prompt="..." \\
+        [model_name=...] [max_prefill_predict_length=64] [max_target_length=...] \\
+        [decode_sampling_strategy=greedy|weighted|nucleus|topk] [prompt_token_ids=5,17,42]
+
+Reads like a table of contents: config → prompt ids → engine (mesh, params) → prefill → generate → report.
+Without model_name the model keys saved beside the checkpoint (model_config.yml) are used, as in
+train.py. Prints the completion text (with a tokenizer), the generated ids, and prefill and
+generate tokens/s measured after compilation.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python3 MaxText/decode.py`: import the package, not sibling files.
+  sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+import jax
+
+from MaxText import config as config_lib
+from MaxText.errors import UserError, run_cli
+from MaxText.inference.engine import Engine
+from MaxText.input_pipeline.tokenizer import DocumentEncoder, Tokenizer, load_tokenizer
+from MaxText.train import load_config_and_start_backend, log
+
+
+def prompt_ids(config: config_lib.Config) -> tuple[list[int], Tokenizer | None]:
+  """The prompt as ids (prompt_token_ids, else the tokenized prompt) and the tokenizer, if any."""
+  data, vocab_size = config.data, config.model.vocab_size
+  tokenizer = load_tokenizer(data.tokenizer_type, data.tokenizer_path) if data.tokenizer_path else None
+  if tokenizer is not None and tokenizer.vocab_size > vocab_size:
+    raise UserError(f"the tokenizer {data.tokenizer_path} has {tokenizer.vocab_size} tokens but the model's "
+                    f"vocab_size is {vocab_size}: this tokenizer does not belong to this checkpoint")
+  if config.decode.prompt_token_ids:
+    return list(config.decode.prompt_token_ids), tokenizer
+  if tokenizer is None:
+    raise UserError("set tokenizer_path=... to encode prompt, or give prompt_token_ids=5,17,42")
+  return DocumentEncoder(tokenizer, data.add_bos, add_eos=False)(config.decode.prompt), tokenizer
+
+
+def decode(config: config_lib.Config) -> list[int]:
+  """Runs one prompt; returns the generated ids (also printed)."""
+  ids, tokenizer = prompt_ids(config)
+  limit = config.decode.max_prefill_predict_length
+  if len(ids) > limit:
+    raise UserError(f"the prompt has {len(ids)} tokens, more than max_prefill_predict_length={limit}; "
+                    "raise max_prefill_predict_length or shorten the prompt")
+  path = config.checkpoint.load_parameters_path
+  if path and not Path(path).exists():
+    raise UserError(f"checkpoint {path} does not exist (load_parameters_path)")
+  engine = Engine(config, num_slots=1)
+  if not path:
+    log("decode: no load_parameters_path given; using randomly initialised parameters")
+  params = engine.load_params(path)
+  num_new = config.model.max_target_length - len(ids) + 1  # the last token needs no cache slot
+  seed = config.decode.sampling_seed
+
+  engine.prefill(params, [ids], seed).first_tokens_B.block_until_ready()  # compile
+  start = time.perf_counter()
+  prefix = engine.prefill(params, [ids], seed)
+  prefix.first_tokens_B.block_until_ready()
+  prefill_s = time.perf_counter() - start
+
+  state = engine.insert(prefix, engine.init_decode_state(seed), slot=0)
+  generated = [int(prefix.first_tokens_B[0])]
+  state, tokens = engine.generate(params, state)  # compile + first step, outside the timing
+  generated.append(int(tokens[0]))
+  start = time.perf_counter()
+  step_tokens = []
+  for _ in range(num_new - 2):
+    state, tokens = engine.generate(params, state)
+    step_tokens.append(tokens)  # read back after the loop: the host never waits inside it
+  generated += [int(t[0]) for t in jax.device_get(step_tokens)]
+  generate_s = time.perf_counter() - start
+
+  if tokenizer is not None:
+    log(f"prompt: {tokenizer.decode(ids)!r}")
+    log(f"completion: {tokenizer.decode(generated)!r}")
+  log(f"prompt ids: {ids}")
+  log(f"generated ids: {generated}")
+  log(f"prefill: {len(ids)} tokens in {prefill_s * 1e3:.1f} ms ({len(ids) / prefill_s:.1f} tokens/s, padded to {limit})")
+  steps = max(num_new - 2, 0)
+  if steps:
+    log(f"generate: {steps} steps in {generate_s * 1e3:.1f} ms ({generate_s / steps * 1e3:.2f} ms/token, "
+        f"{steps / generate_s:.1f} tokens/s)")
+  return generated
+
+
+def main(argv: list[str]) -> int:
+  decode(load_config_and_start_backend(argv))
+  return 0
+
+
+if __name__ == "__main__":
+  run_cli(main)

@@ -1,0 +1,83 @@
+"""`python3 -m MaxText.decode` on a tiny params-only checkpoint: prints ids that equal the engine's
+greedy tokens, reads the model keys saved beside the checkpoint, and fails with one clear line."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText import checkpointing, models
+from MaxText.config import Config
+from MaxText.convert import engine as convert_engine
+from MaxText.decode import decode
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = dict(base_emb_dim=32, base_num_query_heads=4, base_num_kv_heads=2, head_dim=8, base_mlp_dim=64,
+             base_num_decoder_layers=2, vocab_size=64)
+RUN = dict(max_target_length=16, max_prefill_predict_length=8, dtype="float32", print_config=False)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+  """A params-only checkpoint of random weights with its model_config.yml, as converters write."""
+  path = tmp_path_factory.mktemp("ckpt") / "params"
+  config = Config.for_testing(**MODEL, **RUN)
+  spec = models.build_model_spec(config.model)
+  checkpointing.save_params(str(path), jax.jit(spec.init_params)(jax.random.key(3)))
+  convert_engine.write_model_config(str(path), MODEL, "a test")
+  return path
+
+
+def run_decode(*args: str) -> subprocess.CompletedProcess:
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  return subprocess.run([sys.executable, "-m", "MaxText.decode", "configs/base.yml", *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=300)
+
+
+def printed_ids(stdout: str) -> list[int]:
+  line = next(l for l in stdout.splitlines() if l.startswith("generated ids: "))
+  return ast.literal_eval(line.removeprefix("generated ids: "))
+
+
+def test_cli_prints_ids_equal_to_in_process_greedy(checkpoint):
+  result = run_decode(f"load_parameters_path={checkpoint}", "prompt_token_ids=5,17,42",
+                      *(f"{k}={v}" for k, v in RUN.items()))
+  assert result.returncode == 0, result.stderr[-2000:]
+  ids = printed_ids(result.stdout)
+  assert len(ids) == RUN["max_target_length"] - 3 + 1 and all(0 <= t < MODEL["vocab_size"] for t in ids)
+  assert "prefill:" in result.stdout and "tokens/s" in result.stdout.split("generate:")[1]
+  # In process, on 8 devices (the CLI ran on one): the same greedy tokens.
+  config = Config.for_testing(**MODEL, **RUN, load_parameters_path=str(checkpoint), prompt_token_ids="5,17,42")
+  assert decode(config) == ids
+
+
+@pytest.mark.parametrize("args,message", [
+    (("load_parameters_path=/nonexistent/ckpt", "prompt_token_ids=1,2"), "checkpoint /nonexistent/ckpt does not exist"),
+    (("prompt_token_ids=1,2,3,4,5,6,7,8,9",), "more than max_prefill_predict_length=8"),
+    (("prompt=hello",), "set tokenizer_path"),
+])
+def test_cli_errors_are_one_line(args, message):
+  result = run_decode(*(f"{k}={v}" for k, v in {**MODEL, **RUN}.items()), *args)
+  assert result.returncode == 2, result.stderr[-2000:]
+  lines = [l for l in result.stderr.splitlines() if l.startswith("error")]
+  assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
+
+
+def test_tokenizer_larger_than_vocab_is_an_error(tmp_path):
+  spm = pytest.importorskip("sentencepiece")
+  corpus = tmp_path / "corpus.txt"
+  words = [f"word{i}" for i in range(300)]
+  corpus.write_text("\n".join(" ".join(np.random.default_rng(i).choice(words, 12)) for i in range(300)))
+  spm.SentencePieceTrainer.Train(input=str(corpus), model_prefix=str(tmp_path / "tok"), vocab_size=200,
+                                 model_type="bpe", minloglevel=2)
+  result = run_decode(*(f"{k}={v}" for k, v in {**MODEL, **RUN}.items()), f"tokenizer_path={tmp_path / 'tok.model'}",
+                      "prompt=word1 word2")
+  assert result.returncode == 2
+  assert "has 200 tokens but the model's vocab_size is 64" in result.stderr
