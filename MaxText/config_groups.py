@@ -22,7 +22,7 @@ MESH_AXES = ("data", "stage", "fsdp", "fsdp_transpose", "sequence", "tensor", "e
 _AXIS_KEY = {"data": "data", "stage": "pipeline", "fsdp": "fsdp", "fsdp_transpose": "fsdp_transpose",
              "sequence": "sequence", "tensor": "tensor", "expert": "expert"}
 REMAT_POLICIES = ("full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "minimal_offloaded", "none")
-ATTENTION_KINDS = ("dot_product", "autoselected")
+ATTENTION_KINDS = ("dot_product", "flash", "cudnn_flash", "autoselected")
 ACTIVATIONS = ("silu", "gelu", "relu", "linear", "tanh")
 DTYPES = ("float32", "bfloat16", "float16")
 NORMALIZATION_TYPES = ("rms", "rms_plus_one", "layer")
@@ -57,6 +57,36 @@ def parameter_scales(global_parameter_scale: int) -> dict[str, int]:
   q, r = divmod(int(math.log2(scale)), 3)
   heads = 2 ** (q + (r >= 1))
   return {"emb": 2 ** (q + (r >= 2)), "heads": heads, "mlp": heads, "layers": 2**q}
+
+
+# Block-size keys of the attention kernels (layers/attention_kernels.py); sa_* are the TPU splash kernel's.
+_BLOCK_KEYS = ("flash_block_q", "flash_block_kv", "sa_block_q", "sa_block_kv", "sa_block_kv_compute",
+               "sa_block_q_dkv", "sa_block_kv_dkv", "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBlocks:
+  """Tile sizes of attention=flash: flash_* for the chunked JAX kernel (CPU, GPU), sa_* for TPU splash."""
+  flash_block_q: int = 512
+  flash_block_kv: int = 512
+  sa_block_q: int = 512
+  sa_block_kv: int = 512
+  sa_block_kv_compute: int = 512
+  sa_block_q_dkv: int = 512
+  sa_block_kv_dkv: int = 512
+  sa_block_kv_dkv_compute: int = 512
+  sa_block_q_dq: int = 512
+  sa_block_kv_dq: int = 512
+
+  @classmethod
+  def from_values(cls, v: Mapping[str, Any]) -> "AttentionBlocks":
+    _positive(v, *_BLOCK_KEYS)
+    for key in _BLOCK_KEYS[2:]:
+      # Splash tiles are laid over the TPU's 128-lane vector registers.
+      _require(v[key] % 128 == 0, f"{key} must be a multiple of 128 (TPU lanes), got {v[key]}")
+    for compute, block in (("sa_block_kv_compute", "sa_block_kv"), ("sa_block_kv_dkv_compute", "sa_block_kv_dkv")):
+      _require(v[block] % v[compute] == 0, f"{compute} ({v[compute]}) must divide {block} ({v[block]})")
+    return cls(**{key: v[key] for key in _BLOCK_KEYS})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +138,7 @@ class ModelConfig:
   num_pipeline_microbatches: int = 1
   num_pipeline_repeats: int = 1
   pipeline_schedule: str = "gpipe"  # gpipe | circular
+  attention_blocks: AttentionBlocks = AttentionBlocks()  # attention=flash tile sizes
 
   @property
   def layers_per_pipeline_stage(self) -> int:
@@ -144,6 +175,7 @@ class ModelConfig:
         logits_via_embedding=v["logits_via_embedding"], dropout_rate=v["dropout_rate"],
         dtype=v["dtype"], weight_dtype=v["weight_dtype"], logits_dot_in_fp32=v["logits_dot_in_fp32"],
         attention=v["attention"], scan_layers=v["scan_layers"], remat_policy=v["remat_policy"],
+        attention_blocks=AttentionBlocks.from_values(v),
         max_target_length=v["max_target_length"],
         **{key: v[key] for key in _FAMILY_KEYS},
         attention_layer_pattern=tuple(v["attention_layer_pattern"]),

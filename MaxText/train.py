@@ -75,7 +75,7 @@ def train(config: config_lib.Config) -> int:
   log(f"state: {start.description}")
   num_params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
   log(f"model: {num_params / 1e6:.2f}M parameters, {config.model.num_decoder_layers} layers, "
-      f"attention={select_kernel(config.model.attention, target.platform)}, "
+      f"attention={select_kernel(config.model.attention, target.platform, config.model)}, "
       f"{setup.param_unsharded_fraction:.2%} of parameter bytes not fully sharded")
 
   batch_sharding = sharding.batch_sharding(mesh, config.mesh.data_sharding)

@@ -15,6 +15,7 @@ from flax import nnx
 
 from MaxText import sharding
 from MaxText.config_groups import ModelConfig
+from MaxText.layers import attention_kernels
 from MaxText.layers import kv_cache
 from MaxText.layers.embeddings import apply_rope, rope_inverse_frequencies
 from MaxText.layers.linears import DenseGeneral
@@ -55,13 +56,32 @@ def dot_product_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Arra
 
 # (q, k, v, segment_ids, window_size, soft_cap) -> out
 AttentionKernel = Callable[..., jax.Array]
-ATTENTION_KERNELS: dict[str, AttentionKernel] = {"dot_product": dot_product_attention}
+# name -> factory(model config) -> kernel; the fused kernels live in attention_kernels.py.
+ATTENTION_KERNELS: dict[str, Callable[[ModelConfig], AttentionKernel]] = {
+    "dot_product": lambda cfg: dot_product_attention,
+    "flash": attention_kernels.make_flash,
+    "cudnn_flash": attention_kernels.make_cudnn_flash,
+    "autoselected": lambda cfg: attention_kernels.make_deferred(
+        lambda platform: (name := select_kernel("autoselected", platform, cfg), ATTENTION_KERNELS[name](cfg)),
+        "autoselected"),
+}
+# CPU: dot_product is faster up to this many tokens (benchmarks/attention_bench.py); flash beyond.
+AUTOSELECT_CPU_FLASH_ABOVE = 2048
 
 
-def select_kernel(name: str, platform: str | None = None) -> str:
-  """Resolves `autoselected` to the best kernel available; only dot_product exists so far."""
-  del platform  # Every platform uses dot_product until fused kernels land.
-  return "dot_product" if name == "autoselected" else name
+def select_kernel(name: str, platform: str | None = None, cfg: ModelConfig | None = None) -> str:
+  """The kernel `name` runs on `platform`. `autoselected` picks TPU: flash (splash); GPU:
+  cudnn_flash when cuDNN covers the model (no soft cap, half precision, head_dim <= 128) else flash;
+  CPU: dot_product up to AUTOSELECT_CPU_FLASH_ABOVE tokens, flash beyond. Without a platform
+  `autoselected` stays deferred: the layer resolves it when traced, for the mesh's platform."""
+  if name != "autoselected" or platform is None:
+    return name
+  if platform == "tpu":
+    return "flash"
+  if platform in ("gpu", "cuda", "rocm"):
+    return "cudnn_flash" if cfg is None or attention_kernels.cudnn_supports(cfg) else "flash"
+  long_sequences = cfg is not None and cfg.max_target_length > AUTOSELECT_CPU_FLASH_ABOVE
+  return "flash" if long_sequences else "dot_product"
 
 
 def layer_window_size(cfg: ModelConfig, layer_index: int | jax.Array) -> int | jax.Array | None:
@@ -87,7 +107,7 @@ class Attention(nnx.Module):
     self.value = DenseGeneral((d,), (k, h), ("embed", "kv_heads", "kv"), tag="value_proj", **dense)
     self.out = DenseGeneral((n, h), (d,), ("heads", "kv", "embed"), tag="out_proj", **dense)
     self.cfg = cfg
-    self.kernel = ATTENTION_KERNELS[select_kernel(cfg.attention)]
+    self.kernel = ATTENTION_KERNELS[select_kernel(cfg.attention)](cfg)
     # Gemma 2 27B scales by (emb_dim / num_heads)**-0.5 rather than head_dim**-0.5.
     self.query_scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
 

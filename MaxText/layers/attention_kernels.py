@@ -1,0 +1,347 @@
+"""Memory-efficient attention kernels: chunked flash attention in pure JAX (any platform),
+cuDNN flash attention (GPU) and the Pallas splash-attention kernel (TPU).
+
+Every kernel has the signature of `attention.dot_product_attention`:
+`kernel(q_BLNH (pre-scaled), k_BSKH, v_BSKH, segment_ids_BL, window_size, soft_cap) -> out_BLNH`,
+with the same mask: causal, same segment, and with a window, at most window_size - 1 tokens back.
+
+Legend: B batch, L query length, S key length, N query heads, K key/value heads, G = N // K query
+heads per key/value head, H head dim, Q one query block, C one key/value block (chunk).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from MaxText import sharding
+from MaxText.config_groups import ModelConfig
+from MaxText.errors import ConfigError
+from MaxText.layers import context_parallel, splash_attention
+
+AttentionKernel = Callable[..., jax.Array]  # (q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window_size, soft_cap)
+
+# Large finite negative (not -inf), as in attention.py, so masked logits never give NaN.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# A window longer than any sequence; clamped so window arithmetic never overflows int32.
+_NO_WINDOW = 2**30
+
+
+def _window_scalar(window_size: int | jax.Array | None) -> jax.Array:
+  if window_size is None:
+    return jnp.int32(_NO_WINDOW)
+  return jnp.minimum(jnp.asarray(window_size, jnp.int32), _NO_WINDOW)
+
+
+def _block_logits(q_BQKGH: jax.Array, k_BCKH: jax.Array, qseg_BQ: jax.Array, kseg_BC: jax.Array,
+                  q_start: jax.Array, k_start: jax.Array, window: jax.Array, soft_cap: float
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Masked float32 logits [B, K, G, Q, C], the visibility mask [B, 1, 1, Q, C] and, with a soft
+  cap, tanh(raw / cap) (its derivative is needed by the backward pass)."""
+  s_BKGQC = jnp.einsum("bqkgh,bckh->bkgqc", q_BQKGH, k_BCKH, preferred_element_type=jnp.float32)
+  tanh_BKGQC = None
+  if soft_cap > 0:
+    tanh_BKGQC = jnp.tanh(s_BKGQC / soft_cap)
+    s_BKGQC = soft_cap * tanh_BKGQC
+  offset_QC = (q_start + jnp.arange(q_BQKGH.shape[1]))[:, None] - (k_start + jnp.arange(k_BCKH.shape[1]))[None, :]
+  visible_QC = (offset_QC >= 0) & (offset_QC < window)
+  mask_BQC = visible_QC[None] & (qseg_BQ[:, :, None] == kseg_BC[:, None, :])
+  mask_B11QC = mask_BQC[:, None, None]
+  return jnp.where(mask_B11QC, s_BKGQC, _MASK_VALUE), mask_B11QC, tanh_BKGQC
+
+
+def _kv_block_range(q_start: jax.Array, block_q: int, block_kv: int, window: jax.Array, num_kv_blocks: int
+                    ) -> tuple[jax.Array, jax.Array]:
+  """Key blocks [lo, hi) that queries q_start .. q_start + block_q - 1 can see (causal + window);
+  every other key block is fully masked and skipped."""
+  lo = jnp.maximum(q_start - window + 1, 0) // block_kv
+  hi = jnp.minimum((q_start + block_q - 1) // block_kv + 1, num_kv_blocks)
+  return lo, jnp.maximum(hi, lo)
+
+
+def _q_block_range(k_start: jax.Array, block_q: int, block_kv: int, window: jax.Array, q_offset: jax.Array,
+                   num_q_blocks: int) -> tuple[jax.Array, jax.Array]:
+  """Query blocks [lo, hi) that can see keys k_start .. k_start + block_kv - 1."""
+  lo = jnp.maximum(k_start - q_offset, 0) // block_q
+  hi = jnp.clip((k_start + block_kv - 1 + window - 1 - q_offset) // block_q + 1, 0, num_q_blocks)
+  return jnp.minimum(lo, num_q_blocks), jnp.maximum(hi, jnp.minimum(lo, num_q_blocks))
+
+
+def _slice(x: jax.Array, index: jax.Array, size: int) -> jax.Array:
+  return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=1)
+
+
+def _forward(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, soft_cap, block_q, block_kv):
+  """Online softmax over the visible key blocks of each query block: (out_BLKGH, lse_BKGL)."""
+  batch, _, num_kv, group, head_dim = q_BLKGH.shape
+  num_q_blocks, num_kv_blocks = q_BLKGH.shape[1] // block_q, k_BSKH.shape[1] // block_kv
+
+  def one_q_block(i):
+    q_BQKGH, qseg_BQ = _slice(q_BLKGH, i, block_q), _slice(qseg_BL, i, block_q)
+    q_start = q_offset + i * block_q
+
+    def step(j, carry):
+      m_BKGQ, l_BKGQ, acc_BKGQH = carry
+      s_BKGQC, mask, _ = _block_logits(q_BQKGH, _slice(k_BSKH, j, block_kv), qseg_BQ, _slice(kseg_BS, j, block_kv),
+                                       q_start, j * block_kv, window, soft_cap)
+      m_new = jnp.maximum(m_BKGQ, s_BKGQC.max(-1))
+      p_BKGQC = jnp.where(mask, jnp.exp(s_BKGQC - m_new[..., None]), 0.0)
+      correction = jnp.exp(m_BKGQ - m_new)
+      pv = jnp.einsum("bkgqc,bckh->bkgqh", p_BKGQC.astype(v_BSKH.dtype), _slice(v_BSKH, j, block_kv),
+                      preferred_element_type=jnp.float32)
+      return m_new, l_BKGQ * correction + p_BKGQC.sum(-1), acc_BKGQH * correction[..., None] + pv
+
+    stats_shape = (batch, num_kv, group, block_q)
+    init = (jnp.full(stats_shape, _MASK_VALUE, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
+            jnp.zeros(stats_shape + (head_dim,), jnp.float32))
+    lo, hi = _kv_block_range(q_start, block_q, block_kv, window, num_kv_blocks)
+    m_BKGQ, l_BKGQ, acc_BKGQH = jax.lax.fori_loop(lo, hi, step, init)
+    # A query that sees no key at all (padding rows) gets a zero output.
+    safe_l = jnp.where(l_BKGQ > 0, l_BKGQ, 1.0)
+    return acc_BKGQH / safe_l[..., None], jnp.where(l_BKGQ > 0, m_BKGQ + jnp.log(safe_l), jnp.inf)
+
+  out_nBKGQH, lse_nBKGQ = jax.lax.map(one_q_block, jnp.arange(num_q_blocks))
+  out_BLKGH = out_nBKGQH.transpose(1, 0, 4, 2, 3, 5).reshape(batch, -1, num_kv, group, head_dim)
+  lse_BKGL = jnp.moveaxis(lse_nBKGQ, 0, 3).reshape(batch, num_kv, group, -1)
+  return out_BLKGH.astype(q_BLKGH.dtype), lse_BKGL
+
+
+def _backward_dq(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, soft_cap, block_q, block_kv,
+                 do_BLKGH, lse_BKGL, delta_BKGL):
+  num_q_blocks, num_kv_blocks = q_BLKGH.shape[1] // block_q, k_BSKH.shape[1] // block_kv
+
+  def one_q_block(i):
+    q_BQKGH, qseg_BQ, do_BQKGH = _slice(q_BLKGH, i, block_q), _slice(qseg_BL, i, block_q), _slice(do_BLKGH, i, block_q)
+    lse_BKGQ = jax.lax.dynamic_slice_in_dim(lse_BKGL, i * block_q, block_q, axis=3)
+    delta_BKGQ = jax.lax.dynamic_slice_in_dim(delta_BKGL, i * block_q, block_q, axis=3)
+    q_start = q_offset + i * block_q
+
+    def step(j, dq_BQKGH):
+      k_BCKH, v_BCKH = _slice(k_BSKH, j, block_kv), _slice(v_BSKH, j, block_kv)
+      ds_BKGQC = _score_grad(q_BQKGH, k_BCKH, v_BCKH, qseg_BQ, _slice(kseg_BS, j, block_kv), q_start, j * block_kv,
+                             window, soft_cap, do_BQKGH, lse_BKGQ, delta_BKGQ)[1]
+      return dq_BQKGH + jnp.einsum("bkgqc,bckh->bqkgh", ds_BKGQC, k_BCKH, preferred_element_type=jnp.float32)
+
+    lo, hi = _kv_block_range(q_start, block_q, block_kv, window, num_kv_blocks)
+    return jax.lax.fori_loop(lo, hi, step, jnp.zeros(q_BQKGH.shape, jnp.float32))
+
+  dq_nBQKGH = jax.lax.map(one_q_block, jnp.arange(num_q_blocks))
+  return dq_nBQKGH.swapaxes(0, 1).reshape(q_BLKGH.shape)
+
+
+def _score_grad(q_BQKGH, k_BCKH, v_BCKH, qseg_BQ, kseg_BC, q_start, k_start, window, soft_cap, do_BQKGH,
+                lse_BKGQ, delta_BKGQ) -> tuple[jax.Array, jax.Array]:
+  """Recomputed probabilities p and d(loss)/d(raw logits) of one block, both [B, K, G, Q, C] float32."""
+  s_BKGQC, mask, tanh_BKGQC = _block_logits(q_BQKGH, k_BCKH, qseg_BQ, kseg_BC, q_start, k_start, window, soft_cap)
+  p_BKGQC = jnp.where(mask, jnp.exp(s_BKGQC - lse_BKGQ[..., None]), 0.0)
+  dp_BKGQC = jnp.einsum("bqkgh,bckh->bkgqc", do_BQKGH, v_BCKH, preferred_element_type=jnp.float32)
+  ds_BKGQC = p_BKGQC * (dp_BKGQC - delta_BKGQ[..., None])
+  if tanh_BKGQC is not None:
+    ds_BKGQC = ds_BKGQC * (1.0 - tanh_BKGQC**2)
+  return p_BKGQC, ds_BKGQC
+
+
+def _backward_dkv(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, soft_cap, block_q, block_kv,
+                  do_BLKGH, lse_BKGL, delta_BKGL):
+  num_q_blocks, num_kv_blocks = q_BLKGH.shape[1] // block_q, k_BSKH.shape[1] // block_kv
+
+  def one_kv_block(j):
+    k_BCKH, v_BCKH, kseg_BC = _slice(k_BSKH, j, block_kv), _slice(v_BSKH, j, block_kv), _slice(kseg_BS, j, block_kv)
+
+    def step(i, carry):
+      dk_BCKH, dv_BCKH = carry
+      q_BQKGH, do_BQKGH = _slice(q_BLKGH, i, block_q), _slice(do_BLKGH, i, block_q)
+      lse_BKGQ = jax.lax.dynamic_slice_in_dim(lse_BKGL, i * block_q, block_q, axis=3)
+      delta_BKGQ = jax.lax.dynamic_slice_in_dim(delta_BKGL, i * block_q, block_q, axis=3)
+      p_BKGQC, ds_BKGQC = _score_grad(q_BQKGH, k_BCKH, v_BCKH, _slice(qseg_BL, i, block_q), kseg_BC,
+                                      q_offset + i * block_q, j * block_kv, window, soft_cap, do_BQKGH,
+                                      lse_BKGQ, delta_BKGQ)
+      dv_BCKH += jnp.einsum("bkgqc,bqkgh->bckh", p_BKGQC.astype(do_BQKGH.dtype), do_BQKGH,
+                            preferred_element_type=jnp.float32)
+      dk_BCKH += jnp.einsum("bkgqc,bqkgh->bckh", ds_BKGQC, q_BQKGH, preferred_element_type=jnp.float32)
+      return dk_BCKH, dv_BCKH
+
+    lo, hi = _q_block_range(j * block_kv, block_q, block_kv, window, q_offset, num_q_blocks)
+    zeros = jnp.zeros(k_BCKH.shape, jnp.float32)
+    return jax.lax.fori_loop(lo, hi, step, (zeros, zeros))
+
+  dk_nBCKH, dv_nBCKH = jax.lax.map(one_kv_block, jnp.arange(num_kv_blocks))
+  merge = lambda x: x.swapaxes(0, 1).reshape(k_BSKH.shape)  # noqa: E731
+  return merge(dk_nBCKH), merge(dv_nBCKH)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _flash_core(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, soft_cap, block_q, block_kv):
+  return _forward(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, soft_cap, block_q, block_kv)[0]
+
+
+def _flash_core_fwd(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, soft_cap, block_q, block_kv):
+  out_BLKGH, lse_BKGL = _forward(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, soft_cap,
+                                 block_q, block_kv)
+  return out_BLKGH, (q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, out_BLKGH, lse_BKGL)
+
+
+def _flash_core_bwd(soft_cap, block_q, block_kv, residuals, do_BLKGH):
+  q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, out_BLKGH, lse_BKGL = residuals
+  # delta = rowsum(dO * O): the softmax Jacobian's diagonal correction (FlashAttention-2, eq. in sec. 3.1).
+  delta_BKGL = jnp.einsum("blkgh,blkgh->bkgl", do_BLKGH.astype(jnp.float32), out_BLKGH.astype(jnp.float32))
+  args = (q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, soft_cap, block_q, block_kv,
+          do_BLKGH, lse_BKGL, delta_BKGL)
+  dq_BLKGH = _backward_dq(*args)
+  dk_BSKH, dv_BSKH = _backward_dkv(*args)
+  return (dq_BLKGH.astype(q_BLKGH.dtype), dk_BSKH.astype(k_BSKH.dtype), dv_BSKH.astype(v_BSKH.dtype),
+          None, None, None, None)
+
+
+_flash_core.defvjp(_flash_core_fwd, _flash_core_bwd)
+
+
+def _pad_length(x: jax.Array, multiple: int, value: int | float = 0) -> jax.Array:
+  pad = -x.shape[1] % multiple
+  if not pad:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[1] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def flash_attention_with_offset(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_segment_ids_BL: jax.Array,
+                                kv_segment_ids_BS: jax.Array, window_size: int | jax.Array | None, soft_cap: float,
+                                q_offset: int | jax.Array = 0, *, block_q: int = 512, block_kv: int = 512
+                                ) -> jax.Array:
+  """Chunked attention of queries at global positions q_offset .. q_offset + L - 1 over keys at
+  0 .. S - 1 (q_offset > 0 when the queries are one sequence shard: context parallelism)."""
+  batch, length, num_q, head_dim = q_BLNH.shape
+  num_kv = k_BSKH.shape[2]
+  block_q, block_kv = min(block_q, length), min(block_kv, k_BSKH.shape[1])
+  q_BLKGH = _pad_length(q_BLNH.reshape(batch, length, num_kv, num_q // num_kv, head_dim), block_q)
+  # Padded queries and keys get segment ids that match nothing, so they never take part.
+  qseg_BL = _pad_length(q_segment_ids_BL.astype(jnp.int32), block_q, -2)
+  kseg_BS = _pad_length(kv_segment_ids_BS.astype(jnp.int32), block_kv, -1)
+  out_BLKGH = _flash_core(q_BLKGH, _pad_length(k_BSKH, block_kv), _pad_length(v_BSKH, block_kv), qseg_BL, kseg_BS,
+                          _window_scalar(window_size), jnp.asarray(q_offset, jnp.int32), float(soft_cap),
+                          block_q, block_kv)
+  return out_BLKGH[:, :length].reshape(batch, length, num_q, head_dim)
+
+
+def flash_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BL: jax.Array,
+                    window_size: int | jax.Array | None = None, soft_cap: float = 0.0, *, block_q: int = 512,
+                    block_kv: int = 512) -> jax.Array:
+  """Self-attention (L == S) with the dot_product mask, in O(L · block) memory per head."""
+  return flash_attention_with_offset(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, segment_ids_BL, window_size, soft_cap,
+                                     block_q=block_q, block_kv=block_kv)
+
+
+def reference_attention_with_offset(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+                                    q_segment_ids_BL: jax.Array, kv_segment_ids_BS: jax.Array,
+                                    window_size: int | jax.Array | None, soft_cap: float,
+                                    q_offset: int | jax.Array = 0) -> jax.Array:
+  """Plain materialised attention with a query offset (the dot_product math; used by tests)."""
+  batch, length, num_q, head_dim = q_BLNH.shape
+  num_kv = k_BSKH.shape[2]
+  q_BLKGH = q_BLNH.reshape(batch, length, num_kv, num_q // num_kv, head_dim)
+  s_BKGLS, mask, _ = _block_logits(q_BLKGH, k_BSKH, q_segment_ids_BL, kv_segment_ids_BS, jnp.asarray(q_offset),
+                                   jnp.int32(0), _window_scalar(window_size), soft_cap)
+  probs_BKGLS = jax.nn.softmax(s_BKGLS, axis=-1).astype(v_BSKH.dtype)
+  out_BLKGH = jnp.einsum("bkgls,bskh->blkgh", probs_BKGLS, v_BSKH)
+  return out_BLKGH.reshape(batch, length, num_q, head_dim)
+
+
+# ---------------------------------------------------------------- cuDNN (GPU)
+
+def cudnn_flash_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BL: jax.Array,
+                          window_size: int | jax.Array | None = None, soft_cap: float = 0.0,
+                          implementation: str = "cudnn") -> jax.Array:
+  """cuDNN flash attention through jax.nn.dot_product_attention. `implementation="xla"` runs the
+  same arguments through XLA (how the argument mapping is tested off GPU)."""
+  if soft_cap > 0:
+    raise ConfigError(f"attention=cudnn_flash does not support attn_logits_soft_cap={soft_cap} (cuDNN has no "
+                      "logit soft cap); use attention=flash")
+  # Packing: keys of other documents are masked with a [B, 1, L, S] mask (cuDNN adds it as a bias).
+  mask_B1LS = (segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :])[:, None]
+  local_window = None
+  if isinstance(window_size, int):
+    local_window = (window_size - 1, 0)  # window_size tokens: this one and window_size - 1 before it
+  elif window_size is not None:  # traced (mixed local/global scanned stack): folded into the mask
+    offset_LS = jnp.arange(q_BLNH.shape[1])[:, None] - jnp.arange(k_BSKH.shape[1])[None, :]
+    mask_B1LS = mask_B1LS & (offset_LS < window_size)[None, None]
+  return jax.nn.dot_product_attention(q_BLNH, k_BSKH, v_BSKH, mask=mask_B1LS, scale=1.0, is_causal=True,
+                                      local_window_size=local_window, implementation=implementation)
+
+
+def cudnn_supports(cfg: ModelConfig) -> bool:
+  """Whether cuDNN flash attention covers this model (else autoselected uses flash on GPU)."""
+  return (cfg.attn_logits_soft_cap == 0 and cfg.dtype in ("bfloat16", "float16")
+          and cfg.head_dim <= 128 and cfg.head_dim % 8 == 0)
+
+
+# ---------------------------------------------------------------- kernels built from the config
+
+def trace_platform() -> str:
+  """Platform the traced program is for: the activation mesh's devices (a TPU topology during an
+  AOT compile on CPU), else JAX's default backend."""
+  context = sharding.current_activation_context()
+  if context is not None:
+    return context[0].devices.flat[0].platform
+  return jax.default_backend()
+
+
+def make_flash(cfg: ModelConfig) -> AttentionKernel:
+  """attention=flash: splash on TPU, the chunked JAX kernel elsewhere; with the length split over
+  the `sequence` axis, the chunked kernel with all-gathered K/V (context_parallel.py) everywhere."""
+  blocks = cfg.attention_blocks
+  local = functools.partial(flash_attention_with_offset, block_q=blocks.flash_block_q, block_kv=blocks.flash_block_kv)
+  tpu = functools.partial(splash_attention.splash_attention, blocks=blocks, local_window=cfg.sliding_window_size)
+
+  def kernel(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window_size=None, soft_cap=0.0):
+    context = sharding.current_activation_context()
+    if context is not None:
+      mesh, rules = context
+      if context_parallel.length_shards(mesh, rules, q_BLNH.shape, k_BSKH.shape) > 1:
+        return context_parallel.sequence_parallel_attention(local, mesh, rules, q_BLNH, k_BSKH, v_BSKH,
+                                                            segment_ids_BL, window_size, soft_cap)
+      if trace_platform() == "tpu":
+        return context_parallel.per_shard_attention(tpu, mesh, rules, q_BLNH, k_BSKH, v_BSKH, segment_ids_BL,
+                                                    window_size, soft_cap)
+    if trace_platform() == "tpu":
+      return tpu(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window_size, soft_cap)
+    return local(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, segment_ids_BL, window_size, soft_cap)
+
+  return kernel
+
+
+def make_cudnn_flash(cfg: ModelConfig) -> AttentionKernel:
+  if cfg.attn_logits_soft_cap > 0:
+    raise ConfigError(f"attention=cudnn_flash does not support attn_logits_soft_cap={cfg.attn_logits_soft_cap} "
+                      "(cuDNN has no logit soft cap); use attention=flash or autoselected")
+
+  def kernel(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window_size=None, soft_cap=0.0):
+    platform = trace_platform()
+    if platform not in ("gpu", "cuda", "rocm"):
+      raise ConfigError(f"attention=cudnn_flash needs an NVIDIA GPU (cuDNN) but this program is for {platform}; "
+                        "use attention=flash or autoselected")
+    return cudnn_flash_attention(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window_size, soft_cap)
+
+  return kernel
+
+
+_ANNOUNCED: set[tuple[str, str]] = set()
+
+
+def make_deferred(resolve: Callable[[str], AttentionKernel], cfg_name: str) -> AttentionKernel:
+  """A kernel that picks its implementation when traced (only then is the target platform known,
+  e.g. a TPU topology compiled on CPU) and says once per platform which it picked."""
+
+  def kernel(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window_size=None, soft_cap=0.0):
+    platform = trace_platform()
+    name, chosen = resolve(platform)
+    if (platform, name) not in _ANNOUNCED:
+      _ANNOUNCED.add((platform, name))
+      if jax.process_index() == 0:
+        print(f"attention={cfg_name}: using {name} on {platform}", flush=True)
+    return chosen(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window_size, soft_cap)
+
+  return kernel
