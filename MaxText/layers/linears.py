@@ -9,6 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from MaxText.layers import quantization
+
 
 class DenseGeneral(nnx.Module):
   """y = x · W (+ b) over the trailing `in_shape` dims of x, producing `out_shape` dims.
@@ -16,11 +18,13 @@ class DenseGeneral(nnx.Module):
   The kernel has shape in_shape + out_shape and logical names `kernel_names`; the
   optional bias (`use_bias`, GPT-3) has shape out_shape and the output dims' names.
   `tag` names the output for remat policies (jax.ad_checkpoint.checkpoint_name).
+  The matmul runs in the quantization mode active at trace time (layers/quantization.py)
+  unless `quantize=False` (e.g. the MoE router).
   """
 
   def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], kernel_names: Sequence[str], *,
                dtype: jnp.dtype, weight_dtype: jnp.dtype, rngs: nnx.Rngs, tag: str | None = None,
-               use_bias: bool = False):
+               use_bias: bool = False, quantize: bool = True):
     self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
     num_in = len(self.in_shape)
     init = nnx.initializers.variance_scaling(
@@ -30,12 +34,14 @@ class DenseGeneral(nnx.Module):
                             out_sharding=tuple(kernel_names))
     if use_bias:
       self.bias = nnx.Param(jnp.zeros(self.out_shape, weight_dtype), out_sharding=tuple(kernel_names)[num_in:])
-    self.dtype, self.tag, self.use_bias = dtype, tag, use_bias
+    self.dtype, self.tag, self.use_bias, self.quantize = dtype, tag, use_bias, quantize
 
   def __call__(self, x: jax.Array) -> jax.Array:
     num_in = len(self.in_shape)
     contract = (tuple(range(x.ndim - num_in, x.ndim)), tuple(range(num_in)))
-    y = jax.lax.dot_general(x.astype(self.dtype), self.kernel[...].astype(self.dtype), (contract, ((), ())))
+    mode = quantization.current_quantization() if self.quantize else ""
+    y = quantization.quantized_dot_general(mode, x.astype(self.dtype), self.kernel[...].astype(self.dtype),
+                                           (contract, ((), ())))
     if self.use_bias:
       y = y + self.bias[...].astype(self.dtype)
     return checkpoint_name(y, self.tag) if self.tag else y

@@ -57,7 +57,12 @@ from jax.sharding import PartitionSpec
 from MaxText import sharding
 from MaxText.config_groups import ModelConfig
 from MaxText.layers.linears import DenseGeneral
+from MaxText.layers import quantization
 from MaxText.layers.mlp import ACTIVATION_FNS
+
+# "ebcd,edf->ebcf" and "ebcf,efd->ebcd" as dot_general: contract the last activation dim with the
+# kernel's middle one, expert dim batched.
+_EXPERT_DIMS = (((3,), (1,)), ((0,), (0,)))
 
 # The expert buffer leads with E so "exp" claims the expert mesh axis first; the batch
 # dimension then falls back to its rule without the expert axis. Going from the
@@ -176,20 +181,21 @@ class MoeBlock(nnx.Module):
     e, d, f = cfg.num_experts, cfg.emb_dim, cfg.mlp_dim
     dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
     # The router is tiny; its expert dimension stays replicated.
-    self.gate = DenseGeneral((d,), (e,), ("embed", None), dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
+    self.gate = DenseGeneral((d,), (e,), ("embed", None), dtype=dtype, weight_dtype=weight_dtype, rngs=rngs,
+                             quantize=False)  # int8/fp8 router logits would flip near-tied top-k choices
     for i in range(len(cfg.mlp_activations)):
       setattr(self, f"wi_{i}", ExpertKernel(e, d, f, ("exp", "embed", "mlp"), weight_dtype=weight_dtype, rngs=rngs))
     self.wo = ExpertKernel(e, f, d, ("exp", "mlp", "embed"), weight_dtype=weight_dtype, rngs=rngs)
     self.cfg, self.dtype = cfg, dtype
 
   def _experts(self, x_EBCD: jax.Array) -> jax.Array:
-    """Every expert's gated MLP over its slots, one batched matmul per projection."""
+    """Every expert's gated MLP over its slots, one batched matmul per projection (quantized when configured)."""
     hidden_EBCF = None
     for i, name in enumerate(self.cfg.mlp_activations):
       kernel_EDF = getattr(self, f"wi_{i}").kernel[...].astype(self.dtype)
-      h = ACTIVATION_FNS[name](checkpoint_name(jnp.einsum("ebcd,edf->ebcf", x_EBCD, kernel_EDF), "mlpwi"))
+      h = ACTIVATION_FNS[name](checkpoint_name(quantization.dot_general(x_EBCD, kernel_EDF, _EXPERT_DIMS), "mlpwi"))
       hidden_EBCF = h if hidden_EBCF is None else hidden_EBCF * h
-    out_EBCD = jnp.einsum("ebcf,efd->ebcd", hidden_EBCF, self.wo.kernel[...].astype(self.dtype))
+    out_EBCD = quantization.dot_general(hidden_EBCF, self.wo.kernel[...].astype(self.dtype), _EXPERT_DIMS)
     return checkpoint_name(out_EBCD, "mlpwo")
 
   def _grouped(self, x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.Array) -> jax.Array:
