@@ -24,7 +24,7 @@ _AXIS_KEY = {"data": "data", "stage": "pipeline", "fsdp": "fsdp", "fsdp_transpos
 REMAT_POLICIES = ("full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "minimal_offloaded",
                   "save_dot_except_mlp_offloaded", "none")
 QUANTIZATION_MODES = ("", "int8", "fp8")  # mirrors layers/quantization.py (config must not import layers)
-ATTENTION_KINDS = ("dot_product", "autoselected")
+ATTENTION_KINDS = ("dot_product", "flash", "cudnn_flash", "autoselected")
 ACTIVATIONS = ("silu", "gelu", "relu", "linear", "tanh")
 DTYPES = ("float32", "bfloat16", "float16")
 NORMALIZATION_TYPES = ("rms", "rms_plus_one", "layer")
@@ -59,6 +59,36 @@ def parameter_scales(global_parameter_scale: int) -> dict[str, int]:
   q, r = divmod(int(math.log2(scale)), 3)
   heads = 2 ** (q + (r >= 1))
   return {"emb": 2 ** (q + (r >= 2)), "heads": heads, "mlp": heads, "layers": 2**q}
+
+
+# Block-size keys of the attention kernels (layers/attention_kernels.py); sa_* are the TPU splash kernel's.
+_BLOCK_KEYS = ("flash_block_q", "flash_block_kv", "sa_block_q", "sa_block_kv", "sa_block_kv_compute",
+               "sa_block_q_dkv", "sa_block_kv_dkv", "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBlocks:
+  """Tile sizes of attention=flash: flash_* for the chunked JAX kernel (CPU, GPU), sa_* for TPU splash."""
+  flash_block_q: int = 512
+  flash_block_kv: int = 512
+  sa_block_q: int = 512
+  sa_block_kv: int = 512
+  sa_block_kv_compute: int = 512
+  sa_block_q_dkv: int = 512
+  sa_block_kv_dkv: int = 512
+  sa_block_kv_dkv_compute: int = 512
+  sa_block_q_dq: int = 512
+  sa_block_kv_dq: int = 512
+
+  @classmethod
+  def from_values(cls, v: Mapping[str, Any]) -> "AttentionBlocks":
+    _positive(v, *_BLOCK_KEYS)
+    for key in _BLOCK_KEYS[2:]:
+      # Splash tiles are laid over the TPU's 128-lane vector registers.
+      _require(v[key] % 128 == 0, f"{key} must be a multiple of 128 (TPU lanes), got {v[key]}")
+    for compute, block in (("sa_block_kv_compute", "sa_block_kv"), ("sa_block_kv_dkv_compute", "sa_block_kv_dkv")):
+      _require(v[block] % v[compute] == 0, f"{compute} ({v[compute]}) must divide {block} ({v[block]})")
+    return cls(**{key: v[key] for key in _BLOCK_KEYS})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +141,7 @@ class ModelConfig:
   num_pipeline_repeats: int = 1
   pipeline_schedule: str = "gpipe"  # gpipe | circular
   quantization: str = ""  # "" | int8 | fp8: the decoder stack's matmuls (layers/quantization.py)
+  attention_blocks: AttentionBlocks = AttentionBlocks()  # attention=flash tile sizes
 
   @property
   def layers_per_pipeline_stage(self) -> int:
@@ -148,6 +179,7 @@ class ModelConfig:
         logits_via_embedding=v["logits_via_embedding"], dropout_rate=v["dropout_rate"],
         dtype=v["dtype"], weight_dtype=v["weight_dtype"], logits_dot_in_fp32=v["logits_dot_in_fp32"],
         attention=v["attention"], scan_layers=v["scan_layers"], remat_policy=v["remat_policy"],
+        attention_blocks=AttentionBlocks.from_values(v),
         max_target_length=v["max_target_length"],
         **{key: v[key] for key in _FAMILY_KEYS},
         attention_layer_pattern=tuple(v["attention_layer_pattern"]),
@@ -534,6 +566,49 @@ class CheckpointConfig:
                param_only_checkpoint_path=v["param_only_checkpoint_path"], force_unroll=v["force_unroll"])
 
 
+SAMPLING_STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  prompt: str
+  prompt_token_ids: tuple[int, ...]  # empty = tokenize `prompt`
+  max_prefill_predict_length: int
+  sampling_strategy: str
+  sampling_temperature: float
+  sampling_nucleus_p: float
+  sampling_top_k: int
+  sampling_seed: int
+  quantize_kvcache: bool
+
+  @classmethod
+  def from_values(cls, v: Mapping[str, Any]) -> "DecodeConfig":
+    _one_of(v, "decode_sampling_strategy", SAMPLING_STRATEGIES)
+    # Checked against max_target_length by the decode engine only: training runs never read it.
+    prefill = v["max_prefill_predict_length"]
+    _require(prefill > 0, f"max_prefill_predict_length must be > 0, got {prefill}")
+    _require(v["decode_sampling_temperature"] > 0,
+             f"decode_sampling_temperature must be > 0, got {v['decode_sampling_temperature']}")
+    _require(0 < v["decode_sampling_nucleus_p"] <= 1,
+             f"decode_sampling_nucleus_p must be in (0, 1], got {v['decode_sampling_nucleus_p']}")
+    _require(1 <= v["decode_sampling_top_k"] <= v["vocab_size"],
+             f"decode_sampling_top_k must be between 1 and vocab_size, got {v['decode_sampling_top_k']}")
+    try:
+      ids = tuple(int(str(t)) for t in v["prompt_token_ids"])
+    except ValueError:
+      raise ConfigError(f"prompt_token_ids must be comma-separated integers like 5,17,42, "
+                        f"got {list(v['prompt_token_ids'])}") from None
+    _require(all(0 <= t < v["vocab_size"] for t in ids),
+             f"prompt_token_ids must lie in [0, vocab_size={v['vocab_size']}), got {list(ids)}")
+    _require(len(ids) <= prefill, f"prompt_token_ids has {len(ids)} tokens, more than max_prefill_predict_length="
+             f"{prefill}; raise max_prefill_predict_length or shorten the prompt")
+    return cls(prompt=v["prompt"], prompt_token_ids=ids, max_prefill_predict_length=prefill,
+               sampling_strategy=v["decode_sampling_strategy"],
+               sampling_temperature=v["decode_sampling_temperature"],
+               sampling_nucleus_p=v["decode_sampling_nucleus_p"], sampling_top_k=v["decode_sampling_top_k"],
+               sampling_seed=v["decode_sampling_seed"], quantize_kvcache=v["quantize_kvcache"])
+
+
 @dataclasses.dataclass(frozen=True)
 class Groups:
   model: ModelConfig
@@ -542,6 +617,7 @@ class Groups:
   data: DataConfig
   run: RunConfig
   checkpoint: CheckpointConfig
+  decode: DecodeConfig
 
 
 def build_groups(values: Mapping[str, Any], target: DeviceTarget) -> Groups:
@@ -555,4 +631,4 @@ def build_groups(values: Mapping[str, Any], target: DeviceTarget) -> Groups:
   data = DataConfig.from_values(values, target, mesh)
   model = _with_pipeline(ModelConfig.from_values(values), values, mesh, data.global_batch_size)
   return Groups(model=model, mesh=mesh, optim=OptimConfig.from_values(values), data=data, run=run,
-                checkpoint=CheckpointConfig.from_values(values, run))
+                checkpoint=CheckpointConfig.from_values(values, run), decode=DecodeConfig.from_values(values))

@@ -18,6 +18,7 @@ from MaxText import sharding
 from MaxText.config_groups import ModelConfig
 from MaxText.layers.decoders import ACTIVATION_NAMES, decoder_layer_class
 from MaxText.layers.embeddings import Embed, sinusoidal_positions
+from MaxText.layers.kv_cache import KVCache
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers import pipeline, quantization
 from MaxText.layers.normalizations import make_norm
@@ -92,42 +93,49 @@ class Transformer(nnx.Module):
     return x_BLD
 
   def _run_layers(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
-                  dropout_rng: jax.Array | None) -> tuple[jax.Array, AuxLosses]:
-    """The decoder stack; also returns each auxiliary loss the layers sow, summed over layers."""
+                  dropout_rng: jax.Array | None, caches: Any = None) -> tuple[jax.Array, AuxLosses, Any]:
+    """The decoder stack; also returns each auxiliary loss the layers sow, summed over layers, and,
+    when decoding, the updated KV caches (`caches`: one KVCache stacked over layers when
+    scan_layers, else a list with one per layer)."""
     cfg = self.cfg
     num_layers = cfg.num_decoder_layers
     if cfg.num_pipeline_stages > 1:  # the stage-sharded scanned stack runs as a pipeline
-      return self._run_pipeline(x_BLD, positions_BL, segment_ids_BL, dropout_rng)
+      return (*self._run_pipeline(x_BLD, positions_BL, segment_ids_BL, dropout_rng), None)
     layer_rngs = jax.random.split(dropout_rng, num_layers) if dropout_rng is not None else None
 
     # layer_index lets a layer pick its per-layer behaviour (e.g. local vs global attention)
     # inside a scan, where every layer shares one traced body.
-    def one_layer(graphdef: nnx.GraphDef, x: jax.Array, layer_state: nnx.State,
-                  rng: jax.Array | None, layer_index: jax.Array) -> tuple[jax.Array, AuxLosses]:
+    def one_layer(graphdef: nnx.GraphDef, x: jax.Array, layer_state: nnx.State, rng: jax.Array | None,
+                  layer_index: jax.Array, cache: KVCache | None) -> tuple[jax.Array, AuxLosses, KVCache | None]:
       layer = nnx.merge(graphdef, layer_state)
-      x, sown = nnx.capture(layer, nnx.Intermediate)(x, positions_BL, segment_ids_BL, rng, layer_index)
-      return x, sum_sown_losses(sown)
+      extra = () if cache is None else (cache,)
+      out, sown = nnx.capture(layer, nnx.Intermediate)(x, positions_BL, segment_ids_BL, rng, layer_index, *extra)
+      x, cache = out if cache is not None else (out, None)
+      return x, sum_sown_losses(sown), cache
 
     policy = remat_policy(cfg.remat_policy)
-    if policy != "none":
+    if policy != "none" and caches is None:  # decoding takes no gradients: nothing to rematerialise
       one_layer = jax.checkpoint(one_layer, policy=policy, static_argnums=(0,))
 
     if cfg.scan_layers:
       graphdef, stacked_state = nnx.split(self.layers)
 
-      def body(x: jax.Array, per_layer: tuple[nnx.State, jax.Array | None, jax.Array]
-               ) -> tuple[jax.Array, AuxLosses]:
-        return one_layer(graphdef, x, *per_layer)
+      def body(x: jax.Array, per_layer: tuple) -> tuple[jax.Array, tuple[AuxLosses, KVCache | None]]:
+        x, layer_aux, cache = one_layer(graphdef, x, *per_layer)
+        return x, (layer_aux, cache)
 
-      x_BLD, aux_per_layer = jax.lax.scan(body, x_BLD, (stacked_state, layer_rngs, jnp.arange(num_layers)))
-      return x_BLD, {name: jnp.sum(values) for name, values in aux_per_layer.items()}
+      x_BLD, (aux_per_layer, caches) = jax.lax.scan(
+          body, x_BLD, (stacked_state, layer_rngs, jnp.arange(num_layers), caches))
+      return x_BLD, {name: jnp.sum(values) for name, values in aux_per_layer.items()}, caches
     aux: AuxLosses = {}
+    new_caches = []
     for i in range(num_layers):
       graphdef, state = nnx.split(getattr(self, f"layers_{i}"))
-      x_BLD, layer_aux = one_layer(graphdef, x_BLD, state, None if layer_rngs is None else layer_rngs[i],
-                                   jnp.asarray(i, jnp.int32))
+      x_BLD, layer_aux, cache = one_layer(graphdef, x_BLD, state, None if layer_rngs is None else layer_rngs[i],
+                                          jnp.asarray(i, jnp.int32), None if caches is None else caches[i])
       aux = {name: aux.get(name, 0.0) + value for name, value in layer_aux.items()}
-    return x_BLD, aux
+      new_caches.append(cache)
+    return x_BLD, aux, None if caches is None else new_caches
 
   def _run_pipeline(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
                     dropout_rng: jax.Array | None) -> tuple[jax.Array, AuxLosses]:
@@ -151,10 +159,24 @@ class Transformer(nnx.Module):
   def logits_and_aux(self, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
                      dropout_rng: jax.Array | None = None) -> tuple[jax.Array, AuxLosses]:
     """Float32 logits [B, L, V] and the auxiliary losses (e.g. `moe_lb_loss`), each a mean over layers."""
-    cfg = self.cfg
     x_BLD = sharding.constrain(self._embed(tokens_BL, positions_BL), ACTIVATION_NAMES)
-    with quantization.use_quantization(cfg.quantization):  # the stack only: logits stay in float
-      x_BLD, aux = self._run_layers(x_BLD, positions_BL, segment_ids_BL, dropout_rng)
+    with quantization.use_quantization(self.cfg.quantization):  # the stack only: logits stay in float
+      x_BLD, aux, _ = self._run_layers(x_BLD, positions_BL, segment_ids_BL, dropout_rng)
+    return self._logits(x_BLD), {name: total / self.cfg.num_decoder_layers for name, total in aux.items()}
+
+  def decode(self, tokens_BL: jax.Array, positions_BL: jax.Array, caches: Any) -> tuple[jax.Array, Any]:
+    """Decoding forward pass: float32 logits [B, L, V] of new tokens at absolute `positions_BL`,
+    attending over (and written into) `caches`; returns the updated caches too."""
+    if self.cfg.num_pipeline_stages > 1:
+      raise ValueError("decoding does not support pipeline parallelism; set ici_pipeline_parallelism=1")
+    x_BLD = sharding.constrain(self._embed(tokens_BL, positions_BL), ACTIVATION_NAMES)
+    segment_ids_BL = jnp.ones(tokens_BL.shape, jnp.int32)  # unused: the cache masks by position
+    x_BLD, _, caches = self._run_layers(x_BLD, positions_BL, segment_ids_BL, None, caches)
+    return self._logits(x_BLD), caches
+
+  def _logits(self, x_BLD: jax.Array) -> jax.Array:
+    """Final norm, output projection (or tied embedding) and soft cap: float32 [B, L, V]."""
+    cfg = self.cfg
     x_BLD = self.decoder_norm(x_BLD)
     if cfg.logits_via_embedding:
       logits_dtype = jnp.float32 if cfg.logits_dot_in_fp32 else jnp.dtype(cfg.dtype)
@@ -165,7 +187,7 @@ class Transformer(nnx.Module):
     logits_BLV = logits_BLV.astype(jnp.float32)
     if cfg.final_logits_soft_cap > 0:
       logits_BLV = cfg.final_logits_soft_cap * jnp.tanh(logits_BLV / cfg.final_logits_soft_cap)
-    return logits_BLV, {name: total / cfg.num_decoder_layers for name, total in aux.items()}
+    return logits_BLV
 
 
 def _logical_names(variable: nnx.Variable) -> tuple[str | None, ...]:
@@ -200,6 +222,12 @@ class ModelSpec:
     """(logits, auxiliary losses): what the train step needs (e.g. the MoE load-balancing loss)."""
     model = nnx.merge(self.graphdef, params)
     return model.logits_and_aux(tokens_BL, positions_BL, segment_ids_BL, dropout_rng)
+
+  def apply_decode(self, params: Any, tokens_BL: jax.Array, positions_BL: jax.Array, caches: Any
+                   ) -> tuple[jax.Array, Any]:
+    """(float32 logits [B, L, V], updated caches): one prefill or generate pass (see Transformer.decode)."""
+    model = nnx.merge(self.graphdef, params)
+    return model.decode(tokens_BL, positions_BL, caches)
 
 
 def build_model_spec(cfg: ModelConfig) -> ModelSpec:
