@@ -81,6 +81,7 @@ class Engine:
     self.state_shardings = DecodeState(
         sharding.named_shardings(abstract_caches, kv_cache.model_cache_names(self.cfg, quantized), self.mesh,
                                  self.rules), replicated, replicated, replicated)
+    self._init_state = jax.jit(self._init_state_fn, out_shardings=self.state_shardings)
     self._prefill = jax.jit(self._prefill_fn)
     self._insert = jax.jit(self._insert_fn, donate_argnums=(1,), out_shardings=self.state_shardings)
     self._generate = jax.jit(self._generate_fn, donate_argnums=(1,),
@@ -95,13 +96,8 @@ class Engine:
     return jax.jit(self.spec.init_params, out_shardings=self.param_shardings)(jax.random.key(seed))
 
   def init_decode_state(self, seed: int = 0) -> DecodeState:
-    quantized = self.decode_cfg.quantize_kvcache
-
-    def init() -> DecodeState:
-      zeros = jnp.zeros((self.num_slots,), jnp.int32)
-      return DecodeState(kv_cache.model_caches(self.cfg, self.num_slots, self.cfg.max_target_length, quantized),
-                         zeros, zeros, jax.random.key_data(jax.random.key(seed)))
-    return jax.jit(init, out_shardings=self.state_shardings)()
+    """Empty caches for every slot, born sharded."""
+    return self._init_state(jnp.uint32(seed))
 
   def prefill(self, params: Any, prompts: Sequence[Sequence[int]], seed: int = 0) -> Prefix:
     """One pass over the right-padded prompts (each at most max_prefill_predict_length tokens)."""
@@ -128,6 +124,12 @@ class Engine:
   # ---------------------------------------------------------------- jitted bodies
   def _sample(self, logits_BV: jax.Array, key_data: jax.Array) -> jax.Array:
     return sampling.sample(logits_BV, jax.random.wrap_key_data(key_data), self.sampling)
+
+  def _init_state_fn(self, seed: jax.Array) -> DecodeState:
+    zeros = jnp.zeros((self.num_slots,), jnp.int32)
+    caches = kv_cache.model_caches(self.cfg, self.num_slots, self.cfg.max_target_length,
+                                   self.decode_cfg.quantize_kvcache)
+    return DecodeState(caches, zeros, zeros, jax.random.key_data(jax.random.key(seed)))
 
   def _prefill_fn(self, params: Any, tokens_BP: jax.Array, lengths_B: jax.Array, key_data: jax.Array) -> Prefix:
     batch, length = tokens_BP.shape

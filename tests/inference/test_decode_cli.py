@@ -16,7 +16,7 @@ import pytest
 from MaxText import checkpointing, models
 from MaxText.config import Config
 from MaxText.convert import engine as convert_engine
-from MaxText.decode import decode
+from decode_test_utils import one_device_mesh, uncached_greedy
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = dict(base_emb_dim=32, base_num_query_heads=4, base_num_kv_heads=2, head_dim=8, base_mlp_dim=64,
@@ -53,9 +53,12 @@ def test_cli_prints_ids_equal_to_in_process_greedy(checkpoint):
   ids = printed_ids(result.stdout)
   assert len(ids) == RUN["max_target_length"] - 3 + 1 and all(0 <= t < MODEL["vocab_size"] for t in ids)
   assert "prefill:" in result.stdout and "tokens/s" in result.stdout.split("generate:")[1]
-  # In process, on 8 devices (the CLI ran on one): the same greedy tokens.
-  config = Config.for_testing(**MODEL, **RUN, load_parameters_path=str(checkpoint), prompt_token_ids="5,17,42")
-  assert decode(config) == ids
+  # The same tokens as greedy decoding without a cache, on the checkpoint read back in process.
+  config = Config.for_testing(**MODEL, **RUN)
+  spec = models.build_model_spec(config.model)
+  params = checkpointing.load_params(str(checkpoint), spec.abstract_params,
+                                     models.shard_params_like(spec, one_device_mesh(), config.mesh.logical_axis_rules))
+  assert uncached_greedy(spec, params, [5, 17, 42], len(ids), RUN["max_target_length"]) == ids
 
 
 @pytest.mark.parametrize("args,message", [

@@ -15,6 +15,7 @@ import pytest
 
 from MaxText.inference.engine import Engine
 from MaxText.layers import kv_cache
+from decode_test_utils import engine_tokens, uncached_greedy
 
 PREFILL, TARGET, NEW_TOKENS = 12, 32, 10
 PROMPTS = [[5, 17, 42, 7, 99, 3, 64, 20, 11], [101, 2, 33, 8]]
@@ -44,38 +45,6 @@ def build_mixtral(hf, seed: int = 0):
   return model
 
 
-def engine_tokens(engine: Engine, params, prompts, num_new: int) -> list[list[int]]:
-  """Greedy tokens through prefill (batched) + insert + generate."""
-  prefix = engine.prefill(params, prompts)
-  state = engine.init_decode_state()
-  for row in range(len(prompts)):
-    state = engine.insert(prefix, state, slot=row, row=row)
-  out = [[int(t)] for t in np.asarray(prefix.first_tokens_B)]
-  for _ in range(num_new - 1):
-    state, tokens = engine.generate(params, state)
-    for row, token in enumerate(np.asarray(tokens)[:len(prompts)]):
-      out[row].append(int(token))
-  return out
-
-
-def uncached_greedy(spec, params, prompt: list[int], num_new: int, length: int) -> list[int]:
-  """The full forward pass over a fixed [1, length] buffer each step (causal: padding after the
-  last real token cannot change its logits), so it compiles once."""
-  apply = jax.jit(spec.apply)
-  buffer = np.zeros((1, length), np.int32)
-  buffer[0, :len(prompt)] = prompt
-  positions = jnp.arange(length)[None]
-  out = []
-  for step in range(num_new):
-    last = len(prompt) + step - 1
-    logits = apply(params, jnp.asarray(buffer), positions, jnp.ones((1, length), jnp.int32))
-    token = int(jnp.argmax(logits[0, last]))
-    out.append(token)
-    if last + 1 < length:
-      buffer[0, last + 1] = token
-  return out
-
-
 def hf_greedy(hf, model, prompt: list[int], num_new: int) -> list[int]:
   with hf.torch.no_grad():
     ids = model.generate(hf.torch.tensor([prompt]), max_new_tokens=num_new, min_new_tokens=num_new,
@@ -84,8 +53,9 @@ def hf_greedy(hf, model, prompt: list[int], num_new: int) -> list[int]:
 
 
 # scan_layers alternates so both cache layouts (stacked and per-layer tuple) are covered.
-CASES = [("llama3.1", True), ("llama2-tied", False), ("mistral", True), ("gemma", False), ("gemma2", True),
-         ("gpt3", False), ("mixtral", True)]
+# Sliding windows, soft caps, MoE and learned positions stay in the default run; the rest are slow.
+CASES = [pytest.param("llama3.1", True, marks=pytest.mark.slow), pytest.param("llama2-tied", False, marks=pytest.mark.slow), ("mistral", True),
+         pytest.param("gemma", False, marks=pytest.mark.slow), ("gemma2", True), ("gpt3", False), ("mixtral", True)]
 
 
 @pytest.mark.parametrize("family,scan_layers", CASES)

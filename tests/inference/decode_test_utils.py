@@ -1,0 +1,58 @@
+"""Shared helpers of the decode tests: engine greedy tokens and the no-cache reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax.sharding import Mesh
+
+from MaxText.config_groups import MESH_AXES
+from MaxText.inference.engine import Engine
+
+_APPLY: dict[int, tuple] = {}
+
+
+def _jitted_apply(spec):
+  """One jitted forward per model spec (a new jax.jit object would compile again)."""
+  if id(spec) not in _APPLY:
+    _APPLY[id(spec)] = (spec, jax.jit(spec.apply))
+  return _APPLY[id(spec)][1]
+
+
+def one_device_mesh() -> Mesh:
+  """Tests that are not about sharding decode on one device: 8 simulated devices only add collectives."""
+  return Mesh(np.asarray(jax.devices()[:1]).reshape((1,) * len(MESH_AXES)), MESH_AXES)
+
+
+def engine_tokens(engine: Engine, params, prompts, num_new: int) -> list[list[int]]:
+  """Greedy tokens through prefill (batched) + insert + generate."""
+  prefix = engine.prefill(params, prompts)
+  state = engine.init_decode_state()
+  for row in range(len(prompts)):
+    state = engine.insert(prefix, state, slot=row, row=row)
+  out = [[int(t)] for t in np.asarray(prefix.first_tokens_B)]
+  for _ in range(num_new - 1):
+    state, tokens = engine.generate(params, state)
+    for row, token in enumerate(np.asarray(tokens)[:len(prompts)]):
+      out[row].append(int(token))
+  return out
+
+
+def uncached_greedy(spec, params, prompt: list[int], num_new: int, length: int) -> list[int]:
+  """The full forward pass over a fixed [1, length] buffer each step (causal: padding after the
+  last real token cannot change its logits), so it compiles once."""
+  apply = _jitted_apply(spec)
+  buffer = np.zeros((1, length), np.int32)
+  buffer[0, :len(prompt)] = prompt
+  positions = jnp.arange(length)[None]
+  out = []
+  for step in range(num_new):
+    last = len(prompt) + step - 1
+    logits = apply(params, jnp.asarray(buffer), positions, jnp.ones((1, length), jnp.int32))
+    token = int(jnp.argmax(logits[0, last]))
+    out.append(token)
+    if last + 1 < length:
+      buffer[0, last + 1] = token
+  return out
