@@ -171,7 +171,8 @@ class Transformer(nnx.Module):
       raise ValueError("decoding does not support pipeline parallelism; set ici_pipeline_parallelism=1")
     x_BLD = sharding.constrain(self._embed(tokens_BL, positions_BL), ACTIVATION_NAMES)
     segment_ids_BL = jnp.ones(tokens_BL.shape, jnp.int32)  # unused: the cache masks by position
-    x_BLD, _, caches = self._run_layers(x_BLD, positions_BL, segment_ids_BL, None, caches)
+    with quantization.use_quantization(self.cfg.quantization):  # as in training: same matmuls as the full pass
+      x_BLD, _, caches = self._run_layers(x_BLD, positions_BL, segment_ids_BL, None, caches)
     return self._logits(x_BLD), caches
 
   def _logits(self, x_BLD: jax.Array) -> jax.Array:
