@@ -378,6 +378,7 @@ class OptimConfig:
   gradient_clipping_threshold: float
   gradient_accumulation_steps: int
   z_loss_multiplier: float
+  optimizer_memory_host_offload: bool = False  # optimizer state in pinned host memory
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any]) -> "OptimConfig":
@@ -398,6 +399,7 @@ class OptimConfig:
         adam_b2=v["adam_b2"], adam_eps=v["adam_eps"], adam_eps_root=v["adam_eps_root"],
         weight_decay=v["adam_weight_decay"], gradient_clipping_threshold=v["gradient_clipping_threshold"],
         gradient_accumulation_steps=v["gradient_accumulation_steps"], z_loss_multiplier=v["z_loss_multiplier"],
+        optimizer_memory_host_offload=v["optimizer_memory_host_offload"],
     )
 
 

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
 import optax
+from jax.sharding import Mesh, NamedSharding
 
 from MaxText.config_groups import OptimConfig
+from MaxText.errors import ConfigError
+
+HOST_MEMORY_KIND = "pinned_host"
 
 
 def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
@@ -28,3 +35,25 @@ def create_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
   if cfg.gradient_clipping_threshold > 0:
     return optax.chain(optax.clip_by_global_norm(cfg.gradient_clipping_threshold), adamw)
   return adamw
+
+
+def check_host_memory_kinds(kinds: set[str], platform: str) -> None:
+  """One-line error when the backend cannot hold arrays in pinned host memory."""
+  if HOST_MEMORY_KIND not in kinds:
+    raise ConfigError(
+        f"optimizer_memory_host_offload=True needs the {HOST_MEMORY_KIND!r} memory kind, but {platform} devices "
+        f"offer {sorted(kinds)}; set optimizer_memory_host_offload=False")
+
+
+def host_offloaded(opt_shardings: Any, mesh: Mesh) -> Any:
+  """The same shardings in pinned host memory: optimizer state (AdamW's mu and nu, 2x the
+  float32 parameters) then lives in host RAM; the step copies it to the device for the update
+  and back (`jax.device_put` inside the jitted step, overlapped by XLA with compute)."""
+  device = mesh.devices.flat[0]
+  try:
+    kinds = {memory.kind for memory in device.addressable_memories()}
+  except Exception:  # topology-only devices (AOT compile) have no memories to list; XLA checks at compile
+    kinds = {HOST_MEMORY_KIND}
+  check_host_memory_kinds(kinds, device.platform)
+  return jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY_KIND), opt_shardings,
+                      is_leaf=lambda x: isinstance(x, NamedSharding))

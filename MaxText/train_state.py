@@ -35,6 +35,9 @@ class StateSetup:
   abstract_state: TrainState
   state_shardings: TrainState
   param_unsharded_fraction: float
+  # Device-memory shardings of the optimizer state when state_shardings keeps it on the host
+  # (optimizer_memory_host_offload); None when it already lives on the device.
+  opt_device_shardings: Any = None
 
 
 def _create_state(model: models.ModelSpec, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
@@ -55,9 +58,12 @@ def build_state_setup(config, mesh: Mesh) -> StateSetup:
   opt_shardings = optax.tree_map_params(
       optimizer, lambda _, s: s, abstract_state.opt_state, param_shardings,
       transform_non_params=lambda _: replicated)
+  opt_device_shardings = None
+  if config.optim.optimizer_memory_host_offload:
+    opt_device_shardings, opt_shardings = opt_shardings, optimizers.host_offloaded(opt_shardings, mesh)
   # The same dataclass holding shardings in place of arrays, as jit's in/out_shardings expect.
   state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)  # type: ignore[arg-type]
-  return StateSetup(model, optimizer, mesh, abstract_state, state_shardings, fraction)
+  return StateSetup(model, optimizer, mesh, abstract_state, state_shardings, fraction, opt_device_shardings)
 
 
 def init_state(setup: StateSetup, seed: int) -> TrainState:

@@ -83,7 +83,10 @@ def make_train_step(setup: StateSetup, config) -> Callable[[TrainState, Batch, j
       grads, sums = _grads_and_sums(setup, config, state.params, batch, dropout_rng)
     num_tokens = jnp.maximum(sums["weight_sum"], 1.0)
     grads = jax.tree.map(lambda g: g / num_tokens, grads)
-    updates, opt_state = setup.optimizer.update(grads, state.opt_state, state.params)
+    opt_state = state.opt_state
+    if setup.opt_device_shardings is not None:  # host-offloaded: update on the device, out_shardings store it back
+      opt_state = jax.device_put(opt_state, setup.opt_device_shardings)
+    updates, opt_state = setup.optimizer.update(grads, opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {
         "loss": sums["xent_sum"] / num_tokens,
