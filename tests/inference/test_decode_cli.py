@@ -84,3 +84,19 @@ def test_tokenizer_larger_than_vocab_is_an_error(tmp_path):
                       "prompt=word1 word2")
   assert result.returncode == 2
   assert "has 200 tokens but the model's vocab_size is 64" in result.stderr
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(decode_sampling_strategy="beam"), "decode_sampling_strategy must be one of greedy, weighted, nucleus, topk"),
+    (dict(decode_sampling_temperature=0.0), "decode_sampling_temperature must be > 0"),
+    (dict(decode_sampling_nucleus_p=1.5), "decode_sampling_nucleus_p must be in (0, 1]"),
+    (dict(decode_sampling_top_k=0), "decode_sampling_top_k must be between 1 and vocab_size"),
+    (dict(prompt_token_ids="5,x"), "prompt_token_ids must be comma-separated integers"),
+    (dict(prompt_token_ids="5,64"), "prompt_token_ids must lie in [0, vocab_size=64)"),
+    (dict(max_prefill_predict_length=0), "max_prefill_predict_length must be > 0"),
+])
+def test_decode_keys_are_validated(overrides, message):
+  from MaxText.errors import ConfigError
+  with pytest.raises(ConfigError, match=None) as error:
+    Config.for_testing(**MODEL, **{**RUN, **overrides})
+  assert message in str(error.value)

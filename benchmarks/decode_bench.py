@@ -1,0 +1,94 @@
+"""CPU decode latency and throughput of a ~110M-parameter Llama-style model through the engine.
+
+    python3 benchmarks/decode_bench.py [--prefill 128] [--steps 32] [--slots 1,8] [--layouts unrolled,scanned]
+                                       [--repeats 3] [--int8]
+
+Prefill: one pass over a full prompt of --prefill tokens (batch 1); latency is the median of
+--repeats runs after a compiling one. Generate: --steps jitted steps advancing every slot by one
+token, timed after a compiling step; per-token latency is the wall time of one step (all slots
+at once), tokens/s counts every slot. Both layer layouts are measured: on CPU the scanned stack
+generated several times slower than the unrolled one here (see getting_started/Decode.md), so
+decode there with scan_layers=False (a checkpoint of either layout loads into both). Random weights (the speed does not depend on them). The
+last lines are machine-readable: `RESULT prefill ...` and `RESULT generate slots=...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# ~110M parameters: 12 layers of width 768 (12 heads of 64, SwiGLU MLP 2048), a 32000 vocabulary
+# tied to the output projection (24.6M of the total).
+MODEL = dict(base_emb_dim=768, base_num_query_heads=12, base_num_kv_heads=12, head_dim=64, base_mlp_dim=2048,
+             base_num_decoder_layers=12, vocab_size=32000, logits_via_embedding=True, dtype="float32",
+             ici_fsdp_parallelism=1, ici_data_parallelism=-1)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--prefill", type=int, default=128, help="prompt tokens (= max_prefill_predict_length)")
+  parser.add_argument("--steps", type=int, default=32, help="generate steps timed")
+  parser.add_argument("--slots", default="1,8", help="comma-separated decode batch sizes")
+  parser.add_argument("--layouts", default="unrolled,scanned", help="scan_layers=False (unrolled) and/or True")
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--int8", action="store_true", help="quantize_kvcache=True")
+  args = parser.parse_args()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+  import numpy as np
+
+  from MaxText.config import Config
+
+  prompt = list(np.random.default_rng(0).integers(1, MODEL["vocab_size"], args.prefill))
+  for layout in args.layouts.split(","):
+    config = Config.for_testing(**MODEL, scan_layers=layout == "scanned", max_prefill_predict_length=args.prefill,
+                                max_target_length=args.prefill + args.steps + 2, per_device_batch_size=1,
+                                quantize_kvcache=args.int8, print_config=False)
+    for num_slots in (int(s) for s in args.slots.split(",")):
+      run(config, layout, num_slots, prompt, args)
+
+
+def run(config: Any, layout: str, num_slots: int, prompt: list[int], args: argparse.Namespace) -> None:
+  import jax
+
+  from MaxText.inference.engine import Engine
+
+  engine = Engine(config, num_slots=num_slots)
+  params = engine.load_params()
+  num_params = sum(x.size for x in jax.tree.leaves(params))
+  times = []
+  for i in range(args.repeats + 1):
+    start = time.perf_counter()
+    prefix = engine.prefill(params, [prompt])
+    prefix.first_tokens_B.block_until_ready()
+    times.append(time.perf_counter() - start)
+  prefill_s = statistics.median(times[1:])
+  print(f"model: {num_params / 1e6:.1f}M parameters, {jax.device_count()} CPU device(s), "
+        f"kv cache {'int8' if args.int8 else config.model.dtype}; compile+first prefill {times[0]:.2f} s")
+  print(f"RESULT prefill layout={layout} tokens={args.prefill} latency_ms={prefill_s * 1e3:.1f} "
+        f"tokens_per_s={args.prefill / prefill_s:.1f}")
+
+  state = engine.init_decode_state()
+  for slot in range(num_slots):
+    state = engine.insert(prefix, state, slot)
+  state, tokens = engine.generate(params, state)  # compile
+  tokens.block_until_ready()
+  start = time.perf_counter()
+  for _ in range(args.steps):
+    state, tokens = engine.generate(params, state)
+  tokens.block_until_ready()
+  step_s = (time.perf_counter() - start) / args.steps
+  assert engine.generate_compilations() == 1
+  print(f"RESULT generate layout={layout} slots={num_slots} per_token_ms={step_s * 1e3:.2f} "
+        f"tokens_per_s={num_slots / step_s:.1f} (context {args.prefill}..{args.prefill + args.steps})")
+
+
+if __name__ == "__main__":
+  main()
