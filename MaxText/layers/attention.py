@@ -65,19 +65,21 @@ ATTENTION_KERNELS: dict[str, Callable[[ModelConfig], AttentionKernel]] = {
         lambda platform: (name := select_kernel("autoselected", platform, cfg), ATTENTION_KERNELS[name](cfg)),
         "autoselected"),
 }
-# CPU: dot_product is faster up to this many tokens (benchmarks/attention_bench.py); flash beyond.
-AUTOSELECT_CPU_FLASH_ABOVE = 2048
+# CPU: dot_product is as fast up to this many tokens, flash faster beyond (benchmarks/attention_bench.py,
+# getting_started/Attention.md: at 1024 tokens flash is 1.4x faster, at 8192 2.7x).
+AUTOSELECT_CPU_FLASH_ABOVE = 512
 
 
 def select_kernel(name: str, platform: str | None = None, cfg: ModelConfig | None = None) -> str:
-  """The kernel `name` runs on `platform`. `autoselected` picks TPU: flash (splash); GPU:
+  """The kernel `name` runs on `platform`. `autoselected` picks TPU: flash (splash) when its blocks
+  tile the sequence (a multiple of 128) else dot_product; GPU:
   cudnn_flash when cuDNN covers the model (no soft cap, half precision, head_dim <= 128) else flash;
   CPU: dot_product up to AUTOSELECT_CPU_FLASH_ABOVE tokens, flash beyond. Without a platform
   `autoselected` stays deferred: the layer resolves it when traced, for the mesh's platform."""
   if name != "autoselected" or platform is None:
     return name
   if platform == "tpu":
-    return "flash"
+    return "flash" if cfg is None or attention_kernels.splash_supports(cfg) else "dot_product"
   if platform in ("gpu", "cuda", "rocm"):
     return "cudnn_flash" if cfg is None or attention_kernels.cudnn_supports(cfg) else "flash"
   long_sequences = cfg is not None and cfg.max_target_length > AUTOSELECT_CPU_FLASH_ABOVE

@@ -278,6 +278,15 @@ def cudnn_supports(cfg: ModelConfig) -> bool:
           and cfg.head_dim <= 128 and cfg.head_dim % 8 == 0)
 
 
+def splash_supports(cfg: ModelConfig) -> bool:
+  """Whether the TPU splash kernel tiles this sequence length (else autoselected uses dot_product on TPU)."""
+  try:
+    splash_attention.block_sizes(cfg.attention_blocks, cfg.max_target_length)
+  except ConfigError:
+    return False
+  return True
+
+
 # ---------------------------------------------------------------- kernels built from the config
 
 def trace_platform() -> str:

@@ -156,12 +156,15 @@ def test_cudnn_flash_on_cpu_and_with_soft_cap_fail_clearly():
 def test_autoselect_rule_per_platform():
   short, long_ = _tiny().model, _tiny(max_target_length=4096).model
   capped = _tiny(attn_logits_soft_cap=30.0).model
-  assert select_kernel("autoselected", "tpu", short) == "flash"
+  assert select_kernel("autoselected", "tpu", _tiny(max_target_length=256).model) == "flash"
   assert select_kernel("autoselected", "gpu", _tiny(dtype="bfloat16").model) == "cudnn_flash"
   assert select_kernel("autoselected", "gpu", capped) == "flash"
   assert select_kernel("autoselected", "gpu", _tiny(dtype="float32").model) == "flash"
   assert select_kernel("autoselected", "cpu", short) == "dot_product"
   assert select_kernel("autoselected", "cpu", long_) == "flash"
+  assert select_kernel("autoselected", "cpu", _tiny(max_target_length=512).model) == "dot_product"
+  assert select_kernel("autoselected", "cpu", _tiny(max_target_length=1024).model) == "flash"
+  assert select_kernel("autoselected", "tpu", _tiny(max_target_length=64).model) == "dot_product"  # < 128
   assert select_kernel("dot_product", "tpu", short) == "dot_product"
   assert select_kernel("autoselected") == "autoselected"  # deferred until traced
 

@@ -1,0 +1,72 @@
+"""Attention forward + backward on CPU: chunked flash vs dot_product, tokens/s and memory.
+
+    python3 benchmarks/attention_bench.py [--lengths 1024,2048,4096,8192] [--heads 8] [--kv_heads 8]
+        [--head_dim 64] [--batch 1] [--block 512] [--repeats 3] [--window 0]
+
+One sequence of causal self-attention per step (gradients of q, k and v of a scalar loss), jitted,
+on one CPU device; the first (compiling) call is not timed. Memory is XLA's own accounting of the
+compiled step (`memory_analysis().temp_size_in_bytes`: every intermediate buffer alive at the
+peak, arguments and outputs excluded). Prints one Markdown table row per kernel and length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--lengths", default="1024,2048,4096,8192")
+  parser.add_argument("--batch", type=int, default=1)
+  parser.add_argument("--heads", type=int, default=8)
+  parser.add_argument("--kv_heads", type=int, default=8)
+  parser.add_argument("--head_dim", type=int, default=64)
+  parser.add_argument("--block", type=int, default=512, help="flash_block_q = flash_block_kv")
+  parser.add_argument("--window", type=int, default=0, help="sliding window (0 = full causal)")
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--kernels", default="dot_product,flash")
+  args = parser.parse_args()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+  import jax
+  import jax.numpy as jnp
+
+  from MaxText.layers import attention_kernels
+  from MaxText.layers.attention import dot_product_attention
+
+  kernels = {"dot_product": dot_product_attention,
+             "flash": functools.partial(attention_kernels.flash_attention, block_q=args.block, block_kv=args.block)}
+  window = args.window or None
+  print(f"batch {args.batch}, heads {args.heads}/{args.kv_heads} (q/kv), head_dim {args.head_dim}, float32, "
+        f"window {window}, flash block {args.block}, {jax.devices()[0].device_kind}")
+  print("| kernel | length | fwd+bwd s | tokens/s | temp memory MiB |")
+  print("| --- | --- | --- | --- | --- |")
+  for length in (int(x) for x in args.lengths.split(",")):
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (args.batch, length, args.heads, args.head_dim), jnp.float32)
+    k, v = (jax.random.normal(key, (args.batch, length, args.kv_heads, args.head_dim), jnp.float32) for key in keys[1:])
+    segments = jnp.ones((args.batch, length), jnp.int32)
+    for name in args.kernels.split(","):
+      kernel = kernels[name]
+      step = jax.jit(jax.grad(lambda q, k, v, kernel=kernel: kernel(q, k, v, segments, window, 0.0).sum(),
+                              argnums=(0, 1, 2)))
+      compiled = step.lower(q, k, v).compile()
+      temp = compiled.memory_analysis().temp_size_in_bytes
+      jax.block_until_ready(compiled(q, k, v))
+      start = time.perf_counter()
+      for _ in range(args.repeats):
+        jax.block_until_ready(compiled(q, k, v))
+      seconds = (time.perf_counter() - start) / args.repeats
+      print(f"| {name} | {length} | {seconds:.3f} | {args.batch * length / seconds:,.0f} | {temp / 2**20:,.1f} |",
+            flush=True)
+
+
+if __name__ == "__main__":
+  main()
