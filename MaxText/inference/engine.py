@@ -39,10 +39,12 @@ class Prefix:
 
 @struct.dataclass
 class DecodeState:
+  """Arrays of the batched decode state (the same structure also carries their shardings)."""
+
   caches: Any  # per-layer KV caches of length S (batch T)
-  next_positions_B: jax.Array  # [T] position the slot's pending token is written at
-  tokens_B: jax.Array  # [T] each slot's latest sampled token (input of the next step)
-  key: jax.Array  # sampling PRNG key, split every step
+  next_positions_B: Any  # [T] int32 position the slot's pending token is written at
+  tokens_B: Any  # [T] int32 each slot's latest sampled token (input of the next step)
+  key: Any  # sampling PRNG key data, split every step
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -78,9 +80,11 @@ class Engine:
     abstract_caches = jax.eval_shape(lambda: kv_cache.model_caches(self.cfg, num_slots, self.cfg.max_target_length,
                                                                    quantized))
     replicated = NamedSharding(self.mesh, PartitionSpec())
+    # A DecodeState-shaped tree of shardings (its fields hold NamedShardings, not arrays).
     self.state_shardings = DecodeState(
         sharding.named_shardings(abstract_caches, kv_cache.model_cache_names(self.cfg, quantized), self.mesh,
                                  self.rules), replicated, replicated, replicated)
+    self.traces = {"prefill": 0, "insert": 0, "generate": 0}  # jit traces (= compilations) per step function
     self._init_state = jax.jit(self._init_state_fn, out_shardings=self.state_shardings)
     self._prefill = jax.jit(self._prefill_fn)
     self._insert = jax.jit(self._insert_fn, donate_argnums=(1,), out_shardings=self.state_shardings)
@@ -119,7 +123,7 @@ class Engine:
 
   def generate_compilations(self) -> int:
     """How many distinct programs `generate` has compiled (1 after any number of steps)."""
-    return self._generate._cache_size()
+    return self.traces["generate"]
 
   # ---------------------------------------------------------------- jitted bodies
   def _sample(self, logits_BV: jax.Array, key_data: jax.Array) -> jax.Array:
@@ -132,6 +136,7 @@ class Engine:
     return DecodeState(caches, zeros, zeros, jax.random.key_data(jax.random.key(seed)))
 
   def _prefill_fn(self, params: Any, tokens_BP: jax.Array, lengths_B: jax.Array, key_data: jax.Array) -> Prefix:
+    self.traces["prefill"] += 1
     batch, length = tokens_BP.shape
     caches = kv_cache.model_caches(self.cfg, batch, length, self.decode_cfg.quantize_kvcache)
     positions_BP = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens_BP.shape)
@@ -140,19 +145,21 @@ class Engine:
     return Prefix(caches, lengths_B, self._sample(last_BV, key_data))
 
   def _insert_fn(self, prefix: Prefix, state: DecodeState, slot: jax.Array, row: jax.Array) -> DecodeState:
+    self.traces["insert"] += 1
     batch_axis = 1 if self.cfg.scan_layers else 0  # stacked caches carry a leading layer dim
 
     def put(big: jax.Array, small: jax.Array) -> jax.Array:
       one_row = jax.lax.dynamic_slice_in_dim(small, row, 1, axis=batch_axis)
-      start = [0] * big.ndim
+      start: list[Any] = [0] * big.ndim
       start[batch_axis] = slot
       return jax.lax.dynamic_update_slice(big, one_row.astype(big.dtype), start)
 
-    return state.replace(caches=jax.tree.map(put, state.caches, prefix.caches),
+    return dataclasses.replace(state, caches=jax.tree.map(put, state.caches, prefix.caches),
                          next_positions_B=state.next_positions_B.at[slot].set(prefix.next_positions_B[row]),
                          tokens_B=state.tokens_B.at[slot].set(prefix.first_tokens_B[row]))
 
   def _generate_fn(self, params: Any, state: DecodeState) -> tuple[DecodeState, jax.Array]:
+    self.traces["generate"] += 1  # Python side effect: runs once per trace, never per executed step
     logits_B1V, caches = self.spec.apply_decode(params, state.tokens_B[:, None], state.next_positions_B[:, None],
                                                 state.caches)
     key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))

@@ -86,10 +86,9 @@ class DecoderLayer(nnx.Module):
     """Output [B, L, D]; with a decode `cache`, (output, updated cache)."""
     attn_rng, mlp_rng = jax.random.split(dropout_rng) if dropout_rng is not None else (None, None)
     x_BLD = sharding.constrain(x_BLD, ACTIVATION_NAMES)
-    attn_BLD = self.self_attention(self.pre_self_attention_layer_norm(x_BLD), positions_BL, segment_ids_BL,
+    attn_out = self.self_attention(self.pre_self_attention_layer_norm(x_BLD), positions_BL, segment_ids_BL,
                                    layer_index, cache)
-    if cache is not None:
-      attn_BLD, cache = attn_BLD
+    attn_BLD, cache = attn_out if isinstance(attn_out, tuple) else (attn_out, None)
     h_BLD = x_BLD + dropout(self._block_output("attention_output_norm", attn_BLD), self.dropout_rate, attn_rng)
     mlp_BLD = self.mlp(self.post_self_attention_layer_norm(h_BLD))
     out_BLD = h_BLD + dropout(self._block_output("mlp_output_norm", mlp_BLD), self.dropout_rate, mlp_rng)

@@ -32,12 +32,16 @@ SCALE_NAMES = ("cache_batch", "cache_sequence", "cache_kv_heads", None)
 
 @struct.dataclass
 class KVCache:
-  """One attention layer's cache (a plain pytree). Scales are None unless int8-quantized."""
+  """One attention layer's cache (a plain pytree). Scales are None unless int8-quantized.
 
-  key_BSKH: jax.Array
-  value_BSKH: jax.Array
-  key_scale_BSK1: jax.Array | None = None
-  value_scale_BSK1: jax.Array | None = None
+  Fields hold arrays; the same structure also carries their logical axis names or shardings
+  (`cache_logical_names`), hence the loose field types.
+  """
+
+  key_BSKH: Any
+  value_BSKH: Any
+  key_scale_BSK1: Any = None
+  value_scale_BSK1: Any = None
 
   @property
   def quantized(self) -> bool:

@@ -30,7 +30,7 @@ def test_serve_reuses_slots_and_compiles_each_step_once():
   for request in served:  # five requests through two slots, each exactly its solo greedy decode
     assert request.output == uncached_greedy(engine.spec, params, request.prompt, request.max_new_tokens, 24)
   assert engine.generate_compilations() == 1
-  assert engine._prefill._cache_size() == 1 and engine._insert._cache_size() == 1
+  assert engine.traces == {"prefill": 1, "insert": 1, "generate": 1}
 
 
 def test_sharded_decode_equals_one_device():
