@@ -61,3 +61,22 @@ def test_offloaded_remat_policies_match_full_remat(tiny_overrides):
     losses[name] = [h["loss"] for h in history]
   for policy in policies:  # remat changes what is recomputed, not the arithmetic
     np.testing.assert_allclose(losses[policy], losses["full"], rtol=1e-5)
+
+
+def test_offloaded_optimizer_state_checkpoint_round_trip(tiny_overrides, tmp_path):
+  from MaxText import checkpointing
+  config = Config.for_testing(**tiny_overrides, optimizer_memory_host_offload=True, base_output_directory=str(tmp_path),
+                              run_name="run", steps=5, async_checkpointing=False)
+  run = Run(config)
+  state, _ = run.train(run.init(), 1)
+  checkpoints = checkpointing.RunCheckpoints(config.checkpoint)
+  checkpoints.save(1, state, run.data.get_state(), {"step": 1})
+  checkpoints.wait()
+  checkpoints.close()
+  restored = checkpointing.RunCheckpoints(config.checkpoint).restore_latest(run.setup.abstract_state,
+                                                                          run.setup.state_shardings)
+  assert _memory_kinds(restored.state.opt_state) == {"pinned_host"}
+  for got, want in zip(jax.tree.leaves(jax.device_get(restored.state.opt_state)),
+                       jax.tree.leaves(jax.device_get(state.opt_state))):
+    np.testing.assert_array_equal(got, want)
+  run.step_fn(restored.state, next(run.data), run.rng)  # the restored state steps
