@@ -164,15 +164,20 @@ class Transformer(nnx.Module):
       x_BLD, aux, _ = self._run_layers(x_BLD, positions_BL, segment_ids_BL, dropout_rng)
     return self._logits(x_BLD), {name: total / self.cfg.num_decoder_layers for name, total in aux.items()}
 
-  def decode(self, tokens_BL: jax.Array, positions_BL: jax.Array, caches: Any) -> tuple[jax.Array, Any]:
+  def decode(self, tokens_BL: jax.Array, positions_BL: jax.Array, caches: Any,
+             logits_index_B: jax.Array | None = None) -> tuple[jax.Array, Any]:
     """Decoding forward pass: float32 logits [B, L, V] of new tokens at absolute `positions_BL`,
-    attending over (and written into) `caches`; returns the updated caches too."""
+    attending over (and written into) `caches`; returns the updated caches too. With
+    `logits_index_B`, only the logits of that one token per row ([B, 1, V]): prefill needs just
+    the last prompt token's, and a [B, L, V] float32 block would dwarf the cache for long prompts."""
     if self.cfg.num_pipeline_stages > 1:
       raise ValueError("decoding does not support pipeline parallelism; set ici_pipeline_parallelism=1")
     x_BLD = sharding.constrain(self._embed(tokens_BL, positions_BL), ACTIVATION_NAMES)
     segment_ids_BL = jnp.ones(tokens_BL.shape, jnp.int32)  # unused: the cache masks by position
     with quantization.use_quantization(self.cfg.quantization):  # as in training: same matmuls as the full pass
       x_BLD, _, caches = self._run_layers(x_BLD, positions_BL, segment_ids_BL, None, caches)
+    if logits_index_B is not None:
+      x_BLD = jnp.take_along_axis(x_BLD, logits_index_B[:, None, None], axis=1)
     return self._logits(x_BLD), caches
 
   def _logits(self, x_BLD: jax.Array) -> jax.Array:
@@ -224,11 +229,12 @@ class ModelSpec:
     model = nnx.merge(self.graphdef, params)
     return model.logits_and_aux(tokens_BL, positions_BL, segment_ids_BL, dropout_rng)
 
-  def apply_decode(self, params: Any, tokens_BL: jax.Array, positions_BL: jax.Array, caches: Any
-                   ) -> tuple[jax.Array, Any]:
-    """(float32 logits [B, L, V], updated caches): one prefill or generate pass (see Transformer.decode)."""
+  def apply_decode(self, params: Any, tokens_BL: jax.Array, positions_BL: jax.Array, caches: Any,
+                   logits_index_B: jax.Array | None = None) -> tuple[jax.Array, Any]:
+    """(float32 logits [B, L, V] or [B, 1, V], updated caches): one prefill or generate pass
+    (see Transformer.decode)."""
     model = nnx.merge(self.graphdef, params)
-    return model.decode(tokens_BL, positions_BL, caches)
+    return model.decode(tokens_BL, positions_BL, caches, logits_index_B)
 
 
 def build_model_spec(cfg: ModelConfig) -> ModelSpec:

@@ -140,9 +140,8 @@ class Engine:
     batch, length = tokens_BP.shape
     caches = kv_cache.model_caches(self.cfg, batch, length, self.decode_cfg.quantize_kvcache)
     positions_BP = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens_BP.shape)
-    logits_BPV, caches = self.spec.apply_decode(params, tokens_BP, positions_BP, caches)
-    last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-    return Prefix(caches, lengths_B, self._sample(last_BV, key_data))
+    logits_B1V, caches = self.spec.apply_decode(params, tokens_BP, positions_BP, caches, lengths_B - 1)
+    return Prefix(caches, lengths_B, self._sample(logits_B1V[:, 0], key_data))
 
   def _insert_fn(self, prefix: Prefix, state: DecodeState, slot: jax.Array, row: jax.Array) -> DecodeState:
     self.traces["insert"] += 1
