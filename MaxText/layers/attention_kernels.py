@@ -12,7 +12,7 @@ heads per key/value head, H head dim, Q one query block, C one key/value block (
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Literal
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,7 @@ from MaxText.config_groups import ModelConfig
 from MaxText.errors import ConfigError
 from MaxText.layers import context_parallel, splash_attention
 
+Array = jax.Array
 AttentionKernel = Callable[..., jax.Array]  # (q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window_size, soft_cap)
 
 # Large finite negative (not -inf), as in attention.py, so masked logits never give NaN.
@@ -38,7 +39,7 @@ def _window_scalar(window_size: int | jax.Array | None) -> jax.Array:
 
 def _block_logits(q_BQKGH: jax.Array, k_BCKH: jax.Array, qseg_BQ: jax.Array, kseg_BC: jax.Array,
                   q_start: jax.Array, k_start: jax.Array, window: jax.Array, soft_cap: float
-                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
   """Masked float32 logits [B, K, G, Q, C], the visibility mask [B, 1, 1, Q, C] and, with a soft
   cap, tanh(raw / cap) (its derivative is needed by the backward pass)."""
   s_BKGQC = jnp.einsum("bqkgh,bckh->bkgqc", q_BQKGH, k_BCKH, preferred_element_type=jnp.float32)
@@ -74,7 +75,8 @@ def _slice(x: jax.Array, index: jax.Array, size: int) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=1)
 
 
-def _forward(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, soft_cap, block_q, block_kv):
+def _forward(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, kseg_BS: Array, window: Array,
+             q_offset: Array, soft_cap: float, block_q: int, block_kv: int) -> tuple[Array, Array]:
   """Online softmax over the visible key blocks of each query block: (out_BLKGH, lse_BKGL)."""
   batch, _, num_kv, group, head_dim = q_BLKGH.shape
   num_q_blocks, num_kv_blocks = q_BLKGH.shape[1] // block_q, k_BSKH.shape[1] // block_kv
@@ -109,8 +111,9 @@ def _forward(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, soft_c
   return out_BLKGH.astype(q_BLKGH.dtype), lse_BKGL
 
 
-def _backward_dq(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, soft_cap, block_q, block_kv,
-                 do_BLKGH, lse_BKGL, delta_BKGL):
+def _backward_dq(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, kseg_BS: Array, window: Array,
+                 q_offset: Array, soft_cap: float, block_q: int, block_kv: int, do_BLKGH: Array, lse_BKGL: Array,
+                 delta_BKGL: Array) -> Array:
   num_q_blocks, num_kv_blocks = q_BLKGH.shape[1] // block_q, k_BSKH.shape[1] // block_kv
 
   def one_q_block(i):
@@ -132,8 +135,9 @@ def _backward_dq(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, so
   return dq_nBQKGH.swapaxes(0, 1).reshape(q_BLKGH.shape)
 
 
-def _score_grad(q_BQKGH, k_BCKH, v_BCKH, qseg_BQ, kseg_BC, q_start, k_start, window, soft_cap, do_BQKGH,
-                lse_BKGQ, delta_BKGQ) -> tuple[jax.Array, jax.Array]:
+def _score_grad(q_BQKGH: Array, k_BCKH: Array, v_BCKH: Array, qseg_BQ: Array, kseg_BC: Array, q_start: Array,
+                k_start: Array, window: Array, soft_cap: float, do_BQKGH: Array, lse_BKGQ: Array,
+                delta_BKGQ: Array) -> tuple[Array, Array]:
   """Recomputed probabilities p and d(loss)/d(raw logits) of one block, both [B, K, G, Q, C] float32."""
   s_BKGQC, mask, tanh_BKGQC = _block_logits(q_BQKGH, k_BCKH, qseg_BQ, kseg_BC, q_start, k_start, window, soft_cap)
   p_BKGQC = jnp.where(mask, jnp.exp(s_BKGQC - lse_BKGQ[..., None]), 0.0)
@@ -144,8 +148,9 @@ def _score_grad(q_BQKGH, k_BCKH, v_BCKH, qseg_BQ, kseg_BC, q_start, k_start, win
   return p_BKGQC, ds_BKGQC
 
 
-def _backward_dkv(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, soft_cap, block_q, block_kv,
-                  do_BLKGH, lse_BKGL, delta_BKGL):
+def _backward_dkv(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, kseg_BS: Array, window: Array,
+                  q_offset: Array, soft_cap: float, block_q: int, block_kv: int, do_BLKGH: Array, lse_BKGL: Array,
+                  delta_BKGL: Array) -> tuple[Array, Array]:
   num_q_blocks, num_kv_blocks = q_BLKGH.shape[1] // block_q, k_BSKH.shape[1] // block_kv
 
   def one_kv_block(j):
@@ -174,17 +179,19 @@ def _backward_dkv(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, s
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _flash_core(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, soft_cap, block_q, block_kv):
+def _flash_core(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, kseg_BS: Array, window: Array,
+                q_offset: Array, soft_cap: float, block_q: int, block_kv: int) -> Array:
   return _forward(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, soft_cap, block_q, block_kv)[0]
 
 
-def _flash_core_fwd(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, soft_cap, block_q, block_kv):
+def _flash_core_fwd(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, kseg_BS: Array, window: Array,
+                    q_offset: Array, soft_cap: float, block_q: int, block_kv: int) -> tuple[Array, tuple]:
   out_BLKGH, lse_BKGL = _forward(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, soft_cap,
                                  block_q, block_kv)
   return out_BLKGH, (q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, out_BLKGH, lse_BKGL)
 
 
-def _flash_core_bwd(soft_cap, block_q, block_kv, residuals, do_BLKGH):
+def _flash_core_bwd(soft_cap: float, block_q: int, block_kv: int, residuals: tuple, do_BLKGH: Array) -> tuple:
   q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, out_BLKGH, lse_BKGL = residuals
   # delta = rowsum(dO * O): the softmax Jacobian's diagonal correction (FlashAttention-2, eq. in sec. 3.1).
   delta_BKGL = jnp.einsum("blkgh,blkgh->bkgl", do_BLKGH.astype(jnp.float32), out_BLKGH.astype(jnp.float32))
@@ -254,7 +261,7 @@ def reference_attention_with_offset(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH
 
 def cudnn_flash_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BL: jax.Array,
                           window_size: int | jax.Array | None = None, soft_cap: float = 0.0,
-                          implementation: str = "cudnn") -> jax.Array:
+                          implementation: Literal["xla", "cudnn"] = "cudnn") -> jax.Array:
   """cuDNN flash attention through jax.nn.dot_product_attention. `implementation="xla"` runs the
   same arguments through XLA (how the argument mapping is tested off GPU)."""
   if soft_cap > 0:
@@ -305,7 +312,8 @@ def make_flash(cfg: ModelConfig) -> AttentionKernel:
   local = functools.partial(flash_attention_with_offset, block_q=blocks.flash_block_q, block_kv=blocks.flash_block_kv)
   tpu = functools.partial(splash_attention.splash_attention, blocks=blocks, local_window=cfg.sliding_window_size)
 
-  def kernel(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window_size=None, soft_cap=0.0):
+  def kernel(q_BLNH: Array, k_BSKH: Array, v_BSKH: Array, segment_ids_BL: Array,
+             window_size: int | Array | None = None, soft_cap: float = 0.0) -> Array:
     context = sharding.current_activation_context()
     if context is not None:
       mesh, rules = context
@@ -327,7 +335,8 @@ def make_cudnn_flash(cfg: ModelConfig) -> AttentionKernel:
     raise ConfigError(f"attention=cudnn_flash does not support attn_logits_soft_cap={cfg.attn_logits_soft_cap} "
                       "(cuDNN has no logit soft cap); use attention=flash or autoselected")
 
-  def kernel(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window_size=None, soft_cap=0.0):
+  def kernel(q_BLNH: Array, k_BSKH: Array, v_BSKH: Array, segment_ids_BL: Array,
+             window_size: int | Array | None = None, soft_cap: float = 0.0) -> Array:
     platform = trace_platform()
     if platform not in ("gpu", "cuda", "rocm"):
       raise ConfigError(f"attention=cudnn_flash needs an NVIDIA GPU (cuDNN) but this program is for {platform}; "
@@ -340,11 +349,12 @@ def make_cudnn_flash(cfg: ModelConfig) -> AttentionKernel:
 _ANNOUNCED: set[tuple[str, str]] = set()
 
 
-def make_deferred(resolve: Callable[[str], AttentionKernel], cfg_name: str) -> AttentionKernel:
+def make_deferred(resolve: Callable[[str], tuple[str, AttentionKernel]], cfg_name: str) -> AttentionKernel:
   """A kernel that picks its implementation when traced (only then is the target platform known,
   e.g. a TPU topology compiled on CPU) and says once per platform which it picked."""
 
-  def kernel(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window_size=None, soft_cap=0.0):
+  def kernel(q_BLNH: Array, k_BSKH: Array, v_BSKH: Array, segment_ids_BL: Array,
+             window_size: int | Array | None = None, soft_cap: float = 0.0) -> Array:
     platform = trace_platform()
     name, chosen = resolve(platform)
     if (platform, name) not in _ANNOUNCED:

@@ -35,6 +35,7 @@ def block_sizes(blocks: AttentionBlocks, length: int) -> splash.BlockSizes:
 
 
 def _mask(length: int, window: int | None, num_heads: int) -> splash_mask.MultiHeadMask:
+  one: splash_mask.Mask
   if window is None or window >= length:
     one = splash_mask.CausalMask((length, length))
   else:
