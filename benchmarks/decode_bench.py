@@ -7,8 +7,8 @@ Prefill: one pass over a full prompt of --prefill tokens (batch 1); latency is t
 --repeats runs after a compiling one. Generate: --steps jitted steps advancing every slot by one
 token, timed after a compiling step; per-token latency is the wall time of one step (all slots
 at once), tokens/s counts every slot. Both layer layouts are measured: on CPU the scanned stack
-generated several times slower than the unrolled one here (see getting_started/Decode.md), so
-decode there with scan_layers=False (a checkpoint of either layout loads into both). Random weights (the speed does not depend on them). The
+generates about 3x slower (XLA's CPU backend copies each layer's weights out of the stacked
+arrays every step; see getting_started/Decode.md), so decode there with scan_layers=False. Random weights (the speed does not depend on them). The
 last lines are machine-readable: `RESULT prefill ...` and `RESULT generate slots=...`.
 """
 
