@@ -174,3 +174,22 @@ def test_low_precision_training_converges_like_bf16(tiny_overrides, mode, margin
   _, end_bf16 = _losses(tiny_overrides, "", 100)
   _, end_low = _losses(tiny_overrides, mode, 100)
   assert end_bf16 < 1.0 and end_low < end_bf16 + margin, (end_bf16, end_low)
+
+
+def test_moe_block_int8_quantizes_expert_matmuls_not_the_router(tiny_overrides):
+  from MaxText.layers import moe
+  cfg = Config.for_testing(**tiny_overrides, num_experts=4, num_experts_per_tok=2, dtype="float32").model
+  with nnx.use_eager_sharding(False):
+    block = moe.MoeBlock(cfg, rngs=nnx.Rngs(params=1))
+  x_BLD = jax.random.normal(jax.random.key(2), (2, 8, cfg.emb_dim))
+  graphdef, state = nnx.split(block)
+  apply = lambda state, x: nnx.capture(nnx.merge(graphdef, state), nnx.Intermediate)(x)[0]
+  y_float = apply(state, x_BLD)
+  with quantization.use_quantization("int8"):
+    y_int8 = apply(state, x_BLD)
+    jaxpr = str(jax.make_jaxpr(apply)(state, x_BLD))
+    gate_int8 = block.gate(x_BLD)
+  np.testing.assert_array_equal(gate_int8, block.gate(x_BLD))  # the router stays in float
+  # Expert matmuls batched over the expert dim, in int8 with int32 accumulation.
+  assert "i8[4," in jaxpr and "preferred_element_type=int32" in jaxpr
+  assert float(jnp.linalg.norm(y_int8 - y_float) / jnp.linalg.norm(y_float)) < 0.02
