@@ -77,6 +77,8 @@ def decode(config: config_lib.Config) -> list[int]:
   generated += [int(t[0]) for t in jax.device_get(step_tokens)]
   generate_s = time.perf_counter() - start
 
+  if tokenizer is not None and tokenizer.eos_id in generated:  # steps run on (shape-stable); shown up to eos
+    generated = generated[:generated.index(tokenizer.eos_id) + 1]
   if tokenizer is not None:
     log(f"prompt: {tokenizer.decode(ids)!r}")
     log(f"completion: {tokenizer.decode(generated)!r}")
