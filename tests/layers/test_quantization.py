@@ -158,19 +158,19 @@ def _losses(tiny_overrides: dict, mode: str, num_steps: int) -> tuple[float, flo
 
 
 def test_int8_training_converges_like_bf16_fast(tiny_overrides):
-  """40 steps (same data, init and settings as test_synthetic_data_is_learnable): int8 tracks bf16."""
-  start_bf16, end_bf16 = _losses(tiny_overrides, "", 40)
-  start_int8, end_int8 = _losses(tiny_overrides, "int8", 40)
+  """30 steps (same data, init and settings as test_synthetic_data_is_learnable): int8 tracks bf16."""
+  start_bf16, end_bf16 = _losses(tiny_overrides, "", 30)
+  start_int8, end_int8 = _losses(tiny_overrides, "int8", 30)
   assert abs(start_int8 - start_bf16) < 0.05, (start_int8, start_bf16)  # same init, ~1% matmul noise
-  # Measured: bf16 4.74 -> 1.66 here, int8 within 0.01 of it. Margin 0.1 nats; both must be
-  # past the bigram plateau ln(8) ≈ 2.08 (learning the stride from context).
-  assert end_bf16 < 2.0 and end_int8 < end_bf16 + 0.1, (end_bf16, end_int8)
+  # Measured: bf16 4.74 -> 2.324 (mean of steps 21-30), int8 2.325; margin 0.1 nats.
+  # The slow test below runs to 100 steps, past the bigram plateau ln(8) ≈ 2.08.
+  assert end_bf16 < 2.5 and end_int8 < end_bf16 + 0.1, (end_bf16, end_int8)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,margin", [("int8", 0.05), ("fp8", 0.1)])
 def test_low_precision_training_converges_like_bf16(tiny_overrides, mode, margin):
-  """100 steps: measured bf16 0.69, int8 0.69, fp8 0.70 nats (mean of the last 10 steps)."""
+  """100 steps: measured bf16 0.687, int8 0.687, fp8 0.702 nats (mean of the last 10 steps)."""
   _, end_bf16 = _losses(tiny_overrides, "", 100)
   _, end_low = _losses(tiny_overrides, mode, 100)
   assert end_bf16 < 1.0 and end_low < end_bf16 + margin, (end_bf16, end_low)
