@@ -33,7 +33,8 @@ def _segments(batch: int, length: int, packed: bool) -> jax.Array:
   if not packed:
     return jnp.ones((batch, length), jnp.int32)
   # Documents of uneven lengths, a padding tail (segment 0) in the first row.
-  row0 = np.concatenate([np.full(length // 3, 1), np.full(length // 2, 2), np.zeros(length - length // 3 - length // 2)])
+  first, second = length // 3, length // 2
+  row0 = np.concatenate([np.full(first, 1), np.full(second, 2), np.zeros(length - first - second)])
   row1 = np.concatenate([np.full(length - 9, 1), np.full(9, 2)])
   return jnp.asarray(np.stack([row0, row1][:batch]), jnp.int32)
 

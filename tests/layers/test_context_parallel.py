@@ -83,8 +83,8 @@ def _compile_for_topology(**overrides):
   return step_fn.lower(*aot.abstract_inputs(config, setup, batch_sharding).as_args())
 
 
-SPLASH_BLOCKS = {f"sa_{name}": 128 for name in ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv",
-                                                 "block_kv_dkv_compute", "block_q_dq", "block_kv_dq")}
+SPLASH_BLOCKS = {f"sa_{name}": 128 for name in ("block_q", "block_kv", "block_kv_compute", "block_q_dkv",
+                                                 "block_kv_dkv", "block_kv_dkv_compute", "block_q_dq", "block_kv_dq")}
 
 
 def test_splash_attention_lowers_and_compiles_for_v5e():
