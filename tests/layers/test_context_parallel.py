@@ -57,7 +57,6 @@ def test_sequence_parallel_flash_equals_unsharded_dot_product(window, soft_cap):
     np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.slow  # ~50 s on the 2-core CI machine (two models compiled)
 def test_train_step_with_sequence_parallelism_equals_unsharded_run():
   common = dict(TINY, dataset_type="synthetic", enable_checkpointing=False, attention_layer_pattern="[local,global]",
                 sliding_window_size=6)
