@@ -3,7 +3,7 @@
 import importlib.util
 import math
 
-from conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT
 
 
 def _load_bench():
