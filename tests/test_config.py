@@ -63,7 +63,8 @@ def test_types_are_coerced_to_the_default_type():
     (["remat_policy=some"], {}, "remat_policy must be one of full, minimal"),
     (["global_parameter_scale=3"], {}, "global_parameter_scale must be a power of two"),
     (["base_num_query_heads=3", "base_num_kv_heads=2"], {}, "must be a multiple of num_kv_heads"),
-    (["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"], {}, "pipeline parallelism is not supported yet"),
+    (["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", "scan_layers=False"], {},
+         "pipeline parallelism needs scan_layers=True"),
     (["per_device_batch_size=0.5", "gradient_accumulation_steps=2"], {}, "must split evenly"),
     (["steps"], {}, "expected key=value, got 'steps'"),
 ])
