@@ -14,11 +14,13 @@ from a trusted source, with `train.py ... compiled_trainstep_file=PATH`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 if __package__ in (None, ""):  # `python3 MaxText/train_compile.py`: import the package, not sibling files.
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
@@ -45,10 +47,12 @@ def describe_topology(topology: accelerators.TpuTopology, num_slices: int) -> Se
   return description.devices
 
 
-def load_target_config(argv: list[str]) -> tuple[config_lib.Config, Sequence[Any], accelerators.TpuTopology | None]:
+def load_target_config(argv: list[str], report_dir: str | None = None
+                       ) -> tuple[config_lib.Config, Sequence[Any], accelerators.TpuTopology | None]:
   """The config for the compile target, its devices, and the TPU topology (None for local).
 
   Flags are exported before libtpu or a backend starts, so the compiled step reflects them.
+  With `report_dir`, a TPU compile also writes XLA's buffer-assignment report there.
   """
   overrides = config_lib.parse_overrides(argv)
   name = str(overrides.peek("compile_topology")).strip()
@@ -62,6 +66,8 @@ def load_target_config(argv: list[str]) -> tuple[config_lib.Config, Sequence[Any
   # A topology compile needs no local accelerator: keep the local backend on CPU.
   accelerators.select_jax_platforms("cpu" if topology else str(overrides.peek("hardware")))
   xla_flags.export_flags(str(overrides.peek("libtpu_init_args")), str(overrides.peek("xla_flags")))
+  if topology is not None and report_dir:
+    xla_flags.export_flags("", aot.buffer_assignment_dump_flags(report_dir))
   if topology is None:
     if num_slices != 1:
       raise ConfigError("compile_topology_num_slices applies to a TPU compile_topology, not to local")
@@ -73,6 +79,24 @@ def load_target_config(argv: list[str]) -> tuple[config_lib.Config, Sequence[Any
   # that every process of a real run must be given the same run_name.
   values["run_name"] = values["run_name"] or "train_compile"
   return config_lib.Config(values, target), devices, topology
+
+
+@contextlib.contextmanager
+def _buffer_report_dir() -> Iterator[str | None]:
+  """A folder for XLA's buffer-assignment report of the train step (the exact device-memory
+  layout, read by `report`); XLA_FLAGS is restored on exit. None when the user dumps elsewhere."""
+  if "--xla_dump_to" in os.environ.get("XLA_FLAGS", ""):
+    yield None
+    return
+  saved = os.environ.get("XLA_FLAGS")
+  with tempfile.TemporaryDirectory(prefix="train_compile_") as report_dir:
+    try:
+      yield report_dir
+    finally:
+      if saved is None:
+        os.environ.pop("XLA_FLAGS", None)
+      else:
+        os.environ["XLA_FLAGS"] = saved
 
 
 def compile_or_explain(step_fn: Any, inputs: aot.StepInputs, topology: accelerators.TpuTopology | None) -> Any:
@@ -91,9 +115,10 @@ def compile_or_explain(step_fn: Any, inputs: aot.StepInputs, topology: accelerat
                                              f"XLA: {first_line}")) from None
 
 
-def report(config: config_lib.Config, topology: accelerators.TpuTopology | None, compiled: Any) -> aot.MemoryReport:
+def report(config: config_lib.Config, topology: accelerators.TpuTopology | None, compiled: Any,
+           report_dir: str | None = None) -> aot.MemoryReport:
   """Prints memory per device, FLOPs and the compiler's step-time estimate."""
-  memory = aot.MemoryReport.from_compiled(compiled)
+  memory = aot.MemoryReport.from_compiled(compiled, aot.read_buffer_assignment(report_dir))
   print("memory per device (XLA memory analysis of the compiled step):")
   print("\n".join(memory.lines()))
   if topology is not None:
@@ -117,7 +142,12 @@ def report(config: config_lib.Config, topology: accelerators.TpuTopology | None,
 
 
 def main(argv: list[str]) -> int:
-  config, devices, topology = load_target_config(argv)
+  with _buffer_report_dir() as report_dir:
+    return _compile_and_report(argv, report_dir)
+
+
+def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
+  config, devices, topology = load_target_config(argv, report_dir)
   where = f"{config.mesh.num_slices} x {topology.name} ({topology.topology_name}, {topology.hosts} hosts of " \
           f"{topology.chips_per_host} chips per slice)" if topology else f"the local {config.target.platform} devices"
   print(f"compiling for {where}: {config.target.num_devices} devices, {config.target.device_kind}")
@@ -137,11 +167,11 @@ def main(argv: list[str]) -> int:
   start = time.perf_counter()
   compiled = compile_or_explain(step_fn, inputs, topology)
   print(f"compiled in {time.perf_counter() - start:.1f} s")
-  memory = report(config, topology, compiled)
+  memory = report(config, topology, compiled, report_dir)
   if topology is not None:
     gen = topology.generation
     if memory.total > gen.hbm_gib * aot.GIB:
-      raise UserError(aot.does_not_fit_message(memory.total, gen.name, gen.hbm_gib, "XLA memory analysis"))
+      raise UserError(aot.does_not_fit_message(memory.total, gen.name, gen.hbm_gib, memory.source))
     print(f"fits: {aot.format_bytes(memory.total)} of {gen.hbm_gib:g} GiB per {gen.name} chip")
   path = config["compiled_trainstep_file"]
   if path:

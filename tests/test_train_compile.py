@@ -1,6 +1,7 @@
 """Ahead-of-time compilation: the topology table, compiling for v5e-256 without a TPU,
 does-not-fit reporting, and the saved step file (save -> load -> train on CPU, refusals)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -70,6 +71,8 @@ def test_compiles_for_one_v5e_256_slice(capsys):
   assert "1 x v5e-256 (v5e:16x16, 64 hosts of 4 chips per slice): 256 devices, TPU v5 lite" in out
   assert "mesh: fsdp=256" in out
   assert "generated code" in out and "fits:" in out and "of 16 GiB per v5e chip" in out
+  assert "device heap" in out and "from the XLA buffer assignment" in out  # XLA's report was read
+  assert "--xla_dump_to" not in os.environ.get("XLA_FLAGS", "")  # and the dump flags did not leak
   assert "compiler estimate (not a measurement)" in out and "implied MFU" in out
 
 
@@ -184,6 +187,34 @@ def test_oom_message_parsing_and_wording():
   assert aot.oom_bytes_from_xla("no sizes here") is None
   assert aot.does_not_fit_message(21.4 * aot.GIB, "v5e", 16.0, "x") == \
       "does not fit: needs 21.4 GiB per chip, v5e has 16 GiB (x)"
+
+
+def test_memory_total_is_xla_peak_when_reported_else_the_upper_bound():
+  gib = aot.GIB
+  # v5e/32b as compiled: 16.1 GiB of temporaries in all, but XLA's peak of live buffers is 11.6 GiB.
+  tpu = aot.MemoryReport(arguments=int(1.39 * gib), outputs=int(1.39 * gib), aliased=int(1.39 * gib),
+                         temporaries=int(16.07 * gib), generated_code=44 * 2**20, peak=int(11.6 * gib))
+  assert tpu.total == int(11.6 * gib) + 44 * 2**20 and tpu.source == "XLA peak"
+  assert tpu.upper_bound > 17 * gib
+  assert any(line.strip().startswith("peak live") for line in tpu.lines())
+  cpu = aot.MemoryReport(arguments=100, outputs=40, aliased=30, temporaries=7, generated_code=0)
+  assert cpu.total == cpu.upper_bound == 117
+  assert "upper bound" in cpu.lines()[-1]
+  # A peak that counts host-offloaded buffers is not a device figure: the upper bound stands in.
+  offloaded = dataclasses.replace(tpu, other_spaces=(("cmem", 42 * gib),))
+  assert offloaded.total == offloaded.upper_bound
+
+
+def test_buffer_assignment_report_is_read_per_memory_space(tmp_path):
+  (tmp_path / "module_0001.jit_train_step.cl_1.after_optimizations-memory-usage-report.txt").write_text(
+      "Memory Space: default (color=0)\nTotal bytes: 14541765120 (13.54GiB)\n  cumulative_size; ...\n\n"
+      "Memory Space: vmem (color=1)\nTotal bytes: 117440512 (112.00MiB)\n\n"
+      "Memory Space: cmem (color=5)\nTotal bytes: 45097156608 (42.00GiB)\n")
+  heap, others = aot.read_buffer_assignment(str(tmp_path))
+  assert heap == 14541765120 and others == (("cmem", 45097156608),)
+  report = aot.MemoryReport(1, 1, 1, 20 * aot.GIB, 100, peak=47 * aot.GIB, device_heap=heap, other_spaces=others)
+  assert report.total == heap + 100 and report.source == "XLA buffer assignment"
+  assert aot.read_buffer_assignment(str(tmp_path / "empty")) is None and aot.read_buffer_assignment(None) is None
 
 
 def test_estimated_cycles_counts_loop_bodies_per_iteration():
