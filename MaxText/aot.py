@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
-import math
 import os
 import pickle
 import re
@@ -22,7 +21,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import serialize_executable
 
 from MaxText import checkpointing, sharding, train_step
@@ -63,17 +61,6 @@ def abstract_inputs(config, setup: StateSetup, batch_sharding: jax.sharding.Shar
   key = jax.eval_shape(lambda: jax.random.key(0))
   rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(setup.mesh))
   return StepInputs(state, batch, rng)
-
-
-def bytes_per_device(tree: Any) -> int:
-  """Bytes one device holds of a tree of sharded ShapeDtypeStructs."""
-  total = 0
-  for leaf in jax.tree.leaves(tree):
-    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-      continue  # the replicated rng key: a few bytes, and no numpy dtype
-    shard = leaf.sharding.shard_shape(leaf.shape)
-    total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
-  return total
 
 
 # ---------------------------------------------------------------- memory report

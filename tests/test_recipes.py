@@ -130,12 +130,11 @@ def test_gpu_recipe_flags_exist_in_this_jaxlib(path):
   assert result.returncode == 0, result.stderr[-2000:]
 
 
-# Measured with train_compile, attention=autoselected running the TPU splash kernel
-# (getting_started/AOT.md). Strict: a recipe that starts fitting fails here.
+# Measured with train_compile (getting_started/AOT.md): with the published settings (7 sequences
+# per chip, remat_policy=minimal) the saved projections alone take ~84 GiB per chip here.
+# Strict: once it fits, this test fails until the mark is removed.
 DOES_NOT_FIT_YET = {
-    "configs/v5e/32b.sh": "17.5 GiB of 16", "configs/v5e/64b.sh": "18.0 GiB of 16",
-    "configs/v5e/128b.sh": "17.6 GiB of 16", "configs/v5p/32b.sh": "XLA OOM, 103.8 GiB of 95",
-    "configs/v5p/64b.sh": "97.9 GiB of 95", "configs/v5p/v5p-12288.sh": "96.0 GiB of 95",
+    "configs/v5p/32b.sh": "XLA out of memory: 98.3 GiB of temporaries, 95.7 GiB usable",
 }
 
 
