@@ -11,8 +11,8 @@
 #   RUN_NAME=...       required on GCE (every host must use the same name); on GKE it defaults
 #                      to $JOBSET_NAME, which the JobSet controller sets in every pod
 #   OUTPUT_PATH=...    base_output_directory (default: outputs)
-#   DATASET_PATH=...   accepted for the seed-document interface; passed on as dataset_path only
-#                      once base.yml has that key (this version trains on synthetic data only)
+#   DATASET_PATH=...   passed on as dataset_path; the recipes keep dataset_type=synthetic (as the
+#                      published throughput runs did): add dataset_type=tfds dataset_name=... to use it
 #   PLATFORM=gce|gke   where the job runs (default gce; largest_job recipes default to gke)
 #   EXECUTABLE=train|train_compile   train_compile compiles for RECIPE_TOPOLOGY without TPUs
 #   NUM_SLICES=N       with EXECUTABLE=train_compile: how many slices to compile for (default 1)
@@ -80,13 +80,7 @@ recipe_run() {
   local -a cmd=(python3 -m "MaxText.$executable" configs/base.yml)
   [[ -n "$run_name" ]] && cmd+=("run_name=$run_name")
   cmd+=("base_output_directory=$output_path" "${RECIPE_ARGS[@]}")
-  if [[ -n "$dataset_path" ]]; then
-    if grep -q '^dataset_path:' "$RECIPE_REPO_ROOT/configs/base.yml"; then
-      cmd+=("dataset_path=$dataset_path")
-    else
-      echo "note: DATASET_PATH is not used: this version trains on synthetic data only (base.yml has no dataset_path key yet); the published throughput runs used synthetic data too" >&2
-    fi
-  fi
+  [[ -n "$dataset_path" ]] && cmd+=("dataset_path=$dataset_path")
   if [[ "$executable" == "train_compile" ]]; then
     [[ "$RECIPE_TOPOLOGY" == "gpu" ]] && _recipe_fail "EXECUTABLE=train_compile compiles for TPU topologies; GPU recipes compile when they start"
     cmd+=("compile_topology=$RECIPE_TOPOLOGY" "compile_topology_num_slices=$num_slices")

@@ -114,10 +114,14 @@ def test_bad_recipe_arguments_are_one_line_errors(args, message):
   assert result.returncode == 2 and message in result.stderr and result.stdout == ""
 
 
-def test_dataset_path_is_noted_until_the_data_pipeline_has_it():
-  result = recipe(Path("configs/v5e/32b.sh"), "DRY_RUN=1", "RUN_NAME=r", "DATASET_PATH=gs://bucket/data")
-  assert result.returncode == 0
-  assert ("dataset_path=gs://bucket/data" in result.stdout) != ("DATASET_PATH is not used" in result.stderr)
+def test_dataset_path_is_passed_on_and_the_override_switches_to_real_data():
+  result = recipe(Path("configs/v5e/32b.sh"), "DRY_RUN=1", "RUN_NAME=r", "DATASET_PATH=gs://bucket/data",
+                  "dataset_type=tfds", "dataset_name=c4/en:3.1.0")
+  assert result.returncode == 0 and result.stderr == ""
+  words = result.stdout.split()
+  assert "dataset_path=gs://bucket/data" in words
+  # The user's dataset_type comes after the recipe's synthetic one, so it wins (last value).
+  assert words.index("dataset_type=tfds") > words.index("dataset_type=synthetic")
 
 
 @pytest.mark.parametrize("path", [r for r in RECIPES if r.parts[1] == "gpu"], ids=str)

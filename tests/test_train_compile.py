@@ -83,6 +83,7 @@ def test_compiles_and_saves_for_two_v5e_256_slices(tmp_path, capsys):
   out = capsys.readouterr().out
   assert "2 x v5e-256" in out and "512 devices" in out and "mesh: data=2, fsdp=256" in out
   header, _ = aot.read_header(str(path))
+  assert "--xla_dump_to" not in header["flags"]["XLA_FLAGS"]  # train_compile's own report flags stay out
   assert header["topology"] == "v5e-256"
   assert header["target"] == {"platform": "tpu", "device_kind": "TPU v5 lite", "num_devices": 512, "num_slices": 2}
   assert header["batch"]["global_batch_size"] == 512
