@@ -319,7 +319,7 @@ class MeshConfig:
                sharding_tolerance=v["sharding_tolerance"])
 
 
-PIPELINE_SCHEDULES = ("gpipe", "circular")
+PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
 def _with_pipeline(model: ModelConfig, v: Mapping[str, Any], mesh: MeshConfig, global_batch: int) -> ModelConfig:
@@ -339,13 +339,13 @@ def _with_pipeline(model: ModelConfig, v: Mapping[str, Any], mesh: MeshConfig, g
   layers = model.num_decoder_layers
   _require(model.scan_layers, "pipeline parallelism needs scan_layers=True (the stage axis splits the scanned layer stack)")
   _require(schedule == "circular" or repeats == 1,
-           f"num_pipeline_repeats={repeats} needs pipeline_schedule=circular (gpipe makes one pass through the stages)")
-  _require(schedule == "gpipe" or repeats > 1,
+           f"num_pipeline_repeats={repeats} needs pipeline_schedule=circular ({schedule} makes one pass through the stages)")
+  _require(schedule != "circular" or repeats > 1,
            "pipeline_schedule=circular needs num_pipeline_repeats >= 2 (with one repeat it is gpipe)")
   _require(layers % (stages * repeats) == 0,
            f"num_decoder_layers ({layers}) must be divisible by pipeline stages ({stages}) x num_pipeline_repeats "
            f"({repeats}); change the layer count, the stage degree or the repeats")
-  _require(schedule == "gpipe" or micro >= stages,
+  _require(schedule != "circular" or micro >= stages,
            f"pipeline_schedule=circular needs num_pipeline_microbatches ({micro}) >= pipeline stages ({stages}): "
            "a microbatch must leave the last stage before it re-enters the first")
   layer_rules = [axes for name, axes in mesh.logical_axis_rules if name == "layers"]

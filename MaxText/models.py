@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from MaxText import sharding
@@ -20,7 +21,7 @@ from MaxText.layers.decoders import ACTIVATION_NAMES, decoder_layer_class
 from MaxText.layers.embeddings import Embed, sinusoidal_positions
 from MaxText.layers.kv_cache import KVCache
 from MaxText.layers.linears import DenseGeneral
-from MaxText.layers import pipeline, quantization
+from MaxText.layers import pipeline, pipeline_1f1b, quantization
 from MaxText.layers.normalizations import make_norm
 
 _DOT_NAMES_EXCEPT_MLP = ("query_proj", "key_proj", "value_proj", "out_proj")
@@ -137,9 +138,9 @@ class Transformer(nnx.Module):
       new_caches.append(cache)
     return x_BLD, aux, None if caches is None else new_caches
 
-  def _run_pipeline(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
-                    dropout_rng: jax.Array | None) -> tuple[jax.Array, AuxLosses]:
-    """`_run_layers` over pipeline stages (layers/pipeline.py); microbatches bring their own positions."""
+  def _stage_layers(self) -> tuple[nnx.State, pipeline.LayerFn]:
+    """The stacked layer state and a function applying one layer of it, for the pipelines
+    (microbatches bring their own positions and segment ids)."""
     graphdef, stacked_state = nnx.split(self.layers)
 
     def apply_layer(x: jax.Array, layer_state: nnx.State, rng: jax.Array | None, layer_index: jax.Array,
@@ -148,8 +149,47 @@ class Transformer(nnx.Module):
       x, sown = nnx.capture(layer, nnx.Intermediate)(x, positions, segment_ids, rng, layer_index)
       return x, sum_sown_losses(sown)
 
+    return stacked_state, apply_layer
+
+  def _run_pipeline(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
+                    dropout_rng: jax.Array | None) -> tuple[jax.Array, AuxLosses]:
+    """`_run_layers` over pipeline stages (layers/pipeline.py). The 1F1B schedule runs forward-only
+    passes (evaluation) this way too: without gradients its order is GPipe's."""
+    stacked_state, apply_layer = self._stage_layers()
     return pipeline.run_pipeline(self.cfg, apply_layer, stacked_state, x_BLD, positions_BL, segment_ids_BL,
                                  dropout_rng, remat_policy(self.cfg.remat_policy))
+
+  def pipelined_loss(self, batch: dict[str, jax.Array], dropout_rng: jax.Array | None, z_loss_multiplier: float,
+                     load_balance_loss_weight: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(loss, sums) as train_step.loss_sums defines them, with the stack and the head run by the
+    1F1B schedule (layers/pipeline_1f1b.py), which computes the gradients inside its own loop."""
+    cfg = self.cfg
+    x_BLD = sharding.constrain(self._embed(batch["inputs"], batch["inputs_position"]), ACTIVATION_NAMES)
+    target_weights_BL = (batch["targets_segmentation"] != 0).astype(jnp.float32)
+    weight_sum = jnp.sum(target_weights_BL)
+    stacked_state, apply_layer = self._stage_layers()
+    norm_graphdef, norm_state = nnx.split(self.decoder_norm)
+    output_graphdef, output_state = nnx.split(self._output_module())
+
+    def head(head_state: tuple[nnx.State, nnx.State], y_mLD: jax.Array, targets_mL: jax.Array,
+             weights_mL: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+      with quantization.use_quantization(""):  # as in the full pass: logits stay in float
+        logits = output_logits(cfg, nnx.merge(norm_graphdef, head_state[0]),
+                               nnx.merge(output_graphdef, head_state[1]), y_mLD)
+      return token_loss_sums(logits, targets_mL, weights_mL, z_loss_multiplier)
+
+    # d(total)/d(aux summed over layers and microbatches): the load-balancing term enters the
+    # loss as its mean over layers and microbatches, weighted by the batch's target count.
+    lb_scale = weight_sum / (cfg.num_pipeline_microbatches * cfg.num_decoder_layers)
+    data = {"positions": batch["inputs_position"], "segment_ids": batch["inputs_segmentation"],
+            "targets": batch["targets"], "target_weights": target_weights_BL, "dropout_rng": dropout_rng,
+            "aux_cotangents": {"moe_lb_loss": load_balance_loss_weight * lb_scale}}
+    with quantization.use_quantization(cfg.quantization):
+      loss, sums = pipeline_1f1b.pipelined_loss(cfg, apply_layer, head, remat_policy(cfg.remat_policy),
+                                                stacked_state, (norm_state, output_state), x_BLD, data)
+    lb_sum = sums.get("aux_moe_lb_loss", jnp.zeros((), jnp.float32)) * lb_scale
+    return loss, {"xent_sum": sums["xent_sum"], "z_loss_sum": sums["z_loss_sum"], "moe_lb_loss_sum": lb_sum,
+                  "weight_sum": weight_sum}
 
   def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
                dropout_rng: jax.Array | None = None) -> jax.Array:
@@ -180,20 +220,37 @@ class Transformer(nnx.Module):
       x_BLD = jnp.take_along_axis(x_BLD, logits_index_B[:, None, None], axis=1)
     return self._logits(x_BLD), caches
 
+  def _output_module(self) -> nnx.Module:
+    """What turns final activations into logits: the tied embedding or the output projection."""
+    return self.token_embedder if self.cfg.logits_via_embedding else self.logits_dense
+
   def _logits(self, x_BLD: jax.Array) -> jax.Array:
-    """Final norm, output projection (or tied embedding) and soft cap: float32 [B, L, V]."""
-    cfg = self.cfg
-    x_BLD = self.decoder_norm(x_BLD)
-    if cfg.logits_via_embedding:
-      logits_dtype = jnp.float32 if cfg.logits_dot_in_fp32 else jnp.dtype(cfg.dtype)
-      logits_BLV = self.token_embedder.attend(x_BLD, logits_dtype)
-    else:
-      logits_BLV = self.logits_dense(x_BLD)
-    logits_BLV = sharding.constrain(logits_BLV, ("activation_batch", "activation_length", "activation_vocab"))
-    logits_BLV = logits_BLV.astype(jnp.float32)
-    if cfg.final_logits_soft_cap > 0:
-      logits_BLV = cfg.final_logits_soft_cap * jnp.tanh(logits_BLV / cfg.final_logits_soft_cap)
-    return logits_BLV
+    return output_logits(self.cfg, self.decoder_norm, self._output_module(), x_BLD)
+
+
+def output_logits(cfg: ModelConfig, norm: nnx.Module, output: nnx.Module, x_BLD: jax.Array) -> jax.Array:
+  """Final norm, output projection (or tied embedding `attend`) and soft cap: float32 [B, L, V]."""
+  x_BLD = norm(x_BLD)
+  if cfg.logits_via_embedding:
+    logits_dtype = jnp.float32 if cfg.logits_dot_in_fp32 else jnp.dtype(cfg.dtype)
+    logits_BLV = output.attend(x_BLD, logits_dtype)
+  else:
+    logits_BLV = output(x_BLD)
+  logits_BLV = sharding.constrain(logits_BLV, ("activation_batch", "activation_length", "activation_vocab"))
+  logits_BLV = logits_BLV.astype(jnp.float32)
+  if cfg.final_logits_soft_cap > 0:
+    logits_BLV = cfg.final_logits_soft_cap * jnp.tanh(logits_BLV / cfg.final_logits_soft_cap)
+  return logits_BLV
+
+
+def token_loss_sums(logits_BLV: jax.Array, targets_BL: jax.Array, weights_BL: jax.Array,
+                    z_loss_multiplier: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """(cross-entropy sum + z_loss_multiplier · z-loss sum, {xent_sum, z_loss_sum}) over weighted targets.
+  The z-loss, log(Z)², pushes log Z towards 0, keeping logits from drifting (PaLM's stabiliser)."""
+  xent_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL)
+  z_BL = jnp.square(jax.nn.logsumexp(logits_BLV, axis=-1))
+  xent_sum, z_sum = jnp.sum(xent_BL * weights_BL), jnp.sum(z_BL * weights_BL)
+  return xent_sum + z_loss_multiplier * z_sum, {"xent_sum": xent_sum, "z_loss_sum": z_sum}
 
 
 def _logical_names(variable: nnx.Variable) -> tuple[str | None, ...]:
@@ -228,6 +285,13 @@ class ModelSpec:
     """(logits, auxiliary losses): what the train step needs (e.g. the MoE load-balancing loss)."""
     model = nnx.merge(self.graphdef, params)
     return model.logits_and_aux(tokens_BL, positions_BL, segment_ids_BL, dropout_rng)
+
+  def apply_pipelined_loss(self, params: Any, batch: dict[str, jax.Array], dropout_rng: jax.Array | None,
+                           z_loss_multiplier: float, load_balance_loss_weight: float
+                           ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(loss, sums) under the 1F1B pipeline schedule (see Transformer.pipelined_loss)."""
+    model = nnx.merge(self.graphdef, params)
+    return model.pipelined_loss(batch, dropout_rng, z_loss_multiplier, load_balance_loss_weight)
 
   def apply_decode(self, params: Any, tokens_BL: jax.Array, positions_BL: jax.Array, caches: Any,
                    logits_index_B: jax.Array | None = None) -> tuple[jax.Array, Any]:

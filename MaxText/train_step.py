@@ -10,27 +10,31 @@ import optax
 
 from MaxText import optimizers, sharding
 from MaxText.input_pipeline import Batch
-from MaxText.models import ModelSpec
+from MaxText.models import ModelSpec, token_loss_sums
 from MaxText.train_state import StateSetup, TrainState
 
 Metrics = dict[str, jax.Array]
 
 
 def loss_sums(model: ModelSpec, params: Any, batch: Batch, dropout_rng: jax.Array | None,
-              z_loss_multiplier: float, load_balance_loss_weight: float = 0.0) -> tuple[jax.Array, Metrics]:
+              z_loss_multiplier: float, load_balance_loss_weight: float = 0.0,
+              for_gradients: bool = False) -> tuple[jax.Array, Metrics]:
   """Summed (not averaged) loss over non-padding targets, so micro-batches add up exactly.
 
   Returns (cross-entropy sum + z_loss_multiplier * z-loss sum + load_balance_loss_weight * MoE
   load-balancing sum, {xent_sum, z_loss_sum, moe_lb_loss_sum, weight_sum}). The load-balancing loss
   is a per-batch mean, so it enters weighted by the batch's target count (0 for dense models).
+  `for_gradients`: the value is about to be differentiated; the 1F1B pipeline schedule then
+  computes loss and gradients in its own loop (evaluation runs the plain forward pass).
   """
+  cfg = model.cfg
+  if for_gradients and cfg.num_pipeline_stages > 1 and cfg.pipeline_schedule == "1f1b":
+    return model.apply_pipelined_loss(params, batch, dropout_rng, z_loss_multiplier, load_balance_loss_weight)
   logits_BLV, aux = model.apply_with_aux(params, batch["inputs"], batch["inputs_position"],
                                          batch["inputs_segmentation"], dropout_rng)
-  xent_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["targets"])
   weights_BL = (batch["targets_segmentation"] != 0).astype(jnp.float32)
-  # z-loss pushes log Z towards 0, keeping logits from drifting (PaLM's stabiliser).
-  z_BL = jnp.square(jax.nn.logsumexp(logits_BLV, axis=-1))
-  xent_sum, z_sum = jnp.sum(xent_BL * weights_BL), jnp.sum(z_BL * weights_BL)
+  _, sums = token_loss_sums(logits_BLV, batch["targets"], weights_BL, z_loss_multiplier)
+  xent_sum, z_sum = sums["xent_sum"], sums["z_loss_sum"]
   weight_sum = jnp.sum(weights_BL)
   lb_sum = aux.get("moe_lb_loss", jnp.zeros((), jnp.float32)) * weight_sum
   total = xent_sum + z_loss_multiplier * z_sum + load_balance_loss_weight * lb_sum
@@ -50,7 +54,7 @@ def _grads_and_sums(setup: StateSetup, config, params: Any, batch: Batch,
                     dropout_rng: jax.Array | None) -> tuple[Any, Metrics]:
   grad_fn = jax.grad(
       lambda p, b, r: loss_sums(setup.model, p, b, r, config.optim.z_loss_multiplier,
-                                config.model.load_balance_loss_weight), has_aux=True)
+                                config.model.load_balance_loss_weight, for_gradients=True), has_aux=True)
   num_micro = config.optim.gradient_accumulation_steps
   if num_micro == 1:
     return grad_fn(params, batch, dropout_rng)

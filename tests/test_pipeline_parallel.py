@@ -62,6 +62,9 @@ def _grads_and_step(config: Config, params, batch: dict):
     pytest.param("gpipe", 4, 1, 4, dict(ici_fsdp_parallelism=2), marks=pytest.mark.slow),
     ("circular", 2, 2, 2, dict(ici_fsdp_parallelism=4)),
     pytest.param("circular", 4, 2, 4, dict(ici_data_parallelism=2), marks=pytest.mark.slow),
+    # 1F1B with more microbatches than ring slots (2S - 1 = 3), so slots are reused.
+    ("1f1b", 2, 1, 4, dict(ici_data_parallelism=4)),
+    pytest.param("1f1b", 4, 1, 8, dict(ici_fsdp_parallelism=2), marks=pytest.mark.slow),
 ])
 def test_pipeline_equals_the_non_pipelined_run(schedule, stages, repeats, micro, other_axis):
   layers = stages * repeats
@@ -146,7 +149,7 @@ def test_bubble_fraction_per_schedule():
     (dict(ici_pipeline_parallelism=4, pipeline_schedule="circular", num_pipeline_repeats=2, base_num_decoder_layers=8,
           num_pipeline_microbatches=2), r"num_pipeline_microbatches \(2\) >= pipeline stages \(4\)"),
     (dict(ici_pipeline_parallelism=2, num_pipeline_microbatches=3), "must split into num_pipeline_microbatches=3"),
-    (dict(ici_pipeline_parallelism=2, pipeline_schedule="1f1b"), "pipeline_schedule must be one of gpipe, circular"),
+    (dict(ici_pipeline_parallelism=2, pipeline_schedule="zb-v"), "pipeline_schedule must be one of gpipe, circular, 1f1b"),
     (dict(num_pipeline_repeats=2), "apply only with pipeline parallelism"),
     (dict(ici_pipeline_parallelism=2, logical_axis_rules=[["layers", []]]), r'needs the logical_axis_rules entry'),
 ])

@@ -37,10 +37,9 @@ Schedules:
 The backward pass is JAX's transpose of this forward schedule: all forward iterations,
 then all backward iterations in reverse (the GPipe order), with each stage step
 rematerialised under `remat_policy` so only stage inputs are kept between them.
-A 1F1B schedule would interleave one backward after each forward once the pipeline is
-full, which keeps at most S microbatches' activations alive instead of M·R; its bubble
-is the same, and it needs a hand-written backward (custom_vjp over the whole
-schedule), which this module does not implement.
+The `1f1b` schedule (pipeline_1f1b.py) interleaves one backward with each forward once the
+pipeline is full, computing the loss per microbatch inside its loop, so a stage keeps at
+most min(M, 2S - 1) microbatch inputs alive; its bubble is GPipe's.
 
 Per-layer behaviour stays tied to the true layer: each layer gets its global
 `layer_index` (local/global attention patterns), positions and segment ids travel with
@@ -81,8 +80,11 @@ def describe(cfg: ModelConfig) -> str:
   """One start-up log line: schedule, layer split and bubble fraction."""
   s, m, r = cfg.num_pipeline_stages, cfg.num_pipeline_microbatches, cfg.num_pipeline_repeats
   layout = f"{cfg.layers_per_pipeline_stage} layers per stage" + (f" x {r} repeats" if r > 1 else "")
-  return (f"pipeline: {cfg.pipeline_schedule} schedule, {s} stages, {m} microbatches, {layout}; "
+  line = (f"pipeline: {cfg.pipeline_schedule} schedule, {s} stages, {m} microbatches, {layout}; "
           f"{num_iterations(s, m, r)} iterations, bubble fraction {bubble_fraction(s, m, r):.3f}")
+  if cfg.pipeline_schedule == "1f1b":  # each iteration runs one forward and one backward per stage
+    line += f"; at most {min(m, 2 * s - 1)} microbatch inputs kept per stage"
+  return line
 
 
 def _split_micro(x: jax.Array, num_micro: int) -> jax.Array:

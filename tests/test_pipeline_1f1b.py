@@ -1,0 +1,86 @@
+"""The 1F1B pipeline schedule: the same gradients as GPipe where the two define the same loss
+(MoE load balancing and dropout included), fewer live activations, and its config rules.
+Equality with the non-pipelined run is in test_pipeline_parallel.py."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText import sharding, train_state, train_step
+from MaxText.config import Config
+from MaxText.errors import ConfigError
+from MaxText.layers import pipeline
+from test_pipeline_parallel import _grads_and_step, _model_overrides, _packed_batch
+
+
+def _config(schedule: str, micro: int, **overrides) -> Config:
+  return Config.for_testing(**{**_model_overrides(2), **overrides}, ici_pipeline_parallelism=2,
+                            pipeline_schedule=schedule, num_pipeline_microbatches=micro, ici_data_parallelism=4,
+                            ici_fsdp_parallelism=1)
+
+
+@pytest.mark.slow  # ~40 s: two MoE train steps with dropout compiled
+def test_moe_and_dropout_gradients_equal_gpipe():
+  """Both schedules compute the load-balancing loss per microbatch and draw dropout masks per
+  (layer, microbatch), so here they define exactly the same loss; 1F1B's hand-made backward
+  (aux-loss cotangents, dropout keys re-derived in the re-run) must give GPipe's autodiff gradients."""
+  moe = dict(decoder_block="mixtral", num_experts=4, num_experts_per_tok=2, load_balance_loss_weight=0.1,
+             dropout_rate=0.1)
+  gpipe, one_f_one_b = _config("gpipe", 4, **moe), _config("1f1b", 4, **moe)
+  setup = train_state.build_state_setup(gpipe, sharding.create_mesh(gpipe.mesh))
+  params = jax.device_get(train_state.init_state(setup, 0).params)
+  batch = _packed_batch(gpipe.data.global_batch_size, 16, 64)
+  want_grads, want_sums, want, _ = _grads_and_step(gpipe, params, batch)
+  got_grads, got_sums, got, _ = _grads_and_step(one_f_one_b, params, batch)
+  for key in want_sums:
+    np.testing.assert_allclose(got_sums[key], want_sums[key], rtol=2e-5, err_msg=key)
+  assert float(got_sums["moe_lb_loss_sum"]) > 0
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got_grads, want_grads)
+  for key in ("loss", "moe_lb_loss", "grad_norm"):
+    np.testing.assert_allclose(got[key], want[key], rtol=2e-5, err_msg=key)
+
+
+def _compiled_temp_bytes(config: Config) -> int:
+  mesh = sharding.create_mesh(config.mesh)
+  setup = train_state.build_state_setup(config, mesh)
+  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.batch_sharding(
+      mesh, config.mesh.data_sharding)), _packed_batch(config.data.global_batch_size, config.data.max_target_length, 64))
+
+  def grads(params, b):
+    with sharding.activation_sharding(mesh, config.mesh.logical_axis_rules):
+      return train_step._grads_and_sums(setup, config, params, b, None)
+
+  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        setup.abstract_state.params, setup.state_shardings.params)
+  return jax.jit(grads).lower(params, batch).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_1f1b_keeps_fewer_activations_than_gpipe():
+  """16 microbatches over 2 stages: GPipe's backward needs every forward iteration's stage
+  buffer (17 iterations x 2 stages), 1F1B a ring of 3 stage inputs per stage; the compiled
+  step's temporaries must shrink by (at least most of) those 28 saved microbatch activations."""
+  big = dict(max_target_length=256, per_device_batch_size=8, base_emb_dim=256, base_mlp_dim=256, remat_policy="full")
+  config = _config("1f1b", 16, **big)
+  gpipe = _compiled_temp_bytes(_config("gpipe", 16, **big))
+  one_f_one_b = _compiled_temp_bytes(config)
+  rows = config.data.global_batch_size // 4 // 16  # per data shard (data=4), per microbatch
+  microbatch_bytes = rows * 256 * 256 * np.dtype(config.model.dtype).itemsize
+  expected_saving = (pipeline.num_iterations(2, 16) * 2 - 2 * 3) * microbatch_bytes
+  print(f"temporaries per device: gpipe {gpipe / 2**20:.2f} MiB, 1f1b {one_f_one_b / 2**20:.2f} MiB, "
+        f"expected saving {expected_saving / 2**20:.2f} MiB")
+  assert gpipe - one_f_one_b >= 0.8 * expected_saving
+  assert one_f_one_b < 0.75 * gpipe
+
+
+def test_describe_and_bubble():
+  config = _config("1f1b", 8, per_device_batch_size=4)
+  line = pipeline.describe(config.model)
+  assert "1f1b schedule, 2 stages, 8 microbatches" in line and "at most 3 microbatch inputs kept per stage" in line
+  assert f"bubble fraction {1 / 9:.3f}" in line  # GPipe's: (S - 1) / (M + S - 1)
+
+
+def test_1f1b_takes_one_pass_only():
+  with pytest.raises(ConfigError, match="num_pipeline_repeats=2 needs pipeline_schedule=circular"):
+    _config("1f1b", 4, num_pipeline_repeats=2)
