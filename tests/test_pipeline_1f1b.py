@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import sharding, train_state, train_step
-from MaxText.config import Config
+from MaxText import sharding, train_compile, train_state, train_step
+from MaxText.config import BASE_CONFIG_PATH, Config
 from MaxText.errors import ConfigError
 from MaxText.layers import pipeline
 from test_pipeline_parallel import _grads_and_step, _model_overrides, _packed_batch
@@ -84,3 +84,15 @@ def test_describe_and_bubble():
 def test_1f1b_takes_one_pass_only():
   with pytest.raises(ConfigError, match="num_pipeline_repeats=2 needs pipeline_schedule=circular"):
     _config("1f1b", 4, num_pipeline_repeats=2)
+
+
+def test_compiles_for_a_v5p_topology(capsys):
+  argv = ["train_compile", str(BASE_CONFIG_PATH), "compile_topology=v5p-8", "ici_pipeline_parallelism=2",
+          "pipeline_schedule=1f1b", "num_pipeline_microbatches=4", "base_emb_dim=256", "base_num_query_heads=2",
+          "base_num_kv_heads=2", "head_dim=64", "base_mlp_dim=512", "base_num_decoder_layers=4", "vocab_size=256",
+          "max_target_length=128", "per_device_batch_size=2", "print_config=False"]
+  assert train_compile.main(argv) == 0
+  out = capsys.readouterr().out
+  assert "mesh: stage=2, fsdp=2" in out and "attention=autoselected: using flash on tpu" in out
+  assert "pipeline: 1f1b schedule, 2 stages, 4 microbatches, 2 layers per stage; 5 iterations" in out
+  assert "fits:" in out
