@@ -21,6 +21,11 @@ def _config(schedule: str, micro: int, **overrides) -> Config:
                             ici_fsdp_parallelism=1)
 
 
+def _params_and_batch(config: Config) -> tuple:
+  setup = train_state.build_state_setup(config, sharding.create_mesh(config.mesh))
+  return jax.device_get(train_state.init_state(setup, 0).params), _packed_batch(config.data.global_batch_size, 16, 64)
+
+
 @pytest.mark.slow  # ~40 s: two MoE train steps with dropout compiled
 def test_moe_and_dropout_gradients_equal_gpipe():
   """Both schedules compute the load-balancing loss per microbatch and draw dropout masks per
@@ -29,9 +34,7 @@ def test_moe_and_dropout_gradients_equal_gpipe():
   moe = dict(decoder_block="mixtral", num_experts=4, num_experts_per_tok=2, load_balance_loss_weight=0.1,
              dropout_rate=0.1)
   gpipe, one_f_one_b = _config("gpipe", 4, **moe), _config("1f1b", 4, **moe)
-  setup = train_state.build_state_setup(gpipe, sharding.create_mesh(gpipe.mesh))
-  params = jax.device_get(train_state.init_state(setup, 0).params)
-  batch = _packed_batch(gpipe.data.global_batch_size, 16, 64)
+  params, batch = _params_and_batch(gpipe)
   want_grads, want_sums, want, _ = _grads_and_step(gpipe, params, batch)
   got_grads, got_sums, got, _ = _grads_and_step(one_f_one_b, params, batch)
   for key in want_sums:
@@ -96,3 +99,14 @@ def test_compiles_for_a_v5p_topology(capsys):
   assert "mesh: stage=2, fsdp=2" in out and "attention=autoselected: using flash on tpu" in out
   assert "pipeline: 1f1b schedule, 2 stages, 4 microbatches, 2 layers per stage; 5 iterations" in out
   assert "fits:" in out
+
+
+def test_gradient_accumulation_over_1f1b_equals_gpipe():
+  """The 1F1B custom_vjp also runs inside the gradient-accumulation scan."""
+  accum = dict(gradient_accumulation_steps=2, per_device_batch_size=4)
+  gpipe, one_f_one_b = _config("gpipe", 4, **accum), _config("1f1b", 4, **accum)
+  params, batch = _params_and_batch(gpipe)
+  want_grads, want_sums, _, _ = _grads_and_step(gpipe, params, batch)
+  got_grads, got_sums, _, _ = _grads_and_step(one_f_one_b, params, batch)
+  np.testing.assert_allclose(got_sums["xent_sum"], want_sums["xent_sum"], rtol=2e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got_grads, want_grads)
