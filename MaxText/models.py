@@ -115,7 +115,8 @@ class Transformer(nnx.Module):
       return x, sum_sown_losses(sown), cache
 
     policy = remat_policy(cfg.remat_policy)
-    if policy != "none" and caches is None:  # decoding takes no gradients: nothing to rematerialise
+    # "none": no rematerialisation; decoding takes no gradients: nothing to rematerialise.
+    if not isinstance(policy, str) and caches is None:
       one_layer = jax.checkpoint(one_layer, policy=policy, static_argnums=(0,))
 
     if cfg.scan_layers:
@@ -220,7 +221,7 @@ class Transformer(nnx.Module):
       x_BLD = jnp.take_along_axis(x_BLD, logits_index_B[:, None, None], axis=1)
     return self._logits(x_BLD), caches
 
-  def _output_module(self) -> nnx.Module:
+  def _output_module(self) -> Embed | DenseGeneral:
     """What turns final activations into logits: the tied embedding or the output projection."""
     return self.token_embedder if self.cfg.logits_via_embedding else self.logits_dense
 
@@ -228,10 +229,10 @@ class Transformer(nnx.Module):
     return output_logits(self.cfg, self.decoder_norm, self._output_module(), x_BLD)
 
 
-def output_logits(cfg: ModelConfig, norm: nnx.Module, output: nnx.Module, x_BLD: jax.Array) -> jax.Array:
+def output_logits(cfg: ModelConfig, norm: nnx.Module, output: Embed | DenseGeneral, x_BLD: jax.Array) -> jax.Array:
   """Final norm, output projection (or tied embedding `attend`) and soft cap: float32 [B, L, V]."""
   x_BLD = norm(x_BLD)
-  if cfg.logits_via_embedding:
+  if isinstance(output, Embed):  # tied embeddings (logits_via_embedding)
     logits_dtype = jnp.float32 if cfg.logits_dot_in_fp32 else jnp.dtype(cfg.dtype)
     logits_BLV = output.attend(x_BLD, logits_dtype)
   else:

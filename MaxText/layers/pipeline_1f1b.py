@@ -60,7 +60,7 @@ def _stage_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None,
           segment_ids: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     return layer_fn(x, layer_state, rng, layer_index, positions, segment_ids)
 
-  if policy != "none":
+  if not isinstance(policy, str):  # "none" means no rematerialisation
     one = jax.checkpoint(one, policy=policy)
 
   def run(weights_G: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
