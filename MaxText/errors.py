@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from typing import Callable, NoReturn
 
 
@@ -33,6 +35,11 @@ def set_process_label(label: str) -> None:
 
 def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> NoReturn:
   """Runs an entry point; user errors become `error: ...` on stderr and a non-zero exit."""
+  # A process started in the background by a non-interactive shell inherits SIGINT as ignored,
+  # and Python then never raises KeyboardInterrupt: Ctrl-C / SIGINT would be lost on the way
+  # to the clean stop (and the checkpoint) the entry points promise.
+  if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
   try:
     code = main(list(sys.argv if argv is None else argv))
   except UserError as e:

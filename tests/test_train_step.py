@@ -119,8 +119,10 @@ def test_ctrl_c_stops_cleanly(tmp_path):
   args = ["configs/base.yml", "run_name=int", f"base_output_directory={tmp_path}", "steps=100000", "base_emb_dim=64",
           "base_num_decoder_layers=1", "base_mlp_dim=128", "head_dim=16", "max_target_length=32", "print_config=False",
           "cpu_peak_tflops=0.1"]
+  # Started with SIGINT ignored, as a non-interactive shell starts background jobs: Ctrl-C must still work.
   proc = subprocess.Popen([sys.executable, "-m", "MaxText.train", *args], cwd=REPO, env=_cli_env(),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
   deadline = time.time() + 300
   for line in proc.stdout:
     if line.startswith("step ") or time.time() > deadline:
