@@ -204,10 +204,6 @@ def _loss_and_grads(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy
   return (loss, sums), grads
 
 
-def _forward_rule(cfg, layer_fn, head_fn, policy, stacked_state, head_state, x_BLD, data):  # type: ignore[no-untyped-def]
-  return _loss_and_grads(cfg, layer_fn, head_fn, policy, stacked_state, head_state, x_BLD, data)
-
-
 def _backward_rule(cfg, layer_fn, head_fn, policy, grads, cotangents):  # type: ignore[no-untyped-def]
   g_loss = cotangents[0]
   scale = lambda tree: jax.tree.map(lambda x: (g_loss * x).astype(x.dtype), tree)  # noqa: E731
@@ -215,4 +211,5 @@ def _backward_rule(cfg, layer_fn, head_fn, policy, grads, cotangents):  # type: 
   return scale(dstacked), scale(dhead), scale(dx_BLD), None
 
 
-pipelined_loss.defvjp(_forward_rule, _backward_rule)
+# Forward rule: the loop itself, keeping the gradients as residuals.
+pipelined_loss.defvjp(_loss_and_grads, _backward_rule)
