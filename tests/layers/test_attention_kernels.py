@@ -9,11 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import sharding
 from MaxText.config import Config
 from MaxText.config_groups import AttentionBlocks
 from MaxText.errors import ConfigError
-from MaxText.layers import attention, attention_kernels, context_parallel, splash_attention
+from MaxText.layers import attention, attention_kernels, splash_attention
 from MaxText.layers.attention import dot_product_attention, select_kernel
 
 # (name, window_size, soft_cap, packed): every mask kind the layer can ask for.
