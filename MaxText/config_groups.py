@@ -17,10 +17,10 @@ from typing import Any, Mapping
 from MaxText.accelerators import DeviceTarget
 from MaxText.errors import ConfigError
 
-MESH_AXES = ("data", "stage", "fsdp", "fsdp_transpose", "sequence", "tensor", "expert")
+MESH_AXES = ("data", "stage", "fsdp", "fsdp_transpose", "sequence", "tensor", "expert", "autoregressive")
 # config key suffix for each mesh axis (`ici_<name>_parallelism`).
 _AXIS_KEY = {"data": "data", "stage": "pipeline", "fsdp": "fsdp", "fsdp_transpose": "fsdp_transpose",
-             "sequence": "sequence", "tensor": "tensor", "expert": "expert"}
+             "sequence": "sequence", "tensor": "tensor", "expert": "expert", "autoregressive": "autoregressive"}
 REMAT_POLICIES = ("full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "minimal_offloaded",
                   "save_dot_except_mlp_offloaded", "none")
 QUANTIZATION_MODES = ("", "int8", "fp8")  # mirrors layers/quantization.py (config must not import layers)

@@ -106,8 +106,9 @@ def batch_sharding(mesh: Mesh, data_axes: Sequence[str]) -> NamedSharding:
 def unsharded_fraction(abstract_tree: Any, shardings: Any, mesh: Mesh) -> float:
   """Fraction of bytes not split over every non-data mesh axis (pure data parallelism
   replicates parameters by design, so the data axis does not count; nor does the pipeline
-  `stage` axis, over which only the layer stack is split and embeddings are replicated by design)."""
-  ignored = ("data", "stage")
+  `stage` axis, over which only the layer stack is split and embeddings are replicated by design,
+  nor `autoregressive`, which splits only the decode KV cache)."""
+  ignored = ("data", "stage", "autoregressive")
   target = math.prod(size for axis, size in mesh.shape.items() if axis not in ignored)
   total = unsharded = 0
   for x, sharding in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings)):

@@ -111,7 +111,7 @@ def test_derived_batch_and_mesh():
   config = load("per_device_batch_size=2", "ici_fsdp_parallelism=-1", "ici_tensor_parallelism=2")
   assert config.data.global_batch_size == 16
   assert dict(config.mesh.shape) == {"data": 1, "stage": 1, "fsdp": 4, "fsdp_transpose": 1, "sequence": 1,
-                                      "tensor": 2, "expert": 1}
+                                      "tensor": 2, "expert": 1, "autoregressive": 1}
   two_slices = DeviceTarget(platform="tpu", device_kind="TPU v5 lite", num_devices=512, num_slices=2)
   mesh = load(target=two_slices).mesh
   assert dict(mesh.dcn)["data"] == 2 and dict(mesh.ici)["fsdp"] == 256 and dict(mesh.shape)["data"] == 2

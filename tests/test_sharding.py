@@ -96,7 +96,7 @@ def test_two_slices_get_a_hybrid_mesh_with_dcn_across_slices():
   assert dict(config.mesh.dcn)["data"] == 2 and dict(config.mesh.ici)["fsdp"] == 4
   devices = [_FakeDevice(i, slice_index=i // 4) for i in range(8)]
   array = sharding.device_array(config.mesh, devices)
-  assert array.shape == (2, 1, 4, 1, 1, 1, 1)
+  assert array.shape == (2, 1, 4, 1, 1, 1, 1, 1)  # one entry per mesh axis
   # Each data-parallel replica lives entirely inside one slice; fsdp never crosses slices.
   for replica in range(2):
     assert {d.slice_index for d in array[replica].flat} == {replica}

@@ -54,6 +54,20 @@ def test_sharded_decode_equals_one_device():
   assert cache_spec[1] == "fsdp" and cache_spec[3] == "tensor"
 
 
+def test_autoregressive_axis_splits_the_cache_heads_and_decodes_like_one_device():
+  """autoregressive=2 x tensor=2 x fsdp=2: the cache's kv heads split over both head axes."""
+  config = Config.for_testing(**dict(MIXED, base_num_query_heads=8, base_num_kv_heads=4),
+                              ici_autoregressive_parallelism=2, ici_tensor_parallelism=2, ici_fsdp_parallelism=2)
+  prompts = [[3, 9, 27], [1, 2, 3, 4, 5, 6, 7, 8]]
+  single = Engine(config, num_slots=2, mesh=one_device_mesh())
+  params = single.load_params(seed=3)
+  sharded = Engine(config, num_slots=2)
+  assert dict(sharded.mesh.shape)["autoregressive"] == 2
+  assert engine_tokens(sharded, jax.device_put(params, sharded.param_shardings), prompts, 10) == \
+      engine_tokens(single, params, prompts, 10)
+  assert sharded.state_shardings.caches.key_BSKH.spec[3] == ("autoregressive", "tensor")
+
+
 def decode_logits(engine: Engine, params, prompt: list[int], num_steps: int, dtype) -> np.ndarray:
   """Prefill then `num_steps` greedy steps feeding a fixed token sequence; logits of every step."""
   spec, cfg = engine.spec, engine.cfg
