@@ -15,6 +15,7 @@ MESHES = {
     "fsdp=8": dict(ici_fsdp_parallelism=8),
     "fsdp=4,tensor=2": dict(ici_fsdp_parallelism=4, ici_tensor_parallelism=2),
     "data=2,fsdp=2,tensor=2": dict(ici_data_parallelism=2, ici_fsdp_parallelism=2, ici_tensor_parallelism=2),
+    "autoregressive=2,fsdp=4": dict(ici_autoregressive_parallelism=2, ici_fsdp_parallelism=4),
 }
 # float32 everywhere; differences come only from the order of cross-device sums.
 RTOL = 2e-5
