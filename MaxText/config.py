@@ -123,6 +123,8 @@ def coerce(key: str, value: Any, default: Any) -> Any:
       return list(value)
     if isinstance(value, str):
       return [item.strip() for item in value.split(",") if item.strip()]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return [value]  # `prompt_token_ids=5`: YAML read the one-item list as a number
   raise ConfigError(
       f"{key} must be a {_type_name(default)} (like its default {default!r}), got {value!r}"
   )

@@ -155,3 +155,9 @@ def test_cli_user_errors_exit_nonzero_without_traceback(args, message, tmp_path)
   assert proc.returncode == 2
   assert message in proc.stderr and "Traceback" not in proc.stderr
   assert len([line for line in proc.stderr.splitlines() if line.startswith("error:")]) == 1
+
+
+def test_a_single_number_is_a_one_item_list():
+  # YAML reads `prompt_token_ids=5` as the number 5; a list-typed key takes it as [5].
+  assert load("prompt_token_ids=5")["prompt_token_ids"] == [5]
+  assert load("prompt_token_ids=5,17")["prompt_token_ids"] == ["5", "17"]
