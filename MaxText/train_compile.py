@@ -153,10 +153,13 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
           f"{topology.chips_per_host} chips per slice)" if topology else f"the local {config.target.platform} devices"
   print(f"compiling for {where}: {config.target.num_devices} devices, {config.target.device_kind}")
   own_flags = aot.buffer_assignment_dump_flags(report_dir) if report_dir else ""
+
+  def user_flags(name: str) -> str:  # the flags in force, less train_compile's own report flags
+    return os.environ.get(name, "").replace(own_flags, "").strip() if own_flags else os.environ.get(name, "")
+
   for name in ("LIBTPU_INIT_ARGS", "XLA_FLAGS"):
-    flags = os.environ.get(name, "").replace(own_flags, "").strip() if own_flags else os.environ.get(name, "")
-    if flags:
-      print(f"  {name}={flags}")
+    if user_flags(name):
+      print(f"  {name}={user_flags(name)}")
   mesh = sharding.create_mesh(config.mesh, devices)
   print(f"mesh: {', '.join(f'{a}={n}' for a, n in mesh.shape.items() if n > 1) or 'single device'}")
   if config.model.num_pipeline_stages > 1:
@@ -170,7 +173,7 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
   start = time.perf_counter()
   compiled = compile_or_explain(step_fn, inputs, topology)
   if own_flags:  # written by now; keep the report folder out of the saved header's flags
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "").replace(own_flags, "").strip()
+    os.environ["XLA_FLAGS"] = user_flags("XLA_FLAGS")
   print(f"compiled in {time.perf_counter() - start:.1f} s")
   memory = report(config, topology, compiled, report_dir)
   if topology is not None:

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from MaxText import sharding
 from MaxText.config_groups import ModelConfig
 from MaxText.layers.pipeline import LayerFn, Policy, _merge_micro, _split_micro, stage_weights
+from MaxText.layers.pipeline import _stage_fn as stage_fn_with_repeats
 
 # (head state, y_mLD, targets_mL, target_weights_mL) -> (loss sum, {"xent_sum", "z_loss_sum"}): the loss
 # sum is what gets differentiated (cross-entropy plus the z-loss term), the dict holds metrics.
@@ -53,26 +54,17 @@ def num_ring_slots(num_stages: int, num_micro: int) -> int:
 
 
 def _stage_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None, policy: Policy) -> Callable:
-  """One stage's G layers on one microbatch -> (x_mLD, aux summed over its layers)."""
-  group = cfg.layers_per_pipeline_stage
-
-  def one(layer_state: Any, x: jax.Array, layer_index: jax.Array, rng: jax.Array | None, positions: jax.Array,
-          segment_ids: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    return layer_fn(x, layer_state, rng, layer_index, positions, segment_ids)
-
+  """One stage's G layers on one microbatch -> (x_mLD, aux summed over its layers): pipeline.py's
+  stage function with a single repeat, rematerialised per layer rather than per stage, so the
+  re-run in a backward slot holds one layer's internals at a time."""
   if not isinstance(policy, str):  # "none" means no rematerialisation
-    one = jax.checkpoint(one, policy=policy)
+    layer_fn = jax.checkpoint(layer_fn, policy=policy)
+  run_repeats = stage_fn_with_repeats(cfg, layer_fn, layer_rngs, "none")
 
   def run(weights_G: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
           stage: jax.Array, micro: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    def body(x: jax.Array, per_layer: tuple[Any, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-      layer_state, g = per_layer
-      layer_index = stage * group + g
-      rng = None if layer_rngs is None else jax.random.fold_in(layer_rngs[layer_index], micro)
-      return one(layer_state, x, layer_index, rng, positions_mL, segment_ids_mL)
-
-    x_mLD, aux_G = jax.lax.scan(body, x_mLD, (weights_G, jnp.arange(group)))
-    return x_mLD, {name: jnp.sum(values) for name, values in aux_G.items()}
+    weights_RG = jax.tree.map(lambda w: w[None], weights_G)
+    return run_repeats(weights_RG, x_mLD, positions_mL, segment_ids_mL, stage, jnp.zeros((), jnp.int32), micro)
 
   return run
 
