@@ -134,21 +134,8 @@ def test_gpu_recipe_flags_exist_in_this_jaxlib(path):
   assert result.returncode == 0, result.stderr[-2000:]
 
 
-# Measured with train_compile (getting_started/AOT.md): with the published settings (7 sequences
-# per chip, remat_policy=minimal) the saved projections alone take ~84 GiB per chip here.
-# Strict: once it fits, this test fails until the mark is removed.
-DOES_NOT_FIT_YET = {
-    "configs/v5p/32b.sh": "XLA out of memory: 98.3 GiB of temporaries, 95.7 GiB usable",
-}
-
-
-def _with_known_misfits(paths: list[Path]) -> list:
-  return [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=f"needs {DOES_NOT_FIT_YET[str(p)]}"))
-          if str(p) in DOES_NOT_FIT_YET else p for p in paths]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("path", _with_known_misfits(TPU_RECIPES), ids=str)
+@pytest.mark.parametrize("path", TPU_RECIPES, ids=str)
 def test_tpu_recipe_compiles_for_its_topology_and_fits(path):
   result = recipe(path, "EXECUTABLE=train_compile", "print_config=false", timeout=3600)
   print(result.stdout)
