@@ -139,7 +139,7 @@ class ModelConfig:
   num_pipeline_stages: int = 1
   num_pipeline_microbatches: int = 1
   num_pipeline_repeats: int = 1
-  pipeline_schedule: str = "gpipe"  # gpipe | circular
+  pipeline_schedule: str = "gpipe"  # gpipe | circular | 1f1b (interleaved with num_pipeline_repeats > 1)
   quantization: str = ""  # "" | int8 | fp8: the decoder stack's matmuls (layers/quantization.py)
   attention_blocks: AttentionBlocks = AttentionBlocks()  # attention=flash tile sizes
 
@@ -338,8 +338,9 @@ def _with_pipeline(model: ModelConfig, v: Mapping[str, Any], mesh: MeshConfig, g
   micro = stages if micro == -1 else micro
   layers = model.num_decoder_layers
   _require(model.scan_layers, "pipeline parallelism needs scan_layers=True (the stage axis splits the scanned layer stack)")
-  _require(schedule == "circular" or repeats == 1,
-           f"num_pipeline_repeats={repeats} needs pipeline_schedule=circular ({schedule} makes one pass through the stages)")
+  _require(schedule != "gpipe" or repeats == 1,
+           f"num_pipeline_repeats={repeats} needs pipeline_schedule=circular or 1f1b (gpipe makes one pass through "
+           "the stages)")
   _require(schedule != "circular" or repeats > 1,
            "pipeline_schedule=circular needs num_pipeline_repeats >= 2 (with one repeat it is gpipe)")
   _require(layers % (stages * repeats) == 0,
@@ -348,6 +349,10 @@ def _with_pipeline(model: ModelConfig, v: Mapping[str, Any], mesh: MeshConfig, g
   _require(schedule != "circular" or micro >= stages,
            f"pipeline_schedule=circular needs num_pipeline_microbatches ({micro}) >= pipeline stages ({stages}): "
            "a microbatch must leave the last stage before it re-enters the first")
+  _require(schedule != "1f1b" or repeats == 1 or micro % stages == 0,
+           f"interleaved 1F1B (pipeline_schedule=1f1b, num_pipeline_repeats={repeats}) needs num_pipeline_microbatches "
+           f"({micro}) to be a multiple of the pipeline stages ({stages}): microbatches make their passes in groups "
+           "of one per stage")
   layer_rules = [axes for name, axes in mesh.logical_axis_rules if name == "layers"]
   _require(bool(layer_rules) and "stage" in layer_rules[0],
            'pipeline parallelism needs the logical_axis_rules entry ["layers", ["stage"]] so each stage holds its layers')

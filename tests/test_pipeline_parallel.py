@@ -65,6 +65,9 @@ def _grads_and_step(config: Config, params, batch: dict):
     # 1F1B with more microbatches than ring slots (2S - 1 = 3), so slots are reused.
     ("1f1b", 2, 1, 4, dict(ici_data_parallelism=4)),
     pytest.param("1f1b", 4, 1, 8, dict(ici_fsdp_parallelism=2), marks=pytest.mark.slow),
+    # Interleaved 1F1B: two groups of two microbatches, two passes each.
+    ("1f1b", 2, 2, 4, dict(ici_data_parallelism=4)),
+    pytest.param("1f1b", 4, 2, 8, dict(ici_fsdp_parallelism=2), marks=pytest.mark.slow),
 ])
 def test_pipeline_equals_the_non_pipelined_run(schedule, stages, repeats, micro, other_axis):
   layers = stages * repeats
@@ -144,7 +147,10 @@ def test_bubble_fraction_per_schedule():
     (dict(ici_pipeline_parallelism=2, pipeline_schedule="circular", num_pipeline_repeats=2, base_num_decoder_layers=2),
      r"num_decoder_layers \(2\) must be divisible by pipeline stages \(2\) x num_pipeline_repeats \(2\)"),
     (dict(ici_pipeline_parallelism=2, scan_layers=False), "pipeline parallelism needs scan_layers=True"),
-    (dict(ici_pipeline_parallelism=2, num_pipeline_repeats=2), "num_pipeline_repeats=2 needs pipeline_schedule=circular"),
+    (dict(ici_pipeline_parallelism=2, num_pipeline_repeats=2), "num_pipeline_repeats=2 needs pipeline_schedule=circular or 1f1b"),
+    (dict(ici_pipeline_parallelism=4, pipeline_schedule="1f1b", num_pipeline_repeats=2, base_num_decoder_layers=8,
+          num_pipeline_microbatches=6, per_device_batch_size=3),
+     r"interleaved 1F1B .* num_pipeline_microbatches \(6\) to be a multiple of the pipeline stages \(4\)"),
     (dict(ici_pipeline_parallelism=2, pipeline_schedule="circular"), "circular needs num_pipeline_repeats >= 2"),
     (dict(ici_pipeline_parallelism=4, pipeline_schedule="circular", num_pipeline_repeats=2, base_num_decoder_layers=8,
           num_pipeline_microbatches=2), r"num_pipeline_microbatches \(2\) >= pipeline stages \(4\)"),

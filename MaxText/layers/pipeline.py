@@ -56,6 +56,7 @@ import jax.numpy as jnp
 
 from MaxText import sharding
 from MaxText.config_groups import ModelConfig
+from MaxText.layers import pipeline_timetable
 
 AuxLosses = dict[str, jax.Array]
 # (x_mLD, one layer's state, dropout key or None, layer_index, positions_mL, segment_ids_mL) -> (x_mLD, aux)
@@ -80,10 +81,12 @@ def describe(cfg: ModelConfig) -> str:
   """One start-up log line: schedule, layer split and bubble fraction."""
   s, m, r = cfg.num_pipeline_stages, cfg.num_pipeline_microbatches, cfg.num_pipeline_repeats
   layout = f"{cfg.layers_per_pipeline_stage} layers per stage" + (f" x {r} repeats" if r > 1 else "")
-  line = (f"pipeline: {cfg.pipeline_schedule} schedule, {s} stages, {m} microbatches, {layout}; "
+  name = f"interleaved {cfg.pipeline_schedule}" if cfg.pipeline_schedule == "1f1b" and r > 1 else cfg.pipeline_schedule
+  line = (f"pipeline: {name} schedule, {s} stages, {m} microbatches, {layout}; "
           f"{num_iterations(s, m, r)} iterations, bubble fraction {bubble_fraction(s, m, r):.3f}")
   if cfg.pipeline_schedule == "1f1b":  # each iteration runs one forward and one backward per stage
-    line += f"; at most {min(m, 2 * s - 1)} microbatch inputs kept per stage"
+    kind = "stage inputs (microbatch x pass)" if r > 1 else "microbatch inputs"
+    line += f"; at most {pipeline_timetable.build(s, m, r).num_slots} {kind} kept per stage"
   return line
 
 
@@ -107,23 +110,36 @@ def stage_weights(stacked_state: Any, cfg: ModelConfig) -> Any:
   return jax.tree.map(regroup, stacked_state)
 
 
-def _stage_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None, policy: Policy) -> Callable:
-  """One stage's work in one iteration: its G layers of pass `repeat` on one microbatch."""
-  num_stages, group = cfg.num_pipeline_stages, cfg.layers_per_pipeline_stage
+def layer_group_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None) -> Callable:
+  """G consecutive layers, the first being `first_layer`, on one microbatch -> (x_mLD, aux summed over them)."""
 
-  def run(weights_RG: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
-          stage: jax.Array, repeat: jax.Array, micro: jax.Array) -> tuple[jax.Array, AuxLosses]:
-    weights_G = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, repeat, keepdims=False), weights_RG)
-    first_layer = (repeat * num_stages + stage) * group
-
+  def run(weights_G: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
+          first_layer: jax.Array, micro: jax.Array) -> tuple[jax.Array, AuxLosses]:
     def one(x: jax.Array, per_layer: tuple[Any, jax.Array]) -> tuple[jax.Array, AuxLosses]:
       layer_state, g = per_layer
       layer_index = first_layer + g
       rng = None if layer_rngs is None else jax.random.fold_in(layer_rngs[layer_index], micro)
       return layer_fn(x, layer_state, rng, layer_index, positions_mL, segment_ids_mL)
 
-    x_mLD, aux_G = jax.lax.scan(one, x_mLD, (weights_G, jnp.arange(group)))
+    x_mLD, aux_G = jax.lax.scan(one, x_mLD, (weights_G, jnp.arange(cfg.layers_per_pipeline_stage)))
     return x_mLD, {name: jnp.sum(values) for name, values in aux_G.items()}
+
+  return run
+
+
+def first_layer(cfg: ModelConfig, stage: jax.Array, repeat: jax.Array) -> jax.Array:
+  """Index of the first layer stage `stage` runs in pass `repeat`."""
+  return (repeat * cfg.num_pipeline_stages + stage) * cfg.layers_per_pipeline_stage
+
+
+def _stage_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None, policy: Policy) -> Callable:
+  """One stage's work in one iteration: its G layers of pass `repeat` on one microbatch."""
+  run_group = layer_group_fn(cfg, layer_fn, layer_rngs)
+
+  def run(weights_RG: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
+          stage: jax.Array, repeat: jax.Array, micro: jax.Array) -> tuple[jax.Array, AuxLosses]:
+    weights_G = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, repeat, keepdims=False), weights_RG)
+    return run_group(weights_G, x_mLD, positions_mL, segment_ids_mL, first_layer(cfg, stage, repeat), micro)
 
   if policy == "none":
     return run

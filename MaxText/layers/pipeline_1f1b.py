@@ -1,9 +1,9 @@
-"""The 1F1B pipeline schedule: each stage alternates one forward and one backward microbatch,
-so a stage keeps at most min(M, 2S - 1) microbatch inputs alive instead of GPipe's M·(S + M - 1)
-stage-iteration carries.
+"""The 1F1B pipeline schedule, plain and interleaved: each stage alternates one forward and one
+backward once the pipeline is full, so it keeps only the stage inputs whose backward has not
+run yet (min(M, 2S - 1) for one pass) instead of GPipe's M·(S + M - 1) stage-iteration carries.
 
-Shape legend as in pipeline.py: S stages, M microbatches, G layers per stage, m rows per
-microbatch, L length, D embed, K ring-buffer slots.
+Shape legend as in pipeline.py: S stages, R passes (`num_pipeline_repeats`), M microbatches,
+G layers per stage and pass, m rows per microbatch, L length, D embed, K ring-buffer slots.
 
 GPipe's backward is JAX's transpose of the forward schedule, so every forward iteration's
 carry lives until the backward reaches it. 1F1B needs the loss of a microbatch as soon as it
@@ -11,18 +11,23 @@ leaves the last stage, which autodiff cannot order; so this module computes the 
 its gradients itself, in one loop, and hands them to JAX through `jax.custom_vjp` (forward
 rule: run the loop, keep the gradients; backward rule: scale them by the incoming cotangent).
 
-The loop is the same "vmap over stages and rotate" SPMD program as pipeline.py. At iteration t:
-1. forward: activations shift one stage up (`jnp.roll`, a collective permute); stage s runs
-   microbatch t - s and stores its input in a ring buffer slot;
-2. head: the microbatch leaving the last stage goes through the final norm, logits and loss
-   at once, giving the loss and d(loss)/d(stage output) (and the head's own gradients);
-3. backward: gradients shift one stage down; stage s re-runs its forward on the stored input
-   of microbatch t - (2S - 2 - s) under `jax.vjp` and applies the incoming gradient, adding
-   to its weight gradients; stage 0's input gradient goes back to the embedding.
-Iterations [0, S-1) only run forwards and [M+S-1, M+2S-2) only backwards, so the time is
-(M + S - 1)·(F + B), the same bubble as GPipe: (S - 1) / (M + S - 1). The price of the
-smaller memory is one extra stage forward per microbatch (the re-run in step 3), as with
-full rematerialisation at stage granularity; inside the re-run, `remat_policy` applies per layer.
+The loop is the same "vmap over stages and rotate" SPMD program as pipeline.py, driven by a
+static timetable (pipeline_timetable.py: which microbatch and pass each stage runs forward and
+backward at each iteration, and which ring slot holds its input). At iteration t:
+1. forward: activations shift one stage up (`jnp.roll`, a collective permute); stage 0 takes
+   a new microbatch, or the one that just left the last stage for its next pass; each stage
+   runs its item and stores its input in its ring slot;
+2. head: when a microbatch's last pass leaves the last stage, the final norm, logits and loss
+   run at once, giving the loss and d(loss)/d(stage output) (and the head's own gradients);
+3. backward: gradients shift one stage down (stage 0's wrap to the last stage for the previous
+   pass); each stage re-runs its forward on the stored input under `jax.vjp` and applies the
+   incoming gradient, adding to its weight gradients; stage 0's input gradient of the first
+   pass goes back to the embedding.
+Warm-up iterations only run forwards and drain iterations only backwards, so the time is
+(M·R + S - 1)·(F + B) with F, B one stage-pass: the bubble of GPipe (R = 1) or of the circular
+schedule (R > 1). The price of the smaller memory is one extra stage forward per item (the
+re-run in step 3), as with full rematerialisation at stage granularity; inside the re-run,
+`remat_policy` applies per layer.
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ import jax.numpy as jnp
 
 from MaxText import sharding
 from MaxText.config_groups import ModelConfig
-from MaxText.layers.pipeline import LayerFn, Policy, _merge_micro, _split_micro, stage_weights
-from MaxText.layers.pipeline import _stage_fn as stage_fn_with_repeats
+from MaxText.layers import pipeline_timetable
+from MaxText.layers.pipeline import LayerFn, Policy, _merge_micro, _split_micro, first_layer, layer_group_fn, stage_weights
 
 # (head state, y_mLD, targets_mL, target_weights_mL) -> (loss sum, {"xent_sum", "z_loss_sum"}): the loss
 # sum is what gets differentiated (cross-entropy plus the z-loss term), the dict holds metrics.
@@ -47,24 +52,17 @@ _STAGE_NAMES = ("layers", "activation_batch", "activation_length", "activation_e
 _RING_NAMES = ("layers", None, "activation_batch", "activation_length", "activation_embed")
 
 
-def num_ring_slots(num_stages: int, num_micro: int) -> int:
-  """Stage inputs each stage keeps: stage s holds microbatch k from its forward (t = k + s) to
-  its backward (t = k + 2S - 2 - s), at most 2S - 1 at once (stage 0)."""
-  return min(num_micro, 2 * num_stages - 1)
-
-
 def _stage_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None, policy: Policy) -> Callable:
-  """One stage's G layers on one microbatch -> (x_mLD, aux summed over its layers): pipeline.py's
-  stage function with a single repeat, rematerialised per layer rather than per stage, so the
-  re-run in a backward slot holds one layer's internals at a time."""
+  """One stage's G layers of one pass on one microbatch -> (x_mLD, aux summed over its layers),
+  rematerialised per layer rather than per stage, so the re-run in a backward slot holds one
+  layer's internals at a time."""
   if not isinstance(policy, str):  # "none" means no rematerialisation
     layer_fn = jax.checkpoint(layer_fn, policy=policy)
-  run_repeats = stage_fn_with_repeats(cfg, layer_fn, layer_rngs, "none")
+  run_group = layer_group_fn(cfg, layer_fn, layer_rngs)
 
   def run(weights_G: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
-          stage: jax.Array, micro: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    weights_RG = jax.tree.map(lambda w: w[None], weights_G)
-    return run_repeats(weights_RG, x_mLD, positions_mL, segment_ids_mL, stage, jnp.zeros((), jnp.int32), micro)
+          stage: jax.Array, repeat: jax.Array, micro: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    return run_group(weights_G, x_mLD, positions_mL, segment_ids_mL, first_layer(cfg, stage, repeat), micro)
 
   return run
 
@@ -77,11 +75,17 @@ def _masked(valid: jax.Array, tree: Any) -> Any:
   return jax.tree.map(lambda x: jnp.where(valid, x, jnp.zeros_like(x)), tree)
 
 
+def _pass_weights(weights_RG: Any, repeat: jax.Array) -> Any:
+  if jax.tree.leaves(weights_RG)[0].shape[0] == 1:  # one pass: a static slice, not a gathered copy of the weights
+    return jax.tree.map(lambda w: w[0], weights_RG)
+  return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, repeat, keepdims=False), weights_RG)
+
+
 def _loop(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, stacked_state: Any,
           head_state: Any, x_BLD: jax.Array, data: dict[str, Any]) -> tuple[Sums, tuple[Any, Any, jax.Array]]:
   """Runs the schedule: (loss sums, (stacked layer grads, head grads, d x_BLD)) of the summed loss."""
-  num_stages, num_micro = cfg.num_pipeline_stages, cfg.num_pipeline_microbatches
-  num_slots = num_ring_slots(num_stages, num_micro)
+  num_stages, num_micro, num_repeats = cfg.num_pipeline_stages, cfg.num_pipeline_microbatches, cfg.num_pipeline_repeats
+  table = pipeline_timetable.build(num_stages, num_micro, num_repeats)
   rng = data["dropout_rng"]
   layer_rngs = jax.random.split(rng, cfg.num_decoder_layers) if rng is not None else None
   split = functools.partial(_split_micro, num_micro=num_micro)
@@ -89,86 +93,118 @@ def _loop(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, 
   positions_MmL, segment_ids_MmL = split(data["positions"]), split(data["segment_ids"])
   targets_MmL, target_weights_MmL = split(data["targets"]), split(data["target_weights"])
   aux_cotangents: dict[str, jax.Array] = data["aux_cotangents"]
-  weights_SG = jax.tree.map(lambda w: w[:, 0], stage_weights(stacked_state, cfg))  # one repeat: [S, G, ...]
+  weights_SRG = stage_weights(stacked_state, cfg)
   stages_S = jnp.arange(num_stages)
   run = _stage_fn(cfg, layer_fn, layer_rngs, policy)
 
-  def stage_backward(weights_G: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
-                     stage: jax.Array, micro: jax.Array, dy_mLD: jax.Array, valid: jax.Array) -> tuple[Any, jax.Array]:
-    (_, aux), vjp = jax.vjp(lambda w, x: run(w, x, positions_mL, segment_ids_mL, stage, micro), weights_G, x_mLD)
-    daux = {name: jnp.asarray(aux_cotangents.get(name, 0.0), value.dtype) for name, value in aux.items()}
-    dw, dx = vjp((dy_mLD, daux))
-    return _masked(valid, dw), jnp.where(valid, dx, jnp.zeros_like(dx))
+  def stage_forward(weights_RG: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
+                    stage: jax.Array, repeat: jax.Array, micro: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    return run(_pass_weights(weights_RG, repeat), x_mLD, positions_mL, segment_ids_mL, stage, repeat, micro)
 
-  forward_stages = jax.vmap(run, spmd_axis_name="stage")
+  def stage_backward(weights_RG: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
+                     stage: jax.Array, repeat: jax.Array, micro: jax.Array, dy_mLD: jax.Array,
+                     valid: jax.Array) -> tuple[Any, jax.Array]:
+    (_, aux), vjp = jax.vjp(lambda w, x: run(w, x, positions_mL, segment_ids_mL, stage, repeat, micro),
+                            _pass_weights(weights_RG, repeat), x_mLD)
+    daux = {name: jnp.asarray(aux_cotangents.get(name, 0.0), value.dtype) for name, value in aux.items()}
+    dw_G, dx = vjp((dy_mLD, daux))
+    return _masked(valid, dw_G), jnp.where(valid, dx, jnp.zeros_like(dx))
+
+  def add_pass_grads(dweights_SRG: Any, dw_SG: Any, pass_S: jax.Array) -> Any:
+    if num_repeats == 1:
+      return jax.tree.map(lambda acc, g: acc + g[:, None], dweights_SRG, dw_SG)
+    # Added where the pass matches, elementwise over [S, R, G, ...]: XLA fuses it into one in-place update.
+    this_pass_SR = pass_S[:, None] == jnp.arange(num_repeats)[None]
+    return jax.tree.map(
+        lambda acc, g: acc + jnp.where(this_pass_SR.reshape(this_pass_SR.shape + (1,) * (g.ndim - 1)), g[:, None], 0),
+        dweights_SRG, dw_SG)
+
+  forward_stages = jax.vmap(stage_forward, spmd_axis_name="stage")
   backward_stages = jax.vmap(stage_backward, spmd_axis_name="stage")
   write_slot = jax.vmap(lambda ring, x, slot, valid: jax.lax.dynamic_update_index_in_dim(
       ring, jnp.where(valid, x, ring[slot]), slot, 0))
   read_slot = jax.vmap(lambda ring, slot: ring[slot])
 
-  def forward(carry: dict[str, Any], t: jax.Array) -> dict[str, Any]:
-    feed_mLD = inputs_MmLD[jnp.minimum(t, num_micro - 1)]
-    state_SmLD = sharding.constrain(jnp.roll(carry["fwd"], 1, axis=0).at[0].set(feed_mLD), _STAGE_NAMES)
-    k_S = t - stages_S
-    valid_S = (k_S >= 0) & (k_S < num_micro)
-    micro_S = jnp.clip(k_S, 0, num_micro - 1)
-    ring = sharding.constrain(write_slot(carry["ring"], state_SmLD, k_S % num_slots, valid_S), _RING_NAMES)
-    out_SmLD, aux_S = forward_stages(weights_SG, state_SmLD, positions_MmL[micro_S], segment_ids_MmL[micro_S],
-                                     stages_S, micro_S)
+  def forward(carry: dict[str, Any], row: dict[str, jax.Array]) -> dict[str, Any]:
+    state_SmLD = jnp.roll(carry["fwd"], 1, axis=0)  # the last stage's output wraps to stage 0 for its next pass
+    # Indexed from the iteration counter rather than a table entry: XLA then slices the inputs
+    # before gathering them (measured: 2.4 MiB less in test_1f1b_keeps_fewer_activations_than_gpipe).
+    micro = pipeline_timetable.first_pass_micro(row["iteration"], num_stages, num_repeats)
+    feed_mLD = inputs_MmLD[jnp.minimum(micro, num_micro - 1)]
+    state_SmLD = state_SmLD.at[0].set(jnp.where(row["feed_from_inputs"], feed_mLD, state_SmLD[0]))
+    state_SmLD = sharding.constrain(state_SmLD, _STAGE_NAMES)
+    valid_S, micro_S = row["fwd_valid"], row["fwd_micro"]
+    ring = sharding.constrain(write_slot(carry["ring"], state_SmLD, row["fwd_slot"], valid_S), _RING_NAMES)
+    out_SmLD, aux_S = forward_stages(weights_SRG, state_SmLD, positions_MmL[micro_S], segment_ids_MmL[micro_S],
+                                     stages_S, row["fwd_pass"], micro_S)
     aux = {name: carry["aux"].get(name, 0.0) + jnp.sum(jnp.where(valid_S, v, 0.0)) for name, v in aux_S.items()}
     return {**carry, "fwd": sharding.constrain(out_SmLD, _STAGE_NAMES), "ring": ring, "aux": aux}
 
-  def head(carry: dict[str, Any], t: jax.Array) -> tuple[dict[str, Any], jax.Array]:
-    """Loss of the microbatch that just left the last stage, and d(loss)/d(its activations)."""
-    k = t - (num_stages - 1)
-    loss, vjp, sums = jax.vjp(lambda hs, y: head_fn(hs, y, targets_MmL[k], target_weights_MmL[k]),
-                              head_state, carry["fwd"][num_stages - 1], has_aux=True)
+  def head_loss(head_state_: Any, y_mLD: jax.Array, micro: jax.Array) -> tuple[Any, Sums, jax.Array]:
+    """Loss of the microbatch that just left the last stage, and d(loss)/d(head, its activations)."""
+    loss, vjp, sums = jax.vjp(lambda hs, y: head_fn(hs, y, targets_MmL[micro], target_weights_MmL[micro]),
+                              head_state_, y_mLD, has_aux=True)
     dhead, dy_mLD = vjp(jnp.ones_like(loss))
-    sums = {**sums, "loss": loss}
+    return dhead, {**sums, "loss": loss}, dy_mLD
+
+  def head(carry: dict[str, Any], row: dict[str, jax.Array]) -> tuple[dict[str, Any], jax.Array]:
+    args = (head_state, carry["fwd"][num_stages - 1], row["head_micro"])
+    if num_repeats == 1:  # a microbatch leaves the last stage for good at every steady iteration
+      dhead, sums, dy_mLD = head_loss(*args)
+    else:  # only in S of every S·R iterations: skip the vocabulary-sized work in the others
+      dhead, sums, dy_mLD = jax.lax.cond(
+          row["head_valid"], head_loss,
+          lambda *a: jax.tree.map(lambda v: jnp.zeros(v.shape, v.dtype), jax.eval_shape(head_loss, *a)), *args)
     carry = {**carry, "dhead": jax.tree.map(jnp.add, carry["dhead"], dhead),
              "sums": jax.tree.map(jnp.add, carry["sums"], sums)}
     return carry, dy_mLD
 
-  def backward(carry: dict[str, Any], t: jax.Array, dy_mLD: jax.Array | None) -> dict[str, Any]:
-    grads_SmLD = jnp.roll(carry["bwd"], -1, axis=0)
+  def backward(carry: dict[str, Any], row: dict[str, jax.Array], dy_mLD: jax.Array | None) -> dict[str, Any]:
+    grads_SmLD = jnp.roll(carry["bwd"], -1, axis=0)  # stage 0's wraps to the last stage for the previous pass
     if dy_mLD is not None:
-      grads_SmLD = grads_SmLD.at[num_stages - 1].set(dy_mLD.astype(grads_SmLD.dtype))
+      last = grads_SmLD[num_stages - 1]
+      grads_SmLD = grads_SmLD.at[num_stages - 1].set(jnp.where(row["head_valid"], dy_mLD.astype(last.dtype), last))
     grads_SmLD = sharding.constrain(grads_SmLD, _STAGE_NAMES)
-    k_S = t - (2 * num_stages - 2 - stages_S)
-    valid_S = (k_S >= 0) & (k_S < num_micro)
-    micro_S = jnp.clip(k_S, 0, num_micro - 1)
-    x_SmLD = sharding.constrain(read_slot(carry["ring"], k_S % num_slots), _STAGE_NAMES)
-    dw_SG, dx_SmLD = backward_stages(weights_SG, x_SmLD, positions_MmL[micro_S], segment_ids_MmL[micro_S],
-                                     stages_S, micro_S, grads_SmLD, valid_S)
+    valid_S, micro_S, pass_S = row["bwd_valid"], row["bwd_micro"], row["bwd_pass"]
+    x_SmLD = sharding.constrain(read_slot(carry["ring"], row["bwd_slot"]), _STAGE_NAMES)
+    dw_SG, dx_SmLD = backward_stages(weights_SRG, x_SmLD, positions_MmL[micro_S], segment_ids_MmL[micro_S],
+                                     stages_S, pass_S, micro_S, grads_SmLD, valid_S)
+    dweights = add_pass_grads(carry["dweights"], dw_SG, pass_S)
+    to_input = valid_S[0] & (pass_S[0] == 0)  # stage 0 finished a microbatch's first pass: d(embedding output)
     dinputs = jax.lax.dynamic_update_index_in_dim(
-        carry["dinputs"], jnp.where(valid_S[0], dx_SmLD[0], carry["dinputs"][micro_S[0]]), micro_S[0], 0)
-    return {**carry, "bwd": sharding.constrain(dx_SmLD, _STAGE_NAMES), "dinputs": dinputs,
-            "dweights": jax.tree.map(jnp.add, carry["dweights"], dw_SG)}
+        carry["dinputs"], jnp.where(to_input, dx_SmLD[0], carry["dinputs"][micro_S[0]]), micro_S[0], 0)
+    return {**carry, "bwd": sharding.constrain(dx_SmLD, _STAGE_NAMES), "dinputs": dinputs, "dweights": dweights}
 
-  def warmup(carry: dict[str, Any], t: jax.Array) -> tuple[dict[str, Any], None]:
-    return forward(carry, t), None
+  def warmup(carry: dict[str, Any], row: dict[str, jax.Array]) -> tuple[dict[str, Any], None]:
+    return forward(carry, row), None
 
-  def steady(carry: dict[str, Any], t: jax.Array) -> tuple[dict[str, Any], None]:
-    carry, dy_mLD = head(forward(carry, t), t)
-    return backward(carry, t, dy_mLD), None
+  def steady(carry: dict[str, Any], row: dict[str, jax.Array]) -> tuple[dict[str, Any], None]:
+    carry, dy_mLD = head(forward(carry, row), row)
+    return backward(carry, row, dy_mLD), None
 
-  def drain(carry: dict[str, Any], t: jax.Array) -> tuple[dict[str, Any], None]:
-    return backward(carry, t, None), None
+  def drain(carry: dict[str, Any], row: dict[str, jax.Array]) -> tuple[dict[str, Any], None]:
+    return backward(carry, row, None), None
 
   stage_buffer = sharding.constrain(jnp.zeros((num_stages,) + inputs_MmLD.shape[1:], x_BLD.dtype), _STAGE_NAMES)
-  ring = jnp.zeros((num_stages, num_slots) + inputs_MmLD.shape[1:], x_BLD.dtype)
+  ring = jnp.zeros((num_stages, table.num_slots) + inputs_MmLD.shape[1:], x_BLD.dtype)
   zero = jnp.zeros((), jnp.float32)
   # Every aux name the layers sow must be in the carry from the start (scan needs a fixed structure).
-  aux_names = jax.eval_shape(lambda: run(jax.tree.map(lambda w: w[0], weights_SG), inputs_MmLD[0],
-                                         positions_MmL[0], segment_ids_MmL[0], jnp.int32(0), jnp.int32(0)))[1]
+  aux_names = jax.eval_shape(lambda: run(_pass_weights(jax.tree.map(lambda w: w[0], weights_SRG), jnp.int32(0)),
+                                         inputs_MmLD[0], positions_MmL[0], segment_ids_MmL[0], jnp.int32(0),
+                                         jnp.int32(0), jnp.int32(0)))[1]
   carry = {"fwd": stage_buffer, "bwd": stage_buffer, "ring": sharding.constrain(ring, _RING_NAMES),
-           "dinputs": jnp.zeros_like(inputs_MmLD), "dweights": _zeros_like(weights_SG), "dhead": _zeros_like(head_state),
+           "dinputs": jnp.zeros_like(inputs_MmLD), "dweights": _zeros_like(weights_SRG),
+           "dhead": _zeros_like(head_state),
            "sums": {"loss": zero, "xent_sum": zero, "z_loss_sum": zero}, "aux": {name: zero for name in aux_names}}
-  carry, _ = jax.lax.scan(warmup, carry, jnp.arange(num_stages - 1))
-  carry, _ = jax.lax.scan(steady, carry, jnp.arange(num_stages - 1, num_micro + num_stages - 1))
-  carry, _ = jax.lax.scan(drain, carry, jnp.arange(num_micro + num_stages - 1, num_micro + 2 * num_stages - 2))
-  # [S, G, ...] -> the stacked [num_layers, ...] layout (stage s holds layers s·G ... s·G + G - 1).
-  dstacked = jax.tree.map(lambda g, w: g.reshape(w.shape).astype(w.dtype), carry["dweights"], stacked_state)
+  rows = {"iteration": jnp.arange(table.num_iterations), **{k: jnp.asarray(v) for k, v in table.rows().items()}}
+  phases = ((warmup, 0, table.warmup_end), (steady, table.warmup_end, table.steady_end),
+            (drain, table.steady_end, table.num_iterations))
+  for body, start, end in phases:
+    if end > start:
+      carry, _ = jax.lax.scan(body, carry, jax.tree.map(lambda x: x[start:end], rows))  # noqa: B023
+  # [S, R, G, ...] -> the stacked [num_layers, ...] layout (stage s, pass r holds layers (r·S + s)·G ...).
+  dstacked = jax.tree.map(lambda g, w: jnp.swapaxes(g, 0, 1).reshape(w.shape).astype(w.dtype),
+                          carry["dweights"], stacked_state)
   dx_BLD = _merge_micro(carry["dinputs"]).astype(x_BLD.dtype)
   sums = {**carry["sums"], **{f"aux_{name}": value for name, value in carry["aux"].items()}}
   return sums, (dstacked, carry["dhead"], dx_BLD)
