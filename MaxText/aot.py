@@ -144,7 +144,7 @@ _SPACE = re.compile(r"^Memory Space: (\S+) \(color=(\d+)\)\s*\nTotal bytes: (\d+
 
 def read_buffer_assignment(dump_dir: str | None) -> tuple[int, tuple[tuple[str, int], ...]] | None:
   """(device heap bytes, other large memory spaces) from the train step's memory-usage report
-  that XLA writes under `--xla_dump_to` (see `buffer_assignment_dump_flags`); None if absent."""
+  that XLA writes under `xla_dump_to` (see `buffer_assignment_dump_options`); None if absent."""
   if not dump_dir:
     return None
   reports = sorted(Path(dump_dir).glob("*jit_train_step*memory-usage-report.txt"))
@@ -159,9 +159,9 @@ def read_buffer_assignment(dump_dir: str | None) -> tuple[int, tuple[tuple[str, 
   return (heap, tuple(others)) if heap else None
 
 
-def buffer_assignment_dump_flags(dump_dir: str) -> str:
-  """XLA_FLAGS that make the compiler write only the train step's buffer-assignment reports."""
-  return f"--xla_dump_to={dump_dir} --xla_dump_hlo_module_re=.*jit_train_step.* --xla_dump_hlo_pass_re=^$"
+def buffer_assignment_dump_options(dump_dir: str) -> dict[str, str]:
+  """Compiler options (for `Lowered.compile`) that make XLA write the train step's buffer-assignment reports."""
+  return {"xla_dump_to": dump_dir, "xla_dump_hlo_module_re": ".*jit_train_step.*", "xla_dump_hlo_pass_re": "^$"}
 
 
 def format_bytes(n: float) -> str:

@@ -47,12 +47,10 @@ def describe_topology(topology: accelerators.TpuTopology, num_slices: int) -> Se
   return description.devices
 
 
-def load_target_config(argv: list[str], report_dir: str | None = None
-                       ) -> tuple[config_lib.Config, Sequence[Any], accelerators.TpuTopology | None]:
+def load_target_config(argv: list[str]) -> tuple[config_lib.Config, Sequence[Any], accelerators.TpuTopology | None]:
   """The config for the compile target, its devices, and the TPU topology (None for local).
 
   Flags are exported before libtpu or a backend starts, so the compiled step reflects them.
-  With `report_dir`, a TPU compile also writes XLA's buffer-assignment report there.
   """
   overrides = config_lib.parse_overrides(argv)
   name = str(overrides.peek("compile_topology")).strip()
@@ -66,8 +64,6 @@ def load_target_config(argv: list[str], report_dir: str | None = None
   # A topology compile needs no local accelerator: keep the local backend on CPU.
   accelerators.select_jax_platforms("cpu" if topology else str(overrides.peek("hardware")))
   xla_flags.export_flags(str(overrides.peek("libtpu_init_args")), str(overrides.peek("xla_flags")))
-  if topology is not None and report_dir:
-    xla_flags.export_flags("", aot.buffer_assignment_dump_flags(report_dir))
   if topology is None:
     if num_slices != 1:
       raise ConfigError("compile_topology_num_slices applies to a TPU compile_topology, not to local")
@@ -83,26 +79,20 @@ def load_target_config(argv: list[str], report_dir: str | None = None
 
 @contextlib.contextmanager
 def _buffer_report_dir() -> Iterator[str | None]:
-  """A folder for XLA's buffer-assignment report of the train step (the exact device-memory
-  layout, read by `report`); XLA_FLAGS is restored on exit. None when the user dumps elsewhere."""
+  """A temporary folder for XLA's buffer-assignment report of the train step (the exact
+  device-memory layout, read by `report`); None when the user already dumps elsewhere."""
   if "--xla_dump_to" in os.environ.get("XLA_FLAGS", ""):
     yield None
     return
-  saved = os.environ.get("XLA_FLAGS")
   with tempfile.TemporaryDirectory(prefix="train_compile_") as report_dir:
-    try:
-      yield report_dir
-    finally:
-      if saved is None:
-        os.environ.pop("XLA_FLAGS", None)
-      else:
-        os.environ["XLA_FLAGS"] = saved
+    yield report_dir
 
 
-def compile_or_explain(step_fn: Any, inputs: aot.StepInputs, topology: accelerators.TpuTopology | None) -> Any:
+def compile_or_explain(step_fn: Any, inputs: aot.StepInputs, topology: accelerators.TpuTopology | None,
+                       compiler_options: dict[str, str] | None = None) -> Any:
   """Lowers and compiles; XLA's out-of-memory error becomes a one-line 'does not fit'."""
   try:
-    return step_fn.lower(*inputs.as_args()).compile()
+    return step_fn.lower(*inputs.as_args()).compile(compiler_options=compiler_options)
   except jax.errors.JaxRuntimeError as e:
     message = str(e)
     if "RESOURCE_EXHAUSTED" not in message or topology is None:
@@ -148,18 +138,13 @@ def main(argv: list[str]) -> int:
 
 
 def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
-  config, devices, topology = load_target_config(argv, report_dir)
+  config, devices, topology = load_target_config(argv)
   where = f"{config.mesh.num_slices} x {topology.name} ({topology.topology_name}, {topology.hosts} hosts of " \
           f"{topology.chips_per_host} chips per slice)" if topology else f"the local {config.target.platform} devices"
   print(f"compiling for {where}: {config.target.num_devices} devices, {config.target.device_kind}")
-  own_flags = aot.buffer_assignment_dump_flags(report_dir) if report_dir else ""
-
-  def user_flags(name: str) -> str:  # the flags in force, less train_compile's own report flags
-    return os.environ.get(name, "").replace(own_flags, "").strip() if own_flags else os.environ.get(name, "")
-
   for name in ("LIBTPU_INIT_ARGS", "XLA_FLAGS"):
-    if user_flags(name):
-      print(f"  {name}={user_flags(name)}")
+    if os.environ.get(name):
+      print(f"  {name}={os.environ[name]}")
   mesh = sharding.create_mesh(config.mesh, devices)
   print(f"mesh: {', '.join(f'{a}={n}' for a, n in mesh.shape.items() if n > 1) or 'single device'}")
   if config.model.num_pipeline_stages > 1:
@@ -171,9 +156,9 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
   step_fn = train_step.jit_train_step(setup, config, batch_sharding)
   inputs = aot.abstract_inputs(config, setup, batch_sharding)
   start = time.perf_counter()
-  compiled = compile_or_explain(step_fn, inputs, topology)
-  if own_flags:  # written by now; keep the report folder out of the saved header's flags
-    os.environ["XLA_FLAGS"] = user_flags("XLA_FLAGS")
+  # The report options go to this compile only (XLA reads XLA_FLAGS once per process).
+  options = aot.buffer_assignment_dump_options(report_dir) if report_dir and topology else None
+  compiled = compile_or_explain(step_fn, inputs, topology, options)
   print(f"compiled in {time.perf_counter() - start:.1f} s")
   memory = report(config, topology, compiled, report_dir)
   if topology is not None:
