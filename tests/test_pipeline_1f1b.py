@@ -7,12 +7,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from test_pipeline_parallel import _grads_and_step, _model_overrides, _packed_batch
 
 from MaxText import sharding, train_compile, train_state, train_step
 from MaxText.config import BASE_CONFIG_PATH, Config
-from MaxText.errors import ConfigError
 from MaxText.layers import pipeline, pipeline_timetable
-from test_pipeline_parallel import _grads_and_step, _model_overrides, _packed_batch
 
 
 def _config(schedule: str, micro: int, **overrides) -> Config:

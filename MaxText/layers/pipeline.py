@@ -141,7 +141,7 @@ def _stage_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None,
     weights_G = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, repeat, keepdims=False), weights_RG)
     return run_group(weights_G, x_mLD, positions_mL, segment_ids_mL, first_layer(cfg, stage, repeat), micro)
 
-  if policy == "none":
+  if isinstance(policy, str):  # "none": no rematerialisation
     return run
   return jax.checkpoint(run, policy=policy)
 

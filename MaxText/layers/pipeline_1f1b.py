@@ -41,7 +41,8 @@ import jax.numpy as jnp
 from MaxText import sharding
 from MaxText.config_groups import ModelConfig
 from MaxText.layers import pipeline_timetable
-from MaxText.layers.pipeline import LayerFn, Policy, _merge_micro, _split_micro, first_layer, layer_group_fn, stage_weights
+from MaxText.layers.pipeline import LayerFn, Policy, _merge_micro, _split_micro
+from MaxText.layers.pipeline import first_layer, layer_group_fn, stage_weights
 
 # (head state, y_mLD, targets_mL, target_weights_mL) -> (loss sum, {"xent_sum", "z_loss_sum"}): the loss
 # sum is what gets differentiated (cross-entropy plus the z-loss term), the dict holds metrics.
