@@ -39,7 +39,8 @@ then all backward iterations in reverse (the GPipe order), with each stage step
 rematerialised under `remat_policy` so only stage inputs are kept between them.
 The `1f1b` schedule (pipeline_1f1b.py) interleaves one backward with each forward once the
 pipeline is full, computing the loss per microbatch inside its loop, so a stage keeps at
-most min(M, 2S - 1) microbatch inputs alive; its bubble is GPipe's.
+most min(M, 2S - 1) microbatch inputs alive; its bubble is GPipe's. With R > 1 it is
+interleaved 1F1B: circular's layer split and bubble, about (R + 1)·S stage inputs kept.
 
 Per-layer behaviour stays tied to the true layer: each layer gets its global
 `layer_index` (local/global attention patterns), positions and segment ids travel with

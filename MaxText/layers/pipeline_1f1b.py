@@ -1,6 +1,7 @@
 """The 1F1B pipeline schedule, plain and interleaved: each stage alternates one forward and one
 backward once the pipeline is full, so it keeps only the stage inputs whose backward has not
-run yet (min(M, 2S - 1) for one pass) instead of GPipe's M·(S + M - 1) stage-iteration carries.
+run yet (min(M, 2S - 1) for one pass) instead of the M·R + S - 1 iteration carries per stage
+that GPipe (R = 1) and the circular schedule keep.
 
 Shape legend as in pipeline.py: S stages, R passes (`num_pipeline_repeats`), M microbatches,
 G layers per stage and pass, m rows per microbatch, L length, D embed, K ring-buffer slots.
