@@ -27,6 +27,7 @@ ever alive at once on any stage: min(M, 2S - 1) for R = 1, about (R + 1)·S - 1 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 
 import numpy as np
@@ -80,6 +81,7 @@ def first_pass_micro(t, num_stages: int, num_repeats: int):  # type: ignore[no-u
   return t // (num_stages * num_repeats) * num_stages + t % num_stages
 
 
+@functools.lru_cache(maxsize=32)  # the start-up log line and the traced loop ask for the same table
 def build(num_stages: int, num_micro: int, num_repeats: int = 1) -> Timetable:
   s_count, m_count, r_count = num_stages, num_micro, num_repeats
   if r_count > 1 and m_count % s_count:
