@@ -78,8 +78,6 @@ def _masked(valid: jax.Array, tree: Any) -> Any:
 
 
 def _pass_weights(weights_RG: Any, repeat: jax.Array) -> Any:
-  if jax.tree.leaves(weights_RG)[0].shape[0] == 1:  # one pass: a static slice, not a gathered copy of the weights
-    return jax.tree.map(lambda w: w[0], weights_RG)
   return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, repeat, keepdims=False), weights_RG)
 
 
@@ -113,8 +111,6 @@ def _loop(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, 
     return _masked(valid, dw_G), jnp.where(valid, dx, jnp.zeros_like(dx))
 
   def add_pass_grads(dweights_SRG: Any, dw_SG: Any, pass_S: jax.Array) -> Any:
-    if num_repeats == 1:
-      return jax.tree.map(lambda acc, g: acc + g[:, None], dweights_SRG, dw_SG)
     # Added where the pass matches, elementwise over [S, R, G, ...]: XLA fuses it into one in-place update.
     this_pass_SR = pass_S[:, None] == jnp.arange(num_repeats)[None]
     return jax.tree.map(
