@@ -15,10 +15,8 @@ which may differ from the mesh that saved them.
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -27,9 +25,10 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from MaxText import models
+from MaxText import models, storage
 from MaxText.config_groups import CheckpointConfig
 from MaxText.errors import TrainingError, UserError
+from MaxText.local_checkpoints import LocalTier
 from MaxText.train_state import TrainState
 
 STATE, DATA, META = "state", "data", "meta"
@@ -50,29 +49,30 @@ def with_shardings(abstract: Any, shardings: Any) -> Any:
 
 def save_params(path: str, params: Any) -> None:
   """Writes a parameters-only checkpoint (synchronously) to a new directory `path`."""
-  if Path(path).exists():
+  if storage.exists(path):
     raise UserError(f"{path} already exists; choose a new output path or remove it first")
   checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(os.path.abspath(path), {PARAMS: params})
+  checkpointer.save(storage.as_path(path), {PARAMS: params})
   checkpointer.wait_until_finished()
   checkpointer.close()
 
 
-def _is_step_dir(path: Path) -> bool:
-  return (path / STATE).is_dir()
+def _is_step_dir(path: str) -> bool:
+  return storage.is_dir(storage.join(path, STATE))
 
 
-def _pytree_dir(path: str) -> tuple[Path, str]:
+def _pytree_dir(path: str) -> tuple[str, str]:
   """(Orbax PyTree directory holding the params, what kind of checkpoint `path` is)."""
-  root = Path(path)
-  if not root.exists():
+  root = storage.resolve(path)
+  if not storage.exists(root):
     raise UserError(f"checkpoint {path} does not exist")
   if _is_step_dir(root):
-    return root / STATE, "full-state step"
-  steps = sorted((int(p.name) for p in root.iterdir() if p.name.isdigit() and _is_step_dir(p)), reverse=True)
+    return storage.join(root, STATE), "full-state step"
+  steps = sorted((int(n) for n in storage.listdir(root) if n.isdigit() and _is_step_dir(storage.join(root, n))),
+                 reverse=True)
   if steps:
-    return root / str(steps[0]) / STATE, f"latest step ({steps[0]}) of a checkpoints directory"
-  if (root / "_METADATA").exists() or (root / "_CHECKPOINT_METADATA").exists():
+    return storage.join(root, str(steps[0]), STATE), f"latest step ({steps[0]}) of a checkpoints directory"
+  if storage.exists(storage.join(root, "_METADATA")) or storage.exists(storage.join(root, "_CHECKPOINT_METADATA")):
     return root, "parameters-only"
   raise UserError(f"{path} is not a checkpoint: expected a parameters-only checkpoint, a step directory "
                   f"containing '{STATE}/', or a checkpoints directory with numbered steps")
@@ -93,7 +93,7 @@ def load_params(path: str, abstract_params: Any, shardings: Any) -> Any:
   target = {PARAMS: with_shardings(read_abstract, read_shardings)}
   try:
     restored = ocp.PyTreeCheckpointer().restore(
-        directory.absolute(), args=ocp.args.PyTreeRestore(
+        storage.as_path(directory), args=ocp.args.PyTreeRestore(
             item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
   except (ValueError, KeyError, FileNotFoundError) as e:
     raise UserError(f"cannot load parameters from {path} ({kind} checkpoint): {_first_line(e)}; "
@@ -108,9 +108,9 @@ def load_params(path: str, abstract_params: Any, shardings: Any) -> Any:
   return params
 
 
-def _stored_layout_is_scanned(directory: Path) -> bool | None:
+def _stored_layout_is_scanned(directory: str) -> bool | None:
   try:
-    keys = ocp.PyTreeCheckpointer().metadata(directory.absolute()).item_metadata[PARAMS].keys()
+    keys = ocp.PyTreeCheckpointer().metadata(storage.as_path(directory)).item_metadata[PARAMS].keys()
   except Exception:  # noqa: BLE001 - unreadable metadata: let the restore report the problem
     return None
   return "layers" in keys
@@ -165,6 +165,7 @@ class Restored:
   data_state: dict[str, Any] | None
   meta: dict[str, Any]
   step: int
+  source: str = ""  # where it came from, for the log
 
 
 class RunCheckpoints:
@@ -172,14 +173,24 @@ class RunCheckpoints:
 
   def __init__(self, cfg: CheckpointConfig, directory: str | None = None):
     self.cfg = cfg
-    self.directory = os.path.abspath(directory or cfg.directory)
+    self.directory = storage.resolve(directory or cfg.directory)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=cfg.max_to_keep, enable_async_checkpointing=cfg.async_checkpointing, create=True)
     try:
-      self._manager = ocp.CheckpointManager(self.directory, item_names=(STATE, DATA, META), options=options)
+      self._manager = ocp.CheckpointManager(storage.as_path(self.directory), item_names=(STATE, DATA, META), options=options)
     except OSError as e:
       raise UserError(f"cannot use checkpoint directory {self.directory}: {_first_line(e)}") from None
     self.last_saved_step: int | None = self._manager.latest_step()
+    # Multi-tier: the fast per-host tier beside this (persistent) one.
+    self.local = LocalTier(cfg.local_directory, cfg.local_period, cfg.local_max_to_keep) if cfg.local_directory \
+        else None
+
+  def local_due(self, step: int) -> bool:
+    return self.local is not None and step % self.local.period == 0
+
+  def save_local(self, step: int, state: Any, data_state: dict[str, Any], meta: dict[str, Any]) -> None:
+    assert self.local is not None
+    self.local.save(step, state, data_state, meta)
 
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
@@ -219,12 +230,20 @@ class RunCheckpoints:
   def close(self) -> None:
     try:
       self.wait()
+      if self.local is not None:
+        self.local.close()
     finally:
       self._manager.close()
 
   def restore_latest(self, abstract_state: Any, shardings: Any) -> Restored | None:
-    """Newest step that restores cleanly; a damaged one is set aside (renamed, never deleted)."""
-    for step in reversed(self.all_steps()):
+    """Newest step that restores cleanly, from whichever tier holds the newer one; a damaged
+    persistent step is set aside (renamed, never deleted)."""
+    persistent = self.all_steps()
+    if self.local is not None:
+      restored = self._restore_local(abstract_state, shardings, persistent[-1] if persistent else None)
+      if restored is not None:
+        return restored
+    for step in reversed(persistent):
       try:
         return self._restore_step(step, abstract_state, shardings)
       except Exception as e:  # noqa: BLE001 - any damage means: fall back to the previous step
@@ -233,34 +252,54 @@ class RunCheckpoints:
              f"({_first_line(e)}); moved it to {moved} and falling back to the previous one")
     return None
 
+  def _restore_local(self, abstract_state: Any, shardings: Any, persistent_step: int | None) -> Restored | None:
+    """The local tier's newest step if every process holds it and it is newer than the
+    persistent tier's (all processes decide together)."""
+    assert self.local is not None
+    step = self.local.agreed_step(shardings, abstract_state)
+    if step is None or (persistent_step is not None and step <= persistent_step):
+      return None
+    try:
+      state, data_state, meta = self.local.restore(step, abstract_state, shardings)
+      ok = True
+    except Exception as e:  # noqa: BLE001 - a damaged local copy: the persistent tier is the fallback
+      _log(f"warning: local checkpoint step {step} in {self.local.root} is unreadable ({_first_line(e)}); "
+           "using the persistent tier")
+      ok = False
+    everyone_ok = bool(multihost_utils.process_allgather(jnp.asarray(ok, jnp.int32)).min())
+    if not everyone_ok:
+      return None
+    return Restored(state, data_state, meta, step, f"the local tier ({self.local.root})")
+
   def _restore_step(self, step: int, abstract_state: Any, shardings: Any) -> Restored:
     args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(with_shardings(abstract_state, shardings)),
                                  DATA: ocp.args.JsonRestore(), META: ocp.args.JsonRestore()})
     restored = self._manager.restore(step, args=args)
-    return Restored(restored[STATE], restored[DATA], restored[META] or {}, step)
+    return Restored(restored[STATE], restored[DATA], restored[META] or {}, step, self.directory)
 
   def _set_aside(self, step: int) -> str:
-    source = Path(self.directory) / str(step)
-    target = source.with_name(f"{step}.corrupt-{int(time.time())}")
-    if jax.process_index() == 0 and source.exists():
-      source.rename(target)
+    source = storage.join(self.directory, str(step))
+    target_name = f"{step}.corrupt-{int(time.time())}"
+    if jax.process_index() == 0 and storage.exists(source):
+      storage.set_aside(source, target_name)
     multihost_utils.sync_global_devices(f"checkpoint_set_aside_{step}")
     self._manager.reload()
-    return str(target)
+    return storage.join(self.directory, target_name)
 
 
 def restore_full_state(path: str, abstract_state: Any, shardings: Any) -> Restored:
   """Full state from a step directory or a checkpoints root (its latest good step)."""
-  root = Path(path)
-  if not root.exists():
+  root = storage.resolve(path)
+  if not storage.exists(root):
     raise UserError(f"load_full_state_path {path} does not exist")
   if _is_step_dir(root):
-    directory, steps = root.parent, [int(root.name)] if root.name.isdigit() else []
+    step_name = storage.name(root)
+    directory, steps = storage.parent(root), [int(step_name)] if step_name.isdigit() else []
     if not steps:
       raise UserError(f"load_full_state_path {path}: a step directory must be named by its step number")
   else:
     directory, steps = root, None
-  cfg = CheckpointConfig(enabled=True, async_checkpointing=False, period=1, max_to_keep=None, directory=str(directory),
+  cfg = CheckpointConfig(enabled=True, async_checkpointing=False, period=1, max_to_keep=None, directory=directory,
                          load_parameters_path="", load_full_state_path="", param_only_checkpoint_path="",
                          force_unroll=False)
   checkpoints = RunCheckpoints(cfg)
@@ -336,7 +375,7 @@ def initial_state(config: Any, setup: Any, checkpoints: RunCheckpoints | None, i
     restored = checkpoints.restore_latest(abstract, shardings)
     if restored is not None:
       return Start(restored.state, restored.data_state, restored.meta.get("rng_key_data"),
-                   f"resumed from step {restored.step} of {checkpoints.directory}")
+                   f"resumed from step {restored.step} of {restored.source}")
   if cfg.load_full_state_path:
     restored = restore_full_state(cfg.load_full_state_path, abstract, shardings)
     return Start(restored.state, restored.data_state, restored.meta.get("rng_key_data"),

@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
-import os
 from typing import Any, Mapping
 
+from MaxText import storage
 from MaxText.accelerators import DeviceTarget
 from MaxText.errors import ConfigError
 
@@ -482,7 +482,7 @@ def _check_real_data(v: Mapping[str, Any]) -> None:
   _require(v["max_target_length"] >= 2, f"max_target_length must be >= 2 for real data, got {v['max_target_length']}")
   if kind == "tfds":
     _require(bool(v["dataset_name"]), "dataset_type=tfds needs dataset_name (and dataset_path, its data_dir)")
-    _require(not v["dataset_path"] or "://" in v["dataset_path"] or os.path.isdir(v["dataset_path"]),
+    _require(not v["dataset_path"] or storage.is_remote(v["dataset_path"]) or storage.is_dir(v["dataset_path"]),
              f"dataset_path {v['dataset_path']} is not a directory")
   elif kind == "hf":
     _require(bool(v["hf_path"] or v["hf_data_files"]), "dataset_type=hf needs hf_path or hf_data_files")
@@ -522,10 +522,11 @@ class RunConfig:
   collect_stack_trace: bool
   stack_trace_to_cloud: bool
   stack_trace_interval_seconds: int
+  storage_timeout_seconds: int
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any], num_processes: int = 1) -> "RunConfig":
-    _positive(v, "steps", "log_period", "profile_steps", "stack_trace_interval_seconds")
+    _positive(v, "steps", "log_period", "profile_steps", "stack_trace_interval_seconds", "storage_timeout_seconds")
     _require(v["eval_interval"] == -1 or v["eval_interval"] > 0, "eval_interval must be > 0 or -1 (never)")
     _require(num_processes == 1 or v["run_name"], f"set run_name=NAME: with {num_processes} processes each "
              "would otherwise name the run after its own clock")
@@ -534,7 +535,7 @@ class RunConfig:
     _require(v["profiler"] in ("", "xplane"), f"profiler must be '' (off) or 'xplane', got {v['profiler']!r}")
     _require(v["profile_start_step"] >= 0, f"profile_start_step must be >= 0, got {v['profile_start_step']}")
     return cls(run_name=run_name, base_output_directory=v["base_output_directory"],
-               run_dir=os.path.join(v["base_output_directory"], run_name), steps=v["steps"],
+               run_dir=storage.join(v["base_output_directory"], run_name), steps=v["steps"],
                log_period=v["log_period"], eval_interval=v["eval_interval"],
                init_weights_seed=v["init_weights_seed"], enable_tensorboard=v["enable_tensorboard"],
                enable_jsonl_metrics=v["enable_jsonl_metrics"], print_config=v["print_config"],
@@ -542,7 +543,8 @@ class RunConfig:
                profile_start_step=v["profile_start_step"], profile_steps=v["profile_steps"],
                profile_all_processes=v["profile_all_processes"], collect_stack_trace=v["collect_stack_trace"],
                stack_trace_to_cloud=v["stack_trace_to_cloud"],
-               stack_trace_interval_seconds=v["stack_trace_interval_seconds"])
+               stack_trace_interval_seconds=v["stack_trace_interval_seconds"],
+               storage_timeout_seconds=v["storage_timeout_seconds"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -556,6 +558,10 @@ class CheckpointConfig:
   load_full_state_path: str
   param_only_checkpoint_path: str
   force_unroll: bool
+  # The fast per-host tier of multi-tier checkpointing ("" = off).
+  local_directory: str = ""
+  local_period: int = 0
+  local_max_to_keep: int = 2
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any], run: "RunConfig") -> "CheckpointConfig":
@@ -566,11 +572,24 @@ class CheckpointConfig:
     _require(not (v["load_parameters_path"] and v["load_full_state_path"]),
              "set at most one of load_parameters_path (weights only, fresh optimizer) and "
              "load_full_state_path (weights, optimizer state and step)")
+    local = v["enable_emergency_checkpoint"]
+    _require(not local or (v["local_checkpoint_directory"] and v["local_checkpoint_period"] > 0),
+             "enable_emergency_checkpoint=True needs local_checkpoint_directory=<a directory on each host's disk> "
+             "and local_checkpoint_period > 0")
+    _require(not local or not storage.is_remote(v["local_checkpoint_directory"]),
+             f"local_checkpoint_directory must be on the host's own disk, got {v['local_checkpoint_directory']}; "
+             "the persistent tier (base_output_directory) is the one for gs://")
+    _require(not local or v["enable_checkpointing"], "enable_emergency_checkpoint=True needs enable_checkpointing=True "
+             "(the persistent tier)")
+    _require(v["local_checkpoint_max_to_keep"] >= 1, "local_checkpoint_max_to_keep must be >= 1")
     return cls(enabled=v["enable_checkpointing"], async_checkpointing=v["async_checkpointing"],
                period=v["checkpoint_period"], max_to_keep=None if keep == -1 else keep,
-               directory=os.path.join(run.run_dir, "checkpoints"),
+               directory=storage.join(run.run_dir, "checkpoints"),
                load_parameters_path=v["load_parameters_path"], load_full_state_path=v["load_full_state_path"],
-               param_only_checkpoint_path=v["param_only_checkpoint_path"], force_unroll=v["force_unroll"])
+               param_only_checkpoint_path=v["param_only_checkpoint_path"], force_unroll=v["force_unroll"],
+               local_directory=storage.join(storage.resolve(v["local_checkpoint_directory"]), run.run_name) if local else "",
+               local_period=v["local_checkpoint_period"] if local else 0,
+               local_max_to_keep=v["local_checkpoint_max_to_keep"])
 
 
 SAMPLING_STRATEGIES = ("greedy", "weighted", "nucleus", "topk")

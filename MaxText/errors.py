@@ -40,6 +40,9 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = No
   # to the clean stop (and the checkpoint) the entry points promise.
   if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+  from MaxText import storage  # lazily: storage imports this module
+
+  storage.configure_cloud_env()  # before any library opens a gs:// path
   try:
     code = main(list(sys.argv if argv is None else argv))
   except UserError as e:

@@ -35,9 +35,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from typing import Any, Mapping
 
+from MaxText import storage
 from MaxText.config_groups import ModelConfig
 
 
@@ -115,10 +115,9 @@ def format_step_line(step: int, loss: float, seconds: float, t: Throughput) -> s
 
 
 def _lines_up_to(jsonl_path: str, step: int) -> list[str]:
-  if not os.path.exists(jsonl_path):
+  if not storage.exists(jsonl_path):
     return []
-  with open(jsonl_path) as f:
-    lines = [line for line in f if line.strip()]
+  lines = [line + "\n" for line in storage.read_text(jsonl_path).splitlines() if line.strip()]
   kept = []
   for line in lines:
     try:
@@ -130,34 +129,40 @@ def _lines_up_to(jsonl_path: str, step: int) -> list[str]:
 
 
 class MetricWriter:
-  """Writes each logged step's scalars to metrics.jsonl and TensorBoard (process 0 only)."""
+  """Writes each logged step's scalars to metrics.jsonl and TensorBoard (process 0 only).
+
+  `run_dir` may be local or gs://; TensorBoard events on gs:// go through tensorboardX's own
+  GCS writer (google-cloud-storage, which honours STORAGE_EMULATOR_HOST)."""
 
   def __init__(self, run_dir: str, enable_jsonl: bool, enable_tensorboard: bool, resume_step: int = 0):
     """A fresh run (resume_step 0) starts metrics.jsonl anew; a run resumed from a checkpoint
     keeps the lines up to that step and drops later ones, which the killed run logged but
     the resumed run will log again."""
-    os.makedirs(run_dir, exist_ok=True)
-    jsonl_path = os.path.join(run_dir, "metrics.jsonl")
-    self._jsonl = None
+    storage.makedirs(run_dir)
+    jsonl_path = storage.join(run_dir, "metrics.jsonl")
+    self._jsonl: storage.LineLog | None = None
     if enable_jsonl:
       kept = _lines_up_to(jsonl_path, resume_step) if resume_step > 0 else []
-      self._jsonl = open(jsonl_path, "w")
-      self._jsonl.writelines(kept)
+      self._jsonl = storage.LineLog(jsonl_path, kept)
     self._tb = None
     if enable_tensorboard:
       from tensorboardX import SummaryWriter  # heavy import; only when used
 
-      self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+      self._tb = SummaryWriter(storage.join(storage.resolve(run_dir), "tensorboard"))
 
   def write(self, step: int, scalars: Mapping[str, Any]) -> None:
     if self._jsonl is not None:
       record = {"step": step, **{k: _jsonable(v) for k, v in scalars.items()}}
-      self._jsonl.write(json.dumps(record) + "\n")
-      self._jsonl.flush()
+      self._jsonl.write_line(json.dumps(record))
     if self._tb is not None:
       for key, value in scalars.items():
         if isinstance(value, (int, float)) and not math.isnan(value):
           self._tb.add_scalar(key, value, step)
+
+  def sync(self) -> None:
+    """Every line so far is durable (on gs:// uploaded) when this returns."""
+    if self._jsonl is not None:
+      self._jsonl.sync()
 
   def close(self) -> None:
     if self._jsonl is not None:

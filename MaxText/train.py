@@ -5,7 +5,6 @@ Reads like a table of contents: config → backend → mesh → sharded state �
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import jax
 from jax.sharding import Mesh
 
 from MaxText import accelerators, checkpointing, config as config_lib, metrics, sharding, train_state, train_step
-from MaxText import aot, distributed, xla_flags
+from MaxText import aot, distributed, storage, xla_flags
 from MaxText.errors import run_cli
 from MaxText.input_pipeline import create_data_iterator, create_eval_iterator
 from MaxText.layers import pipeline
@@ -28,12 +27,25 @@ from MaxText.trainer import CheckpointHook, EvalHook, LoggingHook, ProfilerHook,
 def load_config_and_start_backend(argv: list[str]) -> config_lib.Config:
   """Parses the config, sets platform and XLA flags *before* JAX starts, then finalises it."""
   overrides = config_lib.parse_overrides(argv)
+  check_remote_paths(overrides)
   accelerators.select_jax_platforms(str(overrides.peek("hardware")))
   xla_flags.export_flags(str(overrides.peek("libtpu_init_args")), str(overrides.peek("xla_flags")))
   distributed.initialize(accelerators.requested_platform(), int(overrides.peek("distributed_init_timeout_seconds")),
                          int(overrides.peek("distributed_heartbeat_timeout_seconds")))
   target = accelerators.local_target()
   return config_lib.Config(config_lib.resolve_values(overrides, target.platform), target)
+
+
+def check_remote_paths(overrides: config_lib.Overrides) -> None:
+  """Every gs:// bucket a path key names exists and answers, before any compile or write."""
+  timeout = float(overrides.peek("storage_timeout_seconds"))
+  seen: set[str] = set()
+  for key in config_lib.PATH_KEYS:
+    value = str(overrides.peek(key))
+    for path in (p.strip() for p in value.split(",")):
+      if storage.is_remote(path) and storage.bucket_of(path) not in seen:
+        seen.add(storage.bucket_of(path))
+        storage.check_reachable(path, key, timeout)
 
 
 def log(message: str) -> None:
@@ -44,8 +56,8 @@ def log(message: str) -> None:
 def prepare_run_dir(config: config_lib.Config) -> str:
   run_dir = config.run.run_dir
   if jax.process_index() == 0:
-    os.makedirs(run_dir, exist_ok=True)
-    Path(run_dir, "config.yml").write_text(config.to_yaml())
+    storage.makedirs(run_dir)
+    storage.write_text(storage.join(run_dir, "config.yml"), config.to_yaml())
   return run_dir
 
 
@@ -123,10 +135,11 @@ def build_hooks(config: config_lib.Config, setup: train_state.StateSetup, mesh: 
                config.run.eval_interval, config.data.eval_steps, writer, is_primary),
   ]
   if checkpoints is not None:
-    hooks.append(CheckpointHook(checkpoints, config.checkpoint.period, checkpointing.PreemptionWatcher(), rng))
+    hooks.append(CheckpointHook(checkpoints, config.checkpoint.period, checkpointing.PreemptionWatcher(), rng,
+                                before_save=writer.sync if writer is not None else lambda: None))
   run = config.run
   if run.profiler:
-    hooks.append(ProfilerHook(os.path.join(run.run_dir, "profile"), run.profile_start_step, run.profile_steps,
+    hooks.append(ProfilerHook(storage.join(run.run_dir, "profile"), run.profile_start_step, run.profile_steps,
                               active=is_primary or run.profile_all_processes))
   return hooks
 

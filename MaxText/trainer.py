@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import tempfile
 import time
 from typing import Any, Callable, Protocol
 
@@ -16,6 +17,7 @@ import jax
 import numpy as np
 
 from MaxText import metrics as metrics_lib
+from MaxText import storage
 from MaxText.errors import TrainingError
 from MaxText.train_state import TrainState
 
@@ -174,10 +176,15 @@ class EvalHook:
 
 class CheckpointHook:
   """Saves the train state and data position every `checkpoint_period` steps, after the last
-  step, and at the first step boundary after SIGTERM (then asks the loop to stop)."""
+  step, and at the first step boundary after SIGTERM (then asks the loop to stop); with a local
+  tier, also every `local_checkpoint_period` steps to each host's own disk."""
 
-  def __init__(self, checkpoints: Any, period: int, preemption: Any, rng: jax.Array):
+  def __init__(self, checkpoints: Any, period: int, preemption: Any, rng: jax.Array,
+               before_save: Callable[[], None] = lambda: None):
+    """`before_save` runs before every save (the metric writer's sync: a resumed run keeps
+    the metric lines up to its checkpoint, so they must be durable first)."""
     self.checkpoints, self.period, self.preemption = checkpoints, period, preemption
+    self.before_save = before_save
     self.meta = {"rng_key_data": np.asarray(jax.random.key_data(rng)).tolist()}
     self._preempted_at: int | None = None
 
@@ -189,14 +196,20 @@ class CheckpointHook:
     return self._due(step)
 
   def _due(self, step: int) -> bool:
-    return step % self.period == 0 or self._preempted_at == step
+    return step % self.period == 0 or self._preempted_at == step or self.checkpoints.local_due(step)
 
   def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
     last = record.step == trainer.config.run.steps
     if state is None or not (self._due(record.step) or last):
       return
+    persistent = record.step % self.period == 0 or self._preempted_at == record.step or last
+    meta = {**self.meta, "step": record.step}
+    self.before_save()
+    if not persistent:  # a local-tier step only
+      self.checkpoints.save_local(record.step, state, trainer.data.get_state(), meta)
+      return
     if self.checkpoints.last_saved_step != record.step:
-      self.checkpoints.save(record.step, state, trainer.data.get_state(), {**self.meta, "step": record.step})
+      self.checkpoints.save(record.step, state, trainer.data.get_state(), meta)
     if self._preempted_at == record.step:
       self.checkpoints.wait(record.step)
       trainer.stop_reason = f"SIGTERM: saved step {record.step} to {self.checkpoints.directory}"
@@ -213,16 +226,25 @@ class ProfilerHook:
   def __init__(self, directory: str, first: int, num_steps: int, active: bool):
     self.directory, self.first, self.last, self.active = directory, first, first + num_steps, active
     self.tracing = False
+    self._staging: tempfile.TemporaryDirectory | None = None
     if active and first == 0:
       self._start()
 
   def _start(self) -> None:
-    jax.profiler.start_trace(self.directory)
+    # The profiler writes through the C++ file layer, which knows local disk only: a gs://
+    # trace is written to a local folder first and copied up when it stops.
+    if storage.is_remote(self.directory):
+      self._staging = tempfile.TemporaryDirectory(prefix="maxtext-profile-")
+    jax.profiler.start_trace(self._staging.name if self._staging else self.directory)
     self.tracing = True
 
   def _stop(self) -> None:
     jax.profiler.stop_trace()
     self.tracing = False
+    if self._staging is not None:
+      storage.copy_tree(self._staging.name, self.directory)
+      self._staging.cleanup()
+      self._staging = None
     print(f"profile: steps {self.first + 1}..{self.last} traced into {self.directory} "
           "(open with TensorBoard's profile plugin or Perfetto)", flush=True)
 

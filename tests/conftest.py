@@ -21,3 +21,38 @@ def tiny_overrides() -> dict:
   return dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16, base_mlp_dim=128,
               base_num_decoder_layers=2, vocab_size=128, max_target_length=32, per_device_batch_size=1,
               print_config=False)
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory):
+  """One GCS emulator on 127.0.0.1 for the session; this process talks to it too."""
+  from tests.gcs_emulator import GcsServer, binary
+
+  if binary() is None:
+    pytest.skip("fake-gcs-server is not installed for this platform (EXTRAS=test bash setup.sh installs it)")
+
+  server = GcsServer(tmp_path_factory.mktemp("gcs") / "data")
+  server.start()
+  previous = {k: os.environ.get(k) for k in _CLOUD_ENV}
+  os.environ.update(server.env())
+  from MaxText import storage
+
+  storage.configure_cloud_env()
+  yield server
+  for key, value in previous.items():
+    if value is None:
+      os.environ.pop(key, None)
+    else:
+      os.environ[key] = value
+  server.stop()
+
+
+# What configure_cloud_env may set; restored after the session.
+_CLOUD_ENV = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING",
+              "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
+
+
+@pytest.fixture
+def gcs_bucket(gcs) -> str:
+  """A fresh, empty bucket: 'gs://<name>'."""
+  return f"gs://{gcs.create_bucket()}"

@@ -1,0 +1,211 @@
+"""The fast tier of multi-tier checkpointing: each process saves its own shards to its host's disk.
+
+Layout (`local_checkpoint_directory/run_name/process_<i>/<step>/`):
+    manifest.json   step, process count, every leaf's global shape, dtype and the index of each
+                    shard this process holds, the data iterator's state and the run's meta
+    <n>.npy         the bytes of one shard (as uint8, so bfloat16 and friends round-trip)
+A step is written into `<step>.partial-<pid>/` and renamed when complete: a directory named by
+a bare number is always whole.
+
+Restore needs every process to hold the same step with the same shard layout (same mesh);
+the processes agree on the newest such step with one all-gather. A host whose local disk
+was lost (a replaced VM), or a changed mesh, makes that step unusable and the run restores
+from the persistent tier instead.
+
+Why not Orbax here: its emergency checkpoint manager (orbax.checkpoint.experimental.emergency)
+is marked experimental and needs a multi-slice replica layout, and its standard handlers
+refuse host-local arrays in a multi-process job and write numpy leaves from process 0 only,
+so a per-host tier cannot be expressed with them on the versions we support. The persistent
+tier stays Orbax's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from MaxText.errors import TrainingError
+
+MANIFEST = "manifest.json"
+_MAX_STEPS_COMPARED = 16  # newest local steps each process reports when the processes agree on one
+
+
+def _leaf_name(path: tuple) -> str:
+  return jax.tree_util.keystr(path)
+
+
+def _index_key(index: tuple[slice, ...]) -> list[list[int | None]]:
+  return [[s.start, s.stop] for s in index]
+
+
+class LocalTier:
+  """Saves and restores this process's shards of the train state on its own disk."""
+
+  def __init__(self, directory: str, period: int, max_to_keep: int):
+    self.root = os.path.join(directory, f"process_{jax.process_index()}")
+    self.period, self.max_to_keep = period, max_to_keep
+    os.makedirs(self.root, exist_ok=True)
+    for entry in os.listdir(self.root):  # a save cut short by a kill
+      if ".partial-" in entry:
+        shutil.rmtree(os.path.join(self.root, entry), ignore_errors=True)
+    self._writer: threading.Thread | None = None
+    self._error: BaseException | None = None
+    self.last_saved_step: int | None = None
+
+  def steps(self) -> list[int]:
+    """Complete local steps, oldest first."""
+    return sorted(int(e) for e in os.listdir(self.root) if e.isdigit() and
+                  os.path.isfile(os.path.join(self.root, e, MANIFEST)))
+
+  # ------------------------------------------------------------------ save
+
+  def save(self, step: int, state: Any, data_state: Any, meta: dict[str, Any]) -> None:
+    """Copies this process's shards to host memory now, writes them in the background."""
+    self.wait()
+    leaves, shards = [], []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+      entries = []
+      for shard in _unique_shards(leaf):
+        entries.append({"index": _index_key(shard.index), "file": f"{len(shards)}.npy"})
+        shards.append(np.asarray(shard.data))
+      leaves.append({"name": _leaf_name(path), "shape": list(leaf.shape), "dtype": str(leaf.dtype),
+                     "shards": entries})
+    manifest = {"step": step, "process_index": jax.process_index(), "process_count": jax.process_count(),
+                "leaves": leaves, "data": data_state, "meta": meta}
+    self._writer = threading.Thread(target=self._write, args=(step, manifest, shards), daemon=True,
+                                    name=f"local-checkpoint-{step}")
+    self._writer.start()
+    self.last_saved_step = step
+
+  def _write(self, step: int, manifest: dict[str, Any], shards: list[np.ndarray]) -> None:
+    partial = os.path.join(self.root, f"{step}.partial-{os.getpid()}")
+    try:
+      os.makedirs(partial, exist_ok=True)
+      for i, data in enumerate(shards):
+        with open(os.path.join(partial, f"{i}.npy"), "wb") as f:
+          np.save(f, np.ascontiguousarray(data).reshape(-1).view(np.uint8), allow_pickle=False)
+          f.flush()
+          os.fsync(f.fileno())
+      with open(os.path.join(partial, MANIFEST), "w", encoding="utf-8") as f:
+        json.dump(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+      final = os.path.join(self.root, str(step))
+      if os.path.exists(final):
+        shutil.rmtree(final)
+      os.rename(partial, final)
+      for old in self.steps()[:-self.max_to_keep]:
+        shutil.rmtree(os.path.join(self.root, str(old)), ignore_errors=True)
+    except BaseException as e:  # noqa: BLE001 - reported by wait() on the training thread
+      self._error = e
+      shutil.rmtree(partial, ignore_errors=True)
+
+  def wait(self) -> None:
+    """Blocks until the pending local save is on disk; raises TrainingError if it failed."""
+    if self._writer is not None:
+      self._writer.join()
+      self._writer = None
+    if self._error is not None:
+      error, self._error = self._error, None
+      raise TrainingError(f"saving the local checkpoint to {self.root} failed: {type(error).__name__}: {error}; "
+                          "free space on the local disk or set enable_emergency_checkpoint=False")
+
+  def close(self) -> None:
+    self.wait()
+
+  # ------------------------------------------------------------------ restore
+
+  def agreed_step(self, shardings: Any, abstract_state: Any) -> int | None:
+    """The newest step every process holds whole, with this mesh's shard layout (collective)."""
+    mine = [s for s in self.steps() if self._layout_matches(s, abstract_state, shardings)][-_MAX_STEPS_COMPARED:]
+    padded = np.full(_MAX_STEPS_COMPARED, -1, np.int64)
+    padded[:len(mine)] = mine
+    everyone = np.asarray(multihost_utils.process_allgather(padded)).reshape(jax.process_count(), -1)
+    common = set(everyone[0].tolist())
+    for row in everyone[1:]:
+      common &= set(row.tolist())
+    common.discard(-1)
+    return max(common) if common else None
+
+  def _manifest(self, step: int) -> dict[str, Any]:
+    with open(os.path.join(self.root, str(step), MANIFEST), encoding="utf-8") as f:
+      return json.load(f)
+
+  def _layout_matches(self, step: int, abstract_state: Any, shardings: Any) -> bool:
+    try:
+      manifest = self._manifest(step)
+    except (OSError, json.JSONDecodeError):
+      return False
+    if manifest.get("process_count") != jax.process_count():
+      return False
+    flat = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
+    flat_shardings = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    if len(flat) != len(manifest["leaves"]) or len(flat_shardings) != len(flat):
+      return False
+    for (path, leaf), sharding, saved in zip(flat, flat_shardings, manifest["leaves"]):
+      if saved["name"] != _leaf_name(path) or saved["shape"] != list(leaf.shape) or saved["dtype"] != str(leaf.dtype):
+        return False
+      wanted = {json.dumps(_index_key(i)) for i in _local_indices(sharding, leaf.shape)}
+      if wanted != {json.dumps(e["index"]) for e in saved["shards"]}:
+        return False
+    return True
+
+  def restore(self, step: int, abstract_state: Any, shardings: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """(state, data state, meta) of `step`, built from this process's files into `shardings`."""
+    manifest = self._manifest(step)
+    directory = os.path.join(self.root, str(step))
+    flat, treedef = jax.tree.flatten(abstract_state)
+    flat_shardings = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    arrays = []
+    for leaf, sharding, saved in zip(flat, flat_shardings, manifest["leaves"]):
+      by_index = {json.dumps(e["index"]): e["file"] for e in saved["shards"]}
+      dtype = np.dtype(leaf.dtype)
+      pieces = []
+      for device, index in sharding.addressable_devices_indices_map(leaf.shape).items():
+        raw = np.load(os.path.join(directory, by_index[json.dumps(_index_key(_normalise(index, leaf.shape)))]),
+                      allow_pickle=False)
+        shape = tuple(len(range(*s.indices(n))) for s, n in zip(_normalise(index, leaf.shape), leaf.shape))
+        pieces.append(jax.device_put(raw.view(dtype).reshape(shape), device))
+      arrays.append(jax.make_array_from_single_device_arrays(leaf.shape, sharding, pieces))
+    return jax.tree.unflatten(treedef, arrays), manifest.get("data"), manifest.get("meta") or {}
+
+
+def _normalise(index: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
+  """Full slices with explicit bounds, so equal regions compare equal."""
+  index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+  return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+
+
+def _local_indices(sharding: Any, shape: tuple[int, ...]) -> list[tuple[slice, ...]]:
+  seen, out = set(), []
+  for index in sharding.addressable_devices_indices_map(shape).values():
+    norm = _normalise(index, shape)
+    key = json.dumps(_index_key(norm))
+    if key not in seen:
+      seen.add(key)
+      out.append(norm)
+  return out
+
+
+def _unique_shards(leaf: jax.Array) -> list[Any]:
+  """One shard per distinct region this process holds (replicas within the process once)."""
+  seen, out = set(), []
+  for shard in leaf.addressable_shards:
+    norm = _normalise(shard.index, leaf.shape)
+    key = json.dumps(_index_key(norm))
+    if key not in seen:
+      seen.add(key)
+      out.append(_Shard(norm, shard.data))
+  return out
+
+
+class _Shard:
+  def __init__(self, index: tuple[slice, ...], data: Any):
+    self.index, self.data = index, data

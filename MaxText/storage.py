@@ -1,0 +1,336 @@
+"""The one path layer: every file the project reads or writes on a user's behalf goes through here.
+
+A path is a plain string: a local path (relative, absolute or `~/...`) or a URL that
+`etils.epath` understands (`gs://bucket/dir`, and the other schemes it registers). Orbax
+and TensorStore take the same strings, so a run directory on `gs://` holds checkpoints,
+`config.yml`, `metrics.jsonl`, TensorBoard events and profiles side by side.
+
+Pointing a whole run at a GCS emulator or any GCS-compatible endpoint takes one standard
+variable, `STORAGE_EMULATOR_HOST`; `configure_cloud_env` hands it on to the libraries that
+have their own setting. Object stores have no rename and no append: `set_aside` copies then
+deletes, and writers that append (metrics.jsonl) rewrite whole objects (see metrics.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import os
+import posixpath
+import shutil
+import tempfile
+import threading
+import time
+from typing import IO, Any, Callable, Iterator, TypeVar
+
+from etils import epath
+
+from MaxText.errors import UserError
+
+_T = TypeVar("_T")
+
+
+def is_remote(path: str) -> bool:
+  """True for URLs (`gs://...`), False for local paths."""
+  return "://" in str(path)
+
+
+def resolve(path: str) -> str:
+  """Local paths become absolute (with `~` expanded); URLs are kept, without a trailing slash."""
+  path = str(path)
+  if is_remote(path):
+    return path.rstrip("/") if not path.endswith("://") else path
+  return os.path.abspath(os.path.expanduser(path))
+
+
+def join(base: str, *parts: str) -> str:
+  if is_remote(base):
+    return posixpath.join(base.rstrip("/"), *parts)
+  return os.path.join(base, *parts)
+
+
+def name(path: str) -> str:
+  """The last component (`gs://b/run/ckpt` -> `ckpt`)."""
+  return posixpath.basename(str(path).rstrip("/")) if is_remote(path) else os.path.basename(os.path.normpath(path))
+
+
+def parent(path: str) -> str:
+  if is_remote(path):
+    return posixpath.dirname(str(path).rstrip("/"))
+  return os.path.dirname(os.path.abspath(os.path.expanduser(path)))
+
+
+def same_file(a: str, b: str) -> bool:
+  """Whether two paths name one file: for local paths through symlinks and relative forms
+  (os.path.samefile), for URLs by their resolved text."""
+  if is_remote(a) or is_remote(b):
+    return resolve(a) == resolve(b)
+  try:
+    return os.path.samefile(resolve(a), resolve(b))
+  except OSError:  # one of them does not exist
+    return resolve(a) == resolve(b)
+
+
+def as_path(path: str) -> epath.Path:
+  """An `epath.Path` for libraries that take one (Orbax)."""
+  return epath.Path(resolve(path))
+
+
+def exists(path: str) -> bool:
+  return as_path(path).exists()
+
+
+def is_dir(path: str) -> bool:
+  return as_path(path).is_dir()
+
+
+def is_file(path: str) -> bool:
+  p = as_path(path)
+  return p.is_file() if not is_remote(path) else (p.exists() and not p.is_dir())
+
+
+def makedirs(path: str) -> None:
+  """Creates a directory and its parents (on an object store: nothing to create)."""
+  as_path(path).mkdir(parents=True, exist_ok=True)
+
+
+def listdir(path: str) -> list[str]:
+  """Names of the entries directly in `path` (sorted)."""
+  return sorted(name(str(p)) for p in as_path(path).iterdir())
+
+
+def read_text(path: str) -> str:
+  return as_path(path).read_text()
+
+
+def read_bytes(path: str) -> bytes:
+  return as_path(path).read_bytes()
+
+
+def write_text(path: str, text: str) -> None:
+  """Writes a whole file; local writes go through a temporary file and a rename, so a reader
+  never sees half a file (an object store's upload is atomic by itself)."""
+  write_bytes(path, text.encode("utf-8"))
+
+
+def write_bytes(path: str, data: bytes) -> None:
+  if is_remote(path):
+    as_path(path).write_bytes(data)
+    return
+  path = resolve(path)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  partial = f"{path}.partial-{os.getpid()}"
+  with open(partial, "wb") as f:
+    f.write(data)
+  os.replace(partial, path)
+
+
+def open_file(path: str, mode: str = "r") -> IO[Any]:
+  """A file object for streaming reads or writes (an object is uploaded when it is closed)."""
+  return as_path(path).open(mode)
+
+
+def size(path: str) -> int:
+  return int(as_path(path).stat().length) if is_remote(path) else os.path.getsize(resolve(path))
+
+
+def glob(pattern: str) -> list[str]:
+  """Files matching a glob (`*`, `?`, `[...]` in the last components), sorted."""
+  if not is_remote(pattern):
+    import glob as glob_lib
+
+    return sorted(p for p in glob_lib.glob(os.path.expanduser(pattern)) if os.path.isfile(p))
+  head, tail = pattern, []
+  while any(c in name(head) for c in "*?["):
+    tail.insert(0, name(head))
+    head = parent(head)
+  if not tail:
+    return [pattern] if is_file(pattern) else []
+  matches = [str(p) for p in as_path(head).glob("/".join(tail))]
+  return sorted(m for m in matches if fnmatch.fnmatch(m, pattern) and is_file(m))
+
+
+def remove_tree(path: str) -> None:
+  p = as_path(path)
+  if p.is_dir():
+    p.rmtree()
+  elif p.exists():
+    p.unlink()
+
+
+def set_aside(path: str, new_name: str) -> str:
+  """Moves a directory beside itself under `new_name`; returns the new path.
+
+  On local disk this is one atomic rename. An object store has no rename: every object is
+  copied (server-side) and the originals are deleted only after the whole copy exists, so an
+  interruption leaves at worst both copies, never neither."""
+  target = join(parent(path), new_name)
+  if not is_remote(path):
+    os.rename(resolve(path), target)
+    return target
+  copy_tree(path, target)
+  remove_tree(path)
+  return target
+
+
+def copy_tree(source: str, target: str) -> None:
+  """Copies a file or a directory tree between any two locations (local or remote)."""
+  src = as_path(source)
+  if not src.is_dir():
+    makedirs(parent(target))
+    as_path(target).write_bytes(src.read_bytes()) if is_remote(source) or is_remote(target) \
+        else shutil.copyfile(resolve(source), resolve(target))
+    return
+  for child in src.iterdir():
+    copy_tree(str(child), join(target, name(str(child))))
+  if not is_remote(target):
+    makedirs(target)
+
+
+class LineLog:
+  """A text file that grows by whole lines (metrics.jsonl).
+
+  Locally: an open file in append mode, flushed after each line. On an object store, which
+  cannot append, the lines are kept in memory and the whole object is rewritten at most every
+  `upload_interval_seconds`, on `sync()` (before each checkpoint) and on close; a kill loses
+  only lines after the last checkpoint, which the resumed run logs again anyway."""
+
+  def __init__(self, path: str, initial_lines: list[str], upload_interval_seconds: float = 10.0):
+    self.path, self.interval = path, upload_interval_seconds
+    self._remote = is_remote(path)
+    self._lines = list(initial_lines)
+    self._uploaded_at = 0.0
+    if self._remote:
+      self._upload()
+      self._file = None
+    else:
+      write_text(path, "".join(initial_lines))
+      self._file = open(resolve(path), "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+  def write_line(self, line: str) -> None:
+    if self._file is not None:
+      self._file.write(line + "\n")
+      self._file.flush()
+      return
+    self._lines.append(line + "\n")
+    if time.monotonic() - self._uploaded_at >= self.interval:
+      self._upload()
+
+  def _upload(self) -> None:
+    write_text(self.path, "".join(self._lines))
+    self._uploaded_at = time.monotonic()
+
+  def sync(self) -> None:
+    """Makes every line written so far durable now (called before each checkpoint save, so a
+    resumed run, which keeps lines up to its checkpoint, never misses one)."""
+    if self._file is not None:
+      os.fsync(self._file.fileno())
+    elif self._remote:
+      self._upload()
+
+  def close(self) -> None:
+    if self._file is not None:
+      self._file.close()
+      self._file = None
+    elif self._remote:
+      self._upload()
+
+
+@contextlib.contextmanager
+def local_copy(path: str) -> Iterator[str]:
+  """A local path holding `path`'s content: the path itself when local, else a temporary
+  download (file or directory) removed afterwards. For readers that need a real file
+  (safetensors' memory map, sentencepiece, the HF tokenizer files)."""
+  if not is_remote(path):
+    yield resolve(path)
+    return
+  with tempfile.TemporaryDirectory(prefix="maxtext-download-") as tmp:
+    local = os.path.join(tmp, name(path))
+    copy_tree(path, local)
+    yield local
+
+
+@contextlib.contextmanager
+def local_output(path: str) -> Iterator[str]:
+  """A local directory to write into, published to `path` when the block ends without an error:
+  for writers that need a real directory (safetensors, sentencepiece's trainer)."""
+  if not is_remote(path):
+    yield resolve(path)
+    return
+  with tempfile.TemporaryDirectory(prefix="maxtext-upload-") as tmp:
+    local = os.path.join(tmp, name(path))
+    yield local
+    if os.path.exists(local):
+      copy_tree(local, path)
+
+
+# ------------------------------------------------------------------ cloud endpoints
+
+def configure_cloud_env(environ: Any = None) -> None:
+  """Hands `STORAGE_EMULATOR_HOST` on to every library with its own endpoint setting.
+
+  Must run before the first `gs://` access (the entry points call it first thing). The
+  Google client (tensorboardX's GCS writer) and gcsfs (etils.epath) read the variable
+  themselves; TensorStore (Orbax's array storage) needs its own URL and a token, since
+  without one it asks the GCE metadata server for credentials; gcsfs's bucket-layout
+  probe speaks the storage-control gRPC API, which emulators do not serve.
+  Values the user set are left alone."""
+  env = os.environ if environ is None else environ
+  host = env.get("STORAGE_EMULATOR_HOST", "")
+  if not host or host == "default":
+    return
+  url = host if "://" in host else f"http://{host}"
+  env.setdefault("TENSORSTORE_GCS_HTTP_URL", url)
+  env.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
+  env.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+
+def bucket_of(path: str) -> str:
+  """`gs://bucket/a/b` -> `gs://bucket`."""
+  scheme, rest = str(path).split("://", 1)
+  return f"{scheme}://{rest.split('/', 1)[0]}"
+
+
+def _with_deadline(fn: Callable[[], _T], seconds: float, what: str) -> _T:
+  """Runs `fn` in a daemon thread; a client that keeps retrying must not hang the start-up."""
+  result: dict[str, Any] = {}
+
+  def target() -> None:
+    try:
+      result["value"] = fn()
+    except BaseException as e:  # noqa: BLE001 - handed to the caller
+      result["error"] = e
+
+  thread = threading.Thread(target=target, daemon=True, name=f"storage-check {what}")
+  thread.start()
+  thread.join(seconds)
+  if thread.is_alive():
+    endpoint = os.environ.get("STORAGE_EMULATOR_HOST") or "the default endpoint"
+    raise UserError(f"{what}: no answer from storage ({endpoint}) within {seconds:g} s; check the network, "
+                    "the credentials (gcloud auth application-default login) and STORAGE_EMULATOR_HOST")
+  if "error" in result:
+    raise result["error"]
+  return result["value"]
+
+
+def check_reachable(path: str, key: str, timeout_seconds: float) -> None:
+  """For a remote path: its bucket exists and answers within `timeout_seconds`, else one
+  UserError naming the bucket. Local paths are not checked here (they are created on use)."""
+  if not is_remote(path):
+    return
+  bucket = bucket_of(path)
+
+  def probe() -> bool:
+    return epath.Path(bucket + "/").exists() or epath.Path(bucket).is_dir()
+
+  try:
+    found = _with_deadline(probe, timeout_seconds, f"{key}={path}")
+  except UserError:
+    raise
+  except Exception as e:  # noqa: BLE001 - auth and transport errors of any client library
+    text = str(e).strip().splitlines()
+    raise UserError(f"{key}={path}: cannot reach bucket {bucket}: {type(e).__name__}: "
+                    f"{text[0] if text else ''}"[:400] + "; check the credentials and STORAGE_EMULATOR_HOST") from None
+  if not found:
+    raise UserError(f"{key}={path}: bucket {bucket} does not exist (or these credentials cannot see it); "
+                    "create it or fix the path")
