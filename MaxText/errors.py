@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 import threading
@@ -33,6 +34,24 @@ def set_process_label(label: str) -> None:
   _process_label = label
 
 
+class _FirstLineOnly(logging.Filter):
+  """Library log records (Orbax logs through absl) reach the console as their first line,
+  without the traceback: the run's own `error:` line says what failed and what to do."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.exc_info or record.exc_text:
+      record.exc_info, record.exc_text = None, None
+    message = record.getMessage().strip().splitlines()
+    record.msg, record.args = (message[0] if message else ""), None
+    return True
+
+
+def _one_line_library_logs() -> None:
+  logger = logging.getLogger("absl")
+  if not any(isinstance(f, _FirstLineOnly) for f in logger.filters):
+    logger.addFilter(_FirstLineOnly())
+
+
 def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> NoReturn:
   """Runs an entry point; user errors become `error: ...` on stderr and a non-zero exit."""
   # A process started in the background by a non-interactive shell inherits SIGINT as ignored,
@@ -43,6 +62,7 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = No
   from MaxText import storage  # lazily: storage imports this module
 
   storage.configure_cloud_env()  # before any library opens a gs:// path
+  _one_line_library_logs()
   try:
     code = main(list(sys.argv if argv is None else argv))
   except UserError as e:

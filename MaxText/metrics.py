@@ -128,11 +128,48 @@ def _lines_up_to(jsonl_path: str, step: int) -> list[str]:
   return kept
 
 
+class _ObjectRecordWriter:
+  """tensorboardX record writer for object stores: keeps the event file's bytes and rewrites
+  the whole object on flush (objects cannot be appended to). Used instead of tensorboardX's
+  own GCS writer, which re-raises a failed upload from `__del__` and at exit; here a failed
+  upload is one warning and the run's own error handling decides what happens."""
+
+  def __init__(self, path: str):
+    self.path, self._buffer, self._warned = path, bytearray(), False
+
+  def write(self, data: bytes) -> None:
+    self._buffer += data
+
+  def flush(self) -> None:
+    try:
+      storage.write_bytes(self.path, bytes(self._buffer))
+    except Exception as e:  # noqa: BLE001 - TensorBoard events are not worth stopping a run for
+      if not self._warned:
+        self._warned = True
+        print(f"warning: cannot write TensorBoard events to {self.path}: {type(e).__name__}", flush=True)
+
+  def close(self) -> None:
+    self.flush()
+
+
+class _ObjectRecordWriterFactory:
+  def open(self, path: str) -> _ObjectRecordWriter:
+    return _ObjectRecordWriter(path)
+
+  def directory_check(self, path: str) -> None:
+    pass  # object stores have no directories to create
+
+
+def _register_object_store_writers() -> None:
+  from tensorboardX import record_writer
+
+  record_writer.register_writer_factory("gs", _ObjectRecordWriterFactory())
+
+
 class MetricWriter:
   """Writes each logged step's scalars to metrics.jsonl and TensorBoard (process 0 only).
 
-  `run_dir` may be local or gs://; TensorBoard events on gs:// go through tensorboardX's own
-  GCS writer (google-cloud-storage, which honours STORAGE_EMULATOR_HOST)."""
+  `run_dir` may be local or gs:// (TensorBoard events there through `_ObjectRecordWriter`)."""
 
   def __init__(self, run_dir: str, enable_jsonl: bool, enable_tensorboard: bool, resume_step: int = 0):
     """A fresh run (resume_step 0) starts metrics.jsonl anew; a run resumed from a checkpoint
@@ -148,6 +185,7 @@ class MetricWriter:
     if enable_tensorboard:
       from tensorboardX import SummaryWriter  # heavy import; only when used
 
+      _register_object_store_writers()
       self._tb = SummaryWriter(storage.join(storage.resolve(run_dir), "tensorboard"))
 
   def write(self, step: int, scalars: Mapping[str, Any]) -> None:
@@ -165,11 +203,14 @@ class MetricWriter:
       self._jsonl.sync()
 
   def close(self) -> None:
-    if self._jsonl is not None:
-      self._jsonl.close()
-    if self._tb is not None:
-      self._tb.flush()
-      self._tb.close()
+    try:
+      if self._jsonl is not None:
+        self._jsonl.close()
+    finally:
+      if self._tb is not None:
+        self._tb.flush()
+        self._tb.close()
+        self._tb = None
 
 
 def _jsonable(value: Any) -> Any:

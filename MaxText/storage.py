@@ -25,7 +25,7 @@ from typing import IO, Any, Callable, Iterator, TypeVar
 
 from etils import epath
 
-from MaxText.errors import UserError
+from MaxText.errors import TrainingError, UserError
 
 _T = TypeVar("_T")
 
@@ -217,7 +217,13 @@ class LineLog:
       self._upload()
 
   def _upload(self) -> None:
-    write_text(self.path, "".join(self._lines))
+    try:
+      write_text(self.path, "".join(self._lines))
+    except Exception as e:  # noqa: BLE001 - any client's transport or permission error
+      text = str(e).strip().splitlines()
+      raise TrainingError(f"writing {self.path} failed: {type(e).__name__}: {text[0] if text else ''}"[:400] +
+                          "; checkpoints already saved are untouched: fix the storage, then rerun the same command "
+                          "to resume") from None
     self._uploaded_at = time.monotonic()
 
   def sync(self) -> None:

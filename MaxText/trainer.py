@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import tempfile
 import time
 from typing import Any, Callable, Protocol
@@ -110,14 +111,26 @@ class Trainer:
           break
       if loop.pending is not None:
         self._finish(loop, loop.state)
-    except KeyboardInterrupt:
-      done = loop.history[-1].step if loop.history else start_step
-      print(f"stopped by Ctrl-C after step {done}", flush=True)
+    except BaseException as e:
+      if isinstance(e, KeyboardInterrupt):
+        done = loop.history[-1].step if loop.history else start_step
+        print(f"stopped by Ctrl-C after step {done}", flush=True)
+      self._end_hooks(loop, failing=True)
       raise
-    finally:
-      for hook in self.hooks:
-        hook.on_end(self, loop.state)
+    self._end_hooks(loop, failing=False)
     return loop
+
+  def _end_hooks(self, loop: LoopState, failing: bool) -> None:
+    """Every hook's on_end runs; while an error is already on its way out, a hook's own failure
+    (e.g. the same broken storage) is reported in one line instead of replacing it."""
+    for hook in self.hooks:
+      try:
+        hook.on_end(self, loop.state)
+      except Exception as e:  # noqa: BLE001
+        if not failing:
+          raise
+        print(f"warning: while stopping, {type(hook).__name__} failed too: {type(e).__name__}: "
+              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300], file=sys.stderr, flush=True)
 
 
 class LoggingHook:

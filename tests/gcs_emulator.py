@@ -89,3 +89,75 @@ class GcsServer:
   def env(self) -> dict[str, str]:
     return {"STORAGE_EMULATOR_HOST": self.url}
 
+
+
+class FailingProxy:
+  """An HTTP proxy in front of the emulator that starts refusing writes when told to: every
+  POST/PUT/PATCH/DELETE then gets 403 (what GCS answers when a permission or a retention
+  policy forbids the write), reads still pass. Injects a storage failure in the middle of a run."""
+
+  def __init__(self, upstream: str):
+    import http.client
+    import http.server
+    import threading
+
+    self.fail_writes = threading.Event()
+    host, port = upstream.split("://", 1)[1].split(":")
+    proxy = self
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+      protocol_version = "HTTP/1.1"
+
+      def log_message(self, *args):  # quiet
+        pass
+
+      def _body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+          chunks = []
+          while True:
+            size = int(self.rfile.readline().strip().split(b";")[0], 16)
+            if size == 0:
+              self.rfile.readline()
+              return b"".join(chunks)
+            chunks.append(self.rfile.read(size))
+            self.rfile.readline()
+        return self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
+
+      def _forward(self) -> None:
+        body = self._body()
+        if proxy.fail_writes.is_set() and self.command != "GET":
+          payload = json.dumps({"error": {"code": 403, "message": "injected: writes refused"}}).encode()
+          self.send_response(403)
+          self.send_header("Content-Type", "application/json")
+          self.send_header("Content-Length", str(len(payload)))
+          self.end_headers()
+          self.wfile.write(payload)
+          return
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "host")}
+        headers["Content-Length"] = str(len(body))
+        conn.request(self.command, self.path, body=body, headers=headers)
+        response = conn.getresponse()
+        data = response.read()
+        self.send_response(response.status)
+        for key, value in response.getheaders():
+          if key.lower() not in ("transfer-encoding", "content-length", "connection"):
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        conn.close()
+
+      do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
+
+    self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+    self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+    self._thread.start()
+
+  def env(self) -> dict[str, str]:
+    return {"STORAGE_EMULATOR_HOST": self.url}
+
+  def close(self) -> None:
+    self.server.shutdown()
+    self.server.server_close()

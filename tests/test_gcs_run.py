@@ -53,7 +53,7 @@ def committed_steps(run_dir: str) -> list[int]:
                 if n.isdigit() and storage.exists(storage.join(directory, n, "commit_success.txt")))
 
 
-def start_and_signal(cmd: list[str], environment: dict, after_step: int, ready, sig: int) -> subprocess.Popen:
+def start_and_signal(cmd: list[str], environment: dict, after_step: int, ready, sig: int | None) -> subprocess.Popen:
   proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True)
   deadline = time.time() + 300
@@ -63,7 +63,8 @@ def start_and_signal(cmd: list[str], environment: dict, after_step: int, ready, 
     assert time.time() < deadline, "training did not reach the step in time"
   while not ready() and time.time() < deadline:
     time.sleep(0.05)
-  proc.send_signal(sig)
+  if sig:
+    proc.send_signal(sig)
   return proc
 
 
@@ -158,3 +159,27 @@ def test_an_unreachable_endpoint_fails_within_the_timeout(gcs):
   assert time.time() - started < 60
   last = proc.stderr.strip().splitlines()[-1]
   assert last.startswith("error: base_output_directory=gs://bucket/runs: ") and "127.0.0.1:9" in last, last
+
+
+def test_writes_refused_mid_run_stop_it_with_one_line_and_older_steps_still_restore(gcs, gcs_bucket,
+                                                                                   local_reference):
+  from tests.gcs_emulator import FailingProxy
+
+  proxy = FailingProxy(gcs.url)
+  try:
+    out = f"{gcs_bucket}/runs"
+    run_dir = f"{out}/refused"
+    cmd = command(out, "refused", "checkpoint_period=4", "async_checkpointing=False")
+    proc = start_and_signal(cmd, env(None, **proxy.env()), 5, lambda: 4 in committed_steps(run_dir), None)
+    proxy.fail_writes.set()
+    stdout, stderr = proc.communicate(timeout=300)
+  finally:
+    proxy.close()
+  assert proc.returncode not in (0, -signal.SIGKILL), stdout[-2000:]
+  last = stderr.strip().splitlines()[-1]
+  assert last.startswith("error: ") and "refused" in last and "Traceback" not in stderr, stderr[-3000:]
+  assert committed_steps(run_dir) == [4]
+
+  rerun = run(cmd, env(gcs))  # storage works again: the same command resumes
+  assert "state: resumed from step 4" in rerun.stdout
+  assert losses(run_dir) == local_reference
