@@ -1,0 +1,124 @@
+"""MaxText/storage.py, the one path layer: the same calls on local disk and on gs:// (a real GCS
+JSON API on 127.0.0.1), and a scan that keeps every other module off os.path/pathlib/open()."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+from MaxText import storage
+from tests.conftest import REPO_ROOT
+
+# Modules allowed to touch the file system directly, and why.
+ALLOWED = {
+    "MaxText/storage.py": "the path layer itself",
+    "MaxText/local_checkpoints.py": "the per-host checkpoint tier lives on local disk by definition: fsync and an "
+                                    "atomic rename are what make it safe",
+    "MaxText/accelerators.py": "probes device files (/dev/accel*), not user paths",
+    "MaxText/multihost_runner.py": "a launcher on the user's workstation: local logs it hands to ssh/scp",
+    "MaxText/multihost_job.py": "a launcher on the user's workstation: local staging it hands to gcloud",
+    "MaxText/tpu_launch.py": "packs the user's local script folder into a tarball for gcloud scp",
+}
+FORBIDDEN = re.compile(r"os\.path\.|(?<![\w.])Path\(|(?<![\w.])open\(|os\.(makedirs|listdir|rename|replace|remove|"
+                       r"scandir|stat|mkdir|walk)\(|shutil\.|glob\.glob\(")
+
+
+def _violations(source: str) -> list[str]:
+  found = []
+  for number, line in enumerate(source.splitlines(), 1):
+    code = line.split("#", 1)[0]
+    if "__file__" in code or code.strip().startswith("def open("):  # the program's own files; a method name
+      continue
+    if FORBIDDEN.search(code):
+      found.append(f"{number}: {line.strip()}")
+  return found
+
+
+def test_no_module_opens_a_user_path_outside_the_storage_layer():
+  offenders = {}
+  for path in sorted((REPO_ROOT / "MaxText").rglob("*.py")):
+    relative = str(path.relative_to(REPO_ROOT))
+    if relative in ALLOWED:
+      continue
+    found = _violations(path.read_text())
+    if found:
+      offenders[relative] = found
+  assert not offenders, ("use MaxText/storage.py (local and gs:// paths) instead of os.path/pathlib/open(): "
+                         f"{offenders}")
+
+
+def test_the_scan_catches_each_forbidden_call():
+  for line in ("x = os.path.join(a, b)", "p = Path(user)", "with open(p) as f:", "os.makedirs(d)", "shutil.copy(a, b)"):
+    assert _violations(line), line
+  assert not _violations("ROOT = Path(__file__).parent\nstorage.open_file(p)\n  def open(self, path):")
+
+
+@pytest.fixture(params=["local", "gs"])
+def root(request, tmp_path) -> str:
+  if request.param == "local":
+    return str(tmp_path / "root")
+  return request.getfixturevalue("gcs_bucket") + "/root"
+
+
+def test_the_same_calls_work_locally_and_on_gcs(root):
+  storage.makedirs(root)
+  storage.write_text(storage.join(root, "a", "one.json"), "1")
+  storage.write_bytes(storage.join(root, "a", "two.json"), b"2")
+  storage.write_text(storage.join(root, "b.txt"), "hello")
+  assert storage.read_text(storage.join(root, "b.txt")) == "hello"
+  assert storage.read_bytes(storage.join(root, "a", "two.json")) == b"2"
+  assert storage.listdir(root) == ["a", "b.txt"]
+  assert storage.is_dir(storage.join(root, "a")) and not storage.is_dir(storage.join(root, "b.txt"))
+  assert storage.is_file(storage.join(root, "b.txt")) and not storage.is_file(storage.join(root, "a"))
+  assert storage.size(storage.join(root, "b.txt")) == 5
+  assert [storage.name(p) for p in storage.glob(storage.join(root, "a", "*.json"))] == ["one.json", "two.json"]
+  assert storage.glob(storage.join(root, "a", "*.txt")) == []
+
+  moved = storage.set_aside(storage.join(root, "a"), "a.corrupt-1")
+  assert storage.listdir(root) == ["a.corrupt-1", "b.txt"] and storage.listdir(moved) == ["one.json", "two.json"]
+  storage.copy_tree(moved, storage.join(root, "copy"))
+  assert storage.listdir(storage.join(root, "copy")) == ["one.json", "two.json"]
+  storage.remove_tree(storage.join(root, "copy"))
+  assert not storage.exists(storage.join(root, "copy"))
+
+  with storage.local_copy(moved) as local:  # a real local directory for readers that need one
+    assert sorted(p.name for p in pathlib.Path(local).iterdir()) == ["one.json", "two.json"]
+  with storage.local_output(storage.join(root, "out")) as local:
+    pathlib.Path(local).mkdir(parents=True)
+    (pathlib.Path(local) / "f.bin").write_bytes(b"x")
+  assert storage.read_bytes(storage.join(root, "out", "f.bin")) == b"x"
+
+
+def test_line_log_keeps_every_line_across_syncs_and_a_reopen(root):
+  path = storage.join(root, "metrics.jsonl")
+  log = storage.LineLog(path, [], upload_interval_seconds=3600)
+  log.write_line('{"step": 1}')
+  log.sync()
+  log.write_line('{"step": 2}')
+  log.close()
+  assert storage.read_text(path) == '{"step": 1}\n{"step": 2}\n'
+  again = storage.LineLog(path, ['{"step": 1}\n'])
+  again.close()
+  assert storage.read_text(path) == '{"step": 1}\n'
+
+
+def test_paths_resolve_and_join_without_mangling_urls():
+  assert storage.join("gs://b/runs/", "x", "checkpoints") == "gs://b/runs/x/checkpoints"
+  assert storage.resolve("gs://b/runs/") == "gs://b/runs"
+  assert storage.resolve("outputs").startswith("/") and storage.resolve("~/x").startswith("/")
+  assert storage.parent("gs://b/runs/x") == "gs://b/runs" and storage.name("gs://b/runs/x/") == "x"
+  assert storage.bucket_of("gs://bucket/a/b") == "gs://bucket"
+
+
+def test_emulator_host_is_handed_on_to_every_library():
+  env = {"STORAGE_EMULATOR_HOST": "127.0.0.1:4443"}
+  storage.configure_cloud_env(env)
+  assert env["TENSORSTORE_GCS_HTTP_URL"] == "http://127.0.0.1:4443" and env["GOOGLE_AUTH_TOKEN_FOR_TESTING"]
+  kept = {"STORAGE_EMULATOR_HOST": "http://h:1", "TENSORSTORE_GCS_HTTP_URL": "http://mine:2"}
+  storage.configure_cloud_env(kept)
+  assert kept["TENSORSTORE_GCS_HTTP_URL"] == "http://mine:2"  # what the user set wins
+  untouched: dict = {}
+  storage.configure_cloud_env(untouched)
+  assert untouched == {}
