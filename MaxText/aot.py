@@ -4,7 +4,7 @@ report, and saving/loading a compiled step with a header that says what it was b
 Shared by `train_compile.py` (compile, report, save) and `train.py` (load a saved step).
 
 A saved step file is executable code wrapped in a pickle: loading it runs whatever it
-contains. Load only files you (or someone you trust) compiled.
+contains. Load only files you (or someone you trust) compiled. It may be local or on gs://.
 """
 
 from __future__ import annotations
@@ -16,14 +16,13 @@ import os
 import pickle
 import re
 import struct
-from pathlib import Path
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import serialize_executable
 
-from MaxText import checkpointing, sharding, train_step
+from MaxText import checkpointing, sharding, storage, train_step
 from MaxText.errors import UserError
 from MaxText.input_pipeline.synthetic import make_batch
 from MaxText.train_state import StateSetup
@@ -147,11 +146,11 @@ def read_buffer_assignment(dump_dir: str | None) -> tuple[int, tuple[tuple[str, 
   that XLA writes under `xla_dump_to` (see `buffer_assignment_dump_options`); None if absent."""
   if not dump_dir:
     return None
-  reports = sorted(Path(dump_dir).glob("*jit_train_step*memory-usage-report.txt"))
+  reports = storage.glob(storage.join(dump_dir, "*jit_train_step*memory-usage-report.txt"))
   if not reports:
     return None
   heap, others = 0, []
-  for name, color, size in _SPACE.findall(reports[-1].read_text()):
+  for name, color, size in _SPACE.findall(storage.read_text(reports[-1])):
     if int(color) == 0:
       heap = int(size)
     elif name not in _SCRATCH_SPACES and int(size) >= 2**20:
@@ -303,23 +302,21 @@ def save_compiled_step(path: str, compiled: jax.stages.Compiled, header: dict[st
   """Writes magic + header length + JSON header + pickled executable; returns the file size."""
   payload = pickle.dumps(serialize_executable.serialize(compiled))
   header_bytes = json.dumps(header).encode()
-  Path(path).parent.mkdir(parents=True, exist_ok=True)
-  with open(path, "wb") as f:
-    f.write(_MAGIC + struct.pack(">Q", len(header_bytes)) + header_bytes + payload)
-  return os.path.getsize(path)
+  storage.write_bytes(path, _MAGIC + struct.pack(">Q", len(header_bytes)) + header_bytes + payload)
+  return storage.size(path)
 
 
 def read_header(path: str) -> tuple[dict[str, Any], int]:
   """(header, offset of the payload); a UserError for a file that is not a saved step."""
   try:
-    with open(path, "rb") as f:
+    with storage.open_file(path, "rb") as f:  # only the header is read (a ranged read on gs://)
       magic = f.read(len(_MAGIC))
       if magic != _MAGIC:
         raise UserError(f"compiled_trainstep_file {path!r} is not a compiled train step written by train_compile")
       (length,) = struct.unpack(">Q", f.read(8))
       header = json.loads(f.read(length))
   except OSError as e:
-    raise UserError(f"cannot read compiled_trainstep_file {path!r}: {e.strerror}") from None
+    raise UserError(f"cannot read compiled_trainstep_file {path!r}: {e.strerror or type(e).__name__}") from None
   except (struct.error, ValueError):
     raise UserError(f"compiled_trainstep_file {path!r} has a damaged header; compile it again") from None
   return header, len(_MAGIC) + 8 + length
@@ -336,7 +333,7 @@ def load_compiled_step(path: str, expected_header: dict[str, Any]) -> Callable:
     raise UserError(f"compiled_trainstep_file {path!r} was compiled for a different run "
                     f"(topology {header.get('topology')}): {'; '.join(differences)}. "
                     "Compile it again with train_compile and this run's settings")
-  with open(path, "rb") as f:
+  with storage.open_file(path, "rb") as f:
     f.seek(offset)
     serialized, in_tree, out_tree = pickle.load(f)  # trusted: see the module docstring
   return serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)

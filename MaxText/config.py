@@ -29,6 +29,7 @@ import yaml
 
 from MaxText import config_groups
 from MaxText import accelerators
+from MaxText import storage
 from MaxText.accelerators import DeviceTarget
 from MaxText.errors import ConfigError
 
@@ -39,6 +40,10 @@ MODELS_DIR = CONFIGS_DIR / "models"
 # Written beside a converted checkpoint: its model keys, used when no model_name is given.
 MODEL_CONFIG_FILE = "model_config.yml"
 ENV_PREFIX = "M_"
+# Keys whose values are paths (comma-separated lists allowed): each may be local or gs://.
+PATH_KEYS = ("base_output_directory", "load_parameters_path", "load_full_state_path", "param_only_checkpoint_path",
+             "compiled_trainstep_file", "tokenizer_path", "dataset_path", "hf_path", "hf_data_files", "hf_eval_files",
+             "grain_train_files", "grain_eval_files")
 
 # Values computed from other keys; setting them directly is a mistake we can explain.
 DERIVED_KEYS = {
@@ -55,17 +60,19 @@ _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
 
-def read_yaml(path: Path, stop_at: Path | None = None) -> dict[str, Any]:
-  """Reads one YAML mapping, following `base_config: parent.yml` (relative to the file).
+def read_yaml(path: Path | str, stop_at: Path | None = None) -> dict[str, Any]:
+  """Reads one YAML mapping (a local or gs:// file), following `base_config: parent.yml`
+  (relative to the file).
 
   The chain stops before `stop_at` (used to keep base.yml out of a recipe's own values).
   """
-  if stop_at is not None and path.resolve() == stop_at.resolve():
+  path = str(path)
+  if stop_at is not None and storage.same_file(path, str(stop_at)):
     return {}
-  if not path.is_file():
-    raise ConfigError(f"config file {str(path)!r} does not exist")
+  if not storage.is_file(path):
+    raise ConfigError(f"config file {path!r} does not exist")
   try:
-    data = yaml.safe_load(path.read_text()) or {}
+    data = yaml.safe_load(storage.read_bytes(path)) or {}
   except yaml.YAMLError as e:
     raise ConfigError(f"cannot parse {str(path)!r}: {str(e).splitlines()[0]}") from None
   if not isinstance(data, dict):
@@ -73,7 +80,8 @@ def read_yaml(path: Path, stop_at: Path | None = None) -> dict[str, Any]:
   parent = data.pop("base_config", None)
   if parent is None:
     return data
-  parent_path = Path(parent) if Path(parent).is_absolute() else path.parent / parent
+  # join keeps an absolute parent as it is; a gs:// parent is taken whole
+  parent_path = str(parent) if storage.is_remote(str(parent)) else storage.join(storage.parent(path), str(parent))
   return {**read_yaml(parent_path, stop_at), **data}
 
 
@@ -160,7 +168,7 @@ def _unknown_key_error(key: str, known: Mapping[str, Any], source: str) -> Confi
 class Overrides:
   """What the user asked for, before any platform is known: YAML path, argv and env overrides."""
 
-  yaml_path: Path
+  yaml_path: Path | str  # local or gs://
   file_values: Mapping[str, Any]
   argv_values: Mapping[str, Any]
   env_values: Mapping[str, Any]
@@ -184,7 +192,7 @@ def parse_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -
   args = list(argv[1:])
   yaml_path = BASE_CONFIG_PATH
   if args and "=" not in args[0]:
-    yaml_path = Path(args.pop(0))
+    yaml_path = args.pop(0)
   file_values = read_yaml(yaml_path, stop_at=BASE_CONFIG_PATH)  # the user's own YAML layer
   for key in file_values:
     if key not in schema:
@@ -222,7 +230,7 @@ def _model_values(model_name: str, schema: Mapping[str, Any]) -> dict[str, Any]:
   return _read_model_keys(path, schema)
 
 
-def _read_model_keys(path: Path, schema: Mapping[str, Any]) -> dict[str, Any]:
+def _read_model_keys(path: Path | str, schema: Mapping[str, Any]) -> dict[str, Any]:
   values = read_yaml(path)
   for key in values:
     if key not in schema:
@@ -235,8 +243,8 @@ def _model_layer(overrides: Overrides, schema: Mapping[str, Any]) -> dict[str, A
   beside load_parameters_path (a converted checkpoint's model_config.yml) if there are any."""
   named = "model_name" in overrides.file_values or "model_name" in overrides.explicit_keys()
   checkpoint = str(overrides.peek("load_parameters_path"))
-  saved = Path(checkpoint) / MODEL_CONFIG_FILE if checkpoint else None
-  if named or saved is None or not saved.is_file():
+  saved = storage.join(checkpoint, MODEL_CONFIG_FILE) if checkpoint else None
+  if named or saved is None or not storage.is_file(saved):
     return _model_values(str(overrides.peek("model_name")), schema)
   print(f"config: no model_name given; using the model keys saved with the checkpoint in {saved}")
   return _read_model_keys(saved, schema)

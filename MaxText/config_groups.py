@@ -482,7 +482,10 @@ def _check_real_data(v: Mapping[str, Any]) -> None:
   _require(v["max_target_length"] >= 2, f"max_target_length must be >= 2 for real data, got {v['max_target_length']}")
   if kind == "tfds":
     _require(bool(v["dataset_name"]), "dataset_type=tfds needs dataset_name (and dataset_path, its data_dir)")
-    _require(not v["dataset_path"] or storage.is_remote(v["dataset_path"]) or storage.is_dir(v["dataset_path"]),
+    _require(not storage.is_remote(v["dataset_path"]),
+             f"dataset_path={v['dataset_path']}: TFDS data is read through ArrayRecord, which cannot open gs:// "
+             "paths; copy the prepared dataset to local disk (gcloud storage cp -r) or mount the bucket with gcsfuse")
+    _require(not v["dataset_path"] or storage.is_dir(v["dataset_path"]),
              f"dataset_path {v['dataset_path']} is not a directory")
   elif kind == "hf":
     _require(bool(v["hf_path"] or v["hf_data_files"]), "dataset_type=hf needs hf_path or hf_data_files")

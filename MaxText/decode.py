@@ -22,6 +22,7 @@ if __package__ in (None, ""):  # `python3 MaxText/decode.py`: import the package
 import jax
 
 from MaxText import config as config_lib
+from MaxText import storage
 from MaxText.errors import UserError, run_cli
 from MaxText.inference.engine import Engine
 from MaxText.input_pipeline.tokenizer import DocumentEncoder, Tokenizer, load_tokenizer
@@ -50,7 +51,7 @@ def decode(config: config_lib.Config) -> list[int]:
     raise UserError(f"the prompt has {len(ids)} tokens, more than max_prefill_predict_length={limit}; "
                     "raise max_prefill_predict_length or shorten the prompt")
   path = config.checkpoint.load_parameters_path
-  if path and not Path(path).exists():
+  if path and not storage.exists(path):
     raise UserError(f"checkpoint {path} does not exist (load_parameters_path)")
   engine = Engine(config, num_slots=1)
   if not path:

@@ -19,7 +19,7 @@ if __package__ in (None, ""):  # `python3 MaxText/generate_param_only_checkpoint
 
 import jax
 
-from MaxText import checkpointing, models, sharding
+from MaxText import checkpointing, models, sharding, storage
 from MaxText.config import Config
 from MaxText.convert import engine, registry
 from MaxText.errors import ConfigError, UserError, run_cli
@@ -33,10 +33,10 @@ def generate(config: Config) -> str:
   if not output:
     raise ConfigError("set param_only_checkpoint_path=DIR: where to write the parameters-only checkpoint")
   source = cfg.load_full_state_path or cfg.directory
-  if not Path(source).exists():
+  if not storage.exists(source):
     raise UserError(f"no checkpoint to read: {source} does not exist (set run_name of a run with checkpoints, "
                     "or load_full_state_path)")
-  if Path(output).exists():
+  if storage.exists(output):
     raise UserError(f"{output} already exists; choose a new param_only_checkpoint_path or remove it first")
   mesh = sharding.create_mesh(config.mesh)
   spec = models.build_model_spec(config.model)

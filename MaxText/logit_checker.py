@@ -9,7 +9,8 @@ KL(HF ‖ ours) and the top-1 agreement, then the totals; exits 1 when max |Δlo
 mean KL > max_kl. The model keys come from model_name, else from CKPT/model_config.yml, else
 from DIR/config.json (printed as key=value overrides); a model_name that disagrees with
 config.json is an error. Default tolerances suit real checkpoints: float32 (dtype=float32)
-atol=0.01, max_kl=1e-5; bfloat16 atol=1.0, max_kl=0.01.
+atol=0.01, max_kl=1e-5; bfloat16 atol=1.0, max_kl=0.01. CKPT and DIR may be gs:// paths (DIR's
+top-level files are downloaded to a temporary directory for transformers).
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ def hf_logits(hf_model_path: str, token_ids: np.ndarray, hf_dtype: str) -> np.nd
     import transformers
   except ImportError:
     raise UserError("the logit checker needs torch and transformers (EXTRAS=test bash setup.sh)") from None
-  model = transformers.AutoModelForCausalLM.from_pretrained(
-      hf_model_path, dtype=getattr(torch, hf_dtype), attn_implementation="eager").eval()
+  with hf_io.local_model_dir(hf_model_path) as local:
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        local, dtype=getattr(torch, hf_dtype), attn_implementation="eager").eval()
   with torch.no_grad():
     return model(torch.tensor(token_ids)).logits.float().numpy()
 
@@ -115,6 +117,9 @@ def report(per_position: dict[str, np.ndarray], atol: float, max_kl: float) -> b
 def main(argv: list[str]) -> int:
   checker, config_args = split_checker_args(argv[1:])
   hf_path = checker["hf_model_path"]
+  checkpoints = [a.partition("=")[2] for a in config_args if a.startswith("load_parameters_path=")]
+  cli.check_buckets({"hf_model_path": hf_path, "load_parameters_path": checkpoints[-1] if checkpoints else ""},
+                    config_args)
   target = cli.start_backend(config_args, default="auto")
   config, _ = cli.config_matching_hf(hf_io.read_hf_config(hf_path), config_args, hf_path, target, PROG)
   default_atol, default_kl = _DEFAULT_TOLERANCES.get(config.model.dtype, (1.0, 0.01))

@@ -1,16 +1,17 @@
-"""Train a SentencePiece tokenizer on a local corpus:
+"""Train a SentencePiece tokenizer on a corpus (local or gs://):
 
     python3 -m MaxText.train_tokenizer --dataset_path corpus.txt --vocab_size 1024 --output tokenizer.model
 
 `--dataset_path` takes comma-separated files or globs: `.txt` files give one sentence per line,
 `.json`/`.jsonl` files one document per line in the `--text_column` field. The output is a
 `.model` file for `tokenizer_type=sentencepiece tokenizer_path=...`, with ids 0 = <unk>,
-1 = <s> (bos), 2 = </s> (eos).
+1 = <s> (bos), 2 = </s> (eos). Both the corpus files and `--output` may be gs:// paths.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -20,6 +21,7 @@ from typing import Iterator
 if __package__ in (None, ""):  # `python3 MaxText/train_tokenizer.py`
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
+from MaxText import storage
 from MaxText.errors import UserError, run_cli
 from MaxText.input_pipeline.files import expand_files
 
@@ -28,7 +30,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="python3 -m MaxText.train_tokenizer", description=__doc__.split("\n\n")[0])
   parser.add_argument("--dataset_path", required=True, help="comma-separated .txt/.jsonl files or globs")
   parser.add_argument("--vocab_size", type=int, required=True, help="number of tokens, special ones included")
-  parser.add_argument("--output", required=True, help="where to write the .model file")
+  parser.add_argument("--output", required=True, help="where to write the .model file (local or gs://)")
   parser.add_argument("--model_type", default="bpe", choices=("bpe", "unigram", "char", "word"))
   parser.add_argument("--text_column", default="text", help="field holding the text in .json/.jsonl files")
   parser.add_argument("--character_coverage", type=float, default=1.0,
@@ -42,7 +44,7 @@ def iterate_lines(paths: list[str], text_column: str, max_lines: int) -> Iterato
   count = 0
   for path in paths:
     is_json = path.endswith((".json", ".jsonl"))
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with storage.open_file(path, "rb") as raw, io.TextIOWrapper(raw, encoding="utf-8", errors="replace") as f:
       for line in f:
         text = json.loads(line).get(text_column, "") if is_json and line.strip() else line.rstrip("\n")
         if not text.strip():
@@ -63,18 +65,15 @@ def train(paths: list[str], vocab_size: int, output: str, model_type: str = "bpe
   lines = list(iterate_lines(paths, text_column, max_lines))
   if not lines:
     raise UserError(f"the corpus {', '.join(paths)} holds no text")
-  Path(output).parent.mkdir(parents=True, exist_ok=True)
-  prefix = str(Path(output).with_suffix(""))
+  model = io.BytesIO()  # the trainer writes here, not to files: the output may be on gs://
   try:
     spm.SentencePieceTrainer.Train(
-        sentence_iterator=iter(lines), model_prefix=prefix, vocab_size=vocab_size, model_type=model_type,
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size, model_type=model_type,
         character_coverage=character_coverage, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
         num_threads=os.cpu_count() or 1, minloglevel=2)
   except RuntimeError as e:  # e.g. a vocabulary larger than the corpus can fill
     raise UserError(f"SentencePiece training failed: {str(e).strip().splitlines()[-1]}") from None
-  if prefix + ".model" != output:
-    os.replace(prefix + ".model", output)
-  os.remove(prefix + ".vocab")
+  storage.write_bytes(output, model.getvalue())
   return len(lines)
 
 

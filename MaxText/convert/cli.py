@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from MaxText import accelerators
+from MaxText import accelerators, storage
 from MaxText import config as config_lib
 from MaxText.convert import engine, registry
 from MaxText.errors import ConfigError, UserError
@@ -34,6 +33,22 @@ def split_args(argv: Sequence[str], flags: Sequence[str]) -> tuple[dict[str, str
   if missing:
     raise UserError(f"missing {', '.join('--' + f for f in missing)}")
   return values, rest
+
+
+def check_buckets(paths: Mapping[str, str], user_args: Sequence[str]) -> None:
+  """Each gs:// bucket among `paths` ({"--flag" or key: path}) answers within storage_timeout_seconds
+  (from user_args, else base.yml's), so a wrong bucket or endpoint is one line, not a hang."""
+  timeout = config_lib.read_yaml(config_lib.BASE_CONFIG_PATH)["storage_timeout_seconds"]
+  for arg in user_args:
+    key, _, value = arg.partition("=")
+    if key == "storage_timeout_seconds":
+      timeout = value
+  try:
+    timeout = float(timeout)
+  except ValueError:
+    raise UserError(f"storage_timeout_seconds must be a number of seconds, got {timeout!r}") from None
+  for what, path in paths.items():
+    storage.check_reachable(path, what, timeout)
 
 
 def start_backend(user_args: Sequence[str], default: str = "cpu") -> accelerators.DeviceTarget:
@@ -91,7 +106,7 @@ def _saved_model_keys(user_args: Sequence[str]) -> bool:
   for arg in user_args:
     key, _, value = arg.partition("=")
     if key == "load_parameters_path" and value:
-      return (Path(value) / config_lib.MODEL_CONFIG_FILE).is_file()
+      return storage.is_file(storage.join(value, config_lib.MODEL_CONFIG_FILE))
   return False
 
 
@@ -104,12 +119,12 @@ def config_for_checkpoint(checkpoint: str, user_args: Sequence[str], target: acc
                           prog: str) -> config_lib.Config:
   """The config of one of our checkpoints: model_name= if given, else its saved model_config.yml."""
   args = [f"load_parameters_path={checkpoint}", *user_args]
-  saved = Path(checkpoint) / config_lib.MODEL_CONFIG_FILE
+  saved = storage.join(checkpoint, config_lib.MODEL_CONFIG_FILE)
   if "model_name" in _user_keys(user_args):
     name = [a.partition("=")[2] for a in user_args if a.startswith("model_name=")][-1]
     named = config_lib.MODELS_DIR / f"{name}.yml"
     model_keys = config_lib.read_yaml(named) if named.is_file() else {}
-  elif saved.is_file():
+  elif storage.is_file(saved):
     model_keys = config_lib.read_yaml(saved)
   else:
     raise UserError(f"{checkpoint} has no {config_lib.MODEL_CONFIG_FILE}; say which model it holds with "

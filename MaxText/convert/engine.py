@@ -9,13 +9,13 @@ parameter at a time (`streaming.save_params_one_by_one`).
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal, Mapping
 
 import jax
 import numpy as np
 import yaml
 
+from MaxText import storage
 from MaxText.config import MODEL_CONFIG_FILE
 from MaxText.config_groups import ModelConfig
 from MaxText.convert import registry
@@ -35,17 +35,18 @@ def flat_abstract(abstract_params: Any) -> dict[tuple[str, ...], jax.ShapeDtypeS
 
 
 class StagedParams:
-  """Our parameter tree as memory-mapped files under `directory`, filled one slice at a time."""
+  """Our parameter tree as memory-mapped files under `directory` (local: a temporary staging
+  directory of the converter), filled one slice at a time."""
 
   def __init__(self, abstract_params: Any, directory: str, weight_dtype: np.dtype | str):
-    self.directory = Path(directory)
+    self.directory = directory
     self.leaves = flat_abstract(abstract_params)
     self.dtype = np.dtype(weight_dtype)
     self._written: dict[tuple[str, ...], set[tuple[int, ...]]] = {}
     self._depth: dict[tuple[str, ...], int] = {}
 
-  def _file(self, path: tuple[str, ...]) -> Path:
-    return self.directory / ("__".join(path) + ".bin")
+  def _file(self, path: tuple[str, ...]) -> str:
+    return storage.join(self.directory, "__".join(path) + ".bin")
 
   def put(self, path: tuple[str, ...], index: tuple[int, ...], value: np.ndarray, source: str) -> None:
     if path not in self.leaves:
@@ -59,8 +60,8 @@ class StagedParams:
     written = self._written.setdefault(path, set())
     if index in written:
       raise UserError(f"HF tensor {source} sets {'/'.join(path)}{list(index) or ''} a second time")
-    mode: Literal["r+", "w+"] = "r+" if self._file(path).exists() else "w+"
-    staged = np.memmap(str(self._file(path)), dtype=self.dtype, mode=mode, shape=tuple(leaf.shape))
+    mode: Literal["r+", "w+"] = "r+" if storage.exists(self._file(path)) else "w+"
+    staged = np.memmap(self._file(path), dtype=self.dtype, mode=mode, shape=tuple(leaf.shape))
     staged[index] = value  # numpy casts while copying: no converted temporary
     staged.flush()
     del staged  # unmap: the written pages belong to the page cache, not to this process
@@ -196,9 +197,10 @@ def override_args(keys: Mapping[str, Any]) -> list[str]:
   return [f"{k}={text(v)}" for k, v in keys.items()]
 
 
-def write_model_config(output_path: str, keys: Mapping[str, Any], source: str) -> Path:
-  path = Path(output_path) / MODEL_CONFIG_FILE
+def write_model_config(output_path: str, keys: Mapping[str, Any], source: str) -> str:
+  """Writes model_config.yml into the checkpoint directory `output_path` (local or gs://); returns its path."""
+  path = storage.join(output_path, MODEL_CONFIG_FILE)
   header = (f"# Model keys of this checkpoint (converted from {source}); train.py, the logit checker and\n"
             "# maxtext_to_hf read them when load_parameters_path points here and no model_name is given.\n")
-  path.write_text(header + yaml.safe_dump(dict(keys), sort_keys=False, default_flow_style=None))
+  storage.write_text(path, header + yaml.safe_dump(dict(keys), sort_keys=False, default_flow_style=None))
   return path

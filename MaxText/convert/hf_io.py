@@ -4,19 +4,24 @@ Reading: every `*.safetensors` file (then `*.bin` torch pickles, memory-mapped) 
 order, yielding (name, numpy array) so at most one HF tensor is materialised at once.
 Writing: safetensors shards of at most `max_shard_bytes`, streamed to disk tensor by tensor,
 plus the `model.safetensors.index.json` weight map when there is more than one shard.
+
+A model directory may be on gs://: each weight file is downloaded to a temporary file just
+before it is read (safetensors memory-maps a local file) and deleted after, so the disk holds
+one shard at a time. The writer needs a local directory (maxtext_to_hf uploads it afterwards).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
-from pathlib import Path
+import tempfile
 from typing import Any, Iterator
 
 import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
+from MaxText import storage
 from MaxText.errors import UserError
 
 CONFIG_FILE = "config.json"
@@ -24,22 +29,37 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def read_hf_config(hf_path: str) -> dict[str, Any]:
-  path = Path(hf_path) / CONFIG_FILE
-  if not path.is_file():
+  path = storage.join(hf_path, CONFIG_FILE)
+  if not storage.is_file(path):
     raise UserError(f"{hf_path} is not a Hugging Face model directory: {CONFIG_FILE} is missing")
   try:
-    return json.loads(path.read_text())
+    return json.loads(storage.read_bytes(path))
   except json.JSONDecodeError as e:
     raise UserError(f"cannot parse {path}: {e}") from None
 
 
-def checkpoint_files(hf_path: str) -> list[Path]:
+def checkpoint_files(hf_path: str) -> list[str]:
   """safetensors shards if any (HF prefers them when both exist), else .bin shards."""
-  root = Path(hf_path)
-  files = sorted(root.glob("*.safetensors")) or sorted(root.glob("*.bin"))
+  files = storage.glob(storage.join(hf_path, "*.safetensors")) or storage.glob(storage.join(hf_path, "*.bin"))
   if not files:
     raise UserError(f"{hf_path} holds no *.safetensors or *.bin weights")
   return files
+
+
+@contextlib.contextmanager
+def local_model_dir(hf_path: str) -> Iterator[str]:
+  """A local directory with the files directly in `hf_path` (for transformers' from_pretrained):
+  `hf_path` itself when local, else a temporary download of its top-level files only (HF repos
+  may carry large subdirectories, e.g. original/ weights, that loading never reads)."""
+  if not storage.is_remote(hf_path):
+    yield storage.resolve(hf_path)
+    return
+  with tempfile.TemporaryDirectory(prefix="maxtext-hf-") as local:
+    for name in storage.listdir(hf_path):
+      source = storage.join(hf_path, name)
+      if storage.is_file(source):
+        storage.copy_tree(source, storage.join(local, name))
+    yield local
 
 
 def _torch_to_numpy(tensor: Any) -> np.ndarray:
@@ -52,21 +72,23 @@ def _torch_to_numpy(tensor: Any) -> np.ndarray:
 
 def iter_hf_tensors(hf_path: str) -> Iterator[tuple[str, np.ndarray]]:
   for path in checkpoint_files(hf_path):
-    if path.suffix == ".safetensors":
-      with safe_open(str(path), framework="numpy") as f:
-        for name in f.keys():
-          yield name, f.get_tensor(name)
-      continue
-    try:
-      import torch
-    except ImportError:
-      raise UserError(f"{path.name} is a torch .bin checkpoint; reading it needs torch "
-                      "(pip install torch), or convert it to safetensors first") from None
-    # mmap keeps the shard on disk; each tensor is copied out only when it is converted.
-    state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
-    for name in list(state):
-      yield name, _torch_to_numpy(state.pop(name))
-    del state
+    if not path.endswith(".safetensors"):
+      try:
+        import torch
+      except ImportError:
+        raise UserError(f"{storage.name(path)} is a torch .bin checkpoint; reading it needs torch "
+                        "(pip install torch), or convert it to safetensors first") from None
+    with storage.local_copy(path) as local:  # a download of one shard when remote, removed after
+      if path.endswith(".safetensors"):
+        with safe_open(local, framework="numpy") as f:
+          for name in f.keys():
+            yield name, f.get_tensor(name)
+        continue
+      # mmap keeps the shard on disk; each tensor is copied out only when it is converted.
+      state = torch.load(local, map_location="cpu", mmap=True, weights_only=True)
+      for name in list(state):
+        yield name, _torch_to_numpy(state.pop(name))
+      del state
 
 
 # safetensors dtype names (https://github.com/huggingface/safetensors format description)
@@ -85,7 +107,7 @@ class SafetensorsWriter:
   """
 
   def __init__(self, output_dir: str, max_shard_bytes: int):
-    self.output_dir = Path(output_dir)
+    self.output_dir = output_dir
     self.max_shard_bytes = max_shard_bytes
     self._header: dict[str, Any] = {}
     self._data: Any = None  # open data file of the current shard
@@ -93,8 +115,8 @@ class SafetensorsWriter:
     self._shards: list[list[str]] = []
     self.total_bytes = 0
 
-  def _data_path(self, index: int) -> Path:
-    return self.output_dir / f"shard-{index}.data.tmp"
+  def _data_path(self, index: int) -> str:
+    return storage.join(self.output_dir, f"shard-{index}.data.tmp")
 
   def add(self, name: str, array: np.ndarray) -> None:
     array = np.ascontiguousarray(array)
@@ -103,7 +125,7 @@ class SafetensorsWriter:
     if self._header and self._data_bytes + array.nbytes > self.max_shard_bytes:
       self._flush()
     if self._data is None:
-      self._data = open(self._data_path(len(self._shards)), "wb")  # noqa: SIM115 - closed in _flush
+      self._data = storage.open_file(self._data_path(len(self._shards)), "wb")  # closed in _flush
     self._data.write(array.reshape(-1).view(np.uint8).data)
     self._header[name] = {"dtype": _SAFETENSORS_DTYPES[array.dtype], "shape": list(array.shape),
                           "data_offsets": [self._data_bytes, self._data_bytes + array.nbytes]}
@@ -114,16 +136,17 @@ class SafetensorsWriter:
     index = len(self._shards)
     data_path = self._data_path(index)
     if self._data is None:  # an empty model still gets one (empty) file
-      data_path.write_bytes(b"")
+      storage.write_bytes(data_path, b"")
     else:
       self._data.close()
     header = json.dumps({"__metadata__": {"format": "pt"}, **self._header}, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)  # the data start stays 8-byte aligned
-    with open(self.output_dir / f"shard-{index}.tmp", "wb") as out, open(data_path, "rb") as data:
+    with storage.open_file(storage.join(self.output_dir, f"shard-{index}.tmp"), "wb") as out, \
+        storage.open_file(data_path, "rb") as data:
       out.write(len(header).to_bytes(8, "little") + header)
       while chunk := data.read(_COPY_CHUNK):
         out.write(chunk)
-    data_path.unlink()
+    storage.remove_tree(data_path)
     self._shards.append(list(self._header))
     self._header, self._data, self._data_bytes = {}, None, 0
 
@@ -135,9 +158,9 @@ class SafetensorsWriter:
     names = ["model.safetensors"] if count == 1 else [
         f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
     for i, name in enumerate(names):
-      os.replace(self.output_dir / f"shard-{i}.tmp", self.output_dir / name)
+      storage.as_path(storage.join(self.output_dir, f"shard-{i}.tmp")).replace(storage.join(self.output_dir, name))
     if count > 1:
       weight_map = {tensor: names[i] for i, shard in enumerate(self._shards) for tensor in shard}
       index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-      (self.output_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
+      storage.write_text(storage.join(self.output_dir, INDEX_FILE), json.dumps(index, indent=2))
     return names

@@ -14,6 +14,9 @@ write then streams from those files one parameter at a time (`streaming.save_par
 so it holds about one parameter: a whole layer stack when scan_layers=True, one layer's tensor
 when False. Staging needs disk space for one extra copy of the converted model, removed at the end.
 Measured figures are in getting_started/Models.md.
+
+DIR and CKPT may be gs:// paths: HF shards are downloaded one at a time just before they are read,
+and Orbax writes a gs:// CKPT itself (its staging files then go to the local temporary directory).
 """
 
 from __future__ import annotations
@@ -21,9 +24,8 @@ from __future__ import annotations
 import resource
 import sys
 import tempfile
-from pathlib import Path
 
-from MaxText import models
+from MaxText import models, storage
 from MaxText.convert import cli, engine, hf_io, registry, streaming
 from MaxText.errors import UserError, run_cli
 
@@ -32,7 +34,7 @@ PROG = "hf_to_maxtext"
 
 def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict:
   """Converts and returns a summary (tensor bytes, peak memory) for logs and tests."""
-  if Path(output_path).exists():
+  if storage.exists(output_path):
     raise UserError(f"{output_path} already exists; choose a new --output_path or remove it first")
   target = cli.start_backend(user_args)
   hf_config = hf_io.read_hf_config(hf_path)
@@ -40,22 +42,26 @@ def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict:
   cfg = config.model
   family = registry.family_for_hf_config(hf_config)
   spec = models.build_model_spec(cfg)
-  parent = Path(output_path).absolute().parent
-  parent.mkdir(parents=True, exist_ok=True)
-  with tempfile.TemporaryDirectory(dir=parent, prefix=".hf_to_maxtext-staging-") as staging_dir:
+  # Staging beside a local output keeps it on the disk the user chose for the checkpoint.
+  staging_parent = None
+  if not storage.is_remote(output_path):
+    staging_parent = storage.parent(output_path)
+    storage.makedirs(staging_parent)
+  with tempfile.TemporaryDirectory(dir=staging_parent, prefix=".hf_to_maxtext-staging-") as staging_dir:
     staged = engine.StagedParams(spec.abstract_params, staging_dir, cfg.weight_dtype)
     largest = engine.stage_hf_tensors(hf_io.iter_hf_tensors(hf_path), family, cfg, staged)
     streaming.save_params_one_by_one(output_path, staged.tree())
   saved = engine.write_model_config(output_path, model_keys, hf_path)
   peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
   print(f"{PROG}: wrote {output_path} ({family.name}, {cfg.num_decoder_layers} layers, "
-        f"{'scanned' if cfg.scan_layers else 'unrolled'}, {cfg.weight_dtype}) and {saved.name}; largest HF tensor "
-        f"{largest / 2**20:.1f} MiB, peak resident memory {peak_mib:.0f} MiB (includes the runtime and mapped pages)")
+        f"{'scanned' if cfg.scan_layers else 'unrolled'}, {cfg.weight_dtype}) and {storage.name(saved)}; "
+        f"largest HF tensor {largest / 2**20:.1f} MiB, peak resident memory {peak_mib:.0f} MiB (includes the runtime and mapped pages)")
   return {"largest_tensor_bytes": largest, "peak_rss_mib": peak_mib}
 
 
 def main(argv: list[str]) -> int:
   flags, user_args = cli.split_args(argv[1:], ("hf_path", "output_path"))
+  cli.check_buckets({"--hf_path": flags["hf_path"], "--output_path": flags["output_path"]}, user_args)
   convert(flags["hf_path"], flags["output_path"], user_args)
   return 0
 

@@ -13,6 +13,9 @@ is scanned) and dropped after their last HF tensor is produced; each HF tensor i
 the shard's data file on disk at once, and the shard gets its header when it is full (at most
 max_shard_mb). Peak host memory is about the largest stored parameter plus one HF tensor
 (measured in getting_started/Models.md, benchmarks/convert_memory.py --direction to_hf).
+
+CKPT and DIR may be gs:// paths: Orbax reads CKPT from the bucket; for a gs:// DIR the shards are
+written to a local temporary directory (needs disk for the whole model) and uploaded at the end.
 """
 
 from __future__ import annotations
@@ -20,12 +23,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from MaxText import checkpointing, models
+from MaxText import checkpointing, models, storage
 from MaxText import config as config_lib
 from MaxText.config_groups import ModelConfig
 from MaxText.convert import cli, engine, hf_io, registry, streaming
@@ -62,25 +64,25 @@ def _hf_config(config: config_lib.Config, family: registry.Family) -> dict[str, 
 
 
 def export(checkpoint: str, output_path: str, user_args: list[str], max_shard_mb: int = 5000) -> list[str]:
-  out = Path(output_path)
-  if out.exists() and any(out.iterdir()):
+  if storage.exists(output_path) and (not storage.is_dir(output_path) or storage.listdir(output_path)):
     raise UserError(f"{output_path} exists and is not empty; choose a new --output_path")
   target = cli.start_backend(user_args)
   config = cli.config_for_checkpoint(checkpoint, user_args, target, PROG)
   family = registry.family_for_decoder_block(config.model.decoder_block)
   hf_config = _hf_config(config, family)
   reader, cfg = _open_checkpoint(checkpoint, config)
-  out.mkdir(parents=True, exist_ok=True)
-  writer = hf_io.SafetensorsWriter(output_path, max_shard_mb * 2**20)
-  try:
-    for name, array in engine.hf_tensors_from_params(reader.read, family, cfg):
-      writer.add(name, array)
-      del array  # may be a view of a stored parameter the generator is about to drop
-  finally:
-    reader.close()
-  files = writer.close()
   dtype = str(np.dtype(cfg.weight_dtype))
-  (out / hf_io.CONFIG_FILE).write_text(json.dumps({**hf_config, "dtype": dtype}, indent=2) + "\n")
+  with storage.local_output(output_path) as out:  # uploaded when the block ends if output_path is gs://
+    storage.makedirs(out)
+    writer = hf_io.SafetensorsWriter(out, max_shard_mb * 2**20)
+    try:
+      for name, array in engine.hf_tensors_from_params(reader.read, family, cfg):
+        writer.add(name, array)
+        del array  # may be a view of a stored parameter the generator is about to drop
+    finally:
+      reader.close()
+    files = writer.close()
+    storage.write_text(storage.join(out, hf_io.CONFIG_FILE), json.dumps({**hf_config, "dtype": dtype}, indent=2) + "\n")
   print(f"{PROG}: wrote {output_path} ({hf_config['model_type']}, {len(files)} safetensors file(s), "
         f"{writer.total_bytes / 2**20:.1f} MiB, {dtype})")
   return files
@@ -88,6 +90,7 @@ def export(checkpoint: str, output_path: str, user_args: list[str], max_shard_mb
 
 def main(argv: list[str]) -> int:
   flags, user_args = cli.split_args(argv[1:], ("checkpoint", "output_path"))
+  cli.check_buckets({"--checkpoint": flags["checkpoint"], "--output_path": flags["output_path"]}, user_args)
   shard_args = [a for a in user_args if a.startswith("max_shard_mb=")]
   user_args = [a for a in user_args if not a.startswith("max_shard_mb=")]
   max_shard_mb = 5000

@@ -10,20 +10,21 @@ otherwise keep the freed buffers of every array and grow with the model.
 
 Reading: `ParamReader` restores single parameters (as numpy, in a requested dtype) with
 `partial_restore`, so only that array is read into memory.
+
+Both take local or gs:// paths (Orbax and TensorStore write and read buckets themselves).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
-from pathlib import Path
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from MaxText import storage
 from MaxText.errors import UserError
 
 PARAMS = "params"  # the item of a parameters-only checkpoint (MaxText.checkpointing's layout)
@@ -72,13 +73,13 @@ def save_params_one_by_one(path: str, params: Any) -> None:
   Peak extra host memory is about one parameter (measured in benchmarks/convert_memory.py).
   The leaves must stay valid until this returns (the save is synchronous).
   """
-  if Path(path).exists():
+  if storage.exists(path):
     raise UserError(f"{path} already exists; choose a new output path or remove it first")
   handlers = ocp.type_handlers.create_type_handler_registry(
       (np.ndarray, OneByOneNumpyHandler()), (jax.Array, ocp.type_handlers.ArrayHandler()))
   checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=handlers))
   try:
-    checkpointer.save(os.path.abspath(path), args=ocp.args.PyTreeSave({PARAMS: params}))
+    checkpointer.save(storage.as_path(path), args=ocp.args.PyTreeSave({PARAMS: params}))
   finally:
     checkpointer.close()
 
@@ -93,8 +94,8 @@ def _nested(path: ParamPath, leaf: Any) -> dict:
 class ParamReader:
   """Reads single parameters of an Orbax PyTree directory whose item holds {"params": ...}."""
 
-  def __init__(self, directory: Path, dtype: np.dtype | str):
-    self.directory = directory.absolute()
+  def __init__(self, directory: str, dtype: np.dtype | str):
+    self.directory = storage.as_path(directory)
     self.dtype = np.dtype(dtype)
     self._checkpointer = ocp.PyTreeCheckpointer()
     metadata = self._checkpointer.metadata(self.directory).item_metadata[PARAMS]

@@ -2,6 +2,8 @@
 
 Each record is one document: a JSON object (its `train_data_columns` field is the text), a JSON
 string, or raw UTF-8 text. `python3 -m MaxText.input_pipeline.prepare_data` writes such files.
+The files must be on a local (or gcsfuse-mounted) file system: gs:// values are refused with
+how to stage them (files.expand_files), since the ArrayRecord reader cannot open them.
 """
 
 from __future__ import annotations

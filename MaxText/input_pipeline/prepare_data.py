@@ -1,4 +1,4 @@
-"""Turn a local text corpus into train/eval splits for each real dataset_type:
+"""Turn a text corpus (local or gs://) into train/eval splits for each real dataset_type:
 
     python3 -m MaxText.input_pipeline.prepare_data --input corpus.txt --output_dir DIR \\
         [--formats jsonl,arrayrecord,tfds] [--eval_fraction 0.1] [--split_by paragraph|line]
@@ -9,7 +9,8 @@ writes
     DIR/tfds/local_text/<name>/1.0.0/               dataset_type=tfds dataset_path=DIR/tfds dataset_name=local_text/<name>
 Documents are paragraphs (text between blank lines) or lines; the eval split is the corpus's
 last `eval_fraction` of documents, a contiguous held-out stretch rather than a random sample, so
-no scene is half in train and half in eval.
+no scene is half in train and half in eval. DIR may be gs://: everything is written locally, then
+uploaded (the ArrayRecord reader still needs those files staged locally to train on them).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 if __package__ in (None, ""):
   sys.path[0] = str(Path(__file__).resolve().parent.parent.parent)
 
+from MaxText import storage
 from MaxText.errors import UserError, run_cli
 
 SPLITS = ("train", "validation")
@@ -41,36 +43,39 @@ def train_eval_split(documents: list[str], eval_fraction: float) -> dict[str, li
   return {"train": documents[:-num_eval], "validation": documents[-num_eval:]}
 
 
-def write_jsonl(path: Path, documents: list[str]) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  with open(path, "w", encoding="utf-8") as f:
-    for doc in documents:
-      f.write(json.dumps({"text": doc}) + "\n")
+def write_jsonl(path: str, documents: list[str]) -> None:
+  storage.write_text(path, "".join(json.dumps({"text": doc}) + "\n" for doc in documents))
 
 
-def write_arrayrecord(path: Path, documents: list[str]) -> None:
-  """One JSON record per document; group_size:1 keeps every record individually addressable."""
+def write_arrayrecord(path: str, documents: list[str]) -> None:
+  """One JSON record per document; group_size:1 keeps every record individually addressable.
+  `path` is local (the writer cannot write to a bucket)."""
   from array_record.python.array_record_module import ArrayRecordWriter
 
-  path.parent.mkdir(parents=True, exist_ok=True)
-  writer = ArrayRecordWriter(str(path), "group_size:1")
+  storage.makedirs(storage.parent(path))
+  writer = ArrayRecordWriter(path, "group_size:1")
   for doc in documents:
     writer.write(json.dumps({"text": doc}).encode("utf-8"))
   writer.close()
 
 
-def write_tfds(data_dir: Path, name: str, jsonl_dir: Path) -> str:
+def write_tfds(data_dir: str, name: str, jsonl_dir: str) -> str:
   """Prepares a TFDS dataset `local_text/<name>` from the JSONL splits; returns its dataset_name."""
   from MaxText.input_pipeline.tfds_builder import prepare
 
-  return prepare(str(data_dir), name, str(jsonl_dir))
+  return prepare(data_dir, name, jsonl_dir)
+
+
+def _stem(path: str) -> str:
+  base = storage.name(path)
+  return base.rsplit(".", 1)[0] if "." in base.lstrip(".") else base
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="python3 -m MaxText.input_pipeline.prepare_data",
                                    description=__doc__.split("\n\n")[0])
-  parser.add_argument("--input", required=True, help="a UTF-8 text file")
-  parser.add_argument("--output_dir", required=True)
+  parser.add_argument("--input", required=True, help="a UTF-8 text file (local or gs://)")
+  parser.add_argument("--output_dir", required=True, help="local or gs://")
   parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated subset of {', '.join(FORMATS)}")
   parser.add_argument("--eval_fraction", type=float, default=0.1)
   parser.add_argument("--split_by", default="paragraph", choices=("paragraph", "line"))
@@ -84,22 +89,24 @@ def main(argv: list[str]) -> int:
   unknown = sorted(set(formats) - set(FORMATS))
   if unknown:
     raise UserError(f"--formats: unknown {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
-  source = Path(args.input)
-  if not source.is_file():
+  source, out_dir = args.input, args.output_dir
+  if not storage.is_file(source):
     raise UserError(f"--input {source} does not exist")
-  splits = train_eval_split(split_documents(source.read_text(encoding="utf-8"), args.split_by), args.eval_fraction)
-  out = Path(args.output_dir)
-  jsonl_dir = out / "jsonl"
-  for split in SPLITS:  # the TFDS builder reads these too
-    write_jsonl(jsonl_dir / f"{split}.jsonl", splits[split])
-  if "arrayrecord" in formats:
-    for split in SPLITS:
-      write_arrayrecord(out / "arrayrecord" / f"{split}.array_record", splits[split])
+  text = storage.read_bytes(source).decode("utf-8")
+  splits = train_eval_split(split_documents(text, args.split_by), args.eval_fraction)
+  with storage.local_output(out_dir) as out:  # uploaded at the end when out_dir is gs://
+    jsonl_dir = storage.join(out, "jsonl")
+    for split in SPLITS:  # the TFDS builder reads these too
+      write_jsonl(storage.join(jsonl_dir, f"{split}.jsonl"), splits[split])
+    if "arrayrecord" in formats:
+      for split in SPLITS:
+        write_arrayrecord(storage.join(out, "arrayrecord", f"{split}.array_record"), splits[split])
+    if "tfds" in formats:
+      dataset_name = write_tfds(storage.join(out, "tfds"), args.name or _stem(source), jsonl_dir)
   if "tfds" in formats:
-    dataset_name = write_tfds(out / "tfds", args.name or source.stem, jsonl_dir)
-    print(f"prepare_data: tfds dataset_name={dataset_name} dataset_path={out / 'tfds'}")
+    print(f"prepare_data: tfds dataset_name={dataset_name} dataset_path={storage.join(out_dir, 'tfds')}")
   counts = ", ".join(f"{split} {len(splits[split])}" for split in SPLITS)
-  print(f"prepare_data: {counts} documents ({args.split_by}s) of {source} in {', '.join(formats)} under {out}")
+  print(f"prepare_data: {counts} documents ({args.split_by}s) of {source} in {', '.join(formats)} under {out_dir}")
   return 0
 
 

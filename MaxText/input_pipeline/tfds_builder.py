@@ -8,11 +8,11 @@ the data_dir), so training never imports this module.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Iterator
 
 import tensorflow_datasets as tfds
 
+from MaxText import storage
 from MaxText.errors import UserError
 
 SPLIT_FILES = {"train": "train.jsonl", "validation": "validation.jsonl", "test": "test.jsonl"}
@@ -30,15 +30,16 @@ class LocalText(tfds.core.GeneratorBasedBuilder):
                                  description="Local text documents, one JSON object per line.")
 
   def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict:
-    directory = Path(dl_manager.manual_dir)
-    present = {split: directory / file for split, file in SPLIT_FILES.items() if (directory / file).is_file()}
+    directory = str(dl_manager.manual_dir)
+    present = {split: storage.join(directory, file) for split, file in SPLIT_FILES.items()
+               if storage.is_file(storage.join(directory, file))}
     if "train" not in present:
       raise UserError(f"{directory} holds no train.jsonl")
     return {split: self._generate_examples(path) for split, path in present.items()}
 
-  def _generate_examples(self, path: Path) -> Iterator[tuple[int, dict]]:
-    with open(path, encoding="utf-8") as f:
-      for number, line in enumerate(f):
+  def _generate_examples(self, path: str) -> Iterator[tuple[int, dict]]:
+    with storage.open_file(path, "rb") as f:
+      for number, line in enumerate(f):  # bytes: json.loads decodes UTF-8 itself
         if line.strip():
           yield number, {"text": json.loads(line)["text"]}
 

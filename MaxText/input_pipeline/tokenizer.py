@@ -6,15 +6,18 @@ Three kinds, chosen by `tokenizer_type`:
                  256 special tokens follow the ranks, the first two being begin/end of text;
   huggingface    a `tokenizer.json` (or a directory holding one, with its tokenizer_config.json
                  naming the bos/eos tokens), read with the `tokenizers` library.
-Every kind loads from local files only: nothing is downloaded.
+Every kind reads the user's files (local or gs://) into memory and builds the tokenizer from
+their content; nothing is downloaded from a hub.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
-from pathlib import Path
 from typing import Callable, Protocol
 
+from MaxText import storage
 from MaxText.errors import ConfigError
 
 TOKENIZER_TYPES = ("sentencepiece", "tiktoken", "huggingface")
@@ -41,7 +44,7 @@ class SentencePieceTokenizer:
 
     self._sp = spm.SentencePieceProcessor()
     try:
-      self._sp.Load(path)
+      self._sp.LoadFromSerializedProto(storage.read_bytes(path))  # from bytes: the file may be on gs://
     except (OSError, RuntimeError) as e:
       raise ConfigError(f"tokenizer_path {path} is not a SentencePiece model: {str(e).splitlines()[0]}") from None
     self.vocab_size = self._sp.GetPieceSize()
@@ -55,20 +58,36 @@ class SentencePieceTokenizer:
     return self._sp.DecodeIds(list(ids))
 
 
+def _read_ranks(path: str) -> dict[bytes, int]:
+  """`<base64 token> <rank>` lines (tiktoken's format). Parsed here rather than with tiktoken's
+  loader, which cannot open gs:// and caches files by path (a rewritten file would read stale)."""
+  ranks = {}
+  for number, line in enumerate(storage.read_bytes(path).splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
+      token, rank = line.split()
+      ranks[base64.b64decode(token)] = int(rank)
+    except (ValueError, binascii.Error):
+      raise ValueError(f"line {number} is not '<base64 token> <rank>': {line[:60]!r}") from None
+  if not ranks:
+    raise ValueError("it holds no ranks")
+  return ranks
+
+
 class TiktokenTokenizer:
   def __init__(self, path: str):
     import tiktoken
-    from tiktoken.load import load_tiktoken_bpe
 
     try:
-      ranks = load_tiktoken_bpe(path)
-    except (ValueError, OSError, UnicodeDecodeError) as e:
+      ranks = _read_ranks(path)
+    except (ValueError, OSError) as e:
       raise ConfigError(f"tokenizer_path {path} is not a tiktoken BPE ranks file: {e}") from None
     num_base = len(ranks)
     names = ["<|begin_of_text|>", "<|end_of_text|>"] + [
         f"<|reserved_special_token_{i}|>" for i in range(_NUM_TIKTOKEN_SPECIAL - 2)]
     special = {name: num_base + i for i, name in enumerate(names)}
-    self._enc = tiktoken.Encoding(name=Path(path).name, pat_str=_LLAMA3_PATTERN, mergeable_ranks=ranks,
+    self._enc = tiktoken.Encoding(name=storage.name(path), pat_str=_LLAMA3_PATTERN, mergeable_ranks=ranks,
                                   special_tokens=special)
     self.vocab_size = num_base + _NUM_TIKTOKEN_SPECIAL
     self.bos_id: int | None = special["<|begin_of_text|>"]
@@ -86,13 +105,13 @@ class HuggingFaceTokenizer:
   def __init__(self, path: str):
     from tokenizers import Tokenizer as HFTokenizer
 
-    file = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
+    file = storage.join(path, "tokenizer.json") if storage.is_dir(path) else path
     try:
-      self._tok = HFTokenizer.from_file(str(file))
+      self._tok = HFTokenizer.from_str(storage.read_bytes(file).decode("utf-8"))
     except Exception as e:  # noqa: BLE001 - the library raises its own untyped exception
       raise ConfigError(f"tokenizer_path {path}: cannot read {file} as a Hugging Face tokenizer ({e})") from None
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-    bos, eos = _special_tokens(file.parent / "tokenizer_config.json")
+    bos, eos = _special_tokens(storage.join(storage.parent(file), "tokenizer_config.json"))
     self.bos_id = self._tok.token_to_id(bos) if bos else None
     self.eos_id = self._tok.token_to_id(eos) if eos else None
 
@@ -104,11 +123,11 @@ class HuggingFaceTokenizer:
     return self._tok.decode(list(ids))
 
 
-def _special_tokens(config_path: Path) -> tuple[str | None, str | None]:
+def _special_tokens(config_path: str) -> tuple[str | None, str | None]:
   """bos/eos token strings from a tokenizer_config.json (plain strings or {"content": ...})."""
-  if not config_path.is_file():
+  if not storage.is_file(config_path):
     return None, None
-  config = json.loads(config_path.read_text())
+  config = json.loads(storage.read_bytes(config_path))
 
   def text(value: object) -> str | None:
     return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
@@ -122,7 +141,7 @@ def load_tokenizer(tokenizer_type: str, path: str) -> Tokenizer:
   if not path:
     raise ConfigError("tokenizer_path is empty: real datasets need a tokenizer "
                       "(train one with `python3 -m MaxText.train_tokenizer`)")
-  if not Path(path).exists():
+  if not storage.exists(path):
     raise ConfigError(f"tokenizer_path {path} does not exist")
   kinds: dict[str, Callable[[str], Tokenizer]] = {
       "sentencepiece": SentencePieceTokenizer, "tiktoken": TiktokenTokenizer, "huggingface": HuggingFaceTokenizer}
