@@ -120,6 +120,7 @@ def test_killed_after_a_local_only_step_resumes_from_the_local_tier(gcs, gcs_buc
   assert losses(f"{out}/tiers") == ref
 
 
+@pytest.mark.slow  # ~70 s; the local-tier resume above stays in the default run
 def test_a_host_that_lost_its_local_disk_resumes_from_the_persistent_tier(gcs, gcs_bucket, reference, tmp_path):
   _, ref = reference
   out, local_root = f"{gcs_bucket}/runs", tmp_path / "local"

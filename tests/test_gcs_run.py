@@ -111,6 +111,7 @@ def test_sigkill_on_gcs_resumes_bitwise_like_an_uninterrupted_local_run(gcs, gcs
   assert not (REPO_ROOT / "gs:").exists()
 
 
+@pytest.mark.slow  # SIGTERM itself is in test_resume's default run; this adds gs://
 def test_sigterm_on_gcs_saves_then_resumes(gcs, gcs_bucket, local_reference):
   out = f"{gcs_bucket}/runs"
   cmd = command(out, "preempted", "checkpoint_period=1000")
