@@ -74,7 +74,9 @@ class LocalTier:
       entries = []
       for shard in _unique_shards(leaf):
         entries.append({"index": _index_key(shard.index), "file": f"{len(shards)}.npy"})
-        shards.append(np.asarray(shard.data))
+        # A real copy: on a CPU backend np.asarray can alias the device buffer, which the next
+        # (donating) step may reuse while the background writer still reads it.
+        shards.append(np.array(shard.data, copy=True))
       leaves.append({"name": _leaf_name(path), "shape": list(leaf.shape), "dtype": str(leaf.dtype),
                      "shards": entries})
     manifest = {"step": step, "process_index": jax.process_index(), "process_count": jax.process_count(),

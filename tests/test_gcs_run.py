@@ -184,3 +184,13 @@ def test_writes_refused_mid_run_stop_it_with_one_line_and_older_steps_still_rest
   rerun = run(cmd, env(gcs))  # storage works again: the same command resumes
   assert "state: resumed from step 4" in rerun.stdout
   assert losses(run_dir) == local_reference
+
+
+@pytest.mark.slow  # two more runs; the code paths are the resume's
+def test_pruning_and_load_full_state_path_on_gcs(gcs, gcs_bucket):
+  out = f"{gcs_bucket}/runs"
+  run(command(out, "pruned", "checkpoint_period=2", "steps=6", "max_num_checkpoints_to_keep=1"), env(gcs))
+  assert committed_steps(f"{out}/pruned") == [6]
+  started = run(command(out, "next", "steps=8", f"load_full_state_path={out}/pruned/checkpoints"), env(gcs))
+  assert f"state: loaded the full state of step 6 from {out}/pruned/checkpoints" in started.stdout
+  assert sorted(losses(f"{out}/next")) == [7, 8]
