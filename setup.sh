@@ -2,7 +2,8 @@
 # Installs this project and JAX for one kind of device.
 #   bash setup.sh                      # auto: tpu if /dev/accel* or /dev/vfio, gpu if nvidia-smi, else cpu
 #   DEVICE=tpu|gpu|cpu bash setup.sh   # choose explicitly
-#   EXTRAS=test bash setup.sh          # also the test dependencies (pytest, CPU torch, transformers)
+#   EXTRAS=test bash setup.sh          # also the test dependencies (pytest, the GCS test server, and hf)
+#   EXTRAS=hf bash setup.sh            # also CPU torch + transformers (the logit checker)
 #   MODE=stable|nightly bash setup.sh  # stable (default): released JAX in JAX_RANGE; nightly: the
 #                                      # newest pre-release jax/jaxlib (+ libtpu, + the CUDA 13 plugin
 #                                      # for DEVICE=gpu) from JAX's nightly wheel index, over the
@@ -57,6 +58,8 @@ echo "setup.sh: installing for DEVICE=$DEVICE MODE=$MODE with $PYTHON ($($PYTHON
 pip_install --quiet "$JAX_SPEC" -r requirements.txt
 if [[ ",$EXTRAS," == *",test,"* ]]; then
   pip_install --quiet -r requirements-test.txt
+elif [[ ",$EXTRAS," == *",hf,"* ]]; then
+  pip_install --quiet -r requirements-hf.txt
 fi
 pip_install --quiet --no-deps -e .
 if [[ "$MODE" == "nightly" ]]; then

@@ -80,7 +80,7 @@ def hf_logits(hf_model_path: str, token_ids: np.ndarray, hf_dtype: str) -> np.nd
     import torch
     import transformers
   except ImportError:
-    raise UserError("the logit checker needs torch and transformers (EXTRAS=test bash setup.sh)") from None
+    raise UserError("the logit checker needs torch and transformers: install them with EXTRAS=hf bash setup.sh") from None
   with hf_io.local_model_dir(hf_model_path) as local:
     model = transformers.AutoModelForCausalLM.from_pretrained(
         local, dtype=getattr(torch, hf_dtype), attn_implementation="eager").eval()
