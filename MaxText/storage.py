@@ -178,8 +178,12 @@ def copy_tree(source: str, target: str) -> None:
   src = as_path(source)
   if not src.is_dir():
     makedirs(parent(target))
-    as_path(target).write_bytes(src.read_bytes()) if is_remote(source) or is_remote(target) \
-        else shutil.copyfile(resolve(source), resolve(target))
+    if is_remote(source) and is_remote(target):
+      src.copy(as_path(target), overwrite=True)  # the store copies it; no bytes through this host
+    elif is_remote(source) or is_remote(target):
+      as_path(target).write_bytes(src.read_bytes())
+    else:
+      shutil.copyfile(resolve(source), resolve(target))
     return
   for child in src.iterdir():
     copy_tree(str(child), join(target, name(str(child))))
