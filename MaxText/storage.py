@@ -344,3 +344,13 @@ def check_reachable(path: str, key: str, timeout_seconds: float) -> None:
   if not found:
     raise UserError(f"{key}={path}: bucket {bucket} does not exist (or these credentials cannot see it); "
                     "create it or fix the path")
+
+
+def check_buckets(paths: dict[str, str], timeout_seconds: float) -> None:
+  """`check_reachable` once per bucket among `paths` ({key or flag: path or comma-separated paths})."""
+  seen: set[str] = set()
+  for key, value in paths.items():
+    for path in (p.strip() for p in str(value).split(",")):
+      if is_remote(path) and bucket_of(path) not in seen:
+        seen.add(bucket_of(path))
+        check_reachable(path, key, timeout_seconds)

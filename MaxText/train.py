@@ -38,14 +38,8 @@ def load_config_and_start_backend(argv: list[str]) -> config_lib.Config:
 
 def check_remote_paths(overrides: config_lib.Overrides) -> None:
   """Every gs:// bucket a path key names exists and answers, before any compile or write."""
-  timeout = float(overrides.peek("storage_timeout_seconds"))
-  seen: set[str] = set()
-  for key in config_lib.PATH_KEYS:
-    value = str(overrides.peek(key))
-    for path in (p.strip() for p in value.split(",")):
-      if storage.is_remote(path) and storage.bucket_of(path) not in seen:
-        seen.add(storage.bucket_of(path))
-        storage.check_reachable(path, key, timeout)
+  storage.check_buckets({key: str(overrides.peek(key)) for key in config_lib.PATH_KEYS},
+                        float(overrides.peek("storage_timeout_seconds")))
 
 
 def log(message: str) -> None:

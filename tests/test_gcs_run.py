@@ -16,6 +16,7 @@ import pytest
 
 from MaxText import storage
 from tests.conftest import REPO_ROOT
+from tests.test_resume import _start_and_signal
 
 STEPS = 12
 MODEL = ["base_emb_dim=64", "base_num_decoder_layers=1", "base_mlp_dim=128", "head_dim=16", "max_target_length=32",
@@ -54,18 +55,7 @@ def committed_steps(run_dir: str) -> list[int]:
 
 
 def start_and_signal(cmd: list[str], environment: dict, after_step: int, ready, sig: int | None) -> subprocess.Popen:
-  proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True)
-  deadline = time.time() + 300
-  for line in proc.stdout:
-    if line.startswith("step ") and int(line.split()[1]) >= after_step:
-      break
-    assert time.time() < deadline, "training did not reach the step in time"
-  while not ready() and time.time() < deadline:
-    time.sleep(0.05)
-  if sig:
-    proc.send_signal(sig)
-  return proc
+  return _start_and_signal(cmd, after_step, ready, sig, env=environment)
 
 
 @pytest.fixture(scope="module")

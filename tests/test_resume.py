@@ -47,10 +47,11 @@ def _run(command: list[str]) -> subprocess.CompletedProcess:
   return proc
 
 
-def _start_and_signal(command: list[str], after_step: int, ready, sig: int) -> subprocess.Popen:
-  """Starts training and sends `sig` once step `after_step` is logged and `ready()` holds."""
-  proc = subprocess.Popen(command, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True)
+def _start_and_signal(command: list[str], after_step: int, ready, sig: int | None,
+                      env: dict | None = None) -> subprocess.Popen:
+  """Starts training and sends `sig` (None: nothing) once step `after_step` is logged and `ready()` holds."""
+  proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env or _env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 300
   for line in proc.stdout:
     if line.startswith("step ") and int(line.split()[1]) >= after_step:
@@ -58,7 +59,8 @@ def _start_and_signal(command: list[str], after_step: int, ready, sig: int) -> s
     assert time.time() < deadline, "training did not reach the step in time"
   while not ready() and time.time() < deadline:
     time.sleep(0.05)
-  proc.send_signal(sig)
+  if sig:
+    proc.send_signal(sig)
   return proc
 
 

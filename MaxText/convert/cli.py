@@ -47,8 +47,7 @@ def check_buckets(paths: Mapping[str, str], user_args: Sequence[str]) -> None:
     timeout = float(timeout)
   except ValueError:
     raise UserError(f"storage_timeout_seconds must be a number of seconds, got {timeout!r}") from None
-  for what, path in paths.items():
-    storage.check_reachable(path, what, timeout)
+  storage.check_buckets(dict(paths), timeout)
 
 
 def start_backend(user_args: Sequence[str], default: str = "cpu") -> accelerators.DeviceTarget:
