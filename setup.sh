@@ -57,7 +57,7 @@ esac
 echo "setup.sh: installing for DEVICE=$DEVICE MODE=$MODE with $PYTHON ($($PYTHON --version 2>&1))"
 pip_install --quiet "$JAX_SPEC" -r requirements.txt
 if [[ ",$EXTRAS," == *",test,"* ]]; then
-  pip_install --quiet -r requirements-test.txt
+  pip_install --quiet -r requirements-test.txt -r requirements-hf.txt
 elif [[ ",$EXTRAS," == *",hf,"* ]]; then
   pip_install --quiet -r requirements-hf.txt
 fi

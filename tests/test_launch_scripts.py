@@ -40,7 +40,7 @@ def test_setup_dry_run_keeps_the_stable_ci_path_and_adds_nightly():
   assert "DEVICE=cpu MODE=stable" in stable.stdout
   assert pip_commands(stable.stdout) == [
       ["--quiet", "jax[tpu]>=0.10,<0.13", "-r", "requirements.txt"],
-      ["--quiet", "-r", "requirements-test.txt"],
+      ["--quiet", "-r", "requirements-test.txt", "-r", "requirements-hf.txt"],
       ["--quiet", "--no-deps", "-e", "."]]
   nightly = bash("setup.sh", env={"DRY_RUN": "1", "DEVICE": "gpu", "MODE": "nightly"})
   assert nightly.returncode == 0, nightly.stderr
@@ -53,6 +53,23 @@ def test_setup_dry_run_keeps_the_stable_ci_path_and_adds_nightly():
   assert "jax-cuda13-plugin" not in cpu_nightly.stdout and "libtpu" in pip_commands(cpu_nightly.stdout)[-1]
   wrong = bash("setup.sh", env={"DRY_RUN": "1", "MODE": "weekly"})
   assert wrong.returncode == 2 and "MODE must be stable or nightly" in wrong.stderr
+
+
+def test_pyproject_requirement_files_hold_only_requirement_lines():
+  """setuptools reads these files for pyproject's dynamic dependencies and extras; a pip-only line
+  (`-r other.txt`) there breaks `pip install -e .` before anything is installed."""
+  import tomllib
+  from packaging.requirements import Requirement
+  dynamic = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["dynamic"]
+  files = list(dynamic["dependencies"]["file"])
+  for extra in dynamic["optional-dependencies"].values():
+    files += extra["file"]
+  assert "requirements-test.txt" in files and "requirements-hf.txt" in files
+  for name in files:
+    for line in (REPO / name).read_text().splitlines():
+      line = line.split("#")[0].strip()
+      if line:
+        Requirement(line)  # raises InvalidRequirement on `-r ...`, `--index-url ...` and the like
 
 
 def test_docker_build_dry_run_and_dockerfile_inputs():
