@@ -14,10 +14,12 @@ which may differ from the mesh that saved them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import signal
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -108,9 +110,23 @@ def load_params(path: str, abstract_params: Any, shardings: Any) -> Any:
   return params
 
 
+@contextlib.contextmanager
+def _quiet_absl() -> Iterator[None]:
+  """Orbax warns that a step's state has no _CHECKPOINT_METADATA of its own (the step has it);
+  reading metadata only, that is noise."""
+  logger = logging.getLogger("absl")
+  level = logger.level
+  logger.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
+
+
 def _stored_layout_is_scanned(directory: str) -> bool | None:
   try:
-    keys = ocp.PyTreeCheckpointer().metadata(storage.as_path(directory)).item_metadata[PARAMS].keys()
+    with _quiet_absl():
+      keys = ocp.PyTreeCheckpointer().metadata(storage.as_path(directory)).item_metadata[PARAMS].keys()
   except Exception:  # noqa: BLE001 - unreadable metadata: let the restore report the problem
     return None
   return "layers" in keys
@@ -150,6 +166,19 @@ def _other_layout(abstract_params: Any, shardings: Any) -> tuple[Any, Any]:
     out_a["layers"] = jax.tree.map(lambda pair: pair[0], pairs, is_leaf=lambda x: isinstance(x, tuple))
     out_s["layers"] = jax.tree.map(lambda pair: pair[1], pairs, is_leaf=lambda x: isinstance(x, tuple))
   return out_a, out_s
+
+
+def _shapes_by_path(tree: Any) -> dict[str, tuple[int, ...]]:
+  """{'params/layers/mlp/...': shape} for the arrays of a state tree or of Orbax's metadata of
+  one (whose nodes are plain dicts and lists, not the state's dataclasses and tuples)."""
+  def key_name(entry: Any) -> str:
+    for attribute in ("name", "key", "idx"):
+      if hasattr(entry, attribute):
+        return str(getattr(entry, attribute))
+    return str(entry)
+
+  leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+  return {"/".join(key_name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves if hasattr(leaf, "shape")}
 
 
 def _first_line(error: BaseException) -> str:
@@ -194,6 +223,11 @@ class RunCheckpoints:
 
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
+
+  def newest_step(self) -> int | None:
+    """The newest step either tier holds (this host's view of the local tier), before any read."""
+    steps = self.all_steps() + (self.local.steps() if self.local is not None else [])
+    return max(steps) if steps else None
 
   def save(self, step: int, state: Any, data_state: dict[str, Any], meta: dict[str, Any]) -> None:
     """Starts (async) or completes (sync) a save of `step`; raises TrainingError if any save failed."""
@@ -244,6 +278,7 @@ class RunCheckpoints:
       if restored is not None:
         return restored
     for step in reversed(persistent):
+      self._check_stored_shapes(step, abstract_state)
       try:
         return self._restore_step(step, abstract_state, shardings)
       except Exception as e:  # noqa: BLE001 - any damage means: fall back to the previous step
@@ -251,6 +286,31 @@ class RunCheckpoints:
         _log(f"warning: checkpoint step {step} in {self.directory} is incomplete or corrupt "
              f"({_first_line(e)}); moved it to {moved} and falling back to the previous one")
     return None
+
+  def _check_stored_shapes(self, step: int, abstract_state: Any) -> None:
+    """A step whose arrays have other shapes than this config builds was written by another
+    model config: a UserError naming them, not damage (the step stays where it is). Unreadable
+    metadata is left for the restore to report as damage."""
+    try:
+      with _quiet_absl():
+        stored = ocp.PyTreeCheckpointer().metadata(storage.as_path(storage.join(self.directory, str(step), STATE)))
+      stored_shapes = _shapes_by_path(stored.item_metadata.tree if hasattr(stored.item_metadata, "tree")
+                                      else stored.item_metadata)
+    except Exception:  # noqa: BLE001
+      return
+    wanted = _shapes_by_path(abstract_state)
+    differences = [f"{p} {stored_shapes[p]} (this config: {wanted[p]})" for p in sorted(wanted)
+                   if p in stored_shapes and stored_shapes[p] != wanted[p]]
+    missing = sorted(set(wanted) - set(stored_shapes))
+    extra = sorted(set(stored_shapes) - set(wanted))
+    if not (differences or missing or extra):
+      return
+    differences.sort(key=lambda text: not text.startswith("params/"))  # the model's own arrays first
+    parts = differences[:3] + [f"{p} is not stored" for p in missing[:2]] + [f"{p} is stored but not built"
+                                                                              for p in extra[:2]]
+    raise UserError(f"checkpoint step {step} in {self.directory} was written by another model config: "
+                    f"{'; '.join(parts)}. Rerun with the model keys that wrote it, choose a new run_name, or start "
+                    f"a new run from its weights with load_parameters_path={self.directory}")
 
   def _restore_local(self, abstract_state: Any, shardings: Any, persistent_step: int | None) -> Restored | None:
     """The local tier's newest step if every process holds it and it is newer than the

@@ -29,7 +29,7 @@ import yaml
 
 from MaxText import config_groups
 from MaxText import accelerators
-from MaxText import storage
+from MaxText import run_record, storage
 from MaxText.accelerators import DeviceTarget
 from MaxText.errors import ConfigError
 
@@ -37,8 +37,8 @@ CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 BASE_CONFIG_PATH = CONFIGS_DIR / "base.yml"
 CPU_DEFAULTS_PATH = CONFIGS_DIR / "cpu_defaults.yml"
 MODELS_DIR = CONFIGS_DIR / "models"
-# Written beside a converted checkpoint: its model keys, used when no model_name is given.
-MODEL_CONFIG_FILE = "model_config.yml"
+# Written beside a converted or exported checkpoint: its model keys, used when no model_name is given.
+MODEL_CONFIG_FILE = run_record.MODEL_CONFIG_FILE
 ENV_PREFIX = "M_"
 # Keys whose values are paths (comma-separated lists allowed): each may be local or gs://.
 PATH_KEYS = ("base_output_directory", "load_parameters_path", "load_full_state_path", "param_only_checkpoint_path",
@@ -238,26 +238,62 @@ def _read_model_keys(path: Path | str, schema: Mapping[str, Any]) -> dict[str, A
   return {k: coerce(k, v, schema[k]) for k, v in values.items()}
 
 
-def _model_layer(overrides: Overrides, schema: Mapping[str, Any]) -> dict[str, Any]:
+def _saved_model_layer(overrides: Overrides, schema: Mapping[str, Any],
+                       reads_run: bool) -> tuple[dict[str, Any], str] | None:
+  """The model keys saved with the checkpoint this start reads, and where they come from:
+  load_full_state_path, else load_parameters_path (a converted or exported checkpoint's
+  model_config.yml, or the config.yml of the run a checkpoint belongs to), else, for a tool
+  that reads a run (`reads_run`), the run directory base_output_directory/run_name."""
+  sources = [str(overrides.peek(key)) for key in ("load_full_state_path", "load_parameters_path")]
+  run_name = str(overrides.peek("run_name"))
+  if reads_run and run_name:
+    sources.append(storage.join(str(overrides.peek("base_output_directory")), run_name))
+  for source in filter(None, sources):
+    found = run_record.saved_model_keys(source)
+    if found is not None:
+      values, where = found
+      for key in values:
+        if key not in schema:
+          raise _unknown_key_error(key, schema, where)
+      return {k: coerce(k, v, schema[k]) for k, v in values.items()}, where
+  return None
+
+
+def _model_layer(overrides: Overrides, schema: Mapping[str, Any], reads_run: bool) -> dict[str, Any]:
   """configs/models/<model_name>.yml, or, when the user named no model, the model keys saved
-  beside load_parameters_path (a converted checkpoint's model_config.yml) if there are any."""
+  with the checkpoint this start reads (see _saved_model_layer). A tool that reads a run
+  (`reads_run`) refuses a named model or a given key that contradicts the saved keys."""
   named = "model_name" in overrides.file_values or "model_name" in overrides.explicit_keys()
-  checkpoint = str(overrides.peek("load_parameters_path"))
-  saved = storage.join(checkpoint, MODEL_CONFIG_FILE) if checkpoint else None
-  if named or saved is None or not storage.is_file(saved):
+  found = _saved_model_layer(overrides, schema, reads_run)
+  if found is None or (named and not reads_run):
     return _model_values(str(overrides.peek("model_name")), schema)
-  print(f"config: no model_name given; using the model keys saved with the checkpoint in {saved}")
-  return _read_model_keys(saved, schema)
+  saved, where = found
+  model_values = _model_values(str(overrides.peek("model_name")), schema) if named else {}
+  if reads_run:
+    conflicts = run_record.contradictions(model_values, saved)
+    if conflicts:
+      raise ConfigError(f"model_name={overrides.peek('model_name')} contradicts the model saved in {where}: "
+                        f"{'; '.join(conflicts)}; drop model_name (the saved keys are used) or read another checkpoint")
+    given = {**overrides.file_values, **overrides.env_values, **overrides.argv_values}
+    conflicts = run_record.contradictions(given, saved)
+    if conflicts:
+      raise ConfigError(f"{'; '.join(conflicts)}: contradicts the model saved in {where}; drop the key(s) "
+                        "(the saved values are used) or read another checkpoint")
+  if not named:
+    print(f"config: no model_name given; using the model keys saved in {where}")
+  return {**model_values, **saved}
 
 
-def resolve_values(overrides: Overrides, platform: str) -> dict[str, Any]:
-  """Merges every layer into one flat dict of typed values."""
+def resolve_values(overrides: Overrides, platform: str, reads_run: bool = False) -> dict[str, Any]:
+  """Merges every layer into one flat dict of typed values. `reads_run`: a tool reading a run
+  or checkpoint (export, conversion, decode, AOT compile), which takes the model keys saved
+  with it and refuses contradicting ones; train.py sets it False (a fine-tune may change them)."""
   schema = overrides.schema
   values = dict(schema)
   if platform == "cpu" and overrides.peek("cpu_defaults"):
     values.update({k: coerce(k, v, schema[k]) for k, v in read_yaml(CPU_DEFAULTS_PATH).items()})
   values.update(overrides.file_values)
-  values.update(_model_layer(overrides, schema))
+  values.update(_model_layer(overrides, schema, reads_run))
   values.update(overrides.env_values)
   values.update(overrides.argv_values)
   return values
@@ -325,10 +361,10 @@ def _to_cli(value: Any) -> str:
 
 
 def load_config(
-    argv: list[str], environ: Mapping[str, str] | None = None, target: DeviceTarget | None = None
-) -> Config:
+    argv: list[str], environ: Mapping[str, str] | None = None, target: DeviceTarget | None = None,
+    reads_run: bool = False) -> Config:
   """argv/env → validated, frozen Config for `target` (the local devices unless given)."""
   overrides = parse_overrides(argv, environ)
   if target is None:
     target = accelerators.local_target()
-  return Config(resolve_values(overrides, target.platform), target)
+  return Config(resolve_values(overrides, target.platform, reads_run), target)

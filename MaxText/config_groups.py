@@ -526,10 +526,12 @@ class RunConfig:
   stack_trace_to_cloud: bool
   stack_trace_interval_seconds: int
   storage_timeout_seconds: int
+  lease_timeout_seconds: float
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any], num_processes: int = 1) -> "RunConfig":
-    _positive(v, "steps", "log_period", "profile_steps", "stack_trace_interval_seconds", "storage_timeout_seconds")
+    _positive(v, "steps", "log_period", "profile_steps", "stack_trace_interval_seconds", "storage_timeout_seconds",
+              "run_lease_timeout_seconds")
     _require(v["eval_interval"] == -1 or v["eval_interval"] > 0, "eval_interval must be > 0 or -1 (never)")
     _require(num_processes == 1 or v["run_name"], f"set run_name=NAME: with {num_processes} processes each "
              "would otherwise name the run after its own clock")
@@ -547,7 +549,8 @@ class RunConfig:
                profile_all_processes=v["profile_all_processes"], collect_stack_trace=v["collect_stack_trace"],
                stack_trace_to_cloud=v["stack_trace_to_cloud"],
                stack_trace_interval_seconds=v["stack_trace_interval_seconds"],
-               storage_timeout_seconds=v["storage_timeout_seconds"])
+               storage_timeout_seconds=v["storage_timeout_seconds"],
+               lease_timeout_seconds=v["run_lease_timeout_seconds"])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -94,7 +94,7 @@ def decode(config: config_lib.Config) -> list[int]:
 
 
 def main(argv: list[str]) -> int:
-  decode(load_config_and_start_backend(argv))
+  decode(load_config_and_start_backend(argv, reads_run=True))
   return 0
 
 

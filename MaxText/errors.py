@@ -52,6 +52,35 @@ def _one_line_library_logs() -> None:
     logger.addFilter(_FirstLineOnly())
 
 
+def _is_abandoned_async_work(exc: BaseException | None, obj: object = None) -> bool:
+  """Noise of a failed checkpoint read: once its restore gave up, TensorStore's threads still
+  call back into the closed asyncio loop, and Orbax's pending read coroutines are collected
+  with their errors. The restore's own warning or error line already said what failed."""
+  if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+    return True
+  code = getattr(obj, "cr_code", None)
+  return code is not None and ("orbax" in code.co_filename or "tensorstore" in code.co_filename)
+
+
+def _filter_background_noise() -> None:
+  """Drops `_is_abandoned_async_work` tracebacks from the terminal; every other uncaught or
+  unraisable error is printed as before."""
+  if getattr(sys.excepthook, "_maxtext_filter", False):
+    return
+  previous_excepthook, previous_unraisable = sys.excepthook, sys.unraisablehook
+
+  def excepthook(kind: type, value: BaseException, tb: object) -> None:
+    if not _is_abandoned_async_work(value):
+      previous_excepthook(kind, value, tb)
+
+  def unraisablehook(unraisable: object) -> None:
+    if not _is_abandoned_async_work(getattr(unraisable, "exc_value", None), getattr(unraisable, "object", None)):
+      previous_unraisable(unraisable)
+
+  excepthook._maxtext_filter = True  # type: ignore[attr-defined]
+  sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
+
+
 def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> NoReturn:
   """Runs an entry point; user errors become `error: ...` on stderr and a non-zero exit."""
   # A process started in the background by a non-interactive shell inherits SIGINT as ignored,
@@ -63,6 +92,7 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = No
 
   storage.configure_cloud_env()  # before any library opens a gs:// path
   _one_line_library_logs()
+  _filter_background_noise()
   try:
     code = main(list(sys.argv if argv is None else argv))
   except UserError as e:

@@ -19,9 +19,9 @@ if __package__ in (None, ""):  # `python3 MaxText/generate_param_only_checkpoint
 
 import jax
 
-from MaxText import checkpointing, models, sharding, storage
+from MaxText import checkpointing, models, run_record, sharding, storage
 from MaxText.config import Config
-from MaxText.convert import engine, registry
+from MaxText.convert import engine
 from MaxText.errors import ConfigError, UserError, run_cli
 from MaxText.train import load_config_and_start_backend, log
 
@@ -46,7 +46,7 @@ def generate(config: Config) -> str:
     params = models.unstack_layers(params, config.model.num_decoder_layers)
   checkpointing.save_params(output, params)
   if jax.process_index() == 0:
-    keys = {k: config[k] for k in registry.ARCHITECTURE_KEYS if k in config.values}
+    keys = {k: config[k] for k in run_record.MODEL_KEYS if k in config.values}
     engine.write_model_config(output, keys, f"training checkpoint {source}")
   layout = "unrolled layers_0..N" if cfg.force_unroll or not config.model.scan_layers else "scanned layers"
   log(f"wrote parameters-only checkpoint ({layout}) to {output}")
@@ -54,7 +54,7 @@ def generate(config: Config) -> str:
 
 
 def main(argv: list[str]) -> int:
-  generate(load_config_and_start_backend(argv))
+  generate(load_config_and_start_backend(argv, reads_run=True))
   return 0
 
 

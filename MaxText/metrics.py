@@ -121,10 +121,11 @@ def _lines_up_to(jsonl_path: str, step: int) -> list[str]:
   kept = []
   for line in lines:
     try:
-      if json.loads(line).get("step", 0) <= step:
-        kept.append(line)
+      record = json.loads(line)
     except json.JSONDecodeError:
-      pass  # a line cut short by the kill
+      continue  # a line cut short by a kill (only the last one can be: one writer, whole lines)
+    if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+      kept.append(line)
   return kept
 
 

@@ -191,6 +191,104 @@ def copy_tree(source: str, target: str) -> None:
     makedirs(target)
 
 
+# ---------------------------------------------------------------- conditional writes (the run lease)
+# A small object written only if it is still what the caller last read: how one writer claims
+# a run directory. `version` is opaque: the object's generation on GCS, the text itself locally.
+
+
+def read_versioned(path: str) -> tuple[str, Any] | None:
+  """(text, version) of a small file, or None when it does not exist."""
+  if is_remote(path):
+    blob = _gcs_blob(path, existing=True)
+    return None if blob is None else (blob.download_as_text(), blob.generation)
+  with _local_lock(path):
+    return _read_local(path)
+
+
+def write_if(path: str, text: str, version: Any) -> Any | None:
+  """Writes `text` only if the file is at `version` (None: only if it does not exist); returns
+  the new version, or None when another writer got there first."""
+  if is_remote(path):
+    from google.api_core import exceptions  # noqa: PLC0415 - google-cloud-storage, through gcsfs
+
+    blob = _gcs_blob(path)
+    try:  # GCS's own precondition: one of two racing writers gets 412 Precondition Failed
+      blob.upload_from_string(text.encode(), if_generation_match=0 if version is None else version)
+    except exceptions.PreconditionFailed:
+      return None
+    return blob.generation
+  with _local_lock(path):
+    current = _read_local(path)
+    if (current is None) != (version is None) or (current is not None and current[1] != version):
+      return None
+    write_text(path, text)
+    return text
+
+
+def remove_if(path: str, version: Any) -> bool:
+  """Deletes the file only if it is still at `version`; False when it changed or is gone."""
+  if is_remote(path):
+    from google.api_core import exceptions  # noqa: PLC0415
+
+    try:
+      _gcs_blob(path).delete(if_generation_match=version)
+    except (exceptions.PreconditionFailed, exceptions.NotFound):
+      return False
+    return True
+  with _local_lock(path):
+    current = _read_local(path)
+    if current is None or current[1] != version:
+      return False
+    os.remove(resolve(path))
+    return True
+
+
+def _read_local(path: str) -> tuple[str, str] | None:
+  try:
+    with open(resolve(path), encoding="utf-8") as f:
+      text = f.read()
+  except FileNotFoundError:
+    return None
+  return text, text
+
+
+@contextlib.contextmanager
+def _local_lock(path: str) -> Iterator[None]:
+  """An exclusive flock on the file's directory: read-compare-write is atomic between processes."""
+  import fcntl  # noqa: PLC0415 - POSIX only, like the rest of the local tier
+
+  directory = parent(path)
+  os.makedirs(directory, exist_ok=True)
+  fd = os.open(directory, os.O_RDONLY)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+  finally:
+    os.close(fd)  # closing releases the lock
+
+
+_gcs_client_cache: list[Any] = []
+
+
+def _gcs_blob(path: str, existing: bool = False) -> Any:
+  """A google-cloud-storage Blob (the client honours STORAGE_EMULATOR_HOST); with `existing`,
+  the blob with its metadata loaded, or None when there is none."""
+  if not _gcs_client_cache:
+    from google.cloud import storage as gcs  # noqa: PLC0415
+
+    try:
+      _gcs_client_cache.append(gcs.Client())
+    except Exception as e:  # noqa: BLE001 - google.auth's DefaultCredentialsError and kin
+      raise UserError(f"cannot reach Google Cloud Storage for {path}: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}; run `gcloud auth application-default login` "
+                      "or use a service account") from None
+  bucket_name, _, key = path[len("gs://"):].partition("/") if path.startswith("gs://") else ("", "", "")
+  if not bucket_name or not key:
+    raise UserError(f"{path}: conditional writes need a gs://bucket/object path")
+  bucket = _gcs_client_cache[0].bucket(bucket_name)
+  return bucket.get_blob(key) if existing else bucket.blob(key)
+
+
 class LineLog:
   """A text file that grows by whole lines (metrics.jsonl).
 

@@ -8,24 +8,29 @@ from __future__ import annotations
 import signal
 import sys
 from pathlib import Path
+from typing import Callable, TypeVar
 
 if __package__ in (None, ""):  # `python3 MaxText/train.py`: import the package, not sibling files.
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import jax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from MaxText import accelerators, checkpointing, config as config_lib, metrics, sharding, train_state, train_step
-from MaxText import aot, distributed, storage, xla_flags
-from MaxText.errors import run_cli
+from MaxText import aot, distributed, run_lease, run_record, storage, xla_flags
+from MaxText.errors import UserError, run_cli
 from MaxText.input_pipeline import create_data_iterator, create_eval_iterator
 from MaxText.layers import pipeline
 from MaxText.layers.attention import select_kernel
-from MaxText.trainer import CheckpointHook, EvalHook, LoggingHook, ProfilerHook, Trainer
+from MaxText.trainer import CheckpointHook, EvalHook, LeaseHook, LoggingHook, ProfilerHook, Trainer
+
+_T = TypeVar("_T")
 
 
-def load_config_and_start_backend(argv: list[str]) -> config_lib.Config:
-  """Parses the config, sets platform and XLA flags *before* JAX starts, then finalises it."""
+def load_config_and_start_backend(argv: list[str], reads_run: bool = False) -> config_lib.Config:
+  """Parses the config, sets platform and XLA flags *before* JAX starts, then finalises it.
+  `reads_run`: a tool reading a run or checkpoint (see config.resolve_values)."""
   overrides = config_lib.parse_overrides(argv)
   check_remote_paths(overrides)
   accelerators.select_jax_platforms(str(overrides.peek("hardware")))
@@ -33,7 +38,7 @@ def load_config_and_start_backend(argv: list[str]) -> config_lib.Config:
   distributed.initialize(accelerators.requested_platform(), int(overrides.peek("distributed_init_timeout_seconds")),
                          int(overrides.peek("distributed_heartbeat_timeout_seconds")))
   target = accelerators.local_target()
-  return config_lib.Config(config_lib.resolve_values(overrides, target.platform), target)
+  return config_lib.Config(config_lib.resolve_values(overrides, target.platform, reads_run), target)
 
 
 def check_remote_paths(overrides: config_lib.Overrides) -> None:
@@ -47,25 +52,66 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
-def prepare_run_dir(config: config_lib.Config) -> str:
-  run_dir = config.run.run_dir
+def on_process_0(what: str, action: Callable[[], _T]) -> _T | None:
+  """Runs `action` on process 0; a UserError there stops every process (the others exit with a
+  line pointing at process 0's message instead of waiting for it in a collective)."""
+  failure: UserError | None = None
+  result = None
   if jax.process_index() == 0:
-    storage.makedirs(run_dir)
-    storage.write_text(storage.join(run_dir, "config.yml"), config.to_yaml())
-  return run_dir
+    try:
+      result = action()
+    except UserError as e:
+      failure = e
+  if jax.process_count() > 1:
+    failed = int(multihost_utils.broadcast_one_to_all(jax.numpy.asarray(failure is not None, jax.numpy.int32)))
+    if failed and failure is None:
+      raise UserError(f"{what} failed on process 0; its error line says why")
+  if failure is not None:
+    raise failure
+  return result
+
+
+def claim_run_dir(config: config_lib.Config) -> run_lease.Lease | None:
+  """The run directory's lease, taken before this run writes anything there (process 0 holds
+  it for every process)."""
+  run = config.run
+  return on_process_0("taking the run directory's lease", lambda: run_lease.acquire(
+      run.run_dir, run.run_name, run.lease_timeout_seconds, config.target.num_processes))
+
+
+def check_resume(config: config_lib.Config, checkpoints: checkpointing.RunCheckpoints | None) -> None:
+  """A resume must keep the saved state's shape and meaning; checked before anything is read."""
+  def check() -> None:
+    newest = checkpoints.newest_step() if checkpoints is not None else None
+    if newest is not None:
+      run_record.check_resume(config, config.run.run_dir, f"checkpoint step {newest}")
+
+  on_process_0("checking the saved configuration", check)
+
+
+def record_start(config: config_lib.Config) -> None:
+  """config.yml and a config_history entry for this start, once its state is known to fit."""
+  on_process_0("recording the configuration", lambda: run_record.record_start(config, config.run.run_dir))
 
 
 def main(argv: list[str]) -> int:
   config = load_config_and_start_backend(argv)
   run = config.run
   with distributed.stack_traces(run.collect_stack_trace, run.stack_trace_to_cloud, run.stack_trace_interval_seconds):
-    return train(config)
+    lease = claim_run_dir(config)
+    try:
+      return train(config, lease)
+    finally:
+      if lease is not None:
+        lease.release()
 
 
-def train(config: config_lib.Config) -> int:
+def train(config: config_lib.Config, lease: run_lease.Lease | None = None) -> int:
   if config.run.print_config:
     log("config:\n" + config.describe())
-  run_dir = prepare_run_dir(config)
+  checkpoints = checkpointing.RunCheckpoints(config.checkpoint) if config.checkpoint.enabled else None
+  check_resume(config, checkpoints)
+  run_dir = config.run.run_dir
   target = config.target
   log(f"devices: {target.num_devices} x {target.device_kind} ({target.platform}), "
       f"{target.num_processes} process(es), {config.mesh.num_slices} slice(s)")
@@ -75,10 +121,10 @@ def train(config: config_lib.Config) -> int:
   if config.model.num_pipeline_stages > 1:
     log(pipeline.describe(config.model))
   setup = train_state.build_state_setup(config, mesh)
-  checkpoints = checkpointing.RunCheckpoints(config.checkpoint) if config.checkpoint.enabled else None
   start = checkpointing.initial_state(
       config, setup, checkpoints, lambda: train_state.init_state(setup, config.run.init_weights_seed))
   log(f"state: {start.description}")
+  record_start(config)
   num_params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
   log(f"model: {num_params / 1e6:.2f}M parameters, {config.model.num_decoder_layers} layers, "
       f"attention={select_kernel(config.model.attention, target.platform, config.model)}, "
@@ -105,7 +151,7 @@ def train(config: config_lib.Config) -> int:
   rng = jax.random.key(config.run.init_weights_seed) if start.rng_key_data is None \
       else jax.random.wrap_key_data(jax.numpy.asarray(start.rng_key_data, jax.numpy.uint32))
   trainer = Trainer(config, step_fn, data, rng, flops, peak,
-                    build_hooks(config, setup, mesh, checkpoints, rng, start_step))
+                    build_hooks(config, setup, mesh, checkpoints, rng, start_step, lease))
   loop = trainer.run(start.state, start_step)
   if trainer.stop_reason is not None:
     log(f"stopped: {trainer.stop_reason}; rerun the same command to resume")
@@ -118,19 +164,28 @@ def train(config: config_lib.Config) -> int:
 
 
 def build_hooks(config: config_lib.Config, setup: train_state.StateSetup, mesh: Mesh,
-                checkpoints: checkpointing.RunCheckpoints | None, rng: jax.Array, start_step: int) -> list:
-  """Logging and eval hooks, plus checkpointing when it is enabled."""
+                checkpoints: checkpointing.RunCheckpoints | None, rng: jax.Array, start_step: int,
+                lease: run_lease.Lease | None = None) -> list:
+  """Logging and eval hooks, plus checkpointing when it is enabled. With a lease, every step
+  first checks that no other run took the run directory over."""
   is_primary = jax.process_index() == 0
   writer = metrics.MetricWriter(config.run.run_dir, config.run.enable_jsonl_metrics, config.run.enable_tensorboard,
                                 resume_step=start_step) if is_primary else None
-  hooks = [
+  hooks = [LeaseHook(lease)] if lease is not None else []
+  hooks += [
       LoggingHook(writer, config.run.log_period, is_primary),
       EvalHook(train_step.make_eval_step(setup, config), create_eval_iterator(config, mesh),
                config.run.eval_interval, config.data.eval_steps, writer, is_primary),
   ]
   if checkpoints is not None:
+    def before_save() -> None:
+      if lease is not None:
+        lease.check()
+      if writer is not None:
+        writer.sync()
+
     hooks.append(CheckpointHook(checkpoints, config.checkpoint.period, checkpointing.PreemptionWatcher(), rng,
-                                before_save=writer.sync if writer is not None else lambda: None))
+                                before_save=before_save))
   run = config.run
   if run.profiler:
     hooks.append(ProfilerHook(storage.join(run.run_dir, "profile"), run.profile_start_step, run.profile_steps,

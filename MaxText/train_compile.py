@@ -70,7 +70,7 @@ def load_target_config(argv: list[str]) -> tuple[config_lib.Config, Sequence[Any
     devices, target = list(jax.devices()), accelerators.local_target()
   else:
     devices, target = list(describe_topology(topology, num_slices)), topology.target(num_slices)
-  values = config_lib.resolve_values(overrides, target.platform)
+  values = config_lib.resolve_values(overrides, target.platform, reads_run=True)
   # Nothing is written under a run directory here; a fixed name satisfies the multi-host rule
   # that every process of a real run must be given the same run_name.
   values["run_name"] = values["run_name"] or "train_compile"

@@ -133,6 +133,22 @@ class Trainer:
               f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300], file=sys.stderr, flush=True)
 
 
+class LeaseHook:
+  """Stops the run (before it writes anything more) once another run took its lease over."""
+
+  def __init__(self, lease: Any):
+    self.lease = lease
+
+  def needs_state(self, step: int) -> bool:
+    return False
+
+  def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
+    self.lease.check()
+
+  def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
+    pass
+
+
 class LoggingHook:
   """Prints one line per `log_period` steps and writes every scalar to JSONL/TensorBoard."""
 

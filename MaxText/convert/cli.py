@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from MaxText import accelerators, storage
+from MaxText import accelerators, run_record, storage
 from MaxText import config as config_lib
 from MaxText.convert import engine, registry
 from MaxText.errors import ConfigError, UserError
@@ -84,7 +84,7 @@ def config_matching_hf(hf_config: Mapping[str, Any], user_args: Sequence[str], h
     inferred_args = engine.override_args(inferred)
     print(f"{prog}: inferred from {hf_path}/config.json ({family.name} family): {' '.join(inferred_args)}")
   argv = [prog, *yaml_args, *inferred_args, *_length_for(inferred, key_args), *key_args]
-  config = config_lib.load_config(argv, target=target)
+  config = config_lib.load_config(argv, target=target, reads_run=True)
   _require_scale_one(config)
   mismatch = engine.differences(dict(config.values), inferred)
   if mismatch:
@@ -102,10 +102,11 @@ def _length_for(model_keys: Mapping[str, Any], key_args: Sequence[str]) -> list[
 
 
 def _saved_model_keys(user_args: Sequence[str]) -> bool:
+  """Whether load_parameters_path names a checkpoint whose model keys were saved with it."""
   for arg in user_args:
     key, _, value = arg.partition("=")
     if key == "load_parameters_path" and value:
-      return storage.is_file(storage.join(value, config_lib.MODEL_CONFIG_FILE))
+      return run_record.saved_model_keys(value) is not None
   return False
 
 
@@ -116,18 +117,20 @@ def _require_scale_one(config: config_lib.Config) -> None:
 
 def config_for_checkpoint(checkpoint: str, user_args: Sequence[str], target: accelerators.DeviceTarget,
                           prog: str) -> config_lib.Config:
-  """The config of one of our checkpoints: model_name= if given, else its saved model_config.yml."""
+  """The config of one of our checkpoints: the model keys saved with it (model_config.yml, or
+  the config.yml of the run it belongs to), else model_name=; a given key must agree with them."""
   args = [f"load_parameters_path={checkpoint}", *user_args]
-  saved = storage.join(checkpoint, config_lib.MODEL_CONFIG_FILE)
-  if "model_name" in _user_keys(user_args):
+  saved = run_record.saved_model_keys(checkpoint)
+  if saved is not None:
+    model_keys = saved[0]
+  elif "model_name" in _user_keys(user_args):
     name = [a.partition("=")[2] for a in user_args if a.startswith("model_name=")][-1]
     named = config_lib.MODELS_DIR / f"{name}.yml"
     model_keys = config_lib.read_yaml(named) if named.is_file() else {}
-  elif storage.is_file(saved):
-    model_keys = config_lib.read_yaml(saved)
   else:
-    raise UserError(f"{checkpoint} has no {config_lib.MODEL_CONFIG_FILE}; say which model it holds with "
-                    "model_name=<name> (and any key=value overrides it was trained with)")
-  config = config_lib.load_config([prog, *_length_for(model_keys, user_args), *args], target=target)
+    raise UserError(f"{checkpoint} has no {config_lib.MODEL_CONFIG_FILE} and is not in a run directory with a "
+                    "config.yml; say which model it holds with model_name=<name> (and any key=value overrides it "
+                    "was trained with)")
+  config = config_lib.load_config([prog, *_length_for(model_keys, user_args), *args], target=target, reads_run=True)
   _require_scale_one(config)
   return config

@@ -1,0 +1,143 @@
+"""One writer per run directory: a lease file (`<run_dir>/lease.json`) taken before any write.
+
+The lease names its holder (host, process id, start time) and carries a heartbeat that
+process 0 refreshes in a background thread every `run_lease_timeout_seconds / 6`. Every
+change is a conditional write (storage.write_if: GCS's generation precondition on gs://, an
+flock'ed compare-and-write locally), so of two runs that start together exactly one gets
+the lease; the other stops with one line naming the holder.
+
+A lease whose heartbeat is older than the timeout belongs to a run that died without
+releasing it (SIGKILL, a lost host); the next run takes it over with a warning. A run that
+ends (done, error, SIGTERM, Ctrl-C) releases it. A multi-process run is one writer:
+process 0 holds the lease for all of them. Ages are read from the holder's clock, so hosts'
+clocks must agree to well within the timeout (NTP does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from MaxText import storage
+from MaxText.errors import TrainingError, UserError
+
+LEASE_FILE = "lease.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Holder:
+  host: str
+  pid: int
+  run_name: str
+  started: float  # epoch seconds
+  heartbeat: float  # epoch seconds of the last refresh
+  processes: int
+
+  def describe(self, now: float | None = None) -> str:
+    age = (now or time.time()) - self.heartbeat
+    return (f"host {self.host} pid {self.pid} (started {time.strftime('%Y-%m-%d %H:%M:%S %Z', time.localtime(self.started))}"
+            f", {self.processes} process(es), last heartbeat {age:.0f} s ago)")
+
+  def to_json(self) -> str:
+    return json.dumps(dataclasses.asdict(self), indent=1)
+
+  @classmethod
+  def from_json(cls, text: str) -> "Holder | None":
+    try:
+      fields = json.loads(text)
+      return cls(str(fields["host"]), int(fields["pid"]), str(fields.get("run_name", "")), float(fields["started"]),
+                 float(fields["heartbeat"]), int(fields.get("processes", 1)))
+    except (ValueError, KeyError, TypeError):
+      return None  # a lease cut short or edited by hand: treated as stale
+
+
+class Lease:
+  """The lease this process holds; `lost` is set when another run took it over."""
+
+  def __init__(self, path: str, holder: Holder, version: Any, timeout_seconds: float):
+    self.path, self.holder, self._version, self.timeout = path, holder, version, timeout_seconds
+    self.lost: str | None = None
+    self._stop = threading.Event()
+    self._lock = threading.Lock()
+    self._thread = threading.Thread(target=self._heartbeat_loop, name="run-lease-heartbeat", daemon=True)
+    self._thread.start()
+
+  def _heartbeat_loop(self) -> None:
+    interval = max(self.timeout / 6, 0.5)
+    warned = False
+    while not self._stop.wait(interval):
+      try:
+        self.refresh()
+        warned = False
+      except Exception as e:  # noqa: BLE001 - a storage hiccup: try again next interval
+        if not warned:
+          print(f"warning: cannot refresh the run lease {self.path}: {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}; retrying", flush=True)
+          warned = True
+
+  def refresh(self) -> None:
+    with self._lock:
+      if self.lost is not None or self._stop.is_set():
+        return
+      holder = dataclasses.replace(self.holder, heartbeat=time.time())
+      version = storage.write_if(self.path, holder.to_json(), self._version)
+      if version is None:
+        current = storage.read_versioned(self.path)
+        other = Holder.from_json(current[0]) if current else None
+        self.lost = (f"the run directory's lease {self.path} was taken over by "
+                     f"{other.describe() if other else 'another run'} (this run's heartbeat was late by more than "
+                     f"run_lease_timeout_seconds={self.timeout:g})")
+        return
+      self.holder, self._version = holder, version
+
+  def check(self) -> None:
+    """Raises TrainingError when another run took the lease over (before this run writes again)."""
+    if self.lost is not None:
+      raise TrainingError(f"{self.lost}; this run stops without writing: two runs must not share a run directory")
+
+  def release(self) -> None:
+    self._stop.set()
+    self._thread.join()
+    with self._lock:
+      if self.lost is None:
+        try:
+          storage.remove_if(self.path, self._version)
+        except Exception as e:  # noqa: BLE001 - the next run takes a stale lease over anyway
+          print(f"warning: cannot release the run lease {self.path}: {type(e).__name__}", flush=True)
+
+
+def acquire(run_dir: str, run_name: str, timeout_seconds: float, processes: int) -> Lease:
+  """Takes the run directory's lease (process 0 only), or raises UserError naming its live holder."""
+  path = storage.join(run_dir, LEASE_FILE)
+  storage.makedirs(run_dir)
+  me = Holder(socket.gethostname(), os.getpid(), run_name, time.time(), time.time(), processes)
+  for _ in range(5):  # each retry follows another run's move; five in a row means something is wrong
+    version = storage.write_if(path, me.to_json(), None)
+    if version is not None:
+      return Lease(path, me, version, timeout_seconds)
+    current = storage.read_versioned(path)
+    if current is None:
+      continue  # released between our two calls
+    text, current_version = current
+    holder = Holder.from_json(text)
+    now = time.time()
+    if holder is not None and now - holder.heartbeat <= timeout_seconds:
+      raise UserError(
+          f"run directory {run_dir} is in use by another run: {holder.describe(now)}. Two runs must not "
+          f"write one run directory: stop that run, or choose another run_name. If it was killed, its lease "
+          f"expires {timeout_seconds - (now - holder.heartbeat):.0f} s from now (run_lease_timeout_seconds="
+          f"{timeout_seconds:g}); rerun then")
+    me = dataclasses.replace(me, heartbeat=time.time())
+    version = storage.write_if(path, me.to_json(), current_version)
+    if version is not None:
+      what = holder.describe(now) if holder is not None else "an unreadable holder"
+      print(f"warning: taking over the run lease of {run_dir} from {what}: its heartbeat is older than "
+            f"run_lease_timeout_seconds={timeout_seconds:g}, so that run is gone", flush=True)
+      return Lease(path, me, version, timeout_seconds)
+  raise UserError(f"cannot take the lease {path}: other runs keep changing it; make sure only one run uses "
+                  f"run directory {run_dir}")

@@ -1,0 +1,149 @@
+"""What a run directory records about its configuration, and what reading it back decides.
+
+    <run_dir>/config.yml                      the configuration of the latest start
+    <run_dir>/config_history/<UTC time>.yml   the configuration of every start, never overwritten
+
+A resume compares the keys that fix what the saved state *is* (its shapes, its layout, what
+its numbers mean, where its data position points) with the run's saved configuration; a
+difference is the user's mistake, reported before anything is read or written. Everything
+else (steps, schedules, periods, mesh degrees, hardware, ...) may change between starts.
+
+Tools that read a run or a checkpoint take the model keys from the configuration saved with
+it (`saved_model_keys`), so nobody has to retype them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+import yaml
+
+from MaxText import storage
+from MaxText.convert.registry import ARCHITECTURE_KEYS
+from MaxText.errors import ConfigError, UserError
+
+CONFIG_FILE = "config.yml"
+HISTORY_DIR = "config_history"
+MODEL_CONFIG_FILE = "model_config.yml"  # beside a parameters-only checkpoint
+
+# The keys a resume must not change, by what they decide. `global_batch_size` is derived
+# (per_device_batch_size x devices): a new mesh may change either factor, not their product.
+FIXED_ON_RESUME: dict[str, tuple[str, ...]] = {
+    "model shape and function": (*ARCHITECTURE_KEYS, "global_parameter_scale"),
+    "state layout": ("scan_layers", "weight_dtype"),
+    "optimizer state": ("opt_type",),
+    "data position": ("dataset_type", "dataset_path", "dataset_name", "train_split", "hf_path", "hf_data_files",
+                      "grain_train_files", "train_data_columns", "tokenizer_type", "tokenizer_path", "add_bos",
+                      "add_eos", "packing", "enable_data_shuffling", "data_shuffle_seed", "max_target_length",
+                      "global_batch_size"),
+}
+# Model keys a tool takes from a run's saved configuration when the user does not give them.
+MODEL_KEYS = (*ARCHITECTURE_KEYS, "global_parameter_scale")
+
+
+def flat_values(config: Any) -> dict[str, Any]:
+  """The values a start records (config.yml's flat keys plus the derived ones it compares)."""
+  return {**dict(config.values), "global_batch_size": config.data.global_batch_size}
+
+
+def read_saved(run_dir: str) -> dict[str, Any] | None:
+  """The flat values of the run's latest start (config.yml), or None when it has none."""
+  path = storage.join(run_dir, CONFIG_FILE)
+  if not storage.is_file(path):
+    return None
+  try:
+    data = yaml.safe_load(storage.read_text(path)) or {}
+  except yaml.YAMLError as e:
+    raise UserError(f"{path} is not readable YAML ({str(e).splitlines()[0]}); restore it from "
+                    f"{storage.join(run_dir, HISTORY_DIR)} or remove it to skip the resume check") from None
+  derived = data.pop("derived", None) or {}
+  if "global_batch_size" in derived:
+    data["global_batch_size"] = derived["global_batch_size"]
+  return data
+
+
+def _same(a: Any, b: Any) -> bool:
+  if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+  if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
+      and not isinstance(b, bool):
+    return float(a) == float(b)
+  return a == b
+
+
+def resume_differences(current: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
+  """`key: saved -> now` for each fixed key whose value changed (keys a saved config lacks,
+  written before the key existed, are not compared)."""
+  found = []
+  for keys in FIXED_ON_RESUME.values():
+    for key in keys:
+      if key in saved and key in current and not _same(saved[key], current[key]):
+        found.append(f"{key}: {saved[key]!r} -> {current[key]!r}")
+  return found
+
+
+def check_resume(config: Any, run_dir: str, what: str) -> None:
+  """Raises ConfigError (exit 2) when this start would resume `what` (e.g. "checkpoint step 6")
+  with a fixed key changed; nothing has been read or written yet."""
+  saved = read_saved(run_dir)
+  if saved is None:
+    return
+  differences = resume_differences(flat_values(config), saved)
+  if differences:
+    raise ConfigError(
+        f"cannot resume {what} of {run_dir}: the saved state was made with other values of key(s) that fix "
+        f"its shape or meaning ({'; '.join(differences)}, saved -> now). Rerun with the saved values, choose a "
+        f"new run_name, or start a new run from these weights with load_parameters_path="
+        f"{storage.join(run_dir, 'checkpoints')}")
+
+
+def record_start(config: Any, run_dir: str) -> str:
+  """Writes config.yml (this start) and a new config_history entry; returns the entry's path."""
+  text = config.to_yaml()
+  storage.makedirs(storage.join(run_dir, HISTORY_DIR))
+  stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+  entry, n = storage.join(run_dir, HISTORY_DIR, f"{stamp}.yml"), 1
+  while storage.exists(entry):  # two starts in one second (the lease makes them sequential)
+    n += 1
+    entry = storage.join(run_dir, HISTORY_DIR, f"{stamp}-{n}.yml")
+  storage.write_text(entry, text)
+  storage.write_text(storage.join(run_dir, CONFIG_FILE), text)
+  return entry
+
+
+# ---------------------------------------------------------------- tools reading a run
+
+def run_dir_of(checkpoint_path: str) -> str | None:
+  """The run directory holding `checkpoint_path` (the run directory itself, its checkpoints
+  directory, or one step of it), when it has a saved config.yml."""
+  path = storage.resolve(checkpoint_path)
+  candidates = [path]
+  if storage.name(path) == "checkpoints":
+    candidates.append(storage.parent(path))
+  elif storage.name(path).isdigit() and storage.name(storage.parent(path)) == "checkpoints":
+    candidates.append(storage.parent(storage.parent(path)))
+  for candidate in reversed(candidates):
+    if storage.is_file(storage.join(candidate, CONFIG_FILE)):
+      return candidate
+  return None
+
+
+def saved_model_keys(checkpoint_path: str) -> tuple[dict[str, Any], str] | None:
+  """(model keys, the file they come from) saved with a checkpoint: a parameters-only
+  checkpoint's model_config.yml, or the config.yml of the run the checkpoint belongs to."""
+  beside = storage.join(checkpoint_path, MODEL_CONFIG_FILE)
+  if storage.is_file(beside):
+    values = yaml.safe_load(storage.read_text(beside)) or {}
+    return dict(values), beside
+  run_dir = run_dir_of(checkpoint_path)
+  if run_dir is None:
+    return None
+  saved = read_saved(run_dir) or {}
+  return {k: saved[k] for k in MODEL_KEYS if k in saved}, storage.join(run_dir, CONFIG_FILE)
+
+
+def contradictions(given: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
+  """`key=given (saved: value)` for each given model key that differs from the saved one."""
+  return [f"{key}={given[key]!r} (saved: {saved[key]!r})" for key in MODEL_KEYS
+          if key in given and key in saved and not _same(given[key], saved[key])]
