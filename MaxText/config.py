@@ -280,7 +280,7 @@ def _model_layer(overrides: Overrides, schema: Mapping[str, Any], reads_run: boo
       raise ConfigError(f"{'; '.join(conflicts)}: contradicts the model saved in {where}; drop the key(s) "
                         "(the saved values are used) or read another checkpoint")
   if not named:
-    print(f"config: no model_name given; using the model keys saved in {where}")
+    print(f"config: no model_name given; using the model keys saved with the checkpoint in {where}")
   return {**model_values, **saved}
 
 
