@@ -6,8 +6,10 @@ resume, and the tools after a fine-tune take the model keys from the run they re
 from __future__ import annotations
 
 import hashlib
+import json
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -139,3 +141,159 @@ def test_allowed_changes_resume_normally(tmp_path):
   history = storage.listdir(storage.join(out, "grow", "config_history"))
   assert len(history) == 2  # one entry per start, none overwritten
   assert "ici_data_parallelism: 2" in storage.read_text(storage.join(out, "grow", "config.yml"))
+
+
+# ---------------------------------------------------------------- tools read the run's configuration
+
+def _tool(gcs, module: str, *args: str, expect: int = 0) -> subprocess.CompletedProcess:
+  proc = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO_ROOT, env=env(gcs), capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == expect, proc.stdout[-2000:] + proc.stderr[-3000:]
+  if expect == 0:
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+  return proc
+
+
+@pytest.fixture(params=[pytest.param("local", marks=pytest.mark.slow), pytest.param("gs", marks=pytest.mark.slow)])
+def chain_root(request, tmp_path):
+  return _root(request, tmp_path)
+
+
+def test_fine_tune_chain_needs_no_model_keys_after_the_conversion(chain_root, tmp_path):
+  """HF -> hf_to_maxtext -> fine-tune -> params-only export -> maxtext_to_hf -> transformers, and
+  the logit checker, with no model key on any command after the conversion."""
+  H = pytest.importorskip("hf_families")
+  out, gcs = chain_root
+  hf_dir = tmp_path / "hf"
+  H.build_hf_model("llama3.1").save_pretrained(str(hf_dir))
+  converted, params_only, exported = (storage.join(out, name) for name in ("converted", "params-only", "exported"))
+  _tool(gcs, "MaxText.convert.hf_to_maxtext", "--hf_path", str(hf_dir), "--output_path", converted)
+
+  run_args = [f"base_output_directory={out}", "run_name=ft", "print_config=False"]
+  train = _tool(gcs, "MaxText.train", "configs/base.yml", *run_args, f"load_parameters_path={converted}", "steps=2",
+                "checkpoint_period=2", "per_device_batch_size=1", "max_target_length=32", "learning_rate=1e-3",
+                "cpu_peak_tflops=0.1", "enable_tensorboard=False")
+  assert f"using the model keys saved with the checkpoint in {converted}/model_config.yml" in train.stdout
+
+  # A key the user gives that contradicts the run's saved model: one line, exit 2, nothing written.
+  wrong = _tool(gcs, "MaxText.generate_param_only_checkpoint", "configs/base.yml", *run_args,
+                f"param_only_checkpoint_path={params_only}", "normalization_layer_epsilon=1e-6", expect=2)
+  line = _one_error_line(wrong)
+  assert "normalization_layer_epsilon=1e-06 (saved: 1e-05)" in line and "config.yml" in line, line
+  assert not storage.exists(params_only)
+
+  export = _tool(gcs, "MaxText.generate_param_only_checkpoint", "configs/base.yml", *run_args,
+                 f"param_only_checkpoint_path={params_only}")
+  assert f"using the model keys saved with the checkpoint in {storage.join(out, 'ft', 'config.yml')}" in export.stdout
+  _tool(gcs, "MaxText.convert.maxtext_to_hf", "--checkpoint", params_only, "--output_path", exported)
+
+  local_hf = tmp_path / "exported-copy"
+  storage.copy_tree(exported, str(local_hf))
+  hf_config = json.loads((local_hf / "config.json").read_text())
+  assert hf_config["rms_norm_eps"] == 1e-5 and hf_config["rope_parameters"]["rope_type"] == "llama3", hf_config
+  model, info = H.transformers.AutoModelForCausalLM.from_pretrained(str(local_hf), output_loading_info=True)
+  assert not info["missing_keys"] and not info["unexpected_keys"]
+  checker = _tool(gcs, "MaxText.logit_checker", "configs/base.yml", f"load_parameters_path={params_only}",
+                  f"hf_model_path={local_hf}", "dtype=float32", "atol=2e-5", "max_kl=1e-9")
+  assert "logit_checker: PASS" in checker.stdout
+
+
+# ---------------------------------------------------------------- the pieces, in process
+
+@pytest.fixture(params=["local", "gs"])
+def lease_root(request, tmp_path) -> str:
+  return _root(request, tmp_path)[0]
+
+
+def test_conditional_writes_let_exactly_one_of_racing_writers_win(lease_root):
+  import concurrent.futures
+
+  path = storage.join(lease_root, "race", "lease.json")
+  assert storage.read_versioned(path) is None
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    versions = list(pool.map(lambda i: storage.write_if(path, f"writer {i}", None), range(8)))
+  winners = [i for i, v in enumerate(versions) if v is not None]
+  assert len(winners) == 1
+  text, version = storage.read_versioned(path)
+  assert text == f"writer {winners[0]}"
+  assert storage.write_if(path, "another creator", None) is None
+  newer = storage.write_if(path, "refreshed", version)
+  assert newer is not None and storage.read_versioned(path)[0] == "refreshed"
+  assert storage.write_if(path, "late", version) is None  # the old version no longer matches
+  assert storage.remove_if(path, newer) and storage.read_versioned(path) is None
+  assert not storage.remove_if(path, newer)
+
+
+def test_lease_refuses_a_live_holder_takes_over_a_stale_one_and_the_loser_notices(lease_root, capsys):
+  run_dir = storage.join(lease_root, "run")
+  first = run_lease.acquire(run_dir, "run", timeout_seconds=600, processes=2)
+  with pytest.raises(run_lease.UserError, match=r"is in use by another run: host .* pid \d+ .*2 process\(es\)"):
+    run_lease.acquire(run_dir, "run", timeout_seconds=600, processes=1)
+  first._stop.set()  # the holder hangs: no more heartbeats
+  first._thread.join()
+  time.sleep(1.2)
+  second = run_lease.acquire(run_dir, "run", timeout_seconds=1, processes=1)
+  assert "taking over the run lease" in capsys.readouterr().out
+  first._stop.clear()
+  first.refresh()  # the old holder wakes up: its conditional write fails, it learns it lost the lease
+  with pytest.raises(run_lease.TrainingError, match="was taken over by host"):
+    first.check()
+  second.check()
+  second.release()
+  assert storage.read_versioned(storage.join(run_dir, run_lease.LEASE_FILE)) is None
+
+
+def test_a_kill_mid_write_leaves_one_partial_line_which_the_resume_drops(tmp_path):
+  from MaxText import metrics
+
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+  assert metrics._lines_up_to(str(path), 3) == ['{"step": 1, "loss": 2.0}\n', '{"step": 2, "loss": 1.5}\n']
+  path.write_text('{"step": 1, "loss": 2.0}\n39464}\n7\n')  # fragments that are, or almost are, JSON
+  assert metrics._lines_up_to(str(path), 5) == ['{"step": 1, "loss": 2.0}\n']
+
+
+def test_fixed_and_allowed_keys_on_resume():
+  from MaxText import run_record
+
+  saved = {"base_emb_dim": 64, "vocab_size": 128, "opt_type": "adamw", "global_batch_size": 16, "steps": 10,
+           "ici_fsdp_parallelism": -1, "log_period": 1, "learning_rate_schedule_steps": -1, "mlp_activations": ["silu"]}
+  allowed = {**saved, "steps": 50, "ici_fsdp_parallelism": 2, "log_period": 10, "learning_rate_schedule_steps": 50}
+  assert run_record.resume_differences(allowed, saved) == []
+  changed = {**saved, "base_emb_dim": 32, "opt_type": "sgd", "global_batch_size": 32, "mlp_activations": ["gelu"]}
+  assert run_record.resume_differences(changed, saved) == [
+      "base_emb_dim: 64 -> 32", "mlp_activations: ['silu'] -> ['gelu']", "opt_type: 'adamw' -> 'sgd'",
+      "global_batch_size: 16 -> 32"]
+  assert run_record.resume_differences({**saved, "vocab_size": 128.0}, saved) == []  # YAML may read 128 as either
+
+
+def test_tools_take_the_saved_model_keys_and_refuse_contradicting_ones(tmp_path, capsys):
+  from MaxText import config as config_lib
+  from MaxText.errors import ConfigError
+
+  ckpt = tmp_path / "ckpt"
+  ckpt.mkdir()
+  (ckpt / "model_config.yml").write_text("base_emb_dim: 96\nnormalization_layer_epsilon: 1.0e-06\nvocab_size: 64\n")
+  tool = config_lib.load_config(["t", f"load_parameters_path={ckpt}"], environ={}, reads_run=True)
+  assert tool["base_emb_dim"] == 96 and tool["normalization_layer_epsilon"] == 1e-6
+  assert "using the model keys saved with the checkpoint in" in capsys.readouterr().out
+  same = config_lib.load_config(["t", f"load_parameters_path={ckpt}", "base_emb_dim=96"], environ={}, reads_run=True)
+  assert same["base_emb_dim"] == 96
+  with pytest.raises(ConfigError, match=r"normalization_layer_epsilon=1e-05 \(saved: 1e-06\): contradicts the model "
+                                        r"saved in .*model_config.yml"):
+    config_lib.load_config(["t", f"load_parameters_path={ckpt}", "normalization_layer_epsilon=1e-5"], environ={},
+                           reads_run=True)
+  with pytest.raises(ConfigError, match=r"model_name=llama2-7b contradicts the model saved in .*base_emb_dim=4096"):
+    config_lib.load_config(["t", f"load_parameters_path={ckpt}", "model_name=llama2-7b"], environ={}, reads_run=True)
+  # Training from these weights may change a key (a fine-tune's choice); the load then checks shapes.
+  train = config_lib.load_config(["t", f"load_parameters_path={ckpt}", "normalization_layer_epsilon=1e-5"], environ={})
+  assert train["normalization_layer_epsilon"] == 1e-5 and train["base_emb_dim"] == 96
+
+  run_dir = tmp_path / "runs" / "r"
+  (run_dir / "checkpoints" / "4").mkdir(parents=True)
+  (run_dir / "config.yml").write_text("base_emb_dim: 80\nsteps: 4\nderived: {global_batch_size: 8}\n")
+  for path in (run_dir, run_dir / "checkpoints", run_dir / "checkpoints" / "4"):
+    assert config_lib.load_config(["t", f"load_full_state_path={path}"], environ={}, reads_run=True)["base_emb_dim"] == 80
+  by_run_name = ["t", f"base_output_directory={tmp_path / 'runs'}", "run_name=r"]
+  assert config_lib.load_config(by_run_name, environ={}, reads_run=True)["base_emb_dim"] == 80
+  assert config_lib.load_config(by_run_name, environ={})["base_emb_dim"] != 80  # train.py resumes by its own keys
