@@ -303,7 +303,8 @@ class RunCheckpoints:
                    if p in stored_shapes and stored_shapes[p] != wanted[p]]
     missing = sorted(set(wanted) - set(stored_shapes))
     extra = sorted(set(stored_shapes) - set(wanted))
-    if not (differences or missing or extra):
+    # Damage loses arrays; another config has arrays of other shapes or names (missing AND extra).
+    if not differences and not (missing and extra):
       return
     differences.sort(key=lambda text: not text.startswith("params/"))  # the model's own arrays first
     parts = differences[:3] + [f"{p} is not stored" for p in missing[:2]] + [f"{p} is stored but not built"

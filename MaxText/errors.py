@@ -46,10 +46,21 @@ class _FirstLineOnly(logging.Filter):
     return True
 
 
+class _NoAbandonedFutures(logging.Filter):
+  """asyncio's "exception was never retrieved" records: reads a failed restore abandoned (see
+  _is_abandoned_async_work); the restore's own line reports the failure."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "exception was never retrieved" not in str(record.msg)
+
+
 def _one_line_library_logs() -> None:
   logger = logging.getLogger("absl")
   if not any(isinstance(f, _FirstLineOnly) for f in logger.filters):
     logger.addFilter(_FirstLineOnly())
+  asyncio_logger = logging.getLogger("asyncio")
+  if not any(isinstance(f, _NoAbandonedFutures) for f in asyncio_logger.filters):
+    asyncio_logger.addFilter(_NoAbandonedFutures())
 
 
 def _is_abandoned_async_work(exc: BaseException | None, obj: object = None) -> bool:

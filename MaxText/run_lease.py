@@ -7,7 +7,9 @@ flock'ed compare-and-write locally), so of two runs that start together exactly 
 the lease; the other stops with one line naming the holder.
 
 A lease whose heartbeat is older than the timeout belongs to a run that died without
-releasing it (SIGKILL, a lost host); the next run takes it over with a warning. A run that
+releasing it (SIGKILL, a lost host); the next run takes it over with a warning. So does a
+run on the same machine (same host name and pid namespace) whose holder process is gone:
+`kill -9` and rerun works at once there, while a rescheduled pod waits out the timeout. A run that
 ends (done, error, SIGTERM, Ctrl-C) releases it. A multi-process run is one writer:
 process 0 holds the lease for all of them. Ages are read from the holder's clock, so hosts'
 clocks must agree to well within the timeout (NTP does).
@@ -37,6 +39,7 @@ class Holder:
   started: float  # epoch seconds
   heartbeat: float  # epoch seconds of the last refresh
   processes: int
+  pid_namespace: str = ""  # with host: where `pid` means this process (containers share host names)
 
   def describe(self, now: float | None = None) -> str:
     age = (now or time.time()) - self.heartbeat
@@ -51,7 +54,7 @@ class Holder:
     try:
       fields = json.loads(text)
       return cls(str(fields["host"]), int(fields["pid"]), str(fields.get("run_name", "")), float(fields["started"]),
-                 float(fields["heartbeat"]), int(fields.get("processes", 1)))
+                 float(fields["heartbeat"]), int(fields.get("processes", 1)), str(fields.get("pid_namespace", "")))
     except (ValueError, KeyError, TypeError):
       return None  # a lease cut short or edited by hand: treated as stale
 
@@ -111,11 +114,33 @@ class Lease:
           print(f"warning: cannot release the run lease {self.path}: {type(e).__name__}", flush=True)
 
 
+def _pid_namespace() -> str:
+  try:
+    return os.readlink("/proc/self/ns/pid")  # e.g. 'pid:[4026531836]'; unique per container
+  except OSError:
+    return ""
+
+
+def _gone(holder: Holder, me: Holder) -> bool:
+  """True when the holder ran on this machine, in this pid namespace, and its process no longer
+  exists (killed with SIGKILL, crashed): no need to wait for its lease to time out. A reused pid
+  only makes this answer False, which waits for the timeout: the safe side."""
+  if not me.pid_namespace or (holder.host, holder.pid_namespace) != (me.host, me.pid_namespace):
+    return False
+  try:
+    os.kill(holder.pid, 0)
+  except ProcessLookupError:
+    return True
+  except PermissionError:  # alive, another user's
+    return False
+  return False
+
+
 def acquire(run_dir: str, run_name: str, timeout_seconds: float, processes: int) -> Lease:
   """Takes the run directory's lease (process 0 only), or raises UserError naming its live holder."""
   path = storage.join(run_dir, LEASE_FILE)
   storage.makedirs(run_dir)
-  me = Holder(socket.gethostname(), os.getpid(), run_name, time.time(), time.time(), processes)
+  me = Holder(socket.gethostname(), os.getpid(), run_name, time.time(), time.time(), processes, _pid_namespace())
   for _ in range(5):  # each retry follows another run's move; five in a row means something is wrong
     version = storage.write_if(path, me.to_json(), None)
     if version is not None:
@@ -126,7 +151,8 @@ def acquire(run_dir: str, run_name: str, timeout_seconds: float, processes: int)
     text, current_version = current
     holder = Holder.from_json(text)
     now = time.time()
-    if holder is not None and now - holder.heartbeat <= timeout_seconds:
+    gone = holder is not None and _gone(holder, me)
+    if holder is not None and now - holder.heartbeat <= timeout_seconds and not gone:
       raise UserError(
           f"run directory {run_dir} is in use by another run: {holder.describe(now)}. Two runs must not "
           f"write one run directory: stop that run, or choose another run_name. If it was killed, its lease "
@@ -136,8 +162,9 @@ def acquire(run_dir: str, run_name: str, timeout_seconds: float, processes: int)
     version = storage.write_if(path, me.to_json(), current_version)
     if version is not None:
       what = holder.describe(now) if holder is not None else "an unreadable holder"
-      print(f"warning: taking over the run lease of {run_dir} from {what}: its heartbeat is older than "
-            f"run_lease_timeout_seconds={timeout_seconds:g}, so that run is gone", flush=True)
+      why = "its process no longer exists on this host" if gone else \
+          f"its heartbeat is older than run_lease_timeout_seconds={timeout_seconds:g}, so that run is gone"
+      print(f"warning: taking over the run lease of {run_dir} from {what}: {why}", flush=True)
       return Lease(path, me, version, timeout_seconds)
   raise UserError(f"cannot take the lease {path}: other runs keep changing it; make sure only one run uses "
                   f"run directory {run_dir}")

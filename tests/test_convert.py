@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -131,10 +132,17 @@ def test_unrolled_checkpoint_exports_streaming_to_several_shards(converted, tmp_
 
 def test_maxtext_to_hf_names_parameters_that_do_not_match_the_config(converted, tmp_path):
   _, ckpt = converted("llama3.1")
+  wrong_model = ["model_name=llama3.1-8b", "base_emb_dim=64", "base_num_decoder_layers=2", "base_mlp_dim=96"]
+  # The checkpoint says which model it holds: a contradicting model_name is refused before any read.
+  with pytest.raises(ConfigError, match=r"model_name=llama3.1-8b contradicts the model saved in .*model_config.yml: "
+                                        r"base_emb_dim=4096 \(saved: 64\)"):
+    maxtext_to_hf.export(str(ckpt), str(tmp_path / "hf"), wrong_model)
+  # Without its model_config.yml the stored shapes are the check.
+  bare = tmp_path / "bare"
+  shutil.copytree(ckpt, bare, ignore=shutil.ignore_patterns("model_config.yml"))
   with pytest.raises(UserError, match=r"does not match the model config in 6 parameter\(s\), e\.g\. "
                      r"layers/self_attention/key/kernel \(2, 64, 2, 16\) vs \(2, 64, 8, 128\)"):
-    maxtext_to_hf.export(str(ckpt), str(tmp_path / "hf"), ["model_name=llama3.1-8b", "base_emb_dim=64",
-                                                            "base_num_decoder_layers=2", "base_mlp_dim=96"])
+    maxtext_to_hf.export(str(bare), str(tmp_path / "hf"), wrong_model)
 
 
 def test_sharded_and_bin_checkpoints_convert_to_the_same_parameters(converted, tmp_path):
@@ -206,9 +214,17 @@ def test_hf_to_maxtext_user_errors(make_args, message, converted, tmp_path):
 
 def test_maxtext_to_hf_refuses_what_hf_cannot_express(converted, tmp_path):
   _, ckpt = converted("llama3.1")
-  with pytest.raises(ConfigError, match="HF llama cannot express this model.*attention_layer_pattern"):
+  with pytest.raises(ConfigError, match=r"attention_layer_pattern=\['local'\] \(saved: \['global'\]\): contradicts"):
     maxtext_to_hf.export(str(ckpt), str(tmp_path / "hf"), ["attention_layer_pattern=[local]"])
-  with pytest.raises(UserError, match="has no model_config.yml; say which model"):
+  # A checkpoint whose saved model (same shapes) uses a pattern HF's Llama has no field for.
+  local = tmp_path / "local-pattern"
+  shutil.copytree(ckpt, local)
+  saved = (local / "model_config.yml").read_text()
+  (local / "model_config.yml").write_text(re.sub(r"attention_layer_pattern:.*\n(- .*\n)*",
+                                                 "attention_layer_pattern: [local]\n", saved))
+  with pytest.raises(ConfigError, match="HF llama cannot express this model.*attention_layer_pattern"):
+    maxtext_to_hf.export(str(local), str(tmp_path / "hf"), [])
+  with pytest.raises(UserError, match="has no model_config.yml and is not in a run directory"):
     maxtext_to_hf.export(str(tmp_path), str(tmp_path / "hf"), [])
 
 

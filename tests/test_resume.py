@@ -84,6 +84,7 @@ def test_sigkill_then_rerun_resumes_from_the_last_checkpoint_exactly(tmp_path, u
 
   rerun = _run(command)
   assert f"state: resumed from step {latest}" in rerun.stdout
+  assert "its process no longer exists on this host" in rerun.stdout  # the killed run's lease, taken over at once
   # CPU execution is deterministic for the same compiled program, so the match is bitwise.
   assert _losses(run_dir) == uninterrupted
 

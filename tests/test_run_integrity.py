@@ -118,7 +118,11 @@ def test_a_dead_runs_lease_is_taken_over_after_the_timeout_and_the_run_resumes(t
   proc = start_and_signal(cmd, env(None), 12, lambda: 10 in committed_steps(run_dir), signal.SIGKILL)
   proc.communicate(timeout=60)
   killed_at = time.time()
-  assert storage.exists(storage.join(run_dir, run_lease.LEASE_FILE))  # SIGKILL: nobody released it
+  lease_path = storage.join(run_dir, run_lease.LEASE_FILE)
+  lease = json.loads(storage.read_text(lease_path))  # SIGKILL: nobody released it
+  assert lease["pid"] == proc.pid
+  # As if the run had been on another machine (a lost pod): nobody here can see its process is gone.
+  storage.write_text(lease_path, json.dumps({**lease, "host": "lost-pod-0"}))
 
   # A reader with a long timeout still sees a live holder: exit 2, naming the dead process.
   busy = run(cmd + ["run_lease_timeout_seconds=600"], env(None), expect=2)
@@ -126,7 +130,8 @@ def test_a_dead_runs_lease_is_taken_over_after_the_timeout_and_the_run_resumes(t
 
   time.sleep(max(0.0, killed_at + 4.5 - time.time()))
   rerun = run(cmd, env(None))
-  assert f"taking over the run lease of {run_dir} from host" in rerun.stdout and f"pid {proc.pid}" in rerun.stdout
+  assert f"taking over the run lease of {run_dir} from host lost-pod-0 pid {proc.pid}" in rerun.stdout
+  assert "heartbeat is older than run_lease_timeout_seconds=4" in rerun.stdout
   latest = [line for line in rerun.stdout.splitlines() if line.startswith("state: resumed from step ")]
   assert latest and int(latest[0].split()[4]) >= 10, rerun.stdout[-2000:]
   assert losses(run_dir) == lone_run
