@@ -26,7 +26,8 @@ def _params_and_batch(config: Config) -> tuple:
 
 
 @pytest.mark.slow  # ~40 s each: two MoE train steps with dropout compiled
-@pytest.mark.parametrize("reference, repeats", [("gpipe", 1), ("circular", 2)])
+# The interleaved case (circular reference) by default; the plain one is slow-marked (~40 s here).
+@pytest.mark.parametrize("reference, repeats", [pytest.param("gpipe", 1, marks=pytest.mark.slow), ("circular", 2)])
 def test_moe_and_dropout_gradients_equal_gpipe(reference, repeats):
   """Both schedules compute the load-balancing loss per microbatch and draw dropout masks per
   (layer, microbatch), so here they define exactly the same loss; 1F1B's hand-made backward
@@ -61,7 +62,8 @@ def _compiled_temp_bytes(config: Config) -> int:
   return jax.jit(grads).lower(params, batch).compile().memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("reference, repeats", [("gpipe", 1), ("circular", 2)])
+# The interleaved case (circular reference) by default; the plain one is slow-marked (~40 s here).
+@pytest.mark.parametrize("reference, repeats", [pytest.param("gpipe", 1, marks=pytest.mark.slow), ("circular", 2)])
 def test_1f1b_keeps_fewer_activations_than_gpipe(reference, repeats):
   """16 microbatches over 2 stages: GPipe's (circular's) backward needs every forward iteration's
   stage buffer (M·R + S - 1 iterations x 2 stages), 1F1B only the ring of stage inputs whose
@@ -115,7 +117,8 @@ def test_compiles_for_a_v5p_topology(capsys, repeats, expected):
   assert "fits:" in out
 
 
-@pytest.mark.parametrize("reference, repeats", [("gpipe", 1), ("circular", 2)])
+# The interleaved case (circular reference) by default; the plain one is slow-marked (~40 s here).
+@pytest.mark.parametrize("reference, repeats", [pytest.param("gpipe", 1, marks=pytest.mark.slow), ("circular", 2)])
 def test_gradient_accumulation_over_1f1b_equals_gpipe(reference, repeats):
   """The 1F1B custom_vjp also runs inside the gradient-accumulation scan."""
   accum = dict(gradient_accumulation_steps=2, per_device_batch_size=4, num_pipeline_repeats=repeats,

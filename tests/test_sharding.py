@@ -71,7 +71,10 @@ def test_scan_and_unrolled_layers_agree(tiny_overrides):
   np.testing.assert_allclose(losses(unrolled, 3, unstacked), losses(scanned, 3, params), rtol=RTOL)
 
 
-@pytest.mark.parametrize("policy", ["full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "minimal_offloaded"])
+# Each policy takes ~25 s on the 2-core CI machine: full and offloaded (the distinct code paths) by default.
+@pytest.mark.parametrize("policy", ["full", pytest.param("minimal", marks=pytest.mark.slow),
+                                    pytest.param("save_dot_except_mlp", marks=pytest.mark.slow),
+                                    pytest.param("save_qkv_proj", marks=pytest.mark.slow), "minimal_offloaded"])
 def test_remat_policies_do_not_change_the_math(tiny_overrides, policy):
   reference = losses(Config.for_testing(**tiny_overrides, remat_policy="none"), 3)
   np.testing.assert_allclose(losses(Config.for_testing(**tiny_overrides, remat_policy=policy), 3), reference,
