@@ -26,7 +26,8 @@ from MaxText import storage
 from MaxText.errors import UserError, run_cli
 from MaxText.inference.engine import Engine
 from MaxText.input_pipeline.tokenizer import DocumentEncoder, Tokenizer, load_tokenizer
-from MaxText.train import load_config_and_start_backend, log
+from MaxText import startup
+from MaxText.startup import log
 
 
 def prompt_ids(config: config_lib.Config) -> tuple[list[int], Tokenizer | None]:
@@ -94,7 +95,7 @@ def decode(config: config_lib.Config) -> list[int]:
 
 
 def main(argv: list[str]) -> int:
-  decode(load_config_and_start_backend(argv, reads_run=True))
+  decode(startup.load_config(argv, reads_run=True))
   return 0
 
 

@@ -23,7 +23,8 @@ from MaxText import checkpointing, models, run_record, sharding, storage
 from MaxText.config import Config
 from MaxText.convert import engine
 from MaxText.errors import ConfigError, UserError, run_cli
-from MaxText.train import load_config_and_start_backend, log
+from MaxText import startup
+from MaxText.startup import log
 
 
 def generate(config: Config) -> str:
@@ -54,7 +55,7 @@ def generate(config: Config) -> str:
 
 
 def main(argv: list[str]) -> int:
-  generate(load_config_and_start_backend(argv, reads_run=True))
+  generate(startup.load_config(argv, reads_run=True))
   return 0
 
 

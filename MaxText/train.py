@@ -18,7 +18,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from MaxText import accelerators, checkpointing, config as config_lib, metrics, sharding, train_state, train_step
-from MaxText import aot, distributed, run_lease, run_record, storage, xla_flags
+from MaxText import aot, distributed, run_lease, run_record, startup, storage
+from MaxText.startup import log
 from MaxText.errors import UserError, run_cli
 from MaxText.input_pipeline import create_data_iterator, create_eval_iterator
 from MaxText.layers import pipeline
@@ -26,30 +27,6 @@ from MaxText.layers.attention import select_kernel
 from MaxText.trainer import CheckpointHook, EvalHook, LeaseHook, LoggingHook, ProfilerHook, Trainer
 
 _T = TypeVar("_T")
-
-
-def load_config_and_start_backend(argv: list[str], reads_run: bool = False) -> config_lib.Config:
-  """Parses the config, sets platform and XLA flags *before* JAX starts, then finalises it.
-  `reads_run`: a tool reading a run or checkpoint (see config.resolve_values)."""
-  overrides = config_lib.parse_overrides(argv)
-  check_remote_paths(overrides)
-  accelerators.select_jax_platforms(str(overrides.peek("hardware")))
-  xla_flags.export_flags(str(overrides.peek("libtpu_init_args")), str(overrides.peek("xla_flags")))
-  distributed.initialize(accelerators.requested_platform(), int(overrides.peek("distributed_init_timeout_seconds")),
-                         int(overrides.peek("distributed_heartbeat_timeout_seconds")))
-  target = accelerators.local_target()
-  return config_lib.Config(config_lib.resolve_values(overrides, target.platform, reads_run), target)
-
-
-def check_remote_paths(overrides: config_lib.Overrides) -> None:
-  """Every gs:// bucket a path key names exists and answers, before any compile or write."""
-  storage.check_buckets({key: str(overrides.peek(key)) for key in config_lib.PATH_KEYS},
-                        float(overrides.peek("storage_timeout_seconds")))
-
-
-def log(message: str) -> None:
-  if jax.process_index() == 0:
-    print(message, flush=True)
 
 
 def on_process_0(what: str, action: Callable[[], _T]) -> _T | None:
@@ -95,7 +72,7 @@ def record_start(config: config_lib.Config) -> None:
 
 
 def main(argv: list[str]) -> int:
-  config = load_config_and_start_backend(argv)
+  config = startup.load_config(argv)
   run = config.run
   with distributed.stack_traces(run.collect_stack_trace, run.stack_trace_to_cloud, run.stack_trace_interval_seconds):
     lease = claim_run_dir(config)

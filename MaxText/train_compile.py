@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # `python3 MaxText/train_compile.py`: import the 
 import jax
 from jax.experimental import topologies
 
-from MaxText import accelerators, aot, config as config_lib, metrics, sharding, train_state, train_step, xla_flags
+from MaxText import accelerators, aot, config as config_lib, metrics, sharding, startup, train_state, train_step
 from MaxText.errors import ConfigError, UserError, run_cli
 from MaxText.layers import pipeline
 
@@ -52,7 +52,7 @@ def load_target_config(argv: list[str]) -> tuple[config_lib.Config, Sequence[Any
 
   Flags are exported before libtpu or a backend starts, so the compiled step reflects them.
   """
-  overrides = config_lib.parse_overrides(argv)
+  overrides = startup.read_overrides(argv)
   name = str(overrides.peek("compile_topology")).strip()
   num_slices = int(overrides.peek("compile_topology_num_slices"))
   if not name:
@@ -61,9 +61,7 @@ def load_target_config(argv: list[str]) -> tuple[config_lib.Config, Sequence[Any
   if num_slices < 1:
     raise ConfigError(f"compile_topology_num_slices must be >= 1, got {num_slices}")
   topology = None if name == "local" else accelerators.tpu_topology(name)
-  # A topology compile needs no local accelerator: keep the local backend on CPU.
-  accelerators.select_jax_platforms("cpu" if topology else str(overrides.peek("hardware")))
-  xla_flags.export_flags(str(overrides.peek("libtpu_init_args")), str(overrides.peek("xla_flags")))
+  startup.start_backend(overrides, "cpu" if topology else None)  # a topology compile needs no local accelerator
   if topology is None:
     if num_slices != 1:
       raise ConfigError("compile_topology_num_slices applies to a TPU compile_topology, not to local")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import hf_families as H
-from MaxText import aot, decode, generate_param_only_checkpoint, logit_checker, sharding, storage, train
+from MaxText import aot, decode, generate_param_only_checkpoint, logit_checker, sharding, startup, storage, train
 from MaxText import train_compile, train_tokenizer
 from MaxText.config import BASE_CONFIG_PATH, Config
 from MaxText.convert import hf_to_maxtext, maxtext_to_hf
@@ -330,7 +330,7 @@ def test_param_only_checkpoint_from_a_gs_run_to_gs_then_decode(bucket, capsys):
     generate_param_only_checkpoint.main(["generate", BASE, *run_args, f"param_only_checkpoint_path={output}"])
   capsys.readouterr()
   # No model keys on the command line: they come from model_config.yml in the bucket.
-  ids = decode.decode(train.load_config_and_start_backend(
+  ids = decode.decode(startup.load_config(
       ["decode", BASE, f"load_parameters_path={output}", "prompt_token_ids=5,17,42", "max_prefill_predict_length=8",
        "max_target_length=16", "print_config=False"]))
   assert f"using the model keys saved with the checkpoint in {output}/model_config.yml" in capsys.readouterr().out
