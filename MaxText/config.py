@@ -231,10 +231,14 @@ def _model_values(model_name: str, schema: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _read_model_keys(path: Path | str, schema: Mapping[str, Any]) -> dict[str, Any]:
-  values = read_yaml(path)
+  return _typed(read_yaml(path), schema, str(path))
+
+
+def _typed(values: Mapping[str, Any], schema: Mapping[str, Any], source: str) -> dict[str, Any]:
+  """Values from a file of model keys, each known to base.yml and coerced to its type."""
   for key in values:
     if key not in schema:
-      raise _unknown_key_error(key, schema, str(path))
+      raise _unknown_key_error(key, schema, source)
   return {k: coerce(k, v, schema[k]) for k, v in values.items()}
 
 
@@ -252,10 +256,7 @@ def _saved_model_layer(overrides: Overrides, schema: Mapping[str, Any],
     found = run_record.saved_model_keys(source)
     if found is not None:
       values, where = found
-      for key in values:
-        if key not in schema:
-          raise _unknown_key_error(key, schema, where)
-      return {k: coerce(k, v, schema[k]) for k, v in values.items()}, where
+      return _typed(values, schema, where), where
   return None
 
 

@@ -16,12 +16,16 @@ import dataclasses
 import os
 import socket
 import time
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping, TypeVar
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from MaxText import errors
 from MaxText.errors import UserError
+
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,3 +119,22 @@ def stack_traces(collect: bool, to_cloud: bool, interval_s: int) -> Iterator[Non
   # The thread is a daemon, so it ends with the process.
   diagnostic.diagnose(config).__enter__()
   yield
+
+
+def on_process_0(what: str, action: Callable[[], _T]) -> _T | None:
+  """Runs `action` on process 0; a UserError there stops every process (the others exit with a
+  line pointing at process 0's message instead of waiting for it in a collective)."""
+  failure: UserError | None = None
+  result = None
+  if jax.process_index() == 0:
+    try:
+      result = action()
+    except UserError as e:
+      failure = e
+  if jax.process_count() > 1:
+    failed = int(multihost_utils.broadcast_one_to_all(np.int32(failure is not None)))
+    if failed and failure is None:
+      raise UserError(f"{what} failed on process 0; its error line says why")
+  if failure is not None:
+    raise failure
+  return result

@@ -27,10 +27,12 @@ CONFIG_FILE = "config.yml"
 HISTORY_DIR = "config_history"
 MODEL_CONFIG_FILE = "model_config.yml"  # beside a parameters-only checkpoint
 
+# Model keys a tool takes from a run's saved configuration when the user does not give them.
+MODEL_KEYS = (*ARCHITECTURE_KEYS, "global_parameter_scale")
 # The keys a resume must not change, by what they decide. `global_batch_size` is derived
 # (per_device_batch_size x devices): a new mesh may change either factor, not their product.
 FIXED_ON_RESUME: dict[str, tuple[str, ...]] = {
-    "model shape and function": (*ARCHITECTURE_KEYS, "global_parameter_scale"),
+    "model shape and function": MODEL_KEYS,
     "state layout": ("scan_layers", "weight_dtype"),
     "optimizer state": ("opt_type",),
     "data position": ("dataset_type", "dataset_path", "dataset_name", "train_split", "hf_path", "hf_data_files",
@@ -38,8 +40,6 @@ FIXED_ON_RESUME: dict[str, tuple[str, ...]] = {
                       "add_eos", "packing", "enable_data_shuffling", "data_shuffle_seed", "max_target_length",
                       "global_batch_size"),
 }
-# Model keys a tool takes from a run's saved configuration when the user does not give them.
-MODEL_KEYS = (*ARCHITECTURE_KEYS, "global_parameter_scale")
 
 
 def flat_values(config: Any) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import os
 import posixpath
 import shutil
@@ -267,25 +268,26 @@ def _local_lock(path: str) -> Iterator[None]:
     os.close(fd)  # closing releases the lock
 
 
-_gcs_client_cache: list[Any] = []
+@functools.cache
+def _gcs_client() -> Any:
+  from google.cloud import storage as gcs  # noqa: PLC0415
+
+  return gcs.Client()
 
 
 def _gcs_blob(path: str, existing: bool = False) -> Any:
   """A google-cloud-storage Blob (the client honours STORAGE_EMULATOR_HOST); with `existing`,
   the blob with its metadata loaded, or None when there is none."""
-  if not _gcs_client_cache:
-    from google.cloud import storage as gcs  # noqa: PLC0415
-
-    try:
-      _gcs_client_cache.append(gcs.Client())
-    except Exception as e:  # noqa: BLE001 - google.auth's DefaultCredentialsError and kin
-      raise UserError(f"cannot reach Google Cloud Storage for {path}: {type(e).__name__}: "
-                      f"{str(e).splitlines()[0] if str(e) else ''}; run `gcloud auth application-default login` "
-                      "or use a service account") from None
+  try:
+    client = _gcs_client()
+  except Exception as e:  # noqa: BLE001 - google.auth's DefaultCredentialsError and kin
+    raise UserError(f"cannot reach Google Cloud Storage for {path}: {type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}; run `gcloud auth application-default login` "
+                    "or use a service account") from None
   bucket_name, _, key = path[len("gs://"):].partition("/") if path.startswith("gs://") else ("", "", "")
   if not bucket_name or not key:
     raise UserError(f"{path}: conditional writes need a gs://bucket/object path")
-  bucket = _gcs_client_cache[0].bucket(bucket_name)
+  bucket = client.bucket(bucket_name)
   return bucket.get_blob(key) if existing else bucket.blob(key)
 
 

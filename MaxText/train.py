@@ -8,51 +8,28 @@ from __future__ import annotations
 import signal
 import sys
 from pathlib import Path
-from typing import Callable, TypeVar
 
 if __package__ in (None, ""):  # `python3 MaxText/train.py`: import the package, not sibling files.
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import jax
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from MaxText import accelerators, checkpointing, config as config_lib, metrics, sharding, train_state, train_step
 from MaxText import aot, distributed, run_lease, run_record, startup, storage
 from MaxText.startup import log
-from MaxText.errors import UserError, run_cli
+from MaxText.errors import run_cli
 from MaxText.input_pipeline import create_data_iterator, create_eval_iterator
 from MaxText.layers import pipeline
 from MaxText.layers.attention import select_kernel
 from MaxText.trainer import CheckpointHook, EvalHook, LeaseHook, LoggingHook, ProfilerHook, Trainer
-
-_T = TypeVar("_T")
-
-
-def on_process_0(what: str, action: Callable[[], _T]) -> _T | None:
-  """Runs `action` on process 0; a UserError there stops every process (the others exit with a
-  line pointing at process 0's message instead of waiting for it in a collective)."""
-  failure: UserError | None = None
-  result = None
-  if jax.process_index() == 0:
-    try:
-      result = action()
-    except UserError as e:
-      failure = e
-  if jax.process_count() > 1:
-    failed = int(multihost_utils.broadcast_one_to_all(jax.numpy.asarray(failure is not None, jax.numpy.int32)))
-    if failed and failure is None:
-      raise UserError(f"{what} failed on process 0; its error line says why")
-  if failure is not None:
-    raise failure
-  return result
 
 
 def claim_run_dir(config: config_lib.Config) -> run_lease.Lease | None:
   """The run directory's lease, taken before this run writes anything there (process 0 holds
   it for every process)."""
   run = config.run
-  return on_process_0("taking the run directory's lease", lambda: run_lease.acquire(
+  return distributed.on_process_0("taking the run directory's lease", lambda: run_lease.acquire(
       run.run_dir, run.run_name, run.lease_timeout_seconds, config.target.num_processes))
 
 
@@ -63,12 +40,12 @@ def check_resume(config: config_lib.Config, checkpoints: checkpointing.RunCheckp
     if newest is not None:
       run_record.check_resume(config, config.run.run_dir, f"checkpoint step {newest}")
 
-  on_process_0("checking the saved configuration", check)
+  distributed.on_process_0("checking the saved configuration", check)
 
 
 def record_start(config: config_lib.Config) -> None:
   """config.yml and a config_history entry for this start, once its state is known to fit."""
-  on_process_0("recording the configuration", lambda: run_record.record_start(config, config.run.run_dir))
+  distributed.on_process_0("recording the configuration", lambda: run_record.record_start(config, config.run.run_dir))
 
 
 def main(argv: list[str]) -> int:
