@@ -19,20 +19,13 @@ import jax.numpy as jnp
 
 from MaxText.errors import ConfigError
 
-# device_kind prefix (lower case) -> (peak bf16 TFLOP/s per device, HBM GiB per device).
-# Longer prefixes are tried first, so "tpu v5 lite" wins over "tpu v5".
-KNOWN_DEVICES: dict[str, tuple[float, float]] = {
-    "tpu v4": (275.0, 32.0),
-    "tpu v5 lite": (197.0, 16.0),  # v5e
-    "tpu v5e": (197.0, 16.0),
-    "tpu v5p": (459.0, 95.0),
-    "tpu v5": (459.0, 95.0),  # v5p reports itself as "TPU v5"
-    "tpu v6 lite": (918.0, 32.0),  # v6e (Trillium)
-    "tpu v6e": (918.0, 32.0),
-    "nvidia h200": (989.0, 141.0),
-    "nvidia h100": (989.0, 80.0),  # SXM
-    "nvidia a100": (312.0, 80.0),
-    "nvidia l4": (121.0, 24.0),
+# GPU device_kind prefix (lower case) -> published peak dense bf16 TFLOP/s per GPU. TPU
+# figures live once, in TPU_GENERATIONS.
+GPU_PEAK_TFLOPS: dict[str, float] = {
+    "nvidia h200": 989.0,
+    "nvidia h100": 989.0,  # SXM
+    "nvidia a100": 312.0,
+    "nvidia l4": 121.0,
 }
 
 PLATFORMS_FOR_HARDWARE = {"tpu": "tpu,cpu", "gpu": "cuda,cpu", "cpu": "cpu"}
@@ -110,10 +103,15 @@ def local_target() -> DeviceTarget:
 
 def known_peak_tflops(device_kind: str) -> float | None:
   """Published peak bf16 TFLOP/s for a device kind, or None if unknown."""
+  peaks = dict(GPU_PEAK_TFLOPS)
+  for generation in TPU_GENERATIONS.values():
+    # What the chip reports ("tpu v5 lite") and its slice name ("tpu v5e").
+    peaks[generation.device_kind.lower()] = peaks[f"tpu {generation.name}"] = generation.peak_tflops
   kind = device_kind.lower()
-  for prefix in sorted(KNOWN_DEVICES, key=len, reverse=True):
+  # Longest prefix first: "tpu v5 lite" (v5e) before "tpu v5" (v5p).
+  for prefix in sorted(peaks, key=len, reverse=True):
     if kind.startswith(prefix):
-      return KNOWN_DEVICES[prefix][0]
+      return peaks[prefix]
   return None
 
 

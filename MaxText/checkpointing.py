@@ -211,7 +211,7 @@ class RunCheckpoints:
       raise UserError(f"cannot use checkpoint directory {self.directory}: {_first_line(e)}") from None
     self.last_saved_step: int | None = self._manager.latest_step()
     # Multi-tier: the fast per-host tier beside this (persistent) one.
-    self.local = LocalTier(cfg.local_directory, cfg.local_period, cfg.local_max_to_keep) if cfg.local_directory \
+    self.local = LocalTier(cfg.local_directory, cfg.local_checkpoint_period, cfg.local_checkpoint_max_to_keep) if cfg.local_directory \
         else None
 
   def local_due(self, step: int) -> bool:
@@ -360,9 +360,11 @@ def restore_full_state(path: str, abstract_state: Any, shardings: Any) -> Restor
       raise UserError(f"load_full_state_path {path}: a step directory must be named by its step number")
   else:
     directory, steps = root, None
-  cfg = CheckpointConfig(enabled=True, async_checkpointing=False, period=1, max_to_keep=None, directory=directory,
-                         load_parameters_path="", load_full_state_path="", param_only_checkpoint_path="",
-                         force_unroll=False)
+  cfg = CheckpointConfig(enable_checkpointing=True, async_checkpointing=False, checkpoint_period=1,
+                         max_num_checkpoints_to_keep=-1, load_parameters_path="", load_full_state_path="",
+                         param_only_checkpoint_path="", force_unroll=False, enable_emergency_checkpoint=False,
+                         local_checkpoint_directory="", local_checkpoint_period=0, local_checkpoint_max_to_keep=1,
+                         directory=directory, local_directory="")
   checkpoints = RunCheckpoints(cfg)
   try:
     if steps is not None:

@@ -18,6 +18,7 @@ The result is a frozen `Config` holding the flat values plus typed groups
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import os
 import re
@@ -314,6 +315,7 @@ class Config:
     self.run: config_groups.RunConfig = groups.run
     self.checkpoint: config_groups.CheckpointConfig = groups.checkpoint
     self.decode: config_groups.DecodeConfig = groups.decode
+    self.startup: config_groups.StartupConfig = groups.startup
     self._frozen = True
 
   def __setattr__(self, name: str, value: Any) -> None:
@@ -361,11 +363,22 @@ def _to_cli(value: Any) -> str:
   return str(value)
 
 
+def build_config(overrides: Overrides, target: DeviceTarget, reads_run: bool = False,
+                 default_run_name: str | None = None) -> Config:
+  """The validated, frozen Config for `target`. An empty run_name becomes `default_run_name`, or
+  run_<local time> (the clock is read here, not while validating), which only a single-process
+  run may use: every process must name the same run directory."""
+  values = resolve_values(overrides, target.platform, reads_run)
+  if not values["run_name"]:
+    if default_run_name is None and target.num_processes > 1:
+      raise ConfigError(f"set run_name=NAME: with {target.num_processes} processes each would otherwise name "
+                        "the run after its own clock")
+    values["run_name"] = default_run_name or datetime.datetime.now().strftime("run_%Y%m%d_%H%M%S")
+  return Config(values, target)
+
+
 def load_config(
     argv: list[str], environ: Mapping[str, str] | None = None, target: DeviceTarget | None = None,
     reads_run: bool = False) -> Config:
   """argv/env → validated, frozen Config for `target` (the local devices unless given)."""
-  overrides = parse_overrides(argv, environ)
-  if target is None:
-    target = accelerators.local_target()
-  return Config(resolve_values(overrides, target.platform, reads_run), target)
+  return build_config(parse_overrides(argv, environ), target or accelerators.local_target(), reads_run)

@@ -59,7 +59,7 @@ def decode(config: config_lib.Config) -> list[int]:
     log("decode: no load_parameters_path given; using randomly initialised parameters")
   params = engine.load_params(path)
   num_new = config.model.max_target_length - len(ids) + 1  # the last token needs no cache slot
-  seed = config.decode.sampling_seed
+  seed = config.decode.decode_sampling_seed
 
   engine.prefill(params, [ids], seed).first_tokens_B.block_until_ready()  # compile
   start = time.perf_counter()

@@ -38,7 +38,7 @@ import math
 from typing import Any, Mapping
 
 from MaxText import storage
-from MaxText.config_groups import ModelConfig
+from MaxText.model_config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,8 +20,8 @@ def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
   Steps past `schedule_steps` stay at the final value.
   """
   peak = cfg.learning_rate
-  decay_steps = max(1, cfg.schedule_steps - cfg.warmup_steps)
-  cosine = optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.cosine_final_fraction)
+  decay_steps = max(1, cfg.learning_rate_schedule_steps - cfg.warmup_steps)
+  cosine = optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.cosine_learning_rate_final_fraction)
   if cfg.warmup_steps == 0:
     return cosine
   warmup = optax.linear_schedule(0.0, peak, cfg.warmup_steps)
@@ -31,7 +31,7 @@ def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
 def create_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
   adamw = optax.adamw(
       learning_rate_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
-      eps_root=cfg.adam_eps_root, weight_decay=cfg.weight_decay)
+      eps_root=cfg.adam_eps_root, weight_decay=cfg.adam_weight_decay)
   if cfg.gradient_clipping_threshold > 0:
     return optax.chain(optax.clip_by_global_norm(cfg.gradient_clipping_threshold), adamw)
   return adamw

@@ -20,26 +20,17 @@ from typing import Any, Mapping
 import yaml
 
 from MaxText import storage
-from MaxText.convert.registry import ARCHITECTURE_KEYS
+from MaxText import config_fields, config_groups
+from MaxText.model_config import MODEL_KEYS
 from MaxText.errors import ConfigError, UserError
 
 CONFIG_FILE = "config.yml"
 HISTORY_DIR = "config_history"
 MODEL_CONFIG_FILE = "model_config.yml"  # beside a parameters-only checkpoint
 
-# Model keys a tool takes from a run's saved configuration when the user does not give them.
-MODEL_KEYS = (*ARCHITECTURE_KEYS, "global_parameter_scale")
-# The keys a resume must not change, by what they decide. `global_batch_size` is derived
-# (per_device_batch_size x devices): a new mesh may change either factor, not their product.
+# The keys a resume must not change, by what they decide (field metadata in the config groups).
 FIXED_ON_RESUME: dict[str, tuple[str, ...]] = {
-    "model shape and function": MODEL_KEYS,
-    "state layout": ("scan_layers", "weight_dtype"),
-    "optimizer state": ("opt_type",),
-    "data position": ("dataset_type", "dataset_path", "dataset_name", "train_split", "hf_path", "hf_data_files",
-                      "grain_train_files", "train_data_columns", "tokenizer_type", "tokenizer_path", "add_bos",
-                      "add_eos", "packing", "enable_data_shuffling", "data_shuffle_seed", "max_target_length",
-                      "global_batch_size"),
-}
+    kind: config_fields.keys_where(config_groups.GROUPS, config_fields.FIXED, kind) for kind in config_fields.FIXED_KINDS}
 
 
 def flat_values(config: Any) -> dict[str, Any]:

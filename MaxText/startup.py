@@ -39,8 +39,7 @@ def load_config(argv: list[str], reads_run: bool = False) -> config_lib.Config:
   start_backend(overrides)
   distributed.initialize(accelerators.requested_platform(), int(overrides.peek("distributed_init_timeout_seconds")),
                          int(overrides.peek("distributed_heartbeat_timeout_seconds")))
-  target = accelerators.local_target()
-  return config_lib.Config(config_lib.resolve_values(overrides, target.platform, reads_run), target)
+  return config_lib.build_config(overrides, accelerators.local_target(), reads_run)
 
 
 def log(message: str) -> None:

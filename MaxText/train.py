@@ -19,7 +19,7 @@ from MaxText import accelerators, checkpointing, config as config_lib, metrics, 
 from MaxText import aot, distributed, run_lease, run_record, startup, storage
 from MaxText.startup import log
 from MaxText.errors import run_cli
-from MaxText.input_pipeline import create_data_iterator, create_eval_iterator
+from MaxText.input_pipeline import check_sources, create_data_iterator, create_eval_iterator
 from MaxText.layers import pipeline
 from MaxText.layers.attention import select_kernel
 from MaxText.trainer import CheckpointHook, EvalHook, LeaseHook, LoggingHook, ProfilerHook, Trainer
@@ -30,7 +30,7 @@ def claim_run_dir(config: config_lib.Config) -> run_lease.Lease | None:
   it for every process)."""
   run = config.run
   return distributed.on_process_0("taking the run directory's lease", lambda: run_lease.acquire(
-      run.run_dir, run.run_name, run.lease_timeout_seconds, config.target.num_processes))
+      run.run_dir, run.run_name, run.run_lease_timeout_seconds, config.target.num_processes))
 
 
 def check_resume(config: config_lib.Config, checkpoints: checkpointing.RunCheckpoints | None) -> None:
@@ -63,8 +63,9 @@ def main(argv: list[str]) -> int:
 def train(config: config_lib.Config, lease: run_lease.Lease | None = None) -> int:
   if config.run.print_config:
     log("config:\n" + config.describe())
-  checkpoints = checkpointing.RunCheckpoints(config.checkpoint) if config.checkpoint.enabled else None
+  checkpoints = checkpointing.RunCheckpoints(config.checkpoint) if config.checkpoint.enable_checkpointing else None
   check_resume(config, checkpoints)
+  check_sources(config.data)
   run_dir = config.run.run_dir
   target = config.target
   log(f"devices: {target.num_devices} x {target.device_kind} ({target.platform}), "
@@ -104,33 +105,34 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None) -> in
     data.set_state(start.data_state)
   rng = jax.random.key(config.run.init_weights_seed) if start.rng_key_data is None \
       else jax.random.wrap_key_data(jax.numpy.asarray(start.rng_key_data, jax.numpy.uint32))
-  trainer = Trainer(config, step_fn, data, rng, flops, peak,
-                    build_hooks(config, setup, mesh, checkpoints, rng, start_step, lease))
+  trainer = Trainer(config, step_fn, data, rng, flops, peak)
+  add_hooks(trainer, config, setup, mesh, checkpoints, rng, start_step, lease)
   loop = trainer.run(start.state, start_step)
   if trainer.stop_reason is not None:
     log(f"stopped: {trainer.stop_reason}; rerun the same command to resume")
     return 128 + signal.SIGTERM
-  if loop.history:
-    first, last = loop.history[0].scalars["loss"], loop.history[-1].scalars["loss"]
-    log(f"done: steps {start_step + 1}..{loop.history[-1].step}, loss {first:.4f} -> {last:.4f}; "
+  if loop.first and loop.last:
+    first, last = loop.first.scalars["loss"], loop.last.scalars["loss"]
+    log(f"done: steps {start_step + 1}..{loop.last.step}, loss {first:.4f} -> {last:.4f}; "
         f"metrics in {run_dir}")
   return 0
 
 
-def build_hooks(config: config_lib.Config, setup: train_state.StateSetup, mesh: Mesh,
-                checkpoints: checkpointing.RunCheckpoints | None, rng: jax.Array, start_step: int,
-                lease: run_lease.Lease | None = None) -> list:
+def add_hooks(trainer: Trainer, config: config_lib.Config, setup: train_state.StateSetup, mesh: Mesh,
+              checkpoints: checkpointing.RunCheckpoints | None, rng: jax.Array, start_step: int,
+              lease: run_lease.Lease | None = None) -> None:
   """Logging and eval hooks, plus checkpointing when it is enabled. With a lease, every step
   first checks that no other run took the run directory over."""
   is_primary = jax.process_index() == 0
-  writer = metrics.MetricWriter(config.run.run_dir, config.run.enable_jsonl_metrics, config.run.enable_tensorboard,
+  run = config.run
+  writer = metrics.MetricWriter(run.run_dir, run.enable_jsonl_metrics, run.enable_tensorboard,
                                 resume_step=start_step) if is_primary else None
-  hooks = [LeaseHook(lease)] if lease is not None else []
-  hooks += [
-      LoggingHook(writer, config.run.log_period, is_primary),
-      EvalHook(train_step.make_eval_step(setup, config), create_eval_iterator(config, mesh),
-               config.run.eval_interval, config.data.eval_steps, writer, is_primary),
-  ]
+  if lease is not None:
+    trainer.add_hook(LeaseHook(lease), every=1)
+  trainer.add_hook(LoggingHook(writer, is_primary), every=run.log_period)
+  if run.eval_interval > 0:
+    trainer.add_hook(EvalHook(train_step.make_eval_step(setup, config), create_eval_iterator(config, mesh),
+                              config.data.eval_steps, writer, is_primary), every=run.eval_interval, needs_state=True)
   if checkpoints is not None:
     def before_save() -> None:
       if lease is not None:
@@ -138,13 +140,12 @@ def build_hooks(config: config_lib.Config, setup: train_state.StateSetup, mesh: 
       if writer is not None:
         writer.sync()
 
-    hooks.append(CheckpointHook(checkpoints, config.checkpoint.period, checkpointing.PreemptionWatcher(), rng,
-                                before_save=before_save))
-  run = config.run
+    trainer.add_hook(CheckpointHook(checkpoints, config.checkpoint.checkpoint_period, run.steps,
+                                    checkpointing.PreemptionWatcher(), rng, before_save=before_save),
+                     every=0, needs_state=True)
   if run.profiler:
-    hooks.append(ProfilerHook(storage.join(run.run_dir, "profile"), run.profile_start_step, run.profile_steps,
-                              active=is_primary or run.profile_all_processes))
-  return hooks
+    trainer.add_hook(ProfilerHook(storage.join(run.run_dir, "profile"), run.profile_start_step, run.profile_steps,
+                                  active=is_primary or run.profile_all_processes), every=0, needs_state=True)
 
 
 if __name__ == "__main__":

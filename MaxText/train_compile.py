@@ -68,11 +68,9 @@ def load_target_config(argv: list[str]) -> tuple[config_lib.Config, Sequence[Any
     devices, target = list(jax.devices()), accelerators.local_target()
   else:
     devices, target = list(describe_topology(topology, num_slices)), topology.target(num_slices)
-  values = config_lib.resolve_values(overrides, target.platform, reads_run=True)
   # Nothing is written under a run directory here; a fixed name satisfies the multi-host rule
   # that every process of a real run must be given the same run_name.
-  values["run_name"] = values["run_name"] or "train_compile"
-  return config_lib.Config(values, target), devices, topology
+  return config_lib.build_config(overrides, target, reads_run=True, default_run_name="train_compile"), devices, topology
 
 
 @contextlib.contextmanager
@@ -96,9 +94,8 @@ def compile_or_explain(step_fn: Any, inputs: aot.StepInputs, topology: accelerat
     if "RESOURCE_EXHAUSTED" not in message or topology is None:
       raise
     first_line = message.strip().splitlines()[0]
-    # XLA's figure is its whole device heap, arguments included, even where it says "HLO temporaries":
-    # v5e/32b at 8 sequences per chip reports 16.99G, which the heaps measured at 4, 6 and 7
-    # sequences (11.7, 14.3, ~16.1 GiB: +1.3 GiB per sequence) extrapolate to.
+    # XLA's figure is its whole device heap, arguments included, even where it says "HLO
+    # temporaries" (getting_started/AOT.md shows the heaps it extrapolates from).
     needed = aot.oom_bytes_from_xla(first_line) or 0
     raise UserError(aot.does_not_fit_message(needed, topology.generation.name, topology.generation.hbm_gib,
                                              f"XLA: {first_line}")) from None

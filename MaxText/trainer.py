@@ -41,14 +41,29 @@ class ResumableBatches(Protocol):
 
 
 class Hook(Protocol):
-  def needs_state(self, step: int) -> bool:
-    """True if on_step for `step` must see the state right after that step (e.g. eval,
-    checkpoint); the loop then waits for that step instead of overlapping it."""
-    ...
+  """A side effect of the loop. The Trainer owns the cadence (`add_hook(hook, every=N)`) and
+  calls on_step only at the steps it is due."""
 
   def on_step(self, trainer: "Trainer", record: StepRecord, state: TrainState | None) -> None: ...
 
   def on_end(self, trainer: "Trainer", state: TrainState | None) -> None: ...
+
+
+class ScheduledHook(Hook, Protocol):
+  """A hook whose steps are not a fixed period (checkpoint: period, SIGTERM, last step; profiler:
+  the two ends of the trace). `due` is asked exactly once per step, right after it is dispatched."""
+
+  def due(self, step: int) -> bool: ...
+
+
+@dataclasses.dataclass
+class _Entry:
+  hook: Hook
+  every: int  # 0: the hook's own `due`
+  needs_state: bool  # on_step must see the state right after its step (the loop waits for it)
+
+  def due(self, step: int) -> bool:
+    return self.hook.due(step) if self.every == 0 else step % self.every == 0  # type: ignore[attr-defined]
 
 
 @dataclasses.dataclass
@@ -57,24 +72,40 @@ class LoopState:
 
   state: TrainState
   next_step: int  # 0-based index of the next step to dispatch
-  pending: tuple[int, dict[str, jax.Array | float]] | None = None  # dispatched, not yet read
+  # Dispatched, not yet read: (step index, device metrics, the hooks due at that step).
+  pending: tuple[int, dict[str, jax.Array | float], list[_Entry]] | None = None
   last_done: float = dataclasses.field(default_factory=time.perf_counter)
-  history: list[StepRecord] = dataclasses.field(default_factory=list)
+  # The first and the latest finished step of this start (every step's metrics go to the hooks;
+  # keeping them all here would grow without bound on a long run).
+  first: StepRecord | None = None
+  last: StepRecord | None = None
 
 
 class Trainer:
   def __init__(self, config: Any, train_step: Callable, data: ResumableBatches, rng: jax.Array,
-               flops: metrics_lib.StepFlops, peak_tflops_per_device: float, hooks: list[Hook]):
+               flops: metrics_lib.StepFlops, peak_tflops_per_device: float):
     self.config, self.train_step, self.data, self.rng = config, train_step, data, rng
     self.flops, self.peak = flops, peak_tflops_per_device
-    self.hooks = hooks
+    self._entries: list[_Entry] = []
     self.tokens_per_step = config.data.global_batch_size * config.data.max_target_length
     self.stop_reason: str | None = None  # a hook sets it to end the run after the current step
+
+  def add_hook(self, hook: Hook, every: int = 1, needs_state: bool = False) -> None:
+    """Runs `hook.on_step` after every `every`-th step; every=0: at the steps `hook.due` names."""
+    if every < 0:
+      raise ValueError(f"every must be >= 0, got {every}")
+    if every == 0 and not hasattr(hook, "due"):
+      raise TypeError(f"{type(hook).__name__} has no due(step): give it a period (every=N)")
+    self._entries.append(_Entry(hook, every, needs_state))
+
+  @property
+  def hooks(self) -> list[Hook]:
+    return [entry.hook for entry in self._entries]
 
   def _finish(self, loop: LoopState, state: TrainState | None) -> None:
     """Waits for the pending step's metrics, checks them and runs the hooks."""
     assert loop.pending is not None
-    index, device_metrics = loop.pending
+    index, device_metrics, due = loop.pending
     loop.pending = None
     scalars = {k: float(np.asarray(v)) for k, v in jax.device_get(device_metrics).items()}
     now = time.perf_counter()
@@ -88,12 +119,12 @@ class Trainer:
     scalars.update(step_seconds=seconds, tokens_per_s=t.tokens_per_s, tokens_per_s_per_device=t.tokens_per_s_per_device,
                    tflops_per_s_per_device=t.tflops_per_s_per_device, mfu=t.mfu)
     record = StepRecord(index + 1, seconds, scalars)
-    loop.history.append(record)
-    for hook in self.hooks:
-      hook.on_step(self, record, state)
+    loop.first, loop.last = loop.first or record, record
+    for entry in due:
+      entry.hook.on_step(self, record, state if entry.needs_state else None)
 
   def run(self, state: TrainState, start_step: int = 0) -> LoopState:
-    """Runs steps start_step..steps-1; returns the loop state (with every step's record)."""
+    """Runs steps start_step..steps-1; returns the loop state (first and last step records)."""
     loop = LoopState(state=state, next_step=start_step)
     try:
       while loop.next_step < self.config.run.steps:
@@ -103,9 +134,10 @@ class Trainer:
         loop.state, device_metrics = self.train_step(loop.state, batch, self.rng)
         if loop.pending is not None:
           self._finish(loop, None)  # the state after that step was donated to this one
-        loop.pending = (loop.next_step, {**device_metrics, "input_wait_s": input_wait_s})
         loop.next_step += 1
-        if any([hook.needs_state(loop.next_step) for hook in self.hooks]):  # a list: ask every hook
+        due = [entry for entry in self._entries if entry.due(loop.next_step)]  # each asked once
+        loop.pending = (loop.next_step - 1, {**device_metrics, "input_wait_s": input_wait_s}, due)
+        if any(entry.needs_state for entry in due):
           self._finish(loop, loop.state)
         if self.stop_reason is not None:
           break
@@ -113,7 +145,7 @@ class Trainer:
         self._finish(loop, loop.state)
     except BaseException as e:
       if isinstance(e, KeyboardInterrupt):
-        done = loop.history[-1].step if loop.history else start_step
+        done = loop.last.step if loop.last else start_step
         print(f"stopped by Ctrl-C after step {done}", flush=True)
       self._end_hooks(loop, failing=True)
       raise
@@ -139,9 +171,6 @@ class LeaseHook:
   def __init__(self, lease: Any):
     self.lease = lease
 
-  def needs_state(self, step: int) -> bool:
-    return False
-
   def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
     self.lease.check()
 
@@ -150,16 +179,13 @@ class LeaseHook:
 
 
 class LoggingHook:
-  """Prints one line per `log_period` steps and writes every scalar to JSONL/TensorBoard."""
+  """Prints one line per due step (every log_period) and writes every scalar to JSONL/TensorBoard."""
 
-  def __init__(self, writer: metrics_lib.MetricWriter | None, log_period: int, is_primary: bool):
-    self.writer, self.log_period, self.is_primary = writer, log_period, is_primary
-
-  def needs_state(self, step: int) -> bool:
-    return False
+  def __init__(self, writer: metrics_lib.MetricWriter | None, is_primary: bool):
+    self.writer, self.is_primary = writer, is_primary
 
   def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
-    if not self.is_primary or record.step % self.log_period:
+    if not self.is_primary:
       return
     s = record.scalars
     t = metrics_lib.Throughput(s["tokens_per_s"], s["tokens_per_s_per_device"], s["tflops_per_s_per_device"], s["mfu"])
@@ -173,21 +199,16 @@ class LoggingHook:
 
 
 class EvalHook:
-  """Every `eval_interval` steps: mean loss and perplexity over `eval_steps` eval batches."""
+  """Mean loss and perplexity over `eval_steps` eval batches at each due step (needs the state)."""
 
-  def __init__(self, eval_step: Callable, eval_data: Any, eval_interval: int,
-               eval_steps: int, writer: metrics_lib.MetricWriter | None, is_primary: bool):
+  def __init__(self, eval_step: Callable, eval_data: Any, eval_steps: int,
+               writer: metrics_lib.MetricWriter | None, is_primary: bool):
     """`eval_data` has `reset()`, so every evaluation sees the same batches."""
-    self.eval_step, self.eval_data = eval_step, eval_data
-    self.eval_interval, self.eval_steps = eval_interval, eval_steps
+    self.eval_step, self.eval_data, self.eval_steps = eval_step, eval_data, eval_steps
     self.writer, self.is_primary = writer, is_primary
 
-  def needs_state(self, step: int) -> bool:
-    return self.eval_interval > 0 and step % self.eval_interval == 0
-
   def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
-    if state is None or not self.needs_state(record.step):
-      return
+    assert state is not None, "add EvalHook with needs_state=True"
     data = self.eval_data.reset()
     xent = weight = 0.0
     for _ in range(self.eval_steps):
@@ -208,30 +229,28 @@ class CheckpointHook:
   step, and at the first step boundary after SIGTERM (then asks the loop to stop); with a local
   tier, also every `local_checkpoint_period` steps to each host's own disk."""
 
-  def __init__(self, checkpoints: Any, period: int, preemption: Any, rng: jax.Array,
+  def __init__(self, checkpoints: Any, period: int, last_step: int, preemption: Any, rng: jax.Array,
                before_save: Callable[[], None] = lambda: None):
     """`before_save` runs before every save (the metric writer's sync: a resumed run keeps
     the metric lines up to its checkpoint, so they must be durable first)."""
-    self.checkpoints, self.period, self.preemption = checkpoints, period, preemption
+    self.checkpoints, self.period, self.last_step, self.preemption = checkpoints, period, last_step, preemption
     self.before_save = before_save
     self.meta = {"rng_key_data": np.asarray(jax.random.key_data(rng)).tolist()}
     self._preempted_at: int | None = None
 
-  def needs_state(self, step: int) -> bool:
-    # Asked once per step, right after it is dispatched; JAX's multi-process sync point must
-    # be queried exactly once per step.
+  def due(self, step: int) -> bool:
+    # JAX's multi-process sync point (preemption.reached) must be queried exactly once per
+    # step, which the Trainer guarantees for `due`.
     if self._preempted_at is None and self.preemption.reached(step):
       self._preempted_at = step
-    return self._due(step)
+    return self._persistent(step) or self.checkpoints.local_due(step)
 
-  def _due(self, step: int) -> bool:
-    return step % self.period == 0 or self._preempted_at == step or self.checkpoints.local_due(step)
+  def _persistent(self, step: int) -> bool:
+    return step % self.period == 0 or self._preempted_at == step or step == self.last_step
 
   def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
-    last = record.step == trainer.config.run.steps
-    if state is None or not (self._due(record.step) or last):
-      return
-    persistent = record.step % self.period == 0 or self._preempted_at == record.step or last
+    assert state is not None, "add CheckpointHook with needs_state=True"
+    persistent = self._persistent(record.step)
     meta = {**self.meta, "step": record.step}
     self.before_save()
     if not persistent:  # a local-tier step only
@@ -277,12 +296,10 @@ class ProfilerHook:
     print(f"profile: steps {self.first + 1}..{self.last} traced into {self.directory} "
           "(open with TensorBoard's profile plugin or Perfetto)", flush=True)
 
-  def needs_state(self, step: int) -> bool:
+  def due(self, step: int) -> bool:
     return self.active and step in (self.first, self.last)
 
   def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
-    if not self.active:
-      return
     if record.step == self.first and not self.tracing:
       self._start()
     elif record.step == self.last and self.tracing:

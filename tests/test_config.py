@@ -11,7 +11,7 @@ import yaml
 from MaxText import xla_flags
 from MaxText.accelerators import DeviceTarget
 from MaxText.config import BASE_CONFIG_PATH, CONFIGS_DIR, Config, load_config, read_descriptions, read_yaml
-from MaxText.config_groups import parameter_scales
+from MaxText.model_config import parameter_scales
 from MaxText.errors import ConfigError
 
 CPU8 = DeviceTarget(platform="cpu", device_kind="cpu", num_devices=8)
@@ -115,7 +115,7 @@ def test_derived_batch_and_mesh():
   two_slices = DeviceTarget(platform="tpu", device_kind="TPU v5 lite", num_devices=512, num_slices=2)
   mesh = load(target=two_slices).mesh
   assert dict(mesh.dcn)["data"] == 2 and dict(mesh.ici)["fsdp"] == 256 and dict(mesh.shape)["data"] == 2
-  assert load("steps=50").optim.schedule_steps == 50 and load("steps=50").optim.warmup_steps == 2
+  assert load("steps=50").optim.learning_rate_schedule_steps == 50 and load("steps=50").optim.warmup_steps == 2
 
 
 def test_environment_and_argv_both_set_reports_it(capsys):
@@ -161,3 +161,70 @@ def test_a_single_number_is_a_one_item_list():
   # YAML reads `prompt_token_ids=5` as the number 5; a list-typed key takes it as [5].
   assert load("prompt_token_ids=5")["prompt_token_ids"] == [5]
   assert load("prompt_token_ids=5,17")["prompt_token_ids"] == ["5", "17"]
+
+
+def test_every_base_key_is_one_group_field_of_its_own_name():
+  """A new key is a base.yml line plus a field named after it: nothing else lists keys."""
+  from MaxText import config_fields, config_groups
+
+  base = set(read_yaml(BASE_CONFIG_PATH))
+  fields = config_fields.all_keys(config_groups.GROUPS)
+  assert base - fields == set(), "base.yml keys no config group field holds"
+  assert fields - base == set(), "group key fields without a base.yml key"
+  config = load("model_name=llama2-7b", "ici_tensor_parallelism=2", "dataset_type=hf", "hf_path=x",
+                "tokenizer_path=/tok.model")
+  groups = [config.model, config.model.attention_blocks, config.mesh, config.optim, config.data, config.run,
+            config.checkpoint, config.decode, config.startup]
+  auto = {"num_slices", "ici_fsdp_parallelism", "dcn_data_parallelism", "learning_rate_schedule_steps",
+          "num_pipeline_microbatches", "logical_axis_rules"}  # -1 (or nested lists) resolved by the group
+  for group in groups:
+    for f in config_fields.key_fields(type(group)):
+      value, given = getattr(group, f.name), config[f.name]
+      if f.name not in auto:
+        assert value == (tuple(given) if isinstance(given, list) else given), f.name
+
+
+def test_resume_and_architecture_key_lists_come_from_field_metadata():
+  from MaxText import run_record
+  from MaxText.model_config import ARCHITECTURE_KEYS, MODEL_KEYS
+
+  assert "base_emb_dim" in ARCHITECTURE_KEYS and "dropout_rate" not in ARCHITECTURE_KEYS
+  assert MODEL_KEYS == (*ARCHITECTURE_KEYS, "global_parameter_scale")
+  fixed = run_record.FIXED_ON_RESUME
+  assert fixed["model shape and function"] == MODEL_KEYS
+  assert fixed["state layout"] == ("scan_layers", "weight_dtype") and fixed["optimizer state"] == ("opt_type",)
+  assert {"global_batch_size", "data_shuffle_seed", "tokenizer_path"} <= set(fixed["data position"])
+
+
+def test_building_the_config_reads_no_file_and_no_clock(monkeypatch, tmp_path):
+  """Validation is pure: data files and tokenizers are opened by the input pipeline, the clock
+  is read once by the loader for an unnamed run."""
+  import builtins
+  import datetime as datetime_module
+  from MaxText import config as config_lib
+
+  values = config_lib.resolve_values(config_lib.parse_overrides(
+      ["t", "dataset_type=grain", f"grain_train_files={tmp_path}/missing*.ar", "tokenizer_path=/missing.model",
+       "run_name=named"], environ={}), "cpu")
+
+  def refuse(*args, **kwargs):
+    raise AssertionError(f"I/O while validating: {args}")
+
+  class Clock(datetime_module.datetime):
+    @classmethod
+    def now(cls, tz=None):
+      raise AssertionError("the clock was read while validating")
+
+  monkeypatch.setattr(builtins, "open", refuse)
+  monkeypatch.setattr(datetime_module, "datetime", Clock)
+  config = Config(values, CPU8)
+  assert config.data.grain_train_files.endswith("missing*.ar") and config.run.run_name == "named"
+
+
+def test_an_unnamed_run_is_named_by_the_clock_on_one_process_only():
+  config = load()
+  assert config["run_name"].startswith("run_") and config.run.run_dir.endswith(config["run_name"])
+  two_hosts = DeviceTarget(platform="cpu", device_kind="cpu", num_devices=8, num_processes=2)
+  with pytest.raises(ConfigError, match="set run_name=NAME: with 2 processes"):
+    load(target=two_hosts)
+  assert load("run_name=shared", target=two_hosts).run.run_name == "shared"

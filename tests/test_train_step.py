@@ -80,9 +80,40 @@ class _NanStep:
 def test_nan_loss_stops_the_run_naming_the_step(tiny_overrides):
   config = Config.for_testing(**tiny_overrides, steps=10)
   trainer = Trainer(config, _NanStep(nan_at=4), iter(range(100)), jax.random.key(0),
-                    metrics.training_tflops_per_step(config.model, 8, 32), 1.0, hooks=[])
+                    metrics.training_tflops_per_step(config.model, 8, 32), 1.0)
   with pytest.raises(TrainingError, match="loss became nan at step 4"):
     trainer.run(state=None)
+
+
+class _Recorder:
+  def __init__(self, due_at: tuple[int, ...] = ()):
+    self.due_at, self.asked, self.seen = due_at, [], []
+
+  def due(self, step: int) -> bool:
+    self.asked.append(step)
+    return step in self.due_at
+
+  def on_step(self, trainer, record, state) -> None:
+    self.seen.append((record.step, state is not None))
+
+  def on_end(self, trainer, state) -> None:
+    self.seen.append(("end", state is not None))
+
+
+def test_the_trainer_owns_each_hooks_cadence(tiny_overrides):
+  config = Config.for_testing(**tiny_overrides, steps=7)
+  trainer = Trainer(config, _NanStep(nan_at=-1), iter(range(100)), jax.random.key(0),
+                    metrics.training_tflops_per_step(config.model, 8, 32), 1.0)
+  periodic, scheduled = _Recorder(), _Recorder(due_at=(2, 5))
+  trainer.add_hook(periodic, every=3)
+  trainer.add_hook(scheduled, every=0, needs_state=True)
+  with pytest.raises(TypeError, match="has no due"):
+    trainer.add_hook(object(), every=0)
+  loop = trainer.run(state="state", start_step=1)
+  assert periodic.seen == [(3, False), (6, False), ("end", True)]
+  assert scheduled.seen == [(2, True), (5, True), ("end", True)]
+  assert scheduled.asked == [2, 3, 4, 5, 6, 7]  # once per step, as the preemption sync point needs
+  assert (loop.first.step, loop.last.step) == (2, 7)
 
 
 def _cli_env() -> dict:

@@ -17,7 +17,7 @@ import yaml
 
 from MaxText import storage
 from MaxText.config import MODEL_CONFIG_FILE
-from MaxText.config_groups import ModelConfig
+from MaxText.model_config import ARCHITECTURE_KEYS, ModelConfig
 from MaxText.convert import registry
 from MaxText.errors import ConfigError, UserError
 
@@ -159,7 +159,7 @@ def hf_tensors_from_params(read_leaf: Callable[[tuple[str, ...]], np.ndarray], f
 
 def canonical(keys: Mapping[str, Any]) -> dict[str, Any]:
   """Architecture keys with settings that have no effect blanked, so equal models compare equal."""
-  out = {k: keys[k] for k in registry.ARCHITECTURE_KEYS if k in keys}
+  out = {k: keys[k] for k in ARCHITECTURE_KEYS if k in keys}
   out["mlp_activations"] = list(out.get("mlp_activations", []))
   out["attention_layer_pattern"] = list(out.get("attention_layer_pattern", []))
   if not out.get("query_pre_attn_scalar"):
@@ -182,12 +182,12 @@ def canonical(keys: Mapping[str, Any]) -> dict[str, Any]:
 
 def differences(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:
   a, b = canonical(ours), canonical(theirs)
-  return [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in registry.ARCHITECTURE_KEYS if a.get(k) != b.get(k)]
+  return [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in ARCHITECTURE_KEYS if a.get(k) != b.get(k)]
 
 
 def full_model_keys(schema: Mapping[str, Any], inferred: Mapping[str, Any]) -> dict[str, Any]:
   """Every architecture key: the inferred ones over base.yml's defaults."""
-  return {k: inferred.get(k, schema[k]) for k in registry.ARCHITECTURE_KEYS if k in schema}
+  return {k: inferred.get(k, schema[k]) for k in ARCHITECTURE_KEYS if k in schema}
 
 
 def override_args(keys: Mapping[str, Any]) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from MaxText.config_groups import ModelConfig
+from MaxText.model_config import ModelConfig
 from MaxText.convert import registry as r
 from MaxText.convert.llama import (decoder_tensors, embedding_tensors, gated_mlp_tensors, rope_hf_config, rope_keys,
                                    shape_hf_config, shape_keys)

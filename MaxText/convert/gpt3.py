@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from MaxText.config_groups import ModelConfig
+from MaxText.model_config import ModelConfig
 from MaxText.convert import registry as r
 
 _QKV = ("self_attention/query", "self_attention/key", "self_attention/value")

@@ -29,7 +29,7 @@ import numpy as np
 
 from MaxText import checkpointing, models, storage
 from MaxText import config as config_lib
-from MaxText.config_groups import ModelConfig
+from MaxText.model_config import ModelConfig
 from MaxText.convert import cli, engine, hf_io, registry, streaming
 from MaxText.errors import ConfigError, UserError, run_cli
 

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from MaxText.config_groups import ModelConfig
+from MaxText.model_config import ModelConfig
 from MaxText.convert import registry as r
 from MaxText.convert.llama import decoder_tensors, embedding_tensors, mistral_hf_config, mistral_model_keys
 

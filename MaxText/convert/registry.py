@@ -26,24 +26,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from MaxText.config_groups import ModelConfig
+from MaxText.model_config import ModelConfig
 from MaxText.errors import ConfigError
 
 # One module per family; each registers itself on import.
 FAMILY_MODULES = ("llama", "gemma", "gpt3", "mixtral")
 
-# The base.yml keys that fix a checkpoint's architecture (parameter shapes and the function
-# they compute). model_config.yml beside a converted checkpoint holds all of them, so a later
-# change of a base.yml default cannot silently change what the checkpoint means.
-ARCHITECTURE_KEYS = (
-    "decoder_block", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim",
-    "base_num_decoder_layers", "head_dim", "vocab_size", "mlp_activations", "normalization_type",
-    "normalization_layer_epsilon", "use_bias", "position_embedding", "max_position_embeddings",
-    "rope_min_timescale", "rope_max_timescale", "rope_interleaved", "rope_type", "rope_scaling_factor",
-    "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position", "attention_layer_pattern",
-    "sliding_window_size", "attn_logits_soft_cap", "final_logits_soft_cap", "query_pre_attn_scalar",
-    "scale_embedding", "logits_via_embedding", "num_experts", "num_experts_per_tok",
-)
 
 Array = np.ndarray
 

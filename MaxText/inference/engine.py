@@ -78,8 +78,8 @@ class Engine:
     self.spec = models.build_model_spec(self.cfg)
     self.param_shardings = models.shard_params_like(self.spec, self.mesh, self.rules)
     self.sampling = sampling.SamplingParams(
-        self.decode_cfg.sampling_strategy, self.decode_cfg.sampling_temperature,
-        self.decode_cfg.sampling_nucleus_p, self.decode_cfg.sampling_top_k)
+        self.decode_cfg.decode_sampling_strategy, self.decode_cfg.decode_sampling_temperature,
+        self.decode_cfg.decode_sampling_nucleus_p, self.decode_cfg.decode_sampling_top_k)
     quantized = self.decode_cfg.quantize_kvcache
     abstract_caches = jax.eval_shape(lambda: kv_cache.model_caches(self.cfg, num_slots, self.cfg.max_target_length,
                                                                    quantized))

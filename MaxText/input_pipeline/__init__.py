@@ -15,6 +15,27 @@ from MaxText.sharding import batch_sharding
 _EVAL_SEED_OFFSET = 1 << 30
 
 
+def check_sources(cfg: Any) -> None:
+  """Opens what a real dataset_type names before any state is built, so a missing file, a bad
+  glob or a tokenizer larger than vocab_size stops the run at once (config validation does no I/O)."""
+  if cfg.dataset_type == "synthetic":
+    return
+  from MaxText import storage
+  from MaxText.errors import ConfigError
+  from MaxText.input_pipeline import files, tokenizer
+
+  if cfg.dataset_type == "tfds" and cfg.dataset_path and not storage.is_dir(cfg.dataset_path):
+    raise ConfigError(f"dataset_path {cfg.dataset_path} is not a directory")
+  for key in ("hf_data_files", "hf_eval_files") if cfg.dataset_type == "hf" else \
+      ("grain_train_files", "grain_eval_files") if cfg.dataset_type == "grain" else ():
+    if getattr(cfg, key):
+      files.expand_files(key, getattr(cfg, key))
+  vocab = tokenizer.load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path).vocab_size
+  if vocab > cfg.vocab_size:
+    raise ConfigError(f"the tokenizer {cfg.tokenizer_path} has {vocab} tokens, more than vocab_size="
+                      f"{cfg.vocab_size}; set vocab_size >= {vocab}")
+
+
 def _open_source(cfg: Any, train: bool) -> tuple[Any, str]:
   """The random-access records of the train or eval split and a description of them."""
   split = cfg.train_split if train else cfg.eval_split
@@ -42,7 +63,7 @@ def _real_data_iterator(config: Any, mesh: Mesh, train: bool) -> Any:
   shard = pipeline.host_shard(sharding, cfg.global_batch_size, cfg.max_target_length)
   source, describe = _open_source(cfg, train)
   encoder = DocumentEncoder(load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path), cfg.add_bos, cfg.add_eos)
-  seed = cfg.seed if (train and cfg.enable_data_shuffling) else None
+  seed = cfg.data_shuffle_seed if (train and cfg.enable_data_shuffling) else None
   what = f"the {'train' if train else 'eval'} data ({describe})"
   dataset = pipeline.document_dataset(source, shard, encoder, cfg.text_column, seed, repeat=train, what=what)
   # An endless run of unusable documents would hang the packer; one epoch of them is an error.

@@ -24,7 +24,7 @@ Batch = dict[str, jax.Array]
 
 def make_batch(cfg: DataConfig, step: jax.Array, batch_size: int) -> Batch:
   """One global batch: inputs, targets, positions and segment ids (all [B, L] int32)."""
-  key = jax.random.fold_in(jax.random.key(cfg.seed), step)
+  key = jax.random.fold_in(jax.random.key(cfg.data_shuffle_seed), step)
   start_key, stride_key = jax.random.split(key)
   length = cfg.max_target_length
   start_B = jax.random.randint(start_key, (batch_size, 1), 0, cfg.vocab_size)

@@ -18,9 +18,8 @@ import json
 from typing import Callable, Protocol
 
 from MaxText import storage
+from MaxText.config_groups import TOKENIZER_TYPES
 from MaxText.errors import ConfigError
-
-TOKENIZER_TYPES = ("sentencepiece", "tiktoken", "huggingface")
 
 # Llama 3's pre-tokenisation split and special-token block (facts of its published tokenizer).
 _LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"

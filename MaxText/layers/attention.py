@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from MaxText import sharding
-from MaxText.config_groups import ModelConfig
+from MaxText.model_config import ModelConfig
 from MaxText.layers import attention_kernels
 from MaxText.layers import kv_cache
 from MaxText.layers.embeddings import apply_rope, rope_inverse_frequencies

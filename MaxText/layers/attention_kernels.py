@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxText import sharding
-from MaxText.config_groups import ModelConfig
+from MaxText.model_config import ModelConfig
 from MaxText.errors import ConfigError
 from MaxText.layers import context_parallel, splash_attention
 

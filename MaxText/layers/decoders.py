@@ -12,7 +12,7 @@ import jax
 from flax import nnx
 
 from MaxText import sharding
-from MaxText.config_groups import ModelConfig
+from MaxText.model_config import ModelConfig
 from MaxText.errors import ConfigError
 from MaxText.layers.attention import Attention
 from MaxText.layers.kv_cache import KVCache

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from MaxText.config_groups import ModelConfig
+from MaxText.model_config import ModelConfig
 
 
 class Embed(nnx.Module):

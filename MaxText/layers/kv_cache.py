@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from MaxText import sharding
-from MaxText.config_groups import ModelConfig
+from MaxText.model_config import ModelConfig
 
 # Large finite negative (not -inf) so a fully masked row stays NaN-free.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from MaxText import sharding
-from MaxText.config_groups import ModelConfig
+from MaxText.model_config import ModelConfig
 from MaxText.layers.linears import DenseGeneral
 
 ACTIVATION_FNS = {

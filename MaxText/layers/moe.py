@@ -55,7 +55,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from MaxText import sharding
-from MaxText.config_groups import ModelConfig
+from MaxText.model_config import ModelConfig
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers import quantization
 from MaxText.layers.mlp import ACTIVATION_FNS

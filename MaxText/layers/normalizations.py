@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxText.config_groups import ModelConfig
+from MaxText.model_config import ModelConfig
 
 
 class RMSNorm(nnx.Module):

@@ -9,7 +9,7 @@ import pytest
 from MaxText import sharding
 from MaxText.config import Config
 from MaxText.errors import ConfigError
-from MaxText.input_pipeline import create_data_iterator, create_eval_iterator
+from MaxText.input_pipeline import check_sources, create_data_iterator, create_eval_iterator
 
 
 def _grain(spm_model: str, prepared: Path, **overrides) -> dict:
@@ -40,8 +40,10 @@ def _open(values: dict, evaluation: bool = False):
     (dict(max_target_length=1), "max_target_length must be >= 2"),
 ])
 def test_config_errors(spm_model, prepared, overrides, message):
+  """Key errors from validation, file and tokenizer errors from check_sources (train.py calls it
+  before building any state)."""
   with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-    Config.for_testing(**_grain(spm_model, prepared, **overrides))
+    check_sources(Config.for_testing(**_grain(spm_model, prepared, **overrides)).data)
 
 
 def test_empty_dataset(spm_model, prepared, tmp_path):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from MaxText.config import Config
-from MaxText.config_groups import AttentionBlocks
+from MaxText.model_config import AttentionBlocks
 from MaxText.errors import ConfigError
 from MaxText.layers import attention, attention_kernels, splash_attention
 from MaxText.layers.attention import dot_product_attention, select_kernel

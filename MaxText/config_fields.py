@@ -1,0 +1,75 @@
+"""How a config group's dataclass fields relate to base.yml keys.
+
+A group field is either
+  * `key()`: it holds the base.yml key of the same name (lists become tuples; a `-1 = auto`
+    value may be resolved by the group), so a new key is one base.yml line plus one field;
+  * `derived()`: computed by the group from keys (scaled sizes, the global batch, paths).
+Field metadata also says what a resume must keep (`fixed_on_resume`) and which keys fix a
+checkpoint's architecture; run_record and the converters read those lists from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from MaxText.errors import ConfigError
+
+_KEY = "key"
+FIXED = "fixed_on_resume"
+ARCHITECTURE = "architecture"
+
+# What a resume keeps, by what it decides (the order of the resume report).
+MODEL = "model shape and function"
+LAYOUT = "state layout"
+OPTIMIZER = "optimizer state"
+DATA_POSITION = "data position"
+FIXED_KINDS = (MODEL, LAYOUT, OPTIMIZER, DATA_POSITION)
+
+
+def key(*, fixed_on_resume: str = "", architecture: bool = False) -> Any:
+  """A field holding the base.yml key of its own name. `architecture`: the key fixes a
+  checkpoint's parameter shapes or the function they compute (implies fixed_on_resume=MODEL)."""
+  fixed = MODEL if architecture else fixed_on_resume
+  assert fixed in ("", *FIXED_KINDS), fixed
+  return dataclasses.field(metadata={_KEY: True, FIXED: fixed, ARCHITECTURE: architecture})
+
+
+def derived(default: Any = dataclasses.MISSING, *, fixed_on_resume: str = "") -> Any:
+  """A field the group computes from keys."""
+  return dataclasses.field(default=default, metadata={_KEY: False, FIXED: fixed_on_resume, ARCHITECTURE: False})
+
+
+def require(condition: bool, message: str) -> None:
+  if not condition:
+    raise ConfigError(message)
+
+
+def key_fields(group: type) -> list[dataclasses.Field]:
+  return [f for f in dataclasses.fields(group) if f.metadata.get(_KEY)]
+
+
+def read_keys(group: type, values: Mapping[str, Any], **resolved: Any) -> dict[str, Any]:
+  """The group's key fields from the flat values (lists as tuples), with `resolved` replacing
+  the values the group worked out itself (auto -1 values, parsed ids)."""
+  out = {}
+  for f in key_fields(group):
+    value = values[f.name]
+    out[f.name] = tuple(value) if isinstance(value, list) else value
+  unknown = set(resolved) - set(out)
+  assert not unknown, f"not key fields of {group.__name__}: {unknown}"
+  return {**out, **resolved}
+
+
+def keys_where(groups: tuple[type, ...], name: str, value: Any) -> tuple[str, ...]:
+  """Keys and derived values whose field metadata `name` equals `value`, in field order, each once."""
+  found: dict[str, None] = {}
+  for group in groups:
+    for f in dataclasses.fields(group):
+      if f.metadata.get(name) == value:
+        found[f.name] = None
+  return tuple(found)
+
+
+def all_keys(groups: tuple[type, ...]) -> set[str]:
+  return {f.name for group in groups for f in key_fields(group)}

@@ -1,0 +1,282 @@
+"""The model's configuration group: the keys that shape and run the decoder, validated together.
+
+Every field is named after its base.yml key (config_fields.key) or derived from keys (sizes
+after global_parameter_scale, the pipeline stage count from the mesh, kernel tile sizes).
+Layers receive a ModelConfig only. Building it does no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any, Mapping
+
+from MaxText.config_fields import ARCHITECTURE, FIXED, LAYOUT, MODEL, DATA_POSITION, derived, key, keys_where, read_keys
+from MaxText.config_fields import require as _require
+
+if TYPE_CHECKING:
+  from MaxText.config_groups import MeshConfig
+
+REMAT_POLICIES = ("full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "minimal_offloaded",
+                  "save_dot_except_mlp_offloaded", "none")
+QUANTIZATION_MODES = ("", "int8", "fp8")  # mirrors layers/quantization.py (config must not import layers)
+ATTENTION_KINDS = ("dot_product", "flash", "cudnn_flash", "autoselected")
+ACTIVATIONS = ("silu", "gelu", "relu", "linear", "tanh")
+DTYPES = ("float32", "bfloat16", "float16")
+NORMALIZATION_TYPES = ("rms", "rms_plus_one", "layer")
+POSITION_EMBEDDINGS = ("rope", "learned", "sinusoidal")
+ROPE_TYPES = ("default", "llama3")
+ATTENTION_LAYER_KINDS = ("global", "local")
+PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
+
+
+def positive(values: Mapping[str, Any], *keys: str) -> None:
+  for name in keys:
+    _require(values[name] > 0, f"{name} must be > 0, got {values[name]}")
+
+
+def one_of(v: Mapping[str, Any], name: str, allowed: tuple[str, ...]) -> None:
+  _require(v[name] in allowed, f"{name} must be one of {', '.join(allowed)}; got {v[name]!r}")
+
+
+def parameter_scales(global_parameter_scale: int) -> dict[str, int]:
+  """Per-dimension multipliers for `global_parameter_scale` (a power of two, 2**k).
+
+  Parameters grow with width × heads × layers, so each doubling of the scale
+  doubles one dimension in turn, cycling heads+mlp → embedding → layers.
+  Three doublings (8x parameters) double heads, mlp, embedding and layers once
+  each: with k = 3q + r, heads and mlp scale by 2**(q + (r>=1)), the embedding
+  by 2**(q + (r>=2)) and layers by 2**q.
+  """
+  scale = global_parameter_scale
+  _require(scale >= 1 and scale & (scale - 1) == 0,
+           f"global_parameter_scale must be a power of two (1, 2, 4, ...), got {scale}")
+  q, r = divmod(int(math.log2(scale)), 3)
+  heads = 2 ** (q + (r >= 1))
+  return {"emb": 2 ** (q + (r >= 2)), "heads": heads, "mlp": heads, "layers": 2**q}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionBlocks:
+  """Tile sizes of attention=flash: flash_* for the chunked JAX kernel (CPU, GPU), sa_* for TPU splash."""
+  flash_block_q: int = key()
+  flash_block_kv: int = key()
+  sa_block_q: int = key()
+  sa_block_kv: int = key()
+  sa_block_kv_compute: int = key()
+  sa_block_q_dkv: int = key()
+  sa_block_kv_dkv: int = key()
+  sa_block_kv_dkv_compute: int = key()
+  sa_block_q_dq: int = key()
+  sa_block_kv_dq: int = key()
+
+  @classmethod
+  def from_values(cls, v: Mapping[str, Any]) -> "AttentionBlocks":
+    blocks = read_keys(cls, v)
+    positive(blocks, *blocks)
+    for name in blocks:
+      if name.startswith("sa_"):  # splash tiles are laid over the TPU's 128-lane vector registers
+        _require(v[name] % 128 == 0, f"{name} must be a multiple of 128 (TPU lanes), got {v[name]}")
+    for compute, block in (("sa_block_kv_compute", "sa_block_kv"), ("sa_block_kv_dkv_compute", "sa_block_kv_dkv")):
+      _require(v[block] % v[compute] == 0, f"{compute} ({v[compute]}) must divide {block} ({v[block]})")
+    return cls(**blocks)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+  # Keys that fix a checkpoint's parameter shapes and the function they compute.
+  decoder_block: str = key(architecture=True)
+  base_emb_dim: int = key(architecture=True)
+  base_num_query_heads: int = key(architecture=True)
+  base_num_kv_heads: int = key(architecture=True)
+  base_mlp_dim: int = key(architecture=True)
+  base_num_decoder_layers: int = key(architecture=True)
+  head_dim: int = key(architecture=True)
+  vocab_size: int = key(architecture=True)
+  mlp_activations: tuple[str, ...] = key(architecture=True)
+  normalization_type: str = key(architecture=True)  # rms | rms_plus_one | layer
+  normalization_layer_epsilon: float = key(architecture=True)
+  use_bias: bool = key(architecture=True)
+  position_embedding: str = key(architecture=True)  # rope | learned | sinusoidal
+  max_position_embeddings: int = key(architecture=True)
+  rope_min_timescale: float = key(architecture=True)
+  rope_max_timescale: float = key(architecture=True)
+  rope_interleaved: bool = key(architecture=True)
+  rope_type: str = key(architecture=True)  # default | llama3
+  rope_scaling_factor: float = key(architecture=True)
+  rope_low_freq_factor: float = key(architecture=True)
+  rope_high_freq_factor: float = key(architecture=True)
+  rope_original_max_position: int = key(architecture=True)
+  attention_layer_pattern: tuple[str, ...] = key(architecture=True)  # cycled over layers: global | local
+  sliding_window_size: int = key(architecture=True)
+  attn_logits_soft_cap: float = key(architecture=True)  # 0 = off
+  final_logits_soft_cap: float = key(architecture=True)  # 0 = off
+  query_pre_attn_scalar: float = key(architecture=True)  # 0 = head_dim
+  scale_embedding: bool = key(architecture=True)
+  logits_via_embedding: bool = key(architecture=True)
+  num_experts: int = key(architecture=True)  # 1 = dense MLP
+  num_experts_per_tok: int = key(architecture=True)
+  global_parameter_scale: int = key(fixed_on_resume=MODEL)
+  scan_layers: bool = key(fixed_on_resume=LAYOUT)
+  weight_dtype: str = key(fixed_on_resume=LAYOUT)
+  # How it runs.
+  dtype: str = key()
+  dropout_rate: float = key()
+  logits_dot_in_fp32: bool = key()
+  attention: str = key()
+  remat_policy: str = key()
+  max_target_length: int = key(fixed_on_resume=DATA_POSITION)
+  capacity_factor: float = key()  # <= 0 = dropless
+  sparse_matmul: bool = key()  # dropless experts as grouped matmuls (jax.lax.ragged_dot)
+  load_balance_loss_weight: float = key()
+  quantization: str = key()  # "" | int8 | fp8: the decoder stack's matmuls (layers/quantization.py)
+  pipeline_schedule: str = key()  # gpipe | circular | 1f1b (interleaved with num_pipeline_repeats > 1)
+  num_pipeline_repeats: int = key()
+  num_pipeline_microbatches: int = key()  # -1 resolved to the number of stages
+  # Derived: sizes after global_parameter_scale, the stage count from the mesh, kernel tiles.
+  emb_dim: int = derived()
+  num_query_heads: int = derived()
+  num_kv_heads: int = derived()
+  mlp_dim: int = derived()
+  num_decoder_layers: int = derived()
+  num_pipeline_stages: int = derived(1)  # 1 = no pipeline
+  attention_blocks: AttentionBlocks = derived()
+
+  @property
+  def layers_per_pipeline_stage(self) -> int:
+    """Decoder layers one stage runs per pass (per repeat)."""
+    return self.num_decoder_layers // (self.num_pipeline_stages * self.num_pipeline_repeats)
+
+  @classmethod
+  def from_values(cls, v: Mapping[str, Any], mesh: "MeshConfig", global_batch: int) -> "ModelConfig":
+    positive(v, "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim",
+              "base_num_decoder_layers", "head_dim", "vocab_size", "max_target_length")
+    s = parameter_scales(v["global_parameter_scale"])
+    num_q, num_kv = v["base_num_query_heads"] * s["heads"], v["base_num_kv_heads"] * s["heads"]
+    _require(num_q % num_kv == 0,
+             f"num_query_heads ({num_q}) must be a multiple of num_kv_heads ({num_kv}) for grouped-query attention")
+    one_of(v, "remat_policy", REMAT_POLICIES)
+    one_of(v, "attention", ATTENTION_KINDS)
+    for name in ("dtype", "weight_dtype"):
+      one_of(v, name, DTYPES)
+    acts = tuple(v["mlp_activations"])
+    _require(len(acts) >= 1 and all(a in ACTIVATIONS for a in acts),
+             f"mlp_activations must be a non-empty list of {', '.join(ACTIVATIONS)}; got {list(acts)}")
+    _require(0.0 <= v["dropout_rate"] < 1.0, f"dropout_rate must be in [0, 1), got {v['dropout_rate']}")
+    _check_positions_and_attention(v)
+    _check_moe(v)
+    _check_quantization(v)
+    layers = v["base_num_decoder_layers"] * s["layers"]
+    stages, micro = _pipeline(v, mesh, global_batch, layers)
+    return cls(**read_keys(cls, v, num_pipeline_microbatches=micro),
+               emb_dim=v["base_emb_dim"] * s["emb"], num_query_heads=num_q, num_kv_heads=num_kv,
+               mlp_dim=v["base_mlp_dim"] * s["mlp"], num_decoder_layers=layers, num_pipeline_stages=stages,
+               attention_blocks=AttentionBlocks.from_values(v))
+
+
+def _check_quantization(v: Mapping[str, Any]) -> None:
+  mode = v["quantization"]
+  _require(mode in QUANTIZATION_MODES,
+           f"quantization must be one of \"\", int8, fp8; got {mode!r} (\"\" trains in dtype)")
+  _require(not (mode and v["num_experts"] > 1 and v["sparse_matmul"]),
+           f"quantization={mode} does not cover sparse_matmul's ragged_dot experts; set sparse_matmul=False "
+           "(the padded expert matmuls are quantized) or quantization=\"\"")
+
+
+def _check_positions_and_attention(v: Mapping[str, Any]) -> None:
+  """Normalization, position embedding, RoPE scaling and attention-pattern keys."""
+  one_of(v, "normalization_type", NORMALIZATION_TYPES)
+  one_of(v, "position_embedding", POSITION_EMBEDDINGS)
+  one_of(v, "rope_type", ROPE_TYPES)
+  if v["position_embedding"] == "rope":
+    _require(v["head_dim"] % 2 == 0, f"head_dim must be even for rotary embeddings, got {v['head_dim']}")
+  else:
+    _require(not v["rope_interleaved"] and v["rope_type"] == "default",
+             f"rope_interleaved and rope_type apply only with position_embedding=rope, "
+             f"not {v['position_embedding']!r}")
+  if v["position_embedding"] == "learned":
+    _require(v["max_target_length"] <= v["max_position_embeddings"],
+             f"max_target_length ({v['max_target_length']}) exceeds max_position_embeddings "
+             f"({v['max_position_embeddings']}), the rows of the learned position table")
+  if v["position_embedding"] == "sinusoidal":
+    _require(v["base_emb_dim"] % 2 == 0, f"position_embedding=sinusoidal needs an even emb_dim, "
+             f"got {v['base_emb_dim']}")
+  if v["rope_type"] == "llama3":
+    _require(v["rope_scaling_factor"] >= 1.0 and 0 < v["rope_low_freq_factor"] < v["rope_high_freq_factor"]
+             and v["rope_original_max_position"] > 0,
+             "rope_type=llama3 needs rope_scaling_factor >= 1, 0 < rope_low_freq_factor < "
+             f"rope_high_freq_factor and rope_original_max_position > 0; got {v['rope_scaling_factor']}, "
+             f"{v['rope_low_freq_factor']}, {v['rope_high_freq_factor']}, {v['rope_original_max_position']}")
+  pattern = list(v["attention_layer_pattern"])
+  _require(len(pattern) >= 1 and all(kind in ATTENTION_LAYER_KINDS for kind in pattern),
+           f"attention_layer_pattern must be a non-empty list of {', '.join(ATTENTION_LAYER_KINDS)}; got {pattern}")
+  if "local" in pattern:
+    positive(v, "sliding_window_size")
+  for key in ("attn_logits_soft_cap", "final_logits_soft_cap", "query_pre_attn_scalar"):
+    _require(v[key] >= 0, f"{key} must be >= 0 (0 = off), got {v[key]}")
+
+
+def _check_moe(v: Mapping[str, Any]) -> None:
+  num_experts, top_k = v["num_experts"], v["num_experts_per_tok"]
+  _require(num_experts >= 1, f"num_experts must be >= 1 (1 = dense MLP), got {num_experts}")
+  _require(1 <= top_k <= num_experts,
+           f"num_experts_per_tok must be between 1 and num_experts ({num_experts}), got {top_k}")
+  _require(v["load_balance_loss_weight"] >= 0,
+           f"load_balance_loss_weight must be >= 0, got {v['load_balance_loss_weight']}")
+  _require(num_experts == 1 or not v["use_bias"],
+           "use_bias=True is not supported with num_experts > 1 (the MoE experts have no biases)")
+  _require(isinstance(v["sparse_matmul"], bool), f"sparse_matmul must be True or False, got {v['sparse_matmul']!r}")
+  _require(not v["sparse_matmul"] or v["capacity_factor"] <= 0,
+           f"sparse_matmul=True is the dropless grouped-matmul path but capacity_factor={v['capacity_factor']} "
+           "asks for dropping; set capacity_factor=-1 or sparse_matmul=False")
+
+
+def _pipeline(v: Mapping[str, Any], mesh: "MeshConfig", global_batch: int, layers: int) -> tuple[int, int]:
+  """Validates the pipeline keys against the model, mesh and batch; returns (stages, microbatches)."""
+  stages = dict(mesh.shape)["stage"]
+  repeats, schedule = v["num_pipeline_repeats"], v["pipeline_schedule"]
+  micro = v["num_pipeline_microbatches"]
+  one_of(v, "pipeline_schedule", PIPELINE_SCHEDULES)
+  _require(repeats >= 1, f"num_pipeline_repeats must be >= 1, got {repeats}")
+  _require(micro == -1 or micro >= 1, f"num_pipeline_microbatches must be >= 1 or -1 (= stages), got {micro}")
+  if stages == 1:
+    _require(repeats == 1 and micro in (-1, 1) and schedule == "gpipe",
+             "num_pipeline_microbatches, num_pipeline_repeats and pipeline_schedule apply only with pipeline "
+             "parallelism; set ici_pipeline_parallelism or dcn_pipeline_parallelism > 1, or leave them at their defaults")
+    return 1, 1
+  micro = stages if micro == -1 else micro
+  _require(v["scan_layers"], "pipeline parallelism needs scan_layers=True (the stage axis splits the scanned layer stack)")
+  _require(schedule != "gpipe" or repeats == 1,
+           f"num_pipeline_repeats={repeats} needs pipeline_schedule=circular or 1f1b (gpipe makes one pass through "
+           "the stages)")
+  _require(schedule != "circular" or repeats > 1,
+           "pipeline_schedule=circular needs num_pipeline_repeats >= 2 (with one repeat it is gpipe)")
+  _require(layers % (stages * repeats) == 0,
+           f"num_decoder_layers ({layers}) must be divisible by pipeline stages ({stages}) x num_pipeline_repeats "
+           f"({repeats}); change the layer count, the stage degree or the repeats")
+  _require(schedule != "circular" or micro >= stages,
+           f"pipeline_schedule=circular needs num_pipeline_microbatches ({micro}) >= pipeline stages ({stages}): "
+           "a microbatch must leave the last stage before it re-enters the first")
+  _require(schedule != "1f1b" or repeats == 1 or micro % stages == 0,
+           f"interleaved 1F1B (pipeline_schedule=1f1b, num_pipeline_repeats={repeats}) needs num_pipeline_microbatches "
+           f"({micro}) to be a multiple of the pipeline stages ({stages}): microbatches make their passes in groups "
+           "of one per stage")
+  layer_rules = [axes for name, axes in mesh.logical_axis_rules if name == "layers"]
+  _require(bool(layer_rules) and "stage" in layer_rules[0],
+           'pipeline parallelism needs the logical_axis_rules entry ["layers", ["stage"]] so each stage holds its layers')
+  accum = v["gradient_accumulation_steps"]
+  rows = global_batch // accum
+  shape = dict(mesh.shape)
+  row_shards = math.prod(shape[a] for a in mesh.data_sharding if a != "stage")
+  _require(rows % (micro * row_shards) == 0,
+           f"the batch of {rows} sequences per gradient-accumulation step must split into num_pipeline_microbatches="
+           f"{micro} microbatches, each divisible by the {row_shards} non-stage data_sharding devices; raise "
+           "per_device_batch_size or change num_pipeline_microbatches")
+  return stages, micro
+
+
+
+# The keys that fix a checkpoint's architecture (written to model_config.yml beside a converted
+# checkpoint), and those a tool reading a run takes from its saved configuration.
+ARCHITECTURE_KEYS = keys_where((ModelConfig,), ARCHITECTURE, True)
+MODEL_KEYS = keys_where((ModelConfig,), FIXED, MODEL)
