@@ -17,39 +17,24 @@ import numpy as np
 
 from MaxText import models
 from MaxText.config import Config
-from MaxText.convert import engine, registry
+from MaxText import families
+from MaxText.convert import engine
 
 torch = __import__("pytest").importorskip("torch", reason="needs torch (EXTRAS=test bash setup.sh)")
 transformers = __import__("pytest").importorskip("transformers", reason="needs transformers (EXTRAS=test bash setup.sh)")
 
 BATCH, LENGTH, VOCAB = 2, 24, 128
-_LLAMA_SHAPES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+# Every family's tiny reference models (MaxText/families/): a new family is tested by adding it.
+REFERENCE_CONFIGS = families.reference_hf_configs()
+FAMILIES = tuple(REFERENCE_CONFIGS)
 
 
 def hf_config(family: str) -> Any:
-  """The tiny HF config of `family`: GQA everywhere it exists, windows shorter than LENGTH,
-  soft caps small enough to bend the logits, Llama 3.1 scaling that moves real frequencies."""
-  if family == "llama3.1":
-    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
-    return transformers.LlamaConfig(**_LLAMA_SHAPES, rms_norm_eps=1e-5, rope_parameters=rope)
-  if family == "llama2-tied":
-    return transformers.LlamaConfig(**_LLAMA_SHAPES, rms_norm_eps=1e-5, tie_word_embeddings=True)
-  if family == "mistral":
-    return transformers.MistralConfig(**_LLAMA_SHAPES, rms_norm_eps=1e-5, sliding_window=5)
-  if family == "gemma":  # multi-query, heads wider than emb_dim / num_heads (as Gemma 7B)
-    return transformers.GemmaConfig(**{**_LLAMA_SHAPES, "num_key_value_heads": 1, "head_dim": 32})
-  if family == "gemma2":
-    return transformers.Gemma2Config(**{**_LLAMA_SHAPES, "num_hidden_layers": 3}, sliding_window=6,
-                                     attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
-                                     query_pre_attn_scalar=24)
-  if family == "gpt3":
-    return transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64)
-  raise ValueError(family)
-
-
-FAMILIES = ("llama3.1", "llama2-tied", "mistral", "gemma", "gemma2", "gpt3")
+  """The tiny HF config `family` names in its family module."""
+  fields = dict(REFERENCE_CONFIGS[family])
+  config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+  assert config.vocab_size == VOCAB, f"{family}: the reference configs share vocab_size={VOCAB}"
+  return config
 
 
 def build_hf_model(family: str, seed: int = 0) -> Any:
@@ -70,14 +55,14 @@ def hf_config_dict(model: Any) -> dict:
 
 def our_config(model: Any, **overrides: Any) -> Config:
   """Our config for `model`, every architecture key inferred from its HF config."""
-  family = registry.family_for_hf_config(hf_config_dict(model))
+  family = families.family_for_hf_config(hf_config_dict(model))
   keys = {**family.model_keys(hf_config_dict(model)), "max_target_length": LENGTH, "print_config": False}
   return Config.for_testing(**{**keys, **overrides})
 
 
 def our_params(model: Any, config: Config, staging_dir: Path) -> Any:
   """HF state dict → our parameter tree through the converter's tensor table."""
-  family = registry.family_for_hf_config(hf_config_dict(model))
+  family = families.family_for_hf_config(hf_config_dict(model))
   spec = models.build_model_spec(config.model)
   staging_dir.mkdir(parents=True, exist_ok=True)
   staged = engine.StagedParams(spec.abstract_params, str(staging_dir), config.model.weight_dtype)

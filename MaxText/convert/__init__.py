@@ -1,2 +1,3 @@
-"""Checkpoint conversion between Hugging Face and this framework, one mapping per model family
-(registry.py): hf_to_maxtext.py and maxtext_to_hf.py are the entry points."""
+"""Checkpoint conversion between Hugging Face and this framework, one tensor table per model
+family (MaxText/families/, written with tensor_maps.py): hf_to_maxtext.py and maxtext_to_hf.py
+are the entry points."""

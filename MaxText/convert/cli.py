@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from MaxText import accelerators, run_record, storage
+from MaxText import accelerators, families, run_record, storage
 from MaxText import config as config_lib
-from MaxText.convert import engine, registry
+from MaxText.convert import engine
 from MaxText.errors import ConfigError, UserError
 
 
@@ -74,7 +74,7 @@ def config_matching_hf(hf_config: Mapping[str, Any], user_args: Sequence[str], h
   config.json and printed as overrides; either way the final config must describe the same
   model as config.json, or this fails naming the differing keys.
   """
-  family = registry.family_for_hf_config(hf_config)
+  family = families.family_for_hf_config(hf_config)
   schema = config_lib.read_yaml(config_lib.BASE_CONFIG_PATH)
   inferred = engine.full_model_keys(schema, family.model_keys(hf_config))
   yaml_args = list(user_args[:1]) if user_args and "=" not in user_args[0] else []

@@ -15,10 +15,10 @@ import jax
 import numpy as np
 import yaml
 
-from MaxText import storage
+from MaxText import families, storage
 from MaxText.config import MODEL_CONFIG_FILE
 from MaxText.model_config import ARCHITECTURE_KEYS, ModelConfig
-from MaxText.convert import registry
+from MaxText.convert.tensor_maps import TensorMap
 from MaxText.errors import ConfigError, UserError
 
 
@@ -87,7 +87,7 @@ class StagedParams:
     return out
 
 
-def _match(maps: list[registry.TensorMap], name: str) -> tuple[registry.TensorMap, int | None, int | None] | None:
+def _match(maps: list[TensorMap], name: str) -> tuple[TensorMap, int | None, int | None] | None:
   for m in maps:
     found = m.pattern().match(name)
     if found:
@@ -96,7 +96,7 @@ def _match(maps: list[registry.TensorMap], name: str) -> tuple[registry.TensorMa
   return None
 
 
-def stage_hf_tensors(tensors: Iterable[tuple[str, np.ndarray]], family: registry.Family, cfg: ModelConfig,
+def stage_hf_tensors(tensors: Iterable[tuple[str, np.ndarray]], family: families.Family, cfg: ModelConfig,
                      staged: StagedParams) -> int:
   """Streams HF tensors into `staged`; returns the largest HF tensor's size in bytes."""
   maps = family.tensors(cfg)
@@ -129,7 +129,7 @@ def _leaf_path(cfg: ModelConfig, path: str, layer: int | None) -> tuple[tuple[st
   return prefix + tuple(path.split("/")), index
 
 
-def hf_tensors_from_params(read_leaf: Callable[[tuple[str, ...]], np.ndarray], family: registry.Family,
+def hf_tensors_from_params(read_leaf: Callable[[tuple[str, ...]], np.ndarray], family: families.Family,
                            cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
   """(HF name, array) for every tensor the family writes, reading our (scanned or unrolled)
   parameters through `read_leaf(path)` when first needed and dropping each after its last use,

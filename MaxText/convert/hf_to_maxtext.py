@@ -25,8 +25,8 @@ import resource
 import sys
 import tempfile
 
-from MaxText import models, storage
-from MaxText.convert import cli, engine, hf_io, registry, streaming
+from MaxText import families, models, storage
+from MaxText.convert import cli, engine, hf_io, streaming
 from MaxText.errors import UserError, run_cli
 
 PROG = "hf_to_maxtext"
@@ -40,7 +40,7 @@ def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict:
   hf_config = hf_io.read_hf_config(hf_path)
   config, model_keys = cli.config_matching_hf(hf_config, user_args, hf_path, target, PROG)
   cfg = config.model
-  family = registry.family_for_hf_config(hf_config)
+  family = families.family_for_hf_config(hf_config)
   spec = models.build_model_spec(cfg)
   # Staging beside a local output keeps it on the disk the user chose for the checkpoint.
   staging_parent = None

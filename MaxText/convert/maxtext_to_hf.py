@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from MaxText import checkpointing, models, storage
+from MaxText import checkpointing, families, models, storage
 from MaxText import config as config_lib
 from MaxText.model_config import ModelConfig
-from MaxText.convert import cli, engine, hf_io, registry, streaming
+from MaxText.convert import cli, engine, hf_io, streaming
 from MaxText.errors import ConfigError, UserError, run_cli
 
 PROG = "maxtext_to_hf"
@@ -51,7 +51,7 @@ def _open_checkpoint(checkpoint: str, config: config_lib.Config) -> tuple[stream
   return reader, cfg
 
 
-def _hf_config(config: config_lib.Config, family: registry.Family) -> dict[str, Any]:
+def _hf_config(config: config_lib.Config, family: families.Family) -> dict[str, Any]:
   """config.json for the model, refusing models the HF class would compute differently."""
   hf_config = family.hf_config(config.model)
   schema = config_lib.read_yaml(config_lib.BASE_CONFIG_PATH)
@@ -68,7 +68,7 @@ def export(checkpoint: str, output_path: str, user_args: list[str], max_shard_mb
     raise UserError(f"{output_path} exists and is not empty; choose a new --output_path")
   target = cli.start_backend(user_args)
   config = cli.config_for_checkpoint(checkpoint, user_args, target, PROG)
-  family = registry.family_for_decoder_block(config.model.decoder_block)
+  family = families.family_for_decoder_block(config.model.decoder_block)
   hf_config = _hf_config(config, family)
   reader, cfg = _open_checkpoint(checkpoint, config)
   dtype = str(np.dtype(cfg.weight_dtype))

@@ -1,7 +1,8 @@
-"""Decoder-layer variants, one registered class per model family.
+"""Decoder-layer classes, registered by layer name (`@register_layer("name")`).
 
-A family adds a class here (or in its own file) with `@register_decoder("name")`;
-models.py looks the class up by `decoder_block` and never switches on names.
+A model family (MaxText/families/) names the layer it runs; models.py looks the class up by
+`decoder_block` through the family and never switches on names. A family whose layer differs
+from every registered one adds a class here (or in its own file).
 """
 
 from __future__ import annotations
@@ -31,20 +32,25 @@ class DecoderLayerCall(Protocol):
                dropout_rng: jax.Array | None, layer_index: int | jax.Array) -> jax.Array: ...
 
 
-_DECODERS: dict[str, Callable[..., nnx.Module]] = {}
+_LAYERS: dict[str, Callable[..., nnx.Module]] = {}
 
 
-def register_decoder(name: str) -> Callable[[type], type]:
+def register_layer(name: str) -> Callable[[type], type]:
   def register(cls: type) -> type:
-    _DECODERS[name] = cls
+    _LAYERS[name] = cls
     return cls
   return register
 
 
-def decoder_layer_class(name: str) -> Callable[..., nnx.Module]:
-  if name not in _DECODERS:
-    raise ConfigError(f"unknown decoder_block {name!r}; registered: {', '.join(sorted(_DECODERS))}")
-  return _DECODERS[name]
+def decoder_layer_class(decoder_block: str) -> Callable[..., nnx.Module]:
+  """The layer class the family of `decoder_block` runs."""
+  from MaxText import families  # lazily: family modules import the converter tables, not layers
+
+  layer = families.family_for_decoder_block(decoder_block).layer
+  if layer not in _LAYERS:
+    raise ConfigError(f"decoder_block {decoder_block!r} runs layer {layer!r}, which is not registered; "
+                      f"registered: {', '.join(sorted(_LAYERS))}")
+  return _LAYERS[layer]
 
 
 def feed_forward_block(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
@@ -52,11 +58,7 @@ def feed_forward_block(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
   return MoeBlock(cfg, rngs=rngs) if cfg.num_experts > 1 else MlpBlock(cfg, rngs=rngs)
 
 
-@register_decoder("llama2")
-@register_decoder("mistral")
-@register_decoder("mixtral")  # Mistral's layer; its sparse MoE MLP comes from num_experts > 1
-@register_decoder("gemma")
-@register_decoder("gpt3")
+@register_layer("decoder")  # Llama, Mistral, Mixtral (MoE from num_experts > 1), Gemma, GPT-3
 class DecoderLayer(nnx.Module):
   """Pre-norm block: h = x + Attn(norm(x)), then h + MLP(norm(h)).
 
@@ -96,7 +98,7 @@ class DecoderLayer(nnx.Module):
     return out_BLD if cache is None else (out_BLD, cache)
 
 
-@register_decoder("gemma2")
+@register_layer("gemma2")
 class Gemma2DecoderLayer(DecoderLayer):
   """Gemma 2: the shared block with normalised sub-block outputs ("sandwich" norms)."""
 

@@ -29,22 +29,6 @@ def hf():
   return hf_families
 
 
-def build_mixtral(hf, seed: int = 0):
-  """A tiny random Mixtral (4 experts, top-2, GQA), randomised like tests/hf_families.py does."""
-  hf.torch.manual_seed(seed)
-  config = hf.transformers.MixtralConfig(
-      vocab_size=hf.VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-      num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
-      max_position_embeddings=64, rms_norm_eps=1e-5)
-  model = hf.transformers.MixtralForCausalLM(config).eval()
-  generator = hf.torch.Generator().manual_seed(seed)
-  with hf.torch.no_grad():
-    for param in model.parameters():
-      noise = hf.torch.randn(param.shape, generator=generator)
-      param.copy_(param + 0.1 * noise if param.ndim == 1 else 0.15 * noise)
-  return model
-
-
 def hf_greedy(hf, model, prompt: list[int], num_new: int) -> list[int]:
   with hf.torch.no_grad():
     ids = model.generate(hf.torch.tensor([prompt]), max_new_tokens=num_new, min_new_tokens=num_new,
@@ -60,7 +44,7 @@ CASES = [pytest.param("llama3.1", True, marks=pytest.mark.slow), pytest.param("l
 
 @pytest.mark.parametrize("family,scan_layers", CASES)
 def test_cached_greedy_equals_uncached_and_hf(hf, family, scan_layers, tmp_path):
-  model = build_mixtral(hf) if family == "mixtral" else hf.build_hf_model(family)
+  model = hf.build_hf_model(family)
   config = hf.our_config(model, dtype="float32", scan_layers=scan_layers, max_target_length=TARGET,
                          max_prefill_predict_length=PREFILL)
   params = hf.our_params(model, config, tmp_path)

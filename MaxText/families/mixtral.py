@@ -19,8 +19,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from MaxText.model_config import ModelConfig
-from MaxText.convert import registry as r
-from MaxText.convert.llama import decoder_tensors, embedding_tensors, mistral_hf_config, mistral_model_keys
+from MaxText.convert import tensor_maps as r
+from MaxText.families import Family, register_family
+from MaxText.families.llama import TINY_SHAPES, decoder_tensors, embedding_tensors, mistral_hf_config, mistral_model_keys
 
 _MOE = "model.layers.{i}.block_sparse_moe."
 _FUSED = "model.layers.{i}.mlp."
@@ -72,5 +73,8 @@ def mixtral_hf_config(cfg: ModelConfig) -> dict[str, Any]:
           "router_aux_loss_coef": cfg.load_balance_loss_weight, "router_jitter_noise": 0.0}
 
 
-r.register_family(r.Family("mixtral", ("mixtral",), ("mixtral",), mixtral_model_keys, mixtral_hf_config,
-                           mixtral_tensors))
+register_family(Family("mixtral", ("mixtral",), ("mixtral",), mixtral_model_keys, mixtral_hf_config,
+                       mixtral_tensors,
+                       reference_hf_configs={  # 4 experts, top-2
+                           "mixtral": dict(model_type="mixtral", **TINY_SHAPES, num_local_experts=4,
+                                           num_experts_per_tok=2, sliding_window=None, rms_norm_eps=1e-5)}))

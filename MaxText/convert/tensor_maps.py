@@ -1,13 +1,4 @@
-"""Per-family checkpoint mappings between Hugging Face and this framework, in one registry.
-
-A family module (llama.py, gemma.py, gpt3.py, ...) describes itself with a `Family`:
-  * which HF `model_type`s it reads and which `decoder_block`s it writes,
-  * `model_keys(hf_config)`: HF config.json → our base.yml model keys,
-  * `hf_config(cfg)`: our ModelConfig → HF config.json,
-  * `tensors(cfg)`: a list of `TensorMap`s, one per HF tensor name.
-and calls `register_family(...)` at import. To add a family, add its module name to
-FAMILY_MODULES; nothing else changes (the converters and the logit checker look families
-up here).
+"""The tensor tables a model family's converter is written in (see MaxText/families/).
 
 A `TensorMap` pairs ONE HF tensor with one or more of ours (a fused HF tensor such as
 GPT-2's c_attn feeds three of our kernels). Names may hold "{i}" (layer index) and "{e}"
@@ -20,7 +11,6 @@ the table. `write=False` marks an alternative HF form that is read but never wri
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 from typing import Any, Callable, Mapping, Sequence
 
@@ -28,9 +18,6 @@ import numpy as np
 
 from MaxText.model_config import ModelConfig
 from MaxText.errors import ConfigError
-
-# One module per family; each registers itself on import.
-FAMILY_MODULES = ("llama", "gemma", "gpt3", "mixtral")
 
 
 Array = np.ndarray
@@ -118,51 +105,6 @@ def query_heads(cfg: ModelConfig) -> int:
 
 def kv_heads(cfg: ModelConfig) -> int:
   return cfg.num_kv_heads
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-  name: str
-  hf_model_types: tuple[str, ...]
-  decoder_blocks: tuple[str, ...]
-  model_keys: Callable[[Mapping[str, Any]], dict[str, Any]]
-  hf_config: Callable[[ModelConfig], dict[str, Any]]
-  tensors: Callable[[ModelConfig], list[TensorMap]]
-
-
-_FAMILIES: dict[str, Family] = {}
-
-
-def register_family(family: Family) -> Family:
-  _FAMILIES[family.name] = family
-  return family
-
-
-def families() -> dict[str, Family]:
-  for module in FAMILY_MODULES:
-    try:
-      importlib.import_module(f"MaxText.convert.{module}")
-    except ModuleNotFoundError as e:
-      if e.name != f"MaxText.convert.{module}":
-        raise
-  return dict(_FAMILIES)
-
-
-def family_for_hf_config(hf_config: Mapping[str, Any]) -> Family:
-  model_type = hf_config.get("model_type")
-  for family in families().values():
-    if model_type in family.hf_model_types:
-      return family
-  known = sorted(t for f in families().values() for t in f.hf_model_types)
-  raise ConfigError(f"HF model_type {model_type!r} has no converter; supported: {', '.join(known)}")
-
-
-def family_for_decoder_block(decoder_block: str) -> Family:
-  for family in families().values():
-    if decoder_block in family.decoder_blocks:
-      return family
-  known = sorted(b for f in families().values() for b in f.decoder_blocks)
-  raise ConfigError(f"decoder_block {decoder_block!r} has no HF converter; supported: {', '.join(known)}")
 
 
 def require_hf(hf_config: Mapping[str, Any], key: str, allowed: Sequence[Any], default: Any = None) -> Any:

@@ -19,7 +19,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from MaxText.model_config import ModelConfig
-from MaxText.convert import registry as r
+from MaxText.convert import tensor_maps as r
+from MaxText.families import Family, register_family
 
 _QKV = ("self_attention/query", "self_attention/key", "self_attention/value")
 
@@ -100,4 +101,7 @@ def gpt3_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   }
 
 
-r.register_family(r.Family("gpt3", ("gpt2",), ("gpt3",), gpt3_model_keys, gpt3_hf_config, gpt3_tensors))
+register_family(Family("gpt3", ("gpt2",), ("gpt3",), gpt3_model_keys, gpt3_hf_config, gpt3_tensors,
+                       reference_hf_configs={
+                           "gpt3": dict(model_type="gpt2", vocab_size=128, n_embd=64, n_layer=2, n_head=4,
+                                        n_positions=64)}))

@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from MaxText.model_config import ModelConfig
-from MaxText.convert import registry as r
+from MaxText.convert import tensor_maps as r
+from MaxText.families import Family, register_family
 from MaxText.errors import ConfigError
 
 
@@ -141,6 +142,21 @@ def mistral_hf_config(cfg: ModelConfig) -> dict[str, Any]:
           "max_position_embeddings": max_positions(cfg)}
 
 
-r.register_family(r.Family("llama", ("llama",), ("llama2",), llama_model_keys, llama_hf_config, llama_tensors))
-r.register_family(r.Family("mistral", ("mistral",), ("mistral",), mistral_model_keys, mistral_hf_config,
-                           llama_tensors))
+# The tiny reference models' shapes (GQA: 4 query heads, 2 kv heads), shared with the families
+# built on Llama's layout.
+TINY_SHAPES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+# Llama 3.1's frequency scaling set to move real frequencies at these lengths.
+_LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+register_family(Family("llama", ("llama",), ("llama2",), llama_model_keys, llama_hf_config, llama_tensors,
+                       reference_hf_configs={
+                           "llama3.1": dict(model_type="llama", **TINY_SHAPES, rms_norm_eps=1e-5,
+                                            rope_parameters=_LLAMA31_ROPE),
+                           "llama2-tied": dict(model_type="llama", **TINY_SHAPES, rms_norm_eps=1e-5,
+                                               tie_word_embeddings=True)}))
+register_family(Family("mistral", ("mistral",), ("mistral",), mistral_model_keys, mistral_hf_config, llama_tensors,
+                       reference_hf_configs={  # a window shorter than the test sequences
+                           "mistral": dict(model_type="mistral", **TINY_SHAPES, rms_norm_eps=1e-5,
+                                           sliding_window=5)}))

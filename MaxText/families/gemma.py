@@ -14,9 +14,10 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from MaxText.model_config import ModelConfig
-from MaxText.convert import registry as r
-from MaxText.convert.llama import (decoder_tensors, embedding_tensors, gated_mlp_tensors, rope_hf_config, rope_keys,
-                                   shape_hf_config, shape_keys)
+from MaxText.convert import tensor_maps as r
+from MaxText.families import Family, register_family
+from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, gated_mlp_tensors,
+                                    rope_hf_config, rope_keys, shape_hf_config, shape_keys)
 
 # HF activation names that are the tanh-approximated GELU our "gelu" computes.
 _TANH_GELU = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
@@ -87,6 +88,13 @@ def gemma2_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
   ]
 
 
-r.register_family(r.Family("gemma", ("gemma",), ("gemma",), gemma_model_keys, gemma_hf_config, gemma_tensors))
-r.register_family(r.Family("gemma2", ("gemma2",), ("gemma2",), gemma2_model_keys, gemma2_hf_config,
-                           gemma2_tensors))
+register_family(Family("gemma", ("gemma",), ("gemma",), gemma_model_keys, gemma_hf_config, gemma_tensors,
+                       reference_hf_configs={  # multi-query, heads wider than emb_dim / heads (as Gemma 7B)
+                           "gemma": dict(model_type="gemma", **{**TINY_SHAPES, "num_key_value_heads": 1,
+                                                                "head_dim": 32})}))
+register_family(Family("gemma2", ("gemma2",), ("gemma2",), gemma2_model_keys, gemma2_hf_config, gemma2_tensors,
+                       layer="gemma2",
+                       reference_hf_configs={  # local/global alternation, both soft caps, a query scalar
+                           "gemma2": dict(model_type="gemma2", **{**TINY_SHAPES, "num_hidden_layers": 3},
+                                          sliding_window=6, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                          query_pre_attn_scalar=24)}))

@@ -1,0 +1,78 @@
+"""Model families, each in its own module of this package, found by listing the package.
+
+A family module (llama.py, gemma.py, gpt3.py, mixtral.py, ...) describes itself with one or
+more `Family` records and calls `register_family(...)` at import:
+  * which HF `model_type`s it reads and which `decoder_block`s (configs/models/*.yml) it writes,
+  * `layer`: the decoder-layer class it runs (registered in layers/decoders.py by layer name),
+  * `model_keys(hf_config)`: HF config.json → our base.yml model keys,
+  * `hf_config(cfg)`: our ModelConfig → HF config.json,
+  * `tensors(cfg)`: its HF ↔ ours tensor table (convert/tensor_maps.py),
+  * `reference_hf_configs`: tiny HF configs with the family's distinctive features on; the
+    tests check our logits and conversions against HF `transformers` on each of them.
+To add a family: a module here plus its configs/models/*.yml (and a layer class only if no
+registered layer computes it). The converters, the logit checker, models.py and the tests
+find it here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from MaxText.errors import ConfigError
+
+if TYPE_CHECKING:
+  from MaxText.convert.tensor_maps import TensorMap
+  from MaxText.model_config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  name: str
+  hf_model_types: tuple[str, ...]
+  decoder_blocks: tuple[str, ...]
+  model_keys: Callable[[Mapping[str, Any]], dict[str, Any]]
+  hf_config: Callable[["ModelConfig"], dict[str, Any]]
+  tensors: Callable[["ModelConfig"], list["TensorMap"]]
+  layer: str = "decoder"  # a layer name registered in layers/decoders.py
+  # name -> HF config fields (model_type included) of a tiny model for the outside-truth tests.
+  reference_hf_configs: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+  _FAMILIES[family.name] = family
+  return family
+
+
+def families() -> dict[str, Family]:
+  """Every family, importing each module of this package once."""
+  for module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{module.name}")
+  return dict(_FAMILIES)
+
+
+def family_for_hf_config(hf_config: Mapping[str, Any]) -> Family:
+  model_type = hf_config.get("model_type")
+  for family in families().values():
+    if model_type in family.hf_model_types:
+      return family
+  known = sorted(t for f in families().values() for t in f.hf_model_types)
+  raise ConfigError(f"HF model_type {model_type!r} has no converter; supported: {', '.join(known)}")
+
+
+def family_for_decoder_block(decoder_block: str) -> Family:
+  for family in families().values():
+    if decoder_block in family.decoder_blocks:
+      return family
+  known = sorted(b for f in families().values() for b in f.decoder_blocks)
+  raise ConfigError(f"unknown decoder_block {decoder_block!r}; known: {', '.join(known)}")
+
+
+def reference_hf_configs() -> dict[str, Mapping[str, Any]]:
+  """Every family's tiny reference HF configs, by name."""
+  return {name: fields for family in families().values() for name, fields in family.reference_hf_configs.items()}
