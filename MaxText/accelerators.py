@@ -232,7 +232,7 @@ class TpuTopology:
   def wrap(self) -> tuple[bool, bool, bool]:
     """Torus wrap-around links: 3D slices of whole cubes wrap; a 2D side wraps at full length 16."""
     if self.generation.torus_dims == 3:
-      return (self.chips >= 64,) * 3  # type: ignore[return-value]
+      return (self.chips >= 64,) * 3
     return (self.shape[0] == 16, self.shape[1] == 16, False)
 
   def target(self, num_slices: int = 1) -> DeviceTarget:

@@ -33,6 +33,7 @@ from MaxText import accelerators
 from MaxText import run_record, storage
 from MaxText.accelerators import DeviceTarget
 from MaxText.errors import ConfigError
+from MaxText.model_config import ModelConfig
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 BASE_CONFIG_PATH = CONFIGS_DIR / "base.yml"
@@ -191,7 +192,7 @@ def parse_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -
   environ = os.environ if environ is None else environ
   schema = read_yaml(BASE_CONFIG_PATH)
   args = list(argv[1:])
-  yaml_path = BASE_CONFIG_PATH
+  yaml_path: Path | str = BASE_CONFIG_PATH
   if args and "=" not in args[0]:
     yaml_path = args.pop(0)
   file_values = read_yaml(yaml_path, stop_at=BASE_CONFIG_PATH)  # the user's own YAML layer
@@ -308,7 +309,7 @@ class Config:
     groups = config_groups.build_groups(values, target)
     self.values: Mapping[str, Any] = types.MappingProxyType(dict(values))
     self.target = target
-    self.model: config_groups.ModelConfig = groups.model
+    self.model: ModelConfig = groups.model
     self.mesh: config_groups.MeshConfig = groups.mesh
     self.optim: config_groups.OptimConfig = groups.optim
     self.data: config_groups.DataConfig = groups.data

@@ -45,7 +45,7 @@ def require(condition: bool, message: str) -> None:
     raise ConfigError(message)
 
 
-def key_fields(group: type) -> list[dataclasses.Field]:
+def key_fields(group: type) -> list[dataclasses.Field[Any]]:
   return [f for f in dataclasses.fields(group) if f.metadata.get(_KEY)]
 
 

@@ -34,7 +34,9 @@ SAMPLING_STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
 
 def _fill_auto_axis(degrees: dict[str, int], total: int, group: str) -> dict[str, int]:
   """Replaces at most one -1 degree so the group's product equals `total`."""
-  name_of = lambda axis: f"{group}_{_AXIS_KEY[axis]}_parallelism"  # noqa: E731
+  def name_of(axis: str) -> str:
+    return f"{group}_{_AXIS_KEY[axis]}_parallelism"
+
   unit = "devices per slice" if group == "ici" else "slices"
   auto = [axis for axis, d in degrees.items() if d == -1]
   _require(len(auto) <= 1, f"at most one {group}_*_parallelism may be -1, got {', '.join(map(name_of, auto))}")

@@ -6,7 +6,8 @@ import logging
 import signal
 import sys
 import threading
-from typing import Callable, NoReturn
+import types
+from typing import Any, Callable, NoReturn
 
 
 class UserError(Exception):
@@ -80,11 +81,11 @@ def _filter_background_noise() -> None:
     return
   previous_excepthook, previous_unraisable = sys.excepthook, sys.unraisablehook
 
-  def excepthook(kind: type, value: BaseException, tb: object) -> None:
+  def excepthook(kind: type[BaseException], value: BaseException, tb: types.TracebackType | None) -> None:
     if not _is_abandoned_async_work(value):
       previous_excepthook(kind, value, tb)
 
-  def unraisablehook(unraisable: object) -> None:
+  def unraisablehook(unraisable: Any) -> None:  # sys.UnraisableHookArgs
     if not _is_abandoned_async_work(getattr(unraisable, "exc_value", None), getattr(unraisable, "object", None)):
       previous_unraisable(unraisable)
 

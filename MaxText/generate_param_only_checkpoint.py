@@ -19,8 +19,9 @@ if __package__ in (None, ""):  # `python3 MaxText/generate_param_only_checkpoint
 
 import jax
 
-from MaxText import checkpointing, models, run_record, sharding, storage
+from MaxText import checkpointing, models, sharding, storage
 from MaxText.config import Config
+from MaxText.model_config import MODEL_KEYS
 from MaxText.convert import engine
 from MaxText.errors import ConfigError, UserError, run_cli
 from MaxText import startup
@@ -47,7 +48,7 @@ def generate(config: Config) -> str:
     params = models.unstack_layers(params, config.model.num_decoder_layers)
   checkpointing.save_params(output, params)
   if jax.process_index() == 0:
-    keys = {k: config[k] for k in run_record.MODEL_KEYS if k in config.values}
+    keys = {k: config[k] for k in MODEL_KEYS if k in config.values}
     engine.write_model_config(output, keys, f"training checkpoint {source}")
   layout = "unrolled layers_0..N" if cfg.force_unroll or not config.model.scan_layers else "scanned layers"
   log(f"wrote parameters-only checkpoint ({layout}) to {output}")

@@ -69,7 +69,8 @@ class LocalTier:
   def save(self, step: int, state: Any, data_state: Any, meta: dict[str, Any]) -> None:
     """Copies this process's shards to host memory now, writes them in the background."""
     self.wait()
-    leaves, shards = [], []
+    leaves: list[Any] = []
+    shards: list[Any] = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
       entries = []
       for shard in _unique_shards(leaf):

@@ -141,7 +141,7 @@ def glob(pattern: str) -> list[str]:
     import glob as glob_lib
 
     return sorted(p for p in glob_lib.glob(os.path.expanduser(pattern)) if os.path.isfile(p))
-  head, tail = pattern, []
+  head, tail = pattern, list[str]()
   while any(c in name(head) for c in "*?["):
     tail.insert(0, name(head))
     head = parent(head)

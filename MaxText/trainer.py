@@ -82,7 +82,7 @@ class LoopState:
 
 
 class Trainer:
-  def __init__(self, config: Any, train_step: Callable, data: ResumableBatches, rng: jax.Array,
+  def __init__(self, config: Any, train_step: Callable[..., Any], data: ResumableBatches, rng: jax.Array,
                flops: metrics_lib.StepFlops, peak_tflops_per_device: float):
     self.config, self.train_step, self.data, self.rng = config, train_step, data, rng
     self.flops, self.peak = flops, peak_tflops_per_device
@@ -201,7 +201,7 @@ class LoggingHook:
 class EvalHook:
   """Mean loss and perplexity over `eval_steps` eval batches at each due step (needs the state)."""
 
-  def __init__(self, eval_step: Callable, eval_data: Any, eval_steps: int,
+  def __init__(self, eval_step: Callable[..., Any], eval_data: Any, eval_steps: int,
                writer: metrics_lib.MetricWriter | None, is_primary: bool):
     """`eval_data` has `reset()`, so every evaluation sees the same batches."""
     self.eval_step, self.eval_data, self.eval_steps = eval_step, eval_data, eval_steps
@@ -274,7 +274,7 @@ class ProfilerHook:
   def __init__(self, directory: str, first: int, num_steps: int, active: bool):
     self.directory, self.first, self.last, self.active = directory, first, first + num_steps, active
     self.tracing = False
-    self._staging: tempfile.TemporaryDirectory | None = None
+    self._staging: tempfile.TemporaryDirectory[str] | None = None
     if active and first == 0:
       self._start()
 
