@@ -1,7 +1,7 @@
-"""Ahead-of-time compilation of the train step: abstract inputs, the memory and step-time
-report, and saving/loading a compiled step with a header that says what it was built for.
+"""Ahead-of-time compilation of the train step: the memory and step-time report, and
+saving/loading a compiled step with a header that says what it was built for.
 
-Shared by `train_compile.py` (compile, report, save) and `train.py` (load a saved step).
+Shared by `train_compile.py` (compile, report, save) and `run_assembly.py` (load a saved step).
 
 A saved step file is executable code wrapped in a pickle: loading it runs whatever it
 contains. Load only files you (or someone you trust) compiled. It may be local or on gs://.
@@ -19,47 +19,16 @@ import struct
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import serialize_executable
 
-from MaxText import checkpointing, sharding, storage, train_step
+from MaxText import storage
 from MaxText.errors import UserError
-from MaxText.input_pipeline.synthetic import make_batch
-from MaxText.train_state import StateSetup
 
 GIB = 1024**3
 _MAGIC = b"MAXTEXT-COMPILED-TRAIN-STEP\n"
 _FORMAT_VERSION = 1
 # Header sections that must agree between the file and the run that loads it.
 _CHECKED_SECTIONS = ("target", "versions", "batch", "model", "optim", "mesh", "inputs")
-
-
-# ---------------------------------------------------------------- abstract inputs
-
-
-@dataclasses.dataclass(frozen=True)
-class StepInputs:
-  """ShapeDtypeStructs (with shardings) for train_step(state, batch, rng)."""
-
-  state: Any
-  batch: Any
-  rng: jax.ShapeDtypeStruct
-
-  def as_args(self) -> tuple[Any, Any, jax.ShapeDtypeStruct]:
-    return self.state, self.batch, self.rng
-
-
-def abstract_inputs(config, setup: StateSetup, batch_sharding: jax.sharding.Sharding) -> StepInputs:
-  """The step's arguments as shapes only, so no device (or a described one) needs memory.
-
-  The batch layout is the one the data pipeline produces (input_pipeline.synthetic.make_batch).
-  """
-  state = checkpointing.with_shardings(setup.abstract_state, setup.state_shardings)
-  batch = jax.eval_shape(lambda: make_batch(config.data, jnp.uint32(0), config.data.global_batch_size))
-  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding), batch)
-  key = jax.eval_shape(lambda: jax.random.key(0))
-  rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(setup.mesh))
-  return StepInputs(state, batch, rng)
 
 
 # ---------------------------------------------------------------- memory report
@@ -260,7 +229,7 @@ def _jsonable(value: Any) -> Any:
   return json.loads(json.dumps(value, default=str))
 
 
-def step_header(config, inputs: StepInputs, topology_name: str) -> dict[str, Any]:
+def step_header(config, inputs: Any, topology_name: str) -> dict[str, Any]:
   """What the compiled step depends on: the config groups the step is built from, the input
   shapes/dtypes/shardings, the devices and the compiler versions."""
   flat = jax.tree_util.tree_flatten_with_path(inputs.as_args())[0]
@@ -337,15 +306,3 @@ def load_compiled_step(path: str, expected_header: dict[str, Any]) -> Callable:
     f.seek(offset)
     serialized, in_tree, out_tree = pickle.load(f)  # trusted: see the module docstring
   return serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
-
-
-def train_step_for_run(config, setup: StateSetup, batch_sharding: jax.sharding.Sharding) -> Callable:
-  """train.py's step: jitted here, or loaded from `compiled_trainstep_file` when it is set."""
-  path = config["compiled_trainstep_file"]
-  if not path:
-    return train_step.jit_train_step(setup, config, batch_sharding)
-  expected = step_header(config, abstract_inputs(config, setup, batch_sharding), topology_name="")
-  step = load_compiled_step(path, expected)
-  if jax.process_index() == 0:
-    print(f"train step: loaded the compiled executable from {path} (no compilation)", flush=True)
-  return step

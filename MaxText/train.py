@@ -13,13 +13,11 @@ if __package__ in (None, ""):  # `python3 MaxText/train.py`: import the package,
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import jax
-from jax.sharding import Mesh
 
-from MaxText import accelerators, checkpointing, config as config_lib, metrics, sharding, train_state, train_step
-from MaxText import aot, distributed, run_lease, run_record, startup, storage
+from MaxText import accelerators, checkpointing, config as config_lib, metrics
+from MaxText import distributed, run_assembly, run_lease, run_record, startup, storage
 from MaxText.startup import log
 from MaxText.errors import run_cli
-from MaxText.input_pipeline import create_data_iterator, create_eval_iterator
 from MaxText.layers import pipeline
 from MaxText.layers.attention import select_kernel
 from MaxText.trainer import CheckpointHook, EvalHook, LeaseHook, LoggingHook, ProfilerHook, Trainer
@@ -70,22 +68,18 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None) -> in
   log(f"devices: {target.num_devices} x {target.device_kind} ({target.platform}), "
       f"{target.num_processes} process(es), {config.mesh.num_slices} slice(s)")
 
-  mesh = sharding.create_mesh(config.mesh)
-  log(f"mesh: {', '.join(f'{a}={n}' for a, n in mesh.shape.items() if n > 1) or 'single device'}")
+  run = run_assembly.build_run(config)  # the train step is jitted, or loaded from compiled_trainstep_file
+  log(f"mesh: {run.mesh_description()}")
   if config.model.num_pipeline_stages > 1:
     log(pipeline.describe(config.model))
-  setup = train_state.build_state_setup(config, mesh)
-  start = checkpointing.initial_state(
-      config, setup, checkpoints, lambda: train_state.init_state(setup, config.run.init_weights_seed))
+  setup = run.setup
+  start = checkpointing.initial_state(config, setup, checkpoints, run.init_state)
   log(f"state: {start.description}")
   record_start(config)
-  num_params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
-  log(f"model: {num_params / 1e6:.2f}M parameters, {config.model.num_decoder_layers} layers, "
+  log(f"model: {run.num_params / 1e6:.2f}M parameters, {config.model.num_decoder_layers} layers, "
       f"attention={select_kernel(config.model.attention, target.platform, config.model)}, "
       f"{setup.param_unsharded_fraction:.2%} of parameter bytes not fully sharded")
 
-  batch_sharding = sharding.batch_sharding(mesh, config.mesh.data_sharding)
-  step_fn = aot.train_step_for_run(config, setup, batch_sharding)  # jitted, or loaded from compiled_trainstep_file
   flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size,
                                            config.data.max_target_length)
   peak, peak_source = accelerators.peak_tflops_per_device(target, config.run.cpu_peak_tflops)
@@ -99,13 +93,13 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None) -> in
     if checkpoints is not None:
       checkpoints.close()
     return 0
-  data = create_data_iterator(config, mesh)
+  data = run.data_iterator()
   if start.data_state is not None:
     data.set_state(start.data_state)
   rng = jax.random.key(config.run.init_weights_seed) if start.rng_key_data is None \
       else jax.random.wrap_key_data(jax.numpy.asarray(start.rng_key_data, jax.numpy.uint32))
-  trainer = Trainer(config, step_fn, data, rng, flops, peak,
-                    build_hooks(config, setup, mesh, checkpoints, rng, start_step, lease))
+  trainer = Trainer(config, run.train_step, data, rng, flops, peak,
+                    build_hooks(run, checkpoints, rng, start_step, lease))
   loop = trainer.run(start.state, start_step)
   if trainer.stop_reason is not None:
     log(f"stopped: {trainer.stop_reason}; rerun the same command to resume")
@@ -117,18 +111,18 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None) -> in
   return 0
 
 
-def build_hooks(config: config_lib.Config, setup: train_state.StateSetup, mesh: Mesh,
-                checkpoints: checkpointing.RunCheckpoints | None, rng: jax.Array, start_step: int,
-                lease: run_lease.Lease | None = None) -> list:
+def build_hooks(run: run_assembly.Run, checkpoints: checkpointing.RunCheckpoints | None, rng: jax.Array,
+                start_step: int, lease: run_lease.Lease | None = None) -> list:
   """Logging and eval hooks, plus checkpointing when it is enabled. With a lease, every step
   first checks that no other run took the run directory over."""
+  config = run.config
   is_primary = jax.process_index() == 0
   writer = metrics.MetricWriter(config.run.run_dir, config.run.enable_jsonl_metrics, config.run.enable_tensorboard,
                                 resume_step=start_step) if is_primary else None
   hooks = [LeaseHook(lease)] if lease is not None else []
   hooks += [
       LoggingHook(writer, config.run.log_period, is_primary),
-      EvalHook(train_step.make_eval_step(setup, config), create_eval_iterator(config, mesh),
+      EvalHook(run.eval_step, run.eval_iterator(),
                config.run.eval_interval, config.data.eval_steps, writer, is_primary),
   ]
   if checkpoints is not None:
@@ -140,10 +134,10 @@ def build_hooks(config: config_lib.Config, setup: train_state.StateSetup, mesh: 
 
     hooks.append(CheckpointHook(checkpoints, config.checkpoint.period, checkpointing.PreemptionWatcher(), rng,
                                 before_save=before_save))
-  run = config.run
-  if run.profiler:
-    hooks.append(ProfilerHook(storage.join(run.run_dir, "profile"), run.profile_start_step, run.profile_steps,
-                              active=is_primary or run.profile_all_processes))
+  settings = config.run
+  if settings.profiler:
+    hooks.append(ProfilerHook(storage.join(settings.run_dir, "profile"), settings.profile_start_step,
+                              settings.profile_steps, active=is_primary or settings.profile_all_processes))
   return hooks
 
 

@@ -5,8 +5,8 @@ machine's devices), report whether it fits, and optionally save the executable:
       compile_topology_num_slices=2 global_parameter_scale=16 per_device_batch_size=4 \
       [compiled_trainstep_file=step.aot]
 
-The mesh, state shardings and step are the ones train.py builds (train_state,
-train_step, sharding); only the devices differ: libtpu describes the topology and XLA
+The mesh, state shardings and step are the ones train.py builds (run_assembly.build_run);
+only the devices differ: libtpu describes the topology and XLA
 compiles for it without any TPU attached. `compile_topology=local` compiles for the local
 devices instead. The saved file is executable code (see MaxText/aot.py): load it only
 from a trusted source, with `train.py ... compiled_trainstep_file=PATH`.
@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # `python3 MaxText/train_compile.py`: import the 
 import jax
 from jax.experimental import topologies
 
-from MaxText import accelerators, aot, config as config_lib, metrics, sharding, startup, train_state, train_step
+from MaxText import accelerators, aot, config as config_lib, metrics, run_assembly, startup
 from MaxText.errors import ConfigError, UserError, run_cli
 from MaxText.layers import pipeline
 
@@ -86,7 +86,7 @@ def _buffer_report_dir() -> Iterator[str | None]:
     yield report_dir
 
 
-def compile_or_explain(step_fn: Any, inputs: aot.StepInputs, topology: accelerators.TpuTopology | None,
+def compile_or_explain(step_fn: Any, inputs: run_assembly.StepInputs, topology: accelerators.TpuTopology | None,
                        compiler_options: dict[str, str] | None = None) -> Any:
   """Lowers and compiles; XLA's out-of-memory error becomes a one-line 'does not fit'."""
   try:
@@ -143,20 +143,16 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
   for name in ("LIBTPU_INIT_ARGS", "XLA_FLAGS"):
     if os.environ.get(name):
       print(f"  {name}={os.environ[name]}")
-  mesh = sharding.create_mesh(config.mesh, devices)
-  print(f"mesh: {', '.join(f'{a}={n}' for a, n in mesh.shape.items() if n > 1) or 'single device'}")
+  run = run_assembly.build_run(config, devices=devices, compiled_step=False)
+  print(f"mesh: {run.mesh_description()}")
   if config.model.num_pipeline_stages > 1:
     print(pipeline.describe(config.model))
-  setup = train_state.build_state_setup(config, mesh)
-  num_params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
-  print(f"parameters: {num_params / 1e9:.3f} B ({num_params:,})")
-  batch_sharding = sharding.batch_sharding(mesh, config.mesh.data_sharding)
-  step_fn = train_step.jit_train_step(setup, config, batch_sharding)
-  inputs = aot.abstract_inputs(config, setup, batch_sharding)
+  print(f"parameters: {run.num_params / 1e9:.3f} B ({run.num_params:,})")
+  inputs = run.abstract_inputs()
   start = time.perf_counter()
   # The report options go to this compile only (XLA reads XLA_FLAGS once per process).
   options = aot.buffer_assignment_dump_options(report_dir) if report_dir and topology else None
-  compiled = compile_or_explain(step_fn, inputs, topology, options)
+  compiled = compile_or_explain(run.train_step, inputs, topology, options)
   print(f"compiled in {time.perf_counter() - start:.1f} s")
   memory = report(config, topology, compiled, report_dir)
   if topology is not None:

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from MaxText import accelerators, aot, sharding, train, train_compile, train_state
+from MaxText import accelerators, aot, train, train_compile
 from MaxText.config import BASE_CONFIG_PATH, Config
 from MaxText.errors import ConfigError, UserError
+from MaxText.run_assembly import build_run
 
 REPO = Path(__file__).resolve().parent.parent
 # Small enough that a 512-device TPU compile takes seconds, not minutes.
@@ -150,10 +151,7 @@ def test_saved_step_trains_like_a_jitted_one_on_cpu(tmp_path, cpu_step_file, cap
 
 def _load_for(path: Path, **overrides) -> None:
   """What train.py does with compiled_trainstep_file, without initialising or training."""
-  config = Config.for_testing(**{**CPU_TINY, **overrides, "compiled_trainstep_file": str(path)})
-  mesh = sharding.create_mesh(config.mesh)
-  setup = train_state.build_state_setup(config, mesh)
-  aot.train_step_for_run(config, setup, sharding.batch_sharding(mesh, config.mesh.data_sharding))
+  build_run(Config.for_testing(**{**CPU_TINY, **overrides, "compiled_trainstep_file": str(path)}))
 
 
 def test_mismatched_step_file_is_refused(tmp_path, cpu_step_file):
