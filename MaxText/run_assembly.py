@@ -10,12 +10,11 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from MaxText import aot, sharding, train_state, train_step
+from MaxText import compiled_step as compiled_step_file, sharding, train_state, train_step
 from MaxText.input_pipeline import create_data_iterator, create_eval_iterator
-from MaxText.input_pipeline.synthetic import make_batch
+from MaxText.input_pipeline.batch_spec import batch_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +64,11 @@ class Run:
 def abstract_inputs(config: Any, setup: train_state.StateSetup, batch_sharding: jax.sharding.Sharding) -> StepInputs:
   """The step's arguments as shapes only, so no device (or a described one) needs memory.
 
-  The batch layout is the one the data pipeline produces (input_pipeline.synthetic.make_batch).
+  The batch layout is the one every data iterator declares (input_pipeline.batch_spec).
   """
-  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                       setup.abstract_state, setup.state_shardings)
-  batch = jax.eval_shape(lambda: make_batch(config.data, jnp.uint32(0), config.data.global_batch_size))
-  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding), batch)
+  state = sharding.with_shardings(setup.abstract_state, setup.state_shardings)
+  batch = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding)
+           for name, x in batch_spec(config.data).items()}
   key = jax.eval_shape(lambda: jax.random.key(0))
   rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(setup.mesh))
   return StepInputs(state, batch, rng)
@@ -78,7 +76,7 @@ def abstract_inputs(config: Any, setup: train_state.StateSetup, batch_sharding: 
 
 def _load_train_step(config: Any, inputs: StepInputs) -> Callable:
   path = config["compiled_trainstep_file"]
-  step = aot.load_compiled_step(path, aot.step_header(config, inputs, topology_name=""))
+  step = compiled_step_file.load_compiled_step(path, compiled_step_file.step_header(config, inputs, topology_name=""))
   if jax.process_index() == 0:
     print(f"train step: loaded the compiled executable from {path} (no compilation)", flush=True)
   return step

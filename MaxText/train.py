@@ -15,7 +15,7 @@ if __package__ in (None, ""):  # `python3 MaxText/train.py`: import the package,
 import jax
 
 from MaxText import accelerators, checkpointing, config as config_lib, metrics
-from MaxText import distributed, run_assembly, run_lease, run_record, startup, storage
+from MaxText import distributed, preemption, run_assembly, run_lease, run_record, run_start, startup, storage
 from MaxText.startup import log
 from MaxText.errors import run_cli
 from MaxText.layers import pipeline
@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
 def train(config: config_lib.Config, lease: run_lease.Lease | None = None) -> int:
   if config.run.print_config:
     log("config:\n" + config.describe())
-  checkpoints = checkpointing.RunCheckpoints(config.checkpoint) if config.checkpoint.enabled else None
+  checkpoints = checkpointing.RunCheckpoints.for_run(config.checkpoint) if config.checkpoint.enabled else None
   check_resume(config, checkpoints)
   run_dir = config.run.run_dir
   target = config.target
@@ -73,7 +73,7 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None) -> in
   if config.model.num_pipeline_stages > 1:
     log(pipeline.describe(config.model))
   setup = run.setup
-  start = checkpointing.initial_state(config, setup, checkpoints, run.init_state)
+  start = run_start.initial_state(config, setup, checkpoints, run.init_state)
   log(f"state: {start.description}")
   record_start(config)
   log(f"model: {run.num_params / 1e6:.2f}M parameters, {config.model.num_decoder_layers} layers, "
@@ -132,7 +132,7 @@ def build_hooks(run: run_assembly.Run, checkpoints: checkpointing.RunCheckpoints
       if writer is not None:
         writer.sync()
 
-    hooks.append(CheckpointHook(checkpoints, config.checkpoint.period, checkpointing.PreemptionWatcher(), rng,
+    hooks.append(CheckpointHook(checkpoints, config.checkpoint.period, preemption.PreemptionWatcher(), rng,
                                 before_save=before_save))
   settings = config.run
   if settings.profiler:

@@ -126,13 +126,13 @@ def _measure_tier(label, directory, base, setup, state, train, step_s, state_gb,
 
   sync_cfg = Config.for_testing(**{**base, "base_output_directory": directory}, async_checkpointing=False)
   async_cfg = Config.for_testing(**{**base, "base_output_directory": directory}, async_checkpointing=True)
-  checkpoints = checkpointing.RunCheckpoints(sync_cfg.checkpoint)
+  checkpoints = checkpointing.RunCheckpoints.for_run(sync_cfg.checkpoint)
   save_s = _timed(lambda: checkpoints.save(1, state, {"step": 1}, {}))
   checkpoints.close()
-  restore_s = _timed(lambda: jax.block_until_ready(checkpointing.RunCheckpoints(sync_cfg.checkpoint).restore_latest(
+  restore_s = _timed(lambda: jax.block_until_ready(checkpointing.RunCheckpoints.for_run(sync_cfg.checkpoint).restore_latest(
       setup.abstract_state, setup.state_shardings).state))
 
-  checkpoints = checkpointing.RunCheckpoints(async_cfg.checkpoint)
+  checkpoints = checkpointing.RunCheckpoints.for_run(async_cfg.checkpoint)
   block_s = _timed(lambda: checkpoints.save(2, state, {"step": 2}, {}))
   during_s = train(steps)
   wait_s = _timed(checkpoints.wait)
