@@ -19,7 +19,7 @@ if __package__ in (None, ""):  # `python3 MaxText/generate_param_only_checkpoint
 
 import jax
 
-from MaxText import checkpointing, models, sharding, storage
+from MaxText import models, params_io, sharding, storage
 from MaxText.config import Config
 from MaxText.model_config import MODEL_KEYS
 from MaxText.convert import engine
@@ -42,11 +42,11 @@ def generate(config: Config) -> str:
     raise UserError(f"{output} already exists; choose a new param_only_checkpoint_path or remove it first")
   mesh = sharding.create_mesh(config.mesh)
   spec = models.build_model_spec(config.model)
-  params = checkpointing.load_params(source, spec.abstract_params,
+  params = params_io.load_params(source, spec.abstract_params,
                                      models.shard_params_like(spec, mesh, config.mesh.logical_axis_rules))
   if cfg.force_unroll and config.model.scan_layers:
     params = models.unstack_layers(params, config.model.num_decoder_layers)
-  checkpointing.save_params(output, params)
+  params_io.save_params(output, params)
   if jax.process_index() == 0:
     keys = {k: config[k] for k in MODEL_KEYS if k in config.values}
     engine.write_model_config(output, keys, f"training checkpoint {source}")

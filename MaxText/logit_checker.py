@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText import checkpointing, models, sharding
+from MaxText import models, params_io, sharding
 from MaxText.config import Config
 from MaxText.convert import cli, hf_io
 from MaxText.errors import UserError, run_cli
@@ -65,7 +65,7 @@ def our_logits(config: Config, token_ids: np.ndarray) -> np.ndarray:
   mesh = sharding.create_mesh(config.mesh)
   spec = models.build_model_spec(config.model)
   rules = config.mesh.logical_axis_rules
-  params = checkpointing.load_params(checkpoint, spec.abstract_params, models.shard_params_like(spec, mesh, rules))
+  params = params_io.load_params(checkpoint, spec.abstract_params, models.shard_params_like(spec, mesh, rules))
 
   def forward(p: Any, tokens_BL: jax.Array) -> jax.Array:
     positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)

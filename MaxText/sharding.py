@@ -97,6 +97,11 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 
 
+def with_shardings(abstract: Any, shardings: Any) -> Any:
+  """ShapeDtypeStructs that carry the target shardings (what Orbax restores into, what AOT lowers for)."""
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
 def batch_sharding(mesh: Mesh, data_axes: Sequence[str]) -> NamedSharding:
   """Sharding of a [batch, length] input: batch split over `data_sharding` axes."""
   axes = tuple(a for a in data_axes if mesh.shape[a] > 1)

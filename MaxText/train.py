@@ -13,13 +13,12 @@ if __package__ in (None, ""):  # `python3 MaxText/train.py`: import the package,
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import jax
-from jax.sharding import Mesh
 
-from MaxText import accelerators, checkpointing, config as config_lib, metrics, sharding, train_state, train_step
-from MaxText import aot, distributed, run_lease, run_record, startup, storage
+from MaxText import accelerators, checkpointing, config as config_lib, metrics
+from MaxText import distributed, preemption, run_assembly, run_lease, run_record, run_start, startup, storage
 from MaxText.startup import log
 from MaxText.errors import run_cli
-from MaxText.input_pipeline import check_sources, create_data_iterator, create_eval_iterator
+from MaxText.input_pipeline import check_sources
 from MaxText.layers import pipeline
 from MaxText.layers.attention import select_kernel
 from MaxText.trainer import CheckpointHook, EvalHook, LeaseHook, LoggingHook, ProfilerHook, Trainer
@@ -63,7 +62,7 @@ def main(argv: list[str]) -> int:
 def train(config: config_lib.Config, lease: run_lease.Lease | None = None) -> int:
   if config.run.print_config:
     log("config:\n" + config.describe())
-  checkpoints = checkpointing.RunCheckpoints(config.checkpoint) if config.checkpoint.enable_checkpointing else None
+  checkpoints = checkpointing.RunCheckpoints.for_run(config.checkpoint) if config.checkpoint.enable_checkpointing else None
   check_resume(config, checkpoints)
   check_sources(config.data)
   run_dir = config.run.run_dir
@@ -71,22 +70,18 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None) -> in
   log(f"devices: {target.num_devices} x {target.device_kind} ({target.platform}), "
       f"{target.num_processes} process(es), {config.mesh.num_slices} slice(s)")
 
-  mesh = sharding.create_mesh(config.mesh)
-  log(f"mesh: {', '.join(f'{a}={n}' for a, n in mesh.shape.items() if n > 1) or 'single device'}")
+  run = run_assembly.build_run(config)  # the train step is jitted, or loaded from compiled_trainstep_file
+  log(f"mesh: {run.mesh_description()}")
   if config.model.num_pipeline_stages > 1:
     log(pipeline.describe(config.model))
-  setup = train_state.build_state_setup(config, mesh)
-  start = checkpointing.initial_state(
-      config, setup, checkpoints, lambda: train_state.init_state(setup, config.run.init_weights_seed))
+  setup = run.setup
+  start = run_start.initial_state(config, setup, checkpoints, run.init_state)
   log(f"state: {start.description}")
   record_start(config)
-  num_params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
-  log(f"model: {num_params / 1e6:.2f}M parameters, {config.model.num_decoder_layers} layers, "
+  log(f"model: {run.num_params / 1e6:.2f}M parameters, {config.model.num_decoder_layers} layers, "
       f"attention={select_kernel(config.model.attention, target.platform, config.model)}, "
       f"{setup.param_unsharded_fraction:.2%} of parameter bytes not fully sharded")
 
-  batch_sharding = sharding.batch_sharding(mesh, config.mesh.data_sharding)
-  step_fn = aot.train_step_for_run(config, setup, batch_sharding)  # jitted, or loaded from compiled_trainstep_file
   flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size,
                                            config.data.max_target_length)
   peak, peak_source = accelerators.peak_tflops_per_device(target, config.run.cpu_peak_tflops)
@@ -100,13 +95,13 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None) -> in
     if checkpoints is not None:
       checkpoints.close()
     return 0
-  data = create_data_iterator(config, mesh)
+  data = run.data_iterator()
   if start.data_state is not None:
     data.set_state(start.data_state)
   rng = jax.random.key(config.run.init_weights_seed) if start.rng_key_data is None \
       else jax.random.wrap_key_data(jax.numpy.asarray(start.rng_key_data, jax.numpy.uint32))
-  trainer = Trainer(config, step_fn, data, rng, flops, peak)
-  add_hooks(trainer, config, setup, mesh, checkpoints, rng, start_step, lease)
+  trainer = Trainer(config, run.train_step, data, rng, flops, peak)
+  add_hooks(trainer, run, checkpoints, rng, start_step, lease)
   loop = trainer.run(start.state, start_step)
   if trainer.stop_reason is not None:
     log(f"stopped: {trainer.stop_reason}; rerun the same command to resume")
@@ -118,21 +113,20 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None) -> in
   return 0
 
 
-def add_hooks(trainer: Trainer, config: config_lib.Config, setup: train_state.StateSetup, mesh: Mesh,
-              checkpoints: checkpointing.RunCheckpoints | None, rng: jax.Array, start_step: int,
-              lease: run_lease.Lease | None = None) -> None:
+def add_hooks(trainer: Trainer, run: run_assembly.Run, checkpoints: checkpointing.RunCheckpoints | None,
+              rng: jax.Array, start_step: int, lease: run_lease.Lease | None = None) -> None:
   """Logging and eval hooks, plus checkpointing when it is enabled. With a lease, every step
-  first checks that no other run took the run directory over."""
+  first checks that no other run took the run directory over. The trainer owns each cadence."""
+  config, settings = run.config, run.config.run
   is_primary = jax.process_index() == 0
-  run = config.run
-  writer = metrics.MetricWriter(run.run_dir, run.enable_jsonl_metrics, run.enable_tensorboard,
+  writer = metrics.MetricWriter(settings.run_dir, settings.enable_jsonl_metrics, settings.enable_tensorboard,
                                 resume_step=start_step) if is_primary else None
   if lease is not None:
     trainer.add_hook(LeaseHook(lease), every=1)
-  trainer.add_hook(LoggingHook(writer, is_primary), every=run.log_period)
-  if run.eval_interval > 0:
-    trainer.add_hook(EvalHook(train_step.make_eval_step(setup, config), create_eval_iterator(config, mesh),
-                              config.data.eval_steps, writer, is_primary), every=run.eval_interval, needs_state=True)
+  trainer.add_hook(LoggingHook(writer, is_primary), every=settings.log_period)
+  if settings.eval_interval > 0:
+    trainer.add_hook(EvalHook(run.eval_step, run.eval_iterator(), config.data.eval_steps, writer, is_primary),
+                     every=settings.eval_interval, needs_state=True)
   if checkpoints is not None:
     def before_save() -> None:
       if lease is not None:
@@ -140,12 +134,13 @@ def add_hooks(trainer: Trainer, config: config_lib.Config, setup: train_state.St
       if writer is not None:
         writer.sync()
 
-    trainer.add_hook(CheckpointHook(checkpoints, config.checkpoint.checkpoint_period, run.steps,
-                                    checkpointing.PreemptionWatcher(), rng, before_save=before_save),
+    trainer.add_hook(CheckpointHook(checkpoints, config.checkpoint.checkpoint_period, settings.steps,
+                                    preemption.PreemptionWatcher(), rng, before_save=before_save),
                      every=0, needs_state=True)
-  if run.profiler:
-    trainer.add_hook(ProfilerHook(storage.join(run.run_dir, "profile"), run.profile_start_step, run.profile_steps,
-                                  active=is_primary or run.profile_all_processes), every=0, needs_state=True)
+  if settings.profiler:
+    trainer.add_hook(ProfilerHook(storage.join(settings.run_dir, "profile"), settings.profile_start_step,
+                                  settings.profile_steps, active=is_primary or settings.profile_all_processes),
+                     every=0, needs_state=True)
 
 
 if __name__ == "__main__":

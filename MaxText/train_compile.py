@@ -5,10 +5,10 @@ machine's devices), report whether it fits, and optionally save the executable:
       compile_topology_num_slices=2 global_parameter_scale=16 per_device_batch_size=4 \
       [compiled_trainstep_file=step.aot]
 
-The mesh, state shardings and step are the ones train.py builds (train_state,
-train_step, sharding); only the devices differ: libtpu describes the topology and XLA
+The mesh, state shardings and step are the ones train.py builds (run_assembly.build_run);
+only the devices differ: libtpu describes the topology and XLA
 compiles for it without any TPU attached. `compile_topology=local` compiles for the local
-devices instead. The saved file is executable code (see MaxText/aot.py): load it only
+devices instead. The saved file is executable code (see MaxText/compiled_step.py): load it only
 from a trusted source, with `train.py ... compiled_trainstep_file=PATH`.
 """
 
@@ -28,7 +28,10 @@ if __package__ in (None, ""):  # `python3 MaxText/train_compile.py`: import the 
 import jax
 from jax.experimental import topologies
 
-from MaxText import accelerators, aot, config as config_lib, metrics, sharding, startup, train_state, train_step
+from MaxText import accelerators, compiled_step, config as config_lib, metrics, run_assembly, startup
+from MaxText.hlo_cycles import estimated_cycles
+from MaxText.memory_report import (GIB, MemoryReport, buffer_assignment_dump_options, does_not_fit_message,
+                                   format_bytes, oom_bytes_from_xla, read_buffer_assignment)
 from MaxText.errors import ConfigError, UserError, run_cli
 from MaxText.layers import pipeline
 
@@ -84,7 +87,7 @@ def _buffer_report_dir() -> Iterator[str | None]:
     yield report_dir
 
 
-def compile_or_explain(step_fn: Any, inputs: aot.StepInputs, topology: accelerators.TpuTopology | None,
+def compile_or_explain(step_fn: Any, inputs: run_assembly.StepInputs, topology: accelerators.TpuTopology | None,
                        compiler_options: dict[str, str] | None = None) -> Any:
   """Lowers and compiles; XLA's out-of-memory error becomes a one-line 'does not fit'."""
   try:
@@ -96,26 +99,26 @@ def compile_or_explain(step_fn: Any, inputs: aot.StepInputs, topology: accelerat
     first_line = message.strip().splitlines()[0]
     # XLA's figure is its whole device heap, arguments included, even where it says "HLO
     # temporaries" (getting_started/AOT.md shows the heaps it extrapolates from).
-    needed = aot.oom_bytes_from_xla(first_line) or 0
-    raise UserError(aot.does_not_fit_message(needed, topology.generation.name, topology.generation.hbm_gib,
+    needed = oom_bytes_from_xla(first_line) or 0
+    raise UserError(does_not_fit_message(needed, topology.generation.name, topology.generation.hbm_gib,
                                              f"XLA: {first_line}")) from None
 
 
 def report(config: config_lib.Config, topology: accelerators.TpuTopology | None, compiled: Any,
-           report_dir: str | None = None) -> aot.MemoryReport:
+           report_dir: str | None = None) -> MemoryReport:
   """Prints memory per device, FLOPs and the compiler's step-time estimate."""
-  memory = aot.MemoryReport.from_compiled(compiled, aot.read_buffer_assignment(report_dir))
+  memory = MemoryReport.from_compiled(compiled, read_buffer_assignment(report_dir))
   print("memory per device (XLA memory analysis of the compiled step):")
   print("\n".join(memory.lines()))
   if topology is not None:
     gen = topology.generation
-    print(f"  HBM per {gen.name} chip {gen.hbm_gib:g} GiB: {memory.total / (gen.hbm_gib * aot.GIB):.1%} used")
+    print(f"  HBM per {gen.name} chip {gen.hbm_gib:g} GiB: {memory.total / (gen.hbm_gib * GIB):.1%} used")
   flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size,
                                            config.data.max_target_length)
   num_devices = config.target.num_devices
   print(f"model FLOPs per step: {flops.total_tflops:,.4g} TFLOP ({flops.total_tflops / num_devices:,.4g} per device; "
         f"{config.data.global_batch_size} sequences x {config.data.max_target_length} tokens)")
-  cycles = aot.estimated_cycles(compiled.as_text()) if topology is not None else None
+  cycles = estimated_cycles(compiled.as_text()) if topology is not None else None
   if cycles is None or topology is None:
     print("compiler estimate of step time: not available for this platform")
   else:
@@ -140,30 +143,26 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
   for name in ("LIBTPU_INIT_ARGS", "XLA_FLAGS"):
     if os.environ.get(name):
       print(f"  {name}={os.environ[name]}")
-  mesh = sharding.create_mesh(config.mesh, devices)
-  print(f"mesh: {', '.join(f'{a}={n}' for a, n in mesh.shape.items() if n > 1) or 'single device'}")
+  run = run_assembly.build_run(config, devices=devices, compiled_step=False)
+  print(f"mesh: {run.mesh_description()}")
   if config.model.num_pipeline_stages > 1:
     print(pipeline.describe(config.model))
-  setup = train_state.build_state_setup(config, mesh)
-  num_params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
-  print(f"parameters: {num_params / 1e9:.3f} B ({num_params:,})")
-  batch_sharding = sharding.batch_sharding(mesh, config.mesh.data_sharding)
-  step_fn = train_step.jit_train_step(setup, config, batch_sharding)
-  inputs = aot.abstract_inputs(config, setup, batch_sharding)
+  print(f"parameters: {run.num_params / 1e9:.3f} B ({run.num_params:,})")
+  inputs = run.abstract_inputs()
   start = time.perf_counter()
   # The report options go to this compile only (XLA reads XLA_FLAGS once per process).
-  options = aot.buffer_assignment_dump_options(report_dir) if report_dir and topology else None
-  compiled = compile_or_explain(step_fn, inputs, topology, options)
+  options = buffer_assignment_dump_options(report_dir) if report_dir and topology else None
+  compiled = compile_or_explain(run.train_step, inputs, topology, options)
   print(f"compiled in {time.perf_counter() - start:.1f} s")
   memory = report(config, topology, compiled, report_dir)
   if topology is not None:
     gen = topology.generation
-    if memory.total > gen.hbm_gib * aot.GIB:
-      raise UserError(aot.does_not_fit_message(memory.total, gen.name, gen.hbm_gib, memory.source))
-    print(f"fits: {aot.format_bytes(memory.total)} of {gen.hbm_gib:g} GiB per {gen.name} chip")
+    if memory.total > gen.hbm_gib * GIB:
+      raise UserError(does_not_fit_message(memory.total, gen.name, gen.hbm_gib, memory.source))
+    print(f"fits: {format_bytes(memory.total)} of {gen.hbm_gib:g} GiB per {gen.name} chip")
   path = config["compiled_trainstep_file"]
   if path:
-    size = aot.save_compiled_step(path, compiled, aot.step_header(config, inputs, topology.name if topology else "local"))
+    size = compiled_step.save_compiled_step(path, compiled, compiled_step.step_header(config, inputs, topology.name if topology else "local"))
     print(f"saved the compiled train step to {path} ({size / 2**20:.1f} MiB); it is executable code: "
           "share and load it only where you trust its origin")
   return 0

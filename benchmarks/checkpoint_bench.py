@@ -47,21 +47,18 @@ def main() -> None:
 
   import jax
 
-  from MaxText import checkpointing, sharding, train_state, train_step
   from MaxText.config import Config
-  from MaxText.input_pipeline import create_data_iterator
+  from MaxText.run_assembly import build_run
 
   shutil.rmtree(args.dir, ignore_errors=True)
   per_device = 1.0 / jax.device_count() if jax.device_count() > 1 else 1.0
   base = dict(MODEL, base_num_decoder_layers=args.layers, per_device_batch_size=per_device,
               base_output_directory=args.dir, run_name="bench", steps=1000)
   sync_cfg = Config.for_testing(**base, async_checkpointing=False)
-  mesh = sharding.create_mesh(sync_cfg.mesh)
-  setup = train_state.build_state_setup(sync_cfg, mesh)
-  state = train_state.init_state(setup, 0)
-  step_fn = train_step.jit_train_step(setup, sync_cfg, sharding.batch_sharding(mesh, sync_cfg.mesh.data_sharding))
-  data, rng = create_data_iterator(sync_cfg, mesh), jax.random.key(0)
-  num_params = sum(x.size for x in jax.tree.leaves(state.params))
+  run = build_run(sync_cfg)
+  setup = run.setup
+  state, step_fn, data, rng = run.init_state(0), run.train_step, run.data_iterator(), jax.random.key(0)
+  num_params = run.num_params
   state_gb = sum(x.nbytes for x in jax.tree.leaves(state)) / 1e9
   print(f"state: {num_params / 1e6:.1f}M parameters, {state_gb:.2f} GB with optimizer moments")
 
@@ -129,13 +126,13 @@ def _measure_tier(label, directory, base, setup, state, train, step_s, state_gb,
 
   sync_cfg = Config.for_testing(**{**base, "base_output_directory": directory}, async_checkpointing=False)
   async_cfg = Config.for_testing(**{**base, "base_output_directory": directory}, async_checkpointing=True)
-  checkpoints = checkpointing.RunCheckpoints(sync_cfg.checkpoint)
+  checkpoints = checkpointing.RunCheckpoints.for_run(sync_cfg.checkpoint)
   save_s = _timed(lambda: checkpoints.save(1, state, {"step": 1}, {}))
   checkpoints.close()
-  restore_s = _timed(lambda: jax.block_until_ready(checkpointing.RunCheckpoints(sync_cfg.checkpoint).restore_latest(
+  restore_s = _timed(lambda: jax.block_until_ready(checkpointing.RunCheckpoints.for_run(sync_cfg.checkpoint).restore_latest(
       setup.abstract_state, setup.state_shardings).state))
 
-  checkpoints = checkpointing.RunCheckpoints(async_cfg.checkpoint)
+  checkpoints = checkpointing.RunCheckpoints.for_run(async_cfg.checkpoint)
   block_s = _timed(lambda: checkpoints.save(2, state, {"step": 2}, {}))
   during_s = train(steps)
   wait_s = _timed(checkpoints.wait)

@@ -2,7 +2,7 @@
 
     python3 benchmarks/cpu_train.py [--steps 10] [--batch 4] [--length 256]
 
-Builds the same state, step and loop as train.py (via Config / Run pieces) on the
+Builds the same state, step and loop as train.py (via Config / build_run) on the
 local CPU devices, skips the first (compiling) step, and prints tokens/s,
 TFLOP/s and MFU against the measured CPU matmul peak. The last line is
 machine-readable: `RESULT tokens_per_s=... tflops_per_s=... mfu=... peak_tflops=...`.
@@ -33,18 +33,15 @@ def main() -> None:
 
   import jax
 
-  from MaxText import accelerators, metrics, sharding, train_state, train_step
+  from MaxText import accelerators, metrics
   from MaxText.config import Config
-  from MaxText.input_pipeline import create_data_iterator
+  from MaxText.run_assembly import build_run
 
   config = Config.for_testing(**MODEL, per_device_batch_size=args.batch / jax.device_count(),
                               max_target_length=args.length, steps=args.steps + 1, print_config=False)
-  mesh = sharding.create_mesh(config.mesh)
-  setup = train_state.build_state_setup(config, mesh)
-  state = train_state.init_state(setup, 0)
-  step_fn = train_step.jit_train_step(setup, config, sharding.batch_sharding(mesh, config.mesh.data_sharding))
-  data, rng = create_data_iterator(config, mesh), jax.random.key(0)
-  num_params = sum(x.size for x in jax.tree.leaves(state.params))
+  run = build_run(config)
+  state, step_fn, data, rng = run.init_state(0), run.train_step, run.data_iterator(), jax.random.key(0)
+  num_params = run.num_params
 
   state, m = step_fn(state, next(data), rng)  # compile
   jax.block_until_ready(m)

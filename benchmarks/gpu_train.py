@@ -65,16 +65,13 @@ def time_steps(overrides: dict[str, Any], num_steps: int) -> dict[str, float]:
   """Compiles, runs one warm-up step, times `num_steps` steps; throughput per MaxText/metrics.py."""
   import jax
 
-  from MaxText import accelerators, metrics, sharding, train_state, train_step
+  from MaxText import accelerators, metrics
   from MaxText.config import Config
-  from MaxText.input_pipeline import create_data_iterator
+  from MaxText.run_assembly import build_run
 
   config = Config.for_testing(**overrides)
-  mesh = sharding.create_mesh(config.mesh)
-  setup = train_state.build_state_setup(config, mesh)
-  state = train_state.init_state(setup, 0)
-  step_fn = train_step.jit_train_step(setup, config, sharding.batch_sharding(mesh, config.mesh.data_sharding))
-  data, rng = create_data_iterator(config, mesh), jax.random.key(0)
+  run = build_run(config)
+  state, step_fn, data, rng = run.init_state(0), run.train_step, run.data_iterator(), jax.random.key(0)
   compile_start = time.perf_counter()
   state, m = step_fn(state, next(data), rng)
   jax.block_until_ready(m)
@@ -89,7 +86,7 @@ def time_steps(overrides: dict[str, Any], num_steps: int) -> dict[str, float]:
   flops = metrics.training_tflops_per_step(config.model, batch_size, length)
   peak, source = accelerators.peak_tflops_per_device(config.target, config.run.cpu_peak_tflops)
   t = metrics.throughput(step_s, batch_size * length, flops, config.target.num_devices, peak)
-  num_params = sum(x.size for x in jax.tree.leaves(state.params))
+  num_params = run.num_params
   return dict(step_s=step_s, compile_s=compile_s, tokens_per_s=t.tokens_per_s,
               tflops_per_s_per_device=t.tflops_per_s_per_device, mfu=t.mfu, loss=float(m["loss"]),
               params_m=num_params / 1e6, devices=config.target.num_devices, peak=peak, peak_source=source,

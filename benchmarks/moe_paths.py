@@ -36,9 +36,9 @@ def main() -> None:
   import jax
   import jax.numpy as jnp
 
-  from MaxText import metrics, models, sharding, train_state, train_step
+  from MaxText import metrics, models
   from MaxText.config import Config
-  from MaxText.input_pipeline import create_data_iterator
+  from MaxText.run_assembly import build_run
 
   model = dict(decoder_block="mixtral", base_emb_dim=256, base_num_query_heads=4, base_num_kv_heads=2, head_dim=64,
                base_mlp_dim=512, base_num_decoder_layers=4, vocab_size=1024, mlp_activations=["silu", "linear"],
@@ -47,11 +47,8 @@ def main() -> None:
   for label, path in PATHS.items():
     config = Config.for_testing(**model, **path, per_device_batch_size=args.batch / jax.device_count(),
                                 max_target_length=args.length, steps=args.steps + 1, print_config=False)
-    mesh = sharding.create_mesh(config.mesh)
-    setup = train_state.build_state_setup(config, mesh)
-    state = train_state.init_state(setup, 0)
-    step_fn = train_step.jit_train_step(setup, config, sharding.batch_sharding(mesh, config.mesh.data_sharding))
-    data, rng = create_data_iterator(config, mesh), jax.random.key(0)
+    run = build_run(config)
+    state, step_fn, data, rng = run.init_state(0), run.train_step, run.data_iterator(), jax.random.key(0)
     state, out = step_fn(state, next(data), rng)  # compile
     jax.block_until_ready(out)
     start = time.perf_counter()

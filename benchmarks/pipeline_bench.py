@@ -39,9 +39,8 @@ def main(argv: list[str] | None = None) -> None:
 
   import jax
 
-  from MaxText import sharding, train_state, train_step
   from MaxText.config import Config
-  from MaxText.input_pipeline import create_data_iterator
+  from MaxText.run_assembly import build_run
   from MaxText.layers import pipeline, pipeline_timetable
 
   model = dict(base_emb_dim=args.width, base_num_query_heads=4, base_num_kv_heads=4, head_dim=args.width // 4,
@@ -59,13 +58,10 @@ def main(argv: list[str] | None = None) -> None:
                                 ici_data_parallelism=args.devices // args.stages, pipeline_schedule=schedule,
                                 num_pipeline_repeats=repeats, num_pipeline_microbatches=args.micro,
                                 steps=args.steps + 1)
-    mesh = sharding.create_mesh(config.mesh)
-    setup = train_state.build_state_setup(config, mesh)
-    state = train_state.init_state(setup, 0)
-    step_fn = train_step.jit_train_step(setup, config, sharding.batch_sharding(mesh, config.mesh.data_sharding))
-    data, rng = create_data_iterator(config, mesh), jax.random.key(0)
+    run = build_run(config)
+    state, data, rng = run.init_state(0), run.data_iterator(), jax.random.key(0)
     batch = next(data)
-    compiled = step_fn.lower(state, batch, rng).compile()
+    compiled = run.train_step.lower(state, batch, rng).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     state, metrics = compiled(state, batch, rng)  # the first call is not timed
     jax.block_until_ready(metrics)

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import checkpointing, models
+from MaxText import checkpointing, models, params_io, run_start
 from MaxText.config import Config
 from MaxText.errors import ConfigError, TrainingError, UserError
 from tests.train_utils import Run
@@ -32,7 +32,7 @@ def trained(tiny_overrides, tmp_path):
   """A run with checkpoints of steps 2 and 4 on disk (fsdp=8), and its state after step 4."""
   config = _config(tiny_overrides, tmp_path)
   run = Run(config)
-  checkpoints = checkpointing.RunCheckpoints(config.checkpoint)
+  checkpoints = checkpointing.RunCheckpoints.for_run(config.checkpoint)
   state = run.init()
   for step in (1, 2, 3, 4):
     state, _ = run.train(state, 1)
@@ -47,7 +47,7 @@ def trained(tiny_overrides, tmp_path):
 
 
 def _restore(config: Config, run: Run):
-  checkpoints = checkpointing.RunCheckpoints(config.checkpoint)
+  checkpoints = checkpointing.RunCheckpoints.for_run(config.checkpoint)
   return checkpoints, checkpoints.restore_latest(run.setup.abstract_state, run.setup.state_shardings)
 
 
@@ -113,19 +113,19 @@ def test_load_parameters_starts_at_step_zero_with_fresh_optimizer(trained, tiny_
   config, run, checkpoints, state = trained
   checkpoints.close()
   path = str(tmp_path / "params_only")
-  checkpointing.save_params(path, state.params)
+  params_io.save_params(path, state.params)
   with pytest.raises(UserError, match="already exists"):
-    checkpointing.save_params(path, state.params)
+    params_io.save_params(path, state.params)
   fine_tune = _config(tiny_overrides, tmp_path, run_name="finetune", load_parameters_path=path)
   fresh = Run(fine_tune)
-  start = checkpointing.initial_state(fine_tune, fresh.setup, None, lambda: pytest.fail("must not initialise"))
+  start = run_start.initial_state(fine_tune, fresh.setup, None, lambda: pytest.fail("must not initialise"))
   assert int(start.state.step) == 0 and "fresh optimizer" in start.description
   assert _leaves_equal(start.state.params, state.params)
   mu = start.state.opt_state[1][0].mu  # chain(clip, adamw): adam's first moment starts at zero
   assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(mu))
   # A full-state step directory and a checkpoints root also serve as parameter sources.
   for source in (Path(config.checkpoint.directory) / "4", Path(config.checkpoint.directory)):
-    params = checkpointing.load_params(str(source), run.setup.abstract_state.params,
+    params = params_io.load_params(str(source), run.setup.abstract_state.params,
                                        run.setup.state_shardings.params)
     assert _leaves_equal(params, state.params)
 
@@ -135,14 +135,14 @@ def test_loading_errors_are_one_line_user_errors(trained, tiny_overrides, tmp_pa
   checkpoints.close()
   abstract, shardings = run.setup.abstract_state.params, run.setup.state_shardings.params
   with pytest.raises(UserError, match="does not exist"):
-    checkpointing.load_params(str(tmp_path / "missing"), abstract, shardings)
+    params_io.load_params(str(tmp_path / "missing"), abstract, shardings)
   (tmp_path / "empty").mkdir()
   with pytest.raises(UserError, match="is not a checkpoint"):
-    checkpointing.load_params(str(tmp_path / "empty"), abstract, shardings)
+    params_io.load_params(str(tmp_path / "empty"), abstract, shardings)
   bigger = _config(tiny_overrides, tmp_path, base_emb_dim=128)
   big_spec = models.build_model_spec(bigger.model)
   with pytest.raises(UserError, match="cannot load parameters"):
-    checkpointing.load_params(str(Path(config.checkpoint.directory) / "4"), big_spec.abstract_params,
+    params_io.load_params(str(Path(config.checkpoint.directory) / "4"), big_spec.abstract_params,
                               Run(bigger).setup.state_shardings.params)
 
 
@@ -158,7 +158,7 @@ def test_checkpoint_config_errors(tiny_overrides, tmp_path):
 def test_max_to_keep_prunes_old_checkpoints(tiny_overrides, tmp_path):
   config = _config(tiny_overrides, tmp_path, max_num_checkpoints_to_keep=2, async_checkpointing=False)
   run = Run(config)
-  checkpoints = checkpointing.RunCheckpoints(config.checkpoint)
+  checkpoints = checkpointing.RunCheckpoints.for_run(config.checkpoint)
   state = run.init()
   for step in (1, 2, 3):
     checkpoints.save(step, state, {"step": step}, {})
@@ -176,12 +176,12 @@ def test_generate_param_only_checkpoint_unrolls_and_loads_in_either_layout(train
       _config(tiny_overrides, tmp_path, param_only_checkpoint_path=str(out), force_unroll=True))
   assert (out / "model_config.yml").exists()
   unrolled = Run(_config(tiny_overrides, tmp_path, scan_layers=False))
-  params = checkpointing.load_params(str(out), unrolled.setup.abstract_state.params,
+  params = params_io.load_params(str(out), unrolled.setup.abstract_state.params,
                                      unrolled.setup.state_shardings.params)
   assert set(params) >= {"layers_0", "layers_1"} and "layers" not in params
   assert _leaves_equal(params, models.unstack_layers(state.params, 2))
   # A scanned reader gets the stack back.
-  scanned = checkpointing.load_params(str(out), run.setup.abstract_state.params, run.setup.state_shardings.params)
+  scanned = params_io.load_params(str(out), run.setup.abstract_state.params, run.setup.state_shardings.params)
   assert _leaves_equal(scanned, state.params)
   with pytest.raises(UserError, match="already exists"):
     generate_param_only_checkpoint.generate(

@@ -17,7 +17,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import hf_families as H
-from MaxText import checkpointing, config as config_lib, logit_checker, models
+from MaxText import config as config_lib, logit_checker, models, params_io
 from MaxText.convert import hf_io, hf_to_maxtext, maxtext_to_hf, streaming
 from MaxText.errors import ConfigError, UserError
 
@@ -55,7 +55,7 @@ def _load(path: Path, scan_layers: bool):
   spec = models.build_model_spec(config.model)
   one_device = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)),
                                           jax.sharding.PartitionSpec())
-  return checkpointing.load_params(str(path), spec.abstract_params,
+  return params_io.load_params(str(path), spec.abstract_params,
                                    jax.tree.map(lambda _: one_device, spec.abstract_params))
 
 
@@ -87,7 +87,7 @@ def test_corrupting_one_weight_makes_the_checker_fail(converted, tmp_path):
   params = jax.tree.map(np.array, _load(ckpt, scan_layers=True))
   params["layers"]["mlp"]["wo"]["kernel"][1, 3, 5] += 0.5  # one number in layer 1's MLP
   corrupt = tmp_path / "corrupt"
-  checkpointing.save_params(str(corrupt), params)
+  params_io.save_params(str(corrupt), params)
   shutil.copy(ckpt / config_lib.MODEL_CONFIG_FILE, corrupt / config_lib.MODEL_CONFIG_FILE)
   proc = subprocess.run(
       [sys.executable, "-m", "MaxText.logit_checker", BASE, f"load_parameters_path={corrupt}",
@@ -253,5 +253,5 @@ def test_one_by_one_orbax_write_holds_about_one_parameter(tmp_path):
   params = {f"p{i}": np.memmap(tmp_path / f"p{i}.bin", dtype=np.float32, mode="r", shape=(1024, 4096))
             for i in range(12)}
   abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in params.items()}
-  restored = checkpointing.load_params(str(tmp_path / "ckpt"), abstract, jax.tree.map(lambda _: None, abstract))
+  restored = params_io.load_params(str(tmp_path / "ckpt"), abstract, jax.tree.map(lambda _: None, abstract))
   np.testing.assert_array_equal(np.asarray(restored["p7"]), params["p7"])

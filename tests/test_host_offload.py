@@ -69,11 +69,11 @@ def test_offloaded_optimizer_state_checkpoint_round_trip(tiny_overrides, tmp_pat
                               run_name="run", steps=5, async_checkpointing=False)
   run = Run(config)
   state, _ = run.train(run.init(), 1)
-  checkpoints = checkpointing.RunCheckpoints(config.checkpoint)
+  checkpoints = checkpointing.RunCheckpoints.for_run(config.checkpoint)
   checkpoints.save(1, state, run.data.get_state(), {"step": 1})
   checkpoints.wait()
   checkpoints.close()
-  restored = checkpointing.RunCheckpoints(config.checkpoint).restore_latest(run.setup.abstract_state,
+  restored = checkpointing.RunCheckpoints.for_run(config.checkpoint).restore_latest(run.setup.abstract_state,
                                                                           run.setup.state_shardings)
   assert _memory_kinds(restored.state.opt_state) == {"pinned_host"}
   for got, want in zip(jax.tree.leaves(jax.device_get(restored.state.opt_state)),

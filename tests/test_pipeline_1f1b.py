@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from test_pipeline_parallel import _grads_and_step, _model_overrides, _packed_batch
 
-from MaxText import sharding, train_compile, train_state, train_step
+from MaxText import sharding, train_compile, train_step
 from MaxText.config import BASE_CONFIG_PATH, Config
 from MaxText.layers import pipeline, pipeline_timetable
+from MaxText.run_assembly import build_run
 
 
 def _config(schedule: str, micro: int, **overrides) -> Config:
@@ -21,8 +22,7 @@ def _config(schedule: str, micro: int, **overrides) -> Config:
 
 
 def _params_and_batch(config: Config) -> tuple:
-  setup = train_state.build_state_setup(config, sharding.create_mesh(config.mesh))
-  return jax.device_get(train_state.init_state(setup, 0).params), _packed_batch(config.data.global_batch_size, 16, 64)
+  return jax.device_get(build_run(config).init_state(0).params), _packed_batch(config.data.global_batch_size, 16, 64)
 
 
 @pytest.mark.slow  # ~40 s each: two MoE train steps with dropout compiled
@@ -48,17 +48,15 @@ def test_moe_and_dropout_gradients_equal_gpipe(reference, repeats):
 
 
 def _compiled_temp_bytes(config: Config) -> int:
-  mesh = sharding.create_mesh(config.mesh)
-  setup = train_state.build_state_setup(config, mesh)
-  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.batch_sharding(
-      mesh, config.mesh.data_sharding)), _packed_batch(config.data.global_batch_size, config.data.max_target_length, 64))
+  run = build_run(config)
+  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=run.batch_sharding),
+                       _packed_batch(config.data.global_batch_size, config.data.max_target_length, 64))
 
   def grads(params, b):
-    with sharding.activation_sharding(mesh, config.mesh.logical_axis_rules):
-      return train_step._grads_and_sums(setup, config, params, b, None)
+    with sharding.activation_sharding(run.mesh, config.mesh.logical_axis_rules):
+      return train_step._grads_and_sums(run.setup, config, params, b, None)
 
-  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        setup.abstract_state.params, setup.state_shardings.params)
+  params = run.abstract_inputs().state.params
   return jax.jit(grads).lower(params, batch).compile().memory_analysis().temp_size_in_bytes
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from MaxText import sharding, train_compile, train_state, train_step
+from MaxText.run_assembly import build_run
 from MaxText.config import BASE_CONFIG_PATH, Config
 from MaxText.errors import ConfigError
 from MaxText.layers import pipeline
@@ -36,23 +37,21 @@ def _packed_batch(global_batch: int, length: int, vocab: int) -> dict:
 
 def _grads_and_step(config: Config, params, batch: dict):
   """(gradients, loss sums, metrics of one full jitted train step) for `config` from `params`."""
-  mesh = sharding.create_mesh(config.mesh)
-  setup = train_state.build_state_setup(config, mesh)
-  batch_sharding = sharding.batch_sharding(mesh, config.mesh.data_sharding)
-  batch = jax.device_put(batch, batch_sharding)
+  run = build_run(config)
+  setup = run.setup
+  batch = jax.device_put(batch, run.batch_sharding)
   params = jax.device_put(params, setup.state_shardings.params)
 
   def grads_fn(p, b):
-    with sharding.activation_sharding(mesh, config.mesh.logical_axis_rules):
+    with sharding.activation_sharding(run.mesh, config.mesh.logical_axis_rules):
       return train_step._grads_and_sums(setup, config, p, b, None)
 
   grads, sums = jax.jit(grads_fn)(params, batch)
   # Per-token gradients, as the optimizer sees them (the raw sums grow with the token count).
   grads = jax.tree.map(lambda g: g / sums["weight_sum"], grads)
-  state = train_state.init_state(setup, 0).replace(params=params)
+  state = run.init_state(0).replace(params=params)
   state = state.replace(opt_state=jax.jit(setup.optimizer.init, out_shardings=setup.state_shardings.opt_state)(params))
-  step = train_step.jit_train_step(setup, config, batch_sharding)
-  new_state, metrics = step(state, batch, jax.random.key(0))
+  new_state, metrics = run.train_step(state, batch, jax.random.key(0))
   return jax.device_get(grads), jax.device_get(sums), jax.device_get(metrics), jax.device_get(new_state.params)
 
 
@@ -76,8 +75,7 @@ def test_pipeline_equals_the_non_pipelined_run(schedule, stages, repeats, micro,
                              num_pipeline_repeats=repeats, num_pipeline_microbatches=micro, **other)
   plain = Config.for_testing(**_model_overrides(layers))  # fsdp over all 8 devices
   assert piped.model.num_pipeline_stages == stages and piped.model.layers_per_pipeline_stage == 1
-  ref_setup = train_state.build_state_setup(plain, sharding.create_mesh(plain.mesh))
-  params = jax.device_get(train_state.init_state(ref_setup, 0).params)
+  params = jax.device_get(build_run(plain).init_state(0).params)
   batch = _packed_batch(plain.data.global_batch_size, 16, 64)
 
   want_grads, want_sums, want_metrics, want_params = _grads_and_step(plain, params, batch)
@@ -101,8 +99,7 @@ def test_moe_under_the_pipeline_matches_the_non_pipelined_run():
   piped = Config.for_testing(**_model_overrides(2), **moe, ici_pipeline_parallelism=2, num_pipeline_microbatches=4,
                              ici_data_parallelism=4, ici_fsdp_parallelism=1)
   plain = Config.for_testing(**_model_overrides(2), **moe)
-  setup = train_state.build_state_setup(plain, sharding.create_mesh(plain.mesh))
-  params = jax.device_get(train_state.init_state(setup, 0).params)
+  params = jax.device_get(build_run(plain).init_state(0).params)
   batch = _packed_batch(plain.data.global_batch_size, 16, 64)
   _, _, want, _ = _grads_and_step(plain, params, batch)
   _, _, got, _ = _grads_and_step(piped, params, batch)
@@ -113,7 +110,7 @@ def test_moe_under_the_pipeline_matches_the_non_pipelined_run():
 
 def test_layer_weights_are_stage_sharded_and_checkpoint_layout_is_unchanged():
   config = Config.for_testing(**_model_overrides(4), ici_pipeline_parallelism=4, ici_fsdp_parallelism=2)
-  setup = train_state.build_state_setup(config, sharding.create_mesh(config.mesh))
+  setup = build_run(config).setup
   specs = train_state.shardings_summary(setup.state_shardings.params)
   layer_specs = [spec for path, spec in specs.items() if path.startswith("['layers']")]
   assert layer_specs and all(spec[0] == "stage" for spec in layer_specs)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import hf_families as H
-from MaxText import aot, decode, generate_param_only_checkpoint, logit_checker, sharding, startup, storage, train
+from MaxText import compiled_step, decode, generate_param_only_checkpoint, logit_checker, sharding, startup, storage, train
 from MaxText import train_compile, train_tokenizer
 from MaxText.config import BASE_CONFIG_PATH, Config
 from MaxText.convert import hf_to_maxtext, maxtext_to_hf
@@ -287,14 +287,14 @@ def test_compiled_trainstep_file_on_gs(bucket, tmp_path, capsys):
   argv = ["train_compile", BASE, "compile_topology=local", f"compiled_trainstep_file={path}"]
   assert train_compile.main(argv + [f"{k}={v}" for k, v in CPU_TINY.items()]) == 0
   assert f"saved the compiled train step to {path}" in capsys.readouterr().out
-  header, offset = aot.read_header(path)
+  header, offset = compiled_step.read_header(path)
   assert header["topology"] == "local" and storage.size(path) > offset
   loaded = _train_losses(tmp_path, "loaded", compiled_trainstep_file=path)
   assert "loaded the compiled executable" in capsys.readouterr().out
   # That a loaded step trains bitwise like a jitted one is test_train_compile's; here: it loads from gs://.
   assert len(loaded) == 3 and all(np.isfinite(loaded))
   with pytest.raises(UserError, match="cannot read compiled_trainstep_file 'gs://.*missing.aot'"):
-    aot.read_header(f"{bucket}/aot/missing.aot")
+    compiled_step.read_header(f"{bucket}/aot/missing.aot")
 
 
 # ---------------------------------------------------------------- decode

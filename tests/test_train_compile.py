@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from MaxText import accelerators, aot, sharding, train, train_compile, train_state
+from MaxText import accelerators, compiled_step, hlo_cycles, memory_report, train, train_compile
 from MaxText.config import BASE_CONFIG_PATH, Config
 from MaxText.errors import ConfigError, UserError
+from MaxText.run_assembly import build_run
 
 REPO = Path(__file__).resolve().parent.parent
 # Small enough that a 512-device TPU compile takes seconds, not minutes.
@@ -90,7 +91,7 @@ def test_compiles_and_saves_for_two_v5e_256_slices(tmp_path, capsys):
                                  compiled_trainstep_file=path, **TPU_TINY)) == 0
   out = capsys.readouterr().out
   assert "2 x v5e-256" in out and "512 devices" in out and "mesh: data=2, fsdp=256" in out
-  header, _ = aot.read_header(str(path))
+  header, _ = compiled_step.read_header(str(path))
   assert "--xla_dump_to" not in header["flags"]["XLA_FLAGS"]  # train_compile's own report flags stay out
   assert header["topology"] == "v5e-256"
   assert header["target"] == {"platform": "tpu", "device_kind": "TPU v5 lite", "num_devices": 512, "num_slices": 2}
@@ -150,10 +151,7 @@ def test_saved_step_trains_like_a_jitted_one_on_cpu(tmp_path, cpu_step_file, cap
 
 def _load_for(path: Path, **overrides) -> None:
   """What train.py does with compiled_trainstep_file, without initialising or training."""
-  config = Config.for_testing(**{**CPU_TINY, **overrides, "compiled_trainstep_file": str(path)})
-  mesh = sharding.create_mesh(config.mesh)
-  setup = train_state.build_state_setup(config, mesh)
-  aot.train_step_for_run(config, setup, sharding.batch_sharding(mesh, config.mesh.data_sharding))
+  build_run(Config.for_testing(**{**CPU_TINY, **overrides, "compiled_trainstep_file": str(path)}))
 
 
 def test_mismatched_step_file_is_refused(tmp_path, cpu_step_file):
@@ -166,7 +164,7 @@ def test_mismatched_step_file_is_refused(tmp_path, cpu_step_file):
   with pytest.raises(UserError, match=r"batch.global_batch_size: file 8, this run 16"):
     _load_for(cpu_step_file, per_device_batch_size=2)
 
-  header, offset = aot.read_header(str(cpu_step_file))
+  header, offset = compiled_step.read_header(str(cpu_step_file))
   header["versions"]["jax"] = "0.0.1"  # as if compiled by another JAX: rebuild the file by hand
   data = json.dumps(header).encode()
   stale = tmp_path / "stale.aot"
@@ -180,9 +178,9 @@ def test_files_that_are_not_saved_steps_are_refused(tmp_path):
   junk = tmp_path / "junk.bin"
   junk.write_bytes(b"\x80\x04not a step")
   with pytest.raises(UserError, match="is not a compiled train step written by train_compile"):
-    aot.read_header(str(junk))
+    compiled_step.read_header(str(junk))
   with pytest.raises(UserError, match="cannot read compiled_trainstep_file"):
-    aot.read_header(str(tmp_path / "missing.aot"))
+    compiled_step.read_header(str(tmp_path / "missing.aot"))
 
 
 # ---------------------------------------------------------------- pure helpers
@@ -191,22 +189,22 @@ def test_files_that_are_not_saved_steps_are_refused(tmp_path):
 def test_oom_message_parsing_and_wording():
   message = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
              "(19.70G) exceeds available HBM (15.75G).")
-  assert aot.oom_bytes_from_xla(message) == int(19.70 * aot.GIB)
-  assert aot.oom_bytes_from_xla("Used 20.5G of 15.75G hbm") == int(20.5 * aot.GIB)
-  assert aot.oom_bytes_from_xla("no sizes here") is None
-  assert aot.does_not_fit_message(21.4 * aot.GIB, "v5e", 16.0, "x") == \
+  assert memory_report.oom_bytes_from_xla(message) == int(19.70 * memory_report.GIB)
+  assert memory_report.oom_bytes_from_xla("Used 20.5G of 15.75G hbm") == int(20.5 * memory_report.GIB)
+  assert memory_report.oom_bytes_from_xla("no sizes here") is None
+  assert memory_report.does_not_fit_message(21.4 * memory_report.GIB, "v5e", 16.0, "x") == \
       "does not fit: needs 21.4 GiB per chip, v5e has 16 GiB (x)"
 
 
 def test_memory_total_is_xla_peak_when_reported_else_the_upper_bound():
-  gib = aot.GIB
+  gib = memory_report.GIB
   # v5e/32b as compiled: 16.1 GiB of temporaries in all, but XLA's peak of live buffers is 11.6 GiB.
-  tpu = aot.MemoryReport(arguments=int(1.39 * gib), outputs=int(1.39 * gib), aliased=int(1.39 * gib),
+  tpu = memory_report.MemoryReport(arguments=int(1.39 * gib), outputs=int(1.39 * gib), aliased=int(1.39 * gib),
                          temporaries=int(16.07 * gib), generated_code=44 * 2**20, peak=int(11.6 * gib))
   assert tpu.total == int(11.6 * gib) + 44 * 2**20 and tpu.source == "XLA peak"
   assert tpu.upper_bound > 17 * gib
   assert any(line.strip().startswith("peak live") for line in tpu.lines())
-  cpu = aot.MemoryReport(arguments=100, outputs=40, aliased=30, temporaries=7, generated_code=0)
+  cpu = memory_report.MemoryReport(arguments=100, outputs=40, aliased=30, temporaries=7, generated_code=0)
   assert cpu.total == cpu.upper_bound == 117
   assert "upper bound" in cpu.lines()[-1]
   # A peak that counts host-offloaded buffers (v5e/128b: 47.5 GiB) is capped by the upper bound.
@@ -219,11 +217,11 @@ def test_buffer_assignment_report_is_read_per_memory_space(tmp_path):
       "Memory Space: default (color=0)\nTotal bytes: 14541765120 (13.54GiB)\n  cumulative_size; ...\n\n"
       "Memory Space: vmem (color=1)\nTotal bytes: 117440512 (112.00MiB)\n\n"
       "Memory Space: cmem (color=5)\nTotal bytes: 45097156608 (42.00GiB)\n")
-  heap, others = aot.read_buffer_assignment(str(tmp_path))
+  heap, others = memory_report.read_buffer_assignment(str(tmp_path))
   assert heap == 14541765120 and others == (("cmem", 45097156608),)
-  report = aot.MemoryReport(1, 1, 1, 20 * aot.GIB, 100, peak=47 * aot.GIB, device_heap=heap, other_spaces=others)
+  report = memory_report.MemoryReport(1, 1, 1, 20 * memory_report.GIB, 100, peak=47 * memory_report.GIB, device_heap=heap, other_spaces=others)
   assert report.total == heap + 100 and report.source == "XLA buffer assignment"
-  assert aot.read_buffer_assignment(str(tmp_path / "empty")) is None and aot.read_buffer_assignment(None) is None
+  assert memory_report.read_buffer_assignment(str(tmp_path / "empty")) is None and memory_report.read_buffer_assignment(None) is None
 
 
 def test_estimated_cycles_counts_loop_bodies_per_iteration():
@@ -240,5 +238,5 @@ def test_estimated_cycles_counts_loop_bodies_per_iteration():
       "  %w = (s32[]) while(%t), condition=%cond, body=%body",
       "}",
   ])
-  assert aot.estimated_cycles(hlo) == 7 + 16 * 100
-  assert aot.estimated_cycles("ENTRY %main () -> f32[] {\n  %a = f32[] add(%x, %y)\n}") is None
+  assert hlo_cycles.estimated_cycles(hlo) == 7 + 16 * 100
+  assert hlo_cycles.estimated_cycles("ENTRY %main () -> f32[] {\n  %a = f32[] add(%x, %y)\n}") is None

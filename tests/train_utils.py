@@ -6,25 +6,23 @@ from typing import Any
 
 import jax
 
-from MaxText import sharding, train_state, train_step
+from MaxText import train_state
 from MaxText.config import Config
-from MaxText.input_pipeline import create_data_iterator
+from MaxText.run_assembly import build_run
 
 
 class Run:
-  """Mesh, sharded state, data and jitted step for one config."""
+  """train.py's run assembly (`build_run`) plus its data iterator and rng, for one config."""
 
   def __init__(self, config: Config):
     self.config = config
-    self.mesh = sharding.create_mesh(config.mesh)
-    self.setup = train_state.build_state_setup(config, self.mesh)
-    self.batch_sharding = sharding.batch_sharding(self.mesh, config.mesh.data_sharding)
-    self.step_fn = train_step.jit_train_step(self.setup, config, self.batch_sharding)
-    self.data = create_data_iterator(config, self.mesh)
+    self.assembly = build_run(config)
+    self.mesh, self.setup, self.step_fn = self.assembly.mesh, self.assembly.setup, self.assembly.train_step
+    self.data = self.assembly.data_iterator()
     self.rng = jax.random.key(config.run.init_weights_seed)
 
   def init(self, params: Any | None = None) -> train_state.TrainState:
-    state = train_state.init_state(self.setup, self.config.run.init_weights_seed)
+    state = self.assembly.init_state()
     if params is not None:
       params = jax.device_put(params, self.setup.state_shardings.params)
       state = state.replace(params=params, opt_state=jax.jit(

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from MaxText import checkpointing, families, models, storage
+from MaxText import families, models, params_io, storage
 from MaxText import config as config_lib
 from MaxText.model_config import ModelConfig
 from MaxText.convert import cli, engine, hf_io, streaming
@@ -39,7 +39,7 @@ PROG = "maxtext_to_hf"
 def _open_checkpoint(checkpoint: str, config: config_lib.Config) -> tuple[streaming.ParamReader, ModelConfig]:
   """A one-parameter-at-a-time reader and the model config in the checkpoint's stored layer
   layout, after checking every stored shape against the model config."""
-  directory, kind = checkpointing._pytree_dir(checkpoint)  # noqa: SLF001 - the same checkpoint kinds as load_params
+  directory, kind = params_io.params_directory(checkpoint)  # the same checkpoint kinds as load_params
   reader = streaming.ParamReader(directory, config.model.weight_dtype)
   cfg = dataclasses.replace(config.model, scan_layers=reader.scanned)
   expected = engine.flat_abstract(models.build_model_spec(cfg).abstract_params)

@@ -4,7 +4,7 @@ Writing: Orbax's numpy handler starts every array's TensorStore write at once, a
 holds its compressed chunks until it finishes, so a plain save buffers about the whole
 model. `save_params_one_by_one` registers a handler that awaits each array's write before
 starting the next (the checkpoint layout, OCDBT included, is unchanged, so
-`checkpointing.load_params` reads it as before), and returns freed allocator pages to the OS
+`params_io.load_params` reads it as before), and returns freed allocator pages to the OS
 between arrays: TensorStore's worker threads allocate in separate glibc arenas, which
 otherwise keep the freed buffers of every array and grow with the model.
 
@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 from MaxText import storage
 from MaxText.errors import UserError
 
-PARAMS = "params"  # the item of a parameters-only checkpoint (MaxText.checkpointing's layout)
+PARAMS = "params"  # the item of a parameters-only checkpoint (MaxText.params_io's layout)
 ParamPath = tuple[str, ...]
 
 

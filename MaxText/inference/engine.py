@@ -23,7 +23,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import checkpointing, models, sharding
+from MaxText import models, params_io, sharding
 from MaxText.config import Config
 from MaxText.errors import UserError
 from MaxText.inference import sampling
@@ -100,7 +100,7 @@ class Engine:
     """Parameters from a checkpoint (params-only, step directory or checkpoints root), sharded for
     this mesh; with no path, freshly initialised ones (for tests and benchmarks)."""
     if path:
-      return checkpointing.load_params(path, self.spec.abstract_params, self.param_shardings)
+      return params_io.load_params(path, self.spec.abstract_params, self.param_shardings)
     return jax.jit(self.spec.init_params, out_shardings=self.param_shardings)(jax.random.key(seed))
 
   def init_decode_state(self, seed: int = 0) -> DecodeState:

@@ -21,8 +21,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from MaxText.errors import UserError
+from MaxText.input_pipeline.batch_spec import FIELDS
 
-FIELDS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
 
 
 @dataclasses.dataclass(frozen=True)

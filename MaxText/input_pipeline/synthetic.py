@@ -18,12 +18,14 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from MaxText.config_groups import DataConfig
+from MaxText.input_pipeline.batch_spec import DTYPE
 
 Batch = dict[str, jax.Array]
 
 
 def make_batch(cfg: DataConfig, step: jax.Array, batch_size: int) -> Batch:
-  """One global batch: inputs, targets, positions and segment ids (all [B, L] int32)."""
+  """One global batch of the declared layout (input_pipeline.batch_spec): inputs, targets,
+  positions and segment ids, all [B, L] int32."""
   key = jax.random.fold_in(jax.random.key(cfg.data_shuffle_seed), step)
   start_key, stride_key = jax.random.split(key)
   length = cfg.max_target_length
@@ -31,9 +33,9 @@ def make_batch(cfg: DataConfig, step: jax.Array, batch_size: int) -> Batch:
   stride_B = jax.random.randint(stride_key, (batch_size, 1), 1, cfg.synthetic_max_stride + 1)
   # length + 1 tokens so inputs and targets are the same sequence shifted by one.
   tokens = (start_B + jnp.arange(length + 1)[None, :] * stride_B) % cfg.vocab_size
-  tokens = tokens.astype(jnp.int32)
-  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch_size, length))
-  segments = jnp.ones((batch_size, length), jnp.int32)
+  tokens = tokens.astype(DTYPE)
+  positions = jnp.broadcast_to(jnp.arange(length, dtype=DTYPE), (batch_size, length))
+  segments = jnp.ones((batch_size, length), DTYPE)
   return {
       "inputs": tokens[:, :-1],
       "targets": tokens[:, 1:],

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import checkpointing, models
+from MaxText import models, params_io
 from MaxText.config import Config
 from MaxText.convert import engine as convert_engine
 from decode_test_utils import one_device_mesh, uncached_greedy
@@ -30,7 +30,7 @@ def checkpoint(tmp_path_factory) -> Path:
   path = tmp_path_factory.mktemp("ckpt") / "params"
   config = Config.for_testing(**MODEL, **RUN)
   spec = models.build_model_spec(config.model)
-  checkpointing.save_params(str(path), jax.jit(spec.init_params)(jax.random.key(3)))
+  params_io.save_params(str(path), jax.jit(spec.init_params)(jax.random.key(3)))
   convert_engine.write_model_config(str(path), MODEL, "a test")
   return path
 
@@ -56,7 +56,7 @@ def test_cli_prints_ids_equal_to_in_process_greedy(checkpoint):
   # The same tokens as greedy decoding without a cache, on the checkpoint read back in process.
   config = Config.for_testing(**MODEL, **RUN)
   spec = models.build_model_spec(config.model)
-  params = checkpointing.load_params(str(checkpoint), spec.abstract_params,
+  params = params_io.load_params(str(checkpoint), spec.abstract_params,
                                      models.shard_params_like(spec, one_device_mesh(), config.mesh.logical_axis_rules))
   assert uncached_greedy(spec, params, [5, 17, 42], len(ids), RUN["max_target_length"]) == ids
 

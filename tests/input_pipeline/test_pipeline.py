@@ -12,6 +12,7 @@ import pytest
 from MaxText import sharding
 from MaxText.config import Config
 from MaxText.input_pipeline import create_data_iterator, create_eval_iterator, pipeline
+from MaxText.input_pipeline.batch_spec import batch_spec
 from MaxText.input_pipeline.packing import DocumentCursor, pack_batch
 from tests.input_pipeline.data_fixtures import NUM_DOCS, doc_id_encoder, numbered_documents, read_jsonl
 
@@ -116,6 +117,23 @@ def test_hf_and_grain_give_identical_batches_and_tfds_the_same_documents(spm_mod
   # TFDS shuffles records when it prepares them, so only the first epoch's contents agree.
   assert len(read_jsonl(prepared / "jsonl" / "train.jsonl")) == 36
   assert first_epoch_rows("grain") == first_epoch_rows("tfds")
+
+
+def _layout(batch: dict) -> dict:
+  return {name: (tuple(x.shape), np.dtype(x.dtype)) for name, x in batch.items()}
+
+
+@pytest.mark.parametrize("kind", ["grain", "hf", "tfds", "synthetic"])
+def test_every_iterator_yields_the_declared_batch_spec(spm_model, prepared, kind):
+  """AOT compiles the step for `batch_spec` without reading data; the batches must match it."""
+  config = _config(spm_model, prepared, kind if kind != "synthetic" else "grain",
+                   **({"dataset_type": "synthetic"} if kind == "synthetic" else {}))
+  mesh = sharding.create_mesh(config.mesh)
+  data, evaluation = create_data_iterator(config, mesh), create_eval_iterator(config, mesh)
+  want = _layout(batch_spec(config.data))
+  assert _layout(next(data)) == want and _layout(next(evaluation)) == want
+  for iterator in (data, evaluation):
+    getattr(iterator, "close", lambda: None)()
 
 
 # ---------------------------------------------------------------- resumption

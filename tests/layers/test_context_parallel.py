@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import aot, sharding, train_compile, train_state, train_step
+from MaxText import sharding, train_compile
 from MaxText.config import BASE_CONFIG_PATH, Config
 from MaxText.layers import attention, context_parallel
 from MaxText.layers.attention import dot_product_attention
+from MaxText.run_assembly import build_run
 from tests import train_utils
 
 TINY = dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16, base_mlp_dim=128,
@@ -75,11 +76,8 @@ def test_train_step_with_sequence_parallelism_equals_unsharded_run():
 def _compile_for_topology(**overrides):
   argv = ["train_compile", str(BASE_CONFIG_PATH)] + [f"{k}={v}" for k, v in overrides.items()]
   config, devices, _ = train_compile.load_target_config(argv)
-  mesh = sharding.create_mesh(config.mesh, devices)
-  setup = train_state.build_state_setup(config, mesh)
-  batch_sharding = sharding.batch_sharding(mesh, config.mesh.data_sharding)
-  step_fn = train_step.jit_train_step(setup, config, batch_sharding)
-  return step_fn.lower(*aot.abstract_inputs(config, setup, batch_sharding).as_args())
+  run = build_run(config, devices=devices, compiled_step=False)
+  return run.train_step.lower(*run.abstract_inputs().as_args())
 
 
 SPLASH_BLOCKS = {f"sa_{name}": 128 for name in ("block_q", "block_kv", "block_kv_compute", "block_q_dkv",

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import metrics, models, sharding, train_state, train_step
+from MaxText import metrics, models, train_state, train_step
 from MaxText.config import Config
 from MaxText.errors import ConfigError
 from MaxText.layers import moe
+from MaxText.run_assembly import build_run
 from train_utils import Run
 
 D, N, K, H, F, V, E, TOP_K, LAYERS, LENGTH = 64, 4, 2, 16, 128, 128, 4, 2, 2, 24
@@ -273,7 +274,7 @@ def test_mixtral_8x7b_parameter_count():
 
 def test_expert_weights_live_on_the_expert_axis():
   config = tiny_mixtral(ici_expert_parallelism=2, ici_fsdp_parallelism=-1)
-  setup = train_state.build_state_setup(config, sharding.create_mesh(config.mesh))
+  setup = build_run(config).setup
   specs = train_state.shardings_summary(setup.state_shardings.params)
   # Scanned: [layers, E, D, F]; experts over `expert`, the model dim over FSDP.
   assert specs["['layers']['mlp']['wi_0']['kernel']"] == (None, "expert", "fsdp", None)

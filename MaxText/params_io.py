@@ -1,0 +1,123 @@
+"""Parameters-only checkpoint I/O: one Orbax PyTree directory holding {"params": params}
+(written by the converters and `generate_param_only_checkpoint`), read from any of our
+checkpoint kinds, in either layer layout (scanned `layers` or unrolled `layers_0..N`).
+
+Reads are sharded: arrays go straight into the shardings of the current mesh.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from MaxText import models, storage
+from MaxText.checkpointing import STATE, first_line, is_step_dir, log, quiet_absl
+from MaxText.errors import UserError
+from MaxText.sharding import with_shardings
+
+PARAMS = "params"
+
+
+def save_params(path: str, params: Any) -> None:
+  """Writes a parameters-only checkpoint (synchronously) to a new directory `path`."""
+  if storage.exists(path):
+    raise UserError(f"{path} already exists; choose a new output path or remove it first")
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(storage.as_path(path), {PARAMS: params})
+  checkpointer.wait_until_finished()
+  checkpointer.close()
+
+
+def params_directory(path: str) -> tuple[str, str]:
+  """(Orbax PyTree directory holding the params, what kind of checkpoint `path` is)."""
+  root = storage.resolve(path)
+  if not storage.exists(root):
+    raise UserError(f"checkpoint {path} does not exist")
+  if is_step_dir(root):
+    return storage.join(root, STATE), "full-state step"
+  steps = sorted((int(n) for n in storage.listdir(root) if n.isdigit() and is_step_dir(storage.join(root, n))),
+                 reverse=True)
+  if steps:
+    return storage.join(root, str(steps[0]), STATE), f"latest step ({steps[0]}) of a checkpoints directory"
+  if storage.exists(storage.join(root, "_METADATA")) or storage.exists(storage.join(root, "_CHECKPOINT_METADATA")):
+    return root, "parameters-only"
+  raise UserError(f"{path} is not a checkpoint: expected a parameters-only checkpoint, a step directory "
+                  f"containing '{STATE}/', or a checkpoints directory with numbered steps")
+
+
+def load_params(path: str, abstract_params: Any, shardings: Any) -> Any:
+  """Reads only the parameters from any of our checkpoint kinds, into `shardings`.
+
+  A checkpoint written with the other layer layout (scanned `layers` vs `layers_0..N`) is
+  read in its own layout and converted, so scan_layers may differ between writer and reader.
+  """
+  directory, kind = params_directory(path)
+  stored_scanned = _stored_layout_is_scanned(directory)
+  wanted_scanned = "layers" in abstract_params
+  convert = stored_scanned is not None and stored_scanned != wanted_scanned
+  read_abstract, read_shardings = (_other_layout(abstract_params, shardings) if convert
+                                   else (abstract_params, shardings))
+  target = {PARAMS: with_shardings(read_abstract, read_shardings)}
+  try:
+    restored = ocp.PyTreeCheckpointer().restore(
+        storage.as_path(directory), args=ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
+  except (ValueError, KeyError, FileNotFoundError) as e:
+    raise UserError(f"cannot load parameters from {path} ({kind} checkpoint): {first_line(e)}; "
+                    "check that the model config matches the one that wrote it") from None
+  params = restored[PARAMS]
+  if convert:
+    num_layers = _num_layers(abstract_params)
+    relayout = models.unstack_layers if stored_scanned else models.stack_layers
+    params = jax.jit(lambda p: relayout(p, num_layers), out_shardings=shardings)(params)
+  layout = "" if not convert else f", {'scanned' if stored_scanned else 'unrolled'} layers converted"
+  log(f"checkpoint: loaded parameters from {path} ({kind} checkpoint{layout})")
+  return params
+
+
+def _stored_layout_is_scanned(directory: str) -> bool | None:
+  try:
+    with quiet_absl():
+      keys = ocp.PyTreeCheckpointer().metadata(storage.as_path(directory)).item_metadata[PARAMS].keys()
+  except Exception:  # noqa: BLE001 - unreadable metadata: let the restore report the problem
+    return None
+  return "layers" in keys
+
+
+def _num_layers(params: Any) -> int:
+  if "layers" in params:
+    return jax.tree.leaves(params["layers"])[0].shape[0]
+  return sum(1 for k in params if k.startswith("layers_"))
+
+
+def _other_layout(abstract_params: Any, shardings: Any) -> tuple[Any, Any]:
+  """Abstract params and shardings in the opposite layer layout (the stacked dim unsharded)."""
+  # Only named shardings carry a per-dimension spec; any other sharding fits either shape.
+  def unstack(a: jax.ShapeDtypeStruct, s: Any) -> tuple[Any, Any]:
+    if isinstance(s, NamedSharding):
+      s = NamedSharding(s.mesh, PartitionSpec(*s.spec[1:]))
+    return jax.ShapeDtypeStruct(a.shape[1:], a.dtype), s
+
+  def stack(a: jax.ShapeDtypeStruct, s: Any, n: int) -> tuple[Any, Any]:
+    if isinstance(s, NamedSharding):
+      s = NamedSharding(s.mesh, PartitionSpec(None, *s.spec))
+    return jax.ShapeDtypeStruct((n, *a.shape), a.dtype), s
+
+  rest = [k for k in abstract_params if k != "layers" and not k.startswith("layers_")]
+  out_a, out_s = {k: abstract_params[k] for k in rest}, {k: shardings[k] for k in rest}
+  num_layers = _num_layers(abstract_params)
+  is_leaf = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
+  if "layers" in abstract_params:
+    pairs = jax.tree.map(unstack, abstract_params["layers"], shardings["layers"], is_leaf=is_leaf)
+    for i in range(num_layers):
+      out_a[f"layers_{i}"] = jax.tree.map(lambda pair: pair[0], pairs, is_leaf=lambda x: isinstance(x, tuple))
+      out_s[f"layers_{i}"] = jax.tree.map(lambda pair: pair[1], pairs, is_leaf=lambda x: isinstance(x, tuple))
+  else:
+    pairs = jax.tree.map(lambda a, s: stack(a, s, num_layers), abstract_params["layers_0"], shardings["layers_0"],
+                         is_leaf=is_leaf)
+    out_a["layers"] = jax.tree.map(lambda pair: pair[0], pairs, is_leaf=lambda x: isinstance(x, tuple))
+    out_s["layers"] = jax.tree.map(lambda pair: pair[1], pairs, is_leaf=lambda x: isinstance(x, tuple))
+  return out_a, out_s

@@ -1,0 +1,99 @@
+"""One run's assembly: mesh → sharded state setup → batch sharding → train and eval steps.
+
+train.py, train_compile.py, the tests and the benchmarks all call `build_run`, so every path
+trains (or compiles) the same step with the same shardings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from MaxText import compiled_step as compiled_step_file, sharding, train_state, train_step
+from MaxText.input_pipeline import create_data_iterator, create_eval_iterator
+from MaxText.input_pipeline.batch_spec import batch_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+  """ShapeDtypeStructs (with shardings) for train_step(state, batch, rng)."""
+
+  state: Any
+  batch: Any
+  rng: jax.ShapeDtypeStruct
+
+  def as_args(self) -> tuple[Any, Any, jax.ShapeDtypeStruct]:
+    return self.state, self.batch, self.rng
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """What one config runs on and with; `train_step` is jitted, or loaded from `compiled_trainstep_file`."""
+
+  config: Any
+  mesh: Mesh
+  setup: train_state.StateSetup
+  batch_sharding: NamedSharding
+  train_step: Callable  # (state, batch, rng) -> (new state, metrics); the state is donated
+  eval_step: Callable  # (params, batch) -> loss sums
+
+  @property
+  def num_params(self) -> int:
+    return sum(x.size for x in jax.tree.leaves(self.setup.abstract_state.params))
+
+  def mesh_description(self) -> str:
+    return ", ".join(f"{a}={n}" for a, n in self.mesh.shape.items() if n > 1) or "single device"
+
+  def init_state(self, seed: int | None = None) -> train_state.TrainState:
+    """A fresh state born in its shardings (seed: init_weights_seed unless given)."""
+    return train_state.init_state(self.setup, self.config.run.init_weights_seed if seed is None else seed)
+
+  def data_iterator(self, start_step: int = 0) -> Any:
+    return create_data_iterator(self.config, self.mesh, start_step)
+
+  def eval_iterator(self) -> Any:
+    return create_eval_iterator(self.config, self.mesh)
+
+  def abstract_inputs(self) -> StepInputs:
+    return abstract_inputs(self.config, self.setup, self.batch_sharding)
+
+
+def abstract_inputs(config: Any, setup: train_state.StateSetup, batch_sharding: jax.sharding.Sharding) -> StepInputs:
+  """The step's arguments as shapes only, so no device (or a described one) needs memory.
+
+  The batch layout is the one every data iterator declares (input_pipeline.batch_spec).
+  """
+  state = sharding.with_shardings(setup.abstract_state, setup.state_shardings)
+  batch = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding)
+           for name, x in batch_spec(config.data).items()}
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(setup.mesh))
+  return StepInputs(state, batch, rng)
+
+
+def _load_train_step(config: Any, inputs: StepInputs) -> Callable:
+  path = config["compiled_trainstep_file"]
+  step = compiled_step_file.load_compiled_step(path, compiled_step_file.step_header(config, inputs, topology_name=""))
+  if jax.process_index() == 0:
+    print(f"train step: loaded the compiled executable from {path} (no compilation)", flush=True)
+  return step
+
+
+def build_run(config: Any, *, devices: Sequence[Any] | None = None, compiled_step: bool = True) -> Run:
+  """The run for `config` on `devices` (default: every device this process sees).
+
+  With `compiled_step` and `compiled_trainstep_file` set, the train step is the saved executable
+  (its header checked against this run); otherwise it is jitted here and compiles on first call.
+  train_compile passes compiled_step=False: there the file is its output, not an input.
+  """
+  mesh = sharding.create_mesh(config.mesh, devices)
+  setup = train_state.build_state_setup(config, mesh)
+  batch_sharding = sharding.batch_sharding(mesh, config.mesh.data_sharding)
+  if compiled_step and config["compiled_trainstep_file"]:
+    step = _load_train_step(config, abstract_inputs(config, setup, batch_sharding))
+  else:
+    step = train_step.jit_train_step(setup, config, batch_sharding)
+  return Run(config, mesh, setup, batch_sharding, step, train_step.make_eval_step(setup, config))

@@ -1,0 +1,81 @@
+"""Where a run starts: this run's latest checkpoint, else another run's full state
+(`load_full_state_path`), else parameters only (`load_parameters_path`), else a fresh init."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from MaxText import params_io, storage
+from MaxText.checkpointing import Restored, RunCheckpoints, first_line, is_step_dir
+from MaxText.config_groups import CheckpointConfig
+from MaxText.errors import UserError
+from MaxText.train_state import TrainState
+
+
+@dataclasses.dataclass
+class Start:
+  state: Any
+  data_state: dict[str, Any] | None
+  rng_key_data: list[int] | None
+  description: str
+
+
+def _state_from_params(setup: Any, params: Any) -> Any:
+  """Step 0 and a fresh optimizer around loaded parameters (fine-tuning)."""
+  def create(p: Any) -> Any:
+    return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=setup.optimizer.init(p))
+
+  return jax.jit(create, out_shardings=setup.state_shardings, donate_argnums=(0,))(params)
+
+
+def initial_state(config: Any, setup: Any, checkpoints: RunCheckpoints | None, init_fn: Any) -> Start:
+  """Resume this run's latest checkpoint, else load_full_state_path, else load_parameters_path,
+  else `init_fn()` — the order MaxText users rely on when they rerun the same command."""
+  cfg: CheckpointConfig = config.checkpoint
+  abstract, shardings = setup.abstract_state, setup.state_shardings
+  if checkpoints is not None:
+    restored = checkpoints.restore_latest(abstract, shardings)
+    if restored is not None:
+      return Start(restored.state, restored.data_state, restored.meta.get("rng_key_data"),
+                   f"resumed from step {restored.step} of {restored.source}")
+  if cfg.load_full_state_path:
+    restored = restore_full_state(cfg.load_full_state_path, abstract, shardings)
+    return Start(restored.state, restored.data_state, restored.meta.get("rng_key_data"),
+                 f"loaded the full state of step {restored.step} from {cfg.load_full_state_path}")
+  if cfg.load_parameters_path:
+    params = params_io.load_params(cfg.load_parameters_path, abstract.params, shardings.params)
+    return Start(_state_from_params(setup, params), None, None,
+                 f"loaded parameters from {cfg.load_parameters_path}; fresh optimizer state, step 0")
+  return Start(init_fn(), None, None, f"initialised from seed {config.run.init_weights_seed}")
+
+
+def restore_full_state(path: str, abstract_state: Any, shardings: Any) -> Restored:
+  """Full state from a step directory or a checkpoints root (its latest good step)."""
+  root = storage.resolve(path)
+  if not storage.exists(root):
+    raise UserError(f"load_full_state_path {path} does not exist")
+  if is_step_dir(root):
+    step_name = storage.name(root)
+    directory, steps = storage.parent(root), [int(step_name)] if step_name.isdigit() else []
+    if not steps:
+      raise UserError(f"load_full_state_path {path}: a step directory must be named by its step number")
+  else:
+    directory, steps = root, None
+  checkpoints = RunCheckpoints(directory)
+  try:
+    if steps is not None:
+      return checkpoints.restore_step(steps[0], abstract_state, shardings)
+    restored = checkpoints.restore_latest(abstract_state, shardings)
+  except UserError:
+    raise
+  except Exception as e:  # noqa: BLE001
+    raise UserError(f"cannot restore the full state from {path}: {first_line(e)}") from None
+  finally:
+    checkpoints.close()
+  if restored is None:
+    raise UserError(f"load_full_state_path {path} holds no complete checkpoint")
+  return restored
