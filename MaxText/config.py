@@ -179,6 +179,11 @@ class Overrides:
   def explicit_keys(self) -> set[str]:
     return set(self.argv_values) | set(self.env_values)
 
+  def below_argv(self, values: Mapping[str, Any], source: str) -> "Overrides":
+    """`values` (typed like base.yml) as if given on the command line before the user's own
+    key=value arguments: a tool's inferred or implied keys, which the user may still override."""
+    return dataclasses.replace(self, argv_values={**_typed(values, self.schema, source), **self.argv_values})
+
   def peek(self, key: str) -> Any:
     """The value of `key` ignoring the model/CPU layers (used for platform and flag selection)."""
     for layer in (self.argv_values, self.env_values, self.file_values):
@@ -237,7 +242,7 @@ def _read_model_keys(path: Path | str, schema: Mapping[str, Any]) -> dict[str, A
 
 
 def _typed(values: Mapping[str, Any], schema: Mapping[str, Any], source: str) -> dict[str, Any]:
-  """Values from a file of model keys, each known to base.yml and coerced to its type."""
+  """Values from a file of model keys or from a tool, each known to base.yml and coerced to its type."""
   for key in values:
     if key not in schema:
       raise _unknown_key_error(key, schema, source)
@@ -354,14 +359,10 @@ class Config:
   def for_testing(cls, target: DeviceTarget | None = None, **overrides: Any) -> "Config":
     """A config from base.yml (+ CPU defaults on CPU) and keyword overrides, for tests."""
     target = target or accelerators.local_target()
-    argv = ["test"] + [f"{k}={_to_cli(v)}" for k, v in overrides.items()]
-    return load_config(argv, environ={}, target=target)
-
-
-def _to_cli(value: Any) -> str:
-  if isinstance(value, (list, tuple)):
-    return yaml.safe_dump(list(value), default_flow_style=True).strip()
-  return str(value)
+    parsed = parse_overrides(["test"], environ={})
+    # A string is read as on the command line ("[local,global]", "5,17"); other values as they are.
+    values = {k: _parse_cli_value(v, parsed.schema.get(k)) if isinstance(v, str) else v for k, v in overrides.items()}
+    return build_config(parsed.below_argv(values, "Config.for_testing"), target)
 
 
 def build_config(overrides: Overrides, target: DeviceTarget, reads_run: bool = False,

@@ -117,11 +117,9 @@ def report(per_position: dict[str, np.ndarray], atol: float, max_kl: float) -> b
 def main(argv: list[str]) -> int:
   checker, config_args = split_checker_args(argv[1:])
   hf_path = checker["hf_model_path"]
-  checkpoints = [a.partition("=")[2] for a in config_args if a.startswith("load_parameters_path=")]
-  cli.check_buckets({"hf_model_path": hf_path, "load_parameters_path": checkpoints[-1] if checkpoints else ""},
-                    config_args)
-  target = cli.start_backend(config_args, default="auto")
-  config, _ = cli.config_matching_hf(hf_io.read_hf_config(hf_path), config_args, hf_path, target, PROG)
+  overrides = cli.read_overrides(PROG, config_args, {"hf_model_path": hf_path})
+  target = cli.start_backend(overrides, default="auto")
+  config, _ = cli.config_matching_hf(hf_io.read_hf_config(hf_path), overrides, hf_path, target, PROG)
   default_atol, default_kl = _DEFAULT_TOLERANCES.get(config.model.dtype, (1.0, 0.01))
   atol = default_atol if checker["atol"] is None else checker["atol"]
   max_kl = default_kl if checker["max_kl"] is None else checker["max_kl"]

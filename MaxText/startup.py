@@ -11,18 +11,21 @@ whose target is a topology rather than the local devices, uses the first steps o
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import jax
 
 from MaxText import accelerators, distributed, storage, xla_flags
 from MaxText import config as config_lib
 
 
-def read_overrides(argv: list[str]) -> config_lib.Overrides:
+def read_overrides(argv: list[str], extra_paths: Mapping[str, str] | None = None) -> config_lib.Overrides:
   """The user's layers (YAML, env, argv), every key checked, and every gs:// bucket a path key
-  names reachable, before any backend starts or anything compiles."""
+  (or a tool's own path flag in `extra_paths`) names reachable, before any backend starts or
+  anything compiles."""
   overrides = config_lib.parse_overrides(argv)
-  storage.check_buckets({key: str(overrides.peek(key)) for key in config_lib.PATH_KEYS},
-                        float(overrides.peek("storage_timeout_seconds")))
+  paths = {key: str(overrides.peek(key)) for key in config_lib.PATH_KEYS}
+  storage.check_buckets({**paths, **(extra_paths or {})}, float(overrides.peek("storage_timeout_seconds")))
   return overrides
 
 

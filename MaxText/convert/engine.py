@@ -190,11 +190,11 @@ def full_model_keys(schema: Mapping[str, Any], inferred: Mapping[str, Any]) -> d
   return {k: inferred.get(k, schema[k]) for k in ARCHITECTURE_KEYS if k in schema}
 
 
-def override_args(keys: Mapping[str, Any]) -> list[str]:
-  """key=value arguments equivalent to `keys` (lists in YAML flow style)."""
+def describe_keys(keys: Mapping[str, Any]) -> str:
+  """`keys` as the key=value arguments a user would type (lists in YAML flow style)."""
   def text(value: Any) -> str:
     return "[" + ",".join(map(str, value)) + "]" if isinstance(value, (list, tuple)) else str(value)
-  return [f"{k}={text(v)}" for k, v in keys.items()]
+  return " ".join(f"{k}={text(v)}" for k, v in keys.items())
 
 
 def write_model_config(output_path: str, keys: Mapping[str, Any], source: str) -> str:

@@ -34,11 +34,12 @@ PROG = "hf_to_maxtext"
 
 def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict:
   """Converts and returns a summary (tensor bytes, peak memory) for logs and tests."""
+  overrides = cli.read_overrides(PROG, user_args, {"--hf_path": hf_path, "--output_path": output_path})
   if storage.exists(output_path):
     raise UserError(f"{output_path} already exists; choose a new --output_path or remove it first")
-  target = cli.start_backend(user_args)
+  target = cli.start_backend(overrides)
   hf_config = hf_io.read_hf_config(hf_path)
-  config, model_keys = cli.config_matching_hf(hf_config, user_args, hf_path, target, PROG)
+  config, model_keys = cli.config_matching_hf(hf_config, overrides, hf_path, target, PROG)
   cfg = config.model
   family = families.family_for_hf_config(hf_config)
   spec = models.build_model_spec(cfg)
@@ -61,7 +62,6 @@ def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict:
 
 def main(argv: list[str]) -> int:
   flags, user_args = cli.split_args(argv[1:], ("hf_path", "output_path"))
-  cli.check_buckets({"--hf_path": flags["hf_path"], "--output_path": flags["output_path"]}, user_args)
   convert(flags["hf_path"], flags["output_path"], user_args)
   return 0
 

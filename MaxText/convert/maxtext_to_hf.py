@@ -64,10 +64,11 @@ def _hf_config(config: config_lib.Config, family: families.Family) -> dict[str, 
 
 
 def export(checkpoint: str, output_path: str, user_args: list[str], max_shard_mb: int = 5000) -> list[str]:
+  overrides = cli.read_overrides(PROG, user_args, {"--checkpoint": checkpoint, "--output_path": output_path})
   if storage.exists(output_path) and (not storage.is_dir(output_path) or storage.listdir(output_path)):
     raise UserError(f"{output_path} exists and is not empty; choose a new --output_path")
-  target = cli.start_backend(user_args)
-  config = cli.config_for_checkpoint(checkpoint, user_args, target, PROG)
+  target = cli.start_backend(overrides)
+  config = cli.config_for_checkpoint(checkpoint, overrides, target, PROG)
   family = families.family_for_decoder_block(config.model.decoder_block)
   hf_config = _hf_config(config, family)
   reader, cfg = _open_checkpoint(checkpoint, config)
@@ -90,7 +91,6 @@ def export(checkpoint: str, output_path: str, user_args: list[str], max_shard_mb
 
 def main(argv: list[str]) -> int:
   flags, user_args = cli.split_args(argv[1:], ("checkpoint", "output_path"))
-  cli.check_buckets({"--checkpoint": flags["checkpoint"], "--output_path": flags["output_path"]}, user_args)
   shard_args = [a for a in user_args if a.startswith("max_shard_mb=")]
   user_args = [a for a in user_args if not a.startswith("max_shard_mb=")]
   max_shard_mb = 5000
