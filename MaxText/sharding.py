@@ -137,7 +137,12 @@ def check_sharding_tolerance(abstract_tree: Any, shardings: Any, mesh: Mesh, tol
 
 
 # ---- activation constraints: layers call `constrain`; a run sets the mesh and rules once.
-_ACTIVATION_CONTEXT: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
+class _Unsharded:
+  """The `unsharded()` context: layers run without activation constraints on purpose."""
+
+
+_UNSHARDED = _Unsharded()
+_ACTIVATION_CONTEXT: contextvars.ContextVar[tuple[Mesh, Rules] | _Unsharded | None] = contextvars.ContextVar(
     "activation_sharding", default=None)
 
 
@@ -151,16 +156,32 @@ def activation_sharding(mesh: Mesh, rules: Rules) -> Iterator[None]:
     _ACTIVATION_CONTEXT.reset(token)
 
 
+@contextlib.contextmanager
+def unsharded() -> Iterator[None]:
+  """Runs the layers without activation constraints, on purpose: one device, a reference
+  comparison, a unit test. Outside both contexts `constrain` refuses to guess."""
+  token = _ACTIVATION_CONTEXT.set(_UNSHARDED)
+  try:
+    yield
+  finally:
+    _ACTIVATION_CONTEXT.reset(token)
+
+
 def current_activation_context() -> tuple[Mesh, Rules] | None:
-  """The (mesh, rules) set by the enclosing `activation_sharding`, or None (e.g. for layers that
-  need the mesh to build a shard_map)."""
-  return _ACTIVATION_CONTEXT.get()
+  """The (mesh, rules) set by the enclosing `activation_sharding`, or None under `unsharded`
+  (e.g. for layers that need the mesh to build a shard_map)."""
+  context = _ACTIVATION_CONTEXT.get()
+  return None if isinstance(context, _Unsharded) else context
 
 
 def constrain(x: jax.Array, names: LogicalNames) -> jax.Array:
-  """with_sharding_constraint by logical names; a no-op outside `activation_sharding`."""
+  """with_sharding_constraint by logical names inside `activation_sharding`; unchanged inside
+  `unsharded`; an error outside both (a model call that silently loses its sharding)."""
   context = _ACTIVATION_CONTEXT.get()
   if context is None:
+    raise RuntimeError("a layer ran outside sharding.activation_sharding(mesh, rules) and sharding.unsharded(): "
+                       "wrap the model call in one of them")
+  if isinstance(context, _Unsharded):
     return x
   mesh, rules = context
   spec = logical_to_mesh_spec(names, rules, mesh, x.shape)

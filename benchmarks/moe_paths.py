@@ -36,7 +36,7 @@ def main() -> None:
   import jax
   import jax.numpy as jnp
 
-  from MaxText import metrics, models
+  from MaxText import metrics, models, sharding
   from MaxText.config import Config
   from MaxText.run_assembly import build_run
 
@@ -59,7 +59,7 @@ def main() -> None:
     flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size, args.length)
     spec = models.build_model_spec(config.model)
     tokens = jax.ShapeDtypeStruct((config.data.global_batch_size, args.length), jnp.int32)
-    cost = jax.jit(spec.apply).lower(spec.abstract_params, tokens, tokens, tokens).compile().cost_analysis()
+    cost = jax.jit(sharding.unsharded()(spec.apply)).lower(spec.abstract_params, tokens, tokens, tokens).compile().cost_analysis()
     xla = (cost[0] if isinstance(cost, list) else cost)["flops"] / 1e12
     print(f"{label:24s}: {seconds:.3f} s/step; formula {flops.total_tflops:.3f} TFLOP/step "
           f"(expert rows/sequence {metrics.moe_expert_rows(config.model, args.length):.0f}); "

@@ -17,7 +17,7 @@ import numpy as np
 
 from MaxText import models
 from MaxText.config import Config
-from MaxText import families
+from MaxText import families, sharding
 from MaxText.convert import engine
 
 torch = __import__("pytest").importorskip("torch", reason="needs torch (EXTRAS=test bash setup.sh)")
@@ -83,7 +83,7 @@ def hf_logits(model: Any, token_ids: np.ndarray) -> np.ndarray:
 def our_logits(config: Config, params: Any, token_ids: np.ndarray) -> np.ndarray:
   spec = models.build_model_spec(config.model)
   positions = np.broadcast_to(np.arange(token_ids.shape[1]), token_ids.shape)
-  apply = jax.jit(spec.apply)
+  apply = jax.jit(sharding.unsharded()(spec.apply))  # a reference comparison on one device
   return np.asarray(apply(params, jnp.asarray(token_ids), jnp.asarray(positions), jnp.ones(token_ids.shape, jnp.int32)))
 
 

@@ -9,7 +9,7 @@ from jax.extend import core as jax_core
 import numpy as np
 import pytest
 
-from MaxText import metrics, models
+from MaxText import metrics, models, sharding
 from MaxText.config import Config
 from MaxText.layers import attention
 
@@ -30,7 +30,7 @@ def _windowed(**overrides) -> Config:
 def _xla_forward_flops(config: Config, batch: int, length: int) -> float:
   spec = models.build_model_spec(config.model)
   tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32)
-  cost = jax.jit(spec.apply).lower(spec.abstract_params, tokens, tokens, tokens).compile().cost_analysis()
+  cost = jax.jit(sharding.unsharded()(spec.apply)).lower(spec.abstract_params, tokens, tokens, tokens).compile().cost_analysis()
   return (cost[0] if isinstance(cost, list) else cost)["flops"]
 
 
@@ -98,7 +98,7 @@ def test_moe_formula_counts_the_expert_rows_each_path_computes(sparse_matmul):
   config = Config.for_testing(**MOE, max_target_length=32, sparse_matmul=sparse_matmul, capacity_factor=-1.0)
   spec = models.build_model_spec(config.model)
   tokens = jax.ShapeDtypeStruct((BATCH, 32), jnp.int32)
-  jaxpr = jax.make_jaxpr(spec.apply)(spec.abstract_params, tokens, tokens, tokens).jaxpr
+  jaxpr = jax.make_jaxpr(sharding.unsharded()(spec.apply))(spec.abstract_params, tokens, tokens, tokens).jaxpr
   weights, attention_flops = metrics.forward_flops_per_sequence(config.model, 32, causal=False)
   assert _jaxpr_matmul_flops(jaxpr) == BATCH * (weights + attention_flops)
   assert metrics.moe_expert_rows(config.model, 32) == (2 * 32 if sparse_matmul else 4 * 32)

@@ -5,9 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import models, optimizers
+from MaxText import models, optimizers, sharding
 from MaxText.config import Config
 from train_utils import Run
+
+
+def _apply(spec, *args):
+  with sharding.unsharded():
+    return spec.apply(*args)
 
 
 def test_warmup_then_cosine_schedule():
@@ -34,11 +39,11 @@ def test_tied_embeddings_use_the_token_table(tiny_overrides):
   assert "logits_dense" not in spec.abstract_params
   params = spec.init_params(jax.random.key(0))
   tokens, positions, segments = _inputs()
-  logits = spec.apply(params, tokens, positions, segments)
+  logits = _apply(spec, params, tokens, positions, segments)
   scaled = jax.tree.map(lambda x: x, params)
   scaled["token_embedder"]["embedding"] = params["token_embedder"]["embedding"] * 2
   # Doubling the table changes the logits (it is the output projection too).
-  assert not np.allclose(spec.apply(scaled, tokens, positions, segments), logits)
+  assert not np.allclose(_apply(spec, scaled, tokens, positions, segments), logits)
 
 
 def test_dropout_only_with_an_rng(tiny_overrides):
@@ -46,10 +51,10 @@ def test_dropout_only_with_an_rng(tiny_overrides):
   spec = models.build_model_spec(config.model)
   params = spec.init_params(jax.random.key(0))
   tokens, positions, segments = _inputs()
-  deterministic = spec.apply(params, tokens, positions, segments)
-  np.testing.assert_array_equal(deterministic, spec.apply(params, tokens, positions, segments))
-  dropped_a = spec.apply(params, tokens, positions, segments, jax.random.key(1))
-  dropped_b = spec.apply(params, tokens, positions, segments, jax.random.key(1))
+  deterministic = _apply(spec, params, tokens, positions, segments)
+  np.testing.assert_array_equal(deterministic, _apply(spec, params, tokens, positions, segments))
+  dropped_a = _apply(spec, params, tokens, positions, segments, jax.random.key(1))
+  dropped_b = _apply(spec, params, tokens, positions, segments, jax.random.key(1))
   np.testing.assert_array_equal(dropped_a, dropped_b)  # reproducible for a given rng
   assert not np.allclose(dropped_a, deterministic)
   run = Run(config)  # and the train step trains with it
@@ -65,6 +70,6 @@ def test_segments_keep_documents_apart(tiny_overrides):
   tokens, _, _ = _inputs(batch=1)
   segments = jnp.asarray([[1] * 8 + [2] * 8])
   positions = jnp.asarray([list(range(8)) * 2])
-  logits = spec.apply(params, tokens, positions, segments)
+  logits = _apply(spec, params, tokens, positions, segments)
   other = tokens.at[0, 8:].set((tokens[0, 8:] + 1) % 128)
-  np.testing.assert_allclose(spec.apply(params, other, positions, segments)[0, :8], logits[0, :8], atol=1e-6)
+  np.testing.assert_allclose(_apply(spec, params, other, positions, segments)[0, :8], logits[0, :8], atol=1e-6)

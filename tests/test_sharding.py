@@ -104,3 +104,13 @@ def test_two_slices_get_a_hybrid_mesh_with_dcn_across_slices():
   # Each data-parallel replica lives entirely inside one slice; fsdp never crosses slices.
   for replica in range(2):
     assert {d.slice_index for d in array[replica].flat} == {replica}
+
+
+def test_constrain_is_an_explicit_choice_outside_a_mesh():
+  """A model call outside activation_sharding loses its sharding: refused, unless unsharded() says so."""
+  x = jax.numpy.ones((8, 4))
+  with pytest.raises(RuntimeError, match="outside sharding.activation_sharding"):
+    sharding.constrain(x, ("activation_batch", "activation_embed"))
+  with sharding.unsharded():
+    assert sharding.constrain(x, ("activation_batch", "activation_embed")) is x
+    assert sharding.current_activation_context() is None

@@ -8,6 +8,7 @@ import numpy as np
 
 from jax.sharding import Mesh
 
+from MaxText import sharding
 from MaxText.config_groups import MESH_AXES
 from MaxText.inference.engine import Engine
 
@@ -17,7 +18,7 @@ _APPLY: dict[int, tuple] = {}
 def _jitted_apply(spec):
   """One jitted forward per model spec (a new jax.jit object would compile again)."""
   if id(spec) not in _APPLY:
-    _APPLY[id(spec)] = (spec, jax.jit(spec.apply))
+    _APPLY[id(spec)] = (spec, jax.jit(sharding.unsharded()(spec.apply)))  # one device: no constraints
   return _APPLY[id(spec)][1]
 
 

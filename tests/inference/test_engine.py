@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from MaxText import sharding
 from MaxText.config import Config
 from MaxText.inference.engine import Engine, Request, serve
 from MaxText.layers import kv_cache
@@ -72,7 +73,7 @@ def decode_logits(engine: Engine, params, prompt: list[int], num_steps: int, dty
   """Prefill then `num_steps` greedy steps feeding a fixed token sequence; logits of every step."""
   spec, cfg = engine.spec, engine.cfg
   caches = kv_cache.model_caches(cfg, 1, cfg.max_target_length, engine.decode_cfg.quantize_kvcache)
-  apply = jax.jit(spec.apply_decode)
+  apply = jax.jit(sharding.unsharded()(spec.apply_decode))
   tokens = jnp.asarray([prompt])
   logits, caches = apply(params, tokens, jnp.arange(len(prompt))[None], caches)
   out = [logits[0, -1]]

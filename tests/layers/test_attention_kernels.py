@@ -2,6 +2,7 @@
 softmax): chunked flash, splash (Pallas interpret mode on CPU), the cuDNN argument mapping (run
 through XLA), autoselection, and sequence-parallel attention on the 8-device CPU mesh."""
 
+import dataclasses
 import functools
 
 import jax
@@ -106,7 +107,7 @@ def test_reference_with_offset_matches_the_tail_of_full_attention():
 @pytest.mark.parametrize("window, soft_cap", [(None, 0.0), (100, 0.0), ("traced", 4.0)])
 def test_splash_kernel_interpreted_equals_dot_product(window, soft_cap):
   q, k, v = _inputs(batch=1, length=256, num_q=4, num_kv=2, head_dim=128)
-  blocks = AttentionBlocks(*([128] * 10))
+  blocks = _blocks(128)
   kernel = functools.partial(splash_attention.splash_attention, blocks=blocks, local_window=100, interpret=True)
   seg = jnp.asarray(np.repeat([[1, 2]], [100, 156], axis=1), jnp.int32)
   traced = window == "traced"
@@ -121,7 +122,7 @@ def test_splash_kernel_interpreted_equals_dot_product(window, soft_cap):
 
 def test_splash_block_sizes_must_tile_the_sequence():
   with pytest.raises(ConfigError, match=r"max_target_length \(320\) to be a multiple of sa_block_q \(256\)"):
-    splash_attention.block_sizes(AttentionBlocks(sa_block_q=256), 320)
+    splash_attention.block_sizes(_blocks(512, sa_block_q=256), 320)
 
 
 # ---------------------------------------------------------------- cuDNN
@@ -188,3 +189,9 @@ def test_config_validates_block_sizes():
   with pytest.raises(ConfigError, match="flash_block_q must be > 0"):
     _tiny(flash_block_q=0)
   assert _tiny(attention="flash", flash_block_q=64).model.attention_blocks.flash_block_q == 64
+
+
+def _blocks(size: int, **overrides: int) -> AttentionBlocks:
+  """Every tile `size`, some overridden (the group's fields are its config keys, all required)."""
+  names = [f.name for f in dataclasses.fields(AttentionBlocks)]
+  return AttentionBlocks(**{**dict.fromkeys(names, size), **overrides})

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import metrics, models, train_state, train_step
+from MaxText import metrics, models, sharding, train_state, train_step
 from MaxText.config import Config
 from MaxText.errors import ConfigError
 from MaxText.layers import moe
@@ -75,7 +75,7 @@ def _ours(hf, model, tokens, staging_dir, **overrides) -> tuple[np.ndarray, dict
   params = hf.our_params(model, config, staging_dir)
   spec = models.build_model_spec(config.model)
   positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
-  logits, aux = jax.jit(spec.apply_with_aux)(params, jnp.asarray(tokens), jnp.asarray(positions),
+  logits, aux = jax.jit(sharding.unsharded()(spec.apply_with_aux))(params, jnp.asarray(tokens), jnp.asarray(positions),
                                              jnp.ones(tokens.shape, jnp.int32))
   return np.asarray(logits), aux
 
@@ -164,7 +164,8 @@ def _block(cfg: Config, gate_DE: np.ndarray | None = None) -> moe.MoeBlock:
 
 
 def _apply(block: moe.MoeBlock, x_BLD: np.ndarray) -> np.ndarray:
-  return np.asarray(nnx.capture(block, nnx.Intermediate)(jnp.asarray(x_BLD))[0])
+  with sharding.unsharded():
+    return np.asarray(nnx.capture(block, nnx.Intermediate)(jnp.asarray(x_BLD))[0])
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
@@ -226,17 +227,17 @@ def test_layer_sows_its_loss_and_models_average_it():
   params = jax.jit(spec.init_params)(jax.random.key(0))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, V, size=(2, 16)))
   positions, segments = jnp.broadcast_to(jnp.arange(16), tokens.shape), jnp.ones(tokens.shape, jnp.int32)
-  logits, aux = jax.jit(spec.apply_with_aux)(params, tokens, positions, segments)
-  np.testing.assert_array_equal(np.asarray(logits), np.asarray(jax.jit(spec.apply)(params, tokens, positions, segments)))
+  logits, aux = jax.jit(sharding.unsharded()(spec.apply_with_aux))(params, tokens, positions, segments)
+  np.testing.assert_array_equal(np.asarray(logits), np.asarray(jax.jit(sharding.unsharded()(spec.apply))(params, tokens, positions, segments)))
   # Each layer's loss lies in [k, k·E]; the model reports their mean.
   assert set(aux) == {"moe_lb_loss"} and TOP_K <= float(aux["moe_lb_loss"]) <= TOP_K * E
   dense = models.build_model_spec(tiny_mixtral(num_experts=1, num_experts_per_tok=1).model)
-  dense_aux = jax.eval_shape(dense.apply_with_aux, dense.abstract_params, tokens, positions, segments)[1]
+  dense_aux = jax.eval_shape(sharding.unsharded()(dense.apply_with_aux), dense.abstract_params, tokens, positions, segments)[1]
   assert dense_aux == {}
   # The train step's objective adds weight x (mean over layers) x target count.
   batch = dict(inputs=tokens, inputs_position=positions, inputs_segmentation=segments, targets=tokens,
                targets_segmentation=segments)
-  objective = jax.jit(lambda p, weight: train_step.loss_sums(spec, p, batch, None, 0.0, weight))
+  objective = jax.jit(sharding.unsharded()(lambda p, weight: train_step.loss_sums(spec, p, batch, None, 0.0, weight)))
   (plain, sums), (weighted, _) = objective(params, 0.0), objective(params, 0.5)
   np.testing.assert_allclose(float(sums["moe_lb_loss_sum"]), float(aux["moe_lb_loss"]) * tokens.size, rtol=1e-5)
   np.testing.assert_allclose(float(weighted - plain), 0.5 * float(sums["moe_lb_loss_sum"]), rtol=1e-4)
@@ -300,7 +301,7 @@ def test_flops_formula_counts_routed_experts_only():
                         ici_data_parallelism=8, ici_fsdp_parallelism=1)
   spec = models.build_model_spec(config.model)
   tokens = jax.ShapeDtypeStruct((2, 32), jnp.int32)
-  cost = jax.jit(spec.apply).lower(spec.abstract_params, tokens, tokens, tokens).compile().cost_analysis()
+  cost = jax.jit(sharding.unsharded()(spec.apply)).lower(spec.abstract_params, tokens, tokens, tokens).compile().cost_analysis()
   xla_flops = (cost[0] if isinstance(cost, list) else cost)["flops"]
   weights, attention = metrics.forward_flops_per_sequence(config.model, 32, causal=False)
   ours = 2 * (weights + attention)
@@ -334,7 +335,8 @@ def test_grouped_path_equals_padded_dropless_values_and_gradients():
     def loss(p, x):
       out = nnx.capture(nnx.merge(graph, p, rest), nnx.Intermediate)(x)[0]
       return jnp.sum(jnp.sin(out))
-    return jax.grad(loss, argnums=(0, 1))(params, jnp.asarray(x_BLD))
+    with sharding.unsharded():
+      return jax.grad(loss, argnums=(0, 1))(params, jnp.asarray(x_BLD))
 
   (g_params, g_x), (p_params, p_x) = grads(grouped), grads(padded)
   np.testing.assert_allclose(np.asarray(g_x), np.asarray(p_x), atol=1e-5, rtol=1e-5)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from MaxText import sharding
 from MaxText.config import Config
 from MaxText.errors import ConfigError
 from MaxText.layers import quantization
@@ -183,7 +184,7 @@ def test_moe_block_int8_quantizes_expert_matmuls_not_the_router(tiny_overrides):
     block = moe.MoeBlock(cfg, rngs=nnx.Rngs(params=1))
   x_BLD = jax.random.normal(jax.random.key(2), (2, 8, cfg.emb_dim))
   graphdef, state = nnx.split(block)
-  apply = lambda state, x: nnx.capture(nnx.merge(graphdef, state), nnx.Intermediate)(x)[0]
+  apply = sharding.unsharded()(lambda state, x: nnx.capture(nnx.merge(graphdef, state), nnx.Intermediate)(x)[0])
   y_float = apply(state, x_BLD)
   with quantization.use_quantization("int8"):
     y_int8 = apply(state, x_BLD)
