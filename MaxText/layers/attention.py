@@ -1,5 +1,5 @@
 """Grouped-query self-attention: RoPE, causal + document (segment) masking, optional sliding
-window and score soft-capping.
+window (the mask and head grouping: masks.py) and score soft-capping.
 
 Kernels are looked up by name in ATTENTION_KERNELS so flash / cuDNN / splash
 implementations can be added without touching the layer.

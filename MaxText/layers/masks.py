@@ -59,7 +59,7 @@ def local_window_bounds(window: int) -> tuple[int, int]:
 
 def allowed(q_pos_BL: jax.Array, k_pos_BS: jax.Array, q_seg_BL: jax.Array | None = None,
             k_seg_BS: jax.Array | None = None, window: Window = None) -> jax.Array:
-  """[B, L, S] boolean: causal, within `window` and, given segment ids, in the same segment.
+  """[B, L, S] boolean: causal, within `window` and, given both segment ids, in the same segment.
 
   Positions may have batch 1 (shared by every row); all broadcasting is within equal ranks.
   """
@@ -67,7 +67,7 @@ def allowed(q_pos_BL: jax.Array, k_pos_BS: jax.Array, q_seg_BL: jax.Array | None
   ok_BLS = offset_BLS >= 0
   if window is not None:
     ok_BLS = ok_BLS & (offset_BLS < window)
-  if q_seg_BL is not None:
+  if q_seg_BL is not None and k_seg_BS is not None:
     ok_BLS = ok_BLS & (q_seg_BL[:, :, None] == k_seg_BS[:, None, :])
   return ok_BLS
 

@@ -64,4 +64,4 @@ def splash_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, se
     return run(window_size)
   if local_window is None:
     raise ConfigError("attention=flash on TPU needs a static window size or sliding_window_size for a traced one")
-  return jax.lax.cond(masks.is_windowed(window_size), lambda: run(local_window), lambda: run(None))
+  return jax.lax.cond(masks.is_windowed(jnp.asarray(window_size)), lambda: run(local_window), lambda: run(None))
