@@ -9,7 +9,11 @@ if "xla_force_host_platform_device_count" not in _flags:
 
 from pathlib import Path  # noqa: E402
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# Broadcasting must be explicit (x * scale[None, None, :]): an implicit rank promotion is an error in tests.
+jax.config.update("jax_numpy_rank_promotion", "raise")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHAKESPEARE = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"

@@ -11,7 +11,7 @@ import pytest
 
 from MaxText import metrics, models, sharding
 from MaxText.config import Config
-from MaxText.layers import attention
+from MaxText.layers import attention, masks
 
 BATCH, LENGTH, WINDOW = 2, 128, 32
 DENSE = dict(base_emb_dim=256, base_num_query_heads=4, base_num_kv_heads=2, head_dim=64, base_mlp_dim=1024,
@@ -37,13 +37,13 @@ def _xla_forward_flops(config: Config, batch: int, length: int) -> float:
 def test_window_shorter_than_the_sequence_counts_only_attended_pairs():
   config = _windowed()
   # Layers cycle local, global, local: the causal count per layer is what the real mask
-  # (attention.attention_mask with each layer's window) lets through, less the half diagonal
+  # (masks.self_mask with each layer's window) lets through, less the half diagonal
   # (the formula's continuous convention: L²/2 for a global layer, W·L - W²/2 for a local one).
   segments = jnp.ones((1, LENGTH), jnp.int32)
   mask_pairs, diagonal = 0, 0.0
   for layer in range(3):
     window = attention.layer_window_size(config.model, layer)
-    mask_pairs += int(jnp.sum(attention.attention_mask(segments, window)))
+    mask_pairs += int(jnp.sum(masks.self_mask(segments, window)))
     diagonal += min(int(window), LENGTH) / 2
   ours = metrics.attended_pairs(config.model, LENGTH)
   assert ours + diagonal == mask_pairs

@@ -1,5 +1,5 @@
 """Grouped-query self-attention: RoPE, causal + document (segment) masking, optional sliding
-window and score soft-capping.
+window (the mask and head grouping: masks.py) and score soft-capping.
 
 Kernels are looked up by name in ATTENTION_KERNELS so flash / cuDNN / splash
 implementations can be added without touching the layer.
@@ -16,42 +16,14 @@ from flax import nnx
 from MaxText import sharding
 from MaxText.model_config import ModelConfig
 from MaxText.layers import attention_kernels
-from MaxText.layers import kv_cache
+from MaxText.layers import kv_cache, masks
 from MaxText.layers.embeddings import apply_rope, rope_inverse_frequencies
 from MaxText.layers.linears import DenseGeneral
 
-# Large finite negative (not -inf) so fully masked rows (padding) stay NaN-free.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-def attention_mask(segment_ids_BL: jax.Array, window_size: int | jax.Array | None = None) -> jax.Array:
-  """[B, 1, 1, L, S] boolean: key s is visible to query l (causal, same document, and, with a
-  window, at most window_size - 1 tokens back, so each query sees window_size tokens)."""
-  length = segment_ids_BL.shape[1]
-  offset_LS = jnp.arange(length)[:, None] - jnp.arange(length)[None, :]
-  visible_LS = offset_LS >= 0
-  if window_size is not None:
-    visible_LS = visible_LS & (offset_LS < window_size)
-  same_segment_BLS = segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :]
-  return (visible_LS[None] & same_segment_BLS)[:, None, None]
-
-
 def dot_product_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BL: jax.Array,
-                          window_size: int | jax.Array | None = None, soft_cap: float = 0.0) -> jax.Array:
-  """Plain XLA attention; softmax in float32. Queries must already be scaled.
-
-  `soft_cap` > 0 squashes scores to cap * tanh(score / cap) before masking (Gemma 2).
-  """
-  batch, length, num_q, head_dim = q_BLNH.shape
-  num_kv = k_BSKH.shape[2]
-  q_BLKGH = q_BLNH.reshape(batch, length, num_kv, num_q // num_kv, head_dim)
-  logits_BKGLS = jnp.einsum("blkgh,bskh->bkgls", q_BLKGH, k_BSKH, preferred_element_type=jnp.float32)
-  if soft_cap > 0:
-    logits_BKGLS = soft_cap * jnp.tanh(logits_BKGLS / soft_cap)
-  logits_BKGLS = jnp.where(attention_mask(segment_ids_BL, window_size), logits_BKGLS, _MASK_VALUE)
-  probs_BKGLS = jax.nn.softmax(logits_BKGLS, axis=-1).astype(v_BSKH.dtype)
-  out_BLKGH = jnp.einsum("bkgls,bskh->blkgh", probs_BKGLS, v_BSKH)
-  return out_BLKGH.reshape(batch, length, num_q, head_dim)
+                          window_size: masks.Window = None, soft_cap: float = 0.0) -> jax.Array:
+  """Plain XLA attention with the mask of masks.py; queries must already be scaled."""
+  return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, masks.self_mask(segment_ids_BL, window_size), soft_cap)
 
 
 # (q, k, v, segment_ids, window_size, soft_cap) -> out
@@ -86,17 +58,18 @@ def select_kernel(name: str, platform: str | None = None, cfg: ModelConfig | Non
   return "flash" if long_sequences else "dot_product"
 
 
-def layer_window_size(cfg: ModelConfig, layer_index: int | jax.Array) -> int | jax.Array | None:
+def layer_window_size(cfg: ModelConfig, layer_index: int | jax.Array) -> masks.Window:
   """Sliding-window size of layer `layer_index` under `attention_layer_pattern`, or None for
-  full attention. Static when the pattern is uniform; a traced scalar when a scanned stack
-  mixes local and global layers (a global layer then gets a window longer than any sequence)."""
+  full attention: the config's window in masks.py's spelling. Static when the pattern is uniform;
+  a traced scalar when a scanned stack mixes local and global layers (a global layer then gets
+  masks.NO_WINDOW)."""
   pattern = cfg.attention_layer_pattern
   if "local" not in pattern:
     return None
   if all(kind == "local" for kind in pattern):
     return cfg.sliding_window_size
   is_local = jnp.asarray([kind == "local" for kind in pattern])[layer_index % len(pattern)]
-  return jnp.where(is_local, cfg.sliding_window_size, jnp.iinfo(jnp.int32).max)
+  return masks.layer_window(is_local, cfg.sliding_window_size)
 
 
 class Attention(nnx.Module):

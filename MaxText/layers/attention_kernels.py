@@ -3,7 +3,8 @@ cuDNN flash attention (GPU) and the Pallas splash-attention kernel (TPU).
 
 Every kernel has the signature of `attention.dot_product_attention`:
 `kernel(q_BLNH (pre-scaled), k_BSKH, v_BSKH, segment_ids_BL, window_size, soft_cap) -> out_BLNH`,
-with the same mask: causal, same segment, and with a window, at most window_size - 1 tokens back.
+with the same mask (masks.py): causal, same segment, and with a window, at most window_size - 1
+tokens back.
 
 Legend: B batch, L query length, S key length, N query heads, K key/value heads, G = N // K query
 heads per key/value head, H head dim, Q one query block, C one key/value block (chunk).
@@ -20,22 +21,10 @@ import jax.numpy as jnp
 from MaxText import sharding
 from MaxText.model_config import ModelConfig
 from MaxText.errors import ConfigError
-from MaxText.layers import context_parallel, splash_attention
+from MaxText.layers import context_parallel, masks, splash_attention
 
 Array = jax.Array
 AttentionKernel = Callable[..., jax.Array]  # (q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window_size, soft_cap)
-
-# Large finite negative (not -inf), as in attention.py, so masked logits never give NaN.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-# A window longer than any sequence; clamped so window arithmetic never overflows int32.
-_NO_WINDOW = 2**30
-
-
-def _window_scalar(window_size: int | jax.Array | None) -> jax.Array:
-  if window_size is None:
-    return jnp.int32(_NO_WINDOW)
-  return jnp.minimum(jnp.asarray(window_size, jnp.int32), _NO_WINDOW)
-
 
 def _block_logits(q_BQKGH: jax.Array, k_BCKH: jax.Array, qseg_BQ: jax.Array, kseg_BC: jax.Array,
                   q_start: jax.Array, k_start: jax.Array, window: jax.Array, soft_cap: float
@@ -47,11 +36,10 @@ def _block_logits(q_BQKGH: jax.Array, k_BCKH: jax.Array, qseg_BQ: jax.Array, kse
   if soft_cap > 0:
     tanh_BKGQC = jnp.tanh(s_BKGQC / soft_cap)
     s_BKGQC = soft_cap * tanh_BKGQC
-  offset_QC = (q_start + jnp.arange(q_BQKGH.shape[1]))[:, None] - (k_start + jnp.arange(k_BCKH.shape[1]))[None, :]
-  visible_QC = (offset_QC >= 0) & (offset_QC < window)
-  mask_BQC = visible_QC[None] & (qseg_BQ[:, :, None] == kseg_BC[:, None, :])
-  mask_B11QC = mask_BQC[:, None, None]
-  return jnp.where(mask_B11QC, s_BKGQC, _MASK_VALUE), mask_B11QC, tanh_BKGQC
+  q_pos_1Q = (q_start + jnp.arange(q_BQKGH.shape[1]))[None]
+  k_pos_1C = (k_start + jnp.arange(k_BCKH.shape[1]))[None]
+  mask_B11QC = masks.allowed(q_pos_1Q, k_pos_1C, qseg_BQ, kseg_BC, window)[:, None, None]
+  return jnp.where(mask_B11QC, s_BKGQC, masks.MASK_VALUE), mask_B11QC, tanh_BKGQC
 
 
 def _kv_block_range(q_start: jax.Array, block_q: int, block_kv: int, window: jax.Array, num_kv_blocks: int
@@ -97,7 +85,7 @@ def _forward(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, kseg_
       return m_new, l_BKGQ * correction + p_BKGQC.sum(-1), acc_BKGQH * correction[..., None] + pv
 
     stats_shape = (batch, num_kv, group, block_q)
-    init = (jnp.full(stats_shape, _MASK_VALUE, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
+    init = (jnp.full(stats_shape, masks.MASK_VALUE, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
             jnp.zeros(stats_shape + (head_dim,), jnp.float32))
     lo, hi = _kv_block_range(q_start, block_q, block_kv, window, num_kv_blocks)
     m_BKGQ, l_BKGQ, acc_BKGQH = jax.lax.fori_loop(lo, hi, step, init)
@@ -216,26 +204,25 @@ def _pad_length(x: jax.Array, multiple: int, value: int | float = 0) -> jax.Arra
 
 
 def flash_attention_with_offset(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_segment_ids_BL: jax.Array,
-                                kv_segment_ids_BS: jax.Array, window_size: int | jax.Array | None, soft_cap: float,
+                                kv_segment_ids_BS: jax.Array, window_size: masks.Window, soft_cap: float,
                                 q_offset: int | jax.Array = 0, *, block_q: int = 512, block_kv: int = 512
                                 ) -> jax.Array:
   """Chunked attention of queries at global positions q_offset .. q_offset + L - 1 over keys at
   0 .. S - 1 (q_offset > 0 when the queries are one sequence shard: context parallelism)."""
-  batch, length, num_q, head_dim = q_BLNH.shape
-  num_kv = k_BSKH.shape[2]
+  length = q_BLNH.shape[1]
   block_q, block_kv = min(block_q, length), min(block_kv, k_BSKH.shape[1])
-  q_BLKGH = _pad_length(q_BLNH.reshape(batch, length, num_kv, num_q // num_kv, head_dim), block_q)
+  q_BLKGH = _pad_length(masks.group_queries(q_BLNH, k_BSKH.shape[2]), block_q)
   # Padded queries and keys get segment ids that match nothing, so they never take part.
   qseg_BL = _pad_length(q_segment_ids_BL.astype(jnp.int32), block_q, -2)
   kseg_BS = _pad_length(kv_segment_ids_BS.astype(jnp.int32), block_kv, -1)
   out_BLKGH = _flash_core(q_BLKGH, _pad_length(k_BSKH, block_kv), _pad_length(v_BSKH, block_kv), qseg_BL, kseg_BS,
-                          _window_scalar(window_size), jnp.asarray(q_offset, jnp.int32), float(soft_cap),
+                          masks.window_scalar(window_size), jnp.asarray(q_offset, jnp.int32), float(soft_cap),
                           block_q, block_kv)
-  return out_BLKGH[:, :length].reshape(batch, length, num_q, head_dim)
+  return masks.merge_groups(out_BLKGH[:, :length])
 
 
 def flash_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BL: jax.Array,
-                    window_size: int | jax.Array | None = None, soft_cap: float = 0.0, *, block_q: int = 512,
+                    window_size: masks.Window = None, soft_cap: float = 0.0, *, block_q: int = 512,
                     block_kv: int = 512) -> jax.Array:
   """Self-attention (L == S) with the dot_product mask, in O(L · block) memory per head."""
   return flash_attention_with_offset(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, segment_ids_BL, window_size, soft_cap,
@@ -244,37 +231,32 @@ def flash_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, seg
 
 def reference_attention_with_offset(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
                                     q_segment_ids_BL: jax.Array, kv_segment_ids_BS: jax.Array,
-                                    window_size: int | jax.Array | None, soft_cap: float,
+                                    window_size: masks.Window, soft_cap: float,
                                     q_offset: int | jax.Array = 0) -> jax.Array:
   """Plain materialised attention with a query offset (the dot_product math; used by tests)."""
-  batch, length, num_q, head_dim = q_BLNH.shape
-  num_kv = k_BSKH.shape[2]
-  q_BLKGH = q_BLNH.reshape(batch, length, num_kv, num_q // num_kv, head_dim)
-  s_BKGLS, mask, _ = _block_logits(q_BLKGH, k_BSKH, q_segment_ids_BL, kv_segment_ids_BS, jnp.asarray(q_offset),
-                                   jnp.int32(0), _window_scalar(window_size), soft_cap)
-  probs_BKGLS = jax.nn.softmax(s_BKGLS, axis=-1).astype(v_BSKH.dtype)
-  out_BLKGH = jnp.einsum("bkgls,bskh->blkgh", probs_BKGLS, v_BSKH)
-  return out_BLKGH.reshape(batch, length, num_q, head_dim)
+  q_pos_1L = (q_offset + jnp.arange(q_BLNH.shape[1]))[None]
+  mask_BLS = masks.allowed(q_pos_1L, jnp.arange(k_BSKH.shape[1])[None], q_segment_ids_BL, kv_segment_ids_BS,
+                           masks.window_scalar(window_size))
+  return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS, soft_cap)
 
 
 # ---------------------------------------------------------------- cuDNN (GPU)
 
 def cudnn_flash_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BL: jax.Array,
-                          window_size: int | jax.Array | None = None, soft_cap: float = 0.0,
+                          window_size: masks.Window = None, soft_cap: float = 0.0,
                           implementation: Literal["xla", "cudnn"] = "cudnn") -> jax.Array:
   """cuDNN flash attention through jax.nn.dot_product_attention. `implementation="xla"` runs the
   same arguments through XLA (how the argument mapping is tested off GPU)."""
   if soft_cap > 0:
     raise ConfigError(f"attention=cudnn_flash does not support attn_logits_soft_cap={soft_cap} (cuDNN has no "
                       "logit soft cap); use attention=flash")
-  # Packing: keys of other documents are masked with a [B, 1, L, S] mask (cuDNN adds it as a bias).
-  mask_B1LS = (segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :])[:, None]
+  # Packing: keys of other documents are masked with a [B, 1, L, S] mask (cuDNN adds it as a bias);
+  # a static window goes to cuDNN as bounds, a traced one (mixed local/global stack) into the mask.
   local_window = None
   if isinstance(window_size, int):
-    local_window = (window_size - 1, 0)  # window_size tokens: this one and window_size - 1 before it
-  elif window_size is not None:  # traced (mixed local/global scanned stack): folded into the mask
-    offset_LS = jnp.arange(q_BLNH.shape[1])[:, None] - jnp.arange(k_BSKH.shape[1])[None, :]
-    mask_B1LS = mask_B1LS & (offset_LS < window_size)[None, None]
+    local_window = masks.local_window_bounds(window_size)
+  mask_window = None if masks.is_static(window_size) else window_size
+  mask_B1LS = masks.self_mask(segment_ids_BL, mask_window)[:, None]
   return jax.nn.dot_product_attention(q_BLNH, k_BSKH, v_BSKH, mask=mask_B1LS, scale=1.0, is_causal=True,
                                       local_window_size=local_window, implementation=implementation)
 
@@ -313,7 +295,7 @@ def make_flash(cfg: ModelConfig) -> AttentionKernel:
   tpu = functools.partial(splash_attention.splash_attention, blocks=blocks, local_window=cfg.sliding_window_size)
 
   def kernel(q_BLNH: Array, k_BSKH: Array, v_BSKH: Array, segment_ids_BL: Array,
-             window_size: int | Array | None = None, soft_cap: float = 0.0) -> Array:
+             window_size: masks.Window = None, soft_cap: float = 0.0) -> Array:
     context = sharding.current_activation_context()
     if context is not None:
       mesh, rules = context
@@ -336,7 +318,7 @@ def make_cudnn_flash(cfg: ModelConfig) -> AttentionKernel:
                       "(cuDNN has no logit soft cap); use attention=flash or autoselected")
 
   def kernel(q_BLNH: Array, k_BSKH: Array, v_BSKH: Array, segment_ids_BL: Array,
-             window_size: int | Array | None = None, soft_cap: float = 0.0) -> Array:
+             window_size: masks.Window = None, soft_cap: float = 0.0) -> Array:
     platform = trace_platform()
     if platform not in ("gpu", "cuda", "rocm"):
       raise ConfigError(f"attention=cudnn_flash needs an NVIDIA GPU (cuDNN) but this program is for {platform}; "
@@ -354,7 +336,7 @@ def make_deferred(resolve: Callable[[str], tuple[str, AttentionKernel]], cfg_nam
   e.g. a TPU topology compiled on CPU) and says once per platform which it picked."""
 
   def kernel(q_BLNH: Array, k_BSKH: Array, v_BSKH: Array, segment_ids_BL: Array,
-             window_size: int | Array | None = None, soft_cap: float = 0.0) -> Array:
+             window_size: masks.Window = None, soft_cap: float = 0.0) -> Array:
     platform = trace_platform()
     name, chosen = resolve(platform)
     if (platform, name) not in _ANNOUNCED:

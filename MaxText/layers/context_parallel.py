@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from MaxText import sharding
+from MaxText.layers import masks
 
 _Q_NAMES = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 _KV_NAMES = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
@@ -52,16 +53,21 @@ def length_shards(mesh: Mesh, rules: sharding.Rules, q_shape: tuple[int, ...], k
   return math.prod(mesh.shape[a] for a in axes)
 
 
+def _window_operand(window_size: masks.Window) -> jax.Array:
+  """A traced window enters shard_map as a replicated operand; a static one stays a Python value
+  in the kernel's closure (this placeholder unused)."""
+  return jnp.int32(0) if masks.is_static(window_size) else jnp.asarray(window_size, jnp.int32)
+
+
 LocalKernel = Callable[..., jax.Array]  # (q, k, v, q_seg, kv_seg, window, soft_cap, q_offset) -> out
 
 
 def sequence_parallel_attention(local_kernel: LocalKernel, mesh: Mesh, rules: sharding.Rules, q_BLNH: jax.Array,
                                 k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BL: jax.Array,
-                                window_size: int | jax.Array | None, soft_cap: float) -> jax.Array:
+                                window_size: masks.Window, soft_cap: float) -> jax.Array:
   """Attention with queries split over the length mesh axes and K/V gathered over them."""
   q_spec, kv_spec, seg_spec, length_axes = kernel_specs(mesh, rules, q_BLNH.shape, k_BSKH.shape, split_length=True)
-  static_window = window_size is None or isinstance(window_size, int)
-  window = jnp.int32(0) if static_window else jnp.asarray(window_size, jnp.int32)
+  static_window = masks.is_static(window_size)
 
   def shard(q_BLNH, k_BLKH, v_BLKH, seg_BL, window_scalar):
     gather = functools.partial(jax.lax.all_gather, axis_name=length_axes, axis=1, tiled=True)
@@ -70,19 +76,20 @@ def sequence_parallel_attention(local_kernel: LocalKernel, mesh: Mesh, rules: sh
                         window_size if static_window else window_scalar, soft_cap, offset)
 
   return jax.shard_map(shard, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, PartitionSpec()),
-                       out_specs=q_spec, check_vma=False)(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window)
+                       out_specs=q_spec, check_vma=False)(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL,
+                                                             _window_operand(window_size))
 
 
 def per_shard_attention(kernel: Callable[..., jax.Array], mesh: Mesh, rules: sharding.Rules, q_BLNH: jax.Array,
                         k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BL: jax.Array,
-                        window_size: int | jax.Array | None, soft_cap: float) -> jax.Array:
+                        window_size: masks.Window, soft_cap: float) -> jax.Array:
   """A single-device kernel (splash) run per batch/head shard, the length whole on each."""
   q_spec, kv_spec, seg_spec, _ = kernel_specs(mesh, rules, q_BLNH.shape, k_BSKH.shape, split_length=False)
-  static_window = window_size is None or isinstance(window_size, int)
-  window = jnp.int32(0) if static_window else jnp.asarray(window_size, jnp.int32)
+  static_window = masks.is_static(window_size)
 
   def shard(q_BLNH, k_BSKH, v_BSKH, seg_BL, window_scalar):
     return kernel(q_BLNH, k_BSKH, v_BSKH, seg_BL, window_size if static_window else window_scalar, soft_cap)
 
   return jax.shard_map(shard, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, PartitionSpec()),
-                       out_specs=q_spec, check_vma=False)(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window)
+                       out_specs=q_spec, check_vma=False)(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL,
+                                                             _window_operand(window_size))

@@ -63,7 +63,7 @@ def apply_rope(x_BLNH: jax.Array, positions_BL: jax.Array, inv_freq_h: np.ndarra
   with `interleaved`, (x[2i], x[2i+1]) (Meta's original layout). The two differ only by a
   fixed permutation of the q/k projection outputs, which the converters apply.
   """
-  angles_BLh = positions_BL[..., None].astype(jnp.float32) * jnp.asarray(inv_freq_h)
+  angles_BLh = positions_BL[..., None].astype(jnp.float32) * jnp.asarray(inv_freq_h)[None, None, :]
   sin, cos = jnp.sin(angles_BLh)[:, :, None, :], jnp.cos(angles_BLh)[:, :, None, :]
   x = x_BLNH.astype(jnp.float32)
   if interleaved:
@@ -78,5 +78,5 @@ def apply_rope(x_BLNH: jax.Array, positions_BL: jax.Array, inv_freq_h: np.ndarra
 def sinusoidal_positions(positions_BL: jax.Array, dim: int, max_timescale: float = 10000.0) -> jax.Array:
   """[B, L, D] fixed position signal: sin of D/2 geometric frequencies, then their cos."""
   inv_freq = max_timescale ** (-jnp.arange(dim // 2, dtype=jnp.float32) / (dim // 2))
-  angles_BLh = positions_BL[..., None].astype(jnp.float32) * inv_freq
+  angles_BLh = positions_BL[..., None].astype(jnp.float32) * inv_freq[None, None, :]
   return jnp.concatenate([jnp.sin(angles_BLh), jnp.cos(angles_BLh)], axis=-1)

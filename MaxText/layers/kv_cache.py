@@ -7,7 +7,7 @@ Layout rule: the token at absolute position p lives at cache index p. Prompts ar
 so a row's padding sits after its last real token and is overwritten by the tokens generated
 there; a query at position p sees only cache indices s <= p (and, in a sliding-window layer,
 p - s < window), so padding and stale entries past p are never attended. No separate padding
-mask is needed.
+mask is needed: the mask is masks.cache_mask.
 
 `quantize_kvcache` stores keys and values as int8 with one float32 scale per token per head
 (symmetric, scale = max|x| / 127 over the head dim), dequantized when read.
@@ -22,10 +22,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from MaxText import sharding
+from MaxText.layers import masks
 from MaxText.model_config import ModelConfig
 
-# Large finite negative (not -inf) so a fully masked row stays NaN-free.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 CACHE_NAMES = ("cache_batch", "cache_sequence", "cache_kv_heads", "cache_kv")
 SCALE_NAMES = ("cache_batch", "cache_sequence", "cache_kv_heads", None)
 
@@ -97,30 +96,12 @@ def write(cache: KVCache, k_BLKH: jax.Array, v_BLKH: jax.Array, positions_BL: ja
   return jax.tree.map(sharding.constrain, new, cache_logical_names(new, stacked=False))
 
 
-def cached_mask(positions_BL: jax.Array, cache_length: int, window_size: int | jax.Array | None) -> jax.Array:
-  """[B, L, S] boolean: query at position p sees cache index s iff s <= p (and p - s < window)."""
-  offset_BLS = positions_BL[:, :, None] - jnp.arange(cache_length)[None, None, :]
-  visible_BLS = offset_BLS >= 0
-  if window_size is not None:
-    visible_BLS = visible_BLS & (offset_BLS < window_size)
-  return visible_BLS
-
-
 def cached_attention(q_BLNH: jax.Array, cache: KVCache, positions_BL: jax.Array,
-                     window_size: int | jax.Array | None = None, soft_cap: float = 0.0) -> jax.Array:
-  """Grouped-query attention of already-scaled queries over the whole cache; softmax in float32."""
-  batch, length, num_q, head_dim = q_BLNH.shape
+                     window_size: masks.Window = None, soft_cap: float = 0.0) -> jax.Array:
+  """Grouped-query attention of already-scaled queries over the whole cache (masks.cache_mask)."""
   k_BSKH, v_BSKH = cache.read(q_BLNH.dtype)
-  num_kv, cache_length = k_BSKH.shape[2], k_BSKH.shape[1]
-  q_BLKGH = q_BLNH.reshape(batch, length, num_kv, num_q // num_kv, head_dim)
-  logits_BKGLS = jnp.einsum("blkgh,bskh->bkgls", q_BLKGH, k_BSKH, preferred_element_type=jnp.float32)
-  if soft_cap > 0:
-    logits_BKGLS = soft_cap * jnp.tanh(logits_BKGLS / soft_cap)
-  mask_B11LS = cached_mask(positions_BL, cache_length, window_size)[:, None, None]
-  logits_BKGLS = jnp.where(mask_B11LS, logits_BKGLS, _MASK_VALUE)
-  probs_BKGLS = jax.nn.softmax(logits_BKGLS, axis=-1).astype(v_BSKH.dtype)
-  out_BLKGH = jnp.einsum("bkgls,bskh->blkgh", probs_BKGLS, v_BSKH)
-  return out_BLKGH.reshape(batch, length, num_q, head_dim)
+  mask_BLS = masks.cache_mask(positions_BL, k_BSKH.shape[1], window_size)
+  return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS, soft_cap)
 
 
 def model_caches(cfg: ModelConfig, batch: int, length: int, quantized: bool = False) -> Any:

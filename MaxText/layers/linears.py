@@ -43,7 +43,8 @@ class DenseGeneral(nnx.Module):
     y = quantization.quantized_dot_general(mode, x.astype(self.dtype), self.kernel[...].astype(self.dtype),
                                            (contract, ((), ())))
     if self.use_bias:
-      y = y + self.bias[...].astype(self.dtype)
+      bias = self.bias[...].astype(self.dtype)
+      y = y + jnp.expand_dims(bias, tuple(range(y.ndim - bias.ndim)))  # explicit: no implicit rank promotion
     return checkpoint_name(y, self.tag) if self.tag else y
 
 

@@ -15,6 +15,11 @@ from flax import nnx
 from MaxText.model_config import ModelConfig
 
 
+def _over_last_axis(v_D: jax.Array, ndim: int) -> jax.Array:
+  """[D] -> [1, ..., 1, D] of rank `ndim`: explicit broadcasting (tests raise on rank promotion)."""
+  return jnp.expand_dims(v_D, tuple(range(ndim - 1)))
+
+
 class RMSNorm(nnx.Module):
   """x / rms(x) * gain, with gain = scale, or 1 + scale when `scale_offset` is 1.
 
@@ -31,8 +36,8 @@ class RMSNorm(nnx.Module):
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
     x = x_BLD.astype(jnp.float32)
     normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.epsilon)
-    gain = self.scale[...].astype(jnp.float32) + self.scale_offset
-    return (normed * gain).astype(self.dtype)
+    gain_D = self.scale[...].astype(jnp.float32) + self.scale_offset
+    return (normed * _over_last_axis(gain_D, x.ndim)).astype(self.dtype)
 
 
 class LayerNorm(nnx.Module):
@@ -47,7 +52,8 @@ class LayerNorm(nnx.Module):
     x = x_BLD.astype(jnp.float32)
     centred = x - jnp.mean(x, axis=-1, keepdims=True)
     normed = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + self.epsilon)
-    return (normed * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(self.dtype)
+    scale, bias = (_over_last_axis(p[...].astype(jnp.float32), x.ndim) for p in (self.scale, self.bias))
+    return (normed * scale + bias).astype(self.dtype)
 
 
 def make_norm(cfg: ModelConfig) -> nnx.Module:

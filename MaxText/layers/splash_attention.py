@@ -16,8 +16,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 
 from MaxText.model_config import AttentionBlocks
 from MaxText.errors import ConfigError
-
-_NO_WINDOW = 2**30  # attention_kernels' "no window" value for traced window sizes
+from MaxText.layers import masks
 
 
 def block_sizes(blocks: AttentionBlocks, length: int) -> splash.BlockSizes:
@@ -39,8 +38,7 @@ def _mask(length: int, window: int | None, num_heads: int) -> splash_mask.MultiH
   if window is None or window >= length:
     one = splash_mask.CausalMask((length, length))
   else:
-    # Keys i - (window - 1) .. i: causal with a left window, as in attention.attention_mask.
-    one = splash_mask.LocalMask((length, length), window_size=(window - 1, 0), offset=0)
+    one = splash_mask.LocalMask((length, length), window_size=masks.local_window_bounds(window), offset=0)
   return splash_mask.MultiHeadMask((one,) * num_heads)
 
 
@@ -57,13 +55,13 @@ def _run(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BL
 
 
 def splash_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BL: jax.Array,
-                     window_size: int | jax.Array | None, soft_cap: float, *, blocks: AttentionBlocks,
+                     window_size: masks.Window, soft_cap: float, *, blocks: AttentionBlocks,
                      local_window: int | None = None, interpret: bool = False) -> jax.Array:
   """Splash attention on one device's shard. A traced `window_size` is either `local_window` or
   "no window" (attention.layer_window_size); each gets its own static-mask kernel."""
   run = lambda window: _run(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window, soft_cap, blocks, interpret)  # noqa: E731
-  if window_size is None or isinstance(window_size, int):
+  if masks.is_static(window_size):
     return run(window_size)
   if local_window is None:
     raise ConfigError("attention=flash on TPU needs a static window size or sliding_window_size for a traced one")
-  return jax.lax.cond(window_size < _NO_WINDOW, lambda: run(local_window), lambda: run(None))
+  return jax.lax.cond(masks.is_windowed(jnp.asarray(window_size)), lambda: run(local_window), lambda: run(None))

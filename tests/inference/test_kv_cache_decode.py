@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from MaxText.inference.engine import Engine
-from MaxText.layers import kv_cache
+from MaxText.layers import kv_cache, masks
 from decode_test_utils import engine_tokens, uncached_greedy
 
 PREFILL, TARGET, NEW_TOKENS = 12, 32, 10
@@ -58,10 +58,10 @@ def test_cached_greedy_equals_uncached_and_hf(hf, family, scan_layers, tmp_path)
 
 def test_mask_sees_only_past_and_window():
   positions_BL = jnp.asarray([[3, 4]])
-  mask = np.asarray(kv_cache.cached_mask(positions_BL, 8, window_size=2))
+  mask = np.asarray(masks.cache_mask(positions_BL, 8, window=2))
   np.testing.assert_array_equal(mask[0, 0], [0, 0, 1, 1, 0, 0, 0, 0])
   np.testing.assert_array_equal(mask[0, 1], [0, 0, 0, 1, 1, 0, 0, 0])
-  full = np.asarray(kv_cache.cached_mask(positions_BL, 8, None))
+  full = np.asarray(masks.cache_mask(positions_BL, 8, None))
   np.testing.assert_array_equal(full[0, 1], [1, 1, 1, 1, 1, 0, 0, 0])
 
 

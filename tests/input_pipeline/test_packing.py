@@ -9,7 +9,7 @@ import pytest
 
 from MaxText.errors import UserError
 from MaxText.input_pipeline.packing import DocumentCursor, Position, pack_batch, pack_row
-from MaxText.layers.attention import attention_mask
+from MaxText.layers.masks import self_mask
 
 
 def _cursor(docs: list[list[int]], position: Position = Position()) -> DocumentCursor:
@@ -38,7 +38,7 @@ def test_packed_row_keeps_documents_apart():
 
 def test_attention_mask_from_packed_segments_never_crosses_documents():
   row = pack_row(_cursor(_docs(4, 3, 5)), length=12, packing=True)
-  mask = np.asarray(attention_mask(jnp.asarray(row["inputs_segmentation"])[None]))[0, 0, 0]  # [L, L]
+  mask = np.asarray(self_mask(jnp.asarray(row["inputs_segmentation"])[None]))[0]  # [L, L]
   doc = row["inputs"] // 100
   for q in range(9):
     visible = set(np.nonzero(mask[q])[0])

@@ -1,0 +1,109 @@
+"""The attention mask and grouped-query head grouping, shared by every attention kernel.
+
+One rule everywhere: the query at position p sees the key at position s iff s <= p (causal),
+p - s < window (a sliding window of `window` tokens: this one and window - 1 before it) and
+both carry the same segment id (packed documents never see each other).
+
+- `allowed` builds it as a boolean array: dot_product and the flash reference (`self_mask`),
+  the KV-cache decode path (`cache_mask`), cuDNN's mask argument, and each block of chunked
+  flash (with the blocks' global positions, also under context parallelism).
+- Splash and cuDNN take the static window as (left, right) bounds: `local_window_bounds`.
+- `group_queries` / `merge_groups` are the one place query heads are grouped over key/value
+  heads; `dense_attention` is the one materialised grouped-query attention.
+
+Legend: B batch, L query positions, S key positions, N query heads, K key/value heads,
+G = N // K query heads per key/value head, H head dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# A window: None (no window), a Python int, or a traced int32 scalar (mixed local/global scanned stack).
+Window = int | jax.Array | None
+
+# Large finite negative, not -inf, so a fully masked row (padding) softmaxes to finite values, never NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# "No window" is None; only a traced window, which cannot hold None, spells it NO_WINDOW.
+# 2**30 rather than the int32 maximum so window arithmetic (p - window + 1) never overflows.
+NO_WINDOW = 2**30
+
+
+def is_static(window: Window) -> bool:
+  """Whether the window is known at trace time (None or an int), not a traced scalar."""
+  return window is None or isinstance(window, int)
+
+
+def window_scalar(window: Window) -> jax.Array:
+  """The window as an int32 scalar for traced arithmetic: None becomes NO_WINDOW."""
+  if window is None:
+    return jnp.int32(NO_WINDOW)
+  return jnp.minimum(jnp.asarray(window, jnp.int32), NO_WINDOW)
+
+
+def layer_window(is_local: jax.Array, size: int) -> jax.Array:
+  """A traced layer's window: `size` on a local layer, NO_WINDOW on a global one."""
+  return jnp.where(is_local, size, NO_WINDOW)
+
+
+def is_windowed(window: jax.Array) -> jax.Array:
+  """Traced: whether `window` (from `layer_window`) is a real window rather than NO_WINDOW."""
+  return window < NO_WINDOW
+
+
+def local_window_bounds(window: int) -> tuple[int, int]:
+  """(keys before, keys after) a query sees, as splash's LocalMask and jax.nn's local_window_size take."""
+  return window - 1, 0
+
+
+def allowed(q_pos_BL: jax.Array, k_pos_BS: jax.Array, q_seg_BL: jax.Array | None = None,
+            k_seg_BS: jax.Array | None = None, window: Window = None) -> jax.Array:
+  """[B, L, S] boolean: causal, within `window` and, given both segment ids, in the same segment.
+
+  Positions may have batch 1 (shared by every row); all broadcasting is within equal ranks.
+  """
+  offset_BLS = q_pos_BL[:, :, None] - k_pos_BS[:, None, :]
+  ok_BLS = offset_BLS >= 0
+  if window is not None:
+    ok_BLS = ok_BLS & (offset_BLS < window)
+  if q_seg_BL is not None and k_seg_BS is not None:
+    ok_BLS = ok_BLS & (q_seg_BL[:, :, None] == k_seg_BS[:, None, :])
+  return ok_BLS
+
+
+def self_mask(segment_ids_BL: jax.Array, window: Window = None) -> jax.Array:
+  """[B, L, L] self-attention mask of a (packed) training sequence at positions 0 .. L - 1."""
+  positions_1L = jnp.arange(segment_ids_BL.shape[1])[None]
+  return allowed(positions_1L, positions_1L, segment_ids_BL, segment_ids_BL, window)
+
+
+def cache_mask(positions_BL: jax.Array, cache_length: int, window: Window = None) -> jax.Array:
+  """[B, L, S] mask of new queries over a KV cache (index = position), which needs no segment
+  ids: entries past a query's position (padding, stale tokens) are hidden as future."""
+  return allowed(positions_BL, jnp.arange(cache_length)[None], window=window)
+
+
+def group_queries(q_BLNH: jax.Array, num_kv: int) -> jax.Array:
+  """[B, L, N, H] -> [B, L, K, G, H]: query heads k * G .. k * G + G - 1 share key/value head k."""
+  batch, length, num_q, head_dim = q_BLNH.shape
+  return q_BLNH.reshape(batch, length, num_kv, num_q // num_kv, head_dim)
+
+
+def merge_groups(x_BLKGH: jax.Array) -> jax.Array:
+  """[B, L, K, G, H] -> [B, L, N, H], the inverse of `group_queries`."""
+  batch, length, num_kv, group, head_dim = x_BLKGH.shape
+  return x_BLKGH.reshape(batch, length, num_kv * group, head_dim)
+
+
+def dense_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, allowed_BLS: jax.Array,
+                    soft_cap: float = 0.0) -> jax.Array:
+  """Materialised grouped-query attention of pre-scaled queries; softmax in float32.
+  `soft_cap` > 0 squashes scores to cap * tanh(score / cap) before masking (Gemma 2)."""
+  q_BLKGH = group_queries(q_BLNH, k_BSKH.shape[2])
+  logits_BKGLS = jnp.einsum("blkgh,bskh->bkgls", q_BLKGH, k_BSKH, preferred_element_type=jnp.float32)
+  if soft_cap > 0:
+    logits_BKGLS = soft_cap * jnp.tanh(logits_BKGLS / soft_cap)
+  logits_BKGLS = jnp.where(allowed_BLS[:, None, None], logits_BKGLS, MASK_VALUE)
+  probs_BKGLS = jax.nn.softmax(logits_BKGLS, axis=-1).astype(v_BSKH.dtype)
+  return merge_groups(jnp.einsum("bkgls,bskh->blkgh", probs_BKGLS, v_BSKH))
