@@ -7,6 +7,8 @@ implementations can be added without touching the layer.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Callable
 
 import jax
@@ -75,12 +77,12 @@ def layer_window_size(cfg: ModelConfig, layer_index: int | jax.Array) -> masks.W
 class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, n, k, h = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
-    dense = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs,
-                 use_bias=cfg.use_bias)
-    self.query = DenseGeneral((d,), (n, h), ("embed", "heads", "kv"), tag="query_proj", **dense)
-    self.key = DenseGeneral((d,), (k, h), ("embed", "kv_heads", "kv"), tag="key_proj", **dense)
-    self.value = DenseGeneral((d,), (k, h), ("embed", "kv_heads", "kv"), tag="value_proj", **dense)
-    self.out = DenseGeneral((n, h), (d,), ("heads", "kv", "embed"), tag="out_proj", **dense)
+    dense = functools.partial(DenseGeneral, dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype),
+                              rngs=rngs, use_bias=cfg.use_bias)
+    self.query = dense((d,), (n, h), ("embed", "heads", "kv"), tag="query_proj")
+    self.key = dense((d,), (k, h), ("embed", "kv_heads", "kv"), tag="key_proj")
+    self.value = dense((d,), (k, h), ("embed", "kv_heads", "kv"), tag="value_proj")
+    self.out = dense((n, h), (d,), ("heads", "kv", "embed"), tag="out_proj")
     self.cfg = cfg
     self.kernel = ATTENTION_KERNELS[select_kernel(cfg.attention)](cfg)
     # Gemma 2 27B scales by (emb_dim / num_heads)**-0.5 rather than head_dim**-0.5.

@@ -22,7 +22,7 @@ class DenseGeneral(nnx.Module):
   unless `quantize=False` (e.g. the MoE router).
   """
 
-  def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], kernel_names: Sequence[str], *,
+  def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], kernel_names: Sequence[str | None], *,
                dtype: jnp.dtype, weight_dtype: jnp.dtype, rngs: nnx.Rngs, tag: str | None = None,
                use_bias: bool = False, quantize: bool = True):
     self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)

@@ -148,7 +148,7 @@ def _grouped_experts(x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.
   order_A = jnp.argsort(expert_A, stable=True)
   x_AD = x_BLD.reshape(-1, dim)[order_A // top_k]
   group_sizes_E = jnp.bincount(expert_A, length=num_experts).astype(jnp.int32)
-  offset = 0
+  offset: int | jax.Array = 0
   if expert_axis is not None:
     # This shard's experts own a contiguous run of the sorted rows: rotate it to the front;
     # ragged_dot gives zeros for the rows after the last group, i.e. every other shard's rows.
@@ -157,10 +157,11 @@ def _grouped_experts(x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.
     offset = jnp.sum(jnp.where(jnp.arange(num_experts) < first, group_sizes_E, 0))
     group_sizes_E = jax.lax.dynamic_slice(group_sizes_E, (first,), (local,))
     x_AD = jnp.roll(x_AD, -offset, axis=0)
-  hidden_AF = None
+  hidden_AF: jax.Array | None = None
   for name, kernel_EDF in zip(activations, kernels[:-1]):
     h = ACTIVATION_FNS[name](checkpoint_name(jax.lax.ragged_dot(x_AD, kernel_EDF, group_sizes_E), "mlpwi"))
     hidden_AF = h if hidden_AF is None else hidden_AF * h
+  assert hidden_AF is not None  # mlp_activations is non-empty (config)
   out_AD = checkpoint_name(jax.lax.ragged_dot(hidden_AF, kernels[-1], group_sizes_E), "mlpwo")
   if expert_axis is not None:
     out_AD = jax.lax.psum(jnp.roll(out_AD, offset, axis=0), expert_axis)
@@ -190,11 +191,12 @@ class MoeBlock(nnx.Module):
 
   def _experts(self, x_EBCD: jax.Array) -> jax.Array:
     """Every expert's gated MLP over its slots, one batched matmul per projection (quantized when configured)."""
-    hidden_EBCF = None
+    hidden_EBCF: jax.Array | None = None
     for i, name in enumerate(self.cfg.mlp_activations):
       kernel_EDF = getattr(self, f"wi_{i}").kernel[...].astype(self.dtype)
       h = ACTIVATION_FNS[name](checkpoint_name(quantization.dot_general(x_EBCD, kernel_EDF, _EXPERT_DIMS), "mlpwi"))
       hidden_EBCF = h if hidden_EBCF is None else hidden_EBCF * h
+    assert hidden_EBCF is not None  # mlp_activations is non-empty (config)
     out_EBCD = quantization.dot_general(hidden_EBCF, self.wo.kernel[...].astype(self.dtype), _EXPERT_DIMS)
     return checkpoint_name(out_EBCD, "mlpwo")
 

@@ -230,7 +230,7 @@ def _loss_and_grads(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy
   return (loss, sums), grads
 
 
-def _backward_rule(cfg, layer_fn, head_fn, policy, grads, cotangents):  # type: ignore[no-untyped-def]
+def _backward_rule(cfg, layer_fn, head_fn, policy, grads, cotangents):  # noqa: ANN001 (jax.custom_vjp's bwd signature)
   g_loss = cotangents[0]
   scale = lambda tree: jax.tree.map(lambda x: (g_loss * x).astype(x.dtype), tree)  # noqa: E731
   dstacked, dhead, dx_BLD = grads

@@ -76,7 +76,7 @@ def item_number(micro: int, pass_: int, num_stages: int, num_repeats: int) -> in
   return group * num_stages * num_repeats + pass_ * num_stages + lane
 
 
-def first_pass_micro(t, num_stages: int, num_repeats: int):  # type: ignore[no-untyped-def]
+def first_pass_micro(t, num_stages: int, num_repeats: int):  # noqa: ANN001 (int or traced array)
   """The microbatch of item t (int or array): stage 0 feeds it from the inputs when its pass is 0."""
   return t // (num_stages * num_repeats) * num_stages + t % num_stages
 
