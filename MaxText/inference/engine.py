@@ -1,10 +1,10 @@
 """A decode engine with the JetStream shape: load_params, prefill, insert, generate.
 
-Shape legend: B prompts in one prefill, P max_prefill_predict_length (padded prompt length),
+Shape legend: B prompts in one prefill, L max_prefill_predict_length (padded prompt length),
 T slots of the batched decode state, S max_target_length (cache length), V vocabulary.
 
-- `prefill` runs right-padded prompts [B, P] in one pass and returns a `Prefix`: their caches
-  (length P), true lengths and first sampled tokens.
+- `prefill` runs right-padded prompts [B, L] in one pass and returns a `Prefix`: their caches
+  (length L), true lengths and first sampled tokens.
 - `insert` copies one prefix row into slot i of a `DecodeState` (caches of length S for T slots).
 - `generate` advances every slot by one token: one jitted, shape-stable step (it compiles once).
 Continuous batching is `serve`: requests wait for a free slot, are prefilled and inserted, and
@@ -32,7 +32,7 @@ from MaxText.layers import kv_cache
 
 @struct.dataclass
 class Prefix:
-  caches: Any  # per-layer KV caches of length P (batch B)
+  caches: Any  # per-layer KV caches of length L (batch B)
   next_positions_B: jax.Array  # the prompts' true lengths: where each first generated token goes
   first_tokens_B: jax.Array  # token sampled from each prompt's last position
 
@@ -109,9 +109,9 @@ class Engine:
 
   def prefill(self, params: Any, prompts: Sequence[Sequence[int]], seed: int = 0) -> Prefix:
     """One pass over the right-padded prompts (each at most max_prefill_predict_length tokens)."""
-    tokens_BP, lengths_B = pad_prompts(prompts, self.decode_cfg.max_prefill_predict_length)
+    tokens_BL, lengths_B = pad_prompts(prompts, self.decode_cfg.max_prefill_predict_length)
     with sharding.activation_sharding(self.mesh, self.rules):
-      return self._prefill(params, jnp.asarray(tokens_BP), jnp.asarray(lengths_B),
+      return self._prefill(params, jnp.asarray(tokens_BL), jnp.asarray(lengths_B),
                            jax.random.key_data(jax.random.key(seed)))
 
   def insert(self, prefix: Prefix, state: DecodeState, slot: int, row: int = 0) -> DecodeState:
@@ -139,12 +139,12 @@ class Engine:
                                    self.decode_cfg.quantize_kvcache)
     return DecodeState(caches, zeros, zeros, jax.random.key_data(jax.random.key(seed)))
 
-  def _prefill_fn(self, params: Any, tokens_BP: jax.Array, lengths_B: jax.Array, key_data: jax.Array) -> Prefix:
+  def _prefill_fn(self, params: Any, tokens_BL: jax.Array, lengths_B: jax.Array, key_data: jax.Array) -> Prefix:
     self.traces["prefill"] += 1
-    batch, length = tokens_BP.shape
+    batch, length = tokens_BL.shape
     caches = kv_cache.model_caches(self.cfg, batch, length, self.decode_cfg.quantize_kvcache)
-    positions_BP = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens_BP.shape)
-    logits_B1V, caches = self.spec.apply_decode(params, tokens_BP, positions_BP, caches, lengths_B - 1)
+    positions_BL = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens_BL.shape)
+    logits_B1V, caches = self.spec.apply_decode(params, tokens_BL, positions_BL, caches, lengths_B - 1)
     return Prefix(caches, lengths_B, self._sample(logits_B1V[:, 0], key_data))
 
   def _insert_fn(self, prefix: Prefix, state: DecodeState, slot: jax.Array, row: jax.Array) -> DecodeState:

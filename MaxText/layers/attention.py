@@ -39,8 +39,8 @@ ATTENTION_KERNELS: dict[str, Callable[[ModelConfig], AttentionKernel]] = {
         lambda platform: (name := select_kernel("autoselected", platform, cfg), ATTENTION_KERNELS[name](cfg)),
         "autoselected"),
 }
-# CPU: dot_product is at least as fast up to this many tokens, flash faster beyond (benchmarks/attention_bench.py,
-# getting_started/Attention.md: at 512 tokens dot_product is 2x faster, at 1024 flash 1.3x, at 8192 flash 3.8x).
+# CPU: dot_product is at least as fast up to this many tokens, flash faster beyond (the figures:
+# benchmarks/attention_bench.py, getting_started/Attention.md).
 AUTOSELECT_CPU_FLASH_ABOVE = 512
 
 

@@ -1,7 +1,7 @@
 """Pipeline parallelism of the scanned decoder stack over the `stage` mesh axis.
 
-Shape legend: S pipeline stages, R repeats (passes through the stages), M microbatches,
-m rows per microbatch, L length, D embed, T schedule iterations.
+Shape legend: P pipeline stages, R repeats (passes through the stages), J layers per stage
+and pass, M microbatches, m rows per microbatch, L length, D embed, T schedule iterations.
 
 The formulation is "vmap over stages and rotate": every device runs the same SPMD
 program. The scanned layer parameters keep their checkpoint layout (a leading layer dim
@@ -9,7 +9,7 @@ of size num_decoder_layers, the `layers` logical axis mapped to `stage`), so pip
 and non-pipelined runs share checkpoints, converters and optimizer-state shardings.
 Each iteration of a `lax.scan`:
 
-1. the activation buffer `state_SmLD` shifts by one stage (`jnp.roll` over the
+1. the activation buffer `state_PmLD` shifts by one stage (`jnp.roll` over the
    stage-sharded dim, which XLA lowers to a collective permute); stage 0 takes the next
    microbatch (or, in the circular schedule, a microbatch coming back for its next pass);
 2. `jax.vmap(..., spmd_axis_name="stage")` runs every stage on its own microbatch with
@@ -19,17 +19,17 @@ Each iteration of a `lax.scan`:
 
 Stage s at iteration t works on virtual index k = t - s, i.e. microbatch k mod M of
 pass k div M; it idles (the bubble) when k is outside [0, M·R). That needs
-T = M·R + S - 1 iterations, of which each stage computes M·R, so the idle fraction is
-(S - 1) / (M·R + S - 1): (S - 1) / (M + S - 1) for GPipe (R = 1) and R times fewer
+T = M·R + P - 1 iterations, of which each stage computes M·R, so the idle fraction is
+(P - 1) / (M·R + P - 1): (P - 1) / (M + P - 1) for GPipe (R = 1) and R times fewer
 idle slots relative to the work for the circular schedule.
 
 Schedules:
-- `gpipe`: stage s owns layers [s·L/S, (s+1)·L/S), one pass. These are exactly the
+- `gpipe`: stage s owns layers [s·L/P, (s+1)·L/P), one pass. These are exactly the
   rows of the stage-sharded stack, so no weights move.
 - `circular` (interleaved): stage s owns R non-contiguous groups; in pass r it runs
-  layers [(r·S + s)·G, (r·S + s + 1)·G) with G = L/(S·R), so a microbatch loops through
+  layers [(r·P + s)·J, (r·P + s + 1)·J) with J = L/(P·R), so a microbatch loops through
   the stages R times. Because the stored stack is split into contiguous blocks, the
-  step regroups the layer weights into [S, R, G] once per step (an all-to-all of the
+  step regroups the layer weights into [P, R, J] once per step (an all-to-all of the
   layer weights and, in the backward pass, of their gradients). Storing the stack
   block-cyclically would avoid that traffic but would give pipelined runs a different
   checkpoint layout; it is not done here.
@@ -39,8 +39,8 @@ then all backward iterations in reverse (the GPipe order), with each stage step
 rematerialised under `remat_policy` so only stage inputs are kept between them.
 The `1f1b` schedule (pipeline_1f1b.py) interleaves one backward with each forward once the
 pipeline is full, computing the loss per microbatch inside its loop, so a stage keeps at
-most min(M, 2S - 1) microbatch inputs alive; its bubble is GPipe's. With R > 1 it is
-interleaved 1F1B: circular's layer split and bubble, about (R + 1)·S stage inputs kept.
+most min(M, 2P - 1) microbatch inputs alive; its bubble is GPipe's. With R > 1 it is
+interleaved 1F1B: circular's layer split and bubble, about (R + 1)·P stage inputs kept.
 
 Per-layer behaviour stays tied to the true layer: each layer gets its global
 `layer_index` (local/global attention patterns), positions and segment ids travel with
@@ -74,7 +74,7 @@ def num_iterations(num_stages: int, num_microbatches: int, num_repeats: int = 1)
 
 
 def bubble_fraction(num_stages: int, num_microbatches: int, num_repeats: int = 1) -> float:
-  """Fraction of stage-iterations spent idle: (S - 1) / (M·R + S - 1)."""
+  """Fraction of stage-iterations spent idle: (P - 1) / (M·R + P - 1)."""
   return (num_stages - 1) / num_iterations(num_stages, num_microbatches, num_repeats)
 
 
@@ -102,7 +102,7 @@ def _merge_micro(x: jax.Array) -> jax.Array:
 
 
 def stage_weights(stacked_state: Any, cfg: ModelConfig) -> Any:
-  """Stacked [num_layers, ...] leaves → [S, R, G, ...]: [s, r, g] is layer (r·S + s)·G + g."""
+  """Stacked [num_layers, ...] leaves → [P, R, J, ...]: [s, r, g] is layer (r·P + s)·J + g."""
   s, r, g = cfg.num_pipeline_stages, cfg.num_pipeline_repeats, cfg.layers_per_pipeline_stage
 
   def regroup(w: jax.Array) -> jax.Array:
@@ -112,9 +112,9 @@ def stage_weights(stacked_state: Any, cfg: ModelConfig) -> Any:
 
 
 def layer_group_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None) -> Callable:
-  """G consecutive layers, the first being `first_layer`, on one microbatch -> (x_mLD, aux summed over them)."""
+  """J consecutive layers, the first being `first_layer`, on one microbatch -> (x_mLD, aux summed over them)."""
 
-  def run(weights_G: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
+  def run(weights_J: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
           first_layer: jax.Array, micro: jax.Array) -> tuple[jax.Array, AuxLosses]:
     def one(x: jax.Array, per_layer: tuple[Any, jax.Array]) -> tuple[jax.Array, AuxLosses]:
       layer_state, g = per_layer
@@ -122,8 +122,8 @@ def layer_group_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | 
       rng = None if layer_rngs is None else jax.random.fold_in(layer_rngs[layer_index], micro)
       return layer_fn(x, layer_state, rng, layer_index, positions_mL, segment_ids_mL)
 
-    x_mLD, aux_G = jax.lax.scan(one, x_mLD, (weights_G, jnp.arange(cfg.layers_per_pipeline_stage)))
-    return x_mLD, {name: jnp.sum(values) for name, values in aux_G.items()}
+    x_mLD, aux_J = jax.lax.scan(one, x_mLD, (weights_J, jnp.arange(cfg.layers_per_pipeline_stage)))
+    return x_mLD, {name: jnp.sum(values) for name, values in aux_J.items()}
 
   return run
 
@@ -134,13 +134,13 @@ def first_layer(cfg: ModelConfig, stage: jax.Array, repeat: jax.Array) -> jax.Ar
 
 
 def _stage_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None, policy: Policy) -> Callable:
-  """One stage's work in one iteration: its G layers of pass `repeat` on one microbatch."""
+  """One stage's work in one iteration: its J layers of pass `repeat` on one microbatch."""
   run_group = layer_group_fn(cfg, layer_fn, layer_rngs)
 
-  def run(weights_RG: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
+  def run(weights_RJ: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
           stage: jax.Array, repeat: jax.Array, micro: jax.Array) -> tuple[jax.Array, AuxLosses]:
-    weights_G = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, repeat, keepdims=False), weights_RG)
-    return run_group(weights_G, x_mLD, positions_mL, segment_ids_mL, first_layer(cfg, stage, repeat), micro)
+    weights_J = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, repeat, keepdims=False), weights_RJ)
+    return run_group(weights_J, x_mLD, positions_mL, segment_ids_mL, first_layer(cfg, stage, repeat), micro)
 
   if isinstance(policy, str):  # "none": no rematerialisation
     return run
@@ -156,32 +156,32 @@ def run_pipeline(cfg: ModelConfig, layer_fn: LayerFn, stacked_state: Any, x_BLD:
   layer_rngs = jax.random.split(dropout_rng, cfg.num_decoder_layers) if dropout_rng is not None else None
   inputs_MmLD = sharding.constrain(_split_micro(x_BLD, num_micro), _MICRO_NAMES)
   positions_MmL, segment_ids_MmL = _split_micro(positions_BL, num_micro), _split_micro(segment_ids_BL, num_micro)
-  weights_SRG = stage_weights(stacked_state, cfg)
-  stages_S = jnp.arange(num_stages)
+  weights_PRJ = stage_weights(stacked_state, cfg)
+  stages_P = jnp.arange(num_stages)
   run_stages = jax.vmap(_stage_fn(cfg, layer_fn, layer_rngs, policy), spmd_axis_name="stage")
 
   def iteration(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array], AuxLosses]:
-    state_SmLD, outputs_MmLD = carry
+    state_PmLD, outputs_MmLD = carry
     # Stage 0 takes microbatch t on the first pass, later the same microbatch back from the last stage.
     feed_mLD = jnp.where(t < num_micro, inputs_MmLD[t % num_micro], outputs_MmLD[t % num_micro])
-    state_SmLD = jnp.roll(state_SmLD, 1, axis=0).at[0].set(feed_mLD)
-    state_SmLD = sharding.constrain(state_SmLD, _BUFFER_NAMES)
-    k_S = t - stages_S
-    micro_S, repeat_S = k_S % num_micro, jnp.clip(k_S // num_micro, 0, num_repeats - 1)
-    valid_S = (k_S >= 0) & (k_S < num_micro * num_repeats)
-    state_SmLD, aux_S = run_stages(weights_SRG, state_SmLD, positions_MmL[micro_S], segment_ids_MmL[micro_S],
-                                   stages_S, repeat_S, micro_S)
-    state_SmLD = sharding.constrain(state_SmLD, _BUFFER_NAMES)
+    state_PmLD = jnp.roll(state_PmLD, 1, axis=0).at[0].set(feed_mLD)
+    state_PmLD = sharding.constrain(state_PmLD, _BUFFER_NAMES)
+    k_P = t - stages_P
+    micro_P, repeat_P = k_P % num_micro, jnp.clip(k_P // num_micro, 0, num_repeats - 1)
+    valid_P = (k_P >= 0) & (k_P < num_micro * num_repeats)
+    state_PmLD, aux_P = run_stages(weights_PRJ, state_PmLD, positions_MmL[micro_P], segment_ids_MmL[micro_P],
+                                   stages_P, repeat_P, micro_P)
+    state_PmLD = sharding.constrain(state_PmLD, _BUFFER_NAMES)
     # The last stage finished microbatch k_last (its row in the output buffer) unless it idled.
     k_last = t - (num_stages - 1)
     slot = k_last % num_micro
-    done_mLD = jnp.where(k_last >= 0, state_SmLD[num_stages - 1], outputs_MmLD[slot])
+    done_mLD = jnp.where(k_last >= 0, state_PmLD[num_stages - 1], outputs_MmLD[slot])
     outputs_MmLD = jax.lax.dynamic_update_index_in_dim(outputs_MmLD, done_mLD, slot, axis=0)
-    aux = {name: jnp.sum(jnp.where(valid_S, values, 0.0)) for name, values in aux_S.items()}
-    return (state_SmLD, outputs_MmLD), aux
+    aux = {name: jnp.sum(jnp.where(valid_P, values, 0.0)) for name, values in aux_P.items()}
+    return (state_PmLD, outputs_MmLD), aux
 
-  state_SmLD = jnp.zeros((num_stages,) + inputs_MmLD.shape[1:], x_BLD.dtype)
-  carry = (sharding.constrain(state_SmLD, _BUFFER_NAMES), jnp.zeros_like(inputs_MmLD))
+  state_PmLD = jnp.zeros((num_stages,) + inputs_MmLD.shape[1:], x_BLD.dtype)
+  carry = (sharding.constrain(state_PmLD, _BUFFER_NAMES), jnp.zeros_like(inputs_MmLD))
   steps = jnp.arange(num_iterations(num_stages, num_micro, num_repeats))
   (_, outputs_MmLD), aux_T = jax.lax.scan(iteration, carry, steps)
   x_BLD = _merge_micro(sharding.constrain(outputs_MmLD, _MICRO_NAMES))

@@ -1,10 +1,10 @@
 """The 1F1B pipeline schedule, plain and interleaved: each stage alternates one forward and one
 backward once the pipeline is full, so it keeps only the stage inputs whose backward has not
-run yet (min(M, 2S - 1) for one pass) instead of the M·R + S - 1 iteration carries per stage
+run yet (min(M, 2P - 1) for one pass) instead of the M·R + P - 1 iteration carries per stage
 that GPipe (R = 1) and the circular schedule keep.
 
-Shape legend as in pipeline.py: S stages, R passes (`num_pipeline_repeats`), M microbatches,
-G layers per stage and pass, m rows per microbatch, L length, D embed, K ring-buffer slots.
+Shape legend as in pipeline.py: P stages, R passes (`num_pipeline_repeats`), M microbatches,
+J layers per stage and pass, m rows per microbatch, L length, D embed.
 
 GPipe's backward is JAX's transpose of the forward schedule, so every forward iteration's
 carry lives until the backward reaches it. 1F1B needs the loss of a microbatch as soon as it
@@ -25,7 +25,7 @@ backward at each iteration, and which ring slot holds its input). At iteration t
    incoming gradient, adding to its weight gradients; stage 0's input gradient of the first
    pass goes back to the embedding.
 Warm-up iterations only run forwards and drain iterations only backwards, so the time is
-(M·R + S - 1)·(F + B) with F, B one stage-pass: the bubble of GPipe (R = 1) or of the circular
+(M·R + P - 1)·(F + B) with F, B one stage-pass: the bubble of GPipe (R = 1) or of the circular
 schedule (R > 1). The price of the smaller memory is one extra stage forward per item (the
 re-run in step 3), as with full rematerialisation at stage granularity; inside the re-run,
 `remat_policy` applies per layer.
@@ -55,16 +55,16 @@ _RING_NAMES = ("layers", None, "activation_batch", "activation_length", "activat
 
 
 def _stage_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None, policy: Policy) -> Callable:
-  """One stage's G layers of one pass on one microbatch -> (x_mLD, aux summed over its layers),
+  """One stage's J layers of one pass on one microbatch -> (x_mLD, aux summed over its layers),
   rematerialised per layer rather than per stage, so the re-run in a backward slot holds one
   layer's internals at a time."""
   if not isinstance(policy, str):  # "none" means no rematerialisation
     layer_fn = jax.checkpoint(layer_fn, policy=policy)
   run_group = layer_group_fn(cfg, layer_fn, layer_rngs)
 
-  def run(weights_G: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
+  def run(weights_J: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
           stage: jax.Array, repeat: jax.Array, micro: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    return run_group(weights_G, x_mLD, positions_mL, segment_ids_mL, first_layer(cfg, stage, repeat), micro)
+    return run_group(weights_J, x_mLD, positions_mL, segment_ids_mL, first_layer(cfg, stage, repeat), micro)
 
   return run
 
@@ -77,8 +77,8 @@ def _masked(valid: jax.Array, tree: Any) -> Any:
   return jax.tree.map(lambda x: jnp.where(valid, x, jnp.zeros_like(x)), tree)
 
 
-def _pass_weights(weights_RG: Any, repeat: jax.Array) -> Any:
-  return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, repeat, keepdims=False), weights_RG)
+def _pass_weights(weights_RJ: Any, repeat: jax.Array) -> Any:
+  return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, repeat, keepdims=False), weights_RJ)
 
 
 def _loop(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, stacked_state: Any,
@@ -93,29 +93,29 @@ def _loop(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, 
   positions_MmL, segment_ids_MmL = split(data["positions"]), split(data["segment_ids"])
   targets_MmL, target_weights_MmL = split(data["targets"]), split(data["target_weights"])
   aux_cotangents: dict[str, jax.Array] = data["aux_cotangents"]
-  weights_SRG = stage_weights(stacked_state, cfg)
-  stages_S = jnp.arange(num_stages)
+  weights_PRJ = stage_weights(stacked_state, cfg)
+  stages_P = jnp.arange(num_stages)
   run = _stage_fn(cfg, layer_fn, layer_rngs, policy)
 
-  def stage_forward(weights_RG: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
+  def stage_forward(weights_RJ: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
                     stage: jax.Array, repeat: jax.Array, micro: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    return run(_pass_weights(weights_RG, repeat), x_mLD, positions_mL, segment_ids_mL, stage, repeat, micro)
+    return run(_pass_weights(weights_RJ, repeat), x_mLD, positions_mL, segment_ids_mL, stage, repeat, micro)
 
-  def stage_backward(weights_RG: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
+  def stage_backward(weights_RJ: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
                      stage: jax.Array, repeat: jax.Array, micro: jax.Array, dy_mLD: jax.Array,
                      valid: jax.Array) -> tuple[Any, jax.Array]:
     (_, aux), vjp = jax.vjp(lambda w, x: run(w, x, positions_mL, segment_ids_mL, stage, repeat, micro),
-                            _pass_weights(weights_RG, repeat), x_mLD)
+                            _pass_weights(weights_RJ, repeat), x_mLD)
     daux = {name: jnp.asarray(aux_cotangents.get(name, 0.0), value.dtype) for name, value in aux.items()}
-    dw_G, dx = vjp((dy_mLD, daux))
-    return _masked(valid, dw_G), jnp.where(valid, dx, jnp.zeros_like(dx))
+    dw_J, dx = vjp((dy_mLD, daux))
+    return _masked(valid, dw_J), jnp.where(valid, dx, jnp.zeros_like(dx))
 
-  def add_pass_grads(dweights_SRG: Any, dw_SG: Any, pass_S: jax.Array) -> Any:
-    # Added where the pass matches, elementwise over [S, R, G, ...]: XLA fuses it into one in-place update.
-    this_pass_SR = pass_S[:, None] == jnp.arange(num_repeats)[None]
+  def add_pass_grads(dweights_PRJ: Any, dw_PJ: Any, pass_P: jax.Array) -> Any:
+    # Added where the pass matches, elementwise over [P, R, J, ...]: XLA fuses it into one in-place update.
+    this_pass_PR = pass_P[:, None] == jnp.arange(num_repeats)[None]
     return jax.tree.map(
-        lambda acc, g: acc + jnp.where(this_pass_SR.reshape(this_pass_SR.shape + (1,) * (g.ndim - 1)), g[:, None], 0),
-        dweights_SRG, dw_SG)
+        lambda acc, g: acc + jnp.where(this_pass_PR.reshape(this_pass_PR.shape + (1,) * (g.ndim - 1)), g[:, None], 0),
+        dweights_PRJ, dw_PJ)
 
   forward_stages = jax.vmap(stage_forward, spmd_axis_name="stage")
   backward_stages = jax.vmap(stage_backward, spmd_axis_name="stage")
@@ -124,19 +124,19 @@ def _loop(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, 
   read_slot = jax.vmap(lambda ring, slot: ring[slot])
 
   def forward(carry: dict[str, Any], row: dict[str, jax.Array]) -> dict[str, Any]:
-    state_SmLD = jnp.roll(carry["fwd"], 1, axis=0)  # the last stage's output wraps to stage 0 for its next pass
+    state_PmLD = jnp.roll(carry["fwd"], 1, axis=0)  # the last stage's output wraps to stage 0 for its next pass
     # Indexed from the iteration counter rather than a table entry: XLA then slices the inputs
-    # before gathering them (measured: 2.4 MiB less in test_1f1b_keeps_fewer_activations_than_gpipe).
+    # before gathering them (fewer bytes live; test_1f1b_keeps_fewer_activations_than_gpipe).
     micro = pipeline_timetable.first_pass_micro(row["iteration"], num_stages, num_repeats)
     feed_mLD = inputs_MmLD[jnp.minimum(micro, num_micro - 1)]
-    state_SmLD = state_SmLD.at[0].set(jnp.where(row["feed_from_inputs"], feed_mLD, state_SmLD[0]))
-    state_SmLD = sharding.constrain(state_SmLD, _STAGE_NAMES)
-    valid_S, micro_S = row["fwd_valid"], row["fwd_micro"]
-    ring = sharding.constrain(write_slot(carry["ring"], state_SmLD, row["fwd_slot"], valid_S), _RING_NAMES)
-    out_SmLD, aux_S = forward_stages(weights_SRG, state_SmLD, positions_MmL[micro_S], segment_ids_MmL[micro_S],
-                                     stages_S, row["fwd_pass"], micro_S)
-    aux = {name: carry["aux"].get(name, 0.0) + jnp.sum(jnp.where(valid_S, v, 0.0)) for name, v in aux_S.items()}
-    return {**carry, "fwd": sharding.constrain(out_SmLD, _STAGE_NAMES), "ring": ring, "aux": aux}
+    state_PmLD = state_PmLD.at[0].set(jnp.where(row["feed_from_inputs"], feed_mLD, state_PmLD[0]))
+    state_PmLD = sharding.constrain(state_PmLD, _STAGE_NAMES)
+    valid_P, micro_P = row["fwd_valid"], row["fwd_micro"]
+    ring = sharding.constrain(write_slot(carry["ring"], state_PmLD, row["fwd_slot"], valid_P), _RING_NAMES)
+    out_PmLD, aux_P = forward_stages(weights_PRJ, state_PmLD, positions_MmL[micro_P], segment_ids_MmL[micro_P],
+                                     stages_P, row["fwd_pass"], micro_P)
+    aux = {name: carry["aux"].get(name, 0.0) + jnp.sum(jnp.where(valid_P, v, 0.0)) for name, v in aux_P.items()}
+    return {**carry, "fwd": sharding.constrain(out_PmLD, _STAGE_NAMES), "ring": ring, "aux": aux}
 
   def head_loss(head_state_: Any, y_mLD: jax.Array, micro: jax.Array) -> tuple[Any, Sums, jax.Array]:
     """Loss of the microbatch that just left the last stage, and d(loss)/d(head, its activations)."""
@@ -149,7 +149,7 @@ def _loop(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, 
     args = (head_state, carry["fwd"][num_stages - 1], row["head_micro"])
     if num_repeats == 1:  # a microbatch leaves the last stage for good at every steady iteration
       dhead, sums, dy_mLD = head_loss(*args)
-    else:  # only in S of every S·R iterations: skip the vocabulary-sized work in the others
+    else:  # only in P of every P·R iterations: skip the vocabulary-sized work in the others
       dhead, sums, dy_mLD = jax.lax.cond(
           row["head_valid"], head_loss,
           lambda *a: jax.tree.map(lambda v: jnp.zeros(v.shape, v.dtype), jax.eval_shape(head_loss, *a)), *args)
@@ -158,20 +158,20 @@ def _loop(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, 
     return carry, dy_mLD
 
   def backward(carry: dict[str, Any], row: dict[str, jax.Array], dy_mLD: jax.Array | None) -> dict[str, Any]:
-    grads_SmLD = jnp.roll(carry["bwd"], -1, axis=0)  # stage 0's wraps to the last stage for the previous pass
+    grads_PmLD = jnp.roll(carry["bwd"], -1, axis=0)  # stage 0's wraps to the last stage for the previous pass
     if dy_mLD is not None:
-      last = grads_SmLD[num_stages - 1]
-      grads_SmLD = grads_SmLD.at[num_stages - 1].set(jnp.where(row["head_valid"], dy_mLD.astype(last.dtype), last))
-    grads_SmLD = sharding.constrain(grads_SmLD, _STAGE_NAMES)
-    valid_S, micro_S, pass_S = row["bwd_valid"], row["bwd_micro"], row["bwd_pass"]
-    x_SmLD = sharding.constrain(read_slot(carry["ring"], row["bwd_slot"]), _STAGE_NAMES)
-    dw_SG, dx_SmLD = backward_stages(weights_SRG, x_SmLD, positions_MmL[micro_S], segment_ids_MmL[micro_S],
-                                     stages_S, pass_S, micro_S, grads_SmLD, valid_S)
-    dweights = add_pass_grads(carry["dweights"], dw_SG, pass_S)
-    to_input = valid_S[0] & (pass_S[0] == 0)  # stage 0 finished a microbatch's first pass: d(embedding output)
+      last = grads_PmLD[num_stages - 1]
+      grads_PmLD = grads_PmLD.at[num_stages - 1].set(jnp.where(row["head_valid"], dy_mLD.astype(last.dtype), last))
+    grads_PmLD = sharding.constrain(grads_PmLD, _STAGE_NAMES)
+    valid_P, micro_P, pass_P = row["bwd_valid"], row["bwd_micro"], row["bwd_pass"]
+    x_PmLD = sharding.constrain(read_slot(carry["ring"], row["bwd_slot"]), _STAGE_NAMES)
+    dw_PJ, dx_PmLD = backward_stages(weights_PRJ, x_PmLD, positions_MmL[micro_P], segment_ids_MmL[micro_P],
+                                     stages_P, pass_P, micro_P, grads_PmLD, valid_P)
+    dweights = add_pass_grads(carry["dweights"], dw_PJ, pass_P)
+    to_input = valid_P[0] & (pass_P[0] == 0)  # stage 0 finished a microbatch's first pass: d(embedding output)
     dinputs = jax.lax.dynamic_update_index_in_dim(
-        carry["dinputs"], jnp.where(to_input, dx_SmLD[0], carry["dinputs"][micro_S[0]]), micro_S[0], 0)
-    return {**carry, "bwd": sharding.constrain(dx_SmLD, _STAGE_NAMES), "dinputs": dinputs, "dweights": dweights}
+        carry["dinputs"], jnp.where(to_input, dx_PmLD[0], carry["dinputs"][micro_P[0]]), micro_P[0], 0)
+    return {**carry, "bwd": sharding.constrain(dx_PmLD, _STAGE_NAMES), "dinputs": dinputs, "dweights": dweights}
 
   def warmup(carry: dict[str, Any], row: dict[str, jax.Array]) -> tuple[dict[str, Any], None]:
     return forward(carry, row), None
@@ -187,11 +187,11 @@ def _loop(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, 
   ring = jnp.zeros((num_stages, table.num_slots) + inputs_MmLD.shape[1:], x_BLD.dtype)
   zero = jnp.zeros((), jnp.float32)
   # Every aux name the layers sow must be in the carry from the start (scan needs a fixed structure).
-  aux_names = jax.eval_shape(lambda: run(_pass_weights(jax.tree.map(lambda w: w[0], weights_SRG), jnp.int32(0)),
+  aux_names = jax.eval_shape(lambda: run(_pass_weights(jax.tree.map(lambda w: w[0], weights_PRJ), jnp.int32(0)),
                                          inputs_MmLD[0], positions_MmL[0], segment_ids_MmL[0], jnp.int32(0),
                                          jnp.int32(0), jnp.int32(0)))[1]
   carry = {"fwd": stage_buffer, "bwd": stage_buffer, "ring": sharding.constrain(ring, _RING_NAMES),
-           "dinputs": jnp.zeros_like(inputs_MmLD), "dweights": _zeros_like(weights_SRG),
+           "dinputs": jnp.zeros_like(inputs_MmLD), "dweights": _zeros_like(weights_PRJ),
            "dhead": _zeros_like(head_state),
            "sums": {"loss": zero, "xent_sum": zero, "z_loss_sum": zero}, "aux": {name: zero for name in aux_names}}
   rows = {"iteration": jnp.arange(table.num_iterations), **{k: jnp.asarray(v) for k, v in table.rows().items()}}
@@ -200,7 +200,7 @@ def _loop(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, 
   for body, start, end in phases:
     if end > start:
       carry, _ = jax.lax.scan(body, carry, jax.tree.map(lambda x: x[start:end], rows))  # noqa: B023
-  # [S, R, G, ...] -> the stacked [num_layers, ...] layout (stage s, pass r holds layers (r·S + s)·G ...).
+  # [P, R, J, ...] -> the stacked [num_layers, ...] layout (stage s, pass r holds layers (r·P + s)·J ...).
   dstacked = jax.tree.map(lambda g, w: jnp.swapaxes(g, 0, 1).reshape(w.shape).astype(w.dtype),
                           carry["dweights"], stacked_state)
   dx_BLD = _merge_micro(carry["dinputs"]).astype(x_BLD.dtype)

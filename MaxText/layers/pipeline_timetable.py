@@ -1,27 +1,27 @@
 """The static timetable of the 1F1B pipeline schedule (plain and interleaved), as numpy tables.
 
-S stages, M microbatches, R passes through the stages (`num_pipeline_repeats`), T iterations.
+P stages, M microbatches, R passes through the stages (`num_pipeline_repeats`), T iterations.
 An *item* is one (microbatch, pass) visit of the stage ring. Items are numbered in Megatron's
-interleaved order: microbatches go in groups of S, and a group makes all R passes before the
-next group starts (item k: group k // SR, pass (k mod SR) // S, microbatch group·S + k mod S).
+interleaved order: microbatches go in groups of P, and a group makes all R passes before the
+next group starts (item k: group k // PR, pass (k mod PR) // P, microbatch group·P + k mod P).
 With R = 1 item k is simply microbatch k.
 
-Forward: stage s runs item t - s at iteration t. An item leaving stage S-1 at t is the item
-stage 0 runs at t + 1 (the same microbatch's next pass, S items later), so passes chain through
-the activation rotation with no waiting buffer. That is why R > 1 needs M divisible by S.
+Forward: stage s runs item t - s at iteration t. An item leaving stage P-1 at t is the item
+stage 0 runs at t + 1 (the same microbatch's next pass, P items later), so passes chain through
+the activation rotation with no waiting buffer. That is why R > 1 needs M divisible by P.
 
-Backward: items are numbered the same way over backward passes q = R-1-pass; stage S-1 runs
-backward item j at iteration D + j and stage s at D + j + S-1-s, so gradients rotate down the
-stages and wrap from stage 0 of one pass to stage S-1 of the previous, again without waiting.
-D = R·S - 1 is the first iteration at which a microbatch's last pass leaves stage S-1: its loss
-is computed then and its backward starts at once (the head and stage S-1 meet in the same
+Backward: items are numbered the same way over backward passes q = R-1-pass; stage P-1 runs
+backward item j at iteration D + j and stage s at D + j + P-1-s, so gradients rotate down the
+stages and wrap from stage 0 of one pass to stage P-1 of the previous, again without waiting.
+D = R·P - 1 is the first iteration at which a microbatch's last pass leaves stage P-1: its loss
+is computed then and its backward starts at once (the head and stage P-1 meet in the same
 iteration for every microbatch).
 
-Iterations [0, D) only run forwards, [M·R + S - 1, T) only backwards, T = D + M·R + S - 1, so the
-time is (M·R + S - 1)·(F + B) with F, B one stage-pass: the interleaved bubble (S-1)/(M·R + S-1).
+Iterations [0, D) only run forwards, [M·R + P - 1, T) only backwards, T = D + M·R + P - 1, so the
+time is (M·R + P - 1)·(F + B) with F, B one stage-pass: the interleaved bubble (P-1)/(M·R + P-1).
 Each stage keeps an item's input from its forward to its backward; slots of that ring are
 assigned here (greedy interval colouring, which is optimal), so the ring holds the most inputs
-ever alive at once on any stage: min(M, 2S - 1) for R = 1, about (R + 1)·S - 1 when M >= 2S.
+ever alive at once on any stage: min(M, 2P - 1) for R = 1, about (R + 1)·P - 1 when M >= 2P.
 """
 
 from __future__ import annotations
@@ -35,24 +35,24 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Timetable:
-  """Per-iteration tables; [T, S] arrays are indexed by (iteration, stage)."""
+  """Per-iteration tables; [T, P] arrays are indexed by (iteration, stage)."""
   num_stages: int
   num_micro: int
   num_repeats: int
   num_slots: int  # ring slots per stage
   warmup_end: int  # forwards only before this iteration (= D)
   steady_end: int  # forwards and backwards before this, backwards only from here to T
-  fwd_valid: np.ndarray  # [T, S] bool
-  fwd_micro: np.ndarray  # [T, S] int32
-  fwd_pass: np.ndarray  # [T, S] int32
-  fwd_slot: np.ndarray  # [T, S] int32: ring slot the stage's input is stored in
+  fwd_valid: np.ndarray  # [T, P] bool
+  fwd_micro: np.ndarray  # [T, P] int32
+  fwd_pass: np.ndarray  # [T, P] int32
+  fwd_slot: np.ndarray  # [T, P] int32: ring slot the stage's input is stored in
   feed_from_inputs: np.ndarray  # [T] bool: stage 0 starts a microbatch's first pass
-  head_valid: np.ndarray  # [T] bool: a microbatch's last pass leaves stage S-1 (loss, then backward)
+  head_valid: np.ndarray  # [T] bool: a microbatch's last pass leaves stage P-1 (loss, then backward)
   head_micro: np.ndarray  # [T] int32
-  bwd_valid: np.ndarray  # [T, S] bool
-  bwd_micro: np.ndarray  # [T, S] int32
-  bwd_pass: np.ndarray  # [T, S] int32
-  bwd_slot: np.ndarray  # [T, S] int32: ring slot holding the input of the item being differentiated
+  bwd_valid: np.ndarray  # [T, P] bool
+  bwd_micro: np.ndarray  # [T, P] int32
+  bwd_pass: np.ndarray  # [T, P] int32
+  bwd_slot: np.ndarray  # [T, P] int32: ring slot holding the input of the item being differentiated
 
   @property
   def num_iterations(self) -> int:
