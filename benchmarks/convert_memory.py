@@ -13,6 +13,7 @@ pages, which the kernel can drop, are reported separately as RssFile) above that
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -99,6 +100,8 @@ def main() -> None:
   parser.add_argument("--max_shard_mb", type=int, default=200)
   parser.add_argument("--workdir", default=None)
   args = parser.parse_args()
+  if args.workdir is not None and not os.path.isdir(args.workdir):
+    parser.error(f"--workdir {args.workdir} is not a directory; create it or leave --workdir out (a temporary one)")
   with tempfile.TemporaryDirectory(dir=args.workdir) as work:
     work_dir = Path(work)
     save_llama(work_dir / "tiny", 128, 1, 256)

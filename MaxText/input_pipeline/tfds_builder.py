@@ -25,6 +25,14 @@ class LocalText(tfds.core.GeneratorBasedBuilder):
   RELEASE_NOTES = {"1.0.0": "Documents from local JSONL files."}
   MANUAL_DOWNLOAD_INSTRUCTIONS = "Put train.jsonl (and validation.jsonl, test.jsonl) in the manual_dir."
 
+  # Nothing is downloaded (the splits are local files) and prepare_data prints its own summary:
+  # TFDS's "Downloading and preparing dataset ..." banners would only mislead.
+  def _log_download_bytes(self) -> None:
+    pass
+
+  def _log_download_done(self) -> None:
+    pass
+
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
                                  description="Local text documents, one JSON object per line.")
