@@ -75,7 +75,7 @@ def abstract_inputs(config: Any, setup: train_state.StateSetup, batch_sharding: 
 
 
 def _load_train_step(config: Any, inputs: StepInputs) -> Callable:
-  path = config["compiled_trainstep_file"]
+  path = config.startup.compiled_trainstep_file
   step = compiled_step_file.load_compiled_step(path, compiled_step_file.step_header(config, inputs, topology_name=""))
   if jax.process_index() == 0:
     print(f"train step: loaded the compiled executable from {path} (no compilation)", flush=True)
@@ -92,7 +92,7 @@ def build_run(config: Any, *, devices: Sequence[Any] | None = None, compiled_ste
   mesh = sharding.create_mesh(config.mesh, devices)
   setup = train_state.build_state_setup(config, mesh)
   batch_sharding = sharding.batch_sharding(mesh, config.mesh.data_sharding)
-  if compiled_step and config["compiled_trainstep_file"]:
+  if compiled_step and config.startup.compiled_trainstep_file:
     step = _load_train_step(config, abstract_inputs(config, setup, batch_sharding))
   else:
     step = train_step.jit_train_step(setup, config, batch_sharding)

@@ -160,7 +160,7 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
     if memory.total > gen.hbm_gib * GIB:
       raise UserError(does_not_fit_message(memory.total, gen.name, gen.hbm_gib, memory.source))
     print(f"fits: {format_bytes(memory.total)} of {gen.hbm_gib:g} GiB per {gen.name} chip")
-  path = config["compiled_trainstep_file"]
+  path = config.startup.compiled_trainstep_file
   if path:
     size = compiled_step.save_compiled_step(path, compiled, compiled_step.step_header(config, inputs, topology.name if topology else "local"))
     print(f"saved the compiled train step to {path} ({size / 2**20:.1f} MiB); it is executable code: "

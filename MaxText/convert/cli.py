@@ -70,7 +70,7 @@ def config_matching_hf(hf_config: Mapping[str, Any], overrides: config_lib.Overr
   _require_scale_one(config)
   mismatch = engine.differences(dict(config.values), inferred)
   if mismatch:
-    what = "model_name=" + config["model_name"] if named else "the model config"
+    what = "model_name=" + config.startup.model_name if named else "the model config"
     raise ConfigError(f"{what} does not match {hf_path}/config.json (ours vs HF): {'; '.join(mismatch)}")
   return config, inferred
 
@@ -90,7 +90,7 @@ def _saved_model_keys(overrides: config_lib.Overrides) -> bool:
 
 
 def _require_scale_one(config: config_lib.Config) -> None:
-  if config["global_parameter_scale"] != 1:
+  if config.model.global_parameter_scale != 1:
     raise ConfigError("checkpoint conversion needs global_parameter_scale=1 (published shapes are absolute)")
 
 
