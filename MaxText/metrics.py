@@ -37,6 +37,8 @@ import json
 import math
 from typing import Any, Mapping
 
+import numpy as np
+
 from MaxText import storage
 from MaxText.model_config import ModelConfig
 
@@ -212,6 +214,20 @@ class MetricWriter:
         self._tb.flush()
         self._tb.close()
         self._tb = None
+
+
+def host_scalars(values: Mapping[str, Any]) -> dict[str, float]:
+  """Host floats by name; a per-layer vector metric (e.g. moe_load_cv) becomes one scalar per
+  layer, named `<name>/layer_<i>`, so JSONL and TensorBoard see each layer as its own series."""
+  scalars: dict[str, float] = {}
+  for name, value in values.items():
+    array = np.asarray(value)
+    if array.ndim == 0:
+      scalars[name] = float(array)
+    else:
+      width = len(str(array.size - 1))
+      scalars.update({f"{name}/layer_{i:0{width}d}": float(v) for i, v in enumerate(array.reshape(-1))})
+  return scalars
 
 
 def _jsonable(value: Any) -> Any:

@@ -21,6 +21,9 @@ REMAT_POLICIES = ("full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "mi
                   "save_dot_except_mlp_offloaded", "none")
 QUANTIZATION_MODES = ("", "int8", "fp8")  # mirrors layers/quantization.py (config must not import layers)
 ATTENTION_KINDS = ("dot_product", "flash", "cudnn_flash", "autoselected")
+MOE_DISPATCHES = ("all_to_all", "gather")
+ALL_TO_ALL_KINDS = ("auto", "ragged", "padded")
+GROUPED_MATMUL_KINDS = ("auto", "ragged_dot", "megablox")
 ACTIVATIONS = ("silu", "gelu", "relu", "linear", "tanh")
 DTYPES = ("float32", "bfloat16", "float16")
 NORMALIZATION_TYPES = ("rms", "rms_plus_one", "layer")
@@ -116,6 +119,7 @@ class ModelConfig:
   logits_via_embedding: bool = key(architecture=True)
   num_experts: int = key(architecture=True)  # 1 = dense MLP
   num_experts_per_tok: int = key(architecture=True)
+  shared_experts: int = key(architecture=True)  # 0 = none
   global_parameter_scale: int = key(fixed_on_resume=MODEL)
   scan_layers: bool = key(fixed_on_resume=LAYOUT)
   weight_dtype: str = key(fixed_on_resume=LAYOUT)
@@ -129,6 +133,9 @@ class ModelConfig:
   capacity_factor: float = key()  # <= 0 = dropless
   sparse_matmul: bool = key()  # dropless experts as grouped matmuls (jax.lax.ragged_dot)
   load_balance_loss_weight: float = key()
+  moe_dispatch: str = key()  # all_to_all | gather (layers/moe_dispatch.py)
+  moe_all_to_all: str = key()  # auto | ragged | padded
+  moe_grouped_matmul: str = key()  # auto | ragged_dot | megablox (layers/grouped_matmul.py)
   quantization: str = key()  # "" | int8 | fp8: the decoder stack's matmuls (layers/quantization.py)
   pipeline_schedule: str = key()  # gpipe | circular | 1f1b (interleaved with num_pipeline_repeats > 1)
   num_pipeline_repeats: int = key()
@@ -226,6 +233,10 @@ def _check_moe(v: Mapping[str, Any]) -> None:
   _require(num_experts == 1 or not v["use_bias"],
            "use_bias=True is not supported with num_experts > 1 (the MoE experts have no biases)")
   _require(isinstance(v["sparse_matmul"], bool), f"sparse_matmul must be True or False, got {v['sparse_matmul']!r}")
+  _require(v["shared_experts"] >= 0, f"shared_experts must be >= 0 (0 = none), got {v['shared_experts']}")
+  one_of(v, "moe_dispatch", MOE_DISPATCHES)
+  one_of(v, "moe_all_to_all", ALL_TO_ALL_KINDS)
+  one_of(v, "moe_grouped_matmul", GROUPED_MATMUL_KINDS)
   _require(not v["sparse_matmul"] or v["capacity_factor"] <= 0,
            f"sparse_matmul=True is the dropless grouped-matmul path but capacity_factor={v['capacity_factor']} "
            "asks for dropping; set capacity_factor=-1 or sparse_matmul=False")

@@ -21,21 +21,31 @@ from MaxText.layers.decoders import ACTIVATION_NAMES, decoder_layer_class
 from MaxText.layers.embeddings import Embed, sinusoidal_positions
 from MaxText.layers.kv_cache import KVCache
 from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.moe import ROUTING_STATS
 from MaxText.layers import pipeline, pipeline_1f1b, quantization
 from MaxText.layers.normalizations import make_norm
 
 _DOT_NAMES_EXCEPT_MLP = ("query_proj", "key_proj", "value_proj", "out_proj")
-# Scalar losses layers sow as nnx.Intermediate (e.g. MoE load balancing), by name.
+# What layers sow as nnx.Intermediate, by name: scalar losses (e.g. MoE load balancing), summed
+# over layers, and statistics (moe.ROUTING_STATS), kept per layer (stacked on a leading axis).
 AuxLosses = dict[str, jax.Array]
 
 
-def sum_sown_losses(sown: nnx.State) -> AuxLosses:
-  """Adds up every value sown under the same name anywhere in a layer (e.g. several MoE blocks)."""
+def sum_sown_losses(sown: nnx.State, stats: bool = True) -> AuxLosses:
+  """Adds up every value sown under the same name anywhere in a layer (e.g. several MoE blocks);
+  `stats=False` leaves the statistics out (the pipelines carry losses only)."""
   totals: AuxLosses = {}
   for path, value in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(sown))[0]:
     name = next(str(key.key) for key in reversed(path) if isinstance(key, jax.tree_util.DictKey))
-    totals[name] = totals.get(name, 0.0) + jnp.sum(value)
+    if name in ROUTING_STATS and not stats:
+      continue
+    totals[name] = totals.get(name, 0.0) + (value if name in ROUTING_STATS else jnp.sum(value))
   return totals
+
+
+def _over_layers(name: str, per_layer: jax.Array) -> jax.Array:
+  """A loss summed over the stacked layers; a statistic kept per layer."""
+  return per_layer if name in ROUTING_STATS else jnp.sum(per_layer)
 
 
 def remat_policy(name: str) -> Callable[..., bool] | None | str:
@@ -95,7 +105,8 @@ class Transformer(nnx.Module):
 
   def _run_layers(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
                   dropout_rng: jax.Array | None, caches: Any = None) -> tuple[jax.Array, AuxLosses, Any]:
-    """The decoder stack; also returns each auxiliary loss the layers sow, summed over layers, and,
+    """The decoder stack; also returns each auxiliary loss the layers sow, summed over layers (and
+    each statistic, stacked per layer; not under pipeline parallelism), and,
     when decoding, the updated KV caches (`caches`: one KVCache stacked over layers when
     scan_layers, else a list with one per layer)."""
     cfg = self.cfg
@@ -128,15 +139,17 @@ class Transformer(nnx.Module):
 
       x_BLD, (aux_per_layer, caches) = jax.lax.scan(
           body, x_BLD, (stacked_state, layer_rngs, jnp.arange(num_layers), caches))
-      return x_BLD, {name: jnp.sum(values) for name, values in aux_per_layer.items()}, caches
-    aux: AuxLosses = {}
+      return x_BLD, {name: _over_layers(name, values) for name, values in aux_per_layer.items()}, caches
+    per_layer: list[AuxLosses] = []
     new_caches = []
     for i in range(num_layers):
       graphdef, state = nnx.split(getattr(self, f"layers_{i}"))
       x_BLD, layer_aux, cache = one_layer(graphdef, x_BLD, state, None if layer_rngs is None else layer_rngs[i],
                                           jnp.asarray(i, jnp.int32), None if caches is None else caches[i])
-      aux = {name: aux.get(name, 0.0) + value for name, value in layer_aux.items()}
+      per_layer.append(layer_aux)
       new_caches.append(cache)
+    aux = {name: _over_layers(name, jnp.stack([layer[name] for layer in per_layer])) for name in per_layer[0]} \
+        if per_layer else {}
     return x_BLD, aux, None if caches is None else new_caches
 
   def _stage_layers(self) -> tuple[nnx.State, pipeline.LayerFn]:
@@ -148,7 +161,7 @@ class Transformer(nnx.Module):
                     positions: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, AuxLosses]:
       layer = nnx.merge(graphdef, layer_state)
       x, sown = nnx.capture(layer, nnx.Intermediate)(x, positions, segment_ids, rng, layer_index)
-      return x, sum_sown_losses(sown)
+      return x, sum_sown_losses(sown, stats=False)
 
     return stacked_state, apply_layer
 
@@ -199,11 +212,13 @@ class Transformer(nnx.Module):
 
   def logits_and_aux(self, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
                      dropout_rng: jax.Array | None = None) -> tuple[jax.Array, AuxLosses]:
-    """Float32 logits [B, L, V] and the auxiliary losses (e.g. `moe_lb_loss`), each a mean over layers."""
+    """Float32 logits [B, L, V] and what the layers sow: auxiliary losses (e.g. `moe_lb_loss`), each a
+    mean over layers, and routing statistics, each stacked per layer [num_layers, ...]."""
     x_BLD = sharding.constrain(self._embed(tokens_BL, positions_BL), ACTIVATION_NAMES)
     with quantization.use_quantization(self.cfg.quantization):  # the stack only: logits stay in float
       x_BLD, aux, _ = self._run_layers(x_BLD, positions_BL, segment_ids_BL, dropout_rng)
-    return self._logits(x_BLD), {name: total / self.cfg.num_decoder_layers for name, total in aux.items()}
+    return self._logits(x_BLD), {name: value if name in ROUTING_STATS else value / self.cfg.num_decoder_layers
+                                 for name, value in aux.items()}
 
   def decode(self, tokens_BL: jax.Array, positions_BL: jax.Array, caches: Any,
              logits_index_B: jax.Array | None = None) -> tuple[jax.Array, Any]:

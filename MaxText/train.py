@@ -21,7 +21,8 @@ from MaxText.errors import run_cli
 from MaxText.input_pipeline import check_sources
 from MaxText.layers import pipeline
 from MaxText.layers.attention import select_kernel
-from MaxText.trainer import CheckpointHook, EvalHook, LeaseHook, LoggingHook, ProfilerHook, Trainer
+from MaxText.trainer import (CheckpointHook, EvalHook, LeaseHook, LoggingHook, ProfilerHook, RouterHealthHook,
+                             Trainer)
 
 
 def claim_run_dir(config: config_lib.Config) -> run_lease.Lease | None:
@@ -124,6 +125,10 @@ def add_hooks(trainer: Trainer, run: run_assembly.Run, checkpoints: checkpointin
   if lease is not None:
     trainer.add_hook(LeaseHook(lease), every=1)
   trainer.add_hook(LoggingHook(writer, is_primary), every=settings.log_period)
+  model = config.model
+  if model.num_experts > 1 and is_primary:
+    trainer.add_hook(RouterHealthHook(settings.router_collapse_fraction, settings.router_collapse_logs,
+                                      model.num_experts_per_tok / model.num_experts), every=settings.log_period)
   if settings.eval_interval > 0:
     trainer.add_hook(EvalHook(run.eval_step, run.eval_iterator(), config.data.eval_steps, writer, is_primary),
                      every=settings.eval_interval, needs_state=True)

@@ -10,6 +10,7 @@ import optax
 
 from MaxText import optimizers, sharding
 from MaxText.input_pipeline import Batch
+from MaxText.layers.moe import ROUTING_STATS
 from MaxText.models import ModelSpec, token_loss_sums
 from MaxText.train_state import StateSetup, TrainState
 
@@ -38,7 +39,22 @@ def loss_sums(model: ModelSpec, params: Any, batch: Batch, dropout_rng: jax.Arra
   weight_sum = jnp.sum(weights_BL)
   lb_sum = aux.get("moe_lb_loss", jnp.zeros((), jnp.float32)) * weight_sum
   total = xent_sum + z_loss_multiplier * z_sum + load_balance_loss_weight * lb_sum
-  return total, {"xent_sum": xent_sum, "z_loss_sum": z_sum, "moe_lb_loss_sum": lb_sum, "weight_sum": weight_sum}
+  stats = {name: aux[name] for name in ROUTING_STATS if name in aux}  # summed over microbatches too
+  return total, {"xent_sum": xent_sum, "z_loss_sum": z_sum, "moe_lb_loss_sum": lb_sum, "weight_sum": weight_sum,
+                 **stats}
+
+
+def routing_metrics(sums: Metrics, num_micro: int) -> Metrics:
+  """Per-layer routing health from the summed statistics: each a [num_layers] vector (the metric
+  writers name its entries per layer). Load = fraction of tokens routed to an expert."""
+  if "moe_load" not in sums:
+    return {}
+  load_NE = sums["moe_load"] / num_micro
+  mean_N = jnp.mean(load_NE, axis=-1)
+  return {"moe_load_min": jnp.min(load_NE, axis=-1), "moe_load_max": jnp.max(load_NE, axis=-1),
+          "moe_load_cv": jnp.std(load_NE, axis=-1) / jnp.maximum(mean_N, 1e-30),
+          "moe_dropped_fraction": sums["moe_dropped_fraction"] / num_micro,
+          "moe_router_entropy": sums["moe_router_entropy"] / num_micro}
 
 
 def _split_microbatches(batch: Batch, num_micro: int) -> Batch:
@@ -70,7 +86,8 @@ def _grads_and_sums(setup: StateSetup, config, params: Any, batch: Batch,
     return (grads_acc, jax.tree.map(jnp.add, sums_acc, sums)), None
 
   zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-  zero_sums = {k: jnp.zeros((), jnp.float32) for k in ("xent_sum", "z_loss_sum", "moe_lb_loss_sum", "weight_sum")}
+  first = jax.tree.map(lambda x: x[0], (micro_batches, rngs))
+  zero_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, params, *first)[1])
   (grads, sums), _ = jax.lax.scan(accumulate, (zero_grads, zero_sums), (micro_batches, rngs))
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
   return grads, sums
@@ -102,6 +119,7 @@ def make_train_step(setup: StateSetup, config) -> Callable[[TrainState, Batch, j
     }
     if config.model.num_experts > 1:
       metrics["moe_lb_loss"] = sums["moe_lb_loss_sum"] / num_tokens
+      metrics.update(routing_metrics(sums, config.optim.gradient_accumulation_steps))
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   return train_step

@@ -107,7 +107,7 @@ class Trainer:
     assert loop.pending is not None
     index, device_metrics, due = loop.pending
     loop.pending = None
-    scalars = {k: float(np.asarray(v)) for k, v in jax.device_get(device_metrics).items()}
+    scalars = metrics_lib.host_scalars(jax.device_get(device_metrics))
     now = time.perf_counter()
     seconds, loop.last_done = now - loop.last_done, now
     if not math.isfinite(scalars["loss"]):
@@ -196,6 +196,31 @@ class LoggingHook:
   def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
     if self.writer is not None:
       self.writer.close()
+
+
+class RouterHealthHook:
+  """Warns, naming the layer, when a MoE router sends more than `fraction` of the tokens to one
+  expert (and at least twice that expert's even share) in `logs` metric logs in a row: the sign
+  of a collapsed router, which the load-balancing loss should have prevented."""
+
+  def __init__(self, fraction: float, logs: int, even_share: float):
+    self.fraction, self.logs, self.even_share = fraction, logs, even_share
+    self.streaks: dict[str, int] = {}
+
+  def on_step(self, trainer: "Trainer", record: StepRecord, state: TrainState | None) -> None:
+    for name, load in record.scalars.items():
+      if not name.startswith("moe_load_max/"):
+        continue
+      layer = name.split("/", 1)[1]
+      collapsed = load > self.fraction and load >= 2 * self.even_share
+      self.streaks[layer] = self.streaks.get(layer, 0) + 1 if collapsed else 0
+      if self.streaks[layer] == self.logs:
+        print(f"warning: MoE router of {layer.replace('_', ' ')} sent {load:.0%} of the tokens to one expert "
+              f"(even share {self.even_share:.0%}) in {self.logs} logs in a row up to step {record.step}; it may "
+              "have collapsed: raise load_balance_loss_weight or lower learning_rate", file=sys.stderr, flush=True)
+
+  def on_end(self, trainer: "Trainer", state: TrainState | None) -> None:
+    pass
 
 
 class EvalHook:

@@ -6,7 +6,7 @@ from typing import Any
 
 import jax
 
-from MaxText import train_state
+from MaxText import metrics as metrics_lib, train_state
 from MaxText.config import Config
 from MaxText.run_assembly import build_run
 
@@ -33,7 +33,7 @@ class Run:
     history = []
     for _ in range(num_steps):
       state, metrics = self.step_fn(state, next(self.data), self.rng)
-      history.append({k: float(v) for k, v in jax.device_get(metrics).items()})
+      history.append(metrics_lib.host_scalars(jax.device_get(metrics)))
     return state, history
 
 

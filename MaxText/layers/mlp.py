@@ -22,13 +22,14 @@ ACTIVATION_FNS = {
 
 
 class MlpBlock(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, mlp_dim: int | None = None):
+    mlp_dim = mlp_dim or cfg.mlp_dim  # MoE shared experts are wider than one expert
     dense: dict[str, Any] = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs,
                  use_bias=cfg.use_bias)
     # Named wi_0, wi_1, ... (not a list) so checkpoints have string keys only.
     for i in range(len(cfg.mlp_activations)):
-      setattr(self, f"wi_{i}", DenseGeneral((cfg.emb_dim,), (cfg.mlp_dim,), ("embed", "mlp"), tag="mlpwi", **dense))
-    self.wo = DenseGeneral((cfg.mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), tag="mlpwo", **dense)
+      setattr(self, f"wi_{i}", DenseGeneral((cfg.emb_dim,), (mlp_dim,), ("embed", "mlp"), tag="mlpwi", **dense))
+    self.wo = DenseGeneral((mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), tag="mlpwo", **dense)
     self.activations = tuple(cfg.mlp_activations)
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:

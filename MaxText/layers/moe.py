@@ -22,17 +22,27 @@ every expert to L slots, so the expert matmuls cost E/k times the routed FLOPs;
 set capacity_factor (e.g. 1.25) to train faster, or sparse_matmul.
 
 Grouped (sparse_matmul=True, dropless only). The B·L·k assignments are sorted by
-expert, each expert projection is one `jax.lax.ragged_dot` over the sorted rows with
-the per-expert row counts as group sizes, and the rows are unsorted and combined with
-the routing weights. Same result as the padded dropless path; on GPU and TPU, XLA runs
-ragged_dot as a grouped GEMM (routed FLOPs only). On CPU, jax lowers ragged_dot to a
-masked dense product over all groups (E times the routed FLOPs, like the padded path).
-Sharding (a shard_map): every device sorts only its own batch shard's sequences. Under
-expert parallelism the tokens are all-gathered over the `expert` axis, each device runs
-ragged_dot on its own E/shards experts' rows only (its weights stay expert-sharded; their
-`fsdp`/`tensor` parts are all-gathered as FSDP does), and the expert shards' outputs are
-summed with an all-reduce over `expert`. A ragged all-to-all, moving only the routed rows to
-their experts' devices, would need less communication; it is not implemented.
+expert, each expert projection is one grouped matmul over the sorted rows with the
+per-expert row counts as group sizes (grouped_matmul.py: ragged_dot, or megablox on TPU),
+and the rows are unsorted and combined with the routing weights. Same result as the padded
+dropless path, with routed FLOPs only on GPU and TPU (on CPU, ragged_dot is a masked dense
+product over all groups, E times the routed FLOPs, like the padded path).
+
+Expert parallelism (the `expert` mesh axis). moe_dispatch=all_to_all (the default) sends each
+device's routed rows to the devices that hold their experts and the results back
+(moe_dispatch.py), for both paths above. moe_dispatch=gather is the older way, kept for
+comparison: the padded path lets XLA re-lay the slot buffers from token-sharded to
+expert-sharded; the grouped path all-gathers the tokens of the whole expert group onto every
+device, each device multiplies only its own experts' rows and the expert shards' outputs are
+summed with an all-reduce. Without an expert axis both run locally per batch shard (each
+device sorts only its own sequences).
+
+Shared experts (shared_experts > 0, DeepSeek / Llama 4): one dense gated MLP of width
+shared_experts·mlp_dim that every token goes through, added to the routed output.
+
+Routing health (sown per layer, reported by train_step.py): the fraction of tokens routed to
+each expert before dropping (`moe_load`, [E], sums to k), the fraction of assignments dropped
+for capacity, and the router's mean entropy over the tokens.
 
 Load balancing (Switch Transformer, as Mixtral trains it). With f_e the fraction of
 tokens whose top-k includes expert e (before any dropping; the f_e sum to k) and P_e
@@ -47,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -56,9 +67,15 @@ from jax.sharding import PartitionSpec
 
 from MaxText import sharding
 from MaxText.model_config import ModelConfig
+from MaxText.layers.attention_kernels import trace_platform
+from MaxText.layers.grouped_matmul import GroupedMatmul
 from MaxText.layers.linears import DenseGeneral
-from MaxText.layers import quantization
-from MaxText.layers.mlp import ACTIVATION_FNS
+from MaxText.layers import grouped_matmul, moe_dispatch, quantization
+from MaxText.layers.mlp import ACTIVATION_FNS, MlpBlock
+
+# What MoeBlock sows besides the load-balancing loss: statistics, not losses (models.py keeps
+# them per layer and out of the gradient).
+ROUTING_STATS = ("moe_load", "moe_router_entropy", "moe_dropped_fraction")
 
 # "ebcd,edf->ebcf" and "ebcf,efd->ebcd" as dot_general: contract the last activation dim with the
 # kernel's middle one, expert dim batched.
@@ -135,12 +152,24 @@ def _combine_one(out_ECD: jax.Array, expert_A: jax.Array, slot_A: jax.Array, wei
   return jnp.sum(rows_AD.reshape(top_k, -1, rows_AD.shape[-1]), axis=0)
 
 
-def _grouped_experts(x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.Array, *kernels: jax.Array,
-                     activations: tuple[str, ...], num_experts: int, expert_axis: str | None = None) -> jax.Array:
-  """Sort the B·L·k assignments by expert, ragged_dot per projection, unsort, combine.
+def dense_experts(x_EBCD: jax.Array, kernels: Sequence[jax.Array], activations: tuple[str, ...]) -> jax.Array:
+  """Every expert's gated MLP over its slots, one batched matmul per projection (quantized when
+  configured); kernels are (wi_0, ..., wo), each [E, in, out]."""
+  hidden_EBCF: jax.Array | None = None
+  for name, kernel_EDF in zip(activations, kernels[:-1]):
+    h = ACTIVATION_FNS[name](checkpoint_name(quantization.dot_general(x_EBCD, kernel_EDF, _EXPERT_DIMS), "mlpwi"))
+    hidden_EBCF = h if hidden_EBCF is None else hidden_EBCF * h
+  assert hidden_EBCF is not None  # mlp_activations is non-empty (config)
+  return checkpoint_name(quantization.dot_general(hidden_EBCF, kernels[-1], _EXPERT_DIMS), "mlpwo")
 
-  With `expert_axis` (inside shard_map) the kernels hold this device's E/shards experts: it
-  computes only the rows of its experts and the expert shards' outputs are summed.
+
+def _grouped_experts(x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.Array, *kernels: jax.Array,
+                     activations: tuple[str, ...], num_experts: int, matmul: GroupedMatmul,
+                     expert_axis: str | None = None) -> jax.Array:
+  """Sort the B·L·k assignments by expert, grouped matmul per projection, unsort, combine.
+
+  With `expert_axis` (inside shard_map, moe_dispatch=gather) the kernels hold this device's
+  E/shards experts: it computes only the rows of its experts and the expert shards' outputs are summed.
   """
   batch, length, dim = x_BLD.shape
   top_k = experts_BLk.shape[-1]
@@ -151,7 +180,7 @@ def _grouped_experts(x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.
   offset: int | jax.Array = 0
   if expert_axis is not None:
     # This shard's experts own a contiguous run of the sorted rows: rotate it to the front;
-    # ragged_dot gives zeros for the rows after the last group, i.e. every other shard's rows.
+    # the grouped matmul gives zeros for the rows after the last group, i.e. every other shard's rows.
     local = kernels[-1].shape[0]
     first = jax.lax.axis_index(expert_axis) * local
     offset = jnp.sum(jnp.where(jnp.arange(num_experts) < first, group_sizes_E, 0))
@@ -159,10 +188,10 @@ def _grouped_experts(x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.
     x_AD = jnp.roll(x_AD, -offset, axis=0)
   hidden_AF: jax.Array | None = None
   for name, kernel_EDF in zip(activations, kernels[:-1]):
-    h = ACTIVATION_FNS[name](checkpoint_name(jax.lax.ragged_dot(x_AD, kernel_EDF, group_sizes_E), "mlpwi"))
+    h = ACTIVATION_FNS[name](checkpoint_name(matmul(x_AD, kernel_EDF, group_sizes_E), "mlpwi"))
     hidden_AF = h if hidden_AF is None else hidden_AF * h
   assert hidden_AF is not None  # mlp_activations is non-empty (config)
-  out_AD = checkpoint_name(jax.lax.ragged_dot(hidden_AF, kernels[-1], group_sizes_E), "mlpwo")
+  out_AD = checkpoint_name(matmul(hidden_AF, kernels[-1], group_sizes_E), "mlpwo")
   if expert_axis is not None:
     out_AD = jax.lax.psum(jnp.roll(out_AD, offset, axis=0), expert_axis)
   # Unsort with the inverse permutation (a gather, whose gradient is a scatter-add).
@@ -175,8 +204,22 @@ def _grouped_experts(x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.
   return out_BLD
 
 
+def routing_health(probs_BLE: jax.Array, experts_BLk: jax.Array, dropped_BA: jax.Array | None
+                   ) -> dict[str, jax.Array]:
+  """Per-layer routing statistics (no gradient): token fraction per expert [E], router entropy,
+  fraction of assignments dropped for capacity."""
+  probs_BLE, experts_BLk = jax.lax.stop_gradient(probs_BLE), jax.lax.stop_gradient(experts_BLk)
+  num_tokens = probs_BLE.shape[0] * probs_BLE.shape[1]
+  onehot = jax.nn.one_hot(experts_BLk, probs_BLE.shape[-1], dtype=jnp.float32)
+  load_E = jnp.sum(onehot, axis=(0, 1, 2)) / num_tokens
+  entropy = -jnp.mean(jnp.sum(probs_BLE * jnp.log(jnp.maximum(probs_BLE, 1e-30)), axis=-1))
+  dropped = jnp.zeros((), jnp.float32) if dropped_BA is None else jnp.mean(dropped_BA.astype(jnp.float32))
+  return {"moe_load": load_E, "moe_router_entropy": entropy, "moe_dropped_fraction": dropped}
+
+
 class MoeBlock(nnx.Module):
-  """Drop-in for MlpBlock (same call): x [B, L, D] -> [B, L, D]; sows `moe_lb_loss`."""
+  """Drop-in for MlpBlock (same call): x [B, L, D] -> [B, L, D]; sows `moe_lb_loss` and the
+  routing-health statistics (ROUTING_STATS)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     e, d, f = cfg.num_experts, cfg.emb_dim, cfg.mlp_dim
@@ -187,25 +230,26 @@ class MoeBlock(nnx.Module):
     for i in range(len(cfg.mlp_activations)):
       setattr(self, f"wi_{i}", ExpertKernel(e, d, f, ("exp", "embed", "mlp"), weight_dtype=weight_dtype, rngs=rngs))
     self.wo = ExpertKernel(e, f, d, ("exp", "mlp", "embed"), weight_dtype=weight_dtype, rngs=rngs)
+    if cfg.shared_experts > 0:
+      self.shared_mlp = MlpBlock(cfg, rngs=rngs, mlp_dim=cfg.shared_experts * f)
     self.cfg, self.dtype = cfg, dtype
 
-  def _experts(self, x_EBCD: jax.Array) -> jax.Array:
-    """Every expert's gated MLP over its slots, one batched matmul per projection (quantized when configured)."""
-    hidden_EBCF: jax.Array | None = None
-    for i, name in enumerate(self.cfg.mlp_activations):
-      kernel_EDF = getattr(self, f"wi_{i}").kernel[...].astype(self.dtype)
-      h = ACTIVATION_FNS[name](checkpoint_name(quantization.dot_general(x_EBCD, kernel_EDF, _EXPERT_DIMS), "mlpwi"))
-      hidden_EBCF = h if hidden_EBCF is None else hidden_EBCF * h
-    assert hidden_EBCF is not None  # mlp_activations is non-empty (config)
-    out_EBCD = quantization.dot_general(hidden_EBCF, self.wo.kernel[...].astype(self.dtype), _EXPERT_DIMS)
-    return checkpoint_name(out_EBCD, "mlpwo")
+  def _kernels(self) -> tuple[jax.Array, ...]:
+    """(wi_0, ..., wo) in the activation dtype."""
+    wi = tuple(getattr(self, f"wi_{i}").kernel[...] for i in range(len(self.cfg.mlp_activations)))
+    return tuple(k.astype(self.dtype) for k in (*wi, self.wo.kernel[...]))
+
+  def _matmul(self) -> GroupedMatmul:
+    return grouped_matmul.select(self.cfg.moe_grouped_matmul, trace_platform())
 
   def _grouped(self, x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.Array) -> jax.Array:
-    """Dropless experts as grouped matmuls, each batch shard sorting and computing its own tokens."""
+    """Dropless experts as grouped matmuls, each batch shard sorting and computing its own tokens
+    (under expert parallelism with moe_dispatch=gather: tokens gathered, outputs all-reduced)."""
     cfg = self.cfg
-    kernels = tuple(getattr(self, f"wi_{i}").kernel[...].astype(self.dtype) for i in range(len(cfg.mlp_activations)))
-    kernels += (self.wo.kernel[...].astype(self.dtype),)
-    grouped = functools.partial(_grouped_experts, activations=cfg.mlp_activations, num_experts=cfg.num_experts)
+    kernels = self._kernels()
+    matmul = self._matmul()
+    grouped = functools.partial(_grouped_experts, activations=cfg.mlp_activations, num_experts=cfg.num_experts,
+                                matmul=matmul)
     # The mesh and rules `sharding.constrain` uses (sharding.py has no public getter for them).
     context = sharding.current_activation_context()
     if context is None:
@@ -221,15 +265,52 @@ class MoeBlock(nnx.Module):
     if not token_axes and expert_axis is None:
       return grouped(x_BLD, experts_BLk, weights_BLk, *kernels)
     # Each device sorts only its own sequences (a global sort would gather every assignment
-    # onto every device). Expert parallelism: the tokens are gathered over the `expert` axis,
-    # each device multiplies only the rows routed to its own experts, and the expert shards'
-    # outputs are summed (an all-reduce of [A, D], where a ragged all-to-all would move only
-    # the routed rows). The weights' other axes (fsdp, tensor) are all-gathered, as FSDP does.
+    # onto every device). The weights' other axes (fsdp, tensor) are all-gathered, as FSDP does.
     tokens = PartitionSpec(token_axes or None)
     expert_spec = PartitionSpec(expert_axis)
     return jax.shard_map(functools.partial(grouped, expert_axis=expert_axis), mesh=mesh,
                          in_specs=(tokens, tokens, tokens, *(expert_spec,) * len(kernels)),
-                         out_specs=tokens)(x_BLD, experts_BLk, weights_BLk, *kernels)
+                         out_specs=tokens, check_vma=grouped_matmul.annotates_vma(matmul))(
+                             x_BLD, experts_BLk, weights_BLk, *kernels)
+
+  def _padded(self, x_BLD: jax.Array, expert_BA: jax.Array, slot_BA: jax.Array, weight_BA: jax.Array,
+              capacity: int) -> jax.Array:
+    """Slot buffers laid out by expert through sharding constraints (moe_dispatch=gather)."""
+    cfg = self.cfg
+    dispatch = jax.vmap(_dispatch_one, in_axes=(0, 0, 0, None, None, None))
+    # Pinning the buffer to the token layout first keeps the scatter local; the change of
+    # layout below is then XLA's to make (left unpinned, it all-gathers the tokens instead).
+    buffer_BECD = sharding.constrain(dispatch(x_BLD, expert_BA, slot_BA, cfg.num_experts, capacity,
+                                              cfg.num_experts_per_tok), _TOKEN_BUFFER_NAMES)
+    buffer_EBCD = sharding.constrain(jnp.swapaxes(buffer_BECD, 0, 1), _BUFFER_NAMES)
+    out_EBCD = sharding.constrain(dense_experts(buffer_EBCD, self._kernels(), cfg.mlp_activations), _BUFFER_NAMES)
+    out_BECD = sharding.constrain(jnp.swapaxes(out_EBCD, 0, 1), _TOKEN_BUFFER_NAMES)
+    combine = jax.vmap(_combine_one, in_axes=(0, 0, 0, 0, None))
+    return combine(out_BECD, expert_BA, slot_BA, weight_BA, cfg.num_experts_per_tok)
+
+  def _all_to_all(self, layout: moe_dispatch.ExpertLayout, x_BLD: jax.Array, experts_BLk: jax.Array,
+                  weights_BLk: jax.Array, capacity: int) -> jax.Array:
+    cfg = self.cfg
+    common = dict(expert_axes=layout.expert_axes, num_experts=cfg.num_experts)
+    body: Callable[..., jax.Array]
+    matmul = self._matmul()
+    if cfg.sparse_matmul:
+      body = functools.partial(moe_dispatch.grouped_body, **common, activations=cfg.mlp_activations,
+                               matmul=matmul, checkpoint_name=checkpoint_name,
+                               exchange=moe_dispatch.select_exchange(cfg.moe_all_to_all, trace_platform()))
+    else:
+      body = functools.partial(moe_dispatch.capacity_body, **common, capacity=capacity,
+                               dense_experts=functools.partial(dense_experts, activations=cfg.mlp_activations),
+                               dispatch=_dispatch_one, combine=_combine_one, assign_slots=assign_slots)
+    return moe_dispatch.moe_all_to_all(layout, x_BLD, experts_BLk, weights_BLk, self._kernels(), body=body,
+                                       check_vma=grouped_matmul.annotates_vma(matmul) or not cfg.sparse_matmul)
+
+  def _layout(self, batch: int) -> moe_dispatch.ExpertLayout | None:
+    """The all-to-all layout when this call runs expert-parallel with moe_dispatch=all_to_all."""
+    context = sharding.current_activation_context()
+    if context is None or self.cfg.moe_dispatch != "all_to_all":
+      return None
+    return moe_dispatch.expert_layout(*context, batch, getattr(self, "wi_0").kernel.shape)
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
     # Why index scatter/gather and not one-hot dispatch einsums: a [L, E, C] one-hot
@@ -244,19 +325,20 @@ class MoeBlock(nnx.Module):
     x_BLD = x_BLD.astype(self.dtype)
     probs_BLE, experts_BLk, weights_BLk = route(self.gate(x_BLD), top_k)
     self.sow(nnx.Intermediate, "moe_lb_loss", load_balance_loss(probs_BLE, experts_BLk))
-    if cfg.sparse_matmul:
-      return self._grouped(x_BLD, experts_BLk, weights_BLk)
-
     capacity = expert_capacity(cfg, length)
     expert_BA, slot_BA = assign_slots(experts_BLk, num_experts)
-    weight_BA = jnp.swapaxes(weights_BLk, 1, 2).reshape(weights_BLk.shape[0], -1)
-    dispatch = jax.vmap(_dispatch_one, in_axes=(0, 0, 0, None, None, None))
-    # Pinning the buffer to the token layout first keeps the scatter local; the change of
-    # layout below is then one all-to-all (left unpinned, XLA all-gathers the tokens instead).
-    buffer_BECD = sharding.constrain(dispatch(x_BLD, expert_BA, slot_BA, num_experts, capacity, top_k),
-                                     _TOKEN_BUFFER_NAMES)
-    buffer_EBCD = sharding.constrain(jnp.swapaxes(buffer_BECD, 0, 1), _BUFFER_NAMES)
-    out_EBCD = sharding.constrain(self._experts(buffer_EBCD), _BUFFER_NAMES)
-    out_BECD = sharding.constrain(jnp.swapaxes(out_EBCD, 0, 1), _TOKEN_BUFFER_NAMES)
-    combine = jax.vmap(_combine_one, in_axes=(0, 0, 0, 0, None))
-    return combine(out_BECD, expert_BA, slot_BA, weight_BA, top_k)
+    dropped_BA = None if cfg.sparse_matmul else slot_BA >= capacity
+    for name, value in routing_health(probs_BLE, experts_BLk, dropped_BA).items():
+      self.sow(nnx.Intermediate, name, value)
+
+    layout = self._layout(x_BLD.shape[0])
+    if layout is not None:
+      out_BLD = self._all_to_all(layout, x_BLD, experts_BLk, weights_BLk, capacity)
+    elif cfg.sparse_matmul:
+      out_BLD = self._grouped(x_BLD, experts_BLk, weights_BLk)
+    else:
+      weight_BA = jnp.swapaxes(weights_BLk, 1, 2).reshape(weights_BLk.shape[0], -1)
+      out_BLD = self._padded(x_BLD, expert_BA, slot_BA, weight_BA, capacity)
+    if cfg.shared_experts > 0:
+      out_BLD = out_BLD + self.shared_mlp(x_BLD)
+    return out_BLD

@@ -230,7 +230,10 @@ def test_layer_sows_its_loss_and_models_average_it():
   logits, aux = jax.jit(sharding.unsharded()(spec.apply_with_aux))(params, tokens, positions, segments)
   np.testing.assert_array_equal(np.asarray(logits), np.asarray(jax.jit(sharding.unsharded()(spec.apply))(params, tokens, positions, segments)))
   # Each layer's loss lies in [k, k·E]; the model reports their mean.
-  assert set(aux) == {"moe_lb_loss"} and TOP_K <= float(aux["moe_lb_loss"]) <= TOP_K * E
+  assert set(aux) == {"moe_lb_loss", *moe.ROUTING_STATS} and TOP_K <= float(aux["moe_lb_loss"]) <= TOP_K * E
+  # The routing statistics stay per layer: each layer's token fractions sum to k.
+  np.testing.assert_allclose(np.sum(np.asarray(aux["moe_load"]), axis=-1), [TOP_K] * LAYERS, rtol=1e-6)
+  assert aux["moe_router_entropy"].shape == aux["moe_dropped_fraction"].shape == (LAYERS,)
   dense = models.build_model_spec(tiny_mixtral(num_experts=1, num_experts_per_tok=1).model)
   dense_aux = jax.eval_shape(sharding.unsharded()(dense.apply_with_aux), dense.abstract_params, tokens, positions, segments)[1]
   assert dense_aux == {}

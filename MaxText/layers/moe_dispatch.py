@@ -1,0 +1,223 @@
+"""Expert parallelism by all-to-all (moe_dispatch=all_to_all): each device routes its own
+tokens, sends only the routed rows to the devices that hold their experts, runs its experts
+over what it received, and sends the results back.
+
+Everything below runs inside one `shard_map` over the mesh: tokens split over their batch axes
+(which include `expert`), expert weights split over `expert` on the expert dimension and over
+the tensor axes on the hidden (`mlp`) dimension; the weights' FSDP axes are all-gathered on
+entry, as FSDP does, and the partial sums over the hidden dimension are added up (psum) on the
+token-sized output at the end, the cheapest place (k times fewer rows than the assignments).
+
+Two exchanges (shape letters of moe.py; X = expert-parallel degree, El = E / X local experts):
+
+- **Capacity** (capacity_factor > 0, or dropless without sparse_matmul, where C = L): every
+  sequence's [E, C, D] slot buffer, exactly as the gather path builds it, so both drop the same
+  assignments. One fixed-size `all_to_all` sends each expert shard its experts' slots
+  ([X, b, El, C, D]); the experts run as one batched matmul over [El, X·b, C, D]; a second
+  all_to_all brings the outputs home. Runs everywhere.
+- **Dropless grouped** (sparse_matmul=True): the b·L·k assignments sorted by expert; only the
+  rows routed to shard j go to j. The row counts are exchanged first (an all-gather of
+  [X, E] integers); the receiver groups the rows by its local experts, runs them as grouped
+  matmuls (grouped_matmul.py), restores the arrival order and sends each row back to where it
+  came from. The exchange is `jax.lax.ragged_all_to_all` (moe_all_to_all=ragged; TPU and GPU,
+  moving only the routed rows) or, where XLA has no ragged all-to-all (CPU), the same exchange
+  over a fixed-size `all_to_all` with one full-size chunk per peer (moe_all_to_all=padded:
+  X times the bytes, same result). The receive buffer holds the worst case, X·b·L·min(k, El)
+  rows (every peer's tokens routed here; a token picks an expert at most once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from MaxText import sharding
+from MaxText.errors import ConfigError
+from MaxText.layers.grouped_matmul import GroupedMatmul
+from MaxText.layers.mlp import ACTIVATION_FNS
+
+# Platforms whose XLA backend implements ragged-all-to-all.
+RAGGED_PLATFORMS = ("tpu", "gpu", "cuda", "rocm")
+
+Axes = tuple[str, ...]
+# (x [El, n, C, D], kernels) -> [El, n, C, D]: the experts' gated MLPs over capacity slots.
+DenseExperts = Callable[[jax.Array, Sequence[jax.Array]], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+  """Where the tokens and expert weights live on the mesh, as this dispatch needs them."""
+  mesh: Mesh
+  token_axes: Axes  # the batch dimension's mesh axes (include the expert axes)
+  expert_axes: Axes  # the expert dimension's
+  mlp_axes: Axes  # the hidden dimension's, not shared with the tokens: partial sums over them
+
+  @property
+  def expert_degree(self) -> int:
+    return _size(self.mesh, self.expert_axes)
+
+
+def _size(mesh: Mesh, axes: Axes) -> int:
+  shape = dict(mesh.shape)
+  size = 1
+  for axis in axes:
+    size *= shape[axis]
+  return size
+
+
+def _axes(spec_entry: str | Sequence[str] | None) -> Axes:
+  if spec_entry is None:
+    return ()
+  return (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
+
+
+def expert_layout(mesh: Mesh, rules: sharding.Rules, batch: int, wi_shape: tuple[int, ...]) -> ExpertLayout | None:
+  """The layout for tokens of `batch` rows and kernels of `wi_shape` [E, D, F], or None when the
+  expert dimension is not split (nothing to exchange) or the tokens are not split over the
+  expert axes too (a device would then hold tokens its expert peers hold as well)."""
+  token_axes = _axes(sharding.logical_to_mesh_spec(("activation_batch",), rules, mesh, (batch,))[0])
+  kernel_spec = sharding.logical_to_mesh_spec(("exp", "embed", "mlp"), rules, mesh, wi_shape)
+  expert_axes = tuple(a for a in _axes(kernel_spec[0]) if dict(mesh.shape)[a] > 1)
+  if not expert_axes or not set(expert_axes) <= set(token_axes):
+    return None
+  mlp_axes = tuple(a for a in _axes(kernel_spec[2]) if a not in token_axes and dict(mesh.shape)[a] > 1)
+  token_axes = tuple(a for a in token_axes if dict(mesh.shape)[a] > 1)
+  return ExpertLayout(mesh, token_axes, _axes(kernel_spec[0]), mlp_axes)
+
+
+def select_exchange(name: str, platform: str) -> str:
+  """`moe_all_to_all=name` on `platform`: ragged where XLA implements it, else padded."""
+  if name == "auto":
+    return "ragged" if platform in RAGGED_PLATFORMS else "padded"
+  if name == "ragged" and platform not in RAGGED_PLATFORMS:
+    raise ConfigError(f"moe_all_to_all=ragged needs XLA's ragged all-to-all, which the {platform} backend does "
+                      "not implement; use moe_all_to_all=auto or padded")
+  return name
+
+
+def moe_all_to_all(layout: ExpertLayout, x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.Array,
+                   kernels: Sequence[jax.Array], *, body: Callable[..., jax.Array], check_vma: bool = True
+                   ) -> jax.Array:
+  """Runs `body(x, experts, weights, *kernels)` per device under `layout`: tokens split over
+  their batch axes, kernels over the expert and hidden axes; the output is the tokens' [B, L, D].
+  `check_vma=False` for bodies whose kernels do not annotate how their outputs vary over the
+  mesh (JAX's megablox Pallas call); the exchange is the same either way."""
+  tokens = PartitionSpec(layout.token_axes or None)
+  expert, mlp = layout.expert_axes or None, layout.mlp_axes or None
+  kernel_specs = tuple(PartitionSpec(expert, None, mlp) for _ in kernels[:-1]) + (PartitionSpec(expert, mlp, None),)
+
+  def per_device(x: jax.Array, experts: jax.Array, weights: jax.Array, *local_kernels: jax.Array) -> jax.Array:
+    y = body(x, experts, weights, *local_kernels)
+    return jax.lax.psum(y, layout.mlp_axes) if layout.mlp_axes else y
+
+  return jax.shard_map(per_device, mesh=layout.mesh, in_specs=(tokens, tokens, tokens, *kernel_specs),
+                       out_specs=tokens, check_vma=check_vma)(x_BLD, experts_BLk, weights_BLk, *kernels)
+
+
+def capacity_body(x_bLD: jax.Array, experts_bLk: jax.Array, weights_bLk: jax.Array, *kernels: jax.Array,
+                  expert_axes: Axes, num_experts: int, capacity: int, dense_experts: DenseExperts,
+                  dispatch: Callable[..., jax.Array], combine: Callable[..., jax.Array],
+                  assign_slots: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]) -> jax.Array:
+  """One device's capacity exchange (module docstring); dispatch/combine/assign_slots are moe.py's."""
+  batch, _, dim = x_bLD.shape
+  top_k = experts_bLk.shape[-1]
+  degree = jax.lax.axis_size(expert_axes)
+  local = num_experts // degree
+  expert_bA, slot_bA = assign_slots(experts_bLk, num_experts)
+  weight_bA = jnp.swapaxes(weights_bLk, 1, 2).reshape(batch, -1)
+  slots_bECD = jax.vmap(dispatch, in_axes=(0, 0, 0, None, None, None))(x_bLD, expert_bA, slot_bA, num_experts,
+                                                                        capacity, top_k)
+  send_XbECD = jnp.swapaxes(slots_bECD.reshape(batch, degree, local, capacity, dim), 0, 1)
+  recv_XbECD = jax.lax.all_to_all(send_XbECD, expert_axes, 0, 0, tiled=True)  # [source shard, ...]
+  x_EnCD = jnp.moveaxis(recv_XbECD, 2, 0).reshape(local, degree * batch, capacity, dim)
+  out_EnCD = dense_experts(x_EnCD, kernels)
+  out_XbECD = jnp.moveaxis(out_EnCD.reshape(local, degree, batch, capacity, dim), 0, 2)
+  home_XbECD = jax.lax.all_to_all(out_XbECD, expert_axes, 0, 0, tiled=True)  # [expert shard, ...]
+  out_bECD = jnp.swapaxes(home_XbECD, 0, 1).reshape(batch, num_experts, capacity, dim)
+  return jax.vmap(combine, in_axes=(0, 0, 0, 0, None))(out_bECD, expert_bA, slot_bA, weight_bA, top_k)
+
+
+def _exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
+  return jnp.cumsum(x, axis=axis) - x
+
+
+def padded_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
+                             send_sizes: jax.Array, output_offsets: jax.Array, recv_sizes: jax.Array, *,
+                             axis_name: Axes) -> jax.Array:
+  """`jax.lax.ragged_all_to_all`'s result over a fixed-size all_to_all: each peer's rows go in a
+  chunk as long as the whole operand (for backends without a ragged all-to-all)."""
+  rows, dim = operand.shape
+  arange = jnp.arange(rows)
+  index = jnp.clip(input_offsets[:, None] + arange[None, :], 0, rows - 1)
+  sending = arange[None, :] < send_sizes[:, None]
+  chunks_XND = jnp.where(sending[..., None], operand[index], jnp.zeros((), operand.dtype))
+  got_XND = jax.lax.all_to_all(chunks_XND, axis_name, 0, 0, tiled=True)
+  # Where each source asked its rows to land here.
+  offsets_here = jax.lax.all_to_all(output_offsets[:, None], axis_name, 0, 0, tiled=True)[:, 0]
+  target = offsets_here[:, None] + arange[None, :]
+  target = jnp.where(arange[None, :] < recv_sizes[:, None], target, output.shape[0])  # out of range: dropped
+  return output.at[target.reshape(-1)].set(got_XND.reshape(-1, dim), mode="drop", unique_indices=True)
+
+
+def _exchange(kind: str) -> Callable[..., jax.Array]:
+  if kind == "ragged":
+    return jax.lax.ragged_all_to_all
+  return padded_ragged_all_to_all
+
+
+def grouped_body(x_bLD: jax.Array, experts_bLk: jax.Array, weights_bLk: jax.Array, *kernels: jax.Array,
+                 expert_axes: Axes, num_experts: int, activations: tuple[str, ...], matmul: GroupedMatmul,
+                 exchange: str, checkpoint_name: Callable[[jax.Array, str], jax.Array]) -> jax.Array:
+  """One device's dropless grouped exchange (module docstring)."""
+  batch, length, dim = x_bLD.shape
+  top_k = experts_bLk.shape[-1]
+  degree = jax.lax.axis_size(expert_axes)
+  me = jax.lax.axis_index(expert_axes)
+  local = num_experts // degree
+  send_rows = functools.partial(_exchange(exchange), axis_name=expert_axes)
+
+  # Sort this device's assignments by expert: the rows for shard j are then contiguous.
+  expert_A = experts_bLk.reshape(-1)  # token-major: assignment a is token a // k
+  order_A = jnp.argsort(expert_A, stable=True)
+  x_AD = x_bLD.reshape(-1, dim)[order_A // top_k]
+  sizes_E = jnp.bincount(expert_A, length=num_experts).astype(jnp.int32)
+  # Everyone's per-expert counts: who sends what to whom, and where it lands.
+  sizes_XE = jax.lax.all_gather(sizes_E, expert_axes)  # [source, E]
+  rows_XX = jnp.sum(sizes_XE.reshape(degree, degree, local), axis=-1)  # [source, destination]
+  send_X, recv_X = rows_XX[me], rows_XX[:, me]
+  send_offsets_X = _exclusive_cumsum(send_X)
+  land_offsets_X = _exclusive_cumsum(rows_XX, axis=0)[me]  # in each destination: rows of lower sources first
+  recv_capacity = degree * batch * length * min(top_k, local)
+  received_RD = send_rows(x_AD, jnp.zeros((recv_capacity, dim), x_AD.dtype), send_offsets_X, send_X,
+                          land_offsets_X, recv_X)
+
+  # Arrival order is (source, local expert); group the rows by local expert for the matmuls.
+  counts_XEl = jax.lax.dynamic_slice(sizes_XE, (0, me * local), (degree, local))
+  ends = jnp.cumsum(counts_XEl.reshape(-1))
+  segment_R = jnp.searchsorted(ends, jnp.arange(recv_capacity), side="right")
+  local_expert_R = jnp.where(segment_R < degree * local, segment_R % local, local)  # padding sorts last
+  by_expert_R = jnp.argsort(local_expert_R, stable=True)
+  group_sizes = jnp.sum(counts_XEl, axis=0)
+  rows_RD = received_RD[by_expert_R]
+  hidden_RF: jax.Array | None = None
+  for name, kernel in zip(activations, kernels[:-1]):
+    h = ACTIVATION_FNS[name](checkpoint_name(matmul(rows_RD, kernel, group_sizes), "mlpwi"))
+    hidden_RF = h if hidden_RF is None else hidden_RF * h
+  assert hidden_RF is not None  # mlp_activations is non-empty (config)
+  out_RD = checkpoint_name(matmul(hidden_RF, kernels[-1], group_sizes), "mlpwo")
+  out_RD = out_RD[jnp.argsort(by_expert_R)]  # arrival order again
+
+  # Send every row back to the slot it left from.
+  home_offsets_X = _exclusive_cumsum(rows_XX, axis=1)[:, me]  # where each source's rows to me started
+  out_AD = send_rows(out_RD, jnp.zeros_like(x_AD), _exclusive_cumsum(recv_X), recv_X, home_offsets_X, send_X)
+  out_bLkD = out_AD[jnp.argsort(order_A)].reshape(batch, length, top_k, dim)
+  out_bLkD = out_bLkD * weights_bLk[..., None].astype(out_bLkD.dtype)
+  out_bLD = out_bLkD[:, :, 0]  # choice by choice, in the other paths' order, so all round alike
+  for choice in range(1, top_k):
+    out_bLD = out_bLD + out_bLkD[:, :, choice]
+  return out_bLD
