@@ -1,9 +1,11 @@
-"""The TPU compiler's own step-time estimate: its per-instruction cycle counts summed over one
-execution of the compiled HLO (train_compile's report)."""
+"""Figures read off compiled HLO text, summed over one execution of the step: the TPU
+compiler's own step-time estimate (its per-instruction cycle counts; train_compile's report)
+and the bytes each kind of collective produces (benchmarks/moe_paths.py)."""
 
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
@@ -26,37 +28,78 @@ def _split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None
   return computations, entry
 
 
-def estimated_cycles(hlo_text: str) -> int | None:
-  """Sum of the TPU compiler's per-instruction `estimated_cycles` over one execution.
-
-  A while loop (the scanned layer stack, windowed collective matmuls) counts its body once
-  per iteration; its trip count is the constant its condition compares the counter with.
-  Async collectives carry no cycle estimate, so communication is assumed hidden behind
-  compute. None when the compiled code has no estimates (CPU/GPU).
-  """
+def _per_execution(hlo_text: str, line_value: Callable[[str], dict[str, int]]) -> dict[str, int]:
+  """Adds `line_value(line)` over every instruction one execution runs: a while loop (the
+  scanned layer stack, windowed collective matmuls) counts its body once per iteration, its trip
+  count being the constant its condition compares the counter with; calls, conditionals and
+  async wrappers count their callees."""
   computations, entry = _split_computations(hlo_text)
-  if entry is None or '"estimated_cycles"' not in hlo_text:
-    return None
-  memo: dict[str, int] = {}
+  if entry is None:
+    return {}
+  memo: dict[str, dict[str, int]] = {}
 
   def trip_count(condition: str) -> int:
     constants = [int(m) for line in computations.get(condition, []) for m in re.findall(r"constant\((\d+)\)", line)]
     return max(constants) if constants else 1
 
-  def cycles(name: str) -> int:
+  def add(total: dict[str, int], more: dict[str, int], times: int = 1) -> None:
+    for key, value in more.items():
+      total[key] = total.get(key, 0) + times * value
+
+  def walk(name: str) -> dict[str, int]:
     if name not in memo:
-      memo[name] = 0  # guards against recursion through malformed text
-      total = 0
+      memo[name] = {}  # guards against recursion through malformed text
+      total: dict[str, int] = {}
       for line in computations.get(name, []):
-        total += sum(int(c) for c in _CYCLES.findall(line))
+        add(total, line_value(line))
         if " while(" in line:
           condition = re.search(r"condition=%([\w.\-]+)", line)
           body = re.search(r"body=%([\w.\-]+)", line)
           if condition and body:
-            total += trip_count(condition.group(1)) * cycles(body.group(1))
+            add(total, walk(body.group(1)), trip_count(condition.group(1)))
         elif re.search(r" (call|conditional|async-start)\(", line):
-          total += sum(cycles(callee) for callee in _CALLEES.findall(line))
+          for callee in _CALLEES.findall(line):
+            add(total, walk(callee))
       memo[name] = total
     return memo[name]
 
-  return cycles(entry)
+  return walk(entry)
+
+
+def estimated_cycles(hlo_text: str) -> int | None:
+  """Sum of the TPU compiler's per-instruction `estimated_cycles` over one execution.
+
+  Async collectives carry no cycle estimate, so communication is assumed hidden behind
+  compute. None when the compiled code has no estimates (CPU/GPU).
+  """
+  if '"estimated_cycles"' not in hlo_text:
+    return None
+  return _per_execution(hlo_text, lambda line: {"cycles": sum(int(c) for c in _CYCLES.findall(line))}).get("cycles", 0)
+
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
+_COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_ARRAY = re.compile(r"\b(pred|[a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+_DTYPE_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "bf16": 16, "f16": 16, "s16": 16, "u16": 16,
+               "f32": 32, "s32": 32, "u32": 32, "f64": 64, "s64": 64, "u64": 64}
+
+
+def _array_bytes(dtype: str, dims: str) -> int:
+  count = 1
+  for d in filter(None, dims.split(",")):
+    count *= int(d)
+  return count * _DTYPE_BITS.get(dtype, 8) // 8  # fp8 kinds (f8e4m3fn, ...) are one byte
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+  """Bytes each kind of collective produces per device over one execution (the size of its
+  result; for an async start, of its largest buffer, the output). A ragged all-to-all counts
+  its whole receive buffer, an upper bound on what it moves."""
+  def line_value(line: str) -> dict[str, int]:
+    match = _COLLECTIVE.search(line)
+    if not match:
+      return {}
+    sizes = [_array_bytes(dtype, dims) for dtype, dims in _ARRAY.findall(match.group(1))]
+    return {match.group(2): (max(sizes) if match.group(3) else sum(sizes)) if sizes else 0}
+
+  return _per_execution(hlo_text, line_value)

@@ -81,6 +81,7 @@ def forward_flops_per_sequence(cfg: ModelConfig, length: int, causal: bool = Tru
   expert_mlp = 2 * d * f * len(cfg.mlp_activations) + 2 * f * d
   if cfg.num_experts > 1:
     mlp_per_sequence = expert_mlp * moe_expert_rows(cfg, length) + 2 * d * cfg.num_experts * length
+    mlp_per_sequence += expert_mlp * cfg.shared_experts * length  # shared experts: every token, width x shared
   else:
     mlp_per_sequence = expert_mlp * length
   weights = (length * attn_proj + mlp_per_sequence) * cfg.num_decoder_layers + length * 2 * d * v

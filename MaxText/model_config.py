@@ -135,6 +135,7 @@ class ModelConfig:
   load_balance_loss_weight: float = key()
   moe_dispatch: str = key()  # all_to_all | gather (layers/moe_dispatch.py)
   moe_all_to_all: str = key()  # auto | ragged | padded
+  moe_ragged_buffer_factor: float = key()  # <= 0: worst-case receive buffer (dropless)
   moe_grouped_matmul: str = key()  # auto | ragged_dot | megablox (layers/grouped_matmul.py)
   quantization: str = key()  # "" | int8 | fp8: the decoder stack's matmuls (layers/quantization.py)
   pipeline_schedule: str = key()  # gpipe | circular | 1f1b (interleaved with num_pipeline_repeats > 1)

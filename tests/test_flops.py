@@ -104,9 +104,11 @@ def test_moe_formula_counts_the_expert_rows_each_path_computes(sparse_matmul):
   assert metrics.moe_expert_rows(config.model, 32) == (2 * 32 if sparse_matmul else 4 * 32)
 
 
-def test_padded_dropless_moe_flops_match_xla_cost_analysis():
-  # The padded path is plain batched matmuls, so XLA's count is its real cost: E/k times the routed work.
-  config = Config.for_testing(**MOE, max_target_length=32, capacity_factor=-1.0)
+@pytest.mark.parametrize("shared_experts", [0, 2])
+def test_padded_dropless_moe_flops_match_xla_cost_analysis(shared_experts):
+  # The padded path is plain batched matmuls, so XLA's count is its real cost: E/k times the routed
+  # work (plus, with shared experts, one dense MLP of shared x mlp_dim for every token).
+  config = Config.for_testing(**MOE, max_target_length=32, capacity_factor=-1.0, shared_experts=shared_experts)
   xla_flops = _xla_forward_flops(config, BATCH, 32)
   weights, attention_flops = metrics.forward_flops_per_sequence(config.model, 32, causal=False)
   ours = BATCH * (weights + attention_flops)

@@ -297,6 +297,7 @@ class MoeBlock(nnx.Module):
     if cfg.sparse_matmul:
       body = functools.partial(moe_dispatch.grouped_body, **common, activations=cfg.mlp_activations,
                                matmul=matmul, checkpoint_name=checkpoint_name,
+                               buffer_factor=cfg.moe_ragged_buffer_factor,
                                exchange=moe_dispatch.select_exchange(cfg.moe_all_to_all, trace_platform()))
     else:
       body = functools.partial(moe_dispatch.capacity_body, **common, capacity=capacity,

@@ -23,13 +23,18 @@ Two exchanges (shape letters of moe.py; X = expert-parallel degree, El = E / X l
   moving only the routed rows) or, where XLA has no ragged all-to-all (CPU), the same exchange
   over a fixed-size `all_to_all` with one full-size chunk per peer (moe_all_to_all=padded:
   X times the bytes, same result). The receive buffer holds the worst case, X·b·L·min(k, El)
-  rows (every peer's tokens routed here; a token picks an expert at most once).
+  rows (every peer's tokens routed here; a token picks an expert at most once), so nothing is
+  ever dropped; with many experts per device that buffer, and the grouped matmul's static
+  tiling over it, dominate memory and time. moe_ragged_buffer_factor > 0 sizes it to that many
+  even shares (b·L·k rows) instead: rows that would land past it are not sent, i.e. dropped
+  (each source's highest local experts first, sources in mesh order), and add zeros.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable, Sequence
 
 import jax
@@ -164,6 +169,15 @@ def padded_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offset
   return output.at[target.reshape(-1)].set(got_XND.reshape(-1, dim), mode="drop", unique_indices=True)
 
 
+def receive_rows(tokens: int, top_k: int, local_experts: int, degree: int, buffer_factor: float) -> int:
+  """Rows of a device's receive buffer: the worst case (every peer's tokens routed here; a token
+  picks an expert at most once), or `buffer_factor` times an even share (tokens·k) when > 0."""
+  worst = degree * tokens * min(top_k, local_experts)
+  if buffer_factor <= 0:
+    return worst
+  return max(1, min(worst, math.ceil(buffer_factor * tokens * top_k)))
+
+
 def _exchange(kind: str) -> Callable[..., jax.Array]:
   if kind == "ragged":
     return jax.lax.ragged_all_to_all
@@ -172,8 +186,9 @@ def _exchange(kind: str) -> Callable[..., jax.Array]:
 
 def grouped_body(x_bLD: jax.Array, experts_bLk: jax.Array, weights_bLk: jax.Array, *kernels: jax.Array,
                  expert_axes: Axes, num_experts: int, activations: tuple[str, ...], matmul: GroupedMatmul,
-                 exchange: str, checkpoint_name: Callable[[jax.Array, str], jax.Array]) -> jax.Array:
-  """One device's dropless grouped exchange (module docstring)."""
+                 exchange: str, checkpoint_name: Callable[[jax.Array, str], jax.Array],
+                 buffer_factor: float = -1.0) -> jax.Array:
+  """One device's grouped exchange (module docstring)."""
   batch, length, dim = x_bLD.shape
   top_k = experts_bLk.shape[-1]
   degree = jax.lax.axis_size(expert_axes)
@@ -189,15 +204,18 @@ def grouped_body(x_bLD: jax.Array, experts_bLk: jax.Array, weights_bLk: jax.Arra
   # Everyone's per-expert counts: who sends what to whom, and where it lands.
   sizes_XE = jax.lax.all_gather(sizes_E, expert_axes)  # [source, E]
   rows_XX = jnp.sum(sizes_XE.reshape(degree, degree, local), axis=-1)  # [source, destination]
-  send_X, recv_X = rows_XX[me], rows_XX[:, me]
-  send_offsets_X = _exclusive_cumsum(send_X)
-  land_offsets_X = _exclusive_cumsum(rows_XX, axis=0)[me]  # in each destination: rows of lower sources first
-  recv_capacity = degree * batch * length * min(top_k, local)
+  land_XX = _exclusive_cumsum(rows_XX, axis=0)  # in each destination: rows of lower sources first
+  recv_capacity = receive_rows(batch * length, top_k, local, degree, buffer_factor)
+  # Rows that would land past the receive buffer are not sent (they contribute zeros).
+  kept_XX = jnp.clip(recv_capacity - land_XX, 0, rows_XX)
+  send_X, recv_X = kept_XX[me], kept_XX[:, me]
+  send_offsets_X = _exclusive_cumsum(rows_XX[me])
   received_RD = send_rows(x_AD, jnp.zeros((recv_capacity, dim), x_AD.dtype), send_offsets_X, send_X,
-                          land_offsets_X, recv_X)
+                          land_XX[me], recv_X)
 
   # Arrival order is (source, local expert); group the rows by local expert for the matmuls.
   counts_XEl = jax.lax.dynamic_slice(sizes_XE, (0, me * local), (degree, local))
+  counts_XEl = jnp.clip(recv_X[:, None] - _exclusive_cumsum(counts_XEl, axis=1), 0, counts_XEl)
   ends = jnp.cumsum(counts_XEl.reshape(-1))
   segment_R = jnp.searchsorted(ends, jnp.arange(recv_capacity), side="right")
   local_expert_R = jnp.where(segment_R < degree * local, segment_R % local, local)  # padding sorts last

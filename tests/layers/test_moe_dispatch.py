@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from MaxText import metrics as metrics_lib
-from MaxText import train_compile, train_step
+from MaxText import sharding, train_compile, train_step
 from MaxText.config import BASE_CONFIG_PATH
 from MaxText.errors import ConfigError
 from MaxText.layers import grouped_matmul, moe, moe_dispatch
@@ -21,7 +21,7 @@ from MaxText.run_assembly import build_run
 from MaxText.trainer import RouterHealthHook, StepRecord
 from train_utils import Run
 
-from layers.test_moe import E, TOP_K, tiny_mixtral
+from layers.test_moe import D, E, F, TOP_K, _apply, _block, _reference, tiny_mixtral
 
 LENGTH, DIM = 16, 64
 DROPLESS_GROUPED = dict(capacity_factor=-1.0, sparse_matmul=True)
@@ -74,6 +74,19 @@ def test_all_to_all_trains_exactly_like_the_gather_path(mesh, mode, shared):
     assert dropped and min(dropped) > 0.1, dropped
 
 
+def test_receive_buffer_factor_bounds_the_buffer_and_drops_only_what_overflows():
+  """Big enough: the same training as the gather path (dropless); small: rows are dropped, so the
+  output changes, and the receive buffer in the compiled step is that many even shares."""
+  overrides = dict(MESHES["expert2_fsdp4"], **DROPLESS_GROUPED)
+  want = _two_steps(**overrides, moe_dispatch="gather")
+  _assert_same_training(_two_steps(**overrides, moe_ragged_buffer_factor=2.0), want)  # 2 even shares = worst case
+  assert moe_dispatch.receive_rows(tokens=16, top_k=2, local_experts=2, degree=2, buffer_factor=2.0) == 64
+  assert moe_dispatch.receive_rows(tokens=16, top_k=2, local_experts=2, degree=2, buffer_factor=-1) == 64
+  assert moe_dispatch.receive_rows(tokens=16, top_k=2, local_experts=2, degree=2, buffer_factor=0.5) == 16
+  _, dropping = _two_steps(**overrides, moe_ragged_buffer_factor=0.5)
+  assert np.isfinite(dropping[0]["loss"]) and abs(dropping[0]["loss"] - want[1][0]["loss"]) > 1e-4
+
+
 def test_unchecked_shard_map_gives_the_same_gradients(monkeypatch):
   """The shard_map runs with check_vma=False around megablox; that must not change the
   gradients (shard_map inserts the same reductions either way for this body)."""
@@ -91,6 +104,17 @@ def test_megablox_kernel_trains_like_ragged_dot(monkeypatch):
   monkeypatch.setattr(grouped_matmul, "select",
                       lambda name, platform: functools.partial(grouped_matmul.megablox, interpret=True))
   _assert_same_training(_two_steps(**overrides), want, rtol=1e-4)
+
+
+def test_shared_experts_add_one_wide_dense_mlp_for_every_token():
+  block = _block(tiny_mixtral(shared_experts=2, capacity_factor=-1.0))
+  assert block.shared_mlp.wi_0.kernel.shape == (D, 2 * F) and block.shared_mlp.wo.kernel.shape == (2 * F, D)
+  x_BLD = np.random.default_rng(3).normal(size=(2, 8, D)).astype(np.float32)
+  with sharding.unsharded():
+    shared_BLD = np.asarray(block.shared_mlp(jnp.asarray(x_BLD)))
+  assert np.abs(shared_BLD).max() > 0.1
+  np.testing.assert_allclose(_apply(block, x_BLD), _reference(block, x_BLD, capacity=8) + shared_BLD,
+                             rtol=1e-4, atol=1e-5)
 
 
 # ---------------------------------------------------------------- what the compiled step communicates
