@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -291,7 +291,7 @@ class MoeBlock(nnx.Module):
   def _all_to_all(self, layout: moe_dispatch.ExpertLayout, x_BLD: jax.Array, experts_BLk: jax.Array,
                   weights_BLk: jax.Array, capacity: int) -> jax.Array:
     cfg = self.cfg
-    common = dict(expert_axes=layout.expert_axes, num_experts=cfg.num_experts)
+    common: dict[str, Any] = dict(expert_axes=layout.expert_axes, num_experts=cfg.num_experts)
     body: Callable[..., jax.Array]
     matmul = self._matmul()
     if cfg.sparse_matmul:
