@@ -5,7 +5,11 @@ ragged exchange's semantics, the grouped-matmul kernels, routing health and bad 
 from __future__ import annotations
 
 import functools
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +27,7 @@ from train_utils import Run
 
 from layers.test_moe import D, E, F, TOP_K, _apply, _block, _reference, tiny_mixtral
 
+REPO = Path(__file__).resolve().parents[2]
 LENGTH, DIM = 16, 64
 DROPLESS_GROUPED = dict(capacity_factor=-1.0, sparse_matmul=True)
 DROPPING = dict(capacity_factor=0.5)  # half an even share: many assignments dropped
@@ -271,3 +276,38 @@ def test_platform_lacking_the_exchange_or_kernel_is_a_one_line_error(overrides, 
   with pytest.raises(ConfigError) as info:
     run.train_step.lower(*run.abstract_inputs().as_args())
   assert message in str(info.value) and "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------- through train.py
+
+CLI_MODEL = ["decoder_block=mixtral", "base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=2", "head_dim=16",
+             "base_mlp_dim=128", "base_num_decoder_layers=2", "vocab_size=128", "max_target_length=32",
+             "num_experts=8", "num_experts_per_tok=2", "ici_expert_parallelism=4", "ici_fsdp_parallelism=-1",
+             "per_device_batch_size=1", "dataset_type=synthetic", "enable_checkpointing=False"]
+
+
+def _train_cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
+  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PATH": "/usr/bin:/bin",
+         "HOME": str(Path.home())}
+  return subprocess.run([sys.executable, "-m", "MaxText.train", "configs/base.yml", f"base_output_directory={tmp_path}",
+                         "run_name=moe", *CLI_MODEL, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=600)
+
+
+def test_train_cli_writes_per_layer_routing_health(tmp_path):
+  proc = _train_cli(tmp_path, "steps=3", "sparse_matmul=True")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  records = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
+  last = [r for r in records if "loss" in r][-1]
+  for name in ("moe_load_min", "moe_load_max", "moe_load_cv", "moe_dropped_fraction", "moe_router_entropy"):
+    assert {f"{name}/layer_0", f"{name}/layer_1"} <= set(last), sorted(last)
+  assert 0 < last["moe_load_min/layer_0"] <= 2 / 8 <= last["moe_load_max/layer_0"] <= 1
+  assert 0 < last["moe_router_entropy/layer_1"] <= np.log(8) + 1e-6
+
+
+def test_train_cli_ragged_exchange_on_cpu_is_one_error_line(tmp_path):
+  proc = _train_cli(tmp_path, "steps=1", "sparse_matmul=True", "moe_all_to_all=ragged")
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+  assert len(errors) == 1 and "moe_all_to_all=ragged needs XLA's ragged all-to-all" in errors[0], proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr
