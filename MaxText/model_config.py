@@ -113,6 +113,7 @@ class ModelConfig:
   attention_layer_pattern: tuple[str, ...] = key(architecture=True)  # cycled over layers: global | local
   sliding_window_size: int = key(architecture=True)
   attn_logits_soft_cap: float = key(architecture=True)  # 0 = off
+  use_qk_norm: bool = key(architecture=True)  # RMSNorm over each query / key head before RoPE
   final_logits_soft_cap: float = key(architecture=True)  # 0 = off
   query_pre_attn_scalar: float = key(architecture=True)  # 0 = head_dim
   scale_embedding: bool = key(architecture=True)
@@ -120,6 +121,7 @@ class ModelConfig:
   num_experts: int = key(architecture=True)  # 1 = dense MLP
   num_experts_per_tok: int = key(architecture=True)
   shared_experts: int = key(architecture=True)  # 0 = none
+  norm_topk_prob: bool = key(architecture=True)  # renormalise the k routing weights to sum to one
   global_parameter_scale: int = key(fixed_on_resume=MODEL)
   scan_layers: bool = key(fixed_on_resume=LAYOUT)
   weight_dtype: str = key(fixed_on_resume=LAYOUT)

@@ -21,6 +21,7 @@ from MaxText.layers import attention_kernels
 from MaxText.layers import kv_cache, masks
 from MaxText.layers.embeddings import apply_rope, rope_inverse_frequencies
 from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.normalizations import RMSNorm
 
 def dot_product_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BL: jax.Array,
                           window_size: masks.Window = None, soft_cap: float = 0.0) -> jax.Array:
@@ -83,6 +84,11 @@ class Attention(nnx.Module):
     self.key = dense((d,), (k, h), ("embed", "kv_heads", "kv"), tag="key_proj")
     self.value = dense((d,), (k, h), ("embed", "kv_heads", "kv"), tag="value_proj")
     self.out = dense((n, h), (d,), ("heads", "kv", "embed"), tag="out_proj")
+    if cfg.use_qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's vector, before RoPE
+      norm = functools.partial(RMSNorm, h, epsilon=cfg.normalization_layer_epsilon, dtype=jnp.dtype(cfg.dtype),
+                               weight_dtype=jnp.dtype(cfg.weight_dtype),
+                               scale_offset=1.0 if cfg.normalization_type == "rms_plus_one" else 0.0)
+      self.query_norm, self.key_norm = norm(), norm()
     self.cfg = cfg
     self.kernel = ATTENTION_KERNELS[select_kernel(cfg.attention)](cfg)
     # Gemma 2 27B scales by (emb_dim / num_heads)**-0.5 rather than head_dim**-0.5.
@@ -102,8 +108,10 @@ class Attention(nnx.Module):
     cfg = self.cfg
     heads_names = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
     kv_names = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
-    q_BLNH = self._rope(self.query(x_BLD), positions_BL)
-    k_BSKH = self._rope(self.key(x_BLD), positions_BL)
+    q_BLNH, k_BSKH = self.query(x_BLD), self.key(x_BLD)
+    if cfg.use_qk_norm:
+      q_BLNH, k_BSKH = self.query_norm(q_BLNH), self.key_norm(k_BSKH)
+    q_BLNH, k_BSKH = self._rope(q_BLNH, positions_BL), self._rope(k_BSKH, positions_BL)
     q_BLNH = sharding.constrain(q_BLNH * jnp.asarray(self.query_scale, q_BLNH.dtype), heads_names)
     k_BSKH = sharding.constrain(k_BSKH, kv_names)
     v_BSKH = sharding.constrain(self.value(x_BLD), kv_names)
