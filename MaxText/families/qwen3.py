@@ -24,17 +24,11 @@ from typing import Any, Mapping
 from MaxText.convert import tensor_maps as r
 from MaxText.families import Family, register_family
 from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, gated_mlp_tensors, max_positions,
-                                    rope_hf_config, rope_keys, shape_hf_config, shape_keys)
+                                    qk_norm_tensors, rope_hf_config, rope_keys, shape_hf_config, shape_keys)
 from MaxText.families.mixtral import fused_expert_tensors
 from MaxText.model_config import ModelConfig
 
-_ATTN = "model.layers.{i}.self_attn."
 _MOE = "model.layers.{i}.mlp."
-
-
-def qk_norm_tensors() -> list[r.TensorMap]:
-  return [r.one(_ATTN + "q_norm.weight", "self_attention/query_norm/scale"),
-          r.one(_ATTN + "k_norm.weight", "self_attention/key_norm/scale")]
 
 
 def qwen3_tensors(cfg: ModelConfig) -> list[r.TensorMap]:

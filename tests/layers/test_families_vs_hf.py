@@ -44,6 +44,8 @@ FEATURE_OFF = [
     ("gemma2", {"attn_logits_soft_cap": 0.0}),
     ("gemma2", {"attention_layer_pattern": ["global"]}),
     ("qwen3_moe-unnormalised", {"norm_topk_prob": True}),
+    ("gemma3", {"rope_local_max_timescale": 0.0}),
+    pytest.param("gemma3", {"rope_type": "default"}, marks=_slow),
     pytest.param("gemma", {"scale_embedding": False}, marks=_slow),
     pytest.param("gemma2", {"final_logits_soft_cap": 0.0}, marks=_slow),
     pytest.param("gemma2", {"attention_layer_pattern": ["local"]}, marks=_slow),
