@@ -28,7 +28,7 @@ ACTIVATIONS = ("silu", "gelu", "relu", "linear", "tanh")
 DTYPES = ("float32", "bfloat16", "float16")
 NORMALIZATION_TYPES = ("rms", "rms_plus_one", "layer")
 POSITION_EMBEDDINGS = ("rope", "learned", "sinusoidal")
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "linear")
 ATTENTION_LAYER_KINDS = ("global", "local")
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 
@@ -105,7 +105,8 @@ class ModelConfig:
   rope_min_timescale: float = key(architecture=True)
   rope_max_timescale: float = key(architecture=True)
   rope_interleaved: bool = key(architecture=True)
-  rope_type: str = key(architecture=True)  # default | llama3
+  rope_type: str = key(architecture=True)  # default | llama3 | linear
+  rope_local_max_timescale: float = key(architecture=True)  # 0 = local layers use the global RoPE
   rope_scaling_factor: float = key(architecture=True)
   rope_low_freq_factor: float = key(architecture=True)
   rope_high_freq_factor: float = key(architecture=True)
@@ -113,6 +114,7 @@ class ModelConfig:
   attention_layer_pattern: tuple[str, ...] = key(architecture=True)  # cycled over layers: global | local
   sliding_window_size: int = key(architecture=True)
   attn_logits_soft_cap: float = key(architecture=True)  # 0 = off
+  use_qk_norm: bool = key(architecture=True)  # RMSNorm over each query / key head before RoPE
   final_logits_soft_cap: float = key(architecture=True)  # 0 = off
   query_pre_attn_scalar: float = key(architecture=True)  # 0 = head_dim
   scale_embedding: bool = key(architecture=True)
@@ -120,6 +122,7 @@ class ModelConfig:
   num_experts: int = key(architecture=True)  # 1 = dense MLP
   num_experts_per_tok: int = key(architecture=True)
   shared_experts: int = key(architecture=True)  # 0 = none
+  norm_topk_prob: bool = key(architecture=True)  # renormalise the k routing weights to sum to one
   global_parameter_scale: int = key(fixed_on_resume=MODEL)
   scan_layers: bool = key(fixed_on_resume=LAYOUT)
   weight_dtype: str = key(fixed_on_resume=LAYOUT)
@@ -215,6 +218,11 @@ def _check_positions_and_attention(v: Mapping[str, Any]) -> None:
              "rope_type=llama3 needs rope_scaling_factor >= 1, 0 < rope_low_freq_factor < "
              f"rope_high_freq_factor and rope_original_max_position > 0; got {v['rope_scaling_factor']}, "
              f"{v['rope_low_freq_factor']}, {v['rope_high_freq_factor']}, {v['rope_original_max_position']}")
+  if v["rope_type"] == "linear":
+    _require(v["rope_scaling_factor"] >= 1.0, f"rope_type=linear needs rope_scaling_factor >= 1, "
+             f"got {v['rope_scaling_factor']}")
+  _require(v["rope_local_max_timescale"] >= 0, "rope_local_max_timescale must be >= 0 (0 = the global layers' "
+           f"RoPE), got {v['rope_local_max_timescale']}")
   pattern = list(v["attention_layer_pattern"])
   _require(len(pattern) >= 1 and all(kind in ATTENTION_LAYER_KINDS for kind in pattern),
            f"attention_layer_pattern must be a non-empty list of {', '.join(ATTENTION_LAYER_KINDS)}; got {pattern}")

@@ -71,8 +71,14 @@ def test_converted_checkpoint_passes_the_logit_checker_float32(family, converted
 
 # Every family's bf16 numerics are checked against HF in test_families_vs_hf; through the
 # converted checkpoint and the checker CLI two families suffice by default.
+# MoE families are left to test_families_vs_hf's flip-aware bf16 check: in a tiny random MoE,
+# bf16 rounding flips near-tied expert choices (on HF's side too), an O(1) move of that token's
+# logits that no fixed bound here can tell from a bug.
+_DENSE = [f for f in H.FAMILIES if "experts" not in str(H.REFERENCE_CONFIGS[f])]
+
+
 @pytest.mark.parametrize("family", [f if f in ("llama3.1", "gemma2") else pytest.param(f, marks=pytest.mark.slow)
-                                    for f in H.FAMILIES])
+                                    for f in _DENSE])
 def test_converted_checkpoint_passes_the_logit_checker_bfloat16(family, converted, capsys):
   """Against HF float32: bf16 rounding of weights and activations (2^-9 relative) moves logits of
   size <= 8 by up to ~0.1 and the distributions by KL ~ 1e-4 (HF's own bf16 run does the same,

@@ -32,6 +32,11 @@ PUBLISHED = {
     "gemma-2b": 2.51e9, "gemma-7b": 8.54e9,
     "gemma2-2b": 2.61e9, "gemma2-9b": 9.24e9, "gemma2-27b": 27.23e9,
     "gpt3-6b": 6.7e9, "gpt3-175b": 175.0e9, "gpt3-52k": 52e3,
+    # Gemma 3: text-only counts (the model cards' 4B/12B/27B include a 0.42B vision encoder).
+    "gemma3-1b": 1.0e9, "gemma3-4b": 3.88e9, "gemma3-12b": 11.77e9, "gemma3-27b": 27.0e9,
+    # Qwen3 model cards (sizes as the checkpoints count them; the cards round to 0.6B, 1.7B, ...).
+    "qwen3-0.6b": 0.596e9, "qwen3-1.7b": 1.72e9, "qwen3-4b": 4.02e9, "qwen3-8b": 8.19e9, "qwen3-14b": 14.77e9,
+    "qwen3-32b": 32.76e9, "qwen3-30b-a3b": 30.5e9, "qwen3-235b-a22b": 235.1e9,
 }
 # The `default` family has no published size: it follows global_parameter_scale.
 UNPUBLISHED = {"default"}

@@ -17,7 +17,7 @@ from MaxText.model_config import ModelConfig
 from MaxText.convert import tensor_maps as r
 from MaxText.families import Family, register_family
 from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, gated_mlp_tensors,
-                                    rope_hf_config, rope_keys, shape_hf_config, shape_keys)
+                                    qk_norm_tensors, rope_hf_config, rope_keys, shape_hf_config, shape_keys)
 
 # HF activation names that are the tanh-approximated GELU our "gelu" computes.
 _TANH_GELU = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
@@ -88,6 +88,35 @@ def gemma2_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
   ]
 
 
+def gemma3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  """Gemma 3 text: Gemma 2's layer and local/global layers (5:1 in the releases), with QK-norm,
+  no soft caps, and separate RoPE for local layers (base `rope_local_base_freq`, unscaled) and
+  global ones (base `rope_theta`, linear scaling in the 4B and larger models)."""
+  params = hf.get("rope_parameters") or {}
+  if "full_attention" in params:  # transformers >= 5: one RoPE per layer type
+    global_rope, local_rope = params["full_attention"], params.get("sliding_attention", {})
+  else:
+    global_rope = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 1_000_000.0)}
+    local_rope = {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+  keys = gemma2_model_keys({**hf, "rope_parameters": global_rope, "rope_scaling": None})
+  r.require_hf(local_rope, "rope_type", ("default",), "default")
+  keys.update(decoder_block="gemma3", use_qk_norm=True, rope_local_max_timescale=float(local_rope["rope_theta"]))
+  return keys
+
+
+def gemma3_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+  hf = gemma2_hf_config(cfg)
+  global_rope = rope_hf_config(cfg)["rope_parameters"]
+  local_theta = cfg.rope_local_max_timescale or cfg.rope_max_timescale
+  return {**hf, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+          "rope_parameters": {"full_attention": global_rope,
+                              "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}}
+
+
+def gemma3_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
+  return gemma2_tensors(cfg) + qk_norm_tensors()
+
+
 register_family(Family("gemma", ("gemma",), ("gemma",), gemma_model_keys, gemma_hf_config, gemma_tensors,
                        reference_hf_configs={  # multi-query, heads wider than emb_dim / heads (as Gemma 7B)
                            "gemma": dict(model_type="gemma", **{**TINY_SHAPES, "num_key_value_heads": 1,
@@ -98,3 +127,15 @@ register_family(Family("gemma2", ("gemma2",), ("gemma2",), gemma2_model_keys, ge
                            "gemma2": dict(model_type="gemma2", **{**TINY_SHAPES, "num_hidden_layers": 3},
                                           sliding_window=6, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
                                           query_pre_attn_scalar=24)}))
+register_family(Family("gemma3", ("gemma3_text",), ("gemma3",), gemma3_model_keys, gemma3_hf_config, gemma3_tensors,
+                       layer="gemma2",
+                       reference_hf_configs={  # 2 local : 1 global, QK-norm, per-kind RoPE, linear scaling
+                           "gemma3": dict(model_type="gemma3_text", **{**TINY_SHAPES, "num_hidden_layers": 4},
+                                          sliding_window=6, query_pre_attn_scalar=24,
+                                          layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                                       "sliding_attention"],
+                                          rope_parameters={
+                                              "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                 "rope_theta": 1_000_000.0},
+                                              "sliding_attention": {"rope_type": "default",
+                                                                    "rope_theta": 10_000.0}})}))

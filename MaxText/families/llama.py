@@ -44,6 +44,12 @@ def gated_mlp_tensors(prefix: str = "model.layers.{i}.mlp.") -> list[r.TensorMap
   ]
 
 
+def qk_norm_tensors(prefix: str = "model.layers.{i}.self_attn.") -> list[r.TensorMap]:
+  """QK-norm gains (Qwen3, Gemma 3): one RMSNorm scale over head_dim for queries, one for keys."""
+  return [r.one(prefix + "q_norm.weight", "self_attention/query_norm/scale"),
+          r.one(prefix + "k_norm.weight", "self_attention/key_norm/scale")]
+
+
 def embedding_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
   """Token table, final norm and (untied) output projection; a tied checkpoint's lm_head copy is skipped."""
   maps = [r.one("model.embed_tokens.weight", "token_embedder/embedding"),
@@ -69,8 +75,10 @@ def rope_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
                 rope_low_freq_factor=float(params["low_freq_factor"]),
                 rope_high_freq_factor=float(params["high_freq_factor"]),
                 rope_original_max_position=int(params["original_max_position_embeddings"]))
+  elif rope_type == "linear":
+    keys.update(rope_type="linear", rope_scaling_factor=float(params["factor"]))
   elif rope_type != "default":
-    raise ConfigError(f"HF rope type {rope_type!r} is not supported (supported: default, llama3)")
+    raise ConfigError(f"HF rope type {rope_type!r} is not supported (supported: default, llama3, linear)")
   return keys
 
 
@@ -83,6 +91,8 @@ def max_positions(cfg: ModelConfig) -> int:
 
 def rope_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   params: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_max_timescale}
+  if cfg.rope_type == "linear":
+    params.update(factor=cfg.rope_scaling_factor)
   if cfg.rope_type == "llama3":
     params.update(factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_low_freq_factor,
                   high_freq_factor=cfg.rope_high_freq_factor,

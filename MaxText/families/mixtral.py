@@ -43,6 +43,15 @@ def _fused_gate_up_to_hf(kernels: tuple[np.ndarray, ...], cfg: ModelConfig) -> n
   return np.concatenate([np.swapaxes(k, 1, 2) for k in kernels], axis=1)
 
 
+def fused_expert_tensors(prefix: str) -> list[r.TensorMap]:
+  """transformers >= 5's in-memory fused experts under `prefix` (read only, never written)."""
+  return [
+      r.TensorMap(prefix + "experts.gate_up_proj", ("mlp/wi_0/kernel", "mlp/wi_1/kernel"), _split_gate_up,
+                  _fused_gate_up_to_hf, write=False),
+      r.one(prefix + "experts.down_proj", "mlp/wo/kernel", _swap_last, _swap_last, write=False),
+  ]
+
+
 def expert_tensors() -> list[r.TensorMap]:
   """Router and per-expert SwiGLU weights, in the on-disk form and the in-memory fused form."""
   return [
@@ -51,9 +60,7 @@ def expert_tensors() -> list[r.TensorMap]:
       r.one(_MOE + "experts.{e}.w3.weight", "mlp/wi_1/kernel", r.transpose, r.transpose),
       r.one(_MOE + "experts.{e}.w2.weight", "mlp/wo/kernel", r.transpose, r.transpose),
       r.one(_FUSED + "gate.weight", "mlp/gate/kernel", r.transpose, r.transpose, write=False),
-      r.TensorMap(_FUSED + "experts.gate_up_proj", ("mlp/wi_0/kernel", "mlp/wi_1/kernel"), _split_gate_up,
-                  _fused_gate_up_to_hf, write=False),
-      r.one(_FUSED + "experts.down_proj", "mlp/wo/kernel", _swap_last, _swap_last, write=False),
+      *fused_expert_tensors(_FUSED),
   ]
 
 

@@ -13,6 +13,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from MaxText import sharding
@@ -21,6 +22,7 @@ from MaxText.layers import attention_kernels
 from MaxText.layers import kv_cache, masks
 from MaxText.layers.embeddings import apply_rope, rope_inverse_frequencies
 from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.normalizations import RMSNorm
 
 def dot_product_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BL: jax.Array,
                           window_size: masks.Window = None, soft_cap: float = 0.0) -> jax.Array:
@@ -60,18 +62,35 @@ def select_kernel(name: str, platform: str | None = None, cfg: ModelConfig | Non
   return "flash" if long_sequences else "dot_product"
 
 
-def layer_window_size(cfg: ModelConfig, layer_index: int | jax.Array) -> masks.Window:
-  """Sliding-window size of layer `layer_index` under `attention_layer_pattern`, or None for
-  full attention: the config's window in masks.py's spelling. Static when the pattern is uniform;
-  a traced scalar when a scanned stack mixes local and global layers (a global layer then gets
-  masks.NO_WINDOW)."""
+def is_local_layer(cfg: ModelConfig, layer_index: int | jax.Array) -> bool | jax.Array:
+  """Whether layer `layer_index` is local under `attention_layer_pattern`: static when the
+  pattern is uniform, a traced boolean when a scanned stack mixes local and global layers."""
   pattern = cfg.attention_layer_pattern
-  if "local" not in pattern:
-    return None
-  if all(kind == "local" for kind in pattern):
-    return cfg.sliding_window_size
-  is_local = jnp.asarray([kind == "local" for kind in pattern])[layer_index % len(pattern)]
+  if len(set(pattern)) == 1:
+    return pattern[0] == "local"
+  return jnp.asarray([kind == "local" for kind in pattern])[layer_index % len(pattern)]
+
+
+def layer_window_size(cfg: ModelConfig, layer_index: int | jax.Array) -> masks.Window:
+  """Sliding-window size of layer `layer_index`, or None for full attention: the config's window
+  in masks.py's spelling (a traced one when the stack mixes kinds: a global layer then gets
+  masks.NO_WINDOW)."""
+  is_local = is_local_layer(cfg, layer_index)
+  if isinstance(is_local, bool):
+    return cfg.sliding_window_size if is_local else None
   return masks.layer_window(is_local, cfg.sliding_window_size)
+
+
+def layer_rope_frequencies(cfg: ModelConfig, layer_index: int | jax.Array) -> np.ndarray | jax.Array:
+  """RoPE frequencies of layer `layer_index`: the local layers' own when rope_local_max_timescale
+  is set (Gemma 3), else every layer's."""
+  if cfg.rope_local_max_timescale <= 0 or "local" not in cfg.attention_layer_pattern:
+    return rope_inverse_frequencies(cfg)
+  is_local = is_local_layer(cfg, layer_index)
+  local, global_ = rope_inverse_frequencies(cfg, local=True), rope_inverse_frequencies(cfg)
+  if isinstance(is_local, bool):
+    return local if is_local else global_
+  return jnp.where(is_local, jnp.asarray(local), jnp.asarray(global_))
 
 
 class Attention(nnx.Module):
@@ -83,16 +102,21 @@ class Attention(nnx.Module):
     self.key = dense((d,), (k, h), ("embed", "kv_heads", "kv"), tag="key_proj")
     self.value = dense((d,), (k, h), ("embed", "kv_heads", "kv"), tag="value_proj")
     self.out = dense((n, h), (d,), ("heads", "kv", "embed"), tag="out_proj")
+    if cfg.use_qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's vector, before RoPE
+      norm = functools.partial(RMSNorm, h, epsilon=cfg.normalization_layer_epsilon, dtype=jnp.dtype(cfg.dtype),
+                               weight_dtype=jnp.dtype(cfg.weight_dtype),
+                               scale_offset=1.0 if cfg.normalization_type == "rms_plus_one" else 0.0)
+      self.query_norm, self.key_norm = norm(), norm()
     self.cfg = cfg
     self.kernel = ATTENTION_KERNELS[select_kernel(cfg.attention)](cfg)
     # Gemma 2 27B scales by (emb_dim / num_heads)**-0.5 rather than head_dim**-0.5.
     self.query_scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
 
-  def _rope(self, x_BLNH: jax.Array, positions_BL: jax.Array) -> jax.Array:
+  def _rope(self, x_BLNH: jax.Array, positions_BL: jax.Array, layer_index: int | jax.Array) -> jax.Array:
     cfg = self.cfg
     if cfg.position_embedding != "rope":
       return x_BLNH
-    return apply_rope(x_BLNH, positions_BL, rope_inverse_frequencies(cfg), cfg.rope_interleaved)
+    return apply_rope(x_BLNH, positions_BL, layer_rope_frequencies(cfg, layer_index), cfg.rope_interleaved)
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
                layer_index: int | jax.Array = 0, cache: kv_cache.KVCache | None = None
@@ -102,8 +126,10 @@ class Attention(nnx.Module):
     cfg = self.cfg
     heads_names = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
     kv_names = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
-    q_BLNH = self._rope(self.query(x_BLD), positions_BL)
-    k_BSKH = self._rope(self.key(x_BLD), positions_BL)
+    q_BLNH, k_BSKH = self.query(x_BLD), self.key(x_BLD)
+    if cfg.use_qk_norm:
+      q_BLNH, k_BSKH = self.query_norm(q_BLNH), self.key_norm(k_BSKH)
+    q_BLNH, k_BSKH = self._rope(q_BLNH, positions_BL, layer_index), self._rope(k_BSKH, positions_BL, layer_index)
     q_BLNH = sharding.constrain(q_BLNH * jnp.asarray(self.query_scale, q_BLNH.dtype), heads_names)
     k_BSKH = sharding.constrain(k_BSKH, kv_names)
     v_BSKH = sharding.constrain(self.value(x_BLD), kv_names)

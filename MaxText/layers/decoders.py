@@ -58,11 +58,11 @@ def feed_forward_block(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
   return MoeBlock(cfg, rngs=rngs) if cfg.num_experts > 1 else MlpBlock(cfg, rngs=rngs)
 
 
-@register_layer("decoder")  # Llama, Mistral, Mixtral (MoE from num_experts > 1), Gemma, GPT-3
+@register_layer("decoder")  # Llama, Mistral, Mixtral and Qwen3-MoE (MoE from num_experts > 1), Qwen3, Gemma, GPT-3
 class DecoderLayer(nnx.Module):
   """Pre-norm block: h = x + Attn(norm(x)), then h + MLP(norm(h)).
 
-  Every dense family shares it; what differs is config-driven (normalization_type, use_bias,
+  Every dense family shares it; what differs is config-driven (normalization_type, use_bias, use_qk_norm,
   attention_layer_pattern, soft caps, RoPE settings) or a small subclass switch below.
   """
 

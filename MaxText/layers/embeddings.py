@@ -30,8 +30,11 @@ class Embed(nnx.Module):
     return jnp.einsum("bld,vd->blv", x_BLD.astype(dtype), self.embedding[...].astype(dtype))
 
 
-def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
+def rope_inverse_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarray:
   """[H/2] float32 angular frequency of each rotated pair: 1 / (min * (max/min)**(2i/H)).
+
+  `local`: for a local (sliding-window) layer, which with rope_local_max_timescale > 0 uses that
+  base and no scaling (Gemma 3). rope_type=linear divides every frequency by `factor`.
 
   With rope_type=llama3 (Llama 3.1) the long wavelengths are stretched for longer contexts:
   wavelengths above original_max / low_freq_factor are divided by `factor` in frequency,
@@ -39,12 +42,15 @@ def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
   linearly in original_max / wavelength.
   """
   head_dim = cfg.head_dim
+  local = local and cfg.rope_local_max_timescale > 0
+  max_timescale = cfg.rope_local_max_timescale if local else cfg.rope_max_timescale
   fraction = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-  timescale = np.float32(cfg.rope_min_timescale) * (
-      np.float32(cfg.rope_max_timescale / cfg.rope_min_timescale) ** fraction)
+  timescale = np.float32(cfg.rope_min_timescale) * (np.float32(max_timescale / cfg.rope_min_timescale) ** fraction)
   inv_freq = (np.float32(1.0) / timescale).astype(np.float32)
-  if cfg.rope_type != "llama3":
+  if local or cfg.rope_type == "default":
     return inv_freq
+  if cfg.rope_type == "linear":
+    return (inv_freq / np.float32(cfg.rope_scaling_factor)).astype(np.float32)
   factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
   original = cfg.rope_original_max_position
   wavelength = 2 * np.pi / inv_freq
@@ -55,7 +61,7 @@ def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
   return scaled.astype(np.float32)
 
 
-def apply_rope(x_BLNH: jax.Array, positions_BL: jax.Array, inv_freq_h: np.ndarray,
+def apply_rope(x_BLNH: jax.Array, positions_BL: jax.Array, inv_freq_h: np.ndarray | jax.Array,
                interleaved: bool = False) -> jax.Array:
   """Rotates pairs of each head's features by position × frequency, in float32.
 

@@ -106,10 +106,13 @@ def expert_capacity(cfg: ModelConfig, length: int) -> int:
   return max(1, min(length, math.ceil(cfg.capacity_factor * even_share)))
 
 
-def route(logits_BLE: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(router probabilities [B, L, E], chosen experts [B, L, k], their renormalised weights [B, L, k])."""
+def route(logits_BLE: jax.Array, top_k: int, renormalise: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(router probabilities [B, L, E], chosen experts [B, L, k], their weights [B, L, k]: the
+  chosen probabilities, renormalised to sum to one unless `renormalise` is False)."""
   probs_BLE = jax.nn.softmax(logits_BLE.astype(jnp.float32), axis=-1)
   top_probs_BLk, experts_BLk = jax.lax.top_k(probs_BLE, top_k)
+  if not renormalise:
+    return probs_BLE, experts_BLk, top_probs_BLk
   weights_BLk = top_probs_BLk / jnp.sum(top_probs_BLk, axis=-1, keepdims=True)
   return probs_BLE, experts_BLk, weights_BLk
 
@@ -324,7 +327,7 @@ class MoeBlock(nnx.Module):
     cfg = self.cfg
     top_k, num_experts, length = cfg.num_experts_per_tok, cfg.num_experts, x_BLD.shape[1]
     x_BLD = x_BLD.astype(self.dtype)
-    probs_BLE, experts_BLk, weights_BLk = route(self.gate(x_BLD), top_k)
+    probs_BLE, experts_BLk, weights_BLk = route(self.gate(x_BLD), top_k, cfg.norm_topk_prob)
     self.sow(nnx.Intermediate, "moe_lb_loss", load_balance_loss(probs_BLE, experts_BLk))
     capacity = expert_capacity(cfg, length)
     expert_BA, slot_BA = assign_slots(experts_BLk, num_experts)

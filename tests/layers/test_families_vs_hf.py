@@ -13,6 +13,8 @@ import hf_families as H
 # 6e-8 that mostly cancel; the two implementations order their sums differently, so about
 # 1e-5 separates them (observed: <= 5e-6). A missing feature moves the logits by >= 0.3.
 FP32_ATOL = 2e-5
+# bf16, MoE: a token whose logits moved this much had its experts changed by rounding.
+FLIP = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +43,9 @@ FEATURE_OFF = [
     ("gemma", {"normalization_type": "rms"}),
     ("gemma2", {"attn_logits_soft_cap": 0.0}),
     ("gemma2", {"attention_layer_pattern": ["global"]}),
+    ("qwen3_moe-unnormalised", {"norm_topk_prob": True}),
+    ("gemma3", {"rope_local_max_timescale": 0.0}),
+    pytest.param("gemma3", {"rope_type": "default"}, marks=_slow),
     pytest.param("gemma", {"scale_embedding": False}, marks=_slow),
     pytest.param("gemma2", {"final_logits_soft_cap": 0.0}, marks=_slow),
     pytest.param("gemma2", {"attention_layer_pattern": ["local"]}, marks=_slow),
@@ -83,6 +88,15 @@ def test_bfloat16_error_is_no_worse_than_hf_bfloat16(family, staging):
   config = H.our_config(model, dtype="bfloat16")
   ours = H.our_logits(config, H.our_params(model, config, staging / f"bf16-{family}"), token_ids)
   ours_error, hf_error = ours - reference, hf_bf16 - reference
+  if config.model.num_experts > 1:
+    # With many experts, near-tied router scores are common in a tiny random model: bf16
+    # rounding flips a token's expert on one side or the other (an O(1) move of that token's
+    # logits, seen on both sides). Flips may not be more frequent than HF's own (+1); the
+    # bounds below then apply to the tokens neither side flipped.
+    flipped_ours, flipped_hf = (np.abs(e).max(-1) > FLIP for e in (ours_error, hf_error))
+    assert flipped_ours.sum() <= flipped_hf.sum() + 1, (flipped_ours.sum(), flipped_hf.sum())
+    kept = ~(flipped_ours | flipped_hf)
+    ours_error, hf_error = ours_error[kept], hf_error[kept]
   assert _rms(ours_error) <= 1.5 * _rms(hf_error), (_rms(ours_error), _rms(hf_error))
   assert np.abs(ours_error).max() <= 2 * np.abs(hf_error).max(), (np.abs(ours_error).max(), np.abs(hf_error).max())
   assert (ours.argmax(-1) == reference.argmax(-1)).mean() >= (hf_bf16.argmax(-1) == reference.argmax(-1)).mean() - 0.05
