@@ -7,6 +7,8 @@ highlighting (GitHub ignores the rest, so the tags do not show):
   ```bash cpu slow         the same, taking more than ~20 s on a 2-core machine (tested under -m slow)
   ```bash cpu exit=2       the same, expected to end with this exit status (an error example)
   ```bash cpu timeout=900  the same, with its own time limit in seconds
+  ```bash cpu corpus       the block reads ../shared/data/tinyshakespeare.txt (the shared data beside the
+                           repository, never copied into it): skipped, saying so, where it is absent
   ```bash cpu install      the block runs setup.sh: the test runs it with DRY_RUN=1 (setup.sh then
                            prints its pip commands): the install itself is what the test runs after
   ```bash cpu dry-run      the dry-run form of the tpu/gpu/cloud block before it
@@ -40,7 +42,10 @@ DOCS = ("README.md", "getting_started/*.md")
 
 COMMAND_KINDS = {"cpu", "tpu", "gpu", "cloud", "manual", "ci"}
 TEXT_KINDS = {"output", "sample", "diagram", "sketch"}
-MODIFIERS = {"slow", "install", "dry-run"}
+MODIFIERS = {"slow", "install", "dry-run", "corpus"}
+# The shared data a `corpus` block reads, beside the repository.
+SHARED = REPO_ROOT.parent / "shared"
+CORPUS = SHARED / "data" / "tinyshakespeare.txt"
 CPU_TIMEOUT_S = 180
 SLOW_TIMEOUT_S = 1500
 # What a run copies of the repository: the tracked tree as a fresh clone has it, not the run outputs.
@@ -220,6 +225,8 @@ def run(block: Block, workdir: Path, root: Path = REPO_ROOT) -> Run:
   """
   repo = workdir / "repo"
   shutil.copytree(root, repo, ignore=COPY_IGNORE, symlinks=True)
+  if "corpus" in block.tags:
+    (workdir / "shared").symlink_to(SHARED)  # ../shared from the copy, as beside the repository
   env = {k: os.environ[k] for k in ("PATH", "HOME") if k in os.environ}
   if "install" in block.tags:
     env["DRY_RUN"] = "1"

@@ -46,6 +46,8 @@ def test_doc_command(block: Block, tmp_path):
     reason = "needs a TPU or a GPU" if block.kinds == {"tpu", "gpu"} else why[min(block.kinds)]
     dry = f"; its dry-run form {block.dry_run.id} is tested" if block.dry_run else "; the docs give no dry-run form"
     pytest.skip(reason + dry)
+  if "corpus" in block.tags and not doc_blocks.CORPUS.exists():
+    pytest.skip(f"needs {doc_blocks.CORPUS} (the shared data beside the repository), which is absent")
   problem = doc_blocks.check(block, doc_blocks.run(block, tmp_path))
   assert problem is None, problem
 

@@ -292,10 +292,11 @@ class MoeBlock(nnx.Module):
     return combine(out_BECD, expert_BA, slot_BA, weight_BA, cfg.num_experts_per_tok)
 
   def _all_to_all(self, layout: moe_dispatch.ExpertLayout, x_BLD: jax.Array, experts_BLk: jax.Array,
-                  weights_BLk: jax.Array, capacity: int) -> jax.Array:
+                  weights_BLk: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """(output, assignments the exchange dropped) under moe_dispatch=all_to_all."""
     cfg = self.cfg
     common: dict[str, Any] = dict(expert_axes=layout.expert_axes, num_experts=cfg.num_experts)
-    body: Callable[..., jax.Array]
+    body: Callable[..., tuple[jax.Array, jax.Array]]
     matmul = self._matmul()
     if cfg.sparse_matmul:
       body = functools.partial(moe_dispatch.grouped_body, **common, activations=cfg.mlp_activations,
@@ -332,17 +333,20 @@ class MoeBlock(nnx.Module):
     capacity = expert_capacity(cfg, length)
     expert_BA, slot_BA = assign_slots(experts_BLk, num_experts)
     dropped_BA = None if cfg.sparse_matmul else slot_BA >= capacity
-    for name, value in routing_health(probs_BLE, experts_BLk, dropped_BA).items():
-      self.sow(nnx.Intermediate, name, value)
+    stats = routing_health(probs_BLE, experts_BLk, dropped_BA)
 
     layout = self._layout(x_BLD.shape[0])
     if layout is not None:
-      out_BLD = self._all_to_all(layout, x_BLD, experts_BLk, weights_BLk, capacity)
+      out_BLD, exchange_dropped = self._all_to_all(layout, x_BLD, experts_BLk, weights_BLk, capacity)
+      if cfg.sparse_matmul:  # the grouped exchange's receive buffers may drop rows
+        stats["moe_dropped_fraction"] = jax.lax.stop_gradient(exchange_dropped) / experts_BLk.size
     elif cfg.sparse_matmul:
       out_BLD = self._grouped(x_BLD, experts_BLk, weights_BLk)
     else:
       weight_BA = jnp.swapaxes(weights_BLk, 1, 2).reshape(weights_BLk.shape[0], -1)
       out_BLD = self._padded(x_BLD, expert_BA, slot_BA, weight_BA, capacity)
+    for name, value in stats.items():
+      self.sow(nnx.Intermediate, name, value)
     if cfg.shared_experts > 0:
       out_BLD = out_BLD + self.shared_mlp(x_BLD)
     return out_BLD

@@ -106,29 +106,35 @@ def select_exchange(name: str, platform: str) -> str:
 
 
 def moe_all_to_all(layout: ExpertLayout, x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.Array,
-                   kernels: Sequence[jax.Array], *, body: Callable[..., jax.Array], check_vma: bool = True
-                   ) -> jax.Array:
+                   kernels: Sequence[jax.Array], *, body: Callable[..., tuple[jax.Array, jax.Array]],
+                   check_vma: bool = True) -> tuple[jax.Array, jax.Array]:
   """Runs `body(x, experts, weights, *kernels)` per device under `layout`: tokens split over
-  their batch axes, kernels over the expert and hidden axes; the output is the tokens' [B, L, D].
+  their batch axes, kernels over the expert and hidden axes. Returns the tokens' [B, L, D] and
+  the number of assignments the exchange dropped, over all devices (the body returns its own).
   `check_vma=False` for bodies whose kernels do not annotate how their outputs vary over the
   mesh (JAX's megablox Pallas call); the exchange is the same either way."""
   tokens = PartitionSpec(layout.token_axes or None)
   expert, mlp = layout.expert_axes or None, layout.mlp_axes or None
   kernel_specs = tuple(PartitionSpec(expert, None, mlp) for _ in kernels[:-1]) + (PartitionSpec(expert, mlp, None),)
 
-  def per_device(x: jax.Array, experts: jax.Array, weights: jax.Array, *local_kernels: jax.Array) -> jax.Array:
-    y = body(x, experts, weights, *local_kernels)
-    return jax.lax.psum(y, layout.mlp_axes) if layout.mlp_axes else y
+  def per_device(x: jax.Array, experts: jax.Array, weights: jax.Array, *local_kernels: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+    y, dropped = body(x, experts, weights, *local_kernels)
+    y = jax.lax.psum(y, layout.mlp_axes) if layout.mlp_axes else y
+    return y, jax.lax.psum(dropped, layout.token_axes) if layout.token_axes else dropped
 
   return jax.shard_map(per_device, mesh=layout.mesh, in_specs=(tokens, tokens, tokens, *kernel_specs),
-                       out_specs=tokens, check_vma=check_vma)(x_BLD, experts_BLk, weights_BLk, *kernels)
+                       out_specs=(tokens, PartitionSpec()), check_vma=check_vma)(
+                           x_BLD, experts_BLk, weights_BLk, *kernels)
 
 
 def capacity_body(x_bLD: jax.Array, experts_bLk: jax.Array, weights_bLk: jax.Array, *kernels: jax.Array,
                   expert_axes: Axes, num_experts: int, capacity: int, dense_experts: DenseExperts,
                   dispatch: Callable[..., jax.Array], combine: Callable[..., jax.Array],
-                  assign_slots: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]) -> jax.Array:
-  """One device's capacity exchange (module docstring); dispatch/combine/assign_slots are moe.py's."""
+                  assign_slots: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]
+                  ) -> tuple[jax.Array, jax.Array]:
+  """One device's capacity exchange (module docstring); dispatch/combine/assign_slots are moe.py's.
+  Its drops are the slots' (counted by moe.py), so it reports none of its own."""
   batch, _, dim = x_bLD.shape
   top_k = experts_bLk.shape[-1]
   degree = jax.lax.axis_size(expert_axes)
@@ -144,7 +150,8 @@ def capacity_body(x_bLD: jax.Array, experts_bLk: jax.Array, weights_bLk: jax.Arr
   out_XbECD = jnp.moveaxis(out_EnCD.reshape(local, degree, batch, capacity, dim), 0, 2)
   home_XbECD = jax.lax.all_to_all(out_XbECD, expert_axes, 0, 0, tiled=True)  # [expert shard, ...]
   out_bECD = jnp.swapaxes(home_XbECD, 0, 1).reshape(batch, num_experts, capacity, dim)
-  return jax.vmap(combine, in_axes=(0, 0, 0, 0, None))(out_bECD, expert_bA, slot_bA, weight_bA, top_k)
+  out_bLD = jax.vmap(combine, in_axes=(0, 0, 0, 0, None))(out_bECD, expert_bA, slot_bA, weight_bA, top_k)
+  return out_bLD, jnp.zeros((), jnp.float32)
 
 
 def _exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
@@ -187,8 +194,9 @@ def _exchange(kind: str) -> Callable[..., jax.Array]:
 def grouped_body(x_bLD: jax.Array, experts_bLk: jax.Array, weights_bLk: jax.Array, *kernels: jax.Array,
                  expert_axes: Axes, num_experts: int, activations: tuple[str, ...], matmul: GroupedMatmul,
                  exchange: str, checkpoint_name: Callable[[jax.Array, str], jax.Array],
-                 buffer_factor: float = -1.0) -> jax.Array:
-  """One device's grouped exchange (module docstring)."""
+                 buffer_factor: float = -1.0) -> tuple[jax.Array, jax.Array]:
+  """One device's grouped exchange (module docstring); also the number of its assignments that
+  did not fit the receive buffers."""
   batch, length, dim = x_bLD.shape
   top_k = experts_bLk.shape[-1]
   degree = jax.lax.axis_size(expert_axes)
@@ -238,4 +246,4 @@ def grouped_body(x_bLD: jax.Array, experts_bLk: jax.Array, weights_bLk: jax.Arra
   out_bLD = out_bLkD[:, :, 0]  # choice by choice, in the other paths' order, so all round alike
   for choice in range(1, top_k):
     out_bLD = out_bLD + out_bLkD[:, :, choice]
-  return out_bLD
+  return out_bLD, jnp.sum(rows_XX[me] - send_X).astype(jnp.float32)

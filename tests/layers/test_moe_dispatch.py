@@ -55,6 +55,8 @@ MESHES = {
     "expert4_tensor2": dict(ici_expert_parallelism=4, ici_tensor_parallelism=2, ici_fsdp_parallelism=1),
     "expert8": dict(ici_expert_parallelism=8, ici_fsdp_parallelism=1, num_experts=8),
     "expert2_fsdp2_tensor2": dict(ici_expert_parallelism=2, ici_tensor_parallelism=2, ici_fsdp_parallelism=-1),
+    "expert2_data2_tensor2": dict(ici_expert_parallelism=2, ici_tensor_parallelism=2, ici_data_parallelism=2,
+                                  ici_fsdp_parallelism=1),
 }
 CASES = [
     ("expert2_fsdp4", DROPLESS_GROUPED, 0),
@@ -64,6 +66,8 @@ CASES = [
     pytest.param("expert4_tensor2", DROPLESS_GROUPED, 1, marks=pytest.mark.slow),
     pytest.param("expert8", DROPPING, 0, marks=pytest.mark.slow),
     pytest.param("expert2_fsdp4", DROPPING, 1, marks=pytest.mark.slow),
+    pytest.param("expert2_data2_tensor2", DROPLESS_GROUPED, 0, marks=pytest.mark.slow),
+    pytest.param("expert2_data2_tensor2", DROPPING, 1, marks=pytest.mark.slow),
 ]
 
 
@@ -90,6 +94,10 @@ def test_receive_buffer_factor_bounds_the_buffer_and_drops_only_what_overflows()
   assert moe_dispatch.receive_rows(tokens=16, top_k=2, local_experts=2, degree=2, buffer_factor=0.5) == 16
   _, dropping = _two_steps(**overrides, moe_ragged_buffer_factor=0.5)
   assert np.isfinite(dropping[0]["loss"]) and abs(dropping[0]["loss"] - want[1][0]["loss"]) > 1e-4
+  # Half an even share: at least half the assignments cannot land; the metric counts them.
+  dropped = [v for k, v in dropping[0].items() if k.startswith("moe_dropped_fraction/")]
+  assert dropped and all(0.5 <= d < 1 for d in dropped), dropped
+  assert all(v == 0 for k, v in want[1][0].items() if k.startswith("moe_dropped_fraction/"))
 
 
 def test_unchecked_shard_map_gives_the_same_gradients(monkeypatch):
