@@ -174,7 +174,7 @@ def _grouped_experts(x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.
   With `expert_axis` (inside shard_map, moe_dispatch=gather) the kernels hold this device's
   E/shards experts: it computes only the rows of its experts and the expert shards' outputs are summed.
   """
-  batch, length, dim = x_BLD.shape
+  dim = x_BLD.shape[-1]
   top_k = experts_BLk.shape[-1]
   expert_A = experts_BLk.reshape(-1)  # token-major: assignment a is token a // k
   order_A = jnp.argsort(expert_A, stable=True)
@@ -189,22 +189,10 @@ def _grouped_experts(x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.
     offset = jnp.sum(jnp.where(jnp.arange(num_experts) < first, group_sizes_E, 0))
     group_sizes_E = jax.lax.dynamic_slice(group_sizes_E, (first,), (local,))
     x_AD = jnp.roll(x_AD, -offset, axis=0)
-  hidden_AF: jax.Array | None = None
-  for name, kernel_EDF in zip(activations, kernels[:-1]):
-    h = ACTIVATION_FNS[name](checkpoint_name(matmul(x_AD, kernel_EDF, group_sizes_E), "mlpwi"))
-    hidden_AF = h if hidden_AF is None else hidden_AF * h
-  assert hidden_AF is not None  # mlp_activations is non-empty (config)
-  out_AD = checkpoint_name(matmul(hidden_AF, kernels[-1], group_sizes_E), "mlpwo")
+  out_AD = moe_dispatch.grouped_mlp(x_AD, kernels, group_sizes_E, activations, matmul, checkpoint_name)
   if expert_axis is not None:
     out_AD = jax.lax.psum(jnp.roll(out_AD, offset, axis=0), expert_axis)
-  # Unsort with the inverse permutation (a gather, whose gradient is a scatter-add).
-  out_BLkD = out_AD[jnp.argsort(order_A)].reshape(batch, length, top_k, dim)
-  out_BLkD = out_BLkD * weights_BLk[..., None].astype(out_BLkD.dtype)
-  # Summed choice by choice, in the padded path's order, so both paths round alike.
-  out_BLD = out_BLkD[:, :, 0]
-  for choice in range(1, top_k):
-    out_BLD = out_BLD + out_BLkD[:, :, choice]
-  return out_BLD
+  return moe_dispatch.combine_sorted(out_AD, order_A, weights_BLk)
 
 
 def routing_health(probs_BLE: jax.Array, experts_BLk: jax.Array, dropped_BA: jax.Array | None

@@ -176,6 +176,30 @@ def padded_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offset
   return output.at[target.reshape(-1)].set(got_XND.reshape(-1, dim), mode="drop", unique_indices=True)
 
 
+def grouped_mlp(rows_MD: jax.Array, kernels: Sequence[jax.Array], group_sizes: jax.Array,
+                activations: tuple[str, ...], matmul: GroupedMatmul,
+                checkpoint_name: Callable[[jax.Array, str], jax.Array]) -> jax.Array:
+  """The experts' gated MLPs over rows sorted by expert: one grouped matmul per projection."""
+  hidden_MF: jax.Array | None = None
+  for name, kernel in zip(activations, kernels[:-1]):
+    h = ACTIVATION_FNS[name](checkpoint_name(matmul(rows_MD, kernel, group_sizes), "mlpwi"))
+    hidden_MF = h if hidden_MF is None else hidden_MF * h
+  assert hidden_MF is not None  # mlp_activations is non-empty (config)
+  return checkpoint_name(matmul(hidden_MF, kernels[-1], group_sizes), "mlpwo")
+
+
+def combine_sorted(out_AD: jax.Array, order_A: jax.Array, weights_BLk: jax.Array) -> jax.Array:
+  """Expert outputs in sorted order -> each token's weighted sum of its k choices [B, L, D]."""
+  batch, length, top_k = weights_BLk.shape
+  # Unsort with the inverse permutation (a gather, whose gradient is a scatter-add).
+  out_BLkD = out_AD[jnp.argsort(order_A)].reshape(batch, length, top_k, out_AD.shape[-1])
+  out_BLkD = out_BLkD * weights_BLk[..., None].astype(out_BLkD.dtype)
+  out_BLD = out_BLkD[:, :, 0]  # choice by choice, in the padded path's order, so all paths round alike
+  for choice in range(1, top_k):
+    out_BLD = out_BLD + out_BLkD[:, :, choice]
+  return out_BLD
+
+
 def receive_rows(tokens: int, top_k: int, local_experts: int, degree: int, buffer_factor: float) -> int:
   """Rows of a device's receive buffer: the worst case (every peer's tokens routed here; a token
   picks an expert at most once), or `buffer_factor` times an even share (tokens·k) when > 0."""
@@ -229,21 +253,11 @@ def grouped_body(x_bLD: jax.Array, experts_bLk: jax.Array, weights_bLk: jax.Arra
   local_expert_R = jnp.where(segment_R < degree * local, segment_R % local, local)  # padding sorts last
   by_expert_R = jnp.argsort(local_expert_R, stable=True)
   group_sizes = jnp.sum(counts_XEl, axis=0)
-  rows_RD = received_RD[by_expert_R]
-  hidden_RF: jax.Array | None = None
-  for name, kernel in zip(activations, kernels[:-1]):
-    h = ACTIVATION_FNS[name](checkpoint_name(matmul(rows_RD, kernel, group_sizes), "mlpwi"))
-    hidden_RF = h if hidden_RF is None else hidden_RF * h
-  assert hidden_RF is not None  # mlp_activations is non-empty (config)
-  out_RD = checkpoint_name(matmul(hidden_RF, kernels[-1], group_sizes), "mlpwo")
+  out_RD = grouped_mlp(received_RD[by_expert_R], kernels, group_sizes, activations, matmul, checkpoint_name)
   out_RD = out_RD[jnp.argsort(by_expert_R)]  # arrival order again
 
   # Send every row back to the slot it left from.
   home_offsets_X = _exclusive_cumsum(rows_XX, axis=1)[:, me]  # where each source's rows to me started
   out_AD = send_rows(out_RD, jnp.zeros_like(x_AD), _exclusive_cumsum(recv_X), recv_X, home_offsets_X, send_X)
-  out_bLkD = out_AD[jnp.argsort(order_A)].reshape(batch, length, top_k, dim)
-  out_bLkD = out_bLkD * weights_bLk[..., None].astype(out_bLkD.dtype)
-  out_bLD = out_bLkD[:, :, 0]  # choice by choice, in the other paths' order, so all round alike
-  for choice in range(1, top_k):
-    out_bLD = out_bLD + out_bLkD[:, :, choice]
+  out_bLD = combine_sorted(out_AD, order_A, weights_bLk)
   return out_bLD, jnp.sum(rows_XX[me] - send_X).astype(jnp.float32)
