@@ -28,7 +28,7 @@ ACTIVATIONS = ("silu", "gelu", "relu", "linear", "tanh")
 DTYPES = ("float32", "bfloat16", "float16")
 NORMALIZATION_TYPES = ("rms", "rms_plus_one", "layer")
 POSITION_EMBEDDINGS = ("rope", "learned", "sinusoidal")
-ROPE_TYPES = ("default", "llama3", "linear")
+ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 ATTENTION_LAYER_KINDS = ("global", "local")
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 
@@ -107,6 +107,10 @@ class ModelConfig:
   rope_interleaved: bool = key(architecture=True)
   rope_type: str = key(architecture=True)  # default | llama3 | linear
   rope_local_max_timescale: float = key(architecture=True)  # 0 = local layers use the global RoPE
+  rope_yarn_beta_fast: float = key(architecture=True)
+  rope_yarn_beta_slow: float = key(architecture=True)
+  rope_yarn_truncate: bool = key(architecture=True)
+  rope_attention_factor: float = key(architecture=True)  # 0 = YaRN's default from the factor
   rope_scaling_factor: float = key(architecture=True)
   rope_low_freq_factor: float = key(architecture=True)
   rope_high_freq_factor: float = key(architecture=True)
@@ -218,6 +222,13 @@ def _check_positions_and_attention(v: Mapping[str, Any]) -> None:
              "rope_type=llama3 needs rope_scaling_factor >= 1, 0 < rope_low_freq_factor < "
              f"rope_high_freq_factor and rope_original_max_position > 0; got {v['rope_scaling_factor']}, "
              f"{v['rope_low_freq_factor']}, {v['rope_high_freq_factor']}, {v['rope_original_max_position']}")
+  if v["rope_type"] == "yarn":
+    _require(v["rope_scaling_factor"] >= 1.0 and v["rope_original_max_position"] > 0
+             and v["rope_yarn_beta_fast"] > v["rope_yarn_beta_slow"] > 0 and v["rope_attention_factor"] >= 0,
+             "rope_type=yarn needs rope_scaling_factor >= 1, rope_original_max_position > 0, rope_yarn_beta_fast > "
+             f"rope_yarn_beta_slow > 0 and rope_attention_factor >= 0; got {v['rope_scaling_factor']}, "
+             f"{v['rope_original_max_position']}, {v['rope_yarn_beta_fast']}, {v['rope_yarn_beta_slow']}, "
+             f"{v['rope_attention_factor']}")
   if v["rope_type"] == "linear":
     _require(v["rope_scaling_factor"] >= 1.0, f"rope_type=linear needs rope_scaling_factor >= 1, "
              f"got {v['rope_scaling_factor']}")

@@ -77,14 +77,24 @@ def rope_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
                 rope_original_max_position=int(params["original_max_position_embeddings"]))
   elif rope_type == "linear":
     keys.update(rope_type="linear", rope_scaling_factor=float(params["factor"]))
+  elif rope_type == "yarn":
+    if params.get("mscale") or params.get("mscale_all_dim"):
+      raise ConfigError("HF yarn rope with mscale/mscale_all_dim is not supported yet (DeepSeek's form)")
+    original = params.get("original_max_position_embeddings") or hf["max_position_embeddings"]
+    keys.update(rope_type="yarn", rope_scaling_factor=float(params.get("factor") or hf["max_position_embeddings"] / original),
+                rope_original_max_position=int(original),
+                rope_yarn_beta_fast=float(params.get("beta_fast") or 32.0),
+                rope_yarn_beta_slow=float(params.get("beta_slow") or 1.0),
+                rope_yarn_truncate=bool(params.get("truncate", True)),
+                rope_attention_factor=float(params.get("attention_factor") or 0.0))
   elif rope_type != "default":
-    raise ConfigError(f"HF rope type {rope_type!r} is not supported (supported: default, llama3, linear)")
+    raise ConfigError(f"HF rope type {rope_type!r} is not supported (supported: default, llama3, linear, yarn)")
   return keys
 
 
 def max_positions(cfg: ModelConfig) -> int:
   """HF's max_position_embeddings (metadata for RoPE models): the scaled context for llama3 RoPE."""
-  if cfg.rope_type == "llama3":
+  if cfg.rope_type in ("llama3", "yarn"):
     return int(cfg.rope_original_max_position * cfg.rope_scaling_factor)
   return max(cfg.max_target_length, 4096)
 
@@ -93,6 +103,11 @@ def rope_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   params: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_max_timescale}
   if cfg.rope_type == "linear":
     params.update(factor=cfg.rope_scaling_factor)
+  if cfg.rope_type == "yarn":
+    params.update(factor=cfg.rope_scaling_factor, original_max_position_embeddings=cfg.rope_original_max_position,
+                  beta_fast=cfg.rope_yarn_beta_fast, beta_slow=cfg.rope_yarn_beta_slow, truncate=cfg.rope_yarn_truncate)
+    if cfg.rope_attention_factor > 0:
+      params.update(attention_factor=cfg.rope_attention_factor)
   if cfg.rope_type == "llama3":
     params.update(factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_low_freq_factor,
                   high_freq_factor=cfg.rope_high_freq_factor,

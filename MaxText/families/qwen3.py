@@ -86,7 +86,12 @@ _TINY = dict(TINY_SHAPES, rms_norm_eps=1e-6, rope_theta=1_000_000.0)
 register_family(Family("qwen3", ("qwen3",), ("qwen3",), qwen3_model_keys, qwen3_hf_config, qwen3_tensors,
                        reference_hf_configs={
                            "qwen3": dict(model_type="qwen3", **_TINY),
-                           "qwen3-tied": dict(model_type="qwen3", **_TINY, tie_word_embeddings=True)}))
+                           "qwen3-tied": dict(model_type="qwen3", **_TINY, tie_word_embeddings=True),
+                           # Qwen3's long-context setting: YaRN over a short original context so
+                           # the ramp falls inside these few dimensions.
+                           "qwen3-yarn": dict(model_type="qwen3", **{k: v for k, v in _TINY.items() if k != "rope_theta"},
+                                              rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0,
+                                                               "factor": 4.0, "original_max_position_embeddings": 16})}))
 register_family(Family("qwen3_moe", ("qwen3_moe",), ("qwen3_moe",), qwen3_moe_model_keys, qwen3_moe_hf_config,
                        qwen3_moe_tensors,
                        reference_hf_configs={  # 8 experts, top-2; both routing-weight rules

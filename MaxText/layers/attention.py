@@ -20,7 +20,7 @@ from MaxText import sharding
 from MaxText.model_config import ModelConfig
 from MaxText.layers import attention_kernels
 from MaxText.layers import kv_cache, masks
-from MaxText.layers.embeddings import apply_rope, rope_inverse_frequencies
+from MaxText.layers.embeddings import apply_rope, rope_attention_scale, rope_inverse_frequencies
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.normalizations import RMSNorm
 
@@ -93,6 +93,17 @@ def layer_rope_frequencies(cfg: ModelConfig, layer_index: int | jax.Array) -> np
   return jnp.where(is_local, jnp.asarray(local), jnp.asarray(global_))
 
 
+def layer_rope_scale(cfg: ModelConfig, layer_index: int | jax.Array) -> float | jax.Array:
+  """YaRN's attention factor on the layers whose RoPE is YaRN (1 elsewhere)."""
+  global_ = rope_attention_scale(cfg)
+  if global_ == 1.0 or cfg.rope_local_max_timescale <= 0 or "local" not in cfg.attention_layer_pattern:
+    return global_
+  is_local = is_local_layer(cfg, layer_index)
+  if isinstance(is_local, bool):
+    return 1.0 if is_local else global_
+  return jnp.where(is_local, 1.0, global_)
+
+
 class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, n, k, h = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
@@ -116,7 +127,8 @@ class Attention(nnx.Module):
     cfg = self.cfg
     if cfg.position_embedding != "rope":
       return x_BLNH
-    return apply_rope(x_BLNH, positions_BL, layer_rope_frequencies(cfg, layer_index), cfg.rope_interleaved)
+    return apply_rope(x_BLNH, positions_BL, layer_rope_frequencies(cfg, layer_index), cfg.rope_interleaved,
+                      layer_rope_scale(cfg, layer_index))
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
                layer_index: int | jax.Array = 0, cache: kv_cache.KVCache | None = None

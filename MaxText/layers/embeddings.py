@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,6 +53,8 @@ def rope_inverse_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarra
     return inv_freq
   if cfg.rope_type == "linear":
     return (inv_freq / np.float32(cfg.rope_scaling_factor)).astype(np.float32)
+  if cfg.rope_type == "yarn":
+    return _yarn_frequencies(cfg, inv_freq, max_timescale)
   factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
   original = cfg.rope_original_max_position
   wavelength = 2 * np.pi / inv_freq
@@ -61,13 +65,45 @@ def rope_inverse_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarra
   return scaled.astype(np.float32)
 
 
+def _yarn_frequencies(cfg: ModelConfig, inv_freq: np.ndarray, base: float) -> np.ndarray:
+  """YaRN (Peng et al. 2023): dimension d makes original_max / wavelength_d turns over the
+  pre-training context. Dimensions making more than beta_fast turns keep their frequency, those
+  making fewer than beta_slow are divided by `factor`, and a linear ramp over the dimension index
+  blends the two in between (its bounds rounded outwards unless rope_yarn_truncate is False)."""
+  head_dim, original = cfg.head_dim, cfg.rope_original_max_position
+
+  def dimension_at(turns: float) -> float:  # the (fractional) dimension making `turns` turns
+    return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+  low, high = dimension_at(cfg.rope_yarn_beta_fast), dimension_at(cfg.rope_yarn_beta_slow)
+  if cfg.rope_yarn_truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, head_dim - 1)
+  if low == high:
+    high += 0.001  # a one-point ramp
+  ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+  keep = 1 - ramp  # 1: extrapolate (keep), 0: interpolate (divide by factor)
+  return (inv_freq / np.float32(cfg.rope_scaling_factor) * (1 - keep) + inv_freq * keep).astype(np.float32)
+
+
+def rope_attention_scale(cfg: ModelConfig, local: bool = False) -> float:
+  """What the rotated queries and keys are multiplied by: YaRN's attention factor (given, or
+  0.1 ln(factor) + 1), 1 otherwise and on local layers with their own RoPE."""
+  if cfg.rope_type != "yarn" or (local and cfg.rope_local_max_timescale > 0):
+    return 1.0
+  if cfg.rope_attention_factor > 0:
+    return cfg.rope_attention_factor
+  return 0.1 * math.log(cfg.rope_scaling_factor) + 1.0 if cfg.rope_scaling_factor > 1 else 1.0
+
+
 def apply_rope(x_BLNH: jax.Array, positions_BL: jax.Array, inv_freq_h: np.ndarray | jax.Array,
-               interleaved: bool = False) -> jax.Array:
+               interleaved: bool = False, scale: float | jax.Array = 1.0) -> jax.Array:
   """Rotates pairs of each head's features by position × frequency, in float32.
 
   Pair i is (x[i], x[i + H/2]) (the halves layout of Hugging Face checkpoints) or,
   with `interleaved`, (x[2i], x[2i+1]) (Meta's original layout). The two differ only by a
-  fixed permutation of the q/k projection outputs, which the converters apply.
+  fixed permutation of the q/k projection outputs, which the converters apply. `scale` multiplies
+  the result (YaRN's attention factor).
   """
   angles_BLh = positions_BL[..., None].astype(jnp.float32) * jnp.asarray(inv_freq_h)[None, None, :]
   sin, cos = jnp.sin(angles_BLh)[:, :, None, :], jnp.cos(angles_BLh)[:, :, None, :]
@@ -78,6 +114,8 @@ def apply_rope(x_BLNH: jax.Array, positions_BL: jax.Array, inv_freq_h: np.ndarra
   else:
     first, second = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+  if not (isinstance(scale, float) and scale == 1.0):
+    rotated = rotated * jnp.asarray(scale, jnp.float32)
   return rotated.astype(x_BLNH.dtype)
 
 

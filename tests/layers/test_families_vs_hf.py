@@ -45,6 +45,7 @@ FEATURE_OFF = [
     ("gemma2", {"attention_layer_pattern": ["global"]}),
     ("qwen3_moe-unnormalised", {"norm_topk_prob": True}),
     ("gemma3", {"rope_local_max_timescale": 0.0}),
+    ("qwen3-yarn", {"rope_attention_factor": 1.0}),
     pytest.param("gemma3", {"rope_type": "default"}, marks=_slow),
     pytest.param("gemma", {"scale_embedding": False}, marks=_slow),
     pytest.param("gemma2", {"final_logits_soft_cap": 0.0}, marks=_slow),
