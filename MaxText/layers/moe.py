@@ -117,11 +117,17 @@ def route(logits_BLE: jax.Array, top_k: int, renormalise: bool = True) -> tuple[
   return probs_BLE, experts_BLk, weights_BLk
 
 
-def load_balance_loss(probs_BLE: jax.Array, experts_BLk: jax.Array) -> jax.Array:
+def routed_fraction(experts_BLk: jax.Array, num_experts: int) -> jax.Array:
+  """[E] fraction of the tokens whose top-k includes each expert (sums to k); no gradient. A
+  count, not a one-hot sum: [B, L, k, E] floats would be large with hundreds of experts."""
+  tokens = experts_BLk.shape[0] * experts_BLk.shape[1]
+  return jnp.bincount(experts_BLk.reshape(-1), length=num_experts).astype(jnp.float32) / tokens
+
+
+def load_balance_loss(probs_BLE: jax.Array, experts_BLk: jax.Array, routed_E: jax.Array | None = None) -> jax.Array:
   """E · Σ_e (fraction of tokens routed to e) · (mean router probability of e)."""
   num_experts = probs_BLE.shape[-1]
-  num_tokens = probs_BLE.shape[0] * probs_BLE.shape[1]
-  routed_E = jnp.sum(jax.nn.one_hot(experts_BLk, num_experts, dtype=jnp.float32), axis=(0, 1, 2)) / num_tokens
+  routed_E = routed_fraction(experts_BLk, num_experts) if routed_E is None else routed_E
   mean_prob_E = jnp.mean(probs_BLE, axis=(0, 1))
   return num_experts * jnp.sum(routed_E * mean_prob_E)
 
@@ -195,17 +201,13 @@ def _grouped_experts(x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.
   return moe_dispatch.combine_sorted(out_AD, order_A, weights_BLk)
 
 
-def routing_health(probs_BLE: jax.Array, experts_BLk: jax.Array, dropped_BA: jax.Array | None
-                   ) -> dict[str, jax.Array]:
-  """Per-layer routing statistics (no gradient): token fraction per expert [E], router entropy,
-  fraction of assignments dropped for capacity."""
-  probs_BLE, experts_BLk = jax.lax.stop_gradient(probs_BLE), jax.lax.stop_gradient(experts_BLk)
-  num_tokens = probs_BLE.shape[0] * probs_BLE.shape[1]
-  onehot = jax.nn.one_hot(experts_BLk, probs_BLE.shape[-1], dtype=jnp.float32)
-  load_E = jnp.sum(onehot, axis=(0, 1, 2)) / num_tokens
+def routing_health(probs_BLE: jax.Array, routed_E: jax.Array, dropped_fraction: jax.Array) -> dict[str, jax.Array]:
+  """Per-layer routing statistics (no gradient): token fraction per expert [E] (`routed_fraction`),
+  router entropy, fraction of assignments dropped."""
+  probs_BLE = jax.lax.stop_gradient(probs_BLE)
   entropy = -jnp.mean(jnp.sum(probs_BLE * jnp.log(jnp.maximum(probs_BLE, 1e-30)), axis=-1))
-  dropped = jnp.zeros((), jnp.float32) if dropped_BA is None else jnp.mean(dropped_BA.astype(jnp.float32))
-  return {"moe_load": load_E, "moe_router_entropy": entropy, "moe_dropped_fraction": dropped}
+  return {"moe_load": routed_E, "moe_router_entropy": entropy,
+          "moe_dropped_fraction": jax.lax.stop_gradient(dropped_fraction).astype(jnp.float32)}
 
 
 class MoeBlock(nnx.Module):
@@ -317,23 +319,25 @@ class MoeBlock(nnx.Module):
     top_k, num_experts, length = cfg.num_experts_per_tok, cfg.num_experts, x_BLD.shape[1]
     x_BLD = x_BLD.astype(self.dtype)
     probs_BLE, experts_BLk, weights_BLk = route(self.gate(x_BLD), top_k, cfg.norm_topk_prob)
-    self.sow(nnx.Intermediate, "moe_lb_loss", load_balance_loss(probs_BLE, experts_BLk))
+    routed_E = routed_fraction(experts_BLk, num_experts)
+    self.sow(nnx.Intermediate, "moe_lb_loss", load_balance_loss(probs_BLE, experts_BLk, routed_E))
     capacity = expert_capacity(cfg, length)
-    expert_BA, slot_BA = assign_slots(experts_BLk, num_experts)
-    dropped_BA = None if cfg.sparse_matmul else slot_BA >= capacity
-    stats = routing_health(probs_BLE, experts_BLk, dropped_BA)
+    dropped = jnp.zeros((), jnp.float32)  # the slot paths' drops, counted here; the grouped exchange's, below
+    if not cfg.sparse_matmul:
+      expert_BA, slot_BA = assign_slots(experts_BLk, num_experts)
+      dropped = jnp.mean((slot_BA >= capacity).astype(jnp.float32))
 
     layout = self._layout(x_BLD.shape[0])
     if layout is not None:
       out_BLD, exchange_dropped = self._all_to_all(layout, x_BLD, experts_BLk, weights_BLk, capacity)
       if cfg.sparse_matmul:  # the grouped exchange's receive buffers may drop rows
-        stats["moe_dropped_fraction"] = jax.lax.stop_gradient(exchange_dropped) / experts_BLk.size
+        dropped = exchange_dropped / experts_BLk.size
     elif cfg.sparse_matmul:
       out_BLD = self._grouped(x_BLD, experts_BLk, weights_BLk)
     else:
       weight_BA = jnp.swapaxes(weights_BLk, 1, 2).reshape(weights_BLk.shape[0], -1)
       out_BLD = self._padded(x_BLD, expert_BA, slot_BA, weight_BA, capacity)
-    for name, value in stats.items():
+    for name, value in routing_health(probs_BLE, routed_E, dropped).items():
       self.sow(nnx.Intermediate, name, value)
     if cfg.shared_experts > 0:
       out_BLD = out_BLD + self.shared_mlp(x_BLD)

@@ -219,7 +219,7 @@ def test_megablox_equals_ragged_dot_values_and_gradients():
 
 def _health_metrics(experts_BLk: np.ndarray) -> dict[str, float]:
   probs_BLE = jax.nn.one_hot(experts_BLk[..., 0], E) * 0.5 + 0.5 / E
-  stats = moe.routing_health(probs_BLE, jnp.asarray(experts_BLk), jnp.zeros(experts_BLk.shape[:2], bool))
+  stats = moe.routing_health(probs_BLE, moe.routed_fraction(jnp.asarray(experts_BLk), E), jnp.zeros(()))
   sums = {name: value[None] for name, value in stats.items()}  # one layer
   return metrics_lib.host_scalars(train_step.routing_metrics(sums, num_micro=1))
 
