@@ -42,8 +42,7 @@ def cpu(args: argparse.Namespace) -> None:
   os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   import jax
 
-  from MaxText.config import Config
-  from MaxText.run_assembly import build_run
+  from benchmarks.gpu_train import time_steps  # the same timing as the GPU/CPU training benchmark
 
   model = dict(decoder_block="mixtral", base_emb_dim=256, base_num_query_heads=4, base_num_kv_heads=2, head_dim=64,
                base_mlp_dim=512, base_num_decoder_layers=4, vocab_size=1024, num_experts=args.experts,
@@ -52,18 +51,10 @@ def cpu(args: argparse.Namespace) -> None:
         f"{args.experts} experts top-2, 4 layers, width 256, {args.length} tokens x 8 sequences")
   for path_name, path in CPU_PATHS.items():
     for dispatch in ("all_to_all", "gather"):
-      config = Config.for_testing(**model, **path, moe_dispatch=dispatch, per_device_batch_size=1,
-                                  max_target_length=args.length, ici_expert_parallelism=args.expert,
-                                  ici_fsdp_parallelism=-1, steps=args.steps + 1, print_config=False)
-      run = build_run(config)
-      state, step_fn, data, rng = run.init_state(0), run.train_step, run.data_iterator(), jax.random.key(0)
-      state, out = step_fn(state, next(data), rng)  # compile
-      jax.block_until_ready(out)
-      start = time.perf_counter()
-      for _ in range(args.steps):
-        state, out = step_fn(state, next(data), rng)
-      jax.block_until_ready(out)
-      print(f"{path_name:17s} {dispatch:10s}: {(time.perf_counter() - start) / args.steps:.3f} s/step", flush=True)
+      overrides = dict(model, **path, moe_dispatch=dispatch, per_device_batch_size=1, max_target_length=args.length,
+                       ici_expert_parallelism=args.expert, ici_fsdp_parallelism=-1, steps=args.steps + 1,
+                       print_config=False)
+      print(f"{path_name:17s} {dispatch:10s}: {time_steps(overrides, args.steps)['step_s']:.3f} s/step", flush=True)
 
 
 def tpu(args: argparse.Namespace) -> None:
