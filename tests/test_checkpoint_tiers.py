@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import orbax.checkpoint as ocp
 import pytest
 
 from MaxText import storage
@@ -91,13 +92,23 @@ def test_two_processes_share_one_gcs_run_directory(gcs, reference):
   assert shard_dirs == {"ocdbt.process_0", "ocdbt.process_1"}, shard_dirs
 
 
-def _kill_after_local_step(gcs, out: str, run_name: str, local_root: Path) -> int:
-  """Starts the two-tier run and SIGKILLs both processes once both hold local step 8 or later."""
+def persistent_steps(run_dir: str) -> list[int]:
+  """The finalized steps of the persistent tier (Orbax's own notion of a committed step)."""
+  directory = f"{run_dir}/checkpoints"
+  return ocp.path.step.checkpoint_steps(storage.as_path(directory)) if storage.exists(directory) else []
+
+
+def _kill_after_local_step(gcs, out: str, run_name: str, local_root: Path, persistent: bool = False) -> int:
+  """Starts the two-tier run and SIGKILLs both processes once both hold local step 8 or later and,
+  with `persistent`, the persistent tier has committed a step (its save is asynchronous, so it
+  can land after local step 8)."""
   procs = launch(gcs, out, run_name, local_root)
   deadline = time.time() + 300
   while time.time() < deadline:
     newest = [max(local_steps(local_root, h, run_name), default=0) for h in range(2)]
-    if min(newest) >= 8 or any(p.poll() is not None for p in procs):
+    if min(newest) >= 8 and (not persistent or persistent_steps(f"{out}/{run_name}")):
+      break
+    if any(p.poll() is not None for p in procs):
       break
     time.sleep(0.05)
   for proc in procs:
@@ -124,9 +135,10 @@ def test_killed_after_a_local_only_step_resumes_from_the_local_tier(gcs, gcs_buc
 def test_a_host_that_lost_its_local_disk_resumes_from_the_persistent_tier(gcs, gcs_bucket, reference, tmp_path):
   _, ref = reference
   out, local_root = f"{gcs_bucket}/runs", tmp_path / "local"
-  _kill_after_local_step(gcs, out, "lost", local_root)
+  _kill_after_local_step(gcs, out, "lost", local_root, persistent=True)
   shutil.rmtree(local_root / "host1")  # a replaced VM: an empty local disk
+  committed = max(persistent_steps(f"{out}/lost"))
 
   outs = wait(launch(gcs, out, "lost", local_root))
-  assert f"state: resumed from step 6 of {out}/lost/checkpoints" in outs[0], outs[0][:3000]
+  assert f"state: resumed from step {committed} of {out}/lost/checkpoints" in outs[0], outs[0][:3000]
   assert losses(f"{out}/lost") == ref
