@@ -20,6 +20,7 @@ import hf_families as H
 from MaxText import config as config_lib, logit_checker, models, params_io
 from MaxText.convert import hf_io, hf_to_maxtext, maxtext_to_hf, streaming
 from MaxText.errors import ConfigError, UserError
+from tests.conftest import REPO_ROOT
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = str(REPO / "configs" / "base.yml")
@@ -261,3 +262,21 @@ def test_one_by_one_orbax_write_holds_about_one_parameter(tmp_path):
   abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in params.items()}
   restored = params_io.load_params(str(tmp_path / "ckpt"), abstract, jax.tree.map(lambda _: None, abstract))
   np.testing.assert_array_equal(np.asarray(restored["p7"]), params["p7"])
+
+
+@pytest.mark.parametrize("hf_config, message", [
+    (lambda: H.transformers.Gemma3Config().to_dict(),
+     "HF model_type 'gemma3' is a multimodal checkpoint (it has a text_config); only text-only models"),
+    (lambda: H.transformers.Llama4Config().to_dict(),
+     "HF model_type 'llama4' is a multimodal checkpoint (it has a text_config); only text-only models"),
+    (lambda: {"model_type": "mamba", "hidden_size": 64}, "HF model_type 'mamba' has no converter; supported:"),
+])
+def test_an_unsupported_hf_checkpoint_is_refused_in_one_line_and_writes_nothing(hf_config, message, tmp_path):
+  hf_dir, output = tmp_path / "hf", tmp_path / "out"
+  hf_dir.mkdir()
+  (hf_dir / "config.json").write_text(json.dumps(hf_config()))
+  proc = subprocess.run([sys.executable, "-m", "MaxText.convert.hf_to_maxtext", "--hf_path", str(hf_dir),
+                         "--output_path", str(output)], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+  assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+  assert not output.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

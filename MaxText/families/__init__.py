@@ -61,8 +61,13 @@ def family_for_hf_config(hf_config: Mapping[str, Any]) -> Family:
   for family in families().values():
     if model_type in family.hf_model_types:
       return family
-  known = sorted(t for f in families().values() for t in f.hf_model_types)
-  raise ConfigError(f"HF model_type {model_type!r} has no converter; supported: {', '.join(known)}")
+  known = ", ".join(sorted(t for f in families().values() for t in f.hf_model_types))
+  if "text_config" in hf_config:  # Gemma 3, Llama 4, ... as image-text models
+    text_type = (hf_config.get("text_config") or {}).get("model_type", "its text model")
+    raise ConfigError(f"HF model_type {model_type!r} is a multimodal checkpoint (it has a text_config); only "
+                      f"text-only models are supported ({text_type} as a text-only checkpoint would be); "
+                      f"supported model types: {known}")
+  raise ConfigError(f"HF model_type {model_type!r} has no converter; supported: {known}")
 
 
 def family_for_decoder_block(decoder_block: str) -> Family:

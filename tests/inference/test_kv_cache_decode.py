@@ -3,7 +3,8 @@ the full forward pass each step (no cache), and Hugging Face `generate(do_sample
 same tiny random models converted through our converters.
 
 Prompts of different lengths share one batch (right padding), and generation runs past the
-sliding windows of Mistral (5) and Gemma 2 (6), so windows, padding and GQA are all exercised.
+sliding windows of Mistral (5) and Gemma 2 and 3 (6), so windows, padding and GQA are all exercised;
+16 new tokens each, as the model-family issue asks.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from MaxText.inference.engine import Engine
 from MaxText.layers import kv_cache, masks
 from decode_test_utils import engine_tokens, uncached_greedy
 
-PREFILL, TARGET, NEW_TOKENS = 12, 32, 10
+PREFILL, TARGET, NEW_TOKENS = 12, 32, 16
 PROMPTS = [[5, 17, 42, 7, 99, 3, 64, 20, 11], [101, 2, 33, 8]]
 
 
@@ -39,7 +40,9 @@ def hf_greedy(hf, model, prompt: list[int], num_new: int) -> list[int]:
 # scan_layers alternates so both cache layouts (stacked and per-layer tuple) are covered.
 # Sliding windows, soft caps, MoE and learned positions stay in the default run; the rest are slow.
 CASES = [pytest.param("llama3.1", True, marks=pytest.mark.slow), pytest.param("llama2-tied", False, marks=pytest.mark.slow), ("mistral", True),
-         pytest.param("gemma", False, marks=pytest.mark.slow), ("gemma2", True), ("gpt3", False), ("mixtral", True)]
+         pytest.param("gemma", False, marks=pytest.mark.slow), ("gemma2", True), ("gpt3", False), ("mixtral", True),
+         ("gemma3", False), ("qwen3_moe", True), pytest.param("qwen3", False, marks=pytest.mark.slow),
+         pytest.param("qwen3-yarn", True, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("family,scan_layers", CASES)
