@@ -183,6 +183,9 @@ class DataConfig:
   packing: bool = key(fixed_on_resume=DATA_POSITION)
   enable_data_shuffling: bool = key(fixed_on_resume=DATA_POSITION)
   data_prefetch_batches: int = key()
+  # Supervised fine-tuning on conversations / prompt-completion pairs (input_pipeline/chat.py).
+  use_sft: bool = key(fixed_on_resume=DATA_POSITION)
+  sft_train_on_completion_only: bool = key(fixed_on_resume=DATA_POSITION)
   # A new mesh may change per_device_batch_size or the device count, not their product.
   global_batch_size: int = derived(fixed_on_resume=DATA_POSITION)
 
@@ -199,6 +202,11 @@ class DataConfig:
   def from_values(cls, v: Mapping[str, Any], target: DeviceTarget, mesh: MeshConfig) -> "DataConfig":
     _one_of(v, "dataset_type", DATASET_TYPES)
     _positive(v, "per_device_batch_size", "synthetic_max_stride", "eval_steps")
+    if v["use_sft"]:
+      _require(v["dataset_type"] in ("hf", "grain"), f"use_sft=True reads conversation records with dataset_type=hf "
+               f"(JSON/JSONL/Parquet files) or grain (JSON records); got dataset_type={v['dataset_type']}")
+      _require(v["tokenizer_type"] == "huggingface", "use_sft=True renders the model's chat template, which lives "
+               f"in its Hugging Face tokenizer files: set tokenizer_type=huggingface (got {v['tokenizer_type']})")
     if v["dataset_type"] != "synthetic":
       _check_real_data(v)
     global_batch = v["per_device_batch_size"] * target.num_devices

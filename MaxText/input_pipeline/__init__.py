@@ -30,6 +30,10 @@ def check_sources(cfg: Any) -> None:
       ("grain_train_files", "grain_eval_files") if cfg.dataset_type == "grain" else ():
     if getattr(cfg, key):
       files.expand_files(key, getattr(cfg, key))
+  if cfg.use_sft:
+    from MaxText.input_pipeline import chat
+
+    chat.load_chat_tokenizer(cfg.tokenizer_path)  # the template must exist before anything starts
   vocab = tokenizer.load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path).vocab_size
   if vocab > cfg.vocab_size:
     raise ConfigError(f"the tokenizer {cfg.tokenizer_path} has {vocab} tokens, more than vocab_size="
@@ -62,10 +66,18 @@ def _real_data_iterator(config: Any, mesh: Mesh, train: bool) -> Any:
   sharding = batch_sharding(mesh, config.mesh.data_sharding)
   shard = pipeline.host_shard(sharding, cfg.global_batch_size, cfg.max_target_length)
   source, describe = _open_source(cfg, train)
-  encoder = DocumentEncoder(load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path), cfg.add_bos, cfg.add_eos)
+  encoder: Any
+  if cfg.use_sft:
+    from MaxText.input_pipeline import chat
+
+    encoder = chat.SftEncoder(chat.load_chat_tokenizer(cfg.tokenizer_path), cfg.max_target_length,
+                              cfg.sft_train_on_completion_only, cfg.add_bos, cfg.add_eos)
+  else:
+    encoder = DocumentEncoder(load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path), cfg.add_bos, cfg.add_eos)
   seed = cfg.data_shuffle_seed if (train and cfg.enable_data_shuffling) else None
   what = f"the {'train' if train else 'eval'} data ({describe})"
-  dataset = pipeline.document_dataset(source, shard, encoder, cfg.text_column, seed, repeat=train, what=what)
+  dataset = pipeline.document_dataset(source, shard, encoder, None if cfg.use_sft else cfg.text_column, seed,
+                                      repeat=train, what=what)
   # An endless run of unusable documents would hang the packer; one epoch of them is an error.
   epoch = len(source) // shard.count
   return pipeline.PackedBatchIterator(dataset, shard, sharding, cfg.global_batch_size, cfg.max_target_length,

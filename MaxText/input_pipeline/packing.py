@@ -5,6 +5,9 @@ tokens[1:], so no target is ever predicted from another document's tokens. A row
   inputs_segmentation / targets_segmentation  1, 2, ... per document in the row, 0 on padding
   inputs_position                             0, 1, ... restarting at every document
 Attention masks by segment id and the loss skips segment 0, so packing changes neither.
+A document may carry a 0/1 weight per token (supervised fine-tuning: 1 on the assistant's tokens);
+a pair whose target has weight 0 gets targets_segmentation 0, so the loss skips it while the
+input still attends within its document.
 
 Packing is greedy and in order: a document that does not fit in the row's remaining space
 starts the next row, unless it is longer than a whole row, in which case it fills the rest of
@@ -48,9 +51,10 @@ class DocumentCursor:
     self._loaded = False
 
   def current(self) -> np.ndarray | None:
-    """Tokens of the current document (int32), or None past the end of finite data."""
+    """The current document as int32 [2, n] (tokens, 0/1 target weights), or None past the end
+    of finite data. A plain token list weighs every token 1."""
     if not self._loaded:
-      self._current = next(map(lambda t: np.asarray(t, np.int32), self._docs), None)
+      self._current = next(map(_weighted, self._docs), None)
       self._loaded = True
     return self._current
 
@@ -63,6 +67,11 @@ class DocumentCursor:
       self._loaded = False
 
 
+def _weighted(document: object) -> np.ndarray:
+  array = np.asarray(document, np.int32)
+  return array if array.ndim == 2 else np.stack([array, np.ones_like(array)])
+
+
 def _empty_row(length: int) -> dict[str, np.ndarray]:
   return {name: np.zeros(length, np.int32) for name in FIELDS}
 
@@ -71,9 +80,10 @@ def pack_row(cursor: DocumentCursor, length: int, packing: bool) -> dict[str, np
   """One row of `length` pairs from the cursor onwards; None when the data has ended."""
   row, filled, segment, empty_run = _empty_row(length), 0, 1, 0
   while filled < length:
-    tokens = cursor.current()
-    if tokens is None:
+    document = cursor.current()
+    if document is None:
       break
+    tokens, weights = document
     remaining = len(tokens) - 1 - cursor.position.offset
     if remaining <= 0:  # a document too short to give a pair (or already used up)
       empty_run += 1
@@ -88,7 +98,8 @@ def pack_row(cursor: DocumentCursor, length: int, packing: bool) -> dict[str, np
       break  # it fits in a row of its own: start the next row with it
     take = min(remaining, space)
     start = cursor.position.offset
-    _place(row, filled, tokens[start:start + take], tokens[start + 1:start + take + 1], segment)
+    _place(row, filled, tokens[start:start + take], tokens[start + 1:start + take + 1],
+           weights[start + 1:start + take + 1], segment)
     filled, segment = filled + take, segment + 1
     if take < remaining and packing:
       cursor.advance(take)  # a long document continues in the next row
@@ -99,12 +110,13 @@ def pack_row(cursor: DocumentCursor, length: int, packing: bool) -> dict[str, np
   return row if filled else None
 
 
-def _place(row: dict[str, np.ndarray], at: int, inputs: np.ndarray, targets: np.ndarray, segment: int) -> None:
+def _place(row: dict[str, np.ndarray], at: int, inputs: np.ndarray, targets: np.ndarray, target_weights: np.ndarray,
+           segment: int) -> None:
   span = slice(at, at + len(inputs))
   row["inputs"][span], row["targets"][span] = inputs, targets
   row["inputs_position"][span] = np.arange(len(inputs), dtype=np.int32)
   row["inputs_segmentation"][span] = segment
-  row["targets_segmentation"][span] = segment
+  row["targets_segmentation"][span] = segment * (target_weights != 0)
 
 
 def pack_batch(cursor: DocumentCursor, num_rows: int, length: int, packing: bool) -> tuple[dict[str, np.ndarray], int]:

@@ -87,9 +87,11 @@ def record_text(record: Any, column: str) -> str:
   return str(record)
 
 
-def document_dataset(source: Sequence[Any], shard: HostShard, encode: Callable[[str], list[int]], column: str,
+def document_dataset(source: Sequence[Any], shard: HostShard, encode: Callable[[Any], Any], column: str | None,
                      shuffle_seed: int | None, repeat: bool, what: str):
-  """Grain MapDataset of token lists: this shard's records, shuffled per epoch and repeated if asked."""
+  """Grain MapDataset of documents (token lists, or [2, n] tokens and weights): this shard's records,
+  shuffled per epoch and repeated if asked. `encode` gets the text of `column`, or the whole
+  record when column is None (fine-tuning records)."""
   import grain
 
   num_records = len(source)
@@ -103,7 +105,7 @@ def document_dataset(source: Sequence[Any], shard: HostShard, encode: Callable[[
     dataset = dataset.shuffle(seed=shuffle_seed)
   if repeat:
     dataset = dataset.repeat()  # grain reshuffles every epoch of a shuffled dataset
-  return dataset.map(lambda record: encode(record_text(record, column)))
+  return dataset.map(lambda record: encode(record if column is None else record_text(record, column)))
 
 
 def reader(dataset: Any, num_threads: int) -> Callable[[int], Iterator[list[int]]]:

@@ -1,0 +1,178 @@
+"""Supervised fine-tuning records → (tokens, 0/1 target weights), the documents packing.py packs.
+
+Records are conversations (`{"messages": [{"role": ..., "content": ...}, ...]}`) or prompt /
+completion pairs (plain strings, or lists of messages). Conversations are rendered by the chat
+template of the model's own Hugging Face tokenizer files (`tokenizer_config.json`'s
+`chat_template`, or `chat_template.jinja` beside it), through `transformers`, so a converted
+Llama 3 / Qwen3 / Gemma checkpoint trains on its real template.
+
+Which tokens are trained (`sft_train_on_completion_only`): the assistant turns. Most released
+templates have no `{% generation %}` markers, so the assistant's characters are found by
+rendering the conversation up to each assistant turn, once with the generation prompt and once
+with the turn: the turn is the difference (what the model writes after the generation prompt,
+through its end-of-turn token; whitespace the template adds after it is not the model's). The
+characters map to tokens through the tokenizer's offsets. A template whose renderings are not
+prefixes of one another cannot be split this way and is refused.
+
+Samples longer than max_target_length + 1 tokens are truncated (a conversation never continues
+into the next row: its continuation would have lost its prompt); one left with no trained
+target is dropped, counted, and reported.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Mapping
+
+import numpy as np
+
+from MaxText import storage
+from MaxText.errors import ConfigError, UserError
+
+CONVERSATION_FIELDS = ("messages",)
+PAIR_FIELDS = ("prompt", "completion")
+
+
+def _transformers() -> Any:
+  try:
+    import transformers
+  except ImportError:
+    raise ConfigError("use_sft=True renders chat templates with transformers, which is not installed; "
+                      "install the hf extra (EXTRAS=hf bash setup.sh)") from None
+  return transformers
+
+
+def _chat_template(tokenizer_dir: str, config: Mapping[str, Any]) -> str | None:
+  template = config.get("chat_template")
+  if isinstance(template, list):  # named templates: the default one
+    template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+  jinja_file = storage.join(tokenizer_dir, "chat_template.jinja")  # transformers >= 4.50 writes it apart
+  if not template and storage.is_file(jinja_file):
+    template = storage.read_text(jinja_file)
+  return template or None
+
+
+def load_chat_tokenizer(tokenizer_path: str) -> Any:
+  """A transformers fast tokenizer with its chat template, from a (local or gs://) directory holding
+  tokenizer.json and tokenizer_config.json."""
+  transformers = _transformers()
+  directory = tokenizer_path if storage.is_dir(tokenizer_path) else storage.parent(tokenizer_path)
+  config_file = storage.join(directory, "tokenizer_config.json")
+  config = json.loads(storage.read_text(config_file)) if storage.is_file(config_file) else {}
+  template = _chat_template(directory, config)
+  if template is None:
+    raise ConfigError(f"the tokenizer in {directory} has no chat template (no chat_template in tokenizer_config.json "
+                      "and no chat_template.jinja); use_sft with conversations needs the model's own template")
+  from tokenizers import Tokenizer
+
+  tokenizer_file = storage.join(directory, "tokenizer.json")
+  if not storage.is_file(tokenizer_file):
+    raise ConfigError(f"use_sft needs a Hugging Face tokenizer directory; {tokenizer_file} does not exist")
+  special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+  tokenizer = transformers.PreTrainedTokenizerFast(
+      tokenizer_object=Tokenizer.from_str(storage.read_text(tokenizer_file)),
+      **{name: value for name, value in special.items() if value})
+  tokenizer.chat_template = template
+  return tokenizer
+
+
+def _token_text(value: object) -> str | None:
+  return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
+
+
+class DroppedSamples:
+  """Counts samples left with no trained token; reports the first few and then every doubling."""
+
+  def __init__(self, max_tokens: int):
+    self.max_tokens, self.count, self._lock = max_tokens, 0, threading.Lock()
+
+  def add(self, reason: str) -> None:
+    with self._lock:
+      self.count += 1
+      count = self.count
+    if count <= 3 or count & (count - 1) == 0:
+      print(f"warning: sft: dropped a sample ({reason}); {count} dropped so far", flush=True)
+
+
+class SftEncoder:
+  """record → int32 [2, n] (tokens, target weights); an empty document for a dropped sample."""
+
+  def __init__(self, tokenizer: Any, max_target_length: int, completion_only: bool, add_bos: bool, add_eos: bool):
+    self.tokenizer, self.completion_only = tokenizer, completion_only
+    self.max_tokens = max_target_length + 1  # max_target_length (input, target) pairs
+    # Plain-text prompt/completion pairs get the tokenizer's bos/eos as configured; a chat
+    # template writes its own.
+    self.bos = (tokenizer.bos_token or "") if add_bos else ""
+    self.eos_id = tokenizer.eos_token_id if add_eos else None
+    self.dropped = DroppedSamples(self.max_tokens)
+
+  def __call__(self, record: Any) -> np.ndarray:
+    text, spans, plain = self.render(_as_mapping(record))
+    encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    tokens = list(encoding["input_ids"])
+    weights = [int(not self.completion_only or _overlaps(offset, spans)) for offset in encoding["offset_mapping"]]
+    if plain and self.eos_id is not None:
+      tokens, weights = tokens + [self.eos_id], weights + [1]  # the completion learns to stop
+    if len(tokens) > self.max_tokens:
+      tokens, weights = tokens[:self.max_tokens], weights[:self.max_tokens]
+      if not any(weights[1:]):
+        self.dropped.add(f"no assistant token within max_target_length + 1 = {self.max_tokens} tokens")
+        return np.zeros((2, 0), np.int32)
+    return np.asarray([tokens, weights], np.int32)
+
+  def render(self, record: Mapping[str, Any]) -> tuple[str, list[tuple[int, int]], bool]:
+    """(text, character spans of the trained parts, whether it is a plain-text pair)."""
+    if "messages" in record:
+      return (*self._conversation(_messages(record["messages"], "messages"), first_trained=0), False)
+    if all(field in record for field in PAIR_FIELDS):
+      prompt, completion = record["prompt"], record["completion"]
+      if isinstance(prompt, str) and isinstance(completion, str):
+        start = len(self.bos) + len(prompt)
+        return self.bos + prompt + completion, [(start, start + len(completion))], True
+      prompt_messages = _messages(prompt, "prompt")
+      return (*self._conversation(prompt_messages + _messages(completion, "completion"),
+                                  first_trained=len(prompt_messages)), False)
+    raise UserError(f"an sft record needs a 'messages' list or 'prompt' and 'completion' fields; it has "
+                    f"{', '.join(map(str, record)) or 'no fields'}")
+
+  def _conversation(self, messages: list[dict[str, Any]], first_trained: int) -> tuple[str, list[tuple[int, int]]]:
+    render = lambda m, prompt=False: self.tokenizer.apply_chat_template(m, tokenize=False,
+                                                                       add_generation_prompt=prompt)
+    text = render(messages)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first_trained]
+    if not turns:
+      raise UserError(f"an sft conversation has no assistant turn to train on (roles: "
+                      f"{', '.join(m['role'] for m in messages)})")
+    spans = []
+    for i in turns:
+      before, through = render(messages[:i], prompt=True), render(messages[:i + 1])
+      if not (through.startswith(before) and text.startswith(through)):
+        raise ConfigError("the chat template does not render a conversation as a prefix of its continuation, so "
+                          "the assistant's tokens cannot be found; set sft_train_on_completion_only=False or use "
+                          "a template with {% generation %} markers")
+      end = len(before) + len(through[len(before):].rstrip())
+      spans.append((len(before), end))
+    return text, spans
+
+
+def _as_mapping(record: Any) -> Mapping[str, Any]:
+  if isinstance(record, (bytes, bytearray)):
+    record = json.loads(bytes(record).decode("utf-8"))
+  if not isinstance(record, Mapping):
+    raise UserError(f"an sft record must be a JSON object, got {type(record).__name__}")
+  return record
+
+
+def _messages(value: Any, field: str) -> list[dict[str, Any]]:
+  if not isinstance(value, list) or not all(isinstance(m, Mapping) and "role" in m and "content" in m
+                                            for m in value):
+    raise UserError(f"sft field {field!r} must be a list of {{'role': ..., 'content': ...}} messages, got "
+                    f"{str(value)[:80]!r}")
+  return [dict(m) for m in value]
+
+
+def _overlaps(offset: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
+  """A token is trained when any of its characters is (as transformers' assistant mask counts)."""
+  start, end = offset
+  return end > start and any(start < b and a < end for a, b in spans)

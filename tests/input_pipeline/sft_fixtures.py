@@ -1,0 +1,55 @@
+"""A small Hugging Face tokenizer directory with a chat template, for the fine-tuning tests, and two
+chat templates written here in the layouts of released models (ChatML as Qwen uses it, Llama 3's
+headers), each also with `{% generation %}` markers so transformers can compute its own mask."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHATML = ("{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+          "{%- if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+          "{% endgeneration %}{{ '\\n' }}{%- else %}{{ message['content'] + '<|im_end|>\\n' }}{%- endif %}"
+          "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+LLAMA3 = ("{{ bos_token }}{%- for message in messages %}"
+          "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+          "{%- if message['role'] == 'assistant' %}{% generation %}{{ message['content'] | trim + '<|eot_id|>' }}"
+          "{% endgeneration %}{%- else %}{{ message['content'] | trim + '<|eot_id|>' }}{%- endif %}{%- endfor %}"
+          "{%- if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3}
+SPECIAL = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>",
+           "<|eot_id|>"]
+WORDS = ("the quick brown fox jumps over a lazy dog to be or not that is question continue this line "
+         "user assistant system you are helpful shall i compare thee summer day").split()
+
+
+def without_markers(template: str) -> str:
+  return template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+
+
+def write_tokenizer(directory: Path, template: str | None) -> Path:
+  """tokenizer.json (byte-level BPE over WORDS) and tokenizer_config.json with `template`."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  text = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))]
+  tokenizer.train_from_iterator(text * 4, trainers.BpeTrainer(vocab_size=250, special_tokens=SPECIAL,
+                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  directory.mkdir(parents=True, exist_ok=True)
+  tokenizer.save(str(directory / "tokenizer.json"))
+  config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+  if template is not None:
+    config["chat_template"] = template
+  (directory / "tokenizer_config.json").write_text(json.dumps(config))
+  return directory
+
+
+CONVERSATION = {"messages": [
+    {"role": "system", "content": "you are helpful"},
+    {"role": "user", "content": "continue this line: shall i compare thee"},
+    {"role": "assistant", "content": "to a summer day"},
+    {"role": "user", "content": "to be or not"},
+    {"role": "assistant", "content": "to be that is the question"},
+]}

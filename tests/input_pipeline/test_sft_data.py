@@ -1,0 +1,108 @@
+"""Fine-tuning records → tokens and loss weights: the assistant-token mask equals transformers' own
+(`return_assistant_tokens_mask` on templates with generation markers), prompt/completion pairs,
+packing keeps each conversation's weights and segments, truncation drops and counts samples left
+with nothing to train, and bad records fail with one clear line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from MaxText.errors import ConfigError, UserError
+from MaxText.input_pipeline import chat
+from MaxText.input_pipeline.packing import DocumentCursor, pack_batch
+from sft_fixtures import CONVERSATION, TEMPLATES, write_tokenizer, without_markers
+
+transformers = pytest.importorskip("transformers", reason="needs transformers (EXTRAS=test bash setup.sh)")
+
+
+def encoder(tmp_path, template: str, length: int = 512, completion_only: bool = True) -> chat.SftEncoder:
+  directory = write_tokenizer(tmp_path / "tok", without_markers(template))
+  return chat.SftEncoder(chat.load_chat_tokenizer(str(directory)), length, completion_only, True, True)
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_assistant_mask_equals_transformers_generation_mask(name, tmp_path):
+  ours = encoder(tmp_path, TEMPLATES[name])(CONVERSATION)
+  truth_tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tok" / "tokenizer.json"),
+                                                         bos_token="<s>", eos_token="</s>")
+  truth = truth_tokenizer.apply_chat_template(CONVERSATION["messages"], chat_template=TEMPLATES[name], tokenize=True,
+                                              return_dict=True, return_assistant_tokens_mask=True)
+  np.testing.assert_array_equal(ours[0], truth["input_ids"])
+  np.testing.assert_array_equal(ours[1], truth["assistant_masks"])
+  trained = truth_tokenizer.decode([t for t, w in zip(*ours) if w])
+  assert "to a summer day" in trained and "question" in trained and "compare" not in trained, trained
+
+
+def test_every_token_trains_without_completion_only(tmp_path):
+  tokens, weights = encoder(tmp_path, TEMPLATES["chatml"], completion_only=False)(CONVERSATION)
+  assert weights.all() and len(tokens) == len(weights)
+
+
+def test_prompt_completion_pairs_plain_and_conversational(tmp_path):
+  encode = encoder(tmp_path, TEMPLATES["chatml"])
+  tokenizer = encode.tokenizer
+  tokens, weights = encode({"prompt": "shall i compare thee", "completion": " to a summer day"})
+  assert tokens[0] == tokenizer.bos_token_id and tokens[-1] == tokenizer.eos_token_id
+  assert tokenizer.decode([t for t, w in zip(tokens, weights) if w]) == " to a summer day</s>"
+  assert not weights[:len(tokenizer("<s>shall i compare thee", add_special_tokens=False)["input_ids"])].any()
+  # Conversational: only the completion's assistant turn trains, not the prompt's.
+  messages = CONVERSATION["messages"]
+  tokens, weights = encode({"prompt": messages[:4], "completion": messages[4:]})
+  trained = tokenizer.decode([t for t, w in zip(tokens, weights) if w])
+  assert trained == "to be that is the question<|im_end|>", trained
+
+
+def test_packing_keeps_each_conversations_weights_and_segments(tmp_path):
+  encode = encoder(tmp_path, TEMPLATES["llama3"])
+  docs = [encode(CONVERSATION), encode({"prompt": "to be", "completion": " or not"})]
+  length = len(docs[0][0]) + len(docs[1][0])  # both fit one row
+  batch, _ = pack_batch(DocumentCursor(lambda i: iter(docs[i:]), 4), 1, length, packing=True)
+  first = len(docs[0][0]) - 1
+  np.testing.assert_array_equal(batch["inputs_segmentation"][0, :first], 1)
+  np.testing.assert_array_equal(batch["inputs_segmentation"][0, first:first + len(docs[1][0]) - 1], 2)
+  # A pair is weighed by its target's mask; prompts are segment 0 in targets_segmentation only.
+  np.testing.assert_array_equal(batch["targets_segmentation"][0, :first], docs[0][1][1:])
+  np.testing.assert_array_equal(batch["targets_segmentation"][0, first:first + len(docs[1][0]) - 1],
+                                2 * docs[1][1][1:])
+  assert batch["inputs_position"][0, first] == 0
+
+
+def test_truncation_keeps_trained_tokens_or_drops_and_counts(tmp_path, capsys):
+  encode = encoder(tmp_path, TEMPLATES["chatml"], length=40)
+  long_prompt = {"messages": [{"role": "user", "content": " ".join(["the quick brown fox"] * 10)},
+                              {"role": "assistant", "content": "a lazy dog"}]}
+  dropped = encode(long_prompt)
+  assert dropped.shape == (2, 0) and encode.dropped.count == 1
+  assert "dropped a sample (no assistant token within max_target_length + 1 = 41 tokens); 1 dropped" in \
+      capsys.readouterr().out
+  kept = encode({"messages": [{"role": "user", "content": "to be"},
+                              {"role": "assistant", "content": " ".join(["or not"] * 10)}]})
+  assert kept.shape[1] == 41 and kept[1, 1:].any() and encode.dropped.count == 1
+
+
+@pytest.mark.parametrize("record, error, message", [
+    ({"text": "hello"}, UserError, "an sft record needs a 'messages' list or 'prompt' and 'completion' fields; it has text"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, UserError,
+     "an sft conversation has no assistant turn to train on (roles: user)"),
+    ({"messages": "hi"}, UserError, "sft field 'messages' must be a list of"),
+])
+def test_bad_records_fail_in_one_line(record, error, message, tmp_path):
+  with pytest.raises(error) as raised:
+    encoder(tmp_path, TEMPLATES["chatml"])(record)
+  assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused(tmp_path):
+  directory = write_tokenizer(tmp_path / "plain", None)
+  with pytest.raises(ConfigError, match="has no chat template"):
+    chat.load_chat_tokenizer(str(directory))
+
+
+def test_a_template_that_rewrites_history_is_refused(tmp_path):
+  # Renders earlier assistant turns differently once a later turn exists (as reasoning templates do).
+  rewriting = ("{%- for message in messages %}{{ message['role'] + ': ' }}"
+               "{%- if message['role'] == 'assistant' and not loop.last %}[old]{% else %}{{ message['content'] }}"
+               "{% endif %}{{ '\\n' }}{%- endfor %}{%- if add_generation_prompt %}assistant: {% endif %}")
+  with pytest.raises(ConfigError, match="does not render a conversation as a prefix"):
+    encoder(tmp_path, rewriting)(CONVERSATION)
