@@ -1,0 +1,74 @@
+"""train.py with configs/sft.yml on generated "continue this line" conversations: the loss counts
+exactly the assistant's tokens (prompt tokens carry zero weight), and the assistant-token
+eval loss falls."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+pytest.importorskip("transformers", reason="needs transformers (EXTRAS=test bash setup.sh)")
+sys.path.insert(0, str(Path(__file__).parent / "input_pipeline"))
+from sft_fixtures import CHATML, WORDS, write_tokenizer, without_markers  # noqa: E402
+
+MODEL = ["base_emb_dim=64", "base_num_decoder_layers=2", "base_mlp_dim=128", "head_dim=16", "max_target_length=64",
+         "vocab_size=320", "print_config=False", "cpu_peak_tflops=0.1", "per_device_batch_size=2",
+         "learning_rate=3e-3", "enable_checkpointing=False", "eval_steps=2", "data_prefetch_batches=0"]
+
+
+def conversations(count: int, seed: int) -> list[dict]:
+  rng = random.Random(seed)
+  records = []
+  for _ in range(count):
+    start = rng.randrange(len(WORDS))
+    line = [WORDS[(start + i) % len(WORDS)] for i in range(6)]  # the next words of a fixed cycle
+    records.append({"messages": [{"role": "user", "content": "continue this line: " + " ".join(line[:3])},
+                                 {"role": "assistant", "content": " ".join(line[3:])}]})
+  return records
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+  path.write_text("".join(json.dumps(r) + "\n" for r in records))
+  return path
+
+
+def train(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+  tokenizer = write_tokenizer(tmp_path / "tokenizer", without_markers(CHATML))
+  files = [f"hf_data_files={write_jsonl(tmp_path / 'train.jsonl', conversations(512, 0))}",
+           f"hf_eval_files={write_jsonl(tmp_path / 'eval.jsonl', conversations(16, 1))}"]
+  command = [sys.executable, "-m", "MaxText.train", "configs/sft.yml", "run_name=sft", f"base_output_directory={tmp_path}",
+             f"tokenizer_path={tokenizer}", *files, *MODEL, *extra]
+  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PATH": "/usr/bin:/bin",
+         "HOME": str(Path.home()), "PYTHONPATH": str(REPO_ROOT)}
+  return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_sft_trains_on_assistant_tokens_only_and_eval_loss_falls(tmp_path):
+  proc = train(tmp_path, "steps=40", "eval_interval=20")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  records = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+  # Each conversation's assistant turn is 3 words + <|im_end|> (the tokenizer is about one
+  # character per token), far fewer than the prompt's tokens: packed rows of 64 tokens x 4 rows.
+  counted = [r["num_tokens"] for r in records if "num_tokens" in r]
+  assert counted and all(0 < n < 0.5 * 4 * 64 for n in counted), counted
+  evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+  # Uniform guessing over the vocabulary scores ln(320) = 5.77.
+  assert len(evals) == 2 and evals[0] < 0.6 * math.log(320) and evals[1] < 0.9 * evals[0], evals
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["tokenizer_type=sentencepiece"], "use_sft=True renders the model's chat template"),
+    (["dataset_type=synthetic"], "use_sft=True reads conversation records with dataset_type=hf"),
+])
+def test_sft_configuration_errors_are_one_line(tmp_path, extra, message):
+  proc = train(tmp_path, "steps=1", *extra)
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+  assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
