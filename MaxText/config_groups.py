@@ -341,6 +341,7 @@ class CheckpointConfig:
 class DecodeConfig:
   prompt: str = key()
   prompt_token_ids: tuple[int, ...] = key()  # empty = tokenize `prompt`
+  prompt_chat_template: bool = key()  # `prompt` as one user turn in the tokenizer's chat template
   max_prefill_predict_length: int = key()
   decode_sampling_strategy: str = key()
   decode_sampling_temperature: float = key()

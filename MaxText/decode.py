@@ -41,6 +41,10 @@ def prompt_ids(config: config_lib.Config) -> tuple[list[int], Tokenizer | None]:
     return list(config.decode.prompt_token_ids), tokenizer
   if tokenizer is None:
     raise UserError("set tokenizer_path=... to encode prompt, or give prompt_token_ids=5,17,42")
+  if config.decode.prompt_chat_template:
+    from MaxText.input_pipeline import chat
+
+    return chat.chat_prompt_ids(chat.load_chat_tokenizer(data.tokenizer_path), config.decode.prompt), tokenizer
   return DocumentEncoder(tokenizer, data.add_bos, add_eos=False)(config.decode.prompt), tokenizer
 
 

@@ -4,6 +4,7 @@ eval loss falls."""
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import random
@@ -13,13 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from MaxText.input_pipeline import chat
 from tests.conftest import REPO_ROOT
 
 pytest.importorskip("transformers", reason="needs transformers (EXTRAS=test bash setup.sh)")
 sys.path.insert(0, str(Path(__file__).parent / "input_pipeline"))
 from sft_fixtures import CHATML, WORDS, write_tokenizer, without_markers  # noqa: E402
 
-MODEL = ["base_emb_dim=64", "base_num_decoder_layers=2", "base_mlp_dim=128", "head_dim=16", "max_target_length=64",
+MODEL = ["base_emb_dim=64", "base_num_decoder_layers=2", "base_mlp_dim=128", "head_dim=16", "max_target_length=96",
          "vocab_size=320", "print_config=False", "cpu_peak_tflops=0.1", "per_device_batch_size=2",
          "learning_rate=3e-3", "enable_checkpointing=False", "eval_steps=2", "data_prefetch_batches=0"]
 
@@ -40,9 +42,10 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
   return path
 
 
-def train(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+def train(tmp_path: Path, *extra: str, records: list[dict] | None = None) -> subprocess.CompletedProcess:
   tokenizer = write_tokenizer(tmp_path / "tokenizer", without_markers(CHATML))
-  files = [f"hf_data_files={write_jsonl(tmp_path / 'train.jsonl', conversations(512, 0))}",
+  records = conversations(512, 0) if records is None else records
+  files = [f"hf_data_files={write_jsonl(tmp_path / 'train.jsonl', records)}",
            f"hf_eval_files={write_jsonl(tmp_path / 'eval.jsonl', conversations(16, 1))}"]
   command = [sys.executable, "-m", "MaxText.train", "configs/sft.yml", "run_name=sft", f"base_output_directory={tmp_path}",
              f"tokenizer_path={tokenizer}", *files, *MODEL, *extra]
@@ -56,9 +59,9 @@ def test_sft_trains_on_assistant_tokens_only_and_eval_loss_falls(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   records = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
   # Each conversation's assistant turn is 3 words + <|im_end|> (the tokenizer is about one
-  # character per token), far fewer than the prompt's tokens: packed rows of 64 tokens x 4 rows.
+  # character per token), far fewer than the prompt's tokens: packed rows of 96 tokens x 4 rows.
   counted = [r["num_tokens"] for r in records if "num_tokens" in r]
-  assert counted and all(0 < n < 0.5 * 4 * 64 for n in counted), counted
+  assert counted and all(0 < n < 0.5 * 4 * 96 for n in counted), counted
   evals = [r["eval_loss"] for r in records if "eval_loss" in r]
   # Uniform guessing over the vocabulary scores ln(320) = 5.77.
   assert len(evals) == 2 and evals[0] < 0.6 * math.log(320) and evals[1] < 0.9 * evals[0], evals
@@ -72,3 +75,41 @@ def test_sft_configuration_errors_are_one_line(tmp_path, extra, message):
   proc = train(tmp_path, "steps=1", *extra)
   errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
   assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+
+
+def test_a_conversation_without_an_assistant_turn_stops_the_run_in_one_line(tmp_path):
+  records = conversations(8, 0) + [{"messages": [{"role": "user", "content": "to be"}]}]
+  proc = train(tmp_path, "steps=4", "eval_interval=-1", "enable_data_shuffling=False", records=records)
+  message = "an sft conversation has no assistant turn to train on (roles: user)"
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+  assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+
+
+def _run(tmp_path: Path, module: str, *args: str) -> subprocess.CompletedProcess:
+  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PATH": "/usr/bin:/bin",
+         "HOME": str(Path.home()), "PYTHONPATH": str(REPO_ROOT)}
+  proc = subprocess.run([sys.executable, "-m", module, "configs/base.yml", *args], cwd=REPO_ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc
+
+
+@pytest.mark.slow  # three processes: fine-tune, export parameters, decode
+def test_fine_tuned_model_exports_and_answers_through_its_chat_template(tmp_path):
+  proc = train(tmp_path, "steps=150", "eval_interval=-1", "enable_checkpointing=True", "checkpoint_period=150",
+               "async_checkpointing=False")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  params = tmp_path / "params"
+  common = [f"base_output_directory={tmp_path}", "run_name=sft", "tokenizer_type=huggingface",
+            f"tokenizer_path={tmp_path / 'tokenizer'}",
+            *MODEL[:-1]]
+  _run(tmp_path, "MaxText.generate_param_only_checkpoint", *common, f"param_only_checkpoint_path={params}")
+  out = _run(tmp_path, "MaxText.decode", *common, f"load_parameters_path={params}", "prompt_chat_template=True",
+             f"prompt=continue this line: {' '.join(WORDS[:3])}", "max_prefill_predict_length=64").stdout
+  tokenizer = chat.load_chat_tokenizer(str(tmp_path / "tokenizer"))
+  ids = lambda name: ast.literal_eval(next(l for l in out.splitlines() if l.startswith(name)).removeprefix(name))  # noqa: E731
+  rendered = f"<|im_start|>user\ncontinue this line: {' '.join(WORDS[:3])}<|im_end|>\n<|im_start|>assistant\n"
+  assert ids("prompt ids: ") == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+  # The fine-tuned model continues the line and ends its turn.
+  answer = tokenizer(f"{' '.join(WORDS[3:6])}<|im_end|>", add_special_tokens=False)["input_ids"]
+  assert ids("generated ids: ")[:len(answer)] == answer, out

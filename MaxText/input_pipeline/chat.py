@@ -77,6 +77,13 @@ def load_chat_tokenizer(tokenizer_path: str) -> Any:
   return tokenizer
 
 
+def chat_prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+  """`prompt` as one user turn followed by the assistant's generation prompt, as token ids."""
+  text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                       add_generation_prompt=True)
+  return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def _token_text(value: object) -> str | None:
   return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
 
