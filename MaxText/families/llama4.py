@@ -115,6 +115,8 @@ def llama4_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
           "num_experts": int(hf["num_local_experts"]), "num_experts_per_tok": 1, "shared_experts": 1,
           "moe_router_scales_input": True}
   if "chunked" in attention:
+    if not chunk:
+      raise ConfigError("HF llama4_text layer_types has chunked_attention layers but no attention_chunk_size")
     keys["attention_chunk_size"] = int(chunk)
   if hf.get("attn_temperature_tuning", True):
     keys.update(attn_temperature_floor_scale=float(hf.get("floor_scale", 8192)),
