@@ -219,19 +219,6 @@ def test_hf_to_maxtext_user_errors(make_args, message, converted, tmp_path):
     hf_to_maxtext.main(["hf_to_maxtext", *make_args(hf_dir, ckpt, tmp_path)])
 
 
-def test_llama4_multimodal_checkpoint_is_refused_in_one_line(tmp_path):
-  """HF `llama4` (Scout/Maverick as released: text_config + vision_config) names what is supported."""
-  hf_dir = tmp_path / "llama4-multimodal"
-  hf_dir.mkdir()
-  text = dict(H.REFERENCE_CONFIGS["llama4"])
-  (hf_dir / "config.json").write_text(json.dumps({"model_type": "llama4", "text_config": text,
-                                                  "vision_config": {"model_type": "llama4_vision_model"}}))
-  with pytest.raises(ConfigError) as info:
-    hf_to_maxtext.main(["hf_to_maxtext", "--hf_path", str(hf_dir), "--output_path", str(tmp_path / "out")])
-  message = str(info.value)
-  assert "'llama4' is not supported" in message and "llama4_text" in message and "\n" not in message
-
-
 def test_llama4_with_dense_layers_between_moe_layers_is_refused():
   """Maverick (interleave_moe_layer_step=2) needs a stack of two layer kinds: one line says so."""
   maverick = {**H.REFERENCE_CONFIGS["llama4"], "interleave_moe_layer_step": 2}

@@ -42,18 +42,11 @@ class Family:
 
 
 _FAMILIES: dict[str, Family] = {}
-# HF model_types a family module knows but does not convert: model_type -> the one-line reason.
-_REFUSED: dict[str, str] = {}
 
 
 def register_family(family: Family) -> Family:
   _FAMILIES[family.name] = family
   return family
-
-
-def refuse_hf_model_type(model_type: str, reason: str) -> None:
-  """Makes `family_for_hf_config` reject `model_type` with `reason` rather than "no converter"."""
-  _REFUSED[model_type] = reason
 
 
 def families() -> dict[str, Family]:
@@ -65,10 +58,7 @@ def families() -> dict[str, Family]:
 
 def family_for_hf_config(hf_config: Mapping[str, Any]) -> Family:
   model_type = hf_config.get("model_type")
-  known_families = families()
-  if model_type in _REFUSED:
-    raise ConfigError(f"HF model_type {model_type!r} is not supported: {_REFUSED[model_type]}")
-  for family in known_families.values():
+  for family in families().values():
     if model_type in family.hf_model_types:
       return family
   known = ", ".join(sorted(t for f in families().values() for t in f.hf_model_types))

@@ -32,7 +32,7 @@ import numpy as np
 
 from MaxText.convert import tensor_maps as r
 from MaxText.errors import ConfigError
-from MaxText.families import Family, refuse_hf_model_type, register_family
+from MaxText.families import Family, register_family
 from MaxText.families.llama import (_LLAMA31_ROPE, TINY_SHAPES, decoder_tensors, embedding_tensors,
                                     gated_mlp_tensors, max_positions, rope_hf_config, rope_keys, shape_hf_config,
                                     shape_keys)
@@ -147,9 +147,6 @@ def llama4_hf_config(cfg: ModelConfig) -> dict[str, Any]:
           "floor_scale": int(cfg.attn_temperature_floor_scale) if tuning else 8192,
           "attn_scale": cfg.attn_temperature_scale, "router_aux_loss_coef": cfg.load_balance_loss_weight}
 
-
-refuse_hf_model_type("llama4", "Llama 4 multimodal checkpoints (a text_config beside a vision_config) are not "
-                     "converted; only the text model is supported (HF model_type llama4_text)")
 
 register_family(Family("llama4", ("llama4_text",), ("llama4",), llama4_model_keys, llama4_hf_config, llama4_tensors,
                        reference_hf_configs={  # chunks of 8 < the test length, a NoPE layer every 4th, llama3 RoPE
