@@ -33,9 +33,8 @@ import numpy as np
 from MaxText.convert import tensor_maps as r
 from MaxText.errors import ConfigError
 from MaxText.families import Family, register_family
-from MaxText.families.llama import (_LLAMA31_ROPE, TINY_SHAPES, decoder_tensors, embedding_tensors,
-                                    gated_mlp_tensors, max_positions, rope_hf_config, rope_keys, shape_hf_config,
-                                    shape_keys)
+from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, gated_mlp_tensors,
+                                    max_positions, rope_hf_config, rope_keys, shape_hf_config, shape_keys)
 from MaxText.model_config import ModelConfig
 
 _FF = "model.layers.{i}.feed_forward."
@@ -110,7 +109,8 @@ def llama4_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   attention = _pattern(["chunked" if kind == "chunked_attention" else "global" for kind in layer_types])
   keys = {"decoder_block": "llama4", **shape_keys(hf), **rope_keys(hf), "rope_interleaved": True,
           "mlp_activations": ["silu", "linear"], "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
-          "attention_layer_pattern": attention, "rope_layer_pattern": _pattern(["rope" if u else "nope" for u in uses_rope]),
+          "attention_layer_pattern": attention,
+          "rope_layer_pattern": _pattern(["rope" if rope else "nope" for rope in uses_rope]),
           "use_qk_l2_norm": bool(hf.get("use_qk_norm", True)),
           "num_experts": int(hf["num_local_experts"]), "num_experts_per_tok": 1, "shared_experts": 1,
           "moe_router_scales_input": True}
@@ -148,6 +148,10 @@ def llama4_hf_config(cfg: ModelConfig) -> dict[str, Any]:
           "attn_scale": cfg.attn_temperature_scale, "router_aux_loss_coef": cfg.load_balance_loss_weight}
 
 
+# Scout's llama3 frequency scaling, shrunk so it moves real frequencies at the test lengths.
+_TINY_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
 register_family(Family("llama4", ("llama4_text",), ("llama4",), llama4_model_keys, llama4_hf_config, llama4_tensors,
                        reference_hf_configs={  # chunks of 8 < the test length, a NoPE layer every 4th, llama3 RoPE
                            "llama4": dict(model_type="llama4_text", **{**TINY_SHAPES, "num_hidden_layers": 4,
@@ -155,4 +159,4 @@ register_family(Family("llama4", ("llama4_text",), ("llama4",), llama4_model_key
                                           intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=1,
                                           attention_chunk_size=8, no_rope_layer_interval=4, use_qk_norm=True,
                                           attn_temperature_tuning=True, floor_scale=4, attn_scale=0.3,
-                                          rms_norm_eps=1e-5, rope_parameters=_LLAMA31_ROPE)}))
+                                          rms_norm_eps=1e-5, rope_parameters=_TINY_ROPE)}))
