@@ -12,7 +12,8 @@ multiply-add counts 2):
   per sequence and layer, forward, attention scores and the weighted sum of values:
     2·2·N·H per query-key pair the layer attends: L² without masking; with causal masking
     L²/2 for a global layer and W·L − W²/2 for a local (sliding-window) layer with window
-    W < L (each query sees at most W keys; the first W queries see a causal triangle).
+    W < L (each query sees at most W keys; the first W queries see a causal triangle), and
+    for a chunked layer with chunk C < L a causal triangle per chunk: (L // C)·C²/2 + (L mod C)²/2.
     The layer kinds cycle over attention_layer_pattern.
 
   tflops_per_step = 3 · (B·L · per_token · num_layers (+ logits) + B · attention) / 1e12
@@ -55,9 +56,13 @@ def attended_pairs(cfg: ModelConfig, length: int, causal: bool = True) -> float:
   pattern = cfg.attention_layer_pattern
   total = 0.0
   for layer in range(cfg.num_decoder_layers):
-    window = cfg.sliding_window_size if pattern[layer % len(pattern)] == "local" else None
+    kind = pattern[layer % len(pattern)]
+    window = cfg.sliding_window_size if kind == "local" else None
+    chunk = cfg.attention_chunk_size
     if not causal:
       total += length * length
+    elif kind == "chunked" and chunk < length:
+      total += (length // chunk) * chunk * chunk / 2 + (length % chunk) ** 2 / 2
     elif window is not None and window < length:
       total += window * length - window * window / 2
     else:

@@ -29,7 +29,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 NORMALIZATION_TYPES = ("rms", "rms_plus_one", "layer")
 POSITION_EMBEDDINGS = ("rope", "learned", "sinusoidal")
 ROPE_TYPES = ("default", "llama3", "linear", "yarn")
-ATTENTION_LAYER_KINDS = ("global", "local")
+ATTENTION_LAYER_KINDS = ("global", "local", "chunked")
+ROPE_LAYER_KINDS = ("rope", "nope")
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
@@ -115,10 +116,15 @@ class ModelConfig:
   rope_low_freq_factor: float = key(architecture=True)
   rope_high_freq_factor: float = key(architecture=True)
   rope_original_max_position: int = key(architecture=True)
-  attention_layer_pattern: tuple[str, ...] = key(architecture=True)  # cycled over layers: global | local
+  attention_layer_pattern: tuple[str, ...] = key(architecture=True)  # cycled over layers: global | local | chunked
   sliding_window_size: int = key(architecture=True)
+  attention_chunk_size: int = key(architecture=True)  # chunked layers attend within fixed chunks of positions
+  rope_layer_pattern: tuple[str, ...] = key(architecture=True)  # cycled over layers: rope | nope
   attn_logits_soft_cap: float = key(architecture=True)  # 0 = off
   use_qk_norm: bool = key(architecture=True)  # RMSNorm over each query / key head before RoPE
+  use_qk_l2_norm: bool = key(architecture=True)  # weightless RMS norm of q / k after RoPE, RoPE layers only
+  attn_temperature_floor_scale: float = key(architecture=True)  # 0 = off; NoPE layers' query temperature
+  attn_temperature_scale: float = key(architecture=True)
   final_logits_soft_cap: float = key(architecture=True)  # 0 = off
   query_pre_attn_scalar: float = key(architecture=True)  # 0 = head_dim
   scale_embedding: bool = key(architecture=True)
@@ -127,6 +133,7 @@ class ModelConfig:
   num_experts_per_tok: int = key(architecture=True)
   shared_experts: int = key(architecture=True)  # 0 = none
   norm_topk_prob: bool = key(architecture=True)  # renormalise the k routing weights to sum to one
+  moe_router_scales_input: bool = key(architecture=True)  # Llama 4: sigmoid(top logit) scales the expert input
   global_parameter_scale: int = key(fixed_on_resume=MODEL)
   scan_layers: bool = key(fixed_on_resume=LAYOUT)
   weight_dtype: str = key(fixed_on_resume=LAYOUT)
@@ -239,6 +246,16 @@ def _check_positions_and_attention(v: Mapping[str, Any]) -> None:
            f"attention_layer_pattern must be a non-empty list of {', '.join(ATTENTION_LAYER_KINDS)}; got {pattern}")
   if "local" in pattern:
     positive(v, "sliding_window_size")
+  if "chunked" in pattern:
+    positive(v, "attention_chunk_size")
+    _require(v["attention"] in ("dot_product", "autoselected"),
+             f"chunked attention layers run on attention=dot_product (or autoselected, which picks it); "
+             f"attention={v['attention']} has no chunked mask")
+  rope_pattern = list(v["rope_layer_pattern"])
+  _require(len(rope_pattern) >= 1 and all(kind in ROPE_LAYER_KINDS for kind in rope_pattern),
+           f"rope_layer_pattern must be a non-empty list of {', '.join(ROPE_LAYER_KINDS)}; got {rope_pattern}")
+  _require(v["attn_temperature_floor_scale"] >= 0, "attn_temperature_floor_scale must be >= 0 (0 = off), got "
+           f"{v['attn_temperature_floor_scale']}")
   for key in ("attn_logits_soft_cap", "final_logits_soft_cap", "query_pre_attn_scalar"):
     _require(v[key] >= 0, f"{key} must be >= 0 (0 = off), got {v[key]}")
 
@@ -254,6 +271,8 @@ def _check_moe(v: Mapping[str, Any]) -> None:
            "use_bias=True is not supported with num_experts > 1 (the MoE experts have no biases)")
   _require(isinstance(v["sparse_matmul"], bool), f"sparse_matmul must be True or False, got {v['sparse_matmul']!r}")
   _require(v["shared_experts"] >= 0, f"shared_experts must be >= 0 (0 = none), got {v['shared_experts']}")
+  _require(not v["moe_router_scales_input"] or top_k == 1,
+           f"moe_router_scales_input=True supports num_experts_per_tok=1 only (Llama 4's releases), got {top_k}")
   one_of(v, "moe_dispatch", MOE_DISPATCHES)
   one_of(v, "moe_all_to_all", ALL_TO_ALL_KINDS)
   one_of(v, "moe_grouped_matmul", GROUPED_MATMUL_KINDS)

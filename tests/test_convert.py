@@ -17,7 +17,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import hf_families as H
-from MaxText import config as config_lib, logit_checker, models, params_io
+from MaxText import config as config_lib, families, logit_checker, models, params_io
 from MaxText.convert import hf_io, hf_to_maxtext, maxtext_to_hf, streaming
 from MaxText.errors import ConfigError, UserError
 from tests.conftest import REPO_ROOT
@@ -217,6 +217,13 @@ def test_hf_to_maxtext_user_errors(make_args, message, converted, tmp_path):
   hf_dir, ckpt = converted("mistral")
   with pytest.raises(UserError, match=message.replace("[", r"\[").replace(".", r"\.")):
     hf_to_maxtext.main(["hf_to_maxtext", *make_args(hf_dir, ckpt, tmp_path)])
+
+
+def test_llama4_with_dense_layers_between_moe_layers_is_refused():
+  """Maverick (interleave_moe_layer_step=2) needs a stack of two layer kinds: one line says so."""
+  maverick = {**H.REFERENCE_CONFIGS["llama4"], "interleave_moe_layer_step": 2}
+  with pytest.raises(ConfigError, match=r"interleave_moe_layer_step=2.*not supported yet"):
+    families.family_for_hf_config(maverick).model_keys(maverick)
 
 
 def test_maxtext_to_hf_refuses_what_hf_cannot_express(converted, tmp_path):

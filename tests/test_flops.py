@@ -57,6 +57,18 @@ def test_window_shorter_than_the_sequence_counts_only_attended_pairs():
   assert metrics.attended_pairs(long_window.model, LENGTH) == 3 * LENGTH**2 / 2
 
 
+def test_chunked_layers_count_a_causal_triangle_per_chunk():
+  # Chunks of 48 over 128 tokens: two full chunks and one of 32, on layers 0 and 2 (Llama 4's
+  # chunked layers); the real mask less the half diagonal again.
+  config = _windowed(attention_layer_pattern=["chunked", "global"], attention_chunk_size=48)
+  segments = jnp.ones((1, LENGTH), jnp.int32)
+  mask_pairs = sum(int(jnp.sum(masks.self_mask(segments, chunk=attention.layer_chunk_size(config.model, layer))))
+                   for layer in range(3))
+  ours = metrics.attended_pairs(config.model, LENGTH)
+  assert ours + 3 * LENGTH / 2 == mask_pairs
+  assert ours == 2 * (2 * 48**2 / 2 + 32**2 / 2) + LENGTH**2 / 2
+
+
 def test_window_flops_unmasked_match_xla_cost_analysis():
   # The dense attention kernel computes every score and masks afterwards, so XLA counts all
   # L² pairs on every layer: the unmasked figure must match it in the band of the dense test,

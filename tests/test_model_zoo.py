@@ -37,6 +37,9 @@ PUBLISHED = {
     # Qwen3 model cards (sizes as the checkpoints count them; the cards round to 0.6B, 1.7B, ...).
     "qwen3-0.6b": 0.596e9, "qwen3-1.7b": 1.72e9, "qwen3-4b": 4.02e9, "qwen3-8b": 8.19e9, "qwen3-14b": 14.77e9,
     "qwen3-32b": 32.76e9, "qwen3-30b-a3b": 30.5e9, "qwen3-235b-a22b": 235.1e9,
+    # Llama 4 Scout: the card's 109B total less the vision encoder and projector (0.87B, counted
+    # from the published vision_config): the text model alone.
+    "llama4-scout-17b-16e": 108.13e9,
 }
 # The `default` family has no published size: it follows global_parameter_scale.
 UNPUBLISHED = {"default"}

@@ -166,6 +166,11 @@ def canonical(keys: Mapping[str, Any]) -> dict[str, Any]:
     out["query_pre_attn_scalar"] = float(out.get("head_dim", 0))
   if "local" not in out["attention_layer_pattern"]:
     out["sliding_window_size"] = None
+  if "chunked" not in out["attention_layer_pattern"]:
+    out["attention_chunk_size"] = None
+  out["rope_layer_pattern"] = list(out.get("rope_layer_pattern", []))
+  if not out.get("attn_temperature_floor_scale"):
+    out["attn_temperature_scale"] = None
   if out.get("rope_type") != "llama3":
     for key in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position"):
       out[key] = None

@@ -1,5 +1,11 @@
 """Grouped-query self-attention: RoPE, causal + document (segment) masking, optional sliding
-window (the mask and head grouping: masks.py) and score soft-capping.
+window or fixed chunks (the mask and head grouping: masks.py) and score soft-capping.
+
+Per-layer behaviour is chosen from `layer_index` (a traced scalar in a scanned stack, so the
+stack stays one homogeneous layer): attention_layer_pattern (global / local / chunked) and
+rope_layer_pattern (rope / nope). Llama 4 (iRoPE): chunked RoPE layers with a weightless
+QK-norm after RoPE (use_qk_l2_norm), and global NoPE layers whose queries are sharpened with
+position (attn_temperature_floor_scale).
 
 Kernels are looked up by name in ATTENTION_KERNELS so flash / cuDNN / splash
 implementations can be added without touching the layer.
@@ -9,7 +15,7 @@ from __future__ import annotations
 
 import functools
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +31,12 @@ from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.normalizations import RMSNorm
 
 def dot_product_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BL: jax.Array,
-                          window_size: masks.Window = None, soft_cap: float = 0.0) -> jax.Array:
-  """Plain XLA attention with the mask of masks.py; queries must already be scaled."""
-  return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, masks.self_mask(segment_ids_BL, window_size), soft_cap)
+                          window_size: masks.Window = None, soft_cap: float = 0.0, chunk_size: masks.Window = None,
+                          positions_BL: jax.Array | None = None) -> jax.Array:
+  """Plain XLA attention with the mask of masks.py; queries must already be scaled. The only
+  kernel with chunked attention (`chunk_size`, cut at `positions_BL`)."""
+  mask_BLL = masks.self_mask(segment_ids_BL, window_size, chunk_size, positions_BL)
+  return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLL, soft_cap)
 
 
 # (q, k, v, segment_ids, window_size, soft_cap) -> out
@@ -52,6 +61,8 @@ def select_kernel(name: str, platform: str | None = None, cfg: ModelConfig | Non
   cudnn_flash when cuDNN covers the model (no soft cap, half precision, head_dim <= 128) else flash;
   CPU: dot_product up to AUTOSELECT_CPU_FLASH_ABOVE tokens, flash beyond. Without a platform
   `autoselected` stays deferred: the layer resolves it when traced, for the mesh's platform."""
+  if name == "autoselected" and cfg is not None and "chunked" in cfg.attention_layer_pattern:
+    return "dot_product"  # the one kernel with a chunked mask
   if name != "autoselected" or platform is None:
     return name
   if platform == "tpu":
@@ -79,6 +90,45 @@ def layer_window_size(cfg: ModelConfig, layer_index: int | jax.Array) -> masks.W
   if isinstance(is_local, bool):
     return cfg.sliding_window_size if is_local else None
   return masks.layer_window(is_local, cfg.sliding_window_size)
+
+
+def layer_chunk_size(cfg: ModelConfig, layer_index: int | jax.Array) -> masks.Window:
+  """attention_chunk_size on a chunked layer, None elsewhere (traced NO_WINDOW in a mixed scanned stack)."""
+  pattern = cfg.attention_layer_pattern
+  if "chunked" not in pattern:
+    return None
+  if len(set(pattern)) == 1:
+    return cfg.attention_chunk_size
+  is_chunked = jnp.asarray([kind == "chunked" for kind in pattern])[layer_index % len(pattern)]
+  return masks.layer_window(is_chunked, cfg.attention_chunk_size)
+
+
+def is_rope_layer(cfg: ModelConfig, layer_index: int | jax.Array) -> bool | jax.Array:
+  """Whether layer `layer_index` rotates q/k under rope_layer_pattern (static when uniform)."""
+  pattern = cfg.rope_layer_pattern
+  if len(set(pattern)) == 1:
+    return pattern[0] == "rope"
+  return jnp.asarray([kind == "rope" for kind in pattern])[layer_index % len(pattern)]
+
+
+def _on_layers(selected: bool | jax.Array, f: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+  """f(x) on the layers `selected` names (a traced choice computes both and picks)."""
+  if isinstance(selected, bool):
+    return f(x) if selected else x
+  return jnp.where(selected, f(x), x)
+
+
+def l2_normalize(x_BLNH: jax.Array, epsilon: float) -> jax.Array:
+  """Each head vector over its RMS, no learned gain, in float32 (Llama 4's QK-norm)."""
+  x = x_BLNH.astype(jnp.float32)
+  return (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + epsilon)).astype(x_BLNH.dtype)
+
+
+def temperature_scale(cfg: ModelConfig, positions_BL: jax.Array) -> jax.Array:
+  """[B, L] query multiplier of NoPE layers: log1p(floor((p + 1) / floor_scale)) * scale + 1, which
+  sharpens attention at long positions where a position-free score would flatten out."""
+  steps_BL = jnp.floor((positions_BL.astype(jnp.float32) + 1.0) / cfg.attn_temperature_floor_scale)
+  return jnp.log1p(steps_BL) * cfg.attn_temperature_scale + 1.0
 
 
 def layer_rope_frequencies(cfg: ModelConfig, layer_index: int | jax.Array) -> np.ndarray | jax.Array:
@@ -119,7 +169,8 @@ class Attention(nnx.Module):
                                scale_offset=1.0 if cfg.normalization_type == "rms_plus_one" else 0.0)
       self.query_norm, self.key_norm = norm(), norm()
     self.cfg = cfg
-    self.kernel = ATTENTION_KERNELS[select_kernel(cfg.attention)](cfg)
+    self.chunked = "chunked" in cfg.attention_layer_pattern  # config validation: dot_product then
+    self.kernel = dot_product_attention if self.chunked else ATTENTION_KERNELS[select_kernel(cfg.attention)](cfg)
     # Gemma 2 27B scales by (emb_dim / num_heads)**-0.5 rather than head_dim**-0.5.
     self.query_scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
 
@@ -127,8 +178,14 @@ class Attention(nnx.Module):
     cfg = self.cfg
     if cfg.position_embedding != "rope":
       return x_BLNH
-    return apply_rope(x_BLNH, positions_BL, layer_rope_frequencies(cfg, layer_index), cfg.rope_interleaved,
-                      layer_rope_scale(cfg, layer_index))
+    rope = functools.partial(apply_rope, positions_BL=positions_BL,
+                             inv_freq_h=layer_rope_frequencies(cfg, layer_index), interleaved=cfg.rope_interleaved,
+                             scale=layer_rope_scale(cfg, layer_index))
+    x_BLNH = _on_layers(is_rope_layer(cfg, layer_index), rope, x_BLNH)
+    if cfg.use_qk_l2_norm:
+      x_BLNH = _on_layers(is_rope_layer(cfg, layer_index),
+                          functools.partial(l2_normalize, epsilon=cfg.normalization_layer_epsilon), x_BLNH)
+    return x_BLNH
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
                layer_index: int | jax.Array = 0, cache: kv_cache.KVCache | None = None
@@ -142,14 +199,21 @@ class Attention(nnx.Module):
     if cfg.use_qk_norm:
       q_BLNH, k_BSKH = self.query_norm(q_BLNH), self.key_norm(k_BSKH)
     q_BLNH, k_BSKH = self._rope(q_BLNH, positions_BL, layer_index), self._rope(k_BSKH, positions_BL, layer_index)
+    if cfg.attn_temperature_floor_scale > 0:  # on NoPE layers only
+      is_rope = is_rope_layer(cfg, layer_index)
+      is_nope = (not is_rope) if isinstance(is_rope, bool) else jnp.logical_not(is_rope)
+      tune = lambda q: (q * temperature_scale(cfg, positions_BL)[:, :, None, None]).astype(q.dtype)
+      q_BLNH = _on_layers(is_nope, tune, q_BLNH)
     q_BLNH = sharding.constrain(q_BLNH * jnp.asarray(self.query_scale, q_BLNH.dtype), heads_names)
     k_BSKH = sharding.constrain(k_BSKH, kv_names)
     v_BSKH = sharding.constrain(self.value(x_BLD), kv_names)
     if cache is not None:
       cache = kv_cache.write(cache, k_BSKH, v_BSKH, positions_BL)
       out_BLNH = kv_cache.cached_attention(q_BLNH, cache, positions_BL, layer_window_size(cfg, layer_index),
-                                           cfg.attn_logits_soft_cap)
+                                           cfg.attn_logits_soft_cap, layer_chunk_size(cfg, layer_index))
       return self.out(sharding.constrain(out_BLNH, heads_names)), cache
+    chunk: dict[str, Any] = ({"chunk_size": layer_chunk_size(cfg, layer_index), "positions_BL": positions_BL}
+                             if self.chunked else {})
     out_BLNH = self.kernel(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, layer_window_size(cfg, layer_index),
-                           cfg.attn_logits_soft_cap)
+                           cfg.attn_logits_soft_cap, **chunk)
     return self.out(sharding.constrain(out_BLNH, heads_names))

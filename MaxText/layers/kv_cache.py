@@ -6,8 +6,8 @@ Shape legend: B batch (decode slots), L new tokens this call (the padded prompt 
 Layout rule: the token at absolute position p lives at cache index p. Prompts are right-padded,
 so a row's padding sits after its last real token and is overwritten by the tokens generated
 there; a query at position p sees only cache indices s <= p (and, in a sliding-window layer,
-p - s < window), so padding and stale entries past p are never attended. No separate padding
-mask is needed: the mask is masks.cache_mask.
+p - s < window; in a chunked layer, p // chunk == s // chunk), so padding and stale entries
+past p are never attended. No separate padding mask is needed: the mask is masks.cache_mask.
 
 `quantize_kvcache` stores keys and values as int8 with one float32 scale per token per head
 (symmetric, scale = max|x| / 127 over the head dim), dequantized when read.
@@ -97,10 +97,11 @@ def write(cache: KVCache, k_BLKH: jax.Array, v_BLKH: jax.Array, positions_BL: ja
 
 
 def cached_attention(q_BLNH: jax.Array, cache: KVCache, positions_BL: jax.Array,
-                     window_size: masks.Window = None, soft_cap: float = 0.0) -> jax.Array:
+                     window_size: masks.Window = None, soft_cap: float = 0.0,
+                     chunk_size: masks.Window = None) -> jax.Array:
   """Grouped-query attention of already-scaled queries over the whole cache (masks.cache_mask)."""
   k_BSKH, v_BSKH = cache.read(q_BLNH.dtype)
-  mask_BLS = masks.cache_mask(positions_BL, k_BSKH.shape[1], window_size)
+  mask_BLS = masks.cache_mask(positions_BL, k_BSKH.shape[1], window_size, chunk_size)
   return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS, soft_cap)
 
 

@@ -2,7 +2,10 @@
 
 One rule everywhere: the query at position p sees the key at position s iff s <= p (causal),
 p - s < window (a sliding window of `window` tokens: this one and window - 1 before it) and
-both carry the same segment id (packed documents never see each other).
+both carry the same segment id (packed documents never see each other). A chunked layer
+(Llama 4) adds p // chunk == s // chunk: the sequence is cut into fixed chunks of `chunk`
+positions and a query sees only its own chunk's past (not a sliding window: the first token
+of a chunk sees only itself). Only dot_product and the KV-cache path take a chunk.
 
 - `allowed` builds it as a boolean array: dot_product and the flash reference (`self_mask`),
   the KV-cache decode path (`cache_mask`), cuDNN's mask argument, and each block of chunked
@@ -58,8 +61,9 @@ def local_window_bounds(window: int) -> tuple[int, int]:
 
 
 def allowed(q_pos_BL: jax.Array, k_pos_BS: jax.Array, q_seg_BL: jax.Array | None = None,
-            k_seg_BS: jax.Array | None = None, window: Window = None) -> jax.Array:
-  """[B, L, S] boolean: causal, within `window` and, given both segment ids, in the same segment.
+            k_seg_BS: jax.Array | None = None, window: Window = None, chunk: Window = None) -> jax.Array:
+  """[B, L, S] boolean: causal, within `window`, in the same `chunk` of positions (None = no
+  chunking; a traced one spells that NO_WINDOW) and, given both segment ids, in the same segment.
 
   Positions may have batch 1 (shared by every row); all broadcasting is within equal ranks.
   """
@@ -67,21 +71,31 @@ def allowed(q_pos_BL: jax.Array, k_pos_BS: jax.Array, q_seg_BL: jax.Array | None
   ok_BLS = offset_BLS >= 0
   if window is not None:
     ok_BLS = ok_BLS & (offset_BLS < window)
+  if chunk is not None:
+    ok_BLS = ok_BLS & (q_pos_BL[:, :, None] // chunk == k_pos_BS[:, None, :] // chunk)
   if q_seg_BL is not None and k_seg_BS is not None:
     ok_BLS = ok_BLS & (q_seg_BL[:, :, None] == k_seg_BS[:, None, :])
   return ok_BLS
 
 
-def self_mask(segment_ids_BL: jax.Array, window: Window = None) -> jax.Array:
-  """[B, L, L] self-attention mask of a (packed) training sequence at positions 0 .. L - 1."""
+def self_mask(segment_ids_BL: jax.Array, window: Window = None, chunk: Window = None,
+              positions_BL: jax.Array | None = None) -> jax.Array:
+  """[B, L, L] self-attention mask of a (packed) training sequence at positions 0 .. L - 1.
+  Chunks are cut at the tokens' `positions_BL` when given (each packed document's own), else
+  at 0 .. L - 1; within one document the two orders agree, so causality is unchanged."""
   positions_1L = jnp.arange(segment_ids_BL.shape[1])[None]
-  return allowed(positions_1L, positions_1L, segment_ids_BL, segment_ids_BL, window)
+  ok_BLL = allowed(positions_1L, positions_1L, segment_ids_BL, segment_ids_BL, window)
+  if chunk is None:
+    return ok_BLL
+  chunk_pos_BL = positions_1L if positions_BL is None else positions_BL
+  return ok_BLL & (chunk_pos_BL[:, :, None] // chunk == chunk_pos_BL[:, None, :] // chunk)
 
 
-def cache_mask(positions_BL: jax.Array, cache_length: int, window: Window = None) -> jax.Array:
+def cache_mask(positions_BL: jax.Array, cache_length: int, window: Window = None,
+               chunk: Window = None) -> jax.Array:
   """[B, L, S] mask of new queries over a KV cache (index = position), which needs no segment
   ids: entries past a query's position (padding, stale tokens) are hidden as future."""
-  return allowed(positions_BL, jnp.arange(cache_length)[None], window=window)
+  return allowed(positions_BL, jnp.arange(cache_length)[None], window=window, chunk=chunk)
 
 
 def group_queries(q_BLNH: jax.Array, num_kv: int) -> jax.Array:

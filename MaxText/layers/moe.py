@@ -37,6 +37,10 @@ device, each device multiplies only its own experts' rows and the expert shards'
 summed with an all-reduce. Without an expert axis both run locally per batch shard (each
 device sorts only its own sequences).
 
+Input-scaled routing (moe_router_scales_input, Llama 4, top-1): the chosen expert's weight is
+sigmoid(its router logit) and multiplies the token before the expert, whose output is added
+unweighted. It is applied to the tokens before dispatch, so every path above runs it unchanged.
+
 Shared experts (shared_experts > 0, DeepSeek / Llama 4): one dense gated MLP of width
 shared_experts·mlp_dim that every token goes through, added to the routed output.
 
@@ -210,6 +214,15 @@ def routing_health(probs_BLE: jax.Array, routed_E: jax.Array, dropped_fraction: 
           "moe_dropped_fraction": jax.lax.stop_gradient(dropped_fraction).astype(jnp.float32)}
 
 
+def scale_routed_input(x_BLD: jax.Array, logits_BLE: jax.Array, experts_BLk: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Llama 4's routing (top-1): (the token scaled by sigmoid of its chosen expert's router logit,
+  unit combine weights [B, L, 1]). The expert sees w·x rather than its output being scaled by w,
+  which differs because the gated MLP is not linear."""
+  chosen_BL1 = jnp.take_along_axis(logits_BLE.astype(jnp.float32), experts_BLk, axis=-1)
+  scaled_BLD = (x_BLD * jax.nn.sigmoid(chosen_BL1).astype(x_BLD.dtype)).astype(x_BLD.dtype)
+  return scaled_BLD, jnp.ones(experts_BLk.shape, jnp.float32)
+
+
 class MoeBlock(nnx.Module):
   """Drop-in for MlpBlock (same call): x [B, L, D] -> [B, L, D]; sows `moe_lb_loss` and the
   routing-health statistics (ROUTING_STATS)."""
@@ -318,7 +331,11 @@ class MoeBlock(nnx.Module):
     cfg = self.cfg
     top_k, num_experts, length = cfg.num_experts_per_tok, cfg.num_experts, x_BLD.shape[1]
     x_BLD = x_BLD.astype(self.dtype)
-    probs_BLE, experts_BLk, weights_BLk = route(self.gate(x_BLD), top_k, cfg.norm_topk_prob)
+    logits_BLE = self.gate(x_BLD)
+    probs_BLE, experts_BLk, weights_BLk = route(logits_BLE, top_k, cfg.norm_topk_prob)
+    routed_BLD = x_BLD
+    if cfg.moe_router_scales_input:  # top-1 (config): the weight moves onto the expert's input
+      routed_BLD, weights_BLk = scale_routed_input(x_BLD, logits_BLE, experts_BLk)
     routed_E = routed_fraction(experts_BLk, num_experts)
     self.sow(nnx.Intermediate, "moe_lb_loss", load_balance_loss(probs_BLE, experts_BLk, routed_E))
     capacity = expert_capacity(cfg, length)
@@ -329,14 +346,14 @@ class MoeBlock(nnx.Module):
 
     layout = self._layout(x_BLD.shape[0])
     if layout is not None:
-      out_BLD, exchange_dropped = self._all_to_all(layout, x_BLD, experts_BLk, weights_BLk, capacity)
+      out_BLD, exchange_dropped = self._all_to_all(layout, routed_BLD, experts_BLk, weights_BLk, capacity)
       if cfg.sparse_matmul:  # the grouped exchange's receive buffers may drop rows
         dropped = exchange_dropped / experts_BLk.size
     elif cfg.sparse_matmul:
-      out_BLD = self._grouped(x_BLD, experts_BLk, weights_BLk)
+      out_BLD = self._grouped(routed_BLD, experts_BLk, weights_BLk)
     else:
       weight_BA = jnp.swapaxes(weights_BLk, 1, 2).reshape(weights_BLk.shape[0], -1)
-      out_BLD = self._padded(x_BLD, expert_BA, slot_BA, weight_BA, capacity)
+      out_BLD = self._padded(routed_BLD, expert_BA, slot_BA, weight_BA, capacity)
     for name, value in routing_health(probs_BLE, routed_E, dropped).items():
       self.sow(nnx.Intermediate, name, value)
     if cfg.shared_experts > 0:

@@ -3,8 +3,9 @@ the full forward pass each step (no cache), and Hugging Face `generate(do_sample
 same tiny random models converted through our converters.
 
 Prompts of different lengths share one batch (right padding), and generation runs past the
-sliding windows of Mistral (5) and Gemma 2 and 3 (6), so windows, padding and GQA are all exercised;
-16 new tokens each, as the model-family issue asks.
+sliding windows of Mistral (5) and Gemma 2 and 3 (6) and across Llama 4's chunk boundaries (8, 16,
+24), so windows, chunks, padding and GQA are all exercised; 16 new tokens each, as the
+model-family issue asks.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def hf_greedy(hf, model, prompt: list[int], num_new: int) -> list[int]:
 CASES = [pytest.param("llama3.1", True, marks=pytest.mark.slow), pytest.param("llama2-tied", False, marks=pytest.mark.slow), ("mistral", True),
          pytest.param("gemma", False, marks=pytest.mark.slow), ("gemma2", True), ("gpt3", False), ("mixtral", True),
          ("gemma3", False), ("qwen3_moe", True), pytest.param("qwen3", False, marks=pytest.mark.slow),
-         pytest.param("qwen3-yarn", True, marks=pytest.mark.slow)]
+         pytest.param("qwen3-yarn", True, marks=pytest.mark.slow),
+         ("llama4", True), pytest.param("llama4", False, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("family,scan_layers", CASES)
@@ -66,6 +68,21 @@ def test_mask_sees_only_past_and_window():
   np.testing.assert_array_equal(mask[0, 1], [0, 0, 0, 1, 1, 0, 0, 0])
   full = np.asarray(masks.cache_mask(positions_BL, 8, None))
   np.testing.assert_array_equal(full[0, 1], [1, 1, 1, 1, 1, 0, 0, 0])
+
+
+def test_chunked_mask_sees_only_its_own_chunk():
+  """Chunks of 4: position 5 sees 4..5 (not 2..5 as a window of 4 would); position 4 only itself."""
+  positions_BL = jnp.asarray([[4, 5]])
+  mask = np.asarray(masks.cache_mask(positions_BL, 8, chunk=4))
+  np.testing.assert_array_equal(mask[0, 0], [0, 0, 0, 0, 1, 0, 0, 0])
+  np.testing.assert_array_equal(mask[0, 1], [0, 0, 0, 0, 1, 1, 0, 0])
+  training = np.asarray(masks.self_mask(jnp.ones((1, 8), jnp.int32), chunk=4))
+  np.testing.assert_array_equal(training[0, 5], mask[0, 1])
+  # A packed second document starting at index 3 cuts its chunks at its own positions.
+  packed = np.asarray(masks.self_mask(jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 2]]), chunk=4,
+                                      positions_BL=jnp.asarray([[0, 1, 2, 0, 1, 2, 3, 4]])))
+  np.testing.assert_array_equal(packed[0, 7], [0, 0, 0, 0, 0, 0, 0, 1])
+  np.testing.assert_array_equal(packed[0, 6], [0, 0, 0, 1, 1, 1, 1, 0])
 
 
 def test_int8_round_trip_within_half_a_step():

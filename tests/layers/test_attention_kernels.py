@@ -170,6 +170,15 @@ def test_autoselect_rule_per_platform():
   assert select_kernel("autoselected") == "autoselected"  # deferred until traced
 
 
+def test_chunked_layers_run_on_dot_product_only():
+  """Only dot_product has the chunked mask (Llama 4): autoselected picks it, flash is one error line."""
+  chunked = dict(attention_layer_pattern=["chunked", "global"], attention_chunk_size=8)
+  for platform in ("tpu", "gpu", "cpu"):
+    assert select_kernel("autoselected", platform, _tiny(max_target_length=4096, **chunked).model) == "dot_product"
+  with pytest.raises(ConfigError, match="chunked attention layers run on attention=dot_product"):
+    _tiny(attention="flash", **chunked)
+
+
 def test_autoselected_says_once_which_kernel_it_picked(capsys):
   attention_kernels._ANNOUNCED.clear()
   kernel = attention.ATTENTION_KERNELS["autoselected"](_tiny(max_target_length=4096).model)

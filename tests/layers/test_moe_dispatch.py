@@ -83,6 +83,18 @@ def test_all_to_all_trains_exactly_like_the_gather_path(mesh, mode, shared):
     assert dropped and min(dropped) > 0.1, dropped
 
 
+# Llama 4's routing: top-1, sigmoid(router logit) on the expert input, a shared expert.
+INPUT_SCALED = dict(num_experts_per_tok=1, moe_router_scales_input=True, shared_experts=1)
+
+
+@pytest.mark.parametrize("mode", [DROPLESS_GROUPED, pytest.param(DROPPING, marks=pytest.mark.slow)])
+def test_input_scaled_routing_trains_alike_on_both_dispatches(mode):
+  """The input scaling happens before dispatch, so all_to_all must still equal gather."""
+  overrides = dict(MESHES["expert2_fsdp4"], **mode, **INPUT_SCALED)
+  _assert_same_training(_two_steps(**overrides, moe_dispatch="all_to_all"),
+                        _two_steps(**overrides, moe_dispatch="gather"))
+
+
 def test_receive_buffer_factor_bounds_the_buffer_and_drops_only_what_overflows():
   """Big enough: the same training as the gather path (dropless); small: rows are dropped, so the
   output changes, and the receive buffer in the compiled step is that many even shares."""
@@ -263,6 +275,7 @@ def test_a_zero_router_collapses_in_a_real_step_and_the_metrics_say_so():
     (dict(moe_all_to_all="nccl"), "moe_all_to_all must be one of auto, ragged, padded"),
     (dict(moe_grouped_matmul="tokamax"), "moe_grouped_matmul must be one of auto, ragged_dot, megablox"),
     (dict(shared_experts=-1), "shared_experts must be >= 0"),
+    (dict(moe_router_scales_input=True), "moe_router_scales_input=True supports num_experts_per_tok=1 only"),
     (dict(num_experts=6, ici_expert_parallelism=4, ici_fsdp_parallelism=-1),
      "num_experts (6) must be a multiple of the expert parallelism"),
 ])

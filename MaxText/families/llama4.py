@@ -1,0 +1,162 @@
+"""Llama 4 text (HF `llama4_text`, decoder_block "llama4"): Scout 17B-16E's decoder.
+
+Llama's pre-norm layer (llama.py) with
+  * iRoPE: RoPE layers attend within fixed chunks of `attention_chunk_size` positions
+    (attention_layer_pattern "chunked"); every no_rope_layer_interval-th layer is a global NoPE
+    layer (rope_layer_pattern "nope") whose queries are scaled up with position
+    (attn_temperature_floor_scale / attn_temperature_scale),
+  * a weightless QK-norm after RoPE on the RoPE layers (use_qk_l2_norm),
+  * RoPE in the interleaved pair layout, which HF stores as is (no q/k permutation),
+  * an MoE MLP in every layer: top-1 routing whose sigmoid(router logit) scales the expert's
+    input (moe_router_scales_input) and one shared expert as wide as a routed one.
+
+HF names (layer i)                                           ours (inside layer i)
+  model.layers.{i}.feed_forward.router.weight [E, D]         mlp/gate/kernel [D, E]
+  model.layers.{i}.feed_forward.experts.gate_up_proj [E, D, 2F]  mlp/wi_0, mlp/wi_1 kernels [E, D, F]
+                                                              (gate columns first, then up)
+  model.layers.{i}.feed_forward.experts.down_proj [E, F, D]  mlp/wo/kernel [E, F, D]
+  model.layers.{i}.feed_forward.shared_expert.{gate,up,down}_proj.weight  mlp/shared_mlp/{wi_0,wi_1,wo}/kernel
+Attention, norms and embeddings map as Llama's. The experts are fused on disk too.
+
+Not supported yet: Maverick's dense layers between MoE layers (interleave_moe_layer_step 2,
+`moe_layers`): the decoder stack is one repeated layer, so a stack alternating a dense MLP of
+width intermediate_size_mlp with an MoE MLP needs a second layer kind in models.py. Nor the
+multimodal checkpoints (HF `llama4`, a text_config beside a vision_config).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from MaxText.convert import tensor_maps as r
+from MaxText.errors import ConfigError
+from MaxText.families import Family, register_family
+from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, gated_mlp_tensors,
+                                    max_positions, rope_hf_config, rope_keys, shape_hf_config, shape_keys)
+from MaxText.model_config import ModelConfig
+
+_FF = "model.layers.{i}.feed_forward."
+
+
+def _split_gate_up(gate_up_EDK: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+  """HF [E, D, 2F] (gate columns, then up) → our wi_0, wi_1 [E, D, F]."""
+  f = cfg.mlp_dim
+  return gate_up_EDK[..., :f], gate_up_EDK[..., f:]
+
+
+def _join_gate_up(kernels: tuple[np.ndarray, ...], cfg: ModelConfig) -> np.ndarray:
+  del cfg
+  return np.concatenate(kernels, axis=-1)
+
+
+def llama4_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
+  attn = "model.layers.{i}.self_attn."
+  # HF's Llama 4 rotates interleaved pairs itself, so q/k map unpermuted (rope_interleaved is ours too).
+  q_in, q_out = r.heads_in(r.query_heads)
+  k_in, k_out = r.heads_in(r.kv_heads)
+  layer = [m for m in decoder_tensors(cfg) if not m.hf.endswith(("q_proj.weight", "k_proj.weight"))]
+  shared = gated_mlp_tensors(_FF + "shared_expert.")
+  return embedding_tensors(cfg) + layer + [
+      r.one(attn + "q_proj.weight", "self_attention/query/kernel", q_in, q_out),
+      r.one(attn + "k_proj.weight", "self_attention/key/kernel", k_in, k_out),
+      r.one(_FF + "router.weight", "mlp/gate/kernel", r.transpose, r.transpose),
+      r.TensorMap(_FF + "experts.gate_up_proj", ("mlp/wi_0/kernel", "mlp/wi_1/kernel"), _split_gate_up,
+                  _join_gate_up),
+      r.one(_FF + "experts.down_proj", "mlp/wo/kernel"),
+      *[r.TensorMap(m.hf, tuple(p.replace("mlp/", "mlp/shared_mlp/") for p in m.ours), m.to_ours, m.to_hf)
+        for m in shared],
+  ]
+
+
+def _pattern(kinds: Sequence[str]) -> list[str]:
+  """The shortest list that, repeated, gives the per-layer `kinds`."""
+  for period in range(1, len(kinds) + 1):
+    if all(kinds[i] == kinds[i % period] for i in range(len(kinds))):
+      return list(kinds[:period])
+  return list(kinds)
+
+
+def _moe_layers(hf: Mapping[str, Any]) -> list[int]:
+  layers, step = hf["num_hidden_layers"], int(hf.get("interleave_moe_layer_step") or 1)
+  given = hf.get("moe_layers")
+  return list(given) if given is not None else list(range(step - 1, layers, step))
+
+
+def _no_rope_layers(hf: Mapping[str, Any]) -> list[int]:
+  interval = int(hf.get("no_rope_layer_interval") or 4)
+  return list(hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(hf["num_hidden_layers"])])
+
+
+def llama4_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  r.require_hf(hf, "hidden_act", ("silu",), "silu")
+  r.require_hf(hf, "attention_bias", (False,), False)
+  r.require_hf(hf, "num_experts_per_tok", (1,), 1)
+  layers = hf["num_hidden_layers"]
+  if _moe_layers(hf) != list(range(layers)):
+    raise ConfigError(f"HF llama4_text with dense layers between MoE layers (interleave_moe_layer_step="
+                      f"{hf.get('interleave_moe_layer_step')}, moe_layers={hf.get('moe_layers')}; Maverick) is not "
+                      "supported yet: only every-layer MoE (interleave_moe_layer_step=1, Scout)")
+  uses_rope = _no_rope_layers(hf)[:layers]
+  chunk = hf.get("attention_chunk_size")
+  layer_types = hf.get("layer_types") or ["chunked_attention" if rope and chunk else "full_attention"
+                                          for rope in uses_rope]
+  for kind in layer_types:
+    if kind not in ("chunked_attention", "full_attention"):
+      raise ConfigError(f"HF llama4_text layer_types entry {kind!r} is not supported "
+                        "(supported: chunked_attention, full_attention)")
+  attention = _pattern(["chunked" if kind == "chunked_attention" else "global" for kind in layer_types])
+  keys = {"decoder_block": "llama4", **shape_keys(hf), **rope_keys(hf), "rope_interleaved": True,
+          "mlp_activations": ["silu", "linear"], "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
+          "attention_layer_pattern": attention,
+          "rope_layer_pattern": _pattern(["rope" if rope else "nope" for rope in uses_rope]),
+          "use_qk_l2_norm": bool(hf.get("use_qk_norm", True)),
+          "num_experts": int(hf["num_local_experts"]), "num_experts_per_tok": 1, "shared_experts": 1,
+          "moe_router_scales_input": True}
+  if "chunked" in attention:
+    if not chunk:
+      raise ConfigError("HF llama4_text layer_types has chunked_attention layers but no attention_chunk_size")
+    keys["attention_chunk_size"] = int(chunk)
+  if hf.get("attn_temperature_tuning", True):
+    keys.update(attn_temperature_floor_scale=float(hf.get("floor_scale", 8192)),
+                attn_temperature_scale=float(hf.get("attn_scale", 0.1)))
+  return keys
+
+
+def _per_layer(pattern: Sequence[str], layers: int) -> list[str]:
+  return [pattern[i % len(pattern)] for i in range(layers)]
+
+
+def llama4_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+  layers = cfg.num_decoder_layers
+  # What HF's Llama 4 cannot express (a window, learned QK-norm, top-2, ...) is refused by
+  # maxtext_to_hf's round trip through llama4_model_keys, which names the keys.
+  attention = _per_layer(cfg.attention_layer_pattern, layers)
+  tuning = cfg.attn_temperature_floor_scale > 0
+  return {"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", **shape_hf_config(cfg),
+          **rope_hf_config(cfg), "hidden_act": "silu", "attention_bias": False,
+          "max_position_embeddings": max_positions(cfg),
+          # Every layer is MoE, so the dense width is unused; Scout's config gives twice an expert's.
+          "intermediate_size_mlp": 2 * cfg.mlp_dim, "interleave_moe_layer_step": 1,
+          "num_local_experts": cfg.num_experts, "num_experts_per_tok": 1,
+          "no_rope_layers": [int(kind == "rope") for kind in _per_layer(cfg.rope_layer_pattern, layers)],
+          "layer_types": ["chunked_attention" if kind == "chunked" else "full_attention" for kind in attention],
+          "attention_chunk_size": cfg.attention_chunk_size if "chunked" in attention else None,
+          "use_qk_norm": cfg.use_qk_l2_norm, "attn_temperature_tuning": tuning,
+          "floor_scale": int(cfg.attn_temperature_floor_scale) if tuning else 8192,
+          "attn_scale": cfg.attn_temperature_scale, "router_aux_loss_coef": cfg.load_balance_loss_weight}
+
+
+# Scout's llama3 frequency scaling, shrunk so it moves real frequencies at the test lengths.
+_TINY_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+register_family(Family("llama4", ("llama4_text",), ("llama4",), llama4_model_keys, llama4_hf_config, llama4_tensors,
+                       reference_hf_configs={  # chunks of 8 < the test length, a NoPE layer every 4th, llama3 RoPE
+                           "llama4": dict(model_type="llama4_text", **{**TINY_SHAPES, "num_hidden_layers": 4,
+                                                                       "intermediate_size": 32},
+                                          intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=1,
+                                          attention_chunk_size=8, no_rope_layer_interval=4, use_qk_norm=True,
+                                          attn_temperature_tuning=True, floor_scale=4, attn_scale=0.3,
+                                          rms_norm_eps=1e-5, rope_parameters=_TINY_ROPE)}))
