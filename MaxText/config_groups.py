@@ -257,6 +257,8 @@ class RunConfig:
   log_period: int = key()
   router_collapse_fraction: float = key()
   router_collapse_logs: int = key()
+  skip_nonfinite_steps: bool = key()
+  max_consecutive_skipped_steps: int = key()
   eval_interval: int = key()
   init_weights_seed: int = key()
   enable_tensorboard: bool = key()
@@ -278,7 +280,7 @@ class RunConfig:
   def from_values(cls, v: Mapping[str, Any]) -> "RunConfig":
     _positive(v, "steps", "log_period", "profile_steps", "stack_trace_interval_seconds", "storage_timeout_seconds",
               "run_lease_timeout_seconds")
-    _positive(v, "router_collapse_logs")
+    _positive(v, "router_collapse_logs", "max_consecutive_skipped_steps")
     _require(0 < v["router_collapse_fraction"] <= 1,
              f"router_collapse_fraction must be in (0, 1], got {v['router_collapse_fraction']}")
     _require(v["eval_interval"] == -1 or v["eval_interval"] > 0, "eval_interval must be > 0 or -1 (never)")

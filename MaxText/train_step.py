@@ -97,6 +97,7 @@ def make_train_step(setup: StateSetup, config) -> Callable[[TrainState, Batch, j
   """The pure step (state, batch, rng) -> (new state, metrics); jit it with `jit_train_step`."""
   schedule = optimizers.learning_rate_schedule(config.optim)
   use_dropout = config.model.dropout_rate > 0
+  skip_nonfinite = config.run.skip_nonfinite_steps
 
   def train_step(state: TrainState, batch: Batch, rng: jax.Array) -> tuple[TrainState, Metrics]:
     dropout_rng = jax.random.fold_in(rng, state.step) if use_dropout else None
@@ -107,16 +108,27 @@ def make_train_step(setup: StateSetup, config) -> Callable[[TrainState, Batch, j
     opt_state = state.opt_state
     if setup.opt_device_shardings is not None:  # host-offloaded: update on the device, out_shardings store it back
       opt_state = jax.device_put(opt_state, setup.opt_device_shardings)
+    old_opt_state = opt_state
     updates, opt_state = setup.optimizer.update(grads, opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    grad_norm = optax.tree.norm(grads)
+    if skip_nonfinite:
+      # A non-finite step keeps the old parameters and optimizer state (whose own count drives the
+      # learning-rate schedule, so later steps are those of a run that never saw this batch);
+      # `step` still counts the batch, which keeps checkpoints and data positions in order.
+      applied = jnp.isfinite(sums["xent_sum"]) & jnp.isfinite(grad_norm)
+      params, opt_state = jax.tree.map(lambda new, old: jnp.where(applied, new, old), (params, opt_state),
+                                       (state.params, old_opt_state))
     metrics = {
         "loss": sums["xent_sum"] / num_tokens,
         "z_loss": sums["z_loss_sum"] / num_tokens,
-        "grad_norm": optax.tree.norm(grads),
+        "grad_norm": grad_norm,
         "param_norm": optax.tree.norm(params),
         "learning_rate": schedule(state.step),
         "num_tokens": sums["weight_sum"],
     }
+    if skip_nonfinite:
+      metrics["skipped"] = 1.0 - applied.astype(jnp.float32)
     if config.model.num_experts > 1:
       metrics["moe_lb_loss"] = sums["moe_lb_loss_sum"] / num_tokens
       metrics.update(routing_metrics(sums, config.optim.gradient_accumulation_steps))

@@ -89,6 +89,8 @@ class Trainer:
     self._entries: list[_Entry] = []
     self.tokens_per_step = config.data.global_batch_size * config.data.max_target_length
     self.stop_reason: str | None = None  # a hook sets it to end the run after the current step
+    self.skipped_steps: list[int] = []  # steps whose non-finite update was not applied
+    self.skipped_in_a_row = 0
 
   def add_hook(self, hook: Hook, every: int = 1, needs_state: bool = False) -> None:
     """Runs `hook.on_step` after every `every`-th step; every=0: at the steps `hook.due` names."""
@@ -110,10 +112,7 @@ class Trainer:
     scalars = metrics_lib.host_scalars(jax.device_get(device_metrics))
     now = time.perf_counter()
     seconds, loop.last_done = now - loop.last_done, now
-    if not math.isfinite(scalars["loss"]):
-      raise TrainingError(
-          f"loss became {scalars['loss']} at step {index + 1} (grad_norm {scalars['grad_norm']:.3g}); "
-          "lower learning_rate, enable gradient_clipping_threshold, or check the data")
+    self._check_finite(index + 1, scalars)
     t = metrics_lib.throughput(seconds, scalars["num_tokens"], self.flops, self.config.target.num_devices,
                                self.peak)
     scalars.update(step_seconds=seconds, tokens_per_s=t.tokens_per_s, tokens_per_s_per_device=t.tokens_per_s_per_device,
@@ -122,6 +121,27 @@ class Trainer:
     loop.first, loop.last = loop.first or record, record
     for entry in due:
       entry.hook.on_step(self, record, state if entry.needs_state else None)
+
+  def _check_finite(self, step: int, scalars: dict[str, float]) -> None:
+    """A non-finite step was not applied (skip_nonfinite_steps): say so and go on, unless it is
+    the max_consecutive_skipped_steps-th in a row; without skipping it ends the run."""
+    finite = math.isfinite(scalars["loss"]) and math.isfinite(scalars["grad_norm"])
+    if not scalars.get("skipped", 0.0) and finite:
+      self.skipped_in_a_row = 0
+      return
+    what = f"loss {scalars['loss']}, grad_norm {scalars['grad_norm']:.3g}"
+    advice = "lower learning_rate, enable gradient_clipping_threshold, or check the data"
+    if not scalars.get("skipped", 0.0):
+      raise TrainingError(f"loss became {scalars['loss']} at step {step} (grad_norm {scalars['grad_norm']:.3g}); "
+                          f"{advice}")
+    self.skipped_in_a_row += 1
+    self.skipped_steps.append(step)
+    limit = self.config.run.max_consecutive_skipped_steps
+    if self.skipped_in_a_row >= limit:
+      raise TrainingError(f"{limit} steps in a row were non-finite, up to step {step} ({what}); the model, not one "
+                          f"batch, is broken: {advice}")
+    print(f"warning: step {step} was non-finite ({what}): its update was not applied and its batch is skipped "
+          f"({self.skipped_in_a_row} in a row, {len(self.skipped_steps)} in this run)", file=sys.stderr, flush=True)
 
   def run(self, state: TrainState, start_step: int = 0) -> LoopState:
     """Runs steps start_step..steps-1; returns the loop state (first and last step records)."""

@@ -85,6 +85,59 @@ def test_nan_loss_stops_the_run_naming_the_step(tiny_overrides):
     trainer.run(state=None)
 
 
+def _poisoned(tiny_overrides, token: int):
+  """A run whose embedding row `token` is NaN (a corrupted row): any batch holding that token gives a
+  non-finite loss, while batches without it train normally."""
+  run = Run(Config.for_testing(**tiny_overrides, dataset_type="synthetic", enable_checkpointing=False))
+  state = run.init()
+  table = state.params["token_embedder"]["embedding"]
+  params = {**state.params, "token_embedder": {"embedding": table.at[token].set(jnp.nan)}}
+  return run, run.init(params)
+
+
+def test_a_poisoned_batch_is_skipped_and_the_run_equals_one_that_never_saw_it(tiny_overrides):
+  token = tiny_overrides["vocab_size"] - 1
+  run, state = _poisoned(tiny_overrides, token)
+  clean = [jax.tree.map(lambda x: jnp.where(x == token, 0, x), next(run.data)) for _ in range(4)]
+  poison = jax.tree.map(lambda x: x.at[:, 5].set(token), clean[1])
+  skipping, reference = state, jax.tree.map(jnp.copy, state)
+  skipped = []
+  for batch in clean[:2] + [poison] + clean[2:]:
+    skipping, metrics_ = run.step_fn(skipping, batch, run.rng)
+    skipped.append(float(metrics_["skipped"]))
+  for batch in clean:
+    reference, _ = run.step_fn(reference, batch, run.rng)
+  assert skipped == [0, 0, 1, 0, 0]
+  assert int(skipping.step) == 5 and int(reference.step) == 4  # the step counts every batch
+  jax.tree.map(np.testing.assert_array_equal, (skipping.params, skipping.opt_state),
+               (reference.params, reference.opt_state))
+
+
+class _SkippingStep:
+  def __init__(self, bad: set[int]):
+    self.calls, self.bad = 0, bad
+
+  def __call__(self, state, batch, rng):
+    self.calls += 1
+    bad = self.calls in self.bad
+    return state, {"loss": jnp.asarray(float("nan") if bad else 1.0), "grad_norm": jnp.asarray(1.0),
+                   "num_tokens": jnp.asarray(8.0), "skipped": jnp.asarray(float(bad))}
+
+
+def test_skipped_steps_are_reported_and_too_many_in_a_row_stop_the_run(tiny_overrides, capsys):
+  config = Config.for_testing(**tiny_overrides, steps=12, max_consecutive_skipped_steps=3)
+  flops = metrics.training_tflops_per_step(config.model, 8, 32)
+  trainer = Trainer(config, _SkippingStep({3, 6, 7}), iter(range(100)), jax.random.key(0), flops, 1.0)
+  trainer.run(state=None)
+  assert trainer.skipped_steps == [3, 6, 7]
+  err = capsys.readouterr().err
+  assert "warning: step 3 was non-finite (loss nan, grad_norm 1): its update was not applied and its batch is " \
+         "skipped (1 in a row, 1 in this run)" in err and "(2 in a row, 3 in this run)" in err
+  trainer = Trainer(config, _SkippingStep({4, 5, 6}), iter(range(100)), jax.random.key(0), flops, 1.0)
+  with pytest.raises(TrainingError, match="3 steps in a row were non-finite, up to step 6"):
+    trainer.run(state=None)
+
+
 class _Recorder:
   def __init__(self, due_at: tuple[int, ...] = ()):
     self.due_at, self.asked, self.seen = due_at, [], []
