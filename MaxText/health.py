@@ -1,4 +1,4 @@
-"""Run health beyond one process: the straggler report.
+"""Run health: the straggler report and goodput.
 
 Every process runs the same synchronous steps, so a slow host does not show in its own step
 time (everyone waits for it inside the collectives) but in the time it spends on the host side
@@ -10,12 +10,16 @@ named in the log and counted in the metrics.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
+import time
 from typing import Any, Callable
 
 import numpy as np
 
 from MaxText import metrics as metrics_lib
+from MaxText import storage
 from MaxText.trainer import StepRecord, Trainer
 from MaxText.train_state import TrainState
 
@@ -66,8 +70,100 @@ class StragglerHook:
     pass
 
 
+GOODPUT_FILE = "goodput.json"
+
+
+@dataclasses.dataclass
+class StartRecord:
+  """One start of the run (a process launch that trained), as goodput.json keeps it."""
+
+  started: float  # unix time the process started
+  wall_s: float  # from then to the last step this start finished
+  startup_s: float  # until its first step was dispatched (config, compile of init, restore, data)
+  compile_s: float  # the first step's time beyond a typical step (tracing and compiling the step)
+  data_wait_s: float
+  first_step: int  # 1-based steps it ran
+  last_step: int
+  median_step_s: float  # a typical step, input wait excluded
+
+
+def summarize(starts: list[StartRecord]) -> dict[str, float]:
+  """Productive time against wall time over all starts. A step counts once: the steps a start ran
+  beyond the checkpoint the next start resumed from were redone, and are lost time."""
+  totals = dict.fromkeys(("wall_s", "productive_s", "startup_s", "compile_s", "data_wait_s", "redone_s"), 0.0)
+  for k, start in enumerate(starts):
+    resumed_at = starts[k + 1].first_step - 1 if k + 1 < len(starts) else start.last_step
+    redone = max(0, start.last_step - resumed_at)
+    steps = start.last_step - start.first_step + 1
+    totals["wall_s"] += start.wall_s
+    totals["productive_s"] += (steps - redone) * start.median_step_s
+    totals["redone_s"] += redone * start.median_step_s
+    for name in ("startup_s", "compile_s", "data_wait_s"):
+      totals[name] += getattr(start, name)
+  accounted = sum(totals[n] for n in ("productive_s", "startup_s", "compile_s", "data_wait_s", "redone_s"))
+  totals["other_s"] = max(0.0, totals["wall_s"] - accounted)  # checkpoint blocking, evaluation, logging
+  totals["goodput"] = totals["productive_s"] / totals["wall_s"] if totals["wall_s"] > 0 else 0.0
+  return totals
+
+
+class GoodputHook:
+  """Times this start, keeps it in <run_dir>/goodput.json beside the earlier starts of the same run
+  (written every `write_every` steps and at the end, so a killed start leaves its record up to its
+  last write), and prints the run's goodput at the end. Add with every=1, on process 0."""
+
+  def __init__(self, run_dir: str, process_started: float, start_step: int,
+               writer: metrics_lib.MetricWriter | None, write_every: int = 20):
+    self.path = storage.join(run_dir, GOODPUT_FILE)
+    self.started, self.start_step, self.writer, self.write_every = process_started, start_step, writer, write_every
+    self.earlier = [StartRecord(**r) for r in json.loads(storage.read_text(self.path))["starts"]] \
+        if storage.exists(self.path) else []
+    self.first_dispatch: float | None = None
+    self.step_s: list[float] = []  # each step's time, input wait excluded
+    self.data_wait_s = 0.0
+    self.last_step = start_step
+
+  def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
+    wait = record.scalars.get("input_wait_s", 0.0)
+    if self.first_dispatch is None:  # the first step's record: it was dispatched `seconds` ago
+      self.first_dispatch = time.time() - record.seconds
+    self.step_s.append(max(record.seconds - wait, 0.0))
+    self.data_wait_s += wait
+    self.last_step = record.step
+    if record.step % self.write_every == 0:
+      self._write()
+
+  def this_start(self) -> StartRecord | None:
+    if self.first_dispatch is None:
+      return None
+    median = float(np.median(self.step_s[1:])) if len(self.step_s) > 1 else self.step_s[0]
+    return StartRecord(started=self.started, wall_s=time.time() - self.started,
+                       startup_s=self.first_dispatch - self.started, compile_s=max(0.0, self.step_s[0] - median),
+                       data_wait_s=self.data_wait_s, first_step=self.start_step + 1, last_step=self.last_step,
+                       median_step_s=median)
+
+  def _write(self) -> list[StartRecord]:
+    mine = self.this_start()
+    starts = self.earlier + ([mine] if mine is not None else [])
+    storage.write_text(self.path, json.dumps({"starts": [dataclasses.asdict(s) for s in starts]}, indent=1))
+    return starts
+
+  def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
+    starts = self._write()
+    if not starts:
+      return
+    t = summarize(starts)
+    print(f"goodput: {t['goodput']:.1%} of {t['wall_s']:,.0f} s over {len(starts)} start(s): productive "
+          f"{t['productive_s']:,.0f} s; lost: start-up {t['startup_s']:,.0f} s, compilation {t['compile_s']:,.0f} s, "
+          f"data wait {t['data_wait_s']:,.0f} s, redone steps {t['redone_s']:,.0f} s, other (checkpoints, "
+          f"evaluation, logging) {t['other_s']:,.0f} s", flush=True)
+    if self.writer is not None:
+      self.writer.write(self.last_step, {f"goodput/{name}": value for name, value in t.items()})
+
+
 def add_health_hooks(trainer: Trainer, settings: Any, writer: metrics_lib.MetricWriter | None,
-                     is_primary: bool, num_processes: int) -> None:
+                     is_primary: bool, num_processes: int, process_started: float, start_step: int) -> None:
   if settings.straggler_report_period > 0 and num_processes > 1:
     trainer.add_hook(StragglerHook(settings.straggler_report_period, settings.straggler_threshold, writer,
                                    is_primary), every=1)
+  if is_primary:
+    trainer.add_hook(GoodputHook(settings.run_dir, process_started, start_step, writer), every=1)

@@ -97,3 +97,82 @@ def test_two_processes_name_the_one_slowed_on_purpose(tmp_path):
   records = [json.loads(line) for line in (tmp_path / "slow" / "metrics.jsonl").read_text().splitlines()]
   report = [r for r in records if "stragglers" in r and r["step"] == 8]
   assert report and report[0]["stragglers"] == 1 and report[0]["input_wait_s/process_1"] > 0.25, report
+
+
+def test_goodput_counts_each_step_once_and_names_what_was_lost():
+  from MaxText.health import StartRecord, summarize
+
+  killed = StartRecord(started=0.0, wall_s=100.0, startup_s=20.0, compile_s=10.0, data_wait_s=2.0, first_step=1,
+                       last_step=14, median_step_s=4.0)
+  resumed = StartRecord(started=200.0, wall_s=80.0, startup_s=15.0, compile_s=8.0, data_wait_s=1.0, first_step=11,
+                        last_step=20, median_step_s=5.0)
+  t = summarize([killed, resumed])
+  # Steps 11..14 ran twice: the first start's copies (4 x 4 s) are lost; the rest is productive.
+  assert t["redone_s"] == 16.0 and t["productive_s"] == 10 * 4.0 + 10 * 5.0
+  assert (t["startup_s"], t["compile_s"], t["data_wait_s"]) == (35.0, 18.0, 3.0)
+  assert t["other_s"] == 180.0 - (90.0 + 35.0 + 18.0 + 3.0 + 16.0) and t["goodput"] == 90.0 / 180.0
+
+
+SLOW_STEPS = textwrap.dedent("""
+    # Test hook (sitecustomize): every batch takes 0.1 s longer, so the test can kill the run
+    # between two known steps.
+    import time
+    from MaxText.input_pipeline import synthetic
+    _next = synthetic.SyntheticIterator.__next__
+    def _slow_next(self):
+      time.sleep(0.1)
+      return _next(self)
+    synthetic.SyntheticIterator.__next__ = _slow_next
+""")
+
+
+def _train(tmp_path: Path, hooks: Path | None, *extra: str) -> subprocess.Popen:
+  command = [sys.executable, "-m", "MaxText.train", "configs/base.yml", "run_name=gp", f"base_output_directory={tmp_path}",
+             "base_emb_dim=64", "base_num_decoder_layers=1", "base_mlp_dim=128", "head_dim=16", "max_target_length=32",
+             "print_config=False", "cpu_peak_tflops=0.1", "steps=40", "checkpoint_period=15",
+             "async_checkpointing=False", *extra]
+  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PATH": "/usr/bin:/bin",
+         "HOME": str(Path.home()), "PYTHONPATH": f"{hooks}:{REPO_ROOT}" if hooks else str(REPO_ROOT)}
+  return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow  # three train.py processes
+def test_goodput_across_a_kill_and_a_resume(tmp_path):
+  import signal
+  import time
+
+  hooks = tmp_path / "hooks"
+  hooks.mkdir()
+  (hooks / "sitecustomize.py").write_text(SLOW_STEPS)
+  record = tmp_path / "gp" / "goodput.json"
+  proc = _train(tmp_path, hooks)
+  deadline = time.time() + 300
+  while time.time() < deadline and proc.poll() is None:  # killed after the record of step 20
+    if record.exists() and json.loads(record.read_text())["starts"][-1]["last_step"] >= 20:
+      break
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate(timeout=60)
+  assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+  out, err = _train(tmp_path, None).communicate(timeout=600)
+  assert "resumed from step 15" in out, err[-2000:]
+  starts = json.loads(record.read_text())["starts"]
+  assert [(s["first_step"], s["last_step"]) for s in starts] == [(1, 20), (16, 40)], starts
+  line = next(l for l in out.splitlines() if l.startswith("goodput: "))
+  assert " over 2 start(s): " in line, line
+  summary = {k: v for r in map(json.loads, (tmp_path / "gp" / "metrics.jsonl").read_text().splitlines())
+             for k, v in r.items() if k.startswith("goodput/")}
+  # Steps 16..20 ran twice; both start-ups and compilations are lost time.
+  assert summary["goodput/redone_s"] == pytest.approx(5 * starts[0]["median_step_s"])
+  assert summary["goodput/startup_s"] == pytest.approx(starts[0]["startup_s"] + starts[1]["startup_s"])
+  assert starts[1]["startup_s"] > 1 and summary["goodput/compile_s"] > 0
+
+
+@pytest.mark.slow  # a train.py process
+def test_an_uninterrupted_run_counts_nearly_all_of_its_step_time_as_productive(tmp_path):
+  out, err = _train(tmp_path, None, "steps=30", "enable_checkpointing=False").communicate(timeout=600)
+  assert "goodput: " in out, err[-2000:]
+  (start,) = json.loads((tmp_path / "gp" / "goodput.json").read_text())["starts"]
+  step_time = start["wall_s"] - start["startup_s"] - start["compile_s"] - start["data_wait_s"]
+  # Productive = 30 typical steps; what else the loop did (logging, metric files) is the rest.
+  assert 30 * start["median_step_s"] > 0.7 * step_time, start
