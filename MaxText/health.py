@@ -1,4 +1,4 @@
-"""Run health: the straggler report and goodput.
+"""Run health: the straggler report, the hang watchdog and goodput.
 
 Every process runs the same synchronous steps, so a slow host does not show in its own step
 time (everyone waits for it inside the collectives) but in the time it spends on the host side
@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
+import threading
 import time
+import traceback
 from typing import Any, Callable
 
 import numpy as np
@@ -160,10 +163,108 @@ class GoodputHook:
       self.writer.write(self.last_step, {f"goodput/{name}": value for name, value in t.items()})
 
 
+class _StepBoard:
+  """Each process's last started (dispatched) step, in the jax.distributed coordination service's key-value
+  store (the only channel left when a collective hangs). Single-process runs keep it locally."""
+
+  PREFIX = "maxtext_watchdog/"
+
+  def __init__(self) -> None:
+    import jax
+    from jax._src import distributed  # the coordination client has no public accessor
+
+    self.process = jax.process_index()
+    self.client = distributed.global_state.client if jax.process_count() > 1 else None
+    self.local: dict[int, int] = {}
+
+  def set(self, step: int) -> None:
+    if self.client is None:
+      self.local[self.process] = step
+      return
+    self.client.key_value_set(f"{self.PREFIX}{self.process}", str(step), allow_overwrite=True)
+
+  def all(self) -> dict[int, int]:
+    if self.client is None:
+      return dict(self.local)
+    return {int(key.rsplit("/", 1)[1]): int(value) for key, value in self.client.key_value_dir_get(self.PREFIX)}
+
+
+def _print_stacks() -> None:
+  """Every thread's Python stack, named, on stderr (faulthandler needs a real file descriptor)."""
+  names = {t.ident: t.name for t in threading.enumerate()}
+  for ident, frame in sys._current_frames().items():
+    stack = "".join(traceback.format_stack(frame))
+    print(f"--- thread {names.get(ident, ident)} (most recent call last):\n{stack}", file=sys.stderr, end="")
+  sys.stderr.flush()
+
+
+class StepWatchdog:
+  """Ends a run whose next step does not finish within `timeout_s` (a hang inside a collective, a
+  stuck host): prints every thread's Python stack, names the processes that did not reach the step
+  the others are waiting in, and exits with EXIT_CODE so the scheduler restarts the job, which
+  resumes from its last checkpoint. Armed after the first step (compilation is not a hang); add
+  with every=0 (its `due` records each dispatch) on every process."""
+
+  EXIT_CODE = 4
+
+  def __init__(self, timeout_s: float, exit: Callable[[int], None] = os._exit):
+    self.timeout_s, self._exit = timeout_s, exit
+    self.board = _StepBoard()
+    self._petted = threading.Event()
+    self._stopped = threading.Event()
+    self._thread: threading.Thread | None = None
+    self.last_step = 0
+
+  def due(self, step: int) -> bool:
+    """Asked right after step `step` is dispatched: this process reached it."""
+    self.board.set(step)
+    return True
+
+  def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
+    self.last_step = record.step
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
+      self._thread.start()
+    self._petted.set()
+
+  def _watch(self) -> None:
+    while not self._stopped.is_set():
+      if self._petted.wait(self.timeout_s):
+        self._petted.clear()
+        continue
+      if not self._stopped.is_set():
+        self._fire()
+        return
+
+  def _fire(self) -> None:
+    _print_stacks()
+    try:
+      steps = self.board.all()
+    except Exception as e:  # noqa: BLE001 - the coordination service may be what is broken
+      steps, unreachable = {}, f" (the other processes' progress is unknown: {type(e).__name__})"
+    else:
+      unreachable = ""
+    ahead = max(steps.values(), default=self.last_step)
+    behind = sorted(p for p, s in steps.items() if s < ahead)
+    where = (f"process(es) {', '.join(map(str, behind))} did not reach step {ahead} "
+             f"({', '.join(f'process {p} started step {steps[p]} last' for p in behind)})" if behind
+             else f"every process started step {ahead}, and it did not finish")
+    print(f"error: no step finished in step_timeout_seconds={self.timeout_s:g} after step {self.last_step} on "
+          f"this process; {where}{unreachable}; Python stacks above. Exiting with status {self.EXIT_CODE} so the "
+          "job restarts and resumes from its last checkpoint", file=sys.stderr, flush=True)
+    self._exit(self.EXIT_CODE)
+
+  def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
+    self._stopped.set()
+    self._petted.set()
+
+
 def add_health_hooks(trainer: Trainer, settings: Any, writer: metrics_lib.MetricWriter | None,
                      is_primary: bool, num_processes: int, process_started: float, start_step: int) -> None:
   if settings.straggler_report_period > 0 and num_processes > 1:
     trainer.add_hook(StragglerHook(settings.straggler_report_period, settings.straggler_threshold, writer,
                                    is_primary), every=1)
+  if settings.step_timeout_seconds > 0:
+    trainer.add_hook(StepWatchdog(settings.step_timeout_seconds), every=0)
   if is_primary:
     trainer.add_hook(GoodputHook(settings.run_dir, process_started, start_step, writer), every=1)

@@ -176,3 +176,89 @@ def test_an_uninterrupted_run_counts_nearly_all_of_its_step_time_as_productive(t
   step_time = start["wall_s"] - start["startup_s"] - start["compile_s"] - start["data_wait_s"]
   # Productive = 30 typical steps; what else the loop did (logging, metric files) is the rest.
   assert 30 * start["median_step_s"] > 0.7 * step_time, start
+
+
+def test_the_watchdog_fires_when_no_step_finishes_in_time(capsys):
+  import time
+
+  from MaxText.health import StepWatchdog
+
+  exits: list[int] = []
+  watchdog = StepWatchdog(0.5, exit=exits.append)
+  for step in range(1, 4):
+    assert watchdog.due(step)
+    watchdog.on_step(None, StepRecord(step, 0.1, {}), None)  # type: ignore[arg-type]
+    time.sleep(0.1)
+  assert not exits  # steps keep finishing within the timeout
+  time.sleep(1.5)
+  assert exits == [StepWatchdog.EXIT_CODE]
+  err = capsys.readouterr().err
+  assert "error: no step finished in step_timeout_seconds=0.5 after step 3 on this process; every process " \
+         "started step 3, and it did not finish; Python stacks above" in err and "thread step-watchdog" in err
+
+
+HANG_IN_STEP_5 = textwrap.dedent("""
+    # Test hook (sitecustomize): process 1 stops inside its 5th batch, as a stuck host would.
+    import os, time
+    if os.environ.get("JAX_PROCESS_ID") == "1":
+      from MaxText.input_pipeline import pipeline
+      _next, _calls = pipeline.PackedBatchIterator.__next__, [0]
+      def _stuck_next(self):
+        _calls[0] += 1
+        if _calls[0] == 5:
+          time.sleep(600)
+        return _next(self)
+      pipeline.PackedBatchIterator.__next__ = _stuck_next
+""")
+
+
+def _two_processes(tmp_path: Path, hooks: Path | None, *extra: str) -> list[subprocess.Popen]:
+  import socket
+
+  sys.path.insert(0, str(Path(__file__).parent / "input_pipeline"))
+  from sft_fixtures import WORDS, write_tokenizer
+
+  data = tmp_path / "train.jsonl"
+  data.write_text("".join(json.dumps({"text": " ".join(WORDS[i:] + WORDS[:i])}) + "\n" for i in range(len(WORDS))))
+  tokenizer = tmp_path / "tokenizer"
+  if not tokenizer.exists():
+    write_tokenizer(tokenizer, None)
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{s.getsockname()[1]}"
+  command = [sys.executable, "-m", "MaxText.train", "configs/base.yml", "run_name=two", f"base_output_directory={tmp_path}",
+             "base_emb_dim=64", "base_num_decoder_layers=1", "base_mlp_dim=128", "head_dim=16", "max_target_length=32",
+             "print_config=False", "cpu_peak_tflops=0.1", "dcn_data_parallelism=2", "distributed_init_timeout_seconds=120",
+             # Host-local batches: a synthetic batch is generated on the devices, which ties the processes together.
+             "dataset_type=hf", f"hf_data_files={data}", "tokenizer_type=huggingface", f"tokenizer_path={tokenizer}",
+             "vocab_size=320", "data_prefetch_batches=0", *extra]
+  procs = []
+  for i in range(2):
+    path = f"{hooks}:{REPO_ROOT}" if hooks else str(REPO_ROOT)
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PATH": "/usr/bin:/bin",
+           "HOME": str(Path.home()), "PYTHONPATH": path, "JAX_COORDINATOR_ADDRESS": address,
+           "JAX_PROCESS_COUNT": "2", "JAX_PROCESS_ID": str(i)}
+    procs.append(subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True))
+  return procs
+
+
+@pytest.mark.slow  # two train.py processes, twice
+def test_a_hung_process_is_named_both_exit_and_a_relaunch_resumes(tmp_path):
+  import time
+
+  hooks = tmp_path / "hooks"
+  hooks.mkdir()
+  (hooks / "sitecustomize.py").write_text(HANG_IN_STEP_5)
+  started = time.time()
+  procs = _two_processes(tmp_path, hooks, "steps=8", "checkpoint_period=2", "async_checkpointing=False",
+                         "step_timeout_seconds=20")
+  outs = [p.communicate(timeout=300) for p in procs]
+  assert [p.returncode for p in procs] == [4, 4], [o[1][-2000:] for o in outs]
+  assert time.time() - started < 200  # the hang did not last its 600 s
+  # Process 1 is stuck fetching batch 5; process 0 started step 5 and waits for it inside the step.
+  assert "process(es) 1 did not reach step 5 (process 1 started step 4 last)" in outs[0][1], outs[0][1][-3000:]
+  relaunched = _two_processes(tmp_path, None, "steps=8", "checkpoint_period=2", "async_checkpointing=False")
+  outs = [p.communicate(timeout=300) for p in relaunched]
+  assert [p.returncode for p in relaunched] == [0, 0], [o[1][-2000:] for o in outs]
+  assert "state: resumed from step 4" in outs[0][0], outs[0][0][-2000:]  # step 4 was saved before the hang
