@@ -259,6 +259,9 @@ class RunConfig:
   router_collapse_logs: int = key()
   skip_nonfinite_steps: bool = key()
   max_consecutive_skipped_steps: int = key()
+  straggler_report_period: int = key()
+  straggler_threshold: float = key()
+  step_timeout_seconds: float = key()
   eval_interval: int = key()
   init_weights_seed: int = key()
   enable_tensorboard: bool = key()
@@ -281,6 +284,9 @@ class RunConfig:
     _positive(v, "steps", "log_period", "profile_steps", "stack_trace_interval_seconds", "storage_timeout_seconds",
               "run_lease_timeout_seconds")
     _positive(v, "router_collapse_logs", "max_consecutive_skipped_steps")
+    _require(v["straggler_report_period"] >= 0 and v["straggler_threshold"] > 0,
+             "straggler_report_period must be >= 0 (0 = off) and straggler_threshold > 0")
+    _require(v["step_timeout_seconds"] >= 0, f"step_timeout_seconds must be >= 0 (0 = off), got {v['step_timeout_seconds']}")
     _require(0 < v["router_collapse_fraction"] <= 1,
              f"router_collapse_fraction must be in (0, 1], got {v['router_collapse_fraction']}")
     _require(v["eval_interval"] == -1 or v["eval_interval"] > 0, "eval_interval must be > 0 or -1 (never)")

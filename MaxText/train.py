@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from pathlib import Path
+
+PROCESS_STARTED = time.time()  # before the heavy imports: they are start-up time too (goodput)
 
 if __package__ in (None, ""):  # `python3 MaxText/train.py`: import the package, not sibling files.
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
@@ -15,7 +18,7 @@ if __package__ in (None, ""):  # `python3 MaxText/train.py`: import the package,
 import jax
 
 from MaxText import accelerators, checkpointing, config as config_lib, metrics
-from MaxText import distributed, preemption, run_assembly, run_lease, run_record, run_start, startup, storage
+from MaxText import distributed, health, preemption, run_assembly, run_lease, run_record, run_start, startup, storage
 from MaxText.startup import log
 from MaxText.errors import run_cli
 from MaxText.input_pipeline import check_sources
@@ -129,6 +132,7 @@ def add_hooks(trainer: Trainer, run: run_assembly.Run, checkpoints: checkpointin
   if model.num_experts > 1 and is_primary:
     trainer.add_hook(RouterHealthHook(settings.router_collapse_fraction, settings.router_collapse_logs,
                                       model.num_experts_per_tok / model.num_experts), every=settings.log_period)
+  health.add_health_hooks(trainer, settings, writer, is_primary, jax.process_count(), PROCESS_STARTED, start_step)
   if settings.eval_interval > 0:
     trainer.add_hook(EvalHook(run.eval_step, run.eval_iterator(), config.data.eval_steps, writer, is_primary),
                      every=settings.eval_interval, needs_state=True)

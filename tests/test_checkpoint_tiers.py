@@ -85,7 +85,7 @@ def test_two_processes_share_one_gcs_run_directory(gcs, reference):
   assert sorted(ref) == list(range(1, STEPS + 1))
   objects = gcs.objects(bucket[5:], "runs/ref/")
   top = {name.split("/")[2] for name in objects}
-  assert top == {"checkpoints", "config.yml", "config_history", "metrics.jsonl", "tensorboard"}, top
+  assert top == {"checkpoints", "config.yml", "config_history", "goodput.json", "metrics.jsonl", "tensorboard"}, top
   assert len([n for n in objects if n.startswith("runs/ref/tensorboard/")]) == 1  # process 0 only
   # Both processes wrote their own shards of step 24 (OCDBT keeps one folder per process).
   shard_dirs = {n.split("/")[5] for n in objects if n.startswith("runs/ref/checkpoints/24/state/ocdbt.process_")}

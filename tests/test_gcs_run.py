@@ -91,7 +91,7 @@ def test_sigkill_on_gcs_resumes_bitwise_like_an_uninterrupted_local_run(gcs, gcs
   rerun = run(cmd, env(gcs))
   assert f"state: resumed from step {latest} of {run_dir}/checkpoints" in rerun.stdout
   assert losses(run_dir) == local_reference  # CPU runs of one program are deterministic: bitwise
-  assert set(storage.listdir(run_dir)) == {"checkpoints", "config.yml", "config_history", "metrics.jsonl",
+  assert set(storage.listdir(run_dir)) == {"checkpoints", "config.yml", "config_history", "goodput.json", "metrics.jsonl",
                                              "profile", "tensorboard"}
   assert "base_output_directory: " + out in storage.read_text(f"{run_dir}/config.yml")
   events = storage.glob(f"{run_dir}/tensorboard/events.out.tfevents.*")

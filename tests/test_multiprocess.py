@@ -88,7 +88,7 @@ def test_two_processes_train_like_one_and_hand_checkpoints_back_and_forth(tmp_pa
   assert "state: resumed from step 4" in outs[0]
   _assert_close(_losses(tmp_path / "mixed"), reference)
   written = sorted(p.name for p in (tmp_path / "mixed").iterdir())
-  assert written == ["checkpoints", "config.yml", "config_history", "metrics.jsonl", "tensorboard"]
+  assert written == ["checkpoints", "config.yml", "config_history", "goodput.json", "metrics.jsonl", "tensorboard"]
 
 
 @pytest.mark.slow

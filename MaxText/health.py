@@ -1,0 +1,270 @@
+"""Run health: the straggler report, the hang watchdog and goodput.
+
+Every process runs the same synchronous steps, so a slow host does not show in its own step
+time (everyone waits for it inside the collectives) but in the time it spends on the host side
+before it can dispatch: waiting for its own input batch. Every `straggler_report_period` steps
+each process's mean step time and input wait over the period are gathered; a process whose input
+wait exceeds the median process's by more than `straggler_threshold` x the median step time is
+named in the log and counted in the metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+import numpy as np
+
+from MaxText import metrics as metrics_lib
+from MaxText import storage
+from MaxText.trainer import StepRecord, Trainer
+from MaxText.train_state import TrainState
+
+
+def _gather_across_processes(values: np.ndarray) -> np.ndarray:
+  import jax
+  from jax.experimental import multihost_utils
+
+  if jax.process_count() == 1:
+    return values[None]
+  return np.asarray(multihost_utils.process_allgather(values)).reshape(jax.process_count(), -1)
+
+
+class StragglerHook:
+  """Add with every=1 (it accumulates every step and reports every `period` steps); every process
+  must run it, as the report is a collective."""
+
+  def __init__(self, period: int, threshold: float, writer: metrics_lib.MetricWriter | None, is_primary: bool,
+               gather: Callable[[np.ndarray], np.ndarray] = _gather_across_processes):
+    self.period, self.threshold, self.writer, self.is_primary, self.gather = period, threshold, writer, is_primary, gather
+    self._sums = np.zeros(2)  # step seconds, input wait seconds
+    self._count = 0
+    self.reported: list[tuple[int, list[int]]] = []  # (step, straggling processes) of each report
+
+  def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
+    self._sums += (record.seconds, record.scalars.get("input_wait_s", 0.0))
+    self._count += 1
+    if record.step % self.period:
+      return
+    per_process = self.gather(self._sums / self._count)  # [processes, (step s, input wait s)]
+    self._sums[:], self._count = 0.0, 0
+    step_s, wait_s = per_process[:, 0], per_process[:, 1]
+    allowance = self.threshold * float(np.median(step_s))
+    slow = [int(p) for p in np.flatnonzero(wait_s - np.median(wait_s) > allowance)]
+    self.reported.append((record.step, slow))
+    if not self.is_primary:
+      return
+    if self.writer is not None:
+      self.writer.write(record.step, {"stragglers": float(len(slow)),
+                                      **{f"input_wait_s/process_{p}": float(w) for p, w in enumerate(wait_s)}})
+    if slow:
+      named = ", ".join(f"process {p} (input wait {wait_s[p]:.3f} s a step)" for p in slow)
+      print(f"warning: stragglers over steps {record.step - self.period + 1}..{record.step}: {named}; the median "
+            f"process waits {np.median(wait_s):.3f} s for input in a {np.median(step_s):.3f} s step: check "
+            "those hosts' input pipelines, disks and CPU load", file=sys.stderr, flush=True)
+
+  def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
+    pass
+
+
+GOODPUT_FILE = "goodput.json"
+
+
+@dataclasses.dataclass
+class StartRecord:
+  """One start of the run (a process launch that trained), as goodput.json keeps it."""
+
+  started: float  # unix time the process started
+  wall_s: float  # from then to the last step this start finished
+  startup_s: float  # until its first step was dispatched (config, compile of init, restore, data)
+  compile_s: float  # the first step's time beyond a typical step (tracing and compiling the step)
+  data_wait_s: float
+  first_step: int  # 1-based steps it ran
+  last_step: int
+  median_step_s: float  # a typical step, input wait excluded
+
+
+def summarize(starts: list[StartRecord]) -> dict[str, float]:
+  """Productive time against wall time over all starts. A step counts once: the steps a start ran
+  beyond the checkpoint the next start resumed from were redone, and are lost time."""
+  totals = dict.fromkeys(("wall_s", "productive_s", "startup_s", "compile_s", "data_wait_s", "redone_s"), 0.0)
+  for k, start in enumerate(starts):
+    resumed_at = starts[k + 1].first_step - 1 if k + 1 < len(starts) else start.last_step
+    redone = max(0, start.last_step - resumed_at)
+    steps = start.last_step - start.first_step + 1
+    totals["wall_s"] += start.wall_s
+    totals["productive_s"] += (steps - redone) * start.median_step_s
+    totals["redone_s"] += redone * start.median_step_s
+    for name in ("startup_s", "compile_s", "data_wait_s"):
+      totals[name] += getattr(start, name)
+  accounted = sum(totals[n] for n in ("productive_s", "startup_s", "compile_s", "data_wait_s", "redone_s"))
+  totals["other_s"] = max(0.0, totals["wall_s"] - accounted)  # checkpoint blocking, evaluation, logging
+  totals["goodput"] = totals["productive_s"] / totals["wall_s"] if totals["wall_s"] > 0 else 0.0
+  return totals
+
+
+class GoodputHook:
+  """Times this start, keeps it in <run_dir>/goodput.json beside the earlier starts of the same run
+  (written every `write_every` steps and at the end, so a killed start leaves its record up to its
+  last write), and prints the run's goodput at the end. Add with every=1, on process 0."""
+
+  def __init__(self, run_dir: str, process_started: float, start_step: int,
+               writer: metrics_lib.MetricWriter | None, write_every: int = 20):
+    self.path = storage.join(run_dir, GOODPUT_FILE)
+    self.started, self.start_step, self.writer, self.write_every = process_started, start_step, writer, write_every
+    self.earlier = [StartRecord(**r) for r in json.loads(storage.read_text(self.path))["starts"]] \
+        if storage.exists(self.path) else []
+    self.first_dispatch: float | None = None
+    self.step_s: list[float] = []  # each step's time, input wait excluded
+    self.data_wait_s = 0.0
+    self.last_step = start_step
+
+  def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
+    wait = record.scalars.get("input_wait_s", 0.0)
+    if self.first_dispatch is None:  # the first step's record: it was dispatched `seconds` ago
+      self.first_dispatch = time.time() - record.seconds
+    self.step_s.append(max(record.seconds - wait, 0.0))
+    self.data_wait_s += wait
+    self.last_step = record.step
+    if record.step % self.write_every == 0:
+      self._write()
+
+  def this_start(self) -> StartRecord | None:
+    if self.first_dispatch is None:
+      return None
+    median = float(np.median(self.step_s[1:])) if len(self.step_s) > 1 else self.step_s[0]
+    return StartRecord(started=self.started, wall_s=time.time() - self.started,
+                       startup_s=self.first_dispatch - self.started, compile_s=max(0.0, self.step_s[0] - median),
+                       data_wait_s=self.data_wait_s, first_step=self.start_step + 1, last_step=self.last_step,
+                       median_step_s=median)
+
+  def _write(self) -> list[StartRecord]:
+    mine = self.this_start()
+    starts = self.earlier + ([mine] if mine is not None else [])
+    storage.write_text(self.path, json.dumps({"starts": [dataclasses.asdict(s) for s in starts]}, indent=1))
+    return starts
+
+  def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
+    starts = self._write()
+    if not starts:
+      return
+    t = summarize(starts)
+    print(f"goodput: {t['goodput']:.1%} of {t['wall_s']:,.0f} s over {len(starts)} start(s): productive "
+          f"{t['productive_s']:,.0f} s; lost: start-up {t['startup_s']:,.0f} s, compilation {t['compile_s']:,.0f} s, "
+          f"data wait {t['data_wait_s']:,.0f} s, redone steps {t['redone_s']:,.0f} s, other (checkpoints, "
+          f"evaluation, logging) {t['other_s']:,.0f} s", flush=True)
+    if self.writer is not None:
+      self.writer.write(self.last_step, {f"goodput/{name}": value for name, value in t.items()})
+
+
+class _StepBoard:
+  """Each process's last started (dispatched) step, in the jax.distributed coordination service's key-value
+  store (the only channel left when a collective hangs). Single-process runs keep it locally."""
+
+  PREFIX = "maxtext_watchdog/"
+
+  def __init__(self) -> None:
+    import jax
+    from jax._src import distributed  # the coordination client has no public accessor
+
+    self.process = jax.process_index()
+    self.client = distributed.global_state.client if jax.process_count() > 1 else None
+    self.local: dict[int, int] = {}
+
+  def set(self, step: int) -> None:
+    if self.client is None:
+      self.local[self.process] = step
+      return
+    self.client.key_value_set(f"{self.PREFIX}{self.process}", str(step), allow_overwrite=True)
+
+  def all(self) -> dict[int, int]:
+    if self.client is None:
+      return dict(self.local)
+    return {int(key.rsplit("/", 1)[1]): int(value) for key, value in self.client.key_value_dir_get(self.PREFIX)}
+
+
+def _print_stacks() -> None:
+  """Every thread's Python stack, named, on stderr (faulthandler needs a real file descriptor)."""
+  names = {t.ident: t.name for t in threading.enumerate()}
+  for ident, frame in sys._current_frames().items():
+    stack = "".join(traceback.format_stack(frame))
+    print(f"--- thread {names.get(ident, ident)} (most recent call last):\n{stack}", file=sys.stderr, end="")
+  sys.stderr.flush()
+
+
+class StepWatchdog:
+  """Ends a run whose next step does not finish within `timeout_s` (a hang inside a collective, a
+  stuck host): prints every thread's Python stack, names the processes that did not reach the step
+  the others are waiting in, and exits with EXIT_CODE so the scheduler restarts the job, which
+  resumes from its last checkpoint. Armed after the first step (compilation is not a hang); add
+  with every=0 (its `due` records each dispatch) on every process."""
+
+  EXIT_CODE = 4
+
+  def __init__(self, timeout_s: float, exit: Callable[[int], None] = os._exit):
+    self.timeout_s, self._exit = timeout_s, exit
+    self.board = _StepBoard()
+    self._petted = threading.Event()
+    self._stopped = threading.Event()
+    self._thread: threading.Thread | None = None
+    self.last_step = 0
+
+  def due(self, step: int) -> bool:
+    """Asked right after step `step` is dispatched: this process reached it."""
+    self.board.set(step)
+    return True
+
+  def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
+    self.last_step = record.step
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
+      self._thread.start()
+    self._petted.set()
+
+  def _watch(self) -> None:
+    while not self._stopped.is_set():
+      if self._petted.wait(self.timeout_s):
+        self._petted.clear()
+        continue
+      if not self._stopped.is_set():
+        self._fire()
+        return
+
+  def _fire(self) -> None:
+    _print_stacks()
+    try:
+      steps = self.board.all()
+    except Exception as e:  # noqa: BLE001 - the coordination service may be what is broken
+      steps, unreachable = {}, f" (the other processes' progress is unknown: {type(e).__name__})"
+    else:
+      unreachable = ""
+    ahead = max(steps.values(), default=self.last_step)
+    behind = sorted(p for p, s in steps.items() if s < ahead)
+    where = (f"process(es) {', '.join(map(str, behind))} did not reach step {ahead} "
+             f"({', '.join(f'process {p} started step {steps[p]} last' for p in behind)})" if behind
+             else f"every process started step {ahead}, and it did not finish")
+    print(f"error: no step finished in step_timeout_seconds={self.timeout_s:g} after step {self.last_step} on "
+          f"this process; {where}{unreachable}; Python stacks above. Exiting with status {self.EXIT_CODE} so the "
+          "job restarts and resumes from its last checkpoint", file=sys.stderr, flush=True)
+    self._exit(self.EXIT_CODE)
+
+  def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
+    self._stopped.set()
+    self._petted.set()
+
+
+def add_health_hooks(trainer: Trainer, settings: Any, writer: metrics_lib.MetricWriter | None,
+                     is_primary: bool, num_processes: int, process_started: float, start_step: int) -> None:
+  if settings.straggler_report_period > 0 and num_processes > 1:
+    trainer.add_hook(StragglerHook(settings.straggler_report_period, settings.straggler_threshold, writer,
+                                   is_primary), every=1)
+  if settings.step_timeout_seconds > 0:
+    trainer.add_hook(StepWatchdog(settings.step_timeout_seconds), every=0)
+  if is_primary:
+    trainer.add_hook(GoodputHook(settings.run_dir, process_started, start_step, writer), every=1)
