@@ -221,9 +221,12 @@ class ModelConfig:
     _require(0 <= v["first_dense_layers"] < layers, f"first_dense_layers must be in [0, num_decoder_layers ({layers})), "
              f"got {v['first_dense_layers']}")
     _require(v["dense_mlp_dim"] >= 0, f"dense_mlp_dim must be >= 0 (0 = mlp_dim), got {v['dense_mlp_dim']}")
-    stages, micro = _pipeline(v, mesh, global_batch, layers)
-    _require(stages == 1 or v["first_dense_layers"] == 0,
+    pipelined = dict(mesh.shape)["stage"] > 1
+    _require(not pipelined or v["first_dense_layers"] == 0,
              "first_dense_layers > 0 is not supported with pipeline parallelism (the stages split one homogeneous stack)")
+    _require(not pipelined or v["moe_bias_update_rate"] == 0,
+             "moe_bias_update_rate > 0 is not supported with pipeline parallelism (the pipelines report no expert load)")
+    stages, micro = _pipeline(v, mesh, global_batch, layers)
     return cls(**read_keys(cls, v, num_pipeline_microbatches=micro),
                emb_dim=v["base_emb_dim"] * s["emb"], num_query_heads=num_q, num_kv_heads=num_kv,
                mlp_dim=v["base_mlp_dim"] * s["mlp"], num_decoder_layers=layers, num_pipeline_stages=stages,

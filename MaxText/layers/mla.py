@@ -48,16 +48,18 @@ class MultiHeadLatentAttention(nnx.Module):
                               rngs=rngs)
     norm = functools.partial(RMSNorm, epsilon=cfg.normalization_layer_epsilon, dtype=jnp.dtype(cfg.dtype),
                              weight_dtype=jnp.dtype(cfg.weight_dtype))
-    # The ranks are small (hundreds to ~1.5k) and stay replicated, like the MoE router's expert dim.
+    # A rank is replicated where it is the output (the input is the fsdp-sharded model width) and
+    # named "embed" where it is the input, so the up-projections are fsdp-sharded like the rest.
     if cfg.q_lora_rank > 0:
       self.wq_a = dense((d,), (cfg.q_lora_rank,), ("embed", None), tag="query_proj")
       self.q_norm = norm(cfg.q_lora_rank)
-      self.wq_b = dense((cfg.q_lora_rank,), (n, qk), (None, "heads", "kv"), tag="query_proj")
+      self.wq_b = dense((cfg.q_lora_rank,), (n, qk), ("embed", "heads", "kv"), tag="query_proj")
     else:
       self.query = dense((d,), (n, qk), ("embed", "heads", "kv"), tag="query_proj")
     self.wkv_a = dense((d,), (cfg.kv_lora_rank + rope,), ("embed", None), tag="key_proj")
     self.kv_norm = norm(cfg.kv_lora_rank)
-    self.wkv_b = dense((cfg.kv_lora_rank,), (n, cfg.qk_nope_head_dim + v), (None, "heads", "kv"), tag="value_proj")
+    self.wkv_b = dense((cfg.kv_lora_rank,), (n, cfg.qk_nope_head_dim + v), ("embed", "heads", "kv"),
+                       tag="value_proj")
     self.out = dense((n, v), (d,), ("heads", "kv", "embed"), tag="out_proj")
     self.cfg = cfg
     self.kernel_name = select_kernel(cfg.attention)

@@ -149,6 +149,28 @@ def route(logits_BLE: jax.Array, top_k: int, renormalise: bool = True, *, score_
   return probs_BLE, experts_BLk, weights_BLk
 
 
+CORRECTION_BIAS = "score_correction_bias"
+
+
+def update_correction_biases(new_params: Any, old_params: Any, load_NE: jax.Array | None, rate: float) -> Any:
+  """`new_params` with every MoE layer's correction bias set to its value in `old_params` plus
+  rate · sign(mean load - the expert's load) (DeepSeek-V3's aux-loss-free balancing: underloaded
+  experts become likelier choices). The optimizer's own change to the bias (weight decay; its
+  gradient is zero) is discarded. `load_NE`: the routed fraction per expert of each MoE layer
+  ([layers, E], `moe_load`), in the order of the `layers` stack; unused when `rate` is 0."""
+  def update(path: tuple, new: jax.Array, old: jax.Array) -> jax.Array:
+    keys = [str(getattr(k, "key", k)) for k in path]
+    if keys[-1] != CORRECTION_BIAS:
+      return new
+    if rate == 0 or load_NE is None:
+      return old
+    stack = keys[0]
+    load = load_NE if stack == "layers" else load_NE[int(stack.rpartition("_")[2])]
+    step = jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+    return (old.astype(jnp.float32) + rate * step).astype(old.dtype)
+  return jax.tree_util.tree_map_with_path(update, new_params, old_params)
+
+
 def routed_fraction(experts_BLk: jax.Array, num_experts: int) -> jax.Array:
   """[E] fraction of the tokens whose top-k includes each expert (sums to k); no gradient. A
   count, not a one-hot sum: [B, L, k, E] floats would be large with hundreds of experts."""
