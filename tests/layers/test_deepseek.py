@@ -107,3 +107,22 @@ def test_pipeline_parallelism_refuses_the_dense_prefix():
   with pytest.raises(ConfigError, match="first_dense_layers"):
     Config.for_testing(**TINY_V3, ici_pipeline_parallelism=2, ici_fsdp_parallelism=1, ici_data_parallelism=-1,
                        num_pipeline_microbatches=2)
+
+
+def test_flops_formula_counts_mla_and_the_dense_prefix():
+  """metrics' MLA projections, value width and dense prefix against XLA's count (unrolled, float32)."""
+  from MaxText import metrics, sharding
+  import jax.numpy as jnp
+  overrides = dict(TINY_V3, base_emb_dim=256, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32,
+                   qk_rope_head_dim=16, head_dim=48, v_head_dim=24, base_mlp_dim=128, dense_mlp_dim=512,
+                   max_target_length=128, scan_layers=False, dtype="float32")
+  cfg = Config.for_testing(**overrides).model
+  spec = models.build_model_spec(cfg)
+  batch, length = 2, 128
+  tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+  compiled = jax.jit(sharding.unsharded()(spec.apply)).lower(spec.abstract_params, tokens, tokens, tokens).compile()
+  cost = compiled.cost_analysis()
+  xla_flops = (cost[0] if isinstance(cost, list) else cost)["flops"]
+  weights, attention = metrics.forward_flops_per_sequence(cfg, length, causal=False)
+  ours = batch * (weights + attention)
+  assert ours <= xla_flops <= 1.06 * ours, (ours, xla_flops, xla_flops / ours)
