@@ -126,3 +126,23 @@ def test_flops_formula_counts_mla_and_the_dense_prefix():
   weights, attention = metrics.forward_flops_per_sequence(cfg, length, causal=False)
   ours = batch * (weights + attention)
   assert ours <= xla_flops <= 1.06 * ours, (ours, xla_flops, xla_flops / ours)
+
+
+def _two_steps(**overrides):
+  run = Run(Config.for_testing(**dict(TINY_V3, learning_rate=3e-3, moe_bias_update_rate=1e-3, **overrides)))
+  state, history = run.train(run.init(), 2)
+  return jax.device_get(state.params), history
+
+
+@pytest.mark.parametrize("dispatch, grouped", [("all_to_all", True),
+                                               pytest.param("gather", False, marks=pytest.mark.slow)])
+def test_expert_parallel_training_equals_the_run_without_an_expert_axis(dispatch, grouped):
+  """The routing (bias, groups, scaling) happens before either dispatch: two steps with experts
+  over 2 devices give the losses and parameters (bias included) of the run without an expert axis."""
+  mode = dict(capacity_factor=-1.0, sparse_matmul=grouped)
+  want_params, want = _two_steps(**mode)
+  got_params, got = _two_steps(**mode, ici_expert_parallelism=2, ici_fsdp_parallelism=-1, moe_dispatch=dispatch)
+  for key in ("loss", "grad_norm", "moe_lb_loss"):
+    np.testing.assert_allclose([h[key] for h in got], [h[key] for h in want], rtol=2e-5, err_msg=key)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6),
+               got_params, want_params)
