@@ -178,7 +178,7 @@ class Transformer(nnx.Module):
   def _stage_layers(self) -> tuple[nnx.State, pipeline.LayerFn]:
     """The stacked layer state and a function applying one layer of it, for the pipelines
     (microbatches bring their own positions and segment ids)."""
-    graphdef, stacked_state = nnx.split(self.layers)
+    graphdef, stacked_state = nnx.split(getattr(self, "layers"))  # set by _build_stack
 
     def apply_layer(x: jax.Array, layer_state: nnx.State, rng: jax.Array | None, layer_index: jax.Array,
                     positions: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, AuxLosses]:
