@@ -22,13 +22,14 @@ HF names (layer i, expert e)                             ours (inside layer i's 
 (all under model.layers.{i}.), norms and embeddings as Llama's. transformers >= 5 holds the
 experts fused in memory (read too, never written). HF's DeepSeek RoPE rotates adjacent pairs
 (rope_interleaved) and leaves the weights as stored. The published V3 checkpoint's
-multi-token-prediction layer (model.layers.61) is not part of the model here.
+multi-token-prediction layer (model.layers.61) is not part of the model here and is skipped.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any, Mapping
 
 from MaxText.convert import tensor_maps as r
@@ -97,8 +98,24 @@ def mlp_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
   return (dense if cfg.first_dense_layers > 0 else []) + moe
 
 
+@dataclasses.dataclass(frozen=True)
+class _IgnoredPrefix(r.TensorMap):
+  """Every HF tensor whose name starts with `hf` is skipped (read, never written)."""
+
+  def pattern(self) -> re.Pattern:
+    return re.compile(re.escape(self.hf) + ".*$")
+
+
+def mtp_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
+  """The published V3 checkpoint's multi-token-prediction module, stored as one layer past the
+  last (model.layers.{num_hidden_layers}.*), which the model here does not have; HF skips it too.
+  First in the table, so its decoder-layer tensors are not taken for a layer of the model."""
+  skip = r.ignored(f"model.layers.{cfg.num_decoder_layers}.")
+  return [_IgnoredPrefix(skip.hf, skip.ours, skip.to_ours, skip.to_hf, write=False)]
+
+
 def deepseek_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
-  return embedding_tensors(cfg) + attention_tensors(cfg) + mlp_tensors(cfg)
+  return mtp_tensors(cfg) + embedding_tensors(cfg) + attention_tensors(cfg) + mlp_tensors(cfg)
 
 
 def _mscale(factor: float, mscale: float) -> float:

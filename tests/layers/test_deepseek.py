@@ -146,3 +146,24 @@ def test_expert_parallel_training_equals_the_run_without_an_expert_axis(dispatch
     np.testing.assert_allclose([h[key] for h in got], [h[key] for h in want], rtol=2e-5, err_msg=key)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6),
                got_params, want_params)
+
+
+def test_the_checkpoints_mtp_layer_is_skipped(staging):
+  """V3 checkpoints store the multi-token-prediction module as layer num_hidden_layers; the
+  converter skips it (as HF does) instead of refusing the checkpoint."""
+  from MaxText import families
+  from MaxText.convert import engine
+  model = H.build_hf_model("deepseek3")
+  config = H.our_config(model, dtype="float32")
+  spec = models.build_model_spec(config.model)
+  (staging / "mtp").mkdir()
+  staged = engine.StagedParams(spec.abstract_params, str(staging / "mtp"), "float32")
+  last = config.model.num_decoder_layers
+  extra = [(f"model.layers.{last}.eh_proj.weight", np.ones((64, 128), np.float32)),
+           (f"model.layers.{last}.self_attn.q_a_proj.weight", np.ones((24, 64), np.float32))]
+  tensors = [(name, t.detach().float().numpy()) for name, t in model.state_dict().items()] + extra
+  engine.stage_hf_tensors(iter(tensors), families.family_for_hf_config(H.hf_config_dict(model)), config.model, staged)
+  written = [name for name, _ in engine.hf_tensors_from_params(
+      lambda path: engine.flat_abstract(staged.tree())[path], families.family_for_hf_config(H.hf_config_dict(model)),
+      config.model)]
+  assert not any(name.startswith(f"model.layers.{last}.") for name in written)
