@@ -45,7 +45,7 @@ def generate(config: Config) -> str:
   params = params_io.load_params(source, spec.abstract_params,
                                      models.shard_params_like(spec, mesh, config.mesh.logical_axis_rules))
   if cfg.force_unroll and config.model.scan_layers:
-    params = models.unstack_layers(params, config.model.num_decoder_layers)
+    params = models.unstack_layers(params, config.model.num_moe_stack_layers)
   params_io.save_params(output, params)
   if jax.process_index() == 0:
     keys = {k: config[k] for k in MODEL_KEYS if k in config.values}

@@ -79,18 +79,33 @@ def moe_expert_rows(cfg: ModelConfig, length: int) -> float:
   return float(cfg.num_experts * expert_capacity(cfg, length))
 
 
+def attention_projection_flops(cfg: ModelConfig) -> float:
+  """Weight-matmul FLOPs of one layer's attention projections per token."""
+  d, n, k, h = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
+  if cfg.attention_type != "mla":
+    return 2 * d * h * (n + 2 * k) + 2 * n * h * d
+  query = 2 * d * n * h if cfg.q_lora_rank <= 0 else 2 * d * cfg.q_lora_rank + 2 * cfg.q_lora_rank * n * h
+  latent = 2 * d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+  expand = 2 * cfg.kv_lora_rank * n * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+  return query + latent + expand + 2 * n * cfg.v_head_dim * d
+
+
 def forward_flops_per_sequence(cfg: ModelConfig, length: int, causal: bool = True) -> tuple[float, float]:
   """(weight-matmul FLOPs, attention FLOPs) of one forward pass over one sequence."""
-  d, n, k, h, f, v = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
-  attn_proj = 2 * d * h * (n + 2 * k) + 2 * n * h * d
-  expert_mlp = 2 * d * f * len(cfg.mlp_activations) + 2 * f * d
+  d, n, h, f, v = cfg.emb_dim, cfg.num_query_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
+  gated = len(cfg.mlp_activations)
+  expert_mlp = 2 * d * f * gated + 2 * f * d
   if cfg.num_experts > 1:
     mlp_per_sequence = expert_mlp * moe_expert_rows(cfg, length) + 2 * d * cfg.num_experts * length
     mlp_per_sequence += expert_mlp * cfg.shared_experts * length  # shared experts: every token, width x shared
   else:
     mlp_per_sequence = expert_mlp * length
-  weights = (length * attn_proj + mlp_per_sequence) * cfg.num_decoder_layers + length * 2 * d * v
-  scores = 2 * 2 * n * h * attended_pairs(cfg, length, causal)
+  dense_f = cfg.dense_mlp_dim or f  # the first_dense_layers prefix: a dense MLP of dense_mlp_dim
+  dense_mlp = (2 * d * dense_f * gated + 2 * dense_f * d) * length
+  weights = (length * attention_projection_flops(cfg) * cfg.num_decoder_layers
+             + mlp_per_sequence * cfg.num_moe_stack_layers + dense_mlp * cfg.first_dense_layers + length * 2 * d * v)
+  value_dim = cfg.v_head_dim if cfg.attention_type == "mla" else h  # QK^T over head_dim, AV over the value width
+  scores = 2 * n * (h + value_dim) * attended_pairs(cfg, length, causal)
   return float(weights), float(scores)
 
 

@@ -31,6 +31,9 @@ POSITION_EMBEDDINGS = ("rope", "learned", "sinusoidal")
 ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 ATTENTION_LAYER_KINDS = ("global", "local", "chunked")
 ROPE_LAYER_KINDS = ("rope", "nope")
+ATTENTION_TYPES = ("gqa", "mla")
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+MOE_GROUP_SCORES = ("max", "top2_sum")
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
@@ -134,6 +137,21 @@ class ModelConfig:
   shared_experts: int = key(architecture=True)  # 0 = none
   norm_topk_prob: bool = key(architecture=True)  # renormalise the k routing weights to sum to one
   moe_router_scales_input: bool = key(architecture=True)  # Llama 4: sigmoid(top logit) scales the expert input
+  attention_type: str = key(architecture=True)  # gqa | mla (layers/mla.py)
+  q_lora_rank: int = key(architecture=True)  # mla: 0 = a direct query projection
+  kv_lora_rank: int = key(architecture=True)
+  qk_nope_head_dim: int = key(architecture=True)
+  qk_rope_head_dim: int = key(architecture=True)
+  v_head_dim: int = key(architecture=True)
+  rope_yarn_mscale_all_dim: float = key(architecture=True)  # 0 = no softmax-scale correction
+  moe_score_function: str = key(architecture=True)  # softmax | sigmoid
+  moe_score_correction_bias: bool = key(architecture=True)  # a per-expert bias for the choice only
+  moe_num_groups: int = key(architecture=True)  # experts in this many groups (1 = no group limit)
+  moe_topk_groups: int = key(architecture=True)  # a token's experts come from its best this many groups
+  moe_group_score: str = key(architecture=True)  # max | top2_sum: a group's score from its experts'
+  routed_scaling_factor: float = key(architecture=True)  # multiplies the routing weights
+  first_dense_layers: int = key(architecture=True)  # leading layers with a dense MLP (the dense_layers stack)
+  dense_mlp_dim: int = key(architecture=True)  # their MLP width (0 = mlp_dim)
   global_parameter_scale: int = key(fixed_on_resume=MODEL)
   scan_layers: bool = key(fixed_on_resume=LAYOUT)
   weight_dtype: str = key(fixed_on_resume=LAYOUT)
@@ -151,6 +169,7 @@ class ModelConfig:
   moe_all_to_all: str = key()  # auto | ragged | padded
   moe_ragged_buffer_factor: float = key()  # <= 0: worst-case receive buffer (dropless)
   moe_grouped_matmul: str = key()  # auto | ragged_dot | megablox (layers/grouped_matmul.py)
+  moe_bias_update_rate: float = key()  # the correction bias's step per train step (0 = fixed)
   quantization: str = key()  # "" | int8 | fp8: the decoder stack's matmuls (layers/quantization.py)
   pipeline_schedule: str = key()  # gpipe | circular | 1f1b (interleaved with num_pipeline_repeats > 1)
   num_pipeline_repeats: int = key()
@@ -163,6 +182,15 @@ class ModelConfig:
   num_decoder_layers: int = derived()
   num_pipeline_stages: int = derived(1)  # 1 = no pipeline
   attention_blocks: AttentionBlocks = derived()
+
+  @property
+  def num_moe_stack_layers(self) -> int:
+    """Layers of the `layers` stack: the decoder layers after the first_dense_layers prefix."""
+    return self.num_decoder_layers - self.first_dense_layers
+
+  def dense_prefix_config(self) -> "ModelConfig":
+    """The configuration the first_dense_layers prefix is built with: a dense MLP of dense_mlp_dim."""
+    return dataclasses.replace(self, num_experts=1, shared_experts=0, mlp_dim=self.dense_mlp_dim or self.mlp_dim)
 
   @property
   def layers_per_pipeline_stage(self) -> int:
@@ -187,8 +215,17 @@ class ModelConfig:
     _require(0.0 <= v["dropout_rate"] < 1.0, f"dropout_rate must be in [0, 1), got {v['dropout_rate']}")
     _check_positions_and_attention(v)
     _check_moe(v)
+    _check_mla(v)
     _check_quantization(v)
     layers = v["base_num_decoder_layers"] * s["layers"]
+    _require(0 <= v["first_dense_layers"] < layers, f"first_dense_layers must be in [0, num_decoder_layers ({layers})), "
+             f"got {v['first_dense_layers']}")
+    _require(v["dense_mlp_dim"] >= 0, f"dense_mlp_dim must be >= 0 (0 = mlp_dim), got {v['dense_mlp_dim']}")
+    pipelined = dict(mesh.shape)["stage"] > 1
+    _require(not pipelined or v["first_dense_layers"] == 0,
+             "first_dense_layers > 0 is not supported with pipeline parallelism (the stages split one homogeneous stack)")
+    _require(not pipelined or v["moe_bias_update_rate"] == 0,
+             "moe_bias_update_rate > 0 is not supported with pipeline parallelism (the pipelines report no expert load)")
     stages, micro = _pipeline(v, mesh, global_batch, layers)
     return cls(**read_keys(cls, v, num_pipeline_microbatches=micro),
                emb_dim=v["base_emb_dim"] * s["emb"], num_query_heads=num_q, num_kv_heads=num_kv,
@@ -276,9 +313,40 @@ def _check_moe(v: Mapping[str, Any]) -> None:
   one_of(v, "moe_dispatch", MOE_DISPATCHES)
   one_of(v, "moe_all_to_all", ALL_TO_ALL_KINDS)
   one_of(v, "moe_grouped_matmul", GROUPED_MATMUL_KINDS)
+  one_of(v, "moe_score_function", MOE_SCORE_FUNCTIONS)
+  one_of(v, "moe_group_score", MOE_GROUP_SCORES)
+  groups, topk_groups = v["moe_num_groups"], v["moe_topk_groups"]
+  _require(groups >= 1 and num_experts % groups == 0 and 1 <= topk_groups <= groups,
+           f"moe_num_groups ({groups}) must divide num_experts ({num_experts}) and 1 <= moe_topk_groups "
+           f"({topk_groups}) <= moe_num_groups")
+  _require(top_k <= topk_groups * (num_experts // groups),
+           f"num_experts_per_tok ({top_k}) exceeds the experts of moe_topk_groups={topk_groups} groups")
+  _require(v["moe_group_score"] != "top2_sum" or groups == 1 or num_experts // groups >= 2,
+           "moe_group_score=top2_sum needs at least 2 experts per group")
+  _require(v["routed_scaling_factor"] > 0, f"routed_scaling_factor must be > 0, got {v['routed_scaling_factor']}")
+  _require(v["moe_bias_update_rate"] >= 0 and (v["moe_bias_update_rate"] == 0 or v["moe_score_correction_bias"]),
+           f"moe_bias_update_rate ({v['moe_bias_update_rate']}) must be >= 0, and > 0 only with "
+           "moe_score_correction_bias=True")
   _require(not v["sparse_matmul"] or v["capacity_factor"] <= 0,
            f"sparse_matmul=True is the dropless grouped-matmul path but capacity_factor={v['capacity_factor']} "
            "asks for dropping; set capacity_factor=-1 or sparse_matmul=False")
+
+
+def _check_mla(v: Mapping[str, Any]) -> None:
+  one_of(v, "attention_type", ATTENTION_TYPES)
+  if v["attention_type"] == "mla":
+    positive(v, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    _require(v["q_lora_rank"] >= 0, f"q_lora_rank must be >= 0 (0 = a direct query projection), got {v['q_lora_rank']}")
+    _require(v["head_dim"] == v["qk_nope_head_dim"] + v["qk_rope_head_dim"],
+             f"attention_type=mla needs head_dim ({v['head_dim']}) = qk_nope_head_dim + qk_rope_head_dim "
+             f"({v['qk_nope_head_dim']} + {v['qk_rope_head_dim']})")
+    _require(v["qk_rope_head_dim"] % 2 == 0, f"qk_rope_head_dim must be even, got {v['qk_rope_head_dim']}")
+    _require(v["base_num_kv_heads"] == v["base_num_query_heads"],
+             "attention_type=mla needs base_num_kv_heads = base_num_query_heads (every head has its own keys)")
+    _require(set(v["attention_layer_pattern"]) == {"global"} and set(v["rope_layer_pattern"]) == {"rope"}
+             and not (v["use_qk_norm"] or v["use_qk_l2_norm"] or v["use_bias"]),
+             "attention_type=mla supports only global rope layers, without use_qk_norm, use_qk_l2_norm or use_bias")
+  _require(v["rope_yarn_mscale_all_dim"] >= 0, f"rope_yarn_mscale_all_dim must be >= 0, got {v['rope_yarn_mscale_all_dim']}")
 
 
 def _pipeline(v: Mapping[str, Any], mesh: "MeshConfig", global_batch: int, layers: int) -> tuple[int, int]:

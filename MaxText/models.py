@@ -72,16 +72,9 @@ class Transformer(nnx.Module):
     self.cfg = cfg
     self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
     layer_class = decoder_layer_class(cfg.decoder_block)
-    if cfg.scan_layers:
-      @nnx.split_rngs(splits=cfg.num_decoder_layers)
-      @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-      def stacked(rngs: nnx.Rngs) -> nnx.Module:
-        return layer_class(cfg, rngs=rngs)
-      self.layers = stacked(rngs)
-    else:
-      # layers_0, layers_1, ... as attributes so checkpoints have string keys only.
-      for i in range(cfg.num_decoder_layers):
-        setattr(self, f"layers_{i}", layer_class(cfg, rngs=rngs))
+    if cfg.first_dense_layers > 0:  # DeepSeek: a dense-MLP prefix, its own stack before `layers`
+      self._build_stack("dense_layers", layer_class, cfg.dense_prefix_config(), cfg.first_dense_layers, rngs)
+    self._build_stack("layers", layer_class, cfg, cfg.num_moe_stack_layers, rngs)
     if cfg.position_embedding == "learned":
       self.position_embedder = Embed(cfg.max_position_embeddings, cfg.emb_dim, dtype=dtype,
                                      weight_dtype=weight_dtype, rngs=rngs, names=(None, "embed"))
@@ -90,6 +83,20 @@ class Transformer(nnx.Module):
       logits_dtype = jnp.float32 if cfg.logits_dot_in_fp32 else dtype
       self.logits_dense = DenseGeneral((cfg.emb_dim,), (cfg.vocab_size,), ("embed", "vocab"),
                                        dtype=logits_dtype, weight_dtype=weight_dtype, rngs=rngs)
+
+  def _build_stack(self, name: str, layer_class: Callable[..., nnx.Module], cfg: ModelConfig, count: int,
+                   rngs: nnx.Rngs) -> None:
+    """`count` layers as one scanned module `name` or unrolled attributes `name_0`, `name_1`, ...
+    (string keys only, for checkpoints)."""
+    if cfg.scan_layers:
+      @nnx.split_rngs(splits=count)
+      @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+      def stacked(rngs: nnx.Rngs) -> nnx.Module:
+        return layer_class(cfg, rngs=rngs)
+      setattr(self, name, stacked(rngs))
+    else:
+      for i in range(count):
+        setattr(self, f"{name}_{i}", layer_class(cfg, rngs=rngs))
 
   def _embed(self, tokens_BL: jax.Array, positions_BL: jax.Array) -> jax.Array:
     """Token embeddings, scaled (Gemma) and with absolute positions added (GPT-3) as configured."""
@@ -108,11 +115,27 @@ class Transformer(nnx.Module):
     """The decoder stack; also returns each auxiliary loss the layers sow, summed over layers (and
     each statistic, stacked per layer; not under pipeline parallelism), and,
     when decoding, the updated KV caches (`caches`: one KVCache stacked over layers when
-    scan_layers, else a list with one per layer)."""
+    scan_layers, else a list with one per layer; with first_dense_layers, a dict of those for
+    `dense_layers` and `layers`, see kv_cache.model_caches)."""
     cfg = self.cfg
-    num_layers = cfg.num_decoder_layers
     if cfg.num_pipeline_stages > 1:  # the stage-sharded scanned stack runs as a pipeline
       return (*self._run_pipeline(x_BLD, positions_BL, segment_ids_BL, dropout_rng), None)
+    dense = cfg.first_dense_layers
+    if dense == 0:
+      return self._run_stack("layers", cfg.num_decoder_layers, 0, x_BLD, positions_BL, segment_ids_BL, dropout_rng,
+                             caches)
+    dense_rng, rng = jax.random.split(dropout_rng) if dropout_rng is not None else (None, None)
+    x_BLD, _, dense_caches = self._run_stack("dense_layers", dense, 0, x_BLD, positions_BL, segment_ids_BL,
+                                             dense_rng, None if caches is None else caches["dense_layers"])
+    x_BLD, aux, main_caches = self._run_stack("layers", cfg.num_moe_stack_layers, dense, x_BLD, positions_BL,
+                                              segment_ids_BL, rng, None if caches is None else caches["layers"])
+    return x_BLD, aux, None if caches is None else {"dense_layers": dense_caches, "layers": main_caches}
+
+  def _run_stack(self, name: str, num_layers: int, first_index: int, x_BLD: jax.Array, positions_BL: jax.Array,
+                 segment_ids_BL: jax.Array, dropout_rng: jax.Array | None, caches: Any
+                 ) -> tuple[jax.Array, AuxLosses, Any]:
+    """One stack of `_run_layers` (`first_index`: its first layer's index in the whole decoder)."""
+    cfg = self.cfg
     layer_rngs = jax.random.split(dropout_rng, num_layers) if dropout_rng is not None else None
 
     # layer_index lets a layer pick its per-layer behaviour (e.g. local vs global attention)
@@ -131,21 +154,21 @@ class Transformer(nnx.Module):
       one_layer = jax.checkpoint(one_layer, policy=policy, static_argnums=(0,))
 
     if cfg.scan_layers:
-      graphdef, stacked_state = nnx.split(self.layers)
+      graphdef, stacked_state = nnx.split(getattr(self, name))
 
       def body(x: jax.Array, per_layer: tuple) -> tuple[jax.Array, tuple[AuxLosses, KVCache | None]]:
         x, layer_aux, cache = one_layer(graphdef, x, *per_layer)
         return x, (layer_aux, cache)
 
       x_BLD, (aux_per_layer, caches) = jax.lax.scan(
-          body, x_BLD, (stacked_state, layer_rngs, jnp.arange(num_layers), caches))
+          body, x_BLD, (stacked_state, layer_rngs, first_index + jnp.arange(num_layers), caches))
       return x_BLD, {name: _over_layers(name, values) for name, values in aux_per_layer.items()}, caches
     per_layer: list[AuxLosses] = []
     new_caches = []
     for i in range(num_layers):
-      graphdef, state = nnx.split(getattr(self, f"layers_{i}"))
+      graphdef, state = nnx.split(getattr(self, f"{name}_{i}"))
       x_BLD, layer_aux, cache = one_layer(graphdef, x_BLD, state, None if layer_rngs is None else layer_rngs[i],
-                                          jnp.asarray(i, jnp.int32), None if caches is None else caches[i])
+                                          jnp.asarray(first_index + i, jnp.int32), None if caches is None else caches[i])
       per_layer.append(layer_aux)
       new_caches.append(cache)
     aux = {name: _over_layers(name, jnp.stack([layer[name] for layer in per_layer])) for name in per_layer[0]} \
@@ -155,7 +178,7 @@ class Transformer(nnx.Module):
   def _stage_layers(self) -> tuple[nnx.State, pipeline.LayerFn]:
     """The stacked layer state and a function applying one layer of it, for the pipelines
     (microbatches bring their own positions and segment ids)."""
-    graphdef, stacked_state = nnx.split(self.layers)
+    graphdef, stacked_state = nnx.split(getattr(self, "layers"))  # set by _build_stack
 
     def apply_layer(x: jax.Array, layer_state: nnx.State, rng: jax.Array | None, layer_index: jax.Array,
                     positions: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, AuxLosses]:
@@ -217,7 +240,7 @@ class Transformer(nnx.Module):
     x_BLD = sharding.constrain(self._embed(tokens_BL, positions_BL), ACTIVATION_NAMES)
     with quantization.use_quantization(self.cfg.quantization):  # the stack only: logits stay in float
       x_BLD, aux, _ = self._run_layers(x_BLD, positions_BL, segment_ids_BL, dropout_rng)
-    return self._logits(x_BLD), {name: value if name in ROUTING_STATS else value / self.cfg.num_decoder_layers
+    return self._logits(x_BLD), {name: value if name in ROUTING_STATS else value / self.cfg.num_moe_stack_layers
                                  for name, value in aux.items()}
 
   def decode(self, tokens_BL: jax.Array, positions_BL: jax.Array, caches: Any,
@@ -328,19 +351,37 @@ def build_model_spec(cfg: ModelConfig) -> ModelSpec:
   return ModelSpec(cfg, graphdef, abstract_params, logical_names)
 
 
+# The layer stacks a parameter tree may hold: `layers` and, with first_dense_layers, `dense_layers`.
+LAYER_STACKS = ("dense_layers", "layers")
+
+
 def unstack_layers(params: dict, num_layers: int) -> dict:
-  """Scanned parameters ({'layers': leaves with a leading layer dim}) → {'layers_0': ..., ...}."""
-  out = {k: v for k, v in params.items() if k != "layers"}
-  for i in range(num_layers):
-    out[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], params["layers"])
+  """Scanned parameters ({'layers': leaves with a leading layer dim}) → {'layers_0': ..., ...}
+  (a `dense_layers` stack likewise, its length read from its leaves)."""
+  out = {k: v for k, v in params.items() if k not in LAYER_STACKS}
+  for stack in LAYER_STACKS:
+    if stack not in params:
+      continue
+    count = num_layers if stack == "layers" else jax.tree.leaves(params[stack])[0].shape[0]
+    for i in range(count):
+      out[f"{stack}_{i}"] = jax.tree.map(lambda x, i=i: x[i], params[stack])
   return out
 
 
 def stack_layers(params: dict, num_layers: int) -> dict:
   """Inverse of `unstack_layers`."""
-  out = {k: v for k, v in params.items() if not k.startswith("layers_")}
-  out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[params[f"layers_{i}"] for i in range(num_layers)])
+  out = {k: v for k, v in params.items() if stacked_layer_key(k) is None}
+  for stack in LAYER_STACKS:
+    count = num_layers if stack == "layers" else sum(1 for k in params if stacked_layer_key(k) == stack)
+    if count:
+      out[stack] = jax.tree.map(lambda *xs: jnp.stack(xs), *[params[f"{stack}_{i}"] for i in range(count)])
   return out
+
+
+def stacked_layer_key(key: str) -> str | None:
+  """The stack an unrolled parameter key (`layers_3`, `dense_layers_0`) belongs to, else None."""
+  stack, _, index = key.rpartition("_")
+  return stack if stack in LAYER_STACKS and index.isdigit() else None
 
 
 def shard_params_like(spec: ModelSpec, mesh: Any, rules: Any) -> Any:

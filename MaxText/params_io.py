@@ -87,10 +87,10 @@ def _stored_layout_is_scanned(directory: str) -> bool | None:
   return "layers" in keys
 
 
-def _num_layers(params: Any) -> int:
-  if "layers" in params:
-    return jax.tree.leaves(params["layers"])[0].shape[0]
-  return sum(1 for k in params if k.startswith("layers_"))
+def _num_layers(params: Any, stack: str = "layers") -> int:
+  if stack in params:
+    return jax.tree.leaves(params[stack])[0].shape[0]
+  return sum(1 for k in params if models.stacked_layer_key(k) == stack)
 
 
 def _other_layout(abstract_params: Any, shardings: Any) -> tuple[Any, Any]:
@@ -106,18 +106,18 @@ def _other_layout(abstract_params: Any, shardings: Any) -> tuple[Any, Any]:
       s = NamedSharding(s.mesh, PartitionSpec(None, *s.spec))
     return jax.ShapeDtypeStruct((n, *a.shape), a.dtype), s
 
-  rest = [k for k in abstract_params if k != "layers" and not k.startswith("layers_")]
+  rest = [k for k in abstract_params if k not in models.LAYER_STACKS and models.stacked_layer_key(k) is None]
   out_a, out_s = {k: abstract_params[k] for k in rest}, {k: shardings[k] for k in rest}
-  num_layers = _num_layers(abstract_params)
   is_leaf = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
-  if "layers" in abstract_params:
-    pairs = jax.tree.map(unstack, abstract_params["layers"], shardings["layers"], is_leaf=is_leaf)
-    for i in range(num_layers):
-      out_a[f"layers_{i}"] = jax.tree.map(lambda pair: pair[0], pairs, is_leaf=lambda x: isinstance(x, tuple))
-      out_s[f"layers_{i}"] = jax.tree.map(lambda pair: pair[1], pairs, is_leaf=lambda x: isinstance(x, tuple))
-  else:
-    pairs = jax.tree.map(lambda a, s: stack(a, s, num_layers), abstract_params["layers_0"], shardings["layers_0"],
-                         is_leaf=is_leaf)
-    out_a["layers"] = jax.tree.map(lambda pair: pair[0], pairs, is_leaf=lambda x: isinstance(x, tuple))
-    out_s["layers"] = jax.tree.map(lambda pair: pair[1], pairs, is_leaf=lambda x: isinstance(x, tuple))
+  first = lambda pairs, n: jax.tree.map(lambda pair: pair[n], pairs, is_leaf=lambda x: isinstance(x, tuple))  # noqa: E731
+  for name in models.LAYER_STACKS:  # `layers`, and `dense_layers` when the model has a dense prefix
+    num_layers = _num_layers(abstract_params, name)
+    if name in abstract_params:
+      pairs = jax.tree.map(unstack, abstract_params[name], shardings[name], is_leaf=is_leaf)
+      for i in range(num_layers):
+        out_a[f"{name}_{i}"], out_s[f"{name}_{i}"] = first(pairs, 0), first(pairs, 1)
+    elif num_layers:
+      pairs = jax.tree.map(lambda a, s: stack(a, s, num_layers), abstract_params[f"{name}_0"],
+                           shardings[f"{name}_0"], is_leaf=is_leaf)
+      out_a[name], out_s[name] = first(pairs, 0), first(pairs, 1)
   return out_a, out_s

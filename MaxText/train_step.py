@@ -10,7 +10,7 @@ import optax
 
 from MaxText import optimizers, sharding
 from MaxText.input_pipeline import Batch
-from MaxText.layers.moe import ROUTING_STATS
+from MaxText.layers.moe import ROUTING_STATS, update_correction_biases
 from MaxText.models import ModelSpec, token_loss_sums
 from MaxText.train_state import StateSetup, TrainState
 
@@ -111,6 +111,10 @@ def make_train_step(setup: StateSetup, config) -> Callable[[TrainState, Batch, j
     old_opt_state = opt_state
     updates, opt_state = setup.optimizer.update(grads, opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    if config.model.moe_score_correction_bias:  # set from the expert load, not by the optimizer (before the
+      # non-finite check, which then keeps the old bias too)
+      load_NE = sums["moe_load"] / config.optim.gradient_accumulation_steps if "moe_load" in sums else None
+      params = update_correction_biases(params, state.params, load_NE, config.model.moe_bias_update_rate)
     grad_norm = optax.tree.norm(grads)
     if skip_nonfinite:
       # A non-finite step keeps the old parameters and optimizer state (whose own count drives the

@@ -46,6 +46,9 @@ def build_hf_model(family: str, seed: int = 0) -> Any:
       noise = torch.randn(param.shape, generator=generator)
       # Vectors (norm gains, biases) move off their 1/0 init; matrices get O(1/sqrt(64)) entries.
       param.copy_(param + 0.1 * noise if param.ndim == 1 else 0.15 * noise)
+    for name, buffer in model.named_buffers():  # DeepSeek-V3's routing bias is a buffer, zero at init
+      if name.endswith("e_score_correction_bias"):
+        buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
   return model
 
 

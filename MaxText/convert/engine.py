@@ -23,10 +23,21 @@ from MaxText.errors import ConfigError, UserError
 
 
 def _layer_key(cfg: ModelConfig, layer: int | None) -> tuple[tuple[str, ...], tuple[int, ...]]:
-  """Where layer `layer`'s parameters live: ('layers',) with a leading index when scanned."""
+  """Where layer `layer`'s parameters live: ('layers',) with a leading index when scanned; the
+  first first_dense_layers layers in the `dense_layers` stack."""
   if layer is None:
     return (), ()
-  return (("layers",), (layer,)) if cfg.scan_layers else ((f"layers_{layer}",), ())
+  stack = "dense_layers" if layer < cfg.first_dense_layers else "layers"
+  if stack == "layers":
+    layer -= cfg.first_dense_layers
+  return ((stack,), (layer,)) if cfg.scan_layers else ((f"{stack}_{layer}",), ())
+
+
+def _applies(cfg: ModelConfig, m: TensorMap, layer: int | None) -> bool:
+  """Whether a table entry applies to layer `layer` (entries limited to one stack: TensorMap.stack)."""
+  if m.stack is None or layer is None:
+    return True
+  return (m.stack == "dense_layers") == (layer < cfg.first_dense_layers)
 
 
 def flat_abstract(abstract_params: Any) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
@@ -110,6 +121,9 @@ def stage_hf_tensors(tensors: Iterable[tuple[str, np.ndarray]], family: families
     tensor_map, layer, expert = found
     if layer is not None and layer >= cfg.num_decoder_layers:
       raise ConfigError(f"HF tensor {name} is for layer {layer}, but the model has {cfg.num_decoder_layers} layers")
+    if not _applies(cfg, tensor_map, layer):
+      raise ConfigError(f"HF tensor {name} belongs to the {tensor_map.stack} stack, but layer {layer} is not in it "
+                        f"(first_dense_layers={cfg.first_dense_layers})")
     prefix, index = _layer_key(cfg, layer)
     index = index + ((expert,) if expert is not None else ())
     for path, value in zip(tensor_map.ours, tensor_map.to_ours(array, cfg)):
@@ -135,7 +149,7 @@ def hf_tensors_from_params(read_leaf: Callable[[tuple[str, ...]], np.ndarray], f
   parameters through `read_leaf(path)` when first needed and dropping each after its last use,
   so at most the leaves of one HF tensor (a whole layer stack when scanned) are held."""
   steps = [(m, layer) for m in family.tensors(cfg) if m.write
-           for layer in (range(cfg.num_decoder_layers) if m.per_layer else [None])]
+           for layer in (range(cfg.num_decoder_layers) if m.per_layer else [None]) if _applies(cfg, m, layer)]
   last_use = {_leaf_path(cfg, p, layer)[0]: i for i, (m, layer) in enumerate(steps) for p in m.ours}
   cache: dict[tuple[str, ...], np.ndarray] = {}
   for i, (m, layer) in enumerate(steps):

@@ -5,7 +5,8 @@ GPT-2's c_attn feeds three of our kernels). Names may hold "{i}" (layer index) a
 (expert index): our paths are then relative to one layer (and, with "{e}", index the
 leading expert dimension of our tensor), so the same table serves scanned and unrolled
 stacks. Converting HF → ours streams tensor by tensor through the table; ours → HF walks
-the table. `write=False` marks an alternative HF form that is read but never written.
+the table. `write=False` marks an alternative HF form that is read but never written; `stack`
+limits an entry to the dense prefix or the layers after it (first_dense_layers).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class TensorMap:
   to_ours: Callable[[Array, ModelConfig], tuple[Array, ...]]
   to_hf: Callable[[tuple[Array, ...], ModelConfig], Array]
   write: bool = True
+  # A per-layer entry for one layer stack only ("dense_layers": the first_dense_layers prefix,
+  # "layers": the layers after it); None: every layer.
+  stack: str | None = None
 
   @property
   def per_layer(self) -> bool:

@@ -18,6 +18,7 @@ from MaxText.errors import ConfigError
 from MaxText.layers.attention import Attention
 from MaxText.layers.kv_cache import KVCache
 from MaxText.layers.linears import dropout
+from MaxText.layers.mla import MultiHeadLatentAttention
 from MaxText.layers.mlp import MlpBlock
 from MaxText.layers.moe import MoeBlock
 from MaxText.layers.normalizations import make_norm
@@ -58,7 +59,12 @@ def feed_forward_block(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
   return MoeBlock(cfg, rngs=rngs) if cfg.num_experts > 1 else MlpBlock(cfg, rngs=rngs)
 
 
-@register_layer("decoder")  # Llama, Mistral, Mixtral and Qwen3-MoE (MoE from num_experts > 1), Qwen3, Gemma, GPT-3
+def attention_block(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+  """The one place a decoder layer's attention is chosen: attention_type gqa or mla."""
+  return MultiHeadLatentAttention(cfg, rngs=rngs) if cfg.attention_type == "mla" else Attention(cfg, rngs=rngs)
+
+
+@register_layer("decoder")  # Llama, Mistral, Mixtral, Qwen3-MoE and DeepSeek (MoE from num_experts > 1, MLA from attention_type), Qwen3, Gemma, GPT-3
 class DecoderLayer(nnx.Module):
   """Pre-norm block: h = x + Attn(norm(x)), then h + MLP(norm(h)).
 
@@ -71,7 +77,7 @@ class DecoderLayer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.pre_self_attention_layer_norm = make_norm(cfg)
-    self.self_attention = Attention(cfg, rngs=rngs)
+    self.self_attention = attention_block(cfg, rngs)
     self.post_self_attention_layer_norm = make_norm(cfg)  # the norm in front of the MLP
     self.mlp = feed_forward_block(cfg, rngs)
     if self.normalize_block_outputs:

@@ -32,7 +32,7 @@ class Embed(nnx.Module):
     return jnp.einsum("bld,vd->blv", x_BLD.astype(dtype), self.embedding[...].astype(dtype))
 
 
-def rope_inverse_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+def rope_inverse_frequencies(cfg: ModelConfig, local: bool = False, dim: int = 0) -> np.ndarray:
   """[H/2] float32 angular frequency of each rotated pair: 1 / (min * (max/min)**(2i/H)).
 
   `local`: for a local (sliding-window) layer, which with rope_local_max_timescale > 0 uses that
@@ -42,8 +42,10 @@ def rope_inverse_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarra
   wavelengths above original_max / low_freq_factor are divided by `factor` in frequency,
   those below original_max / high_freq_factor are kept, and those between are blended
   linearly in original_max / wavelength.
+
+  `dim`: the rotated width when it is not head_dim (MLA rotates qk_rope_head_dim features).
   """
-  head_dim = cfg.head_dim
+  head_dim = dim or cfg.head_dim
   local = local and cfg.rope_local_max_timescale > 0
   max_timescale = cfg.rope_local_max_timescale if local else cfg.rope_max_timescale
   fraction = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
@@ -54,7 +56,7 @@ def rope_inverse_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarra
   if cfg.rope_type == "linear":
     return (inv_freq / np.float32(cfg.rope_scaling_factor)).astype(np.float32)
   if cfg.rope_type == "yarn":
-    return _yarn_frequencies(cfg, inv_freq, max_timescale)
+    return _yarn_frequencies(cfg, inv_freq, max_timescale, head_dim)
   factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
   original = cfg.rope_original_max_position
   wavelength = 2 * np.pi / inv_freq
@@ -65,12 +67,12 @@ def rope_inverse_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarra
   return scaled.astype(np.float32)
 
 
-def _yarn_frequencies(cfg: ModelConfig, inv_freq: np.ndarray, base: float) -> np.ndarray:
+def _yarn_frequencies(cfg: ModelConfig, inv_freq: np.ndarray, base: float, head_dim: int) -> np.ndarray:
   """YaRN (Peng et al. 2023): dimension d makes original_max / wavelength_d turns over the
   pre-training context. Dimensions making more than beta_fast turns keep their frequency, those
   making fewer than beta_slow are divided by `factor`, and a linear ramp over the dimension index
   blends the two in between (its bounds rounded outwards unless rope_yarn_truncate is False)."""
-  head_dim, original = cfg.head_dim, cfg.rope_original_max_position
+  original = cfg.rope_original_max_position
 
   def dimension_at(turns: float) -> float:  # the (fractional) dimension making `turns` turns
     return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
@@ -94,6 +96,14 @@ def rope_attention_scale(cfg: ModelConfig, local: bool = False) -> float:
   if cfg.rope_attention_factor > 0:
     return cfg.rope_attention_factor
   return 0.1 * math.log(cfg.rope_scaling_factor) + 1.0 if cfg.rope_scaling_factor > 1 else 1.0
+
+
+def rope_softmax_scale(cfg: ModelConfig) -> float:
+  """DeepSeek's YaRN correction of the softmax scale: (0.1 · rope_yarn_mscale_all_dim · ln(factor) + 1)²
+  (1 when the key is 0 or the factor <= 1)."""
+  if cfg.rope_type != "yarn" or cfg.rope_yarn_mscale_all_dim <= 0 or cfg.rope_scaling_factor <= 1:
+    return 1.0
+  return (0.1 * cfg.rope_yarn_mscale_all_dim * math.log(cfg.rope_scaling_factor) + 1.0) ** 2
 
 
 def apply_rope(x_BLNH: jax.Array, positions_BL: jax.Array, inv_freq_h: np.ndarray | jax.Array,

@@ -105,17 +105,38 @@ def cached_attention(q_BLNH: jax.Array, cache: KVCache, positions_BL: jax.Array,
   return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS, soft_cap)
 
 
-def model_caches(cfg: ModelConfig, batch: int, length: int, quantized: bool = False) -> Any:
-  """Empty caches for every layer: one KVCache stacked over layers (scan_layers) or a list."""
-  one = empty_cache(batch, length, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype), quantized)
+def layer_cache(cfg: ModelConfig, batch: int, length: int, quantized: bool = False) -> KVCache:
+  """One layer's empty cache. attention_type=mla caches its compressed form instead of keys and
+  values (layers/mla.py): key_BSKH holds the latents [B, S, 1, kv_lora_rank], value_BSKH the
+  rotated rope keys [B, S, 1, qk_rope_head_dim]."""
+  if cfg.attention_type != "mla":
+    return empty_cache(batch, length, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype), quantized)
+  latent = empty_cache(batch, length, 1, cfg.kv_lora_rank, jnp.dtype(cfg.dtype), quantized)
+  rope = empty_cache(batch, length, 1, cfg.qk_rope_head_dim, jnp.dtype(cfg.dtype), quantized)
+  return KVCache(latent.key_BSKH, rope.key_BSKH, latent.key_scale_BSK1, rope.key_scale_BSK1)
+
+
+def _stack_caches(cfg: ModelConfig, one: Any, count: int) -> Any:
   if cfg.scan_layers:
-    return jax.tree.map(lambda x: jnp.broadcast_to(x, (cfg.num_decoder_layers, *x.shape)), one)
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (count, *x.shape)), one)
   # A list, not a tuple: logical-name trees treat tuples as leaves.
-  return [one for _ in range(cfg.num_decoder_layers)]
+  return [one for _ in range(count)]
+
+
+def model_caches(cfg: ModelConfig, batch: int, length: int, quantized: bool = False) -> Any:
+  """Empty caches for every layer: one KVCache stacked over layers (scan_layers) or a list; with
+  first_dense_layers, {"dense_layers": those of the prefix, "layers": the rest's}."""
+  one = layer_cache(cfg, batch, length, quantized)
+  if cfg.first_dense_layers == 0:
+    return _stack_caches(cfg, one, cfg.num_decoder_layers)
+  return {"dense_layers": _stack_caches(cfg, one, cfg.first_dense_layers),
+          "layers": _stack_caches(cfg, one, cfg.num_moe_stack_layers)}
 
 
 def model_cache_names(cfg: ModelConfig, quantized: bool = False) -> Any:
   """Logical axis names matching `model_caches`."""
-  one = empty_cache(1, 1, 1, 1, jnp.float32, quantized)
-  names = cache_logical_names(one, stacked=cfg.scan_layers)
-  return names if cfg.scan_layers else [names for _ in range(cfg.num_decoder_layers)]
+  names = cache_logical_names(empty_cache(1, 1, 1, 1, jnp.float32, quantized), stacked=cfg.scan_layers)
+  if cfg.first_dense_layers == 0:
+    return names if cfg.scan_layers else [names for _ in range(cfg.num_decoder_layers)]
+  return {"dense_layers": names if cfg.scan_layers else [names for _ in range(cfg.first_dense_layers)],
+          "layers": names if cfg.scan_layers else [names for _ in range(cfg.num_moe_stack_layers)]}

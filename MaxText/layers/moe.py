@@ -6,7 +6,9 @@ A = k·L routed assignments per sequence, C expert capacity (slots per expert pe
 Routing. Router logits x·W_gate are computed in the activation dtype, the softmax
 over all E experts in float32; each token keeps its k most probable experts and
 their probabilities renormalised to sum to one (the Mixtral / HF rule). The
-token's output is the weighted sum of those experts' gated MLPs.
+token's output is the weighted sum of those experts' gated MLPs. DeepSeek's variants
+(`route`): sigmoid scores, a correction bias that steers only the choice, the choice
+limited to the best expert groups, and a routed scaling factor on the weights.
 
 Capacity and dropping. Routing happens per sequence (one batch row is one routing
 group, so routing never crosses batch shards). Each expert has
@@ -110,15 +112,63 @@ def expert_capacity(cfg: ModelConfig, length: int) -> int:
   return max(1, min(length, math.ceil(cfg.capacity_factor * even_share)))
 
 
-def route(logits_BLE: jax.Array, top_k: int, renormalise: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(router probabilities [B, L, E], chosen experts [B, L, k], their weights [B, L, k]: the
-  chosen probabilities, renormalised to sum to one unless `renormalise` is False)."""
-  probs_BLE = jax.nn.softmax(logits_BLE.astype(jnp.float32), axis=-1)
-  top_probs_BLk, experts_BLk = jax.lax.top_k(probs_BLE, top_k)
-  if not renormalise:
-    return probs_BLE, experts_BLk, top_probs_BLk
-  weights_BLk = top_probs_BLk / jnp.sum(top_probs_BLk, axis=-1, keepdims=True)
+def route(logits_BLE: jax.Array, top_k: int, renormalise: bool = True, *, score_function: str = "softmax",
+          bias_E: jax.Array | None = None, num_groups: int = 1, topk_groups: int = 1, group_score: str = "max",
+          scaling: float = 1.0) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(router probabilities [B, L, E], chosen experts [B, L, k], their weights [B, L, k]).
+
+  Scores are the softmax over the experts or each expert's sigmoid (`score_function`). The
+  experts are chosen by score + `bias_E` (DeepSeek-V3's correction bias: it steers the choice
+  only), among the best `topk_groups` of `num_groups` equal expert groups (a group scores its best
+  expert, or its best two summed with `group_score`=top2_sum). The weights are the chosen
+  scores, renormalised to sum to one unless `renormalise` is False, times `scaling`. The returned
+  probabilities are the scores normalised over the experts (for the balancing loss and entropy).
+  """
+  logits_BLE = logits_BLE.astype(jnp.float32)
+  if score_function == "sigmoid":
+    scores_BLE = jax.nn.sigmoid(logits_BLE)
+    probs_BLE = scores_BLE / jnp.sum(scores_BLE, axis=-1, keepdims=True)
+  else:
+    scores_BLE = probs_BLE = jax.nn.softmax(logits_BLE, axis=-1)
+  choice_BLE = scores_BLE if bias_E is None else scores_BLE + bias_E.astype(jnp.float32)[None, None, :]
+  if topk_groups < num_groups:
+    batch, length, num_experts = choice_BLE.shape
+    grouped_BLGe = choice_BLE.reshape(batch, length, num_groups, num_experts // num_groups)
+    group_BLG = (jnp.max(grouped_BLGe, axis=-1) if group_score == "max"
+                 else jnp.sum(jax.lax.top_k(grouped_BLGe, 2)[0], axis=-1))
+    best_BLg = jax.lax.top_k(group_BLG, topk_groups)[1]
+    keep_BLG = jnp.any(best_BLg[..., None] == jnp.arange(num_groups)[None, None, None, :], axis=-2)
+    keep_BLE = jnp.repeat(keep_BLG, num_experts // num_groups, axis=-1)
+    choice_BLE = jnp.where(keep_BLE, choice_BLE, -jnp.inf)
+  experts_BLk = jax.lax.top_k(choice_BLE, top_k)[1]
+  weights_BLk = jnp.take_along_axis(scores_BLE, experts_BLk, axis=-1)
+  if renormalise:
+    weights_BLk = weights_BLk / jnp.sum(weights_BLk, axis=-1, keepdims=True)
+  if scaling != 1.0:
+    weights_BLk = weights_BLk * scaling
   return probs_BLE, experts_BLk, weights_BLk
+
+
+CORRECTION_BIAS = "score_correction_bias"
+
+
+def update_correction_biases(new_params: Any, old_params: Any, load_NE: jax.Array | None, rate: float) -> Any:
+  """`new_params` with every MoE layer's correction bias set to its value in `old_params` plus
+  rate · sign(mean load - the expert's load) (DeepSeek-V3's aux-loss-free balancing: underloaded
+  experts become likelier choices). The optimizer's own change to the bias (weight decay; its
+  gradient is zero) is discarded. `load_NE`: the routed fraction per expert of each MoE layer
+  ([layers, E], `moe_load`), in the order of the `layers` stack; unused when `rate` is 0."""
+  def update(path: tuple, new: jax.Array, old: jax.Array) -> jax.Array:
+    keys = [str(getattr(k, "key", k)) for k in path]
+    if keys[-1] != CORRECTION_BIAS:
+      return new
+    if rate == 0 or load_NE is None:
+      return old
+    stack = keys[0]
+    load = load_NE if stack == "layers" else load_NE[int(stack.rpartition("_")[2])]
+    step = jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+    return (old.astype(jnp.float32) + rate * step).astype(old.dtype)
+  return jax.tree_util.tree_map_with_path(update, new_params, old_params)
 
 
 def routed_fraction(experts_BLk: jax.Array, num_experts: int) -> jax.Array:
@@ -238,6 +288,8 @@ class MoeBlock(nnx.Module):
     self.wo = ExpertKernel(e, f, d, ("exp", "mlp", "embed"), weight_dtype=weight_dtype, rngs=rngs)
     if cfg.shared_experts > 0:
       self.shared_mlp = MlpBlock(cfg, rngs=rngs, mlp_dim=cfg.shared_experts * f)
+    if cfg.moe_score_correction_bias:  # moves only by moe_bias_update_rate (train_step.py), never by gradients
+      self.score_correction_bias = nnx.Param(jnp.zeros((e,), weight_dtype), out_sharding=(None,))
     self.cfg, self.dtype = cfg, dtype
 
   def _kernels(self) -> tuple[jax.Array, ...]:
@@ -332,7 +384,11 @@ class MoeBlock(nnx.Module):
     top_k, num_experts, length = cfg.num_experts_per_tok, cfg.num_experts, x_BLD.shape[1]
     x_BLD = x_BLD.astype(self.dtype)
     logits_BLE = self.gate(x_BLD)
-    probs_BLE, experts_BLk, weights_BLk = route(logits_BLE, top_k, cfg.norm_topk_prob)
+    bias_E = (jax.lax.stop_gradient(self.score_correction_bias[...]) if cfg.moe_score_correction_bias else None)
+    probs_BLE, experts_BLk, weights_BLk = route(
+        logits_BLE, top_k, cfg.norm_topk_prob, score_function=cfg.moe_score_function, bias_E=bias_E,
+        num_groups=cfg.moe_num_groups, topk_groups=cfg.moe_topk_groups, group_score=cfg.moe_group_score,
+        scaling=cfg.routed_scaling_factor)
     routed_BLD = x_BLD
     if cfg.moe_router_scales_input:  # top-1 (config): the weight moves onto the expert's input
       routed_BLD, weights_BLk = scale_routed_input(x_BLD, logits_BLE, experts_BLk)

@@ -44,7 +44,8 @@ CASES = [pytest.param("llama3.1", True, marks=pytest.mark.slow), pytest.param("l
          pytest.param("gemma", False, marks=pytest.mark.slow), ("gemma2", True), ("gpt3", False), ("mixtral", True),
          ("gemma3", False), ("qwen3_moe", True), pytest.param("qwen3", False, marks=pytest.mark.slow),
          pytest.param("qwen3-yarn", True, marks=pytest.mark.slow),
-         ("llama4", True), pytest.param("llama4", False, marks=pytest.mark.slow)]
+         ("llama4", True), pytest.param("llama4", False, marks=pytest.mark.slow),
+         ("deepseek3", True), ("deepseek2-lite", False)]
 
 
 @pytest.mark.parametrize("family,scan_layers", CASES)

@@ -1,0 +1,126 @@
+"""Multi-head latent attention (MLA; DeepSeek-V2/V3), selected by attention_type=mla.
+
+Shape legend (extends layers/__init__.py): Q q_lora_rank, R kv_lora_rank, P qk_rope_head_dim,
+C qk_nope_head_dim, V v_head_dim; each query/key head is [C + P] wide (head_dim), each value head V.
+
+  queries: x·W_q (q_lora_rank = 0), or x·W_qa → RMSNorm → ·W_qb (the low-rank form);
+           each head splits into a no-position part [C] and a rotated part [P].
+  keys/values: x·W_kva = [latent (R) | shared rope key (P)]; the latent is RMSNorm'd and
+           expanded per head by W_kvb into the no-position key [C] and the value [V]; the rope
+           key is rotated once and shared by every head.
+  scores: (q_nope·k_nope + q_rope·k_rope) · head_dim**-0.5, times DeepSeek's YaRN correction
+           (embeddings.rope_softmax_scale).
+
+Training runs the core attention through the ATTENTION_KERNELS of attention.py (the value heads
+are zero-padded to head_dim for the fused kernels, which take one head width; dot_product takes
+them as they are). Decoding caches only the normalised latent and the rotated rope key per token
+(R + P numbers instead of N·(head_dim + V)) and attends in the absorbed form: W_kvb's key half is
+folded into the queries and its value half applied after the attention, so the cache is never
+expanded per head.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from MaxText import sharding
+from MaxText.layers import kv_cache, masks
+from MaxText.layers.attention import ATTENTION_KERNELS, layer_window_size, select_kernel
+from MaxText.layers.embeddings import apply_rope, rope_attention_scale, rope_inverse_frequencies, rope_softmax_scale
+from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.normalizations import RMSNorm
+from MaxText.model_config import ModelConfig
+
+_HEADS = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
+
+
+class MultiHeadLatentAttention(nnx.Module):
+  """Same call as attention.Attention: x [B, L, D] → [B, L, D]; with a decode cache, (output, cache)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, n = cfg.emb_dim, cfg.num_query_heads
+    qk, rope, v = cfg.head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    dense = functools.partial(DenseGeneral, dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype),
+                              rngs=rngs)
+    norm = functools.partial(RMSNorm, epsilon=cfg.normalization_layer_epsilon, dtype=jnp.dtype(cfg.dtype),
+                             weight_dtype=jnp.dtype(cfg.weight_dtype))
+    # A rank is replicated where it is the output (the input is the fsdp-sharded model width) and
+    # named "embed" where it is the input, so the up-projections are fsdp-sharded like the rest.
+    if cfg.q_lora_rank > 0:
+      self.wq_a = dense((d,), (cfg.q_lora_rank,), ("embed", None), tag="query_proj")
+      self.q_norm = norm(cfg.q_lora_rank)
+      self.wq_b = dense((cfg.q_lora_rank,), (n, qk), ("embed", "heads", "kv"), tag="query_proj")
+    else:
+      self.query = dense((d,), (n, qk), ("embed", "heads", "kv"), tag="query_proj")
+    self.wkv_a = dense((d,), (cfg.kv_lora_rank + rope,), ("embed", None), tag="key_proj")
+    self.kv_norm = norm(cfg.kv_lora_rank)
+    self.wkv_b = dense((cfg.kv_lora_rank,), (n, cfg.qk_nope_head_dim + v), ("embed", "heads", "kv"),
+                       tag="value_proj")
+    self.out = dense((n, v), (d,), ("heads", "kv", "embed"), tag="out_proj")
+    self.cfg = cfg
+    self.kernel_name = select_kernel(cfg.attention)
+    self.kernel = ATTENTION_KERNELS[self.kernel_name](cfg)
+    self.query_scale = qk ** -0.5 * rope_softmax_scale(cfg)
+
+  def _rope(self, x_BLNP: jax.Array, positions_BL: jax.Array) -> jax.Array:
+    cfg = self.cfg
+    return apply_rope(x_BLNP, positions_BL, rope_inverse_frequencies(cfg, dim=cfg.qk_rope_head_dim),
+                      cfg.rope_interleaved, rope_attention_scale(cfg))
+
+  def _queries(self, x_BLD: jax.Array, positions_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(no-position part [B, L, N, C], rotated part [B, L, N, P]), both already scaled."""
+    cfg = self.cfg
+    q_BLNH = self.query(x_BLD) if cfg.q_lora_rank <= 0 else self.wq_b(self.q_norm(self.wq_a(x_BLD)))
+    q_BLNH = sharding.constrain(q_BLNH * jnp.asarray(self.query_scale, q_BLNH.dtype), _HEADS)
+    nope = cfg.qk_nope_head_dim
+    return q_BLNH[..., :nope], self._rope(q_BLNH[..., nope:], positions_BL)
+
+  def _latent(self, x_BLD: jax.Array, positions_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(normalised latent [B, L, R], rotated shared rope key [B, L, 1, P]): what decoding caches."""
+    kv_BLr = self.wkv_a(x_BLD)
+    rank = self.cfg.kv_lora_rank
+    return self.kv_norm(kv_BLr[..., :rank]), self._rope(kv_BLr[:, :, None, rank:], positions_BL)
+
+  def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
+               layer_index: int | jax.Array = 0, cache: kv_cache.KVCache | None = None
+               ) -> jax.Array | tuple[jax.Array, kv_cache.KVCache]:
+    cfg = self.cfg
+    q_nope_BLNC, q_rope_BLNP = self._queries(x_BLD, positions_BL)
+    latent_BLR, k_rope_BL1P = self._latent(x_BLD, positions_BL)
+    if cache is not None:
+      return self._decode(q_nope_BLNC, q_rope_BLNP, latent_BLR, k_rope_BL1P, positions_BL, layer_index, cache)
+    kv_BLNX = self.wkv_b(latent_BLR)
+    k_nope_BLNC, v_BLNV = kv_BLNX[..., :cfg.qk_nope_head_dim], kv_BLNX[..., cfg.qk_nope_head_dim:]
+    k_BLNH = jnp.concatenate([k_nope_BLNC, jnp.broadcast_to(k_rope_BL1P, q_rope_BLNP.shape).astype(k_nope_BLNC.dtype)],
+                             axis=-1)
+    q_BLNH = jnp.concatenate([q_nope_BLNC, q_rope_BLNP.astype(q_nope_BLNC.dtype)], axis=-1)
+    k_BLNH, v_BLNV = sharding.constrain(k_BLNH, _HEADS), sharding.constrain(v_BLNV, _HEADS)
+    width = v_BLNV.shape[-1]
+    if self.kernel_name != "dot_product" and width != q_BLNH.shape[-1]:  # fused kernels: one head width
+      v_BLNV = jnp.pad(v_BLNV, ((0, 0), (0, 0), (0, 0), (0, q_BLNH.shape[-1] - width)))
+    out_BLNV = self.kernel(q_BLNH, k_BLNH, v_BLNV, segment_ids_BL, layer_window_size(cfg, layer_index),
+                           cfg.attn_logits_soft_cap)[..., :width]
+    return self.out(sharding.constrain(out_BLNV, _HEADS))
+
+  def _decode(self, q_nope_BLNC: jax.Array, q_rope_BLNP: jax.Array, latent_BLR: jax.Array, k_rope_BL1P: jax.Array,
+              positions_BL: jax.Array, layer_index: int | jax.Array, cache: kv_cache.KVCache
+              ) -> tuple[jax.Array, kv_cache.KVCache]:
+    """Absorbed attention over the compressed cache (key_BSKH: latents [B, S, 1, R], value_BSKH:
+    rotated rope keys [B, S, 1, P])."""
+    cfg = self.cfg
+    cache = kv_cache.write(cache, latent_BLR[:, :, None, :], k_rope_BL1P, positions_BL)
+    latent_BS1R, k_rope_BS1P = cache.read(q_nope_BLNC.dtype)
+    w_kvb_RNX = self.wkv_b.kernel[...].astype(q_nope_BLNC.dtype)
+    w_k_RNC, w_v_RNV = w_kvb_RNX[..., :cfg.qk_nope_head_dim], w_kvb_RNX[..., cfg.qk_nope_head_dim:]
+    # q_nope·(latent·W_k) = (q_nope·W_kᵀ)·latent: one [R]-wide query per head against the shared latent.
+    q_latent_BLNR = jnp.einsum("blnc,rnc->blnr", q_nope_BLNC, w_k_RNC)
+    q_BLNX = jnp.concatenate([q_latent_BLNR, q_rope_BLNP.astype(q_latent_BLNR.dtype)], axis=-1)
+    k_BS1X = jnp.concatenate([latent_BS1R, k_rope_BS1P], axis=-1)
+    mask_BLS = masks.cache_mask(positions_BL, k_BS1X.shape[1], layer_window_size(cfg, layer_index))
+    out_latent_BLNR = masks.dense_attention(q_BLNX, k_BS1X, latent_BS1R, mask_BLS, cfg.attn_logits_soft_cap)
+    out_BLNV = jnp.einsum("blnr,rnv->blnv", out_latent_BLNR, w_v_RNV)
+    return self.out(sharding.constrain(out_BLNV, _HEADS)), cache
