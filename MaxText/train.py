@@ -127,12 +127,13 @@ def add_hooks(trainer: Trainer, run: run_assembly.Run, checkpoints: checkpointin
                                 resume_step=start_step) if is_primary else None
   if lease is not None:
     trainer.add_hook(LeaseHook(lease), every=1)
+  # Before the logging hook: its on_end closes the metric writer, which goodput's on_end still uses.
+  health.add_health_hooks(trainer, settings, writer, is_primary, jax.process_count(), PROCESS_STARTED, start_step)
   trainer.add_hook(LoggingHook(writer, is_primary), every=settings.log_period)
   model = config.model
   if model.num_experts > 1 and is_primary:
     trainer.add_hook(RouterHealthHook(settings.router_collapse_fraction, settings.router_collapse_logs,
                                       model.num_experts_per_tok / model.num_experts), every=settings.log_period)
-  health.add_health_hooks(trainer, settings, writer, is_primary, jax.process_count(), PROCESS_STARTED, start_step)
   if settings.eval_interval > 0:
     trainer.add_hook(EvalHook(run.eval_step, run.eval_iterator(), config.data.eval_steps, writer, is_primary),
                      every=settings.eval_interval, needs_state=True)
