@@ -1,0 +1,150 @@
+"""GPT-OSS's layer features beyond the HF comparison of test_families_vs_hf.py: attention sinks
+against their formula and in the cached path, the kernels that refuse them, the MoE biases and
+clamped SwiGLU on every dispatch and grouped-matmul path, and the converter's refusal of the
+MXFP4-quantised checkpoints."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from MaxText import families, sharding
+from MaxText.errors import ConfigError
+from MaxText.layers import grouped_matmul, kv_cache, masks, moe
+from MaxText.layers.attention import dot_product_attention, select_kernel
+from MaxText.layers.mlp import clamped_plus_one, clamped_swish
+
+from layers.test_moe import D, TOP_K, _apply, tiny_mixtral
+from layers.test_moe_dispatch import DROPLESS_GROUPED, DROPPING, MESHES, _assert_same_training, _two_steps
+
+# GPT-OSS's features on test_moe's tiny model: biases (attention, router, experts), the clamped
+# SwiGLU with a limit the activations reach, and sinks (without them a key bias shifts every score
+# of a row alike, so its gradient is rounding noise that the optimiser would amplify).
+GPT_OSS_MOE = dict(use_bias=True, mlp_activations=["clamped_swish", "clamped_plus_one"], swiglu_limit=1.0,
+                   swiglu_alpha=1.702, attention_sinks=True)
+
+
+def test_sinks_join_the_softmax_denominator_only():
+  rng = np.random.default_rng(0)
+  b, length, n, k, h = 2, 5, 4, 2, 8
+  q, kk, v = (rng.normal(size=(b, length, heads, h)).astype(np.float32) for heads in (n, k, k))
+  sinks = rng.normal(size=(n,)).astype(np.float32) * 2
+  segments = np.ones((b, length), np.int32)
+  got = np.asarray(dot_product_attention(jnp.asarray(q), jnp.asarray(kk), jnp.asarray(v), jnp.asarray(segments),
+                                         window_size=3, sinks_N=jnp.asarray(sinks)))
+  want = np.zeros_like(q)
+  for bi in range(b):
+    for t in range(length):
+      keys = [s for s in range(length) if 0 <= t - s < 3]
+      for head in range(n):
+        kv = head // (n // k)
+        scores = np.array([q[bi, t, head] @ kk[bi, s, kv] for s in keys])
+        weights = np.exp(scores) / (np.exp(scores).sum() + np.exp(sinks[head]))
+        want[bi, t, head] = weights @ v[bi, keys, kv]
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  # The cached path gives the same rows for the same keys (a cache filled to the prompt length).
+  with sharding.unsharded():
+    cache = kv_cache.write(kv_cache.empty_cache(b, 8, k, h, jnp.float32), jnp.asarray(kk), jnp.asarray(v),
+                           jnp.broadcast_to(jnp.arange(length), (b, length)))
+    cached = kv_cache.cached_attention(jnp.asarray(q), cache, jnp.broadcast_to(jnp.arange(length), (b, length)), 3,
+                                       sinks_N=jnp.asarray(sinks))
+  np.testing.assert_allclose(np.asarray(cached), want, rtol=1e-5, atol=1e-6)
+  # A sink far below every score is no sink.
+  plain = masks.dense_attention(jnp.asarray(q), jnp.asarray(kk), jnp.asarray(v), masks.self_mask(jnp.asarray(segments)))
+  off = masks.dense_attention(jnp.asarray(q), jnp.asarray(kk), jnp.asarray(v), masks.self_mask(jnp.asarray(segments)),
+                              sinks_N=jnp.full((n,), -1e4))
+  np.testing.assert_allclose(np.asarray(off), np.asarray(plain), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("attention", ["flash", "cudnn_flash"])
+def test_fused_kernels_refuse_sinks(attention):
+  with pytest.raises(ConfigError) as info:
+    tiny_mixtral(attention_sinks=True, attention=attention)
+  assert "attention_sinks=True needs attention=dot_product or autoselected" in str(info.value)
+  assert "\n" not in str(info.value)
+
+
+def test_autoselected_picks_dot_product_with_sinks():
+  long_ = tiny_mixtral(attention_sinks=True, max_target_length=1024).model
+  for platform in ("cpu", "gpu", "tpu"):
+    assert select_kernel("autoselected", platform, long_) == "dot_product"
+
+
+def test_clamped_swiglu_pieces():
+  x = jnp.asarray([-3.0, -0.5, 0.0, 0.5, 3.0])
+  np.testing.assert_allclose(clamped_swish(x, 1.0, 1.702),
+                             np.minimum(x, 1.0) / (1 + np.exp(-1.702 * np.minimum(x, 1.0))), rtol=1e-6)
+  np.testing.assert_allclose(clamped_plus_one(x, 1.0), [0.0, 0.5, 1.0, 1.5, 2.0])
+  np.testing.assert_allclose(clamped_plus_one(x, 0.0), np.asarray(x) + 1)  # 0 = no clipping
+
+
+def test_quantised_checkpoint_is_refused_in_one_line():
+  hf = dict(families.reference_hf_configs()["gpt_oss"], quantization_config={"quant_method": "mxfp4"},
+            num_hidden_layers=2)
+  with pytest.raises(ConfigError) as info:
+    families.family_for_hf_config(hf).model_keys(hf)
+  assert "dequantise it first" in str(info.value) and "\n" not in str(info.value)
+
+
+def _moe_block(**overrides) -> moe.MoeBlock:
+  """The GPT-OSS MoE with every bias random (they initialise to zero)."""
+  with nnx.use_eager_sharding(False):
+    block = moe.MoeBlock(tiny_mixtral(**GPT_OSS_MOE, **overrides).model, rngs=nnx.Rngs(params=1))
+  rng = np.random.default_rng(5)
+  for module in (block.gate, block.wi_0, block.wi_1, block.wo):
+    module.bias[...] = jnp.asarray(rng.normal(size=module.bias.shape).astype(np.float32) * 0.5)
+  return block
+
+
+def _reference(block: moe.MoeBlock, x_BLD: np.ndarray) -> np.ndarray:
+  """Token by token, as HF's GptOssExperts computes it: top-k of the biased router logits,
+  softmax over the k, each expert's clamped SwiGLU with biases."""
+  logits = np.asarray(block.gate(jnp.asarray(x_BLD)))
+  wi_0, wi_1, wo = (np.asarray(m.kernel[...]) for m in (block.wi_0, block.wi_1, block.wo))
+  b0, b1, bo = (np.asarray(m.bias[...]) for m in (block.wi_0, block.wi_1, block.wo))
+  out = np.zeros_like(x_BLD)
+  for b in range(x_BLD.shape[0]):
+    for t in range(x_BLD.shape[1]):
+      top = np.argsort(-logits[b, t])[:TOP_K]
+      weights = np.exp(logits[b, t, top] - logits[b, t, top].max())
+      for e, w in zip(top, weights / weights.sum()):
+        gate = np.minimum(x_BLD[b, t] @ wi_0[e] + b0[e], 1.0)
+        up = np.clip(x_BLD[b, t] @ wi_1[e] + b1[e], -1.0, 1.0)
+        out[b, t] += w * ((gate / (1 + np.exp(-1.702 * gate)) * (up + 1)) @ wo[e] + bo[e])
+  return out
+
+
+@pytest.mark.parametrize("path", [dict(capacity_factor=-1.0), dict(capacity_factor=-1.0, sparse_matmul=True)])
+def test_biased_clamped_experts_match_the_token_by_token_reference(path):
+  block = _moe_block(**path)
+  x_BLD = np.random.default_rng(1).normal(size=(2, 8, D)).astype(np.float32)
+  np.testing.assert_allclose(_apply(block, x_BLD), _reference(block, x_BLD), rtol=1e-5, atol=1e-5)
+
+
+def test_megablox_adds_the_same_biases(monkeypatch):
+  block = _moe_block(capacity_factor=-1.0, sparse_matmul=True)
+  x_BLD = np.random.default_rng(1).normal(size=(2, 8, D)).astype(np.float32)
+  want = _apply(block, x_BLD)
+  monkeypatch.setattr(grouped_matmul, "select",
+                      lambda name, platform: functools.partial(grouped_matmul.megablox, interpret=True))
+  np.testing.assert_allclose(_apply(block, x_BLD), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh, mode", [
+    ("expert2_fsdp4", DROPLESS_GROUPED),
+    ("expert4_tensor2", DROPPING),
+    pytest.param("expert4_tensor2", DROPLESS_GROUPED, marks=pytest.mark.slow),
+])
+def test_all_to_all_trains_like_gather_with_biases_and_clamp(mesh, mode):
+  """Two steps (the zero-initialised biases move in the first): the same losses, gradients and
+  parameters, biases included; with `tensor` the output bias is added once across hidden shards."""
+  overrides = dict(MESHES[mesh], **mode, **GPT_OSS_MOE)
+  want = _two_steps(**overrides, moe_dispatch="gather")
+  got = _two_steps(**overrides, moe_dispatch="all_to_all")
+  _assert_same_training(got, want)
+  assert np.abs(np.asarray(got[0]["layers"]["mlp"]["wo"]["bias"])).max() > 0
