@@ -40,6 +40,8 @@ PUBLISHED = {
     # Llama 4 Scout: the card's 109B total less the vision encoder and projector (0.87B, counted
     # from the published vision_config): the text model alone.
     "llama4-scout-17b-16e": 108.13e9,
+    # OpenAI's gpt-oss model card (bf16 weights; the checkpoints store the experts in MXFP4).
+    "gpt-oss-20b": 20.9e9, "gpt-oss-120b": 116.8e9,
 }
 # The `default` family has no published size: it follows global_parameter_scale.
 UNPUBLISHED = {"default"}

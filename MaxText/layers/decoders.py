@@ -58,7 +58,7 @@ def feed_forward_block(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
   return MoeBlock(cfg, rngs=rngs) if cfg.num_experts > 1 else MlpBlock(cfg, rngs=rngs)
 
 
-@register_layer("decoder")  # Llama, Mistral, Mixtral and Qwen3-MoE (MoE from num_experts > 1), Qwen3, Gemma, GPT-3
+@register_layer("decoder")  # Llama, Mistral, Mixtral, Qwen3-MoE and GPT-OSS (MoE from num_experts > 1), Qwen3, Gemma, GPT-3
 class DecoderLayer(nnx.Module):
   """Pre-norm block: h = x + Attn(norm(x)), then h + MLP(norm(h)).
 

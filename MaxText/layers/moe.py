@@ -5,8 +5,10 @@ A = k·L routed assignments per sequence, C expert capacity (slots per expert pe
 
 Routing. Router logits x·W_gate are computed in the activation dtype, the softmax
 over all E experts in float32; each token keeps its k most probable experts and
-their probabilities renormalised to sum to one (the Mixtral / HF rule). The
-token's output is the weighted sum of those experts' gated MLPs.
+their probabilities renormalised to sum to one (the Mixtral / HF rule; the same weights as
+GPT-OSS's softmax over the k largest logits). The token's output is the weighted sum of
+those experts' gated MLPs. With use_bias (GPT-OSS) the router and every expert projection
+add a bias (the experts' per expert, [E, out], after each grouped or batched matmul).
 
 Capacity and dropping. Routing happens per sequence (one batch row is one routing
 group, so routing never crosses batch shards). Each expert has
