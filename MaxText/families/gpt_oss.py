@@ -97,13 +97,13 @@ def gpt_oss_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
                                           for i in range(num_layers)]
   window = hf.get("sliding_window")
   pattern = r.attention_pattern([kind == "sliding_attention" and bool(window) for kind in layer_types])
-  keys = {"decoder_block": "gpt_oss", **shape_keys(hf), **rope_keys(hf), "mlp_activations": ACTIVATIONS,
+  keys = {"decoder_block": "gpt_oss", **shape_keys(hf), **rope_keys(hf), "mlp_activations": list(ACTIVATIONS),
           "swiglu_limit": float(hf.get("swiglu_limit", 7.0)), "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)),
           "use_bias": True, "attention_sinks": True, "attention_layer_pattern": pattern,
           "num_experts": int(hf.get("num_local_experts") or hf["num_experts"]),
           "num_experts_per_tok": int(hf["num_experts_per_tok"]), "norm_topk_prob": True,
           "logits_via_embedding": bool(hf.get("tie_word_embeddings", False))}
-  if "local" in pattern:
+  if window and "local" in pattern:
     keys["sliding_window_size"] = int(window)
   return keys
 
