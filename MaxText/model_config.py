@@ -262,9 +262,9 @@ def _check_positions_and_attention(v: Mapping[str, Any]) -> None:
            f"rope_layer_pattern must be a non-empty list of {', '.join(ROPE_LAYER_KINDS)}; got {rope_pattern}")
   _require(v["attn_temperature_floor_scale"] >= 0, "attn_temperature_floor_scale must be >= 0 (0 = off), got "
            f"{v['attn_temperature_floor_scale']}")
-  _require(not v["attention_sinks"] or v["attention"] in ("dot_product", "autoselected"),
-           f"attention_sinks=True needs attention=dot_product or autoselected (the {v['attention']} kernel has no "
-           "sink logit in its softmax)")
+  _require(not v["attention_sinks"] or v["attention"] != "cudnn_flash",
+           "attention_sinks=True needs attention=dot_product, autoselected or flash (cuDNN's kernel has no sink "
+           "logit in its softmax)")
   for key in ("attn_logits_soft_cap", "final_logits_soft_cap", "query_pre_attn_scalar"):
     _require(v[key] >= 0, f"{key} must be >= 0 (0 = off), got {v[key]}")
 

@@ -34,8 +34,8 @@ def dot_product_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Arra
                           window_size: masks.Window = None, soft_cap: float = 0.0, chunk_size: masks.Window = None,
                           positions_BL: jax.Array | None = None, sinks_N: jax.Array | None = None) -> jax.Array:
   """Plain XLA attention with the mask of masks.py; queries must already be scaled. The only
-  kernel with chunked attention (`chunk_size`, cut at `positions_BL`) and attention sinks
-  (`sinks_N`, see masks.dense_attention)."""
+  kernel with chunked attention (`chunk_size`, cut at `positions_BL`). `sinks_N`: attention
+  sinks (masks.dense_attention)."""
   mask_BLL = masks.self_mask(segment_ids_BL, window_size, chunk_size, positions_BL)
   return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLL, soft_cap, sinks_N)
 
@@ -62,7 +62,7 @@ def select_kernel(name: str, platform: str | None = None, cfg: ModelConfig | Non
   cudnn_flash when cuDNN covers the model (no soft cap, half precision, head_dim <= 128) else flash;
   CPU: dot_product up to AUTOSELECT_CPU_FLASH_ABOVE tokens, flash beyond. Without a platform
   `autoselected` stays deferred: the layer resolves it when traced, for the mesh's platform.
-  With attention_sinks every choice is dot_product (the fused kernels have no sink logit)."""
+  With attention_sinks every choice is dot_product (splash and cuDNN have no sink logit)."""
   if name == "autoselected" and cfg is not None and "chunked" in cfg.attention_layer_pattern:
     return "dot_product"  # the one kernel with a chunked mask
   if name == "autoselected" and cfg is not None and cfg.attention_sinks:

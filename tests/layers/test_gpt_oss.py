@@ -15,7 +15,7 @@ from flax import nnx
 
 from MaxText import families, sharding
 from MaxText.errors import ConfigError
-from MaxText.layers import grouped_matmul, kv_cache, masks, moe
+from MaxText.layers import attention_kernels, grouped_matmul, kv_cache, masks, moe
 from MaxText.layers.attention import dot_product_attention, select_kernel
 from MaxText.layers.mlp import clamped_plus_one, clamped_swish
 
@@ -61,12 +61,32 @@ def test_sinks_join_the_softmax_denominator_only():
   np.testing.assert_allclose(np.asarray(off), np.asarray(plain), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("attention", ["flash", "cudnn_flash"])
-def test_fused_kernels_refuse_sinks(attention):
+def test_cudnn_refuses_sinks():
   with pytest.raises(ConfigError) as info:
-    tiny_mixtral(attention_sinks=True, attention=attention)
-  assert "attention_sinks=True needs attention=dot_product or autoselected" in str(info.value)
+    tiny_mixtral(attention_sinks=True, attention="cudnn_flash")
+  assert "attention_sinks=True needs attention=dot_product, autoselected or flash" in str(info.value)
   assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_chunked_flash_sinks_match_dot_product_values_and_gradients(window):
+  """Blocks of 4 over 12 tokens (so the online softmax spans blocks), GQA, packed segments."""
+  rng = np.random.default_rng(0)
+  b, length, n, k, h = 2, 12, 4, 2, 8
+  q, kk, v = (jnp.asarray(rng.normal(size=(b, length, heads, h)).astype(np.float32)) for heads in (n, k, k))
+  sinks = jnp.asarray(rng.normal(size=(n,)).astype(np.float32))
+  segments = jnp.asarray(np.repeat([[1] * 7 + [2] * 5], b, axis=0).astype(np.int32))
+  flash = functools.partial(attention_kernels.flash_attention, block_q=4, block_kv=4)
+
+  def loss(kernel, q, kk, v, sinks):
+    return jnp.sum(jnp.sin(kernel(q, kk, v, segments, window, sinks_N=sinks)))
+
+  want = jax.value_and_grad(functools.partial(loss, dot_product_attention), argnums=(0, 1, 2, 3))(q, kk, v, sinks)
+  got = jax.value_and_grad(functools.partial(loss, flash), argnums=(0, 1, 2, 3))(q, kk, v, sinks)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  for g, w in zip(got[1], want[1]):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+  assert np.abs(np.asarray(want[1][3])).max() > 1e-3  # the sinks really get a gradient
 
 
 def test_autoselected_picks_dot_product_with_sinks():
@@ -161,3 +181,14 @@ def test_shipped_yaml_is_the_published_architecture(name, layers, experts):
   model = Config.for_testing(model_name=name, print_config=False).model
   assert {k: list(v) if isinstance(v, tuple) else v for k, v in vars(model).items() if k in keys} == keys
   assert families.family_for_hf_config(hf).hf_config(model)["router_aux_loss_coef"] == hf["router_aux_loss_coef"]
+
+
+def test_flash_attention_with_sinks_matches_hf(tmp_path):
+  """The whole tiny GPT-OSS with attention=flash (blocks of 8 over 24 tokens) against HF."""
+  pytest.importorskip("torch", reason="needs torch (EXTRAS=test bash setup.sh)")
+  import hf_families as H
+  model = H.build_hf_model("gpt_oss")
+  token_ids = H.tokens()
+  config = H.our_config(model, dtype="float32", attention="flash", flash_block_q=8, flash_block_kv=8)
+  np.testing.assert_allclose(H.our_logits(config, H.our_params(model, config, tmp_path), token_ids),
+                             H.hf_logits(model, token_ids), atol=2e-5, rtol=0)
