@@ -192,3 +192,16 @@ def test_flash_attention_with_sinks_matches_hf(tmp_path):
   config = H.our_config(model, dtype="float32", attention="flash", flash_block_q=8, flash_block_kv=8)
   np.testing.assert_allclose(H.our_logits(config, H.our_params(model, config, tmp_path), token_ids),
                              H.hf_logits(model, token_ids), atol=2e-5, rtol=0)
+
+
+def test_flash_sinks_stop_under_sequence_parallelism():
+  """The length split over `sequence` would take the all-gathered-K/V path, which has no sinks."""
+  mesh = jax.make_mesh((8,), ("sequence",))
+  rules = (("activation_batch", ()), ("activation_length", ("sequence",)), ("activation_heads", ()),
+           ("activation_kv_heads", ()), ("activation_kv", ()))
+  kernel = attention_kernels.make_flash(tiny_mixtral(attention_sinks=True, attention="flash").model)
+  q, kv = jnp.zeros((1, 16, 4, 8)), jnp.zeros((1, 16, 2, 8))
+  with sharding.activation_sharding(mesh, rules), pytest.raises(ConfigError) as info:
+    kernel(q, kv, kv, jnp.ones((1, 16), jnp.int32), None, 0.0, sinks_N=jnp.zeros((4,)))
+  assert "attention=flash with attention_sinks runs only the chunked JAX kernel" in str(info.value)
+  assert "\n" not in str(info.value)
