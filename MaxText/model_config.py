@@ -24,7 +24,7 @@ ATTENTION_KINDS = ("dot_product", "flash", "cudnn_flash", "autoselected")
 MOE_DISPATCHES = ("all_to_all", "gather")
 ALL_TO_ALL_KINDS = ("auto", "ragged", "padded")
 GROUPED_MATMUL_KINDS = ("auto", "ragged_dot", "megablox")
-ACTIVATIONS = ("silu", "gelu", "relu", "linear", "tanh")
+ACTIVATIONS = ("silu", "gelu", "relu", "linear", "tanh", "clamped_swish", "clamped_plus_one")
 DTYPES = ("float32", "bfloat16", "float16")
 NORMALIZATION_TYPES = ("rms", "rms_plus_one", "layer")
 POSITION_EMBEDDINGS = ("rope", "learned", "sinusoidal")
@@ -101,6 +101,8 @@ class ModelConfig:
   head_dim: int = key(architecture=True)
   vocab_size: int = key(architecture=True)
   mlp_activations: tuple[str, ...] = key(architecture=True)
+  swiglu_limit: float = key(architecture=True)  # 0 = the clamped activations do not clip
+  swiglu_alpha: float = key(architecture=True)
   normalization_type: str = key(architecture=True)  # rms | rms_plus_one | layer
   normalization_layer_epsilon: float = key(architecture=True)
   use_bias: bool = key(architecture=True)
@@ -123,6 +125,7 @@ class ModelConfig:
   sliding_window_size: int = key(architecture=True)
   attention_chunk_size: int = key(architecture=True)  # chunked layers attend within fixed chunks of positions
   rope_layer_pattern: tuple[str, ...] = key(architecture=True)  # cycled over layers: rope | nope
+  attention_sinks: bool = key(architecture=True)  # a learned per-head logit in every softmax (GPT-OSS)
   attn_logits_soft_cap: float = key(architecture=True)  # 0 = off
   use_qk_norm: bool = key(architecture=True)  # RMSNorm over each query / key head before RoPE
   use_qk_l2_norm: bool = key(architecture=True)  # weightless RMS norm of q / k after RoPE, RoPE layers only
@@ -212,6 +215,9 @@ class ModelConfig:
     acts = tuple(v["mlp_activations"])
     _require(len(acts) >= 1 and all(a in ACTIVATIONS for a in acts),
              f"mlp_activations must be a non-empty list of {', '.join(ACTIVATIONS)}; got {list(acts)}")
+    _require(v["swiglu_limit"] >= 0 and v["swiglu_alpha"] > 0,
+             f"swiglu_limit must be >= 0 (0 = no clipping) and swiglu_alpha > 0; got {v['swiglu_limit']}, "
+             f"{v['swiglu_alpha']}")
     _require(0.0 <= v["dropout_rate"] < 1.0, f"dropout_rate must be in [0, 1), got {v['dropout_rate']}")
     _check_positions_and_attention(v)
     _check_moe(v)
@@ -293,6 +299,9 @@ def _check_positions_and_attention(v: Mapping[str, Any]) -> None:
            f"rope_layer_pattern must be a non-empty list of {', '.join(ROPE_LAYER_KINDS)}; got {rope_pattern}")
   _require(v["attn_temperature_floor_scale"] >= 0, "attn_temperature_floor_scale must be >= 0 (0 = off), got "
            f"{v['attn_temperature_floor_scale']}")
+  _require(not v["attention_sinks"] or v["attention"] != "cudnn_flash",
+           "attention_sinks=True needs attention=dot_product, autoselected or flash (cuDNN's kernel has no sink "
+           "logit in its softmax)")
   for key in ("attn_logits_soft_cap", "final_logits_soft_cap", "query_pre_attn_scalar"):
     _require(v[key] >= 0, f"{key} must be >= 0 (0 = off), got {v[key]}")
 
@@ -304,8 +313,6 @@ def _check_moe(v: Mapping[str, Any]) -> None:
            f"num_experts_per_tok must be between 1 and num_experts ({num_experts}), got {top_k}")
   _require(v["load_balance_loss_weight"] >= 0,
            f"load_balance_loss_weight must be >= 0, got {v['load_balance_loss_weight']}")
-  _require(num_experts == 1 or not v["use_bias"],
-           "use_bias=True is not supported with num_experts > 1 (the MoE experts have no biases)")
   _require(isinstance(v["sparse_matmul"], bool), f"sparse_matmul must be True or False, got {v['sparse_matmul']!r}")
   _require(v["shared_experts"] >= 0, f"shared_experts must be >= 0 (0 = none), got {v['shared_experts']}")
   _require(not v["moe_router_scales_input"] or top_k == 1,

@@ -42,6 +42,8 @@ PUBLISHED = {
     "llama4-scout-17b-16e": 108.13e9,
     # DeepSeek: V3's 671B without the 14B multi-token-prediction module; V2-Lite's model card.
     "deepseek3-671b": 671e9, "deepseek2-16b": 15.7e9,
+    # OpenAI's gpt-oss model card (bf16 weights; the checkpoints store the experts in MXFP4).
+    "gpt-oss-20b": 20.9e9, "gpt-oss-120b": 116.8e9,
 }
 # The `default` family has no published size: it follows global_parameter_scale.
 UNPUBLISHED = {"default"}

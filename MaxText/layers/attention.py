@@ -32,11 +32,12 @@ from MaxText.layers.normalizations import RMSNorm
 
 def dot_product_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BL: jax.Array,
                           window_size: masks.Window = None, soft_cap: float = 0.0, chunk_size: masks.Window = None,
-                          positions_BL: jax.Array | None = None) -> jax.Array:
+                          positions_BL: jax.Array | None = None, sinks_N: jax.Array | None = None) -> jax.Array:
   """Plain XLA attention with the mask of masks.py; queries must already be scaled. The only
-  kernel with chunked attention (`chunk_size`, cut at `positions_BL`)."""
+  kernel with chunked attention (`chunk_size`, cut at `positions_BL`). `sinks_N`: attention
+  sinks (masks.dense_attention)."""
   mask_BLL = masks.self_mask(segment_ids_BL, window_size, chunk_size, positions_BL)
-  return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLL, soft_cap)
+  return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLL, soft_cap, sinks_N)
 
 
 # (q, k, v, segment_ids, window_size, soft_cap) -> out
@@ -60,9 +61,12 @@ def select_kernel(name: str, platform: str | None = None, cfg: ModelConfig | Non
   tile the sequence (a multiple of 128) else dot_product; GPU:
   cudnn_flash when cuDNN covers the model (no soft cap, half precision, head_dim <= 128) else flash;
   CPU: dot_product up to AUTOSELECT_CPU_FLASH_ABOVE tokens, flash beyond. Without a platform
-  `autoselected` stays deferred: the layer resolves it when traced, for the mesh's platform."""
+  `autoselected` stays deferred: the layer resolves it when traced, for the mesh's platform.
+  With attention_sinks every choice is dot_product (splash and cuDNN have no sink logit)."""
   if name == "autoselected" and cfg is not None and "chunked" in cfg.attention_layer_pattern:
     return "dot_product"  # the one kernel with a chunked mask
+  if name == "autoselected" and cfg is not None and cfg.attention_sinks:
+    return "dot_product"
   if name != "autoselected" or platform is None:
     return name
   if platform == "tpu":
@@ -168,9 +172,12 @@ class Attention(nnx.Module):
                                weight_dtype=jnp.dtype(cfg.weight_dtype),
                                scale_offset=1.0 if cfg.normalization_type == "rms_plus_one" else 0.0)
       self.query_norm, self.key_norm = norm(), norm()
+    if cfg.attention_sinks:  # GPT-OSS: one learned logit per query head (masks.dense_attention)
+      self.sinks = nnx.Param(jnp.zeros((n,), jnp.dtype(cfg.weight_dtype)), out_sharding=("heads",))
     self.cfg = cfg
     self.chunked = "chunked" in cfg.attention_layer_pattern  # config validation: dot_product then
-    self.kernel = dot_product_attention if self.chunked else ATTENTION_KERNELS[select_kernel(cfg.attention)](cfg)
+    self.kernel = (dot_product_attention if self.chunked
+                   else ATTENTION_KERNELS[select_kernel(cfg.attention, cfg=cfg)](cfg))
     # Gemma 2 27B scales by (emb_dim / num_heads)**-0.5 rather than head_dim**-0.5.
     self.query_scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
 
@@ -207,13 +214,14 @@ class Attention(nnx.Module):
     q_BLNH = sharding.constrain(q_BLNH * jnp.asarray(self.query_scale, q_BLNH.dtype), heads_names)
     k_BSKH = sharding.constrain(k_BSKH, kv_names)
     v_BSKH = sharding.constrain(self.value(x_BLD), kv_names)
+    sinks = {"sinks_N": self.sinks[...]} if cfg.attention_sinks else {}
     if cache is not None:
       cache = kv_cache.write(cache, k_BSKH, v_BSKH, positions_BL)
       out_BLNH = kv_cache.cached_attention(q_BLNH, cache, positions_BL, layer_window_size(cfg, layer_index),
-                                           cfg.attn_logits_soft_cap, layer_chunk_size(cfg, layer_index))
+                                           cfg.attn_logits_soft_cap, layer_chunk_size(cfg, layer_index), **sinks)
       return self.out(sharding.constrain(out_BLNH, heads_names)), cache
     chunk: dict[str, Any] = ({"chunk_size": layer_chunk_size(cfg, layer_index), "positions_BL": positions_BL}
                              if self.chunked else {})
     out_BLNH = self.kernel(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, layer_window_size(cfg, layer_index),
-                           cfg.attn_logits_soft_cap, **chunk)
+                           cfg.attn_logits_soft_cap, **chunk, **sinks)
     return self.out(sharding.constrain(out_BLNH, heads_names))

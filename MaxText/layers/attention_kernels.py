@@ -4,7 +4,8 @@ cuDNN flash attention (GPU) and the Pallas splash-attention kernel (TPU).
 Every kernel has the signature of `attention.dot_product_attention`:
 `kernel(q_BLNH (pre-scaled), k_BSKH, v_BSKH, segment_ids_BL, window_size, soft_cap) -> out_BLNH`,
 with the same mask (masks.py): causal, same segment, and with a window, at most window_size - 1
-tokens back.
+tokens back. The chunked flash kernel also takes `sinks_N` (attention sinks, GPT-OSS); splash
+and cuDNN do not (getting_started/Attention.md).
 
 Legend: B batch, L query length, S key length, N query heads, K key/value heads, G = N // K query
 heads per key/value head, H head dim, Q one query block, C one key/value block (chunk).
@@ -64,8 +65,10 @@ def _slice(x: jax.Array, index: jax.Array, size: int) -> jax.Array:
 
 
 def _forward(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, kseg_BS: Array, window: Array,
-             q_offset: Array, soft_cap: float, block_q: int, block_kv: int) -> tuple[Array, Array]:
-  """Online softmax over the visible key blocks of each query block: (out_BLKGH, lse_BKGL)."""
+             q_offset: Array, sinks_KG: Array | None, soft_cap: float, block_q: int, block_kv: int
+             ) -> tuple[Array, Array]:
+  """Online softmax over the visible key blocks of each query block: (out_BLKGH, lse_BKGL). A sink
+  logit (masks.dense_attention) starts each row's running max and sum as a key with no value."""
   batch, _, num_kv, group, head_dim = q_BLKGH.shape
   num_q_blocks, num_kv_blocks = q_BLKGH.shape[1] // block_q, k_BSKH.shape[1] // block_kv
 
@@ -87,6 +90,9 @@ def _forward(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, kseg_
     stats_shape = (batch, num_kv, group, block_q)
     init = (jnp.full(stats_shape, masks.MASK_VALUE, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
             jnp.zeros(stats_shape + (head_dim,), jnp.float32))
+    if sinks_KG is not None:
+      init = (jnp.broadcast_to(sinks_KG[None, :, :, None], stats_shape), jnp.ones(stats_shape, jnp.float32),
+              init[2])
     lo, hi = _kv_block_range(q_start, block_q, block_kv, window, num_kv_blocks)
     m_BKGQ, l_BKGQ, acc_BKGQH = jax.lax.fori_loop(lo, hi, step, init)
     # A query that sees no key at all (padding rows) gets a zero output.
@@ -166,29 +172,35 @@ def _backward_dkv(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, 
   return merge(dk_nBCKH), merge(dv_nBCKH)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
 def _flash_core(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, kseg_BS: Array, window: Array,
-                q_offset: Array, soft_cap: float, block_q: int, block_kv: int) -> Array:
-  return _forward(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, soft_cap, block_q, block_kv)[0]
+                q_offset: Array, sinks_KG: Array | None, soft_cap: float, block_q: int, block_kv: int) -> Array:
+  return _forward(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, sinks_KG, soft_cap, block_q,
+                  block_kv)[0]
 
 
 def _flash_core_fwd(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, kseg_BS: Array, window: Array,
-                    q_offset: Array, soft_cap: float, block_q: int, block_kv: int) -> tuple[Array, tuple]:
-  out_BLKGH, lse_BKGL = _forward(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, soft_cap,
+                    q_offset: Array, sinks_KG: Array | None, soft_cap: float, block_q: int, block_kv: int
+                    ) -> tuple[Array, tuple]:
+  out_BLKGH, lse_BKGL = _forward(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, sinks_KG, soft_cap,
                                  block_q, block_kv)
-  return out_BLKGH, (q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, out_BLKGH, lse_BKGL)
+  return out_BLKGH, (q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, sinks_KG, out_BLKGH, lse_BKGL)
 
 
 def _flash_core_bwd(soft_cap: float, block_q: int, block_kv: int, residuals: tuple, do_BLKGH: Array) -> tuple:
-  q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, out_BLKGH, lse_BKGL = residuals
+  q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, sinks_KG, out_BLKGH, lse_BKGL = residuals
   # delta = rowsum(dO * O): the softmax Jacobian's diagonal correction (FlashAttention-2, eq. in sec. 3.1).
   delta_BKGL = jnp.einsum("blkgh,blkgh->bkgl", do_BLKGH.astype(jnp.float32), out_BLKGH.astype(jnp.float32))
   args = (q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, soft_cap, block_q, block_kv,
           do_BLKGH, lse_BKGL, delta_BKGL)
   dq_BLKGH = _backward_dq(*args)
   dk_BSKH, dv_BSKH = _backward_dkv(*args)
+  # The lse includes the sink, so the blocks' gradients are unchanged; the sink, a key whose value
+  # is zero, gets -sum over rows of its probability times delta.
+  dsinks_KG = None if sinks_KG is None else -jnp.einsum(
+      "bkgl,bkgl->kg", jnp.exp(sinks_KG[None, :, :, None] - lse_BKGL), delta_BKGL).astype(sinks_KG.dtype)
   return (dq_BLKGH.astype(q_BLKGH.dtype), dk_BSKH.astype(k_BSKH.dtype), dv_BSKH.astype(v_BSKH.dtype),
-          None, None, None, None)
+          None, None, None, None, dsinks_KG)
 
 
 _flash_core.defvjp(_flash_core_fwd, _flash_core_bwd)
@@ -205,28 +217,30 @@ def _pad_length(x: jax.Array, multiple: int, value: int | float = 0) -> jax.Arra
 
 def flash_attention_with_offset(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_segment_ids_BL: jax.Array,
                                 kv_segment_ids_BS: jax.Array, window_size: masks.Window, soft_cap: float,
-                                q_offset: int | jax.Array = 0, *, block_q: int = 512, block_kv: int = 512
-                                ) -> jax.Array:
+                                q_offset: int | jax.Array = 0, *, block_q: int = 512, block_kv: int = 512,
+                                sinks_N: jax.Array | None = None) -> jax.Array:
   """Chunked attention of queries at global positions q_offset .. q_offset + L - 1 over keys at
-  0 .. S - 1 (q_offset > 0 when the queries are one sequence shard: context parallelism)."""
+  0 .. S - 1 (q_offset > 0 when the queries are one sequence shard: context parallelism), with
+  masks.dense_attention's sinks when given."""
   length = q_BLNH.shape[1]
   block_q, block_kv = min(block_q, length), min(block_kv, k_BSKH.shape[1])
   q_BLKGH = _pad_length(masks.group_queries(q_BLNH, k_BSKH.shape[2]), block_q)
   # Padded queries and keys get segment ids that match nothing, so they never take part.
   qseg_BL = _pad_length(q_segment_ids_BL.astype(jnp.int32), block_q, -2)
   kseg_BS = _pad_length(kv_segment_ids_BS.astype(jnp.int32), block_kv, -1)
+  sinks_KG = None if sinks_N is None else sinks_N.astype(jnp.float32).reshape(q_BLKGH.shape[2], -1)
   out_BLKGH = _flash_core(q_BLKGH, _pad_length(k_BSKH, block_kv), _pad_length(v_BSKH, block_kv), qseg_BL, kseg_BS,
-                          masks.window_scalar(window_size), jnp.asarray(q_offset, jnp.int32), float(soft_cap),
-                          block_q, block_kv)
+                          masks.window_scalar(window_size), jnp.asarray(q_offset, jnp.int32), sinks_KG,
+                          float(soft_cap), block_q, block_kv)
   return masks.merge_groups(out_BLKGH[:, :length])
 
 
 def flash_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BL: jax.Array,
                     window_size: masks.Window = None, soft_cap: float = 0.0, *, block_q: int = 512,
-                    block_kv: int = 512) -> jax.Array:
+                    block_kv: int = 512, sinks_N: jax.Array | None = None) -> jax.Array:
   """Self-attention (L == S) with the dot_product mask, in O(L · block) memory per head."""
   return flash_attention_with_offset(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, segment_ids_BL, window_size, soft_cap,
-                                     block_q=block_q, block_kv=block_kv)
+                                     block_q=block_q, block_kv=block_kv, sinks_N=sinks_N)
 
 
 def reference_attention_with_offset(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
@@ -295,8 +309,14 @@ def make_flash(cfg: ModelConfig) -> AttentionKernel:
   tpu = functools.partial(splash_attention.splash_attention, blocks=blocks, local_window=cfg.sliding_window_size)
 
   def kernel(q_BLNH: Array, k_BSKH: Array, v_BSKH: Array, segment_ids_BL: Array,
-             window_size: masks.Window = None, soft_cap: float = 0.0) -> Array:
+             window_size: masks.Window = None, soft_cap: float = 0.0, sinks_N: Array | None = None) -> Array:
     context = sharding.current_activation_context()
+    if sinks_N is not None:  # only the chunked kernel has them, on one sequence shard
+      if trace_platform() == "tpu" or (context is not None and context_parallel.length_shards(
+          context[0], context[1], q_BLNH.shape, k_BSKH.shape) > 1):
+        raise ConfigError("attention=flash with attention_sinks runs only the chunked JAX kernel (CPU, GPU) without "
+                          "sequence parallelism (TPU splash has no sink logit); use attention=dot_product")
+      return local(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, segment_ids_BL, window_size, soft_cap, sinks_N=sinks_N)
     if context is not None:
       mesh, rules = context
       if context_parallel.length_shards(mesh, rules, q_BLNH.shape, k_BSKH.shape) > 1:

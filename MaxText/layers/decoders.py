@@ -64,7 +64,7 @@ def attention_block(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
   return MultiHeadLatentAttention(cfg, rngs=rngs) if cfg.attention_type == "mla" else Attention(cfg, rngs=rngs)
 
 
-@register_layer("decoder")  # Llama, Mistral, Mixtral, Qwen3-MoE and DeepSeek (MoE from num_experts > 1, MLA from attention_type), Qwen3, Gemma, GPT-3
+@register_layer("decoder")  # Llama, Mistral, Mixtral, Qwen3-MoE and DeepSeek, GPT-OSS (MoE from num_experts > 1, MLA from attention_type), Qwen3, Gemma, GPT-3
 class DecoderLayer(nnx.Module):
   """Pre-norm block: h = x + Attn(norm(x)), then h + MLP(norm(h)).
 

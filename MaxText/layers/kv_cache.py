@@ -98,11 +98,12 @@ def write(cache: KVCache, k_BLKH: jax.Array, v_BLKH: jax.Array, positions_BL: ja
 
 def cached_attention(q_BLNH: jax.Array, cache: KVCache, positions_BL: jax.Array,
                      window_size: masks.Window = None, soft_cap: float = 0.0,
-                     chunk_size: masks.Window = None) -> jax.Array:
-  """Grouped-query attention of already-scaled queries over the whole cache (masks.cache_mask)."""
+                     chunk_size: masks.Window = None, sinks_N: jax.Array | None = None) -> jax.Array:
+  """Grouped-query attention of already-scaled queries over the whole cache (masks.cache_mask),
+  with the attention sinks of masks.dense_attention when given."""
   k_BSKH, v_BSKH = cache.read(q_BLNH.dtype)
   mask_BLS = masks.cache_mask(positions_BL, k_BSKH.shape[1], window_size, chunk_size)
-  return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS, soft_cap)
+  return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS, soft_cap, sinks_N)
 
 
 def layer_cache(cfg: ModelConfig, batch: int, length: int, quantized: bool = False) -> KVCache:

@@ -111,13 +111,22 @@ def merge_groups(x_BLKGH: jax.Array) -> jax.Array:
 
 
 def dense_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, allowed_BLS: jax.Array,
-                    soft_cap: float = 0.0) -> jax.Array:
+                    soft_cap: float = 0.0, sinks_N: jax.Array | None = None) -> jax.Array:
   """Materialised grouped-query attention of pre-scaled queries; softmax in float32.
-  `soft_cap` > 0 squashes scores to cap * tanh(score / cap) before masking (Gemma 2)."""
-  q_BLKGH = group_queries(q_BLNH, k_BSKH.shape[2])
+  `soft_cap` > 0 squashes scores to cap * tanh(score / cap) before masking (Gemma 2).
+  `sinks_N`: one learned logit per query head that joins every row's softmax as an extra key
+  with no value (GPT-OSS): it only takes probability mass away from the real keys."""
+  num_kv = k_BSKH.shape[2]
+  q_BLKGH = group_queries(q_BLNH, num_kv)
   logits_BKGLS = jnp.einsum("blkgh,bskh->bkgls", q_BLKGH, k_BSKH, preferred_element_type=jnp.float32)
   if soft_cap > 0:
     logits_BKGLS = soft_cap * jnp.tanh(logits_BKGLS / soft_cap)
   logits_BKGLS = jnp.where(allowed_BLS[:, None, None], logits_BKGLS, MASK_VALUE)
-  probs_BKGLS = jax.nn.softmax(logits_BKGLS, axis=-1).astype(v_BSKH.dtype)
+  if sinks_N is None:
+    probs_BKGLS = jax.nn.softmax(logits_BKGLS, axis=-1).astype(v_BSKH.dtype)
+  else:
+    sink_BKGL1 = jnp.broadcast_to(sinks_N.astype(jnp.float32).reshape(1, num_kv, -1, 1, 1),
+                                  logits_BKGLS.shape[:-1] + (1,))
+    probs_BKGLS = jax.nn.softmax(jnp.concatenate([logits_BKGLS, sink_BKGL1], axis=-1), axis=-1)[..., :-1]
+    probs_BKGLS = probs_BKGLS.astype(v_BSKH.dtype)
   return merge_groups(jnp.einsum("bkgls,bskh->blkgh", probs_BKGLS, v_BSKH))

@@ -1,8 +1,14 @@
-"""Gated MLP: out = W_o · (act_0(W_0 x) * act_1(W_1 x) * ...); one activation is a plain MLP (GPT-3)."""
+"""Gated MLP: out = W_o · (act_0(W_0 x) * act_1(W_1 x) * ...); one activation is a plain MLP (GPT-3).
+
+GPT-OSS's clamped SwiGLU is such a product too: clamped_swish on the gate projection,
+min(x, limit) · sigmoid(alpha · min(x, limit)), times clamped_plus_one on the up projection,
+clip(x, -limit, limit) + 1 (limit = swiglu_limit, alpha = swiglu_alpha).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +26,24 @@ ACTIVATION_FNS = {
     "linear": lambda x: x,
 }
 
+Activation = Callable[[jax.Array], jax.Array]
+
+
+def clamped_swish(x: jax.Array, limit: float, alpha: float) -> jax.Array:
+  x = jnp.minimum(x, limit) if limit > 0 else x
+  return x * jax.nn.sigmoid(alpha * x)
+
+
+def clamped_plus_one(x: jax.Array, limit: float) -> jax.Array:
+  return (jnp.clip(x, -limit, limit) if limit > 0 else x) + 1
+
+
+def activation_fns(cfg: ModelConfig) -> tuple[Activation, ...]:
+  """The functions of cfg.mlp_activations, one per input projection, with their config parameters bound."""
+  bound = {"clamped_swish": functools.partial(clamped_swish, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha),
+           "clamped_plus_one": functools.partial(clamped_plus_one, limit=cfg.swiglu_limit)}
+  return tuple(bound[name] if name in bound else ACTIVATION_FNS[name] for name in cfg.mlp_activations)
+
 
 class MlpBlock(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, mlp_dim: int | None = None):
@@ -30,12 +54,12 @@ class MlpBlock(nnx.Module):
     for i in range(len(cfg.mlp_activations)):
       setattr(self, f"wi_{i}", DenseGeneral((cfg.emb_dim,), (mlp_dim,), ("embed", "mlp"), tag="mlpwi", **dense))
     self.wo = DenseGeneral((mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), tag="mlpwo", **dense)
-    self.activations = tuple(cfg.mlp_activations)
+    self.activations = activation_fns(cfg)
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
     hidden_BLF: jax.Array | None = None
-    for i, name in enumerate(self.activations):
-      h = ACTIVATION_FNS[name](getattr(self, f"wi_{i}")(x_BLD))
+    for i, activation in enumerate(self.activations):
+      h = activation(getattr(self, f"wi_{i}")(x_BLD))
       hidden_BLF = h if hidden_BLF is None else hidden_BLF * h
     assert hidden_BLF is not None  # config validation requires at least one activation
     hidden_BLF = sharding.constrain(hidden_BLF, ("activation_batch", "activation_length", "activation_mlp"))

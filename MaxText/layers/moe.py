@@ -5,10 +5,12 @@ A = k·L routed assignments per sequence, C expert capacity (slots per expert pe
 
 Routing. Router logits x·W_gate are computed in the activation dtype, the softmax
 over all E experts in float32; each token keeps its k most probable experts and
-their probabilities renormalised to sum to one (the Mixtral / HF rule). The
-token's output is the weighted sum of those experts' gated MLPs. DeepSeek's variants
-(`route`): sigmoid scores, a correction bias that steers only the choice, the choice
-limited to the best expert groups, and a routed scaling factor on the weights.
+their probabilities renormalised to sum to one (the Mixtral / HF rule; the same weights as
+GPT-OSS's softmax over the k largest logits). The token's output is the weighted sum of
+those experts' gated MLPs. DeepSeek's variants (`route`): sigmoid scores, a correction bias
+that steers only the choice, the choice limited to the best expert groups, and a routed
+scaling factor on the weights. With use_bias (GPT-OSS) the router and every expert
+projection add a bias (the experts' per expert, [E, out], after each grouped or batched matmul).
 
 Capacity and dropping. Routing happens per sequence (one batch row is one routing
 group, so routing never crosses batch shards). Each expert has
@@ -77,7 +79,7 @@ from MaxText.layers.attention_kernels import trace_platform
 from MaxText.layers.grouped_matmul import GroupedMatmul
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers import grouped_matmul, moe_dispatch, quantization
-from MaxText.layers.mlp import ACTIVATION_FNS, MlpBlock
+from MaxText.layers.mlp import Activation, MlpBlock, activation_fns
 
 # What MoeBlock sows besides the load-balancing loss: statistics, not losses (models.py keeps
 # them per layer and out of the gradient).
@@ -95,13 +97,16 @@ _TOKEN_BUFFER_NAMES = ("activation_batch", None, None, "activation_embed")
 
 
 class ExpertKernel(nnx.Module):
-  """Stacked weights of all experts, [E, in, out], initialised per expert by fan-in."""
+  """Stacked weights of all experts, [E, in, out], initialised per expert by fan-in; with
+  `use_bias`, one bias per expert [E, out] (GPT-OSS), initialised to zero."""
 
   def __init__(self, num_experts: int, dim_in: int, dim_out: int, names: tuple[str, str, str], *,
-               weight_dtype: jnp.dtype, rngs: nnx.Rngs):
+               weight_dtype: jnp.dtype, rngs: nnx.Rngs, use_bias: bool = False):
     init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=2,
                                              batch_axis=(0,))
     self.kernel = nnx.Param(init(rngs.params(), (num_experts, dim_in, dim_out), weight_dtype), out_sharding=names)
+    if use_bias:
+      self.bias = nnx.Param(jnp.zeros((num_experts, dim_out), weight_dtype), out_sharding=(names[0], names[2]))
 
 
 def expert_capacity(cfg: ModelConfig, length: int) -> int:
@@ -215,25 +220,33 @@ def _combine_one(out_ECD: jax.Array, expert_A: jax.Array, slot_A: jax.Array, wei
   return jnp.sum(rows_AD.reshape(top_k, -1, rows_AD.shape[-1]), axis=0)
 
 
-def dense_experts(x_EBCD: jax.Array, kernels: Sequence[jax.Array], activations: tuple[str, ...]) -> jax.Array:
+def dense_experts(x_EBCD: jax.Array, kernels: Sequence[jax.Array], biases: Sequence[jax.Array],
+                  activations: Sequence[Activation]) -> jax.Array:
   """Every expert's gated MLP over its slots, one batched matmul per projection (quantized when
-  configured); kernels are (wi_0, ..., wo), each [E, in, out]."""
+  configured); kernels are (wi_0, ..., wo), each [E, in, out], and biases () or theirs, [E, out]."""
+
+  def project(x: jax.Array, i: int) -> jax.Array:
+    y = quantization.dot_general(x, kernels[i], _EXPERT_DIMS)
+    return y + biases[i][:, None, None, :].astype(y.dtype) if biases else y
+
   hidden_EBCF: jax.Array | None = None
-  for name, kernel_EDF in zip(activations, kernels[:-1]):
-    h = ACTIVATION_FNS[name](checkpoint_name(quantization.dot_general(x_EBCD, kernel_EDF, _EXPERT_DIMS), "mlpwi"))
+  for i, activation in enumerate(activations):
+    h = activation(checkpoint_name(project(x_EBCD, i), "mlpwi"))
     hidden_EBCF = h if hidden_EBCF is None else hidden_EBCF * h
   assert hidden_EBCF is not None  # mlp_activations is non-empty (config)
-  return checkpoint_name(quantization.dot_general(hidden_EBCF, kernels[-1], _EXPERT_DIMS), "mlpwo")
+  return checkpoint_name(project(hidden_EBCF, len(kernels) - 1), "mlpwo")
 
 
-def _grouped_experts(x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.Array, *kernels: jax.Array,
-                     activations: tuple[str, ...], num_experts: int, matmul: GroupedMatmul,
+def _grouped_experts(x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.Array, *params: jax.Array,
+                     activations: Sequence[Activation], num_experts: int, matmul: GroupedMatmul,
                      expert_axis: str | None = None) -> jax.Array:
   """Sort the B·L·k assignments by expert, grouped matmul per projection, unsort, combine.
+  `params` are the kernels (wi_0, ..., wo), then their biases if any.
 
   With `expert_axis` (inside shard_map, moe_dispatch=gather) the kernels hold this device's
   E/shards experts: it computes only the rows of its experts and the expert shards' outputs are summed.
   """
+  kernels, biases = params[:len(activations) + 1], params[len(activations) + 1:]
   dim = x_BLD.shape[-1]
   top_k = experts_BLk.shape[-1]
   expert_A = experts_BLk.reshape(-1)  # token-major: assignment a is token a // k
@@ -249,7 +262,7 @@ def _grouped_experts(x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.
     offset = jnp.sum(jnp.where(jnp.arange(num_experts) < first, group_sizes_E, 0))
     group_sizes_E = jax.lax.dynamic_slice(group_sizes_E, (first,), (local,))
     x_AD = jnp.roll(x_AD, -offset, axis=0)
-  out_AD = moe_dispatch.grouped_mlp(x_AD, kernels, group_sizes_E, activations, matmul, checkpoint_name)
+  out_AD = moe_dispatch.grouped_mlp(x_AD, kernels, biases, group_sizes_E, activations, matmul, checkpoint_name)
   if expert_axis is not None:
     out_AD = jax.lax.psum(jnp.roll(out_AD, offset, axis=0), expert_axis)
   return moe_dispatch.combine_sorted(out_AD, order_A, weights_BLk)
@@ -280,22 +293,31 @@ class MoeBlock(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     e, d, f = cfg.num_experts, cfg.emb_dim, cfg.mlp_dim
     dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
-    # The router is tiny; its expert dimension stays replicated.
+    # The router is tiny; its expert dimension stays replicated. Not quantized: int8/fp8 router
+    # logits would flip near-tied top-k choices.
+    # use_bias (GPT-OSS): the router and every expert projection have biases.
     self.gate = DenseGeneral((d,), (e,), ("embed", None), dtype=dtype, weight_dtype=weight_dtype, rngs=rngs,
-                             quantize=False)  # int8/fp8 router logits would flip near-tied top-k choices
+                             quantize=False, use_bias=cfg.use_bias)
+    expert = functools.partial(ExpertKernel, weight_dtype=weight_dtype, rngs=rngs, use_bias=cfg.use_bias)
     for i in range(len(cfg.mlp_activations)):
-      setattr(self, f"wi_{i}", ExpertKernel(e, d, f, ("exp", "embed", "mlp"), weight_dtype=weight_dtype, rngs=rngs))
-    self.wo = ExpertKernel(e, f, d, ("exp", "mlp", "embed"), weight_dtype=weight_dtype, rngs=rngs)
+      setattr(self, f"wi_{i}", expert(e, d, f, ("exp", "embed", "mlp")))
+    self.wo = expert(e, f, d, ("exp", "mlp", "embed"))
     if cfg.shared_experts > 0:
       self.shared_mlp = MlpBlock(cfg, rngs=rngs, mlp_dim=cfg.shared_experts * f)
     if cfg.moe_score_correction_bias:  # moves only by moe_bias_update_rate (train_step.py), never by gradients
       self.score_correction_bias = nnx.Param(jnp.zeros((e,), weight_dtype), out_sharding=(None,))
-    self.cfg, self.dtype = cfg, dtype
+    self.cfg, self.dtype, self.activations = cfg, dtype, activation_fns(cfg)
+
+  def _projections(self) -> tuple[ExpertKernel, ...]:
+    return (*(getattr(self, f"wi_{i}") for i in range(len(self.cfg.mlp_activations))), self.wo)
 
   def _kernels(self) -> tuple[jax.Array, ...]:
     """(wi_0, ..., wo) in the activation dtype."""
-    wi = tuple(getattr(self, f"wi_{i}").kernel[...] for i in range(len(self.cfg.mlp_activations)))
-    return tuple(k.astype(self.dtype) for k in (*wi, self.wo.kernel[...]))
+    return tuple(p.kernel[...].astype(self.dtype) for p in self._projections())
+
+  def _biases(self) -> tuple[jax.Array, ...]:
+    """Their biases in the activation dtype, or () without use_bias."""
+    return tuple(p.bias[...].astype(self.dtype) for p in self._projections()) if self.cfg.use_bias else ()
 
   def _matmul(self) -> GroupedMatmul:
     return grouped_matmul.select(self.cfg.moe_grouped_matmul, trace_platform())
@@ -304,9 +326,9 @@ class MoeBlock(nnx.Module):
     """Dropless experts as grouped matmuls, each batch shard sorting and computing its own tokens
     (under expert parallelism with moe_dispatch=gather: tokens gathered, outputs all-reduced)."""
     cfg = self.cfg
-    kernels = self._kernels()
+    kernels = self._kernels() + self._biases()
     matmul = self._matmul()
-    grouped = functools.partial(_grouped_experts, activations=cfg.mlp_activations, num_experts=cfg.num_experts,
+    grouped = functools.partial(_grouped_experts, activations=self.activations, num_experts=cfg.num_experts,
                                 matmul=matmul)
     # The mesh and rules `sharding.constrain` uses (sharding.py has no public getter for them).
     context = sharding.current_activation_context()
@@ -315,7 +337,7 @@ class MoeBlock(nnx.Module):
     mesh, rules = context
     batch_axes = sharding.logical_to_mesh_spec(("activation_batch",), rules, mesh, x_BLD.shape[:1])[0]
     batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
-    expert_axes = sharding.logical_to_mesh_spec(("exp",), rules, mesh, kernels[-1].shape[:1])[0]
+    expert_axes = sharding.logical_to_mesh_spec(("exp",), rules, mesh, kernels[0].shape[:1])[0]
     expert_axis = expert_axes if isinstance(expert_axes, str) else (expert_axes[0] if expert_axes else None)
     if expert_axis is not None and len(expert_axes if not isinstance(expert_axes, str) else [expert_axes]) > 1:
       expert_axis = None  # several mesh axes on the expert dim: gather the weights instead
@@ -341,7 +363,8 @@ class MoeBlock(nnx.Module):
     buffer_BECD = sharding.constrain(dispatch(x_BLD, expert_BA, slot_BA, cfg.num_experts, capacity,
                                               cfg.num_experts_per_tok), _TOKEN_BUFFER_NAMES)
     buffer_EBCD = sharding.constrain(jnp.swapaxes(buffer_BECD, 0, 1), _BUFFER_NAMES)
-    out_EBCD = sharding.constrain(dense_experts(buffer_EBCD, self._kernels(), cfg.mlp_activations), _BUFFER_NAMES)
+    out_EBCD = sharding.constrain(dense_experts(buffer_EBCD, self._kernels(), self._biases(), self.activations),
+                                  _BUFFER_NAMES)
     out_BECD = sharding.constrain(jnp.swapaxes(out_EBCD, 0, 1), _TOKEN_BUFFER_NAMES)
     combine = jax.vmap(_combine_one, in_axes=(0, 0, 0, 0, None))
     return combine(out_BECD, expert_BA, slot_BA, weight_BA, cfg.num_experts_per_tok)
@@ -354,15 +377,16 @@ class MoeBlock(nnx.Module):
     body: Callable[..., tuple[jax.Array, jax.Array]]
     matmul = self._matmul()
     if cfg.sparse_matmul:
-      body = functools.partial(moe_dispatch.grouped_body, **common, activations=cfg.mlp_activations,
+      body = functools.partial(moe_dispatch.grouped_body, **common, activations=self.activations,
                                matmul=matmul, checkpoint_name=checkpoint_name,
                                buffer_factor=cfg.moe_ragged_buffer_factor,
                                exchange=moe_dispatch.select_exchange(cfg.moe_all_to_all, trace_platform()))
     else:
       body = functools.partial(moe_dispatch.capacity_body, **common, capacity=capacity,
-                               dense_experts=functools.partial(dense_experts, activations=cfg.mlp_activations),
+                               dense_experts=functools.partial(dense_experts, activations=self.activations),
                                dispatch=_dispatch_one, combine=_combine_one, assign_slots=assign_slots)
-    return moe_dispatch.moe_all_to_all(layout, x_BLD, experts_BLk, weights_BLk, self._kernels(), body=body,
+    return moe_dispatch.moe_all_to_all(layout, x_BLD, experts_BLk, weights_BLk, self._kernels(), self._biases(),
+                                       body=body,
                                        check_vma=grouped_matmul.annotates_vma(matmul) or not cfg.sparse_matmul)
 
   def _layout(self, batch: int) -> moe_dispatch.ExpertLayout | None:

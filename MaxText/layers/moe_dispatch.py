@@ -44,14 +44,14 @@ from jax.sharding import Mesh, PartitionSpec
 from MaxText import sharding
 from MaxText.errors import ConfigError
 from MaxText.layers.grouped_matmul import GroupedMatmul
-from MaxText.layers.mlp import ACTIVATION_FNS
+from MaxText.layers.mlp import Activation
 
 # Platforms whose XLA backend implements ragged-all-to-all.
 RAGGED_PLATFORMS = ("tpu", "gpu", "cuda", "rocm")
 
 Axes = tuple[str, ...]
-# (x [El, n, C, D], kernels) -> [El, n, C, D]: the experts' gated MLPs over capacity slots.
-DenseExperts = Callable[[jax.Array, Sequence[jax.Array]], jax.Array]
+# (x [El, n, C, D], kernels, biases) -> [El, n, C, D]: the experts' gated MLPs over capacity slots.
+DenseExperts = Callable[[jax.Array, Sequence[jax.Array], Sequence[jax.Array]], jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,30 +106,38 @@ def select_exchange(name: str, platform: str) -> str:
 
 
 def moe_all_to_all(layout: ExpertLayout, x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.Array,
-                   kernels: Sequence[jax.Array], *, body: Callable[..., tuple[jax.Array, jax.Array]],
+                   kernels: Sequence[jax.Array], biases: Sequence[jax.Array] = (), *,
+                   body: Callable[..., tuple[jax.Array, jax.Array]],
                    check_vma: bool = True) -> tuple[jax.Array, jax.Array]:
-  """Runs `body(x, experts, weights, *kernels)` per device under `layout`: tokens split over
-  their batch axes, kernels over the expert and hidden axes. Returns the tokens' [B, L, D] and
-  the number of assignments the exchange dropped, over all devices (the body returns its own).
-  `check_vma=False` for bodies whose kernels do not annotate how their outputs vary over the
-  mesh (JAX's megablox Pallas call); the exchange is the same either way."""
+  """Runs `body(x, experts, weights, kernels, biases)` per device under `layout`: tokens split over
+  their batch axes, kernels (and their biases, [E, out], if any) over the expert and hidden axes.
+  Returns the tokens' [B, L, D] and the number of assignments the exchange dropped, over all
+  devices (the body returns its own). `check_vma=False` for bodies whose kernels do not annotate
+  how their outputs vary over the mesh (JAX's megablox Pallas call); the exchange is the same either way."""
   tokens = PartitionSpec(layout.token_axes or None)
   expert, mlp = layout.expert_axes or None, layout.mlp_axes or None
   kernel_specs = tuple(PartitionSpec(expert, None, mlp) for _ in kernels[:-1]) + (PartitionSpec(expert, mlp, None),)
+  bias_specs = tuple(PartitionSpec(expert, mlp) for _ in biases[:-1]) + (PartitionSpec(expert, None),) * bool(biases)
 
-  def per_device(x: jax.Array, experts: jax.Array, weights: jax.Array, *local_kernels: jax.Array
+  def per_device(x: jax.Array, experts: jax.Array, weights: jax.Array, *local: jax.Array
                  ) -> tuple[jax.Array, jax.Array]:
-    y, dropped = body(x, experts, weights, *local_kernels)
+    local_kernels, local_biases = local[:len(kernels)], local[len(kernels):]
+    if local_biases and layout.mlp_axes:
+      # The output bias is whole on every hidden shard: add it on one, so the psum adds it once.
+      first = (jax.lax.axis_index(layout.mlp_axes) == 0).astype(local_biases[-1].dtype)
+      local_biases = (*local_biases[:-1], local_biases[-1] * first)
+    y, dropped = body(x, experts, weights, local_kernels, local_biases)
     y = jax.lax.psum(y, layout.mlp_axes) if layout.mlp_axes else y
     return y, jax.lax.psum(dropped, layout.token_axes) if layout.token_axes else dropped
 
-  return jax.shard_map(per_device, mesh=layout.mesh, in_specs=(tokens, tokens, tokens, *kernel_specs),
+  return jax.shard_map(per_device, mesh=layout.mesh,
+                       in_specs=(tokens, tokens, tokens, *kernel_specs, *bias_specs),
                        out_specs=(tokens, PartitionSpec()), check_vma=check_vma)(
-                           x_BLD, experts_BLk, weights_BLk, *kernels)
+                           x_BLD, experts_BLk, weights_BLk, *kernels, *biases)
 
 
-def capacity_body(x_bLD: jax.Array, experts_bLk: jax.Array, weights_bLk: jax.Array, *kernels: jax.Array,
-                  expert_axes: Axes, num_experts: int, capacity: int, dense_experts: DenseExperts,
+def capacity_body(x_bLD: jax.Array, experts_bLk: jax.Array, weights_bLk: jax.Array, kernels: Sequence[jax.Array],
+                  biases: Sequence[jax.Array], *, expert_axes: Axes, num_experts: int, capacity: int, dense_experts: DenseExperts,
                   dispatch: Callable[..., jax.Array], combine: Callable[..., jax.Array],
                   assign_slots: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]
                   ) -> tuple[jax.Array, jax.Array]:
@@ -146,7 +154,7 @@ def capacity_body(x_bLD: jax.Array, experts_bLk: jax.Array, weights_bLk: jax.Arr
   send_XbECD = jnp.swapaxes(slots_bECD.reshape(batch, degree, local, capacity, dim), 0, 1)
   recv_XbECD = jax.lax.all_to_all(send_XbECD, expert_axes, 0, 0, tiled=True)  # [source shard, ...]
   x_EnCD = jnp.moveaxis(recv_XbECD, 2, 0).reshape(local, degree * batch, capacity, dim)
-  out_EnCD = dense_experts(x_EnCD, kernels)
+  out_EnCD = dense_experts(x_EnCD, kernels, biases)
   out_XbECD = jnp.moveaxis(out_EnCD.reshape(local, degree, batch, capacity, dim), 0, 2)
   home_XbECD = jax.lax.all_to_all(out_XbECD, expert_axes, 0, 0, tiled=True)  # [expert shard, ...]
   out_bECD = jnp.swapaxes(home_XbECD, 0, 1).reshape(batch, num_experts, capacity, dim)
@@ -176,16 +184,28 @@ def padded_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offset
   return output.at[target.reshape(-1)].set(got_XND.reshape(-1, dim), mode="drop", unique_indices=True)
 
 
-def grouped_mlp(rows_MD: jax.Array, kernels: Sequence[jax.Array], group_sizes: jax.Array,
-                activations: tuple[str, ...], matmul: GroupedMatmul,
+def grouped_mlp(rows_MD: jax.Array, kernels: Sequence[jax.Array], biases: Sequence[jax.Array], group_sizes: jax.Array,
+                activations: Sequence[Activation], matmul: GroupedMatmul,
                 checkpoint_name: Callable[[jax.Array, str], jax.Array]) -> jax.Array:
-  """The experts' gated MLPs over rows sorted by expert: one grouped matmul per projection."""
+  """The experts' gated MLPs over rows sorted by expert: one grouped matmul per projection, then
+  each row's expert's bias when `biases` ([G, out] each) are given; rows after the last group
+  stay zeros."""
+  if biases:  # each row's group; the rows after the last group index an appended zero bias
+    group_M = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows_MD.shape[0]), side="right")
+
+  def project(x: jax.Array, i: int) -> jax.Array:
+    y = matmul(x, kernels[i], group_sizes)
+    if not biases:
+      return y
+    bias = jnp.concatenate([biases[i], jnp.zeros((1, biases[i].shape[-1]), biases[i].dtype)])
+    return y + bias[group_M].astype(y.dtype)
+
   hidden_MF: jax.Array | None = None
-  for name, kernel in zip(activations, kernels[:-1]):
-    h = ACTIVATION_FNS[name](checkpoint_name(matmul(rows_MD, kernel, group_sizes), "mlpwi"))
+  for i, activation in enumerate(activations):
+    h = activation(checkpoint_name(project(rows_MD, i), "mlpwi"))
     hidden_MF = h if hidden_MF is None else hidden_MF * h
   assert hidden_MF is not None  # mlp_activations is non-empty (config)
-  return checkpoint_name(matmul(hidden_MF, kernels[-1], group_sizes), "mlpwo")
+  return checkpoint_name(project(hidden_MF, len(kernels) - 1), "mlpwo")
 
 
 def combine_sorted(out_AD: jax.Array, order_A: jax.Array, weights_BLk: jax.Array) -> jax.Array:
@@ -215,8 +235,9 @@ def _exchange(kind: str) -> Callable[..., jax.Array]:
   return padded_ragged_all_to_all
 
 
-def grouped_body(x_bLD: jax.Array, experts_bLk: jax.Array, weights_bLk: jax.Array, *kernels: jax.Array,
-                 expert_axes: Axes, num_experts: int, activations: tuple[str, ...], matmul: GroupedMatmul,
+def grouped_body(x_bLD: jax.Array, experts_bLk: jax.Array, weights_bLk: jax.Array, kernels: Sequence[jax.Array],
+                 biases: Sequence[jax.Array], *, expert_axes: Axes, num_experts: int,
+                 activations: Sequence[Activation], matmul: GroupedMatmul,
                  exchange: str, checkpoint_name: Callable[[jax.Array, str], jax.Array],
                  buffer_factor: float = -1.0) -> tuple[jax.Array, jax.Array]:
   """One device's grouped exchange (module docstring); also the number of its assignments that
@@ -253,7 +274,7 @@ def grouped_body(x_bLD: jax.Array, experts_bLk: jax.Array, weights_bLk: jax.Arra
   local_expert_R = jnp.where(segment_R < degree * local, segment_R % local, local)  # padding sorts last
   by_expert_R = jnp.argsort(local_expert_R, stable=True)
   group_sizes = jnp.sum(counts_XEl, axis=0)
-  out_RD = grouped_mlp(received_RD[by_expert_R], kernels, group_sizes, activations, matmul, checkpoint_name)
+  out_RD = grouped_mlp(received_RD[by_expert_R], kernels, biases, group_sizes, activations, matmul, checkpoint_name)
   out_RD = out_RD[jnp.argsort(by_expert_R)]  # arrival order again
 
   # Send every row back to the slot it left from.

@@ -3,7 +3,7 @@ the full forward pass each step (no cache), and Hugging Face `generate(do_sample
 same tiny random models converted through our converters.
 
 Prompts of different lengths share one batch (right padding), and generation runs past the
-sliding windows of Mistral (5) and Gemma 2 and 3 (6) and across Llama 4's chunk boundaries (8, 16,
+sliding windows of Mistral (5) and Gemma 2, 3 and GPT-OSS (6) and across Llama 4's chunk boundaries (8, 16,
 24), so windows, chunks, padding and GQA are all exercised; 16 new tokens each, as the
 model-family issue asks.
 """
@@ -45,7 +45,8 @@ CASES = [pytest.param("llama3.1", True, marks=pytest.mark.slow), pytest.param("l
          ("gemma3", False), ("qwen3_moe", True), pytest.param("qwen3", False, marks=pytest.mark.slow),
          pytest.param("qwen3-yarn", True, marks=pytest.mark.slow),
          ("llama4", True), pytest.param("llama4", False, marks=pytest.mark.slow),
-         ("deepseek3", True), ("deepseek2-lite", False)]
+         ("deepseek3", True), ("deepseek2-lite", False),
+         ("gpt_oss", False)]
 
 
 @pytest.mark.parametrize("family,scan_layers", CASES)

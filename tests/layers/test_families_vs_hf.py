@@ -59,6 +59,12 @@ FEATURE_OFF = [
     ("deepseek3", {"moe_score_function": "softmax"}),
     ("deepseek3-plain", {"rope_interleaved": True}),
     ("deepseek2-grouped", {"moe_topk_groups": 4}),
+    ("gpt_oss", {"attention_sinks": False}),
+    ("gpt_oss", {"swiglu_limit": 0.0}),
+    ("gpt_oss", {"use_bias": False}),
+    pytest.param("gpt_oss", {"swiglu_alpha": 1.0}, marks=_slow),
+    pytest.param("gpt_oss", {"rope_yarn_truncate": True}, marks=_slow),
+    pytest.param("gpt_oss", {"attention_layer_pattern": ["global"]}, marks=_slow),
     pytest.param("gemma3", {"rope_type": "default"}, marks=_slow),
     pytest.param("gemma", {"scale_embedding": False}, marks=_slow),
     pytest.param("gemma2", {"final_logits_soft_cap": 0.0}, marks=_slow),
@@ -102,6 +108,7 @@ def test_bfloat16_error_is_no_worse_than_hf_bfloat16(family, staging):
   config = H.our_config(model, dtype="bfloat16")
   ours = H.our_logits(config, H.our_params(model, config, staging / f"bf16-{family}"), token_ids)
   ours_error, hf_error = ours - reference, hf_bf16 - reference
+  agree_ours, agree_hf = ours.argmax(-1) == reference.argmax(-1), hf_bf16.argmax(-1) == reference.argmax(-1)
   if config.model.num_experts > 1:
     # With many experts, near-tied router scores are common in a tiny random model: bf16
     # rounding flips a token's expert on one side or the other (an O(1) move of that token's
@@ -111,9 +118,10 @@ def test_bfloat16_error_is_no_worse_than_hf_bfloat16(family, staging):
     assert flipped_ours.sum() <= flipped_hf.sum() + 1, (flipped_ours.sum(), flipped_hf.sum())
     kept = ~(flipped_ours | flipped_hf)
     ours_error, hf_error = ours_error[kept], hf_error[kept]
+    agree_ours, agree_hf = agree_ours[kept], agree_hf[kept]
   assert _rms(ours_error) <= 1.5 * _rms(hf_error), (_rms(ours_error), _rms(hf_error))
   assert np.abs(ours_error).max() <= 2 * np.abs(hf_error).max(), (np.abs(ours_error).max(), np.abs(hf_error).max())
-  assert (ours.argmax(-1) == reference.argmax(-1)).mean() >= (hf_bf16.argmax(-1) == reference.argmax(-1)).mean() - 0.05
+  assert agree_ours.mean() >= agree_hf.mean() - 0.05
 
 
 def test_interleaved_rope_layout_is_the_same_model(staging):

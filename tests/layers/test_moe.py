@@ -255,7 +255,6 @@ def test_layer_sows_its_loss_and_models_average_it():
     (dict(load_balance_loss_weight=-0.1), "load_balance_loss_weight must be >= 0, got -0.1"),
     (dict(num_experts=3, num_experts_per_tok=1, ici_expert_parallelism=2),
      "num_experts (3) must be a multiple of the expert parallelism"),
-    (dict(use_bias=True), "use_bias=True is not supported with num_experts > 1"),
     (dict(sparse_matmul=True, capacity_factor=1.25),
      "sparse_matmul=True is the dropless grouped-matmul path but capacity_factor=1.25 asks for dropping"),
 ])
