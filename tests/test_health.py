@@ -63,38 +63,14 @@ SLOW_PROCESS_1 = textwrap.dedent("""
 
 @pytest.mark.slow  # two train.py processes
 def test_two_processes_name_the_one_slowed_on_purpose(tmp_path):
-  import socket
-
-  sys.path.insert(0, str(Path(__file__).parent / "input_pipeline"))
-  from sft_fixtures import WORDS, write_tokenizer
-
   hooks = tmp_path / "hooks"
   hooks.mkdir()
-  data = tmp_path / "train.jsonl"
-  data.write_text("".join(json.dumps({"text": " ".join(WORDS[i:] + WORDS[:i])}) + "\n" for i in range(len(WORDS))))
   (hooks / "sitecustomize.py").write_text(SLOW_PROCESS_1)
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    address = f"127.0.0.1:{s.getsockname()[1]}"
-  command = [sys.executable, "-m", "MaxText.train", "configs/base.yml", "run_name=slow", f"base_output_directory={tmp_path}",
-             "base_emb_dim=64", "base_num_decoder_layers=1", "base_mlp_dim=128", "head_dim=16", "max_target_length=32",
-             "print_config=False", "cpu_peak_tflops=0.1", "steps=8", "enable_checkpointing=False",
-             "straggler_report_period=4", "dcn_data_parallelism=2", "distributed_init_timeout_seconds=120",
-             # Host-local batches: a synthetic batch is generated on the devices, which ties the processes together.
-             "dataset_type=hf", f"hf_data_files={data}", "tokenizer_type=huggingface",
-             f"tokenizer_path={write_tokenizer(tmp_path / 'tokenizer', None)}", "vocab_size=320",
-             "data_prefetch_batches=0"]
-  procs = []
-  for i in range(2):
-    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PATH": "/usr/bin:/bin",
-           "HOME": str(Path.home()), "PYTHONPATH": f"{hooks}:{REPO_ROOT}", "JAX_COORDINATOR_ADDRESS": address,
-           "JAX_PROCESS_COUNT": "2", "JAX_PROCESS_ID": str(i)}
-    procs.append(subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True))
+  procs = _two_processes(tmp_path, hooks, "steps=8", "enable_checkpointing=False", "straggler_report_period=4")
   outs = [p.communicate(timeout=600) for p in procs]
   assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
   assert "warning: stragglers over steps 5..8: process 1 (input wait" in outs[0][1], outs[0][1][-3000:]
-  records = [json.loads(line) for line in (tmp_path / "slow" / "metrics.jsonl").read_text().splitlines()]
+  records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
   report = [r for r in records if "stragglers" in r and r["step"] == 8]
   assert report and report[0]["stragglers"] == 1 and report[0]["input_wait_s/process_1"] > 0.25, report
 

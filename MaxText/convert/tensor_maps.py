@@ -120,6 +120,11 @@ def require_hf(hf_config: Mapping[str, Any], key: str, allowed: Sequence[Any], d
   return value
 
 
+def hf_layer_types(pattern: Sequence[str], num_layers: int) -> list[str]:
+  """HF's per-layer `layer_types` for a local/global attention_layer_pattern (its inverse: below)."""
+  return ["sliding_attention" if pattern[i % len(pattern)] == "local" else "full_attention" for i in range(num_layers)]
+
+
 def attention_pattern(layer_is_local: Sequence[bool]) -> list[str]:
   """The shortest repeating [local/global...] list that reproduces a per-layer pattern."""
   kinds = ["local" if local else "global" for local in layer_is_local]

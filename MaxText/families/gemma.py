@@ -63,9 +63,7 @@ def gemma2_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def gemma2_hf_config(cfg: ModelConfig) -> dict[str, Any]:
-  pattern = cfg.attention_layer_pattern
-  layer_types = ["sliding_attention" if pattern[i % len(pattern)] == "local" else "full_attention"
-                 for i in range(cfg.num_decoder_layers)]
+  layer_types = r.hf_layer_types(cfg.attention_layer_pattern, cfg.num_decoder_layers)
   return {**gemma_hf_config(cfg), "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
           "hidden_activation": "gelu_pytorch_tanh", "layer_types": layer_types,
           "sliding_window": cfg.sliding_window_size, "attn_logit_softcapping": cfg.attn_logits_soft_cap or None,

@@ -109,9 +109,7 @@ def gpt_oss_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def gpt_oss_hf_config(cfg: ModelConfig) -> dict[str, Any]:
-  pattern = cfg.attention_layer_pattern
-  layer_types = ["sliding_attention" if pattern[i % len(pattern)] == "local" else "full_attention"
-                 for i in range(cfg.num_decoder_layers)]
+  layer_types = r.hf_layer_types(cfg.attention_layer_pattern, cfg.num_decoder_layers)
   return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", **shape_hf_config(cfg),
           **rope_hf_config(cfg), "hidden_act": "silu", "attention_bias": True, "layer_types": layer_types,
           "sliding_window": cfg.sliding_window_size, "max_position_embeddings": max_positions(cfg),
