@@ -86,7 +86,7 @@ def test_without_a_prefix_the_tree_has_one_stack(tiny_overrides):
   assert "layers" in params and not any(k.startswith("dense_layers") for k in params)
 
 
-@pytest.mark.parametrize("rate", [0.0, 1e-3])
+@pytest.mark.parametrize("rate", [pytest.param(0.0, marks=pytest.mark.slow), 1e-3])
 def test_the_bias_moves_only_by_the_expert_load(rate):
   """With rate 0 the bias stays bitwise (no weight decay, no gradient); otherwise each step adds
   rate · sign(mean load - load): up for the underloaded experts."""
@@ -134,7 +134,8 @@ def _two_steps(**overrides):
   return jax.device_get(state.params), history
 
 
-@pytest.mark.parametrize("dispatch, grouped", [("all_to_all", True),
+# Slow: the default run covers expert parallelism through Qwen3-MoE (tests/test_family_training.py).
+@pytest.mark.parametrize("dispatch, grouped", [pytest.param("all_to_all", True, marks=pytest.mark.slow),
                                                pytest.param("gather", False, marks=pytest.mark.slow)])
 def test_expert_parallel_training_equals_the_run_without_an_expert_axis(dispatch, grouped):
   """The routing (bias, groups, scaling) happens before either dispatch: two steps with experts
