@@ -30,7 +30,6 @@ import numpy as np
 from MaxText import storage
 from MaxText.errors import ConfigError, UserError
 
-CONVERSATION_FIELDS = ("messages",)
 PAIR_FIELDS = ("prompt", "completion")
 
 
@@ -91,8 +90,8 @@ def _token_text(value: object) -> str | None:
 class DroppedSamples:
   """Counts samples left with no trained token; reports the first few and then every doubling."""
 
-  def __init__(self, max_tokens: int):
-    self.max_tokens, self.count, self._lock = max_tokens, 0, threading.Lock()
+  def __init__(self) -> None:
+    self.count, self._lock = 0, threading.Lock()
 
   def add(self, reason: str) -> None:
     with self._lock:
@@ -112,7 +111,7 @@ class SftEncoder:
     # template writes its own.
     self.bos = (tokenizer.bos_token or "") if add_bos else ""
     self.eos_id = tokenizer.eos_token_id if add_eos else None
-    self.dropped = DroppedSamples(self.max_tokens)
+    self.dropped = DroppedSamples()
 
   def __call__(self, record: Any) -> np.ndarray:
     text, spans, plain = self.render(_as_mapping(record))
