@@ -153,6 +153,18 @@ def test_an_unreachable_endpoint_fails_within_the_timeout(gcs):
   assert last.startswith("error: base_output_directory=gs://bucket/runs: ") and "127.0.0.1:9" in last, last
 
 
+def test_missing_credentials_fail_with_one_line_within_the_timeout(tmp_path):
+  """No emulator, no application-default credentials (an empty HOME), no metadata server: the
+  real Google endpoint path, as on a laptop that never ran `gcloud auth`."""
+  started = time.time()
+  no_credentials = env(None, HOME=str(tmp_path), GCE_METADATA_HOST="127.0.0.1:9", GCE_METADATA_IP="127.0.0.1:9")
+  proc = run(command("gs://bucket/runs", "x", "storage_timeout_seconds=5"), no_credentials, expect=2)
+  assert time.time() - started < 60
+  lines = proc.stderr.strip().splitlines()
+  assert lines[-1].startswith("error: base_output_directory=gs://bucket/runs: ") and "credentials" in lines[-1], lines
+  assert "Traceback" not in proc.stderr and "mesh:" not in proc.stdout
+
+
 def test_writes_refused_mid_run_stop_it_with_one_line_and_older_steps_still_restore(gcs, gcs_bucket,
                                                                                    local_reference):
   from tests.gcs_emulator import FailingProxy
