@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 _MAGIC = b"MAXTEXT-COMPILED-TRAIN-STEP\n"
 _FORMAT_VERSION = 1
 # Header sections that must agree between the file and the run that loads it.
-_CHECKED_SECTIONS = ("target", "versions", "batch", "model", "optim", "mesh", "inputs")
+_CHECKED_SECTIONS = ("target", "versions", "batch", "model", "optim", "mesh", "guards", "inputs")
 
 
 def runtime_versions() -> dict[str, str | None]:
@@ -56,6 +56,8 @@ def step_header(config, inputs: StepInputs, topology_name: str) -> dict[str, Any
       "model": dataclasses.asdict(config.model),
       "optim": dataclasses.asdict(config.optim),
       "mesh": dataclasses.asdict(config.mesh),
+      "guards": {"skip_nonfinite_steps": config.run.skip_nonfinite_steps,
+                 "loss_spike_threshold": config.run.loss_spike_threshold > 0},
       "batch": {"global_batch_size": config.data.global_batch_size,
                 "max_target_length": config.data.max_target_length},
       "inputs": shapes,

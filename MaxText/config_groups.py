@@ -259,6 +259,8 @@ class RunConfig:
   router_collapse_logs: int = key()
   skip_nonfinite_steps: bool = key()
   max_consecutive_skipped_steps: int = key()
+  loss_spike_threshold: float = key()
+  loss_spike_window: int = key()
   straggler_report_period: int = key()
   straggler_threshold: float = key()
   step_timeout_seconds: float = key()
@@ -286,6 +288,9 @@ class RunConfig:
     _positive(v, "router_collapse_logs", "max_consecutive_skipped_steps")
     _require(v["straggler_report_period"] >= 0 and v["straggler_threshold"] > 0,
              "straggler_report_period must be >= 0 (0 = off) and straggler_threshold > 0")
+    _require(v["loss_spike_threshold"] >= 0 and v["loss_spike_window"] >= 2,
+             f"loss_spike_threshold must be >= 0 (0 = off) and loss_spike_window >= 2, got "
+             f"{v['loss_spike_threshold']} and {v['loss_spike_window']}")
     _require(v["step_timeout_seconds"] >= 0, f"step_timeout_seconds must be >= 0 (0 = off), got {v['step_timeout_seconds']}")
     _require(0 < v["router_collapse_fraction"] <= 1,
              f"router_collapse_fraction must be in (0, 1], got {v['router_collapse_fraction']}")

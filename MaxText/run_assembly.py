@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from MaxText import compiled_step as compiled_step_file, sharding, train_state, train_step
@@ -19,14 +20,15 @@ from MaxText.input_pipeline.batch_spec import batch_spec
 
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
-  """ShapeDtypeStructs (with shardings) for train_step(state, batch, rng)."""
+  """ShapeDtypeStructs (with shardings) for train_step(state, batch, rng[, loss_limit])."""
 
   state: Any
   batch: Any
   rng: jax.ShapeDtypeStruct
+  loss_limit: jax.ShapeDtypeStruct | None = None  # with loss_spike_threshold > 0
 
-  def as_args(self) -> tuple[Any, Any, jax.ShapeDtypeStruct]:
-    return self.state, self.batch, self.rng
+  def as_args(self) -> tuple[Any, ...]:
+    return (self.state, self.batch, self.rng) + ((self.loss_limit,) if self.loss_limit is not None else ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +39,7 @@ class Run:
   mesh: Mesh
   setup: train_state.StateSetup
   batch_sharding: NamedSharding
-  train_step: Callable  # (state, batch, rng) -> (new state, metrics); the state is donated
+  train_step: Callable  # (state, batch, rng[, loss_limit]) -> (new state, metrics); the state is donated
   eval_step: Callable  # (params, batch) -> loss sums
 
   @property
@@ -71,7 +73,9 @@ def abstract_inputs(config: Any, setup: train_state.StateSetup, batch_sharding: 
            for name, x in batch_spec(config.data).items()}
   key = jax.eval_shape(lambda: jax.random.key(0))
   rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(setup.mesh))
-  return StepInputs(state, batch, rng)
+  limit = (jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding.replicated(setup.mesh))
+           if config.run.loss_spike_threshold > 0 else None)
+  return StepInputs(state, batch, rng, limit)
 
 
 def _load_train_step(config: Any, inputs: StepInputs) -> Callable:

@@ -99,7 +99,9 @@ def make_train_step(setup: StateSetup, config) -> Callable[[TrainState, Batch, j
   use_dropout = config.model.dropout_rate > 0
   skip_nonfinite = config.run.skip_nonfinite_steps
 
-  def train_step(state: TrainState, batch: Batch, rng: jax.Array) -> tuple[TrainState, Metrics]:
+  def train_step(state: TrainState, batch: Batch, rng: jax.Array,
+                 loss_limit: jax.Array | None = None) -> tuple[TrainState, Metrics]:
+    """`loss_limit` (with loss_spike_threshold): a step whose loss is above it is not applied."""
     dropout_rng = jax.random.fold_in(rng, state.step) if use_dropout else None
     with sharding.activation_sharding(setup.mesh, config.mesh.logical_axis_rules):
       grads, sums = _grads_and_sums(setup, config, state.params, batch, dropout_rng)
@@ -116,23 +118,30 @@ def make_train_step(setup: StateSetup, config) -> Callable[[TrainState, Batch, j
       load_NE = sums["moe_load"] / config.optim.gradient_accumulation_steps if "moe_load" in sums else None
       params = update_correction_biases(params, state.params, load_NE, config.model.moe_bias_update_rate)
     grad_norm = optax.tree.norm(grads)
-    if skip_nonfinite:
-      # A non-finite step keeps the old parameters and optimizer state (whose own count drives the
+    loss = sums["xent_sum"] / num_tokens
+    guarded = skip_nonfinite or loss_limit is not None
+    if guarded:
+      # A skipped step keeps the old parameters and optimizer state (whose own count drives the
       # learning-rate schedule, so later steps are those of a run that never saw this batch);
       # `step` still counts the batch, which keeps checkpoints and data positions in order.
-      applied = jnp.isfinite(sums["xent_sum"]) & jnp.isfinite(grad_norm)
+      finite = jnp.isfinite(sums["xent_sum"]) & jnp.isfinite(grad_norm)
+      applied = finite if skip_nonfinite else jnp.bool_(True)
+      if loss_limit is not None:  # a non-finite loss is left to skip_nonfinite_steps
+        applied &= (loss <= loss_limit) | ~finite
       params, opt_state = jax.tree.map(lambda new, old: jnp.where(applied, new, old), (params, opt_state),
                                        (state.params, old_opt_state))
     metrics = {
-        "loss": sums["xent_sum"] / num_tokens,
+        "loss": loss,
         "z_loss": sums["z_loss_sum"] / num_tokens,
         "grad_norm": grad_norm,
         "param_norm": optax.tree.norm(params),
         "learning_rate": schedule(state.step),
         "num_tokens": sums["weight_sum"],
     }
-    if skip_nonfinite:
+    if guarded:
       metrics["skipped"] = 1.0 - applied.astype(jnp.float32)
+    if loss_limit is not None:
+      metrics["loss_limit"] = loss_limit
     if config.model.num_experts > 1:
       metrics["moe_lb_loss"] = sums["moe_lb_loss_sum"] / num_tokens
       metrics.update(routing_metrics(sums, config.optim.gradient_accumulation_steps))
@@ -144,9 +153,10 @@ def make_train_step(setup: StateSetup, config) -> Callable[[TrainState, Batch, j
 def jit_train_step(setup: StateSetup, config, batch_sharding: Any) -> Callable:
   """jit with explicit shardings; the old state is donated so its buffers are reused."""
   replicated = sharding.replicated(setup.mesh)
+  limit = (replicated,) if config.run.loss_spike_threshold > 0 else ()  # the step's loss_limit argument
   return jax.jit(
       make_train_step(setup, config),
-      in_shardings=(setup.state_shardings, batch_sharding, replicated),
+      in_shardings=(setup.state_shardings, batch_sharding, replicated, *limit),
       out_shardings=(setup.state_shardings, replicated),
       donate_argnums=(0,),
   )

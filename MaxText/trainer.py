@@ -7,6 +7,7 @@ are hooks; the jitted step stays pure.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import sys
@@ -38,6 +39,32 @@ class ResumableBatches(Protocol):
   def __next__(self) -> Any: ...
 
   def get_state(self) -> Any: ...
+
+
+class LossSpikeLimit:
+  """The loss above which a step counts as a spike (loss_spike_threshold): the mean of the last
+  `window` applied steps' losses plus `threshold` standard deviations; +inf until the window is full.
+
+  Host-side, from losses the loop reads anyway: the step gets the limit as an argument and
+  decides on the device, so a spike is never applied and nothing waits. The limit lags one step
+  (the loop reads step t-1's loss after dispatching step t), which the statistics of a window
+  do not notice."""
+
+  def __init__(self, threshold: float, window: int):
+    self.threshold = threshold
+    self.losses: collections.deque[float] = collections.deque(maxlen=window)
+
+  def limit(self) -> float:
+    if len(self.losses) < (self.losses.maxlen or 0):
+      return math.inf
+    values = np.asarray(self.losses, np.float64)
+    return float(values.mean() + self.threshold * values.std())
+
+  def add(self, loss: float) -> None:
+    self.losses.append(loss)
+
+  def describe(self) -> str:
+    return f"mean + {self.threshold:g} standard deviations of the last {self.losses.maxlen} applied steps"
 
 
 class Hook(Protocol):
@@ -89,8 +116,12 @@ class Trainer:
     self._entries: list[_Entry] = []
     self.tokens_per_step = config.data.global_batch_size * config.data.max_target_length
     self.stop_reason: str | None = None  # a hook sets it to end the run after the current step
-    self.skipped_steps: list[int] = []  # steps whose non-finite update was not applied
+    self.skipped_steps: list[int] = []  # steps whose update was not applied (non-finite, or a loss spike)
     self.skipped_in_a_row = 0
+    run = config.run
+    self.spike_limit = LossSpikeLimit(run.loss_spike_threshold, run.loss_spike_window) \
+        if run.loss_spike_threshold > 0 else None
+    self._batch_starts: dict[int, str] = {}  # step index -> where its batch starts in the data (for messages)
 
   def add_hook(self, hook: Hook, every: int = 1, needs_state: bool = False) -> None:
     """Runs `hook.on_step` after every `every`-th step; every=0: at the steps `hook.due` names."""
@@ -112,7 +143,7 @@ class Trainer:
     scalars = metrics_lib.host_scalars(jax.device_get(device_metrics))
     now = time.perf_counter()
     seconds, loop.last_done = now - loop.last_done, now
-    self._check_finite(index + 1, scalars)
+    self._check_step(index + 1, scalars, self._batch_starts.pop(index, ""))
     t = metrics_lib.throughput(seconds, scalars["num_tokens"], self.flops, self.config.target.num_devices,
                                self.peak)
     scalars.update(step_seconds=seconds, tokens_per_s=t.tokens_per_s, tokens_per_s_per_device=t.tokens_per_s_per_device,
@@ -122,25 +153,35 @@ class Trainer:
     for entry in due:
       entry.hook.on_step(self, record, state if entry.needs_state else None)
 
-  def _check_finite(self, step: int, scalars: dict[str, float]) -> None:
-    """A non-finite step was not applied (skip_nonfinite_steps): say so and go on, unless it is
-    the max_consecutive_skipped_steps-th in a row; without skipping it ends the run."""
-    finite = math.isfinite(scalars["loss"]) and math.isfinite(scalars["grad_norm"])
-    if not scalars.get("skipped", 0.0) and finite:
-      self.skipped_in_a_row = 0
-      return
-    what = f"loss {scalars['loss']}, grad_norm {scalars['grad_norm']:.3g}"
+  def _check_step(self, step: int, scalars: dict[str, float], batch_start: str) -> None:
+    """A skipped step (non-finite with skip_nonfinite_steps, or a loss spike) was not applied: say
+    which batch it was and go on, unless it is the max_consecutive_skipped_steps-th in a row. A
+    non-finite step that was applied (skip_nonfinite_steps=False) ends the run."""
+    loss = scalars["loss"]
+    finite = math.isfinite(loss) and math.isfinite(scalars["grad_norm"])
     advice = "lower learning_rate, enable gradient_clipping_threshold, or check the data"
     if not scalars.get("skipped", 0.0):
-      raise TrainingError(f"loss became {scalars['loss']} at step {step} (grad_norm {scalars['grad_norm']:.3g}); "
-                          f"{advice}")
+      if not finite:
+        raise TrainingError(f"loss became {loss} at step {step} (grad_norm {scalars['grad_norm']:.3g}); {advice}")
+      self.skipped_in_a_row = 0
+      if self.spike_limit is not None:
+        self.spike_limit.add(loss)
+      return
     self.skipped_in_a_row += 1
     self.skipped_steps.append(step)
+    if finite:
+      assert self.spike_limit is not None
+      kind, what = "a loss spike", (f"loss {loss:.4g} > {scalars['loss_limit']:.4g}, the "
+                                    f"{self.spike_limit.describe()}")
+      advice = "if the loss moved for good, raise loss_spike_threshold; otherwise check the data"
+    else:
+      kind, what = "non-finite", f"loss {loss}, grad_norm {scalars['grad_norm']:.3g}"
     limit = self.config.run.max_consecutive_skipped_steps
     if self.skipped_in_a_row >= limit:
-      raise TrainingError(f"{limit} steps in a row were non-finite, up to step {step} ({what}); the model, not one "
-                          f"batch, is broken: {advice}")
-    print(f"warning: step {step} was non-finite ({what}): its update was not applied and its batch is skipped "
+      raise TrainingError(f"{limit} steps in a row were {'spikes' if finite else kind}, up to step {step} ({what}); "
+                          f"the model, not one batch, is broken: {advice}")
+    where = f" ({batch_start})" if batch_start else ""
+    print(f"warning: step {step} was {kind} ({what}): its update was not applied and its batch{where} is skipped "
           f"({self.skipped_in_a_row} in a row, {len(self.skipped_steps)} in this run)", file=sys.stderr, flush=True)
 
   def run(self, state: TrainState, start_step: int = 0) -> LoopState:
@@ -149,9 +190,14 @@ class Trainer:
     try:
       while loop.next_step < self.config.run.steps:
         waited_from = time.perf_counter()
+        self._note_batch_start(loop.next_step)
         batch = next(self.data)
         input_wait_s = time.perf_counter() - waited_from  # > 0 means the input pipeline is the bottleneck
-        loop.state, device_metrics = self.train_step(loop.state, batch, self.rng)
+        if self.spike_limit is None:
+          loop.state, device_metrics = self.train_step(loop.state, batch, self.rng)
+        else:
+          loop.state, device_metrics = self.train_step(loop.state, batch, self.rng,
+                                                       np.float32(self.spike_limit.limit()))
         if loop.pending is not None:
           self._finish(loop, None)  # the state after that step was donated to this one
         loop.next_step += 1
@@ -171,6 +217,12 @@ class Trainer:
       raise
     self._end_hooks(loop, failing=False)
     return loop
+
+  def _note_batch_start(self, index: int) -> None:
+    """Where step `index`'s batch starts, while the loop may still skip it (iterators that can say)."""
+    describe = getattr(self.data, "describe_next_position", None)
+    if describe is not None and (self.config.run.skip_nonfinite_steps or self.spike_limit is not None):
+      self._batch_starts[index] = describe()
 
   def _end_hooks(self, loop: LoopState, failing: bool) -> None:
     """Every hook's on_end runs; while an error is already on its way out, a hook's own failure

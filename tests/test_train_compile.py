@@ -149,6 +149,15 @@ def test_saved_step_trains_like_a_jitted_one_on_cpu(tmp_path, cpu_step_file, cap
   assert len(loaded) == 3 and loaded == jitted  # the same program on the same inputs: bitwise equal
 
 
+def test_a_step_with_loss_spike_detection_saves_loads_and_trains_like_a_jitted_one(tmp_path, capsys):
+  path = tmp_path / "spike_step.aot"
+  spiky = dict(CPU_TINY, loss_spike_threshold=4.0, loss_spike_window=2)
+  assert train_compile.main(argv(compile_topology="local", compiled_trainstep_file=path, **spiky)) == 0
+  loaded = _train(tmp_path, "loaded", compiled_trainstep_file=path, loss_spike_threshold=4.0, loss_spike_window=2)
+  assert "loaded the compiled executable" in capsys.readouterr().out
+  assert loaded == _train(tmp_path, "jitted", loss_spike_threshold=4.0, loss_spike_window=2)
+
+
 def _load_for(path: Path, **overrides) -> None:
   """What train.py does with compiled_trainstep_file, without initialising or training."""
   build_run(Config.for_testing(**{**CPU_TINY, **overrides, "compiled_trainstep_file": str(path)}))
@@ -163,6 +172,10 @@ def test_mismatched_step_file_is_refused(tmp_path, cpu_step_file):
     _load_for(cpu_step_file, learning_rate=0.01)
   with pytest.raises(UserError, match=r"batch.global_batch_size: file 8, this run 16"):
     _load_for(cpu_step_file, per_device_batch_size=2)
+  with pytest.raises(UserError, match=r"guards.loss_spike_threshold: file False, this run True"):
+    _load_for(cpu_step_file, loss_spike_threshold=5.0)  # that step takes a loss limit: another program
+  with pytest.raises(UserError, match=r"guards.skip_nonfinite_steps: file True, this run False"):
+    _load_for(cpu_step_file, skip_nonfinite_steps=False)
 
   header, offset = compiled_step.read_header(str(cpu_step_file))
   header["versions"]["jax"] = "0.0.1"  # as if compiled by another JAX: rebuild the file by hand

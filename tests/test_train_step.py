@@ -85,13 +85,13 @@ def test_nan_loss_stops_the_run_naming_the_step(tiny_overrides):
     trainer.run(state=None)
 
 
-def _poisoned(tiny_overrides, token: int):
-  """A run whose embedding row `token` is NaN (a corrupted row): any batch holding that token gives a
-  non-finite loss, while batches without it train normally."""
-  run = Run(Config.for_testing(**tiny_overrides, dataset_type="synthetic", enable_checkpointing=False))
+def _poisoned(tiny_overrides, token: int, value: float = float("nan"), **overrides):
+  """A run whose embedding row `token` is `value` (a corrupted row): any batch holding that token gives
+  a non-finite (NaN) or a huge (large value) loss, while batches without it train normally."""
+  run = Run(Config.for_testing(**tiny_overrides, dataset_type="synthetic", enable_checkpointing=False, **overrides))
   state = run.init()
   table = state.params["token_embedder"]["embedding"]
-  params = {**state.params, "token_embedder": {"embedding": table.at[token].set(jnp.nan)}}
+  params = {**state.params, "token_embedder": {"embedding": table.at[token].set(value)}}
   return run, run.init(params)
 
 
@@ -111,6 +111,70 @@ def test_a_poisoned_batch_is_skipped_and_the_run_equals_one_that_never_saw_it(ti
   assert int(skipping.step) == 5 and int(reference.step) == 4  # the step counts every batch
   jax.tree.map(np.testing.assert_array_equal, (skipping.params, skipping.opt_state),
                (reference.params, reference.opt_state))
+
+
+def test_a_loss_spike_is_skipped_and_the_run_equals_one_that_never_saw_its_batch(tiny_overrides, capsys):
+  """The trainer's spike limit (mean + k std of the last applied losses) with the real step. The
+  model learns one batch by heart, so a batch of random tokens is a finite spike: it is not
+  applied, and the run ends exactly where a run whose data never held that batch ends."""
+  settings = dict(tiny_overrides, dataset_type="synthetic", enable_checkpointing=False, learning_rate=1e-2,
+                  learning_rate_schedule_steps=12, loss_spike_threshold=3.0, loss_spike_window=4)
+  config = Config.for_testing(**settings, steps=12)
+  run = Run(config)
+  state = run.init()
+  learnt = next(run.data)
+  random_tokens = jax.random.randint(jax.random.key(7), learnt["inputs"].shape, 0, tiny_overrides["vocab_size"])
+  spike = dict(learnt, inputs=random_tokens.astype(learnt["inputs"].dtype),
+               targets=jnp.roll(random_tokens, 1, axis=0).astype(learnt["targets"].dtype))
+  flops = metrics.training_tflops_per_step(config.model, 8, 32)
+
+  def train(batches):
+    trainer = Trainer(Config.for_testing(**settings, steps=len(batches)), run.step_fn, iter(batches), run.rng,
+                      flops, 1.0)
+    return trainer, trainer.run(jax.tree.map(jnp.copy, state)).state
+
+  spiking, spiked = train([learnt] * 9 + [spike] + [learnt] * 2)
+  reference, expected = train([learnt] * 11)
+  assert spiking.skipped_steps == [10] and reference.skipped_steps == []
+  err = capsys.readouterr().err
+  assert "warning: step 10 was a loss spike (loss " in err and ", the mean + 3 standard deviations of the last 4 " \
+         "applied steps): its update was not applied and its batch is skipped (1 in a row, 1 in this run)" in err
+  jax.tree.map(np.testing.assert_array_equal, (spiked.params, spiked.opt_state),
+               (expected.params, expected.opt_state))
+  assert int(spiked.step) == 12 and int(expected.step) == 11  # the step counts every batch
+
+
+class _LimitRecordingStep:
+  """A fake step with a given loss per call that records the limit the trainer passed."""
+
+  def __init__(self, losses: list[float]):
+    self.losses, self.limits = losses, []
+
+  def __call__(self, state, batch, rng, loss_limit):
+    loss = self.losses[len(self.limits)]
+    self.limits.append(float(loss_limit))
+    return state, {"loss": jnp.asarray(loss), "grad_norm": jnp.asarray(1.0), "num_tokens": jnp.asarray(8.0),
+                   "skipped": jnp.asarray(float(loss > loss_limit)), "loss_limit": jnp.asarray(loss_limit)}
+
+
+def test_the_spike_limit_is_mean_plus_k_std_of_the_applied_window_and_spikes_in_a_row_stop_the_run(tiny_overrides):
+  config = Config.for_testing(**tiny_overrides, steps=9, loss_spike_threshold=2.0, loss_spike_window=3,
+                              max_consecutive_skipped_steps=2)
+  flops = metrics.training_tflops_per_step(config.model, 8, 32)
+  step = _LimitRecordingStep([3.0, 2.0, 1.0, 1.5, 9.0, 1.2, 1.1, 1.0, 1.0])
+  trainer = Trainer(config, step, iter(range(100)), jax.random.key(0), flops, 1.0)
+  trainer.run(state=None)
+  # Step t's limit knows the losses up to step t-2 (t-1 is still on the device when t is dispatched).
+  window = lambda *xs: float(np.float32(np.mean(xs) + 2.0 * np.std(xs)))  # noqa: E731
+  assert step.limits[:4] == [math.inf] * 4
+  assert step.limits[4] == window(3.0, 2.0, 1.0)
+  assert step.limits[5] == window(2.0, 1.0, 1.5)
+  assert step.limits[6] == window(2.0, 1.0, 1.5)  # the spike (9.0) never enters the window
+  assert trainer.skipped_steps == [5]
+  step = _LimitRecordingStep([3.0, 2.0, 1.0, 1.0, 9.0, 9.0, 9.0])
+  trainer = Trainer(config, step, iter(range(100)), jax.random.key(0), flops, 1.0)
+  with pytest.raises(TrainingError, match="2 steps in a row were spikes, up to step 6 .*raise loss_spike_threshold"):
+    trainer.run(state=None)
 
 
 class _SkippingStep:
@@ -216,3 +280,4 @@ def test_ctrl_c_stops_cleanly(tmp_path):
   assert proc.returncode == 130, err[-2000:]
   assert "stopped by Ctrl-C after step" in out and "Traceback" not in err
   assert (tmp_path / "int" / "metrics.jsonl").read_text().strip()  # what was logged is kept
+

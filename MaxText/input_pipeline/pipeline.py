@@ -202,6 +202,11 @@ class PackedBatchIterator:
     return {name: jax.make_array_from_process_local_data(self.sharding, host_batch[name], self.global_shape)
             for name in FIELDS}
 
+  def describe_next_position(self) -> str:
+    """Where the next batch starts in this host's shard (a skipped batch is named by it)."""
+    return (f"data shard {self.shard.index} of {self.shard.count}, from document {self._position.index}, "
+            f"token pair {self._position.offset}")
+
   def _seek(self, position: Position) -> None:
     self.close()
     self._cursor.seek(position)

@@ -157,11 +157,16 @@ def test_state_counts_consumed_batches_not_prefetched_ones(spm_model, prepared):
   mesh = sharding.create_mesh(_config(spm_model, prepared).mesh)
   eager = create_data_iterator(_config(spm_model, prepared, data_prefetch_batches=0), mesh)
   ahead = create_data_iterator(_config(spm_model, prepared, data_prefetch_batches=4), mesh)
-  states = []
+  states, starts = [], []
   for _ in range(3):
+    starts.append((eager.describe_next_position(), ahead.describe_next_position()))
     next(eager), next(ahead)
     states.append((eager.get_state()["shards"], ahead.get_state()["shards"]))
   assert all(a == b for a, b in states) and states[0][0] != states[-1][0]
+  # A skipped batch is named by where it starts: the position the previous batch left.
+  assert all(a == b for a, b in starts) and starts[0][0] == "data shard 0 of 1, from document 0, token pair 0"
+  shard = states[0][0]["0"]
+  assert starts[1][0] == f"data shard 0 of 1, from document {shard['index']}, token pair {shard['offset']}"
   ahead.close()
 
 
