@@ -15,6 +15,9 @@ so it holds about one parameter: a whole layer stack when scan_layers=True, one 
 when False. Staging needs disk space for one extra copy of the converted model, removed at the end.
 Measured figures are in getting_started/Models.md.
 
+An MXFP4-quantised checkpoint (GPT-OSS as published) is dequantised to bfloat16 as it streams
+(convert/mxfp4.py); the model trains and is written back in bfloat16.
+
 DIR and CKPT may be gs:// paths: HF shards are downloaded one at a time just before they are read,
 and Orbax writes a gs:// CKPT itself (its staging files then go to the local temporary directory).
 """
@@ -26,7 +29,7 @@ import sys
 import tempfile
 
 from MaxText import families, models, storage
-from MaxText.convert import cli, engine, hf_io, streaming
+from MaxText.convert import cli, engine, hf_io, mxfp4, streaming
 from MaxText.errors import UserError, run_cli
 
 PROG = "hf_to_maxtext"
@@ -50,7 +53,10 @@ def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict:
     storage.makedirs(staging_parent)
   with tempfile.TemporaryDirectory(dir=staging_parent, prefix=".hf_to_maxtext-staging-") as staging_dir:
     staged = engine.StagedParams(spec.abstract_params, staging_dir, cfg.weight_dtype)
-    largest = engine.stage_hf_tensors(hf_io.iter_hf_tensors(hf_path), family, cfg, staged)
+    tensors = hf_io.iter_hf_tensors(hf_path)
+    if mxfp4.quant_method(hf_config) == "mxfp4":
+      tensors = mxfp4.dequantized_tensors(tensors)
+    largest = engine.stage_hf_tensors(tensors, family, cfg, staged)
     streaming.save_params_one_by_one(output_path, staged.tree())
   saved = engine.write_model_config(output_path, model_keys, hf_path)
   peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -14,9 +14,9 @@ HF names beyond Llama's attention and norms (layer i)         ours (inside layer
   model.layers.{i}.mlp.experts.down_proj [E, F, D] / _bias [E, D]  mlp/wo/kernel / mlp/wo/bias
 
 The published checkpoints store the experts MXFP4-quantised (`quantization_config`,
-*_blocks / *_scales tensors); this converter reads the bfloat16 layout (`from_config`, or a
-checkpoint dequantised with transformers' `Mxfp4Config(dequantize=True)`) and refuses the
-quantised one with one line. A config with sinks or biases switched off (an ablation) reads a
+*_blocks / *_scales tensors); the converter dequantises them to the bfloat16 layout above as it
+reads (convert/mxfp4.py), and reads a bfloat16 checkpoint as it is. Other quantisation methods
+are refused with one line. A config with sinks or biases switched off (an ablation) reads a
 checkpoint without those tensors.
 """
 
@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from MaxText.convert import tensor_maps as r
+from MaxText.convert import mxfp4, tensor_maps as r
 from MaxText.errors import ConfigError
 from MaxText.families import Family, register_family
 from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, max_positions, rope_hf_config,
@@ -87,10 +87,10 @@ def gpt_oss_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
 
 
 def gpt_oss_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
-  if hf.get("quantization_config"):
-    method = dict(hf["quantization_config"]).get("quant_method", "?")
-    raise ConfigError(f"this gpt_oss checkpoint is quantised (quantization_config quant_method={method!r}); "
-                      "dequantise it first (transformers: Mxfp4Config(dequantize=True), then save_pretrained)")
+  method = mxfp4.quant_method(hf)
+  if method not in (None, "mxfp4"):
+    raise ConfigError(f"this gpt_oss checkpoint is quantised with quant_method={method!r}; only the published "
+                      "MXFP4 experts (quant_method 'mxfp4') or bfloat16 weights can be read: dequantise it first")
   r.require_hf(hf, "attention_bias", (True,), True)
   num_layers = hf["num_hidden_layers"]
   layer_types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"

@@ -1,7 +1,7 @@
 """GPT-OSS's layer features beyond the HF comparison of test_families_vs_hf.py: attention sinks
 against their formula and in the cached path, the kernels that refuse them, the MoE biases and
 clamped SwiGLU on every dispatch and grouped-matmul path, and the converter's refusal of the
-MXFP4-quantised checkpoints."""
+MXFP4-quantised checkpoints (read; tests/test_mxfp4.py converts them)."""
 
 from __future__ import annotations
 
@@ -103,12 +103,13 @@ def test_clamped_swiglu_pieces():
   np.testing.assert_allclose(clamped_plus_one(x, 0.0), np.asarray(x) + 1)  # 0 = no clipping
 
 
-def test_quantised_checkpoint_is_refused_in_one_line():
-  hf = dict(families.reference_hf_configs()["gpt_oss"], quantization_config={"quant_method": "mxfp4"},
-            num_hidden_layers=2)
+def test_mxfp4_is_read_and_other_quantisations_are_refused_in_one_line():
+  hf = dict(families.reference_hf_configs()["gpt_oss"], num_hidden_layers=2)
+  family = families.family_for_hf_config(hf)
+  assert family.model_keys(dict(hf, quantization_config={"quant_method": "mxfp4"})) == family.model_keys(hf)
   with pytest.raises(ConfigError) as info:
-    families.family_for_hf_config(hf).model_keys(hf)
-  assert "dequantise it first" in str(info.value) and "\n" not in str(info.value)
+    family.model_keys(dict(hf, quantization_config={"quant_method": "gptq"}))
+  assert "quant_method='gptq'" in str(info.value) and "\n" not in str(info.value)
 
 
 def _moe_block(**overrides) -> moe.MoeBlock:
