@@ -155,6 +155,7 @@ class ModelConfig:
   routed_scaling_factor: float = key(architecture=True)  # multiplies the routing weights
   first_dense_layers: int = key(architecture=True)  # leading layers with a dense MLP (the dense_layers stack)
   dense_mlp_dim: int = key(architecture=True)  # their MLP width (0 = mlp_dim)
+  mtp_num_layers: int = key(architecture=True)  # multi-token-prediction modules after the stack (0 = none)
   global_parameter_scale: int = key(fixed_on_resume=MODEL)
   scan_layers: bool = key(fixed_on_resume=LAYOUT)
   weight_dtype: str = key(fixed_on_resume=LAYOUT)
@@ -168,6 +169,7 @@ class ModelConfig:
   capacity_factor: float = key()  # <= 0 = dropless
   sparse_matmul: bool = key()  # dropless experts as grouped matmuls (jax.lax.ragged_dot)
   load_balance_loss_weight: float = key()
+  mtp_loss_scaling_factor: float = key()  # λ: the mean of the MTP depths' losses enters the loss times this
   moe_dispatch: str = key()  # all_to_all | gather (layers/moe_dispatch.py)
   moe_all_to_all: str = key()  # auto | ragged | padded
   moe_ragged_buffer_factor: float = key()  # <= 0: worst-case receive buffer (dropless)
@@ -232,6 +234,11 @@ class ModelConfig:
              "first_dense_layers > 0 is not supported with pipeline parallelism (the stages split one homogeneous stack)")
     _require(not pipelined or v["moe_bias_update_rate"] == 0,
              "moe_bias_update_rate > 0 is not supported with pipeline parallelism (the pipelines report no expert load)")
+    _require(v["mtp_num_layers"] >= 0 and v["mtp_loss_scaling_factor"] >= 0,
+             f"mtp_num_layers and mtp_loss_scaling_factor must be >= 0, got {v['mtp_num_layers']} and "
+             f"{v['mtp_loss_scaling_factor']}")
+    _require(not pipelined or v["mtp_num_layers"] == 0,
+             "mtp_num_layers > 0 is not supported with pipeline parallelism (the last stage would run the MTP modules)")
     stages, micro = _pipeline(v, mesh, global_batch, layers)
     return cls(**read_keys(cls, v, num_pipeline_microbatches=micro),
                emb_dim=v["base_emb_dim"] * s["emb"], num_query_heads=num_q, num_kv_heads=num_kv,

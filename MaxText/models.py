@@ -22,7 +22,7 @@ from MaxText.layers.embeddings import Embed, sinusoidal_positions
 from MaxText.layers.kv_cache import KVCache
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.moe import ROUTING_STATS
-from MaxText.layers import pipeline, pipeline_1f1b, quantization
+from MaxText.layers import mtp, pipeline, pipeline_1f1b, quantization
 from MaxText.layers.normalizations import make_norm
 
 _DOT_NAMES_EXCEPT_MLP = ("query_proj", "key_proj", "value_proj", "out_proj")
@@ -83,6 +83,8 @@ class Transformer(nnx.Module):
       logits_dtype = jnp.float32 if cfg.logits_dot_in_fp32 else dtype
       self.logits_dense = DenseGeneral((cfg.emb_dim,), (cfg.vocab_size,), ("embed", "vocab"),
                                        dtype=logits_dtype, weight_dtype=weight_dtype, rngs=rngs)
+    for depth in range(cfg.mtp_num_layers):  # last, so the other parameters initialise as without them
+      setattr(self, mtp.module_name(depth), mtp.MtpModule(cfg, layer_class, rngs=rngs))
 
   def _build_stack(self, name: str, layer_class: Callable[..., nnx.Module], cfg: ModelConfig, count: int,
                    rngs: nnx.Rngs) -> None:
@@ -234,14 +236,43 @@ class Transformer(nnx.Module):
     return self.logits_and_aux(tokens_BL, positions_BL, segment_ids_BL, dropout_rng)[0]
 
   def logits_and_aux(self, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
-                     dropout_rng: jax.Array | None = None) -> tuple[jax.Array, AuxLosses]:
+                     dropout_rng: jax.Array | None = None, mtp_targets: tuple[jax.Array, jax.Array] | None = None
+                     ) -> tuple[jax.Array, AuxLosses]:
     """Float32 logits [B, L, V] and what the layers sow: auxiliary losses (e.g. `moe_lb_loss`), each a
-    mean over layers, and routing statistics, each stacked per layer [num_layers, ...]."""
+    mean over layers, and routing statistics, each stacked per layer [num_layers, ...]. With
+    `mtp_targets` (targets, their weights) and mtp_num_layers > 0, also the multi-token-prediction
+    sums `mtp_xent_sum` and `mtp_weight_sum` over every depth (layers/mtp.py)."""
     x_BLD = sharding.constrain(self._embed(tokens_BL, positions_BL), ACTIVATION_NAMES)
+    if dropout_rng is not None and mtp_targets is not None:
+      dropout_rng, mtp_rng = jax.random.split(dropout_rng)
     with quantization.use_quantization(self.cfg.quantization):  # the stack only: logits stay in float
       x_BLD, aux, _ = self._run_layers(x_BLD, positions_BL, segment_ids_BL, dropout_rng)
-    return self._logits(x_BLD), {name: value if name in ROUTING_STATS else value / self.cfg.num_moe_stack_layers
-                                 for name, value in aux.items()}
+    aux = {name: value if name in ROUTING_STATS else value / self.cfg.num_moe_stack_layers
+           for name, value in aux.items()}
+    if mtp_targets is not None and self.cfg.mtp_num_layers > 0:
+      aux.update(self._mtp_sums(x_BLD, tokens_BL, positions_BL, segment_ids_BL, *mtp_targets,
+                                mtp_rng if dropout_rng is not None else None))
+    return self._logits(x_BLD), aux
+
+  def _mtp_sums(self, h_BLD: jax.Array, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
+                targets_BL: jax.Array, weights_BL: jax.Array, rng: jax.Array | None) -> AuxLosses:
+    cfg = self.cfg
+    xent_sum = weight_sum = jnp.zeros((), jnp.float32)
+    for depth in range(cfg.mtp_num_layers):
+      k = depth + 1
+      module = getattr(self, mtp.module_name(depth))
+      embedded_BLD = self._embed(mtp.ahead(tokens_BL, k), mtp.ahead(positions_BL, k))
+      h_BLD = sharding.constrain(module.combine(embedded_BLD, h_BLD), ACTIVATION_NAMES)
+      layer_rng = None if rng is None else jax.random.fold_in(rng, depth)
+      with quantization.use_quantization(cfg.quantization):
+        h_BLD = mtp.run_layer(module, h_BLD, positions_BL, segment_ids_BL, layer_rng, cfg.num_decoder_layers + depth,
+                              remat_policy(cfg.remat_policy))
+      logits_BLV = output_logits(cfg, module.final_norm, self._output_module(), h_BLD)
+      same_document = mtp.ahead(segment_ids_BL, k) == segment_ids_BL
+      w_BL = mtp.ahead(weights_BL, k) * same_document
+      _, sums = token_loss_sums(logits_BLV, mtp.ahead(targets_BL, k), w_BL, 0.0)
+      xent_sum, weight_sum = xent_sum + sums["xent_sum"], weight_sum + jnp.sum(w_BL)
+    return {"mtp_xent_sum": xent_sum, "mtp_weight_sum": weight_sum}
 
   def decode(self, tokens_BL: jax.Array, positions_BL: jax.Array, caches: Any,
              logits_index_B: jax.Array | None = None) -> tuple[jax.Array, Any]:
@@ -320,10 +351,12 @@ class ModelSpec:
     return model(tokens_BL, positions_BL, segment_ids_BL, dropout_rng)
 
   def apply_with_aux(self, params: Any, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
-                     dropout_rng: jax.Array | None = None) -> tuple[jax.Array, AuxLosses]:
-    """(logits, auxiliary losses): what the train step needs (e.g. the MoE load-balancing loss)."""
+                     dropout_rng: jax.Array | None = None, mtp_targets: tuple[jax.Array, jax.Array] | None = None
+                     ) -> tuple[jax.Array, AuxLosses]:
+    """(logits, auxiliary losses): what the train step needs (e.g. the MoE load-balancing loss, the
+    multi-token-prediction sums with `mtp_targets`)."""
     model = nnx.merge(self.graphdef, params)
-    return model.logits_and_aux(tokens_BL, positions_BL, segment_ids_BL, dropout_rng)
+    return model.logits_and_aux(tokens_BL, positions_BL, segment_ids_BL, dropout_rng, mtp_targets)
 
   def apply_pipelined_loss(self, params: Any, batch: dict[str, jax.Array], dropout_rng: jax.Array | None,
                            z_loss_multiplier: float, load_balance_loss_weight: float

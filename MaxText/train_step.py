@@ -31,15 +31,22 @@ def loss_sums(model: ModelSpec, params: Any, batch: Batch, dropout_rng: jax.Arra
   cfg = model.cfg
   if for_gradients and cfg.num_pipeline_stages > 1 and cfg.pipeline_schedule == "1f1b":
     return model.apply_pipelined_loss(params, batch, dropout_rng, z_loss_multiplier, load_balance_loss_weight)
-  logits_BLV, aux = model.apply_with_aux(params, batch["inputs"], batch["inputs_position"],
-                                         batch["inputs_segmentation"], dropout_rng)
   weights_BL = (batch["targets_segmentation"] != 0).astype(jnp.float32)
+  # Multi-token prediction is a training objective: evaluation reports the next-token loss only.
+  mtp_targets = (batch["targets"], weights_BL) if for_gradients and cfg.mtp_num_layers > 0 else None
+  logits_BLV, aux = model.apply_with_aux(params, batch["inputs"], batch["inputs_position"],
+                                         batch["inputs_segmentation"], dropout_rng, mtp_targets)
   _, sums = token_loss_sums(logits_BLV, batch["targets"], weights_BL, z_loss_multiplier)
   xent_sum, z_sum = sums["xent_sum"], sums["z_loss_sum"]
   weight_sum = jnp.sum(weights_BL)
   lb_sum = aux.get("moe_lb_loss", jnp.zeros((), jnp.float32)) * weight_sum
   total = xent_sum + z_loss_multiplier * z_sum + load_balance_loss_weight * lb_sum
   stats = {name: aux[name] for name in ROUTING_STATS if name in aux}  # summed over microbatches too
+  if mtp_targets is not None:
+    # A sum like the others (micro-batches add up); divided by the step's target count, it is
+    # λ times the mean over depths of each depth's per-token loss.
+    total = total + cfg.mtp_loss_scaling_factor / cfg.mtp_num_layers * aux["mtp_xent_sum"]
+    stats.update(mtp_xent_sum=aux["mtp_xent_sum"], mtp_weight_sum=aux["mtp_weight_sum"])
   return total, {"xent_sum": xent_sum, "z_loss_sum": z_sum, "moe_lb_loss_sum": lb_sum, "weight_sum": weight_sum,
                  **stats}
 
@@ -142,6 +149,8 @@ def make_train_step(setup: StateSetup, config) -> Callable[[TrainState, Batch, j
       metrics["skipped"] = 1.0 - applied.astype(jnp.float32)
     if loss_limit is not None:
       metrics["loss_limit"] = loss_limit
+    if "mtp_xent_sum" in sums:
+      metrics["mtp_loss"] = sums["mtp_xent_sum"] / jnp.maximum(sums["mtp_weight_sum"], 1.0)
     if config.model.num_experts > 1:
       metrics["moe_lb_loss"] = sums["moe_lb_loss_sum"] / num_tokens
       metrics.update(routing_metrics(sums, config.optim.gradient_accumulation_steps))

@@ -167,9 +167,9 @@ def update_correction_biases(new_params: Any, old_params: Any, load_NE: jax.Arra
     keys = [str(getattr(k, "key", k)) for k in path]
     if keys[-1] != CORRECTION_BIAS:
       return new
-    if rate == 0 or load_NE is None:
-      return old
     stack = keys[0]
+    if rate == 0 or load_NE is None or stack.startswith("mtp_"):  # an MTP layer's load is not reported
+      return old
     load = load_NE if stack == "layers" else load_NE[int(stack.rpartition("_")[2])]
     step = jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
     return (old.astype(jnp.float32) + rate * step).astype(old.dtype)
