@@ -52,10 +52,11 @@ class StepFlops:
 
 
 def attended_pairs(cfg: ModelConfig, length: int, causal: bool = True) -> float:
-  """Query-key pairs of one sequence summed over the layers (see the module docstring)."""
+  """Query-key pairs of one sequence summed over the layers, the MTP modules' layers included (see
+  the module docstring)."""
   pattern = cfg.attention_layer_pattern
   total = 0.0
-  for layer in range(cfg.num_decoder_layers):
+  for layer in range(cfg.num_decoder_layers + cfg.mtp_num_layers):
     kind = pattern[layer % len(pattern)]
     window = cfg.sliding_window_size if kind == "local" else None
     chunk = cfg.attention_chunk_size
@@ -102,8 +103,12 @@ def forward_flops_per_sequence(cfg: ModelConfig, length: int, causal: bool = Tru
     mlp_per_sequence = expert_mlp * length
   dense_f = cfg.dense_mlp_dim or f  # the first_dense_layers prefix: a dense MLP of dense_mlp_dim
   dense_mlp = (2 * d * dense_f * gated + 2 * dense_f * d) * length
-  weights = (length * attention_projection_flops(cfg) * cfg.num_decoder_layers
-             + mlp_per_sequence * cfg.num_moe_stack_layers + dense_mlp * cfg.first_dense_layers + length * 2 * d * v)
+  # Multi-token prediction (training only): per module one more layer like the main stack's, the
+  # [2D -> D] projection and another pass through the output head.
+  mtp = cfg.mtp_num_layers
+  weights = (length * attention_projection_flops(cfg) * (cfg.num_decoder_layers + mtp)
+             + mlp_per_sequence * (cfg.num_moe_stack_layers + mtp) + dense_mlp * cfg.first_dense_layers
+             + length * 2 * d * v * (1 + mtp) + length * 2 * (2 * d) * d * mtp)
   value_dim = cfg.v_head_dim if cfg.attention_type == "mla" else h  # QK^T over head_dim, AV over the value width
   scores = 2 * n * (h + value_dim) * attended_pairs(cfg, length, causal)
   return float(weights), float(scores)

@@ -74,3 +74,88 @@ def test_mtp_with_pipeline_stages_is_refused():
   with pytest.raises(ConfigError, match="mtp_num_layers > 0 is not supported with pipeline parallelism"):
     Config.for_testing(mtp_num_layers=1, ici_pipeline_parallelism=2, ici_fsdp_parallelism=-1,
                        base_num_decoder_layers=2)
+
+
+def _with_published_mtp_layer(hf_dir, layers: int):
+  """`hf_dir`'s safetensors plus a layer `layers` laid out as DeepSeek-V3's published MTP module:
+  a decoder layer (layer layers-1's tensors, perturbed) and enorm/hnorm/eh_proj/shared_head."""
+  from safetensors.numpy import load_file, save_file
+
+  path = hf_dir / "model.safetensors"
+  tensors = load_file(str(path))
+  rng = np.random.default_rng(1)
+  extra = {name.replace(f"model.layers.{layers - 1}.", f"model.layers.{layers}."):
+           (value + rng.normal(size=value.shape).astype(value.dtype) * 0.01)
+           for name, value in tensors.items() if name.startswith(f"model.layers.{layers - 1}.")}
+  width = tensors["model.embed_tokens.weight"].shape[1]
+  prefix = f"model.layers.{layers}."
+  extra.update({prefix + "enorm.weight": rng.normal(size=width).astype(np.float32),
+                prefix + "hnorm.weight": rng.normal(size=width).astype(np.float32),
+                prefix + "eh_proj.weight": rng.normal(size=(width, 2 * width)).astype(np.float32),
+                prefix + "shared_head.norm.weight": rng.normal(size=width).astype(np.float32),
+                prefix + "embed_tokens.weight": tensors["model.embed_tokens.weight"],
+                prefix + "shared_head.head.weight": tensors["lm_head.weight"]})
+  save_file({**tensors, **extra}, str(path), metadata={"format": "pt"})
+  return {**tensors, **extra}
+
+
+def test_deepseek3_mtp_layer_converts_both_ways(tmp_path):
+  import hf_families as H
+  from safetensors.numpy import load_file
+  from MaxText.convert import hf_to_maxtext, maxtext_to_hf
+  from tests.test_convert import _load
+
+  model = H.build_hf_model("deepseek3")
+  layers = model.config.num_hidden_layers
+  model.save_pretrained(str(tmp_path / "hf"))
+  published = _with_published_mtp_layer(tmp_path / "hf", layers)
+  hf_to_maxtext.convert(str(tmp_path / "hf"), str(tmp_path / "without"), [])  # the layer is skipped
+  assert not any(k.startswith("mtp_") for k in _load(tmp_path / "without", True))
+  hf_to_maxtext.convert(str(tmp_path / "hf"), str(tmp_path / "ckpt"), ["mtp_num_layers=1"])
+  params = _load(tmp_path / "ckpt", True)
+  prefix = f"model.layers.{layers}."
+  np.testing.assert_array_equal(params["mtp_0"]["eh_proj"]["kernel"], published[prefix + "eh_proj.weight"].T)
+  np.testing.assert_array_equal(params["mtp_0"]["final_norm"]["scale"], published[prefix + "shared_head.norm.weight"])
+  np.testing.assert_array_equal(params["mtp_0"]["layer"]["mlp"]["gate"]["kernel"],
+                                published[prefix + "mlp.gate.weight"].T)
+  maxtext_to_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "back"), [])
+  written = load_file(str(tmp_path / "back" / "model.safetensors"))
+  copies = (prefix + "embed_tokens.weight", prefix + "shared_head.head.weight")  # shared tensors: not written twice
+  assert set(written) == set(published) - set(copies)
+  for name, value in written.items():
+    np.testing.assert_array_equal(value, published[name], err_msg=name)
+
+
+def test_a_family_without_an_mtp_layout_refuses_to_convert_one(tmp_path):
+  import hf_families as H
+  from MaxText.convert import hf_to_maxtext
+
+  H.build_hf_model("llama3.1").save_pretrained(str(tmp_path / "hf"))
+  with pytest.raises(ConfigError, match="the llama converter has no multi-token-prediction layout"):
+    hf_to_maxtext.convert(str(tmp_path / "hf"), str(tmp_path / "ckpt"), ["mtp_num_layers=1"])
+
+
+def test_the_flops_formula_counts_the_mtp_modules():
+  """XLA's count of one forward loss pass with an MTP module, minus without, against the formula's
+  difference (float32, unrolled: XLA counts a scan body once)."""
+  from MaxText import metrics
+  from MaxText.train_step import loss_sums
+
+  shape = dict(base_emb_dim=256, base_num_query_heads=4, base_num_kv_heads=2, head_dim=64, base_mlp_dim=1024,
+               base_num_decoder_layers=2, vocab_size=512, max_target_length=128, scan_layers=False,
+               ici_data_parallelism=8, ici_fsdp_parallelism=1, print_config=False)
+  counted = {}
+  for depth in (0, 1):
+    config = Config.for_testing(**shape, mtp_num_layers=depth)
+    spec = models.build_model_spec(config.model)
+    tokens = jax.ShapeDtypeStruct((2, 128), jnp.int32)
+    batch = {name: tokens for name in ("inputs", "inputs_position", "inputs_segmentation", "targets",
+                                       "targets_segmentation")}
+    lowered = jax.jit(sharding.unsharded()(lambda p, b: loss_sums(spec, p, b, None, 0.0, for_gradients=True)[0]))
+    cost = lowered.lower(spec.abstract_params, batch).compile().cost_analysis()
+    counted[depth] = ((cost[0] if isinstance(cost, list) else cost)["flops"],
+                      2 * sum(metrics.forward_flops_per_sequence(config.model, 128)))
+  xla = counted[1][0] - counted[0][0]
+  ours = counted[1][1] - counted[0][1]
+  # XLA also counts the softmaxes, norms and the loss (a few elementwise ops per activation).
+  assert ours <= xla <= 1.08 * ours, (ours, xla)

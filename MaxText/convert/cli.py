@@ -68,11 +68,11 @@ def config_matching_hf(hf_config: Mapping[str, Any], overrides: config_lib.Overr
     print(f"{prog}: inferred from {hf_path}/config.json ({family.name} family): {engine.describe_keys(inferred)}")
   config = config_lib.build_config(overrides.below_argv(implied, f"{hf_path}/config.json"), target, reads_run=True)
   _require_scale_one(config)
-  mismatch = engine.differences(dict(config.values), inferred)
+  mismatch = engine.differences(dict(config.values), inferred, ignore=engine.NOT_IN_HF_CONFIG)
   if mismatch:
     what = "model_name=" + config.startup.model_name if named else "the model config"
     raise ConfigError(f"{what} does not match {hf_path}/config.json (ours vs HF): {'; '.join(mismatch)}")
-  return config, inferred
+  return config, {**inferred, **{key: config.values[key] for key in engine.NOT_IN_HF_CONFIG}}
 
 
 def _length_for(model_keys: Mapping[str, Any], overrides: config_lib.Overrides) -> dict[str, Any]:

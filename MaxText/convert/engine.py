@@ -19,14 +19,21 @@ from MaxText import families, storage
 from MaxText.config import MODEL_CONFIG_FILE
 from MaxText.model_config import ARCHITECTURE_KEYS, ModelConfig
 from MaxText.convert.tensor_maps import TensorMap
+from MaxText.layers import mtp
 from MaxText.errors import ConfigError, UserError
 
 
-def _layer_key(cfg: ModelConfig, layer: int | None) -> tuple[tuple[str, ...], tuple[int, ...]]:
+def _layer_key(cfg: ModelConfig, layer: int | None, stack: str | None = None
+               ) -> tuple[tuple[str, ...], tuple[int, ...]]:
   """Where layer `layer`'s parameters live: ('layers',) with a leading index when scanned; the
-  first first_dense_layers layers in the `dense_layers` stack."""
+  first first_dense_layers layers in the `dense_layers` stack; layers past the decoder are the
+  multi-token-prediction modules (their decoder layer under `layer`, their own tensors, the
+  entries of the "mtp" stack, beside it)."""
   if layer is None:
     return (), ()
+  if layer >= cfg.num_decoder_layers:
+    module = mtp.module_name(layer - cfg.num_decoder_layers)
+    return ((module,) if stack == "mtp" else (module, "layer")), ()
   stack = "dense_layers" if layer < cfg.first_dense_layers else "layers"
   if stack == "layers":
     layer -= cfg.first_dense_layers
@@ -35,9 +42,19 @@ def _layer_key(cfg: ModelConfig, layer: int | None) -> tuple[tuple[str, ...], tu
 
 def _applies(cfg: ModelConfig, m: TensorMap, layer: int | None) -> bool:
   """Whether a table entry applies to layer `layer` (entries limited to one stack: TensorMap.stack)."""
+  if layer is not None and layer >= cfg.num_decoder_layers:  # an MTP module: a layer like the main stack's
+    return m.stack != "dense_layers"
   if m.stack is None or layer is None:
     return True
-  return (m.stack == "dense_layers") == (layer < cfg.first_dense_layers)
+  return m.stack != "mtp" and (m.stack == "dense_layers") == (layer < cfg.first_dense_layers)
+
+
+def _num_hf_layers(cfg: ModelConfig, maps: list[TensorMap], family_name: str) -> int:
+  """Decoder layers plus the MTP modules, which the checkpoint stores as the layers after them."""
+  if cfg.mtp_num_layers and not any(m.stack == "mtp" for m in maps):
+    raise ConfigError(f"the {family_name} converter has no multi-token-prediction layout; convert with "
+                      "mtp_num_layers=0 (the MTP modules of a converted model start from their initialisation)")
+  return cfg.num_decoder_layers + cfg.mtp_num_layers
 
 
 def flat_abstract(abstract_params: Any) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
@@ -111,6 +128,7 @@ def stage_hf_tensors(tensors: Iterable[tuple[str, np.ndarray]], family: families
                      staged: StagedParams) -> int:
   """Streams HF tensors into `staged`; returns the largest HF tensor's size in bytes."""
   maps = family.tensors(cfg)
+  num_layers = _num_hf_layers(cfg, maps, family.name)
   largest, unknown = 0, []
   for name, array in tensors:
     largest = max(largest, array.nbytes)
@@ -119,12 +137,13 @@ def stage_hf_tensors(tensors: Iterable[tuple[str, np.ndarray]], family: families
       unknown.append(name)
       continue
     tensor_map, layer, expert = found
-    if layer is not None and layer >= cfg.num_decoder_layers:
-      raise ConfigError(f"HF tensor {name} is for layer {layer}, but the model has {cfg.num_decoder_layers} layers")
+    if layer is not None and layer >= num_layers:
+      raise ConfigError(f"HF tensor {name} is for layer {layer}, but the model has {cfg.num_decoder_layers} layers"
+                        + (f" and {cfg.mtp_num_layers} MTP module(s)" if cfg.mtp_num_layers else ""))
     if not _applies(cfg, tensor_map, layer):
       raise ConfigError(f"HF tensor {name} belongs to the {tensor_map.stack} stack, but layer {layer} is not in it "
                         f"(first_dense_layers={cfg.first_dense_layers})")
-    prefix, index = _layer_key(cfg, layer)
+    prefix, index = _layer_key(cfg, layer, tensor_map.stack)
     index = index + ((expert,) if expert is not None else ())
     for path, value in zip(tensor_map.ours, tensor_map.to_ours(array, cfg)):
       staged.put(prefix + tuple(path.split("/")), index, value, name)
@@ -138,8 +157,9 @@ def stage_hf_tensors(tensors: Iterable[tuple[str, np.ndarray]], family: families
   return largest
 
 
-def _leaf_path(cfg: ModelConfig, path: str, layer: int | None) -> tuple[tuple[str, ...], tuple[int, ...]]:
-  prefix, index = _layer_key(cfg, layer)
+def _leaf_path(cfg: ModelConfig, m: TensorMap, path: str, layer: int | None
+               ) -> tuple[tuple[str, ...], tuple[int, ...]]:
+  prefix, index = _layer_key(cfg, layer, m.stack)
   return prefix + tuple(path.split("/")), index
 
 
@@ -148,15 +168,17 @@ def hf_tensors_from_params(read_leaf: Callable[[tuple[str, ...]], np.ndarray], f
   """(HF name, array) for every tensor the family writes, reading our (scanned or unrolled)
   parameters through `read_leaf(path)` when first needed and dropping each after its last use,
   so at most the leaves of one HF tensor (a whole layer stack when scanned) are held."""
-  steps = [(m, layer) for m in family.tensors(cfg) if m.write
-           for layer in (range(cfg.num_decoder_layers) if m.per_layer else [None]) if _applies(cfg, m, layer)]
-  last_use = {_leaf_path(cfg, p, layer)[0]: i for i, (m, layer) in enumerate(steps) for p in m.ours}
+  maps = family.tensors(cfg)
+  num_layers = _num_hf_layers(cfg, maps, family.name)
+  steps = [(m, layer) for m in maps if m.write
+           for layer in (range(num_layers) if m.per_layer else [None]) if _applies(cfg, m, layer)]
+  last_use = {_leaf_path(cfg, m, p, layer)[0]: i for i, (m, layer) in enumerate(steps) for p in m.ours}
   cache: dict[tuple[str, ...], np.ndarray] = {}
   for i, (m, layer) in enumerate(steps):
     for expert in (range(cfg.num_experts) if m.per_expert else [None]):
       leaves = []
       for p in m.ours:
-        path, index = _leaf_path(cfg, p, layer)
+        path, index = _leaf_path(cfg, m, p, layer)
         if path not in cache:
           cache[path] = read_leaf(path)
         index = index + ((expert,) if expert is not None else ())
@@ -199,9 +221,15 @@ def canonical(keys: Mapping[str, Any]) -> dict[str, Any]:
   return out
 
 
-def differences(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:
+def differences(ours: Mapping[str, Any], theirs: Mapping[str, Any], ignore: tuple[str, ...] = ()) -> list[str]:
   a, b = canonical(ours), canonical(theirs)
-  return [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in ARCHITECTURE_KEYS if a.get(k) != b.get(k)]
+  return [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in ARCHITECTURE_KEYS if a.get(k) != b.get(k) and k not in ignore]
+
+
+# Architecture keys config.json cannot settle: DeepSeek-V3's num_nextn_predict_layers says the original
+# model had an MTP module, not that this checkpoint holds it (transformers neither loads nor saves it),
+# so converting it is the user's choice (mtp_num_layers=1).
+NOT_IN_HF_CONFIG = ("mtp_num_layers",)
 
 
 def full_model_keys(schema: Mapping[str, Any], inferred: Mapping[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,8 @@ GPT-2's c_attn feeds three of our kernels). Names may hold "{i}" (layer index) a
 leading expert dimension of our tensor), so the same table serves scanned and unrolled
 stacks. Converting HF → ours streams tensor by tensor through the table; ours → HF walks
 the table. `write=False` marks an alternative HF form that is read but never written; `stack`
-limits an entry to the dense prefix or the layers after it (first_dense_layers).
+limits an entry to the dense prefix, the layers after it (first_dense_layers), or the
+multi-token-prediction modules.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class TensorMap:
   to_hf: Callable[[tuple[Array, ...], ModelConfig], Array]
   write: bool = True
   # A per-layer entry for one layer stack only ("dense_layers": the first_dense_layers prefix,
-  # "layers": the layers after it); None: every layer.
+  # "layers": the layers after it and the MTP modules' layers, "mtp": the MTP modules' own tensors,
+  # stored as layers past the decoder's); None: every layer.
   stack: str | None = None
 
   @property

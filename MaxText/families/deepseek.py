@@ -22,7 +22,9 @@ HF names (layer i, expert e)                             ours (inside layer i's 
 (all under model.layers.{i}.), norms and embeddings as Llama's. transformers >= 5 holds the
 experts fused in memory (read too, never written). HF's DeepSeek RoPE rotates adjacent pairs
 (rope_interleaved) and leaves the weights as stored. The published V3 checkpoint's
-multi-token-prediction layer (model.layers.61) is not part of the model here and is skipped.
+multi-token-prediction layer (model.layers.61) becomes our mtp_0 module when converting with
+mtp_num_layers=1 (enorm, hnorm, eh_proj, shared_head.norm -> final_norm; its embedding and head
+copies are read past), and is skipped otherwise, as transformers skips it.
 """
 
 from __future__ import annotations
@@ -108,10 +110,19 @@ class _IgnoredPrefix(r.TensorMap):
 
 def mtp_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
   """The published V3 checkpoint's multi-token-prediction module, stored as one layer past the
-  last (model.layers.{num_hidden_layers}.*), which the model here does not have; HF skips it too.
-  First in the table, so its decoder-layer tensors are not taken for a layer of the model."""
-  skip = r.ignored(f"model.layers.{cfg.num_decoder_layers}.")
-  return [_IgnoredPrefix(skip.hf, skip.ours, skip.to_ours, skip.to_hf, write=False)]
+  last (model.layers.{num_hidden_layers}.*: a decoder layer plus the tensors below). With
+  mtp_num_layers > 0 it becomes our module mtp_0 (layers/mtp.py; its decoder layer through the
+  ordinary layer entries); its copies of the shared embedding and output head are read past and
+  not written. Without, the whole layer is skipped (HF skips it too), an entry first in the table
+  so its decoder-layer tensors are not taken for a layer of the model."""
+  if cfg.mtp_num_layers == 0:
+    skip = r.ignored(f"model.layers.{cfg.num_decoder_layers}.")
+    return [_IgnoredPrefix(skip.hf, skip.ours, skip.to_ours, skip.to_hf, write=False)]
+  maps = [r.one(_LAYER + "enorm.weight", "enorm/scale"), r.one(_LAYER + "hnorm.weight", "hnorm/scale"),
+          r.one(_LAYER + "eh_proj.weight", "eh_proj/kernel", r.transpose, r.transpose),
+          r.one(_LAYER + "shared_head.norm.weight", "final_norm/scale"),
+          r.ignored(_LAYER + "embed_tokens.weight"), r.ignored(_LAYER + "shared_head.head.weight")]
+  return [dataclasses.replace(m, stack="mtp") for m in maps]
 
 
 def deepseek_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
@@ -209,7 +220,7 @@ def rope_attention(cfg: ModelConfig) -> float:
 def deepseek3_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **_hf_config(cfg),
           "rope_interleave": cfg.rope_interleaved, "n_group": cfg.moe_num_groups, "topk_group": cfg.moe_topk_groups,
-          "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+          "scoring_func": "sigmoid", "topk_method": "noaux_tc", "num_nextn_predict_layers": cfg.mtp_num_layers}
 
 
 def deepseek2_hf_config(cfg: ModelConfig) -> dict[str, Any]:
