@@ -65,3 +65,14 @@ def test_sharded_training_equals_the_replicated_run(family, mesh):
   ours, reference = _history(sharded), _history(replicated)
   for key in ("loss", "grad_norm"):
     np.testing.assert_allclose([h[key] for h in ours], [h[key] for h in reference], rtol=2e-5, err_msg=key)
+
+
+@pytest.mark.slow  # DeepSeek's expert-parallel training is itself in the slow run
+def test_deepseek3_with_its_mtp_module_trains_sharded_like_replicated():
+  mesh = {"ici_fsdp_parallelism": 2, "ici_expert_parallelism": 2, "ici_tensor_parallelism": 2,
+          "ici_data_parallelism": -1, "mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.3}
+  ours = _history(_config("deepseek3", **mesh))
+  reference = _history(_config("deepseek3", ici_fsdp_parallelism=1, ici_data_parallelism=-1, mtp_num_layers=1,
+                               mtp_loss_scaling_factor=0.3))
+  for key in ("loss", "grad_norm", "mtp_loss"):
+    np.testing.assert_allclose([h[key] for h in ours], [h[key] for h in reference], rtol=2e-5, err_msg=key)
