@@ -101,13 +101,13 @@ def forward_flops_per_sequence(cfg: ModelConfig, length: int, causal: bool = Tru
     mlp_per_sequence += expert_mlp * cfg.shared_experts * length  # shared experts: every token, width x shared
   else:
     mlp_per_sequence = expert_mlp * length
-  dense_f = cfg.dense_mlp_dim or f  # the first_dense_layers prefix: a dense MLP of dense_mlp_dim
+  dense_f = cfg.dense_mlp_dim or f  # the dense_layers stack (first_dense_layers, moe_layer_interval): dense_mlp_dim
   dense_mlp = (2 * d * dense_f * gated + 2 * dense_f * d) * length
   # Multi-token prediction (training only): per module one more layer like the main stack's, the
   # [2D -> D] projection and another pass through the output head.
   mtp = cfg.mtp_num_layers
   weights = (length * attention_projection_flops(cfg) * (cfg.num_decoder_layers + mtp)
-             + mlp_per_sequence * (cfg.num_moe_stack_layers + mtp) + dense_mlp * cfg.first_dense_layers
+             + mlp_per_sequence * (cfg.num_moe_stack_layers + mtp) + dense_mlp * cfg.num_dense_layers
              + length * 2 * d * v * (1 + mtp) + length * 2 * (2 * d) * d * mtp)
   value_dim = cfg.v_head_dim if cfg.attention_type == "mla" else h  # QK^T over head_dim, AV over the value width
   scores = 2 * n * (h + value_dim) * attended_pairs(cfg, length, causal)

@@ -156,6 +156,7 @@ class ModelConfig:
   first_dense_layers: int = key(architecture=True)  # leading layers with a dense MLP (the dense_layers stack)
   dense_mlp_dim: int = key(architecture=True)  # their MLP width (0 = mlp_dim)
   mtp_num_layers: int = key(architecture=True)  # multi-token-prediction modules after the stack (0 = none)
+  moe_layer_interval: int = key(architecture=True)  # every this-many-th layer is MoE, the others dense (1 = all)
   global_parameter_scale: int = key(fixed_on_resume=MODEL)
   scan_layers: bool = key(fixed_on_resume=LAYOUT)
   weight_dtype: str = key(fixed_on_resume=LAYOUT)
@@ -189,9 +190,27 @@ class ModelConfig:
   attention_blocks: AttentionBlocks = derived()
 
   @property
+  def num_dense_layers(self) -> int:
+    """Layers of the `dense_layers` stack: the first_dense_layers prefix, or the layers between the
+    MoE ones (moe_layer_interval)."""
+    per_period = self.moe_layer_interval - 1
+    return self.first_dense_layers + self.num_decoder_layers // self.moe_layer_interval * per_period
+
+  @property
   def num_moe_stack_layers(self) -> int:
-    """Layers of the `layers` stack: the decoder layers after the first_dense_layers prefix."""
-    return self.num_decoder_layers - self.first_dense_layers
+    """Layers of the `layers` stack: every decoder layer that is not in `dense_layers`."""
+    return self.num_decoder_layers - self.num_dense_layers
+
+  def stack_position(self, layer: int) -> tuple[str, int]:
+    """(stack, index in it) of decoder layer `layer`: "dense_layers" or "layers"."""
+    if layer < self.first_dense_layers:
+      return "dense_layers", layer
+    if self.moe_layer_interval == 1:
+      return "layers", layer - self.first_dense_layers
+    period, offset = divmod(layer, self.moe_layer_interval)
+    if offset == self.moe_layer_interval - 1:
+      return "layers", period
+    return "dense_layers", period * (self.moe_layer_interval - 1) + offset
 
   def dense_prefix_config(self) -> "ModelConfig":
     """The configuration the first_dense_layers prefix is built with: a dense MLP of dense_mlp_dim."""
@@ -229,7 +248,14 @@ class ModelConfig:
     _require(0 <= v["first_dense_layers"] < layers, f"first_dense_layers must be in [0, num_decoder_layers ({layers})), "
              f"got {v['first_dense_layers']}")
     _require(v["dense_mlp_dim"] >= 0, f"dense_mlp_dim must be >= 0 (0 = mlp_dim), got {v['dense_mlp_dim']}")
+    interval = v["moe_layer_interval"]
+    _require(interval >= 1, f"moe_layer_interval must be >= 1 (1 = every layer MoE), got {interval}")
+    _require(interval == 1 or (v["first_dense_layers"] == 0 and layers % interval == 0 and v["num_experts"] > 1),
+             f"moe_layer_interval={interval} needs num_experts > 1, first_dense_layers=0 and a layer count "
+             f"({layers}) that is a multiple of it")
     pipelined = dict(mesh.shape)["stage"] > 1
+    _require(not pipelined or interval == 1,
+             "moe_layer_interval > 1 is not supported with pipeline parallelism (the stages split one homogeneous stack)")
     _require(not pipelined or v["first_dense_layers"] == 0,
              "first_dense_layers > 0 is not supported with pipeline parallelism (the stages split one homogeneous stack)")
     _require(not pipelined or v["moe_bias_update_rate"] == 0,

@@ -72,8 +72,9 @@ class Transformer(nnx.Module):
     self.cfg = cfg
     self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
     layer_class = decoder_layer_class(cfg.decoder_block)
-    if cfg.first_dense_layers > 0:  # DeepSeek: a dense-MLP prefix, its own stack before `layers`
-      self._build_stack("dense_layers", layer_class, cfg.dense_prefix_config(), cfg.first_dense_layers, rngs)
+    # DeepSeek's dense-MLP prefix, or Llama 4 Maverick's dense layers between the MoE ones: a second stack.
+    if cfg.num_dense_layers > 0:
+      self._build_stack("dense_layers", layer_class, cfg.dense_prefix_config(), cfg.num_dense_layers, rngs)
     self._build_stack("layers", layer_class, cfg, cfg.num_moe_stack_layers, rngs)
     if cfg.position_embedding == "learned":
       self.position_embedder = Embed(cfg.max_position_embeddings, cfg.emb_dim, dtype=dtype,
@@ -122,6 +123,8 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     if cfg.num_pipeline_stages > 1:  # the stage-sharded scanned stack runs as a pipeline
       return (*self._run_pipeline(x_BLD, positions_BL, segment_ids_BL, dropout_rng), None)
+    if cfg.moe_layer_interval > 1:
+      return self._run_interleaved(x_BLD, positions_BL, segment_ids_BL, dropout_rng, caches)
     dense = cfg.first_dense_layers
     if dense == 0:
       return self._run_stack("layers", cfg.num_decoder_layers, 0, x_BLD, positions_BL, segment_ids_BL, dropout_rng,
@@ -139,22 +142,7 @@ class Transformer(nnx.Module):
     """One stack of `_run_layers` (`first_index`: its first layer's index in the whole decoder)."""
     cfg = self.cfg
     layer_rngs = jax.random.split(dropout_rng, num_layers) if dropout_rng is not None else None
-
-    # layer_index lets a layer pick its per-layer behaviour (e.g. local vs global attention)
-    # inside a scan, where every layer shares one traced body.
-    def one_layer(graphdef: nnx.GraphDef, x: jax.Array, layer_state: nnx.State, rng: jax.Array | None,
-                  layer_index: jax.Array, cache: KVCache | None) -> tuple[jax.Array, AuxLosses, KVCache | None]:
-      layer = nnx.merge(graphdef, layer_state)
-      extra = () if cache is None else (cache,)
-      out, sown = nnx.capture(layer, nnx.Intermediate)(x, positions_BL, segment_ids_BL, rng, layer_index, *extra)
-      x, cache = out if cache is not None else (out, None)
-      return x, sum_sown_losses(sown), cache
-
-    policy = remat_policy(cfg.remat_policy)
-    # "none": no rematerialisation; decoding takes no gradients: nothing to rematerialise.
-    if not isinstance(policy, str) and caches is None:
-      one_layer = jax.checkpoint(one_layer, policy=policy, static_argnums=(0,))
-
+    one_layer = self._layer_fn(positions_BL, segment_ids_BL, decoding=caches is not None)
     if cfg.scan_layers:
       graphdef, stacked_state = nnx.split(getattr(self, name))
 
@@ -175,6 +163,76 @@ class Transformer(nnx.Module):
       new_caches.append(cache)
     aux = {name: _over_layers(name, jnp.stack([layer[name] for layer in per_layer])) for name in per_layer[0]} \
         if per_layer else {}
+    return x_BLD, aux, None if caches is None else new_caches
+
+  def _layer_fn(self, positions_BL: jax.Array, segment_ids_BL: jax.Array, decoding: bool) -> Callable[..., Any]:
+    """one_layer(graphdef, x, layer_state, rng, layer_index, cache) -> (x, sown losses, cache),
+    rematerialised by remat_policy when training."""
+    # layer_index lets a layer pick its per-layer behaviour (e.g. local vs global attention)
+    # inside a scan, where every layer shares one traced body.
+    def one_layer(graphdef: nnx.GraphDef, x: jax.Array, layer_state: nnx.State, rng: jax.Array | None,
+                  layer_index: jax.Array, cache: KVCache | None) -> tuple[jax.Array, AuxLosses, KVCache | None]:
+      layer = nnx.merge(graphdef, layer_state)
+      extra = () if cache is None else (cache,)
+      out, sown = nnx.capture(layer, nnx.Intermediate)(x, positions_BL, segment_ids_BL, rng, layer_index, *extra)
+      x, cache = out if cache is not None else (out, None)
+      return x, sum_sown_losses(sown), cache
+
+    policy = remat_policy(self.cfg.remat_policy)
+    # "none": no rematerialisation; decoding takes no gradients: nothing to rematerialise.
+    if not isinstance(policy, str) and not decoding:
+      return jax.checkpoint(one_layer, policy=policy, static_argnums=(0,))
+    return one_layer
+
+  def _run_interleaved(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
+                       dropout_rng: jax.Array | None, caches: Any) -> tuple[jax.Array, AuxLosses, Any]:
+    """Llama 4 Maverick's stack: periods of moe_layer_interval layers, the last of each an MoE layer
+    (from `layers`), the others dense (from `dense_layers`), run in order; scanned over the periods.
+    The aux losses and statistics are the MoE layers' (the dense ones sow none)."""
+    cfg = self.cfg
+    k, num_layers = cfg.moe_layer_interval, cfg.num_decoder_layers
+    periods = num_layers // k
+    one_layer = self._layer_fn(positions_BL, segment_ids_BL, decoding=caches is not None)
+    rngs = None if dropout_rng is None else jax.random.split(dropout_rng, num_layers).reshape(periods, k)
+    if cfg.scan_layers:
+      dense_graph, dense_state = nnx.split(getattr(self, "dense_layers"))
+      moe_graph, moe_state = nnx.split(getattr(self, "layers"))
+      by_period = lambda tree: jax.tree.map(lambda a: a.reshape((periods, k - 1) + a.shape[1:]), tree)  # noqa: E731
+
+      def body(x: jax.Array, xs: tuple) -> tuple[jax.Array, tuple]:
+        dense_s, moe_s, rng_k, period, dense_c, moe_c = xs
+        new_dense = []
+        for j in range(k - 1):
+          pick = lambda tree, j=j: jax.tree.map(lambda a: a[j], tree)  # noqa: E731
+          x, _, cache = one_layer(dense_graph, x, pick(dense_s), None if rng_k is None else rng_k[j], period * k + j,
+                                  None if dense_c is None else pick(dense_c))
+          new_dense.append(cache)
+        x, aux, moe_c = one_layer(moe_graph, x, moe_s, None if rng_k is None else rng_k[k - 1], period * k + k - 1,
+                                  moe_c)
+        dense_c = None if dense_c is None else jax.tree.map(lambda *cs: jnp.stack(cs), *new_dense)
+        return x, (aux, dense_c, moe_c)
+
+      dense_caches = None if caches is None else by_period(caches["dense_layers"])
+      x_BLD, (aux_per_layer, dense_caches, moe_caches) = jax.lax.scan(
+          body, x_BLD, (by_period(dense_state), moe_state, rngs, jnp.arange(periods),
+                        dense_caches, None if caches is None else caches["layers"]))
+      aux = {name: _over_layers(name, values) for name, values in aux_per_layer.items()}
+      if caches is None:
+        return x_BLD, aux, None
+      flat = jax.tree.map(lambda a: a.reshape((periods * (k - 1),) + a.shape[2:]), dense_caches)
+      return x_BLD, aux, {"dense_layers": flat, "layers": moe_caches}
+    per_layer: list[AuxLosses] = []
+    new_caches: dict[str, list] = {"dense_layers": [], "layers": []}
+    for i in range(num_layers):
+      stack, index = cfg.stack_position(i)
+      graphdef, state = nnx.split(getattr(self, f"{stack}_{index}"))
+      x_BLD, layer_aux, cache = one_layer(graphdef, x_BLD, state, None if rngs is None else rngs[i // k, i % k],
+                                          jnp.asarray(i, jnp.int32), None if caches is None else caches[stack][index])
+      if stack == "layers":
+        per_layer.append(layer_aux)
+      new_caches[stack].append(cache)
+    aux = {name: _over_layers(name, jnp.stack([layer[name] for layer in per_layer])) for name in per_layer[0]} \
+        if per_layer and per_layer[0] else {}
     return x_BLD, aux, None if caches is None else new_caches
 
   def _stage_layers(self) -> tuple[nnx.State, pipeline.LayerFn]:

@@ -219,11 +219,15 @@ def test_hf_to_maxtext_user_errors(make_args, message, converted, tmp_path):
     hf_to_maxtext.main(["hf_to_maxtext", *make_args(hf_dir, ckpt, tmp_path)])
 
 
-def test_llama4_with_dense_layers_between_moe_layers_is_refused():
-  """Maverick (interleave_moe_layer_step=2) needs a stack of two layer kinds: one line says so."""
-  maverick = {**H.REFERENCE_CONFIGS["llama4"], "interleave_moe_layer_step": 2}
-  with pytest.raises(ConfigError, match=r"interleave_moe_layer_step=2.*not supported yet"):
-    families.family_for_hf_config(maverick).model_keys(maverick)
+def test_llama4_moe_layers_off_the_interleave_are_refused():
+  """Maverick's MoE layers are every interleave_moe_layer_step-th; any other list is one line."""
+  irregular = {**H.REFERENCE_CONFIGS["llama4-maverick"], "moe_layers": [0, 3]}
+  with pytest.raises(ConfigError, match=r"moe_layers=\[0, 3\] with interleave_moe_layer_step=2 over 4 layers is not "
+                                        r"supported: the MoE layers must be every 2-th"):
+    families.family_for_hf_config(irregular).model_keys(irregular)
+  keys = families.family_for_hf_config(H.REFERENCE_CONFIGS["llama4-maverick"]).model_keys(
+      H.REFERENCE_CONFIGS["llama4-maverick"])
+  assert keys["moe_layer_interval"] == 2 and keys["dense_mlp_dim"] == 96
 
 
 def test_maxtext_to_hf_refuses_what_hf_cannot_express(converted, tmp_path):

@@ -40,6 +40,8 @@ PUBLISHED = {
     # Llama 4 Scout: the card's 109B total less the vision encoder and projector (0.87B, counted
     # from the published vision_config): the text model alone.
     "llama4-scout-17b-16e": 108.13e9,
+    # Maverick: the card's 400B total (a headline figure) less the same vision encoder and projector.
+    "llama4-maverick-17b-128e": 399.13e9,
     # DeepSeek: V3's 671B without the 14B multi-token-prediction module; V2-Lite's model card.
     "deepseek3-671b": 671e9, "deepseek2-16b": 15.7e9,
     # OpenAI's gpt-oss model card (bf16 weights; the checkpoints store the experts in MXFP4).

@@ -26,7 +26,7 @@ from MaxText.errors import ConfigError, UserError
 def _layer_key(cfg: ModelConfig, layer: int | None, stack: str | None = None
                ) -> tuple[tuple[str, ...], tuple[int, ...]]:
   """Where layer `layer`'s parameters live: ('layers',) with a leading index when scanned; the
-  first first_dense_layers layers in the `dense_layers` stack; layers past the decoder are the
+  dense ones (first_dense_layers, moe_layer_interval) in the `dense_layers` stack; layers past the decoder are the
   multi-token-prediction modules (their decoder layer under `layer`, their own tensors, the
   entries of the "mtp" stack, beside it)."""
   if layer is None:
@@ -34,10 +34,8 @@ def _layer_key(cfg: ModelConfig, layer: int | None, stack: str | None = None
   if layer >= cfg.num_decoder_layers:
     module = mtp.module_name(layer - cfg.num_decoder_layers)
     return ((module,) if stack == "mtp" else (module, "layer")), ()
-  stack = "dense_layers" if layer < cfg.first_dense_layers else "layers"
-  if stack == "layers":
-    layer -= cfg.first_dense_layers
-  return ((stack,), (layer,)) if cfg.scan_layers else ((f"{stack}_{layer}",), ())
+  stack_name, index = cfg.stack_position(layer)
+  return ((stack_name,), (index,)) if cfg.scan_layers else ((f"{stack_name}_{index}",), ())
 
 
 def _applies(cfg: ModelConfig, m: TensorMap, layer: int | None) -> bool:
@@ -46,7 +44,7 @@ def _applies(cfg: ModelConfig, m: TensorMap, layer: int | None) -> bool:
     return m.stack != "dense_layers"
   if m.stack is None or layer is None:
     return True
-  return m.stack != "mtp" and (m.stack == "dense_layers") == (layer < cfg.first_dense_layers)
+  return m.stack != "mtp" and m.stack == cfg.stack_position(layer)[0]
 
 
 def _num_hf_layers(cfg: ModelConfig, maps: list[TensorMap], family_name: str) -> int:

@@ -1,4 +1,4 @@
-"""Llama 4 text (HF `llama4_text`, decoder_block "llama4"): Scout 17B-16E's decoder.
+"""Llama 4 text (HF `llama4_text`, decoder_block "llama4"): the decoders of Scout 17B-16E and Maverick 17B-128E.
 
 Llama's pre-norm layer (llama.py) with
   * iRoPE: RoPE layers attend within fixed chunks of `attention_chunk_size` positions
@@ -18,14 +18,16 @@ HF names (layer i)                                           ours (inside layer 
   model.layers.{i}.feed_forward.shared_expert.{gate,up,down}_proj.weight  mlp/shared_mlp/{wi_0,wi_1,wo}/kernel
 Attention, norms and embeddings map as Llama's. The experts are fused on disk too.
 
-Not supported yet: Maverick's dense layers between MoE layers (interleave_moe_layer_step 2,
-`moe_layers`): the decoder stack is one repeated layer, so a stack alternating a dense MLP of
-width intermediate_size_mlp with an MoE MLP needs a second layer kind in models.py. Nor the
-multimodal checkpoints (HF `llama4`, a text_config beside a vision_config).
+Maverick 17B-128E interleaves dense layers (a gated MLP of intermediate_size_mlp, HF
+feed_forward.{gate,up,down}_proj) with the MoE ones (interleave_moe_layer_step 2: layers 1, 3, ...
+MoE): moe_layer_interval=2, the dense layers in the dense_layers stack, run in order with the MoE
+layers (models.py). Not supported: the multimodal checkpoints (HF `llama4`, a text_config beside a
+vision_config).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -58,9 +60,7 @@ def llama4_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
   k_in, k_out = r.heads_in(r.kv_heads)
   layer = [m for m in decoder_tensors(cfg) if not m.hf.endswith(("q_proj.weight", "k_proj.weight"))]
   shared = gated_mlp_tensors(_FF + "shared_expert.")
-  return embedding_tensors(cfg) + layer + [
-      r.one(attn + "q_proj.weight", "self_attention/query/kernel", q_in, q_out),
-      r.one(attn + "k_proj.weight", "self_attention/key/kernel", k_in, k_out),
+  moe = [
       r.one(_FF + "router.weight", "mlp/gate/kernel", r.transpose, r.transpose),
       r.TensorMap(_FF + "experts.gate_up_proj", ("mlp/wi_0/kernel", "mlp/wi_1/kernel"), _split_gate_up,
                   _join_gate_up),
@@ -68,6 +68,13 @@ def llama4_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
       *[r.TensorMap(m.hf, tuple(p.replace("mlp/", "mlp/shared_mlp/") for p in m.ours), m.to_ours, m.to_hf)
         for m in shared],
   ]
+  # Maverick's dense layers (moe_layer_interval > 1): a plain gated MLP under feed_forward.
+  dense = [dataclasses.replace(m, stack="dense_layers") for m in gated_mlp_tensors(_FF)] \
+      if cfg.moe_layer_interval > 1 else []
+  return embedding_tensors(cfg) + layer + [
+      r.one(attn + "q_proj.weight", "self_attention/query/kernel", q_in, q_out),
+      r.one(attn + "k_proj.weight", "self_attention/key/kernel", k_in, k_out),
+  ] + [dataclasses.replace(m, stack="layers") for m in moe] + dense
 
 
 def _pattern(kinds: Sequence[str]) -> list[str]:
@@ -94,10 +101,11 @@ def llama4_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   r.require_hf(hf, "attention_bias", (False,), False)
   r.require_hf(hf, "num_experts_per_tok", (1,), 1)
   layers = hf["num_hidden_layers"]
-  if _moe_layers(hf) != list(range(layers)):
-    raise ConfigError(f"HF llama4_text with dense layers between MoE layers (interleave_moe_layer_step="
-                      f"{hf.get('interleave_moe_layer_step')}, moe_layers={hf.get('moe_layers')}; Maverick) is not "
-                      "supported yet: only every-layer MoE (interleave_moe_layer_step=1, Scout)")
+  step = int(hf.get("interleave_moe_layer_step") or 1)
+  if _moe_layers(hf) != list(range(step - 1, layers, step)) or layers % step:
+    raise ConfigError(f"HF llama4_text moe_layers={hf.get('moe_layers')} with interleave_moe_layer_step={step} over "
+                      f"{layers} layers is not supported: the MoE layers must be every {step}-th "
+                      f"(layers {step - 1}, {2 * step - 1}, ...) and the layer count a multiple of {step}")
   uses_rope = _no_rope_layers(hf)[:layers]
   chunk = hf.get("attention_chunk_size")
   layer_types = hf.get("layer_types") or ["chunked_attention" if rope and chunk else "full_attention"
@@ -113,7 +121,9 @@ def llama4_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
           "rope_layer_pattern": _pattern(["rope" if rope else "nope" for rope in uses_rope]),
           "use_qk_l2_norm": bool(hf.get("use_qk_norm", True)),
           "num_experts": int(hf["num_local_experts"]), "num_experts_per_tok": 1, "shared_experts": 1,
-          "moe_router_scales_input": True}
+          "moe_router_scales_input": True, "moe_layer_interval": step}
+  if step > 1:
+    keys["dense_mlp_dim"] = int(hf["intermediate_size_mlp"])
   if "chunked" in attention:
     if not chunk:
       raise ConfigError("HF llama4_text layer_types has chunked_attention layers but no attention_chunk_size")
@@ -137,8 +147,9 @@ def llama4_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   return {"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", **shape_hf_config(cfg),
           **rope_hf_config(cfg), "hidden_act": "silu", "attention_bias": False,
           "max_position_embeddings": max_positions(cfg),
-          # Every layer is MoE, so the dense width is unused; Scout's config gives twice an expert's.
-          "intermediate_size_mlp": 2 * cfg.mlp_dim, "interleave_moe_layer_step": 1,
+          # With every layer MoE the dense width is unused; Scout's config gives twice an expert's.
+          "intermediate_size_mlp": (cfg.dense_mlp_dim or cfg.mlp_dim) if cfg.moe_layer_interval > 1 else 2 * cfg.mlp_dim,
+          "interleave_moe_layer_step": cfg.moe_layer_interval,
           "num_local_experts": cfg.num_experts, "num_experts_per_tok": 1,
           "no_rope_layers": [int(kind == "rope") for kind in _per_layer(cfg.rope_layer_pattern, layers)],
           "layer_types": ["chunked_attention" if kind == "chunked" else "full_attention" for kind in attention],
@@ -159,4 +170,13 @@ register_family(Family("llama4", ("llama4_text",), ("llama4",), llama4_model_key
                                           intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=1,
                                           attention_chunk_size=8, no_rope_layer_interval=4, use_qk_norm=True,
                                           attn_temperature_tuning=True, floor_scale=4, attn_scale=0.3,
-                                          rms_norm_eps=1e-5, rope_parameters=_TINY_ROPE)}))
+                                          rms_norm_eps=1e-5, rope_parameters=_TINY_ROPE),
+                           # Maverick's layout: dense layers (of intermediate_size_mlp) between MoE layers; 8
+                           # experts (Maverick has 128), as with 4 this seed's router has a near tie that bf16 flips.
+                           "llama4-maverick": dict(model_type="llama4_text", **{**TINY_SHAPES, "num_hidden_layers": 4,
+                                                                               "intermediate_size": 32},
+                                                   intermediate_size_mlp=96, interleave_moe_layer_step=2,
+                                                   num_local_experts=8, num_experts_per_tok=1,
+                                                   attention_chunk_size=8, no_rope_layer_interval=4,
+                                                   use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4,
+                                                   attn_scale=0.3, rms_norm_eps=1e-5, rope_parameters=_TINY_ROPE)}))

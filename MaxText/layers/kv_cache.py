@@ -126,18 +126,19 @@ def _stack_caches(cfg: ModelConfig, one: Any, count: int) -> Any:
 
 def model_caches(cfg: ModelConfig, batch: int, length: int, quantized: bool = False) -> Any:
   """Empty caches for every layer: one KVCache stacked over layers (scan_layers) or a list; with
-  first_dense_layers, {"dense_layers": those of the prefix, "layers": the rest's}."""
+  a dense_layers stack (first_dense_layers, moe_layer_interval), {"dense_layers": its caches, "layers": the
+  rest's}."""
   one = layer_cache(cfg, batch, length, quantized)
-  if cfg.first_dense_layers == 0:
+  if cfg.num_dense_layers == 0:
     return _stack_caches(cfg, one, cfg.num_decoder_layers)
-  return {"dense_layers": _stack_caches(cfg, one, cfg.first_dense_layers),
+  return {"dense_layers": _stack_caches(cfg, one, cfg.num_dense_layers),
           "layers": _stack_caches(cfg, one, cfg.num_moe_stack_layers)}
 
 
 def model_cache_names(cfg: ModelConfig, quantized: bool = False) -> Any:
   """Logical axis names matching `model_caches`."""
   names = cache_logical_names(empty_cache(1, 1, 1, 1, jnp.float32, quantized), stacked=cfg.scan_layers)
-  if cfg.first_dense_layers == 0:
+  if cfg.num_dense_layers == 0:
     return names if cfg.scan_layers else [names for _ in range(cfg.num_decoder_layers)]
-  return {"dense_layers": names if cfg.scan_layers else [names for _ in range(cfg.first_dense_layers)],
+  return {"dense_layers": names if cfg.scan_layers else [names for _ in range(cfg.num_dense_layers)],
           "layers": names if cfg.scan_layers else [names for _ in range(cfg.num_moe_stack_layers)]}

@@ -45,6 +45,7 @@ CASES = [pytest.param("llama3.1", True, marks=pytest.mark.slow), pytest.param("l
          ("gemma3", False), ("qwen3_moe", True), pytest.param("qwen3", False, marks=pytest.mark.slow),
          pytest.param("qwen3-yarn", True, marks=pytest.mark.slow),
          ("llama4", True), pytest.param("llama4", False, marks=pytest.mark.slow),
+         ("llama4-maverick", False), pytest.param("llama4-maverick", True, marks=pytest.mark.slow),
          ("deepseek3", True), ("deepseek2-lite", False),
          ("gpt_oss", False)]
 
