@@ -129,6 +129,12 @@ def compile_candidate(argv: list[str], libtpu_flags: str, log_path: str) -> dict
   os.dup2(log, 1)
   os.dup2(log, 2)
   os.environ["LIBTPU_INIT_ARGS"] = libtpu_flags
+  return compile_figures(argv)
+
+
+def compile_figures(argv: list[str]) -> dict[str, Any]:
+  """Compiles the train step for the topology `argv` names (train_compile's path): XLA's device
+  heap per chip, the compiler's step time and the compile time, or why it did not compile."""
   from MaxText import run_assembly, train_compile  # noqa: PLC0415  (after the flags are set)
   from MaxText.hlo_cycles import estimated_cycles  # noqa: PLC0415
   from MaxText.memory_report import MemoryReport, buffer_assignment_dump_options, read_buffer_assignment  # noqa: PLC0415
@@ -282,7 +288,7 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
   ranked = []
   for settings in plan_model.candidates(model, topology, num_slices, fixed, global_batch, seq_len):
     estimate = plan_model.estimate(model, settings, topology, num_slices, seq_len, rules, kernel)
-    if estimate.total <= hbm:
+    if estimate.total <= hbm and estimate.unsharded <= config.mesh.sharding_tolerance:
       ranked.append((-estimate.tokens_per_s, estimate.total, settings, estimate))
   counted = len(ranked)
   if not ranked:

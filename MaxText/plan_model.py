@@ -88,6 +88,7 @@ class Estimate:
   mfu: float
   tokens_per_s: float  # per chip
   caveats: tuple[str, ...]  # where the compiler estimate cannot be trusted
+  unsharded: float  # fraction of parameter bytes not split over every non-data axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,18 +132,23 @@ def mesh_of(candidate: Mapping[str, Any]) -> dict[str, int]:
   return shape
 
 
-def param_bytes_per_chip(model: ModelShape, mesh_shape: Mapping[str, int], rules: Any) -> float:
-  """Parameter bytes one chip holds: each leaf split over the mesh axes its logical names map to."""
+def param_layout(model: ModelShape, mesh_shape: Mapping[str, int], rules: Any) -> tuple[float, float]:
+  """(parameter bytes one chip holds, fraction of bytes not split over every non-data axis):
+  each leaf split over the mesh axes its logical names map to, as train_state shards it (the
+  fraction is what sharding_tolerance bounds; see sharding.unsharded_fraction)."""
   mesh = AbstractMesh(tuple(mesh_shape[a] for a in MESH_AXES), MESH_AXES)
-  total = 0.0
+  ignored = ("data", "stage", "autoregressive")
+  target = math.prod(size for axis, size in mesh_shape.items() if axis not in ignored)
+  per_chip = total = unsharded = 0.0
   for shape, itemsize, names in model.leaves:
     spec = sharding.logical_to_mesh_spec(names, rules, mesh, shape)  # type: ignore[arg-type]
-    divisor = 1
-    for entry in spec:
-      for axis in (entry if isinstance(entry, tuple) else (entry,) if entry else ()):
-        divisor *= mesh_shape[axis]
-    total += math.prod(shape) * itemsize / divisor
-  return total
+    axes = [axis for entry in spec if entry for axis in ((entry,) if isinstance(entry, str) else entry)]
+    nbytes = math.prod(shape) * itemsize
+    per_chip += nbytes / math.prod(mesh_shape[a] for a in axes)
+    total += nbytes
+    if math.prod(mesh_shape[a] for a in axes if a not in ignored) < target:
+      unsharded += nbytes
+  return per_chip, (unsharded / total if total else 0.0)
 
 
 def _widths(cfg: ModelConfig) -> dict[str, float]:
@@ -164,7 +170,7 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   policy = str(candidate["remat_policy"])
   offload_opt = bool(candidate.get("optimizer_memory_host_offload", False))
 
-  params = param_bytes_per_chip(model, mesh_shape, rules)
+  params, unsharded = param_layout(model, mesh_shape, rules)
   optimizer = params * model.opt_multiple
   gradients = params  # gradients in the parameter dtype, sharded like the parameters
   # Activations per chip for one microbatch: the batch is split over every device, the
@@ -174,16 +180,18 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   layers = cfg.num_decoder_layers
   act_bytes = 2  # bf16
   saved = tokens * act_bytes * layers * (cfg.emb_dim + sum(widths[w] for w in SAVED_PER_POLICY[policy]))
-  working = tokens * act_bytes * (cfg.emb_dim * 4 + sum(widths.values()))  # one layer's recompute + backward
+  working = tokens * act_bytes * (2 * cfg.emb_dim + widths["qkv"])  # one layer's recompute and backward
   if attention_kernel == "dot_product":  # the [heads, L, L] scores of one layer in float32, forward and backward
     working += pdb / accumulation * cfg.num_query_heads * seq_len * seq_len * 4 * 2
-  logits = tokens * cfg.vocab_size * (4 + 4)  # float32 logits and their gradient
+  logits = tokens * cfg.vocab_size * 4  # float32 logits (their gradient reuses the buffer)
   shard_group = chips // (mesh_shape["data"] * mesh_shape["stage"])
   gathered = model.layer_params * 2 * 2 / max(1, mesh_shape["tensor"] * mesh_shape["expert"])  # two layers in flight
   gathered = gathered if shard_group > 1 else 0.0
   activations = saved + working + logits + gathered
-  accumulated = gradients if accumulation > 1 else 0.0  # the running sum beside each microbatch's gradients
-  total = params + (0.0 if offload_opt else optimizer) + gradients + accumulated + activations
+  # Gradients arrive layer by layer as the saved activations are freed: the step needs the larger
+  # of the two, plus the running sum when it accumulates microbatches.
+  accumulated = gradients if accumulation > 1 else 0.0
+  total = params + (0.0 if offload_opt else optimizer) + max(gradients, activations) + accumulated
 
   global_batch = pdb * chips
   flops = metrics.training_tflops_per_step(cfg, max(1, round(global_batch)), seq_len)
@@ -227,7 +235,8 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   if dcn_s > 0.5 * compute_s:
     caveats.append("DCN-bound")
   return Estimate(params, 0.0 if offload_opt else optimizer, gradients, activations, total, flops_per_chip,
-                  compute_s, ici_s, dcn_s, host_s, step_s, mfu, global_batch * seq_len / chips / step_s, tuple(caveats))
+                  compute_s, ici_s, dcn_s, host_s, step_s, mfu, global_batch * seq_len / chips / step_s, tuple(caveats),
+                  unsharded)
 
 
 def powers_of_two(limit: int) -> list[int]:
