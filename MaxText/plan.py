@@ -308,7 +308,8 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
   for _, _, settings, estimate in ranked:
     if len(planned) == args.max_candidates:
       break
-    chosen = {k: v for k, v in settings.items() if k not in explicit}
+    # Only what differs from the config as given: the command line stays short, the config the same.
+    chosen = {k: v for k, v in settings.items() if k not in explicit and v != config[k]}
     try:
       candidate_config = config_lib.build_config(overrides.below_argv(chosen, "the planner"), config.target,
                                                  default_run_name="plan")
@@ -403,7 +404,7 @@ def main(argv: list[str]) -> int:
   gen = topology.generation
   print(f"plan for {config['model_name']} ({model.num_params / 1e9:.2f} B parameters) on {num_slices} x {topology.name}: "
         f"{counted:,} candidates estimated to fit in {gen.hbm_gib:g} GiB, ranked in "
-        f"{time.perf_counter() - started:.1f} s; compiling the best {len(planned)}", flush=True)
+        f"{time.perf_counter() - started:.1f} s; short list: the best {len(planned)}", flush=True)
   cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
   cache_dir.mkdir(parents=True, exist_ok=True)
   for p in planned:
