@@ -243,12 +243,17 @@ def _compile_all(planned: list[Planned], config_argv: list[str], flags: str, cac
       if pending and time.monotonic() >= deadline:
         finished = False
         break
+  except KeyboardInterrupt:  # what finished is cached already; the workers got the same signal
+    finished = False
+    raise
   finally:
     progress.finish()
-    executor.shutdown(wait=finished, cancel_futures=True)
+    # The pool's worker processes, taken before shutdown forgets them: stopped when the plan stops early.
+    workers_running = list((getattr(executor, "_processes", None) or {}).values())
     if not finished:
-      for process in list(getattr(executor, "_processes", {}).values()):
+      for process in workers_running:
         process.terminate()
+    executor.shutdown(wait=finished, cancel_futures=True)
   return finished
 
 
@@ -289,7 +294,8 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
   for settings in plan_model.candidates(model, topology, num_slices, fixed, global_batch, seq_len):
     estimate = plan_model.estimate(model, settings, topology, num_slices, seq_len, rules, kernel)
     if estimate.total <= hbm and estimate.unsharded <= config.mesh.sharding_tolerance:
-      ranked.append((-estimate.tokens_per_s, estimate.total, settings, estimate))
+      ranked.append((-estimate.tokens_per_s, int(settings.get("gradient_accumulation_steps", 1)), estimate.total,
+                     settings, estimate))
   counted = len(ranked)
   if not ranked:
     least = plan_model.least_memory(model, topology, num_slices, seq_len, rules, kernel)
@@ -301,11 +307,23 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
     raise UserError(f"{config['model_name']} does not fit {num_slices} x "
                     f"{topology.name} at any setting the planner searches (at least {least / GIB:.1f} GiB per chip "
                     f"of {topology.generation.hbm_gib:g}); {where}")
-  ranked.sort(key=lambda r: (r[0], r[1]))
+  ranked.sort(key=lambda r: r[:3])  # fastest, then fewer microbatches, then less memory
   planned: list[Planned] = []
   flags = compile_flags(topology.generation.name)
   versions, digest = compiled_step.runtime_versions(), _source_digest()
-  for _, _, settings, estimate in ranked:
+  # The short list takes the best of each kind first (remat policy, offload, tensor and sequence
+  # degrees), then the next best: the compiles then test the analytical model where it is weakest.
+  def kind(settings: Mapping[str, Any]) -> tuple:
+    return tuple(settings.get(k) for k in ("remat_policy", "optimizer_memory_host_offload", "ici_tensor_parallelism",
+                                           "ici_sequence_parallelism"))
+  seen: set[tuple] = set()
+  firsts: list = []
+  rest: list = []
+  for r in ranked:
+    (rest if kind(r[3]) in seen else firsts).append(r)
+    seen.add(kind(r[3]))
+  ordered = firsts + rest
+  for _, _, _, settings, estimate in ordered:
     if len(planned) == args.max_candidates:
       break
     # Only what differs from the config as given: the command line stays short, the config the same.

@@ -216,11 +216,12 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   ici_bytes = accumulation * gathers * ring(full_params_bytes, ici_fsdp) + ring(full_params_bytes * 2, ici_fsdp)
   ici_data = mesh_shape["data"] // max(1, num_slices if candidate.get("dcn_data_parallelism", 1) != 1 else 1)
   ici_bytes += 2 * ring(params * 2, ici_data)
-  tensor = mesh_shape["tensor"]
-  ici_bytes += accumulation * layers * 6 * ring(tokens * tensor * cfg.emb_dim * act_bytes, tensor)
-  seq = mesh_shape["sequence"]
-  ici_bytes += accumulation * layers * 3 * ring(tokens * seq * 2 * cfg.num_kv_heads * cfg.head_dim * act_bytes, seq)
+  tensor, seq = mesh_shape["tensor"], mesh_shape["sequence"]
+  # Tensor and sequence parallelism exchange activations inside each layer, on the critical path.
+  critical = accumulation * layers * 6 * ring(tokens * tensor * cfg.emb_dim * act_bytes, tensor)
+  critical += accumulation * layers * 3 * ring(tokens * seq * 2 * cfg.num_kv_heads * cfg.head_dim * act_bytes, seq)
   ici_s = ici_bytes / links.ici
+  exposed_s = critical / links.ici
   dcn_bytes = 0.0
   if num_slices > 1:
     dcn_fsdp = int(candidate.get("dcn_fsdp_parallelism", 1))
@@ -231,7 +232,9 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   if policy in OFFLOADED_POLICIES:
     host_bytes += 2 * tokens * accumulation * act_bytes * layers * sum(widths[w] for w in OFFLOADED_POLICIES[policy])
   host_s = host_bytes / links.host
-  step_s = max(compute_s, ici_s, dcn_s, host_s)
+  # Weight gathers, gradient reductions and DCN overlap with compute; activation exchanges and
+  # host transfers (offloaded state and activations) are counted in full.
+  step_s = max(compute_s, ici_s, dcn_s) + exposed_s + host_s
   mfu = flops_per_chip / step_s / (gen.peak_tflops * 1e12)
   caveats = []
   if host_s > 0:
@@ -239,7 +242,7 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   if dcn_s > 0.5 * compute_s:
     caveats.append("DCN-bound")
   return Estimate(params, device_optimizer, gradients, activations, total, flops_per_chip,
-                  compute_s, ici_s, dcn_s, host_s, step_s, mfu, global_batch * seq_len / chips / step_s, tuple(caveats),
+                  compute_s, ici_s + exposed_s, dcn_s, host_s, step_s, mfu, global_batch * seq_len / chips / step_s, tuple(caveats),
                   unsharded)
 
 
