@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 RECIPE_LIB = REPO / "configs" / "recipe_lib.sh"
 # The planner's own arguments (not config keys) and their defaults.
 PLAN_ARGS: dict[str, Any] = {"global_batch_tokens": 0, "max_candidates": 4, "budget_minutes": 30.0, "workers": 0,
-                             "cache_dir": "", "write_recipe": ""}
+                             "cache_dir": "", "write_recipe": "", "headroom": 0.1}
 # Config keys a candidate may set; one the user gives on the command line or in M_* is kept.
 SEARCH_KEYS = ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_fsdp_transpose_parallelism",
                "ici_sequence_parallelism", "ici_tensor_parallelism", "ici_expert_parallelism",
@@ -64,6 +64,7 @@ class PlanArgs:
   workers: int
   cache_dir: str
   write_recipe: str
+  headroom: float  # share of HBM the analytical estimate must leave free to be short-listed
 
   @classmethod
   def parse(cls, argv: list[str]) -> tuple["PlanArgs", list[str]]:
@@ -84,6 +85,8 @@ class PlanArgs:
       raise ConfigError(f"max_candidates must be >= 1, got {args.max_candidates}")
     if args.budget_minutes <= 0:
       raise ConfigError(f"budget_minutes must be > 0, got {args.budget_minutes:g}")
+    if not 0 <= args.headroom < 1:
+      raise ConfigError(f"headroom must be in [0, 1), got {args.headroom:g}")
     if args.global_batch_tokens < 0 or args.workers < 0:
       raise ConfigError("global_batch_tokens and workers must be >= 0 (0: not given / automatic)")
     return args, rest
@@ -290,10 +293,11 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
   rules = config.mesh.logical_axis_rules
   kernel = select_kernel(config.model.attention, "tpu", config.model)
   hbm = topology.generation.hbm_gib * GIB
+  limit = hbm * (1 - args.headroom)  # the analytical model's error on large models is a few percent
   ranked = []
   for settings in plan_model.candidates(model, topology, num_slices, fixed, global_batch, seq_len):
     estimate = plan_model.estimate(model, settings, topology, num_slices, seq_len, rules, kernel)
-    if estimate.total <= hbm and estimate.unsharded <= config.mesh.sharding_tolerance:
+    if estimate.total <= limit and estimate.unsharded <= config.mesh.sharding_tolerance:
       ranked.append((-estimate.tokens_per_s, int(settings.get("gradient_accumulation_steps", 1)), estimate.total,
                      settings, estimate))
   counted = len(ranked)
@@ -302,7 +306,7 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
     smallest = plan_model.smallest_fitting_topology(model, topology, num_slices, seq_len, rules, kernel)
     where = f"the smallest {topology.generation.name} slice that would (analytical model): {smallest}" if smallest \
         else f"no {topology.generation.name} slice is large enough at {num_slices} slice(s)"
-    if least <= hbm:  # only the user's fixed keys keep it out
+    if least <= limit:  # only the user's fixed keys keep it out
       where = f"drop or change the fixed keys {', '.join(sorted(fixed))}"
     raise UserError(f"{config['model_name']} does not fit {num_slices} x "
                     f"{topology.name} at any setting the planner searches (at least {least / GIB:.1f} GiB per chip "
@@ -438,7 +442,8 @@ def main(argv: list[str]) -> int:
   for i, p in enumerate(planned, 1):
     row, mfu = _row(i, p, hbm, chips, seq_len, gen.peak_tflops)
     rows.append(row)
-    if mfu > best_mfu:
+    # A candidate whose compiler estimate cannot be trusted wins only when no trusted one fits.
+    if mfu >= 0 and (best is None or (not p.estimate.caveats, mfu) > (not best.estimate.caveats, best_mfu)):
       best, best_mfu = p, mfu
   print(format_table(rows))
   print("HBM: XLA's device heap per chip; step ms, tokens/s/chip, MFU: the compiler's estimate (communication "
@@ -449,14 +454,15 @@ def main(argv: list[str]) -> int:
     return 130
   if not finished:
     print(f"budget of {args.budget_minutes:g} min spent: the candidates without a result were not compiled")
-  if best is None:
+  if best is None or best_mfu < 0:
     raise UserError(f"none of the {len(planned)} compiled candidates fits {gen.hbm_gib:g} GiB per {gen.name} chip; "
                     "raise max_candidates, or fix a smaller per_device_batch_size or a remat_policy")
   user_args = config_argv[2:] if len(config_argv) > 1 and "=" not in config_argv[1] else config_argv[1:]
   yaml_arg = config_argv[1] if len(config_argv) > 1 and "=" not in config_argv[1] else "configs/base.yml"
   train_args = [a for a in user_args if not a.startswith(("compile_topology=", "compile_topology_num_slices="))]
   train_args += best.argv_values()
-  print(f"best: {plan_model.describe(best.settings)}: compiler-estimated MFU {best_mfu:.1%}")
+  caveat = f" (caveats: {', '.join(best.estimate.caveats)}: no candidate without them fits)" if best.estimate.caveats else ""
+  print(f"best: {plan_model.describe(best.settings)}: compiler-estimated MFU {best_mfu:.1%}{caveat}")
   print(f"  LIBTPU_INIT_ARGS={shlex.quote(compile_flags(gen.name))} python3 -m MaxText.train {yaml_arg} "
         f"{' '.join(shlex.quote(a) for a in train_args)}")
   if args.write_recipe:
