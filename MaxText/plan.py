@@ -105,8 +105,10 @@ def compile_flags(generation: str) -> str:
 
 
 def _source_digest() -> str:
+  """The code that builds and compiles the step: every module but the planner's own."""
   digest = hashlib.sha256()
-  for path in sorted((REPO / "MaxText").rglob("*.py")):
+  planner = {Path(__file__).resolve(), Path(plan_model.__file__).resolve()}
+  for path in sorted(p for p in (REPO / "MaxText").rglob("*.py") if p.resolve() not in planner):
     digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
   return digest.hexdigest()
 
@@ -425,7 +427,7 @@ def main(argv: list[str]) -> int:
   planned, counted, model = shortlist(args, overrides, config, topology, num_slices)
   gen = topology.generation
   print(f"plan for {config['model_name']} ({model.num_params / 1e9:.2f} B parameters) on {num_slices} x {topology.name}: "
-        f"{counted:,} candidates estimated to fit in {gen.hbm_gib:g} GiB, ranked in "
+        f"{counted:,} candidates estimated to fit in {gen.hbm_gib:g} GiB with {args.headroom:.0%} headroom, ranked in "
         f"{time.perf_counter() - started:.1f} s; short list: the best {len(planned)}", flush=True)
   cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
   cache_dir.mkdir(parents=True, exist_ok=True)

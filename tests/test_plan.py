@@ -128,6 +128,8 @@ def test_bad_planner_arguments_are_one_line_errors():
     plan.main(argv(compile_topology="v5e-4", max_candidates=0, **TINY))
   with pytest.raises(ConfigError, match="budget_minutes must be a float"):
     plan.main(argv(compile_topology="v5e-4", budget_minutes="soon", **TINY))
+  with pytest.raises(ConfigError, match=r"headroom must be in \[0, 1\), got 1.5"):
+    plan.main(argv(compile_topology="v5e-4", headroom=1.5, **TINY))
   with pytest.raises(ConfigError, match="not a whole number of 64-token sequences"):
     plan.main(argv(compile_topology="v5e-4", global_batch_tokens=100, **TINY))
   with pytest.raises(ConfigError, match="unknown config key 'max_candidate'"):
