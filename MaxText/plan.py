@@ -351,10 +351,11 @@ def _row(index: int, p: Planned, hbm: float, chips: int, seq_len: int, peak: flo
   r = p.result or {"status": "not compiled"}
   label = plan_model.describe(p.settings) or "(as given)"
   analytic = f"{p.estimate.total / GIB:.2f}"
-  if r["status"] != "compiled":
-    needed = f"{r['total'] / GIB:.2f}" if r.get("total") else "-"
-    return [str(index), label, needed, r["status"], "-", "-", "-", _compile_time(p), analytic, "-", "-",
-            ", ".join(p.estimate.caveats)], -1.0
+  if r["status"] != "compiled":  # XLA's out-of-memory figure, where it gave one, is its whole heap too
+    needed = float(r.get("total") or 0.0)
+    error = f"{(p.estimate.total - needed) / needed:+.0%}" if needed else "-"
+    return [str(index), label, f"{needed / GIB:.2f}" if needed else "-", r["status"], "-", "-", "-", _compile_time(p),
+            analytic, error, "-", ", ".join(p.estimate.caveats)], -1.0
   total, step = float(r["total"]), r.get("step_s")
   fits = total <= hbm
   tokens = float(p.config.data.global_batch_size) * seq_len / chips
