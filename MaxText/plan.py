@@ -457,6 +457,9 @@ def main(argv: list[str]) -> int:
     return 130
   if not finished:
     print(f"budget of {args.budget_minutes:g} min spent: the candidates without a result were not compiled")
+  if best is None and not finished:
+    raise UserError(f"the budget of {args.budget_minutes:g} min ran out before a candidate that fits compiled; "
+                    f"raise budget_minutes (finished compiles are cached in {cache_dir})")
   if best is None or best_mfu < 0:
     raise UserError(f"none of the {len(planned)} compiled candidates fits {gen.hbm_gib:g} GiB per {gen.name} chip; "
                     "raise max_candidates, or fix a smaller per_device_batch_size or a remat_policy")

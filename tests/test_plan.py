@@ -113,6 +113,14 @@ def test_tiny_plan_compiles_caches_and_writes_a_recipe(tmp_path, capsys):
   assert "compiling 1 candidates" not in again and "cached (" in again
 
 
+def test_a_spent_budget_stops_the_compiles_and_says_so(tmp_path, capsys):
+  with pytest.raises(UserError, match=r"the budget of 0.001 min ran out before a candidate that fits compiled"):
+    plan.main(argv(compile_topology="v5e-4", max_candidates=1, workers=1, cache_dir=tmp_path, budget_minutes=0.001,
+                   **TINY))
+  assert "budget of 0.001 min spent" in capsys.readouterr().out
+  assert not list(tmp_path.glob("*.json"))  # nothing finished, nothing cached
+
+
 def test_a_model_too_large_for_any_setting_names_the_smallest_topology(tmp_path):
   with pytest.raises(UserError, match=r"llama2-7b does not fit 1 x v5e-4 at any setting the planner searches "
                                       r"\(at least [\d.]+ GiB per chip of 16\); the smallest v5e slice that would "
