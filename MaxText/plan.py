@@ -1,0 +1,483 @@
+"""The planner: the fastest configuration that fits a TPU topology, found on a CPU.
+
+  python3 -m MaxText.plan configs/base.yml model_name=llama2-7b compile_topology=v5e-256 \
+      [compile_topology_num_slices=N] [global_batch_tokens=T] [max_candidates=4] [budget_minutes=30] \
+      [workers=N] [cache_dir=PATH] [write_recipe=PATH]
+
+Every other key=value is a config key, held fixed as a constraint (model shape,
+max_target_length, a degree or remat_policy the user wants kept). Two stages:
+  1. plan_model.py ranks every candidate of the search space (mesh degrees within and across
+     slices, remat policy, optimizer offload, batch, gradient accumulation) by its analytical
+     step time among those it estimates to fit in HBM, in seconds;
+  2. the best `max_candidates` are compiled ahead of time for the topology (train_compile's
+     path) in worker processes, each reporting XLA's device heap and the compiler's step-time
+     estimate. Results are cached on disk under a key of everything that affects a compile,
+     so a second identical plan compiles nothing; Ctrl-C keeps what finished.
+The best compiled candidate is printed as a command line and, with write_recipe=PATH,
+written as a recipe like configs/v5e/*.sh (EXECUTABLE=train_compile, DRY_RUN=1, ...).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import multiprocessing
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+if __package__ in (None, ""):  # `python3 MaxText/plan.py`: import the package, not sibling files.
+  sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from MaxText import accelerators, compiled_step, config as config_lib, plan_model, startup
+from MaxText.errors import ConfigError, UserError, run_cli
+from MaxText.memory_report import GIB
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE_LIB = REPO / "configs" / "recipe_lib.sh"
+# The planner's own arguments (not config keys) and their defaults.
+PLAN_ARGS: dict[str, Any] = {"global_batch_tokens": 0, "max_candidates": 4, "budget_minutes": 30.0, "workers": 0,
+                             "cache_dir": "", "write_recipe": "", "headroom": 0.1}
+# Config keys a candidate may set; one the user gives on the command line or in M_* is kept.
+SEARCH_KEYS = ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_fsdp_transpose_parallelism",
+               "ici_sequence_parallelism", "ici_tensor_parallelism", "ici_expert_parallelism",
+               "dcn_data_parallelism", "dcn_fsdp_parallelism", "remat_policy", "optimizer_memory_host_offload",
+               "per_device_batch_size", "gradient_accumulation_steps")
+# The LIBTPU_INIT_ARGS variable of recipe_lib.sh each generation's recipes use.
+RECIPE_FLAG_VARS = {"v5e": "V5E_LIBTPU_FLAGS", "v5p": "V5P_LIBTPU_FLAGS"}
+COMPILE_MEMORY_GIB = 6  # what one worker's compile may take, for the worker count
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanArgs:
+  global_batch_tokens: int
+  max_candidates: int
+  budget_minutes: float
+  workers: int
+  cache_dir: str
+  write_recipe: str
+  headroom: float  # share of HBM the analytical estimate must leave free to be short-listed
+
+  @classmethod
+  def parse(cls, argv: list[str]) -> tuple["PlanArgs", list[str]]:
+    """(the planner's arguments, the argv left for the config)."""
+    values, rest = dict(PLAN_ARGS), [argv[0]]
+    for arg in argv[1:]:
+      key, sep, text = arg.partition("=")
+      if sep and key in PLAN_ARGS:
+        default = PLAN_ARGS[key]
+        try:
+          values[key] = type(default)(text)
+        except ValueError:
+          raise ConfigError(f"{key} must be a {type(default).__name__}, got {text!r}") from None
+      else:
+        rest.append(arg)
+    args = cls(**values)
+    if args.max_candidates < 1:
+      raise ConfigError(f"max_candidates must be >= 1, got {args.max_candidates}")
+    if args.budget_minutes <= 0:
+      raise ConfigError(f"budget_minutes must be > 0, got {args.budget_minutes:g}")
+    if not 0 <= args.headroom < 1:
+      raise ConfigError(f"headroom must be in [0, 1), got {args.headroom:g}")
+    if args.global_batch_tokens < 0 or args.workers < 0:
+      raise ConfigError("global_batch_tokens and workers must be >= 0 (0: not given / automatic)")
+    return args, rest
+
+
+def recipe_flags(generation: str) -> str:
+  """The generation's published LIBTPU_INIT_ARGS from recipe_lib.sh ("" for others)."""
+  var = RECIPE_FLAG_VARS.get(generation)
+  match = re.search(rf'^{var}="([^"]*)"', RECIPE_LIB.read_text(), re.M) if var else None
+  return match.group(1) if match else ""
+
+
+def compile_flags(generation: str) -> str:
+  """What the compiles run with: the recipe flags, then the user's own (later flags win)."""
+  return " ".join(f for f in (recipe_flags(generation), os.environ.get("LIBTPU_INIT_ARGS", "")) if f.strip())
+
+
+def _source_digest() -> str:
+  """The code that builds and compiles the step: every module but the planner's own."""
+  digest = hashlib.sha256()
+  planner = {Path(__file__).resolve(), Path(plan_model.__file__).resolve()}
+  for path in sorted(p for p in (REPO / "MaxText").rglob("*.py") if p.resolve() not in planner):
+    digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+  return digest.hexdigest()
+
+
+def cache_key(config: config_lib.Config, topology: str, num_slices: int, libtpu_flags: str, xla_flags: str,
+              versions: Mapping[str, Any], source_digest: str) -> str:
+  """Everything a compile depends on: every resolved config value (the run name excepted), the
+  topology, the compiler versions and flags, and the code that builds the step."""
+  values = {k: v for k, v in config.values.items() if k != "run_name"}
+  payload = {"values": values, "topology": topology, "num_slices": num_slices, "libtpu_flags": libtpu_flags,
+             "xla_flags": xla_flags, "versions": dict(versions), "source": source_digest}
+  return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def default_cache_dir() -> Path:
+  return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "maxtext" / "plan"
+
+
+def compile_candidate(argv: list[str], libtpu_flags: str, log_path: str) -> dict[str, Any]:
+  """Worker process: compiles one candidate for the topology and returns its figures. Its own
+  output goes to `log_path` so the parent's progress line stays readable."""
+  log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+  os.dup2(log, 1)
+  os.dup2(log, 2)
+  os.environ["LIBTPU_INIT_ARGS"] = libtpu_flags
+  return compile_figures(argv)
+
+
+def compile_figures(argv: list[str]) -> dict[str, Any]:
+  """Compiles the train step for the topology `argv` names (train_compile's path): XLA's device
+  heap per chip, the compiler's step time and the compile time, or why it did not compile."""
+  from MaxText import run_assembly, train_compile  # noqa: PLC0415  (after the flags are set)
+  from MaxText.hlo_cycles import estimated_cycles  # noqa: PLC0415
+  from MaxText.memory_report import MemoryReport, buffer_assignment_dump_options, read_buffer_assignment  # noqa: PLC0415
+  start = time.perf_counter()
+  with tempfile.TemporaryDirectory(prefix="plan_") as report_dir:
+    try:
+      config, devices, topology = train_compile.load_target_config(argv)
+      run = run_assembly.build_run(config, devices=devices, compiled_step=False)
+      compiled = train_compile.compile_or_explain(run.train_step, run.abstract_inputs(), topology,
+                                                  buffer_assignment_dump_options(report_dir))
+    except UserError as e:
+      message = str(e)
+      status = "does not fit" if message.startswith("does not fit") else "invalid"
+      needed = re.search(r"needs ([\d.]+) GiB", message)
+      return {"status": status, "message": message, "compile_s": time.perf_counter() - start,
+              "total": float(needed.group(1)) * GIB if needed else 0.0}
+    compile_s = time.perf_counter() - start
+    memory = MemoryReport.from_compiled(compiled, read_buffer_assignment(report_dir))
+  cycles = estimated_cycles(compiled.as_text())
+  return {"status": "compiled", "compile_s": compile_s, "total": memory.total, "arguments": memory.arguments,
+          "source": memory.source, "host_bytes": sum(size for _, size in memory.other_spaces),
+          "step_s": cycles / (topology.generation.clock_ghz * 1e9) if cycles and topology else None}
+
+
+@dataclasses.dataclass
+class Planned:
+  """One short-listed candidate: its settings, config, analytical estimate and compile result."""
+
+  settings: dict[str, Any]
+  config: config_lib.Config
+  estimate: plan_model.Estimate
+  key: str
+  result: dict[str, Any] | None = None
+  cached: bool = False
+
+  def argv_values(self) -> list[str]:
+    return [f"{k}={_text(v)}" for k, v in self.settings.items()]
+
+
+def _text(value: Any) -> str:
+  return ("true" if value else "false") if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+class Progress:
+  """One line on stderr: a bar, done/total, and the ETA from the mean compile time so far."""
+
+  def __init__(self, total: int, workers: int):
+    self.total, self.workers, self.done, self.seconds = total, workers, 0, 0.0
+    self.start = time.monotonic()
+    self.tty = sys.stderr.isatty()
+
+  def update(self, label: str, compile_s: float) -> None:
+    self.done += 1
+    self.seconds += compile_s
+    remaining = self.total - self.done
+    eta = self.seconds / self.done * remaining / max(1, min(self.workers, remaining)) if remaining else 0.0
+    bar = "#" * round(20 * self.done / self.total)
+    line = f"[{bar:<20}] {self.done}/{self.total} compiled, ETA {eta:.0f} s ({label}: {compile_s:.1f} s)"
+    print(("\r" + line.ljust(110)) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+  def finish(self) -> None:
+    if self.tty and self.done:
+      print(file=sys.stderr)
+
+
+def _workers(requested: int, todo: int) -> int:
+  if requested:
+    return max(1, min(requested, todo))
+  try:
+    free_gib = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GIB
+  except (ValueError, OSError):
+    free_gib = COMPILE_MEMORY_GIB
+  return max(1, min(os.cpu_count() or 1, int(free_gib // COMPILE_MEMORY_GIB), todo))
+
+
+def _compile_all(planned: list[Planned], config_argv: list[str], flags: str, cache_dir: Path, args: PlanArgs) -> bool:
+  """Compiles every uncached candidate; each result is cached as it arrives. False when the
+  budget ran out first (the rest are left uncompiled)."""
+  todo = [p for p in planned if p.result is None]
+  if not todo:
+    return True
+  workers = _workers(args.workers, len(todo))
+  print(f"compiling {len(todo)} candidates in {workers} worker process{'es' if workers > 1 else ''} "
+        f"(budget {args.budget_minutes:g} min); cache: {cache_dir}", flush=True)
+  progress = Progress(len(todo), workers)
+  deadline = time.monotonic() + args.budget_minutes * 60
+  context = multiprocessing.get_context("spawn")
+  executor = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, max_tasks_per_child=1)
+  futures = {executor.submit(compile_candidate, config_argv + p.argv_values(), flags,
+                             str(cache_dir / f"{p.key}.log")): p for p in todo}
+  finished = True
+  try:
+    pending = set(futures)
+    while pending:
+      done, pending = concurrent.futures.wait(pending, timeout=max(0.0, deadline - time.monotonic()),
+                                              return_when=concurrent.futures.FIRST_COMPLETED)
+      for future in done:
+        p = futures[future]
+        try:
+          p.result = future.result()
+        except Exception as e:  # a crashed compile is reported, not cached
+          p.result = {"status": "failed", "message": f"{type(e).__name__}: {e}".splitlines()[0], "compile_s": 0.0}
+        else:
+          _write_cache(cache_dir / f"{p.key}.json", p.result)
+        progress.update(plan_model.describe(p.settings), float(p.result.get("compile_s", 0.0)))
+      if pending and time.monotonic() >= deadline:
+        finished = False
+        break
+  except KeyboardInterrupt:  # what finished is cached already; the workers got the same signal
+    finished = False
+    raise
+  finally:
+    progress.finish()
+    # The pool's worker processes, taken before shutdown forgets them: stopped when the plan stops early.
+    workers_running = list((getattr(executor, "_processes", None) or {}).values())
+    if not finished:
+      for process in workers_running:
+        process.terminate()
+    executor.shutdown(wait=finished, cancel_futures=True)
+  return finished
+
+
+def _write_cache(path: Path, result: Mapping[str, Any]) -> None:
+  temporary = path.with_suffix(".tmp")
+  temporary.write_text(json.dumps(result))
+  os.replace(temporary, path)
+
+
+def _read_cache(path: Path) -> dict[str, Any] | None:
+  try:
+    return json.loads(path.read_text())
+  except (OSError, ValueError):
+    return None
+
+
+def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_lib.Config,
+              topology: accelerators.TpuTopology, num_slices: int) -> tuple[list[Planned], int, plan_model.ModelShape]:
+  """The best `max_candidates` candidates by analytical step time among those estimated to fit
+  (each a valid config), and how many candidates were ranked."""
+  from MaxText.layers.attention import select_kernel  # noqa: PLC0415  (flax)
+  seq_len = config.data.max_target_length
+  explicit = overrides.explicit_keys() | set(overrides.file_values)
+  fixed = {k: overrides.peek(k) for k in SEARCH_KEYS if k in explicit}
+  global_batch = None
+  if args.global_batch_tokens:
+    if "per_device_batch_size" in fixed:
+      raise ConfigError("give global_batch_tokens or per_device_batch_size, not both")
+    if args.global_batch_tokens % seq_len:
+      raise ConfigError(f"global_batch_tokens={args.global_batch_tokens} is not a whole number of "
+                        f"{seq_len}-token sequences (max_target_length)")
+    global_batch = args.global_batch_tokens // seq_len
+  model = plan_model.ModelShape.of(config.model, config.optim)
+  rules = config.mesh.logical_axis_rules
+  kernel = select_kernel(config.model.attention, "tpu", config.model)
+  hbm = topology.generation.hbm_gib * GIB
+  limit = hbm * (1 - args.headroom)  # the analytical model's error on large models is a few percent
+  ranked = []
+  for settings in plan_model.candidates(model, topology, num_slices, fixed, global_batch, seq_len):
+    estimate = plan_model.estimate(model, settings, topology, num_slices, seq_len, rules, kernel)
+    if estimate.total <= limit and estimate.unsharded <= config.mesh.sharding_tolerance:
+      ranked.append((-estimate.tokens_per_s, int(settings.get("gradient_accumulation_steps", 1)), estimate.total,
+                     settings, estimate))
+  counted = len(ranked)
+  if not ranked:
+    least = plan_model.least_memory(model, topology, num_slices, seq_len, rules, kernel)
+    smallest = plan_model.smallest_fitting_topology(model, topology, num_slices, seq_len, rules, kernel)
+    where = f"the smallest {topology.generation.name} slice that would (analytical model): {smallest}" if smallest \
+        else f"no {topology.generation.name} slice is large enough at {num_slices} slice(s)"
+    if least <= limit:  # only the user's fixed keys keep it out
+      where = f"drop or change the fixed keys {', '.join(sorted(fixed))}"
+    raise UserError(f"{config['model_name']} does not fit {num_slices} x "
+                    f"{topology.name} at any setting the planner searches (at least {least / GIB:.1f} GiB per chip "
+                    f"of {topology.generation.hbm_gib:g}); {where}")
+  ranked.sort(key=lambda r: r[:3])  # fastest, then fewer microbatches, then less memory
+  planned: list[Planned] = []
+  flags = compile_flags(topology.generation.name)
+  versions, digest = compiled_step.runtime_versions(), _source_digest()
+  # The short list takes the best of each kind first (remat policy, offload, tensor and sequence
+  # degrees), then the next best: the compiles then test the analytical model where it is weakest.
+  def kind(settings: Mapping[str, Any]) -> tuple:
+    return tuple(settings.get(k) for k in ("remat_policy", "optimizer_memory_host_offload", "ici_tensor_parallelism",
+                                           "ici_sequence_parallelism"))
+  seen: set[tuple] = set()
+  firsts: list = []
+  rest: list = []
+  for r in ranked:
+    (rest if kind(r[3]) in seen else firsts).append(r)
+    seen.add(kind(r[3]))
+  ordered = firsts + rest
+  for _, _, _, settings, estimate in ordered:
+    if len(planned) == args.max_candidates:
+      break
+    # Only what differs from the config as given: the command line stays short, the config the same.
+    chosen = {k: v for k, v in settings.items() if k not in explicit and v != config[k]}
+    try:
+      candidate_config = config_lib.build_config(overrides.below_argv(chosen, "the planner"), config.target,
+                                                 default_run_name="plan")
+    except ConfigError:
+      continue  # e.g. a degree that does not divide the heads: the next candidate instead
+    key = cache_key(candidate_config, topology.name, num_slices, flags, os.environ.get("XLA_FLAGS", ""), versions, digest)
+    if any(p.key == key for p in planned):
+      continue
+    planned.append(Planned(chosen, candidate_config, estimate, key))
+  return planned, counted, model
+
+
+def _row(index: int, p: Planned, hbm: float, chips: int, seq_len: int, peak: float) -> tuple[list[str], float]:
+  """The table row of a compiled candidate and its compiler MFU (-1 when it did not compile or fit)."""
+  r = p.result or {"status": "not compiled"}
+  label = plan_model.describe(p.settings) or "(as given)"
+  analytic = f"{p.estimate.total / GIB:.2f}"
+  if r["status"] != "compiled":  # XLA's out-of-memory figure, where it gave one, is its whole heap too
+    needed = float(r.get("total") or 0.0)
+    error = f"{(p.estimate.total - needed) / needed:+.0%}" if needed else "-"
+    return [str(index), label, f"{needed / GIB:.2f}" if needed else "-", r["status"], "-", "-", "-", _compile_time(p),
+            analytic, error, "-", ", ".join(p.estimate.caveats)], -1.0
+  total, step = float(r["total"]), r.get("step_s")
+  fits = total <= hbm
+  tokens = float(p.config.data.global_batch_size) * seq_len / chips
+  mfu = p.estimate.flops / step / (peak * 1e12) if step else float("nan")
+  memory_error = (p.estimate.total - total) / total
+  step_error = (p.estimate.step_s - step) / step if step else float("nan")
+  row = [str(index), label, f"{total / GIB:.2f}", f"yes ({1 - total / hbm:.0%} free)" if fits else "NO",
+         f"{step * 1e3:,.1f}" if step else "-", f"{tokens / step:,.0f}" if step else "-",
+         f"{mfu:.1%}" if step else "-", _compile_time(p), analytic, f"{memory_error:+.0%}", f"{step_error:+.0%}",
+         ", ".join(p.estimate.caveats)]
+  return row, (mfu if fits and step else -1.0)
+
+
+def _compile_time(p: Planned) -> str:
+  if not p.result:
+    return "-"
+  return f"cached ({p.result['compile_s']:.0f} s)" if p.cached else f"{p.result['compile_s']:.1f} s"
+
+
+HEADER = ["#", "candidate", "HBM GiB/chip", "fits", "step ms", "tokens/s/chip", "MFU", "compile", "analytic GiB",
+          "mem err", "step err", "caveats"]
+
+
+def format_table(rows: list[list[str]]) -> str:
+  widths = [max(len(r[i]) for r in [HEADER] + rows) for i in range(len(HEADER))]
+  lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [HEADER] + rows]
+  return "\n".join([lines[0], "  ".join("-" * w for w in widths)] + lines[1:])
+
+
+def write_recipe(path: str, topology: accelerators.TpuTopology, recipe_args: list[str], summary: str) -> str:
+  """A recipe like configs/v5e/*.sh running `recipe_args` on `topology`; returns its dry run."""
+  target = Path(path).resolve()
+  target.parent.mkdir(parents=True, exist_ok=True)
+  library = os.path.relpath(RECIPE_LIB, target.parent)
+  flag_var = RECIPE_FLAG_VARS.get(topology.generation.name)
+  flags = f'"${flag_var}"' if flag_var else '""'
+  text = "\n".join([
+      "#!/usr/bin/env bash",
+      f"# Written by MaxText.plan: {summary}",
+      "# Compiler estimates, not measurements: verify on the hardware.",
+      f"#   bash {path} RUN_NAME=my_run OUTPUT_PATH=gs://my-bucket/runs [PLATFORM=gce|gke] [DRY_RUN=1]",
+      f"#   bash {path} EXECUTABLE=train_compile [NUM_SLICES=N]   # compile for {topology.name} on any machine",
+      f'source "$(dirname "${{BASH_SOURCE[0]}}")/{library}"  # arguments: see recipe_lib.sh',
+      f"RECIPE_TOPOLOGY={topology.name} RECIPE_FLAGS={flags}",
+      f"RECIPE_ARGS=({' '.join(shlex.quote(a) for a in recipe_args)})",
+      'recipe_run "$@"', ""])
+  target.write_text(text)
+  target.chmod(0o755)
+  clean = {k: v for k, v in os.environ.items() if k != "LIBTPU_INIT_ARGS"}
+  result = subprocess.run(["bash", str(target), "DRY_RUN=1", "RUN_NAME=planned"], capture_output=True, text=True,
+                          env=clean, check=False)
+  if result.returncode != 0:
+    raise UserError(f"the written recipe {path} does not run: {result.stderr.strip()}")
+  return result.stdout.strip()
+
+
+def main(argv: list[str]) -> int:
+  args, config_argv = PlanArgs.parse(argv)
+  overrides = startup.read_overrides(config_argv)
+  name = str(overrides.peek("compile_topology")).strip()
+  num_slices = int(overrides.peek("compile_topology_num_slices"))
+  if not name or name == "local":
+    raise ConfigError("plan needs compile_topology=NAME, a TPU slice type (e.g. v5e-256)")
+  if num_slices < 1:
+    raise ConfigError(f"compile_topology_num_slices must be >= 1, got {num_slices}")
+  topology = accelerators.tpu_topology(name)
+  startup.start_backend(overrides, "cpu")
+  config = config_lib.build_config(overrides, topology.target(num_slices), default_run_name="plan")
+  started = time.perf_counter()
+  planned, counted, model = shortlist(args, overrides, config, topology, num_slices)
+  gen = topology.generation
+  print(f"plan for {config['model_name']} ({model.num_params / 1e9:.2f} B parameters) on {num_slices} x {topology.name}: "
+        f"{counted:,} candidates estimated to fit in {gen.hbm_gib:g} GiB with {args.headroom:.0%} headroom, ranked in "
+        f"{time.perf_counter() - started:.1f} s; short list: the best {len(planned)}", flush=True)
+  cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+  cache_dir.mkdir(parents=True, exist_ok=True)
+  for p in planned:
+    p.result = _read_cache(cache_dir / f"{p.key}.json")
+    p.cached = p.result is not None
+  interrupted = False
+  try:
+    finished = _compile_all(planned, config_argv, compile_flags(gen.name), cache_dir, args)
+  except KeyboardInterrupt:
+    interrupted, finished = True, False
+  chips, seq_len, hbm = topology.chips * num_slices, config.data.max_target_length, gen.hbm_gib * GIB
+  rows, best, best_mfu = [], None, -1.0
+  for i, p in enumerate(planned, 1):
+    row, mfu = _row(i, p, hbm, chips, seq_len, gen.peak_tflops)
+    rows.append(row)
+    # A candidate whose compiler estimate cannot be trusted wins only when no trusted one fits.
+    if mfu >= 0 and (best is None or (not p.estimate.caveats, mfu) > (not best.estimate.caveats, best_mfu)):
+      best, best_mfu = p, mfu
+  print(format_table(rows))
+  print("HBM: XLA's device heap per chip; step ms, tokens/s/chip, MFU: the compiler's estimate (communication "
+        f"assumed hidden), MFU of {gen.peak_tflops:g} TFLOP/s; mem err / step err: the analytical model against it. "
+        "Caveats mark candidates whose compiler estimate cannot be trusted (host transfers and DCN are not in it).")
+  if interrupted:
+    print(f"interrupted: {sum(1 for p in planned if p.result)} results kept in {cache_dir}", file=sys.stderr)
+    return 130
+  if not finished:
+    print(f"budget of {args.budget_minutes:g} min spent: the candidates without a result were not compiled")
+  if best is None and not finished:
+    raise UserError(f"the budget of {args.budget_minutes:g} min ran out before a candidate that fits compiled; "
+                    f"raise budget_minutes (finished compiles are cached in {cache_dir})")
+  if best is None or best_mfu < 0:
+    raise UserError(f"none of the {len(planned)} compiled candidates fits {gen.hbm_gib:g} GiB per {gen.name} chip; "
+                    "raise max_candidates, or fix a smaller per_device_batch_size or a remat_policy")
+  user_args = config_argv[2:] if len(config_argv) > 1 and "=" not in config_argv[1] else config_argv[1:]
+  yaml_arg = config_argv[1] if len(config_argv) > 1 and "=" not in config_argv[1] else "configs/base.yml"
+  train_args = [a for a in user_args if not a.startswith(("compile_topology=", "compile_topology_num_slices="))]
+  train_args += best.argv_values()
+  caveat = f" (caveats: {', '.join(best.estimate.caveats)}: no candidate without them fits)" if best.estimate.caveats else ""
+  print(f"best: {plan_model.describe(best.settings)}: compiler-estimated MFU {best_mfu:.1%}{caveat}")
+  print(f"  LIBTPU_INIT_ARGS={shlex.quote(compile_flags(gen.name))} python3 -m MaxText.train {yaml_arg} "
+        f"{' '.join(shlex.quote(a) for a in train_args)}")
+  if args.write_recipe:
+    summary = (f"{config['model_name']} on {num_slices} x {topology.name}, {plan_model.describe(best.settings)}, "
+               f"compiler-estimated MFU {best_mfu:.1%}")
+    dry = write_recipe(args.write_recipe, topology, train_args, summary)
+    print(f"wrote {args.write_recipe}; its dry run:\n  {dry}")
+  return 0
+
+
+if __name__ == "__main__":
+  run_cli(main)

@@ -1,0 +1,356 @@
+"""The planner's fast analytical model (MaxText/plan.py): for one candidate setting of the
+mesh degrees, remat policy, batch, gradient accumulation and optimizer offload, the bytes each
+chip holds (parameters, optimizer state, gradients, saved and working activations), the bytes
+each chip sends over ICI and DCN, the FLOPs, and a roofline step time. It prunes and ranks
+thousands of candidates in seconds; the short list is then compiled (plan.py) and the
+compiler's figures replace these.
+
+Parameter and optimizer bytes are exact per chip: the abstract parameter tree
+(models.build_model_spec) sharded by logical_axis_rules over the candidate's mesh shape, as
+train_state shards it. Activations are a per-token count of what each remat policy saves; the
+collectives are ring all-gathers / reduce-scatters / all-reduces at the bandwidths in
+`LINKS`. What the model leaves out (XLA's fusion choices, buffer reuse, collective overlap) is
+what the compile measures; plan.py prints the error of every estimate against its compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Any, Iterator, Mapping, Sequence
+
+import jax
+from jax.sharding import AbstractMesh
+
+from MaxText import accelerators, metrics, optimizers, sharding
+from MaxText.config_groups import MESH_AXES
+from MaxText.model_config import ModelConfig
+
+GIB = 1024**3
+
+# Per-chip link bandwidths in bytes/s: ICI is the published per-chip interconnect figure
+# (all links together, one direction); DCN is the host's data-centre network share per chip;
+# host is the PCIe path offloaded state and activations take.
+@dataclasses.dataclass(frozen=True)
+class Links:
+  ici: float
+  dcn: float
+  host: float
+
+
+LINKS: dict[str, Links] = {
+    "v4": Links(ici=300e9, dcn=100e9 / 8 / 4, host=16e9),
+    "v5e": Links(ici=200e9, dcn=200e9 / 8 / 4, host=16e9),
+    "v5p": Links(ici=600e9, dcn=200e9 / 8 / 4, host=32e9),
+    "v6e": Links(ici=448e9, dcn=400e9 / 8 / 4, host=32e9),
+}
+
+# Per token and layer, in multiples of the widths below: what each remat policy keeps for the
+# backward pass (bf16), besides the layer input every policy keeps (the scan carry).
+#   qkv = (N + 2K)·H, out = D (attention output projection), mlp_in = gated·F, mlp_out = D.
+SAVED_PER_POLICY: dict[str, tuple[str, ...]] = {
+    "full": (),
+    "minimal": ("qkv", "out", "mlp_in", "mlp_out"),
+    "save_dot_except_mlp": ("qkv", "out"),
+    "save_qkv_proj": ("qkv",),
+    "minimal_offloaded": (),  # saved on the host instead (transfer time counted)
+    "save_dot_except_mlp_offloaded": (),
+    "none": ("qkv", "out", "mlp_in", "mlp_out", "attn", "norms", "mlp_act"),
+}
+OFFLOADED_POLICIES = {"minimal_offloaded": SAVED_PER_POLICY["minimal"],
+                      "save_dot_except_mlp_offloaded": SAVED_PER_POLICY["save_dot_except_mlp"]}
+# With optimizer_memory_host_offload the update still copies the moments to the device; the
+# share of them live there at once, fitted to compiles of llama2-7b on v5e-4 (getting_started/Planner.md).
+OFFLOADED_OPTIMIZER_ON_DEVICE = 0.7
+SEARCHED_POLICIES = ("full", "save_qkv_proj", "save_dot_except_mlp", "minimal", "minimal_offloaded",
+                     "save_dot_except_mlp_offloaded")
+
+# Keys a candidate sets; a key the user gives is held fixed instead.
+ICI_AXES = ("data", "fsdp", "fsdp_transpose", "sequence", "tensor", "expert")
+DCN_AXES = ("data", "fsdp", "pipeline")
+_AXIS_OF_KEY = {"data": "data", "fsdp": "fsdp", "fsdp_transpose": "fsdp_transpose", "sequence": "sequence",
+                "tensor": "tensor", "expert": "expert", "pipeline": "stage"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """The analytical figures for one candidate, per chip."""
+
+  params: float
+  optimizer: float  # on the device (with optimizer_memory_host_offload: the share live during the update)
+  gradients: float
+  activations: float  # saved for the backward pass, plus one layer's working set and the logits
+  total: float
+  flops: float  # model FLOPs per chip per step (what MFU counts)
+  compute_s: float
+  ici_s: float
+  dcn_s: float
+  host_s: float
+  step_s: float
+  mfu: float
+  tokens_per_s: float  # per chip
+  caveats: tuple[str, ...]  # where the compiler estimate cannot be trusted
+  unsharded: float  # fraction of parameter bytes not split over every non-data axis
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+  """What the estimate needs from the model, computed once per plan."""
+
+  cfg: ModelConfig
+  leaves: tuple[tuple[tuple[int, ...], int, tuple[str | None, ...]], ...]  # (shape, itemsize, logical names)
+  opt_multiple: float  # optimizer-state bytes per parameter byte (AdamW: mu and nu)
+  num_params: int
+  layer_params: int  # in one decoder layer (what FSDP gathers per layer)
+
+  @classmethod
+  def of(cls, cfg: ModelConfig, optim_cfg: Any) -> "ModelShape":
+    from MaxText import models  # noqa: PLC0415  (flax; only the planner needs it here)
+    spec = models.build_model_spec(cfg)
+    params, names = spec.abstract_params, spec.logical_names
+    flat = jax.tree.leaves(params)
+    flat_names = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple))
+    leaves = tuple((tuple(p.shape), p.dtype.itemsize, tuple(n)) for p, n in zip(flat, flat_names))
+    optimizer = optimizers.create_optimizer(optim_cfg)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    param_bytes = sum(p.size * p.dtype.itemsize for p in flat)
+    opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(opt_state))
+    num_params = sum(p.size for p in flat)
+    stacked = sum(p.size for p, n in zip(flat, flat_names) if "layers" in n)
+    layer_params = stacked // max(1, cfg.num_decoder_layers)
+    return cls(cfg, leaves, opt_bytes / max(1, param_bytes), num_params, layer_params)
+
+
+def mesh_of(candidate: Mapping[str, Any]) -> dict[str, int]:
+  """Total degree per mesh axis (ici × dcn) of a candidate's resolved parallelism keys."""
+  shape = {axis: 1 for axis in MESH_AXES}
+  for key, value in candidate.items():
+    for group in ("ici", "dcn"):
+      prefix = f"{group}_"
+      if key.startswith(prefix) and key.endswith("_parallelism"):
+        axis = _AXIS_OF_KEY.get(key[len(prefix):-len("_parallelism")])
+        if axis:
+          shape[axis] *= int(value)
+  return shape
+
+
+def param_layout(model: ModelShape, mesh_shape: Mapping[str, int], rules: Any) -> tuple[float, float]:
+  """(parameter bytes one chip holds, fraction of bytes not split over every non-data axis):
+  each leaf split over the mesh axes its logical names map to, as train_state shards it (the
+  fraction is what sharding_tolerance bounds; see sharding.unsharded_fraction)."""
+  mesh = AbstractMesh(tuple(mesh_shape[a] for a in MESH_AXES), MESH_AXES)
+  ignored = ("data", "stage", "autoregressive")
+  target = math.prod(size for axis, size in mesh_shape.items() if axis not in ignored)
+  per_chip = total = unsharded = 0.0
+  for shape, itemsize, names in model.leaves:
+    spec = sharding.logical_to_mesh_spec(names, rules, mesh, shape)  # type: ignore[arg-type]
+    axes = [axis for entry in spec if entry for axis in ((entry,) if isinstance(entry, str) else entry)]
+    nbytes = math.prod(shape) * itemsize
+    per_chip += nbytes / math.prod(mesh_shape[a] for a in axes)
+    total += nbytes
+    if math.prod(mesh_shape[a] for a in axes if a not in ignored) < target:
+      unsharded += nbytes
+  return per_chip, (unsharded / total if total else 0.0)
+
+
+def _widths(cfg: ModelConfig) -> dict[str, float]:
+  heads = (cfg.num_query_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+  mlp = cfg.mlp_dim * (cfg.num_experts_per_tok if cfg.num_experts > 1 else 1)
+  return {"qkv": heads, "out": cfg.emb_dim, "mlp_in": mlp * len(cfg.mlp_activations), "mlp_out": cfg.emb_dim,
+          "attn": cfg.num_query_heads * cfg.head_dim, "norms": 2 * cfg.emb_dim, "mlp_act": mlp}
+
+
+def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelerators.TpuTopology, num_slices: int,
+             seq_len: int, rules: Any, attention_kernel: str) -> Estimate:
+  """The analytical estimate of one candidate (its keys resolved: every degree, batch, policy)."""
+  cfg, gen = model.cfg, topology.generation
+  links = LINKS.get(gen.name, LINKS["v5e"])
+  chips = topology.chips * num_slices
+  mesh_shape = mesh_of(candidate)
+  pdb = float(candidate["per_device_batch_size"])
+  accumulation = int(candidate.get("gradient_accumulation_steps", 1))
+  policy = str(candidate["remat_policy"])
+  offload_opt = bool(candidate.get("optimizer_memory_host_offload", False))
+
+  params, unsharded = param_layout(model, mesh_shape, rules)
+  optimizer = params * model.opt_multiple
+  gradients = params  # gradients in the parameter dtype, sharded like the parameters
+  # Activations per chip for one microbatch: the batch is split over every device, the
+  # sequence and tensor axes splitting length and width instead of rows.
+  tokens = pdb / accumulation * seq_len
+  widths = _widths(cfg)
+  layers = cfg.num_decoder_layers
+  act_bytes = 2  # bf16
+  saved = tokens * act_bytes * layers * (cfg.emb_dim + sum(widths[w] for w in SAVED_PER_POLICY[policy]))
+  working = tokens * act_bytes * (2 * cfg.emb_dim + widths["qkv"])  # one layer's recompute and backward
+  if attention_kernel == "dot_product":  # the [heads, L, L] scores of one layer in float32, forward and backward
+    working += pdb / accumulation * cfg.num_query_heads * seq_len * seq_len * 4 * 2
+  logits = tokens * cfg.vocab_size * 4  # float32 logits (their gradient reuses the buffer)
+  shard_group = chips // (mesh_shape["data"] * mesh_shape["stage"])
+  gathered = model.layer_params * 2 * 2 / max(1, mesh_shape["tensor"] * mesh_shape["expert"])  # two layers in flight
+  gathered = gathered if shard_group > 1 else 0.0
+  activations = saved + working + logits + gathered
+  # Gradients arrive layer by layer as the saved activations are freed: the step needs the larger
+  # of the two, plus the running sum when it accumulates microbatches.
+  accumulated = gradients if accumulation > 1 else 0.0
+  device_optimizer = optimizer * OFFLOADED_OPTIMIZER_ON_DEVICE if offload_opt else optimizer
+  total = params + device_optimizer + max(gradients, activations) + accumulated
+
+  global_batch = pdb * chips
+  flops = metrics.training_tflops_per_step(cfg, max(1, round(global_batch)), seq_len)
+  flops_per_chip = flops.total_tflops * 1e12 / chips
+  # Rematerialisation re-runs the forward matmuls it did not save.
+  recompute = {"full": 1 / 3, "save_qkv_proj": 0.22, "save_dot_except_mlp": 0.2, "minimal": 0.02,
+               "minimal_offloaded": 0.02, "save_dot_except_mlp_offloaded": 0.2, "none": 0.0}[policy]
+  compute_s = flops_per_chip * (1 + recompute) / (gen.peak_tflops * 1e12)
+
+  # Collectives per chip per step (ring algorithms: (g-1)/g of the buffer crosses the links).
+  def ring(nbytes: float, group: int) -> float:
+    return nbytes * (group - 1) / group if group > 1 else 0.0
+
+  full_params_bytes = model.num_params * 2 / max(1, mesh_shape["tensor"] * mesh_shape["expert"] * mesh_shape["stage"])
+  fsdp_group = mesh_shape["fsdp"] * mesh_shape["fsdp_transpose"] * mesh_shape["sequence"]
+  gathers = 3 if policy == "full" else 2
+  ici_fsdp = min(fsdp_group, topology.chips)
+  ici_bytes = accumulation * gathers * ring(full_params_bytes, ici_fsdp) + ring(full_params_bytes * 2, ici_fsdp)
+  ici_data = mesh_shape["data"] // max(1, num_slices if candidate.get("dcn_data_parallelism", 1) != 1 else 1)
+  ici_bytes += 2 * ring(params * 2, ici_data)
+  tensor, seq = mesh_shape["tensor"], mesh_shape["sequence"]
+  # Tensor and sequence parallelism exchange activations inside each layer, on the critical path.
+  critical = accumulation * layers * 6 * ring(tokens * tensor * cfg.emb_dim * act_bytes, tensor)
+  critical += accumulation * layers * 3 * ring(tokens * seq * 2 * cfg.num_kv_heads * cfg.head_dim * act_bytes, seq)
+  ici_s = ici_bytes / links.ici
+  exposed_s = critical / links.ici
+  dcn_bytes = 0.0
+  if num_slices > 1:
+    dcn_fsdp = int(candidate.get("dcn_fsdp_parallelism", 1))
+    dcn_bytes += 2 * ring(params * 2, int(candidate.get("dcn_data_parallelism", 1)))  # gradient all-reduce
+    dcn_bytes += accumulation * gathers * ring(full_params_bytes / ici_fsdp, dcn_fsdp)
+  dcn_s = dcn_bytes / links.dcn
+  host_bytes = 2 * optimizer if offload_opt else 0.0
+  if policy in OFFLOADED_POLICIES:
+    host_bytes += 2 * tokens * accumulation * act_bytes * layers * sum(widths[w] for w in OFFLOADED_POLICIES[policy])
+  host_s = host_bytes / links.host
+  # Weight gathers, gradient reductions and DCN overlap with compute; activation exchanges and
+  # host transfers (offloaded state and activations) are counted in full.
+  step_s = max(compute_s, ici_s, dcn_s) + exposed_s + host_s
+  mfu = flops_per_chip / step_s / (gen.peak_tflops * 1e12)
+  caveats = []
+  if host_s > 0:
+    caveats.append("host offload")
+  if dcn_s > 0.5 * compute_s:
+    caveats.append("DCN-bound")
+  return Estimate(params, device_optimizer, gradients, activations, total, flops_per_chip,
+                  compute_s, ici_s + exposed_s, dcn_s, host_s, step_s, mfu, global_batch * seq_len / chips / step_s, tuple(caveats),
+                  unsharded)
+
+
+def powers_of_two(limit: int) -> list[int]:
+  return [2**i for i in range(int(math.log2(limit)) + 1)] if limit >= 1 else [1]
+
+
+def candidates(model: ModelShape, topology: accelerators.TpuTopology, num_slices: int, fixed: Mapping[str, Any],
+               global_batch: int | None, seq_len: int) -> Iterator[dict[str, Any]]:
+  """Every candidate in the search space that respects the user's `fixed` keys: degrees per
+  mesh axis within a slice and across slices, remat policy, optimizer offload, batch and
+  gradient accumulation. Degrees are powers of two whose product is the device count."""
+  cfg = model.cfg
+  per_slice = topology.chips
+  tensor_limit = min(per_slice, max(1, cfg.num_query_heads))
+  choices: dict[str, list[Any]] = {
+      "ici_tensor_parallelism": [t for t in powers_of_two(tensor_limit) if t <= 16],
+      "ici_sequence_parallelism": [s for s in powers_of_two(per_slice) if s <= 8],
+      "ici_fsdp_transpose_parallelism": [1, 2],
+      "ici_expert_parallelism": [e for e in powers_of_two(per_slice) if e <= max(1, cfg.num_experts)],
+      "ici_data_parallelism": powers_of_two(per_slice),
+      "remat_policy": list(SEARCHED_POLICIES),
+      "optimizer_memory_host_offload": [False, True],
+      "gradient_accumulation_steps": [1, 2, 4],
+  }
+  if num_slices > 1:
+    choices["dcn_data_parallelism"] = [d for d in powers_of_two(num_slices) if num_slices % d == 0]
+    choices["dcn_fsdp_parallelism"] = [1, num_slices] if num_slices > 1 else [1]
+  if global_batch is not None:
+    batches: list[float] = [global_batch / (per_slice * num_slices)]
+  else:
+    batches = [0.5, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+  choices["per_device_batch_size"] = batches
+  for key in list(choices):
+    if key in fixed:
+      choices[key] = [fixed[key]]
+  keys = list(choices)
+  for values in itertools.product(*(choices[k] for k in keys)):
+    candidate = dict(zip(keys, values))
+    ici = {k: int(candidate[f"ici_{k}_parallelism"]) for k in ("data", "sequence", "tensor", "expert",
+                                                                "fsdp_transpose")}
+    rest = math.prod(ici.values())
+    if "ici_fsdp_parallelism" in fixed and int(fixed["ici_fsdp_parallelism"]) != -1:
+      if rest * int(fixed["ici_fsdp_parallelism"]) != per_slice:
+        continue
+      candidate["ici_fsdp_parallelism"] = int(fixed["ici_fsdp_parallelism"])
+    else:
+      if per_slice % rest:
+        continue
+      candidate["ici_fsdp_parallelism"] = per_slice // rest
+    if num_slices > 1:
+      if int(candidate["dcn_data_parallelism"]) * int(candidate["dcn_fsdp_parallelism"]) != num_slices:
+        continue
+    else:
+      candidate["dcn_data_parallelism"] = 1
+    if not _batch_divides(candidate, per_slice * num_slices, seq_len):
+      continue
+    yield candidate
+
+
+def _batch_divides(candidate: Mapping[str, Any], chips: int, seq_len: int) -> bool:
+  """The global (micro)batch splits into whole rows over the batch axes, the length over sequence."""
+  mesh = mesh_of(candidate)
+  global_batch = float(candidate["per_device_batch_size"]) * chips
+  micro = global_batch / int(candidate.get("gradient_accumulation_steps", 1))
+  rows = chips // (mesh["tensor"] * mesh["sequence"] * mesh["stage"])
+  return micro.is_integer() and global_batch.is_integer() and int(micro) % rows == 0 and seq_len % mesh["sequence"] == 0
+
+
+def smallest_fitting_topology(model: ModelShape, topology: accelerators.TpuTopology, num_slices: int,
+                              seq_len: int, rules: Any, attention_kernel: str) -> str | None:
+  """The smallest slice of the same generation (at `num_slices`) where the least memory-hungry
+  setting (full FSDP, full remat, optimizer offloaded, the smallest batch) fits, or None."""
+  gen = topology.generation
+  for size in gen.sizes:
+    bigger = accelerators.tpu_topology(f"{gen.name}-{size}")
+    if bigger.chips <= topology.chips:
+      continue
+    if least_memory(model, bigger, num_slices, seq_len, rules, attention_kernel) <= gen.hbm_gib * GIB:
+      return bigger.name
+  return None
+
+
+def least_memory(model: ModelShape, topology: accelerators.TpuTopology, num_slices: int, seq_len: int, rules: Any,
+                 attention_kernel: str) -> float:
+  chips = topology.chips * num_slices
+  candidate = {"ici_fsdp_parallelism": topology.chips, "dcn_fsdp_parallelism": num_slices, "remat_policy": "full",
+               "optimizer_memory_host_offload": True, "per_device_batch_size": 1 / chips * max(1, 1),
+               "gradient_accumulation_steps": 1}
+  return estimate(model, candidate, topology, num_slices, seq_len, rules, attention_kernel).total
+
+
+def describe(candidate: Mapping[str, Any], shown: Sequence[str] | None = None) -> str:
+  """A short label: the non-trivial degrees, then policy, batch, accumulation, offload."""
+  parts = []
+  for key, value in candidate.items():
+    if key.endswith("_parallelism"):
+      if int(value) > 1:
+        parts.append(f"{key.replace('_parallelism', '')}={value}")
+    elif shown is None or key in shown:
+      if key == "optimizer_memory_host_offload":
+        if value:
+          parts.append("opt_offload")
+      elif key == "gradient_accumulation_steps":
+        if int(value) > 1:
+          parts.append(f"accum={value}")
+      elif key == "per_device_batch_size":
+        parts.append(f"pdb={float(value):g}")
+      else:
+        parts.append(f"{value}")
+  return " ".join(parts)
