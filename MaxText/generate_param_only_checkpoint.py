@@ -5,7 +5,8 @@
 
 Reads only the parameters of the latest complete checkpoint of `run_name` (or of
 `load_full_state_path`), never the optimizer state, so it needs about one model's worth of
-memory. `force_unroll=True` writes `layers_0..N` instead of a scanned stack. The model keys
+memory. A LoRA run's adapters (lora_rank > 0) are merged into their base weights, so the
+output is a plain model. `force_unroll=True` writes `layers_0..N` instead of a scanned stack. The model keys
 are written beside the checkpoint (model_config.yml), so later runs need no model_name.
 """
 
@@ -19,7 +20,7 @@ if __package__ in (None, ""):  # `python3 MaxText/generate_param_only_checkpoint
 
 import jax
 
-from MaxText import models, params_io, sharding, storage
+from MaxText import lora, models, params_io, sharding, storage
 from MaxText.config import Config
 from MaxText.model_config import MODEL_KEYS
 from MaxText.convert import engine
@@ -44,6 +45,10 @@ def generate(config: Config) -> str:
   spec = models.build_model_spec(config.model)
   params = params_io.load_params(source, spec.abstract_params,
                                      models.shard_params_like(spec, mesh, config.mesh.logical_axis_rules))
+  if config.model.lora_rank > 0:  # a plain model: decode.py and maxtext_to_hf read it without LoRA keys
+    lora_scale = config.model.lora_alpha / config.model.lora_rank
+    params = jax.jit(lambda p: lora.merge(p, lora_scale))(params)
+    log(f"merged the LoRA adapters (scale {lora_scale:g}) into their base weights")
   if cfg.force_unroll and config.model.scan_layers:
     params = models.unstack_layers(params, config.model.num_moe_stack_layers)
   params_io.save_params(output, params)
