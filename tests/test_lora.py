@@ -1,0 +1,168 @@
+"""LoRA (MaxText/lora.py): logits and merged weights against PEFT on a tiny HF Llama, only the
+adapters train (base weights bitwise unchanged, optimizer state for adapters only), adapters
+sharded like their base weights, resume and the merged params-only export, bad targets."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText import lora, models
+from MaxText.config import Config
+from MaxText.errors import ConfigError
+from tests import hf_families as hf
+from tests.conftest import REPO_ROOT
+from tests.train_utils import Run
+
+peft = pytest.importorskip("peft", reason="needs peft (EXTRAS=test bash setup.sh)")
+
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+RANK, ALPHA = 4, 8.0
+# Our projection of each PEFT target in a Llama layer.
+OURS = {"q_proj": ("self_attention", "query"), "k_proj": ("self_attention", "key"),
+        "v_proj": ("self_attention", "value"), "o_proj": ("self_attention", "out"),
+        "gate_proj": ("mlp", "wi_0"), "up_proj": ("mlp", "wi_1"), "down_proj": ("mlp", "wo")}
+
+
+def _lora_keys(**extra) -> dict:
+  return dict(lora_rank=RANK, lora_alpha=ALPHA, lora_target_modules=",".join(ALL_TARGETS), **extra)
+
+
+def _random_adapters(config: Config, seed: int) -> dict:
+  """Our freshly initialised adapters with lora_b made non-zero (a fresh one adds nothing)."""
+  adapters = lora.split(jax.device_get(models.build_model_spec(config.model).init_params(jax.random.key(seed))))[0]
+  rng = np.random.default_rng(seed)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: (0.2 * rng.standard_normal(x.shape)).astype(x.dtype) if path[-1].key == "lora_b" else x,
+      adapters)
+
+
+def _to_peft(dense: dict) -> tuple[np.ndarray, np.ndarray]:
+  """Our unrolled adapter (lora_a [in dims..., r], lora_b [r, out dims...]) → PEFT's
+  (lora_A.weight [r, in], lora_B.weight [out, r]). Llama's kernels are HF's weights transposed
+  and reshaped with no permutation when rope_interleaved is False."""
+  a, b = np.asarray(dense["lora_a"]), np.asarray(dense["lora_b"])
+  return a.reshape(-1, RANK).T, b.reshape(RANK, -1).T
+
+
+def test_logits_and_merged_weights_match_peft(tmp_path):
+  import torch
+
+  model = hf.build_hf_model("llama3.1")
+  base_config = hf.our_config(model, scan_layers=False)
+  assert not base_config.model.rope_interleaved
+  base = hf.our_params(model, base_config, tmp_path / "base")
+  config = hf.our_config(model, scan_layers=False, **_lora_keys())
+  adapters = _random_adapters(config, seed=1)
+  params = lora.combine(adapters, base)
+
+  peft_model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                                                          target_modules=list(ALL_TARGETS)))
+  with torch.no_grad():
+    for i in range(config.model.num_decoder_layers):
+      for target, (block, name) in OURS.items():
+        group = "self_attn" if block == "self_attention" else "mlp"
+        module = peft_model.base_model.model.model.layers[i].get_submodule(f"{group}.{target}")
+        assert module.scaling["default"] == ALPHA / RANK  # PEFT's default scaling, the one we match
+        a, b = _to_peft(adapters[f"layers_{i}"][block][name])
+        module.lora_A["default"].weight.copy_(torch.from_numpy(a))
+        module.lora_B["default"].weight.copy_(torch.from_numpy(b))
+  peft_model.eval()
+
+  tokens = hf.tokens()
+  ours = hf.our_logits(config, params, tokens)
+  with torch.no_grad():
+    theirs = peft_model(torch.tensor(tokens)).logits.float().numpy()
+  without = hf.our_logits(base_config, base, tokens)
+  assert np.max(np.abs(ours - without)) > 1e-2  # the adapters change the function
+  np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=2e-4)
+
+  merged_hf = peft_model.merge_and_unload()
+  expected = hf.our_params(merged_hf, base_config, tmp_path / "merged")
+  merged = jax.device_get(lora.merge(params, ALPHA / RANK))
+  assert jax.tree.structure(merged) == jax.tree.structure(expected)
+  for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(merged)[0], jax.tree.leaves(expected)):
+    np.testing.assert_allclose(x, y, atol=1e-6, rtol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_fresh_adapters_follow_peft_init_and_leave_the_model_unchanged(tiny_overrides):
+  config = Config.for_testing(**tiny_overrides, **_lora_keys(), scan_layers=True)
+  spec = models.build_model_spec(config.model)
+  params = jax.device_get(spec.init_params(jax.random.key(0)))
+  attention = params["layers"]["self_attention"]
+  fan_in = {"query": 64, "key": 64, "value": 64, "out": 4 * 16}
+  for name, dense in attention.items():
+    bound = 1 / np.sqrt(fan_in[name])  # kaiming_uniform(a=sqrt(5)) on a [r, in] weight
+    assert np.all(np.abs(dense["lora_a"]) <= bound) and np.std(dense["lora_a"]) > 0.5 * bound / np.sqrt(3)
+    assert not np.any(dense["lora_b"])
+  tokens = np.random.default_rng(0).integers(0, 128, size=(2, 32))
+  base_config = Config.for_testing(**tiny_overrides, scan_layers=True)
+  base_logits = hf.our_logits(base_config, lora.split(params)[1], tokens)
+  np.testing.assert_array_equal(hf.our_logits(config, params, tokens), base_logits)
+  adapted = jax.tree_util.tree_map_with_path(
+      lambda path, x: x + 0.1 if path[-1].key == "lora_b" else x, params)
+  assert np.max(np.abs(hf.our_logits(config, adapted, tokens) - base_logits)) > 1e-3
+  # adapters_off: the same tree computing the base model (e.g. a DPO reference).
+  np.testing.assert_array_equal(hf.our_logits(config, lora.adapters_off(adapted), tokens), base_logits)
+
+
+def test_only_adapters_train_and_are_sharded_like_their_base_weights(tiny_overrides):
+  config = Config.for_testing(**tiny_overrides, **_lora_keys(), dataset_type="synthetic", ici_fsdp_parallelism=2,
+                              ici_tensor_parallelism=1, num_slices=1, learning_rate=1e-2, sharding_tolerance=0.5,
+                              skip_nonfinite_steps=False)
+  run = Run(config)
+  specs = {k: v for k, v in __import__("MaxText.train_state", fromlist=["x"]).shardings_summary(
+      run.setup.state_shardings.params).items()}
+  for name in ("query", "out"):
+    prefix = f"['layers']['self_attention']['{name}']"
+    kernel, a, b = specs[prefix + "['kernel']"], specs[prefix + "['lora_a']"], specs[prefix + "['lora_b']"]
+    num_in = 2 if name == "out" else 1  # + the layer dim in front
+    assert a == kernel[:1 + num_in] + (None,) and b == (kernel[0], None) + kernel[1 + num_in:], (name, kernel, a, b)
+  assert any("fsdp" in s for s in specs.values())
+
+  state = run.init()
+  adapters, _ = lora.split(state.params)
+  opt_leaves = jax.tree.leaves(state.opt_state)
+  # Adam's mu and nu for the adapters only (+ the step counts): no state of a base weight's size.
+  assert sum(x.size for x in opt_leaves) == 2 * sum(x.size for x in jax.tree.leaves(adapters)) + 2
+  before = jax.device_get(state.params)
+  state, history = run.train(state, 4)
+  after = jax.device_get(state.params)
+  (a0, f0), (a1, f1) = lora.split(before), lora.split(after)
+  for x, y in zip(jax.tree.leaves(f0), jax.tree.leaves(f1)):
+    assert x.tobytes() == y.tobytes()  # bitwise
+  assert all(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a0), jax.tree.leaves(a1)))
+  assert all(np.isfinite(h["loss"]) and h["grad_norm"] > 0 for h in history)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(lora_target_modules="qkv"), "lora_target_modules ['qkv'] names ['qkv'] in this model; valid names: "
+     "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"),
+    (dict(lora_target_modules="gate_proj", mlp_activations="gelu"), "valid names: q_proj, k_proj, v_proj, o_proj, "
+     "up_proj, down_proj"),
+    (dict(lora_target_modules="q_proj", attention_type="mla", q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=8,
+          qk_rope_head_dim=8, v_head_dim=16, base_num_kv_heads=4), "valid names: q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj"),
+    (dict(lora_target_modules="q_proj,up_proj", num_experts=4, num_experts_per_tok=2),
+     "LoRA on mixture-of-experts MLPs is not supported"),
+    (dict(lora_alpha=0.0), "lora_alpha must be > 0"),
+])
+def test_bad_lora_keys_are_config_errors(tiny_overrides, overrides, message):
+  with pytest.raises(ConfigError, match=None) as error:
+    Config.for_testing(**{**tiny_overrides, **_lora_keys(), **overrides})
+  assert message in str(error.value), str(error.value)
+
+
+def test_targets_naming_nothing_is_one_error_line_and_exit_2(tmp_path):
+  command = [sys.executable, "-m", "MaxText.train", "configs/base.yml", "run_name=bad", f"base_output_directory={tmp_path}",
+             "dataset_type=synthetic", "steps=1", "lora_rank=4", "lora_target_modules=[attn,mlp]"]
+  env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT)}
+  proc = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+  assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+  assert "lora_target_modules ['attn', 'mlp'] names ['attn', 'mlp'] in this model; valid names: q_proj" in errors[0]
+  assert not (tmp_path / "bad" / "checkpoints").exists()
