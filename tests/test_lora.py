@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import lora, models
+from MaxText import lora, models, train_state
 from MaxText.config import Config
 from MaxText.errors import ConfigError
 from tests import hf_families as hf
@@ -70,8 +70,8 @@ def test_logits_and_merged_weights_match_peft(tmp_path):
         module = peft_model.base_model.model.model.layers[i].get_submodule(f"{group}.{target}")
         assert module.scaling["default"] == ALPHA / RANK  # PEFT's default scaling, the one we match
         a, b = _to_peft(adapters[f"layers_{i}"][block][name])
-        module.lora_A["default"].weight.copy_(torch.from_numpy(a))
-        module.lora_B["default"].weight.copy_(torch.from_numpy(b))
+        module.lora_A["default"].weight.copy_(torch.from_numpy(a.copy()))
+        module.lora_B["default"].weight.copy_(torch.from_numpy(b.copy()))
   peft_model.eval()
 
   tokens = hf.tokens()
@@ -113,11 +113,10 @@ def test_fresh_adapters_follow_peft_init_and_leave_the_model_unchanged(tiny_over
 
 def test_only_adapters_train_and_are_sharded_like_their_base_weights(tiny_overrides):
   config = Config.for_testing(**tiny_overrides, **_lora_keys(), dataset_type="synthetic", ici_fsdp_parallelism=2,
-                              ici_tensor_parallelism=1, num_slices=1, learning_rate=1e-2, sharding_tolerance=0.5,
+                              ici_data_parallelism=-1, learning_rate=1e-2, sharding_tolerance=0.5,
                               skip_nonfinite_steps=False)
   run = Run(config)
-  specs = {k: v for k, v in __import__("MaxText.train_state", fromlist=["x"]).shardings_summary(
-      run.setup.state_shardings.params).items()}
+  specs = train_state.shardings_summary(run.setup.state_shardings.params)
   for name in ("query", "out"):
     prefix = f"['layers']['self_attention']['{name}']"
     kernel, a, b = specs[prefix + "['kernel']"], specs[prefix + "['lora_a']"], specs[prefix + "['lora_b']"]
