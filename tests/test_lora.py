@@ -165,3 +165,55 @@ def test_targets_naming_nothing_is_one_error_line_and_exit_2(tmp_path):
   assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
   assert "lora_target_modules ['attn', 'mlp'] names ['attn', 'mlp'] in this model; valid names: q_proj" in errors[0]
   assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_resume_and_merged_params_only_export(tiny_overrides, tmp_path):
+  """A LoRA run's full state (masked optimizer state included) resumes exactly; the params-only
+  export is a plain model (no adapter leaves) holding the merged kernels, and a LoRA run started
+  from it (load_parameters_path) computes that model with fresh adapters."""
+  from MaxText import checkpointing, generate_param_only_checkpoint, params_io, run_start
+
+  values = dict(tiny_overrides, **_lora_keys(), base_output_directory=str(tmp_path), run_name="run", steps=20,
+                dataset_type="synthetic", learning_rate=1e-2, sharding_tolerance=0.5)
+  config = Config.for_testing(**values)
+  run = Run(config)
+  checkpoints = checkpointing.RunCheckpoints.for_run(config.checkpoint)
+  state, _ = run.train(run.init(), 2)
+  checkpoints.save(2, state, run.data.get_state(), {"step": 2})
+  checkpoints.wait()
+  checkpoints.close()
+  uninterrupted, _ = run.train(state, 2)
+
+  fresh = Run(config)
+  restored = run_start.initial_state(config, fresh.setup, checkpointing.RunCheckpoints.for_run(config.checkpoint),
+                                     fresh.init)
+  assert restored.description.startswith("resumed from step 2")
+  fresh.data = fresh.assembly.data_iterator(start_step=2)
+  checkpointed = jax.device_get(restored.state.params)
+  resumed, _ = fresh.train(restored.state, 2)
+  for x, y in zip(jax.tree.leaves(jax.device_get(resumed)), jax.tree.leaves(jax.device_get(uninterrupted))):
+    np.testing.assert_array_equal(x, y)
+
+  export = str(tmp_path / "export")
+  generate_param_only_checkpoint.generate(Config.for_testing(**values, param_only_checkpoint_path=export))
+  plain_config = Config.for_testing(**tiny_overrides)
+  plain_spec = models.build_model_spec(plain_config.model)
+  exported = jax.device_get(params_io.load_params(export, plain_spec.abstract_params, jax.tree.map(
+      lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), plain_spec.abstract_params)))
+  assert not lora.has_adapters(exported)
+  expected = jax.device_get(lora.merge(checkpointed, ALPHA / RANK))
+  assert jax.tree.structure(exported) == jax.tree.structure(expected)
+  for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(x, y, atol=1e-6, rtol=1e-6)  # jitted vs eager float32 rounding
+  tokens = np.random.default_rng(0).integers(0, 128, size=(2, 32))
+  merged_logits = hf.our_logits(plain_config, exported, tokens)
+  np.testing.assert_allclose(merged_logits, hf.our_logits(config, checkpointed, tokens), atol=1e-4, rtol=1e-4)
+
+  tuned = Config.for_testing(**{**values, "run_name": "tuned", "load_parameters_path": export})
+  tuned_run = Run(tuned)
+  start = run_start.initial_state(tuned, tuned_run.setup, None, tuned_run.init)
+  assert start.description.startswith(f"loaded parameters from {export}")
+  params = jax.device_get(start.state.params)
+  lora_b = [x for path, x in jax.tree_util.tree_flatten_with_path(params)[0] if path[-1].key == "lora_b"]
+  assert lora_b and not any(np.any(b) for b in lora_b)  # fresh adapters
+  np.testing.assert_array_equal(hf.our_logits(tuned, params, tokens), merged_logits)
