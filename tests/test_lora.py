@@ -217,3 +217,60 @@ def test_resume_and_merged_params_only_export(tiny_overrides, tmp_path):
   lora_b = [x for path, x in jax.tree_util.tree_flatten_with_path(params)[0] if path[-1].key == "lora_b"]
   assert lora_b and not any(np.any(b) for b in lora_b)  # fresh adapters
   np.testing.assert_array_equal(hf.our_logits(tuned, params, tokens), merged_logits)
+
+
+@pytest.mark.parametrize("family", ["llama3.1", "mistral", "mixtral", "deepseek3", "deepseek2-lite", "gemma", "gemma2",
+                                    "gemma3", "gpt3", "gpt_oss", "llama4", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_every_family_gets_adapters_on_each_target_named_like_its_base_weight(family, scan_layers):
+  from MaxText import families
+  from MaxText.model_config import MLP_LORA_TARGETS, lora_targets
+
+  hf_config = hf.hf_config(family).to_dict()
+  keys = families.family_for_hf_config(hf_config).model_keys(hf_config)
+  base = Config.for_testing(**keys, max_target_length=24, print_config=False, scan_layers=scan_layers)
+  targets = [t for t in lora_targets(base.values) if base.model.num_experts == 1 or t not in MLP_LORA_TARGETS]
+  config = Config.for_testing(**keys, max_target_length=24, print_config=False, scan_layers=scan_layers,
+                              lora_rank=2, lora_target_modules=",".join(targets))
+  spec = models.build_model_spec(config.model)
+  names = dict(jax.tree_util.tree_flatten_with_path(spec.logical_names, is_leaf=lambda x: isinstance(x, tuple))[0])
+  adapted = {path[:-1] for path in names if path[-1].key == "lora_a"}
+  num_dense = base.model.first_dense_layers
+  stacks = (1 + (num_dense > 0)) if scan_layers else base.model.num_decoder_layers
+  # Each target is one projection per layer, except dense-prefix layers' MLPs (the prefix has none of MoE's refusals).
+  assert len(adapted) == len(targets) * stacks, (family, sorted(map(jax.tree_util.keystr, adapted)))
+  for dense in adapted:
+    kernel, a, b = names[dense + (jax.tree_util.DictKey("kernel"),)], names[dense + (jax.tree_util.DictKey("lora_a"),)], \
+        names[dense + (jax.tree_util.DictKey("lora_b"),)]
+    num_in = len(a) - 1
+    assert a == kernel[:num_in] + (None,), (dense, kernel, a)
+    lead = kernel[:1] if scan_layers else ()
+    assert b == lead + (None,) + kernel[num_in:], (dense, kernel, b)
+  assert spec.abstract_params.keys() == models.build_model_spec(base.model).abstract_params.keys()
+
+
+def test_mla_decoding_includes_the_adapters():
+  """MLA decodes in the absorbed form, reading wkv_b's kernel itself: its adapter must be folded in."""
+  from MaxText import sharding
+  from MaxText.layers import kv_cache
+
+  tiny_v3 = dict(decoder_block="deepseek3", base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=4, head_dim=12,
+                 base_mlp_dim=32, base_num_decoder_layers=2, vocab_size=128, max_target_length=16,
+                 per_device_batch_size=1, print_config=False, attention_type="mla", q_lora_rank=24, kv_lora_rank=16,
+                 qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, num_experts=4, num_experts_per_tok=2,
+                 first_dense_layers=1, dtype="float32", scan_layers=False,
+                 lora_rank=2, lora_target_modules="q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj")
+  config = Config.for_testing(**tiny_v3)
+  spec = models.build_model_spec(config.model)
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, x: x + 0.3 if path[-1].key == "lora_b" else x, spec.init_params(jax.random.key(0)))
+  tokens = np.random.default_rng(0).integers(0, 128, size=(1, 16))
+  full = hf.our_logits(config, params, tokens)
+  caches = kv_cache.model_caches(config.model, 1, 16)
+  decode = jax.jit(sharding.unsharded()(spec.apply_decode))
+  prefill, caches = decode(params, jnp.asarray(tokens[:, :12]), jnp.arange(12)[None], caches)
+  step, _ = decode(params, jnp.asarray(tokens[:, 12:13]), jnp.asarray([[12]]), caches)
+  np.testing.assert_allclose(np.asarray(prefill[0]), full[0, :12], atol=2e-5, rtol=2e-5)
+  np.testing.assert_allclose(np.asarray(step[0, 0]), full[0, 12], atol=2e-5, rtol=2e-5)
+  off = hf.our_logits(config, lora.adapters_off(params), tokens)
+  assert np.max(np.abs(off - full)) > 1e-3

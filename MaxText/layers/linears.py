@@ -52,6 +52,15 @@ class DenseGeneral(nnx.Module):
     self.dtype, self.tag, self.use_bias, self.quantize = dtype, tag, use_bias, quantize
     self.lora_rank, self.lora_scale = lora_rank, lora_scale
 
+  def merged_kernel(self) -> jax.Array:
+    """The kernel with the adapter folded in (what the layer computes, for code that reads the weight itself)."""
+    if self.lora_rank == 0:
+      return self.kernel[...]
+    num_in = len(self.in_shape)
+    delta = jnp.tensordot(self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(jnp.float32), axes=1)
+    assert delta.ndim == num_in + len(self.out_shape)
+    return (self.kernel[...].astype(jnp.float32) + self.lora_scale * delta).astype(self.kernel[...].dtype)
+
   def __call__(self, x: jax.Array) -> jax.Array:
     num_in = len(self.in_shape)
     contract = (tuple(range(x.ndim - num_in, x.ndim)), tuple(range(num_in)))

@@ -116,7 +116,7 @@ class MultiHeadLatentAttention(nnx.Module):
     cfg = self.cfg
     cache = kv_cache.write(cache, latent_BLR[:, :, None, :], k_rope_BL1P, positions_BL)
     latent_BS1R, k_rope_BS1P = cache.read(q_nope_BLNC.dtype)
-    w_kvb_RNX = self.wkv_b.kernel[...].astype(q_nope_BLNC.dtype)
+    w_kvb_RNX = self.wkv_b.merged_kernel().astype(q_nope_BLNC.dtype)  # its LoRA adapter (kv_b_proj) included
     w_k_RNC, w_v_RNV = w_kvb_RNX[..., :cfg.qk_nope_head_dim], w_kvb_RNX[..., cfg.qk_nope_head_dim:]
     # q_nope·(latent·W_k) = (q_nope·W_kᵀ)·latent: one [R]-wide query per head against the shared latent.
     q_latent_BLNR = jnp.einsum("blnc,rnc->blnr", q_nope_BLNC, w_k_RNC)
