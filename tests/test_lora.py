@@ -310,3 +310,27 @@ def test_sft_with_lora_learns_and_leaves_the_base_weights(tmp_path):
   assert jax.tree.structure(frozen) == jax.tree.structure(start)
   for x, y in zip(jax.tree.leaves(frozen), jax.tree.leaves(start)):
     assert x.tobytes() == y.tobytes()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", pytest.param("1f1b", marks=pytest.mark.slow)])
+def test_adapters_under_the_pipeline_match_the_non_pipelined_run(schedule):
+  """Adapters are part of the stage-sharded stack: 2 stages give the adapters' gradients and the
+  step's parameters of the run without stages (base weights unchanged in both)."""
+  from tests.test_pipeline_parallel import _grads_and_step, _model_overrides, _packed_batch
+
+  keys = dict(_model_overrides(2), **_lora_keys(), sharding_tolerance=1.0)
+  piped = Config.for_testing(**keys, ici_pipeline_parallelism=2, pipeline_schedule=schedule,
+                             num_pipeline_microbatches=4, ici_fsdp_parallelism=1, ici_data_parallelism=4)
+  plain = Config.for_testing(**keys)
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, x: x + 0.05 if path[-1].key == "lora_b" else x, jax.device_get(Run(plain).init().params))
+  batch = _packed_batch(plain.data.global_batch_size, 16, 64)
+  want_grads, _, want_metrics, want_params = _grads_and_step(plain, params, batch)
+  got_grads, _, got_metrics, got_params = _grads_and_step(piped, params, batch)
+  assert not lora.split(got_grads)[1]  # gradients of the adapters only
+  close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)  # noqa: E731
+  jax.tree.map(close, got_grads, want_grads)
+  jax.tree.map(close, got_params, want_params)
+  np.testing.assert_allclose(got_metrics["loss"], want_metrics["loss"], rtol=2e-5)
+  for x, y in zip(jax.tree.leaves(lora.split(got_params)[1]), jax.tree.leaves(lora.split(params)[1])):
+    assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
