@@ -16,7 +16,7 @@ leaves they are and keeps everything else frozen:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +32,10 @@ def is_adapter(path: tuple) -> bool:
   return getattr(last, "key", None) in ADAPTER_KEYS
 
 
-def has_adapters(params: Any) -> bool:
-  return any(is_adapter(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0])
+def has_adapters(params: Mapping[str, Any]) -> bool:
+  """Whether a nested dict of parameters (or of their checkpoint metadata) holds adapter leaves."""
+  return any(key in ADAPTER_KEYS or (isinstance(value, Mapping) and has_adapters(value))
+             for key, value in params.items())
 
 
 def split(params: dict) -> tuple[dict, dict]:

@@ -487,3 +487,6 @@ def _pipeline(v: Mapping[str, Any], mesh: "MeshConfig", global_batch: int, layer
 # checkpoint), and those a tool reading a run takes from its saved configuration.
 ARCHITECTURE_KEYS = keys_where((ModelConfig,), ARCHITECTURE, True)
 MODEL_KEYS = keys_where((ModelConfig,), FIXED, MODEL)
+# A LoRA run's checkpoints hold adapters: a tool reading the run (or its checkpoints) needs these
+# too to read them (run_record.saved_model_keys); an export merges them and carries none.
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_target_modules")

@@ -199,8 +199,13 @@ def test_resume_and_merged_params_only_export(tiny_overrides, tmp_path):
   with pytest.raises(UserError, match="holds LoRA adapters; write a parameters-only checkpoint"):
     maxtext_to_hf._open_checkpoint(str(tmp_path / "run" / "checkpoints"), Config.for_testing(**tiny_overrides))
 
+  # A tool reading the run gets its LoRA keys from the run's config.yml (no lora_* given here).
+  from MaxText import run_record, startup
+  run_record.record_start(config, str(tmp_path / "run"))
   export = str(tmp_path / "export")
-  generate_param_only_checkpoint.generate(Config.for_testing(**values, param_only_checkpoint_path=export))
+  generate_param_only_checkpoint.generate(startup.load_config(
+      ["generate_param_only_checkpoint", "configs/base.yml", "run_name=run", f"base_output_directory={tmp_path}",
+       f"param_only_checkpoint_path={export}"], reads_run=True))
   plain_config = Config.for_testing(**tiny_overrides)
   plain_spec = models.build_model_spec(plain_config.model)
   exported = jax.device_get(params_io.load_params(export, plain_spec.abstract_params, jax.tree.map(
@@ -213,6 +218,11 @@ def test_resume_and_merged_params_only_export(tiny_overrides, tmp_path):
   tokens = np.random.default_rng(0).integers(0, 128, size=(2, 32))
   merged_logits = hf.our_logits(plain_config, exported, tokens)
   np.testing.assert_allclose(merged_logits, hf.our_logits(config, checkpointed, tokens), atol=1e-4, rtol=1e-4)
+
+  # The run's own checkpoints hold adapters: loading them as parameters is refused (export them first).
+  with pytest.raises(UserError, match="holds LoRA adapters that this model has no place for; export it"):
+    params_io.load_params(str(tmp_path / "run" / "checkpoints"), plain_spec.abstract_params,
+                          models.shard_params_like(plain_spec, run.mesh, plain_config.mesh.logical_axis_rules))
 
   tuned = Config.for_testing(**{**values, "run_name": "tuned", "load_parameters_path": export})
   tuned_run = Run(tuned)
