@@ -351,3 +351,16 @@ def test_adapters_under_the_pipeline_match_the_non_pipelined_run(schedule):
   np.testing.assert_allclose(got_metrics["loss"], want_metrics["loss"], rtol=2e-5)
   for x, y in zip(jax.tree.leaves(lora.split(got_params)[1]), jax.tree.leaves(lora.split(params)[1])):
     assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+def test_gradient_accumulation_of_adapters_equals_one_big_batch(tiny_overrides):
+  base = dict(tiny_overrides, **_lora_keys(), per_device_batch_size=2, ici_fsdp_parallelism=-1, sharding_tolerance=0.5,
+              dataset_type="synthetic", learning_rate=1e-2)
+  big = Run(Config.for_testing(**base, gradient_accumulation_steps=1))
+  micro = Run(Config.for_testing(**base, gradient_accumulation_steps=2))
+  big_state, big_hist = big.train(big.init(), 2)
+  micro_state, micro_hist = micro.train(micro.init(), 2)
+  for key in ("loss", "grad_norm", "num_tokens"):
+    np.testing.assert_allclose([h[key] for h in micro_hist], [h[key] for h in big_hist], rtol=2e-5, err_msg=key)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6),
+               micro_state.params, big_state.params)
