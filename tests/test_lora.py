@@ -124,6 +124,9 @@ def test_only_adapters_train_and_are_sharded_like_their_base_weights(tiny_overri
     assert a == kernel[:1 + num_in] + (None,) and b == (kernel[0], None) + kernel[1 + num_in:], (name, kernel, a, b)
   assert any("fsdp" in s for s in specs.values())
 
+  # Per layer: q 64x4 + 4x64, k and v 64x4 + 4x32, o 64x4 + 4x64, gate/up 64x4 + 4x128, down 128x4 + 4x64.
+  assert sum(x.size for x in jax.tree.leaves(lora.split(run.setup.abstract_state.params)[0])) == 2 * 4096
+  assert run.assembly.lora_description().startswith("lora: 0.01M adapter parameters train (rank 4, alpha 8, on q_proj")
   state = run.init()
   adapters, _ = lora.split(state.params)
   opt_leaves = jax.tree.leaves(state.opt_state)
