@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from MaxText import lora
 from MaxText.layers import quantization
 
 
@@ -56,10 +57,7 @@ class DenseGeneral(nnx.Module):
     """The kernel with the adapter folded in (what the layer computes, for code that reads the weight itself)."""
     if self.lora_rank == 0:
       return self.kernel[...]
-    num_in = len(self.in_shape)
-    delta = jnp.tensordot(self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(jnp.float32), axes=1)
-    assert delta.ndim == num_in + len(self.out_shape)
-    return (self.kernel[...].astype(jnp.float32) + self.lora_scale * delta).astype(self.kernel[...].dtype)
+    return lora.merged_kernel(self.kernel[...], self.lora_a[...], self.lora_b[...], self.lora_scale)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     num_in = len(self.in_shape)
