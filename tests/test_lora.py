@@ -259,7 +259,8 @@ def test_resume_and_merged_params_only_export(tiny_overrides, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama3.1", "mistral", "mixtral", "deepseek3", "deepseek2-lite", "gemma", "gemma2",
-                                    "gemma3", "gpt3", "gpt_oss", "llama4", "qwen3", "qwen3_moe"])
+                                    "gemma3", "gpt3", "gpt_oss", "llama4", "llama4-maverick", "qwen3",
+                                    "qwen3_moe"])
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_every_family_gets_adapters_on_each_target_named_like_its_base_weight(family, scan_layers):
   from MaxText import families
@@ -274,9 +275,8 @@ def test_every_family_gets_adapters_on_each_target_named_like_its_base_weight(fa
   spec = models.build_model_spec(config.model)
   names = dict(jax.tree_util.tree_flatten_with_path(spec.logical_names, is_leaf=lambda x: isinstance(x, tuple))[0])
   adapted = {path[:-1] for path in names if path[-1].key == "lora_a"}
-  num_dense = base.model.first_dense_layers
-  stacks = (1 + (num_dense > 0)) if scan_layers else base.model.num_decoder_layers
-  # Each target is one projection per layer, except dense-prefix layers' MLPs (the prefix has none of MoE's refusals).
+  # Each target is one projection per layer (scanned: per stack, a dense_layers stack included).
+  stacks = sum(k in spec.abstract_params for k in models.LAYER_STACKS) if scan_layers else base.model.num_decoder_layers
   assert len(adapted) == len(targets) * stacks, (family, sorted(map(jax.tree_util.keystr, adapted)))
   for dense in adapted:
     kernel, a, b = names[dense + (jax.tree_util.DictKey("kernel"),)], names[dense + (jax.tree_util.DictKey("lora_a"),)], \
