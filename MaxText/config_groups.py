@@ -313,6 +313,7 @@ class CheckpointConfig:
   load_full_state_path: str = key()
   param_only_checkpoint_path: str = key()
   force_unroll: bool = key()
+  lora_peft_export_path: str = key()  # generate_param_only_checkpoint: also the adapters in PEFT's format
   # The fast per-host tier of multi-tier checkpointing.
   enable_emergency_checkpoint: bool = key()
   local_checkpoint_directory: str = key()
@@ -332,6 +333,8 @@ class CheckpointConfig:
              "(to turn checkpoints off set enable_checkpointing=False)")
     keep = v["max_num_checkpoints_to_keep"]
     _require(keep == -1 or keep >= 1, f"max_num_checkpoints_to_keep must be >= 1 or -1 (keep all), got {keep}")
+    _require(not v["lora_peft_export_path"] or v["lora_rank"] > 0,
+             "lora_peft_export_path exports LoRA adapters; the model has none (lora_rank=0)")
     _require(not (v["load_parameters_path"] and v["load_full_state_path"]),
              "set at most one of load_parameters_path (weights only, fresh optimizer) and "
              "load_full_state_path (weights, optimizer state and step)")

@@ -5,7 +5,9 @@
 
 Reads only the parameters of the latest complete checkpoint of `run_name` (or of
 `load_full_state_path`), never the optimizer state, so it needs about one model's worth of
-memory. `force_unroll=True` writes `layers_0..N` instead of a scanned stack. The model keys
+memory. A LoRA run's adapters (lora_rank > 0) are merged into their base weights, so the
+output is a plain model; `lora_peft_export_path=DIR` also writes the adapters in PEFT's format.
+`force_unroll=True` writes `layers_0..N` instead of a scanned stack. The model keys
 are written beside the checkpoint (model_config.yml), so later runs need no model_name.
 """
 
@@ -19,10 +21,10 @@ if __package__ in (None, ""):  # `python3 MaxText/generate_param_only_checkpoint
 
 import jax
 
-from MaxText import models, params_io, sharding, storage
+from MaxText import lora, models, params_io, sharding, storage
 from MaxText.config import Config
 from MaxText.model_config import MODEL_KEYS
-from MaxText.convert import engine
+from MaxText.convert import engine, peft_adapters
 from MaxText.errors import ConfigError, UserError, run_cli
 from MaxText import startup
 from MaxText.startup import log
@@ -44,6 +46,13 @@ def generate(config: Config) -> str:
   spec = models.build_model_spec(config.model)
   params = params_io.load_params(source, spec.abstract_params,
                                      models.shard_params_like(spec, mesh, config.mesh.logical_axis_rules))
+  if cfg.lora_peft_export_path:  # before merging: the adapters as they are
+    targets = peft_adapters.save(cfg.lora_peft_export_path, jax.device_get(lora.split(params)[0]), config.model)
+    log(f"wrote the LoRA adapters ({', '.join(targets)}) in PEFT's format to {cfg.lora_peft_export_path}")
+  if config.model.lora_rank > 0:  # a plain model: decode.py and maxtext_to_hf read it without LoRA keys
+    lora_scale = config.model.lora_alpha / config.model.lora_rank
+    params = jax.jit(lambda p: lora.merge(p, lora_scale))(params)
+    log(f"merged the LoRA adapters (scale {lora_scale:g}) into their base weights")
   if cfg.force_unroll and config.model.scan_layers:
     params = models.unstack_layers(params, config.model.num_moe_stack_layers)
   params_io.save_params(output, params)

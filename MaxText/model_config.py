@@ -180,6 +180,10 @@ class ModelConfig:
   pipeline_schedule: str = key()  # gpipe | circular | 1f1b (interleaved with num_pipeline_repeats > 1)
   num_pipeline_repeats: int = key()
   num_pipeline_microbatches: int = key()  # -1 resolved to the number of stages
+  # LoRA adapters (MaxText/lora.py): a resume keeps them, since they are the trained state.
+  lora_rank: int = key(fixed_on_resume=LAYOUT)  # 0 = off
+  lora_alpha: float = key(fixed_on_resume=LAYOUT)
+  lora_target_modules: tuple[str, ...] = key(fixed_on_resume=LAYOUT)  # PEFT's names (LORA_TARGETS)
   # Derived: sizes after global_parameter_scale, the stage count from the mesh, kernel tiles.
   emb_dim: int = derived()
   num_query_heads: int = derived()
@@ -188,6 +192,12 @@ class ModelConfig:
   num_decoder_layers: int = derived()
   num_pipeline_stages: int = derived(1)  # 1 = no pipeline
   attention_blocks: AttentionBlocks = derived()
+
+  def lora(self, target: str) -> dict[str, Any]:
+    """DenseGeneral's adapter arguments for the projection PEFT calls `target` (none when untargeted)."""
+    if self.lora_rank <= 0 or target not in self.lora_target_modules:
+      return {}
+    return {"lora_rank": self.lora_rank, "lora_scale": self.lora_alpha / self.lora_rank}
 
   @property
   def num_dense_layers(self) -> int:
@@ -244,6 +254,7 @@ class ModelConfig:
     _check_moe(v)
     _check_mla(v)
     _check_quantization(v)
+    _check_lora(v)
     layers = v["base_num_decoder_layers"] * s["layers"]
     _require(0 <= v["first_dense_layers"] < layers, f"first_dense_layers must be in [0, num_decoder_layers ({layers})), "
              f"got {v['first_dense_layers']}")
@@ -279,6 +290,44 @@ def _check_quantization(v: Mapping[str, Any]) -> None:
   _require(not (mode and v["num_experts"] > 1 and v["sparse_matmul"]),
            f"quantization={mode} does not cover sparse_matmul's ragged_dot experts; set sparse_matmul=False "
            "(the padded expert matmuls are quantized) or quantization=\"\"")
+
+
+# PEFT's module names (as in HF Llama, Qwen, Gemma, Mistral and DeepSeek checkpoints) → our projections:
+# attention query/key/value/out (attention.py), MLA's low-rank pieces (mla.py), the MLP's wi_0
+# (gate) / wi_1 (up) / wo (down) (mlp.py; a one-activation MLP has no gate: its wi_0 is up_proj).
+ATTENTION_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_LORA_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+
+def lora_targets(v: Mapping[str, Any]) -> tuple[str, ...]:
+  """The target names the model described by `v` has."""
+  if v["attention_type"] == "mla":
+    query = ("q_proj",) if v["q_lora_rank"] <= 0 else ("q_a_proj", "q_b_proj")
+    attention = query + ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+  else:
+    attention = ATTENTION_LORA_TARGETS
+  mlp = MLP_LORA_TARGETS if len(v["mlp_activations"]) > 1 else ("up_proj", "down_proj")
+  return attention + mlp
+
+
+def _check_lora(v: Mapping[str, Any]) -> None:
+  rank, targets = v["lora_rank"], list(v["lora_target_modules"])
+  _require(isinstance(rank, int) and rank >= 0, f"lora_rank must be an integer >= 0 (0 = no adapters), got {rank!r}")
+  if rank == 0:
+    return
+  _require(v["lora_alpha"] > 0, f"lora_alpha must be > 0 (the adapters' scale is lora_alpha / lora_rank), "
+           f"got {v['lora_alpha']}")
+  valid = lora_targets(v)
+  unknown = [t for t in targets if t not in valid]
+  _require(bool(targets) and not unknown,
+           f"lora_target_modules {targets} names {'nothing' if not targets else unknown} in this model; "
+           f"valid names: {', '.join(valid)}")
+  mlp = [t for t in targets if t in MLP_LORA_TARGETS]
+  _require(v["num_experts"] <= 1 or not mlp,
+           f"lora_target_modules {mlp}: LoRA on mixture-of-experts MLPs is not supported; target the attention "
+           f"projections only ({', '.join(t for t in valid if t not in MLP_LORA_TARGETS)})")
+  _require(v["moe_bias_update_rate"] == 0,
+           "lora_rank > 0 freezes every base weight, the MoE routing correction bias included; set moe_bias_update_rate=0")
 
 
 def _check_positions_and_attention(v: Mapping[str, Any]) -> None:
@@ -438,3 +487,6 @@ def _pipeline(v: Mapping[str, Any], mesh: "MeshConfig", global_batch: int, layer
 # checkpoint), and those a tool reading a run takes from its saved configuration.
 ARCHITECTURE_KEYS = keys_where((ModelConfig,), ARCHITECTURE, True)
 MODEL_KEYS = keys_where((ModelConfig,), FIXED, MODEL)
+# A LoRA run's checkpoints hold adapters: a tool reading the run (or its checkpoints) needs these
+# too to read them (run_record.saved_model_keys); an export merges them and carries none.
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_target_modules")

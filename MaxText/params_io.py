@@ -13,7 +13,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from MaxText import models, storage
+from MaxText import lora, models, storage
 from MaxText.checkpointing import STATE, first_line, is_step_dir, log, quiet_absl
 from MaxText.errors import UserError
 from MaxText.sharding import with_shardings
@@ -55,6 +55,9 @@ def load_params(path: str, abstract_params: Any, shardings: Any) -> Any:
   read in its own layout and converted, so scan_layers may differ between writer and reader.
   """
   directory, kind = params_directory(path)
+  if _stored_has_adapters(directory) and not lora.has_adapters(abstract_params):
+    raise UserError(f"{path} ({kind} checkpoint) holds LoRA adapters that this model has no place for; export it "
+                    "with MaxText.generate_param_only_checkpoint (which merges them into the base weights) and load that")
   stored_scanned = _stored_layout_is_scanned(directory)
   wanted_scanned = "layers" in abstract_params
   convert = stored_scanned is not None and stored_scanned != wanted_scanned
@@ -76,6 +79,15 @@ def load_params(path: str, abstract_params: Any, shardings: Any) -> Any:
   layout = "" if not convert else f", {'scanned' if stored_scanned else 'unrolled'} layers converted"
   log(f"checkpoint: loaded parameters from {path} ({kind} checkpoint{layout})")
   return params
+
+
+def _stored_has_adapters(directory: str) -> bool:
+  try:
+    with quiet_absl():
+      stored = ocp.PyTreeCheckpointer().metadata(storage.as_path(directory)).item_metadata[PARAMS]
+  except Exception:  # noqa: BLE001 - unreadable metadata: let the restore report the problem
+    return False
+  return lora.has_adapters(stored)
 
 
 def _stored_layout_is_scanned(directory: str) -> bool | None:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from MaxText import compiled_step as compiled_step_file, sharding, train_state, train_step
+from MaxText import compiled_step as compiled_step_file, lora, sharding, train_state, train_step
 from MaxText.input_pipeline import create_data_iterator, create_eval_iterator
 from MaxText.input_pipeline.batch_spec import batch_spec
 
@@ -45,6 +45,15 @@ class Run:
   @property
   def num_params(self) -> int:
     return sum(x.size for x in jax.tree.leaves(self.setup.abstract_state.params))
+
+  def lora_description(self) -> str:
+    """What trains under LoRA (for the start-up log), "" without it."""
+    cfg = self.config.model
+    if cfg.lora_rank <= 0:
+      return ""
+    adapters = sum(x.size for x in jax.tree.leaves(lora.split(self.setup.abstract_state.params)[0]))
+    return (f"lora: {adapters / 1e6:.2f}M adapter parameters train (rank {cfg.lora_rank}, alpha {cfg.lora_alpha:g}, "
+            f"on {', '.join(cfg.lora_target_modules)}); the other {(self.num_params - adapters) / 1e6:.2f}M are frozen")
 
   def mesh_description(self) -> str:
     return ", ".join(f"{a}={n}" for a, n in self.mesh.shape.items() if n > 1) or "single device"

@@ -21,7 +21,7 @@ import yaml
 
 from MaxText import storage
 from MaxText import config_fields, config_groups
-from MaxText.model_config import MODEL_KEYS
+from MaxText.model_config import LORA_KEYS, MODEL_KEYS
 from MaxText.errors import ConfigError, UserError
 
 CONFIG_FILE = "config.yml"
@@ -122,7 +122,8 @@ def run_dir_of(checkpoint_path: str) -> str | None:
 
 def saved_model_keys(checkpoint_path: str) -> tuple[dict[str, Any], str] | None:
   """(model keys, the file they come from) saved with a checkpoint: a parameters-only
-  checkpoint's model_config.yml, or the config.yml of the run the checkpoint belongs to."""
+  checkpoint's model_config.yml, or the config.yml of the run the checkpoint belongs to (with
+  its LoRA keys: that run's checkpoints hold its adapters)."""
   beside = storage.join(checkpoint_path, MODEL_CONFIG_FILE)
   if storage.is_file(beside):
     values = yaml.safe_load(storage.read_text(beside)) or {}
@@ -131,7 +132,7 @@ def saved_model_keys(checkpoint_path: str) -> tuple[dict[str, Any], str] | None:
   if run_dir is None:
     return None
   saved = read_saved(run_dir) or {}
-  return {k: saved[k] for k in MODEL_KEYS if k in saved}, storage.join(run_dir, CONFIG_FILE)
+  return {k: saved[k] for k in (*MODEL_KEYS, *LORA_KEYS) if k in saved}, storage.join(run_dir, CONFIG_FILE)
 
 
 def contradictions(given: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from MaxText import params_io, storage
+from MaxText import lora, params_io, storage
 from MaxText.checkpointing import Restored, RunCheckpoints, first_line, is_step_dir
 from MaxText.config_groups import CheckpointConfig
 from MaxText.errors import UserError
@@ -32,6 +32,18 @@ def _state_from_params(setup: Any, params: Any) -> Any:
   return jax.jit(create, out_shardings=setup.state_shardings, donate_argnums=(0,))(params)
 
 
+def _load_params(config: Any, setup: Any, path: str) -> Any:
+  """The parameters of `path`; with LoRA, its base weights and freshly initialised adapters
+  (lora_b zero: the loaded model's function), whether or not the checkpoint holds adapters."""
+  abstract, shardings = setup.abstract_state.params, setup.state_shardings.params
+  if config.model.lora_rank <= 0:
+    return params_io.load_params(path, abstract, shardings)
+  base = params_io.load_params(path, lora.split(abstract)[1], lora.split(shardings)[1])
+  init_adapters = jax.jit(lambda rng: lora.split(setup.model.init_params(rng))[0],
+                          out_shardings=lora.split(shardings)[0])
+  return lora.combine(init_adapters(jax.random.key(config.run.init_weights_seed)), base)
+
+
 def initial_state(config: Any, setup: Any, checkpoints: RunCheckpoints | None, init_fn: Any) -> Start:
   """Resume this run's latest checkpoint, else load_full_state_path, else load_parameters_path,
   else `init_fn()` — the order MaxText users rely on when they rerun the same command."""
@@ -47,7 +59,7 @@ def initial_state(config: Any, setup: Any, checkpoints: RunCheckpoints | None, i
     return Start(restored.state, restored.data_state, restored.meta.get("rng_key_data"),
                  f"loaded the full state of step {restored.step} from {cfg.load_full_state_path}")
   if cfg.load_parameters_path:
-    params = params_io.load_params(cfg.load_parameters_path, abstract.params, shardings.params)
+    params = _load_params(config, setup, cfg.load_parameters_path)
     return Start(_state_from_params(setup, params), None, None,
                  f"loaded parameters from {cfg.load_parameters_path}; fresh optimizer state, step 0")
   return Start(init_fn(), None, None, f"initialised from seed {config.run.init_weights_seed}")

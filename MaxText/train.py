@@ -85,6 +85,8 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None) -> in
   log(f"model: {run.num_params / 1e6:.2f}M parameters, {config.model.num_decoder_layers} layers, "
       f"attention={select_kernel(config.model.attention, target.platform, config.model)}, "
       f"{setup.param_unsharded_fraction:.2%} of parameter bytes not fully sharded")
+  if run.lora_description():
+    log(run.lora_description())
 
   flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size,
                                            config.data.max_target_length)

@@ -148,6 +148,8 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
   if config.model.num_pipeline_stages > 1:
     print(pipeline.describe(config.model))
   print(f"parameters: {run.num_params / 1e9:.3f} B ({run.num_params:,})")
+  if run.lora_description():
+    print(run.lora_description())
   inputs = run.abstract_inputs()
   start = time.perf_counter()
   # The report options go to this compile only (XLA reads XLA_FLAGS once per process).

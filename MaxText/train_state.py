@@ -15,7 +15,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
-from MaxText import models, optimizers, sharding
+from MaxText import lora, models, optimizers, sharding
 
 
 @struct.dataclass
@@ -49,15 +49,19 @@ def build_state_setup(config, mesh: Mesh) -> StateSetup:
   """Abstract state and its shardings; fails when too many parameter bytes stay unsharded."""
   model = models.build_model_spec(config.model)
   optimizer = optimizers.create_optimizer(config.optim)
+  if config.model.lora_rank > 0:  # only the adapters train: no optimizer state for the base weights
+    optimizer = lora.trainable_only(optimizer)
   abstract_state = jax.eval_shape(lambda: _create_state(model, optimizer, jax.random.key(0)))
   rules = config.mesh.logical_axis_rules
   param_shardings = models.shard_params_like(model, mesh, rules)
   fraction = sharding.check_sharding_tolerance(
       model.abstract_params, param_shardings, mesh, config.mesh.sharding_tolerance)
   replicated = sharding.replicated(mesh)
+  # A masked optimizer (LoRA's frozen base weights) keeps an empty MaskedNode where it has no state.
+  masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
   opt_shardings = optax.tree_map_params(
-      optimizer, lambda _, s: s, abstract_state.opt_state, param_shardings,
-      transform_non_params=lambda _: replicated)
+      optimizer, lambda state, s: state if masked(state) else s, abstract_state.opt_state, param_shardings,
+      transform_non_params=lambda _: replicated, is_leaf=masked)
   opt_device_shardings = None
   if config.optim.optimizer_memory_host_offload:
     opt_device_shardings, opt_shardings = opt_shardings, optimizers.host_offloaded(opt_shardings, mesh)

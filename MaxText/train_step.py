@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from MaxText import optimizers, sharding
+from MaxText import lora, optimizers, sharding
 from MaxText.input_pipeline import Batch
 from MaxText.layers.moe import ROUTING_STATS, update_correction_biases
 from MaxText.models import ModelSpec, token_loss_sums
@@ -75,8 +75,12 @@ def _split_microbatches(batch: Batch, num_micro: int) -> Batch:
 
 def _grads_and_sums(setup: StateSetup, config, params: Any, batch: Batch,
                     dropout_rng: jax.Array | None) -> tuple[Any, Metrics]:
+  """Gradients of the trainable parameters (all of them, or with LoRA only the adapters: the
+  base weights' gradients are never computed) and the summed metrics."""
+  params, frozen = lora.split(params) if config.model.lora_rank > 0 else (params, None)
+  full = (lambda p: p) if frozen is None else (lambda p: lora.combine(p, frozen))
   grad_fn = jax.grad(
-      lambda p, b, r: loss_sums(setup.model, p, b, r, config.optim.z_loss_multiplier,
+      lambda p, b, r: loss_sums(setup.model, full(p), b, r, config.optim.z_loss_multiplier,
                                 config.model.load_balance_loss_weight, for_gradients=True), has_aux=True)
   num_micro = config.optim.gradient_accumulation_steps
   if num_micro == 1:
@@ -114,17 +118,24 @@ def make_train_step(setup: StateSetup, config) -> Callable[[TrainState, Batch, j
       grads, sums = _grads_and_sums(setup, config, state.params, batch, dropout_rng)
     num_tokens = jnp.maximum(sums["weight_sum"], 1.0)
     grads = jax.tree.map(lambda g: g / num_tokens, grads)
+    grad_norm = optax.tree.norm(grads)
     opt_state = state.opt_state
     if setup.opt_device_shardings is not None:  # host-offloaded: update on the device, out_shardings store it back
       opt_state = jax.device_put(opt_state, setup.opt_device_shardings)
     old_opt_state = opt_state
-    updates, opt_state = setup.optimizer.update(grads, opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    if config.model.lora_rank > 0:
+      frozen = lora.split(state.params)[1]
+      # The optimizer's frozen branch ignores these zeros; the base weights go back as they were.
+      grads = lora.combine(grads, jax.tree.map(jnp.zeros_like, frozen))
+      updates, opt_state = setup.optimizer.update(grads, opt_state, state.params)
+      params = lora.combine(lora.split(optax.apply_updates(state.params, updates))[0], frozen)
+    else:
+      updates, opt_state = setup.optimizer.update(grads, opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
     if config.model.moe_score_correction_bias:  # set from the expert load, not by the optimizer (before the
       # non-finite check, which then keeps the old bias too)
       load_NE = sums["moe_load"] / config.optim.gradient_accumulation_steps if "moe_load" in sums else None
       params = update_correction_biases(params, state.params, load_NE, config.model.moe_bias_update_rate)
-    grad_norm = optax.tree.norm(grads)
     loss = sums["xent_sum"] / num_tokens
     guarded = skip_nonfinite or loss_limit is not None
     if guarded:

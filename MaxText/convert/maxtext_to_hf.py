@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from MaxText import families, models, params_io, storage
+from MaxText import families, lora, models, params_io, storage
 from MaxText import config as config_lib
 from MaxText.model_config import ModelConfig
 from MaxText.convert import cli, engine, hf_io, streaming
@@ -41,6 +41,9 @@ def _open_checkpoint(checkpoint: str, config: config_lib.Config) -> tuple[stream
   layout, after checking every stored shape against the model config."""
   directory, kind = params_io.params_directory(checkpoint)  # the same checkpoint kinds as load_params
   reader = streaming.ParamReader(directory, config.model.weight_dtype)
+  if any(path[-1] in lora.ADAPTER_KEYS for path in reader.shapes):  # the HF model would silently lose them
+    raise UserError(f"{checkpoint} ({kind} checkpoint) holds LoRA adapters; write a parameters-only checkpoint with "
+                    "MaxText.generate_param_only_checkpoint first (it merges them into the base weights) and convert that")
   cfg = dataclasses.replace(config.model, scan_layers=reader.scanned)
   expected = engine.flat_abstract(models.build_model_spec(cfg).abstract_params)
   wrong = [f"{'/'.join(p)} {reader.shapes.get(p, 'missing')} vs {a.shape}" for p, a in expected.items()

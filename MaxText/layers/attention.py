@@ -163,10 +163,10 @@ class Attention(nnx.Module):
     d, n, k, h = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
     dense = functools.partial(DenseGeneral, dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype),
                               rngs=rngs, use_bias=cfg.use_bias)
-    self.query = dense((d,), (n, h), ("embed", "heads", "kv"), tag="query_proj")
-    self.key = dense((d,), (k, h), ("embed", "kv_heads", "kv"), tag="key_proj")
-    self.value = dense((d,), (k, h), ("embed", "kv_heads", "kv"), tag="value_proj")
-    self.out = dense((n, h), (d,), ("heads", "kv", "embed"), tag="out_proj")
+    self.query = dense((d,), (n, h), ("embed", "heads", "kv"), tag="query_proj", **cfg.lora("q_proj"))
+    self.key = dense((d,), (k, h), ("embed", "kv_heads", "kv"), tag="key_proj", **cfg.lora("k_proj"))
+    self.value = dense((d,), (k, h), ("embed", "kv_heads", "kv"), tag="value_proj", **cfg.lora("v_proj"))
+    self.out = dense((n, h), (d,), ("heads", "kv", "embed"), tag="out_proj", **cfg.lora("o_proj"))
     if cfg.use_qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's vector, before RoPE
       norm = functools.partial(RMSNorm, h, epsilon=cfg.normalization_layer_epsilon, dtype=jnp.dtype(cfg.dtype),
                                weight_dtype=jnp.dtype(cfg.weight_dtype),

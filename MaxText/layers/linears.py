@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import jax
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from MaxText import lora
 from MaxText.layers import quantization
 
 
@@ -20,11 +22,18 @@ class DenseGeneral(nnx.Module):
   `tag` names the output for remat policies (jax.ad_checkpoint.checkpoint_name).
   The matmul runs in the quantization mode active at trace time (layers/quantization.py)
   unless `quantize=False` (e.g. the MoE router).
+
+  `lora_rank > 0` adds a LoRA adapter (MaxText/lora.py): y += lora_scale · (x · lora_a) · lora_b,
+  lora_a [in_shape..., r] named like the kernel's input dims and lora_b [r, out_shape...] like
+  its output dims (the rank dim replicated), so the adapter is sharded like its base weight.
+  lora_a starts as PEFT's default (kaiming-uniform with a = sqrt(5): U(±1/sqrt(fan_in))) and
+  lora_b at zero, so a fresh adapter leaves the output unchanged. The adapter's matmuls stay in
+  float (not quantized): they are small and they are what trains.
   """
 
   def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], kernel_names: Sequence[str | None], *,
                dtype: jnp.dtype, weight_dtype: jnp.dtype, rngs: nnx.Rngs, tag: str | None = None,
-               use_bias: bool = False, quantize: bool = True):
+               use_bias: bool = False, quantize: bool = True, lora_rank: int = 0, lora_scale: float = 0.0):
     self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
     num_in = len(self.in_shape)
     init = nnx.initializers.variance_scaling(
@@ -34,7 +43,21 @@ class DenseGeneral(nnx.Module):
                             out_sharding=tuple(kernel_names))
     if use_bias:
       self.bias = nnx.Param(jnp.zeros(self.out_shape, weight_dtype), out_sharding=tuple(kernel_names)[num_in:])
+    if lora_rank > 0:
+      names = tuple(kernel_names)
+      bound = 1.0 / math.sqrt(math.prod(self.in_shape))
+      self.lora_a = nnx.Param(jax.random.uniform(rngs.params(), self.in_shape + (lora_rank,), weight_dtype,
+                                                 -bound, bound), out_sharding=names[:num_in] + (None,))
+      self.lora_b = nnx.Param(jnp.zeros((lora_rank,) + self.out_shape, weight_dtype),
+                              out_sharding=(None,) + names[num_in:])
     self.dtype, self.tag, self.use_bias, self.quantize = dtype, tag, use_bias, quantize
+    self.lora_rank, self.lora_scale = lora_rank, lora_scale
+
+  def merged_kernel(self) -> jax.Array:
+    """The kernel with the adapter folded in (what the layer computes, for code that reads the weight itself)."""
+    if self.lora_rank == 0:
+      return self.kernel[...]
+    return lora.merged_kernel(self.kernel[...], self.lora_a[...], self.lora_b[...], self.lora_scale)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     num_in = len(self.in_shape)
@@ -42,6 +65,10 @@ class DenseGeneral(nnx.Module):
     mode = quantization.current_quantization() if self.quantize else ""
     y = quantization.quantized_dot_general(mode, x.astype(self.dtype), self.kernel[...].astype(self.dtype),
                                            (contract, ((), ())))
+    if self.lora_rank > 0:
+      x_r = jax.lax.dot_general(x.astype(self.dtype), self.lora_a[...].astype(self.dtype), (contract, ((), ())))
+      delta = jax.lax.dot_general(x_r, self.lora_b[...].astype(self.dtype), (((x_r.ndim - 1,), (0,)), ((), ())))
+      y = y + (delta * jnp.asarray(self.lora_scale, delta.dtype)).astype(y.dtype)
     if self.use_bias:
       bias = self.bias[...].astype(self.dtype)
       y = y + jnp.expand_dims(bias, tuple(range(y.ndim - bias.ndim)))  # explicit: no implicit rank promotion

@@ -51,16 +51,18 @@ class MultiHeadLatentAttention(nnx.Module):
     # A rank is replicated where it is the output (the input is the fsdp-sharded model width) and
     # named "embed" where it is the input, so the up-projections are fsdp-sharded like the rest.
     if cfg.q_lora_rank > 0:
-      self.wq_a = dense((d,), (cfg.q_lora_rank,), ("embed", None), tag="query_proj")
+      self.wq_a = dense((d,), (cfg.q_lora_rank,), ("embed", None), tag="query_proj", **cfg.lora("q_a_proj"))
       self.q_norm = norm(cfg.q_lora_rank)
-      self.wq_b = dense((cfg.q_lora_rank,), (n, qk), ("embed", "heads", "kv"), tag="query_proj")
+      self.wq_b = dense((cfg.q_lora_rank,), (n, qk), ("embed", "heads", "kv"), tag="query_proj",
+                        **cfg.lora("q_b_proj"))
     else:
-      self.query = dense((d,), (n, qk), ("embed", "heads", "kv"), tag="query_proj")
-    self.wkv_a = dense((d,), (cfg.kv_lora_rank + rope,), ("embed", None), tag="key_proj")
+      self.query = dense((d,), (n, qk), ("embed", "heads", "kv"), tag="query_proj", **cfg.lora("q_proj"))
+    self.wkv_a = dense((d,), (cfg.kv_lora_rank + rope,), ("embed", None), tag="key_proj",
+                       **cfg.lora("kv_a_proj_with_mqa"))
     self.kv_norm = norm(cfg.kv_lora_rank)
     self.wkv_b = dense((cfg.kv_lora_rank,), (n, cfg.qk_nope_head_dim + v), ("embed", "heads", "kv"),
-                       tag="value_proj")
-    self.out = dense((n, v), (d,), ("heads", "kv", "embed"), tag="out_proj")
+                       tag="value_proj", **cfg.lora("kv_b_proj"))
+    self.out = dense((n, v), (d,), ("heads", "kv", "embed"), tag="out_proj", **cfg.lora("o_proj"))
     self.cfg = cfg
     self.kernel_name = select_kernel(cfg.attention)
     self.kernel = ATTENTION_KERNELS[self.kernel_name](cfg)
@@ -114,7 +116,7 @@ class MultiHeadLatentAttention(nnx.Module):
     cfg = self.cfg
     cache = kv_cache.write(cache, latent_BLR[:, :, None, :], k_rope_BL1P, positions_BL)
     latent_BS1R, k_rope_BS1P = cache.read(q_nope_BLNC.dtype)
-    w_kvb_RNX = self.wkv_b.kernel[...].astype(q_nope_BLNC.dtype)
+    w_kvb_RNX = self.wkv_b.merged_kernel().astype(q_nope_BLNC.dtype)  # its LoRA adapter (kv_b_proj) included
     w_k_RNC, w_v_RNV = w_kvb_RNX[..., :cfg.qk_nope_head_dim], w_kvb_RNX[..., cfg.qk_nope_head_dim:]
     # q_nope·(latent·W_k) = (q_nope·W_kᵀ)·latent: one [R]-wide query per head against the shared latent.
     q_latent_BLNR = jnp.einsum("blnc,rnc->blnr", q_nope_BLNC, w_k_RNC)

@@ -45,15 +45,23 @@ def activation_fns(cfg: ModelConfig) -> tuple[Activation, ...]:
   return tuple(bound[name] if name in bound else ACTIVATION_FNS[name] for name in cfg.mlp_activations)
 
 
+def mlp_lora_targets(num_inputs: int) -> tuple[str, ...]:
+  """PEFT's names of wi_0, wi_1, ...: gate and up projections; a one-activation MLP's wi_0 is the up projection.
+  A third input projection has no PEFT name and gets no adapter."""
+  names = ("gate_proj", "up_proj") if num_inputs > 1 else ("up_proj",)
+  return tuple(names[i] if i < len(names) else "" for i in range(num_inputs))
+
+
 class MlpBlock(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, mlp_dim: int | None = None):
     mlp_dim = mlp_dim or cfg.mlp_dim  # MoE shared experts are wider than one expert
     dense: dict[str, Any] = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs,
                  use_bias=cfg.use_bias)
     # Named wi_0, wi_1, ... (not a list) so checkpoints have string keys only.
-    for i in range(len(cfg.mlp_activations)):
-      setattr(self, f"wi_{i}", DenseGeneral((cfg.emb_dim,), (mlp_dim,), ("embed", "mlp"), tag="mlpwi", **dense))
-    self.wo = DenseGeneral((mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), tag="mlpwo", **dense)
+    for i, target in enumerate(mlp_lora_targets(len(cfg.mlp_activations))):
+      setattr(self, f"wi_{i}", DenseGeneral((cfg.emb_dim,), (mlp_dim,), ("embed", "mlp"), tag="mlpwi", **dense,
+                                            **cfg.lora(target)))
+    self.wo = DenseGeneral((mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), tag="mlpwo", **dense, **cfg.lora("down_proj"))
     self.activations = activation_fns(cfg)
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:

@@ -1,0 +1,102 @@
+"""A LoRA run's adapters in PEFT's format: `adapter_config.json` + `adapter_model.safetensors`,
+which `peft.PeftModel.from_pretrained(hf_model, DIR)` loads onto the HF base model.
+
+Each adapted projection's HF weight comes from our kernel through the family's tensor table
+(convert/tensor_maps.py). For the projections LoRA targets, that conversion only moves entries
+(transposes, head reshapes, RoPE permutations), so it is found by converting two probe kernels
+whose entries are their own input (or output) index, and the same moves are applied to A's input
+side and B's output side: lora_A.weight [r, in] = A's rows in HF's input order, lora_B.weight
+[out, r] = B's columns in HF's output order. A conversion that computes (e.g. fuses tensors) is
+refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator
+
+import numpy as np
+
+from MaxText import families, lora, storage
+from MaxText.convert import engine
+from MaxText.errors import UserError
+from MaxText.model_config import ModelConfig
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+
+def _index_order(to_hf: Any, cfg: ModelConfig, kernel_shape: tuple[int, ...], num_in: int, side: str) -> np.ndarray:
+  """For HF's [out, in] weight: which of our flattened input (side "in") or output ("out")
+  indices each HF column (or row) holds; raises when the conversion is not a pure move."""
+  in_size = int(np.prod(kernel_shape[:num_in]))
+  out_size = int(np.prod(kernel_shape[num_in:]))
+  if side == "in":
+    probe = np.broadcast_to(np.arange(in_size, dtype=np.float64).reshape(in_size, 1), (in_size, out_size))
+  else:
+    probe = np.broadcast_to(np.arange(out_size, dtype=np.float64).reshape(1, out_size), (in_size, out_size))
+  weight = np.asarray(to_hf((probe.reshape(kernel_shape),), cfg), np.float64)
+  if weight.shape != (out_size, in_size):
+    raise ValueError(f"HF weight {weight.shape} is not [{out_size}, {in_size}]")
+  order = weight[0] if side == "in" else weight[:, 0]
+  if not np.array_equal(weight, np.broadcast_to(order[None] if side == "in" else order[:, None], weight.shape)):
+    raise ValueError("the conversion mixes entries")
+  return order.astype(np.int64)
+
+
+def adapter_tensors(params: dict, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+  """(PEFT tensor name, array) for every adapter in `params` (scanned or unrolled; the adapter
+  leaves are enough: lora.split(params)[0])."""
+  family = families.family_for_decoder_block(cfg.decoder_block)
+  maps = family.tensors(cfg)
+  num_layers = engine._num_hf_layers(cfg, maps, family.name)
+  for m in maps:
+    if len(m.ours) != 1 or not m.ours[0].endswith("/kernel") or m.per_expert:
+      continue
+    for layer in (range(num_layers) if m.per_layer else [None]):
+      if not engine._applies(cfg, m, layer):
+        continue
+      path, index = engine._leaf_path(cfg, m, m.ours[0], layer)
+      dense = _subtree(params, path[:-1])
+      if dense is None or "lora_a" not in dense:
+        continue
+      a, b = (np.asarray(dense[k][index] if index else dense[k]) for k in ("lora_a", "lora_b"))
+      rank, num_in = a.shape[-1], a.ndim - 1
+      kernel_shape = a.shape[:-1] + b.shape[1:]
+      name = m.hf.format(i=layer).removesuffix(".weight")
+      try:
+        in_order = _index_order(m.to_hf, cfg, kernel_shape, num_in, "in")
+        out_order = _index_order(m.to_hf, cfg, kernel_shape, num_in, "out")
+      except ValueError as e:
+        raise UserError(f"cannot export the LoRA adapter of {name} in PEFT's format: the {family.name} converter's "
+                        f"{m.hf} is not a plain re-layout of our kernel ({e})") from None
+      yield f"base_model.model.{name}.lora_A.weight", np.ascontiguousarray(a.reshape(-1, rank)[in_order].T)
+      yield f"base_model.model.{name}.lora_B.weight", np.ascontiguousarray(b.reshape(rank, -1)[:, out_order].T)
+
+
+def _subtree(params: dict, path: tuple[str, ...]) -> dict | None:
+  node: Any = params
+  for key in path:
+    if not isinstance(node, dict) or key not in node:
+      return None
+    node = node[key]
+  return node if isinstance(node, dict) else None
+
+
+def save(output_path: str, params: dict, cfg: ModelConfig) -> list[str]:
+  """Writes the adapters of `params` to `output_path` (a new directory); returns the target names."""
+  from safetensors.numpy import save as safetensors_bytes
+
+  if not lora.has_adapters(params):
+    raise UserError("the checkpoint holds no LoRA adapters to export (lora_rank=0 or no lora_target_modules)")
+  tensors = dict(adapter_tensors(params, cfg))
+  targets = sorted({name.split(".")[-3] for name in tensors})
+  config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha,
+            "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "init_lora_weights": True, "base_model_name_or_path": None}
+  if storage.exists(output_path):
+    raise UserError(f"{output_path} already exists; choose a new lora_peft_export_path or remove it first")
+  storage.makedirs(output_path)
+  storage.write_bytes(storage.join(output_path, WEIGHTS_FILE),
+                      safetensors_bytes({k: v.astype(np.float32) for k, v in tensors.items()}))
+  storage.write_text(storage.join(output_path, CONFIG_FILE), json.dumps(config, indent=2) + "\n")
+  return targets

@@ -1,0 +1,109 @@
+"""LoRA: low-rank adapters trained beside frozen base weights (`lora_rank` > 0).
+
+The adapters are ordinary parameters of the projections PEFT's names select
+(`lora_target_modules`; model_config.lora_targets maps them to ours): `lora_a` and `lora_b` in a
+`DenseGeneral` (layers/linears.py), which adds lora_scale · (x · lora_a) · lora_b to its output,
+lora_scale = lora_alpha / lora_rank as PEFT's default (not rsLoRA). They live in the one params
+tree, so checkpoints, resume and shardings treat them like any weight; this module says which
+leaves they are and keeps everything else frozen:
+
+  * the optimizer (`trainable_only`) holds state only for the adapters;
+  * the train step differentiates only the adapters (`split` / `combine`) and puts the base
+    weights back as they were, bitwise;
+  * `adapters_off` is the base model's function with the same tree (e.g. a DPO reference);
+  * `merge` folds the adapters into their base kernels for a plain model (params-only export).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+
+ADAPTER_KEYS = ("lora_a", "lora_b")
+TRAIN, FROZEN = "lora", "frozen"
+
+
+def is_adapter(path: tuple) -> bool:
+  """Whether a parameter's tree path (from jax.tree_util) ends in an adapter leaf."""
+  last = path[-1] if path else None
+  return getattr(last, "key", None) in ADAPTER_KEYS
+
+
+def has_adapters(params: Mapping[str, Any]) -> bool:
+  """Whether a nested dict of parameters (or of their checkpoint metadata) holds adapter leaves."""
+  return any(key in ADAPTER_KEYS or (isinstance(value, Mapping) and has_adapters(value))
+             for key, value in params.items())
+
+
+def split(params: dict) -> tuple[dict, dict]:
+  """(adapters, everything else): two nested dicts with the same nesting, each holding only its leaves."""
+  adapters: dict = {}
+  frozen: dict = {}
+  for key, value in params.items():
+    if isinstance(value, dict):
+      a, f = split(value)
+      if a:
+        adapters[key] = a
+      if f:
+        frozen[key] = f
+    elif key in ADAPTER_KEYS:
+      adapters[key] = value
+    else:
+      frozen[key] = value
+  return adapters, frozen
+
+
+def combine(adapters: dict, frozen: dict) -> dict:
+  """Inverse of `split`."""
+  out = dict(frozen)
+  for key, value in adapters.items():
+    out[key] = combine(value, frozen.get(key, {})) if isinstance(value, dict) else value
+  return out
+
+
+def labels(params: Any) -> Any:
+  """TRAIN for adapter leaves, FROZEN for the rest (optax.multi_transform's labels)."""
+  return jax.tree_util.tree_map_with_path(lambda path, _: TRAIN if is_adapter(path) else FROZEN, params)
+
+
+def trainable_only(optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+  """`optimizer` on the adapters; the base weights get zero updates and no optimizer state at
+  all (multi_transform masks them out of the inner state: no Adam moments for frozen leaves),
+  and clipping by global norm sees the adapters' gradients only."""
+  return optax.multi_transform({TRAIN: optimizer, FROZEN: optax.set_to_zero()}, labels)
+
+
+def adapters_off(params: dict) -> dict:
+  """The same tree computing the base model: every lora_b zero, so each adapter adds exactly 0."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: jnp.zeros_like(x) if getattr(path[-1], "key", None) == "lora_b" else x, params)
+
+
+def merge(params: dict, lora_scale: float) -> dict:
+  """A plain model's parameters: every adapted kernel becomes kernel + lora_scale · lora_a · lora_b
+  (in float32, cast back to the kernel's dtype) and the adapter leaves are dropped. Works on
+  scanned stacks too (a leading layer dim on all three)."""
+  out: dict = {}
+  for key, value in params.items():
+    if key in ADAPTER_KEYS:
+      continue
+    if isinstance(value, dict):
+      out[key] = merge(value, lora_scale)
+    else:
+      out[key] = value
+  if "lora_a" in params and "kernel" in params:
+    out["kernel"] = merged_kernel(params["kernel"], params["lora_a"], params["lora_b"], lora_scale)
+  return out
+
+
+def merged_kernel(kernel: jax.Array, lora_a: jax.Array, lora_b: jax.Array, lora_scale: float) -> jax.Array:
+  """kernel + lora_scale · lora_a · lora_b over the rank dim: lora_a is [..., in dims, r] and
+  lora_b [..., r, out dims], with the same leading (layer) dims as the kernel."""
+  num_lead = lora_a.ndim + lora_b.ndim - 2 - kernel.ndim  # layer dims counted twice
+  batch = tuple(range(num_lead))
+  delta = jax.lax.dot_general(lora_a.astype(jnp.float32), lora_b.astype(jnp.float32),
+                              (((lora_a.ndim - 1,), (num_lead,)), (batch, batch)))
+  return (kernel.astype(jnp.float32) + lora_scale * delta).astype(kernel.dtype)
