@@ -135,6 +135,9 @@ class OptimConfig:
   gradient_clipping_threshold: float = key()
   gradient_accumulation_steps: int = key()
   z_loss_multiplier: float = key()
+  # DPO's loss (use_dpo; MaxText/dpo.py): the reward scale β and the conservative-DPO flip probability.
+  dpo_beta: float = key()
+  dpo_label_smoothing: float = key()
   optimizer_memory_host_offload: bool = key()  # optimizer state in pinned host memory
   warmup_steps: int = derived()
 
@@ -150,6 +153,9 @@ class OptimConfig:
     for name in ("adam_b1", "adam_b2"):
       _require(0.0 <= v[name] < 1.0, f"{name} must be in [0, 1), got {v[name]}")
     _require(v["gradient_clipping_threshold"] >= 0, "gradient_clipping_threshold must be >= 0 (0 = off)")
+    _require(v["dpo_beta"] > 0, f"dpo_beta must be > 0, got {v['dpo_beta']}")
+    _require(0.0 <= v["dpo_label_smoothing"] < 0.5, f"dpo_label_smoothing (the probability a preference label is "
+             f"flipped) must be in [0, 0.5), got {v['dpo_label_smoothing']}")
     return cls(**read_keys(cls, v, learning_rate_schedule_steps=schedule_steps),
                warmup_steps=int(v["warmup_steps_fraction"] * schedule_steps))
 
@@ -186,6 +192,8 @@ class DataConfig:
   # Supervised fine-tuning on conversations / prompt-completion pairs (input_pipeline/chat.py).
   use_sft: bool = key(fixed_on_resume=DATA_POSITION)
   sft_train_on_completion_only: bool = key(fixed_on_resume=DATA_POSITION)
+  # Preference optimisation on {"prompt", "chosen", "rejected"} records (input_pipeline/preference.py, dpo.py).
+  use_dpo: bool = key(fixed_on_resume=DATA_POSITION)
   # A new mesh may change per_device_batch_size or the device count, not their product.
   global_batch_size: int = derived(fixed_on_resume=DATA_POSITION)
 
@@ -207,6 +215,8 @@ class DataConfig:
                f"(JSON/JSONL/Parquet files) or grain (JSON records); got dataset_type={v['dataset_type']}")
       _require(v["tokenizer_type"] == "huggingface", "use_sft=True renders the model's chat template, which lives "
                f"in its Hugging Face tokenizer files: set tokenizer_type=huggingface (got {v['tokenizer_type']})")
+    if v["use_dpo"]:
+      _check_dpo(v, pipelined=dict(mesh.shape)["stage"] > 1)
     if v["dataset_type"] != "synthetic":
       _check_real_data(v)
     global_batch = v["per_device_batch_size"] * target.num_devices
@@ -220,6 +230,19 @@ class DataConfig:
              f"global batch {global_batch} must split evenly into gradient_accumulation_steps={accum} "
              f"micro-batches over the {batch_shards} devices of data_sharding; raise per_device_batch_size")
     return cls(**read_keys(cls, v), global_batch_size=global_batch)
+
+
+def _check_dpo(v: Mapping[str, Any], pipelined: bool) -> None:
+  _require(not v["use_sft"], "use_sft and use_dpo are two kinds of fine-tuning: set only one (preference records "
+           "{\"prompt\", \"chosen\", \"rejected\"} are use_dpo's)")
+  _require(v["dataset_type"] in ("hf", "grain"), "use_dpo=True reads preference records with dataset_type=hf "
+           f"(JSON/JSONL/Parquet files) or grain (JSON records); got dataset_type={v['dataset_type']}")
+  _require(v["tokenizer_type"] == "huggingface", "use_dpo=True tokenizes with the model's Hugging Face tokenizer "
+           f"(and its chat template for conversations): set tokenizer_type=huggingface (got {v['tokenizer_type']})")
+  _require(not v["load_full_state_path"], "use_dpo=True starts from load_parameters_path (the policy's first "
+           "weights and the frozen reference), not load_full_state_path; to continue a DPO run, rerun it")
+  _require(not (pipelined and v["pipeline_schedule"] == "1f1b"),
+           "use_dpo=True runs the plain forward pass; set pipeline_schedule=gpipe or num_pipeline_stages=1")
 
 
 def _check_real_data(v: Mapping[str, Any]) -> None:

@@ -114,10 +114,13 @@ def forward_flops_per_sequence(cfg: ModelConfig, length: int, causal: bool = Tru
   return float(weights), float(scores)
 
 
-def training_tflops_per_step(cfg: ModelConfig, global_batch: int, length: int) -> StepFlops:
+def training_tflops_per_step(cfg: ModelConfig, global_batch: int, length: int, dpo: bool = False) -> StepFlops:
+  """Forward + backward (3 forward passes' worth) per sequence; a DPO row is two sequences
+  trained (chosen and rejected) and the same two through the reference (forward only): 8."""
   weights, attention = forward_flops_per_sequence(cfg, length)
-  weight_tflops = 3 * global_batch * weights / 1e12
-  attention_tflops = 3 * global_batch * attention / 1e12
+  passes = 2 * 3 + 2 * 1 if dpo else 3
+  weight_tflops = passes * global_batch * weights / 1e12
+  attention_tflops = passes * global_batch * attention / 1e12
   return StepFlops(weight_tflops, attention_tflops, weight_tflops + attention_tflops)
 
 

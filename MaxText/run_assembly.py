@@ -40,7 +40,7 @@ class Run:
   setup: train_state.StateSetup
   batch_sharding: NamedSharding
   train_step: Callable  # (state, batch, rng[, loss_limit]) -> (new state, metrics); the state is donated
-  eval_step: Callable  # (params, batch) -> loss sums
+  eval_step: Callable  # (state, batch) -> loss sums
 
   @property
   def num_params(self) -> int:

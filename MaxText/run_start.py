@@ -7,13 +7,12 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from MaxText import lora, params_io, storage
 from MaxText.checkpointing import Restored, RunCheckpoints, first_line, is_step_dir
 from MaxText.config_groups import CheckpointConfig
 from MaxText.errors import UserError
-from MaxText.train_state import TrainState
+from MaxText.train_state import reference_of, state_from_params
 
 
 @dataclasses.dataclass
@@ -25,10 +24,10 @@ class Start:
 
 
 def _state_from_params(setup: Any, params: Any) -> Any:
-  """Step 0 and a fresh optimizer around loaded parameters (fine-tuning)."""
-  def create(p: Any) -> Any:
-    return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=setup.optimizer.init(p))
-
+  """Step 0 and a fresh optimizer around loaded parameters (fine-tuning); DPO's reference is a
+  copy of them."""
+  with_reference = reference_of(setup.abstract_state) is not None
+  create = lambda p: state_from_params(p, setup.optimizer, with_reference)
   return jax.jit(create, out_shardings=setup.state_shardings, donate_argnums=(0,))(params)
 
 
@@ -58,6 +57,9 @@ def initial_state(config: Any, setup: Any, checkpoints: RunCheckpoints | None, i
     restored = restore_full_state(cfg.load_full_state_path, abstract, shardings)
     return Start(restored.state, restored.data_state, restored.meta.get("rng_key_data"),
                  f"loaded the full state of step {restored.step} from {cfg.load_full_state_path}")
+  if config.data.use_dpo and not cfg.load_parameters_path:
+    raise UserError("use_dpo=True needs a reference model: set load_parameters_path to the starting weights (a "
+                    "params-only checkpoint or another run's checkpoints); a fresh init has nothing to prefer against")
   if cfg.load_parameters_path:
     params = _load_params(config, setup, cfg.load_parameters_path)
     return Start(_state_from_params(setup, params), None, None,

@@ -114,7 +114,7 @@ def report(config: config_lib.Config, topology: accelerators.TpuTopology | None,
     gen = topology.generation
     print(f"  HBM per {gen.name} chip {gen.hbm_gib:g} GiB: {memory.total / (gen.hbm_gib * GIB):.1%} used")
   flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size,
-                                           config.data.max_target_length)
+                                           config.data.max_target_length, dpo=config.data.use_dpo)
   num_devices = config.target.num_devices
   print(f"model FLOPs per step: {flops.total_tflops:,.4g} TFLOP ({flops.total_tflops / num_devices:,.4g} per device; "
         f"{config.data.global_batch_size} sequences x {config.data.max_target_length} tokens)")

@@ -25,6 +25,17 @@ class TrainState:
   opt_state: optax.OptState
 
 
+@struct.dataclass
+class PreferenceState(TrainState):
+  """The train state of a DPO run (use_dpo): also the frozen reference, the run's starting weights
+  sharded like `params`. The step only reads it (no gradient, no optimizer state); it lives in the
+  state so it is born sharded, counted by AOT memory reports and saved with the run, which then
+  resumes against the same reference. A class of its own keeps every other run's checkpoints
+  exactly as they were."""
+
+  reference: Any = None
+
+
 @dataclasses.dataclass(frozen=True)
 class StateSetup:
   """Everything needed to create, shard and step the train state for one config and mesh."""
@@ -40,9 +51,18 @@ class StateSetup:
   opt_device_shardings: Any = None
 
 
-def _create_state(model: models.ModelSpec, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+def _create_state(model: models.ModelSpec, optimizer: optax.GradientTransformation, rng: jax.Array,
+                  with_reference: bool = False) -> TrainState:
   params = model.init_params(rng)
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+  return state_from_params(params, optimizer, with_reference)
+
+
+def state_from_params(params: Any, optimizer: optax.GradientTransformation, with_reference: bool) -> TrainState:
+  """Step 0 and a fresh optimizer around `params`; with a reference, a copy of them (DPO)."""
+  step, opt_state = jnp.zeros((), jnp.int32), optimizer.init(params)
+  if with_reference:
+    return PreferenceState(step=step, params=params, opt_state=opt_state, reference=jax.tree.map(jnp.copy, params))
+  return TrainState(step=step, params=params, opt_state=opt_state)
 
 
 def build_state_setup(config, mesh: Mesh) -> StateSetup:
@@ -51,7 +71,10 @@ def build_state_setup(config, mesh: Mesh) -> StateSetup:
   optimizer = optimizers.create_optimizer(config.optim)
   if config.model.lora_rank > 0:  # only the adapters train: no optimizer state for the base weights
     optimizer = lora.trainable_only(optimizer)
-  abstract_state = jax.eval_shape(lambda: _create_state(model, optimizer, jax.random.key(0)))
+  # DPO keeps a copy of the starting weights, except with LoRA: its frozen base with the adapters
+  # off is the starting model already (train_step.dpo_reference).
+  with_reference = config.data.use_dpo and config.model.lora_rank == 0
+  abstract_state = jax.eval_shape(lambda: _create_state(model, optimizer, jax.random.key(0), with_reference))
   rules = config.mesh.logical_axis_rules
   param_shardings = models.shard_params_like(model, mesh, rules)
   fraction = sharding.check_sharding_tolerance(
@@ -66,8 +89,15 @@ def build_state_setup(config, mesh: Mesh) -> StateSetup:
   if config.optim.optimizer_memory_host_offload:
     opt_device_shardings, opt_shardings = opt_shardings, optimizers.host_offloaded(opt_shardings, mesh)
   # The same dataclass holding shardings in place of arrays, as jit's in/out_shardings expect.
-  state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)  # type: ignore[arg-type]
+  state_class = PreferenceState if with_reference else TrainState
+  extra = {"reference": param_shardings} if with_reference else {}
+  state_shardings = state_class(step=replicated, params=param_shardings, opt_state=opt_shardings, **extra)  # type: ignore[arg-type]
   return StateSetup(model, optimizer, mesh, abstract_state, state_shardings, fraction, opt_device_shardings)
+
+
+def reference_of(state: TrainState) -> Any:
+  """The frozen DPO reference of `state` (or of its abstract form or shardings); None outside DPO."""
+  return state.reference if isinstance(state, PreferenceState) else None
 
 
 def init_state(setup: StateSetup, seed: int) -> TrainState:

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from MaxText import lora, optimizers, sharding
+from MaxText import dpo, lora, optimizers, sharding
 from MaxText.input_pipeline import Batch
 from MaxText.layers.moe import ROUTING_STATS, update_correction_biases
 from MaxText.models import ModelSpec, token_loss_sums
-from MaxText.train_state import StateSetup, TrainState
+from MaxText.train_state import StateSetup, TrainState, reference_of
 
 Metrics = dict[str, jax.Array]
 
@@ -73,15 +74,35 @@ def _split_microbatches(batch: Batch, num_micro: int) -> Batch:
   return jax.tree.map(split, batch)
 
 
-def _grads_and_sums(setup: StateSetup, config, params: Any, batch: Batch,
+def step_loss_sums(setup: StateSetup, config, reference: Any, for_gradients: bool = False
+                   ) -> Callable[[Any, Batch, jax.Array | None], tuple[jax.Array, Metrics]]:
+  """(params, batch, dropout rng) -> (summed loss, sums): next-token cross-entropy, or with use_dpo
+  the DPO loss against `reference` (dpo.py)."""
+  optim = config.optim
+  if config.data.use_dpo:
+    return lambda p, b, r: dpo.dpo_loss_sums(setup.model, p, reference, b, r, optim.dpo_beta,
+                                             optim.dpo_label_smoothing)
+  return lambda p, b, r: loss_sums(setup.model, p, b, r, optim.z_loss_multiplier,
+                                   config.model.load_balance_loss_weight, for_gradients=for_gradients)
+
+
+def dpo_reference(config, state: TrainState) -> Any:
+  """DPO's frozen reference: the starting weights the state holds, or with LoRA the policy with
+  its adapters off (the frozen base, which is the starting model: adapters start with B = 0).
+  None outside DPO."""
+  if config.data.use_dpo and config.model.lora_rank > 0:
+    return lora.adapters_off(state.params)
+  return reference_of(state)
+
+
+def _grads_and_sums(setup: StateSetup, config, params: Any, reference: Any, batch: Batch,
                     dropout_rng: jax.Array | None) -> tuple[Any, Metrics]:
   """Gradients of the trainable parameters (all of them, or with LoRA only the adapters: the
   base weights' gradients are never computed) and the summed metrics."""
   params, frozen = lora.split(params) if config.model.lora_rank > 0 else (params, None)
   full = (lambda p: p) if frozen is None else (lambda p: lora.combine(p, frozen))
-  grad_fn = jax.grad(
-      lambda p, b, r: loss_sums(setup.model, full(p), b, r, config.optim.z_loss_multiplier,
-                                config.model.load_balance_loss_weight, for_gradients=True), has_aux=True)
+  loss_fn = step_loss_sums(setup, config, reference, for_gradients=True)
+  grad_fn = jax.grad(lambda p, b, r: loss_fn(full(p), b, r), has_aux=True)
   num_micro = config.optim.gradient_accumulation_steps
   if num_micro == 1:
     return grad_fn(params, batch, dropout_rng)
@@ -109,15 +130,18 @@ def make_train_step(setup: StateSetup, config) -> Callable[[TrainState, Batch, j
   schedule = optimizers.learning_rate_schedule(config.optim)
   use_dropout = config.model.dropout_rate > 0
   skip_nonfinite = config.run.skip_nonfinite_steps
+  use_dpo = config.data.use_dpo
 
   def train_step(state: TrainState, batch: Batch, rng: jax.Array,
                  loss_limit: jax.Array | None = None) -> tuple[TrainState, Metrics]:
     """`loss_limit` (with loss_spike_threshold): a step whose loss is above it is not applied."""
     dropout_rng = jax.random.fold_in(rng, state.step) if use_dropout else None
     with sharding.activation_sharding(setup.mesh, config.mesh.logical_axis_rules):
-      grads, sums = _grads_and_sums(setup, config, state.params, batch, dropout_rng)
+      grads, sums = _grads_and_sums(setup, config, state.params, dpo_reference(config, state), batch, dropout_rng)
     num_tokens = jnp.maximum(sums["weight_sum"], 1.0)
-    grads = jax.tree.map(lambda g: g / num_tokens, grads)
+    # The loss is a mean per target token, or with DPO per preference pair.
+    divisor = jnp.maximum(sums["pair_count"], 1.0) if use_dpo else num_tokens
+    grads = jax.tree.map(lambda g: g / divisor, grads)
     grad_norm = optax.tree.norm(grads)
     opt_state = state.opt_state
     if setup.opt_device_shardings is not None:  # host-offloaded: update on the device, out_shardings store it back
@@ -136,21 +160,23 @@ def make_train_step(setup: StateSetup, config) -> Callable[[TrainState, Batch, j
       # non-finite check, which then keeps the old bias too)
       load_NE = sums["moe_load"] / config.optim.gradient_accumulation_steps if "moe_load" in sums else None
       params = update_correction_biases(params, state.params, load_NE, config.model.moe_bias_update_rate)
-    loss = sums["xent_sum"] / num_tokens
+    loss_sum = sums["dpo_loss_sum" if use_dpo else "xent_sum"]
+    loss_metrics = dpo.dpo_metrics(sums) if use_dpo else {"loss": loss_sum / num_tokens,
+                                                           "z_loss": sums["z_loss_sum"] / num_tokens}
+    loss = loss_metrics["loss"]
     guarded = skip_nonfinite or loss_limit is not None
     if guarded:
       # A skipped step keeps the old parameters and optimizer state (whose own count drives the
       # learning-rate schedule, so later steps are those of a run that never saw this batch);
       # `step` still counts the batch, which keeps checkpoints and data positions in order.
-      finite = jnp.isfinite(sums["xent_sum"]) & jnp.isfinite(grad_norm)
+      finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
       applied = finite if skip_nonfinite else jnp.bool_(True)
       if loss_limit is not None:  # a non-finite loss is left to skip_nonfinite_steps
         applied &= (loss <= loss_limit) | ~finite
       params, opt_state = jax.tree.map(lambda new, old: jnp.where(applied, new, old), (params, opt_state),
                                        (state.params, old_opt_state))
     metrics = {
-        "loss": loss,
-        "z_loss": sums["z_loss_sum"] / num_tokens,
+        **loss_metrics,
         "grad_norm": grad_norm,
         "param_norm": optax.tree.norm(params),
         "learning_rate": schedule(state.step),
@@ -162,10 +188,11 @@ def make_train_step(setup: StateSetup, config) -> Callable[[TrainState, Batch, j
       metrics["loss_limit"] = loss_limit
     if "mtp_xent_sum" in sums:
       metrics["mtp_loss"] = sums["mtp_xent_sum"] / jnp.maximum(sums["mtp_weight_sum"], 1.0)
-    if config.model.num_experts > 1:
+    if config.model.num_experts > 1 and not use_dpo:  # DPO's loss has no load-balancing term
       metrics["moe_lb_loss"] = sums["moe_lb_loss_sum"] / num_tokens
       metrics.update(routing_metrics(sums, config.optim.gradient_accumulation_steps))
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    # dataclasses.replace keeps the state's class, and with it a DPO run's reference, untouched.
+    return dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   return train_step
 
@@ -182,10 +209,14 @@ def jit_train_step(setup: StateSetup, config, batch_sharding: Any) -> Callable:
   )
 
 
-def make_eval_step(setup: StateSetup, config) -> Callable[[Any, Batch], Metrics]:
-  def eval_step(params: Any, batch: Batch) -> Metrics:
+def make_eval_step(setup: StateSetup, config) -> Callable[[TrainState, Batch], Metrics]:
+  """(state, batch) -> the loss sums of the batch (no dropout); the whole state, not only its
+  parameters, because DPO also reads the reference."""
+  loss_fn = lambda state: step_loss_sums(setup, config, dpo_reference(config, state))
+
+  def eval_step(state: TrainState, batch: Batch) -> Metrics:
     with sharding.activation_sharding(setup.mesh, config.mesh.logical_axis_rules):
-      _, sums = loss_sums(setup.model, params, batch, None, 0.0)
+      _, sums = loss_fn(state)(state.params, batch, None)
     return sums
 
   return jax.jit(eval_step)

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from MaxText import metrics as metrics_lib
-from MaxText import storage
+from MaxText import dpo, storage
 from MaxText.errors import TrainingError
 from MaxText.train_state import TrainState
 
@@ -296,7 +296,8 @@ class RouterHealthHook:
 
 
 class EvalHook:
-  """Mean loss and perplexity over `eval_steps` eval batches at each due step (needs the state)."""
+  """Mean loss and perplexity over `eval_steps` eval batches at each due step (needs the state);
+  with DPO, the mean loss and rewards per preference pair."""
 
   def __init__(self, eval_step: Callable[..., Any], eval_data: Any, eval_steps: int,
                writer: metrics_lib.MetricWriter | None, is_primary: bool):
@@ -307,15 +308,24 @@ class EvalHook:
   def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
     assert state is not None, "add EvalHook with needs_state=True"
     data = self.eval_data.reset()
-    xent = weight = 0.0
+    totals: dict[str, float] = {}
     for _ in range(self.eval_steps):
-      sums = jax.device_get(self.eval_step(state.params, next(data)))
-      xent, weight = xent + float(sums["xent_sum"]), weight + float(sums["weight_sum"])
-    loss = xent / max(weight, 1.0)
+      sums = jax.device_get(self.eval_step(state, next(data)))
+      for name, value in sums.items():
+        if np.ndim(value) == 0:
+          totals[name] = totals.get(name, 0.0) + float(value)
+    if "pair_count" in totals:
+      scalars = dpo.dpo_metrics(totals, prefix="eval_")
+      line = (f"loss {scalars['eval_loss']:8.4f} | reward accuracy {scalars['eval_rewards/accuracies']:.3f} | "
+              f"reward margin {scalars['eval_rewards/margins']:.4f}")
+    else:
+      loss = totals["xent_sum"] / max(totals["weight_sum"], 1.0)
+      scalars = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
+      line = f"loss {loss:8.4f} | perplexity {scalars['eval_perplexity']:.3f}"
     if self.is_primary:
-      print(f"eval   {record.step:>6d} | loss {loss:8.4f} | perplexity {math.exp(min(loss, 50.0)):.3f}", flush=True)
+      print(f"eval   {record.step:>6d} | {line}", flush=True)
       if self.writer is not None:
-        self.writer.write(record.step, {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))})
+        self.writer.write(record.step, scalars)
 
   def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
     pass

@@ -30,10 +30,11 @@ def check_sources(cfg: Any) -> None:
       ("grain_train_files", "grain_eval_files") if cfg.dataset_type == "grain" else ():
     if getattr(cfg, key):
       files.expand_files(key, getattr(cfg, key))
-  if cfg.use_sft:
+  if cfg.use_sft or cfg.use_dpo:
     from MaxText.input_pipeline import chat
 
-    chat.load_chat_tokenizer(cfg.tokenizer_path)  # the template must exist before anything starts
+    # SFT's template must exist before anything starts; DPO needs one only for message lists.
+    chat.load_chat_tokenizer(cfg.tokenizer_path, require_template=cfg.use_sft)
   vocab = tokenizer.load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path).vocab_size
   if vocab > cfg.vocab_size:
     raise ConfigError(f"the tokenizer {cfg.tokenizer_path} has {vocab} tokens, more than vocab_size="
@@ -67,7 +68,14 @@ def _real_data_iterator(config: Any, mesh: Mesh, train: bool) -> Any:
   shard = pipeline.host_shard(sharding, cfg.global_batch_size, cfg.max_target_length)
   source, describe = _open_source(cfg, train)
   encoder: Any
-  if cfg.use_sft:
+  pack: dict[str, Any] = {}
+  if cfg.use_dpo:
+    from MaxText.input_pipeline import chat, preference
+
+    encoder = preference.PreferenceEncoder(chat.load_chat_tokenizer(cfg.tokenizer_path, require_template=False),
+                                           cfg.tokenizer_path, cfg.max_target_length, cfg.add_bos, cfg.add_eos)
+    pack["pack"] = preference.pack_preference_batch
+  elif cfg.use_sft:
     from MaxText.input_pipeline import chat
 
     encoder = chat.SftEncoder(chat.load_chat_tokenizer(cfg.tokenizer_path), cfg.max_target_length,
@@ -76,13 +84,14 @@ def _real_data_iterator(config: Any, mesh: Mesh, train: bool) -> Any:
     encoder = DocumentEncoder(load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path), cfg.add_bos, cfg.add_eos)
   seed = cfg.data_shuffle_seed if (train and cfg.enable_data_shuffling) else None
   what = f"the {'train' if train else 'eval'} data ({describe})"
-  dataset = pipeline.document_dataset(source, shard, encoder, None if cfg.use_sft else cfg.text_column, seed,
+  whole_record = cfg.use_sft or cfg.use_dpo
+  dataset = pipeline.document_dataset(source, shard, encoder, None if whole_record else cfg.text_column, seed,
                                       repeat=train, what=what)
   # An endless run of unusable documents would hang the packer; one epoch of them is an error.
   epoch = len(source) // shard.count
   return pipeline.PackedBatchIterator(dataset, shard, sharding, cfg.global_batch_size, cfg.max_target_length,
                                       cfg.packing, cfg.grain_worker_count, cfg.data_prefetch_batches,
-                                      max_empty_run=max(epoch, 1), describe=describe)
+                                      max_empty_run=max(epoch, 1), describe=describe, **pack)
 
 
 def create_data_iterator(config: Any, mesh: Mesh, start_step: int = 0) -> Any:

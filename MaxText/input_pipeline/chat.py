@@ -52,15 +52,16 @@ def _chat_template(tokenizer_dir: str, config: Mapping[str, Any]) -> str | None:
   return template or None
 
 
-def load_chat_tokenizer(tokenizer_path: str) -> Any:
+def load_chat_tokenizer(tokenizer_path: str, require_template: bool = True) -> Any:
   """A transformers fast tokenizer with its chat template, from a (local or gs://) directory holding
-  tokenizer.json and tokenizer_config.json."""
+  tokenizer.json and tokenizer_config.json. Without `require_template` a tokenizer with no template
+  loads too (its chat_template is None): plain-text records do not need one."""
   transformers = _transformers()
   directory = tokenizer_path if storage.is_dir(tokenizer_path) else storage.parent(tokenizer_path)
   config_file = storage.join(directory, "tokenizer_config.json")
   config = json.loads(storage.read_text(config_file)) if storage.is_file(config_file) else {}
   template = _chat_template(directory, config)
-  if template is None:
+  if template is None and require_template:
     raise ConfigError(f"the tokenizer in {directory} has no chat template (no chat_template in tokenizer_config.json "
                       "and no chat_template.jinja); use_sft with conversations needs the model's own template")
   from tokenizers import Tokenizer
@@ -90,15 +91,15 @@ def _token_text(value: object) -> str | None:
 class DroppedSamples:
   """Counts samples left with no trained token; reports the first few and then every doubling."""
 
-  def __init__(self) -> None:
-    self.count, self._lock = 0, threading.Lock()
+  def __init__(self, what: str = "sft") -> None:
+    self.count, self._lock, self.what = 0, threading.Lock(), what
 
   def add(self, reason: str) -> None:
     with self._lock:
       self.count += 1
       count = self.count
     if count <= 3 or count & (count - 1) == 0:
-      print(f"warning: sft: dropped a sample ({reason}); {count} dropped so far", flush=True)
+      print(f"warning: {self.what}: dropped a sample ({reason}); {count} dropped so far", flush=True)
 
 
 class SftEncoder:
@@ -114,18 +115,23 @@ class SftEncoder:
     self.dropped = DroppedSamples()
 
   def __call__(self, record: Any) -> np.ndarray:
-    text, spans, plain = self.render(_as_mapping(record))
-    encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    tokens = list(encoding["input_ids"])
-    weights = [int(not self.completion_only or _overlaps(offset, spans)) for offset in encoding["offset_mapping"]]
-    if plain and self.eos_id is not None:
-      tokens, weights = tokens + [self.eos_id], weights + [1]  # the completion learns to stop
+    tokens, weights = self.tokens_and_weights(as_mapping(record))
     if len(tokens) > self.max_tokens:
       tokens, weights = tokens[:self.max_tokens], weights[:self.max_tokens]
       if not any(weights[1:]):
         self.dropped.add(f"no assistant token within max_target_length + 1 = {self.max_tokens} tokens")
         return np.zeros((2, 0), np.int32)
     return np.asarray([tokens, weights], np.int32)
+
+  def tokens_and_weights(self, record: Mapping[str, Any]) -> tuple[list[int], list[int]]:
+    """The whole sample's tokens and 0/1 target weights, before truncation."""
+    text, spans, plain = self.render(record)
+    encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    tokens = list(encoding["input_ids"])
+    weights = [int(not self.completion_only or _overlaps(offset, spans)) for offset in encoding["offset_mapping"]]
+    if plain and self.eos_id is not None:
+      tokens, weights = tokens + [self.eos_id], weights + [1]  # the completion learns to stop
+    return tokens, weights
 
   def render(self, record: Mapping[str, Any]) -> tuple[str, list[tuple[int, int]], bool]:
     """(text, character spans of the trained parts, whether it is a plain-text pair)."""
@@ -162,11 +168,11 @@ class SftEncoder:
     return text, spans
 
 
-def _as_mapping(record: Any) -> Mapping[str, Any]:
+def as_mapping(record: Any, what: str = "sft") -> Mapping[str, Any]:
   if isinstance(record, (bytes, bytearray)):
     record = json.loads(bytes(record).decode("utf-8"))
   if not isinstance(record, Mapping):
-    raise UserError(f"an sft record must be a JSON object, got {type(record).__name__}")
+    raise UserError(f"{what} records must be JSON objects, got {type(record).__name__}")
   return record
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from MaxText.errors import ConfigError
-from MaxText.input_pipeline.packing import FIELDS, DocumentCursor, Position, pack_batch
+from MaxText.input_pipeline.packing import DocumentCursor, Position, pack_batch
 
 STATE_FORMAT = 1
 
@@ -171,11 +171,13 @@ class _Prefetcher:
 
 class PackedBatchIterator:
   """Global [B, L] int32 batches sharded by `sharding`; `get_state`/`set_state`/`reset` as the
-  trainer, the checkpoint hook and the eval hook expect."""
+  trainer, the checkpoint hook and the eval hook expect. `pack` builds this host's rows from the
+  cursor (packing.pack_batch; preference.pack_preference_batch for DPO's pairs)."""
 
   def __init__(self, dataset: Any, shard: HostShard, sharding: NamedSharding, global_batch: int, length: int,
-               packing: bool, num_threads: int, prefetch: int, max_empty_run: int, describe: str):
-    self.shard, self.sharding, self.describe = shard, sharding, describe
+               packing: bool, num_threads: int, prefetch: int, max_empty_run: int, describe: str,
+               pack: Callable[..., tuple[dict[str, np.ndarray], int]] = pack_batch):
+    self.shard, self.sharding, self.describe, self._pack = shard, sharding, describe, pack
     self.global_shape = (global_batch, length)
     self._length, self._packing, self._prefetch_depth = length, packing, prefetch
     self._cursor = DocumentCursor(reader(dataset, num_threads), max_empty_run)
@@ -184,7 +186,7 @@ class PackedBatchIterator:
     self.rows_with_data = 0  # rows of the last batch that hold any data (eval data can run out)
 
   def _produce(self) -> tuple[dict[str, np.ndarray], Position]:
-    batch, num_real = pack_batch(self._cursor, self.shard.rows, self._length, self._packing)
+    batch, num_real = self._pack(self._cursor, self.shard.rows, self._length, self._packing)
     return {**batch, "_num_real": np.asarray(num_real)}, self._cursor.position
 
   def __iter__(self) -> "PackedBatchIterator":
@@ -199,8 +201,8 @@ class PackedBatchIterator:
       host_batch, position = self._prefetcher.get()
     self._position = position
     self.rows_with_data = int(host_batch.pop("_num_real"))
-    return {name: jax.make_array_from_process_local_data(self.sharding, host_batch[name], self.global_shape)
-            for name in FIELDS}
+    return {name: jax.make_array_from_process_local_data(self.sharding, rows, self.global_shape)
+            for name, rows in host_batch.items()}
 
   def describe_next_position(self) -> str:
     """Where the next batch starts in this host's shard (a skipped batch is named by it)."""
