@@ -91,7 +91,8 @@ def build_state_setup(config, mesh: Mesh) -> StateSetup:
   # The same dataclass holding shardings in place of arrays, as jit's in/out_shardings expect.
   state_class = PreferenceState if with_reference else TrainState
   extra = {"reference": param_shardings} if with_reference else {}
-  state_shardings = state_class(step=replicated, params=param_shardings, opt_state=opt_shardings, **extra)  # type: ignore[arg-type]
+  state_shardings = state_class(step=replicated, params=param_shardings,  # type: ignore[arg-type]
+                                opt_state=opt_shardings, **extra)
   return StateSetup(model, optimizer, mesh, abstract_state, state_shardings, fraction, opt_device_shardings)
 
 

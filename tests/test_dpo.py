@@ -58,7 +58,8 @@ def _trl_loss_and_metrics(logps: dict[str, np.ndarray], beta: float, label_smoot
   inputs = {"input_ids": torch.zeros((2 * num_pairs, 2), dtype=torch.long),
             "attention_mask": torch.ones((2 * num_pairs, 2), dtype=torch.long),
             "completion_mask": torch.tensor([[0, 1]] * (2 * num_pairs)),
-            "ref_chosen_logps": torch.tensor(logps["ref_chosen"]), "ref_rejected_logps": torch.tensor(logps["ref_rejected"])}
+            "ref_chosen_logps": torch.tensor(logps["ref_chosen"]),
+            "ref_rejected_logps": torch.tensor(logps["ref_rejected"])}
   loss = trl_dpo.DPOTrainer._compute_loss(trainer, model_call, inputs, return_outputs=False)
   return float(loss), {name: values[-1] for name, values in trainer._metrics["train"].items()}
 
@@ -257,7 +258,8 @@ def test_the_step_trains_the_policy_and_leaves_the_reference_alone(tiny_override
   config = Config.for_testing(one_device, **overrides, load_parameters_path=str(tmp_path / "start"))
   state = run_start.initial_state(config, run.setup, None, lambda: pytest.fail("must not initialise")).state
   reference = jax.tree.map(np.asarray, state.reference)
-  assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(state.params)))
+  assert all(np.array_equal(a, np.asarray(b))
+             for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(state.params)))
   assert jax.tree.leaves(state.opt_state)  # the optimizer holds the policy's moments only
   assert len(jax.tree.leaves(state.opt_state[1][0].mu)) == len(jax.tree.leaves(state.params))
 
