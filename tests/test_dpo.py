@@ -263,17 +263,14 @@ def test_the_step_trains_the_policy_and_leaves_the_reference_alone(tiny_override
   assert jax.tree.leaves(state.opt_state)  # the optimizer holds the policy's moments only
   assert len(jax.tree.leaves(state.opt_state[1][0].mu)) == len(jax.tree.leaves(state.params))
 
-  batch = _pair_batch(4, tiny_overrides["max_target_length"], tiny_overrides["vocab_size"], 0)
-  history = []
-  for _ in range(12):
-    state, metrics = run.train_step(state, batch, jax.random.key(0))
-    history.append({k: float(v) for k, v in metrics.items()})
+  state, history = _train_on_one_batch(run, state, tiny_overrides)
   # Policy = reference at the start: every reward 0, the loss log 2, no pair counted as won.
   assert history[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and history[0]["rewards/accuracies"] == 0.0
   assert history[-1]["loss"] < 0.5 * math.log(2) and history[-1]["rewards/accuracies"] == 1.0
   assert history[-1]["rewards/margins"] > 0
   assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(reference),
                                                                jax.tree.leaves(state.reference)))
+  batch = _pair_batch(4, tiny_overrides["max_target_length"], tiny_overrides["vocab_size"], 0)
   sums = jax.device_get(run.eval_step(state, batch))
   assert float(sums["pair_count"]) == 4 and float(sums["accuracy_sum"]) == 4
 
@@ -283,6 +280,16 @@ def test_the_step_trains_the_policy_and_leaves_the_reference_alone(tiny_override
 MODEL = ["base_emb_dim=64", "base_num_decoder_layers=2", "base_mlp_dim=128", "head_dim=16", "vocab_size=320",
          "max_target_length=96"]
 
+
+
+def _train_on_one_batch(run, state, tiny_overrides, steps: int = 12):
+  """`steps` train steps on one batch of 4 pairs: (final state, each step's metrics)."""
+  batch = _pair_batch(4, tiny_overrides["max_target_length"], tiny_overrides["vocab_size"], 0)
+  history = []
+  for _ in range(steps):
+    state, metrics = run.train_step(state, batch, jax.random.key(0))
+    history.append({k: float(v) for k, v in metrics.items()})
+  return state, history
 
 def preference_records(count: int, seed: int) -> list[dict]:
   """"continue this line" prompts; chosen = the next four words of a fixed cycle, rejected = the
@@ -438,11 +445,7 @@ def test_with_lora_the_reference_is_the_base_with_adapters_off(tiny_overrides, t
   assert reference_of(run.setup.abstract_state) is None
   state = run_start.initial_state(config, run.setup, None, lambda: pytest.fail("must not initialise")).state
   base = jax.tree.map(np.asarray, lora.split(state.params)[1])
-  batch = _pair_batch(4, tiny_overrides["max_target_length"], tiny_overrides["vocab_size"], 0)
-  history = []
-  for _ in range(12):
-    state, metrics = run.train_step(state, batch, jax.random.key(0))
-    history.append({k: float(v) for k, v in metrics.items()})
+  state, history = _train_on_one_batch(run, state, tiny_overrides)
   assert history[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and history[0]["rewards/accuracies"] == 0.0
   assert history[-1]["loss"] < history[0]["loss"] and history[-1]["rewards/margins"] > 0
   assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(base),

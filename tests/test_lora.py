@@ -18,7 +18,7 @@ from MaxText.config import Config
 from MaxText.errors import ConfigError
 from tests import hf_families as hf
 from tests.conftest import REPO_ROOT
-from tests.train_utils import Run
+from tests.train_utils import Run, assert_accumulation_equals_one_big_batch
 
 peft = pytest.importorskip("peft", reason="needs peft (EXTRAS=test bash setup.sh)")
 
@@ -392,11 +392,4 @@ def test_adapters_under_the_pipeline_match_the_non_pipelined_run(schedule):
 def test_gradient_accumulation_of_adapters_equals_one_big_batch(tiny_overrides):
   base = dict(tiny_overrides, **_lora_keys(), per_device_batch_size=2, ici_fsdp_parallelism=-1, sharding_tolerance=0.5,
               dataset_type="synthetic", learning_rate=1e-2)
-  big = Run(Config.for_testing(**base, gradient_accumulation_steps=1))
-  micro = Run(Config.for_testing(**base, gradient_accumulation_steps=2))
-  big_state, big_hist = big.train(big.init(), 2)
-  micro_state, micro_hist = micro.train(micro.init(), 2)
-  for key in ("loss", "grad_norm", "num_tokens"):
-    np.testing.assert_allclose([h[key] for h in micro_hist], [h[key] for h in big_hist], rtol=2e-5, err_msg=key)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6),
-               micro_state.params, big_state.params)
+  assert_accumulation_equals_one_big_batch(base, 2)

@@ -15,21 +15,14 @@ from MaxText import metrics, models, sharding
 from MaxText.config import Config
 from MaxText.errors import TrainingError
 from MaxText.trainer import Trainer
-from train_utils import Run
+from train_utils import Run, assert_accumulation_equals_one_big_batch
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_gradient_accumulation_equals_one_big_batch(tiny_overrides):
   base = dict(tiny_overrides, per_device_batch_size=4, ici_fsdp_parallelism=4, ici_tensor_parallelism=2)
-  big = Run(Config.for_testing(**base, gradient_accumulation_steps=1))
-  micro = Run(Config.for_testing(**base, gradient_accumulation_steps=4))
-  big_state, big_hist = big.train(big.init(), 2)
-  micro_state, micro_hist = micro.train(micro.init(), 2)
-  for key in ("loss", "grad_norm", "num_tokens"):
-    np.testing.assert_allclose([h[key] for h in micro_hist], [h[key] for h in big_hist], rtol=2e-5, err_msg=key)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6),
-               micro_state.params, big_state.params)
+  assert_accumulation_equals_one_big_batch(base, 4)
 
 
 def test_flops_formula_matches_xla_cost_analysis():

@@ -41,3 +41,17 @@ def losses(config: Config, num_steps: int, params: Any | None = None) -> list[fl
   run = Run(config)
   _, history = run.train(run.init(params), num_steps)
   return [h["loss"] for h in history]
+
+
+def assert_accumulation_equals_one_big_batch(base: dict, micro_batches: int) -> None:
+  """Two steps with `micro_batches` gradient-accumulation steps equal two steps on the whole batch."""
+  import numpy as np
+
+  big = Run(Config.for_testing(**base, gradient_accumulation_steps=1))
+  micro = Run(Config.for_testing(**base, gradient_accumulation_steps=micro_batches))
+  big_state, big_hist = big.train(big.init(), 2)
+  micro_state, micro_hist = micro.train(micro.init(), 2)
+  for key in ("loss", "grad_norm", "num_tokens"):
+    np.testing.assert_allclose([h[key] for h in micro_hist], [h[key] for h in big_hist], rtol=2e-5, err_msg=key)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6),
+               micro_state.params, big_state.params)
