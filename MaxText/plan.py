@@ -89,6 +89,10 @@ class PlanArgs:
       raise ConfigError(f"headroom must be in [0, 1), got {args.headroom:g}")
     if args.global_batch_tokens < 0 or args.workers < 0:
       raise ConfigError("global_batch_tokens and workers must be >= 0 (0: not given / automatic)")
+    for key in ("cache_dir", "write_recipe"):  # a workstation's files: the recipe runs from a local checkout
+      if "://" in getattr(args, key):
+        raise ConfigError(f"{key}={getattr(args, key)} must be a local path (the planner's cache and recipe live "
+                          "on the machine that runs it)")
     return args, rest
 
 

@@ -142,6 +142,8 @@ def test_bad_planner_arguments_are_one_line_errors():
     plan.main(argv(compile_topology="v5e-4", global_batch_tokens=100, **TINY))
   with pytest.raises(ConfigError, match="unknown config key 'max_candidate'"):
     plan.main(argv(compile_topology="v5e-4", max_candidate=2, **TINY))
+  with pytest.raises(ConfigError, match="write_recipe=gs://b/r.sh must be a local path"):
+    plan.main(argv(compile_topology="v5e-4", write_recipe="gs://b/r.sh", **TINY))
 
 
 def test_plan_args_defaults():
