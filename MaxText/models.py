@@ -48,6 +48,12 @@ def _over_layers(name: str, per_layer: jax.Array) -> jax.Array:
   return per_layer if name in ROUTING_STATS else jnp.sum(per_layer)
 
 
+def _unrolled_aux(per_layer: list[AuxLosses]) -> AuxLosses:
+  """What unrolled layers sowed, one dict per layer, as a scan returns it: losses summed, statistics stacked."""
+  names = per_layer[0] if per_layer else {}
+  return {name: _over_layers(name, jnp.stack([layer[name] for layer in per_layer])) for name in names}
+
+
 def remat_policy(name: str) -> Callable[..., bool] | None | str:
   """jax.checkpoint policy for `remat_policy`; "none" means no rematerialisation at all."""
   policies = jax.checkpoint_policies
@@ -161,8 +167,7 @@ class Transformer(nnx.Module):
                                           jnp.asarray(first_index + i, jnp.int32), None if caches is None else caches[i])
       per_layer.append(layer_aux)
       new_caches.append(cache)
-    aux = {name: _over_layers(name, jnp.stack([layer[name] for layer in per_layer])) for name in per_layer[0]} \
-        if per_layer else {}
+    aux = _unrolled_aux(per_layer)
     return x_BLD, aux, None if caches is None else new_caches
 
   def _layer_fn(self, positions_BL: jax.Array, segment_ids_BL: jax.Array, decoding: bool) -> Callable[..., Any]:
@@ -231,8 +236,7 @@ class Transformer(nnx.Module):
       if stack == "layers":
         per_layer.append(layer_aux)
       new_caches[stack].append(cache)
-    aux = {name: _over_layers(name, jnp.stack([layer[name] for layer in per_layer])) for name in per_layer[0]} \
-        if per_layer and per_layer[0] else {}
+    aux = _unrolled_aux(per_layer)
     return x_BLD, aux, None if caches is None else new_caches
 
   def _stage_layers(self) -> tuple[nnx.State, pipeline.LayerFn]:
@@ -301,6 +305,7 @@ class Transformer(nnx.Module):
     `mtp_targets` (targets, their weights) and mtp_num_layers > 0, also the multi-token-prediction
     sums `mtp_xent_sum` and `mtp_weight_sum` over every depth (layers/mtp.py)."""
     x_BLD = sharding.constrain(self._embed(tokens_BL, positions_BL), ACTIVATION_NAMES)
+    mtp_rng = None
     if dropout_rng is not None and mtp_targets is not None:
       dropout_rng, mtp_rng = jax.random.split(dropout_rng)
     with quantization.use_quantization(self.cfg.quantization):  # the stack only: logits stay in float
@@ -309,7 +314,7 @@ class Transformer(nnx.Module):
            for name, value in aux.items()}
     if mtp_targets is not None and self.cfg.mtp_num_layers > 0:
       aux.update(self._mtp_sums(x_BLD, tokens_BL, positions_BL, segment_ids_BL, *mtp_targets,
-                                mtp_rng if dropout_rng is not None else None))
+                                mtp_rng))
     return self._logits(x_BLD), aux
 
   def _mtp_sums(self, h_BLD: jax.Array, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
