@@ -49,8 +49,9 @@ PLAN_ARGS: dict[str, Any] = {"global_batch_tokens": 0, "max_candidates": 4, "bud
 # Config keys a candidate may set; one the user gives on the command line or in M_* is kept.
 SEARCH_KEYS = ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_fsdp_transpose_parallelism",
                "ici_sequence_parallelism", "ici_tensor_parallelism", "ici_expert_parallelism",
-               "dcn_data_parallelism", "dcn_fsdp_parallelism", "remat_policy", "optimizer_memory_host_offload",
-               "per_device_batch_size", "gradient_accumulation_steps")
+               "ici_pipeline_parallelism", "dcn_data_parallelism", "dcn_fsdp_parallelism", "dcn_pipeline_parallelism",
+               "dcn_expert_parallelism", "pipeline_schedule", "num_pipeline_repeats", "num_pipeline_microbatches",
+               "remat_policy", "optimizer_memory_host_offload", "per_device_batch_size", "gradient_accumulation_steps")
 # The LIBTPU_INIT_ARGS variable of recipe_lib.sh each generation's recipes use.
 RECIPE_FLAG_VARS = {"v5e": "V5E_LIBTPU_FLAGS", "v5p": "V5P_LIBTPU_FLAGS"}
 COMPILE_MEMORY_GIB = 6  # what one worker's compile may take, for the worker count
@@ -301,7 +302,8 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
   hbm = topology.generation.hbm_gib * GIB
   limit = hbm * (1 - args.headroom)  # the analytical model's error on large models is a few percent
   ranked = []
-  for settings in plan_model.candidates(model, topology, num_slices, fixed, global_batch, seq_len):
+  for settings in plan_model.candidates(model, topology, num_slices, fixed, global_batch, seq_len,
+                                          config.mesh.data_sharding):
     estimate = plan_model.estimate(model, settings, topology, num_slices, seq_len, rules, kernel)
     if estimate.total <= limit and estimate.unsharded <= config.mesh.sharding_tolerance:
       ranked.append((-estimate.tokens_per_s, int(settings.get("gradient_accumulation_steps", 1)), estimate.total,
@@ -325,7 +327,7 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
   # degrees), then the next best: the compiles then test the analytical model where it is weakest.
   def kind(settings: Mapping[str, Any]) -> tuple:
     return tuple(settings.get(k) for k in ("remat_policy", "optimizer_memory_host_offload", "ici_tensor_parallelism",
-                                           "ici_sequence_parallelism"))
+                                           "ici_sequence_parallelism", "pipeline_schedule"))
   seen: set[tuple] = set()
   firsts: list = []
   rest: list = []

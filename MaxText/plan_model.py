@@ -67,8 +67,9 @@ SEARCHED_POLICIES = ("full", "save_qkv_proj", "save_dot_except_mlp", "minimal", 
                      "save_dot_except_mlp_offloaded")
 
 # Keys a candidate sets; a key the user gives is held fixed instead.
-ICI_AXES = ("data", "fsdp", "fsdp_transpose", "sequence", "tensor", "expert")
-DCN_AXES = ("data", "fsdp", "pipeline")
+PIPELINE_KEYS = ("pipeline_schedule", "num_pipeline_repeats", "num_pipeline_microbatches")
+# Pipeline stages within a slice: a few, as ICI is fast enough that they rarely beat FSDP there.
+MAX_ICI_STAGES = 4
 _AXIS_OF_KEY = {"data": "data", "fsdp": "fsdp", "fsdp_transpose": "fsdp_transpose", "sequence": "sequence",
                 "tensor": "tensor", "expert": "expert", "pipeline": "stage"}
 
@@ -172,6 +173,8 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   accumulation = int(candidate.get("gradient_accumulation_steps", 1))
   policy = str(candidate["remat_policy"])
   offload_opt = bool(candidate.get("optimizer_memory_host_offload", False))
+  stages = mesh_shape["stage"]
+  pipe = pipeline_shape(candidate, stages)
 
   params, unsharded = param_layout(model, mesh_shape, rules)
   optimizer = params * model.opt_multiple
@@ -183,9 +186,12 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   layers = cfg.num_decoder_layers
   act_bytes = 2  # bf16
   saved = tokens * act_bytes * layers * (cfg.emb_dim + sum(widths[w] for w in SAVED_PER_POLICY[policy]))
-  working = tokens * act_bytes * (2 * cfg.emb_dim + widths["qkv"])  # one layer's recompute and backward
+  saved *= pipe.live_share
+  # A stage works on one pipeline microbatch at a time: its share of the stage's rows.
+  working_tokens = tokens * stages / pipe.microbatches if stages > 1 else tokens
+  working = working_tokens * act_bytes * (2 * cfg.emb_dim + widths["qkv"])  # one layer's recompute and backward
   if attention_kernel == "dot_product":  # the [heads, L, L] scores of one layer in float32, forward and backward
-    working += pdb / accumulation * cfg.num_query_heads * seq_len * seq_len * 4 * 2
+    working += working_tokens / seq_len * cfg.num_query_heads * seq_len * seq_len * 4 * 2
   logits = tokens * cfg.vocab_size * 4  # float32 logits (their gradient reuses the buffer)
   shard_group = chips // (mesh_shape["data"] * mesh_shape["stage"])
   gathered = model.layer_params * 2 * 2 / max(1, mesh_shape["tensor"] * mesh_shape["expert"])  # two layers in flight
@@ -203,7 +209,7 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   # Rematerialisation re-runs the forward matmuls it did not save.
   recompute = {"full": 1 / 3, "save_qkv_proj": 0.22, "save_dot_except_mlp": 0.2, "minimal": 0.02,
                "minimal_offloaded": 0.02, "save_dot_except_mlp_offloaded": 0.2, "none": 0.0}[policy]
-  compute_s = flops_per_chip * (1 + recompute) / (gen.peak_tflops * 1e12)
+  compute_s = flops_per_chip * (1 + recompute + pipe.extra_compute) / (gen.peak_tflops * 1e12) / (1 - pipe.bubble)
 
   # Collectives per chip per step (ring algorithms: (g-1)/g of the buffer crosses the links).
   def ring(nbytes: float, group: int) -> float:
@@ -220,14 +226,25 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   # Tensor and sequence parallelism exchange activations inside each layer, on the critical path.
   critical = accumulation * layers * 6 * ring(tokens * tensor * cfg.emb_dim * act_bytes, tensor)
   critical += accumulation * layers * 3 * ring(tokens * seq * 2 * cfg.num_kv_heads * cfg.head_dim * act_bytes, seq)
+  # Stage boundaries pass each microbatch's activations forward and their gradients back.
+  stage_bytes = 2 * pdb * seq_len * stages * cfg.emb_dim * act_bytes * pipe.repeats if stages > 1 else 0.0
+  dcn_stages = int(candidate.get("dcn_pipeline_parallelism", 1))
+  critical += 0.0 if dcn_stages > 1 else stage_bytes
   ici_s = ici_bytes / links.ici
   exposed_s = critical / links.ici
   dcn_bytes = 0.0
+  dcn_exposed = stage_bytes if dcn_stages > 1 else 0.0
+  dcn_experts = int(candidate.get("dcn_expert_parallelism", 1))
+  if dcn_experts > 1 and cfg.num_experts > 1:  # dispatch and combine all-to-alls, forward and backward
+    moe_layers = layers - cfg.num_dense_layers
+    dcn_exposed += 4 * ring(tokens * accumulation * cfg.num_experts_per_tok * cfg.emb_dim * act_bytes,
+                            dcn_experts) * moe_layers
   if num_slices > 1:
     dcn_fsdp = int(candidate.get("dcn_fsdp_parallelism", 1))
     dcn_bytes += 2 * ring(params * 2, int(candidate.get("dcn_data_parallelism", 1)))  # gradient all-reduce
     dcn_bytes += accumulation * gathers * ring(full_params_bytes / ici_fsdp, dcn_fsdp)
   dcn_s = dcn_bytes / links.dcn
+  exposed_s += dcn_exposed / links.dcn
   host_bytes = 2 * optimizer if offload_opt else 0.0
   if policy in OFFLOADED_POLICIES:
     host_bytes += 2 * tokens * accumulation * act_bytes * layers * sum(widths[w] for w in OFFLOADED_POLICIES[policy])
@@ -239,11 +256,56 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   caveats = []
   if host_s > 0:
     caveats.append("host offload")
-  if dcn_s > 0.5 * compute_s:
+  if dcn_s + dcn_exposed / links.dcn > 0.5 * compute_s:
     caveats.append("DCN-bound")
   return Estimate(params, device_optimizer, gradients, activations, total, flops_per_chip,
                   compute_s, ici_s + exposed_s, dcn_s, host_s, step_s, mfu, global_batch * seq_len / chips / step_s, tuple(caveats),
                   unsharded)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineShape:
+  microbatches: int
+  repeats: int
+  bubble: float  # share of the step a stage idles in the fill and drain
+  live_share: float  # share of the microbatches' saved activations a stage holds at once
+  extra_compute: float  # extra work as a share of the step's model FLOPs
+
+
+def pipeline_shape(candidate: Mapping[str, Any], stages: int) -> PipelineShape:
+  """The schedule's bubble and memory: GPipe and 1F1B idle (stages - 1) of (microbatches +
+  stages - 1) slots, a circular schedule's repeats shrink that share; 1F1B keeps at most
+  2 x stages microbatches' activations (pipeline_1f1b.py) and re-runs one stage forward per
+  microbatch (a third of the stage's forward-and-backward work)."""
+  if stages <= 1:
+    return PipelineShape(1, 1, 0.0, 1.0, 0.0)
+  micro = int(candidate.get("num_pipeline_microbatches", -1))
+  micro = stages if micro == -1 else micro
+  repeats = int(candidate.get("num_pipeline_repeats", 1))
+  schedule = str(candidate.get("pipeline_schedule", "gpipe"))
+  passes = micro * repeats if schedule in ("circular", "1f1b") else micro
+  bubble = (stages - 1) / (passes + stages - 1)
+  if schedule == "1f1b":
+    return PipelineShape(micro, repeats, bubble, min(1.0, 2 * stages / micro), 1 / 3 / repeats)
+  return PipelineShape(micro, repeats, bubble, 1.0, 0.0)
+
+
+def pipeline_variants(stages: int, layers: int) -> list[dict[str, Any]]:
+  """The schedules searched for `stages` stages: GPipe and 1F1B at 1x, 2x and 4x the stages in
+  microbatches, and circular / interleaved 1F1B with 2 repeats where the layers divide."""
+  variants: list[dict[str, Any]] = []
+  for micro in (stages, 2 * stages, 4 * stages):
+    variants.append({"pipeline_schedule": "gpipe", "num_pipeline_repeats": 1, "num_pipeline_microbatches": micro})
+    variants.append({"pipeline_schedule": "1f1b", "num_pipeline_repeats": 1, "num_pipeline_microbatches": micro})
+    if layers % (stages * 2) == 0:
+      variants.append({"pipeline_schedule": "circular", "num_pipeline_repeats": 2, "num_pipeline_microbatches": micro})
+      variants.append({"pipeline_schedule": "1f1b", "num_pipeline_repeats": 2, "num_pipeline_microbatches": micro})
+  return variants
+
+
+def can_pipeline(cfg: ModelConfig) -> bool:
+  """What config validation allows: a scanned stack without a second (dense) stack or MTP modules."""
+  return cfg.scan_layers and cfg.num_dense_layers == 0 and cfg.mtp_num_layers == 0
 
 
 def powers_of_two(limit: int) -> list[int]:
@@ -251,12 +313,17 @@ def powers_of_two(limit: int) -> list[int]:
 
 
 def candidates(model: ModelShape, topology: accelerators.TpuTopology, num_slices: int, fixed: Mapping[str, Any],
-               global_batch: int | None, seq_len: int) -> Iterator[dict[str, Any]]:
+               global_batch: int | None, seq_len: int,
+               data_sharding: Sequence[str] = MESH_AXES) -> Iterator[dict[str, Any]]:
   """Every candidate in the search space that respects the user's `fixed` keys: degrees per
-  mesh axis within a slice and across slices, remat policy, optimizer offload, batch and
-  gradient accumulation. Degrees are powers of two whose product is the device count."""
+  mesh axis within a slice and across slices (pipeline stages with their schedules and
+  microbatch counts among them), remat policy, optimizer offload, batch and gradient
+  accumulation. Degrees are powers of two whose product is the device count."""
   cfg = model.cfg
   per_slice = topology.chips
+  layers = cfg.num_decoder_layers
+  pipelined = can_pipeline(cfg)
+  stage_choices = [p for p in powers_of_two(min(per_slice, MAX_ICI_STAGES)) if layers % p == 0] if pipelined else [1]
   tensor_limit = min(per_slice, max(1, cfg.num_query_heads))
   choices: dict[str, list[Any]] = {
       "ici_tensor_parallelism": [t for t in powers_of_two(tensor_limit) if t <= 16],
@@ -264,13 +331,16 @@ def candidates(model: ModelShape, topology: accelerators.TpuTopology, num_slices
       "ici_fsdp_transpose_parallelism": [1, 2],
       "ici_expert_parallelism": [e for e in powers_of_two(per_slice) if e <= max(1, cfg.num_experts)],
       "ici_data_parallelism": powers_of_two(per_slice),
+      "ici_pipeline_parallelism": stage_choices,
       "remat_policy": list(SEARCHED_POLICIES),
       "optimizer_memory_host_offload": [False, True],
       "gradient_accumulation_steps": [1, 2, 4],
   }
   if num_slices > 1:
     choices["dcn_data_parallelism"] = [d for d in powers_of_two(num_slices) if num_slices % d == 0]
-    choices["dcn_fsdp_parallelism"] = [1, num_slices] if num_slices > 1 else [1]
+    choices["dcn_fsdp_parallelism"] = [1, num_slices]
+    choices["dcn_pipeline_parallelism"] = [1, num_slices] if pipelined and layers % num_slices == 0 else [1]
+    choices["dcn_expert_parallelism"] = [1, num_slices] if cfg.num_experts % num_slices == 0 and cfg.num_experts > 1 else [1]
   if global_batch is not None:
     batches: list[float] = [global_batch / (per_slice * num_slices)]
   else:
@@ -283,7 +353,9 @@ def candidates(model: ModelShape, topology: accelerators.TpuTopology, num_slices
   for values in itertools.product(*(choices[k] for k in keys)):
     candidate = dict(zip(keys, values))
     ici = {k: int(candidate[f"ici_{k}_parallelism"]) for k in ("data", "sequence", "tensor", "expert",
-                                                                "fsdp_transpose")}
+                                                                "fsdp_transpose", "pipeline")}
+    if ici["pipeline"] > 1 and (ici["sequence"] > 1 or ici["fsdp_transpose"] > 1):
+      continue  # stages within a slice only beside the common axes: keeps the space small
     rest = math.prod(ici.values())
     if "ici_fsdp_parallelism" in fixed and int(fixed["ici_fsdp_parallelism"]) != -1:
       if rest * int(fixed["ici_fsdp_parallelism"]) != per_slice:
@@ -294,21 +366,34 @@ def candidates(model: ModelShape, topology: accelerators.TpuTopology, num_slices
         continue
       candidate["ici_fsdp_parallelism"] = per_slice // rest
     if num_slices > 1:
-      if int(candidate["dcn_data_parallelism"]) * int(candidate["dcn_fsdp_parallelism"]) != num_slices:
+      dcn = math.prod(int(candidate.get(f"dcn_{a}_parallelism", 1)) for a in ("data", "fsdp", "pipeline", "expert"))
+      if dcn != num_slices:
         continue
     else:
       candidate["dcn_data_parallelism"] = 1
-    if not _batch_divides(candidate, per_slice * num_slices, seq_len):
+    stages = mesh_of(candidate)["stage"]
+    fixed_pipeline = {k: fixed[k] for k in PIPELINE_KEYS if k in fixed}
+    if stages == 1:
+      if _batch_divides(candidate, per_slice * num_slices, seq_len, data_sharding):
+        yield candidate
       continue
-    yield candidate
+    for variant in pipeline_variants(stages, layers):
+      if any(variant[k] != v for k, v in fixed_pipeline.items()):
+        continue
+      piped = {**candidate, **variant}
+      if _batch_divides(piped, per_slice * num_slices, seq_len, data_sharding):
+        yield piped
 
 
-def _batch_divides(candidate: Mapping[str, Any], chips: int, seq_len: int) -> bool:
-  """The global (micro)batch splits into whole rows over the batch axes, the length over sequence."""
+def _batch_divides(candidate: Mapping[str, Any], chips: int, seq_len: int, data_sharding: Sequence[str]) -> bool:
+  """The global (micro)batch splits into whole rows over the data_sharding axes (as config
+  validation requires), each pipeline microbatch over the non-stage ones; the length over sequence."""
   mesh = mesh_of(candidate)
   global_batch = float(candidate["per_device_batch_size"]) * chips
   micro = global_batch / int(candidate.get("gradient_accumulation_steps", 1))
-  rows = chips // (mesh["tensor"] * mesh["sequence"] * mesh["stage"])
+  rows = math.prod(mesh[a] for a in data_sharding)
+  if mesh["stage"] > 1:
+    rows = math.prod(mesh[a] for a in data_sharding if a != "stage") * int(candidate["num_pipeline_microbatches"])
   return micro.is_integer() and global_batch.is_integer() and int(micro) % rows == 0 and seq_len % mesh["sequence"] == 0
 
 
@@ -351,6 +436,11 @@ def describe(candidate: Mapping[str, Any], shown: Sequence[str] | None = None) -
           parts.append(f"accum={value}")
       elif key == "per_device_batch_size":
         parts.append(f"pdb={float(value):g}")
+      elif key == "num_pipeline_microbatches":
+        parts.append(f"micro={value}")
+      elif key == "num_pipeline_repeats":
+        if int(value) > 1:
+          parts.append(f"repeats={value}")
       else:
         parts.append(f"{value}")
   return " ".join(parts)

@@ -90,6 +90,56 @@ def test_candidates_respect_fixed_keys_and_fill_the_slice():
     assert mesh["data"] * mesh["fsdp"] * mesh["fsdp_transpose"] * mesh["sequence"] * mesh["tensor"] * mesh["expert"] == 8
 
 
+def test_pipeline_candidates_are_valid_configs_and_their_schedules_trade_bubble_for_memory():
+  topology = accelerators.tpu_topology("v5e-8")
+  shape = dict(TINY, base_num_decoder_layers=4)
+  config = config_lib.Config.for_testing(target=topology.target(2), run_name="t", **shape)
+  model = plan_model.ModelShape.of(config.model, config.optim)
+  found = list(plan_model.candidates(model, topology, 2, {"remat_policy": "full"}, global_batch=64, seq_len=64,
+                                     data_sharding=config.mesh.data_sharding))
+  piped = [c for c in found if plan_model.mesh_of(c)["stage"] > 1]
+  assert {c["pipeline_schedule"] for c in piped} == {"gpipe", "circular", "1f1b"}
+  assert any(c.get("dcn_pipeline_parallelism", 1) == 2 for c in piped)
+  assert any(c["ici_pipeline_parallelism"] > 1 for c in piped)
+  for c in piped[::max(1, len(piped) // 6)]:  # config validation accepts what the planner proposes
+    overrides = startup.read_overrides(argv(compile_topology="v5e-8", compile_topology_num_slices=2, **shape,
+                                            **{k: v for k, v in c.items()}))
+    built = config_lib.build_config(overrides, topology.target(2), default_run_name="plan")
+    assert dict(built.mesh.shape)["stage"] == plan_model.mesh_of(c)["stage"]
+  fixed = list(plan_model.candidates(model, topology, 2, {"pipeline_schedule": "1f1b"}, global_batch=64, seq_len=64,
+                                     data_sharding=config.mesh.data_sharding))
+  assert all(c["pipeline_schedule"] == "1f1b" for c in fixed if plan_model.mesh_of(c)["stage"] > 1)
+  # More microbatches and circular repeats shrink the bubble; 1F1B holds fewer microbatches' activations.
+  base = {"ici_pipeline_parallelism": 4, "pipeline_schedule": "gpipe", "num_pipeline_repeats": 1}
+  bubble = {m: plan_model.pipeline_shape(dict(base, num_pipeline_microbatches=m), 4).bubble for m in (4, 16)}
+  assert bubble[4] == pytest.approx(3 / 7) and bubble[16] == pytest.approx(3 / 19)
+  circular = plan_model.pipeline_shape(dict(base, pipeline_schedule="circular", num_pipeline_repeats=2,
+                                            num_pipeline_microbatches=4), 4)
+  assert circular.bubble == pytest.approx(3 / 11)
+  one_f_one_b = plan_model.pipeline_shape(dict(base, pipeline_schedule="1f1b", num_pipeline_microbatches=16), 4)
+  assert one_f_one_b.live_share == pytest.approx(0.5) and one_f_one_b.extra_compute > 0
+
+
+def test_moe_experts_may_span_slices(monkeypatch):
+  topology = accelerators.tpu_topology("v5e-8")
+  config = config_lib.Config.for_testing(target=topology.target(2), run_name="t", num_experts=4,
+                                         num_experts_per_tok=2, **TINY)
+  model = plan_model.ModelShape.of(config.model, config.optim)
+  found = list(plan_model.candidates(model, topology, 2, {"remat_policy": "full"}, global_batch=32, seq_len=64,
+                                     data_sharding=config.mesh.data_sharding))
+  across = [c for c in found if c.get("dcn_expert_parallelism") == 2]
+  assert across and all(plan_model.mesh_of(c)["expert"] >= 2 for c in across)
+  rules = config.mesh.logical_axis_rules
+  kernel = select_kernel(config.model.attention, "tpu", config.model)
+
+  def step(dcn_bandwidth: float) -> float:
+    monkeypatch.setitem(plan_model.LINKS, "v5e", dataclasses.replace(plan_model.LINKS["v5e"], dcn=dcn_bandwidth))
+    return plan_model.estimate(model, across[0], topology, 2, 64, rules, kernel).step_s
+
+  # The tokens' all-to-all to experts in the other slice is on the critical path: DCN speed shows in the step.
+  assert step(1e9) > step(1e18)
+
+
 def test_tiny_plan_compiles_caches_and_writes_a_recipe(tmp_path, capsys):
   cache, recipe = tmp_path / "cache", tmp_path / "recipes" / "tiny.sh"
   args = argv(compile_topology="v5e-4", max_candidates=1, workers=1, cache_dir=cache, write_recipe=recipe,
