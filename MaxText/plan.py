@@ -45,7 +45,10 @@ REPO = Path(__file__).resolve().parent.parent
 RECIPE_LIB = REPO / "configs" / "recipe_lib.sh"
 # The planner's own arguments (not config keys) and their defaults.
 PLAN_ARGS: dict[str, Any] = {"global_batch_tokens": 0, "max_candidates": 4, "budget_minutes": 30.0, "workers": 0,
-                             "cache_dir": "", "write_recipe": "", "headroom": 0.1}
+                             "cache_dir": "", "write_recipe": "", "headroom": 0.1, "attention_blocks": "1024,2048"}
+# The splash kernel's block sizes (base.yml sa_*): one size for all, tried on the best candidate.
+SPLASH_BLOCK_KEYS = ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv", "sa_block_kv_dkv",
+                     "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq")
 # Config keys a candidate may set; one the user gives on the command line or in M_* is kept.
 SEARCH_KEYS = ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_fsdp_transpose_parallelism",
                "ici_sequence_parallelism", "ici_tensor_parallelism", "ici_expert_parallelism",
@@ -66,6 +69,20 @@ class PlanArgs:
   cache_dir: str
   write_recipe: str
   headroom: float  # share of HBM the analytical estimate must leave free to be short-listed
+  attention_blocks: str  # splash block sizes compiled for the best candidate ("" or "none": none)
+
+  def block_sizes(self) -> list[int]:
+    text = self.attention_blocks.strip().lower()
+    if text in ("", "none"):
+      return []
+    try:
+      sizes = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+      sizes = []
+    if not sizes or any(size <= 0 or size % 128 for size in sizes):
+      raise ConfigError(f"attention_blocks={self.attention_blocks} must be comma-separated multiples of 128 "
+                        "(splash block sizes), or none")
+    return sizes
 
   @classmethod
   def parse(cls, argv: list[str]) -> tuple["PlanArgs", list[str]]:
@@ -82,6 +99,7 @@ class PlanArgs:
       else:
         rest.append(arg)
     args = cls(**values)
+    args.block_sizes()
     if args.max_candidates < 1:
       raise ConfigError(f"max_candidates must be >= 1, got {args.max_candidates}")
     if args.budget_minutes <= 0:
@@ -349,7 +367,33 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
     if any(p.key == key for p in planned):
       continue
     planned.append(Planned(chosen, candidate_config, estimate, key))
+  if planned and kernel == "flash":
+    planned += _block_variants(planned[0], args, overrides, config, explicit, topology.name, num_slices, flags,
+                               versions, digest)
   return planned, counted, model
+
+
+def _block_variants(best: Planned, args: PlanArgs, overrides: config_lib.Overrides, config: config_lib.Config,
+                    explicit: set[str], topology: str, num_slices: int, flags: str, versions: Mapping[str, Any],
+                    digest: str) -> list[Planned]:
+  """The analytically best candidate again with each other splash block size that tiles the
+  sequence: the analytical model cannot tell them apart, the compiler's estimate can."""
+  if explicit & set(SPLASH_BLOCK_KEYS):
+    return []
+  seq_len = config.data.max_target_length
+  variants = []
+  for size in args.block_sizes():
+    if size > seq_len or seq_len % size or size == config["sa_block_q"]:
+      continue
+    settings = {**best.settings, **{k: size for k in SPLASH_BLOCK_KEYS}}
+    try:
+      variant_config = config_lib.build_config(overrides.below_argv(settings, "the planner"), config.target,
+                                               default_run_name="plan")
+    except ConfigError:
+      continue
+    key = cache_key(variant_config, topology, num_slices, flags, os.environ.get("XLA_FLAGS", ""), versions, digest)
+    variants.append(Planned(settings, variant_config, best.estimate, key))
+  return variants
 
 
 def _row(index: int, p: Planned, hbm: float, chips: int, seq_len: int, peak: float) -> tuple[list[str], float]:
@@ -432,10 +476,13 @@ def main(argv: list[str]) -> int:
   config = config_lib.build_config(overrides, topology.target(num_slices), default_run_name="plan")
   started = time.perf_counter()
   planned, counted, model = shortlist(args, overrides, config, topology, num_slices)
+  variants = sum(1 for p in planned if "sa_block_q" in p.settings)
   gen = topology.generation
   print(f"plan for {config['model_name']} ({model.num_params / 1e9:.2f} B parameters) on {num_slices} x {topology.name}: "
         f"{counted:,} candidates estimated to fit in {gen.hbm_gib:g} GiB with {args.headroom:.0%} headroom, ranked in "
-        f"{time.perf_counter() - started:.1f} s; short list: the best {len(planned)}", flush=True)
+        f"{time.perf_counter() - started:.1f} s; short list: the best {len(planned) - variants}"
+        + (f", and the first with splash blocks of {', '.join(str(p.settings['sa_block_q']) for p in planned[-variants:])}"
+           if variants else ""), flush=True)
   cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
   cache_dir.mkdir(parents=True, exist_ok=True)
   for p in planned:

@@ -436,6 +436,9 @@ def describe(candidate: Mapping[str, Any], shown: Sequence[str] | None = None) -
           parts.append(f"accum={value}")
       elif key == "per_device_batch_size":
         parts.append(f"pdb={float(value):g}")
+      elif key.startswith("sa_block"):
+        if key == "sa_block_q":
+          parts.append(f"blocks={value}")
       elif key == "num_pipeline_microbatches":
         parts.append(f"micro={value}")
       elif key == "num_pipeline_repeats":

@@ -194,6 +194,27 @@ def test_bad_planner_arguments_are_one_line_errors():
     plan.main(argv(compile_topology="v5e-4", max_candidate=2, **TINY))
   with pytest.raises(ConfigError, match="write_recipe=gs://b/r.sh must be a local path"):
     plan.main(argv(compile_topology="v5e-4", write_recipe="gs://b/r.sh", **TINY))
+  with pytest.raises(ConfigError, match="attention_blocks=1000 must be comma-separated multiples of 128"):
+    plan.main(argv(compile_topology="v5e-4", attention_blocks=1000, **TINY))
+
+
+def test_the_best_candidate_is_also_compiled_with_other_splash_blocks():
+  topology = accelerators.tpu_topology("v5e-4")
+  shape = dict(TINY, max_target_length=1024)
+
+  def short(**extra) -> list[plan.Planned]:
+    args, rest = plan.PlanArgs.parse(argv(compile_topology="v5e-4", max_candidates=2, **shape, **extra))
+    overrides = startup.read_overrides(rest)
+    config = config_lib.build_config(overrides, topology.target(), default_run_name="plan")
+    return plan.shortlist(args, overrides, config, topology, 1)[0]
+
+  planned = short()
+  # 1024 tiles the 1024-token sequence, 2048 does not: one variant of the first candidate.
+  assert [p.settings.get("sa_block_kv_dq") for p in planned] == [None, None, 1024]
+  assert {k: v for k, v in planned[2].settings.items() if not k.startswith("sa_")} == planned[0].settings
+  assert planned[2].key not in {planned[0].key, planned[1].key}  # its own compile and cache entry
+  assert "blocks=1024" in plan_model.describe(planned[2].settings)
+  assert len(short(attention_blocks="none")) == 2 and len(short(sa_block_q=256, sa_block_q_dkv=256)) == 2
 
 
 def test_plan_args_defaults():

@@ -1,0 +1,93 @@
+"""The planner against the shipped v5e/v5p recipes (issue 21's validation): for each recipe,
+plans its model, topology and global batch with everything else left to the planner, and
+prints the planner's best compiler-estimated MFU and wall time beside the recipe's own.
+
+  python3 benchmarks/plan_recipes.py [--recipes v5e/32b,v5p/64b] [--max-candidates 2] [--workers 1]
+      [--cache-dir outputs/plan_cache] [--out outputs/plan_recipes.jsonl]
+
+The recipe's own setting is compiled too (`bash configs/<recipe>.sh EXECUTABLE=train_compile`;
+`--no-recipe-compile` skips it), with the same code, flags and estimator, so the columns compare. Figures: getting_started/Planner.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# The model's keys, kept fixed; the rest of a recipe's arguments is what the planner searches.
+MODEL_KEYS = ("global_parameter_scale", "base_emb_dim", "base_num_decoder_layers", "max_target_length", "model_name")
+RUN_ONLY_KEYS = ("steps", "enable_checkpointing", "dataset_type")
+
+
+def read_recipe(path: Path) -> tuple[str, list[str]]:
+  text = path.read_text()
+  topology = re.search(r"^RECIPE_TOPOLOGY=(\S+)", text, re.M).group(1)
+  args = shlex.split(re.search(r"^RECIPE_ARGS=\((.*)\)", text, re.M).group(1))
+  return topology, args
+
+
+def plan_command(topology: str, args: list[str], max_candidates: int, workers: int, cache_dir: str) -> list[str]:
+  from MaxText import accelerators  # noqa: PLC0415
+  values = dict(a.split("=", 1) for a in args)
+  chips = accelerators.tpu_topology(topology).chips
+  seq = int(values.get("max_target_length", 2048))
+  batch_tokens = round(float(values["per_device_batch_size"]) * chips) * seq
+  model = [f"{k}={values[k]}" for k in MODEL_KEYS if k in values]
+  return [sys.executable, "-m", "MaxText.plan", "configs/base.yml", *model, f"compile_topology={topology}",
+          f"global_batch_tokens={batch_tokens}", f"max_candidates={max_candidates}", f"workers={workers}",
+          f"cache_dir={cache_dir}", "budget_minutes=120"]
+
+
+def recipe_mfu(name: str) -> dict:
+  """The recipe's own setting, compiled by the recipe itself (EXECUTABLE=train_compile: its
+  flags, the same estimator as the planner's)."""
+  start = time.perf_counter()
+  result = subprocess.run(["bash", f"configs/{name}.sh", "EXECUTABLE=train_compile"], cwd=REPO, capture_output=True,
+                          text=True, check=False)
+  mfu = re.search(r"implied MFU ([\d.]+)%", result.stdout + result.stderr)
+  return {"mfu": float(mfu.group(1)) / 100 if mfu else None, "compile_s": round(time.perf_counter() - start, 1),
+          "returncode": result.returncode}
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--recipes", default="", help="comma-separated gen/name (default: every v5e and v5p recipe)")
+  parser.add_argument("--max-candidates", type=int, default=2)
+  parser.add_argument("--workers", type=int, default=1)
+  parser.add_argument("--cache-dir", default="outputs/plan_cache")
+  parser.add_argument("--out", default="outputs/plan_recipes.jsonl")
+  parser.add_argument("--no-recipe-compile", action="store_true")
+  opts = parser.parse_args()
+  names = [n for n in opts.recipes.split(",") if n] or sorted(
+      f"{p.parent.name}/{p.stem}" for gen in ("v5e", "v5p") for p in (REPO / "configs" / gen).glob("*.sh"))
+  Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+  for name in names:
+    topology, args = read_recipe(REPO / "configs" / f"{name}.sh")
+    command = plan_command(topology, args, opts.max_candidates, opts.workers, opts.cache_dir)
+    start = time.perf_counter()
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - start
+    best = re.search(r"^best: (.*): compiler-estimated MFU ([\d.]+)%", result.stdout, re.M)
+    row = {"recipe": name, "topology": topology, "plan_wall_s": round(wall, 1), "returncode": result.returncode,
+           "best": best.group(1) if best else None, "plan_mfu": float(best.group(2)) / 100 if best else None,
+           "table": result.stdout.strip().splitlines()[-20:], "error": result.stderr.strip().splitlines()[-1:]}
+    if not opts.no_recipe_compile:
+      own = recipe_mfu(name)
+      row["recipe_mfu"], row["recipe_compile_s"] = own["mfu"], own["compile_s"]
+    print(json.dumps({k: v for k, v in row.items() if k != "table"}), flush=True)
+    with open(opts.out, "a") as f:
+      f.write(json.dumps(row) + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
