@@ -253,3 +253,63 @@ def _direct_logprobs(served, ids: list[int]) -> np.ndarray:
   logits = sharding.unsharded()(served.engine.spec.apply)(served.params, tokens, jnp.arange(len(ids))[None], jnp.ones_like(tokens))
   logprobs = jax.nn.log_softmax(logits[0, :-1].astype(jnp.float32), axis=-1)
   return np.asarray(jnp.take_along_axis(logprobs, tokens[0, 1:, None], axis=-1)[:, 0])
+
+
+LM_EVAL_TASK = """task: serve_tiny_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+"""
+LM_EVAL_DOCS = [{"context": "the quick brown", "choices": [" fox", " dog", " day"], "label": 0},
+                {"context": "to be or", "choices": [" not", " that"], "label": 0},
+                {"context": "shall i", "choices": [" compare thee", " be"], "label": 1}]
+
+
+@pytest.mark.slow  # lm-eval's start-up (datasets, tokenizer, task loading) dominates
+def test_lm_eval_local_completions_log_likelihoods_equal_the_model(served, tmp_path, monkeypatch):
+  """lm-eval's own client, tokenizer handling and parsing on a task written here (no downloads)."""
+  lm_eval = pytest.importorskip("lm_eval", reason="needs lm-eval (EXTRAS=test bash setup.sh)")
+  from lm_eval.tasks import TaskManager
+
+  import json
+
+  monkeypatch.setenv("OPENAI_API_KEY", KEY)
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+  data = tmp_path / "docs.jsonl"
+  data.write_text("".join(json.dumps(d) + "\n" for d in LM_EVAL_DOCS))
+  (tmp_path / "task.yaml").write_text(LM_EVAL_TASK.format(data=data))
+  results = lm_eval.simple_evaluate(
+      model="local-completions", tasks=["serve_tiny_choice"], task_manager=TaskManager(include_path=str(tmp_path)),
+      model_args=dict(base_url=f"{served.url}/v1/completions", model="tiny", tokenizer=str(served.tokenizer_dir),
+                      tokenizer_backend="huggingface", max_length=MODEL["max_target_length"], num_concurrent=2),
+      log_samples=True)
+  samples = results["samples"]["serve_tiny_choice"]
+  assert len(samples) == len(LM_EVAL_DOCS)
+  scored = 0
+  for sample in samples:
+    for (context, continuation), ((loglikelihood, _),) in zip(sample["arguments"], sample["resps"]):
+      whole, context_ids = served.ids(context + continuation), served.ids(context)
+      expected = _direct_logprobs(served, whole)[len(context_ids) - 1:].sum()
+      assert loglikelihood == pytest.approx(float(expected), abs=1e-4), (context, continuation)
+      scored += 1
+  assert scored == sum(len(d["choices"]) for d in LM_EVAL_DOCS)
+
+
+def test_server_without_a_tokenizer_or_checkpoint_is_a_clear_error(tmp_path):
+  from MaxText.errors import UserError
+
+  with pytest.raises(UserError, match="needs tokenizer_path"):
+    build_server(Config.for_testing(**MODEL, **LIMITS), mesh=one_device_mesh())
+  tokenizer = write_tokenizer(tmp_path / "tok", None)
+  with pytest.raises(UserError, match="does not exist"):
+    build_server(Config.for_testing(**MODEL, **LIMITS, tokenizer_path=str(tokenizer),
+                                    load_parameters_path=str(tmp_path / "missing")), mesh=one_device_mesh())
