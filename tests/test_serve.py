@@ -313,3 +313,61 @@ def test_server_without_a_tokenizer_or_checkpoint_is_a_clear_error(tmp_path):
   with pytest.raises(UserError, match="does not exist"):
     build_server(Config.for_testing(**MODEL, **LIMITS, tokenizer_path=str(tokenizer),
                                     load_parameters_path=str(tmp_path / "missing")), mesh=one_device_mesh())
+
+
+def _free_port() -> int:
+  import socket
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow  # two CLI processes (JAX start-up and compiles each)
+def test_cli_server_answers_like_decode_py(tmp_path):
+  """`python3 -m MaxText.serve` on a params-only checkpoint, key from MAXTEXT_API_KEY: its greedy text
+  equals what `python3 -m MaxText.decode` prints for the same prompt and checkpoint."""
+  import ast
+  import os
+  import subprocess
+
+  from MaxText import models, params_io
+  from MaxText.convert import engine as convert_engine
+
+  model_keys = {k: MODEL[k] for k in ("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim",
+                                       "base_mlp_dim", "base_num_decoder_layers", "vocab_size")}
+  checkpoint = tmp_path / "params"
+  spec = models.build_model_spec(Config.for_testing(**MODEL).model)
+  params_io.save_params(str(checkpoint), jax.jit(spec.init_params)(jax.random.key(5)))
+  convert_engine.write_model_config(str(checkpoint), model_keys, "a test")
+  tokenizer = write_tokenizer(tmp_path / "tok", None)
+  common = [f"load_parameters_path={checkpoint}", f"tokenizer_path={tokenizer}", "tokenizer_type=huggingface",
+            "add_bos=False", "max_target_length=24", "max_prefill_predict_length=20", "dtype=float32"]
+  repo = Path(__file__).resolve().parents[1]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "MAXTEXT_API_KEY": KEY}
+  decoded = subprocess.run([sys.executable, "-m", "MaxText.decode", "configs/base.yml", *common, "prompt=to be or not"],
+                           cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+  assert decoded.returncode == 0, decoded.stderr[-2000:]
+  line = next(l for l in decoded.stdout.splitlines() if l.startswith("completion: "))
+  expected = ast.literal_eval(line.removeprefix("completion: "))
+  assert expected, decoded.stdout  # a completion with visible text to compare
+  port = _free_port()
+  process = subprocess.Popen([sys.executable, "-m", "MaxText.serve", "configs/base.yml", *common, f"port={port}",
+                              "serve_max_tokens=32"], cwd=repo, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.monotonic() + 240
+    while True:
+      assert process.poll() is None and time.monotonic() < deadline, process.stdout.read() if process.stdout else ""
+      try:
+        if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+          break
+      except httpx.TransportError:
+        time.sleep(0.5)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    out = client.completions.create(model=model, prompt="to be or not", max_tokens=24 - 12 + 1, temperature=0)
+    assert out.choices[0].text == expected
+  finally:
+    process.terminate()
+    process.wait(30)
