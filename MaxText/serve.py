@@ -20,7 +20,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncGenerator, Awaitable, Callable
 
 if __package__ in (None, ""):  # `python3 MaxText/serve.py`: import the package, not sibling files.
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
@@ -101,19 +101,20 @@ class Server:
     return jobs, queue
 
   async def events(self, jobs: list[sched.Job], queue: asyncio.Queue[sched.Event],
-                   is_disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[sched.Event]:
+                   is_disconnected: Callable[[], Awaitable[bool]]) -> AsyncGenerator[sched.Event, None]:
     """The jobs' events until each is done; every unfinished job is cancelled when the consumer
     stops early (client gone, deadline) or the deadline passes (504)."""
-    deadline = time.monotonic() + self.decode_cfg.serve_request_timeout_seconds
+    timeout = self.decode_cfg.serve_request_timeout_seconds
+    deadline = time.monotonic() + timeout
     remaining = len(jobs)
     try:
       while remaining:
+        if time.monotonic() >= deadline:
+          raise api.ApiError(504, f"the request took longer than serve_request_timeout_seconds={timeout}",
+                             code="timeout")
         try:
-          event = await asyncio.wait_for(queue.get(), timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
+          event = await asyncio.wait_for(queue.get(), timeout=min(1.0, max(deadline - time.monotonic(), 0.001)))
         except asyncio.TimeoutError:
-          if time.monotonic() >= deadline:
-            raise api.ApiError(504, f"the request took longer than serve_request_timeout_seconds="
-                               f"{self.decode_cfg.serve_request_timeout_seconds}", code="timeout") from None
           if await is_disconnected():
             return
           continue

@@ -189,8 +189,8 @@ def _post(served, path: str, body: bytes | str, key: str | None = KEY) -> httpx.
     ('{"model": "tiny", "prompt": "' + "x" * 5000 + '"}', KEY, 413, "serve_max_body_bytes"),
     ('{"model": "tiny", "prompt": "the"}', None, 401, "API key"),
     ('{"model": "tiny", "prompt": "the"}', "wrong", 401, "API key"),
-], ids=["invalid-json", "unknown-model", "prompt-too-long", "negative-max-tokens", "max-tokens-over-limit", "n-over-limit",
-        "oversized-body", "missing-key", "wrong-key"])
+], ids=["invalid-json", "unknown-model", "prompt-too-long", "negative-max-tokens", "max-tokens-over-limit",
+        "n-over-limit", "oversized-body", "missing-key", "wrong-key"])
 def test_bad_requests_get_json_errors(served, body, key, status, message):
   response = _post(served, "/v1/completions", body, key)
   assert response.status_code == status, response.text
@@ -250,7 +250,8 @@ def test_echo_logprobs_equal_the_model_log_softmax(served):
 def _direct_logprobs(served, ids: list[int]) -> np.ndarray:
   """log p(token i | tokens < i) from one full forward pass of the model, outside the server."""
   tokens = jnp.asarray([ids])
-  logits = sharding.unsharded()(served.engine.spec.apply)(served.params, tokens, jnp.arange(len(ids))[None], jnp.ones_like(tokens))
+  apply = sharding.unsharded()(served.engine.spec.apply)
+  logits = apply(served.params, tokens, jnp.arange(len(ids))[None], jnp.ones_like(tokens))
   logprobs = jax.nn.log_softmax(logits[0, :-1].astype(jnp.float32), axis=-1)
   return np.asarray(jnp.take_along_axis(logprobs, tokens[0, 1:, None], axis=-1)[:, 0])
 
@@ -371,3 +372,31 @@ def test_cli_server_answers_like_decode_py(tmp_path):
   finally:
     process.terminate()
     process.wait(30)
+
+
+def test_cancelled_job_frees_its_slot_and_a_deadline_is_a_504(served, monkeypatch):
+  import dataclasses
+
+  from MaxText.inference import scheduler as sched
+  from MaxText.inference.sampling import RowParams
+
+  events, done = [], threading.Event()
+
+  def emit(event):  # cancels after the first token, as a handler does for a gone client
+    events.append(event)
+    if isinstance(event, sched.Token):
+      job.cancel()
+    if isinstance(event, sched.Done):
+      done.set()
+
+  job = sched.Job(0, served.ids(PROMPTS[0]), 16, RowParams(), emit)
+  before = served.server.scheduler.load()
+  served.server.scheduler.submit([job])
+  assert done.wait(60)
+  after = served.server.scheduler.load()
+  assert events[-1].reason == "cancelled" and job.generated < 16
+  assert after["released"] == before.get("released", 0) + 1 and after["active"] == 0
+  monkeypatch.setattr(served.server, "decode_cfg",
+                      dataclasses.replace(served.server.decode_cfg, serve_request_timeout_seconds=1e-3))
+  response = _post(served, "/v1/completions", '{"model": "tiny", "prompt": "the", "max_tokens": 16}')
+  assert response.status_code == 504 and "serve_request_timeout_seconds" in response.json()["error"]["message"]

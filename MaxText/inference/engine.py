@@ -114,8 +114,10 @@ class Engine:
     # A DecodeState-shaped tree of shardings (its fields hold NamedShardings, not arrays).
     self.state_shardings = DecodeState(
         sharding.named_shardings(abstract_caches, kv_cache.model_cache_names(self.cfg, quantized), self.mesh,
-                                 self.rules), replicated, replicated, RowSampling(replicated, replicated, replicated, replicated))
-    self.traces = {"prefill": 0, "insert": 0, "generate": 0, "score": 0}  # jit traces (= compilations) per step function
+                                 self.rules), replicated, replicated,
+        RowSampling(replicated, replicated, replicated, replicated))
+    # jit traces (= compilations) per step function
+    self.traces = {"prefill": 0, "insert": 0, "generate": 0, "score": 0}
     self._init_state = jax.jit(self._init_state_fn, out_shardings=self.state_shardings)
     self._prefill = jax.jit(self._prefill_fn)
     self._insert = jax.jit(self._insert_fn, donate_argnums=(1,), out_shardings=self.state_shardings)
@@ -206,7 +208,8 @@ class Engine:
 
   def _prefill_fn(self, params: Any, tokens_BL: jax.Array, lengths_B: jax.Array, rows: RowSampling) -> Prefix:
     self.traces["prefill"] += 1
-    rows = dataclasses.replace(rows, keys_B=jax.vmap(lambda seed: jax.random.key_data(jax.random.key(seed)))(rows.keys_B))
+    seeds_to_keys = jax.vmap(lambda seed: jax.random.key_data(jax.random.key(seed)))
+    rows = dataclasses.replace(rows, keys_B=seeds_to_keys(rows.keys_B))
     batch, length = tokens_BL.shape
     caches = kv_cache.model_caches(self.cfg, batch, length, self.decode_cfg.quantize_kvcache)
     positions_BL = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens_BL.shape)
@@ -238,7 +241,7 @@ class Engine:
                          sampling=jax.tree.map(lambda big, small: big.at[slot].set(small[row]), state.sampling,
                                                prefix.sampling))
 
-  def _generate_fn(self, params: Any, state: DecodeState) -> tuple[DecodeState, jax.Array]:
+  def _generate_fn(self, params: Any, state: DecodeState) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
     self.traces["generate"] += 1  # Python side effect: runs once per trace, never per executed step
     logits_B1V, caches = self.spec.apply_decode(params, state.tokens_B[:, None], state.next_positions_B[:, None],
                                                 state.caches)

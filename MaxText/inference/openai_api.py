@@ -262,7 +262,8 @@ class ChoiceText:
     return delta
 
 
-def completion_logprobs(tokens: list[int], logprobs: list[float | None], tops: list[list[tuple[int, float]] | None],
+def completion_logprobs(tokens: Sequence[int], logprobs: Sequence[float | None],
+                        tops: Sequence[Sequence[tuple[int, float]] | None],
                         how_many: int, token_text: Callable[[int], str], start_offset: int = 0) -> dict[str, Any]:
   """OpenAI's completions `logprobs` object: tokens, their log-probabilities, the `how_many`
   best alternatives per position (as token text -> log-probability) and character offsets."""
@@ -271,8 +272,8 @@ def completion_logprobs(tokens: list[int], logprobs: list[float | None], tops: l
   for text in texts:
     offsets.append(at)
     at += len(text)
-  top = [None if t is None else _by_text(t[:how_many], token_text) for t in tops]
-  return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets}
+  top = [None if t is None else _by_text(list(t)[:how_many], token_text) for t in tops]
+  return {"tokens": texts, "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
 
 
 def _by_text(top: list[tuple[int, float]], token_text: Callable[[int], str]) -> dict[str, float]:

@@ -2,7 +2,7 @@
 
     HTTP handlers (asyncio) ─ submit(jobs) ─► bounded waiting list ─► free slot: [score] prefill insert
                   ▲                                                         │
-                  └──── events (token, scores, done) through each job's sink ◄── generate step (all slots)
+                  └── events (token, scores, done) through each job's sink ◄── generate step (all slots)
 
 A job is one completion: a prompt, how many tokens, its sampling parameters. Each engine step
 serves every active slot; a job leaves its slot when it reaches max_tokens or an end-of-sequence
@@ -201,5 +201,5 @@ class Scheduler:
   def _fail_all(self, message: str, waiting_too: bool = True) -> None:
     for slot, job in list(self._active.items()):
       self._finish(job, slot, "error", message)
-    while waiting_too and (job := self._next_waiting()) is not None:
-      self._finish(job, None, "error", message)
+    while waiting_too and (waiting := self._next_waiting()) is not None:
+      self._finish(waiting, None, "error", message)

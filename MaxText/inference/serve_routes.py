@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import json
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable
 
 from fastapi import Request  # at module level: FastAPI resolves the handlers' annotations here
 
@@ -131,7 +131,8 @@ def add_routes(app: Any, server: "Server", json_response: Any, streaming_respons
 
 
 async def _stream(server: "Server", request: api.Request, jobs: list[sched.Job],
-                  events: AsyncIterator[sched.Event], sse: Callable[[Any], str], chat: bool) -> AsyncIterator[str]:
+                  events: AsyncGenerator[sched.Event, None], sse: Callable[[Any], str],
+                  chat: bool) -> AsyncIterator[str]:
   """Server-sent events: a chunk per piece of text (per token with logprobs), a last chunk per
   choice with its finish_reason, then [DONE]. An error mid-stream is sent as an error event."""
   kind, prefix = ("chat.completion.chunk", "chatcmpl") if chat else ("text_completion", "cmpl")
