@@ -388,6 +388,15 @@ class DecodeConfig:
   decode_sampling_top_k: int = key()
   decode_sampling_seed: int = key()
   quantize_kvcache: bool = key()
+  host: str = key()  # MaxText.serve: the address the HTTP server binds
+  port: int = key()
+  serve_model_name: str = key()  # the model id clients name; "" = model_name
+  serve_max_slots: int = key()  # requests decoded together (the engine's slots)
+  serve_max_queue: int = key()  # requests waiting for a slot before new ones get 503
+  serve_max_tokens: int = key()  # the most new tokens one request may ask for
+  serve_max_n: int = key()  # the most completions (prompts x n) one request may ask for
+  serve_max_body_bytes: int = key()
+  serve_request_timeout_seconds: float = key()
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any]) -> "DecodeConfig":
@@ -410,6 +419,13 @@ class DecodeConfig:
              f"prompt_token_ids must lie in [0, vocab_size={v['vocab_size']}), got {list(ids)}")
     _require(len(ids) <= prefill, f"prompt_token_ids has {len(ids)} tokens, more than max_prefill_predict_length="
              f"{prefill}; raise max_prefill_predict_length or shorten the prompt")
+    _require(bool(str(v["host"]).strip()), "host must name an address to bind, e.g. 127.0.0.1")
+    _require(0 <= v["port"] <= 65535, f"port must be in [0, 65535] (0 = any free port), got {v['port']}")
+    for name in ("serve_max_slots", "serve_max_tokens", "serve_max_n", "serve_max_body_bytes"):
+      _require(v[name] >= 1, f"{name} must be >= 1, got {v[name]}")
+    _require(v["serve_max_queue"] >= 0, f"serve_max_queue must be >= 0, got {v['serve_max_queue']}")
+    _require(v["serve_request_timeout_seconds"] > 0,
+             f"serve_request_timeout_seconds must be > 0, got {v['serve_request_timeout_seconds']}")
     return cls(**read_keys(cls, v, prompt_token_ids=ids))
 
 

@@ -6,7 +6,12 @@ T slots of the batched decode state, S max_target_length (cache length), V vocab
 - `prefill` runs right-padded prompts [B, L] in one pass and returns a `Prefix`: their caches
   (length L), true lengths and first sampled tokens.
 - `insert` copies one prefix row into slot i of a `DecodeState` (caches of length S for T slots).
-- `generate` advances every slot by one token: one jitted, shape-stable step (it compiles once).
+- `generate` advances every slot by one token: one jitted, shape-stable step (it compiles once);
+  `step` is the same program, also returning the tokens' log-probabilities.
+- `release` returns a finished slot's cache resources (nothing to return for the dense cache).
+Sampling is per slot: each prompt row brings its own temperature, top-p, top-k and seed
+(`sampling.RowParams`, by default the decode_sampling_* keys), which `insert` copies into the
+slot, so requests with different parameters share one compiled step.
 Continuous batching is `serve`: requests wait for a free slot, are prefilled and inserted, and
 leave their slot when done, all while the other slots keep generating.
 """
@@ -31,10 +36,31 @@ from MaxText.layers import kv_cache
 
 
 @struct.dataclass
+class RowSampling:
+  """Per-row sampling parameters and PRNG streams (rows are prompts in a Prefix, slots in a DecodeState)."""
+
+  temperature_B: Any  # float32; 0 = greedy
+  top_p_B: Any  # float32; 1 = no nucleus cut
+  top_k_B: Any  # int32; 0 = no top-k cut
+  keys_B: Any  # PRNG key data per row, split at every draw
+
+
+@struct.dataclass
+class TokenLogprobs:
+  """What a sampled token scored under the model (temperature 1): see sampling.token_logprobs."""
+
+  chosen_B: Any  # float32 log-probability of the sampled token
+  top_ids_Bk: Any  # int32 the most probable tokens, best first
+  top_logprobs_Bk: Any  # float32 their log-probabilities
+
+
+@struct.dataclass
 class Prefix:
   caches: Any  # per-layer KV caches of length L (batch B)
   next_positions_B: jax.Array  # the prompts' true lengths: where each first generated token goes
   first_tokens_B: jax.Array  # token sampled from each prompt's last position
+  sampling: RowSampling  # each row's parameters, keys already advanced past the first draw
+  first_logprobs: TokenLogprobs
 
 
 @struct.dataclass
@@ -44,7 +70,7 @@ class DecodeState:
   caches: Any  # per-layer KV caches of length S (batch T)
   next_positions_B: Any  # [T] int32 position the slot's pending token is written at
   tokens_B: Any  # [T] int32 each slot's latest sampled token (input of the next step)
-  key: Any  # sampling PRNG key data, split every step
+  sampling: Any  # RowSampling of the slots (a free slot keeps its last request's values, unused)
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -80,6 +106,7 @@ class Engine:
     self.sampling = sampling.SamplingParams(
         self.decode_cfg.decode_sampling_strategy, self.decode_cfg.decode_sampling_temperature,
         self.decode_cfg.decode_sampling_nucleus_p, self.decode_cfg.decode_sampling_top_k)
+    self.vocab_size = self.cfg.vocab_size
     quantized = self.decode_cfg.quantize_kvcache
     abstract_caches = jax.eval_shape(lambda: kv_cache.model_caches(self.cfg, num_slots, self.cfg.max_target_length,
                                                                    quantized))
@@ -87,13 +114,17 @@ class Engine:
     # A DecodeState-shaped tree of shardings (its fields hold NamedShardings, not arrays).
     self.state_shardings = DecodeState(
         sharding.named_shardings(abstract_caches, kv_cache.model_cache_names(self.cfg, quantized), self.mesh,
-                                 self.rules), replicated, replicated, replicated)
-    self.traces = {"prefill": 0, "insert": 0, "generate": 0}  # jit traces (= compilations) per step function
+                                 self.rules), replicated, replicated,
+        RowSampling(replicated, replicated, replicated, replicated))
+    # jit traces (= compilations) per step function
+    self.traces = {"prefill": 0, "insert": 0, "generate": 0, "score": 0}
     self._init_state = jax.jit(self._init_state_fn, out_shardings=self.state_shardings)
     self._prefill = jax.jit(self._prefill_fn)
     self._insert = jax.jit(self._insert_fn, donate_argnums=(1,), out_shardings=self.state_shardings)
     self._generate = jax.jit(self._generate_fn, donate_argnums=(1,),
-                             out_shardings=(self.state_shardings, replicated))
+                             out_shardings=(self.state_shardings, (replicated, TokenLogprobs(replicated, replicated,
+                                                                                             replicated))))
+    self._score = jax.jit(self._score_fn)
 
   # ---------------------------------------------------------------- public API
   def load_params(self, path: str | None = None, seed: int = 0) -> Any:
@@ -107,12 +138,22 @@ class Engine:
     """Empty caches for every slot, born sharded."""
     return self._init_state(jnp.uint32(seed))
 
-  def prefill(self, params: Any, prompts: Sequence[Sequence[int]], seed: int = 0) -> Prefix:
-    """One pass over the right-padded prompts (each at most max_prefill_predict_length tokens)."""
+  def prefill(self, params: Any, prompts: Sequence[Sequence[int]], seed: int = 0,
+              row_params: Sequence[sampling.RowParams] | None = None) -> Prefix:
+    """One pass over the right-padded prompts (each at most max_prefill_predict_length tokens).
+    Each row samples by its `row_params` (default: the decode_sampling_* keys, row i seeded
+    with seed + i)."""
     tokens_BL, lengths_B = pad_prompts(prompts, self.decode_cfg.max_prefill_predict_length)
+    if row_params is None:
+      row_params = [sampling.RowParams.from_strategy(self.sampling, seed + i) for i in range(len(prompts))]
+    if len(row_params) != len(prompts):
+      raise ValueError(f"{len(row_params)} row_params for {len(prompts)} prompts")
+    rows = RowSampling(jnp.asarray([r.temperature for r in row_params], jnp.float32),
+                       jnp.asarray([r.top_p for r in row_params], jnp.float32),
+                       jnp.asarray([r.top_k for r in row_params], jnp.int32),
+                       jnp.asarray([r.seed % 2**32 for r in row_params], jnp.uint32))  # seeds: keys made in jit
     with sharding.activation_sharding(self.mesh, self.rules):
-      return self._prefill(params, jnp.asarray(tokens_BL), jnp.asarray(lengths_B),
-                           jax.random.key_data(jax.random.key(seed)))
+      return self._prefill(params, jnp.asarray(tokens_BL), jnp.asarray(lengths_B), rows)
 
   def insert(self, prefix: Prefix, state: DecodeState, slot: int, row: int = 0) -> DecodeState:
     """`state` with prompt `row` of `prefix` in slot `slot` (slot and row are traced: no recompiles)."""
@@ -122,30 +163,67 @@ class Engine:
 
   def generate(self, params: Any, state: DecodeState) -> tuple[DecodeState, jax.Array]:
     """Every slot's next token [T]; the state moves on by one position per slot."""
+    state, (tokens_B, _) = self.step(params, state)
+    return state, tokens_B
+
+  def step(self, params: Any, state: DecodeState) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
+    """`generate` that also returns what each new token scored (the same compiled program)."""
     with sharding.activation_sharding(self.mesh, self.rules):
       return self._generate(params, state)
+
+  def release(self, slot: int) -> None:
+    """Returns the slot's cache resources once its request is finished or abandoned. The dense
+    cache holds every slot's full length for the engine's lifetime, so there is nothing to return;
+    a paged cache gives the slot's pages back here. Callers release every slot they free."""
+    if not 0 <= slot < self.num_slots:
+      raise ValueError(f"slot {slot} out of range for {self.num_slots} slots")
+
+  def score(self, params: Any, prompt: Sequence[int]) -> TokenLogprobs:
+    """Log-probabilities of each prompt token given the ones before it ([L], row 0 meaningless)
+    and the most probable alternatives at each position, from one full forward pass."""
+    tokens_BL, _ = pad_prompts([prompt], self.decode_cfg.max_prefill_predict_length)
+    with sharding.activation_sharding(self.mesh, self.rules):
+      return self._score(params, jnp.asarray(tokens_BL))
 
   def generate_compilations(self) -> int:
     """How many distinct programs `generate` has compiled (1 after any number of steps)."""
     return self.traces["generate"]
 
   # ---------------------------------------------------------------- jitted bodies
-  def _sample(self, logits_BV: jax.Array, key_data: jax.Array) -> jax.Array:
-    return sampling.sample(logits_BV, jax.random.wrap_key_data(key_data), self.sampling)
+  @staticmethod
+  def _sample(logits_BV: jax.Array, rows: RowSampling) -> tuple[jax.Array, RowSampling, TokenLogprobs]:
+    keys_B, draw_keys_B = sampling.split_rows(rows.keys_B)
+    tokens_B = sampling.sample_rows(logits_BV, draw_keys_B, rows.temperature_B, rows.top_p_B, rows.top_k_B)
+    return tokens_B, dataclasses.replace(rows, keys_B=keys_B), TokenLogprobs(*sampling.token_logprobs(logits_BV,
+                                                                                                      tokens_B))
 
   def _init_state_fn(self, seed: jax.Array) -> DecodeState:
     zeros = jnp.zeros((self.num_slots,), jnp.int32)
     caches = kv_cache.model_caches(self.cfg, self.num_slots, self.cfg.max_target_length,
                                    self.decode_cfg.quantize_kvcache)
-    return DecodeState(caches, zeros, zeros, jax.random.key_data(jax.random.key(seed)))
+    keys = jax.random.key_data(jax.random.split(jax.random.key(seed), self.num_slots))
+    rows = RowSampling(jnp.zeros((self.num_slots,), jnp.float32), jnp.ones((self.num_slots,), jnp.float32), zeros,
+                       keys)
+    return DecodeState(caches, zeros, zeros, rows)
 
-  def _prefill_fn(self, params: Any, tokens_BL: jax.Array, lengths_B: jax.Array, key_data: jax.Array) -> Prefix:
+  def _prefill_fn(self, params: Any, tokens_BL: jax.Array, lengths_B: jax.Array, rows: RowSampling) -> Prefix:
     self.traces["prefill"] += 1
+    seeds_to_keys = jax.vmap(lambda seed: jax.random.key_data(jax.random.key(seed)))
+    rows = dataclasses.replace(rows, keys_B=seeds_to_keys(rows.keys_B))
     batch, length = tokens_BL.shape
     caches = kv_cache.model_caches(self.cfg, batch, length, self.decode_cfg.quantize_kvcache)
     positions_BL = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens_BL.shape)
     logits_B1V, caches = self.spec.apply_decode(params, tokens_BL, positions_BL, caches, lengths_B - 1)
-    return Prefix(caches, lengths_B, self._sample(logits_B1V[:, 0], key_data))
+    tokens_B, rows, logprobs = self._sample(logits_B1V[:, 0], rows)
+    return Prefix(caches, lengths_B, tokens_B, rows, logprobs)
+
+  def _score_fn(self, params: Any, tokens_BL: jax.Array) -> TokenLogprobs:
+    self.traces["score"] += 1
+    positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1], dtype=jnp.int32), tokens_BL.shape)
+    logits_BLV = self.spec.apply(params, tokens_BL, positions_BL, jnp.ones_like(tokens_BL))
+    # Position i scores token i from the logits at i - 1 (position 0 has no prediction: scored as itself).
+    logits_LV = jnp.concatenate([logits_BLV[0, :1], logits_BLV[0, :-1]], axis=0)
+    return TokenLogprobs(*sampling.token_logprobs(logits_LV, tokens_BL[0]))
 
   def _insert_fn(self, prefix: Prefix, state: DecodeState, slot: jax.Array, row: jax.Array) -> DecodeState:
     self.traces["insert"] += 1
@@ -159,15 +237,16 @@ class Engine:
 
     return dataclasses.replace(state, caches=jax.tree.map(put, state.caches, prefix.caches),
                          next_positions_B=state.next_positions_B.at[slot].set(prefix.next_positions_B[row]),
-                         tokens_B=state.tokens_B.at[slot].set(prefix.first_tokens_B[row]))
+                         tokens_B=state.tokens_B.at[slot].set(prefix.first_tokens_B[row]),
+                         sampling=jax.tree.map(lambda big, small: big.at[slot].set(small[row]), state.sampling,
+                                               prefix.sampling))
 
-  def _generate_fn(self, params: Any, state: DecodeState) -> tuple[DecodeState, jax.Array]:
+  def _generate_fn(self, params: Any, state: DecodeState) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
     self.traces["generate"] += 1  # Python side effect: runs once per trace, never per executed step
     logits_B1V, caches = self.spec.apply_decode(params, state.tokens_B[:, None], state.next_positions_B[:, None],
                                                 state.caches)
-    key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
-    tokens_B = self._sample(logits_B1V[:, 0], jax.random.key_data(step_key))
-    return DecodeState(caches, state.next_positions_B + 1, tokens_B, jax.random.key_data(key)), tokens_B
+    tokens_B, rows, logprobs = self._sample(logits_B1V[:, 0], state.sampling)
+    return DecodeState(caches, state.next_positions_B + 1, tokens_B, rows), (tokens_B, logprobs)
 
 
 @dataclasses.dataclass
@@ -200,6 +279,8 @@ def serve(engine: Engine, params: Any, requests: Sequence[Request], eos_id: int 
       request.output.append(int(prefix.first_tokens_B[0]))
       if not _finished(request, eos_id):
         active[slot] = request
+      else:
+        engine.release(slot)
     if not active:
       continue
     state, tokens_T = engine.generate(params, state)
@@ -209,6 +290,7 @@ def serve(engine: Engine, params: Any, requests: Sequence[Request], eos_id: int 
       request.output.append(int(tokens[slot]))
       if _finished(request, eos_id):
         del active[slot]
+        engine.release(slot)
   return list(requests)
 
 

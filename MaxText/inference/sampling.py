@@ -64,3 +64,67 @@ def sample(logits_BV: jax.Array, key: jax.Array, params: SamplingParams) -> jax.
   if params.strategy == "topk":
     return top_k(logits_BV, key, params.top_k, params.temperature)
   raise ValueError(f"unknown sampling strategy {params.strategy!r}; expected one of {', '.join(STRATEGIES)}")
+
+
+# ---------------------------------------------------------------- per-row parameters (serving)
+# Each decode slot carries its own request's temperature, top-p, top-k and PRNG key as arrays, so
+# one compiled step samples every slot by its own rules. temperature 0 is greedy; top_k 0 and
+# top_p 1 keep every token.
+NUM_TOP_LOGPROBS = 5  # alternatives reported per position (OpenAI's completions allow at most 5)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowParams:
+  """One request's sampling: what the OpenAI API calls temperature, top_p, top_k and seed."""
+  temperature: float = 0.0
+  top_p: float = 1.0
+  top_k: int = 0
+  seed: int = 0
+
+  @classmethod
+  def from_strategy(cls, params: SamplingParams, seed: int) -> "RowParams":
+    """The per-row form of a decode_sampling_strategy (what decode.py's keys ask for)."""
+    if params.strategy == "greedy":
+      return cls(0.0, 1.0, 0, seed)
+    top_p = params.nucleus_p if params.strategy == "nucleus" else 1.0
+    top_k = params.top_k if params.strategy == "topk" else 0
+    return cls(params.temperature, top_p, top_k, seed)
+
+
+def sample_rows(logits_BV: jax.Array, keys_B: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array,
+                top_k_B: jax.Array) -> jax.Array:
+  """Next token ids [B] int32, row b drawn with its own key and parameters (keys_B: key data
+  [B, ...]). Greedy rows take the argmax; when every row is greedy nothing is sorted."""
+  def sampled() -> jax.Array:
+    vocab = logits_BV.shape[-1]
+    scaled_BV = logits_BV.astype(jnp.float32) / jnp.maximum(temperature_B, 1e-6)[:, None]
+    sorted_BV = jnp.sort(scaled_BV, axis=-1)[:, ::-1]
+    rank_V = jnp.arange(vocab)
+    k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, vocab), vocab)
+    in_top_k_BV = rank_V[None, :] < k_B[:, None]
+    # Top-p over the top-k survivors (renormalised), the crossing token kept: a prefix of the sort.
+    probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, sorted_BV, -jnp.inf), axis=-1)
+    before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+    num_kept_B = jnp.maximum(jnp.sum(in_top_k_BV & (before_BV < top_p_B[:, None]), axis=-1), 1)
+    threshold_B1 = jnp.take_along_axis(sorted_BV, (num_kept_B - 1)[:, None], axis=-1)
+    masked_BV = jnp.where(scaled_BV >= threshold_B1, scaled_BV, -jnp.inf)
+    draw = jax.vmap(lambda key, row: jax.random.categorical(jax.random.wrap_key_data(key), row))
+    return jnp.where(temperature_B > 0, draw(keys_B, masked_BV), jnp.argmax(logits_BV, axis=-1)).astype(jnp.int32)
+
+  return jax.lax.cond(jnp.all(temperature_B <= 0), lambda: greedy(logits_BV), sampled)
+
+
+def split_rows(keys_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(next keys, keys to draw with now) from per-row key data: each row's stream is its own, so a
+  request's draws do not depend on which slot it holds or who shares the batch."""
+  pairs = jax.vmap(lambda key: jax.random.key_data(jax.random.split(jax.random.wrap_key_data(key))))(keys_B)
+  return pairs[:, 0], pairs[:, 1]
+
+
+def token_logprobs(logits_BV: jax.Array, tokens_B: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(log-probability of each chosen token [B], the NUM_TOP_LOGPROBS most probable ids [B, k] and
+  their log-probabilities [B, k]) under the model's own distribution (temperature 1)."""
+  logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+  top_logprobs_Bk, top_ids_Bk = jax.lax.top_k(logprobs_BV, min(NUM_TOP_LOGPROBS, logits_BV.shape[-1]))
+  chosen_B = jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=-1)[:, 0]
+  return chosen_B, top_ids_Bk.astype(jnp.int32), top_logprobs_Bk

@@ -65,3 +65,35 @@ def test_fixed_seed_reproduces_and_other_seeds_differ(strategy):
   first = np.asarray(sampling.sample(logits, jax.random.key(7), params))
   np.testing.assert_array_equal(first, np.asarray(sampling.sample(logits, jax.random.key(7), params)))
   assert (first != np.asarray(sampling.sample(logits, jax.random.key(8), params))).any()
+
+
+def row_frequencies(temperature: float, top_p: float, top_k: int, probs: np.ndarray = PROBS) -> np.ndarray:
+  """sample_rows with DRAWS rows, each with its own key and these parameters."""
+  logits_BV = jnp.broadcast_to(jnp.log(jnp.asarray(probs, jnp.float32)), (DRAWS, len(probs)))
+  keys_B = jax.random.key_data(jax.random.split(jax.random.key(3), DRAWS))
+  full = lambda value, dtype: jnp.full((DRAWS,), value, dtype)  # noqa: E731
+  tokens = jax.jit(sampling.sample_rows)(logits_BV, keys_B, full(temperature, jnp.float32), full(top_p, jnp.float32),
+                                         full(top_k, jnp.int32))
+  return np.bincount(np.asarray(tokens), minlength=len(probs)) / DRAWS
+
+
+def test_per_row_sampling_follows_the_same_definitions():
+  np.testing.assert_allclose(row_frequencies(2.0, 1.0, 0), softmax(np.log(PROBS) / 2.0), atol=TOL)
+  np.testing.assert_allclose(row_frequencies(1.0, 0.8, 0), [0, 0.625, 0, 0.375], atol=TOL)
+  np.testing.assert_allclose(row_frequencies(1.0, 1.0, 2), [0, 0.625, 0, 0.375], atol=TOL)
+  # top-k first, then top-p over the survivors renormalised: {1, 3, 2} -> 0.5/0.95 reaches 0.5.
+  np.testing.assert_allclose(row_frequencies(1.0, 0.5, 3), [0, 1, 0, 0], atol=TOL)
+
+
+def test_per_row_parameters_are_each_rows_own():
+  """Greedy rows (temperature 0) are the argmax beside sampled rows; a row's draws depend on its
+  own key only, not on its neighbours' parameters."""
+  logits = jax.random.normal(jax.random.key(1), (8, 100))
+  keys = jax.random.key_data(jax.random.split(jax.random.key(4), 8))
+  temperature = jnp.asarray([0, 1, 0, 1, 0, 1, 0, 1], jnp.float32)
+  tokens = np.asarray(sampling.sample_rows(logits, keys, temperature, jnp.ones(8), jnp.zeros(8, jnp.int32)))
+  greedy = np.argmax(np.asarray(logits), axis=-1)
+  np.testing.assert_array_equal(tokens[::2], greedy[::2])
+  all_sampled = np.asarray(sampling.sample_rows(logits, keys, jnp.ones(8), jnp.ones(8), jnp.zeros(8, jnp.int32)))
+  np.testing.assert_array_equal(tokens[1::2], all_sampled[1::2])
+  assert (all_sampled != greedy).any()

@@ -1,0 +1,289 @@
+"""The OpenAI request and response shapes the server speaks, apart from HTTP.
+
+`parse_completion` / `parse_chat` turn a JSON body into `Completion`s (one per choice: prompt
+ids, max_tokens, sampling parameters) or raise `ApiError` (status, message, the field at
+fault); `ChoiceText` turns a choice's token stream into text, finding stop sequences and
+holding back text that could still become one; the `*_body` helpers build response objects.
+No field can name a file, a path or another checkpoint: `model` is only compared to the served name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from typing import Any, Callable, Sequence
+
+from MaxText.inference.sampling import NUM_TOP_LOGPROBS, RowParams
+
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+
+
+class ApiError(Exception):
+  def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+               headers: dict[str, str] | None = None):
+    super().__init__(message)
+    self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers or {}
+
+  def body(self) -> dict[str, Any]:
+    kind = "invalid_request_error" if self.status < 500 else "server_error"
+    return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  model_name: str
+  vocab_size: int
+  max_prompt_tokens: int  # max_prefill_predict_length
+  max_target_length: int
+  max_tokens: int  # serve_max_tokens
+  max_choices: int  # serve_max_n
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+  """Text <-> ids for one tokenizer (`chat` renders messages with the tokenizer's template)."""
+  encode: Callable[[str], list[int]]
+  decode: Callable[[list[int]], str]
+  chat: Callable[[list[dict[str, str]]], list[int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+  index: int
+  prompt: list[int]
+  max_tokens: int
+  row: RowParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  choices: list[Completion]
+  stream: bool
+  stop: list[str]
+  echo: bool = False
+  logprobs: int | None = None  # completions: how many alternatives per token (0..5); None = none
+
+
+def _get(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any) -> Any:
+  value = body.get(name, default)
+  if value is None:
+    return default
+  if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+    raise ApiError(400, f"{name} must be a {_names(kinds)}, got {value!r}", name)
+  if not isinstance(value, kinds):
+    raise ApiError(400, f"{name} must be a {_names(kinds)}, got {type(value).__name__}", name)
+  return value
+
+
+def _names(kinds: type | tuple[type, ...]) -> str:
+  return " or ".join(k.__name__ for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
+
+
+def _check_model(body: dict[str, Any], limits: Limits) -> None:
+  model = body.get("model")
+  if model is not None and model != limits.model_name:
+    raise ApiError(404, f"the model {str(model)[:200]!r} does not exist; this server serves {limits.model_name!r}",
+                   "model", "model_not_found")
+
+
+def _unsupported(body: dict[str, Any]) -> None:
+  """Fields whose non-default values would change the answer and which this server does not do."""
+  for name in ("presence_penalty", "frequency_penalty"):
+    if body.get(name) not in (None, 0, 0.0):
+      raise ApiError(400, f"{name} is not supported (only 0)", name)
+  if body.get("logit_bias"):
+    raise ApiError(400, "logit_bias is not supported", "logit_bias")
+  if body.get("best_of") not in (None, 1):
+    raise ApiError(400, "best_of is not supported (only 1)", "best_of")
+  if body.get("suffix"):
+    raise ApiError(400, "suffix is not supported", "suffix")
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+  stop = body.get("stop")
+  stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+  if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+    raise ApiError(400, "stop must be a non-empty string or a list of them", "stop")
+  if len(stops) > MAX_STOP_SEQUENCES:
+    raise ApiError(400, f"stop has {len(stops)} sequences; at most {MAX_STOP_SEQUENCES}", "stop")
+  return stops
+
+
+def _sampling(body: dict[str, Any]) -> tuple[float, float, int, int | None, int]:
+  temperature = float(_get(body, "temperature", (int, float), 1.0))
+  top_p = float(_get(body, "top_p", (int, float), 1.0))
+  top_k = _get(body, "top_k", int, 0)
+  seed = _get(body, "seed", int, None)
+  n = _get(body, "n", int, 1)
+  if not 0 <= temperature <= 2:
+    raise ApiError(400, f"temperature must be in [0, 2], got {temperature}", "temperature")
+  if not 0 < top_p <= 1:
+    raise ApiError(400, f"top_p must be in (0, 1], got {top_p}", "top_p")
+  if top_k < 0:
+    raise ApiError(400, f"top_k must be >= 0 (0 = all tokens), got {top_k}", "top_k")
+  if n < 1:
+    raise ApiError(400, f"n must be >= 1, got {n}", "n")
+  return temperature, top_p, top_k, seed, n
+
+
+def _check_prompt(ids: list[int], limits: Limits) -> None:
+  if not ids:
+    raise ApiError(400, "the prompt is empty (it must have at least one token)", "prompt")
+  if len(ids) > limits.max_prompt_tokens:
+    raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most {limits.max_prompt_tokens} "
+                   "(max_prefill_predict_length)", "prompt", "context_length_exceeded")
+  bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+  if bad:
+    raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})", "prompt")
+
+
+def _max_tokens(value: Any, name: str, prompt_len: int, limits: Limits, minimum: int) -> int:
+  room = limits.max_target_length + 1 - prompt_len  # the last token needs no cache entry
+  if value is None:
+    return max(min(limits.max_tokens, room), minimum)
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise ApiError(400, f"{name} must be an integer, got {value!r}", name)
+  if value < minimum:
+    raise ApiError(400, f"{name} must be >= {minimum}, got {value}", name)
+  if value > limits.max_tokens:
+    raise ApiError(400, f"{name}={value} is more than this server's limit of {limits.max_tokens} (serve_max_tokens)",
+                   name)
+  if value > room:
+    raise ApiError(400, f"{prompt_len} prompt tokens + {name}={value} exceed the context of "
+                   f"{limits.max_target_length + 1} tokens (max_target_length + 1)", name, "context_length_exceeded")
+  return value
+
+
+def _choices(prompts: list[list[int]], body: dict[str, Any], name: str, limits: Limits, minimum: int
+             ) -> list[Completion]:
+  temperature, top_p, top_k, seed, n = _sampling(body)
+  if len(prompts) * n > limits.max_choices:
+    raise ApiError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} completions; this server allows at "
+                   f"most {limits.max_choices} per request (serve_max_n)", "n")
+  out = []
+  for p, ids in enumerate(prompts):
+    _check_prompt(ids, limits)
+    max_tokens = _max_tokens(body.get(name), name, len(ids), limits, minimum)
+    for j in range(n):
+      index = p * n + j
+      row_seed = secrets.randbits(32) if seed is None else seed + index
+      out.append(Completion(index, ids, max_tokens, RowParams(temperature, top_p, top_k, row_seed)))
+  return out
+
+
+def parse_completion(body: Any, limits: Limits, codec: Codec) -> Request:
+  if not isinstance(body, dict):
+    raise ApiError(400, "the request body must be a JSON object")
+  _check_model(body, limits)
+  _unsupported(body)
+  prompt = body.get("prompt")
+  if isinstance(prompt, str):
+    prompts = [codec.encode(prompt)]
+  elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    prompts = [list(prompt)]
+  elif isinstance(prompt, list) and prompt and all(isinstance(x, str) for x in prompt):
+    prompts = [codec.encode(x) for x in prompt]
+  elif isinstance(prompt, list) and prompt and all(
+      isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x) for x in prompt):
+    prompts = [list(x) for x in prompt]
+  else:
+    raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of such lists",
+                   "prompt")
+  echo = bool(_get(body, "echo", bool, False))
+  logprobs = _get(body, "logprobs", int, None)
+  if logprobs is not None and not 0 <= logprobs <= NUM_TOP_LOGPROBS:
+    raise ApiError(400, f"logprobs must be in [0, {NUM_TOP_LOGPROBS}], got {logprobs}", "logprobs")
+  choices = _choices(prompts, body, "max_tokens", limits, minimum=0 if echo else 1)
+  return Request(choices, bool(_get(body, "stream", bool, False)), _stop(body), echo, logprobs)
+
+
+def parse_chat(body: Any, limits: Limits, codec: Codec) -> Request:
+  if not isinstance(body, dict):
+    raise ApiError(400, "the request body must be a JSON object")
+  _check_model(body, limits)
+  _unsupported(body)
+  messages = body.get("messages")
+  if not isinstance(messages, list) or not messages:
+    raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+  rendered = []
+  for i, message in enumerate(messages):
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+      raise ApiError(400, f"messages[{i}] must be an object with a role and a content", "messages")
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: only text parts are understood
+      if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                 for part in content):
+        raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
+      content = "".join(part["text"] for part in content)
+    if not isinstance(content, str):
+      raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
+    rendered.append({"role": message["role"], "content": content})
+  if body.get("logprobs") or body.get("top_logprobs"):
+    raise ApiError(400, "logprobs are supported by /v1/completions only", "logprobs")
+  name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+  choices = _choices([codec.chat(rendered)], body, name, limits, minimum=1)
+  return Request(choices, bool(_get(body, "stream", bool, False)), _stop(body))
+
+
+class ChoiceText:
+  """One choice's tokens -> text: `add(token)` returns the text now safe to send (none that a
+  stop sequence could still claim, no half of a multi-byte character); a stop sequence ends the
+  text before it."""
+
+  def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str]):
+    self.decode, self.stops = decode, list(stops)
+    self.tokens: list[int] = []
+    self.text = ""
+    self.sent = 0
+    self.stopped = False  # a stop sequence was found (the job is then cancelled)
+    self._hold = max((len(s) for s in self.stops), default=1) - 1
+
+  def add(self, token: int) -> str:
+    if self.stopped:
+      return ""
+    self.tokens.append(token)
+    self.text = self.decode(self.tokens)
+    found = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+    if found:
+      self.text, self.stopped = self.text[:min(found)], True
+      return self.flush()
+    safe = len(self.text) - self._hold
+    while safe > self.sent and self.text[safe - 1] == "\ufffd":  # an incomplete UTF-8 sequence so far
+      safe -= 1
+    return self._send_to(safe)
+
+  def flush(self) -> str:
+    return self._send_to(len(self.text))
+
+  def _send_to(self, end: int) -> str:
+    if end <= self.sent:
+      return ""
+    delta, self.sent = self.text[self.sent:end], end
+    return delta
+
+
+def completion_logprobs(tokens: Sequence[int], logprobs: Sequence[float | None],
+                        tops: Sequence[Sequence[tuple[int, float]] | None],
+                        how_many: int, token_text: Callable[[int], str], start_offset: int = 0) -> dict[str, Any]:
+  """OpenAI's completions `logprobs` object: tokens, their log-probabilities, the `how_many`
+  best alternatives per position (as token text -> log-probability) and character offsets."""
+  texts = [token_text(t) for t in tokens]
+  offsets, at = [], start_offset
+  for text in texts:
+    offsets.append(at)
+    at += len(text)
+  top = [None if t is None else _by_text(list(t)[:how_many], token_text) for t in tops]
+  return {"tokens": texts, "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
+
+
+def _by_text(top: list[tuple[int, float]], token_text: Callable[[int], str]) -> dict[str, float]:
+  """Alternatives keyed by their text; two tokens with the same text keep the more probable one."""
+  out: dict[str, float] = {}
+  for token, logprob in top:
+    out.setdefault(token_text(token), logprob)
+  return out
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+  return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+          "total_tokens": prompt_tokens + completion_tokens}

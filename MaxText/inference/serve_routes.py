@@ -1,0 +1,182 @@
+"""The server's routes: /health, /v1/models, /v1/completions and /v1/chat/completions (whole
+answers or server-sent events: `data: {chunk}` lines, then `data: [DONE]`)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable
+
+from fastapi import Request  # at module level: FastAPI resolves the handlers' annotations here
+
+from MaxText.inference import openai_api as api
+from MaxText.inference import scheduler as sched
+
+if TYPE_CHECKING:
+  from MaxText.serve import Server
+
+
+@dataclasses.dataclass
+class _Choice:
+  """One choice's progress: its text, the tokens with their scores, why it ended."""
+  text: api.ChoiceText
+  prompt: list[int]
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  tops: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+  prompt_scores: sched.PromptScores | None = None
+  finish_reason: str | None = None
+
+
+def _choices(server: "Server", request: api.Request) -> dict[int, _Choice]:
+  return {c.index: _Choice(api.ChoiceText(server.codec.decode, request.stop), c.prompt) for c in request.choices}
+
+
+def _apply(event: sched.Event, choice: _Choice, job: sched.Job) -> str:
+  """Folds one event into its choice; returns the new text that is safe to send."""
+  if isinstance(event, sched.PromptScores):
+    choice.prompt_scores = event
+    return ""
+  if isinstance(event, sched.Token):
+    if choice.text.stopped:
+      return ""  # tokens the slot made before the scheduler saw the cancellation
+    choice.tokens.append(event.token)
+    choice.logprobs.append(event.logprob)
+    choice.tops.append(event.top)
+    delta = choice.text.add(event.token)
+    if choice.text.stopped:
+      job.cancel()
+    return delta
+  if event.reason == "error":
+    raise api.ApiError(500, f"generation failed: {event.message}", code="generation_failed")
+  choice.finish_reason = "stop" if choice.text.stopped or event.reason == "stop" else "length"
+  return choice.text.flush()
+
+
+def _logprobs(server: "Server", choice: _Choice, how_many: int, echo: bool, tokens: list[int] | None = None,
+              start: int = 0) -> dict[str, Any]:
+  lps: list[float | None] = list(choice.logprobs)
+  tops: list[list[tuple[int, float]] | None] = list(choice.tops)
+  tokens = list(choice.tokens) if tokens is None else tokens
+  if echo and choice.prompt_scores is not None:
+    lps = [None] + list(choice.prompt_scores.logprobs[1:]) + lps
+    tops = [None] + list(choice.prompt_scores.top[1:]) + tops
+    tokens = list(choice.prompt) + tokens
+  return api.completion_logprobs(tokens, lps, tops, how_many, server.token_text, start)
+
+
+def _usage(request: api.Request, choices: dict[int, _Choice]) -> dict[str, int]:
+  prompts = {id(c.prompt): len(c.prompt) for c in request.choices}
+  return api.usage(sum(prompts.values()), sum(len(c.tokens) for c in choices.values()))
+
+
+def add_routes(app: Any, server: "Server", json_response: Any, streaming_response: Any,
+               sse: Callable[[Any], str]) -> None:
+  async def read_json(request: Request) -> Any:
+    try:
+      return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise api.ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+  @app.get("/health")
+  async def health() -> dict[str, Any]:
+    return {"status": "ok"}
+
+  @app.get("/v1/models")
+  async def models() -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": server.limits.model_name, "object": "model", "created": 0,
+                                        "owned_by": "maxtext"}]}
+
+  @app.post("/v1/completions")
+  async def completions(http: Request) -> Any:
+    request = api.parse_completion(await read_json(http), server.limits, server.codec)
+    jobs, queue = server.submit(request, score_prompt=request.echo and request.logprobs is not None)
+    events = server.events(jobs, queue, http.is_disconnected)
+    if request.stream:
+      return streaming_response(_stream(server, request, jobs, events, sse, chat=False),
+                                media_type="text/event-stream")
+    choices = _choices(server, request)
+    async with contextlib.aclosing(events):
+      async for event in events:
+        _apply(event, choices[event.index], jobs[event.index])
+    out = []
+    for index, choice in sorted(choices.items()):
+      prompt_text = server.codec.decode(choice.prompt) if request.echo else ""
+      logprobs = None
+      if request.logprobs is not None:
+        logprobs = _logprobs(server, choice, request.logprobs, request.echo)
+      out.append({"index": index, "text": prompt_text + choice.text.text, "logprobs": logprobs,
+                  "finish_reason": choice.finish_reason})
+    return {"id": _new_id("cmpl"), "object": "text_completion", "created": int(time.time()),
+            "model": server.limits.model_name, "choices": out, "usage": _usage(request, choices)}
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(http: Request) -> Any:
+    request = api.parse_chat(await read_json(http), server.limits, server.codec)
+    jobs, queue = server.submit(request, score_prompt=False)
+    events = server.events(jobs, queue, http.is_disconnected)
+    if request.stream:
+      return streaming_response(_stream(server, request, jobs, events, sse, chat=True),
+                                media_type="text/event-stream")
+    choices = _choices(server, request)
+    async with contextlib.aclosing(events):
+      async for event in events:
+        _apply(event, choices[event.index], jobs[event.index])
+    out = [{"index": index, "message": {"role": "assistant", "content": choice.text.text}, "logprobs": None,
+            "finish_reason": choice.finish_reason} for index, choice in sorted(choices.items())]
+    return {"id": _new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
+            "model": server.limits.model_name, "choices": out, "usage": _usage(request, choices)}
+
+
+async def _stream(server: "Server", request: api.Request, jobs: list[sched.Job],
+                  events: AsyncGenerator[sched.Event, None], sse: Callable[[Any], str],
+                  chat: bool) -> AsyncIterator[str]:
+  """Server-sent events: a chunk per piece of text (per token with logprobs), a last chunk per
+  choice with its finish_reason, then [DONE]. An error mid-stream is sent as an error event."""
+  kind, prefix = ("chat.completion.chunk", "chatcmpl") if chat else ("text_completion", "cmpl")
+  head = {"id": _new_id(prefix), "object": kind, "created": int(time.time()), "model": server.limits.model_name}
+  choices = _choices(server, request)
+
+  def chunk(index: int, text: str | None, finish_reason: str | None, logprobs: Any = None) -> str:
+    if chat:
+      delta = {} if text is None else {"content": text}
+      body = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    else:
+      body = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+    return sse({**head, "choices": [body]})
+
+  for index, choice in sorted(choices.items()):  # the opening chunk: role, or the echoed prompt
+    if chat:
+      yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}]})
+    elif request.echo and request.logprobs is None:
+      yield chunk(index, server.codec.decode(choice.prompt), None)
+  try:
+    async with contextlib.aclosing(events):  # closing it cancels the jobs (a client that went away)
+      async for event in events:
+        choice = choices[event.index]
+        had = len(choice.tokens)
+        delta = _apply(event, choice, jobs[event.index])
+        logprobs = None
+        if request.logprobs is not None and not chat:
+          if isinstance(event, sched.PromptScores) and request.echo:
+            logprobs = _logprobs(server, choice, request.logprobs, echo=True, tokens=[])
+            delta = server.codec.decode(choice.prompt)
+          elif len(choice.tokens) > had:
+            logprobs = api.completion_logprobs(choice.tokens[had:], choice.logprobs[had:], list(choice.tops[had:]),
+                                               request.logprobs, server.token_text)
+        if isinstance(event, sched.Done):
+          yield chunk(event.index, delta or None, choice.finish_reason)
+        elif delta or logprobs is not None:
+          yield chunk(event.index, delta, None, logprobs)
+  except api.ApiError as e:
+    yield sse(e.body())
+  yield "data: [DONE]\n\n"
+
+
+def _new_id(prefix: str) -> str:
+  import uuid
+
+  return f"{prefix}-{uuid.uuid4().hex[:24]}"

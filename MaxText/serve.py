@@ -1,0 +1,241 @@
+"""An OpenAI-compatible HTTP server over the decode engine:
+
+    python3 -m MaxText.serve configs/base.yml load_parameters_path=CKPT tokenizer_path=TOK [port=8000] \\
+        [host=127.0.0.1] [serve_max_slots=8] [serve_max_queue=64] [serve_max_tokens=256] ...
+
+Routes: POST /v1/completions (echo, logprobs), POST /v1/chat/completions (the tokenizer's chat
+template), both streamed as server-sent events with `"stream": true`; GET /v1/models, GET /health.
+Reads like a table of contents: config → tokenizer → engine + params → scheduler thread → app → uvicorn.
+Safe by default: binds 127.0.0.1; with MAXTEXT_API_KEY set every route but /health needs
+`Authorization: Bearer <key>` (401 otherwise); bodies, prompts, max_tokens, n and the waiting
+list are bounded (413 / 400 / 503 with Retry-After), and every request has a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, AsyncGenerator, Awaitable, Callable
+
+if __package__ in (None, ""):  # `python3 MaxText/serve.py`: import the package, not sibling files.
+  sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from MaxText import config as config_lib
+from MaxText import startup, storage
+from MaxText.errors import UserError, run_cli
+from MaxText.inference import openai_api as api
+from MaxText.inference import scheduler as sched
+from MaxText.inference.engine import Engine
+
+API_KEY_ENV = "MAXTEXT_API_KEY"  # an environment variable, never a config key: configs are saved with runs
+RETRY_AFTER_SECONDS = "1"
+
+
+def _codec(config: config_lib.Config) -> tuple[api.Codec, int | None]:
+  """The tokenizer as the server uses it, and its end-of-sequence id."""
+  from MaxText.input_pipeline.tokenizer import DocumentEncoder, load_tokenizer
+
+  data = config.data
+  if not data.tokenizer_path:
+    raise UserError("MaxText.serve needs tokenizer_path=... (clients send and receive text)")
+  tokenizer = load_tokenizer(data.tokenizer_type, data.tokenizer_path)
+  if tokenizer.vocab_size > config.model.vocab_size:
+    raise UserError(f"the tokenizer {data.tokenizer_path} has {tokenizer.vocab_size} tokens but the model's "
+                    f"vocab_size is {config.model.vocab_size}: this tokenizer does not belong to this checkpoint")
+  encode = DocumentEncoder(tokenizer, data.add_bos, add_eos=False)
+  chat_tokenizer: list[Any] = []
+
+  def chat(messages: list[dict[str, str]]) -> list[int]:
+    from MaxText.errors import ConfigError
+    from MaxText.input_pipeline import chat as chat_lib
+
+    try:
+      if not chat_tokenizer:
+        chat_tokenizer.append(chat_lib.load_chat_tokenizer(data.tokenizer_path))
+    except ConfigError as e:
+      raise api.ApiError(400, f"chat completions need a chat template: {e}") from None
+    text = chat_tokenizer[0].apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(chat_tokenizer[0](text, add_special_tokens=False)["input_ids"])
+
+  return api.Codec(encode, tokenizer.decode, chat), tokenizer.eos_id
+
+
+class Server:
+  """The engine's scheduler and what the routes need to turn requests into jobs and answers."""
+
+  def __init__(self, config: config_lib.Config, engine: Engine, params: Any, codec: api.Codec, eos_id: int | None):
+    d = config.decode
+    self.codec, self.decode_cfg = codec, d
+    self.limits = api.Limits(d.serve_model_name or config["model_name"], config.model.vocab_size,
+                             d.max_prefill_predict_length, config.model.max_target_length, d.serve_max_tokens,
+                             d.serve_max_n)
+    self.scheduler = sched.Scheduler(engine, params, d.serve_max_queue, [] if eos_id is None else [eos_id]).start()
+    self._token_text: dict[int, str] = {}
+
+  def token_text(self, token: int) -> str:
+    if token not in self._token_text:
+      self._token_text[token] = self.codec.decode([token])
+    return self._token_text[token]
+
+  def submit(self, request: api.Request, score_prompt: bool) -> tuple[list[sched.Job], asyncio.Queue[sched.Event]]:
+    """Queues the request's choices as jobs whose events arrive on the returned queue (503 when full)."""
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue[sched.Event]()
+
+    def emit(event: sched.Event) -> None:
+      try:
+        loop.call_soon_threadsafe(queue.put_nowait, event)
+      except RuntimeError:  # the event loop is closed: the server is stopping
+        pass
+
+    jobs = [sched.Job(c.index, c.prompt, c.max_tokens, c.row, emit, score_prompt) for c in request.choices]
+    try:
+      self.scheduler.submit(jobs)
+    except sched.QueueFull as e:
+      raise api.ApiError(503, f"the server is busy ({e}); retry later", code="queue_full",
+                         headers={"Retry-After": RETRY_AFTER_SECONDS}) from None
+    return jobs, queue
+
+  async def events(self, jobs: list[sched.Job], queue: asyncio.Queue[sched.Event],
+                   is_disconnected: Callable[[], Awaitable[bool]]) -> AsyncGenerator[sched.Event, None]:
+    """The jobs' events until each is done; every unfinished job is cancelled when the consumer
+    stops early (client gone, deadline) or the deadline passes (504)."""
+    timeout = self.decode_cfg.serve_request_timeout_seconds
+    deadline = time.monotonic() + timeout
+    remaining = len(jobs)
+    try:
+      while remaining:
+        if time.monotonic() >= deadline:
+          raise api.ApiError(504, f"the request took longer than serve_request_timeout_seconds={timeout}",
+                             code="timeout")
+        try:
+          event = await asyncio.wait_for(queue.get(), timeout=min(1.0, max(deadline - time.monotonic(), 0.001)))
+        except asyncio.TimeoutError:
+          if await is_disconnected():
+            return
+          continue
+        if isinstance(event, sched.Done):
+          remaining -= 1
+        yield event
+    finally:
+      for job in jobs:
+        job.cancel()
+
+
+def _error(e: api.ApiError) -> Any:
+  from fastapi.responses import JSONResponse
+
+  return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _sse(obj: Any) -> str:
+  return f"data: {json.dumps(obj)}\n\n"
+
+
+def build_app(server: Server, api_key: str | None = None, max_body_bytes: int = 1 << 20) -> Any:
+  """The FastAPI app; `api_key` (else MAXTEXT_API_KEY) guards every route but /health."""
+  from fastapi import FastAPI, Request
+  from fastapi.responses import JSONResponse, StreamingResponse
+  from starlette.exceptions import HTTPException as StarletteHTTPException
+
+  from MaxText.inference.serve_routes import add_routes
+
+  key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+  app = FastAPI(title="MaxText", docs_url=None, redoc_url=None, openapi_url=None)
+
+  @app.exception_handler(StarletteHTTPException)
+  async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    return _error(api.ApiError(e.status_code, str(e.detail)))
+
+  @app.exception_handler(api.ApiError)
+  async def api_error(_: Request, e: api.ApiError) -> JSONResponse:
+    return _error(e)
+
+  add_routes(app, server, JSONResponse, StreamingResponse, _sse)
+  return _Guard(app, key, max_body_bytes)
+
+
+class _Guard:
+  """ASGI middleware in front of the app: the API key, then the body-size limit (the body is read
+  here, at most max_body_bytes + 1 of it, and replayed to the app)."""
+
+  def __init__(self, app: Any, api_key: str | None, max_body_bytes: int):
+    self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+  async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
+                     send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    if self.api_key and scope["path"] != "/health":
+      headers = dict(scope["headers"])
+      given = headers.get(b"authorization", b"").decode("latin-1")
+      token = given[len("Bearer "):] if given.startswith("Bearer ") else ""
+      if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+        return await _send_error(send, api.ApiError(401, "a valid API key is required (Authorization: Bearer <key>)",
+                                                    code="invalid_api_key"))
+    body, more = b"", True
+    while more:
+      message = await receive()
+      if message["type"] == "http.disconnect":
+        return None
+      body += message.get("body", b"")
+      more = message.get("more_body", False)
+      if len(body) > self.max_body_bytes:
+        return await _send_error(send, api.ApiError(413, f"the request body is larger than {self.max_body_bytes} "
+                                                    "bytes (serve_max_body_bytes)", code="body_too_large"))
+    replayed = False
+
+    async def replay() -> dict[str, Any]:
+      nonlocal replayed
+      if not replayed:
+        replayed = True
+        return {"type": "http.request", "body": body, "more_body": False}
+      return await receive()  # after the body: the client's disconnect
+
+    return await self.app(scope, replay, send)
+
+
+async def _send_error(send: Callable[[dict[str, Any]], Awaitable[None]], e: api.ApiError) -> None:
+  payload = json.dumps(e.body()).encode()
+  headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+  if e.status == 401:
+    headers.append((b"www-authenticate", b"Bearer"))
+  await send({"type": "http.response.start", "status": e.status, "headers": headers})
+  await send({"type": "http.response.body", "body": payload})
+
+
+
+def build_server(config: config_lib.Config, mesh: Any = None) -> Server:
+  """Tokenizer, engine and parameters (load_parameters_path, else random ones), scheduler thread."""
+  codec, eos_id = _codec(config)
+  path = config.checkpoint.load_parameters_path
+  if path and not storage.exists(path):
+    raise UserError(f"checkpoint {path} does not exist (load_parameters_path)")
+  engine = Engine(config, num_slots=config.decode.serve_max_slots, mesh=mesh)
+  if not path:
+    startup.log("serve: no load_parameters_path given; serving randomly initialised parameters")
+  return Server(config, engine, engine.load_params(path), codec, eos_id)
+
+
+def main(argv: list[str]) -> int:
+  import uvicorn
+
+  config = startup.load_config(argv, reads_run=True)
+  server = build_server(config)
+  d = config.decode
+  app = build_app(server, max_body_bytes=d.serve_max_body_bytes)
+  if d.host not in ("127.0.0.1", "localhost", "::1") and not os.environ.get(API_KEY_ENV):
+    startup.log(f"serve: warning: binding {d.host} with no {API_KEY_ENV}: anyone who reaches it can use the model")
+  startup.log(f"serve: model {server.limits.model_name!r} on http://{d.host}:{d.port}/v1 "
+              f"({d.serve_max_slots} slots, {d.serve_max_queue} waiting at most)")
+  uvicorn.run(app, host=d.host, port=d.port, log_level="warning")
+  server.scheduler.stop()
+  return 0
+
+
+if __name__ == "__main__":
+  run_cli(main)

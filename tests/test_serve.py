@@ -1,0 +1,402 @@
+"""The OpenAI-compatible server (MaxText/serve.py) on 127.0.0.1, driven by real clients: the official
+`openai` client (greedy text equals the uncached greedy decode of the same model, streams join to the
+same text, stop and max_tokens honoured), concurrent load (every answer equals its single-request
+result, none lost, every slot released), lm-eval's `local-completions` backend (log-likelihoods equal
+the model's own logits), and bad requests that get a JSON error while the server keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai", reason="needs openai (EXTRAS=test bash setup.sh)")
+uvicorn = pytest.importorskip("uvicorn", reason="needs uvicorn (pip install -r requirements.txt)")
+try:  # the openai client's own HTTP library (httpx2 in openai 3.x, httpx before)
+  import httpx2 as httpx
+except ImportError:
+  httpx = pytest.importorskip("httpx")
+pytest.importorskip("transformers", reason="chat templates need transformers (EXTRAS=test bash setup.sh)")
+
+from MaxText import sharding  # noqa: E402
+from MaxText.config import Config  # noqa: E402
+from MaxText.input_pipeline import chat  # noqa: E402
+from MaxText.serve import build_app, build_server  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent / "inference"))
+sys.path.insert(0, str(Path(__file__).parent / "input_pipeline"))
+from decode_test_utils import one_device_mesh, uncached_greedy  # noqa: E402
+from sft_fixtures import CHATML, write_tokenizer, without_markers  # noqa: E402
+
+KEY = "test-key-123"
+MODEL = dict(base_emb_dim=32, base_num_query_heads=4, base_num_kv_heads=2, head_dim=8, base_mlp_dim=64,
+             base_num_decoder_layers=2, vocab_size=272, max_target_length=48, max_prefill_predict_length=32,
+             dtype="float32", print_config=False, tokenizer_type="huggingface", add_bos=False)
+LIMITS = dict(serve_max_slots=4, serve_max_queue=28, serve_max_tokens=16, serve_max_n=4, serve_max_body_bytes=4096,
+              serve_model_name="tiny")
+PROMPTS = ["the quick brown fox", "to be or not", "shall i compare thee", "a lazy dog",
+           "you are helpful", "is that so"]
+
+
+class Served:
+  def __init__(self, tmp: Path):
+    self.tokenizer_dir = write_tokenizer(tmp / "tok", without_markers(CHATML))
+    self.config = Config.for_testing(**MODEL, **LIMITS, tokenizer_path=str(self.tokenizer_dir))
+    self.server = build_server(self.config, mesh=one_device_mesh())
+    self.engine, self.params = self.server.scheduler.engine, self.server.scheduler.params
+    self.uv = uvicorn.Server(uvicorn.Config(build_app(self.server, api_key=KEY, max_body_bytes=4096),
+                                            host="127.0.0.1", port=0, log_level="warning"))
+    self.thread = threading.Thread(target=self.uv.run, daemon=True)
+    self.thread.start()
+    deadline = time.monotonic() + 60
+    while not self.uv.started:
+      assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+      time.sleep(0.05)
+    self.port = self.uv.servers[0].sockets[0].getsockname()[1]
+    self.url = f"http://127.0.0.1:{self.port}"
+    self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    self._expected: dict[tuple[int, ...], list[int]] = {}
+
+  def ids(self, text: str) -> list[int]:
+    return self.server.codec.encode(text)
+
+  def greedy(self, ids: list[int], max_tokens: int) -> list[int]:
+    """The model's greedy tokens without a cache, up to the tokenizer's end of sequence."""
+    key = tuple(ids)
+    if key not in self._expected:
+      room = MODEL["max_target_length"] + 1 - len(ids)
+      self._expected[key] = uncached_greedy(self.engine.spec, self.params, ids, min(room, LIMITS["serve_max_tokens"]),
+                                            MODEL["max_target_length"])
+    out = self._expected[key][:max_tokens]
+    eos = 2  # "</s>" in sft_fixtures.SPECIAL
+    return out[:out.index(eos) + 1] if eos in out else out
+
+  def text(self, ids: list[int]) -> str:
+    return self.server.codec.decode(ids)
+
+  def close(self) -> None:
+    self.uv.should_exit = True
+    self.thread.join(30)
+    self.server.scheduler.stop()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+  s = Served(tmp_path_factory.mktemp("serve"))
+  yield s
+  s.close()
+
+
+def test_openai_client_greedy_equals_uncached_decode_and_streams_join(served):
+  prompt = PROMPTS[0]
+  expected = served.greedy(served.ids(prompt), 12)
+  out = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+  assert out.choices[0].text == served.text(expected)
+  assert out.usage.completion_tokens == len(expected) and out.usage.prompt_tokens == len(served.ids(prompt))
+  assert out.choices[0].finish_reason == ("stop" if len(expected) < 12 else "length")
+  chunks = list(served.client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                                 stream=True))
+  assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
+  assert chunks[-1].choices[0].finish_reason == out.choices[0].finish_reason
+  # Token ids as the prompt give the same answer; max_tokens=3 stops after three tokens.
+  short = served.client.completions.create(model="tiny", prompt=served.ids(prompt), max_tokens=3, temperature=0)
+  assert short.choices[0].text == served.text(expected[:3]) and short.usage.completion_tokens == min(3, len(expected))
+  # Chat: the tokenizer's template, as SFT renders a user turn.
+  messages = [{"role": "user", "content": "to be or not"}]
+  chat_ids = chat.chat_prompt_ids(chat.load_chat_tokenizer(str(served.tokenizer_dir)), "to be or not")
+  answer = served.client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+  assert answer.choices[0].message.content == served.text(served.greedy(chat_ids, 8))
+  stream = served.client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True)
+  assert "".join(c.choices[0].delta.content or "" for c in stream) == answer.choices[0].message.content
+  assert [m.id for m in served.client.models.list().data] == ["tiny"]
+
+
+def test_stop_sequences_end_the_text_before_them(served):
+  prompt = PROMPTS[2]
+  full = served.text(served.greedy(served.ids(prompt), 16))
+  assert len(full) > 6, full
+  stop = full[3:6]
+  want = full[:full.index(stop)]
+  for stream in (False, True):
+    out = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, stop=[stop],
+                                           stream=stream)
+    text = "".join(c.choices[0].text for c in out) if stream else out.choices[0].text
+    assert text == want, (stream, text, want)
+
+
+def test_seeded_sampling_repeats_and_n_choices_differ(served):
+  args = dict(model="tiny", prompt=PROMPTS[1], max_tokens=10, temperature=1.5, top_p=0.95, seed=7, n=3)
+  first = served.client.completions.create(**args)
+  again = served.client.completions.create(**args)
+  texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+  assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
+  assert len(set(texts)) > 1, texts
+
+
+def _load(served, clients: int, per_client: int) -> None:
+  rng = np.random.default_rng(0)
+  work = [[(PROMPTS[int(rng.integers(len(PROMPTS)))], int(rng.integers(1, 17))) for _ in range(per_client)]
+          for _ in range(clients)]
+  for prompt, n in {w for client in work for w in client}:
+    served.greedy(served.ids(prompt), n)  # the references, before the clock starts
+
+  def run(jobs):
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    return [(p, n, client.completions.create(model="tiny", prompt=p, max_tokens=n, temperature=0).choices[0].text)
+            for p, n in jobs]
+
+  before = served.server.scheduler.load()
+  start = time.monotonic()
+  with ThreadPoolExecutor(clients) as pool:
+    results = [r for batch in pool.map(run, work) for r in batch]
+  elapsed = time.monotonic() - start
+  assert len(results) == clients * per_client
+  for prompt, n, text in results:
+    assert text == served.text(served.greedy(served.ids(prompt), n)), (prompt, n)
+  after = served.server.scheduler.load()
+  assert after["active"] == 0 and after["waiting"] == 0
+  assert after["released"] - before.get("released", 0) == clients * per_client  # every slot handed back
+  assert elapsed < 300, elapsed
+
+
+def test_sixteen_clients_times_eight_requests_all_answered_correctly(served):
+  _load(served, clients=16, per_client=8)
+
+
+def _post(served, path: str, body: bytes | str, key: str | None = KEY) -> httpx.Response:
+  headers = {"content-type": "application/json"}
+  if key is not None:
+    headers["authorization"] = f"Bearer {key}"
+  return httpx.post(f"{served.url}{path}", content=body, headers=headers, timeout=60)
+
+
+@pytest.mark.parametrize("body,key,status,message", [
+    ('{"prompt": "the", ', KEY, 400, "not valid JSON"),
+    ('{"model": "/etc/passwd", "prompt": "the"}', KEY, 404, "does not exist"),
+    ('{"model": "tiny", "prompt": "' + "the quick brown fox " * 10 + '"}', KEY, 400, "at most 32"),
+    ('{"model": "tiny", "prompt": "the", "max_tokens": -1}', KEY, 400, "max_tokens must be >= 1"),
+    ('{"model": "tiny", "prompt": "the", "max_tokens": 17}', KEY, 400, "serve_max_tokens"),
+    ('{"model": "tiny", "prompt": "the", "n": 5}', KEY, 400, "serve_max_n"),
+    ('{"model": "tiny", "prompt": "' + "x" * 5000 + '"}', KEY, 413, "serve_max_body_bytes"),
+    ('{"model": "tiny", "prompt": "the"}', None, 401, "API key"),
+    ('{"model": "tiny", "prompt": "the"}', "wrong", 401, "API key"),
+], ids=["invalid-json", "unknown-model", "prompt-too-long", "negative-max-tokens", "max-tokens-over-limit",
+        "n-over-limit", "oversized-body", "missing-key", "wrong-key"])
+def test_bad_requests_get_json_errors(served, body, key, status, message):
+  response = _post(served, "/v1/completions", body, key)
+  assert response.status_code == status, response.text
+  assert message in response.json()["error"]["message"]
+
+
+def test_health_needs_no_key_and_models_does(served):
+  assert httpx.get(f"{served.url}/health").json()["status"] == "ok"
+  assert httpx.get(f"{served.url}/v1/models").status_code == 401
+
+
+def test_flood_beyond_the_queue_gets_503_and_a_dropped_stream_frees_its_slot(served):
+  body = '{"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 16, "temperature": 0}'
+  capacity = LIMITS["serve_max_slots"] + LIMITS["serve_max_queue"]
+
+  async def flood():
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=200)) as client:
+      return await asyncio.gather(*[client.post(f"{served.url}/v1/completions", content=body, headers={
+          "authorization": f"Bearer {KEY}", "content-type": "application/json"}) for _ in range(3 * capacity)])
+
+  responses = asyncio.run(flood())
+  codes = [r.status_code for r in responses]
+  assert set(codes) <= {200, 503} and codes.count(503) > 0 and codes.count(200) >= capacity, codes
+  busy = next(r for r in responses if r.status_code == 503)
+  assert busy.headers["retry-after"] and "serve_max_queue" in busy.json()["error"]["message"]
+  expected = served.text(served.greedy(served.ids("the quick brown fox"), 16))
+  assert all(r.json()["choices"][0]["text"] == expected for r in responses if r.status_code == 200)
+  # A client that reads two chunks of a stream and hangs up: its slot is released.
+  released = served.server.scheduler.load().get("released", 0)
+  with httpx.stream("POST", f"{served.url}/v1/completions", headers={"authorization": f"Bearer {KEY}"},
+                    json={"model": "tiny", "prompt": "to be", "max_tokens": 16, "temperature": 0.0,
+                          "stream": True}) as stream:
+    lines = stream.iter_lines()
+    next(lines), next(lines)
+  deadline = time.monotonic() + 30
+  while served.server.scheduler.load().get("released", 0) == released or served.server.scheduler.load()["active"]:
+    assert time.monotonic() < deadline, served.server.scheduler.load()
+    time.sleep(0.05)
+  out = served.client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=6, temperature=0)
+  assert out.choices[0].text == served.text(served.greedy(served.ids(PROMPTS[3]), 6))
+
+
+def test_echo_logprobs_equal_the_model_log_softmax(served):
+  """With echo and max_tokens=0 the prompt tokens' log-likelihoods, as harnesses ask for them."""
+  ids = served.ids(PROMPTS[2])
+  out = _post(served, "/v1/completions", f'{{"model": "tiny", "prompt": {ids}, "max_tokens": 0, "echo": true, '
+              '"logprobs": 2, "temperature": 0}').json()
+  logprobs = out["choices"][0]["logprobs"]
+  assert out["choices"][0]["text"] == served.text(ids) and len(logprobs["tokens"]) == len(ids)
+  expected = _direct_logprobs(served, ids)
+  assert logprobs["token_logprobs"][0] is None
+  np.testing.assert_allclose(logprobs["token_logprobs"][1:], expected, atol=1e-4)
+  assert all(1 <= len(top) <= 2 and max(top.values()) >= lp
+             for top, lp in zip(logprobs["top_logprobs"][1:], logprobs["token_logprobs"][1:]))
+
+
+def _direct_logprobs(served, ids: list[int]) -> np.ndarray:
+  """log p(token i | tokens < i) from one full forward pass of the model, outside the server."""
+  tokens = jnp.asarray([ids])
+  apply = sharding.unsharded()(served.engine.spec.apply)
+  logits = apply(served.params, tokens, jnp.arange(len(ids))[None], jnp.ones_like(tokens))
+  logprobs = jax.nn.log_softmax(logits[0, :-1].astype(jnp.float32), axis=-1)
+  return np.asarray(jnp.take_along_axis(logprobs, tokens[0, 1:, None], axis=-1)[:, 0])
+
+
+LM_EVAL_TASK = """task: serve_tiny_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+"""
+LM_EVAL_DOCS = [{"context": "the quick brown", "choices": [" fox", " dog", " day"], "label": 0},
+                {"context": "to be or", "choices": [" not", " that"], "label": 0},
+                {"context": "shall i", "choices": [" compare thee", " be"], "label": 1}]
+
+
+@pytest.mark.slow  # lm-eval's start-up (datasets, tokenizer, task loading) dominates
+def test_lm_eval_local_completions_log_likelihoods_equal_the_model(served, tmp_path, monkeypatch):
+  """lm-eval's own client, tokenizer handling and parsing on a task written here (no downloads)."""
+  lm_eval = pytest.importorskip("lm_eval", reason="needs lm-eval (EXTRAS=test bash setup.sh)")
+  from lm_eval.tasks import TaskManager
+
+  import json
+
+  monkeypatch.setenv("OPENAI_API_KEY", KEY)
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+  data = tmp_path / "docs.jsonl"
+  data.write_text("".join(json.dumps(d) + "\n" for d in LM_EVAL_DOCS))
+  (tmp_path / "task.yaml").write_text(LM_EVAL_TASK.format(data=data))
+  results = lm_eval.simple_evaluate(
+      model="local-completions", tasks=["serve_tiny_choice"], task_manager=TaskManager(include_path=str(tmp_path)),
+      model_args=dict(base_url=f"{served.url}/v1/completions", model="tiny", tokenizer=str(served.tokenizer_dir),
+                      tokenizer_backend="huggingface", max_length=MODEL["max_target_length"], num_concurrent=2),
+      log_samples=True)
+  samples = results["samples"]["serve_tiny_choice"]
+  assert len(samples) == len(LM_EVAL_DOCS)
+  scored = 0
+  for sample in samples:
+    for (context, continuation), ((loglikelihood, _),) in zip(sample["arguments"], sample["resps"]):
+      whole, context_ids = served.ids(context + continuation), served.ids(context)
+      expected = _direct_logprobs(served, whole)[len(context_ids) - 1:].sum()
+      assert loglikelihood == pytest.approx(float(expected), abs=1e-4), (context, continuation)
+      scored += 1
+  assert scored == sum(len(d["choices"]) for d in LM_EVAL_DOCS)
+
+
+def test_server_without_a_tokenizer_or_checkpoint_is_a_clear_error(tmp_path):
+  from MaxText.errors import UserError
+
+  with pytest.raises(UserError, match="needs tokenizer_path"):
+    build_server(Config.for_testing(**MODEL, **LIMITS), mesh=one_device_mesh())
+  tokenizer = write_tokenizer(tmp_path / "tok", None)
+  with pytest.raises(UserError, match="does not exist"):
+    build_server(Config.for_testing(**MODEL, **LIMITS, tokenizer_path=str(tokenizer),
+                                    load_parameters_path=str(tmp_path / "missing")), mesh=one_device_mesh())
+
+
+def _free_port() -> int:
+  import socket
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow  # two CLI processes (JAX start-up and compiles each)
+def test_cli_server_answers_like_decode_py(tmp_path):
+  """`python3 -m MaxText.serve` on a params-only checkpoint, key from MAXTEXT_API_KEY: its greedy text
+  equals what `python3 -m MaxText.decode` prints for the same prompt and checkpoint."""
+  import ast
+  import os
+  import subprocess
+
+  from MaxText import models, params_io
+  from MaxText.convert import engine as convert_engine
+
+  model_keys = {k: MODEL[k] for k in ("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim",
+                                       "base_mlp_dim", "base_num_decoder_layers", "vocab_size")}
+  checkpoint = tmp_path / "params"
+  spec = models.build_model_spec(Config.for_testing(**MODEL).model)
+  params_io.save_params(str(checkpoint), jax.jit(spec.init_params)(jax.random.key(5)))
+  convert_engine.write_model_config(str(checkpoint), model_keys, "a test")
+  tokenizer = write_tokenizer(tmp_path / "tok", None)
+  common = [f"load_parameters_path={checkpoint}", f"tokenizer_path={tokenizer}", "tokenizer_type=huggingface",
+            "add_bos=False", "max_target_length=24", "max_prefill_predict_length=20", "dtype=float32"]
+  repo = Path(__file__).resolve().parents[1]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "MAXTEXT_API_KEY": KEY}
+  decoded = subprocess.run([sys.executable, "-m", "MaxText.decode", "configs/base.yml", *common, "prompt=to be or not"],
+                           cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+  assert decoded.returncode == 0, decoded.stderr[-2000:]
+  line = next(l for l in decoded.stdout.splitlines() if l.startswith("completion: "))
+  expected = ast.literal_eval(line.removeprefix("completion: "))
+  assert expected, decoded.stdout  # a completion with visible text to compare
+  port = _free_port()
+  process = subprocess.Popen([sys.executable, "-m", "MaxText.serve", "configs/base.yml", *common, f"port={port}",
+                              "serve_max_tokens=32"], cwd=repo, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.monotonic() + 240
+    while True:
+      assert process.poll() is None and time.monotonic() < deadline, process.stdout.read() if process.stdout else ""
+      try:
+        if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+          break
+      except httpx.TransportError:
+        time.sleep(0.5)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    out = client.completions.create(model=model, prompt="to be or not", max_tokens=24 - 12 + 1, temperature=0)
+    assert out.choices[0].text == expected
+  finally:
+    process.terminate()
+    process.wait(30)
+
+
+def test_cancelled_job_frees_its_slot_and_a_deadline_is_a_504(served, monkeypatch):
+  import dataclasses
+
+  from MaxText.inference import scheduler as sched
+  from MaxText.inference.sampling import RowParams
+
+  events, done = [], threading.Event()
+
+  def emit(event):  # cancels after the first token, as a handler does for a gone client
+    events.append(event)
+    if isinstance(event, sched.Token):
+      job.cancel()
+    if isinstance(event, sched.Done):
+      done.set()
+
+  job = sched.Job(0, served.ids(PROMPTS[0]), 16, RowParams(), emit)
+  before = served.server.scheduler.load()
+  served.server.scheduler.submit([job])
+  assert done.wait(60)
+  after = served.server.scheduler.load()
+  assert events[-1].reason == "cancelled" and job.generated < 16
+  assert after["released"] == before.get("released", 0) + 1 and after["active"] == 0
+  monkeypatch.setattr(served.server, "decode_cfg",
+                      dataclasses.replace(served.server.decode_cfg, serve_request_timeout_seconds=1e-3))
+  response = _post(served, "/v1/completions", '{"model": "tiny", "prompt": "the", "max_tokens": 16}')
+  assert response.status_code == 504 and "serve_request_timeout_seconds" in response.json()["error"]["message"]
