@@ -3,7 +3,8 @@
 machine through its recipe (EXECUTABLE=train_compile, NUM_SLICES, compile_topology), its
 implied MFU beside the published one, the error of each and the rank correlation.
 
-  python3 benchmarks/estimator_table.py [--out outputs/estimator_points.jsonl] [--only v5e]
+  python3 benchmarks/estimator_table.py [--out outputs/estimator_points.jsonl] [--only v5e] [--slices 1,2,8]
+      [--reuse outputs/plan_recipes.jsonl]
 
 Points already in --out are not compiled again. Figures: getting_started/AOT.md.
 """
@@ -54,6 +55,7 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--out", default="outputs/estimator_points.jsonl")
   parser.add_argument("--only", default="", help="a prefix of the recipe names to compile (e.g. v5e)")
+  parser.add_argument("--slices", default="", help="compile only these slice counts (e.g. 1,2,8,32)")
   parser.add_argument("--reuse", default="", help="plan_recipes.py's output: its single-slice recipe compiles")
   opts = parser.parse_args()
   out = Path(opts.out)
@@ -74,7 +76,8 @@ def main() -> int:
                        "estimate": round(planned["recipe_mfu"] * 100, 1), "compile_s": planned["recipe_compile_s"],
                        "hbm_used": None, "returncode": 0, "error": None}
   for recipe, topology, slices, published in POINTS:
-    if (recipe, topology, slices) in done or not recipe.startswith(opts.only):
+    wanted = not opts.slices or str(slices) in opts.slices.split(",")
+    if (recipe, topology, slices) in done or not recipe.startswith(opts.only) or not wanted:
       continue
     row = {"recipe": recipe, "topology": topology, "slices": slices, "published": published,
            **compile_point(recipe, topology, slices)}

@@ -35,6 +35,13 @@ CASES = {"v5e/16b": "v5e-256", "v5e/128b": "v5e-256", "v5p/32b": "v5p-128"}
 MODEL_KEYS = ("global_parameter_scale", "base_emb_dim", "max_target_length", "per_device_batch_size")
 
 
+def peer_env(**extra: str) -> dict[str, str]:
+  """The environment for a compile under the peer's Python: without the libtpu path this
+  process's imports exported (the peer's own libtpu must load), with `extra`."""
+  env = {k: v for k, v in os.environ.items() if k != "TPU_LIBRARY_PATH"}
+  return {**env, **extra}
+
+
 def upstream_recipe(peer_python: str, case: str) -> tuple[str, list[str]]:
   """(LIBTPU_INIT_ARGS, train_compile arguments) of upstream's recipe for `case`."""
   site = subprocess.run([peer_python, "-c", "import maxtext, os; print(os.path.dirname(maxtext.__file__))"],
@@ -53,8 +60,8 @@ def upstream_step_s(peer_python: str, case: str, topology: str) -> dict:
   from MaxText.hlo_cycles import estimated_cycles  # noqa: PLC0415
   flags, args = upstream_recipe(peer_python, case)
   with tempfile.TemporaryDirectory(prefix="peer_") as tmp:
-    env = dict(os.environ, LIBTPU_INIT_ARGS=flags,
-               XLA_FLAGS=f"--xla_dump_to={tmp}/dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train_step.*")
+    env = peer_env(LIBTPU_INIT_ARGS=flags,
+                   XLA_FLAGS=f"--xla_dump_to={tmp}/dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train_step.*")
     start = time.perf_counter()
     result = subprocess.run([peer_python, "-m", "maxtext.trainers.pre_train.train_compile", *args,
                              f"compile_topology={topology}", "compile_topology_num_slices=1",
@@ -71,7 +78,7 @@ def upstream_step_s(peer_python: str, case: str, topology: str) -> dict:
 
 def ours_step_s(peer_python: str, case: str, extra: list[str]) -> dict:
   """Our recipe compiled under the peer's Python (its JAX and libtpu)."""
-  env = dict(os.environ, PATH=f"{Path(peer_python).parent}:{os.environ['PATH']}", PYTHONPATH=str(REPO))
+  env = peer_env(PATH=f"{Path(peer_python).parent}:{os.environ['PATH']}", PYTHONPATH=str(REPO))
   start = time.perf_counter()
   result = subprocess.run(["bash", f"configs/{case}.sh", "EXECUTABLE=train_compile", *extra], cwd=REPO, env=env,
                           capture_output=True, text=True, check=False)

@@ -3,10 +3,11 @@ plans its model, topology and global batch with everything else left to the plan
 prints the planner's best compiler-estimated MFU and wall time beside the recipe's own.
 
   python3 benchmarks/plan_recipes.py [--recipes v5e/32b,v5p/64b] [--max-candidates 2] [--workers 1]
-      [--cache-dir outputs/plan_cache] [--out outputs/plan_recipes.jsonl]
+      [--cache-dir outputs/plan_cache] [--out outputs/plan_recipes.jsonl] [--plan-args "attention_blocks=none"]
 
 The recipe's own setting is compiled too (`bash configs/<recipe>.sh EXECUTABLE=train_compile`;
-`--no-recipe-compile` skips it), with the same code, flags and estimator, so the columns compare. Figures: getting_started/Planner.md.
+`--no-recipe-compile` skips it), with the same code, flags and estimator, so the columns
+compare. Figures: getting_started/Planner.md.
 """
 
 from __future__ import annotations
@@ -66,13 +67,14 @@ def main() -> int:
   parser.add_argument("--cache-dir", default="outputs/plan_cache")
   parser.add_argument("--out", default="outputs/plan_recipes.jsonl")
   parser.add_argument("--no-recipe-compile", action="store_true")
+  parser.add_argument("--plan-args", default="", help="more planner arguments, e.g. attention_blocks=none")
   opts = parser.parse_args()
   names = [n for n in opts.recipes.split(",") if n] or sorted(
       f"{p.parent.name}/{p.stem}" for gen in ("v5e", "v5p") for p in (REPO / "configs" / gen).glob("*.sh"))
   Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
   for name in names:
     topology, args = read_recipe(REPO / "configs" / f"{name}.sh")
-    command = plan_command(topology, args, opts.max_candidates, opts.workers, opts.cache_dir)
+    command = plan_command(topology, args, opts.max_candidates, opts.workers, opts.cache_dir) + opts.plan_args.split()
     start = time.perf_counter()
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
