@@ -58,7 +58,7 @@ class PageAllocator:
     """Pages for a prompt of `prompt_length` tokens in `slot` (its previous pages freed first)."""
     need = self.pages_for(prompt_length)
     if need > len(self.free) + self.held(slot):
-      raise OutOfPages(f"out of KV pages: a {prompt_length}-token prompt needs {need} pages of {self.page_size} "
+      raise OutOfPages(f"out of KV pages: a prompt of {prompt_length} tokens needs {need} pages of {self.page_size} "
                        f"tokens, {len(self.free)} are free of kv_num_pages={self.num_pages}; release a slot "
                        "first or raise kv_num_pages")
     self.release(slot)
