@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec
 
 from MaxText import sharding
 from MaxText.layers import attention_kernels, masks
@@ -125,22 +126,38 @@ def tpu_kernel_applies(cache: PagedKVCache, q_BLNH: jax.Array, window_size: mask
 def tpu_paged_attention(q_BLNH: jax.Array, cache: PagedKVCache, positions_BL: jax.Array,
                         soft_cap: float) -> jax.Array:
   """The Pallas TPU kernel (jax.experimental.pallas.ops.tpu.paged_attention) over the pool as
-  stored; it attends to the first `lengths` tokens of each slot's pages."""
-  from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+  stored; it attends to the first `lengths` tokens of each slot's pages. Mosaic kernels are not
+  partitioned by XLA, so it runs per device under shard_map: kv heads (and their query-head
+  groups) split as the pool is, the pages, block table and slots whole on every device."""
+  from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as kernel
   from jax.experimental.pallas.ops.tpu.paged_attention import quantization_utils
 
   pages_per_slot = cache.block_table_BM.shape[1]
-  total = pages_per_slot * cache.page_size
-  lengths_B = jnp.clip(positions_BL[:, 0] + 1, 1, total).astype(jnp.int32)  # empty slots: clamped in range
-  keys: Any = cache.key_KPZH
-  values: Any = cache.value_KPZH
-  if cache.quantized:
-    keys = quantization_utils.QuantizedTensor(cache.key_KPZH, cache.key_scale_KPZ1)
-    values = quantization_utils.QuantizedTensor(cache.value_KPZH, cache.value_scale_KPZ1)
+  lengths_B = jnp.clip(positions_BL[:, 0] + 1, 1, pages_per_slot * cache.page_size).astype(jnp.int32)
   block = max(b for b in (8, 4, 2, 1) if pages_per_slot % b == 0)
-  out_BNH = paged_attention(q_BLNH[:, 0], keys, values, lengths_B, jnp.maximum(cache.block_table_BM, 0),
-                            attn_logits_soft_cap=soft_cap if soft_cap > 0 else None,
-                            pages_per_compute_block=block)
+  pools = [cache.key_KPZH, cache.value_KPZH] + ([cache.key_scale_KPZ1, cache.value_scale_KPZ1] if cache.quantized
+                                                else [])
+
+  def per_device(q_BNH: jax.Array, lengths_B: jax.Array, table_BM: jax.Array, *pools: jax.Array) -> jax.Array:
+    keys: Any = pools[0]
+    values: Any = pools[1]
+    if len(pools) == 4:  # the kernel dequantizes as int8 * h / MAX_INT8; ours is int8 * scale
+      keys = quantization_utils.QuantizedTensor(pools[0], pools[2] * quantization_utils.MAX_INT8)
+      values = quantization_utils.QuantizedTensor(pools[1], pools[3] * quantization_utils.MAX_INT8)
+    return kernel(q_BNH, keys, values, lengths_B, jnp.maximum(table_BM, 0),  # unallocated: page 0, never read
+                  attn_logits_soft_cap=soft_cap if soft_cap > 0 else None, pages_per_compute_block=block)
+
+  args = (q_BLNH[:, 0], lengths_B, cache.block_table_BM, *pools)
+  context = sharding.current_activation_context()
+  if context is None:
+    out_BNH = per_device(*args)
+  else:
+    mesh, rules = context
+    heads = sharding.logical_to_mesh_spec(POOL_NAMES, rules, mesh, cache.key_KPZH.shape)[0]
+    q_spec, pool_spec = PartitionSpec(None, heads, None), PartitionSpec(heads, None, None, None)
+    out_BNH = jax.shard_map(per_device, mesh=mesh, in_specs=(q_spec, PartitionSpec(), PartitionSpec(),
+                                                             *[pool_spec] * len(pools)),
+                            out_specs=q_spec, check_vma=False)(*args)
   return out_BNH[:, None].astype(q_BLNH.dtype)
 
 

@@ -6,14 +6,16 @@ the bad-input errors. The Pallas TPU kernel path: an AOT compile for a TPU topol
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from MaxText import sharding
 from MaxText.config import Config
 from MaxText.errors import ConfigError, UserError
 from MaxText.inference import paged_cache
 from MaxText.inference.engine import Engine, Request, serve
-from MaxText.layers import paged_kv
+from MaxText.layers import kv_cache, paged_kv
 from decode_test_utils import engine_tokens, one_device_mesh
 
 TINY = dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16, base_mlp_dim=128,
@@ -178,3 +180,56 @@ def test_dense_release_is_a_no_op_and_reports_no_pages():
   assert engine.cache_stats()["pages_total"] == 0 and engine.cache_stats()["layout"] == "dense"
   with pytest.raises(ValueError, match="slot 2 out of range"):
     engine.release(2)
+
+
+# ---------------------------------------------------------------- the TPU kernel path
+def filled_pool(quantized: bool) -> paged_kv.PagedKVCache:
+  """3 slots over scattered pages of 8 tokens, 2 kv heads of 128; keys/values exact in bfloat16
+  (the kernel computes in bfloat16)."""
+  slots, pages_per_slot, page, width = 3, 4, 8, 128
+  pool = paged_kv.empty_pool(10, page, 2, width, jnp.float32, slots, pages_per_slot, quantized)
+  table = np.full((slots, pages_per_slot), -1, np.int32)
+  table[0, :2], table[1, :], table[2, :1] = [3, 7], [0, 9, 2, 5], [8]
+  pool = pool.replace(block_table_BM=jnp.asarray(table))
+  shape = (slots, pages_per_slot * page, 2, width)
+  k, v = (jax.random.normal(jax.random.key(i), shape).astype(jnp.bfloat16).astype(jnp.float32) for i in (1, 2))
+  with sharding.unsharded():
+    return kv_cache.write(pool, k, v, jnp.broadcast_to(jnp.arange(shape[1]), shape[:2]))
+
+
+@pytest.mark.parametrize("quantized,soft_cap", [(False, 5.0), pytest.param(True, 0.0, marks=pytest.mark.slow)])
+def test_tpu_paged_kernel_equals_the_reference_in_interpret_mode(quantized, soft_cap):
+  """The Pallas TPU kernel, run by Pallas' TPU interpreter on CPU, against the gather reference:
+  GQA (4 query heads on 2 kv heads), slots of 13, 31 and 6 tokens over scattered pages."""
+  pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
+  pool = filled_pool(quantized)
+  q = jax.random.normal(jax.random.key(3), (3, 1, 4, 128))
+  positions = jnp.asarray([[12], [30], [5]])
+  expected = paged_kv.paged_attention(q, pool, positions, soft_cap=soft_cap)
+  with pltpu.force_tpu_interpret_mode(), sharding.unsharded():
+    got = paged_kv.tpu_paged_attention(q, pool, positions, soft_cap)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5, rtol=0)
+
+
+@pytest.mark.slow  # ~15 s: libtpu compiles for a TPU topology on CPU
+@pytest.mark.parametrize("topology,tensor,quantized", [("v5e-1", 1, True), ("v5e-4", 2, False)])
+def test_paged_generate_compiles_for_tpu_with_the_pallas_kernel(topology, tensor, quantized):
+  """AOT: the paged generate step lowers to the Pallas paged-attention kernel (one custom call in
+  the scanned layer) and compiles for a TPU topology, kv heads split over tensor under shard_map."""
+  pytest.importorskip("libtpu")
+  from MaxText import accelerators
+  from MaxText.train_compile import describe_topology
+  tpu = accelerators.tpu_topology(topology)
+  config = Config.for_testing(tpu.target(1), **dict(TINY, base_emb_dim=256, head_dim=128, max_target_length=256,
+                                                    dtype="bfloat16"),
+                              kv_cache_layout="paged", kv_page_size=16, quantize_kvcache=quantized,
+                              ici_tensor_parallelism=tensor, ici_fsdp_parallelism=-1)
+  engine = Engine(config, num_slots=8, mesh=sharding.create_mesh(config.mesh, describe_topology(tpu, 1)))
+  params = sharding.with_shardings(engine.spec.abstract_params, engine.param_shardings)
+  state = sharding.with_shardings(jax.eval_shape(engine._init_state_fn, jnp.uint32(0)), engine.state_shardings)
+  table = jax.ShapeDtypeStruct(engine.pages.table.shape, jnp.int32, sharding=sharding.replicated(engine.mesh))
+  with sharding.activation_sharding(engine.mesh, engine.rules):
+    lowered = engine._generate.lower(params, state, table)
+  assert lowered.as_text().count("paged_flash_attention_kernel") == 1
+  lowered.compile()
+  assert engine.state_shardings.caches.key_KPZH.spec[1] == (None if tensor == 1 else "tensor")
