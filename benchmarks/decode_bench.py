@@ -11,7 +11,7 @@ generates about 3x slower (XLA's CPU backend copies each layer's weights out of 
 arrays every step; see getting_started/Decode.md), so decode there with scan_layers=False. Random weights (the speed does not depend on them).
 --caches also times the paged KV cache (kv_cache_layout=paged, pages of --page-size tokens, as many
 as the dense cache holds) and prints the cache bytes of a mixed-length workload (8 slots,
-max_target_length 1024, prompts of 20..900 tokens with 64 new each) dense vs paged, the pool sized
+max_target_length 1024, prompts of 10..900 tokens with 64 new each) dense vs paged, the pool sized
 to the pages the workload holds. The last lines are machine-readable: `RESULT prefill ...`,
 `RESULT generate slots=...` and `RESULT memory ...`.
 """
