@@ -8,7 +8,8 @@ Prefill: one pass over a full prompt of --prefill tokens (batch 1); latency is t
 token, timed after a compiling step; per-token latency is the wall time of one step (all slots
 at once), tokens/s counts every slot. Both layer layouts are measured: on CPU the scanned stack
 generates about 3x slower (XLA's CPU backend copies each layer's weights out of the stacked
-arrays every step; see getting_started/Decode.md), so decode there with scan_layers=False. Random weights (the speed does not depend on them).
+arrays every step; see getting_started/Decode.md), so decode there with scan_layers=False. Random weights
+(the speed does not depend on them).
 --caches also times the paged KV cache (kv_cache_layout=paged, pages of --page-size tokens, as many
 as the dense cache holds) and prints the cache bytes of a mixed-length workload (8 slots,
 max_target_length 1024, prompts of 10..900 tokens with 64 new each) dense vs paged, the pool sized

@@ -179,7 +179,8 @@ class Engine:
     num_pages = self.decode_cfg.kv_num_pages or self.num_slots * per_slot
     if num_pages < per_slot:
       raise UserError(f"kv_num_pages={num_pages} cannot hold one request at max_target_length="
-                      f"{self.cfg.max_target_length} ({per_slot} pages of kv_page_size={self.decode_cfg.kv_page_size}); "
+                      f"{self.cfg.max_target_length} ({per_slot} pages of kv_page_size="
+                      f"{self.decode_cfg.kv_page_size}); "
                       f"set kv_num_pages >= {per_slot} (0 = {self.num_slots * per_slot}, the dense capacity)")
     return num_pages
 

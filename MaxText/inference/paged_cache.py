@@ -17,6 +17,7 @@ retry; `engine.serve` instead admits a request only when the pages it will need 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -123,8 +124,10 @@ def _is_pool(x: Any) -> bool:
 
 def with_block_table(pools: Any, table_TM: jax.Array) -> Any:
   """Every layer's cache with the allocator's block table (broadcast over a stacked layer dim)."""
-  return jax.tree.map(lambda c: c.replace(block_table_BM=jnp.broadcast_to(table_TM, c.block_table_BM.shape)),
-                      pools, is_leaf=_is_pool)
+  def put(cache: paged_kv.PagedKVCache) -> paged_kv.PagedKVCache:
+    return dataclasses.replace(cache, block_table_BM=jnp.broadcast_to(table_TM, cache.block_table_BM.shape))
+
+  return jax.tree.map(put, pools, is_leaf=_is_pool)
 
 
 def insert_prefix(pools: Any, prefix_caches: Any, row: jax.Array, table_row_M: jax.Array, stacked: bool) -> Any:
@@ -139,7 +142,7 @@ def insert_prefix(pools: Any, prefix_caches: Any, row: jax.Array, table_row_M: j
     def put(pool_leaf: jax.Array, cache_leaf: jax.Array) -> jax.Array:
       return paged_kv.scatter(pool_leaf, jax.lax.dynamic_slice_in_dim(cache_leaf, row, 1, axis=0), flat_1L)
 
-    return pool.replace(**{name: put(getattr(pool, name), getattr(cache, dense_name))
+    return dataclasses.replace(pool, **{name: put(getattr(pool, name), getattr(cache, dense_name))
                            for name, dense_name in _FIELDS if getattr(pool, name) is not None})
 
   layer = jax.vmap(one_layer) if stacked else one_layer

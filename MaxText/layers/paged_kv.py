@@ -105,12 +105,9 @@ def store(cache: PagedKVCache, k_BLKH: jax.Array, v_BLKH: jax.Array, k_scale_BLK
   """The cache with each new key/value (already int8 with its scales when quantized) stored at
   its slot's page for its position."""
   flat_BL = flat_indices(cache.block_table_BM, positions_BL, cache.key_KPZH.shape[1], cache.page_size)
-  new = PagedKVCache(scatter(cache.key_KPZH, k_BLKH, flat_BL), scatter(cache.value_KPZH, v_BLKH, flat_BL),
-                     cache.block_table_BM)
-  if cache.quantized:
-    assert k_scale_BLK1 is not None and v_scale_BLK1 is not None
-    new = new.replace(key_scale_KPZ1=scatter(cache.key_scale_KPZ1, k_scale_BLK1, flat_BL),
-                      value_scale_KPZ1=scatter(cache.value_scale_KPZ1, v_scale_BLK1, flat_BL))
+  put = lambda pool, update: None if update is None else scatter(pool, update, flat_BL)  # noqa: E731
+  new = PagedKVCache(put(cache.key_KPZH, k_BLKH), put(cache.value_KPZH, v_BLKH), cache.block_table_BM,
+                     put(cache.key_scale_KPZ1, k_scale_BLK1), put(cache.value_scale_KPZ1, v_scale_BLK1))
   return jax.tree.map(sharding.constrain, new, logical_names(new, stacked=False))
 
 

@@ -5,6 +5,8 @@ the bad-input errors. The Pallas TPU kernel path: an AOT compile for a TPU topol
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -190,7 +192,7 @@ def filled_pool(quantized: bool) -> paged_kv.PagedKVCache:
   pool = paged_kv.empty_pool(10, page, 2, width, jnp.float32, slots, pages_per_slot, quantized)
   table = np.full((slots, pages_per_slot), -1, np.int32)
   table[0, :2], table[1, :], table[2, :1] = [3, 7], [0, 9, 2, 5], [8]
-  pool = pool.replace(block_table_BM=jnp.asarray(table))
+  pool = dataclasses.replace(pool, block_table_BM=jnp.asarray(table))
   shape = (slots, pages_per_slot * page, 2, width)
   k, v = (jax.random.normal(jax.random.key(i), shape).astype(jnp.bfloat16).astype(jnp.float32) for i in (1, 2))
   with sharding.unsharded():
