@@ -114,10 +114,11 @@ def store(cache: PagedKVCache, k_BLKH: jax.Array, v_BLKH: jax.Array, k_scale_BLK
 def tpu_kernel_applies(cache: PagedKVCache, q_BLNH: jax.Array, window_size: masks.Window,
                        chunk_size: masks.Window, sinks_N: jax.Array | None) -> bool:
   """Whether the Pallas TPU paged-attention kernel computes this call: one new token per slot
-  (a generate step) on TPU, full causal attention (it has no window, chunk or sink), and a
-  page count per slot it can block."""
+  (a generate step) on TPU, full causal attention (it has no window, chunk or sink), and a head
+  dim its blocks tile (Mosaic wants the last block dim a multiple of 128; 64 does not lower)."""
+  head_dim = cache.key_KPZH.shape[-1]
   return (attention_kernels.trace_platform() == "tpu" and q_BLNH.shape[1] == 1 and window_size is None
-          and chunk_size is None and sinks_N is None and q_BLNH.shape[-1] == cache.key_KPZH.shape[-1])
+          and chunk_size is None and sinks_N is None and q_BLNH.shape[-1] == head_dim and head_dim % 128 == 0)
 
 
 def tpu_paged_attention(q_BLNH: jax.Array, cache: PagedKVCache, positions_BL: jax.Array,

@@ -214,15 +214,17 @@ def test_tpu_paged_kernel_equals_the_reference_in_interpret_mode(quantized, soft
 
 
 @pytest.mark.slow  # ~15 s: libtpu compiles for a TPU topology on CPU
-@pytest.mark.parametrize("topology,tensor,quantized", [("v5e-1", 1, True), ("v5e-4", 2, False)])
-def test_paged_generate_compiles_for_tpu_with_the_pallas_kernel(topology, tensor, quantized):
+@pytest.mark.parametrize("topology,tensor,quantized,head_dim,kernels", [
+    ("v5e-1", 1, True, 128, 1), ("v5e-4", 2, False, 128, 1), ("v5e-1", 1, False, 64, 0)])
+def test_paged_generate_compiles_for_tpu_with_the_pallas_kernel(topology, tensor, quantized, head_dim, kernels):
   """AOT: the paged generate step lowers to the Pallas paged-attention kernel (one custom call in
-  the scanned layer) and compiles for a TPU topology, kv heads split over tensor under shard_map."""
+  the scanned layer) and compiles for a TPU topology, kv heads split over tensor under shard_map;
+  a head dim of 64, which the kernel's blocks cannot tile, takes the gather reference instead."""
   pytest.importorskip("libtpu")
   from MaxText import accelerators
   from MaxText.train_compile import describe_topology
   tpu = accelerators.tpu_topology(topology)
-  config = Config.for_testing(tpu.target(1), **dict(TINY, base_emb_dim=256, head_dim=128, max_target_length=256,
+  config = Config.for_testing(tpu.target(1), **dict(TINY, base_emb_dim=256, head_dim=head_dim, max_target_length=256,
                                                     dtype="bfloat16"),
                               kv_cache_layout="paged", kv_page_size=16, quantize_kvcache=quantized,
                               ici_tensor_parallelism=tensor, ici_fsdp_parallelism=-1)
@@ -232,6 +234,6 @@ def test_paged_generate_compiles_for_tpu_with_the_pallas_kernel(topology, tensor
   table = jax.ShapeDtypeStruct(engine.pages.table.shape, jnp.int32, sharding=sharding.replicated(engine.mesh))
   with sharding.activation_sharding(engine.mesh, engine.rules):
     lowered = engine._generate.lower(params, state, table)
-  assert lowered.as_text().count("paged_flash_attention_kernel") == 1
+  assert lowered.as_text().count("paged_flash_attention_kernel") == kernels
   lowered.compile()
   assert engine.state_shardings.caches.key_KPZH.spec[1] == (None if tensor == 1 else "tensor")
