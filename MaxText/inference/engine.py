@@ -156,6 +156,12 @@ class Engine:
     if self.pages is not None:
       self.pages.release(slot)
 
+  def pages_needed(self, num_tokens: int) -> int:
+    """Pages a request holds once `num_tokens` tokens are cached (prompt + new tokens - 1; the
+    last sampled token is never written); 0 for the dense cache. Admission control compares the
+    sum over running requests with cache_stats()["pages_total"]."""
+    return 0 if self.pages is None else self.pages.pages_for(num_tokens)
+
   def cache_stats(self) -> dict[str, Any]:
     """layout, cache_bytes (all layers' cache arrays as allocated) and, paged, pages_total /
     pages_free / pages_used / page_size (dense: pages_* are 0, every slot owns max_target_length)."""
@@ -274,8 +280,8 @@ def serve(engine: Engine, params: Any, requests: Sequence[Request], eos_id: int 
       if slot in active or not waiting:
         continue
       index, request = waiting[0]
-      need = 0 if engine.pages is None else engine.pages.pages_for(len(request.prompt) + request.max_new_tokens - 1)
-      if engine.pages is not None and sum(reserved.values()) + need > engine.pages.num_pages:
+      need = engine.pages_needed(len(request.prompt) + request.max_new_tokens - 1)
+      if need and sum(reserved.values()) + need > engine.cache_stats()["pages_total"]:
         break  # wait for running requests to give their pages back
       waiting.popleft()
       prefix = engine.prefill(params, [request.prompt], seed=seed + index)
