@@ -30,6 +30,7 @@ _AXIS_KEY = {"data": "data", "stage": "pipeline", "fsdp": "fsdp", "fsdp_transpos
 DATASET_TYPES = ("synthetic", "tfds", "hf", "grain")
 TOKENIZER_TYPES = ("sentencepiece", "tiktoken", "huggingface")  # input_pipeline/tokenizer.py reads each
 SAMPLING_STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
+KV_CACHE_LAYOUTS = ("dense", "paged")
 
 
 def _fill_auto_axis(degrees: dict[str, int], total: int, group: str) -> dict[str, int]:
@@ -397,10 +398,17 @@ class DecodeConfig:
   serve_max_n: int = key()  # the most completions (prompts x n) one request may ask for
   serve_max_body_bytes: int = key()
   serve_request_timeout_seconds: float = key()
+  kv_cache_layout: str = key()  # dense: [slots, max_target_length] per layer; paged: a pool of pages
+  kv_page_size: int = key()
+  kv_num_pages: int = key()  # 0: as many as slots x pages per slot (the dense capacity)
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any]) -> "DecodeConfig":
     _one_of(v, "decode_sampling_strategy", SAMPLING_STRATEGIES)
+    _one_of(v, "kv_cache_layout", KV_CACHE_LAYOUTS)
+    _require(v["kv_page_size"] >= 1, f"kv_page_size must be >= 1, got {v['kv_page_size']}")
+    _require(v["kv_num_pages"] >= 0, f"kv_num_pages must be >= 0 (0: enough for every slot at max_target_length), "
+             f"got {v['kv_num_pages']}")
     # Checked against max_target_length by the decode engine only: training runs never read it.
     prefill = v["max_prefill_predict_length"]
     _require(prefill > 0, f"max_prefill_predict_length must be > 0, got {prefill}")

@@ -1,15 +1,20 @@
 """CPU decode latency and throughput of a ~110M-parameter Llama-style model through the engine.
 
     python3 benchmarks/decode_bench.py [--prefill 128] [--steps 32] [--slots 1,8] [--layouts unrolled,scanned]
-                                       [--repeats 3] [--int8]
+                                       [--repeats 3] [--int8] [--caches dense,paged] [--page-size 16]
 
 Prefill: one pass over a full prompt of --prefill tokens (batch 1); latency is the median of
 --repeats runs after a compiling one. Generate: --steps jitted steps advancing every slot by one
 token, timed after a compiling step; per-token latency is the wall time of one step (all slots
 at once), tokens/s counts every slot. Both layer layouts are measured: on CPU the scanned stack
 generates about 3x slower (XLA's CPU backend copies each layer's weights out of the stacked
-arrays every step; see getting_started/Decode.md), so decode there with scan_layers=False. Random weights (the speed does not depend on them). The
-last lines are machine-readable: `RESULT prefill ...` and `RESULT generate slots=...`.
+arrays every step; see getting_started/Decode.md), so decode there with scan_layers=False. Random weights
+(the speed does not depend on them).
+--caches also times the paged KV cache (kv_cache_layout=paged, pages of --page-size tokens, as many
+as the dense cache holds) and prints the cache bytes of a mixed-length workload (8 slots,
+max_target_length 1024, prompts of 10..900 tokens with 64 new each) dense vs paged, the pool sized
+to the pages the workload holds. The last lines are machine-readable: `RESULT prefill ...`,
+`RESULT generate slots=...` and `RESULT memory ...`.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ def main() -> None:
   parser.add_argument("--layouts", default="unrolled,scanned", help="scan_layers=False (unrolled) and/or True")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--int8", action="store_true", help="quantize_kvcache=True")
+  parser.add_argument("--caches", default="dense", help="kv_cache_layout values to time: dense and/or paged")
+  parser.add_argument("--page-size", type=int, default=16, help="kv_page_size of the paged cache")
   args = parser.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -47,12 +54,34 @@ def main() -> None:
   from MaxText.config import Config
 
   prompt = list(np.random.default_rng(0).integers(1, MODEL["vocab_size"], args.prefill))
+  if "paged" in args.caches:
+    memory(args)
   for layout in args.layouts.split(","):
-    config = Config.for_testing(**MODEL, scan_layers=layout == "scanned", max_prefill_predict_length=args.prefill,
-                                max_target_length=args.prefill + args.steps + 2, per_device_batch_size=1,
-                                quantize_kvcache=args.int8, print_config=False)
-    for num_slots in (int(s) for s in args.slots.split(",")):
-      run(config, layout, num_slots, prompt, args)
+    for cache in args.caches.split(","):
+      config = Config.for_testing(**MODEL, scan_layers=layout == "scanned", max_prefill_predict_length=args.prefill,
+                                  max_target_length=args.prefill + args.steps + 2, per_device_batch_size=1,
+                                  quantize_kvcache=args.int8, print_config=False, kv_cache_layout=cache,
+                                  kv_page_size=args.page_size)
+      for num_slots in (int(s) for s in args.slots.split(",")):
+        run(config, f"{layout} cache={cache}", num_slots, prompt, args)
+
+
+def memory(args: argparse.Namespace) -> None:
+  """Cache bytes of a mixed-length workload: dense slots x max_target_length against the pages
+  its requests hold at their longest (shapes only, nothing runs)."""
+  from MaxText.config import Config
+  from MaxText.inference.engine import Engine
+
+  prompts, new_tokens, max_length = [20, 900, 64, 300, 130, 45, 600, 10], 64, 1024
+  pages = sum(-(-(n + new_tokens - 1) // args.page_size) for n in prompts)
+  overrides = dict(MODEL, max_target_length=max_length, max_prefill_predict_length=max_length - new_tokens,
+                   per_device_batch_size=1, quantize_kvcache=args.int8, print_config=False)
+  dense = Engine(Config.for_testing(**overrides), num_slots=len(prompts)).cache_stats()["cache_bytes"]
+  paged = Engine(Config.for_testing(**overrides, kv_cache_layout="paged", kv_page_size=args.page_size,
+                                    kv_num_pages=pages), num_slots=len(prompts)).cache_stats()["cache_bytes"]
+  print(f"RESULT memory slots={len(prompts)} max_target_length={max_length} tokens_cached="
+        f"{sum(prompts) + len(prompts) * (new_tokens - 1)} dense_mib={dense / 2**20:.1f} "
+        f"paged_mib={paged / 2**20:.1f} pages={pages}x{args.page_size} ratio={paged / dense:.3f}")
 
 
 def run(config: Any, layout: str, num_slots: int, prompt: list[int], args: argparse.Namespace) -> None:

@@ -39,7 +39,9 @@ from sft_fixtures import CHATML, write_tokenizer, without_markers  # noqa: E402
 KEY = "test-key-123"
 MODEL = dict(base_emb_dim=32, base_num_query_heads=4, base_num_kv_heads=2, head_dim=8, base_mlp_dim=64,
              base_num_decoder_layers=2, vocab_size=272, max_target_length=48, max_prefill_predict_length=32,
-             dtype="float32", print_config=False, tokenizer_type="huggingface", add_bos=False)
+             dtype="float32", print_config=False, tokenizer_type="huggingface", add_bos=False,
+             # The paged cache at a third of the dense capacity (4 slots x 12 pages): requests wait for pages.
+             kv_cache_layout="paged", kv_page_size=4, kv_num_pages=16)
 LIMITS = dict(serve_max_slots=4, serve_max_queue=28, serve_max_tokens=16, serve_max_n=4, serve_max_body_bytes=4096,
               serve_model_name="tiny")
 PROMPTS = ["the quick brown fox", "to be or not", "shall i compare thee", "a lazy dog",
@@ -165,6 +167,8 @@ def _load(served, clients: int, per_client: int) -> None:
   after = served.server.scheduler.load()
   assert after["active"] == 0 and after["waiting"] == 0
   assert after["released"] - before.get("released", 0) == clients * per_client  # every slot handed back
+  stats = served.engine.cache_stats()
+  assert stats["pages_used"] == 0 and stats["pages_free"] == stats["pages_total"] == 16  # every page handed back
   assert elapsed < 300, elapsed
 
 

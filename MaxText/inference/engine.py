@@ -14,6 +14,12 @@ Sampling is per slot: each prompt row brings its own temperature, top-p, top-k a
 slot, so requests with different parameters share one compiled step.
 Continuous batching is `serve`: requests wait for a free slot, are prefilled and inserted, and
 leave their slot when done, all while the other slots keep generating.
+
+kv_cache_layout=paged keeps each layer's cache as a pool of pages instead of [T, S] per slot
+(inference/paged_cache.py): the engine then owns a host-side page allocator tied to the state of
+the last `init_decode_state`; `insert` takes the prompt's pages, `generate` a new page when a
+slot crosses a page boundary (chosen on the host before the jitted step, which takes the block
+table as an argument), `release(slot)` gives them back. One engine, one decode state at a time.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from MaxText import models, params_io, sharding
 from MaxText.config import Config
 from MaxText.errors import UserError
-from MaxText.inference import sampling
+from MaxText.inference import paged_cache, sampling
 from MaxText.layers import kv_cache
 
 
@@ -108,19 +114,24 @@ class Engine:
         self.decode_cfg.decode_sampling_nucleus_p, self.decode_cfg.decode_sampling_top_k)
     self.vocab_size = self.cfg.vocab_size
     quantized = self.decode_cfg.quantize_kvcache
-    abstract_caches = jax.eval_shape(lambda: kv_cache.model_caches(self.cfg, num_slots, self.cfg.max_target_length,
-                                                                   quantized))
+    self.paged = self.decode_cfg.kv_cache_layout == "paged"
+    self.pages: paged_cache.PageAllocator | None = None
+    if self.paged:
+      self.num_pages = self._check_num_pages()
+      self.pages = self._new_allocator()
+    abstract_caches = jax.eval_shape(self._empty_caches)
+    names = (paged_cache.model_pool_names(self.cfg, quantized) if self.paged
+             else kv_cache.model_cache_names(self.cfg, quantized))
     replicated = NamedSharding(self.mesh, PartitionSpec())
     # A DecodeState-shaped tree of shardings (its fields hold NamedShardings, not arrays).
-    self.state_shardings = DecodeState(
-        sharding.named_shardings(abstract_caches, kv_cache.model_cache_names(self.cfg, quantized), self.mesh,
-                                 self.rules), replicated, replicated,
-        RowSampling(replicated, replicated, replicated, replicated))
+    self.state_shardings = DecodeState(sharding.named_shardings(abstract_caches, names, self.mesh, self.rules),
+                                       replicated, replicated, RowSampling(replicated, replicated, replicated, replicated))
     # jit traces (= compilations) per step function
     self.traces = {"prefill": 0, "insert": 0, "generate": 0, "score": 0}
     self._init_state = jax.jit(self._init_state_fn, out_shardings=self.state_shardings)
     self._prefill = jax.jit(self._prefill_fn)
-    self._insert = jax.jit(self._insert_fn, donate_argnums=(1,), out_shardings=self.state_shardings)
+    self._insert = jax.jit(self._insert_paged_fn if self.paged else self._insert_fn, donate_argnums=(1,),
+                           out_shardings=self.state_shardings)
     self._generate = jax.jit(self._generate_fn, donate_argnums=(1,),
                              out_shardings=(self.state_shardings, (replicated, TokenLogprobs(replicated, replicated,
                                                                                              replicated))))
@@ -135,7 +146,9 @@ class Engine:
     return jax.jit(self.spec.init_params, out_shardings=self.param_shardings)(jax.random.key(seed))
 
   def init_decode_state(self, seed: int = 0) -> DecodeState:
-    """Empty caches for every slot, born sharded."""
+    """Empty caches for every slot, born sharded (paged: every page free again)."""
+    if self.paged:
+      self.pages = self._new_allocator()
     return self._init_state(jnp.uint32(seed))
 
   def prefill(self, params: Any, prompts: Sequence[Sequence[int]], seed: int = 0,
@@ -157,26 +170,51 @@ class Engine:
 
   def insert(self, prefix: Prefix, state: DecodeState, slot: int, row: int = 0) -> DecodeState:
     """`state` with prompt `row` of `prefix` in slot `slot` (slot and row are traced: no recompiles)."""
-    if not 0 <= slot < self.num_slots:
-      raise ValueError(f"slot {slot} out of range for {self.num_slots} slots")
-    return self._insert(prefix, state, jnp.int32(slot), jnp.int32(row))
+    self._check_slot(slot)
+    if self.pages is None:
+      return self._insert(prefix, state, jnp.int32(slot), jnp.int32(row))
+    self.pages.assign(slot, int(prefix.next_positions_B[row]))  # OutOfPages leaves everything as it was
+    return self._insert(prefix, state, jnp.int32(slot), jnp.int32(row), jnp.asarray(self.pages.table[slot]))
 
   def generate(self, params: Any, state: DecodeState) -> tuple[DecodeState, jax.Array]:
-    """Every slot's next token [T]; the state moves on by one position per slot."""
+    """Every slot's next token [T]; the state moves on by one position per slot. Paged: raises
+    paged_cache.OutOfPages (state unchanged) when a slot crossing a page boundary finds none free."""
     state, (tokens_B, _) = self.step(params, state)
     return state, tokens_B
 
   def step(self, params: Any, state: DecodeState) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
     """`generate` that also returns what each new token scored (the same compiled program)."""
+    table = None
+    if self.pages is not None:
+      self.pages.grow()
+      table = jnp.asarray(self.pages.table)
     with sharding.activation_sharding(self.mesh, self.rules):
-      return self._generate(params, state)
+      out = self._generate(params, state, table)
+    if self.pages is not None:
+      self.pages.advance()
+    return out
 
   def release(self, slot: int) -> None:
-    """Returns the slot's cache resources once its request is finished or abandoned. The dense
-    cache holds every slot's full length for the engine's lifetime, so there is nothing to return;
-    a paged cache gives the slot's pages back here. Callers release every slot they free."""
-    if not 0 <= slot < self.num_slots:
-      raise ValueError(f"slot {slot} out of range for {self.num_slots} slots")
+    """The slot's request is done: paged, its pages go back to the pool (the slot keeps stepping
+    in the batch with nothing cached until the next insert); dense, nothing to do."""
+    self._check_slot(slot)
+    if self.pages is not None:
+      self.pages.release(slot)
+
+  def pages_needed(self, num_tokens: int) -> int:
+    """Pages a request holds once `num_tokens` tokens are cached (prompt + new tokens - 1; the
+    last sampled token is never written); 0 for the dense cache. Admission control compares the
+    sum over running requests with cache_stats()["pages_total"]."""
+    return 0 if self.pages is None else self.pages.pages_for(num_tokens)
+
+  def cache_stats(self) -> dict[str, Any]:
+    """layout, cache_bytes (all layers' cache arrays as allocated) and, paged, pages_total /
+    pages_free / pages_used / page_size (dense: pages_* are 0, every slot owns max_target_length)."""
+    stats: dict[str, Any] = {"layout": self.decode_cfg.kv_cache_layout,
+                             "cache_bytes": paged_cache.cache_bytes(jax.eval_shape(self._empty_caches))}
+    if self.pages is None:
+      return {**stats, "pages_total": 0, "pages_free": 0, "pages_used": 0}
+    return {**stats, **self.pages.stats()}
 
   def score(self, params: Any, prompt: Sequence[int]) -> TokenLogprobs:
     """Log-probabilities of each prompt token given the ones before it ([L], row 0 meaningless)
@@ -189,6 +227,32 @@ class Engine:
     """How many distinct programs `generate` has compiled (1 after any number of steps)."""
     return self.traces["generate"]
 
+  # ---------------------------------------------------------------- helpers
+  def _check_slot(self, slot: int) -> None:
+    if not 0 <= slot < self.num_slots:
+      raise ValueError(f"slot {slot} out of range for {self.num_slots} slots")
+
+  def _check_num_pages(self) -> int:
+    per_slot = paged_cache.pages_per_slot(self.cfg.max_target_length, self.decode_cfg.kv_page_size)
+    num_pages = self.decode_cfg.kv_num_pages or self.num_slots * per_slot
+    if num_pages < per_slot:
+      raise UserError(f"kv_num_pages={num_pages} cannot hold one request at max_target_length="
+                      f"{self.cfg.max_target_length} ({per_slot} pages of kv_page_size="
+                      f"{self.decode_cfg.kv_page_size}); "
+                      f"set kv_num_pages >= {per_slot} (0 = {self.num_slots * per_slot}, the dense capacity)")
+    return num_pages
+
+  def _new_allocator(self) -> paged_cache.PageAllocator:
+    return paged_cache.PageAllocator(self.num_pages, self.decode_cfg.kv_page_size, self.num_slots,
+                                     self.cfg.max_target_length)
+
+  def _empty_caches(self) -> Any:
+    quantized = self.decode_cfg.quantize_kvcache
+    if self.paged:
+      return paged_cache.model_pools(self.cfg, self.num_pages, self.decode_cfg.kv_page_size, self.num_slots,
+                                     quantized)
+    return kv_cache.model_caches(self.cfg, self.num_slots, self.cfg.max_target_length, quantized)
+
   # ---------------------------------------------------------------- jitted bodies
   @staticmethod
   def _sample(logits_BV: jax.Array, rows: RowSampling) -> tuple[jax.Array, RowSampling, TokenLogprobs]:
@@ -199,12 +263,10 @@ class Engine:
 
   def _init_state_fn(self, seed: jax.Array) -> DecodeState:
     zeros = jnp.zeros((self.num_slots,), jnp.int32)
-    caches = kv_cache.model_caches(self.cfg, self.num_slots, self.cfg.max_target_length,
-                                   self.decode_cfg.quantize_kvcache)
     keys = jax.random.key_data(jax.random.split(jax.random.key(seed), self.num_slots))
     rows = RowSampling(jnp.zeros((self.num_slots,), jnp.float32), jnp.ones((self.num_slots,), jnp.float32), zeros,
                        keys)
-    return DecodeState(caches, zeros, zeros, rows)
+    return DecodeState(self._empty_caches(), zeros, zeros, rows)
 
   def _prefill_fn(self, params: Any, tokens_BL: jax.Array, lengths_B: jax.Array, rows: RowSampling) -> Prefix:
     self.traces["prefill"] += 1
@@ -235,16 +297,28 @@ class Engine:
       start[batch_axis] = slot
       return jax.lax.dynamic_update_slice(big, one_row.astype(big.dtype), start)
 
-    return dataclasses.replace(state, caches=jax.tree.map(put, state.caches, prefix.caches),
-                         next_positions_B=state.next_positions_B.at[slot].set(prefix.next_positions_B[row]),
-                         tokens_B=state.tokens_B.at[slot].set(prefix.first_tokens_B[row]),
-                         sampling=jax.tree.map(lambda big, small: big.at[slot].set(small[row]), state.sampling,
-                                               prefix.sampling))
+    return self._with_prompt(state, jax.tree.map(put, state.caches, prefix.caches), prefix, slot, row)
 
-  def _generate_fn(self, params: Any, state: DecodeState) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
+  def _insert_paged_fn(self, prefix: Prefix, state: DecodeState, slot: jax.Array, row: jax.Array,
+                       table_row_M: jax.Array) -> DecodeState:
+    self.traces["insert"] += 1
+    caches = paged_cache.insert_prefix(state.caches, prefix.caches, row, table_row_M, self.cfg.scan_layers)
+    return self._with_prompt(state, caches, prefix, slot, row)
+
+  @staticmethod
+  def _with_prompt(state: DecodeState, caches: Any, prefix: Prefix, slot: jax.Array, row: jax.Array) -> DecodeState:
+    return dataclasses.replace(state, caches=caches,
+                               next_positions_B=state.next_positions_B.at[slot].set(prefix.next_positions_B[row]),
+                               tokens_B=state.tokens_B.at[slot].set(prefix.first_tokens_B[row]),
+                               sampling=jax.tree.map(lambda big, small: big.at[slot].set(small[row]), state.sampling,
+                                                     prefix.sampling))
+
+  def _generate_fn(self, params: Any, state: DecodeState, table_TM: jax.Array | None
+                   ) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
     self.traces["generate"] += 1  # Python side effect: runs once per trace, never per executed step
+    caches = state.caches if table_TM is None else paged_cache.with_block_table(state.caches, table_TM)
     logits_B1V, caches = self.spec.apply_decode(params, state.tokens_B[:, None], state.next_positions_B[:, None],
-                                                state.caches)
+                                                caches)
     tokens_B, rows, logprobs = self._sample(logits_B1V[:, 0], state.sampling)
     return DecodeState(caches, state.next_positions_B + 1, tokens_B, rows), (tokens_B, logprobs)
 
@@ -259,8 +333,10 @@ class Request:
 def serve(engine: Engine, params: Any, requests: Sequence[Request], eos_id: int | None = None,
           seed: int = 0) -> list[Request]:
   """Continuous batching: each request takes a free slot (prefill + insert), generates until
-  max_new_tokens or eos_id, and frees the slot for the next waiting request. Returns `requests`
-  with their outputs filled in (the first token comes from prefill)."""
+  max_new_tokens or eos_id, and frees the slot (and its pages) for the next waiting request.
+  With a paged cache a request also waits, in order, until the pages its prompt and
+  max_new_tokens will need are free, so generate never runs out. Returns `requests` with their
+  outputs filled in (the first token comes from prefill)."""
   limit = engine.cfg.max_target_length
   for i, request in enumerate(requests):
     if len(request.prompt) + request.max_new_tokens > limit + 1:
@@ -268,19 +344,24 @@ def serve(engine: Engine, params: Any, requests: Sequence[Request], eos_id: int 
                       f"max_target_length={limit} (+1: the last token needs no cache entry)")
   waiting = collections.deque(enumerate(requests))
   active: dict[int, Request] = {}
+  reserved: dict[int, int] = {}  # slot -> pages its request will hold at the end
   state = engine.init_decode_state(seed)
   while waiting or active:
     for slot in range(engine.num_slots):
       if slot in active or not waiting:
         continue
-      index, request = waiting.popleft()
+      index, request = waiting[0]
+      need = engine.pages_needed(len(request.prompt) + request.max_new_tokens - 1)
+      if need and sum(reserved.values()) + need > engine.cache_stats()["pages_total"]:
+        break  # wait for running requests to give their pages back
+      waiting.popleft()
       prefix = engine.prefill(params, [request.prompt], seed=seed + index)
       state = engine.insert(prefix, state, slot)
       request.output.append(int(prefix.first_tokens_B[0]))
-      if not _finished(request, eos_id):
-        active[slot] = request
-      else:
+      if _finished(request, eos_id):
         engine.release(slot)
+      else:
+        active[slot], reserved[slot] = request, need
     if not active:
       continue
     state, tokens_T = engine.generate(params, state)
@@ -289,7 +370,7 @@ def serve(engine: Engine, params: Any, requests: Sequence[Request], eos_id: int 
       request = active[slot]
       request.output.append(int(tokens[slot]))
       if _finished(request, eos_id):
-        del active[slot]
+        del active[slot], reserved[slot]
         engine.release(slot)
   return list(requests)
 

@@ -85,6 +85,7 @@ class Scheduler:
     self._wake = threading.Condition()
     self._stopping = False
     self._state = engine.init_decode_state(seed)
+    self._reserved: dict[int, int] = {}  # slot -> pages its job holds at its end (paged cache)
     self.counts = collections.Counter[str]()  # jobs admitted, finished by reason, slots released, steps
     self._thread = threading.Thread(target=self._loop, name="maxtext-scheduler", daemon=True)
 
@@ -145,6 +146,13 @@ class Scheduler:
           return
         if job.cancelled:
           continue
+        # A paged cache admits a job only when the pages it will hold at its end are free.
+        need = self.engine.pages_needed(len(job.prompt) + job.max_tokens - 1)
+        if need and sum(self._reserved.values()) + need > self.engine.cache_stats()["pages_total"]:
+          with self._wake:
+            self._waiting.appendleft(job)
+          return
+        self._reserved[slot] = need
         self.counts["admitted"] += 1
         try:
           self._start(job, slot)
@@ -194,6 +202,7 @@ class Scheduler:
       with self._wake:
         del self._active[slot]
       self.engine.release(slot)
+      self._reserved.pop(slot, None)
       self.counts["released"] += 1
     self.counts[reason] += 1
     job.emit(Done(job.index, reason, message))

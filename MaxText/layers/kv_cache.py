@@ -11,18 +11,21 @@ past p are never attended. No separate padding mask is needed: the mask is masks
 
 `quantize_kvcache` stores keys and values as int8 with one float32 scale per token per head
 (symmetric, scale = max|x| / 127 over the head dim), dequantized when read.
+
+kv_cache_layout=paged replaces each layer's KVCache by a page pool (layers/paged_kv.py); `write`
+and `cached_attention` take either.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from MaxText import sharding
-from MaxText.layers import masks
+from MaxText.layers import masks, paged_kv
 from MaxText.model_config import ModelConfig
 
 CACHE_NAMES = ("cache_batch", "cache_sequence", "cache_kv_heads", "cache_kv")
@@ -84,8 +87,14 @@ def _scatter(buffer_BS: jax.Array, update_BL: jax.Array, positions_BL: jax.Array
   return buffer_BS.at[rows_BL, positions_BL].set(update_BL.astype(buffer_BS.dtype), mode="drop")
 
 
-def write(cache: KVCache, k_BLKH: jax.Array, v_BLKH: jax.Array, positions_BL: jax.Array) -> KVCache:
-  """The cache with each new key/value stored at its token's absolute position."""
+def write(cache: Any, k_BLKH: jax.Array, v_BLKH: jax.Array, positions_BL: jax.Array) -> Any:
+  """The cache (a KVCache or a paged_kv.PagedKVCache) with each new key/value stored at its
+  token's absolute position."""
+  if isinstance(cache, paged_kv.PagedKVCache):
+    if not cache.quantized:
+      return paged_kv.store(cache, k_BLKH, v_BLKH, None, None, positions_BL)
+    (k_q, k_scale), (v_q, v_scale) = quantize_int8(k_BLKH), quantize_int8(v_BLKH)
+    return paged_kv.store(cache, k_q, v_q, k_scale, v_scale, positions_BL)
   if cache.quantized:
     (k_q, k_scale), (v_q, v_scale) = quantize_int8(k_BLKH), quantize_int8(v_BLKH)
     new = KVCache(_scatter(cache.key_BSKH, k_q, positions_BL), _scatter(cache.value_BSKH, v_q, positions_BL),
@@ -96,11 +105,13 @@ def write(cache: KVCache, k_BLKH: jax.Array, v_BLKH: jax.Array, positions_BL: ja
   return jax.tree.map(sharding.constrain, new, cache_logical_names(new, stacked=False))
 
 
-def cached_attention(q_BLNH: jax.Array, cache: KVCache, positions_BL: jax.Array,
+def cached_attention(q_BLNH: jax.Array, cache: Any, positions_BL: jax.Array,
                      window_size: masks.Window = None, soft_cap: float = 0.0,
                      chunk_size: masks.Window = None, sinks_N: jax.Array | None = None) -> jax.Array:
   """Grouped-query attention of already-scaled queries over the whole cache (masks.cache_mask),
-  with the attention sinks of masks.dense_attention when given."""
+  with the attention sinks of masks.dense_attention when given; over pages: paged_kv."""
+  if isinstance(cache, paged_kv.PagedKVCache):
+    return paged_kv.paged_attention(q_BLNH, cache, positions_BL, window_size, soft_cap, chunk_size, sinks_N)
   k_BSKH, v_BSKH = cache.read(q_BLNH.dtype)
   mask_BLS = masks.cache_mask(positions_BL, k_BSKH.shape[1], window_size, chunk_size)
   return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS, soft_cap, sinks_N)
@@ -124,21 +135,31 @@ def _stack_caches(cfg: ModelConfig, one: Any, count: int) -> Any:
   return [one for _ in range(count)]
 
 
+def per_stack(cfg: ModelConfig, build: Callable[[int], Any]) -> Any:
+  """`build(number of layers)` for each layer stack: one for all decoder layers, or with a
+  dense_layers stack (first_dense_layers, moe_layer_interval) {"dense_layers": ..., "layers": ...}."""
+  if cfg.num_dense_layers == 0:
+    return build(cfg.num_decoder_layers)
+  return {"dense_layers": build(cfg.num_dense_layers), "layers": build(cfg.num_moe_stack_layers)}
+
+
+def stacked_layers(cfg: ModelConfig, one: Any) -> Any:
+  """Every layer's copy of `one` layer's cache: stacked over layers (scan_layers) or a list, per stack."""
+  return per_stack(cfg, lambda count: _stack_caches(cfg, one, count))
+
+
+def stacked_names(cfg: ModelConfig, names: Any) -> Any:
+  """Logical names matching `stacked_layers` (`names` already carries the layer dim when scanned)."""
+  return per_stack(cfg, lambda count: names if cfg.scan_layers else [names for _ in range(count)])
+
+
 def model_caches(cfg: ModelConfig, batch: int, length: int, quantized: bool = False) -> Any:
   """Empty caches for every layer: one KVCache stacked over layers (scan_layers) or a list; with
-  a dense_layers stack (first_dense_layers, moe_layer_interval), {"dense_layers": its caches, "layers": the
-  rest's}."""
-  one = layer_cache(cfg, batch, length, quantized)
-  if cfg.num_dense_layers == 0:
-    return _stack_caches(cfg, one, cfg.num_decoder_layers)
-  return {"dense_layers": _stack_caches(cfg, one, cfg.num_dense_layers),
-          "layers": _stack_caches(cfg, one, cfg.num_moe_stack_layers)}
+  a dense_layers stack, {"dense_layers": its caches, "layers": the rest's}."""
+  return stacked_layers(cfg, layer_cache(cfg, batch, length, quantized))
 
 
 def model_cache_names(cfg: ModelConfig, quantized: bool = False) -> Any:
   """Logical axis names matching `model_caches`."""
-  names = cache_logical_names(empty_cache(1, 1, 1, 1, jnp.float32, quantized), stacked=cfg.scan_layers)
-  if cfg.num_dense_layers == 0:
-    return names if cfg.scan_layers else [names for _ in range(cfg.num_decoder_layers)]
-  return {"dense_layers": names if cfg.scan_layers else [names for _ in range(cfg.num_dense_layers)],
-          "layers": names if cfg.scan_layers else [names for _ in range(cfg.num_moe_stack_layers)]}
+  return stacked_names(cfg, cache_logical_names(empty_cache(1, 1, 1, 1, jnp.float32, quantized),
+                                                stacked=cfg.scan_layers))

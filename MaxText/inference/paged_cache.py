@@ -1,0 +1,158 @@
+"""The engine's paged KV cache (kv_cache_layout=paged): the host-side page allocator and the
+model-wide pools (one paged_kv.PagedKVCache per layer, stacked like the dense caches).
+
+Shape legend: T slots, P pages per layer, Z tokens per page, M pages per slot
+(ceil(max_target_length / Z)), L padded prompt length.
+
+The allocator's block table [T, M] is the truth; the engine hands it to every jitted step as an
+argument (the same shape every time, so nothing recompiles) and `with_block_table` copies it
+into each layer's cache. Every layer uses the same page numbers, so one table serves the model.
+
+- `assign` (Engine.insert): the slot's old pages go back, then ceil(prompt / Z) pages.
+- `grow` (before each Engine.generate): a slot whose pending token starts a new page gets one.
+- `release` (Engine.release): the slot's pages go back to the free list.
+Running out raises OutOfPages before anything changes, so the caller can release a slot and
+retry; `engine.serve` instead admits a request only when the pages it will need are free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from MaxText.errors import UserError
+from MaxText.layers import kv_cache, paged_kv
+from MaxText.model_config import ModelConfig
+
+
+class OutOfPages(UserError):
+  """No free page for a prompt or a growing slot (nothing was changed)."""
+
+
+def pages_per_slot(max_length: int, page_size: int) -> int:
+  return math.ceil(max_length / page_size)
+
+
+class PageAllocator:
+  """Free list and block table of one decode state's page pool (host side, numpy)."""
+
+  def __init__(self, num_pages: int, page_size: int, num_slots: int, max_length: int):
+    self.num_pages, self.page_size, self.max_length = num_pages, page_size, max_length
+    self.table = np.full((num_slots, pages_per_slot(max_length, page_size)), -1, np.int32)
+    self.free = list(range(num_pages - 1, -1, -1))  # pop() hands out the lowest page first
+    self.positions = np.zeros(num_slots, np.int64)  # where each slot's pending token is written
+    self.active = np.zeros(num_slots, bool)
+
+  def pages_for(self, tokens: int) -> int:
+    """Pages that hold `tokens` cached tokens (capped at max_target_length)."""
+    return math.ceil(min(tokens, self.max_length) / self.page_size)
+
+  def held(self, slot: int) -> int:
+    return int((self.table[slot] >= 0).sum())
+
+  def assign(self, slot: int, prompt_length: int) -> None:
+    """Pages for a prompt of `prompt_length` tokens in `slot` (its previous pages freed first)."""
+    need = self.pages_for(prompt_length)
+    if need > len(self.free) + self.held(slot):
+      raise OutOfPages(f"out of KV pages: a prompt of {prompt_length} tokens needs {need} pages of {self.page_size} "
+                       f"tokens, {len(self.free)} are free of kv_num_pages={self.num_pages}; release a slot "
+                       "first or raise kv_num_pages")
+    self.release(slot)
+    for index in range(need):
+      self.table[slot, index] = self.free.pop()
+    self.positions[slot], self.active[slot] = prompt_length, True
+
+  def grow(self) -> None:
+    """Before a generate step: a page for every active slot whose pending token starts a page."""
+    starting = [slot for slot in np.flatnonzero(self.active)
+                if self.positions[slot] < self.max_length
+                and self.table[slot, self.positions[slot] // self.page_size] < 0]
+    if len(starting) > len(self.free):
+      raise OutOfPages(f"out of KV pages: {len(starting)} slots need a new page, {len(self.free)} are free of "
+                       f"kv_num_pages={self.num_pages}; release a slot first or raise kv_num_pages")
+    for slot in starting:
+      self.table[slot, self.positions[slot] // self.page_size] = self.free.pop()
+
+  def advance(self) -> None:
+    """After a generate step: every active slot cached one more token."""
+    self.positions[self.active] += 1
+
+  def release(self, slot: int) -> None:
+    pages = self.table[slot][self.table[slot] >= 0]
+    self.free.extend(int(p) for p in pages[::-1])
+    self.table[slot] = -1
+    self.positions[slot], self.active[slot] = 0, False
+
+  def stats(self) -> dict[str, int]:
+    free = len(self.free)
+    return {"pages_total": self.num_pages, "pages_free": free, "pages_used": self.num_pages - free,
+            "page_size": self.page_size}
+
+
+def layer_pool(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int, quantized: bool
+               ) -> paged_kv.PagedKVCache:
+  """One layer's empty pool; MLA pages its compressed cache (latents and rope keys, K = 1)."""
+  per_slot = pages_per_slot(cfg.max_target_length, page_size)
+  dtype = jnp.dtype(cfg.dtype)
+  if cfg.attention_type != "mla":
+    return paged_kv.empty_pool(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, num_slots, per_slot,
+                               quantized)
+  latent = paged_kv.empty_pool(num_pages, page_size, 1, cfg.kv_lora_rank, dtype, num_slots, per_slot, quantized)
+  rope = paged_kv.empty_pool(num_pages, page_size, 1, cfg.qk_rope_head_dim, dtype, num_slots, per_slot, quantized)
+  return paged_kv.PagedKVCache(latent.key_KPZH, rope.key_KPZH, latent.block_table_BM, latent.key_scale_KPZ1,
+                               rope.key_scale_KPZ1)
+
+
+def model_pools(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int, quantized: bool) -> Any:
+  """Every layer's pool, in the structure of kv_cache.model_caches."""
+  return kv_cache.stacked_layers(cfg, layer_pool(cfg, num_pages, page_size, num_slots, quantized))
+
+
+def model_pool_names(cfg: ModelConfig, quantized: bool) -> Any:
+  one = paged_kv.empty_pool(1, 1, 1, 1, jnp.float32, 1, 1, quantized)
+  return kv_cache.stacked_names(cfg, paged_kv.logical_names(one, stacked=cfg.scan_layers))
+
+
+def _is_pool(x: Any) -> bool:
+  return isinstance(x, paged_kv.PagedKVCache)
+
+
+def with_block_table(pools: Any, table_TM: jax.Array) -> Any:
+  """Every layer's cache with the allocator's block table (broadcast over a stacked layer dim)."""
+  def put(cache: paged_kv.PagedKVCache) -> paged_kv.PagedKVCache:
+    return dataclasses.replace(cache, block_table_BM=jnp.broadcast_to(table_TM, cache.block_table_BM.shape))
+
+  return jax.tree.map(put, pools, is_leaf=_is_pool)
+
+
+def insert_prefix(pools: Any, prefix_caches: Any, row: jax.Array, table_row_M: jax.Array, stacked: bool) -> Any:
+  """The pools with prompt `row` of the prefill's dense caches (length L) copied into the pages
+  of `table_row_M` (stored values as they are: int8 stays int8); entries without a page dropped."""
+
+  def one_layer(pool: paged_kv.PagedKVCache, cache: kv_cache.KVCache) -> paged_kv.PagedKVCache:
+    length = cache.key_BSKH.shape[1]
+    flat_1L = paged_kv.flat_indices(table_row_M[None], jnp.arange(length)[None], pool.key_KPZH.shape[1],
+                                    pool.page_size)
+
+    def put(pool_leaf: jax.Array, cache_leaf: jax.Array) -> jax.Array:
+      return paged_kv.scatter(pool_leaf, jax.lax.dynamic_slice_in_dim(cache_leaf, row, 1, axis=0), flat_1L)
+
+    return dataclasses.replace(pool, **{name: put(getattr(pool, name), getattr(cache, dense_name))
+                           for name, dense_name in _FIELDS if getattr(pool, name) is not None})
+
+  layer = jax.vmap(one_layer) if stacked else one_layer
+  return jax.tree.map(layer, pools, prefix_caches, is_leaf=_is_pool)
+
+
+_FIELDS = (("key_KPZH", "key_BSKH"), ("value_KPZH", "value_BSKH"), ("key_scale_KPZ1", "key_scale_BSK1"),
+           ("value_scale_KPZ1", "value_scale_BSK1"))
+
+
+def cache_bytes(caches: Any) -> int:
+  """Bytes of the cache arrays (block tables included)."""
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(caches))

@@ -1,0 +1,171 @@
+"""Paged key/value cache of one attention layer, and attention of new queries over its pages.
+
+Shape legend (extends kv_cache.py): P pages in the pool, Z tokens per page (kv_page_size),
+M pages per slot (ceil(max_target_length / Z)); K kv heads, H head dim, B slots.
+
+The pool is [K, P, Z, H] (heads first: the layout of JAX's Pallas TPU paged-attention kernel,
+so the TPU path reads the pool as it is stored). A slot's block table row [M] names the page
+holding its positions m*Z .. m*Z + Z - 1, or -1 where no page is allocated. The token at position
+p of slot b lives at pool[:, table[b, p // Z], p % Z]. Writes to a position without a page are
+dropped (empty slots keep stepping in the batched decode); reads of unallocated entries return
+page 0's data, which the position mask hides (a query at p sees only positions <= p, all of
+which have pages). The host-side allocator that fills the table: inference/paged_cache.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.sharding import PartitionSpec
+
+from MaxText import sharding
+from MaxText.layers import attention_kernels, masks
+
+POOL_NAMES = ("cache_kv_heads", None, None, "cache_kv")  # pages are not sharded: any slot may hold any page
+POOL_SCALE_NAMES = ("cache_kv_heads", None, None, None)
+TABLE_NAMES = (None, None)
+
+
+@struct.dataclass
+class PagedKVCache:
+  """One layer's page pool and the slots' block tables (a plain pytree). Scales are None unless
+  int8-quantized. MLA stores its latents in `key` and its rope keys in `value` (K = 1)."""
+
+  key_KPZH: Any
+  value_KPZH: Any
+  block_table_BM: Any
+  key_scale_KPZ1: Any = None
+  value_scale_KPZ1: Any = None
+
+  @property
+  def quantized(self) -> bool:
+    return self.key_scale_KPZ1 is not None
+
+  @property
+  def page_size(self) -> int:
+    return self.key_KPZH.shape[2]
+
+  def read(self, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """Each slot's keys and values gathered into dense [B, M * Z, K, H] (index = position),
+    dequantized if stored as int8: the reference path, any platform."""
+    key, value = gather(self.key_KPZH, self.block_table_BM), gather(self.value_KPZH, self.block_table_BM)
+    if not self.quantized:
+      return key.astype(dtype), value.astype(dtype)
+    return ((key * gather(self.key_scale_KPZ1, self.block_table_BM)).astype(dtype),
+            (value * gather(self.value_scale_KPZ1, self.block_table_BM)).astype(dtype))
+
+
+def empty_pool(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: Any, num_slots: int,
+               pages_per_slot: int, quantized: bool = False) -> PagedKVCache:
+  shape = (num_kv_heads, num_pages, page_size, head_dim)
+  table = jnp.full((num_slots, pages_per_slot), -1, jnp.int32)
+  if not quantized:
+    return PagedKVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), table)
+  scale = jnp.zeros(shape[:3] + (1,), jnp.float32)
+  return PagedKVCache(jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8), table, scale, scale)
+
+
+def logical_names(cache: PagedKVCache, stacked: bool) -> PagedKVCache:
+  """Logical axis names of each leaf (a leading unsharded layer dim when stacked for scan)."""
+  prefix = ("cache_layers",) if stacked else ()
+  scale_names = None if not cache.quantized else prefix + POOL_SCALE_NAMES
+  return PagedKVCache(prefix + POOL_NAMES, prefix + POOL_NAMES, prefix + TABLE_NAMES, scale_names, scale_names)
+
+
+def gather(pool_KPZX: jax.Array, table_BM: jax.Array) -> jax.Array:
+  """[B, M * Z, K, X]: each slot's pages in position order (unallocated entries read page 0)."""
+  pages_KBMZX = pool_KPZX[:, jnp.maximum(table_BM, 0)]
+  num_kv, batch, pages, page_size, width = pages_KBMZX.shape
+  return pages_KBMZX.transpose(1, 2, 3, 0, 4).reshape(batch, pages * page_size, num_kv, width)
+
+
+def flat_indices(table_BM: jax.Array, positions_BL: jax.Array, num_pages: int, page_size: int) -> jax.Array:
+  """[B, L] index into the pool's flattened (P * Z) token axis of each position; P * Z (out of
+  range: the write is dropped) where the slot has no page for it."""
+  page_index_BL = positions_BL // page_size
+  in_table = (page_index_BL >= 0) & (page_index_BL < table_BM.shape[1])
+  page_BL = jnp.take_along_axis(table_BM, jnp.clip(page_index_BL, 0, table_BM.shape[1] - 1), axis=1)
+  valid = in_table & (page_BL >= 0)
+  return jnp.where(valid, page_BL * page_size + positions_BL % page_size, num_pages * page_size)
+
+
+def scatter(pool_KPZX: jax.Array, update_BLKX: jax.Array, flat_BL: jax.Array) -> jax.Array:
+  """pool with update[b, l] stored at flattened token index flat[b, l] (out-of-range dropped)."""
+  num_kv, num_pages, page_size, width = pool_KPZX.shape
+  flat_KTX = pool_KPZX.reshape(num_kv, num_pages * page_size, width)
+  flat_KTX = flat_KTX.at[:, flat_BL].set(update_BLKX.transpose(2, 0, 1, 3).astype(pool_KPZX.dtype), mode="drop")
+  return flat_KTX.reshape(pool_KPZX.shape)
+
+
+def store(cache: PagedKVCache, k_BLKH: jax.Array, v_BLKH: jax.Array, k_scale_BLK1: jax.Array | None,
+          v_scale_BLK1: jax.Array | None, positions_BL: jax.Array) -> PagedKVCache:
+  """The cache with each new key/value (already int8 with its scales when quantized) stored at
+  its slot's page for its position."""
+  flat_BL = flat_indices(cache.block_table_BM, positions_BL, cache.key_KPZH.shape[1], cache.page_size)
+  put = lambda pool, update: None if update is None else scatter(pool, update, flat_BL)  # noqa: E731
+  new = PagedKVCache(put(cache.key_KPZH, k_BLKH), put(cache.value_KPZH, v_BLKH), cache.block_table_BM,
+                     put(cache.key_scale_KPZ1, k_scale_BLK1), put(cache.value_scale_KPZ1, v_scale_BLK1))
+  return jax.tree.map(sharding.constrain, new, logical_names(new, stacked=False))
+
+
+def tpu_kernel_applies(cache: PagedKVCache, q_BLNH: jax.Array, window_size: masks.Window,
+                       chunk_size: masks.Window, sinks_N: jax.Array | None) -> bool:
+  """Whether the Pallas TPU paged-attention kernel computes this call: one new token per slot
+  (a generate step) on TPU, full causal attention (it has no window, chunk or sink), and a head
+  dim its blocks tile (Mosaic wants the last block dim a multiple of 128; 64 does not lower)."""
+  head_dim = cache.key_KPZH.shape[-1]
+  return (attention_kernels.trace_platform() == "tpu" and q_BLNH.shape[1] == 1 and window_size is None
+          and chunk_size is None and sinks_N is None and q_BLNH.shape[-1] == head_dim and head_dim % 128 == 0)
+
+
+def tpu_paged_attention(q_BLNH: jax.Array, cache: PagedKVCache, positions_BL: jax.Array,
+                        soft_cap: float) -> jax.Array:
+  """The Pallas TPU kernel (jax.experimental.pallas.ops.tpu.paged_attention) over the pool as
+  stored; it attends to the first `lengths` tokens of each slot's pages. Mosaic kernels are not
+  partitioned by XLA, so it runs per device under shard_map: kv heads (and their query-head
+  groups) split as the pool is, the pages, block table and slots whole on every device."""
+  from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as kernel
+  from jax.experimental.pallas.ops.tpu.paged_attention import quantization_utils
+
+  pages_per_slot = cache.block_table_BM.shape[1]
+  lengths_B = jnp.clip(positions_BL[:, 0] + 1, 1, pages_per_slot * cache.page_size).astype(jnp.int32)
+  block = max(b for b in (8, 4, 2, 1) if pages_per_slot % b == 0)
+  pools = [cache.key_KPZH, cache.value_KPZH] + ([cache.key_scale_KPZ1, cache.value_scale_KPZ1] if cache.quantized
+                                                else [])
+
+  def per_device(q_BNH: jax.Array, lengths_B: jax.Array, table_BM: jax.Array, *pools: jax.Array) -> jax.Array:
+    keys: Any = pools[0]
+    values: Any = pools[1]
+    if len(pools) == 4:  # the kernel dequantizes as int8 * h / MAX_INT8; ours is int8 * scale
+      keys = quantization_utils.QuantizedTensor(pools[0], pools[2] * quantization_utils.MAX_INT8)
+      values = quantization_utils.QuantizedTensor(pools[1], pools[3] * quantization_utils.MAX_INT8)
+    return kernel(q_BNH, keys, values, lengths_B, jnp.maximum(table_BM, 0),  # unallocated: page 0, never read
+                  attn_logits_soft_cap=soft_cap if soft_cap > 0 else None, pages_per_compute_block=block)
+
+  args = (q_BLNH[:, 0], lengths_B, cache.block_table_BM, *pools)
+  context = sharding.current_activation_context()
+  if context is None:
+    out_BNH = per_device(*args)
+  else:
+    mesh, rules = context
+    heads = sharding.logical_to_mesh_spec(POOL_NAMES, rules, mesh, cache.key_KPZH.shape)[0]
+    q_spec, pool_spec = PartitionSpec(None, heads, None), PartitionSpec(heads, None, None, None)
+    out_BNH = jax.shard_map(per_device, mesh=mesh, in_specs=(q_spec, PartitionSpec(), PartitionSpec(),
+                                                             *[pool_spec] * len(pools)),
+                            out_specs=q_spec, check_vma=False)(*args)
+  return out_BNH[:, None].astype(q_BLNH.dtype)
+
+
+def paged_attention(q_BLNH: jax.Array, cache: PagedKVCache, positions_BL: jax.Array,
+                    window_size: masks.Window = None, soft_cap: float = 0.0, chunk_size: masks.Window = None,
+                    sinks_N: jax.Array | None = None) -> jax.Array:
+  """kv_cache.cached_attention over pages: the TPU kernel where it applies, else the reference
+  (gather every slot's pages into position order, then the dense cache's masked attention)."""
+  if tpu_kernel_applies(cache, q_BLNH, window_size, chunk_size, sinks_N):
+    return tpu_paged_attention(q_BLNH, cache, positions_BL, soft_cap)
+  k_BSKH, v_BSKH = cache.read(q_BLNH.dtype)
+  mask_BLS = masks.cache_mask(positions_BL, k_BSKH.shape[1], window_size, chunk_size)
+  return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS, soft_cap, sinks_N)

@@ -1,0 +1,240 @@
+"""The paged KV cache (kv_cache_layout=paged): the host page allocator, greedy decoding through
+pages equal to the dense cache token for token (families, layouts, int8, sharding), one generate
+compilation across page boundaries, every page back after release, the memory it saves, and
+the bad-input errors. The Pallas TPU kernel path: an AOT compile for a TPU topology (slow)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText import sharding
+from MaxText.config import Config
+from MaxText.errors import ConfigError, UserError
+from MaxText.inference import paged_cache
+from MaxText.inference.engine import Engine, Request, serve
+from MaxText.layers import kv_cache, paged_kv
+from decode_test_utils import engine_tokens, one_device_mesh
+
+TINY = dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16, base_mlp_dim=128,
+            base_num_decoder_layers=2, vocab_size=128, max_target_length=24, max_prefill_predict_length=8,
+            per_device_batch_size=1, print_config=False, dtype="float32")
+MIXED = dict(TINY, attention_layer_pattern=["local", "global"], sliding_window_size=4)
+# MLA (compressed cache) with a dense first layer: the {"dense_layers", "layers"} cache stacks.
+MLA = dict(TINY, decoder_block="deepseek3", base_num_query_heads=4, base_num_kv_heads=4, head_dim=12, base_mlp_dim=32,
+           base_num_decoder_layers=2, attention_type="mla", q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+           qk_rope_head_dim=4, v_head_dim=6, num_experts=4, num_experts_per_tok=2, shared_experts=1,
+           first_dense_layers=1, dense_mlp_dim=48)
+CHUNKED = dict(TINY, base_num_kv_heads=4, attention_layer_pattern=["chunked", "global"], attention_chunk_size=4)
+PROMPTS = [[3, 9, 27], [1, 2, 3, 4, 5, 6, 7, 8], [100], [50, 60, 70, 80, 90], [7, 7]]
+NEW_TOKENS = [9, 12, 16, 6, 10]
+
+
+# ---------------------------------------------------------------- the allocator (host only)
+def test_allocator_assigns_grows_at_page_boundaries_and_releases():
+  pages = paged_cache.PageAllocator(num_pages=6, page_size=4, num_slots=2, max_length=10)
+  assert pages.table.shape == (2, 3)  # ceil(10 / 4) pages per slot
+  pages.assign(0, 5)  # positions 0..4: two pages
+  assert pages.table[0].tolist() == [0, 1, -1] and pages.stats()["pages_used"] == 2
+  for _ in range(3):  # pending tokens at 5, 6, 7: still page 1
+    pages.grow(), pages.advance()
+  assert pages.held(0) == 2
+  pages.grow()  # position 8 starts page 2
+  assert pages.table[0].tolist() == [0, 1, 2]
+  pages.advance(), pages.advance()  # position 10 = max_length: never cached, no fourth page
+  pages.grow()
+  assert pages.held(0) == 3 and pages.positions[0] == 10
+  pages.assign(1, 4)
+  pages.release(0)
+  assert pages.stats() == {"pages_total": 6, "pages_free": 5, "pages_used": 1, "page_size": 4}
+  assert not pages.active[0] and (pages.table[0] == -1).all()
+  pages.grow()  # slot 1's pending token (position 4) starts its second page; released slot 0 takes none
+  assert pages.held(1) == 2 and pages.held(0) == 0 and pages.stats()["pages_used"] == 2
+
+
+def test_allocator_out_of_pages_changes_nothing_and_reinsert_frees_the_old_pages():
+  pages = paged_cache.PageAllocator(num_pages=3, page_size=2, num_slots=2, max_length=6)
+  pages.assign(0, 4)
+  before = pages.table.copy(), list(pages.free)
+  with pytest.raises(paged_cache.OutOfPages, match="a prompt of 3 tokens needs 2 pages of 2 tokens, 1 are free"):
+    pages.assign(1, 3)
+  assert (pages.table == before[0]).all() and pages.free == before[1]
+  pages.assign(0, 6)  # a new prompt in a busy slot reuses its pages: 3 fit although only 1 is free
+  assert pages.held(0) == 3 and not pages.free
+  pages.assign(0, 1)
+  pages.assign(1, 2)
+  pages.advance(), pages.advance()  # slot 0 at position 3 (needs page 1), slot 1 at 4 (needs page 2)
+  with pytest.raises(paged_cache.OutOfPages, match="2 slots need a new page, 1 are free"):
+    pages.grow()
+  assert pages.held(0) == 1 and pages.held(1) == 1
+
+
+# ---------------------------------------------------------------- decoding: paged == dense
+def serve_both(overrides: dict, num_slots: int, kv_num_pages: int, page_size: int = 4, seed: int = 1):
+  """serve() of the same requests through a dense and a paged engine: (dense, paged outputs, paged engine)."""
+  dense = Engine(Config.for_testing(**overrides), num_slots=num_slots, mesh=one_device_mesh())
+  params = dense.load_params(seed=seed)
+  paged = Engine(Config.for_testing(**overrides, kv_cache_layout="paged", kv_page_size=page_size,
+                                    kv_num_pages=kv_num_pages), num_slots=num_slots, mesh=one_device_mesh())
+  requests = lambda: [Request(list(p), n) for p, n in zip(PROMPTS, NEW_TOKENS)]
+  expected = [r.output for r in serve(dense, params, requests())]
+  got = [r.output for r in serve(paged, params, requests())]
+  return expected, got, paged, params
+
+
+def check_paged_run(paged: Engine) -> None:
+  pools = jax.tree.leaves(paged.state_shardings.caches, is_leaf=lambda x: isinstance(x, paged_kv.PagedKVCache))
+  assert pools and all(isinstance(pool, paged_kv.PagedKVCache) for pool in pools)
+  stats = paged.cache_stats()
+  assert stats["pages_free"] == stats["pages_total"] and stats["pages_used"] == 0  # every page came back
+  steps = {name: paged.traces[name] for name in ("prefill", "insert", "generate")}
+  assert steps == {"prefill": 1, "insert": 1, "generate": 1}  # one program each, across page crossings
+
+
+def test_paged_serve_equals_dense_with_windows_slot_reuse_and_waiting_for_pages():
+  """Five requests of 1..8 prompt tokens through 3 slots, 4-token pages: generation crosses page
+  boundaries and sliding windows; 10 pages (a third of the dense 3 x 6) make requests wait."""
+  expected, got, paged, params = serve_both(dict(MIXED, scan_layers=False), num_slots=3, kv_num_pages=10)
+  assert got == expected
+  check_paged_run(paged)
+  # Pages in use follow the tokens cached: 8 prompt tokens fill 2 pages, the first generated
+  # token (position 8) takes a third; then out of pages at insert: a clear error, nothing taken.
+  state = paged.init_decode_state()
+  prefix = paged.prefill(params, [PROMPTS[1]])
+  state = paged.insert(prefix, state, slot=0)
+  assert paged.cache_stats()["pages_used"] == 2
+  state, _ = paged.generate(params, state)
+  assert paged.cache_stats()["pages_used"] == 3 and paged.pages.held(0) == 3
+  paged.pages.free = paged.pages.free[:1]
+  with pytest.raises(paged_cache.OutOfPages, match="a prompt of 8 tokens needs 2 pages of 4 tokens, 1 are free"):
+    paged.insert(prefix, state, slot=1)
+  assert paged.pages.held(1) == 0 and paged.pages.held(0) == 3
+
+
+@pytest.mark.parametrize("overrides,scan_layers", [
+    (dict(MLA, quantize_kvcache=True), True),
+    pytest.param(MLA, False, marks=pytest.mark.slow),
+    pytest.param(dict(CHUNKED, quantize_kvcache=True), False, marks=pytest.mark.slow),  # MHA, chunks, int8
+    pytest.param(CHUNKED, True, marks=pytest.mark.slow),
+    pytest.param(MIXED, True, marks=pytest.mark.slow),
+])
+def test_paged_serve_equals_dense_for_each_family(overrides, scan_layers):
+  expected, got, paged, _ = serve_both(dict(overrides, scan_layers=scan_layers), num_slots=2, kv_num_pages=12,
+                                       page_size=3)
+  assert got == expected
+  check_paged_run(paged)
+
+
+@pytest.mark.slow  # ~30 s: 8 simulated devices
+def test_sharded_paged_decode_equals_one_device():
+  """tensor=2 x fsdp=4: the pools' kv heads split over tensor (pages replicated), tokens unchanged."""
+  config = Config.for_testing(**MIXED, ici_tensor_parallelism=2, ici_fsdp_parallelism=4, kv_cache_layout="paged",
+                              kv_page_size=4)
+  prompts = PROMPTS[:4]
+  single = Engine(config, num_slots=4, mesh=one_device_mesh())
+  params = single.load_params(seed=2)
+  sharded = Engine(config, num_slots=4)
+  assert engine_tokens(sharded, jax.device_put(params, sharded.param_shardings), prompts, 12) == \
+      engine_tokens(single, params, prompts, 12)
+  pool_spec = sharded.state_shardings.caches.key_KPZH.spec  # [layers, kv heads, pages, page, head dim]
+  assert pool_spec[1] == "tensor" and all(axis is None for axis in pool_spec[2:4])
+
+
+# ---------------------------------------------------------------- memory and errors
+def test_paged_memory_grows_with_cached_tokens_not_slots_times_length():
+  """8 slots, max_target_length 256, prompts of 5..60 tokens with 20 new each: the pool sized for
+  what is cached is a fraction of the dense slots x max_target_length."""
+  overrides = dict(TINY, max_target_length=256, max_prefill_predict_length=64)
+  lengths = [5, 60, 12, 33, 7, 48, 20, 9]
+  page = 16
+  pages_needed = sum(-(-(n + 20 - 1) // page) for n in lengths)
+  dense = Engine(Config.for_testing(**overrides), num_slots=8).cache_stats()
+  paged = Engine(Config.for_testing(**overrides, kv_cache_layout="paged", kv_page_size=page,
+                                    kv_num_pages=pages_needed), num_slots=8).cache_stats()
+  assert paged["pages_total"] == pages_needed == 25
+  assert paged["cache_bytes"] < dense["cache_bytes"] / 4
+  full = Engine(Config.for_testing(**overrides, kv_cache_layout="paged", kv_page_size=page), num_slots=8)
+  assert full.cache_stats()["pages_total"] == 8 * 256 // page  # 0 = the dense capacity
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(kv_cache_layout="ragged"), "kv_cache_layout must be one of dense, paged; got 'ragged'"),
+    (dict(kv_page_size=0), "kv_page_size must be >= 1, got 0"),
+    (dict(kv_num_pages=-1), "kv_num_pages must be >= 0"),
+])
+def test_bad_paged_keys_are_config_errors(overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    Config.for_testing(**TINY, **overrides)
+
+
+def test_too_few_pages_for_one_request_is_a_clear_error():
+  config = Config.for_testing(**TINY, kv_cache_layout="paged", kv_page_size=4, kv_num_pages=5)
+  with pytest.raises(UserError, match=r"kv_num_pages=5 cannot hold one request at max_target_length=24 \(6 pages"):
+    Engine(config, num_slots=2, mesh=one_device_mesh())
+
+
+def test_dense_release_is_a_no_op_and_reports_no_pages():
+  engine = Engine(Config.for_testing(**TINY), num_slots=2, mesh=one_device_mesh())
+  engine.release(1)
+  assert engine.cache_stats()["pages_total"] == 0 and engine.cache_stats()["layout"] == "dense"
+  with pytest.raises(ValueError, match="slot 2 out of range"):
+    engine.release(2)
+
+
+# ---------------------------------------------------------------- the TPU kernel path
+def filled_pool(quantized: bool) -> paged_kv.PagedKVCache:
+  """3 slots over scattered pages of 8 tokens, 2 kv heads of 128; keys/values exact in bfloat16
+  (the kernel computes in bfloat16)."""
+  slots, pages_per_slot, page, width = 3, 4, 8, 128
+  pool = paged_kv.empty_pool(10, page, 2, width, jnp.float32, slots, pages_per_slot, quantized)
+  table = np.full((slots, pages_per_slot), -1, np.int32)
+  table[0, :2], table[1, :], table[2, :1] = [3, 7], [0, 9, 2, 5], [8]
+  pool = dataclasses.replace(pool, block_table_BM=jnp.asarray(table))
+  shape = (slots, pages_per_slot * page, 2, width)
+  k, v = (jax.random.normal(jax.random.key(i), shape).astype(jnp.bfloat16).astype(jnp.float32) for i in (1, 2))
+  with sharding.unsharded():
+    return kv_cache.write(pool, k, v, jnp.broadcast_to(jnp.arange(shape[1]), shape[:2]))
+
+
+@pytest.mark.parametrize("quantized,soft_cap", [(False, 5.0), pytest.param(True, 0.0, marks=pytest.mark.slow)])
+def test_tpu_paged_kernel_equals_the_reference_in_interpret_mode(quantized, soft_cap):
+  """The Pallas TPU kernel, run by Pallas' TPU interpreter on CPU, against the gather reference:
+  GQA (4 query heads on 2 kv heads), slots of 13, 31 and 6 tokens over scattered pages."""
+  pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
+  pool = filled_pool(quantized)
+  q = jax.random.normal(jax.random.key(3), (3, 1, 4, 128))
+  positions = jnp.asarray([[12], [30], [5]])
+  expected = paged_kv.paged_attention(q, pool, positions, soft_cap=soft_cap)
+  with pltpu.force_tpu_interpret_mode(), sharding.unsharded():
+    got = paged_kv.tpu_paged_attention(q, pool, positions, soft_cap)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5, rtol=0)
+
+
+@pytest.mark.slow  # ~15 s: libtpu compiles for a TPU topology on CPU
+@pytest.mark.parametrize("topology,tensor,quantized,head_dim,kernels", [
+    ("v5e-1", 1, True, 128, 1), ("v5e-4", 2, False, 128, 1), ("v5e-1", 1, False, 64, 0)])
+def test_paged_generate_compiles_for_tpu_with_the_pallas_kernel(topology, tensor, quantized, head_dim, kernels):
+  """AOT: the paged generate step lowers to the Pallas paged-attention kernel (one custom call in
+  the scanned layer) and compiles for a TPU topology, kv heads split over tensor under shard_map;
+  a head dim of 64, which the kernel's blocks cannot tile, takes the gather reference instead."""
+  pytest.importorskip("libtpu")
+  from MaxText import accelerators
+  from MaxText.train_compile import describe_topology
+  tpu = accelerators.tpu_topology(topology)
+  config = Config.for_testing(tpu.target(1), **dict(TINY, base_emb_dim=256, head_dim=head_dim, max_target_length=256,
+                                                    dtype="bfloat16"),
+                              kv_cache_layout="paged", kv_page_size=16, quantize_kvcache=quantized,
+                              ici_tensor_parallelism=tensor, ici_fsdp_parallelism=-1)
+  engine = Engine(config, num_slots=8, mesh=sharding.create_mesh(config.mesh, describe_topology(tpu, 1)))
+  params = sharding.with_shardings(engine.spec.abstract_params, engine.param_shardings)
+  state = sharding.with_shardings(jax.eval_shape(engine._init_state_fn, jnp.uint32(0)), engine.state_shardings)
+  table = jax.ShapeDtypeStruct(engine.pages.table.shape, jnp.int32, sharding=sharding.replicated(engine.mesh))
+  with sharding.activation_sharding(engine.mesh, engine.rules):
+    lowered = engine._generate.lower(params, state, table)
+  assert lowered.as_text().count("paged_flash_attention_kernel") == kernels
+  lowered.compile()
+  assert engine.state_shardings.caches.key_KPZH.spec[1] == (None if tensor == 1 else "tensor")
