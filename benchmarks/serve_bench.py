@@ -2,7 +2,7 @@
 inter-token latency (ITL) p50/p99 against the number of concurrent clients, and KV cache memory.
 
     nice -n 5 python3 benchmarks/serve_bench.py [--concurrency 1,4,16] [--requests_per_client 4]
-        [--max_tokens 32] [--slots 16] [--emb 256] [--layers 4]
+        [--max_tokens 32] [--slots 16] [--emb 256] [--layers 4] [--caches dense,paged] [--page_size 16] [--pages 0]
 
 A small random-init model (greedy, no end-of-sequence token, so every request makes max_tokens
 tokens) is served in this process on 127.0.0.1 through the real app (uvicorn, the scheduler
@@ -92,19 +92,9 @@ async def _round(url: str, concurrency: int, num_requests: int, max_tokens: int,
   return times
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--concurrency", default="1,4,16")
-  parser.add_argument("--requests_per_client", type=int, default=4)
-  parser.add_argument("--max_tokens", type=int, default=32)
-  parser.add_argument("--prompt_lengths", default="8,24,48,16")
-  parser.add_argument("--slots", type=int, default=16)
-  parser.add_argument("--emb", type=int, default=256)
-  parser.add_argument("--layers", type=int, default=4)
-  parser.add_argument("--vocab", type=int, default=512)
-  args = parser.parse_args()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
+def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int, tokenizer: Path) -> None:
+  """The table for one KV cache layout, then its memory: what the cache allocates and, paged, the
+  most pages in use at once (polled while the clients run)."""
   import jax
   import numpy as np
   import uvicorn
@@ -114,17 +104,16 @@ def main() -> None:
   from MaxText.config_groups import MESH_AXES
   from MaxText.serve import build_app, build_server
 
-  prompt_lengths = [int(x) for x in args.prompt_lengths.split(",")]
-  max_target = max(prompt_lengths) + args.max_tokens
-  tokenizer = _tokenizer(Path(tempfile.mkdtemp()) / "tok", args.vocab)
   config = Config.for_testing(
       base_emb_dim=args.emb, base_num_query_heads=4, base_num_kv_heads=4, head_dim=args.emb // 4,
       base_mlp_dim=4 * args.emb, base_num_decoder_layers=args.layers, vocab_size=args.vocab,
       max_target_length=max_target, max_prefill_predict_length=max(prompt_lengths), dtype="float32",
       print_config=False, tokenizer_type="huggingface", tokenizer_path=str(tokenizer), add_bos=False,
-      serve_max_slots=args.slots, serve_max_queue=1024, serve_max_tokens=args.max_tokens, serve_model_name="bench")
+      serve_max_slots=args.slots, serve_max_queue=1024, serve_max_tokens=args.max_tokens, serve_model_name="bench",
+      kv_cache_layout=layout, kv_page_size=args.page_size, kv_num_pages=args.pages if layout == "paged" else 0)
   mesh = Mesh(np.asarray(jax.devices()[:1]).reshape((1,) * len(MESH_AXES)), MESH_AXES)
   server = build_server(config, mesh=mesh)
+  engine = server.scheduler.engine
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -135,8 +124,16 @@ def main() -> None:
     time.sleep(0.05)
   url = f"http://127.0.0.1:{port}/v1/completions"
   asyncio.run(_round(url, 2, 2, 4, prompt_lengths, args.vocab))  # compiles prefill, insert and the step
+  peak = {"pages": 0}
+  polling = threading.Event()
 
-  print(f"model: emb {args.emb}, {args.layers} layers, vocab {args.vocab}; {args.slots} slots; "
+  def poll() -> None:
+    while not polling.wait(0.005):
+      peak["pages"] = max(peak["pages"], int(engine.cache_stats()["pages_used"]))
+
+  poller = threading.Thread(target=poll, daemon=True)
+  poller.start()
+  print(f"\n{layout} KV cache; model: emb {args.emb}, {args.layers} layers, vocab {args.vocab}; {args.slots} slots; "
         f"prompts of {args.prompt_lengths} tokens; {args.max_tokens} new tokens each; {jax.devices()[0].platform}")
   print("| clients | requests | output tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) |")
   print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -147,20 +144,44 @@ def main() -> None:
     print(f"| {concurrency} | {n} | {t['tokens'] / t['wall']:.0f} | {_percentile(t['ttft'], 50) * 1e3:.1f} | "
           f"{_percentile(t['ttft'], 99) * 1e3:.1f} | {_percentile(t['itl'], 50) * 1e3:.1f} | "
           f"{_percentile(t['itl'], 99) * 1e3:.1f} |", flush=True)
-
-  # ---------------------------------------------------------------- KV cache memory
-  # The dense cache holds slots x max_target_length tokens whatever the requests need; the
-  # tokens the mixed workload actually caches at full occupancy are prompt + generated per slot.
-  # (A paged cache's row, its pages in use at the peak, goes here beside the dense one.)
-  state = server.scheduler.engine.init_decode_state()
-  dense = sum(x.nbytes for x in jax.tree.leaves(state.caches))
-  per_token = dense / (args.slots * max_target)
-  live = args.slots * (float(np.mean(prompt_lengths)) + args.max_tokens)
-  print(f"\ndense KV cache: {dense / 2**20:.2f} MiB for {args.slots} slots x {max_target} tokens; the workload's "
-        f"live tokens at full occupancy ({live:.0f}) need {live * per_token / 2**20:.2f} MiB")
+  polling.set()
+  poller.join()
+  stats = engine.cache_stats()
+  allocated = stats["cache_bytes"] / 2**20
+  if layout == "dense":  # every slot holds max_target_length tokens whatever its request needs
+    live = args.slots * (float(np.mean(prompt_lengths)) + args.max_tokens)
+    print(f"dense KV cache: {allocated:.2f} MiB for {args.slots} slots x {max_target} tokens; the workload's live "
+          f"tokens at full occupancy ({live:.0f}) need {live / (args.slots * max_target) * allocated:.2f} MiB")
+  else:  # the pool's pages are handed out as tokens arrive: the peak in use is what the workload cost
+    per_page = allocated / stats["pages_total"]
+    print(f"paged KV cache: pool of {stats['pages_total']} pages of {stats['page_size']} tokens ({allocated:.2f} MiB); "
+          f"at most {peak['pages']} pages in use at once ({peak['pages'] * per_page:.2f} MiB); "
+          f"{stats['pages_used']} in use after the last request")
   uv.should_exit = True
   thread.join(30)
   server.scheduler.stop()
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--concurrency", default="1,4,16")
+  parser.add_argument("--requests_per_client", type=int, default=4)
+  parser.add_argument("--max_tokens", type=int, default=32)
+  parser.add_argument("--prompt_lengths", default="8,24,48,16")
+  parser.add_argument("--slots", type=int, default=16)
+  parser.add_argument("--emb", type=int, default=256)
+  parser.add_argument("--layers", type=int, default=4)
+  parser.add_argument("--vocab", type=int, default=512)
+  parser.add_argument("--caches", default="dense,paged", help="KV cache layouts to serve with, in turn")
+  parser.add_argument("--page_size", type=int, default=16)
+  parser.add_argument("--pages", type=int, default=0, help="paged pool size (0: the dense capacity)")
+  args = parser.parse_args()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  prompt_lengths = [int(x) for x in args.prompt_lengths.split(",")]
+  max_target = max(prompt_lengths) + args.max_tokens
+  tokenizer = _tokenizer(Path(tempfile.mkdtemp()) / "tok", args.vocab)
+  for layout in args.caches.split(","):
+    _serve_layout(args, layout, prompt_lengths, max_target, tokenizer)
 
 
 if __name__ == "__main__":
