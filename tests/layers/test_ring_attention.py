@@ -111,3 +111,47 @@ def test_bad_context_parallel_settings_are_config_errors(overrides, message):
   with pytest.raises(ConfigError, match=message):
     Config.for_testing(**{**TINY, "ici_sequence_parallelism": 4, "ici_fsdp_parallelism": -1, "attention": "flash",
                           **overrides})
+
+
+TRAIN = dict(TINY, base_num_query_heads=8, base_num_kv_heads=4, head_dim=8, dataset_type="synthetic",
+             enable_checkpointing=False, attention_layer_pattern="[local,global]", sliding_window_size=6)
+
+
+@pytest.mark.slow  # ~25 s each on 2 cores
+@pytest.mark.parametrize("strategy, balanced", [("ring", True), ("all_to_all", True), ("all_gather", True),
+                                                ("ring", False)])
+def test_three_train_steps_equal_the_run_without_context_parallelism(strategy, balanced):
+  """Loss and gradient norm of 3 steps (the batch reordered before the model when balanced)."""
+  from tests import train_utils
+
+  parallel = Config.for_testing(**TRAIN, attention="flash", ici_sequence_parallelism=4, ici_fsdp_parallelism=-1,
+                                context_parallel_strategy=strategy, context_parallel_load_balance=balanced)
+  plain = Config.for_testing(**TRAIN, attention="dot_product", ici_fsdp_parallelism=1, ici_data_parallelism=-1)
+  histories = []
+  for config in (parallel, plain):
+    run = train_utils.Run(config)
+    histories.append(run.train(run.init(), 3)[1])
+  for key in ("loss", "grad_norm"):
+    np.testing.assert_allclose([h[key] for h in histories[0]], [h[key] for h in histories[1]], rtol=2e-5)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["context_parallel_load_balance=True", "max_target_length=100"], "error: context_parallel_load_balance=True "
+     "splits max_target_length=100 into 2 x 4"),
+    (["context_parallel_strategy=all_to_all", "base_num_query_heads=6", "base_num_kv_heads=2"],
+     "error: context_parallel_strategy=all_to_all splits heads"),
+    (["context_parallel_strategy=ring", "attention=dot_product"], "attention=dot_product cannot run it"),
+])
+def test_cli_rejects_bad_context_parallelism_in_one_line(args, message, tmp_path):
+  import pathlib
+  import subprocess
+  import sys
+
+  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PATH": "/usr/bin:/bin"}
+  proc = subprocess.run([sys.executable, "-m", "MaxText.train", "configs/base.yml", f"base_output_directory={tmp_path}",
+                         "ici_sequence_parallelism=4", "ici_fsdp_parallelism=-1", *args],
+                        cwd=pathlib.Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
+                        timeout=300)
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+  assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr
