@@ -46,25 +46,22 @@ def _pieces(x: Array, count: int, axis: int = 1) -> list[Array]:
   return jnp.split(x, count, axis=axis) if count > 1 else [x]
 
 
-def _pair_forward(q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, qseg_BL: Array, kseg_BL: Array, window: Array,
-                  q_starts: list[Array], k_starts: list[Array], soft_cap: float, blocks: tuple[int, int]
-                  ) -> tuple[Array, Array]:
-  """Float32 output and log-sum-exp (-inf where a row sees nothing) of local queries over one
-  K/V block, chunk pair by chunk pair: query chunk a at global q_starts[a], key chunk b at k_starts[b]."""
-  outs, lses = [], []
-  k_parts, v_parts, kseg_parts = (_pieces(x, len(k_starts)) for x in (k_BLKH, v_BLKH, kseg_BL))
-  for q_sub, qseg_sub, q_start in zip(_pieces(q_BLKGH, len(q_starts)), _pieces(qseg_BL, len(q_starts)), q_starts):
-    merged = None
-    for k_sub, v_sub, kseg_sub, k_start in zip(k_parts, v_parts, kseg_parts, k_starts):
-      # The mask depends on q_pos - k_pos only, so keys at k_start are keys at 0 for queries at q_start - k_start.
-      out, lse = ak._forward(q_sub, k_sub, v_sub, qseg_sub, kseg_sub, window, q_start - k_start, None, soft_cap,
-                             _fit(blocks[0], q_sub.shape[1]), _fit(blocks[1], k_sub.shape[1]), out_dtype=jnp.float32)
-      part = (out, jnp.where(jnp.isinf(lse), -jnp.inf, lse))
-      merged = part if merged is None else merge(merged, part)
-    assert merged is not None
-    outs.append(merged[0])
-    lses.append(merged[1])
-  return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=3)
+def _chunked(x: Array, count: int, axis: int = 1) -> Array:
+  """x with `axis` cut into `count` equal chunks, the chunk index leading."""
+  shape = x.shape[:axis] + (count, x.shape[axis] // count) + x.shape[axis + 1:]
+  return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _unchunked(x: Array, axis: int = 1) -> Array:
+  x = jnp.moveaxis(x, 0, axis)
+  return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+
+
+def _pairs(count: int) -> tuple[Array, Array]:
+  """(query chunk, key chunk) index of every chunk pair, scanned one after another: independent
+  pairs unrolled would let XLA keep all their temporaries alive at once."""
+  grid = jnp.arange(count * count)
+  return grid // count, grid % count
 
 
 def merge(a: tuple[Array, Array], b: tuple[Array, Array]) -> tuple[Array, Array]:
@@ -76,35 +73,61 @@ def merge(a: tuple[Array, Array], b: tuple[Array, Array]) -> tuple[Array, Array]
   return out_a * weight(lse_a) + out_b * weight(lse_b), lse
 
 
+def _pair_forward(q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, qseg_BL: Array, kseg_BL: Array, window: Array,
+                  q_starts: Array, k_starts: Array, soft_cap: float, blocks: tuple[int, int]) -> tuple[Array, Array]:
+  """Float32 output and log-sum-exp (-inf where a row sees nothing) of local queries over one
+  K/V block, chunk pair by chunk pair: query chunk a at global q_starts[a], key chunk b at k_starts[b]."""
+  count = q_starts.shape[0]
+  q_c, qseg_c, k_c, v_c, kseg_c = (_chunked(x, count) for x in (q_BLKGH, qseg_BL, k_BLKH, v_BLKH, kseg_BL))
+  chunk = q_c.shape[2]
+  block_q, block_kv = _fit(blocks[0], chunk), _fit(blocks[1], chunk)
+
+  def pair(carry, ab):
+    out_c, lse_c = carry
+    a, b = ab
+    # The mask depends on q_pos - k_pos only, so keys at k_start are keys at 0 for queries at q_start - k_start.
+    out, lse = ak._forward(q_c[a], k_c[b], v_c[b], qseg_c[a], kseg_c[b], window, q_starts[a] - k_starts[b], None,
+                           soft_cap, block_q, block_kv, out_dtype=jnp.float32)
+    out, lse = merge((out_c[a], lse_c[a]), (out, jnp.where(jnp.isinf(lse), -jnp.inf, lse)))
+    return (out_c.at[a].set(out), lse_c.at[a].set(lse)), None
+
+  batch, _, kv_heads, group, head_dim = q_BLKGH.shape
+  init = (jnp.zeros((count, batch, chunk, kv_heads, group, head_dim), jnp.float32),
+          jnp.full((count, batch, kv_heads, group, chunk), -jnp.inf, jnp.float32))
+  (out_c, lse_c), _ = jax.lax.scan(pair, init, _pairs(count))
+  return _unchunked(out_c), _unchunked(lse_c, axis=3)
+
+
 def _pair_backward(q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, qseg_BL: Array, kseg_BL: Array, window: Array,
-                   q_starts: list[Array], k_starts: list[Array], soft_cap: float, blocks: tuple[int, int],
+                   q_starts: Array, k_starts: Array, soft_cap: float, blocks: tuple[int, int],
                    do_BLKGH: Array, lse_BKGL: Array, delta_BKGL: Array) -> tuple[Array, Array, Array]:
   """dQ of the local queries and dK, dV of one K/V block (float32), from the global lse and delta."""
-  dq_parts = []
-  dk_BLKH, dv_BLKH = jnp.zeros(k_BLKH.shape, jnp.float32), jnp.zeros(v_BLKH.shape, jnp.float32)
-  nq, nk = len(q_starts), len(k_starts)
-  k_parts, v_parts, kseg_parts = (_pieces(x, nk) for x in (k_BLKH, v_BLKH, kseg_BL))
-  dk_parts, dv_parts = _pieces(dk_BLKH, nk), _pieces(dv_BLKH, nk)
-  for q_sub, qseg_sub, do_sub, lse_sub, delta_sub, q_start in zip(
-      _pieces(q_BLKGH, nq), _pieces(qseg_BL, nq), _pieces(do_BLKGH, nq), _pieces(lse_BKGL, nq, 3),
-      _pieces(delta_BKGL, nq, 3), q_starts):
-    dq_sub = jnp.zeros(q_sub.shape, jnp.float32)
-    for b, (k_sub, v_sub, kseg_sub, k_start) in enumerate(zip(k_parts, v_parts, kseg_parts, k_starts)):
-      args = (q_sub, k_sub, v_sub, qseg_sub, kseg_sub, window, q_start - k_start, soft_cap,
-              _fit(blocks[0], q_sub.shape[1]), _fit(blocks[1], k_sub.shape[1]), do_sub, lse_sub, delta_sub)
-      dq_sub = dq_sub + ak._backward_dq(*args)
-      dk_b, dv_b = ak._backward_dkv(*args)
-      dk_parts[b], dv_parts[b] = dk_parts[b] + dk_b, dv_parts[b] + dv_b
-    dq_parts.append(dq_sub)
-  return jnp.concatenate(dq_parts, axis=1), jnp.concatenate(dk_parts, axis=1), jnp.concatenate(dv_parts, axis=1)
+  count = q_starts.shape[0]
+  q_c, qseg_c, do_c, k_c, v_c, kseg_c = (_chunked(x, count)
+                                          for x in (q_BLKGH, qseg_BL, do_BLKGH, k_BLKH, v_BLKH, kseg_BL))
+  lse_c, delta_c = _chunked(lse_BKGL, count, 3), _chunked(delta_BKGL, count, 3)
+  chunk = q_c.shape[2]
+  block_q, block_kv = _fit(blocks[0], chunk), _fit(blocks[1], chunk)
+
+  def pair(carry, ab):
+    dq_c, dk_c, dv_c = carry
+    a, b = ab
+    args = (q_c[a], k_c[b], v_c[b], qseg_c[a], kseg_c[b], window, q_starts[a] - k_starts[b], soft_cap, block_q,
+            block_kv, do_c[a], lse_c[a], delta_c[a])
+    dk, dv = ak._backward_dkv(*args)
+    return (dq_c.at[a].add(ak._backward_dq(*args)), dk_c.at[b].add(dk), dv_c.at[b].add(dv)), None
+
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
+  (dq_c, dk_c, dv_c), _ = jax.lax.scan(pair, (zeros(q_c), zeros(k_c), zeros(v_c)), _pairs(count))
+  return _unchunked(dq_c), _unchunked(dk_c), _unchunked(dv_c)
 
 
 # ---------------------------------------------------------------- ring
 
 
-def _chunk_starts(shard: Array, local_length: int, shards: int, balanced: bool) -> list[Array]:
-  starts = context_parallel.shard_chunk_starts(shard, local_length, shards, balanced)
-  return [jnp.asarray(s, jnp.int32) for s in starts]
+def _chunk_starts(shard: Array, local_length: int, shards: int, balanced: bool) -> Array:
+  return jnp.stack([jnp.asarray(s, jnp.int32)
+                    for s in context_parallel.shard_chunk_starts(shard, local_length, shards, balanced)])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
@@ -122,17 +145,23 @@ def _ring_fwd(q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, windo
               shards: int, balanced: bool, soft_cap: float, blocks: tuple[int, int]) -> tuple[Array, tuple]:
   shard, length = jax.lax.axis_index(axes), q_BLKGH.shape[1]
   q_starts = _chunk_starts(shard, length, shards, balanced)
-  block = (k_BLKH, v_BLKH, seg_BL)
-  merged = None
-  for step in range(shards):
-    # Issued before this step's compute, so the transfer of the next block overlaps it.
-    following = _rotate(block, axes, shards) if step < shards - 1 else None
+
+  def attend(block, step, merged):
     k_starts = _chunk_starts((shard - step) % shards, length, shards, balanced)
-    part = _pair_forward(q_BLKGH, block[0], block[1], seg_BL, block[2], window, q_starts, k_starts, soft_cap, blocks)
-    merged = part if merged is None else merge(merged, part)
-    block = following
-  assert merged is not None
-  out_BLKGH, lse_BKGL = merged[0].astype(q_BLKGH.dtype), merged[1]
+    return merge(merged, _pair_forward(q_BLKGH, block[0], block[1], seg_BL, block[2], window, q_starts, k_starts,
+                                       soft_cap, blocks))
+
+  def step_fn(carry, step):
+    block, merged = carry
+    following = _rotate(block, axes, shards)  # issued first so the transfer overlaps this step's compute
+    return (following, attend(block, step, merged)), None
+
+  batch, _, kv_heads, group, head_dim = q_BLKGH.shape
+  empty = (jnp.zeros(q_BLKGH.shape, jnp.float32), jnp.full((batch, kv_heads, group, length), -jnp.inf, jnp.float32))
+  # n - 1 rotating steps, then the last block (which need not move on).
+  (block, merged), _ = jax.lax.scan(step_fn, ((k_BLKH, v_BLKH, seg_BL), empty), jnp.arange(shards - 1))
+  out_BLKGH, lse_BKGL = attend(block, shards - 1, merged)
+  out_BLKGH = out_BLKGH.astype(q_BLKGH.dtype)
   return out_BLKGH, (q_BLKGH, k_BLKH, v_BLKH, seg_BL, window, out_BLKGH, lse_BKGL)
 
 
@@ -144,18 +173,25 @@ def _ring_bwd(axes: tuple[str, ...], shards: int, balanced: bool, soft_cap: floa
   lse_BKGL = jnp.where(jnp.isfinite(lse_BKGL), lse_BKGL, jnp.inf)
   shard, length = jax.lax.axis_index(axes), q_BLKGH.shape[1]
   q_starts = _chunk_starts(shard, length, shards, balanced)
-  dq_BLKGH = jnp.zeros(q_BLKGH.shape, jnp.float32)
-  block = (k_BLKH, v_BLKH, seg_BL)
-  dk_BLKH, dv_BLKH = jnp.zeros(k_BLKH.shape, jnp.float32), jnp.zeros(v_BLKH.shape, jnp.float32)
-  for step in range(shards):
-    following = _rotate(block, axes, shards) if step < shards - 1 else None
+
+  def attend(block, step, grads):
+    dq_BLKGH, dk_BLKH, dv_BLKH = grads
     k_starts = _chunk_starts((shard - step) % shards, length, shards, balanced)
     dq, dk, dv = _pair_backward(q_BLKGH, block[0], block[1], seg_BL, block[2], window, q_starts, k_starts, soft_cap,
                                 blocks, do_BLKGH, lse_BKGL, delta_BKGL)
-    dq_BLKGH = dq_BLKGH + dq
-    # The accumulators travel with their block; the last rotation brings each one home.
+    # The dK/dV accumulators travel with their block; the last rotation brings each one home.
     dk_BLKH, dv_BLKH = _rotate((dk_BLKH + dk, dv_BLKH + dv), axes, shards)
-    block = following
+    return dq_BLKGH + dq, dk_BLKH, dv_BLKH
+
+  def step_fn(carry, step):
+    block, grads = carry
+    following = _rotate(block, axes, shards)
+    return (following, attend(block, step, grads)), None
+
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
+  init = ((k_BLKH, v_BLKH, seg_BL), (zeros(q_BLKGH), zeros(k_BLKH), zeros(v_BLKH)))
+  (block, grads), _ = jax.lax.scan(step_fn, init, jnp.arange(shards - 1))
+  dq_BLKGH, dk_BLKH, dv_BLKH = attend(block, shards - 1, grads)
   return (dq_BLKGH.astype(q_BLKGH.dtype), dk_BLKH.astype(k_BLKH.dtype), dv_BLKH.astype(v_BLKH.dtype), None, None)
 
 
