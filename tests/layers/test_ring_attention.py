@@ -51,8 +51,8 @@ def _check_strategy(strategy, shards, balanced, window):
 
   def sharded(q, k, v, seg):
     with sharding.activation_sharding(mesh, rules):
-      return kernel(q, k, v, seg, window, 0.0), jax.grad(functools.partial(loss, kernel, weights[order]), argnums=(0, 1, 2))(
-          q, k, v, seg)
+      grads = jax.grad(functools.partial(loss, kernel, weights[order]), argnums=(0, 1, 2))(q, k, v, seg)
+      return kernel(q, k, v, seg, window, 0.0), grads
 
   step = jax.jit(sharded)
   args = tuple(x[:, order] for x in (q, k, v, seg))
