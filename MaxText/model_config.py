@@ -21,6 +21,7 @@ REMAT_POLICIES = ("full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "mi
                   "save_dot_except_mlp_offloaded", "none")
 QUANTIZATION_MODES = ("", "int8", "fp8")  # mirrors layers/quantization.py (config must not import layers)
 ATTENTION_KINDS = ("dot_product", "flash", "cudnn_flash", "autoselected")
+CONTEXT_PARALLEL_STRATEGIES = ("all_gather", "ring", "all_to_all")  # layers/context_parallel.py, ring_attention.py
 MOE_DISPATCHES = ("all_to_all", "gather")
 ALL_TO_ALL_KINDS = ("auto", "ragged", "padded")
 GROUPED_MATMUL_KINDS = ("auto", "ragged_dot", "megablox")
@@ -165,6 +166,8 @@ class ModelConfig:
   dropout_rate: float = key()
   logits_dot_in_fp32: bool = key()
   attention: str = key()
+  context_parallel_strategy: str = key()  # all_gather | ring | all_to_all over the `sequence` axis
+  context_parallel_load_balance: bool = key()  # zig-zag chunk order so causal work is equal per shard
   remat_policy: str = key()
   max_target_length: int = key(fixed_on_resume=DATA_POSITION)
   capacity_factor: float = key()  # <= 0 = dropless
@@ -191,6 +194,7 @@ class ModelConfig:
   mlp_dim: int = derived()
   num_decoder_layers: int = derived()
   num_pipeline_stages: int = derived(1)  # 1 = no pipeline
+  context_parallel_degree: int = derived(1)  # shards of the sequence (the `sequence` mesh axis)
   attention_blocks: AttentionBlocks = derived()
 
   def lora(self, target: str) -> dict[str, Any]:
@@ -277,10 +281,40 @@ class ModelConfig:
     _require(not pipelined or v["mtp_num_layers"] == 0,
              "mtp_num_layers > 0 is not supported with pipeline parallelism (the last stage would run the MTP modules)")
     stages, micro = _pipeline(v, mesh, global_batch, layers)
-    return cls(**read_keys(cls, v, num_pipeline_microbatches=micro),
+    context = dict(mesh.shape)["sequence"]
+    _check_context_parallel(v, context, num_q, num_kv)
+    return cls(**read_keys(cls, v, num_pipeline_microbatches=micro), context_parallel_degree=context,
                emb_dim=v["base_emb_dim"] * s["emb"], num_query_heads=num_q, num_kv_heads=num_kv,
                mlp_dim=v["base_mlp_dim"] * s["mlp"], num_decoder_layers=layers, num_pipeline_stages=stages,
                attention_blocks=AttentionBlocks.from_values(v))
+
+
+def _check_context_parallel(v: Mapping[str, Any], degree: int, num_q: int, num_kv: int) -> None:
+  """context_parallel_* against the `sequence` degree, the sequence length, heads and kernel."""
+  one_of(v, "context_parallel_strategy", CONTEXT_PARALLEL_STRATEGIES)
+  strategy, balance = v["context_parallel_strategy"], v["context_parallel_load_balance"]
+  _require(isinstance(balance, bool), f"context_parallel_load_balance must be True or False, got {balance!r}")
+  if degree == 1 or (strategy == "all_gather" and not balance):
+    return
+  length = v["max_target_length"]
+  if balance:
+    _require(length % (2 * degree) == 0,
+             f"context_parallel_load_balance=True splits max_target_length={length} into 2 x {degree} (sequence "
+             f"parallelism) chunks; use a multiple of {2 * degree} or context_parallel_load_balance=False")
+    _require(v["mtp_num_layers"] == 0, "context_parallel_load_balance=True reorders the sequence, which "
+             "multi-token prediction (mtp_num_layers > 0) reads in order; set context_parallel_load_balance=False")
+  if strategy == "all_to_all":
+    _require(num_q % degree == 0 and num_kv % degree == 0,
+             f"context_parallel_strategy=all_to_all splits heads over the {degree} sequence shards but "
+             f"num_query_heads={num_q} / num_kv_heads={num_kv} are not multiples of {degree}; use "
+             "context_parallel_strategy=ring or all_gather")
+  what = f"context_parallel_strategy={strategy}" + (" with context_parallel_load_balance=True" if balance else "")
+  _require(v["attention"] in ("flash", "autoselected"),
+           f"{what} runs the chunked flash kernel per block (it needs each block's log-sum-exp); "
+           f"attention={v['attention']} cannot run it; use attention=flash or autoselected")
+  _require("chunked" not in v["attention_layer_pattern"] and not v["attention_sinks"],
+           f"{what} does not support chunked attention layers or attention_sinks (dot_product only); "
+           "use context_parallel_strategy=all_gather without load balancing")
 
 
 def _check_quantization(v: Mapping[str, Any]) -> None:

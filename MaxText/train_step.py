@@ -11,6 +11,7 @@ import optax
 
 from MaxText import dpo, lora, optimizers, sharding
 from MaxText.input_pipeline import Batch
+from MaxText.layers import context_parallel
 from MaxText.layers.moe import ROUTING_STATS, update_correction_biases
 from MaxText.models import ModelSpec, token_loss_sums
 from MaxText.train_state import StateSetup, TrainState, reference_of
@@ -79,10 +80,13 @@ def step_loss_sums(setup: StateSetup, config, reference: Any, for_gradients: boo
   """(params, batch, dropout rng) -> (summed loss, sums): next-token cross-entropy, or with use_dpo
   the DPO loss against `reference` (dpo.py)."""
   optim = config.optim
+  # Load-balanced context parallelism reorders the batch here, once, before the model: the loss is
+  # a sum over tokens (DPO's over each sequence), so it needs no undoing.
+  balance = lambda b: context_parallel.balance_batch(b, config.model)  # noqa: E731
   if config.data.use_dpo:
-    return lambda p, b, r: dpo.dpo_loss_sums(setup.model, p, reference, b, r, optim.dpo_beta,
+    return lambda p, b, r: dpo.dpo_loss_sums(setup.model, p, reference, balance(b), r, optim.dpo_beta,
                                              optim.dpo_label_smoothing)
-  return lambda p, b, r: loss_sums(setup.model, p, b, r, optim.z_loss_multiplier,
+  return lambda p, b, r: loss_sums(setup.model, p, balance(b), r, optim.z_loss_multiplier,
                                    config.model.load_balance_loss_weight, for_gradients=for_gradients)
 
 

@@ -24,7 +24,7 @@ from flax import nnx
 
 from MaxText import sharding
 from MaxText.model_config import ModelConfig
-from MaxText.layers import attention_kernels
+from MaxText.layers import attention_kernels, context_parallel
 from MaxText.layers import kv_cache, masks
 from MaxText.layers.embeddings import apply_rope, rope_attention_scale, rope_inverse_frequencies
 from MaxText.layers.linears import DenseGeneral
@@ -67,6 +67,8 @@ def select_kernel(name: str, platform: str | None = None, cfg: ModelConfig | Non
     return "dot_product"  # the one kernel with a chunked mask
   if name == "autoselected" and cfg is not None and cfg.attention_sinks:
     return "dot_product"
+  if name == "autoselected" and cfg is not None and context_parallel.merges_blocks(cfg):
+    return "flash"  # ring / all_to_all / load balancing run the chunked kernel per block
   if name != "autoselected" or platform is None:
     return name
   if platform == "tpu":

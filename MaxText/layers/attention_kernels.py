@@ -65,10 +65,11 @@ def _slice(x: jax.Array, index: jax.Array, size: int) -> jax.Array:
 
 
 def _forward(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, kseg_BS: Array, window: Array,
-             q_offset: Array, sinks_KG: Array | None, soft_cap: float, block_q: int, block_kv: int
-             ) -> tuple[Array, Array]:
+             q_offset: Array, sinks_KG: Array | None, soft_cap: float, block_q: int, block_kv: int,
+             out_dtype: jnp.dtype | None = None) -> tuple[Array, Array]:
   """Online softmax over the visible key blocks of each query block: (out_BLKGH, lse_BKGL). A sink
-  logit (masks.dense_attention) starts each row's running max and sum as a key with no value."""
+  logit (masks.dense_attention) starts each row's running max and sum as a key with no value.
+  `out_dtype` (default q's): float32 when partial outputs are merged later (ring_attention.py)."""
   batch, _, num_kv, group, head_dim = q_BLKGH.shape
   num_q_blocks, num_kv_blocks = q_BLKGH.shape[1] // block_q, k_BSKH.shape[1] // block_kv
 
@@ -102,7 +103,7 @@ def _forward(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, kseg_
   out_nBKGQH, lse_nBKGQ = jax.lax.map(one_q_block, jnp.arange(num_q_blocks))
   out_BLKGH = out_nBKGQH.transpose(1, 0, 4, 2, 3, 5).reshape(batch, -1, num_kv, group, head_dim)
   lse_BKGL = jnp.moveaxis(lse_nBKGQ, 0, 3).reshape(batch, num_kv, group, -1)
-  return out_BLKGH.astype(q_BLKGH.dtype), lse_BKGL
+  return out_BLKGH.astype(out_dtype or q_BLKGH.dtype), lse_BKGL
 
 
 def _backward_dq(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, kseg_BS: Array, window: Array,
@@ -320,6 +321,10 @@ def make_flash(cfg: ModelConfig) -> AttentionKernel:
     if context is not None:
       mesh, rules = context
       if context_parallel.length_shards(mesh, rules, q_BLNH.shape, k_BSKH.shape) > 1:
+        if context_parallel.merges_blocks(cfg):
+          from MaxText.layers import ring_attention  # lazily: it builds on this module's block kernels
+          return ring_attention.context_parallel_attention(cfg, mesh, rules, q_BLNH, k_BSKH, v_BSKH, segment_ids_BL,
+                                                           window_size, soft_cap)
         return context_parallel.sequence_parallel_attention(local, mesh, rules, q_BLNH, k_BSKH, v_BSKH,
                                                             segment_ids_BL, window_size, soft_cap)
       if trace_platform() == "tpu":

@@ -1,4 +1,5 @@
-"""Sequence (context) parallelism for attention: queries stay split along the length over the
+"""Sequence (context) parallelism for attention (context_parallel_strategy=all_gather, the
+default; ring and all_to_all: ring_attention.py): queries stay split along the length over the
 `sequence` mesh axis, keys and values are all-gathered over it inside shard_map, and each shard
 attends with its queries' global positions (offset = shard index × local length), so causal
 masks, windows and segment ids are those of the whole sequence.
@@ -6,6 +7,13 @@ masks, windows and segment ids are those of the whole sequence.
 Why all-gather rather than a ring of ppermutes: one collective that XLA overlaps with the
 projections, simple causal offsets; K/V memory per device is that of the whole sequence
 (2 · S · K · H per sequence, small next to the L × S scores it never materialises).
+
+Load balancing (context_parallel_load_balance): with a causal mask the shard holding the end of
+the sequence does n times the work of the first. The batch is reordered once, before the model
+(`balance_batch`: tokens, positions, segment ids and targets alike), into 2n chunks with shard i
+holding chunks i and 2n - 1 - i, so every shard's causal work is equal. The per-token layers do
+not care about order, RoPE reads the batch's own positions, the loss is a mean over tokens, and
+attention kernels compute masks from each chunk's global start (`shard_chunk_starts`).
 
 Legend: B batch, L local query length, S global length, N query heads, K key/value heads, H head dim.
 """
@@ -18,10 +26,12 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from MaxText import sharding
 from MaxText.layers import masks
+from MaxText.model_config import ModelConfig
 
 _Q_NAMES = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 _KV_NAMES = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
@@ -93,3 +103,49 @@ def per_shard_attention(kernel: Callable[..., jax.Array], mesh: Mesh, rules: sha
   return jax.shard_map(shard, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, PartitionSpec()),
                        out_specs=q_spec, check_vma=False)(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL,
                                                              _window_operand(window_size))
+
+
+def merges_blocks(cfg: ModelConfig) -> bool:
+  """Whether attention runs ring_attention.py (per-block flash merged by log-sum-exp): a ring or
+  all-to-all strategy, or load balancing, with the sequence split."""
+  return cfg.context_parallel_degree > 1 and (cfg.context_parallel_strategy != "all_gather"
+                                              or cfg.context_parallel_load_balance)
+
+
+def shard_chunk_starts(shard: Any, local_length: int, shards: int, balanced: bool) -> list[Any]:
+  """Global start positions of the contiguous chunks shard `shard` holds (its local tokens in
+  order): one chunk of local_length, or with balancing two halves, chunks shard and 2n - 1 - shard."""
+  if not balanced:
+    return [shard * local_length]
+  half = local_length // 2
+  return [shard * half, (2 * shards - 1 - shard) * half]
+
+
+def balanced_order(length: int, shards: int) -> np.ndarray:
+  """Global position held at each index of the balanced order (shard i: chunks i, 2n - 1 - i)."""
+  chunks = np.arange(length).reshape(2 * shards, -1)
+  return np.concatenate([chunks[c] for i in range(shards) for c in (i, 2 * shards - 1 - i)])
+
+
+def to_natural_order(x: jax.Array, shards: int) -> jax.Array:
+  """A whole sequence (axis 1) in balanced order back to natural order."""
+  parts = x.reshape(x.shape[:1] + (shards, 2, -1) + x.shape[2:])
+  first, second = parts[:, :, 0], jnp.flip(parts[:, :, 1], axis=1)
+  return jnp.concatenate([first, second], axis=1).reshape(x.shape)
+
+
+def to_balanced_order(x: jax.Array, shards: int) -> jax.Array:
+  """A whole sequence (axis 1) in natural order to balanced order (the inverse of to_natural_order)."""
+  chunks = x.reshape(x.shape[:1] + (2 * shards, -1) + x.shape[2:])
+  paired = jnp.stack([chunks[:, :shards], jnp.flip(chunks[:, shards:], axis=1)], axis=2)
+  return paired.reshape(x.shape)
+
+
+def balance_batch(batch: dict[str, jax.Array], cfg: ModelConfig) -> dict[str, jax.Array]:
+  """The batch in balanced order when load balancing is on (every [B, max_target_length, ...]
+  entry alike, so targets stay next to their inputs), else unchanged."""
+  if not (cfg.context_parallel_load_balance and cfg.context_parallel_degree > 1):
+    return batch
+  shards = cfg.context_parallel_degree
+  return {name: to_balanced_order(x, shards) if x.ndim >= 2 and x.shape[1] == cfg.max_target_length else x
+          for name, x in batch.items()}

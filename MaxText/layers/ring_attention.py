@@ -1,0 +1,300 @@
+"""Ring and all-to-all (Ulysses) context parallelism, and load-balanced all-gather, built on the
+chunked flash kernel's block forward/backward (attention_kernels.py). All run inside shard_map
+with the length split over the `sequence` axis (context_parallel.kernel_specs).
+
+- ring: each shard keeps its queries; K/V (and their segment ids) move one shard along the ring
+  per step with ppermute, so after `n` steps every query has met every key block and no shard ever
+  holds more than one block. The per-block (output, log-sum-exp) pairs merge as an online softmax.
+  The backward pass (a custom VJP) rotates K/V again, and dK/dV accumulators travel with their
+  blocks, arriving home after the last step.
+- all_to_all: heads <-> length re-sharding: each shard gets the whole sequence for 1/n of the
+  heads, runs the local flash kernel, and re-shards back.
+- load balancing (context_parallel.balanced_*): a shard's queries and keys are two contiguous
+  chunks of global positions; every kernel call is per (query chunk, key chunk) pair with the
+  global offsets, so causal masks, windows and segment ids stay those of the whole sequence.
+
+Why the chunked JAX kernel per block everywhere: the merge needs each block's log-sum-exp and
+the backward needs the global one; splash (TPU) and cuDNN (GPU) do not take an external
+log-sum-exp in their backward passes (getting_started/Attention.md).
+
+Legend: B batch, L local length, S global length, N query heads, K key/value heads, G = N // K,
+H head dim; a "segment" here is a contiguous run of global positions (chunk), not a document.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from MaxText import sharding
+from MaxText.errors import ConfigError
+from MaxText.layers import attention_kernels as ak
+from MaxText.layers import context_parallel, masks
+
+Array = jax.Array
+
+
+def _fit(block: int, length: int) -> int:
+  """The largest tile <= block that divides length (the block kernels do not pad)."""
+  return math.gcd(min(block, length), length)
+
+
+def _pieces(x: Array, count: int, axis: int = 1) -> list[Array]:
+  return jnp.split(x, count, axis=axis) if count > 1 else [x]
+
+
+def _chunked(x: Array, count: int, axis: int = 1) -> Array:
+  """x with `axis` cut into `count` equal chunks, the chunk index leading."""
+  shape = x.shape[:axis] + (count, x.shape[axis] // count) + x.shape[axis + 1:]
+  return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _unchunked(x: Array, axis: int = 1) -> Array:
+  x = jnp.moveaxis(x, 0, axis)
+  return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+
+
+def _pairs(count: int) -> tuple[Array, Array]:
+  """(query chunk, key chunk) index of every chunk pair, scanned one after another: independent
+  pairs unrolled would let XLA keep all their temporaries alive at once."""
+  grid = jnp.arange(count * count)
+  return grid // count, grid % count
+
+
+def merge(a: tuple[Array, Array], b: tuple[Array, Array]) -> tuple[Array, Array]:
+  """Online-softmax merge of two partial results (out_BLKGH normalised per part, lse_BKGL)."""
+  (out_a, lse_a), (out_b, lse_b) = a, b
+  lse = jnp.logaddexp(lse_a, lse_b)
+  safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+  weight = lambda part: jnp.moveaxis(jnp.exp(part - safe), 3, 1)[..., None]  # noqa: E731  [B, L, K, G, 1]
+  return out_a * weight(lse_a) + out_b * weight(lse_b), lse
+
+
+def _pair_forward(q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, qseg_BL: Array, kseg_BL: Array, window: Array,
+                  q_starts: Array, k_starts: Array, soft_cap: float, blocks: tuple[int, int]) -> tuple[Array, Array]:
+  """Float32 output and log-sum-exp (-inf where a row sees nothing) of local queries over one
+  K/V block, chunk pair by chunk pair: query chunk a at global q_starts[a], key chunk b at k_starts[b]."""
+  count = q_starts.shape[0]
+  q_c, qseg_c, k_c, v_c, kseg_c = (_chunked(x, count) for x in (q_BLKGH, qseg_BL, k_BLKH, v_BLKH, kseg_BL))
+  chunk = q_c.shape[2]
+  block_q, block_kv = _fit(blocks[0], chunk), _fit(blocks[1], chunk)
+
+  def pair(carry, ab):
+    out_c, lse_c = carry
+    a, b = ab
+    # The mask depends on q_pos - k_pos only, so keys at k_start are keys at 0 for queries at q_start - k_start.
+    out, lse = ak._forward(q_c[a], k_c[b], v_c[b], qseg_c[a], kseg_c[b], window, q_starts[a] - k_starts[b], None,
+                           soft_cap, block_q, block_kv, out_dtype=jnp.float32)
+    out, lse = merge((out_c[a], lse_c[a]), (out, jnp.where(jnp.isinf(lse), -jnp.inf, lse)))
+    return (out_c.at[a].set(out), lse_c.at[a].set(lse)), None
+
+  batch, _, kv_heads, group, head_dim = q_BLKGH.shape
+  init = (jnp.zeros((count, batch, chunk, kv_heads, group, head_dim), jnp.float32),
+          jnp.full((count, batch, kv_heads, group, chunk), -jnp.inf, jnp.float32))
+  (out_c, lse_c), _ = jax.lax.scan(pair, init, _pairs(count))
+  return _unchunked(out_c), _unchunked(lse_c, axis=3)
+
+
+def _pair_backward(q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, qseg_BL: Array, kseg_BL: Array, window: Array,
+                   q_starts: Array, k_starts: Array, soft_cap: float, blocks: tuple[int, int],
+                   do_BLKGH: Array, lse_BKGL: Array, delta_BKGL: Array) -> tuple[Array, Array, Array]:
+  """dQ of the local queries and dK, dV of one K/V block (float32), from the global lse and delta."""
+  count = q_starts.shape[0]
+  q_c, qseg_c, do_c, k_c, v_c, kseg_c = (_chunked(x, count)
+                                          for x in (q_BLKGH, qseg_BL, do_BLKGH, k_BLKH, v_BLKH, kseg_BL))
+  lse_c, delta_c = _chunked(lse_BKGL, count, 3), _chunked(delta_BKGL, count, 3)
+  chunk = q_c.shape[2]
+  block_q, block_kv = _fit(blocks[0], chunk), _fit(blocks[1], chunk)
+
+  def pair(carry, ab):
+    dq_c, dk_c, dv_c = carry
+    a, b = ab
+    args = (q_c[a], k_c[b], v_c[b], qseg_c[a], kseg_c[b], window, q_starts[a] - k_starts[b], soft_cap, block_q,
+            block_kv, do_c[a], lse_c[a], delta_c[a])
+    dk, dv = ak._backward_dkv(*args)
+    return (dq_c.at[a].add(ak._backward_dq(*args)), dk_c.at[b].add(dk), dv_c.at[b].add(dv)), None
+
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
+  (dq_c, dk_c, dv_c), _ = jax.lax.scan(pair, (zeros(q_c), zeros(k_c), zeros(v_c)), _pairs(count))
+  return _unchunked(dq_c), _unchunked(dk_c), _unchunked(dv_c)
+
+
+# ---------------------------------------------------------------- ring
+
+
+def _chunk_starts(shard: Array, local_length: int, shards: int, balanced: bool) -> Array:
+  return jnp.stack([jnp.asarray(s, jnp.int32)
+                    for s in context_parallel.shard_chunk_starts(shard, local_length, shards, balanced)])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _ring(q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, window: Array, axes: tuple[str, ...],
+          shards: int, balanced: bool, soft_cap: float, blocks: tuple[int, int]) -> Array:
+  return _ring_fwd(q_BLKGH, k_BLKH, v_BLKH, seg_BL, window, axes, shards, balanced, soft_cap, blocks)[0]
+
+
+def _rotate(x, axes: tuple[str, ...], shards: int):
+  """Every shard's block to the next shard along the ring (shard i receives from i - 1)."""
+  return jax.lax.ppermute(x, axes, perm=[(i, (i + 1) % shards) for i in range(shards)])
+
+
+def _ring_fwd(q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, window: Array, axes: tuple[str, ...],
+              shards: int, balanced: bool, soft_cap: float, blocks: tuple[int, int]) -> tuple[Array, tuple]:
+  shard, length = jax.lax.axis_index(axes), q_BLKGH.shape[1]
+  q_starts = _chunk_starts(shard, length, shards, balanced)
+
+  def attend(block, step, merged):
+    k_starts = _chunk_starts((shard - step) % shards, length, shards, balanced)
+    return merge(merged, _pair_forward(q_BLKGH, block[0], block[1], seg_BL, block[2], window, q_starts, k_starts,
+                                       soft_cap, blocks))
+
+  def step_fn(carry, step):
+    block, merged = carry
+    following = _rotate(block, axes, shards)  # issued first so the transfer overlaps this step's compute
+    return (following, attend(block, step, merged)), None
+
+  batch, _, kv_heads, group, head_dim = q_BLKGH.shape
+  empty = (jnp.zeros(q_BLKGH.shape, jnp.float32), jnp.full((batch, kv_heads, group, length), -jnp.inf, jnp.float32))
+  # n - 1 rotating steps, then the last block (which need not move on).
+  (block, merged), _ = jax.lax.scan(step_fn, ((k_BLKH, v_BLKH, seg_BL), empty), jnp.arange(shards - 1))
+  out_BLKGH, lse_BKGL = attend(block, shards - 1, merged)
+  out_BLKGH = out_BLKGH.astype(q_BLKGH.dtype)
+  return out_BLKGH, (q_BLKGH, k_BLKH, v_BLKH, seg_BL, window, out_BLKGH, lse_BKGL)
+
+
+def _ring_bwd(axes: tuple[str, ...], shards: int, balanced: bool, soft_cap: float, blocks: tuple[int, int],
+              residuals: tuple, do_BLKGH: Array) -> tuple:
+  q_BLKGH, k_BLKH, v_BLKH, seg_BL, window, out_BLKGH, lse_BKGL = residuals
+  delta_BKGL = jnp.einsum("blkgh,blkgh->bkgl", do_BLKGH.astype(jnp.float32), out_BLKGH.astype(jnp.float32))
+  # Rows that see no key (padding) carry lse = +inf so the recomputed probabilities are 0.
+  lse_BKGL = jnp.where(jnp.isfinite(lse_BKGL), lse_BKGL, jnp.inf)
+  shard, length = jax.lax.axis_index(axes), q_BLKGH.shape[1]
+  q_starts = _chunk_starts(shard, length, shards, balanced)
+
+  def attend(block, step, grads):
+    dq_BLKGH, dk_BLKH, dv_BLKH = grads
+    k_starts = _chunk_starts((shard - step) % shards, length, shards, balanced)
+    dq, dk, dv = _pair_backward(q_BLKGH, block[0], block[1], seg_BL, block[2], window, q_starts, k_starts, soft_cap,
+                                blocks, do_BLKGH, lse_BKGL, delta_BKGL)
+    # The dK/dV accumulators travel with their block; the last rotation brings each one home.
+    dk_BLKH, dv_BLKH = _rotate((dk_BLKH + dk, dv_BLKH + dv), axes, shards)
+    return dq_BLKGH + dq, dk_BLKH, dv_BLKH
+
+  def step_fn(carry, step):
+    block, grads = carry
+    following = _rotate(block, axes, shards)
+    return (following, attend(block, step, grads)), None
+
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
+  init = ((k_BLKH, v_BLKH, seg_BL), (zeros(q_BLKGH), zeros(k_BLKH), zeros(v_BLKH)))
+  (block, grads), _ = jax.lax.scan(step_fn, init, jnp.arange(shards - 1))
+  dq_BLKGH, dk_BLKH, dv_BLKH = attend(block, shards - 1, grads)
+  return (dq_BLKGH.astype(q_BLKGH.dtype), dk_BLKH.astype(k_BLKH.dtype), dv_BLKH.astype(v_BLKH.dtype), None, None)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def ring_shard(q_BLNH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, window: masks.Window, soft_cap: float,
+               axes: tuple[str, ...], shards: int, balanced: bool, blocks: tuple[int, int]) -> Array:
+  """Ring attention of one shard's queries (call inside shard_map over `axes`)."""
+  q_BLKGH = masks.group_queries(q_BLNH, k_BLKH.shape[2])
+  out = _ring(q_BLKGH, k_BLKH, v_BLKH, seg_BL.astype(jnp.int32), masks.window_scalar(window), axes, shards,
+              balanced, float(soft_cap), blocks)
+  return masks.merge_groups(out)
+
+
+# ---------------------------------------------------------------- all-to-all and balanced all-gather
+
+
+def gathered_shard(q_BLNH: Array, k_BSKH: Array, v_BSKH: Array, seg_BL: Array, kseg_BS: Array,
+                   window: masks.Window, soft_cap: float, shard: Array, shards: int, blocks: tuple[int, int]) -> Array:
+  """Balanced queries of one shard over the whole (gathered, balanced-order) K/V: K/V back in
+  natural order, each query chunk attended at its global offset."""
+  k_BSKH, v_BSKH, kseg_BS = (context_parallel.to_natural_order(x, shards) for x in (k_BSKH, v_BSKH, kseg_BS))
+  starts = context_parallel.shard_chunk_starts(shard, q_BLNH.shape[1], shards, balanced=True)
+  outs = [ak.flash_attention_with_offset(q, k_BSKH, v_BSKH, qseg, kseg_BS, window, soft_cap, start,
+                                         block_q=blocks[0], block_kv=blocks[1])
+          for q, qseg, start in zip(_pieces(q_BLNH, 2), _pieces(seg_BL, 2), starts)]
+  return jnp.concatenate(outs, axis=1)
+
+
+def all_to_all_shard(q_BLNH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, window: masks.Window,
+                     soft_cap: float, axes: tuple[str, ...], shards: int, balanced: bool,
+                     blocks: tuple[int, int]) -> Array:
+  """Ulysses: [B, L, N, H] split over length -> [B, S, N / n, H] split over heads, local attention
+  over the whole sequence, and back. Query heads k * G .. k * G + G - 1 and key head k land on
+  the same shard because both head axes split into n contiguous groups."""
+  if q_BLNH.shape[2] % shards or k_BLKH.shape[2] % shards:
+    raise ConfigError(f"context_parallel_strategy=all_to_all: {q_BLNH.shape[2]} query / {k_BLKH.shape[2]} "
+                         f"key-value heads per shard do not split over {shards} sequence shards; use ring")
+  to_heads = functools.partial(jax.lax.all_to_all, axis_name=axes, split_axis=2, concat_axis=1, tiled=True)
+  q, k, v = to_heads(q_BLNH), to_heads(k_BLKH), to_heads(v_BLKH)
+  seg = jax.lax.all_gather(seg_BL, axes, axis=1, tiled=True)
+  if balanced:
+    q, k, v, seg = (context_parallel.to_natural_order(x, shards) for x in (q, k, v, seg))
+  out = ak.flash_attention_with_offset(q, k, v, seg, seg, window, soft_cap, 0, block_q=blocks[0], block_kv=blocks[1])
+  if balanced:
+    out = context_parallel.to_balanced_order(out, shards)
+  return jax.lax.all_to_all(out, axes, split_axis=1, concat_axis=2, tiled=True)
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def context_parallel_attention(cfg: ak.ModelConfig, mesh: jax.sharding.Mesh, rules: sharding.Rules, q_BLNH: Array,
+                               k_BSKH: Array, v_BSKH: Array, segment_ids_BL: Array, window_size: masks.Window,
+                               soft_cap: float) -> Array:
+  """cfg's context_parallel_strategy over the length mesh axes (the all_gather strategy here only
+  with load balancing; without it context_parallel.sequence_parallel_attention runs)."""
+  q_spec, kv_spec, seg_spec, axes = context_parallel.kernel_specs(mesh, rules, q_BLNH.shape, k_BSKH.shape, True)
+  shards = math.prod(mesh.shape[a] for a in axes)
+  balanced, strategy = cfg.context_parallel_load_balance, cfg.context_parallel_strategy
+  if balanced and shards != cfg.context_parallel_degree:
+    raise ConfigError(f"context_parallel_load_balance=True ordered the batch for {cfg.context_parallel_degree} "
+                      f"sequence shards but attention's length is split {shards} ways (logical_axis_rules "
+                      "activation_length); map activation_length to the sequence axis only")
+  blocks = (cfg.attention_blocks.flash_block_q, cfg.attention_blocks.flash_block_kv)
+  static_window = masks.is_static(window_size)
+
+  def shard(q, k, v, seg, window_scalar):
+    window = window_size if static_window else window_scalar
+    if strategy == "ring":
+      return ring_shard(q, k, v, seg, window, soft_cap, axes, shards, balanced, blocks)
+    if strategy == "all_to_all":
+      return all_to_all_shard(q, k, v, seg, window, soft_cap, axes, shards, balanced, blocks)
+    gather = functools.partial(jax.lax.all_gather, axis_name=axes, axis=1, tiled=True)
+    return gathered_shard(q, gather(k), gather(v), seg, gather(seg), window, soft_cap, jax.lax.axis_index(axes),
+                          shards, blocks)
+
+  window_operand = jnp.int32(0) if static_window else jnp.asarray(window_size, jnp.int32)
+  return jax.shard_map(shard, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, jax.sharding.PartitionSpec()),
+                       out_specs=q_spec, check_vma=False)(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window_operand)
+
+
+# ---------------------------------------------------------------- the block schedule (load-balance accounting)
+
+
+def tiles_per_shard(length: int, shards: int, block: int, balanced: bool, window: int | None = None) -> list[int]:
+  """[block, block] score tiles each shard computes over a whole ring pass of a causal
+  self-attention (the tiles the kernel's block ranges visit, summed over every chunk pair).
+  Attention FLOPs per shard are proportional (4 · block² · H per tile and head, forward)."""
+  local = length // shards
+  win = jnp.int32(masks.NO_WINDOW if window is None else window)
+  counts = []
+  for shard in range(shards):
+    total = 0
+    q_starts = context_parallel.shard_chunk_starts(shard, local, shards, balanced)
+    chunk = local // len(q_starts)
+    bq = bkv = _fit(block, chunk)
+    for step in range(shards):
+      for k_start in context_parallel.shard_chunk_starts((shard - step) % shards, local, shards, balanced):
+        for q_start in q_starts:
+          for i in range(chunk // bq):
+            lo, hi = ak._kv_block_range(jnp.int32(q_start - k_start + i * bq), bq, bkv, win, chunk // bkv)
+            total += int(hi) - int(lo)
+    counts.append(total)
+  return counts

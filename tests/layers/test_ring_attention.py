@@ -1,0 +1,157 @@
+"""Context-parallel strategies (all_gather, ring, all_to_all; with and without load balancing) equal
+dense attention, forward and gradients, on the CPU mesh with GQA, packing and a sliding window;
+the ring's HLO has no all-gather; the block schedule is balanced with load balancing; the batch
+order round-trips; bad settings are one-line config errors."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText import sharding
+from MaxText.config import Config
+from MaxText.errors import ConfigError
+from MaxText.layers import attention, context_parallel, ring_attention
+from MaxText.layers.attention import dot_product_attention
+
+TINY = dict(base_emb_dim=64, base_num_query_heads=16, base_num_kv_heads=8, head_dim=4, base_mlp_dim=128,
+            base_num_decoder_layers=2, vocab_size=128, max_target_length=32, per_device_batch_size=1,
+            print_config=False, flash_block_q=4, flash_block_kv=4)
+LENGTH = 32
+
+
+def _kernel(strategy, shards, balanced):
+  config = Config.for_testing(**TINY, ici_sequence_parallelism=shards, ici_fsdp_parallelism=-1, attention="flash",
+                              context_parallel_strategy=strategy, context_parallel_load_balance=balanced)
+  mesh, rules = sharding.create_mesh(config.mesh), config.mesh.logical_axis_rules
+  return attention.ATTENTION_KERNELS["flash"](config.model), mesh, rules
+
+
+def _inputs():
+  kq, kk, kv = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(kq, (2, LENGTH, 16, 4))
+  k, v = jax.random.normal(kk, (2, LENGTH, 8, 4)), jax.random.normal(kv, (2, LENGTH, 8, 4))
+  # Documents crossing every chunk boundary and a padding tail.
+  seg = jnp.asarray([[1] * 11 + [2] * 14 + [0] * 7, [3] * 19 + [4] * 13], jnp.int32)
+  return q, k, v, seg
+
+
+def _check_strategy(strategy, shards, balanced, window):
+  kernel, mesh, rules = _kernel(strategy, shards, balanced)
+  q, k, v, seg = _inputs()
+  order = context_parallel.balanced_order(LENGTH, shards) if balanced else np.arange(LENGTH)
+  back = np.argsort(order)
+
+  def loss(fn, weights, q, k, v, seg):  # position weights so a misplaced row changes the gradients
+    return jnp.sum(jnp.sin(fn(q, k, v, seg, window, 0.0)) * weights[None, :, None, None])
+
+  weights = jnp.arange(1.0, LENGTH + 1)
+
+  def sharded(q, k, v, seg):
+    with sharding.activation_sharding(mesh, rules):
+      grads = jax.grad(functools.partial(loss, kernel, weights[order]), argnums=(0, 1, 2))(q, k, v, seg)
+      return kernel(q, k, v, seg, window, 0.0), grads
+
+  step = jax.jit(sharded)
+  args = tuple(x[:, order] for x in (q, k, v, seg))
+  text = step.lower(*args).as_text(dialect="hlo")
+  out, grads = step(*args)
+  ref = dot_product_attention(q, k, v, seg, window)
+  ref_grads = jax.grad(functools.partial(loss, dot_product_attention, weights), argnums=(0, 1, 2))(q, k, v, seg)
+  np.testing.assert_allclose(out[:, back], ref, rtol=2e-5, atol=2e-5)
+  for g, r in zip(grads, ref_grads):
+    np.testing.assert_allclose(g[:, back], r, rtol=1e-4, atol=1e-4)
+  return text
+
+
+CASES = [(s, n, b, w) for s in ("ring", "all_to_all", "all_gather") for n in (2, 4, 8) for b in (False, True)
+         for w in (None, 5) if (s, b) != ("all_gather", False)]
+FAST = {("ring", 4, True, 5), ("ring", 2, False, None), ("all_to_all", 4, True, 5), ("all_gather", 2, True, 5)}
+
+
+@pytest.mark.parametrize("strategy, shards, balanced, window",
+                         [pytest.param(*c, marks=() if c in FAST else pytest.mark.slow) for c in CASES])
+def test_strategy_equals_dense_attention(strategy, shards, balanced, window):
+  text = _check_strategy(strategy, shards, balanced, window)
+  if strategy == "ring":  # K/V only ever travel one block at a time
+    assert "collective-permute" in text and "all-gather" not in text
+  if strategy == "all_to_all":
+    assert "all-to-all" in text
+
+
+def test_balanced_order_round_trips_and_pairs_chunks():
+  x = jnp.arange(2 * 16).reshape(2, 16)
+  balanced = context_parallel.to_balanced_order(x, 4)
+  np.testing.assert_array_equal(balanced[0], context_parallel.balanced_order(16, 4))
+  np.testing.assert_array_equal(balanced[0], [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9])
+  np.testing.assert_array_equal(context_parallel.to_natural_order(balanced, 4), x)
+  assert context_parallel.shard_chunk_starts(1, 4, 4, balanced=True) == [2, 12]
+
+
+def test_load_balance_equalises_the_block_schedule():
+  """Causal attention tiles per shard (FLOPs are proportional): equal within 2% balanced (the
+  diagonal tiles differ by at most one per chunk pair), the last shard doing more than n times the first's without."""
+  for shards in (2, 4, 8):
+    balanced = ring_attention.tiles_per_shard(4096, shards, 128, balanced=True)
+    plain = ring_attention.tiles_per_shard(4096, shards, 128, balanced=False)
+    assert sum(balanced) == sum(plain)  # the same causal work, only distributed differently
+    assert max(balanced) <= 1.02 * min(balanced), balanced
+    assert plain == sorted(plain) and plain[-1] >= shards * plain[0], plain
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(context_parallel_load_balance=True, max_target_length=36), "multiple of 8"),
+    (dict(context_parallel_strategy="all_to_all", base_num_kv_heads=2, base_num_query_heads=4), "all_to_all"),
+    (dict(context_parallel_strategy="ring", attention="cudnn_flash"), "cannot run it"),
+    (dict(context_parallel_strategy="spiral"), "context_parallel_strategy"),
+])
+def test_bad_context_parallel_settings_are_config_errors(overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    Config.for_testing(**{**TINY, "ici_sequence_parallelism": 4, "ici_fsdp_parallelism": -1, "attention": "flash",
+                          **overrides})
+
+
+TRAIN = dict(TINY, base_num_query_heads=8, base_num_kv_heads=4, head_dim=8, dataset_type="synthetic",
+             enable_checkpointing=False, attention_layer_pattern="[local,global]", sliding_window_size=6)
+
+
+@pytest.mark.slow  # ~25 s each on 2 cores
+@pytest.mark.parametrize("strategy, balanced", [("ring", True), ("all_to_all", True), ("all_gather", True),
+                                                ("ring", False)])
+def test_three_train_steps_equal_the_run_without_context_parallelism(strategy, balanced):
+  """Loss and gradient norm of 3 steps (the batch reordered before the model when balanced)."""
+  from tests import train_utils
+
+  parallel = Config.for_testing(**TRAIN, attention="flash", ici_sequence_parallelism=4, ici_fsdp_parallelism=-1,
+                                context_parallel_strategy=strategy, context_parallel_load_balance=balanced)
+  plain = Config.for_testing(**TRAIN, attention="dot_product", ici_fsdp_parallelism=1, ici_data_parallelism=-1)
+  histories = []
+  for config in (parallel, plain):
+    run = train_utils.Run(config)
+    histories.append(run.train(run.init(), 3)[1])
+  for key in ("loss", "grad_norm"):
+    np.testing.assert_allclose([h[key] for h in histories[0]], [h[key] for h in histories[1]], rtol=2e-5)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["context_parallel_load_balance=True", "max_target_length=100"], "error: context_parallel_load_balance=True "
+     "splits max_target_length=100 into 2 x 4"),
+    (["context_parallel_strategy=all_to_all", "base_num_query_heads=6", "base_num_kv_heads=2"],
+     "error: context_parallel_strategy=all_to_all splits heads"),
+    (["context_parallel_strategy=ring", "attention=dot_product"], "attention=dot_product cannot run it"),
+])
+def test_cli_rejects_bad_context_parallelism_in_one_line(args, message, tmp_path):
+  import pathlib
+  import subprocess
+  import sys
+
+  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PATH": "/usr/bin:/bin"}
+  proc = subprocess.run([sys.executable, "-m", "MaxText.train", "configs/base.yml", f"base_output_directory={tmp_path}",
+                         "ici_sequence_parallelism=4", "ici_fsdp_parallelism=-1", *args],
+                        cwd=pathlib.Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
+                        timeout=300)
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+  assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr
