@@ -258,6 +258,10 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
     caveats.append("host offload")
   if dcn_s + dcn_exposed / links.dcn > 0.5 * compute_s:
     caveats.append("DCN-bound")
+  if seq > 1:
+    # Sequence parallelism runs the chunked JAX kernel, which loops over key blocks a number of
+    # times fixed only at run time; the compiler's cycle count takes such a loop once.
+    caveats.append("attention loop uncounted")
   return Estimate(params, device_optimizer, gradients, activations, total, flops_per_chip,
                   compute_s, ici_s + exposed_s, dcn_s, host_s, step_s, mfu, global_batch * seq_len / chips / step_s, tuple(caveats),
                   unsharded)

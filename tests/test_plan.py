@@ -120,6 +120,14 @@ def test_pipeline_candidates_are_valid_configs_and_their_schedules_trade_bubble_
   assert one_f_one_b.live_share == pytest.approx(0.5) and one_f_one_b.extra_compute > 0
 
 
+def test_sequence_parallel_candidates_are_flagged():
+  """Their attention loop's trip count is known only at run time: the compiler's cycles miss it."""
+  plain = analytic("v5e-4", **dict(SMALL, per_device_batch_size=4, remat_policy="full"))
+  split = analytic("v5e-4", **dict(SMALL, per_device_batch_size=4, remat_policy="full", ici_sequence_parallelism=2,
+                                   ici_fsdp_parallelism=2))
+  assert "attention loop uncounted" not in plain.caveats and "attention loop uncounted" in split.caveats
+
+
 def test_moe_experts_may_span_slices(monkeypatch):
   topology = accelerators.tpu_topology("v5e-8")
   config = config_lib.Config.for_testing(target=topology.target(2), run_name="t", num_experts=4,
