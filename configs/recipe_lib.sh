@@ -25,9 +25,10 @@ RECIPE_ENV=()
 RECIPE_FLAGS=""
 
 # Published LIBTPU_INIT_ARGS of the v5e and v5p performance configurations: overlap of
-# data-parallel all-reduces and of FSDP all-gathers with compute.
+# data-parallel all-reduces and of FSDP all-gathers with compute. On v5p the all-gathers go to the
+# SparseCores instead of being fused with compute: libtpu 0.0.48 and later refuse that fusion on v5p.
 V5E_LIBTPU_FLAGS="--xla_tpu_enable_data_parallel_all_reduce_opt=true --xla_tpu_data_parallel_opt_different_sized_ops=true --xla_tpu_enable_async_collective_fusion=true --xla_tpu_enable_async_collective_fusion_fuse_all_gather=true --xla_tpu_enable_async_collective_fusion_multiple_steps=true --xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true"
-V5P_LIBTPU_FLAGS="--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true --xla_tpu_megacore_fusion_allow_ags=false --xla_enable_async_collective_permute=true --xla_tpu_enable_ag_backward_pipelining=true --xla_tpu_enable_data_parallel_all_reduce_opt=true --xla_tpu_data_parallel_opt_different_sized_ops=true --xla_tpu_enable_async_collective_fusion=true --xla_tpu_enable_async_collective_fusion_multiple_steps=true --xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true"
+V5P_LIBTPU_FLAGS="--xla_tpu_enable_async_collective_fusion_fuse_all_gather=false --xla_tpu_megacore_fusion_allow_ags=false --xla_enable_async_collective_permute=true --xla_tpu_enable_ag_backward_pipelining=true --xla_tpu_enable_data_parallel_all_reduce_opt=true --xla_tpu_data_parallel_opt_different_sized_ops=true --xla_tpu_enable_async_collective_fusion=true --xla_tpu_enable_async_collective_fusion_multiple_steps=true --xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true --xla_sc_disable_megacore_partitioning=true --xla_tpu_use_tc_device_shape_on_sc=true --xla_tpu_enable_sparse_core_collective_offload_all_gather=true"
 
 # Multislice jobs of thousands of hosts on GKE: default PLATFORM=gke, and let the idle gRPC
 # connections to the coordinator send keepalive pings without being cut off.
