@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 RECIPE_LIB = REPO / "configs" / "recipe_lib.sh"
 # The planner's own arguments (not config keys) and their defaults.
 PLAN_ARGS: dict[str, Any] = {"global_batch_tokens": 0, "max_candidates": 4, "budget_minutes": 30.0, "workers": 0,
-                             "cache_dir": "", "write_recipe": "", "headroom": 0.1, "attention_blocks": "1024,2048"}
+                             "cache_dir": "", "write_recipe": "", "headroom": 0.1, "attention_blocks": "none"}
 # The splash kernel's block sizes (base.yml sa_*): one size for all, tried on the best candidate.
 SPLASH_BLOCK_KEYS = ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv", "sa_block_kv_dkv",
                      "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq")

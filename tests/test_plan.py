@@ -211,11 +211,13 @@ def test_the_best_candidate_is_also_compiled_with_other_splash_blocks():
   shape = dict(TINY, max_target_length=1024)
 
   def short(**extra) -> list[plan.Planned]:
-    args, rest = plan.PlanArgs.parse(argv(compile_topology="v5e-4", max_candidates=2, **shape, **extra))
+    args, rest = plan.PlanArgs.parse(argv(compile_topology="v5e-4", max_candidates=2,
+                                          **{"attention_blocks": "1024,2048", **shape, **extra}))
     overrides = startup.read_overrides(rest)
     config = config_lib.build_config(overrides, topology.target(), default_run_name="plan")
     return plan.shortlist(args, overrides, config, topology, 1)[0]
 
+  assert plan.PlanArgs.parse(argv(**TINY))[0].block_sizes() == []  # off by default
   planned = short()
   # 1024 tiles the 1024-token sequence, 2048 does not: one variant of the first candidate.
   assert [p.settings.get("sa_block_kv_dq") for p in planned] == [None, None, 1024]
