@@ -179,7 +179,7 @@ def test_all_to_all_picks_the_platform_kernel():
 
 
 @pytest.mark.parametrize("window", [None, 40])
-def test_all_to_all_with_splash_in_the_tpu_interpreter_equals_dense(window, monkeypatch):
+def test_all_to_all_with_splash_in_the_pallas_interpreter_equals_dense(window, monkeypatch):
   """The TPU path (splash on the whole, naturally ordered sequence of each head group), run by
   Pallas' interpreter on CPU, against dense attention: values and gradients, balanced order."""
   shards, length = 2, 256
@@ -218,3 +218,36 @@ def test_all_to_all_with_splash_in_the_tpu_interpreter_equals_dense(window, monk
   np.testing.assert_allclose(np.asarray(out[:, back])[:, valid], np.asarray(ref)[:, valid], rtol=2e-5, atol=2e-5)
   for g, r in zip(grads, ref_grads):
     np.testing.assert_allclose(g[:, back], r, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("topology", ["v5e-4", "v5p-8"])  # about 2 s each: tiny shapes
+def test_all_to_all_compiles_for_tpu_with_splash(topology):
+  """AOT: the all_to_all strategy's forward and backward on a TPU topology compile to the Mosaic
+  (splash) custom calls between the all-to-alls (a length the splash tiles do not divide compiles
+  to none: the chunked kernel)."""
+  pytest.importorskip("libtpu")
+  from MaxText import accelerators
+  from MaxText.train_compile import describe_topology
+  tpu = accelerators.tpu_topology(topology)
+  length = 512
+  config = Config.for_testing(tpu.target(1), **{**SPLASH, "max_target_length": length, "head_dim": 128},
+                              dtype="bfloat16", ici_sequence_parallelism=2, ici_fsdp_parallelism=-1,
+                              attention="flash", context_parallel_strategy="all_to_all",
+                              context_parallel_load_balance=True)
+  mesh = sharding.create_mesh(config.mesh, describe_topology(tpu, 1))
+  rules = config.mesh.logical_axis_rules
+  kernel = attention.ATTENTION_KERNELS["flash"](config.model)
+
+  def loss(q, k, v, seg):
+    return jnp.sum(kernel(q, k, v, seg, None, 0.0).astype(jnp.float32))
+
+  def abstract(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+  args = (abstract((2, length, 4, 128), jnp.bfloat16), abstract((2, length, 2, 128), jnp.bfloat16),
+          abstract((2, length, 2, 128), jnp.bfloat16), abstract((2, length), jnp.int32))
+  with sharding.activation_sharding(mesh, rules):
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args)
+  hlo = lowered.compile().as_text()
+  assert "all-to-all" in hlo
+  assert hlo.count('custom_call_target="tpu_custom_call"') >= 3  # splash forward, dq and dkv kernels
