@@ -178,21 +178,31 @@ def test_all_to_all_picks_the_platform_kernel():
   assert ring_attention.full_sequence_kernel(half, "gpu", 256) is attention_kernels.cudnn_flash_attention
 
 
-@pytest.mark.parametrize("window", [None, 40])
-def test_all_to_all_with_splash_in_the_pallas_interpreter_equals_dense(window, monkeypatch):
-  """The TPU path (splash on the whole, naturally ordered sequence of each head group), run by
-  Pallas' interpreter on CPU, against dense attention: values and gradients, balanced order."""
+@pytest.mark.parametrize("platform, window", [("tpu", None), ("tpu", 40), ("gpu", 40)])
+def test_all_to_all_platform_kernel_equals_dense(platform, window, monkeypatch):
+  """all_to_all's TPU path (splash on the whole, naturally ordered sequence of each head group) run
+  by Pallas' interpreter on CPU, and its GPU path (the cuDNN wrapper's arguments run by XLA),
+  against dense attention: values and gradients, balanced order."""
   shards, length = 2, 256
-  config = _splash_config(shards)
+  # cuDNN covers bfloat16 models with head dims that are multiples of 8 (the inputs stay float32 for XLA).
+  config = _splash_config(shards, head_dim=8, **(dict(dtype="bfloat16") if platform == "gpu" else {}))
   mesh, rules = sharding.create_mesh(config.mesh), config.mesh.logical_axis_rules
   kernel = attention.ATTENTION_KERNELS["flash"](config.model)
-  monkeypatch.setattr(attention_kernels, "trace_platform", lambda: "tpu")
+  monkeypatch.setattr(attention_kernels, "trace_platform", lambda: platform)
   # Pallas' HLO interpreter (interpret=True) traces into plain ops, which run under shard_map.
   monkeypatch.setattr(ring_attention, "full_sequence_kernel",
                       functools.partial(ring_attention.full_sequence_kernel, interpret=True))
+  cudnn_calls = []
+
+  def cudnn_by_xla(*args):
+    cudnn_calls.append(args[0].shape)
+    return cudnn_flash(*args, implementation="xla")
+
+  cudnn_flash = attention_kernels.cudnn_flash_attention
+  monkeypatch.setattr(attention_kernels, "cudnn_flash_attention", cudnn_by_xla)
   kq, kk, kv = jax.random.split(jax.random.key(5), 3)
-  q = jax.random.normal(kq, (1, length, 4, 4))
-  k, v = jax.random.normal(kk, (1, length, 2, 4)), jax.random.normal(kv, (1, length, 2, 4))
+  q = jax.random.normal(kq, (1, length, 4, 8))
+  k, v = jax.random.normal(kk, (1, length, 2, 8)), jax.random.normal(kv, (1, length, 2, 8))
   seg = jnp.asarray([[1] * 100 + [2] * 120 + [0] * 36], jnp.int32)
   order = context_parallel.balanced_order(length, shards)
   back = np.argsort(order)
@@ -210,14 +220,16 @@ def test_all_to_all_with_splash_in_the_pallas_interpreter_equals_dense(window, m
   step = jax.jit(sharded)
   text = step.lower(*(x[:, order] for x in (q, k, v))).as_text()
   out, grads = step(*(x[:, order] for x in (q, k, v)))
-  assert "splash" in text and "all_to_all" in text
+  assert ("splash" in text) == (platform == "tpu") and "all_to_all" in text
+  assert bool(cudnn_calls) == (platform == "gpu")  # the whole sequence, half the heads: (1, 256, 2, 8)
+  assert all(shape == (1, length, 2, 8) for shape in cudnn_calls)
   seg_in = seg
   ref = dot_product_attention(q, k, v, seg, window)
   ref_grads = jax.grad(functools.partial(loss, dot_product_attention, weights), argnums=(0, 1, 2))(q, k, v)
   valid = np.asarray(seg[0] > 0)  # padding rows: splash and dense disagree on rows that see no key
   np.testing.assert_allclose(np.asarray(out[:, back])[:, valid], np.asarray(ref)[:, valid], rtol=2e-5, atol=2e-5)
-  for g, r in zip(grads, ref_grads):
-    np.testing.assert_allclose(g[:, back], r, rtol=1e-4, atol=1e-4)
+  for g, r in zip(grads, ref_grads):  # a document's first query sees only itself: dQ is 0 up to rounding
+    np.testing.assert_allclose(g[:, back], r, rtol=1e-4, atol=5e-4)
 
 
 @pytest.mark.parametrize("topology", ["v5e-4", "v5p-8"])  # about 2 s each: tiny shapes
