@@ -13,9 +13,11 @@ with the length split over the `sequence` axis (context_parallel.kernel_specs).
   chunks of global positions; every kernel call is per (query chunk, key chunk) pair with the
   global offsets, so causal masks, windows and segment ids stay those of the whole sequence.
 
-Why the chunked JAX kernel per block everywhere: the merge needs each block's log-sum-exp and
-the backward needs the global one; splash (TPU) and cuDNN (GPU) do not take an external
-log-sum-exp in their backward passes (getting_started/Attention.md).
+Per-block kernels: all_to_all's local attention is an ordinary full-sequence attention, so it runs
+the platform's best kernel (full_sequence_kernel: splash on TPU, cuDNN on GPU, else the chunked
+one). The ring and balanced all-gather run the chunked JAX kernel per block everywhere: the merge
+needs each block's log-sum-exp and the backward the global one, and splash (TPU) and cuDNN (GPU)
+do not take an external log-sum-exp in their backward passes (getting_started/Attention.md).
 
 Legend: B batch, L local length, S global length, N query heads, K key/value heads, G = N // K,
 H head dim; a "segment" here is a contiguous run of global positions (chunk), not a document.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +35,7 @@ import jax.numpy as jnp
 from MaxText import sharding
 from MaxText.errors import ConfigError
 from MaxText.layers import attention_kernels as ak
-from MaxText.layers import context_parallel, masks
+from MaxText.layers import context_parallel, masks, splash_attention
 
 Array = jax.Array
 
@@ -222,12 +225,44 @@ def gathered_shard(q_BLNH: Array, k_BSKH: Array, v_BSKH: Array, seg_BL: Array, k
   return jnp.concatenate(outs, axis=1)
 
 
+LocalKernel = Callable[[Array, Array, Array, Array, masks.Window, float], Array]
+
+
+def full_sequence_kernel(cfg: ak.ModelConfig, platform: str, length: int, *, interpret: bool = False) -> LocalKernel:
+  """The local kernel of all_to_all, (q_BSNH, k_BSKH, v_BSKH, seg_BS, window, soft_cap) -> out, for
+  the whole sequence of `length` tokens: splash on TPU where its tiles divide the length, cuDNN on
+  GPU where it covers the model (attention_kernels.cudnn_supports), else the chunked JAX kernel.
+  `interpret` runs splash in Pallas' interpreter (tests on CPU)."""
+  if platform == "tpu" and _splash_tiles(cfg, length):
+    return functools.partial(splash_attention.splash_attention, blocks=cfg.attention_blocks,
+                             local_window=cfg.sliding_window_size, interpret=interpret)
+  if platform in ("gpu", "cuda") and ak.cudnn_supports(cfg):
+    return ak.cudnn_flash_attention
+  blocks = cfg.attention_blocks
+
+  def chunked(q: Array, k: Array, v: Array, seg: Array, window: masks.Window, soft_cap: float) -> Array:
+    return ak.flash_attention_with_offset(q, k, v, seg, seg, window, soft_cap, 0, block_q=blocks.flash_block_q,
+                                          block_kv=blocks.flash_block_kv)
+
+  return chunked
+
+
+def _splash_tiles(cfg: ak.ModelConfig, length: int) -> bool:
+  try:
+    splash_attention.block_sizes(cfg.attention_blocks, length)
+  except ConfigError:
+    return False
+  return True
+
+
 def all_to_all_shard(q_BLNH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, window: masks.Window,
                      soft_cap: float, axes: tuple[str, ...], shards: int, balanced: bool,
-                     blocks: tuple[int, int]) -> Array:
+                     attend: LocalKernel) -> Array:
   """Ulysses: [B, L, N, H] split over length -> [B, S, N / n, H] split over heads, local attention
-  over the whole sequence, and back. Query heads k * G .. k * G + G - 1 and key head k land on
-  the same shard because both head axes split into n contiguous groups."""
+  over the whole sequence with `attend`, and back. Query heads k * G .. k * G + G - 1 and key head
+  k land on the same shard because both head axes split into n contiguous groups. With load
+  balancing the gathered sequence is put back in natural order first (a static permutation), so
+  `attend` keeps its ordinary causal / window / segment mask, and splash its block sparsity."""
   if q_BLNH.shape[2] % shards or k_BLKH.shape[2] % shards:
     raise ConfigError(f"context_parallel_strategy=all_to_all: {q_BLNH.shape[2]} query / {k_BLKH.shape[2]} "
                          f"key-value heads per shard do not split over {shards} sequence shards; use ring")
@@ -236,7 +271,7 @@ def all_to_all_shard(q_BLNH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array,
   seg = jax.lax.all_gather(seg_BL, axes, axis=1, tiled=True)
   if balanced:
     q, k, v, seg = (context_parallel.to_natural_order(x, shards) for x in (q, k, v, seg))
-  out = ak.flash_attention_with_offset(q, k, v, seg, seg, window, soft_cap, 0, block_q=blocks[0], block_kv=blocks[1])
+  out = attend(q, k, v, seg, window, soft_cap)
   if balanced:
     out = context_parallel.to_balanced_order(out, shards)
   return jax.lax.all_to_all(out, axes, split_axis=1, concat_axis=2, tiled=True)
@@ -259,13 +294,14 @@ def context_parallel_attention(cfg: ak.ModelConfig, mesh: jax.sharding.Mesh, rul
                       "activation_length); map activation_length to the sequence axis only")
   blocks = (cfg.attention_blocks.flash_block_q, cfg.attention_blocks.flash_block_kv)
   static_window = masks.is_static(window_size)
+  attend = full_sequence_kernel(cfg, ak.trace_platform(), q_BLNH.shape[1])
 
   def shard(q, k, v, seg, window_scalar):
     window = window_size if static_window else window_scalar
     if strategy == "ring":
       return ring_shard(q, k, v, seg, window, soft_cap, axes, shards, balanced, blocks)
     if strategy == "all_to_all":
-      return all_to_all_shard(q, k, v, seg, window, soft_cap, axes, shards, balanced, blocks)
+      return all_to_all_shard(q, k, v, seg, window, soft_cap, axes, shards, balanced, attend)
     gather = functools.partial(jax.lax.all_gather, axis_name=axes, axis=1, tiled=True)
     return gathered_shard(q, gather(k), gather(v), seg, gather(seg), window, soft_cap, jax.lax.axis_index(axes),
                           shards, blocks)

@@ -13,7 +13,7 @@ import pytest
 from MaxText import sharding
 from MaxText.config import Config
 from MaxText.errors import ConfigError
-from MaxText.layers import attention, context_parallel, ring_attention
+from MaxText.layers import attention, attention_kernels, context_parallel, ring_attention
 from MaxText.layers.attention import dot_product_attention
 
 TINY = dict(base_emb_dim=64, base_num_query_heads=16, base_num_kv_heads=8, head_dim=4, base_mlp_dim=128,
@@ -155,3 +155,111 @@ def test_cli_rejects_bad_context_parallelism_in_one_line(args, message, tmp_path
   errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
   assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
   assert "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------- all_to_all's local kernel per platform
+SPLASH = dict(TINY, max_target_length=256, **{f"sa_block_{b}": 128 for b in (
+    "q", "kv", "kv_compute", "q_dkv", "kv_dkv", "kv_dkv_compute", "q_dq", "kv_dq")})
+
+
+def _splash_config(shards, **overrides):
+  return Config.for_testing(**{**SPLASH, **overrides}, ici_sequence_parallelism=shards, ici_fsdp_parallelism=-1,
+                            attention="flash", context_parallel_strategy="all_to_all",
+                            context_parallel_load_balance=True)
+
+
+def test_all_to_all_picks_the_platform_kernel():
+  model = _splash_config(2).model
+  assert isinstance(ring_attention.full_sequence_kernel(model, "tpu", 256), functools.partial)  # splash
+  assert ring_attention.full_sequence_kernel(model, "tpu", 192).__name__ == "chunked"  # tiles do not divide
+  assert ring_attention.full_sequence_kernel(model, "cpu", 256).__name__ == "chunked"
+  assert ring_attention.full_sequence_kernel(model, "gpu", 256).__name__ == "chunked"  # float32: no cuDNN
+  half = _splash_config(2, dtype="bfloat16", head_dim=8).model
+  assert ring_attention.full_sequence_kernel(half, "gpu", 256) is attention_kernels.cudnn_flash_attention
+
+
+@pytest.mark.parametrize("platform, window", [("tpu", None), ("tpu", 40), ("gpu", 40)])
+def test_all_to_all_platform_kernel_equals_dense(platform, window, monkeypatch):
+  """all_to_all's TPU path (splash on the whole, naturally ordered sequence of each head group) run
+  by Pallas' interpreter on CPU, and its GPU path (the cuDNN wrapper's arguments run by XLA),
+  against dense attention: values and gradients, balanced order."""
+  shards, length = 2, 256
+  # cuDNN covers bfloat16 models with head dims that are multiples of 8 (the inputs stay float32 for XLA).
+  config = _splash_config(shards, head_dim=8, **(dict(dtype="bfloat16") if platform == "gpu" else {}))
+  mesh, rules = sharding.create_mesh(config.mesh), config.mesh.logical_axis_rules
+  kernel = attention.ATTENTION_KERNELS["flash"](config.model)
+  monkeypatch.setattr(attention_kernels, "trace_platform", lambda: platform)
+  # Pallas' HLO interpreter (interpret=True) traces into plain ops, which run under shard_map.
+  monkeypatch.setattr(ring_attention, "full_sequence_kernel",
+                      functools.partial(ring_attention.full_sequence_kernel, interpret=True))
+  cudnn_calls = []
+
+  def cudnn_by_xla(*args):
+    cudnn_calls.append(args[0].shape)
+    return cudnn_flash(*args, implementation="xla")
+
+  cudnn_flash = attention_kernels.cudnn_flash_attention
+  monkeypatch.setattr(attention_kernels, "cudnn_flash_attention", cudnn_by_xla)
+  kq, kk, kv = jax.random.split(jax.random.key(5), 3)
+  q = jax.random.normal(kq, (1, length, 4, 8))
+  k, v = jax.random.normal(kk, (1, length, 2, 8)), jax.random.normal(kv, (1, length, 2, 8))
+  seg = jnp.asarray([[1] * 100 + [2] * 120 + [0] * 36], jnp.int32)
+  order = context_parallel.balanced_order(length, shards)
+  back = np.argsort(order)
+  weights = jnp.arange(1.0, length + 1)
+
+  def loss(fn, weights, q, k, v):
+    return jnp.sum(jnp.sin(fn(q, k, v, seg_in, window, 0.0)) * weights[None, :, None, None])
+
+  def sharded(q, k, v):
+    with sharding.activation_sharding(mesh, rules):
+      return kernel(q, k, v, seg_in, window, 0.0), jax.grad(functools.partial(loss, kernel, weights[order]),
+                                                             argnums=(0, 1, 2))(q, k, v)
+
+  seg_in = seg[:, order]
+  step = jax.jit(sharded)
+  text = step.lower(*(x[:, order] for x in (q, k, v))).as_text()
+  out, grads = step(*(x[:, order] for x in (q, k, v)))
+  assert ("splash" in text) == (platform == "tpu") and "all_to_all" in text
+  assert bool(cudnn_calls) == (platform == "gpu")  # the whole sequence, half the heads: (1, 256, 2, 8)
+  assert all(shape == (1, length, 2, 8) for shape in cudnn_calls)
+  seg_in = seg
+  ref = dot_product_attention(q, k, v, seg, window)
+  ref_grads = jax.grad(functools.partial(loss, dot_product_attention, weights), argnums=(0, 1, 2))(q, k, v)
+  valid = np.asarray(seg[0] > 0)  # padding rows: splash and dense disagree on rows that see no key
+  np.testing.assert_allclose(np.asarray(out[:, back])[:, valid], np.asarray(ref)[:, valid], rtol=2e-5, atol=2e-5)
+  for g, r in zip(grads, ref_grads):  # a document's first query sees only itself: dQ is 0 up to rounding
+    np.testing.assert_allclose(g[:, back], r, rtol=1e-4, atol=5e-4)
+
+
+@pytest.mark.parametrize("topology", ["v5e-4", "v5p-8"])  # about 2 s each: tiny shapes
+def test_all_to_all_compiles_for_tpu_with_splash(topology):
+  """AOT: the all_to_all strategy's forward and backward on a TPU topology compile to the Mosaic
+  (splash) custom calls between the all-to-alls (a length the splash tiles do not divide compiles
+  to none: the chunked kernel)."""
+  pytest.importorskip("libtpu")
+  from MaxText import accelerators
+  from MaxText.train_compile import describe_topology
+  tpu = accelerators.tpu_topology(topology)
+  length = 512
+  config = Config.for_testing(tpu.target(1), **{**SPLASH, "max_target_length": length, "head_dim": 128},
+                              dtype="bfloat16", ici_sequence_parallelism=2, ici_fsdp_parallelism=-1,
+                              attention="flash", context_parallel_strategy="all_to_all",
+                              context_parallel_load_balance=True)
+  mesh = sharding.create_mesh(config.mesh, describe_topology(tpu, 1))
+  rules = config.mesh.logical_axis_rules
+  kernel = attention.ATTENTION_KERNELS["flash"](config.model)
+
+  def loss(q, k, v, seg):
+    return jnp.sum(kernel(q, k, v, seg, None, 0.0).astype(jnp.float32))
+
+  def abstract(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+  args = (abstract((2, length, 4, 128), jnp.bfloat16), abstract((2, length, 2, 128), jnp.bfloat16),
+          abstract((2, length, 2, 128), jnp.bfloat16), abstract((2, length), jnp.int32))
+  with sharding.activation_sharding(mesh, rules):
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args)
+  hlo = lowered.compile().as_text()
+  assert "all-to-all" in hlo
+  assert hlo.count('custom_call_target="tpu_custom_call"') >= 3  # splash forward, dq and dkv kernels
