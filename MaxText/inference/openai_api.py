@@ -171,11 +171,17 @@ def _choices(prompts: list[list[int]], body: dict[str, Any], name: str, limits: 
   return out
 
 
-def parse_completion(body: Any, limits: Limits, codec: Codec) -> Request:
+def _check_body(body: Any, limits: Limits) -> None:
+  """What every generation request must satisfy: a JSON object naming the served model, with
+  no field this server refuses."""
   if not isinstance(body, dict):
     raise ApiError(400, "the request body must be a JSON object")
   _check_model(body, limits)
   _unsupported(body)
+
+
+def parse_completion(body: Any, limits: Limits, codec: Codec) -> Request:
+  _check_body(body, limits)
   prompt = body.get("prompt")
   if isinstance(prompt, str):
     prompts = [codec.encode(prompt)]
@@ -198,10 +204,7 @@ def parse_completion(body: Any, limits: Limits, codec: Codec) -> Request:
 
 
 def parse_chat(body: Any, limits: Limits, codec: Codec) -> Request:
-  if not isinstance(body, dict):
-    raise ApiError(400, "the request body must be a JSON object")
-  _check_model(body, limits)
-  _unsupported(body)
+  _check_body(body, limits)
   messages = body.get("messages")
   if not isinstance(messages, list) or not messages:
     raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")

@@ -84,6 +84,20 @@ def add_routes(app: Any, server: "Server", json_response: Any, streaming_respons
   async def health() -> dict[str, Any]:
     return {"status": "ok"}
 
+  async def _run(http: Request, request: api.Request, score_prompt: bool, chat: bool) -> Any:
+    """Submits the request's jobs; a streaming request gets its response, any other the
+    finished choices by index."""
+    jobs, queue = server.submit(request, score_prompt=score_prompt)
+    events = server.events(jobs, queue, http.is_disconnected)
+    if request.stream:
+      return streaming_response(_stream(server, request, jobs, events, sse, chat=chat),
+                                media_type="text/event-stream")
+    choices = _choices(server, request)
+    async with contextlib.aclosing(events):
+      async for event in events:
+        _apply(event, choices[event.index], jobs[event.index])
+    return choices
+
   @app.get("/v1/models")
   async def models() -> dict[str, Any]:
     return {"object": "list", "data": [{"id": server.limits.model_name, "object": "model", "created": 0,
@@ -92,15 +106,9 @@ def add_routes(app: Any, server: "Server", json_response: Any, streaming_respons
   @app.post("/v1/completions")
   async def completions(http: Request) -> Any:
     request = api.parse_completion(await read_json(http), server.limits, server.codec)
-    jobs, queue = server.submit(request, score_prompt=request.echo and request.logprobs is not None)
-    events = server.events(jobs, queue, http.is_disconnected)
-    if request.stream:
-      return streaming_response(_stream(server, request, jobs, events, sse, chat=False),
-                                media_type="text/event-stream")
-    choices = _choices(server, request)
-    async with contextlib.aclosing(events):
-      async for event in events:
-        _apply(event, choices[event.index], jobs[event.index])
+    choices = await _run(http, request, request.echo and request.logprobs is not None, chat=False)
+    if not isinstance(choices, dict):
+      return choices  # the stream
     out = []
     for index, choice in sorted(choices.items()):
       prompt_text = server.codec.decode(choice.prompt) if request.echo else ""
@@ -115,15 +123,9 @@ def add_routes(app: Any, server: "Server", json_response: Any, streaming_respons
   @app.post("/v1/chat/completions")
   async def chat_completions(http: Request) -> Any:
     request = api.parse_chat(await read_json(http), server.limits, server.codec)
-    jobs, queue = server.submit(request, score_prompt=False)
-    events = server.events(jobs, queue, http.is_disconnected)
-    if request.stream:
-      return streaming_response(_stream(server, request, jobs, events, sse, chat=True),
-                                media_type="text/event-stream")
-    choices = _choices(server, request)
-    async with contextlib.aclosing(events):
-      async for event in events:
-        _apply(event, choices[event.index], jobs[event.index])
+    choices = await _run(http, request, False, chat=True)
+    if not isinstance(choices, dict):
+      return choices  # the stream
     out = [{"index": index, "message": {"role": "assistant", "content": choice.text.text}, "logprobs": None,
             "finish_reason": choice.finish_reason} for index, choice in sorted(choices.items())]
     return {"id": _new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
