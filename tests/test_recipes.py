@@ -17,7 +17,7 @@ from MaxText.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = sorted(p.relative_to(REPO) for p in REPO.glob("configs/*/*.sh"))
-TPU_RECIPES = [r for r in RECIPES if r.parts[1] in ("v5e", "v5p")]
+TPU_RECIPES = [r for r in RECIPES if r.parts[1] in ("v5e", "v5p", "long_context")]
 # What each GPU recipe is for: one H100, or one node of eight.
 GPU_TARGETS = {"llama2-7b-1gpu.sh": 1, "llama2-7b-8gpu.sh": 8}
 
