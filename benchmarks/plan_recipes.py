@@ -23,6 +23,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import estimator_table  # noqa: E402  (the recipe compile and its MFU, shared)
 
 # The model's keys, kept fixed; the rest of a recipe's arguments is what the planner searches.
 MODEL_KEYS = ("global_parameter_scale", "base_emb_dim", "base_num_decoder_layers", "max_target_length", "model_name")
@@ -46,17 +49,6 @@ def plan_command(topology: str, args: list[str], max_candidates: int, workers: i
   return [sys.executable, "-m", "MaxText.plan", "configs/base.yml", *model, f"compile_topology={topology}",
           f"global_batch_tokens={batch_tokens}", f"max_candidates={max_candidates}", f"workers={workers}",
           f"cache_dir={cache_dir}", "budget_minutes=120"]
-
-
-def recipe_mfu(name: str) -> dict:
-  """The recipe's own setting, compiled by the recipe itself (EXECUTABLE=train_compile: its
-  flags, the same estimator as the planner's)."""
-  start = time.perf_counter()
-  result = subprocess.run(["bash", f"configs/{name}.sh", "EXECUTABLE=train_compile"], cwd=REPO, capture_output=True,
-                          text=True, check=False)
-  mfu = re.search(r"implied MFU ([\d.]+)%", result.stdout + result.stderr)
-  return {"mfu": float(mfu.group(1)) / 100 if mfu else None, "compile_s": round(time.perf_counter() - start, 1),
-          "returncode": result.returncode}
 
 
 def main() -> int:
@@ -83,8 +75,10 @@ def main() -> int:
            "best": best.group(1) if best else None, "plan_mfu": float(best.group(2)) / 100 if best else None,
            "table": result.stdout.strip().splitlines()[-20:], "error": result.stderr.strip().splitlines()[-1:]}
     if not opts.no_recipe_compile:
-      own = recipe_mfu(name)
-      row["recipe_mfu"], row["recipe_compile_s"] = own["mfu"], own["compile_s"]
+      # The recipe's own setting, compiled by the recipe itself: its flags, the planner's estimator.
+      own = estimator_table.compile_point(name, topology, 1)
+      row["recipe_mfu"] = own["estimate"] / 100 if own["estimate"] is not None else None
+      row["recipe_compile_s"] = own["compile_s"]
     print(json.dumps({k: v for k, v in row.items() if k != "table"}), flush=True)
     with open(opts.out, "a") as f:
       f.write(json.dumps(row) + "\n")
