@@ -1,5 +1,4 @@
-"""Ring and all-to-all (Ulysses) context parallelism, and load-balanced all-gather, built on the
-chunked flash kernel's block forward/backward (attention_kernels.py). All run inside shard_map
+"""Ring and all-to-all (Ulysses) context parallelism, and load-balanced all-gather. All run inside shard_map
 with the length split over the `sequence` axis (context_parallel.kernel_specs).
 
 - ring: each shard keeps its queries; K/V (and their segment ids) move one shard along the ring
@@ -13,11 +12,11 @@ with the length split over the `sequence` axis (context_parallel.kernel_specs).
   chunks of global positions; every kernel call is per (query chunk, key chunk) pair with the
   global offsets, so causal masks, windows and segment ids stay those of the whole sequence.
 
-Per-block kernels: all_to_all's local attention is an ordinary full-sequence attention, so it runs
-the platform's best kernel (full_sequence_kernel: splash on TPU, cuDNN on GPU, else the chunked
-one). The ring and balanced all-gather run the chunked JAX kernel per block everywhere: the merge
-needs each block's log-sum-exp and the backward the global one, and splash (TPU) and cuDNN (GPU)
-do not take an external log-sum-exp in their backward passes (getting_started/Attention.md).
+Kernels: all_to_all's local attention is an ordinary full-sequence attention, so it runs the
+platform's best kernel (full_sequence_kernel: splash on TPU, cuDNN on GPU, else the chunked one).
+The ring runs ring_blocks.block_kernel per chunk pair (splash, cuDNN or chunked: each returns the
+pair's log-sum-exp and takes the global one in its backward). The balanced all-gather runs the
+chunked kernel at each query chunk's offset.
 
 Legend: B batch, L local length, S global length, N query heads, K key/value heads, G = N // K,
 H head dim; a "segment" here is a contiguous run of global positions (chunk), not a document.
@@ -35,14 +34,9 @@ import jax.numpy as jnp
 from MaxText import sharding
 from MaxText.errors import ConfigError
 from MaxText.layers import attention_kernels as ak
-from MaxText.layers import context_parallel, masks, splash_attention
+from MaxText.layers import context_parallel, masks, ring_blocks, splash_attention
 
 Array = jax.Array
-
-
-def _fit(block: int, length: int) -> int:
-  """The largest tile <= block that divides length (the block kernels do not pad)."""
-  return math.gcd(min(block, length), length)
 
 
 def _pieces(x: Array, count: int, axis: int = 1) -> list[Array]:
@@ -76,22 +70,19 @@ def merge(a: tuple[Array, Array], b: tuple[Array, Array]) -> tuple[Array, Array]
   return out_a * weight(lse_a) + out_b * weight(lse_b), lse
 
 
-def _pair_forward(q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, qseg_BL: Array, kseg_BL: Array, window: Array,
-                  q_starts: Array, k_starts: Array, soft_cap: float, blocks: tuple[int, int]) -> tuple[Array, Array]:
+def _pair_forward(kernel: ring_blocks.BlockKernel, q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, qseg_BL: Array,
+                  kseg_BL: Array, window: Array, q_starts: Array, k_starts: Array) -> tuple[Array, Array]:
   """Float32 output and log-sum-exp (-inf where a row sees nothing) of local queries over one
   K/V block, chunk pair by chunk pair: query chunk a at global q_starts[a], key chunk b at k_starts[b]."""
   count = q_starts.shape[0]
   q_c, qseg_c, k_c, v_c, kseg_c = (_chunked(x, count) for x in (q_BLKGH, qseg_BL, k_BLKH, v_BLKH, kseg_BL))
   chunk = q_c.shape[2]
-  block_q, block_kv = _fit(blocks[0], chunk), _fit(blocks[1], chunk)
 
   def pair(carry, ab):
     out_c, lse_c = carry
     a, b = ab
-    # The mask depends on q_pos - k_pos only, so keys at k_start are keys at 0 for queries at q_start - k_start.
-    out, lse = ak._forward(q_c[a], k_c[b], v_c[b], qseg_c[a], kseg_c[b], window, q_starts[a] - k_starts[b], None,
-                           soft_cap, block_q, block_kv, out_dtype=jnp.float32)
-    out, lse = merge((out_c[a], lse_c[a]), (out, jnp.where(jnp.isinf(lse), -jnp.inf, lse)))
+    part = kernel.forward(q_c[a], k_c[b], v_c[b], qseg_c[a], kseg_c[b], window, q_starts[a] - k_starts[b])
+    out, lse = merge((out_c[a], lse_c[a]), part)
     return (out_c.at[a].set(out), lse_c.at[a].set(lse)), None
 
   batch, _, kv_heads, group, head_dim = q_BLKGH.shape
@@ -101,24 +92,21 @@ def _pair_forward(q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, qseg_BL: Array, 
   return _unchunked(out_c), _unchunked(lse_c, axis=3)
 
 
-def _pair_backward(q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, qseg_BL: Array, kseg_BL: Array, window: Array,
-                   q_starts: Array, k_starts: Array, soft_cap: float, blocks: tuple[int, int],
-                   do_BLKGH: Array, lse_BKGL: Array, delta_BKGL: Array) -> tuple[Array, Array, Array]:
-  """dQ of the local queries and dK, dV of one K/V block (float32), from the global lse and delta."""
+def _pair_backward(kernel: ring_blocks.BlockKernel, q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, qseg_BL: Array,
+                   kseg_BL: Array, window: Array, q_starts: Array, k_starts: Array, do_BLKGH: Array,
+                   out_BLKGH: Array, lse_BKGL: Array, delta_BKGL: Array) -> tuple[Array, Array, Array]:
+  """dQ of the local queries and dK, dV of one K/V block (float32), from the global output, lse and delta."""
   count = q_starts.shape[0]
-  q_c, qseg_c, do_c, k_c, v_c, kseg_c = (_chunked(x, count)
-                                          for x in (q_BLKGH, qseg_BL, do_BLKGH, k_BLKH, v_BLKH, kseg_BL))
+  q_c, qseg_c, do_c, out_c, k_c, v_c, kseg_c = (
+      _chunked(x, count) for x in (q_BLKGH, qseg_BL, do_BLKGH, out_BLKGH, k_BLKH, v_BLKH, kseg_BL))
   lse_c, delta_c = _chunked(lse_BKGL, count, 3), _chunked(delta_BKGL, count, 3)
-  chunk = q_c.shape[2]
-  block_q, block_kv = _fit(blocks[0], chunk), _fit(blocks[1], chunk)
 
   def pair(carry, ab):
     dq_c, dk_c, dv_c = carry
     a, b = ab
-    args = (q_c[a], k_c[b], v_c[b], qseg_c[a], kseg_c[b], window, q_starts[a] - k_starts[b], soft_cap, block_q,
-            block_kv, do_c[a], lse_c[a], delta_c[a])
-    dk, dv = ak._backward_dkv(*args)
-    return (dq_c.at[a].add(ak._backward_dq(*args)), dk_c.at[b].add(dk), dv_c.at[b].add(dv)), None
+    dq, dk, dv = kernel.backward(q_c[a], k_c[b], v_c[b], qseg_c[a], kseg_c[b], window, q_starts[a] - k_starts[b],
+                                 do_c[a], out_c[a], lse_c[a], delta_c[a])
+    return (dq_c.at[a].add(dq), dk_c.at[b].add(dk), dv_c.at[b].add(dv)), None
 
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
   (dq_c, dk_c, dv_c), _ = jax.lax.scan(pair, (zeros(q_c), zeros(k_c), zeros(v_c)), _pairs(count))
@@ -133,10 +121,10 @@ def _chunk_starts(shard: Array, local_length: int, shards: int, balanced: bool) 
                     for s in context_parallel.shard_chunk_starts(shard, local_length, shards, balanced)])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def _ring(q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, window: Array, axes: tuple[str, ...],
-          shards: int, balanced: bool, soft_cap: float, blocks: tuple[int, int]) -> Array:
-  return _ring_fwd(q_BLKGH, k_BLKH, v_BLKH, seg_BL, window, axes, shards, balanced, soft_cap, blocks)[0]
+          shards: int, balanced: bool, kernel: ring_blocks.BlockKernel) -> Array:
+  return _ring_fwd(q_BLKGH, k_BLKH, v_BLKH, seg_BL, window, axes, shards, balanced, kernel)[0]
 
 
 def _rotate(x, axes: tuple[str, ...], shards: int):
@@ -145,14 +133,14 @@ def _rotate(x, axes: tuple[str, ...], shards: int):
 
 
 def _ring_fwd(q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, window: Array, axes: tuple[str, ...],
-              shards: int, balanced: bool, soft_cap: float, blocks: tuple[int, int]) -> tuple[Array, tuple]:
+              shards: int, balanced: bool, kernel: ring_blocks.BlockKernel) -> tuple[Array, tuple]:
   shard, length = jax.lax.axis_index(axes), q_BLKGH.shape[1]
   q_starts = _chunk_starts(shard, length, shards, balanced)
 
   def attend(block, step, merged):
     k_starts = _chunk_starts((shard - step) % shards, length, shards, balanced)
-    return merge(merged, _pair_forward(q_BLKGH, block[0], block[1], seg_BL, block[2], window, q_starts, k_starts,
-                                       soft_cap, blocks))
+    return merge(merged, _pair_forward(kernel, q_BLKGH, block[0], block[1], seg_BL, block[2], window, q_starts,
+                                       k_starts))
 
   def step_fn(carry, step):
     block, merged = carry
@@ -168,7 +156,7 @@ def _ring_fwd(q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, windo
   return out_BLKGH, (q_BLKGH, k_BLKH, v_BLKH, seg_BL, window, out_BLKGH, lse_BKGL)
 
 
-def _ring_bwd(axes: tuple[str, ...], shards: int, balanced: bool, soft_cap: float, blocks: tuple[int, int],
+def _ring_bwd(axes: tuple[str, ...], shards: int, balanced: bool, kernel: ring_blocks.BlockKernel,
               residuals: tuple, do_BLKGH: Array) -> tuple:
   q_BLKGH, k_BLKH, v_BLKH, seg_BL, window, out_BLKGH, lse_BKGL = residuals
   delta_BKGL = jnp.einsum("blkgh,blkgh->bkgl", do_BLKGH.astype(jnp.float32), out_BLKGH.astype(jnp.float32))
@@ -180,8 +168,8 @@ def _ring_bwd(axes: tuple[str, ...], shards: int, balanced: bool, soft_cap: floa
   def attend(block, step, grads):
     dq_BLKGH, dk_BLKH, dv_BLKH = grads
     k_starts = _chunk_starts((shard - step) % shards, length, shards, balanced)
-    dq, dk, dv = _pair_backward(q_BLKGH, block[0], block[1], seg_BL, block[2], window, q_starts, k_starts, soft_cap,
-                                blocks, do_BLKGH, lse_BKGL, delta_BKGL)
+    dq, dk, dv = _pair_backward(kernel, q_BLKGH, block[0], block[1], seg_BL, block[2], window, q_starts, k_starts,
+                                do_BLKGH, out_BLKGH, lse_BKGL, delta_BKGL)
     # The dK/dV accumulators travel with their block; the last rotation brings each one home.
     dk_BLKH, dv_BLKH = _rotate((dk_BLKH + dk, dv_BLKH + dv), axes, shards)
     return dq_BLKGH + dq, dk_BLKH, dv_BLKH
@@ -201,12 +189,12 @@ def _ring_bwd(axes: tuple[str, ...], shards: int, balanced: bool, soft_cap: floa
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_shard(q_BLNH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, window: masks.Window, soft_cap: float,
-               axes: tuple[str, ...], shards: int, balanced: bool, blocks: tuple[int, int]) -> Array:
-  """Ring attention of one shard's queries (call inside shard_map over `axes`)."""
+def ring_shard(q_BLNH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, window: masks.Window,
+               axes: tuple[str, ...], shards: int, balanced: bool, kernel: ring_blocks.BlockKernel) -> Array:
+  """Ring attention of one shard's queries (call inside shard_map over `axes`), `kernel` per chunk pair."""
   q_BLKGH = masks.group_queries(q_BLNH, k_BLKH.shape[2])
   out = _ring(q_BLKGH, k_BLKH, v_BLKH, seg_BL.astype(jnp.int32), masks.window_scalar(window), axes, shards,
-              balanced, float(soft_cap), blocks)
+              balanced, kernel)
   return masks.merge_groups(out)
 
 
@@ -233,7 +221,7 @@ def full_sequence_kernel(cfg: ak.ModelConfig, platform: str, length: int, *, int
   the whole sequence of `length` tokens: splash on TPU where its tiles divide the length, cuDNN on
   GPU where it covers the model (attention_kernels.cudnn_supports), else the chunked JAX kernel.
   `interpret` runs splash in Pallas' interpreter (tests on CPU)."""
-  if platform == "tpu" and _splash_tiles(cfg, length):
+  if platform == "tpu" and ring_blocks.splash_tiles(cfg, length):
     return functools.partial(splash_attention.splash_attention, blocks=cfg.attention_blocks,
                              local_window=cfg.sliding_window_size, interpret=interpret)
   if platform in ("gpu", "cuda") and ak.cudnn_supports(cfg):
@@ -245,14 +233,6 @@ def full_sequence_kernel(cfg: ak.ModelConfig, platform: str, length: int, *, int
                                           block_kv=blocks.flash_block_kv)
 
   return chunked
-
-
-def _splash_tiles(cfg: ak.ModelConfig, length: int) -> bool:
-  try:
-    splash_attention.block_sizes(cfg.attention_blocks, length)
-  except ConfigError:
-    return False
-  return True
 
 
 def all_to_all_shard(q_BLNH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, window: masks.Window,
@@ -294,12 +274,15 @@ def context_parallel_attention(cfg: ak.ModelConfig, mesh: jax.sharding.Mesh, rul
                       "activation_length); map activation_length to the sequence axis only")
   blocks = (cfg.attention_blocks.flash_block_q, cfg.attention_blocks.flash_block_kv)
   static_window = masks.is_static(window_size)
-  attend = full_sequence_kernel(cfg, ak.trace_platform(), q_BLNH.shape[1])
+  platform = ak.trace_platform()
+  attend = full_sequence_kernel(cfg, platform, q_BLNH.shape[1])
+  chunk = q_BLNH.shape[1] // shards // (2 if balanced else 1)
+  pair_kernel = ring_blocks.block_kernel(cfg, platform, chunk, window_size, soft_cap)
 
   def shard(q, k, v, seg, window_scalar):
     window = window_size if static_window else window_scalar
     if strategy == "ring":
-      return ring_shard(q, k, v, seg, window, soft_cap, axes, shards, balanced, blocks)
+      return ring_shard(q, k, v, seg, window, axes, shards, balanced, pair_kernel)
     if strategy == "all_to_all":
       return all_to_all_shard(q, k, v, seg, window, soft_cap, axes, shards, balanced, attend)
     gather = functools.partial(jax.lax.all_gather, axis_name=axes, axis=1, tiled=True)
@@ -325,7 +308,7 @@ def tiles_per_shard(length: int, shards: int, block: int, balanced: bool, window
     total = 0
     q_starts = context_parallel.shard_chunk_starts(shard, local, shards, balanced)
     chunk = local // len(q_starts)
-    bq = bkv = _fit(block, chunk)
+    bq = bkv = ring_blocks.fit(block, chunk)
     for step in range(shards):
       for k_start in context_parallel.shard_chunk_starts((shard - step) % shards, local, shards, balanced):
         for q_start in q_starts:
