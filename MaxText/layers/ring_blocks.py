@@ -58,10 +58,12 @@ def fit(block: int, length: int) -> int:
   return math.gcd(min(block, length), length)
 
 
-def _no_key_rows(out_BLKGH: Array, lse_BKGL: Array) -> tuple[Array, Array]:
-  """Rows that saw no key of the pair: splash and cuDNN leave their mask value (or -inf, with a NaN
-  output) in the log-sum-exp; they become -inf with a zero output so the merge ignores them."""
-  seen = lse_BKGL > 0.5 * masks.MASK_VALUE
+def _no_key_rows(out_BLKGH: Array, lse_BKGL: Array, seen: Array | None = None) -> tuple[Array, Array]:
+  """Rows that saw no key of the pair (`seen` false, by default where the log-sum-exp is about
+  splash's mask value or -inf, whose output may be NaN) get -inf and a zero output, so the merge
+  ignores them."""
+  if seen is None:
+    seen = lse_BKGL > 0.5 * masks.MASK_VALUE
   return jnp.where(jnp.moveaxis(seen, 3, 1)[..., None], out_BLKGH, 0.0), jnp.where(seen, lse_BKGL, -jnp.inf)
 
 
@@ -279,8 +281,10 @@ class CudnnBlocks:
       def attend():
         operands, static = self._call(diagonal, q_BLNH, k_BCKH, v_BCKH, mask)
         out_BLNH, lse_BNL = cudnn._dot_product_attention_fwd_p_wrapper.bind(*operands, **static, is_training=True)
+        # cuDNN's mask bias is finite, so a row that sees nothing has a finite log-sum-exp.
+        seen_BKGL = jnp.broadcast_to(mask.any(-1)[:, :, None], (batch, kv_heads, group, length))
         return _no_key_rows(out_BLNH.reshape(q_BLKGH.shape).astype(jnp.float32),
-                            lse_BNL.reshape(batch, kv_heads, group, length).astype(jnp.float32))
+                            lse_BNL.reshape(batch, kv_heads, group, length).astype(jnp.float32), seen_BKGL)
       return attend
 
     def skip():
