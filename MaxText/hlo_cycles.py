@@ -9,7 +9,15 @@ from typing import Callable
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
-_CALLEES = re.compile(r"(?:to_apply|calls|branch_computations)=\{?%([\w.\-]+)")
+_CALLEES = re.compile(r"(?:to_apply|calls)=\{?%([\w.\-]+)")
+
+
+def _branches(line: str) -> list[str]:
+  """A conditional's branch computations (`branch_computations={%a, %b}` or true/false_computation)."""
+  listed = re.search(r"branch_computations=\{([^}]*)\}", line)
+  if listed:
+    return [name.strip().lstrip("%") for name in listed.group(1).split(",")]
+  return re.findall(r"(?:true|false)_computation=%([\w.\-]+)", line)
 
 
 def _split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
@@ -31,8 +39,9 @@ def _split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None
 def _per_execution(hlo_text: str, line_value: Callable[[str], dict[str, int]]) -> dict[str, int]:
   """Adds `line_value(line)` over every instruction one execution runs: a while loop (the
   scanned layer stack, windowed collective matmuls) counts its body once per iteration, its trip
-  count being the constant its condition compares the counter with; calls, conditionals and
-  async wrappers count their callees."""
+  count being the constant its condition compares the counter with; calls and async wrappers
+  count their callees, a conditional its costliest branch per key (one branch runs; which one is
+  decided at run time, so this is an upper bound, e.g. the ring's per-pair kernel switch)."""
   computations, entry = _split_computations(hlo_text)
   if entry is None:
     return {}
@@ -57,7 +66,11 @@ def _per_execution(hlo_text: str, line_value: Callable[[str], dict[str, int]]) -
           body = re.search(r"body=%([\w.\-]+)", line)
           if condition and body:
             add(total, walk(body.group(1)), trip_count(condition.group(1)))
-        elif re.search(r" (call|conditional|async-start)\(", line):
+        elif " conditional(" in line:
+          branches = [walk(branch) for branch in _branches(line)]
+          for key in {k for branch in branches for k in branch}:
+            add(total, {key: max(branch.get(key, 0) for branch in branches)})
+        elif re.search(r" (call|async-start)\(", line):
           for callee in _CALLEES.findall(line):
             add(total, walk(callee))
       memo[name] = total

@@ -252,4 +252,25 @@ def test_estimated_cycles_counts_loop_bodies_per_iteration():
       "}",
   ])
   assert hlo_cycles.estimated_cycles(hlo) == 7 + 16 * 100
+
+
+def test_estimated_cycles_counts_a_conditional_as_its_costliest_branch():
+  """One branch runs (the ring's per-pair kernel switch: skipped, causal or full), so the estimate
+  takes the costliest, not their sum."""
+  hlo = "\n".join([
+      "%skip (p: s32[]) -> f32[] {",
+      '  %z = f32[] fusion(%p), kind=kLoop, backend_config={"estimated_cycles":"1"}',
+      "}",
+      "%full (p: s32[]) -> f32[] {",
+      '  %f = f32[] custom-call(%p), custom_call_target="tpu_custom_call", backend_config={"estimated_cycles":"90"}',
+      "}",
+      "%causal (p: s32[]) -> f32[] {",
+      '  %c = f32[] custom-call(%p), custom_call_target="tpu_custom_call", backend_config={"estimated_cycles":"50"}',
+      "}",
+      "ENTRY %main (i: s32[]) -> f32[] {",
+      "  %k = f32[] conditional(%i, %i, %i, %i), branch_computations={%skip, %causal, %full}",
+      "  %b = f32[] conditional(%q, %i, %i), true_computation=%causal, false_computation=%skip",
+      "}",
+  ])
+  assert hlo_cycles.estimated_cycles(hlo) == 90 + 50
   assert hlo_cycles.estimated_cycles("ENTRY %main () -> f32[] {\n  %a = f32[] add(%x, %y)\n}") is None
