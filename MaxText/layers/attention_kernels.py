@@ -304,7 +304,8 @@ def trace_platform() -> str:
 
 def make_flash(cfg: ModelConfig) -> AttentionKernel:
   """attention=flash: splash on TPU, the chunked JAX kernel elsewhere; with the length split over
-  the `sequence` axis, the chunked kernel with all-gathered K/V (context_parallel.py) everywhere."""
+  the `sequence` axis, context_parallel_strategy (ring_attention.py: splash or cuDNN per chunk pair
+  on TPU / GPU, the chunked kernel on CPU)."""
   blocks = cfg.attention_blocks
   local = functools.partial(flash_attention_with_offset, block_q=blocks.flash_block_q, block_kv=blocks.flash_block_kv)
   tpu = functools.partial(splash_attention.splash_attention, blocks=blocks, local_window=cfg.sliding_window_size)
@@ -321,12 +322,9 @@ def make_flash(cfg: ModelConfig) -> AttentionKernel:
     if context is not None:
       mesh, rules = context
       if context_parallel.length_shards(mesh, rules, q_BLNH.shape, k_BSKH.shape) > 1:
-        if context_parallel.merges_blocks(cfg):
-          from MaxText.layers import ring_attention  # lazily: it builds on this module's block kernels
-          return ring_attention.context_parallel_attention(cfg, mesh, rules, q_BLNH, k_BSKH, v_BSKH, segment_ids_BL,
-                                                           window_size, soft_cap)
-        return context_parallel.sequence_parallel_attention(local, mesh, rules, q_BLNH, k_BSKH, v_BSKH,
-                                                            segment_ids_BL, window_size, soft_cap)
+        from MaxText.layers import ring_attention  # lazily: it builds on this module's block kernels
+        return ring_attention.context_parallel_attention(cfg, mesh, rules, q_BLNH, k_BSKH, v_BSKH, segment_ids_BL,
+                                                         window_size, soft_cap)
       if trace_platform() == "tpu":
         return context_parallel.per_shard_attention(tpu, mesh, rules, q_BLNH, k_BSKH, v_BSKH, segment_ids_BL,
                                                     window_size, soft_cap)

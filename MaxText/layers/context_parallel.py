@@ -1,12 +1,12 @@
-"""Sequence (context) parallelism for attention (context_parallel_strategy=all_gather, the
-default; ring and all_to_all: ring_attention.py): queries stay split along the length over the
-`sequence` mesh axis, keys and values are all-gathered over it inside shard_map, and each shard
-attends with its queries' global positions (offset = shard index × local length), so causal
-masks, windows and segment ids are those of the whole sequence.
+"""Sequence (context) parallelism for attention: the shard_map specs, the load-balanced chunk
+order and the batch reorder. The strategies (context_parallel_strategy: all_gather, the default,
+ring, all_to_all) are in ring_attention.py: queries stay split along the length over the
+`sequence` mesh axis and each shard attends with its queries' global positions, so causal masks,
+windows and segment ids are those of the whole sequence.
 
-Why all-gather rather than a ring of ppermutes: one collective that XLA overlaps with the
-projections, simple causal offsets; K/V memory per device is that of the whole sequence
-(2 · S · K · H per sequence, small next to the L × S scores it never materialises).
+all_gather gathers K/V over the axis (one collective that XLA overlaps with the projections; K/V
+memory per device is that of the whole sequence, 2 · S · K · H per sequence); ring passes K/V
+blocks around instead, so no device holds more than two.
 
 Load balancing (context_parallel_load_balance): with a causal mask the shard holding the end of
 the sequence does n times the work of the first. The batch is reordered once, before the model
@@ -20,7 +20,6 @@ Legend: B batch, L local query length, S global length, N query heads, K key/val
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Callable
 
@@ -69,27 +68,6 @@ def _window_operand(window_size: masks.Window) -> jax.Array:
   return jnp.int32(0) if masks.is_static(window_size) else jnp.asarray(window_size, jnp.int32)
 
 
-LocalKernel = Callable[..., jax.Array]  # (q, k, v, q_seg, kv_seg, window, soft_cap, q_offset) -> out
-
-
-def sequence_parallel_attention(local_kernel: LocalKernel, mesh: Mesh, rules: sharding.Rules, q_BLNH: jax.Array,
-                                k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BL: jax.Array,
-                                window_size: masks.Window, soft_cap: float) -> jax.Array:
-  """Attention with queries split over the length mesh axes and K/V gathered over them."""
-  q_spec, kv_spec, seg_spec, length_axes = kernel_specs(mesh, rules, q_BLNH.shape, k_BSKH.shape, split_length=True)
-  static_window = masks.is_static(window_size)
-
-  def shard(q_BLNH, k_BLKH, v_BLKH, seg_BL, window_scalar):
-    gather = functools.partial(jax.lax.all_gather, axis_name=length_axes, axis=1, tiled=True)
-    offset = jax.lax.axis_index(length_axes) * q_BLNH.shape[1]
-    return local_kernel(q_BLNH, gather(k_BLKH), gather(v_BLKH), seg_BL, gather(seg_BL),
-                        window_size if static_window else window_scalar, soft_cap, offset)
-
-  return jax.shard_map(shard, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, PartitionSpec()),
-                       out_specs=q_spec, check_vma=False)(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL,
-                                                             _window_operand(window_size))
-
-
 def per_shard_attention(kernel: Callable[..., jax.Array], mesh: Mesh, rules: sharding.Rules, q_BLNH: jax.Array,
                         k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BL: jax.Array,
                         window_size: masks.Window, soft_cap: float) -> jax.Array:
@@ -106,8 +84,10 @@ def per_shard_attention(kernel: Callable[..., jax.Array], mesh: Mesh, rules: sha
 
 
 def merges_blocks(cfg: ModelConfig) -> bool:
-  """Whether attention runs ring_attention.py (per-block flash merged by log-sum-exp): a ring or
-  all-to-all strategy, or load balancing, with the sequence split."""
+  """Whether the configured strategy needs attention=flash (per-block attention merged by
+  log-sum-exp, ring_attention.py): a ring or all-to-all strategy, or load balancing, with the
+  sequence split. The plain all_gather also runs there under flash, but dot_product and
+  cudnn_flash can run it too (XLA partitions them)."""
   return cfg.context_parallel_degree > 1 and (cfg.context_parallel_strategy != "all_gather"
                                               or cfg.context_parallel_load_balance)
 

@@ -39,10 +39,6 @@ from MaxText.layers import context_parallel, masks, ring_blocks, splash_attentio
 Array = jax.Array
 
 
-def _pieces(x: Array, count: int, axis: int = 1) -> list[Array]:
-  return jnp.split(x, count, axis=axis) if count > 1 else [x]
-
-
 def _chunked(x: Array, count: int, axis: int = 1) -> Array:
   """x with `axis` cut into `count` equal chunks, the chunk index leading."""
   shape = x.shape[:axis] + (count, x.shape[axis] // count) + x.shape[axis + 1:]
@@ -198,19 +194,73 @@ def ring_shard(q_BLNH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, windo
   return masks.merge_groups(out)
 
 
-# ---------------------------------------------------------------- all-to-all and balanced all-gather
+# ---------------------------------------------------------------- all-gather
 
 
-def gathered_shard(q_BLNH: Array, k_BSKH: Array, v_BSKH: Array, seg_BL: Array, kseg_BS: Array,
-                   window: masks.Window, soft_cap: float, shard: Array, shards: int, blocks: tuple[int, int]) -> Array:
-  """Balanced queries of one shard over the whole (gathered, balanced-order) K/V: K/V back in
-  natural order, each query chunk attended at its global offset."""
-  k_BSKH, v_BSKH, kseg_BS = (context_parallel.to_natural_order(x, shards) for x in (k_BSKH, v_BSKH, kseg_BS))
-  starts = context_parallel.shard_chunk_starts(shard, q_BLNH.shape[1], shards, balanced=True)
-  outs = [ak.flash_attention_with_offset(q, k_BSKH, v_BSKH, qseg, kseg_BS, window, soft_cap, start,
-                                         block_q=blocks[0], block_kv=blocks[1])
-          for q, qseg, start in zip(_pieces(q_BLNH, 2), _pieces(seg_BL, 2), starts)]
-  return jnp.concatenate(outs, axis=1)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _gathered(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, seg_BL: Array, kseg_BS: Array, window: Array,
+              axes: tuple[str, ...], shards: int, balanced: bool, kernel: ring_blocks.BlockKernel) -> Array:
+  return _gathered_fwd(q_BLKGH, k_BSKH, v_BSKH, seg_BL, kseg_BS, window, axes, shards, balanced, kernel)[0]
+
+
+def _gathered_fwd(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, seg_BL: Array, kseg_BS: Array, window: Array,
+                  axes: tuple[str, ...], shards: int, balanced: bool, kernel: ring_blocks.BlockKernel
+                  ) -> tuple[Array, tuple]:
+  shard, length = jax.lax.axis_index(axes), q_BLKGH.shape[1]
+  q_starts = _chunk_starts(shard, length, shards, balanced)
+
+  def step(merged, block):  # block j of the gathered K/V is shard j's
+    k_BLKH, v_BLKH, kseg_BL, j = block
+    k_starts = _chunk_starts(j, length, shards, balanced)
+    return merge(merged, _pair_forward(kernel, q_BLKGH, k_BLKH, v_BLKH, seg_BL, kseg_BL, window, q_starts,
+                                       k_starts)), None
+
+  batch, _, kv_heads, group, _ = q_BLKGH.shape
+  empty = (jnp.zeros(q_BLKGH.shape, jnp.float32), jnp.full((batch, kv_heads, group, length), -jnp.inf, jnp.float32))
+  blocks = (_chunked(k_BSKH, shards), _chunked(v_BSKH, shards), _chunked(kseg_BS, shards), jnp.arange(shards))
+  (out_BLKGH, lse_BKGL), _ = jax.lax.scan(step, empty, blocks)
+  out_BLKGH = out_BLKGH.astype(q_BLKGH.dtype)
+  return out_BLKGH, (q_BLKGH, k_BSKH, v_BSKH, seg_BL, kseg_BS, window, out_BLKGH, lse_BKGL)
+
+
+def _gathered_bwd(axes: tuple[str, ...], shards: int, balanced: bool, kernel: ring_blocks.BlockKernel,
+                  residuals: tuple, do_BLKGH: Array) -> tuple:
+  q_BLKGH, k_BSKH, v_BSKH, seg_BL, kseg_BS, window, out_BLKGH, lse_BKGL = residuals
+  delta_BKGL = jnp.einsum("blkgh,blkgh->bkgl", do_BLKGH.astype(jnp.float32), out_BLKGH.astype(jnp.float32))
+  lse_BKGL = jnp.where(jnp.isfinite(lse_BKGL), lse_BKGL, jnp.inf)  # rows that see no key: p = 0
+  shard, length = jax.lax.axis_index(axes), q_BLKGH.shape[1]
+  q_starts = _chunk_starts(shard, length, shards, balanced)
+
+  def step(dq_BLKGH, block):
+    k_BLKH, v_BLKH, kseg_BL, j = block
+    dq, dk, dv = _pair_backward(kernel, q_BLKGH, k_BLKH, v_BLKH, seg_BL, kseg_BL, window, q_starts,
+                                _chunk_starts(j, length, shards, balanced), do_BLKGH, out_BLKGH, lse_BKGL, delta_BKGL)
+    return dq_BLKGH + dq, (dk, dv)
+
+  blocks = (_chunked(k_BSKH, shards), _chunked(v_BSKH, shards), _chunked(kseg_BS, shards), jnp.arange(shards))
+  dq_BLKGH, (dk_c, dv_c) = jax.lax.scan(step, jnp.zeros(q_BLKGH.shape, jnp.float32), blocks)
+  # The all-gather's transpose (a reduce-scatter) sums every shard's dK/dV of a block at its home.
+  return (dq_BLKGH.astype(q_BLKGH.dtype), _unchunked(dk_c).astype(k_BSKH.dtype),
+          _unchunked(dv_c).astype(v_BSKH.dtype), None, None, None)
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
+
+
+def gathered_shard(q_BLNH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, window: masks.Window,
+                   axes: tuple[str, ...], shards: int, balanced: bool, kernel: ring_blocks.BlockKernel) -> Array:
+  """all_gather: one shard's queries over the whole K/V, gathered along the sequence axis, block by
+  block (shard j's block), each chunk pair with `kernel` at its global offsets: the ring's pairs,
+  in place of its rotations one all-gather (and a reduce-scatter of dK/dV in the backward)."""
+  gather = functools.partial(jax.lax.all_gather, axis_name=axes, axis=1, tiled=True)
+  q_BLKGH = masks.group_queries(q_BLNH, k_BLKH.shape[2])
+  seg_BL = seg_BL.astype(jnp.int32)
+  out = _gathered(q_BLKGH, gather(k_BLKH), gather(v_BLKH), seg_BL, gather(seg_BL), masks.window_scalar(window),
+                  axes, shards, balanced, kernel)
+  return masks.merge_groups(out)
+
+
+# ---------------------------------------------------------------- all-to-all
 
 
 LocalKernel = Callable[[Array, Array, Array, Array, masks.Window, float], Array]
@@ -263,8 +313,8 @@ def all_to_all_shard(q_BLNH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array,
 def context_parallel_attention(cfg: ak.ModelConfig, mesh: jax.sharding.Mesh, rules: sharding.Rules, q_BLNH: Array,
                                k_BSKH: Array, v_BSKH: Array, segment_ids_BL: Array, window_size: masks.Window,
                                soft_cap: float) -> Array:
-  """cfg's context_parallel_strategy over the length mesh axes (the all_gather strategy here only
-  with load balancing; without it context_parallel.sequence_parallel_attention runs)."""
+  """cfg's context_parallel_strategy over the length mesh axes: ring, all_gather (both with the
+  platform's pair kernel) or all_to_all (with its full-sequence kernel)."""
   q_spec, kv_spec, seg_spec, axes = context_parallel.kernel_specs(mesh, rules, q_BLNH.shape, k_BSKH.shape, True)
   shards = math.prod(mesh.shape[a] for a in axes)
   balanced, strategy = cfg.context_parallel_load_balance, cfg.context_parallel_strategy
@@ -272,7 +322,6 @@ def context_parallel_attention(cfg: ak.ModelConfig, mesh: jax.sharding.Mesh, rul
     raise ConfigError(f"context_parallel_load_balance=True ordered the batch for {cfg.context_parallel_degree} "
                       f"sequence shards but attention's length is split {shards} ways (logical_axis_rules "
                       "activation_length); map activation_length to the sequence axis only")
-  blocks = (cfg.attention_blocks.flash_block_q, cfg.attention_blocks.flash_block_kv)
   static_window = masks.is_static(window_size)
   platform = ak.trace_platform()
   attend = full_sequence_kernel(cfg, platform, q_BLNH.shape[1])
@@ -285,9 +334,7 @@ def context_parallel_attention(cfg: ak.ModelConfig, mesh: jax.sharding.Mesh, rul
       return ring_shard(q, k, v, seg, window, axes, shards, balanced, pair_kernel)
     if strategy == "all_to_all":
       return all_to_all_shard(q, k, v, seg, window, soft_cap, axes, shards, balanced, attend)
-    gather = functools.partial(jax.lax.all_gather, axis_name=axes, axis=1, tiled=True)
-    return gathered_shard(q, gather(k), gather(v), seg, gather(seg), window, soft_cap, jax.lax.axis_index(axes),
-                          shards, blocks)
+    return gathered_shard(q, k, v, seg, window, axes, shards, balanced, pair_kernel)
 
   window_operand = jnp.int32(0) if static_window else jnp.asarray(window_size, jnp.int32)
   return jax.shard_map(shard, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, jax.sharding.PartitionSpec()),

@@ -54,13 +54,15 @@ def test_splash_pair_equals_chunked_pair(window, traced):
   assert not checks.FAILED, checks.FAILED
 
 
-@pytest.mark.parametrize("window", [None, 40])
-def test_ring_with_splash_pairs_equals_dense(window, monkeypatch):
-  """The balanced ring over 2 sequence shards (chunks of 128) with splash per pair, GQA and
-  packed documents, against dense attention: values and gradients."""
+@pytest.mark.parametrize("strategy, balanced, window", [
+    ("ring", True, None), ("ring", True, 40), ("all_gather", True, 40),
+    ("all_gather", False, None)])
+def test_splash_pairs_equal_dense(strategy, balanced, window, monkeypatch):
+  """The ring and all_gather over 2 sequence shards (chunks of 128 balanced) with splash per pair,
+  GQA and packed documents, against dense attention: values and gradients."""
   shards, length = 2, 512
   config = Config.for_testing(**TINY, ici_sequence_parallelism=shards, ici_fsdp_parallelism=-1, attention="flash",
-                              context_parallel_strategy="ring", context_parallel_load_balance=True)
+                              context_parallel_strategy=strategy, context_parallel_load_balance=balanced)
   mesh, rules = sharding.create_mesh(config.mesh), config.mesh.logical_axis_rules
   kernel = attention.ATTENTION_KERNELS["flash"](config.model)
   monkeypatch.setattr(attention_kernels, "trace_platform", lambda: "tpu")
@@ -76,7 +78,7 @@ def test_ring_with_splash_pairs_equals_dense(window, monkeypatch):
   q = jax.random.normal(kq, (1, length, 4, 8))
   k, v = jax.random.normal(kk, (1, length, 2, 8)), jax.random.normal(kv, (1, length, 2, 8))
   seg = jnp.asarray([[1] * 200 + [2] * 250 + [0] * 62], jnp.int32)
-  order = context_parallel.balanced_order(length, shards)
+  order = context_parallel.balanced_order(length, shards) if balanced else np.arange(length)
   back = np.argsort(order)
   weights = jnp.arange(1.0, length + 1)
 
