@@ -3,10 +3,11 @@
 Checks (each prints CHECK <name> ok|FAIL <max error>; the exit status is 1 if any fails):
 - every kind of chunk pair (above the diagonal, on it, below it, beyond a window) forward: output
   and log-sum-exp; backward with global statistics (two pairs merged): dQ, dK, dV;
-- the whole ring on a one-device mesh with load balancing (its two chunks give a diagonal, a full
-  and a skipped pair) against dense attention, values and gradients;
+- the whole ring, and all_gather, on a one-device mesh with load balancing (its two chunks give a
+  diagonal, a full and a skipped pair) against dense attention, values and gradients;
 - all_to_all's full-sequence cuDNN kernel (attention_kernels.cudnn_flash_attention) against dense.
-Then times one pair's forward + backward with each kernel (TIME lines).
+Then times one pair's forward + backward with each kernel, and one whole causal sequence in one
+cuDNN call against the ring's pairs on one device (TIME lines).
 
   python3 benchmarks/ring_blocks_gpu.py            # on a GPU
   python3 benchmarks/ring_blocks_gpu.py --kernel chunked --small   # the script itself, on CPU
@@ -81,19 +82,28 @@ def pair_checks(kernel, chunk, window, dtype, tol):
       check(f"pair_backward_{name} m={m} {tag}", a, b, tol)
 
 
-def ring_check(kernel_for, length, window, dtype, tol):
-  """The ring on a one-device mesh, balanced: chunks 0 and 1 of one shard."""
+def one_device(strategy: str, kernel, window, balanced: bool = True):
+  """(q, k, v, seg) -> out: the ring or all_gather strategy on a one-device mesh (balanced: the
+  shard's two chunks give a diagonal, a full and a skipped pair)."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("sequence",))
+  spec = jax.sharding.PartitionSpec(None, "sequence")
+  run = ring_attention.ring_shard if strategy == "ring" else ring_attention.gathered_shard
+
+  def attend(q, k, v, seg):
+    return jax.shard_map(lambda q, k, v, s: run(q, k, v, s, window, ("sequence",), 1, balanced, kernel),
+                         mesh=mesh, in_specs=(spec, spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v, seg)
+  return attend
+
+
+def ring_check(kernel_for, length, window, dtype, tol, strategy="ring"):
+  """The ring (or all_gather) on a one-device mesh against dense attention."""
   q, k, v, _ = inputs(2, length, 8, 4, 64, dtype, seed=2)
   q = q.reshape(2, length, 8, 64)
   seg = segments(2, length)
-  kernel = kernel_for(length // 2)
-  spec = jax.sharding.PartitionSpec(None, "sequence")
+  attend = one_device(strategy, kernel_for(length // 2), window)
 
   def ring(q, k, v):
-    return jax.shard_map(lambda q, k, v, s: ring_attention.ring_shard(q, k, v, s, window, ("sequence",), 1, True,
-                                                                      kernel),
-                         mesh=mesh, in_specs=(spec, spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v, seg)
+    return attend(q, k, v, seg)
 
   def dense(q, k, v):
     return attention.dot_product_attention(q, k, v, seg, window)
@@ -106,9 +116,9 @@ def ring_check(kernel_for, length, window, dtype, tol):
   r_out = dense(*f32)
   r_grads = jax.grad(functools.partial(loss, dense), argnums=(0, 1, 2))(*f32)
   valid = np.asarray(seg > 0)[:, :, None, None]
-  check(f"ring_out window={window}", np.where(valid, out, 0), np.where(valid, r_out, 0), tol)
+  check(f"{strategy}_out window={window}", np.where(valid, out, 0), np.where(valid, r_out, 0), tol)
   for name, a, b in zip(("dq", "dk", "dv"), grads, r_grads):
-    check(f"ring_{name} window={window}", a, b, tol * 4)
+    check(f"{strategy}_{name} window={window}", a, b, tol * 4)
 
 
 def all_to_all_kernel_check(dtype, tol):
@@ -148,6 +158,30 @@ def timing(kernels: dict, chunk: int, heads: int, kv_heads: int, head_dim: int, 
             f"fwd+bwd_ms={ms:.2f} tflops={flops / ms / 1e9:.1f}", flush=True)
 
 
+def sequence_timing(kernels: dict, length: int, dtype, repeats: int = 5):
+  """Causal attention of one whole sequence, forward + backward: cuDNN in one call
+  (attention_kernels.cudnn_flash_attention) against the ring's pairs on one device (balanced:
+  two chunks, three pairs that compute), i.e. what cutting the sequence into pairs costs."""
+  heads, kv_heads, head_dim = 32, 8, 128
+  q, k, v, _ = inputs(1, length, heads, kv_heads, head_dim, dtype)
+  q = q.reshape(1, length, heads, head_dim)
+  seg = jnp.ones((1, length), jnp.int32)
+  runs = {"whole sequence, cuDNN": lambda q, k, v: attention_kernels.cudnn_flash_attention(q, k, v, seg)}
+  for name, kernel in kernels.items():
+    runs[f"ring pairs, {name}"] = functools.partial(one_device("ring", kernel, None), seg=seg)
+  for name, fn in runs.items():
+    step = jax.jit(jax.value_and_grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32)),
+                                      argnums=(0, 1, 2)))
+    jax.block_until_ready(step(q, k, v))
+    start = time.perf_counter()
+    for _ in range(repeats):
+      result = step(q, k, v)
+    jax.block_until_ready(result)
+    ms = (time.perf_counter() - start) / repeats * 1e3
+    flops = 4 * length * length * heads * head_dim * 0.5 * 3.5
+    print(f"TIME sequence={length} {name}: fwd+bwd_ms={ms:.2f} tflops={flops / ms / 1e9:.1f}", flush=True)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--kernel", choices=("cudnn", "chunked"), default="cudnn")
@@ -163,6 +197,7 @@ def main(argv=None) -> int:
     make = ((lambda c: ring_blocks.CudnnBlocks(window)) if args.kernel == "cudnn"
             else (lambda c: ring_blocks.ChunkedBlocks(0.0, 32, 32)))
     ring_check(make, 2 * chunk, window, dtype, tol)
+    ring_check(make, 2 * chunk, window, dtype, tol, strategy="all_gather")
   if args.kernel == "cudnn":
     all_to_all_kernel_check(dtype, tol)
   if not args.small:
@@ -171,6 +206,10 @@ def main(argv=None) -> int:
       kernels["cudnn"] = ring_blocks.CudnnBlocks(None)
     for chunk in (4096, 8192):
       timing(kernels, chunk, 32, 8, 128, jnp.bfloat16)
+    if args.kernel == "cudnn":
+      for length in (16384, 32768):
+        sequence_timing({"cudnn": ring_blocks.CudnnBlocks(None), "chunked": ring_blocks.ChunkedBlocks(0.0, 512, 512)},
+                        length, jnp.bfloat16)
   print(f"RESULT failed={len(FAILED)} {' | '.join(FAILED)}", flush=True)
   return 1 if FAILED else 0
 
