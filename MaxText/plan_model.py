@@ -25,6 +25,8 @@ from jax.sharding import AbstractMesh
 
 from MaxText import accelerators, metrics, optimizers, sharding
 from MaxText.config_groups import MESH_AXES
+from MaxText.errors import ConfigError
+from MaxText.layers import splash_attention
 from MaxText.model_config import ModelConfig
 
 GIB = 1024**3
@@ -258,9 +260,7 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
     caveats.append("host offload")
   if dcn_s + dcn_exposed / links.dcn > 0.5 * compute_s:
     caveats.append("DCN-bound")
-  if seq > 1:
-    # Sequence parallelism runs the chunked JAX kernel, which loops over key blocks a number of
-    # times fixed only at run time; the compiler's cycle count takes such a loop once.
+  if seq > 1 and attention_kernel == "flash" and not _splash_tiles_context(cfg, candidate, seq_len, seq):
     caveats.append("attention loop uncounted")
   return Estimate(params, device_optimizer, gradients, activations, total, flops_per_chip,
                   compute_s, ici_s + exposed_s, dcn_s, host_s, step_s, mfu, global_batch * seq_len / chips / step_s, tuple(caveats),
@@ -274,6 +274,23 @@ class PipelineShape:
   bubble: float  # share of the step a stage idles in the fill and drain
   live_share: float  # share of the microbatches' saved activations a stage holds at once
   extra_compute: float  # extra work as a share of the step's model FLOPs
+
+
+def _splash_tiles_context(cfg: ModelConfig, candidate: Mapping[str, Any], seq_len: int, seq: int) -> bool:
+  """Whether sequence-parallel attention runs splash: its tiles must divide what each call attends
+  (the ring's and all_gather's chunk pairs, all_to_all's whole sequence). Otherwise it runs the
+  chunked JAX kernel, whose loop over key blocks has a trip count fixed only at run time, which
+  the compiler's cycle count takes once."""
+  strategy = candidate.get("context_parallel_strategy", cfg.context_parallel_strategy)
+  balanced = candidate.get("context_parallel_load_balance", cfg.context_parallel_load_balance)
+  length = seq_len if strategy == "all_to_all" else seq_len // seq // (2 if balanced else 1)
+  blocks = dataclasses.replace(cfg.attention_blocks,
+                               **{k: v for k, v in candidate.items() if k.startswith("sa_block_")})
+  try:
+    splash_attention.block_sizes(blocks, length)
+  except ConfigError:
+    return False
+  return True
 
 
 def pipeline_shape(candidate: Mapping[str, Any], stages: int) -> PipelineShape:

@@ -120,12 +120,20 @@ def test_pipeline_candidates_are_valid_configs_and_their_schedules_trade_bubble_
   assert one_f_one_b.live_share == pytest.approx(0.5) and one_f_one_b.extra_compute > 0
 
 
-def test_sequence_parallel_candidates_are_flagged():
-  """Their attention loop's trip count is known only at run time: the compiler's cycles miss it."""
-  plain = analytic("v5e-4", **dict(SMALL, per_device_batch_size=4, remat_policy="full"))
-  split = analytic("v5e-4", **dict(SMALL, per_device_batch_size=4, remat_policy="full", ici_sequence_parallelism=2,
-                                   ici_fsdp_parallelism=2))
-  assert "attention loop uncounted" not in plain.caveats and "attention loop uncounted" in split.caveats
+def test_sequence_parallel_candidates_on_the_chunked_kernel_are_flagged():
+  """Sequence-parallel attention runs splash per chunk pair where its tiles divide the chunk;
+  elsewhere the chunked kernel, whose loop's trip count is known only at run time (the compiler's
+  cycles miss it)."""
+  blocks = {f"sa_block_{b}": 128 for b in ("q", "kv", "kv_compute", "q_dkv", "kv_dkv", "kv_dkv_compute", "q_dq",
+                                           "kv_dq")}
+  base = dict(SMALL, per_device_batch_size=4, remat_policy="full", attention="flash", **blocks)
+  split = dict(base, ici_sequence_parallelism=2, ici_fsdp_parallelism=2)
+  flag = "attention loop uncounted"
+  assert flag not in analytic("v5e-4", **base).caveats
+  assert flag not in analytic("v5e-4", **split).caveats  # chunks of 128 tokens: splash
+  assert flag in analytic("v5e-4", **dict(split, context_parallel_load_balance=True)).caveats  # chunks of 64
+  assert flag not in analytic("v5e-4", **dict(split, context_parallel_strategy="all_to_all",
+                                               context_parallel_load_balance=True)).caveats  # the whole 256
 
 
 def test_moe_experts_may_span_slices(monkeypatch):
