@@ -152,7 +152,7 @@ class SplashBlocks:
     kernels = [None] + [splash.make_splash_mha_single_device(
         mask=splash_mask.MultiHeadMask((_splash_mask(kind, chunk),) * heads), block_sizes=sizes,
         save_residuals=True, attn_logits_soft_cap=self.soft_cap if self.soft_cap > 0 else None,
-        interpret=self.interpret) for kind in kinds[1:]]
+        interpret=self.interpret) for kind in kinds if kind is not None]
 
     def pick(offset: Array) -> Array:
       m = offset // chunk
@@ -325,17 +325,17 @@ class CudnnBlocks:
 
 def block_kernel(cfg: ak.ModelConfig, platform: str, chunk: int, window: masks.Window, soft_cap: float, *,
                  interpret: bool = False) -> BlockKernel:
-  """The ring's pair kernel for `chunk`-token chunks: splash on TPU where its tiles divide the
-  chunk, cuDNN on GPU where it covers the model (attention_kernels.cudnn_supports) and the window
-  is static, else the chunked kernel. `window` is the layer's window (static, or traced for a
-  stack mixing local and global layers)."""
-  static = masks.is_static(window)
+  """The ring's (and all_gather's) pair kernel for `chunk`-token chunks: splash on TPU where its
+  tiles divide the chunk, cuDNN on GPU where it covers the model (attention_kernels.cudnn_supports,
+  no soft cap), else the chunked kernel. `window` is the layer's window (static, or traced for a
+  stack mixing local and global layers: splash then needs sliding_window_size)."""
+  static = window is None or isinstance(window, int)
+  static_window = window if window is None or isinstance(window, int) else None
   if platform == "tpu" and splash_tiles(cfg, chunk) and (static or cfg.sliding_window_size):
-    return SplashBlocks(float(soft_cap), cfg.attention_blocks,
-                        window if static else cfg.sliding_window_size, traced_window=not static,
-                        interpret=interpret)
+    return SplashBlocks(float(soft_cap), cfg.attention_blocks, static_window if static else cfg.sliding_window_size,
+                        traced_window=not static, interpret=interpret)
   if platform in ("gpu", "cuda") and ak.cudnn_supports(cfg) and not soft_cap:
-    return CudnnBlocks(window if static else None)
+    return CudnnBlocks(static_window)
   return ChunkedBlocks(float(soft_cap), cfg.attention_blocks.flash_block_q,
                        cfg.attention_blocks.flash_block_kv)
 
