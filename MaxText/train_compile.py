@@ -97,6 +97,11 @@ def compile_or_explain(step_fn: Any, inputs: run_assembly.StepInputs, topology: 
     if "RESOURCE_EXHAUSTED" not in message or topology is None:
       raise
     first_line = message.strip().splitlines()[0]
+    if "space=smem" in first_line:  # a kernel's scalar memory, not HBM: splash's block-mask metadata
+      raise UserError("does not fit: a Pallas kernel's scalar memory (SMEM) overflows, not HBM; with "
+                      "attention=flash the splash mask metadata grows with (sequence / sa_block)^2: raise the "
+                      f"sa_block_* sizes or split the sequence more (context_parallel_strategy=ring) (XLA: {first_line})"
+                      ) from None
     # XLA's figure is its whole device heap, arguments included, even where it says "HLO
     # temporaries" (getting_started/AOT.md shows the heaps it extrapolates from).
     needed = oom_bytes_from_xla(first_line) or 0

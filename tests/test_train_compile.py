@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 from MaxText import accelerators, compiled_step, hlo_cycles, memory_report, train, train_compile
@@ -109,6 +110,26 @@ def test_does_not_fit_is_one_line_and_non_zero():
   needed = float(last.split("needs ")[1].split(" GiB")[0])
   assert needed > 16  # 1.3B parameters with AdamW state are ~16 GiB before any activation
   assert "Traceback" not in result.stderr
+
+
+def test_a_kernel_scalar_memory_overflow_is_named_as_such():
+  """XLA's SMEM overflow (splash's block-mask metadata at 512k tokens) is not an HBM shortfall."""
+  class Step:
+    def lower(self, *args):
+      return self
+
+    def compile(self, compiler_options=None):
+      raise jax.errors.JaxRuntimeError(
+          "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space smem. "
+          "Allocation (size=2097152) would exceed memory (size=1048576) :: #allocation3 [shape = 'u8[2097152]{0}', "
+          "space=smem, size = 0x200000, scoped] :: splash_mha_fwd_segmented_residuals.3)")
+
+  class Inputs:
+    def as_args(self):
+      return ()
+
+  with pytest.raises(UserError, match=r"scalar memory \(SMEM\) overflows, not HBM.*sa_block_\* sizes"):
+    train_compile.compile_or_explain(Step(), Inputs(), accelerators.tpu_topology("v5p-8"))
 
 
 def test_aot_compile_honours_libtpu_flags():
