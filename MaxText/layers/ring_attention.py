@@ -50,11 +50,21 @@ def _unchunked(x: Array, axis: int = 1) -> Array:
   return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
 
 
-def _pairs(count: int) -> tuple[Array, Array]:
-  """(query chunk, key chunk) index of every chunk pair, scanned one after another: independent
-  pairs unrolled would let XLA keep all their temporaries alive at once."""
-  grid = jnp.arange(count * count)
-  return grid // count, grid % count
+def _step_pairs(count: int, shard: Array, source: Array, first: bool) -> tuple[Array, Array]:
+  """(query chunk, key chunk) indices of the pairs a shard computes against `source`'s block; the
+  others lie above the diagonal. One chunk per shard: the one pair. Load balanced (early chunk 0
+  and late chunk 1 of each shard): late queries over the source's early keys always (below the
+  diagonal); early queries over its late keys never; of the two same-kind pairs, the early one when
+  the source is earlier, the late one when it is later; on the shard's own block (`first`) both
+  diagonals. So every ring step after the first runs two pairs, which the compiler's estimate
+  prices exactly, where scanning all four pairs through a kernel switch would count four.
+  Pairs run one after another (a scan): unrolled, XLA keeps all their temporaries alive at once."""
+  if count == 1:
+    return jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32)
+  if first:
+    return jnp.asarray([1, 0, 1], jnp.int32), jnp.asarray([0, 0, 1], jnp.int32)
+  same = (source > shard).astype(jnp.int32)
+  return jnp.stack([jnp.int32(1), same]), jnp.stack([jnp.int32(0), same])
 
 
 def merge(a: tuple[Array, Array], b: tuple[Array, Array]) -> tuple[Array, Array]:
@@ -67,9 +77,10 @@ def merge(a: tuple[Array, Array], b: tuple[Array, Array]) -> tuple[Array, Array]
 
 
 def _pair_forward(kernel: ring_blocks.BlockKernel, q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, qseg_BL: Array,
-                  kseg_BL: Array, window: Array, q_starts: Array, k_starts: Array) -> tuple[Array, Array]:
+                  kseg_BL: Array, window: Array, q_starts: Array, k_starts: Array,
+                  pairs: tuple[Array, Array]) -> tuple[Array, Array]:
   """Float32 output and log-sum-exp (-inf where a row sees nothing) of local queries over one
-  K/V block, chunk pair by chunk pair: query chunk a at global q_starts[a], key chunk b at k_starts[b]."""
+  K/V block, pair by pair of `pairs`: query chunk a at global q_starts[a], key chunk b at k_starts[b]."""
   count = q_starts.shape[0]
   q_c, qseg_c, k_c, v_c, kseg_c = (_chunked(x, count) for x in (q_BLKGH, qseg_BL, k_BLKH, v_BLKH, kseg_BL))
   chunk = q_c.shape[2]
@@ -84,13 +95,14 @@ def _pair_forward(kernel: ring_blocks.BlockKernel, q_BLKGH: Array, k_BLKH: Array
   batch, _, kv_heads, group, head_dim = q_BLKGH.shape
   init = (jnp.zeros((count, batch, chunk, kv_heads, group, head_dim), jnp.float32),
           jnp.full((count, batch, kv_heads, group, chunk), -jnp.inf, jnp.float32))
-  (out_c, lse_c), _ = jax.lax.scan(pair, init, _pairs(count))
+  (out_c, lse_c), _ = jax.lax.scan(pair, init, pairs)
   return _unchunked(out_c), _unchunked(lse_c, axis=3)
 
 
 def _pair_backward(kernel: ring_blocks.BlockKernel, q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, qseg_BL: Array,
-                   kseg_BL: Array, window: Array, q_starts: Array, k_starts: Array, do_BLKGH: Array,
-                   out_BLKGH: Array, lse_BKGL: Array, delta_BKGL: Array) -> tuple[Array, Array, Array]:
+                   kseg_BL: Array, window: Array, q_starts: Array, k_starts: Array, pairs: tuple[Array, Array],
+                   do_BLKGH: Array, out_BLKGH: Array, lse_BKGL: Array, delta_BKGL: Array
+                   ) -> tuple[Array, Array, Array]:
   """dQ of the local queries and dK, dV of one K/V block (float32), from the global output, lse and delta."""
   count = q_starts.shape[0]
   q_c, qseg_c, do_c, out_c, k_c, v_c, kseg_c = (
@@ -105,7 +117,7 @@ def _pair_backward(kernel: ring_blocks.BlockKernel, q_BLKGH: Array, k_BLKH: Arra
     return (dq_c.at[a].add(dq), dk_c.at[b].add(dk), dv_c.at[b].add(dv)), None
 
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
-  (dq_c, dk_c, dv_c), _ = jax.lax.scan(pair, (zeros(q_c), zeros(k_c), zeros(v_c)), _pairs(count))
+  (dq_c, dk_c, dv_c), _ = jax.lax.scan(pair, (zeros(q_c), zeros(k_c), zeros(v_c)), pairs)
   return _unchunked(dq_c), _unchunked(dk_c), _unchunked(dv_c)
 
 
@@ -133,10 +145,12 @@ def _ring_fwd(q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, windo
   shard, length = jax.lax.axis_index(axes), q_BLKGH.shape[1]
   q_starts = _chunk_starts(shard, length, shards, balanced)
 
-  def attend(block, step, merged):
-    k_starts = _chunk_starts((shard - step) % shards, length, shards, balanced)
+  def attend(block, step, merged, first=False):
+    source = (shard - step) % shards
+    k_starts = _chunk_starts(source, length, shards, balanced)
+    pairs = _step_pairs(q_starts.shape[0], shard, source, first)
     return merge(merged, _pair_forward(kernel, q_BLKGH, block[0], block[1], seg_BL, block[2], window, q_starts,
-                                       k_starts))
+                                       k_starts, pairs))
 
   def step_fn(carry, step):
     block, merged = carry
@@ -145,9 +159,15 @@ def _ring_fwd(q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, windo
 
   batch, _, kv_heads, group, head_dim = q_BLKGH.shape
   empty = (jnp.zeros(q_BLKGH.shape, jnp.float32), jnp.full((batch, kv_heads, group, length), -jnp.inf, jnp.float32))
-  # n - 1 rotating steps, then the last block (which need not move on).
-  (block, merged), _ = jax.lax.scan(step_fn, ((k_BLKH, v_BLKH, seg_BL), empty), jnp.arange(shards - 1))
-  out_BLKGH, lse_BKGL = attend(block, shards - 1, merged)
+  block = (k_BLKH, v_BLKH, seg_BL)
+  # The shard's own block (its own pair schedule), n - 2 rotating steps, then the last block (which
+  # need not move on).
+  following = _rotate(block, axes, shards) if shards > 1 else block
+  merged = attend(block, 0, empty, first=True)
+  if shards > 1:
+    (block, merged), _ = jax.lax.scan(step_fn, (following, merged), jnp.arange(1, shards - 1))
+    merged = attend(block, shards - 1, merged)
+  out_BLKGH, lse_BKGL = merged
   out_BLKGH = out_BLKGH.astype(q_BLKGH.dtype)
   return out_BLKGH, (q_BLKGH, k_BLKH, v_BLKH, seg_BL, window, out_BLKGH, lse_BKGL)
 
@@ -161,11 +181,13 @@ def _ring_bwd(axes: tuple[str, ...], shards: int, balanced: bool, kernel: ring_b
   shard, length = jax.lax.axis_index(axes), q_BLKGH.shape[1]
   q_starts = _chunk_starts(shard, length, shards, balanced)
 
-  def attend(block, step, grads):
+  def attend(block, step, grads, first=False):
     dq_BLKGH, dk_BLKH, dv_BLKH = grads
-    k_starts = _chunk_starts((shard - step) % shards, length, shards, balanced)
+    source = (shard - step) % shards
+    k_starts = _chunk_starts(source, length, shards, balanced)
+    pairs = _step_pairs(q_starts.shape[0], shard, source, first)
     dq, dk, dv = _pair_backward(kernel, q_BLKGH, block[0], block[1], seg_BL, block[2], window, q_starts, k_starts,
-                                do_BLKGH, out_BLKGH, lse_BKGL, delta_BKGL)
+                                pairs, do_BLKGH, out_BLKGH, lse_BKGL, delta_BKGL)
     # The dK/dV accumulators travel with their block; the last rotation brings each one home.
     dk_BLKH, dv_BLKH = _rotate((dk_BLKH + dk, dv_BLKH + dv), axes, shards)
     return dq_BLKGH + dq, dk_BLKH, dv_BLKH
@@ -176,9 +198,13 @@ def _ring_bwd(axes: tuple[str, ...], shards: int, balanced: bool, kernel: ring_b
     return (following, attend(block, step, grads)), None
 
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
-  init = ((k_BLKH, v_BLKH, seg_BL), (zeros(q_BLKGH), zeros(k_BLKH), zeros(v_BLKH)))
-  (block, grads), _ = jax.lax.scan(step_fn, init, jnp.arange(shards - 1))
-  dq_BLKGH, dk_BLKH, dv_BLKH = attend(block, shards - 1, grads)
+  block = (k_BLKH, v_BLKH, seg_BL)
+  following = _rotate(block, axes, shards) if shards > 1 else block
+  grads = attend(block, 0, (zeros(q_BLKGH), zeros(k_BLKH), zeros(v_BLKH)), first=True)
+  if shards > 1:
+    (block, grads), _ = jax.lax.scan(step_fn, (following, grads), jnp.arange(1, shards - 1))
+    grads = attend(block, shards - 1, grads)
+  dq_BLKGH, dk_BLKH, dv_BLKH = grads
   return (dq_BLKGH.astype(q_BLKGH.dtype), dk_BLKH.astype(k_BLKH.dtype), dv_BLKH.astype(v_BLKH.dtype), None, None)
 
 
@@ -208,17 +234,20 @@ def _gathered_fwd(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, seg_BL: Array, k
                   ) -> tuple[Array, tuple]:
   shard, length = jax.lax.axis_index(axes), q_BLKGH.shape[1]
   q_starts = _chunk_starts(shard, length, shards, balanced)
+  blocks = (_chunked(k_BSKH, shards), _chunked(v_BSKH, shards), _chunked(kseg_BS, shards))  # block j: shard j's
 
-  def step(merged, block):  # block j of the gathered K/V is shard j's
-    k_BLKH, v_BLKH, kseg_BL, j = block
-    k_starts = _chunk_starts(j, length, shards, balanced)
+  def attend(step, merged, first=False):  # the ring's order: the shard's own block first
+    source = (shard - step) % shards
+    k_BLKH, v_BLKH, kseg_BL = (b[source] for b in blocks)
+    pairs = _step_pairs(q_starts.shape[0], shard, source, first)
     return merge(merged, _pair_forward(kernel, q_BLKGH, k_BLKH, v_BLKH, seg_BL, kseg_BL, window, q_starts,
-                                       k_starts)), None
+                                       _chunk_starts(source, length, shards, balanced), pairs))
 
   batch, _, kv_heads, group, _ = q_BLKGH.shape
   empty = (jnp.zeros(q_BLKGH.shape, jnp.float32), jnp.full((batch, kv_heads, group, length), -jnp.inf, jnp.float32))
-  blocks = (_chunked(k_BSKH, shards), _chunked(v_BSKH, shards), _chunked(kseg_BS, shards), jnp.arange(shards))
-  (out_BLKGH, lse_BKGL), _ = jax.lax.scan(step, empty, blocks)
+  merged = attend(0, empty, first=True)
+  merged, _ = jax.lax.scan(lambda merged, step: (attend(step, merged), None), merged, jnp.arange(1, shards))
+  out_BLKGH, lse_BKGL = merged
   out_BLKGH = out_BLKGH.astype(q_BLKGH.dtype)
   return out_BLKGH, (q_BLKGH, k_BSKH, v_BSKH, seg_BL, kseg_BS, window, out_BLKGH, lse_BKGL)
 
@@ -230,15 +259,22 @@ def _gathered_bwd(axes: tuple[str, ...], shards: int, balanced: bool, kernel: ri
   lse_BKGL = jnp.where(jnp.isfinite(lse_BKGL), lse_BKGL, jnp.inf)  # rows that see no key: p = 0
   shard, length = jax.lax.axis_index(axes), q_BLKGH.shape[1]
   q_starts = _chunk_starts(shard, length, shards, balanced)
+  blocks = (_chunked(k_BSKH, shards), _chunked(v_BSKH, shards), _chunked(kseg_BS, shards))
 
-  def step(dq_BLKGH, block):
-    k_BLKH, v_BLKH, kseg_BL, j = block
+  def attend(step, grads, first=False):
+    dq_BLKGH, dk_c, dv_c = grads
+    source = (shard - step) % shards
+    k_BLKH, v_BLKH, kseg_BL = (b[source] for b in blocks)
+    pairs = _step_pairs(q_starts.shape[0], shard, source, first)
     dq, dk, dv = _pair_backward(kernel, q_BLKGH, k_BLKH, v_BLKH, seg_BL, kseg_BL, window, q_starts,
-                                _chunk_starts(j, length, shards, balanced), do_BLKGH, out_BLKGH, lse_BKGL, delta_BKGL)
-    return dq_BLKGH + dq, (dk, dv)
+                                _chunk_starts(source, length, shards, balanced), pairs, do_BLKGH, out_BLKGH,
+                                lse_BKGL, delta_BKGL)
+    return dq_BLKGH + dq, dk_c.at[source].add(dk), dv_c.at[source].add(dv)
 
-  blocks = (_chunked(k_BSKH, shards), _chunked(v_BSKH, shards), _chunked(kseg_BS, shards), jnp.arange(shards))
-  dq_BLKGH, (dk_c, dv_c) = jax.lax.scan(step, jnp.zeros(q_BLKGH.shape, jnp.float32), blocks)
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
+  grads = attend(0, (zeros(q_BLKGH), zeros(blocks[0]), zeros(blocks[1])), first=True)
+  grads, _ = jax.lax.scan(lambda grads, step: (attend(step, grads), None), grads, jnp.arange(1, shards))
+  dq_BLKGH, dk_c, dv_c = grads
   # The all-gather's transpose (a reduce-scatter) sums every shard's dK/dV of a block at its home.
   return (dq_BLKGH.astype(q_BLKGH.dtype), _unchunked(dk_c).astype(k_BSKH.dtype),
           _unchunked(dv_c).astype(v_BSKH.dtype), None, None, None)
