@@ -90,6 +90,17 @@ def estimated_cycles(hlo_text: str) -> int | None:
   return _per_execution(hlo_text, lambda line: {"cycles": sum(int(c) for c in _CYCLES.findall(line))}).get("cycles", 0)
 
 
+def uncosted_kernel_calls(hlo_text: str) -> int:
+  """Pallas (Mosaic) kernel calls one execution runs that carry no cycle estimate: the TPU
+  compiler prices none of them (splash attention, megablox), so estimated_cycles leaves their
+  work out."""
+  def line_value(line: str) -> dict[str, int]:
+    uncosted = 'custom_call_target="tpu_custom_call"' in line and '"estimated_cycles"' not in line
+    return {"calls": 1} if uncosted else {}
+
+  return _per_execution(hlo_text, line_value).get("calls", 0)
+
+
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
 _COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (" + "|".join(COLLECTIVES) + r")(-start)?\(")
 _ARRAY = re.compile(r"\b(pred|[a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")

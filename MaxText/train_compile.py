@@ -29,7 +29,7 @@ import jax
 from jax.experimental import topologies
 
 from MaxText import accelerators, compiled_step, config as config_lib, metrics, run_assembly, startup
-from MaxText.hlo_cycles import estimated_cycles
+from MaxText.hlo_cycles import estimated_cycles, uncosted_kernel_calls
 from MaxText.memory_report import (GIB, MemoryReport, buffer_assignment_dump_options, does_not_fit_message,
                                    format_bytes, oom_bytes_from_xla, read_buffer_assignment)
 from MaxText.errors import ConfigError, UserError, run_cli
@@ -123,7 +123,8 @@ def report(config: config_lib.Config, topology: accelerators.TpuTopology | None,
   num_devices = config.target.num_devices
   print(f"model FLOPs per step: {flops.total_tflops:,.4g} TFLOP ({flops.total_tflops / num_devices:,.4g} per device; "
         f"{config.data.global_batch_size} sequences x {config.data.max_target_length} tokens)")
-  cycles = estimated_cycles(compiled.as_text()) if topology is not None else None
+  hlo_text = compiled.as_text() if topology is not None else ""
+  cycles = estimated_cycles(hlo_text) if topology is not None else None
   if cycles is None or topology is None:
     print("compiler estimate of step time: not available for this platform")
   else:
@@ -132,7 +133,23 @@ def report(config: config_lib.Config, topology: accelerators.TpuTopology | None,
     mfu = flops.total_tflops / num_devices / seconds / gen.peak_tflops
     print(f"compiler estimate (not a measurement): step {seconds * 1e3:,.1f} ms = {cycles:,} cycles at {gen.clock_ghz:g} GHz, "
           f"assuming communication hidden behind compute -> implied MFU {mfu:.1%} of {gen.peak_tflops:g} TFLOP/s")
+    kernels = uncosted_kernel_calls(hlo_text)
+    if kernels:
+      print(f"  not in it: {kernels:,} Pallas kernel calls per step, which the compiler gives no cycle estimate"
+            + _kernel_floor(config, flops.attention_tflops / num_devices, seconds, flops.total_tflops / num_devices,
+                            gen.peak_tflops))
   return memory
+
+
+def _kernel_floor(config: config_lib.Config, attention_tflops: float, seconds: float, total_tflops: float,
+                  peak_tflops: float) -> str:
+  """With splash (attention=flash on TPU) the uncosted work is attention's: its FLOPs at the chip's
+  peak are the least time it adds."""
+  if config.model.attention not in ("flash", "autoselected"):
+    return ""
+  floor = attention_tflops / peak_tflops
+  return (f"; with splash attention that is attention's {attention_tflops:,.4g} TFLOP per device, at least "
+          f"{floor * 1e3:,.1f} ms more at peak -> MFU at most {total_tflops / (seconds + floor) / peak_tflops:.1%}")
 
 
 def main(argv: list[str]) -> int:

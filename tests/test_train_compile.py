@@ -112,6 +112,35 @@ def test_does_not_fit_is_one_line_and_non_zero():
   assert "Traceback" not in result.stderr
 
 
+def test_uncosted_pallas_kernels_are_counted_per_execution():
+  hlo = "\n".join([
+      "%body (p: (s32[])) -> (s32[]) {",
+      '  %s = f32[] custom-call(%p), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={}}',
+      '  %f = f32[] fusion(%p), kind=kOutput, backend_config={"estimated_cycles":"100"}',
+      "}",
+      "%cond (p: (s32[])) -> pred[] {",
+      "  %c = s32[] constant(16)",
+      "}",
+      "ENTRY %main (a: f32[]) -> f32[] {",
+      '  %d = f32[] custom-call(%a), custom_call_target="tpu_custom_call"',
+      "  %w = (s32[]) while(%t), condition=%cond, body=%body",
+      "}",
+  ])
+  assert hlo_cycles.uncosted_kernel_calls(hlo) == 17
+  assert hlo_cycles.estimated_cycles(hlo) == 1600
+
+
+def test_report_says_splash_attention_is_not_in_the_estimate(capsys):
+  """The TPU compiler prices no Pallas kernel: the report names them and bounds what they add."""
+  splash = {f"sa_block_{b}": 128 for b in ("q", "kv", "kv_compute", "q_dkv", "kv_dkv", "kv_dkv_compute", "q_dq",
+                                           "kv_dq")}
+  assert train_compile.main(argv(compile_topology="v5e-4", **dict(TPU_TINY, max_target_length=256), attention="flash",
+                                 **splash)) == 0
+  out = capsys.readouterr().out
+  line = next(line for line in out.splitlines() if "Pallas kernel calls per step" in line)
+  assert "attention's" in line and "MFU at most" in line
+
+
 def test_a_kernel_scalar_memory_overflow_is_named_as_such():
   """XLA's SMEM overflow (splash's block-mask metadata at 512k tokens) is not an HBM shortfall."""
   class Step:
