@@ -68,22 +68,27 @@ def _step_pairs(count: int, shard: Array, source: Array, first: bool) -> tuple[A
 
 
 def merge(a: tuple[Array, Array], b: tuple[Array, Array]) -> tuple[Array, Array]:
-  """Online-softmax merge of two partial results (out_BLKGH normalised per part, lse_BKGL)."""
+  """Online-softmax merge of two partial results (out_BLKGH normalised per part, lse_BKGL), in
+  float32. A row whose part has lse = -inf (it saw nothing) contributes nothing, whatever its
+  output holds (a kernel may leave NaN there)."""
   (out_a, lse_a), (out_b, lse_b) = a, b
   lse = jnp.logaddexp(lse_a, lse_b)
   safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-  weight = lambda part: jnp.moveaxis(jnp.exp(part - safe), 3, 1)[..., None]  # noqa: E731  [B, L, K, G, 1]
-  return out_a * weight(lse_a) + out_b * weight(lse_b), lse
+
+  def weighted(out, part):
+    weight = jnp.moveaxis(jnp.exp(part - safe), 3, 1)[..., None]  # [B, L, K, G, 1]
+    return jnp.where(weight > 0, out.astype(jnp.float32) * weight, 0.0)
+
+  return weighted(out_a, lse_a) + weighted(out_b, lse_b), lse
 
 
-def _pair_forward(kernel: ring_blocks.BlockKernel, q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, qseg_BL: Array,
-                  kseg_BL: Array, window: Array, q_starts: Array, k_starts: Array,
-                  pairs: tuple[Array, Array]) -> tuple[Array, Array]:
-  """Float32 output and log-sum-exp (-inf where a row sees nothing) of local queries over one
-  K/V block, pair by pair of `pairs`: query chunk a at global q_starts[a], key chunk b at k_starts[b]."""
-  count = q_starts.shape[0]
-  q_c, qseg_c, k_c, v_c, kseg_c = (_chunked(x, count) for x in (q_BLKGH, qseg_BL, k_BLKH, v_BLKH, kseg_BL))
-  chunk = q_c.shape[2]
+def _pair_forward(kernel: ring_blocks.BlockKernel, q_c: Array, qseg_c: Array, k_c: Array, v_c: Array, kseg_c: Array,
+                  window: Array, q_starts: Array, k_starts: Array, pairs: tuple[Array, Array],
+                  merged: tuple[Array, Array]) -> tuple[Array, Array]:
+  """The running float32 output and log-sum-exp of the local query chunks (out_c [chunks, B, C, K,
+  G, H], lse_c [chunks, B, K, G, C]; -inf where a row has seen nothing yet) merged with one K/V
+  block, pair by pair of `pairs`: query chunk a at global q_starts[a], key chunk b at k_starts[b].
+  Arrays arrive cut into chunks (`_chunked`) once per ring, not per step."""
 
   def pair(carry, ab):
     out_c, lse_c = carry
@@ -92,22 +97,15 @@ def _pair_forward(kernel: ring_blocks.BlockKernel, q_BLKGH: Array, k_BLKH: Array
     out, lse = merge((out_c[a], lse_c[a]), part)
     return (out_c.at[a].set(out), lse_c.at[a].set(lse)), None
 
-  batch, _, kv_heads, group, head_dim = q_BLKGH.shape
-  init = (jnp.zeros((count, batch, chunk, kv_heads, group, head_dim), jnp.float32),
-          jnp.full((count, batch, kv_heads, group, chunk), -jnp.inf, jnp.float32))
-  (out_c, lse_c), _ = jax.lax.scan(pair, init, pairs)
-  return _unchunked(out_c), _unchunked(lse_c, axis=3)
+  return jax.lax.scan(pair, merged, pairs)[0]
 
 
-def _pair_backward(kernel: ring_blocks.BlockKernel, q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, qseg_BL: Array,
-                   kseg_BL: Array, window: Array, q_starts: Array, k_starts: Array, pairs: tuple[Array, Array],
-                   do_BLKGH: Array, out_BLKGH: Array, lse_BKGL: Array, delta_BKGL: Array
+def _pair_backward(kernel: ring_blocks.BlockKernel, q_c: Array, qseg_c: Array, k_c: Array, v_c: Array,
+                   kseg_c: Array, window: Array, q_starts: Array, k_starts: Array, pairs: tuple[Array, Array],
+                   do_c: Array, out_c: Array, lse_c: Array, delta_c: Array, grads: tuple[Array, Array, Array]
                    ) -> tuple[Array, Array, Array]:
-  """dQ of the local queries and dK, dV of one K/V block (float32), from the global output, lse and delta."""
-  count = q_starts.shape[0]
-  q_c, qseg_c, do_c, out_c, k_c, v_c, kseg_c = (
-      _chunked(x, count) for x in (q_BLKGH, qseg_BL, do_BLKGH, out_BLKGH, k_BLKH, v_BLKH, kseg_BL))
-  lse_c, delta_c = _chunked(lse_BKGL, count, 3), _chunked(delta_BKGL, count, 3)
+  """Adds one K/V block's pairs to the float32 dQ of the local query chunks and the block's dK, dV
+  (all chunked), from the global output, lse and delta."""
 
   def pair(carry, ab):
     dq_c, dk_c, dv_c = carry
@@ -116,9 +114,22 @@ def _pair_backward(kernel: ring_blocks.BlockKernel, q_BLKGH: Array, k_BLKH: Arra
                                  do_c[a], out_c[a], lse_c[a], delta_c[a])
     return (dq_c.at[a].add(dq), dk_c.at[b].add(dk), dv_c.at[b].add(dv)), None
 
-  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
-  (dq_c, dk_c, dv_c), _ = jax.lax.scan(pair, (zeros(q_c), zeros(k_c), zeros(v_c)), pairs)
-  return _unchunked(dq_c), _unchunked(dk_c), _unchunked(dv_c)
+  return jax.lax.scan(pair, grads, pairs)[0]
+
+
+def _empty(q_c: Array) -> tuple[Array, Array]:
+  """Nothing seen yet: a zero output and -inf log-sum-exp per query chunk."""
+  chunks, batch, chunk, kv_heads, group, _ = q_c.shape
+  return jnp.zeros(q_c.shape, jnp.float32), jnp.full((chunks, batch, kv_heads, group, chunk), -jnp.inf, jnp.float32)
+
+
+def _backward_inputs(do_BLKGH: Array, out_BLKGH: Array, lse_BKGL: Array, count: int) -> tuple[Array, ...]:
+  """dO, O, lse and delta = rowsum(dO · O) cut into query chunks; rows that saw no key (padding)
+  get lse = +inf so their recomputed probabilities are 0."""
+  delta_BKGL = jnp.einsum("blkgh,blkgh->bkgl", do_BLKGH.astype(jnp.float32), out_BLKGH.astype(jnp.float32))
+  lse_BKGL = jnp.where(jnp.isfinite(lse_BKGL), lse_BKGL, jnp.inf)
+  return (_chunked(do_BLKGH, count), _chunked(out_BLKGH, count), _chunked(lse_BKGL, count, 3),
+          _chunked(delta_BKGL, count, 3))
 
 
 # ---------------------------------------------------------------- ring
@@ -144,53 +155,50 @@ def _ring_fwd(q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, windo
               shards: int, balanced: bool, kernel: ring_blocks.BlockKernel) -> tuple[Array, tuple]:
   shard, length = jax.lax.axis_index(axes), q_BLKGH.shape[1]
   q_starts = _chunk_starts(shard, length, shards, balanced)
+  count = q_starts.shape[0]
+  q_c, qseg_c = _chunked(q_BLKGH, count), _chunked(seg_BL, count)
 
   def attend(block, step, merged, first=False):
     source = (shard - step) % shards
     k_starts = _chunk_starts(source, length, shards, balanced)
-    pairs = _step_pairs(q_starts.shape[0], shard, source, first)
-    return merge(merged, _pair_forward(kernel, q_BLKGH, block[0], block[1], seg_BL, block[2], window, q_starts,
-                                       k_starts, pairs))
+    return _pair_forward(kernel, q_c, qseg_c, *block, window, q_starts, k_starts,
+                         _step_pairs(count, shard, source, first), merged)
 
   def step_fn(carry, step):
     block, merged = carry
     following = _rotate(block, axes, shards)  # issued first so the transfer overlaps this step's compute
     return (following, attend(block, step, merged)), None
 
-  batch, _, kv_heads, group, head_dim = q_BLKGH.shape
-  empty = (jnp.zeros(q_BLKGH.shape, jnp.float32), jnp.full((batch, kv_heads, group, length), -jnp.inf, jnp.float32))
-  block = (k_BLKH, v_BLKH, seg_BL)
+  block = tuple(_chunked(x, count) for x in (k_BLKH, v_BLKH, seg_BL))  # K/V travel cut into chunks
   # The shard's own block (its own pair schedule), n - 2 rotating steps, then the last block (which
   # need not move on).
   following = _rotate(block, axes, shards) if shards > 1 else block
-  merged = attend(block, 0, empty, first=True)
+  merged = attend(block, 0, _empty(q_c), first=True)
   if shards > 1:
     (block, merged), _ = jax.lax.scan(step_fn, (following, merged), jnp.arange(1, shards - 1))
     merged = attend(block, shards - 1, merged)
-  out_BLKGH, lse_BKGL = merged
-  out_BLKGH = out_BLKGH.astype(q_BLKGH.dtype)
+  out_BLKGH, lse_BKGL = _unchunked(merged[0]).astype(q_BLKGH.dtype), _unchunked(merged[1], axis=3)
   return out_BLKGH, (q_BLKGH, k_BLKH, v_BLKH, seg_BL, window, out_BLKGH, lse_BKGL)
 
 
 def _ring_bwd(axes: tuple[str, ...], shards: int, balanced: bool, kernel: ring_blocks.BlockKernel,
               residuals: tuple, do_BLKGH: Array) -> tuple:
   q_BLKGH, k_BLKH, v_BLKH, seg_BL, window, out_BLKGH, lse_BKGL = residuals
-  delta_BKGL = jnp.einsum("blkgh,blkgh->bkgl", do_BLKGH.astype(jnp.float32), out_BLKGH.astype(jnp.float32))
-  # Rows that see no key (padding) carry lse = +inf so the recomputed probabilities are 0.
-  lse_BKGL = jnp.where(jnp.isfinite(lse_BKGL), lse_BKGL, jnp.inf)
   shard, length = jax.lax.axis_index(axes), q_BLKGH.shape[1]
   q_starts = _chunk_starts(shard, length, shards, balanced)
+  count = q_starts.shape[0]
+  q_c, qseg_c = _chunked(q_BLKGH, count), _chunked(seg_BL, count)
+  backward_inputs = _backward_inputs(do_BLKGH, out_BLKGH, lse_BKGL, count)
 
   def attend(block, step, grads, first=False):
-    dq_BLKGH, dk_BLKH, dv_BLKH = grads
+    dq_c, dk_c, dv_c = grads
     source = (shard - step) % shards
     k_starts = _chunk_starts(source, length, shards, balanced)
-    pairs = _step_pairs(q_starts.shape[0], shard, source, first)
-    dq, dk, dv = _pair_backward(kernel, q_BLKGH, block[0], block[1], seg_BL, block[2], window, q_starts, k_starts,
-                                pairs, do_BLKGH, out_BLKGH, lse_BKGL, delta_BKGL)
+    dq_c, dk_c, dv_c = _pair_backward(kernel, q_c, qseg_c, *block, window, q_starts, k_starts,
+                                      _step_pairs(count, shard, source, first), *backward_inputs, (dq_c, dk_c, dv_c))
     # The dK/dV accumulators travel with their block; the last rotation brings each one home.
-    dk_BLKH, dv_BLKH = _rotate((dk_BLKH + dk, dv_BLKH + dv), axes, shards)
-    return dq_BLKGH + dq, dk_BLKH, dv_BLKH
+    dk_c, dv_c = _rotate((dk_c, dv_c), axes, shards)
+    return dq_c, dk_c, dv_c
 
   def step_fn(carry, step):
     block, grads = carry
@@ -198,13 +206,13 @@ def _ring_bwd(axes: tuple[str, ...], shards: int, balanced: bool, kernel: ring_b
     return (following, attend(block, step, grads)), None
 
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
-  block = (k_BLKH, v_BLKH, seg_BL)
+  block = tuple(_chunked(x, count) for x in (k_BLKH, v_BLKH, seg_BL))
   following = _rotate(block, axes, shards) if shards > 1 else block
-  grads = attend(block, 0, (zeros(q_BLKGH), zeros(k_BLKH), zeros(v_BLKH)), first=True)
+  grads = attend(block, 0, (zeros(q_c), zeros(block[0]), zeros(block[1])), first=True)
   if shards > 1:
     (block, grads), _ = jax.lax.scan(step_fn, (following, grads), jnp.arange(1, shards - 1))
     grads = attend(block, shards - 1, grads)
-  dq_BLKGH, dk_BLKH, dv_BLKH = grads
+  dq_BLKGH, dk_BLKH, dv_BLKH = (_unchunked(g) for g in grads)
   return (dq_BLKGH.astype(q_BLKGH.dtype), dk_BLKH.astype(k_BLKH.dtype), dv_BLKH.astype(v_BLKH.dtype), None, None)
 
 
@@ -234,50 +242,51 @@ def _gathered_fwd(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, seg_BL: Array, k
                   ) -> tuple[Array, tuple]:
   shard, length = jax.lax.axis_index(axes), q_BLKGH.shape[1]
   q_starts = _chunk_starts(shard, length, shards, balanced)
-  blocks = (_chunked(k_BSKH, shards), _chunked(v_BSKH, shards), _chunked(kseg_BS, shards))  # block j: shard j's
+  count = q_starts.shape[0]
+  q_c, qseg_c = _chunked(q_BLKGH, count), _chunked(seg_BL, count)
+  blocks = tuple(_chunked(x, shards * count) for x in (k_BSKH, v_BSKH, kseg_BS))  # shard j's chunks: j·count + ...
 
   def attend(step, merged, first=False):  # the ring's order: the shard's own block first
     source = (shard - step) % shards
-    k_BLKH, v_BLKH, kseg_BL = (b[source] for b in blocks)
-    pairs = _step_pairs(q_starts.shape[0], shard, source, first)
-    return merge(merged, _pair_forward(kernel, q_BLKGH, k_BLKH, v_BLKH, seg_BL, kseg_BL, window, q_starts,
-                                       _chunk_starts(source, length, shards, balanced), pairs))
+    block = tuple(jax.lax.dynamic_slice_in_dim(b, source * count, count) for b in blocks)
+    return _pair_forward(kernel, q_c, qseg_c, *block, window, q_starts, _chunk_starts(source, length, shards, balanced),
+                         _step_pairs(count, shard, source, first), merged)
 
-  batch, _, kv_heads, group, _ = q_BLKGH.shape
-  empty = (jnp.zeros(q_BLKGH.shape, jnp.float32), jnp.full((batch, kv_heads, group, length), -jnp.inf, jnp.float32))
-  merged = attend(0, empty, first=True)
+  merged = attend(0, _empty(q_c), first=True)
   merged, _ = jax.lax.scan(lambda merged, step: (attend(step, merged), None), merged, jnp.arange(1, shards))
-  out_BLKGH, lse_BKGL = merged
-  out_BLKGH = out_BLKGH.astype(q_BLKGH.dtype)
+  out_BLKGH, lse_BKGL = _unchunked(merged[0]).astype(q_BLKGH.dtype), _unchunked(merged[1], axis=3)
   return out_BLKGH, (q_BLKGH, k_BSKH, v_BSKH, seg_BL, kseg_BS, window, out_BLKGH, lse_BKGL)
 
 
 def _gathered_bwd(axes: tuple[str, ...], shards: int, balanced: bool, kernel: ring_blocks.BlockKernel,
                   residuals: tuple, do_BLKGH: Array) -> tuple:
   q_BLKGH, k_BSKH, v_BSKH, seg_BL, kseg_BS, window, out_BLKGH, lse_BKGL = residuals
-  delta_BKGL = jnp.einsum("blkgh,blkgh->bkgl", do_BLKGH.astype(jnp.float32), out_BLKGH.astype(jnp.float32))
-  lse_BKGL = jnp.where(jnp.isfinite(lse_BKGL), lse_BKGL, jnp.inf)  # rows that see no key: p = 0
   shard, length = jax.lax.axis_index(axes), q_BLKGH.shape[1]
   q_starts = _chunk_starts(shard, length, shards, balanced)
-  blocks = (_chunked(k_BSKH, shards), _chunked(v_BSKH, shards), _chunked(kseg_BS, shards))
+  count = q_starts.shape[0]
+  q_c, qseg_c = _chunked(q_BLKGH, count), _chunked(seg_BL, count)
+  backward_inputs = _backward_inputs(do_BLKGH, out_BLKGH, lse_BKGL, count)
+  blocks = tuple(_chunked(x, shards * count) for x in (k_BSKH, v_BSKH, kseg_BS))
 
   def attend(step, grads, first=False):
-    dq_BLKGH, dk_c, dv_c = grads
+    dq_c, dk_all, dv_all = grads
     source = (shard - step) % shards
-    k_BLKH, v_BLKH, kseg_BL = (b[source] for b in blocks)
-    pairs = _step_pairs(q_starts.shape[0], shard, source, first)
-    dq, dk, dv = _pair_backward(kernel, q_BLKGH, k_BLKH, v_BLKH, seg_BL, kseg_BL, window, q_starts,
-                                _chunk_starts(source, length, shards, balanced), pairs, do_BLKGH, out_BLKGH,
-                                lse_BKGL, delta_BKGL)
-    return dq_BLKGH + dq, dk_c.at[source].add(dk), dv_c.at[source].add(dv)
+    block = tuple(jax.lax.dynamic_slice_in_dim(b, source * count, count) for b in blocks)
+    zeros = jnp.zeros(block[0].shape, jnp.float32)
+    dq_c, dk_c, dv_c = _pair_backward(kernel, q_c, qseg_c, *block, window, q_starts,
+                                      _chunk_starts(source, length, shards, balanced),
+                                      _step_pairs(count, shard, source, first), *backward_inputs, (dq_c, zeros, zeros))
+    put = lambda total, part: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+        total, jax.lax.dynamic_slice_in_dim(total, source * count, count) + part, source * count, 0)
+    return dq_c, put(dk_all, dk_c), put(dv_all, dv_c)
 
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
-  grads = attend(0, (zeros(q_BLKGH), zeros(blocks[0]), zeros(blocks[1])), first=True)
+  grads = attend(0, (zeros(q_c), zeros(blocks[0]), zeros(blocks[1])), first=True)
   grads, _ = jax.lax.scan(lambda grads, step: (attend(step, grads), None), grads, jnp.arange(1, shards))
-  dq_BLKGH, dk_c, dv_c = grads
+  dq_BLKGH, dk_BSKH, dv_BSKH = (_unchunked(g) for g in grads)
   # The all-gather's transpose (a reduce-scatter) sums every shard's dK/dV of a block at its home.
-  return (dq_BLKGH.astype(q_BLKGH.dtype), _unchunked(dk_c).astype(k_BSKH.dtype),
-          _unchunked(dv_c).astype(v_BSKH.dtype), None, None, None)
+  return (dq_BLKGH.astype(q_BLKGH.dtype), dk_BSKH.astype(k_BSKH.dtype), dv_BSKH.astype(v_BSKH.dtype), None, None,
+          None)
 
 
 _gathered.defvjp(_gathered_fwd, _gathered_bwd)

@@ -3,8 +3,11 @@ platform, splash on TPU and cuDNN on GPU.
 
 A ring step attends a query chunk to a key chunk whose global start is `offset` tokens earlier
 (a traced multiple of the chunk length). Each kernel gives:
-- forward: the pair's float32 output and log-sum-exp (-inf on rows that see no key of the pair);
-- backward: the pair's dQ, dK, dV from the *global* output, log-sum-exp and delta of the merged
+- forward: the pair's output (float32, or the inputs' dtype for splash and cuDNN, whose outputs
+  are rounded there anyway) and float32 log-sum-exp, -inf on rows that see no key of the pair
+  (their output is then ignored by the merge, and may be NaN);
+- backward: the pair's dQ, dK, dV (float32 or the inputs' dtype; the ring accumulates them in
+  float32) from the *global* output, log-sum-exp and delta of the merged
   rows. With the global statistics, p = exp(s - lse) is the row's final probability and each
   pair's gradients add up to the exact ones (FlashAttention-2's backward, one key chunk at a time).
 
@@ -58,13 +61,12 @@ def fit(block: int, length: int) -> int:
   return math.gcd(min(block, length), length)
 
 
-def _no_key_rows(out_BLKGH: Array, lse_BKGL: Array, seen: Array | None = None) -> tuple[Array, Array]:
-  """Rows that saw no key of the pair (`seen` false, by default where the log-sum-exp is about
-  splash's mask value or -inf, whose output may be NaN) get -inf and a zero output, so the merge
-  ignores them."""
+def _no_key_lse(lse_BKGL: Array, seen: Array | None = None) -> Array:
+  """-inf on rows that saw no key of the pair (`seen` false; by default where the log-sum-exp is
+  about splash's mask value or -inf), so the merge ignores their outputs."""
   if seen is None:
     seen = lse_BKGL > 0.5 * masks.MASK_VALUE
-  return jnp.where(jnp.moveaxis(seen, 3, 1)[..., None], out_BLKGH, 0.0), jnp.where(seen, lse_BKGL, -jnp.inf)
+  return jnp.where(seen, lse_BKGL, -jnp.inf)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,13 +173,13 @@ class SplashBlocks:
 
     def branch(kernel):
       if kernel is None:
-        return lambda: (jnp.zeros(q_BLKGH.shape, jnp.float32),
+        return lambda: (jnp.zeros(q_BLKGH.shape, q_BLKGH.dtype),
                         jnp.full((batch, kv_heads, group, length), -jnp.inf, jnp.float32))
 
       def run():
         out_BNLH, (lse_BNL,) = jax.vmap(kernel)(q_BNLH, k_BKCH, v_BKCH, segments)
-        return _no_key_rows(_heads_last(out_BNLH, kv_heads).astype(jnp.float32),
-                            lse_BNL.reshape(batch, kv_heads, group, length).astype(jnp.float32))
+        return (_heads_last(out_BNLH, kv_heads).astype(q_BLKGH.dtype),
+                _no_key_lse(lse_BNL.reshape(batch, kv_heads, group, length).astype(jnp.float32)))
       return run
 
     return jax.lax.switch(pick(offset), [branch(k) for k in kernels])
@@ -192,8 +194,7 @@ class SplashBlocks:
     k_BKCH, v_BKCH = k_BCKH.swapaxes(1, 2), v_BCKH.swapaxes(1, 2)
     lse_BNL = lse_BKGL.reshape(batch, kv_heads * group, length)
     segments = splash.SegmentIds(q=qseg_BL, kv=kseg_BC)
-    zeros = (jnp.zeros(q_BLKGH.shape, jnp.float32), jnp.zeros(k_BCKH.shape, jnp.float32),
-             jnp.zeros(v_BCKH.shape, jnp.float32))
+    zeros = tuple(jnp.zeros(x.shape, x.dtype) for x in (q_BLKGH, k_BCKH, v_BCKH))
 
     def branch(kernel):
       if kernel is None:
@@ -203,8 +204,8 @@ class SplashBlocks:
         def one(q, k, v, seg, out, lse, do):
           return _splash_backward(kernel, q, k, v, seg, out, lse, do)
         dq_BNLH, dk_BKCH, dv_BKCH = jax.vmap(one)(q_BNLH, k_BKCH, v_BKCH, segments, out_BNLH, lse_BNL, do_BNLH)
-        return (_heads_last(dq_BNLH, kv_heads).astype(jnp.float32), dk_BKCH.swapaxes(1, 2).astype(jnp.float32),
-                dv_BKCH.swapaxes(1, 2).astype(jnp.float32))
+        return (_heads_last(dq_BNLH, kv_heads).astype(q_BLKGH.dtype), dk_BKCH.swapaxes(1, 2).astype(k_BCKH.dtype),
+                dv_BKCH.swapaxes(1, 2).astype(v_BCKH.dtype))
       return run
 
     return jax.lax.switch(pick(offset), [branch(k) for k in kernels])
@@ -283,12 +284,13 @@ class CudnnBlocks:
         out_BLNH, lse_BNL = cudnn._dot_product_attention_fwd_p_wrapper.bind(*operands, **static, is_training=True)
         # cuDNN's mask bias is finite, so a row that sees nothing has a finite log-sum-exp.
         seen_BKGL = jnp.broadcast_to(mask.any(-1)[:, :, None], (batch, kv_heads, group, length))
-        return _no_key_rows(out_BLNH.reshape(q_BLKGH.shape).astype(jnp.float32),
-                            lse_BNL.reshape(batch, kv_heads, group, length).astype(jnp.float32), seen_BKGL)
+        return (out_BLNH.reshape(q_BLKGH.shape).astype(q_BLKGH.dtype),
+                _no_key_lse(lse_BNL.reshape(batch, kv_heads, group, length).astype(jnp.float32), seen_BKGL))
       return attend
 
     def skip():
-      return (jnp.zeros(q_BLKGH.shape, jnp.float32), jnp.full((batch, kv_heads, group, length), -jnp.inf, jnp.float32))
+      return (jnp.zeros(q_BLKGH.shape, q_BLKGH.dtype),
+              jnp.full((batch, kv_heads, group, length), -jnp.inf, jnp.float32))
 
     case = jnp.where(self._skip(offset, window, k_BCKH.shape[1]), 0, jnp.where(offset == 0, 1, 2))
     return jax.lax.switch(case, [skip, run(True), run(False)])
@@ -309,12 +311,11 @@ class CudnnBlocks:
         operands, static = self._call(diagonal, q_BLNH, k_BCKH, v_BCKH, mask)
         dq, dk, dv = cudnn._dot_product_attention_bwd_p_wrapper.bind(*operands, lse_BNL, out_BLNH, do_BLNH,
                                                                      **static)[:3]
-        return dq.reshape(q_BLKGH.shape).astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+        return dq.reshape(q_BLKGH.shape).astype(q_BLKGH.dtype), dk.astype(k_BCKH.dtype), dv.astype(v_BCKH.dtype)
       return grads
 
     def skip():
-      return (jnp.zeros(q_BLKGH.shape, jnp.float32), jnp.zeros(k_BCKH.shape, jnp.float32),
-              jnp.zeros(v_BCKH.shape, jnp.float32))
+      return tuple(jnp.zeros(x.shape, x.dtype) for x in (q_BLKGH, k_BCKH, v_BCKH))
 
     case = jnp.where(self._skip(offset, window, k_BCKH.shape[1]), 0, jnp.where(offset == 0, 1, 2))
     return jax.lax.switch(case, [skip, run(True), run(False)])
