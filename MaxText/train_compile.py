@@ -102,6 +102,9 @@ def compile_or_explain(step_fn: Any, inputs: run_assembly.StepInputs, topology: 
                       "attention=flash the splash mask metadata grows with (sequence / sa_block)^2: raise the "
                       f"sa_block_* sizes or split the sequence more (context_parallel_strategy=ring) (XLA: {first_line})"
                       ) from None
+    if "VmemOom" in first_line or "space=vmem" in first_line:  # a kernel's tiles, not HBM
+      raise UserError("does not fit: a Pallas kernel's tiles overflow its vector memory (VMEM), not HBM; with "
+                      f"attention=flash use smaller sa_block_* sizes (XLA: {first_line})") from None
     # XLA's figure is its whole device heap, arguments included, even where it says "HLO
     # temporaries" (getting_started/AOT.md shows the heaps it extrapolates from).
     needed = oom_bytes_from_xla(first_line) or 0

@@ -160,6 +160,13 @@ def test_a_kernel_scalar_memory_overflow_is_named_as_such():
   with pytest.raises(UserError, match=r"scalar memory \(SMEM\) overflows, not HBM.*sa_block_\* sizes"):
     train_compile.compile_or_explain(Step(), Inputs(), accelerators.tpu_topology("v5p-8"))
 
+  class VmemStep(Step):
+    def compile(self, compiler_options=None):
+      raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:")
+
+  with pytest.raises(UserError, match=r"vector memory \(VMEM\), not HBM.*smaller sa_block_\* sizes"):
+    train_compile.compile_or_explain(VmemStep(), Inputs(), accelerators.tpu_topology("v5p-8"))
+
 
 def test_aot_compile_honours_libtpu_flags():
   """libtpu parses LIBTPU_INIT_ARGS when it describes the topology: an unknown flag stops the compile."""
