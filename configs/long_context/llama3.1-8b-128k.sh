@@ -3,7 +3,7 @@
 # split 8 ways (ring attention, zig-zag load balancing) x 2-way FSDP, full remat, one sequence per
 # FSDP shard. RoPE: Llama 3.1's frequency scaling (rope_type=llama3, factor 8 over 8192 positions,
 # from the model file); rope_type=yarn is the other extension style. AOT figures per strategy
-# (all_gather / ring / all_to_all, 32k and 128k): getting_started/Attention.md.
+# (all_gather / ring / all_to_all, 32k, 128k and 512k): getting_started/Attention.md.
 #   bash configs/long_context/llama3.1-8b-128k.sh RUN_NAME=my_run OUTPUT_PATH=gs://my-bucket/runs [DRY_RUN=1]
 #   bash configs/long_context/llama3.1-8b-128k.sh EXECUTABLE=train_compile   # compile for v5p-32 on any machine
 #   ... context_parallel_strategy=all_to_all   # or all_gather: a later key=value wins
