@@ -232,19 +232,20 @@ def test_all_to_all_platform_kernel_equals_dense(platform, window, monkeypatch):
     np.testing.assert_allclose(g[:, back], r, rtol=1e-4, atol=5e-4)
 
 
-@pytest.mark.parametrize("topology", ["v5e-4", "v5p-8"])  # about 2 s each: tiny shapes
-def test_all_to_all_compiles_for_tpu_with_splash(topology):
-  """AOT: the all_to_all strategy's forward and backward on a TPU topology compile to the Mosaic
-  (splash) custom calls between the all-to-alls (a length the splash tiles do not divide compiles
-  to none: the chunked kernel)."""
+@pytest.mark.parametrize("topology, strategy, length", [  # about 2 s each: tiny shapes
+    ("v5e-4", "all_to_all", 512), ("v5p-8", "all_to_all", 512), ("v5p-8", "ring", 1024)])
+def test_strategies_compile_for_tpu_with_splash(topology, strategy, length):
+  """AOT: all_to_all's forward and backward on a TPU topology compile to the Mosaic (splash)
+  custom calls between the all-to-alls; the balanced ring's to splash kernels per kind of chunk
+  pair (causal and full: 2 forward kernels, run again in the backward, and 2 x dQ, dKV) and
+  collective-permutes, with no all-gather of K/V."""
   pytest.importorskip("libtpu")
   from MaxText import accelerators
   from MaxText.train_compile import describe_topology
   tpu = accelerators.tpu_topology(topology)
-  length = 512
   config = Config.for_testing(tpu.target(1), **{**SPLASH, "max_target_length": length, "head_dim": 128},
                               dtype="bfloat16", ici_sequence_parallelism=2, ici_fsdp_parallelism=-1,
-                              attention="flash", context_parallel_strategy="all_to_all",
+                              attention="flash", context_parallel_strategy=strategy,
                               context_parallel_load_balance=True)
   mesh = sharding.create_mesh(config.mesh, describe_topology(tpu, 1))
   rules = config.mesh.logical_axis_rules
@@ -261,5 +262,8 @@ def test_all_to_all_compiles_for_tpu_with_splash(topology):
   with sharding.activation_sharding(mesh, rules):
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args)
   hlo = lowered.compile().as_text()
-  assert "all-to-all" in hlo
-  assert hlo.count('custom_call_target="tpu_custom_call"') >= 3  # splash forward, dq and dkv kernels
+  kernels = hlo.count('custom_call_target="tpu_custom_call"')
+  if strategy == "all_to_all":
+    assert "all-to-all" in hlo and kernels >= 3  # splash forward, dq and dkv kernels
+  else:
+    assert "collective-permute" in hlo and "all-gather" not in hlo and kernels >= 6

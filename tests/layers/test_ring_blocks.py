@@ -1,7 +1,7 @@
 """The ring's per-chunk-pair kernels (ring_blocks.py): splash (TPU, run by Pallas' interpreter on
 CPU) equals the chunked kernel on every kind of pair, forward and backward with global statistics;
-the ring with splash pairs equals dense attention; the platform picks its kernel; the ring compiles
-for a TPU topology to splash kernels and collective-permutes. cuDNN's pair kernel is checked on a
+the ring with splash pairs equals dense attention; the platform picks its kernel (the ring's TPU
+compile: test_ring_attention.py). cuDNN's pair kernel is checked on a
 GPU by benchmarks/ring_blocks_gpu.py (its results are in getting_started/Attention.md)."""
 
 import functools
@@ -122,34 +122,3 @@ def test_platform_picks_the_pair_kernel():
 ])
 def test_pair_kinds_follow_the_window(chunk, window, kinds):
   assert ring_blocks._pair_kinds(chunk, window) == kinds
-
-
-def test_ring_compiles_for_tpu_with_splash_pairs():
-  """AOT for v5p-8: the balanced ring's forward and backward hold splash kernels (one per kind of
-  pair and pass) and collective-permutes, and no all-gather of K/V."""
-  pytest.importorskip("libtpu")
-  from MaxText import accelerators
-  from MaxText.train_compile import describe_topology
-  tpu = accelerators.tpu_topology("v5p-8")
-  length = 1024
-  config = Config.for_testing(tpu.target(1), **{**TINY, "max_target_length": length, "head_dim": 128},
-                              dtype="bfloat16", ici_sequence_parallelism=2, ici_fsdp_parallelism=-1,
-                              attention="flash", context_parallel_strategy="ring",
-                              context_parallel_load_balance=True)
-  mesh = sharding.create_mesh(config.mesh, describe_topology(tpu, 1))
-  rules = config.mesh.logical_axis_rules
-  kernel = attention.ATTENTION_KERNELS["flash"](config.model)
-
-  def loss(q, k, v, seg):
-    return jnp.sum(kernel(q, k, v, seg, None, 0.0).astype(jnp.float32))
-
-  def abstract(shape, dtype):
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-
-  args = (abstract((2, length, 4, 128), jnp.bfloat16), abstract((2, length, 2, 128), jnp.bfloat16),
-          abstract((2, length, 2, 128), jnp.bfloat16), abstract((2, length), jnp.int32))
-  with sharding.activation_sharding(mesh, rules):
-    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
-  assert "collective-permute" in hlo and "all-gather" not in hlo
-  # causal and full pairs: 2 forward kernels (run again in the backward) and 2 x (dQ, dKV) kernels
-  assert hlo.count('custom_call_target="tpu_custom_call"') >= 6
