@@ -1,22 +1,24 @@
-"""Ring and all-to-all (Ulysses) context parallelism, and load-balanced all-gather. All run inside shard_map
-with the length split over the `sequence` axis (context_parallel.kernel_specs).
+"""Context parallelism over the `sequence` axis: ring, all_gather and all-to-all (Ulysses). All run
+inside shard_map with the length split over the axis (context_parallel.kernel_specs).
 
 - ring: each shard keeps its queries; K/V (and their segment ids) move one shard along the ring
-  per step with ppermute, so after `n` steps every query has met every key block and no shard ever
-  holds more than one block. The per-block (output, log-sum-exp) pairs merge as an online softmax.
-  The backward pass (a custom VJP) rotates K/V again, and dK/dV accumulators travel with their
-  blocks, arriving home after the last step.
+  per step with ppermute, so after `n` steps every query has met every key block and no shard
+  holds more than two blocks (the one in use, the next arriving). The per-pair (output,
+  log-sum-exp) results merge as an online softmax. The backward pass (a custom VJP) rotates K/V
+  again, and dK/dV accumulators travel with their blocks, arriving home after the last step.
+- all_gather: K/V gathered once, then the ring's pairs over the gathered blocks (no rotation);
+  the gather's transpose reduce-scatters dK/dV.
 - all_to_all: heads <-> length re-sharding: each shard gets the whole sequence for 1/n of the
-  heads, runs the local flash kernel, and re-shards back.
+  heads, runs a full-sequence kernel, and re-shards back.
 - load balancing (context_parallel.balanced_*): a shard's queries and keys are two contiguous
   chunks of global positions; every kernel call is per (query chunk, key chunk) pair with the
-  global offsets, so causal masks, windows and segment ids stay those of the whole sequence.
+  global offsets, so causal masks, windows and segment ids stay those of the whole sequence, and
+  each step runs only the pairs that can see something (_step_pairs).
 
-Kernels: all_to_all's local attention is an ordinary full-sequence attention, so it runs the
-platform's best kernel (full_sequence_kernel: splash on TPU, cuDNN on GPU, else the chunked one).
-The ring runs ring_blocks.block_kernel per chunk pair (splash, cuDNN or chunked: each returns the
-pair's log-sum-exp and takes the global one in its backward). The balanced all-gather runs the
-chunked kernel at each query chunk's offset.
+Kernels: the ring and all_gather run ring_blocks.block_kernel per chunk pair (splash on TPU,
+cuDNN on GPU, else chunked: each returns the pair's log-sum-exp and takes the global one in its
+backward). all_to_all's local attention is an ordinary full-sequence attention, so it runs
+full_sequence_kernel (splash, cuDNN or chunked likewise).
 
 Legend: B batch, L local length, S global length, N query heads, K key/value heads, G = N // K,
 H head dim; a "segment" here is a contiguous run of global positions (chunk), not a document.
