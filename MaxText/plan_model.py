@@ -25,7 +25,6 @@ from jax.sharding import AbstractMesh
 
 from MaxText import accelerators, metrics, optimizers, sharding
 from MaxText.config_groups import MESH_AXES
-from MaxText.errors import ConfigError
 from MaxText.layers import splash_attention
 from MaxText.model_config import ModelConfig
 
@@ -286,11 +285,7 @@ def _splash_tiles_context(cfg: ModelConfig, candidate: Mapping[str, Any], seq_le
   length = seq_len if strategy == "all_to_all" else seq_len // seq // (2 if balanced else 1)
   blocks = dataclasses.replace(cfg.attention_blocks,
                                **{k: v for k, v in candidate.items() if k.startswith("sa_block_")})
-  try:
-    splash_attention.block_sizes(blocks, length)
-  except ConfigError:
-    return False
-  return True
+  return splash_attention.tiles(blocks, length)
 
 
 def pipeline_shape(candidate: Mapping[str, Any], stages: int) -> PipelineShape:

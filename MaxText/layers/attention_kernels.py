@@ -284,11 +284,7 @@ def cudnn_supports(cfg: ModelConfig) -> bool:
 
 def splash_supports(cfg: ModelConfig) -> bool:
   """Whether the TPU splash kernel tiles this sequence length (else autoselected uses dot_product on TPU)."""
-  try:
-    splash_attention.block_sizes(cfg.attention_blocks, cfg.max_target_length)
-  except ConfigError:
-    return False
-  return True
+  return splash_attention.tiles(cfg.attention_blocks, cfg.max_target_length)
 
 
 # ---------------------------------------------------------------- kernels built from the config

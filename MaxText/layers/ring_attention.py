@@ -318,7 +318,7 @@ def full_sequence_kernel(cfg: ak.ModelConfig, platform: str, length: int, *, int
   the whole sequence of `length` tokens: splash on TPU where its tiles divide the length, cuDNN on
   GPU where it covers the model (attention_kernels.cudnn_supports), else the chunked JAX kernel.
   `interpret` runs splash in Pallas' interpreter (tests on CPU)."""
-  if platform == "tpu" and ring_blocks.splash_tiles(cfg, length):
+  if platform == "tpu" and splash_attention.tiles(cfg.attention_blocks, length):
     return functools.partial(splash_attention.splash_attention, blocks=cfg.attention_blocks,
                              local_window=cfg.sliding_window_size, interpret=interpret)
   if platform in ("gpu", "cuda") and ak.cudnn_supports(cfg):

@@ -37,7 +37,6 @@ from typing import Callable, Protocol
 import jax
 import jax.numpy as jnp
 
-from MaxText.errors import ConfigError
 from MaxText.model_config import AttentionBlocks
 from MaxText.layers import attention_kernels as ak
 from MaxText.layers import masks, splash_attention
@@ -332,7 +331,7 @@ def block_kernel(cfg: ak.ModelConfig, platform: str, chunk: int, window: masks.W
   stack mixing local and global layers: splash then needs sliding_window_size)."""
   static = window is None or isinstance(window, int)
   static_window = window if window is None or isinstance(window, int) else None
-  if platform == "tpu" and splash_tiles(cfg, chunk) and (static or cfg.sliding_window_size):
+  if platform == "tpu" and splash_attention.tiles(cfg.attention_blocks, chunk) and (static or cfg.sliding_window_size):
     return SplashBlocks(float(soft_cap), cfg.attention_blocks, static_window if static else cfg.sliding_window_size,
                         traced_window=not static, interpret=interpret)
   if platform in ("gpu", "cuda") and ak.cudnn_supports(cfg) and not soft_cap:
@@ -341,11 +340,4 @@ def block_kernel(cfg: ak.ModelConfig, platform: str, chunk: int, window: masks.W
                        cfg.attention_blocks.flash_block_kv)
 
 
-def splash_tiles(cfg: ak.ModelConfig, length: int) -> bool:
-  """Whether splash's configured tiles divide `length`."""
-  try:
-    splash_attention.block_sizes(cfg.attention_blocks, length)
-  except ConfigError:
-    return False
-  return True
 

@@ -33,6 +33,15 @@ def block_sizes(blocks: AttentionBlocks, length: int) -> splash.BlockSizes:
   return splash.BlockSizes(**sizes)
 
 
+def tiles(blocks: AttentionBlocks, length: int) -> bool:
+  """Whether the configured tiles divide `length` (else callers use another kernel)."""
+  try:
+    block_sizes(blocks, length)
+  except ConfigError:
+    return False
+  return True
+
+
 def _mask(length: int, window: int | None, num_heads: int) -> splash_mask.MultiHeadMask:
   one: splash_mask.Mask
   if window is None or window >= length:
