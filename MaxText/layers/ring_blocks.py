@@ -255,9 +255,11 @@ class CudnnBlocks:
     k_pos = jnp.arange(kseg_BC.shape[1])[None]
     return masks.allowed(q_pos, k_pos, qseg_BL, kseg_BC, window)[:, None]  # [B, 1, L, C]
 
-  def _skip(self, offset: Array, window: Array, chunk: int) -> Array:
-    """Above the diagonal, or every key beyond the window."""
-    return (offset < 0) | (offset - chunk + 1 >= window)
+  def _case(self, offset: Array, window: Array, chunk: int) -> Array:
+    """0: nothing to see (above the diagonal, or every key beyond the window); 1: the diagonal;
+    2: below it."""
+    skip = (offset < 0) | (offset - chunk + 1 >= window)
+    return jnp.where(skip, 0, jnp.where(offset == 0, 1, 2))
 
   def _call(self, diagonal: bool, q_BLNH, k_BCKH, v_BCKH, mask_B1LC):
     """Arguments as cuDNN's fused-attention rules take them: (operands, static keywords)."""
@@ -291,8 +293,7 @@ class CudnnBlocks:
       return (jnp.zeros(q_BLKGH.shape, q_BLKGH.dtype),
               jnp.full((batch, kv_heads, group, length), -jnp.inf, jnp.float32))
 
-    case = jnp.where(self._skip(offset, window, k_BCKH.shape[1]), 0, jnp.where(offset == 0, 1, 2))
-    return jax.lax.switch(case, [skip, run(True), run(False)])
+    return jax.lax.switch(self._case(offset, window, k_BCKH.shape[1]), [skip, run(True), run(False)])
 
   def backward(self, q_BLKGH, k_BCKH, v_BCKH, qseg_BL, kseg_BC, window, offset, do_BLKGH, out_BLKGH, lse_BKGL,
                delta_BKGL):
@@ -316,8 +317,7 @@ class CudnnBlocks:
     def skip():
       return tuple(jnp.zeros(x.shape, x.dtype) for x in (q_BLKGH, k_BCKH, v_BCKH))
 
-    case = jnp.where(self._skip(offset, window, k_BCKH.shape[1]), 0, jnp.where(offset == 0, 1, 2))
-    return jax.lax.switch(case, [skip, run(True), run(False)])
+    return jax.lax.switch(self._case(offset, window, k_BCKH.shape[1]), [skip, run(True), run(False)])
 
 
 # ---------------------------------------------------------------- choice
