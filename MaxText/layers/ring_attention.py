@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,36 +84,64 @@ def merge(a: tuple[Array, Array], b: tuple[Array, Array]) -> tuple[Array, Array]
   return weighted(out_a, lse_a) + weighted(out_b, lse_b), lse
 
 
-def _pair_forward(kernel: ring_blocks.BlockKernel, q_c: Array, qseg_c: Array, k_c: Array, v_c: Array, kseg_c: Array,
-                  window: Array, q_starts: Array, k_starts: Array, pairs: tuple[Array, Array],
-                  merged: tuple[Array, Array]) -> tuple[Array, Array]:
+class _Local(NamedTuple):
+  """One shard's side of a ring or all_gather pass: its query chunks (cut once per pass) and
+  where they start globally."""
+  q_c: Array  # [chunks, B, C, K, G, H]
+  qseg_c: Array  # [chunks, B, C]
+  shard: Array
+  shards: int
+  balanced: bool
+  q_starts: Array
+
+  def pairs_with(self, source: Array, first: bool) -> tuple[Array, tuple[Array, Array]]:
+    """The global starts of `source`'s key chunks and the (query, key) chunk pairs to compute."""
+    length = self.q_c.shape[0] * self.q_c.shape[2]
+    k_starts = _chunk_starts(source, length, self.shards, self.balanced)
+    return k_starts, _step_pairs(self.q_c.shape[0], self.shard, source, first)
+
+
+def _local(q_BLKGH: Array, seg_BL: Array, axes: tuple[str, ...], shards: int, balanced: bool) -> _Local:
+  shard = jax.lax.axis_index(axes)
+  q_starts = _chunk_starts(shard, q_BLKGH.shape[1], shards, balanced)
+  count = q_starts.shape[0]
+  return _Local(_chunked(q_BLKGH, count), _chunked(seg_BL, count), shard, shards, balanced, q_starts)
+
+
+def _pair_forward(kernel: ring_blocks.BlockKernel, local: _Local, block: tuple[Array, Array, Array], window: Array,
+                  source: Array, first: bool, merged: tuple[Array, Array]) -> tuple[Array, Array]:
   """The running float32 output and log-sum-exp of the local query chunks (out_c [chunks, B, C, K,
-  G, H], lse_c [chunks, B, K, G, C]; -inf where a row has seen nothing yet) merged with one K/V
-  block, pair by pair of `pairs`: query chunk a at global q_starts[a], key chunk b at k_starts[b].
-  Arrays arrive cut into chunks (`_chunked`) once per ring, not per step."""
+  G, H], lse_c [chunks, B, K, G, C]; -inf where a row has seen nothing yet) merged with `source`'s
+  K/V block (k_c, v_c, kseg_c, cut into chunks), pair by pair: query chunk a at global
+  q_starts[a], key chunk b at k_starts[b]."""
+  k_c, v_c, kseg_c = block
+  k_starts, pairs = local.pairs_with(source, first)
 
   def pair(carry, ab):
     out_c, lse_c = carry
     a, b = ab
-    part = kernel.forward(q_c[a], k_c[b], v_c[b], qseg_c[a], kseg_c[b], window, q_starts[a] - k_starts[b])
+    part = kernel.forward(local.q_c[a], k_c[b], v_c[b], local.qseg_c[a], kseg_c[b], window,
+                          local.q_starts[a] - k_starts[b])
     out, lse = merge((out_c[a], lse_c[a]), part)
     return (out_c.at[a].set(out), lse_c.at[a].set(lse)), None
 
   return jax.lax.scan(pair, merged, pairs)[0]
 
 
-def _pair_backward(kernel: ring_blocks.BlockKernel, q_c: Array, qseg_c: Array, k_c: Array, v_c: Array,
-                   kseg_c: Array, window: Array, q_starts: Array, k_starts: Array, pairs: tuple[Array, Array],
-                   do_c: Array, out_c: Array, lse_c: Array, delta_c: Array, grads: tuple[Array, Array, Array]
-                   ) -> tuple[Array, Array, Array]:
-  """Adds one K/V block's pairs to the float32 dQ of the local query chunks and the block's dK, dV
-  (all chunked), from the global output, lse and delta."""
+def _pair_backward(kernel: ring_blocks.BlockKernel, local: _Local, block: tuple[Array, Array, Array],
+                   window: Array, source: Array, first: bool, backward_inputs: tuple[Array, ...],
+                   grads: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+  """Adds `source`'s block's pairs to the float32 dQ of the local query chunks and the block's dK,
+  dV (all chunked), from the global output, lse and delta (`_backward_inputs`)."""
+  k_c, v_c, kseg_c = block
+  do_c, out_c, lse_c, delta_c = backward_inputs
+  k_starts, pairs = local.pairs_with(source, first)
 
   def pair(carry, ab):
     dq_c, dk_c, dv_c = carry
     a, b = ab
-    dq, dk, dv = kernel.backward(q_c[a], k_c[b], v_c[b], qseg_c[a], kseg_c[b], window, q_starts[a] - k_starts[b],
-                                 do_c[a], out_c[a], lse_c[a], delta_c[a])
+    dq, dk, dv = kernel.backward(local.q_c[a], k_c[b], v_c[b], local.qseg_c[a], kseg_c[b], window,
+                                 local.q_starts[a] - k_starts[b], do_c[a], out_c[a], lse_c[a], delta_c[a])
     return (dq_c.at[a].add(dq), dk_c.at[b].add(dk), dv_c.at[b].add(dv)), None
 
   return jax.lax.scan(pair, grads, pairs)[0]
@@ -123,6 +151,11 @@ def _empty(q_c: Array) -> tuple[Array, Array]:
   """Nothing seen yet: a zero output and -inf log-sum-exp per query chunk."""
   chunks, batch, chunk, kv_heads, group, _ = q_c.shape
   return jnp.zeros(q_c.shape, jnp.float32), jnp.full((chunks, batch, kv_heads, group, chunk), -jnp.inf, jnp.float32)
+
+
+def _finished(q_BLKGH: Array, merged: tuple[Array, Array]) -> tuple[Array, Array]:
+  """The merged output (in q's dtype) and log-sum-exp back in one piece."""
+  return _unchunked(merged[0]).astype(q_BLKGH.dtype), _unchunked(merged[1], axis=3)
 
 
 def _backward_inputs(do_BLKGH: Array, out_BLKGH: Array, lse_BKGL: Array, count: int) -> tuple[Array, ...]:
@@ -153,67 +186,51 @@ def _rotate(x, axes: tuple[str, ...], shards: int):
   return jax.lax.ppermute(x, axes, perm=[(i, (i + 1) % shards) for i in range(shards)])
 
 
-def _ring_fwd(q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, window: Array, axes: tuple[str, ...],
-              shards: int, balanced: bool, kernel: ring_blocks.BlockKernel) -> tuple[Array, tuple]:
-  shard, length = jax.lax.axis_index(axes), q_BLKGH.shape[1]
-  q_starts = _chunk_starts(shard, length, shards, balanced)
-  count = q_starts.shape[0]
-  q_c, qseg_c = _chunked(q_BLKGH, count), _chunked(seg_BL, count)
-
-  def attend(block, step, merged, first=False):
-    source = (shard - step) % shards
-    k_starts = _chunk_starts(source, length, shards, balanced)
-    return _pair_forward(kernel, q_c, qseg_c, *block, window, q_starts, k_starts,
-                         _step_pairs(count, shard, source, first), merged)
+def _ring_steps(attend: Callable, block: tuple, state: Any, axes: tuple[str, ...], shards: int) -> Any:
+  """state = attend(block, source, state, first) over every ring step: the shard's own block first
+  (its own pair schedule), n - 2 steps that each issue the next block's rotation before their
+  compute (so the transfer overlaps it), then the last block, which need not move on."""
+  shard = jax.lax.axis_index(axes)
+  following = _rotate(block, axes, shards) if shards > 1 else block
+  state = attend(block, shard, state, True)
+  if shards == 1:
+    return state
 
   def step_fn(carry, step):
-    block, merged = carry
-    following = _rotate(block, axes, shards)  # issued first so the transfer overlaps this step's compute
-    return (following, attend(block, step, merged)), None
+    block, state = carry
+    following = _rotate(block, axes, shards)
+    return (following, attend(block, (shard - step) % shards, state, False)), None
 
-  block = tuple(_chunked(x, count) for x in (k_BLKH, v_BLKH, seg_BL))  # K/V travel cut into chunks
-  # The shard's own block (its own pair schedule), n - 2 rotating steps, then the last block (which
-  # need not move on).
-  following = _rotate(block, axes, shards) if shards > 1 else block
-  merged = attend(block, 0, _empty(q_c), first=True)
-  if shards > 1:
-    (block, merged), _ = jax.lax.scan(step_fn, (following, merged), jnp.arange(1, shards - 1))
-    merged = attend(block, shards - 1, merged)
-  out_BLKGH, lse_BKGL = _unchunked(merged[0]).astype(q_BLKGH.dtype), _unchunked(merged[1], axis=3)
+  (block, state), _ = jax.lax.scan(step_fn, (following, state), jnp.arange(1, shards - 1))
+  return attend(block, (shard + 1) % shards, state, False)
+
+
+def _ring_fwd(q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, window: Array, axes: tuple[str, ...],
+              shards: int, balanced: bool, kernel: ring_blocks.BlockKernel) -> tuple[Array, tuple]:
+  local = _local(q_BLKGH, seg_BL, axes, shards, balanced)
+  block = tuple(_chunked(x, local.q_c.shape[0]) for x in (k_BLKH, v_BLKH, seg_BL))  # K/V travel cut into chunks
+
+  def attend(block, source, merged, first):
+    return _pair_forward(kernel, local, block, window, source, first, merged)
+
+  out_BLKGH, lse_BKGL = _finished(q_BLKGH, _ring_steps(attend, block, _empty(local.q_c), axes, shards))
   return out_BLKGH, (q_BLKGH, k_BLKH, v_BLKH, seg_BL, window, out_BLKGH, lse_BKGL)
 
 
 def _ring_bwd(axes: tuple[str, ...], shards: int, balanced: bool, kernel: ring_blocks.BlockKernel,
               residuals: tuple, do_BLKGH: Array) -> tuple:
   q_BLKGH, k_BLKH, v_BLKH, seg_BL, window, out_BLKGH, lse_BKGL = residuals
-  shard, length = jax.lax.axis_index(axes), q_BLKGH.shape[1]
-  q_starts = _chunk_starts(shard, length, shards, balanced)
-  count = q_starts.shape[0]
-  q_c, qseg_c = _chunked(q_BLKGH, count), _chunked(seg_BL, count)
-  backward_inputs = _backward_inputs(do_BLKGH, out_BLKGH, lse_BKGL, count)
+  local = _local(q_BLKGH, seg_BL, axes, shards, balanced)
+  backward_inputs = _backward_inputs(do_BLKGH, out_BLKGH, lse_BKGL, local.q_c.shape[0])
+  block = tuple(_chunked(x, local.q_c.shape[0]) for x in (k_BLKH, v_BLKH, seg_BL))
 
-  def attend(block, step, grads, first=False):
-    dq_c, dk_c, dv_c = grads
-    source = (shard - step) % shards
-    k_starts = _chunk_starts(source, length, shards, balanced)
-    dq_c, dk_c, dv_c = _pair_backward(kernel, q_c, qseg_c, *block, window, q_starts, k_starts,
-                                      _step_pairs(count, shard, source, first), *backward_inputs, (dq_c, dk_c, dv_c))
+  def attend(block, source, grads, first):
+    dq_c, dk_c, dv_c = _pair_backward(kernel, local, block, window, source, first, backward_inputs, grads)
     # The dK/dV accumulators travel with their block; the last rotation brings each one home.
-    dk_c, dv_c = _rotate((dk_c, dv_c), axes, shards)
-    return dq_c, dk_c, dv_c
-
-  def step_fn(carry, step):
-    block, grads = carry
-    following = _rotate(block, axes, shards)
-    return (following, attend(block, step, grads)), None
+    return (dq_c, *_rotate((dk_c, dv_c), axes, shards))
 
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
-  block = tuple(_chunked(x, count) for x in (k_BLKH, v_BLKH, seg_BL))
-  following = _rotate(block, axes, shards) if shards > 1 else block
-  grads = attend(block, 0, (zeros(q_c), zeros(block[0]), zeros(block[1])), first=True)
-  if shards > 1:
-    (block, grads), _ = jax.lax.scan(step_fn, (following, grads), jnp.arange(1, shards - 1))
-    grads = attend(block, shards - 1, grads)
+  grads = _ring_steps(attend, block, (zeros(local.q_c), zeros(block[0]), zeros(block[1])), axes, shards)
   dq_BLKGH, dk_BLKH, dv_BLKH = (_unchunked(g) for g in grads)
   return (dq_BLKGH.astype(q_BLKGH.dtype), dk_BLKH.astype(k_BLKH.dtype), dv_BLKH.astype(v_BLKH.dtype), None, None)
 
@@ -239,52 +256,56 @@ def _gathered(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, seg_BL: Array, kseg_
   return _gathered_fwd(q_BLKGH, k_BSKH, v_BSKH, seg_BL, kseg_BS, window, axes, shards, balanced, kernel)[0]
 
 
+def _gathered_steps(attend: Callable, state: Any, local: _Local) -> Any:
+  """state = attend(source, state, first) over the gathered blocks in the ring's order (the
+  shard's own block first: its own pair schedule)."""
+  state = attend(local.shard, state, True)
+  step = lambda state, step: (attend((local.shard - step) % local.shards, state, False), None)  # noqa: E731
+  return jax.lax.scan(step, state, jnp.arange(1, local.shards))[0]
+
+
+def _gathered_blocks(k_BSKH: Array, v_BSKH: Array, kseg_BS: Array, local: _Local) -> tuple[Array, ...]:
+  """The gathered K/V cut into chunks: shard j's are j·count .. j·count + count - 1."""
+  return tuple(_chunked(x, local.shards * local.q_c.shape[0]) for x in (k_BSKH, v_BSKH, kseg_BS))
+
+
+def _source_block(blocks: tuple[Array, ...], source: Array, count: int) -> tuple[Array, Array, Array]:
+  k_c, v_c, kseg_c = (jax.lax.dynamic_slice_in_dim(b, source * count, count) for b in blocks)
+  return k_c, v_c, kseg_c
+
+
 def _gathered_fwd(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, seg_BL: Array, kseg_BS: Array, window: Array,
                   axes: tuple[str, ...], shards: int, balanced: bool, kernel: ring_blocks.BlockKernel
                   ) -> tuple[Array, tuple]:
-  shard, length = jax.lax.axis_index(axes), q_BLKGH.shape[1]
-  q_starts = _chunk_starts(shard, length, shards, balanced)
-  count = q_starts.shape[0]
-  q_c, qseg_c = _chunked(q_BLKGH, count), _chunked(seg_BL, count)
-  blocks = tuple(_chunked(x, shards * count) for x in (k_BSKH, v_BSKH, kseg_BS))  # shard j's chunks: j·count + ...
+  local = _local(q_BLKGH, seg_BL, axes, shards, balanced)
+  blocks, count = _gathered_blocks(k_BSKH, v_BSKH, kseg_BS, local), local.q_c.shape[0]
 
-  def attend(step, merged, first=False):  # the ring's order: the shard's own block first
-    source = (shard - step) % shards
-    block = tuple(jax.lax.dynamic_slice_in_dim(b, source * count, count) for b in blocks)
-    return _pair_forward(kernel, q_c, qseg_c, *block, window, q_starts, _chunk_starts(source, length, shards, balanced),
-                         _step_pairs(count, shard, source, first), merged)
+  def attend(source, merged, first):
+    return _pair_forward(kernel, local, _source_block(blocks, source, count), window, source, first, merged)
 
-  merged = attend(0, _empty(q_c), first=True)
-  merged, _ = jax.lax.scan(lambda merged, step: (attend(step, merged), None), merged, jnp.arange(1, shards))
-  out_BLKGH, lse_BKGL = _unchunked(merged[0]).astype(q_BLKGH.dtype), _unchunked(merged[1], axis=3)
+  out_BLKGH, lse_BKGL = _finished(q_BLKGH, _gathered_steps(attend, _empty(local.q_c), local))
   return out_BLKGH, (q_BLKGH, k_BSKH, v_BSKH, seg_BL, kseg_BS, window, out_BLKGH, lse_BKGL)
 
 
 def _gathered_bwd(axes: tuple[str, ...], shards: int, balanced: bool, kernel: ring_blocks.BlockKernel,
                   residuals: tuple, do_BLKGH: Array) -> tuple:
   q_BLKGH, k_BSKH, v_BSKH, seg_BL, kseg_BS, window, out_BLKGH, lse_BKGL = residuals
-  shard, length = jax.lax.axis_index(axes), q_BLKGH.shape[1]
-  q_starts = _chunk_starts(shard, length, shards, balanced)
-  count = q_starts.shape[0]
-  q_c, qseg_c = _chunked(q_BLKGH, count), _chunked(seg_BL, count)
+  local = _local(q_BLKGH, seg_BL, axes, shards, balanced)
+  blocks, count = _gathered_blocks(k_BSKH, v_BSKH, kseg_BS, local), local.q_c.shape[0]
   backward_inputs = _backward_inputs(do_BLKGH, out_BLKGH, lse_BKGL, count)
-  blocks = tuple(_chunked(x, shards * count) for x in (k_BSKH, v_BSKH, kseg_BS))
 
-  def attend(step, grads, first=False):
+  def attend(source, grads, first):
     dq_c, dk_all, dv_all = grads
-    source = (shard - step) % shards
-    block = tuple(jax.lax.dynamic_slice_in_dim(b, source * count, count) for b in blocks)
+    block = _source_block(blocks, source, count)
     zeros = jnp.zeros(block[0].shape, jnp.float32)
-    dq_c, dk_c, dv_c = _pair_backward(kernel, q_c, qseg_c, *block, window, q_starts,
-                                      _chunk_starts(source, length, shards, balanced),
-                                      _step_pairs(count, shard, source, first), *backward_inputs, (dq_c, zeros, zeros))
+    dq_c, dk_c, dv_c = _pair_backward(kernel, local, block, window, source, first, backward_inputs,
+                                      (dq_c, zeros, zeros))
     put = lambda total, part: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
         total, jax.lax.dynamic_slice_in_dim(total, source * count, count) + part, source * count, 0)
     return dq_c, put(dk_all, dk_c), put(dv_all, dv_c)
 
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
-  grads = attend(0, (zeros(q_c), zeros(blocks[0]), zeros(blocks[1])), first=True)
-  grads, _ = jax.lax.scan(lambda grads, step: (attend(step, grads), None), grads, jnp.arange(1, shards))
+  grads = _gathered_steps(attend, (zeros(local.q_c), zeros(blocks[0]), zeros(blocks[1])), local)
   dq_BLKGH, dk_BSKH, dv_BSKH = (_unchunked(g) for g in grads)
   # The all-gather's transpose (a reduce-scatter) sums every shard's dK/dV of a block at its home.
   return (dq_BLKGH.astype(q_BLKGH.dtype), dk_BSKH.astype(k_BSKH.dtype), dv_BSKH.astype(v_BSKH.dtype), None, None,
