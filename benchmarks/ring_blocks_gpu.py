@@ -132,6 +132,16 @@ def all_to_all_kernel_check(dtype, tol):
   check("all_to_all_cudnn_full_sequence", np.where(valid, out, 0), np.where(valid, ref, 0), tol)
 
 
+def milliseconds(step, args: tuple, repeats: int) -> float:
+  """Mean wall time of a jitted step after one warm-up call (compile)."""
+  jax.block_until_ready(step(*args))
+  start = time.perf_counter()
+  for _ in range(repeats):
+    result = step(*args)
+  jax.block_until_ready(result)
+  return (time.perf_counter() - start) / repeats * 1e3
+
+
 def timing(kernels: dict, chunk: int, heads: int, kv_heads: int, head_dim: int, dtype, repeats: int = 10):
   q, k, v, do = inputs(1, chunk, heads, kv_heads, head_dim, dtype)
   seg = jnp.ones((1, chunk), jnp.int32)
@@ -147,12 +157,7 @@ def timing(kernels: dict, chunk: int, heads: int, kv_heads: int, head_dim: int, 
         grads = kernel.backward(q, k, v, seg, seg, win, offset, do, out.astype(dtype), lse, delta)
         return out, grads
 
-      jax.block_until_ready(step(q, k, v, do))
-      start = time.perf_counter()
-      for _ in range(repeats):
-        result = step(q, k, v, do)
-      jax.block_until_ready(result)
-      ms = (time.perf_counter() - start) / repeats * 1e3
+      ms = milliseconds(step, (q, k, v, do), repeats)
       causal = 0.5 if kind == "diagonal" else 1.0
       flops = 4 * chunk * chunk * heads * head_dim * causal * 3.5  # forward 2 matmuls, backward 5 (dQ, dK, dV, dP, S)
       print(f"TIME kernel={name} pair={kind} chunk={chunk} heads={heads}/{kv_heads} head_dim={head_dim} "
@@ -173,12 +178,7 @@ def sequence_timing(kernels: dict, length: int, dtype, repeats: int = 5):
   for name, fn in runs.items():
     step = jax.jit(jax.value_and_grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32)),
                                       argnums=(0, 1, 2)))
-    jax.block_until_ready(step(q, k, v))
-    start = time.perf_counter()
-    for _ in range(repeats):
-      result = step(q, k, v)
-    jax.block_until_ready(result)
-    ms = (time.perf_counter() - start) / repeats * 1e3
+    ms = milliseconds(step, (q, k, v), repeats)
     flops = 4 * length * length * heads * head_dim * 0.5 * 3.5
     print(f"TIME sequence={length} {name}: fwd+bwd_ms={ms:.2f} tflops={flops / ms / 1e9:.1f}", flush=True)
 
