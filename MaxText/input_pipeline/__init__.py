@@ -86,12 +86,23 @@ def _real_data_iterator(config: Any, mesh: Mesh, train: bool) -> Any:
   what = f"the {'train' if train else 'eval'} data ({describe})"
   whole_record = cfg.use_sft or cfg.use_dpo
   dataset = pipeline.document_dataset(source, shard, encoder, None if whole_record else cfg.text_column, seed,
-                                      repeat=train, what=what)
+                                      repeat=train, what=what, locate=_record_locator(cfg, train))
   # An endless run of unusable documents would hang the packer; one epoch of them is an error.
   epoch = len(source) // shard.count
   return pipeline.PackedBatchIterator(dataset, shard, sharding, cfg.global_batch_size, cfg.max_target_length,
                                       cfg.packing, cfg.grain_worker_count, cfg.data_prefetch_batches,
-                                      max_empty_run=max(epoch, 1), describe=describe, **pack)
+                                      max_empty_run=max(epoch, 1), describe=describe,
+                                      explain_empty=getattr(encoder, "explain_empty", None), **pack)
+
+
+def _record_locator(cfg: Any, train: bool) -> Any:
+  """index -> where that record is in the user's files (hf data files), for a refused record."""
+  files, key = (cfg.hf_data_files, "hf_data_files") if train else (cfg.hf_eval_files, "hf_eval_files")
+  if cfg.dataset_type != "hf" or not files:
+    return None
+  from MaxText.input_pipeline import hf
+
+  return hf.record_locator(cfg.hf_path, key, files)
 
 
 def create_data_iterator(config: Any, mesh: Mesh, start_step: int = 0) -> Any:

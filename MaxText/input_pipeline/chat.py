@@ -89,17 +89,33 @@ def _token_text(value: object) -> str | None:
 
 
 class DroppedSamples:
-  """Counts samples left with no trained token; reports the first few and then every doubling."""
+  """Counts samples left with no trained token; reports the first few and then every doubling.
+  Remembers the smallest max_target_length that would have kept one, for the error when every
+  sample is dropped."""
 
   def __init__(self, what: str = "sft") -> None:
     self.count, self._lock, self.what = 0, threading.Lock(), what
+    self.least_needed: int | None = None  # max_target_length that keeps the most easily kept sample
+    self.longest = 0  # tokens of the longest dropped sample
 
-  def add(self, reason: str) -> None:
+  def add(self, reason: str, needed: int | None = None, num_tokens: int = 0) -> None:
     with self._lock:
       self.count += 1
       count = self.count
+      if needed is not None and (self.least_needed is None or needed < self.least_needed):
+        self.least_needed = needed
+      self.longest = max(self.longest, num_tokens)
     if count <= 3 or count & (count - 1) == 0:
       print(f"warning: {self.what}: dropped a sample ({reason}); {count} dropped so far", flush=True)
+
+  def explain_all_dropped(self, max_target_length: int) -> str | None:
+    """Why a whole epoch gave nothing to train on, when it was these drops; else None."""
+    if not self.count:
+      return None
+    keep = (f"max_target_length >= {self.least_needed} keeps at least one (the longest sample is {self.longest} "
+            "tokens)") if self.least_needed is not None else "raise max_target_length"
+    return (f"every {self.what} sample was dropped: none has a trained token within "
+            f"max_target_length + 1 = {max_target_length + 1} tokens; {keep}, or shorten the prompts")
 
 
 class SftEncoder:
@@ -117,11 +133,17 @@ class SftEncoder:
   def __call__(self, record: Any) -> np.ndarray:
     tokens, weights = self.tokens_and_weights(as_mapping(record))
     if len(tokens) > self.max_tokens:
-      tokens, weights = tokens[:self.max_tokens], weights[:self.max_tokens]
-      if not any(weights[1:]):
-        self.dropped.add(f"no assistant token within max_target_length + 1 = {self.max_tokens} tokens")
+      if not any(weights[1:self.max_tokens]):
+        # Token i is a target once max_target_length >= i: the first trained one says what would keep it.
+        first = next((i for i, w in enumerate(weights) if i and w), None)
+        self.dropped.add(f"no assistant token within max_target_length + 1 = {self.max_tokens} tokens",
+                         needed=first, num_tokens=len(tokens))
         return np.zeros((2, 0), np.int32)
+      tokens, weights = tokens[:self.max_tokens], weights[:self.max_tokens]
     return np.asarray([tokens, weights], np.int32)
+
+  def explain_empty(self) -> str | None:
+    return self.dropped.explain_all_dropped(self.max_tokens - 1)
 
   def tokens_and_weights(self, record: Mapping[str, Any]) -> tuple[list[int], list[int]]:
     """The whole sample's tokens and 0/1 target weights, before truncation."""
@@ -149,8 +171,16 @@ class SftEncoder:
                     f"{', '.join(map(str, record)) or 'no fields'}")
 
   def _conversation(self, messages: list[dict[str, Any]], first_trained: int) -> tuple[str, list[tuple[int, int]]]:
-    render = lambda m, prompt=False: self.tokenizer.apply_chat_template(m, tokenize=False,
-                                                                       add_generation_prompt=prompt)
+    if not messages:
+      raise UserError("an sft conversation is empty (no messages); give it a user and an assistant turn, or remove it")
+
+    def render(turns: list[dict[str, Any]], prompt: bool = False) -> str:
+      try:
+        return self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=prompt)
+      except Exception as e:  # noqa: BLE001 - a record the template cannot take (a jinja error, a bad field)
+        raise UserError(f"the chat template cannot render this conversation: {type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}") from None
+
     text = render(messages)
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first_trained]
     if not turns:

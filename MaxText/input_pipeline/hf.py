@@ -5,8 +5,9 @@ library is forced offline, and lifted only while it reads the user's own gs:// d
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from MaxText import storage
 from MaxText.errors import ConfigError
@@ -49,6 +50,51 @@ def _remote_files_allowed(datasets: Any, builder: str, files: list[str]) -> Iter
     datasets.config.HF_DATASETS_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
 
 
+@contextlib.contextmanager
+def _quiet_json_loader() -> Iterator[None]:
+  """datasets' JSON builder logs a parse failure (twice, through its own handler and the root's)
+  before raising it; the raised error becomes the one line that names the file and line."""
+  logger = logging.getLogger("datasets.packaged_modules.json.json")
+  saved = logger.level
+  logger.setLevel(logging.CRITICAL)
+  try:
+    yield
+  finally:
+    logger.setLevel(saved)
+
+
+def _unreadable(files_key: str, data_files: str, builder: str, files: list[str], error: Exception) -> str:
+  """The one line for files datasets could not turn into a table: for JSON, the first bad line
+  (found by reading the files again, only now that the fast reader failed)."""
+  if builder == "json":
+    from MaxText.input_pipeline import json_records
+
+    for path in files:
+      problem = json_records.first_problem(path)
+      if problem is not None:
+        return f"{files_key}: {path} {problem}; fix or remove that record"
+  cause: BaseException = error
+  while cause.__cause__ is not None:
+    cause = cause.__cause__
+  return (f"{files_key} {data_files}: datasets cannot read them as {builder} "
+          f"({type(cause).__name__}: {(str(cause).splitlines() or [''])[0]})")
+
+
+def record_locator(hf_path: str, files_key: str, data_files: str) -> Callable[[int], str]:
+  """index of a record of the loaded split -> where it is: file and line for JSON/JSONL files,
+  else its number in the split. Reads the files again: for error messages only."""
+  def locate(index: int) -> str:
+    files = expand_files(files_key, data_files)
+    if _builder_for(hf_path, files) == "json":
+      from MaxText.input_pipeline import json_records
+
+      found = json_records.locate(files, index)
+      if found is not None:
+        return found
+    return f"record {index + 1} of {files_key} {data_files}"
+  return locate
+
+
 def _builder_for(hf_path: str, files: list[str]) -> str:
   if hf_path:
     return hf_path
@@ -69,8 +115,11 @@ def open_split(hf_path: str, data_files: str, split: str, files_key: str) -> tup
     if data_files:
       files = expand_files(files_key, data_files)
       builder = _builder_for(hf_path, files)
-      with _remote_files_allowed(datasets, builder, files):
-        dataset = datasets.load_dataset(builder, data_files={split: files}, split=split)
+      with _remote_files_allowed(datasets, builder, files), _quiet_json_loader():
+        try:
+          dataset = datasets.load_dataset(builder, data_files={split: files}, split=split)
+        except datasets.exceptions.DatasetGenerationError as e:
+          raise ConfigError(_unreadable(files_key, data_files, builder, files, e)) from None
       return dataset, f"hf {builder} files {data_files}"
     if not hf_path:
       raise ConfigError(f"dataset_type=hf needs hf_path or {files_key}")

@@ -40,8 +40,10 @@ class DocumentCursor:
   document that moves to the next row is not read twice."""
 
   def __init__(self, read_from: Callable[[int], Iterator[list[int]]], max_empty_run: int,
-               position: Position = Position()):
+               position: Position = Position(), explain_empty: Callable[[], str | None] | None = None):
     self._read_from, self.max_empty_run = read_from, max_empty_run
+    # The encoder's account of a run of empty documents (e.g. every sample too long), if it has one.
+    self.explain_empty = explain_empty
     self.seek(position)
 
   def seek(self, position: Position) -> None:
@@ -88,8 +90,9 @@ def pack_row(cursor: DocumentCursor, length: int, packing: bool) -> dict[str, np
     if remaining <= 0:  # a document too short to give a pair (or already used up)
       empty_run += 1
       if empty_run > cursor.max_empty_run:
-        raise UserError(f"{empty_run} documents in a row give no (input, target) pair: every document needs "
-                        "at least 2 tokens after tokenisation (check the text column and add_bos/add_eos)")
+        explained = cursor.explain_empty() if cursor.explain_empty is not None else None
+        raise UserError(explained or f"{empty_run} documents in a row give no (input, target) pair: every "
+                        "document needs at least 2 tokens after tokenisation (check the text column and add_bos/add_eos)")
       cursor.advance()
       continue
     empty_run = 0

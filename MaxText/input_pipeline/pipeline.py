@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from MaxText.errors import ConfigError
+from MaxText.errors import ConfigError, UserError
 from MaxText.input_pipeline.packing import DocumentCursor, Position, pack_batch
 
 STATE_FORMAT = 1
@@ -87,12 +87,36 @@ def record_text(record: Any, column: str) -> str:
   return str(record)
 
 
+class _Numbered:
+  """`source` as (index, record) pairs: a record's own index survives sharding and shuffling, so
+  a record the encoder refuses can be named."""
+
+  def __init__(self, source: Sequence[Any]):
+    self.source = source
+
+  def __len__(self) -> int:
+    return len(self.source)
+
+  def __getitem__(self, index: int) -> tuple[int, Any]:
+    return index, self.source[index]
+
+
 def document_dataset(source: Sequence[Any], shard: HostShard, encode: Callable[[Any], Any], column: str | None,
-                     shuffle_seed: int | None, repeat: bool, what: str):
+                     shuffle_seed: int | None, repeat: bool, what: str,
+                     locate: Callable[[int], str] | None = None):
   """Grain MapDataset of documents (token lists, or [2, n] tokens and weights): this shard's records,
   shuffled per epoch and repeated if asked. `encode` gets the text of `column`, or the whole
-  record when column is None (fine-tuning records)."""
+  record when column is None (fine-tuning records). A UserError from `encode` is raised again
+  naming the record: `locate(index)` (e.g. a file and line), else its index in `what`."""
   import grain
+
+  def encode_numbered(numbered: tuple[int, Any]) -> Any:
+    index, record = numbered
+    try:
+      return encode(record if column is None else record_text(record, column))
+    except UserError as e:
+      where = locate(index) if locate is not None else f"record {index + 1} of {what}"
+      raise type(e)(f"{where}: {e}") from None
 
   num_records = len(source)
   if num_records == 0:
@@ -100,12 +124,12 @@ def document_dataset(source: Sequence[Any], shard: HostShard, encode: Callable[[
   if num_records < shard.count:
     raise ConfigError(f"{what} has {num_records} records, fewer than the {shard.count} data shards (one per "
                       "process holding distinct rows); every process needs at least one")
-  dataset = grain.MapDataset.source(source)[shard.index::shard.count]
+  dataset = grain.MapDataset.source(_Numbered(source))[shard.index::shard.count]
   if shuffle_seed is not None:
     dataset = dataset.shuffle(seed=shuffle_seed)
   if repeat:
     dataset = dataset.repeat()  # grain reshuffles every epoch of a shuffled dataset
-  return dataset.map(lambda record: encode(record if column is None else record_text(record, column)))
+  return dataset.map(encode_numbered)
 
 
 def reader(dataset: Any, num_threads: int) -> Callable[[int], Iterator[list[int]]]:
@@ -176,13 +200,15 @@ class PackedBatchIterator:
 
   def __init__(self, dataset: Any, shard: HostShard, sharding: NamedSharding, global_batch: int, length: int,
                packing: bool, num_threads: int, prefetch: int, max_empty_run: int, describe: str,
-               pack: Callable[..., tuple[dict[str, np.ndarray], int]] = pack_batch):
+               pack: Callable[..., tuple[dict[str, np.ndarray], int]] = pack_batch,
+               explain_empty: Callable[[], str | None] | None = None):
     self.shard, self.sharding, self.describe, self._pack = shard, sharding, describe, pack
     self.global_shape = (global_batch, length)
     self._length, self._packing, self._prefetch_depth = length, packing, prefetch
-    self._cursor = DocumentCursor(reader(dataset, num_threads), max_empty_run)
+    self._cursor = DocumentCursor(reader(dataset, num_threads), max_empty_run, explain_empty=explain_empty)
     self._position = Position()  # where the next handed-out batch starts
     self._prefetcher: _Prefetcher | None = None
+    self._peeked: tuple[dict[str, np.ndarray], Position] | None = None  # read by peek(), not yet handed out
     self.rows_with_data = 0  # rows of the last batch that hold any data (eval data can run out)
 
   def _produce(self) -> tuple[dict[str, np.ndarray], Position]:
@@ -192,13 +218,24 @@ class PackedBatchIterator:
   def __iter__(self) -> "PackedBatchIterator":
     return self
 
-  def __next__(self) -> dict[str, jax.Array]:
+  def _next_host_batch(self) -> tuple[dict[str, np.ndarray], Position]:
+    if self._peeked is not None:
+      item, self._peeked = self._peeked, None
+      return item
     if self._prefetch_depth == 0:
-      host_batch, position = self._produce()
-    else:
-      if self._prefetcher is None:
-        self._prefetcher = _Prefetcher(self._produce, self._prefetch_depth)
-      host_batch, position = self._prefetcher.get()
+      return self._produce()
+    if self._prefetcher is None:
+      self._prefetcher = _Prefetcher(self._produce, self._prefetch_depth)
+    return self._prefetcher.get()
+
+  def peek(self) -> None:
+    """Reads the next batch now (the next `next` returns it): bad data then stops a run before it
+    writes anything to its directory."""
+    if self._peeked is None:
+      self._peeked = self._next_host_batch()
+
+  def __next__(self) -> dict[str, jax.Array]:
+    host_batch, position = self._next_host_batch()
     self._position = position
     self.rows_with_data = int(host_batch.pop("_num_real"))
     return {name: jax.make_array_from_process_local_data(self.sharding, rows, self.global_shape)
@@ -211,6 +248,7 @@ class PackedBatchIterator:
 
   def _seek(self, position: Position) -> None:
     self.close()
+    self._peeked = None
     self._cursor.seek(position)
     self._position = position
 

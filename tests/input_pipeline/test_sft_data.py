@@ -5,6 +5,9 @@ with nothing to train, and bad records fail with one clear line."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import numpy as np
 import pytest
 
@@ -86,6 +89,7 @@ def test_truncation_keeps_trained_tokens_or_drops_and_counts(tmp_path, capsys):
     ({"messages": [{"role": "user", "content": "hi"}]}, UserError,
      "an sft conversation has no assistant turn to train on (roles: user)"),
     ({"messages": "hi"}, UserError, "sft field 'messages' must be a list of"),
+    ({"messages": []}, UserError, "an sft conversation is empty (no messages)"),
 ])
 def test_bad_records_fail_in_one_line(record, error, message, tmp_path):
   with pytest.raises(error) as raised:
@@ -106,3 +110,67 @@ def test_a_template_that_rewrites_history_is_refused(tmp_path):
                "{% endif %}{{ '\\n' }}{%- endfor %}{%- if add_generation_prompt %}assistant: {% endif %}")
   with pytest.raises(ConfigError, match="does not render a conversation as a prefix"):
     encoder(tmp_path, rewriting)(CONVERSATION)
+
+
+# Through the whole pipeline (hf JSONL files, as configs/sft.yml reads them): a refused record or
+# an unreadable line is named by file and line, and a length that drops every sample names the
+# max_target_length that would keep one.
+GOOD = {"messages": [{"role": "user", "content": "to be"}, {"role": "assistant", "content": "or not"}]}
+
+
+def first_batch(tmp_path, lines: list[str], name: str = "train.jsonl", **overrides):
+  from MaxText import sharding
+  from MaxText.config import Config
+  from MaxText.input_pipeline import create_data_iterator
+
+  data = tmp_path / name
+  data.write_text("".join(line + "\n" for line in lines))
+  tokenizer = write_tokenizer(tmp_path / "tok", without_markers(TEMPLATES["chatml"]))
+  values = dict(dataset_type="hf", use_sft=True, tokenizer_type="huggingface", tokenizer_path=str(tokenizer),
+                hf_data_files=str(data), vocab_size=320, max_target_length=32, per_device_batch_size=1,
+                print_config=False, data_prefetch_batches=0, enable_data_shuffling=False)
+  config = Config.for_testing(**{**values, **overrides})
+  iterator = create_data_iterator(config, sharding.create_mesh(config.mesh))
+  for _ in range(4):  # the global batch is one row per device: enough rows to reach every record
+    next(iterator)
+  return data
+
+
+def test_an_empty_conversation_is_named_by_file_and_line(tmp_path):
+  lines = [json.dumps(GOOD), "", json.dumps(GOOD), json.dumps({"messages": []})]
+  with pytest.raises(UserError) as raised:
+    first_batch(tmp_path, lines)
+  message = str(raised.value)
+  assert message.startswith(f"{tmp_path / 'train.jsonl'} line 4: an sft conversation is empty"), message
+  assert "\n" not in message
+
+
+@pytest.mark.parametrize("lines, problem", [
+    ([json.dumps(GOOD), '{"messages": [', json.dumps(GOOD)], "line 2: not valid JSON (Expecting value at column 15)"),
+    ([json.dumps(GOOD), json.dumps(GOOD), "", '"just text"'], "line 4: a JSON string, not an object (one record per line)"),
+    (['[{"messages": []},', '  {"messages": [}]'], "not valid JSON (Expecting value at line 2, column 17)"),
+], ids=["truncated", "not-an-object", "json-array"])
+def test_a_malformed_json_line_names_file_and_line(tmp_path, lines, problem, capfd):
+  name = "train.json" if lines[0].startswith("[") else "train.jsonl"
+  with pytest.raises(ConfigError) as raised:
+    first_batch(tmp_path, lines, name=name)
+  message = str(raised.value)
+  assert message == f"hf_data_files: {tmp_path / name} {problem}; fix or remove that record", message
+  assert "Failed to load JSON" not in capfd.readouterr().err  # datasets' own log lines are not repeated
+
+
+def test_every_sample_too_long_names_the_max_target_length_that_keeps_one(tmp_path):
+  prompts = [" ".join(["the quick brown fox"] * n) for n in (8, 5, 12)]
+  records = [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": "a lazy dog"}]}
+             for p in prompts]
+  with pytest.raises(UserError) as raised:
+    first_batch(tmp_path, [json.dumps(r) for r in records])
+  message = str(raised.value)
+  assert "add_bos" not in message and "max_target_length + 1 = 33 tokens" in message, message
+  needed = int(re.search(r"max_target_length >= (\d+) keeps at least one", message).group(1))
+  longest = int(re.search(r"the longest sample is (\d+) tokens", message).group(1))
+  # The figure is exact: one token less drops the shortest-prompt sample, that length keeps it.
+  shortest = records[1]
+  assert encoder(tmp_path, TEMPLATES["chatml"], length=needed)(shortest)[1, 1:].any()
+  assert encoder(tmp_path, TEMPLATES["chatml"], length=needed - 1)(shortest).shape == (2, 0)
+  assert longest == max(len(encoder(tmp_path, TEMPLATES["chatml"])(r)[0]) for r in records)

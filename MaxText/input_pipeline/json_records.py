@@ -1,0 +1,79 @@
+"""Where a JSON / JSONL record lives in the user's files, for error messages only: the first line
+`datasets` could not parse, and the file and line of the n-th record. Never on the happy path:
+the files are read again here only after something failed.
+
+A file whose first character is `[` holds one JSON array of records (as `datasets` reads a .json
+file); any other holds one record per non-blank line (blank lines are skipped, as `datasets` does).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Iterator
+
+from MaxText import storage
+
+
+def _starts_with_array(path: str) -> bool:
+  with storage.open_file(path, "rb") as f:
+    for line in f:
+      stripped = line.strip()
+      if stripped:
+        return stripped.startswith(b"[")
+  return False
+
+
+def _lines(path: str) -> Iterator[tuple[int, bytes]]:
+  """(1-based line number, line) of every non-blank line."""
+  with storage.open_file(path, "rb") as f:
+    for number, line in enumerate(f, 1):
+      if line.strip():
+        yield number, line
+
+
+def first_problem(path: str) -> str | None:
+  """'line N: what is wrong' for the first line of `path` that is not a JSON object, or None."""
+  if _starts_with_array(path):
+    try:
+      records = json.loads(storage.read_bytes(path))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      return _describe(e)
+    bad = next((i for i, r in enumerate(records) if not isinstance(r, dict)), None)
+    return None if bad is None else f"record {bad + 1} of its array is a JSON {_kind(records[bad])}, not an object"
+  for number, line in _lines(path):
+    try:
+      record = json.loads(line.rstrip())  # the newline would move the error to line 2
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      return f"line {number}: {_describe(e, on_line=True)}"
+    if not isinstance(record, dict):
+      return f"line {number}: a JSON {_kind(record)}, not an object (one record per line)"
+  return None
+
+
+def locate(paths: list[str], index: int) -> str | None:
+  """'<file> line N' (or 'record N of <file>') of the record at 0-based `index` of the files read
+  in order, or None when the files do not hold that many records."""
+  for path in paths:
+    if _starts_with_array(path):
+      count = len(json.loads(storage.read_bytes(path)))
+      if index < count:
+        return f"record {index + 1} of {path}"
+      index -= count
+      continue
+    for number, _ in _lines(path):
+      if index == 0:
+        return f"{path} line {number}"
+      index -= 1
+  return None
+
+
+def _describe(error: Exception, on_line: bool = False) -> str:
+  if isinstance(error, UnicodeDecodeError):
+    return f"not UTF-8 text (byte {error.start + 1})"
+  assert isinstance(error, json.JSONDecodeError)
+  where = f"column {error.colno}" if on_line else f"line {error.lineno}, column {error.colno}"
+  return f"not valid JSON ({error.msg} at {where})"
+
+
+def _kind(value: object) -> str:
+  return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
