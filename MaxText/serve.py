@@ -4,11 +4,15 @@
         [host=127.0.0.1] [serve_max_slots=8] [serve_max_queue=64] [serve_max_tokens=256] ...
 
 Routes: POST /v1/completions (echo, logprobs), POST /v1/chat/completions (the tokenizer's chat
-template), both streamed as server-sent events with `"stream": true`; GET /v1/models, GET /health.
+template), both streamed as server-sent events with `"stream": true`; GET /v1/models; GET /health
+(slots in use, queue length, KV pages free and reserved, the oldest request's age) and GET /metrics
+(the same figures for Prometheus, with request counts and latency histograms).
 Reads like a table of contents: config → tokenizer → engine + params → scheduler thread → app → uvicorn.
-Safe by default: binds 127.0.0.1; with MAXTEXT_API_KEY set every route but /health needs
-`Authorization: Bearer <key>` (401 otherwise); bodies, prompts, max_tokens, n and the waiting
-list are bounded (413 / 400 / 503 with Retry-After), and every request has a deadline.
+Safe by default: binds 127.0.0.1; with MAXTEXT_API_KEY set every route but /health and /metrics
+needs `Authorization: Bearer <key>` (the scheme in any case; 401 otherwise). Those two stay open
+because load balancers and Prometheus scrapers probe them without keys, and they show counts and
+timings only, never a prompt or a text. Bodies, prompts, max_tokens, n and the waiting list are
+bounded (413 / 400 / 503 with Retry-After), and every request has a deadline.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ from MaxText import startup, storage
 from MaxText.errors import UserError, run_cli
 from MaxText.inference import openai_api as api
 from MaxText.inference import scheduler as sched
+from MaxText.inference import serve_metrics
 from MaxText.inference.engine import Engine
 
 API_KEY_ENV = "MAXTEXT_API_KEY"  # an environment variable, never a config key: configs are saved with runs
 RETRY_AFTER_SECONDS = "1"
+OPEN_ROUTES = ("/health", "/metrics")  # no API key needed: probes and scrapers; figures only
 
 
 def _codec(config: config_lib.Config) -> tuple[api.Codec, int | None]:
@@ -75,6 +81,7 @@ class Server:
                              d.max_prefill_predict_length, config.model.max_target_length, d.serve_max_tokens,
                              d.serve_max_n)
     self.scheduler = sched.Scheduler(engine, params, d.serve_max_queue, [] if eos_id is None else [eos_id]).start()
+    self.metrics = serve_metrics.ServeMetrics(self.scheduler.load)
     self._token_text: dict[int, str] = {}
 
   def token_text(self, token: int) -> str:
@@ -83,7 +90,8 @@ class Server:
     return self._token_text[token]
 
   def submit(self, request: api.Request, score_prompt: bool) -> tuple[list[sched.Job], asyncio.Queue[sched.Event]]:
-    """Queues the request's choices as jobs whose events arrive on the returned queue (503 when full)."""
+    """Queues the request's choices as jobs whose events arrive on the returned queue (503 when
+    full, 400 when a choice needs more KV pages than the whole pool)."""
     loop, queue = asyncio.get_running_loop(), asyncio.Queue[sched.Event]()
 
     def emit(event: sched.Event) -> None:
@@ -98,15 +106,19 @@ class Server:
     except sched.QueueFull as e:
       raise api.ApiError(503, f"the server is busy ({e}); retry later", code="queue_full",
                          headers={"Retry-After": RETRY_AFTER_SECONDS}) from None
+    except sched.TooLarge as e:
+      raise api.ApiError(400, f"{e} (kv_num_pages)", "max_tokens", "context_length_exceeded") from None
     return jobs, queue
 
   async def events(self, jobs: list[sched.Job], queue: asyncio.Queue[sched.Event],
-                   is_disconnected: Callable[[], Awaitable[bool]]) -> AsyncGenerator[sched.Event, None]:
+                   is_disconnected: Callable[[], Awaitable[bool]], route: str = ""
+                   ) -> AsyncGenerator[sched.Event, None]:
     """The jobs' events until each is done; every unfinished job is cancelled when the consumer
-    stops early (client gone, deadline) or the deadline passes (504)."""
+    stops early (client gone, deadline) or the deadline passes (504). The first token or prompt
+    score is timed for /metrics under `route`."""
     timeout = self.decode_cfg.serve_request_timeout_seconds
     deadline = time.monotonic() + timeout
-    remaining = len(jobs)
+    remaining, first = len(jobs), True
     try:
       while remaining:
         if time.monotonic() >= deadline:
@@ -120,6 +132,9 @@ class Server:
           continue
         if isinstance(event, sched.Done):
           remaining -= 1
+        elif first:
+          first = False
+          self.metrics.observe_first_token(route, jobs[0].submitted)
         yield event
     finally:
       for job in jobs:
@@ -137,7 +152,7 @@ def _sse(obj: Any) -> str:
 
 
 def build_app(server: Server, api_key: str | None = None, max_body_bytes: int = 1 << 20) -> Any:
-  """The FastAPI app; `api_key` (else MAXTEXT_API_KEY) guards every route but /health."""
+  """The FastAPI app; `api_key` (else MAXTEXT_API_KEY) guards every route but OPEN_ROUTES."""
   from fastapi import FastAPI, Request
   from fastapi.responses import JSONResponse, StreamingResponse
   from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -156,25 +171,52 @@ def build_app(server: Server, api_key: str | None = None, max_body_bytes: int = 
     return _error(e)
 
   add_routes(app, server, JSONResponse, StreamingResponse, _sse)
-  return _Guard(app, key, max_body_bytes)
+  return _Guard(app, key, max_body_bytes, server.metrics)
+
+
+def bearer_token(authorization: str) -> str:
+  """The credentials of an `Authorization: Bearer <token>` header ("" for any other scheme): the
+  scheme is case-insensitive (RFC 7235) and may be followed by several spaces."""
+  scheme, _, token = authorization.strip().partition(" ")
+  return token.strip() if scheme.lower() == "bearer" else ""
 
 
 class _Guard:
   """ASGI middleware in front of the app: the API key, then the body-size limit (the body is read
-  here, at most max_body_bytes + 1 of it, and replayed to the app)."""
+  here, at most max_body_bytes + 1 of it, and replayed to the app); every answer is counted and
+  timed for /metrics."""
 
-  def __init__(self, app: Any, api_key: str | None, max_body_bytes: int):
-    self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+  def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, metrics: serve_metrics.ServeMetrics):
+    self.app, self.api_key, self.max_body_bytes, self.metrics = app, api_key, max_body_bytes, metrics
 
   async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
                      send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
     if scope["type"] != "http":
       return await self.app(scope, receive, send)
-    if self.api_key and scope["path"] != "/health":
+    start, status = time.monotonic(), "disconnected"  # what is counted when no answer starts
+
+    async def counted_send(message: dict[str, Any]) -> None:
+      nonlocal status
+      if message["type"] == "http.response.start":
+        status = str(message["status"])
+      await send(message)
+
+    try:
+      await self._guarded(scope, receive, counted_send)
+    except BaseException:
+      if status == "disconnected":
+        status = "500"  # uvicorn answers an exception that escapes the app with a 500
+      raise
+    finally:
+      self.metrics.observe_request(scope["path"], status, time.monotonic() - start)
+    return None
+
+  async def _guarded(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
+                     send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+    if self.api_key and scope["path"] not in OPEN_ROUTES:
       headers = dict(scope["headers"])
-      given = headers.get(b"authorization", b"").decode("latin-1")
-      token = given[len("Bearer "):] if given.startswith("Bearer ") else ""
-      if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+      token = bearer_token(headers.get(b"authorization", b"").decode("latin-1"))
+      if not hmac.compare_digest(token.encode("latin-1"), self.api_key.encode()):
         return await _send_error(send, api.ApiError(401, "a valid API key is required (Authorization: Bearer <key>)",
                                                     code="invalid_api_key"))
     body, more = b"", True

@@ -2,7 +2,8 @@
 `openai` client (greedy text equals the uncached greedy decode of the same model, streams join to the
 same text, stop and max_tokens honoured), concurrent load (every answer equals its single-request
 result, none lost, every slot released), lm-eval's `local-completions` backend (log-likelihoods equal
-the model's own logits), and bad requests that get a JSON error while the server keeps serving."""
+the model's own logits), and bad requests that get a JSON error while the server keeps serving;
+scoring requests that leave no KV pages reserved, /health and /metrics."""
 
 from __future__ import annotations
 
@@ -193,17 +194,169 @@ def _post(served, path: str, body: bytes | str, key: str | None = KEY) -> httpx.
     ('{"model": "tiny", "prompt": "' + "x" * 5000 + '"}', KEY, 413, "serve_max_body_bytes"),
     ('{"model": "tiny", "prompt": "the"}', None, 401, "API key"),
     ('{"model": "tiny", "prompt": "the"}', "wrong", 401, "API key"),
+    # JSON integers have no size limit: beyond a float's range they are a 400 naming the field.
+    ('{"model": "tiny", "prompt": "the", "temperature": HUGE}', KEY, 400, "temperature is an integer too large"),
+    ('{"model": "tiny", "prompt": "the", "top_p": HUGE}', KEY, 400, "top_p is an integer too large"),
+    ('{"model": "tiny", "prompt": "the", "max_tokens": HUGE}', KEY, 400, "serve_max_tokens"),
+    ('{"model": "tiny", "prompt": "the", "n": HUGE}', KEY, 400, "serve_max_n"),
+    ('{"model": "tiny", "prompt": "the", "logprobs": HUGE}', KEY, 400, "logprobs must be in [0, 5]"),
+    ('{"model": "tiny", "prompt": [HUGE]}', KEY, 400, "outside the vocabulary"),
+    ('{"model": "tiny", "prompt": "the", "temperature": 1e400}', KEY, 400, "temperature must be in [0, 2]"),
+    ("[" * 3000, KEY, 400, "nested too deeply"),
 ], ids=["invalid-json", "unknown-model", "prompt-too-long", "negative-max-tokens", "max-tokens-over-limit",
-        "n-over-limit", "oversized-body", "missing-key", "wrong-key"])
+        "n-over-limit", "oversized-body", "missing-key", "wrong-key", "huge-temperature", "huge-top-p",
+        "huge-max-tokens", "huge-n", "huge-logprobs", "huge-token-id", "infinite-temperature", "deep-nesting"])
 def test_bad_requests_get_json_errors(served, body, key, status, message):
-  response = _post(served, "/v1/completions", body, key)
+  response = _post(served, "/v1/completions", body.replace("HUGE", HUGE), key)
   assert response.status_code == status, response.text
+  assert response.headers["content-type"] == "application/json"
   assert message in response.json()["error"]["message"]
+
+
+HUGE = "1" + "0" * 400  # 10**400: a valid JSON number, beyond a float's range
+
+
+def test_huge_integers_with_a_meaning_are_served(served):
+  """top_k beyond the vocabulary keeps every token (as 0 does); any integer is a seed."""
+  body = f'{{"model": "tiny", "prompt": "the", "max_tokens": 4, "temperature": 0, "top_k": {HUGE}, "seed": {HUGE}}}'
+  response = _post(served, "/v1/completions", body)
+  assert response.status_code == 200, response.text
+  assert response.json()["choices"][0]["text"] == served.text(served.greedy(served.ids("the"), 4))
+
+
+def test_a_request_needing_more_pages_than_the_pool_is_refused(served, monkeypatch):
+  monkeypatch.setattr(served.engine, "pages_needed", lambda tokens: 17)  # the pool has 16
+  response = _post(served, "/v1/completions", '{"model": "tiny", "prompt": "the", "max_tokens": 4}')
+  assert response.status_code == 400, response.text
+  error = response.json()["error"]
+  assert "need 17 KV pages but the whole pool has kv_num_pages=16" in error["message"]
+  assert error["param"] == "max_tokens"
+  assert served.server.scheduler.load()["waiting"] == 0
+
+
+@pytest.mark.parametrize("header,status", [("bearer " + KEY, 200), ("BEARER " + KEY, 200), ("Bearer   " + KEY, 200),
+                                           ("Basic " + KEY, 401), (KEY, 401), ("bearer", 401)])
+def test_the_bearer_scheme_is_case_insensitive(served, header, status):
+  response = httpx.get(f"{served.url}/v1/models", headers={"authorization": header}, timeout=30)
+  assert response.status_code == status, response.text
 
 
 def test_health_needs_no_key_and_models_does(served):
   assert httpx.get(f"{served.url}/health").json()["status"] == "ok"
+  assert httpx.get(f"{served.url}/metrics").status_code == 200
   assert httpx.get(f"{served.url}/v1/models").status_code == 401
+
+
+IDLE = {"status": "ok", "slots_total": 4, "slots_in_use": 0, "queue_length": 0, "pages_total": 16, "pages_free": 16,
+        "pages_reserved": 0, "oldest_request_age_seconds": 0}
+
+
+def _metrics(served) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+  from prometheus_client.parser import text_string_to_metric_families
+
+  text = httpx.get(f"{served.url}/metrics", timeout=30).text
+  return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+          for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def test_health_and_metrics_show_a_stalled_scheduler(served):
+  """A job whose consumer blocks the scheduler thread: /health and /metrics show the slot in use,
+  the request waiting behind it, their pages and a growing oldest age; all back to idle after."""
+  from MaxText.inference import scheduler as sched
+  from MaxText.inference.sampling import RowParams
+
+  gate, done = threading.Event(), threading.Event()
+
+  def held(event):  # called on the scheduler thread: it stalls there until the gate opens
+    gate.wait(60)
+
+  def count(event):
+    if isinstance(event, sched.Done):
+      done.set()
+
+  ids = served.ids(PROMPTS[0])
+  scheduler = served.server.scheduler
+  scheduler.submit([sched.Job(0, ids, 8, RowParams(), held)])
+  scheduler.submit([sched.Job(0, ids, 8, RowParams(), count)])
+  try:
+    time.sleep(0.3)
+    health = httpx.get(f"{served.url}/health", timeout=30).json()
+    need = served.engine.pages_needed(len(ids) + 8 - 1)
+    assert health["slots_in_use"] == 1 and health["queue_length"] == 1, health
+    assert health["pages_reserved"] == need and health["pages_free"] == 16 - served.engine.pages_needed(len(ids))
+    assert health["oldest_request_age_seconds"] >= 0.3
+    gauges = _metrics(served)
+    assert gauges[("maxtext_serve_slots_in_use", ())] == 1 and gauges[("maxtext_serve_queue_length", ())] == 1
+    assert gauges[("maxtext_serve_kv_pages_reserved", ())] == need
+    assert gauges[("maxtext_serve_oldest_request_age_seconds", ())] >= 0.3
+  finally:
+    gate.set()
+  assert done.wait(60)
+  _wait_idle(served)
+  assert httpx.get(f"{served.url}/health", timeout=30).json() == IDLE
+
+
+def _wait_idle(served, timeout: float = 30) -> None:
+  deadline = time.monotonic() + timeout
+  while (load := served.server.scheduler.load())["active"] or load["waiting"]:
+    assert time.monotonic() < deadline, load
+    time.sleep(0.02)
+
+
+def test_metrics_count_requests_by_route_and_status_and_time_them(served):
+  from MaxText.inference.serve_metrics import ServeMetrics
+
+  before = _metrics(served)
+  ok = served.client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=3, temperature=0)
+  assert ok.choices[0].text
+  assert _post(served, "/v1/completions", '{"model": "tiny", "prompt": "the"}', key="wrong").status_code == 401
+  httpx.get(f"{served.url}/no/such/route", headers={"authorization": f"Bearer {KEY}"}, timeout=30)
+  after = _metrics(served)
+
+  def grew(name: str, **labels: str) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0) - before.get(key, 0)
+
+  assert grew("maxtext_serve_requests_total", route="/v1/completions", status="200") == 1
+  assert grew("maxtext_serve_requests_total", route="/v1/completions", status="401") == 1
+  assert grew("maxtext_serve_requests_total", route="other", status="404") == 1
+  assert grew("maxtext_serve_request_seconds_count", route="/v1/completions") == 2
+  assert grew("maxtext_serve_time_to_first_token_seconds_count", route="/v1/completions") == 1
+  assert grew("maxtext_serve_completions_finished_total", reason="length") >= 0
+  assert grew("maxtext_serve_engine_steps_total") >= 2
+  ServeMetrics(served.server.scheduler.load).exposition()  # a second server's registry does not clash
+
+
+def test_scoring_requests_give_back_their_pages_so_a_pool_sized_request_is_served(served):
+  """Issue 33's hang: a scoring-only job (lm-eval's echo + max_tokens 0) admitted beside a
+  generating one kept its slot's page reservation for ever; a later request needing most of the
+  pool then waited until its deadline while the scheduler thread spun."""
+  from MaxText.inference import scheduler as sched
+  from MaxText.inference.sampling import RowParams
+
+  long_ids = (served.ids("the quick brown fox jumps over a lazy dog ") * 8)[:32]
+  ended = threading.Event()
+  scheduler = served.server.scheduler
+  # One submit: both are admitted in the same pass, the scoring one through a slot of its own.
+  scheduler.submit([sched.Job(0, served.ids(PROMPTS[0]), 8, RowParams(), lambda e: None),
+                    sched.Job(0, long_ids, 0, RowParams(), lambda e: ended.set() if isinstance(e, sched.Done) else 0,
+                              score_prompt=True)])
+  assert ended.wait(60)
+  scoring = f'{{"model": "tiny", "prompt": {long_ids}, "max_tokens": 0, "echo": true, "logprobs": 1}}'
+  generating = '{"model": "tiny", "prompt": "to be or not", "max_tokens": 12, "temperature": 0}'
+  with ThreadPoolExecutor(6) as pool:
+    answers = list(pool.map(lambda body: _post(served, "/v1/completions", body), [scoring, generating] * 3))
+  assert [a.status_code for a in answers] == [200] * 6
+  _wait_idle(served)
+  assert httpx.get(f"{served.url}/health", timeout=30).json() == IDLE
+  # 32 prompt tokens + 16 new ones: 47 cached tokens, 12 of the 16 pages.
+  expected = served.text(served.greedy(long_ids, 16))
+  body = f'{{"model": "tiny", "prompt": {long_ids}, "max_tokens": 16, "temperature": 0}}'
+  response = httpx.post(f"{served.url}/v1/completions", content=body, timeout=30,
+                        headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"})
+  assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected
+  _wait_idle(served)
+  assert httpx.get(f"{served.url}/health", timeout=30).json() == IDLE
 
 
 def test_flood_beyond_the_queue_gets_503_and_a_dropped_stream_frees_its_slot(served):

@@ -120,6 +120,7 @@ class Engine:
       self.num_pages = self._check_num_pages()
       self.pages = self._new_allocator()
     abstract_caches = jax.eval_shape(self._empty_caches)
+    self._cache_bytes = paged_cache.cache_bytes(abstract_caches)  # cache_stats is read by every /health
     names = (paged_cache.model_pool_names(self.cfg, quantized) if self.paged
              else kv_cache.model_cache_names(self.cfg, quantized))
     replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -210,8 +211,7 @@ class Engine:
   def cache_stats(self) -> dict[str, Any]:
     """layout, cache_bytes (all layers' cache arrays as allocated) and, paged, pages_total /
     pages_free / pages_used / page_size (dense: pages_* are 0, every slot owns max_target_length)."""
-    stats: dict[str, Any] = {"layout": self.decode_cfg.kv_cache_layout,
-                             "cache_bytes": paged_cache.cache_bytes(jax.eval_shape(self._empty_caches))}
+    stats: dict[str, Any] = {"layout": self.decode_cfg.kv_cache_layout, "cache_bytes": self._cache_bytes}
     if self.pages is None:
       return {**stats, "pages_total": 0, "pages_free": 0, "pages_used": 0}
     return {**stats, **self.pages.stats()}

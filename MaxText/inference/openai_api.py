@@ -10,6 +10,7 @@ No field can name a file, a path or another checkpoint: `model` is only compared
 from __future__ import annotations
 
 import dataclasses
+import json
 import secrets
 from typing import Any, Callable, Sequence
 
@@ -64,6 +65,17 @@ class Request:
   logprobs: int | None = None  # completions: how many alternatives per token (0..5); None = none
 
 
+def parse_json(raw: bytes) -> Any:
+  """A request body as JSON, or a 400: beside syntax errors, json raises ValueError for an integer
+  of more digits than Python converts and RecursionError for nesting deeper than the stack."""
+  try:
+    return json.loads(raw)
+  except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+  except RecursionError:
+    raise ApiError(400, "the request body is not valid JSON: it is nested too deeply", code="invalid_json") from None
+
+
 def _get(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any) -> Any:
   value = body.get(name, default)
   if value is None:
@@ -109,9 +121,18 @@ def _stop(body: dict[str, Any]) -> list[str]:
   return stops
 
 
-def _sampling(body: dict[str, Any]) -> tuple[float, float, int, int | None, int]:
-  temperature = float(_get(body, "temperature", (int, float), 1.0))
-  top_p = float(_get(body, "top_p", (int, float), 1.0))
+def _float(body: dict[str, Any], name: str, default: float) -> float:
+  """A number field as a float: JSON integers have no size limit, floats do."""
+  value = _get(body, name, (int, float), default)
+  try:
+    return float(value)
+  except OverflowError:
+    raise ApiError(400, f"{name} is an integer too large to be a number ({len(str(value))} digits)", name) from None
+
+
+def _sampling(body: dict[str, Any], vocab_size: int) -> tuple[float, float, int, int | None, int]:
+  temperature = _float(body, "temperature", 1.0)
+  top_p = _float(body, "top_p", 1.0)
   top_k = _get(body, "top_k", int, 0)
   seed = _get(body, "seed", int, None)
   n = _get(body, "n", int, 1)
@@ -123,7 +144,8 @@ def _sampling(body: dict[str, Any]) -> tuple[float, float, int, int | None, int]
     raise ApiError(400, f"top_k must be >= 0 (0 = all tokens), got {top_k}", "top_k")
   if n < 1:
     raise ApiError(400, f"n must be >= 1, got {n}", "n")
-  return temperature, top_p, top_k, seed, n
+  # top_k >= the vocabulary keeps every token, as 0 does; the cap keeps it an int32 on the device.
+  return temperature, top_p, min(top_k, vocab_size), seed, n
 
 
 def _check_prompt(ids: list[int], limits: Limits) -> None:
@@ -156,7 +178,7 @@ def _max_tokens(value: Any, name: str, prompt_len: int, limits: Limits, minimum:
 
 def _choices(prompts: list[list[int]], body: dict[str, Any], name: str, limits: Limits, minimum: int
              ) -> list[Completion]:
-  temperature, top_p, top_k, seed, n = _sampling(body)
+  temperature, top_p, top_k, seed, n = _sampling(body, limits.vocab_size)
   if len(prompts) * n > limits.max_choices:
     raise ApiError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} completions; this server allows at "
                    f"most {limits.max_choices} per request (serve_max_n)", "n")

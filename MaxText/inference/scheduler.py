@@ -9,6 +9,12 @@ serves every active slot; a job leaves its slot when it reaches max_tokens or an
 token, or when its handler cancels it (a stop sequence found, a client gone, a timeout), and the
 slot is handed back with `engine.release`. Text (detokenising, stop strings) is the handlers'
 business: the scheduler deals in token ids only.
+
+Paged cache: a job is admitted only when the pages it will hold at its end fit beside what the
+active jobs have reserved, so a step never runs out. The reservation belongs to the slot while its
+job is active and is given back whichever way the job ends; a scoring-only job (max_tokens 0)
+never holds a slot or a page. With nothing to step and nothing admissible the thread sleeps on
+its condition, woken by a submit, a cancel or stop.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import time
 import traceback
 from typing import Any, Callable, Sequence
 
@@ -28,6 +35,10 @@ from MaxText.inference.sampling import RowParams
 
 class QueueFull(Exception):
   """More jobs than free slots plus serve_max_queue: the caller answers 503 with Retry-After."""
+
+
+class TooLarge(Exception):
+  """A job that needs more KV pages than the whole pool: it could never be admitted (a 400)."""
 
 
 @dataclasses.dataclass
@@ -65,9 +76,17 @@ class Job:
   score_prompt: bool = False
   generated: int = 0
   cancelled: bool = False  # set by the handler; read by the scheduler at the next step
+  submitted: float = 0.0  # time.monotonic() at submit
+  on_cancel: Callable[[], None] | None = None  # set by submit: wakes the scheduler
 
   def cancel(self) -> None:
-    self.cancelled = True
+    if not self.cancelled:
+      self.cancelled = True
+      if self.on_cancel is not None:
+        self.on_cancel()
+
+
+_COUNTS = ("admitted", "released", "steps", "loops", "length", "stop", "cancelled", "error")
 
 
 def _top(ids_k: np.ndarray, logprobs_k: np.ndarray) -> list[tuple[int, float]]:
@@ -82,11 +101,14 @@ class Scheduler:
     self.eos_ids = frozenset(eos_ids)
     self._waiting: collections.deque[Job] = collections.deque()
     self._active: dict[int, Job] = {}
-    self._wake = threading.Condition()
+    self._wake = threading.Condition()  # guards _waiting, _active, _reserved
     self._stopping = False
     self._state = engine.init_decode_state(seed)
-    self._reserved: dict[int, int] = {}  # slot -> pages its job holds at its end (paged cache)
-    self.counts = collections.Counter[str]()  # jobs admitted, finished by reason, slots released, steps
+    self._pages_total = int(engine.cache_stats()["pages_total"])  # 0: the dense cache
+    self._reserved: dict[int, int] = {}  # slot -> pages its active job holds at its end (paged cache)
+    # Jobs admitted, finished by reason, slots released, steps, loops. Every key exists from the
+    # start: load() copies the counter from another thread, which a new key would break.
+    self.counts = collections.Counter[str]({k: 0 for k in _COUNTS})
     self._thread = threading.Thread(target=self._loop, name="maxtext-scheduler", daemon=True)
 
   def start(self) -> "Scheduler":
@@ -99,66 +121,102 @@ class Scheduler:
       self._wake.notify_all()
     self._thread.join(timeout)
 
+  def pages_needed(self, job: Job) -> int:
+    """KV pages `job` holds at its end: none for the dense cache or a scoring-only job."""
+    if job.max_tokens == 0:
+      return 0
+    return self.engine.pages_needed(len(job.prompt) + job.max_tokens - 1)
+
   def submit(self, jobs: Sequence[Job]) -> None:
-    """Queues all of `jobs` or none (QueueFull): one request's choices are never split."""
+    """Queues all of `jobs` or none (QueueFull; TooLarge for a job no pool could ever hold): one
+    request's choices are never split."""
+    for job in jobs:
+      need = self.pages_needed(job)
+      if self._pages_total and need > self._pages_total:
+        raise TooLarge(f"{len(job.prompt)} prompt tokens + max_tokens={job.max_tokens} need {need} KV pages but "
+                       f"the whole pool has kv_num_pages={self._pages_total}; lower max_tokens or shorten the prompt")
+    now = time.monotonic()
     with self._wake:
       in_flight = len(self._waiting) + len(self._active)
       if in_flight + len(jobs) > self.engine.num_slots + self.max_queue:
         raise QueueFull(f"{in_flight} requests in flight; capacity {self.engine.num_slots} slots + "
                         f"{self.max_queue} waiting (serve_max_queue)")
+      for job in jobs:
+        job.submitted, job.on_cancel = now, self._notify
       self._waiting.extend(jobs)
       self._wake.notify_all()
 
-  def load(self) -> dict[str, int]:
-    """Jobs waiting and active now, and the counters so far (for tests, /health and the benchmark)."""
+  def load(self) -> dict[str, Any]:
+    """What is in flight now and the counters so far (for tests, /health, /metrics, the benchmark):
+    jobs waiting and active, slots, pages free and reserved, the oldest job's age in seconds."""
     with self._wake:
-      return {"waiting": len(self._waiting), "active": len(self._active), **self.counts}
+      jobs = [*self._waiting, *self._active.values()]
+      oldest = time.monotonic() - min(j.submitted for j in jobs) if jobs else 0.0
+      return {"waiting": len(self._waiting), "active": len(self._active), "slots": self.engine.num_slots,
+              "pages_total": self._pages_total, "pages_free": int(self.engine.cache_stats()["pages_free"]),
+              "pages_reserved": sum(self._reserved.values()), "oldest_age_s": oldest, **self.counts}
+
+  def _notify(self) -> None:
+    with self._wake:
+      self._wake.notify_all()
 
   # ---------------------------------------------------------------- the scheduler thread
+  def _runnable(self) -> bool:
+    """Under the lock: a step to take, a cancelled waiting job to drop or a job to admit."""
+    if self._active or any(j.cancelled for j in self._waiting):
+      return True
+    return bool(self._waiting) and self._fits(self._waiting[0])
+
+  def _fits(self, job: Job) -> bool:
+    need = self.pages_needed(job)
+    return not need or sum(self._reserved.values()) + need <= self._pages_total
+
   def _loop(self) -> None:
     while True:
       with self._wake:
-        while not self._stopping and not self._waiting and not self._active:
+        while not self._stopping and not self._runnable():
           self._wake.wait()
         if self._stopping:
           break
+      self.counts["loops"] += 1
       try:
-        self._admit()
         self._drop_cancelled()
+        self._admit()
         if self._active:
           self._step()
       except Exception as e:  # noqa: BLE001 - a failed step must fail its jobs, not kill the server
         traceback.print_exc()
         self._fail_all(f"{type(e).__name__}: {e}", waiting_too=False)
         self._state = self.engine.init_decode_state()  # the failed step may have consumed the donated state
+        with self._wake:
+          self._reserved.clear()  # every page is free again in the new state
     self._fail_all("the server is shutting down")
 
-  def _next_waiting(self) -> Job | None:
-    with self._wake:
-      return self._waiting.popleft() if self._waiting else None
-
   def _admit(self) -> None:
-    """Fills free slots from the waiting list: optional prompt scoring, then prefill + insert."""
+    """Fills free slots from the head of the waiting list (in order: a job that does not fit yet
+    keeps its place): optional prompt scoring, then prefill + insert."""
     for slot in range(self.engine.num_slots):
       while slot not in self._active:
-        job = self._next_waiting()
-        if job is None:
-          return
-        if job.cancelled:
-          continue
-        # A paged cache admits a job only when the pages it will hold at its end are free.
-        need = self.engine.pages_needed(len(job.prompt) + job.max_tokens - 1)
-        if need and sum(self._reserved.values()) + need > self.engine.cache_stats()["pages_total"]:
-          with self._wake:
-            self._waiting.appendleft(job)
-          return
-        self._reserved[slot] = need
+        with self._wake:
+          if not self._waiting or not self._fits(self._waiting[0]):
+            return
+          job = self._waiting.popleft()
+          need = self.pages_needed(job)
+          if need:
+            self._reserved[slot] = need
         self.counts["admitted"] += 1
         try:
           self._start(job, slot)
         except Exception as e:  # noqa: BLE001 - this job fails alone; the others go on
           traceback.print_exc()
+          with self._wake:
+            self._active.pop(slot, None)
+          self.engine.release(slot)  # pages an insert may have handed out before the failure
           self._finish(job, None, "error", f"{type(e).__name__}: {e}")
+        finally:
+          if slot not in self._active:  # scoring-only, or failed: the job holds nothing now
+            with self._wake:
+              self._reserved.pop(slot, None)
 
   def _start(self, job: Job, slot: int) -> None:
     if job.score_prompt:
@@ -193,16 +251,23 @@ class Scheduler:
       self._finish(job, slot, "length")
 
   def _drop_cancelled(self) -> None:
+    """Cancelled jobs leave at once: active ones free their slot, waiting ones their place."""
     for slot, job in list(self._active.items()):
       if job.cancelled:
         self._finish(job, slot, "cancelled")
+    with self._wake:
+      dropped = [j for j in self._waiting if j.cancelled]
+      if dropped:
+        self._waiting = collections.deque(j for j in self._waiting if not j.cancelled)
+    for job in dropped:
+      self._finish(job, None, "cancelled")
 
   def _finish(self, job: Job, slot: int | None, reason: str, message: str = "") -> None:
     if slot is not None:
       with self._wake:
         del self._active[slot]
+        self._reserved.pop(slot, None)
       self.engine.release(slot)
-      self._reserved.pop(slot, None)
       self.counts["released"] += 1
     self.counts[reason] += 1
     job.emit(Done(job.index, reason, message))
@@ -210,5 +275,9 @@ class Scheduler:
   def _fail_all(self, message: str, waiting_too: bool = True) -> None:
     for slot, job in list(self._active.items()):
       self._finish(job, slot, "error", message)
-    while waiting_too and (waiting := self._next_waiting()) is not None:
+    while waiting_too:
+      with self._wake:
+        waiting = self._waiting.popleft() if self._waiting else None
+      if waiting is None:
+        break
       self._finish(waiting, None, "error", message)

@@ -1,18 +1,19 @@
-"""The server's routes: /health, /v1/models, /v1/completions and /v1/chat/completions (whole
-answers or server-sent events: `data: {chunk}` lines, then `data: [DONE]`)."""
+"""The server's routes: /health, /metrics, /v1/models, /v1/completions and /v1/chat/completions
+(whole answers or server-sent events: `data: {chunk}` lines, then `data: [DONE]`)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import time
 from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable
 
 from fastapi import Request  # at module level: FastAPI resolves the handlers' annotations here
+from fastapi.responses import Response
 
 from MaxText.inference import openai_api as api
 from MaxText.inference import scheduler as sched
+from MaxText.inference import serve_metrics
 
 if TYPE_CHECKING:
   from MaxText.serve import Server
@@ -75,20 +76,21 @@ def _usage(request: api.Request, choices: dict[int, _Choice]) -> dict[str, int]:
 def add_routes(app: Any, server: "Server", json_response: Any, streaming_response: Any,
                sse: Callable[[Any], str]) -> None:
   async def read_json(request: Request) -> Any:
-    try:
-      return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise api.ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    return api.parse_json(await request.body())
 
   @app.get("/health")
   async def health() -> dict[str, Any]:
-    return {"status": "ok"}
+    return server.metrics.health()
+
+  @app.get("/metrics")
+  async def metrics() -> Response:
+    return Response(server.metrics.exposition(), media_type=serve_metrics.CONTENT_TYPE)
 
   async def _run(http: Request, request: api.Request, score_prompt: bool, chat: bool) -> Any:
     """Submits the request's jobs; a streaming request gets its response, any other the
     finished choices by index."""
     jobs, queue = server.submit(request, score_prompt=score_prompt)
-    events = server.events(jobs, queue, http.is_disconnected)
+    events = server.events(jobs, queue, http.is_disconnected, route=http.url.path)
     if request.stream:
       return streaming_response(_stream(server, request, jobs, events, sse, chat=chat),
                                 media_type="text/event-stream")

@@ -1,0 +1,93 @@
+"""What the server shows operators: GET /health's JSON and GET /metrics (Prometheus text format).
+
+Both read the scheduler's figures at the moment they are asked (slots in use, the waiting list, KV
+pages free and reserved, the oldest request's age), so a stall shows from outside: requests
+waiting, no slot in use and an oldest age that keeps growing. /metrics adds what the HTTP layer
+sees: requests by route and status, and latency histograms per route (the whole response, and
+the time to the first token or prompt score). Each `ServeMetrics` has its own registry, never
+prometheus_client's global one, so several servers in one process keep apart.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+# Routes get their own label; any other path counts as "other" (a client cannot grow the label set).
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+FINISH_REASONS = ("length", "stop", "cancelled", "error")
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def route_label(path: str) -> str:
+  return path if path in ROUTES else "other"
+
+
+def health(load: dict[str, Any]) -> dict[str, Any]:
+  """/health's body from Scheduler.load()."""
+  return {"status": "ok", "slots_total": load["slots"], "slots_in_use": load["active"],
+          "queue_length": load["waiting"], "pages_total": load["pages_total"], "pages_free": load["pages_free"],
+          "pages_reserved": load["pages_reserved"], "oldest_request_age_seconds": round(load["oldest_age_s"], 3)}
+
+
+class _SchedulerCollector(Collector):
+  """Gauges and counters read from the scheduler at scrape time."""
+
+  def __init__(self, load: Callable[[], dict[str, Any]]):
+    self.load = load
+
+  def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    now = self.load()
+    for name, key, text in (
+        ("slots_total", "slots", "decode slots (serve_max_slots)"),
+        ("slots_in_use", "active", "slots decoding a request now"),
+        ("queue_length", "waiting", "requests waiting for a slot or KV pages"),
+        ("kv_pages_total", "pages_total", "KV cache pages in the pool (0: the dense cache)"),
+        ("kv_pages_free", "pages_free", "KV cache pages not holding any token"),
+        ("kv_pages_reserved", "pages_reserved", "KV cache pages the active requests will hold at their end"),
+        ("oldest_request_age_seconds", "oldest_age_s", "age of the oldest request waiting or decoding (0: none)")):
+      yield GaugeMetricFamily(f"maxtext_serve_{name}", text, value=float(now[key]))
+    yield CounterMetricFamily("maxtext_serve_engine_steps", "generate steps over all slots",
+                              value=float(now.get("steps", 0)))
+    finished = CounterMetricFamily("maxtext_serve_completions_finished", "completions (choices) ended, by reason",
+                                   labels=["reason"])
+    for reason in FINISH_REASONS:
+      finished.add_metric([reason], float(now.get(reason, 0)))
+    yield finished
+
+
+class ServeMetrics:
+  """One server's registry: the scheduler's figures plus request counts and latencies."""
+
+  def __init__(self, load: Callable[[], dict[str, Any]]):
+    self.load = load
+    self.registry = CollectorRegistry()
+    self.registry.register(_SchedulerCollector(load))
+    self.requests = Counter("maxtext_serve_requests", "HTTP requests answered, by route and status code",
+                            ["route", "status"], registry=self.registry)
+    self.latency = Histogram("maxtext_serve_request_seconds", "from a request's arrival to its response's end",
+                             ["route"], buckets=LATENCY_BUCKETS, registry=self.registry)
+    self.first_token = Histogram("maxtext_serve_time_to_first_token_seconds",
+                                 "from a generation request's submission to its first token or prompt score",
+                                 ["route"], buckets=LATENCY_BUCKETS, registry=self.registry)
+
+  def health(self) -> dict[str, Any]:
+    return health(self.load())
+
+  def exposition(self) -> bytes:
+    return generate_latest(self.registry)
+
+  def observe_request(self, path: str, status: str, seconds: float) -> None:
+    route = route_label(path)
+    self.requests.labels(route, status).inc()
+    self.latency.labels(route).observe(seconds)
+
+  def observe_first_token(self, path: str, since: float) -> None:
+    self.first_token.labels(route_label(path)).observe(time.monotonic() - since)

@@ -1,0 +1,219 @@
+"""The server's scheduler over a stand-in engine (the real page allocator, no model): however a job
+ends its KV page reservation comes back, a scoring-only job reserves nothing, a job larger than
+the pool is refused up front, a blocked or idle scheduler thread sleeps instead of spinning, and
+cancelling a waiting job wakes it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from MaxText.inference import scheduler as sched
+from MaxText.inference.engine import TokenLogprobs
+from MaxText.inference.paged_cache import PageAllocator
+from MaxText.inference.sampling import RowParams
+
+PAGE, MAX_LENGTH, EOS = 4, 48, 63
+ENDLESS = 10**6  # max_tokens of a job that runs until cancelled (its pages are capped at MAX_LENGTH)
+
+
+class FakeEngine:
+  """What the scheduler calls on an Engine: token t is followed by t + 1 (so a prompt ending in
+  EOS - 2 meets EOS at the first step; one ending at 100 or more never does)."""
+
+  def __init__(self, num_slots: int = 3, num_pages: int = 12, max_length: int = MAX_LENGTH):
+    self.num_slots, self.num_pages, self.max_length = num_slots, num_pages, max_length
+    self.fail_prefill = self.fail_step = False
+    self.init_decode_state()
+
+  def init_decode_state(self, seed: int = 0) -> np.ndarray:
+    self.pages = PageAllocator(self.num_pages, PAGE, self.num_slots, self.max_length)
+    self.last = np.zeros(self.num_slots, np.int64)
+    return self.last
+
+  def pages_needed(self, num_tokens: int) -> int:
+    return self.pages.pages_for(num_tokens)
+
+  def cache_stats(self) -> dict[str, int]:
+    return self.pages.stats()
+
+  @staticmethod
+  def _logprobs(n: int) -> TokenLogprobs:
+    return TokenLogprobs(np.full(n, -1.0, np.float32), np.zeros((n, 2), np.int32), np.zeros((n, 2), np.float32))
+
+  def prefill(self, params, prompts, row_params=None):
+    if self.fail_prefill:
+      raise RuntimeError("prefill failed on purpose")
+    prompt = prompts[0]
+    return SimpleNamespace(first_tokens_B=np.asarray([prompt[-1] + 1]), first_logprobs=self._logprobs(1),
+                           length=len(prompt))
+
+  def insert(self, prefix, state, slot):
+    self.pages.assign(slot, prefix.length)
+    self.last[slot] = prefix.first_tokens_B[0]
+    return state
+
+  def step(self, params, state):
+    if self.fail_step:
+      raise RuntimeError("step failed on purpose")
+    self.pages.grow()
+    self.pages.advance()
+    self.last = self.last + 1
+    return state, (self.last.copy(), self._logprobs(self.num_slots))
+
+  def release(self, slot: int) -> None:
+    self.pages.release(slot)
+
+  def score(self, params, prompt):
+    return self._logprobs(len(prompt))
+
+
+class Sink:
+  """A job's events, and a way to wait for its end."""
+
+  def __init__(self):
+    self.events: list[sched.Event] = []
+    self.done = threading.Event()
+
+  def __call__(self, event: sched.Event) -> None:
+    self.events.append(event)
+    if isinstance(event, sched.Done):
+      self.done.set()
+
+  def reason(self, timeout: float = 10.0) -> str:
+    assert self.done.wait(timeout), f"the job did not end within {timeout} s: {self.events[-3:]}"
+    return self.events[-1].reason
+
+
+def job(prompt_len: int, max_tokens: int, score: bool = False, first: int = 1) -> tuple[sched.Job, Sink]:
+  sink = Sink()
+  return sched.Job(0, [first] * prompt_len, max_tokens, RowParams(), sink, score_prompt=score), sink
+
+
+@pytest.fixture
+def engine():
+  return FakeEngine()
+
+
+@pytest.fixture
+def scheduler(engine):
+  s = sched.Scheduler(engine, None, max_queue=16, eos_ids=[EOS]).start()
+  yield s
+  s.stop(5)
+
+
+def _settled(scheduler: sched.Scheduler, timeout: float = 5.0) -> dict:
+  deadline = time.monotonic() + timeout
+  while (load := scheduler.load())["active"] or load["waiting"]:
+    assert time.monotonic() < deadline, load
+    time.sleep(0.01)
+  return load
+
+
+def _assert_nothing_held(scheduler: sched.Scheduler, engine: FakeEngine) -> None:
+  load = _settled(scheduler)
+  assert load["pages_reserved"] == 0, load
+  assert load["pages_free"] == engine.num_pages, load
+
+
+def _thread_cpu_seconds(scheduler: sched.Scheduler) -> float:
+  return time.clock_gettime(time.pthread_getcpuclockid(scheduler._thread.ident))
+
+
+def test_a_scoring_job_beside_a_generating_one_leaves_room_for_a_job_the_size_of_the_pool(scheduler, engine):
+  """The leak: a scoring-only job admitted into a free slot kept that slot's reservation for ever,
+  so a later job needing most of the pool never fitted (and the thread spun)."""
+  generating, generating_sink = job(4, 6)
+  scoring, scoring_sink = job(30, 0, score=True)  # its pages would be 30 tokens' worth
+  scheduler.submit([generating, scoring])  # one submit: both admitted in the same pass, into slots 0 and 1
+  assert scoring_sink.reason() == "length" and isinstance(scoring_sink.events[0], sched.PromptScores)
+  assert generating_sink.reason() == "length"
+  _assert_nothing_held(scheduler, engine)
+  whole_pool, sink = job(8, MAX_LENGTH - 8 + 1)  # 48 cached tokens: all 12 pages
+  scheduler.submit([whole_pool])
+  assert sink.reason() == "length"
+  _assert_nothing_held(scheduler, engine)
+
+
+@pytest.mark.parametrize("ending", ["length", "eos", "cancel-active", "cancel-waiting", "prefill-error",
+                                    "step-error", "scoring"])
+def test_every_ending_gives_back_exactly_what_was_reserved(scheduler, engine, ending):
+  blocker, blocker_sink = job(8, ENDLESS, first=100)  # holds the whole pool until cancelled
+  scheduler.submit([blocker])
+  deadline = time.monotonic() + 5
+  while scheduler.load()["pages_reserved"] != engine.num_pages:
+    assert time.monotonic() < deadline, scheduler.load()
+    time.sleep(0.01)
+  if ending == "cancel-waiting":
+    waiting, sink = job(4, 4)
+    scheduler.submit([waiting])
+    assert scheduler.load()["waiting"] == 1
+    waiting.cancel()
+    assert sink.reason(2.0) == "cancelled"  # dropped while the first job still holds the pool
+    assert scheduler.load()["waiting"] == 0 and not blocker_sink.done.is_set()
+    blocker.cancel()
+  elif ending == "step-error":
+    engine.fail_step = True
+    assert blocker_sink.reason() == "error"
+  else:
+    blocker.cancel()
+    assert blocker_sink.reason() == "cancelled"
+    if ending != "cancel-active":
+      _assert_nothing_held(scheduler, engine)
+      engine.fail_prefill = ending == "prefill-error"
+      follower, sink = job(4, 0 if ending == "scoring" else 10, score=ending == "scoring",
+                           first=EOS - 2 if ending == "eos" else 1)
+      scheduler.submit([follower])
+      expected = {"length": "length", "eos": "stop", "prefill-error": "error", "scoring": "length"}[ending]
+      assert sink.reason() == expected, sink.events[-1]
+  _assert_nothing_held(scheduler, engine)
+  engine.fail_prefill = engine.fail_step = False
+  after, sink = job(8, 41)  # 48 tokens: the whole pool is admissible again
+  scheduler.submit([after])
+  assert sink.reason() == "length"
+  _assert_nothing_held(scheduler, engine)
+
+
+def test_a_job_larger_than_the_pool_is_refused_up_front():
+  engine = FakeEngine(num_pages=8)  # 32 tokens' worth; a request may reach MAX_LENGTH = 48
+  s = sched.Scheduler(engine, None, max_queue=4).start()
+  try:
+    big, _ = job(10, 30)
+    with pytest.raises(sched.TooLarge, match="need 10 KV pages .* kv_num_pages=8; lower max_tokens"):
+      s.submit([big])
+    assert s.load()["waiting"] == 0
+    fits, sink = job(10, 23)
+    s.submit([fits])
+    assert sink.reason() == "length"
+  finally:
+    s.stop(5)
+
+
+def test_a_blocked_scheduler_sleeps_and_a_cancel_wakes_it(scheduler, engine):
+  """Nothing to step and a head job that does not fit: the thread waits on its condition (no CPU)
+  and a cancel of that job wakes it to drop the job at once."""
+  with scheduler._wake:
+    scheduler._reserved[0] = engine.num_pages  # pages held by a job that never gives them back
+  stuck, sink = job(4, 4)
+  scheduler.submit([stuck])
+  time.sleep(0.2)
+  loops, cpu = scheduler.counts["loops"], _thread_cpu_seconds(scheduler)
+  time.sleep(1.0)
+  assert scheduler.counts["loops"] == loops and _thread_cpu_seconds(scheduler) - cpu < 0.05
+  assert scheduler.load()["waiting"] == 1 and scheduler.load()["oldest_age_s"] >= 1.0
+  stuck.cancel()
+  assert sink.reason(1.0) == "cancelled"
+  assert scheduler.load()["waiting"] == 0 and scheduler.load()["oldest_age_s"] == 0
+
+
+def test_an_idle_scheduler_sleeps(scheduler):
+  one, sink = job(4, 3)
+  scheduler.submit([one])
+  assert sink.reason() == "length"
+  loops, cpu = scheduler.counts["loops"], _thread_cpu_seconds(scheduler)
+  time.sleep(0.5)
+  assert scheduler.counts["loops"] == loops and _thread_cpu_seconds(scheduler) - cpu < 0.05
