@@ -37,7 +37,7 @@ from typing import Any, Mapping
 if __package__ in (None, ""):  # `python3 MaxText/plan.py`: import the package, not sibling files.
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from MaxText import accelerators, compiled_step, config as config_lib, plan_model, startup
+from MaxText import accelerators, compiled_step, config as config_lib, plan_model, plan_progress, startup
 from MaxText.errors import ConfigError, UserError, run_cli
 from MaxText.memory_report import GIB
 
@@ -130,7 +130,7 @@ def compile_flags(generation: str) -> str:
 def _source_digest() -> str:
   """The code that builds and compiles the step: every module but the planner's own."""
   digest = hashlib.sha256()
-  planner = {Path(__file__).resolve(), Path(plan_model.__file__).resolve()}
+  planner = {Path(f).resolve() for f in (__file__, plan_model.__file__, plan_progress.__file__)}
   for path in sorted(p for p in (REPO / "MaxText").rglob("*.py") if p.resolve() not in planner):
     digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
   return digest.hexdigest()
@@ -206,28 +206,6 @@ def _text(value: Any) -> str:
   return ("true" if value else "false") if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) else str(value)
 
 
-class Progress:
-  """One line on stderr: a bar, done/total, and the ETA from the mean compile time so far."""
-
-  def __init__(self, total: int, workers: int):
-    self.total, self.workers, self.done, self.seconds = total, workers, 0, 0.0
-    self.start = time.monotonic()
-    self.tty = sys.stderr.isatty()
-
-  def update(self, label: str, compile_s: float) -> None:
-    self.done += 1
-    self.seconds += compile_s
-    remaining = self.total - self.done
-    eta = self.seconds / self.done * remaining / max(1, min(self.workers, remaining)) if remaining else 0.0
-    bar = "#" * round(20 * self.done / self.total)
-    line = f"[{bar:<20}] {self.done}/{self.total} compiled, ETA {eta:.0f} s ({label}: {compile_s:.1f} s)"
-    print(("\r" + line.ljust(110)) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
-
-  def finish(self) -> None:
-    if self.tty and self.done:
-      print(file=sys.stderr)
-
-
 def _workers(requested: int, todo: int) -> int:
   if requested:
     return max(1, min(requested, todo))
@@ -247,20 +225,34 @@ def _compile_all(planned: list[Planned], config_argv: list[str], flags: str, cac
   workers = _workers(args.workers, len(todo))
   print(f"compiling {len(todo)} candidates in {workers} worker process{'es' if workers > 1 else ''} "
         f"(budget {args.budget_minutes:g} min); cache: {cache_dir}", flush=True)
-  progress = Progress(len(todo), workers)
+  progress = plan_progress.Progress(len(todo), workers)
   deadline = time.monotonic() + args.budget_minutes * 60
   context = multiprocessing.get_context("spawn")
   executor = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, max_tasks_per_child=1)
-  futures = {executor.submit(compile_candidate, config_argv + p.argv_values(), flags,
-                             str(cache_dir / f"{p.key}.log")): p for p in todo}
+  logs = {p.key: cache_dir / f"{p.key}.log" for p in todo}
+  for log in logs.values():  # a worker creates its log as it starts: that is how a start is seen
+    log.unlink(missing_ok=True)
+  futures = {executor.submit(compile_candidate, config_argv + p.argv_values(), flags, str(logs[p.key])): p
+             for p in todo}
+  announced: set[str] = set()
+
+  def announce(p: Planned) -> None:
+    if p.key not in announced:
+      announced.add(p.key)
+      progress.started(todo.index(p) + 1, plan_model.describe(p.settings) or "(as given)", logs[p.key])
+
   finished = True
   try:
     pending = set(futures)
     while pending:
-      done, pending = concurrent.futures.wait(pending, timeout=max(0.0, deadline - time.monotonic()),
-                                              return_when=concurrent.futures.FIRST_COMPLETED)
+      timeout = max(0.0, min(plan_progress.POLL_SECONDS, deadline - time.monotonic()))
+      done, pending = concurrent.futures.wait(pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+      for future in pending:
+        if logs[futures[future].key].exists():
+          announce(futures[future])
       for future in done:
         p = futures[future]
+        announce(p)
         try:
           p.result = future.result()
         except Exception as e:  # a crashed compile is reported, not cached
@@ -319,6 +311,13 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
   kernel = select_kernel(config.model.attention, "tpu", config.model)
   hbm = topology.generation.hbm_gib * GIB
   limit = hbm * (1 - args.headroom)  # the analytical model's error on large models is a few percent
+  # A lower bound over the whole space answers "fits nowhere" before the long ranking and any compile.
+  bound = plan_model.Bound(model, seq_len, rules, kernel, fixed, global_batch, config.mesh.data_sharding)
+  nowhere = plan_model.fits_nowhere(bound, topology, num_slices, args.headroom)
+  if nowhere:
+    raise UserError(f"{config['model_name']} does not fit {num_slices} x {topology.name} at any setting the planner "
+                    f"searches: {nowhere}")
+  print(f"ranking the search space for {num_slices} x {topology.name} (analytical model) ...", flush=True)
   ranked = []
   for settings in plan_model.candidates(model, topology, num_slices, fixed, global_batch, seq_len,
                                           config.mesh.data_sharding):
@@ -327,16 +326,14 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
       ranked.append((-estimate.tokens_per_s, int(settings.get("gradient_accumulation_steps", 1)), estimate.total,
                      settings, estimate))
   counted = len(ranked)
-  if not ranked:
-    least = plan_model.least_memory(model, topology, num_slices, seq_len, rules, kernel)
-    smallest = plan_model.smallest_fitting_topology(model, topology, num_slices, seq_len, rules, kernel)
-    where = f"the smallest {topology.generation.name} slice that would (analytical model): {smallest}" if smallest \
-        else f"no {topology.generation.name} slice is large enough at {num_slices} slice(s)"
-    if least <= limit:  # only the user's fixed keys keep it out
-      where = f"drop or change the fixed keys {', '.join(sorted(fixed))}"
-    raise UserError(f"{config['model_name']} does not fit {num_slices} x "
-                    f"{topology.name} at any setting the planner searches (at least {least / GIB:.1f} GiB per chip "
-                    f"of {topology.generation.hbm_gib:g}); {where}")
+  if not ranked:  # the bound fits, but only with a batch or a layout the planner cannot run
+    leanest = bound.leanest(topology, num_slices)
+    figure = f"{leanest[0].total / GIB:.1f} GiB per chip, " if leanest else ""
+    change = f"drop or change the fixed keys {', '.join(sorted(fixed))}" if fixed else \
+        "use a larger slice or a shorter max_target_length"
+    raise UserError(f"{config['model_name']} does not fit {num_slices} x {topology.name} at any setting the planner "
+                    f"searches: only less than a sequence per data shard, or more unsharded parameters than "
+                    f"sharding_tolerance, would ({figure}of {topology.generation.hbm_gib:g} GiB); {change}")
   ranked.sort(key=lambda r: r[:3])  # fastest, then fewer microbatches, then less memory
   planned: list[Planned] = []
   flags = compile_flags(topology.generation.name)

@@ -329,12 +329,13 @@ def powers_of_two(limit: int) -> list[int]:
 
 
 def candidates(model: ModelShape, topology: accelerators.TpuTopology, num_slices: int, fixed: Mapping[str, Any],
-               global_batch: int | None, seq_len: int,
-               data_sharding: Sequence[str] = MESH_AXES) -> Iterator[dict[str, Any]]:
+               global_batch: int | None, seq_len: int, data_sharding: Sequence[str] = MESH_AXES,
+               whole_batches: bool = True) -> Iterator[dict[str, Any]]:
   """Every candidate in the search space that respects the user's `fixed` keys: degrees per
   mesh axis within a slice and across slices (pipeline stages with their schedules and
   microbatch counts among them), remat policy, optimizer offload, batch and gradient
-  accumulation. Degrees are powers of two whose product is the device count."""
+  accumulation. Degrees are powers of two whose product is the device count. Without
+  `whole_batches`, batches that do not split into whole rows are kept (for a lower bound)."""
   cfg = model.cfg
   per_slice = topology.chips
   layers = cfg.num_decoder_layers
@@ -389,15 +390,16 @@ def candidates(model: ModelShape, topology: accelerators.TpuTopology, num_slices
       candidate["dcn_data_parallelism"] = 1
     stages = mesh_of(candidate)["stage"]
     fixed_pipeline = {k: fixed[k] for k in PIPELINE_KEYS if k in fixed}
+    divides = lambda c: not whole_batches or _batch_divides(c, per_slice * num_slices, seq_len, data_sharding)
     if stages == 1:
-      if _batch_divides(candidate, per_slice * num_slices, seq_len, data_sharding):
+      if divides(candidate):
         yield candidate
       continue
     for variant in pipeline_variants(stages, layers):
       if any(variant[k] != v for k, v in fixed_pipeline.items()):
         continue
       piped = {**candidate, **variant}
-      if _batch_divides(piped, per_slice * num_slices, seq_len, data_sharding):
+      if divides(piped):
         yield piped
 
 
@@ -413,27 +415,109 @@ def _batch_divides(candidate: Mapping[str, Any], chips: int, seq_len: int, data_
   return micro.is_integer() and global_batch.is_integer() and int(micro) % rows == 0 and seq_len % mesh["sequence"] == 0
 
 
-def smallest_fitting_topology(model: ModelShape, topology: accelerators.TpuTopology, num_slices: int,
-                              seq_len: int, rules: Any, attention_kernel: str) -> str | None:
-  """The smallest slice of the same generation (at `num_slices`) where the least memory-hungry
-  setting (full FSDP, full remat, optimizer offloaded, the smallest batch) fits, or None."""
+# The fewest bytes per chip: whatever the mesh, these settings only lower a candidate's estimate.
+LEAN = {"remat_policy": "full", "optimizer_memory_host_offload": True}
+MAX_SUGGESTED_SLICES = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+  """Where the planner looks (topology, slices, the user's fixed keys and global batch) and the
+  least memory any candidate there can need: `leanest` is a lower bound on every ranked estimate."""
+
+  model: ModelShape
+  seq_len: int
+  rules: Any
+  attention_kernel: str
+  fixed: Mapping[str, Any]
+  global_batch: int | None
+  data_sharding: Sequence[str] = MESH_AXES
+
+  def leanest(self, topology: accelerators.TpuTopology, num_slices: int,
+              fixed: Mapping[str, Any] | None = None) -> tuple[Estimate, dict[str, Any]] | None:
+    """The candidate of least estimated memory over every mesh layout, with full remat, the
+    optimizer offloaded and, unless the batch is fixed, one sequence per step (not a valid batch
+    for most layouts: only a bound); None when the fixed keys leave no layout."""
+    fixed = self.fixed if fixed is None else fixed
+    lean: dict[str, Any] = dict(LEAN)
+    if self.global_batch is None and "per_device_batch_size" not in fixed:
+      lean.update(per_device_batch_size=1 / (topology.chips * num_slices), gradient_accumulation_steps=1)
+    best = None
+    for candidate in candidates(self.model, topology, num_slices, {**lean, **fixed}, self.global_batch, self.seq_len,
+                                self.data_sharding, whole_batches=False):
+      found = estimate(self.model, candidate, topology, num_slices, self.seq_len, self.rules, self.attention_kernel)
+      if best is None or found.total < best[0].total:
+        best = (found, candidate)
+    return best
+
+  def fits(self, topology: accelerators.TpuTopology, num_slices: int, limit_share: float,
+           fixed: Mapping[str, Any] | None = None) -> bool:
+    found = self.leanest(topology, num_slices, fixed)
+    return found is not None and found[0].total <= topology.generation.hbm_gib * GIB * limit_share
+
+  def smallest_slice(self, generation: accelerators.TpuGeneration, num_slices: int, above_chips: int,
+                     limit_share: float, fixed: Mapping[str, Any]) -> str | None:
+    """The smallest slice of `generation` with more than `above_chips` chips where the bound fits
+    (a binary search: more chips never need more memory per chip), or None."""
+    sizes = [n for n in generation.sizes if n // generation.cores_per_chip > above_chips]
+    fitting = lambda n: self.fits(accelerators.tpu_topology(f"{generation.name}-{n}"), num_slices, limit_share, fixed)
+    if not sizes or not fitting(sizes[-1]):
+      return None
+    low, high = 0, len(sizes) - 1  # sizes[high] fits
+    while low < high:
+      mid = (low + high) // 2
+      low, high = (low, mid) if fitting(sizes[mid]) else (mid + 1, high)
+    return f"{generation.name}-{sizes[high]}"
+
+
+def where_it_fits(bound: Bound, topology: accelerators.TpuTopology, num_slices: int, limit_share: float) -> str:
+  """What to change so that the bound fits (analytical model): a larger slice of this generation,
+  else more slices of its largest, and a generation with more HBM per chip."""
   gen = topology.generation
-  for size in gen.sizes:
-    bigger = accelerators.tpu_topology(f"{gen.name}-{size}")
-    if bigger.chips <= topology.chips:
-      continue
-    if least_memory(model, bigger, num_slices, seq_len, rules, attention_kernel) <= gen.hbm_gib * GIB:
-      return bigger.name
-  return None
+  # The user's mesh degrees belong to this topology; the other fixed keys (policy, batch) are kept.
+  fixed = {k: v for k, v in bound.fixed.items() if not k.endswith("_parallelism")}
+  options = []
+  larger = bound.smallest_slice(gen, num_slices, topology.chips, limit_share, fixed)
+  if larger:
+    options.append(f"{num_slices} x {larger}" if num_slices > 1 else larger)
+  else:
+    largest = accelerators.tpu_topology(f"{gen.name}-{gen.sizes[-1]}")
+    slices = 2 * num_slices
+    while slices <= MAX_SUGGESTED_SLICES and not bound.fits(largest, slices, limit_share, fixed):
+      slices *= 2
+    if slices <= MAX_SUGGESTED_SLICES:
+      options.append(f"{slices} x {largest.name} (compile_topology_num_slices={slices})")
+  for other in accelerators.TPU_GENERATIONS.values():
+    if other.hbm_gib > gen.hbm_gib:
+      found = bound.smallest_slice(other, num_slices, 0, limit_share, fixed)
+      if found:
+        options.append(f"{num_slices} x {found}" if num_slices > 1 else found)
+  if not options:
+    return f"no TPU topology up to {MAX_SUGGESTED_SLICES} slices holds it (analytical model)"
+  return f"it would fit (analytical model) on {', or '.join(options)}"
 
 
-def least_memory(model: ModelShape, topology: accelerators.TpuTopology, num_slices: int, seq_len: int, rules: Any,
-                 attention_kernel: str) -> float:
-  chips = topology.chips * num_slices
-  candidate = {"ici_fsdp_parallelism": topology.chips, "dcn_fsdp_parallelism": num_slices, "remat_policy": "full",
-               "optimizer_memory_host_offload": True, "per_device_batch_size": 1 / chips * max(1, 1),
-               "gradient_accumulation_steps": 1}
-  return estimate(model, candidate, topology, num_slices, seq_len, rules, attention_kernel).total
+def fits_nowhere(bound: Bound, topology: accelerators.TpuTopology, num_slices: int, headroom: float) -> str | None:
+  """Why no candidate can fit `topology`, with the figures and what to change, when the lower
+  bound says so (answered before anything is ranked or compiled); None when one may fit."""
+  limit_share = 1 - headroom
+  gen = topology.generation
+  limit = gen.hbm_gib * GIB * limit_share
+  found = bound.leanest(topology, num_slices)
+  if found is not None and found[0].total <= limit:
+    return None
+  if found is None:
+    need = "no mesh layout respects the fixed degrees"
+  else:
+    e, settings = found
+    need = (f"its leanest setting ({describe(settings, shown=('remat_policy', 'optimizer_memory_host_offload'))}) "
+            f"needs {e.total / GIB:.1f} GiB per chip (parameters {e.params / GIB:.1f} + optimizer "
+            f"{e.optimizer / GIB:.1f} + the larger of gradients {e.gradients / GIB:.1f} and activations "
+            f"{e.activations / GIB:.1f})")
+  have = f"a {gen.name} chip holds {gen.hbm_gib:g} GiB ({limit / GIB:.1f} with headroom={headroom:g})"
+  if bound.fixed and bound.fits(topology, num_slices, limit_share, fixed={}):
+    return f"{need}, {have}; drop or change the fixed keys {', '.join(sorted(bound.fixed))}"
+  return f"{need}, {have}; {where_it_fits(bound, topology, num_slices, limit_share)}"
 
 
 def describe(candidate: Mapping[str, Any], shown: Sequence[str] | None = None) -> str:

@@ -3,6 +3,7 @@ small v5e compiles, the compile cache key, a whole plan on a tiny model (a secon
 nothing, the recipe it writes dry-runs), and the one-line answers to impossible or bad input."""
 
 import dataclasses
+import re
 import subprocess
 
 import pytest
@@ -161,8 +162,11 @@ def test_tiny_plan_compiles_caches_and_writes_a_recipe(tmp_path, capsys):
   args = argv(compile_topology="v5e-4", max_candidates=1, workers=1, cache_dir=cache, write_recipe=recipe,
               remat_policy="full", global_batch_tokens=512, **TINY)
   assert plan.main(args) == 0
-  out = capsys.readouterr().out
+  out, err = capsys.readouterr()
   assert "compiling 1 candidates in 1 worker process" in out
+  # Progress: the candidate as it starts compiling (with its worker's log), then the bar.
+  assert re.search(r"^compiling candidate 1/1: \S.* \(log: .*\.log\)$", err, re.M), err
+  assert "1/1 compiled, ETA 0 s" in err
   assert "HBM GiB/chip" in out and "yes (" in out and "best: " in out and "python3 -m MaxText.train" in out
   assert len(list(cache.glob("*.json"))) == 1
   # The recipe runs like the shipped ones: its dry run holds the planned keys and the fixed ones.
@@ -187,12 +191,58 @@ def test_a_spent_budget_stops_the_compiles_and_says_so(tmp_path, capsys):
   assert not list(tmp_path.glob("*.json"))  # nothing finished, nothing cached
 
 
-def test_a_model_too_large_for_any_setting_names_the_smallest_topology(tmp_path):
-  with pytest.raises(UserError, match=r"llama2-7b does not fit 1 x v5e-4 at any setting the planner searches "
-                                      r"\(at least [\d.]+ GiB per chip of 16\); the smallest v5e slice that would "
-                                      r"\(analytical model\): v5e-\d+$"):
+def no_compile(monkeypatch):
+  """Any compile fails the test: these answers must come from the analytical model alone."""
+  def compile_attempted(*args, **kwargs):
+    raise AssertionError("the planner compiled a candidate")
+  monkeypatch.setattr(plan, "_compile_all", compile_attempted)
+  monkeypatch.setattr(plan, "compile_figures", compile_attempted)
+
+
+def test_a_model_too_large_for_any_setting_names_the_smallest_topology(tmp_path, monkeypatch, capsys):
+  no_compile(monkeypatch)
+  with pytest.raises(UserError, match=r"^llama2-7b does not fit 1 x v5e-4 at any setting the planner searches: its "
+                                      r"leanest setting \(full opt_offload ici_fsdp=4\) needs [\d.]+ GiB per chip "
+                                      r"\(parameters [\d.]+ \+ optimizer [\d.]+ \+ the larger of gradients [\d.]+ and "
+                                      r"activations [\d.]+\), a v5e chip holds 16 GiB \(14.4 with headroom=0.1\); it "
+                                      r"would fit \(analytical model\) on v5e-8, or .*v5p-8"):
     plan.main(argv(model_name="llama2-7b", compile_topology="v5e-4", max_target_length=2048, cache_dir=tmp_path))
   assert not list(tmp_path.glob("*"))  # answered by the analytical model: nothing compiled
+  assert "ranking" not in capsys.readouterr().out  # nor ranked: the bound alone answers
+
+
+def test_a_model_no_slice_holds_is_answered_at_once_with_more_slices(tmp_path, monkeypatch, capsys):
+  """The case that took minutes: every candidate of a 256-chip slice ranked before the answer.
+  The lower bound's leanest setting may use tensor parallelism (it spreads the gathered layer)."""
+  no_compile(monkeypatch)
+  with pytest.raises(UserError) as raised:
+    plan.main(argv(model_name="llama3.1-405b", compile_topology="v5e-256", cache_dir=tmp_path))
+  message = str(raised.value)
+  assert message.startswith("llama3.1-405b does not fit 1 x v5e-256 at any setting the planner searches: its leanest "
+                            "setting ("), message
+  needed = float(re.search(r"needs ([\d.]+) GiB per chip", message).group(1))
+  assert 14.4 < needed < 64 and "2 x v5e-256 (compile_topology_num_slices=2)" in message, message
+  assert "ranking" not in capsys.readouterr().out
+
+
+def test_fixed_keys_that_keep_a_model_out_are_named(tmp_path, monkeypatch):
+  no_compile(monkeypatch)
+  with pytest.raises(UserError, match=r"drop or change the fixed keys ici_data_parallelism$"):
+    plan.main(argv(model_name="llama2-7b", compile_topology="v5e-16", max_target_length=2048,
+                   ici_data_parallelism=16, cache_dir=tmp_path))
+
+
+def test_the_bound_is_below_every_ranked_candidate():
+  """fits_nowhere may answer before ranking only because no candidate can need less than the bound."""
+  topology = accelerators.tpu_topology("v5e-8")
+  config = config_lib.Config.for_testing(target=topology.target(), run_name="t", **dict(TINY, base_num_decoder_layers=4))
+  model = plan_model.ModelShape.of(config.model, config.optim)
+  rules, kernel = config.mesh.logical_axis_rules, select_kernel(config.model.attention, "tpu", config.model)
+  bound = plan_model.Bound(model, 64, rules, kernel, {}, None, config.mesh.data_sharding)
+  least = bound.leanest(topology, 1)[0].total
+  totals = [plan_model.estimate(model, c, topology, 1, 64, rules, kernel).total
+            for c in plan_model.candidates(model, topology, 1, {}, None, 64, config.mesh.data_sharding)]
+  assert totals and least <= min(totals)
 
 
 def test_bad_planner_arguments_are_one_line_errors():
