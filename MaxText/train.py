@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 PROCESS_STARTED = time.time()  # before the heavy imports: they are start-up time too (goodput)
 
@@ -81,6 +82,7 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None) -> in
   setup = run.setup
   start = run_start.initial_state(config, setup, checkpoints, run.init_state)
   log(f"state: {start.description}")
+  data = open_data(run, start) if int(start.state.step) < config.run.steps else None
   record_start(config)
   log(f"model: {run.num_params / 1e6:.2f}M parameters, {config.model.num_decoder_layers} layers, "
       f"attention={select_kernel(config.model.attention, target.platform, config.model)}, "
@@ -101,9 +103,7 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None) -> in
     if checkpoints is not None:
       checkpoints.close()
     return 0
-  data = run.data_iterator()
-  if start.data_state is not None:
-    data.set_state(start.data_state)
+  assert data is not None  # opened above for a run with steps left
   rng = jax.random.key(config.run.init_weights_seed) if start.rng_key_data is None \
       else jax.random.wrap_key_data(jax.numpy.asarray(start.rng_key_data, jax.numpy.uint32))
   trainer = Trainer(config, run.train_step, data, rng, flops, peak)
@@ -117,6 +117,17 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None) -> in
     log(f"done: steps {start_step + 1}..{loop.last.step}, loss {first:.4f} -> {last:.4f}; "
         f"metrics in {run_dir}")
   return 0
+
+
+def open_data(run: run_assembly.Run, start: run_start.Start) -> Any:
+  """The train batches from where the run starts, the first already read: bad data (a malformed
+  file, a refused record, every sample dropped) stops the run before it writes to its directory."""
+  data = run.data_iterator()
+  if start.data_state is not None:
+    data.set_state(start.data_state)
+  if hasattr(data, "peek"):
+    data.peek()
+  return data
 
 
 def add_hooks(trainer: Trainer, run: run_assembly.Run, checkpoints: checkpointing.RunCheckpoints | None,

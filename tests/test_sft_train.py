@@ -116,3 +116,31 @@ def test_fine_tuned_model_exports_and_answers_through_its_chat_template(tmp_path
   # The fine-tuned model continues the line and ends its turn.
   answer = tokenizer(f"{' '.join(WORDS[3:6])}<|im_end|>", add_special_tokens=False)["input_ids"]
   assert ids("generated ids: ")[:len(answer)] == answer, out
+
+
+def truncated_line_6(path: Path) -> None:
+  lines = path.read_text().splitlines()
+  lines[5] = lines[5][:30]
+  path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("extra, damage, message", [
+    ([], truncated_line_6, "hf_data_files: {train} line 6: not valid JSON (Expecting property name enclosed in "
+                           "double quotes at column 31); fix or remove that record"),
+    (["max_target_length=8"], None, "every sft sample was dropped: none has a trained token within "
+                                    "max_target_length + 1 = 9 tokens; max_target_length >= "),
+], ids=["malformed-line", "all-dropped"])
+def test_bad_data_stops_the_run_before_it_writes_anything(tmp_path, monkeypatch, extra, damage, message):
+  """Found when the data opens or in the first batch, read before config.yml or any metric."""
+  if damage is not None:
+    def write_then_damage(path: Path, records: list[dict]) -> Path:
+      path.write_text("".join(json.dumps(r) + "\n" for r in records))
+      if path.name == "train.jsonl":
+        damage(path)
+      return path
+    monkeypatch.setitem(globals(), "write_jsonl", write_then_damage)
+  proc = train(tmp_path, "steps=2", *extra, records=conversations(16, 0))
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+  expected = "error: " + message.format(train=tmp_path / "train.jsonl")
+  assert proc.returncode == 2 and len(errors) == 1 and errors[0].startswith(expected), proc.stderr[-2000:]
+  assert not list((tmp_path / "sft").iterdir())  # no config.yml, config_history, metrics or lease
