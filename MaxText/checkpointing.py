@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import time
 from typing import Any, Iterator
@@ -32,6 +33,9 @@ from MaxText.local_checkpoints import LocalTier
 from MaxText.sharding import with_shardings
 
 STATE, DATA, META = "state", "data", "meta"
+META_FILE = "metadata"  # the file Orbax's JsonSave writes in an item's directory
+REWIND_KEY = "resume_from_step"  # in a checkpoint's meta: the resume_from_step of the start that saved it
+RESUME_KEYS = "resume_keys"  # in a checkpoint's meta: the values of the keys a resume must keep
 
 
 def log(message: str) -> None:
@@ -231,11 +235,51 @@ class RunCheckpoints:
     restored = self._manager.restore(step, args=args)
     return Restored(restored[STATE], restored[DATA], restored[META] or {}, step, self.directory)
 
-  def _set_aside(self, step: int) -> str:
+  def _set_aside(self, step: int, target_name: str = "") -> str:
     source = storage.join(self.directory, str(step))
-    target_name = f"{step}.corrupt-{int(time.time())}"
+    target_name = target_name or f"{step}.corrupt-{int(time.time())}"
     if jax.process_index() == 0 and storage.exists(source):
       storage.set_aside(source, target_name)
     multihost_utils.sync_global_devices(f"checkpoint_set_aside_{step}")
     self._manager.reload()
     return storage.join(self.directory, target_name)
+
+  # ------------------------------------------------------------------ resume_from_step
+
+  def saved_meta(self, step: int) -> dict[str, Any] | None:
+    """The meta saved with `step` (the persistent tier's, else this host's local copy), read
+    without restoring anything; None when it is unreadable."""
+    path = storage.join(self.directory, str(step), META, META_FILE)
+    try:
+      meta = json.loads(storage.read_text(path))
+      return meta if isinstance(meta, dict) else None
+    except Exception:  # noqa: BLE001 - absent or damaged: the restore reports damage
+      pass
+    return self.local.meta(step) if self.local is not None and step in self.local.steps() else None
+
+  def rewind_plan(self, step: int) -> list[int]:
+    """The persistent steps that resume_from_step=`step` sets aside, newest first: those after
+    it that were not saved by a start with that same resume_from_step (rerunning the same
+    command after a kill continues, it does not go back again). UserError when there are some
+    but `step` (> 0) is not a saved step."""
+    steps = self.all_steps()
+    later = [s for s in reversed(steps) if s > step and (self.saved_meta(s) or {}).get(REWIND_KEY) != step]
+    if later and step > 0 and step not in steps:
+      raise UserError(f"resume_from_step={step}: {self.directory} holds no checkpoint of step {step} (saved "
+                      f"steps: {', '.join(map(str, steps)) or 'none'}); choose one of those, or 0 to start over")
+    return later
+
+  def rewind(self, step: int, plan: list[int]) -> list[str]:
+    """Sets aside (renames, never deletes) the persistent steps of `plan` and this host's local
+    steps after `step` not saved under the same rewind; every process calls it. Returns the new
+    names of the persistent steps."""
+    multihost_utils.sync_global_devices("resume_from_step_planned")  # every process planned before any move
+    stamp = int(time.time())
+    moved = [self._set_aside(s, f"{s}.before-resume_from_step_{step}-{stamp}") for s in plan]
+    if self.local is not None:
+      for s in self.local.steps():
+        if s > step and (self.local.meta(s) or {}).get(REWIND_KEY) != step:
+          self.local.set_aside(s, f"{s}.before-resume_from_step_{step}-{stamp}")
+    if plan:
+      self.last_saved_step = self._manager.latest_step()
+    return moved

@@ -141,6 +141,20 @@ class LocalTier:
     with open(os.path.join(self.root, str(step), MANIFEST), encoding="utf-8") as f:
       return json.load(f)
 
+  def meta(self, step: int) -> dict[str, Any] | None:
+    """The run's meta saved with `step` on this host, or None when it is unreadable."""
+    try:
+      return self._manifest(step).get("meta") or {}
+    except (OSError, ValueError):
+      return None
+
+  def set_aside(self, step: int, name: str) -> str:
+    """Renames this host's copy of `step` to `name` (never deleted); returns the new path."""
+    self.wait()
+    target = os.path.join(self.root, name)
+    os.rename(os.path.join(self.root, str(step)), target)
+    return target
+
   def _layout_matches(self, step: int, abstract_state: Any, shardings: Any) -> bool:
     try:
       manifest = self._manifest(step)

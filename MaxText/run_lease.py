@@ -12,7 +12,9 @@ run on the same machine (same host name and pid namespace) whose holder process 
 `kill -9` and rerun works at once there, while a rescheduled pod waits out the timeout. A run that
 ends (done, error, SIGTERM, Ctrl-C) releases it. A multi-process run is one writer:
 process 0 holds the lease for all of them. Ages are read from the holder's clock, so hosts'
-clocks must agree to well within the timeout (NTP does).
+clocks must agree to well within the timeout (NTP does). A lease that cannot be judged (not
+readable as a lease, or a heartbeat more than the timeout in the future: a wrong clock) is never
+taken over: the run stops, saying to delete it once no other run writes there.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import threading
 import time
 from typing import Any
 
-from MaxText import storage
+from MaxText import storage, storage_retry
 from MaxText.errors import TrainingError, UserError
 
 LEASE_FILE = "lease.json"
@@ -56,7 +58,7 @@ class Holder:
       return cls(str(fields["host"]), int(fields["pid"]), str(fields.get("run_name", "")), float(fields["started"]),
                  float(fields["heartbeat"]), int(fields.get("processes", 1)), str(fields.get("pid_namespace", "")))
     except (ValueError, KeyError, TypeError):
-      return None  # a lease cut short or edited by hand: treated as stale
+      return None  # not a lease this code wrote (its writes are atomic): damaged or edited by hand
 
 
 class Lease:
@@ -77,6 +79,8 @@ class Lease:
       try:
         self.refresh()
         warned = False
+      except storage_retry.StorageUnavailable:
+        return  # the run stops with its own line
       except Exception as e:  # noqa: BLE001 - a storage hiccup: try again next interval
         if not warned:
           print(f"warning: cannot refresh the run lease {self.path}: {type(e).__name__}: "
@@ -105,6 +109,8 @@ class Lease:
 
   def release(self) -> None:
     self._stop.set()
+    if storage_retry.is_down():
+      return  # a refresh may hang on the unreachable storage; the lease expires (or its pid is seen gone)
     self._thread.join()
     with self._lock:
       if self.lost is None:
@@ -136,23 +142,41 @@ def _gone(holder: Holder, me: Holder) -> bool:
   return False
 
 
+def _clear_by_hand(path: str, run_dir: str) -> str:
+  return (f"make sure no run is writing run directory {run_dir} (no training process with this run_name on any "
+          f"host), then delete {path} and rerun")
+
+
 def acquire(run_dir: str, run_name: str, timeout_seconds: float, processes: int) -> Lease:
   """Takes the run directory's lease (process 0 only), or raises UserError naming its live holder."""
   path = storage.join(run_dir, LEASE_FILE)
   storage.makedirs(run_dir)
   me = Holder(socket.gethostname(), os.getpid(), run_name, time.time(), time.time(), processes, _pid_namespace())
   for _ in range(5):  # each retry follows another run's move; five in a row means something is wrong
-    version = storage.write_if(path, me.to_json(), None)
+    try:
+      version = storage.write_if(path, me.to_json(), None)
+      current = None if version is not None else storage.read_versioned(path)
+    except UnicodeDecodeError:  # a local lease.json that is not even text
+      version, current = None, ("", None)
     if version is not None:
       return Lease(path, me, version, timeout_seconds)
-    current = storage.read_versioned(path)
     if current is None:
       continue  # released between our two calls
     text, current_version = current
     holder = Holder.from_json(text)
+    # A lease whose holder or age cannot be read is never taken over: a live run may be behind it.
+    if holder is None:
+      raise UserError(f"the run lease {path} is unreadable (not a lease this program wrote: damaged, cut short by "
+                      f"a copy, or edited by hand), so whether another run holds it cannot be told; "
+                      f"{_clear_by_hand(path, run_dir)}")
     now = time.time()
-    gone = holder is not None and _gone(holder, me)
-    if holder is not None and now - holder.heartbeat <= timeout_seconds and not gone:
+    gone = _gone(holder, me)
+    # Clocks are assumed to agree to well within the timeout (NTP); beyond that the age means nothing.
+    if holder.heartbeat - now > timeout_seconds and not gone:
+      raise UserError(f"the run lease {path} has a heartbeat {holder.heartbeat - now:,.0f} s in the future (from "
+                      f"host {holder.host} pid {holder.pid}): that host's clock or this one's is wrong, so the "
+                      f"lease's age cannot be told; {_clear_by_hand(path, run_dir)}, and set both clocks right (NTP)")
+    if now - holder.heartbeat <= timeout_seconds and not gone:
       raise UserError(
           f"run directory {run_dir} is in use by another run: {holder.describe(now)}. Two runs must not "
           f"write one run directory: stop that run, or choose another run_name. If it was killed, its lease "
@@ -161,7 +185,7 @@ def acquire(run_dir: str, run_name: str, timeout_seconds: float, processes: int)
     me = dataclasses.replace(me, heartbeat=time.time())
     version = storage.write_if(path, me.to_json(), current_version)
     if version is not None:
-      what = holder.describe(now) if holder is not None else "an unreadable holder"
+      what = holder.describe(now)
       why = "its process no longer exists on this host" if gone else \
           f"its heartbeat is older than run_lease_timeout_seconds={timeout_seconds:g}, so that run is gone"
       print(f"warning: taking over the run lease of {run_dir} from {what}: {why}", flush=True)

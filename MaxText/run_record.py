@@ -38,20 +38,51 @@ def flat_values(config: Any) -> dict[str, Any]:
   return {**dict(config.values), "global_batch_size": config.data.global_batch_size}
 
 
-def read_saved(run_dir: str) -> dict[str, Any] | None:
-  """The flat values of the run's latest start (config.yml), or None when it has none."""
-  path = storage.join(run_dir, CONFIG_FILE)
-  if not storage.is_file(path):
-    return None
+def _read_record(path: str, run_dir: str) -> dict[str, Any]:
+  """The flat values of a saved configuration (config.yml or a config_history entry)."""
   try:
     data = yaml.safe_load(storage.read_text(path)) or {}
   except yaml.YAMLError as e:
     raise UserError(f"{path} is not readable YAML ({str(e).splitlines()[0]}); restore it from "
-                    f"{storage.join(run_dir, HISTORY_DIR)} or remove it to skip the resume check") from None
+                    f"{storage.join(run_dir, HISTORY_DIR)}, or move it away: the resume is then checked against "
+                    "the run's other records (config_history/, the checkpoint's saved keys)") from None
+  if not isinstance(data, dict):
+    raise UserError(f"{path} does not hold a configuration (a YAML mapping); restore it from "
+                    f"{storage.join(run_dir, HISTORY_DIR)} or move it away")
   derived = data.pop("derived", None) or {}
   if "global_batch_size" in derived:
     data["global_batch_size"] = derived["global_batch_size"]
   return data
+
+
+def read_saved(run_dir: str) -> dict[str, Any] | None:
+  """The flat values of the run's latest start (config.yml), or None when it has none."""
+  path = storage.join(run_dir, CONFIG_FILE)
+  return _read_record(path, run_dir) if storage.is_file(path) else None
+
+
+def newest_history(run_dir: str) -> tuple[dict[str, Any], str] | None:
+  """(values, path) of the newest config_history entry, or None when there is none."""
+  directory = storage.join(run_dir, HISTORY_DIR)
+  if not storage.is_dir(directory):
+    return None
+  # Entries are named by their UTC start time (a second start in one second adds -2, -3, ...).
+  def order(name: str) -> tuple[str, int]:
+    stamp, _, n = name[:-len(".yml")].partition("-")
+    return stamp, int(n) if n.isdigit() else 1
+
+  names = sorted((n for n in storage.listdir(directory) if n.endswith(".yml")), key=order)
+  if not names:
+    return None
+  path = storage.join(directory, names[-1])
+  return _read_record(path, run_dir), path
+
+
+def resume_keys(config: Any) -> dict[str, Any]:
+  """The values of the keys a resume must keep, as a checkpoint records them (JSON: lists)."""
+  values = flat_values(config)
+  return {key: list(values[key]) if isinstance(values[key], tuple) else values[key]
+          for keys in FIXED_ON_RESUME.values() for key in keys if key in values}
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -74,19 +105,41 @@ def resume_differences(current: Mapping[str, Any], saved: Mapping[str, Any]) -> 
   return found
 
 
-def check_resume(config: Any, run_dir: str, what: str) -> None:
+def check_resume(config: Any, run_dir: str, what: str,
+                 checkpoint_keys: tuple[Mapping[str, Any], str] | None = None) -> list[str]:
   """Raises ConfigError (exit 2) when this start would resume `what` (e.g. "checkpoint step 6")
-  with a fixed key changed; nothing has been read or written yet."""
+  with a fixed key changed; nothing has been read or written yet. Compares with every record the
+  run has: config.yml (else the newest config_history entry: config.yml may be lost to a partial
+  copy) and `checkpoint_keys` (the keys saved with that checkpoint, and where they come from).
+  Returns the records it used, for the log."""
+  records: list[tuple[Mapping[str, Any], str]] = []
   saved = read_saved(run_dir)
-  if saved is None:
-    return
-  differences = resume_differences(flat_values(config), saved)
+  if saved is not None:
+    records.append((saved, storage.join(run_dir, CONFIG_FILE)))
+  else:
+    history = newest_history(run_dir)
+    if history is not None:
+      records.append((history[0], f"{history[1]} ({CONFIG_FILE} is missing)"))
+  if checkpoint_keys is not None:
+    values, source = checkpoint_keys
+    records.append((values, source if records else f"{source} ({CONFIG_FILE} and {HISTORY_DIR}/ are missing)"))
+  current = flat_values(config)
+  differences: list[str] = []
+  sources = []
+  for values, source in records:
+    found = resume_differences(current, values)
+    if found:
+      sources.append(source)
+      differences += [d for d in found if d not in differences]
   if differences:
+    note = "; global_batch_size is per_device_batch_size x the number of devices" \
+        if any(d.startswith("global_batch_size:") for d in differences) else ""
     raise ConfigError(
         f"cannot resume {what} of {run_dir}: the saved state was made with other values of key(s) that fix "
-        f"its shape or meaning ({'; '.join(differences)}, saved -> now). Rerun with the saved values, choose a "
-        f"new run_name, or start a new run from these weights with load_parameters_path="
-        f"{storage.join(run_dir, 'checkpoints')}")
+        f"its shape or meaning ({'; '.join(differences)}, saved -> now{note}; recorded in {' and '.join(sources)}). "
+        f"Rerun with the saved values, choose a new run_name, or start a new run from these weights with "
+        f"load_parameters_path={storage.join(run_dir, 'checkpoints')}")
+  return [source for _, source in records]
 
 
 def record_start(config: Any, run_dir: str) -> str:

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import shlex
+from typing import Any, Callable
 
 import jax
 
 from MaxText import lora, params_io, storage
-from MaxText.checkpointing import Restored, RunCheckpoints, first_line, is_step_dir
+from MaxText.checkpointing import Restored, RunCheckpoints, first_line, is_step_dir, log
 from MaxText.config_groups import CheckpointConfig
 from MaxText.errors import UserError
 from MaxText.train_state import reference_of, state_from_params
@@ -48,6 +49,8 @@ def initial_state(config: Any, setup: Any, checkpoints: RunCheckpoints | None, i
   else `init_fn()` — the order MaxText users rely on when they rerun the same command."""
   cfg: CheckpointConfig = config.checkpoint
   abstract, shardings = setup.abstract_state, setup.state_shardings
+  if checkpoints is not None and cfg.resume_from_step >= 0:
+    rewind(checkpoints, cfg.resume_from_step)
   if checkpoints is not None:
     restored = checkpoints.restore_latest(abstract, shardings)
     if restored is not None:
@@ -65,6 +68,50 @@ def initial_state(config: Any, setup: Any, checkpoints: RunCheckpoints | None, i
     return Start(_state_from_params(setup, params), None, None,
                  f"loaded parameters from {cfg.load_parameters_path}; fresh optimizer state, step 0")
   return Start(init_fn(), None, None, f"initialised from seed {config.run.init_weights_seed}")
+
+
+def rewind(checkpoints: RunCheckpoints, step: int) -> None:
+  """resume_from_step: the checkpoints after `step` go aside (renamed, never deleted) unless they
+  were saved since this rewind was made (a rerun of the same command continues from them)."""
+  plan = checkpoints.rewind_plan(step)
+  moved = checkpoints.rewind(step, plan)
+  start = f"step {step}" if step > 0 else "the beginning (step 0)"
+  if moved:
+    log(f"resume_from_step={step}: moved checkpoint step(s) {', '.join(map(str, plan))} aside ("
+        f"{', '.join(storage.name(m) for m in moved)} in {checkpoints.directory}); resuming from {start}")
+  elif checkpoints.all_steps() and checkpoints.all_steps()[-1] > step:
+    log(f"resume_from_step={step} was applied by an earlier start: the newer checkpoints were saved since, so the "
+        "run continues from the newest")
+
+
+def nonfinite_advice(config: Any, checkpoints: RunCheckpoints | None,
+                     argv: list[str]) -> Callable[[int], str]:
+  """What to do once non-finite steps stopped the run, given the first of them: go back to the
+  newest checkpoint whose parameters gave a finite loss after it, with a lower learning rate."""
+  lower = f"learning_rate={config.optim.learning_rate / 10:g}"
+
+  def advise(first_bad: int) -> str:
+    if checkpoints is None:
+      return f"lower learning_rate (e.g. {lower}), enable gradient_clipping_threshold, or check the data"
+    saved = set(checkpoints.all_steps())
+    if checkpoints.last_saved_step is not None:  # a save still in flight counts: the stop waits for it
+      saved.add(checkpoints.last_saved_step)
+    # Step s's parameters are known good only if step s+1 was finite; a step saved later may hold bad ones.
+    good = [s for s in saved if s <= first_bad - 2] + [0]
+    current = config.checkpoint.resume_from_step
+    if current >= 0 and any(s > current for s in saved):
+      good = [s for s in good if s != current]  # the same value would continue from those later steps
+    if not good:
+      return (f"move the checkpoints of steps {', '.join(map(str, sorted(saved)))} in {checkpoints.directory} "
+              f"aside, then rerun with a lower learning rate ({lower})")
+    back = max(good)
+    args = [a for a in argv[1:] if not a.startswith(("resume_from_step=", "learning_rate="))]
+    command = shlex.join(["python3", "-m", "MaxText.train", *args, f"resume_from_step={back}", lower])
+    start = f"from step {back}, the last one known good," if back else "from the beginning (no checkpoint is known good)"
+    return (f"resume {start} with a lower learning rate (later checkpoints are moved aside, not deleted): {command} "
+            "(or enable gradient_clipping_threshold, or check the data)")
+
+  return advise
 
 
 def restore_full_state(path: str, abstract_state: Any, shardings: Any) -> Restored:

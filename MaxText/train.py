@@ -38,11 +38,28 @@ def claim_run_dir(config: config_lib.Config) -> run_lease.Lease | None:
 
 
 def check_resume(config: config_lib.Config, checkpoints: checkpointing.RunCheckpoints | None) -> None:
-  """A resume must keep the saved state's shape and meaning; checked before anything is read."""
+  """A resume must keep the saved state's shape and meaning; checked before anything is read,
+  against every record the run has (run_record.check_resume) and the keys saved with the step."""
   def check() -> None:
-    newest = checkpoints.newest_step() if checkpoints is not None else None
-    if newest is not None:
-      run_record.check_resume(config, config.run.run_dir, f"checkpoint step {newest}")
+    if checkpoints is None:
+      return
+    rewind_to = config.checkpoint.resume_from_step
+    if rewind_to >= 0 and checkpoints.rewind_plan(rewind_to):
+      step: int | None = rewind_to or None
+    else:
+      step = checkpoints.newest_step()
+    if step is None:
+      return
+    saved_keys = (checkpoints.saved_meta(step) or {}).get(checkpointing.RESUME_KEYS)
+    records = run_record.check_resume(
+        config, config.run.run_dir, f"checkpoint step {step}",
+        (saved_keys, f"the keys saved with checkpoint step {step}") if isinstance(saved_keys, dict) else None)
+    if not records:
+      log(f"warning: {config.run.run_dir} has no saved configuration ({run_record.CONFIG_FILE}, "
+          f"{run_record.HISTORY_DIR}/) and checkpoint step {step} records no keys: only the stored array shapes "
+          "are checked against this configuration")
+    elif not storage.is_file(storage.join(config.run.run_dir, run_record.CONFIG_FILE)):
+      log(f"resume check of checkpoint step {step}: against {' and '.join(records)}")
 
   distributed.on_process_0("checking the saved configuration", check)
 
@@ -58,13 +75,13 @@ def main(argv: list[str]) -> int:
   with distributed.stack_traces(run.collect_stack_trace, run.stack_trace_to_cloud, run.stack_trace_interval_seconds):
     lease = claim_run_dir(config)
     try:
-      return train(config, lease)
+      return train(config, lease, argv)
     finally:
       if lease is not None:
         lease.release()
 
 
-def train(config: config_lib.Config, lease: run_lease.Lease | None = None) -> int:
+def train(config: config_lib.Config, lease: run_lease.Lease | None = None, argv: list[str] | None = None) -> int:
   if config.run.print_config:
     log("config:\n" + config.describe())
   checkpoints = checkpointing.RunCheckpoints.for_run(config.checkpoint) if config.checkpoint.enable_checkpointing else None
@@ -107,6 +124,7 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None) -> in
   rng = jax.random.key(config.run.init_weights_seed) if start.rng_key_data is None \
       else jax.random.wrap_key_data(jax.numpy.asarray(start.rng_key_data, jax.numpy.uint32))
   trainer = Trainer(config, run.train_step, data, rng, flops, peak)
+  trainer.advise_nonfinite = run_start.nonfinite_advice(config, checkpoints, argv if argv is not None else sys.argv)
   add_hooks(trainer, run, checkpoints, rng, start_step, lease)
   loop = trainer.run(start.state, start_step)
   if trainer.stop_reason is not None:
@@ -157,8 +175,11 @@ def add_hooks(trainer: Trainer, run: run_assembly.Run, checkpoints: checkpointin
       if writer is not None:
         writer.sync()
 
+    meta: dict[str, Any] = {checkpointing.RESUME_KEYS: run_record.resume_keys(config)}
+    if config.checkpoint.resume_from_step >= 0:
+      meta[checkpointing.REWIND_KEY] = config.checkpoint.resume_from_step
     trainer.add_hook(CheckpointHook(checkpoints, config.checkpoint.checkpoint_period, settings.steps,
-                                    preemption.PreemptionWatcher(), rng, before_save=before_save),
+                                    preemption.PreemptionWatcher(), rng, before_save=before_save, meta=meta),
                      every=0, needs_state=True)
   if settings.profiler:
     trainer.add_hook(ProfilerHook(storage.join(settings.run_dir, "profile"), settings.profile_start_step,

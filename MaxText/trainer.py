@@ -31,6 +31,7 @@ class StepRecord:
   step: int  # 1-based: the number of optimizer steps done after it
   seconds: float
   scalars: dict[str, float]
+  nonfinite: bool = False  # its loss or gradient norm was NaN/inf: the state after it is never saved
 
 
 class ResumableBatches(Protocol):
@@ -118,6 +119,11 @@ class Trainer:
     self.stop_reason: str | None = None  # a hook sets it to end the run after the current step
     self.skipped_steps: list[int] = []  # steps whose update was not applied (non-finite, or a loss spike)
     self.skipped_in_a_row = 0
+    self.nonfinite_since: int | None = None  # the first non-finite step since the last applied one
+    # What to do about a run stopped by non-finite steps, given the first of them (train.py names
+    # the checkpoint to go back to and the command).
+    self.advise_nonfinite: Callable[[int], str] = \
+        lambda first: "lower learning_rate, enable gradient_clipping_threshold, or check the data"
     run = config.run
     self.spike_limit = LossSpikeLimit(run.loss_spike_threshold, run.loss_spike_window) \
         if run.loss_spike_threshold > 0 else None
@@ -143,30 +149,34 @@ class Trainer:
     scalars = metrics_lib.host_scalars(jax.device_get(device_metrics))
     now = time.perf_counter()
     seconds, loop.last_done = now - loop.last_done, now
-    self._check_step(index + 1, scalars, self._batch_starts.pop(index, ""))
+    nonfinite = self._check_step(index + 1, scalars, self._batch_starts.pop(index, ""))
     t = metrics_lib.throughput(seconds, scalars["num_tokens"], self.flops, self.config.target.num_devices,
                                self.peak)
     scalars.update(step_seconds=seconds, tokens_per_s=t.tokens_per_s, tokens_per_s_per_device=t.tokens_per_s_per_device,
                    tflops_per_s_per_device=t.tflops_per_s_per_device, mfu=t.mfu)
-    record = StepRecord(index + 1, seconds, scalars)
+    record = StepRecord(index + 1, seconds, scalars, nonfinite)
     loop.first, loop.last = loop.first or record, record
     for entry in due:
       entry.hook.on_step(self, record, state if entry.needs_state else None)
 
-  def _check_step(self, step: int, scalars: dict[str, float], batch_start: str) -> None:
+  def _check_step(self, step: int, scalars: dict[str, float], batch_start: str) -> bool:
     """A skipped step (non-finite with skip_nonfinite_steps, or a loss spike) was not applied: say
     which batch it was and go on, unless it is the max_consecutive_skipped_steps-th in a row. A
-    non-finite step that was applied (skip_nonfinite_steps=False) ends the run."""
+    non-finite step that was applied (skip_nonfinite_steps=False) ends the run. Returns whether
+    the step was non-finite."""
     loss = scalars["loss"]
     finite = math.isfinite(loss) and math.isfinite(scalars["grad_norm"])
-    advice = "lower learning_rate, enable gradient_clipping_threshold, or check the data"
+    if not finite and self.nonfinite_since is None:
+      self.nonfinite_since = step
     if not scalars.get("skipped", 0.0):
       if not finite:
-        raise TrainingError(f"loss became {loss} at step {step} (grad_norm {scalars['grad_norm']:.3g}); {advice}")
+        raise TrainingError(f"loss became {loss} at step {step} (grad_norm {scalars['grad_norm']:.3g}); "
+                            f"{self.advise_nonfinite(step)}")
       self.skipped_in_a_row = 0
+      self.nonfinite_since = None
       if self.spike_limit is not None:
         self.spike_limit.add(loss)
-      return
+      return False
     self.skipped_in_a_row += 1
     self.skipped_steps.append(step)
     if finite:
@@ -178,11 +188,14 @@ class Trainer:
       kind, what = "non-finite", f"loss {loss}, grad_norm {scalars['grad_norm']:.3g}"
     limit = self.config.run.max_consecutive_skipped_steps
     if self.skipped_in_a_row >= limit:
+      if not finite:
+        advice = self.advise_nonfinite(self.nonfinite_since or step)
       raise TrainingError(f"{limit} steps in a row were {'spikes' if finite else kind}, up to step {step} ({what}); "
                           f"the model, not one batch, is broken: {advice}")
     where = f" ({batch_start})" if batch_start else ""
     print(f"warning: step {step} was {kind} ({what}): its update was not applied and its batch{where} is skipped "
           f"({self.skipped_in_a_row} in a row, {len(self.skipped_steps)} in this run)", file=sys.stderr, flush=True)
+    return not finite
 
   def run(self, state: TrainState, start_step: int = 0) -> LoopState:
     """Runs steps start_step..steps-1; returns the loop state (first and last step records)."""
@@ -334,18 +347,24 @@ class EvalHook:
 class CheckpointHook:
   """Saves the train state and data position every `checkpoint_period` steps, after the last
   step, and at the first step boundary after SIGTERM (then asks the loop to stop); with a local
-  tier, also every `local_checkpoint_period` steps to each host's own disk."""
+  tier, also every `local_checkpoint_period` steps to each host's own disk.
+
+  The state after a non-finite step is never saved: its parameters have just given NaN/inf, and
+  a rerun would resume them and stop again whatever the learning rate. A periodic save due then
+  waits for the next finite step."""
 
   def __init__(self, checkpoints: Any, period: int, last_step: int, preemption: Any, rng: jax.Array,
-               before_save: Callable[[], None] = lambda: None):
+               before_save: Callable[[], None] = lambda: None, meta: dict[str, Any] | None = None):
     """`before_save` runs before every save (the metric writer's sync: a resumed run keeps
-    the metric lines up to its checkpoint, so they must be durable first)."""
+    the metric lines up to its checkpoint, so they must be durable first); `meta` is saved
+    with every step (the run's resume keys)."""
     self.checkpoints, self.period, self.last_step, self.preemption = checkpoints, period, last_step, preemption
     self.before_save = before_save
-    self.meta = {"rng_key_data": np.asarray(jax.random.key_data(rng)).tolist()}
+    self.meta = {**(meta or {}), "rng_key_data": np.asarray(jax.random.key_data(rng)).tolist()}
     self._preempted_at: int | None = None
 
   def due(self, step: int) -> bool:
+    self._deferred = False  # a periodic save skipped at a non-finite step, made at the next finite one
     # JAX's multi-process sync point (preemption.reached) must be queried exactly once per
     # step, which the Trainer guarantees for `due`.
     if self._preempted_at is None and self.preemption.reached(step):
@@ -353,13 +372,17 @@ class CheckpointHook:
     return self._persistent(step) or self.checkpoints.local_due(step)
 
   def _persistent(self, step: int) -> bool:
-    return step % self.period == 0 or self._preempted_at == step or step == self.last_step
+    return step % self.period == 0 or self._preempted_at == step or step == self.last_step or self._deferred
 
   def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
     assert state is not None, "add CheckpointHook with needs_state=True"
     persistent = self._persistent(record.step)
     meta = {**self.meta, "step": record.step}
     self.before_save()
+    if record.nonfinite:
+      self._skip_nonfinite(trainer, record.step, persistent)
+      return
+    self._deferred = False
     if not persistent:  # a local-tier step only
       self.checkpoints.save_local(record.step, state, trainer.data.get_state(), meta)
       return
@@ -371,6 +394,21 @@ class CheckpointHook:
 
   def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
     self.preemption.close()
+  def _skip_nonfinite(self, trainer: Trainer, step: int, persistent: bool) -> None:
+    if not persistent:
+      return
+    newest = self.checkpoints.last_saved_step
+    kept = f"the newest checkpoint is step {newest}" if newest is not None else "there is no checkpoint yet"
+    if self._preempted_at == step:
+      trainer.stop_reason = f"SIGTERM at step {step}, which was non-finite and is not saved ({kept})"
+      return
+    if self._deferred and step != self.last_step:
+      return  # said at the step the save was due
+    self._deferred = step != self.last_step
+    later = "the save waits for the next finite step" if self._deferred else "the run ends without saving it"
+    print(f"warning: step {step} is not saved: it was non-finite, its parameters give NaN/inf ({kept}); {later}",
+          file=sys.stderr, flush=True)
+
     self.checkpoints.close()
 
 

@@ -4,12 +4,16 @@ continues bit for bit like one that was never interrupted (same data, same RNG, 
 from __future__ import annotations
 
 import json
+import math
+import shlex
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from tests.conftest import REPO_ROOT
@@ -114,3 +118,143 @@ def test_finished_run_rerun_does_nothing(tmp_path):
 def test_checkpointing_disabled_writes_nothing(tmp_path):
   _run(_command(tmp_path, "off", "steps=2", "enable_checkpointing=False"))
   assert not (tmp_path / "off" / "checkpoints").exists()
+
+
+# ---------------------------------------------------------------- non-finite losses
+
+DIVERGING = [*MODEL[:-1], "steps=12", "learning_rate_schedule_steps=12", "checkpoint_period=1",
+             "max_consecutive_skipped_steps=3", "learning_rate=100"]  # this model's loss goes non-finite at 100
+
+
+def test_a_diverged_run_saves_no_non_finite_state_and_its_printed_command_resumes_and_trains(tmp_path):
+  """A real divergence (learning rate far too high). The state after a non-finite step is never
+  saved; the stop names the last checkpoint whose parameters still gave a finite loss and prints
+  a command (lower learning rate, resume_from_step) that, run as printed, trains to the end."""
+  run_dir = tmp_path / "diverged"
+  proc = subprocess.run(_command(tmp_path, "diverged", *DIVERGING[len(MODEL) - 1:]), cwd=REPO_ROOT, env=_env(),
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 3, proc.stderr[-3000:]
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+  assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  first_bad = min(int(line.split()[2]) for line in proc.stderr.splitlines()
+                  if line.startswith("warning: step ") and "was non-finite" in line)
+  saved = _committed_steps(run_dir)
+  assert saved and max(saved) < first_bad, (saved, first_bad)  # no state after a non-finite step
+  good = first_bad - 2  # step s's parameters gave a finite loss at step s+1
+  assert f"resume from step {good}, the last one known good, with a lower learning rate" in errors[0], errors[0]
+  printed = errors[0].split(": python3 ", 1)[1].split(" (or ", 1)[0]
+  command = [sys.executable, *shlex.split(printed)]
+  assert command[-2:] == [f"resume_from_step={good}", "learning_rate=10"] and "learning_rate=100" not in command
+
+  rerun = _run(command)
+  assert f"state: resumed from step {good}" in rerun.stdout, rerun.stdout[-2000:]
+  suspect = [s for s in saved if s > good]
+  assert f"resume_from_step={good}: moved checkpoint step(s) {', '.join(map(str, reversed(suspect)))} aside" \
+      in rerun.stdout, rerun.stdout[-2000:]
+  set_aside = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if ".before-resume_from_step_" in p.name)
+  assert [int(name.split(".")[0]) for name in set_aside] == suspect  # moved, not deleted
+  losses = _losses(run_dir)
+  assert sorted(losses) == list(range(1, 13)) and all(math.isfinite(losses[s]) for s in range(good + 1, 13))
+  assert _committed_steps(run_dir)[-1] == 12
+
+  # The same command again (a scheduler's restart) continues; it does not go back a second time.
+  again = _run(command)
+  assert "already at step 12" in again.stdout and "moved checkpoint" not in again.stdout
+
+
+class _Data:
+  def __next__(self):
+    return 0
+
+  def get_state(self):
+    return {}
+
+
+class _NoPreemption:
+  def reached(self, step):
+    return False
+
+  def close(self):
+    pass
+
+
+class _RecordingCheckpoints:
+  directory = "checkpoints"
+
+  def __init__(self, steps=()):
+    self.saved, self.steps, self.last_saved_step = [], list(steps), None
+
+  def local_due(self, step):
+    return False
+
+  def save(self, step, state, data_state, meta):
+    self.saved.append(step)
+    self.last_saved_step = step
+
+  def all_steps(self):
+    return sorted(set(self.steps + self.saved))
+
+  def wait(self, step=None):
+    pass
+
+  def close(self):
+    pass
+
+
+class _NonFiniteAt:
+  def __init__(self, bad, skip=True):
+    self.calls, self.bad, self.skip = 0, bad, skip
+
+  def __call__(self, state, batch, rng):
+    self.calls += 1
+    bad = self.calls in self.bad
+    return state, {"loss": jnp.asarray(float("nan") if bad else 1.0), "grad_norm": jnp.asarray(1.0),
+                   "num_tokens": jnp.asarray(8.0), "skipped": jnp.asarray(float(bad and self.skip))}
+
+
+def _trainer(tiny_overrides, bad, steps=9, **overrides):
+  from MaxText import metrics
+  from MaxText.config import Config
+  from MaxText.trainer import Trainer
+
+  config = Config.for_testing(**tiny_overrides, steps=steps, **overrides)
+  return config, Trainer(config, _NonFiniteAt(bad, config.run.skip_nonfinite_steps), _Data(), jax.random.key(0),
+                         metrics.training_tflops_per_step(config.model, 8, 32), 1.0)
+
+
+def test_a_non_finite_step_is_never_saved_and_a_due_save_waits_for_the_next_finite_step(tiny_overrides, capsys):
+  from MaxText.trainer import CheckpointHook
+
+  _, trainer = _trainer(tiny_overrides, bad={4, 9})
+  checkpoints = _RecordingCheckpoints()
+  trainer.add_hook(CheckpointHook(checkpoints, 2, 9, _NoPreemption(), jax.random.key(0)), every=0, needs_state=True)
+  trainer.run(state="state")
+  assert checkpoints.saved == [2, 5, 6, 8]  # not 4 (due, non-finite: made at 5) nor 9 (the last step)
+  err = capsys.readouterr().err
+  assert "warning: step 4 is not saved: it was non-finite, its parameters give NaN/inf (the newest checkpoint is " \
+         "step 2); the save waits for the next finite step" in err
+  assert "warning: step 9 is not saved" in err and "the run ends without saving it" in err
+
+
+def test_the_stop_names_the_last_good_step_and_a_command_with_a_lower_learning_rate(tiny_overrides):
+  from MaxText import run_start
+  from MaxText.errors import TrainingError
+
+  argv = ["MaxText/train.py", "configs/base.yml", "run_name=r", "learning_rate=0.5"]
+  config, trainer = _trainer(tiny_overrides, bad={6, 7, 8}, max_consecutive_skipped_steps=3, learning_rate=0.5)
+  trainer.advise_nonfinite = run_start.nonfinite_advice(config, _RecordingCheckpoints([2, 4, 5]), argv)
+  with pytest.raises(TrainingError, match=r"3 steps in a row were non-finite, up to step 8 .*: resume from step 4, "
+                                          r"the last one known good, with a lower learning rate \(later checkpoints "
+                                          r"are moved aside, not deleted\): python3 -m MaxText.train configs/base.yml "
+                                          r"run_name=r resume_from_step=4 learning_rate=0.05 \(or "):
+    trainer.run(state="state")
+  # Already resumed from step 4 (and saved after it): the same value would not go back, an older step does.
+  config, _ = _trainer(tiny_overrides, bad=set(), resume_from_step=4)
+  advise = run_start.nonfinite_advice(config, _RecordingCheckpoints([2, 4, 5]), argv)
+  assert "resume_from_step=2 " in advise(6) and "resume_from_step=5 " in advise(7)
+  assert "from the beginning" in advise(2) and "resume_from_step=0 " in advise(2)
+  # Without checkpoints there is nothing to go back to: lower the learning rate.
+  config, trainer = _trainer(tiny_overrides, bad={3}, skip_nonfinite_steps=False)
+  trainer.advise_nonfinite = run_start.nonfinite_advice(config, None, argv)
+  with pytest.raises(TrainingError, match=r"loss became nan at step 3 .*lower learning_rate \(e.g. learning_rate="):
+    trainer.run(state="state")

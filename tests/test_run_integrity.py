@@ -78,12 +78,36 @@ def test_a_resume_with_a_changed_shape_exits_2_naming_the_key_and_changes_nothin
   assert "load_parameters_path=" in line and "state:" not in proc.stdout
   assert _files(run_dir) == before  # nothing renamed, nothing written, not even the lease
 
-  # A run directory without its config.yml (written before this check existed): the arrays'
-  # stored shapes catch it, and the step is still not mistaken for damage.
+  # config.yml lost (deleted, a partial copy): the newest config_history entry and the keys saved
+  # with the checkpoint still hold the old batch and RoPE; the change is refused naming the record.
   storage.as_path(storage.join(run_dir, "config.yml")).unlink()
+  before = _files(run_dir)
+  proc = run(cmd + ["per_device_batch_size=4", "rope_max_timescale=500"], env(gcs), expect=2)
+  line = _one_error_line(proc)
+  assert "cannot resume checkpoint step 6" in line and "rope_max_timescale: 10000 -> 500" in line, line
+  assert "global_batch_size: 16 -> 8" in line and "per_device_batch_size x the number of devices" in line, line
+  assert "/config_history/" in line and "(config.yml is missing)" in line, line
+  assert "the keys saved with checkpoint step 6" in line, line
+  assert _files(run_dir) == before  # config.yml is not rewritten with the new values
+  # Nothing but the checkpoint itself left (config_history/ lost too).
+  for name in storage.listdir(storage.join(run_dir, "config_history")):
+    storage.as_path(storage.join(run_dir, "config_history", name)).unlink()
+  before = _files(run_dir)
+  proc = run(cmd + ["per_device_batch_size=4"], env(gcs), expect=2)
+  line = _one_error_line(proc)
+  assert "global_batch_size: 16 -> 8" in line and "recorded in the keys saved with checkpoint step 6 (config.yml " \
+                                                  "and config_history/ are missing)" in line, line
+  assert _files(run_dir) == before
+
+  # A checkpoint from before checkpoints recorded their keys, and no other record: the arrays'
+  # stored shapes still catch a changed model, and the step is not mistaken for damage.
+  meta = storage.join(run_dir, "checkpoints", "6", "meta", "metadata")
+  storage.write_text(meta, json.dumps({k: v for k, v in json.loads(storage.read_text(meta)).items()
+                                       if k != "resume_keys"}))
   proc = run(cmd + ["base_emb_dim=32"], env(gcs), expect=2)
   line = _one_error_line(proc)
   assert "checkpoint step 6" in line and "written by another model config" in line and "params/" in line, line
+  assert "has no saved configuration" in proc.stdout and "only the stored array shapes are checked" in proc.stdout
   assert committed_steps(run_dir) == [3, 6] and not [n for n in storage.listdir(storage.join(run_dir, "checkpoints"))
                                                      if "corrupt" in n]
 
@@ -247,6 +271,66 @@ def test_lease_refuses_a_live_holder_takes_over_a_stale_one_and_the_loser_notice
   second.check()
   second.release()
   assert storage.read_versioned(storage.join(run_dir, run_lease.LEASE_FILE)) is None
+
+
+def test_an_unreadable_lease_or_a_heartbeat_from_a_wrong_clock_is_refused_and_left_alone(lease_root):
+  run_dir = storage.join(lease_root, "run")
+  path = storage.join(run_dir, run_lease.LEASE_FILE)
+  for garbage in (b"\xff\xfe\x00 not text", b'{"host": "h", "pid": 1', b"[]"):
+    storage.write_bytes(path, garbage)
+    with pytest.raises(run_lease.UserError) as refused:
+      run_lease.acquire(run_dir, "run", timeout_seconds=60, processes=1)
+    message = str(refused.value)
+    assert f"the run lease {path} is unreadable" in message and f"then delete {path} and rerun" in message, message
+    assert "heartbeat" not in message
+    assert storage.read_bytes(path) == garbage  # nothing written
+  now = time.time()
+  future = run_lease.Holder("clock-ahead-host", 4242, "run", now, now + 365 * 86400, 1)
+  storage.write_text(path, future.to_json())
+  with pytest.raises(run_lease.UserError) as refused:
+    run_lease.acquire(run_dir, "run", timeout_seconds=60, processes=1)
+  message = str(refused.value)
+  assert "has a heartbeat 31,536,0" in message and "s in the future (from host clock-ahead-host pid 4242)" in message
+  assert "clock" in message and f"then delete {path} and rerun" in message and "expires" not in message, message
+  assert storage.read_text(path) == future.to_json()
+  # A clock a little ahead (within the timeout) is ordinary skew: a live holder.
+  storage.write_text(path, run_lease.Holder("skewed-host", 4242, "run", now, now + 30, 1).to_json())
+  with pytest.raises(run_lease.UserError, match="is in use by another run: host skewed-host pid 4242"):
+    run_lease.acquire(run_dir, "run", timeout_seconds=60, processes=1)
+
+
+def test_train_refuses_an_unreadable_lease_with_one_line_and_writes_nothing(tmp_path):
+  run_dir = tmp_path / "garbled"
+  run_dir.mkdir()
+  (run_dir / run_lease.LEASE_FILE).write_bytes(b"\x00\x01garbage")
+  proc = run(command(str(tmp_path), "garbled", "steps=2"), env(None), expect=2)
+  line = _one_error_line(proc)
+  assert f"the run lease {run_dir / run_lease.LEASE_FILE} is unreadable" in line and "then delete" in line, line
+  assert sorted(p.name for p in run_dir.iterdir()) == [run_lease.LEASE_FILE]
+
+
+def test_the_resume_check_falls_back_to_the_newest_history_entry(tmp_path):
+  from MaxText import run_record
+  from MaxText.config import Config
+  from MaxText.errors import ConfigError
+
+  history = tmp_path / "config_history"
+  history.mkdir()
+  for name, dim in (("20260101T000000Z-10", 96), ("20260101T000000Z-2", 80), ("20260101T000000Z", 72),
+                    ("20251231T235959Z", 64)):
+    (history / f"{name}.yml").write_text(f"base_emb_dim: {dim}\n")
+  values, path = run_record.newest_history(str(tmp_path))
+  assert values == {"base_emb_dim": 96} and path.endswith("20260101T000000Z-10.yml")
+  config = Config.for_testing(base_emb_dim=64, print_config=False)
+  with pytest.raises(ConfigError, match=r"base_emb_dim: 96 -> 64, saved -> now; recorded in .*20260101T000000Z-10.yml "
+                                        r"\(config.yml is missing\)\)\. Rerun"):
+    run_record.check_resume(config, str(tmp_path), "checkpoint step 4")
+  (tmp_path / "config.yml").write_text("base_emb_dim: 64\n")  # config.yml, where present, is the run's record
+  keys = run_record.resume_keys(config)
+  assert run_record.check_resume(config, str(tmp_path), "checkpoint step 4", (keys, "step 4's keys")) == [
+      str(tmp_path / "config.yml"), "step 4's keys"]
+  with pytest.raises(ConfigError, match=r"vocab_size: 100 -> .*recorded in step 4's keys\)"):
+    run_record.check_resume(config, str(tmp_path), "checkpoint step 4", ({**keys, "vocab_size": 100}, "step 4's keys"))
 
 
 def test_a_kill_mid_write_leaves_one_partial_line_which_the_resume_drops(tmp_path):
