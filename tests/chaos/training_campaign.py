@@ -74,11 +74,12 @@ class Trial:
   victim: int  # the process a SIGKILL hits
 
 
-def plan(seed: int, count: int, layouts: list[Layout]) -> list[Trial]:
-  """`count` trials; every fault kind a layout allows comes up before any repeats."""
+def plan(seed: int, count: int, layouts: list[Layout], faults: tuple[str, ...] | None = None) -> list[Trial]:
+  """`count` trials; every (layout, fault) pair comes up before any repeats."""
   rng = random.Random(seed)
   pairs = [(layout, fault) for layout in layouts
-           for fault in PROCESS_FAULTS + (GCS_FAULTS if layout.storage == "gcs" else ())]
+           for fault in PROCESS_FAULTS + (GCS_FAULTS if layout.storage == "gcs" else ())
+           if faults is None or fault in faults]
   trials: list[Trial] = []
   while len(trials) < count:
     rng.shuffle(pairs)
@@ -175,14 +176,26 @@ def losses(run_dir: str) -> dict[int, float]:
 
 
 def committed_steps(run_dir: str) -> list[int]:
-  from MaxText import storage
+  """Steps whose checkpoint is complete. A gs:// run directory is listed through the GCS JSON
+  API itself: gcsfs caches listings in this process, which would hide later saves."""
+  if run_dir.startswith("gs://"):
+    import urllib.request
 
-  directory = storage.join(run_dir, "checkpoints")
-  try:
-    names = storage.listdir(directory) if storage.exists(directory) else []
-  except (OSError, FileNotFoundError):
-    return []
-  return sorted(int(n) for n in names if n.isdigit() and storage.exists(storage.join(directory, n, "commit_success.txt")))
+    bucket, _, prefix = run_dir[len("gs://"):].partition("/")
+    names, token = [], ""
+    while True:
+      query = f"prefix={urllib.parse.quote(prefix + '/checkpoints/')}" + (f"&pageToken={token}" if token else "")
+      url = f"{os.environ['STORAGE_EMULATOR_HOST']}/storage/v1/b/{bucket}/o?{query}"
+      page = json.loads(urllib.request.urlopen(url, timeout=30).read())
+      names += [item["name"] for item in page.get("items", [])]
+      token = page.get("nextPageToken", "")
+      if not token:
+        break
+    done = {n.split("/")[-2] for n in names if n.endswith("/commit_success.txt") and n.count("/") == prefix.count("/") + 3}
+    return sorted(int(n) for n in done if n.isdigit())
+  directory = os.path.join(run_dir, "checkpoints")
+  names = os.listdir(directory) if os.path.isdir(directory) else []
+  return sorted(int(n) for n in names if n.isdigit() and os.path.exists(os.path.join(directory, n, "commit_success.txt")))
 
 
 def saving_in_progress(run_dir: str) -> bool:
@@ -402,7 +415,7 @@ def summarize(outcomes: list[Outcome], seconds: float) -> dict[str, Any]:
 
 
 def run_campaign(seed: int, count: int, layouts: list[Layout], workdir: Path, gcs: Any = None,
-                 log: Any = print) -> tuple[list[Outcome], dict[str, Any]]:
+                 log: Any = print, faults: tuple[str, ...] | None = None) -> tuple[list[Outcome], dict[str, Any]]:
   """Runs the trials; `gcs` (a tests.gcs_emulator.GcsServer, started) is needed for gcs layouts."""
   from tests.chaos.fault_proxy import FaultProxy
 
@@ -413,7 +426,7 @@ def run_campaign(seed: int, count: int, layouts: list[Layout], workdir: Path, gc
   campaign = Campaign(seed, workdir, gcs, proxy, bucket)
   started, outcomes = time.time(), []
   try:
-    for trial in plan(seed, count, layouts):
+    for trial in plan(seed, count, layouts, faults):
       t0 = time.time()
       outcome = campaign.run(trial)
       outcomes.append(outcome)
@@ -437,6 +450,7 @@ def main() -> int:
   parser.add_argument("--trials", type=int, default=20)
   parser.add_argument("--storage", default="local,gcs")
   parser.add_argument("--processes", default="1,2")
+  parser.add_argument("--faults", default="", help="only these kinds (comma-separated); default all")
   args = parser.parse_args()
   layouts = [Layout(s, int(p)) for s in args.storage.split(",") for p in args.processes.split(",")]
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -455,7 +469,8 @@ def main() -> int:
       os.environ.update(gcs.env())
       storage.configure_cloud_env()
     try:
-      outcomes, _ = run_campaign(args.seed, args.trials, layouts, Path(tmp), gcs)
+      outcomes, _ = run_campaign(args.seed, args.trials, layouts, Path(tmp), gcs,
+                                 faults=tuple(args.faults.split(",")) if args.faults else None)
     finally:
       if gcs is not None:
         gcs.stop()
