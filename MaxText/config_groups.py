@@ -335,8 +335,8 @@ class CheckpointConfig:
   max_num_checkpoints_to_keep: int = key()  # -1 = keep all
   load_parameters_path: str = key()
   load_full_state_path: str = key()
-  param_only_checkpoint_path: str = key()
   resume_from_step: int = key()  # -1 = the newest checkpoint
+  param_only_checkpoint_path: str = key()
   force_unroll: bool = key()
   lora_peft_export_path: str = key()  # generate_param_only_checkpoint: also the adapters in PEFT's format
   # The fast per-host tier of multi-tier checkpointing.
@@ -363,11 +363,11 @@ class CheckpointConfig:
     _require(not (v["load_parameters_path"] and v["load_full_state_path"]),
              "set at most one of load_parameters_path (weights only, fresh optimizer) and "
              "load_full_state_path (weights, optimizer state and step)")
-    local = v["enable_emergency_checkpoint"]
     _require(v["resume_from_step"] >= -1, f"resume_from_step must be a saved step, 0 (from the beginning) or -1 "
              f"(the newest checkpoint), got {v['resume_from_step']}")
     _require(v["resume_from_step"] == -1 or v["enable_checkpointing"],
              "resume_from_step chooses among the run's checkpoints: it needs enable_checkpointing=True")
+    local = v["enable_emergency_checkpoint"]
     _require(not local or (v["local_checkpoint_directory"] and v["local_checkpoint_period"] > 0),
              "enable_emergency_checkpoint=True needs local_checkpoint_directory=<a directory on each host's disk> "
              "and local_checkpoint_period > 0")

@@ -362,9 +362,9 @@ class CheckpointHook:
     self.before_save = before_save
     self.meta = {**(meta or {}), "rng_key_data": np.asarray(jax.random.key_data(rng)).tolist()}
     self._preempted_at: int | None = None
+    self._deferred = False  # a periodic save skipped at a non-finite step, made at the next finite one
 
   def due(self, step: int) -> bool:
-    self._deferred = False  # a periodic save skipped at a non-finite step, made at the next finite one
     # JAX's multi-process sync point (preemption.reached) must be queried exactly once per
     # step, which the Trainer guarantees for `due`.
     if self._preempted_at is None and self.preemption.reached(step):
@@ -377,12 +377,12 @@ class CheckpointHook:
   def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
     assert state is not None, "add CheckpointHook with needs_state=True"
     persistent = self._persistent(record.step)
-    meta = {**self.meta, "step": record.step}
-    self.before_save()
     if record.nonfinite:
       self._skip_nonfinite(trainer, record.step, persistent)
       return
     self._deferred = False
+    meta = {**self.meta, "step": record.step}
+    self.before_save()
     if not persistent:  # a local-tier step only
       self.checkpoints.save_local(record.step, state, trainer.data.get_state(), meta)
       return
@@ -392,8 +392,6 @@ class CheckpointHook:
       self.checkpoints.wait(record.step)
       trainer.stop_reason = f"SIGTERM: saved step {record.step} to {self.checkpoints.directory}"
 
-  def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
-    self.preemption.close()
   def _skip_nonfinite(self, trainer: Trainer, step: int, persistent: bool) -> None:
     if not persistent:
       return
@@ -409,6 +407,8 @@ class CheckpointHook:
     print(f"warning: step {step} is not saved: it was non-finite, its parameters give NaN/inf ({kept}); {later}",
           file=sys.stderr, flush=True)
 
+  def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
+    self.preemption.close()
     self.checkpoints.close()
 
 
