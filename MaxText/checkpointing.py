@@ -274,7 +274,7 @@ class RunCheckpoints:
     steps after `step` not saved under the same rewind; every process calls it. Returns the new
     names of the persistent steps."""
     multihost_utils.sync_global_devices("resume_from_step_planned")  # every process planned before any move
-    stamp = int(time.time())
+    stamp = int(time.time() * 1000)  # milliseconds: two rewinds to one step get distinct names
     moved = [self._set_aside(s, f"{s}.before-resume_from_step_{step}-{stamp}") for s in plan]
     if self.local is not None:
       for s in self.local.steps():

@@ -258,3 +258,42 @@ def test_the_stop_names_the_last_good_step_and_a_command_with_a_lower_learning_r
   trainer.advise_nonfinite = run_start.nonfinite_advice(config, None, argv)
   with pytest.raises(TrainingError, match=r"loss became nan at step 3 .*lower learning_rate \(e.g. learning_rate="):
     trainer.run(state="state")
+
+
+def test_resume_from_step_sets_later_steps_aside_in_both_tiers_once(tmp_path):
+  """RunCheckpoints with a local tier, in process: the rewind moves the later persistent and
+  local steps aside (renamed), a rerun under the same value keeps the steps saved since, and a
+  step that was never saved is refused by name."""
+  from MaxText import run_start
+  from MaxText.checkpointing import REWIND_KEY, RunCheckpoints
+  from MaxText.errors import UserError
+  from MaxText.local_checkpoints import LocalTier
+
+  state = {"w": jnp.arange(8.0)}
+  open_run = lambda: RunCheckpoints(str(tmp_path / "checkpoints"),  # noqa: E731
+                                    local=LocalTier(str(tmp_path / "local"), 1, 10))
+  checkpoints = open_run()
+  for step in (2, 4, 6):
+    checkpoints.save(step, state, {}, {"step": step})
+  checkpoints.save_local(5, state, {}, {"step": 5})
+  checkpoints.save_local(7, state, {}, {"step": 7})
+  checkpoints.close()
+
+  checkpoints = open_run()
+  with pytest.raises(UserError, match=r"resume_from_step=3: .* holds no checkpoint of step 3 \(saved steps: 2, 4, 6\)"):
+    checkpoints.rewind_plan(3)
+  assert checkpoints.rewind_plan(2) == [6, 4]
+  run_start.rewind(checkpoints, 2)
+  assert checkpoints.all_steps() == [2] and checkpoints.newest_step() == 2
+  names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+  assert [n.split(".")[0] for n in names if ".before-resume_from_step_2-" in n] == ["4", "6"]
+  assert sorted(p.name.split(".")[0] for p in (tmp_path / "local" / "process_0").iterdir()) == ["5", "7"]
+  assert checkpoints.local.steps() == []  # both local steps were after 2: aside, not deleted
+  checkpoints.save(4, state, {}, {"step": 4, REWIND_KEY: 2})  # trained on under resume_from_step=2
+  checkpoints.close()
+
+  checkpoints = open_run()
+  assert checkpoints.rewind_plan(2) == []  # the same command again continues from step 4
+  run_start.rewind(checkpoints, 2)
+  assert checkpoints.all_steps() == [2, 4]
+  checkpoints.close()
