@@ -203,7 +203,7 @@ class _Guard:
 
     try:
       await self._guarded(scope, receive, counted_send)
-    except BaseException:
+    except Exception:  # not a cancellation (a client gone): that stays "disconnected"
       if status == "disconnected":
         status = "500"  # uvicorn answers an exception that escapes the app with a 500
       raise
