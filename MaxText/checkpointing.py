@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from MaxText import storage
+from MaxText import storage, storage_retry
 from MaxText.config_groups import CheckpointConfig
 from MaxText.errors import TrainingError, UserError
 from MaxText.local_checkpoints import LocalTier
@@ -98,10 +98,13 @@ class RunCheckpoints:
     self._async_save = async_save
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True)
     try:
-      self._manager = ocp.CheckpointManager(storage.as_path(self.directory), item_names=(STATE, DATA, META), options=options)
+      self._manager = storage_retry.call(f"listing checkpoints in {self.directory}", self.directory, lambda: ocp.CheckpointManager(
+          storage.as_path(self.directory), item_names=(STATE, DATA, META), options=options))
     except OSError as e:
       raise UserError(f"cannot use checkpoint directory {self.directory}: {first_line(e)}") from None
     self.last_saved_step: int | None = self._manager.latest_step()
+    self._durable_step = self.last_saved_step  # the newest step known complete (for storage_retry's message)
+    self._saved_here = False  # this process saved (the run's own checkpoints, not another run's being read)
     # Multi-tier: the fast per-host tier beside this (persistent) one.
     self.local = local
 
@@ -109,7 +112,9 @@ class RunCheckpoints:
   def for_run(cls, cfg: CheckpointConfig) -> "RunCheckpoints":
     """This run's checkpoints as `cfg` configures them (both tiers)."""
     local = LocalTier(cfg.local_directory, cfg.local_checkpoint_period, cfg.local_checkpoint_max_to_keep) if cfg.local_directory else None
-    return cls(cfg.directory, max_to_keep=cfg.max_to_keep, async_save=cfg.async_checkpointing, local=local)
+    checkpoints = cls(cfg.directory, max_to_keep=cfg.max_to_keep, async_save=cfg.async_checkpointing, local=local)
+    storage_retry.note_saved(checkpoints.directory, checkpoints.last_saved_step)
+    return checkpoints
 
   def local_due(self, step: int) -> bool:
     return self.local is not None and step % self.local.period == 0
@@ -129,13 +134,18 @@ class RunCheckpoints:
   def save(self, step: int, state: Any, data_state: dict[str, Any], meta: dict[str, Any]) -> None:
     """Starts (async) or completes (sync) a save of `step`; raises TrainingError if any save failed."""
     self._raise_if_failed(step)
+    self.wait()  # the previous async save, which Orbax's save would wait for first (unbounded)
     args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), DATA: ocp.args.JsonSave(data_state),
                                  META: ocp.args.JsonSave(meta)})
+    storage_retry.note_saved(self.directory, self._durable_step, pending=step)
     try:
-      self._manager.save(step, args=args, force=True)
+      storage_retry.call(f"saving checkpoint step {step}", self.directory,
+                         lambda: self._manager.save(step, args=args, force=True), retry=False)
+    except storage_retry.StorageUnavailable:
+      raise
     except Exception as e:  # noqa: BLE001 - any storage failure must stop the run with a clear message
       raise self._save_error(step, e) from None
-    self.last_saved_step = step
+    self.last_saved_step, self._saved_here = step, True
     if not self._async_save:
       self.wait(step)
 
@@ -153,10 +163,17 @@ class RunCheckpoints:
 
   def wait(self, step: int | None = None) -> None:
     """Blocks until the pending save is on disk; raises TrainingError if it failed."""
+    pending = step if step is not None else self.last_saved_step or 0
     try:
-      self._manager.wait_until_finished()
+      storage_retry.call(f"saving checkpoint step {pending}", self.directory, self._manager.wait_until_finished,
+                         retry=False)
+    except storage_retry.StorageUnavailable:
+      raise
     except Exception as e:  # noqa: BLE001
-      raise self._save_error(step if step is not None else self.last_saved_step or 0, e) from None
+      raise self._save_error(pending, e) from None
+    if self._saved_here:
+      self._durable_step = self.last_saved_step
+      storage_retry.note_saved(self.directory, self._durable_step)
 
   def close(self) -> None:
     try:
@@ -164,7 +181,10 @@ class RunCheckpoints:
       if self.local is not None:
         self.local.close()
     finally:
-      self._manager.close()
+      if not storage_retry.is_down():
+        self._manager.close()
+      elif self.local is not None:  # Orbax's threads may hang on the unreachable storage: left to the exit
+        self.local.close()  # this host's own disk still works: its newest save stays usable
 
   def restore_latest(self, abstract_state: Any, shardings: Any) -> Restored | None:
     """Newest step that restores cleanly, from whichever tier holds the newer one; a damaged
@@ -178,6 +198,8 @@ class RunCheckpoints:
       self._check_stored_shapes(step, abstract_state)
       try:
         return self.restore_step(step, abstract_state, shardings)
+      except storage_retry.StorageUnavailable:
+        raise  # unreachable is not damaged: the step stays where it is
       except Exception as e:  # noqa: BLE001 - any damage means: fall back to the previous step
         moved = self._set_aside(step)
         log(f"warning: checkpoint step {step} in {self.directory} is incomplete or corrupt "
@@ -232,7 +254,8 @@ class RunCheckpoints:
   def restore_step(self, step: int, abstract_state: Any, shardings: Any) -> Restored:
     args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(with_shardings(abstract_state, shardings)),
                                  DATA: ocp.args.JsonRestore(), META: ocp.args.JsonRestore()})
-    restored = self._manager.restore(step, args=args)
+    restored = storage_retry.call(f"restoring checkpoint step {step}", self.directory,
+                                  lambda: self._manager.restore(step, args=args), retry=False)
     return Restored(restored[STATE], restored[DATA], restored[META] or {}, step, self.directory)
 
   def _set_aside(self, step: int, target_name: str = "") -> str:

@@ -302,13 +302,14 @@ class RunConfig:
   stack_trace_to_cloud: bool = key()
   stack_trace_interval_seconds: int = key()
   storage_timeout_seconds: int = key()
+  storage_retry_seconds: float = key()
   run_lease_timeout_seconds: float = key()
   run_dir: str = derived()  # base_output_directory/run_name
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any]) -> "RunConfig":
     _positive(v, "steps", "log_period", "profile_steps", "stack_trace_interval_seconds", "storage_timeout_seconds",
-              "run_lease_timeout_seconds")
+              "storage_retry_seconds", "run_lease_timeout_seconds")
     _positive(v, "router_collapse_logs", "max_consecutive_skipped_steps")
     _require(v["straggler_report_period"] >= 0 and v["straggler_threshold"] > 0,
              "straggler_report_period must be >= 0 (0 = off) and straggler_threshold > 0")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -59,6 +60,8 @@ def _one_line_library_logs() -> None:
   logger = logging.getLogger("absl")
   if not any(isinstance(f, _FirstLineOnly) for f in logger.filters):
     logger.addFilter(_FirstLineOnly())
+  # gcsfs logs each request it gave up on, with a traceback; storage_retry retries or reports it.
+  logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
   asyncio_logger = logging.getLogger("asyncio")
   if not any(isinstance(f, _NoAbandonedFutures) for f in asyncio_logger.filters):
     asyncio_logger.addFilter(_NoAbandonedFutures())
@@ -110,6 +113,11 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = No
   except UserError as e:
     where = f" [{_process_label}]" if _process_label else ""
     print(f"error{where}: {e}", file=sys.stderr, flush=True)
+    if getattr(e, "exit_at_once", False):
+      # Library threads still blocked on what failed (a storage's endpoint) would keep a normal
+      # exit waiting for ever: the line is out and everything durable is already written.
+      sys.stdout.flush()
+      os._exit(e.exit_code)
     sys.exit(e.exit_code)
   except KeyboardInterrupt:
     print("interrupted", file=sys.stderr, flush=True)

@@ -40,7 +40,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from MaxText import storage
+from MaxText import storage, storage_retry
 from MaxText.model_config import ModelConfig
 
 
@@ -175,6 +175,8 @@ class _ObjectRecordWriter:
   def flush(self) -> None:
     try:
       storage.write_bytes(self.path, bytes(self._buffer))
+    except storage_retry.StorageUnavailable:
+      pass  # the run stops with its own line
     except Exception as e:  # noqa: BLE001 - TensorBoard events are not worth stopping a run for
       if not self._warned:
         self._warned = True

@@ -15,7 +15,7 @@ from typing import Mapping
 
 import jax
 
-from MaxText import accelerators, distributed, storage, xla_flags
+from MaxText import accelerators, distributed, storage, storage_retry, xla_flags
 from MaxText import config as config_lib
 
 
@@ -25,6 +25,7 @@ def read_overrides(argv: list[str], extra_paths: Mapping[str, str] | None = None
   anything compiles."""
   overrides = config_lib.parse_overrides(argv)
   paths = {key: str(overrides.peek(key)) for key in config_lib.PATH_KEYS}
+  storage_retry.configure(float(overrides.peek("storage_retry_seconds")))
   storage.check_buckets({**paths, **(extra_paths or {})}, float(overrides.peek("storage_timeout_seconds")))
   return overrides
 

@@ -26,6 +26,7 @@ from typing import IO, Any, Callable, Iterator, TypeVar
 
 from etils import epath
 
+from MaxText import storage_retry
 from MaxText.errors import TrainingError, UserError
 
 _T = TypeVar("_T")
@@ -73,39 +74,50 @@ def same_file(a: str, b: str) -> bool:
 
 
 def as_path(path: str) -> epath.Path:
-  """An `epath.Path` for libraries that take one (Orbax)."""
+  """An `epath.Path` for libraries that take one (Orbax). Once the run gave up on an unreachable
+  storage, a remote path fails at once (storage_retry)."""
+  if is_remote(path):
+    storage_retry.raise_if_down()
   return epath.Path(resolve(path))
 
 
+def _bounded(verb: str, path: str, fn: Callable[[], _T]) -> _T:
+  """A remote operation runs within storage_retry_seconds (retried while it fails transiently)."""
+  if not is_remote(path):
+    return fn()
+  key = str(path).split("://", 1)[1].partition("/")[2]
+  return storage_retry.call(f"{verb} {key or path}", path, fn)
+
+
 def exists(path: str) -> bool:
-  return as_path(path).exists()
+  return _bounded("checking", path, lambda: as_path(path).exists())
 
 
 def is_dir(path: str) -> bool:
-  return as_path(path).is_dir()
+  return _bounded("checking", path, lambda: as_path(path).is_dir())
 
 
 def is_file(path: str) -> bool:
   p = as_path(path)
-  return p.is_file() if not is_remote(path) else (p.exists() and not p.is_dir())
+  return p.is_file() if not is_remote(path) else _bounded("checking", path, lambda: p.exists() and not p.is_dir())
 
 
 def makedirs(path: str) -> None:
   """Creates a directory and its parents (on an object store: nothing to create)."""
-  as_path(path).mkdir(parents=True, exist_ok=True)
+  _bounded("creating", path, lambda: as_path(path).mkdir(parents=True, exist_ok=True))
 
 
 def listdir(path: str) -> list[str]:
   """Names of the entries directly in `path` (sorted)."""
-  return sorted(name(str(p)) for p in as_path(path).iterdir())
+  return sorted(name(str(p)) for p in _bounded("listing", path, lambda: list(as_path(path).iterdir())))
 
 
 def read_text(path: str) -> str:
-  return as_path(path).read_text()
+  return _bounded("reading", path, lambda: as_path(path).read_text())
 
 
 def read_bytes(path: str) -> bytes:
-  return as_path(path).read_bytes()
+  return _bounded("reading", path, lambda: as_path(path).read_bytes())
 
 
 def write_text(path: str, text: str) -> None:
@@ -116,7 +128,7 @@ def write_text(path: str, text: str) -> None:
 
 def write_bytes(path: str, data: bytes) -> None:
   if is_remote(path):
-    as_path(path).write_bytes(data)
+    _bounded("writing", path, lambda: as_path(path).write_bytes(data))
     return
   path = resolve(path)
   os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -132,7 +144,8 @@ def open_file(path: str, mode: str = "r") -> IO[Any]:
 
 
 def size(path: str) -> int:
-  return int(as_path(path).stat().length) if is_remote(path) else os.path.getsize(resolve(path))
+  return _bounded("reading", path, lambda: int(as_path(path).stat().length)) if is_remote(path) \
+      else os.path.getsize(resolve(path))
 
 
 def glob(pattern: str) -> list[str]:
@@ -147,16 +160,20 @@ def glob(pattern: str) -> list[str]:
     head = parent(head)
   if not tail:
     return [pattern] if is_file(pattern) else []
-  matches = [str(p) for p in as_path(head).glob("/".join(tail))]
+  matches = _bounded("listing", head, lambda: [str(p) for p in as_path(head).glob("/".join(tail))])
   return sorted(m for m in matches if fnmatch.fnmatch(m, pattern) and is_file(m))
 
 
 def remove_tree(path: str) -> None:
   p = as_path(path)
-  if p.is_dir():
-    p.rmtree()
-  elif p.exists():
-    p.unlink()
+
+  def remove() -> None:
+    if p.is_dir():
+      p.rmtree()
+    elif p.exists():
+      p.unlink()
+
+  _bounded("removing", path, remove)
 
 
 def set_aside(path: str, new_name: str) -> str:
@@ -177,16 +194,16 @@ def set_aside(path: str, new_name: str) -> str:
 def copy_tree(source: str, target: str) -> None:
   """Copies a file or a directory tree between any two locations (local or remote)."""
   src = as_path(source)
-  if not src.is_dir():
+  if not is_dir(source):
     makedirs(parent(target))
-    if is_remote(source) and is_remote(target):
-      src.copy(as_path(target), overwrite=True)  # the store copies it; no bytes through this host
+    if is_remote(source) and is_remote(target):  # the store copies it; no bytes through this host
+      _bounded("copying", source, lambda: src.copy(as_path(target), overwrite=True))
     elif is_remote(source) or is_remote(target):
-      as_path(target).write_bytes(src.read_bytes())
+      write_bytes(target, read_bytes(source))
     else:
       shutil.copyfile(resolve(source), resolve(target))
     return
-  for child in src.iterdir():
+  for child in _bounded("listing", source, lambda: list(src.iterdir())):
     copy_tree(str(child), join(target, name(str(child))))
   if not is_remote(target):
     makedirs(target)
@@ -278,6 +295,7 @@ def _gcs_client() -> Any:
 def _gcs_blob(path: str, existing: bool = False) -> Any:
   """A google-cloud-storage Blob (the client honours STORAGE_EMULATOR_HOST); with `existing`,
   the blob with its metadata loaded, or None when there is none."""
+  storage_retry.raise_if_down()
   try:
     client = _gcs_client()
   except Exception as e:  # noqa: BLE001 - google.auth's DefaultCredentialsError and kin
@@ -323,6 +341,8 @@ class LineLog:
   def _upload(self) -> None:
     try:
       write_text(self.path, "".join(self._lines))
+    except storage_retry.StorageUnavailable:
+      raise
     except Exception as e:  # noqa: BLE001 - any client's transport or permission error
       text = str(e).strip().splitlines()
       raise TrainingError(f"writing {self.path} failed: {type(e).__name__}: {text[0] if text else ''}"[:400] +

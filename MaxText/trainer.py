@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from MaxText import metrics as metrics_lib
-from MaxText import dpo, storage
+from MaxText import dpo, storage, storage_retry
 from MaxText.errors import TrainingError
 from MaxText.train_state import TrainState
 
@@ -246,6 +246,8 @@ class Trainer:
       except Exception as e:  # noqa: BLE001
         if not failing:
           raise
+        if isinstance(e, storage_retry.StorageUnavailable):
+          continue  # the same unreachable storage: the error line says it once
         print(f"warning: while stopping, {type(hook).__name__} failed too: {type(e).__name__}: "
               f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300], file=sys.stderr, flush=True)
 

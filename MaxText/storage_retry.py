@@ -1,0 +1,264 @@
+"""How long a run keeps trying a `gs://` storage that fails, and how it stops when it gives up.
+
+`storage_retry_seconds` (B) bounds every remote storage operation of a run: a small object
+written or read (`config.yml`, `metrics.jsonl`, `goodput.json`, TensorBoard events), a listing,
+a checkpoint save or restore. `call` runs one in a worker thread and watches it:
+
+- a transient failure (connection refused or reset, timeout, HTTP 5xx/429, as the client
+  libraries' own predicates classify them) is retried with backoff, for idempotent operations;
+- an operation still running after a few seconds makes the watcher ask the bucket whether it
+  answers (one cheap metadata request); a slow upload to a live bucket is left alone, however
+  long it takes;
+- once the operation has been failing, or the bucket silent, for B seconds, the run gives up:
+  `StorageUnavailable`, one line naming the bucket, what failed, why and which checkpoint a
+  rerun resumes from. Every later storage call of the process fails at once (`raise_if_down`),
+  so the loop's end hooks and the lease release do not each wait another B.
+
+Errors that retrying cannot fix (403, 404, a damaged object) are raised at once, unchanged.
+Libraries with their own retries get settings derived from B: TensorStore (Orbax's arrays),
+whose GCS retries Orbax exposes no option for, through the context Orbax builds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import time
+from typing import Any, Callable, TypeVar
+
+from MaxText.errors import TrainingError
+
+_T = TypeVar("_T")
+DEFAULT_SECONDS = 300.0
+
+
+class StorageUnavailable(TrainingError):
+  """The storage did not work for storage_retry_seconds: the run stops (exit code 3)."""
+
+  # The storage libraries' own threads (Orbax's save finalizer, TensorStore, gcsfs) may still be
+  # blocked on the dead endpoint; run_cli ends the process at once after the error line.
+  exit_at_once = True
+
+
+@dataclasses.dataclass
+class _State:
+  budget: float = DEFAULT_SECONDS
+  down: str | None = None  # the message, once the run gave up on the storage
+  saved: str = ""  # what a rerun resumes from, for the message
+
+
+_state = _State()
+_inside = threading.local()  # a call running inside another call is bounded by the outer one
+
+
+def configure(budget_seconds: float) -> None:
+  """Sets B for this process and the libraries' own retries (before any checkpoint is opened)."""
+  _state.budget = float(budget_seconds)
+  _configure_tensorstore(_state.budget)
+
+
+def budget() -> float:
+  return _state.budget
+
+
+def is_down() -> bool:
+  return _state.down is not None
+
+
+def raise_if_down() -> None:
+  if _state.down is not None:
+    raise StorageUnavailable(_state.down)
+
+
+def note_saved(directory: str, step: int | None, pending: int | None = None) -> None:
+  """The newest checkpoint known to be complete, and the one being saved, for the message if the
+  storage goes (the pending one may be complete too: its commit marker may have landed)."""
+  saved = f"checkpoint steps up to {step} are saved in {directory}" if step is not None else \
+      f"no checkpoint is known complete in {directory}"
+  _state.saved = saved + (f" (step {pending} was being saved)" if pending is not None and pending != step else "")
+
+
+def tensorstore_retries(budget_seconds: float) -> dict[str, Any]:
+  """TensorStore's `gcs_request_retries` whose backoff adds up to at least B: a request keeps
+  trying for as long as the run would, and no longer by much."""
+  initial = min(1.0, budget_seconds / 10)
+  maximum = min(32.0, max(initial, budget_seconds / 8))
+  retries, total, delay = 0, 0.0, initial
+  while total < budget_seconds:
+    total, delay, retries = total + delay, min(delay * 2, maximum), retries + 1
+  return {"max_retries": retries, "initial_delay": f"{initial:g}s", "max_delay": f"{maximum:g}s"}
+
+
+def _configure_tensorstore(budget_seconds: float) -> None:
+  """Orbax builds every TensorStore context from these module defaults (copied per use)."""
+  try:
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils  # noqa: PLC0415
+    contexts = [ts_utils._BASE_TS_CONTEXT, ts_utils._DEFAULT_OCDBT_TS_CONTEXT]  # noqa: SLF001
+  except (ImportError, AttributeError):  # another Orbax layout: TensorStore's defaults, `call` still bounds
+    return
+  for context in contexts:
+    context["gcs_request_retries"] = tensorstore_retries(budget_seconds)
+
+
+# ------------------------------------------------------------------ what a failure is
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+  seen: list[BaseException] = []
+  current: BaseException | None = error
+  while current is not None and current not in seen:
+    seen.append(current)
+    current = current.__cause__ or current.__context__
+  return seen
+
+
+_TRANSIENT_TEXT = ("retry attempts failed", "CURL error", "UNAVAILABLE:", "DEADLINE_EXCEEDED:", "Connection refused",
+                   "Connection reset")
+
+
+def is_transient(error: BaseException) -> bool:
+  """Whether retrying may help: the libraries' own predicates, plus TensorStore's status text."""
+  predicates = _library_predicates()
+  return any(isinstance(e, (ConnectionError, TimeoutError)) or any(p(e) for p in predicates)
+             or any(text in str(e) for text in _TRANSIENT_TEXT)  # TensorStore's status, through Orbax's wrappers
+             for e in _chain(error))
+
+
+@functools.cache
+def _library_predicates() -> tuple[Callable[[BaseException], bool], ...]:
+  """gcsfs's (etils.epath's gs://) and google-api-core's (the lease's client) own retry predicates."""
+  found: list[Callable[[BaseException], bool]] = []
+  try:
+    from gcsfs.retry import is_retriable  # noqa: PLC0415
+    found.append(is_retriable)
+  except ImportError:
+    pass
+  try:
+    from google.api_core import exceptions, retry  # noqa: PLC0415
+    found.append(lambda e: isinstance(e, exceptions.RetryError) or
+                 (isinstance(e, Exception) and bool(retry.if_transient_error(e))))
+  except ImportError:
+    pass
+  return tuple(found)
+
+
+def reason(error: BaseException | None) -> str:
+  """A few words for the message: 'connection refused', 'no answer', or the error's first line."""
+  if error is None:
+    return "no answer"
+  texts = [f"{type(e).__name__}: {e}" for e in _chain(error)]
+  if any(isinstance(e, ConnectionRefusedError) for e in _chain(error)) or \
+      any(t in text for text in texts for t in ("Connection refused", "Connect call failed", "Could not connect")):
+    return "connection refused"
+  if any(isinstance(e, TimeoutError) for e in _chain(error)) or any("imed out" in text for text in texts):
+    return "no answer"
+  first = str(error).strip().splitlines()
+  return f"{type(error).__name__}: {first[0] if first else ''}"[:160]
+
+
+# ------------------------------------------------------------------ the watched call
+
+
+def bucket_of(path: str) -> str:
+  scheme, rest = str(path).split("://", 1)
+  return f"{scheme}://{rest.split('/', 1)[0]}"
+
+
+def _probe(bucket: str, timeout: float) -> BaseException | None:
+  """None when the bucket answers (any HTTP answer but a 5xx: a 403 is an answer), else the error.
+  Only gs:// is asked; other schemes are judged by their operations' errors alone."""
+  if not bucket.startswith("gs://"):
+    return None
+  from google.api_core import exceptions  # noqa: PLC0415
+
+  from MaxText import storage  # noqa: PLC0415 - storage imports this module
+
+  outcome: dict[str, BaseException | None] = {}
+
+  def ask() -> None:
+    try:
+      storage._gcs_client().bucket(bucket.split("://", 1)[1]).exists(timeout=timeout, retry=None)  # noqa: SLF001
+      outcome["error"] = None
+    except exceptions.GoogleAPICallError as e:
+      outcome["error"] = e if isinstance(e, exceptions.ServerError) else None
+    except Exception as e:  # noqa: BLE001 - transport, credentials: the bucket cannot be reached
+      outcome["error"] = e
+
+  thread = threading.Thread(target=ask, daemon=True, name=f"storage-probe {bucket}")
+  thread.start()
+  thread.join(timeout)
+  return outcome["error"] if "error" in outcome else TimeoutError(f"no answer within {timeout:g} s")
+
+
+class _Attempts:
+  """What the worker thread reports to the watcher."""
+
+  def __init__(self) -> None:
+    self.done = threading.Event()
+    self.stop = threading.Event()
+    self.value: Any = None
+    self.error: BaseException | None = None
+    self.failing_since: float | None = None  # the first transient failure
+    self.last_error: BaseException | None = None
+
+
+def call(what: str, path: str, fn: Callable[[], _T], *, retry: bool = True) -> _T:
+  """Runs `fn`, a storage operation on remote `path`, within the retry budget (see the module
+  docstring). `retry`: whether `fn` may simply run again after a transient failure (False for
+  Orbax saves and restores, which TensorStore retries inside)."""
+  if "://" not in str(path) or getattr(_inside, "active", False):
+    return fn()  # local disk (not this module's concern), or bounded by the call it runs in
+  raise_if_down()
+  budget_s = _state.budget
+  attempts = _Attempts()
+
+  def work() -> None:
+    _inside.active = True
+    delay = min(1.0, budget_s / 10)
+    while True:
+      try:
+        attempts.value = fn()
+        attempts.done.set()
+        return
+      except BaseException as e:  # noqa: BLE001 - handed to the watcher
+        if not (retry and is_transient(e)) or attempts.stop.is_set():
+          attempts.error = e
+          attempts.done.set()
+          return
+        attempts.last_error = e
+        attempts.failing_since = attempts.failing_since or time.monotonic()
+      if attempts.stop.wait(delay):
+        return
+      delay = min(delay * 2, max(1.0, budget_s / 8))
+
+  started = time.monotonic()
+  worker = threading.Thread(target=work, daemon=True, name=f"storage {what}"[:60])
+  worker.start()
+  tick = min(5.0, max(0.2, budget_s / 20))
+  probe_timeout = min(10.0, max(1.0, budget_s / 5))
+  silent_since: float | None = None  # the first failed probe of a series
+  probe_error: BaseException | None = None
+  while not attempts.done.wait(tick):
+    if _state.down is not None:  # another operation gave up meanwhile
+      attempts.stop.set()
+      raise StorageUnavailable(_state.down)
+    asked = time.monotonic()
+    probe_error = _probe(bucket_of(path), probe_timeout)
+    silent_since = (silent_since or asked) if probe_error is not None else None
+    failing = [t for t in (attempts.failing_since, silent_since) if t is not None]
+    if failing and time.monotonic() - min(failing) >= budget_s and not attempts.done.is_set():
+      attempts.stop.set()
+      _give_up(what, path, time.monotonic() - min(failing), attempts.last_error or probe_error)
+  if attempts.error is not None:
+    if is_transient(attempts.error):  # retried to the end already (here or inside the library)
+      _give_up(what, path, time.monotonic() - (attempts.failing_since or started), attempts.error)
+    raise attempts.error
+  return attempts.value
+
+
+def _give_up(what: str, path: str, seconds: float, error: BaseException | None) -> None:
+  saved = f"; {_state.saved}" if _state.saved else ""
+  _state.down = (f"{bucket_of(path)}: {what} failed for {seconds:.0f} s ({reason(error)}); the storage is unreachable "
+                 f"(storage_retry_seconds={_state.budget:g}): rerun the same command once it is back{saved}")
+  raise StorageUnavailable(_state.down)
