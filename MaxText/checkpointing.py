@@ -97,9 +97,12 @@ class RunCheckpoints:
     self.directory = storage.resolve(directory)
     self._async_save = async_save
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True)
+
+    def open_manager() -> ocp.CheckpointManager:
+      return ocp.CheckpointManager(storage.as_path(self.directory), item_names=(STATE, DATA, META), options=options)
+
     try:
-      self._manager = storage_retry.call(f"listing checkpoints in {self.directory}", self.directory, lambda: ocp.CheckpointManager(
-          storage.as_path(self.directory), item_names=(STATE, DATA, META), options=options))
+      self._manager = storage_retry.call("listing checkpoints", self.directory, open_manager)
     except OSError as e:
       raise UserError(f"cannot use checkpoint directory {self.directory}: {first_line(e)}") from None
     self.last_saved_step: int | None = self._manager.latest_step()

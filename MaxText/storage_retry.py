@@ -58,10 +58,6 @@ def configure(budget_seconds: float) -> None:
   _configure_tensorstore(_state.budget)
 
 
-def budget() -> float:
-  return _state.budget
-
-
 def is_down() -> bool:
   return _state.down is not None
 
@@ -144,15 +140,21 @@ def _library_predicates() -> tuple[Callable[[BaseException], bool], ...]:
 
 
 def reason(error: BaseException | None) -> str:
-  """A few words for the message: 'connection refused', 'no answer', or the error's first line."""
+  """A few words for the message: 'connection refused', 'HTTP 503', ..., or the error's first line."""
   if error is None:
     return "no answer"
-  texts = [f"{type(e).__name__}: {e}" for e in _chain(error)]
-  if any(isinstance(e, ConnectionRefusedError) for e in _chain(error)) or \
-      any(t in text for text in texts for t in ("Connection refused", "Connect call failed", "Could not connect")):
+  chain = _chain(error)
+  text = " ".join(f"{type(e).__name__}: {e}" for e in chain)
+  if any(isinstance(e, ConnectionRefusedError) for e in chain) or \
+      any(t in text for t in ("Connection refused", "Connect call failed", "Could not connect")):
     return "connection refused"
-  if any(isinstance(e, TimeoutError) for e in _chain(error)) or any("imed out" in text for text in texts):
+  if any(isinstance(e, ConnectionResetError) for e in chain) or "reset by peer" in text or "Connection reset" in text:
+    return "connection reset"
+  if any(isinstance(e, TimeoutError) for e in chain) or "imed out" in text:
     return "no answer"
+  codes = [e.code for e in chain if isinstance(getattr(e, "code", None), int) and e.code >= 400]  # type: ignore[attr-defined]
+  if codes:
+    return f"HTTP {codes[0]}"
   first = str(error).strip().splitlines()
   return f"{type(error).__name__}: {first[0] if first else ''}"[:160]
 

@@ -98,8 +98,10 @@ def test_local_paths_are_not_watched(budget):
   assert storage_retry.call("writing", "/tmp/x", threading.get_ident) == threading.get_ident()
 
 
-def test_what_counts_as_transient():
+def test_what_counts_as_transient_and_how_the_line_names_it():
+  import requests
   from gcsfs.retry import HttpError
+  from google.api_core import exceptions
 
   assert storage_retry.is_transient(ValueError("ABORTED: All 3 retry attempts failed: CURL error Could not connect"))
   assert storage_retry.is_transient(HttpError({"code": 503, "message": "unavailable"}))
@@ -107,6 +109,12 @@ def test_what_counts_as_transient():
   assert not storage_retry.is_transient(HttpError({"code": 403, "message": "forbidden"}))
   assert not storage_retry.is_transient(FileNotFoundError("gs://b/x"))
   assert not storage_retry.is_transient(ValueError("DATA_LOSS: Error reading ocdbt manifest"))
+  reset = requests.ConnectionError(("Connection aborted.", ConnectionResetError(104, "Connection reset by peer")))
+  assert storage_retry.is_transient(reset) and storage_retry.reason(reset) == "connection reset"
+  assert storage_retry.reason(ValueError("ABORTED: All 9 retry attempts failed: CURL error Could not connect to server")) \
+      == "connection refused"
+  assert storage_retry.reason(exceptions.ServiceUnavailable("503 GET http://x/b: injected")) == "HTTP 503"
+  assert storage_retry.reason(TimeoutError("no answer within 2 s")) == "no answer"
 
 
 def test_tensorstore_keeps_retrying_for_the_budget_and_orbax_uses_it():
