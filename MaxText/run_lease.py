@@ -83,8 +83,7 @@ class Lease:
         return  # the run stops with its own line
       except Exception as e:  # noqa: BLE001 - a storage hiccup: try again next interval
         if not warned:
-          print(f"warning: cannot refresh the run lease {self.path}: {type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}; retrying", flush=True)
+          print(f"warning: cannot refresh the run lease {self.path}: {storage_retry.reason(e)}; retrying", flush=True)
           warned = True
 
   def refresh(self) -> None:

@@ -15,8 +15,10 @@ a checkpoint save or restore. `call` runs one in a worker thread and watches it:
   so the loop's end hooks and the lease release do not each wait another B.
 
 Errors that retrying cannot fix (403, 404, a damaged object) are raised at once, unchanged.
-Libraries with their own retries get settings derived from B: TensorStore (Orbax's arrays),
-whose GCS retries Orbax exposes no option for, through the context Orbax builds.
+Libraries with their own retries get settings derived from B, so that they too keep trying that
+long: TensorStore (Orbax's arrays), whose GCS retries Orbax exposes no option for, through the
+context Orbax builds; gcsfs (Orbax's small files, and every other `gs://` path) through its own
+retry decorator.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def configure(budget_seconds: float) -> None:
   """Sets B for this process and the libraries' own retries (before any checkpoint is opened)."""
   _state.budget = float(budget_seconds)
   _configure_tensorstore(_state.budget)
+  _configure_gcsfs(_state.budget)
 
 
 def is_down() -> bool:
@@ -95,6 +98,31 @@ def _configure_tensorstore(budget_seconds: float) -> None:
     return
   for context in contexts:
     context["gcs_request_retries"] = tensorstore_retries(budget_seconds)
+
+
+def gcsfs_retries(budget_seconds: float) -> int:
+  """Attempts of gcsfs's own backoff (1, 2, 4, ... capped at 32 s between them) that add up to at
+  least B, and never fewer than its default 6."""
+  attempts, total = 1, 0.0
+  while total < budget_seconds:
+    total, attempts = total + min(2.0 ** (attempts - 1), 32.0), attempts + 1
+  return max(6, attempts)
+
+
+def _configure_gcsfs(budget_seconds: float) -> None:
+  """gcsfs (etils.epath's gs://, so Orbax's metadata and commit files too) retries each request
+  through its `retry_request` decorator, whose count the class fixed when it was defined (its
+  `retries` attribute is read then, not per instance): the same decorator is applied again, to
+  the undecorated methods, with a count from B."""
+  try:
+    from gcsfs import core, retry  # noqa: PLC0415
+  except ImportError:
+    return
+  for name in ("_request", "_get_file_request", "_get_file_concurrent"):
+    method = getattr(core.GCSFileSystem, name, None)
+    undecorated = getattr(method, "__wrapped__", None)
+    if undecorated is not None:  # another gcsfs layout: its defaults, and `call` still bounds
+      setattr(core.GCSFileSystem, name, retry.retry_request(retries=gcsfs_retries(budget_seconds))(undecorated))
 
 
 # ------------------------------------------------------------------ what a failure is

@@ -117,7 +117,20 @@ def test_what_counts_as_transient_and_how_the_line_names_it():
   assert storage_retry.reason(TimeoutError("no answer within 2 s")) == "no answer"
 
 
-def test_tensorstore_keeps_retrying_for_the_budget_and_orbax_uses_it():
+@pytest.fixture
+def library_settings(monkeypatch):
+  """configure() changes process-wide library settings: put them back after the test."""
+  from gcsfs import core
+  from orbax.checkpoint._src.serialization import tensorstore_utils
+
+  for name in ("_request", "_get_file_request", "_get_file_concurrent"):  # on the class that defines them
+    monkeypatch.setattr(core.GCSFileSystem, name, core.GCSFileSystem.__dict__[name])
+  for context in (tensorstore_utils._BASE_TS_CONTEXT, tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):
+    monkeypatch.setitem(context, "gcs_request_retries", context.get("gcs_request_retries", {}))
+  monkeypatch.setattr(storage_retry, "_state", storage_retry._State())
+
+
+def test_tensorstore_keeps_retrying_for_the_budget_and_orbax_uses_it(library_settings):
   from orbax.checkpoint._src.serialization import tensorstore_utils
 
   for seconds in (10.0, 300.0):
@@ -125,14 +138,35 @@ def test_tensorstore_keeps_retrying_for_the_budget_and_orbax_uses_it():
     initial, maximum = float(retries["initial_delay"][:-1]), float(retries["max_delay"][:-1])
     delays = [min(initial * 2 ** i, maximum) for i in range(retries["max_retries"])]
     assert seconds <= sum(delays) < seconds + maximum + initial and maximum <= 32
-  try:
-    storage_retry.configure(10)
-    spec = tensorstore_utils.get_ts_context(use_ocdbt=True).spec.to_json()
-    wanted = storage_retry.tensorstore_retries(10)
-    assert spec["gcs_request_retries"]["max_retries"] == wanted["max_retries"]
-    assert spec["gcs_request_retries"]["max_delay"] == wanted["max_delay"]
-  finally:
-    storage_retry.configure(storage_retry.DEFAULT_SECONDS)
+  storage_retry.configure(10)
+  spec = tensorstore_utils.get_ts_context(use_ocdbt=True).spec.to_json()
+  wanted = storage_retry.tensorstore_retries(10)
+  assert spec["gcs_request_retries"]["max_retries"] == wanted["max_retries"]
+  assert spec["gcs_request_retries"]["max_delay"] == wanted["max_delay"]
+
+
+def test_gcsfs_keeps_retrying_for_the_budget(library_settings, monkeypatch):
+  """gcsfs fixes its retry count when its class is defined; configure() sets it from the budget."""
+  import logging
+
+  import gcsfs
+  import gcsfs.retry
+
+  retried = []
+  is_retriable = gcsfs.retry.is_retriable
+
+  async def no_wait(seconds: float) -> None:
+    pass
+
+  monkeypatch.setattr(gcsfs.retry.asyncio, "sleep", no_wait)
+  monkeypatch.setattr(gcsfs.retry, "is_retriable", lambda e: retried.append(e) or is_retriable(e))  # each but the last
+  monkeypatch.setattr(logging.getLogger("gcsfs"), "level", logging.CRITICAL)
+  storage_retry.configure(300)
+  fs = gcsfs.GCSFileSystem(endpoint_url="http://127.0.0.1:9", token="anon", skip_instance_cache=True)
+  with pytest.raises(OSError):  # nothing listens on the discard port
+    fs.cat("bucket1/x")
+  assert len(retried) + 1 == storage_retry.gcsfs_retries(300) > 6
+  assert sum(min(2.0 ** i, 32.0) for i in range(len(retried))) >= 300  # its backoff, less the jitter
 
 
 def test_the_process_exits_after_the_line_though_a_library_thread_still_hangs():
