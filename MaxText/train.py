@@ -127,8 +127,8 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None, argv:
   trainer.advise_nonfinite = run_start.nonfinite_advice(config, checkpoints, argv if argv is not None else sys.argv)
   add_hooks(trainer, run, checkpoints, rng, start_step, lease)
   loop = trainer.run(start.state, start_step)
-  if trainer.stop_reason is not None:
-    log(f"stopped: {trainer.stop_reason}; rerun the same command to resume")
+  if trainer.stop_reason is not None:  # on every process: each host's log says why it exited 143
+    print(f"stopped: {trainer.stop_reason}; rerun the same command to resume", flush=True)
     return 128 + signal.SIGTERM
   if loop.first and loop.last:
     first, last = loop.first.scalars["loss"], loop.last.scalars["loss"]
