@@ -17,9 +17,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import logging
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +27,7 @@ from jax.experimental import multihost_utils
 
 from MaxText import storage, storage_retry
 from MaxText.config_groups import CheckpointConfig
-from MaxText.errors import TrainingError, UserError
+from MaxText.errors import TrainingError, UserError, quiet_logger
 from MaxText.local_checkpoints import LocalTier
 from MaxText.sharding import with_shardings
 
@@ -52,17 +51,10 @@ def first_line(error: BaseException) -> str:
   return f"{type(error).__name__}: {text[0] if text else ''}"[:400]
 
 
-@contextlib.contextmanager
-def quiet_absl() -> Iterator[None]:
+def quiet_absl() -> contextlib.AbstractContextManager[None]:
   """Orbax warns that a step's state has no _CHECKPOINT_METADATA of its own (the step has it);
   reading metadata only, that is noise."""
-  logger = logging.getLogger("absl")
-  level = logger.level
-  logger.setLevel(logging.ERROR)
-  try:
-    yield
-  finally:
-    logger.setLevel(level)
+  return quiet_logger("absl")
 
 
 def _shapes_by_path(tree: Any) -> dict[str, tuple[int, ...]]:

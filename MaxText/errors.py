@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
 import types
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 
 class UserError(Exception):
@@ -34,6 +35,19 @@ _process_label = ""
 def set_process_label(label: str) -> None:
   global _process_label
   _process_label = label
+
+
+@contextlib.contextmanager
+def quiet_logger(name: str, level: int = logging.ERROR) -> Iterator[None]:
+  """Raises one library logger's threshold for a block (a library that logs, then raises, what
+  the caller turns into its own one line)."""
+  logger = logging.getLogger(name)
+  saved = logger.level
+  logger.setLevel(level)
+  try:
+    yield
+  finally:
+    logger.setLevel(saved)
 
 
 class _FirstLineOnly(logging.Filter):

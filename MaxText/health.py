@@ -112,7 +112,8 @@ def summarize(starts: list[StartRecord]) -> dict[str, float]:
 class GoodputHook:
   """Times this start, keeps it in <run_dir>/goodput.json beside the earlier starts of the same run
   (written every `write_every` steps and at the end, so a killed start leaves its record up to its
-  last write), and prints the run's goodput at the end. Add with every=1, on process 0."""
+  last write), and at the end adds their summary to it (TensorBoard gets it as `goodput/*`) and
+  prints the run's goodput. Add with every=1, on process 0."""
 
   def __init__(self, run_dir: str, process_started: float, start_step: int,
                writer: metrics_lib.MetricWriter | None, write_every: int = 20):
@@ -144,23 +145,27 @@ class GoodputHook:
                        data_wait_s=self.data_wait_s, first_step=self.start_step + 1, last_step=self.last_step,
                        median_step_s=median)
 
-  def _write(self) -> list[StartRecord]:
+  def _write(self, final: bool = False) -> tuple[list[StartRecord], dict[str, float] | None]:
+    """Writes every start so far and, at the end, their summary (the run's goodput)."""
     mine = self.this_start()
     starts = self.earlier + ([mine] if mine is not None else [])
-    storage.write_text(self.path, json.dumps({"starts": [dataclasses.asdict(s) for s in starts]}, indent=1))
-    return starts
+    record: dict[str, Any] = {"starts": [dataclasses.asdict(s) for s in starts]}
+    summary = summarize(starts) if starts and final else None
+    if summary is not None:
+      record["summary"] = summary
+    storage.write_text(self.path, json.dumps(record, indent=1))
+    return starts, summary
 
   def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
-    starts = self._write()
-    if not starts:
+    starts, t = self._write(final=True)
+    if t is None:
       return
-    t = summarize(starts)
     print(f"goodput: {t['goodput']:.1%} of {t['wall_s']:,.0f} s over {len(starts)} start(s): productive "
           f"{t['productive_s']:,.0f} s; lost: start-up {t['startup_s']:,.0f} s, compilation {t['compile_s']:,.0f} s, "
           f"data wait {t['data_wait_s']:,.0f} s, redone steps {t['redone_s']:,.0f} s, other (checkpoints, "
           f"evaluation, logging) {t['other_s']:,.0f} s", flush=True)
     if self.writer is not None:
-      self.writer.write(self.last_step, {f"goodput/{name}": value for name, value in t.items()})
+      self.writer.write_summary(self.last_step, {f"goodput/{name}": value for name, value in t.items()})
 
 
 class _StepBoard:

@@ -226,6 +226,12 @@ class MetricWriter:
     if self._jsonl is not None:
       record = {"step": step, **{k: _jsonable(v) for k, v in scalars.items()}}
       self._jsonl.write_line(json.dumps(record))
+    self.write_summary(step, scalars)
+
+  def write_summary(self, step: int, scalars: Mapping[str, Any]) -> None:
+    """Run-level figures (the goodput summary) go to TensorBoard only: metrics.jsonl holds one
+    record per logged step, so `[json.loads(l)["loss"] for l in f]` keeps working; the run's
+    summaries have files of their own (goodput.json)."""
     if self._tb is not None:
       for key, value in scalars.items():
         if isinstance(value, (int, float)) and not math.isnan(value):

@@ -167,15 +167,15 @@ def test_missing_credentials_fail_with_one_line_within_the_timeout(tmp_path):
 
 def test_writes_refused_mid_run_stop_it_with_one_line_and_older_steps_still_restore(gcs, gcs_bucket,
                                                                                    local_reference):
-  from tests.gcs_emulator import FailingProxy
+  from tests.chaos.fault_proxy import FaultProxy
 
-  proxy = FailingProxy(gcs.url)
+  proxy = FaultProxy(gcs.url)
   try:
     out = f"{gcs_bucket}/runs"
     run_dir = f"{out}/refused"
     cmd = command(out, "refused", "checkpoint_period=4", "async_checkpointing=False")
     proc = start_and_signal(cmd, env(None, **proxy.env()), 5, lambda: 4 in committed_steps(run_dir), None)
-    proxy.fail_writes.set()
+    proxy.set_mode("forbid_writes")
     stdout, stderr = proc.communicate(timeout=300)
   finally:
     proxy.close()

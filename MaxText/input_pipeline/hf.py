@@ -10,7 +10,7 @@ import os
 from typing import Any, Callable, Iterator
 
 from MaxText import storage
-from MaxText.errors import ConfigError
+from MaxText.errors import ConfigError, quiet_logger
 from MaxText.input_pipeline.files import expand_files
 
 _BUILDER_BY_SUFFIX = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv",
@@ -50,17 +50,10 @@ def _remote_files_allowed(datasets: Any, builder: str, files: list[str]) -> Iter
     datasets.config.HF_DATASETS_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
 
 
-@contextlib.contextmanager
-def _quiet_json_loader() -> Iterator[None]:
+def _quiet_json_loader() -> contextlib.AbstractContextManager[None]:
   """datasets' JSON builder logs a parse failure (twice, through its own handler and the root's)
   before raising it; the raised error becomes the one line that names the file and line."""
-  logger = logging.getLogger("datasets.packaged_modules.json.json")
-  saved = logger.level
-  logger.setLevel(logging.CRITICAL)
-  try:
-    yield
-  finally:
-    logger.setLevel(saved)
+  return quiet_logger("datasets.packaged_modules.json.json", logging.CRITICAL)
 
 
 def _unreadable(files_key: str, data_files: str, builder: str, files: list[str], error: Exception) -> str:

@@ -2,6 +2,8 @@
 
 Modes (`set_mode`), each for every request or for a seeded fraction of them:
   pass    forward as is
+  forbid_writes  answer every write (POST/PUT/PATCH/DELETE) 403, reads pass (what GCS answers
+          when a permission or a retention policy forbids the write)
   5xx     answer 503 with a GCS-style JSON error (what GCS sends when it is overloaded)
   reset   close the connection with a TCP reset before answering
   stall   hold the request `stall_seconds`, then forward it (a slow or hung endpoint)
@@ -25,7 +27,7 @@ import threading
 import time
 from typing import Callable
 
-MODES = ("pass", "5xx", "reset", "stall", "down")
+MODES = ("pass", "forbid_writes", "5xx", "reset", "stall", "down")
 
 
 class FaultProxy:
@@ -123,9 +125,10 @@ class FaultProxy:
           time.sleep(stall)
         if mode == "reset" or proxy.mode == "down":
           return self._reset()
-        if mode == "5xx":
-          payload = json.dumps({"error": {"code": 503, "message": "injected: service unavailable"}}).encode()
-          return self._reply(503, payload, [("Content-Type", "application/json")])
+        if mode == "5xx" or (mode == "forbid_writes" and self.command != "GET"):
+          status, message = (503, "service unavailable") if mode == "5xx" else (403, "writes refused")
+          payload = json.dumps({"error": {"code": status, "message": f"injected: {message}"}}).encode()
+          return self._reply(status, payload, [("Content-Type", "application/json")])
         conn = http.client.HTTPConnection(proxy.host, proxy.upstream_port, timeout=60)
         headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "host")}
         headers["Content-Length"] = str(len(body))
