@@ -414,7 +414,7 @@ def summarize(outcomes: list[Outcome], seconds: float) -> dict[str, Any]:
   layouts = collections.Counter(str(o.trial.layout) for o in outcomes)
   announced = [o.announce_seconds for o in outcomes if o.announce_seconds is not None]
   return {"trials": len(outcomes), "faults": dict(sorted(faults.items())), "layouts": dict(sorted(layouts.items())),
-          "failed_runs_resumed": sum(o.resumed for o in outcomes), "reruns": sum(o.reruns for o in outcomes),
+          "resumed_from_a_checkpoint": sum(o.resumed for o in outcomes), "reruns": sum(o.reruns for o in outcomes),
           "bitwise_equal": sum(o.bitwise_equal for o in outcomes),
           "peer_aborts_by_jax": sum(o.peer_aborts for o in outcomes),
           "kills_inside_a_write": sum(o.landed for o in outcomes
