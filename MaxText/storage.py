@@ -20,7 +20,6 @@ import os
 import posixpath
 import shutil
 import tempfile
-import threading
 import time
 from typing import IO, Any, Callable, Iterator, TypeVar
 
@@ -415,32 +414,19 @@ def configure_cloud_env(environ: Any = None) -> None:
   env.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
-def bucket_of(path: str) -> str:
-  """`gs://bucket/a/b` -> `gs://bucket`."""
-  scheme, rest = str(path).split("://", 1)
-  return f"{scheme}://{rest.split('/', 1)[0]}"
+bucket_of = storage_retry.bucket_of
 
 
 def _with_deadline(fn: Callable[[], _T], seconds: float, what: str) -> _T:
-  """Runs `fn` in a daemon thread; a client that keeps retrying must not hang the start-up."""
-  result: dict[str, Any] = {}
-
-  def target() -> None:
-    try:
-      result["value"] = fn()
-    except BaseException as e:  # noqa: BLE001 - handed to the caller
-      result["error"] = e
-
-  thread = threading.Thread(target=target, daemon=True, name=f"storage-check {what}")
-  thread.start()
-  thread.join(seconds)
-  if thread.is_alive():
+  """`fn`'s value, or a UserError when it has not answered within `seconds` (start-up checks)."""
+  finished, value, error = storage_retry.within(seconds, fn, f"storage-check {what}")
+  if not finished:
     endpoint = os.environ.get("STORAGE_EMULATOR_HOST") or "the default endpoint"
     raise UserError(f"{what}: no answer from storage ({endpoint}) within {seconds:g} s; check the network, "
                     "the credentials (gcloud auth application-default login) and STORAGE_EMULATOR_HOST")
-  if "error" in result:
-    raise result["error"]
-  return result["value"]
+  if error is not None:
+    raise error
+  return value  # type: ignore[return-value]  # finished without an error: fn's value
 
 
 def check_reachable(path: str, key: str, timeout_seconds: float) -> None:

@@ -191,8 +191,26 @@ def reason(error: BaseException | None) -> str:
 
 
 def bucket_of(path: str) -> str:
+  """`gs://bucket/a/b` -> `gs://bucket`."""
   scheme, rest = str(path).split("://", 1)
   return f"{scheme}://{rest.split('/', 1)[0]}"
+
+
+def within(seconds: float, fn: Callable[[], _T], name: str) -> tuple[bool, _T | None, BaseException | None]:
+  """(finished, value, error) of `fn` run in a daemon thread for at most `seconds`: a client that
+  keeps retrying inside must not hold the caller up; an unfinished thread is left behind."""
+  outcome: dict[str, Any] = {}
+
+  def target() -> None:
+    try:
+      outcome["value"] = fn()
+    except BaseException as e:  # noqa: BLE001 - handed to the caller
+      outcome["error"] = e
+
+  thread = threading.Thread(target=target, daemon=True, name=name[:60])
+  thread.start()
+  thread.join(seconds)
+  return not thread.is_alive(), outcome.get("value"), outcome.get("error")
 
 
 def _probe(bucket: str, timeout: float) -> BaseException | None:
@@ -204,21 +222,17 @@ def _probe(bucket: str, timeout: float) -> BaseException | None:
 
   from MaxText import storage  # noqa: PLC0415 - storage imports this module
 
-  outcome: dict[str, BaseException | None] = {}
-
-  def ask() -> None:
+  def ask() -> BaseException | None:
     try:
       storage._gcs_client().bucket(bucket.split("://", 1)[1]).exists(timeout=timeout, retry=None)  # noqa: SLF001
-      outcome["error"] = None
     except exceptions.GoogleAPICallError as e:
-      outcome["error"] = e if isinstance(e, exceptions.ServerError) else None
-    except Exception as e:  # noqa: BLE001 - transport, credentials: the bucket cannot be reached
-      outcome["error"] = e
+      return e if isinstance(e, exceptions.ServerError) else None
+    return None  # any other error (transport, credentials) is raised: the bucket cannot be reached
 
-  thread = threading.Thread(target=ask, daemon=True, name=f"storage-probe {bucket}")
-  thread.start()
-  thread.join(timeout)
-  return outcome["error"] if "error" in outcome else TimeoutError(f"no answer within {timeout:g} s")
+  finished, answer, error = within(timeout, ask, f"storage-probe {bucket}")
+  if not finished:
+    return TimeoutError(f"no answer within {timeout:g} s")
+  return error if error is not None else answer
 
 
 class _Attempts:

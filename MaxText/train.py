@@ -58,7 +58,7 @@ def check_resume(config: config_lib.Config, checkpoints: checkpointing.RunCheckp
       log(f"warning: {config.run.run_dir} has no saved configuration ({run_record.CONFIG_FILE}, "
           f"{run_record.HISTORY_DIR}/) and checkpoint step {step} records no keys: only the stored array shapes "
           "are checked against this configuration")
-    elif not storage.is_file(storage.join(config.run.run_dir, run_record.CONFIG_FILE)):
+    elif records[0] != storage.join(config.run.run_dir, run_record.CONFIG_FILE):  # config.yml is missing
       log(f"resume check of checkpoint step {step}: against {' and '.join(records)}")
 
   distributed.on_process_0("checking the saved configuration", check)
