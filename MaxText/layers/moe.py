@@ -1,5 +1,9 @@
 """Sparse mixture-of-experts MLP: top-k routing over gated (SwiGLU) experts, as in Mixtral.
 
+This module routes and holds the layer and its gather dispatch; the experts' computation (slots,
+dispatch and combine, the batched or grouped expert matmuls) is experts.py's, and the
+expert-parallel all-to-all exchange moe_dispatch.py's.
+
 Shape legend (extends layers/__init__.py): E num_experts, k num_experts_per_tok,
 A = k·L routed assignments per sequence, C expert capacity (slots per expert per sequence).
 
@@ -65,12 +69,11 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from MaxText import sharding
@@ -78,16 +81,12 @@ from MaxText.model_config import ModelConfig
 from MaxText.layers.attention_kernels import trace_platform
 from MaxText.layers.grouped_matmul import GroupedMatmul
 from MaxText.layers.linears import DenseGeneral
-from MaxText.layers import grouped_matmul, moe_dispatch, quantization
+from MaxText.layers import experts, grouped_matmul, moe_dispatch
 from MaxText.layers.mlp import Activation, MlpBlock, activation_fns
 
 # What MoeBlock sows besides the load-balancing loss: statistics, not losses (models.py keeps
 # them per layer and out of the gradient).
 ROUTING_STATS = ("moe_load", "moe_router_entropy", "moe_dropped_fraction")
-
-# "ebcd,edf->ebcf" and "ebcf,efd->ebcd" as dot_general: contract the last activation dim with the
-# kernel's middle one, expert dim batched.
-_EXPERT_DIMS = (((3,), (1,)), ((0,), (0,)))
 
 # The expert buffer leads with E so "exp" claims the expert mesh axis first; the batch
 # dimension then falls back to its rule without the expert axis. Going from the
@@ -191,52 +190,6 @@ def load_balance_loss(probs_BLE: jax.Array, experts_BLk: jax.Array, routed_E: ja
   return num_experts * jnp.sum(routed_E * mean_prob_E)
 
 
-def assign_slots(experts_BLk: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
-  """Flattens choices to assignments in priority order (choice-major) and gives each its
-  slot in its expert: a running count of earlier assignments to the same expert.
-
-  Returns (expert [B, A], slot [B, A]); slot >= capacity means dropped.
-  """
-  batch = experts_BLk.shape[0]
-  expert_BA = jnp.swapaxes(experts_BLk, 1, 2).reshape(batch, -1)
-  onehot_BAE = jax.nn.one_hot(expert_BA, num_experts, dtype=jnp.int32)
-  slot_BA = jnp.sum((jnp.cumsum(onehot_BAE, axis=1) - 1) * onehot_BAE, axis=-1)
-  return expert_BA, slot_BA
-
-
-def _dispatch_one(x_LD: jax.Array, expert_A: jax.Array, slot_A: jax.Array, num_experts: int,
-                  capacity: int, top_k: int) -> jax.Array:
-  """One sequence's tokens copied into their experts' slots: [E, C, D] (empty slots are 0)."""
-  x_AD = jnp.tile(x_LD, (top_k, 1))
-  buffer_ECD = jnp.zeros((num_experts, capacity, x_LD.shape[-1]), x_LD.dtype)
-  return buffer_ECD.at[expert_A, slot_A].set(x_AD, mode="drop", unique_indices=True)
-
-
-def _combine_one(out_ECD: jax.Array, expert_A: jax.Array, slot_A: jax.Array, weight_A: jax.Array,
-                 top_k: int) -> jax.Array:
-  """Each token's weighted sum of its experts' outputs: [L, D]; dropped assignments read 0."""
-  rows_AD = out_ECD.at[expert_A, slot_A].get(mode="fill", fill_value=0)
-  rows_AD = rows_AD * weight_A[:, None].astype(rows_AD.dtype)
-  return jnp.sum(rows_AD.reshape(top_k, -1, rows_AD.shape[-1]), axis=0)
-
-
-def dense_experts(x_EBCD: jax.Array, kernels: Sequence[jax.Array], biases: Sequence[jax.Array],
-                  activations: Sequence[Activation]) -> jax.Array:
-  """Every expert's gated MLP over its slots, one batched matmul per projection (quantized when
-  configured); kernels are (wi_0, ..., wo), each [E, in, out], and biases () or theirs, [E, out]."""
-
-  def project(x: jax.Array, i: int) -> jax.Array:
-    y = quantization.dot_general(x, kernels[i], _EXPERT_DIMS)
-    return y + biases[i][:, None, None, :].astype(y.dtype) if biases else y
-
-  hidden_EBCF: jax.Array | None = None
-  for i, activation in enumerate(activations):
-    h = activation(checkpoint_name(project(x_EBCD, i), "mlpwi"))
-    hidden_EBCF = h if hidden_EBCF is None else hidden_EBCF * h
-  assert hidden_EBCF is not None  # mlp_activations is non-empty (config)
-  return checkpoint_name(project(hidden_EBCF, len(kernels) - 1), "mlpwo")
-
-
 def _grouped_experts(x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.Array, *params: jax.Array,
                      activations: Sequence[Activation], num_experts: int, matmul: GroupedMatmul,
                      expert_axis: str | None = None) -> jax.Array:
@@ -247,12 +200,7 @@ def _grouped_experts(x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.
   E/shards experts: it computes only the rows of its experts and the expert shards' outputs are summed.
   """
   kernels, biases = params[:len(activations) + 1], params[len(activations) + 1:]
-  dim = x_BLD.shape[-1]
-  top_k = experts_BLk.shape[-1]
-  expert_A = experts_BLk.reshape(-1)  # token-major: assignment a is token a // k
-  order_A = jnp.argsort(expert_A, stable=True)
-  x_AD = x_BLD.reshape(-1, dim)[order_A // top_k]
-  group_sizes_E = jnp.bincount(expert_A, length=num_experts).astype(jnp.int32)
+  x_AD, order_A, group_sizes_E = experts.sort_by_expert(x_BLD, experts_BLk, num_experts)
   offset: int | jax.Array = 0
   if expert_axis is not None:
     # This shard's experts own a contiguous run of the sorted rows: rotate it to the front;
@@ -262,10 +210,10 @@ def _grouped_experts(x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.
     offset = jnp.sum(jnp.where(jnp.arange(num_experts) < first, group_sizes_E, 0))
     group_sizes_E = jax.lax.dynamic_slice(group_sizes_E, (first,), (local,))
     x_AD = jnp.roll(x_AD, -offset, axis=0)
-  out_AD = moe_dispatch.grouped_mlp(x_AD, kernels, biases, group_sizes_E, activations, matmul, checkpoint_name)
+  out_AD = experts.grouped_mlp(x_AD, kernels, biases, group_sizes_E, activations, matmul)
   if expert_axis is not None:
     out_AD = jax.lax.psum(jnp.roll(out_AD, offset, axis=0), expert_axis)
-  return moe_dispatch.combine_sorted(out_AD, order_A, weights_BLk)
+  return experts.combine_sorted(out_AD, order_A, weights_BLk)
 
 
 def routing_health(probs_BLE: jax.Array, routed_E: jax.Array, dropped_fraction: jax.Array) -> dict[str, jax.Array]:
@@ -357,34 +305,30 @@ class MoeBlock(nnx.Module):
               capacity: int) -> jax.Array:
     """Slot buffers laid out by expert through sharding constraints (moe_dispatch=gather)."""
     cfg = self.cfg
-    dispatch = jax.vmap(_dispatch_one, in_axes=(0, 0, 0, None, None, None))
     # Pinning the buffer to the token layout first keeps the scatter local; the change of
     # layout below is then XLA's to make (left unpinned, it all-gathers the tokens instead).
-    buffer_BECD = sharding.constrain(dispatch(x_BLD, expert_BA, slot_BA, cfg.num_experts, capacity,
-                                              cfg.num_experts_per_tok), _TOKEN_BUFFER_NAMES)
+    buffer_BECD = sharding.constrain(experts.dispatch_slots(x_BLD, expert_BA, slot_BA, cfg.num_experts, capacity),
+                                     _TOKEN_BUFFER_NAMES)
     buffer_EBCD = sharding.constrain(jnp.swapaxes(buffer_BECD, 0, 1), _BUFFER_NAMES)
-    out_EBCD = sharding.constrain(dense_experts(buffer_EBCD, self._kernels(), self._biases(), self.activations),
-                                  _BUFFER_NAMES)
+    out_EBCD = sharding.constrain(
+        experts.dense_experts(buffer_EBCD, self._kernels(), self._biases(), self.activations), _BUFFER_NAMES)
     out_BECD = sharding.constrain(jnp.swapaxes(out_EBCD, 0, 1), _TOKEN_BUFFER_NAMES)
-    combine = jax.vmap(_combine_one, in_axes=(0, 0, 0, 0, None))
-    return combine(out_BECD, expert_BA, slot_BA, weight_BA, cfg.num_experts_per_tok)
+    return experts.combine_slots(out_BECD, expert_BA, slot_BA, weight_BA, cfg.num_experts_per_tok)
 
   def _all_to_all(self, layout: moe_dispatch.ExpertLayout, x_BLD: jax.Array, experts_BLk: jax.Array,
                   weights_BLk: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
     """(output, assignments the exchange dropped) under moe_dispatch=all_to_all."""
     cfg = self.cfg
-    common: dict[str, Any] = dict(expert_axes=layout.expert_axes, num_experts=cfg.num_experts)
-    body: Callable[..., tuple[jax.Array, jax.Array]]
+    body: moe_dispatch.Body
     matmul = self._matmul()
     if cfg.sparse_matmul:
-      body = functools.partial(moe_dispatch.grouped_body, **common, activations=self.activations,
-                               matmul=matmul, checkpoint_name=checkpoint_name,
+      body = functools.partial(moe_dispatch.grouped_body, expert_axes=layout.expert_axes,
+                               num_experts=cfg.num_experts, activations=self.activations, matmul=matmul,
                                buffer_factor=cfg.moe_ragged_buffer_factor,
                                exchange=moe_dispatch.select_exchange(cfg.moe_all_to_all, trace_platform()))
     else:
-      body = functools.partial(moe_dispatch.capacity_body, **common, capacity=capacity,
-                               dense_experts=functools.partial(dense_experts, activations=self.activations),
-                               dispatch=_dispatch_one, combine=_combine_one, assign_slots=assign_slots)
+      body = functools.partial(moe_dispatch.capacity_body, expert_axes=layout.expert_axes,
+                               num_experts=cfg.num_experts, capacity=capacity, activations=self.activations)
     return moe_dispatch.moe_all_to_all(layout, x_BLD, experts_BLk, weights_BLk, self._kernels(), self._biases(),
                                        body=body,
                                        check_vma=grouped_matmul.annotates_vma(matmul) or not cfg.sparse_matmul)
@@ -397,13 +341,6 @@ class MoeBlock(nnx.Module):
     return moe_dispatch.expert_layout(*context, batch, getattr(self, "wi_0").kernel.shape)
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
-    # Why index scatter/gather and not one-hot dispatch einsums: a [L, E, C] one-hot
-    # dispatch mask costs O(L·E·C·D) FLOPs and memory quadratic in L per sequence; here
-    # each routed token costs one row copy in and one row copy out (O(k·L·D)), and the
-    # experts stay one batched matmul over a static [E, B, C, D] buffer, the dense tile
-    # shape MXUs and tensor cores run at full rate. vmap over sequences gives the
-    # scatter/gather batch dimensions, which the SPMD partitioner keeps local to each
-    # batch shard.
     cfg = self.cfg
     top_k, num_experts, length = cfg.num_experts_per_tok, cfg.num_experts, x_BLD.shape[1]
     x_BLD = x_BLD.astype(self.dtype)
@@ -421,7 +358,7 @@ class MoeBlock(nnx.Module):
     capacity = expert_capacity(cfg, length)
     dropped = jnp.zeros((), jnp.float32)  # the slot paths' drops, counted here; the grouped exchange's, below
     if not cfg.sparse_matmul:
-      expert_BA, slot_BA = assign_slots(experts_BLk, num_experts)
+      expert_BA, slot_BA = experts.assign_slots(experts_BLk, num_experts)
       dropped = jnp.mean((slot_BA >= capacity).astype(jnp.float32))
 
     layout = self._layout(x_BLD.shape[0])
@@ -432,7 +369,7 @@ class MoeBlock(nnx.Module):
     elif cfg.sparse_matmul:
       out_BLD = self._grouped(routed_BLD, experts_BLk, weights_BLk)
     else:
-      weight_BA = jnp.swapaxes(weights_BLk, 1, 2).reshape(weights_BLk.shape[0], -1)
+      weight_BA = experts.choice_major(weights_BLk)
       out_BLD = self._padded(routed_BLD, expert_BA, slot_BA, weight_BA, capacity)
     for name, value in routing_health(probs_BLE, routed_E, dropped).items():
       self.sow(nnx.Intermediate, name, value)

@@ -1,6 +1,6 @@
 """Expert parallelism by all-to-all (moe_dispatch=all_to_all): each device routes its own
 tokens, sends only the routed rows to the devices that hold their experts, runs its experts
-over what it received, and sends the results back.
+over what it received (experts.py), and sends the results back.
 
 Everything below runs inside one `shard_map` over the mesh: tokens split over their batch axes
 (which include `expert`), expert weights split over `expert` on the expert dimension and over
@@ -43,6 +43,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from MaxText import sharding
 from MaxText.errors import ConfigError
+from MaxText.layers import experts
 from MaxText.layers.grouped_matmul import GroupedMatmul
 from MaxText.layers.mlp import Activation
 
@@ -50,8 +51,11 @@ from MaxText.layers.mlp import Activation
 RAGGED_PLATFORMS = ("tpu", "gpu", "cuda", "rocm")
 
 Axes = tuple[str, ...]
-# (x [El, n, C, D], kernels, biases) -> [El, n, C, D]: the experts' gated MLPs over capacity slots.
-DenseExperts = Callable[[jax.Array, Sequence[jax.Array], Sequence[jax.Array]], jax.Array]
+# One device's exchange: (x [b, L, D], experts [b, L, k], weights [b, L, k], local kernels, local
+# biases) -> (output [b, L, D], assignments it dropped); capacity_body or grouped_body with their
+# keywords bound.
+Body = Callable[[jax.Array, jax.Array, jax.Array, Sequence[jax.Array], Sequence[jax.Array]],
+                tuple[jax.Array, jax.Array]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +111,7 @@ def select_exchange(name: str, platform: str) -> str:
 
 def moe_all_to_all(layout: ExpertLayout, x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.Array,
                    kernels: Sequence[jax.Array], biases: Sequence[jax.Array] = (), *,
-                   body: Callable[..., tuple[jax.Array, jax.Array]],
+                   body: Body,
                    check_vma: bool = True) -> tuple[jax.Array, jax.Array]:
   """Runs `body(x, experts, weights, kernels, biases)` per device under `layout`: tokens split over
   their batch axes, kernels (and their biases, [E, out], if any) over the expert and hidden axes.
@@ -119,14 +123,14 @@ def moe_all_to_all(layout: ExpertLayout, x_BLD: jax.Array, experts_BLk: jax.Arra
   kernel_specs = tuple(PartitionSpec(expert, None, mlp) for _ in kernels[:-1]) + (PartitionSpec(expert, mlp, None),)
   bias_specs = tuple(PartitionSpec(expert, mlp) for _ in biases[:-1]) + (PartitionSpec(expert, None),) * bool(biases)
 
-  def per_device(x: jax.Array, experts: jax.Array, weights: jax.Array, *local: jax.Array
+  def per_device(x: jax.Array, experts_bLk: jax.Array, weights: jax.Array, *local: jax.Array
                  ) -> tuple[jax.Array, jax.Array]:
     local_kernels, local_biases = local[:len(kernels)], local[len(kernels):]
     if local_biases and layout.mlp_axes:
       # The output bias is whole on every hidden shard: add it on one, so the psum adds it once.
       first = (jax.lax.axis_index(layout.mlp_axes) == 0).astype(local_biases[-1].dtype)
       local_biases = (*local_biases[:-1], local_biases[-1] * first)
-    y, dropped = body(x, experts, weights, local_kernels, local_biases)
+    y, dropped = body(x, experts_bLk, weights, local_kernels, local_biases)
     y = jax.lax.psum(y, layout.mlp_axes) if layout.mlp_axes else y
     return y, jax.lax.psum(dropped, layout.token_axes) if layout.token_axes else dropped
 
@@ -137,28 +141,25 @@ def moe_all_to_all(layout: ExpertLayout, x_BLD: jax.Array, experts_BLk: jax.Arra
 
 
 def capacity_body(x_bLD: jax.Array, experts_bLk: jax.Array, weights_bLk: jax.Array, kernels: Sequence[jax.Array],
-                  biases: Sequence[jax.Array], *, expert_axes: Axes, num_experts: int, capacity: int, dense_experts: DenseExperts,
-                  dispatch: Callable[..., jax.Array], combine: Callable[..., jax.Array],
-                  assign_slots: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]
-                  ) -> tuple[jax.Array, jax.Array]:
-  """One device's capacity exchange (module docstring); dispatch/combine/assign_slots are moe.py's.
-  Its drops are the slots' (counted by moe.py), so it reports none of its own."""
+                  biases: Sequence[jax.Array], *, expert_axes: Axes, num_experts: int, capacity: int,
+                  activations: Sequence[Activation]) -> tuple[jax.Array, jax.Array]:
+  """One device's capacity exchange (module docstring). Its drops are the slots' (counted by
+  moe.py), so it reports none of its own."""
   batch, _, dim = x_bLD.shape
   top_k = experts_bLk.shape[-1]
   degree = jax.lax.axis_size(expert_axes)
   local = num_experts // degree
-  expert_bA, slot_bA = assign_slots(experts_bLk, num_experts)
-  weight_bA = jnp.swapaxes(weights_bLk, 1, 2).reshape(batch, -1)
-  slots_bECD = jax.vmap(dispatch, in_axes=(0, 0, 0, None, None, None))(x_bLD, expert_bA, slot_bA, num_experts,
-                                                                        capacity, top_k)
+  expert_bA, slot_bA = experts.assign_slots(experts_bLk, num_experts)
+  weight_bA = experts.choice_major(weights_bLk)
+  slots_bECD = experts.dispatch_slots(x_bLD, expert_bA, slot_bA, num_experts, capacity)
   send_XbECD = jnp.swapaxes(slots_bECD.reshape(batch, degree, local, capacity, dim), 0, 1)
   recv_XbECD = jax.lax.all_to_all(send_XbECD, expert_axes, 0, 0, tiled=True)  # [source shard, ...]
   x_EnCD = jnp.moveaxis(recv_XbECD, 2, 0).reshape(local, degree * batch, capacity, dim)
-  out_EnCD = dense_experts(x_EnCD, kernels, biases)
+  out_EnCD = experts.dense_experts(x_EnCD, kernels, biases, activations)
   out_XbECD = jnp.moveaxis(out_EnCD.reshape(local, degree, batch, capacity, dim), 0, 2)
   home_XbECD = jax.lax.all_to_all(out_XbECD, expert_axes, 0, 0, tiled=True)  # [expert shard, ...]
   out_bECD = jnp.swapaxes(home_XbECD, 0, 1).reshape(batch, num_experts, capacity, dim)
-  out_bLD = jax.vmap(combine, in_axes=(0, 0, 0, 0, None))(out_bECD, expert_bA, slot_bA, weight_bA, top_k)
+  out_bLD = experts.combine_slots(out_bECD, expert_bA, slot_bA, weight_bA, top_k)
   return out_bLD, jnp.zeros((), jnp.float32)
 
 
@@ -184,42 +185,6 @@ def padded_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offset
   return output.at[target.reshape(-1)].set(got_XND.reshape(-1, dim), mode="drop", unique_indices=True)
 
 
-def grouped_mlp(rows_MD: jax.Array, kernels: Sequence[jax.Array], biases: Sequence[jax.Array], group_sizes: jax.Array,
-                activations: Sequence[Activation], matmul: GroupedMatmul,
-                checkpoint_name: Callable[[jax.Array, str], jax.Array]) -> jax.Array:
-  """The experts' gated MLPs over rows sorted by expert: one grouped matmul per projection, then
-  each row's expert's bias when `biases` ([G, out] each) are given; rows after the last group
-  stay zeros."""
-  if biases:  # each row's group; the rows after the last group index an appended zero bias
-    group_M = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows_MD.shape[0]), side="right")
-
-  def project(x: jax.Array, i: int) -> jax.Array:
-    y = matmul(x, kernels[i], group_sizes)
-    if not biases:
-      return y
-    bias = jnp.concatenate([biases[i], jnp.zeros((1, biases[i].shape[-1]), biases[i].dtype)])
-    return y + bias[group_M].astype(y.dtype)
-
-  hidden_MF: jax.Array | None = None
-  for i, activation in enumerate(activations):
-    h = activation(checkpoint_name(project(rows_MD, i), "mlpwi"))
-    hidden_MF = h if hidden_MF is None else hidden_MF * h
-  assert hidden_MF is not None  # mlp_activations is non-empty (config)
-  return checkpoint_name(project(hidden_MF, len(kernels) - 1), "mlpwo")
-
-
-def combine_sorted(out_AD: jax.Array, order_A: jax.Array, weights_BLk: jax.Array) -> jax.Array:
-  """Expert outputs in sorted order -> each token's weighted sum of its k choices [B, L, D]."""
-  batch, length, top_k = weights_BLk.shape
-  # Unsort with the inverse permutation (a gather, whose gradient is a scatter-add).
-  out_BLkD = out_AD[jnp.argsort(order_A)].reshape(batch, length, top_k, out_AD.shape[-1])
-  out_BLkD = out_BLkD * weights_BLk[..., None].astype(out_BLkD.dtype)
-  out_BLD = out_BLkD[:, :, 0]  # choice by choice, in the padded path's order, so all paths round alike
-  for choice in range(1, top_k):
-    out_BLD = out_BLD + out_BLkD[:, :, choice]
-  return out_BLD
-
-
 def receive_rows(tokens: int, top_k: int, local_experts: int, degree: int, buffer_factor: float) -> int:
   """Rows of a device's receive buffer: the worst case (every peer's tokens routed here; a token
   picks an expert at most once), or `buffer_factor` times an even share (tokens·k) when > 0."""
@@ -238,8 +203,7 @@ def _exchange(kind: str) -> Callable[..., jax.Array]:
 def grouped_body(x_bLD: jax.Array, experts_bLk: jax.Array, weights_bLk: jax.Array, kernels: Sequence[jax.Array],
                  biases: Sequence[jax.Array], *, expert_axes: Axes, num_experts: int,
                  activations: Sequence[Activation], matmul: GroupedMatmul,
-                 exchange: str, checkpoint_name: Callable[[jax.Array, str], jax.Array],
-                 buffer_factor: float = -1.0) -> tuple[jax.Array, jax.Array]:
+                 exchange: str, buffer_factor: float = -1.0) -> tuple[jax.Array, jax.Array]:
   """One device's grouped exchange (module docstring); also the number of its assignments that
   did not fit the receive buffers."""
   batch, length, dim = x_bLD.shape
@@ -250,10 +214,7 @@ def grouped_body(x_bLD: jax.Array, experts_bLk: jax.Array, weights_bLk: jax.Arra
   send_rows = functools.partial(_exchange(exchange), axis_name=expert_axes)
 
   # Sort this device's assignments by expert: the rows for shard j are then contiguous.
-  expert_A = experts_bLk.reshape(-1)  # token-major: assignment a is token a // k
-  order_A = jnp.argsort(expert_A, stable=True)
-  x_AD = x_bLD.reshape(-1, dim)[order_A // top_k]
-  sizes_E = jnp.bincount(expert_A, length=num_experts).astype(jnp.int32)
+  x_AD, order_A, sizes_E = experts.sort_by_expert(x_bLD, experts_bLk, num_experts)
   # Everyone's per-expert counts: who sends what to whom, and where it lands.
   sizes_XE = jax.lax.all_gather(sizes_E, expert_axes)  # [source, E]
   rows_XX = jnp.sum(sizes_XE.reshape(degree, degree, local), axis=-1)  # [source, destination]
@@ -274,11 +235,11 @@ def grouped_body(x_bLD: jax.Array, experts_bLk: jax.Array, weights_bLk: jax.Arra
   local_expert_R = jnp.where(segment_R < degree * local, segment_R % local, local)  # padding sorts last
   by_expert_R = jnp.argsort(local_expert_R, stable=True)
   group_sizes = jnp.sum(counts_XEl, axis=0)
-  out_RD = grouped_mlp(received_RD[by_expert_R], kernels, biases, group_sizes, activations, matmul, checkpoint_name)
+  out_RD = experts.grouped_mlp(received_RD[by_expert_R], kernels, biases, group_sizes, activations, matmul)
   out_RD = out_RD[jnp.argsort(by_expert_R)]  # arrival order again
 
   # Send every row back to the slot it left from.
   home_offsets_X = _exclusive_cumsum(rows_XX, axis=1)[:, me]  # where each source's rows to me started
   out_AD = send_rows(out_RD, jnp.zeros_like(x_AD), _exclusive_cumsum(recv_X), recv_X, home_offsets_X, send_X)
-  out_bLD = combine_sorted(out_AD, order_A, weights_bLk)
+  out_bLD = experts.combine_sorted(out_AD, order_A, weights_bLk)
   return out_bLD, jnp.sum(rows_XX[me] - send_X).astype(jnp.float32)
