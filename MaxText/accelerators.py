@@ -30,6 +30,22 @@ GPU_PEAK_TFLOPS: dict[str, float] = {
 
 PLATFORMS_FOR_HARDWARE = {"tpu": "tpu,cpu", "gpu": "cuda,cpu", "cpu": "cpu"}
 
+# The platform families code chooses by; JAX names a GPU backend by its vendor's runtime.
+FAMILIES = ("tpu", "gpu", "cpu")
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def platform_family(platform: str) -> str:
+  """"tpu", "gpu" or "cpu" for a JAX platform name ("cuda" and "rocm" are GPUs); any other
+  backend keeps its own (lower-case) name."""
+  name = platform.strip().lower()
+  return "gpu" if name in GPU_PLATFORMS else name
+
+
+def device_family(device: object) -> str:
+  """platform_family of a device (anything with a `platform`, e.g. a topology's device)."""
+  return platform_family(str(getattr(device, "platform", "")))
+
 
 @dataclasses.dataclass(frozen=True)
 class DeviceTarget:
@@ -71,16 +87,10 @@ def select_jax_platforms(hardware: str) -> str | None:
 def requested_platform() -> str:
   """"cpu", "gpu" or "tpu": the first platform JAX will start (without starting it)."""
   platforms = os.environ.get("JAX_PLATFORMS") or getattr(jax.config, "jax_platforms", None) or ""
-  first = platforms.split(",")[0].strip().lower()
-  if first in ("cuda", "rocm", "gpu"):
-    return "gpu"
-  if first in ("cpu", "tpu"):
+  first = platform_family(platforms.split(",")[0])
+  if first in FAMILIES:
     return first
   return "tpu" if has_tpu() else "gpu" if _has_nvidia_gpu() else "cpu"
-
-
-def _platform_of(device: jax.Device) -> str:
-  return "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
 
 
 def local_target() -> DeviceTarget:
@@ -93,7 +103,7 @@ def local_target() -> DeviceTarget:
   else:
     num_slices = jax.process_count()
   return DeviceTarget(
-      platform=_platform_of(devices[0]),
+      platform=device_family(devices[0]),
       device_kind=devices[0].device_kind,
       num_devices=len(devices),
       num_processes=jax.process_count(),

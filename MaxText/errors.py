@@ -11,6 +11,8 @@ import threading
 import types
 from typing import Any, Callable, Iterator, NoReturn
 
+from MaxText import cloud_env
+
 
 class UserError(Exception):
   """A problem with the user's input (config, files, mesh): printed as one line, exit code 2."""
@@ -117,9 +119,7 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = No
   # to the clean stop (and the checkpoint) the entry points promise.
   if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
-  from MaxText import storage  # lazily: storage imports this module
-
-  storage.configure_cloud_env()  # before any library opens a gs:// path
+  cloud_env.configure_cloud_env()  # before any library opens a gs:// path
   _one_line_library_logs()
   _filter_background_noise()
   try:

@@ -16,6 +16,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from MaxText import accelerators
 from MaxText.config_groups import MESH_AXES, MeshConfig
 from MaxText.errors import ConfigError
 
@@ -33,7 +34,7 @@ def device_array(mesh_config: MeshConfig, devices: Sequence[Any]) -> np.ndarray:
   dcn = [degree for _, degree in mesh_config.dcn]
   try:
     if math.prod(dcn) > 1:
-      on_tpu = getattr(devices[0], "platform", "") == "tpu"
+      on_tpu = accelerators.device_family(devices[0]) == "tpu"
       return mesh_utils.create_hybrid_device_mesh(
           ici, dcn, devices, process_is_granule=not on_tpu, allow_split_physical_axes=True)
     return mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
@@ -172,6 +173,15 @@ def current_activation_context() -> tuple[Mesh, Rules] | None:
   (e.g. for layers that need the mesh to build a shard_map)."""
   context = _ACTIVATION_CONTEXT.get()
   return None if isinstance(context, _Unsharded) else context
+
+
+def trace_platform() -> str:
+  """The platform family the traced program is for: the activation mesh's devices (a TPU topology
+  during an AOT compile on CPU), else JAX's default backend."""
+  context = current_activation_context()
+  if context is not None:
+    return accelerators.device_family(context[0].devices.flat[0])
+  return accelerators.platform_family(jax.default_backend())
 
 
 def constrain(x: jax.Array, names: LogicalNames) -> jax.Array:

@@ -25,7 +25,7 @@ from typing import IO, Any, Callable, Iterator, TypeVar
 
 from etils import epath
 
-from MaxText import storage_retry
+from MaxText import cloud_env, storage_retry
 from MaxText.errors import TrainingError, UserError
 
 _T = TypeVar("_T")
@@ -284,19 +284,12 @@ def _local_lock(path: str) -> Iterator[None]:
     os.close(fd)  # closing releases the lock
 
 
-@functools.cache
-def _gcs_client() -> Any:
-  from google.cloud import storage as gcs  # noqa: PLC0415
-
-  return gcs.Client()
-
-
 def _gcs_blob(path: str, existing: bool = False) -> Any:
   """A google-cloud-storage Blob (the client honours STORAGE_EMULATOR_HOST); with `existing`,
   the blob with its metadata loaded, or None when there is none."""
   storage_retry.raise_if_down()
   try:
-    client = _gcs_client()
+    client = storage_retry.gcs_client()
   except Exception as e:  # noqa: BLE001 - google.auth's DefaultCredentialsError and kin
     raise UserError(f"cannot reach Google Cloud Storage for {path}: {type(e).__name__}: "
                     f"{str(e).splitlines()[0] if str(e) else ''}; run `gcloud auth application-default login` "
@@ -395,23 +388,7 @@ def local_output(path: str) -> Iterator[str]:
 
 # ------------------------------------------------------------------ cloud endpoints
 
-def configure_cloud_env(environ: Any = None) -> None:
-  """Hands `STORAGE_EMULATOR_HOST` on to every library with its own endpoint setting.
-
-  Must run before the first `gs://` access (the entry points call it first thing). The
-  Google client (tensorboardX's GCS writer) and gcsfs (etils.epath) read the variable
-  themselves; TensorStore (Orbax's array storage) needs its own URL and a token, since
-  without one it asks the GCE metadata server for credentials; gcsfs's bucket-layout
-  probe speaks the storage-control gRPC API, which emulators do not serve.
-  Values the user set are left alone."""
-  env = os.environ if environ is None else environ
-  host = env.get("STORAGE_EMULATOR_HOST", "")
-  if not host or host == "default":
-    return
-  url = host if "://" in host else f"http://{host}"
-  env.setdefault("TENSORSTORE_GCS_HTTP_URL", url)
-  env.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
-  env.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+configure_cloud_env = cloud_env.configure_cloud_env
 
 
 bucket_of = storage_retry.bucket_of

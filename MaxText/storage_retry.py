@@ -93,7 +93,7 @@ def _configure_tensorstore(budget_seconds: float) -> None:
   """Orbax builds every TensorStore context from these module defaults (copied per use)."""
   try:
     from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils  # noqa: PLC0415
-    contexts = [ts_utils._BASE_TS_CONTEXT, ts_utils._DEFAULT_OCDBT_TS_CONTEXT]  # noqa: SLF001
+    contexts = [ts_utils._BASE_TS_CONTEXT, ts_utils._DEFAULT_OCDBT_TS_CONTEXT]
   except (ImportError, AttributeError):  # another Orbax layout: TensorStore's defaults, `call` still bounds
     return
   for context in contexts:
@@ -213,6 +213,14 @@ def within(seconds: float, fn: Callable[[], _T], name: str) -> tuple[bool, _T | 
   return not thread.is_alive(), outcome.get("value"), outcome.get("error")
 
 
+@functools.cache
+def gcs_client() -> Any:
+  """The one google-cloud-storage client (it honours STORAGE_EMULATOR_HOST)."""
+  from google.cloud import storage as gcs  # noqa: PLC0415
+
+  return gcs.Client()
+
+
 def _probe(bucket: str, timeout: float) -> BaseException | None:
   """None when the bucket answers (any HTTP answer but a 5xx: a 403 is an answer), else the error.
   Only gs:// is asked; other schemes are judged by their operations' errors alone."""
@@ -220,11 +228,9 @@ def _probe(bucket: str, timeout: float) -> BaseException | None:
     return None
   from google.api_core import exceptions  # noqa: PLC0415
 
-  from MaxText import storage  # noqa: PLC0415 - storage imports this module
-
   def ask() -> BaseException | None:
     try:
-      storage._gcs_client().bucket(bucket.split("://", 1)[1]).exists(timeout=timeout, retry=None)  # noqa: SLF001
+      gcs_client().bucket(bucket.split("://", 1)[1]).exists(timeout=timeout, retry=None)
     except exceptions.GoogleAPICallError as e:
       return e if isinstance(e, exceptions.ServerError) else None
     return None  # any other error (transport, credentials) is raised: the bucket cannot be reached

@@ -38,11 +38,11 @@ def main() -> None:
   import jax
   import jax.numpy as jnp
 
-  from MaxText.layers import attention_kernels
+  from MaxText.layers import flash_blocks
   from MaxText.layers.attention import dot_product_attention
 
   kernels = {"dot_product": dot_product_attention,
-             "flash": functools.partial(attention_kernels.flash_attention, block_q=args.block, block_kv=args.block)}
+             "flash": functools.partial(flash_blocks.flash_attention, block_q=args.block, block_kv=args.block)}
   window = args.window or None
   print(f"batch {args.batch}, heads {args.heads}/{args.kv_heads} (q/kv), head_dim {args.head_dim}, float32, "
         f"window {window}, flash block {args.block}, {jax.devices()[0].device_kind}")

@@ -7,8 +7,8 @@ rope_layer_pattern (rope / nope). Llama 4 (iRoPE): chunked RoPE layers with a we
 QK-norm after RoPE (use_qk_l2_norm), and global NoPE layers whose queries are sharpened with
 position (attn_temperature_floor_scale).
 
-Kernels are looked up by name in ATTENTION_KERNELS so flash / cuDNN / splash
-implementations can be added without touching the layer.
+Kernels are looked up by name in ATTENTION_KERNELS; which implementation a name runs on which
+platform, and what each supports, is attention_kernels.py's table.
 """
 
 from __future__ import annotations
@@ -23,44 +23,33 @@ import numpy as np
 from flax import nnx
 
 from MaxText import sharding
+from MaxText.errors import ConfigError
 from MaxText.model_config import ModelConfig
-from MaxText.layers import attention_kernels, context_parallel
+from MaxText.layers import attention_kernels, context_parallel, ring_attention
+from MaxText.layers.attention_kernels import AttentionKernel, dot_product_attention
 from MaxText.layers import kv_cache, masks
 from MaxText.layers.embeddings import apply_rope, rope_attention_scale, rope_inverse_frequencies
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.normalizations import RMSNorm
 
-def dot_product_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BL: jax.Array,
-                          window_size: masks.Window = None, soft_cap: float = 0.0, chunk_size: masks.Window = None,
-                          positions_BL: jax.Array | None = None, sinks_N: jax.Array | None = None) -> jax.Array:
-  """Plain XLA attention with the mask of masks.py; queries must already be scaled. The only
-  kernel with chunked attention (`chunk_size`, cut at `positions_BL`). `sinks_N`: attention
-  sinks (masks.dense_attention)."""
-  mask_BLL = masks.self_mask(segment_ids_BL, window_size, chunk_size, positions_BL)
-  return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLL, soft_cap, sinks_N)
+Array = jax.Array
 
-
-# (q, k, v, segment_ids, window_size, soft_cap) -> out
-AttentionKernel = Callable[..., jax.Array]
-# name -> factory(model config) -> kernel; the fused kernels live in attention_kernels.py.
+# name -> factory(model config) -> kernel; which implementation each runs where: attention_kernels.py.
 ATTENTION_KERNELS: dict[str, Callable[[ModelConfig], AttentionKernel]] = {
     "dot_product": lambda cfg: dot_product_attention,
-    "flash": attention_kernels.make_flash,
-    "cudnn_flash": attention_kernels.make_cudnn_flash,
-    "autoselected": lambda cfg: attention_kernels.make_deferred(
+    "flash": lambda cfg: make_flash(cfg),
+    "cudnn_flash": lambda cfg: make_cudnn_flash(cfg),
+    "autoselected": lambda cfg: make_deferred(
         lambda platform: (name := select_kernel("autoselected", platform, cfg), ATTENTION_KERNELS[name](cfg)),
         "autoselected"),
 }
-# CPU: dot_product is at least as fast up to this many tokens, flash faster beyond (the figures:
-# benchmarks/attention_bench.py, getting_started/Attention.md).
-AUTOSELECT_CPU_FLASH_ABOVE = 512
 
 
 def select_kernel(name: str, platform: str | None = None, cfg: ModelConfig | None = None) -> str:
-  """The kernel `name` runs on `platform`. `autoselected` picks TPU: flash (splash) when its blocks
-  tile the sequence (a multiple of 128) else dot_product; GPU:
+  """The kernel `name` runs on `platform`. `autoselected` picks (attention_kernels.AUTOSELECT) TPU:
+  flash (splash) when its blocks tile the sequence (a multiple of 128) else dot_product; GPU:
   cudnn_flash when cuDNN covers the model (no soft cap, half precision, head_dim <= 128) else flash;
-  CPU: dot_product up to AUTOSELECT_CPU_FLASH_ABOVE tokens, flash beyond. Without a platform
+  CPU: dot_product up to attention_kernels.AUTOSELECT_CPU_FLASH_ABOVE tokens, flash beyond. Without a platform
   `autoselected` stays deferred: the layer resolves it when traced, for the mesh's platform.
   With attention_sinks every choice is dot_product (splash and cuDNN have no sink logit)."""
   if name == "autoselected" and cfg is not None and "chunked" in cfg.attention_layer_pattern:
@@ -71,12 +60,71 @@ def select_kernel(name: str, platform: str | None = None, cfg: ModelConfig | Non
     return "flash"  # ring / all_to_all / load balancing run the chunked kernel per block
   if name != "autoselected" or platform is None:
     return name
-  if platform == "tpu":
-    return "flash" if cfg is None or attention_kernels.splash_supports(cfg) else "dot_product"
-  if platform in ("gpu", "cuda", "rocm"):
-    return "cudnn_flash" if cfg is None or attention_kernels.cudnn_supports(cfg) else "flash"
-  long_sequences = cfg is not None and cfg.max_target_length > AUTOSELECT_CPU_FLASH_ABOVE
-  return "flash" if long_sequences else "dot_product"
+  return attention_kernels.autoselect(platform, cfg)
+
+
+def make_flash(cfg: ModelConfig) -> AttentionKernel:
+  """attention=flash: splash on TPU, the chunked JAX kernel elsewhere; with the length split over
+  the `sequence` axis, context_parallel_strategy (ring_attention.py: splash or cuDNN per chunk pair
+  on TPU / GPU, the chunked kernel on CPU)."""
+
+  def kernel(q_BLNH: Array, k_BSKH: Array, v_BSKH: Array, segment_ids_BL: Array,
+             window_size: masks.Window = None, soft_cap: float = 0.0, sinks_N: Array | None = None) -> Array:
+    context = sharding.current_activation_context()
+    chosen = attention_kernels.implementation("flash", sharding.trace_platform())
+    split = context is not None and context_parallel.length_shards(context[0], context[1], q_BLNH.shape,
+                                                                   k_BSKH.shape) > 1
+    local = chosen.sequence(attention_kernels.Call(cfg, q_BLNH.shape[1]))
+    if sinks_N is not None:  # only the chunked kernel has them, on one sequence shard
+      if not chosen.sinks or split:
+        raise ConfigError("attention=flash with attention_sinks runs only the chunked JAX kernel (CPU, GPU) without "
+                          "sequence parallelism (TPU splash has no sink logit); use attention=dot_product")
+      return local(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window_size, soft_cap, sinks_N=sinks_N)
+    if context is not None:
+      mesh, rules = context
+      if split:
+        return ring_attention.context_parallel_attention(cfg, mesh, rules, q_BLNH, k_BSKH, v_BSKH, segment_ids_BL,
+                                                         window_size, soft_cap)
+      if chosen.single_device:
+        return context_parallel.per_shard_attention(local, mesh, rules, q_BLNH, k_BSKH, v_BSKH, segment_ids_BL,
+                                                    window_size, soft_cap)
+    return local(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window_size, soft_cap)
+
+  return kernel
+
+
+def make_cudnn_flash(cfg: ModelConfig) -> AttentionKernel:
+  if cfg.attn_logits_soft_cap > 0:
+    raise ConfigError(f"attention=cudnn_flash does not support attn_logits_soft_cap={cfg.attn_logits_soft_cap} "
+                      "(cuDNN has no logit soft cap); use attention=flash or autoselected")
+
+  def kernel(q_BLNH: Array, k_BSKH: Array, v_BSKH: Array, segment_ids_BL: Array,
+             window_size: masks.Window = None, soft_cap: float = 0.0) -> Array:
+    chosen = attention_kernels.implementation("cudnn_flash", sharding.trace_platform())
+    return chosen.sequence(attention_kernels.Call(cfg, q_BLNH.shape[1]))(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL,
+                                                                         window_size, soft_cap)
+
+  return kernel
+
+
+_ANNOUNCED: set[tuple[str, str]] = set()
+
+
+def make_deferred(resolve: Callable[[str], tuple[str, AttentionKernel]], cfg_name: str) -> AttentionKernel:
+  """A kernel that picks its implementation when traced (only then is the target platform known,
+  e.g. a TPU topology compiled on CPU) and says once per platform which it picked."""
+
+  def kernel(q_BLNH: Array, k_BSKH: Array, v_BSKH: Array, segment_ids_BL: Array,
+             window_size: masks.Window = None, soft_cap: float = 0.0) -> Array:
+    platform = sharding.trace_platform()
+    name, chosen = resolve(platform)
+    if (platform, name) not in _ANNOUNCED:
+      _ANNOUNCED.add((platform, name))
+      if jax.process_index() == 0:
+        print(f"attention={cfg_name}: using {name} on {platform}", flush=True)
+    return chosen(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window_size, soft_cap)
+
+  return kernel
 
 
 def is_local_layer(cfg: ModelConfig, layer_index: int | jax.Array) -> bool | jax.Array:

@@ -1,258 +1,48 @@
-"""Memory-efficient attention kernels: chunked flash attention in pure JAX (any platform),
-cuDNN flash attention (GPU) and the Pallas splash-attention kernel (TPU).
+"""The attention kernels in one table: for a kernel name (the `attention=` values, context
+parallelism's per-block kernels, the paged decode kernel) and a platform family, the
+implementations that may run, each with what it supports; the first that supports the call runs.
 
-Every kernel has the signature of `attention.dot_product_attention`:
+Every whole-sequence implementation has the signature of `dot_product_attention`:
 `kernel(q_BLNH (pre-scaled), k_BSKH, v_BSKH, segment_ids_BL, window_size, soft_cap) -> out_BLNH`,
 with the same mask (masks.py): causal, same segment, and with a window, at most window_size - 1
-tokens back. The chunked flash kernel also takes `sinks_N` (attention sinks, GPT-OSS); splash
-and cuDNN do not (getting_started/Attention.md).
+tokens back. dot_product and the chunked flash kernel (flash_blocks.py) also take `sinks_N`
+(attention sinks, GPT-OSS); splash (splash_attention.py) and cuDNN do not
+(getting_started/Attention.md). The per-chunk-pair kernels of the ring are ring_blocks.py's.
 
-Legend: B batch, L query length, S key length, N query heads, K key/value heads, G = N // K query
-heads per key/value head, H head dim, Q one query block, C one key/value block (chunk).
+To add a kernel: its code in its own module, one `Implementation` entry in IMPLEMENTATIONS, and
+its name in the routes below (KERNELS, CONTEXT_PARALLEL, AUTOSELECT) where it should run.
+
+Legend: B batch, L query length, S key length, N query heads, K key/value heads, H head dim.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, Literal
 
 import jax
-import jax.numpy as jnp
 
-from MaxText import sharding
-from MaxText.model_config import ModelConfig
+from MaxText import accelerators, sharding
 from MaxText.errors import ConfigError
-from MaxText.layers import context_parallel, masks, splash_attention
+from MaxText.model_config import ModelConfig
+from MaxText.layers import flash_blocks, masks, paged_kv, ring_blocks, splash_attention
 
 Array = jax.Array
 AttentionKernel = Callable[..., jax.Array]  # (q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window_size, soft_cap)
-
-def _block_logits(q_BQKGH: jax.Array, k_BCKH: jax.Array, qseg_BQ: jax.Array, kseg_BC: jax.Array,
-                  q_start: jax.Array, k_start: jax.Array, window: jax.Array, soft_cap: float
-                  ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-  """Masked float32 logits [B, K, G, Q, C], the visibility mask [B, 1, 1, Q, C] and, with a soft
-  cap, tanh(raw / cap) (its derivative is needed by the backward pass)."""
-  s_BKGQC = jnp.einsum("bqkgh,bckh->bkgqc", q_BQKGH, k_BCKH, preferred_element_type=jnp.float32)
-  tanh_BKGQC = None
-  if soft_cap > 0:
-    tanh_BKGQC = jnp.tanh(s_BKGQC / soft_cap)
-    s_BKGQC = soft_cap * tanh_BKGQC
-  q_pos_1Q = (q_start + jnp.arange(q_BQKGH.shape[1]))[None]
-  k_pos_1C = (k_start + jnp.arange(k_BCKH.shape[1]))[None]
-  mask_B11QC = masks.allowed(q_pos_1Q, k_pos_1C, qseg_BQ, kseg_BC, window)[:, None, None]
-  return jnp.where(mask_B11QC, s_BKGQC, masks.MASK_VALUE), mask_B11QC, tanh_BKGQC
+# CPU: dot_product is at least as fast up to this many tokens, flash faster beyond (the figures:
+# benchmarks/attention_bench.py, getting_started/Attention.md).
+AUTOSELECT_CPU_FLASH_ABOVE = 512
 
 
-def _kv_block_range(q_start: jax.Array, block_q: int, block_kv: int, window: jax.Array, num_kv_blocks: int
-                    ) -> tuple[jax.Array, jax.Array]:
-  """Key blocks [lo, hi) that queries q_start .. q_start + block_q - 1 can see (causal + window);
-  every other key block is fully masked and skipped."""
-  lo = jnp.maximum(q_start - window + 1, 0) // block_kv
-  hi = jnp.minimum((q_start + block_q - 1) // block_kv + 1, num_kv_blocks)
-  return lo, jnp.maximum(hi, lo)
-
-
-def _q_block_range(k_start: jax.Array, block_q: int, block_kv: int, window: jax.Array, q_offset: jax.Array,
-                   num_q_blocks: int) -> tuple[jax.Array, jax.Array]:
-  """Query blocks [lo, hi) that can see keys k_start .. k_start + block_kv - 1."""
-  lo = jnp.maximum(k_start - q_offset, 0) // block_q
-  hi = jnp.clip((k_start + block_kv - 1 + window - 1 - q_offset) // block_q + 1, 0, num_q_blocks)
-  return jnp.minimum(lo, num_q_blocks), jnp.maximum(hi, jnp.minimum(lo, num_q_blocks))
-
-
-def _slice(x: jax.Array, index: jax.Array, size: int) -> jax.Array:
-  return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=1)
-
-
-def _forward(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, kseg_BS: Array, window: Array,
-             q_offset: Array, sinks_KG: Array | None, soft_cap: float, block_q: int, block_kv: int,
-             out_dtype: jnp.dtype | None = None) -> tuple[Array, Array]:
-  """Online softmax over the visible key blocks of each query block: (out_BLKGH, lse_BKGL). A sink
-  logit (masks.dense_attention) starts each row's running max and sum as a key with no value.
-  `out_dtype` (default q's): float32 when partial outputs are merged later (ring_attention.py)."""
-  batch, _, num_kv, group, head_dim = q_BLKGH.shape
-  num_q_blocks, num_kv_blocks = q_BLKGH.shape[1] // block_q, k_BSKH.shape[1] // block_kv
-
-  def one_q_block(i):
-    q_BQKGH, qseg_BQ = _slice(q_BLKGH, i, block_q), _slice(qseg_BL, i, block_q)
-    q_start = q_offset + i * block_q
-
-    def step(j, carry):
-      m_BKGQ, l_BKGQ, acc_BKGQH = carry
-      s_BKGQC, mask, _ = _block_logits(q_BQKGH, _slice(k_BSKH, j, block_kv), qseg_BQ, _slice(kseg_BS, j, block_kv),
-                                       q_start, j * block_kv, window, soft_cap)
-      m_new = jnp.maximum(m_BKGQ, s_BKGQC.max(-1))
-      p_BKGQC = jnp.where(mask, jnp.exp(s_BKGQC - m_new[..., None]), 0.0)
-      correction = jnp.exp(m_BKGQ - m_new)
-      pv = jnp.einsum("bkgqc,bckh->bkgqh", p_BKGQC.astype(v_BSKH.dtype), _slice(v_BSKH, j, block_kv),
-                      preferred_element_type=jnp.float32)
-      return m_new, l_BKGQ * correction + p_BKGQC.sum(-1), acc_BKGQH * correction[..., None] + pv
-
-    stats_shape = (batch, num_kv, group, block_q)
-    init = (jnp.full(stats_shape, masks.MASK_VALUE, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
-            jnp.zeros(stats_shape + (head_dim,), jnp.float32))
-    if sinks_KG is not None:
-      init = (jnp.broadcast_to(sinks_KG[None, :, :, None], stats_shape), jnp.ones(stats_shape, jnp.float32),
-              init[2])
-    lo, hi = _kv_block_range(q_start, block_q, block_kv, window, num_kv_blocks)
-    m_BKGQ, l_BKGQ, acc_BKGQH = jax.lax.fori_loop(lo, hi, step, init)
-    # A query that sees no key at all (padding rows) gets a zero output.
-    safe_l = jnp.where(l_BKGQ > 0, l_BKGQ, 1.0)
-    return acc_BKGQH / safe_l[..., None], jnp.where(l_BKGQ > 0, m_BKGQ + jnp.log(safe_l), jnp.inf)
-
-  out_nBKGQH, lse_nBKGQ = jax.lax.map(one_q_block, jnp.arange(num_q_blocks))
-  out_BLKGH = out_nBKGQH.transpose(1, 0, 4, 2, 3, 5).reshape(batch, -1, num_kv, group, head_dim)
-  lse_BKGL = jnp.moveaxis(lse_nBKGQ, 0, 3).reshape(batch, num_kv, group, -1)
-  return out_BLKGH.astype(out_dtype or q_BLKGH.dtype), lse_BKGL
-
-
-def _backward_dq(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, kseg_BS: Array, window: Array,
-                 q_offset: Array, soft_cap: float, block_q: int, block_kv: int, do_BLKGH: Array, lse_BKGL: Array,
-                 delta_BKGL: Array) -> Array:
-  num_q_blocks, num_kv_blocks = q_BLKGH.shape[1] // block_q, k_BSKH.shape[1] // block_kv
-
-  def one_q_block(i):
-    q_BQKGH, qseg_BQ, do_BQKGH = _slice(q_BLKGH, i, block_q), _slice(qseg_BL, i, block_q), _slice(do_BLKGH, i, block_q)
-    lse_BKGQ = jax.lax.dynamic_slice_in_dim(lse_BKGL, i * block_q, block_q, axis=3)
-    delta_BKGQ = jax.lax.dynamic_slice_in_dim(delta_BKGL, i * block_q, block_q, axis=3)
-    q_start = q_offset + i * block_q
-
-    def step(j, dq_BQKGH):
-      k_BCKH, v_BCKH = _slice(k_BSKH, j, block_kv), _slice(v_BSKH, j, block_kv)
-      ds_BKGQC = _score_grad(q_BQKGH, k_BCKH, v_BCKH, qseg_BQ, _slice(kseg_BS, j, block_kv), q_start, j * block_kv,
-                             window, soft_cap, do_BQKGH, lse_BKGQ, delta_BKGQ)[1]
-      return dq_BQKGH + jnp.einsum("bkgqc,bckh->bqkgh", ds_BKGQC, k_BCKH, preferred_element_type=jnp.float32)
-
-    lo, hi = _kv_block_range(q_start, block_q, block_kv, window, num_kv_blocks)
-    return jax.lax.fori_loop(lo, hi, step, jnp.zeros(q_BQKGH.shape, jnp.float32))
-
-  dq_nBQKGH = jax.lax.map(one_q_block, jnp.arange(num_q_blocks))
-  return dq_nBQKGH.swapaxes(0, 1).reshape(q_BLKGH.shape)
-
-
-def _score_grad(q_BQKGH: Array, k_BCKH: Array, v_BCKH: Array, qseg_BQ: Array, kseg_BC: Array, q_start: Array,
-                k_start: Array, window: Array, soft_cap: float, do_BQKGH: Array, lse_BKGQ: Array,
-                delta_BKGQ: Array) -> tuple[Array, Array]:
-  """Recomputed probabilities p and d(loss)/d(raw logits) of one block, both [B, K, G, Q, C] float32."""
-  s_BKGQC, mask, tanh_BKGQC = _block_logits(q_BQKGH, k_BCKH, qseg_BQ, kseg_BC, q_start, k_start, window, soft_cap)
-  p_BKGQC = jnp.where(mask, jnp.exp(s_BKGQC - lse_BKGQ[..., None]), 0.0)
-  dp_BKGQC = jnp.einsum("bqkgh,bckh->bkgqc", do_BQKGH, v_BCKH, preferred_element_type=jnp.float32)
-  ds_BKGQC = p_BKGQC * (dp_BKGQC - delta_BKGQ[..., None])
-  if tanh_BKGQC is not None:
-    ds_BKGQC = ds_BKGQC * (1.0 - tanh_BKGQC**2)
-  return p_BKGQC, ds_BKGQC
-
-
-def _backward_dkv(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, kseg_BS: Array, window: Array,
-                  q_offset: Array, soft_cap: float, block_q: int, block_kv: int, do_BLKGH: Array, lse_BKGL: Array,
-                  delta_BKGL: Array) -> tuple[Array, Array]:
-  num_q_blocks, num_kv_blocks = q_BLKGH.shape[1] // block_q, k_BSKH.shape[1] // block_kv
-
-  def one_kv_block(j):
-    k_BCKH, v_BCKH, kseg_BC = _slice(k_BSKH, j, block_kv), _slice(v_BSKH, j, block_kv), _slice(kseg_BS, j, block_kv)
-
-    def step(i, carry):
-      dk_BCKH, dv_BCKH = carry
-      q_BQKGH, do_BQKGH = _slice(q_BLKGH, i, block_q), _slice(do_BLKGH, i, block_q)
-      lse_BKGQ = jax.lax.dynamic_slice_in_dim(lse_BKGL, i * block_q, block_q, axis=3)
-      delta_BKGQ = jax.lax.dynamic_slice_in_dim(delta_BKGL, i * block_q, block_q, axis=3)
-      p_BKGQC, ds_BKGQC = _score_grad(q_BQKGH, k_BCKH, v_BCKH, _slice(qseg_BL, i, block_q), kseg_BC,
-                                      q_offset + i * block_q, j * block_kv, window, soft_cap, do_BQKGH,
-                                      lse_BKGQ, delta_BKGQ)
-      dv_BCKH += jnp.einsum("bkgqc,bqkgh->bckh", p_BKGQC.astype(do_BQKGH.dtype), do_BQKGH,
-                            preferred_element_type=jnp.float32)
-      dk_BCKH += jnp.einsum("bkgqc,bqkgh->bckh", ds_BKGQC, q_BQKGH, preferred_element_type=jnp.float32)
-      return dk_BCKH, dv_BCKH
-
-    lo, hi = _q_block_range(j * block_kv, block_q, block_kv, window, q_offset, num_q_blocks)
-    zeros = jnp.zeros(k_BCKH.shape, jnp.float32)
-    return jax.lax.fori_loop(lo, hi, step, (zeros, zeros))
-
-  dk_nBCKH, dv_nBCKH = jax.lax.map(one_kv_block, jnp.arange(num_kv_blocks))
-  merge = lambda x: x.swapaxes(0, 1).reshape(k_BSKH.shape)  # noqa: E731
-  return merge(dk_nBCKH), merge(dv_nBCKH)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _flash_core(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, kseg_BS: Array, window: Array,
-                q_offset: Array, sinks_KG: Array | None, soft_cap: float, block_q: int, block_kv: int) -> Array:
-  return _forward(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, sinks_KG, soft_cap, block_q,
-                  block_kv)[0]
-
-
-def _flash_core_fwd(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, kseg_BS: Array, window: Array,
-                    q_offset: Array, sinks_KG: Array | None, soft_cap: float, block_q: int, block_kv: int
-                    ) -> tuple[Array, tuple]:
-  out_BLKGH, lse_BKGL = _forward(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, sinks_KG, soft_cap,
-                                 block_q, block_kv)
-  return out_BLKGH, (q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, sinks_KG, out_BLKGH, lse_BKGL)
-
-
-def _flash_core_bwd(soft_cap: float, block_q: int, block_kv: int, residuals: tuple, do_BLKGH: Array) -> tuple:
-  q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, sinks_KG, out_BLKGH, lse_BKGL = residuals
-  # delta = rowsum(dO * O): the softmax Jacobian's diagonal correction (FlashAttention-2, eq. in sec. 3.1).
-  delta_BKGL = jnp.einsum("blkgh,blkgh->bkgl", do_BLKGH.astype(jnp.float32), out_BLKGH.astype(jnp.float32))
-  args = (q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, soft_cap, block_q, block_kv,
-          do_BLKGH, lse_BKGL, delta_BKGL)
-  dq_BLKGH = _backward_dq(*args)
-  dk_BSKH, dv_BSKH = _backward_dkv(*args)
-  # The lse includes the sink, so the blocks' gradients are unchanged; the sink, a key whose value
-  # is zero, gets -sum over rows of its probability times delta.
-  dsinks_KG = None if sinks_KG is None else -jnp.einsum(
-      "bkgl,bkgl->kg", jnp.exp(sinks_KG[None, :, :, None] - lse_BKGL), delta_BKGL).astype(sinks_KG.dtype)
-  return (dq_BLKGH.astype(q_BLKGH.dtype), dk_BSKH.astype(k_BSKH.dtype), dv_BSKH.astype(v_BSKH.dtype),
-          None, None, None, None, dsinks_KG)
-
-
-_flash_core.defvjp(_flash_core_fwd, _flash_core_bwd)
-
-
-def _pad_length(x: jax.Array, multiple: int, value: int | float = 0) -> jax.Array:
-  pad = -x.shape[1] % multiple
-  if not pad:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[1] = (0, pad)
-  return jnp.pad(x, widths, constant_values=value)
-
-
-def flash_attention_with_offset(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_segment_ids_BL: jax.Array,
-                                kv_segment_ids_BS: jax.Array, window_size: masks.Window, soft_cap: float,
-                                q_offset: int | jax.Array = 0, *, block_q: int = 512, block_kv: int = 512,
-                                sinks_N: jax.Array | None = None) -> jax.Array:
-  """Chunked attention of queries at global positions q_offset .. q_offset + L - 1 over keys at
-  0 .. S - 1 (q_offset > 0 when the queries are one sequence shard: context parallelism), with
-  masks.dense_attention's sinks when given."""
-  length = q_BLNH.shape[1]
-  block_q, block_kv = min(block_q, length), min(block_kv, k_BSKH.shape[1])
-  q_BLKGH = _pad_length(masks.group_queries(q_BLNH, k_BSKH.shape[2]), block_q)
-  # Padded queries and keys get segment ids that match nothing, so they never take part.
-  qseg_BL = _pad_length(q_segment_ids_BL.astype(jnp.int32), block_q, -2)
-  kseg_BS = _pad_length(kv_segment_ids_BS.astype(jnp.int32), block_kv, -1)
-  sinks_KG = None if sinks_N is None else sinks_N.astype(jnp.float32).reshape(q_BLKGH.shape[2], -1)
-  out_BLKGH = _flash_core(q_BLKGH, _pad_length(k_BSKH, block_kv), _pad_length(v_BSKH, block_kv), qseg_BL, kseg_BS,
-                          masks.window_scalar(window_size), jnp.asarray(q_offset, jnp.int32), sinks_KG,
-                          float(soft_cap), block_q, block_kv)
-  return masks.merge_groups(out_BLKGH[:, :length])
-
-
-def flash_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BL: jax.Array,
-                    window_size: masks.Window = None, soft_cap: float = 0.0, *, block_q: int = 512,
-                    block_kv: int = 512, sinks_N: jax.Array | None = None) -> jax.Array:
-  """Self-attention (L == S) with the dot_product mask, in O(L · block) memory per head."""
-  return flash_attention_with_offset(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, segment_ids_BL, window_size, soft_cap,
-                                     block_q=block_q, block_kv=block_kv, sinks_N=sinks_N)
-
-
-def reference_attention_with_offset(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-                                    q_segment_ids_BL: jax.Array, kv_segment_ids_BS: jax.Array,
-                                    window_size: masks.Window, soft_cap: float,
-                                    q_offset: int | jax.Array = 0) -> jax.Array:
-  """Plain materialised attention with a query offset (the dot_product math; used by tests)."""
-  q_pos_1L = (q_offset + jnp.arange(q_BLNH.shape[1]))[None]
-  mask_BLS = masks.allowed(q_pos_1L, jnp.arange(k_BSKH.shape[1])[None], q_segment_ids_BL, kv_segment_ids_BS,
-                           masks.window_scalar(window_size))
-  return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS, soft_cap)
+def dot_product_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BL: jax.Array,
+                          window_size: masks.Window = None, soft_cap: float = 0.0, chunk_size: masks.Window = None,
+                          positions_BL: jax.Array | None = None, sinks_N: jax.Array | None = None) -> jax.Array:
+  """Plain XLA attention with the mask of masks.py; queries must already be scaled. The only
+  kernel with chunked attention (`chunk_size`, cut at `positions_BL`). `sinks_N`: attention
+  sinks (masks.dense_attention)."""
+  mask_BLL = masks.self_mask(segment_ids_BL, window_size, chunk_size, positions_BL)
+  return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLL, soft_cap, sinks_N)
 
 
 # ---------------------------------------------------------------- cuDNN (GPU)
@@ -282,86 +72,214 @@ def cudnn_supports(cfg: ModelConfig) -> bool:
           and cfg.head_dim <= 128 and cfg.head_dim % 8 == 0)
 
 
-def splash_supports(cfg: ModelConfig) -> bool:
-  """Whether the TPU splash kernel tiles this sequence length (else autoselected uses dot_product on TPU)."""
-  return splash_attention.tiles(cfg.attention_blocks, cfg.max_target_length)
+# ---------------------------------------------------------------- the table
 
 
-# ---------------------------------------------------------------- kernels built from the config
-
-def trace_platform() -> str:
-  """Platform the traced program is for: the activation mesh's devices (a TPU topology during an
-  AOT compile on CPU), else JAX's default backend."""
-  context = sharding.current_activation_context()
-  if context is not None:
-    return context[0].devices.flat[0].platform
-  return jax.default_backend()
-
-
-def make_flash(cfg: ModelConfig) -> AttentionKernel:
-  """attention=flash: splash on TPU, the chunked JAX kernel elsewhere; with the length split over
-  the `sequence` axis, context_parallel_strategy (ring_attention.py: splash or cuDNN per chunk pair
-  on TPU / GPU, the chunked kernel on CPU)."""
-  blocks = cfg.attention_blocks
-  local = functools.partial(flash_attention_with_offset, block_q=blocks.flash_block_q, block_kv=blocks.flash_block_kv)
-  tpu = functools.partial(splash_attention.splash_attention, blocks=blocks, local_window=cfg.sliding_window_size)
-
-  def kernel(q_BLNH: Array, k_BSKH: Array, v_BSKH: Array, segment_ids_BL: Array,
-             window_size: masks.Window = None, soft_cap: float = 0.0, sinks_N: Array | None = None) -> Array:
-    context = sharding.current_activation_context()
-    if sinks_N is not None:  # only the chunked kernel has them, on one sequence shard
-      if trace_platform() == "tpu" or (context is not None and context_parallel.length_shards(
-          context[0], context[1], q_BLNH.shape, k_BSKH.shape) > 1):
-        raise ConfigError("attention=flash with attention_sinks runs only the chunked JAX kernel (CPU, GPU) without "
-                          "sequence parallelism (TPU splash has no sink logit); use attention=dot_product")
-      return local(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, segment_ids_BL, window_size, soft_cap, sinks_N=sinks_N)
-    if context is not None:
-      mesh, rules = context
-      if context_parallel.length_shards(mesh, rules, q_BLNH.shape, k_BSKH.shape) > 1:
-        from MaxText.layers import ring_attention  # lazily: it builds on this module's block kernels
-        return ring_attention.context_parallel_attention(cfg, mesh, rules, q_BLNH, k_BSKH, v_BSKH, segment_ids_BL,
-                                                         window_size, soft_cap)
-      if trace_platform() == "tpu":
-        return context_parallel.per_shard_attention(tpu, mesh, rules, q_BLNH, k_BSKH, v_BSKH, segment_ids_BL,
-                                                    window_size, soft_cap)
-    if trace_platform() == "tpu":
-      return tpu(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window_size, soft_cap)
-    return local(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, segment_ids_BL, window_size, soft_cap)
-
-  return kernel
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """What a call site knows when it picks: the model, the tokens attended at once (the sequence,
+  or one chunk of a context-parallel pair), the layer's window (static, or traced in a stack
+  mixing local and global layers) and soft cap; `interpret` runs Pallas kernels in the
+  interpreter (tests on CPU)."""
+  cfg: ModelConfig
+  length: int
+  window: masks.Window = None
+  soft_cap: float = 0.0
+  interpret: bool = False
 
 
-def make_cudnn_flash(cfg: ModelConfig) -> AttentionKernel:
-  if cfg.attn_logits_soft_cap > 0:
-    raise ConfigError(f"attention=cudnn_flash does not support attn_logits_soft_cap={cfg.attn_logits_soft_cap} "
-                      "(cuDNN has no logit soft cap); use attention=flash or autoselected")
-
-  def kernel(q_BLNH: Array, k_BSKH: Array, v_BSKH: Array, segment_ids_BL: Array,
-             window_size: masks.Window = None, soft_cap: float = 0.0) -> Array:
-    platform = trace_platform()
-    if platform not in ("gpu", "cuda", "rocm"):
-      raise ConfigError(f"attention=cudnn_flash needs an NVIDIA GPU (cuDNN) but this program is for {platform}; "
-                        "use attention=flash or autoselected")
-    return cudnn_flash_attention(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window_size, soft_cap)
-
-  return kernel
+def _static_window(window: masks.Window) -> bool:
+  return window is None or isinstance(window, int)
 
 
-_ANNOUNCED: set[tuple[str, str]] = set()
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  """One attention implementation: the families it runs on, whether it covers a call, and its
+  kernels: `sequence` over a whole sequence on one device, `pair` for a context-parallel chunk
+  pair (ring_blocks.BlockKernel), if it has one. `single_device`: a Mosaic kernel XLA does not
+  partition, run per shard under shard_map. `sinks`: takes attention sinks. `needs`: what a
+  platform lacking it lacks, for the error line."""
+  families: tuple[str, ...]
+  supports: Callable[[Call], bool]
+  sequence: Callable[[Call], AttentionKernel]
+  pair: Callable[[Call], ring_blocks.BlockKernel] | None = None
+  single_device: bool = False
+  sinks: bool = False
+  needs: str = ""
 
 
-def make_deferred(resolve: Callable[[str], tuple[str, AttentionKernel]], cfg_name: str) -> AttentionKernel:
-  """A kernel that picks its implementation when traced (only then is the target platform known,
-  e.g. a TPU topology compiled on CPU) and says once per platform which it picked."""
+def _always(call: Call) -> bool:
+  return True
 
-  def kernel(q_BLNH: Array, k_BSKH: Array, v_BSKH: Array, segment_ids_BL: Array,
-             window_size: masks.Window = None, soft_cap: float = 0.0) -> Array:
-    platform = trace_platform()
-    name, chosen = resolve(platform)
-    if (platform, name) not in _ANNOUNCED:
-      _ANNOUNCED.add((platform, name))
-      if jax.process_index() == 0:
-        print(f"attention={cfg_name}: using {name} on {platform}", flush=True)
-    return chosen(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window_size, soft_cap)
 
-  return kernel
+def _splash_supports(call: Call) -> bool:
+  """Its tiles divide the length, and a traced window is the config's local window."""
+  return (splash_attention.tiles(call.cfg.attention_blocks, call.length)
+          and (_static_window(call.window) or bool(call.cfg.sliding_window_size)))
+
+
+def _splash_sequence(call: Call) -> AttentionKernel:
+  return functools.partial(splash_attention.splash_attention, blocks=call.cfg.attention_blocks,
+                           local_window=call.cfg.sliding_window_size, interpret=call.interpret)
+
+
+def _splash_pair(call: Call) -> ring_blocks.BlockKernel:
+  static = _static_window(call.window)
+  window = call.window if static else call.cfg.sliding_window_size
+  assert window is None or isinstance(window, int)
+  return ring_blocks.SplashBlocks(float(call.soft_cap), call.cfg.attention_blocks, window, traced_window=not static,
+                                  interpret=call.interpret)
+
+
+def _cudnn_pair(call: Call) -> ring_blocks.BlockKernel:
+  return ring_blocks.CudnnBlocks(call.window if isinstance(call.window, int) else None)
+
+
+def _chunked_sequence(call: Call) -> AttentionKernel:
+  blocks = call.cfg.attention_blocks
+
+  def chunked(q_BLNH: Array, k_BSKH: Array, v_BSKH: Array, segment_ids_BL: Array, window_size: masks.Window = None,
+              soft_cap: float = 0.0, sinks_N: Array | None = None) -> Array:
+    return flash_blocks.flash_attention_with_offset(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, segment_ids_BL,
+                                                    window_size, soft_cap, 0, block_q=blocks.flash_block_q,
+                                                    block_kv=blocks.flash_block_kv, sinks_N=sinks_N)
+
+  return chunked
+
+
+def _chunked_pair(call: Call) -> ring_blocks.BlockKernel:
+  blocks = call.cfg.attention_blocks
+  return ring_blocks.ChunkedBlocks(float(call.soft_cap), blocks.flash_block_q, blocks.flash_block_kv)
+
+
+IMPLEMENTATIONS: dict[str, Implementation] = {
+    "splash": Implementation(("tpu",), _splash_supports, _splash_sequence, _splash_pair, single_device=True,
+                             needs="a TPU (Pallas Mosaic)"),
+    "cudnn": Implementation(("gpu",), lambda call: cudnn_supports(call.cfg) and not call.soft_cap,
+                            lambda call: cudnn_flash_attention, _cudnn_pair, needs="an NVIDIA GPU (cuDNN)"),
+    "chunked": Implementation(accelerators.FAMILIES, _always, _chunked_sequence, _chunked_pair, sinks=True),
+    "dot_product": Implementation(accelerators.FAMILIES, _always, lambda call: dot_product_attention, sinks=True),
+}
+
+# (attention=, family) -> the implementation of the layer's kernel on that family.
+KERNELS: dict[tuple[str, str], str] = {
+    **{("dot_product", family): "dot_product" for family in accelerators.FAMILIES},
+    ("flash", "tpu"): "splash", ("flash", "gpu"): "chunked", ("flash", "cpu"): "chunked",
+    ("cudnn_flash", "gpu"): "cudnn",
+}
+# family -> context parallelism's kernels (the ring's and all_gather's per chunk pair, all_to_all's
+# over the whole sequence), in order of preference.
+CONTEXT_PARALLEL: dict[str, tuple[str, ...]] = {
+    "tpu": ("splash", "chunked"), "gpu": ("cudnn", "chunked"), "cpu": ("chunked",)}
+
+
+def _long_sequence(call: Call | None) -> bool:
+  return call is not None and call.length > AUTOSELECT_CPU_FLASH_ABOVE
+
+
+# family -> attention=autoselected's candidates in order: (name, when it is worth it); the first
+# worth it whose implementation supports the model runs (without a model: the first worth it).
+AUTOSELECT: dict[str, tuple[tuple[str, Callable[[Call | None], bool]], ...]] = {
+    "tpu": (("flash", lambda call: True), ("dot_product", lambda call: True)),
+    "gpu": (("cudnn_flash", lambda call: True), ("flash", lambda call: True)),
+    "cpu": (("flash", _long_sequence), ("dot_product", lambda call: True)),
+}
+
+
+def _known(family: str) -> str:
+  """Any other backend runs what CPU runs."""
+  return family if family in accelerators.FAMILIES else "cpu"
+
+
+def implementation(name: str, platform: str) -> Implementation:
+  """What attention=`name` runs on `platform`; one ConfigError line when the platform lacks it."""
+  family = _known(accelerators.platform_family(platform))
+  chosen = KERNELS.get((name, family))
+  if chosen is None:
+    needs = next(IMPLEMENTATIONS[impl].needs for (kernel, _), impl in KERNELS.items() if kernel == name)
+    raise ConfigError(f"attention={name} needs {needs} but this program is for {platform}; "
+                      "use attention=flash or autoselected")
+  return IMPLEMENTATIONS[chosen]
+
+
+def autoselect(platform: str, cfg: ModelConfig | None) -> str:
+  """The attention= name autoselected runs on `platform` for `cfg` (AUTOSELECT)."""
+  family = _known(accelerators.platform_family(platform))
+  call = None if cfg is None else Call(cfg, cfg.max_target_length, soft_cap=cfg.attn_logits_soft_cap)
+  candidates = AUTOSELECT[family]
+  for name, worth in candidates:
+    if worth(call) and (call is None or implementation(name, family).supports(call)):
+      return name
+  return candidates[-1][0]
+
+
+def context_parallel_implementation(call: Call, platform: str) -> Implementation:
+  """The first of CONTEXT_PARALLEL's implementations on `platform` that supports `call`."""
+  family = _known(accelerators.platform_family(platform))
+  return next(IMPLEMENTATIONS[name] for name in CONTEXT_PARALLEL[family] if IMPLEMENTATIONS[name].supports(call))
+
+
+def block_kernel(cfg: ModelConfig, platform: str, chunk: int, window: masks.Window, soft_cap: float, *,
+                 interpret: bool = False) -> ring_blocks.BlockKernel:
+  """The ring's (and all_gather's) pair kernel for `chunk`-token chunks: splash on TPU where its
+  tiles divide the chunk, cuDNN on GPU where it covers the model (no soft cap), else the chunked
+  kernel. `window` is the layer's window (static, or traced for a stack mixing local and global
+  layers: splash then needs sliding_window_size)."""
+  call = Call(cfg, chunk, window, soft_cap, interpret)
+  make = context_parallel_implementation(call, platform).pair
+  assert make is not None  # every CONTEXT_PARALLEL implementation has one
+  return make(call)
+
+
+def full_sequence_kernel(cfg: ModelConfig, platform: str, length: int, *, interpret: bool = False) -> AttentionKernel:
+  """all_to_all's local kernel over the whole sequence of `length` tokens, (q_BSNH, k_BSKH, v_BSKH,
+  seg_BS, window, soft_cap) -> out: splash on TPU where its tiles divide the length, cuDNN on GPU
+  where it covers the model, else the chunked kernel."""
+  call = Call(cfg, length, soft_cap=cfg.attn_logits_soft_cap, interpret=interpret)
+  return context_parallel_implementation(call, platform).sequence(call)
+
+
+# ---------------------------------------------------------------- paged decode attention
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedCall:
+  cache: paged_kv.PagedKVCache
+  q_BLNH: Array
+  window_size: masks.Window
+  chunk_size: masks.Window
+  sinks_N: Array | None
+
+
+# (q_BLNH, cache, positions_BL, window_size, soft_cap, chunk_size, sinks_N) -> out_BLNH
+PagedKernel = Callable[[Array, paged_kv.PagedKVCache, Array, masks.Window, float, masks.Window, Array | None], Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedImplementation:
+  families: tuple[str, ...]
+  supports: Callable[[PagedCall], bool]
+  run: PagedKernel
+
+
+PAGED_IMPLEMENTATIONS: dict[str, PagedImplementation] = {
+    "pallas": PagedImplementation(
+        ("tpu",), lambda call: paged_kv.pallas_kernel_applies(call.cache, call.q_BLNH, call.window_size,
+                                                              call.chunk_size, call.sinks_N),
+        lambda q, cache, positions, window, soft_cap, chunk, sinks: paged_kv.tpu_paged_attention(
+            q, cache, positions, soft_cap)),
+    "gather": PagedImplementation(accelerators.FAMILIES, lambda call: True, paged_kv.gathered_attention),
+}
+# family -> the paged kernels in order of preference.
+PAGED: dict[str, tuple[str, ...]] = {"tpu": ("pallas", "gather"), "gpu": ("gather",), "cpu": ("gather",)}
+
+
+def paged_attention(q_BLNH: Array, cache: paged_kv.PagedKVCache, positions_BL: Array,
+                    window_size: masks.Window = None, soft_cap: float = 0.0, chunk_size: masks.Window = None,
+                    sinks_N: Array | None = None) -> Array:
+  """kv_cache.cached_attention over pages, for the traced program's platform: the Pallas TPU
+  kernel where it applies, else the reference (paged_kv.gathered_attention)."""
+  call = PagedCall(cache, q_BLNH, window_size, chunk_size, sinks_N)
+  chosen = next(PAGED_IMPLEMENTATIONS[name] for name in PAGED[_known(sharding.trace_platform())]
+                if PAGED_IMPLEMENTATIONS[name].supports(call))
+  return chosen.run(q_BLNH, cache, positions_BL, window_size, soft_cap, chunk_size, sinks_N)

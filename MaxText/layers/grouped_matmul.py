@@ -20,6 +20,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from MaxText import accelerators
 from MaxText.errors import ConfigError
 
 GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -66,9 +67,10 @@ def annotates_vma(matmul: GroupedMatmul) -> bool:
 def select(name: str, platform: str) -> GroupedMatmul:
   """The kernel `moe_grouped_matmul=name` runs on `platform`; one ConfigError line when the
   platform lacks it."""
+  on_tpu = accelerators.platform_family(platform) == "tpu"
   if name == "auto":
-    name = "megablox" if platform == "tpu" else "ragged_dot"
-  if name == "megablox" and platform != "tpu":
+    name = "megablox" if on_tpu else "ragged_dot"
+  if name == "megablox" and not on_tpu:
     raise ConfigError(f"moe_grouped_matmul=megablox is a TPU (Pallas Mosaic) kernel but this program is for "
                       f"{platform}; use moe_grouped_matmul=auto or ragged_dot")
   return GROUPED_MATMULS[name]

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from MaxText import sharding
-from MaxText.layers import masks, paged_kv
+from MaxText.layers import attention_kernels, masks, paged_kv
 from MaxText.model_config import ModelConfig
 
 CACHE_NAMES = ("cache_batch", "cache_sequence", "cache_kv_heads", "cache_kv")
@@ -109,9 +109,9 @@ def cached_attention(q_BLNH: jax.Array, cache: Any, positions_BL: jax.Array,
                      window_size: masks.Window = None, soft_cap: float = 0.0,
                      chunk_size: masks.Window = None, sinks_N: jax.Array | None = None) -> jax.Array:
   """Grouped-query attention of already-scaled queries over the whole cache (masks.cache_mask),
-  with the attention sinks of masks.dense_attention when given; over pages: paged_kv."""
+  with the attention sinks of masks.dense_attention when given; over pages: attention_kernels.paged_attention."""
   if isinstance(cache, paged_kv.PagedKVCache):
-    return paged_kv.paged_attention(q_BLNH, cache, positions_BL, window_size, soft_cap, chunk_size, sinks_N)
+    return attention_kernels.paged_attention(q_BLNH, cache, positions_BL, window_size, soft_cap, chunk_size, sinks_N)
   k_BSKH, v_BSKH = cache.read(q_BLNH.dtype)
   mask_BLS = masks.cache_mask(positions_BL, k_BSKH.shape[1], window_size, chunk_size)
   return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS, soft_cap, sinks_N)

@@ -78,7 +78,7 @@ from jax.sharding import PartitionSpec
 
 from MaxText import sharding
 from MaxText.model_config import ModelConfig
-from MaxText.layers.attention_kernels import trace_platform
+from MaxText.sharding import trace_platform
 from MaxText.layers.grouped_matmul import GroupedMatmul
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers import experts, grouped_matmul, moe_dispatch

@@ -41,14 +41,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from MaxText import sharding
+from MaxText import accelerators, sharding
 from MaxText.errors import ConfigError
 from MaxText.layers import experts
 from MaxText.layers.grouped_matmul import GroupedMatmul
 from MaxText.layers.mlp import Activation
 
-# Platforms whose XLA backend implements ragged-all-to-all.
-RAGGED_PLATFORMS = ("tpu", "gpu", "cuda", "rocm")
+# Platform families whose XLA backend implements ragged-all-to-all.
+RAGGED_FAMILIES = ("tpu", "gpu")
 
 Axes = tuple[str, ...]
 # One device's exchange: (x [b, L, D], experts [b, L, k], weights [b, L, k], local kernels, local
@@ -102,8 +102,8 @@ def expert_layout(mesh: Mesh, rules: sharding.Rules, batch: int, wi_shape: tuple
 def select_exchange(name: str, platform: str) -> str:
   """`moe_all_to_all=name` on `platform`: ragged where XLA implements it, else padded."""
   if name == "auto":
-    return "ragged" if platform in RAGGED_PLATFORMS else "padded"
-  if name == "ragged" and platform not in RAGGED_PLATFORMS:
+    return "ragged" if accelerators.platform_family(platform) in RAGGED_FAMILIES else "padded"
+  if name == "ragged" and accelerators.platform_family(platform) not in RAGGED_FAMILIES:
     raise ConfigError(f"moe_all_to_all=ragged needs XLA's ragged all-to-all, which the {platform} backend does "
                       "not implement; use moe_all_to_all=auto or padded")
   return name

@@ -22,7 +22,7 @@ from flax import struct
 from jax.sharding import PartitionSpec
 
 from MaxText import sharding
-from MaxText.layers import attention_kernels, masks
+from MaxText.layers import masks
 
 POOL_NAMES = ("cache_kv_heads", None, None, "cache_kv")  # pages are not sharded: any slot may hold any page
 POOL_SCALE_NAMES = ("cache_kv_heads", None, None, None)
@@ -111,14 +111,15 @@ def store(cache: PagedKVCache, k_BLKH: jax.Array, v_BLKH: jax.Array, k_scale_BLK
   return jax.tree.map(sharding.constrain, new, logical_names(new, stacked=False))
 
 
-def tpu_kernel_applies(cache: PagedKVCache, q_BLNH: jax.Array, window_size: masks.Window,
-                       chunk_size: masks.Window, sinks_N: jax.Array | None) -> bool:
-  """Whether the Pallas TPU paged-attention kernel computes this call: one new token per slot
-  (a generate step) on TPU, full causal attention (it has no window, chunk or sink), and a head
-  dim its blocks tile (Mosaic wants the last block dim a multiple of 128; 64 does not lower)."""
+def pallas_kernel_applies(cache: PagedKVCache, q_BLNH: jax.Array, window_size: masks.Window,
+                          chunk_size: masks.Window, sinks_N: jax.Array | None) -> bool:
+  """Whether the Pallas TPU paged-attention kernel (on TPU: attention_kernels.PAGED) computes this
+  call: one new token per slot (a generate step), full causal attention (it has no window, chunk
+  or sink), and a head dim its blocks tile (Mosaic wants the last block dim a multiple of 128; 64
+  does not lower)."""
   head_dim = cache.key_KPZH.shape[-1]
-  return (attention_kernels.trace_platform() == "tpu" and q_BLNH.shape[1] == 1 and window_size is None
-          and chunk_size is None and sinks_N is None and q_BLNH.shape[-1] == head_dim and head_dim % 128 == 0)
+  return (q_BLNH.shape[1] == 1 and window_size is None and chunk_size is None and sinks_N is None
+          and q_BLNH.shape[-1] == head_dim and head_dim % 128 == 0)
 
 
 def tpu_paged_attention(q_BLNH: jax.Array, cache: PagedKVCache, positions_BL: jax.Array,
@@ -159,13 +160,11 @@ def tpu_paged_attention(q_BLNH: jax.Array, cache: PagedKVCache, positions_BL: ja
   return out_BNH[:, None].astype(q_BLNH.dtype)
 
 
-def paged_attention(q_BLNH: jax.Array, cache: PagedKVCache, positions_BL: jax.Array,
-                    window_size: masks.Window = None, soft_cap: float = 0.0, chunk_size: masks.Window = None,
-                    sinks_N: jax.Array | None = None) -> jax.Array:
-  """kv_cache.cached_attention over pages: the TPU kernel where it applies, else the reference
-  (gather every slot's pages into position order, then the dense cache's masked attention)."""
-  if tpu_kernel_applies(cache, q_BLNH, window_size, chunk_size, sinks_N):
-    return tpu_paged_attention(q_BLNH, cache, positions_BL, soft_cap)
+def gathered_attention(q_BLNH: jax.Array, cache: PagedKVCache, positions_BL: jax.Array,
+                       window_size: masks.Window = None, soft_cap: float = 0.0, chunk_size: masks.Window = None,
+                       sinks_N: jax.Array | None = None) -> jax.Array:
+  """kv_cache.cached_attention over pages, the reference on any platform: every slot's pages
+  gathered into position order, then the dense cache's masked attention."""
   k_BSKH, v_BSKH = cache.read(q_BLNH.dtype)
   mask_BLS = masks.cache_mask(positions_BL, k_BSKH.shape[1], window_size, chunk_size)
   return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS, soft_cap, sinks_N)

@@ -15,10 +15,10 @@ inside shard_map with the length split over the axis (context_parallel.kernel_sp
   global offsets, so causal masks, windows and segment ids stay those of the whole sequence, and
   each step runs only the pairs that can see something (_step_pairs).
 
-Kernels: the ring and all_gather run ring_blocks.block_kernel per chunk pair (splash on TPU,
-cuDNN on GPU, else chunked: each returns the pair's log-sum-exp and takes the global one in its
-backward). all_to_all's local attention is an ordinary full-sequence attention, so it runs
-full_sequence_kernel (splash, cuDNN or chunked likewise).
+Kernels (attention_kernels.CONTEXT_PARALLEL): the ring and all_gather run block_kernel per chunk
+pair (splash on TPU, cuDNN on GPU, else chunked: each returns the pair's log-sum-exp and takes the
+global one in its backward). all_to_all's local attention is an ordinary full-sequence attention,
+so it runs full_sequence_kernel (splash, cuDNN or chunked likewise).
 
 Legend: B batch, L local length, S global length, N query heads, K key/value heads, G = N // K,
 H head dim; a "segment" here is a contiguous run of global positions (chunk), not a document.
@@ -35,8 +35,8 @@ import jax.numpy as jnp
 
 from MaxText import sharding
 from MaxText.errors import ConfigError
-from MaxText.layers import attention_kernels as ak
-from MaxText.layers import context_parallel, masks, ring_blocks, splash_attention
+from MaxText.model_config import ModelConfig
+from MaxText.layers import attention_kernels, context_parallel, flash_blocks, masks, ring_blocks
 
 Array = jax.Array
 
@@ -331,26 +331,7 @@ def gathered_shard(q_BLNH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, w
 # ---------------------------------------------------------------- all-to-all
 
 
-LocalKernel = Callable[[Array, Array, Array, Array, masks.Window, float], Array]
-
-
-def full_sequence_kernel(cfg: ak.ModelConfig, platform: str, length: int, *, interpret: bool = False) -> LocalKernel:
-  """The local kernel of all_to_all, (q_BSNH, k_BSKH, v_BSKH, seg_BS, window, soft_cap) -> out, for
-  the whole sequence of `length` tokens: splash on TPU where its tiles divide the length, cuDNN on
-  GPU where it covers the model (attention_kernels.cudnn_supports), else the chunked JAX kernel.
-  `interpret` runs splash in Pallas' interpreter (tests on CPU)."""
-  if platform == "tpu" and splash_attention.tiles(cfg.attention_blocks, length):
-    return functools.partial(splash_attention.splash_attention, blocks=cfg.attention_blocks,
-                             local_window=cfg.sliding_window_size, interpret=interpret)
-  if platform in ("gpu", "cuda") and ak.cudnn_supports(cfg):
-    return ak.cudnn_flash_attention
-  blocks = cfg.attention_blocks
-
-  def chunked(q: Array, k: Array, v: Array, seg: Array, window: masks.Window, soft_cap: float) -> Array:
-    return ak.flash_attention_with_offset(q, k, v, seg, seg, window, soft_cap, 0, block_q=blocks.flash_block_q,
-                                          block_kv=blocks.flash_block_kv)
-
-  return chunked
+LocalKernel = attention_kernels.AttentionKernel  # (q_BSNH, k_BSKH, v_BSKH, seg_BS, window, soft_cap) -> out
 
 
 def all_to_all_shard(q_BLNH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, window: masks.Window,
@@ -378,7 +359,7 @@ def all_to_all_shard(q_BLNH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array,
 # ---------------------------------------------------------------- dispatch
 
 
-def context_parallel_attention(cfg: ak.ModelConfig, mesh: jax.sharding.Mesh, rules: sharding.Rules, q_BLNH: Array,
+def context_parallel_attention(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: sharding.Rules, q_BLNH: Array,
                                k_BSKH: Array, v_BSKH: Array, segment_ids_BL: Array, window_size: masks.Window,
                                soft_cap: float) -> Array:
   """cfg's context_parallel_strategy over the length mesh axes: ring, all_gather (both with the
@@ -391,10 +372,10 @@ def context_parallel_attention(cfg: ak.ModelConfig, mesh: jax.sharding.Mesh, rul
                       f"sequence shards but attention's length is split {shards} ways (logical_axis_rules "
                       "activation_length); map activation_length to the sequence axis only")
   static_window = masks.is_static(window_size)
-  platform = ak.trace_platform()
-  attend = full_sequence_kernel(cfg, platform, q_BLNH.shape[1])
+  platform = sharding.trace_platform()
+  attend = attention_kernels.full_sequence_kernel(cfg, platform, q_BLNH.shape[1])
   chunk = q_BLNH.shape[1] // shards // (2 if balanced else 1)
-  pair_kernel = ring_blocks.block_kernel(cfg, platform, chunk, window_size, soft_cap)
+  pair_kernel = attention_kernels.block_kernel(cfg, platform, chunk, window_size, soft_cap)
 
   def shard(q, k, v, seg, window_scalar):
     window = window_size if static_window else window_scalar
@@ -428,7 +409,7 @@ def tiles_per_shard(length: int, shards: int, block: int, balanced: bool, window
       for k_start in context_parallel.shard_chunk_starts((shard - step) % shards, local, shards, balanced):
         for q_start in q_starts:
           for i in range(chunk // bq):
-            lo, hi = ak._kv_block_range(jnp.int32(q_start - k_start + i * bq), bq, bkv, win, chunk // bkv)
+            lo, hi = flash_blocks.kv_block_range(jnp.int32(q_start - k_start + i * bq), bq, bkv, win, chunk // bkv)
             total += int(hi) - int(lo)
     counts.append(total)
   return counts

@@ -1,5 +1,5 @@
 """The ring's per-chunk-pair attention kernels (ring_attention.py): the chunked JAX kernel on every
-platform, splash on TPU and cuDNN on GPU.
+platform, splash on TPU and cuDNN on GPU; which one runs: attention_kernels.block_kernel.
 
 A ring step attends a query chunk to a key chunk whose global start is `offset` tokens earlier
 (a traced multiple of the chunk length). Each kernel gives:
@@ -38,8 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxText.model_config import AttentionBlocks
-from MaxText.layers import attention_kernels as ak
-from MaxText.layers import masks, splash_attention
+from MaxText.layers import flash_blocks, masks, splash_attention
 
 Array = jax.Array
 Grads = tuple[Array, Array, Array]
@@ -70,7 +69,7 @@ def _no_key_lse(lse_BKGL: Array, seen: Array | None = None) -> Array:
 
 @dataclasses.dataclass(frozen=True)
 class ChunkedBlocks:
-  """The chunked JAX kernel (attention_kernels.py): any platform, any offset, window and soft cap."""
+  """The chunked JAX kernel (flash_blocks.py): any platform, any offset, window and soft cap."""
   soft_cap: float
   block_q: int
   block_kv: int
@@ -80,16 +79,16 @@ class ChunkedBlocks:
 
   def forward(self, q_BLKGH, k_BCKH, v_BCKH, qseg_BL, kseg_BC, window, offset):
     # The mask depends on q_pos - k_pos only, so keys at k_start are keys at 0 for queries at offset.
-    out, lse = ak._forward(q_BLKGH, k_BCKH, v_BCKH, qseg_BL, kseg_BC, window, offset, None, self.soft_cap,
-                           *self._tiles(q_BLKGH, k_BCKH), out_dtype=jnp.float32)
+    out, lse = flash_blocks.forward(q_BLKGH, k_BCKH, v_BCKH, qseg_BL, kseg_BC, window, offset, None, self.soft_cap,
+                                     *self._tiles(q_BLKGH, k_BCKH), out_dtype=jnp.float32)
     return out, jnp.where(jnp.isinf(lse), -jnp.inf, lse)
 
   def backward(self, q_BLKGH, k_BCKH, v_BCKH, qseg_BL, kseg_BC, window, offset, do_BLKGH, out_BLKGH, lse_BKGL,
                delta_BKGL):
     args = (q_BLKGH, k_BCKH, v_BCKH, qseg_BL, kseg_BC, window, offset, self.soft_cap,
             *self._tiles(q_BLKGH, k_BCKH), do_BLKGH, lse_BKGL, delta_BKGL)
-    dk, dv = ak._backward_dkv(*args)
-    return ak._backward_dq(*args), dk, dv
+    dk, dv = flash_blocks.backward_dkv(*args)
+    return flash_blocks.backward_dq(*args), dk, dv
 
 
 # ---------------------------------------------------------------- splash (TPU)
@@ -318,26 +317,3 @@ class CudnnBlocks:
       return tuple(jnp.zeros(x.shape, x.dtype) for x in (q_BLKGH, k_BCKH, v_BCKH))
 
     return jax.lax.switch(self._case(offset, window, k_BCKH.shape[1]), [skip, run(True), run(False)])
-
-
-# ---------------------------------------------------------------- choice
-
-
-def block_kernel(cfg: ak.ModelConfig, platform: str, chunk: int, window: masks.Window, soft_cap: float, *,
-                 interpret: bool = False) -> BlockKernel:
-  """The ring's (and all_gather's) pair kernel for `chunk`-token chunks: splash on TPU where its
-  tiles divide the chunk, cuDNN on GPU where it covers the model (attention_kernels.cudnn_supports,
-  no soft cap), else the chunked kernel. `window` is the layer's window (static, or traced for a
-  stack mixing local and global layers: splash then needs sliding_window_size)."""
-  static = window is None or isinstance(window, int)
-  static_window = window if window is None or isinstance(window, int) else None
-  if platform == "tpu" and splash_attention.tiles(cfg.attention_blocks, chunk) and (static or cfg.sliding_window_size):
-    return SplashBlocks(float(soft_cap), cfg.attention_blocks, static_window if static else cfg.sliding_window_size,
-                        traced_window=not static, interpret=interpret)
-  if platform in ("gpu", "cuda") and ak.cudnn_supports(cfg) and not soft_cap:
-    return CudnnBlocks(static_window)
-  return ChunkedBlocks(float(soft_cap), cfg.attention_blocks.flash_block_q,
-                       cfg.attention_blocks.flash_block_kv)
-
-
-

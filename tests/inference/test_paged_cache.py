@@ -17,7 +17,7 @@ from MaxText.config import Config
 from MaxText.errors import ConfigError, UserError
 from MaxText.inference import paged_cache
 from MaxText.inference.engine import Engine, Request, serve
-from MaxText.layers import kv_cache, paged_kv
+from MaxText.layers import attention_kernels, kv_cache, paged_kv
 from decode_test_utils import engine_tokens, one_device_mesh
 
 TINY = dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16, base_mlp_dim=128,
@@ -208,7 +208,7 @@ def test_tpu_paged_kernel_equals_the_reference_in_interpret_mode(quantized, soft
   pool = filled_pool(quantized)
   q = jax.random.normal(jax.random.key(3), (3, 1, 4, 128))
   positions = jnp.asarray([[12], [30], [5]])
-  expected = paged_kv.paged_attention(q, pool, positions, soft_cap=soft_cap)
+  expected = attention_kernels.paged_attention(q, pool, positions, soft_cap=soft_cap)
   with pltpu.force_tpu_interpret_mode(), sharding.unsharded():
     got = paged_kv.tpu_paged_attention(q, pool, positions, soft_cap)
   np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5, rtol=0)

@@ -13,7 +13,7 @@ import pytest
 from MaxText.config import Config
 from MaxText.model_config import AttentionBlocks
 from MaxText.errors import ConfigError
-from MaxText.layers import attention, attention_kernels, splash_attention
+from MaxText.layers import attention, attention_kernels, flash_blocks, splash_attention
 from MaxText.layers.attention import dot_product_attention, select_kernel
 
 # (name, window_size, soft_cap, packed): every mask kind the layer can ask for.
@@ -59,16 +59,16 @@ def _compare(kernel, q, k, v, seg, window, soft_cap, rtol=1e-5, atol=1e-5):
 @pytest.mark.parametrize("name, window, soft_cap, packed", MASKS, ids=[m[0] for m in MASKS])
 def test_flash_equals_dot_product(name, window, soft_cap, packed):
   q, k, v = _inputs()  # length 40: blocks of 16 queries / 8 keys, the last query block padded
-  kernel = functools.partial(attention_kernels.flash_attention, block_q=16, block_kv=8)
+  kernel = functools.partial(flash_blocks.flash_attention, block_q=16, block_kv=8)
   _compare(kernel, q, k, v, _segments(2, 40, packed), window, soft_cap)
 
 
 def test_flash_multi_query_and_bfloat16():
   q, k, v = _inputs(num_q=6, num_kv=1, length=32)
-  _compare(functools.partial(attention_kernels.flash_attention, block_q=8, block_kv=16), q, k, v,
+  _compare(functools.partial(flash_blocks.flash_attention, block_q=8, block_kv=16), q, k, v,
            _segments(2, 32, True), 9, 0.0)
   qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
-  out = jax.jit(functools.partial(attention_kernels.flash_attention, block_q=8, block_kv=8),
+  out = jax.jit(functools.partial(flash_blocks.flash_attention, block_q=8, block_kv=8),
                 static_argnums=(4,))(qb, kb, vb, _segments(2, 32, True), 9)
   ref = dot_product_attention(qb, kb, vb, _segments(2, 32, True), 9)
   assert out.dtype == jnp.bfloat16
@@ -84,7 +84,7 @@ def test_flash_skips_blocks_and_saves_memory():
     step = jax.jit(jax.grad(lambda q, k, v: kernel(q, k, v, seg, None, 0.0).sum(), argnums=(0, 1, 2)))
     return step.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
 
-  flash = temp_bytes(functools.partial(attention_kernels.flash_attention, block_q=128, block_kv=128))
+  flash = temp_bytes(functools.partial(flash_blocks.flash_attention, block_q=128, block_kv=128))
   dense = temp_bytes(dot_product_attention)
   assert dense > 2 * 1024 * 1024 * 4  # at least two heads' float32 [L, L] scores
   assert flash < dense / 4, (flash, dense)
@@ -95,8 +95,8 @@ def test_reference_with_offset_matches_the_tail_of_full_attention():
   q, k, v = _inputs(length=32)
   seg = _segments(2, 32, True)
   full = dot_product_attention(q, k, v, seg, 6, 1.5)
-  tail = attention_kernels.reference_attention_with_offset(q[:, 16:], k, v, seg[:, 16:], seg, 6, 1.5, 16)
-  flash_tail = jax.jit(functools.partial(attention_kernels.flash_attention_with_offset, block_q=8, block_kv=8),
+  tail = flash_blocks.reference_attention_with_offset(q[:, 16:], k, v, seg[:, 16:], seg, 6, 1.5, 16)
+  flash_tail = jax.jit(functools.partial(flash_blocks.flash_attention_with_offset, block_q=8, block_kv=8),
                        static_argnums=(5, 6))(q[:, 16:], k, v, seg[:, 16:], seg, 6, 1.5, 16)
   np.testing.assert_allclose(tail, full[:, 16:], rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(flash_tail, full[:, 16:], rtol=1e-5, atol=1e-6)
@@ -180,7 +180,7 @@ def test_chunked_layers_run_on_dot_product_only():
 
 
 def test_autoselected_says_once_which_kernel_it_picked(capsys):
-  attention_kernels._ANNOUNCED.clear()
+  attention._ANNOUNCED.clear()
   kernel = attention.ATTENTION_KERNELS["autoselected"](_tiny(max_target_length=4096).model)
   q, k, v = _inputs(length=16)
   seg = _segments(2, 16, False)

@@ -15,7 +15,7 @@ from flax import nnx
 
 from MaxText import families, sharding
 from MaxText.errors import ConfigError
-from MaxText.layers import attention_kernels, grouped_matmul, kv_cache, masks, moe
+from MaxText.layers import attention, flash_blocks, grouped_matmul, kv_cache, masks, moe
 from MaxText.layers.attention import dot_product_attention, select_kernel
 from MaxText.layers.mlp import clamped_plus_one, clamped_swish
 
@@ -76,7 +76,7 @@ def test_chunked_flash_sinks_match_dot_product_values_and_gradients(window):
   q, kk, v = (jnp.asarray(rng.normal(size=(b, length, heads, h)).astype(np.float32)) for heads in (n, k, k))
   sinks = jnp.asarray(rng.normal(size=(n,)).astype(np.float32))
   segments = jnp.asarray(np.repeat([[1] * 7 + [2] * 5], b, axis=0).astype(np.int32))
-  flash = functools.partial(attention_kernels.flash_attention, block_q=4, block_kv=4)
+  flash = functools.partial(flash_blocks.flash_attention, block_q=4, block_kv=4)
 
   def loss(kernel, q, kk, v, sinks):
     return jnp.sum(jnp.sin(kernel(q, kk, v, segments, window, sinks_N=sinks)))
@@ -200,7 +200,7 @@ def test_flash_sinks_stop_under_sequence_parallelism():
   mesh = jax.make_mesh((8,), ("sequence",))
   rules = (("activation_batch", ()), ("activation_length", ("sequence",)), ("activation_heads", ()),
            ("activation_kv_heads", ()), ("activation_kv", ()))
-  kernel = attention_kernels.make_flash(tiny_mixtral(attention_sinks=True, attention="flash").model)
+  kernel = attention.make_flash(tiny_mixtral(attention_sinks=True, attention="flash").model)
   q, kv = jnp.zeros((1, 16, 4, 8)), jnp.zeros((1, 16, 2, 8))
   with sharding.activation_sharding(mesh, rules), pytest.raises(ConfigError) as info:
     kernel(q, kv, kv, jnp.ones((1, 16), jnp.int32), None, 0.0, sinks_N=jnp.zeros((4,)))

@@ -170,12 +170,12 @@ def _splash_config(shards, **overrides):
 
 def test_all_to_all_picks_the_platform_kernel():
   model = _splash_config(2).model
-  assert isinstance(ring_attention.full_sequence_kernel(model, "tpu", 256), functools.partial)  # splash
-  assert ring_attention.full_sequence_kernel(model, "tpu", 192).__name__ == "chunked"  # tiles do not divide
-  assert ring_attention.full_sequence_kernel(model, "cpu", 256).__name__ == "chunked"
-  assert ring_attention.full_sequence_kernel(model, "gpu", 256).__name__ == "chunked"  # float32: no cuDNN
+  assert isinstance(attention_kernels.full_sequence_kernel(model, "tpu", 256), functools.partial)  # splash
+  assert attention_kernels.full_sequence_kernel(model, "tpu", 192).__name__ == "chunked"  # tiles do not divide
+  assert attention_kernels.full_sequence_kernel(model, "cpu", 256).__name__ == "chunked"
+  assert attention_kernels.full_sequence_kernel(model, "gpu", 256).__name__ == "chunked"  # float32: no cuDNN
   half = _splash_config(2, dtype="bfloat16", head_dim=8).model
-  assert ring_attention.full_sequence_kernel(half, "gpu", 256) is attention_kernels.cudnn_flash_attention
+  assert attention_kernels.full_sequence_kernel(half, "gpu", 256) is attention_kernels.cudnn_flash_attention
 
 
 @pytest.mark.parametrize("platform, window", [("tpu", None), ("tpu", 40), ("gpu", 40)])
@@ -188,10 +188,10 @@ def test_all_to_all_platform_kernel_equals_dense(platform, window, monkeypatch):
   config = _splash_config(shards, head_dim=8, **(dict(dtype="bfloat16") if platform == "gpu" else {}))
   mesh, rules = sharding.create_mesh(config.mesh), config.mesh.logical_axis_rules
   kernel = attention.ATTENTION_KERNELS["flash"](config.model)
-  monkeypatch.setattr(attention_kernels, "trace_platform", lambda: platform)
+  monkeypatch.setattr(sharding, "trace_platform", lambda: platform)
   # Pallas' HLO interpreter (interpret=True) traces into plain ops, which run under shard_map.
   monkeypatch.setattr(ring_attention, "full_sequence_kernel",
-                      functools.partial(ring_attention.full_sequence_kernel, interpret=True))
+                      functools.partial(attention_kernels.full_sequence_kernel, interpret=True))
   cudnn_calls = []
 
   def cudnn_by_xla(*args):

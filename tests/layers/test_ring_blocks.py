@@ -65,15 +65,15 @@ def test_splash_pairs_equal_dense(strategy, balanced, window, monkeypatch):
                               context_parallel_strategy=strategy, context_parallel_load_balance=balanced)
   mesh, rules = sharding.create_mesh(config.mesh), config.mesh.logical_axis_rules
   kernel = attention.ATTENTION_KERNELS["flash"](config.model)
-  monkeypatch.setattr(attention_kernels, "trace_platform", lambda: "tpu")
+  monkeypatch.setattr(sharding, "trace_platform", lambda: "tpu")
   chosen = []
 
   def interpreted(*args, **kwargs):
     chosen.append(ring_blocks_choice(*args, **kwargs, interpret=True))
     return chosen[-1]
 
-  ring_blocks_choice = ring_blocks.block_kernel
-  monkeypatch.setattr(ring_blocks, "block_kernel", interpreted)
+  ring_blocks_choice = attention_kernels.block_kernel
+  monkeypatch.setattr(attention_kernels, "block_kernel", interpreted)
   kq, kk, kv = jax.random.split(jax.random.key(7), 3)
   q = jax.random.normal(kq, (1, length, 4, 8))
   k, v = jax.random.normal(kk, (1, length, 2, 8)), jax.random.normal(kv, (1, length, 2, 8))
@@ -102,14 +102,14 @@ def test_splash_pairs_equal_dense(strategy, balanced, window, monkeypatch):
 
 def test_platform_picks_the_pair_kernel():
   model = Config.for_testing(**TINY).model
-  assert isinstance(ring_blocks.block_kernel(model, "tpu", 256, None, 0.0), ring_blocks.SplashBlocks)
-  assert isinstance(ring_blocks.block_kernel(model, "tpu", 192, None, 0.0), ring_blocks.ChunkedBlocks)  # no tiling
-  assert isinstance(ring_blocks.block_kernel(model, "cpu", 256, None, 0.0), ring_blocks.ChunkedBlocks)
-  assert isinstance(ring_blocks.block_kernel(model, "gpu", 256, None, 0.0), ring_blocks.ChunkedBlocks)  # float32
+  assert isinstance(attention_kernels.block_kernel(model, "tpu", 256, None, 0.0), ring_blocks.SplashBlocks)
+  assert isinstance(attention_kernels.block_kernel(model, "tpu", 192, None, 0.0), ring_blocks.ChunkedBlocks)  # no tiling
+  assert isinstance(attention_kernels.block_kernel(model, "cpu", 256, None, 0.0), ring_blocks.ChunkedBlocks)
+  assert isinstance(attention_kernels.block_kernel(model, "gpu", 256, None, 0.0), ring_blocks.ChunkedBlocks)  # float32
   half = Config.for_testing(**TINY, dtype="bfloat16").model
-  assert ring_blocks.block_kernel(half, "gpu", 256, 64, 0.0) == ring_blocks.CudnnBlocks(64)
-  assert isinstance(ring_blocks.block_kernel(half, "gpu", 256, None, 30.0), ring_blocks.ChunkedBlocks)  # soft cap
-  traced = ring_blocks.block_kernel(Config.for_testing(**TINY, sliding_window_size=64).model, "tpu", 256,
+  assert attention_kernels.block_kernel(half, "gpu", 256, 64, 0.0) == ring_blocks.CudnnBlocks(64)
+  assert isinstance(attention_kernels.block_kernel(half, "gpu", 256, None, 30.0), ring_blocks.ChunkedBlocks)  # soft cap
+  traced = attention_kernels.block_kernel(Config.for_testing(**TINY, sliding_window_size=64).model, "tpu", 256,
                                     jnp.int32(64), 0.0)
   assert traced == ring_blocks.SplashBlocks(0.0, model.attention_blocks, 64, traced_window=True)
 
