@@ -1,5 +1,5 @@
 """Cloud endpoints from the environment, before any library opens a gs:// path (imported by
-errors.run_cli and storage alike, so it imports nothing of the project)."""
+start-up and storage alike, so it imports nothing of the project)."""
 
 from __future__ import annotations
 

@@ -22,9 +22,8 @@ if __package__ in (None, ""):  # `python3 MaxText/decode.py`: import the package
 import jax
 
 from MaxText import config as config_lib
-from MaxText import storage
 from MaxText.errors import UserError, run_cli
-from MaxText.inference.engine import Engine
+from MaxText.inference.engine import load_engine
 from MaxText.input_pipeline.tokenizer import DocumentEncoder, Tokenizer, load_tokenizer
 from MaxText import startup
 from MaxText.startup import log
@@ -55,13 +54,7 @@ def decode(config: config_lib.Config) -> list[int]:
   if len(ids) > limit:
     raise UserError(f"the prompt has {len(ids)} tokens, more than max_prefill_predict_length={limit}; "
                     "raise max_prefill_predict_length or shorten the prompt")
-  path = config.checkpoint.load_parameters_path
-  if path and not storage.exists(path):
-    raise UserError(f"checkpoint {path} does not exist (load_parameters_path)")
-  engine = Engine(config, num_slots=1)
-  if not path:
-    log("decode: no load_parameters_path given; using randomly initialised parameters")
-  params = engine.load_params(path)
+  engine, params = load_engine(config, 1, "decode: no load_parameters_path given; using randomly initialised parameters")
   num_new = config.model.max_target_length - len(ids) + 1  # the last token needs no cache slot
   seed = config.decode.decode_sampling_seed
 
@@ -98,8 +91,11 @@ def decode(config: config_lib.Config) -> list[int]:
   return generated
 
 
+TOOL = startup.Tool("decode", reads_run=True, joins_job=True)
+
+
 def main(argv: list[str]) -> int:
-  decode(startup.load_config(argv, reads_run=True))
+  decode(startup.start(TOOL, argv).config)
   return 0
 
 

@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # `python3 MaxText/generate_param_only_checkpoint
 
 import jax
 
-from MaxText import lora, models, params_io, sharding, storage
+from MaxText import lora, model_assembly, models, params_io, storage
 from MaxText.config import Config
 from MaxText.model_config import MODEL_KEYS
 from MaxText.convert import engine, peft_adapters
@@ -42,10 +42,7 @@ def generate(config: Config) -> str:
                     "or load_full_state_path)")
   if storage.exists(output):
     raise UserError(f"{output} already exists; choose a new param_only_checkpoint_path or remove it first")
-  mesh = sharding.create_mesh(config.mesh)
-  spec = models.build_model_spec(config.model)
-  params = params_io.load_params(source, spec.abstract_params,
-                                     models.shard_params_like(spec, mesh, config.mesh.logical_axis_rules))
+  _, params = model_assembly.assemble_model(config, source)
   if cfg.lora_peft_export_path:  # before merging: the adapters as they are
     targets = peft_adapters.save(cfg.lora_peft_export_path, jax.device_get(lora.split(params)[0]), config.model)
     log(f"wrote the LoRA adapters ({', '.join(targets)}) in PEFT's format to {cfg.lora_peft_export_path}")
@@ -64,8 +61,11 @@ def generate(config: Config) -> str:
   return output
 
 
+TOOL = startup.Tool("generate_param_only_checkpoint", reads_run=True, joins_job=True)
+
+
 def main(argv: list[str]) -> int:
-  generate(startup.load_config(argv, reads_run=True))
+  generate(startup.start(TOOL, argv).config)
   return 0
 
 

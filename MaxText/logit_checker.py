@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText import models, params_io, sharding
+from MaxText import model_assembly, sharding, startup
 from MaxText.config import Config
 from MaxText.convert import cli, hf_io
 from MaxText.errors import UserError, run_cli
@@ -62,15 +62,12 @@ def our_logits(config: Config, token_ids: np.ndarray) -> np.ndarray:
   checkpoint = config.checkpoint.load_parameters_path
   if not checkpoint:
     raise UserError("set load_parameters_path=CKPT: the checkpoint to check")
-  mesh = sharding.create_mesh(config.mesh)
-  spec = models.build_model_spec(config.model)
-  rules = config.mesh.logical_axis_rules
-  params = params_io.load_params(checkpoint, spec.abstract_params, models.shard_params_like(spec, mesh, rules))
+  model, params = model_assembly.assemble_model(config, checkpoint)
 
   def forward(p: Any, tokens_BL: jax.Array) -> jax.Array:
     positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
-    with sharding.activation_sharding(mesh, rules):
-      return spec.apply(p, tokens_BL, positions_BL, jnp.ones_like(tokens_BL))
+    with sharding.activation_sharding(model.mesh, model.rules):
+      return model.spec.apply(p, tokens_BL, positions_BL, jnp.ones_like(tokens_BL))
 
   return np.asarray(jax.jit(forward)(params, jnp.asarray(token_ids, jnp.int32)))
 
@@ -114,12 +111,14 @@ def report(per_position: dict[str, np.ndarray], atol: float, max_kl: float) -> b
   return passed
 
 
+TOOL = startup.Tool(PROG, reads_run=True)
+
+
 def main(argv: list[str]) -> int:
   checker, config_args = split_checker_args(argv[1:])
   hf_path = checker["hf_model_path"]
-  overrides = cli.read_overrides(PROG, config_args, {"hf_model_path": hf_path})
-  target = cli.start_backend(overrides, default="auto")
-  config, _ = cli.config_matching_hf(hf_io.read_hf_config(hf_path), overrides, hf_path, target, PROG)
+  config = startup.start(TOOL, [PROG, *config_args], paths={"hf_model_path": hf_path},
+                         model_keys=cli.HfModelKeys(hf_path, PROG)).config
   default_atol, default_kl = _DEFAULT_TOLERANCES.get(config.model.dtype, (1.0, 0.01))
   atol = default_atol if checker["atol"] is None else checker["atol"]
   max_kl = default_kl if checker["max_kl"] is None else checker["max_kl"]

@@ -24,7 +24,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python3 MaxText/multihost_job.py`: import the package, not sibling files.
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from MaxText import tpu_launch
+from MaxText import startup, tpu_launch
 from MaxText.errors import UserError, run_cli
 from MaxText.tpu_launch import Gcloud
 
@@ -124,7 +124,11 @@ def follow_up(gcloud: Gcloud, args: argparse.Namespace) -> str:
           f"  delete the slices when done (they are billed until then): {tpu_launch.quote(delete)}")
 
 
+TOOL = startup.Tool("multihost_job", builds_config=False)
+
+
 def main(argv: list[str]) -> int:
+  startup.start(TOOL, argv)
   args = parse_args(argv[1:])
   gcloud = Gcloud(args.PROJECT, args.ZONE, args.dry_run)
   tarball = args.LOCAL_DIR / "code.tar.gz"

@@ -32,7 +32,7 @@ from typing import IO, Iterator
 if __package__ in (None, ""):  # `python3 MaxText/multihost_runner.py`: import the package, not sibling files.
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from MaxText import tpu_launch
+from MaxText import startup, tpu_launch
 from MaxText.errors import UserError, run_cli
 from MaxText.tpu_launch import Gcloud, log_to_stderr
 
@@ -277,7 +277,11 @@ def summarize(codes: list[tuple[str, int]], log_dir: Path) -> int:
   return failed[0][1]
 
 
+TOOL = startup.Tool("multihost_runner", builds_config=False)
+
+
 def main(argv: list[str]) -> int:
+  startup.start(TOOL, argv)
   args = parse_args(argv[1:])
   gcloud = Gcloud(args.PROJECT, args.ZONE, args.dry_run)
   workers = discover_workers(gcloud, args)

@@ -459,18 +459,14 @@ def write_recipe(path: str, topology: accelerators.TpuTopology, recipe_args: lis
   return result.stdout.strip()
 
 
+TOOL = startup.Tool("plan", compiles_for="slice figures")
+
+
 def main(argv: list[str]) -> int:
   args, config_argv = PlanArgs.parse(argv)
-  overrides = startup.read_overrides(config_argv)
-  name = str(overrides.peek("compile_topology")).strip()
-  num_slices = int(overrides.peek("compile_topology_num_slices"))
-  if not name or name == "local":
-    raise ConfigError("plan needs compile_topology=NAME, a TPU slice type (e.g. v5e-256)")
-  if num_slices < 1:
-    raise ConfigError(f"compile_topology_num_slices must be >= 1, got {num_slices}")
-  topology = accelerators.tpu_topology(name)
-  startup.start_backend(overrides, "cpu")
-  config = config_lib.build_config(overrides, topology.target(num_slices), default_run_name="plan")
+  start_up = startup.start(TOOL, config_argv)
+  overrides, config, topology, num_slices = start_up.overrides, start_up.config, start_up.topology, start_up.num_slices
+  assert topology is not None  # a slice-figures tool always names one
   started = time.perf_counter()
   planned, counted, model = shortlist(args, overrides, config, topology, num_slices)
   variants = sum(1 for p in planned if "sa_block_q" in p.settings)

@@ -30,12 +30,12 @@ if __package__ in (None, ""):  # `python3 MaxText/serve.py`: import the package,
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from MaxText import config as config_lib
-from MaxText import startup, storage
+from MaxText import startup
 from MaxText.errors import UserError, run_cli
 from MaxText.inference import openai_api as api
 from MaxText.inference import scheduler as sched
 from MaxText.inference import serve_metrics
-from MaxText.inference.engine import Engine
+from MaxText.inference.engine import Engine, load_engine
 
 API_KEY_ENV = "MAXTEXT_API_KEY"  # an environment variable, never a config key: configs are saved with runs
 RETRY_AFTER_SECONDS = "1"
@@ -254,19 +254,18 @@ async def _send_error(send: Callable[[dict[str, Any]], Awaitable[None]], e: api.
 def build_server(config: config_lib.Config, mesh: Any = None) -> Server:
   """Tokenizer, engine and parameters (load_parameters_path, else random ones), scheduler thread."""
   codec, eos_id = _codec(config)
-  path = config.checkpoint.load_parameters_path
-  if path and not storage.exists(path):
-    raise UserError(f"checkpoint {path} does not exist (load_parameters_path)")
-  engine = Engine(config, num_slots=config.decode.serve_max_slots, mesh=mesh)
-  if not path:
-    startup.log("serve: no load_parameters_path given; serving randomly initialised parameters")
-  return Server(config, engine, engine.load_params(path), codec, eos_id)
+  engine, params = load_engine(config, config.decode.serve_max_slots,
+                               "serve: no load_parameters_path given; serving randomly initialised parameters", mesh)
+  return Server(config, engine, params, codec, eos_id)
+
+
+TOOL = startup.Tool("serve", reads_run=True, joins_job=True)
 
 
 def main(argv: list[str]) -> int:
   import uvicorn
 
-  config = startup.load_config(argv, reads_run=True)
+  config = startup.start(TOOL, argv).config
   server = build_server(config)
   d = config.decode
   app = build_app(server, max_body_bytes=d.serve_max_body_bytes)

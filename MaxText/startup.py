@@ -1,22 +1,147 @@
-"""Start-up, the same for every entry point that builds a model config:
+"""Start-up: one entry, `start(tool, argv)`, for every entry point. A `Tool` says what that tool
+needs; the order is the same for all of them:
 
-    argv / M_* env ─► Overrides ─► gs:// buckets answer ─► JAX platform ─► XLA / libtpu flags
-                  ─► jax.distributed (multi-process) ─► Config for the local devices
+    process (signals, library logs, storage emulator) ─► argv / M_* env ─► Overrides
+      ─► gs:// buckets answer (and the tool's own path checks) ─► compile target ─► JAX platform
+      ─► XLA / libtpu flags ─► jax.distributed (multi-process) ─► Config
+      ─► stack-trace dumps ─► the run directory's lease
 
 The order matters: the platform and the flags must be set before the JAX backend starts, and
-`jax.distributed.initialize` must run before anything asks for devices. `train.py`,
-`decode.py` and `generate_param_only_checkpoint.py` call `load_config`; `train_compile.py`,
-whose target is a topology rather than the local devices, uses the first steps only.
+`jax.distributed.initialize` must run before anything asks for devices. A tool that builds no
+model config (data preparation, launchers) stops after the process step.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+import types
+from typing import Any, Callable, Literal, Mapping, Protocol, Sequence
 
 import jax
+from jax.experimental import topologies
 
-from MaxText import accelerators, distributed, storage, storage_retry, xla_flags
+from MaxText import accelerators, distributed, run_lease, storage, storage_retry, xla_flags
 from MaxText import config as config_lib
+from MaxText.errors import ConfigError
+
+# What a tool compiles for: the devices this process sees ("local"); a TPU slice that
+# compile_topology names, as libtpu describes it, or `local` ("slice or local": train_compile);
+# or only a named slice's figures, no devices ("slice figures": the planner, which compiles in
+# workers).
+CompileTarget = Literal["local", "slice or local", "slice figures"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+  """What one entry point needs from start-up."""
+
+  name: str
+  builds_config: bool = True  # False: no model config and no JAX backend (data preparation, launchers)
+  reads_run: bool = False  # reads a run or checkpoint: the model keys saved with it apply (config.resolve_values)
+  joins_job: bool = False  # joins a multi-process job (jax.distributed) before anything asks for devices
+  hardware: str | None = None  # the platform unless the user sets hardware= (None: the config's own default)
+  compiles_for: CompileTarget = "local"
+  takes_lease: bool = False  # holds the run directory's lease (process 0) until the with-block ends
+  stack_traces: bool = False  # dumps Python stacks when collect_stack_trace asks (cloud-tpu-diagnostics)
+
+
+class ModelKeys(Protocol):
+  """A tool's own layer of model keys below the user's arguments (an HF config.json, a
+  checkpoint's saved keys), and its check of the config built with them."""
+
+  def values(self, overrides: config_lib.Overrides) -> tuple[Mapping[str, Any], str]:
+    """The values, typed like base.yml, and where they come from (named in errors)."""
+    ...
+
+  def check(self, config: config_lib.Config) -> None:
+    ...
+
+
+@dataclasses.dataclass
+class Started:
+  """What start-up gives a tool. A tool that takes the lease uses it as a context manager: the
+  lease is given back when the block ends; one that holds nothing may leave the block out."""
+
+  tool: Tool
+  held: contextlib.ExitStack = dataclasses.field(default_factory=contextlib.ExitStack)
+  built_config: config_lib.Config | None = None
+  read_overrides: config_lib.Overrides | None = None
+  topology: accelerators.TpuTopology | None = None  # a slice to compile for; None: the local devices
+  num_slices: int = 1
+  devices: tuple[jax.Device, ...] = ()  # what a compile targets (none for slice figures)
+  lease: run_lease.Lease | None = None
+
+  @property
+  def config(self) -> config_lib.Config:
+    if self.built_config is None:
+      raise ValueError(f"{self.tool.name} builds no config")
+    return self.built_config
+
+  @property
+  def overrides(self) -> config_lib.Overrides:
+    if self.read_overrides is None:
+      raise ValueError(f"{self.tool.name} reads no config overrides")
+    return self.read_overrides
+
+  def __enter__(self) -> Started:
+    return self
+
+  def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+               tb: types.TracebackType | None) -> None:
+    self.held.close()
+
+
+def start(tool: Tool, argv: Sequence[str], *, paths: Mapping[str, str] | None = None,
+          check_paths: Callable[[], None] | None = None, model_keys: ModelKeys | None = None) -> Started:
+  """The whole start-up of `tool`. `paths`: a tool's own path flags ({"--flag": path}), whose
+  buckets must answer too; `check_paths`: the tool's checks of them, once they answer and before
+  the backend starts; `model_keys`: the tool's own model-key layer (the converters)."""
+  prepare_process()
+  if not tool.builds_config:
+    return Started(tool)
+  overrides = read_overrides(list(argv), paths)
+  if check_paths is not None:
+    check_paths()
+  topology, num_slices = _compile_topology(tool, overrides)
+  start_backend(overrides, "cpu" if topology else _hardware(tool, overrides))  # a slice compile needs no accelerator
+  if tool.compiles_for == "slice or local" and topology is None and num_slices != 1:
+    raise ConfigError("compile_topology_num_slices applies to a TPU compile_topology, not to local")
+  devices: tuple[jax.Device, ...] = ()
+  if tool.compiles_for == "slice or local":
+    devices = tuple(describe_topology(topology, num_slices) if topology else jax.devices())
+  if tool.joins_job:
+    distributed.initialize(accelerators.requested_platform(), int(overrides.peek("distributed_init_timeout_seconds")),
+                           int(overrides.peek("distributed_heartbeat_timeout_seconds")))
+  target = topology.target(num_slices) if topology else accelerators.local_target()
+  if model_keys is not None:
+    values, source = model_keys.values(overrides)
+    overrides = overrides.below_argv(values, source)
+  # A compile writes nothing under a run directory; a fixed name satisfies the multi-host rule
+  # that every process of a real run must be given the same run_name.
+  config = config_lib.build_config(overrides, target, tool.reads_run,
+                                   default_run_name=None if tool.compiles_for == "local" else tool.name)
+  if model_keys is not None:
+    model_keys.check(config)
+  started = Started(tool, built_config=config, read_overrides=overrides, topology=topology, num_slices=num_slices,
+                    devices=devices)
+  with contextlib.ExitStack() as held:
+    run = config.run
+    if tool.stack_traces:
+      held.enter_context(distributed.stack_traces(run.collect_stack_trace, run.stack_trace_to_cloud,
+                                                  run.stack_trace_interval_seconds))
+    if tool.takes_lease:
+      started.lease = distributed.on_process_0("taking the run directory's lease", lambda: run_lease.acquire(
+          run.run_dir, run.run_name, run.run_lease_timeout_seconds, config.target.num_processes))
+      if started.lease is not None:
+        held.callback(started.lease.release)
+    started.held = held.pop_all()
+  return started
 
 
 def read_overrides(argv: list[str], extra_paths: Mapping[str, str] | None = None) -> config_lib.Overrides:
@@ -36,17 +161,120 @@ def start_backend(overrides: config_lib.Overrides, hardware: str | None = None) 
   xla_flags.export_flags(str(overrides.peek("libtpu_init_args")), str(overrides.peek("xla_flags")))
 
 
-def load_config(argv: list[str], reads_run: bool = False) -> config_lib.Config:
-  """The whole start-up for the local devices. `reads_run`: a tool reading a run or checkpoint
-  (see config.resolve_values)."""
-  overrides = read_overrides(argv)
-  start_backend(overrides)
-  distributed.initialize(accelerators.requested_platform(), int(overrides.peek("distributed_init_timeout_seconds")),
-                         int(overrides.peek("distributed_heartbeat_timeout_seconds")))
-  return config_lib.build_config(overrides, accelerators.local_target(), reads_run)
+def _hardware(tool: Tool, overrides: config_lib.Overrides) -> str | None:
+  """The tool's own platform unless the user set hardware= (on the command line, in M_*, or in
+  their YAML); None: the config's value."""
+  given = "hardware" in overrides.explicit_keys() or "hardware" in overrides.file_values
+  return None if given else tool.hardware
+
+
+def _compile_topology(tool: Tool, overrides: config_lib.Overrides) -> tuple[accelerators.TpuTopology | None, int]:
+  """The TPU slice a compiling tool targets (None: the local devices) and how many of them."""
+  if tool.compiles_for == "local":
+    return None, 1
+  name = str(overrides.peek("compile_topology")).strip()
+  num_slices = int(overrides.peek("compile_topology_num_slices"))
+  if tool.compiles_for == "slice figures" and (not name or name == "local"):
+    raise ConfigError(f"{tool.name} needs compile_topology=NAME, a TPU slice type (e.g. v5e-256)")
+  if not name:
+    raise ConfigError(f"{tool.name} needs compile_topology=NAME (e.g. v5e-256), or compile_topology=local "
+                      "for this machine's devices")
+  if num_slices < 1:
+    raise ConfigError(f"compile_topology_num_slices must be >= 1, got {num_slices}")
+  return (None if name == "local" else accelerators.tpu_topology(name)), num_slices
+
+
+def describe_topology(topology: accelerators.TpuTopology, num_slices: int) -> Sequence[jax.Device]:
+  """Compile-only devices of `num_slices` slices of `topology`, described by libtpu."""
+  if not accelerators.has_tpu():
+    # Off a TPU VM libtpu cannot discover its workers and logs a multi-line error about it;
+    # naming this host as the only worker silences that without changing the compile.
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # libtpu's lock file guards TPU chips; with none attached, several compiles may run at once.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  description = topologies.get_topology_desc(
+      topology_name=topology.topology_name, platform="tpu", chip_config_name=topology.generation.chip_config,
+      chips_per_host_bounds=topology.host_bounds, num_slices=num_slices, wrap=topology.wrap)
+  devices: Sequence[jax.Device] = description.devices
+  return devices
 
 
 def log(message: str) -> None:
   """Prints on process 0 only (every process runs the same program)."""
   if jax.process_index() == 0:
     print(message, flush=True)
+
+
+# ------------------------------------------------------------------ the process, before anything else
+
+
+def prepare_process() -> None:
+  """What every entry point's process needs before it reads anything (each step is idempotent)."""
+  # A process started in the background by a non-interactive shell inherits SIGINT as ignored,
+  # and Python then never raises KeyboardInterrupt: Ctrl-C / SIGINT would be lost on the way
+  # to the clean stop (and the checkpoint) the entry points promise.
+  if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+  storage.configure_cloud_env()  # before any library opens a gs:// path
+  _one_line_library_logs()
+  _filter_background_noise()
+
+
+class _FirstLineOnly(logging.Filter):
+  """Library log records (Orbax logs through absl) reach the console as their first line,
+  without the traceback: the run's own `error:` line says what failed and what to do."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.exc_info or record.exc_text:
+      record.exc_info, record.exc_text = None, None
+    message = record.getMessage().strip().splitlines()
+    record.msg, record.args = (message[0] if message else ""), None
+    return True
+
+
+class _NoAbandonedFutures(logging.Filter):
+  """asyncio's "exception was never retrieved" records: reads a failed restore abandoned (see
+  _is_abandoned_async_work); the restore's own line reports the failure."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "exception was never retrieved" not in str(record.msg)
+
+
+def _one_line_library_logs() -> None:
+  logger = logging.getLogger("absl")
+  if not any(isinstance(f, _FirstLineOnly) for f in logger.filters):
+    logger.addFilter(_FirstLineOnly())
+  # gcsfs logs each request it gave up on, with a traceback; storage_retry retries or reports it.
+  logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
+  asyncio_logger = logging.getLogger("asyncio")
+  if not any(isinstance(f, _NoAbandonedFutures) for f in asyncio_logger.filters):
+    asyncio_logger.addFilter(_NoAbandonedFutures())
+
+
+def _is_abandoned_async_work(exc: BaseException | None, obj: object = None) -> bool:
+  """Noise of a failed checkpoint read: once its restore gave up, TensorStore's threads still
+  call back into the closed asyncio loop, and Orbax's pending read coroutines are collected
+  with their errors. The restore's own warning or error line already said what failed."""
+  if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+    return True
+  code = getattr(obj, "cr_code", None)
+  return code is not None and ("orbax" in code.co_filename or "tensorstore" in code.co_filename)
+
+
+def _filter_background_noise() -> None:
+  """Drops `_is_abandoned_async_work` tracebacks from the terminal; every other uncaught or
+  unraisable error is printed as before."""
+  if getattr(sys.excepthook, "_maxtext_filter", False):
+    return
+  previous_excepthook, previous_unraisable = sys.excepthook, sys.unraisablehook
+
+  def excepthook(kind: type[BaseException], value: BaseException, tb: types.TracebackType | None) -> None:
+    if not _is_abandoned_async_work(value):
+      previous_excepthook(kind, value, tb)
+
+  def unraisablehook(unraisable: sys.UnraisableHookArgs) -> None:
+    if not _is_abandoned_async_work(unraisable.exc_value, unraisable.object):
+      previous_unraisable(unraisable)
+
+  excepthook._maxtext_filter = True  # type: ignore[attr-defined]
+  sys.excepthook, sys.unraisablehook = excepthook, unraisablehook

@@ -29,14 +29,6 @@ from MaxText.trainer import (CheckpointHook, EvalHook, LeaseHook, LoggingHook, P
                              Trainer)
 
 
-def claim_run_dir(config: config_lib.Config) -> run_lease.Lease | None:
-  """The run directory's lease, taken before this run writes anything there (process 0 holds
-  it for every process)."""
-  run = config.run
-  return distributed.on_process_0("taking the run directory's lease", lambda: run_lease.acquire(
-      run.run_dir, run.run_name, run.run_lease_timeout_seconds, config.target.num_processes))
-
-
 def check_resume(config: config_lib.Config, checkpoints: checkpointing.RunCheckpoints | None) -> None:
   """A resume must keep the saved state's shape and meaning; checked before anything is read,
   against every record the run has (run_record.check_resume) and the keys saved with the step."""
@@ -69,16 +61,12 @@ def record_start(config: config_lib.Config) -> None:
   distributed.on_process_0("recording the configuration", lambda: run_record.record_start(config, config.run.run_dir))
 
 
+TOOL = startup.Tool("train", joins_job=True, takes_lease=True, stack_traces=True)
+
+
 def main(argv: list[str]) -> int:
-  config = startup.load_config(argv)
-  run = config.run
-  with distributed.stack_traces(run.collect_stack_trace, run.stack_trace_to_cloud, run.stack_trace_interval_seconds):
-    lease = claim_run_dir(config)
-    try:
-      return train(config, lease, argv)
-    finally:
-      if lease is not None:
-        lease.release()
+  with startup.start(TOOL, argv) as started:
+    return train(started.config, started.lease, argv)
 
 
 def train(config: config_lib.Config, lease: run_lease.Lease | None = None, argv: list[str] | None = None) -> int:

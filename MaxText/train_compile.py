@@ -26,28 +26,17 @@ if __package__ in (None, ""):  # `python3 MaxText/train_compile.py`: import the 
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import jax
-from jax.experimental import topologies
 
 from MaxText import accelerators, compiled_step, config as config_lib, metrics, run_assembly, startup
+from MaxText.startup import describe_topology  # noqa: F401  (tests and benchmarks name it here)
 from MaxText.hlo_cycles import estimated_cycles, uncosted_kernel_calls
 from MaxText.memory_report import (GIB, MemoryReport, buffer_assignment_dump_options, does_not_fit_message,
                                    format_bytes, oom_bytes_from_xla, read_buffer_assignment)
-from MaxText.errors import ConfigError, UserError, run_cli
+from MaxText.errors import UserError, run_cli
 from MaxText.layers import pipeline
 
 
-def describe_topology(topology: accelerators.TpuTopology, num_slices: int) -> Sequence[Any]:
-  """Compile-only devices of `num_slices` slices of `topology`, described by libtpu."""
-  if not accelerators.has_tpu():
-    # Off a TPU VM libtpu cannot discover its workers and logs a multi-line error about it;
-    # naming this host as the only worker silences that without changing the compile.
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    # libtpu's lock file guards TPU chips; with none attached, several compiles may run at once.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  description = topologies.get_topology_desc(
-      topology_name=topology.topology_name, platform="tpu", chip_config_name=topology.generation.chip_config,
-      chips_per_host_bounds=topology.host_bounds, num_slices=num_slices, wrap=topology.wrap)
-  return description.devices
+TOOL = startup.Tool("train_compile", reads_run=True, compiles_for="slice or local")
 
 
 def load_target_config(argv: list[str]) -> tuple[config_lib.Config, Sequence[Any], accelerators.TpuTopology | None]:
@@ -55,25 +44,8 @@ def load_target_config(argv: list[str]) -> tuple[config_lib.Config, Sequence[Any
 
   Flags are exported before libtpu or a backend starts, so the compiled step reflects them.
   """
-  overrides = startup.read_overrides(argv)
-  name = str(overrides.peek("compile_topology")).strip()
-  num_slices = int(overrides.peek("compile_topology_num_slices"))
-  if not name:
-    raise ConfigError("train_compile needs compile_topology=NAME (e.g. v5e-256), or compile_topology=local "
-                      "for this machine's devices")
-  if num_slices < 1:
-    raise ConfigError(f"compile_topology_num_slices must be >= 1, got {num_slices}")
-  topology = None if name == "local" else accelerators.tpu_topology(name)
-  startup.start_backend(overrides, "cpu" if topology else None)  # a topology compile needs no local accelerator
-  if topology is None:
-    if num_slices != 1:
-      raise ConfigError("compile_topology_num_slices applies to a TPU compile_topology, not to local")
-    devices, target = list(jax.devices()), accelerators.local_target()
-  else:
-    devices, target = list(describe_topology(topology, num_slices)), topology.target(num_slices)
-  # Nothing is written under a run directory here; a fixed name satisfies the multi-host rule
-  # that every process of a real run must be given the same run_name.
-  return config_lib.build_config(overrides, target, reads_run=True, default_run_name="train_compile"), devices, topology
+  started = startup.start(TOOL, argv)
+  return started.config, started.devices, started.topology
 
 
 @contextlib.contextmanager

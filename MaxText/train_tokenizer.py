@@ -21,7 +21,7 @@ from typing import Iterator
 if __package__ in (None, ""):  # `python3 MaxText/train_tokenizer.py`
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from MaxText import storage
+from MaxText import startup, storage
 from MaxText.errors import UserError, run_cli
 from MaxText.input_pipeline.files import expand_files
 
@@ -77,7 +77,11 @@ def train(paths: list[str], vocab_size: int, output: str, model_type: str = "bpe
   return len(lines)
 
 
+TOOL = startup.Tool("train_tokenizer", builds_config=False)
+
+
 def main(argv: list[str]) -> int:
+  startup.start(TOOL, argv)
   args = _parse(argv)
   paths = expand_files("--dataset_path", args.dataset_path)
   num_lines = train(paths, args.vocab_size, args.output, args.model_type, args.text_column,

@@ -223,9 +223,9 @@ def test_resume_and_merged_params_only_export(tiny_overrides, tmp_path):
   from MaxText import run_record, startup
   run_record.record_start(config, str(tmp_path / "run"))
   export = str(tmp_path / "export")
-  generate_param_only_checkpoint.generate(startup.load_config(
-      ["generate_param_only_checkpoint", "configs/base.yml", "run_name=run", f"base_output_directory={tmp_path}",
-       f"param_only_checkpoint_path={export}", f"lora_peft_export_path={tmp_path / 'adapter'}"], reads_run=True))
+  generate_param_only_checkpoint.generate(startup.start(generate_param_only_checkpoint.TOOL, [
+      "generate_param_only_checkpoint", "configs/base.yml", "run_name=run", f"base_output_directory={tmp_path}",
+      f"param_only_checkpoint_path={export}", f"lora_peft_export_path={tmp_path / 'adapter'}"]).config)
   adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
   assert adapter_config["r"] == RANK and adapter_config["lora_alpha"] == ALPHA
   assert sorted(adapter_config["target_modules"]) == sorted(ALL_TARGETS)

@@ -331,9 +331,9 @@ def test_param_only_checkpoint_from_a_gs_run_to_gs_then_decode(bucket, capsys):
     generate_param_only_checkpoint.main(["generate", BASE, *run_args, f"param_only_checkpoint_path={output}"])
   capsys.readouterr()
   # No model keys on the command line: they come from model_config.yml in the bucket.
-  ids = decode.decode(startup.load_config(
-      ["decode", BASE, f"load_parameters_path={output}", "prompt_token_ids=5,17,42", "max_prefill_predict_length=8",
-       "max_target_length=16", "print_config=False"]))
+  ids = decode.decode(startup.start(decode.TOOL, [
+      "decode", BASE, f"load_parameters_path={output}", "prompt_token_ids=5,17,42", "max_prefill_predict_length=8",
+      "max_target_length=16", "print_config=False"]).config)
   assert f"using the model keys saved with the checkpoint in {output}/model_config.yml" in capsys.readouterr().out
   assert len(ids) == 16 - 3 + 1 and all(0 <= t < CPU_TINY["vocab_size"] for t in ids)
 

@@ -1,13 +1,14 @@
-"""What the converters and the logit checker share: argument splitting and choosing the model config
-(from `model_name=`, from a checkpoint's model_config.yml, or inferred from HF config.json)."""
+"""What the converters and the logit checker share: argument splitting and the model keys their
+config takes (from `model_name=`, from a checkpoint's model_config.yml, or inferred from HF
+config.json), as a layer `startup.start` puts below the user's own arguments."""
 
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from MaxText import accelerators, families, run_record, startup
+from MaxText import families, run_record
 from MaxText import config as config_lib
-from MaxText.convert import engine
+from MaxText.convert import engine, hf_io
 from MaxText.errors import ConfigError, UserError
 
 
@@ -35,44 +36,67 @@ def split_args(argv: Sequence[str], flags: Sequence[str]) -> tuple[dict[str, str
   return values, rest
 
 
-def read_overrides(prog: str, user_args: Sequence[str], paths: Mapping[str, str]) -> config_lib.Overrides:
-  """The user's key=value arguments (and M_* variables) as start-up reads them, every key
-  checked, and each gs:// bucket among `paths` ({"--flag": path}) and the path keys answering
-  within storage_timeout_seconds, so a wrong bucket or endpoint is one line, not a hang."""
-  return startup.read_overrides([prog, *user_args], extra_paths=paths)
-
-
-def start_backend(overrides: config_lib.Overrides, default: str = "cpu") -> accelerators.DeviceTarget:
-  """Starts JAX on `hardware=` if the user set it, else on `default` (conversion is host work,
-  so the converters keep JAX on the CPU), with the user's XLA flags."""
-  given = "hardware" in overrides.explicit_keys() or "hardware" in overrides.file_values
-  startup.start_backend(overrides, None if given else default)
-  return accelerators.local_target()
-
-
-def config_matching_hf(hf_config: Mapping[str, Any], overrides: config_lib.Overrides, hf_path: str,
-                       target: accelerators.DeviceTarget, prog: str) -> tuple[config_lib.Config, dict[str, Any]]:
-  """The config for an HF checkpoint and its full model keys.
+class HfModelKeys:
+  """The model keys of an HF checkpoint's config.json, for `startup.start`.
 
   Without model_name (and without saved model keys) every architecture key is inferred from
   config.json and printed as overrides; either way the final config must describe the same
-  model as config.json, or this fails naming the differing keys.
+  model as config.json, or this fails naming the differing keys. Read once the buckets answered
+  and the backend started: config.json may be on gs://.
   """
-  family = families.family_for_hf_config(hf_config)
-  schema = config_lib.read_yaml(config_lib.BASE_CONFIG_PATH)
-  inferred = engine.full_model_keys(schema, family.model_keys(hf_config))
-  named = "model_name" in overrides.explicit_keys()
-  implied = _length_for(inferred, overrides)
-  if not named and not _saved_model_keys(overrides):
-    implied = {**inferred, **implied}
-    print(f"{prog}: inferred from {hf_path}/config.json ({family.name} family): {engine.describe_keys(inferred)}")
-  config = config_lib.build_config(overrides.below_argv(implied, f"{hf_path}/config.json"), target, reads_run=True)
-  _require_scale_one(config)
-  mismatch = engine.differences(dict(config.values), inferred, ignore=engine.NOT_IN_HF_CONFIG)
-  if mismatch:
-    what = "model_name=" + config.startup.model_name if named else "the model config"
-    raise ConfigError(f"{what} does not match {hf_path}/config.json (ours vs HF): {'; '.join(mismatch)}")
-  return config, {**inferred, **{key: config.values[key] for key in engine.NOT_IN_HF_CONFIG}}
+
+  def __init__(self, hf_path: str, prog: str):
+    self.hf_path, self.prog = hf_path, prog
+    self.hf_config: dict[str, Any] = {}
+    self.model_keys: dict[str, Any] = {}  # the full model keys, once the config is checked
+    self._inferred: dict[str, Any] = {}
+    self._named = False
+
+  def values(self, overrides: config_lib.Overrides) -> tuple[Mapping[str, Any], str]:
+    self.hf_config = hf_io.read_hf_config(self.hf_path)
+    family = families.family_for_hf_config(self.hf_config)
+    schema = config_lib.read_yaml(config_lib.BASE_CONFIG_PATH)
+    self._inferred = engine.full_model_keys(schema, family.model_keys(self.hf_config))
+    self._named = "model_name" in overrides.explicit_keys()
+    implied = _length_for(self._inferred, overrides)
+    if not self._named and not _saved_model_keys(overrides):
+      implied = {**self._inferred, **implied}
+      print(f"{self.prog}: inferred from {self.hf_path}/config.json ({family.name} family): "
+            f"{engine.describe_keys(self._inferred)}")
+    return implied, f"{self.hf_path}/config.json"
+
+  def check(self, config: config_lib.Config) -> None:
+    _require_scale_one(config)
+    mismatch = engine.differences(dict(config.values), self._inferred, ignore=engine.NOT_IN_HF_CONFIG)
+    if mismatch:
+      what = "model_name=" + config.startup.model_name if self._named else "the model config"
+      raise ConfigError(f"{what} does not match {self.hf_path}/config.json (ours vs HF): {'; '.join(mismatch)}")
+    self.model_keys = {**self._inferred, **{key: config.values[key] for key in engine.NOT_IN_HF_CONFIG}}
+
+
+class CheckpointModelKeys:
+  """The model keys of one of our checkpoints, for `startup.start`: those saved with it
+  (model_config.yml, or the config.yml of the run it belongs to), else model_name=; a given key
+  must agree with them."""
+
+  def __init__(self, checkpoint: str, prog: str):
+    self.checkpoint, self.prog = checkpoint, prog
+
+  def values(self, overrides: config_lib.Overrides) -> tuple[Mapping[str, Any], str]:
+    saved = run_record.saved_model_keys(self.checkpoint)
+    if saved is not None:
+      model_keys = saved[0]
+    elif "model_name" in overrides.explicit_keys():
+      named = config_lib.MODELS_DIR / f"{overrides.peek('model_name')}.yml"
+      model_keys = config_lib.read_yaml(named) if named.is_file() else {}
+    else:
+      raise UserError(f"{self.checkpoint} has no {config_lib.MODEL_CONFIG_FILE} and is not in a run directory with a "
+                      "config.yml; say which model it holds with model_name=<name> (and any key=value overrides it "
+                      "was trained with)")
+    return {**_length_for(model_keys, overrides), "load_parameters_path": self.checkpoint}, self.prog
+
+  def check(self, config: config_lib.Config) -> None:
+    _require_scale_one(config)
 
 
 def _length_for(model_keys: Mapping[str, Any], overrides: config_lib.Overrides) -> dict[str, Any]:
@@ -92,23 +116,3 @@ def _saved_model_keys(overrides: config_lib.Overrides) -> bool:
 def _require_scale_one(config: config_lib.Config) -> None:
   if config.model.global_parameter_scale != 1:
     raise ConfigError("checkpoint conversion needs global_parameter_scale=1 (published shapes are absolute)")
-
-
-def config_for_checkpoint(checkpoint: str, overrides: config_lib.Overrides, target: accelerators.DeviceTarget,
-                          prog: str) -> config_lib.Config:
-  """The config of one of our checkpoints: the model keys saved with it (model_config.yml, or
-  the config.yml of the run it belongs to), else model_name=; a given key must agree with them."""
-  saved = run_record.saved_model_keys(checkpoint)
-  if saved is not None:
-    model_keys = saved[0]
-  elif "model_name" in overrides.explicit_keys():
-    named = config_lib.MODELS_DIR / f"{overrides.peek('model_name')}.yml"
-    model_keys = config_lib.read_yaml(named) if named.is_file() else {}
-  else:
-    raise UserError(f"{checkpoint} has no {config_lib.MODEL_CONFIG_FILE} and is not in a run directory with a "
-                    "config.yml; say which model it holds with model_name=<name> (and any key=value overrides it "
-                    "was trained with)")
-  implied = {**_length_for(model_keys, overrides), "load_parameters_path": checkpoint}
-  config = config_lib.build_config(overrides.below_argv(implied, prog), target, reads_run=True)
-  _require_scale_one(config)
-  return config

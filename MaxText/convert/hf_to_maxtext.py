@@ -28,21 +28,24 @@ import resource
 import sys
 import tempfile
 
-from MaxText import families, models, storage
+from MaxText import families, models, startup, storage
 from MaxText.convert import cli, engine, hf_io, mxfp4, streaming
 from MaxText.errors import UserError, run_cli
 
 PROG = "hf_to_maxtext"
+TOOL = startup.Tool(PROG, reads_run=True, hardware="cpu")  # conversion is host work
 
 
 def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict:
   """Converts and returns a summary (tensor bytes, peak memory) for logs and tests."""
-  overrides = cli.read_overrides(PROG, user_args, {"--hf_path": hf_path, "--output_path": output_path})
-  if storage.exists(output_path):
-    raise UserError(f"{output_path} already exists; choose a new --output_path or remove it first")
-  target = cli.start_backend(overrides)
-  hf_config = hf_io.read_hf_config(hf_path)
-  config, model_keys = cli.config_matching_hf(hf_config, overrides, hf_path, target, PROG)
+  def output_is_new() -> None:
+    if storage.exists(output_path):
+      raise UserError(f"{output_path} already exists; choose a new --output_path or remove it first")
+
+  hf_keys = cli.HfModelKeys(hf_path, PROG)
+  config = startup.start(TOOL, [PROG, *user_args], paths={"--hf_path": hf_path, "--output_path": output_path},
+                         check_paths=output_is_new, model_keys=hf_keys).config
+  hf_config, model_keys = hf_keys.hf_config, hf_keys.model_keys
   cfg = config.model
   family = families.family_for_hf_config(hf_config)
   spec = models.build_model_spec(cfg)

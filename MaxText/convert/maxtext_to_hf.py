@@ -27,13 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from MaxText import families, lora, models, params_io, storage
+from MaxText import families, lora, models, params_io, startup, storage
 from MaxText import config as config_lib
 from MaxText.model_config import ModelConfig
 from MaxText.convert import cli, engine, hf_io, streaming
 from MaxText.errors import ConfigError, UserError, run_cli
 
 PROG = "maxtext_to_hf"
+TOOL = startup.Tool(PROG, reads_run=True, hardware="cpu")  # conversion is host work
 
 
 def _open_checkpoint(checkpoint: str, config: config_lib.Config) -> tuple[streaming.ParamReader, ModelConfig]:
@@ -67,11 +68,12 @@ def _hf_config(config: config_lib.Config, family: families.Family) -> dict[str, 
 
 
 def export(checkpoint: str, output_path: str, user_args: list[str], max_shard_mb: int = 5000) -> list[str]:
-  overrides = cli.read_overrides(PROG, user_args, {"--checkpoint": checkpoint, "--output_path": output_path})
-  if storage.exists(output_path) and (not storage.is_dir(output_path) or storage.listdir(output_path)):
-    raise UserError(f"{output_path} exists and is not empty; choose a new --output_path")
-  target = cli.start_backend(overrides)
-  config = cli.config_for_checkpoint(checkpoint, overrides, target, PROG)
+  def output_is_empty() -> None:
+    if storage.exists(output_path) and (not storage.is_dir(output_path) or storage.listdir(output_path)):
+      raise UserError(f"{output_path} exists and is not empty; choose a new --output_path")
+
+  config = startup.start(TOOL, [PROG, *user_args], paths={"--checkpoint": checkpoint, "--output_path": output_path},
+                         check_paths=output_is_empty, model_keys=cli.CheckpointModelKeys(checkpoint, PROG)).config
   family = families.family_for_decoder_block(config.model.decoder_block)
   hf_config = _hf_config(config, family)
   reader, cfg = _open_checkpoint(checkpoint, config)

@@ -34,7 +34,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import models, params_io, sharding
+from MaxText import model_assembly, sharding, startup
 from MaxText.config import Config
 from MaxText.errors import UserError
 from MaxText.inference import paged_cache, sampling
@@ -105,10 +105,9 @@ class Engine:
     if prefill >= target:
       raise UserError(f"max_prefill_predict_length ({prefill}) must be less than max_target_length ({target}): "
                       "the cache needs room for generated tokens")
-    self.mesh = mesh if mesh is not None else sharding.create_mesh(config.mesh)
-    self.rules = config.mesh.logical_axis_rules
-    self.spec = models.build_model_spec(self.cfg)
-    self.param_shardings = models.shard_params_like(self.spec, self.mesh, self.rules)
+    self.model = model_assembly.build_model(config, mesh=mesh, model=self.cfg)
+    self.mesh, self.rules, self.spec = self.model.mesh, self.model.rules, self.model.spec
+    self.param_shardings = self.model.param_shardings
     self.sampling = sampling.SamplingParams(
         self.decode_cfg.decode_sampling_strategy, self.decode_cfg.decode_sampling_temperature,
         self.decode_cfg.decode_sampling_nucleus_p, self.decode_cfg.decode_sampling_top_k)
@@ -142,9 +141,7 @@ class Engine:
   def load_params(self, path: str | None = None, seed: int = 0) -> Any:
     """Parameters from a checkpoint (params-only, step directory or checkpoints root), sharded for
     this mesh; with no path, freshly initialised ones (for tests and benchmarks)."""
-    if path:
-      return params_io.load_params(path, self.spec.abstract_params, self.param_shardings)
-    return jax.jit(self.spec.init_params, out_shardings=self.param_shardings)(jax.random.key(seed))
+    return self.model.params(path or "", seed)
 
   def init_decode_state(self, seed: int = 0) -> DecodeState:
     """Empty caches for every slot, born sharded (paged: every page free again)."""
@@ -328,6 +325,16 @@ class Request:
   prompt: list[int]
   max_new_tokens: int
   output: list[int] = dataclasses.field(default_factory=list)
+
+
+def load_engine(config: Config, num_slots: int, fresh_note: str, mesh: Mesh | None = None) -> tuple[Engine, Any]:
+  """An engine and its parameters: load_parameters_path's (checked before anything is built),
+  else fresh ones, announced with `fresh_note`."""
+  path = model_assembly.parameters_path(config)
+  engine = Engine(config, num_slots=num_slots, mesh=mesh)
+  if not path:
+    startup.log(fresh_note)
+  return engine, engine.load_params(path)
 
 
 def serve(engine: Engine, params: Any, requests: Sequence[Request], eos_id: int | None = None,

@@ -24,7 +24,7 @@ from pathlib import Path
 if __package__ in (None, ""):
   sys.path[0] = str(Path(__file__).resolve().parent.parent.parent)
 
-from MaxText import storage
+from MaxText import startup, storage
 from MaxText.errors import UserError, run_cli
 
 SPLITS = ("train", "validation")
@@ -83,7 +83,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
   return parser.parse_args(argv[1:])
 
 
+TOOL = startup.Tool("prepare_data", builds_config=False)
+
+
 def main(argv: list[str]) -> int:
+  startup.start(TOOL, argv)
   args = _parse(argv)
   formats = [f.strip() for f in args.formats.split(",") if f.strip()]
   unknown = sorted(set(formats) - set(FORMATS))
