@@ -35,7 +35,7 @@ from MaxText.errors import UserError, run_cli
 PROG = "hf_to_maxtext"
 
 
-def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict:
+def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict[str, float]:
   """Converts and returns a summary (tensor bytes, peak memory) for logs and tests."""
   overrides = cli.read_overrides(PROG, user_args, {"--hf_path": hf_path, "--output_path": output_path})
   if storage.exists(output_path):

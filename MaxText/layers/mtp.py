@@ -60,7 +60,7 @@ def run_layer(module: MtpModule, x_BLD: jax.Array, positions_BL: jax.Array, segm
   load-balancing loss, is left out: the objective is the prediction loss)."""
   graphdef, state = nnx.split(module.layer)
 
-  def apply(state: nnx.State, x: jax.Array) -> jax.Array:
+  def apply(state: nnx.State[str | int, Any], x: jax.Array) -> jax.Array:
     layer = nnx.merge(graphdef, state)
     out, _ = nnx.capture(layer, nnx.Intermediate)(x, positions_BL, segment_ids_BL, rng,
                                                    jnp.asarray(layer_index, jnp.int32))
