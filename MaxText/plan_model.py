@@ -24,6 +24,7 @@ import jax
 from jax.sharding import AbstractMesh
 
 from MaxText import accelerators, metrics, optimizers, remat_policies, sharding
+from MaxText.config_groups import OptimConfig
 from MaxText.mesh_axes import MESH_AXES, REPLICATED_PARAMETER_AXES, MeshAxis
 from MaxText.layers import splash_attention
 from MaxText.model_config import ModelConfig
@@ -94,7 +95,7 @@ class ModelShape:
   layer_params: int  # in one decoder layer (what FSDP gathers per layer)
 
   @classmethod
-  def of(cls, cfg: ModelConfig, optim_cfg: Any) -> "ModelShape":
+  def of(cls, cfg: ModelConfig, optim_cfg: OptimConfig) -> "ModelShape":
     from MaxText import models  # noqa: PLC0415  (flax; only the planner needs it here)
     spec = models.build_model_spec(cfg)
     params, names = spec.abstract_params, spec.logical_names
@@ -121,7 +122,7 @@ def mesh_of(candidate: Mapping[str, Any]) -> dict[str, int]:
   return shape
 
 
-def param_layout(model: ModelShape, mesh_shape: Mapping[str, int], rules: Any) -> tuple[float, float]:
+def param_layout(model: ModelShape, mesh_shape: Mapping[str, int], rules: sharding.Rules) -> tuple[float, float]:
   """(parameter bytes one chip holds, fraction of bytes not split over every non-data axis):
   each leaf split over the mesh axes its logical names map to, as train_state shards it (the
   fraction is what sharding_tolerance bounds; see sharding.unsharded_fraction)."""
@@ -150,7 +151,7 @@ def _widths(cfg: ModelConfig) -> dict[remat_policies.Width, float]:
 
 
 def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelerators.TpuTopology, num_slices: int,
-             seq_len: int, rules: Any, attention_kernel: str) -> Estimate:
+             seq_len: int, rules: sharding.Rules, attention_kernel: str) -> Estimate:
   """The analytical estimate of one candidate (its keys resolved: every degree, batch, policy)."""
   cfg, gen = model.cfg, topology.generation
   links = LINKS.get(gen.name, LINKS["v5e"])
@@ -412,7 +413,7 @@ class Bound:
 
   model: ModelShape
   seq_len: int
-  rules: Any
+  rules: sharding.Rules
   attention_kernel: str
   fixed: Mapping[str, Any]
   global_batch: int | None

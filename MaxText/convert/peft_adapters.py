@@ -13,7 +13,7 @@ refused in one line.
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from MaxText.model_config import ModelConfig
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
-def _index_order(to_hf: Any, cfg: ModelConfig, kernel_shape: tuple[int, ...], num_in: int, side: str) -> np.ndarray:
+def _index_order(to_hf: Callable[[tuple[np.ndarray, ...], ModelConfig], np.ndarray], cfg: ModelConfig, kernel_shape: tuple[int, ...], num_in: int, side: str) -> np.ndarray:
   """For HF's [out, in] weight: which of our flattened input (side "in") or output ("out")
   indices each HF column (or row) holds; raises when the conversion is not a pure move."""
   in_size = int(np.prod(kernel_shape[:num_in]))

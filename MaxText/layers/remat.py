@@ -8,8 +8,9 @@ import jax
 
 from MaxText import remat_policies
 
-# jax's policy, or "none": no jax.checkpoint around the layer at all.
-CheckpointPolicy = Callable[..., bool] | str
+# jax.checkpoint's `policy` (None: its default, save nothing), or "none": no jax.checkpoint
+# around the layer at all.
+CheckpointPolicy = Callable[..., bool] | None | str
 
 
 def checkpoint_policy(name: str) -> CheckpointPolicy:
