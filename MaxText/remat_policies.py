@@ -46,11 +46,12 @@ class RematPolicy:
 _MINIMAL: tuple[Width, ...] = ("qkv", "out", "mlp_in", "mlp_out")
 _ATTENTION: tuple[Width, ...] = ("qkv", "out")
 
+# In the order the planner searches them (it breaks ties between equal estimates by this order).
 REMAT_POLICIES: tuple[RematPolicy, ...] = (
     RematPolicy("full", "nothing", recompute=1 / 3),
-    RematPolicy("minimal", "dots", saved=_MINIMAL, recompute=0.02),
-    RematPolicy("save_dot_except_mlp", "names", ATTENTION_PROJ, saved=_ATTENTION, recompute=0.2),
     RematPolicy("save_qkv_proj", "names", QKV_PROJ, saved=("qkv",), recompute=0.22),
+    RematPolicy("save_dot_except_mlp", "names", ATTENTION_PROJ, saved=_ATTENTION, recompute=0.2),
+    RematPolicy("minimal", "dots", saved=_MINIMAL, recompute=0.02),
     RematPolicy("minimal_offloaded", "dots", offloaded=True, saved=_MINIMAL, recompute=0.02),
     RematPolicy("save_dot_except_mlp_offloaded", "names", ATTENTION_PROJ, offloaded=True, saved=_ATTENTION,
                 recompute=0.2),
