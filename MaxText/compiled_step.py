@@ -23,6 +23,7 @@ from MaxText import storage
 from MaxText.errors import UserError
 
 if TYPE_CHECKING:
+  from MaxText.config import Config
   from MaxText.run_assembly import StepInputs
 
 _MAGIC = b"MAXTEXT-COMPILED-TRAIN-STEP\n"
@@ -44,7 +45,7 @@ def _jsonable(value: Any) -> Any:
   return json.loads(json.dumps(value, default=str))
 
 
-def step_header(config, inputs: StepInputs, topology_name: str) -> dict[str, Any]:
+def step_header(config: Config, inputs: StepInputs, topology_name: str) -> dict[str, Any]:
   """What the compiled step depends on: the config groups the step is built from, the input
   shapes/dtypes/shardings, the devices and the compiler versions."""
   flat = jax.tree_util.tree_flatten_with_path(inputs.as_args())[0]
@@ -108,7 +109,7 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
   return header, len(_MAGIC) + 8 + length
 
 
-def load_compiled_step(path: str, expected_header: dict[str, Any]) -> Callable:
+def load_compiled_step(path: str, expected_header: dict[str, Any]) -> jax.stages.Compiled:
   """The saved executable, after its header is checked against this run (before unpickling)."""
   header, offset = read_header(path)
   if header.get("format") != _FORMAT_VERSION:

@@ -19,24 +19,20 @@ from MaxText.accelerators import DeviceTarget
 from MaxText.config_fields import DATA_POSITION, OPTIMIZER, derived, key, read_keys
 from MaxText.config_fields import require as _require
 from MaxText.errors import ConfigError
+from MaxText.mesh_axes import MESH_AXES, Group, MeshAxis
 from MaxText.model_config import AttentionBlocks, ModelConfig
 from MaxText.model_config import one_of as _one_of, positive as _positive
 
-# Mesh axes, in device-mesh order. The pipeline axis is `stage` (the name logical_axis_rules
-# use, as in MaxText); its degrees are the ici_/dcn_pipeline_parallelism keys.
-MESH_AXES = ("data", "stage", "fsdp", "fsdp_transpose", "sequence", "tensor", "expert", "autoregressive")
-_AXIS_KEY = {"data": "data", "stage": "pipeline", "fsdp": "fsdp", "fsdp_transpose": "fsdp_transpose",
-             "sequence": "sequence", "tensor": "tensor", "expert": "expert", "autoregressive": "autoregressive"}
 DATASET_TYPES = ("synthetic", "tfds", "hf", "grain")
 TOKENIZER_TYPES = ("sentencepiece", "tiktoken", "huggingface")  # input_pipeline/tokenizer.py reads each
 SAMPLING_STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
 KV_CACHE_LAYOUTS = ("dense", "paged")
 
 
-def _fill_auto_axis(degrees: dict[str, int], total: int, group: str) -> dict[str, int]:
+def _fill_auto_axis(degrees: dict[MeshAxis, int], total: int, group: Group) -> dict[MeshAxis, int]:
   """Replaces at most one -1 degree so the group's product equals `total`."""
-  def name_of(axis: str) -> str:
-    return f"{group}_{_AXIS_KEY[axis]}_parallelism"
+  def name_of(axis: MeshAxis) -> str:
+    return axis.key(group)
 
   unit = "devices per slice" if group == "ici" else "slices"
   auto = [axis for axis, d in degrees.items() if d == -1]
@@ -78,9 +74,9 @@ class MeshConfig:
   data_sharding: tuple[str, ...] = key()
   sharding_tolerance: float = key()
 
-  def degrees(self, group: str) -> tuple[tuple[str, int], ...]:
+  def degrees(self, group: Group) -> tuple[tuple[str, int], ...]:
     """(mesh axis, degree) of the `ici` or `dcn` keys, in MESH_AXES order (-1 values resolved)."""
-    return tuple((axis, getattr(self, f"{group}_{_AXIS_KEY[axis]}_parallelism")) for axis in MESH_AXES)
+    return tuple((axis.value, getattr(self, axis.key(group))) for axis in MeshAxis)
 
   @property
   def ici(self) -> tuple[tuple[str, int], ...]:
@@ -102,9 +98,10 @@ class MeshConfig:
     _require(num_slices >= 1 and target.num_devices % num_slices == 0,
              f"num_slices={num_slices} does not divide the {target.num_devices} devices")
     resolved: dict[str, Any] = {"num_slices": num_slices}
+    group: Group
     for group, total in (("ici", target.num_devices // num_slices), ("dcn", num_slices)):
-      degrees = _fill_auto_axis({a: v[f"{group}_{_AXIS_KEY[a]}_parallelism"] for a in MESH_AXES}, total, group)
-      resolved.update({f"{group}_{_AXIS_KEY[a]}_parallelism": d for a, d in degrees.items()})
+      degrees = _fill_auto_axis({a: v[a.key(group)] for a in MeshAxis}, total, group)
+      resolved.update({a.key(group): d for a, d in degrees.items()})
     rules = []
     for rule in v["logical_axis_rules"]:
       _require(isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str),

@@ -23,6 +23,7 @@ import numpy as np
 
 from MaxText import metrics as metrics_lib
 from MaxText import storage
+from MaxText.config_groups import RunConfig
 from MaxText.trainer import StepRecord, Trainer
 from MaxText.train_state import TrainState
 
@@ -264,7 +265,7 @@ class StepWatchdog:
     self._petted.set()
 
 
-def add_health_hooks(trainer: Trainer, settings: Any, writer: metrics_lib.MetricWriter | None,
+def add_health_hooks(trainer: Trainer, settings: RunConfig, writer: metrics_lib.MetricWriter | None,
                      is_primary: bool, num_processes: int, process_started: float, start_step: int) -> None:
   if settings.straggler_report_period > 0 and num_processes > 1:
     trainer.add_hook(StragglerHook(settings.straggler_report_period, settings.straggler_threshold, writer,

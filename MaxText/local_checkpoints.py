@@ -37,7 +37,12 @@ MANIFEST = "manifest.json"
 _MAX_STEPS_COMPARED = 16  # newest local steps each process reports when the processes agree on one
 
 
-def _leaf_name(path: tuple) -> str:
+# A leaf's path in the state tree, as tree_flatten_with_path gives it.
+LeafPath = tuple[jax.tree_util.DictKey | jax.tree_util.SequenceKey | jax.tree_util.GetAttrKey
+                 | jax.tree_util.FlattenedIndexKey, ...]
+
+
+def _leaf_name(path: LeafPath) -> str:
   return jax.tree_util.keystr(path)
 
 
@@ -194,7 +199,7 @@ class LocalTier:
     return jax.tree.unflatten(treedef, arrays), manifest.get("data"), manifest.get("meta") or {}
 
 
-def _normalise(index: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
+def _normalise(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
   """Full slices with explicit bounds, so equal regions compare equal."""
   index = tuple(index) + (slice(None),) * (len(shape) - len(index))
   return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))

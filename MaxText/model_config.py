@@ -13,12 +13,11 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from MaxText.config_fields import ARCHITECTURE, FIXED, LAYOUT, MODEL, DATA_POSITION, derived, key, keys_where, read_keys
 from MaxText.config_fields import require as _require
+from MaxText.remat_policies import NAMES as REMAT_POLICY_NAMES
 
 if TYPE_CHECKING:
   from MaxText.config_groups import MeshConfig
 
-REMAT_POLICIES = ("full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "minimal_offloaded",
-                  "save_dot_except_mlp_offloaded", "none")
 QUANTIZATION_MODES = ("", "int8", "fp8")  # mirrors layers/quantization.py (config must not import layers)
 ATTENTION_KINDS = ("dot_product", "flash", "cudnn_flash", "autoselected")
 CONTEXT_PARALLEL_STRATEGIES = ("all_gather", "ring", "all_to_all")  # layers/context_parallel.py, ring_attention.py
@@ -243,7 +242,7 @@ class ModelConfig:
     num_q, num_kv = v["base_num_query_heads"] * s["heads"], v["base_num_kv_heads"] * s["heads"]
     _require(num_q % num_kv == 0,
              f"num_query_heads ({num_q}) must be a multiple of num_kv_heads ({num_kv}) for grouped-query attention")
-    one_of(v, "remat_policy", REMAT_POLICIES)
+    one_of(v, "remat_policy", REMAT_POLICY_NAMES)
     one_of(v, "attention", ATTENTION_KINDS)
     for name in ("dtype", "weight_dtype"):
       one_of(v, name, DTYPES)

@@ -22,10 +22,9 @@ from MaxText.layers.embeddings import Embed, sinusoidal_positions
 from MaxText.layers.kv_cache import KVCache
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.moe import ROUTING_STATS
-from MaxText.layers import mtp, pipeline, pipeline_1f1b, quantization
+from MaxText.layers import mtp, pipeline, pipeline_1f1b, quantization, remat
 from MaxText.layers.normalizations import make_norm
 
-_DOT_NAMES_EXCEPT_MLP = ("query_proj", "key_proj", "value_proj", "out_proj")
 # What layers sow as nnx.Intermediate, by name: scalar losses (e.g. MoE load balancing), summed
 # over layers, and statistics (moe.ROUTING_STATS), kept per layer (stacked on a leading axis).
 AuxLosses = dict[str, jax.Array]
@@ -56,20 +55,7 @@ def _unrolled_aux(per_layer: list[AuxLosses]) -> AuxLosses:
 
 def remat_policy(name: str) -> Callable[..., bool] | None | str:
   """jax.checkpoint policy for `remat_policy`; "none" means no rematerialisation at all."""
-  policies = jax.checkpoint_policies
-  table: dict[str, Any] = {
-      "full": policies.nothing_saveable,
-      "minimal": policies.checkpoint_dots_with_no_batch_dims,
-      "save_dot_except_mlp": policies.save_only_these_names(*_DOT_NAMES_EXCEPT_MLP),
-      "save_qkv_proj": policies.save_only_these_names("query_proj", "key_proj", "value_proj"),
-      "minimal_offloaded": policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
-      # The attention projections go to host memory instead of staying on the device.
-      "save_dot_except_mlp_offloaded": policies.save_and_offload_only_these_names(
-          names_which_can_be_saved=[], names_which_can_be_offloaded=list(_DOT_NAMES_EXCEPT_MLP),
-          offload_src="device", offload_dst="pinned_host"),
-      "none": "none",
-  }
-  return table[name]
+  return remat.checkpoint_policy(name)
 
 
 class Transformer(nnx.Module):

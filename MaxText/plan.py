@@ -40,6 +40,7 @@ if __package__ in (None, ""):  # `python3 MaxText/plan.py`: import the package, 
 from MaxText import accelerators, compiled_step, config as config_lib, plan_model, plan_progress, startup
 from MaxText.errors import ConfigError, UserError, run_cli
 from MaxText.memory_report import GIB
+from MaxText.mesh_axes import MeshAxis
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE_LIB = REPO / "configs" / "recipe_lib.sh"
@@ -50,10 +51,8 @@ PLAN_ARGS: dict[str, Any] = {"global_batch_tokens": 0, "max_candidates": 4, "bud
 SPLASH_BLOCK_KEYS = ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv", "sa_block_kv_dkv",
                      "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq")
 # Config keys a candidate may set; one the user gives on the command line or in M_* is kept.
-SEARCH_KEYS = ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_fsdp_transpose_parallelism",
-               "ici_sequence_parallelism", "ici_tensor_parallelism", "ici_expert_parallelism",
-               "ici_pipeline_parallelism", "dcn_data_parallelism", "dcn_fsdp_parallelism", "dcn_pipeline_parallelism",
-               "dcn_expert_parallelism", "pipeline_schedule", "num_pipeline_repeats", "num_pipeline_microbatches",
+SEARCH_KEYS = (*(axis.ici_key for axis in plan_model.ICI_AXES), *(axis.dcn_key for axis in plan_model.DCN_AXES),
+               "pipeline_schedule", "num_pipeline_repeats", "num_pipeline_microbatches",
                "remat_policy", "optimizer_memory_host_offload", "per_device_batch_size", "gradient_accumulation_steps")
 # The LIBTPU_INIT_ARGS variable of recipe_lib.sh each generation's recipes use.
 RECIPE_FLAG_VARS = {"v5e": "V5E_LIBTPU_FLAGS", "v5p": "V5P_LIBTPU_FLAGS"}
@@ -318,7 +317,8 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
     raise UserError(f"{config['model_name']} does not fit {num_slices} x {topology.name} at any setting the planner "
                     f"searches: {nowhere}")
   print(f"ranking the search space for {num_slices} x {topology.name} (analytical model) ...", flush=True)
-  ranked = []
+  # (-tokens/s, accumulation steps, bytes per chip, the candidate's keys, its estimate)
+  ranked: list[tuple[float, int, float, dict[str, Any], plan_model.Estimate]] = []
   for settings in plan_model.candidates(model, topology, num_slices, fixed, global_batch, seq_len,
                                           config.mesh.data_sharding):
     estimate = plan_model.estimate(model, settings, topology, num_slices, seq_len, rules, kernel)
@@ -340,12 +340,12 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
   versions, digest = compiled_step.runtime_versions(), _source_digest()
   # The short list takes the best of each kind first (remat policy, offload, tensor and sequence
   # degrees), then the next best: the compiles then test the analytical model where it is weakest.
-  def kind(settings: Mapping[str, Any]) -> tuple:
-    return tuple(settings.get(k) for k in ("remat_policy", "optimizer_memory_host_offload", "ici_tensor_parallelism",
-                                           "ici_sequence_parallelism", "pipeline_schedule"))
-  seen: set[tuple] = set()
-  firsts: list = []
-  rest: list = []
+  def kind(settings: Mapping[str, Any]) -> tuple[Any, ...]:
+    return tuple(settings.get(k) for k in ("remat_policy", "optimizer_memory_host_offload", MeshAxis.TENSOR.ici_key,
+                                           MeshAxis.SEQUENCE.ici_key, "pipeline_schedule"))
+  seen: set[tuple[Any, ...]] = set()
+  firsts: list[tuple[float, int, float, dict[str, Any], plan_model.Estimate]] = []
+  rest: list[tuple[float, int, float, dict[str, Any], plan_model.Estimate]] = []
   for r in ranked:
     (rest if kind(r[3]) in seen else firsts).append(r)
     seen.add(kind(r[3]))

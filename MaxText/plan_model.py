@@ -23,8 +23,9 @@ from typing import Any, Iterator, Mapping, Sequence
 import jax
 from jax.sharding import AbstractMesh
 
-from MaxText import accelerators, metrics, optimizers, sharding
-from MaxText.config_groups import MESH_AXES
+from MaxText import accelerators, metrics, optimizers, remat_policies, sharding
+from MaxText.config_groups import OptimConfig
+from MaxText.mesh_axes import MESH_AXES, REPLICATED_PARAMETER_AXES, MeshAxis
 from MaxText.layers import splash_attention
 from MaxText.model_config import ModelConfig
 
@@ -47,32 +48,19 @@ LINKS: dict[str, Links] = {
     "v6e": Links(ici=448e9, dcn=400e9 / 8 / 4, host=32e9),
 }
 
-# Per token and layer, in multiples of the widths below: what each remat policy keeps for the
-# backward pass (bf16), besides the layer input every policy keeps (the scan carry).
-#   qkv = (N + 2K)·H, out = D (attention output projection), mlp_in = gated·F, mlp_out = D.
-SAVED_PER_POLICY: dict[str, tuple[str, ...]] = {
-    "full": (),
-    "minimal": ("qkv", "out", "mlp_in", "mlp_out"),
-    "save_dot_except_mlp": ("qkv", "out"),
-    "save_qkv_proj": ("qkv",),
-    "minimal_offloaded": (),  # saved on the host instead (transfer time counted)
-    "save_dot_except_mlp_offloaded": (),
-    "none": ("qkv", "out", "mlp_in", "mlp_out", "attn", "norms", "mlp_act"),
-}
-OFFLOADED_POLICIES = {"minimal_offloaded": SAVED_PER_POLICY["minimal"],
-                      "save_dot_except_mlp_offloaded": SAVED_PER_POLICY["save_dot_except_mlp"]}
 # With optimizer_memory_host_offload the update still copies the moments to the device; the
 # share of them live there at once, fitted to compiles of llama2-7b on v5e-4 (getting_started/Planner.md).
 OFFLOADED_OPTIMIZER_ON_DEVICE = 0.7
-SEARCHED_POLICIES = ("full", "save_qkv_proj", "save_dot_except_mlp", "minimal", "minimal_offloaded",
-                     "save_dot_except_mlp_offloaded")
+SEARCHED_POLICIES = tuple(p.name for p in remat_policies.REMAT_POLICIES if p.searched_by_planner)
 
 # Keys a candidate sets; a key the user gives is held fixed instead.
 PIPELINE_KEYS = ("pipeline_schedule", "num_pipeline_repeats", "num_pipeline_microbatches")
 # Pipeline stages within a slice: a few, as ICI is fast enough that they rarely beat FSDP there.
 MAX_ICI_STAGES = 4
-_AXIS_OF_KEY = {"data": "data", "fsdp": "fsdp", "fsdp_transpose": "fsdp_transpose", "sequence": "sequence",
-                "tensor": "tensor", "expert": "expert", "pipeline": "stage"}
+# The mesh axes whose degrees the planner sets, within a slice and across slices (the others stay 1).
+ICI_AXES = (MeshAxis.DATA, MeshAxis.FSDP, MeshAxis.FSDP_TRANSPOSE, MeshAxis.SEQUENCE, MeshAxis.TENSOR,
+            MeshAxis.EXPERT, MeshAxis.STAGE)
+DCN_AXES = (MeshAxis.DATA, MeshAxis.FSDP, MeshAxis.STAGE, MeshAxis.EXPERT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +95,7 @@ class ModelShape:
   layer_params: int  # in one decoder layer (what FSDP gathers per layer)
 
   @classmethod
-  def of(cls, cfg: ModelConfig, optim_cfg: Any) -> "ModelShape":
+  def of(cls, cfg: ModelConfig, optim_cfg: OptimConfig) -> "ModelShape":
     from MaxText import models  # noqa: PLC0415  (flax; only the planner needs it here)
     spec = models.build_model_spec(cfg)
     params, names = spec.abstract_params, spec.logical_names
@@ -128,21 +116,18 @@ def mesh_of(candidate: Mapping[str, Any]) -> dict[str, int]:
   """Total degree per mesh axis (ici × dcn) of a candidate's resolved parallelism keys."""
   shape = {axis: 1 for axis in MESH_AXES}
   for key, value in candidate.items():
-    for group in ("ici", "dcn"):
-      prefix = f"{group}_"
-      if key.startswith(prefix) and key.endswith("_parallelism"):
-        axis = _AXIS_OF_KEY.get(key[len(prefix):-len("_parallelism")])
-        if axis:
-          shape[axis] *= int(value)
+    group_axis = MeshAxis.of_key(key)
+    if group_axis:
+      shape[group_axis[1]] *= int(value)
   return shape
 
 
-def param_layout(model: ModelShape, mesh_shape: Mapping[str, int], rules: Any) -> tuple[float, float]:
+def param_layout(model: ModelShape, mesh_shape: Mapping[str, int], rules: sharding.Rules) -> tuple[float, float]:
   """(parameter bytes one chip holds, fraction of bytes not split over every non-data axis):
   each leaf split over the mesh axes its logical names map to, as train_state shards it (the
   fraction is what sharding_tolerance bounds; see sharding.unsharded_fraction)."""
   mesh = AbstractMesh(tuple(mesh_shape[a] for a in MESH_AXES), MESH_AXES)
-  ignored = ("data", "stage", "autoregressive")
+  ignored = REPLICATED_PARAMETER_AXES
   target = math.prod(size for axis, size in mesh_shape.items() if axis not in ignored)
   per_chip = total = unsharded = 0.0
   for shape, itemsize, names in model.leaves:
@@ -156,7 +141,9 @@ def param_layout(model: ModelShape, mesh_shape: Mapping[str, int], rules: Any) -
   return per_chip, (unsharded / total if total else 0.0)
 
 
-def _widths(cfg: ModelConfig) -> dict[str, float]:
+def _widths(cfg: ModelConfig) -> dict[remat_policies.Width, float]:
+  """Per token and layer, what each width a remat policy keeps (bf16) holds:
+  qkv = (N + 2K)·H, out = D (attention output projection), mlp_in = gated·F, mlp_out = D."""
   heads = (cfg.num_query_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
   mlp = cfg.mlp_dim * (cfg.num_experts_per_tok if cfg.num_experts > 1 else 1)
   return {"qkv": heads, "out": cfg.emb_dim, "mlp_in": mlp * len(cfg.mlp_activations), "mlp_out": cfg.emb_dim,
@@ -164,7 +151,7 @@ def _widths(cfg: ModelConfig) -> dict[str, float]:
 
 
 def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelerators.TpuTopology, num_slices: int,
-             seq_len: int, rules: Any, attention_kernel: str) -> Estimate:
+             seq_len: int, rules: sharding.Rules, attention_kernel: str) -> Estimate:
   """The analytical estimate of one candidate (its keys resolved: every degree, batch, policy)."""
   cfg, gen = model.cfg, topology.generation
   links = LINKS.get(gen.name, LINKS["v5e"])
@@ -172,7 +159,7 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   mesh_shape = mesh_of(candidate)
   pdb = float(candidate["per_device_batch_size"])
   accumulation = int(candidate.get("gradient_accumulation_steps", 1))
-  policy = str(candidate["remat_policy"])
+  policy = remat_policies.by_name(str(candidate["remat_policy"]))
   offload_opt = bool(candidate.get("optimizer_memory_host_offload", False))
   stages = mesh_shape["stage"]
   pipe = pipeline_shape(candidate, stages)
@@ -186,7 +173,7 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   widths = _widths(cfg)
   layers = cfg.num_decoder_layers
   act_bytes = 2  # bf16
-  saved = tokens * act_bytes * layers * (cfg.emb_dim + sum(widths[w] for w in SAVED_PER_POLICY[policy]))
+  saved = tokens * act_bytes * layers * (cfg.emb_dim + sum(widths[w] for w in policy.saved_on_device))
   saved *= pipe.live_share
   # A stage works on one pipeline microbatch at a time: its share of the stage's rows.
   working_tokens = tokens * stages / pipe.microbatches if stages > 1 else tokens
@@ -208,9 +195,7 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   flops = metrics.training_tflops_per_step(cfg, max(1, round(global_batch)), seq_len)
   flops_per_chip = flops.total_tflops * 1e12 / chips
   # Rematerialisation re-runs the forward matmuls it did not save.
-  recompute = {"full": 1 / 3, "save_qkv_proj": 0.22, "save_dot_except_mlp": 0.2, "minimal": 0.02,
-               "minimal_offloaded": 0.02, "save_dot_except_mlp_offloaded": 0.2, "none": 0.0}[policy]
-  compute_s = flops_per_chip * (1 + recompute + pipe.extra_compute) / (gen.peak_tflops * 1e12) / (1 - pipe.bubble)
+  compute_s = flops_per_chip * (1 + policy.recompute + pipe.extra_compute) / (gen.peak_tflops * 1e12) / (1 - pipe.bubble)
 
   # Collectives per chip per step (ring algorithms: (g-1)/g of the buffer crosses the links).
   def ring(nbytes: float, group: int) -> float:
@@ -218,10 +203,10 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
 
   full_params_bytes = model.num_params * 2 / max(1, mesh_shape["tensor"] * mesh_shape["expert"] * mesh_shape["stage"])
   fsdp_group = mesh_shape["fsdp"] * mesh_shape["fsdp_transpose"] * mesh_shape["sequence"]
-  gathers = 3 if policy == "full" else 2
+  gathers = 3 if policy.keeps == "nothing" else 2  # full remat gathers the weights again for the recompute
   ici_fsdp = min(fsdp_group, topology.chips)
   ici_bytes = accumulation * gathers * ring(full_params_bytes, ici_fsdp) + ring(full_params_bytes * 2, ici_fsdp)
-  ici_data = mesh_shape["data"] // max(1, num_slices if candidate.get("dcn_data_parallelism", 1) != 1 else 1)
+  ici_data = mesh_shape["data"] // max(1, num_slices if candidate.get(MeshAxis.DATA.dcn_key, 1) != 1 else 1)
   ici_bytes += 2 * ring(params * 2, ici_data)
   tensor, seq = mesh_shape["tensor"], mesh_shape["sequence"]
   # Tensor and sequence parallelism exchange activations inside each layer, on the critical path.
@@ -229,26 +214,26 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   critical += accumulation * layers * 3 * ring(tokens * seq * 2 * cfg.num_kv_heads * cfg.head_dim * act_bytes, seq)
   # Stage boundaries pass each microbatch's activations forward and their gradients back.
   stage_bytes = 2 * pdb * seq_len * stages * cfg.emb_dim * act_bytes * pipe.repeats if stages > 1 else 0.0
-  dcn_stages = int(candidate.get("dcn_pipeline_parallelism", 1))
+  dcn_stages = int(candidate.get(MeshAxis.STAGE.dcn_key, 1))
   critical += 0.0 if dcn_stages > 1 else stage_bytes
   ici_s = ici_bytes / links.ici
   exposed_s = critical / links.ici
   dcn_bytes = 0.0
   dcn_exposed = stage_bytes if dcn_stages > 1 else 0.0
-  dcn_experts = int(candidate.get("dcn_expert_parallelism", 1))
+  dcn_experts = int(candidate.get(MeshAxis.EXPERT.dcn_key, 1))
   if dcn_experts > 1 and cfg.num_experts > 1:  # dispatch and combine all-to-alls, forward and backward
     moe_layers = layers - cfg.num_dense_layers
     dcn_exposed += 4 * ring(tokens * accumulation * cfg.num_experts_per_tok * cfg.emb_dim * act_bytes,
                             dcn_experts) * moe_layers
   if num_slices > 1:
-    dcn_fsdp = int(candidate.get("dcn_fsdp_parallelism", 1))
-    dcn_bytes += 2 * ring(params * 2, int(candidate.get("dcn_data_parallelism", 1)))  # gradient all-reduce
+    dcn_fsdp = int(candidate.get(MeshAxis.FSDP.dcn_key, 1))
+    dcn_bytes += 2 * ring(params * 2, int(candidate.get(MeshAxis.DATA.dcn_key, 1)))  # gradient all-reduce
     dcn_bytes += accumulation * gathers * ring(full_params_bytes / ici_fsdp, dcn_fsdp)
   dcn_s = dcn_bytes / links.dcn
   exposed_s += dcn_exposed / links.dcn
   host_bytes = 2 * optimizer if offload_opt else 0.0
-  if policy in OFFLOADED_POLICIES:
-    host_bytes += 2 * tokens * accumulation * act_bytes * layers * sum(widths[w] for w in OFFLOADED_POLICIES[policy])
+  if policy.offloaded:
+    host_bytes += 2 * tokens * accumulation * act_bytes * layers * sum(widths[w] for w in policy.saved_on_host)
   host_s = host_bytes / links.host
   # Weight gathers, gradient reductions and DCN overlap with compute; activation exchanges and
   # host transfers (offloaded state and activations) are counted in full.
@@ -343,21 +328,21 @@ def candidates(model: ModelShape, topology: accelerators.TpuTopology, num_slices
   stage_choices = [p for p in powers_of_two(min(per_slice, MAX_ICI_STAGES)) if layers % p == 0] if pipelined else [1]
   tensor_limit = min(per_slice, max(1, cfg.num_query_heads))
   choices: dict[str, list[Any]] = {
-      "ici_tensor_parallelism": [t for t in powers_of_two(tensor_limit) if t <= 16],
-      "ici_sequence_parallelism": [s for s in powers_of_two(per_slice) if s <= 8],
-      "ici_fsdp_transpose_parallelism": [1, 2],
-      "ici_expert_parallelism": [e for e in powers_of_two(per_slice) if e <= max(1, cfg.num_experts)],
-      "ici_data_parallelism": powers_of_two(per_slice),
-      "ici_pipeline_parallelism": stage_choices,
+      MeshAxis.TENSOR.ici_key: [t for t in powers_of_two(tensor_limit) if t <= 16],
+      MeshAxis.SEQUENCE.ici_key: [s for s in powers_of_two(per_slice) if s <= 8],
+      MeshAxis.FSDP_TRANSPOSE.ici_key: [1, 2],
+      MeshAxis.EXPERT.ici_key: [e for e in powers_of_two(per_slice) if e <= max(1, cfg.num_experts)],
+      MeshAxis.DATA.ici_key: powers_of_two(per_slice),
+      MeshAxis.STAGE.ici_key: stage_choices,
       "remat_policy": list(SEARCHED_POLICIES),
       "optimizer_memory_host_offload": [False, True],
       "gradient_accumulation_steps": [1, 2, 4],
   }
   if num_slices > 1:
-    choices["dcn_data_parallelism"] = [d for d in powers_of_two(num_slices) if num_slices % d == 0]
-    choices["dcn_fsdp_parallelism"] = [1, num_slices]
-    choices["dcn_pipeline_parallelism"] = [1, num_slices] if pipelined and layers % num_slices == 0 else [1]
-    choices["dcn_expert_parallelism"] = [1, num_slices] if cfg.num_experts % num_slices == 0 and cfg.num_experts > 1 else [1]
+    choices[MeshAxis.DATA.dcn_key] = [d for d in powers_of_two(num_slices) if num_slices % d == 0]
+    choices[MeshAxis.FSDP.dcn_key] = [1, num_slices]
+    choices[MeshAxis.STAGE.dcn_key] = [1, num_slices] if pipelined and layers % num_slices == 0 else [1]
+    choices[MeshAxis.EXPERT.dcn_key] = [1, num_slices] if cfg.num_experts % num_slices == 0 and cfg.num_experts > 1 else [1]
   if global_batch is not None:
     batches: list[float] = [global_batch / (per_slice * num_slices)]
   else:
@@ -369,25 +354,26 @@ def candidates(model: ModelShape, topology: accelerators.TpuTopology, num_slices
   keys = list(choices)
   for values in itertools.product(*(choices[k] for k in keys)):
     candidate = dict(zip(keys, values))
-    ici = {k: int(candidate[f"ici_{k}_parallelism"]) for k in ("data", "sequence", "tensor", "expert",
-                                                                "fsdp_transpose", "pipeline")}
-    if ici["pipeline"] > 1 and (ici["sequence"] > 1 or ici["fsdp_transpose"] > 1):
+    # ici_fsdp_parallelism fills the slice.
+    ici = {a: int(candidate[a.ici_key]) for a in ICI_AXES if a is not MeshAxis.FSDP}
+    if ici[MeshAxis.STAGE] > 1 and (ici[MeshAxis.SEQUENCE] > 1 or ici[MeshAxis.FSDP_TRANSPOSE] > 1):
       continue  # stages within a slice only beside the common axes: keeps the space small
     rest = math.prod(ici.values())
-    if "ici_fsdp_parallelism" in fixed and int(fixed["ici_fsdp_parallelism"]) != -1:
-      if rest * int(fixed["ici_fsdp_parallelism"]) != per_slice:
+    fsdp_key = MeshAxis.FSDP.ici_key
+    if fsdp_key in fixed and int(fixed[fsdp_key]) != -1:
+      if rest * int(fixed[fsdp_key]) != per_slice:
         continue
-      candidate["ici_fsdp_parallelism"] = int(fixed["ici_fsdp_parallelism"])
+      candidate[fsdp_key] = int(fixed[fsdp_key])
     else:
       if per_slice % rest:
         continue
-      candidate["ici_fsdp_parallelism"] = per_slice // rest
+      candidate[fsdp_key] = per_slice // rest
     if num_slices > 1:
-      dcn = math.prod(int(candidate.get(f"dcn_{a}_parallelism", 1)) for a in ("data", "fsdp", "pipeline", "expert"))
+      dcn = math.prod(int(candidate.get(a.dcn_key, 1)) for a in DCN_AXES)
       if dcn != num_slices:
         continue
     else:
-      candidate["dcn_data_parallelism"] = 1
+      candidate[MeshAxis.DATA.dcn_key] = 1
     stages = mesh_of(candidate)["stage"]
     fixed_pipeline = {k: fixed[k] for k in PIPELINE_KEYS if k in fixed}
     divides = lambda c: not whole_batches or _batch_divides(c, per_slice * num_slices, seq_len, data_sharding)
@@ -427,7 +413,7 @@ class Bound:
 
   model: ModelShape
   seq_len: int
-  rules: Any
+  rules: sharding.Rules
   attention_kernel: str
   fixed: Mapping[str, Any]
   global_batch: int | None
@@ -475,7 +461,7 @@ def where_it_fits(bound: Bound, topology: accelerators.TpuTopology, num_slices: 
   else more slices of its largest, and a generation with more HBM per chip."""
   gen = topology.generation
   # The user's mesh degrees belong to this topology; the other fixed keys (policy, batch) are kept.
-  fixed = {k: v for k, v in bound.fixed.items() if not k.endswith("_parallelism")}
+  fixed = {k: v for k, v in bound.fixed.items() if MeshAxis.of_key(k) is None}
   options = []
   larger = bound.smallest_slice(gen, num_slices, topology.chips, limit_share, fixed)
   if larger:
@@ -524,7 +510,7 @@ def describe(candidate: Mapping[str, Any], shown: Sequence[str] | None = None) -
   """A short label: the non-trivial degrees, then policy, batch, accumulation, offload."""
   parts = []
   for key, value in candidate.items():
-    if key.endswith("_parallelism"):
+    if MeshAxis.of_key(key):
       if int(value) > 1:
         parts.append(f"{key.replace('_parallelism', '')}={value}")
     elif shown is None or key in shown:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import signal
-from typing import Any
+import types
 
 import jax
 from jax.experimental import multihost_utils
@@ -23,7 +23,7 @@ class PreemptionWatcher:
     if not self._multi:
       self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
 
-  def _on_sigterm(self, signum: int, frame: Any) -> None:
+  def _on_sigterm(self, signum: int, frame: types.FrameType | None) -> None:
     self._flag = True
 
   def reached(self, step: int) -> bool:

@@ -17,7 +17,8 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxText import accelerators
-from MaxText.config_groups import MESH_AXES, MeshConfig
+from MaxText.config_groups import MeshConfig
+from MaxText.mesh_axes import MESH_AXES, REPLICATED_PARAMETER_AXES
 from MaxText.errors import ConfigError
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
@@ -114,7 +115,7 @@ def unsharded_fraction(abstract_tree: Any, shardings: Any, mesh: Mesh) -> float:
   replicates parameters by design, so the data axis does not count; nor does the pipeline
   `stage` axis, over which only the layer stack is split and embeddings are replicated by design,
   nor `autoregressive`, which splits only the decode KV cache)."""
-  ignored = ("data", "stage", "autoregressive")
+  ignored = REPLICATED_PARAMETER_AXES
   target = math.prod(size for axis, size in mesh.shape.items() if axis not in ignored)
   total = unsharded = 0
   for x, sharding in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings)):

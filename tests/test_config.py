@@ -60,7 +60,7 @@ def test_types_are_coerced_to_the_default_type():
     (["ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"], {}, "uses only 4 of 8 devices per slice"),
     (["ici_fsdp_parallelism=-1", "ici_tensor_parallelism=-1"], {}, "at most one ici_*_parallelism may be -1"),
     (["model_name=llama9"], {}, "unknown model_name 'llama9'; known models:"),
-    (["remat_policy=some"], {}, "remat_policy must be one of full, minimal"),
+    (["remat_policy=some"], {}, "remat_policy must be one of full, save_qkv_proj"),
     (["global_parameter_scale=3"], {}, "global_parameter_scale must be a power of two"),
     (["base_num_query_heads=3", "base_num_kv_heads=2"], {}, "must be a multiple of num_kv_heads"),
     (["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", "scan_layers=False"], {},

@@ -102,9 +102,9 @@ class StagedParams:
         out.append("/".join(path))
     return out
 
-  def tree(self) -> dict:
+  def tree(self) -> dict[str, Any]:
     """The nested dict of read-only memory maps (what gets saved)."""
-    out: dict = {}
+    out: dict[str, Any] = {}
     for path, leaf in self.leaves.items():
       node = out
       for key in path[:-1]:

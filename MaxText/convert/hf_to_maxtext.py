@@ -36,7 +36,7 @@ PROG = "hf_to_maxtext"
 TOOL = startup.Tool(PROG, reads_run=True, hardware="cpu")  # conversion is host work
 
 
-def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict:
+def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict[str, float]:
   """Converts and returns a summary (tensor bytes, peak memory) for logs and tests."""
   def output_is_new() -> None:
     if storage.exists(output_path):

@@ -13,7 +13,7 @@ refused in one line.
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from MaxText.model_config import ModelConfig
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
-def _index_order(to_hf: Any, cfg: ModelConfig, kernel_shape: tuple[int, ...], num_in: int, side: str) -> np.ndarray:
+def _index_order(to_hf: Callable[[tuple[np.ndarray, ...], ModelConfig], np.ndarray], cfg: ModelConfig, kernel_shape: tuple[int, ...], num_in: int, side: str) -> np.ndarray:
   """For HF's [out, in] weight: which of our flattened input (side "in") or output ("out")
   indices each HF column (or row) holds; raises when the conversion is not a pure move."""
   in_size = int(np.prod(kernel_shape[:num_in]))
@@ -43,7 +43,7 @@ def _index_order(to_hf: Any, cfg: ModelConfig, kernel_shape: tuple[int, ...], nu
   return order.astype(np.int64)
 
 
-def adapter_tensors(params: dict, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+def adapter_tensors(params: dict[str, Any], cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
   """(PEFT tensor name, array) for every adapter in `params` (scanned or unrolled; the adapter
   leaves are enough: lora.split(params)[0])."""
   family = families.family_for_decoder_block(cfg.decoder_block)
@@ -73,7 +73,7 @@ def adapter_tensors(params: dict, cfg: ModelConfig) -> Iterator[tuple[str, np.nd
       yield f"base_model.model.{name}.lora_B.weight", np.ascontiguousarray(b.reshape(rank, -1)[:, out_order].T)
 
 
-def _subtree(params: dict, path: tuple[str, ...]) -> dict | None:
+def _subtree(params: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any] | None:
   node: Any = params
   for key in path:
     if not isinstance(node, dict) or key not in node:
@@ -82,7 +82,7 @@ def _subtree(params: dict, path: tuple[str, ...]) -> dict | None:
   return node if isinstance(node, dict) else None
 
 
-def save(output_path: str, params: dict, cfg: ModelConfig) -> list[str]:
+def save(output_path: str, params: dict[str, Any], cfg: ModelConfig) -> list[str]:
   """Writes the adapters of `params` to `output_path` (a new directory); returns the target names."""
   from safetensors.numpy import save as safetensors_bytes
 

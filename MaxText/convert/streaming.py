@@ -44,7 +44,7 @@ def _release_free_memory() -> None:
     pass
 
 
-class OneByOneNumpyHandler(ocp.type_handlers.NumpyHandler):
+class OneByOneNumpyHandler(ocp.type_handlers.NumpyHandler):  # type: ignore[misc]  # orbax ships no type information
   """Writes host arrays sequentially and without copying them first.
 
   The per-array write is the parent's `_background_serialize` (a protected method of this
@@ -84,8 +84,8 @@ def save_params_one_by_one(path: str, params: Any) -> None:
     checkpointer.close()
 
 
-def _nested(path: ParamPath, leaf: Any) -> dict:
-  out: dict = leaf
+def _nested(path: ParamPath, leaf: Any) -> dict[str, Any]:
+  out: dict[str, Any] = leaf
   for key in reversed(path):
     out = {key: out}
   return out

@@ -23,6 +23,8 @@ from MaxText.errors import ConfigError
 
 
 Array = np.ndarray
+# One HF tensor to ours, or back.
+ConvertOne = Callable[[Array, ModelConfig], Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +49,7 @@ class TensorMap:
   def per_expert(self) -> bool:
     return "{e}" in self.hf
 
-  def pattern(self) -> re.Pattern:
+  def pattern(self) -> re.Pattern[str]:
     escaped = re.escape(self.hf).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)")
     return re.compile(escaped + "$")
 
@@ -82,7 +84,7 @@ def rope_permutation(head_dim: int) -> np.ndarray:
   return np.stack([np.arange(half), np.arange(half) + half], axis=-1).reshape(-1)
 
 
-def heads_in(num_heads: Callable[[ModelConfig], int], rope: bool = False) -> tuple[Callable, Callable]:
+def heads_in(num_heads: Callable[[ModelConfig], int], rope: bool = False) -> tuple[ConvertOne, ConvertOne]:
   """HF [heads*H, D] projection ↔ our [D, heads, H] kernel (q/k permuted when `rope` and
   the model uses interleaved RoPE; v never is)."""
   def to_ours(w: Array, cfg: ModelConfig) -> Array:

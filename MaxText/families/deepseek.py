@@ -104,7 +104,7 @@ def mlp_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
 class _IgnoredPrefix(r.TensorMap):
   """Every HF tensor whose name starts with `hf` is skipped (read, never written)."""
 
-  def pattern(self) -> re.Pattern:
+  def pattern(self) -> re.Pattern[str]:
     return re.compile(re.escape(self.hf) + ".*$")
 
 

@@ -22,7 +22,7 @@ checkpoint without those tensors.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -50,7 +50,7 @@ def _interleave(parts: tuple[np.ndarray, ...], cfg: ModelConfig) -> np.ndarray:
   return np.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], 2 * gate.shape[-1])
 
 
-def _bias_in(num_heads: Any, rope: bool = False) -> tuple[Any, Any]:
+def _bias_in(num_heads: Callable[[ModelConfig], int], rope: bool = False) -> tuple[r.ConvertOne, r.ConvertOne]:
   """HF [heads*H] projection bias ↔ our [heads, H] (q/k permuted like their kernels when
   rope_interleaved)."""
   def to_ours(b: np.ndarray, cfg: ModelConfig) -> np.ndarray:

@@ -18,11 +18,12 @@ and `cached_attention` take either.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, overload
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.typing import DTypeLike
 
 from MaxText import sharding
 from MaxText.layers import attention_kernels, masks, paged_kv
@@ -49,7 +50,7 @@ class KVCache:
   def quantized(self) -> bool:
     return self.key_scale_BSK1 is not None
 
-  def read(self, dtype: Any) -> tuple[jax.Array, jax.Array]:
+  def read(self, dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
     """Keys and values in `dtype`, dequantized if stored as int8."""
     if not self.quantized:
       return self.key_BSKH.astype(dtype), self.value_BSKH.astype(dtype)
@@ -57,7 +58,7 @@ class KVCache:
             (self.value_BSKH * self.value_scale_BSK1).astype(dtype))
 
 
-def empty_cache(batch: int, length: int, num_kv_heads: int, head_dim: int, dtype: Any,
+def empty_cache(batch: int, length: int, num_kv_heads: int, head_dim: int, dtype: DTypeLike,
                 quantized: bool = False) -> KVCache:
   shape = (batch, length, num_kv_heads, head_dim)
   if not quantized:
@@ -87,7 +88,13 @@ def _scatter(buffer_BS: jax.Array, update_BL: jax.Array, positions_BL: jax.Array
   return buffer_BS.at[rows_BL, positions_BL].set(update_BL.astype(buffer_BS.dtype), mode="drop")
 
 
-def write(cache: Any, k_BLKH: jax.Array, v_BLKH: jax.Array, positions_BL: jax.Array) -> Any:
+@overload
+def write(cache: KVCache, k_BLKH: jax.Array, v_BLKH: jax.Array, positions_BL: jax.Array) -> KVCache: ...
+@overload
+def write(cache: paged_kv.PagedKVCache, k_BLKH: jax.Array, v_BLKH: jax.Array,
+          positions_BL: jax.Array) -> paged_kv.PagedKVCache: ...
+def write(cache: KVCache | paged_kv.PagedKVCache, k_BLKH: jax.Array, v_BLKH: jax.Array,
+          positions_BL: jax.Array) -> KVCache | paged_kv.PagedKVCache:
   """The cache (a KVCache or a paged_kv.PagedKVCache) with each new key/value stored at its
   token's absolute position."""
   if isinstance(cache, paged_kv.PagedKVCache):
@@ -105,7 +112,7 @@ def write(cache: Any, k_BLKH: jax.Array, v_BLKH: jax.Array, positions_BL: jax.Ar
   return jax.tree.map(sharding.constrain, new, cache_logical_names(new, stacked=False))
 
 
-def cached_attention(q_BLNH: jax.Array, cache: Any, positions_BL: jax.Array,
+def cached_attention(q_BLNH: jax.Array, cache: KVCache | paged_kv.PagedKVCache, positions_BL: jax.Array,
                      window_size: masks.Window = None, soft_cap: float = 0.0,
                      chunk_size: masks.Window = None, sinks_N: jax.Array | None = None) -> jax.Array:
   """Grouped-query attention of already-scaled queries over the whole cache (masks.cache_mask),

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.remat import CheckpointPolicy
 from MaxText.layers.normalizations import make_norm
 from MaxText.model_config import ModelConfig
 
@@ -55,12 +56,12 @@ class MtpModule(nnx.Module):
 
 
 def run_layer(module: MtpModule, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
-              rng: jax.Array | None, layer_index: int, policy: Any) -> jax.Array:
+              rng: jax.Array | None, layer_index: int, policy: CheckpointPolicy) -> jax.Array:
   """The module's decoder layer, rematerialised like the stack's (what it sows, e.g. the MoE
   load-balancing loss, is left out: the objective is the prediction loss)."""
   graphdef, state = nnx.split(module.layer)
 
-  def apply(state: nnx.State, x: jax.Array) -> jax.Array:
+  def apply(state: nnx.State[str | int, Any], x: jax.Array) -> jax.Array:
     layer = nnx.merge(graphdef, state)
     out, _ = nnx.capture(layer, nnx.Intermediate)(x, positions_BL, segment_ids_BL, rng,
                                                    jnp.asarray(layer_index, jnp.int32))

@@ -29,8 +29,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
+
+if TYPE_CHECKING:
+  import jax
+
+# An iteration or item number: a Python int when the table is built, a traced array in the loop.
+Index = TypeVar("Index", int, "jax.Array")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +83,7 @@ def item_number(micro: int, pass_: int, num_stages: int, num_repeats: int) -> in
   return group * num_stages * num_repeats + pass_ * num_stages + lane
 
 
-def first_pass_micro(t, num_stages: int, num_repeats: int):  # noqa: ANN001 (int or traced array)
+def first_pass_micro(t: Index, num_stages: int, num_repeats: int) -> Index:
   """The microbatch of item t (int or array): stage 0 feeds it from the inputs when its pass is 0."""
   return t // (num_stages * num_repeats) * num_stages + t % num_stages
 

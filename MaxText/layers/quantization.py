@@ -140,13 +140,13 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dims: DotDims) -> jax.Array:
   return _fp8_forward(lhs, rhs, dims)[0]
 
 
-def _fp8_fwd(lhs: jax.Array, rhs: jax.Array, dims: DotDims) -> tuple[jax.Array, tuple]:
+def _fp8_fwd(lhs: jax.Array, rhs: jax.Array, dims: DotDims) -> tuple[jax.Array, tuple[jax.Array, ...]]:
   out, saved = _fp8_forward(lhs, rhs, dims)
   # dtypes travel as zero-size arrays: residuals must be JAX types.
   return out, (*saved, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
 
 
-def _fp8_bwd(dims: DotDims, residuals: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _fp8_bwd(dims: DotDims, residuals: tuple[jax.Array, ...], g: jax.Array) -> tuple[jax.Array, jax.Array]:
   lhs_8, lhs_scale, rhs_8, rhs_scale, lhs_like, rhs_like = residuals
   g_8, g_scale = quantize_fp8(g, jnp.float8_e5m2, _E5M2_MAX)
   compute = lhs_like.dtype

@@ -1,0 +1,31 @@
+"""The jax.checkpoint policy of a `remat_policy` (its record: MaxText/remat_policies.py)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+
+from MaxText import remat_policies
+
+# jax.checkpoint's `policy` (None: its default, save nothing), or "none": no jax.checkpoint
+# around the layer at all.
+CheckpointPolicy = Callable[..., bool] | None | str
+
+
+def checkpoint_policy(name: str) -> CheckpointPolicy:
+  policy = remat_policies.by_name(name)
+  policies = jax.checkpoint_policies
+  if policy.keeps == "everything":
+    return "none"
+  if policy.keeps == "nothing":
+    return policies.nothing_saveable
+  if policy.keeps == "dots":
+    if policy.offloaded:
+      return policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+    return policies.checkpoint_dots_with_no_batch_dims
+  if policy.offloaded:
+    return policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(policy.names),
+        offload_src="device", offload_dst="pinned_host")
+  return policies.save_only_these_names(*policy.names)
