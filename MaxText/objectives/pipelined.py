@@ -4,7 +4,7 @@ on the logits of each microbatch leaving the last stage."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 from flax import nnx
@@ -15,6 +15,8 @@ from MaxText.objectives.base import Batch, Params, Sums
 
 # (float32 logits [m, L, V] of one microbatch, its head inputs) -> (loss sum, sums)
 LogitsLoss = Callable[[jax.Array, Sums], tuple[jax.Array, Sums]]
+# The final norm's and the output module's variables, as the schedule differentiates them.
+HeadState = tuple[nnx.State[Any, Any], nnx.State[Any, Any]]
 
 
 def one_f_one_b_loss(model: ModelSpec, params: Params, batch: Batch, dropout_rng: jax.Array | None,
@@ -32,7 +34,7 @@ def one_f_one_b_loss(model: ModelSpec, params: Params, batch: Batch, dropout_rng
   norm_graphdef, norm_state = nnx.split(norm)
   output_graphdef, output_state = nnx.split(output)
 
-  def head(head_state: tuple[nnx.State, nnx.State], y_mLD: jax.Array, inputs_m: Sums) -> tuple[jax.Array, Sums]:
+  def head(head_state: HeadState, y_mLD: jax.Array, inputs_m: Sums) -> tuple[jax.Array, Sums]:
     with quantization.use_quantization(""):  # as in the full pass: logits stay in float
       logits = output_logits(cfg, nnx.merge(norm_graphdef, head_state[0]), nnx.merge(output_graphdef, head_state[1]),
                              y_mLD)
