@@ -12,8 +12,9 @@ completion only. A sequence's log-probability is the sum of its completion token
 log-ratio; accuracy counts pairs whose chosen reward is strictly higher, as TRL's DPOTrainer logs
 them. A row without completion tokens (eval padding past the end of the data) is not a pair.
 
-The reference is the run's starting weights, held in the train state (`TrainState.reference`)
-and only ever read here, in `reference_logps`.
+The reference is the run's starting model: a copy held in the train state
+(`PreferenceState.reference`) or LoRA's frozen base with the adapters off, as the preference
+objective (objectives/preference.py) passes it; it is only ever evaluated here, in `reference_logps`.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ lora_scale = lora_alpha / lora_rank as PEFT's default (not rsLoRA). They live in
 tree, so checkpoints, resume and shardings treat them like any weight; this module says which
 leaves they are and keeps everything else frozen:
 
-  * the optimizer (`trainable_only`) holds state only for the adapters;
-  * the train step differentiates only the adapters (`split` / `combine`) and puts the base
-    weights back as they were, bitwise;
+  * `AdapterPartition` is the optimizer's partition (optimizers.Updater): the optimizer
+    (`trainable_only`) holds state only for the adapters, the train step differentiates only
+    them (`split` / `combine`) and puts the base weights back as they were, bitwise;
   * `adapters_off` is the base model's function with the same tree (e.g. a DPO reference);
   * `merge` folds the adapters into their base kernels for a plain model (params-only export).
 """
@@ -21,6 +21,9 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 import optax
+
+from MaxText.model_config import ModelConfig
+from MaxText.optimizers import Params, Partition, TrainAll
 
 ADAPTER_KEYS = ("lora_a", "lora_b")
 TRAIN, FROZEN = "lora", "frozen"
@@ -80,6 +83,30 @@ def adapters_off(params: dict) -> dict:
   """The same tree computing the base model: every lora_b zero, so each adapter adds exactly 0."""
   return jax.tree_util.tree_map_with_path(
       lambda path, x: jnp.zeros_like(x) if getattr(path[-1], "key", None) == "lora_b" else x, params)
+
+
+class AdapterPartition:
+  """The adapters train; every other weight is frozen, and with the adapters off gives the
+  starting model (adapters start with lora_b = 0)."""
+
+  trains_everything = False
+
+  def split(self, params: Params) -> tuple[Params, Params]:
+    return split(params)
+
+  def combine(self, trainable: Params, frozen: Params) -> Params:
+    return combine(trainable, frozen)
+
+  def optimizer(self, inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    return trainable_only(inner)
+
+  def base_model(self, params: Params) -> Params:
+    return adapters_off(params)
+
+
+def partition_for(cfg: ModelConfig) -> Partition:
+  """Which parameters train: the adapters with lora_rank > 0, else all of them."""
+  return AdapterPartition() if cfg.lora_rank > 0 else TrainAll()
 
 
 def merge(params: dict, lora_scale: float) -> dict:

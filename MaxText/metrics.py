@@ -114,11 +114,10 @@ def forward_flops_per_sequence(cfg: ModelConfig, length: int, causal: bool = Tru
   return float(weights), float(scores)
 
 
-def training_tflops_per_step(cfg: ModelConfig, global_batch: int, length: int, dpo: bool = False) -> StepFlops:
-  """Forward + backward (3 forward passes' worth) per sequence; a DPO row is two sequences
-  trained (chosen and rejected) and the same two through the reference (forward only): 8."""
+def training_tflops_per_step(cfg: ModelConfig, global_batch: int, length: int, passes: int = 3) -> StepFlops:
+  """`passes` forward passes' worth per batch row: forward + backward is 3 (language modelling);
+  an objective that runs more sequences per row says how many (objectives/base.Objective.passes_per_row)."""
   weights, attention = forward_flops_per_sequence(cfg, length)
-  passes = 2 * 3 + 2 * 1 if dpo else 3
   weight_tflops = passes * global_batch * weights / 1e12
   attention_tflops = passes * global_batch * attention / 1e12
   return StepFlops(weight_tflops, attention_tflops, weight_tflops + attention_tflops)

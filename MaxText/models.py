@@ -8,7 +8,7 @@ train state, optimizer, checkpoints and converters all see ordinary pytrees;
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +21,8 @@ from MaxText.layers.decoders import ACTIVATION_NAMES, decoder_layer_class
 from MaxText.layers.embeddings import Embed, sinusoidal_positions
 from MaxText.layers.kv_cache import KVCache
 from MaxText.layers.linears import DenseGeneral
-from MaxText.layers.moe import ROUTING_STATS
-from MaxText.layers import mtp, pipeline, pipeline_1f1b, quantization, remat
+from MaxText.layers.moe import ROUTING_STATS, update_correction_biases
+from MaxText.layers import mtp, pipeline, quantization, remat
 from MaxText.layers.normalizations import make_norm
 
 # What layers sow as nnx.Intermediate, by name: scalar losses (e.g. MoE load balancing), summed
@@ -225,7 +225,18 @@ class Transformer(nnx.Module):
     aux = _unrolled_aux(per_layer)
     return x_BLD, aux, None if caches is None else new_caches
 
-  def _stage_layers(self) -> tuple[nnx.State, pipeline.LayerFn]:
+  # What a pipeline schedule needs (the 1F1B loss drivers in objectives/pipelined.py): the
+  # embedding, the stage-sharded stack and the modules after it.
+
+  def embed(self, tokens_BL: jax.Array, positions_BL: jax.Array) -> jax.Array:
+    """The stack's input activations [B, L, D]."""
+    return sharding.constrain(self._embed(tokens_BL, positions_BL), ACTIVATION_NAMES)
+
+  def final_modules(self) -> tuple[nnx.Module, Embed | DenseGeneral]:
+    """(final norm, output projection or tied embedding): what `output_logits` applies after the stack."""
+    return self.decoder_norm, self._output_module()
+
+  def stage_layers(self) -> tuple[nnx.State, pipeline.LayerFn]:
     """The stacked layer state and a function applying one layer of it, for the pipelines
     (microbatches bring their own positions and segment ids)."""
     graphdef, stacked_state = nnx.split(getattr(self, "layers"))  # set by _build_stack
@@ -242,41 +253,9 @@ class Transformer(nnx.Module):
                     dropout_rng: jax.Array | None) -> tuple[jax.Array, AuxLosses]:
     """`_run_layers` over pipeline stages (layers/pipeline.py). The 1F1B schedule runs forward-only
     passes (evaluation) this way too: without gradients its order is GPipe's."""
-    stacked_state, apply_layer = self._stage_layers()
+    stacked_state, apply_layer = self.stage_layers()
     return pipeline.run_pipeline(self.cfg, apply_layer, stacked_state, x_BLD, positions_BL, segment_ids_BL,
                                  dropout_rng, remat_policy(self.cfg.remat_policy))
-
-  def pipelined_loss(self, batch: dict[str, jax.Array], dropout_rng: jax.Array | None, z_loss_multiplier: float,
-                     load_balance_loss_weight: float) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(loss, sums) as train_step.loss_sums defines them, with the stack and the head run by the
-    1F1B schedule (layers/pipeline_1f1b.py), which computes the gradients inside its own loop."""
-    cfg = self.cfg
-    x_BLD = sharding.constrain(self._embed(batch["inputs"], batch["inputs_position"]), ACTIVATION_NAMES)
-    target_weights_BL = (batch["targets_segmentation"] != 0).astype(jnp.float32)
-    weight_sum = jnp.sum(target_weights_BL)
-    stacked_state, apply_layer = self._stage_layers()
-    norm_graphdef, norm_state = nnx.split(self.decoder_norm)
-    output_graphdef, output_state = nnx.split(self._output_module())
-
-    def head(head_state: tuple[nnx.State, nnx.State], y_mLD: jax.Array, targets_mL: jax.Array,
-             weights_mL: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-      with quantization.use_quantization(""):  # as in the full pass: logits stay in float
-        logits = output_logits(cfg, nnx.merge(norm_graphdef, head_state[0]),
-                               nnx.merge(output_graphdef, head_state[1]), y_mLD)
-      return token_loss_sums(logits, targets_mL, weights_mL, z_loss_multiplier)
-
-    # d(total)/d(aux summed over layers and microbatches): the load-balancing term enters the
-    # loss as its mean over layers and microbatches, weighted by the batch's target count.
-    lb_scale = weight_sum / (cfg.num_pipeline_microbatches * cfg.num_decoder_layers)
-    data = {"positions": batch["inputs_position"], "segment_ids": batch["inputs_segmentation"],
-            "targets": batch["targets"], "target_weights": target_weights_BL, "dropout_rng": dropout_rng,
-            "aux_cotangents": {"moe_lb_loss": load_balance_loss_weight * lb_scale}}
-    with quantization.use_quantization(cfg.quantization):
-      loss, sums = pipeline_1f1b.pipelined_loss(cfg, apply_layer, head, remat_policy(cfg.remat_policy),
-                                                stacked_state, (norm_state, output_state), x_BLD, data)
-    lb_sum = sums.get("aux_moe_lb_loss", jnp.zeros((), jnp.float32)) * lb_scale
-    return loss, {"xent_sum": sums["xent_sum"], "z_loss_sum": sums["z_loss_sum"], "moe_lb_loss_sum": lb_sum,
-                  "weight_sum": weight_sum}
 
   def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
                dropout_rng: jax.Array | None = None) -> jax.Array:
@@ -394,6 +373,19 @@ class ModelSpec:
       model = Transformer(self.cfg, rngs=nnx.Rngs(params=rng))
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
+  def module(self, params: Any) -> Transformer:
+    """The model with `params` (inside a jitted function: what a loss driver takes apart)."""
+    return nnx.merge(self.graphdef, params)
+
+  def after_update(self, new_params: Any, old_params: Any, sums: Mapping[str, jax.Array], num_micro: int) -> Any:
+    """The optimizer's new parameters with what the model sets itself: each MoE layer's correction
+    bias follows the expert load (`moe_load` summed over `num_micro` micro-batches), not the
+    optimizer; the step's non-finite check comes after, and then keeps the old bias too."""
+    if not self.cfg.moe_score_correction_bias:
+      return new_params
+    load_NE = sums["moe_load"] / num_micro if "moe_load" in sums else None
+    return update_correction_biases(new_params, old_params, load_NE, self.cfg.moe_bias_update_rate)
+
   def apply(self, params: Any, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
             dropout_rng: jax.Array | None = None) -> jax.Array:
     model = nnx.merge(self.graphdef, params)
@@ -406,13 +398,6 @@ class ModelSpec:
     multi-token-prediction sums with `mtp_targets`)."""
     model = nnx.merge(self.graphdef, params)
     return model.logits_and_aux(tokens_BL, positions_BL, segment_ids_BL, dropout_rng, mtp_targets)
-
-  def apply_pipelined_loss(self, params: Any, batch: dict[str, jax.Array], dropout_rng: jax.Array | None,
-                           z_loss_multiplier: float, load_balance_loss_weight: float
-                           ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(loss, sums) under the 1F1B pipeline schedule (see Transformer.pipelined_loss)."""
-    model = nnx.merge(self.graphdef, params)
-    return model.pipelined_loss(batch, dropout_rng, z_loss_multiplier, load_balance_loss_weight)
 
   def apply_decode(self, params: Any, tokens_BL: jax.Array, positions_BL: jax.Array, caches: Any,
                    logits_index_B: jax.Array | None = None) -> tuple[jax.Array, Any]:

@@ -1,10 +1,13 @@
-"""The Optax optimizer and learning-rate schedule built from OptimConfig."""
+"""The Optax optimizer and learning-rate schedule built from OptimConfig, and `Updater`: how the
+train step applies gradients (which parameters train, where the optimizer state lives)."""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
@@ -12,6 +15,9 @@ from MaxText.config_groups import OptimConfig
 from MaxText.errors import ConfigError
 
 HOST_MEMORY_KIND = "pinned_host"
+
+# A nested dict of arrays (or of their shapes or shardings).
+Params = dict[str, Any]
 
 
 def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
@@ -57,3 +63,70 @@ def host_offloaded(opt_shardings: Any, mesh: Mesh) -> Any:
   check_host_memory_kinds(kinds, device.platform)
   return jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY_KIND), opt_shardings,
                       is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+class Partition(Protocol):
+  """Which parameters train: `split` gives (trainable, frozen) nested dicts with the same nesting,
+  `combine` is its inverse. The train step differentiates and updates the trainable part only."""
+
+  # Whether every weight trains (then nothing frozen gives back the starting model).
+  trains_everything: bool
+
+  def split(self, params: Params) -> tuple[Params, Params]: ...
+
+  def combine(self, trainable: Params, frozen: Params) -> Params: ...
+
+  def optimizer(self, inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`inner` restricted to the trainable parameters."""
+    ...
+
+  def base_model(self, params: Params) -> Params:
+    """The starting model's function from the frozen part (e.g. LoRA's adapters off); only
+    meaningful when not trains_everything."""
+    ...
+
+
+class TrainAll:
+  """The identity partition: every parameter trains; split and combine return the tree itself."""
+
+  trains_everything = True
+
+  def split(self, params: Params) -> tuple[Params, Params]:
+    return params, {}
+
+  def combine(self, trainable: Params, frozen: Params) -> Params:
+    return trainable
+
+  def optimizer(self, inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    return inner
+
+  def base_model(self, params: Params) -> Params:
+    raise ValueError("every parameter trains: the frozen part does not give the starting model")
+
+
+@dataclasses.dataclass(frozen=True)
+class Updater:
+  """The optimizer as the step uses it, the same code for every run: the trainable part's
+  gradients in, the whole parameter tree out (frozen leaves back as they were, bitwise)."""
+
+  transform: optax.GradientTransformation  # already restricted by `partition`
+  partition: Partition
+  # Device-memory shardings of the optimizer state when the state keeps it in host memory
+  # (optimizer_memory_host_offload); None when it lives on the device.
+  device_shardings: Any = None
+
+  def fetch(self, opt_state: optax.OptState) -> optax.OptState:
+    """The optimizer state where the update runs: a host-offloaded one is copied to the device
+    (the step's out_shardings store the new one back)."""
+    if self.device_shardings is None:
+      return opt_state
+    return jax.device_put(opt_state, self.device_shardings)
+
+  def apply(self, grads: Params, opt_state: optax.OptState, params: Params) -> tuple[Params, optax.OptState]:
+    """(new parameters, new optimizer state) from the trainable part's gradients."""
+    frozen = self.partition.split(params)[1]
+    # The transform's frozen branch ignores these zeros; the frozen leaves go back as they were.
+    grads = self.partition.combine(grads, jax.tree.map(jnp.zeros_like, frozen))
+    updates, opt_state = self.transform.update(grads, opt_state, params)
+    new_params = self.partition.combine(self.partition.split(optax.apply_updates(params, updates))[0], frozen)
+    return new_params, opt_state

@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from MaxText import compiled_step as compiled_step_file, lora, sharding, train_state, train_step
+from MaxText import compiled_step as compiled_step_file, lora, models, sharding, train_state, train_step
 from MaxText.input_pipeline import create_data_iterator, create_eval_iterator
 from MaxText.input_pipeline.batch_spec import batch_spec
+from MaxText.objectives import Objective, objective_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Run:
   config: Any
   mesh: Mesh
   setup: train_state.StateSetup
+  objective: Objective  # the loss, batch fields, extra state and metrics (objectives/)
   batch_sharding: NamedSharding
   train_step: Callable  # (state, batch, rng[, loss_limit]) -> (new state, metrics); the state is donated
   eval_step: Callable  # (state, batch) -> loss sums
@@ -49,7 +51,7 @@ class Run:
   def lora_description(self) -> str:
     """What trains under LoRA (for the start-up log), "" without it."""
     cfg = self.config.model
-    if cfg.lora_rank <= 0:
+    if self.setup.updater.partition.trains_everything:
       return ""
     adapters = sum(x.size for x in jax.tree.leaves(lora.split(self.setup.abstract_state.params)[0]))
     return (f"lora: {adapters / 1e6:.2f}M adapter parameters train (rank {cfg.lora_rank}, alpha {cfg.lora_alpha:g}, "
@@ -103,10 +105,13 @@ def build_run(config: Any, *, devices: Sequence[Any] | None = None, compiled_ste
   train_compile passes compiled_step=False: there the file is its output, not an input.
   """
   mesh = sharding.create_mesh(config.mesh, devices)
-  setup = train_state.build_state_setup(config, mesh)
+  model = models.build_model_spec(config.model)
+  partition = lora.partition_for(config.model)  # which parameters train: the optimizer's business
+  objective = objective_for(config, model, partition)
+  setup = train_state.build_state_setup(config, mesh, model, partition, objective)
   batch_sharding = sharding.batch_sharding(mesh, config.mesh.data_sharding)
   if compiled_step and config.startup.compiled_trainstep_file:
     step = _load_train_step(config, abstract_inputs(config, setup, batch_sharding))
   else:
-    step = train_step.jit_train_step(setup, config, batch_sharding)
-  return Run(config, mesh, setup, batch_sharding, step, train_step.make_eval_step(setup, config))
+    step = train_step.jit_train_step(setup, objective, config, batch_sharding)
+  return Run(config, mesh, setup, objective, batch_sharding, step, train_step.make_eval_step(setup, objective, config))

@@ -9,11 +9,11 @@ from typing import Any, Callable
 
 import jax
 
-from MaxText import lora, params_io, storage
+from MaxText import params_io, storage
 from MaxText.checkpointing import Restored, RunCheckpoints, first_line, is_step_dir, log
 from MaxText.config_groups import CheckpointConfig
 from MaxText.errors import UserError
-from MaxText.train_state import reference_of, state_from_params
+from MaxText.train_state import state_from_params
 
 
 @dataclasses.dataclass
@@ -25,23 +25,24 @@ class Start:
 
 
 def _state_from_params(setup: Any, params: Any) -> Any:
-  """Step 0 and a fresh optimizer around loaded parameters (fine-tuning); DPO's reference is a
-  copy of them."""
-  with_reference = reference_of(setup.abstract_state) is not None
-  create = lambda p: state_from_params(p, setup.optimizer, with_reference)
+  """Step 0 and a fresh optimizer around loaded parameters (fine-tuning), with the objective's
+  extra state (DPO's reference: a copy of them)."""
+  create = lambda p: state_from_params(p, setup.optimizer, setup.layout)
   return jax.jit(create, out_shardings=setup.state_shardings, donate_argnums=(0,))(params)
 
 
 def _load_params(config: Any, setup: Any, path: str) -> Any:
-  """The parameters of `path`; with LoRA, its base weights and freshly initialised adapters
-  (lora_b zero: the loaded model's function), whether or not the checkpoint holds adapters."""
+  """The parameters of `path`; when the optimizer trains only part of them (LoRA), the frozen
+  part from `path` and the trained part freshly initialised (LoRA's lora_b zero: the loaded
+  model's function), whether or not the checkpoint holds adapters."""
   abstract, shardings = setup.abstract_state.params, setup.state_shardings.params
-  if config.model.lora_rank <= 0:
+  partition = setup.updater.partition
+  if partition.trains_everything:
     return params_io.load_params(path, abstract, shardings)
-  base = params_io.load_params(path, lora.split(abstract)[1], lora.split(shardings)[1])
-  init_adapters = jax.jit(lambda rng: lora.split(setup.model.init_params(rng))[0],
-                          out_shardings=lora.split(shardings)[0])
-  return lora.combine(init_adapters(jax.random.key(config.run.init_weights_seed)), base)
+  base = params_io.load_params(path, partition.split(abstract)[1], partition.split(shardings)[1])
+  init_trained = jax.jit(lambda rng: partition.split(setup.model.init_params(rng))[0],
+                         out_shardings=partition.split(shardings)[0])
+  return partition.combine(init_trained(jax.random.key(config.run.init_weights_seed)), base)
 
 
 def initial_state(config: Any, setup: Any, checkpoints: RunCheckpoints | None, init_fn: Any) -> Start:
@@ -60,9 +61,8 @@ def initial_state(config: Any, setup: Any, checkpoints: RunCheckpoints | None, i
     restored = restore_full_state(cfg.load_full_state_path, abstract, shardings)
     return Start(restored.state, restored.data_state, restored.meta.get("rng_key_data"),
                  f"loaded the full state of step {restored.step} from {cfg.load_full_state_path}")
-  if config.data.use_dpo and not cfg.load_parameters_path:
-    raise UserError("use_dpo=True needs a reference model: set load_parameters_path to the starting weights (a "
-                    "params-only checkpoint or another run's checkpoints); a fresh init has nothing to prefer against")
+  if setup.layout.needs_loaded_params and not cfg.load_parameters_path:
+    raise UserError(setup.layout.needs_loaded_params)
   if cfg.load_parameters_path:
     params = _load_params(config, setup, cfg.load_parameters_path)
     return Start(_state_from_params(setup, params), None, None,

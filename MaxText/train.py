@@ -96,7 +96,7 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None, argv:
     log(run.lora_description())
 
   flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size,
-                                           config.data.max_target_length, dpo=config.data.use_dpo)
+                                           config.data.max_target_length, passes=run.objective.passes_per_row)
   peak, peak_source = accelerators.peak_tflops_per_device(target, config.run.cpu_peak_tflops)
   log(f"per step: {flops.total_tflops:.4f} model TFLOPs ({config.data.global_batch_size} sequences x "
       f"{config.data.max_target_length} tokens); peak {peak:.3f} TFLOP/s/device ({peak_source})")
@@ -154,7 +154,8 @@ def add_hooks(trainer: Trainer, run: run_assembly.Run, checkpoints: checkpointin
     trainer.add_hook(RouterHealthHook(settings.router_collapse_fraction, settings.router_collapse_logs,
                                       model.num_experts_per_tok / model.num_experts), every=settings.log_period)
   if settings.eval_interval > 0:
-    trainer.add_hook(EvalHook(run.eval_step, run.eval_iterator(), config.data.eval_steps, writer, is_primary),
+    trainer.add_hook(EvalHook(run.eval_step, run.eval_iterator(), config.data.eval_steps, writer, is_primary,
+                              run.objective.eval_metrics),
                      every=settings.eval_interval, needs_state=True)
   if checkpoints is not None:
     def before_save() -> None:

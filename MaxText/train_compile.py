@@ -85,8 +85,9 @@ def compile_or_explain(step_fn: Any, inputs: run_assembly.StepInputs, topology: 
 
 
 def report(config: config_lib.Config, topology: accelerators.TpuTopology | None, compiled: Any,
-           report_dir: str | None = None) -> MemoryReport:
-  """Prints memory per device, FLOPs and the compiler's step-time estimate."""
+           report_dir: str | None = None, passes_per_row: int = 3) -> MemoryReport:
+  """Prints memory per device, FLOPs (`passes_per_row`: the objective's, see metrics.training_tflops_per_step)
+  and the compiler's step-time estimate."""
   memory = MemoryReport.from_compiled(compiled, read_buffer_assignment(report_dir))
   print("memory per device (XLA memory analysis of the compiled step):")
   print("\n".join(memory.lines()))
@@ -94,7 +95,7 @@ def report(config: config_lib.Config, topology: accelerators.TpuTopology | None,
     gen = topology.generation
     print(f"  HBM per {gen.name} chip {gen.hbm_gib:g} GiB: {memory.total / (gen.hbm_gib * GIB):.1%} used")
   flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size,
-                                           config.data.max_target_length, dpo=config.data.use_dpo)
+                                           config.data.max_target_length, passes=passes_per_row)
   num_devices = config.target.num_devices
   print(f"model FLOPs per step: {flops.total_tflops:,.4g} TFLOP ({flops.total_tflops / num_devices:,.4g} per device; "
         f"{config.data.global_batch_size} sequences x {config.data.max_target_length} tokens)")
@@ -153,7 +154,7 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
   options = buffer_assignment_dump_options(report_dir) if report_dir and topology else None
   compiled = compile_or_explain(run.train_step, inputs, topology, options)
   print(f"compiled in {time.perf_counter() - start:.1f} s")
-  memory = report(config, topology, compiled, report_dir)
+  memory = report(config, topology, compiled, report_dir, run.objective.passes_per_row)
   if topology is not None:
     gen = topology.generation
     if memory.total > gen.hbm_gib * GIB:

@@ -7,7 +7,7 @@ same state with the same shardings.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +15,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
-from MaxText import lora, models, optimizers, sharding
+from MaxText import models, optimizers, sharding
 
 
 @struct.dataclass
@@ -27,8 +27,8 @@ class TrainState:
 
 @struct.dataclass
 class PreferenceState(TrainState):
-  """The train state of a DPO run (use_dpo): also the frozen reference, the run's starting weights
-  sharded like `params`. The step only reads it (no gradient, no optimizer state); it lives in the
+  """The train state of a DPO run (objectives/preference.py): also the frozen reference, the run's
+  starting weights sharded like `params`. The step only reads it (no gradient, no optimizer state); it lives in the
   state so it is born sharded, counted by AOT memory reports and saved with the run, which then
   resumes against the same reference. A class of its own keeps every other run's checkpoints
   exactly as they were."""
@@ -36,45 +36,53 @@ class PreferenceState(TrainState):
   reference: Any = None
 
 
+T = TypeVar("T")
+
+
+class StateLayout(Protocol):
+  """What the objective (objectives/base.Objective) decides about the state: its class, the
+  fields beyond step/params/opt_state, and whether a fresh initialisation can start it."""
+
+  state_class: type[TrainState]
+  needs_loaded_params: str  # why a fresh init cannot start the run; "" when it can
+
+  def extra_state(self, params: T, copy: Callable[[T], T]) -> dict[str, T]: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class StateSetup:
   """Everything needed to create, shard and step the train state for one config and mesh."""
 
   model: models.ModelSpec
-  optimizer: optax.GradientTransformation
+  optimizer: optax.GradientTransformation  # already restricted to the trainable parameters
   mesh: Mesh
   abstract_state: TrainState
   state_shardings: TrainState
   param_unsharded_fraction: float
-  # Device-memory shardings of the optimizer state when state_shardings keeps it on the host
-  # (optimizer_memory_host_offload); None when it already lives on the device.
-  opt_device_shardings: Any = None
+  updater: optimizers.Updater  # how the step applies gradients (partition, host-offloaded state)
+  layout: StateLayout
 
 
 def _create_state(model: models.ModelSpec, optimizer: optax.GradientTransformation, rng: jax.Array,
-                  with_reference: bool = False) -> TrainState:
+                  layout: StateLayout) -> TrainState:
   params = model.init_params(rng)
-  return state_from_params(params, optimizer, with_reference)
+  return state_from_params(params, optimizer, layout)
 
 
-def state_from_params(params: Any, optimizer: optax.GradientTransformation, with_reference: bool) -> TrainState:
-  """Step 0 and a fresh optimizer around `params`; with a reference, a copy of them (DPO)."""
+def state_from_params(params: Any, optimizer: optax.GradientTransformation, layout: StateLayout) -> TrainState:
+  """Step 0 and a fresh optimizer around `params`, with the layout's extra fields (e.g. DPO's
+  reference, a copy of them)."""
   step, opt_state = jnp.zeros((), jnp.int32), optimizer.init(params)
-  if with_reference:
-    return PreferenceState(step=step, params=params, opt_state=opt_state, reference=jax.tree.map(jnp.copy, params))
-  return TrainState(step=step, params=params, opt_state=opt_state)
+  extra = layout.extra_state(params, lambda p: jax.tree.map(jnp.copy, p))
+  return layout.state_class(step=step, params=params, opt_state=opt_state, **extra)
 
 
-def build_state_setup(config, mesh: Mesh) -> StateSetup:
-  """Abstract state and its shardings; fails when too many parameter bytes stay unsharded."""
-  model = models.build_model_spec(config.model)
-  optimizer = optimizers.create_optimizer(config.optim)
-  if config.model.lora_rank > 0:  # only the adapters train: no optimizer state for the base weights
-    optimizer = lora.trainable_only(optimizer)
-  # DPO keeps a copy of the starting weights, except with LoRA: its frozen base with the adapters
-  # off is the starting model already (train_step.dpo_reference).
-  with_reference = config.data.use_dpo and config.model.lora_rank == 0
-  abstract_state = jax.eval_shape(lambda: _create_state(model, optimizer, jax.random.key(0), with_reference))
+def build_state_setup(config: Any, mesh: Mesh, model: models.ModelSpec, partition: optimizers.Partition,
+                      layout: StateLayout) -> StateSetup:
+  """Abstract state and its shardings; fails when too many parameter bytes stay unsharded.
+  `partition`: which parameters train (the optimizer keeps no state for the others)."""
+  optimizer = partition.optimizer(optimizers.create_optimizer(config.optim))
+  abstract_state = jax.eval_shape(lambda: _create_state(model, optimizer, jax.random.key(0), layout))
   rules = config.mesh.logical_axis_rules
   param_shardings = models.shard_params_like(model, mesh, rules)
   fraction = sharding.check_sharding_tolerance(
@@ -89,11 +97,10 @@ def build_state_setup(config, mesh: Mesh) -> StateSetup:
   if config.optim.optimizer_memory_host_offload:
     opt_device_shardings, opt_shardings = opt_shardings, optimizers.host_offloaded(opt_shardings, mesh)
   # The same dataclass holding shardings in place of arrays, as jit's in/out_shardings expect.
-  state_class = PreferenceState if with_reference else TrainState
-  extra = {"reference": param_shardings} if with_reference else {}
-  state_shardings = state_class(step=replicated, params=param_shardings,  # type: ignore[arg-type]
-                                opt_state=opt_shardings, **extra)
-  return StateSetup(model, optimizer, mesh, abstract_state, state_shardings, fraction, opt_device_shardings)
+  state_shardings = layout.state_class(step=replicated, params=param_shardings,  # type: ignore[arg-type]
+                                       opt_state=opt_shardings, **layout.extra_state(param_shardings, lambda s: s))
+  updater = optimizers.Updater(optimizer, partition, opt_device_shardings)
+  return StateSetup(model, optimizer, mesh, abstract_state, state_shardings, fraction, updater, layout)
 
 
 def reference_of(state: TrainState) -> Any:
@@ -104,7 +111,7 @@ def reference_of(state: TrainState) -> Any:
 def init_state(setup: StateSetup, seed: int) -> TrainState:
   """Initialises parameters and optimizer state directly into their shardings
   (no device ever holds the whole model)."""
-  create = jax.jit(lambda rng: _create_state(setup.model, setup.optimizer, rng),
+  create = jax.jit(lambda rng: _create_state(setup.model, setup.optimizer, rng, setup.layout),
                    out_shardings=setup.state_shardings)
   return create(jax.random.key(seed))
 

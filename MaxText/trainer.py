@@ -13,13 +13,13 @@ import math
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import jax
 import numpy as np
 
 from MaxText import metrics as metrics_lib
-from MaxText import dpo, storage, storage_retry
+from MaxText import storage, storage_retry
 from MaxText.errors import TrainingError
 from MaxText.train_state import TrainState
 
@@ -311,14 +311,16 @@ class RouterHealthHook:
 
 
 class EvalHook:
-  """Mean loss and perplexity over `eval_steps` eval batches at each due step (needs the state);
-  with DPO, the mean loss and rewards per preference pair."""
+  """The objective's eval metrics (e.g. mean loss and perplexity; DPO's loss and rewards per
+  preference pair) over `eval_steps` eval batches at each due step (needs the state)."""
 
   def __init__(self, eval_step: Callable[..., Any], eval_data: Any, eval_steps: int,
-               writer: metrics_lib.MetricWriter | None, is_primary: bool):
-    """`eval_data` has `reset()`, so every evaluation sees the same batches."""
+               writer: metrics_lib.MetricWriter | None, is_primary: bool,
+               summarise: Callable[[Mapping[str, float]], tuple[dict[str, float], str]]):
+    """`eval_data` has `reset()`, so every evaluation sees the same batches; `summarise`: the
+    objective's eval_metrics, from the summed scalars to (scalars, the log line's text)."""
     self.eval_step, self.eval_data, self.eval_steps = eval_step, eval_data, eval_steps
-    self.writer, self.is_primary = writer, is_primary
+    self.writer, self.is_primary, self.summarise = writer, is_primary, summarise
 
   def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
     assert state is not None, "add EvalHook with needs_state=True"
@@ -329,14 +331,7 @@ class EvalHook:
       for name, value in sums.items():
         if np.ndim(value) == 0:
           totals[name] = totals.get(name, 0.0) + float(value)
-    if "pair_count" in totals:
-      scalars = dpo.dpo_metrics(totals, prefix="eval_")
-      line = (f"loss {scalars['eval_loss']:8.4f} | reward accuracy {scalars['eval_rewards/accuracies']:.3f} | "
-              f"reward margin {scalars['eval_rewards/margins']:.4f}")
-    else:
-      loss = totals["xent_sum"] / max(totals["weight_sum"], 1.0)
-      scalars = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
-      line = f"loss {loss:8.4f} | perplexity {scalars['eval_perplexity']:.3f}"
+    scalars, line = self.summarise(totals)
     if self.is_primary:
       print(f"eval   {record.step:>6d} | {line}", flush=True)
       if self.writer is not None:

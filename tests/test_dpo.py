@@ -381,10 +381,11 @@ def test_the_declared_dpo_batch_lowers_sharded_over_two_devices(tiny_overrides):
 
 def test_a_dpo_step_counts_two_trained_sequences_and_two_reference_passes_per_row(tiny_overrides):
   from MaxText import metrics
+  from MaxText.objectives import Preference
 
   config = Config.for_testing(**tiny_overrides)
   plain = metrics.training_tflops_per_step(config.model, 8, 32)
-  preference_step = metrics.training_tflops_per_step(config.model, 8, 32, dpo=True)
+  preference_step = metrics.training_tflops_per_step(config.model, 8, 32, passes=Preference.passes_per_row)
   assert preference_step.total_tflops == pytest.approx(plain.total_tflops * 8 / 3)
 
 

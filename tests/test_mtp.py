@@ -139,7 +139,7 @@ def test_the_flops_formula_counts_the_mtp_modules():
   """XLA's count of one forward loss pass with an MTP module, minus without, against the formula's
   difference (float32, unrolled: XLA counts a scan body once)."""
   from MaxText import metrics
-  from MaxText.train_step import loss_sums
+  from MaxText.objectives.language_model import LanguageModel
 
   shape = dict(base_emb_dim=256, base_num_query_heads=4, base_num_kv_heads=2, head_dim=64, base_mlp_dim=1024,
                base_num_decoder_layers=2, vocab_size=512, max_target_length=128, scan_layers=False,
@@ -151,7 +151,7 @@ def test_the_flops_formula_counts_the_mtp_modules():
     tokens = jax.ShapeDtypeStruct((2, 128), jnp.int32)
     batch = {name: tokens for name in ("inputs", "inputs_position", "inputs_segmentation", "targets",
                                        "targets_segmentation")}
-    lowered = jax.jit(sharding.unsharded()(lambda p, b: loss_sums(spec, p, b, None, 0.0, for_gradients=True)[0]))
+    lowered = jax.jit(sharding.unsharded()(lambda p, b: LanguageModel(spec, 0.0).loss_sums(p, None, b, None)[0]))
     cost = lowered.lower(spec.abstract_params, batch).compile().cost_analysis()
     counted[depth] = ((cost[0] if isinstance(cost, list) else cost)["flops"],
                       2 * sum(metrics.forward_flops_per_sequence(config.model, 128)))

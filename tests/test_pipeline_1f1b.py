@@ -54,7 +54,7 @@ def _compiled_temp_bytes(config: Config) -> int:
 
   def grads(params, b):
     with sharding.activation_sharding(run.mesh, config.mesh.logical_axis_rules):
-      return train_step._grads_and_sums(run.setup, config, params, None, b, None)  # no DPO reference
+      return train_step._grads_and_sums(run.setup, run.objective, config, params, None, b, None)
 
   params = run.abstract_inputs().state.params
   return jax.jit(grads).lower(params, batch).compile().memory_analysis().temp_size_in_bytes

@@ -44,7 +44,7 @@ def _grads_and_step(config: Config, params, batch: dict):
 
   def grads_fn(p, b):
     with sharding.activation_sharding(run.mesh, config.mesh.logical_axis_rules):
-      return train_step._grads_and_sums(setup, config, p, None, b, None)  # no DPO reference
+      return train_step._grads_and_sums(setup, run.objective, config, p, None, b, None)
 
   grads, sums = jax.jit(grads_fn)(params, batch)
   # Per-token gradients, as the optimizer sees them (the raw sums grow with the token count).

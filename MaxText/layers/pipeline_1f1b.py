@@ -18,8 +18,9 @@ backward at each iteration, and which ring slot holds its input). At iteration t
 1. forward: activations shift one stage up (`jnp.roll`, a collective permute); stage 0 takes
    a new microbatch, or the one that just left the last stage for its next pass; each stage
    runs its item and stores its input in its ring slot;
-2. head: when a microbatch's last pass leaves the last stage, the final norm, logits and loss
-   run at once, giving the loss and d(loss)/d(stage output) (and the head's own gradients);
+2. head: when a microbatch's last pass leaves the last stage, the caller's head (e.g. final norm,
+   logits and the objective's loss) runs at once, giving the loss and d(loss)/d(stage output)
+   (and the head's own gradients);
 3. backward: gradients shift one stage down (stage 0's wrap to the last stage for the previous
    pass); each stage re-runs its forward on the stored input under `jax.vjp` and applies the
    incoming gradient, adding to its weight gradients; stage 0's input gradient of the first
@@ -45,10 +46,11 @@ from MaxText.layers import pipeline_timetable
 from MaxText.layers.pipeline import LayerFn, Policy, _merge_micro, _split_micro
 from MaxText.layers.pipeline import first_layer, layer_group_fn, stage_weights
 
-# (head state, y_mLD, targets_mL, target_weights_mL) -> (loss sum, {"xent_sum", "z_loss_sum"}): the loss
-# sum is what gets differentiated (cross-entropy plus the z-loss term), the dict holds metrics.
-HeadFn = Callable[[Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
 Sums = dict[str, jax.Array]
+# (head state, y_mLD, the microbatch's head inputs) -> (loss sum, sums): the loss sum is what gets
+# differentiated, the sums are metrics (scalars that add up over microbatches). The head inputs
+# are whatever the caller passes in data["head_inputs"] ([B, ...] each), split like the batch.
+HeadFn = Callable[[Any, jax.Array, Sums], tuple[jax.Array, Sums]]
 
 _STAGE_NAMES = ("layers", "activation_batch", "activation_length", "activation_embed")
 _RING_NAMES = ("layers", None, "activation_batch", "activation_length", "activation_embed")
@@ -91,7 +93,7 @@ def _loop(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, 
   split = functools.partial(_split_micro, num_micro=num_micro)
   inputs_MmLD = sharding.constrain(split(x_BLD), (None,) + _STAGE_NAMES[1:])
   positions_MmL, segment_ids_MmL = split(data["positions"]), split(data["segment_ids"])
-  targets_MmL, target_weights_MmL = split(data["targets"]), split(data["target_weights"])
+  head_inputs_M = jax.tree.map(split, data["head_inputs"])
   aux_cotangents: dict[str, jax.Array] = data["aux_cotangents"]
   weights_PRJ = stage_weights(stacked_state, cfg)
   stages_P = jnp.arange(num_stages)
@@ -140,8 +142,8 @@ def _loop(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, 
 
   def head_loss(head_state_: Any, y_mLD: jax.Array, micro: jax.Array) -> tuple[Any, Sums, jax.Array]:
     """Loss of the microbatch that just left the last stage, and d(loss)/d(head, its activations)."""
-    loss, vjp, sums = jax.vjp(lambda hs, y: head_fn(hs, y, targets_MmL[micro], target_weights_MmL[micro]),
-                              head_state_, y_mLD, has_aux=True)
+    inputs_m = jax.tree.map(lambda x: x[micro], head_inputs_M)
+    loss, vjp, sums = jax.vjp(lambda hs, y: head_fn(hs, y, inputs_m), head_state_, y_mLD, has_aux=True)
     dhead, dy_mLD = vjp(jnp.ones_like(loss))
     return dhead, {**sums, "loss": loss}, dy_mLD
 
@@ -190,10 +192,12 @@ def _loop(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, 
   aux_names = jax.eval_shape(lambda: run(_pass_weights(jax.tree.map(lambda w: w[0], weights_PRJ), jnp.int32(0)),
                                          inputs_MmLD[0], positions_MmL[0], segment_ids_MmL[0], jnp.int32(0),
                                          jnp.int32(0), jnp.int32(0)))[1]
+  head_sums = jax.eval_shape(lambda: head_fn(head_state, stage_buffer[0], jax.tree.map(lambda x: x[0], head_inputs_M)))[1]
   carry = {"fwd": stage_buffer, "bwd": stage_buffer, "ring": sharding.constrain(ring, _RING_NAMES),
            "dinputs": jnp.zeros_like(inputs_MmLD), "dweights": _zeros_like(weights_PRJ),
            "dhead": _zeros_like(head_state),
-           "sums": {"loss": zero, "xent_sum": zero, "z_loss_sum": zero}, "aux": {name: zero for name in aux_names}}
+           "sums": {"loss": zero, **{name: jnp.zeros(v.shape, v.dtype) for name, v in head_sums.items()}},
+           "aux": {name: zero for name in aux_names}}
   rows = {"iteration": jnp.arange(table.num_iterations), **{k: jnp.asarray(v) for k, v in table.rows().items()}}
   phases = ((warmup, 0, table.warmup_end), (steady, table.warmup_end, table.steady_end),
             (drain, table.steady_end, table.num_iterations))
@@ -214,9 +218,9 @@ def pipelined_loss(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy:
   """(differentiable scalar loss, sums) of the stack + head under the 1F1B schedule.
 
   The loss is the sum of `head_fn`'s losses plus Σ_name aux_cotangents[name] · (the aux `name`
-  summed over layers and microbatches). Only the loss is differentiable: the sums ("loss",
-  "xent_sum", "z_loss_sum", "aux_<name>") are metrics. `data`: positions, segment_ids,
-  targets, target_weights ([B, L] each), dropout_rng (or None), aux_cotangents (name -> scalar).
+  summed over layers and microbatches). Only the loss is differentiable: the sums ("loss", the
+  head's own, "aux_<name>") are metrics. `data`: positions, segment_ids ([B, L] each),
+  head_inputs (name -> [B, ...]), dropout_rng (or None), aux_cotangents (name -> scalar).
   """
   return _loss_and_grads(cfg, layer_fn, head_fn, policy, stacked_state, head_state, x_BLD, data)[0]
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import metrics, models, sharding, train_state, train_step
+from MaxText import metrics, models, sharding, train_state
+from MaxText.objectives.language_model import LanguageModel
 from MaxText.config import Config
 from MaxText.errors import ConfigError
 from MaxText.layers import moe
@@ -240,7 +241,7 @@ def test_layer_sows_its_loss_and_models_average_it():
   # The train step's objective adds weight x (mean over layers) x target count.
   batch = dict(inputs=tokens, inputs_position=positions, inputs_segmentation=segments, targets=tokens,
                targets_segmentation=segments)
-  objective = jax.jit(sharding.unsharded()(lambda p, weight: train_step.loss_sums(spec, p, batch, None, 0.0, weight)))
+  objective = jax.jit(sharding.unsharded()(lambda p, weight: LanguageModel(spec, 0.0, weight).loss_sums(p, None, batch, None)))
   (plain, sums), (weighted, _) = objective(params, 0.0), objective(params, 0.5)
   np.testing.assert_allclose(float(sums["moe_lb_loss_sum"]), float(aux["moe_lb_loss"]) * tokens.size, rtol=1e-5)
   np.testing.assert_allclose(float(weighted - plain), 0.5 * float(sums["moe_lb_loss_sum"]), rtol=1e-4)

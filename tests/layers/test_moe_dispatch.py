@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from MaxText import metrics as metrics_lib
-from MaxText import sharding, train_compile, train_step
+from MaxText import sharding, train_compile
+from MaxText.objectives.language_model import routing_metrics
 from MaxText.config import BASE_CONFIG_PATH
 from MaxText.errors import ConfigError
 from MaxText.layers import grouped_matmul, moe, moe_dispatch
@@ -233,7 +234,7 @@ def _health_metrics(experts_BLk: np.ndarray) -> dict[str, float]:
   probs_BLE = jax.nn.one_hot(experts_BLk[..., 0], E) * 0.5 + 0.5 / E
   stats = moe.routing_health(probs_BLE, moe.routed_fraction(jnp.asarray(experts_BLk), E), jnp.zeros(()))
   sums = {name: value[None] for name, value in stats.items()}  # one layer
-  return metrics_lib.host_scalars(train_step.routing_metrics(sums, num_micro=1))
+  return metrics_lib.host_scalars(routing_metrics(sums, num_micro=1))
 
 
 def test_even_router_has_zero_load_cv_and_a_collapsed_one_is_reported(capsys):

@@ -1,0 +1,34 @@
+"""Training objectives, chosen once per run (`objective_for`, called by run_assembly.build_run).
+
+An objective owns its loss, the batch fields it reads, the state it keeps beside the parameters
+and its train and eval metrics (base.Objective); the train step, the eval step, the eval hook,
+the state layout and the FLOPs count ask it instead of branching on the kind of run.
+
+  * `language_model.LanguageModel`: pre-training and SFT (next-token loss, z-loss, MoE
+    load balancing, multi-token prediction; under the 1F1B schedule through `pipelined.py`);
+  * `preference.Preference`: DPO against a frozen reference (use_dpo).
+
+A new objective: a module here with an `Objective` subclass, and its line in `objective_for`
+(its batch fields also go in input_pipeline/batch_spec.py, its records' encoding in input_pipeline/).
+"""
+
+from __future__ import annotations
+
+from MaxText.config import Config
+from MaxText.models import ModelSpec
+from MaxText.objectives.base import Objective
+from MaxText.objectives.language_model import LanguageModel
+from MaxText.objectives.preference import Preference
+from MaxText.optimizers import Partition
+
+
+def objective_for(config: Config, model: ModelSpec, partition: Partition) -> Objective:
+  """The objective `config` trains `model` with; `partition`: which parameters the optimizer trains."""
+  optim = config.optim
+  if config.data.use_dpo:
+    return Preference(model, partition, optim.dpo_beta, optim.dpo_label_smoothing)
+  return LanguageModel(model, optim.z_loss_multiplier, config.model.load_balance_loss_weight,
+                       optim.gradient_accumulation_steps)
+
+
+__all__ = ["LanguageModel", "Objective", "Preference", "objective_for"]

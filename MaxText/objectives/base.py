@@ -1,0 +1,69 @@
+"""The interface every training objective implements (see objectives/__init__.py)."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, Mapping, TypeVar
+
+import jax
+
+from MaxText.train_state import TrainState
+
+Params = dict[str, Any]  # nested dict of arrays
+Batch = dict[str, jax.Array]
+Sums = dict[str, jax.Array]
+Metrics = dict[str, jax.Array]
+T = TypeVar("T")
+
+
+class Objective(abc.ABC):
+  """What a run minimises and reports: its loss, the batch fields it reads, the state it keeps
+  beside the parameters and its metrics. The train step (train_step.py) is the same for every
+  objective: loss and gradients of `loss_sums` (summed over micro-batches), divided by `divisor`,
+  the optimizer's update, then `train_metrics`; the eval step sums `eval_sums` over batches and
+  the eval hook reports `eval_metrics`.
+
+  Sums add up over micro-batches and eval batches, so accumulation and evaluation need no
+  per-objective code; every objective's sums hold `weight_sum`, the tokens trained on (the step
+  reports it as `num_tokens`, which throughput counts)."""
+
+  # The batch fields the loss reads, exactly those input_pipeline/batch_spec.py declares for it.
+  batch_fields: tuple[str, ...]
+  # Model passes per batch row, a forward pass counting 1 (forward + backward: 3), for the FLOPs count.
+  passes_per_row: int = 3
+  # The train state's class: TrainState, or a subclass holding `extra_state`'s fields.
+  state_class: type[TrainState] = TrainState
+  # Why a fresh initialisation cannot start this objective; "" when it can.
+  needs_loaded_params: str = ""
+
+  def extra_state(self, params: T, copy: Callable[[T], T]) -> dict[str, T]:
+    """The state's fields beyond step, params and opt_state, from the starting parameters (e.g. a
+    frozen reference: `copy(params)`). Called on arrays, on their shapes and on their shardings,
+    so it only arranges what `copy` gives."""
+    return {}
+
+  def context(self, state: TrainState) -> Params | None:
+    """What the loss reads from the state besides the trained parameters (e.g. a frozen
+    reference), taken before differentiating: it gets no gradient."""
+    return None
+
+  @abc.abstractmethod
+  def loss_sums(self, params: Params, context: Params | None, batch: Batch,
+                dropout_rng: jax.Array | None) -> tuple[jax.Array, Sums]:
+    """(the training loss summed, not averaged, over the batch; the sums the metrics come from)."""
+
+  @abc.abstractmethod
+  def eval_sums(self, params: Params, context: Params | None, batch: Batch) -> Sums:
+    """The sums of one eval batch (no dropout)."""
+
+  @abc.abstractmethod
+  def divisor(self, sums: Sums) -> jax.Array:
+    """What turns the summed loss and gradients into means (e.g. per target token)."""
+
+  @abc.abstractmethod
+  def train_metrics(self, sums: Sums) -> Metrics:
+    """The step's metrics from its sums; `loss` is the one the spike and non-finite guards read."""
+
+  @abc.abstractmethod
+  def eval_metrics(self, totals: Mapping[str, float]) -> tuple[dict[str, float], str]:
+    """(`eval_`-named scalars, the eval log line's text) from the scalar sums over the eval batches."""

@@ -1,0 +1,116 @@
+"""Language modelling (pre-training and SFT): next-token cross-entropy over the weighted targets
+(SFT's assistant-only weights ride in `targets_segmentation`), plus the z-loss, the MoE
+load-balancing loss and, in training, multi-token prediction."""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from MaxText.input_pipeline.batch_spec import FIELDS
+from MaxText.layers.moe import ROUTING_STATS
+from MaxText.models import ModelSpec, token_loss_sums
+from MaxText.objectives.base import Batch, Metrics, Objective, Params, Sums
+from MaxText.objectives.pipelined import one_f_one_b_loss
+
+
+def routing_metrics(sums: Sums, num_micro: int) -> Metrics:
+  """Per-layer routing health from the summed statistics: each a [num_layers] vector (the metric
+  writers name its entries per layer). Load = fraction of tokens routed to an expert."""
+  if "moe_load" not in sums:
+    return {}
+  load_NE = sums["moe_load"] / num_micro
+  mean_N = jnp.mean(load_NE, axis=-1)
+  return {"moe_load_min": jnp.min(load_NE, axis=-1), "moe_load_max": jnp.max(load_NE, axis=-1),
+          "moe_load_cv": jnp.std(load_NE, axis=-1) / jnp.maximum(mean_N, 1e-30),
+          "moe_dropped_fraction": sums["moe_dropped_fraction"] / num_micro,
+          "moe_router_entropy": sums["moe_router_entropy"] / num_micro}
+
+
+class LanguageModel(Objective):
+  """The loss is a mean per target token: sums {xent_sum, z_loss_sum, moe_lb_loss_sum,
+  weight_sum} (+ the routing statistics and, training with MTP, mtp_xent_sum and mtp_weight_sum).
+  The load-balancing loss is a per-batch mean, so it enters weighted by the batch's target count
+  (0 for dense models)."""
+
+  batch_fields = FIELDS
+
+  def __init__(self, model: ModelSpec, z_loss_multiplier: float, load_balance_loss_weight: float = 0.0,
+               num_micro: int = 1):
+    """`num_micro`: the step's gradient-accumulation steps (routing statistics are means over them)."""
+    self.model, self.num_micro = model, num_micro
+    self.z_loss_multiplier, self.load_balance_loss_weight = z_loss_multiplier, load_balance_loss_weight
+
+  def loss_sums(self, params: Params, context: Params | None, batch: Batch,
+                dropout_rng: jax.Array | None) -> tuple[jax.Array, Sums]:
+    cfg = self.model.cfg
+    if cfg.num_pipeline_stages > 1 and cfg.pipeline_schedule == "1f1b":
+      return self._pipelined_sums(params, batch, dropout_rng)
+    return self._sums(params, batch, dropout_rng, with_mtp=cfg.mtp_num_layers > 0)
+
+  def eval_sums(self, params: Params, context: Params | None, batch: Batch) -> Sums:
+    # Multi-token prediction is a training objective: evaluation reports the next-token loss only;
+    # the 1F1B schedule's forward-only pass is the plain one.
+    return self._sums(params, batch, None, with_mtp=False)[1]
+
+  def _sums(self, params: Params, batch: Batch, dropout_rng: jax.Array | None,
+            with_mtp: bool) -> tuple[jax.Array, Sums]:
+    cfg = self.model.cfg
+    weights_BL = (batch["targets_segmentation"] != 0).astype(jnp.float32)
+    mtp_targets = (batch["targets"], weights_BL) if with_mtp else None
+    logits_BLV, aux = self.model.apply_with_aux(params, batch["inputs"], batch["inputs_position"],
+                                                batch["inputs_segmentation"], dropout_rng, mtp_targets)
+    _, sums = token_loss_sums(logits_BLV, batch["targets"], weights_BL, self.z_loss_multiplier)
+    xent_sum, z_sum = sums["xent_sum"], sums["z_loss_sum"]
+    weight_sum = jnp.sum(weights_BL)
+    lb_sum = aux.get("moe_lb_loss", jnp.zeros((), jnp.float32)) * weight_sum
+    total = xent_sum + self.z_loss_multiplier * z_sum + self.load_balance_loss_weight * lb_sum
+    stats = {name: aux[name] for name in ROUTING_STATS if name in aux}  # summed over microbatches too
+    if mtp_targets is not None:
+      # A sum like the others (micro-batches add up); divided by the step's target count, it is
+      # λ times the mean over depths of each depth's per-token loss.
+      total = total + cfg.mtp_loss_scaling_factor / cfg.mtp_num_layers * aux["mtp_xent_sum"]
+      stats.update(mtp_xent_sum=aux["mtp_xent_sum"], mtp_weight_sum=aux["mtp_weight_sum"])
+    return total, {"xent_sum": xent_sum, "z_loss_sum": z_sum, "moe_lb_loss_sum": lb_sum, "weight_sum": weight_sum,
+                   **stats}
+
+  def _pipelined_sums(self, params: Params, batch: Batch, dropout_rng: jax.Array | None) -> tuple[jax.Array, Sums]:
+    """The same loss with the stack and the head run by the 1F1B schedule (no routing statistics)."""
+    cfg = self.model.cfg
+    target_weights_BL = (batch["targets_segmentation"] != 0).astype(jnp.float32)
+    weight_sum = jnp.sum(target_weights_BL)
+    z_loss_multiplier = self.z_loss_multiplier
+
+    def logits_loss(logits_mLV: jax.Array, inputs: Sums) -> tuple[jax.Array, Sums]:
+      return token_loss_sums(logits_mLV, inputs["targets"], inputs["target_weights"], z_loss_multiplier)
+
+    # d(total)/d(aux summed over layers and microbatches): the load-balancing term enters the
+    # loss as its mean over layers and microbatches, weighted by the batch's target count.
+    lb_scale = weight_sum / (cfg.num_pipeline_microbatches * cfg.num_decoder_layers)
+    loss, sums = one_f_one_b_loss(self.model, params, batch, dropout_rng, logits_loss,
+                                  {"targets": batch["targets"], "target_weights": target_weights_BL},
+                                  {"moe_lb_loss": self.load_balance_loss_weight * lb_scale})
+    lb_sum = sums.get("aux_moe_lb_loss", jnp.zeros((), jnp.float32)) * lb_scale
+    return loss, {"xent_sum": sums["xent_sum"], "z_loss_sum": sums["z_loss_sum"], "moe_lb_loss_sum": lb_sum,
+                  "weight_sum": weight_sum}
+
+  def divisor(self, sums: Sums) -> jax.Array:
+    return jnp.maximum(sums["weight_sum"], 1.0)
+
+  def train_metrics(self, sums: Sums) -> Metrics:
+    num_tokens = self.divisor(sums)
+    metrics = {"loss": sums["xent_sum"] / num_tokens, "z_loss": sums["z_loss_sum"] / num_tokens}
+    if "mtp_xent_sum" in sums:
+      metrics["mtp_loss"] = sums["mtp_xent_sum"] / jnp.maximum(sums["mtp_weight_sum"], 1.0)
+    if self.model.cfg.num_experts > 1:
+      metrics["moe_lb_loss"] = sums["moe_lb_loss_sum"] / num_tokens
+      metrics.update(routing_metrics(sums, self.num_micro))
+    return metrics
+
+  def eval_metrics(self, totals: Mapping[str, float]) -> tuple[dict[str, float], str]:
+    loss = totals["xent_sum"] / max(totals["weight_sum"], 1.0)
+    perplexity = math.exp(min(loss, 50.0))
+    return {"eval_loss": loss, "eval_perplexity": perplexity}, f"loss {loss:8.4f} | perplexity {perplexity:.3f}"
