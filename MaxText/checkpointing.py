@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from MaxText import storage, storage_retry
+from MaxText.paths import storage, storage_retry
 from MaxText.config_groups import CheckpointConfig
 from MaxText.errors import TrainingError, UserError, quiet_logger
 from MaxText.local_checkpoints import LocalTier

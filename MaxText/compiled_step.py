@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import jax
 from jax.experimental import serialize_executable
 
-from MaxText import storage
+from MaxText.paths import storage
 from MaxText.errors import UserError
 
 if TYPE_CHECKING:

@@ -30,7 +30,8 @@ import yaml
 
 from MaxText import config_groups
 from MaxText import accelerators
-from MaxText import run_record, storage
+from MaxText import run_record
+from MaxText.paths import storage
 from MaxText.accelerators import DeviceTarget
 from MaxText.errors import ConfigError
 from MaxText.model_config import ModelConfig

@@ -14,7 +14,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from MaxText import storage
+from MaxText.paths import storage
 from MaxText.accelerators import DeviceTarget
 from MaxText.config_fields import DATA_POSITION, OPTIMIZER, derived, key, read_keys
 from MaxText.config_fields import require as _require

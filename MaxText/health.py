@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from MaxText import metrics as metrics_lib
-from MaxText import storage
+from MaxText.paths import storage
 from MaxText.config_groups import RunConfig
 from MaxText.trainer import StepRecord, Trainer
 from MaxText.train_state import TrainState

@@ -8,7 +8,7 @@ import re
 
 import jax
 
-from MaxText import storage
+from MaxText.paths import storage
 
 GIB = 1024**3
 

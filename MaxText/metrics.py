@@ -40,7 +40,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from MaxText import storage, storage_retry
+from MaxText.paths import storage, storage_retry
 from MaxText.model_config import ModelConfig
 
 

@@ -14,7 +14,8 @@ from typing import Any, Sequence
 import jax
 from jax.sharding import Mesh
 
-from MaxText import models, params_io, sharding, storage
+from MaxText import models, params_io, sharding
+from MaxText.paths import storage
 from MaxText.config import Config
 from MaxText.errors import UserError
 from MaxText.model_config import ModelConfig

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any
 
-from MaxText import storage, storage_retry
+from MaxText.paths import storage, storage_retry
 from MaxText.errors import TrainingError, UserError
 
 LEASE_FILE = "lease.json"

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from MaxText import storage
+from MaxText.paths import storage
 from MaxText import config_fields, config_groups
 from MaxText.model_config import LORA_KEYS, MODEL_KEYS
 from MaxText.errors import ConfigError, UserError

@@ -9,7 +9,8 @@ from typing import Any, Callable
 
 import jax
 
-from MaxText import params_io, storage
+from MaxText import params_io
+from MaxText.paths import storage
 from MaxText.checkpointing import Restored, RunCheckpoints, first_line, is_step_dir, log
 from MaxText.config_groups import CheckpointConfig
 from MaxText.errors import UserError

@@ -19,7 +19,8 @@ if __package__ in (None, ""):  # `python3 MaxText/train.py`: import the package,
 import jax
 
 from MaxText import accelerators, checkpointing, config as config_lib, metrics
-from MaxText import distributed, health, preemption, run_assembly, run_lease, run_record, run_start, startup, storage
+from MaxText import distributed, health, preemption, run_assembly, run_lease, run_record, run_start, startup
+from MaxText.paths import storage
 from MaxText.startup import log
 from MaxText.errors import run_cli
 from MaxText.input_pipeline import check_sources

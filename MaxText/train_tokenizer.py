@@ -21,7 +21,8 @@ from typing import Iterator
 if __package__ in (None, ""):  # `python3 MaxText/train_tokenizer.py`
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from MaxText import startup, storage
+from MaxText import startup
+from MaxText.paths import storage
 from MaxText.errors import UserError, run_cli
 from MaxText.input_pipeline.files import expand_files
 

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from MaxText import metrics as metrics_lib
-from MaxText import storage, storage_retry
+from MaxText.paths import storage, storage_retry
 from MaxText.errors import TrainingError
 from MaxText.train_state import TrainState
 

@@ -92,7 +92,7 @@ def _gcs_bucket():
   """(server to stop or None, 'gs://bucket') on STORAGE_EMULATOR_HOST or a local fake-gcs-server."""
   import tempfile
 
-  from MaxText import storage
+  from MaxText.paths import storage
   from tests.gcs_emulator import GcsServer
 
   server = None

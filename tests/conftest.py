@@ -39,7 +39,7 @@ def gcs(tmp_path_factory):
   server.start()
   previous = {k: os.environ.get(k) for k in _CLOUD_ENV}
   os.environ.update(server.env())
-  from MaxText import storage
+  from MaxText.paths import storage
 
   storage.configure_cloud_env()
   yield server

@@ -17,7 +17,7 @@ from pathlib import Path
 import orbax.checkpoint as ocp
 import pytest
 
-from MaxText import storage
+from MaxText.paths import storage
 from tests.conftest import REPO_ROOT
 
 STEPS = 24

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from MaxText import storage
+from MaxText.paths import storage
 from tests.conftest import REPO_ROOT
 from tests.test_resume import _start_and_signal
 

@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from MaxText import run_lease, storage
+from MaxText import run_lease
+from MaxText.paths import storage
 from tests.conftest import REPO_ROOT
 from tests.test_gcs_run import committed_steps, command, env, losses, run, start_and_signal
 

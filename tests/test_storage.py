@@ -1,4 +1,4 @@
-"""MaxText/storage.py, the one path layer: the same calls on local disk and on gs:// (a real GCS
+"""MaxText/paths/storage.py, the one path layer: the same calls on local disk and on gs:// (a real GCS
 JSON API on 127.0.0.1), and a scan that keeps every other module off os.path/pathlib/open()."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import re
 
 import pytest
 
-from MaxText import storage
+from MaxText.paths import storage
 from tests.conftest import REPO_ROOT
 
 # Modules allowed to touch the file system directly, and why.
 ALLOWED = {
-    "MaxText/storage.py": "the path layer itself",
+    "MaxText/paths/storage.py": "the path layer itself",
     "MaxText/local_checkpoints.py": "the per-host checkpoint tier lives on local disk by definition: fsync and an "
                                     "atomic rename are what make it safe",
     "MaxText/accelerators.py": "probes device files (/dev/accel*), not user paths",
@@ -47,7 +47,7 @@ def test_no_module_opens_a_user_path_outside_the_storage_layer():
     found = _violations(path.read_text())
     if found:
       offenders[relative] = found
-  assert not offenders, ("use MaxText/storage.py (local and gs:// paths) instead of os.path/pathlib/open(): "
+  assert not offenders, ("use MaxText/paths/storage.py (local and gs:// paths) instead of os.path/pathlib/open(): "
                          f"{offenders}")
 
 

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from MaxText import storage, storage_retry
-from MaxText.storage_retry import StorageUnavailable
+from MaxText.paths import storage, storage_retry
+from MaxText.paths.storage_retry import StorageUnavailable
 from tests.conftest import REPO_ROOT
 
 
@@ -175,7 +175,7 @@ def test_the_process_exits_after_the_line_though_a_library_thread_still_hangs():
   script = textwrap.dedent("""
       import threading, time
       from MaxText.errors import run_cli
-      from MaxText.storage_retry import StorageUnavailable
+      from MaxText.paths.storage_retry import StorageUnavailable
 
       def main(argv):
         threading.Thread(target=time.sleep, args=(600,)).start()  # not a daemon

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 import yaml
 
-from MaxText import families, storage
+from MaxText import families
+from MaxText.paths import storage
 from MaxText.config import MODEL_CONFIG_FILE
 from MaxText.model_config import ARCHITECTURE_KEYS, ModelConfig
 from MaxText.convert.tensor_maps import TensorMap

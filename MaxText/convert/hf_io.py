@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
-from MaxText import storage
+from MaxText.paths import storage
 from MaxText.errors import UserError
 
 CONFIG_FILE = "config.json"

@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from MaxText import families, lora, models, params_io, startup, storage
+from MaxText import families, lora, models, params_io, startup
+from MaxText.paths import storage
 from MaxText import config as config_lib
 from MaxText.model_config import ModelConfig
 from MaxText.convert import cli, engine, hf_io, streaming

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from MaxText import storage
+from MaxText.paths import storage
 from MaxText.errors import UserError
 
 PARAMS = "params"  # the item of a parameters-only checkpoint (MaxText.params_io's layout)

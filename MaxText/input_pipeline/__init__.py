@@ -20,7 +20,7 @@ def check_sources(cfg: Any) -> None:
   glob or a tokenizer larger than vocab_size stops the run at once (config validation does no I/O)."""
   if cfg.dataset_type == "synthetic":
     return
-  from MaxText import storage
+  from MaxText.paths import storage
   from MaxText.errors import ConfigError
   from MaxText.input_pipeline import files, tokenizer
 

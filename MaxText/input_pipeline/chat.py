@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from MaxText import storage
+from MaxText.paths import storage
 from MaxText.errors import ConfigError, UserError
 
 PAIR_FIELDS = ("prompt", "completion")

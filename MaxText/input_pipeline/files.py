@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from MaxText import storage
+from MaxText.paths import storage
 from MaxText.errors import ConfigError
 
 # Keys whose reader opens files by local path only: ArrayRecord's C++ reader cannot open gs://

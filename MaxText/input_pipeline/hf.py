@@ -9,7 +9,7 @@ import logging
 import os
 from typing import Any, Callable, Iterator
 
-from MaxText import storage
+from MaxText.paths import storage
 from MaxText.errors import ConfigError, quiet_logger
 from MaxText.input_pipeline.files import expand_files
 

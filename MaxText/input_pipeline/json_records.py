@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Iterator
 
-from MaxText import storage
+from MaxText.paths import storage
 
 
 def _starts_with_array(path: str) -> bool:

@@ -24,7 +24,8 @@ from pathlib import Path
 if __package__ in (None, ""):
   sys.path[0] = str(Path(__file__).resolve().parent.parent.parent)
 
-from MaxText import startup, storage
+from MaxText import startup
+from MaxText.paths import storage
 from MaxText.errors import UserError, run_cli
 
 SPLITS = ("train", "validation")

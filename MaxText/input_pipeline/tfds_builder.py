@@ -12,7 +12,7 @@ from typing import Iterator
 
 import tensorflow_datasets as tfds
 
-from MaxText import storage
+from MaxText.paths import storage
 from MaxText.errors import UserError
 
 SPLIT_FILES = {"train": "train.jsonl", "validation": "validation.jsonl", "test": "test.jsonl"}

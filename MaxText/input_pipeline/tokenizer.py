@@ -17,7 +17,7 @@ import binascii
 import json
 from typing import Callable, Protocol
 
-from MaxText import storage
+from MaxText.paths import storage
 from MaxText.config_groups import TOKENIZER_TYPES
 from MaxText.errors import ConfigError
 

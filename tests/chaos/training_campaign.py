@@ -170,7 +170,7 @@ class Job:
 
 # ---------------------------------------------------------------------------------------------- run records
 def losses(run_dir: str) -> dict[int, float]:
-  from MaxText import storage
+  from MaxText.paths import storage
 
   records = [json.loads(line) for line in storage.read_text(storage.join(run_dir, "metrics.jsonl")).splitlines()]
   steps = [r["step"] for r in records if "loss" in r]
@@ -217,7 +217,7 @@ def final_params(run_dir: str) -> dict[str, Any]:
   import numpy as np
   import orbax.checkpoint as ocp
 
-  from MaxText import storage
+  from MaxText.paths import storage
 
   step = committed_steps(run_dir)[-1]
   path = storage.as_path(storage.join(run_dir, "checkpoints", str(step), "state"))
@@ -469,7 +469,7 @@ def main() -> int:
   gcs = None
   with tempfile.TemporaryDirectory() as tmp:
     if any(layout.storage == "gcs" for layout in layouts):
-      from MaxText import storage
+      from MaxText.paths import storage
       from tests.gcs_emulator import GcsServer
 
       gcs = GcsServer(Path(tmp) / "gcs")

@@ -25,7 +25,7 @@ from typing import IO, Any, Callable, Iterator, TypeVar
 
 from etils import epath
 
-from MaxText import cloud_env, storage_retry
+from MaxText.paths import cloud_env, storage_retry
 from MaxText.errors import TrainingError, UserError
 
 _T = TypeVar("_T")
