@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from MaxText.paths import storage, storage_retry
-from MaxText.config_groups import CheckpointConfig
+from MaxText.configuration.config_groups import CheckpointConfig
 from MaxText.errors import TrainingError, UserError, quiet_logger
 from MaxText.local_checkpoints import LocalTier
 from MaxText.sharding import with_shardings

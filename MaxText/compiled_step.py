@@ -23,7 +23,7 @@ from MaxText.paths import storage
 from MaxText.errors import UserError
 
 if TYPE_CHECKING:
-  from MaxText.config import Config
+  from MaxText.configuration.config import Config
   from MaxText.run_assembly import StepInputs
 
 _MAGIC = b"MAXTEXT-COMPILED-TRAIN-STEP\n"

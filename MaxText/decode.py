@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # `python3 MaxText/decode.py`: import the package
 
 import jax
 
-from MaxText import config as config_lib
+from MaxText.configuration import config as config_lib
 from MaxText.errors import UserError, run_cli
 from MaxText.inference.engine import load_engine
 from MaxText.input_pipeline.tokenizer import DocumentEncoder, Tokenizer, load_tokenizer

@@ -23,8 +23,8 @@ import jax
 
 from MaxText import lora, model_assembly, models, params_io
 from MaxText.paths import storage
-from MaxText.config import Config
-from MaxText.model_config import MODEL_KEYS
+from MaxText.configuration.config import Config
+from MaxText.configuration.model_config import MODEL_KEYS
 from MaxText.convert import engine, peft_adapters
 from MaxText.errors import ConfigError, UserError, run_cli
 from MaxText import startup

@@ -23,7 +23,7 @@ import numpy as np
 
 from MaxText import metrics as metrics_lib
 from MaxText.paths import storage
-from MaxText.config_groups import RunConfig
+from MaxText.configuration.config_groups import RunConfig
 from MaxText.trainer import StepRecord, Trainer
 from MaxText.train_state import TrainState
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from MaxText import model_assembly, sharding, startup
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText.convert import cli, hf_io
 from MaxText.errors import UserError, run_cli
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 from MaxText.optimizers import Params, Partition, TrainAll
 
 ADAPTER_KEYS = ("lora_a", "lora_b")

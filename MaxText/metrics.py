@@ -41,7 +41,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from MaxText.paths import storage, storage_retry
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,9 +16,9 @@ from jax.sharding import Mesh
 
 from MaxText import models, params_io, sharding
 from MaxText.paths import storage
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText.errors import UserError
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 from MaxText.sharding import Rules
 
 Params = Any  # a nested dict of arrays, shaped like ModelSpec.abstract_params

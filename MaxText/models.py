@@ -16,7 +16,7 @@ import optax
 from flax import nnx
 
 from MaxText import sharding
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 from MaxText.layers.decoders import ACTIVATION_NAMES, decoder_layer_class
 from MaxText.layers.embeddings import Embed, sinusoidal_positions
 from MaxText.layers.kv_cache import KVCache

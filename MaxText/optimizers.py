@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from MaxText.config_groups import OptimConfig
+from MaxText.configuration.config_groups import OptimConfig
 from MaxText.errors import ConfigError
 
 HOST_MEMORY_KIND = "pinned_host"

@@ -37,10 +37,11 @@ from typing import Any, Mapping
 if __package__ in (None, ""):  # `python3 MaxText/plan.py`: import the package, not sibling files.
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from MaxText import accelerators, compiled_step, config as config_lib, plan_model, plan_progress, startup
+from MaxText import accelerators, compiled_step, plan_model, plan_progress, startup
+from MaxText.configuration import config as config_lib
 from MaxText.errors import ConfigError, UserError, run_cli
 from MaxText.memory_report import GIB
-from MaxText.mesh_axes import MeshAxis
+from MaxText.configuration.mesh_axes import MeshAxis
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE_LIB = REPO / "configs" / "recipe_lib.sh"

@@ -23,11 +23,12 @@ from typing import Any, Iterator, Mapping, Sequence
 import jax
 from jax.sharding import AbstractMesh
 
-from MaxText import accelerators, metrics, optimizers, remat_policies, sharding
-from MaxText.config_groups import OptimConfig
-from MaxText.mesh_axes import MESH_AXES, REPLICATED_PARAMETER_AXES, MeshAxis
+from MaxText import accelerators, metrics, optimizers, sharding
+from MaxText.configuration import remat_policies
+from MaxText.configuration.config_groups import OptimConfig
+from MaxText.configuration.mesh_axes import MESH_AXES, REPLICATED_PARAMETER_AXES, MeshAxis
 from MaxText.layers import splash_attention
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 
 GIB = 1024**3
 

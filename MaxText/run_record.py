@@ -20,8 +20,8 @@ from typing import Any, Mapping
 import yaml
 
 from MaxText.paths import storage
-from MaxText import config_fields, config_groups
-from MaxText.model_config import LORA_KEYS, MODEL_KEYS
+from MaxText.configuration import config_fields, config_groups
+from MaxText.configuration.model_config import LORA_KEYS, MODEL_KEYS
 from MaxText.errors import ConfigError, UserError
 
 CONFIG_FILE = "config.yml"

@@ -12,7 +12,7 @@ import jax
 from MaxText import params_io
 from MaxText.paths import storage
 from MaxText.checkpointing import Restored, RunCheckpoints, first_line, is_step_dir, log
-from MaxText.config_groups import CheckpointConfig
+from MaxText.configuration.config_groups import CheckpointConfig
 from MaxText.errors import UserError
 from MaxText.train_state import state_from_params
 

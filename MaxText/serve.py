@@ -29,7 +29,7 @@ from typing import Any, AsyncGenerator, Awaitable, Callable
 if __package__ in (None, ""):  # `python3 MaxText/serve.py`: import the package, not sibling files.
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from MaxText import config as config_lib
+from MaxText.configuration import config as config_lib
 from MaxText import startup
 from MaxText.errors import UserError, run_cli
 from MaxText.inference import openai_api as api

@@ -17,8 +17,8 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxText import accelerators
-from MaxText.config_groups import MeshConfig
-from MaxText.mesh_axes import MESH_AXES, REPLICATED_PARAMETER_AXES
+from MaxText.configuration.config_groups import MeshConfig
+from MaxText.configuration.mesh_axes import MESH_AXES, REPLICATED_PARAMETER_AXES
 from MaxText.errors import ConfigError
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]

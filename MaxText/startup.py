@@ -28,7 +28,7 @@ from jax.experimental import topologies
 
 from MaxText import accelerators, distributed, run_lease, xla_flags
 from MaxText.paths import storage, storage_retry
-from MaxText import config as config_lib
+from MaxText.configuration import config as config_lib
 from MaxText.errors import ConfigError
 
 # What a tool compiles for: the devices this process sees ("local"); a TPU slice that

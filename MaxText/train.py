@@ -18,7 +18,8 @@ if __package__ in (None, ""):  # `python3 MaxText/train.py`: import the package,
 
 import jax
 
-from MaxText import accelerators, checkpointing, config as config_lib, metrics
+from MaxText import accelerators, checkpointing, metrics
+from MaxText.configuration import config as config_lib
 from MaxText import distributed, health, preemption, run_assembly, run_lease, run_record, run_start, startup
 from MaxText.paths import storage
 from MaxText.startup import log

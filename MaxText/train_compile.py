@@ -27,7 +27,8 @@ if __package__ in (None, ""):  # `python3 MaxText/train_compile.py`: import the 
 
 import jax
 
-from MaxText import accelerators, compiled_step, config as config_lib, metrics, run_assembly, startup
+from MaxText import accelerators, compiled_step, metrics, run_assembly, startup
+from MaxText.configuration import config as config_lib
 from MaxText.startup import describe_topology  # noqa: F401  (tests and benchmarks name it here)
 from MaxText.hlo_cycles import estimated_cycles, uncosted_kernel_calls
 from MaxText.memory_report import (GIB, MemoryReport, buffer_assignment_dump_options, does_not_fit_message,

@@ -47,7 +47,7 @@ def main() -> None:
 
   import jax
 
-  from MaxText.config import Config
+  from MaxText.configuration.config import Config
   from MaxText.run_assembly import build_run
 
   shutil.rmtree(args.dir, ignore_errors=True)
@@ -122,7 +122,7 @@ def _measure_tier(label, directory, base, setup, state, train, step_s, state_gb,
   import jax
 
   from MaxText import checkpointing
-  from MaxText.config import Config
+  from MaxText.configuration.config import Config
 
   sync_cfg = Config.for_testing(**{**base, "base_output_directory": directory}, async_checkpointing=False)
   async_cfg = Config.for_testing(**{**base, "base_output_directory": directory}, async_checkpointing=True)

@@ -42,7 +42,7 @@ def main() -> None:
   import jax.numpy as jnp
 
   from MaxText import sharding
-  from MaxText.config import Config
+  from MaxText.configuration.config import Config
   from MaxText.layers import attention, context_parallel
 
   balances = {"both": (False, True), "on": (True,), "off": (False,)}[args.balance]

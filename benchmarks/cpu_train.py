@@ -34,7 +34,7 @@ def main() -> None:
   import jax
 
   from MaxText import accelerators, metrics
-  from MaxText.config import Config
+  from MaxText.configuration.config import Config
   from MaxText.run_assembly import build_run
 
   config = Config.for_testing(**MODEL, per_device_batch_size=args.batch / jax.device_count(),

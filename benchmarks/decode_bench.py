@@ -51,7 +51,7 @@ def main() -> None:
 
   import numpy as np
 
-  from MaxText.config import Config
+  from MaxText.configuration.config import Config
 
   prompt = list(np.random.default_rng(0).integers(1, MODEL["vocab_size"], args.prefill))
   if "paged" in args.caches:
@@ -69,7 +69,7 @@ def main() -> None:
 def memory(args: argparse.Namespace) -> None:
   """Cache bytes of a mixed-length workload: dense slots x max_target_length against the pages
   its requests hold at their longest (shapes only, nothing runs)."""
-  from MaxText.config import Config
+  from MaxText.configuration.config import Config
   from MaxText.inference.engine import Engine
 
   prompts, new_tokens, max_length = [20, 900, 64, 300, 130, 45, 600, 10], 64, 1024

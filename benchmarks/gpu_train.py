@@ -66,7 +66,7 @@ def time_steps(overrides: dict[str, Any], num_steps: int) -> dict[str, float]:
   import jax
 
   from MaxText import accelerators, metrics
-  from MaxText.config import Config
+  from MaxText.configuration.config import Config
   from MaxText.run_assembly import build_run
 
   config = Config.for_testing(**overrides)

@@ -59,7 +59,7 @@ def cpu(args: argparse.Namespace) -> None:
 
 def tpu(args: argparse.Namespace) -> None:
   from MaxText import hlo_cycles, metrics, train_compile
-  from MaxText.config import BASE_CONFIG_PATH
+  from MaxText.configuration.config import BASE_CONFIG_PATH
   from MaxText.memory_report import MemoryReport, format_bytes
   from MaxText.run_assembly import build_run
 

@@ -90,7 +90,8 @@ def ours_step_s(peer_python: str, case: str, extra: list[str]) -> dict:
 
 def model_flops_per_chip(case: str, topology: str, extra: list[str]) -> float:
   """Model FLOPs per chip per step of our recipe's model and batch (with `extra` overrides)."""
-  from MaxText import accelerators, config as config_lib, metrics  # noqa: PLC0415
+  from MaxText import accelerators, metrics
+  from MaxText.configuration import config as config_lib  # noqa: PLC0415
   text = (REPO / "configs" / f"{case}.sh").read_text()
   args = shlex.split(re.search(r"^RECIPE_ARGS=\((.*)\)", text, re.M).group(1))
   values = dict(a.split("=", 1) for a in args + extra)

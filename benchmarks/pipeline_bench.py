@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
 
   import jax
 
-  from MaxText.config import Config
+  from MaxText.configuration.config import Config
   from MaxText.run_assembly import build_run
   from MaxText.layers import pipeline, pipeline_timetable
 

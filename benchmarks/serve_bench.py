@@ -100,8 +100,8 @@ def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int,
   import uvicorn
   from jax.sharding import Mesh
 
-  from MaxText.config import Config
-  from MaxText.config_groups import MESH_AXES
+  from MaxText.configuration.config import Config
+  from MaxText.configuration.config_groups import MESH_AXES
   from MaxText.serve import build_app, build_server
 
   config = Config.for_testing(

@@ -16,7 +16,7 @@ import ml_dtypes  # noqa: F401 (re-exported for tests)
 import numpy as np
 
 from MaxText import models
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText import families, sharding
 from MaxText.convert import engine
 

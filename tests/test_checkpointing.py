@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from MaxText import checkpointing, models, params_io, run_start
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError, TrainingError, UserError
 from tests.train_utils import Run
 

@@ -10,8 +10,8 @@ import yaml
 
 from MaxText import xla_flags
 from MaxText.accelerators import DeviceTarget
-from MaxText.config import BASE_CONFIG_PATH, CONFIGS_DIR, Config, load_config, read_descriptions, read_yaml
-from MaxText.model_config import parameter_scales
+from MaxText.configuration.config import BASE_CONFIG_PATH, CONFIGS_DIR, Config, load_config, read_descriptions, read_yaml
+from MaxText.configuration.model_config import parameter_scales
 from MaxText.errors import ConfigError
 
 CPU8 = DeviceTarget(platform="cpu", device_kind="cpu", num_devices=8)
@@ -165,7 +165,7 @@ def test_a_single_number_is_a_one_item_list():
 
 def test_every_base_key_is_one_group_field_of_its_own_name():
   """A new key is a base.yml line plus a field named after it: nothing else lists keys."""
-  from MaxText import config_fields, config_groups
+  from MaxText.configuration import config_fields, config_groups
 
   base = set(read_yaml(BASE_CONFIG_PATH))
   fields = config_fields.all_keys(config_groups.GROUPS)
@@ -186,7 +186,7 @@ def test_every_base_key_is_one_group_field_of_its_own_name():
 
 def test_resume_and_architecture_key_lists_come_from_field_metadata():
   from MaxText import run_record
-  from MaxText.model_config import ARCHITECTURE_KEYS, MODEL_KEYS
+  from MaxText.configuration.model_config import ARCHITECTURE_KEYS, MODEL_KEYS
 
   assert "base_emb_dim" in ARCHITECTURE_KEYS and "dropout_rate" not in ARCHITECTURE_KEYS
   assert MODEL_KEYS == (*ARCHITECTURE_KEYS, "global_parameter_scale")
@@ -201,7 +201,7 @@ def test_building_the_config_reads_no_file_and_no_clock(monkeypatch, tmp_path):
   is read once by the loader for an unnamed run."""
   import builtins
   import datetime as datetime_module
-  from MaxText import config as config_lib
+  from MaxText.configuration import config as config_lib
 
   values = config_lib.resolve_values(config_lib.parse_overrides(
       ["t", "dataset_type=grain", f"grain_train_files={tmp_path}/missing*.ar", "tokenizer_path=/missing.model",

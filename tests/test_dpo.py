@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from MaxText import accelerators, dpo, models, params_io, run_start
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError, UserError
 from MaxText.input_pipeline import chat, preference
 from MaxText.input_pipeline.batch_spec import DPO_FIELDS

@@ -13,7 +13,7 @@ import pytest
 
 import hf_families as H
 import train_utils
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 
 STEPS = 2
 # Run by default: one dense family with mixed local/global layers and one MoE family (every

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from MaxText import metrics, models, sharding
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText.layers import attention, masks
 
 BATCH, LENGTH, WINDOW = 2, 128, 32

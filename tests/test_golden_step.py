@@ -22,7 +22,7 @@ RTOL = 2e-5
 
 
 def two_steps() -> list[dict[str, float]]:
-  from MaxText.config import Config
+  from MaxText.configuration.config import Config
   from tests.train_utils import Run
 
   config = Config.for_testing(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16,

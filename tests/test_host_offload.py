@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from MaxText import optimizers
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
 from train_utils import Run
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from MaxText import lora, models, train_state
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
 from tests import hf_families as hf
 from tests.conftest import REPO_ROOT
@@ -264,7 +264,7 @@ def test_resume_and_merged_params_only_export(tiny_overrides, tmp_path):
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_every_family_gets_adapters_on_each_target_named_like_its_base_weight(family, scan_layers):
   from MaxText import families
-  from MaxText.model_config import MLP_LORA_TARGETS, lora_targets
+  from MaxText.configuration.model_config import MLP_LORA_TARGETS, lora_targets
 
   hf_config = hf.hf_config(family).to_dict()
   keys = families.family_for_hf_config(hf_config).model_keys(hf_config)

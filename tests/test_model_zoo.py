@@ -14,7 +14,7 @@ import pytest
 
 from MaxText import models
 from MaxText.accelerators import DeviceTarget
-from MaxText.config import MODELS_DIR, Config
+from MaxText.configuration.config import MODELS_DIR, Config
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS_MD = REPO / "getting_started" / "Models.md"

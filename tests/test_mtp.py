@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from MaxText import models, sharding
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
 from train_utils import Run
 

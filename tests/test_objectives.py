@@ -15,7 +15,7 @@ import optax
 import pytest
 
 from MaxText import accelerators, lora, models, run_assembly
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText.input_pipeline.batch_spec import FIELDS, batch_spec
 from MaxText.objectives import LanguageModel, Objective, Preference, objective_for
 from MaxText.objectives.base import Batch, Metrics, Params, Sums, T

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from MaxText import models, optimizers, sharding
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from train_utils import Run
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from MaxText import sharding, train_compile, train_state, train_step
 from MaxText.run_assembly import build_run
-from MaxText.config import BASE_CONFIG_PATH, Config
+from MaxText.configuration.config import BASE_CONFIG_PATH, Config
 from MaxText.errors import ConfigError
 from MaxText.layers import pipeline
 

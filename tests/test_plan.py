@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from MaxText import accelerators, plan, plan_model, startup
-from MaxText import config as config_lib
-from MaxText.config import BASE_CONFIG_PATH
+from MaxText.configuration import config as config_lib
+from MaxText.configuration.config import BASE_CONFIG_PATH
 from MaxText.errors import ConfigError, UserError
 from MaxText.layers.attention import select_kernel
 

@@ -13,7 +13,7 @@ import pytest
 
 from MaxText import accelerators
 from MaxText.accelerators import DeviceTarget
-from MaxText.config import load_config
+from MaxText.configuration.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = sorted(p.relative_to(REPO) for p in REPO.glob("configs/*/*.sh"))

@@ -214,7 +214,7 @@ class _NonFiniteAt:
 
 def _trainer(tiny_overrides, bad, steps=9, **overrides):
   from MaxText import metrics
-  from MaxText.config import Config
+  from MaxText.configuration.config import Config
   from MaxText.trainer import Trainer
 
   config = Config.for_testing(**tiny_overrides, steps=steps, **overrides)

@@ -312,7 +312,7 @@ def test_train_refuses_an_unreadable_lease_with_one_line_and_writes_nothing(tmp_
 
 def test_the_resume_check_falls_back_to_the_newest_history_entry(tmp_path):
   from MaxText import run_record
-  from MaxText.config import Config
+  from MaxText.configuration.config import Config
   from MaxText.errors import ConfigError
 
   history = tmp_path / "config_history"
@@ -359,7 +359,7 @@ def test_fixed_and_allowed_keys_on_resume():
 
 
 def test_tools_take_the_saved_model_keys_and_refuse_contradicting_ones(tmp_path, capsys):
-  from MaxText import config as config_lib
+  from MaxText.configuration import config as config_lib
   from MaxText.errors import ConfigError
 
   ckpt = tmp_path / "ckpt"

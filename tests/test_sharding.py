@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from MaxText import models, sharding
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
 from MaxText.train_state import shardings_summary
 from train_utils import Run, losses

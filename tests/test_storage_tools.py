@@ -19,7 +19,7 @@ import hf_families as H
 from MaxText import compiled_step, decode, generate_param_only_checkpoint, logit_checker, sharding, startup, train
 from MaxText.paths import storage
 from MaxText import train_compile, train_tokenizer
-from MaxText.config import BASE_CONFIG_PATH, Config
+from MaxText.configuration.config import BASE_CONFIG_PATH, Config
 from MaxText.convert import hf_to_maxtext, maxtext_to_hf
 from MaxText.errors import ConfigError, UserError
 from MaxText.input_pipeline import create_data_iterator

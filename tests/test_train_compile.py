@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from MaxText import accelerators, compiled_step, hlo_cycles, memory_report, train, train_compile
-from MaxText.config import BASE_CONFIG_PATH, Config
+from MaxText.configuration.config import BASE_CONFIG_PATH, Config
 from MaxText.errors import ConfigError, UserError
 from MaxText.run_assembly import build_run
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from MaxText import metrics, models, sharding
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText.errors import TrainingError
 from MaxText.trainer import Trainer
 from train_utils import Run, assert_accumulation_equals_one_big_batch

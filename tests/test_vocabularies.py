@@ -1,5 +1,5 @@
-"""Each vocabulary has one owner the rest follows: the remat policies (MaxText/remat_policies.py)
-and the mesh axes with their config keys (MaxText/mesh_axes.py)."""
+"""Each vocabulary has one owner the rest follows: the remat policies (MaxText/configuration/remat_policies.py)
+and the mesh axes with their config keys (MaxText/configuration/mesh_axes.py)."""
 
 import dataclasses
 import re
@@ -7,11 +7,11 @@ import re
 import jax
 import pytest
 
-from MaxText import remat_policies
-from MaxText.config import read_descriptions
-from MaxText.config_groups import MeshConfig
+from MaxText.configuration import remat_policies
+from MaxText.configuration.config import read_descriptions
+from MaxText.configuration.config_groups import MeshConfig
 from MaxText.layers import remat
-from MaxText.mesh_axes import GROUPS, MESH_AXES, MeshAxis
+from MaxText.configuration.mesh_axes import GROUPS, MESH_AXES, MeshAxis
 
 
 def test_base_yml_names_every_remat_policy():

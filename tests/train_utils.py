@@ -7,7 +7,7 @@ from typing import Any
 import jax
 
 from MaxText import metrics as metrics_lib, train_state
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText.run_assembly import build_run
 
 

@@ -17,8 +17,8 @@ import yaml
 
 from MaxText import families
 from MaxText.paths import storage
-from MaxText.config import MODEL_CONFIG_FILE
-from MaxText.model_config import ARCHITECTURE_KEYS, ModelConfig
+from MaxText.configuration.config import MODEL_CONFIG_FILE
+from MaxText.configuration.model_config import ARCHITECTURE_KEYS, ModelConfig
 from MaxText.convert.tensor_maps import TensorMap
 from MaxText.layers import mtp
 from MaxText.errors import ConfigError, UserError

@@ -29,8 +29,8 @@ import numpy as np
 
 from MaxText import families, lora, models, params_io, startup
 from MaxText.paths import storage
-from MaxText import config as config_lib
-from MaxText.model_config import ModelConfig
+from MaxText.configuration import config as config_lib
+from MaxText.configuration.model_config import ModelConfig
 from MaxText.convert import cli, engine, hf_io, streaming
 from MaxText.errors import ConfigError, UserError, run_cli
 

@@ -21,7 +21,7 @@ from MaxText import families, lora
 from MaxText.paths import storage
 from MaxText.convert import engine
 from MaxText.errors import UserError
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 

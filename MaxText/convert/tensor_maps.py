@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 from MaxText.errors import ConfigError
 
 

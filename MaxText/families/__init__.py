@@ -25,7 +25,7 @@ from MaxText.errors import ConfigError
 
 if TYPE_CHECKING:
   from MaxText.convert.tensor_maps import TensorMap
-  from MaxText.model_config import ModelConfig
+  from MaxText.configuration.model_config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

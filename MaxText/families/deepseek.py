@@ -38,7 +38,7 @@ from MaxText.convert import tensor_maps as r
 from MaxText.families import Family, register_family
 from MaxText.families.llama import embedding_tensors, gated_mlp_tensors, rope_hf_config, rope_keys
 from MaxText.families.mixtral import fused_expert_tensors
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 
 _LAYER = "model.layers.{i}."
 _ATTN = _LAYER + "self_attn."

@@ -37,7 +37,7 @@ from MaxText.errors import ConfigError
 from MaxText.families import Family, register_family
 from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, gated_mlp_tensors,
                                     max_positions, rope_hf_config, rope_keys, shape_hf_config, shape_keys)
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 
 _FF = "model.layers.{i}.feed_forward."
 

@@ -26,7 +26,7 @@ from MaxText.families import Family, register_family
 from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, gated_mlp_tensors, max_positions,
                                     qk_norm_tensors, rope_hf_config, rope_keys, shape_hf_config, shape_keys)
 from MaxText.families.mixtral import fused_expert_tensors
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 
 _MOE = "model.layers.{i}.mlp."
 

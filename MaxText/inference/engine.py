@@ -35,7 +35,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxText import model_assembly, sharding, startup
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText.errors import UserError
 from MaxText.inference import paged_cache, sampling
 from MaxText.layers import kv_cache

@@ -27,7 +27,7 @@ import numpy as np
 
 from MaxText.errors import UserError
 from MaxText.layers import kv_cache, paged_kv
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 
 
 class OutOfPages(UserError):

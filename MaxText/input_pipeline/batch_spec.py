@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from MaxText.config_groups import DataConfig
+from MaxText.configuration.config_groups import DataConfig
 
 # inputs/targets: token ids; inputs_position: 0, 1, ... per document; *_segmentation: 1, 2, ...
 # per document in the row, 0 on padding.

@@ -24,7 +24,7 @@ from flax import nnx
 
 from MaxText import sharding
 from MaxText.errors import ConfigError
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 from MaxText.layers import attention_kernels, context_parallel, ring_attention
 from MaxText.layers.attention_kernels import AttentionKernel, dot_product_attention
 from MaxText.layers import kv_cache, masks

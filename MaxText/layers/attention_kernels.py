@@ -25,7 +25,7 @@ import jax
 
 from MaxText import accelerators, sharding
 from MaxText.errors import ConfigError
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 from MaxText.layers import flash_blocks, masks, paged_kv, ring_blocks, splash_attention
 
 Array = jax.Array

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from MaxText import sharding
 from MaxText.layers import masks
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 
 _Q_NAMES = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 _KV_NAMES = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")

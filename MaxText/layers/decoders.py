@@ -13,7 +13,7 @@ import jax
 from flax import nnx
 
 from MaxText import sharding
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 from MaxText.errors import ConfigError
 from MaxText.layers.attention import Attention
 from MaxText.layers.kv_cache import KVCache

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 
 
 class Embed(nnx.Module):

@@ -27,7 +27,7 @@ from jax.typing import DTypeLike
 
 from MaxText import sharding
 from MaxText.layers import attention_kernels, masks, paged_kv
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 
 CACHE_NAMES = ("cache_batch", "cache_sequence", "cache_kv_heads", "cache_kv")
 SCALE_NAMES = ("cache_batch", "cache_sequence", "cache_kv_heads", None)

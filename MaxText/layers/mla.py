@@ -33,7 +33,7 @@ from MaxText.layers.attention import ATTENTION_KERNELS, layer_window_size, selec
 from MaxText.layers.embeddings import apply_rope, rope_attention_scale, rope_inverse_frequencies, rope_softmax_scale
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.normalizations import RMSNorm
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 
 _HEADS = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from MaxText import sharding
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 from MaxText.layers.linears import DenseGeneral
 
 ACTIVATION_FNS = {

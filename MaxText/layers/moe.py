@@ -77,7 +77,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from MaxText import sharding
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 from MaxText.sharding import trace_platform
 from MaxText.layers.grouped_matmul import GroupedMatmul
 from MaxText.layers.linears import DenseGeneral

@@ -27,7 +27,7 @@ from flax import nnx
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.remat import CheckpointPolicy
 from MaxText.layers.normalizations import make_norm
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 
 
 def module_name(depth: int) -> str:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 
 
 def _over_last_axis(v_D: jax.Array, ndim: int) -> jax.Array:

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxText import sharding
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 from MaxText.layers import pipeline_timetable
 
 AuxLosses = dict[str, jax.Array]

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxText import sharding
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 from MaxText.layers import pipeline_timetable
 from MaxText.layers.pipeline import LayerFn, Policy, _merge_micro, _split_micro
 from MaxText.layers.pipeline import first_layer, layer_group_fn, stage_weights

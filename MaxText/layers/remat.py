@@ -1,4 +1,4 @@
-"""The jax.checkpoint policy of a `remat_policy` (its record: MaxText/remat_policies.py)."""
+"""The jax.checkpoint policy of a `remat_policy` (its record: MaxText/configuration/remat_policies.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Callable
 
 import jax
 
-from MaxText import remat_policies
+from MaxText.configuration import remat_policies
 
 # jax.checkpoint's `policy` (None: its default, save nothing), or "none": no jax.checkpoint
 # around the layer at all.

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from MaxText import sharding
 from MaxText.errors import ConfigError
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 from MaxText.layers import attention_kernels, context_parallel, flash_blocks, masks, ring_blocks
 
 Array = jax.Array

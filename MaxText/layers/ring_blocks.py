@@ -37,7 +37,7 @@ from typing import Callable, Protocol
 import jax
 import jax.numpy as jnp
 
-from MaxText.model_config import AttentionBlocks
+from MaxText.configuration.model_config import AttentionBlocks
 from MaxText.layers import flash_blocks, masks, splash_attention
 
 Array = jax.Array

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
-from MaxText.model_config import AttentionBlocks
+from MaxText.configuration.model_config import AttentionBlocks
 from MaxText.errors import ConfigError
 from MaxText.layers import masks
 

@@ -14,7 +14,7 @@ A new objective: a module here with an `Objective` subclass, and its line in `ob
 
 from __future__ import annotations
 
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText.models import ModelSpec
 from MaxText.objectives.base import Objective
 from MaxText.objectives.language_model import LanguageModel

@@ -236,7 +236,7 @@ class LiveServer:
     from decode_test_utils import one_device_mesh
     from sft_fixtures import CHATML, write_tokenizer, without_markers
 
-    from MaxText.config import Config
+    from MaxText.configuration.config import Config
     from MaxText.serve import build_app, build_server
 
     tokenizer = write_tokenizer(tmp / "tok", without_markers(CHATML))

@@ -9,7 +9,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from MaxText import sharding
-from MaxText.config_groups import MESH_AXES
+from MaxText.configuration.config_groups import MESH_AXES
 from MaxText.inference.engine import Engine
 
 _APPLY: dict[int, tuple] = {}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from MaxText import sharding
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText.inference.engine import Engine, Request, serve
 from MaxText.layers import kv_cache
 from decode_test_utils import engine_tokens, one_device_mesh, uncached_greedy

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from MaxText import sharding
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError, UserError
 from MaxText.inference import paged_cache
 from MaxText.inference.engine import Engine, Request, serve

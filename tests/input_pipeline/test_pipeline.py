@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from MaxText import sharding
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText.input_pipeline import create_data_iterator, create_eval_iterator, pipeline
 from MaxText.input_pipeline.batch_spec import batch_spec
 from MaxText.input_pipeline.packing import DocumentCursor, pack_batch

@@ -22,7 +22,7 @@ def main() -> None:
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=int(process_id),
                              initialization_timeout=120)
   from MaxText import sharding
-  from MaxText.config import Config
+  from MaxText.configuration.config import Config
   from MaxText.input_pipeline import create_data_iterator
 
   config = Config.for_testing(dataset_type="grain", grain_train_files=train_file, tokenizer_path=tokenizer,

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText.config import Config
-from MaxText.model_config import AttentionBlocks
+from MaxText.configuration.config import Config
+from MaxText.configuration.model_config import AttentionBlocks
 from MaxText.errors import ConfigError
 from MaxText.layers import attention, attention_kernels, flash_blocks, splash_attention
 from MaxText.layers.attention import dot_product_attention, select_kernel

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from MaxText import sharding, train_compile
-from MaxText.config import BASE_CONFIG_PATH, Config
+from MaxText.configuration.config import BASE_CONFIG_PATH, Config
 from MaxText.layers import attention, context_parallel
 from MaxText.layers.attention import dot_product_attention
 from MaxText.run_assembly import build_run

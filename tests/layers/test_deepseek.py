@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from MaxText import models
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
 from MaxText.layers import kv_cache
 from train_utils import Run

@@ -13,7 +13,7 @@ from flax import nnx
 
 from MaxText import metrics, models, sharding, train_state
 from MaxText.objectives.language_model import LanguageModel
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
 from MaxText.layers import moe
 from MaxText.run_assembly import build_run

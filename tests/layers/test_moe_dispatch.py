@@ -19,7 +19,7 @@ import pytest
 from MaxText import metrics as metrics_lib
 from MaxText import sharding, train_compile
 from MaxText.objectives.language_model import routing_metrics
-from MaxText.config import BASE_CONFIG_PATH
+from MaxText.configuration.config import BASE_CONFIG_PATH
 from MaxText.errors import ConfigError
 from MaxText.layers import grouped_matmul, moe, moe_dispatch
 from MaxText.run_assembly import build_run

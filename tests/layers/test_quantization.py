@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from MaxText import sharding
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
 from MaxText.layers import quantization
 from MaxText.layers.linears import DenseGeneral

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from MaxText import sharding
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
 from MaxText.layers import attention, attention_kernels, context_parallel, ring_attention
 from MaxText.layers.attention import dot_product_attention

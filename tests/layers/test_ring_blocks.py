@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from MaxText import sharding
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText.layers import attention, attention_kernels, context_parallel, ring_blocks
 from MaxText.layers.attention import dot_product_attention
 from tests.conftest import REPO_ROOT

@@ -4,7 +4,7 @@ Qwen3 (long context) and GPT-OSS set it, linear (Gemma 3), llama3 (Llama 3.1).""
 import numpy as np
 import pytest
 
-from MaxText.config import Config
+from MaxText.configuration.config import Config
 from MaxText.layers.embeddings import rope_attention_scale, rope_inverse_frequencies
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (EXTRAS=test bash setup.sh)")

@@ -28,15 +28,15 @@ from typing import Any, Mapping
 
 import yaml
 
-from MaxText import config_groups
+from MaxText.configuration import config_groups
 from MaxText import accelerators
 from MaxText import run_record
 from MaxText.paths import storage
 from MaxText.accelerators import DeviceTarget
 from MaxText.errors import ConfigError
-from MaxText.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 BASE_CONFIG_PATH = CONFIGS_DIR / "base.yml"
 CPU_DEFAULTS_PATH = CONFIGS_DIR / "cpu_defaults.yml"
 MODELS_DIR = CONFIGS_DIR / "models"

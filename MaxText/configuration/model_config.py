@@ -11,12 +11,12 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Mapping
 
-from MaxText.config_fields import ARCHITECTURE, FIXED, LAYOUT, MODEL, DATA_POSITION, derived, key, keys_where, read_keys
-from MaxText.config_fields import require as _require
-from MaxText.remat_policies import NAMES as REMAT_POLICY_NAMES
+from MaxText.configuration.config_fields import ARCHITECTURE, FIXED, LAYOUT, MODEL, DATA_POSITION, derived, key, keys_where, read_keys
+from MaxText.configuration.config_fields import require as _require
+from MaxText.configuration.remat_policies import NAMES as REMAT_POLICY_NAMES
 
 if TYPE_CHECKING:
-  from MaxText.config_groups import MeshConfig
+  from MaxText.configuration.config_groups import MeshConfig
 
 QUANTIZATION_MODES = ("", "int8", "fp8")  # mirrors layers/quantization.py (config must not import layers)
 ATTENTION_KINDS = ("dot_product", "flash", "cudnn_flash", "autoselected")

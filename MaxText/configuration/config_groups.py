@@ -16,12 +16,12 @@ from typing import Any, Mapping
 
 from MaxText.paths import storage
 from MaxText.accelerators import DeviceTarget
-from MaxText.config_fields import DATA_POSITION, OPTIMIZER, derived, key, read_keys
-from MaxText.config_fields import require as _require
+from MaxText.configuration.config_fields import DATA_POSITION, OPTIMIZER, derived, key, read_keys
+from MaxText.configuration.config_fields import require as _require
 from MaxText.errors import ConfigError
-from MaxText.mesh_axes import MESH_AXES, Group, MeshAxis
-from MaxText.model_config import AttentionBlocks, ModelConfig
-from MaxText.model_config import one_of as _one_of, positive as _positive
+from MaxText.configuration.mesh_axes import MESH_AXES, Group, MeshAxis
+from MaxText.configuration.model_config import AttentionBlocks, ModelConfig
+from MaxText.configuration.model_config import one_of as _one_of, positive as _positive
 
 DATASET_TYPES = ("synthetic", "tfds", "hf", "grain")
 TOKENIZER_TYPES = ("sentencepiece", "tiktoken", "huggingface")  # input_pipeline/tokenizer.py reads each
