@@ -29,7 +29,7 @@ from MaxText.paths import storage, storage_retry
 from MaxText.configuration.config_groups import CheckpointConfig
 from MaxText.errors import TrainingError, UserError, quiet_logger
 from MaxText.local_checkpoints import LocalTier
-from MaxText.sharding import with_shardings
+from MaxText.platform.sharding import with_shardings
 
 STATE, DATA, META = "state", "data", "meta"
 META_FILE = "metadata"  # the file Orbax's JsonSave writes in an item's directory

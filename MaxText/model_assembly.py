@@ -14,12 +14,13 @@ from typing import Any, Sequence
 import jax
 from jax.sharding import Mesh
 
-from MaxText import models, params_io, sharding
+from MaxText import models, params_io
+from MaxText.platform import sharding
 from MaxText.paths import storage
 from MaxText.configuration.config import Config
 from MaxText.errors import UserError
 from MaxText.configuration.model_config import ModelConfig
-from MaxText.sharding import Rules
+from MaxText.platform.sharding import Rules
 
 Params = Any  # a nested dict of arrays, shaped like ModelSpec.abstract_params
 

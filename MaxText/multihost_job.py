@@ -24,9 +24,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python3 MaxText/multihost_job.py`: import the package, not sibling files.
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from MaxText import startup, tpu_launch
+from MaxText import startup
+from MaxText.platform import tpu_launch
 from MaxText.errors import UserError, run_cli
-from MaxText.tpu_launch import Gcloud
+from MaxText.platform.tpu_launch import Gcloud
 
 QUEUED_RESOURCES = ("alpha", "compute", "tpus", "queued-resources")
 

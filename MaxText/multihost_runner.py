@@ -32,9 +32,10 @@ from typing import IO, Iterator
 if __package__ in (None, ""):  # `python3 MaxText/multihost_runner.py`: import the package, not sibling files.
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from MaxText import startup, tpu_launch
+from MaxText import startup
+from MaxText.platform import tpu_launch
 from MaxText.errors import UserError, run_cli
-from MaxText.tpu_launch import Gcloud, log_to_stderr
+from MaxText.platform.tpu_launch import Gcloud, log_to_stderr
 
 PID_FILE = ".multihost_runner.pid"
 KILL_GRACE_S = 10  # SIGTERM first, so a training run can finish an emergency checkpoint

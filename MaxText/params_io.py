@@ -17,7 +17,7 @@ from MaxText import lora, models
 from MaxText.paths import storage
 from MaxText.checkpointing import STATE, first_line, is_step_dir, log, quiet_absl
 from MaxText.errors import UserError
-from MaxText.sharding import with_shardings
+from MaxText.platform.sharding import with_shardings
 
 PARAMS = "params"
 

@@ -37,7 +37,8 @@ from typing import Any, Mapping
 if __package__ in (None, ""):  # `python3 MaxText/plan.py`: import the package, not sibling files.
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from MaxText import accelerators, compiled_step, plan_model, plan_progress, startup
+from MaxText import compiled_step, plan_model, plan_progress, startup
+from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib
 from MaxText.errors import ConfigError, UserError, run_cli
 from MaxText.memory_report import GIB

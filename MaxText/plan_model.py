@@ -23,7 +23,8 @@ from typing import Any, Iterator, Mapping, Sequence
 import jax
 from jax.sharding import AbstractMesh
 
-from MaxText import accelerators, metrics, optimizers, sharding
+from MaxText import metrics, optimizers
+from MaxText.platform import accelerators, sharding
 from MaxText.configuration import remat_policies
 from MaxText.configuration.config_groups import OptimConfig
 from MaxText.configuration.mesh_axes import MESH_AXES, REPLICATED_PARAMETER_AXES, MeshAxis

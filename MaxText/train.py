@@ -18,9 +18,11 @@ if __package__ in (None, ""):  # `python3 MaxText/train.py`: import the package,
 
 import jax
 
-from MaxText import accelerators, checkpointing, metrics
+from MaxText import checkpointing, metrics
+from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib
-from MaxText import distributed, health, preemption, run_assembly, run_lease, run_record, run_start, startup
+from MaxText import health, preemption, run_assembly, run_lease, run_record, run_start, startup
+from MaxText.platform import distributed
 from MaxText.paths import storage
 from MaxText.startup import log
 from MaxText.errors import run_cli

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from MaxText import optimizers, sharding
+from MaxText import optimizers
+from MaxText.platform import sharding
 from MaxText.input_pipeline import Batch
 from MaxText.layers import context_parallel
 from MaxText.objectives import Objective

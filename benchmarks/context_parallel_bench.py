@@ -41,7 +41,7 @@ def main() -> None:
   import jax
   import jax.numpy as jnp
 
-  from MaxText import sharding
+  from MaxText.platform import sharding
   from MaxText.configuration.config import Config
   from MaxText.layers import attention, context_parallel
 

@@ -33,7 +33,8 @@ def main() -> None:
 
   import jax
 
-  from MaxText import accelerators, metrics
+  from MaxText import metrics
+  from MaxText.platform import accelerators
   from MaxText.configuration.config import Config
   from MaxText.run_assembly import build_run
 

@@ -8,7 +8,7 @@
 Builds the same state and jitted step as train.py (synthetic data), runs one compiling
 step, then times `--steps` steps. FLOPs follow MaxText/metrics.py (6 x matmul parameters x
 tokens plus attention); MFU is against the device's published bf16 peak from
-MaxText/accelerators.py (on CPU: a measured float32 matmul rate), also for int8/fp8 runs,
+MaxText/platform/accelerators.py (on CPU: a measured float32 matmul rate), also for int8/fp8 runs,
 so a quantized run's MFU shows its speed-up over the same bf16 budget. `--compare
 quantization=,int8` runs several variants in one process and prints one line each. The
 last line of each run is machine-readable: `RESULT name=... step_s=... tokens_per_s=...
@@ -65,7 +65,8 @@ def time_steps(overrides: dict[str, Any], num_steps: int) -> dict[str, float]:
   """Compiles, runs one warm-up step, times `num_steps` steps; throughput per MaxText/metrics.py."""
   import jax
 
-  from MaxText import accelerators, metrics
+  from MaxText import metrics
+  from MaxText.platform import accelerators
   from MaxText.configuration.config import Config
   from MaxText.run_assembly import build_run
 

@@ -56,7 +56,7 @@ def upstream_recipe(peer_python: str, case: str) -> tuple[str, list[str]]:
 
 
 def upstream_step_s(peer_python: str, case: str, topology: str) -> dict:
-  from MaxText import accelerators  # noqa: PLC0415
+  from MaxText.platform import accelerators  # noqa: PLC0415
   from MaxText.hlo_cycles import estimated_cycles  # noqa: PLC0415
   flags, args = upstream_recipe(peer_python, case)
   with tempfile.TemporaryDirectory(prefix="peer_") as tmp:
@@ -90,7 +90,8 @@ def ours_step_s(peer_python: str, case: str, extra: list[str]) -> dict:
 
 def model_flops_per_chip(case: str, topology: str, extra: list[str]) -> float:
   """Model FLOPs per chip per step of our recipe's model and batch (with `extra` overrides)."""
-  from MaxText import accelerators, metrics
+  from MaxText import metrics
+  from MaxText.platform import accelerators
   from MaxText.configuration import config as config_lib  # noqa: PLC0415
   text = (REPO / "configs" / f"{case}.sh").read_text()
   args = shlex.split(re.search(r"^RECIPE_ARGS=\((.*)\)", text, re.M).group(1))
@@ -127,7 +128,7 @@ def main() -> int:
   parser.add_argument("--columns", default="upstream,ours,planned", help="which compiles to run")
   opts = parser.parse_args()
   columns = set(opts.columns.split(","))
-  from MaxText import accelerators  # noqa: PLC0415
+  from MaxText.platform import accelerators  # noqa: PLC0415
   versions = subprocess.run([opts.peer_python, "-c", "import jax, jaxlib, importlib.metadata as m; "
                              "print(jax.__version__, jaxlib.__version__, m.version('libtpu'), m.version('maxtext'))"],
                             capture_output=True, text=True, check=True).stdout.split()

@@ -40,7 +40,7 @@ def read_recipe(path: Path) -> tuple[str, list[str]]:
 
 
 def plan_command(topology: str, args: list[str], max_candidates: int, workers: int, cache_dir: str) -> list[str]:
-  from MaxText import accelerators  # noqa: PLC0415
+  from MaxText.platform import accelerators  # noqa: PLC0415
   values = dict(a.split("=", 1) for a in args)
   chips = accelerators.tpu_topology(topology).chips
   seq = int(values.get("max_target_length", 2048))

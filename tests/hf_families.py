@@ -17,7 +17,8 @@ import numpy as np
 
 from MaxText import models
 from MaxText.configuration.config import Config
-from MaxText import families, sharding
+from MaxText import families
+from MaxText.platform import sharding
 from MaxText.convert import engine
 
 torch = __import__("pytest").importorskip("torch", reason="needs torch (EXTRAS=test bash setup.sh)")

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from MaxText import xla_flags
-from MaxText.accelerators import DeviceTarget
+from MaxText.platform import xla_flags
+from MaxText.platform.accelerators import DeviceTarget
 from MaxText.configuration.config import BASE_CONFIG_PATH, CONFIGS_DIR, Config, load_config, read_descriptions, read_yaml
 from MaxText.configuration.model_config import parameter_scales
 from MaxText.errors import ConfigError

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from MaxText import distributed
+from MaxText.platform import distributed
 from MaxText.errors import UserError
 from tests.conftest import REPO_ROOT
 

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import accelerators, dpo, models, params_io, run_start
+from MaxText import dpo, models, params_io, run_start
+from MaxText.platform import accelerators
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError, UserError
 from MaxText.input_pipeline import chat, preference

@@ -9,7 +9,8 @@ from jax.extend import core as jax_core
 import numpy as np
 import pytest
 
-from MaxText import metrics, models, sharding
+from MaxText import metrics, models
+from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.layers import attention, masks
 

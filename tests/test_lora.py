@@ -302,7 +302,7 @@ def test_every_family_gets_adapters_on_each_target_named_like_its_base_weight(fa
 
 def test_mla_decoding_includes_the_adapters():
   """MLA decodes in the absorbed form, reading wkv_b's kernel itself: its adapter must be folded in."""
-  from MaxText import sharding
+  from MaxText.platform import sharding
   from MaxText.layers import kv_cache
 
   tiny_v3 = dict(decoder_block="deepseek3", base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=4, head_dim=12,

@@ -13,7 +13,7 @@ import jax
 import pytest
 
 from MaxText import models
-from MaxText.accelerators import DeviceTarget
+from MaxText.platform.accelerators import DeviceTarget
 from MaxText.configuration.config import MODELS_DIR, Config
 
 REPO = Path(__file__).resolve().parent.parent

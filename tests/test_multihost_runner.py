@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from MaxText import tpu_launch
+from MaxText.platform import tpu_launch
 from tests.fake_gcloud import FakeCloud
 
 REPO = Path(__file__).resolve().parent.parent

@@ -14,7 +14,8 @@ import numpy as np
 import optax
 import pytest
 
-from MaxText import accelerators, lora, models, run_assembly
+from MaxText import lora, models, run_assembly
+from MaxText.platform import accelerators
 from MaxText.configuration.config import Config
 from MaxText.input_pipeline.batch_spec import FIELDS, batch_spec
 from MaxText.objectives import LanguageModel, Objective, Preference, objective_for

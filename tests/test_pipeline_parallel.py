@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import sharding, train_compile, train_state, train_step
+from MaxText import train_compile, train_state, train_step
+from MaxText.platform import sharding
 from MaxText.run_assembly import build_run
 from MaxText.configuration.config import BASE_CONFIG_PATH, Config
 from MaxText.errors import ConfigError

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from MaxText import accelerators
-from MaxText.accelerators import DeviceTarget
+from MaxText.platform import accelerators
+from MaxText.platform.accelerators import DeviceTarget
 from MaxText.configuration.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent

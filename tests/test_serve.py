@@ -27,7 +27,7 @@ except ImportError:
   httpx = pytest.importorskip("httpx")
 pytest.importorskip("transformers", reason="chat templates need transformers (EXTRAS=test bash setup.sh)")
 
-from MaxText import sharding  # noqa: E402
+from MaxText.platform import sharding  # noqa: E402
 from MaxText.configuration.config import Config  # noqa: E402
 from MaxText.input_pipeline import chat  # noqa: E402
 from MaxText.serve import build_app, build_server  # noqa: E402

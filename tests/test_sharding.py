@@ -4,7 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import models, sharding
+from MaxText import models
+from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
 from MaxText.train_state import shardings_summary
@@ -93,7 +94,7 @@ class _FakeDevice:
 
 
 def test_two_slices_get_a_hybrid_mesh_with_dcn_across_slices():
-  from MaxText.accelerators import DeviceTarget
+  from MaxText.platform.accelerators import DeviceTarget
 
   target = DeviceTarget(platform="cpu", device_kind="fake", num_devices=8, num_slices=2)
   config = Config.for_testing(target=target, ici_fsdp_parallelism=-1, dcn_data_parallelism=-1, print_config=False)

@@ -16,10 +16,10 @@ ALLOWED = {
     "MaxText/paths/storage.py": "the path layer itself",
     "MaxText/local_checkpoints.py": "the per-host checkpoint tier lives on local disk by definition: fsync and an "
                                     "atomic rename are what make it safe",
-    "MaxText/accelerators.py": "probes device files (/dev/accel*), not user paths",
+    "MaxText/platform/accelerators.py": "probes device files (/dev/accel*), not user paths",
     "MaxText/multihost_runner.py": "a launcher on the user's workstation: local logs it hands to ssh/scp",
     "MaxText/multihost_job.py": "a launcher on the user's workstation: local staging it hands to gcloud",
-    "MaxText/tpu_launch.py": "packs the user's local script folder into a tarball for gcloud scp",
+    "MaxText/platform/tpu_launch.py": "packs the user's local script folder into a tarball for gcloud scp",
     "MaxText/plan.py": "a planner on the user's workstation: its compile cache and the recipe it writes (run from a "
                        "local checkout, relative to configs/recipe_lib.sh) are local files; a URL is refused",
 }

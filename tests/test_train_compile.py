@@ -11,7 +11,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from MaxText import accelerators, compiled_step, hlo_cycles, memory_report, train, train_compile
+from MaxText import compiled_step, hlo_cycles, memory_report, train, train_compile
+from MaxText.platform import accelerators
 from MaxText.configuration.config import BASE_CONFIG_PATH, Config
 from MaxText.errors import ConfigError, UserError
 from MaxText.run_assembly import build_run

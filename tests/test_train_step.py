@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import metrics, models, sharding
+from MaxText import metrics, models
+from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.errors import TrainingError
 from MaxText.trainer import Trainer

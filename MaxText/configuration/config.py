@@ -29,10 +29,10 @@ from typing import Any, Mapping
 import yaml
 
 from MaxText.configuration import config_groups
-from MaxText import accelerators
+from MaxText.platform import accelerators
 from MaxText import run_record
 from MaxText.paths import storage
-from MaxText.accelerators import DeviceTarget
+from MaxText.platform.accelerators import DeviceTarget
 from MaxText.errors import ConfigError
 from MaxText.configuration.model_config import ModelConfig
 

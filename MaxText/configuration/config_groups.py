@@ -15,7 +15,7 @@ import math
 from typing import Any, Mapping
 
 from MaxText.paths import storage
-from MaxText.accelerators import DeviceTarget
+from MaxText.platform.accelerators import DeviceTarget
 from MaxText.configuration.config_fields import DATA_POSITION, OPTIMIZER, derived, key, read_keys
 from MaxText.configuration.config_fields import require as _require
 from MaxText.errors import ConfigError

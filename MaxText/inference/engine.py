@@ -34,7 +34,8 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import model_assembly, sharding, startup
+from MaxText import model_assembly, startup
+from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.errors import UserError
 from MaxText.inference import paged_cache, sampling

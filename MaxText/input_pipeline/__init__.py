@@ -9,7 +9,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from MaxText.input_pipeline.synthetic import Batch, SyntheticIterator
-from MaxText.sharding import batch_sharding
+from MaxText.platform.sharding import batch_sharding
 
 # Eval batches come from a disjoint part of the synthetic stream.
 _EVAL_SEED_OFFSET = 1 << 30

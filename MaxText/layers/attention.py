@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from MaxText import sharding
+from MaxText.platform import sharding
 from MaxText.errors import ConfigError
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.layers import attention_kernels, context_parallel, ring_attention

@@ -23,7 +23,7 @@ from typing import Callable, Literal
 
 import jax
 
-from MaxText import accelerators, sharding
+from MaxText.platform import accelerators, sharding
 from MaxText.errors import ConfigError
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.layers import flash_blocks, masks, paged_kv, ring_blocks, splash_attention

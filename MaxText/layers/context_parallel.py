@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from MaxText import sharding
+from MaxText.platform import sharding
 from MaxText.layers import masks
 from MaxText.configuration.model_config import ModelConfig
 

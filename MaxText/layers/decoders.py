@@ -12,7 +12,7 @@ from typing import Callable, Protocol
 import jax
 from flax import nnx
 
-from MaxText import sharding
+from MaxText.platform import sharding
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.errors import ConfigError
 from MaxText.layers.attention import Attention

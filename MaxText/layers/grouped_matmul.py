@@ -20,7 +20,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from MaxText import accelerators
+from MaxText.platform import accelerators
 from MaxText.errors import ConfigError
 
 GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.typing import DTypeLike
 
-from MaxText import sharding
+from MaxText.platform import sharding
 from MaxText.layers import attention_kernels, masks, paged_kv
 from MaxText.configuration.model_config import ModelConfig
 

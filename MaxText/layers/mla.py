@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxText import sharding
+from MaxText.platform import sharding
 from MaxText.layers import kv_cache, masks
 from MaxText.layers.attention import ATTENTION_KERNELS, layer_window_size, select_kernel
 from MaxText.layers.embeddings import apply_rope, rope_attention_scale, rope_inverse_frequencies, rope_softmax_scale

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxText import sharding
+from MaxText.platform import sharding
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.layers.linears import DenseGeneral
 

@@ -76,9 +76,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from MaxText import sharding
+from MaxText.platform import sharding
 from MaxText.configuration.model_config import ModelConfig
-from MaxText.sharding import trace_platform
+from MaxText.platform.sharding import trace_platform
 from MaxText.layers.grouped_matmul import GroupedMatmul
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers import experts, grouped_matmul, moe_dispatch

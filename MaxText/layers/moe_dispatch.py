@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from MaxText import accelerators, sharding
+from MaxText.platform import accelerators, sharding
 from MaxText.errors import ConfigError
 from MaxText.layers import experts
 from MaxText.layers.grouped_matmul import GroupedMatmul

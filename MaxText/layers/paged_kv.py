@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec
 
-from MaxText import sharding
+from MaxText.platform import sharding
 from MaxText.layers import masks
 
 POOL_NAMES = ("cache_kv_heads", None, None, "cache_kv")  # pages are not sharded: any slot may hold any page

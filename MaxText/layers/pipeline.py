@@ -55,7 +55,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from MaxText import sharding
+from MaxText.platform import sharding
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.layers import pipeline_timetable
 

@@ -40,7 +40,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from MaxText import sharding
+from MaxText.platform import sharding
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.layers import pipeline_timetable
 from MaxText.layers.pipeline import LayerFn, Policy, _merge_micro, _split_micro

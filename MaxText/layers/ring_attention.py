@@ -33,7 +33,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from MaxText import sharding
+from MaxText.platform import sharding
 from MaxText.errors import ConfigError
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.layers import attention_kernels, context_parallel, flash_blocks, masks, ring_blocks

@@ -14,7 +14,7 @@
 # Submit from the repository root (or set REPO_DIR): srun re-runs this file from there on every
 # node, because the copy sbatch keeps lives only on the first node. Every process gets
 # JAX_COORDINATOR_ADDRESS (first node, port COORDINATOR_PORT), JAX_PROCESS_COUNT and
-# JAX_PROCESS_ID, which MaxText/distributed.py reads. Optional environment:
+# JAX_PROCESS_ID, which MaxText/platform/distributed.py reads. Optional environment:
 #   RUN_NAME=...          default slurm-<job id>, the same on every process
 #   COORDINATOR_PORT=...  default derived from the job id, so jobs sharing a node do not collide
 #   CONFIG=...            default configs/base.yml

@@ -8,7 +8,7 @@ import numpy as np
 
 from jax.sharding import Mesh
 
-from MaxText import sharding
+from MaxText.platform import sharding
 from MaxText.configuration.config_groups import MESH_AXES
 from MaxText.inference.engine import Engine
 

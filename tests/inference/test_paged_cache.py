@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import sharding
+from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError, UserError
 from MaxText.inference import paged_cache
@@ -222,7 +222,7 @@ def test_paged_generate_compiles_for_tpu_with_the_pallas_kernel(topology, tensor
   the scanned layer) and compiles for a TPU topology, kv heads split over tensor under shard_map;
   a head dim of 64, which the kernel's blocks cannot tile, takes the gather reference instead."""
   pytest.importorskip("libtpu")
-  from MaxText import accelerators
+  from MaxText.platform import accelerators
   from MaxText.train_compile import describe_topology
   tpu = accelerators.tpu_topology(topology)
   config = Config.for_testing(tpu.target(1), **dict(TINY, base_emb_dim=256, head_dim=head_dim, max_target_length=256,

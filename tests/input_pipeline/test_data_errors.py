@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from MaxText import sharding
+from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
 from MaxText.input_pipeline import check_sources, create_data_iterator, create_eval_iterator

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import sharding
+from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.input_pipeline import create_data_iterator, create_eval_iterator, pipeline
 from MaxText.input_pipeline.batch_spec import batch_spec

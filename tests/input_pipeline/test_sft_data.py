@@ -119,7 +119,7 @@ GOOD = {"messages": [{"role": "user", "content": "to be"}, {"role": "assistant",
 
 
 def first_batch(tmp_path, lines: list[str], name: str = "train.jsonl", **overrides):
-  from MaxText import sharding
+  from MaxText.platform import sharding
   from MaxText.configuration.config import Config
   from MaxText.input_pipeline import create_data_iterator
 

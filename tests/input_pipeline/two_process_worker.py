@@ -21,7 +21,7 @@ def main() -> None:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=int(process_id),
                              initialization_timeout=120)
-  from MaxText import sharding
+  from MaxText.platform import sharding
   from MaxText.configuration.config import Config
   from MaxText.input_pipeline import create_data_iterator
 

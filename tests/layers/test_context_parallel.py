@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import sharding, train_compile
+from MaxText import train_compile
+from MaxText.platform import sharding
 from MaxText.configuration.config import BASE_CONFIG_PATH, Config
 from MaxText.layers import attention, context_parallel
 from MaxText.layers.attention import dot_product_attention

@@ -111,7 +111,8 @@ def test_pipeline_parallelism_refuses_the_dense_prefix():
 
 def test_flops_formula_counts_mla_and_the_dense_prefix():
   """metrics' MLA projections, value width and dense prefix against XLA's count (unrolled, float32)."""
-  from MaxText import metrics, sharding
+  from MaxText import metrics
+  from MaxText.platform import sharding
   import jax.numpy as jnp
   overrides = dict(TINY_V3, base_emb_dim=256, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32,
                    qk_rope_head_dim=16, head_dim=48, v_head_dim=24, base_mlp_dim=128, dense_mlp_dim=512,

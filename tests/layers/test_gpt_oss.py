@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import families, sharding
+from MaxText import families
+from MaxText.platform import sharding
 from MaxText.errors import ConfigError
 from MaxText.layers import attention, flash_blocks, grouped_matmul, kv_cache, masks, moe
 from MaxText.layers.attention import dot_product_attention, select_kernel

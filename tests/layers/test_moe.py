@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import metrics, models, sharding, train_state
+from MaxText import metrics, models, train_state
+from MaxText.platform import sharding
 from MaxText.objectives.language_model import LanguageModel
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from MaxText import metrics as metrics_lib
-from MaxText import sharding, train_compile
+from MaxText import train_compile
+from MaxText.platform import sharding
 from MaxText.objectives.language_model import routing_metrics
 from MaxText.configuration.config import BASE_CONFIG_PATH
 from MaxText.errors import ConfigError

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import sharding
+from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
 from MaxText.layers import quantization

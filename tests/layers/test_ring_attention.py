@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import sharding
+from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
 from MaxText.layers import attention, attention_kernels, context_parallel, ring_attention
@@ -240,7 +240,7 @@ def test_strategies_compile_for_tpu_with_splash(topology, strategy, length):
   pair (causal and full: 2 forward kernels, run again in the backward, and 2 x dQ, dKV) and
   collective-permutes, with no all-gather of K/V."""
   pytest.importorskip("libtpu")
-  from MaxText import accelerators
+  from MaxText.platform import accelerators
   from MaxText.train_compile import describe_topology
   tpu = accelerators.tpu_topology(topology)
   config = Config.for_testing(tpu.target(1), **{**SPLASH, "max_target_length": length, "head_dim": 128},

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import sharding
+from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.layers import attention, attention_kernels, context_parallel, ring_blocks
 from MaxText.layers.attention import dot_product_attention

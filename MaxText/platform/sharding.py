@@ -16,7 +16,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import accelerators
+from MaxText.platform import accelerators
 from MaxText.configuration.config_groups import MeshConfig
 from MaxText.configuration.mesh_axes import MESH_AXES, REPLICATED_PARAMETER_AXES
 from MaxText.errors import ConfigError

@@ -1,0 +1,1 @@
+"""Platform: the devices and processes a run has: accelerator kinds, peaks and TPU topologies (accelerators), XLA/libtpu flags (xla_flags), multi-process start-up (distributed), the mesh and its shardings (sharding), and commands on TPU VM workers (tpu_launch)."""
