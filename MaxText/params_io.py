@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxText import lora, models
 from MaxText.paths import storage
-from MaxText.checkpointing import STATE, first_line, is_step_dir, log, quiet_absl
+from MaxText.run_dir.checkpointing import STATE, first_line, is_step_dir, log, quiet_absl
 from MaxText.errors import UserError
 from MaxText.platform.sharding import with_shardings
 

@@ -11,7 +11,7 @@ import jax
 
 from MaxText import params_io
 from MaxText.paths import storage
-from MaxText.checkpointing import Restored, RunCheckpoints, first_line, is_step_dir, log
+from MaxText.run_dir.checkpointing import Restored, RunCheckpoints, first_line, is_step_dir, log
 from MaxText.configuration.config_groups import CheckpointConfig
 from MaxText.errors import UserError
 from MaxText.train_state import state_from_params

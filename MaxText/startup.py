@@ -26,7 +26,7 @@ from typing import Any, Callable, Literal, Mapping, Protocol, Sequence
 import jax
 from jax.experimental import topologies
 
-from MaxText import run_lease
+from MaxText.run_dir import run_lease
 from MaxText.platform import accelerators, distributed, xla_flags
 from MaxText.paths import storage, storage_retry
 from MaxText.configuration import config as config_lib

@@ -18,10 +18,12 @@ if __package__ in (None, ""):  # `python3 MaxText/train.py`: import the package,
 
 import jax
 
-from MaxText import checkpointing, metrics
+from MaxText import metrics
+from MaxText.run_dir import checkpointing
 from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib
-from MaxText import health, preemption, run_assembly, run_lease, run_record, run_start, startup
+from MaxText import health, run_assembly, run_start, startup
+from MaxText.run_dir import preemption, run_lease, run_record
 from MaxText.platform import distributed
 from MaxText.paths import storage
 from MaxText.startup import log

@@ -121,7 +121,7 @@ def _create_bucket(host: str) -> str:
 def _measure_tier(label, directory, base, setup, state, train, step_s, state_gb, steps) -> None:
   import jax
 
-  from MaxText import checkpointing
+  from MaxText.run_dir import checkpointing
   from MaxText.configuration.config import Config
 
   sync_cfg = Config.for_testing(**{**base, "base_output_directory": directory}, async_checkpointing=False)
@@ -143,7 +143,7 @@ def _measure_tier(label, directory, base, setup, state, train, step_s, state_gb,
 def _measure_local_tier(root, setup, state, train, step_s, state_gb, steps) -> None:
   import jax
 
-  from MaxText.local_checkpoints import LocalTier
+  from MaxText.run_dir.local_checkpoints import LocalTier
 
   tier = LocalTier(os.path.join(root, "local_tier"), period=1, max_to_keep=2)
   save_s = _timed(lambda: (tier.save(1, state, {"step": 1}, {}), tier.wait()))

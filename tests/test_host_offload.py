@@ -64,7 +64,7 @@ def test_offloaded_remat_policies_match_full_remat(tiny_overrides):
 
 
 def test_offloaded_optimizer_state_checkpoint_round_trip(tiny_overrides, tmp_path):
-  from MaxText import checkpointing
+  from MaxText.run_dir import checkpointing
   config = Config.for_testing(**tiny_overrides, optimizer_memory_host_offload=True, base_output_directory=str(tmp_path),
                               run_name="run", steps=5, async_checkpointing=False)
   run = Run(config)

@@ -191,7 +191,8 @@ def test_resume_and_merged_params_only_export(tiny_overrides, tmp_path):
   """A LoRA run's full state (masked optimizer state included) resumes exactly; the params-only
   export is a plain model (no adapter leaves) holding the merged kernels, and a LoRA run started
   from it (load_parameters_path) computes that model with fresh adapters."""
-  from MaxText import checkpointing, generate_param_only_checkpoint, params_io, run_start
+  from MaxText import generate_param_only_checkpoint, params_io, run_start
+  from MaxText.run_dir import checkpointing
 
   values = dict(tiny_overrides, **_lora_keys(), base_output_directory=str(tmp_path), run_name="run", steps=20,
                 dataset_type="synthetic", learning_rate=1e-2, sharding_tolerance=0.5)
@@ -220,7 +221,8 @@ def test_resume_and_merged_params_only_export(tiny_overrides, tmp_path):
     maxtext_to_hf._open_checkpoint(str(tmp_path / "run" / "checkpoints"), Config.for_testing(**tiny_overrides))
 
   # A tool reading the run gets its LoRA keys from the run's config.yml (no lora_* given here).
-  from MaxText import run_record, startup
+  from MaxText import startup
+  from MaxText.run_dir import run_record
   run_record.record_start(config, str(tmp_path / "run"))
   export = str(tmp_path / "export")
   generate_param_only_checkpoint.generate(startup.start(generate_param_only_checkpoint.TOOL, [

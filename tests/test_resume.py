@@ -265,9 +265,9 @@ def test_resume_from_step_sets_later_steps_aside_in_both_tiers_once(tmp_path):
   local steps aside (renamed), a rerun under the same value keeps the steps saved since, and a
   step that was never saved is refused by name."""
   from MaxText import run_start
-  from MaxText.checkpointing import REWIND_KEY, RunCheckpoints
+  from MaxText.run_dir.checkpointing import REWIND_KEY, RunCheckpoints
   from MaxText.errors import UserError
-  from MaxText.local_checkpoints import LocalTier
+  from MaxText.run_dir.local_checkpoints import LocalTier
 
   state = {"w": jnp.arange(8.0)}
   open_run = lambda: RunCheckpoints(str(tmp_path / "checkpoints"),  # noqa: E731

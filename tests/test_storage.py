@@ -14,7 +14,7 @@ from tests.conftest import REPO_ROOT
 # Modules allowed to touch the file system directly, and why.
 ALLOWED = {
     "MaxText/paths/storage.py": "the path layer itself",
-    "MaxText/local_checkpoints.py": "the per-host checkpoint tier lives on local disk by definition: fsync and an "
+    "MaxText/run_dir/local_checkpoints.py": "the per-host checkpoint tier lives on local disk by definition: fsync and an "
                                     "atomic rename are what make it safe",
     "MaxText/platform/accelerators.py": "probes device files (/dev/accel*), not user paths",
     "MaxText/multihost_runner.py": "a launcher on the user's workstation: local logs it hands to ssh/scp",

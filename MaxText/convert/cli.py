@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from MaxText import families, run_record
+from MaxText import families
+from MaxText.run_dir import run_record
 from MaxText.configuration import config as config_lib
 from MaxText.convert import engine, hf_io
 from MaxText.errors import ConfigError, UserError

@@ -28,7 +28,7 @@ from jax.experimental import multihost_utils
 from MaxText.paths import storage, storage_retry
 from MaxText.configuration.config_groups import CheckpointConfig
 from MaxText.errors import TrainingError, UserError, quiet_logger
-from MaxText.local_checkpoints import LocalTier
+from MaxText.run_dir.local_checkpoints import LocalTier
 from MaxText.platform.sharding import with_shardings
 
 STATE, DATA, META = "state", "data", "meta"
