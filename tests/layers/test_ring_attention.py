@@ -190,7 +190,7 @@ def test_all_to_all_platform_kernel_equals_dense(platform, window, monkeypatch):
   kernel = attention.ATTENTION_KERNELS["flash"](config.model)
   monkeypatch.setattr(sharding, "trace_platform", lambda: platform)
   # Pallas' HLO interpreter (interpret=True) traces into plain ops, which run under shard_map.
-  monkeypatch.setattr(ring_attention, "full_sequence_kernel",
+  monkeypatch.setattr(attention_kernels, "full_sequence_kernel",
                       functools.partial(attention_kernels.full_sequence_kernel, interpret=True))
   cudnn_calls = []
 
