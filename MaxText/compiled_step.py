@@ -24,7 +24,7 @@ from MaxText.errors import UserError
 
 if TYPE_CHECKING:
   from MaxText.configuration.config import Config
-  from MaxText.run_assembly import StepInputs
+  from MaxText.training.run_assembly import StepInputs
 
 _MAGIC = b"MAXTEXT-COMPILED-TRAIN-STEP\n"
 _FORMAT_VERSION = 1

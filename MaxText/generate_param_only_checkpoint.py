@@ -21,7 +21,8 @@ if __package__ in (None, ""):  # `python3 MaxText/generate_param_only_checkpoint
 
 import jax
 
-from MaxText import lora, model_assembly, models, params_io
+from MaxText import models
+from MaxText.training import lora, model_assembly, params_io
 from MaxText.paths import storage
 from MaxText.configuration.config import Config
 from MaxText.configuration.model_config import MODEL_KEYS

@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText import model_assembly, startup
+from MaxText import startup
+from MaxText.training import model_assembly
 from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.convert import cli, hf_io

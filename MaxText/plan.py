@@ -164,7 +164,8 @@ def compile_candidate(argv: list[str], libtpu_flags: str, log_path: str) -> dict
 def compile_figures(argv: list[str]) -> dict[str, Any]:
   """Compiles the train step for the topology `argv` names (train_compile's path): XLA's device
   heap per chip, the compiler's step time and the compile time, or why it did not compile."""
-  from MaxText import run_assembly, train_compile  # noqa: PLC0415  (after the flags are set)
+  from MaxText import train_compile
+  from MaxText.training import run_assembly  # noqa: PLC0415  (after the flags are set)
   from MaxText.hlo_cycles import estimated_cycles  # noqa: PLC0415
   from MaxText.memory_report import MemoryReport, buffer_assignment_dump_options, read_buffer_assignment  # noqa: PLC0415
   start = time.perf_counter()

@@ -23,7 +23,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import jax
 from jax.sharding import AbstractMesh
 
-from MaxText import metrics, optimizers
+from MaxText.training import metrics, optimizers
 from MaxText.platform import accelerators, sharding
 from MaxText.configuration import remat_policies
 from MaxText.configuration.config_groups import OptimConfig

@@ -18,11 +18,12 @@ if __package__ in (None, ""):  # `python3 MaxText/train.py`: import the package,
 
 import jax
 
-from MaxText import metrics
+from MaxText.training import metrics
 from MaxText.run_dir import checkpointing
 from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib
-from MaxText import health, run_assembly, run_start, startup
+from MaxText import startup
+from MaxText.training import health, run_assembly, run_start
 from MaxText.run_dir import preemption, run_lease, run_record
 from MaxText.platform import distributed
 from MaxText.paths import storage
@@ -31,7 +32,7 @@ from MaxText.errors import run_cli
 from MaxText.input_pipeline import check_sources
 from MaxText.layers import pipeline
 from MaxText.layers.attention import select_kernel
-from MaxText.trainer import (CheckpointHook, EvalHook, LeaseHook, LoggingHook, ProfilerHook, RouterHealthHook,
+from MaxText.training.trainer import (CheckpointHook, EvalHook, LeaseHook, LoggingHook, ProfilerHook, RouterHealthHook,
                              Trainer)
 
 

@@ -27,7 +27,8 @@ if __package__ in (None, ""):  # `python3 MaxText/train_compile.py`: import the 
 
 import jax
 
-from MaxText import compiled_step, metrics, run_assembly, startup
+from MaxText import compiled_step, startup
+from MaxText.training import metrics, run_assembly
 from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib
 from MaxText.startup import describe_topology  # noqa: F401  (tests and benchmarks name it here)

@@ -48,7 +48,7 @@ def main() -> None:
   import jax
 
   from MaxText.configuration.config import Config
-  from MaxText.run_assembly import build_run
+  from MaxText.training.run_assembly import build_run
 
   shutil.rmtree(args.dir, ignore_errors=True)
   per_device = 1.0 / jax.device_count() if jax.device_count() > 1 else 1.0

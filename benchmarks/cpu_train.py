@@ -33,10 +33,10 @@ def main() -> None:
 
   import jax
 
-  from MaxText import metrics
+  from MaxText.training import metrics
   from MaxText.platform import accelerators
   from MaxText.configuration.config import Config
-  from MaxText.run_assembly import build_run
+  from MaxText.training.run_assembly import build_run
 
   config = Config.for_testing(**MODEL, per_device_batch_size=args.batch / jax.device_count(),
                               max_target_length=args.length, steps=args.steps + 1, print_config=False)

@@ -6,7 +6,7 @@
     python3 benchmarks/gpu_train.py --smoke     # a tiny model on CPU: checks the script runs
 
 Builds the same state and jitted step as train.py (synthetic data), runs one compiling
-step, then times `--steps` steps. FLOPs follow MaxText/metrics.py (6 x matmul parameters x
+step, then times `--steps` steps. FLOPs follow MaxText/training/metrics.py (6 x matmul parameters x
 tokens plus attention); MFU is against the device's published bf16 peak from
 MaxText/platform/accelerators.py (on CPU: a measured float32 matmul rate), also for int8/fp8 runs,
 so a quantized run's MFU shows its speed-up over the same bf16 budget. `--compare
@@ -62,13 +62,13 @@ def _overrides(args: argparse.Namespace, extra: dict[str, str]) -> dict[str, Any
 
 
 def time_steps(overrides: dict[str, Any], num_steps: int) -> dict[str, float]:
-  """Compiles, runs one warm-up step, times `num_steps` steps; throughput per MaxText/metrics.py."""
+  """Compiles, runs one warm-up step, times `num_steps` steps; throughput per MaxText/training/metrics.py."""
   import jax
 
-  from MaxText import metrics
+  from MaxText.training import metrics
   from MaxText.platform import accelerators
   from MaxText.configuration.config import Config
-  from MaxText.run_assembly import build_run
+  from MaxText.training.run_assembly import build_run
 
   config = Config.for_testing(**overrides)
   run = build_run(config)

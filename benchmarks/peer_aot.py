@@ -90,7 +90,7 @@ def ours_step_s(peer_python: str, case: str, extra: list[str]) -> dict:
 
 def model_flops_per_chip(case: str, topology: str, extra: list[str]) -> float:
   """Model FLOPs per chip per step of our recipe's model and batch (with `extra` overrides)."""
-  from MaxText import metrics
+  from MaxText.training import metrics
   from MaxText.platform import accelerators
   from MaxText.configuration import config as config_lib  # noqa: PLC0415
   text = (REPO / "configs" / f"{case}.sh").read_text()

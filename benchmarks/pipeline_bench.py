@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
   import jax
 
   from MaxText.configuration.config import Config
-  from MaxText.run_assembly import build_run
+  from MaxText.training.run_assembly import build_run
   from MaxText.layers import pipeline, pipeline_timetable
 
   model = dict(base_emb_dim=args.width, base_num_query_heads=4, base_num_kv_heads=4, head_dim=args.width // 4,

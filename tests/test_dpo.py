@@ -19,15 +19,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import dpo, models, params_io, run_start
+from MaxText import models
+from MaxText.training.objectives import dpo
+from MaxText.training import params_io, run_start
 from MaxText.platform import accelerators
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError, UserError
 from MaxText.input_pipeline import chat, preference
 from MaxText.input_pipeline.batch_spec import DPO_FIELDS
 from MaxText.input_pipeline.packing import DocumentCursor
-from MaxText.run_assembly import build_run
-from MaxText.train_state import reference_of
+from MaxText.training.run_assembly import build_run
+from MaxText.training.train_state import reference_of
 from tests.conftest import REPO_ROOT
 
 sys.path.insert(0, str(Path(__file__).parent / "input_pipeline"))
@@ -381,8 +383,8 @@ def test_the_declared_dpo_batch_lowers_sharded_over_two_devices(tiny_overrides):
 
 
 def test_a_dpo_step_counts_two_trained_sequences_and_two_reference_passes_per_row(tiny_overrides):
-  from MaxText import metrics
-  from MaxText.objectives import Preference
+  from MaxText.training import metrics
+  from MaxText.training.objectives import Preference
 
   config = Config.for_testing(**tiny_overrides)
   plain = metrics.training_tflops_per_step(config.model, 8, 32)
@@ -434,7 +436,7 @@ def test_conversational_records_read_from_parquet_through_the_hf_reader(tokenize
 
 def test_with_lora_the_reference_is_the_base_with_adapters_off(tiny_overrides, tmp_path):
   """No copy of the weights: the frozen base (adapters off) is the starting model, and stays bitwise."""
-  from MaxText import lora
+  from MaxText.training import lora
 
   overrides = {**tiny_overrides, **DPO_DATA, "per_device_batch_size": 4, "learning_rate": 3e-2, "dpo_beta": 0.5,
                "lora_rank": 4, "lora_alpha": 8.0}

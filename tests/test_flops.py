@@ -1,4 +1,4 @@
-"""The FLOPs formula of MaxText/metrics.py: sliding-window layers and the two MoE paths, checked
+"""The FLOPs formula of MaxText/training/metrics.py: sliding-window layers and the two MoE paths, checked
 against XLA's cost analysis, the real attention mask, and the matmuls in the model's jaxpr."""
 
 import math
@@ -9,7 +9,8 @@ from jax.extend import core as jax_core
 import numpy as np
 import pytest
 
-from MaxText import metrics, models
+from MaxText import models
+from MaxText.training import metrics
 from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.layers import attention, masks

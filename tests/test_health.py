@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from MaxText.health import StragglerHook
-from MaxText.trainer import StepRecord
+from MaxText.training.health import StragglerHook
+from MaxText.training.trainer import StepRecord
 from tests.conftest import REPO_ROOT
 
 
@@ -76,7 +76,7 @@ def test_two_processes_name_the_one_slowed_on_purpose(tmp_path):
 
 
 def test_goodput_counts_each_step_once_and_names_what_was_lost():
-  from MaxText.health import StartRecord, summarize
+  from MaxText.training.health import StartRecord, summarize
 
   killed = StartRecord(started=0.0, wall_s=100.0, startup_s=20.0, compile_s=10.0, data_wait_s=2.0, first_step=1,
                        last_step=14, median_step_s=4.0)
@@ -159,7 +159,7 @@ def test_an_uninterrupted_run_counts_nearly_all_of_its_step_time_as_productive(t
 def test_the_watchdog_fires_when_no_step_finishes_in_time(capsys):
   import time
 
-  from MaxText.health import StepWatchdog
+  from MaxText.training.health import StepWatchdog
 
   exits: list[int] = []
   watchdog = StepWatchdog(0.5, exit=exits.append)

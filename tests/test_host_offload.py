@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import optimizers
+from MaxText.training import optimizers
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
 from train_utils import Run

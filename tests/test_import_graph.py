@@ -23,8 +23,8 @@ FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
     ("MaxText.serve", "MaxText.inference.serve_routes"): "FastAPI loads only when the server starts",
     ("MaxText.layers.decoders", "MaxText.families"): "the family registry lists and imports every family module "
     "(and the converter tables), which a layer class lookup needs only when a model is built",
-    ("MaxText.metrics", "MaxText.layers.moe"): "flax and the layers load only for a MoE model's FLOPs",
-    ("MaxText.plan", "MaxText.run_assembly"): "JAX's backend must start after the planner sets the XLA flags",
+    ("MaxText.training.metrics", "MaxText.layers.moe"): "flax and the layers load only for a MoE model's FLOPs",
+    ("MaxText.plan", "MaxText.training.run_assembly"): "JAX's backend must start after the planner sets the XLA flags",
     ("MaxText.plan", "MaxText.train_compile"): "JAX's backend must start after the planner sets the XLA flags",
     ("MaxText.plan", "MaxText.hlo_cycles"): "JAX's backend must start after the planner sets the XLA flags",
     ("MaxText.plan", "MaxText.memory_report"): "JAX's backend must start after the planner sets the XLA flags",

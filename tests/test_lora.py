@@ -1,4 +1,4 @@
-"""LoRA (MaxText/lora.py): logits and merged weights against PEFT on a tiny HF Llama, only the
+"""LoRA (MaxText/training/lora.py): logits and merged weights against PEFT on a tiny HF Llama, only the
 adapters train (base weights bitwise unchanged, optimizer state for adapters only), adapters
 sharded like their base weights, resume and the merged params-only export, bad targets."""
 
@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import lora, models, train_state
+from MaxText import models
+from MaxText.training import lora, train_state
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
 from tests import hf_families as hf
@@ -191,7 +192,8 @@ def test_resume_and_merged_params_only_export(tiny_overrides, tmp_path):
   """A LoRA run's full state (masked optimizer state included) resumes exactly; the params-only
   export is a plain model (no adapter leaves) holding the merged kernels, and a LoRA run started
   from it (load_parameters_path) computes that model with fresh adapters."""
-  from MaxText import generate_param_only_checkpoint, params_io, run_start
+  from MaxText import generate_param_only_checkpoint
+  from MaxText.training import params_io, run_start
   from MaxText.run_dir import checkpointing
 
   values = dict(tiny_overrides, **_lora_keys(), base_output_directory=str(tmp_path), run_name="run", steps=20,
@@ -333,7 +335,7 @@ def test_mla_decoding_includes_the_adapters():
 def test_sft_with_lora_learns_and_leaves_the_base_weights(tmp_path):
   """configs/sft.yml with LoRA from a briefly fine-tuned base: the assistant-token eval loss keeps
   falling, and the base weights in the LoRA run's checkpoint are the loaded ones, bitwise."""
-  from MaxText import params_io
+  from MaxText.training import params_io
   from tests.test_sft_train import MODEL, train
 
   pretrain = tmp_path / "pretrain"

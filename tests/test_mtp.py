@@ -139,8 +139,8 @@ def test_a_family_without_an_mtp_layout_refuses_to_convert_one(tmp_path):
 def test_the_flops_formula_counts_the_mtp_modules():
   """XLA's count of one forward loss pass with an MTP module, minus without, against the formula's
   difference (float32, unrolled: XLA counts a scan body once)."""
-  from MaxText import metrics
-  from MaxText.objectives.language_model import LanguageModel
+  from MaxText.training import metrics
+  from MaxText.training.objectives.language_model import LanguageModel
 
   shape = dict(base_emb_dim=256, base_num_query_heads=4, base_num_kv_heads=2, head_dim=64, base_mlp_dim=1024,
                base_num_decoder_layers=2, vocab_size=512, max_target_length=128, scan_layers=False,

@@ -1,4 +1,4 @@
-"""The objective seam (MaxText/objectives/): each objective reads the batch batch_spec declares,
+"""The objective seam (MaxText/training/objectives/): each objective reads the batch batch_spec declares,
 train_step.py names no objective or partition, and an objective the step has never seen trains
 through build_run's step unchanged."""
 
@@ -14,13 +14,15 @@ import numpy as np
 import optax
 import pytest
 
-from MaxText import lora, models, run_assembly
+from MaxText import models
+from MaxText.training import lora, run_assembly
+from MaxText.training import train_step as train_step_module
 from MaxText.platform import accelerators
 from MaxText.configuration.config import Config
 from MaxText.input_pipeline.batch_spec import FIELDS, batch_spec
-from MaxText.objectives import LanguageModel, Objective, Preference, objective_for
-from MaxText.objectives.base import Batch, Metrics, Params, Sums, T
-from MaxText.train_state import PreferenceState, TrainState, reference_of
+from MaxText.training.objectives import LanguageModel, Objective, Preference, objective_for
+from MaxText.training.objectives.base import Batch, Metrics, Params, Sums, T
+from MaxText.training.train_state import PreferenceState, TrainState, reference_of
 
 MAXTEXT = Path(__file__).resolve().parent.parent / "MaxText"
 DPO_DATA = dict(use_dpo=True, dataset_type="hf", hf_data_files="train.jsonl", tokenizer_type="huggingface",
@@ -42,14 +44,14 @@ def test_each_objective_reads_the_fields_batch_spec_declares(tiny_overrides, dat
 
 
 def test_the_step_and_the_model_name_no_objective_or_partition():
-  step = (MAXTEXT / "train_step.py").read_text()
+  step = Path(train_step_module.__file__).read_text()
   for word in ("use_dpo", "lora_rank", "lora", "dpo", "pair_count", "xent_sum", "moe_", "host_offload", "mtp"):
     assert word not in step, word
-  model = (MAXTEXT / "models.py").read_text()
+  model = Path(models.__file__).read_text()
   assert "pipeline_1f1b" not in model and "pipelined_loss" not in model and "load_balance_loss_weight" not in model
   # The one place outside the data's own code that reads the config's kind of run: it picks the objective.
   readers = sorted(p.relative_to(MAXTEXT).as_posix() for p in MAXTEXT.rglob("*.py") if ".use_dpo" in p.read_text())
-  assert [p for p in readers if not p.startswith(("input_pipeline/", "config"))] == ["objectives/__init__.py"]
+  assert [p for p in readers if not p.startswith(("input_pipeline/", "configuration/"))] == ["training/objectives/__init__.py"]
 
 
 class _AnchoredRows(Objective):

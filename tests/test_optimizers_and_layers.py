@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import models, optimizers
+from MaxText import models
+from MaxText.training import optimizers
 from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from train_utils import Run

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from test_pipeline_parallel import _grads_and_step, _model_overrides, _packed_batch
 
-from MaxText import train_compile, train_step
+from MaxText import train_compile
+from MaxText.training import train_step
 from MaxText.platform import sharding
 from MaxText.configuration.config import BASE_CONFIG_PATH, Config
 from MaxText.layers import pipeline, pipeline_timetable
-from MaxText.run_assembly import build_run
+from MaxText.training.run_assembly import build_run
 
 
 def _config(schedule: str, micro: int, **overrides) -> Config:

@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import train_compile, train_state, train_step
+from MaxText import train_compile
+from MaxText.training import train_state, train_step
 from MaxText.platform import sharding
-from MaxText.run_assembly import build_run
+from MaxText.training.run_assembly import build_run
 from MaxText.configuration.config import BASE_CONFIG_PATH, Config
 from MaxText.errors import ConfigError
 from MaxText.layers import pipeline

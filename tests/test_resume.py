@@ -213,9 +213,9 @@ class _NonFiniteAt:
 
 
 def _trainer(tiny_overrides, bad, steps=9, **overrides):
-  from MaxText import metrics
+  from MaxText.training import metrics
   from MaxText.configuration.config import Config
-  from MaxText.trainer import Trainer
+  from MaxText.training.trainer import Trainer
 
   config = Config.for_testing(**tiny_overrides, steps=steps, **overrides)
   return config, Trainer(config, _NonFiniteAt(bad, config.run.skip_nonfinite_steps), _Data(), jax.random.key(0),
@@ -223,7 +223,7 @@ def _trainer(tiny_overrides, bad, steps=9, **overrides):
 
 
 def test_a_non_finite_step_is_never_saved_and_a_due_save_waits_for_the_next_finite_step(tiny_overrides, capsys):
-  from MaxText.trainer import CheckpointHook
+  from MaxText.training.trainer import CheckpointHook
 
   _, trainer = _trainer(tiny_overrides, bad={4, 9})
   checkpoints = _RecordingCheckpoints()
@@ -237,7 +237,7 @@ def test_a_non_finite_step_is_never_saved_and_a_due_save_waits_for_the_next_fini
 
 
 def test_the_stop_names_the_last_good_step_and_a_command_with_a_lower_learning_rate(tiny_overrides):
-  from MaxText import run_start
+  from MaxText.training import run_start
   from MaxText.errors import TrainingError
 
   argv = ["MaxText/train.py", "configs/base.yml", "run_name=r", "learning_rate=0.5"]
@@ -264,7 +264,7 @@ def test_resume_from_step_sets_later_steps_aside_in_both_tiers_once(tmp_path):
   """RunCheckpoints with a local tier, in process: the rewind moves the later persistent and
   local steps aside (renamed), a rerun under the same value keeps the steps saved since, and a
   step that was never saved is refused by name."""
-  from MaxText import run_start
+  from MaxText.training import run_start
   from MaxText.run_dir.checkpointing import REWIND_KEY, RunCheckpoints
   from MaxText.errors import UserError
   from MaxText.run_dir.local_checkpoints import LocalTier

@@ -335,7 +335,7 @@ def test_the_resume_check_falls_back_to_the_newest_history_entry(tmp_path):
 
 
 def test_a_kill_mid_write_leaves_one_partial_line_which_the_resume_drops(tmp_path):
-  from MaxText import metrics
+  from MaxText.training import metrics
 
   path = tmp_path / "metrics.jsonl"
   path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')

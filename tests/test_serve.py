@@ -489,7 +489,8 @@ def test_cli_server_answers_like_decode_py(tmp_path):
   import os
   import subprocess
 
-  from MaxText import models, params_io
+  from MaxText import models
+  from MaxText.training import params_io
   from MaxText.convert import engine as convert_engine
 
   model_keys = {k: MODEL[k] for k in ("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim",

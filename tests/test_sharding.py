@@ -8,7 +8,7 @@ from MaxText import models
 from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
-from MaxText.train_state import shardings_summary
+from MaxText.training.train_state import shardings_summary
 from train_utils import Run, losses
 
 MESHES = {

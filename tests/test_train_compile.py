@@ -15,7 +15,7 @@ from MaxText import compiled_step, hlo_cycles, memory_report, train, train_compi
 from MaxText.platform import accelerators
 from MaxText.configuration.config import BASE_CONFIG_PATH, Config
 from MaxText.errors import ConfigError, UserError
-from MaxText.run_assembly import build_run
+from MaxText.training.run_assembly import build_run
 
 REPO = Path(__file__).resolve().parent.parent
 # Small enough that a 512-device TPU compile takes seconds, not minutes.

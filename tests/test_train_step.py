@@ -11,11 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import metrics, models
+from MaxText import models
+from MaxText.training import metrics
 from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.errors import TrainingError
-from MaxText.trainer import Trainer
+from MaxText.training.trainer import Trainer
 from train_utils import Run, assert_accumulation_equals_one_big_batch
 
 REPO = Path(__file__).resolve().parent.parent

@@ -6,9 +6,9 @@ from typing import Any
 
 import jax
 
-from MaxText import metrics as metrics_lib, train_state
+from MaxText.training import metrics as metrics_lib, train_state
 from MaxText.configuration.config import Config
-from MaxText.run_assembly import build_run
+from MaxText.training.run_assembly import build_run
 
 
 class Run:

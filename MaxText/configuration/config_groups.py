@@ -133,7 +133,7 @@ class OptimConfig:
   gradient_clipping_threshold: float = key()
   gradient_accumulation_steps: int = key()
   z_loss_multiplier: float = key()
-  # DPO's loss (use_dpo; MaxText/dpo.py): the reward scale β and the conservative-DPO flip probability.
+  # DPO's loss (use_dpo; MaxText/training/objectives/dpo.py): the reward scale β and the conservative-DPO flip probability.
   dpo_beta: float = key()
   dpo_label_smoothing: float = key()
   optimizer_memory_host_offload: bool = key()  # optimizer state in pinned host memory

@@ -182,7 +182,7 @@ class ModelConfig:
   pipeline_schedule: str = key()  # gpipe | circular | 1f1b (interleaved with num_pipeline_repeats > 1)
   num_pipeline_repeats: int = key()
   num_pipeline_microbatches: int = key()  # -1 resolved to the number of stages
-  # LoRA adapters (MaxText/lora.py): a resume keeps them, since they are the trained state.
+  # LoRA adapters (MaxText/training/lora.py): a resume keeps them, since they are the trained state.
   lora_rank: int = key(fixed_on_resume=LAYOUT)  # 0 = off
   lora_alpha: float = key(fixed_on_resume=LAYOUT)
   lora_target_modules: tuple[str, ...] = key(fixed_on_resume=LAYOUT)  # PEFT's names (LORA_TARGETS)

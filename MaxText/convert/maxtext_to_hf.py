@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from MaxText import families, lora, models, params_io, startup
+from MaxText import families, models, startup
+from MaxText.training import lora, params_io
 from MaxText.paths import storage
 from MaxText.configuration import config as config_lib
 from MaxText.configuration.model_config import ModelConfig

@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from MaxText import families, lora
+from MaxText import families
+from MaxText.training import lora
 from MaxText.paths import storage
 from MaxText.convert import engine
 from MaxText.errors import UserError

@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 from MaxText.paths import storage
 from MaxText.errors import UserError
 
-PARAMS = "params"  # the item of a parameters-only checkpoint (MaxText.params_io's layout)
+PARAMS = "params"  # the item of a parameters-only checkpoint (MaxText.training.params_io's layout)
 ParamPath = tuple[str, ...]
 
 

@@ -34,7 +34,8 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import model_assembly, startup
+from MaxText import startup
+from MaxText.training import model_assembly
 from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.errors import UserError

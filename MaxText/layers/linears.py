@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText import lora
+from MaxText.training import lora
 from MaxText.layers import quantization
 
 
@@ -23,7 +23,7 @@ class DenseGeneral(nnx.Module):
   The matmul runs in the quantization mode active at trace time (layers/quantization.py)
   unless `quantize=False` (e.g. the MoE router).
 
-  `lora_rank > 0` adds a LoRA adapter (MaxText/lora.py): y += lora_scale · (x · lora_a) · lora_b,
+  `lora_rank > 0` adds a LoRA adapter (MaxText/training/lora.py): y += lora_scale · (x · lora_a) · lora_b,
   lora_a [in_shape..., r] named like the kernel's input dims and lora_b [r, out_shape...] like
   its output dims (the rank dim replicated), so the adapter is sharded like its base weight.
   lora_a starts as PEFT's default (kaiming-uniform with a = sqrt(5): U(±1/sqrt(fan_in))) and

@@ -13,7 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import models, params_io
+from MaxText import models
+from MaxText.training import params_io
 from MaxText.configuration.config import Config
 from MaxText.convert import engine as convert_engine
 from decode_test_utils import one_device_mesh, uncached_greedy

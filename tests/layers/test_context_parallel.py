@@ -14,7 +14,7 @@ from MaxText.platform import sharding
 from MaxText.configuration.config import BASE_CONFIG_PATH, Config
 from MaxText.layers import attention, context_parallel
 from MaxText.layers.attention import dot_product_attention
-from MaxText.run_assembly import build_run
+from MaxText.training.run_assembly import build_run
 from tests import train_utils
 
 TINY = dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16, base_mlp_dim=128,

@@ -111,7 +111,7 @@ def test_pipeline_parallelism_refuses_the_dense_prefix():
 
 def test_flops_formula_counts_mla_and_the_dense_prefix():
   """metrics' MLA projections, value width and dense prefix against XLA's count (unrolled, float32)."""
-  from MaxText import metrics
+  from MaxText.training import metrics
   from MaxText.platform import sharding
   import jax.numpy as jnp
   overrides = dict(TINY_V3, base_emb_dim=256, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32,

@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import metrics, models, train_state
+from MaxText import models
+from MaxText.training import metrics, train_state
 from MaxText.platform import sharding
-from MaxText.objectives.language_model import LanguageModel
+from MaxText.training.objectives.language_model import LanguageModel
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
 from MaxText.layers import moe
-from MaxText.run_assembly import build_run
+from MaxText.training.run_assembly import build_run
 from train_utils import Run
 
 D, N, K, H, F, V, E, TOP_K, LAYERS, LENGTH = 64, 4, 2, 16, 128, 128, 4, 2, 2, 24

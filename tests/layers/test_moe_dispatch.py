@@ -16,15 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import metrics as metrics_lib
+from MaxText.training import metrics as metrics_lib
 from MaxText import train_compile
 from MaxText.platform import sharding
-from MaxText.objectives.language_model import routing_metrics
+from MaxText.training.objectives.language_model import routing_metrics
 from MaxText.configuration.config import BASE_CONFIG_PATH
 from MaxText.errors import ConfigError
 from MaxText.layers import grouped_matmul, moe, moe_dispatch
-from MaxText.run_assembly import build_run
-from MaxText.trainer import RouterHealthHook, StepRecord
+from MaxText.training.run_assembly import build_run
+from MaxText.training.trainer import RouterHealthHook, StepRecord
 from train_utils import Run
 
 from layers.test_moe import D, E, F, TOP_K, _apply, _block, _reference, tiny_mixtral

@@ -11,7 +11,7 @@ from flax import nnx
 
 from MaxText.layers import pipeline_1f1b, quantization
 from MaxText.models import ModelSpec, output_logits, remat_policy
-from MaxText.objectives.base import Batch, Params, Sums
+from MaxText.training.objectives.base import Batch, Params, Sums
 
 # (float32 logits [m, L, V] of one microbatch, its head inputs) -> (loss sum, sums)
 LogitsLoss = Callable[[jax.Array, Sums], tuple[jax.Array, Sums]]

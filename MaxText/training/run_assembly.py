@@ -13,11 +13,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from MaxText import compiled_step as compiled_step_file, lora, models, train_state, train_step
+from MaxText import compiled_step as compiled_step_file, models
+from MaxText.training import lora, train_state, train_step
 from MaxText.platform import sharding
 from MaxText.input_pipeline import create_data_iterator, create_eval_iterator
 from MaxText.input_pipeline.batch_spec import batch_spec
-from MaxText.objectives import Objective, objective_for
+from MaxText.training.objectives import Objective, objective_for
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,11 +21,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from MaxText import metrics as metrics_lib
+from MaxText.training import metrics as metrics_lib
 from MaxText.paths import storage
 from MaxText.configuration.config_groups import RunConfig
-from MaxText.trainer import StepRecord, Trainer
-from MaxText.train_state import TrainState
+from MaxText.training.trainer import StepRecord, Trainer
+from MaxText.training.train_state import TrainState
 
 
 def _gather_across_processes(values: np.ndarray) -> np.ndarray:

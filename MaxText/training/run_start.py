@@ -9,12 +9,12 @@ from typing import Any, Callable
 
 import jax
 
-from MaxText import params_io
+from MaxText.training import params_io
 from MaxText.paths import storage
 from MaxText.run_dir.checkpointing import Restored, RunCheckpoints, first_line, is_step_dir, log
 from MaxText.configuration.config_groups import CheckpointConfig
 from MaxText.errors import UserError
-from MaxText.train_state import state_from_params
+from MaxText.training.train_state import state_from_params
 
 
 @dataclasses.dataclass

@@ -18,10 +18,10 @@ from typing import Any, Callable, Mapping, Protocol
 import jax
 import numpy as np
 
-from MaxText import metrics as metrics_lib
+from MaxText.training import metrics as metrics_lib
 from MaxText.paths import storage, storage_retry
 from MaxText.errors import TrainingError
-from MaxText.train_state import TrainState
+from MaxText.training.train_state import TrainState
 
 
 @dataclasses.dataclass

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from MaxText.configuration.config import Config
 from MaxText.models import ModelSpec
-from MaxText.objectives.base import Objective
-from MaxText.objectives.language_model import LanguageModel
-from MaxText.objectives.preference import Preference
-from MaxText.optimizers import Partition
+from MaxText.training.objectives.base import Objective
+from MaxText.training.objectives.language_model import LanguageModel
+from MaxText.training.objectives.preference import Preference
+from MaxText.training.optimizers import Partition
 
 
 def objective_for(config: Config, model: ModelSpec, partition: Partition) -> Objective:

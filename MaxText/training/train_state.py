@@ -15,7 +15,8 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
-from MaxText import models, optimizers
+from MaxText import models
+from MaxText.training import optimizers
 from MaxText.platform import sharding
 
 

@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping, TypeVar
 
 import jax
 
-from MaxText.train_state import TrainState
+from MaxText.training.train_state import TrainState
 
 Params = dict[str, Any]  # nested dict of arrays
 Batch = dict[str, jax.Array]

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from MaxText.input_pipeline.batch_spec import FIELDS
 from MaxText.layers.moe import ROUTING_STATS
 from MaxText.models import ModelSpec, token_loss_sums
-from MaxText.objectives.base import Batch, Metrics, Objective, Params, Sums
-from MaxText.objectives.pipelined import one_f_one_b_loss
+from MaxText.training.objectives.base import Batch, Metrics, Objective, Params, Sums
+from MaxText.training.objectives.pipelined import one_f_one_b_loss
 
 
 def routing_metrics(sums: Sums, num_micro: int) -> Metrics:

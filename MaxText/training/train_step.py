@@ -15,13 +15,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from MaxText import optimizers
+from MaxText.training import optimizers
 from MaxText.platform import sharding
 from MaxText.input_pipeline import Batch
 from MaxText.layers import context_parallel
-from MaxText.objectives import Objective
-from MaxText.objectives.base import Params
-from MaxText.train_state import StateSetup, TrainState
+from MaxText.training.objectives import Objective
+from MaxText.training.objectives.base import Params
+from MaxText.training.train_state import StateSetup, TrainState
 
 Metrics = dict[str, jax.Array]
 

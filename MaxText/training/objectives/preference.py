@@ -8,12 +8,12 @@ from typing import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from MaxText import dpo
+from MaxText.training.objectives import dpo
 from MaxText.input_pipeline.batch_spec import DPO_FIELDS
 from MaxText.models import ModelSpec
-from MaxText.objectives.base import Batch, Metrics, Objective, Params, Sums, T
-from MaxText.optimizers import Partition
-from MaxText.train_state import PreferenceState, TrainState, reference_of
+from MaxText.training.objectives.base import Batch, Metrics, Objective, Params, Sums, T
+from MaxText.training.optimizers import Partition
+from MaxText.training.train_state import PreferenceState, TrainState, reference_of
 
 
 class Preference(Objective):

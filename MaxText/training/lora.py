@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from MaxText.configuration.model_config import ModelConfig
-from MaxText.optimizers import Params, Partition, TrainAll
+from MaxText.training.optimizers import Params, Partition, TrainAll
 
 ADAPTER_KEYS = ("lora_a", "lora_b")
 TRAIN, FROZEN = "lora", "frozen"

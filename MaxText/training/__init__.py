@@ -1,0 +1,1 @@
+"""Training: the run assembled once (run_assembly; model_assembly for tools that only run the model), the sharded state and where it starts (train_state, run_start, params_io), the objective (objectives/), the optimizer and its parameter partition (optimizers, lora), the jitted step (train_step), the loop and its hooks (trainer, health, metrics)."""
