@@ -37,11 +37,12 @@ from typing import Any, Mapping
 if __package__ in (None, ""):  # `python3 MaxText/plan.py`: import the package, not sibling files.
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from MaxText import compiled_step, plan_model, plan_progress, startup
+from MaxText import startup
+from MaxText.aot import compiled_step, plan_model, plan_progress
 from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib
 from MaxText.errors import ConfigError, UserError, run_cli
-from MaxText.memory_report import GIB
+from MaxText.aot.memory_report import GIB
 from MaxText.configuration.mesh_axes import MeshAxis
 
 REPO = Path(__file__).resolve().parent.parent
@@ -166,8 +167,8 @@ def compile_figures(argv: list[str]) -> dict[str, Any]:
   heap per chip, the compiler's step time and the compile time, or why it did not compile."""
   from MaxText import train_compile
   from MaxText.training import run_assembly  # noqa: PLC0415  (after the flags are set)
-  from MaxText.hlo_cycles import estimated_cycles  # noqa: PLC0415
-  from MaxText.memory_report import MemoryReport, buffer_assignment_dump_options, read_buffer_assignment  # noqa: PLC0415
+  from MaxText.aot.hlo_cycles import estimated_cycles  # noqa: PLC0415
+  from MaxText.aot.memory_report import MemoryReport, buffer_assignment_dump_options, read_buffer_assignment  # noqa: PLC0415
   start = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix="plan_") as report_dir:
     try:

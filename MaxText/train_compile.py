@@ -8,7 +8,7 @@ machine's devices), report whether it fits, and optionally save the executable:
 The mesh, state shardings and step are the ones train.py builds (run_assembly.build_run);
 only the devices differ: libtpu describes the topology and XLA
 compiles for it without any TPU attached. `compile_topology=local` compiles for the local
-devices instead. The saved file is executable code (see MaxText/compiled_step.py): load it only
+devices instead. The saved file is executable code (see MaxText/aot/compiled_step.py): load it only
 from a trusted source, with `train.py ... compiled_trainstep_file=PATH`.
 """
 
@@ -27,13 +27,14 @@ if __package__ in (None, ""):  # `python3 MaxText/train_compile.py`: import the 
 
 import jax
 
-from MaxText import compiled_step, startup
+from MaxText import startup
+from MaxText.aot import compiled_step
 from MaxText.training import metrics, run_assembly
 from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib
 from MaxText.startup import describe_topology  # noqa: F401  (tests and benchmarks name it here)
-from MaxText.hlo_cycles import estimated_cycles, uncosted_kernel_calls
-from MaxText.memory_report import (GIB, MemoryReport, buffer_assignment_dump_options, does_not_fit_message,
+from MaxText.aot.hlo_cycles import estimated_cycles, uncosted_kernel_calls
+from MaxText.aot.memory_report import (GIB, MemoryReport, buffer_assignment_dump_options, does_not_fit_message,
                                    format_bytes, oom_bytes_from_xla, read_buffer_assignment)
 from MaxText.errors import UserError, run_cli
 from MaxText.layers import pipeline

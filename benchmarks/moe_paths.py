@@ -58,10 +58,11 @@ def cpu(args: argparse.Namespace) -> None:
 
 
 def tpu(args: argparse.Namespace) -> None:
-  from MaxText import hlo_cycles, train_compile
+  from MaxText import train_compile
+  from MaxText.aot import hlo_cycles
   from MaxText.training import metrics
   from MaxText.configuration.config import BASE_CONFIG_PATH
-  from MaxText.memory_report import MemoryReport, format_bytes
+  from MaxText.aot.memory_report import MemoryReport, format_bytes
   from MaxText.training.run_assembly import build_run
 
   for model_name in args.models.split(","):

@@ -57,7 +57,7 @@ def upstream_recipe(peer_python: str, case: str) -> tuple[str, list[str]]:
 
 def upstream_step_s(peer_python: str, case: str, topology: str) -> dict:
   from MaxText.platform import accelerators  # noqa: PLC0415
-  from MaxText.hlo_cycles import estimated_cycles  # noqa: PLC0415
+  from MaxText.aot.hlo_cycles import estimated_cycles  # noqa: PLC0415
   flags, args = upstream_recipe(peer_python, case)
   with tempfile.TemporaryDirectory(prefix="peer_") as tmp:
     env = peer_env(LIBTPU_INIT_ARGS=flags,

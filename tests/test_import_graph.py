@@ -26,10 +26,10 @@ FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
     ("MaxText.training.metrics", "MaxText.layers.moe"): "flax and the layers load only for a MoE model's FLOPs",
     ("MaxText.plan", "MaxText.training.run_assembly"): "JAX's backend must start after the planner sets the XLA flags",
     ("MaxText.plan", "MaxText.train_compile"): "JAX's backend must start after the planner sets the XLA flags",
-    ("MaxText.plan", "MaxText.hlo_cycles"): "JAX's backend must start after the planner sets the XLA flags",
-    ("MaxText.plan", "MaxText.memory_report"): "JAX's backend must start after the planner sets the XLA flags",
+    ("MaxText.plan", "MaxText.aot.hlo_cycles"): "JAX's backend must start after the planner sets the XLA flags",
+    ("MaxText.plan", "MaxText.aot.memory_report"): "JAX's backend must start after the planner sets the XLA flags",
     ("MaxText.plan", "MaxText.layers.attention"): "flax and the layers load only for the kernel choice",
-    ("MaxText.plan_model", "MaxText.models"): "flax and the model load only for the planner's parameter count",
+    ("MaxText.aot.plan_model", "MaxText.layers.models"): "flax and the model load only for the planner's parameter count",
 }
 
 

@@ -8,7 +8,8 @@ import subprocess
 
 import pytest
 
-from MaxText import plan, plan_model, startup
+from MaxText import plan, startup
+from MaxText.aot import plan_model
 from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib
 from MaxText.configuration.config import BASE_CONFIG_PATH

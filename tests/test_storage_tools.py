@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import hf_families as H
-from MaxText import compiled_step, decode, generate_param_only_checkpoint, logit_checker, startup, train
+from MaxText import decode, generate_param_only_checkpoint, logit_checker, startup, train
+from MaxText.aot import compiled_step
 from MaxText.platform import sharding
 from MaxText.paths import storage
 from MaxText import train_compile, train_tokenizer

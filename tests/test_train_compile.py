@@ -11,7 +11,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from MaxText import compiled_step, hlo_cycles, memory_report, train, train_compile
+from MaxText import train, train_compile
+from MaxText.aot import compiled_step, hlo_cycles, memory_report
 from MaxText.platform import accelerators
 from MaxText.configuration.config import BASE_CONFIG_PATH, Config
 from MaxText.errors import ConfigError, UserError

@@ -28,7 +28,8 @@ import resource
 import sys
 import tempfile
 
-from MaxText import families, models, startup
+from MaxText import families, startup
+from MaxText.layers import models
 from MaxText.paths import storage
 from MaxText.convert import cli, engine, hf_io, mxfp4, streaming
 from MaxText.errors import UserError, run_cli

@@ -15,7 +15,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
-from MaxText import models
+from MaxText.layers import models
 from MaxText.training import optimizers
 from MaxText.platform import sharding
 

@@ -15,7 +15,7 @@ A new objective: a module here with an `Objective` subclass, and its line in `ob
 from __future__ import annotations
 
 from MaxText.configuration.config import Config
-from MaxText.models import ModelSpec
+from MaxText.layers.models import ModelSpec
 from MaxText.training.objectives.base import Objective
 from MaxText.training.objectives.language_model import LanguageModel
 from MaxText.training.objectives.preference import Preference

@@ -10,7 +10,7 @@ import jax
 from flax import nnx
 
 from MaxText.layers import pipeline_1f1b, quantization
-from MaxText.models import ModelSpec, output_logits, remat_policy
+from MaxText.layers.models import ModelSpec, output_logits, remat_policy
 from MaxText.training.objectives.base import Batch, Params, Sums
 
 # (float32 logits [m, L, V] of one microbatch, its head inputs) -> (loss sum, sums)
