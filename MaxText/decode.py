@@ -26,7 +26,7 @@ from MaxText.errors import UserError, run_cli
 from MaxText.inference.engine import load_engine
 from MaxText.input_pipeline.tokenizer import DocumentEncoder, Tokenizer, load_tokenizer
 from MaxText import startup
-from MaxText.startup import log
+from MaxText.platform.distributed import log
 
 
 def prompt_ids(config: config_lib.Config) -> tuple[list[int], Tokenizer | None]:

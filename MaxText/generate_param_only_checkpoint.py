@@ -29,7 +29,7 @@ from MaxText.configuration.model_config import MODEL_KEYS
 from MaxText.convert import engine, peft_adapters
 from MaxText.errors import ConfigError, UserError, run_cli
 from MaxText import startup
-from MaxText.startup import log
+from MaxText.platform.distributed import log
 
 
 def generate(config: Config) -> str:

@@ -38,12 +38,13 @@ if __package__ in (None, ""):  # `python3 MaxText/plan.py`: import the package, 
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from MaxText import startup
-from MaxText.aot import compiled_step, plan_model, plan_progress
+from MaxText.aot import plan_model, plan_progress
+from MaxText.training import compiled_step
 from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib
 from MaxText.errors import ConfigError, UserError, run_cli
 from MaxText.aot.memory_report import GIB
-from MaxText.configuration.mesh_axes import MeshAxis
+from MaxText.platform.mesh_axes import MeshAxis
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE_LIB = REPO / "configs" / "recipe_lib.sh"

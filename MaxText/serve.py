@@ -31,6 +31,7 @@ if __package__ in (None, ""):  # `python3 MaxText/serve.py`: import the package,
 
 from MaxText.configuration import config as config_lib
 from MaxText import startup
+from MaxText.platform import distributed
 from MaxText.errors import UserError, run_cli
 from MaxText.inference import openai_api as api
 from MaxText.inference import scheduler as sched
@@ -270,8 +271,8 @@ def main(argv: list[str]) -> int:
   d = config.decode
   app = build_app(server, max_body_bytes=d.serve_max_body_bytes)
   if d.host not in ("127.0.0.1", "localhost", "::1") and not os.environ.get(API_KEY_ENV):
-    startup.log(f"serve: warning: binding {d.host} with no {API_KEY_ENV}: anyone who reaches it can use the model")
-  startup.log(f"serve: model {server.limits.model_name!r} on http://{d.host}:{d.port}/v1 "
+    distributed.log(f"serve: warning: binding {d.host} with no {API_KEY_ENV}: anyone who reaches it can use the model")
+  distributed.log(f"serve: model {server.limits.model_name!r} on http://{d.host}:{d.port}/v1 "
               f"({d.serve_max_slots} slots, {d.serve_max_queue} waiting at most)")
   uvicorn.run(app, host=d.host, port=d.port, log_level="warning")
   server.scheduler.stop()

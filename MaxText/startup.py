@@ -201,12 +201,6 @@ def describe_topology(topology: accelerators.TpuTopology, num_slices: int) -> Se
   return devices
 
 
-def log(message: str) -> None:
-  """Prints on process 0 only (every process runs the same program)."""
-  if jax.process_index() == 0:
-    print(message, flush=True)
-
-
 # ------------------------------------------------------------------ the process, before anything else
 
 

@@ -24,10 +24,11 @@ from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib
 from MaxText import startup
 from MaxText.training import health, run_assembly, run_start
-from MaxText.run_dir import preemption, run_lease, run_record
+from MaxText.run_dir import preemption, run_lease
+from MaxText.configuration import run_record
 from MaxText.platform import distributed
 from MaxText.paths import storage
-from MaxText.startup import log
+from MaxText.platform.distributed import log
 from MaxText.errors import run_cli
 from MaxText.input_pipeline import check_sources
 from MaxText.layers import pipeline

@@ -8,7 +8,7 @@ machine's devices), report whether it fits, and optionally save the executable:
 The mesh, state shardings and step are the ones train.py builds (run_assembly.build_run);
 only the devices differ: libtpu describes the topology and XLA
 compiles for it without any TPU attached. `compile_topology=local` compiles for the local
-devices instead. The saved file is executable code (see MaxText/aot/compiled_step.py): load it only
+devices instead. The saved file is executable code (see MaxText/training/compiled_step.py): load it only
 from a trusted source, with `train.py ... compiled_trainstep_file=PATH`.
 """
 
@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # `python3 MaxText/train_compile.py`: import the 
 import jax
 
 from MaxText import startup
-from MaxText.aot import compiled_step
+from MaxText.training import compiled_step
 from MaxText.training import metrics, run_assembly
 from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib

@@ -185,7 +185,7 @@ def test_every_base_key_is_one_group_field_of_its_own_name():
 
 
 def test_resume_and_architecture_key_lists_come_from_field_metadata():
-  from MaxText.run_dir import run_record
+  from MaxText.configuration import run_record
   from MaxText.configuration.model_config import ARCHITECTURE_KEYS, MODEL_KEYS
 
   assert "base_emb_dim" in ARCHITECTURE_KEYS and "dropout_rate" not in ARCHITECTURE_KEYS

@@ -224,7 +224,7 @@ def test_resume_and_merged_params_only_export(tiny_overrides, tmp_path):
 
   # A tool reading the run gets its LoRA keys from the run's config.yml (no lora_* given here).
   from MaxText import startup
-  from MaxText.run_dir import run_record
+  from MaxText.configuration import run_record
   run_record.record_start(config, str(tmp_path / "run"))
   export = str(tmp_path / "export")
   generate_param_only_checkpoint.generate(startup.start(generate_param_only_checkpoint.TOOL, [

@@ -311,7 +311,7 @@ def test_train_refuses_an_unreadable_lease_with_one_line_and_writes_nothing(tmp_
 
 
 def test_the_resume_check_falls_back_to_the_newest_history_entry(tmp_path):
-  from MaxText.run_dir import run_record
+  from MaxText.configuration import run_record
   from MaxText.configuration.config import Config
   from MaxText.errors import ConfigError
 
@@ -345,7 +345,7 @@ def test_a_kill_mid_write_leaves_one_partial_line_which_the_resume_drops(tmp_pat
 
 
 def test_fixed_and_allowed_keys_on_resume():
-  from MaxText.run_dir import run_record
+  from MaxText.configuration import run_record
 
   saved = {"base_emb_dim": 64, "vocab_size": 128, "opt_type": "adamw", "global_batch_size": 16, "steps": 10,
            "ici_fsdp_parallelism": -1, "log_period": 1, "learning_rate_schedule_steps": -1, "mlp_activations": ["silu"]}

@@ -17,7 +17,7 @@ import pytest
 
 import hf_families as H
 from MaxText import decode, generate_param_only_checkpoint, logit_checker, startup, train
-from MaxText.aot import compiled_step
+from MaxText.training import compiled_step
 from MaxText.platform import sharding
 from MaxText.paths import storage
 from MaxText import train_compile, train_tokenizer

@@ -12,7 +12,8 @@ import jax
 import pytest
 
 from MaxText import train, train_compile
-from MaxText.aot import compiled_step, hlo_cycles, memory_report
+from MaxText.aot import hlo_cycles, memory_report
+from MaxText.training import compiled_step
 from MaxText.platform import accelerators
 from MaxText.configuration.config import BASE_CONFIG_PATH, Config
 from MaxText.errors import ConfigError, UserError

@@ -1,5 +1,5 @@
 """Each vocabulary has one owner the rest follows: the remat policies (MaxText/configuration/remat_policies.py)
-and the mesh axes with their config keys (MaxText/configuration/mesh_axes.py)."""
+and the mesh axes with their config keys (MaxText/platform/mesh_axes.py)."""
 
 import dataclasses
 import re
@@ -11,7 +11,7 @@ from MaxText.configuration import remat_policies
 from MaxText.configuration.config import read_descriptions
 from MaxText.configuration.config_groups import MeshConfig
 from MaxText.layers import remat
-from MaxText.configuration.mesh_axes import GROUPS, MESH_AXES, MeshAxis
+from MaxText.platform.mesh_axes import GROUPS, MESH_AXES, MeshAxis
 
 
 def test_base_yml_names_every_remat_policy():

@@ -27,7 +27,7 @@ from MaxText.training import metrics, optimizers
 from MaxText.platform import accelerators, sharding
 from MaxText.configuration import remat_policies
 from MaxText.configuration.config_groups import OptimConfig
-from MaxText.configuration.mesh_axes import MESH_AXES, REPLICATED_PARAMETER_AXES, MeshAxis
+from MaxText.platform.mesh_axes import MESH_AXES, REPLICATED_PARAMETER_AXES, MeshAxis
 from MaxText.layers import splash_attention
 from MaxText.configuration.model_config import ModelConfig
 

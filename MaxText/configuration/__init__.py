@@ -1,1 +1,1 @@
-"""Configuration: YAML, argv and M_* layers into one validated Config (config), its typed groups named after their keys (config_groups, model_config, config_fields), and the vocabularies keys draw on (remat_policies, mesh_axes)."""
+"""Configuration: YAML, argv and M_* layers into one validated Config (config), its typed groups named after their keys (config_groups, model_config, config_fields), the vocabulary remat_policy draws on (remat_policies), and a run directory's configuration record with the resume check (run_record)."""

@@ -30,7 +30,7 @@ import yaml
 
 from MaxText.configuration import config_groups
 from MaxText.platform import accelerators
-from MaxText.run_dir import run_record
+from MaxText.configuration import run_record
 from MaxText.paths import storage
 from MaxText.platform.accelerators import DeviceTarget
 from MaxText.errors import ConfigError

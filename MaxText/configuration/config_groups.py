@@ -19,7 +19,7 @@ from MaxText.platform.accelerators import DeviceTarget
 from MaxText.configuration.config_fields import DATA_POSITION, OPTIMIZER, derived, key, read_keys
 from MaxText.configuration.config_fields import require as _require
 from MaxText.errors import ConfigError
-from MaxText.configuration.mesh_axes import MESH_AXES, Group, MeshAxis
+from MaxText.platform.mesh_axes import MESH_AXES, Group, MeshAxis
 from MaxText.configuration.model_config import AttentionBlocks, ModelConfig
 from MaxText.configuration.model_config import one_of as _one_of, positive as _positive
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from MaxText import families
-from MaxText.run_dir import run_record
+from MaxText.configuration import run_record
 from MaxText.configuration import config as config_lib
 from MaxText.convert import engine, hf_io
 from MaxText.errors import ConfigError, UserError

@@ -34,7 +34,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import startup
+from MaxText.platform import distributed
 from MaxText.training import model_assembly
 from MaxText.platform import sharding
 from MaxText.configuration.config import Config
@@ -335,7 +335,7 @@ def load_engine(config: Config, num_slots: int, fresh_note: str, mesh: Mesh | No
   path = model_assembly.parameters_path(config)
   engine = Engine(config, num_slots=num_slots, mesh=mesh)
   if not path:
-    startup.log(fresh_note)
+    distributed.log(fresh_note)
   return engine, engine.load_params(path)
 
 

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.training import lora
 from MaxText.layers import quantization
 
 
@@ -57,7 +56,7 @@ class DenseGeneral(nnx.Module):
     """The kernel with the adapter folded in (what the layer computes, for code that reads the weight itself)."""
     if self.lora_rank == 0:
       return self.kernel[...]
-    return lora.merged_kernel(self.kernel[...], self.lora_a[...], self.lora_b[...], self.lora_scale)
+    return merged_kernel(self.kernel[...], self.lora_a[...], self.lora_b[...], self.lora_scale)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     num_in = len(self.in_shape)
@@ -82,3 +81,12 @@ def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
   keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
   return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
+
+def merged_kernel(kernel: jax.Array, lora_a: jax.Array, lora_b: jax.Array, lora_scale: float) -> jax.Array:
+  """kernel + lora_scale · lora_a · lora_b over the rank dim: lora_a is [..., in dims, r] and
+  lora_b [..., r, out dims], with the same leading (layer) dims as the kernel."""
+  num_lead = lora_a.ndim + lora_b.ndim - 2 - kernel.ndim  # layer dims counted twice
+  batch = tuple(range(num_lead))
+  delta = jax.lax.dot_general(lora_a.astype(jnp.float32), lora_b.astype(jnp.float32),
+                              (((lora_a.ndim - 1,), (num_lead,)), (batch, batch)))
+  return (kernel.astype(jnp.float32) + lora_scale * delta).astype(kernel.dtype)

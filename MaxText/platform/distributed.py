@@ -138,3 +138,9 @@ def on_process_0(what: str, action: Callable[[], _T]) -> _T | None:
   if failure is not None:
     raise failure
   return result
+
+
+def log(message: str) -> None:
+  """Prints on process 0 only (every process runs the same program)."""
+  if jax.process_index() == 0:
+    print(message, flush=True)

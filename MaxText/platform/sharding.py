@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -17,9 +17,11 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxText.platform import accelerators
-from MaxText.configuration.config_groups import MeshConfig
-from MaxText.configuration.mesh_axes import MESH_AXES, REPLICATED_PARAMETER_AXES
+from MaxText.platform.mesh_axes import MESH_AXES, REPLICATED_PARAMETER_AXES
 from MaxText.errors import ConfigError
+
+if TYPE_CHECKING:  # the mesh keys' group: configuration builds on this package, not the other way
+  from MaxText.configuration.config_groups import MeshConfig
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 LogicalNames = tuple[str | None, ...]

@@ -1,1 +1,1 @@
-"""The run directory: one writer at a time (run_lease), the configuration each start ran with and the resume check (run_record), the Orbax checkpoints and their per-host local tier (checkpointing, local_checkpoints), and SIGTERM as a checkpoint request (preemption)."""
+"""The run directory: one writer at a time (run_lease), the Orbax checkpoints and their per-host local tier (checkpointing, local_checkpoints), and SIGTERM as a checkpoint request (preemption)."""

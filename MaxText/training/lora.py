@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from MaxText.configuration.model_config import ModelConfig
+from MaxText.layers import linears
 from MaxText.training.optimizers import Params, Partition, TrainAll
 
 ADAPTER_KEYS = ("lora_a", "lora_b")
@@ -122,15 +123,5 @@ def merge(params: dict, lora_scale: float) -> dict:
     else:
       out[key] = value
   if "lora_a" in params and "kernel" in params:
-    out["kernel"] = merged_kernel(params["kernel"], params["lora_a"], params["lora_b"], lora_scale)
+    out["kernel"] = linears.merged_kernel(params["kernel"], params["lora_a"], params["lora_b"], lora_scale)
   return out
-
-
-def merged_kernel(kernel: jax.Array, lora_a: jax.Array, lora_b: jax.Array, lora_scale: float) -> jax.Array:
-  """kernel + lora_scale · lora_a · lora_b over the rank dim: lora_a is [..., in dims, r] and
-  lora_b [..., r, out dims], with the same leading (layer) dims as the kernel."""
-  num_lead = lora_a.ndim + lora_b.ndim - 2 - kernel.ndim  # layer dims counted twice
-  batch = tuple(range(num_lead))
-  delta = jax.lax.dot_general(lora_a.astype(jnp.float32), lora_b.astype(jnp.float32),
-                              (((lora_a.ndim - 1,), (num_lead,)), (batch, batch)))
-  return (kernel.astype(jnp.float32) + lora_scale * delta).astype(kernel.dtype)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from MaxText.aot import compiled_step as compiled_step_file
+from MaxText.training import compiled_step as compiled_step_file
 from MaxText.layers import models
 from MaxText.training import lora, train_state, train_step
 from MaxText.platform import sharding
