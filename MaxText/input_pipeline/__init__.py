@@ -4,18 +4,37 @@ grain) tokenised, packed and sharded by `pipeline.py`."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 from jax.sharding import Mesh
 
 from MaxText.input_pipeline.synthetic import Batch, SyntheticIterator
 from MaxText.platform.sharding import batch_sharding
 
+if TYPE_CHECKING:
+  from MaxText.configuration.config import Config
+  from MaxText.configuration.config_groups import DataConfig
+
 # Eval batches come from a disjoint part of the synthetic stream.
 _EVAL_SEED_OFFSET = 1 << 30
 
 
-def check_sources(cfg: Any) -> None:
+class BatchIterator(Protocol):
+  """What the front doors return: SyntheticIterator or pipeline.PackedBatchIterator (global batches,
+  a checkpointable position, and `reset()` back to the start for eval)."""
+
+  def __iter__(self) -> Iterator[Batch]: ...
+
+  def __next__(self) -> Batch: ...
+
+  def reset(self) -> BatchIterator: ...
+
+  def get_state(self) -> dict[str, Any]: ...
+
+  def set_state(self, state: dict[str, Any]) -> None: ...
+
+
+def check_sources(cfg: DataConfig) -> None:
   """Opens what a real dataset_type names before any state is built, so a missing file, a bad
   glob or a tokenizer larger than vocab_size stops the run at once (config validation does no I/O)."""
   if cfg.dataset_type == "synthetic":
@@ -41,7 +60,7 @@ def check_sources(cfg: Any) -> None:
                       f"{cfg.vocab_size}; set vocab_size >= {vocab}")
 
 
-def _open_source(cfg: Any, train: bool) -> tuple[Any, str]:
+def _open_source(cfg: DataConfig, train: bool) -> tuple[Sequence[Any], str]:
   """The random-access records of the train or eval split and a description of them."""
   split = cfg.train_split if train else cfg.eval_split
   if cfg.dataset_type == "tfds":
@@ -59,7 +78,7 @@ def _open_source(cfg: Any, train: bool) -> tuple[Any, str]:
                             else ("grain_eval_files", cfg.grain_eval_files)))
 
 
-def _real_data_iterator(config: Any, mesh: Mesh, train: bool) -> Any:
+def _real_data_iterator(config: Config, mesh: Mesh, train: bool) -> BatchIterator:
   from MaxText.input_pipeline import pipeline
   from MaxText.input_pipeline.tokenizer import DocumentEncoder, load_tokenizer
 
@@ -95,7 +114,7 @@ def _real_data_iterator(config: Any, mesh: Mesh, train: bool) -> Any:
                                       explain_empty=getattr(encoder, "explain_empty", None), **pack)
 
 
-def _record_locator(cfg: Any, train: bool) -> Any:
+def _record_locator(cfg: DataConfig, train: bool) -> Callable[[int], str] | None:
   """index -> where that record is in the user's files (hf data files), for a refused record."""
   files, key = (cfg.hf_data_files, "hf_data_files") if train else (cfg.hf_eval_files, "hf_eval_files")
   if cfg.dataset_type != "hf" or not files:
@@ -105,7 +124,7 @@ def _record_locator(cfg: Any, train: bool) -> Any:
   return hf.record_locator(cfg.hf_path, key, files)
 
 
-def create_data_iterator(config: Any, mesh: Mesh, start_step: int = 0) -> Any:
+def create_data_iterator(config: Config, mesh: Mesh, start_step: int = 0) -> BatchIterator:
   """The training iterator for `config.data`, producing batches sharded by `data_sharding`."""
   if config.data.dataset_type != "synthetic":
     return _real_data_iterator(config, mesh, train=True)
@@ -113,7 +132,7 @@ def create_data_iterator(config: Any, mesh: Mesh, start_step: int = 0) -> Any:
   return SyntheticIterator(config.data, sharding, start_step=start_step)
 
 
-def create_eval_iterator(config: Any, mesh: Mesh) -> Any:
+def create_eval_iterator(config: Config, mesh: Mesh) -> BatchIterator | None:
   """Eval batches (with `reset()`); real data is read from the eval split in order, and once it
   runs out the remaining batches are padding, which adds nothing to the eval loss."""
   if config.data.dataset_type != "synthetic":
@@ -124,4 +143,4 @@ def create_eval_iterator(config: Any, mesh: Mesh) -> Any:
   return SyntheticIterator(config.data, sharding, seed_offset=_EVAL_SEED_OFFSET)
 
 
-__all__ = ["Batch", "create_data_iterator", "create_eval_iterator"]
+__all__ = ["Batch", "BatchIterator", "create_data_iterator", "create_eval_iterator"]

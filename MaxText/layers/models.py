@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
 from MaxText.platform import sharding
 from MaxText.configuration.model_config import ModelConfig
@@ -28,9 +29,10 @@ from MaxText.layers.normalizations import make_norm
 # What layers sow as nnx.Intermediate, by name: scalar losses (e.g. MoE load balancing), summed
 # over layers, and statistics (moe.ROUTING_STATS), kept per layer (stacked on a leading axis).
 AuxLosses = dict[str, jax.Array]
+Params = dict[str, Any]  # nested dict of arrays (or of ShapeDtypeStructs, shardings, ...)
 
 
-def sum_sown_losses(sown: nnx.State, stats: bool = True) -> AuxLosses:
+def sum_sown_losses(sown: nnx.State[Any, Any], stats: bool = True) -> AuxLosses:
   """Adds up every value sown under the same name anywhere in a layer (e.g. several MoE blocks);
   `stats=False` leaves the statistics out (the pipelines carry losses only)."""
   totals: AuxLosses = {}
@@ -53,7 +55,7 @@ def _unrolled_aux(per_layer: list[AuxLosses]) -> AuxLosses:
   return {name: _over_layers(name, jnp.stack([layer[name] for layer in per_layer])) for name in names}
 
 
-def remat_policy(name: str) -> Callable[..., bool] | None | str:
+def remat_policy(name: str) -> remat.CheckpointPolicy:
   """jax.checkpoint policy for `remat_policy`; "none" means no rematerialisation at all."""
   return remat.checkpoint_policy(name)
 
@@ -138,7 +140,7 @@ class Transformer(nnx.Module):
     if cfg.scan_layers:
       graphdef, stacked_state = nnx.split(getattr(self, name))
 
-      def body(x: jax.Array, per_layer: tuple) -> tuple[jax.Array, tuple[AuxLosses, KVCache | None]]:
+      def body(x: jax.Array, per_layer: tuple[Any, ...]) -> tuple[jax.Array, tuple[AuxLosses, KVCache | None]]:
         x, layer_aux, cache = one_layer(graphdef, x, *per_layer)
         return x, (layer_aux, cache)
 
@@ -161,7 +163,7 @@ class Transformer(nnx.Module):
     rematerialised by remat_policy when training."""
     # layer_index lets a layer pick its per-layer behaviour (e.g. local vs global attention)
     # inside a scan, where every layer shares one traced body.
-    def one_layer(graphdef: nnx.GraphDef, x: jax.Array, layer_state: nnx.State, rng: jax.Array | None,
+    def one_layer(graphdef: nnx.GraphDef[nnx.Module], x: jax.Array, layer_state: nnx.State[Any, Any], rng: jax.Array | None,
                   layer_index: jax.Array, cache: KVCache | None) -> tuple[jax.Array, AuxLosses, KVCache | None]:
       layer = nnx.merge(graphdef, layer_state)
       extra = () if cache is None else (cache,)
@@ -190,7 +192,7 @@ class Transformer(nnx.Module):
       moe_graph, moe_state = nnx.split(getattr(self, "layers"))
       by_period = lambda tree: jax.tree.map(lambda a: a.reshape((periods, k - 1) + a.shape[1:]), tree)  # noqa: E731
 
-      def body(x: jax.Array, xs: tuple) -> tuple[jax.Array, tuple]:
+      def body(x: jax.Array, xs: tuple[Any, ...]) -> tuple[jax.Array, tuple[AuxLosses, Any, Any]]:
         dense_s, moe_s, rng_k, period, dense_c, moe_c = xs
         new_dense = []
         for j in range(k - 1):
@@ -213,7 +215,7 @@ class Transformer(nnx.Module):
       flat = jax.tree.map(lambda a: a.reshape((periods * (k - 1),) + a.shape[2:]), dense_caches)
       return x_BLD, aux, {"dense_layers": flat, "layers": moe_caches}
     per_layer: list[AuxLosses] = []
-    new_caches: dict[str, list] = {"dense_layers": [], "layers": []}
+    new_caches: dict[str, list[KVCache | None]] = {"dense_layers": [], "layers": []}
     for i in range(num_layers):
       stack, index = cfg.stack_position(i)
       graphdef, state = nnx.split(getattr(self, f"{stack}_{index}"))
@@ -236,12 +238,12 @@ class Transformer(nnx.Module):
     """(final norm, output projection or tied embedding): what `output_logits` applies after the stack."""
     return self.decoder_norm, self._output_module()
 
-  def stage_layers(self) -> tuple[nnx.State, pipeline.LayerFn]:
+  def stage_layers(self) -> tuple[nnx.State[Any, Any], pipeline.LayerFn]:
     """The stacked layer state and a function applying one layer of it, for the pipelines
     (microbatches bring their own positions and segment ids)."""
     graphdef, stacked_state = nnx.split(getattr(self, "layers"))  # set by _build_stack
 
-    def apply_layer(x: jax.Array, layer_state: nnx.State, rng: jax.Array | None, layer_index: jax.Array,
+    def apply_layer(x: jax.Array, layer_state: nnx.State[Any, Any], rng: jax.Array | None, layer_index: jax.Array,
                     positions: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, AuxLosses]:
       layer = nnx.merge(graphdef, layer_state)
       x, sown = nnx.capture(layer, nnx.Intermediate)(x, positions, segment_ids, rng, layer_index)
@@ -351,7 +353,7 @@ def token_loss_sums(logits_BLV: jax.Array, targets_BL: jax.Array, weights_BL: ja
   return xent_sum + z_loss_multiplier * z_sum, {"xent_sum": xent_sum, "z_loss_sum": z_sum}
 
 
-def _logical_names(variable: nnx.Variable) -> tuple[str | None, ...]:
+def _logical_names(variable: nnx.Variable[Any]) -> tuple[str | None, ...]:
   names = variable.get_metadata().get("out_sharding")
   if names is None:
     raise ValueError(f"parameter of shape {variable.shape} has no logical axis names")
@@ -363,21 +365,22 @@ class ModelSpec:
   """Everything about the model except its parameter values."""
 
   cfg: ModelConfig
-  graphdef: nnx.GraphDef
-  abstract_params: Any  # nested dict of ShapeDtypeStruct
-  logical_names: Any  # nested dict (same structure) of tuples of logical axis names
+  graphdef: nnx.GraphDef[Transformer]
+  abstract_params: Params  # nested dict of ShapeDtypeStruct
+  logical_names: dict[str, Any]  # nested dict (same structure) of tuples of logical axis names
 
-  def init_params(self, rng: jax.Array) -> Any:
+  def init_params(self, rng: jax.Array) -> Params:
     """Fresh parameters as a nested dict; jit this with out_shardings to create them sharded."""
     with nnx.use_eager_sharding(False):
       model = Transformer(self.cfg, rngs=nnx.Rngs(params=rng))
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
-  def module(self, params: Any) -> Transformer:
+  def module(self, params: Params) -> Transformer:
     """The model with `params` (inside a jitted function: what a loss driver takes apart)."""
     return nnx.merge(self.graphdef, params)
 
-  def after_update(self, new_params: Any, old_params: Any, sums: Mapping[str, jax.Array], num_micro: int) -> Any:
+  def after_update(self, new_params: Params, old_params: Params, sums: Mapping[str, jax.Array], num_micro: int
+                   ) -> Params:
     """The optimizer's new parameters with what the model sets itself: each MoE layer's correction
     bias follows the expert load (`moe_load` summed over `num_micro` micro-batches), not the
     optimizer; the step's non-finite check comes after, and then keeps the old bias too."""
@@ -386,12 +389,12 @@ class ModelSpec:
     load_NE = sums["moe_load"] / num_micro if "moe_load" in sums else None
     return update_correction_biases(new_params, old_params, load_NE, self.cfg.moe_bias_update_rate)
 
-  def apply(self, params: Any, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
+  def apply(self, params: Params, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
             dropout_rng: jax.Array | None = None) -> jax.Array:
     model = nnx.merge(self.graphdef, params)
     return model(tokens_BL, positions_BL, segment_ids_BL, dropout_rng)
 
-  def apply_with_aux(self, params: Any, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
+  def apply_with_aux(self, params: Params, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
                      dropout_rng: jax.Array | None = None, mtp_targets: tuple[jax.Array, jax.Array] | None = None
                      ) -> tuple[jax.Array, AuxLosses]:
     """(logits, auxiliary losses): what the train step needs (e.g. the MoE load-balancing loss, the
@@ -399,7 +402,7 @@ class ModelSpec:
     model = nnx.merge(self.graphdef, params)
     return model.logits_and_aux(tokens_BL, positions_BL, segment_ids_BL, dropout_rng, mtp_targets)
 
-  def apply_decode(self, params: Any, tokens_BL: jax.Array, positions_BL: jax.Array, caches: Any,
+  def apply_decode(self, params: Params, tokens_BL: jax.Array, positions_BL: jax.Array, caches: Any,
                    logits_index_B: jax.Array | None = None) -> tuple[jax.Array, Any]:
     """(float32 logits [B, L, V] or [B, 1, V], updated caches): one prefill or generate pass
     (see Transformer.decode)."""
@@ -422,7 +425,7 @@ def build_model_spec(cfg: ModelConfig) -> ModelSpec:
 LAYER_STACKS = ("dense_layers", "layers")
 
 
-def unstack_layers(params: dict, num_layers: int) -> dict:
+def unstack_layers(params: Params, num_layers: int) -> Params:
   """Scanned parameters ({'layers': leaves with a leading layer dim}) → {'layers_0': ..., ...}
   (a `dense_layers` stack likewise, its length read from its leaves)."""
   out = {k: v for k, v in params.items() if k not in LAYER_STACKS}
@@ -435,7 +438,7 @@ def unstack_layers(params: dict, num_layers: int) -> dict:
   return out
 
 
-def stack_layers(params: dict, num_layers: int) -> dict:
+def stack_layers(params: Params, num_layers: int) -> Params:
   """Inverse of `unstack_layers`."""
   out = {k: v for k, v in params.items() if stacked_layer_key(k) is None}
   for stack in LAYER_STACKS:
@@ -451,6 +454,6 @@ def stacked_layer_key(key: str) -> str | None:
   return stack if stack in LAYER_STACKS and index.isdigit() else None
 
 
-def shard_params_like(spec: ModelSpec, mesh: Any, rules: Any) -> Any:
+def shard_params_like(spec: ModelSpec, mesh: Mesh, rules: sharding.Rules) -> Params:
   """NamedShardings for the parameter dict under `rules`."""
   return sharding.named_shardings(spec.abstract_params, spec.logical_names, mesh, rules)

@@ -58,11 +58,16 @@ import jax.numpy as jnp
 from MaxText.platform import sharding
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.layers import pipeline_timetable
+from MaxText.layers.remat import CheckpointPolicy
 
 AuxLosses = dict[str, jax.Array]
 # (x_mLD, one layer's state, dropout key or None, layer_index, positions_mL, segment_ids_mL) -> (x_mLD, aux)
 LayerFn = Callable[[jax.Array, Any, "jax.Array | None", jax.Array, jax.Array, jax.Array], tuple[jax.Array, AuxLosses]]
-Policy = Callable[..., bool] | None | str
+Policy = CheckpointPolicy
+# (weights_J, x_mLD, positions_mL, segment_ids_mL, first_layer, micro) -> (x_mLD, aux summed over the J layers)
+GroupFn = Callable[[Any, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, AuxLosses]]
+# (weights_RJ or weights_J, x_mLD, positions_mL, segment_ids_mL, stage, repeat, micro) -> (x_mLD, aux)
+StageFn = Callable[[Any, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, AuxLosses]]
 
 _BUFFER_NAMES = ("layers", "activation_batch", "activation_length", "activation_embed")
 _MICRO_NAMES = (None, "activation_batch", "activation_length", "activation_embed")
@@ -111,7 +116,7 @@ def stage_weights(stacked_state: Any, cfg: ModelConfig) -> Any:
   return jax.tree.map(regroup, stacked_state)
 
 
-def layer_group_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None) -> Callable:
+def layer_group_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None) -> GroupFn:
   """J consecutive layers, the first being `first_layer`, on one microbatch -> (x_mLD, aux summed over them)."""
 
   def run(weights_J: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
@@ -133,7 +138,7 @@ def first_layer(cfg: ModelConfig, stage: jax.Array, repeat: jax.Array) -> jax.Ar
   return (repeat * cfg.num_pipeline_stages + stage) * cfg.layers_per_pipeline_stage
 
 
-def _stage_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None, policy: Policy) -> Callable:
+def _stage_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None, policy: Policy) -> StageFn:
   """One stage's work in one iteration: its J layers of pass `repeat` on one microbatch."""
   run_group = layer_group_fn(cfg, layer_fn, layer_rngs)
 

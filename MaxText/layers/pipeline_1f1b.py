@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from MaxText.platform import sharding
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.layers import pipeline_timetable
-from MaxText.layers.pipeline import LayerFn, Policy, _merge_micro, _split_micro
+from MaxText.layers.pipeline import LayerFn, Policy, StageFn, _merge_micro, _split_micro
 from MaxText.layers.pipeline import first_layer, layer_group_fn, stage_weights
 
 Sums = dict[str, jax.Array]
@@ -56,7 +56,7 @@ _STAGE_NAMES = ("layers", "activation_batch", "activation_length", "activation_e
 _RING_NAMES = ("layers", None, "activation_batch", "activation_length", "activation_embed")
 
 
-def _stage_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None, policy: Policy) -> Callable:
+def _stage_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None, policy: Policy) -> StageFn:
   """One stage's J layers of one pass on one microbatch -> (x_mLD, aux summed over its layers),
   rematerialised per layer rather than per stage, so the re-run in a backward slot holds one
   layer's internals at a time."""
@@ -234,7 +234,8 @@ def _loss_and_grads(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy
   return (loss, sums), grads
 
 
-def _backward_rule(cfg, layer_fn, head_fn, policy, grads, cotangents):  # noqa: ANN001 (jax.custom_vjp's bwd signature)
+def _backward_rule(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, grads: tuple[Any, Any, jax.Array],
+                   cotangents: tuple[jax.Array, Sums]) -> tuple[Any, Any, jax.Array, None]:
   g_loss = cotangents[0]
   scale = lambda tree: jax.tree.map(lambda x: (g_loss * x).astype(x.dtype), tree)  # noqa: E731
   dstacked, dhead, dx_BLD = grads

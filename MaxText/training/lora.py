@@ -30,7 +30,7 @@ ADAPTER_KEYS = ("lora_a", "lora_b")
 TRAIN, FROZEN = "lora", "frozen"
 
 
-def is_adapter(path: tuple) -> bool:
+def is_adapter(path: tuple[object, ...]) -> bool:
   """Whether a parameter's tree path (from jax.tree_util) ends in an adapter leaf."""
   last = path[-1] if path else None
   return getattr(last, "key", None) in ADAPTER_KEYS
@@ -42,10 +42,10 @@ def has_adapters(params: Mapping[str, Any]) -> bool:
              for key, value in params.items())
 
 
-def split(params: dict) -> tuple[dict, dict]:
+def split(params: Params) -> tuple[Params, Params]:
   """(adapters, everything else): two nested dicts with the same nesting, each holding only its leaves."""
-  adapters: dict = {}
-  frozen: dict = {}
+  adapters: Params = {}
+  frozen: Params = {}
   for key, value in params.items():
     if isinstance(value, dict):
       a, f = split(value)
@@ -60,7 +60,7 @@ def split(params: dict) -> tuple[dict, dict]:
   return adapters, frozen
 
 
-def combine(adapters: dict, frozen: dict) -> dict:
+def combine(adapters: Params, frozen: Params) -> Params:
   """Inverse of `split`."""
   out = dict(frozen)
   for key, value in adapters.items():
@@ -68,7 +68,7 @@ def combine(adapters: dict, frozen: dict) -> dict:
   return out
 
 
-def labels(params: Any) -> Any:
+def labels(params: Params) -> dict[str, Any]:
   """TRAIN for adapter leaves, FROZEN for the rest (optax.multi_transform's labels)."""
   return jax.tree_util.tree_map_with_path(lambda path, _: TRAIN if is_adapter(path) else FROZEN, params)
 
@@ -80,7 +80,7 @@ def trainable_only(optimizer: optax.GradientTransformation) -> optax.GradientTra
   return optax.multi_transform({TRAIN: optimizer, FROZEN: optax.set_to_zero()}, labels)
 
 
-def adapters_off(params: dict) -> dict:
+def adapters_off(params: Params) -> Params:
   """The same tree computing the base model: every lora_b zero, so each adapter adds exactly 0."""
   return jax.tree_util.tree_map_with_path(
       lambda path, x: jnp.zeros_like(x) if getattr(path[-1], "key", None) == "lora_b" else x, params)
@@ -110,11 +110,11 @@ def partition_for(cfg: ModelConfig) -> Partition:
   return AdapterPartition() if cfg.lora_rank > 0 else TrainAll()
 
 
-def merge(params: dict, lora_scale: float) -> dict:
+def merge(params: Params, lora_scale: float) -> Params:
   """A plain model's parameters: every adapted kernel becomes kernel + lora_scale · lora_a · lora_b
   (in float32, cast back to the kernel's dtype) and the adapter leaves are dropped. Works on
   scanned stacks too (a leading layer dim on all three)."""
-  out: dict = {}
+  out: Params = {}
   for key, value in params.items():
     if key in ADAPTER_KEYS:
       continue

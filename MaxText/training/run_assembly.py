@@ -13,21 +13,23 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from MaxText.configuration.config import Config
 from MaxText.training import compiled_step as compiled_step_file
 from MaxText.layers import models
 from MaxText.training import lora, train_state, train_step
 from MaxText.platform import sharding
-from MaxText.input_pipeline import create_data_iterator, create_eval_iterator
+from MaxText.input_pipeline import Batch, BatchIterator, create_data_iterator, create_eval_iterator
 from MaxText.input_pipeline.batch_spec import batch_spec
 from MaxText.training.objectives import Objective, objective_for
+from MaxText.training.train_step import Metrics
 
 
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
   """ShapeDtypeStructs (with shardings) for train_step(state, batch, rng[, loss_limit])."""
 
-  state: Any
-  batch: Any
+  state: train_state.TrainState  # of ShapeDtypeStructs
+  batch: dict[str, jax.ShapeDtypeStruct]
   rng: jax.ShapeDtypeStruct
   loss_limit: jax.ShapeDtypeStruct | None = None  # with loss_spike_threshold > 0
 
@@ -39,13 +41,13 @@ class StepInputs:
 class Run:
   """What one config runs on and with; `train_step` is jitted, or loaded from `compiled_trainstep_file`."""
 
-  config: Any
+  config: Config
   mesh: Mesh
   setup: train_state.StateSetup
   objective: Objective  # the loss, batch fields, extra state and metrics (objectives/)
   batch_sharding: NamedSharding
-  train_step: Callable  # (state, batch, rng[, loss_limit]) -> (new state, metrics); the state is donated
-  eval_step: Callable  # (state, batch) -> loss sums
+  train_step: Callable[..., tuple[train_state.TrainState, Metrics]]  # (state, batch, rng[, loss_limit]) -> (new state, metrics); the state is donated
+  eval_step: Callable[[train_state.TrainState, Batch], Metrics]  # (state, batch) -> loss sums
 
   @property
   def num_params(self) -> int:
@@ -67,17 +69,17 @@ class Run:
     """A fresh state born in its shardings (seed: init_weights_seed unless given)."""
     return train_state.init_state(self.setup, self.config.run.init_weights_seed if seed is None else seed)
 
-  def data_iterator(self, start_step: int = 0) -> Any:
+  def data_iterator(self, start_step: int = 0) -> BatchIterator:
     return create_data_iterator(self.config, self.mesh, start_step)
 
-  def eval_iterator(self) -> Any:
+  def eval_iterator(self) -> BatchIterator | None:
     return create_eval_iterator(self.config, self.mesh)
 
   def abstract_inputs(self) -> StepInputs:
     return abstract_inputs(self.config, self.setup, self.batch_sharding)
 
 
-def abstract_inputs(config: Any, setup: train_state.StateSetup, batch_sharding: jax.sharding.Sharding) -> StepInputs:
+def abstract_inputs(config: Config, setup: train_state.StateSetup, batch_sharding: jax.sharding.Sharding) -> StepInputs:
   """The step's arguments as shapes only, so no device (or a described one) needs memory.
 
   The batch layout is the one every data iterator declares (input_pipeline.batch_spec).
@@ -92,7 +94,7 @@ def abstract_inputs(config: Any, setup: train_state.StateSetup, batch_sharding: 
   return StepInputs(state, batch, rng, limit)
 
 
-def _load_train_step(config: Any, inputs: StepInputs) -> Callable:
+def _load_train_step(config: Config, inputs: StepInputs) -> jax.stages.Compiled:
   path = config.startup.compiled_trainstep_file
   step = compiled_step_file.load_compiled_step(path, compiled_step_file.step_header(config, inputs, topology_name=""))
   if jax.process_index() == 0:
@@ -100,7 +102,7 @@ def _load_train_step(config: Any, inputs: StepInputs) -> Callable:
   return step
 
 
-def build_run(config: Any, *, devices: Sequence[Any] | None = None, compiled_step: bool = True) -> Run:
+def build_run(config: Config, *, devices: Sequence[Any] | None = None, compiled_step: bool = True) -> Run:
   """The run for `config` on `devices` (default: every device this process sees).
 
   With `compiled_step` and `compiled_trainstep_file` set, the train step is the saved executable
@@ -113,6 +115,7 @@ def build_run(config: Any, *, devices: Sequence[Any] | None = None, compiled_ste
   objective = objective_for(config, model, partition)
   setup = train_state.build_state_setup(config, mesh, model, partition, objective)
   batch_sharding = sharding.batch_sharding(mesh, config.mesh.data_sharding)
+  step: Callable[..., tuple[train_state.TrainState, Metrics]]
   if compiled_step and config.startup.compiled_trainstep_file:
     step = _load_train_step(config, abstract_inputs(config, setup, batch_sharding))
   else:

@@ -12,27 +12,29 @@ import jax
 from MaxText.training import params_io
 from MaxText.paths import storage
 from MaxText.run_dir.checkpointing import Restored, RunCheckpoints, first_line, is_step_dir, log
+from MaxText.configuration.config import Config
 from MaxText.configuration.config_groups import CheckpointConfig
 from MaxText.errors import UserError
-from MaxText.training.train_state import state_from_params
+from MaxText.training.optimizers import Params
+from MaxText.training.train_state import StateSetup, TrainState, state_from_params
 
 
 @dataclasses.dataclass
 class Start:
-  state: Any
+  state: TrainState
   data_state: dict[str, Any] | None
   rng_key_data: list[int] | None
   description: str
 
 
-def _state_from_params(setup: Any, params: Any) -> Any:
+def _state_from_params(setup: StateSetup, params: Params) -> TrainState:
   """Step 0 and a fresh optimizer around loaded parameters (fine-tuning), with the objective's
   extra state (DPO's reference: a copy of them)."""
   create = lambda p: state_from_params(p, setup.optimizer, setup.layout)
   return jax.jit(create, out_shardings=setup.state_shardings, donate_argnums=(0,))(params)
 
 
-def _load_params(config: Any, setup: Any, path: str) -> Any:
+def _load_params(config: Config, setup: StateSetup, path: str) -> Params:
   """The parameters of `path`; when the optimizer trains only part of them (LoRA), the frozen
   part from `path` and the trained part freshly initialised (LoRA's lora_b zero: the loaded
   model's function), whether or not the checkpoint holds adapters."""
@@ -46,7 +48,8 @@ def _load_params(config: Any, setup: Any, path: str) -> Any:
   return partition.combine(init_trained(jax.random.key(config.run.init_weights_seed)), base)
 
 
-def initial_state(config: Any, setup: Any, checkpoints: RunCheckpoints | None, init_fn: Any) -> Start:
+def initial_state(config: Config, setup: StateSetup, checkpoints: RunCheckpoints | None,
+                  init_fn: Callable[[], TrainState]) -> Start:
   """Resume this run's latest checkpoint, else load_full_state_path, else load_parameters_path,
   else `init_fn()` — the order MaxText users rely on when they rerun the same command."""
   cfg: CheckpointConfig = config.checkpoint
@@ -85,7 +88,7 @@ def rewind(checkpoints: RunCheckpoints, step: int) -> None:
         "run continues from the newest")
 
 
-def nonfinite_advice(config: Any, checkpoints: RunCheckpoints | None,
+def nonfinite_advice(config: Config, checkpoints: RunCheckpoints | None,
                      argv: list[str]) -> Callable[[int], str]:
   """What to do once non-finite steps stopped the run, given the first of them: go back to the
   newest checkpoint whose parameters gave a finite loss after it, with a lower learning rate."""
@@ -115,7 +118,7 @@ def nonfinite_advice(config: Any, checkpoints: RunCheckpoints | None,
   return advise
 
 
-def restore_full_state(path: str, abstract_state: Any, shardings: Any) -> Restored:
+def restore_full_state(path: str, abstract_state: TrainState, shardings: TrainState) -> Restored:
   """Full state from a step directory or a checkpoints root (its latest good step)."""
   root = storage.resolve(path)
   if not storage.exists(root):

@@ -7,7 +7,7 @@ same state with the same shardings.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Callable, Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -15,15 +15,17 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
+from MaxText.configuration.config import Config
 from MaxText.layers import models
 from MaxText.training import optimizers
 from MaxText.platform import sharding
+from MaxText.training.optimizers import Params
 
 
 @struct.dataclass
 class TrainState:
   step: jax.Array  # int32 scalar: optimizer steps taken
-  params: Any  # nested dict of arrays
+  params: Params  # nested dict of arrays
   opt_state: optax.OptState
 
 
@@ -35,10 +37,11 @@ class PreferenceState(TrainState):
   resumes against the same reference. A class of its own keeps every other run's checkpoints
   exactly as they were."""
 
-  reference: Any = None
+  reference: Params | None = None
 
 
 T = TypeVar("T")
+SpecEntry = str | tuple[str, ...] | None  # one entry of a PartitionSpec
 
 
 class StateLayout(Protocol):
@@ -71,7 +74,7 @@ def _create_state(model: models.ModelSpec, optimizer: optax.GradientTransformati
   return state_from_params(params, optimizer, layout)
 
 
-def state_from_params(params: Any, optimizer: optax.GradientTransformation, layout: StateLayout) -> TrainState:
+def state_from_params(params: Params, optimizer: optax.GradientTransformation, layout: StateLayout) -> TrainState:
   """Step 0 and a fresh optimizer around `params`, with the layout's extra fields (e.g. DPO's
   reference, a copy of them)."""
   step, opt_state = jnp.zeros((), jnp.int32), optimizer.init(params)
@@ -79,7 +82,7 @@ def state_from_params(params: Any, optimizer: optax.GradientTransformation, layo
   return layout.state_class(step=step, params=params, opt_state=opt_state, **extra)
 
 
-def build_state_setup(config: Any, mesh: Mesh, model: models.ModelSpec, partition: optimizers.Partition,
+def build_state_setup(config: Config, mesh: Mesh, model: models.ModelSpec, partition: optimizers.Partition,
                       layout: StateLayout) -> StateSetup:
   """Abstract state and its shardings; fails when too many parameter bytes stay unsharded.
   `partition`: which parameters train (the optimizer keeps no state for the others)."""
@@ -105,7 +108,7 @@ def build_state_setup(config: Any, mesh: Mesh, model: models.ModelSpec, partitio
   return StateSetup(model, optimizer, mesh, abstract_state, state_shardings, fraction, updater, layout)
 
 
-def reference_of(state: TrainState) -> Any:
+def reference_of(state: TrainState) -> Params | None:
   """The frozen DPO reference of `state` (or of its abstract form or shardings); None outside DPO."""
   return state.reference if isinstance(state, PreferenceState) else None
 
@@ -118,7 +121,7 @@ def init_state(setup: StateSetup, seed: int) -> TrainState:
   return create(jax.random.key(seed))
 
 
-def shardings_summary(shardings: Any) -> dict[str, tuple]:
+def shardings_summary(shardings: TrainState | Params) -> dict[str, tuple[SpecEntry, ...]]:
   """'path' -> PartitionSpec entries (a plain tuple) for every leaf (for logs and tests)."""
   flat = jax.tree_util.tree_flatten_with_path(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))[0]
   return {jax.tree_util.keystr(path): tuple(s.spec) for path, s in flat}

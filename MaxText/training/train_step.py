@@ -14,7 +14,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
 
+from MaxText.configuration.config import Config
 from MaxText.training import optimizers
 from MaxText.platform import sharding
 from MaxText.input_pipeline import Batch
@@ -35,13 +37,13 @@ def _split_microbatches(batch: Batch, num_micro: int) -> Batch:
   return jax.tree.map(split, batch)
 
 
-def _balanced(config: Any) -> Callable[[Batch], Batch]:
+def _balanced(config: Config) -> Callable[[Batch], Batch]:
   # Load-balanced context parallelism reorders the batch here, once, before the model: every
   # objective's loss is a sum over tokens or sequences, so it needs no undoing.
   return lambda batch: context_parallel.balance_batch(batch, config.model)
 
 
-def _grads_and_sums(setup: StateSetup, objective: Objective, config: Any, params: Params, context: Params | None,
+def _grads_and_sums(setup: StateSetup, objective: Objective, config: Config, params: Params, context: Params | None,
                     batch: Batch, dropout_rng: jax.Array | None) -> tuple[Params, Metrics]:
   """Gradients of the trainable parameters (the partition's: all of them, or with LoRA only the
   adapters, whose base weights' gradients are never computed) and the objective's summed metrics."""
@@ -72,7 +74,7 @@ def _grads_and_sums(setup: StateSetup, objective: Objective, config: Any, params
   return grads, sums
 
 
-def make_train_step(setup: StateSetup, objective: Objective, config: Any
+def make_train_step(setup: StateSetup, objective: Objective, config: Config
                     ) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, Metrics]]:
   """The pure step (state, batch, rng) -> (new state, metrics); jit it with `jit_train_step`."""
   schedule = optimizers.learning_rate_schedule(config.optim)
@@ -124,7 +126,8 @@ def make_train_step(setup: StateSetup, objective: Objective, config: Any
   return train_step
 
 
-def jit_train_step(setup: StateSetup, objective: Objective, config: Any, batch_sharding: Any) -> Callable:
+def jit_train_step(setup: StateSetup, objective: Objective, config: Config, batch_sharding: NamedSharding
+                   ) -> Callable[..., tuple[TrainState, Metrics]]:
   """jit with explicit shardings; the old state is donated so its buffers are reused."""
   replicated = sharding.replicated(setup.mesh)
   limit = (replicated,) if config.run.loss_spike_threshold > 0 else ()  # the step's loss_limit argument
@@ -136,7 +139,7 @@ def jit_train_step(setup: StateSetup, objective: Objective, config: Any, batch_s
   )
 
 
-def make_eval_step(setup: StateSetup, objective: Objective, config: Any) -> Callable[[TrainState, Batch], Metrics]:
+def make_eval_step(setup: StateSetup, objective: Objective, config: Config) -> Callable[[TrainState, Batch], Metrics]:
   """(state, batch) -> the objective's sums for the batch (no dropout); the whole state, not only
   its parameters, because the objective may read more of it (e.g. DPO's reference)."""
   balance = _balanced(config)

@@ -38,7 +38,7 @@ class Preference(Objective):
 
   def context(self, state: TrainState) -> Params | None:
     if self.keeps_copy:
-      reference: Params = reference_of(state)
+      reference: Params | None = reference_of(state)
       return reference
     return self.partition.base_model(state.params)
 
