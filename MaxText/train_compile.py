@@ -32,7 +32,6 @@ from MaxText.training import compiled_step
 from MaxText.training import metrics, run_assembly
 from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib
-from MaxText.startup import describe_topology  # noqa: F401  (tests and benchmarks name it here)
 from MaxText.aot.hlo_cycles import estimated_cycles, uncosted_kernel_calls
 from MaxText.aot.memory_report import (GIB, MemoryReport, buffer_assignment_dump_options, does_not_fit_message,
                                    format_bytes, oom_bytes_from_xla, read_buffer_assignment)

@@ -223,7 +223,7 @@ def test_paged_generate_compiles_for_tpu_with_the_pallas_kernel(topology, tensor
   a head dim of 64, which the kernel's blocks cannot tile, takes the gather reference instead."""
   pytest.importorskip("libtpu")
   from MaxText.platform import accelerators
-  from MaxText.train_compile import describe_topology
+  from MaxText.startup import describe_topology
   tpu = accelerators.tpu_topology(topology)
   config = Config.for_testing(tpu.target(1), **dict(TINY, base_emb_dim=256, head_dim=head_dim, max_target_length=256,
                                                     dtype="bfloat16"),

@@ -241,7 +241,7 @@ def test_strategies_compile_for_tpu_with_splash(topology, strategy, length):
   collective-permutes, with no all-gather of K/V."""
   pytest.importorskip("libtpu")
   from MaxText.platform import accelerators
-  from MaxText.train_compile import describe_topology
+  from MaxText.startup import describe_topology
   tpu = accelerators.tpu_topology(topology)
   config = Config.for_testing(tpu.target(1), **{**SPLASH, "max_target_length": length, "head_dim": 128},
                               dtype="bfloat16", ici_sequence_parallelism=2, ici_fsdp_parallelism=-1,
