@@ -28,7 +28,7 @@ from jax.experimental import topologies
 
 from MaxText.run_dir import run_lease
 from MaxText.platform import accelerators, distributed, xla_flags
-from MaxText.paths import storage, storage_retry
+from MaxText.paths import cloud_env, storage, storage_retry
 from MaxText.configuration import config as config_lib
 from MaxText.errors import ConfigError
 
@@ -211,7 +211,7 @@ def prepare_process() -> None:
   # to the clean stop (and the checkpoint) the entry points promise.
   if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
-  storage.configure_cloud_env()  # before any library opens a gs:// path
+  cloud_env.configure_cloud_env()  # before any library opens a gs:// path
   _one_line_library_logs()
   _filter_background_noise()
 

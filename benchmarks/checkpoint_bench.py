@@ -92,7 +92,7 @@ def _gcs_bucket():
   """(server to stop or None, 'gs://bucket') on STORAGE_EMULATOR_HOST or a local fake-gcs-server."""
   import tempfile
 
-  from MaxText.paths import storage
+  from MaxText.paths import cloud_env
   from tests.gcs_emulator import GcsServer
 
   server = None
@@ -100,7 +100,7 @@ def _gcs_bucket():
     server = GcsServer(Path(tempfile.mkdtemp(prefix="bench-gcs-")) / "data")
     server.start()
     os.environ.update(server.env())
-  storage.configure_cloud_env()
+  cloud_env.configure_cloud_env()
   host = os.environ["STORAGE_EMULATOR_HOST"]
   name = server.create_bucket() if server else _create_bucket(host)
   return server, f"gs://{name}"

@@ -39,9 +39,9 @@ def gcs(tmp_path_factory):
   server.start()
   previous = {k: os.environ.get(k) for k in _CLOUD_ENV}
   os.environ.update(server.env())
-  from MaxText.paths import storage
+  from MaxText.paths import cloud_env
 
-  storage.configure_cloud_env()
+  cloud_env.configure_cloud_env()
   yield server
   for key, value in previous.items():
     if value is None:

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from MaxText.paths import storage
+from MaxText.paths import cloud_env, storage
 from tests.conftest import REPO_ROOT
 
 # Modules allowed to touch the file system directly, and why.
@@ -116,11 +116,11 @@ def test_paths_resolve_and_join_without_mangling_urls():
 
 def test_emulator_host_is_handed_on_to_every_library():
   env = {"STORAGE_EMULATOR_HOST": "127.0.0.1:4443"}
-  storage.configure_cloud_env(env)
+  cloud_env.configure_cloud_env(env)
   assert env["TENSORSTORE_GCS_HTTP_URL"] == "http://127.0.0.1:4443" and env["GOOGLE_AUTH_TOKEN_FOR_TESTING"]
   kept = {"STORAGE_EMULATOR_HOST": "http://h:1", "TENSORSTORE_GCS_HTTP_URL": "http://mine:2"}
-  storage.configure_cloud_env(kept)
+  cloud_env.configure_cloud_env(kept)
   assert kept["TENSORSTORE_GCS_HTTP_URL"] == "http://mine:2"  # what the user set wins
   untouched: dict = {}
-  storage.configure_cloud_env(untouched)
+  cloud_env.configure_cloud_env(untouched)
   assert untouched == {}

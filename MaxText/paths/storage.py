@@ -6,7 +6,7 @@ and TensorStore take the same strings, so a run directory on `gs://` holds check
 `config.yml`, `metrics.jsonl`, TensorBoard events and profiles side by side.
 
 Pointing a whole run at a GCS emulator or any GCS-compatible endpoint takes one standard
-variable, `STORAGE_EMULATOR_HOST`; `configure_cloud_env` hands it on to the libraries that
+variable, `STORAGE_EMULATOR_HOST`; `cloud_env.configure_cloud_env` hands it on to the libraries that
 have their own setting. Object stores have no rename and no append: `set_aside` copies then
 deletes, and writers that append (metrics.jsonl) rewrite whole objects (see metrics.py).
 """
@@ -25,7 +25,7 @@ from typing import IO, Any, Callable, Iterator, TypeVar
 
 from etils import epath
 
-from MaxText.paths import cloud_env, storage_retry
+from MaxText.paths import storage_retry
 from MaxText.errors import TrainingError, UserError
 
 _T = TypeVar("_T")
@@ -388,7 +388,6 @@ def local_output(path: str) -> Iterator[str]:
 
 # ------------------------------------------------------------------ cloud endpoints
 
-configure_cloud_env = cloud_env.configure_cloud_env
 
 
 bucket_of = storage_retry.bucket_of

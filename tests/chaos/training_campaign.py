@@ -469,14 +469,14 @@ def main() -> int:
   gcs = None
   with tempfile.TemporaryDirectory() as tmp:
     if any(layout.storage == "gcs" for layout in layouts):
-      from MaxText.paths import storage
+      from MaxText.paths import cloud_env
       from tests.gcs_emulator import GcsServer
 
       gcs = GcsServer(Path(tmp) / "gcs")
       (Path(tmp) / "gcs").mkdir()
       gcs.start()
       os.environ.update(gcs.env())
-      storage.configure_cloud_env()
+      cloud_env.configure_cloud_env()
     try:
       outcomes, _ = run_campaign(args.seed, args.trials, layouts, Path(tmp), gcs,
                                  faults=tuple(args.faults.split(",")) if args.faults else None)
