@@ -187,6 +187,14 @@ HANG_IN_STEP_5 = textwrap.dedent("""
           time.sleep(600)
         return _next(self)
       pipeline.PackedBatchIterator.__next__ = _stuck_next
+      # Its watchdog also fires later than process 0's, which hosts the coordination service: process 0
+      # must not exit before the others have named the hang (their clients would abort, status -6).
+      from MaxText.training import health
+      _print_stacks = health._print_stacks
+      def _slow_print_stacks():
+        time.sleep(5)
+        _print_stacks()
+      health._print_stacks = _slow_print_stacks
 """)
 
 

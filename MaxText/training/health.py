@@ -174,6 +174,7 @@ class _StepBoard:
   store (the only channel left when a collective hangs). Single-process runs keep it locally."""
 
   PREFIX = "maxtext_watchdog/"
+  LEAVING = "maxtext_watchdog_leaving/"
 
   def __init__(self) -> None:
     import jax
@@ -193,6 +194,29 @@ class _StepBoard:
     if self.client is None:
       return dict(self.local)
     return {int(key.rsplit("/", 1)[1]): int(value) for key, value in self.client.key_value_dir_get(self.PREFIX)}
+
+  def leave(self, grace_s: float) -> None:
+    """Called by a watchdog that is about to exit. Process 0 hosts the coordination service: if it
+    exits first, the other processes' coordination clients abort (SIGABRT) before their own
+    watchdogs can name the hang and exit with the restart code. So every process says it is
+    leaving, and process 0 waits (at most `grace_s`) for the others to say so too."""
+    if self.client is None:
+      return
+    import jax
+
+    self.client.key_value_set(f"{self.LEAVING}{self.process}", "1", allow_overwrite=True)
+    if self.process != 0:
+      return
+    deadline = time.monotonic() + grace_s
+    for other in range(1, jax.process_count()):
+      remaining_ms = int((deadline - time.monotonic()) * 1000)
+      if remaining_ms <= 0:
+        return
+      try:
+        self.client.blocking_key_value_get(f"{self.LEAVING}{other}", remaining_ms)
+      except Exception:  # noqa: BLE001 - a process that is gone or stuck for good does not hold us
+        return
+    time.sleep(1.0)  # their exit calls run after they set the key
 
 
 def _print_stacks() -> None:
@@ -258,6 +282,10 @@ class StepWatchdog:
     print(f"error: no step finished in step_timeout_seconds={self.timeout_s:g} after step {self.last_step} on "
           f"this process; {where}{unreachable}; Python stacks above. Exiting with status {self.EXIT_CODE} so the "
           "job restarts and resumes from its last checkpoint", file=sys.stderr, flush=True)
+    try:
+      self.board.leave(grace_s=min(30.0, self.timeout_s))
+    except Exception:  # noqa: BLE001 - exiting with the restart code matters more than an orderly exit
+      pass
     self._exit(self.EXIT_CODE)
 
   def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
