@@ -33,8 +33,8 @@ from MaxText.errors import run_cli
 from MaxText.input_pipeline import check_sources
 from MaxText.layers import pipeline
 from MaxText.layers.attention import select_kernel
-from MaxText.training.trainer import (CheckpointHook, EvalHook, LeaseHook, LoggingHook, ProfilerHook, RouterHealthHook,
-                             Trainer)
+from MaxText.training.trainer import (CheckpointHook, EvalHook, LeaseHook, LoggingHook, OnPolicyBatches, ProfilerHook,
+                                     RouterHealthHook, Trainer)
 
 
 def check_resume(config: config_lib.Config, checkpoints: checkpointing.RunCheckpoints | None) -> None:
@@ -139,7 +139,9 @@ def open_data(run: run_assembly.Run, start: run_start.Start) -> Any:
   data = run.data_iterator()
   if start.data_state is not None:
     data.set_state(start.data_state)
-  if hasattr(data, "peek"):
+  if isinstance(data, OnPolicyBatches):
+    data.prime(start.state)  # the first rollout, rewards included
+  elif hasattr(data, "peek"):
     data.peek()
   return data
 

@@ -35,6 +35,7 @@ from MaxText.paths import storage
 from MaxText.platform.accelerators import DeviceTarget
 from MaxText.errors import ConfigError
 from MaxText.configuration.model_config import ModelConfig
+from MaxText.configuration.rl_config import RLConfig
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 BASE_CONFIG_PATH = CONFIGS_DIR / "base.yml"
@@ -323,6 +324,7 @@ class Config:
     self.checkpoint: config_groups.CheckpointConfig = groups.checkpoint
     self.decode: config_groups.DecodeConfig = groups.decode
     self.startup: config_groups.StartupConfig = groups.startup
+    self.rl: RLConfig = groups.rl
     self._frozen = True
 
   def __setattr__(self, name: str, value: Any) -> None:

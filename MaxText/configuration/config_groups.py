@@ -21,6 +21,7 @@ from MaxText.configuration.config_fields import require as _require
 from MaxText.errors import ConfigError
 from MaxText.platform.mesh_axes import MESH_AXES, Group, MeshAxis
 from MaxText.configuration.model_config import AttentionBlocks, ModelConfig
+from MaxText.configuration.rl_config import RLConfig
 from MaxText.configuration.model_config import one_of as _one_of, positive as _positive
 
 DATASET_TYPES = ("synthetic", "tfds", "hf", "grain")
@@ -192,6 +193,8 @@ class DataConfig:
   sft_train_on_completion_only: bool = key(fixed_on_resume=DATA_POSITION)
   # Preference optimisation on {"prompt", "chosen", "rejected"} records (input_pipeline/preference.py, dpo.py).
   use_dpo: bool = key(fixed_on_resume=DATA_POSITION)
+  # Reinforcement learning: prompt records, completions sampled by the run (MaxText/rl/, rl_config.py).
+  use_grpo: bool = key(fixed_on_resume=DATA_POSITION)
   # A new mesh may change per_device_batch_size or the device count, not their product.
   global_batch_size: int = derived(fixed_on_resume=DATA_POSITION)
 
@@ -461,7 +464,7 @@ class StartupConfig:
 
 
 GROUPS = (ModelConfig, AttentionBlocks, MeshConfig, OptimConfig, DataConfig, RunConfig, CheckpointConfig,
-          DecodeConfig, StartupConfig)
+          DecodeConfig, StartupConfig, RLConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -474,6 +477,7 @@ class Groups:
   checkpoint: CheckpointConfig
   decode: DecodeConfig
   startup: StartupConfig
+  rl: RLConfig
 
 
 def build_groups(values: Mapping[str, Any], target: DeviceTarget) -> Groups:
@@ -485,7 +489,11 @@ def build_groups(values: Mapping[str, Any], target: DeviceTarget) -> Groups:
            f"num_experts ({num_experts}) must be a multiple of the expert parallelism "
            f"(ici_expert_parallelism * dcn_expert_parallelism = {expert_degree})")
   data = DataConfig.from_values(values, target, mesh)
+  rl = RLConfig.from_values(values)
+  _require(not data.use_grpo or data.global_batch_size % rl.num_generations == 0,
+           f"the global batch of {data.global_batch_size} completions (per_device_batch_size x devices) does not "
+           f"divide into groups of num_generations={rl.num_generations}; make it a multiple")
   return Groups(model=ModelConfig.from_values(values, mesh, data.global_batch_size), mesh=mesh,
                 optim=OptimConfig.from_values(values), data=data, run=run,
                 checkpoint=CheckpointConfig.from_values(values, run), decode=DecodeConfig.from_values(values),
-                startup=StartupConfig.from_values(values))
+                startup=StartupConfig.from_values(values), rl=rl)

@@ -49,10 +49,10 @@ def check_sources(cfg: DataConfig) -> None:
       ("grain_train_files", "grain_eval_files") if cfg.dataset_type == "grain" else ():
     if getattr(cfg, key):
       files.expand_files(key, getattr(cfg, key))
-  if cfg.use_sft or cfg.use_dpo:
+  if cfg.use_sft or cfg.use_dpo or cfg.use_grpo:
     from MaxText.input_pipeline import chat
 
-    # SFT's template must exist before anything starts; DPO needs one only for message lists.
+    # SFT's template must exist before anything starts; DPO and GRPO need one only for message lists.
     chat.load_chat_tokenizer(cfg.tokenizer_path, require_template=cfg.use_sft)
   vocab = tokenizer.load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path).vocab_size
   if vocab > cfg.vocab_size:
@@ -60,7 +60,7 @@ def check_sources(cfg: DataConfig) -> None:
                       f"{cfg.vocab_size}; set vocab_size >= {vocab}")
 
 
-def _open_source(cfg: DataConfig, train: bool) -> tuple[Sequence[Any], str]:
+def open_records(cfg: DataConfig, train: bool) -> tuple[Sequence[Any], str]:
   """The random-access records of the train or eval split and a description of them."""
   split = cfg.train_split if train else cfg.eval_split
   if cfg.dataset_type == "tfds":
@@ -85,7 +85,7 @@ def _real_data_iterator(config: Config, mesh: Mesh, train: bool) -> BatchIterato
   cfg = config.data
   sharding = batch_sharding(mesh, config.mesh.data_sharding)
   shard = pipeline.host_shard(sharding, cfg.global_batch_size, cfg.max_target_length)
-  source, describe = _open_source(cfg, train)
+  source, describe = open_records(cfg, train)
   encoder: Any
   pack: dict[str, Any] = {}
   if cfg.use_dpo:
@@ -143,4 +143,4 @@ def create_eval_iterator(config: Config, mesh: Mesh) -> BatchIterator | None:
   return SyntheticIterator(config.data, sharding, seed_offset=_EVAL_SEED_OFFSET)
 
 
-__all__ = ["Batch", "BatchIterator", "create_data_iterator", "create_eval_iterator"]
+__all__ = ["Batch", "BatchIterator", "create_data_iterator", "create_eval_iterator", "open_records"]

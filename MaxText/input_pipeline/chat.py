@@ -158,14 +158,14 @@ class SftEncoder:
   def render(self, record: Mapping[str, Any]) -> tuple[str, list[tuple[int, int]], bool]:
     """(text, character spans of the trained parts, whether it is a plain-text pair)."""
     if "messages" in record:
-      return (*self._conversation(_messages(record["messages"], "messages"), first_trained=0), False)
+      return (*self._conversation(as_messages(record["messages"], "messages"), first_trained=0), False)
     if all(field in record for field in PAIR_FIELDS):
       prompt, completion = record["prompt"], record["completion"]
       if isinstance(prompt, str) and isinstance(completion, str):
         start = len(self.bos) + len(prompt)
         return self.bos + prompt + completion, [(start, start + len(completion))], True
-      prompt_messages = _messages(prompt, "prompt")
-      return (*self._conversation(prompt_messages + _messages(completion, "completion"),
+      prompt_messages = as_messages(prompt, "prompt")
+      return (*self._conversation(prompt_messages + as_messages(completion, "completion"),
                                   first_trained=len(prompt_messages)), False)
     raise UserError(f"an sft record needs a 'messages' list or 'prompt' and 'completion' fields; it has "
                     f"{', '.join(map(str, record)) or 'no fields'}")
@@ -206,7 +206,7 @@ def as_mapping(record: Any, what: str = "sft") -> Mapping[str, Any]:
   return record
 
 
-def _messages(value: Any, field: str) -> list[dict[str, Any]]:
+def as_messages(value: Any, field: str) -> list[dict[str, Any]]:
   if not isinstance(value, list) or not all(isinstance(m, Mapping) and "role" in m and "content" in m
                                             for m in value):
     raise UserError(f"sft field {field!r} must be a list of {{'role': ..., 'content': ...}} messages, got "

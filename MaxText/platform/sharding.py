@@ -112,6 +112,11 @@ def batch_sharding(mesh: Mesh, data_axes: Sequence[str]) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec(axes if axes else None, None))
 
 
+def for_rank(batch: NamedSharding, rank: int) -> NamedSharding:
+  """`batch_sharding` for a batch field of another rank (e.g. one float per row: rank 1)."""
+  return NamedSharding(batch.mesh, PartitionSpec(*tuple(batch.spec)[:1], *([None] * (rank - 1))))
+
+
 def unsharded_fraction(abstract_tree: Any, shardings: Any, mesh: Mesh) -> float:
   """Fraction of bytes not split over every non-data mesh axis (pure data parallelism
   replicates parameters by design, so the data axis does not count; nor does the pipeline

@@ -69,7 +69,13 @@ class Run:
     """A fresh state born in its shardings (seed: init_weights_seed unless given)."""
     return train_state.init_state(self.setup, self.config.run.init_weights_seed if seed is None else seed)
 
-  def data_iterator(self, start_step: int = 0) -> BatchIterator:
+  def data_iterator(self, start_step: int = 0) -> Any:
+    """The input pipeline's batches, or, for an objective that trains on its own samples, the
+    rollouts (rl/rollouts.RolloutBatches, which the trainer hands each step's state)."""
+    if self.objective.uses_rollouts:
+      from MaxText.rl.rollouts import RolloutBatches  # the decode engine is built only for RL runs
+
+      return RolloutBatches(self.config, self.mesh, self.batch_sharding)
     return create_data_iterator(self.config, self.mesh, start_step)
 
   def eval_iterator(self) -> BatchIterator | None:
@@ -79,13 +85,13 @@ class Run:
     return abstract_inputs(self.config, self.setup, self.batch_sharding)
 
 
-def abstract_inputs(config: Config, setup: train_state.StateSetup, batch_sharding: jax.sharding.Sharding) -> StepInputs:
+def abstract_inputs(config: Config, setup: train_state.StateSetup, batch_sharding: NamedSharding) -> StepInputs:
   """The step's arguments as shapes only, so no device (or a described one) needs memory.
 
   The batch layout is the one every data iterator declares (input_pipeline.batch_spec).
   """
   state = sharding.with_shardings(setup.abstract_state, setup.state_shardings)
-  batch = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding)
+  batch = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.for_rank(batch_sharding, x.ndim))
            for name, x in batch_spec(config.data).items()}
   key = jax.eval_shape(lambda: jax.random.key(0))
   rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(setup.mesh))

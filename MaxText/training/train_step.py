@@ -20,6 +20,7 @@ from MaxText.configuration.config import Config
 from MaxText.training import optimizers
 from MaxText.platform import sharding
 from MaxText.input_pipeline import Batch
+from MaxText.input_pipeline.batch_spec import batch_spec
 from MaxText.layers import context_parallel
 from MaxText.training.objectives import Objective
 from MaxText.training.objectives.base import Params
@@ -83,20 +84,43 @@ def make_train_step(setup: StateSetup, objective: Objective, config: Config
   num_micro = config.optim.gradient_accumulation_steps
   updater = setup.updater
 
+  def update(params: Params, opt_state: Any, context: Params | None, batch: Batch, dropout_rng: jax.Array | None
+             ) -> tuple[Params, Any, Metrics, jax.Array]:
+    """One optimizer update: (new params, new optimizer state, the objective's sums, gradient norm)."""
+    with sharding.activation_sharding(setup.mesh, config.mesh.logical_axis_rules):
+      grads, sums = _grads_and_sums(setup, objective, config, params, context, batch, dropout_rng)
+    divisor = objective.divisor(sums)  # the loss is a mean: per target token, per preference pair, ...
+    grads = jax.tree.map(lambda g: g / divisor, grads)
+    grad_norm = optax.tree.norm(grads)
+    new_params, opt_state = updater.apply(grads, opt_state, params)
+    return setup.model.after_update(new_params, params, sums, num_micro), opt_state, sums, grad_norm
+
+  def updates(params: Params, opt_state: Any, context: Params | None, batch: Batch, dropout_rng: jax.Array | None
+              ) -> tuple[Params, Any, Metrics, jax.Array, jax.Array]:
+    """The objective's updates_per_batch updates on one batch: (params, optimizer state, its metrics
+    averaged over the updates, mean gradient norm, tokens trained)."""
+    with sharding.activation_sharding(setup.mesh, config.mesh.logical_axis_rules):
+      batch = objective.prepare_batch(params, context, batch)
+    if objective.updates_per_batch == 1:
+      params, opt_state, sums, grad_norm = update(params, opt_state, context, batch, dropout_rng)
+      return params, opt_state, objective.train_metrics(sums), grad_norm, sums["weight_sum"]
+
+    def one(carry: tuple[Params, Any], index: jax.Array) -> tuple[tuple[Params, Any], tuple[Metrics, jax.Array, jax.Array]]:
+      rng = jax.random.fold_in(dropout_rng, index) if dropout_rng is not None else None
+      new_params, new_opt_state, sums, grad_norm = update(*carry, context, batch, rng)
+      return (new_params, new_opt_state), (objective.train_metrics(sums), grad_norm, sums["weight_sum"])
+
+    (params, opt_state), (metrics, grad_norms, tokens) = jax.lax.scan(
+        one, (params, opt_state), jnp.arange(objective.updates_per_batch))
+    return params, opt_state, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics), jnp.mean(grad_norms), jnp.sum(tokens)
+
   def train_step(state: TrainState, batch: Batch, rng: jax.Array,
                  loss_limit: jax.Array | None = None) -> tuple[TrainState, Metrics]:
     """`loss_limit` (with loss_spike_threshold): a step whose loss is above it is not applied."""
     dropout_rng = jax.random.fold_in(rng, state.step) if use_dropout else None
-    with sharding.activation_sharding(setup.mesh, config.mesh.logical_axis_rules):
-      grads, sums = _grads_and_sums(setup, objective, config, state.params, objective.context(state), batch,
-                                    dropout_rng)
-    divisor = objective.divisor(sums)  # the loss is a mean: per target token, per preference pair, ...
-    grads = jax.tree.map(lambda g: g / divisor, grads)
-    grad_norm = optax.tree.norm(grads)
     old_opt_state = updater.fetch(state.opt_state)
-    params, opt_state = updater.apply(grads, old_opt_state, state.params)
-    params = setup.model.after_update(params, state.params, sums, num_micro)
-    loss_metrics = objective.train_metrics(sums)
+    params, opt_state, loss_metrics, grad_norm, num_tokens = updates(state.params, old_opt_state,
+                                                                     objective.context(state), batch, dropout_rng)
     loss = loss_metrics["loss"]
     guarded = skip_nonfinite or loss_limit is not None
     if guarded:
@@ -114,7 +138,7 @@ def make_train_step(setup: StateSetup, objective: Objective, config: Config
         "grad_norm": grad_norm,
         "param_norm": optax.tree.norm(params),
         "learning_rate": schedule(state.step),
-        "num_tokens": sums["weight_sum"],
+        "num_tokens": num_tokens,
     }
     if guarded:
       metrics["skipped"] = 1.0 - applied.astype(jnp.float32)
@@ -126,6 +150,11 @@ def make_train_step(setup: StateSetup, objective: Objective, config: Config
   return train_step
 
 
+def _field_shardings(config: Config, batch_sharding: NamedSharding) -> dict[str, NamedSharding]:
+  """Each batch field's sharding: rows split like `batch_sharding` whatever the field's rank."""
+  return {name: sharding.for_rank(batch_sharding, x.ndim) for name, x in batch_spec(config.data).items()}
+
+
 def jit_train_step(setup: StateSetup, objective: Objective, config: Config, batch_sharding: NamedSharding
                    ) -> Callable[..., tuple[TrainState, Metrics]]:
   """jit with explicit shardings; the old state is donated so its buffers are reused."""
@@ -133,7 +162,7 @@ def jit_train_step(setup: StateSetup, objective: Objective, config: Config, batc
   limit = (replicated,) if config.run.loss_spike_threshold > 0 else ()  # the step's loss_limit argument
   return jax.jit(
       make_train_step(setup, objective, config),
-      in_shardings=(setup.state_shardings, batch_sharding, replicated, *limit),
+      in_shardings=(setup.state_shardings, _field_shardings(config, batch_sharding), replicated, *limit),
       out_shardings=(setup.state_shardings, replicated),
       donate_argnums=(0,),
   )

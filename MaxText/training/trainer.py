@@ -13,7 +13,7 @@ import math
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import jax
 import numpy as np
@@ -38,6 +38,20 @@ class ResumableBatches(Protocol):
   """The data iterators of input_pipeline: global batches plus a checkpointable position."""
 
   def __next__(self) -> Any: ...
+
+  def get_state(self) -> Any: ...
+
+
+@runtime_checkable
+class OnPolicyBatches(Protocol):
+  """Batches made from the parameters about to be trained (rl/rollouts.py): the loop hands each
+  step's starting state over and gets the batch with host-side scalars for the step's metrics."""
+
+  def next_for(self, state: TrainState) -> tuple[Any, dict[str, float]]: ...
+
+  def prime(self, state: TrainState) -> None:
+    """Makes the first batch now (the run checks its data before it writes anything)."""
+    ...
 
   def get_state(self) -> Any: ...
 
@@ -204,7 +218,10 @@ class Trainer:
       while loop.next_step < self.config.run.steps:
         waited_from = time.perf_counter()
         self._note_batch_start(loop.next_step)
-        batch = next(self.data)
+        if isinstance(self.data, OnPolicyBatches):  # sampled from the state the step will update
+          batch, host_scalars = self.data.next_for(loop.state)
+        else:
+          batch, host_scalars = next(self.data), {}
         input_wait_s = time.perf_counter() - waited_from  # > 0 means the input pipeline is the bottleneck
         if self.spike_limit is None:
           loop.state, device_metrics = self.train_step(loop.state, batch, self.rng)
@@ -215,7 +232,7 @@ class Trainer:
           self._finish(loop, None)  # the state after that step was donated to this one
         loop.next_step += 1
         due = [entry for entry in self._entries if entry.due(loop.next_step)]  # each asked once
-        loop.pending = (loop.next_step - 1, {**device_metrics, "input_wait_s": input_wait_s}, due)
+        loop.pending = (loop.next_step - 1, {**device_metrics, **host_scalars, "input_wait_s": input_wait_s}, due)
         if any(entry.needs_state for entry in due):
           self._finish(loop, loop.state)
         if self.stop_reason is not None:

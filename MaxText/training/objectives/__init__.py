@@ -6,7 +6,8 @@ the state layout and the FLOPs count ask it instead of branching on the kind of 
 
   * `language_model.LanguageModel`: pre-training and SFT (next-token loss, z-loss, MoE
     load balancing, multi-token prediction; under the 1F1B schedule through `pipelined.py`);
-  * `preference.Preference`: DPO against a frozen reference (use_dpo).
+  * `preference.Preference`: DPO against a frozen reference (use_dpo);
+  * `grpo.Grpo`: reinforcement learning on the run's own sampled completions (use_grpo).
 
 A new objective: a module here with an `Objective` subclass, and its line in `objective_for`
 (its batch fields also go in input_pipeline/batch_spec.py, its records' encoding in input_pipeline/).
@@ -17,6 +18,7 @@ from __future__ import annotations
 from MaxText.configuration.config import Config
 from MaxText.layers.models import ModelSpec
 from MaxText.training.objectives.base import Objective
+from MaxText.training.objectives.grpo import Grpo
 from MaxText.training.objectives.language_model import LanguageModel
 from MaxText.training.objectives.preference import Preference
 from MaxText.training.optimizers import Partition
@@ -27,8 +29,10 @@ def objective_for(config: Config, model: ModelSpec, partition: Partition) -> Obj
   optim = config.optim
   if config.data.use_dpo:
     return Preference(model, partition, optim.dpo_beta, optim.dpo_label_smoothing)
+  if config.data.use_grpo:
+    return Grpo(model, partition, config.rl, config.model.load_balance_loss_weight, optim.gradient_accumulation_steps)
   return LanguageModel(model, optim.z_loss_multiplier, config.model.load_balance_loss_weight,
                        optim.gradient_accumulation_steps)
 
 
-__all__ = ["LanguageModel", "Objective", "Preference", "objective_for"]
+__all__ = ["Grpo", "LanguageModel", "Objective", "Preference", "objective_for"]

@@ -35,6 +35,10 @@ class Objective(abc.ABC):
   state_class: type[TrainState] = TrainState
   # Why a fresh initialisation cannot start this objective; "" when it can.
   needs_loaded_params: str = ""
+  # Optimizer updates the step makes on one batch (PPO-style iterations over a rollout batch).
+  updates_per_batch: int = 1
+  # The batches are the run's own samples (rl/rollouts.py), made from the current parameters.
+  uses_rollouts: bool = False
 
   def extra_state(self, params: T, copy: Callable[[T], T]) -> dict[str, T]:
     """The state's fields beyond step, params and opt_state, from the starting parameters (e.g. a
@@ -46,6 +50,11 @@ class Objective(abc.ABC):
     """What the loss reads from the state besides the trained parameters (e.g. a frozen
     reference), taken before differentiating: it gets no gradient."""
     return None
+
+  def prepare_batch(self, params: Params, context: Params | None, batch: Batch) -> Batch:
+    """The batch with what stays fixed over the step's updates, computed once before them from the
+    step's starting parameters (e.g. the old policy's log-probs); no gradient flows through it."""
+    return batch
 
   @abc.abstractmethod
   def loss_sums(self, params: Params, context: Params | None, batch: Batch,

@@ -1,0 +1,90 @@
+"""The reinforcement-learning group (use_grpo): rollouts, rewards and the GRPO loss.
+
+Every field holds the base.yml key of its name; MaxText/rl/ and objectives/grpo.py read them.
+Checked here without I/O; reward paths are imported when the run opens its data (rl/rewards.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from MaxText.configuration.config_fields import DATA_POSITION, key, read_keys
+from MaxText.configuration.config_fields import require as _require
+
+GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo")  # objectives/grpo_loss.py
+REWARD_SCALINGS = ("group", "batch", "none")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RLConfig:
+  num_generations: int = key(fixed_on_resume=DATA_POSITION)  # completions per prompt: a group
+  max_completion_length: int = key()
+  rl_temperature: float = key()
+  rl_top_p: float = key()
+  rl_top_k: int = key()
+  reward_functions: tuple[str, ...] = key()  # built-in names or package.module:function
+  reward_weights: tuple[float, ...] = key()  # () = every function weighs 1
+  rl_prompt_column: str = key(fixed_on_resume=DATA_POSITION)
+  rl_answer_column: str = key()  # exact_match compares the completion's answer with this column
+  rl_format_regex: str = key()  # format: 1 when the completion matches
+  rl_length_penalty_window: int = key()  # length_penalty: tokens before max_completion_length where it ramps
+  grpo_beta: float = key()  # KL weight to the frozen reference (0 = no reference)
+  grpo_epsilon_low: float = key()
+  grpo_epsilon_high: float = key()
+  grpo_num_iterations: int = key()  # optimizer updates per rollout batch (μ)
+  grpo_loss_type: str = key()
+  grpo_scale_rewards: str = key()
+
+  @classmethod
+  def from_values(cls, v: Mapping[str, Any]) -> "RLConfig":
+    rl = cls(**read_keys(cls, v))
+    if not v["use_grpo"]:
+      return rl
+    _require(rl.num_generations >= 2, f"num_generations={rl.num_generations}: GRPO compares the completions of one "
+             "prompt with each other, so a group of 1 has zero advantage and trains nothing; use num_generations >= 2")
+    _require(rl.max_completion_length >= 1, f"max_completion_length must be >= 1, got {rl.max_completion_length}")
+    prefill, length = v["max_prefill_predict_length"], v["max_target_length"]
+    _require(prefill + rl.max_completion_length <= length + 1,
+             f"max_prefill_predict_length ({prefill}) + max_completion_length ({rl.max_completion_length}) must be "
+             f"<= max_target_length + 1 ({length + 1}): a prompt and its completion are one training sequence")
+    _require(rl.rl_temperature > 0, f"rl_temperature must be > 0, got {rl.rl_temperature}")
+    _require(0 < rl.rl_top_p <= 1, f"rl_top_p must be in (0, 1], got {rl.rl_top_p}")
+    _require(0 <= rl.rl_top_k <= v["vocab_size"], f"rl_top_k must be in [0, vocab_size] (0 = off), got {rl.rl_top_k}")
+    _require(bool(rl.reward_functions), "use_grpo=True needs reward_functions: built-in names (exact_match, format, "
+             "length_penalty) or package.module:function paths")
+    _require(not rl.reward_weights or len(rl.reward_weights) == len(rl.reward_functions),
+             f"reward_weights has {len(rl.reward_weights)} values for {len(rl.reward_functions)} reward_functions; "
+             "give one weight per function or none (all 1)")
+    _require(rl.grpo_beta >= 0, f"grpo_beta must be >= 0 (0 = no KL term), got {rl.grpo_beta}")
+    _require(0 <= rl.grpo_epsilon_low < 1 and rl.grpo_epsilon_high >= 0,
+             f"grpo_epsilon_low must be in [0, 1) and grpo_epsilon_high >= 0; got {rl.grpo_epsilon_low}, "
+             f"{rl.grpo_epsilon_high}")
+    _require(rl.grpo_num_iterations >= 1, f"grpo_num_iterations must be >= 1, got {rl.grpo_num_iterations}")
+    _require(rl.grpo_loss_type in GRPO_LOSS_TYPES,
+             f"grpo_loss_type must be one of {', '.join(GRPO_LOSS_TYPES)}; got {rl.grpo_loss_type!r}")
+    _require(rl.grpo_scale_rewards in REWARD_SCALINGS,
+             f"grpo_scale_rewards must be one of {', '.join(REWARD_SCALINGS)}; got {rl.grpo_scale_rewards!r}")
+    _require(rl.rl_length_penalty_window >= 0, "rl_length_penalty_window must be >= 0")
+    _check_grpo_run(v, rl)
+    return rl
+
+
+def _check_grpo_run(v: Mapping[str, Any], rl: RLConfig) -> None:
+  _require(not (v["use_sft"] or v["use_dpo"]), "use_grpo is a kind of fine-tuning of its own: set only one of "
+           "use_sft, use_dpo and use_grpo")
+  _require(v["dataset_type"] in ("hf", "grain"), "use_grpo=True reads prompt records with dataset_type=hf "
+           f"(JSON/JSONL/Parquet files) or grain (JSON records); got dataset_type={v['dataset_type']}")
+  _require(v["tokenizer_type"] == "huggingface", "use_grpo=True renders prompts with the model's chat template and "
+           f"decodes completions with its Hugging Face tokenizer: set tokenizer_type=huggingface (got "
+           f"{v['tokenizer_type']})")
+  _require(not v["load_full_state_path"], "use_grpo=True starts from load_parameters_path (the policy's first "
+           "weights and the frozen reference), not load_full_state_path; to continue a GRPO run, rerun it")
+  _require(v["eval_interval"] < 0, "use_grpo=True has no eval batches (evaluate rewards on held-out prompts with "
+           "MaxText.rl.evaluate); set eval_interval=-1")
+  _require(v["ici_pipeline_parallelism"] == 1 and v["dcn_pipeline_parallelism"] == 1,
+           "use_grpo=True generates with the KV-cache engine, which has no pipeline stages; set "
+           "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
+  _require(not (v["optimizer_memory_host_offload"] and rl.grpo_num_iterations > 1),
+           "grpo_num_iterations > 1 keeps the optimizer state on the device across its updates; set "
+           "optimizer_memory_host_offload=False or grpo_num_iterations=1")

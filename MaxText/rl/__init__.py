@@ -1,0 +1,1 @@
+"""Reinforcement learning from rewards: rollouts by the run's own engine, reward functions, prompts."""

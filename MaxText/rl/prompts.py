@@ -1,0 +1,101 @@
+"""The prompts of a GRPO run: records read through the input pipeline's sources, rendered and
+tokenised once at start-up, then served in a seeded order, epoch after epoch.
+
+Every process reads every prompt in the same order: the rollout samples the whole batch on the
+global mesh (rl/rollouts.py), so the processes must agree on it. Tokenising all prompts first
+checks each one before the run writes anything (a record without the prompt column, a prompt over
+max_prefill_predict_length tokens); the cost is one pass of the tokenizer over the prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from MaxText.configuration.config import Config
+from MaxText.errors import UserError
+from MaxText.input_pipeline import chat, open_records
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+  index: int  # the record's index in the train split
+  ids: list[int]  # the prompt's tokens as the model sees them (chat template and generation prompt)
+  prompt: Any  # the record's prompt value (a string or a message list), given to the reward functions
+  columns: Mapping[str, Any]  # the record's other columns
+
+
+def encode_prompt(tokenizer: Any, value: Any, add_bos: bool) -> list[int]:
+  """A prompt's token ids: a message list rendered with the chat template and the assistant's
+  generation prompt; a string as one user turn when the tokenizer has a template, else as plain
+  text (with the tokenizer's bos when add_bos)."""
+  if isinstance(value, list):
+    messages = chat.as_messages(value, "prompt")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+  if not isinstance(value, str):
+    raise UserError(f"a prompt must be a string or a list of messages, got {type(value).__name__}")
+  if tokenizer.chat_template:
+    return chat.chat_prompt_ids(tokenizer, value)
+  bos = [tokenizer.bos_token_id] if add_bos and tokenizer.bos_token_id is not None else []
+  return bos + list(tokenizer(value, add_special_tokens=False)["input_ids"])
+
+
+class PromptSet:
+  """All prompts, tokenised; `take(n)` gives the next n in the seeded order, `position` how many
+  were taken (the checkpointed data position)."""
+
+  def __init__(self, config: Config, tokenizer: Any):
+    data, column = config.data, config.rl.rl_prompt_column
+    records, describe = open_records(data, train=True)
+    limit = config.decode.max_prefill_predict_length
+    self.prompts: list[Prompt] = []
+    for index in range(len(records)):
+      record = chat.as_mapping(records[index], "grpo")
+      if column not in record:
+        raise UserError(f"prompt record {index} of {describe} has no {column!r} field (rl_prompt_column); its "
+                        f"fields: {', '.join(map(str, record)) or 'none'}")
+      try:
+        ids = encode_prompt(tokenizer, record[column], data.add_bos)
+      except UserError as e:
+        raise UserError(f"prompt record {index} of {describe}: {e}") from None
+      if not 1 <= len(ids) <= limit:
+        raise UserError(f"prompt record {index} of {describe} has {len(ids)} tokens; prompts must have 1 to "
+                        f"max_prefill_predict_length={limit} tokens (raise it, keeping max_prefill_predict_length "
+                        "+ max_completion_length <= max_target_length + 1, or shorten the prompt)")
+      self.prompts.append(Prompt(index, ids, record[column], {k: v for k, v in record.items() if k != column}))
+    if not self.prompts:
+      raise UserError(f"{describe} holds no prompt records")
+    self.shuffle_seed = data.data_shuffle_seed if data.enable_data_shuffling else None
+    self.position = 0
+    self.describe = describe
+    self._epoch_order: tuple[int, np.ndarray] = (-1, np.arange(0))
+
+  def _order(self, epoch: int) -> np.ndarray:
+    if self._epoch_order[0] != epoch:
+      order = np.arange(len(self.prompts)) if self.shuffle_seed is None \
+          else np.random.default_rng([self.shuffle_seed, epoch]).permutation(len(self.prompts))
+      self._epoch_order = (epoch, order)
+    return self._epoch_order[1]
+
+  def take(self, count: int) -> list[Prompt]:
+    out = []
+    for _ in range(count):
+      epoch, offset = divmod(self.position, len(self.prompts))
+      out.append(self.prompts[int(self._order(epoch)[offset])])
+      self.position += 1
+    return out
+
+  def get_state(self) -> dict[str, int]:
+    return {"prompts_taken": self.position}
+
+  def set_state(self, state: Mapping[str, Any]) -> None:
+    self.position = int(state["prompts_taken"])
+
+
+def columns_of(prompts: Sequence[Prompt], repeat: int) -> dict[str, list[Any]]:
+  """Each record column as a list with one value per completion (every prompt's `repeat` times)."""
+  names = sorted({name for p in prompts for name in p.columns})
+  return {name: [p.columns.get(name) for p in prompts for _ in range(repeat)] for name in names}

@@ -1,0 +1,222 @@
+"""Reward functions: the built-ins and users' own, named in `reward_functions`, weighted by
+`reward_weights`.
+
+A reward function is called once per rollout batch with keyword arguments
+
+    prompts: list[str]            the prompt of each completion (its text as the model saw it)
+    completions: list[str]        the decoded completions (up to and without the end-of-sequence token)
+    completion_ids: list[list[int]]  their token ids (with the end-of-sequence token when there was one)
+    <column>: list                every other column of the prompt records, one value per completion
+
+and returns one finite float per completion. A user's function is named `package.module:function`
+and imported from the Python path; functions should accept **kwargs so new columns do not break them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from MaxText.configuration.rl_config import RLConfig
+from MaxText.errors import ConfigError, UserError
+
+RewardFn = Callable[..., Sequence[float]]
+
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def extract_answer(text: str) -> str | None:
+  """The final answer a completion states: the last \\boxed{...}, else what follows the last '####'
+  (GSM8K's convention), else the last <answer>...</answer>, else the last number, else the whole
+  text (a one-word answer); None for an empty completion."""
+  boxed = _BOXED.findall(text)
+  if boxed:
+    return boxed[-1]
+  if "####" in text:
+    after = text.rsplit("####", 1)[1].strip()
+    return after.splitlines()[0] if after else None
+  tagged = _ANSWER_TAG.findall(text)
+  if tagged:
+    return tagged[-1]
+  numbers = _NUMBER.findall(text)
+  if numbers:
+    return numbers[-1]
+  return text.strip() or None
+
+
+def _normalise(answer: object) -> str:
+  text = str(answer).strip().lower().replace(",", "").replace("$", "").rstrip(".")
+  try:
+    number = float(text)
+  except ValueError:
+    return " ".join(text.split())
+  return repr(int(number)) if number.is_integer() else repr(number)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactMatch:
+  """1 when the completion's final answer (extract_answer) equals the record's answer column
+  (numbers compared as numbers, text without case, commas, dollar signs or extra spaces), else 0."""
+
+  column: str
+  __name__ = "exact_match"
+
+  def __call__(self, completions: list[str], **columns: Any) -> list[float]:
+    if self.column not in columns:
+      raise UserError(f"reward exact_match reads the column rl_answer_column={self.column!r}, which the prompt "
+                      f"records do not have (their columns: {', '.join(sorted(columns)) or 'none'})")
+    out = []
+    for completion, answer in zip(completions, columns[self.column]):
+      found = extract_answer(completion)
+      out.append(float(found is not None and _normalise(found) == _normalise(answer)))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatMatch:
+  """1 when rl_format_regex matches the completion (re.search, DOTALL), else 0."""
+
+  pattern: re.Pattern[str]
+  __name__ = "format"
+
+  def __call__(self, completions: list[str], **_: Any) -> list[float]:
+    return [float(self.pattern.search(c) is not None) for c in completions]
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthPenalty:
+  """DAPO's overlong shaping: 0 up to max_completion_length - window tokens, then down linearly to
+  -1 at max_completion_length; a truncated completion (no end-of-sequence token) gets -1."""
+
+  max_length: int
+  window: int
+  eos_id: int | None
+  __name__ = "length_penalty"
+
+  def __call__(self, completion_ids: list[list[int]], **_: Any) -> list[float]:
+    out = []
+    for ids in completion_ids:
+      ended = bool(ids) and self.eos_id is not None and ids[-1] == self.eos_id
+      if not ended and len(ids) >= self.max_length:
+        out.append(-1.0)
+        continue
+      start = self.max_length - self.window
+      out.append(0.0 if len(ids) <= start else (start - len(ids)) / self.window)
+    return out
+
+
+BUILTINS = ("exact_match", "format", "length_penalty")
+
+
+def _builtin(name: str, rl: RLConfig, eos_id: int | None) -> RewardFn:
+  if name == "exact_match":
+    return ExactMatch(rl.rl_answer_column)
+  if name == "format":
+    if not rl.rl_format_regex:
+      raise ConfigError("reward format needs rl_format_regex, the pattern a well-formatted completion matches")
+    try:
+      return FormatMatch(re.compile(rl.rl_format_regex, re.DOTALL))
+    except re.error as e:
+      raise ConfigError(f"rl_format_regex={rl.rl_format_regex!r} is not a regular expression: {e}") from None
+  return LengthPenalty(rl.max_completion_length, rl.rl_length_penalty_window, eos_id)
+
+
+def load_function(path: str) -> RewardFn:
+  """`package.module:function` imported; a clear ConfigError when it is not importable or callable."""
+  module_name, sep, attribute = path.partition(":")
+  if not sep or not module_name or not attribute:
+    raise ConfigError(f"reward function {path!r} is neither a built-in ({', '.join(BUILTINS)}) nor a "
+                      "package.module:function path")
+  try:
+    module = importlib.import_module(module_name)
+  except Exception as e:  # noqa: BLE001 - any failure to import is the user's to fix
+    raise ConfigError(f"reward function {path}: cannot import {module_name} ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}); is it on PYTHONPATH?") from None
+  fn = getattr(module, attribute, None)
+  if not callable(fn):
+    raise ConfigError(f"reward function {path}: {module_name} has no callable {attribute!r}")
+  return fn  # type: ignore[no-any-return]
+
+
+@dataclasses.dataclass
+class Scores:
+  total: np.ndarray  # [R] the weighted sum
+  per_function: dict[str, np.ndarray]  # name -> [R]
+
+
+class RewardSet:
+  """The run's reward functions and weights; `score` checks what each returns."""
+
+  def __init__(self, rl: RLConfig, eos_id: int | None):
+    self.names = list(rl.reward_functions)
+    self.functions = [_builtin(n, rl, eos_id) if n in BUILTINS else load_function(n) for n in self.names]
+    self.weights = np.asarray(rl.reward_weights or [1.0] * len(self.names), np.float64)
+
+  def score(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
+            columns: Mapping[str, list[Any]], prompt_indices: Sequence[int]) -> Scores:
+    """`prompt_indices`: each completion's prompt record index (for the error that names one)."""
+    per_function = {}
+    for name, fn in zip(self.names, self.functions):
+      try:
+        values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+      except UserError:
+        raise
+      except Exception as e:  # noqa: BLE001 - the user's code: name it and stop
+        raise UserError(f"reward function {name} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                        f" (on the completions of prompt records {prompt_indices[0]}..{prompt_indices[-1]})") from None
+      per_function[name] = self._checked(name, values, len(completions), prompt_indices)
+    total = sum(w * v for w, v in zip(self.weights, per_function.values()))
+    return Scores(np.asarray(total, np.float64), per_function)
+
+  @staticmethod
+  def _checked(name: str, values: Any, count: int, prompt_indices: Sequence[int]) -> np.ndarray:
+    try:
+      array = np.asarray(values, np.float64)
+    except (TypeError, ValueError):
+      raise UserError(f"reward function {name} returned {type(values).__name__}, not a list of floats") from None
+    if array.shape != (count,):
+      raise UserError(f"reward function {name} returned {array.size if array.ndim else 'a scalar'} value(s) for "
+                      f"{count} completions; it must return one float per completion")
+    bad = np.flatnonzero(~np.isfinite(array))
+    if bad.size:
+      i = int(bad[0])
+      raise UserError(f"reward function {name} returned {array[i]} for completion {i} (prompt record "
+                      f"{prompt_indices[i]}); rewards must be finite")
+    return array
+
+
+def advantages(rewards: np.ndarray, group_size: int, scaling: str) -> tuple[np.ndarray, np.ndarray]:
+  """(advantages [R], each completion's group reward std [R]): the reward minus its group's mean,
+  divided by the group's (scaling=group) or the batch's (batch) sample standard deviation + 1e-4,
+  or not divided (none). Rows are grouped in order: completions i*G .. i*G + G - 1 share a prompt."""
+  grouped = rewards.reshape(-1, group_size)
+  centred = (grouped - grouped.mean(axis=1, keepdims=True)).reshape(-1)
+  group_std = np.repeat(grouped.std(axis=1, ddof=1), group_size)
+  if scaling == "none":
+    return centred, group_std
+  std = group_std if scaling == "group" else np.full_like(rewards, rewards.std(ddof=1) if rewards.size > 1 else 0.0)
+  return centred / (std + 1e-4), group_std
+
+
+def reward_metrics(scores: Scores, group_std: np.ndarray, advantage: np.ndarray) -> dict[str, float]:
+  """The per-batch figures TRL logs: reward (and per function) mean and std, the fraction of groups
+  whose rewards are all equal (they train nothing), and the advantages' spread."""
+  out = {"reward": float(scores.total.mean()), "reward_std": float(scores.total.std(ddof=1))
+         if scores.total.size > 1 else 0.0}
+  for name, values in scores.per_function.items():
+    short = name.rsplit(":", 1)[-1]
+    out[f"rewards/{short}/mean"] = float(values.mean())
+    out[f"rewards/{short}/std"] = float(values.std(ddof=1)) if values.size > 1 else 0.0
+  out["frac_reward_zero_std"] = float(np.mean(np.isclose(group_std, 0.0)))
+  out["advantage_std"] = float(advantage.std())
+  out["advantage_abs_max"] = float(np.abs(advantage).max())
+  return out
+
+
+__all__ = ["BUILTINS", "RewardSet", "Scores", "advantages", "extract_answer", "load_function", "reward_metrics"]

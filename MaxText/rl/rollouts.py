@@ -1,0 +1,150 @@
+"""On-policy batches for GRPO: each step's prompts, completions sampled from the current
+parameters by the project's decode engine, their rewards and group-normalised advantages.
+
+    prompts (rl/prompts.py) ─► Engine.prefill + insert + generate, on the run's mesh, from
+    state.params (no copy, no host round trip) ─► completions ─► rewards (rl/rewards.py) ─►
+    advantages ─► rows [prompt + completion] with the completion's targets weighted
+
+The engine is built once on the train mesh with the train logical-axis rules, so the parameters
+the step just wrote are the engine's input as they are: no weights move between the two phases;
+only the KV cache (slots = the global batch, max_target_length positions) is allocated per
+rollout. Completions end at the tokenizer's end-of-sequence token (kept, as decode keeps it) or
+at max_completion_length (counted as truncated).
+
+Every process samples the whole batch (the same prompts, seeds and parameters give the same
+tokens) and scores it, so the rewards need no gathering; each then hands its devices their rows.
+A resumed run samples exactly as the uninterrupted one: the prompt position is the checkpointed
+data state, and every row's sampler seed comes from decode_sampling_seed, the step and the row.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from MaxText.configuration.config import Config
+from MaxText.inference import sampling
+from MaxText.inference.engine import Engine
+from MaxText.input_pipeline import chat
+from MaxText.input_pipeline.batch_spec import ADVANTAGES, FIELDS
+from MaxText.platform import sharding
+from MaxText.rl import prompts as prompts_lib
+from MaxText.rl import rewards as rewards_lib
+from MaxText.training.train_state import TrainState
+
+Batch = dict[str, jax.Array]
+
+
+def generate(engine: Engine, params: Any, rows: list[list[int]], row_params: list[sampling.RowParams],
+             max_new_tokens: int, eos_id: int | None) -> list[list[int]]:
+  """Each row's completion: sampled tokens up to and including eos_id, at most max_new_tokens.
+  All rows share one decode state (one slot per row) and stop together when every row is done."""
+  prefix = engine.prefill(params, rows, row_params=row_params)
+  state = engine.init_decode_state(row_params[0].seed if row_params else 0)
+  for row in range(len(rows)):
+    state = engine.insert(prefix, state, slot=row, row=row)
+  outputs = [[int(t)] for t in np.asarray(prefix.first_tokens_B)]
+  done = [max_new_tokens <= 1 or out[-1] == eos_id for out in outputs]
+  while not all(done):
+    state, tokens_T = engine.generate(params, state)
+    tokens = np.asarray(tokens_T)
+    for row, out in enumerate(outputs):
+      if not done[row]:
+        out.append(int(tokens[row]))
+        done[row] = len(out) >= max_new_tokens or out[-1] == eos_id
+  return outputs
+
+
+def training_rows(prompt_ids: list[list[int]], completions: list[list[int]], length: int) -> dict[str, np.ndarray]:
+  """[rows, length] int32 fields of batch_spec.FIELDS: each row is one prompt + completion; the
+  targets that are completion tokens carry weight (targets_segmentation 1), the prompt's none."""
+  num_rows = len(prompt_ids)
+  out = {name: np.zeros((num_rows, length), np.int32) for name in FIELDS}
+  for row, (prompt, completion) in enumerate(zip(prompt_ids, completions)):
+    sequence = prompt + completion
+    n = len(sequence) - 1  # (input, target) pairs
+    assert n <= length, f"row {row}: {len(sequence)} tokens exceed max_target_length + 1"
+    out["inputs"][row, :n] = sequence[:-1]
+    out["targets"][row, :n] = sequence[1:]
+    out["inputs_position"][row, :n] = np.arange(n)
+    out["inputs_segmentation"][row, :n] = 1
+    out["targets_segmentation"][row, len(prompt) - 1:n] = 1
+  return out
+
+
+class RolloutBatches:
+  """The train data of a GRPO run: `next_for(state)` samples a batch from `state`'s parameters and
+  returns it with the rollout's host-side metrics; get_state/set_state hold the prompt position."""
+
+  def __init__(self, config: Config, mesh: Mesh, batch_sharding: NamedSharding):
+    self.config, self.rl = config, config.rl
+    self.num_rows = config.data.global_batch_size
+    self.group = self.rl.num_generations
+    self.tokenizer = chat.load_chat_tokenizer(config.data.tokenizer_path, require_template=False)
+    self.eos_id = self.tokenizer.eos_token_id
+    self.rewards = rewards_lib.RewardSet(self.rl, self.eos_id)
+    self.prompts = prompts_lib.PromptSet(config, self.tokenizer)
+    self.sharding = batch_sharding
+    self.engine = Engine(config, num_slots=self.num_rows, mesh=mesh)
+    self._primed: tuple[int, Batch, dict[str, float]] | None = None
+
+  # ---------------------------------------------------------------- the data-iterator surface
+  def next_for(self, state: TrainState) -> tuple[Batch, dict[str, float]]:
+    step = int(state.step)
+    if self._primed is not None and self._primed[0] == step:
+      _, batch, scalars = self._primed
+      self._primed = None
+      return batch, scalars
+    return self._rollout(state.params, step)
+
+  def prime(self, state: TrainState) -> None:
+    """Samples the first batch now, so a reward function that fails or a prompt the engine refuses
+    stops the run before it writes anything; `next_for` at the same step returns it."""
+    step = int(state.step)
+    batch, scalars = self._rollout(state.params, step)
+    self._primed = (step, batch, scalars)
+
+  def get_state(self) -> dict[str, Any]:
+    if self._primed is not None:  # sampled ahead, not trained on yet: a resume samples it again
+      return {"prompts_taken": self.prompts.position - self.num_rows // self.group}
+    return self.prompts.get_state()
+
+  def set_state(self, state: Mapping[str, Any]) -> None:
+    self.prompts.set_state(state)
+    self._primed = None
+
+  # ---------------------------------------------------------------- one rollout
+  def _row_params(self, step: int) -> list[sampling.RowParams]:
+    seeds = np.random.SeedSequence([self.config.decode.decode_sampling_seed, step]).generate_state(self.num_rows)
+    return [sampling.RowParams(self.rl.rl_temperature, self.rl.rl_top_p, self.rl.rl_top_k, int(seed))
+            for seed in seeds]
+
+  def _rollout(self, params: Any, step: int) -> tuple[Batch, dict[str, float]]:
+    started = time.perf_counter()
+    group = self.prompts.take(self.num_rows // self.group)
+    row_prompts = [p for p in group for _ in range(self.group)]
+    completions = generate(self.engine, params, [p.ids for p in row_prompts], self._row_params(step),
+                           self.rl.max_completion_length, self.eos_id)
+    rollout_s = time.perf_counter() - started
+    texts = [self.tokenizer.decode(c[:-1] if c and c[-1] == self.eos_id else c, skip_special_tokens=True)
+             for c in completions]
+    scores = self.rewards.score([p.prompt for p in row_prompts], texts, completions,
+                                prompts_lib.columns_of(group, self.group), [p.index for p in row_prompts])
+    advantages, group_std = rewards_lib.advantages(scores.total, self.group, self.rl.grpo_scale_rewards)
+    rows = training_rows([p.ids for p in row_prompts], completions, self.config.data.max_target_length)
+    rows[ADVANTAGES] = advantages.astype(np.float32)
+    batch = {name: jax.make_array_from_callback(value.shape, sharding.for_rank(self.sharding, value.ndim),
+                                                lambda index, v=value: v[index])
+             for name, value in rows.items()}
+    lengths = np.asarray([len(c) for c in completions])
+    ended = np.asarray([bool(c) and c[-1] == self.eos_id for c in completions])
+    scalars = {**rewards_lib.reward_metrics(scores, group_std, advantages),
+               "completions/mean_length": float(lengths.mean()), "completions/max_length": float(lengths.max()),
+               "completions/min_length": float(lengths.min()), "completions/clipped_ratio": float(1 - ended.mean()),
+               "rollout_s": rollout_s, "rollout_tokens_per_s": float(lengths.sum() / max(rollout_s, 1e-9)),
+               "reward_s": time.perf_counter() - started - rollout_s}
+    return batch, scalars

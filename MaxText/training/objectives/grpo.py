@@ -1,0 +1,100 @@
+"""Reinforcement learning from rewards (GRPO; the loss is grpo_loss.py's): rows are the run's own
+sampled completions (rl/rollouts.py), each with its group-normalised advantage."""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import jax
+
+from MaxText.configuration.rl_config import RLConfig
+from MaxText.input_pipeline.batch_spec import ADVANTAGES, GRPO_FIELDS
+from MaxText.layers.models import ModelSpec
+from MaxText.layers.moe import ROUTING_STATS
+from MaxText.training.objectives import grpo_loss
+from MaxText.training.objectives.base import Batch, Metrics, Objective, Params, Sums, T
+from MaxText.training.objectives.language_model import routing_metrics
+from MaxText.training.optimizers import Partition
+from MaxText.training.train_state import PreferenceState, TrainState, reference_of
+
+
+class Grpo(Objective):
+  """The policy-gradient loss of one rollout batch, applied `updates_per_batch` times.
+
+  Before the updates the step asks `prepare_batch` for what stays fixed across them: the old
+  policy's log-probs (the parameters the rollout sampled from; with one update they are the
+  current ones, so the ratio is 1 and only its gradient counts) and, with grpo_beta > 0, the
+  frozen reference's. The reference is a copy of the starting weights in the state or, under
+  LoRA, the base with the adapters off (as DPO does)."""
+
+  batch_fields = GRPO_FIELDS
+  needs_loaded_params = ("use_grpo=True samples from the starting policy: set load_parameters_path to its weights (a "
+                         "params-only checkpoint, e.g. an SFT run's export); a fresh init samples noise")
+  uses_rollouts = True
+
+  def __init__(self, model: ModelSpec, partition: Partition, rl: RLConfig, load_balance_loss_weight: float = 0.0,
+               num_micro: int = 1):
+    self.model, self.partition, self.rl = model, partition, rl
+    self.load_balance_loss_weight, self.num_micro = load_balance_loss_weight, num_micro
+    self.updates_per_batch = rl.grpo_num_iterations
+    self.uses_reference = rl.grpo_beta > 0
+    self.keeps_copy = self.uses_reference and partition.trains_everything
+    self.state_class = PreferenceState if self.keeps_copy else TrainState
+    # Per row: the update's forward and backward (3 passes) each iteration; once per rollout
+    # batch the old policy's forward (when iterated) and the reference's.
+    fixed_passes = int(self.updates_per_batch > 1) + int(self.uses_reference)
+    self.passes_per_row = 3 * self.updates_per_batch + fixed_passes
+
+  def extra_state(self, params: T, copy: Callable[[T], T]) -> dict[str, T]:
+    return {"reference": copy(params)} if self.keeps_copy else {}
+
+  def context(self, state: TrainState) -> Params | None:
+    if not self.uses_reference:
+      return None
+    if self.keeps_copy:
+      reference: Params | None = reference_of(state)
+      return reference
+    return self.partition.base_model(state.params)
+
+  def prepare_batch(self, params: Params, context: Params | None, batch: Batch) -> Batch:
+    """The batch with the log-probs that stay fixed over the updates (no dropout, no gradient)."""
+    extra = {}
+    if self.updates_per_batch > 1:
+      extra[grpo_loss.OLD_LOGPS] = grpo_loss.token_logps(self.model, params, batch, None, with_entropy=False)[0]
+    if context is not None:
+      extra[grpo_loss.REF_LOGPS] = grpo_loss.token_logps(self.model, context, batch, None, with_entropy=False)[0]
+    return {**batch, **jax.lax.stop_gradient(extra)}
+
+  def loss_sums(self, params: Params, context: Params | None, batch: Batch,
+                dropout_rng: jax.Array | None) -> tuple[jax.Array, Sums]:
+    rl = self.rl
+    logps_BL, entropy_BL, aux = grpo_loss.token_logps(self.model, params, batch, dropout_rng)
+    old_BL = batch[grpo_loss.OLD_LOGPS] if grpo_loss.OLD_LOGPS in batch else jax.lax.stop_gradient(logps_BL)
+    sums = grpo_loss.loss_sums(logps_BL, old_BL, batch.get(grpo_loss.REF_LOGPS), batch[ADVANTAGES],
+                               grpo_loss.completion_mask(batch), entropy_BL, loss_type=rl.grpo_loss_type,
+                               epsilon_low=rl.grpo_epsilon_low, epsilon_high=rl.grpo_epsilon_high,
+                               beta=rl.grpo_beta, max_completion_length=rl.max_completion_length)
+    total = sums["loss_sum"]
+    if "moe_lb_loss" in aux:  # a per-batch mean: weighted by what the loss is divided by
+      lb_sum = aux["moe_lb_loss"] * grpo_loss.divisor(sums, rl.grpo_loss_type)
+      total = total + self.load_balance_loss_weight * lb_sum
+      sums["moe_lb_loss_sum"] = lb_sum
+    sums.update({name: aux[name] for name in ROUTING_STATS if name in aux})
+    return total, sums
+
+  def eval_sums(self, params: Params, context: Params | None, batch: Batch) -> Sums:
+    return self.loss_sums(params, context, self.prepare_batch(params, context, batch), None)[1]
+
+  def divisor(self, sums: Sums) -> jax.Array:
+    return grpo_loss.divisor(sums, self.rl.grpo_loss_type)
+
+  def train_metrics(self, sums: Sums) -> Metrics:
+    metrics = grpo_loss.metrics(sums, self.rl.grpo_loss_type)
+    if "moe_lb_loss_sum" in sums:
+      metrics["moe_lb_loss"] = sums["moe_lb_loss_sum"] / self.divisor(sums)
+      metrics.update(routing_metrics(sums, self.num_micro))
+    return metrics
+
+  def eval_metrics(self, totals: Mapping[str, float]) -> tuple[dict[str, float], str]:
+    loss = totals["loss_sum"] / max(totals["weight_sum" if self.rl.grpo_loss_type == "dapo" else "sequence_count"], 1.0)
+    return {"eval_loss": loss}, f"loss {loss:8.4f}"
