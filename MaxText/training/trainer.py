@@ -295,7 +295,10 @@ class LoggingHook:
     t = metrics_lib.Throughput(s["tokens_per_s"], s["tokens_per_s_per_device"], s["tflops_per_s_per_device"], s["mfu"])
     if self.writer is not None:  # files first: a reader of stdout may act on the line at once
       self.writer.write(record.step, s)
-    print(metrics_lib.format_step_line(record.step, s["loss"], record.seconds, t), flush=True)
+    line = metrics_lib.format_step_line(record.step, s["loss"], record.seconds, t)
+    if "reward" in s:  # an RL run's loss is near 0 by construction; its progress is the reward
+      line += f" | reward {s['reward']:.4f}"
+    print(line, flush=True)
 
   def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
     if self.writer is not None:
