@@ -24,6 +24,7 @@ from typing import Any, Mapping
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from MaxText.configuration.config import Config
@@ -39,6 +40,13 @@ from MaxText.training.train_state import TrainState
 Batch = dict[str, jax.Array]
 
 
+def _on_host(x: jax.Array) -> np.ndarray:
+  """A global array's values on every process (a row-sharded one is gathered across processes)."""
+  if x.is_fully_addressable or x.is_fully_replicated:
+    return np.asarray(x)
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def generate(engine: Engine, params: Any, rows: list[list[int]], row_params: list[sampling.RowParams],
              max_new_tokens: int, eos_id: int | None) -> list[list[int]]:
   """Each row's completion: sampled tokens up to and including eos_id, at most max_new_tokens.
@@ -47,11 +55,11 @@ def generate(engine: Engine, params: Any, rows: list[list[int]], row_params: lis
   state = engine.init_decode_state(row_params[0].seed if row_params else 0)
   for row in range(len(rows)):
     state = engine.insert(prefix, state, slot=row, row=row)
-  outputs = [[int(t)] for t in np.asarray(prefix.first_tokens_B)]
+  outputs = [[int(t)] for t in _on_host(prefix.first_tokens_B)]
   done = [max_new_tokens <= 1 or out[-1] == eos_id for out in outputs]
   while not all(done):
     state, tokens_T = engine.generate(params, state)
-    tokens = np.asarray(tokens_T)
+    tokens = _on_host(tokens_T)
     for row, out in enumerate(outputs):
       if not done[row]:
         out.append(int(tokens[row]))
