@@ -37,6 +37,7 @@ from MaxText.aot.memory_report import (GIB, MemoryReport, buffer_assignment_dump
                                    format_bytes, oom_bytes_from_xla, read_buffer_assignment)
 from MaxText.errors import UserError, run_cli
 from MaxText.layers import pipeline
+from MaxText.rl.rollouts import compile_rollout_step
 
 
 TOOL = startup.Tool("train_compile", reads_run=True, compiles_for="slice or local")
@@ -163,12 +164,26 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
     if memory.total > gen.hbm_gib * GIB:
       raise UserError(does_not_fit_message(memory.total, gen.name, gen.hbm_gib, memory.source))
     print(f"fits: {format_bytes(memory.total)} of {gen.hbm_gib:g} GiB per {gen.name} chip")
+  if run.objective.uses_rollouts:
+    _compile_rollout(config, run, inputs)
   path = config.startup.compiled_trainstep_file
   if path:
     size = compiled_step.save_compiled_step(path, compiled, compiled_step.step_header(config, inputs, topology.name if topology else "local"))
     print(f"saved the compiled train step to {path} ({size / 2**20:.1f} MiB); it is executable code: "
           "share and load it only where you trust its origin")
   return 0
+
+
+def _compile_rollout(config: config_lib.Config, run: run_assembly.Run, inputs: run_assembly.StepInputs) -> None:
+  """An RL run also samples: its decode step (the engine's, on the same mesh and parameter
+  layout) is compiled and its memory reported beside the train step's."""
+  start = time.perf_counter()
+  compiled = compile_rollout_step(config, run.mesh, inputs.state.params)
+  analysis = compiled.memory_analysis()
+  sizes = {name: getattr(analysis, f"{name}_size_in_bytes", 0) for name in ("argument", "output", "temp")}
+  print(f"rollout step ({config.data.global_batch_size} completions, one token each, KV cache of "
+        f"{config.model.max_target_length} positions): compiled in {time.perf_counter() - start:.1f} s; per device "
+        f"arguments {format_bytes(sizes['argument'])} (parameters + cache), temporaries {format_bytes(sizes['temp'])}")
 
 
 if __name__ == "__main__":

@@ -80,8 +80,8 @@ def _check_grpo_run(v: Mapping[str, Any], rl: RLConfig) -> None:
            f"{v['tokenizer_type']})")
   _require(not v["load_full_state_path"], "use_grpo=True starts from load_parameters_path (the policy's first "
            "weights and the frozen reference), not load_full_state_path; to continue a GRPO run, rerun it")
-  _require(v["eval_interval"] < 0, "use_grpo=True has no eval batches (evaluate rewards on held-out prompts with "
-           "MaxText.rl.evaluate); set eval_interval=-1")
+  _require(v["eval_interval"] < 0, "use_grpo=True has no eval batches (its progress is the reward of each rollout "
+           "batch, in the step metrics); set eval_interval=-1")
   _require(v["ici_pipeline_parallelism"] == 1 and v["dcn_pipeline_parallelism"] == 1,
            "use_grpo=True generates with the KV-cache engine, which has no pipeline stages; set "
            "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")

@@ -141,7 +141,7 @@ def load_function(path: str) -> RewardFn:
   fn = getattr(module, attribute, None)
   if not callable(fn):
     raise ConfigError(f"reward function {path}: {module_name} has no callable {attribute!r}")
-  return fn  # type: ignore[no-any-return]
+  return fn
 
 
 @dataclasses.dataclass

@@ -47,6 +47,11 @@ def _on_host(x: jax.Array) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def _global(value: np.ndarray, where: NamedSharding) -> jax.Array:
+  """A global array from the whole value, which every process holds."""
+  return jax.make_array_from_callback(value.shape, where, lambda index: value[index])
+
+
 def generate(engine: Engine, params: Any, rows: list[list[int]], row_params: list[sampling.RowParams],
              max_new_tokens: int, eos_id: int | None) -> list[list[int]]:
   """Each row's completion: sampled tokens up to and including eos_id, at most max_new_tokens.
@@ -145,9 +150,7 @@ class RolloutBatches:
     advantages, group_std = rewards_lib.advantages(scores.total, self.group, self.rl.grpo_scale_rewards)
     rows = training_rows([p.ids for p in row_prompts], completions, self.config.data.max_target_length)
     rows[ADVANTAGES] = advantages.astype(np.float32)
-    batch = {name: jax.make_array_from_callback(value.shape, sharding.for_rank(self.sharding, value.ndim),
-                                                lambda index, v=value: v[index])
-             for name, value in rows.items()}
+    batch: Batch = {name: _global(value, sharding.for_rank(self.sharding, value.ndim)) for name, value in rows.items()}
     lengths = np.asarray([len(c) for c in completions])
     ended = np.asarray([bool(c) and c[-1] == self.eos_id for c in completions])
     scalars = {**rewards_lib.reward_metrics(scores, group_std, advantages),
@@ -156,3 +159,15 @@ class RolloutBatches:
                "rollout_s": rollout_s, "rollout_tokens_per_s": float(lengths.sum() / max(rollout_s, 1e-9)),
                "reward_s": time.perf_counter() - started - rollout_s}
     return batch, scalars
+
+
+def compile_rollout_step(config: Config, mesh: Mesh, abstract_params: Any) -> Any:
+  """The rollout's decode step (one token for every completion of a batch) compiled ahead of time
+  on `mesh` for parameters laid out as the train state holds them (`abstract_params`: shapes with
+  shardings), as train_compile checks it for a topology."""
+  engine = Engine(config, num_slots=config.data.global_batch_size, mesh=mesh)
+  shapes = jax.eval_shape(engine._init_state_fn, np.uint32(0))
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                       engine.state_shardings)
+  with sharding.activation_sharding(engine.mesh, engine.rules):
+    return engine._generate.lower(abstract_params, state, None).compile()

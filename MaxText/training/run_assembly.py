@@ -20,6 +20,7 @@ from MaxText.training import lora, train_state, train_step
 from MaxText.platform import sharding
 from MaxText.input_pipeline import Batch, BatchIterator, create_data_iterator, create_eval_iterator
 from MaxText.input_pipeline.batch_spec import batch_spec
+from MaxText.rl.rollouts import RolloutBatches
 from MaxText.training.objectives import Objective, objective_for
 from MaxText.training.train_step import Metrics
 
@@ -73,8 +74,6 @@ class Run:
     """The input pipeline's batches, or, for an objective that trains on its own samples, the
     rollouts (rl/rollouts.RolloutBatches, which the trainer hands each step's state)."""
     if self.objective.uses_rollouts:
-      from MaxText.rl.rollouts import RolloutBatches  # the decode engine is built only for RL runs
-
       return RolloutBatches(self.config, self.mesh, self.batch_sharding)
     return create_data_iterator(self.config, self.mesh, start_step)
 
