@@ -1,0 +1,82 @@
+"""Score a model's greedy completions of prompt records with reward functions:
+
+    python3 -m MaxText.rl.evaluate configs/grpo.yml load_parameters_path=CKPT tokenizer_path=TOK \\
+        hf_data_files=heldout.jsonl reward_functions=exact_match [max_completion_length=...]
+
+num_generations completions per prompt, sampled as a GRPO rollout samples them (rl_temperature,
+rl_top_p, rl_top_k) by the same engine, seeded from decode_sampling_seed (the same checkpoint gives
+the same score), scored by the same reward functions: the mean is the policy's expected reward,
+which a greedy completion would not show. Prints the mean reward (and per function) and the first
+four prompts with a completion each: a before/after check of an RL run on prompts it never saw.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python3 MaxText/rl/evaluate.py`: import the package, not sibling files.
+  sys.path[0] = str(Path(__file__).resolve().parent.parent.parent)
+
+import numpy as np
+
+from MaxText import startup
+from MaxText.configuration import config as config_lib
+from MaxText.errors import ConfigError, run_cli
+from MaxText.inference.engine import load_engine
+from MaxText.inference.sampling import RowParams
+from MaxText.input_pipeline import chat
+from MaxText.platform.distributed import log
+from MaxText.rl import prompts as prompts_lib
+from MaxText.rl import rewards as rewards_lib
+from MaxText.rl.rollouts import generate
+
+MAX_SLOTS = 64  # prompts decoded together
+
+
+def evaluate(config: config_lib.Config, show: int = 4) -> dict[str, float]:
+  """The mean reward of sampled completions over every prompt record (and per reward function)."""
+  if not config.data.use_grpo:
+    raise ConfigError("MaxText.rl.evaluate reads the GRPO keys (prompt records, reward functions): start from "
+                      "configs/grpo.yml or set use_grpo=True")
+  tokenizer = chat.load_chat_tokenizer(config.data.tokenizer_path, require_template=False)
+  eos_id = tokenizer.eos_token_id
+  reward_set = rewards_lib.RewardSet(config.rl, eos_id)
+  prompt_set = prompts_lib.PromptSet(config, tokenizer)
+  group = config.rl.num_generations
+  prompts = [p for p in prompt_set.prompts for _ in range(group)]  # each prompt num_generations times
+  slots = min(MAX_SLOTS, len(prompts))
+  engine, params = load_engine(config, slots, "evaluate: no load_parameters_path given; scoring a random model")
+  rl = config.rl
+  seeds = np.random.SeedSequence([config.decode.decode_sampling_seed, 1 << 20]).generate_state(len(prompts))
+  completions: list[list[int]] = []
+  for start in range(0, len(prompts), slots):
+    chunk = prompts[start:start + slots]
+    rows = [p.ids for p in chunk] + [chunk[-1].ids] * (slots - len(chunk))  # one shape: one compilation
+    row_params = [RowParams(rl.rl_temperature, rl.rl_top_p, rl.rl_top_k, int(seed))
+                  for seed in seeds[start:start + slots]]
+    row_params += [row_params[-1]] * (slots - len(row_params))
+    out = generate(engine, params, rows, row_params, rl.max_completion_length, eos_id)
+    completions += out[:len(chunk)]
+  texts = [tokenizer.decode(c[:-1] if c and c[-1] == eos_id else c, skip_special_tokens=True) for c in completions]
+  scores = reward_set.score([p.prompt for p in prompts], texts, completions, prompts_lib.columns_of(prompts, 1),
+                            [p.index for p in prompts])
+  means = {name.rsplit(":", 1)[-1]: float(values.mean()) for name, values in scores.per_function.items()}
+  log(f"evaluate: {len(prompt_set.prompts)} prompts of {prompt_set.describe}, {group} completions each "
+      f"(temperature {rl.rl_temperature:g}), at most {rl.max_completion_length} new tokens")
+  log(f"reward {float(scores.total.mean()):.4f} ({', '.join(f'{k} {v:.4f}' for k, v in means.items())})")
+  for i in range(0, min(show, len(prompt_set.prompts)) * group, group):
+    log(f"  {prompts[i].prompt!r} -> {texts[i]!r} (reward {float(scores.total[i]):g})")
+  return {"reward": float(np.mean(scores.total)), **means}
+
+
+TOOL = startup.Tool("evaluate", reads_run=True, joins_job=True)
+
+
+def main(argv: list[str]) -> int:
+  evaluate(startup.start(TOOL, argv).config)
+  return 0
+
+
+if __name__ == "__main__":
+  run_cli(main)
