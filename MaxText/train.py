@@ -31,6 +31,7 @@ from MaxText.paths import storage
 from MaxText.platform.distributed import log
 from MaxText.errors import run_cli
 from MaxText.input_pipeline import check_sources
+from MaxText.rl.rollouts import RolloutBatches
 from MaxText.layers import pipeline
 from MaxText.layers.attention import select_kernel
 from MaxText.training.trainer import (CheckpointHook, EvalHook, LeaseHook, LoggingHook, OnPolicyBatches, ProfilerHook,
@@ -135,8 +136,11 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None, argv:
 
 def open_data(run: run_assembly.Run, start: run_start.Start) -> Any:
   """The train batches from where the run starts, the first already read: bad data (a malformed
-  file, a refused record, every sample dropped) stops the run before it writes to its directory."""
-  data = run.data_iterator()
+  file, a refused record, every sample dropped, a failing reward function) stops the run before it
+  writes to its directory. An objective that trains on its own samples gets the rollouts
+  (rl/rollouts.py), which the trainer hands each step's state."""
+  data: Any = RolloutBatches(run.config, run.mesh, run.batch_sharding) if run.objective.uses_rollouts \
+      else run.data_iterator()
   if start.data_state is not None:
     data.set_state(start.data_state)
   if isinstance(data, OnPolicyBatches):

@@ -124,7 +124,7 @@ class OptimConfig:
   opt_type: str = key(fixed_on_resume=OPTIMIZER)
   learning_rate: float = key()
   warmup_steps_fraction: float = key()
-  learning_rate_schedule_steps: int = key()  # -1 resolved to steps
+  learning_rate_schedule_steps: int = key()  # -1 resolved to the run's optimizer updates
   cosine_learning_rate_final_fraction: float = key()
   adam_b1: float = key()
   adam_b2: float = key()
@@ -147,7 +147,9 @@ class OptimConfig:
     _require(0.0 <= v["warmup_steps_fraction"] <= 1.0,
              f"warmup_steps_fraction must be in [0, 1], got {v['warmup_steps_fraction']}")
     schedule_steps = v["learning_rate_schedule_steps"]
-    schedule_steps = v["steps"] if schedule_steps == -1 else schedule_steps
+    # The schedule counts optimizer updates: a GRPO step makes grpo_num_iterations of them.
+    updates_per_step = v["grpo_num_iterations"] if v["use_grpo"] else 1
+    schedule_steps = v["steps"] * updates_per_step if schedule_steps == -1 else schedule_steps
     _require(schedule_steps > 0, f"learning_rate_schedule_steps must be > 0 or -1, got {schedule_steps}")
     for name in ("adam_b1", "adam_b2"):
       _require(0.0 <= v[name] < 1.0, f"{name} must be in [0, 1), got {v[name]}")

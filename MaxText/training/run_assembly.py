@@ -20,7 +20,6 @@ from MaxText.training import lora, train_state, train_step
 from MaxText.platform import sharding
 from MaxText.input_pipeline import Batch, BatchIterator, create_data_iterator, create_eval_iterator
 from MaxText.input_pipeline.batch_spec import batch_spec
-from MaxText.rl.rollouts import RolloutBatches
 from MaxText.training.objectives import Objective, objective_for
 from MaxText.training.train_step import Metrics
 
@@ -70,11 +69,8 @@ class Run:
     """A fresh state born in its shardings (seed: init_weights_seed unless given)."""
     return train_state.init_state(self.setup, self.config.run.init_weights_seed if seed is None else seed)
 
-  def data_iterator(self, start_step: int = 0) -> Any:
-    """The input pipeline's batches, or, for an objective that trains on its own samples, the
-    rollouts (rl/rollouts.RolloutBatches, which the trainer hands each step's state)."""
-    if self.objective.uses_rollouts:
-      return RolloutBatches(self.config, self.mesh, self.batch_sharding)
+  def data_iterator(self, start_step: int = 0) -> BatchIterator:
+    """The input pipeline's batches (an objective with `uses_rollouts` makes its own: rl/rollouts.py)."""
     return create_data_iterator(self.config, self.mesh, start_step)
 
   def eval_iterator(self) -> BatchIterator | None:

@@ -137,7 +137,7 @@ def make_train_step(setup: StateSetup, objective: Objective, config: Config
         **loss_metrics,
         "grad_norm": grad_norm,
         "param_norm": optax.tree.norm(params),
-        "learning_rate": schedule(state.step),
+        "learning_rate": schedule(state.step * objective.updates_per_batch),  # at the step's first update
         "num_tokens": num_tokens,
     }
     if guarded:
