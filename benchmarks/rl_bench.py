@@ -7,7 +7,7 @@ Runs `python3 -m MaxText.train configs/grpo.yml` on a generated prompt set (a by
 tokenizer, random starting weights, a reward on token ids, so completions run to
 max_completion_length) and reads its metrics.jsonl. The first two steps (compilation) are left out;
 the rest give medians of: rollout seconds (prefill + one decode step per token, host loop included),
-update seconds (the rest of the step's wall time but rewards: old/reference log-probs, forward and
+update seconds (`update_s`, the rest of the step's wall time: old/reference log-probs, forward and
 backward, optimizer), rollout
 tokens/s (completion tokens sampled per second) and update tokens/s (every row's tokens, prompt and
 padding included, per second of update). On GPU (--platform gpu) the same run uses one device.
@@ -100,9 +100,7 @@ def main() -> int:
     records = [json.loads(line) for line in (directory / "out" / "bench" / "metrics.jsonl").read_text().splitlines()]
   timed = [r for r in records if r["step"] > 2]
   rollout = statistics.median(r["rollout_s"] for r in timed)
-  # A step's wall time is its rollout, the rewards and batch assembly, and the update (which runs
-  # while the loop dispatches it, or while the next rollout waits for its parameters).
-  update = statistics.median(r["step_seconds"] - r["rollout_s"] - r["reward_s"] for r in timed)
+  update = statistics.median(r["update_s"] for r in timed)  # the step's time but its rollout and rewards
   sampled = statistics.median(r["rollout_tokens_per_s"] for r in timed)
   update_tps = args.rows * model["max_target_length"] / update
   share = rollout / (rollout + update)

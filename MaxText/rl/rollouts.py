@@ -137,9 +137,7 @@ class RolloutBatches:
             for seed in seeds]
 
   def _rollout(self, params: Any, step: int) -> tuple[Batch, dict[str, float]]:
-    # The parameters are the previous step's output: waiting for them first keeps its update out
-    # of the rollout's time on backends that dispatch asynchronously.
-    jax.block_until_ready(params)
+    jax.block_until_ready(params)  # the previous step's update is not the rollout's time
     started = time.perf_counter()
     group = self.prompts.take(self.num_rows // self.group)
     row_prompts = [p for p in group for _ in range(self.group)]

@@ -168,6 +168,8 @@ class Trainer:
                                self.peak)
     scalars.update(step_seconds=seconds, tokens_per_s=t.tokens_per_s, tokens_per_s_per_device=t.tokens_per_s_per_device,
                    tflops_per_s_per_device=t.tflops_per_s_per_device, mfu=t.mfu)
+    if isinstance(self.data, OnPolicyBatches):  # the step's time but its rollout: the update
+      scalars["update_s"] = max(seconds - scalars["input_wait_s"], 0.0)
     record = StepRecord(index + 1, seconds, scalars, nonfinite)
     loop.first, loop.last = loop.first or record, record
     for entry in due:
@@ -216,9 +218,11 @@ class Trainer:
     loop = LoopState(state=state, next_step=start_step)
     try:
       while loop.next_step < self.config.run.steps:
+        if isinstance(self.data, OnPolicyBatches):  # sampled from the state the previous step writes:
+          jax.block_until_ready(loop.state.params)  # its update is not input wait
         waited_from = time.perf_counter()
         self._note_batch_start(loop.next_step)
-        if isinstance(self.data, OnPolicyBatches):  # sampled from the state the step will update
+        if isinstance(self.data, OnPolicyBatches):
           batch, host_scalars = self.data.next_for(loop.state)
         else:
           batch, host_scalars = next(self.data), {}
