@@ -162,7 +162,7 @@ def copy_commands(gcloud: Gcloud, names: list[str], tarball: Path, run_name: str
 @dataclasses.dataclass
 class HostProcess:
   worker: Worker
-  proc: subprocess.Popen
+  proc: subprocess.Popen[bytes]
   log_path: Path
   log: IO[bytes]
   tee: threading.Thread | None = None

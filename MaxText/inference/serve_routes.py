@@ -8,7 +8,7 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable
 
-from fastapi import Request  # at module level: FastAPI resolves the handlers' annotations here
+from fastapi import FastAPI, Request  # at module level: FastAPI resolves the handlers' annotations here
 from fastapi.responses import Response
 
 from MaxText.inference import openai_api as api
@@ -73,7 +73,7 @@ def _usage(request: api.Request, choices: dict[int, _Choice]) -> dict[str, int]:
   return api.usage(sum(prompts.values()), sum(len(c.tokens) for c in choices.values()))
 
 
-def add_routes(app: Any, server: "Server", json_response: Any, streaming_response: Any,
+def add_routes(app: FastAPI, server: "Server", json_response: Any, streaming_response: Any,
                sse: Callable[[Any], str]) -> None:
   async def read_json(request: Request) -> Any:
     return api.parse_json(await request.body())

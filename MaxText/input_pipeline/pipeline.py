@@ -103,7 +103,7 @@ class _Numbered:
 
 def document_dataset(source: Sequence[Any], shard: HostShard, encode: Callable[[Any], Any], column: str | None,
                      shuffle_seed: int | None, repeat: bool, what: str,
-                     locate: Callable[[int], str] | None = None):
+                     locate: Callable[[int], str] | None = None) -> Any:
   """Grain MapDataset of documents (token lists, or [2, n] tokens and weights): this shard's records,
   shuffled per epoch and repeated if asked. `encode` gets the text of `column`, or the whole
   record when column is None (fine-tuning records). A UserError from `encode` is raised again

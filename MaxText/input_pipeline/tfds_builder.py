@@ -8,7 +8,7 @@ the data_dir), so training never imports this module.
 from __future__ import annotations
 
 import json
-from typing import Iterator
+from typing import Any, Iterator
 
 import tensorflow_datasets as tfds
 
@@ -37,7 +37,7 @@ class LocalText(tfds.core.GeneratorBasedBuilder):
     return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
                                  description="Local text documents, one JSON object per line.")
 
-  def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict:
+  def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict[str, Any]:
     directory = str(dl_manager.manual_dir)
     present = {split: storage.join(directory, file) for split, file in SPLIT_FILES.items()
                if storage.is_file(storage.join(directory, file))}
@@ -45,7 +45,7 @@ class LocalText(tfds.core.GeneratorBasedBuilder):
       raise UserError(f"{directory} holds no train.jsonl")
     return {split: self._generate_examples(path) for split, path in present.items()}
 
-  def _generate_examples(self, path: str) -> Iterator[tuple[int, dict]]:
+  def _generate_examples(self, path: str) -> Iterator[tuple[int, dict[str, Any]]]:
     with storage.open_file(path, "rb") as f:
       for number, line in enumerate(f):  # bytes: json.loads decodes UTF-8 itself
         if line.strip():

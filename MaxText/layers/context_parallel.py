@@ -75,7 +75,8 @@ def per_shard_attention(kernel: Callable[..., jax.Array], mesh: Mesh, rules: sha
   q_spec, kv_spec, seg_spec, _ = kernel_specs(mesh, rules, q_BLNH.shape, k_BSKH.shape, split_length=False)
   static_window = masks.is_static(window_size)
 
-  def shard(q_BLNH, k_BSKH, v_BSKH, seg_BL, window_scalar):
+  def shard(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, seg_BL: jax.Array,
+            window_scalar: jax.Array) -> jax.Array:
     return kernel(q_BLNH, k_BSKH, v_BSKH, seg_BL, window_size if static_window else window_scalar, soft_cap)
 
   return jax.shard_map(shard, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, PartitionSpec()),

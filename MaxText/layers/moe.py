@@ -162,7 +162,7 @@ def update_correction_biases(new_params: Any, old_params: Any, load_NE: jax.Arra
   experts become likelier choices). The optimizer's own change to the bias (weight decay; its
   gradient is zero) is discarded. `load_NE`: the routed fraction per expert of each MoE layer
   ([layers, E], `moe_load`), in the order of the `layers` stack; unused when `rate` is 0."""
-  def update(path: tuple, new: jax.Array, old: jax.Array) -> jax.Array:
+  def update(path: tuple[Any, ...], new: jax.Array, old: jax.Array) -> jax.Array:
     keys = [str(getattr(k, "key", k)) for k in path]
     if keys[-1] != CORRECTION_BIAS:
       return new

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,8 @@ from MaxText.layers import flash_blocks, masks, splash_attention
 
 Array = jax.Array
 Grads = tuple[Array, Array, Array]
+# A pair's mask as a hashable key: ("causal",), ("full",) or ("local", window - 1, right, offset).
+PairKind = tuple[Any, ...]
 
 
 class BlockKernel(Protocol):
@@ -77,14 +79,15 @@ class ChunkedBlocks:
   def _tiles(self, q_BLKGH: Array, k_BCKH: Array) -> tuple[int, int]:
     return fit(self.block_q, q_BLKGH.shape[1]), fit(self.block_kv, k_BCKH.shape[1])
 
-  def forward(self, q_BLKGH, k_BCKH, v_BCKH, qseg_BL, kseg_BC, window, offset):
+  def forward(self, q_BLKGH: Array, k_BCKH: Array, v_BCKH: Array, qseg_BL: Array, kseg_BC: Array, window: Array,
+              offset: Array) -> tuple[Array, Array]:
     # The mask depends on q_pos - k_pos only, so keys at k_start are keys at 0 for queries at offset.
     out, lse = flash_blocks.forward(q_BLKGH, k_BCKH, v_BCKH, qseg_BL, kseg_BC, window, offset, None, self.soft_cap,
                                      *self._tiles(q_BLKGH, k_BCKH), out_dtype=jnp.float32)
     return out, jnp.where(jnp.isinf(lse), -jnp.inf, lse)
 
-  def backward(self, q_BLKGH, k_BCKH, v_BCKH, qseg_BL, kseg_BC, window, offset, do_BLKGH, out_BLKGH, lse_BKGL,
-               delta_BKGL):
+  def backward(self, q_BLKGH: Array, k_BCKH: Array, v_BCKH: Array, qseg_BL: Array, kseg_BC: Array, window: Array,
+               offset: Array, do_BLKGH: Array, out_BLKGH: Array, lse_BKGL: Array, delta_BKGL: Array) -> Grads:
     args = (q_BLKGH, k_BCKH, v_BCKH, qseg_BL, kseg_BC, window, offset, self.soft_cap,
             *self._tiles(q_BLKGH, k_BCKH), do_BLKGH, lse_BKGL, delta_BKGL)
     dk, dv = flash_blocks.backward_dkv(*args)
@@ -94,7 +97,7 @@ class ChunkedBlocks:
 # ---------------------------------------------------------------- splash (TPU)
 
 
-def _pair_kind(chunk: int, window: int | None, m: int) -> tuple | None:
+def _pair_kind(chunk: int, window: int | None, m: int) -> PairKind | None:
   """What a pair whose key chunk starts m >= 0 chunks before its query chunk sees, as a key of
   splash's static mask, or None where the window leaves nothing. Query i sees key j iff
   0 <= m·chunk + i - j < window."""
@@ -108,14 +111,14 @@ def _pair_kind(chunk: int, window: int | None, m: int) -> tuple | None:
   return ("local", window - 1, None, m * chunk)
 
 
-def _pair_kinds(chunk: int, window: int | None) -> list[tuple | None]:
+def _pair_kinds(chunk: int, window: int | None) -> list[PairKind | None]:
   """Kinds for m = 0, 1, ... up to where they stop changing; the last entry is every farther pair's
   (full without a window, nothing with one)."""
   last = 1 if window is None else -(-(window - 1) // chunk) + 1
   return [_pair_kind(chunk, window, m) for m in range(last + 1)]
 
 
-def _splash_mask(kind: tuple, chunk: int):
+def _splash_mask(kind: PairKind, chunk: int) -> Any:
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
   shape = (chunk, chunk)
   if kind[0] == "causal":
@@ -135,11 +138,11 @@ class SplashBlocks:
   traced_window: bool = False
   interpret: bool = False
 
-  def _cases(self, chunk: int, heads: int, window: Array) -> tuple[list, Callable[[Array], Array]]:
+  def _cases(self, chunk: int, heads: int, window: Array) -> tuple[list[Any], Callable[[Array], Array]]:
     """The distinct kernels (None: nothing to see) and a function of the traced offset picking one."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
-    kinds: list[tuple | None] = [None]
+    kinds: list[PairKind | None] = [None]
     tables = []
     for win in ([self.window, None] if self.traced_window else [self.window]):
       entries = []
@@ -162,19 +165,20 @@ class SplashBlocks:
 
     return kernels, pick
 
-  def forward(self, q_BLKGH, k_BCKH, v_BCKH, qseg_BL, kseg_BC, window, offset):
+  def forward(self, q_BLKGH: Array, k_BCKH: Array, v_BCKH: Array, qseg_BL: Array, kseg_BC: Array, window: Array,
+              offset: Array) -> tuple[Array, Array]:
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     batch, length, kv_heads, group, head_dim = q_BLKGH.shape
     kernels, pick = self._cases(length, kv_heads * group, window)
     q_BNLH, k_BKCH, v_BKCH = _heads_first(q_BLKGH), k_BCKH.swapaxes(1, 2), v_BCKH.swapaxes(1, 2)
     segments = splash.SegmentIds(q=qseg_BL, kv=kseg_BC)
 
-    def branch(kernel):
+    def branch(kernel: Any) -> Callable[[], tuple[Array, Array]]:
       if kernel is None:
         return lambda: (jnp.zeros(q_BLKGH.shape, q_BLKGH.dtype),
                         jnp.full((batch, kv_heads, group, length), -jnp.inf, jnp.float32))
 
-      def run():
+      def run() -> tuple[Array, Array]:
         out_BNLH, (lse_BNL,) = jax.vmap(kernel)(q_BNLH, k_BKCH, v_BKCH, segments)
         return (_heads_last(out_BNLH, kv_heads).astype(q_BLKGH.dtype),
                 _no_key_lse(lse_BNL.reshape(batch, kv_heads, group, length).astype(jnp.float32)))
@@ -182,8 +186,8 @@ class SplashBlocks:
 
     return jax.lax.switch(pick(offset), [branch(k) for k in kernels])
 
-  def backward(self, q_BLKGH, k_BCKH, v_BCKH, qseg_BL, kseg_BC, window, offset, do_BLKGH, out_BLKGH, lse_BKGL,
-               delta_BKGL):
+  def backward(self, q_BLKGH: Array, k_BCKH: Array, v_BCKH: Array, qseg_BL: Array, kseg_BC: Array, window: Array,
+               offset: Array, do_BLKGH: Array, out_BLKGH: Array, lse_BKGL: Array, delta_BKGL: Array) -> Grads:
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     del delta_BKGL  # splash's backward computes it from the (global) output
     batch, length, kv_heads, group, head_dim = q_BLKGH.shape
@@ -192,14 +196,15 @@ class SplashBlocks:
     k_BKCH, v_BKCH = k_BCKH.swapaxes(1, 2), v_BCKH.swapaxes(1, 2)
     lse_BNL = lse_BKGL.reshape(batch, kv_heads * group, length)
     segments = splash.SegmentIds(q=qseg_BL, kv=kseg_BC)
-    zeros = tuple(jnp.zeros(x.shape, x.dtype) for x in (q_BLKGH, k_BCKH, v_BCKH))
+    zeros: Grads = (jnp.zeros(q_BLKGH.shape, q_BLKGH.dtype), jnp.zeros(k_BCKH.shape, k_BCKH.dtype),
+                    jnp.zeros(v_BCKH.shape, v_BCKH.dtype))
 
-    def branch(kernel):
+    def branch(kernel: Any) -> Callable[[], Grads]:
       if kernel is None:
         return lambda: zeros
 
-      def run():
-        def one(q, k, v, seg, out, lse, do):
+      def run() -> Grads:
+        def one(q: Array, k: Array, v: Array, seg: Any, out: Array, lse: Array, do: Array) -> Grads:
           return _splash_backward(kernel, q, k, v, seg, out, lse, do)
         dq_BNLH, dk_BKCH, dv_BKCH = jax.vmap(one)(q_BNLH, k_BKCH, v_BKCH, segments, out_BNLH, lse_BNL, do_BNLH)
         return (_heads_last(dq_BNLH, kv_heads).astype(q_BLKGH.dtype), dk_BKCH.swapaxes(1, 2).astype(k_BCKH.dtype),
@@ -209,12 +214,12 @@ class SplashBlocks:
     return jax.lax.switch(pick(offset), [branch(k) for k in kernels])
 
 
-def _splash_backward(kernel, q_NLH: Array, k_KCH: Array, v_KCH: Array, segments, out_NLH: Array, lse_NL: Array,
+def _splash_backward(kernel: Any, q_NLH: Array, k_KCH: Array, v_KCH: Array, segments: Any, out_NLH: Array, lse_NL: Array,
                      do_NLH: Array) -> Grads:
   """Splash's own backward rule with the global output and log-sum-exp as its residuals."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 
-  def collapsed(info):  # as splash's jitted entry point hands mask infos to its custom VJP
+  def collapsed(info: Any) -> Any:  # as splash's jitted entry point hands mask infos to its custom VJP
     if info is None or info.partial_mask_blocks is None:
       return info
     return info._replace(partial_mask_blocks=info.partial_mask_blocks.reshape(
@@ -249,7 +254,7 @@ class CudnnBlocks:
   traced, is also in the pair's mask."""
   window: int | None
 
-  def _mask(self, qseg_BL, kseg_BC, window, offset) -> Array:
+  def _mask(self, qseg_BL: Array, kseg_BC: Array, window: Array, offset: Array) -> Array:
     q_pos = jnp.arange(qseg_BL.shape[1])[None] + offset
     k_pos = jnp.arange(kseg_BC.shape[1])[None]
     return masks.allowed(q_pos, k_pos, qseg_BL, kseg_BC, window)[:, None]  # [B, 1, L, C]
@@ -260,7 +265,8 @@ class CudnnBlocks:
     skip = (offset < 0) | (offset - chunk + 1 >= window)
     return jnp.where(skip, 0, jnp.where(offset == 0, 1, 2))
 
-  def _call(self, diagonal: bool, q_BLNH, k_BCKH, v_BCKH, mask_B1LC):
+  def _call(self, diagonal: bool, q_BLNH: Array, k_BCKH: Array, v_BCKH: Array, mask_B1LC: Array
+            ) -> tuple[tuple[Array, ...], dict[str, Any]]:
     """Arguments as cuDNN's fused-attention rules take them: (operands, static keywords)."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
     bias = cudnn.combine_bias_and_mask(None, mask_B1LC, q_BLNH.dtype)
@@ -272,14 +278,15 @@ class CudnnBlocks:
                   sliding_window_length=self.window if diagonal else None)
     return operands, static
 
-  def forward(self, q_BLKGH, k_BCKH, v_BCKH, qseg_BL, kseg_BC, window, offset):
+  def forward(self, q_BLKGH: Array, k_BCKH: Array, v_BCKH: Array, qseg_BL: Array, kseg_BC: Array, window: Array,
+              offset: Array) -> tuple[Array, Array]:
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
     batch, length, kv_heads, group, head_dim = q_BLKGH.shape
     q_BLNH = q_BLKGH.reshape(batch, length, kv_heads * group, head_dim)
     mask = self._mask(qseg_BL, kseg_BC, window, offset)
 
-    def run(diagonal):
-      def attend():
+    def run(diagonal: bool) -> Callable[[], tuple[Array, Array]]:
+      def attend() -> tuple[Array, Array]:
         operands, static = self._call(diagonal, q_BLNH, k_BCKH, v_BCKH, mask)
         out_BLNH, lse_BNL = cudnn._dot_product_attention_fwd_p_wrapper.bind(*operands, **static, is_training=True)
         # cuDNN's mask bias is finite, so a row that sees nothing has a finite log-sum-exp.
@@ -288,32 +295,35 @@ class CudnnBlocks:
                 _no_key_lse(lse_BNL.reshape(batch, kv_heads, group, length).astype(jnp.float32), seen_BKGL))
       return attend
 
-    def skip():
+    def skip() -> tuple[Array, Array]:
       return (jnp.zeros(q_BLKGH.shape, q_BLKGH.dtype),
               jnp.full((batch, kv_heads, group, length), -jnp.inf, jnp.float32))
 
     return jax.lax.switch(self._case(offset, window, k_BCKH.shape[1]), [skip, run(True), run(False)])
 
-  def backward(self, q_BLKGH, k_BCKH, v_BCKH, qseg_BL, kseg_BC, window, offset, do_BLKGH, out_BLKGH, lse_BKGL,
-               delta_BKGL):
+  def backward(self, q_BLKGH: Array, k_BCKH: Array, v_BCKH: Array, qseg_BL: Array, kseg_BC: Array, window: Array,
+               offset: Array, do_BLKGH: Array, out_BLKGH: Array, lse_BKGL: Array, delta_BKGL: Array) -> Grads:
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
     del delta_BKGL  # cuDNN's backward computes it from the (global) output
     batch, length, kv_heads, group, head_dim = q_BLKGH.shape
-    flat = lambda x: x.reshape(batch, length, kv_heads * group, head_dim)  # noqa: E731
+    def flat(x: Array) -> Array:
+      return x.reshape(batch, length, kv_heads * group, head_dim)
+
     q_BLNH, do_BLNH, out_BLNH = flat(q_BLKGH), flat(do_BLKGH.astype(q_BLKGH.dtype)), flat(
         out_BLKGH.astype(q_BLKGH.dtype))
     lse_BNL = lse_BKGL.reshape(batch, kv_heads * group, length).astype(jnp.float32)
     mask = self._mask(qseg_BL, kseg_BC, window, offset)
 
-    def run(diagonal):
-      def grads():
+    def run(diagonal: bool) -> Callable[[], Grads]:
+      def grads() -> Grads:
         operands, static = self._call(diagonal, q_BLNH, k_BCKH, v_BCKH, mask)
         dq, dk, dv = cudnn._dot_product_attention_bwd_p_wrapper.bind(*operands, lse_BNL, out_BLNH, do_BLNH,
                                                                      **static)[:3]
         return dq.reshape(q_BLKGH.shape).astype(q_BLKGH.dtype), dk.astype(k_BCKH.dtype), dv.astype(v_BCKH.dtype)
       return grads
 
-    def skip():
-      return tuple(jnp.zeros(x.shape, x.dtype) for x in (q_BLKGH, k_BCKH, v_BCKH))
+    def skip() -> Grads:
+      return (jnp.zeros(q_BLKGH.shape, q_BLKGH.dtype), jnp.zeros(k_BCKH.shape, k_BCKH.dtype),
+              jnp.zeros(v_BCKH.shape, v_BCKH.dtype))
 
     return jax.lax.switch(self._case(offset, window, k_BCKH.shape[1]), [skip, run(True), run(False)])
