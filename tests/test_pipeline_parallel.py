@@ -76,7 +76,7 @@ def test_pipeline_equals_the_non_pipelined_run(schedule, stages, repeats, micro,
   piped = Config.for_testing(**_model_overrides(layers), ici_pipeline_parallelism=stages, pipeline_schedule=schedule,
                              num_pipeline_repeats=repeats, num_pipeline_microbatches=micro, **other)
   plain = Config.for_testing(**_model_overrides(layers))  # fsdp over all 8 devices
-  assert piped.model.num_pipeline_stages == stages and piped.model.layers_per_pipeline_stage == 1
+  assert piped.model.pipeline.num_pipeline_stages == stages and piped.model.layers_per_pipeline_stage == 1
   params = jax.device_get(build_run(plain).init_state(0).params)
   batch = _packed_batch(plain.data.global_batch_size, 16, 64)
 
@@ -136,7 +136,7 @@ def test_bubble_fraction_per_schedule():
   assert pipeline.num_iterations(4, 8, 3) == 27
   config = Config.for_testing(**_model_overrides(8), ici_pipeline_parallelism=4, pipeline_schedule="circular",
                               num_pipeline_repeats=2)
-  assert config.model.num_pipeline_microbatches == 4  # -1 = the number of stages
+  assert config.model.pipeline.num_pipeline_microbatches == 4  # -1 = the number of stages
   assert pipeline.describe(config.model) == ("pipeline: circular schedule, 4 stages, 4 microbatches, 1 layers per "
                                              "stage x 2 repeats; 11 iterations, bubble fraction 0.273")
 

@@ -20,7 +20,7 @@ from MaxText.configuration.config_fields import DATA_POSITION, OPTIMIZER, derive
 from MaxText.configuration.config_fields import require as _require
 from MaxText.errors import ConfigError
 from MaxText.platform.mesh_axes import MESH_AXES, Group, MeshAxis
-from MaxText.configuration.model_config import AttentionBlocks, ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 from MaxText.configuration.model_config import one_of as _one_of, positive as _positive
 
 DATASET_TYPES = ("synthetic", "tfds", "hf", "grain")
@@ -460,7 +460,7 @@ class StartupConfig:
     return cls(**read_keys(cls, v))
 
 
-GROUPS = (ModelConfig, AttentionBlocks, MeshConfig, OptimConfig, DataConfig, RunConfig, CheckpointConfig,
+GROUPS = (ModelConfig, MeshConfig, OptimConfig, DataConfig, RunConfig, CheckpointConfig,
           DecodeConfig, StartupConfig)
 
 

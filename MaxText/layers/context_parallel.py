@@ -88,8 +88,8 @@ def merges_blocks(cfg: ModelConfig) -> bool:
   log-sum-exp, ring_attention.py): a ring or all-to-all strategy, or load balancing, with the
   sequence split. The plain all_gather also runs there under flash, but dot_product and
   cudnn_flash can run it too (XLA partitions them)."""
-  return cfg.context_parallel_degree > 1 and (cfg.context_parallel_strategy != "all_gather"
-                                              or cfg.context_parallel_load_balance)
+  return cfg.attn.context_parallel_degree > 1 and (cfg.attn.context_parallel_strategy != "all_gather"
+                                              or cfg.attn.context_parallel_load_balance)
 
 
 def shard_chunk_starts(shard: Any, local_length: int, shards: int, balanced: bool) -> list[Any]:
@@ -124,8 +124,8 @@ def to_balanced_order(x: jax.Array, shards: int) -> jax.Array:
 def balance_batch(batch: dict[str, jax.Array], cfg: ModelConfig) -> dict[str, jax.Array]:
   """The batch in balanced order when load balancing is on (every [B, max_target_length, ...]
   entry alike, so targets stay next to their inputs), else unchanged."""
-  if not (cfg.context_parallel_load_balance and cfg.context_parallel_degree > 1):
+  if not (cfg.attn.context_parallel_load_balance and cfg.attn.context_parallel_degree > 1):
     return batch
-  shards = cfg.context_parallel_degree
+  shards = cfg.attn.context_parallel_degree
   return {name: to_balanced_order(x, shards) if x.ndim >= 2 and x.shape[1] == cfg.max_target_length else x
           for name, x in batch.items()}

@@ -85,12 +85,12 @@ def bubble_fraction(num_stages: int, num_microbatches: int, num_repeats: int = 1
 
 def describe(cfg: ModelConfig) -> str:
   """One start-up log line: schedule, layer split and bubble fraction."""
-  s, m, r = cfg.num_pipeline_stages, cfg.num_pipeline_microbatches, cfg.num_pipeline_repeats
+  s, m, r = cfg.pipeline.num_pipeline_stages, cfg.pipeline.num_pipeline_microbatches, cfg.pipeline.num_pipeline_repeats
   layout = f"{cfg.layers_per_pipeline_stage} layers per stage" + (f" x {r} repeats" if r > 1 else "")
-  name = f"interleaved {cfg.pipeline_schedule}" if cfg.pipeline_schedule == "1f1b" and r > 1 else cfg.pipeline_schedule
+  name = f"interleaved {cfg.pipeline.pipeline_schedule}" if cfg.pipeline.pipeline_schedule == "1f1b" and r > 1 else cfg.pipeline.pipeline_schedule
   line = (f"pipeline: {name} schedule, {s} stages, {m} microbatches, {layout}; "
           f"{num_iterations(s, m, r)} iterations, bubble fraction {bubble_fraction(s, m, r):.3f}")
-  if cfg.pipeline_schedule == "1f1b":  # each iteration runs one forward and one backward per stage
+  if cfg.pipeline.pipeline_schedule == "1f1b":  # each iteration runs one forward and one backward per stage
     kind = "stage inputs (microbatch x pass)" if r > 1 else "microbatch inputs"
     line += f"; at most {pipeline_timetable.build(s, m, r).num_slots} {kind} kept per stage"
   return line
@@ -108,7 +108,7 @@ def _merge_micro(x: jax.Array) -> jax.Array:
 
 def stage_weights(stacked_state: Any, cfg: ModelConfig) -> Any:
   """Stacked [num_layers, ...] leaves → [P, R, J, ...]: [s, r, g] is layer (r·P + s)·J + g."""
-  s, r, g = cfg.num_pipeline_stages, cfg.num_pipeline_repeats, cfg.layers_per_pipeline_stage
+  s, r, g = cfg.pipeline.num_pipeline_stages, cfg.pipeline.num_pipeline_repeats, cfg.layers_per_pipeline_stage
 
   def regroup(w: jax.Array) -> jax.Array:
     return jnp.swapaxes(w.reshape((r, s, g) + w.shape[1:]), 0, 1)
@@ -135,7 +135,7 @@ def layer_group_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | 
 
 def first_layer(cfg: ModelConfig, stage: jax.Array, repeat: jax.Array) -> jax.Array:
   """Index of the first layer stage `stage` runs in pass `repeat`."""
-  return (repeat * cfg.num_pipeline_stages + stage) * cfg.layers_per_pipeline_stage
+  return (repeat * cfg.pipeline.num_pipeline_stages + stage) * cfg.layers_per_pipeline_stage
 
 
 def _stage_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None, policy: Policy) -> StageFn:
@@ -157,7 +157,7 @@ def run_pipeline(cfg: ModelConfig, layer_fn: LayerFn, stacked_state: Any, x_BLD:
                  policy: Policy) -> tuple[jax.Array, AuxLosses]:
   """The decoder stack as a pipeline; returns x_BLD and the aux losses summed over layers
   (averaged over microbatches), like the non-pipelined stack."""
-  num_stages, num_micro, num_repeats = cfg.num_pipeline_stages, cfg.num_pipeline_microbatches, cfg.num_pipeline_repeats
+  num_stages, num_micro, num_repeats = cfg.pipeline.num_pipeline_stages, cfg.pipeline.num_pipeline_microbatches, cfg.pipeline.num_pipeline_repeats
   layer_rngs = jax.random.split(dropout_rng, cfg.num_decoder_layers) if dropout_rng is not None else None
   inputs_MmLD = sharding.constrain(_split_micro(x_BLD, num_micro), _MICRO_NAMES)
   positions_MmL, segment_ids_MmL = _split_micro(positions_BL, num_micro), _split_micro(segment_ids_BL, num_micro)

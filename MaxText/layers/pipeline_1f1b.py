@@ -86,7 +86,7 @@ def _pass_weights(weights_RJ: Any, repeat: jax.Array) -> Any:
 def _loop(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, stacked_state: Any,
           head_state: Any, x_BLD: jax.Array, data: dict[str, Any]) -> tuple[Sums, tuple[Any, Any, jax.Array]]:
   """Runs the schedule: (loss sums, (stacked layer grads, head grads, d x_BLD)) of the summed loss."""
-  num_stages, num_micro, num_repeats = cfg.num_pipeline_stages, cfg.num_pipeline_microbatches, cfg.num_pipeline_repeats
+  num_stages, num_micro, num_repeats = cfg.pipeline.num_pipeline_stages, cfg.pipeline.num_pipeline_microbatches, cfg.pipeline.num_pipeline_repeats
   table = pipeline_timetable.build(num_stages, num_micro, num_repeats)
   rng = data["dropout_rng"]
   layer_rngs = jax.random.split(rng, cfg.num_decoder_layers) if rng is not None else None

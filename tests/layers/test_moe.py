@@ -73,8 +73,8 @@ def _ours(hf, model, tokens, staging_dir, **overrides) -> tuple[np.ndarray, dict
   """Our logits and aux losses, every model key inferred from the HF config and the
   parameters converted through the mixtral tensor table (MaxText/convert/mixtral.py)."""
   config = hf.our_config(model, **overrides)
-  assert (config.model.decoder_block, config.model.num_experts) == ("mixtral", E)
-  assert config.model.num_experts_per_tok == overrides.get("num_experts_per_tok", TOP_K)
+  assert (config.model.decoder_block, config.model.moe.num_experts) == ("mixtral", E)
+  assert config.model.moe.num_experts_per_tok == overrides.get("num_experts_per_tok", TOP_K)
   params = hf.our_params(model, config, staging_dir)
   spec = models.build_model_spec(config.model)
   positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)

@@ -27,7 +27,7 @@ def objective_for(config: Config, model: ModelSpec, partition: Partition) -> Obj
   optim = config.optim
   if config.data.use_dpo:
     return Preference(model, partition, optim.dpo_beta, optim.dpo_label_smoothing)
-  return LanguageModel(model, optim.z_loss_multiplier, config.model.load_balance_loss_weight,
+  return LanguageModel(model, optim.z_loss_multiplier, config.model.moe.load_balance_loss_weight,
                        optim.gradient_accumulation_steps)
 
 
