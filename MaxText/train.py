@@ -91,7 +91,7 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None, argv:
   run = run_assembly.build_run(config)  # the train step is jitted, or loaded from compiled_trainstep_file
   log(f"mesh: {run.mesh_description()}")
   if config.model.pipeline.num_pipeline_stages > 1:
-    log(pipeline.describe(config.model))
+    log(pipeline.describe(config.model.pipeline))
   setup = run.setup
   start = run_start.initial_state(config, setup, checkpoints, run.init_state)
   log(f"state: {start.description}")

@@ -147,7 +147,7 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
   run = run_assembly.build_run(config, devices=devices, compiled_step=False)
   print(f"mesh: {run.mesh_description()}")
   if config.model.pipeline.num_pipeline_stages > 1:
-    print(pipeline.describe(config.model))
+    print(pipeline.describe(config.model.pipeline))
   print(f"parameters: {run.num_params / 1e9:.3f} B ({run.num_params:,})")
   if run.lora_description():
     print(run.lora_description())

@@ -5,7 +5,7 @@ MeshConfig / OptimConfig / DataConfig / RunConfig / CheckpointConfig / DecodeCon
 StartupConfig. A field is named after the base.yml key it holds (config_fields.key) or is
 derived from keys (config_fields.derived: scaled sizes, the global batch, paths). Building
 a group does no I/O: files, tokenizers and the clock are read where they are used.
-Layers receive a ModelConfig only.
+Layers receive a ModelConfig (or one of its records: rope, attn, moe, ...) only.
 """
 
 from __future__ import annotations

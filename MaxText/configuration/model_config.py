@@ -183,6 +183,12 @@ class PipelineConfig:
   num_pipeline_repeats: int = key()
   num_pipeline_microbatches: int = key()  # -1 resolved to the number of stages
   num_pipeline_stages: int = derived(1)  # 1 = no pipeline
+  layers_per_pipeline_stage: int = derived(1)  # decoder layers one stage runs per pass (per repeat)
+
+  @property
+  def num_layers(self) -> int:
+    """The decoder layers the stages run, all passes together (num_decoder_layers)."""
+    return self.num_pipeline_stages * self.num_pipeline_repeats * self.layers_per_pipeline_stage
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -280,7 +286,7 @@ class ModelConfig:
   @property
   def layers_per_pipeline_stage(self) -> int:
     """Decoder layers one stage runs per pass (per repeat)."""
-    return self.num_decoder_layers // (self.pipeline.num_pipeline_stages * self.pipeline.num_pipeline_repeats)
+    return self.pipeline.layers_per_pipeline_stage
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any], mesh: "MeshConfig", global_batch: int) -> "ModelConfig":
@@ -332,7 +338,8 @@ class ModelConfig:
     _check_context_parallel(v, context, num_q, num_kv)
     attn = AttentionConfig(**read_keys(AttentionConfig, v), context_parallel_degree=context,
                            attention_blocks=AttentionBlocks.from_values(v))
-    pipeline = PipelineConfig(**read_keys(PipelineConfig, v, num_pipeline_microbatches=micro), num_pipeline_stages=stages)
+    pipeline = PipelineConfig(**read_keys(PipelineConfig, v, num_pipeline_microbatches=micro), num_pipeline_stages=stages,
+                              layers_per_pipeline_stage=layers // (stages * v["num_pipeline_repeats"]))
     return cls(**read_keys(cls, v), rope=RopeConfig(**read_keys(RopeConfig, v)), attn=attn,
                mla=MlaConfig(**read_keys(MlaConfig, v)), moe=MoeConfig(**read_keys(MoeConfig, v)),
                mtp=MtpConfig(**read_keys(MtpConfig, v)), pipeline=pipeline, lora=LoraConfig(**read_keys(LoraConfig, v)),

@@ -38,7 +38,7 @@ from MaxText.convert import tensor_maps as r
 from MaxText.families import Family, register_family
 from MaxText.families.llama import embedding_tensors, gated_mlp_tensors, rope_hf_config, rope_keys
 from MaxText.families.mixtral import fused_expert_tensors
-from MaxText.configuration.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig, RopeConfig
 
 _LAYER = "model.layers.{i}."
 _ATTN = _LAYER + "self_attn."
@@ -191,42 +191,46 @@ def deepseek2_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _hf_config(cfg: ModelConfig) -> dict[str, Any]:
-  rope = rope_hf_config(cfg)
+  moe, mla = cfg.moe, cfg.mla
+  rope = rope_hf_config(cfg.rope)
   if cfg.rope.rope_type == "yarn":
-    rope["rope_parameters"].update(attention_factor=rope_attention(cfg), mscale_all_dim=cfg.rope.rope_yarn_mscale_all_dim)
+    rope["rope_parameters"].update(attention_factor=rope_attention(cfg.rope),
+                                   mscale_all_dim=cfg.rope.rope_yarn_mscale_all_dim)
   return {
-      "vocab_size": cfg.vocab_size, "hidden_size": cfg.emb_dim, "intermediate_size": cfg.moe.dense_mlp_dim or cfg.mlp_dim,
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.emb_dim, "intermediate_size": moe.dense_mlp_dim or cfg.mlp_dim,
       "moe_intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_decoder_layers,
       "num_attention_heads": cfg.num_query_heads, "num_key_value_heads": cfg.num_kv_heads,
-      "n_shared_experts": cfg.moe.shared_experts, "n_routed_experts": cfg.moe.num_experts,
-      "num_experts_per_tok": cfg.moe.num_experts_per_tok, "routed_scaling_factor": cfg.moe.routed_scaling_factor,
-      "norm_topk_prob": cfg.moe.norm_topk_prob, "first_k_dense_replace": cfg.moe.first_dense_layers,
-      "kv_lora_rank": cfg.mla.kv_lora_rank, "q_lora_rank": cfg.mla.q_lora_rank or None,
-      "qk_nope_head_dim": cfg.mla.qk_nope_head_dim, "qk_rope_head_dim": cfg.mla.qk_rope_head_dim,
-      "v_head_dim": cfg.mla.v_head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.normalization_layer_epsilon,
+      "n_shared_experts": moe.shared_experts, "n_routed_experts": moe.num_experts,
+      "num_experts_per_tok": moe.num_experts_per_tok, "routed_scaling_factor": moe.routed_scaling_factor,
+      "norm_topk_prob": moe.norm_topk_prob, "first_k_dense_replace": moe.first_dense_layers,
+      "kv_lora_rank": mla.kv_lora_rank, "q_lora_rank": mla.q_lora_rank or None,
+      "qk_nope_head_dim": mla.qk_nope_head_dim, "qk_rope_head_dim": mla.qk_rope_head_dim,
+      "v_head_dim": mla.v_head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.normalization_layer_epsilon,
       "max_position_embeddings": max(cfg.max_target_length, 4096) if cfg.rope.rope_type != "yarn"
       else int(cfg.rope.rope_original_max_position * cfg.rope.rope_scaling_factor),
       "tie_word_embeddings": cfg.logits_via_embedding, "attention_bias": False, **rope,
   }
 
 
-def rope_attention(cfg: ModelConfig) -> float:
+def rope_attention(rope: RopeConfig) -> float:
   """The YaRN attention factor as HF's `attention_factor` (ours: 0 = the default from the factor)."""
-  if cfg.rope.rope_attention_factor > 0:
-    return cfg.rope.rope_attention_factor
-  return _mscale(cfg.rope.rope_scaling_factor, 1.0)
+  if rope.rope_attention_factor > 0:
+    return rope.rope_attention_factor
+  return _mscale(rope.rope_scaling_factor, 1.0)
 
 
 def deepseek3_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **_hf_config(cfg),
-          "rope_interleave": cfg.rope.rope_interleaved, "n_group": cfg.moe.moe_num_groups, "topk_group": cfg.moe.moe_topk_groups,
+          "rope_interleave": cfg.rope.rope_interleaved, "n_group": cfg.moe.moe_num_groups,
+          "topk_group": cfg.moe.moe_topk_groups,
           "scoring_func": "sigmoid", "topk_method": "noaux_tc", "num_nextn_predict_layers": cfg.mtp.mtp_num_layers}
 
 
 def deepseek2_hf_config(cfg: ModelConfig) -> dict[str, Any]:
-  limited = cfg.moe.moe_topk_groups < cfg.moe.moe_num_groups
+  moe = cfg.moe
+  limited = moe.moe_topk_groups < moe.moe_num_groups
   return {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", **_hf_config(cfg),
-          "n_group": cfg.moe.moe_num_groups if limited else None, "topk_group": cfg.moe.moe_topk_groups if limited else None,
+          "n_group": moe.moe_num_groups if limited else None, "topk_group": moe.moe_topk_groups if limited else None,
           "topk_method": "group_limited_greedy" if limited else "greedy", "scoring_func": "softmax"}
 
 

@@ -38,7 +38,7 @@ def gemma_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 def gemma_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   return {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", **shape_hf_config(cfg),
-          **rope_hf_config(cfg), "hidden_act": "gelu_pytorch_tanh", "attention_bias": False,
+          **rope_hf_config(cfg.rope), "hidden_act": "gelu_pytorch_tanh", "attention_bias": False,
           "max_position_embeddings": max(cfg.max_target_length, 8192)}
 
 
@@ -104,7 +104,7 @@ def gemma3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 def gemma3_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   hf = gemma2_hf_config(cfg)
-  global_rope = rope_hf_config(cfg)["rope_parameters"]
+  global_rope = rope_hf_config(cfg.rope)["rope_parameters"]
   local_theta = cfg.rope.rope_local_max_timescale or cfg.rope.rope_max_timescale
   return {**hf, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
           "rope_parameters": {"full_attention": global_rope,

@@ -111,7 +111,7 @@ def gpt_oss_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 def gpt_oss_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   layer_types = r.hf_layer_types(cfg.attn.attention_layer_pattern, cfg.num_decoder_layers)
   return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", **shape_hf_config(cfg),
-          **rope_hf_config(cfg), "hidden_act": "silu", "attention_bias": True, "layer_types": layer_types,
+          **rope_hf_config(cfg.rope), "hidden_act": "silu", "attention_bias": True, "layer_types": layer_types,
           "sliding_window": cfg.attn.sliding_window_size, "max_position_embeddings": max_positions(cfg),
           "num_local_experts": cfg.moe.num_experts, "num_experts_per_tok": cfg.moe.num_experts_per_tok,
           "swiglu_limit": cfg.swiglu_limit, "swiglu_alpha": cfg.swiglu_alpha,

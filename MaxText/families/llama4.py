@@ -145,7 +145,7 @@ def llama4_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   attention = _per_layer(cfg.attn.attention_layer_pattern, layers)
   tuning = cfg.attn.attn_temperature_floor_scale > 0
   return {"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", **shape_hf_config(cfg),
-          **rope_hf_config(cfg), "hidden_act": "silu", "attention_bias": False,
+          **rope_hf_config(cfg.rope), "hidden_act": "silu", "attention_bias": False,
           "max_position_embeddings": max_positions(cfg),
           # With every layer MoE the dense width is unused; Scout's config gives twice an expert's.
           "intermediate_size_mlp": (cfg.moe.dense_mlp_dim or cfg.mlp_dim) if cfg.moe.moe_layer_interval > 1 else 2 * cfg.mlp_dim,

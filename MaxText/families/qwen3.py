@@ -67,7 +67,7 @@ def qwen3_moe_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _common_hf_config(cfg: ModelConfig) -> dict[str, Any]:
-  return {**shape_hf_config(cfg), **rope_hf_config(cfg), "hidden_act": "silu", "attention_bias": False,
+  return {**shape_hf_config(cfg), **rope_hf_config(cfg.rope), "hidden_act": "silu", "attention_bias": False,
           "use_sliding_window": False, "max_position_embeddings": max_positions(cfg)}
 
 

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from MaxText.platform import sharding
 from MaxText.layers import masks
-from MaxText.configuration.model_config import ModelConfig
+from MaxText.configuration.model_config import AttentionConfig
 
 _Q_NAMES = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 _KV_NAMES = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
@@ -75,7 +75,8 @@ def per_shard_attention(kernel: Callable[..., jax.Array], mesh: Mesh, rules: sha
   q_spec, kv_spec, seg_spec, _ = kernel_specs(mesh, rules, q_BLNH.shape, k_BSKH.shape, split_length=False)
   static_window = masks.is_static(window_size)
 
-  def shard(q_BLNH, k_BSKH, v_BSKH, seg_BL, window_scalar):
+  def shard(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, seg_BL: jax.Array,
+            window_scalar: jax.Array) -> jax.Array:
     return kernel(q_BLNH, k_BSKH, v_BSKH, seg_BL, window_size if static_window else window_scalar, soft_cap)
 
   return jax.shard_map(shard, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, PartitionSpec()),
@@ -83,13 +84,13 @@ def per_shard_attention(kernel: Callable[..., jax.Array], mesh: Mesh, rules: sha
                                                              _window_operand(window_size))
 
 
-def merges_blocks(cfg: ModelConfig) -> bool:
+def merges_blocks(attn: AttentionConfig) -> bool:
   """Whether the configured strategy needs attention=flash (per-block attention merged by
   log-sum-exp, ring_attention.py): a ring or all-to-all strategy, or load balancing, with the
   sequence split. The plain all_gather also runs there under flash, but dot_product and
   cudnn_flash can run it too (XLA partitions them)."""
-  return cfg.attn.context_parallel_degree > 1 and (cfg.attn.context_parallel_strategy != "all_gather"
-                                              or cfg.attn.context_parallel_load_balance)
+  return attn.context_parallel_degree > 1 and (attn.context_parallel_strategy != "all_gather"
+                                              or attn.context_parallel_load_balance)
 
 
 def shard_chunk_starts(shard: Any, local_length: int, shards: int, balanced: bool) -> list[Any]:
@@ -121,11 +122,11 @@ def to_balanced_order(x: jax.Array, shards: int) -> jax.Array:
   return paired.reshape(x.shape)
 
 
-def balance_batch(batch: dict[str, jax.Array], cfg: ModelConfig) -> dict[str, jax.Array]:
-  """The batch in balanced order when load balancing is on (every [B, max_target_length, ...]
-  entry alike, so targets stay next to their inputs), else unchanged."""
-  if not (cfg.attn.context_parallel_load_balance and cfg.attn.context_parallel_degree > 1):
+def balance_batch(batch: dict[str, jax.Array], attn: AttentionConfig, length: int) -> dict[str, jax.Array]:
+  """The batch in balanced order when load balancing is on (every [B, length, ...] entry alike,
+  so targets stay next to their inputs; length is max_target_length), else unchanged."""
+  if not (attn.context_parallel_load_balance and attn.context_parallel_degree > 1):
     return batch
-  shards = cfg.attn.context_parallel_degree
-  return {name: to_balanced_order(x, shards) if x.ndim >= 2 and x.shape[1] == cfg.max_target_length else x
+  shards = attn.context_parallel_degree
+  return {name: to_balanced_order(x, shards) if x.ndim >= 2 and x.shape[1] == length else x
           for name, x in batch.items()}

@@ -13,6 +13,7 @@ heads per key/value head, H head dim, Q one query block, C one key/value block (
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -67,11 +68,11 @@ def forward(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, kseg_B
   batch, _, num_kv, group, head_dim = q_BLKGH.shape
   num_q_blocks, num_kv_blocks = q_BLKGH.shape[1] // block_q, k_BSKH.shape[1] // block_kv
 
-  def one_q_block(i):
+  def one_q_block(i: Array) -> tuple[Array, Array]:
     q_BQKGH, qseg_BQ = _slice(q_BLKGH, i, block_q), _slice(qseg_BL, i, block_q)
     q_start = q_offset + i * block_q
 
-    def step(j, carry):
+    def step(j: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
       m_BKGQ, l_BKGQ, acc_BKGQH = carry
       s_BKGQC, mask, _ = block_logits(q_BQKGH, _slice(k_BSKH, j, block_kv), qseg_BQ, _slice(kseg_BS, j, block_kv),
                                        q_start, j * block_kv, window, soft_cap)
@@ -105,13 +106,13 @@ def backward_dq(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, ks
                  delta_BKGL: Array) -> Array:
   num_q_blocks, num_kv_blocks = q_BLKGH.shape[1] // block_q, k_BSKH.shape[1] // block_kv
 
-  def one_q_block(i):
+  def one_q_block(i: Array) -> Array:
     q_BQKGH, qseg_BQ, do_BQKGH = _slice(q_BLKGH, i, block_q), _slice(qseg_BL, i, block_q), _slice(do_BLKGH, i, block_q)
     lse_BKGQ = jax.lax.dynamic_slice_in_dim(lse_BKGL, i * block_q, block_q, axis=3)
     delta_BKGQ = jax.lax.dynamic_slice_in_dim(delta_BKGL, i * block_q, block_q, axis=3)
     q_start = q_offset + i * block_q
 
-    def step(j, dq_BQKGH):
+    def step(j: Array, dq_BQKGH: Array) -> Array:
       k_BCKH, v_BCKH = _slice(k_BSKH, j, block_kv), _slice(v_BSKH, j, block_kv)
       ds_BKGQC = score_grad(q_BQKGH, k_BCKH, v_BCKH, qseg_BQ, _slice(kseg_BS, j, block_kv), q_start, j * block_kv,
                              window, soft_cap, do_BQKGH, lse_BKGQ, delta_BKGQ)[1]
@@ -142,10 +143,10 @@ def backward_dkv(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, k
                   delta_BKGL: Array) -> tuple[Array, Array]:
   num_q_blocks, num_kv_blocks = q_BLKGH.shape[1] // block_q, k_BSKH.shape[1] // block_kv
 
-  def one_kv_block(j):
+  def one_kv_block(j: Array) -> tuple[Array, Array]:
     k_BCKH, v_BCKH, kseg_BC = _slice(k_BSKH, j, block_kv), _slice(v_BSKH, j, block_kv), _slice(kseg_BS, j, block_kv)
 
-    def step(i, carry):
+    def step(i: Array, carry: tuple[Array, Array]) -> tuple[Array, Array]:
       dk_BCKH, dv_BCKH = carry
       q_BQKGH, do_BQKGH = _slice(q_BLKGH, i, block_q), _slice(do_BLKGH, i, block_q)
       lse_BKGQ = jax.lax.dynamic_slice_in_dim(lse_BKGL, i * block_q, block_q, axis=3)
@@ -176,13 +177,14 @@ def _flash_core(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, ks
 
 def _flash_core_fwd(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, qseg_BL: Array, kseg_BS: Array, window: Array,
                     q_offset: Array, sinks_KG: Array | None, soft_cap: float, block_q: int, block_kv: int
-                    ) -> tuple[Array, tuple]:
+                    ) -> tuple[Array, tuple[Array | None, ...]]:
   out_BLKGH, lse_BKGL = forward(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, sinks_KG, soft_cap,
                                  block_q, block_kv)
   return out_BLKGH, (q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, sinks_KG, out_BLKGH, lse_BKGL)
 
 
-def _flash_core_bwd(soft_cap: float, block_q: int, block_kv: int, residuals: tuple, do_BLKGH: Array) -> tuple:
+def _flash_core_bwd(soft_cap: float, block_q: int, block_kv: int, residuals: tuple[Any, ...], do_BLKGH: Array
+                    ) -> tuple[Array | None, ...]:
   q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kseg_BS, window, q_offset, sinks_KG, out_BLKGH, lse_BKGL = residuals
   # delta = rowsum(dO * O): the softmax Jacobian's diagonal correction (FlashAttention-2, eq. in sec. 3.1).
   delta_BKGL = jnp.einsum("blkgh,blkgh->bkgl", do_BLKGH.astype(jnp.float32), out_BLKGH.astype(jnp.float32))

@@ -66,12 +66,12 @@ class MultiHeadLatentAttention(nnx.Module):
     self.cfg = cfg
     self.kernel_name = select_kernel(cfg.attn.attention)
     self.kernel = ATTENTION_KERNELS[self.kernel_name](cfg)
-    self.query_scale = qk ** -0.5 * rope_softmax_scale(cfg)
+    self.query_scale = qk ** -0.5 * rope_softmax_scale(cfg.rope)
 
   def _rope(self, x_BLNP: jax.Array, positions_BL: jax.Array) -> jax.Array:
     cfg = self.cfg
-    return apply_rope(x_BLNP, positions_BL, rope_inverse_frequencies(cfg, dim=cfg.mla.qk_rope_head_dim),
-                      cfg.rope.rope_interleaved, rope_attention_scale(cfg))
+    return apply_rope(x_BLNP, positions_BL, rope_inverse_frequencies(cfg.rope, cfg.mla.qk_rope_head_dim),
+                      cfg.rope.rope_interleaved, rope_attention_scale(cfg.rope))
 
   def _queries(self, x_BLD: jax.Array, positions_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(no-position part [B, L, N, C], rotated part [B, L, N, P]), both already scaled."""
@@ -104,7 +104,7 @@ class MultiHeadLatentAttention(nnx.Module):
     width = v_BLNV.shape[-1]
     if self.kernel_name != "dot_product" and width != q_BLNH.shape[-1]:  # fused kernels: one head width
       v_BLNV = jnp.pad(v_BLNV, ((0, 0), (0, 0), (0, 0), (0, q_BLNH.shape[-1] - width)))
-    out_BLNV = self.kernel(q_BLNH, k_BLNH, v_BLNV, segment_ids_BL, layer_window_size(cfg, layer_index),
+    out_BLNV = self.kernel(q_BLNH, k_BLNH, v_BLNV, segment_ids_BL, layer_window_size(cfg.attn, layer_index),
                            cfg.attn.attn_logits_soft_cap)[..., :width]
     return self.out(sharding.constrain(out_BLNV, _HEADS))
 
@@ -122,7 +122,7 @@ class MultiHeadLatentAttention(nnx.Module):
     q_latent_BLNR = jnp.einsum("blnc,rnc->blnr", q_nope_BLNC, w_k_RNC)
     q_BLNX = jnp.concatenate([q_latent_BLNR, q_rope_BLNP.astype(q_latent_BLNR.dtype)], axis=-1)
     k_BS1X = jnp.concatenate([latent_BS1R, k_rope_BS1P], axis=-1)
-    mask_BLS = masks.cache_mask(positions_BL, k_BS1X.shape[1], layer_window_size(cfg, layer_index))
+    mask_BLS = masks.cache_mask(positions_BL, k_BS1X.shape[1], layer_window_size(cfg.attn, layer_index))
     out_latent_BLNR = masks.dense_attention(q_BLNX, k_BS1X, latent_BS1R, mask_BLS, cfg.attn.attn_logits_soft_cap)
     out_BLNV = jnp.einsum("blnr,rnv->blnv", out_latent_BLNR, w_v_RNV)
     return self.out(sharding.constrain(out_BLNV, _HEADS)), cache

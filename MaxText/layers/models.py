@@ -256,7 +256,7 @@ class Transformer(nnx.Module):
     """`_run_layers` over pipeline stages (layers/pipeline.py). The 1F1B schedule runs forward-only
     passes (evaluation) this way too: without gradients its order is GPipe's."""
     stacked_state, apply_layer = self.stage_layers()
-    return pipeline.run_pipeline(self.cfg, apply_layer, stacked_state, x_BLD, positions_BL, segment_ids_BL,
+    return pipeline.run_pipeline(self.cfg.pipeline, apply_layer, stacked_state, x_BLD, positions_BL, segment_ids_BL,
                                  dropout_rng, remat_policy(self.cfg.remat_policy))
 
   def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,

@@ -77,7 +77,7 @@ def merge(a: tuple[Array, Array], b: tuple[Array, Array]) -> tuple[Array, Array]
   lse = jnp.logaddexp(lse_a, lse_b)
   safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
 
-  def weighted(out, part):
+  def weighted(out: Array, part: Array) -> Array:
     weight = jnp.moveaxis(jnp.exp(part - safe), 3, 1)[..., None]  # [B, L, K, G, 1]
     return jnp.where(weight > 0, out.astype(jnp.float32) * weight, 0.0)
 
@@ -117,7 +117,7 @@ def _pair_forward(kernel: ring_blocks.BlockKernel, local: _Local, block: tuple[A
   k_c, v_c, kseg_c = block
   k_starts, pairs = local.pairs_with(source, first)
 
-  def pair(carry, ab):
+  def pair(carry: tuple[Array, Array], ab: tuple[Array, Array]) -> tuple[tuple[Array, Array], None]:
     out_c, lse_c = carry
     a, b = ab
     part = kernel.forward(local.q_c[a], k_c[b], v_c[b], local.qseg_c[a], kseg_c[b], window,
@@ -137,7 +137,8 @@ def _pair_backward(kernel: ring_blocks.BlockKernel, local: _Local, block: tuple[
   do_c, out_c, lse_c, delta_c = backward_inputs
   k_starts, pairs = local.pairs_with(source, first)
 
-  def pair(carry, ab):
+  def pair(carry: tuple[Array, Array, Array], ab: tuple[Array, Array]
+           ) -> tuple[tuple[Array, Array, Array], None]:
     dq_c, dk_c, dv_c = carry
     a, b = ab
     dq, dk, dv = kernel.backward(local.q_c[a], k_c[b], v_c[b], local.qseg_c[a], kseg_c[b], window,
@@ -181,12 +182,12 @@ def _ring(q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, window: A
   return _ring_fwd(q_BLKGH, k_BLKH, v_BLKH, seg_BL, window, axes, shards, balanced, kernel)[0]
 
 
-def _rotate(x, axes: tuple[str, ...], shards: int):
+def _rotate(x: Any, axes: tuple[str, ...], shards: int) -> Any:
   """Every shard's block to the next shard along the ring (shard i receives from i - 1)."""
   return jax.lax.ppermute(x, axes, perm=[(i, (i + 1) % shards) for i in range(shards)])
 
 
-def _ring_steps(attend: Callable, block: tuple, state: Any, axes: tuple[str, ...], shards: int) -> Any:
+def _ring_steps(attend: Callable[..., Any], block: tuple[Array, ...], state: Any, axes: tuple[str, ...], shards: int) -> Any:
   """state = attend(block, source, state, first) over every ring step: the shard's own block first
   (its own pair schedule), n - 2 steps that each issue the next block's rotation before their
   compute (so the transfer overlaps it), then the last block, which need not move on."""
@@ -196,7 +197,7 @@ def _ring_steps(attend: Callable, block: tuple, state: Any, axes: tuple[str, ...
   if shards == 1:
     return state
 
-  def step_fn(carry, step):
+  def step_fn(carry: tuple[tuple[Array, ...], Any], step: Array) -> tuple[tuple[tuple[Array, ...], Any], None]:
     block, state = carry
     following = _rotate(block, axes, shards)
     return (following, attend(block, (shard - step) % shards, state, False)), None
@@ -206,11 +207,12 @@ def _ring_steps(attend: Callable, block: tuple, state: Any, axes: tuple[str, ...
 
 
 def _ring_fwd(q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, window: Array, axes: tuple[str, ...],
-              shards: int, balanced: bool, kernel: ring_blocks.BlockKernel) -> tuple[Array, tuple]:
+              shards: int, balanced: bool, kernel: ring_blocks.BlockKernel) -> tuple[Array, tuple[Array, ...]]:
   local = _local(q_BLKGH, seg_BL, axes, shards, balanced)
   block = tuple(_chunked(x, local.q_c.shape[0]) for x in (k_BLKH, v_BLKH, seg_BL))  # K/V travel cut into chunks
 
-  def attend(block, source, merged, first):
+  def attend(block: tuple[Array, Array, Array], source: Array, merged: tuple[Array, Array],
+             first: bool) -> tuple[Array, Array]:
     return _pair_forward(kernel, local, block, window, source, first, merged)
 
   out_BLKGH, lse_BKGL = _finished(q_BLKGH, _ring_steps(attend, block, _empty(local.q_c), axes, shards))
@@ -218,13 +220,14 @@ def _ring_fwd(q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, windo
 
 
 def _ring_bwd(axes: tuple[str, ...], shards: int, balanced: bool, kernel: ring_blocks.BlockKernel,
-              residuals: tuple, do_BLKGH: Array) -> tuple:
+              residuals: tuple[Array, ...], do_BLKGH: Array) -> tuple[Array | None, ...]:
   q_BLKGH, k_BLKH, v_BLKH, seg_BL, window, out_BLKGH, lse_BKGL = residuals
   local = _local(q_BLKGH, seg_BL, axes, shards, balanced)
   backward_inputs = _backward_inputs(do_BLKGH, out_BLKGH, lse_BKGL, local.q_c.shape[0])
   block = tuple(_chunked(x, local.q_c.shape[0]) for x in (k_BLKH, v_BLKH, seg_BL))
 
-  def attend(block, source, grads, first):
+  def attend(block: tuple[Array, Array, Array], source: Array, grads: tuple[Array, Array, Array],
+             first: bool) -> tuple[Array, ...]:
     dq_c, dk_c, dv_c = _pair_backward(kernel, local, block, window, source, first, backward_inputs, grads)
     # The dK/dV accumulators travel with their block; the last rotation brings each one home.
     return (dq_c, *_rotate((dk_c, dv_c), axes, shards))
@@ -256,7 +259,7 @@ def _gathered(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, seg_BL: Array, kseg_
   return _gathered_fwd(q_BLKGH, k_BSKH, v_BSKH, seg_BL, kseg_BS, window, axes, shards, balanced, kernel)[0]
 
 
-def _gathered_steps(attend: Callable, state: Any, local: _Local) -> Any:
+def _gathered_steps(attend: Callable[..., Any], state: Any, local: _Local) -> Any:
   """state = attend(source, state, first) over the gathered blocks in the ring's order (the
   shard's own block first: its own pair schedule)."""
   state = attend(local.shard, state, True)
@@ -276,11 +279,11 @@ def _source_block(blocks: tuple[Array, ...], source: Array, count: int) -> tuple
 
 def _gathered_fwd(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, seg_BL: Array, kseg_BS: Array, window: Array,
                   axes: tuple[str, ...], shards: int, balanced: bool, kernel: ring_blocks.BlockKernel
-                  ) -> tuple[Array, tuple]:
+                  ) -> tuple[Array, tuple[Array, ...]]:
   local = _local(q_BLKGH, seg_BL, axes, shards, balanced)
   blocks, count = _gathered_blocks(k_BSKH, v_BSKH, kseg_BS, local), local.q_c.shape[0]
 
-  def attend(source, merged, first):
+  def attend(source: Array, merged: tuple[Array, Array], first: bool) -> tuple[Array, Array]:
     return _pair_forward(kernel, local, _source_block(blocks, source, count), window, source, first, merged)
 
   out_BLKGH, lse_BKGL = _finished(q_BLKGH, _gathered_steps(attend, _empty(local.q_c), local))
@@ -288,13 +291,13 @@ def _gathered_fwd(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, seg_BL: Array, k
 
 
 def _gathered_bwd(axes: tuple[str, ...], shards: int, balanced: bool, kernel: ring_blocks.BlockKernel,
-                  residuals: tuple, do_BLKGH: Array) -> tuple:
+                  residuals: tuple[Array, ...], do_BLKGH: Array) -> tuple[Array | None, ...]:
   q_BLKGH, k_BSKH, v_BSKH, seg_BL, kseg_BS, window, out_BLKGH, lse_BKGL = residuals
   local = _local(q_BLKGH, seg_BL, axes, shards, balanced)
   blocks, count = _gathered_blocks(k_BSKH, v_BSKH, kseg_BS, local), local.q_c.shape[0]
   backward_inputs = _backward_inputs(do_BLKGH, out_BLKGH, lse_BKGL, count)
 
-  def attend(source, grads, first):
+  def attend(source: Array, grads: tuple[Array, Array, Array], first: bool) -> tuple[Array, Array, Array]:
     dq_c, dk_all, dv_all = grads
     block = _source_block(blocks, source, count)
     zeros = jnp.zeros(block[0].shape, jnp.float32)
@@ -377,7 +380,7 @@ def context_parallel_attention(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules:
   chunk = q_BLNH.shape[1] // shards // (2 if balanced else 1)
   pair_kernel = attention_kernels.block_kernel(cfg, platform, chunk, window_size, soft_cap)
 
-  def shard(q, k, v, seg, window_scalar):
+  def shard(q: Array, k: Array, v: Array, seg: Array, window_scalar: Array) -> Array:
     window = window_size if static_window else window_scalar
     if strategy == "ring":
       return ring_shard(q, k, v, seg, window, axes, shards, balanced, pair_kernel)

@@ -77,7 +77,7 @@ def moe_expert_rows(cfg: ModelConfig, length: int) -> float:
     return float(cfg.moe.num_experts_per_tok * length)
   # The capacity formula lives with the kernel it sizes; imported lazily (flax) for MoE models only.
   from MaxText.layers.moe import expert_capacity  # noqa: PLC0415
-  return float(cfg.moe.num_experts * expert_capacity(cfg, length))
+  return float(cfg.moe.num_experts * expert_capacity(cfg.moe, length))
 
 
 def attention_projection_flops(cfg: ModelConfig) -> float:
