@@ -48,8 +48,8 @@ def generate(config: Config) -> str:
   if cfg.lora_peft_export_path:  # before merging: the adapters as they are
     targets = peft_adapters.save(cfg.lora_peft_export_path, jax.device_get(lora.split(params)[0]), config.model)
     log(f"wrote the LoRA adapters ({', '.join(targets)}) in PEFT's format to {cfg.lora_peft_export_path}")
-  if config.model.lora_rank > 0:  # a plain model: decode.py and maxtext_to_hf read it without LoRA keys
-    lora_scale = config.model.lora_alpha / config.model.lora_rank
+  if config.model.lora.lora_rank > 0:  # a plain model: decode.py and maxtext_to_hf read it without LoRA keys
+    lora_scale = config.model.lora.lora_alpha / config.model.lora.lora_rank
     params = jax.jit(lambda p: lora.merge(p, lora_scale))(params)
     log(f"merged the LoRA adapters (scale {lora_scale:g}) into their base weights")
   if cfg.force_unroll and config.model.scan_layers:

@@ -312,7 +312,7 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
     global_batch = args.global_batch_tokens // seq_len
   model = plan_model.ModelShape.of(config.model, config.optim)
   rules = config.mesh.logical_axis_rules
-  kernel = select_kernel(config.model.attention, "tpu", config.model)
+  kernel = select_kernel(config.model.attn.attention, "tpu", config.model)
   hbm = topology.generation.hbm_gib * GIB
   limit = hbm * (1 - args.headroom)  # the analytical model's error on large models is a few percent
   # A lower bound over the whole space answers "fits nowhere" before the long ranking and any compile.

@@ -91,15 +91,15 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None, argv:
 
   run = run_assembly.build_run(config)  # the train step is jitted, or loaded from compiled_trainstep_file
   log(f"mesh: {run.mesh_description()}")
-  if config.model.num_pipeline_stages > 1:
-    log(pipeline.describe(config.model))
+  if config.model.pipeline.num_pipeline_stages > 1:
+    log(pipeline.describe(config.model.pipeline))
   setup = run.setup
   start = run_start.initial_state(config, setup, checkpoints, run.init_state)
   log(f"state: {start.description}")
   data = open_data(run, start) if int(start.state.step) < config.run.steps else None
   record_start(config)
   log(f"model: {run.num_params / 1e6:.2f}M parameters, {config.model.num_decoder_layers} layers, "
-      f"attention={select_kernel(config.model.attention, target.platform, config.model)}, "
+      f"attention={select_kernel(config.model.attn.attention, target.platform, config.model)}, "
       f"{setup.param_unsharded_fraction:.2%} of parameter bytes not fully sharded")
   if run.lora_description():
     log(run.lora_description())
@@ -164,9 +164,9 @@ def add_hooks(trainer: Trainer, run: run_assembly.Run, checkpoints: checkpointin
   health.add_health_hooks(trainer, settings, writer, is_primary, jax.process_count(), PROCESS_STARTED, start_step)
   trainer.add_hook(LoggingHook(writer, is_primary), every=settings.log_period)
   model = config.model
-  if model.num_experts > 1 and is_primary:
+  if model.moe.num_experts > 1 and is_primary:
     trainer.add_hook(RouterHealthHook(settings.router_collapse_fraction, settings.router_collapse_logs,
-                                      model.num_experts_per_tok / model.num_experts), every=settings.log_period)
+                                      model.moe.num_experts_per_tok / model.moe.num_experts), every=settings.log_period)
   if settings.eval_interval > 0:
     trainer.add_hook(EvalHook(run.eval_step, run.eval_iterator(), config.data.eval_steps, writer, is_primary,
                               run.objective.eval_metrics),

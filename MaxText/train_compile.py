@@ -125,7 +125,7 @@ def _kernel_floor(config: config_lib.Config, attention_tflops: float, seconds: f
                   peak_tflops: float) -> str:
   """With splash (attention=flash on TPU) the uncosted work is attention's: its FLOPs at the chip's
   peak are the least time it adds."""
-  if config.model.attention not in ("flash", "autoselected"):
+  if config.model.attn.attention not in ("flash", "autoselected"):
     return ""
   floor = attention_tflops / peak_tflops
   return (f"; with splash attention that is attention's {attention_tflops:,.4g} TFLOP per device, at least "
@@ -147,8 +147,8 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
       print(f"  {name}={os.environ[name]}")
   run = run_assembly.build_run(config, devices=devices, compiled_step=False)
   print(f"mesh: {run.mesh_description()}")
-  if config.model.num_pipeline_stages > 1:
-    print(pipeline.describe(config.model))
+  if config.model.pipeline.num_pipeline_stages > 1:
+    print(pipeline.describe(config.model.pipeline))
   print(f"parameters: {run.num_params / 1e9:.3f} B ({run.num_params:,})")
   if run.lora_description():
     print(run.lora_description())

@@ -173,15 +173,22 @@ def test_every_base_key_is_one_group_field_of_its_own_name():
   assert fields - base == set(), "group key fields without a base.yml key"
   config = load("model_name=llama2-7b", "ici_tensor_parallelism=2", "dataset_type=hf", "hf_path=x",
                 "tokenizer_path=/tok.model")
-  groups = [config.model, config.model.attention_blocks, config.mesh, config.optim, config.data, config.run,
-            config.checkpoint, config.decode, config.startup]
+  groups = [config.model, config.mesh, config.optim, config.data, config.run, config.checkpoint, config.decode,
+            config.startup]
   auto = {"num_slices", "ici_fsdp_parallelism", "dcn_data_parallelism", "learning_rate_schedule_steps",
           "num_pipeline_microbatches", "logical_axis_rules"}  # -1 (or nested lists) resolved by the group
+  seen: list[str] = []
   for group in groups:
-    for f in config_fields.key_fields(type(group)):
-      value, given = getattr(group, f.name), config[f.name]
-      if f.name not in auto:
-        assert value == (tuple(given) if isinstance(given, list) else given), f.name
+    for name, value in config_fields.key_values(group).items():  # the model's nested records included
+      seen.append(name)
+      given = config[name]
+      if name not in auto:
+        assert value == (tuple(given) if isinstance(given, list) else given), name
+  assert set(seen) == fields
+  model_keys = [f.name for f in config_fields.nested_fields(type(config.model)) if f.name in fields]
+  assert len(model_keys) == len(set(model_keys)), "a key held by two of the model's records"
+  # A nested record's keys sit on it under their own names: config.model.moe.num_experts.
+  assert config.model.moe.num_experts == config["num_experts"] and config.model.rope.rope_type == config["rope_type"]
 
 
 def test_resume_and_architecture_key_lists_come_from_field_metadata():

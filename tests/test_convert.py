@@ -202,7 +202,7 @@ def test_named_model_gpt3_52k_converts_and_checks(tmp_path, capsys):
 def test_training_config_reads_the_saved_model_keys(converted, capsys):
   _, ckpt = converted("gemma2")
   config = config_lib.load_config(["train", BASE, f"load_parameters_path={ckpt}"], environ={})
-  assert (config.model.decoder_block, config.model.emb_dim, config.model.attention_layer_pattern) == (
+  assert (config.model.decoder_block, config.model.emb_dim, config.model.attn.attention_layer_pattern) == (
       "gemma2", 64, ("local", "global"))
   assert f"using the model keys saved with the checkpoint in {ckpt}" in capsys.readouterr().out
   named = config_lib.load_config(["train", BASE, f"load_parameters_path={ckpt}", "model_name=gemma2-2b"], environ={})

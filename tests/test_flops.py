@@ -44,7 +44,7 @@ def test_window_shorter_than_the_sequence_counts_only_attended_pairs():
   segments = jnp.ones((1, LENGTH), jnp.int32)
   mask_pairs, diagonal = 0, 0.0
   for layer in range(3):
-    window = attention.layer_window_size(config.model, layer)
+    window = attention.layer_window_size(config.model.attn, layer)
     mask_pairs += int(jnp.sum(masks.self_mask(segments, window)))
     diagonal += min(int(window), LENGTH) / 2
   ours = metrics.attended_pairs(config.model, LENGTH)
@@ -64,7 +64,7 @@ def test_chunked_layers_count_a_causal_triangle_per_chunk():
   # chunked layers); the real mask less the half diagonal again.
   config = _windowed(attention_layer_pattern=["chunked", "global"], attention_chunk_size=48)
   segments = jnp.ones((1, LENGTH), jnp.int32)
-  mask_pairs = sum(int(jnp.sum(masks.self_mask(segments, chunk=attention.layer_chunk_size(config.model, layer))))
+  mask_pairs = sum(int(jnp.sum(masks.self_mask(segments, chunk=attention.layer_chunk_size(config.model.attn, layer))))
                    for layer in range(3))
   ours = metrics.attended_pairs(config.model, LENGTH)
   assert ours + 3 * LENGTH / 2 == mask_pairs

@@ -173,7 +173,7 @@ def test_rollouts_sample_from_the_train_state_and_the_step_learns_from_them(tiny
   after = jax.tree.map(np.asarray, state.params)
   trainable, frozen = lora.partition_for(config.model).split(after)
   changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before))]
-  if config.model.lora_rank:
+  if config.model.lora.lora_rank:
     base_before = lora.partition_for(config.model).split(before)[1]
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(frozen), jax.tree.leaves(base_before)))
   assert any(changed)

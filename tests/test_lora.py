@@ -57,7 +57,7 @@ def test_logits_and_merged_weights_match_peft(tmp_path):
 
   model = hf.build_hf_model("llama3.1")
   base_config = hf.our_config(model, scan_layers=False)
-  assert not base_config.model.rope_interleaved
+  assert not base_config.model.rope.rope_interleaved
   base = hf.our_params(model, base_config, tmp_path / "base")
   config = hf.our_config(model, scan_layers=False, **_lora_keys())
   adapters = _random_adapters(config, seed=1)
@@ -273,7 +273,7 @@ def test_every_family_gets_adapters_on_each_target_named_like_its_base_weight(fa
   hf_config = hf.hf_config(family).to_dict()
   keys = families.family_for_hf_config(hf_config).model_keys(hf_config)
   base = Config.for_testing(**keys, max_target_length=24, print_config=False, scan_layers=scan_layers)
-  targets = [t for t in lora_targets(base.values) if base.model.num_experts == 1 or t not in MLP_LORA_TARGETS]
+  targets = [t for t in lora_targets(base.values) if base.model.moe.num_experts == 1 or t not in MLP_LORA_TARGETS]
   config = Config.for_testing(**keys, max_target_length=24, print_config=False, scan_layers=scan_layers,
                               lora_rank=2, lora_target_modules=",".join(targets))
   spec = models.build_model_spec(config.model)

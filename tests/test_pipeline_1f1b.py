@@ -87,14 +87,14 @@ def test_1f1b_keeps_fewer_activations_than_gpipe(reference, repeats):
 
 def test_describe_and_bubble():
   config = _config("1f1b", 8, per_device_batch_size=4)
-  line = pipeline.describe(config.model)
+  line = pipeline.describe(config.model.pipeline)
   assert "1f1b schedule, 2 stages, 8 microbatches" in line and "at most 3 microbatch inputs kept per stage" in line
   assert f"bubble fraction {1 / 9:.3f}" in line  # GPipe's: (S - 1) / (M + S - 1)
 
 
 def test_describe_interleaved():
   config = _config("1f1b", 8, num_pipeline_repeats=2, per_device_batch_size=4, base_num_decoder_layers=4)
-  line = pipeline.describe(config.model)
+  line = pipeline.describe(config.model.pipeline)
   assert line.startswith("pipeline: interleaved 1f1b schedule, 2 stages, 8 microbatches, 1 layers per stage x 2 "
                          "repeats; 17 iterations")
   assert f"bubble fraction {1 / 17:.3f}" in line and "at most 5 stage inputs (microbatch x pass) kept" in line

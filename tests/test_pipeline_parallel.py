@@ -76,7 +76,7 @@ def test_pipeline_equals_the_non_pipelined_run(schedule, stages, repeats, micro,
   piped = Config.for_testing(**_model_overrides(layers), ici_pipeline_parallelism=stages, pipeline_schedule=schedule,
                              num_pipeline_repeats=repeats, num_pipeline_microbatches=micro, **other)
   plain = Config.for_testing(**_model_overrides(layers))  # fsdp over all 8 devices
-  assert piped.model.num_pipeline_stages == stages and piped.model.layers_per_pipeline_stage == 1
+  assert piped.model.pipeline.num_pipeline_stages == stages and piped.model.layers_per_pipeline_stage == 1
   params = jax.device_get(build_run(plain).init_state(0).params)
   batch = _packed_batch(plain.data.global_batch_size, 16, 64)
 
@@ -125,7 +125,7 @@ def test_stage_weights_regroup_layers_per_schedule():
                               num_pipeline_repeats=2, num_pipeline_microbatches=2)
   stacked = {"w": jnp.arange(8)}
   # [stage, repeat, layer in group]: stage 0 runs layers 0-1 then 4-5; stage 1 runs 2-3 then 6-7.
-  np.testing.assert_array_equal(pipeline.stage_weights(stacked, config.model)["w"],
+  np.testing.assert_array_equal(pipeline.stage_weights(stacked, config.model.pipeline)["w"],
                                 [[[0, 1], [4, 5]], [[2, 3], [6, 7]]])
 
 
@@ -136,8 +136,8 @@ def test_bubble_fraction_per_schedule():
   assert pipeline.num_iterations(4, 8, 3) == 27
   config = Config.for_testing(**_model_overrides(8), ici_pipeline_parallelism=4, pipeline_schedule="circular",
                               num_pipeline_repeats=2)
-  assert config.model.num_pipeline_microbatches == 4  # -1 = the number of stages
-  assert pipeline.describe(config.model) == ("pipeline: circular schedule, 4 stages, 4 microbatches, 1 layers per "
+  assert config.model.pipeline.num_pipeline_microbatches == 4  # -1 = the number of stages
+  assert pipeline.describe(config.model.pipeline) == ("pipeline: circular schedule, 4 stages, 4 microbatches, 1 layers per "
                                              "stage x 2 repeats; 11 iterations, bubble fraction 0.273")
 
 

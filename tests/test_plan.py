@@ -41,7 +41,7 @@ def analytic(topology_name: str, **overrides) -> plan_model.Estimate:
       settings[f"{group}_{'pipeline' if axis == 'stage' else axis}_parallelism"] = degree
   model = plan_model.ModelShape.of(config.model, config.optim)
   return plan_model.estimate(model, settings, topology, 1, config.data.max_target_length,
-                             config.mesh.logical_axis_rules, select_kernel(config.model.attention, "tpu", config.model))
+                             config.mesh.logical_axis_rules, select_kernel(config.model.attn.attention, "tpu", config.model))
 
 
 @pytest.mark.parametrize("settings", [
@@ -149,7 +149,7 @@ def test_moe_experts_may_span_slices(monkeypatch):
   across = [c for c in found if c.get("dcn_expert_parallelism") == 2]
   assert across and all(plan_model.mesh_of(c)["expert"] >= 2 for c in across)
   rules = config.mesh.logical_axis_rules
-  kernel = select_kernel(config.model.attention, "tpu", config.model)
+  kernel = select_kernel(config.model.attn.attention, "tpu", config.model)
 
   def step(dcn_bandwidth: float) -> float:
     monkeypatch.setitem(plan_model.LINKS, "v5e", dataclasses.replace(plan_model.LINKS["v5e"], dcn=dcn_bandwidth))
@@ -239,7 +239,7 @@ def test_the_bound_is_below_every_ranked_candidate():
   topology = accelerators.tpu_topology("v5e-8")
   config = config_lib.Config.for_testing(target=topology.target(), run_name="t", **dict(TINY, base_num_decoder_layers=4))
   model = plan_model.ModelShape.of(config.model, config.optim)
-  rules, kernel = config.mesh.logical_axis_rules, select_kernel(config.model.attention, "tpu", config.model)
+  rules, kernel = config.mesh.logical_axis_rules, select_kernel(config.model.attn.attention, "tpu", config.model)
   bound = plan_model.Bound(model, 64, rules, kernel, {}, None, config.mesh.data_sharding)
   least = bound.leanest(topology, 1)[0].total
   totals = [plan_model.estimate(model, c, topology, 1, 64, rules, kernel).total

@@ -65,8 +65,8 @@ def test_recipe_dry_run_loads_for_its_hardware(path):
     target = accelerators.tpu_topology(topology).target()
   config = load_config(["train"] + command[3:], environ={}, target=target)  # unknown keys/impossible meshes raise
   if path.parts[1] == "long_context":  # 128k tokens, the sequence split over `sequence` and balanced
-    assert config.data.max_target_length == 131072 and config.model.context_parallel_degree > 1
-    assert config.model.context_parallel_load_balance and config.model.rope_type == "llama3"
+    assert config.data.max_target_length == 131072 and config.model.attn.context_parallel_degree > 1
+    assert config.model.attn.context_parallel_load_balance and config.model.rope.rope_type == "llama3"
   else:
     assert config.data.max_target_length in (2048, 4096)
   assert config["enable_checkpointing"] is False and config["dataset_type"] == "synthetic"

@@ -147,7 +147,7 @@ def _widths(cfg: ModelConfig) -> dict[remat_policies.Width, float]:
   """Per token and layer, what each width a remat policy keeps (bf16) holds:
   qkv = (N + 2K)·H, out = D (attention output projection), mlp_in = gated·F, mlp_out = D."""
   heads = (cfg.num_query_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-  mlp = cfg.mlp_dim * (cfg.num_experts_per_tok if cfg.num_experts > 1 else 1)
+  mlp = cfg.mlp_dim * (cfg.moe.num_experts_per_tok if cfg.moe.num_experts > 1 else 1)
   return {"qkv": heads, "out": cfg.emb_dim, "mlp_in": mlp * len(cfg.mlp_activations), "mlp_out": cfg.emb_dim,
           "attn": cfg.num_query_heads * cfg.head_dim, "norms": 2 * cfg.emb_dim, "mlp_act": mlp}
 
@@ -223,9 +223,9 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   dcn_bytes = 0.0
   dcn_exposed = stage_bytes if dcn_stages > 1 else 0.0
   dcn_experts = int(candidate.get(MeshAxis.EXPERT.dcn_key, 1))
-  if dcn_experts > 1 and cfg.num_experts > 1:  # dispatch and combine all-to-alls, forward and backward
+  if dcn_experts > 1 and cfg.moe.num_experts > 1:  # dispatch and combine all-to-alls, forward and backward
     moe_layers = layers - cfg.num_dense_layers
-    dcn_exposed += 4 * ring(tokens * accumulation * cfg.num_experts_per_tok * cfg.emb_dim * act_bytes,
+    dcn_exposed += 4 * ring(tokens * accumulation * cfg.moe.num_experts_per_tok * cfg.emb_dim * act_bytes,
                             dcn_experts) * moe_layers
   if num_slices > 1:
     dcn_fsdp = int(candidate.get(MeshAxis.FSDP.dcn_key, 1))
@@ -267,10 +267,10 @@ def _splash_tiles_context(cfg: ModelConfig, candidate: Mapping[str, Any], seq_le
   (the ring's and all_gather's chunk pairs, all_to_all's whole sequence). Otherwise it runs the
   chunked JAX kernel, whose loop over key blocks has a trip count fixed only at run time, which
   the compiler's cycle count takes once."""
-  strategy = candidate.get("context_parallel_strategy", cfg.context_parallel_strategy)
-  balanced = candidate.get("context_parallel_load_balance", cfg.context_parallel_load_balance)
+  strategy = candidate.get("context_parallel_strategy", cfg.attn.context_parallel_strategy)
+  balanced = candidate.get("context_parallel_load_balance", cfg.attn.context_parallel_load_balance)
   length = seq_len if strategy == "all_to_all" else seq_len // seq // (2 if balanced else 1)
-  blocks = dataclasses.replace(cfg.attention_blocks,
+  blocks = dataclasses.replace(cfg.attn.attention_blocks,
                                **{k: v for k, v in candidate.items() if k.startswith("sa_block_")})
   return splash_attention.tiles(blocks, length)
 
@@ -308,7 +308,7 @@ def pipeline_variants(stages: int, layers: int) -> list[dict[str, Any]]:
 
 def can_pipeline(cfg: ModelConfig) -> bool:
   """What config validation allows: a scanned stack without a second (dense) stack or MTP modules."""
-  return cfg.scan_layers and cfg.num_dense_layers == 0 and cfg.mtp_num_layers == 0
+  return cfg.scan_layers and cfg.num_dense_layers == 0 and cfg.mtp.mtp_num_layers == 0
 
 
 def powers_of_two(limit: int) -> list[int]:
@@ -333,7 +333,7 @@ def candidates(model: ModelShape, topology: accelerators.TpuTopology, num_slices
       MeshAxis.TENSOR.ici_key: [t for t in powers_of_two(tensor_limit) if t <= 16],
       MeshAxis.SEQUENCE.ici_key: [s for s in powers_of_two(per_slice) if s <= 8],
       MeshAxis.FSDP_TRANSPOSE.ici_key: [1, 2],
-      MeshAxis.EXPERT.ici_key: [e for e in powers_of_two(per_slice) if e <= max(1, cfg.num_experts)],
+      MeshAxis.EXPERT.ici_key: [e for e in powers_of_two(per_slice) if e <= max(1, cfg.moe.num_experts)],
       MeshAxis.DATA.ici_key: powers_of_two(per_slice),
       MeshAxis.STAGE.ici_key: stage_choices,
       "remat_policy": list(SEARCHED_POLICIES),
@@ -344,7 +344,7 @@ def candidates(model: ModelShape, topology: accelerators.TpuTopology, num_slices
     choices[MeshAxis.DATA.dcn_key] = [d for d in powers_of_two(num_slices) if num_slices % d == 0]
     choices[MeshAxis.FSDP.dcn_key] = [1, num_slices]
     choices[MeshAxis.STAGE.dcn_key] = [1, num_slices] if pipelined and layers % num_slices == 0 else [1]
-    choices[MeshAxis.EXPERT.dcn_key] = [1, num_slices] if cfg.num_experts % num_slices == 0 and cfg.num_experts > 1 else [1]
+    choices[MeshAxis.EXPERT.dcn_key] = [1, num_slices] if cfg.moe.num_experts % num_slices == 0 and cfg.moe.num_experts > 1 else [1]
   if global_batch is not None:
     batches: list[float] = [global_batch / (per_slice * num_slices)]
   else:

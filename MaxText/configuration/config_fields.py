@@ -3,7 +3,9 @@
 A group field is either
   * `key()`: it holds the base.yml key of the same name (lists become tuples; a `-1 = auto`
     value may be resolved by the group), so a new key is one base.yml line plus one field;
-  * `derived()`: computed by the group from keys (scaled sizes, the global batch, paths).
+  * `derived()`: computed by the group from keys (scaled sizes, the global batch, paths);
+  * `record(Group)`: a nested group (ModelConfig's rope, attn, moe, ...), so a layer can take
+    just the part it reads. Its keys still count as the outer group's, each by its own name.
 Field metadata also says what a resume must keep (`fixed_on_resume`) and which keys fix a
 checkpoint's architecture; run_record and the converters read those lists from here.
 """
@@ -16,6 +18,7 @@ from typing import Any, Mapping
 from MaxText.errors import ConfigError
 
 _KEY = "key"
+_RECORD = "record"
 FIXED = "fixed_on_resume"
 ARCHITECTURE = "architecture"
 
@@ -40,13 +43,39 @@ def derived(default: Any = dataclasses.MISSING, *, fixed_on_resume: str = "") ->
   return dataclasses.field(default=default, metadata={_KEY: False, FIXED: fixed_on_resume, ARCHITECTURE: False})
 
 
+def record(group: type) -> Any:
+  """A field holding a nested group; the key helpers below walk into it."""
+  return dataclasses.field(metadata={_KEY: False, FIXED: "", ARCHITECTURE: False, _RECORD: group})
+
+
 def require(condition: bool, message: str) -> None:
   if not condition:
     raise ConfigError(message)
 
 
 def key_fields(group: type) -> list[dataclasses.Field[Any]]:
+  """The group's own key fields (not those of its nested records)."""
   return [f for f in dataclasses.fields(group) if f.metadata.get(_KEY)]
+
+
+def nested_fields(group: type) -> list[dataclasses.Field[Any]]:
+  """Every field of the group and, in place of each record field, its record's fields (recursively)."""
+  out: list[dataclasses.Field[Any]] = []
+  for f in dataclasses.fields(group):
+    inner = f.metadata.get(_RECORD)
+    out += nested_fields(inner) if inner is not None else [f]
+  return out
+
+
+def key_values(group: Any) -> dict[str, Any]:
+  """The key fields of a built group and of its nested records, by key name."""
+  out: dict[str, Any] = {}
+  for f in dataclasses.fields(group):
+    if f.metadata.get(_RECORD) is not None:
+      out.update(key_values(getattr(group, f.name)))
+    elif f.metadata.get(_KEY):
+      out[f.name] = getattr(group, f.name)
+  return out
 
 
 def read_keys(group: type, values: Mapping[str, Any], **resolved: Any) -> dict[str, Any]:
@@ -65,11 +94,11 @@ def keys_where(groups: tuple[type, ...], name: str, value: Any) -> tuple[str, ..
   """Keys and derived values whose field metadata `name` equals `value`, in field order, each once."""
   found: dict[str, None] = {}
   for group in groups:
-    for f in dataclasses.fields(group):
+    for f in nested_fields(group):
       if f.metadata.get(name) == value:
         found[f.name] = None
   return tuple(found)
 
 
 def all_keys(groups: tuple[type, ...]) -> set[str]:
-  return {f.name for group in groups for f in key_fields(group)}
+  return {f.name for group in groups for f in nested_fields(group) if f.metadata.get(_KEY)}

@@ -5,7 +5,7 @@ MeshConfig / OptimConfig / DataConfig / RunConfig / CheckpointConfig / DecodeCon
 StartupConfig. A field is named after the base.yml key it holds (config_fields.key) or is
 derived from keys (config_fields.derived: scaled sizes, the global batch, paths). Building
 a group does no I/O: files, tokenizers and the clock are read where they are used.
-Layers receive a ModelConfig only.
+Layers receive a ModelConfig (or one of its records: rope, attn, moe, ...) only.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from MaxText.configuration.config_fields import DATA_POSITION, OPTIMIZER, derive
 from MaxText.configuration.config_fields import require as _require
 from MaxText.errors import ConfigError
 from MaxText.platform.mesh_axes import MESH_AXES, Group, MeshAxis
-from MaxText.configuration.model_config import AttentionBlocks, ModelConfig
+from MaxText.configuration.model_config import ModelConfig
 from MaxText.configuration.rl_config import RLConfig
 from MaxText.configuration.model_config import one_of as _one_of, positive as _positive
 
@@ -465,7 +465,7 @@ class StartupConfig:
     return cls(**read_keys(cls, v))
 
 
-GROUPS = (ModelConfig, AttentionBlocks, MeshConfig, OptimConfig, DataConfig, RunConfig, CheckpointConfig,
+GROUPS = (ModelConfig, MeshConfig, OptimConfig, DataConfig, RunConfig, CheckpointConfig,
           DecodeConfig, StartupConfig, RLConfig)
 
 

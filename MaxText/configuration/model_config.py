@@ -2,7 +2,8 @@
 
 Every field is named after its base.yml key (config_fields.key) or derived from keys (sizes
 after global_parameter_scale, the pipeline stage count from the mesh, kernel tile sizes).
-Layers receive a ModelConfig only. Building it does no I/O.
+ModelConfig holds the core shape and one record per feature (rope, attn, mla, moe, mtp, pipeline,
+lora); a layer takes the root, or only the record it reads. Building it does no I/O.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Mapping
 
-from MaxText.configuration.config_fields import ARCHITECTURE, FIXED, LAYOUT, MODEL, DATA_POSITION, derived, key, keys_where, read_keys
+from MaxText.configuration.config_fields import ARCHITECTURE, FIXED, LAYOUT, MODEL, DATA_POSITION, derived, key, key_fields, keys_where, read_keys, record
 from MaxText.configuration.config_fields import require as _require
 from MaxText.configuration.remat_policies import NAMES as REMAT_POLICY_NAMES
 
@@ -90,7 +91,125 @@ class AttentionBlocks:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeConfig:
+  """Rotary position embedding (position_embedding=rope): frequencies, scaling and per-layer use."""
+  rope_min_timescale: float = key(architecture=True)
+  rope_max_timescale: float = key(architecture=True)
+  rope_interleaved: bool = key(architecture=True)
+  rope_type: str = key(architecture=True)  # default | llama3 | linear | yarn
+  rope_local_max_timescale: float = key(architecture=True)  # 0 = local layers use the global RoPE
+  rope_yarn_beta_fast: float = key(architecture=True)
+  rope_yarn_beta_slow: float = key(architecture=True)
+  rope_yarn_truncate: bool = key(architecture=True)
+  rope_attention_factor: float = key(architecture=True)  # 0 = YaRN's default from the factor
+  rope_scaling_factor: float = key(architecture=True)
+  rope_low_freq_factor: float = key(architecture=True)
+  rope_high_freq_factor: float = key(architecture=True)
+  rope_original_max_position: int = key(architecture=True)
+  rope_layer_pattern: tuple[str, ...] = key(architecture=True)  # cycled over layers: rope | nope
+  rope_yarn_mscale_all_dim: float = key(architecture=True)  # 0 = no softmax-scale correction (MLA)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionConfig:
+  """Which attention layer and kernel, its per-layer masks and logit shaping, and how it splits
+  the sequence over the `sequence` mesh axis. `attention` (the key) names the kernel."""
+  attention_type: str = key(architecture=True)  # gqa | mla (layers/mla.py)
+  attention_layer_pattern: tuple[str, ...] = key(architecture=True)  # cycled over layers: global | local | chunked
+  sliding_window_size: int = key(architecture=True)
+  attention_chunk_size: int = key(architecture=True)  # chunked layers attend within fixed chunks of positions
+  attention_sinks: bool = key(architecture=True)  # a learned per-head logit in every softmax (GPT-OSS)
+  attn_logits_soft_cap: float = key(architecture=True)  # 0 = off
+  use_qk_norm: bool = key(architecture=True)  # RMSNorm over each query / key head before RoPE
+  use_qk_l2_norm: bool = key(architecture=True)  # weightless RMS norm of q / k after RoPE, RoPE layers only
+  attn_temperature_floor_scale: float = key(architecture=True)  # 0 = off; NoPE layers' query temperature
+  attn_temperature_scale: float = key(architecture=True)
+  query_pre_attn_scalar: float = key(architecture=True)  # 0 = head_dim
+  attention: str = key()
+  context_parallel_strategy: str = key()  # all_gather | ring | all_to_all over the `sequence` axis
+  context_parallel_load_balance: bool = key()  # zig-zag chunk order so causal work is equal per shard
+  context_parallel_degree: int = derived(1)  # shards of the sequence (the `sequence` mesh axis)
+  attention_blocks: AttentionBlocks = record(AttentionBlocks)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MlaConfig:
+  """Multi-head latent attention's low-rank projections (attention_type=mla)."""
+  q_lora_rank: int = key(architecture=True)  # 0 = a direct query projection
+  kv_lora_rank: int = key(architecture=True)
+  qk_nope_head_dim: int = key(architecture=True)
+  qk_rope_head_dim: int = key(architecture=True)
+  v_head_dim: int = key(architecture=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoeConfig:
+  """The mixture-of-experts MLP: routing, which layers have it, and how tokens reach the experts."""
+  num_experts: int = key(architecture=True)  # 1 = dense MLP
+  num_experts_per_tok: int = key(architecture=True)
+  shared_experts: int = key(architecture=True)  # 0 = none
+  norm_topk_prob: bool = key(architecture=True)  # renormalise the k routing weights to sum to one
+  moe_router_scales_input: bool = key(architecture=True)  # Llama 4: sigmoid(top logit) scales the expert input
+  moe_score_function: str = key(architecture=True)  # softmax | sigmoid
+  moe_score_correction_bias: bool = key(architecture=True)  # a per-expert bias for the choice only
+  moe_num_groups: int = key(architecture=True)  # experts in this many groups (1 = no group limit)
+  moe_topk_groups: int = key(architecture=True)  # a token's experts come from its best this many groups
+  moe_group_score: str = key(architecture=True)  # max | top2_sum: a group's score from its experts'
+  routed_scaling_factor: float = key(architecture=True)  # multiplies the routing weights
+  first_dense_layers: int = key(architecture=True)  # leading layers with a dense MLP (the dense_layers stack)
+  dense_mlp_dim: int = key(architecture=True)  # their MLP width (0 = mlp_dim)
+  moe_layer_interval: int = key(architecture=True)  # every this-many-th layer is MoE, the others dense (1 = all)
+  capacity_factor: float = key()  # <= 0 = dropless
+  sparse_matmul: bool = key()  # dropless experts as grouped matmuls (jax.lax.ragged_dot)
+  load_balance_loss_weight: float = key()
+  moe_dispatch: str = key()  # all_to_all | gather (layers/moe_dispatch.py)
+  moe_all_to_all: str = key()  # auto | ragged | padded
+  moe_ragged_buffer_factor: float = key()  # <= 0: worst-case receive buffer (dropless)
+  moe_grouped_matmul: str = key()  # auto | ragged_dot | megablox (layers/grouped_matmul.py)
+  moe_bias_update_rate: float = key()  # the correction bias's step per train step (0 = fixed)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MtpConfig:
+  """Multi-token prediction (layers/mtp.py)."""
+  mtp_num_layers: int = key(architecture=True)  # multi-token-prediction modules after the stack (0 = none)
+  mtp_loss_scaling_factor: float = key()  # λ: the mean of the MTP depths' losses enters the loss times this
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+  """Pipeline parallelism over the `stage` mesh axis (layers/pipeline.py, pipeline_1f1b.py)."""
+  pipeline_schedule: str = key()  # gpipe | circular | 1f1b (interleaved with num_pipeline_repeats > 1)
+  num_pipeline_repeats: int = key()
+  num_pipeline_microbatches: int = key()  # -1 resolved to the number of stages
+  num_pipeline_stages: int = derived(1)  # 1 = no pipeline
+  layers_per_pipeline_stage: int = derived(1)  # decoder layers one stage runs per pass (per repeat)
+
+  @property
+  def num_layers(self) -> int:
+    """The decoder layers the stages run, all passes together (num_decoder_layers)."""
+    return self.num_pipeline_stages * self.num_pipeline_repeats * self.layers_per_pipeline_stage
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+  """LoRA adapters (MaxText/training/lora.py): a resume keeps them, since they are the trained state."""
+  lora_rank: int = key(fixed_on_resume=LAYOUT)  # 0 = off
+  lora_alpha: float = key(fixed_on_resume=LAYOUT)
+  lora_target_modules: tuple[str, ...] = key(fixed_on_resume=LAYOUT)  # PEFT's names (LORA_TARGETS)
+
+  def adapter(self, target: str) -> dict[str, Any]:
+    """DenseGeneral's adapter arguments for the projection PEFT calls `target` (none when untargeted)."""
+    if self.lora_rank <= 0 or target not in self.lora_target_modules:
+      return {}
+    return {"lora_rank": self.lora_rank, "lora_scale": self.lora_alpha / self.lora_rank}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
+  """The root record: the decoder's core shape and dtypes, with one nested record per feature.
+  The records sit between the architecture keys and the rest so that the key lists read off the
+  fields (ARCHITECTURE_KEYS, MODEL_KEYS, the resume groups) keep architecture keys first."""
   # Keys that fix a checkpoint's parameter shapes and the function they compute.
   decoder_block: str = key(architecture=True)
   base_emb_dim: int = key(architecture=True)
@@ -108,55 +227,14 @@ class ModelConfig:
   use_bias: bool = key(architecture=True)
   position_embedding: str = key(architecture=True)  # rope | learned | sinusoidal
   max_position_embeddings: int = key(architecture=True)
-  rope_min_timescale: float = key(architecture=True)
-  rope_max_timescale: float = key(architecture=True)
-  rope_interleaved: bool = key(architecture=True)
-  rope_type: str = key(architecture=True)  # default | llama3 | linear
-  rope_local_max_timescale: float = key(architecture=True)  # 0 = local layers use the global RoPE
-  rope_yarn_beta_fast: float = key(architecture=True)
-  rope_yarn_beta_slow: float = key(architecture=True)
-  rope_yarn_truncate: bool = key(architecture=True)
-  rope_attention_factor: float = key(architecture=True)  # 0 = YaRN's default from the factor
-  rope_scaling_factor: float = key(architecture=True)
-  rope_low_freq_factor: float = key(architecture=True)
-  rope_high_freq_factor: float = key(architecture=True)
-  rope_original_max_position: int = key(architecture=True)
-  attention_layer_pattern: tuple[str, ...] = key(architecture=True)  # cycled over layers: global | local | chunked
-  sliding_window_size: int = key(architecture=True)
-  attention_chunk_size: int = key(architecture=True)  # chunked layers attend within fixed chunks of positions
-  rope_layer_pattern: tuple[str, ...] = key(architecture=True)  # cycled over layers: rope | nope
-  attention_sinks: bool = key(architecture=True)  # a learned per-head logit in every softmax (GPT-OSS)
-  attn_logits_soft_cap: float = key(architecture=True)  # 0 = off
-  use_qk_norm: bool = key(architecture=True)  # RMSNorm over each query / key head before RoPE
-  use_qk_l2_norm: bool = key(architecture=True)  # weightless RMS norm of q / k after RoPE, RoPE layers only
-  attn_temperature_floor_scale: float = key(architecture=True)  # 0 = off; NoPE layers' query temperature
-  attn_temperature_scale: float = key(architecture=True)
   final_logits_soft_cap: float = key(architecture=True)  # 0 = off
-  query_pre_attn_scalar: float = key(architecture=True)  # 0 = head_dim
   scale_embedding: bool = key(architecture=True)
   logits_via_embedding: bool = key(architecture=True)
-  num_experts: int = key(architecture=True)  # 1 = dense MLP
-  num_experts_per_tok: int = key(architecture=True)
-  shared_experts: int = key(architecture=True)  # 0 = none
-  norm_topk_prob: bool = key(architecture=True)  # renormalise the k routing weights to sum to one
-  moe_router_scales_input: bool = key(architecture=True)  # Llama 4: sigmoid(top logit) scales the expert input
-  attention_type: str = key(architecture=True)  # gqa | mla (layers/mla.py)
-  q_lora_rank: int = key(architecture=True)  # mla: 0 = a direct query projection
-  kv_lora_rank: int = key(architecture=True)
-  qk_nope_head_dim: int = key(architecture=True)
-  qk_rope_head_dim: int = key(architecture=True)
-  v_head_dim: int = key(architecture=True)
-  rope_yarn_mscale_all_dim: float = key(architecture=True)  # 0 = no softmax-scale correction
-  moe_score_function: str = key(architecture=True)  # softmax | sigmoid
-  moe_score_correction_bias: bool = key(architecture=True)  # a per-expert bias for the choice only
-  moe_num_groups: int = key(architecture=True)  # experts in this many groups (1 = no group limit)
-  moe_topk_groups: int = key(architecture=True)  # a token's experts come from its best this many groups
-  moe_group_score: str = key(architecture=True)  # max | top2_sum: a group's score from its experts'
-  routed_scaling_factor: float = key(architecture=True)  # multiplies the routing weights
-  first_dense_layers: int = key(architecture=True)  # leading layers with a dense MLP (the dense_layers stack)
-  dense_mlp_dim: int = key(architecture=True)  # their MLP width (0 = mlp_dim)
-  mtp_num_layers: int = key(architecture=True)  # multi-token-prediction modules after the stack (0 = none)
-  moe_layer_interval: int = key(architecture=True)  # every this-many-th layer is MoE, the others dense (1 = all)
+  rope: RopeConfig = record(RopeConfig)
+  attn: AttentionConfig = record(AttentionConfig)
+  mla: MlaConfig = record(MlaConfig)
+  moe: MoeConfig = record(MoeConfig)
+  mtp: MtpConfig = record(MtpConfig)
   global_parameter_scale: int = key(fixed_on_resume=MODEL)
   scan_layers: bool = key(fixed_on_resume=LAYOUT)
   weight_dtype: str = key(fixed_on_resume=LAYOUT)
@@ -164,50 +242,24 @@ class ModelConfig:
   dtype: str = key()
   dropout_rate: float = key()
   logits_dot_in_fp32: bool = key()
-  attention: str = key()
-  context_parallel_strategy: str = key()  # all_gather | ring | all_to_all over the `sequence` axis
-  context_parallel_load_balance: bool = key()  # zig-zag chunk order so causal work is equal per shard
   remat_policy: str = key()
   max_target_length: int = key(fixed_on_resume=DATA_POSITION)
-  capacity_factor: float = key()  # <= 0 = dropless
-  sparse_matmul: bool = key()  # dropless experts as grouped matmuls (jax.lax.ragged_dot)
-  load_balance_loss_weight: float = key()
-  mtp_loss_scaling_factor: float = key()  # λ: the mean of the MTP depths' losses enters the loss times this
-  moe_dispatch: str = key()  # all_to_all | gather (layers/moe_dispatch.py)
-  moe_all_to_all: str = key()  # auto | ragged | padded
-  moe_ragged_buffer_factor: float = key()  # <= 0: worst-case receive buffer (dropless)
-  moe_grouped_matmul: str = key()  # auto | ragged_dot | megablox (layers/grouped_matmul.py)
-  moe_bias_update_rate: float = key()  # the correction bias's step per train step (0 = fixed)
   quantization: str = key()  # "" | int8 | fp8: the decoder stack's matmuls (layers/quantization.py)
-  pipeline_schedule: str = key()  # gpipe | circular | 1f1b (interleaved with num_pipeline_repeats > 1)
-  num_pipeline_repeats: int = key()
-  num_pipeline_microbatches: int = key()  # -1 resolved to the number of stages
-  # LoRA adapters (MaxText/training/lora.py): a resume keeps them, since they are the trained state.
-  lora_rank: int = key(fixed_on_resume=LAYOUT)  # 0 = off
-  lora_alpha: float = key(fixed_on_resume=LAYOUT)
-  lora_target_modules: tuple[str, ...] = key(fixed_on_resume=LAYOUT)  # PEFT's names (LORA_TARGETS)
-  # Derived: sizes after global_parameter_scale, the stage count from the mesh, kernel tiles.
+  pipeline: PipelineConfig = record(PipelineConfig)
+  lora: LoraConfig = record(LoraConfig)
+  # Derived: sizes after global_parameter_scale.
   emb_dim: int = derived()
   num_query_heads: int = derived()
   num_kv_heads: int = derived()
   mlp_dim: int = derived()
   num_decoder_layers: int = derived()
-  num_pipeline_stages: int = derived(1)  # 1 = no pipeline
-  context_parallel_degree: int = derived(1)  # shards of the sequence (the `sequence` mesh axis)
-  attention_blocks: AttentionBlocks = derived()
-
-  def lora(self, target: str) -> dict[str, Any]:
-    """DenseGeneral's adapter arguments for the projection PEFT calls `target` (none when untargeted)."""
-    if self.lora_rank <= 0 or target not in self.lora_target_modules:
-      return {}
-    return {"lora_rank": self.lora_rank, "lora_scale": self.lora_alpha / self.lora_rank}
 
   @property
   def num_dense_layers(self) -> int:
     """Layers of the `dense_layers` stack: the first_dense_layers prefix, or the layers between the
     MoE ones (moe_layer_interval)."""
-    per_period = self.moe_layer_interval - 1
-    return self.first_dense_layers + self.num_decoder_layers // self.moe_layer_interval * per_period
+    per_period = self.moe.moe_layer_interval - 1
+    return self.moe.first_dense_layers + self.num_decoder_layers // self.moe.moe_layer_interval * per_period
 
   @property
   def num_moe_stack_layers(self) -> int:
@@ -216,23 +268,25 @@ class ModelConfig:
 
   def stack_position(self, layer: int) -> tuple[str, int]:
     """(stack, index in it) of decoder layer `layer`: "dense_layers" or "layers"."""
-    if layer < self.first_dense_layers:
+    interval = self.moe.moe_layer_interval
+    if layer < self.moe.first_dense_layers:
       return "dense_layers", layer
-    if self.moe_layer_interval == 1:
-      return "layers", layer - self.first_dense_layers
-    period, offset = divmod(layer, self.moe_layer_interval)
-    if offset == self.moe_layer_interval - 1:
+    if interval == 1:
+      return "layers", layer - self.moe.first_dense_layers
+    period, offset = divmod(layer, interval)
+    if offset == interval - 1:
       return "layers", period
-    return "dense_layers", period * (self.moe_layer_interval - 1) + offset
+    return "dense_layers", period * (interval - 1) + offset
 
   def dense_prefix_config(self) -> "ModelConfig":
     """The configuration the first_dense_layers prefix is built with: a dense MLP of dense_mlp_dim."""
-    return dataclasses.replace(self, num_experts=1, shared_experts=0, mlp_dim=self.dense_mlp_dim or self.mlp_dim)
+    return dataclasses.replace(self, moe=dataclasses.replace(self.moe, num_experts=1, shared_experts=0),
+                               mlp_dim=self.moe.dense_mlp_dim or self.mlp_dim)
 
   @property
   def layers_per_pipeline_stage(self) -> int:
     """Decoder layers one stage runs per pass (per repeat)."""
-    return self.num_decoder_layers // (self.num_pipeline_stages * self.num_pipeline_repeats)
+    return self.pipeline.layers_per_pipeline_stage
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any], mesh: "MeshConfig", global_batch: int) -> "ModelConfig":
@@ -282,10 +336,15 @@ class ModelConfig:
     stages, micro = _pipeline(v, mesh, global_batch, layers)
     context = dict(mesh.shape)["sequence"]
     _check_context_parallel(v, context, num_q, num_kv)
-    return cls(**read_keys(cls, v, num_pipeline_microbatches=micro), context_parallel_degree=context,
+    attn = AttentionConfig(**read_keys(AttentionConfig, v), context_parallel_degree=context,
+                           attention_blocks=AttentionBlocks.from_values(v))
+    pipeline = PipelineConfig(**read_keys(PipelineConfig, v, num_pipeline_microbatches=micro), num_pipeline_stages=stages,
+                              layers_per_pipeline_stage=layers // (stages * v["num_pipeline_repeats"]))
+    return cls(**read_keys(cls, v), rope=RopeConfig(**read_keys(RopeConfig, v)), attn=attn,
+               mla=MlaConfig(**read_keys(MlaConfig, v)), moe=MoeConfig(**read_keys(MoeConfig, v)),
+               mtp=MtpConfig(**read_keys(MtpConfig, v)), pipeline=pipeline, lora=LoraConfig(**read_keys(LoraConfig, v)),
                emb_dim=v["base_emb_dim"] * s["emb"], num_query_heads=num_q, num_kv_heads=num_kv,
-               mlp_dim=v["base_mlp_dim"] * s["mlp"], num_decoder_layers=layers, num_pipeline_stages=stages,
-               attention_blocks=AttentionBlocks.from_values(v))
+               mlp_dim=v["base_mlp_dim"] * s["mlp"], num_decoder_layers=layers)
 
 
 def _check_context_parallel(v: Mapping[str, Any], degree: int, num_q: int, num_kv: int) -> None:
@@ -522,4 +581,4 @@ ARCHITECTURE_KEYS = keys_where((ModelConfig,), ARCHITECTURE, True)
 MODEL_KEYS = keys_where((ModelConfig,), FIXED, MODEL)
 # A LoRA run's checkpoints hold adapters: a tool reading the run (or its checkpoints) needs these
 # too to read them (run_record.saved_model_keys); an export merges them and carries none.
-LORA_KEYS = ("lora_rank", "lora_alpha", "lora_target_modules")
+LORA_KEYS = tuple(f.name for f in key_fields(LoraConfig))

@@ -50,10 +50,10 @@ def _applies(cfg: ModelConfig, m: TensorMap, layer: int | None) -> bool:
 
 def _num_hf_layers(cfg: ModelConfig, maps: list[TensorMap], family_name: str) -> int:
   """Decoder layers plus the MTP modules, which the checkpoint stores as the layers after them."""
-  if cfg.mtp_num_layers and not any(m.stack == "mtp" for m in maps):
+  if cfg.mtp.mtp_num_layers and not any(m.stack == "mtp" for m in maps):
     raise ConfigError(f"the {family_name} converter has no multi-token-prediction layout; convert with "
                       "mtp_num_layers=0 (the MTP modules of a converted model start from their initialisation)")
-  return cfg.num_decoder_layers + cfg.mtp_num_layers
+  return cfg.num_decoder_layers + cfg.mtp.mtp_num_layers
 
 
 def flat_abstract(abstract_params: Any) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
@@ -138,10 +138,10 @@ def stage_hf_tensors(tensors: Iterable[tuple[str, np.ndarray]], family: families
     tensor_map, layer, expert = found
     if layer is not None and layer >= num_layers:
       raise ConfigError(f"HF tensor {name} is for layer {layer}, but the model has {cfg.num_decoder_layers} layers"
-                        + (f" and {cfg.mtp_num_layers} MTP module(s)" if cfg.mtp_num_layers else ""))
+                        + (f" and {cfg.mtp.mtp_num_layers} MTP module(s)" if cfg.mtp.mtp_num_layers else ""))
     if not _applies(cfg, tensor_map, layer):
       raise ConfigError(f"HF tensor {name} belongs to the {tensor_map.stack} stack, but layer {layer} is not in it "
-                        f"(first_dense_layers={cfg.first_dense_layers})")
+                        f"(first_dense_layers={cfg.moe.first_dense_layers})")
     prefix, index = _layer_key(cfg, layer, tensor_map.stack)
     index = index + ((expert,) if expert is not None else ())
     for path, value in zip(tensor_map.ours, tensor_map.to_ours(array, cfg)):
@@ -174,7 +174,7 @@ def hf_tensors_from_params(read_leaf: Callable[[tuple[str, ...]], np.ndarray], f
   last_use = {_leaf_path(cfg, m, p, layer)[0]: i for i, (m, layer) in enumerate(steps) for p in m.ours}
   cache: dict[tuple[str, ...], np.ndarray] = {}
   for i, (m, layer) in enumerate(steps):
-    for expert in (range(cfg.num_experts) if m.per_expert else [None]):
+    for expert in (range(cfg.moe.num_experts) if m.per_expert else [None]):
       leaves = []
       for p in m.ours:
         path, index = _leaf_path(cfg, m, p, layer)

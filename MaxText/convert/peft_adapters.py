@@ -92,7 +92,7 @@ def save(output_path: str, params: dict[str, Any], cfg: ModelConfig) -> list[str
     raise UserError("the checkpoint holds no LoRA adapters to export (lora_rank=0 or no lora_target_modules)")
   tensors = dict(adapter_tensors(params, cfg))
   targets = sorted({name.split(".")[-3] for name in tensors})
-  config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha,
+  config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora.lora_rank, "lora_alpha": cfg.lora.lora_alpha,
             "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
             "use_rslora": False, "init_lora_weights": True, "base_model_name_or_path": None}
   if storage.exists(output_path):

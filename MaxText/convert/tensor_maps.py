@@ -89,10 +89,10 @@ def heads_in(num_heads: Callable[[ModelConfig], int], rope: bool = False) -> tup
   the model uses interleaved RoPE; v never is)."""
   def to_ours(w: Array, cfg: ModelConfig) -> Array:
     kernel = w.T.reshape(cfg.emb_dim, num_heads(cfg), cfg.head_dim)
-    return kernel[..., rope_permutation(cfg.head_dim)] if rope and cfg.rope_interleaved else kernel
+    return kernel[..., rope_permutation(cfg.head_dim)] if rope and cfg.rope.rope_interleaved else kernel
 
   def to_hf(kernel: Array, cfg: ModelConfig) -> Array:
-    if rope and cfg.rope_interleaved:
+    if rope and cfg.rope.rope_interleaved:
       kernel = kernel[..., np.argsort(rope_permutation(cfg.head_dim))]
     return kernel.reshape(cfg.emb_dim, -1).T
   return to_ours, to_hf

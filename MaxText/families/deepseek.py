@@ -38,7 +38,7 @@ from MaxText.convert import tensor_maps as r
 from MaxText.families import Family, register_family
 from MaxText.families.llama import embedding_tensors, gated_mlp_tensors, rope_hf_config, rope_keys
 from MaxText.families.mixtral import fused_expert_tensors
-from MaxText.configuration.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig, RopeConfig
 
 _LAYER = "model.layers.{i}."
 _ATTN = _LAYER + "self_attn."
@@ -56,7 +56,7 @@ def _heads_to_hf(kernel: r.Array, cfg: ModelConfig) -> r.Array:
 
 
 def _out_in(w: r.Array, cfg: ModelConfig) -> r.Array:
-  return w.T.reshape(cfg.num_query_heads, cfg.v_head_dim, cfg.emb_dim)
+  return w.T.reshape(cfg.num_query_heads, cfg.mla.v_head_dim, cfg.emb_dim)
 
 
 def _out_to_hf(kernel: r.Array, cfg: ModelConfig) -> r.Array:
@@ -73,7 +73,7 @@ def attention_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
       r.one(_ATTN + "kv_b_proj.weight", "self_attention/wkv_b/kernel", heads_in, heads_to_hf),
       r.one(_ATTN + "o_proj.weight", "self_attention/out/kernel", _out_in, _out_to_hf),
   ]
-  if cfg.q_lora_rank > 0:
+  if cfg.mla.q_lora_rank > 0:
     return maps + [
         r.one(_ATTN + "q_a_proj.weight", "self_attention/wq_a/kernel", r.transpose, r.transpose),
         r.one(_ATTN + "q_a_layernorm.weight", "self_attention/q_norm/scale"),
@@ -91,13 +91,13 @@ def mlp_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
       r.one(_MOE + "experts.{e}.down_proj.weight", "mlp/wo/kernel", r.transpose, r.transpose),
       *fused_expert_tensors(_MOE),
   ]
-  if cfg.moe_score_correction_bias:
+  if cfg.moe.moe_score_correction_bias:
     moe.append(r.one(_MOE + "gate.e_score_correction_bias", "mlp/score_correction_bias"))
-  if cfg.shared_experts > 0:
+  if cfg.moe.shared_experts > 0:
     moe += [dataclasses.replace(m, ours=("mlp/shared_mlp/" + m.ours[0].removeprefix("mlp/"),))
             for m in gated_mlp_tensors(_MOE + "shared_experts.")]
   moe = [dataclasses.replace(m, stack="layers") for m in moe]
-  return (dense if cfg.first_dense_layers > 0 else []) + moe
+  return (dense if cfg.moe.first_dense_layers > 0 else []) + moe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +115,7 @@ def mtp_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
   ordinary layer entries); its copies of the shared embedding and output head are read past and
   not written. Without, the whole layer is skipped (HF skips it too), an entry first in the table
   so its decoder-layer tensors are not taken for a layer of the model."""
-  if cfg.mtp_num_layers == 0:
+  if cfg.mtp.mtp_num_layers == 0:
     skip = r.ignored(f"model.layers.{cfg.num_decoder_layers}.")
     return [_IgnoredPrefix(skip.hf, skip.ours, skip.to_ours, skip.to_hf, write=False)]
   maps = [r.one(_LAYER + "enorm.weight", "enorm/scale"), r.one(_LAYER + "hnorm.weight", "hnorm/scale"),
@@ -191,42 +191,46 @@ def deepseek2_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _hf_config(cfg: ModelConfig) -> dict[str, Any]:
-  rope = rope_hf_config(cfg)
-  if cfg.rope_type == "yarn":
-    rope["rope_parameters"].update(attention_factor=rope_attention(cfg), mscale_all_dim=cfg.rope_yarn_mscale_all_dim)
+  moe, mla = cfg.moe, cfg.mla
+  rope = rope_hf_config(cfg.rope)
+  if cfg.rope.rope_type == "yarn":
+    rope["rope_parameters"].update(attention_factor=rope_attention(cfg.rope),
+                                   mscale_all_dim=cfg.rope.rope_yarn_mscale_all_dim)
   return {
-      "vocab_size": cfg.vocab_size, "hidden_size": cfg.emb_dim, "intermediate_size": cfg.dense_mlp_dim or cfg.mlp_dim,
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.emb_dim, "intermediate_size": moe.dense_mlp_dim or cfg.mlp_dim,
       "moe_intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_decoder_layers,
       "num_attention_heads": cfg.num_query_heads, "num_key_value_heads": cfg.num_kv_heads,
-      "n_shared_experts": cfg.shared_experts, "n_routed_experts": cfg.num_experts,
-      "num_experts_per_tok": cfg.num_experts_per_tok, "routed_scaling_factor": cfg.routed_scaling_factor,
-      "norm_topk_prob": cfg.norm_topk_prob, "first_k_dense_replace": cfg.first_dense_layers,
-      "kv_lora_rank": cfg.kv_lora_rank, "q_lora_rank": cfg.q_lora_rank or None,
-      "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
-      "v_head_dim": cfg.v_head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.normalization_layer_epsilon,
-      "max_position_embeddings": max(cfg.max_target_length, 4096) if cfg.rope_type != "yarn"
-      else int(cfg.rope_original_max_position * cfg.rope_scaling_factor),
+      "n_shared_experts": moe.shared_experts, "n_routed_experts": moe.num_experts,
+      "num_experts_per_tok": moe.num_experts_per_tok, "routed_scaling_factor": moe.routed_scaling_factor,
+      "norm_topk_prob": moe.norm_topk_prob, "first_k_dense_replace": moe.first_dense_layers,
+      "kv_lora_rank": mla.kv_lora_rank, "q_lora_rank": mla.q_lora_rank or None,
+      "qk_nope_head_dim": mla.qk_nope_head_dim, "qk_rope_head_dim": mla.qk_rope_head_dim,
+      "v_head_dim": mla.v_head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.normalization_layer_epsilon,
+      "max_position_embeddings": max(cfg.max_target_length, 4096) if cfg.rope.rope_type != "yarn"
+      else int(cfg.rope.rope_original_max_position * cfg.rope.rope_scaling_factor),
       "tie_word_embeddings": cfg.logits_via_embedding, "attention_bias": False, **rope,
   }
 
 
-def rope_attention(cfg: ModelConfig) -> float:
+def rope_attention(rope: RopeConfig) -> float:
   """The YaRN attention factor as HF's `attention_factor` (ours: 0 = the default from the factor)."""
-  if cfg.rope_attention_factor > 0:
-    return cfg.rope_attention_factor
-  return _mscale(cfg.rope_scaling_factor, 1.0)
+  if rope.rope_attention_factor > 0:
+    return rope.rope_attention_factor
+  return _mscale(rope.rope_scaling_factor, 1.0)
 
 
 def deepseek3_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **_hf_config(cfg),
-          "rope_interleave": cfg.rope_interleaved, "n_group": cfg.moe_num_groups, "topk_group": cfg.moe_topk_groups,
-          "scoring_func": "sigmoid", "topk_method": "noaux_tc", "num_nextn_predict_layers": cfg.mtp_num_layers}
+          "rope_interleave": cfg.rope.rope_interleaved, "n_group": cfg.moe.moe_num_groups,
+          "topk_group": cfg.moe.moe_topk_groups,
+          "scoring_func": "sigmoid", "topk_method": "noaux_tc", "num_nextn_predict_layers": cfg.mtp.mtp_num_layers}
 
 
 def deepseek2_hf_config(cfg: ModelConfig) -> dict[str, Any]:
-  limited = cfg.moe_topk_groups < cfg.moe_num_groups
+  moe = cfg.moe
+  limited = moe.moe_topk_groups < moe.moe_num_groups
   return {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", **_hf_config(cfg),
-          "n_group": cfg.moe_num_groups if limited else None, "topk_group": cfg.moe_topk_groups if limited else None,
+          "n_group": moe.moe_num_groups if limited else None, "topk_group": moe.moe_topk_groups if limited else None,
           "topk_method": "group_limited_greedy" if limited else "greedy", "scoring_func": "softmax"}
 
 

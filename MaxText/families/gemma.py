@@ -38,7 +38,7 @@ def gemma_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 def gemma_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   return {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", **shape_hf_config(cfg),
-          **rope_hf_config(cfg), "hidden_act": "gelu_pytorch_tanh", "attention_bias": False,
+          **rope_hf_config(cfg.rope), "hidden_act": "gelu_pytorch_tanh", "attention_bias": False,
           "max_position_embeddings": max(cfg.max_target_length, 8192)}
 
 
@@ -63,12 +63,12 @@ def gemma2_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def gemma2_hf_config(cfg: ModelConfig) -> dict[str, Any]:
-  layer_types = r.hf_layer_types(cfg.attention_layer_pattern, cfg.num_decoder_layers)
+  layer_types = r.hf_layer_types(cfg.attn.attention_layer_pattern, cfg.num_decoder_layers)
   return {**gemma_hf_config(cfg), "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
           "hidden_activation": "gelu_pytorch_tanh", "layer_types": layer_types,
-          "sliding_window": cfg.sliding_window_size, "attn_logit_softcapping": cfg.attn_logits_soft_cap or None,
+          "sliding_window": cfg.attn.sliding_window_size, "attn_logit_softcapping": cfg.attn.attn_logits_soft_cap or None,
           "final_logit_softcapping": cfg.final_logits_soft_cap or None,
-          "query_pre_attn_scalar": _whole(cfg.query_pre_attn_scalar or cfg.head_dim)}
+          "query_pre_attn_scalar": _whole(cfg.attn.query_pre_attn_scalar or cfg.head_dim)}
 
 
 def _whole(value: float) -> int | float:
@@ -104,8 +104,8 @@ def gemma3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 def gemma3_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   hf = gemma2_hf_config(cfg)
-  global_rope = rope_hf_config(cfg)["rope_parameters"]
-  local_theta = cfg.rope_local_max_timescale or cfg.rope_max_timescale
+  global_rope = rope_hf_config(cfg.rope)["rope_parameters"]
+  local_theta = cfg.rope.rope_local_max_timescale or cfg.rope.rope_max_timescale
   return {**hf, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
           "rope_parameters": {"full_attention": global_rope,
                               "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}}

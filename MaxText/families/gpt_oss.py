@@ -55,10 +55,10 @@ def _bias_in(num_heads: Callable[[ModelConfig], int], rope: bool = False) -> tup
   rope_interleaved)."""
   def to_ours(b: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     bias = b.reshape(num_heads(cfg), cfg.head_dim)
-    return bias[..., r.rope_permutation(cfg.head_dim)] if rope and cfg.rope_interleaved else bias
+    return bias[..., r.rope_permutation(cfg.head_dim)] if rope and cfg.rope.rope_interleaved else bias
 
   def to_hf(bias: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    if rope and cfg.rope_interleaved:
+    if rope and cfg.rope.rope_interleaved:
       bias = bias[..., np.argsort(r.rope_permutation(cfg.head_dim))]
     return bias.reshape(-1)
   return to_ours, to_hf
@@ -83,7 +83,7 @@ def gpt_oss_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
   ]
   maps += biases if cfg.use_bias else [r.ignored(m.hf) for m in biases]
   sinks = _ATTN + "sinks"
-  return maps + [r.one(sinks, "self_attention/sinks") if cfg.attention_sinks else r.ignored(sinks)]
+  return maps + [r.one(sinks, "self_attention/sinks") if cfg.attn.attention_sinks else r.ignored(sinks)]
 
 
 def gpt_oss_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -109,13 +109,13 @@ def gpt_oss_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def gpt_oss_hf_config(cfg: ModelConfig) -> dict[str, Any]:
-  layer_types = r.hf_layer_types(cfg.attention_layer_pattern, cfg.num_decoder_layers)
+  layer_types = r.hf_layer_types(cfg.attn.attention_layer_pattern, cfg.num_decoder_layers)
   return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", **shape_hf_config(cfg),
-          **rope_hf_config(cfg), "hidden_act": "silu", "attention_bias": True, "layer_types": layer_types,
-          "sliding_window": cfg.sliding_window_size, "max_position_embeddings": max_positions(cfg),
-          "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+          **rope_hf_config(cfg.rope), "hidden_act": "silu", "attention_bias": True, "layer_types": layer_types,
+          "sliding_window": cfg.attn.sliding_window_size, "max_position_embeddings": max_positions(cfg),
+          "num_local_experts": cfg.moe.num_experts, "num_experts_per_tok": cfg.moe.num_experts_per_tok,
           "swiglu_limit": cfg.swiglu_limit, "swiglu_alpha": cfg.swiglu_alpha,
-          "router_aux_loss_coef": cfg.load_balance_loss_weight}
+          "router_aux_loss_coef": cfg.moe.load_balance_loss_weight}
 
 
 # YaRN with an original context whose ramp spans fractional dimensions 0.2 .. 3.2 of these

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from MaxText.configuration.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig, RopeConfig
 from MaxText.convert import tensor_maps as r
 from MaxText.families import Family, register_family
 from MaxText.errors import ConfigError
@@ -94,25 +94,25 @@ def rope_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 def max_positions(cfg: ModelConfig) -> int:
   """HF's max_position_embeddings (metadata for RoPE models): the scaled context for llama3 RoPE."""
-  if cfg.rope_type in ("llama3", "yarn"):
-    return int(cfg.rope_original_max_position * cfg.rope_scaling_factor)
+  if cfg.rope.rope_type in ("llama3", "yarn"):
+    return int(cfg.rope.rope_original_max_position * cfg.rope.rope_scaling_factor)
   return max(cfg.max_target_length, 4096)
 
 
-def rope_hf_config(cfg: ModelConfig) -> dict[str, Any]:
-  params: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_max_timescale}
-  if cfg.rope_type == "linear":
-    params.update(factor=cfg.rope_scaling_factor)
-  if cfg.rope_type == "yarn":
-    params.update(factor=cfg.rope_scaling_factor, original_max_position_embeddings=cfg.rope_original_max_position,
-                  beta_fast=cfg.rope_yarn_beta_fast, beta_slow=cfg.rope_yarn_beta_slow, truncate=cfg.rope_yarn_truncate)
-    if cfg.rope_attention_factor > 0:
-      params.update(attention_factor=cfg.rope_attention_factor)
-  if cfg.rope_type == "llama3":
-    params.update(factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_low_freq_factor,
-                  high_freq_factor=cfg.rope_high_freq_factor,
-                  original_max_position_embeddings=cfg.rope_original_max_position)
-  return {"rope_parameters": params, "rope_theta": cfg.rope_max_timescale}
+def rope_hf_config(rope: RopeConfig) -> dict[str, Any]:
+  params: dict[str, Any] = {"rope_type": rope.rope_type, "rope_theta": rope.rope_max_timescale}
+  if rope.rope_type == "linear":
+    params.update(factor=rope.rope_scaling_factor)
+  if rope.rope_type == "yarn":
+    params.update(factor=rope.rope_scaling_factor, original_max_position_embeddings=rope.rope_original_max_position,
+                  beta_fast=rope.rope_yarn_beta_fast, beta_slow=rope.rope_yarn_beta_slow, truncate=rope.rope_yarn_truncate)
+    if rope.rope_attention_factor > 0:
+      params.update(attention_factor=rope.rope_attention_factor)
+  if rope.rope_type == "llama3":
+    params.update(factor=rope.rope_scaling_factor, low_freq_factor=rope.rope_low_freq_factor,
+                  high_freq_factor=rope.rope_high_freq_factor,
+                  original_max_position_embeddings=rope.rope_original_max_position)
+  return {"rope_parameters": params, "rope_theta": rope.rope_max_timescale}
 
 
 def shape_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -145,7 +145,7 @@ def llama_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 def llama_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape_hf_config(cfg),
-          **rope_hf_config(cfg), "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+          **rope_hf_config(cfg.rope), "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
           "max_position_embeddings": max_positions(cfg)}
 
 
@@ -161,9 +161,9 @@ def mistral_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def mistral_hf_config(cfg: ModelConfig) -> dict[str, Any]:
-  window = cfg.sliding_window_size if "local" in cfg.attention_layer_pattern else None
+  window = cfg.attn.sliding_window_size if "local" in cfg.attn.attention_layer_pattern else None
   return {"architectures": ["MistralForCausalLM"], "model_type": "mistral", **shape_hf_config(cfg),
-          **rope_hf_config(cfg), "hidden_act": "silu", "sliding_window": window,
+          **rope_hf_config(cfg.rope), "hidden_act": "silu", "sliding_window": window,
           "max_position_embeddings": max_positions(cfg)}
 
 

@@ -70,7 +70,7 @@ def llama4_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
   ]
   # Maverick's dense layers (moe_layer_interval > 1): a plain gated MLP under feed_forward.
   dense = [dataclasses.replace(m, stack="dense_layers") for m in gated_mlp_tensors(_FF)] \
-      if cfg.moe_layer_interval > 1 else []
+      if cfg.moe.moe_layer_interval > 1 else []
   return embedding_tensors(cfg) + layer + [
       r.one(attn + "q_proj.weight", "self_attention/query/kernel", q_in, q_out),
       r.one(attn + "k_proj.weight", "self_attention/key/kernel", k_in, k_out),
@@ -142,21 +142,21 @@ def llama4_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   layers = cfg.num_decoder_layers
   # What HF's Llama 4 cannot express (a window, learned QK-norm, top-2, ...) is refused by
   # maxtext_to_hf's round trip through llama4_model_keys, which names the keys.
-  attention = _per_layer(cfg.attention_layer_pattern, layers)
-  tuning = cfg.attn_temperature_floor_scale > 0
+  attention = _per_layer(cfg.attn.attention_layer_pattern, layers)
+  tuning = cfg.attn.attn_temperature_floor_scale > 0
   return {"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", **shape_hf_config(cfg),
-          **rope_hf_config(cfg), "hidden_act": "silu", "attention_bias": False,
+          **rope_hf_config(cfg.rope), "hidden_act": "silu", "attention_bias": False,
           "max_position_embeddings": max_positions(cfg),
           # With every layer MoE the dense width is unused; Scout's config gives twice an expert's.
-          "intermediate_size_mlp": (cfg.dense_mlp_dim or cfg.mlp_dim) if cfg.moe_layer_interval > 1 else 2 * cfg.mlp_dim,
-          "interleave_moe_layer_step": cfg.moe_layer_interval,
-          "num_local_experts": cfg.num_experts, "num_experts_per_tok": 1,
-          "no_rope_layers": [int(kind == "rope") for kind in _per_layer(cfg.rope_layer_pattern, layers)],
+          "intermediate_size_mlp": (cfg.moe.dense_mlp_dim or cfg.mlp_dim) if cfg.moe.moe_layer_interval > 1 else 2 * cfg.mlp_dim,
+          "interleave_moe_layer_step": cfg.moe.moe_layer_interval,
+          "num_local_experts": cfg.moe.num_experts, "num_experts_per_tok": 1,
+          "no_rope_layers": [int(kind == "rope") for kind in _per_layer(cfg.rope.rope_layer_pattern, layers)],
           "layer_types": ["chunked_attention" if kind == "chunked" else "full_attention" for kind in attention],
-          "attention_chunk_size": cfg.attention_chunk_size if "chunked" in attention else None,
-          "use_qk_norm": cfg.use_qk_l2_norm, "attn_temperature_tuning": tuning,
-          "floor_scale": int(cfg.attn_temperature_floor_scale) if tuning else 8192,
-          "attn_scale": cfg.attn_temperature_scale, "router_aux_loss_coef": cfg.load_balance_loss_weight}
+          "attention_chunk_size": cfg.attn.attention_chunk_size if "chunked" in attention else None,
+          "use_qk_norm": cfg.attn.use_qk_l2_norm, "attn_temperature_tuning": tuning,
+          "floor_scale": int(cfg.attn.attn_temperature_floor_scale) if tuning else 8192,
+          "attn_scale": cfg.attn.attn_temperature_scale, "router_aux_loss_coef": cfg.moe.load_balance_loss_weight}
 
 
 # Scout's llama3 frequency scaling, shrunk so it moves real frequencies at the test lengths.

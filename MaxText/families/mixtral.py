@@ -76,8 +76,8 @@ def mixtral_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 def mixtral_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   return {**mistral_hf_config(cfg), "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-          "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
-          "router_aux_loss_coef": cfg.load_balance_loss_weight, "router_jitter_noise": 0.0}
+          "num_local_experts": cfg.moe.num_experts, "num_experts_per_tok": cfg.moe.num_experts_per_tok,
+          "router_aux_loss_coef": cfg.moe.load_balance_loss_weight, "router_jitter_noise": 0.0}
 
 
 register_family(Family("mixtral", ("mixtral",), ("mixtral",), mixtral_model_keys, mixtral_hf_config,

@@ -67,7 +67,7 @@ def qwen3_moe_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _common_hf_config(cfg: ModelConfig) -> dict[str, Any]:
-  return {**shape_hf_config(cfg), **rope_hf_config(cfg), "hidden_act": "silu", "attention_bias": False,
+  return {**shape_hf_config(cfg), **rope_hf_config(cfg.rope), "hidden_act": "silu", "attention_bias": False,
           "use_sliding_window": False, "max_position_embeddings": max_positions(cfg)}
 
 
@@ -77,9 +77,9 @@ def qwen3_hf_config(cfg: ModelConfig) -> dict[str, Any]:
 
 def qwen3_moe_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **_common_hf_config(cfg),
-          "moe_intermediate_size": cfg.mlp_dim, "num_experts": cfg.num_experts,
-          "num_experts_per_tok": cfg.num_experts_per_tok, "norm_topk_prob": cfg.norm_topk_prob,
-          "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": cfg.load_balance_loss_weight}
+          "moe_intermediate_size": cfg.mlp_dim, "num_experts": cfg.moe.num_experts,
+          "num_experts_per_tok": cfg.moe.num_experts_per_tok, "norm_topk_prob": cfg.moe.norm_topk_prob,
+          "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": cfg.moe.load_balance_loss_weight}
 
 
 _TINY = dict(TINY_SHAPES, rms_norm_eps=1e-6, rope_theta=1_000_000.0)

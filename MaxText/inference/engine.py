@@ -98,10 +98,10 @@ class Engine:
 
   def __init__(self, config: Config, num_slots: int = 1, mesh: Mesh | None = None):
     self.config, self.cfg, self.decode_cfg = config, config.model, config.decode
-    if self.cfg.num_experts > 1 and self.cfg.capacity_factor > 0:
+    if self.cfg.moe.num_experts > 1 and self.cfg.moe.capacity_factor > 0:
       # Expert capacity is counted per call (a prompt, then one token), so which tokens are dropped
       # would depend on how the text is split into calls: decode dropless, the exact routing.
-      self.cfg = dataclasses.replace(self.cfg, capacity_factor=-1.0)
+      self.cfg = dataclasses.replace(self.cfg, moe=dataclasses.replace(self.cfg.moe, capacity_factor=-1.0))
     self.num_slots = num_slots
     prefill, target = self.decode_cfg.max_prefill_predict_length, self.cfg.max_target_length
     if prefill >= target:

@@ -99,11 +99,11 @@ def layer_pool(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int,
   """One layer's empty pool; MLA pages its compressed cache (latents and rope keys, K = 1)."""
   per_slot = pages_per_slot(cfg.max_target_length, page_size)
   dtype = jnp.dtype(cfg.dtype)
-  if cfg.attention_type != "mla":
+  if cfg.attn.attention_type != "mla":
     return paged_kv.empty_pool(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, num_slots, per_slot,
                                quantized)
-  latent = paged_kv.empty_pool(num_pages, page_size, 1, cfg.kv_lora_rank, dtype, num_slots, per_slot, quantized)
-  rope = paged_kv.empty_pool(num_pages, page_size, 1, cfg.qk_rope_head_dim, dtype, num_slots, per_slot, quantized)
+  latent = paged_kv.empty_pool(num_pages, page_size, 1, cfg.mla.kv_lora_rank, dtype, num_slots, per_slot, quantized)
+  rope = paged_kv.empty_pool(num_pages, page_size, 1, cfg.mla.qk_rope_head_dim, dtype, num_slots, per_slot, quantized)
   return paged_kv.PagedKVCache(latent.key_KPZH, rope.key_KPZH, latent.block_table_BM, latent.key_scale_KPZ1,
                                rope.key_scale_KPZ1)
 

@@ -24,7 +24,7 @@ from flax import nnx
 
 from MaxText.platform import sharding
 from MaxText.errors import ConfigError
-from MaxText.configuration.model_config import ModelConfig
+from MaxText.configuration.model_config import AttentionConfig, ModelConfig, RopeConfig
 from MaxText.layers import attention_kernels, context_parallel, ring_attention
 from MaxText.layers.attention_kernels import AttentionKernel, dot_product_attention
 from MaxText.layers import kv_cache, masks
@@ -52,11 +52,11 @@ def select_kernel(name: str, platform: str | None = None, cfg: ModelConfig | Non
   CPU: dot_product up to attention_kernels.AUTOSELECT_CPU_FLASH_ABOVE tokens, flash beyond. Without a platform
   `autoselected` stays deferred: the layer resolves it when traced, for the mesh's platform.
   With attention_sinks every choice is dot_product (splash and cuDNN have no sink logit)."""
-  if name == "autoselected" and cfg is not None and "chunked" in cfg.attention_layer_pattern:
+  if name == "autoselected" and cfg is not None and "chunked" in cfg.attn.attention_layer_pattern:
     return "dot_product"  # the one kernel with a chunked mask
-  if name == "autoselected" and cfg is not None and cfg.attention_sinks:
+  if name == "autoselected" and cfg is not None and cfg.attn.attention_sinks:
     return "dot_product"
-  if name == "autoselected" and cfg is not None and context_parallel.merges_blocks(cfg):
+  if name == "autoselected" and cfg is not None and context_parallel.merges_blocks(cfg.attn):
     return "flash"  # ring / all_to_all / load balancing run the chunked kernel per block
   if name != "autoselected" or platform is None:
     return name
@@ -94,8 +94,8 @@ def make_flash(cfg: ModelConfig) -> AttentionKernel:
 
 
 def make_cudnn_flash(cfg: ModelConfig) -> AttentionKernel:
-  if cfg.attn_logits_soft_cap > 0:
-    raise ConfigError(f"attention=cudnn_flash does not support attn_logits_soft_cap={cfg.attn_logits_soft_cap} "
+  if cfg.attn.attn_logits_soft_cap > 0:
+    raise ConfigError(f"attention=cudnn_flash does not support attn_logits_soft_cap={cfg.attn.attn_logits_soft_cap} "
                       "(cuDNN has no logit soft cap); use attention=flash or autoselected")
 
   def kernel(q_BLNH: Array, k_BSKH: Array, v_BSKH: Array, segment_ids_BL: Array,
@@ -127,39 +127,39 @@ def make_deferred(resolve: Callable[[str], tuple[str, AttentionKernel]], cfg_nam
   return kernel
 
 
-def is_local_layer(cfg: ModelConfig, layer_index: int | jax.Array) -> bool | jax.Array:
+def is_local_layer(attn: AttentionConfig, layer_index: int | jax.Array) -> bool | jax.Array:
   """Whether layer `layer_index` is local under `attention_layer_pattern`: static when the
   pattern is uniform, a traced boolean when a scanned stack mixes local and global layers."""
-  pattern = cfg.attention_layer_pattern
+  pattern = attn.attention_layer_pattern
   if len(set(pattern)) == 1:
     return pattern[0] == "local"
   return jnp.asarray([kind == "local" for kind in pattern])[layer_index % len(pattern)]
 
 
-def layer_window_size(cfg: ModelConfig, layer_index: int | jax.Array) -> masks.Window:
+def layer_window_size(attn: AttentionConfig, layer_index: int | jax.Array) -> masks.Window:
   """Sliding-window size of layer `layer_index`, or None for full attention: the config's window
   in masks.py's spelling (a traced one when the stack mixes kinds: a global layer then gets
   masks.NO_WINDOW)."""
-  is_local = is_local_layer(cfg, layer_index)
+  is_local = is_local_layer(attn, layer_index)
   if isinstance(is_local, bool):
-    return cfg.sliding_window_size if is_local else None
-  return masks.layer_window(is_local, cfg.sliding_window_size)
+    return attn.sliding_window_size if is_local else None
+  return masks.layer_window(is_local, attn.sliding_window_size)
 
 
-def layer_chunk_size(cfg: ModelConfig, layer_index: int | jax.Array) -> masks.Window:
+def layer_chunk_size(attn: AttentionConfig, layer_index: int | jax.Array) -> masks.Window:
   """attention_chunk_size on a chunked layer, None elsewhere (traced NO_WINDOW in a mixed scanned stack)."""
-  pattern = cfg.attention_layer_pattern
+  pattern = attn.attention_layer_pattern
   if "chunked" not in pattern:
     return None
   if len(set(pattern)) == 1:
-    return cfg.attention_chunk_size
+    return attn.attention_chunk_size
   is_chunked = jnp.asarray([kind == "chunked" for kind in pattern])[layer_index % len(pattern)]
-  return masks.layer_window(is_chunked, cfg.attention_chunk_size)
+  return masks.layer_window(is_chunked, attn.attention_chunk_size)
 
 
-def is_rope_layer(cfg: ModelConfig, layer_index: int | jax.Array) -> bool | jax.Array:
+def is_rope_layer(rope: RopeConfig, layer_index: int | jax.Array) -> bool | jax.Array:
   """Whether layer `layer_index` rotates q/k under rope_layer_pattern (static when uniform)."""
-  pattern = cfg.rope_layer_pattern
+  pattern = rope.rope_layer_pattern
   if len(set(pattern)) == 1:
     return pattern[0] == "rope"
   return jnp.asarray([kind == "rope" for kind in pattern])[layer_index % len(pattern)]
@@ -178,20 +178,21 @@ def l2_normalize(x_BLNH: jax.Array, epsilon: float) -> jax.Array:
   return (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + epsilon)).astype(x_BLNH.dtype)
 
 
-def temperature_scale(cfg: ModelConfig, positions_BL: jax.Array) -> jax.Array:
+def temperature_scale(attn: AttentionConfig, positions_BL: jax.Array) -> jax.Array:
   """[B, L] query multiplier of NoPE layers: log1p(floor((p + 1) / floor_scale)) * scale + 1, which
   sharpens attention at long positions where a position-free score would flatten out."""
-  steps_BL = jnp.floor((positions_BL.astype(jnp.float32) + 1.0) / cfg.attn_temperature_floor_scale)
-  return jnp.log1p(steps_BL) * cfg.attn_temperature_scale + 1.0
+  steps_BL = jnp.floor((positions_BL.astype(jnp.float32) + 1.0) / attn.attn_temperature_floor_scale)
+  return jnp.log1p(steps_BL) * attn.attn_temperature_scale + 1.0
 
 
 def layer_rope_frequencies(cfg: ModelConfig, layer_index: int | jax.Array) -> np.ndarray | jax.Array:
   """RoPE frequencies of layer `layer_index`: the local layers' own when rope_local_max_timescale
   is set (Gemma 3), else every layer's."""
-  if cfg.rope_local_max_timescale <= 0 or "local" not in cfg.attention_layer_pattern:
-    return rope_inverse_frequencies(cfg)
-  is_local = is_local_layer(cfg, layer_index)
-  local, global_ = rope_inverse_frequencies(cfg, local=True), rope_inverse_frequencies(cfg)
+  if cfg.rope.rope_local_max_timescale <= 0 or "local" not in cfg.attn.attention_layer_pattern:
+    return rope_inverse_frequencies(cfg.rope, cfg.head_dim)
+  is_local = is_local_layer(cfg.attn, layer_index)
+  local = rope_inverse_frequencies(cfg.rope, cfg.head_dim, local=True)
+  global_ = rope_inverse_frequencies(cfg.rope, cfg.head_dim)
   if isinstance(is_local, bool):
     return local if is_local else global_
   return jnp.where(is_local, jnp.asarray(local), jnp.asarray(global_))
@@ -199,10 +200,10 @@ def layer_rope_frequencies(cfg: ModelConfig, layer_index: int | jax.Array) -> np
 
 def layer_rope_scale(cfg: ModelConfig, layer_index: int | jax.Array) -> float | jax.Array:
   """YaRN's attention factor on the layers whose RoPE is YaRN (1 elsewhere)."""
-  global_ = rope_attention_scale(cfg)
-  if global_ == 1.0 or cfg.rope_local_max_timescale <= 0 or "local" not in cfg.attention_layer_pattern:
+  global_ = rope_attention_scale(cfg.rope)
+  if global_ == 1.0 or cfg.rope.rope_local_max_timescale <= 0 or "local" not in cfg.attn.attention_layer_pattern:
     return global_
-  is_local = is_local_layer(cfg, layer_index)
+  is_local = is_local_layer(cfg.attn, layer_index)
   if isinstance(is_local, bool):
     return 1.0 if is_local else global_
   return jnp.where(is_local, 1.0, global_)
@@ -213,34 +214,34 @@ class Attention(nnx.Module):
     d, n, k, h = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
     dense = functools.partial(DenseGeneral, dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype),
                               rngs=rngs, use_bias=cfg.use_bias)
-    self.query = dense((d,), (n, h), ("embed", "heads", "kv"), tag="query_proj", **cfg.lora("q_proj"))
-    self.key = dense((d,), (k, h), ("embed", "kv_heads", "kv"), tag="key_proj", **cfg.lora("k_proj"))
-    self.value = dense((d,), (k, h), ("embed", "kv_heads", "kv"), tag="value_proj", **cfg.lora("v_proj"))
-    self.out = dense((n, h), (d,), ("heads", "kv", "embed"), tag="out_proj", **cfg.lora("o_proj"))
-    if cfg.use_qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's vector, before RoPE
+    self.query = dense((d,), (n, h), ("embed", "heads", "kv"), tag="query_proj", **cfg.lora.adapter("q_proj"))
+    self.key = dense((d,), (k, h), ("embed", "kv_heads", "kv"), tag="key_proj", **cfg.lora.adapter("k_proj"))
+    self.value = dense((d,), (k, h), ("embed", "kv_heads", "kv"), tag="value_proj", **cfg.lora.adapter("v_proj"))
+    self.out = dense((n, h), (d,), ("heads", "kv", "embed"), tag="out_proj", **cfg.lora.adapter("o_proj"))
+    if cfg.attn.use_qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's vector, before RoPE
       norm = functools.partial(RMSNorm, h, epsilon=cfg.normalization_layer_epsilon, dtype=jnp.dtype(cfg.dtype),
                                weight_dtype=jnp.dtype(cfg.weight_dtype),
                                scale_offset=1.0 if cfg.normalization_type == "rms_plus_one" else 0.0)
       self.query_norm, self.key_norm = norm(), norm()
-    if cfg.attention_sinks:  # GPT-OSS: one learned logit per query head (masks.dense_attention)
+    if cfg.attn.attention_sinks:  # GPT-OSS: one learned logit per query head (masks.dense_attention)
       self.sinks = nnx.Param(jnp.zeros((n,), jnp.dtype(cfg.weight_dtype)), out_sharding=("heads",))
     self.cfg = cfg
-    self.chunked = "chunked" in cfg.attention_layer_pattern  # config validation: dot_product then
+    self.chunked = "chunked" in cfg.attn.attention_layer_pattern  # config validation: dot_product then
     self.kernel = (dot_product_attention if self.chunked
-                   else ATTENTION_KERNELS[select_kernel(cfg.attention, cfg=cfg)](cfg))
+                   else ATTENTION_KERNELS[select_kernel(cfg.attn.attention, cfg=cfg)](cfg))
     # Gemma 2 27B scales by (emb_dim / num_heads)**-0.5 rather than head_dim**-0.5.
-    self.query_scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+    self.query_scale = (cfg.attn.query_pre_attn_scalar or cfg.head_dim) ** -0.5
 
   def _rope(self, x_BLNH: jax.Array, positions_BL: jax.Array, layer_index: int | jax.Array) -> jax.Array:
     cfg = self.cfg
     if cfg.position_embedding != "rope":
       return x_BLNH
     rope = functools.partial(apply_rope, positions_BL=positions_BL,
-                             inv_freq_h=layer_rope_frequencies(cfg, layer_index), interleaved=cfg.rope_interleaved,
+                             inv_freq_h=layer_rope_frequencies(cfg, layer_index), interleaved=cfg.rope.rope_interleaved,
                              scale=layer_rope_scale(cfg, layer_index))
-    x_BLNH = _on_layers(is_rope_layer(cfg, layer_index), rope, x_BLNH)
-    if cfg.use_qk_l2_norm:
-      x_BLNH = _on_layers(is_rope_layer(cfg, layer_index),
+    x_BLNH = _on_layers(is_rope_layer(cfg.rope, layer_index), rope, x_BLNH)
+    if cfg.attn.use_qk_l2_norm:
+      x_BLNH = _on_layers(is_rope_layer(cfg.rope, layer_index),
                           functools.partial(l2_normalize, epsilon=cfg.normalization_layer_epsilon), x_BLNH)
     return x_BLNH
 
@@ -253,25 +254,25 @@ class Attention(nnx.Module):
     heads_names = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
     kv_names = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
     q_BLNH, k_BSKH = self.query(x_BLD), self.key(x_BLD)
-    if cfg.use_qk_norm:
+    if cfg.attn.use_qk_norm:
       q_BLNH, k_BSKH = self.query_norm(q_BLNH), self.key_norm(k_BSKH)
     q_BLNH, k_BSKH = self._rope(q_BLNH, positions_BL, layer_index), self._rope(k_BSKH, positions_BL, layer_index)
-    if cfg.attn_temperature_floor_scale > 0:  # on NoPE layers only
-      is_rope = is_rope_layer(cfg, layer_index)
+    if cfg.attn.attn_temperature_floor_scale > 0:  # on NoPE layers only
+      is_rope = is_rope_layer(cfg.rope, layer_index)
       is_nope = (not is_rope) if isinstance(is_rope, bool) else jnp.logical_not(is_rope)
-      tune = lambda q: (q * temperature_scale(cfg, positions_BL)[:, :, None, None]).astype(q.dtype)
+      tune = lambda q: (q * temperature_scale(cfg.attn, positions_BL)[:, :, None, None]).astype(q.dtype)
       q_BLNH = _on_layers(is_nope, tune, q_BLNH)
     q_BLNH = sharding.constrain(q_BLNH * jnp.asarray(self.query_scale, q_BLNH.dtype), heads_names)
     k_BSKH = sharding.constrain(k_BSKH, kv_names)
     v_BSKH = sharding.constrain(self.value(x_BLD), kv_names)
-    sinks = {"sinks_N": self.sinks[...]} if cfg.attention_sinks else {}
+    sinks = {"sinks_N": self.sinks[...]} if cfg.attn.attention_sinks else {}
     if cache is not None:
       cache = kv_cache.write(cache, k_BSKH, v_BSKH, positions_BL)
-      out_BLNH = kv_cache.cached_attention(q_BLNH, cache, positions_BL, layer_window_size(cfg, layer_index),
-                                           cfg.attn_logits_soft_cap, layer_chunk_size(cfg, layer_index), **sinks)
+      out_BLNH = kv_cache.cached_attention(q_BLNH, cache, positions_BL, layer_window_size(cfg.attn, layer_index),
+                                           cfg.attn.attn_logits_soft_cap, layer_chunk_size(cfg.attn, layer_index), **sinks)
       return self.out(sharding.constrain(out_BLNH, heads_names)), cache
-    chunk: dict[str, Any] = ({"chunk_size": layer_chunk_size(cfg, layer_index), "positions_BL": positions_BL}
+    chunk: dict[str, Any] = ({"chunk_size": layer_chunk_size(cfg.attn, layer_index), "positions_BL": positions_BL}
                              if self.chunked else {})
-    out_BLNH = self.kernel(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, layer_window_size(cfg, layer_index),
-                           cfg.attn_logits_soft_cap, **chunk, **sinks)
+    out_BLNH = self.kernel(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, layer_window_size(cfg.attn, layer_index),
+                           cfg.attn.attn_logits_soft_cap, **chunk, **sinks)
     return self.out(sharding.constrain(out_BLNH, heads_names))

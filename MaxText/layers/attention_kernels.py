@@ -68,7 +68,7 @@ def cudnn_flash_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Arra
 
 def cudnn_supports(cfg: ModelConfig) -> bool:
   """Whether cuDNN flash attention covers this model (else autoselected uses flash on GPU)."""
-  return (cfg.attn_logits_soft_cap == 0 and cfg.dtype in ("bfloat16", "float16")
+  return (cfg.attn.attn_logits_soft_cap == 0 and cfg.dtype in ("bfloat16", "float16")
           and cfg.head_dim <= 128 and cfg.head_dim % 8 == 0)
 
 
@@ -114,20 +114,20 @@ def _always(call: Call) -> bool:
 
 def _splash_supports(call: Call) -> bool:
   """Its tiles divide the length, and a traced window is the config's local window."""
-  return (splash_attention.tiles(call.cfg.attention_blocks, call.length)
-          and (_static_window(call.window) or bool(call.cfg.sliding_window_size)))
+  return (splash_attention.tiles(call.cfg.attn.attention_blocks, call.length)
+          and (_static_window(call.window) or bool(call.cfg.attn.sliding_window_size)))
 
 
 def _splash_sequence(call: Call) -> AttentionKernel:
-  return functools.partial(splash_attention.splash_attention, blocks=call.cfg.attention_blocks,
-                           local_window=call.cfg.sliding_window_size, interpret=call.interpret)
+  return functools.partial(splash_attention.splash_attention, blocks=call.cfg.attn.attention_blocks,
+                           local_window=call.cfg.attn.sliding_window_size, interpret=call.interpret)
 
 
 def _splash_pair(call: Call) -> ring_blocks.BlockKernel:
   static = _static_window(call.window)
-  window = call.window if static else call.cfg.sliding_window_size
+  window = call.window if static else call.cfg.attn.sliding_window_size
   assert window is None or isinstance(window, int)
-  return ring_blocks.SplashBlocks(float(call.soft_cap), call.cfg.attention_blocks, window, traced_window=not static,
+  return ring_blocks.SplashBlocks(float(call.soft_cap), call.cfg.attn.attention_blocks, window, traced_window=not static,
                                   interpret=call.interpret)
 
 
@@ -136,7 +136,7 @@ def _cudnn_pair(call: Call) -> ring_blocks.BlockKernel:
 
 
 def _chunked_sequence(call: Call) -> AttentionKernel:
-  blocks = call.cfg.attention_blocks
+  blocks = call.cfg.attn.attention_blocks
 
   def chunked(q_BLNH: Array, k_BSKH: Array, v_BSKH: Array, segment_ids_BL: Array, window_size: masks.Window = None,
               soft_cap: float = 0.0, sinks_N: Array | None = None) -> Array:
@@ -148,7 +148,7 @@ def _chunked_sequence(call: Call) -> AttentionKernel:
 
 
 def _chunked_pair(call: Call) -> ring_blocks.BlockKernel:
-  blocks = call.cfg.attention_blocks
+  blocks = call.cfg.attn.attention_blocks
   return ring_blocks.ChunkedBlocks(float(call.soft_cap), blocks.flash_block_q, blocks.flash_block_kv)
 
 
@@ -205,7 +205,7 @@ def implementation(name: str, platform: str) -> Implementation:
 def autoselect(platform: str, cfg: ModelConfig | None) -> str:
   """The attention= name autoselected runs on `platform` for `cfg` (AUTOSELECT)."""
   family = _known(accelerators.platform_family(platform))
-  call = None if cfg is None else Call(cfg, cfg.max_target_length, soft_cap=cfg.attn_logits_soft_cap)
+  call = None if cfg is None else Call(cfg, cfg.max_target_length, soft_cap=cfg.attn.attn_logits_soft_cap)
   candidates = AUTOSELECT[family]
   for name, worth in candidates:
     if worth(call) and (call is None or implementation(name, family).supports(call)):
@@ -235,7 +235,7 @@ def full_sequence_kernel(cfg: ModelConfig, platform: str, length: int, *, interp
   """all_to_all's local kernel over the whole sequence of `length` tokens, (q_BSNH, k_BSKH, v_BSKH,
   seg_BS, window, soft_cap) -> out: splash on TPU where its tiles divide the length, cuDNN on GPU
   where it covers the model, else the chunked kernel."""
-  call = Call(cfg, length, soft_cap=cfg.attn_logits_soft_cap, interpret=interpret)
+  call = Call(cfg, length, soft_cap=cfg.attn.attn_logits_soft_cap, interpret=interpret)
   return context_parallel_implementation(call, platform).sequence(call)
 
 

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from MaxText.platform import sharding
 from MaxText.layers import masks
-from MaxText.configuration.model_config import ModelConfig
+from MaxText.configuration.model_config import AttentionConfig
 
 _Q_NAMES = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 _KV_NAMES = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
@@ -84,13 +84,13 @@ def per_shard_attention(kernel: Callable[..., jax.Array], mesh: Mesh, rules: sha
                                                              _window_operand(window_size))
 
 
-def merges_blocks(cfg: ModelConfig) -> bool:
+def merges_blocks(attn: AttentionConfig) -> bool:
   """Whether the configured strategy needs attention=flash (per-block attention merged by
   log-sum-exp, ring_attention.py): a ring or all-to-all strategy, or load balancing, with the
   sequence split. The plain all_gather also runs there under flash, but dot_product and
   cudnn_flash can run it too (XLA partitions them)."""
-  return cfg.context_parallel_degree > 1 and (cfg.context_parallel_strategy != "all_gather"
-                                              or cfg.context_parallel_load_balance)
+  return attn.context_parallel_degree > 1 and (attn.context_parallel_strategy != "all_gather"
+                                              or attn.context_parallel_load_balance)
 
 
 def shard_chunk_starts(shard: Any, local_length: int, shards: int, balanced: bool) -> list[Any]:
@@ -122,11 +122,11 @@ def to_balanced_order(x: jax.Array, shards: int) -> jax.Array:
   return paired.reshape(x.shape)
 
 
-def balance_batch(batch: dict[str, jax.Array], cfg: ModelConfig) -> dict[str, jax.Array]:
-  """The batch in balanced order when load balancing is on (every [B, max_target_length, ...]
-  entry alike, so targets stay next to their inputs), else unchanged."""
-  if not (cfg.context_parallel_load_balance and cfg.context_parallel_degree > 1):
+def balance_batch(batch: dict[str, jax.Array], attn: AttentionConfig, length: int) -> dict[str, jax.Array]:
+  """The batch in balanced order when load balancing is on (every [B, length, ...] entry alike,
+  so targets stay next to their inputs; length is max_target_length), else unchanged."""
+  if not (attn.context_parallel_load_balance and attn.context_parallel_degree > 1):
     return batch
-  shards = cfg.context_parallel_degree
-  return {name: to_balanced_order(x, shards) if x.ndim >= 2 and x.shape[1] == cfg.max_target_length else x
+  shards = attn.context_parallel_degree
+  return {name: to_balanced_order(x, shards) if x.ndim >= 2 and x.shape[1] == length else x
           for name, x in batch.items()}

@@ -56,12 +56,12 @@ def decoder_layer_class(decoder_block: str) -> Callable[..., nnx.Module]:
 
 def feed_forward_block(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
   """The one place a decoder layer's MLP is chosen: routed experts when num_experts > 1, else dense."""
-  return MoeBlock(cfg, rngs=rngs) if cfg.num_experts > 1 else MlpBlock(cfg, rngs=rngs)
+  return MoeBlock(cfg, rngs=rngs) if cfg.moe.num_experts > 1 else MlpBlock(cfg, rngs=rngs)
 
 
 def attention_block(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
   """The one place a decoder layer's attention is chosen: attention_type gqa or mla."""
-  return MultiHeadLatentAttention(cfg, rngs=rngs) if cfg.attention_type == "mla" else Attention(cfg, rngs=rngs)
+  return MultiHeadLatentAttention(cfg, rngs=rngs) if cfg.attn.attention_type == "mla" else Attention(cfg, rngs=rngs)
 
 
 @register_layer("decoder")  # Llama, Mistral, Mixtral, Qwen3-MoE and DeepSeek, GPT-OSS (MoE from num_experts > 1, MLA from attention_type), Qwen3, Gemma, GPT-3

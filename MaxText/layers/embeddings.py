@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from MaxText.configuration.model_config import ModelConfig
+from MaxText.configuration.model_config import RopeConfig
 
 
 class Embed(nnx.Module):
@@ -32,7 +32,7 @@ class Embed(nnx.Module):
     return jnp.einsum("bld,vd->blv", x_BLD.astype(dtype), self.embedding[...].astype(dtype))
 
 
-def rope_inverse_frequencies(cfg: ModelConfig, local: bool = False, dim: int = 0) -> np.ndarray:
+def rope_inverse_frequencies(rope: RopeConfig, head_dim: int, local: bool = False) -> np.ndarray:
   """[H/2] float32 angular frequency of each rotated pair: 1 / (min * (max/min)**(2i/H)).
 
   `local`: for a local (sliding-window) layer, which with rope_local_max_timescale > 0 uses that
@@ -43,22 +43,21 @@ def rope_inverse_frequencies(cfg: ModelConfig, local: bool = False, dim: int = 0
   those below original_max / high_freq_factor are kept, and those between are blended
   linearly in original_max / wavelength.
 
-  `dim`: the rotated width when it is not head_dim (MLA rotates qk_rope_head_dim features).
+  `head_dim`: the rotated width (MLA rotates qk_rope_head_dim features).
   """
-  head_dim = dim or cfg.head_dim
-  local = local and cfg.rope_local_max_timescale > 0
-  max_timescale = cfg.rope_local_max_timescale if local else cfg.rope_max_timescale
+  local = local and rope.rope_local_max_timescale > 0
+  max_timescale = rope.rope_local_max_timescale if local else rope.rope_max_timescale
   fraction = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-  timescale = np.float32(cfg.rope_min_timescale) * (np.float32(max_timescale / cfg.rope_min_timescale) ** fraction)
+  timescale = np.float32(rope.rope_min_timescale) * (np.float32(max_timescale / rope.rope_min_timescale) ** fraction)
   inv_freq = (np.float32(1.0) / timescale).astype(np.float32)
-  if local or cfg.rope_type == "default":
+  if local or rope.rope_type == "default":
     return inv_freq
-  if cfg.rope_type == "linear":
-    return (inv_freq / np.float32(cfg.rope_scaling_factor)).astype(np.float32)
-  if cfg.rope_type == "yarn":
-    return _yarn_frequencies(cfg, inv_freq, max_timescale, head_dim)
-  factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-  original = cfg.rope_original_max_position
+  if rope.rope_type == "linear":
+    return (inv_freq / np.float32(rope.rope_scaling_factor)).astype(np.float32)
+  if rope.rope_type == "yarn":
+    return _yarn_frequencies(rope, inv_freq, max_timescale, head_dim)
+  factor, low, high = rope.rope_scaling_factor, rope.rope_low_freq_factor, rope.rope_high_freq_factor
+  original = rope.rope_original_max_position
   wavelength = 2 * np.pi / inv_freq
   blend = (original / wavelength - low) / (high - low)
   blended = (1 - blend) * inv_freq / factor + blend * inv_freq
@@ -67,43 +66,43 @@ def rope_inverse_frequencies(cfg: ModelConfig, local: bool = False, dim: int = 0
   return scaled.astype(np.float32)
 
 
-def _yarn_frequencies(cfg: ModelConfig, inv_freq: np.ndarray, base: float, head_dim: int) -> np.ndarray:
+def _yarn_frequencies(rope: RopeConfig, inv_freq: np.ndarray, base: float, head_dim: int) -> np.ndarray:
   """YaRN (Peng et al. 2023): dimension d makes original_max / wavelength_d turns over the
   pre-training context. Dimensions making more than beta_fast turns keep their frequency, those
   making fewer than beta_slow are divided by `factor`, and a linear ramp over the dimension index
   blends the two in between (its bounds rounded outwards unless rope_yarn_truncate is False)."""
-  original = cfg.rope_original_max_position
+  original = rope.rope_original_max_position
 
   def dimension_at(turns: float) -> float:  # the (fractional) dimension making `turns` turns
     return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
 
-  low, high = dimension_at(cfg.rope_yarn_beta_fast), dimension_at(cfg.rope_yarn_beta_slow)
-  if cfg.rope_yarn_truncate:
+  low, high = dimension_at(rope.rope_yarn_beta_fast), dimension_at(rope.rope_yarn_beta_slow)
+  if rope.rope_yarn_truncate:
     low, high = math.floor(low), math.ceil(high)
   low, high = max(low, 0), min(high, head_dim - 1)
   if low == high:
     high += 0.001  # a one-point ramp
   ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
   keep = 1 - ramp  # 1: extrapolate (keep), 0: interpolate (divide by factor)
-  return (inv_freq / np.float32(cfg.rope_scaling_factor) * (1 - keep) + inv_freq * keep).astype(np.float32)
+  return (inv_freq / np.float32(rope.rope_scaling_factor) * (1 - keep) + inv_freq * keep).astype(np.float32)
 
 
-def rope_attention_scale(cfg: ModelConfig, local: bool = False) -> float:
+def rope_attention_scale(rope: RopeConfig, local: bool = False) -> float:
   """What the rotated queries and keys are multiplied by: YaRN's attention factor (given, or
   0.1 ln(factor) + 1), 1 otherwise and on local layers with their own RoPE."""
-  if cfg.rope_type != "yarn" or (local and cfg.rope_local_max_timescale > 0):
+  if rope.rope_type != "yarn" or (local and rope.rope_local_max_timescale > 0):
     return 1.0
-  if cfg.rope_attention_factor > 0:
-    return cfg.rope_attention_factor
-  return 0.1 * math.log(cfg.rope_scaling_factor) + 1.0 if cfg.rope_scaling_factor > 1 else 1.0
+  if rope.rope_attention_factor > 0:
+    return rope.rope_attention_factor
+  return 0.1 * math.log(rope.rope_scaling_factor) + 1.0 if rope.rope_scaling_factor > 1 else 1.0
 
 
-def rope_softmax_scale(cfg: ModelConfig) -> float:
+def rope_softmax_scale(rope: RopeConfig) -> float:
   """DeepSeek's YaRN correction of the softmax scale: (0.1 · rope_yarn_mscale_all_dim · ln(factor) + 1)²
   (1 when the key is 0 or the factor <= 1)."""
-  if cfg.rope_type != "yarn" or cfg.rope_yarn_mscale_all_dim <= 0 or cfg.rope_scaling_factor <= 1:
+  if rope.rope_type != "yarn" or rope.rope_yarn_mscale_all_dim <= 0 or rope.rope_scaling_factor <= 1:
     return 1.0
-  return (0.1 * cfg.rope_yarn_mscale_all_dim * math.log(cfg.rope_scaling_factor) + 1.0) ** 2
+  return (0.1 * rope.rope_yarn_mscale_all_dim * math.log(rope.rope_scaling_factor) + 1.0) ** 2
 
 
 def apply_rope(x_BLNH: jax.Array, positions_BL: jax.Array, inv_freq_h: np.ndarray | jax.Array,

@@ -128,10 +128,10 @@ def layer_cache(cfg: ModelConfig, batch: int, length: int, quantized: bool = Fal
   """One layer's empty cache. attention_type=mla caches its compressed form instead of keys and
   values (layers/mla.py): key_BSKH holds the latents [B, S, 1, kv_lora_rank], value_BSKH the
   rotated rope keys [B, S, 1, qk_rope_head_dim]."""
-  if cfg.attention_type != "mla":
+  if cfg.attn.attention_type != "mla":
     return empty_cache(batch, length, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype), quantized)
-  latent = empty_cache(batch, length, 1, cfg.kv_lora_rank, jnp.dtype(cfg.dtype), quantized)
-  rope = empty_cache(batch, length, 1, cfg.qk_rope_head_dim, jnp.dtype(cfg.dtype), quantized)
+  latent = empty_cache(batch, length, 1, cfg.mla.kv_lora_rank, jnp.dtype(cfg.dtype), quantized)
+  rope = empty_cache(batch, length, 1, cfg.mla.qk_rope_head_dim, jnp.dtype(cfg.dtype), quantized)
   return KVCache(latent.key_BSKH, rope.key_BSKH, latent.key_scale_BSK1, rope.key_scale_BSK1)
 
 

@@ -43,48 +43,48 @@ class MultiHeadLatentAttention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, n = cfg.emb_dim, cfg.num_query_heads
-    qk, rope, v = cfg.head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    qk, rope, v = cfg.head_dim, cfg.mla.qk_rope_head_dim, cfg.mla.v_head_dim
     dense = functools.partial(DenseGeneral, dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype),
                               rngs=rngs)
     norm = functools.partial(RMSNorm, epsilon=cfg.normalization_layer_epsilon, dtype=jnp.dtype(cfg.dtype),
                              weight_dtype=jnp.dtype(cfg.weight_dtype))
     # A rank is replicated where it is the output (the input is the fsdp-sharded model width) and
     # named "embed" where it is the input, so the up-projections are fsdp-sharded like the rest.
-    if cfg.q_lora_rank > 0:
-      self.wq_a = dense((d,), (cfg.q_lora_rank,), ("embed", None), tag="query_proj", **cfg.lora("q_a_proj"))
-      self.q_norm = norm(cfg.q_lora_rank)
-      self.wq_b = dense((cfg.q_lora_rank,), (n, qk), ("embed", "heads", "kv"), tag="query_proj",
-                        **cfg.lora("q_b_proj"))
+    if cfg.mla.q_lora_rank > 0:
+      self.wq_a = dense((d,), (cfg.mla.q_lora_rank,), ("embed", None), tag="query_proj", **cfg.lora.adapter("q_a_proj"))
+      self.q_norm = norm(cfg.mla.q_lora_rank)
+      self.wq_b = dense((cfg.mla.q_lora_rank,), (n, qk), ("embed", "heads", "kv"), tag="query_proj",
+                        **cfg.lora.adapter("q_b_proj"))
     else:
-      self.query = dense((d,), (n, qk), ("embed", "heads", "kv"), tag="query_proj", **cfg.lora("q_proj"))
-    self.wkv_a = dense((d,), (cfg.kv_lora_rank + rope,), ("embed", None), tag="key_proj",
-                       **cfg.lora("kv_a_proj_with_mqa"))
-    self.kv_norm = norm(cfg.kv_lora_rank)
-    self.wkv_b = dense((cfg.kv_lora_rank,), (n, cfg.qk_nope_head_dim + v), ("embed", "heads", "kv"),
-                       tag="value_proj", **cfg.lora("kv_b_proj"))
-    self.out = dense((n, v), (d,), ("heads", "kv", "embed"), tag="out_proj", **cfg.lora("o_proj"))
+      self.query = dense((d,), (n, qk), ("embed", "heads", "kv"), tag="query_proj", **cfg.lora.adapter("q_proj"))
+    self.wkv_a = dense((d,), (cfg.mla.kv_lora_rank + rope,), ("embed", None), tag="key_proj",
+                       **cfg.lora.adapter("kv_a_proj_with_mqa"))
+    self.kv_norm = norm(cfg.mla.kv_lora_rank)
+    self.wkv_b = dense((cfg.mla.kv_lora_rank,), (n, cfg.mla.qk_nope_head_dim + v), ("embed", "heads", "kv"),
+                       tag="value_proj", **cfg.lora.adapter("kv_b_proj"))
+    self.out = dense((n, v), (d,), ("heads", "kv", "embed"), tag="out_proj", **cfg.lora.adapter("o_proj"))
     self.cfg = cfg
-    self.kernel_name = select_kernel(cfg.attention)
+    self.kernel_name = select_kernel(cfg.attn.attention)
     self.kernel = ATTENTION_KERNELS[self.kernel_name](cfg)
-    self.query_scale = qk ** -0.5 * rope_softmax_scale(cfg)
+    self.query_scale = qk ** -0.5 * rope_softmax_scale(cfg.rope)
 
   def _rope(self, x_BLNP: jax.Array, positions_BL: jax.Array) -> jax.Array:
     cfg = self.cfg
-    return apply_rope(x_BLNP, positions_BL, rope_inverse_frequencies(cfg, dim=cfg.qk_rope_head_dim),
-                      cfg.rope_interleaved, rope_attention_scale(cfg))
+    return apply_rope(x_BLNP, positions_BL, rope_inverse_frequencies(cfg.rope, cfg.mla.qk_rope_head_dim),
+                      cfg.rope.rope_interleaved, rope_attention_scale(cfg.rope))
 
   def _queries(self, x_BLD: jax.Array, positions_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(no-position part [B, L, N, C], rotated part [B, L, N, P]), both already scaled."""
     cfg = self.cfg
-    q_BLNH = self.query(x_BLD) if cfg.q_lora_rank <= 0 else self.wq_b(self.q_norm(self.wq_a(x_BLD)))
+    q_BLNH = self.query(x_BLD) if cfg.mla.q_lora_rank <= 0 else self.wq_b(self.q_norm(self.wq_a(x_BLD)))
     q_BLNH = sharding.constrain(q_BLNH * jnp.asarray(self.query_scale, q_BLNH.dtype), _HEADS)
-    nope = cfg.qk_nope_head_dim
+    nope = cfg.mla.qk_nope_head_dim
     return q_BLNH[..., :nope], self._rope(q_BLNH[..., nope:], positions_BL)
 
   def _latent(self, x_BLD: jax.Array, positions_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(normalised latent [B, L, R], rotated shared rope key [B, L, 1, P]): what decoding caches."""
     kv_BLr = self.wkv_a(x_BLD)
-    rank = self.cfg.kv_lora_rank
+    rank = self.cfg.mla.kv_lora_rank
     return self.kv_norm(kv_BLr[..., :rank]), self._rope(kv_BLr[:, :, None, rank:], positions_BL)
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
@@ -96,7 +96,7 @@ class MultiHeadLatentAttention(nnx.Module):
     if cache is not None:
       return self._decode(q_nope_BLNC, q_rope_BLNP, latent_BLR, k_rope_BL1P, positions_BL, layer_index, cache)
     kv_BLNX = self.wkv_b(latent_BLR)
-    k_nope_BLNC, v_BLNV = kv_BLNX[..., :cfg.qk_nope_head_dim], kv_BLNX[..., cfg.qk_nope_head_dim:]
+    k_nope_BLNC, v_BLNV = kv_BLNX[..., :cfg.mla.qk_nope_head_dim], kv_BLNX[..., cfg.mla.qk_nope_head_dim:]
     k_BLNH = jnp.concatenate([k_nope_BLNC, jnp.broadcast_to(k_rope_BL1P, q_rope_BLNP.shape).astype(k_nope_BLNC.dtype)],
                              axis=-1)
     q_BLNH = jnp.concatenate([q_nope_BLNC, q_rope_BLNP.astype(q_nope_BLNC.dtype)], axis=-1)
@@ -104,8 +104,8 @@ class MultiHeadLatentAttention(nnx.Module):
     width = v_BLNV.shape[-1]
     if self.kernel_name != "dot_product" and width != q_BLNH.shape[-1]:  # fused kernels: one head width
       v_BLNV = jnp.pad(v_BLNV, ((0, 0), (0, 0), (0, 0), (0, q_BLNH.shape[-1] - width)))
-    out_BLNV = self.kernel(q_BLNH, k_BLNH, v_BLNV, segment_ids_BL, layer_window_size(cfg, layer_index),
-                           cfg.attn_logits_soft_cap)[..., :width]
+    out_BLNV = self.kernel(q_BLNH, k_BLNH, v_BLNV, segment_ids_BL, layer_window_size(cfg.attn, layer_index),
+                           cfg.attn.attn_logits_soft_cap)[..., :width]
     return self.out(sharding.constrain(out_BLNV, _HEADS))
 
   def _decode(self, q_nope_BLNC: jax.Array, q_rope_BLNP: jax.Array, latent_BLR: jax.Array, k_rope_BL1P: jax.Array,
@@ -117,12 +117,12 @@ class MultiHeadLatentAttention(nnx.Module):
     cache = kv_cache.write(cache, latent_BLR[:, :, None, :], k_rope_BL1P, positions_BL)
     latent_BS1R, k_rope_BS1P = cache.read(q_nope_BLNC.dtype)
     w_kvb_RNX = self.wkv_b.merged_kernel().astype(q_nope_BLNC.dtype)  # its LoRA adapter (kv_b_proj) included
-    w_k_RNC, w_v_RNV = w_kvb_RNX[..., :cfg.qk_nope_head_dim], w_kvb_RNX[..., cfg.qk_nope_head_dim:]
+    w_k_RNC, w_v_RNV = w_kvb_RNX[..., :cfg.mla.qk_nope_head_dim], w_kvb_RNX[..., cfg.mla.qk_nope_head_dim:]
     # q_nope·(latent·W_k) = (q_nope·W_kᵀ)·latent: one [R]-wide query per head against the shared latent.
     q_latent_BLNR = jnp.einsum("blnc,rnc->blnr", q_nope_BLNC, w_k_RNC)
     q_BLNX = jnp.concatenate([q_latent_BLNR, q_rope_BLNP.astype(q_latent_BLNR.dtype)], axis=-1)
     k_BS1X = jnp.concatenate([latent_BS1R, k_rope_BS1P], axis=-1)
-    mask_BLS = masks.cache_mask(positions_BL, k_BS1X.shape[1], layer_window_size(cfg, layer_index))
-    out_latent_BLNR = masks.dense_attention(q_BLNX, k_BS1X, latent_BS1R, mask_BLS, cfg.attn_logits_soft_cap)
+    mask_BLS = masks.cache_mask(positions_BL, k_BS1X.shape[1], layer_window_size(cfg.attn, layer_index))
+    out_latent_BLNR = masks.dense_attention(q_BLNX, k_BS1X, latent_BS1R, mask_BLS, cfg.attn.attn_logits_soft_cap)
     out_BLNV = jnp.einsum("blnr,rnv->blnv", out_latent_BLNR, w_v_RNV)
     return self.out(sharding.constrain(out_BLNV, _HEADS)), cache

@@ -60,8 +60,8 @@ class MlpBlock(nnx.Module):
     # Named wi_0, wi_1, ... (not a list) so checkpoints have string keys only.
     for i, target in enumerate(mlp_lora_targets(len(cfg.mlp_activations))):
       setattr(self, f"wi_{i}", DenseGeneral((cfg.emb_dim,), (mlp_dim,), ("embed", "mlp"), tag="mlpwi", **dense,
-                                            **cfg.lora(target)))
-    self.wo = DenseGeneral((mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), tag="mlpwo", **dense, **cfg.lora("down_proj"))
+                                            **cfg.lora.adapter(target)))
+    self.wo = DenseGeneral((mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), tag="mlpwo", **dense, **cfg.lora.adapter("down_proj"))
     self.activations = activation_fns(cfg)
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:

@@ -78,7 +78,7 @@ class Transformer(nnx.Module):
       logits_dtype = jnp.float32 if cfg.logits_dot_in_fp32 else dtype
       self.logits_dense = DenseGeneral((cfg.emb_dim,), (cfg.vocab_size,), ("embed", "vocab"),
                                        dtype=logits_dtype, weight_dtype=weight_dtype, rngs=rngs)
-    for depth in range(cfg.mtp_num_layers):  # last, so the other parameters initialise as without them
+    for depth in range(cfg.mtp.mtp_num_layers):  # last, so the other parameters initialise as without them
       setattr(self, mtp.module_name(depth), mtp.MtpModule(cfg, layer_class, rngs=rngs))
 
   def _build_stack(self, name: str, layer_class: Callable[..., nnx.Module], cfg: ModelConfig, count: int,
@@ -115,11 +115,11 @@ class Transformer(nnx.Module):
     scan_layers, else a list with one per layer; with first_dense_layers, a dict of those for
     `dense_layers` and `layers`, see kv_cache.model_caches)."""
     cfg = self.cfg
-    if cfg.num_pipeline_stages > 1:  # the stage-sharded scanned stack runs as a pipeline
+    if cfg.pipeline.num_pipeline_stages > 1:  # the stage-sharded scanned stack runs as a pipeline
       return (*self._run_pipeline(x_BLD, positions_BL, segment_ids_BL, dropout_rng), None)
-    if cfg.moe_layer_interval > 1:
+    if cfg.moe.moe_layer_interval > 1:
       return self._run_interleaved(x_BLD, positions_BL, segment_ids_BL, dropout_rng, caches)
-    dense = cfg.first_dense_layers
+    dense = cfg.moe.first_dense_layers
     if dense == 0:
       return self._run_stack("layers", cfg.num_decoder_layers, 0, x_BLD, positions_BL, segment_ids_BL, dropout_rng,
                              caches)
@@ -183,7 +183,7 @@ class Transformer(nnx.Module):
     (from `layers`), the others dense (from `dense_layers`), run in order; scanned over the periods.
     The aux losses and statistics are the MoE layers' (the dense ones sow none)."""
     cfg = self.cfg
-    k, num_layers = cfg.moe_layer_interval, cfg.num_decoder_layers
+    k, num_layers = cfg.moe.moe_layer_interval, cfg.num_decoder_layers
     periods = num_layers // k
     one_layer = self._layer_fn(positions_BL, segment_ids_BL, decoding=caches is not None)
     rngs = None if dropout_rng is None else jax.random.split(dropout_rng, num_layers).reshape(periods, k)
@@ -256,7 +256,7 @@ class Transformer(nnx.Module):
     """`_run_layers` over pipeline stages (layers/pipeline.py). The 1F1B schedule runs forward-only
     passes (evaluation) this way too: without gradients its order is GPipe's."""
     stacked_state, apply_layer = self.stage_layers()
-    return pipeline.run_pipeline(self.cfg, apply_layer, stacked_state, x_BLD, positions_BL, segment_ids_BL,
+    return pipeline.run_pipeline(self.cfg.pipeline, apply_layer, stacked_state, x_BLD, positions_BL, segment_ids_BL,
                                  dropout_rng, remat_policy(self.cfg.remat_policy))
 
   def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
@@ -279,7 +279,7 @@ class Transformer(nnx.Module):
       x_BLD, aux, _ = self._run_layers(x_BLD, positions_BL, segment_ids_BL, dropout_rng)
     aux = {name: value if name in ROUTING_STATS else value / self.cfg.num_moe_stack_layers
            for name, value in aux.items()}
-    if mtp_targets is not None and self.cfg.mtp_num_layers > 0:
+    if mtp_targets is not None and self.cfg.mtp.mtp_num_layers > 0:
       aux.update(self._mtp_sums(x_BLD, tokens_BL, positions_BL, segment_ids_BL, *mtp_targets,
                                 mtp_rng))
     return self._logits(x_BLD), aux
@@ -288,7 +288,7 @@ class Transformer(nnx.Module):
                 targets_BL: jax.Array, weights_BL: jax.Array, rng: jax.Array | None) -> AuxLosses:
     cfg = self.cfg
     xent_sum = weight_sum = jnp.zeros((), jnp.float32)
-    for depth in range(cfg.mtp_num_layers):
+    for depth in range(cfg.mtp.mtp_num_layers):
       k = depth + 1
       module = getattr(self, mtp.module_name(depth))
       embedded_BLD = self._embed(mtp.ahead(tokens_BL, k), mtp.ahead(positions_BL, k))
@@ -310,7 +310,7 @@ class Transformer(nnx.Module):
     attending over (and written into) `caches`; returns the updated caches too. With
     `logits_index_B`, only the logits of that one token per row ([B, 1, V]): prefill needs just
     the last prompt token's, and a [B, L, V] float32 block would dwarf the cache for long prompts."""
-    if self.cfg.num_pipeline_stages > 1:
+    if self.cfg.pipeline.num_pipeline_stages > 1:
       raise ValueError("decoding does not support pipeline parallelism; set ici_pipeline_parallelism=1")
     x_BLD = sharding.constrain(self._embed(tokens_BL, positions_BL), ACTIVATION_NAMES)
     segment_ids_BL = jnp.ones(tokens_BL.shape, jnp.int32)  # unused: the cache masks by position
@@ -384,10 +384,10 @@ class ModelSpec:
     """The optimizer's new parameters with what the model sets itself: each MoE layer's correction
     bias follows the expert load (`moe_load` summed over `num_micro` micro-batches), not the
     optimizer; the step's non-finite check comes after, and then keeps the old bias too."""
-    if not self.cfg.moe_score_correction_bias:
+    if not self.cfg.moe.moe_score_correction_bias:
       return new_params
     load_NE = sums["moe_load"] / num_micro if "moe_load" in sums else None
-    return update_correction_biases(new_params, old_params, load_NE, self.cfg.moe_bias_update_rate)
+    return update_correction_biases(new_params, old_params, load_NE, self.cfg.moe.moe_bias_update_rate)
 
   def apply(self, params: Params, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
             dropout_rng: jax.Array | None = None) -> jax.Array:

@@ -77,7 +77,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from MaxText.platform import sharding
-from MaxText.configuration.model_config import ModelConfig
+from MaxText.configuration.model_config import ModelConfig, MoeConfig
 from MaxText.platform.sharding import trace_platform
 from MaxText.layers.grouped_matmul import GroupedMatmul
 from MaxText.layers.linears import DenseGeneral
@@ -108,12 +108,12 @@ class ExpertKernel(nnx.Module):
       self.bias = nnx.Param(jnp.zeros((num_experts, dim_out), weight_dtype), out_sharding=(names[0], names[2]))
 
 
-def expert_capacity(cfg: ModelConfig, length: int) -> int:
+def expert_capacity(moe: MoeConfig, length: int) -> int:
   """Slots per expert for one sequence of `length` tokens (see the module docstring)."""
-  if cfg.capacity_factor <= 0:
+  if moe.capacity_factor <= 0:
     return length
-  even_share = cfg.num_experts_per_tok * length / cfg.num_experts
-  return max(1, min(length, math.ceil(cfg.capacity_factor * even_share)))
+  even_share = moe.num_experts_per_tok * length / moe.num_experts
+  return max(1, min(length, math.ceil(moe.capacity_factor * even_share)))
 
 
 def route(logits_BLE: jax.Array, top_k: int, renormalise: bool = True, *, score_function: str = "softmax",
@@ -239,7 +239,7 @@ class MoeBlock(nnx.Module):
   routing-health statistics (ROUTING_STATS)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    e, d, f = cfg.num_experts, cfg.emb_dim, cfg.mlp_dim
+    e, d, f = cfg.moe.num_experts, cfg.emb_dim, cfg.mlp_dim
     dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
     # The router is tiny; its expert dimension stays replicated. Not quantized: int8/fp8 router
     # logits would flip near-tied top-k choices.
@@ -250,11 +250,11 @@ class MoeBlock(nnx.Module):
     for i in range(len(cfg.mlp_activations)):
       setattr(self, f"wi_{i}", expert(e, d, f, ("exp", "embed", "mlp")))
     self.wo = expert(e, f, d, ("exp", "mlp", "embed"))
-    if cfg.shared_experts > 0:
-      self.shared_mlp = MlpBlock(cfg, rngs=rngs, mlp_dim=cfg.shared_experts * f)
-    if cfg.moe_score_correction_bias:  # moves only by moe_bias_update_rate (train_step.py), never by gradients
+    if cfg.moe.shared_experts > 0:
+      self.shared_mlp = MlpBlock(cfg, rngs=rngs, mlp_dim=cfg.moe.shared_experts * f)
+    if cfg.moe.moe_score_correction_bias:  # moves only by moe_bias_update_rate (train_step.py), never by gradients
       self.score_correction_bias = nnx.Param(jnp.zeros((e,), weight_dtype), out_sharding=(None,))
-    self.cfg, self.dtype, self.activations = cfg, dtype, activation_fns(cfg)
+    self.cfg, self.moe, self.dtype, self.activations = cfg, cfg.moe, dtype, activation_fns(cfg)
 
   def _projections(self) -> tuple[ExpertKernel, ...]:
     return (*(getattr(self, f"wi_{i}") for i in range(len(self.cfg.mlp_activations))), self.wo)
@@ -268,15 +268,15 @@ class MoeBlock(nnx.Module):
     return tuple(p.bias[...].astype(self.dtype) for p in self._projections()) if self.cfg.use_bias else ()
 
   def _matmul(self) -> GroupedMatmul:
-    return grouped_matmul.select(self.cfg.moe_grouped_matmul, trace_platform())
+    return grouped_matmul.select(self.moe.moe_grouped_matmul, trace_platform())
 
   def _grouped(self, x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.Array) -> jax.Array:
     """Dropless experts as grouped matmuls, each batch shard sorting and computing its own tokens
     (under expert parallelism with moe_dispatch=gather: tokens gathered, outputs all-reduced)."""
-    cfg = self.cfg
+    moe = self.moe
     kernels = self._kernels() + self._biases()
     matmul = self._matmul()
-    grouped = functools.partial(_grouped_experts, activations=self.activations, num_experts=cfg.num_experts,
+    grouped = functools.partial(_grouped_experts, activations=self.activations, num_experts=moe.num_experts,
                                 matmul=matmul)
     # The mesh and rules `sharding.constrain` uses (sharding.py has no public getter for them).
     context = sharding.current_activation_context()
@@ -304,75 +304,75 @@ class MoeBlock(nnx.Module):
   def _padded(self, x_BLD: jax.Array, expert_BA: jax.Array, slot_BA: jax.Array, weight_BA: jax.Array,
               capacity: int) -> jax.Array:
     """Slot buffers laid out by expert through sharding constraints (moe_dispatch=gather)."""
-    cfg = self.cfg
+    moe = self.moe
     # Pinning the buffer to the token layout first keeps the scatter local; the change of
     # layout below is then XLA's to make (left unpinned, it all-gathers the tokens instead).
-    buffer_BECD = sharding.constrain(experts.dispatch_slots(x_BLD, expert_BA, slot_BA, cfg.num_experts, capacity),
+    buffer_BECD = sharding.constrain(experts.dispatch_slots(x_BLD, expert_BA, slot_BA, moe.num_experts, capacity),
                                      _TOKEN_BUFFER_NAMES)
     buffer_EBCD = sharding.constrain(jnp.swapaxes(buffer_BECD, 0, 1), _BUFFER_NAMES)
     out_EBCD = sharding.constrain(
         experts.dense_experts(buffer_EBCD, self._kernels(), self._biases(), self.activations), _BUFFER_NAMES)
     out_BECD = sharding.constrain(jnp.swapaxes(out_EBCD, 0, 1), _TOKEN_BUFFER_NAMES)
-    return experts.combine_slots(out_BECD, expert_BA, slot_BA, weight_BA, cfg.num_experts_per_tok)
+    return experts.combine_slots(out_BECD, expert_BA, slot_BA, weight_BA, moe.num_experts_per_tok)
 
   def _all_to_all(self, layout: moe_dispatch.ExpertLayout, x_BLD: jax.Array, experts_BLk: jax.Array,
                   weights_BLk: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
     """(output, assignments the exchange dropped) under moe_dispatch=all_to_all."""
-    cfg = self.cfg
+    moe = self.moe
     body: moe_dispatch.Body
     matmul = self._matmul()
-    if cfg.sparse_matmul:
+    if moe.sparse_matmul:
       body = functools.partial(moe_dispatch.grouped_body, expert_axes=layout.expert_axes,
-                               num_experts=cfg.num_experts, activations=self.activations, matmul=matmul,
-                               buffer_factor=cfg.moe_ragged_buffer_factor,
-                               exchange=moe_dispatch.select_exchange(cfg.moe_all_to_all, trace_platform()))
+                               num_experts=moe.num_experts, activations=self.activations, matmul=matmul,
+                               buffer_factor=moe.moe_ragged_buffer_factor,
+                               exchange=moe_dispatch.select_exchange(moe.moe_all_to_all, trace_platform()))
     else:
       body = functools.partial(moe_dispatch.capacity_body, expert_axes=layout.expert_axes,
-                               num_experts=cfg.num_experts, capacity=capacity, activations=self.activations)
+                               num_experts=moe.num_experts, capacity=capacity, activations=self.activations)
     return moe_dispatch.moe_all_to_all(layout, x_BLD, experts_BLk, weights_BLk, self._kernels(), self._biases(),
                                        body=body,
-                                       check_vma=grouped_matmul.annotates_vma(matmul) or not cfg.sparse_matmul)
+                                       check_vma=grouped_matmul.annotates_vma(matmul) or not moe.sparse_matmul)
 
   def _layout(self, batch: int) -> moe_dispatch.ExpertLayout | None:
     """The all-to-all layout when this call runs expert-parallel with moe_dispatch=all_to_all."""
     context = sharding.current_activation_context()
-    if context is None or self.cfg.moe_dispatch != "all_to_all":
+    if context is None or self.moe.moe_dispatch != "all_to_all":
       return None
     return moe_dispatch.expert_layout(*context, batch, getattr(self, "wi_0").kernel.shape)
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
-    cfg = self.cfg
-    top_k, num_experts, length = cfg.num_experts_per_tok, cfg.num_experts, x_BLD.shape[1]
+    moe = self.moe
+    top_k, num_experts, length = moe.num_experts_per_tok, moe.num_experts, x_BLD.shape[1]
     x_BLD = x_BLD.astype(self.dtype)
     logits_BLE = self.gate(x_BLD)
-    bias_E = (jax.lax.stop_gradient(self.score_correction_bias[...]) if cfg.moe_score_correction_bias else None)
+    bias_E = (jax.lax.stop_gradient(self.score_correction_bias[...]) if moe.moe_score_correction_bias else None)
     probs_BLE, experts_BLk, weights_BLk = route(
-        logits_BLE, top_k, cfg.norm_topk_prob, score_function=cfg.moe_score_function, bias_E=bias_E,
-        num_groups=cfg.moe_num_groups, topk_groups=cfg.moe_topk_groups, group_score=cfg.moe_group_score,
-        scaling=cfg.routed_scaling_factor)
+        logits_BLE, top_k, moe.norm_topk_prob, score_function=moe.moe_score_function, bias_E=bias_E,
+        num_groups=moe.moe_num_groups, topk_groups=moe.moe_topk_groups, group_score=moe.moe_group_score,
+        scaling=moe.routed_scaling_factor)
     routed_BLD = x_BLD
-    if cfg.moe_router_scales_input:  # top-1 (config): the weight moves onto the expert's input
+    if moe.moe_router_scales_input:  # top-1 (config): the weight moves onto the expert's input
       routed_BLD, weights_BLk = scale_routed_input(x_BLD, logits_BLE, experts_BLk)
     routed_E = routed_fraction(experts_BLk, num_experts)
     self.sow(nnx.Intermediate, "moe_lb_loss", load_balance_loss(probs_BLE, experts_BLk, routed_E))
-    capacity = expert_capacity(cfg, length)
+    capacity = expert_capacity(self.moe, length)
     dropped = jnp.zeros((), jnp.float32)  # the slot paths' drops, counted here; the grouped exchange's, below
-    if not cfg.sparse_matmul:
+    if not moe.sparse_matmul:
       expert_BA, slot_BA = experts.assign_slots(experts_BLk, num_experts)
       dropped = jnp.mean((slot_BA >= capacity).astype(jnp.float32))
 
     layout = self._layout(x_BLD.shape[0])
     if layout is not None:
       out_BLD, exchange_dropped = self._all_to_all(layout, routed_BLD, experts_BLk, weights_BLk, capacity)
-      if cfg.sparse_matmul:  # the grouped exchange's receive buffers may drop rows
+      if moe.sparse_matmul:  # the grouped exchange's receive buffers may drop rows
         dropped = exchange_dropped / experts_BLk.size
-    elif cfg.sparse_matmul:
+    elif moe.sparse_matmul:
       out_BLD = self._grouped(routed_BLD, experts_BLk, weights_BLk)
     else:
       weight_BA = experts.choice_major(weights_BLk)
       out_BLD = self._padded(routed_BLD, expert_BA, slot_BA, weight_BA, capacity)
     for name, value in routing_health(probs_BLE, routed_E, dropped).items():
       self.sow(nnx.Intermediate, name, value)
-    if cfg.shared_experts > 0:
+    if moe.shared_experts > 0:
       out_BLD = out_BLD + self.shared_mlp(x_BLD)
     return out_BLD

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxText.platform import sharding
-from MaxText.configuration.model_config import ModelConfig
+from MaxText.configuration.model_config import PipelineConfig
 from MaxText.layers import pipeline_timetable
 from MaxText.layers.remat import CheckpointPolicy
 
@@ -83,14 +83,14 @@ def bubble_fraction(num_stages: int, num_microbatches: int, num_repeats: int = 1
   return (num_stages - 1) / num_iterations(num_stages, num_microbatches, num_repeats)
 
 
-def describe(cfg: ModelConfig) -> str:
+def describe(pipe: PipelineConfig) -> str:
   """One start-up log line: schedule, layer split and bubble fraction."""
-  s, m, r = cfg.num_pipeline_stages, cfg.num_pipeline_microbatches, cfg.num_pipeline_repeats
-  layout = f"{cfg.layers_per_pipeline_stage} layers per stage" + (f" x {r} repeats" if r > 1 else "")
-  name = f"interleaved {cfg.pipeline_schedule}" if cfg.pipeline_schedule == "1f1b" and r > 1 else cfg.pipeline_schedule
+  s, m, r = pipe.num_pipeline_stages, pipe.num_pipeline_microbatches, pipe.num_pipeline_repeats
+  layout = f"{pipe.layers_per_pipeline_stage} layers per stage" + (f" x {r} repeats" if r > 1 else "")
+  name = f"interleaved {pipe.pipeline_schedule}" if pipe.pipeline_schedule == "1f1b" and r > 1 else pipe.pipeline_schedule
   line = (f"pipeline: {name} schedule, {s} stages, {m} microbatches, {layout}; "
           f"{num_iterations(s, m, r)} iterations, bubble fraction {bubble_fraction(s, m, r):.3f}")
-  if cfg.pipeline_schedule == "1f1b":  # each iteration runs one forward and one backward per stage
+  if pipe.pipeline_schedule == "1f1b":  # each iteration runs one forward and one backward per stage
     kind = "stage inputs (microbatch x pass)" if r > 1 else "microbatch inputs"
     line += f"; at most {pipeline_timetable.build(s, m, r).num_slots} {kind} kept per stage"
   return line
@@ -106,9 +106,9 @@ def _merge_micro(x: jax.Array) -> jax.Array:
   return jnp.swapaxes(x, 0, 1).reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
 
-def stage_weights(stacked_state: Any, cfg: ModelConfig) -> Any:
+def stage_weights(stacked_state: Any, pipe: PipelineConfig) -> Any:
   """Stacked [num_layers, ...] leaves → [P, R, J, ...]: [s, r, g] is layer (r·P + s)·J + g."""
-  s, r, g = cfg.num_pipeline_stages, cfg.num_pipeline_repeats, cfg.layers_per_pipeline_stage
+  s, r, g = pipe.num_pipeline_stages, pipe.num_pipeline_repeats, pipe.layers_per_pipeline_stage
 
   def regroup(w: jax.Array) -> jax.Array:
     return jnp.swapaxes(w.reshape((r, s, g) + w.shape[1:]), 0, 1)
@@ -116,7 +116,7 @@ def stage_weights(stacked_state: Any, cfg: ModelConfig) -> Any:
   return jax.tree.map(regroup, stacked_state)
 
 
-def layer_group_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None) -> GroupFn:
+def layer_group_fn(pipe: PipelineConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None) -> GroupFn:
   """J consecutive layers, the first being `first_layer`, on one microbatch -> (x_mLD, aux summed over them)."""
 
   def run(weights_J: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
@@ -127,43 +127,43 @@ def layer_group_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | 
       rng = None if layer_rngs is None else jax.random.fold_in(layer_rngs[layer_index], micro)
       return layer_fn(x, layer_state, rng, layer_index, positions_mL, segment_ids_mL)
 
-    x_mLD, aux_J = jax.lax.scan(one, x_mLD, (weights_J, jnp.arange(cfg.layers_per_pipeline_stage)))
+    x_mLD, aux_J = jax.lax.scan(one, x_mLD, (weights_J, jnp.arange(pipe.layers_per_pipeline_stage)))
     return x_mLD, {name: jnp.sum(values) for name, values in aux_J.items()}
 
   return run
 
 
-def first_layer(cfg: ModelConfig, stage: jax.Array, repeat: jax.Array) -> jax.Array:
+def first_layer(pipe: PipelineConfig, stage: jax.Array, repeat: jax.Array) -> jax.Array:
   """Index of the first layer stage `stage` runs in pass `repeat`."""
-  return (repeat * cfg.num_pipeline_stages + stage) * cfg.layers_per_pipeline_stage
+  return (repeat * pipe.num_pipeline_stages + stage) * pipe.layers_per_pipeline_stage
 
 
-def _stage_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None, policy: Policy) -> StageFn:
+def _stage_fn(pipe: PipelineConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None, policy: Policy) -> StageFn:
   """One stage's work in one iteration: its J layers of pass `repeat` on one microbatch."""
-  run_group = layer_group_fn(cfg, layer_fn, layer_rngs)
+  run_group = layer_group_fn(pipe, layer_fn, layer_rngs)
 
   def run(weights_RJ: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
           stage: jax.Array, repeat: jax.Array, micro: jax.Array) -> tuple[jax.Array, AuxLosses]:
     weights_J = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, repeat, keepdims=False), weights_RJ)
-    return run_group(weights_J, x_mLD, positions_mL, segment_ids_mL, first_layer(cfg, stage, repeat), micro)
+    return run_group(weights_J, x_mLD, positions_mL, segment_ids_mL, first_layer(pipe, stage, repeat), micro)
 
   if isinstance(policy, str):  # "none": no rematerialisation
     return run
   return jax.checkpoint(run, policy=policy)
 
 
-def run_pipeline(cfg: ModelConfig, layer_fn: LayerFn, stacked_state: Any, x_BLD: jax.Array,
+def run_pipeline(pipe: PipelineConfig, layer_fn: LayerFn, stacked_state: Any, x_BLD: jax.Array,
                  positions_BL: jax.Array, segment_ids_BL: jax.Array, dropout_rng: jax.Array | None,
                  policy: Policy) -> tuple[jax.Array, AuxLosses]:
   """The decoder stack as a pipeline; returns x_BLD and the aux losses summed over layers
   (averaged over microbatches), like the non-pipelined stack."""
-  num_stages, num_micro, num_repeats = cfg.num_pipeline_stages, cfg.num_pipeline_microbatches, cfg.num_pipeline_repeats
-  layer_rngs = jax.random.split(dropout_rng, cfg.num_decoder_layers) if dropout_rng is not None else None
+  num_stages, num_micro, num_repeats = pipe.num_pipeline_stages, pipe.num_pipeline_microbatches, pipe.num_pipeline_repeats
+  layer_rngs = jax.random.split(dropout_rng, pipe.num_layers) if dropout_rng is not None else None
   inputs_MmLD = sharding.constrain(_split_micro(x_BLD, num_micro), _MICRO_NAMES)
   positions_MmL, segment_ids_MmL = _split_micro(positions_BL, num_micro), _split_micro(segment_ids_BL, num_micro)
-  weights_PRJ = stage_weights(stacked_state, cfg)
+  weights_PRJ = stage_weights(stacked_state, pipe)
   stages_P = jnp.arange(num_stages)
-  run_stages = jax.vmap(_stage_fn(cfg, layer_fn, layer_rngs, policy), spmd_axis_name="stage")
+  run_stages = jax.vmap(_stage_fn(pipe, layer_fn, layer_rngs, policy), spmd_axis_name="stage")
 
   def iteration(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array], AuxLosses]:
     state_PmLD, outputs_MmLD = carry

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxText.platform import sharding
-from MaxText.configuration.model_config import ModelConfig
+from MaxText.configuration.model_config import PipelineConfig
 from MaxText.layers import pipeline_timetable
 from MaxText.layers.pipeline import LayerFn, Policy, StageFn, _merge_micro, _split_micro
 from MaxText.layers.pipeline import first_layer, layer_group_fn, stage_weights
@@ -56,17 +56,17 @@ _STAGE_NAMES = ("layers", "activation_batch", "activation_length", "activation_e
 _RING_NAMES = ("layers", None, "activation_batch", "activation_length", "activation_embed")
 
 
-def _stage_fn(cfg: ModelConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None, policy: Policy) -> StageFn:
+def _stage_fn(pipe: PipelineConfig, layer_fn: LayerFn, layer_rngs: jax.Array | None, policy: Policy) -> StageFn:
   """One stage's J layers of one pass on one microbatch -> (x_mLD, aux summed over its layers),
   rematerialised per layer rather than per stage, so the re-run in a backward slot holds one
   layer's internals at a time."""
   if not isinstance(policy, str):  # "none" means no rematerialisation
     layer_fn = jax.checkpoint(layer_fn, policy=policy)
-  run_group = layer_group_fn(cfg, layer_fn, layer_rngs)
+  run_group = layer_group_fn(pipe, layer_fn, layer_rngs)
 
   def run(weights_J: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
           stage: jax.Array, repeat: jax.Array, micro: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    return run_group(weights_J, x_mLD, positions_mL, segment_ids_mL, first_layer(cfg, stage, repeat), micro)
+    return run_group(weights_J, x_mLD, positions_mL, segment_ids_mL, first_layer(pipe, stage, repeat), micro)
 
   return run
 
@@ -83,21 +83,21 @@ def _pass_weights(weights_RJ: Any, repeat: jax.Array) -> Any:
   return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, repeat, keepdims=False), weights_RJ)
 
 
-def _loop(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, stacked_state: Any,
+def _loop(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, stacked_state: Any,
           head_state: Any, x_BLD: jax.Array, data: dict[str, Any]) -> tuple[Sums, tuple[Any, Any, jax.Array]]:
   """Runs the schedule: (loss sums, (stacked layer grads, head grads, d x_BLD)) of the summed loss."""
-  num_stages, num_micro, num_repeats = cfg.num_pipeline_stages, cfg.num_pipeline_microbatches, cfg.num_pipeline_repeats
+  num_stages, num_micro, num_repeats = pipe.num_pipeline_stages, pipe.num_pipeline_microbatches, pipe.num_pipeline_repeats
   table = pipeline_timetable.build(num_stages, num_micro, num_repeats)
   rng = data["dropout_rng"]
-  layer_rngs = jax.random.split(rng, cfg.num_decoder_layers) if rng is not None else None
+  layer_rngs = jax.random.split(rng, pipe.num_layers) if rng is not None else None
   split = functools.partial(_split_micro, num_micro=num_micro)
   inputs_MmLD = sharding.constrain(split(x_BLD), (None,) + _STAGE_NAMES[1:])
   positions_MmL, segment_ids_MmL = split(data["positions"]), split(data["segment_ids"])
   head_inputs_M = jax.tree.map(split, data["head_inputs"])
   aux_cotangents: dict[str, jax.Array] = data["aux_cotangents"]
-  weights_PRJ = stage_weights(stacked_state, cfg)
+  weights_PRJ = stage_weights(stacked_state, pipe)
   stages_P = jnp.arange(num_stages)
-  run = _stage_fn(cfg, layer_fn, layer_rngs, policy)
+  run = _stage_fn(pipe, layer_fn, layer_rngs, policy)
 
   def stage_forward(weights_RJ: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
                     stage: jax.Array, repeat: jax.Array, micro: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -213,7 +213,7 @@ def _loop(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, 
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def pipelined_loss(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, stacked_state: Any,
+def pipelined_loss(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, stacked_state: Any,
                    head_state: Any, x_BLD: jax.Array, data: dict[str, Any]) -> tuple[jax.Array, Sums]:
   """(differentiable scalar loss, sums) of the stack + head under the 1F1B schedule.
 
@@ -222,19 +222,19 @@ def pipelined_loss(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy:
   head's own, "aux_<name>") are metrics. `data`: positions, segment_ids ([B, L] each),
   head_inputs (name -> [B, ...]), dropout_rng (or None), aux_cotangents (name -> scalar).
   """
-  return _loss_and_grads(cfg, layer_fn, head_fn, policy, stacked_state, head_state, x_BLD, data)[0]
+  return _loss_and_grads(pipe, layer_fn, head_fn, policy, stacked_state, head_state, x_BLD, data)[0]
 
 
-def _loss_and_grads(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, stacked_state: Any,
+def _loss_and_grads(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, stacked_state: Any,
                     head_state: Any, x_BLD: jax.Array, data: dict[str, Any]) -> tuple[tuple[jax.Array, Sums], Any]:
-  sums, grads = _loop(cfg, layer_fn, head_fn, policy, stacked_state, head_state, x_BLD, data)
+  sums, grads = _loop(pipe, layer_fn, head_fn, policy, stacked_state, head_state, x_BLD, data)
   loss = sums["loss"] + sum((jnp.asarray(weight, jnp.float32) * sums[f"aux_{name}"]
                              for name, weight in data["aux_cotangents"].items() if f"aux_{name}" in sums),
                             jnp.zeros((), jnp.float32))
   return (loss, sums), grads
 
 
-def _backward_rule(cfg: ModelConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, grads: tuple[Any, Any, jax.Array],
+def _backward_rule(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, grads: tuple[Any, Any, jax.Array],
                    cotangents: tuple[jax.Array, Sums]) -> tuple[Any, Any, jax.Array, None]:
   g_loss = cotangents[0]
   scale = lambda tree: jax.tree.map(lambda x: (g_loss * x).astype(x.dtype), tree)  # noqa: E731

@@ -374,9 +374,9 @@ def context_parallel_attention(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules:
   platform's pair kernel) or all_to_all (with its full-sequence kernel)."""
   q_spec, kv_spec, seg_spec, axes = context_parallel.kernel_specs(mesh, rules, q_BLNH.shape, k_BSKH.shape, True)
   shards = math.prod(mesh.shape[a] for a in axes)
-  balanced, strategy = cfg.context_parallel_load_balance, cfg.context_parallel_strategy
-  if balanced and shards != cfg.context_parallel_degree:
-    raise ConfigError(f"context_parallel_load_balance=True ordered the batch for {cfg.context_parallel_degree} "
+  balanced, strategy = cfg.attn.context_parallel_load_balance, cfg.attn.context_parallel_strategy
+  if balanced and shards != cfg.attn.context_parallel_degree:
+    raise ConfigError(f"context_parallel_load_balance=True ordered the batch for {cfg.attn.context_parallel_degree} "
                       f"sequence shards but attention's length is split {shards} ways (logical_axis_rules "
                       "activation_length); map activation_length to the sequence axis only")
   static_window = masks.is_static(window_size)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
   from MaxText.training.run_assembly import StepInputs
 
 _MAGIC = b"MAXTEXT-COMPILED-TRAIN-STEP\n"
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: the model section nests ModelConfig's records (moe, rope, ...)
 # Header sections that must agree between the file and the run that loads it.
 _CHECKED_SECTIONS = ("target", "versions", "batch", "model", "optim", "mesh", "guards", "inputs")
 

@@ -107,7 +107,7 @@ class AdapterPartition:
 
 def partition_for(cfg: ModelConfig) -> Partition:
   """Which parameters train: the adapters with lora_rank > 0, else all of them."""
-  return AdapterPartition() if cfg.lora_rank > 0 else TrainAll()
+  return AdapterPartition() if cfg.lora.lora_rank > 0 else TrainAll()
 
 
 def merge(params: Params, lora_scale: float) -> Params:

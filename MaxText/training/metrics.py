@@ -54,12 +54,12 @@ class StepFlops:
 def attended_pairs(cfg: ModelConfig, length: int, causal: bool = True) -> float:
   """Query-key pairs of one sequence summed over the layers, the MTP modules' layers included (see
   the module docstring)."""
-  pattern = cfg.attention_layer_pattern
+  pattern = cfg.attn.attention_layer_pattern
   total = 0.0
-  for layer in range(cfg.num_decoder_layers + cfg.mtp_num_layers):
+  for layer in range(cfg.num_decoder_layers + cfg.mtp.mtp_num_layers):
     kind = pattern[layer % len(pattern)]
-    window = cfg.sliding_window_size if kind == "local" else None
-    chunk = cfg.attention_chunk_size
+    window = cfg.attn.sliding_window_size if kind == "local" else None
+    chunk = cfg.attn.attention_chunk_size
     if not causal:
       total += length * length
     elif kind == "chunked" and chunk < length:
@@ -73,22 +73,22 @@ def attended_pairs(cfg: ModelConfig, length: int, causal: bool = True) -> float:
 
 def moe_expert_rows(cfg: ModelConfig, length: int) -> float:
   """Rows the expert matmuls process per sequence: routed (k·L) or padded slots (E·C)."""
-  if cfg.sparse_matmul:
-    return float(cfg.num_experts_per_tok * length)
+  if cfg.moe.sparse_matmul:
+    return float(cfg.moe.num_experts_per_tok * length)
   # The capacity formula lives with the kernel it sizes; imported lazily (flax) for MoE models only.
   from MaxText.layers.moe import expert_capacity  # noqa: PLC0415
-  return float(cfg.num_experts * expert_capacity(cfg, length))
+  return float(cfg.moe.num_experts * expert_capacity(cfg.moe, length))
 
 
 def attention_projection_flops(cfg: ModelConfig) -> float:
   """Weight-matmul FLOPs of one layer's attention projections per token."""
   d, n, k, h = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
-  if cfg.attention_type != "mla":
+  if cfg.attn.attention_type != "mla":
     return 2 * d * h * (n + 2 * k) + 2 * n * h * d
-  query = 2 * d * n * h if cfg.q_lora_rank <= 0 else 2 * d * cfg.q_lora_rank + 2 * cfg.q_lora_rank * n * h
-  latent = 2 * d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-  expand = 2 * cfg.kv_lora_rank * n * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-  return query + latent + expand + 2 * n * cfg.v_head_dim * d
+  query = 2 * d * n * h if cfg.mla.q_lora_rank <= 0 else 2 * d * cfg.mla.q_lora_rank + 2 * cfg.mla.q_lora_rank * n * h
+  latent = 2 * d * (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
+  expand = 2 * cfg.mla.kv_lora_rank * n * (cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim)
+  return query + latent + expand + 2 * n * cfg.mla.v_head_dim * d
 
 
 def forward_flops_per_sequence(cfg: ModelConfig, length: int, causal: bool = True) -> tuple[float, float]:
@@ -96,20 +96,20 @@ def forward_flops_per_sequence(cfg: ModelConfig, length: int, causal: bool = Tru
   d, n, h, f, v = cfg.emb_dim, cfg.num_query_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
   gated = len(cfg.mlp_activations)
   expert_mlp = 2 * d * f * gated + 2 * f * d
-  if cfg.num_experts > 1:
-    mlp_per_sequence = expert_mlp * moe_expert_rows(cfg, length) + 2 * d * cfg.num_experts * length
-    mlp_per_sequence += expert_mlp * cfg.shared_experts * length  # shared experts: every token, width x shared
+  if cfg.moe.num_experts > 1:
+    mlp_per_sequence = expert_mlp * moe_expert_rows(cfg, length) + 2 * d * cfg.moe.num_experts * length
+    mlp_per_sequence += expert_mlp * cfg.moe.shared_experts * length  # shared experts: every token, width x shared
   else:
     mlp_per_sequence = expert_mlp * length
-  dense_f = cfg.dense_mlp_dim or f  # the dense_layers stack (first_dense_layers, moe_layer_interval): dense_mlp_dim
+  dense_f = cfg.moe.dense_mlp_dim or f  # the dense_layers stack (first_dense_layers, moe_layer_interval): dense_mlp_dim
   dense_mlp = (2 * d * dense_f * gated + 2 * dense_f * d) * length
   # Multi-token prediction (training only): per module one more layer like the main stack's, the
   # [2D -> D] projection and another pass through the output head.
-  mtp = cfg.mtp_num_layers
+  mtp = cfg.mtp.mtp_num_layers
   weights = (length * attention_projection_flops(cfg) * (cfg.num_decoder_layers + mtp)
              + mlp_per_sequence * (cfg.num_moe_stack_layers + mtp) + dense_mlp * cfg.num_dense_layers
              + length * 2 * d * v * (1 + mtp) + length * 2 * (2 * d) * d * mtp)
-  value_dim = cfg.v_head_dim if cfg.attention_type == "mla" else h  # QK^T over head_dim, AV over the value width
+  value_dim = cfg.mla.v_head_dim if cfg.attn.attention_type == "mla" else h  # QK^T over head_dim, AV over the value width
   scores = 2 * n * (h + value_dim) * attended_pairs(cfg, length, causal)
   return float(weights), float(scores)
 

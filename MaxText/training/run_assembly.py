@@ -59,8 +59,8 @@ class Run:
     if self.setup.updater.partition.trains_everything:
       return ""
     adapters = sum(x.size for x in jax.tree.leaves(lora.split(self.setup.abstract_state.params)[0]))
-    return (f"lora: {adapters / 1e6:.2f}M adapter parameters train (rank {cfg.lora_rank}, alpha {cfg.lora_alpha:g}, "
-            f"on {', '.join(cfg.lora_target_modules)}); the other {(self.num_params - adapters) / 1e6:.2f}M are frozen")
+    return (f"lora: {adapters / 1e6:.2f}M adapter parameters train (rank {cfg.lora.lora_rank}, alpha {cfg.lora.lora_alpha:g}, "
+            f"on {', '.join(cfg.lora.lora_target_modules)}); the other {(self.num_params - adapters) / 1e6:.2f}M are frozen")
 
   def mesh_description(self) -> str:
     return ", ".join(f"{a}={n}" for a, n in self.mesh.shape.items() if n > 1) or "single device"

@@ -41,7 +41,7 @@ def _split_microbatches(batch: Batch, num_micro: int) -> Batch:
 def _balanced(config: Config) -> Callable[[Batch], Batch]:
   # Load-balanced context parallelism reorders the batch here, once, before the model: every
   # objective's loss is a sum over tokens or sequences, so it needs no undoing.
-  return lambda batch: context_parallel.balance_batch(batch, config.model)
+  return lambda batch: context_parallel.balance_batch(batch, config.model.attn, config.model.max_target_length)
 
 
 def _grads_and_sums(setup: StateSetup, objective: Objective, config: Config, params: Params, context: Params | None,

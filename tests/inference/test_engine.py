@@ -133,7 +133,7 @@ def test_moe_decodes_dropless_even_with_a_training_capacity_factor():
   equal to the dropless full pass (observed: with dropping kept, tokens diverged after 4 steps)."""
   moe = dict(TINY, num_experts=4, num_experts_per_tok=2)
   engine = Engine(Config.for_testing(**moe, capacity_factor=1.0), num_slots=2, mesh=one_device_mesh())
-  assert engine.cfg.capacity_factor <= 0
+  assert engine.cfg.moe.capacity_factor <= 0
   params = engine.load_params(seed=1)
   prompts = [[3, 9, 27], [1, 2, 3, 4, 5, 6, 7]]
   dropless = Engine(Config.for_testing(**moe), num_slots=2, mesh=one_device_mesh()).spec

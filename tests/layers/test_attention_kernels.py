@@ -197,7 +197,7 @@ def test_config_validates_block_sizes():
     _tiny(sa_block_kv=100)
   with pytest.raises(ConfigError, match="flash_block_q must be > 0"):
     _tiny(flash_block_q=0)
-  assert _tiny(attention="flash", flash_block_q=64).model.attention_blocks.flash_block_q == 64
+  assert _tiny(attention="flash", flash_block_q=64).model.attn.attention_blocks.flash_block_q == 64
 
 
 def _blocks(size: int, **overrides: int) -> AttentionBlocks:

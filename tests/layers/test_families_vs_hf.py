@@ -109,7 +109,7 @@ def test_bfloat16_error_is_no_worse_than_hf_bfloat16(family, staging):
   ours = H.our_logits(config, H.our_params(model, config, staging / f"bf16-{family}"), token_ids)
   ours_error, hf_error = ours - reference, hf_bf16 - reference
   agree_ours, agree_hf = ours.argmax(-1) == reference.argmax(-1), hf_bf16.argmax(-1) == reference.argmax(-1)
-  if config.model.num_experts > 1:
+  if config.model.moe.num_experts > 1:
     # With many experts, near-tied router scores are common in a tiny random model: bf16
     # rounding flips a token's expert on one side or the other (an O(1) move of that token's
     # logits, seen on both sides). Flips may not be more frequent than HF's own (+1); the

@@ -177,11 +177,13 @@ def test_shipped_yaml_is_the_published_architecture(name, layers, experts):
   """transformers' GptOssConfig defaults are the released models' architecture (gpt-oss-20b
   differs in depth and expert count): the converter's reading of them is our YAML."""
   transformers = pytest.importorskip("transformers", reason="needs transformers (EXTRAS=test bash setup.sh)")
+  from MaxText.configuration import config_fields
   from MaxText.configuration.config import Config
   hf = transformers.GptOssConfig(num_hidden_layers=layers, num_local_experts=experts).to_dict()
   keys = families.family_for_hf_config(hf).model_keys(hf)
   model = Config.for_testing(model_name=name, print_config=False).model
-  assert {k: list(v) if isinstance(v, tuple) else v for k, v in vars(model).items() if k in keys} == keys
+  held = config_fields.key_values(model)  # the keys of the root and its records
+  assert {k: list(v) if isinstance(v, tuple) else v for k, v in held.items() if k in keys} == keys
   assert families.family_for_hf_config(hf).hf_config(model)["router_aux_loss_coef"] == hf["router_aux_loss_coef"]
 
 

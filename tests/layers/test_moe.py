@@ -73,8 +73,8 @@ def _ours(hf, model, tokens, staging_dir, **overrides) -> tuple[np.ndarray, dict
   """Our logits and aux losses, every model key inferred from the HF config and the
   parameters converted through the mixtral tensor table (MaxText/convert/mixtral.py)."""
   config = hf.our_config(model, **overrides)
-  assert (config.model.decoder_block, config.model.num_experts) == ("mixtral", E)
-  assert config.model.num_experts_per_tok == overrides.get("num_experts_per_tok", TOP_K)
+  assert (config.model.decoder_block, config.model.moe.num_experts) == ("mixtral", E)
+  assert config.model.moe.num_experts_per_tok == overrides.get("num_experts_per_tok", TOP_K)
   params = hf.our_params(model, config, staging_dir)
   spec = models.build_model_spec(config.model)
   positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
@@ -202,7 +202,7 @@ def test_capacity_drops_overflow_as_documented():
   gate_DE[0, 0] = 5.0
   # capacity_factor 1.0: C = ceil(1.0 * 2 * 8 / 4) = 4 slots per expert for 8 tokens.
   cfg = tiny_mixtral(capacity_factor=1.0)
-  assert moe.expert_capacity(cfg.model, 8) == 4
+  assert moe.expert_capacity(cfg.model.moe, 8) == 4
   block = _block(cfg, gate_DE)
   _, experts_BLk, _ = moe.route(block.gate(jnp.asarray(x_BLD)), TOP_K)
   assert int(jnp.sum(experts_BLk[..., 0] == 0)) == 16  # every first choice is expert 0: 4 kept per row
@@ -218,7 +218,7 @@ def test_capacity_drops_overflow_as_documented():
 
 def test_token_losing_every_choice_gets_zeros():
   cfg = tiny_mixtral(capacity_factor=0.01)  # C = 1 slot per expert
-  assert moe.expert_capacity(cfg.model, 8) == 1
+  assert moe.expert_capacity(cfg.model.moe, 8) == 1
   x_BLD = np.ones((1, 8, D), np.float32)  # identical tokens pick the same two experts
   out_BLD = _apply(_block(cfg), x_BLD)
   assert np.abs(out_BLD[0, 0]).max() > 0 and np.abs(out_BLD[0, 1:]).max() == 0

@@ -33,7 +33,7 @@ def _checks():
 
 
 def _splash(window, traced=False):
-  blocks = Config.for_testing(**TINY).model.attention_blocks
+  blocks = Config.for_testing(**TINY).model.attn.attention_blocks
   return ring_blocks.SplashBlocks(0.0, blocks, window, traced_window=traced, interpret=True)
 
 
@@ -111,7 +111,7 @@ def test_platform_picks_the_pair_kernel():
   assert isinstance(attention_kernels.block_kernel(half, "gpu", 256, None, 30.0), ring_blocks.ChunkedBlocks)  # soft cap
   traced = attention_kernels.block_kernel(Config.for_testing(**TINY, sliding_window_size=64).model, "tpu", 256,
                                     jnp.int32(64), 0.0)
-  assert traced == ring_blocks.SplashBlocks(0.0, model.attention_blocks, 64, traced_window=True)
+  assert traced == ring_blocks.SplashBlocks(0.0, model.attn.attention_blocks, 64, traced_window=True)
 
 
 @pytest.mark.parametrize("chunk, window, kinds", [

@@ -38,12 +38,12 @@ def test_frequencies_and_attention_factor_match_transformers(name):
   want_freq, want_scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf, "cpu")
   cfg = Config.for_testing(head_dim=HEAD_DIM, base_emb_dim=256, base_num_query_heads=4, base_num_kv_heads=4,
                            rope_type=params["rope_type"], print_config=False, **ours).model
-  np.testing.assert_allclose(rope_inverse_frequencies(cfg), want_freq.numpy(), rtol=1e-6)
-  assert rope_attention_scale(cfg) == pytest.approx(want_scale)
+  np.testing.assert_allclose(rope_inverse_frequencies(cfg.rope, cfg.head_dim), want_freq.numpy(), rtol=1e-6)
+  assert rope_attention_scale(cfg.rope) == pytest.approx(want_scale)
   # Scaling changed something: the plain frequencies differ.
   plain = Config.for_testing(head_dim=HEAD_DIM, base_emb_dim=256, base_num_query_heads=4, base_num_kv_heads=4,
                              rope_max_timescale=params["rope_theta"], print_config=False).model
-  assert not np.allclose(rope_inverse_frequencies(plain), want_freq.numpy())
+  assert not np.allclose(rope_inverse_frequencies(plain.rope, plain.head_dim), want_freq.numpy())
 
 
 def test_bad_yarn_settings_are_one_line_errors():

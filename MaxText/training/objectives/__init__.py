@@ -30,8 +30,9 @@ def objective_for(config: Config, model: ModelSpec, partition: Partition) -> Obj
   if config.data.use_dpo:
     return Preference(model, partition, optim.dpo_beta, optim.dpo_label_smoothing)
   if config.data.use_grpo:
-    return Grpo(model, partition, config.rl, config.model.load_balance_loss_weight, optim.gradient_accumulation_steps)
-  return LanguageModel(model, optim.z_loss_multiplier, config.model.load_balance_loss_weight,
+    return Grpo(model, partition, config.rl, config.model.moe.load_balance_loss_weight,
+                optim.gradient_accumulation_steps)
+  return LanguageModel(model, optim.z_loss_multiplier, config.model.moe.load_balance_loss_weight,
                        optim.gradient_accumulation_steps)
 
 

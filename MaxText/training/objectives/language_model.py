@@ -47,9 +47,9 @@ class LanguageModel(Objective):
   def loss_sums(self, params: Params, context: Params | None, batch: Batch,
                 dropout_rng: jax.Array | None) -> tuple[jax.Array, Sums]:
     cfg = self.model.cfg
-    if cfg.num_pipeline_stages > 1 and cfg.pipeline_schedule == "1f1b":
+    if cfg.pipeline.num_pipeline_stages > 1 and cfg.pipeline.pipeline_schedule == "1f1b":
       return self._pipelined_sums(params, batch, dropout_rng)
-    return self._sums(params, batch, dropout_rng, with_mtp=cfg.mtp_num_layers > 0)
+    return self._sums(params, batch, dropout_rng, with_mtp=cfg.mtp.mtp_num_layers > 0)
 
   def eval_sums(self, params: Params, context: Params | None, batch: Batch) -> Sums:
     # Multi-token prediction is a training objective: evaluation reports the next-token loss only;
@@ -72,7 +72,7 @@ class LanguageModel(Objective):
     if mtp_targets is not None:
       # A sum like the others (micro-batches add up); divided by the step's target count, it is
       # λ times the mean over depths of each depth's per-token loss.
-      total = total + cfg.mtp_loss_scaling_factor / cfg.mtp_num_layers * aux["mtp_xent_sum"]
+      total = total + cfg.mtp.mtp_loss_scaling_factor / cfg.mtp.mtp_num_layers * aux["mtp_xent_sum"]
       stats.update(mtp_xent_sum=aux["mtp_xent_sum"], mtp_weight_sum=aux["mtp_weight_sum"])
     return total, {"xent_sum": xent_sum, "z_loss_sum": z_sum, "moe_lb_loss_sum": lb_sum, "weight_sum": weight_sum,
                    **stats}
@@ -89,7 +89,7 @@ class LanguageModel(Objective):
 
     # d(total)/d(aux summed over layers and microbatches): the load-balancing term enters the
     # loss as its mean over layers and microbatches, weighted by the batch's target count.
-    lb_scale = weight_sum / (cfg.num_pipeline_microbatches * cfg.num_decoder_layers)
+    lb_scale = weight_sum / (cfg.pipeline.num_pipeline_microbatches * cfg.num_decoder_layers)
     loss, sums = one_f_one_b_loss(self.model, params, batch, dropout_rng, logits_loss,
                                   {"targets": batch["targets"], "target_weights": target_weights_BL},
                                   {"moe_lb_loss": self.load_balance_loss_weight * lb_scale})
@@ -105,7 +105,7 @@ class LanguageModel(Objective):
     metrics = {"loss": sums["xent_sum"] / num_tokens, "z_loss": sums["z_loss_sum"] / num_tokens}
     if "mtp_xent_sum" in sums:
       metrics["mtp_loss"] = sums["mtp_xent_sum"] / jnp.maximum(sums["mtp_weight_sum"], 1.0)
-    if self.model.cfg.num_experts > 1:
+    if self.model.cfg.moe.num_experts > 1:
       metrics["moe_lb_loss"] = sums["moe_lb_loss_sum"] / num_tokens
       metrics.update(routing_metrics(sums, self.num_micro))
     return metrics
