@@ -156,7 +156,16 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
   start = time.perf_counter()
   # The report options go to this compile only (XLA reads XLA_FLAGS once per process).
   options = buffer_assignment_dump_options(report_dir) if report_dir and topology else None
-  compiled = compile_or_explain(run.train_step, inputs, topology, options)
+  saving = bool(config.startup.compiled_trainstep_file)
+  # An executable that JAX's persistent compilation cache handed back serialises without all its
+  # code (loading it fails at the first step): a step to be saved is always compiled afresh.
+  cache_was_on = bool(getattr(jax.config, "jax_enable_compilation_cache"))
+  if saving:
+    jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    compiled = compile_or_explain(run.train_step, inputs, topology, options)
+  finally:
+    jax.config.update("jax_enable_compilation_cache", cache_was_on)
   print(f"compiled in {time.perf_counter() - start:.1f} s")
   memory = report(config, topology, compiled, report_dir, run.objective.passes_per_row)
   if topology is not None:
