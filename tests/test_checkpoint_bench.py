@@ -6,13 +6,14 @@ import sys
 import pytest
 
 from tests.conftest import REPO_ROOT
+from tests.jax_cache import jax_cache_env
 
 
 @pytest.mark.slow  # one ~0.9 GB state saved and restored three ways
 def test_prints_a_result_line_per_target(gcs, tmp_path):
   proc = subprocess.run([sys.executable, "benchmarks/checkpoint_bench.py", "--layers", "1", "--steps", "1", "--gcs",
                          "--dir", str(tmp_path / "bench")], cwd=REPO_ROOT, capture_output=True, text=True,
-                        timeout=900, env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", **gcs.env()})
+                        timeout=900, env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", **gcs.env(), **jax_cache_env()})
   assert proc.returncode == 0, proc.stderr[-3000:]
   results = [line.split() for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
   assert [r[1] for r in results] == ["target=local", "target=gcs", "target=local-tier"]

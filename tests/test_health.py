@@ -16,6 +16,7 @@ import pytest
 from MaxText.training.health import StragglerHook
 from MaxText.training.trainer import StepRecord
 from tests.conftest import REPO_ROOT
+from tests.jax_cache import jax_cache_env
 
 
 class _FakeProcesses:
@@ -108,7 +109,8 @@ def _train(tmp_path: Path, hooks: Path | None, *extra: str) -> subprocess.Popen:
              "print_config=False", "cpu_peak_tflops=0.1", "steps=40", "checkpoint_period=15",
              "async_checkpointing=False", *extra]
   env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PATH": "/usr/bin:/bin",
-         "HOME": str(Path.home()), "PYTHONPATH": f"{hooks}:{REPO_ROOT}" if hooks else str(REPO_ROOT)}
+         "HOME": str(Path.home()), "PYTHONPATH": f"{hooks}:{REPO_ROOT}" if hooks else str(REPO_ROOT),
+         **jax_cache_env()}
   return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -223,7 +225,7 @@ def _two_processes(tmp_path: Path, hooks: Path | None, *extra: str) -> list[subp
     path = f"{hooks}:{REPO_ROOT}" if hooks else str(REPO_ROOT)
     env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PATH": "/usr/bin:/bin",
            "HOME": str(Path.home()), "PYTHONPATH": path, "JAX_COORDINATOR_ADDRESS": address,
-           "JAX_PROCESS_COUNT": "2", "JAX_PROCESS_ID": str(i)}
+           "JAX_PROCESS_COUNT": "2", "JAX_PROCESS_ID": str(i), **jax_cache_env()}
     procs.append(subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True))
   return procs

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO_ROOT
+from tests.jax_cache import jax_cache_env
 
 TOTAL_DEVICES = 8
 MODEL = ["base_emb_dim=64", "base_num_decoder_layers=1", "base_mlp_dim=128", "head_dim=16", "max_target_length=32",
@@ -31,7 +32,7 @@ def _free_port() -> int:
 
 def _env(num_devices: int, **extra: str) -> dict:
   return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={num_devices}",
-          "PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "PYTHONPATH": str(REPO_ROOT), **extra}
+          "PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "PYTHONPATH": str(REPO_ROOT), **jax_cache_env(), **extra}
 
 
 def _launch(out: Path, run_name: str, num_processes: int, *args: str) -> list[subprocess.Popen]:

@@ -38,6 +38,8 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+from tests.jax_cache import jax_cache_env
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STEPS = 32
 MODEL = ["base_emb_dim=64", "base_num_decoder_layers=1", "base_mlp_dim=128", "head_dim=16", "max_target_length=32",
@@ -109,7 +111,7 @@ class Job:
                f"base_output_directory={out}", *MODEL, *extra]
     base = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
             "PYTHONPATH": str(REPO_ROOT), "XLA_FLAGS": f"--xla_force_host_platform_device_count={2 // layout.processes}",
-            **env}
+            **jax_cache_env(), **env}
     if layout.processes > 1:
       base.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", JAX_PROCESS_COUNT=str(layout.processes))
     self.lines: list[list[tuple[float, str, str]]] = [[] for _ in range(layout.processes)]

@@ -25,6 +25,7 @@ from MaxText.errors import ConfigError
 from MaxText.layers import grouped_matmul, moe, moe_dispatch
 from MaxText.training.run_assembly import build_run
 from MaxText.training.trainer import RouterHealthHook, StepRecord
+from tests.jax_cache import jax_cache_env
 from train_utils import Run
 
 from layers.test_moe import D, E, F, TOP_K, _apply, _block, _reference, tiny_mixtral
@@ -311,7 +312,7 @@ CLI_MODEL = ["decoder_block=mixtral", "base_emb_dim=64", "base_num_query_heads=4
 
 def _train_cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
   env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PATH": "/usr/bin:/bin",
-         "HOME": str(Path.home())}
+         "HOME": str(Path.home()), **jax_cache_env()}
   return subprocess.run([sys.executable, "-m", "MaxText.train", "configs/base.yml", f"base_output_directory={tmp_path}",
                          "run_name=moe", *CLI_MODEL, *args], cwd=REPO, env=env, capture_output=True, text=True,
                         timeout=600)
