@@ -39,6 +39,7 @@ def pytest_unconfigure(config):
   if _owned_cache_dir is not None:
     shutil.rmtree(_owned_cache_dir, ignore_errors=True)
 
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHAKESPEARE = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 

@@ -62,7 +62,9 @@ MESHES = {
                                   ici_fsdp_parallelism=1),
 }
 CASES = [
-    ("expert2_fsdp4", DROPLESS_GROUPED, 0),
+    # Slow-marked: by default test_receive_buffer_factor_bounds_the_buffer_and_drops_only_what_overflows trains this
+    # very case (its buffer factor 2.0 is the worst-case buffer, the same as the default) against the gather path.
+    pytest.param("expert2_fsdp4", DROPLESS_GROUPED, 0, marks=pytest.mark.slow),
     ("expert4_tensor2", DROPPING, 1),
     ("expert8", DROPLESS_GROUPED, 1),
     pytest.param("expert2_fsdp2_tensor2", DROPLESS_PADDED, 0, marks=pytest.mark.slow),
