@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # `python3 MaxText/train_compile.py`: import the 
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 from MaxText import startup
 from MaxText.training import compiled_step
@@ -132,6 +133,24 @@ def _kernel_floor(config: config_lib.Config, attention_tflops: float, seconds: f
           f"{floor * 1e3:,.1f} ms more at peak -> MFU at most {total_tflops / (seconds + floor) / peak_tflops:.1%}")
 
 
+@contextlib.contextmanager
+def _without_persistent_cache(active: bool) -> Iterator[None]:
+  """A step written to compiled_trainstep_file is compiled afresh: an executable JAX's persistent
+  compilation cache handed back serialises without all its code (loading it fails at the first
+  step). The cache decides once per process whether it is used, hence the resets."""
+  if not active:
+    yield
+    return
+  previous = bool(getattr(jax.config, "jax_enable_compilation_cache"))
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", previous)
+    compilation_cache.reset_cache()
+
+
 def main(argv: list[str]) -> int:
   with _buffer_report_dir() as report_dir:
     return _compile_and_report(argv, report_dir)
@@ -156,16 +175,8 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
   start = time.perf_counter()
   # The report options go to this compile only (XLA reads XLA_FLAGS once per process).
   options = buffer_assignment_dump_options(report_dir) if report_dir and topology else None
-  saving = bool(config.startup.compiled_trainstep_file)
-  # An executable that JAX's persistent compilation cache handed back serialises without all its
-  # code (loading it fails at the first step): a step to be saved is always compiled afresh.
-  cache_was_on = bool(getattr(jax.config, "jax_enable_compilation_cache"))
-  if saving:
-    jax.config.update("jax_enable_compilation_cache", False)
-  try:
+  with _without_persistent_cache(bool(config.startup.compiled_trainstep_file)):
     compiled = compile_or_explain(run.train_step, inputs, topology, options)
-  finally:
-    jax.config.update("jax_enable_compilation_cache", cache_was_on)
   print(f"compiled in {time.perf_counter() - start:.1f} s")
   memory = report(config, topology, compiled, report_dir, run.objective.passes_per_row)
   if topology is not None:

@@ -29,7 +29,7 @@ from MaxText.input_pipeline.files import expand_files
 from MaxText.input_pipeline.tokenizer import load_tokenizer
 from tests.conftest import REPO_ROOT, SHAKESPEARE
 from tests.input_pipeline.data_fixtures import numbered_documents
-from tests.jax_cache import compiled_afresh, jax_cache_env
+from tests.jax_cache import jax_cache_env
 
 BASE = str(BASE_CONFIG_PATH)
 TEXT = "doc 3 alpha bravo charlie"
@@ -290,8 +290,7 @@ def _train_losses(out: Path, run_name: str, **extra) -> list[float]:
 def test_compiled_trainstep_file_on_gs(bucket, tmp_path, capsys):
   path = f"{bucket}/aot/step.aot"
   argv = ["train_compile", BASE, "compile_topology=local", f"compiled_trainstep_file={path}"]
-  with compiled_afresh():
-    assert train_compile.main(argv + [f"{k}={v}" for k, v in CPU_TINY.items()]) == 0
+  assert train_compile.main(argv + [f"{k}={v}" for k, v in CPU_TINY.items()]) == 0
   assert f"saved the compiled train step to {path}" in capsys.readouterr().out
   header, offset = compiled_step.read_header(path)
   assert header["topology"] == "local" and storage.size(path) > offset

@@ -18,7 +18,6 @@ from MaxText.platform import accelerators
 from MaxText.configuration.config import BASE_CONFIG_PATH, Config
 from MaxText.errors import ConfigError, UserError
 from MaxText.training.run_assembly import build_run
-from tests.jax_cache import compiled_afresh
 
 REPO = Path(__file__).resolve().parent.parent
 # Small enough that a 512-device TPU compile takes seconds, not minutes.
@@ -191,8 +190,7 @@ CPU_TINY = dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, he
 @pytest.fixture(scope="module")
 def cpu_step_file(tmp_path_factory) -> Path:
   path = tmp_path_factory.mktemp("aot") / "cpu_step.aot"
-  with compiled_afresh():
-    assert train_compile.main(argv(compile_topology="local", compiled_trainstep_file=path, **CPU_TINY)) == 0
+  assert train_compile.main(argv(compile_topology="local", compiled_trainstep_file=path, **CPU_TINY)) == 0
   return path
 
 
@@ -214,8 +212,7 @@ def test_saved_step_trains_like_a_jitted_one_on_cpu(tmp_path, cpu_step_file, cap
 def test_a_step_with_loss_spike_detection_saves_loads_and_trains_like_a_jitted_one(tmp_path, capsys):
   path = tmp_path / "spike_step.aot"
   spiky = dict(CPU_TINY, loss_spike_threshold=4.0, loss_spike_window=2)
-  with compiled_afresh():
-    assert train_compile.main(argv(compile_topology="local", compiled_trainstep_file=path, **spiky)) == 0
+  assert train_compile.main(argv(compile_topology="local", compiled_trainstep_file=path, **spiky)) == 0
   loaded = _train(tmp_path, "loaded", compiled_trainstep_file=path, loss_spike_threshold=4.0, loss_spike_window=2)
   assert "loaded the compiled executable" in capsys.readouterr().out
   assert loaded == _train(tmp_path, "jitted", loss_spike_threshold=4.0, loss_spike_window=2)
