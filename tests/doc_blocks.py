@@ -1,7 +1,8 @@
 """The fenced blocks of README.md and getting_started/*.md: their tags, running them, checking their output.
 
 Every fenced block says what it is in its info string, after the language word that GitHub uses for
-highlighting (GitHub ignores the rest, so the tags do not show):
+highlighting (GitHub ignores the rest, so the tags do not show). Tags are words; a value with spaces
+is quoted (why="needs a TPU v5e slice").
 
   ```bash cpu              a command that runs on a CPU machine after the README's install; tested
   ```bash cpu slow         the same, taking more than ~20 s on a 2-core machine (tested under -m slow)
@@ -9,21 +10,33 @@ highlighting (GitHub ignores the rest, so the tags do not show):
   ```bash cpu timeout=900  the same, with its own time limit in seconds
   ```bash cpu corpus       the block reads ../shared/data/tinyshakespeare.txt (the shared data beside the
                            repository, never copied into it): skipped, saying so, where it is absent
+  ```bash cpu name=first   a name other blocks of the same page can run first with after=first
+  ```bash cpu after=first  runs the named block's command first, in the same copy (it reads its outputs)
   ```bash cpu install      the block runs setup.sh: the test runs it with DRY_RUN=1 (setup.sh then
-                           prints its pip commands): the install itself is what the test runs after
-  ```bash cpu dry-run      the dry-run form of the tpu/gpu/cloud block before it
-  ```bash tpu / gpu        needs that accelerator (`tpu gpu`: either); not run
-  ```bash cloud            needs gcloud, a bucket, a cluster or docker; not run
-  ```bash manual           needs something only the reader has (their own files, a placeholder
-                           such as CKPT or `...`, an earlier run) or never ends (a server); not run
+                           prints its pip commands); tests/test_setup_install.py runs the real
+                           install in a fresh venv under -m slow
+  ```bash cpu dry-run      the dry-run form of the tpu/gpu/cloud/manual block before it
+  ```bash cpu local        its local form: the same command on 8 simulated CPU devices or local disk
+  ```bash tpu why="..."    needs that accelerator (`tpu gpu`: either); not run
+  ```bash gpu why="..."
+  ```bash cloud why="..."  needs gcloud, a bucket, a cluster or docker; not run
+  ```bash manual why="..." needs something only the reader has (their own files, a placeholder such as
+                           CKPT, an earlier run elsewhere) or never ends (a server); not run
   ```bash ci               a command .ci/run runs (the install and the test suite): checked to be there
-  ```text output           what the nearest `cpu` block above prints: checked (see `line_pattern`)
-  ```text sample           output shown for illustration, not produced by a block of the page
+  ```text output           what the nearest `cpu` block above prints: checked (tests/doc_output.py);
+                           several output blocks may follow one command, each an excerpt in order
+  ```text output tol=...   the same, its figures compared within these tolerances (tests/doc_output.py:
+                           tol=loss:2e-3,GiB:1%,MFU:0.5,s:any; none stated: every figure as quoted)
+  ```text sample           output of a command that is not a block of the page: tests/doc_samples.py
+                           names the command and regenerate_doc_samples.py reruns it; `tol=` as above
+  ```text sample why="..." output no command can reproduce here (a fault the tests inject, a TPU run)
   ```text diagram          a picture
   ```python sketch         a code fragment, not a program
 
-A block without tags, with an unknown tag or with an `output` that follows no `cpu` block is an
-error (`parse` returns it), so a new block cannot go untested without saying why.
+Every block kept out of the run (tpu, gpu, cloud, manual, a sample without a command) says why in its
+`why=` tag; `test_docs_run.py::test_kept_out_blocks_say_why` lists them all. A block without tags,
+with an unknown tag or with an `output` that follows no `cpu` block is an error (`parse` returns it),
+so a new block cannot go untested without saying why.
 """
 
 from __future__ import annotations
@@ -31,18 +44,23 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+from tests import doc_output
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DOCS = ("README.md", "getting_started/*.md")
 
 COMMAND_KINDS = {"cpu", "tpu", "gpu", "cloud", "manual", "ci"}
 TEXT_KINDS = {"output", "sample", "diagram", "sketch"}
-MODIFIERS = {"slow", "install", "dry-run", "corpus"}
+KEPT_OUT = {"tpu", "gpu", "cloud", "manual"}  # command kinds that are not run: each needs why=
+MODIFIERS = {"slow", "install", "dry-run", "local", "corpus"}
+VALUED = {"exit", "timeout", "why", "tol", "name", "after"}
 # The shared data a `corpus` block reads, beside the repository.
 SHARED = REPO_ROOT.parent / "shared"
 CORPUS = SHARED / "data" / "tinyshakespeare.txt"
@@ -63,8 +81,12 @@ class Block:
   kinds: set[str] = dataclasses.field(default_factory=set)
   exit_code: int = 0
   timeout_s: int = CPU_TIMEOUT_S
-  output: Block | None = None  # the `output` block that checks this one
-  dry_run: Block | None = None  # the `cpu dry-run` block standing in for this one
+  why: str = ""  # why a kept-out block is not run
+  tolerances: dict[str, doc_output.Tolerance] = dataclasses.field(default_factory=dict)
+  name: str = ""
+  after: Block | None = None  # the block whose command runs first
+  outputs: list[Block] = dataclasses.field(default_factory=list)  # the `output` blocks that check this one
+  dry_run: Block | None = None  # the `cpu dry-run` or `cpu local` block standing in for this one
 
   @property
   def id(self) -> str:
@@ -74,14 +96,19 @@ class Block:
   def slow(self) -> bool:
     return "slow" in self.tags
 
+  def value(self, key: str) -> str | None:
+    return next((t.split("=", 1)[1] for t in self.tags if t.startswith(key + "=")), None)
+
 
 _FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})(.*)$")
 
 
-def parse(text: str, path: str) -> tuple[list[Block], list[str]]:
-  """The fenced blocks of one Markdown text, and what is wrong with their tags."""
+def fenced_blocks(text: str, path: str) -> tuple[list[Block], list[str], list[tuple[int, int]]]:
+  """The fenced blocks of one Markdown text (tags split, not checked), errors in their info strings,
+  and the (first, last) 0-based line of each block, fences included."""
   blocks: list[Block] = []
   errors: list[str] = []
+  spans: list[tuple[int, int]] = []
   lines = text.splitlines()
   i = 0
   while i < len(lines):
@@ -94,10 +121,21 @@ def parse(text: str, path: str) -> tuple[list[Block], list[str]]:
     while end < len(lines) and not re.match(rf"^\s*{re.escape(fence[0])}{{{len(fence)},}}\s*$", lines[end]):
       end += 1
     body = "\n".join(line[len(indent):] if line.startswith(indent) else line for line in lines[i + 1:end])
-    words = info.split()
+    try:
+      words = shlex.split(info)
+    except ValueError as e:
+      errors.append(f"{path}:{i + 1}: info string {info.strip()!r}: {e}")
+      words = info.split()
     blocks.append(Block(path, i + 1, words[0] if words else "", words[1:], body + "\n"))
+    spans.append((i, end))
     i = end + 1
+  return blocks, errors, spans
 
+
+def parse(text: str, path: str) -> tuple[list[Block], list[str]]:
+  """The fenced blocks of one Markdown text, and what is wrong with their tags."""
+  blocks, errors, _ = fenced_blocks(text, path)
+  named: dict[str, Block] = {}
   last_command: Block | None = None
   for b in blocks:
     where = f"{b.id}: "
@@ -106,14 +144,34 @@ def parse(text: str, path: str) -> tuple[list[Block], list[str]]:
                     "diagram|sketch; see tests/doc_blocks.py)")
       continue
     for tag in b.tags:
+      key, eq, value = tag.partition("=")
       if tag in COMMAND_KINDS or tag in TEXT_KINDS:
         b.kinds.add(tag)
-      elif tag.startswith("exit=") and tag[5:].isdigit():
-        b.exit_code = int(tag[5:])
-      elif tag.startswith("timeout=") and tag[8:].isdigit():
-        b.timeout_s = int(tag[8:])
-      elif tag not in MODIFIERS:
+      elif tag in MODIFIERS:
+        pass
+      elif not eq or key not in VALUED:
         errors.append(where + f"unknown tag {tag!r}")
+      elif key in ("exit", "timeout") and not value.isdigit():
+        errors.append(where + f"{tag!r}: {key}= takes a whole number")
+      elif key == "exit":
+        b.exit_code = int(value)
+      elif key == "timeout":
+        b.timeout_s = int(value)
+      elif key == "why":
+        b.why = value.strip()
+      elif key == "tol":
+        try:
+          b.tolerances = doc_output.parse_tolerances(value)
+        except doc_output.ToleranceError as e:
+          errors.append(where + str(e))
+      elif key == "name":
+        named[value] = b
+        b.name = value
+      elif key == "after":
+        if value not in named:
+          errors.append(where + f"after={value}: no block above on this page has name={value}")
+        else:
+          b.after = named[value]
     if not b.kinds:
       errors.append(where + f"no kind among the tags {b.tags}")
       continue
@@ -123,25 +181,30 @@ def parse(text: str, path: str) -> tuple[list[Block], list[str]]:
       errors.append(where + f"{sorted(b.kinds)}: `cpu` means it runs here; it takes no other kind")
     if b.kinds & {"tpu", "gpu"} and b.kinds - {"tpu", "gpu"}:
       errors.append(where + f"{sorted(b.kinds)}: mixes hardware with another kind")
-    if "cpu" not in b.kinds and {t for t in b.tags if t in ("slow", "dry-run") or "=" in t}:
-      errors.append(where + "slow, dry-run, exit= and timeout= apply to `cpu` blocks only")
-    if b.slow and not any(t.startswith("timeout=") for t in b.tags):
+    if "cpu" not in b.kinds and {t.split("=")[0] for t in b.tags} & {"slow", "dry-run", "local", "exit", "timeout",
+                                                                     "name", "after"}:
+      errors.append(where + "slow, dry-run, local, exit=, timeout=, name= and after= apply to `cpu` blocks only")
+    if b.tolerances and not b.kinds & {"output", "sample"}:
+      errors.append(where + "tol= applies to output and sample blocks only")
+    if b.why and not b.kinds & (KEPT_OUT | {"sample"}):
+      errors.append(where + "why= explains a block that is not run (tpu, gpu, cloud, manual, sample)")
+    if b.kinds & KEPT_OUT and not b.why:
+      errors.append(where + f"{' '.join(sorted(b.kinds))} block without why=\"...\": say why it cannot run here")
+    if b.slow and b.value("timeout") is None:
       b.timeout_s = SLOW_TIMEOUT_S
 
     if b.kinds & COMMAND_KINDS:
-      if "dry-run" in b.tags:
-        if last_command is None or not last_command.kinds & {"tpu", "gpu", "cloud"}:
-          errors.append(where + "`dry-run` follows no tpu/gpu/cloud block")
+      if "dry-run" in b.tags or "local" in b.tags:
+        if last_command is None or not last_command.kinds & KEPT_OUT:
+          errors.append(where + "`dry-run`/`local` follows no tpu/gpu/cloud/manual block")
         else:
           last_command.dry_run = b
       last_command = b
     elif "output" in b.kinds:
       if last_command is None or "cpu" not in last_command.kinds:
         errors.append(where + "an `output` block must come after a `cpu` block (use `sample` otherwise)")
-      elif last_command.output is not None:
-        errors.append(where + f"{last_command.id} already has its output block")
       else:
-        last_command.output = b
+        last_command.outputs.append(b)
   return blocks, errors
 
 
@@ -158,55 +221,6 @@ def all_blocks(root: Path = REPO_ROOT) -> tuple[list[Block], list[str]]:
   return blocks, errors
 
 
-# Matching quoted output. A quoted line matches a printed line when they are equal except that
-#   - runs of white space match any run of white space (columns move with the numbers),
-#   - a number with a decimal point or an exponent (a loss, a time, a rate) matches any number,
-#   - `...` inside a line matches any text, and a line that is only `...` is skipped.
-# Integers must match exactly: step counts, device counts, shapes and byte counts are what the docs
-# promise. The quoted lines must appear in this order; other printed lines may come between them.
-_TOKEN = re.compile(r"(\.\.\.)|(?<![\w.])([-+]?\d[\d,]*(?:\.\d+(?:[eE][-+]?\d+)?|[eE][-+]?\d+|(?:\.\d+)?))|(\s+)")
-_ANY_NUMBER = r"[-+]?(?:\d[\d,]*(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf)"
-
-
-def line_pattern(quoted: str) -> re.Pattern[str] | None:
-  """The regular expression one quoted output line stands for; None for a `...` line."""
-  quoted = quoted.strip()
-  if quoted in ("", "..."):
-    return None
-  parts, pos = [], 0
-  for m in _TOKEN.finditer(quoted):
-    parts.append(re.escape(quoted[pos:m.start()]))
-    ellipsis, number, space = m.groups()
-    if ellipsis:
-      parts.append(".*?")
-    elif space:
-      parts.append(r"\s+")
-    elif number and re.search(r"[.eE]", number):
-      parts.append(_ANY_NUMBER)
-    else:
-      parts.append(re.escape(number))
-    pos = m.end()
-  parts.append(re.escape(quoted[pos:]))
-  return re.compile("".join(parts))
-
-
-def match_output(quoted: str, printed: str) -> tuple[list[tuple[str, str]], str | None]:
-  """(quoted line, printed line) pairs in order, and the first quoted line not found (or None)."""
-  actual = [line.strip() for line in printed.splitlines()]
-  pairs, at = [], 0
-  for q in quoted.splitlines():
-    pattern = line_pattern(q)
-    if pattern is None:
-      continue
-    while at < len(actual) and not pattern.fullmatch(actual[at]):
-      at += 1
-    if at == len(actual):
-      return pairs, q
-    pairs.append((q, printed.splitlines()[at]))
-    at += 1
-  return pairs, None
-
-
 @dataclasses.dataclass
 class Run:
   returncode: int | None  # None: killed at the time limit
@@ -221,26 +235,49 @@ def run(block: Block, workdir: Path, root: Path = REPO_ROOT) -> Run:
   setup.sh), and whatever the command writes (outputs/, step.aot, ...) lands in the copy, not in the
   repository. `python3 -m MaxText...` imports the copy's MaxText (the current folder comes first
   on sys.path). The environment is PATH and HOME only, plus what the command sets itself: the
-  8-device XLA_FLAGS and JAX_PLATFORMS of tests/conftest.py do not leak in.
+  8-device XLA_FLAGS and JAX_PLATFORMS of tests/conftest.py do not leak in. With after=, the named
+  block's command runs first in the same copy; only this block's own output is returned.
   """
   repo = workdir / "repo"
   shutil.copytree(root, repo, ignore=COPY_IGNORE, symlinks=True)
-  if "corpus" in block.tags:
+  chain = [block]
+  while chain[0].after is not None:
+    chain.insert(0, chain[0].after)
+  if any("corpus" in b.tags for b in chain):
     (workdir / "shared").symlink_to(SHARED)  # ../shared from the copy, as beside the repository
   env = {k: os.environ[k] for k in ("PATH", "HOME") if k in os.environ}
-  if "install" in block.tags:
+  if any("install" in b.tags for b in chain):
     env["DRY_RUN"] = "1"
   start = time.monotonic()
-  proc = subprocess.Popen(["bash", "-e", "-c", block.body], cwd=repo, env=env, stdout=subprocess.PIPE,
+  for b in chain:
+    result = _run_body(b.body, repo, env, block.timeout_s - (time.monotonic() - start))
+    if b is not block and result.returncode != b.exit_code:
+      return Run(result.returncode, f"(the block it runs after, {b.id}, failed)\n{result.output}",
+                 time.monotonic() - start)
+  return Run(result.returncode, result.output, time.monotonic() - start)
+
+
+def _run_body(body: str, cwd: Path, env: dict[str, str], timeout_s: float) -> Run:
+  start = time.monotonic()
+  proc = subprocess.Popen(["bash", "-e", "-c", body], cwd=cwd, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
   try:
-    out, _ = proc.communicate(timeout=block.timeout_s)
+    out, _ = proc.communicate(timeout=max(timeout_s, 1))
     code: int | None = proc.returncode
   except subprocess.TimeoutExpired:
     os.killpg(proc.pid, signal.SIGKILL)  # the whole group: python3 under bash
     out, _ = proc.communicate()
     code = None
   return Run(code, out, time.monotonic() - start)
+
+
+def compare(quoted: Block, printed: str, command: str) -> str | None:
+  """Why the output or sample block `quoted` disagrees with what `command` printed, or None."""
+  problem = doc_output.match_output(quoted.body, printed, quoted.tolerances).problem
+  if problem is None:
+    return None
+  tail = "\n".join(printed.splitlines()[-40:])
+  return f"{command}: the output quoted at {quoted.id} disagrees: {problem}; last lines printed:\n{tail}"
 
 
 def check(block: Block, result: Run) -> str | None:
@@ -250,12 +287,16 @@ def check(block: Block, result: Run) -> str | None:
     return f"{block.id}: no result after {block.timeout_s} s (the time limit); last lines:\n{tail}"
   if result.returncode != block.exit_code:
     return f"{block.id}: exit status {result.returncode}, the docs expect {block.exit_code}; last lines:\n{tail}"
-  if block.output is not None:
-    _, missing = match_output(block.output.body, result.output)
-    if missing is not None:
-      return (f"{block.id}: the output quoted at {block.output.id} has {missing.strip()!r}, which the command did "
-              f"not print (in that order); last lines:\n{tail}")
+  for output in block.outputs:
+    problem = compare(output, result.output, block.id)
+    if problem is not None:
+      return problem
   return None
+
+
+def kept_out(blocks: list[Block]) -> list[Block]:
+  """The command and sample blocks the docs test does not run, each with its why= (maybe empty)."""
+  return [b for b in blocks if b.kinds & KEPT_OUT or ("sample" in b.kinds and b.why)]
 
 
 def ci_commands_missing(block: Block, ci_script: Path = REPO_ROOT / ".ci" / "run") -> list[str]:

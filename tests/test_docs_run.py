@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests import doc_blocks
+from tests import doc_blocks, doc_output
 from tests.doc_blocks import Block
 
 BLOCKS, TAG_ERRORS = doc_blocks.all_blocks()
@@ -34,6 +34,16 @@ def test_every_block_says_what_it_is():
   assert COMMANDS and any("cpu" in b.kinds for b in COMMANDS)
 
 
+def test_kept_out_blocks_say_why():
+  """Lists every block the docs test does not run, with its reason; fails where one gives none."""
+  listed = doc_blocks.kept_out(BLOCKS)
+  print(f"\n{len(listed)} blocks are kept out of the run:")
+  for b in listed:
+    print(f"  {b.id} [{' '.join(sorted(b.kinds))}]: {b.why or 'NO REASON GIVEN'}"
+          + (f" (its runnable form: {b.dry_run.id})" if b.dry_run else ""))
+  assert all(b.why for b in listed), "blocks kept out without why=: " + ", ".join(b.id for b in listed if not b.why)
+
+
 @pytest.mark.parametrize("block", [_param(b) for b in COMMANDS])
 def test_doc_command(block: Block, tmp_path):
   if "ci" in block.kinds:
@@ -41,11 +51,8 @@ def test_doc_command(block: Block, tmp_path):
     assert not missing, f"{block.id}: .ci/run does not run {missing}; the docs promise CI runs it"
     return
   if "cpu" not in block.kinds:
-    why = {"tpu": "needs a TPU", "gpu": "needs a GPU", "cloud": "needs gcloud, a bucket, a cluster or docker",
-           "manual": "needs the reader's own files or an earlier run, or does not end"}
-    reason = "needs a TPU or a GPU" if block.kinds == {"tpu", "gpu"} else why[min(block.kinds)]
-    dry = f"; its dry-run form {block.dry_run.id} is tested" if block.dry_run else "; the docs give no dry-run form"
-    pytest.skip(reason + dry)
+    dry = f"; its runnable form {block.dry_run.id} is tested" if block.dry_run else ""
+    pytest.skip(f"{' '.join(sorted(block.kinds))}: {block.why or 'no reason given'}{dry}")
   if "corpus" in block.tags and not doc_blocks.CORPUS.exists():
     pytest.skip(f"needs {doc_blocks.CORPUS} (the shared data beside the repository), which is absent")
   problem = doc_blocks.check(block, doc_blocks.run(block, tmp_path))
@@ -83,25 +90,52 @@ def test_a_renamed_key_in_a_doc_fails_the_check(tmp_path):
 
 
 def test_a_quoted_line_the_command_does_not_print_fails_the_check(tmp_path):
-  (block, _), _ = doc_blocks.parse(WRONG_OUTPUT_DOC, "wrong.md")
+  (block, out), _ = doc_blocks.parse(WRONG_OUTPUT_DOC, "wrong.md")
   result = doc_blocks.run(block, tmp_path)
   assert result.returncode == 0
   problem = doc_blocks.check(block, result)
   assert problem is not None and "done: steps 1..200" in problem
-  block.output.body = "done: steps 1..100, loss 6.0686 -> 0.0915\n"  # floats may differ, integers not
+  out.body = "done: steps 1..100, loss 6.0686 -> 0.0915\n"  # figures exact without tol=
+  assert "6.0686 is printed as 6.1" in doc_blocks.check(block, result)
+  out.tolerances = doc_output.parse_tolerances("loss:0.1")  # the figure after `loss` only
+  assert "0.0915 is printed as 0.09, beyond its no tolerance" in doc_blocks.check(block, result)
+  out.tolerances = doc_output.parse_tolerances("loss:0.1,*:0.002")
   assert doc_blocks.check(block, result) is None
 
 
 def test_untagged_and_misplaced_blocks_are_errors():
-  _, errors = doc_blocks.parse("```\nls\n```\n\n```bash gpu\nnvidia-smi\n```\n```text output\nx\n```\n"
-                               "```bash cpu fast\nls\n```\n", "bad.md")
-  assert [e.split(": ", 1)[1][:20] for e in errors] == ["untagged block (```L", "an `output` block mu",
-                                                         "unknown tag 'fast'"]
+  _, errors = doc_blocks.parse("```\nls\n```\n\n```bash gpu why=x\nnvidia-smi\n```\n```text output\nx\n```\n"
+                               "```bash cpu fast\nls\n```\n```bash tpu\nls\n```\n```text output tol=loss\nx\n```\n"
+                               "```bash cpu after=nobody\nls\n```\n", "bad.md")
+  assert [e.split(": ", 1)[1][:20] for e in errors] == [
+      "untagged block (```L", "an `output` block mu", "unknown tag 'fast'", "tpu block without wh",
+      "tolerance entry 'los", "an `output` block mu", "after=nobody: no blo"]
 
 
-def test_quoted_lines_match_by_shape():
-  printed = "noise\nstep      1 | loss   6.0686 |   5.438 s\nmesh: fsdp=4, tensor=2\nfits: 6.640 GiB of 16 GiB\n"
-  assert doc_blocks.match_output("step 1 | loss 5.0000 | 0.4 s\n...\nfits: 7.1 GiB of 16 GiB\n", printed)[1] is None
-  assert doc_blocks.match_output("mesh: fsdp=4, tensor=2\nstep 1 | loss 5.0 | 0.4 s\n", printed)[1] is not None
-  assert doc_blocks.match_output("mesh: fsdp=8, tensor=2\n", printed)[1] is not None
-  assert doc_blocks.match_output("mesh: ...tensor=2\nfits: ... of 16 GiB\n", printed)[1] is None
+def test_figures_are_compared_within_their_tolerance():
+  printed = "step      1 | loss   6.0686 |   5.438 s | MFU 39.93%\nfits: 6.640 GiB of 16 GiB\n"
+  tol = doc_output.parse_tolerances("loss:2e-3,GiB:1%,MFU:0.5,s:any")
+  match = doc_output.match_output
+  assert match("step 1 | loss 6.0700 | 0.4 s | MFU 40.4%\nfits: 6.7 GiB of 16 GiB\n", printed, tol).problem is None
+  assert "6.0800 is printed as 6.0686" in match("step 1 | loss 6.0800 | 0.4 s | MFU 40%\n", printed, tol).problem
+  assert "40.5 is printed as 39.93" in match("step 1 | loss 6.07 | 0.4 s | MFU 40.5%\n", printed, tol).problem
+  assert "6.8 is printed as 6.640" in match("fits: 6.8 GiB of 16 GiB\n", printed, tol).problem
+  assert match("fits: 6.640 GiB of 17 GiB\n", printed, tol).problem is not None  # GiB:1% allows 16.17 only
+  assert match("fits: 6.64 GiB of 16 GiB\n", printed).problem is None  # exact by value
+  assert match("fits: 6.65 GiB of 16 GiB\n", printed).problem is not None
+  assert match("step 1 | loss 6.0686 | 5.438 s | MFU 39.93%\n", printed, {"*": doc_output.Tolerance(any=True)},
+               ).problem is None
+
+
+def test_quoted_lines_match_in_order_and_elisions_are_marked():
+  printed = "noise\nstep      1 | loss   6.0686\nmesh: fsdp=4, tensor=2\nfits: 6.640 GiB of 16 GiB\nend\n"
+  match = doc_output.match_output
+  assert match("step 1 | loss 6.0686\n...\nfits: 6.640 GiB of 16 GiB\n", printed).problem is None
+  assert match("step 1 | loss 6.0686\nmesh: ...tensor=2\n\nfits: ... of 16 GiB\n", printed).problem is None
+  problem = match("step 1 | loss 6.0686\nfits: 6.640 GiB of 16 GiB\n", printed).problem  # a line left out, no ...
+  assert problem is not None and "mesh: fsdp=4" in problem and "`...`" in problem
+  assert match("mesh: fsdp=4, tensor=2\nstep 1 | loss 6.0686\n", printed).problem is not None  # order
+  assert match("mesh: fsdp=8, tensor=2\n", printed).problem is not None
+  assert match("...\nfits: 6.640 GiB of 16 GiB\n...\n", printed).problem is None
+  assert [q for q, _ in match("mesh: fsdp=4, tensor=2\n...\nend\n", printed).pairs] == [
+      "mesh: fsdp=4, tensor=2", "end"]
