@@ -26,7 +26,29 @@ class Sample:
   timeout_s: int = doc_blocks.SLOW_TIMEOUT_S
 
 
-SAMPLES: list[Sample] = []
+_TINY = ("base_emb_dim=256 base_num_query_heads=4 base_num_kv_heads=4 base_mlp_dim=512 base_num_decoder_layers=2 "
+         "vocab_size=256 max_target_length=256 per_device_batch_size=4")
+
+SAMPLES: list[Sample] = [
+    # A resume whose shape keys changed: the second start stops with exit 2 before touching anything.
+    Sample("getting_started/Checkpoints.md", "error: cannot resume",
+           "python3 -m MaxText.train configs/base.yml run_name=shape steps=6 checkpoint_period=6 base_emb_dim=256 "
+           "print_config=False >/dev/null\n"
+           "python3 -m MaxText.train configs/base.yml run_name=shape steps=8 base_emb_dim=128 print_config=False "
+           "|| echo \"exit status $?\""),
+    # The summary line every training run ends with.
+    Sample("getting_started/Fault_tolerance.md", "goodput:",
+           "python3 -m MaxText.train configs/base.yml run_name=goodput print_config=False"),
+    # The evaluation line of First_run.md's run with eval_interval.
+    Sample("getting_started/First_run.md", "eval ",
+           "python3 -m MaxText.train configs/base.yml run_name=first eval_interval=100 print_config=False"),
+    # A compiled step loaded by a run with other model settings: refused before unpickling.
+    Sample("getting_started/AOT.md", "error: compiled_trainstep_file",
+           f"python3 -m MaxText.train_compile configs/base.yml compile_topology=v5e-8 {_TINY} "
+           "compiled_trainstep_file=step.aot >/dev/null\n"
+           f"python3 -m MaxText.train configs/base.yml {_TINY.replace('base_emb_dim=256', 'base_emb_dim=128')} "
+           "compiled_trainstep_file=step.aot print_config=False || echo \"exit status $?\""),
+]
 
 
 def sources(blocks: list[doc_blocks.Block]) -> tuple[list[tuple[doc_blocks.Block, Sample]], list[str]]:

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests import doc_blocks, doc_output
+from tests import doc_blocks, doc_output, doc_prose, doc_samples
 from tests.doc_blocks import Block
 
 BLOCKS, TAG_ERRORS = doc_blocks.all_blocks()
 COMMANDS = [b for b in BLOCKS if b.kinds & doc_blocks.COMMAND_KINDS]
+SAMPLES, SAMPLE_ERRORS = doc_samples.sources(BLOCKS)
 
 
 def _param(block: Block):
@@ -32,6 +33,35 @@ def _param(block: Block):
 def test_every_block_says_what_it_is():
   assert not TAG_ERRORS, "\n".join(TAG_ERRORS)
   assert COMMANDS and any("cpu" in b.kinds for b in COMMANDS)
+
+
+def test_every_sample_names_its_command_or_says_why_not():
+  assert not SAMPLE_ERRORS, "\n".join(SAMPLE_ERRORS)
+
+
+@pytest.mark.parametrize("sample,source", [
+    pytest.param(b, s, id=b.id, marks=[pytest.mark.slow] if s.slow else []) for b, s in SAMPLES])
+def test_doc_sample(sample: Block, source: doc_samples.Sample, tmp_path):
+  """A sample is what its command prints now, within the block's tolerances: a stale one fails
+  (`python3 tests/regenerate_doc_outputs.py --samples` rewrites them)."""
+  if source.corpus and not doc_blocks.CORPUS.exists():
+    pytest.skip(f"needs {doc_blocks.CORPUS} (the shared data beside the repository), which is absent")
+  block = doc_samples.as_block(sample, source)
+  problem = doc_blocks.check(block, doc_blocks.run(block, tmp_path))
+  assert problem is None, problem
+
+
+def test_no_command_stands_only_in_prose():
+  found = doc_prose.prose_commands()
+  assert not found, ("commands in prose that no tagged block holds (put each in a block: cpu, or kept out "
+                     "with why=):\n" + "\n".join(f"  {where}: {code}" for where, code in found))
+
+
+def test_a_prose_command_is_found():
+  assert doc_prose.COMMAND_START.match("python3 -m MaxText.train configs/base.yml")
+  assert doc_prose.COMMAND_START.match("XLA_FLAGS=x python3 benchmarks/decode_bench.py --slots 1")
+  assert doc_prose.COMMAND_START.match("bash end_to_end/cpu/grpo.sh /tmp/x")
+  assert not doc_prose.COMMAND_START.match("configs/base.yml")
 
 
 def test_kept_out_blocks_say_why():
