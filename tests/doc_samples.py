@@ -42,9 +42,9 @@ SAMPLES: list[Sample] = [
     # The evaluation line of First_run.md's run with eval_interval.
     Sample("getting_started/First_run.md", "eval ",
            "python3 -m MaxText.train configs/base.yml run_name=first eval_interval=100 print_config=False"),
-    # A compiled step loaded by a run with other model settings: refused before unpickling.
+    # A compiled step (for this machine's devices) loaded by a run with another width: refused before unpickling.
     Sample("getting_started/AOT.md", "error: compiled_trainstep_file",
-           f"python3 -m MaxText.train_compile configs/base.yml compile_topology=v5e-8 {_TINY} "
+           f"python3 -m MaxText.train_compile configs/base.yml compile_topology=local {_TINY} "
            "compiled_trainstep_file=step.aot >/dev/null\n"
            f"python3 -m MaxText.train configs/base.yml {_TINY.replace('base_emb_dim=256', 'base_emb_dim=128')} "
            "compiled_trainstep_file=step.aot print_config=False || echo \"exit status $?\""),
