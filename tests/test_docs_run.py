@@ -4,14 +4,17 @@ Each fenced block is tagged (tests/doc_blocks.py lists the tags). One test per c
 file:line: `cpu` blocks run with bash in a fresh copy of the repository in a temporary directory
 (the docs' commands assume the repository root as the current folder and write outputs/ there),
 with only PATH and HOME from this process's environment (not the 8-device XLA_FLAGS of
-conftest.py), within a time limit; the exit status and the quoted `output` lines are checked.
-`slow` blocks run under -m slow. tpu/gpu/cloud/manual blocks are skipped with the reason, and
-where the docs give a dry-run form (a `cpu dry-run` block after them) that block is what runs.
-`ci` blocks must be commands .ci/run runs. The checker itself is shown to fail on a renamed key
-and on a quoted line the command does not print.
+conftest.py), within a time limit; the exit status and every `output` block after it are checked
+(tests/doc_output.py: the quoted lines in order, `...` lines where the doc leaves lines out, figures
+within the block's tol=). `slow` blocks run under -m slow. tpu/gpu/cloud/manual blocks are skipped
+with the reason their why= gives (test_kept_out_blocks_say_why lists them all), and where the docs
+give a runnable form (a `cpu dry-run` or `cpu local` block after them) that block is what runs.
+`sample` blocks are compared with what the command tests/doc_samples.py names for them prints.
+`ci` blocks must be commands .ci/run runs. The checker itself is shown to fail on a renamed key,
+a quoted line the command does not print, a figure beyond its tolerance and a line left out.
 
-The sample outputs come from the code: `python3 tests/regenerate_doc_outputs.py` reruns the blocks
-with an output block and rewrites the quoted lines from what they print.
+`python3 tests/regenerate_doc_outputs.py` reruns the blocks and sample commands and rewrites the
+quoted lines from what they print.
 """
 
 from __future__ import annotations
@@ -169,3 +172,19 @@ def test_quoted_lines_match_in_order_and_elisions_are_marked():
   assert match("...\nfits: 6.640 GiB of 16 GiB\n...\n", printed).problem is None
   assert [q for q, _ in match("mesh: fsdp=4, tensor=2\n...\nend\n", printed).pairs] == [
       "mesh: fsdp=4, tensor=2", "end"]
+
+
+def test_after_runs_the_named_block_first_in_the_same_directory(tmp_path):
+  doc = ("```bash cpu name=make\necho made > made.txt\n```\n\n```bash cpu after=make\ncat made.txt\n```\n\n"
+         "```text output\nmade\n```\n")
+  blocks, errors = doc_blocks.parse(doc, "after.md")
+  assert not errors and blocks[1].after is blocks[0] and blocks[1].outputs == [blocks[2]]
+  assert doc_blocks.check(blocks[1], doc_blocks.run(blocks[1], tmp_path)) is None
+
+
+def test_a_sample_needs_its_command_or_a_reason():
+  blocks, _ = doc_blocks.parse("```text sample\nx\n```\n\n```text sample why=\"a fault the tests inject\"\ny\n```\n",
+                               "samples.md")
+  found, errors = doc_samples.sources(blocks, registry=[])
+  assert not found and len(errors) == 1 and errors[0].startswith("samples.md:1: a sample needs its command")
+  assert [b.id for b in doc_blocks.kept_out(blocks)] == ["samples.md:5"]
