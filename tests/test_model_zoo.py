@@ -1,6 +1,6 @@
 """Every shipped model YAML builds abstractly and has its published parameter count.
 
-`python3 tests/test_model_zoo.py` prints the table that getting_started/Models.md holds.
+`python3 -m tests.test_model_zoo` (from the repository root) prints the table that getting_started/Models.md holds.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def test_model_builds_abstractly_with_its_published_size(name):
 
 def test_models_md_lists_every_model_with_its_count():
   text = MODELS_MD.read_text()
-  assert models_table() in text, "getting_started/Models.md is stale: regenerate with python3 tests/test_model_zoo.py"
+  assert models_table() in text, "getting_started/Models.md is stale: regenerate with python3 -m tests.test_model_zoo"
 
 
 if __name__ == "__main__":
