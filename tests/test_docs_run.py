@@ -60,6 +60,12 @@ def test_no_command_stands_only_in_prose():
                      "with why=):\n" + "\n".join(f"  {where}: {code}" for where, code in found))
 
 
+def test_every_script_a_page_names_stands_in_a_block():
+  found = doc_prose.scripts_without_block()
+  assert not found, ("end-to-end scripts and benchmarks a page names but runs in no tagged block (add one: cpu, "
+                     "or kept out with why=):\n" + "\n".join(f"  {page}: {script}" for page, script in found))
+
+
 def test_a_prose_command_is_found():
   assert doc_prose.COMMAND_START.match("python3 -m MaxText.train configs/base.yml")
   assert doc_prose.COMMAND_START.match("XLA_FLAGS=x python3 benchmarks/decode_bench.py --slots 1")
