@@ -49,7 +49,7 @@ def _unreachable(index: str) -> str | None:
 
 
 @pytest.mark.slow
-def test_plain_setup_sh_installs_into_a_fresh_venv(tmp_path):
+def test_plain_setup_sh_installs_into_a_fresh_venv(tmp_path: Path) -> None:
   index = _index_url()
   why = _unreachable(index)
   if why is not None:
