@@ -180,7 +180,9 @@ def match_output(quoted: str, printed: str, tolerances: dict[str, Tolerance] | N
       fail(qi, f"{item.quoted!r} is quoted after the last printed line")
     else:
       shaped, off = item.compare(actual[pi])
-      if not shaped:
+      if not shaped and qi > 0 and items[qi - 1] is None:
+        fail(qi, f"{item.quoted!r}: no printed line after the `...` has this shape")
+      elif not shaped:
         fail(qi, f"{item.quoted!r}: the printed line there is {actual[pi].strip()!r} (mark left-out lines "
                  "with a `...` line)")
       elif off:
