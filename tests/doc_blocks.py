@@ -14,7 +14,7 @@ is quoted (why="needs a TPU v5e slice").
   ```bash cpu after=first  runs the named block's command first, in the same copy (it reads its outputs)
   ```bash cpu install      the block runs setup.sh: the test runs it with DRY_RUN=1 (setup.sh then
                            prints its pip commands); tests/test_setup_install.py runs the real
-                           install in a fresh venv under -m slow
+                           install in a fresh venv (in CI's docs stage)
   ```bash cpu dry-run      the dry-run form of the tpu/gpu/cloud/manual block before it
   ```bash cpu local        its local form: the same command on 8 simulated CPU devices or local disk
   ```bash tpu why="..."    needs that accelerator (`tpu gpu`: either); not run

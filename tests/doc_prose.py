@@ -7,8 +7,8 @@ shape of a command rather than one to run (it contains `...` or a placeholder in
 `KEY=VALUE`) is allowed in prose, and so is one that a fenced block of the same page holds already.
 A getting_started page that names an end-to-end script or a benchmark (`end_to_end/cpu/grpo.sh`,
 `benchmarks/serve_bench.py`) holds it in a tagged block too (`scripts_without_block`); README.md's
-map of the repository is exempt. Also exempt from the first rule: setup.sh's variants (its header documents them; tests/test_setup_install.py runs the
-plain install) and the lines of .ci/run (CI runs them).
+map of the repository is exempt. Also exempt from the first rule: setup.sh's variants (its header
+documents them; tests/test_setup_install.py runs the plain install) and the lines of .ci/run.
 """
 
 from __future__ import annotations
