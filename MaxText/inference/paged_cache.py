@@ -136,11 +136,12 @@ def insert_prefix(pools: Any, prefix_caches: Any, row: jax.Array, table_row_M: j
 
   def one_layer(pool: paged_kv.PagedKVCache, cache: kv_cache.KVCache) -> paged_kv.PagedKVCache:
     length = cache.key_BSKH.shape[1]
-    flat_1L = paged_kv.flat_indices(table_row_M[None], jnp.arange(length)[None], pool.key_KPZH.shape[1],
-                                    pool.page_size)
+    page_1L, offset_1L = paged_kv.page_addresses(table_row_M[None], jnp.arange(length)[None],
+                                                 pool.key_KPZH.shape[1], pool.page_size)
 
     def put(pool_leaf: jax.Array, cache_leaf: jax.Array) -> jax.Array:
-      return paged_kv.scatter(pool_leaf, jax.lax.dynamic_slice_in_dim(cache_leaf, row, 1, axis=0), flat_1L)
+      return paged_kv.scatter(pool_leaf, jax.lax.dynamic_slice_in_dim(cache_leaf, row, 1, axis=0), page_1L,
+                              offset_1L)
 
     return dataclasses.replace(pool, **{name: put(getattr(pool, name), getattr(cache, dense_name))
                            for name, dense_name in _FIELDS if getattr(pool, name) is not None})

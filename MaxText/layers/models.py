@@ -23,7 +23,7 @@ from MaxText.layers.embeddings import Embed, sinusoidal_positions
 from MaxText.layers.kv_cache import KVCache
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.moe import ROUTING_STATS, update_correction_biases
-from MaxText.layers import mtp, pipeline, quantization, remat
+from MaxText.layers import mtp, paged_kv, pipeline, quantization, remat
 from MaxText.layers.normalizations import make_norm
 
 # What layers sow as nnx.Intermediate, by name: scalar losses (e.g. MoE load balancing), summed
@@ -137,6 +137,22 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     layer_rngs = jax.random.split(dropout_rng, num_layers) if dropout_rng is not None else None
     one_layer = self._layer_fn(positions_BL, segment_ids_BL, decoding=caches is not None)
+    if cfg.scan_layers and paged_kv.holds_pages(caches):
+      # Page pools ride in the carry, each layer writing its own in place (paged_kv.PagedKVCache.layer):
+      # as scanned inputs and outputs they would be sliced and restacked, a copy of the pool per step.
+      graphdef, stacked_state = nnx.split(getattr(self, name))
+
+      def carried(carry: tuple[jax.Array, Any], per_layer: tuple[Any, ...]
+                  ) -> tuple[tuple[jax.Array, Any], AuxLosses]:
+        x, pools = carry
+        state, rng, index = per_layer
+        x, layer_aux, pools = one_layer(graphdef, x, state, rng, first_index + index,
+                                        paged_kv.carried_by_layer(pools, index))
+        return (x, paged_kv.without_layer(pools)), layer_aux
+
+      (x_BLD, caches), aux_per_layer = jax.lax.scan(
+          carried, (x_BLD, caches), (stacked_state, layer_rngs, jnp.arange(num_layers)))
+      return x_BLD, {name: _over_layers(name, values) for name, values in aux_per_layer.items()}, caches
     if cfg.scan_layers:
       graphdef, stacked_state = nnx.split(getattr(self, name))
 
@@ -205,6 +221,24 @@ class Transformer(nnx.Module):
         dense_c = None if dense_c is None else jax.tree.map(lambda *cs: jnp.stack(cs), *new_dense)
         return x, (aux, dense_c, moe_c)
 
+      if paged_kv.holds_pages(caches):  # in the carry, as in _run_stack
+        def carried(carry: tuple[jax.Array, Any, Any], xs: tuple[Any, ...]) -> tuple[tuple[jax.Array, Any, Any],
+                                                                                      AuxLosses]:
+          x, dense_pools, moe_pools = carry
+          dense_s, moe_s, rng_k, period = xs
+          for j in range(k - 1):
+            x, _, dense_pools = one_layer(dense_graph, x, jax.tree.map(lambda a, j=j: a[j], dense_s),
+                                          None if rng_k is None else rng_k[j], period * k + j,
+                                          paged_kv.carried_by_layer(dense_pools, period * (k - 1) + j))
+          x, aux, moe_pools = one_layer(moe_graph, x, moe_s, None if rng_k is None else rng_k[k - 1],
+                                        period * k + k - 1, paged_kv.carried_by_layer(moe_pools, period))
+          return (x, paged_kv.without_layer(dense_pools), paged_kv.without_layer(moe_pools)), aux
+
+        (x_BLD, dense_pools, moe_pools), aux_per_layer = jax.lax.scan(
+            carried, (x_BLD, caches["dense_layers"], caches["layers"]),
+            (by_period(dense_state), moe_state, rngs, jnp.arange(periods)))
+        aux = {name: _over_layers(name, values) for name, values in aux_per_layer.items()}
+        return x_BLD, aux, {"dense_layers": dense_pools, "layers": moe_pools}
       dense_caches = None if caches is None else by_period(caches["dense_layers"])
       x_BLD, (aux_per_layer, dense_caches, moe_caches) = jax.lax.scan(
           body, x_BLD, (by_period(dense_state), moe_state, rngs, jnp.arange(periods),

@@ -30,6 +30,11 @@ MLA = dict(TINY, decoder_block="deepseek3", base_num_query_heads=4, base_num_kv_
            qk_rope_head_dim=4, v_head_dim=6, num_experts=4, num_experts_per_tok=2, shared_experts=1,
            first_dense_layers=1, dense_mlp_dim=48)
 CHUNKED = dict(TINY, base_num_kv_heads=4, attention_layer_pattern=["chunked", "global"], attention_chunk_size=4)
+# Llama 4 Maverick's interleaved stack: dense and MoE layers alternate (the scanned periods carry two pools).
+INTERLEAVED = dict(TINY, decoder_block="llama4", base_num_decoder_layers=4, num_experts=4, num_experts_per_tok=1,
+                   moe_layer_interval=2, dense_mlp_dim=96, shared_experts=1, capacity_factor=-1.0,
+                   mlp_activations=["silu", "linear"], attention_layer_pattern=["chunked", "global"],
+                   attention_chunk_size=4)
 PROMPTS = [[3, 9, 27], [1, 2, 3, 4, 5, 6, 7, 8], [100], [50, 60, 70, 80, 90], [7, 7]]
 NEW_TOKENS = [9, 12, 16, 6, 10]
 
@@ -121,12 +126,34 @@ def test_paged_serve_equals_dense_with_windows_slot_reuse_and_waiting_for_pages(
     pytest.param(dict(CHUNKED, quantize_kvcache=True), False, marks=pytest.mark.slow),  # MHA, chunks, int8
     pytest.param(CHUNKED, True, marks=pytest.mark.slow),
     pytest.param(MIXED, True, marks=pytest.mark.slow),
+    (INTERLEAVED, True),
 ])
 def test_paged_serve_equals_dense_for_each_family(overrides, scan_layers):
   expected, got, paged, _ = serve_both(dict(overrides, scan_layers=scan_layers), num_slots=2, kv_num_pages=12,
                                        page_size=3)
   assert got == expected
   check_paged_run(paged)
+
+
+@pytest.mark.parametrize("overrides,scan_layers,num_slots", [
+    (TINY, False, 1), (TINY, True, 1), pytest.param(TINY, True, 4, marks=pytest.mark.slow),
+    pytest.param(INTERLEAVED, True, 1, marks=pytest.mark.slow)])
+def test_a_generate_step_works_in_memory_that_does_not_grow_with_the_pool(overrides, scan_layers, num_slots):
+  """The attention reads only each slot's pages and the step writes the pool in place: its
+  scratch memory is the same for the default pool and one 16 times larger (a pool-sized copy, as
+  one slot's single-token write through a flattened pool made, shows up here)."""
+  def temp_bytes(num_pages: int) -> int:
+    config = Config.for_testing(**dict(overrides, max_target_length=64), scan_layers=scan_layers,
+                                kv_cache_layout="paged", kv_page_size=4, kv_num_pages=num_pages)
+    engine = Engine(config, num_slots=num_slots, mesh=one_device_mesh())
+    params = sharding.with_shardings(engine.spec.abstract_params, engine.param_shardings)
+    state = sharding.with_shardings(jax.eval_shape(engine._init_state_fn, jnp.uint32(0)), engine.state_shardings)
+    with sharding.activation_sharding(engine.mesh, engine.rules):
+      compiled = engine._generate.lower(params, state, jnp.asarray(engine.pages.table)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  default_pages = num_slots * paged_cache.pages_per_slot(64, 4)
+  assert temp_bytes(0) == temp_bytes(16 * default_pages)
 
 
 @pytest.mark.slow  # ~30 s: 8 simulated devices
