@@ -55,8 +55,9 @@ class PageAllocator:
   def held(self, slot: int) -> int:
     return int((self.table[slot] >= 0).sum())
 
-  def assign(self, slot: int, prompt_length: int) -> None:
-    """Pages for a prompt of `prompt_length` tokens in `slot` (its previous pages freed first)."""
+  def assign(self, slot: int, prompt_length: int, active: bool = True) -> None:
+    """Pages for a prompt of `prompt_length` tokens in `slot` (its previous pages freed first).
+    `active=False`: the prompt is still being prefilled in chunks; `activate` once it is cached."""
     need = self.pages_for(prompt_length)
     if need > len(self.free) + self.held(slot):
       raise OutOfPages(f"out of KV pages: a prompt of {prompt_length} tokens needs {need} pages of {self.page_size} "
@@ -65,7 +66,16 @@ class PageAllocator:
     self.release(slot)
     for index in range(need):
       self.table[slot, index] = self.free.pop()
-    self.positions[slot], self.active[slot] = prompt_length, True
+    self.positions[slot], self.active[slot] = prompt_length, active
+
+  def activate(self, slot: int) -> None:
+    """The slot's prompt is cached: it generates from the next step on."""
+    self.active[slot] = True
+
+  def generate_table(self) -> np.ndarray:
+    """The block table a generate step sees: a slot still prefilling shows no pages, so the step
+    (which advances every slot) writes nothing into the pages its prompt is filling."""
+    return np.where(self.active[:, None], self.table, -1).astype(np.int32)
 
   def grow(self) -> None:
     """Before a generate step: a page for every active slot whose pending token starts a page."""
@@ -118,16 +128,18 @@ def model_pool_names(cfg: ModelConfig, quantized: bool) -> Any:
   return kv_cache.stacked_names(cfg, paged_kv.logical_names(one, stacked=cfg.scan_layers))
 
 
-def _is_pool(x: Any) -> bool:
+def is_pool(x: Any) -> bool:
   return isinstance(x, paged_kv.PagedKVCache)
 
 
 def with_block_table(pools: Any, table_TM: jax.Array) -> Any:
-  """Every layer's cache with the allocator's block table (broadcast over a stacked layer dim)."""
+  """Every layer's cache with a block table (broadcast over a stacked layer dim): the allocator's
+  [T, M] for a generate step, or one slot's row [1, M] for a prefill chunk."""
   def put(cache: paged_kv.PagedKVCache) -> paged_kv.PagedKVCache:
-    return dataclasses.replace(cache, block_table_BM=jnp.broadcast_to(table_TM, cache.block_table_BM.shape))
+    leading = cache.block_table_BM.shape[:-2]
+    return dataclasses.replace(cache, block_table_BM=jnp.broadcast_to(table_TM, leading + table_TM.shape))
 
-  return jax.tree.map(put, pools, is_leaf=_is_pool)
+  return jax.tree.map(put, pools, is_leaf=is_pool)
 
 
 def insert_prefix(pools: Any, prefix_caches: Any, row: jax.Array, table_row_M: jax.Array, stacked: bool) -> Any:
@@ -147,7 +159,7 @@ def insert_prefix(pools: Any, prefix_caches: Any, row: jax.Array, table_row_M: j
                            for name, dense_name in _FIELDS if getattr(pool, name) is not None})
 
   layer = jax.vmap(one_layer) if stacked else one_layer
-  return jax.tree.map(layer, pools, prefix_caches, is_leaf=_is_pool)
+  return jax.tree.map(layer, pools, prefix_caches, is_leaf=is_pool)
 
 
 _FIELDS = (("key_KPZH", "key_BSKH"), ("value_KPZH", "value_BSKH"), ("key_scale_KPZ1", "key_scale_BSK1"),

@@ -265,3 +265,60 @@ def test_paged_generate_compiles_for_tpu_with_the_pallas_kernel(topology, tensor
   assert lowered.as_text().count("paged_flash_attention_kernel") == kernels
   lowered.compile()
   assert engine.state_shardings.caches.key_KPZH.spec[1] == (None if tensor == 1 else "tensor")
+
+
+# ---------------------------------------------------------------- chunked prefill
+def _scheduled_outputs(engine: Engine, params, prompts, new_tokens, cancel_second: bool = False) -> list[list[int]]:
+  """Each job's tokens through the server's scheduler (greedy); with cancel_second, job 1 is
+  cancelled as soon as it is submitted (it may be waiting, prefilling or running)."""
+  import threading
+
+  from MaxText.inference import scheduler as sched
+  from MaxText.inference.sampling import RowParams
+
+  class Sink:
+    def __init__(self):
+      self.tokens, self.done = [], threading.Event()
+
+    def __call__(self, event):
+      if isinstance(event, sched.Token):
+        self.tokens.append(event.token)
+      elif isinstance(event, sched.Done):
+        self.done.set()
+
+  runner = sched.Scheduler(engine, params, max_queue=16).start()
+  try:
+    sinks = [Sink() for _ in prompts]
+    jobs = [sched.Job(0, list(p), n, RowParams(), sink) for p, n, sink in zip(prompts, new_tokens, sinks)]
+    runner.submit(jobs)
+    if cancel_second:
+      jobs[1].cancel()
+    for sink in sinks:
+      assert sink.done.wait(120)
+    load = runner.load()
+    assert load["pages_reserved"] == 0 and load["pages_free"] == load["pages_total"], load
+    return [sink.tokens for sink in sinks]
+  finally:
+    runner.stop(10)
+
+
+@pytest.mark.parametrize("overrides,scan_layers", [
+    (MIXED, True), pytest.param(MLA, False, marks=pytest.mark.slow), pytest.param(CHUNKED, True, marks=pytest.mark.slow)])
+def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(overrides, scan_layers):
+  """Prompts prefilled 3 tokens per scheduler loop straight into their pages, between the other
+  slots' generate steps, give the same greedy tokens as whole-prompt prefills; every page comes
+  back, also from a job cancelled while it waits or prefills."""
+  config = dict(overrides, scan_layers=scan_layers, kv_cache_layout="paged", kv_page_size=3, kv_num_pages=16)
+  whole = Engine(Config.for_testing(**config), num_slots=2, mesh=one_device_mesh())
+  params = whole.load_params(seed=1)
+  chunked = Engine(Config.for_testing(**config, prefill_chunk_size=3), num_slots=2, mesh=one_device_mesh())
+  expected = _scheduled_outputs(whole, params, PROMPTS, NEW_TOKENS)
+  assert _scheduled_outputs(chunked, params, PROMPTS, NEW_TOKENS) == expected
+  assert chunked.traces["extend"] == 1 and chunked.traces["prefill"] == 0  # one program for every chunk
+  got = _scheduled_outputs(chunked, params, PROMPTS, NEW_TOKENS, cancel_second=True)
+  assert [g for i, g in enumerate(got) if i != 1] == [e for i, e in enumerate(expected) if i != 1]
+
+
+def test_prefill_chunk_size_needs_the_paged_cache():
+  with pytest.raises(ConfigError, match="prefill_chunk_size=4 needs kv_cache_layout=paged"):
+    Config.for_testing(**TINY, prefill_chunk_size=4)
