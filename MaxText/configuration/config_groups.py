@@ -410,6 +410,7 @@ class DecodeConfig:
   kv_page_size: int = key()
   kv_num_pages: int = key()  # 0: as many as slots x pages per slot (the dense capacity)
   prefill_chunk_size: int = key()  # paged serving: prompt tokens prefilled per step; 0 = a whole prompt at once
+  prefix_caching: bool = key()  # paged serving: full prompt pages shared between requests with the same prefix
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any]) -> "DecodeConfig":

@@ -120,8 +120,9 @@ class Engine:
     if self.paged:
       self.num_pages = self._check_num_pages()
       self.pages = self._new_allocator()
-    # Prompts prefilled in chunks straight into pages (begin_prompt, prefill_chunk) by the scheduler.
-    self.chunked_prefill = self.paged and self.decode_cfg.prefill_chunk_size > 0
+    # The scheduler prefills prompts straight into pages (begin_prompt, prefill_chunk): in chunks,
+    # or in one piece after the pages a cached prefix already holds.
+    self.chunked_prefill = self.paged and (self.decode_cfg.prefill_chunk_size > 0 or self.decode_cfg.prefix_caching)
     abstract_caches = jax.eval_shape(self._empty_caches)
     self._cache_bytes = paged_cache.cache_bytes(abstract_caches)  # cache_stats is read by every /health
     names = (paged_cache.model_pool_names(self.cfg, quantized) if self.paged
@@ -199,16 +200,18 @@ class Engine:
       self.pages.advance()
     return out
 
-  def begin_prompt(self, slot: int, prompt: Sequence[int]) -> None:
+  def begin_prompt(self, slot: int, prompt: Sequence[int]) -> int:
     """Paged, chunked prefill: the pages of `prompt` for `slot`, which generate steps skip until
-    the last `prefill_chunk` has run (raises OutOfPages, nothing changed, when they are not free)."""
+    the last `prefill_chunk` has run (raises OutOfPages, nothing changed, when they are not free).
+    Returns where prefilling starts: after the prompt's leading pages another request already
+    cached (prefix_caching), else 0."""
     self._check_slot(slot)
     if self.pages is None:
       raise UserError("chunked prefill needs kv_cache_layout=paged")
     if not 1 <= len(prompt) <= self.cfg.max_target_length - 1:
       raise UserError(f"a prompt of {len(prompt)} tokens does not fit max_target_length={self.cfg.max_target_length} "
                       "with room to generate")
-    self.pages.assign(slot, len(prompt), active=False)
+    return self.pages.assign(slot, len(prompt), active=False, prompt=prompt)
 
   def prefill_chunk(self, params: Any, state: DecodeState, slot: int, prompt: Sequence[int], start: int,
                     row_params: sampling.RowParams | None = None, seed: int = 0
@@ -231,7 +234,7 @@ class Engine:
                                   jnp.int32(slot), jnp.asarray(self.pages.table[slot][None]), rows)
     if end < len(prompt):
       return state, end, None
-    self.pages.activate(slot)
+    self.pages.activate(slot, prompt)
     return state, end, first
 
   def release(self, slot: int) -> None:
@@ -283,7 +286,7 @@ class Engine:
 
   def _new_allocator(self) -> paged_cache.PageAllocator:
     return paged_cache.PageAllocator(self.num_pages, self.decode_cfg.kv_page_size, self.num_slots,
-                                     self.cfg.max_target_length)
+                                     self.cfg.max_target_length, self.decode_cfg.prefix_caching)
 
   def _empty_caches(self) -> Any:
     quantized = self.decode_cfg.quantize_kvcache

@@ -90,7 +90,7 @@ class Job:
         self.on_cancel()
 
 
-_COUNTS = ("admitted", "released", "steps", "loops", "length", "stop", "cancelled", "error")
+_COUNTS = ("admitted", "released", "steps", "loops", "length", "stop", "cancelled", "error", "prefix_cached_tokens")
 
 
 def _top(ids_k: np.ndarray, logprobs_k: np.ndarray) -> list[tuple[int, float]]:
@@ -158,7 +158,9 @@ class Scheduler:
     with self._wake:
       jobs = [*self._waiting, *self._active.values(), *(job for job, _ in self._prefilling.values())]
       oldest = time.monotonic() - min(j.submitted for j in jobs) if jobs else 0.0
-      return {"waiting": len(self._waiting), "active": len(self._active), "prefilling": len(self._prefilling),
+      # "active": slots holding a job, decoding or still prefilling its prompt.
+      return {"waiting": len(self._waiting), "active": len(self._active) + len(self._prefilling),
+              "prefilling": len(self._prefilling),
               "slots": self.engine.num_slots,
               "pages_total": self._pages_total, "pages_free": int(self.engine.cache_stats()["pages_free"]),
               "pages_reserved": sum(self._reserved.values()), "oldest_age_s": oldest, **self.counts}
@@ -238,9 +240,10 @@ class Scheduler:
       self._finish(job, None, "length")
       return
     if self._chunked:
-      self.engine.begin_prompt(slot, job.prompt)
+      cached = self.engine.begin_prompt(slot, job.prompt)
+      self.counts["prefix_cached_tokens"] += cached
       with self._wake:
-        self._prefilling[slot] = (job, 0)
+        self._prefilling[slot] = (job, cached)
       return
     prefix = self.engine.prefill(self.params, [job.prompt], row_params=[job.row])
     self._state = self.engine.insert(prefix, self._state, slot)

@@ -55,7 +55,7 @@ def test_allocator_assigns_grows_at_page_boundaries_and_releases():
   assert pages.held(0) == 3 and pages.positions[0] == 10
   pages.assign(1, 4)
   pages.release(0)
-  assert pages.stats() == {"pages_total": 6, "pages_free": 5, "pages_used": 1, "page_size": 4}
+  assert pages.stats() == {"pages_total": 6, "pages_free": 5, "pages_used": 1, "pages_cached": 0, "page_size": 4}
   assert not pages.active[0] and (pages.table[0] == -1).all()
   pages.grow()  # slot 1's pending token (position 4) starts its second page; released slot 0 takes none
   assert pages.held(1) == 2 and pages.held(0) == 0 and pages.stats()["pages_used"] == 2
@@ -268,7 +268,8 @@ def test_paged_generate_compiles_for_tpu_with_the_pallas_kernel(topology, tensor
 
 
 # ---------------------------------------------------------------- chunked prefill
-def _scheduled_outputs(engine: Engine, params, prompts, new_tokens, cancel_second: bool = False) -> list[list[int]]:
+def _scheduled_outputs(engine: Engine, params, prompts, new_tokens, cancel_second: bool = False,
+                       loads: list | None = None) -> list[list[int]]:
   """Each job's tokens through the server's scheduler (greedy); with cancel_second, job 1 is
   cancelled as soon as it is submitted (it may be waiting, prefilling or running)."""
   import threading
@@ -297,6 +298,8 @@ def _scheduled_outputs(engine: Engine, params, prompts, new_tokens, cancel_secon
       assert sink.done.wait(120)
     load = runner.load()
     assert load["pages_reserved"] == 0 and load["pages_free"] == load["pages_total"], load
+    if loads is not None:
+      loads.append(load)
     return [sink.tokens for sink in sinks]
   finally:
     runner.stop(10)
@@ -322,3 +325,51 @@ def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(overrides, scan_lay
 def test_prefill_chunk_size_needs_the_paged_cache():
   with pytest.raises(ConfigError, match="prefill_chunk_size=4 needs kv_cache_layout=paged"):
     Config.for_testing(**TINY, prefill_chunk_size=4)
+
+
+# ---------------------------------------------------------------- prefix caching
+def test_the_allocator_shares_full_prefix_pages_keeps_them_when_unheld_and_evicts_the_oldest():
+  pages = paged_cache.PageAllocator(num_pages=6, page_size=2, num_slots=3, max_length=8, prefix_caching=True)
+  first, second = [1, 2, 3, 4, 5], [1, 2, 3, 4, 9, 9, 9]
+  assert pages.assign(0, len(first), active=False, prompt=first) == 0  # nothing indexed yet
+  pages.activate(0, first)  # its two full pages [1, 2], [3, 4] are indexed
+  assert pages.assign(1, len(second), active=False, prompt=second) == 4
+  assert pages.table[1, :2].tolist() == pages.table[0, :2].tolist() and pages.refs[pages.table[0, :2]].tolist() == [2, 2]
+  assert pages.stats()["pages_used"] == 3 + 2  # 3 for the first prompt, 2 more of the second's 4
+  # A prompt that is all cached full pages still computes its last page (its last token's logits).
+  assert pages.assign(2, 4, active=False, prompt=[1, 2, 3, 4]) == 2
+  for slot in (0, 1, 2):
+    pages.release(slot)
+  stats = pages.stats()
+  assert stats["pages_free"] == 6 and stats["pages_cached"] == 2 and not pages.refs.any()
+  assert pages.assign(0, 5, prompt=first) == 4  # found again after everyone left
+  pages.release(0)
+  # Free pages go first; then the unheld indexed ones are evicted, and are not matched any more.
+  assert pages.assign(1, 8, prompt=[7] * 8) == 0 and pages.stats()["pages_cached"] == 2
+  assert pages.assign(2, 4, prompt=[8] * 4) == 0 and pages.stats()["pages_cached"] == 0
+  pages.release(1)
+  pages.release(2)
+  assert pages.assign(0, 5, prompt=first) == 0  # evicted: computed again
+
+
+@pytest.mark.parametrize("scan_layers,num_pages", [(True, 24), pytest.param(False, 12, marks=pytest.mark.slow)])
+def test_prefix_caching_gives_the_same_tokens_and_shares_the_prefix_pages(scan_layers, num_pages):
+  """Requests sharing a 12-token prefix (4 pages of 3) with different tails: identical greedy
+  tokens with and without prefix caching, the shared prefix's pages reused by later requests;
+  with a pool too small to keep it (12 pages), eviction changes no answer; afterwards no page
+  is held."""
+  prefix = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+  prompts = [prefix + tail for tail in ([1], [2, 3], [4, 5, 6, 7], [1], [8, 9])]
+  new_tokens = [4, 3, 5, 4, 2]
+  config = dict(MIXED, scan_layers=scan_layers, kv_cache_layout="paged", kv_page_size=3, kv_num_pages=num_pages,
+                max_target_length=32, max_prefill_predict_length=16)
+  plain = Engine(Config.for_testing(**config, prefix_caching=False), num_slots=2, mesh=one_device_mesh())
+  params = plain.load_params(seed=1)
+  cached = Engine(Config.for_testing(**config, prefix_caching=True), num_slots=2, mesh=one_device_mesh())
+  assert plain.chunked_prefill is False and cached.chunked_prefill is True
+  expected = _scheduled_outputs(plain, params, prompts, new_tokens)
+  loads: list = []
+  assert _scheduled_outputs(cached, params, prompts, new_tokens, loads=loads) == expected
+  assert cached.pages.stats()["pages_used"] == 0 and not cached.pages.refs.any()
+  if num_pages == 24:  # room to keep the prefix: every request after the first two finds it
+    assert loads[0]["prefix_cached_tokens"] >= 3 * len(prefix)
