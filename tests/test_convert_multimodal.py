@@ -1,0 +1,78 @@
+"""Gemma 3 with its vision tower through the converters: HF → ours → HF reproduces every tensor
+(names included) of a checkpoint in the published layout, transformers reloads it and gives the
+same logits with images; transformers 5's own save layout reads to the same parameters."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import hf_families as H
+from MaxText.configuration import config as config_lib
+from MaxText.convert import hf_to_maxtext, maxtext_to_hf, streaming
+
+NAME = "gemma3-vision"
+
+
+def _published(saved: Path, out: Path) -> Path:
+  """transformers 5's save_pretrained directory rewritten in the published checkpoints' layout
+  (google/gemma-3-*: the vision tower's tensors under vision_tower.vision_model.)."""
+  tensors = load_file(str(saved / "model.safetensors"))
+  out.mkdir()
+  save_file({("vision_tower.vision_model." + k[len("vision_tower."):] if k.startswith("vision_tower.") else k): v
+             for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+  shutil.copy(saved / "config.json", out / "config.json")
+  return out
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+  """(HF model, its save_pretrained dir, the published-layout dir, our checkpoint of the latter)."""
+  root = tmp_path_factory.mktemp("multimodal")
+  model = H.build_hf_multimodal_model(NAME)
+  model.save_pretrained(str(root / "saved"))
+  published = _published(root / "saved", root / "published")
+  hf_to_maxtext.convert(str(published), str(root / "ckpt"), [])
+  return model, root / "saved", published, root / "ckpt"
+
+
+def test_round_trip_reproduces_every_tensor_and_the_logits_with_images(converted, tmp_path):
+  model, _, published, ckpt = converted
+  maxtext_to_hf.export(str(ckpt), str(tmp_path / "hf"), [])
+  original, exported = load_file(str(published / "model.safetensors")), load_file(str(tmp_path / "hf" / "model.safetensors"))
+  assert sorted(exported) == sorted(original)
+  assert any(name.startswith("vision_tower.vision_model.encoder.layers.1.") for name in exported)
+  for name, value in original.items():
+    np.testing.assert_array_equal(exported[name], value, err_msg=name)
+  reloaded, info = H.transformers.AutoModelForImageTextToText.from_pretrained(
+      str(tmp_path / "hf"), attn_implementation="eager", output_loading_info=True)
+  assert not info["missing_keys"] and not info["unexpected_keys"]
+  assert type(reloaded).__name__ == "Gemma3ForConditionalGeneration"
+  token_ids, pixels = H.multimodal_prompt(model, 2)
+  np.testing.assert_array_equal(H.hf_multimodal_logits(reloaded.eval(), token_ids, pixels),
+                                H.hf_multimodal_logits(model, token_ids, pixels))
+
+
+def test_transformers_5_save_layout_converts_to_the_same_parameters(converted, tmp_path):
+  _, saved, _, ckpt = converted
+  hf_to_maxtext.convert(str(saved), str(tmp_path / "ckpt"), [])
+  ours, reference = streaming.ParamReader(str(tmp_path / "ckpt"), "float32"), streaming.ParamReader(str(ckpt), "float32")
+  try:
+    assert sorted(ours.shapes) == sorted(reference.shapes)
+    assert ("vision_encoder", "layers", "fc1", "kernel") in ours.shapes
+    for path in ours.shapes:
+      np.testing.assert_array_equal(ours.read(path), reference.read(path), err_msg="/".join(path))
+  finally:
+    ours.close()
+    reference.close()
+
+
+def test_the_saved_model_keys_describe_the_vision_tower(converted):
+  _, _, _, ckpt = converted
+  keys = config_lib.read_yaml(ckpt / config_lib.MODEL_CONFIG_FILE)
+  assert keys["use_multimodal"] is True and keys["vision_num_layers"] == 2 and keys["mm_tokens_per_image"] == 16
+  assert keys["image_token_id"] == 122 and keys["boi_token_id"] == 120 and keys["eoi_token_id"] == 121
