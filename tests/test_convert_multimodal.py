@@ -1,6 +1,7 @@
 """Gemma 3 with its vision tower through the converters: HF → ours → HF reproduces every tensor
 (names included) of a checkpoint in the published layout, transformers reloads it and gives the
-same logits with images; transformers 5's own save layout reads to the same parameters."""
+same logits with images; transformers 5's own save layout reads to the same parameters; the
+logit checker with images passes, and fails on one corrupted vision weight."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import hf_families as H
+from MaxText import logit_checker
 from MaxText.configuration import config as config_lib
 from MaxText.convert import hf_to_maxtext, maxtext_to_hf, streaming
+from MaxText.training import params_io
 
 NAME = "gemma3-vision"
+BASE = str(Path(__file__).resolve().parent.parent / "configs" / "base.yml")
 
 
 def _published(saved: Path, out: Path) -> Path:
@@ -76,3 +80,42 @@ def test_the_saved_model_keys_describe_the_vision_tower(converted):
   keys = config_lib.read_yaml(ckpt / config_lib.MODEL_CONFIG_FILE)
   assert keys["use_multimodal"] is True and keys["vision_num_layers"] == 2 and keys["mm_tokens_per_image"] == 16
   assert keys["image_token_id"] == 122 and keys["boi_token_id"] == 120 and keys["eoi_token_id"] == 121
+
+
+def _png(path: Path, seed: int, size: tuple[int, int]) -> str:
+  from PIL import Image
+  pixels = np.random.default_rng(seed).integers(0, 256, size=size[::-1] + (3,), dtype=np.uint8)
+  Image.fromarray(pixels).save(path)
+  return str(path)
+
+
+def _check(hf_dir: Path, ckpt: Path, *args: str) -> int:
+  return logit_checker.main(["logit_checker", BASE, f"load_parameters_path={ckpt}", f"hf_model_path={hf_dir}",
+                             "dtype=float32", "atol=2e-5", "max_kl=1e-9", *args])
+
+
+def test_logit_checker_with_images_passes_and_a_corrupted_vision_weight_fails(converted, tmp_path, capsys):
+  _, _, published, ckpt = converted
+  images = f"images={_png(tmp_path / 'a.png', 0, (90, 40))},{_png(tmp_path / 'b.png', 1, (30, 70))}"
+  assert _check(published, ckpt, images) == 0
+  out = capsys.readouterr().out
+  assert "2 image(s) each" in out and "logit_checker: PASS" in out
+  reader = streaming.ParamReader(str(ckpt), "float32")
+  try:
+    params: dict = {}
+    for path in reader.shapes:
+      node = params
+      for key in path[:-1]:
+        node = node.setdefault(key, {})
+      node[path[-1]] = np.array(reader.read(path))
+  finally:
+    reader.close()
+  params["vision_encoder"]["layers"]["fc1"]["kernel"][1, 3, 5] += 0.5  # one number in the tower's last layer
+  corrupt = tmp_path / "corrupt"
+  params_io.save_params(str(corrupt), params)
+  shutil.copy(ckpt / config_lib.MODEL_CONFIG_FILE, corrupt / config_lib.MODEL_CONFIG_FILE)
+  assert _check(published, corrupt, images) == 1
+  summary = [line for line in capsys.readouterr().out.splitlines() if line.startswith("logit_checker: FAIL")]
+  assert summary and float(summary[0].split("max |Δlogit| ")[1].split()[0]) > 1e-4, summary
+  assert _check(published, corrupt) == 0  # without images the tower is not run: text logits still equal
+

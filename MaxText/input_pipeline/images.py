@@ -24,6 +24,7 @@ import numpy as np
 from PIL import Image
 
 from MaxText.errors import UserError
+from MaxText.paths import storage
 
 # What a user's image may be encoded as: the formats chat clients and datasets send.
 SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
@@ -63,10 +64,9 @@ def decode(data: bytes, name: str) -> Image.Image:
 
 
 def load(path: str) -> Image.Image:
-  """An image file (local path) decoded as `decode` does."""
+  """An image file (a local path or gs:// object) decoded as `decode` does."""
   try:
-    with open(path, "rb") as f:
-      data = f.read()
+    data = storage.read_bytes(path)
   except OSError as e:
     raise UserError(f"image {path}: cannot be read ({e.strerror or e})") from None
   return decode(data, path)
