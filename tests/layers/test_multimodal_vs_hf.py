@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import hf_families as H
+import train_utils
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
 from MaxText.layers import masks, models
@@ -105,6 +106,7 @@ MULTIMODAL = dict(decoder_block="gemma3", use_multimodal=True, attention="dot_pr
     ({"decoder_block": "llama2"}, "use_multimodal=True is supported for decoder_block gemma3; got 'llama2'"),
     ({"vision_num_layers": 0}, "vision_num_layers must be > 0, got 0"),
     ({"use_multimodal": False, "freeze_vision_encoder": True}, "freeze_vision_encoder=True needs use_multimodal=True"),
+    ({"freeze_multimodal_projector": True}, "freeze_multimodal_projector=True: freezing parts of the vision tower comes"),
     ({"ici_sequence_parallelism": 2, "ici_fsdp_parallelism": 4}, "use_multimodal=True does not support pipeline or "
      "sequence (context) parallelism"),
 ])
@@ -130,3 +132,17 @@ def test_vision_parameters_carry_logical_names(reference):
   assert names["vision_encoder"]["layers"]["fc1"]["kernel"] == ("layers", "embed", "mlp")
   assert names["vision_encoder"]["layers"]["attention"]["query"]["kernel"] == ("layers", "embed", "heads", "kv")
   assert names["multimodal_projector"]["input_projection"]["kernel"] == (None, "embed")
+
+
+def test_a_multimodal_model_trains_sharded_on_text(tmp_path):
+  """build_run on the 8-device mesh: the tower's parameters shard by their logical names (the
+  replication check passes) and text-only batches train."""
+  config = Config.for_testing(**MULTIMODAL, base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16,
+                              base_mlp_dim=96, base_num_decoder_layers=2, max_target_length=32, per_device_batch_size=1,
+                              ici_fsdp_parallelism=8, base_output_directory=str(tmp_path))
+  run = train_utils.Run(config)
+  shardings = run.setup.state_shardings.params
+  assert shardings["vision_encoder"]["layers"]["fc1"]["kernel"].spec[1] == "fsdp"
+  state, history = run.train(run.init(), 2)
+  assert all(np.isfinite(h["loss"]) for h in history)
+  assert state.params["multimodal_projector"]["input_projection"]["kernel"].shape == (32, 64)
