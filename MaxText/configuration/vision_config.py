@@ -12,7 +12,8 @@ from typing import Any, Mapping
 from MaxText.configuration.config_fields import OPTIMIZER, key, read_keys
 from MaxText.configuration.config_fields import require as _require
 
-# decoder_block -> its image encoder (mirrors layers/vision_tower.VISION_TOWERS: config must not import layers).
+# The decoder blocks layers/vision_tower.py has an image encoder for (Gemma 3's SigLIP); a new
+# family's tower adds its block here and its modules there.
 MULTIMODAL_DECODER_BLOCKS = ("gemma3",)
 
 

@@ -37,8 +37,6 @@ from MaxText.layers.normalizations import LayerNorm, RMSNorm
 from MaxText.platform import sharding
 
 NUM_CHANNELS = 3  # RGB, as input_pipeline/images.py gives them
-# decoder_block -> its tower; mirrored by configuration/vision_config.MULTIMODAL_DECODER_BLOCKS.
-VISION_TOWERS = ("gemma3",)
 IMAGE_NAMES = ("activation_batch", "activation_length", "activation_embed")
 
 

@@ -18,13 +18,12 @@ from MaxText.platform import sharding
 
 # As tests/layers/test_families_vs_hf.py: float32 implementations that sum in different orders.
 FP32_ATOL = 2e-5
-NAME = "gemma3-vision"
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-  """(HF model, our config, our parameters) for the tiny multimodal Gemma 3."""
-  model = H.build_hf_multimodal_model(NAME)
+@pytest.fixture(scope="module", params=H.MULTIMODAL)
+def reference(request, tmp_path_factory):
+  """(HF model, our config, our parameters) for each family's tiny image-text model."""
+  model = H.build_hf_multimodal_model(request.param)
   config = H.our_config(model, dtype="float32", max_target_length=64)
   return model, config, H.our_params(model, config, tmp_path_factory.mktemp("staging"))
 
