@@ -13,9 +13,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import hf_families as H
-from MaxText import logit_checker
+from MaxText import families, logit_checker
 from MaxText.configuration import config as config_lib
-from MaxText.convert import hf_to_maxtext, maxtext_to_hf, streaming
+from MaxText.convert import engine, hf_to_maxtext, maxtext_to_hf, streaming
 from MaxText.training import params_io
 
 NAME = "gemma3-vision"
@@ -119,3 +119,28 @@ def test_logit_checker_with_images_passes_and_a_corrupted_vision_weight_fails(co
   assert summary and float(summary[0].split("max |Δlogit| ")[1].split()[0]) > 1e-4, summary
   assert _check(published, corrupt) == 0  # without images the tower is not run: text logits still equal
 
+
+
+# The published image-text checkpoints' config.json fields that shape the model (google/gemma-3-*-it).
+_PUBLISHED_TEXT = {
+    "4b": dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+               num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256),
+    "12b": dict(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+                num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256),
+    "27b": dict(hidden_size=5376, intermediate_size=21504, num_hidden_layers=62, num_attention_heads=32,
+                num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=168),
+}
+
+
+@pytest.mark.parametrize("size", sorted(_PUBLISHED_TEXT))
+def test_vision_model_yamls_describe_the_published_checkpoints(size):
+  """model_name=gemma3-<size>-vision agrees with the published config.json, as hf_to_maxtext checks it."""
+  hf = H.transformers.Gemma3Config(
+      text_config=dict(**_PUBLISHED_TEXT[size], sliding_window=1024, vocab_size=262208,
+                       rope_scaling={"factor": 8.0, "rope_type": "linear"}),
+      vision_config=dict(model_type="siglip_vision_model", hidden_size=1152, image_size=896, intermediate_size=4304,
+                         num_hidden_layers=27, num_attention_heads=16, patch_size=14, vision_use_head=False)).to_dict()
+  schema = config_lib.read_yaml(config_lib.BASE_CONFIG_PATH)
+  inferred = engine.full_model_keys(schema, families.family_for_hf_config(hf).model_keys(hf))
+  named = {**schema, **config_lib.read_yaml(config_lib.MODELS_DIR / f"gemma3-{size}-vision.yml")}
+  assert engine.differences(named, inferred) == []
