@@ -173,7 +173,8 @@ def main(argv: list[str]) -> int:
   ours = our_logits(config, token_ids, pixels)
   theirs = hf_logits(hf_path, token_ids, checker["hf_dtype"], pixels, image_token_id)
   print(f"{PROG}: {config.model.decoder_block} model ({config.model.dtype}) vs HF {hf_path} ({checker['hf_dtype']}), "
-        f"{token_ids.shape[0]} sequences x {token_ids.shape[1]} tokens" + (f", {len(paths)} image(s) each" if paths else ""))
+        f"{token_ids.shape[0]} sequences x {token_ids.shape[1]} tokens"
+        + (f", {len(paths)} image(s) each" if paths else ""))
   return 0 if report(compare(ours, theirs), atol, max_kl) else 1
 
 

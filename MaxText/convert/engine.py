@@ -198,7 +198,8 @@ def hf_tensors_from_params(read_leaf: Callable[[tuple[str, ...]], np.ndarray], f
 # ---- model keys: HF config.json ↔ our base.yml keys
 
 # The vision record's architecture keys: meaningless without use_multimodal.
-VISION_KEYS = tuple(f.name for f in dataclasses.fields(VisionConfig) if f.name in ARCHITECTURE_KEYS and f.name != "use_multimodal")
+VISION_KEYS = tuple(f.name for f in dataclasses.fields(VisionConfig)
+                    if f.name in ARCHITECTURE_KEYS and f.name != "use_multimodal")
 
 
 def canonical(keys: Mapping[str, Any]) -> dict[str, Any]:

@@ -182,8 +182,8 @@ def siglip_tensors(prefix: str = "vision_tower.vision_model.") -> list[r.TensorM
   """SigLIP's vision transformer (no pooling head): torch [out, in] weights, our [in, out] kernels,
   attention projections split into heads, the patch conv as a dense kernel over (C, p, p)."""
   def stacked(hf: str, ours: str, to_ours: r.ConvertOne = r.transpose, to_hf: r.ConvertOne = r.transpose) -> r.TensorMap:
-    return dataclasses.replace(r.one(prefix + "encoder.layers.{e}." + hf, "vision_encoder/layers/" + ours, to_ours, to_hf),
-                               count=lambda cfg: cfg.vision.vision_num_layers)
+    entry = r.one(prefix + "encoder.layers.{e}." + hf, "vision_encoder/layers/" + ours, to_ours, to_hf)
+    return dataclasses.replace(entry, count=lambda cfg: cfg.vision.vision_num_layers)
 
   def heads_in(w: r.Array, cfg: ModelConfig) -> r.Array:
     return w.T.reshape(_vision_heads_in(cfg))
@@ -213,7 +213,8 @@ def siglip_tensors(prefix: str = "vision_tower.vision_model.") -> list[r.TensorM
       r.one(prefix + "post_layernorm.bias", "vision_encoder/post_layernorm/bias"),
   ]
   for norm in ("layer_norm1", "layer_norm2"):
-    maps += [stacked(f"{norm}.weight", f"{norm}/scale", _same, _same), stacked(f"{norm}.bias", f"{norm}/bias", _same, _same)]
+    maps += [stacked(f"{norm}.weight", f"{norm}/scale", _same, _same),
+             stacked(f"{norm}.bias", f"{norm}/bias", _same, _same)]
   for hf, ours in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value")):
     maps += [stacked(f"self_attn.{hf}.weight", f"attention/{ours}/kernel", heads_in, flat_in),
              stacked(f"self_attn.{hf}.bias", f"attention/{ours}/bias", heads_in_bias, flat)]

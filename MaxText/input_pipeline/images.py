@@ -91,7 +91,8 @@ def pan_and_scan_crops(rgb_HWC: np.ndarray, options: ImageOptions) -> list[np.nd
   long_side, short_side = max(width, height), min(width, height)
   if long_side / short_side < options.pan_and_scan_min_ratio_to_activate:
     return []
-  count = min(int(math.floor(long_side / short_side + 0.5)), int(math.floor(long_side / options.pan_and_scan_min_crop_size)))
+  count = min(int(math.floor(long_side / short_side + 0.5)),
+              int(math.floor(long_side / options.pan_and_scan_min_crop_size)))
   count = min(options.pan_and_scan_max_num_crops, max(2, count))
   crops_w, crops_h = (count, 1) if width >= height else (1, count)
   crop_w, crop_h = int(math.ceil(width / crops_w)), int(math.ceil(height / crops_h))
