@@ -2,7 +2,7 @@
 
   python3 -m MaxText.logit_checker configs/base.yml [model_name=<name>] load_parameters_path=CKPT \\
       hf_model_path=DIR [atol=A] [max_kl=K] [hf_dtype=float32|bfloat16] [batch_size=2] \\
-      [sequence_length=32] [seed=0] [key=value ...]
+      [sequence_length=32] [seed=0] [images=PNG,JPEG,...] [key=value ...]
 
 Prints, per position, the largest |Δlogit| over the batch and vocabulary, the mean
 KL(HF ‖ ours) and the top-1 agreement, then the totals; exits 1 when max |Δlogit| > atol or the
@@ -11,6 +11,11 @@ from DIR/config.json (printed as key=value overrides); a model_name that disagre
 config.json is an error. Default tolerances suit real checkpoints: float32 (dtype=float32)
 atol=0.01, max_kl=1e-5; bfloat16 atol=1.0, max_kl=0.01. CKPT and DIR may be gs:// paths (DIR's
 top-level files are downloaded to a temporary directory for transformers).
+
+A vision-language model (use_multimodal) is checked with images too: `images=` names image files
+(local or gs://), pre-processed as HF's processor does (input_pipeline/images.py) and placed in
+every sequence as the chat template writes them (begin-of-image, mm_tokens_per_image
+placeholders, end-of-image), so the vision tower, the projector and the image mask are compared.
 """
 
 from __future__ import annotations
@@ -30,12 +35,14 @@ from MaxText import startup
 from MaxText.training import model_assembly
 from MaxText.platform import sharding
 from MaxText.configuration.config import Config
+from MaxText.configuration.vision_config import VisionConfig
+from MaxText.input_pipeline import images
 from MaxText.convert import cli, hf_io
 from MaxText.errors import UserError, run_cli
 
 PROG = "logit_checker"
 _CHECKER_KEYS = {"hf_model_path": "", "atol": None, "max_kl": None, "hf_dtype": "float32", "batch_size": 2,
-                 "sequence_length": 32, "seed": 0}
+                 "sequence_length": 32, "seed": 0, "images": ""}
 _DEFAULT_TOLERANCES = {"float32": (0.01, 1e-5)}  # anything lower-precision: (1.0, 0.01)
 
 
@@ -49,7 +56,7 @@ def split_checker_args(args: list[str]) -> tuple[dict[str, Any], list[str]]:
       rest.append(arg)
       continue
     try:
-      values[key] = text if key in ("hf_model_path", "hf_dtype") else (
+      values[key] = text if key in ("hf_model_path", "hf_dtype", "images") else (
           float(text) if key in ("atol", "max_kl") else int(text))
     except ValueError:
       raise UserError(f"{key} must be a number, got {text!r}") from None
@@ -60,21 +67,25 @@ def split_checker_args(args: list[str]) -> tuple[dict[str, Any], list[str]]:
   return values, rest
 
 
-def our_logits(config: Config, token_ids: np.ndarray) -> np.ndarray:
+def our_logits(config: Config, token_ids: np.ndarray, pixels_BMCRR: np.ndarray | None = None) -> np.ndarray:
   checkpoint = config.checkpoint.load_parameters_path
   if not checkpoint:
     raise UserError("set load_parameters_path=CKPT: the checkpoint to check")
   model, params = model_assembly.assemble_model(config, checkpoint)
 
-  def forward(p: Any, tokens_BL: jax.Array) -> jax.Array:
+  def forward(p: Any, tokens_BL: jax.Array, pixels: jax.Array | None) -> jax.Array:
     positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
     with sharding.activation_sharding(model.mesh, model.rules):
-      return model.spec.apply(p, tokens_BL, positions_BL, jnp.ones_like(tokens_BL))
+      return model.spec.apply(p, tokens_BL, positions_BL, jnp.ones_like(tokens_BL), None, pixels)
 
-  return np.asarray(jax.jit(forward)(params, jnp.asarray(token_ids, jnp.int32)))
+  pixels = None if pixels_BMCRR is None else jnp.asarray(pixels_BMCRR)
+  return np.asarray(jax.jit(forward)(params, jnp.asarray(token_ids, jnp.int32), pixels))
 
 
-def hf_logits(hf_model_path: str, token_ids: np.ndarray, hf_dtype: str) -> np.ndarray:
+def hf_logits(hf_model_path: str, token_ids: np.ndarray, hf_dtype: str, pixels_BMCRR: np.ndarray | None = None,
+              image_token_id: int | None = None) -> np.ndarray:
+  """HF's logits; a multimodal model gets what its processor would give: token_type_ids marking the
+  image placeholders (`image_token_id`) and the images' pixel values in order."""
   try:
     import torch
     import transformers
@@ -83,8 +94,14 @@ def hf_logits(hf_model_path: str, token_ids: np.ndarray, hf_dtype: str) -> np.nd
   with hf_io.local_model_dir(hf_model_path) as local:
     model = transformers.AutoModelForCausalLM.from_pretrained(
         local, dtype=getattr(torch, hf_dtype), attn_implementation="eager").eval()
+  inputs = {"input_ids": torch.tensor(token_ids)}
+  if image_token_id is not None:
+    inputs["token_type_ids"] = torch.tensor(token_ids == image_token_id, dtype=torch.long)
+  if pixels_BMCRR is not None:
+    flat = pixels_BMCRR.reshape((-1,) + pixels_BMCRR.shape[2:])
+    inputs["pixel_values"] = torch.tensor(flat, dtype=getattr(torch, hf_dtype))
   with torch.no_grad():
-    return model(torch.tensor(token_ids)).logits.float().numpy()
+    return model(**inputs).logits.float().numpy()
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -113,6 +130,25 @@ def report(per_position: dict[str, np.ndarray], atol: float, max_kl: float) -> b
   return passed
 
 
+def image_prompts(token_ids: np.ndarray, vision: VisionConfig, paths: list[str]) -> tuple[np.ndarray, np.ndarray | None]:
+  """(token ids with the images' tokens placed evenly through every row, pixel values [B, M, 3, R, R]);
+  the random text never holds the image tokens themselves."""
+  special = [vision.image_token_id, vision.boi_token_id, vision.eoi_token_id]
+  token_ids = np.where(np.isin(token_ids, special), 0, token_ids)
+  if not paths:
+    return token_ids, None
+  options = images.ImageOptions(image_size=vision.vision_image_size)
+  pixels_MCRR = images.batch_pixel_values([images.load(path) for path in paths], options)
+  block = [vision.boi_token_id] + [vision.image_token_id] * vision.mm_tokens_per_image + [vision.eoi_token_id]
+  cuts = [token_ids.shape[1] * (k + 1) // (len(paths) + 1) for k in range(len(paths))]
+  rows = []
+  for row in token_ids.tolist():
+    pieces = np.split(np.asarray(row), cuts)
+    rows.append(np.concatenate([np.concatenate([piece, block]) for piece in pieces[:-1]] + [pieces[-1]]))
+  pixels = np.broadcast_to(pixels_MCRR[None], (token_ids.shape[0],) + pixels_MCRR.shape)
+  return np.stack(rows).astype(token_ids.dtype), np.ascontiguousarray(pixels)
+
+
 TOOL = startup.Tool(PROG, reads_run=True)
 
 
@@ -126,10 +162,19 @@ def main(argv: list[str]) -> int:
   max_kl = default_kl if checker["max_kl"] is None else checker["max_kl"]
   rng = np.random.default_rng(checker["seed"])
   token_ids = rng.integers(0, config.model.vocab_size, size=(checker["batch_size"], checker["sequence_length"]))
-  ours = our_logits(config, token_ids)
-  theirs = hf_logits(hf_path, token_ids, checker["hf_dtype"])
+  paths = [path for path in checker["images"].split(",") if path]
+  vision = config.model.vision
+  if paths and not vision.use_multimodal:
+    raise UserError(f"images= given, but {config.model.decoder_block} here is a text-only model (use_multimodal=False)")
+  pixels, image_token_id = None, None
+  if vision.use_multimodal:
+    token_ids, pixels = image_prompts(token_ids, vision, paths)
+    image_token_id = vision.image_token_id
+  ours = our_logits(config, token_ids, pixels)
+  theirs = hf_logits(hf_path, token_ids, checker["hf_dtype"], pixels, image_token_id)
   print(f"{PROG}: {config.model.decoder_block} model ({config.model.dtype}) vs HF {hf_path} ({checker['hf_dtype']}), "
-        f"{token_ids.shape[0]} sequences x {token_ids.shape[1]} tokens")
+        f"{token_ids.shape[0]} sequences x {token_ids.shape[1]} tokens"
+        + (f", {len(paths)} image(s) each" if paths else ""))
   return 0 if report(compare(ours, theirs), atol, max_kl) else 1
 
 

@@ -2,6 +2,7 @@
 
     python3 benchmarks/decode_bench.py [--prefill 128] [--steps 32] [--slots 1,8] [--layouts unrolled,scanned]
                                        [--repeats 3] [--int8] [--caches dense,paged] [--page-size 16]
+                                       [--pool-multiples 1,4,16]
 
 Prefill: one pass over a full prompt of --prefill tokens (batch 1); latency is the median of
 --repeats runs after a compiling one. Generate: --steps jitted steps advancing every slot by one
@@ -11,7 +12,8 @@ generates about 3x slower (XLA's CPU backend copies each layer's weights out of 
 arrays every step; see getting_started/Decode.md), so decode there with scan_layers=False. Random weights
 (the speed does not depend on them).
 --caches also times the paged KV cache (kv_cache_layout=paged, pages of --page-size tokens, as many
-as the dense cache holds) and prints the cache bytes of a mixed-length workload (8 slots,
+as the dense cache holds, times each of --pool-multiples: a paged step's cost should follow the
+tokens its slots hold, not the pool) and prints the cache bytes of a mixed-length workload (8 slots,
 max_target_length 1024, prompts of 10..900 tokens with 64 new each) dense vs paged, the pool sized
 to the pages the workload holds. The last lines are machine-readable: `RESULT prefill ...`,
 `RESULT generate slots=...` and `RESULT memory ...`.
@@ -46,6 +48,8 @@ def main() -> None:
   parser.add_argument("--int8", action="store_true", help="quantize_kvcache=True")
   parser.add_argument("--caches", default="dense", help="kv_cache_layout values to time: dense and/or paged")
   parser.add_argument("--page-size", type=int, default=16, help="kv_page_size of the paged cache")
+  parser.add_argument("--pool-multiples", default="1",
+                      help="comma-separated paged pool sizes, as multiples of the dense cache's capacity")
   args = parser.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -58,12 +62,16 @@ def main() -> None:
     memory(args)
   for layout in args.layouts.split(","):
     for cache in args.caches.split(","):
-      config = Config.for_testing(**MODEL, scan_layers=layout == "scanned", max_prefill_predict_length=args.prefill,
-                                  max_target_length=args.prefill + args.steps + 2, per_device_batch_size=1,
-                                  quantize_kvcache=args.int8, print_config=False, kv_cache_layout=cache,
-                                  kv_page_size=args.page_size)
+      max_length = args.prefill + args.steps + 2
       for num_slots in (int(s) for s in args.slots.split(",")):
-        run(config, f"{layout} cache={cache}", num_slots, prompt, args)
+        for multiple in ([int(m) for m in args.pool_multiples.split(",")] if cache == "paged" else [0]):
+          pages = multiple * num_slots * -(-max_length // args.page_size)
+          config = Config.for_testing(**MODEL, scan_layers=layout == "scanned",
+                                      max_prefill_predict_length=args.prefill, max_target_length=max_length,
+                                      per_device_batch_size=1, quantize_kvcache=args.int8, print_config=False,
+                                      kv_cache_layout=cache, kv_page_size=args.page_size, kv_num_pages=pages)
+          label = f"{layout} cache={cache}" + (f" pool={multiple}x pages={pages}" if cache == "paged" else "")
+          run(config, label, num_slots, prompt, args)
 
 
 def memory(args: argparse.Namespace) -> None:

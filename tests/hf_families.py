@@ -41,6 +41,10 @@ def hf_config(family: str) -> Any:
 def build_hf_model(family: str, seed: int = 0) -> Any:
   torch.manual_seed(seed)
   model = transformers.AutoModelForCausalLM.from_config(hf_config(family), attn_implementation="eager").eval()
+  return randomize(model, seed)
+
+
+def randomize(model: Any, seed: int) -> Any:
   generator = torch.Generator().manual_seed(seed)
   with torch.no_grad():
     for param in model.parameters():
@@ -97,3 +101,56 @@ def round_to_bfloat16(model: Any) -> Any:
     for param in model.parameters():
       param.copy_(param.to(torch.bfloat16).float())
   return model
+
+
+# ---- image-text models (use_multimodal): the families' multimodal reference configs, prompts with images.
+
+MULTIMODAL_CONFIGS = families.multimodal_reference_hf_configs()
+MULTIMODAL = tuple(MULTIMODAL_CONFIGS)
+
+
+def build_hf_multimodal_model(name: str, seed: int = 0) -> Any:
+  fields = dict(MULTIMODAL_CONFIGS[name])
+  config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+  torch.manual_seed(seed)
+  model = transformers.AutoModelForImageTextToText.from_config(config, attn_implementation="eager").eval()
+  return randomize(model, seed)
+
+
+def multimodal_prompt(model: Any, num_images: int, seed: int = 0, length: int = 20) -> tuple[np.ndarray, np.ndarray]:
+  """(token ids [BATCH, L], pixel values [BATCH, num_images, 3, R, R]): each row `length` random
+  text tokens with `num_images` images at random places, each as the chat template writes one:
+  begin-of-image, mm_tokens_per_image placeholders, end-of-image."""
+  config = model.config
+  special = {config.boi_token_index, config.eoi_token_index, config.image_token_index}
+  rng = np.random.default_rng(seed)
+  text_ids = np.array([t for t in range(VOCAB) if t not in special])
+  image = [config.boi_token_index] + [config.image_token_index] * config.mm_tokens_per_image + [config.eoi_token_index]
+  rows = []
+  for _ in range(BATCH):
+    text = list(rng.choice(text_ids, size=length))
+    places = sorted(rng.choice(np.arange(1, length), size=num_images, replace=False), reverse=True)
+    for place in places:
+      text[place:place] = image
+    rows.append(text)
+  size = config.vision_config.image_size
+  pixels = rng.uniform(-1, 1, size=(BATCH, num_images, 3, size, size)).astype(np.float32)
+  return np.asarray(rows), pixels
+
+
+def hf_multimodal_logits(model: Any, token_ids: np.ndarray, pixels: np.ndarray | None) -> np.ndarray:
+  """HF's logits as its processor's inputs drive it: token_type_ids mark the image tokens."""
+  inputs = {"input_ids": torch.tensor(token_ids),
+            "token_type_ids": torch.tensor(token_ids == model.config.image_token_index, dtype=torch.long)}
+  if pixels is not None:
+    inputs["pixel_values"] = torch.tensor(pixels.reshape((-1,) + pixels.shape[2:]))
+  with torch.no_grad():
+    return model(**inputs).logits.float().numpy()
+
+
+def our_multimodal_logits(config: Config, params: Any, token_ids: np.ndarray, pixels: np.ndarray | None) -> np.ndarray:
+  spec = models.build_model_spec(config.model)
+  positions = np.broadcast_to(np.arange(token_ids.shape[1]), token_ids.shape)
+  apply = jax.jit(sharding.unsharded()(spec.apply))
+  return np.asarray(apply(params, jnp.asarray(token_ids), jnp.asarray(positions), jnp.ones(token_ids.shape, jnp.int32),
+                          None, None if pixels is None else jnp.asarray(pixels)))

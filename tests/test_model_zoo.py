@@ -34,6 +34,8 @@ PUBLISHED = {
     "gpt3-6b": 6.7e9, "gpt3-175b": 175.0e9, "gpt3-52k": 52e3,
     # Gemma 3: text-only counts (the model cards' 4B/12B/27B include a 0.42B vision encoder).
     "gemma3-1b": 1.0e9, "gemma3-4b": 3.88e9, "gemma3-12b": 11.77e9, "gemma3-27b": 27.0e9,
+    # ... and with it: the published google/gemma-3-{4b,12b,27b}-it checkpoints' tensor counts.
+    "gemma3-4b-vision": 4.300079472e9, "gemma3-12b-vision": 12.18732504e9, "gemma3-27b-vision": 27.43240664e9,
     # Qwen3 model cards (sizes as the checkpoints count them; the cards round to 0.6B, 1.7B, ...).
     "qwen3-0.6b": 0.596e9, "qwen3-1.7b": 1.72e9, "qwen3-4b": 4.02e9, "qwen3-8b": 8.19e9, "qwen3-14b": 14.77e9,
     "qwen3-32b": 32.76e9, "qwen3-30b-a3b": 30.5e9, "qwen3-235b-a22b": 235.1e9,

@@ -260,38 +260,43 @@ def _metrics(served) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def test_health_and_metrics_show_a_stalled_scheduler(served):
-  """A job whose consumer blocks the scheduler thread: /health and /metrics show the slot in use,
-  the request waiting behind it, their pages and a growing oldest age; all back to idle after."""
+  """A job whose consumer blocks the scheduler thread: /health and /metrics show the slots in use
+  (its own and the next job's, admitted before the stall: prompts are prefilled into pages after
+  admission), the request waiting behind them for pages, their pages and a growing oldest age;
+  all back to idle after."""
   from MaxText.inference import scheduler as sched
   from MaxText.inference.sampling import RowParams
 
-  gate, done = threading.Event(), threading.Event()
+  gate, done = threading.Event(), threading.Semaphore(0)
 
   def held(event):  # called on the scheduler thread: it stalls there until the gate opens
     gate.wait(60)
 
   def count(event):
     if isinstance(event, sched.Done):
-      done.set()
+      done.release()
 
   ids = served.ids(PROMPTS[0])
   scheduler = served.server.scheduler
+  need = served.engine.pages_needed(len(ids) + 8 - 1)
+  assert 2 * need <= 16 < 3 * need  # two jobs fit the pool's reservations, the third waits
   scheduler.submit([sched.Job(0, ids, 8, RowParams(), held)])
-  scheduler.submit([sched.Job(0, ids, 8, RowParams(), count)])
+  scheduler.submit([sched.Job(0, ids, 8, RowParams(), count), sched.Job(1, ids, 8, RowParams(), count)])
   try:
     time.sleep(0.3)
     health = httpx.get(f"{served.url}/health", timeout=30).json()
-    need = served.engine.pages_needed(len(ids) + 8 - 1)
-    assert health["slots_in_use"] == 1 and health["queue_length"] == 1, health
-    assert health["pages_reserved"] == need and health["pages_free"] == 16 - served.engine.pages_needed(len(ids))
+    assert health["slots_in_use"] == 2 and health["queue_length"] == 1, health
+    assert health["pages_reserved"] == 2 * need
+    prompt_pages = served.engine.pages_needed(len(ids))  # the two prompts share them if an earlier test cached it
+    assert 16 - 2 * prompt_pages <= health["pages_free"] <= 16 - prompt_pages - 1, health
     assert health["oldest_request_age_seconds"] >= 0.3
     gauges = _metrics(served)
-    assert gauges[("maxtext_serve_slots_in_use", ())] == 1 and gauges[("maxtext_serve_queue_length", ())] == 1
-    assert gauges[("maxtext_serve_kv_pages_reserved", ())] == need
+    assert gauges[("maxtext_serve_slots_in_use", ())] == 2 and gauges[("maxtext_serve_queue_length", ())] == 1
+    assert gauges[("maxtext_serve_kv_pages_reserved", ())] == 2 * need
     assert gauges[("maxtext_serve_oldest_request_age_seconds", ())] >= 0.3
   finally:
     gate.set()
-  assert done.wait(60)
+  assert done.acquire(timeout=60) and done.acquire(timeout=60)
   _wait_idle(served)
   assert httpx.get(f"{served.url}/health", timeout=30).json() == IDLE
 

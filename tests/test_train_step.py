@@ -234,6 +234,22 @@ def _cli_env() -> dict:
           "HOME": str(Path.home()), **jax_cache_env()}
 
 
+def test_the_tensorboard_writer_leaves_torch_unimported_and_importable(tmp_path):
+  """torch's import is most of a training process's start-up; tensorboardX would pull it in."""
+  pytest.importorskip("torch")
+  code = ("import sys\n"
+          "from MaxText.training.metrics import MetricWriter\n"
+          f"w = MetricWriter({str(tmp_path)!r}, True, True)\n"
+          "w.write(1, {'loss': 1.5})\nw.close()\n"
+          "print('torch' in sys.modules)\n"
+          "import torch\nprint(torch.zeros(1).shape)\n")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_cli_env(), capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.split("\n")[:2] == ["False", "torch.Size([1])"]
+  assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
 @pytest.mark.parametrize("entry", [["-m", "MaxText.train"], ["MaxText/train.py"]], ids=["module", "script"])
 def test_train_cli_end_to_end(tmp_path, entry):
   args = ["configs/base.yml", "run_name=e2e", f"base_output_directory={tmp_path}", "steps=3", "base_emb_dim=64",

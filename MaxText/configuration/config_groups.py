@@ -409,6 +409,8 @@ class DecodeConfig:
   kv_cache_layout: str = key()  # dense: [slots, max_target_length] per layer; paged: a pool of pages
   kv_page_size: int = key()
   kv_num_pages: int = key()  # 0: as many as slots x pages per slot (the dense capacity)
+  prefill_chunk_size: int = key()  # paged serving: prompt tokens prefilled per step; 0 = a whole prompt at once
+  prefix_caching: bool = key()  # paged serving: full prompt pages shared between requests with the same prefix
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any]) -> "DecodeConfig":
@@ -417,6 +419,11 @@ class DecodeConfig:
     _require(v["kv_page_size"] >= 1, f"kv_page_size must be >= 1, got {v['kv_page_size']}")
     _require(v["kv_num_pages"] >= 0, f"kv_num_pages must be >= 0 (0: enough for every slot at max_target_length), "
              f"got {v['kv_num_pages']}")
+    _require(v["prefill_chunk_size"] >= 0, f"prefill_chunk_size must be >= 0 (0: no chunking), got "
+             f"{v['prefill_chunk_size']}")
+    _require(v["prefill_chunk_size"] == 0 or v["kv_cache_layout"] == "paged",
+             f"prefill_chunk_size={v['prefill_chunk_size']} needs kv_cache_layout=paged (chunks are prefilled "
+             "straight into the slot's pages); set kv_cache_layout=paged or prefill_chunk_size=0")
     # Checked against max_target_length by the decode engine only: training runs never read it.
     prefill = v["max_prefill_predict_length"]
     _require(prefill > 0, f"max_prefill_predict_length must be > 0, got {prefill}")

@@ -2,8 +2,8 @@
 
 Every field is named after its base.yml key (config_fields.key) or derived from keys (sizes
 after global_parameter_scale, the pipeline stage count from the mesh, kernel tile sizes).
-ModelConfig holds the core shape and one record per feature (rope, attn, mla, moe, mtp, pipeline,
-lora); a layer takes the root, or only the record it reads. Building it does no I/O.
+ModelConfig holds the core shape and one record per feature (rope, attn, mla, moe, mtp, vision
+(vision_config.py), pipeline, lora); a layer takes the root, or only the record it reads. Building it does no I/O.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from MaxText.configuration.config_fields import ARCHITECTURE, FIXED, LAYOUT, MODEL, DATA_POSITION, derived, key, key_fields, keys_where, read_keys, record
 from MaxText.configuration.config_fields import require as _require
 from MaxText.configuration.remat_policies import NAMES as REMAT_POLICY_NAMES
+from MaxText.configuration.vision_config import VisionConfig
 
 if TYPE_CHECKING:
   from MaxText.configuration.config_groups import MeshConfig
@@ -235,6 +236,7 @@ class ModelConfig:
   mla: MlaConfig = record(MlaConfig)
   moe: MoeConfig = record(MoeConfig)
   mtp: MtpConfig = record(MtpConfig)
+  vision: VisionConfig = record(VisionConfig)
   global_parameter_scale: int = key(fixed_on_resume=MODEL)
   scan_layers: bool = key(fixed_on_resume=LAYOUT)
   weight_dtype: str = key(fixed_on_resume=LAYOUT)
@@ -336,13 +338,14 @@ class ModelConfig:
     stages, micro = _pipeline(v, mesh, global_batch, layers)
     context = dict(mesh.shape)["sequence"]
     _check_context_parallel(v, context, num_q, num_kv)
+    vision = VisionConfig.from_values(v, pipelined=pipelined, context_parallel=context > 1)
     attn = AttentionConfig(**read_keys(AttentionConfig, v), context_parallel_degree=context,
                            attention_blocks=AttentionBlocks.from_values(v))
     pipeline = PipelineConfig(**read_keys(PipelineConfig, v, num_pipeline_microbatches=micro), num_pipeline_stages=stages,
                               layers_per_pipeline_stage=layers // (stages * v["num_pipeline_repeats"]))
     return cls(**read_keys(cls, v), rope=RopeConfig(**read_keys(RopeConfig, v)), attn=attn,
                mla=MlaConfig(**read_keys(MlaConfig, v)), moe=MoeConfig(**read_keys(MoeConfig, v)),
-               mtp=MtpConfig(**read_keys(MtpConfig, v)), pipeline=pipeline, lora=LoraConfig(**read_keys(LoraConfig, v)),
+               mtp=MtpConfig(**read_keys(MtpConfig, v)), vision=vision, pipeline=pipeline, lora=LoraConfig(**read_keys(LoraConfig, v)),
                emb_dim=v["base_emb_dim"] * s["emb"], num_query_heads=num_q, num_kv_heads=num_kv,
                mlp_dim=v["base_mlp_dim"] * s["mlp"], num_decoder_layers=layers)
 

@@ -8,6 +8,7 @@ parameter at a time (`streaming.save_params_one_by_one`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, Iterable, Iterator, Literal, Mapping
 
@@ -19,6 +20,7 @@ from MaxText import families
 from MaxText.paths import storage
 from MaxText.configuration.config import MODEL_CONFIG_FILE
 from MaxText.configuration.model_config import ARCHITECTURE_KEYS, ModelConfig
+from MaxText.configuration.vision_config import VisionConfig
 from MaxText.convert.tensor_maps import TensorMap
 from MaxText.layers import mtp
 from MaxText.errors import ConfigError, UserError
@@ -80,6 +82,9 @@ class StagedParams:
       raise ConfigError(f"HF tensor {source} maps to {'/'.join(path)}, which this model config does not have; "
                         "check the model keys (e.g. decoder_block, logits_via_embedding)")
     leaf = self.leaves[path]
+    if any(i >= n for i, n in zip(index, leaf.shape)):
+      raise ConfigError(f"HF tensor {source} is for index {list(index)} of {'/'.join(path)}, whose stacked shape is "
+                        f"{tuple(leaf.shape[:len(index)])}; the model config does not match the checkpoint")
     expected = tuple(leaf.shape[len(index):])
     if tuple(value.shape) != expected:
       raise ConfigError(f"HF tensor {source} becomes shape {tuple(value.shape)} but {'/'.join(path)} expects "
@@ -174,7 +179,7 @@ def hf_tensors_from_params(read_leaf: Callable[[tuple[str, ...]], np.ndarray], f
   last_use = {_leaf_path(cfg, m, p, layer)[0]: i for i, (m, layer) in enumerate(steps) for p in m.ours}
   cache: dict[tuple[str, ...], np.ndarray] = {}
   for i, (m, layer) in enumerate(steps):
-    for expert in (range(cfg.moe.num_experts) if m.per_expert else [None]):
+    for expert in (range(m.count(cfg) if m.count else cfg.moe.num_experts) if m.per_expert else [None]):
       leaves = []
       for p in m.ours:
         path, index = _leaf_path(cfg, m, p, layer)
@@ -191,6 +196,11 @@ def hf_tensors_from_params(read_leaf: Callable[[tuple[str, ...]], np.ndarray], f
 
 
 # ---- model keys: HF config.json ↔ our base.yml keys
+
+# The vision record's architecture keys: meaningless without use_multimodal.
+VISION_KEYS = tuple(f.name for f in dataclasses.fields(VisionConfig)
+                    if f.name in ARCHITECTURE_KEYS and f.name != "use_multimodal")
+
 
 def canonical(keys: Mapping[str, Any]) -> dict[str, Any]:
   """Architecture keys with settings that have no effect blanked, so equal models compare equal."""
@@ -213,6 +223,9 @@ def canonical(keys: Mapping[str, Any]) -> dict[str, Any]:
     out["max_position_embeddings"] = None
   if out.get("position_embedding") != "rope":
     for key in ("rope_min_timescale", "rope_max_timescale", "rope_interleaved", "rope_type"):
+      out[key] = None
+  if not out.get("use_multimodal"):
+    for key in VISION_KEYS:
       out[key] = None
   for key, value in out.items():  # 1 and 1.0 are the same setting
     if isinstance(value, (int, float)) and not isinstance(value, bool):

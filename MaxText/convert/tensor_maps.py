@@ -2,8 +2,8 @@
 
 A `TensorMap` pairs ONE HF tensor with one or more of ours (a fused HF tensor such as
 GPT-2's c_attn feeds three of our kernels). Names may hold "{i}" (layer index) and "{e}"
-(expert index): our paths are then relative to one layer (and, with "{e}", index the
-leading expert dimension of our tensor), so the same table serves scanned and unrolled
+(expert index, or another stacked index with its `count`, e.g. a vision encoder layer): our paths
+are then relative to one layer (and, with "{e}", index the leading dimension of our tensor), so the same table serves scanned and unrolled
 stacks. Converting HF → ours streams tensor by tensor through the table; ours → HF walks
 the table. `write=False` marks an alternative HF form that is read but never written; `stack`
 limits an entry to the dense prefix, the layers after it (first_dense_layers), or the
@@ -40,6 +40,9 @@ class TensorMap:
   # "layers": the layers after it and the MTP modules' layers, "mtp": the MTP modules' own tensors,
   # stored as layers past the decoder's); None: every layer.
   stack: str | None = None
+  # How many values "{e}" takes when writing: None = the experts (num_experts); a stacked index of
+  # another kind (the vision encoder's layers) says its own count.
+  count: Callable[[ModelConfig], int] | None = None
 
   @property
   def per_layer(self) -> bool:

@@ -8,7 +8,8 @@ more `Family` records and calls `register_family(...)` at import:
   * `hf_config(cfg)`: our ModelConfig → HF config.json,
   * `tensors(cfg)`: its HF ↔ ours tensor table (convert/tensor_maps.py),
   * `reference_hf_configs`: tiny HF configs with the family's distinctive features on; the
-    tests check our logits and conversions against HF `transformers` on each of them.
+    tests check our logits and conversions against HF `transformers` on each of them
+    (`multimodal_reference_hf_configs`: its image-text model, checked with images).
 To add a family: a module here plus its configs/models/*.yml (and a layer class only if no
 registered layer computes it). The converters, the logit checker, models.py and the tests
 find it here.
@@ -39,6 +40,8 @@ class Family:
   layer: str = "decoder"  # a layer name registered in layers/decoders.py
   # name -> HF config fields (model_type included) of a tiny model for the outside-truth tests.
   reference_hf_configs: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+  # The same for its image-text model (use_multimodal), tested with images (tests/layers/test_multimodal_vs_hf.py).
+  multimodal_reference_hf_configs: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -62,10 +65,10 @@ def family_for_hf_config(hf_config: Mapping[str, Any]) -> Family:
     if model_type in family.hf_model_types:
       return family
   known = ", ".join(sorted(t for f in families().values() for t in f.hf_model_types))
-  if "text_config" in hf_config:  # Gemma 3, Llama 4, ... as image-text models
+  if "text_config" in hf_config:  # Llama 4, ... as image-text models
     text_type = (hf_config.get("text_config") or {}).get("model_type", "its text model")
     raise ConfigError(f"HF model_type {model_type!r} is a multimodal checkpoint (it has a text_config); only "
-                      f"text-only models are supported ({text_type} as a text-only checkpoint would be); "
+                      f"text-only models and Gemma 3's are supported ({text_type} as a text-only checkpoint would be); "
                       f"supported model types: {known}")
   raise ConfigError(f"HF model_type {model_type!r} has no converter; supported: {known}")
 
@@ -81,3 +84,9 @@ def family_for_decoder_block(decoder_block: str) -> Family:
 def reference_hf_configs() -> dict[str, Mapping[str, Any]]:
   """Every family's tiny reference HF configs, by name."""
   return {name: fields for family in families().values() for name, fields in family.reference_hf_configs.items()}
+
+
+def multimodal_reference_hf_configs() -> dict[str, Mapping[str, Any]]:
+  """Every family's tiny image-text reference HF configs, by name."""
+  return {name: fields for family in families().values()
+          for name, fields in family.multimodal_reference_hf_configs.items()}

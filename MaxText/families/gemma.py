@@ -1,4 +1,5 @@
-"""Gemma (HF `gemma`) and Gemma 2 (HF `gemma2`): config and tensor mappings.
+"""Gemma (HF `gemma`), Gemma 2 (HF `gemma2`) and Gemma 3 (HF `gemma3_text`, and `gemma3` with its
+SigLIP vision tower: use_multimodal, layers/vision_tower.py): config and tensor mappings.
 
 The tensors follow the Llama layout (see llama.py); the embedding is tied (no lm_head) and
 the RMSNorm weights are stored as the gain's offset from 1 in both frameworks. Gemma 2's
@@ -11,6 +12,7 @@ four norms per layer map as
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 from MaxText.configuration.model_config import ModelConfig
@@ -112,7 +114,129 @@ def gemma3_hf_config(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def gemma3_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
+  if cfg.vision.use_multimodal:
+    return gemma3_multimodal_tensors(cfg)
   return gemma2_tensors(cfg) + qk_norm_tensors()
+
+
+# ---- Gemma 3 with its vision tower (HF `gemma3`, Gemma3ForConditionalGeneration): the text model
+# under `language_model`, SigLIP under `vision_tower`, the projector under `multi_modal_projector`.
+
+def gemma3_any_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  return gemma3_multimodal_model_keys(hf) if hf.get("model_type") == "gemma3" else gemma3_model_keys(hf)
+
+
+def gemma3_any_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+  return gemma3_multimodal_hf_config(cfg) if cfg.vision.use_multimodal else gemma3_hf_config(cfg)
+
+
+def gemma3_multimodal_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  text = dict(hf.get("text_config") or {})
+  text.update(model_type="gemma3_text", tie_word_embeddings=hf.get("tie_word_embeddings", True))
+  vision = {"model_type": "siglip_vision_model", **(hf.get("vision_config") or {})}
+  r.require_hf(vision, "model_type", ("siglip_vision_model",))
+  r.require_hf(vision, "vision_use_head", (False,), False)
+  r.require_hf(vision, "hidden_act", _TANH_GELU, "gelu_pytorch_tanh")
+  r.require_hf(vision, "num_channels", (3,), 3)
+  keys = gemma3_model_keys(text)
+  keys.update(use_multimodal=True, vision_emb_dim=vision.get("hidden_size", 768),
+              vision_mlp_dim=vision.get("intermediate_size", 3072), vision_num_layers=vision.get("num_hidden_layers", 12),
+              vision_num_heads=vision.get("num_attention_heads", 12), vision_patch_size=vision.get("patch_size", 16),
+              vision_image_size=vision.get("image_size", 224),
+              vision_layer_norm_epsilon=float(vision.get("layer_norm_eps", 1e-6)),
+              mm_tokens_per_image=hf.get("mm_tokens_per_image", 256),
+              image_token_id=hf.get("image_token_index", 262_144), boi_token_id=hf.get("boi_token_index", 255_999),
+              eoi_token_id=hf.get("eoi_token_index", 256_000))
+  return keys
+
+
+def gemma3_multimodal_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+  text = {k: v for k, v in gemma3_hf_config(cfg).items() if k != "architectures"}
+  vision = cfg.vision
+  return {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text,
+          "vision_config": {"model_type": "siglip_vision_model", "hidden_size": vision.vision_emb_dim,
+                            "intermediate_size": vision.vision_mlp_dim, "num_hidden_layers": vision.vision_num_layers,
+                            "num_attention_heads": vision.vision_num_heads, "num_channels": 3,
+                            "image_size": vision.vision_image_size, "patch_size": vision.vision_patch_size,
+                            "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": vision.vision_layer_norm_epsilon,
+                            "attention_dropout": 0.0, "vision_use_head": False},
+          "mm_tokens_per_image": vision.mm_tokens_per_image, "image_token_index": vision.image_token_id,
+          "boi_token_index": vision.boi_token_id, "eoi_token_index": vision.eoi_token_id, "tie_word_embeddings": True}
+
+
+# Written names (the published checkpoints' layout, which transformers 4 and 5 both load) -> the other
+# spellings read: transformers 5's in-memory names, and its save_pretrained's vision tower without vision_model.
+_MULTIMODAL_PREFIXES = {
+    "language_model.model.": ("model.language_model.",),
+    "language_model.lm_head.": ("lm_head.",),
+    "vision_tower.vision_model.": ("vision_tower.", "model.vision_tower."),
+    "multi_modal_projector.": ("model.multi_modal_projector.",),
+}
+
+
+def _vision_heads_in(cfg: ModelConfig) -> tuple[int, int, int]:
+  return cfg.vision.vision_emb_dim, cfg.vision.vision_num_heads, cfg.vision.vision_head_dim
+
+
+def siglip_tensors(prefix: str = "vision_tower.vision_model.") -> list[r.TensorMap]:
+  """SigLIP's vision transformer (no pooling head): torch [out, in] weights, our [in, out] kernels,
+  attention projections split into heads, the patch conv as a dense kernel over (C, p, p)."""
+  def stacked(hf: str, ours: str, to_ours: r.ConvertOne = r.transpose, to_hf: r.ConvertOne = r.transpose) -> r.TensorMap:
+    entry = r.one(prefix + "encoder.layers.{e}." + hf, "vision_encoder/layers/" + ours, to_ours, to_hf)
+    return dataclasses.replace(entry, count=lambda cfg: cfg.vision.vision_num_layers)
+
+  def heads_in(w: r.Array, cfg: ModelConfig) -> r.Array:
+    return w.T.reshape(_vision_heads_in(cfg))
+
+  def heads_in_bias(b: r.Array, cfg: ModelConfig) -> r.Array:
+    return b.reshape(_vision_heads_in(cfg)[1:])
+
+  def heads_out(w: r.Array, cfg: ModelConfig) -> r.Array:
+    e, a, y = _vision_heads_in(cfg)
+    return w.T.reshape(a, y, e)
+
+  def flat_in(kernel: r.Array, cfg: ModelConfig) -> r.Array:
+    return kernel.reshape(cfg.vision.vision_emb_dim, -1).T
+
+  def flat_out(kernel: r.Array, cfg: ModelConfig) -> r.Array:
+    return kernel.reshape(-1, cfg.vision.vision_emb_dim).T
+
+  def flat(b: r.Array, cfg: ModelConfig) -> r.Array:
+    return b.reshape(-1)
+
+  maps = [
+      r.one(prefix + "embeddings.patch_embedding.weight", "vision_encoder/patch_embedding/kernel",
+            lambda w, cfg: w.transpose(1, 2, 3, 0), lambda k, cfg: k.transpose(3, 0, 1, 2)),
+      r.one(prefix + "embeddings.patch_embedding.bias", "vision_encoder/patch_embedding/bias"),
+      r.one(prefix + "embeddings.position_embedding.weight", "vision_encoder/position_embedding/embedding"),
+      r.one(prefix + "post_layernorm.weight", "vision_encoder/post_layernorm/scale"),
+      r.one(prefix + "post_layernorm.bias", "vision_encoder/post_layernorm/bias"),
+  ]
+  for norm in ("layer_norm1", "layer_norm2"):
+    maps += [stacked(f"{norm}.weight", f"{norm}/scale", _same, _same),
+             stacked(f"{norm}.bias", f"{norm}/bias", _same, _same)]
+  for hf, ours in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value")):
+    maps += [stacked(f"self_attn.{hf}.weight", f"attention/{ours}/kernel", heads_in, flat_in),
+             stacked(f"self_attn.{hf}.bias", f"attention/{ours}/bias", heads_in_bias, flat)]
+  maps += [stacked("self_attn.out_proj.weight", "attention/out/kernel", heads_out, flat_out),
+           stacked("self_attn.out_proj.bias", "attention/out/bias", _same, _same)]
+  for fc in ("fc1", "fc2"):
+    maps += [stacked(f"mlp.{fc}.weight", f"{fc}/kernel"), stacked(f"mlp.{fc}.bias", f"{fc}/bias", _same, _same)]
+  return maps
+
+
+def _same(x: r.Array, cfg: ModelConfig) -> r.Array:
+  return x
+
+
+def gemma3_multimodal_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
+  text = [dataclasses.replace(m, hf="language_model." + m.hf) for m in gemma2_tensors(cfg) + qk_norm_tensors()]
+  projector = [r.one("multi_modal_projector.mm_input_projection_weight", "multimodal_projector/input_projection/kernel"),
+               r.one("multi_modal_projector.mm_soft_emb_norm.weight", "multimodal_projector/soft_embedding_norm/scale")]
+  written = text + siglip_tensors() + projector
+  others = [dataclasses.replace(m, hf=alt + m.hf[len(prefix):], write=False)
+            for m in written for prefix, alts in _MULTIMODAL_PREFIXES.items() if m.hf.startswith(prefix) for alt in alts]
+  return written + others
 
 
 register_family(Family("gemma", ("gemma",), ("gemma",), gemma_model_keys, gemma_hf_config, gemma_tensors,
@@ -125,8 +249,18 @@ register_family(Family("gemma2", ("gemma2",), ("gemma2",), gemma2_model_keys, ge
                            "gemma2": dict(model_type="gemma2", **{**TINY_SHAPES, "num_hidden_layers": 3},
                                           sliding_window=6, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
                                           query_pre_attn_scalar=24)}))
-register_family(Family("gemma3", ("gemma3_text",), ("gemma3",), gemma3_model_keys, gemma3_hf_config, gemma3_tensors,
-                       layer="gemma2",
+register_family(Family("gemma3", ("gemma3_text", "gemma3"), ("gemma3",), gemma3_any_model_keys, gemma3_any_hf_config,
+                       gemma3_tensors, layer="gemma2",
+                       multimodal_reference_hf_configs={  # 2 images' soft tokens outnumber the window; 2x2 pooling
+                           "gemma3-vision": dict(
+                               model_type="gemma3", mm_tokens_per_image=16, boi_token_index=120, eoi_token_index=121,
+                               image_token_index=122,
+                               text_config=dict(model_type="gemma3_text", **{**TINY_SHAPES, "num_hidden_layers": 3},
+                                                sliding_window=6, query_pre_attn_scalar=24,
+                                                layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+                               vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=48,
+                                                  num_hidden_layers=2, num_attention_heads=4, image_size=64,
+                                                  patch_size=8, vision_use_head=False, layer_norm_eps=1e-5))},
                        reference_hf_configs={  # 2 local : 1 global, QK-norm, per-kind RoPE, linear scaling
                            "gemma3": dict(model_type="gemma3_text", **{**TINY_SHAPES, "num_hidden_layers": 4},
                                           sliding_window=6, query_pre_attn_scalar=24,

@@ -120,6 +120,9 @@ class Engine:
     if self.paged:
       self.num_pages = self._check_num_pages()
       self.pages = self._new_allocator()
+    # The scheduler prefills prompts straight into pages (begin_prompt, prefill_chunk): in chunks,
+    # or in one piece after the pages a cached prefix already holds.
+    self.chunked_prefill = self.paged and (self.decode_cfg.prefill_chunk_size > 0 or self.decode_cfg.prefix_caching)
     abstract_caches = jax.eval_shape(self._empty_caches)
     self._cache_bytes = paged_cache.cache_bytes(abstract_caches)  # cache_stats is read by every /health
     names = (paged_cache.model_pool_names(self.cfg, quantized) if self.paged
@@ -129,7 +132,7 @@ class Engine:
     self.state_shardings = DecodeState(sharding.named_shardings(abstract_caches, names, self.mesh, self.rules),
                                        replicated, replicated, RowSampling(replicated, replicated, replicated, replicated))
     # jit traces (= compilations) per step function
-    self.traces = {"prefill": 0, "insert": 0, "generate": 0, "score": 0}
+    self.traces = {"prefill": 0, "insert": 0, "generate": 0, "score": 0, "extend": 0}
     self._init_state = jax.jit(self._init_state_fn, out_shardings=self.state_shardings)
     self._prefill = jax.jit(self._prefill_fn)
     self._insert = jax.jit(self._insert_paged_fn if self.paged else self._insert_fn, donate_argnums=(1,),
@@ -138,6 +141,9 @@ class Engine:
                              out_shardings=(self.state_shardings, (replicated, TokenLogprobs(replicated, replicated,
                                                                                              replicated))))
     self._score = jax.jit(self._score_fn)
+    self._extend = jax.jit(self._extend_fn, donate_argnums=(1,),
+                           out_shardings=(self.state_shardings, (replicated, TokenLogprobs(replicated, replicated,
+                                                                                           replicated))))
 
   # ---------------------------------------------------------------- public API
   def load_params(self, path: str | None = None, seed: int = 0) -> Any:
@@ -187,12 +193,49 @@ class Engine:
     table = None
     if self.pages is not None:
       self.pages.grow()
-      table = jnp.asarray(self.pages.table)
+      table = jnp.asarray(self.pages.generate_table())
     with sharding.activation_sharding(self.mesh, self.rules):
       out = self._generate(params, state, table)
     if self.pages is not None:
       self.pages.advance()
     return out
+
+  def begin_prompt(self, slot: int, prompt: Sequence[int]) -> int:
+    """Paged, chunked prefill: the pages of `prompt` for `slot`, which generate steps skip until
+    the last `prefill_chunk` has run (raises OutOfPages, nothing changed, when they are not free).
+    Returns where prefilling starts: after the prompt's leading pages another request already
+    cached (prefix_caching), else 0."""
+    self._check_slot(slot)
+    if self.pages is None:
+      raise UserError("chunked prefill needs kv_cache_layout=paged")
+    if not 1 <= len(prompt) <= self.cfg.max_target_length - 1:
+      raise UserError(f"a prompt of {len(prompt)} tokens does not fit max_target_length={self.cfg.max_target_length} "
+                      "with room to generate")
+    return self.pages.assign(slot, len(prompt), active=False, prompt=prompt)
+
+  def prefill_chunk(self, params: Any, state: DecodeState, slot: int, prompt: Sequence[int], start: int,
+                    row_params: sampling.RowParams | None = None, seed: int = 0
+                    ) -> tuple[DecodeState, int, tuple[jax.Array, TokenLogprobs] | None]:
+    """Prefills prompt[start:start + prefill_chunk_size] of `slot` straight into its pages,
+    attending over the tokens before it there. Returns (state, where the next chunk starts, and
+    after the last chunk the first sampled token [1] with its log-probabilities, else None); the
+    slot then generates like one `insert`ed. One compiled program for every chunk."""
+    chunk = self.decode_cfg.prefill_chunk_size or self.decode_cfg.max_prefill_predict_length
+    tokens = list(prompt[start:start + chunk])
+    end = start + len(tokens)
+    row = row_params or sampling.RowParams.from_strategy(self.sampling, seed)
+    rows = RowSampling(jnp.asarray([row.temperature], jnp.float32), jnp.asarray([row.top_p], jnp.float32),
+                       jnp.asarray([row.top_k], jnp.int32), jnp.asarray([row.seed % 2**32], jnp.uint32))
+    tokens_1C = np.zeros((1, chunk), np.int32)
+    tokens_1C[0, :len(tokens)] = tokens
+    assert self.pages is not None
+    with sharding.activation_sharding(self.mesh, self.rules):
+      state, first = self._extend(params, state, jnp.asarray(tokens_1C), jnp.int32(start), jnp.int32(len(tokens)),
+                                  jnp.int32(slot), jnp.asarray(self.pages.table[slot][None]), rows)
+    if end < len(prompt):
+      return state, end, None
+    self.pages.activate(slot, prompt)
+    return state, end, first
 
   def release(self, slot: int) -> None:
     """The slot's request is done: paged, its pages go back to the pool (the slot keeps stepping
@@ -243,7 +286,7 @@ class Engine:
 
   def _new_allocator(self) -> paged_cache.PageAllocator:
     return paged_cache.PageAllocator(self.num_pages, self.decode_cfg.kv_page_size, self.num_slots,
-                                     self.cfg.max_target_length)
+                                     self.cfg.max_target_length, self.decode_cfg.prefix_caching)
 
   def _empty_caches(self) -> Any:
     quantized = self.decode_cfg.quantize_kvcache
@@ -311,6 +354,27 @@ class Engine:
                                tokens_B=state.tokens_B.at[slot].set(prefix.first_tokens_B[row]),
                                sampling=jax.tree.map(lambda big, small: big.at[slot].set(small[row]), state.sampling,
                                                      prefix.sampling))
+
+  def _extend_fn(self, params: Any, state: DecodeState, tokens_1C: jax.Array, start: jax.Array, length: jax.Array,
+                 slot: jax.Array, table_1M: jax.Array, rows: RowSampling
+                 ) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
+    """One prefill chunk of one slot through its pages: tokens [1, C] (the first `length` real) at
+    positions start.. attend over what the slot's pages already hold; the slot's next position,
+    token and sampling rows are set as `insert` sets them (read only after the last chunk).
+    Padding past `length` writes garbage only at positions the generated tokens overwrite before
+    anything attends to them, or, past the prompt's pages, nowhere."""
+    self.traces["extend"] += 1
+    seeds_to_keys = jax.vmap(lambda seed: jax.random.key_data(jax.random.key(seed)))
+    rows = dataclasses.replace(rows, keys_B=seeds_to_keys(rows.keys_B))
+    stored_tables = jax.tree.map(lambda c: c.block_table_BM, state.caches, is_leaf=paged_cache.is_pool)
+    caches = paged_cache.with_block_table(state.caches, table_1M)
+    positions_1C = start + jnp.arange(tokens_1C.shape[1], dtype=jnp.int32)[None]
+    logits_11V, caches = self.spec.apply_decode(params, tokens_1C, positions_1C, caches, (length - 1)[None])
+    caches = jax.tree.map(lambda c, t: dataclasses.replace(c, block_table_BM=t), caches, stored_tables,
+                          is_leaf=paged_cache.is_pool)
+    tokens_1, rows, logprobs = self._sample(logits_11V[:, 0], rows)
+    prefix = Prefix(None, (start + length)[None], tokens_1, rows, logprobs)
+    return self._with_prompt(state, caches, prefix, slot, jnp.int32(0)), (tokens_1, logprobs)
 
   def _generate_fn(self, params: Any, state: DecodeState, table_TM: jax.Array | None
                    ) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from MaxText.errors import UserError
+from MaxText.inference import prefix_cache
 from MaxText.layers import kv_cache, paged_kv
 from MaxText.configuration.model_config import ModelConfig
 
@@ -39,12 +40,16 @@ def pages_per_slot(max_length: int, page_size: int) -> int:
 
 
 class PageAllocator:
-  """Free list and block table of one decode state's page pool (host side, numpy)."""
+  """Free list and block table of one decode state's page pool (host side, numpy); with
+  `prefix_caching`, full prompt pages are shared between slots by reference count
+  (inference/prefix_cache.py)."""
 
-  def __init__(self, num_pages: int, page_size: int, num_slots: int, max_length: int):
+  def __init__(self, num_pages: int, page_size: int, num_slots: int, max_length: int, prefix_caching: bool = False):
     self.num_pages, self.page_size, self.max_length = num_pages, page_size, max_length
     self.table = np.full((num_slots, pages_per_slot(max_length, page_size)), -1, np.int32)
     self.free = list(range(num_pages - 1, -1, -1))  # pop() hands out the lowest page first
+    self.refs = np.zeros(num_pages, np.int32)  # slots whose table names the page
+    self.index = prefix_cache.PrefixIndex(page_size) if prefix_caching else None
     self.positions = np.zeros(num_slots, np.int64)  # where each slot's pending token is written
     self.active = np.zeros(num_slots, bool)
 
@@ -55,43 +60,89 @@ class PageAllocator:
   def held(self, slot: int) -> int:
     return int((self.table[slot] >= 0).sum())
 
-  def assign(self, slot: int, prompt_length: int) -> None:
-    """Pages for a prompt of `prompt_length` tokens in `slot` (its previous pages freed first)."""
-    need = self.pages_for(prompt_length)
-    if need > len(self.free) + self.held(slot):
+  def available(self) -> int:
+    """Pages a slot can be given now: free ones and indexed ones nobody holds (evicted on demand)."""
+    return len(self.free) + (self.index.parked if self.index is not None else 0)
+
+  def assign(self, slot: int, prompt_length: int, active: bool = True, prompt: Sequence[int] | None = None) -> int:
+    """Pages for a prompt of `prompt_length` tokens in `slot` (its previous pages freed first);
+    returns how many leading prompt tokens are already cached (shared prefix pages, with
+    prefix caching and the prompt's tokens given; at least one token is always left to compute).
+    `active=False`: the prompt is still being prefilled in chunks; `activate` once it is cached."""
+    shared = []
+    if self.index is not None and prompt is not None:
+      shared = self.index.match(prompt, (prompt_length - 1) // self.page_size)
+    need = self.pages_for(prompt_length) - len(shared)
+    releasable = sum(1 for p in self.table[slot] if p >= 0 and self.refs[p] == 1)
+    parked_shared = sum(1 for p in shared if self.index is not None and self.index.is_parked(p))
+    if need > self.available() - parked_shared + releasable:
       raise OutOfPages(f"out of KV pages: a prompt of {prompt_length} tokens needs {need} pages of {self.page_size} "
-                       f"tokens, {len(self.free)} are free of kv_num_pages={self.num_pages}; release a slot "
+                       f"tokens, {self.available()} are free of kv_num_pages={self.num_pages}; release a slot "
                        "first or raise kv_num_pages")
     self.release(slot)
-    for index in range(need):
-      self.table[slot, index] = self.free.pop()
-    self.positions[slot], self.active[slot] = prompt_length, True
+    for index, page in enumerate(shared):
+      self._hold(slot, index, page)
+    for index in range(len(shared), len(shared) + need):
+      self._hold(slot, index, self._take())
+    self.positions[slot], self.active[slot] = prompt_length, active
+    return len(shared) * self.page_size
+
+  def activate(self, slot: int, prompt: Sequence[int] | None = None) -> None:
+    """The slot's prompt is cached: it generates from the next step on, and with prefix caching
+    its full pages are indexed for the requests after it."""
+    self.active[slot] = True
+    if self.index is not None and prompt is not None:
+      self.index.register(prompt, [int(p) for p in self.table[slot]])
+
+  def generate_table(self) -> np.ndarray:
+    """The block table a generate step sees: a slot still prefilling shows no pages, so the step
+    (which advances every slot) writes nothing into the pages its prompt is filling."""
+    return np.where(self.active[:, None], self.table, -1).astype(np.int32)
 
   def grow(self) -> None:
     """Before a generate step: a page for every active slot whose pending token starts a page."""
     starting = [slot for slot in np.flatnonzero(self.active)
                 if self.positions[slot] < self.max_length
                 and self.table[slot, self.positions[slot] // self.page_size] < 0]
-    if len(starting) > len(self.free):
-      raise OutOfPages(f"out of KV pages: {len(starting)} slots need a new page, {len(self.free)} are free of "
+    if len(starting) > self.available():
+      raise OutOfPages(f"out of KV pages: {len(starting)} slots need a new page, {self.available()} are free of "
                        f"kv_num_pages={self.num_pages}; release a slot first or raise kv_num_pages")
     for slot in starting:
-      self.table[slot, self.positions[slot] // self.page_size] = self.free.pop()
+      self._hold(int(slot), int(self.positions[slot] // self.page_size), self._take())
 
   def advance(self) -> None:
     """After a generate step: every active slot cached one more token."""
     self.positions[self.active] += 1
 
   def release(self, slot: int) -> None:
-    pages = self.table[slot][self.table[slot] >= 0]
-    self.free.extend(int(p) for p in pages[::-1])
+    """The slot's pages: each one nobody else holds goes back to the free list, or, indexed, is
+    kept for a later prompt with the same prefix."""
+    for page in (int(p) for p in self.table[slot][::-1] if p >= 0):
+      self.refs[page] -= 1
+      if self.refs[page] == 0:
+        if self.index is not None and self.index.holds(page):
+          self.index.park(page)
+        else:
+          self.free.append(page)
     self.table[slot] = -1
     self.positions[slot], self.active[slot] = 0, False
 
   def stats(self) -> dict[str, int]:
-    free = len(self.free)
-    return {"pages_total": self.num_pages, "pages_free": free, "pages_used": self.num_pages - free,
-            "page_size": self.page_size}
+    available = self.available()
+    return {"pages_total": self.num_pages, "pages_free": available, "pages_used": self.num_pages - available,
+            "pages_cached": self.index.parked if self.index is not None else 0, "page_size": self.page_size}
+
+  def _take(self) -> int:
+    if self.free:
+      return self.free.pop()
+    assert self.index is not None and self.index.parked, "callers check available() first"
+    return self.index.evict()
+
+  def _hold(self, slot: int, index: int, page: int) -> None:
+    if self.index is not None:
+      self.index.unpark(page)
+    self.refs[page] += 1
+    self.table[slot, index] = page
 
 
 def layer_pool(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int, quantized: bool
@@ -118,16 +169,18 @@ def model_pool_names(cfg: ModelConfig, quantized: bool) -> Any:
   return kv_cache.stacked_names(cfg, paged_kv.logical_names(one, stacked=cfg.scan_layers))
 
 
-def _is_pool(x: Any) -> bool:
+def is_pool(x: Any) -> bool:
   return isinstance(x, paged_kv.PagedKVCache)
 
 
 def with_block_table(pools: Any, table_TM: jax.Array) -> Any:
-  """Every layer's cache with the allocator's block table (broadcast over a stacked layer dim)."""
+  """Every layer's cache with a block table (broadcast over a stacked layer dim): the allocator's
+  [T, M] for a generate step, or one slot's row [1, M] for a prefill chunk."""
   def put(cache: paged_kv.PagedKVCache) -> paged_kv.PagedKVCache:
-    return dataclasses.replace(cache, block_table_BM=jnp.broadcast_to(table_TM, cache.block_table_BM.shape))
+    leading = cache.block_table_BM.shape[:-2]
+    return dataclasses.replace(cache, block_table_BM=jnp.broadcast_to(table_TM, leading + table_TM.shape))
 
-  return jax.tree.map(put, pools, is_leaf=_is_pool)
+  return jax.tree.map(put, pools, is_leaf=is_pool)
 
 
 def insert_prefix(pools: Any, prefix_caches: Any, row: jax.Array, table_row_M: jax.Array, stacked: bool) -> Any:
@@ -136,17 +189,18 @@ def insert_prefix(pools: Any, prefix_caches: Any, row: jax.Array, table_row_M: j
 
   def one_layer(pool: paged_kv.PagedKVCache, cache: kv_cache.KVCache) -> paged_kv.PagedKVCache:
     length = cache.key_BSKH.shape[1]
-    flat_1L = paged_kv.flat_indices(table_row_M[None], jnp.arange(length)[None], pool.key_KPZH.shape[1],
-                                    pool.page_size)
+    page_1L, offset_1L = paged_kv.page_addresses(table_row_M[None], jnp.arange(length)[None],
+                                                 pool.key_KPZH.shape[1], pool.page_size)
 
     def put(pool_leaf: jax.Array, cache_leaf: jax.Array) -> jax.Array:
-      return paged_kv.scatter(pool_leaf, jax.lax.dynamic_slice_in_dim(cache_leaf, row, 1, axis=0), flat_1L)
+      return paged_kv.scatter(pool_leaf, jax.lax.dynamic_slice_in_dim(cache_leaf, row, 1, axis=0), page_1L,
+                              offset_1L)
 
     return dataclasses.replace(pool, **{name: put(getattr(pool, name), getattr(cache, dense_name))
                            for name, dense_name in _FIELDS if getattr(pool, name) is not None})
 
   layer = jax.vmap(one_layer) if stacked else one_layer
-  return jax.tree.map(layer, pools, prefix_caches, is_leaf=_is_pool)
+  return jax.tree.map(layer, pools, prefix_caches, is_leaf=is_pool)
 
 
 _FIELDS = (("key_KPZH", "key_BSKH"), ("value_KPZH", "value_BSKH"), ("key_scale_KPZ1", "key_scale_BSK1"),

@@ -10,6 +10,10 @@ token, or when its handler cancels it (a stop sequence found, a client gone, a t
 slot is handed back with `engine.release`. Text (detokenising, stop strings) is the handlers'
 business: the scheduler deals in token ids only.
 
+With prefill_chunk_size > 0 (paged), an admitted prompt is prefilled one chunk per loop, between
+the running jobs' generate steps, so a long prompt delays each of their tokens by one chunk's
+time instead of its whole prefill; the job joins the generate steps after its last chunk.
+
 Paged cache: a job is admitted only when the pages it will hold at its end fit beside what the
 active jobs have reserved, so a step never runs out. The reservation belongs to the slot while its
 job is active and is given back whichever way the job ends; a scoring-only job (max_tokens 0)
@@ -86,7 +90,7 @@ class Job:
         self.on_cancel()
 
 
-_COUNTS = ("admitted", "released", "steps", "loops", "length", "stop", "cancelled", "error")
+_COUNTS = ("admitted", "released", "steps", "loops", "length", "stop", "cancelled", "error", "prefix_cached_tokens")
 
 
 def _top(ids_k: np.ndarray, logprobs_k: np.ndarray) -> list[tuple[int, float]]:
@@ -101,6 +105,8 @@ class Scheduler:
     self.eos_ids = frozenset(eos_ids)
     self._waiting: collections.deque[Job] = collections.deque()
     self._active: dict[int, Job] = {}
+    self._prefilling: dict[int, tuple[Job, int]] = {}  # slot -> (job, prompt tokens cached so far), in admission order
+    self._chunked = engine.chunked_prefill
     self._wake = threading.Condition()  # guards _waiting, _active, _reserved
     self._stopping = False
     self._state = engine.init_decode_state(seed)
@@ -137,7 +143,7 @@ class Scheduler:
                        f"the whole pool has kv_num_pages={self._pages_total}; lower max_tokens or shorten the prompt")
     now = time.monotonic()
     with self._wake:
-      in_flight = len(self._waiting) + len(self._active)
+      in_flight = len(self._waiting) + len(self._active) + len(self._prefilling)
       if in_flight + len(jobs) > self.engine.num_slots + self.max_queue:
         raise QueueFull(f"{in_flight} requests in flight; capacity {self.engine.num_slots} slots + "
                         f"{self.max_queue} waiting (serve_max_queue)")
@@ -150,9 +156,12 @@ class Scheduler:
     """What is in flight now and the counters so far (for tests, /health, /metrics, the benchmark):
     jobs waiting and active, slots, pages free and reserved, the oldest job's age in seconds."""
     with self._wake:
-      jobs = [*self._waiting, *self._active.values()]
+      jobs = [*self._waiting, *self._active.values(), *(job for job, _ in self._prefilling.values())]
       oldest = time.monotonic() - min(j.submitted for j in jobs) if jobs else 0.0
-      return {"waiting": len(self._waiting), "active": len(self._active), "slots": self.engine.num_slots,
+      # "active": slots holding a job, decoding or still prefilling its prompt.
+      return {"waiting": len(self._waiting), "active": len(self._active) + len(self._prefilling),
+              "prefilling": len(self._prefilling),
+              "slots": self.engine.num_slots,
               "pages_total": self._pages_total, "pages_free": int(self.engine.cache_stats()["pages_free"]),
               "pages_reserved": sum(self._reserved.values()), "oldest_age_s": oldest, **self.counts}
 
@@ -163,7 +172,7 @@ class Scheduler:
   # ---------------------------------------------------------------- the scheduler thread
   def _runnable(self) -> bool:
     """Under the lock: a step to take, a cancelled waiting job to drop or a job to admit."""
-    if self._active or any(j.cancelled for j in self._waiting):
+    if self._active or self._prefilling or any(j.cancelled for j in self._waiting):
       return True
     return bool(self._waiting) and self._fits(self._waiting[0])
 
@@ -182,6 +191,8 @@ class Scheduler:
       try:
         self._drop_cancelled()
         self._admit()
+        if self._prefilling:
+          self._prefill_chunk()
         if self._active:
           self._step()
       except Exception as e:  # noqa: BLE001 - a failed step must fail its jobs, not kill the server
@@ -196,7 +207,7 @@ class Scheduler:
     """Fills free slots from the head of the waiting list (in order: a job that does not fit yet
     keeps its place): optional prompt scoring, then prefill + insert."""
     for slot in range(self.engine.num_slots):
-      while slot not in self._active:
+      while slot not in self._active and slot not in self._prefilling:
         with self._wake:
           if not self._waiting or not self._fits(self._waiting[0]):
             return
@@ -211,10 +222,11 @@ class Scheduler:
           traceback.print_exc()
           with self._wake:
             self._active.pop(slot, None)
+            self._prefilling.pop(slot, None)
           self.engine.release(slot)  # pages an insert may have handed out before the failure
           self._finish(job, None, "error", f"{type(e).__name__}: {e}")
         finally:
-          if slot not in self._active:  # scoring-only, or failed: the job holds nothing now
+          if slot not in self._active and slot not in self._prefilling:  # scoring-only, or failed: holds nothing
             with self._wake:
               self._reserved.pop(slot, None)
 
@@ -227,12 +239,32 @@ class Scheduler:
     if job.max_tokens == 0:
       self._finish(job, None, "length")
       return
+    if self._chunked:
+      cached = self.engine.begin_prompt(slot, job.prompt)
+      self.counts["prefix_cached_tokens"] += cached
+      with self._wake:
+        self._prefilling[slot] = (job, cached)
+      return
     prefix = self.engine.prefill(self.params, [job.prompt], row_params=[job.row])
     self._state = self.engine.insert(prefix, self._state, slot)
     first, logprobs = jax.device_get((prefix.first_tokens_B, prefix.first_logprobs))
     with self._wake:
       self._active[slot] = job
     self._deliver(slot, job, int(first[0]), logprobs, 0)
+
+  def _prefill_chunk(self) -> None:
+    """One chunk of the longest-waiting prompt being prefilled (the per-step prefill budget)."""
+    slot, (job, start) = next(iter(self._prefilling.items()))
+    self._state, end, first = self.engine.prefill_chunk(self.params, self._state, slot, job.prompt, start, job.row)
+    if first is None:
+      with self._wake:
+        self._prefilling[slot] = (job, end)
+      return
+    tokens_1, logprobs = jax.device_get(first)
+    with self._wake:
+      del self._prefilling[slot]
+      self._active[slot] = job
+    self._deliver(slot, job, int(tokens_1[0]), logprobs, 0)
 
   def _step(self) -> None:
     self._state, step_out = self.engine.step(self.params, self._state)
@@ -255,6 +287,9 @@ class Scheduler:
     for slot, job in list(self._active.items()):
       if job.cancelled:
         self._finish(job, slot, "cancelled")
+    for slot, (job, _) in list(self._prefilling.items()):
+      if job.cancelled:
+        self._finish(job, slot, "cancelled")
     with self._wake:
       dropped = [j for j in self._waiting if j.cancelled]
       if dropped:
@@ -265,7 +300,8 @@ class Scheduler:
   def _finish(self, job: Job, slot: int | None, reason: str, message: str = "") -> None:
     if slot is not None:
       with self._wake:
-        del self._active[slot]
+        self._active.pop(slot, None)
+        self._prefilling.pop(slot, None)
         self._reserved.pop(slot, None)
       self.engine.release(slot)
       self.counts["released"] += 1
@@ -273,7 +309,7 @@ class Scheduler:
     job.emit(Done(job.index, reason, message))
 
   def _fail_all(self, message: str, waiting_too: bool = True) -> None:
-    for slot, job in list(self._active.items()):
+    for slot, job in [*self._active.items(), *((slot, job) for slot, (job, _) in self._prefilling.items())]:
       self._finish(job, slot, "error", message)
     while waiting_too:
       with self._wake:

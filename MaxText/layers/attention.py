@@ -56,6 +56,8 @@ def select_kernel(name: str, platform: str | None = None, cfg: ModelConfig | Non
     return "dot_product"  # the one kernel with a chunked mask
   if name == "autoselected" and cfg is not None and cfg.attn.attention_sinks:
     return "dot_product"
+  if name == "autoselected" and cfg is not None and cfg.vision.use_multimodal:
+    return "dot_product"  # the one kernel with bidirectional image blocks
   if name == "autoselected" and cfg is not None and context_parallel.merges_blocks(cfg.attn):
     return "flash"  # ring / all_to_all / load balancing run the chunked kernel per block
   if name != "autoselected" or platform is None:
@@ -246,10 +248,11 @@ class Attention(nnx.Module):
     return x_BLNH
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
-               layer_index: int | jax.Array = 0, cache: kv_cache.KVCache | None = None
-               ) -> jax.Array | tuple[jax.Array, kv_cache.KVCache]:
+               layer_index: int | jax.Array = 0, cache: kv_cache.KVCache | None = None,
+               image_blocks_BL: jax.Array | None = None) -> jax.Array | tuple[jax.Array, kv_cache.KVCache]:
     """Output [B, L, D]; with a `cache` (decoding), (output, the cache with this call's keys and
-    values written at `positions_BL`), the queries attending over the cache (see layers/kv_cache.py)."""
+    values written at `positions_BL`), the queries attending over the cache (see layers/kv_cache.py).
+    `image_blocks_BL` (masks.image_blocks): each image's tokens see each other both ways."""
     cfg = self.cfg
     heads_names = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
     kv_names = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
@@ -273,6 +276,10 @@ class Attention(nnx.Module):
       return self.out(sharding.constrain(out_BLNH, heads_names)), cache
     chunk: dict[str, Any] = ({"chunk_size": layer_chunk_size(cfg.attn, layer_index), "positions_BL": positions_BL}
                              if self.chunked else {})
+    if image_blocks_BL is not None:  # config validation: the kernel is dot_product then
+      out_BLNH = dot_product_attention(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, layer_window_size(cfg.attn, layer_index),
+                                       cfg.attn.attn_logits_soft_cap, image_blocks_BL=image_blocks_BL, **sinks)
+      return self.out(sharding.constrain(out_BLNH, heads_names))
     out_BLNH = self.kernel(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, layer_window_size(cfg.attn, layer_index),
                            cfg.attn.attn_logits_soft_cap, **chunk, **sinks)
     return self.out(sharding.constrain(out_BLNH, heads_names))

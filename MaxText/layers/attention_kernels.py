@@ -37,11 +37,12 @@ AUTOSELECT_CPU_FLASH_ABOVE = 512
 
 def dot_product_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BL: jax.Array,
                           window_size: masks.Window = None, soft_cap: float = 0.0, chunk_size: masks.Window = None,
-                          positions_BL: jax.Array | None = None, sinks_N: jax.Array | None = None) -> jax.Array:
+                          positions_BL: jax.Array | None = None, sinks_N: jax.Array | None = None,
+                          image_blocks_BL: jax.Array | None = None) -> jax.Array:
   """Plain XLA attention with the mask of masks.py; queries must already be scaled. The only
-  kernel with chunked attention (`chunk_size`, cut at `positions_BL`). `sinks_N`: attention
-  sinks (masks.dense_attention)."""
-  mask_BLL = masks.self_mask(segment_ids_BL, window_size, chunk_size, positions_BL)
+  kernel with chunked attention (`chunk_size`, cut at `positions_BL`) and with bidirectional
+  image blocks (`image_blocks_BL`). `sinks_N`: attention sinks (masks.dense_attention)."""
+  mask_BLL = masks.self_mask(segment_ids_BL, window_size, chunk_size, positions_BL, image_blocks_BL)
   return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLL, soft_cap, sinks_N)
 
 

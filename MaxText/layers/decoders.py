@@ -90,12 +90,15 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
                dropout_rng: jax.Array | None, layer_index: int | jax.Array = 0,
-               cache: KVCache | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
-    """Output [B, L, D]; with a decode `cache`, (output, updated cache)."""
+               cache: KVCache | None = None, image_blocks_BL: jax.Array | None = None
+               ) -> jax.Array | tuple[jax.Array, KVCache]:
+    """Output [B, L, D]; with a decode `cache`, (output, updated cache). `image_blocks_BL`: a
+    multimodal model's image blocks (masks.image_blocks), for the attention mask."""
     attn_rng, mlp_rng = jax.random.split(dropout_rng) if dropout_rng is not None else (None, None)
     x_BLD = sharding.constrain(x_BLD, ACTIVATION_NAMES)
+    blocks = {} if image_blocks_BL is None else {"image_blocks_BL": image_blocks_BL}
     attn_out = self.self_attention(self.pre_self_attention_layer_norm(x_BLD), positions_BL, segment_ids_BL,
-                                   layer_index, cache)
+                                   layer_index, cache, **blocks)
     attn_BLD, cache = attn_out if isinstance(attn_out, tuple) else (attn_out, None)
     h_BLD = x_BLD + dropout(self._block_output("attention_output_norm", attn_BLD), self.dropout_rate, attn_rng)
     mlp_BLD = self.mlp(self.post_self_attention_layer_norm(h_BLD))

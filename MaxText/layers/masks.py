@@ -6,6 +6,9 @@ both carry the same segment id (packed documents never see each other). A chunke
 (Llama 4) adds p // chunk == s // chunk: the sequence is cut into fixed chunks of `chunk`
 positions and a query sees only its own chunk's past (not a sliding window: the first token
 of a chunk sees only itself). Only dot_product and the KV-cache path take a chunk.
+Image blocks (Gemma 3) relax causality: the tokens of one image (`image_blocks`, a run of
+placeholder tokens) see each other both ways, still within the window and the segment; only
+dot_product takes them.
 
 - `allowed` builds it as a boolean array: dot_product and the flash reference (`self_mask`),
   the KV-cache decode path (`cache_mask`), cuDNN's mask argument, and each block of chunked
@@ -61,14 +64,20 @@ def local_window_bounds(window: int) -> tuple[int, int]:
 
 
 def allowed(q_pos_BL: jax.Array, k_pos_BS: jax.Array, q_seg_BL: jax.Array | None = None,
-            k_seg_BS: jax.Array | None = None, window: Window = None, chunk: Window = None) -> jax.Array:
-  """[B, L, S] boolean: causal, within `window`, in the same `chunk` of positions (None = no
-  chunking; a traced one spells that NO_WINDOW) and, given both segment ids, in the same segment.
+            k_seg_BS: jax.Array | None = None, window: Window = None, chunk: Window = None,
+            q_block_BL: jax.Array | None = None, k_block_BS: jax.Array | None = None) -> jax.Array:
+  """[B, L, S] boolean: causal (or, given both image block ids, in the same image block > 0),
+  within `window` (of the keys before the query; later keys of its image are always in it), in the
+  same `chunk` of positions (None = no chunking; a traced one spells that NO_WINDOW) and, given both
+  segment ids, in the same segment.
 
   Positions may have batch 1 (shared by every row); all broadcasting is within equal ranks.
   """
   offset_BLS = q_pos_BL[:, :, None] - k_pos_BS[:, None, :]
   ok_BLS = offset_BLS >= 0
+  if q_block_BL is not None and k_block_BS is not None:
+    same_image_BLS = (q_block_BL[:, :, None] == k_block_BS[:, None, :]) & (q_block_BL[:, :, None] > 0)
+    ok_BLS = ok_BLS | same_image_BLS
   if window is not None:
     ok_BLS = ok_BLS & (offset_BLS < window)
   if chunk is not None:
@@ -79,16 +88,26 @@ def allowed(q_pos_BL: jax.Array, k_pos_BS: jax.Array, q_seg_BL: jax.Array | None
 
 
 def self_mask(segment_ids_BL: jax.Array, window: Window = None, chunk: Window = None,
-              positions_BL: jax.Array | None = None) -> jax.Array:
+              positions_BL: jax.Array | None = None, image_blocks_BL: jax.Array | None = None) -> jax.Array:
   """[B, L, L] self-attention mask of a (packed) training sequence at positions 0 .. L - 1.
   Chunks are cut at the tokens' `positions_BL` when given (each packed document's own), else
-  at 0 .. L - 1; within one document the two orders agree, so causality is unchanged."""
+  at 0 .. L - 1; within one document the two orders agree, so causality is unchanged.
+  `image_blocks_BL` (from `image_blocks`): each image's tokens also see its later tokens."""
   positions_1L = jnp.arange(segment_ids_BL.shape[1])[None]
-  ok_BLL = allowed(positions_1L, positions_1L, segment_ids_BL, segment_ids_BL, window)
+  ok_BLL = allowed(positions_1L, positions_1L, segment_ids_BL, segment_ids_BL, window,
+                   q_block_BL=image_blocks_BL, k_block_BS=image_blocks_BL)
   if chunk is None:
     return ok_BLL
   chunk_pos_BL = positions_1L if positions_BL is None else positions_BL
   return ok_BLL & (chunk_pos_BL[:, :, None] // chunk == chunk_pos_BL[:, None, :] // chunk)
+
+
+def image_blocks(tokens_BL: jax.Array, image_token_id: int) -> jax.Array:
+  """int32 [B, L]: 0 on text, k on the tokens of a row's k-th run of `image_token_id` (one image's
+  soft tokens: the chat template puts begin/end-of-image tokens around each run)."""
+  is_image_BL = tokens_BL == image_token_id
+  starts_BL = is_image_BL & ~jnp.pad(is_image_BL, ((0, 0), (1, 0)))[:, :-1]
+  return jnp.where(is_image_BL, jnp.cumsum(starts_BL, axis=1, dtype=jnp.int32), 0)
 
 
 def cache_mask(positions_BL: jax.Array, cache_length: int, window: Window = None,

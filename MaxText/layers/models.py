@@ -23,7 +23,7 @@ from MaxText.layers.embeddings import Embed, sinusoidal_positions
 from MaxText.layers.kv_cache import KVCache
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.moe import ROUTING_STATS, update_correction_biases
-from MaxText.layers import mtp, pipeline, quantization, remat
+from MaxText.layers import masks, mtp, paged_kv, pipeline, quantization, remat, vision_tower
 from MaxText.layers.normalizations import make_norm
 
 # What layers sow as nnx.Intermediate, by name: scalar losses (e.g. MoE load balancing), summed
@@ -80,6 +80,9 @@ class Transformer(nnx.Module):
                                        dtype=logits_dtype, weight_dtype=weight_dtype, rngs=rngs)
     for depth in range(cfg.mtp.mtp_num_layers):  # last, so the other parameters initialise as without them
       setattr(self, mtp.module_name(depth), mtp.MtpModule(cfg, layer_class, rngs=rngs))
+    if cfg.vision.use_multimodal:  # after everything, for the same reason
+      self.vision_encoder = vision_tower.VisionEncoder(cfg, rngs=rngs)
+      self.multimodal_projector = vision_tower.MultimodalProjector(cfg, rngs=rngs)
 
   def _build_stack(self, name: str, layer_class: Callable[..., nnx.Module], cfg: ModelConfig, count: int,
                    rngs: nnx.Rngs) -> None:
@@ -98,6 +101,8 @@ class Transformer(nnx.Module):
   def _embed(self, tokens_BL: jax.Array, positions_BL: jax.Array) -> jax.Array:
     """Token embeddings, scaled (Gemma) and with absolute positions added (GPT-3) as configured."""
     cfg = self.cfg
+    if cfg.vision.use_multimodal and cfg.vision.image_token_id >= cfg.vocab_size:  # a placeholder outside the table
+      tokens_BL = jnp.where(tokens_BL == cfg.vision.image_token_id, 0, tokens_BL)
     x_BLD = self.token_embedder(tokens_BL)
     if cfg.scale_embedding:  # the factor is rounded to the activation dtype, as the reference does
       x_BLD = x_BLD * jnp.asarray(cfg.emb_dim**0.5, x_BLD.dtype)
@@ -108,35 +113,56 @@ class Transformer(nnx.Module):
     return x_BLD
 
   def _run_layers(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
-                  dropout_rng: jax.Array | None, caches: Any = None) -> tuple[jax.Array, AuxLosses, Any]:
+                  dropout_rng: jax.Array | None, caches: Any = None, image_blocks_BL: jax.Array | None = None
+                  ) -> tuple[jax.Array, AuxLosses, Any]:
     """The decoder stack; also returns each auxiliary loss the layers sow, summed over layers (and
     each statistic, stacked per layer; not under pipeline parallelism), and,
     when decoding, the updated KV caches (`caches`: one KVCache stacked over layers when
     scan_layers, else a list with one per layer; with first_dense_layers, a dict of those for
-    `dense_layers` and `layers`, see kv_cache.model_caches)."""
+    `dense_layers` and `layers`, see kv_cache.model_caches). `image_blocks_BL`: a multimodal model's
+    image blocks (masks.image_blocks) for every layer's attention mask."""
     cfg = self.cfg
     if cfg.pipeline.num_pipeline_stages > 1:  # the stage-sharded scanned stack runs as a pipeline
       return (*self._run_pipeline(x_BLD, positions_BL, segment_ids_BL, dropout_rng), None)
     if cfg.moe.moe_layer_interval > 1:
-      return self._run_interleaved(x_BLD, positions_BL, segment_ids_BL, dropout_rng, caches)
+      return self._run_interleaved(x_BLD, positions_BL, segment_ids_BL, dropout_rng, caches, image_blocks_BL)
     dense = cfg.moe.first_dense_layers
     if dense == 0:
       return self._run_stack("layers", cfg.num_decoder_layers, 0, x_BLD, positions_BL, segment_ids_BL, dropout_rng,
-                             caches)
+                             caches, image_blocks_BL)
     dense_rng, rng = jax.random.split(dropout_rng) if dropout_rng is not None else (None, None)
     x_BLD, _, dense_caches = self._run_stack("dense_layers", dense, 0, x_BLD, positions_BL, segment_ids_BL,
-                                             dense_rng, None if caches is None else caches["dense_layers"])
+                                             dense_rng, None if caches is None else caches["dense_layers"],
+                                             image_blocks_BL)
     x_BLD, aux, main_caches = self._run_stack("layers", cfg.num_moe_stack_layers, dense, x_BLD, positions_BL,
-                                              segment_ids_BL, rng, None if caches is None else caches["layers"])
+                                              segment_ids_BL, rng, None if caches is None else caches["layers"],
+                                              image_blocks_BL)
     return x_BLD, aux, None if caches is None else {"dense_layers": dense_caches, "layers": main_caches}
 
   def _run_stack(self, name: str, num_layers: int, first_index: int, x_BLD: jax.Array, positions_BL: jax.Array,
-                 segment_ids_BL: jax.Array, dropout_rng: jax.Array | None, caches: Any
-                 ) -> tuple[jax.Array, AuxLosses, Any]:
+                 segment_ids_BL: jax.Array, dropout_rng: jax.Array | None, caches: Any,
+                 image_blocks_BL: jax.Array | None = None) -> tuple[jax.Array, AuxLosses, Any]:
     """One stack of `_run_layers` (`first_index`: its first layer's index in the whole decoder)."""
     cfg = self.cfg
     layer_rngs = jax.random.split(dropout_rng, num_layers) if dropout_rng is not None else None
-    one_layer = self._layer_fn(positions_BL, segment_ids_BL, decoding=caches is not None)
+    one_layer = self._layer_fn(positions_BL, segment_ids_BL, decoding=caches is not None,
+                               image_blocks_BL=image_blocks_BL)
+    if cfg.scan_layers and paged_kv.holds_pages(caches):
+      # Page pools ride in the carry, each layer writing its own in place (paged_kv.PagedKVCache.layer):
+      # as scanned inputs and outputs they would be sliced and restacked, a copy of the pool per step.
+      graphdef, stacked_state = nnx.split(getattr(self, name))
+
+      def carried(carry: tuple[jax.Array, Any], per_layer: tuple[Any, ...]
+                  ) -> tuple[tuple[jax.Array, Any], AuxLosses]:
+        x, pools = carry
+        state, rng, index = per_layer
+        x, layer_aux, pools = one_layer(graphdef, x, state, rng, first_index + index,
+                                        paged_kv.carried_by_layer(pools, index))
+        return (x, paged_kv.without_layer(pools)), layer_aux
+
+      (x_BLD, caches), aux_per_layer = jax.lax.scan(
+          carried, (x_BLD, caches), (stacked_state, layer_rngs, jnp.arange(num_layers)))
+      return x_BLD, {name: _over_layers(name, values) for name, values in aux_per_layer.items()}, caches
     if cfg.scan_layers:
       graphdef, stacked_state = nnx.split(getattr(self, name))
 
@@ -158,7 +184,8 @@ class Transformer(nnx.Module):
     aux = _unrolled_aux(per_layer)
     return x_BLD, aux, None if caches is None else new_caches
 
-  def _layer_fn(self, positions_BL: jax.Array, segment_ids_BL: jax.Array, decoding: bool) -> Callable[..., Any]:
+  def _layer_fn(self, positions_BL: jax.Array, segment_ids_BL: jax.Array, decoding: bool,
+                image_blocks_BL: jax.Array | None = None) -> Callable[..., Any]:
     """one_layer(graphdef, x, layer_state, rng, layer_index, cache) -> (x, sown losses, cache),
     rematerialised by remat_policy when training."""
     # layer_index lets a layer pick its per-layer behaviour (e.g. local vs global attention)
@@ -167,7 +194,9 @@ class Transformer(nnx.Module):
                   layer_index: jax.Array, cache: KVCache | None) -> tuple[jax.Array, AuxLosses, KVCache | None]:
       layer = nnx.merge(graphdef, layer_state)
       extra = () if cache is None else (cache,)
-      out, sown = nnx.capture(layer, nnx.Intermediate)(x, positions_BL, segment_ids_BL, rng, layer_index, *extra)
+      blocks = {} if image_blocks_BL is None else {"image_blocks_BL": image_blocks_BL}
+      out, sown = nnx.capture(layer, nnx.Intermediate)(x, positions_BL, segment_ids_BL, rng, layer_index, *extra,
+                                                       **blocks)
       x, cache = out if cache is not None else (out, None)
       return x, sum_sown_losses(sown), cache
 
@@ -178,14 +207,15 @@ class Transformer(nnx.Module):
     return one_layer
 
   def _run_interleaved(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
-                       dropout_rng: jax.Array | None, caches: Any) -> tuple[jax.Array, AuxLosses, Any]:
+                       dropout_rng: jax.Array | None, caches: Any, image_blocks_BL: jax.Array | None = None
+                       ) -> tuple[jax.Array, AuxLosses, Any]:
     """Llama 4 Maverick's stack: periods of moe_layer_interval layers, the last of each an MoE layer
     (from `layers`), the others dense (from `dense_layers`), run in order; scanned over the periods.
     The aux losses and statistics are the MoE layers' (the dense ones sow none)."""
     cfg = self.cfg
     k, num_layers = cfg.moe.moe_layer_interval, cfg.num_decoder_layers
     periods = num_layers // k
-    one_layer = self._layer_fn(positions_BL, segment_ids_BL, decoding=caches is not None)
+    one_layer = self._layer_fn(positions_BL, segment_ids_BL, decoding=caches is not None, image_blocks_BL=image_blocks_BL)
     rngs = None if dropout_rng is None else jax.random.split(dropout_rng, num_layers).reshape(periods, k)
     if cfg.scan_layers:
       dense_graph, dense_state = nnx.split(getattr(self, "dense_layers"))
@@ -205,6 +235,24 @@ class Transformer(nnx.Module):
         dense_c = None if dense_c is None else jax.tree.map(lambda *cs: jnp.stack(cs), *new_dense)
         return x, (aux, dense_c, moe_c)
 
+      if paged_kv.holds_pages(caches):  # in the carry, as in _run_stack
+        def carried(carry: tuple[jax.Array, Any, Any], xs: tuple[Any, ...]) -> tuple[tuple[jax.Array, Any, Any],
+                                                                                      AuxLosses]:
+          x, dense_pools, moe_pools = carry
+          dense_s, moe_s, rng_k, period = xs
+          for j in range(k - 1):
+            x, _, dense_pools = one_layer(dense_graph, x, jax.tree.map(lambda a, j=j: a[j], dense_s),
+                                          None if rng_k is None else rng_k[j], period * k + j,
+                                          paged_kv.carried_by_layer(dense_pools, period * (k - 1) + j))
+          x, aux, moe_pools = one_layer(moe_graph, x, moe_s, None if rng_k is None else rng_k[k - 1],
+                                        period * k + k - 1, paged_kv.carried_by_layer(moe_pools, period))
+          return (x, paged_kv.without_layer(dense_pools), paged_kv.without_layer(moe_pools)), aux
+
+        (x_BLD, dense_pools, moe_pools), aux_per_layer = jax.lax.scan(
+            carried, (x_BLD, caches["dense_layers"], caches["layers"]),
+            (by_period(dense_state), moe_state, rngs, jnp.arange(periods)))
+        aux = {name: _over_layers(name, values) for name, values in aux_per_layer.items()}
+        return x_BLD, aux, {"dense_layers": dense_pools, "layers": moe_pools}
       dense_caches = None if caches is None else by_period(caches["dense_layers"])
       x_BLD, (aux_per_layer, dense_caches, moe_caches) = jax.lax.scan(
           body, x_BLD, (by_period(dense_state), moe_state, rngs, jnp.arange(periods),
@@ -260,23 +308,47 @@ class Transformer(nnx.Module):
                                  dropout_rng, remat_policy(self.cfg.remat_policy))
 
   def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
-               dropout_rng: jax.Array | None = None) -> jax.Array:
+               dropout_rng: jax.Array | None = None, pixel_values: jax.Array | None = None) -> jax.Array:
     """Returns float32 logits [B, L, V]. `dropout_rng=None` means deterministic (no dropout)."""
-    return self.logits_and_aux(tokens_BL, positions_BL, segment_ids_BL, dropout_rng)[0]
+    return self.logits_and_aux(tokens_BL, positions_BL, segment_ids_BL, dropout_rng, pixel_values=pixel_values)[0]
+
+  def image_embeddings(self, pixels_ICRR: jax.Array) -> jax.Array:
+    """Soft tokens [I, mm_tokens_per_image, D] of images' pixel values [I, 3, R, R]
+    (input_pipeline/images.py); layers/vision_tower.py."""
+    return vision_tower.image_embeddings(self.vision_encoder, self.multimodal_projector, pixels_ICRR)
+
+  def _multimodal_input(self, x_BLD: jax.Array, tokens_BL: jax.Array, pixel_values: jax.Array | None
+                        ) -> tuple[jax.Array, jax.Array | None]:
+    """(embeddings with the images' soft tokens placed, image blocks for the mask) of a multimodal
+    model; `pixel_values` [B, M, 3, R, R]: each row's images in order (more than its placeholders
+    need is padding). A text-only model, or no images, leaves the embeddings as they are."""
+    vision = self.cfg.vision
+    if not vision.use_multimodal:
+      if pixel_values is not None:
+        raise ValueError("pixel_values given to a text-only model (use_multimodal=False)")
+      return x_BLD, None
+    if pixel_values is not None:
+      rows, per_row = pixel_values.shape[:2]
+      soft_ITD = self.image_embeddings(pixel_values.reshape((rows * per_row,) + pixel_values.shape[2:]))
+      soft_BTD = soft_ITD.reshape(rows, per_row * soft_ITD.shape[1], soft_ITD.shape[2])
+      x_BLD = vision_tower.place_image_tokens(x_BLD, soft_BTD, tokens_BL, vision.image_token_id)
+    return x_BLD, masks.image_blocks(tokens_BL, vision.image_token_id)
 
   def logits_and_aux(self, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
-                     dropout_rng: jax.Array | None = None, mtp_targets: tuple[jax.Array, jax.Array] | None = None
-                     ) -> tuple[jax.Array, AuxLosses]:
+                     dropout_rng: jax.Array | None = None, mtp_targets: tuple[jax.Array, jax.Array] | None = None,
+                     pixel_values: jax.Array | None = None) -> tuple[jax.Array, AuxLosses]:
     """Float32 logits [B, L, V] and what the layers sow: auxiliary losses (e.g. `moe_lb_loss`), each a
     mean over layers, and routing statistics, each stacked per layer [num_layers, ...]. With
     `mtp_targets` (targets, their weights) and mtp_num_layers > 0, also the multi-token-prediction
-    sums `mtp_xent_sum` and `mtp_weight_sum` over every depth (layers/mtp.py)."""
-    x_BLD = sharding.constrain(self._embed(tokens_BL, positions_BL), ACTIVATION_NAMES)
+    sums `mtp_xent_sum` and `mtp_weight_sum` over every depth (layers/mtp.py). `pixel_values`
+    [B, M, 3, R, R]: a multimodal model's images (`_multimodal_input`)."""
+    x_BLD, image_blocks_BL = self._multimodal_input(self._embed(tokens_BL, positions_BL), tokens_BL, pixel_values)
+    x_BLD = sharding.constrain(x_BLD, ACTIVATION_NAMES)
     mtp_rng = None
     if dropout_rng is not None and mtp_targets is not None:
       dropout_rng, mtp_rng = jax.random.split(dropout_rng)
     with quantization.use_quantization(self.cfg.quantization):  # the stack only: logits stay in float
-      x_BLD, aux, _ = self._run_layers(x_BLD, positions_BL, segment_ids_BL, dropout_rng)
+      x_BLD, aux, _ = self._run_layers(x_BLD, positions_BL, segment_ids_BL, dropout_rng, image_blocks_BL=image_blocks_BL)
     aux = {name: value if name in ROUTING_STATS else value / self.cfg.num_moe_stack_layers
            for name, value in aux.items()}
     if mtp_targets is not None and self.cfg.mtp.mtp_num_layers > 0:
@@ -390,17 +462,18 @@ class ModelSpec:
     return update_correction_biases(new_params, old_params, load_NE, self.cfg.moe.moe_bias_update_rate)
 
   def apply(self, params: Params, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
-            dropout_rng: jax.Array | None = None) -> jax.Array:
+            dropout_rng: jax.Array | None = None, pixel_values: jax.Array | None = None) -> jax.Array:
+    """Float32 logits [B, L, V]; `pixel_values` [B, M, 3, R, R]: a multimodal model's images."""
     model = nnx.merge(self.graphdef, params)
-    return model(tokens_BL, positions_BL, segment_ids_BL, dropout_rng)
+    return model(tokens_BL, positions_BL, segment_ids_BL, dropout_rng, pixel_values)
 
   def apply_with_aux(self, params: Params, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
-                     dropout_rng: jax.Array | None = None, mtp_targets: tuple[jax.Array, jax.Array] | None = None
-                     ) -> tuple[jax.Array, AuxLosses]:
+                     dropout_rng: jax.Array | None = None, mtp_targets: tuple[jax.Array, jax.Array] | None = None,
+                     pixel_values: jax.Array | None = None) -> tuple[jax.Array, AuxLosses]:
     """(logits, auxiliary losses): what the train step needs (e.g. the MoE load-balancing loss, the
     multi-token-prediction sums with `mtp_targets`)."""
     model = nnx.merge(self.graphdef, params)
-    return model.logits_and_aux(tokens_BL, positions_BL, segment_ids_BL, dropout_rng, mtp_targets)
+    return model.logits_and_aux(tokens_BL, positions_BL, segment_ids_BL, dropout_rng, mtp_targets, pixel_values)
 
   def apply_decode(self, params: Params, tokens_BL: jax.Array, positions_BL: jax.Array, caches: Any,
                    logits_index_B: jax.Array | None = None) -> tuple[jax.Array, Any]:

@@ -14,6 +14,7 @@ which have pages). The host-side allocator that fills the table: inference/paged
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -32,13 +33,18 @@ TABLE_NAMES = (None, None)
 @struct.dataclass
 class PagedKVCache:
   """One layer's page pool and the slots' block tables (a plain pytree). Scales are None unless
-  int8-quantized. MLA stores its latents in `key` and its rope keys in `value` (K = 1)."""
+  int8-quantized. MLA stores its latents in `key` and its rope keys in `value` (K = 1).
+
+  With `layer` set (a traced index), the leaves are every layer's, stacked ([layers, K, P, Z, H]),
+  and this call reads and writes that layer's: the scanned stack carries the whole pool through
+  its scan and updates it in place, where slicing a layer out and back in would copy the pool."""
 
   key_KPZH: Any
   value_KPZH: Any
   block_table_BM: Any
   key_scale_KPZ1: Any = None
   value_scale_KPZ1: Any = None
+  layer: Any = None
 
   @property
   def quantized(self) -> bool:
@@ -46,16 +52,31 @@ class PagedKVCache:
 
   @property
   def page_size(self) -> int:
-    return self.key_KPZH.shape[2]
+    return int(self.key_KPZH.shape[-2])
+
+  @property
+  def num_pages(self) -> int:
+    return int(self.key_KPZH.shape[-3])
+
+  def this_layer(self) -> PagedKVCache:
+    """The unstacked view of `layer`'s arrays (itself when `layer` is None). Read only: XLA fuses
+    the slice into the gather that reads it, so no layer's pool is copied."""
+    if self.layer is None:
+      return self
+    take = lambda leaf: None if leaf is None else leaf[self.layer]  # noqa: E731
+    return PagedKVCache(take(self.key_KPZH), take(self.value_KPZH), take(self.block_table_BM),
+                        take(self.key_scale_KPZ1), take(self.value_scale_KPZ1))
 
   def read(self, dtype: Any) -> tuple[jax.Array, jax.Array]:
     """Each slot's keys and values gathered into dense [B, M * Z, K, H] (index = position),
     dequantized if stored as int8: the reference path, any platform."""
-    key, value = gather(self.key_KPZH, self.block_table_BM), gather(self.value_KPZH, self.block_table_BM)
-    if not self.quantized:
+    view = self.this_layer()
+    table = view.block_table_BM
+    key, value = gather(view.key_KPZH, table), gather(view.value_KPZH, table)
+    if not view.quantized:
       return key.astype(dtype), value.astype(dtype)
-    return ((key * gather(self.key_scale_KPZ1, self.block_table_BM)).astype(dtype),
-            (value * gather(self.value_scale_KPZ1, self.block_table_BM)).astype(dtype))
+    return ((key * gather(view.key_scale_KPZ1, table)).astype(dtype),
+            (value * gather(view.value_scale_KPZ1, table)).astype(dtype))
 
 
 def empty_pool(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: Any, num_slots: int,
@@ -72,7 +93,23 @@ def logical_names(cache: PagedKVCache, stacked: bool) -> PagedKVCache:
   """Logical axis names of each leaf (a leading unsharded layer dim when stacked for scan)."""
   prefix = ("cache_layers",) if stacked else ()
   scale_names = None if not cache.quantized else prefix + POOL_SCALE_NAMES
-  return PagedKVCache(prefix + POOL_NAMES, prefix + POOL_NAMES, prefix + TABLE_NAMES, scale_names, scale_names)
+  return PagedKVCache(prefix + POOL_NAMES, prefix + POOL_NAMES, prefix + TABLE_NAMES, scale_names, scale_names,
+                      None if cache.layer is None else ())
+
+
+def carried_by_layer(caches: Any, layer: jax.Array) -> Any:
+  """`caches` (stacked over layers) with every PagedKVCache in it set to read and write `layer`."""
+  return jax.tree.map(lambda c: dataclasses.replace(c, layer=layer) if isinstance(c, PagedKVCache) else c,
+                      caches, is_leaf=lambda c: isinstance(c, PagedKVCache))
+
+
+def without_layer(caches: Any) -> Any:
+  return jax.tree.map(lambda c: dataclasses.replace(c, layer=None) if isinstance(c, PagedKVCache) else c,
+                      caches, is_leaf=lambda c: isinstance(c, PagedKVCache))
+
+
+def holds_pages(caches: Any) -> bool:
+  return any(isinstance(c, PagedKVCache) for c in jax.tree.leaves(caches, is_leaf=lambda c: isinstance(c, PagedKVCache)))
 
 
 def gather(pool_KPZX: jax.Array, table_BM: jax.Array) -> jax.Array:
@@ -82,33 +119,50 @@ def gather(pool_KPZX: jax.Array, table_BM: jax.Array) -> jax.Array:
   return pages_KBMZX.transpose(1, 2, 3, 0, 4).reshape(batch, pages * page_size, num_kv, width)
 
 
-def flat_indices(table_BM: jax.Array, positions_BL: jax.Array, num_pages: int, page_size: int) -> jax.Array:
-  """[B, L] index into the pool's flattened (P * Z) token axis of each position; P * Z (out of
-  range: the write is dropped) where the slot has no page for it."""
+def page_addresses(table_BM: jax.Array, positions_BL: jax.Array, num_pages: int,
+                   page_size: int) -> tuple[jax.Array, jax.Array]:
+  """([B, L] page, [B, L] offset in the page) of each position; page P (out of range: the write
+  is dropped) where the slot has no page for it."""
   page_index_BL = positions_BL // page_size
   in_table = (page_index_BL >= 0) & (page_index_BL < table_BM.shape[1])
   page_BL = jnp.take_along_axis(table_BM, jnp.clip(page_index_BL, 0, table_BM.shape[1] - 1), axis=1)
-  valid = in_table & (page_BL >= 0)
-  return jnp.where(valid, page_BL * page_size + positions_BL % page_size, num_pages * page_size)
+  return jnp.where(in_table & (page_BL >= 0), page_BL, num_pages), positions_BL % page_size
 
 
-def scatter(pool_KPZX: jax.Array, update_BLKX: jax.Array, flat_BL: jax.Array) -> jax.Array:
-  """pool with update[b, l] stored at flattened token index flat[b, l] (out-of-range dropped)."""
-  num_kv, num_pages, page_size, width = pool_KPZX.shape
-  flat_KTX = pool_KPZX.reshape(num_kv, num_pages * page_size, width)
-  flat_KTX = flat_KTX.at[:, flat_BL].set(update_BLKX.transpose(2, 0, 1, 3).astype(pool_KPZX.dtype), mode="drop")
-  return flat_KTX.reshape(pool_KPZX.shape)
+def scatter(pool_KPZX: jax.Array, update_BLKX: jax.Array, page_BL: jax.Array, offset_BL: jax.Array,
+            layer: jax.Array | None = None) -> jax.Array:
+  """pool with update[b, l] stored at (page[b, l], offset[b, l]) (out-of-range pages dropped); with
+  `layer`, the pool is stacked over layers and that layer's entries are written.
+
+  Addressed by (page, offset) on the pool as stored, never through a flattened view: with one
+  token to write (one slot decoding) XLA turns the scatter into a dynamic-update-slice, and on a
+  reshaped pool it then copies the whole pool every step, so the step's cost would follow the
+  pool's size instead of the tokens written and read (`tests/inference/test_paged_cache.py`
+  checks the compiled step holds no pool-sized copy)."""
+  if layer is None:
+    update_KBLX = update_BLKX.transpose(2, 0, 1, 3).astype(pool_KPZX.dtype)
+    return pool_KPZX.at[:, page_BL, offset_BL].set(update_KBLX, mode="drop")
+  # [layer, :, page, offset]: the advanced indices are split by a slice, so numpy's rule puts
+  # their [B, L] dims first and the update is [B, L, K, X] as given.
+  return pool_KPZX.at[layer, :, page_BL, offset_BL].set(update_BLKX.astype(pool_KPZX.dtype), mode="drop")
 
 
 def store(cache: PagedKVCache, k_BLKH: jax.Array, v_BLKH: jax.Array, k_scale_BLK1: jax.Array | None,
           v_scale_BLK1: jax.Array | None, positions_BL: jax.Array) -> PagedKVCache:
   """The cache with each new key/value (already int8 with its scales when quantized) stored at
-  its slot's page for its position."""
-  flat_BL = flat_indices(cache.block_table_BM, positions_BL, cache.key_KPZH.shape[1], cache.page_size)
-  put = lambda pool, update: None if update is None else scatter(pool, update, flat_BL)  # noqa: E731
+  its slot's page for its position (in `layer`'s pool when set)."""
+  table_BM = cache.block_table_BM if cache.layer is None else cache.block_table_BM[cache.layer]
+  page_BL, offset_BL = page_addresses(table_BM, positions_BL, cache.num_pages, cache.page_size)
+  put = lambda pool, update: None if update is None else scatter(pool, update, page_BL, offset_BL,  # noqa: E731
+                                                                 cache.layer)
   new = PagedKVCache(put(cache.key_KPZH, k_BLKH), put(cache.value_KPZH, v_BLKH), cache.block_table_BM,
-                     put(cache.key_scale_KPZ1, k_scale_BLK1), put(cache.value_scale_KPZ1, v_scale_BLK1))
-  return jax.tree.map(sharding.constrain, new, logical_names(new, stacked=False))
+                     put(cache.key_scale_KPZ1, k_scale_BLK1), put(cache.value_scale_KPZ1, v_scale_BLK1), cache.layer)
+  names = logical_names(new, stacked=cache.layer is not None)
+  return dataclasses.replace(new, **{field: sharding.constrain(getattr(new, field), getattr(names, field))
+                                     for field in _ARRAY_FIELDS if getattr(new, field) is not None})
+
+
+_ARRAY_FIELDS = ("key_KPZH", "value_KPZH", "block_table_BM", "key_scale_KPZ1", "value_scale_KPZ1")
 
 
 def pallas_kernel_applies(cache: PagedKVCache, q_BLNH: jax.Array, window_size: masks.Window,
@@ -131,6 +185,9 @@ def tpu_paged_attention(q_BLNH: jax.Array, cache: PagedKVCache, positions_BL: ja
   from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as kernel
   from jax.experimental.pallas.ops.tpu.paged_attention import quantization_utils
 
+  # A scanned stack's layer is sliced out for the kernel, which reads a pool as stored: a copy
+  # of the layer's pool per step, which unrolled layers (scan_layers=False) do not make.
+  cache = cache.this_layer()
   pages_per_slot = cache.block_table_BM.shape[1]
   lengths_B = jnp.clip(positions_BL[:, 0] + 1, 1, pages_per_slot * cache.page_size).astype(jnp.int32)
   block = max(b for b in (8, 4, 2, 1) if pages_per_slot % b == 0)

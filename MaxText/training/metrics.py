@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from typing import Any, Mapping
 
 import numpy as np
@@ -193,10 +194,21 @@ class _ObjectRecordWriterFactory:
     pass  # object stores have no directories to create
 
 
-def _register_object_store_writers() -> None:
-  from tensorboardX import record_writer
-
+def _tensorboardx_summary_writer() -> Any:
+  """tensorboardX's SummaryWriter, with the `gs` writer registered, imported without torch:
+  tensorboardX imports torch, when it is installed, only to accept torch tensors, which a run
+  never hands it, and torch's import is the larger part of a training process's start-up.
+  A process that already has torch keeps it."""
+  hide_torch = "torch" not in sys.modules
+  if hide_torch:
+    sys.modules["torch"] = None  # type: ignore[assignment]  # makes `import torch` raise ImportError
+  try:
+    from tensorboardX import SummaryWriter, record_writer
+  finally:
+    if hide_torch:
+      del sys.modules["torch"]
   record_writer.register_writer_factory("gs", _ObjectRecordWriterFactory())
+  return SummaryWriter
 
 
 class MetricWriter:
@@ -216,10 +228,7 @@ class MetricWriter:
       self._jsonl = storage.LineLog(jsonl_path, kept)
     self._tb = None
     if enable_tensorboard:
-      from tensorboardX import SummaryWriter  # heavy import; only when used
-
-      _register_object_store_writers()
-      self._tb = SummaryWriter(storage.join(storage.resolve(run_dir), "tensorboard"))
+      self._tb = _tensorboardx_summary_writer()(storage.join(storage.resolve(run_dir), "tensorboard"))
 
   def write(self, step: int, scalars: Mapping[str, Any]) -> None:
     if self._jsonl is not None:

@@ -31,14 +31,14 @@ def test_serve_reuses_slots_and_compiles_each_step_once():
   for request in served:  # five requests through two slots, each exactly its solo greedy decode
     assert request.output == uncached_greedy(engine.spec, params, request.prompt, request.max_new_tokens, 24)
   assert engine.generate_compilations() == 1
-  assert engine.traces == {"prefill": 1, "insert": 1, "generate": 1, "score": 0}
+  assert engine.traces == {"prefill": 1, "insert": 1, "generate": 1, "score": 0, "extend": 0}
   # An end-of-sequence id frees the slot early: each request stops at its first eos.
   eos = served[0].output[2]
   again = serve(engine, params, [Request(list(r.prompt), r.max_new_tokens) for r in served], eos_id=eos)
   for before, after in zip(served, again):
     stop = before.output.index(eos) + 1 if eos in before.output else len(before.output)
     assert after.output == before.output[:stop]
-  assert engine.traces == {"prefill": 1, "insert": 1, "generate": 1, "score": 0}
+  assert engine.traces == {"prefill": 1, "insert": 1, "generate": 1, "score": 0, "extend": 0}
 
 
 def test_sharded_decode_equals_one_device():

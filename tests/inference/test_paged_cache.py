@@ -30,6 +30,11 @@ MLA = dict(TINY, decoder_block="deepseek3", base_num_query_heads=4, base_num_kv_
            qk_rope_head_dim=4, v_head_dim=6, num_experts=4, num_experts_per_tok=2, shared_experts=1,
            first_dense_layers=1, dense_mlp_dim=48)
 CHUNKED = dict(TINY, base_num_kv_heads=4, attention_layer_pattern=["chunked", "global"], attention_chunk_size=4)
+# Llama 4 Maverick's interleaved stack: dense and MoE layers alternate (the scanned periods carry two pools).
+INTERLEAVED = dict(TINY, decoder_block="llama4", base_num_decoder_layers=4, num_experts=4, num_experts_per_tok=1,
+                   moe_layer_interval=2, dense_mlp_dim=96, shared_experts=1, capacity_factor=-1.0,
+                   mlp_activations=["silu", "linear"], attention_layer_pattern=["chunked", "global"],
+                   attention_chunk_size=4)
 PROMPTS = [[3, 9, 27], [1, 2, 3, 4, 5, 6, 7, 8], [100], [50, 60, 70, 80, 90], [7, 7]]
 NEW_TOKENS = [9, 12, 16, 6, 10]
 
@@ -50,7 +55,7 @@ def test_allocator_assigns_grows_at_page_boundaries_and_releases():
   assert pages.held(0) == 3 and pages.positions[0] == 10
   pages.assign(1, 4)
   pages.release(0)
-  assert pages.stats() == {"pages_total": 6, "pages_free": 5, "pages_used": 1, "page_size": 4}
+  assert pages.stats() == {"pages_total": 6, "pages_free": 5, "pages_used": 1, "pages_cached": 0, "page_size": 4}
   assert not pages.active[0] and (pages.table[0] == -1).all()
   pages.grow()  # slot 1's pending token (position 4) starts its second page; released slot 0 takes none
   assert pages.held(1) == 2 and pages.held(0) == 0 and pages.stats()["pages_used"] == 2
@@ -121,12 +126,34 @@ def test_paged_serve_equals_dense_with_windows_slot_reuse_and_waiting_for_pages(
     pytest.param(dict(CHUNKED, quantize_kvcache=True), False, marks=pytest.mark.slow),  # MHA, chunks, int8
     pytest.param(CHUNKED, True, marks=pytest.mark.slow),
     pytest.param(MIXED, True, marks=pytest.mark.slow),
+    (INTERLEAVED, True),
 ])
 def test_paged_serve_equals_dense_for_each_family(overrides, scan_layers):
   expected, got, paged, _ = serve_both(dict(overrides, scan_layers=scan_layers), num_slots=2, kv_num_pages=12,
                                        page_size=3)
   assert got == expected
   check_paged_run(paged)
+
+
+@pytest.mark.parametrize("overrides,scan_layers,num_slots", [
+    (TINY, False, 1), (TINY, True, 1), pytest.param(TINY, True, 4, marks=pytest.mark.slow),
+    pytest.param(INTERLEAVED, True, 1, marks=pytest.mark.slow)])
+def test_a_generate_step_works_in_memory_that_does_not_grow_with_the_pool(overrides, scan_layers, num_slots):
+  """The attention reads only each slot's pages and the step writes the pool in place: its
+  scratch memory is the same for the default pool and one 16 times larger (a pool-sized copy, as
+  one slot's single-token write through a flattened pool made, shows up here)."""
+  def temp_bytes(num_pages: int) -> int:
+    config = Config.for_testing(**dict(overrides, max_target_length=64), scan_layers=scan_layers,
+                                kv_cache_layout="paged", kv_page_size=4, kv_num_pages=num_pages)
+    engine = Engine(config, num_slots=num_slots, mesh=one_device_mesh())
+    params = sharding.with_shardings(engine.spec.abstract_params, engine.param_shardings)
+    state = sharding.with_shardings(jax.eval_shape(engine._init_state_fn, jnp.uint32(0)), engine.state_shardings)
+    with sharding.activation_sharding(engine.mesh, engine.rules):
+      compiled = engine._generate.lower(params, state, jnp.asarray(engine.pages.table)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  default_pages = num_slots * paged_cache.pages_per_slot(64, 4)
+  assert temp_bytes(0) == temp_bytes(16 * default_pages)
 
 
 @pytest.mark.slow  # ~30 s: 8 simulated devices
@@ -238,3 +265,111 @@ def test_paged_generate_compiles_for_tpu_with_the_pallas_kernel(topology, tensor
   assert lowered.as_text().count("paged_flash_attention_kernel") == kernels
   lowered.compile()
   assert engine.state_shardings.caches.key_KPZH.spec[1] == (None if tensor == 1 else "tensor")
+
+
+# ---------------------------------------------------------------- chunked prefill
+def _scheduled_outputs(engine: Engine, params, prompts, new_tokens, cancel_second: bool = False,
+                       loads: list | None = None) -> list[list[int]]:
+  """Each job's tokens through the server's scheduler (greedy); with cancel_second, job 1 is
+  cancelled as soon as it is submitted (it may be waiting, prefilling or running)."""
+  import threading
+
+  from MaxText.inference import scheduler as sched
+  from MaxText.inference.sampling import RowParams
+
+  class Sink:
+    def __init__(self):
+      self.tokens, self.done = [], threading.Event()
+
+    def __call__(self, event):
+      if isinstance(event, sched.Token):
+        self.tokens.append(event.token)
+      elif isinstance(event, sched.Done):
+        self.done.set()
+
+  runner = sched.Scheduler(engine, params, max_queue=16).start()
+  try:
+    sinks = [Sink() for _ in prompts]
+    jobs = [sched.Job(0, list(p), n, RowParams(), sink) for p, n, sink in zip(prompts, new_tokens, sinks)]
+    runner.submit(jobs)
+    if cancel_second:
+      jobs[1].cancel()
+    for sink in sinks:
+      assert sink.done.wait(120)
+    load = runner.load()
+    assert load["pages_reserved"] == 0 and load["pages_free"] == load["pages_total"], load
+    if loads is not None:
+      loads.append(load)
+    return [sink.tokens for sink in sinks]
+  finally:
+    runner.stop(10)
+
+
+@pytest.mark.parametrize("overrides,scan_layers", [
+    (MIXED, True), pytest.param(MLA, False, marks=pytest.mark.slow), pytest.param(CHUNKED, True, marks=pytest.mark.slow)])
+def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(overrides, scan_layers):
+  """Prompts prefilled 3 tokens per scheduler loop straight into their pages, between the other
+  slots' generate steps, give the same greedy tokens as whole-prompt prefills; every page comes
+  back, also from a job cancelled while it waits or prefills."""
+  config = dict(overrides, scan_layers=scan_layers, kv_cache_layout="paged", kv_page_size=3, kv_num_pages=16)
+  whole = Engine(Config.for_testing(**config), num_slots=2, mesh=one_device_mesh())
+  params = whole.load_params(seed=1)
+  chunked = Engine(Config.for_testing(**config, prefill_chunk_size=3), num_slots=2, mesh=one_device_mesh())
+  expected = _scheduled_outputs(whole, params, PROMPTS, NEW_TOKENS)
+  assert _scheduled_outputs(chunked, params, PROMPTS, NEW_TOKENS) == expected
+  assert chunked.traces["extend"] == 1 and chunked.traces["prefill"] == 0  # one program for every chunk
+  got = _scheduled_outputs(chunked, params, PROMPTS, NEW_TOKENS, cancel_second=True)
+  assert [g for i, g in enumerate(got) if i != 1] == [e for i, e in enumerate(expected) if i != 1]
+
+
+def test_prefill_chunk_size_needs_the_paged_cache():
+  with pytest.raises(ConfigError, match="prefill_chunk_size=4 needs kv_cache_layout=paged"):
+    Config.for_testing(**TINY, prefill_chunk_size=4)
+
+
+# ---------------------------------------------------------------- prefix caching
+def test_the_allocator_shares_full_prefix_pages_keeps_them_when_unheld_and_evicts_the_oldest():
+  pages = paged_cache.PageAllocator(num_pages=6, page_size=2, num_slots=3, max_length=8, prefix_caching=True)
+  first, second = [1, 2, 3, 4, 5], [1, 2, 3, 4, 9, 9, 9]
+  assert pages.assign(0, len(first), active=False, prompt=first) == 0  # nothing indexed yet
+  pages.activate(0, first)  # its two full pages [1, 2], [3, 4] are indexed
+  assert pages.assign(1, len(second), active=False, prompt=second) == 4
+  assert pages.table[1, :2].tolist() == pages.table[0, :2].tolist() and pages.refs[pages.table[0, :2]].tolist() == [2, 2]
+  assert pages.stats()["pages_used"] == 3 + 2  # 3 for the first prompt, 2 more of the second's 4
+  # A prompt that is all cached full pages still computes its last page (its last token's logits).
+  assert pages.assign(2, 4, active=False, prompt=[1, 2, 3, 4]) == 2
+  for slot in (0, 1, 2):
+    pages.release(slot)
+  stats = pages.stats()
+  assert stats["pages_free"] == 6 and stats["pages_cached"] == 2 and not pages.refs.any()
+  assert pages.assign(0, 5, prompt=first) == 4  # found again after everyone left
+  pages.release(0)
+  # Free pages go first; then the unheld indexed ones are evicted, and are not matched any more.
+  assert pages.assign(1, 8, prompt=[7] * 8) == 0 and pages.stats()["pages_cached"] == 2
+  assert pages.assign(2, 4, prompt=[8] * 4) == 0 and pages.stats()["pages_cached"] == 0
+  pages.release(1)
+  pages.release(2)
+  assert pages.assign(0, 5, prompt=first) == 0  # evicted: computed again
+
+
+@pytest.mark.parametrize("scan_layers,num_pages", [(True, 24), pytest.param(False, 12, marks=pytest.mark.slow)])
+def test_prefix_caching_gives_the_same_tokens_and_shares_the_prefix_pages(scan_layers, num_pages):
+  """Requests sharing a 12-token prefix (4 pages of 3) with different tails: identical greedy
+  tokens with and without prefix caching, the shared prefix's pages reused by later requests;
+  with a pool too small to keep it (12 pages), eviction changes no answer; afterwards no page
+  is held."""
+  prefix = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+  prompts = [prefix + tail for tail in ([1], [2, 3], [4, 5, 6, 7], [1], [8, 9])]
+  new_tokens = [4, 3, 5, 4, 2]
+  config = dict(MIXED, scan_layers=scan_layers, kv_cache_layout="paged", kv_page_size=3, kv_num_pages=num_pages,
+                max_target_length=32, max_prefill_predict_length=16)
+  plain = Engine(Config.for_testing(**config, prefix_caching=False), num_slots=2, mesh=one_device_mesh())
+  params = plain.load_params(seed=1)
+  cached = Engine(Config.for_testing(**config, prefix_caching=True), num_slots=2, mesh=one_device_mesh())
+  assert plain.chunked_prefill is False and cached.chunked_prefill is True
+  expected = _scheduled_outputs(plain, params, prompts, new_tokens)
+  loads: list = []
+  assert _scheduled_outputs(cached, params, prompts, new_tokens, loads=loads) == expected
+  assert cached.pages.stats()["pages_used"] == 0 and not cached.pages.refs.any()
+  if num_pages == 24:  # room to keep the prefix: every request after the first two finds it
+    assert loads[0]["prefix_cached_tokens"] >= 3 * len(prefix)

@@ -1,0 +1,94 @@
+"""The model's vision record (use_multimodal): the image encoder's shape, how its soft tokens enter
+the decoder, and which parts of it train. Every field holds the base.yml key of its name;
+ModelConfig nests it as `vision` (layers/vision_tower.py reads it). Checked without I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+from MaxText.configuration.config_fields import OPTIMIZER, key, read_keys
+from MaxText.configuration.config_fields import require as _require
+
+# The decoder blocks layers/vision_tower.py has an image encoder for (Gemma 3's SigLIP); a new
+# family's tower adds its block here and its modules there.
+MULTIMODAL_DECODER_BLOCKS = ("gemma3",)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VisionConfig:
+  """Gemma 3's SigLIP encoder and projector (use_multimodal=True; ignored otherwise)."""
+  use_multimodal: bool = key(architecture=True)
+  vision_emb_dim: int = key(architecture=True)
+  vision_mlp_dim: int = key(architecture=True)
+  vision_num_layers: int = key(architecture=True)
+  vision_num_heads: int = key(architecture=True)
+  vision_patch_size: int = key(architecture=True)
+  vision_image_size: int = key(architecture=True)
+  vision_layer_norm_epsilon: float = key(architecture=True)
+  mm_tokens_per_image: int = key(architecture=True)
+  image_token_id: int = key(architecture=True)  # the placeholder token each soft token replaces
+  boi_token_id: int = key(architecture=True)
+  eoi_token_id: int = key(architecture=True)
+  # Frozen parts keep no optimizer state: a resume must agree.
+  freeze_vision_encoder: bool = key(fixed_on_resume=OPTIMIZER)
+  freeze_multimodal_projector: bool = key(fixed_on_resume=OPTIMIZER)
+
+  @property
+  def patches_per_side(self) -> int:
+    return self.vision_image_size // self.vision_patch_size
+
+  @property
+  def tokens_per_side(self) -> int:
+    return math.isqrt(self.mm_tokens_per_image)
+
+  @property
+  def vision_head_dim(self) -> int:
+    return self.vision_emb_dim // self.vision_num_heads
+
+  @classmethod
+  def from_values(cls, v: Mapping[str, Any], *, pipelined: bool, context_parallel: bool) -> "VisionConfig":
+    values = read_keys(cls, v)
+    for name in ("use_multimodal", "freeze_vision_encoder", "freeze_multimodal_projector"):
+      _require(isinstance(values[name], bool), f"{name} must be True or False, got {values[name]!r}")
+    if not values["use_multimodal"]:
+      frozen = [name for name in ("freeze_vision_encoder", "freeze_multimodal_projector") if values[name]]
+      _require(not frozen, f"{frozen[0] if frozen else ''}=True needs use_multimodal=True (a text-only model has "
+               "no vision encoder or projector)")
+      return cls(**values)
+    _require(v["decoder_block"] in MULTIMODAL_DECODER_BLOCKS,
+             f"use_multimodal=True is supported for decoder_block {', '.join(MULTIMODAL_DECODER_BLOCKS)}; "
+             f"got {v['decoder_block']!r}")
+    for name in ("vision_emb_dim", "vision_mlp_dim", "vision_num_layers", "vision_num_heads", "vision_patch_size",
+                 "vision_image_size", "mm_tokens_per_image", "vision_layer_norm_epsilon"):
+      _require(values[name] > 0, f"{name} must be > 0, got {values[name]}")
+    _require(values["vision_emb_dim"] % values["vision_num_heads"] == 0,
+             f"vision_emb_dim ({values['vision_emb_dim']}) must be a multiple of vision_num_heads "
+             f"({values['vision_num_heads']})")
+    _require(values["vision_image_size"] % values["vision_patch_size"] == 0,
+             f"vision_image_size ({values['vision_image_size']}) must be a multiple of vision_patch_size "
+             f"({values['vision_patch_size']})")
+    side, tokens = values["vision_image_size"] // values["vision_patch_size"], values["mm_tokens_per_image"]
+    _require(math.isqrt(tokens) ** 2 == tokens and side % math.isqrt(tokens) == 0,
+             f"mm_tokens_per_image ({tokens}) must be a square whose side divides the {side} patches per image side "
+             "(the projector average-pools square blocks of patches)")
+    ids = {name: values[name] for name in ("image_token_id", "boi_token_id", "eoi_token_id")}
+    _require(all(isinstance(i, int) and i >= 0 for i in ids.values()) and len(set(ids.values())) == 3,
+             f"image_token_id, boi_token_id and eoi_token_id must be three different token ids >= 0; got {ids}")
+    _require(values["boi_token_id"] < v["vocab_size"] and values["eoi_token_id"] < v["vocab_size"],
+             f"boi_token_id ({values['boi_token_id']}) and eoi_token_id ({values['eoi_token_id']}) must be below "
+             f"vocab_size ({v['vocab_size']})")
+    # Image tokens see the rest of their image (a bidirectional block): only dot_product has that mask.
+    _require(v["attention"] in ("dot_product", "autoselected"),
+             f"use_multimodal=True needs attention=dot_product or autoselected (which picks it): the bidirectional "
+             f"mask over each image's tokens is dot_product's; got attention={v['attention']}")
+    _require(not pipelined and not context_parallel,
+             "use_multimodal=True does not support pipeline or sequence (context) parallelism yet; set "
+             "ici/dcn_pipeline_parallelism=1 and ici/dcn_sequence_parallelism=1")
+    _require(v["mtp_num_layers"] == 0, "use_multimodal=True does not support multi-token prediction (mtp_num_layers > 0)")
+    frozen = [name for name in ("freeze_vision_encoder", "freeze_multimodal_projector") if values[name]]
+    _require(not frozen, f"{frozen[0] if frozen else ''}=True: freezing parts of the vision tower comes with "
+             "multimodal training, which this version does not have yet; leave it False")
+    return cls(**values)

@@ -1,0 +1,95 @@
+"""Image pre-processing equals HF's Gemma 3 image processor (its Pillow backend, what
+transformers runs without torchvision) on generated images of several sizes, modes and
+encodings; bad images are one UserError line naming the image."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from MaxText.errors import UserError
+from MaxText.input_pipeline import images
+
+transformers = pytest.importorskip("transformers", reason="needs transformers (EXTRAS=test bash setup.sh)")
+
+SIZE = 64
+
+
+def _image(mode: str, width: int, height: int, seed: int = 0) -> Image.Image:
+  """A smooth gradient plus noise (resampling must get both the slow and fast parts right)."""
+  rng = np.random.default_rng(seed)
+  y, x = np.mgrid[0:height, 0:width]
+  channels = [(x * 255 // max(width - 1, 1)), (y * 255 // max(height - 1, 1)), (x + y) % 256, 255 - (x * y) % 256]
+  array = np.clip(np.stack(channels, -1) + rng.integers(-40, 40, (height, width, 4)), 0, 255).astype(np.uint8)
+  rgba = Image.fromarray(array, "RGBA")
+  return rgba if mode == "RGBA" else rgba.convert(mode)
+
+
+def _encoded(image: Image.Image, fmt: str) -> bytes:
+  out = io.BytesIO()
+  image.save(out, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+  return out.getvalue()
+
+
+def _hf(image: Image.Image, **kwargs) -> np.ndarray:
+  processor = transformers.Gemma3ImageProcessorPil(size={"height": SIZE, "width": SIZE})
+  return np.asarray(processor(images=[image], return_tensors="np", **kwargs)["pixel_values"])
+
+
+CASES = [("RGB", 100, 37, None), ("RGBA", 31, 90, None), ("L", 64, 64, None), ("LA", 200, 150, None),
+         ("P", 48, 20, None), ("RGB", 90, 120, "PNG"), ("RGBA", 300, 80, "PNG"), ("L", 57, 33, "PNG"),
+         ("RGB", 120, 70, "JPEG"), ("L", 40, 200, "JPEG")]
+
+
+@pytest.mark.parametrize("mode, width, height, fmt", CASES)
+def test_pixel_values_equal_hf(mode, width, height, fmt):
+  image = _image(mode, width, height)
+  if fmt:
+    image = images.decode(_encoded(image, fmt), f"generated.{fmt.lower()}")
+  ours = images.pixel_values(image, images.ImageOptions(image_size=SIZE))
+  expected = _hf(image)
+  assert ours.shape == expected.shape == (1, 3, SIZE, SIZE) and ours.dtype == np.float32
+  np.testing.assert_allclose(ours, expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("width, height", [(600, 200), (200, 900), (300, 280), (1000, 270)])
+def test_pan_and_scan_equals_hf(width, height):
+  image = _image("RGB", width, height, seed=1)
+  options = images.ImageOptions(image_size=SIZE, pan_and_scan=True, pan_and_scan_min_crop_size=64)
+  ours = images.pixel_values(image, options)
+  expected = _hf(image, do_pan_and_scan=True, pan_and_scan_min_crop_size=64, pan_and_scan_max_num_crops=4,
+                 pan_and_scan_min_ratio_to_activate=1.2)
+  assert ours.shape == expected.shape, (ours.shape, expected.shape)
+  np.testing.assert_allclose(ours, expected, atol=1e-6, rtol=0)
+
+
+def test_transparency_is_composited_onto_white():
+  clear = Image.new("RGBA", (8, 8), (10, 20, 30, 0))
+  values = images.pixel_values(clear, images.ImageOptions(image_size=4))
+  np.testing.assert_array_equal(values, np.ones((1, 3, 4, 4), np.float32))  # white, normalised
+
+
+def test_batch_keeps_image_order():
+  a, b = _image("RGB", 30, 30, seed=2), _image("L", 50, 20, seed=3)
+  options = images.ImageOptions(image_size=SIZE)
+  batch = images.batch_pixel_values([a, b], options)
+  np.testing.assert_array_equal(batch, np.concatenate([images.pixel_values(a, options), images.pixel_values(b, options)]))
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"not an image at all", "image upload.png: cannot be decoded as an image"),
+    (_encoded(_image("RGB", 16, 16), "PNG")[:60], "image upload.png: cannot be decoded as an image"),
+    (_encoded(_image("RGB", 16, 16), "TIFF"), "image upload.png: format TIFF is not supported; use one of PNG"),
+])
+def test_bad_images_are_one_line_errors(data, message):
+  with pytest.raises(UserError) as raised:
+    images.decode(data, "upload.png")
+  assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_unreadable_file_names_the_path(tmp_path):
+  with pytest.raises(UserError, match=f"image {tmp_path / 'missing.png'}: cannot be read"):
+    images.load(str(tmp_path / "missing.png"))
