@@ -126,7 +126,7 @@ def test_paged_serve_equals_dense_with_windows_slot_reuse_and_waiting_for_pages(
     pytest.param(dict(CHUNKED, quantize_kvcache=True), False, marks=pytest.mark.slow),  # MHA, chunks, int8
     pytest.param(CHUNKED, True, marks=pytest.mark.slow),
     pytest.param(MIXED, True, marks=pytest.mark.slow),
-    (INTERLEAVED, True),
+    pytest.param(INTERLEAVED, True, marks=pytest.mark.slow),
 ])
 def test_paged_serve_equals_dense_for_each_family(overrides, scan_layers):
   expected, got, paged, _ = serve_both(dict(overrides, scan_layers=scan_layers), num_slots=2, kv_num_pages=12,
