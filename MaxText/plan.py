@@ -40,7 +40,7 @@ if __package__ in (None, ""):  # `python3 MaxText/plan.py`: import the package, 
 from MaxText import startup
 from MaxText.aot import plan_model, plan_progress
 from MaxText.training import compiled_step
-from MaxText.platform import accelerators
+from MaxText.platform import accelerators, tpu_launch
 from MaxText.configuration import config as config_lib
 from MaxText.errors import ConfigError, UserError, run_cli
 from MaxText.aot.memory_report import GIB
@@ -527,6 +527,11 @@ def main(argv: list[str]) -> int:
                f"compiler-estimated MFU {best_mfu:.1%}")
     dry = write_recipe(args.write_recipe, topology, train_args, summary)
     print(f"wrote {args.write_recipe}; its dry run:\n  {dry}")
+    left_out = sorted(set(Path(args.write_recipe).parts) & tpu_launch.EXCLUDED_NAMES)
+    if left_out:
+      print(f"note: multihost_runner and multihost_job do not copy {left_out[0]}/ to the TPU workers: to launch "
+            f"this recipe there, write it elsewhere in the checkout (e.g. write_recipe=configs/planned/"
+            f"{Path(args.write_recipe).name})")
   return 0
 
 

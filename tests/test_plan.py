@@ -180,9 +180,16 @@ def test_tiny_plan_compiles_caches_and_writes_a_recipe(tmp_path, capsys):
                                text=True, check=True)
   assert "compile_topology=v5e-4" in compile_run.stdout
 
-  assert plan.main(args) == 0  # the same plan again: every result from the cache, nothing compiled
+  assert "do not copy" not in out
+
+  # The same plan again: every result from the cache, nothing compiled. Its recipe goes under
+  # outputs/, which the TPU launchers leave behind: the planner says so.
+  args = argv(compile_topology="v5e-4", max_candidates=1, workers=1, cache_dir=cache,
+              write_recipe=tmp_path / "outputs" / "tiny.sh", remat_policy="full", global_batch_tokens=512, **TINY)
+  assert plan.main(args) == 0
   again = capsys.readouterr().out
   assert "compiling 1 candidates" not in again and "cached (" in again
+  assert "note: multihost_runner and multihost_job do not copy outputs/ to the TPU workers" in again
 
 
 def test_a_spent_budget_stops_the_compiles_and_says_so(tmp_path, capsys):
