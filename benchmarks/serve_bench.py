@@ -3,7 +3,7 @@ inter-token latency (ITL) p50/p99 against the number of concurrent clients, and 
 
     nice -n 5 python3 benchmarks/serve_bench.py [--concurrency 1,4,16] [--requests_per_client 4]
         [--max_tokens 32] [--slots 16] [--emb 256] [--layers 4] [--caches dense,paged] [--page_size 16] [--pages 0]
-        [--prefill_chunk_sizes 0,64] [--long_prompt 0]
+        [--prefill_chunk_sizes 0,64] [--long_prompt 0] [--shared_prefix 0] [--prefix_caching true,false]
 
 A small random-init model (greedy, no end-of-sequence token, so every request makes max_tokens
 tokens) is served in this process on 127.0.0.1 through the real app (uvicorn, the scheduler
@@ -13,6 +13,9 @@ ITL the gaps between a request's later events. Compilation happens in a warm-up 
 --long_prompt N adds a mixed load: while the clients stream, one more client sends prompts of N
 tokens (one new token each) back to back; the table then reports the short streams' latencies,
 which a long prefill stalls unless it is chunked (--prefill_chunk_sizes, paged layout only).
+--shared_prefix N starts every prompt with the same N tokens (a system prompt), and runs the
+measured load once untimed first; --prefix_caching serves the paged layout with prefix caching
+on and/or off, and the memory line reports the most pages in use at once.
 Prints a Markdown table (getting_started/Serving.md holds the measured one).
 """
 
@@ -72,7 +75,7 @@ async def _one(client, url: str, prompt: list[int], max_tokens: int, times: dict
 
 
 async def _round(url: str, concurrency: int, num_requests: int, max_tokens: int, prompt_lengths: list[int],
-                 vocab: int, long_prompt: int = 0) -> dict:
+                 vocab: int, long_prompt: int = 0, shared_prefix: int = 0) -> dict:
   try:
     import httpx2 as httpx
   except ImportError:
@@ -80,7 +83,8 @@ async def _round(url: str, concurrency: int, num_requests: int, max_tokens: int,
   import numpy as np
 
   rng = np.random.default_rng(concurrency)
-  prompts = [[int(t) for t in rng.integers(3, vocab, prompt_lengths[i % len(prompt_lengths)])]
+  prefix = [int(t) for t in np.random.default_rng(12345).integers(3, vocab, shared_prefix)]
+  prompts = [prefix + [int(t) for t in rng.integers(3, vocab, prompt_lengths[i % len(prompt_lengths)])]
              for i in range(num_requests)]
   times: dict = {"ttft": [], "itl": [], "tokens": 0}
   gate = asyncio.Semaphore(concurrency)
@@ -108,7 +112,7 @@ async def _round(url: str, concurrency: int, num_requests: int, max_tokens: int,
 
 
 def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int, tokenizer: Path,
-                  chunk: int = 0) -> None:
+                  chunk: int = 0, prefix_caching: bool = False) -> None:
   """The table for one KV cache layout, then its memory: what the cache allocates and, paged, the
   most pages in use at once (polled while the clients run)."""
   import jax
@@ -123,8 +127,9 @@ def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int,
   config = Config.for_testing(
       base_emb_dim=args.emb, base_num_query_heads=4, base_num_kv_heads=4, head_dim=args.emb // 4,
       base_mlp_dim=4 * args.emb, base_num_decoder_layers=args.layers, vocab_size=args.vocab,
-      max_target_length=max_target, max_prefill_predict_length=max(prompt_lengths + [args.long_prompt]),
-      dtype="float32", prefill_chunk_size=chunk,
+      max_target_length=max_target,
+      max_prefill_predict_length=max([n + args.shared_prefix for n in prompt_lengths] + [args.long_prompt]),
+      dtype="float32", prefill_chunk_size=chunk, prefix_caching=prefix_caching,
       print_config=False, tokenizer_type="huggingface", tokenizer_path=str(tokenizer), add_bos=False,
       serve_max_slots=args.slots, serve_max_queue=1024, serve_max_tokens=args.max_tokens, serve_model_name="bench",
       kv_cache_layout=layout, kv_page_size=args.page_size, kv_num_pages=args.pages if layout == "paged" else 0)
@@ -140,7 +145,13 @@ def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int,
   while not uv.started:
     time.sleep(0.05)
   url = f"http://127.0.0.1:{port}/v1/completions"
-  asyncio.run(_round(url, 2, 2, 4, prompt_lengths, args.vocab, args.long_prompt))  # compiles every step
+  # Compiles every step (its prompts have no shared prefix: nothing of the measured load is cached yet).
+  asyncio.run(_round(url, 2, 2, 4, prompt_lengths, args.vocab, args.long_prompt))
+  if args.shared_prefix:  # the measured load once, untimed: its prefill shapes compile, and the steady
+    # state of a shared system prompt (already cached, with prefix caching) is what gets measured
+    for concurrency in [int(c) for c in args.concurrency.split(",")]:
+      asyncio.run(_round(url, concurrency, concurrency * args.requests_per_client, args.max_tokens, prompt_lengths,
+                         args.vocab, args.long_prompt, args.shared_prefix))
   peak = {"pages": 0}
   polling = threading.Event()
 
@@ -151,14 +162,17 @@ def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int,
   poller = threading.Thread(target=poll, daemon=True)
   poller.start()
   mixed = f"; beside them, prompts of {args.long_prompt} tokens back to back" if args.long_prompt else ""
-  print(f"\n{layout} KV cache, prefill_chunk_size={chunk}; model: emb {args.emb}, {args.layers} layers, vocab "
+  shared = f"; every prompt starts with the same {args.shared_prefix} tokens" if args.shared_prefix else ""
+  mixed += shared
+  print(f"\n{layout} KV cache, prefill_chunk_size={chunk}{', prefix_caching' if prefix_caching else ''}; model: emb {args.emb}, {args.layers} layers, vocab "
         f"{args.vocab}; {args.slots} slots; prompts of {args.prompt_lengths} tokens; {args.max_tokens} new tokens "
         f"each{mixed}; {jax.devices()[0].platform}")
   print("| clients | requests | output tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) |")
   print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
   for concurrency in [int(c) for c in args.concurrency.split(",")]:
     n = concurrency * args.requests_per_client
-    t = asyncio.run(_round(url, concurrency, n, args.max_tokens, prompt_lengths, args.vocab, args.long_prompt))
+    t = asyncio.run(_round(url, concurrency, n, args.max_tokens, prompt_lengths, args.vocab, args.long_prompt,
+                           args.shared_prefix))
     assert t["tokens"] == n * args.max_tokens, (t["tokens"], n * args.max_tokens)
     print(f"| {concurrency} | {n} | {t['tokens'] / t['wall']:.0f} | {_percentile(t['ttft'], 50) * 1e3:.1f} | "
           f"{_percentile(t['ttft'], 99) * 1e3:.1f} | {_percentile(t['itl'], 50) * 1e3:.1f} | "
@@ -196,14 +210,18 @@ def main() -> None:
   parser.add_argument("--pages", type=int, default=0, help="paged pool size (0: the dense capacity)")
   parser.add_argument("--prefill_chunk_sizes", default="0", help="paged: prefill_chunk_size values to serve with")
   parser.add_argument("--long_prompt", type=int, default=0, help="tokens of the mixed load's long prompts (0: none)")
+  parser.add_argument("--shared_prefix", type=int, default=0, help="tokens every prompt starts with (0: none)")
+  parser.add_argument("--prefix_caching", default="false", help="paged: prefix_caching values to serve with")
   args = parser.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   prompt_lengths = [int(x) for x in args.prompt_lengths.split(",")]
-  max_target = max(prompt_lengths + [args.long_prompt]) + args.max_tokens
+  max_target = max([n + args.shared_prefix for n in prompt_lengths] + [args.long_prompt]) + args.max_tokens
   tokenizer = _tokenizer(Path(tempfile.mkdtemp()) / "tok", args.vocab)
   for layout in args.caches.split(","):
     for chunk in [int(c) for c in args.prefill_chunk_sizes.split(",")] if layout == "paged" else [0]:
-      _serve_layout(args, layout, prompt_lengths, max_target, tokenizer, chunk)
+      for caching in [v.strip().lower() == "true" for v in args.prefix_caching.split(",")] if layout == "paged" \
+          else [False]:
+        _serve_layout(args, layout, prompt_lengths, max_target, tokenizer, chunk, caching)
 
 
 if __name__ == "__main__":

@@ -219,8 +219,11 @@ class Engine:
     """Prefills prompt[start:start + prefill_chunk_size] of `slot` straight into its pages,
     attending over the tokens before it there. Returns (state, where the next chunk starts, and
     after the last chunk the first sampled token [1] with its log-probabilities, else None); the
-    slot then generates like one `insert`ed. One compiled program for every chunk."""
-    chunk = self.decode_cfg.prefill_chunk_size or self.decode_cfg.max_prefill_predict_length
+    slot then generates like one `insert`ed. One compiled program for every chunk of
+    prefill_chunk_size; unchunked (prefix caching alone), one per power of two of what is left."""
+    chunk = self.decode_cfg.prefill_chunk_size
+    if not chunk:  # the rest of the prompt in one piece, padded to a power of two: a few programs in all
+      chunk = min(1 << max(len(prompt) - start - 1, 0).bit_length(), self.decode_cfg.max_prefill_predict_length)
     tokens = list(prompt[start:start + chunk])
     end = start + len(tokens)
     row = row_params or sampling.RowParams.from_strategy(self.sampling, seed)

@@ -253,18 +253,22 @@ class Scheduler:
     self._deliver(slot, job, int(first[0]), logprobs, 0)
 
   def _prefill_chunk(self) -> None:
-    """One chunk of the longest-waiting prompt being prefilled (the per-step prefill budget)."""
-    slot, (job, start) = next(iter(self._prefilling.items()))
-    self._state, end, first = self.engine.prefill_chunk(self.params, self._state, slot, job.prompt, start, job.row)
-    if first is None:
+    """With prefill_chunk_size, one chunk of the longest-waiting prompt being prefilled (the
+    per-step prefill budget); without it (prefix caching alone), every admitted prompt whole, as
+    the unchunked path prefills them all before the next step."""
+    for slot, (job, start) in list(self._prefilling.items()):
+      self._state, end, first = self.engine.prefill_chunk(self.params, self._state, slot, job.prompt, start, job.row)
+      if first is None:
+        with self._wake:
+          self._prefilling[slot] = (job, end)
+        return  # the chunk budget of this loop is spent
+      tokens_1, logprobs = jax.device_get(first)
       with self._wake:
-        self._prefilling[slot] = (job, end)
-      return
-    tokens_1, logprobs = jax.device_get(first)
-    with self._wake:
-      del self._prefilling[slot]
-      self._active[slot] = job
-    self._deliver(slot, job, int(tokens_1[0]), logprobs, 0)
+        del self._prefilling[slot]
+        self._active[slot] = job
+      self._deliver(slot, job, int(tokens_1[0]), logprobs, 0)
+      if self.engine.decode_cfg.prefill_chunk_size:
+        return
 
   def _step(self) -> None:
     self._state, step_out = self.engine.step(self.params, self._state)
