@@ -88,7 +88,4 @@ class VisionConfig:
              "use_multimodal=True does not support pipeline or sequence (context) parallelism yet; set "
              "ici/dcn_pipeline_parallelism=1 and ici/dcn_sequence_parallelism=1")
     _require(v["mtp_num_layers"] == 0, "use_multimodal=True does not support multi-token prediction (mtp_num_layers > 0)")
-    frozen = [name for name in ("freeze_vision_encoder", "freeze_multimodal_projector") if values[name]]
-    _require(not frozen, f"{frozen[0] if frozen else ''}=True: freezing parts of the vision tower comes with "
-             "multimodal training, which this version does not have yet; leave it False")
     return cls(**values)

@@ -24,7 +24,7 @@ import optax
 
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.layers import linears
-from MaxText.training.optimizers import Params, Partition, TrainAll
+from MaxText.training.optimizers import FrozenSubtrees, Params, Partition, TrainAll
 
 ADAPTER_KEYS = ("lora_a", "lora_b")
 TRAIN, FROZEN = "lora", "frozen"
@@ -91,6 +91,7 @@ class AdapterPartition:
   starting model (adapters start with lora_b = 0)."""
 
   trains_everything = False
+  frozen_gives_base_model = True
 
   def split(self, params: Params) -> tuple[Params, Params]:
     return split(params)
@@ -106,8 +107,14 @@ class AdapterPartition:
 
 
 def partition_for(cfg: ModelConfig) -> Partition:
-  """Which parameters train: the adapters with lora_rank > 0, else all of them."""
-  return AdapterPartition() if cfg.lora.lora_rank > 0 else TrainAll()
+  """Which parameters train: the adapters with lora_rank > 0 (which leaves a vision tower frozen
+  too); else all but the vision parts freeze_vision_encoder / freeze_multimodal_projector name;
+  else all of them."""
+  if cfg.lora.lora_rank > 0:
+    return AdapterPartition()
+  frozen = [name for name, on in (("vision_encoder", cfg.vision.freeze_vision_encoder),
+                                   ("multimodal_projector", cfg.vision.freeze_multimodal_projector)) if on]
+  return FrozenSubtrees(frozen) if frozen else TrainAll()
 
 
 def merge(params: Params, lora_scale: float) -> Params:

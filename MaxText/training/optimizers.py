@@ -4,7 +4,7 @@ train step applies gradients (which parameters train, where the optimizer state 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +71,10 @@ class Partition(Protocol):
 
   # Whether every weight trains (then nothing frozen gives back the starting model).
   trains_everything: bool
+  # Whether `base_model` of the parameters computes the starting model (LoRA: the adapters off).
+  # Otherwise an objective that needs the starting model keeps a copy, and a fine-tune loads
+  # every parameter from its checkpoint (none is new).
+  frozen_gives_base_model: bool
 
   def split(self, params: Params) -> tuple[Params, Params]: ...
 
@@ -90,6 +94,7 @@ class TrainAll:
   """The identity partition: every parameter trains; split and combine return the tree itself."""
 
   trains_everything = True
+  frozen_gives_base_model = False
 
   def split(self, params: Params) -> tuple[Params, Params]:
     return params, {}
@@ -102,6 +107,34 @@ class TrainAll:
 
   def base_model(self, params: Params) -> Params:
     raise ValueError("every parameter trains: the frozen part does not give the starting model")
+
+
+class FrozenSubtrees:
+  """Named top-level parts of the model stay as loaded (e.g. a vision tower, freeze_vision_encoder):
+  no gradients, no optimizer state, no weight decay; everything else trains."""
+
+  trains_everything = False
+  frozen_gives_base_model = False
+
+  def __init__(self, names: Sequence[str]):
+    self.names = frozenset(names)
+
+  def split(self, params: Params) -> tuple[Params, Params]:
+    return ({k: v for k, v in params.items() if k not in self.names},
+            {k: v for k, v in params.items() if k in self.names})
+
+  def combine(self, trainable: Params, frozen: Params) -> Params:
+    return {**trainable, **frozen}
+
+  def optimizer(self, inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    def label(path: tuple[Any, ...], _: Any) -> str:
+      return "frozen" if path and getattr(path[0], "key", None) in self.names else "train"
+
+    return optax.multi_transform({"train": inner, "frozen": optax.set_to_zero()},
+                                 lambda params: jax.tree_util.tree_map_with_path(label, params))
+
+  def base_model(self, params: Params) -> Params:
+    raise ValueError("frozen parts alone do not give the starting model: keep a copy of it")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,7 +56,7 @@ class Run:
   def lora_description(self) -> str:
     """What trains under LoRA (for the start-up log), "" without it."""
     cfg = self.config.model
-    if self.setup.updater.partition.trains_everything:
+    if not isinstance(self.setup.updater.partition, lora.AdapterPartition):
       return ""
     adapters = sum(x.size for x in jax.tree.leaves(lora.split(self.setup.abstract_state.params)[0]))
     return (f"lora: {adapters / 1e6:.2f}M adapter parameters train (rank {cfg.lora.lora_rank}, alpha {cfg.lora.lora_alpha:g}, "

@@ -40,7 +40,7 @@ def _load_params(config: Config, setup: StateSetup, path: str) -> Params:
   model's function), whether or not the checkpoint holds adapters."""
   abstract, shardings = setup.abstract_state.params, setup.state_shardings.params
   partition = setup.updater.partition
-  if partition.trains_everything:
+  if not partition.frozen_gives_base_model:  # every parameter is in the checkpoint
     return params_io.load_params(path, abstract, shardings)
   base = params_io.load_params(path, partition.split(abstract)[1], partition.split(shardings)[1])
   init_trained = jax.jit(lambda rng: partition.split(setup.model.init_params(rng))[0],

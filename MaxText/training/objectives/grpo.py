@@ -38,7 +38,7 @@ class Grpo(Objective):
     self.load_balance_loss_weight, self.num_micro = load_balance_loss_weight, num_micro
     self.updates_per_batch = rl.grpo_num_iterations
     self.uses_reference = rl.grpo_beta > 0
-    self.keeps_copy = self.uses_reference and partition.trains_everything
+    self.keeps_copy = self.uses_reference and not partition.frozen_gives_base_model
     self.state_class = PreferenceState if self.keeps_copy else TrainState
     # Per row: the update's forward and backward (3 passes) each iteration; once per rollout
     # batch the old policy's forward (when iterated) and the reference's.

@@ -30,7 +30,7 @@ class Preference(Objective):
 
   def __init__(self, model: ModelSpec, partition: Partition, beta: float, label_smoothing: float):
     self.model, self.partition, self.beta, self.label_smoothing = model, partition, beta, label_smoothing
-    self.keeps_copy = partition.trains_everything
+    self.keeps_copy = not partition.frozen_gives_base_model
     self.state_class = PreferenceState if self.keeps_copy else TrainState
 
   def extra_state(self, params: T, copy: Callable[[T], T]) -> dict[str, T]:
