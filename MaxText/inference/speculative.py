@@ -114,7 +114,7 @@ class SpeculativeDecoder:
     allocator's active slots) only selects the slots the acceptance counters count. Paged:
     raises paged_cache.OutOfPages (state unchanged) when the pages of the next k + 1 positions
     are not free."""
-    tables = []
+    tables: list[jax.Array | None] = []
     for engine in (self.target, self.draft):
       if engine.pages is None:
         tables.append(None)
@@ -236,12 +236,12 @@ def generate(decoder: SpeculativeDecoder, target_params: Any, draft_params: Any,
       decoder.release(slot)
   while active.any():
     state, tokens, counts = decoder.step(target_params, draft_params, state, active)
-    for slot in np.flatnonzero(active):
+    for slot in (int(s) for s in np.flatnonzero(active)):
       for token in tokens[slot, :counts[slot]]:
         outputs[slot].append(int(token))
         if _done(outputs[slot], budgets[slot], eos_id):
           active[slot] = False
-          decoder.release(int(slot))
+          decoder.release(slot)
           break
   return outputs
 
