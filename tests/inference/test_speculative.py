@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from MaxText.inference import sampling, speculative
 from MaxText.inference.engine import Engine
 from MaxText.platform import sharding
 from decode_test_utils import engine_tokens, one_device_mesh
+from test_paged_cache import CHUNKED, INTERLEAVED, MIXED, MLA
 
 TARGET = dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16, base_mlp_dim=128,
               base_num_decoder_layers=2, vocab_size=128, max_target_length=24, max_prefill_predict_length=8,
@@ -147,3 +149,30 @@ def test_bad_input_is_refused():
     speculative.SpeculativeDecoder(target, other_vocab)
   with pytest.raises(UserError, match="the draft engine has 3 slots, the target 2"):
     speculative.SpeculativeDecoder(target, Engine(Config.for_testing(**DRAFT), num_slots=3, mesh=mesh))
+
+
+@pytest.mark.parametrize("family,layout", [
+    ("mla_int8", "paged"),
+    pytest.param("mla_int8", "dense", marks=pytest.mark.slow),
+    pytest.param("chunked", "paged", marks=pytest.mark.slow),
+    pytest.param("windows", "dense", marks=pytest.mark.slow),
+    pytest.param("moe", "paged", marks=pytest.mark.slow),
+])
+def test_greedy_equals_plain_greedy_for_each_family(family, layout):
+  """The target's k + 1-token verify pass through MLA (int8 cache), chunked and sliding-window
+  attention and routed experts; the draft is the same architecture with weights 3% of the way
+  from the target's to random ones, so most proposals are accepted and some rejected."""
+  overrides = dict({"mla_int8": dict(MLA, quantize_kvcache=True), "chunked": CHUNKED, "windows": MIXED,
+                    "moe": INTERLEAVED}[family], max_target_length=24)
+  if layout == "paged":
+    overrides.update(kv_cache_layout="paged", kv_page_size=3)
+  mesh = one_device_mesh()
+  target = Engine(Config.for_testing(**overrides), num_slots=3, mesh=mesh)
+  draft = Engine(Config.for_testing(**overrides), num_slots=3, mesh=mesh)
+  target_params = target.load_params(seed=1)
+  draft_params = jax.tree.map(lambda t, r: 0.97 * t + 0.03 * r, target_params, draft.load_params(seed=2))
+  decoder = speculative.SpeculativeDecoder(target, draft, 2)
+  got = speculative.generate(decoder, target_params, draft_params, PROMPTS, 12)
+  assert got == engine_tokens(target, target_params, PROMPTS, 12)
+  print(f"{family} {layout}: acceptance {decoder.metrics()['acceptance_rate']:.2f}")
+  assert 0 < decoder.metrics()["acceptance_rate"] < 1
