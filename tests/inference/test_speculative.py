@@ -15,7 +15,7 @@ from scipy import stats
 
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError, UserError
-from MaxText.inference import sampling, speculative
+from MaxText.inference import paged_cache, sampling, speculative
 from MaxText.inference.engine import Engine
 from MaxText.platform import sharding
 from decode_test_utils import engine_tokens, one_device_mesh
@@ -176,3 +176,18 @@ def test_greedy_equals_plain_greedy_for_each_family(family, layout):
   assert got == engine_tokens(target, target_params, PROMPTS, 12)
   print(f"{family} {layout}: acceptance {decoder.metrics()['acceptance_rate']:.2f}")
   assert 0 < decoder.metrics()["acceptance_rate"] < 1
+
+
+def test_allocator_grows_pages_for_the_round_ahead_and_advances_each_slot_by_its_count():
+  pages = paged_cache.PageAllocator(num_pages=8, page_size=4, num_slots=2, max_length=10)
+  pages.assign(0, 3)  # positions 0..2 cached, the pending token goes at 3
+  pages.grow(4)  # positions 3..6: pages 0 and 1
+  assert pages.held(0) == 2 and pages.held(1) == 0  # an inactive slot gets nothing
+  pages.advance(np.asarray([3, 5]))
+  assert list(pages.positions) == [6, 0]
+  pages.grow(4)  # 6..9: page 2 as well (positions 10+ are past max_length: no page 3)
+  pages.advance(np.asarray([4, 0]))
+  pages.grow(4)
+  assert pages.held(0) == 3 and list(pages.positions) == [10, 0]
+  pages.release(0)
+  assert pages.stats()["pages_used"] == 0
