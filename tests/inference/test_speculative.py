@@ -191,3 +191,16 @@ def test_allocator_grows_pages_for_the_round_ahead_and_advances_each_slot_by_its
   assert pages.held(0) == 3 and list(pages.positions) == [10, 0]
   pages.release(0)
   assert pages.stats()["pages_used"] == 0
+
+
+@pytest.mark.slow
+def test_sharded_speculative_decode_equals_one_device():
+  """tensor=2 x fsdp=4 for both models: the same greedy tokens as one device."""
+  sharded = dict(ici_tensor_parallelism=2, ici_fsdp_parallelism=4)
+  target = Engine(Config.for_testing(**TARGET, **sharded), num_slots=4)
+  draft = Engine(Config.for_testing(**DRAFT, **sharded), num_slots=4)
+  single, _, target_params, draft_params = engines(4)
+  decoder = speculative.SpeculativeDecoder(target, draft, 3)
+  got = speculative.generate(decoder, jax.device_put(target_params, target.param_shardings),
+                             jax.device_put(draft_params, draft.param_shardings), PROMPTS, 12)
+  assert got == engine_tokens(single, target_params, PROMPTS, 12)
