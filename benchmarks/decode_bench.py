@@ -2,7 +2,7 @@
 
     python3 benchmarks/decode_bench.py [--prefill 128] [--steps 32] [--slots 1,8] [--layouts unrolled,scanned]
                                        [--repeats 3] [--int8] [--caches dense,paged] [--page-size 16]
-                                       [--pool-multiples 1,4,16]
+                                       [--pool-multiples 1,4,16] [--speculative_tokens 4 --draft small]
 
 Prefill: one pass over a full prompt of --prefill tokens (batch 1); latency is the median of
 --repeats runs after a compiling one. Generate: --steps jitted steps advancing every slot by one
@@ -17,6 +17,13 @@ tokens its slots hold, not the pool) and prints the cache bytes of a mixed-lengt
 max_target_length 1024, prompts of 10..900 tokens with 64 new each) dense vs paged, the pool sized
 to the pages the workload holds. The last lines are machine-readable: `RESULT prefill ...`,
 `RESULT generate slots=...` and `RESULT memory ...`.
+--speculative_tokens k > 0 also times speculative decoding (inference/speculative.py): --steps
+rounds of k draft steps and one target pass, tokens/s counting every token the slots emitted,
+and the acceptance rate (`RESULT speculative ...`). Random weights say nothing about a real
+draft's acceptance (with tied embeddings both random models mostly repeat their input token, so
+even a small random draft is accepted nearly always): the figure is the cost of a round at the
+acceptance measured. --draft small: a 2-layer, width-256 model of the same vocabulary; --draft
+self: the target as its own draft (everything accepted, the draft as expensive as the target).
 """
 
 from __future__ import annotations
@@ -50,6 +57,9 @@ def main() -> None:
   parser.add_argument("--page-size", type=int, default=16, help="kv_page_size of the paged cache")
   parser.add_argument("--pool-multiples", default="1",
                       help="comma-separated paged pool sizes, as multiples of the dense cache's capacity")
+  parser.add_argument("--speculative_tokens", type=int, default=0, help="draft tokens per round (0: not timed)")
+  parser.add_argument("--draft", default="small", choices=("small", "self"),
+                      help="the draft model: a small random one, or the target itself")
   args = parser.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -62,16 +72,16 @@ def main() -> None:
     memory(args)
   for layout in args.layouts.split(","):
     for cache in args.caches.split(","):
-      max_length = args.prefill + args.steps + 2
+      max_length = args.prefill + (args.steps + 1) * (args.speculative_tokens + 1) + 2
       for num_slots in (int(s) for s in args.slots.split(",")):
         for multiple in ([int(m) for m in args.pool_multiples.split(",")] if cache == "paged" else [0]):
           pages = multiple * num_slots * -(-max_length // args.page_size)
-          config = Config.for_testing(**MODEL, scan_layers=layout == "scanned",
-                                      max_prefill_predict_length=args.prefill, max_target_length=max_length,
-                                      per_device_batch_size=1, quantize_kvcache=args.int8, print_config=False,
-                                      kv_cache_layout=cache, kv_page_size=args.page_size, kv_num_pages=pages)
+          overrides = dict(MODEL, scan_layers=layout == "scanned", max_prefill_predict_length=args.prefill,
+                           max_target_length=max_length, per_device_batch_size=1, quantize_kvcache=args.int8,
+                           print_config=False, kv_cache_layout=cache, kv_page_size=args.page_size,
+                           kv_num_pages=pages)
           label = f"{layout} cache={cache}" + (f" pool={multiple}x pages={pages}" if cache == "paged" else "")
-          run(config, label, num_slots, prompt, args)
+          run(overrides, label, num_slots, prompt, args)
 
 
 def memory(args: argparse.Namespace) -> None:
@@ -92,11 +102,13 @@ def memory(args: argparse.Namespace) -> None:
         f"paged_mib={paged / 2**20:.1f} pages={pages}x{args.page_size} ratio={paged / dense:.3f}")
 
 
-def run(config: Any, layout: str, num_slots: int, prompt: list[int], args: argparse.Namespace) -> None:
+def run(overrides: dict[str, Any], layout: str, num_slots: int, prompt: list[int], args: argparse.Namespace) -> None:
   import jax
 
+  from MaxText.configuration.config import Config
   from MaxText.inference.engine import Engine
 
+  config = Config.for_testing(**overrides)
   engine = Engine(config, num_slots=num_slots)
   params = engine.load_params()
   num_params = sum(x.size for x in jax.tree.leaves(params))
@@ -125,6 +137,42 @@ def run(config: Any, layout: str, num_slots: int, prompt: list[int], args: argpa
   assert engine.generate_compilations() == 1
   print(f"RESULT generate layout={layout} slots={num_slots} per_token_ms={step_s * 1e3:.2f} "
         f"tokens_per_s={num_slots / step_s:.1f} (context {args.prefill}..{args.prefill + args.steps})")
+  if args.speculative_tokens > 0:
+    speculate(overrides, engine, params, layout, num_slots, prompt, args)
+
+
+def speculate(overrides: dict[str, Any], target: Any, target_params: Any, layout: str, num_slots: int,
+              prompt: list[int], args: argparse.Namespace) -> None:
+  import numpy as np
+
+  from MaxText.configuration.config import Config
+  from MaxText.inference.engine import Engine
+  from MaxText.inference.speculative import SpeculativeDecoder
+
+  if args.draft == "self":
+    draft, draft_params = target, target_params
+  else:
+    small = dict(overrides, base_emb_dim=256, base_num_query_heads=4, base_num_kv_heads=4, base_mlp_dim=512,
+                 base_num_decoder_layers=2)
+    draft = Engine(Config.for_testing(**small), num_slots=num_slots)
+    draft_params = draft.load_params(seed=1)
+  decoder = SpeculativeDecoder(target, draft, args.speculative_tokens)
+  prefixes = decoder.prefill(target_params, draft_params, [prompt])
+  state = decoder.init_decode_state()
+  for slot in range(num_slots):
+    state = decoder.insert(prefixes, state, slot)
+  state, _, _ = decoder.step(target_params, draft_params, state)  # compile
+  decoder.proposed = decoder.accepted = decoder.rounds = 0
+  emitted = 0
+  start = time.perf_counter()
+  for _ in range(args.steps):
+    state, _, counts = decoder.step(target_params, draft_params, state)  # counts come back to the host
+    emitted += int(np.sum(counts))
+  round_s = (time.perf_counter() - start) / args.steps
+  metrics = decoder.metrics()
+  print(f"RESULT speculative layout={layout} slots={num_slots} k={args.speculative_tokens} draft={args.draft} "
+        f"round_ms={round_s * 1e3:.2f} tokens_per_s={emitted / args.steps / round_s:.1f} "
+        f"acceptance_rate={metrics['acceptance_rate']:.3f}")
 
 
 if __name__ == "__main__":

@@ -411,6 +411,7 @@ class DecodeConfig:
   kv_num_pages: int = key()  # 0: as many as slots x pages per slot (the dense capacity)
   prefill_chunk_size: int = key()  # paged serving: prompt tokens prefilled per step; 0 = a whole prompt at once
   prefix_caching: bool = key()  # paged serving: full prompt pages shared between requests with the same prefix
+  speculative_tokens: int = key()  # speculative decoding: draft tokens proposed per round; 0 = off
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any]) -> "DecodeConfig":
@@ -424,6 +425,8 @@ class DecodeConfig:
     _require(v["prefill_chunk_size"] == 0 or v["kv_cache_layout"] == "paged",
              f"prefill_chunk_size={v['prefill_chunk_size']} needs kv_cache_layout=paged (chunks are prefilled "
              "straight into the slot's pages); set kv_cache_layout=paged or prefill_chunk_size=0")
+    _require(v["speculative_tokens"] >= 0, f"speculative_tokens must be >= 0 (0: no speculative decoding), got "
+             f"{v['speculative_tokens']}")
     # Checked against max_target_length by the decode engine only: training runs never read it.
     prefill = v["max_prefill_predict_length"]
     _require(prefill > 0, f"max_prefill_predict_length must be > 0, got {prefill}")

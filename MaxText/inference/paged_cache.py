@@ -99,20 +99,23 @@ class PageAllocator:
     (which advances every slot) writes nothing into the pages its prompt is filling."""
     return np.where(self.active[:, None], self.table, -1).astype(np.int32)
 
-  def grow(self) -> None:
-    """Before a generate step: a page for every active slot whose pending token starts a page."""
-    starting = [slot for slot in np.flatnonzero(self.active)
-                if self.positions[slot] < self.max_length
-                and self.table[slot, self.positions[slot] // self.page_size] < 0]
+  def grow(self, ahead: int = 1) -> None:
+    """Before a generate step: pages for every active slot's next `ahead` positions from its
+    pending token's (1 for a generate step, k + 1 for a speculative round), up to max_length."""
+    starting = [(int(slot), index) for slot in np.flatnonzero(self.active) if self.positions[slot] < self.max_length
+                for index in range(int(self.positions[slot]) // self.page_size,
+                                   (min(int(self.positions[slot]) + ahead, self.max_length) - 1) // self.page_size + 1)
+                if self.table[slot, index] < 0]
     if len(starting) > self.available():
       raise OutOfPages(f"out of KV pages: {len(starting)} slots need a new page, {self.available()} are free of "
                        f"kv_num_pages={self.num_pages}; release a slot first or raise kv_num_pages")
-    for slot in starting:
-      self._hold(int(slot), int(self.positions[slot] // self.page_size), self._take())
+    for slot, index in starting:
+      self._hold(slot, index, self._take())
 
-  def advance(self) -> None:
-    """After a generate step: every active slot cached one more token."""
-    self.positions[self.active] += 1
+  def advance(self, steps: int | np.ndarray = 1) -> None:
+    """After a generate step: every active slot cached one more token (or, a speculative round,
+    each its own number: `steps` [T])."""
+    self.positions[self.active] += np.broadcast_to(np.asarray(steps, np.int64), self.positions.shape)[self.active]
 
   def release(self, slot: int) -> None:
     """The slot's pages: each one nobody else holds goes back to the free list, or, indexed, is

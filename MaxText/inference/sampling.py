@@ -91,27 +91,48 @@ class RowParams:
     return cls(params.temperature, top_p, top_k, seed)
 
 
+def masked_logits(logits_BV: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array, top_k_B: jax.Array
+                  ) -> jax.Array:
+  """Each row's logits divided by its temperature, -inf outside its top-k and then its top-p
+  (over the top-k survivors, renormalised; the crossing token kept, so at least one survives):
+  the distribution a sampled row draws from is softmax of this."""
+  vocab = logits_BV.shape[-1]
+  scaled_BV = logits_BV.astype(jnp.float32) / jnp.maximum(temperature_B, 1e-6)[:, None]
+  sorted_BV = jnp.sort(scaled_BV, axis=-1)[:, ::-1]
+  rank_V = jnp.arange(vocab)
+  k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, vocab), vocab)
+  in_top_k_BV = rank_V[None, :] < k_B[:, None]
+  # Top-p over the top-k survivors (renormalised), the crossing token kept: a prefix of the sort.
+  probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, sorted_BV, -jnp.inf), axis=-1)
+  before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+  num_kept_B = jnp.maximum(jnp.sum(in_top_k_BV & (before_BV < top_p_B[:, None]), axis=-1), 1)
+  threshold_B1 = jnp.take_along_axis(sorted_BV, (num_kept_B - 1)[:, None], axis=-1)
+  return jnp.where(scaled_BV >= threshold_B1, scaled_BV, -jnp.inf)
+
+
 def sample_rows(logits_BV: jax.Array, keys_B: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array,
                 top_k_B: jax.Array) -> jax.Array:
   """Next token ids [B] int32, row b drawn with its own key and parameters (keys_B: key data
   [B, ...]). Greedy rows take the argmax; when every row is greedy nothing is sorted."""
   def sampled() -> jax.Array:
-    vocab = logits_BV.shape[-1]
-    scaled_BV = logits_BV.astype(jnp.float32) / jnp.maximum(temperature_B, 1e-6)[:, None]
-    sorted_BV = jnp.sort(scaled_BV, axis=-1)[:, ::-1]
-    rank_V = jnp.arange(vocab)
-    k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, vocab), vocab)
-    in_top_k_BV = rank_V[None, :] < k_B[:, None]
-    # Top-p over the top-k survivors (renormalised), the crossing token kept: a prefix of the sort.
-    probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, sorted_BV, -jnp.inf), axis=-1)
-    before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-    num_kept_B = jnp.maximum(jnp.sum(in_top_k_BV & (before_BV < top_p_B[:, None]), axis=-1), 1)
-    threshold_B1 = jnp.take_along_axis(sorted_BV, (num_kept_B - 1)[:, None], axis=-1)
-    masked_BV = jnp.where(scaled_BV >= threshold_B1, scaled_BV, -jnp.inf)
+    masked_BV = masked_logits(logits_BV, temperature_B, top_p_B, top_k_B)
     draw = jax.vmap(lambda key, row: jax.random.categorical(jax.random.wrap_key_data(key), row))
     return jnp.where(temperature_B > 0, draw(keys_B, masked_BV), jnp.argmax(logits_BV, axis=-1)).astype(jnp.int32)
 
   return jax.lax.cond(jnp.all(temperature_B <= 0), lambda: greedy(logits_BV), sampled)
+
+
+def row_probs(logits_BV: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array, top_k_B: jax.Array) -> jax.Array:
+  """float32 [B, V]: the distribution `sample_rows` draws each row's token from (a greedy row's
+  is one-hot on its argmax). When every row is greedy nothing is sorted."""
+  def one_hot() -> jax.Array:
+    return jax.nn.one_hot(greedy(logits_BV), logits_BV.shape[-1], dtype=jnp.float32)
+
+  def sampled() -> jax.Array:
+    probs_BV = jax.nn.softmax(masked_logits(logits_BV, temperature_B, top_p_B, top_k_B), axis=-1)
+    return jnp.where((temperature_B > 0)[:, None], probs_BV, one_hot())
+
+  return jax.lax.cond(jnp.all(temperature_B <= 0), one_hot, sampled)
 
 
 def split_rows(keys_B: jax.Array) -> tuple[jax.Array, jax.Array]:

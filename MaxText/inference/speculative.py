@@ -1,0 +1,250 @@
+"""Speculative decoding with a draft model: a small model proposes k tokens per slot, the target
+model scores them all in one pass, and each slot keeps the longest prefix the target agrees with
+plus one token of the target's own, so a round emits 1 to k + 1 tokens for one target pass.
+
+Shape legend (extends engine.py): T slots, K = k + 1 tokens the target scores per slot and round,
+V vocabulary.
+
+One round (`SpeculativeDecoder.step`, one jitted program for every slot):
+- the draft runs k + 1 single-token steps from each slot's pending token t0 at position p: steps
+  0..k-1 propose d1..dk, each drawn from the draft's distribution q_i under the slot's sampling
+  parameters; step k only writes dk into the draft's cache (so that when every proposal is
+  accepted the draft's cache holds them all before the next round);
+- the target runs [t0, d1..dk] at positions p..p+k in one call: its distributions p_0..p_k;
+- per slot, proposal d_{i+1} is accepted with probability min(1, p_i(d)/q_i(d)) until the first
+  rejection at n; the slot then takes one token from normalize(max(0, p_n - q_n)), or, all k
+  accepted, a bonus token from p_k. The emitted tokens are d1..dn and that token, distributed
+  exactly as the target's own sampling (Leviathan et al. 2023, Chen et al. 2023). Both p and q
+  are the distributions `sampling.sample_rows` draws from (the row's temperature, top-k, top-p);
+  a greedy row's are one-hot on the argmax, so the same rule accepts exactly the proposals equal
+  to the target's argmax and takes the argmax at the first mismatch (or as the bonus): greedy
+  output equals the target's plain greedy decoding;
+- both caches' positions advance by n + 1; the new token is both models' pending token.
+
+Stale entries: a round writes positions p..p+k of both caches, and only p..p+n hold accepted
+tokens. The next round starts at p' = p + n + 1 <= p + k + 1 and writes p'..p'+k, which covers
+every stale position p+n+1..p+k; within a call each layer writes its new entries before it
+attends, and a query at position x attends only to positions <= x (masks.cache_mask), all written
+this round or accepted earlier. So no stale key is ever read. Writes past max_target_length are
+dropped (both cache layouts); the tokens they would condition are past the stop condition.
+
+Paged caches: before a round each engine's allocator gives every active slot pages for its next
+k + 1 positions (capped at max_target_length) and afterwards advances each slot by its own count.
+The random draws of a round come from the target state's per-slot key streams.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec
+
+from MaxText.errors import UserError
+from MaxText.inference import paged_cache, sampling
+from MaxText.inference.engine import DecodeState, Engine, Prefix, RowSampling
+from MaxText.platform import sharding
+
+
+@struct.dataclass
+class SpeculativeState:
+  """The target's and the draft's decode states; between rounds each slot's next position and
+  pending token are the same in both."""
+
+  target: Any  # DecodeState
+  draft: Any  # DecodeState
+
+
+class SpeculativeDecoder:
+  """Draft-and-verify decoding over a target Engine and a draft Engine with the same vocabulary
+  and number of slots; k = speculative_tokens (the target config's key unless given)."""
+
+  def __init__(self, target: Engine, draft: Engine, speculative_tokens: int | None = None):
+    k = target.decode_cfg.speculative_tokens if speculative_tokens is None else speculative_tokens
+    if k < 0:
+      raise UserError(f"speculative_tokens must be >= 0 (0: no speculative decoding), got {k}")
+    if draft.vocab_size != target.vocab_size:
+      raise UserError(f"the draft model's vocab_size ({draft.vocab_size}) differs from the target's "
+                      f"({target.vocab_size}): speculative decoding needs the same tokenizer")
+    if draft.num_slots != target.num_slots:
+      raise UserError(f"the draft engine has {draft.num_slots} slots, the target {target.num_slots}: they must match")
+    if draft.cfg.max_target_length < target.cfg.max_target_length:
+      raise UserError(f"the draft's max_target_length ({draft.cfg.max_target_length}) is below the target's "
+                      f"({target.cfg.max_target_length}): the draft must cache every position the target does")
+    self.target, self.draft, self.k = target, draft, k
+    self.num_slots = target.num_slots
+    self.proposed = 0  # draft tokens proposed to active slots
+    self.accepted = 0  # of those, accepted by the target
+    self.rounds = 0
+    self.traces = {"round": 0}
+    replicated = NamedSharding(target.mesh, PartitionSpec())
+    self.state_shardings = SpeculativeState(target.state_shardings, draft.state_shardings)
+    self._round = jax.jit(self._round_fn, donate_argnums=(2,),
+                          out_shardings=(self.state_shardings, replicated, replicated))
+
+  # ---------------------------------------------------------------- public API
+  def init_decode_state(self, seed: int = 0) -> SpeculativeState:
+    return SpeculativeState(self.target.init_decode_state(seed), self.draft.init_decode_state(seed))
+
+  def prefill(self, target_params: Any, draft_params: Any, prompts: Sequence[Sequence[int]], seed: int = 0,
+              row_params: Sequence[sampling.RowParams] | None = None) -> tuple[Prefix, Prefix]:
+    """Both models' prefills of the prompts; the first tokens are the target's."""
+    target = self.target.prefill(target_params, prompts, seed, row_params)
+    draft = self.draft.prefill(draft_params, prompts, seed, row_params)
+    return target, dataclasses.replace(draft, first_tokens_B=target.first_tokens_B)
+
+  def insert(self, prefixes: tuple[Prefix, Prefix], state: SpeculativeState, slot: int,
+             row: int = 0) -> SpeculativeState:
+    target = self.target.insert(prefixes[0], state.target, slot, row)
+    return SpeculativeState(target, self.draft.insert(prefixes[1], state.draft, slot, row))
+
+  def release(self, slot: int) -> None:
+    self.target.release(slot)
+    self.draft.release(slot)
+
+  def step(self, target_params: Any, draft_params: Any, state: SpeculativeState,
+           active: Sequence[bool] | np.ndarray | None = None
+           ) -> tuple[SpeculativeState, np.ndarray, np.ndarray]:
+    """One round over every slot: (state, tokens [T, k + 1], counts [T]); slot t emitted
+    tokens[t, :counts[t]] (1 to k + 1 tokens). `active` (default: every slot, or the paged
+    allocator's active slots) only selects the slots the acceptance counters count. Paged:
+    raises paged_cache.OutOfPages (state unchanged) when the pages of the next k + 1 positions
+    are not free."""
+    tables: list[jax.Array | None] = []
+    for engine in (self.target, self.draft):
+      if engine.pages is None:
+        tables.append(None)
+        continue
+      engine.pages.grow(self.k + 1)
+      tables.append(jnp.asarray(engine.pages.generate_table()))
+    with sharding.activation_sharding(self.target.mesh, self.target.rules):
+      state, tokens_TK, counts_T = self._round(target_params, draft_params, state, tables[0], tables[1])
+    tokens, counts = np.asarray(tokens_TK), np.asarray(counts_T)
+    for engine in (self.target, self.draft):
+      if engine.pages is not None:
+        engine.pages.advance(counts)
+    if active is None:
+      active = self.target.pages.active if self.target.pages is not None else np.ones(self.num_slots, bool)
+    mask = np.asarray(active, bool)
+    self.rounds += 1
+    self.proposed += self.k * int(mask.sum())
+    self.accepted += int((counts[mask] - 1).sum())
+    return state, tokens, counts
+
+  def metrics(self) -> dict[str, float]:
+    """proposed / accepted draft tokens, acceptance_rate (accepted / proposed; 0 before any) and rounds."""
+    rate = self.accepted / self.proposed if self.proposed else 0.0
+    return {"proposed": self.proposed, "accepted": self.accepted, "acceptance_rate": rate, "rounds": self.rounds}
+
+  # ---------------------------------------------------------------- the jitted round
+  def _round_fn(self, target_params: Any, draft_params: Any, state: SpeculativeState,
+                target_table_TM: jax.Array | None, draft_table_TM: jax.Array | None
+                ) -> tuple[SpeculativeState, jax.Array, jax.Array]:
+    self.traces["round"] += 1  # once per trace
+    k, rows = self.k, state.target.sampling
+    positions_T, pending_T = state.target.next_positions_B, state.target.tokens_B
+    keys_T, round_keys_T = sampling.split_rows(rows.keys_B)
+    # Per slot: k + 1 draft draws (the last unused), the acceptance uniforms, the final draw.
+    draw_keys_TX = jax.vmap(lambda key: jax.random.key_data(
+        jax.random.split(jax.random.wrap_key_data(key), k + 3)))(round_keys_T)
+    probs = lambda logits_BV: sampling.row_probs(logits_BV, rows.temperature_B, rows.top_p_B,  # noqa: E731
+                                                 rows.top_k_B)
+
+    draft_caches = _with_table(state.draft.caches, draft_table_TM)
+
+    def draft_step(carry: tuple[jax.Array, Any], step: tuple[jax.Array, jax.Array]
+                   ) -> tuple[tuple[jax.Array, Any], tuple[jax.Array, jax.Array]]:
+      token_T, caches = carry
+      index, keys = step
+      logits_T1V, caches = self.draft.spec.apply_decode(draft_params, token_T[:, None],
+                                                        (positions_T + index)[:, None], caches)
+      q_TV = probs(logits_T1V[:, 0])
+      proposal_T = _draw(keys, q_TV)
+      return (proposal_T, caches), (proposal_T, q_TV)
+
+    steps = (jnp.arange(k + 1, dtype=jnp.int32), jnp.moveaxis(draw_keys_TX[:, :k + 1], 1, 0))
+    (_, draft_caches), (proposals_KT, q_KTV) = jax.lax.scan(draft_step, (pending_T, draft_caches), steps)
+    proposals_Tk = proposals_KT[:k].T  # the last step only wrote dk; its draw is unused
+    q_TkV = jnp.moveaxis(q_KTV[:k], 0, 1)
+
+    tokens_TK = jnp.concatenate([pending_T[:, None], proposals_Tk], axis=1)
+    positions_TK = positions_T[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
+    target_caches = _with_table(state.target.caches, target_table_TM)
+    logits_TKV, target_caches = self.target.spec.apply_decode(target_params, tokens_TK, positions_TK, target_caches)
+    num_slots, vocab = logits_TKV.shape[0], logits_TKV.shape[-1]
+    repeat = lambda x: jnp.repeat(x, k + 1, axis=0)  # noqa: E731
+    p_TKV = sampling.row_probs(logits_TKV.reshape(num_slots * (k + 1), vocab), repeat(rows.temperature_B),
+                               repeat(rows.top_p_B), repeat(rows.top_k_B)).reshape(logits_TKV.shape)
+
+    # Accept d_{i+1} when u < p_i(d) / q_i(d) (u * q < p: q(d) > 0, d was drawn from q).
+    p_draft_Tk = jnp.take_along_axis(p_TKV[:, :k], proposals_Tk[..., None], axis=-1)[..., 0]
+    q_draft_Tk = jnp.take_along_axis(q_TkV, proposals_Tk[..., None], axis=-1)[..., 0]
+    uniform_Tk = jax.vmap(lambda key: jax.random.uniform(jax.random.wrap_key_data(key), (k,)))(
+        draw_keys_TX[:, k + 1])
+    accepted_Tk = uniform_Tk * q_draft_Tk < p_draft_Tk
+    num_accepted_T = jnp.sum(jnp.cumprod(accepted_Tk.astype(jnp.int32), axis=1), axis=1)
+    # The last token: from max(0, p_n - q_n), where q_k = 0 makes it the bonus draw from p_k.
+    q_TKV = jnp.concatenate([q_TkV, jnp.zeros_like(p_TKV[:, :1])], axis=1)
+    pick = lambda x_TKV: jnp.take_along_axis(x_TKV, num_accepted_T[:, None, None], axis=1)[:, 0]  # noqa: E731
+    p_TV = pick(p_TKV)
+    residual_TV = jnp.maximum(pick(p_TKV) - pick(q_TKV), 0.0)
+    # Rounding can leave no mass where p == q (a rejection then has probability 0): fall back to p.
+    residual_TV = jnp.where(jnp.sum(residual_TV, axis=-1, keepdims=True) > 0, residual_TV, p_TV)
+    last_T = _draw(draw_keys_TX[:, k + 2], residual_TV)
+    slots_K = jnp.arange(k + 1)[None]
+    out_TK = jnp.where(slots_K < num_accepted_T[:, None], jnp.pad(proposals_Tk, ((0, 0), (0, 1))), last_T[:, None])
+    next_positions_T = positions_T + num_accepted_T + 1
+    target = DecodeState(target_caches, next_positions_T, last_T, dataclasses.replace(rows, keys_B=keys_T))
+    draft = DecodeState(draft_caches, next_positions_T, last_T, state.draft.sampling)
+    return SpeculativeState(target, draft), out_TK, num_accepted_T + 1
+
+
+def _with_table(caches: Any, table_TM: jax.Array | None) -> Any:
+  return caches if table_TM is None else paged_cache.with_block_table(caches, table_TM)
+
+
+def _draw(keys_T: jax.Array, probs_TV: jax.Array) -> jax.Array:
+  """One token per row from its distribution (key data per row); a one-hot row gives its token."""
+  draw = jax.vmap(lambda key, logits: jax.random.categorical(jax.random.wrap_key_data(key), logits))
+  return draw(keys_T, jnp.log(probs_TV)).astype(jnp.int32)
+
+
+def generate(decoder: SpeculativeDecoder, target_params: Any, draft_params: Any, prompts: Sequence[Sequence[int]],
+             max_new_tokens: int, seed: int = 0, row_params: Sequence[sampling.RowParams] | None = None,
+             eos_id: int | None = None) -> list[list[int]]:
+  """Prompt i in slot i (at most num_slots prompts), decoded by speculative rounds until
+  max_new_tokens, eos_id or max_target_length (prompt + output <= max_target_length + 1, as
+  plain generation: the last token needs no cache entry). Returns each prompt's new tokens, the
+  first from prefill."""
+  if not 1 <= len(prompts) <= decoder.num_slots:
+    raise UserError(f"{len(prompts)} prompts for {decoder.num_slots} slots: give 1 to {decoder.num_slots}")
+  limit = decoder.target.cfg.max_target_length + 1
+  budgets = [min(max_new_tokens, limit - len(prompt)) for prompt in prompts]
+  state = decoder.init_decode_state(seed)
+  prefixes = decoder.prefill(target_params, draft_params, prompts, seed, row_params)
+  for row in range(len(prompts)):
+    state = decoder.insert(prefixes, state, slot=row, row=row)
+  outputs = [[int(token)] for token in np.asarray(prefixes[0].first_tokens_B)]
+  active = np.zeros(decoder.num_slots, bool)
+  for slot, output in enumerate(outputs):
+    active[slot] = not _done(output, budgets[slot], eos_id)
+    if not active[slot]:
+      decoder.release(slot)
+  while active.any():
+    state, tokens, counts = decoder.step(target_params, draft_params, state, active)
+    for slot in (int(s) for s in np.flatnonzero(active)):
+      for token in tokens[slot, :counts[slot]]:
+        outputs[slot].append(int(token))
+        if _done(outputs[slot], budgets[slot], eos_id):
+          active[slot] = False
+          decoder.release(slot)
+          break
+  return outputs
+
+
+def _done(output: list[int], budget: int, eos_id: int | None) -> bool:
+  return len(output) >= budget or (eos_id is not None and output[-1] == eos_id)
