@@ -122,7 +122,7 @@ class Engine:
       self.pages = self._new_allocator()
     # The scheduler prefills prompts straight into pages (begin_prompt, prefill_chunk): in chunks,
     # or in one piece after the pages a cached prefix already holds.
-    self.chunked_prefill = self.paged and (self.decode_cfg.prefill_chunk_size > 0 or self.decode_cfg.prefix_caching)
+    self.prefills_into_pages = self.paged and (self.decode_cfg.prefill_chunk_size > 0 or self.decode_cfg.prefix_caching)
     abstract_caches = jax.eval_shape(self._empty_caches)
     self._cache_bytes = paged_cache.cache_bytes(abstract_caches)  # cache_stats is read by every /health
     names = (paged_cache.model_pool_names(self.cfg, quantized) if self.paged

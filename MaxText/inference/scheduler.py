@@ -106,7 +106,7 @@ class Scheduler:
     self._waiting: collections.deque[Job] = collections.deque()
     self._active: dict[int, Job] = {}
     self._prefilling: dict[int, tuple[Job, int]] = {}  # slot -> (job, prompt tokens cached so far), in admission order
-    self._chunked = engine.chunked_prefill
+    self._into_pages = engine.prefills_into_pages
     self._wake = threading.Condition()  # guards _waiting, _active, _reserved
     self._stopping = False
     self._state = engine.init_decode_state(seed)
@@ -239,7 +239,7 @@ class Scheduler:
     if job.max_tokens == 0:
       self._finish(job, None, "length")
       return
-    if self._chunked:
+    if self._into_pages:
       cached = self.engine.begin_prompt(slot, job.prompt)
       self.counts["prefix_cached_tokens"] += cached
       with self._wake:

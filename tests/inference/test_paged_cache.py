@@ -366,7 +366,7 @@ def test_prefix_caching_gives_the_same_tokens_and_shares_the_prefix_pages(scan_l
   plain = Engine(Config.for_testing(**config, prefix_caching=False), num_slots=2, mesh=one_device_mesh())
   params = plain.load_params(seed=1)
   cached = Engine(Config.for_testing(**config, prefix_caching=True), num_slots=2, mesh=one_device_mesh())
-  assert plain.chunked_prefill is False and cached.chunked_prefill is True
+  assert plain.prefills_into_pages is False and cached.prefills_into_pages is True
   expected = _scheduled_outputs(plain, params, prompts, new_tokens)
   loads: list = []
   assert _scheduled_outputs(cached, params, prompts, new_tokens, loads=loads) == expected

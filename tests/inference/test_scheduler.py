@@ -27,7 +27,7 @@ class FakeEngine:
 
   def __init__(self, num_slots: int = 3, num_pages: int = 12, max_length: int = MAX_LENGTH):
     self.num_slots, self.num_pages, self.max_length = num_slots, num_pages, max_length
-    self.chunked_prefill = False
+    self.prefills_into_pages = False
     self.fail_prefill = self.fail_step = False
     self.init_decode_state()
 
