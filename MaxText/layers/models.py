@@ -157,8 +157,8 @@ class Transformer(nnx.Module):
         x, pools = carry
         state, rng, index = per_layer
         x, layer_aux, pools = one_layer(graphdef, x, state, rng, first_index + index,
-                                        paged_kv.carried_by_layer(pools, index))
-        return (x, paged_kv.without_layer(pools)), layer_aux
+                                        paged_kv.with_layer(pools, index))
+        return (x, paged_kv.with_layer(pools, None)), layer_aux
 
       (x_BLD, caches), aux_per_layer = jax.lax.scan(
           carried, (x_BLD, caches), (stacked_state, layer_rngs, jnp.arange(num_layers)))
@@ -243,10 +243,10 @@ class Transformer(nnx.Module):
           for j in range(k - 1):
             x, _, dense_pools = one_layer(dense_graph, x, jax.tree.map(lambda a, j=j: a[j], dense_s),
                                           None if rng_k is None else rng_k[j], period * k + j,
-                                          paged_kv.carried_by_layer(dense_pools, period * (k - 1) + j))
+                                          paged_kv.with_layer(dense_pools, period * (k - 1) + j))
           x, aux, moe_pools = one_layer(moe_graph, x, moe_s, None if rng_k is None else rng_k[k - 1],
-                                        period * k + k - 1, paged_kv.carried_by_layer(moe_pools, period))
-          return (x, paged_kv.without_layer(dense_pools), paged_kv.without_layer(moe_pools)), aux
+                                        period * k + k - 1, paged_kv.with_layer(moe_pools, period))
+          return (x, paged_kv.with_layer(dense_pools, None), paged_kv.with_layer(moe_pools, None)), aux
 
         (x_BLD, dense_pools, moe_pools), aux_per_layer = jax.lax.scan(
             carried, (x_BLD, caches["dense_layers"], caches["layers"]),

@@ -97,14 +97,10 @@ def logical_names(cache: PagedKVCache, stacked: bool) -> PagedKVCache:
                       None if cache.layer is None else ())
 
 
-def carried_by_layer(caches: Any, layer: jax.Array) -> Any:
-  """`caches` (stacked over layers) with every PagedKVCache in it set to read and write `layer`."""
+def with_layer(caches: Any, layer: jax.Array | None) -> Any:
+  """`caches` (stacked over layers) with every PagedKVCache in it set to read and write `layer`
+  (None: the whole stack again, as a scan carries it)."""
   return jax.tree.map(lambda c: dataclasses.replace(c, layer=layer) if isinstance(c, PagedKVCache) else c,
-                      caches, is_leaf=lambda c: isinstance(c, PagedKVCache))
-
-
-def without_layer(caches: Any) -> Any:
-  return jax.tree.map(lambda c: dataclasses.replace(c, layer=None) if isinstance(c, PagedKVCache) else c,
                       caches, is_leaf=lambda c: isinstance(c, PagedKVCache))
 
 
