@@ -16,7 +16,16 @@ LLAMA3 = ("{{ bos_token }}{%- for message in messages %}"
           "{%- if message['role'] == 'assistant' %}{% generation %}{{ message['content'] | trim + '<|eot_id|>' }}"
           "{% endgeneration %}{%- else %}{{ message['content'] | trim + '<|eot_id|>' }}{%- endif %}{%- endfor %}"
           "{%- if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+# Gemma 3's turn layout with content parts: an image part writes the begin-of-image marker.
+GEMMA3 = ("{{ bos_token }}{%- for message in messages %}"
+          "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' }}"
+          "{%- if message['content'] is string %}{{ message['content'] | trim }}{%- else %}"
+          "{%- for part in message['content'] %}{%- if part['type'] == 'image' %}{{ '<start_of_image>' }}"
+          "{%- elif part['type'] == 'text' %}{{ part['text'] | trim }}{%- endif %}{%- endfor %}{%- endif %}"
+          "{{ '<end_of_turn>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}"
+          "{%- endif %}")
 TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3}
+IMAGE_SPECIAL = ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
 SPECIAL = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>",
            "<|eot_id|>"]
 WORDS = ("the quick brown fox jumps over a lazy dog to be or not that is question continue this line "
@@ -27,15 +36,17 @@ def without_markers(template: str) -> str:
   return template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
 
 
-def write_tokenizer(directory: Path, template: str | None) -> Path:
-  """tokenizer.json (byte-level BPE over WORDS) and tokenizer_config.json with `template`."""
+def write_tokenizer(directory: Path, template: str | None, extra_special: list[str] | None = None) -> Path:
+  """tokenizer.json (byte-level BPE over WORDS) and tokenizer_config.json with `template`;
+  `extra_special` tokens follow SPECIAL (write_tokenizer(d, GEMMA3, IMAGE_SPECIAL): Gemma 3's
+  image and turn markers)."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
   tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
   tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tokenizer.decoder = decoders.ByteLevel()
   text = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))]
-  tokenizer.train_from_iterator(text * 4, trainers.BpeTrainer(vocab_size=250, special_tokens=SPECIAL,
+  tokenizer.train_from_iterator(text * 4, trainers.BpeTrainer(vocab_size=250, special_tokens=SPECIAL + (extra_special or []),
                                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
   directory.mkdir(parents=True, exist_ok=True)
   tokenizer.save(str(directory / "tokenizer.json"))

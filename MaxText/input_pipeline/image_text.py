@@ -1,0 +1,163 @@
+"""Images inside conversations: content parts in, a chat-templated text with each image's soft-token
+run and the images in order out. Shared by multimodal fine-tuning, decode.py and the server.
+
+A message's content may be a string or a list of parts (OpenAI's and HF's shapes):
+  {"type": "text", "text": "..."}
+  {"type": "image", "image": REF}                 (HF datasets' shape; also "path" or "url" for REF)
+  {"type": "image_url", "image_url": {"url": REF}} (OpenAI's shape; a bare string url too)
+REF is a `data:image/...;base64,` URL, or, where files are allowed (training, decode.py), a local
+path or a gs:// object. Nothing is fetched over the network: an http(s) URL is refused.
+
+The chat template sees the parts as HF's templates expect ({"type": "image"} / {"type": "text"})
+and writes its image marker for each image; `expand_image_markers` then replaces every marker
+with the family's soft-token run (what the HF processor inserts), so the tokenizer sees the same
+text it would under `transformers`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
+
+from PIL import Image
+
+from MaxText.configuration.vision_config import VisionConfig
+from MaxText.errors import UserError
+from MaxText.input_pipeline import images
+
+DATA_URL_PREFIX = "data:"
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSlot:
+  """One image of a conversation: where it comes from, and where its part stood."""
+  ref: str
+  message: int  # index of the message holding it
+
+
+def _image_ref(part: Mapping[str, Any], where: str) -> str:
+  kind = part.get("type")
+  if kind == "image_url":
+    url = part.get("image_url")
+    ref = url.get("url") if isinstance(url, Mapping) else url
+  else:
+    ref = next((part[k] for k in ("image", "path", "url") if isinstance(part.get(k), str)), None)
+  if not isinstance(ref, str) or not ref:
+    raise UserError(f"{where}: an {kind} part needs its image as a string (a data: URL, a path or a gs:// object), "
+                    f"got {str(part)[:80]!r}")
+  return ref
+
+
+def split_images(messages: Sequence[Mapping[str, Any]], where: str = "a conversation"
+                 ) -> tuple[list[dict[str, Any]], list[ImageSlot]]:
+  """(the messages as a chat template takes them, the images in order). String contents pass
+  unchanged; list contents become HF template parts."""
+  out, slots = [], []
+  for i, message in enumerate(messages):
+    content = message.get("content")
+    if not isinstance(content, list):
+      out.append(dict(message))
+      continue
+    parts: list[dict[str, Any]] = []
+    for part in content:
+      if not isinstance(part, Mapping) or "type" not in part:
+        raise UserError(f"{where}: message {i}'s content parts must be objects with a 'type', got {str(part)[:80]!r}")
+      if part["type"] == "text":
+        if not isinstance(part.get("text"), str):
+          raise UserError(f"{where}: message {i} has a text part without a 'text' string")
+        parts.append({"type": "text", "text": part["text"]})
+      elif part["type"] in ("image", "image_url"):
+        slots.append(ImageSlot(_image_ref(part, f"{where}, message {i}"), i))
+        parts.append({"type": "image"})
+      else:
+        raise UserError(f"{where}: message {i} has a content part of type {part['type']!r}; the types are text, "
+                        "image and image_url")
+    out.append({**message, "content": parts})
+  return out, slots
+
+
+def flat_text(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+  """Text-only messages: list contents joined into one string (for templates without part support)."""
+  return [{**m, "content": "".join(p["text"] for p in m["content"])} if isinstance(m.get("content"), list) else dict(m)
+          for m in messages]
+
+
+def read_image(ref: str, *, files: bool) -> Image.Image:
+  """A data: URL, or with `files` a local path or gs:// object, decoded (images.decode's checks).
+  http(s) URLs are refused: nothing here reaches the network."""
+  if ref.startswith(("http://", "https://")):
+    raise UserError(f"image {ref[:60]!r}: http(s) image URLs are not fetched (the server reaches no network); "
+                    "send the image inline as a data:image/...;base64, URL")
+  if ref.startswith(DATA_URL_PREFIX):
+    header, comma, payload = ref.partition(",")
+    if not comma or not header.endswith(";base64") or not header[len(DATA_URL_PREFIX):].startswith("image/"):
+      raise UserError(f"image {ref[:40]!r}...: a data URL must read data:image/<format>;base64,<data>")
+    try:
+      data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+      raise UserError(f"image {header}: its base64 data does not decode") from None
+    return images.decode(data, header)
+  if not files:
+    raise UserError(f"image {ref[:60]!r}: only data:image/...;base64, URLs are accepted here")
+  return images.load(ref)
+
+
+# A family's image text: (its template's per-image marker, the soft-token run that replaces it).
+# `crops` is how many pan-and-scan crops follow the image (0 without pan-and-scan).
+ImageText = Callable[[Any, VisionConfig, int], str]
+
+
+def _token(tokenizer: Any, token_id: int, name: str) -> str:
+  token = tokenizer.convert_ids_to_tokens(token_id)
+  if not isinstance(token, str):
+    raise UserError(f"the tokenizer has no token for {name} {token_id}; use the model's own tokenizer")
+  return token
+
+
+def gemma3_marker(tokenizer: Any, vision: VisionConfig) -> str:
+  return _token(tokenizer, vision.boi_token_id, "boi_token_id")
+
+
+def gemma3_image_text(tokenizer: Any, vision: VisionConfig, crops: int) -> str:
+  """Gemma 3: blank lines around begin-of-image, mm_tokens_per_image placeholders, end-of-image;
+  with pan-and-scan the original image and then each crop, in the processor's own words."""
+  one = (f"\n\n{gemma3_marker(tokenizer, vision)}"
+         f"{_token(tokenizer, vision.image_token_id, 'image_token_id') * vision.mm_tokens_per_image}"
+         f"{_token(tokenizer, vision.eoi_token_id, 'eoi_token_id')}\n\n")
+  if not crops:
+    return one
+  return f"Here is the original image {one} and here are some crops to help you see better " + " ".join([one] * crops)
+
+
+IMAGE_TEXT: dict[str, tuple[Callable[[Any, VisionConfig], str], ImageText]] = {
+    "gemma3": (gemma3_marker, gemma3_image_text),
+}
+
+
+def expand_image_markers(text: str, tokenizer: Any, vision: VisionConfig, decoder_block: str,
+                         crops: Sequence[int]) -> str:
+  """`text` with its i-th image marker replaced by image i's soft-token run; one crops entry per
+  image. A marker count that differs from the image count is one error line (a marker typed
+  without an image, or an image the template did not place)."""
+  if decoder_block not in IMAGE_TEXT:
+    raise UserError(f"decoder_block {decoder_block!r} has no image prompt format; images need one of "
+                    f"{', '.join(IMAGE_TEXT)}")
+  marker_of, image_text = IMAGE_TEXT[decoder_block]
+  marker = marker_of(tokenizer, vision)
+  pieces = text.split(marker)
+  if len(pieces) - 1 != len(crops):
+    raise UserError(f"the text has {len(pieces) - 1} image marker(s) ({marker}) but {len(crops)} image(s) were "
+                    "given; put one image part per image and no marker in text parts")
+  out = [pieces[0]]
+  for count, piece in zip(crops, pieces[1:]):
+    out.append(image_text(tokenizer, vision, count))
+    out.append(piece)
+  return "".join(out)
+
+
+def refuse_images_without_vision(slots: Sequence[ImageSlot], vision: VisionConfig, model_name: str = "the model") -> None:
+  if slots and not vision.use_multimodal:
+    raise UserError(f"{len(slots)} image(s) given to {model_name}, a text-only model (use_multimodal=False); "
+                    "use a vision model's config (e.g. model_name=gemma3-4b-vision) or remove the images")

@@ -1,0 +1,96 @@
+"""Images in conversations (input_pipeline/image_text.py): content parts, markers and their
+expansion into soft-token runs, data URLs, and the one-line refusals."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+
+import pytest
+from PIL import Image
+
+from MaxText.configuration.vision_config import VisionConfig
+from MaxText.errors import UserError
+from MaxText.input_pipeline import chat, image_text
+
+from sft_fixtures import GEMMA3, IMAGE_SPECIAL, write_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+  return chat.load_chat_tokenizer(str(write_tokenizer(tmp_path_factory.mktemp("tok"), GEMMA3, IMAGE_SPECIAL)))
+
+
+def _vision(tokenizer, use_multimodal=True, tokens=4):
+  ids = dict(zip(("boi_token_id", "eoi_token_id", "image_token_id"),
+                 tokenizer.convert_tokens_to_ids(["<start_of_image>", "<end_of_image>", "<image_soft_token>"])))
+  fields = {f.name: 0 for f in dataclasses.fields(VisionConfig)}
+  return VisionConfig(**{**fields, "use_multimodal": use_multimodal, "mm_tokens_per_image": tokens, **ids,
+                         "freeze_vision_encoder": False, "freeze_multimodal_projector": False})
+
+
+def _png_url(colour=(255, 0, 0)) -> str:
+  buffer = io.BytesIO()
+  Image.new("RGB", (8, 8), colour).save(buffer, "PNG")
+  return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+MESSAGES = [{"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text", "text": "what is this"},
+                                         {"type": "image_url", "image_url": {"url": "b.png"}}]},
+            {"role": "assistant", "content": "a fox"}]
+
+
+def test_parts_become_template_parts_and_images_keep_their_order(tokenizer):
+  messages, slots = image_text.split_images(MESSAGES)
+  assert [s.ref for s in slots] == ["a.png", "b.png"] and [s.message for s in slots] == [0, 0]
+  assert messages[0]["content"] == [{"type": "image"}, {"type": "text", "text": "what is this"}, {"type": "image"}]
+  assert messages[1] == MESSAGES[1]
+  text = tokenizer.apply_chat_template(messages, tokenize=False)
+  expanded = image_text.expand_image_markers(text, tokenizer, _vision(tokenizer), "gemma3", crops=[0, 0])
+  run = "\n\n<start_of_image>" + "<image_soft_token>" * 4 + "<end_of_image>\n\n"
+  assert expanded == text.replace("<start_of_image>", run)
+  ids = tokenizer(expanded, add_special_tokens=False)["input_ids"]
+  assert ids.count(_vision(tokenizer).image_token_id) == 8
+
+
+def test_pan_and_scan_crops_follow_the_original_image(tokenizer):
+  text = image_text.expand_image_markers("<start_of_image>", tokenizer, _vision(tokenizer, tokens=1), "gemma3",
+                                         crops=[2])
+  one = "\n\n<start_of_image><image_soft_token><end_of_image>\n\n"
+  assert text == f"Here is the original image {one} and here are some crops to help you see better {one} {one}"
+
+
+@pytest.mark.parametrize("text,crops", [("<start_of_image> and <start_of_image>", [0]), ("no marker", [0])])
+def test_markers_and_images_must_pair_up(tokenizer, text, crops):
+  with pytest.raises(UserError, match=r"image marker\(s\) .* but 1 image\(s\)"):
+    image_text.expand_image_markers(text, tokenizer, _vision(tokenizer), "gemma3", crops)
+
+
+def test_data_urls_decode_and_network_urls_are_refused():
+  assert image_text.read_image(_png_url((0, 255, 0)), files=False).getpixel((0, 0)) == (0, 255, 0)
+  with pytest.raises(UserError, match="http.s. image URLs are not fetched"):
+    image_text.read_image("https://example.com/cat.png", files=True)
+  with pytest.raises(UserError, match="only data:image"):
+    image_text.read_image("/etc/passwd", files=False)
+  with pytest.raises(UserError, match="does not decode"):
+    image_text.read_image("data:image/png;base64,@@@", files=False)
+  with pytest.raises(UserError, match="cannot be decoded as an image"):
+    image_text.read_image("data:image/png;base64," + base64.b64encode(b"not a png").decode(), files=False)
+
+
+def test_a_text_only_model_refuses_images(tokenizer):
+  _, slots = image_text.split_images(MESSAGES)
+  with pytest.raises(UserError, match="2 image.s. given to llama2-7b, a text-only model"):
+    image_text.refuse_images_without_vision(slots, _vision(tokenizer, use_multimodal=False), "llama2-7b")
+
+
+@pytest.mark.parametrize("part,message", [
+    ({"type": "audio", "audio": "x"}, "type 'audio'"),
+    ({"type": "image"}, "needs its image as a string"),
+    ({"type": "text"}, "without a 'text' string"),
+    ("just a string", "must be objects with a 'type'"),
+])
+def test_bad_parts_are_one_line_errors(part, message):
+  with pytest.raises(UserError, match=message):
+    image_text.split_images([{"role": "user", "content": [part]}])
