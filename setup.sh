@@ -4,6 +4,7 @@
 #   DEVICE=tpu|gpu|cpu bash setup.sh   # choose explicitly
 #   EXTRAS=test bash setup.sh          # also the test dependencies (pytest, the GCS test server, and hf)
 #   EXTRAS=hf bash setup.sh            # also CPU torch + transformers (the logit checker)
+#   EXTRAS=eval bash setup.sh          # also lm-eval (eval_tasks: downstream tasks during training)
 #   MODE=stable|nightly bash setup.sh  # stable (default): released JAX in JAX_RANGE; nightly: the
 #                                      # newest pre-release jax/jaxlib (+ libtpu, + the CUDA 13 plugin
 #                                      # for DEVICE=gpu) from JAX's nightly wheel index, over the
@@ -58,8 +59,13 @@ echo "setup.sh: installing for DEVICE=$DEVICE MODE=$MODE with $PYTHON ($($PYTHON
 pip_install --quiet "$JAX_SPEC" -r requirements.txt
 if [[ ",$EXTRAS," == *",test,"* ]]; then
   pip_install --quiet -r requirements-test.txt -r requirements-hf.txt
-elif [[ ",$EXTRAS," == *",hf,"* ]]; then
-  pip_install --quiet -r requirements-hf.txt
+else
+  if [[ ",$EXTRAS," == *",hf,"* || ",$EXTRAS," == *",eval,"* ]]; then
+    pip_install --quiet -r requirements-hf.txt
+  fi
+  if [[ ",$EXTRAS," == *",eval,"* ]]; then
+    pip_install --quiet -r requirements-eval.txt
+  fi
 fi
 pip_install --quiet --no-deps -e .
 if [[ "$MODE" == "nightly" ]]; then

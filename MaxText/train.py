@@ -23,7 +23,8 @@ from MaxText.run_dir import checkpointing
 from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib
 from MaxText import startup
-from MaxText.training import health, run_assembly, run_start
+from MaxText.training import health, run_assembly, run_start, task_eval
+from MaxText.input_pipeline.tokenizer import load_tokenizer
 from MaxText.run_dir import preemption, run_lease
 from MaxText.configuration import run_record
 from MaxText.platform import distributed
@@ -171,6 +172,10 @@ def add_hooks(trainer: Trainer, run: run_assembly.Run, checkpoints: checkpointin
     trainer.add_hook(EvalHook(run.eval_step, run.eval_iterator(), config.data.eval_steps, writer, is_primary,
                               run.objective.eval_metrics),
                      every=settings.eval_interval, needs_state=True)
+  if config.tasks.eval_tasks:
+    tokenizer = load_tokenizer(config.data.tokenizer_type, config.data.tokenizer_path)
+    trainer.add_hook(task_eval.TaskEvalHook(run, tokenizer, writer, is_primary),
+                     every=config.tasks.eval_tasks_interval, needs_state=True)
   if checkpoints is not None:
     def before_save() -> None:
       if lease is not None:

@@ -36,6 +36,7 @@ from MaxText.platform.accelerators import DeviceTarget
 from MaxText.errors import ConfigError
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.configuration.rl_config import RLConfig
+from MaxText.configuration.task_eval_config import TaskEvalConfig
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 BASE_CONFIG_PATH = CONFIGS_DIR / "base.yml"
@@ -325,6 +326,7 @@ class Config:
     self.decode: config_groups.DecodeConfig = groups.decode
     self.startup: config_groups.StartupConfig = groups.startup
     self.rl: RLConfig = groups.rl
+    self.tasks: TaskEvalConfig = groups.tasks
     self._frozen = True
 
   def __setattr__(self, name: str, value: Any) -> None:

@@ -22,6 +22,7 @@ from MaxText.errors import ConfigError
 from MaxText.platform.mesh_axes import MESH_AXES, Group, MeshAxis
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.configuration.rl_config import RLConfig
+from MaxText.configuration.task_eval_config import TaskEvalConfig
 from MaxText.configuration.model_config import one_of as _one_of, positive as _positive
 
 DATASET_TYPES = ("synthetic", "tfds", "hf", "grain")
@@ -476,7 +477,7 @@ class StartupConfig:
 
 
 GROUPS = (ModelConfig, MeshConfig, OptimConfig, DataConfig, RunConfig, CheckpointConfig,
-          DecodeConfig, StartupConfig, RLConfig)
+          DecodeConfig, StartupConfig, RLConfig, TaskEvalConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,6 +491,7 @@ class Groups:
   decode: DecodeConfig
   startup: StartupConfig
   rl: RLConfig
+  tasks: TaskEvalConfig
 
 
 def build_groups(values: Mapping[str, Any], target: DeviceTarget) -> Groups:
@@ -508,4 +510,4 @@ def build_groups(values: Mapping[str, Any], target: DeviceTarget) -> Groups:
   return Groups(model=ModelConfig.from_values(values, mesh, data.global_batch_size), mesh=mesh,
                 optim=OptimConfig.from_values(values), data=data, run=run,
                 checkpoint=CheckpointConfig.from_values(values, run), decode=DecodeConfig.from_values(values),
-                startup=StartupConfig.from_values(values), rl=rl)
+                startup=StartupConfig.from_values(values), rl=rl, tasks=TaskEvalConfig.from_values(values))
