@@ -92,8 +92,13 @@ def hf_logits(hf_model_path: str, token_ids: np.ndarray, hf_dtype: str, pixels_B
   except ImportError:
     raise UserError("the logit checker needs torch and transformers: install them with EXTRAS=hf bash setup.sh") from None
   with hf_io.local_model_dir(hf_model_path) as local:
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        local, dtype=getattr(torch, hf_dtype), attn_implementation="eager").eval()
+    # AutoModelForCausalLM reads a Llama 4 image-text checkpoint as its text model alone.
+    image_text = transformers.AutoConfig.from_pretrained(local).model_type == "llama4"
+    auto = transformers.AutoModelForImageTextToText if image_text else transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(local, dtype=getattr(torch, hf_dtype), attn_implementation="eager").eval()
+  if model.config.model_type == "llama4":
+    flat = None if pixels_BMCRR is None else pixels_BMCRR.reshape((-1,) + pixels_BMCRR.shape[2:])
+    return hf_llama4_logits(model, token_ids, flat)
   inputs = {"input_ids": torch.tensor(token_ids)}
   if image_token_id is not None:
     inputs["token_type_ids"] = torch.tensor(token_ids == image_token_id, dtype=torch.long)
@@ -102,6 +107,23 @@ def hf_logits(hf_model_path: str, token_ids: np.ndarray, hf_dtype: str, pixels_B
     inputs["pixel_values"] = torch.tensor(flat, dtype=getattr(torch, hf_dtype))
   with torch.no_grad():
     return model(**inputs).logits.float().numpy()
+
+
+def hf_llama4_logits(model: Any, token_ids: np.ndarray, pixels_ICRR: np.ndarray | None) -> np.ndarray:
+  """Llama4ForConditionalGeneration's logits, its forward's steps run on its own modules (embed,
+  vision model, projector, placing over the image_token_index placeholders, language model):
+  transformers 5.24's forward itself fails building its output record."""
+  import torch
+  ids = torch.tensor(token_ids)
+  with torch.no_grad():
+    embeds = model.get_input_embeddings()(ids)
+    if pixels_ICRR is not None:
+      pixels = torch.tensor(pixels_ICRR, dtype=embeds.dtype)
+      features = model.get_image_features(pixel_values=pixels, return_dict=True).last_hidden_state
+      soft = model.multi_modal_projector(features.reshape(-1, features.shape[-1])).to(embeds.dtype)
+      placeholders = (ids == model.config.image_token_index)[..., None].expand_as(embeds)
+      embeds = embeds.masked_scatter(placeholders, soft)
+    return model.language_model(inputs_embeds=embeds).logits.float().numpy()
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
