@@ -44,6 +44,16 @@ class ImageTokens:
   image: int = 200090  # <|image|>, before the global thumbnail's patches
 
 
+def image_tokens(start: int, end: int, patch: int, vocab_size: int) -> ImageTokens:
+  """A model's image tokens (its boi, eoi and image_token_id); the separators and <|image|> keep the
+  published ids, or, past a smaller (test) vocabulary, take `start`'s: both models see the same text."""
+  published = ImageTokens()
+  def own(token: int) -> int:
+    return token if token < vocab_size else start
+  return ImageTokens(start=start, end=end, patch=patch, tile_x_separator=own(published.tile_x_separator),
+                     tile_y_separator=own(published.tile_y_separator), image=own(published.image))
+
+
 @functools.lru_cache(maxsize=8)
 def supported_grids(max_tiles: int) -> tuple[tuple[int, int], ...]:
   """Every (rows, columns) grid of at most max_tiles tiles, in HF's order (grouped by aspect ratio
