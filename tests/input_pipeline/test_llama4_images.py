@@ -29,7 +29,7 @@ def hf_functions():
     if saved["torchvision"] is None:
       for name in names:
         sys.modules[name] = types.ModuleType(name)
-      sys.modules["torchvision.transforms.v2"].functional = sys.modules[names[-1]]  # type: ignore[attr-defined]
+      sys.modules["torchvision.transforms.v2"].functional = sys.modules[names[-1]]
     return importlib.import_module("transformers.models.llama4.image_processing_llama4")
   finally:
     for name, module in saved.items():

@@ -103,7 +103,7 @@ MULTIMODAL = dict(decoder_block="gemma3", use_multimodal=True, attention="dot_pr
     ({"boi_token_id": 122}, "image_token_id, boi_token_id and eoi_token_id must be three different token ids"),
     ({"eoi_token_id": 500}, "eoi_token_id (500) must be below vocab_size (128)"),
     ({"attention": "flash"}, "use_multimodal=True needs attention=dot_product or autoselected"),
-    ({"decoder_block": "llama2"}, "use_multimodal=True is supported for decoder_block gemma3; got 'llama2'"),
+    ({"decoder_block": "llama2"}, "use_multimodal=True is supported for decoder_block gemma3, llama4; got 'llama2'"),
     ({"vision_num_layers": 0}, "vision_num_layers must be > 0, got 0"),
     ({"use_multimodal": False, "freeze_vision_encoder": True}, "freeze_vision_encoder=True needs use_multimodal=True"),
     ({"ici_sequence_parallelism": 2, "ici_fsdp_parallelism": 4}, "use_multimodal=True does not support pipeline or "
