@@ -15,7 +15,8 @@ top-level files are downloaded to a temporary directory for transformers).
 A vision-language model (use_multimodal) is checked with images too: `images=` names image files
 (local or gs://), pre-processed as HF's processor does (input_pipeline/images.py) and placed in
 every sequence as the chat template writes them (begin-of-image, mm_tokens_per_image
-placeholders, end-of-image), so the vision tower, the projector and the image mask are compared.
+placeholders, end-of-image; Llama 4: its tiles' expansion, input_pipeline/llama4_images.py), so the
+vision tower, the projector and the image mask are compared.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from MaxText.training import model_assembly
 from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.configuration.vision_config import VisionConfig
-from MaxText.input_pipeline import images
+from MaxText.input_pipeline import images, llama4_images
 from MaxText.convert import cli, hf_io
 from MaxText.errors import UserError, run_cli
 
@@ -92,8 +93,13 @@ def hf_logits(hf_model_path: str, token_ids: np.ndarray, hf_dtype: str, pixels_B
   except ImportError:
     raise UserError("the logit checker needs torch and transformers: install them with EXTRAS=hf bash setup.sh") from None
   with hf_io.local_model_dir(hf_model_path) as local:
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        local, dtype=getattr(torch, hf_dtype), attn_implementation="eager").eval()
+    # AutoModelForCausalLM reads a Llama 4 image-text checkpoint as its text model alone.
+    image_text = transformers.AutoConfig.from_pretrained(local).model_type == "llama4"
+    auto = transformers.AutoModelForImageTextToText if image_text else transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(local, dtype=getattr(torch, hf_dtype), attn_implementation="eager").eval()
+  if model.config.model_type == "llama4":
+    flat = None if pixels_BMCRR is None else pixels_BMCRR.reshape((-1,) + pixels_BMCRR.shape[2:])
+    return hf_llama4_logits(model, token_ids, flat)
   inputs = {"input_ids": torch.tensor(token_ids)}
   if image_token_id is not None:
     inputs["token_type_ids"] = torch.tensor(token_ids == image_token_id, dtype=torch.long)
@@ -102,6 +108,23 @@ def hf_logits(hf_model_path: str, token_ids: np.ndarray, hf_dtype: str, pixels_B
     inputs["pixel_values"] = torch.tensor(flat, dtype=getattr(torch, hf_dtype))
   with torch.no_grad():
     return model(**inputs).logits.float().numpy()
+
+
+def hf_llama4_logits(model: Any, token_ids: np.ndarray, pixels_ICRR: np.ndarray | None) -> np.ndarray:
+  """Llama4ForConditionalGeneration's logits, its forward's steps run on its own modules (embed,
+  vision model, projector, placing over the image_token_index placeholders, language model):
+  transformers 5.24's forward itself fails building its output record."""
+  import torch
+  ids = torch.tensor(token_ids)
+  with torch.no_grad():
+    embeds = model.get_input_embeddings()(ids)
+    if pixels_ICRR is not None:
+      pixels = torch.tensor(pixels_ICRR, dtype=embeds.dtype)
+      features = model.get_image_features(pixel_values=pixels, return_dict=True).last_hidden_state
+      soft = model.multi_modal_projector(features.reshape(-1, features.shape[-1])).to(embeds.dtype)
+      placeholders = (ids == model.config.image_token_index)[..., None].expand_as(embeds)
+      embeds = embeds.masked_scatter(placeholders, soft)
+    return model.language_model(inputs_embeds=embeds).logits.float().numpy()
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -130,21 +153,36 @@ def report(per_position: dict[str, np.ndarray], atol: float, max_kl: float) -> b
   return passed
 
 
-def image_prompts(token_ids: np.ndarray, vision: VisionConfig, paths: list[str]) -> tuple[np.ndarray, np.ndarray | None]:
+def _image_runs(vision: VisionConfig, paths: list[str], llama4: bool, vocab_size: int
+                ) -> tuple[list[list[int]], np.ndarray]:
+  """Each image's token run and all their pixel values [M, 3, R, R] (Llama 4: tiles), as HF's processors give them."""
+  loaded = [images.load(path) for path in paths]
+  if llama4:
+    ids = llama4_images.image_tokens(vision.boi_token_id, vision.eoi_token_id, vision.image_token_id, vocab_size)
+    tiled = [llama4_images.tiles(image, llama4_images.TileOptions(tile_size=vision.vision_image_size))
+             for image in loaded]
+    runs = [llama4_images.expand_image(grid, vision.mm_tokens_per_image, ids) for _, grid in tiled]
+    return runs, np.concatenate([pixels for pixels, _ in tiled])
+  options = images.ImageOptions(image_size=vision.vision_image_size)
+  block = [vision.boi_token_id] + [vision.image_token_id] * vision.mm_tokens_per_image + [vision.eoi_token_id]
+  return [block] * len(paths), images.batch_pixel_values(loaded, options)
+
+
+def image_prompts(token_ids: np.ndarray, vision: VisionConfig, paths: list[str], llama4: bool = False,
+                  vocab_size: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
   """(token ids with the images' tokens placed evenly through every row, pixel values [B, M, 3, R, R]);
   the random text never holds the image tokens themselves."""
   special = [vision.image_token_id, vision.boi_token_id, vision.eoi_token_id]
   token_ids = np.where(np.isin(token_ids, special), 0, token_ids)
   if not paths:
     return token_ids, None
-  options = images.ImageOptions(image_size=vision.vision_image_size)
-  pixels_MCRR = images.batch_pixel_values([images.load(path) for path in paths], options)
-  block = [vision.boi_token_id] + [vision.image_token_id] * vision.mm_tokens_per_image + [vision.eoi_token_id]
+  blocks, pixels_MCRR = _image_runs(vision, paths, llama4, vocab_size)
   cuts = [token_ids.shape[1] * (k + 1) // (len(paths) + 1) for k in range(len(paths))]
   rows = []
   for row in token_ids.tolist():
     pieces = np.split(np.asarray(row), cuts)
-    rows.append(np.concatenate([np.concatenate([piece, block]) for piece in pieces[:-1]] + [pieces[-1]]))
+    rows.append(np.concatenate([np.concatenate([piece, block]) for piece, block in zip(pieces[:-1], blocks)]
+                               + [pieces[-1]]))
   pixels = np.broadcast_to(pixels_MCRR[None], (token_ids.shape[0],) + pixels_MCRR.shape)
   return np.stack(rows).astype(token_ids.dtype), np.ascontiguousarray(pixels)
 
@@ -168,7 +206,8 @@ def main(argv: list[str]) -> int:
     raise UserError(f"images= given, but {config.model.decoder_block} here is a text-only model (use_multimodal=False)")
   pixels, image_token_id = None, None
   if vision.use_multimodal:
-    token_ids, pixels = image_prompts(token_ids, vision, paths)
+    token_ids, pixels = image_prompts(token_ids, vision, paths, config.model.decoder_block == "llama4",
+                                      config.model.vocab_size)
     image_token_id = vision.image_token_id
   ours = our_logits(config, token_ids, pixels)
   theirs = hf_logits(hf_path, token_ids, checker["hf_dtype"], pixels, image_token_id)

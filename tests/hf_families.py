@@ -117,35 +117,81 @@ def build_hf_multimodal_model(name: str, seed: int = 0) -> Any:
   return randomize(model, seed)
 
 
-def multimodal_prompt(model: Any, num_images: int, seed: int = 0, length: int = 20) -> tuple[np.ndarray, np.ndarray]:
-  """(token ids [BATCH, L], pixel values [BATCH, num_images, 3, R, R]): each row `length` random
-  text tokens with `num_images` images at random places, each as the chat template writes one:
-  begin-of-image, mm_tokens_per_image placeholders, end-of-image."""
+# Llama 4's prompts: each image's tile grid (rows, columns) by image index, so the images of a row
+# cover a one-tile image, a wide one and a tall one (a grid of several tiles adds the thumbnail).
+LLAMA4_GRIDS = ((1, 2), (1, 1), (2, 1))
+
+
+def _llama4_tokens(config: Any) -> Any:
+  from MaxText.input_pipeline import llama4_images
+  return llama4_images.ImageTokens(start=config.boi_token_index, end=config.eoi_token_index,
+                                   patch=config.image_token_index, tile_x_separator=123, tile_y_separator=124,
+                                   image=125)
+
+
+def image_runs(model: Any, num_images: int) -> tuple[list[list[int]], int, int]:
+  """(each image's token run, how many views (tiles) each image has in total, tile side) as the
+  chat template and processor write them: Gemma 3's begin-of-image, mm_tokens_per_image
+  placeholders, end-of-image; Llama 4's expansion of its tile grid (input_pipeline/llama4_images.py)."""
   config = model.config
-  special = {config.boi_token_index, config.eoi_token_index, config.image_token_index}
+  if config.model_type == "llama4":
+    from MaxText.input_pipeline import llama4_images
+    vision = config.vision_config
+    per_tile = (vision.image_size // vision.patch_size) ** 2 // round(1 / vision.pixel_shuffle_ratio**2)
+    grids = [LLAMA4_GRIDS[k % len(LLAMA4_GRIDS)] for k in range(num_images)]
+    runs = [llama4_images.expand_image(grid, per_tile, _llama4_tokens(config)) for grid in grids]
+    return runs, sum(llama4_images.num_views(grid) for grid in grids), vision.image_size
+  run = [config.boi_token_index] + [config.image_token_index] * config.mm_tokens_per_image + [config.eoi_token_index]
+  return [run] * num_images, num_images, config.vision_config.image_size
+
+
+def multimodal_prompt(model: Any, num_images: int, seed: int = 0, length: int = 20) -> tuple[np.ndarray, np.ndarray]:
+  """(token ids [BATCH, L], pixel values [BATCH, views, 3, R, R]): each row `length` random
+  text tokens with `num_images` images at random places, each as `image_runs` writes it."""
+  config = model.config
+  runs, views, size = image_runs(model, num_images)
+  special = {config.boi_token_index, config.eoi_token_index, config.image_token_index} | (
+      {123, 124, 125} if config.model_type == "llama4" else set())
   rng = np.random.default_rng(seed)
   text_ids = np.array([t for t in range(VOCAB) if t not in special])
-  image = [config.boi_token_index] + [config.image_token_index] * config.mm_tokens_per_image + [config.eoi_token_index]
   rows = []
   for _ in range(BATCH):
     text = list(rng.choice(text_ids, size=length))
     places = sorted(rng.choice(np.arange(1, length), size=num_images, replace=False), reverse=True)
-    for place in places:
-      text[place:place] = image
+    for place, run in zip(places, reversed(runs)):  # the last place takes the last image
+      text[place:place] = run
     rows.append(text)
-  size = config.vision_config.image_size
-  pixels = rng.uniform(-1, 1, size=(BATCH, num_images, 3, size, size)).astype(np.float32)
+  pixels = rng.uniform(-1, 1, size=(BATCH, views, 3, size, size)).astype(np.float32)
   return np.asarray(rows), pixels
 
 
 def hf_multimodal_logits(model: Any, token_ids: np.ndarray, pixels: np.ndarray | None) -> np.ndarray:
-  """HF's logits as its processor's inputs drive it: token_type_ids mark the image tokens."""
-  inputs = {"input_ids": torch.tensor(token_ids),
-            "token_type_ids": torch.tensor(token_ids == model.config.image_token_index, dtype=torch.long)}
+  """HF's logits as its processor's inputs drive it (Gemma 3: token_type_ids mark the image tokens)."""
+  if model.config.model_type == "llama4":
+    return llama4_logits(model, token_ids, pixels)
+  inputs = {"input_ids": torch.tensor(token_ids)}
+  if model.config.model_type == "gemma3":
+    inputs["token_type_ids"] = torch.tensor(token_ids == model.config.image_token_index, dtype=torch.long)
   if pixels is not None:
     inputs["pixel_values"] = torch.tensor(pixels.reshape((-1,) + pixels.shape[2:]))
   with torch.no_grad():
     return model(**inputs).logits.float().numpy()
+
+
+def llama4_logits(model: Any, token_ids: np.ndarray, pixels: np.ndarray | None) -> np.ndarray:
+  """Llama4ForConditionalGeneration.forward's steps, on its own modules: transformers 5.24's forward
+  fails building its output record (MoeCausalLMOutputWithPast has no image_outputs)."""
+  from MaxText.logit_checker import hf_llama4_logits
+  return hf_llama4_logits(model, token_ids, None if pixels is None else pixels.reshape((-1,) + pixels.shape[2:]))
+
+
+def hf_soft_tokens(model: Any, pixels_ICRR: np.ndarray) -> np.ndarray:
+  """HF's soft tokens [I, T, D] of images (Llama 4: of tiles), before they are placed."""
+  with torch.no_grad():
+    features = model.get_image_features(torch.tensor(pixels_ICRR), return_dict=True)
+    if model.config.model_type == "llama4":
+      return model.multi_modal_projector(features.last_hidden_state).numpy()
+    return features.pooler_output.numpy()
 
 
 def our_multimodal_logits(config: Config, params: Any, token_ids: np.ndarray, pixels: np.ndarray | None) -> np.ndarray:

@@ -44,6 +44,8 @@ PUBLISHED = {
     "llama4-scout-17b-16e": 108.13e9,
     # Maverick: the card's 400B total (a headline figure) less the same vision encoder and projector.
     "llama4-maverick-17b-128e": 399.13e9,
+    # ... and with them: the cards' totals.
+    "llama4-scout-17b-16e-vision": 109e9, "llama4-maverick-17b-128e-vision": 400e9,
     # DeepSeek: V3's 671B without the 14B multi-token-prediction module; V2-Lite's model card.
     "deepseek3-671b": 671e9, "deepseek2-16b": 15.7e9,
     # OpenAI's gpt-oss model card (bf16 weights; the checkpoints store the experts in MXFP4).

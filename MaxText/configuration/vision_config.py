@@ -12,14 +12,15 @@ from typing import Any, Mapping
 from MaxText.configuration.config_fields import OPTIMIZER, key, read_keys
 from MaxText.configuration.config_fields import require as _require
 
-# The decoder blocks layers/vision_tower.py has an image encoder for (Gemma 3's SigLIP); a new
-# family's tower adds its block here and its modules there.
-MULTIMODAL_DECODER_BLOCKS = ("gemma3",)
+# The decoder blocks with an image encoder: Gemma 3's SigLIP (layers/vision_tower.py) and Llama 4's
+# (layers/vision_llama4.py); a new family's tower adds its block here and to models.py's VISION_TOWERS.
+MULTIMODAL_DECODER_BLOCKS = ("gemma3", "llama4")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VisionConfig:
-  """Gemma 3's SigLIP encoder and projector (use_multimodal=True; ignored otherwise)."""
+  """The image encoder and projector (use_multimodal=True; ignored otherwise). The vision_rope_theta,
+  vision_pixel_shuffle_ratio and vision_adapter_dim keys are Llama 4's only."""
   use_multimodal: bool = key(architecture=True)
   vision_emb_dim: int = key(architecture=True)
   vision_mlp_dim: int = key(architecture=True)
@@ -29,6 +30,9 @@ class VisionConfig:
   vision_image_size: int = key(architecture=True)
   vision_layer_norm_epsilon: float = key(architecture=True)
   mm_tokens_per_image: int = key(architecture=True)
+  vision_rope_theta: float = key(architecture=True)
+  vision_pixel_shuffle_ratio: float = key(architecture=True)
+  vision_adapter_dim: int = key(architecture=True)
   image_token_id: int = key(architecture=True)  # the placeholder token each soft token replaces
   boi_token_id: int = key(architecture=True)
   eoi_token_id: int = key(architecture=True)
@@ -43,6 +47,11 @@ class VisionConfig:
   @property
   def tokens_per_side(self) -> int:
     return math.isqrt(self.mm_tokens_per_image)
+
+  @property
+  def pixel_shuffle_factor(self) -> int:
+    """s: Llama 4's adapter merges each s x s block of patches into one token."""
+    return int(round(1 / self.vision_pixel_shuffle_ratio))
 
   @property
   def vision_head_dim(self) -> int:
@@ -70,18 +79,22 @@ class VisionConfig:
     _require(values["vision_image_size"] % values["vision_patch_size"] == 0,
              f"vision_image_size ({values['vision_image_size']}) must be a multiple of vision_patch_size "
              f"({values['vision_patch_size']})")
-    side, tokens = values["vision_image_size"] // values["vision_patch_size"], values["mm_tokens_per_image"]
-    _require(math.isqrt(tokens) ** 2 == tokens and side % math.isqrt(tokens) == 0,
-             f"mm_tokens_per_image ({tokens}) must be a square whose side divides the {side} patches per image side "
-             "(the projector average-pools square blocks of patches)")
+    if v["decoder_block"] == "llama4":
+      _check_llama4(values)
+    else:
+      side, tokens = values["vision_image_size"] // values["vision_patch_size"], values["mm_tokens_per_image"]
+      _require(math.isqrt(tokens) ** 2 == tokens and side % math.isqrt(tokens) == 0,
+               f"mm_tokens_per_image ({tokens}) must be a square whose side divides the {side} patches per image "
+               "side (the projector average-pools square blocks of patches)")
     ids = {name: values[name] for name in ("image_token_id", "boi_token_id", "eoi_token_id")}
     _require(all(isinstance(i, int) and i >= 0 for i in ids.values()) and len(set(ids.values())) == 3,
              f"image_token_id, boi_token_id and eoi_token_id must be three different token ids >= 0; got {ids}")
     _require(values["boi_token_id"] < v["vocab_size"] and values["eoi_token_id"] < v["vocab_size"],
              f"boi_token_id ({values['boi_token_id']}) and eoi_token_id ({values['eoi_token_id']}) must be below "
              f"vocab_size ({v['vocab_size']})")
-    # Image tokens see the rest of their image (a bidirectional block): only dot_product has that mask.
-    _require(v["attention"] in ("dot_product", "autoselected"),
+    # Gemma 3's image tokens see the rest of their image (a bidirectional block): only dot_product
+    # has that mask. Llama 4's stay causal.
+    _require(v["decoder_block"] == "llama4" or v["attention"] in ("dot_product", "autoselected"),
              f"use_multimodal=True needs attention=dot_product or autoselected (which picks it): the bidirectional "
              f"mask over each image's tokens is dot_product's; got attention={v['attention']}")
     _require(not pipelined and not context_parallel,
@@ -89,3 +102,23 @@ class VisionConfig:
              "ici/dcn_pipeline_parallelism=1 and ici/dcn_sequence_parallelism=1")
     _require(v["mtp_num_layers"] == 0, "use_multimodal=True does not support multi-token prediction (mtp_num_layers > 0)")
     return cls(**values)
+
+
+def _check_llama4(values: Mapping[str, Any]) -> None:
+  """Llama 4's tower: a 2-D RoPE over the head width's quarters, a pixel shuffle by an integer
+  factor s = 1 / vision_pixel_shuffle_ratio, and s x s patches per soft token."""
+  ratio, heads = values["vision_pixel_shuffle_ratio"], values["vision_emb_dim"] // values["vision_num_heads"]
+  _require(values["vision_rope_theta"] > 0, f"vision_rope_theta must be > 0, got {values['vision_rope_theta']}")
+  _require(values["vision_adapter_dim"] > 0, f"vision_adapter_dim must be > 0, got {values['vision_adapter_dim']}")
+  _require(heads % 4 == 0, f"the vision head width vision_emb_dim / vision_num_heads ({heads}) must be a multiple of "
+           "4 for decoder_block llama4 (its 2-D RoPE turns a quarter of the pairs per axis)")
+  factor = round(1 / ratio) if 0 < ratio <= 1 else 0
+  _require(factor >= 1 and math.isclose(factor * ratio, 1.0),
+           f"vision_pixel_shuffle_ratio must be 1 / an integer (0.5 in the releases), got {ratio}")
+  side = values["vision_image_size"] // values["vision_patch_size"]
+  _require(side % factor == 0, f"the {side} patches per tile side must be a multiple of 1 / vision_pixel_shuffle_ratio "
+           f"({factor})")
+  tokens = (side // factor) ** 2
+  _require(values["mm_tokens_per_image"] == tokens,
+           f"mm_tokens_per_image ({values['mm_tokens_per_image']}) must be {tokens} for decoder_block llama4: the "
+           f"({side} / {factor})² soft tokens of one tile")

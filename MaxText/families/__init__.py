@@ -65,10 +65,10 @@ def family_for_hf_config(hf_config: Mapping[str, Any]) -> Family:
     if model_type in family.hf_model_types:
       return family
   known = ", ".join(sorted(t for f in families().values() for t in f.hf_model_types))
-  if "text_config" in hf_config:  # Llama 4, ... as image-text models
+  if "text_config" in hf_config:  # LLaVA, ... as image-text models
     text_type = (hf_config.get("text_config") or {}).get("model_type", "its text model")
     raise ConfigError(f"HF model_type {model_type!r} is a multimodal checkpoint (it has a text_config); only "
-                      f"text-only models and Gemma 3's are supported ({text_type} as a text-only checkpoint would be); "
+                      f"text-only models and Gemma 3's and Llama 4's are supported ({text_type} as a text-only checkpoint would be); "
                       f"supported model types: {known}")
   raise ConfigError(f"HF model_type {model_type!r} has no converter; supported: {known}")
 

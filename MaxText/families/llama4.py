@@ -21,8 +21,13 @@ Attention, norms and embeddings map as Llama's. The experts are fused on disk to
 Maverick 17B-128E interleaves dense layers (a gated MLP of intermediate_size_mlp, HF
 feed_forward.{gate,up,down}_proj) with the MoE ones (interleave_moe_layer_step 2: layers 1, 3, ...
 MoE): moe_layer_interval=2, the dense layers in the dense_layers stack, run in order with the MoE
-layers (models.py). Not supported: the multimodal checkpoints (HF `llama4`, a text_config beside a
-vision_config).
+layers (models.py).
+
+The image-text checkpoints (HF `llama4`, Llama4ForConditionalGeneration: a text_config beside a
+vision_config) convert with use_multimodal (layers/vision_llama4.py): the text model under
+`language_model.`, the vision encoder and its pixel-shuffle adapter under `vision_model.` (ours
+vision_encoder/, the adapter at vision_encoder/adapter/), the projector `multi_modal_projector.linear_1`
+(ours multimodal_projector/projection). Linear weights are torch [out, in], our kernels [in, out].
 """
 
 from __future__ import annotations
@@ -163,7 +168,171 @@ def llama4_hf_config(cfg: ModelConfig) -> dict[str, Any]:
 _TINY_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
-register_family(Family("llama4", ("llama4_text",), ("llama4",), llama4_model_keys, llama4_hf_config, llama4_tensors,
+# ---- the image-text model (HF `llama4`)
+
+def _vision_layers(ours: str, hf: str, to_ours: r.ConvertOne = r.transpose, to_hf: r.ConvertOne = r.transpose
+                   ) -> r.TensorMap:
+  entry = r.one("vision_model.model.layers.{e}." + hf, "vision_encoder/layers/" + ours, to_ours, to_hf)
+  return dataclasses.replace(entry, count=lambda cfg: cfg.vision.vision_num_layers)
+
+
+def _same(x: r.Array, cfg: ModelConfig) -> r.Array:
+  return x
+
+
+def _heads(cfg: ModelConfig) -> tuple[int, int, int]:
+  return cfg.vision.vision_emb_dim, cfg.vision.vision_num_heads, cfg.vision.vision_head_dim
+
+
+def _heads_in(w: r.Array, cfg: ModelConfig) -> r.Array:
+  return w.T.reshape(_heads(cfg))
+
+
+def _heads_in_bias(b: r.Array, cfg: ModelConfig) -> r.Array:
+  return b.reshape(_heads(cfg)[1:])
+
+
+def _heads_out(w: r.Array, cfg: ModelConfig) -> r.Array:
+  e, a, y = _heads(cfg)
+  return w.T.reshape(a, y, e)
+
+
+def _flat_in(kernel: r.Array, cfg: ModelConfig) -> r.Array:
+  return kernel.reshape(cfg.vision.vision_emb_dim, -1).T
+
+
+def _flat_out(kernel: r.Array, cfg: ModelConfig) -> r.Array:
+  return kernel.reshape(-1, cfg.vision.vision_emb_dim).T
+
+
+def _flat(b: r.Array, cfg: ModelConfig) -> r.Array:
+  return b.reshape(-1)
+
+
+def _patch_in(w: r.Array, cfg: ModelConfig) -> r.Array:
+  """HF's unfold linear [E, C·p·p] (channel-major, as Unfold flattens) -> our kernel [C, p, p, E]."""
+  p = cfg.vision.vision_patch_size
+  return w.T.reshape(-1, p, p, cfg.vision.vision_emb_dim)
+
+
+def _patch_out(kernel: r.Array, cfg: ModelConfig) -> r.Array:
+  return kernel.reshape(-1, cfg.vision.vision_emb_dim).T
+
+
+def llama4_vision_tensors() -> list[r.TensorMap]:
+  v = "vision_model."
+  maps = [
+      r.one(v + "patch_embedding.linear.weight", "vision_encoder/patch_embedding/kernel", _patch_in, _patch_out),
+      r.one(v + "class_embedding", "vision_encoder/class_embedding"),
+      r.one(v + "positional_embedding_vlm", "vision_encoder/position_embedding/embedding"),
+      r.one(v + "vision_adapter.mlp.fc1.weight", "vision_encoder/adapter/fc1/kernel", r.transpose, r.transpose),
+      r.one(v + "vision_adapter.mlp.fc2.weight", "vision_encoder/adapter/fc2/kernel", r.transpose, r.transpose),
+      r.one("multi_modal_projector.linear_1.weight", "multimodal_projector/projection/kernel", r.transpose, r.transpose),
+  ]
+  for norm in ("layernorm_pre", "layernorm_post"):
+    maps += [r.one(v + f"{norm}.weight", f"vision_encoder/{norm}/scale"),
+             r.one(v + f"{norm}.bias", f"vision_encoder/{norm}/bias")]
+  for hf, ours in (("input_layernorm", "layer_norm1"), ("post_attention_layernorm", "layer_norm2")):
+    maps += [_vision_layers(f"{ours}/scale", f"{hf}.weight", _same, _same),
+             _vision_layers(f"{ours}/bias", f"{hf}.bias", _same, _same)]
+  for hf, ours in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value")):
+    maps += [_vision_layers(f"attention/{ours}/kernel", f"self_attn.{hf}.weight", _heads_in, _flat_in),
+             _vision_layers(f"attention/{ours}/bias", f"self_attn.{hf}.bias", _heads_in_bias, _flat)]
+  maps += [_vision_layers("attention/out/kernel", "self_attn.o_proj.weight", _heads_out, _flat_out),
+           _vision_layers("attention/out/bias", "self_attn.o_proj.bias", _same, _same)]
+  for fc in ("fc1", "fc2"):
+    maps += [_vision_layers(f"{fc}/kernel", f"mlp.{fc}.weight"), _vision_layers(f"{fc}/bias", f"mlp.{fc}.bias", _same, _same)]
+  return maps
+
+
+def llama4_any_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
+  if not cfg.vision.use_multimodal:
+    return llama4_tensors(cfg)
+  text = [dataclasses.replace(m, hf="language_model." + m.hf) for m in llama4_tensors(cfg)]
+  return text + llama4_vision_tensors()
+
+
+def llama4_multimodal_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  vision = {"model_type": "llama4_vision_model", **(hf.get("vision_config") or {})}
+  r.require_hf(vision, "hidden_act", ("gelu",), "gelu")
+  r.require_hf(vision, "num_channels", (3,), 3)
+  r.require_hf(vision, "multi_modal_projector_bias", (False,), False)
+  r.require_hf(vision, "vision_feature_layer", (-1,), -1)
+  r.require_hf(vision, "vision_feature_select_strategy", ("default",), "default")
+  hidden, ratio = int(vision.get("hidden_size", 768)), float(vision.get("pixel_shuffle_ratio", 0.5))
+  width = int(vision.get("projector_output_dim", 4096))
+  widths = {name: int(vision.get(name, default)) for name, default in
+            (("projector_input_dim", 4096), ("projector_output_dim", 4096), ("vision_output_dim", 7680))}
+  mlp = int(vision.get("intermediate_size", 5632))
+  if len(set(widths.values())) != 1 or round(hidden / ratio**2) != mlp:
+    raise ConfigError(f"HF llama4 vision_config {widths}, hidden_size={hidden}, intermediate_size={mlp}, "
+                      f"pixel_shuffle_ratio={ratio} do not form a runnable tower: the three widths must be equal and "
+                      "intermediate_size = hidden_size / pixel_shuffle_ratio² (the adapter's input width)")
+  image, patch = vision.get("image_size", 448), vision.get("patch_size", 14)
+  if not isinstance(image, int) or not isinstance(patch, int):
+    raise ConfigError(f"HF llama4 vision_config image_size={image}, patch_size={patch}: only square sizes (ints) "
+                      "are supported")
+  rope = vision.get("rope_parameters") or {"rope_theta": vision.get("rope_theta", 10000.0)}
+  r.require_hf(rope, "rope_type", ("default",), "default")
+  text = {**(hf.get("text_config") or {}), "tie_word_embeddings": hf.get("tie_word_embeddings", False)}
+  keys = llama4_model_keys(text)
+  keys.update(use_multimodal=True, vision_emb_dim=hidden, vision_mlp_dim=mlp,
+              vision_num_layers=int(vision.get("num_hidden_layers", 34)),
+              vision_num_heads=int(vision.get("num_attention_heads", 16)), vision_patch_size=patch,
+              vision_image_size=image,
+              # HF's vision LayerNorms take torch's default epsilon, whatever norm_eps says.
+              vision_layer_norm_epsilon=1e-5,
+              mm_tokens_per_image=round(image // patch * ratio) ** 2, vision_rope_theta=float(rope["rope_theta"]),
+              vision_pixel_shuffle_ratio=ratio, vision_adapter_dim=width,
+              image_token_id=int(hf.get("image_token_index", 200092)), boi_token_id=int(hf.get("boi_token_index", 200080)),
+              eoi_token_id=int(hf.get("eoi_token_index", 200081)))
+  return keys
+
+
+def llama4_multimodal_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+  text = {k: v for k, v in llama4_hf_config(cfg).items() if k != "architectures"}
+  vision = cfg.vision
+  width = vision.vision_adapter_dim
+  return {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "text_config": text,
+          "vision_config": {"model_type": "llama4_vision_model", "hidden_size": vision.vision_emb_dim,
+                            "intermediate_size": vision.vision_mlp_dim, "num_hidden_layers": vision.vision_num_layers,
+                            "num_attention_heads": vision.vision_num_heads, "num_channels": 3,
+                            "image_size": vision.vision_image_size, "patch_size": vision.vision_patch_size,
+                            "hidden_act": "gelu", "norm_eps": vision.vision_layer_norm_epsilon,
+                            "pixel_shuffle_ratio": vision.vision_pixel_shuffle_ratio, "projector_input_dim": width,
+                            "projector_output_dim": width, "vision_output_dim": width,
+                            "multi_modal_projector_bias": False, "vision_feature_layer": -1,
+                            "vision_feature_select_strategy": "default",
+                            "rope_parameters": {"rope_type": "default", "rope_theta": vision.vision_rope_theta}},
+          "image_token_index": vision.image_token_id, "boi_token_index": vision.boi_token_id,
+          "eoi_token_index": vision.eoi_token_id, "tie_word_embeddings": cfg.logits_via_embedding}
+
+
+def llama4_any_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  return llama4_multimodal_model_keys(hf) if hf.get("model_type") == "llama4" else llama4_model_keys(hf)
+
+
+def llama4_any_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+  return llama4_multimodal_hf_config(cfg) if cfg.vision.use_multimodal else llama4_hf_config(cfg)
+
+
+_TINY_TEXT = dict(**{**TINY_SHAPES, "num_hidden_layers": 4, "intermediate_size": 32}, intermediate_size_mlp=96,
+                  num_local_experts=4, num_experts_per_tok=1, attention_chunk_size=8, no_rope_layer_interval=4,
+                  use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.3, rms_norm_eps=1e-5,
+                  rope_parameters=_TINY_ROPE)
+
+register_family(Family("llama4", ("llama4_text", "llama4"), ("llama4",), llama4_any_model_keys, llama4_any_hf_config,
+                       llama4_any_tensors,
+                       multimodal_reference_hf_configs={  # 32 x 32 tiles of 4 x 4 patches: 16 soft tokens each
+                           "llama4-vision": dict(
+                               model_type="llama4", boi_token_index=120, eoi_token_index=121, image_token_index=122,
+                               text_config=dict(model_type="llama4_text", **_TINY_TEXT),
+                               vision_config=dict(model_type="llama4_vision_model", hidden_size=32,
+                                                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                                  image_size=32, patch_size=4, pixel_shuffle_ratio=0.5,
+                                                  projector_input_dim=48, projector_output_dim=48,
+                                                  vision_output_dim=48,
+                                                  rope_parameters={"rope_type": "default", "rope_theta": 100.0}))},
                        reference_hf_configs={  # chunks of 8 < the test length, a NoPE layer every 4th, llama3 RoPE
                            "llama4": dict(model_type="llama4_text", **{**TINY_SHAPES, "num_hidden_layers": 4,
                                                                        "intermediate_size": 32},

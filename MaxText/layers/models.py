@@ -23,7 +23,7 @@ from MaxText.layers.embeddings import Embed, sinusoidal_positions
 from MaxText.layers.kv_cache import KVCache
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.moe import ROUTING_STATS, update_correction_biases
-from MaxText.layers import masks, mtp, paged_kv, pipeline, quantization, remat, vision_tower
+from MaxText.layers import masks, mtp, paged_kv, pipeline, quantization, remat, vision_llama4, vision_tower
 from MaxText.layers.normalizations import make_norm
 
 # What layers sow as nnx.Intermediate, by name: scalar losses (e.g. MoE load balancing), summed
@@ -55,6 +55,22 @@ def _unrolled_aux(per_layer: list[AuxLosses]) -> AuxLosses:
   return {name: _over_layers(name, jnp.stack([layer[name] for layer in per_layer])) for name in names}
 
 
+@dataclasses.dataclass(frozen=True)
+class VisionTower:
+  """A decoder block's image side: its encoder and projector modules (each built from the config),
+  and whether each image's tokens see each other both ways in the text stack."""
+  encoder: Callable[..., nnx.Module]
+  projector: Callable[..., nnx.Module]
+  bidirectional_images: bool
+
+
+# By decoder block (configuration/vision_config.py's MULTIMODAL_DECODER_BLOCKS).
+VISION_TOWERS = {
+    "gemma3": VisionTower(vision_tower.VisionEncoder, vision_tower.MultimodalProjector, bidirectional_images=True),
+    "llama4": VisionTower(vision_llama4.Llama4VisionEncoder, vision_llama4.Llama4Projector, bidirectional_images=False),
+}
+
+
 def remat_policy(name: str) -> remat.CheckpointPolicy:
   """jax.checkpoint policy for `remat_policy`; "none" means no rematerialisation at all."""
   return remat.checkpoint_policy(name)
@@ -81,8 +97,9 @@ class Transformer(nnx.Module):
     for depth in range(cfg.mtp.mtp_num_layers):  # last, so the other parameters initialise as without them
       setattr(self, mtp.module_name(depth), mtp.MtpModule(cfg, layer_class, rngs=rngs))
     if cfg.vision.use_multimodal:  # after everything, for the same reason
-      self.vision_encoder = vision_tower.VisionEncoder(cfg, rngs=rngs)
-      self.multimodal_projector = vision_tower.MultimodalProjector(cfg, rngs=rngs)
+      tower = VISION_TOWERS[cfg.decoder_block]
+      self.vision_encoder = tower.encoder(cfg, rngs=rngs)
+      self.multimodal_projector = tower.projector(cfg, rngs=rngs)
 
   def _build_stack(self, name: str, layer_class: Callable[..., nnx.Module], cfg: ModelConfig, count: int,
                    rngs: nnx.Rngs) -> None:
@@ -313,9 +330,9 @@ class Transformer(nnx.Module):
     return self.logits_and_aux(tokens_BL, positions_BL, segment_ids_BL, dropout_rng, pixel_values=pixel_values)[0]
 
   def image_embeddings(self, pixels_ICRR: jax.Array) -> jax.Array:
-    """Soft tokens [I, mm_tokens_per_image, D] of images' pixel values [I, 3, R, R]
-    (input_pipeline/images.py); layers/vision_tower.py."""
-    return vision_tower.image_embeddings(self.vision_encoder, self.multimodal_projector, pixels_ICRR)
+    """Soft tokens [I, mm_tokens_per_image, D] of images' pixel values [I, 3, R, R] (Llama 4: of
+    tiles; input_pipeline/images.py, llama4_images.py); layers/vision_tower.py, vision_llama4.py."""
+    return self.multimodal_projector(self.vision_encoder(pixels_ICRR.astype(jnp.dtype(self.cfg.dtype))))
 
   def _multimodal_input(self, x_BLD: jax.Array, tokens_BL: jax.Array, pixel_values: jax.Array | None
                         ) -> tuple[jax.Array, jax.Array | None]:
@@ -332,6 +349,8 @@ class Transformer(nnx.Module):
       soft_ITD = self.image_embeddings(pixel_values.reshape((rows * per_row,) + pixel_values.shape[2:]))
       soft_BTD = soft_ITD.reshape(rows, per_row * soft_ITD.shape[1], soft_ITD.shape[2])
       x_BLD = vision_tower.place_image_tokens(x_BLD, soft_BTD, tokens_BL, vision.image_token_id)
+    if not VISION_TOWERS[self.cfg.decoder_block].bidirectional_images:
+      return x_BLD, None
     return x_BLD, masks.image_blocks(tokens_BL, vision.image_token_id)
 
   def logits_and_aux(self, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,

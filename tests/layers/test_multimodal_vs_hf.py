@@ -1,5 +1,5 @@
-"""Gemma 3 with its vision tower equals HF's Gemma3ForConditionalGeneration (CPU torch) on a tiny
-random model (tests/hf_families.py): prompts with one and with two images per row, and text-only
+"""Gemma 3 with its vision tower equals HF's Gemma3ForConditionalGeneration (CPU torch), and Llama 4
+with its own HF's Llama4ForConditionalGeneration, on tiny random models (tests/hf_families.py): prompts with one and with two images per row, and text-only
 prompts, in float32; the parameters go through the converter's tensor table. Also the soft
 tokens alone, the bidirectional image mask (switched off, the match breaks) and the vision
 record's one-line config errors."""
@@ -24,7 +24,7 @@ FP32_ATOL = 2e-5
 def reference(request, tmp_path_factory):
   """(HF model, our config, our parameters) for each family's tiny image-text model."""
   model = H.build_hf_multimodal_model(request.param)
-  config = H.our_config(model, dtype="float32", max_target_length=64)
+  config = H.our_config(model, dtype="float32", max_target_length=128)
   return model, config, H.our_params(model, config, tmp_path_factory.mktemp("staging"))
 
 
@@ -46,7 +46,7 @@ def test_text_only_prompts_on_the_multimodal_model_match_hf(reference):
 
 def test_unrolled_text_stack_matches_too(reference, tmp_path):
   model, _, _ = reference
-  config = H.our_config(model, dtype="float32", max_target_length=64, scan_layers=False)
+  config = H.our_config(model, dtype="float32", max_target_length=128, scan_layers=False)
   params = H.our_params(model, config, tmp_path)
   token_ids, pixels = H.multimodal_prompt(model, 2, seed=7)
   np.testing.assert_allclose(H.our_multimodal_logits(config, params, token_ids, pixels),
@@ -57,16 +57,17 @@ def test_soft_tokens_match_hf_image_features(reference):
   model, config, params = reference
   _, pixels = H.multimodal_prompt(model, 2, seed=3)
   flat = pixels.reshape((-1,) + pixels.shape[2:])
-  with H.torch.no_grad():
-    expected = model.get_image_features(H.torch.tensor(flat), return_dict=True).pooler_output.numpy()
+  expected = H.hf_soft_tokens(model, flat)
   spec = models.build_model_spec(config.model)
   ours = jax.jit(sharding.unsharded()(lambda p, x: spec.module(p).image_embeddings(x)))(params, jnp.asarray(flat))
-  assert ours.shape == expected.shape == (4, config.model.vision.mm_tokens_per_image, config.model.emb_dim)
+  assert ours.shape == expected.shape == (len(flat), config.model.vision.mm_tokens_per_image, config.model.emb_dim)
   np.testing.assert_allclose(np.asarray(ours), expected, atol=FP32_ATOL, rtol=0)
 
 
 def test_without_the_bidirectional_image_mask_the_logits_differ(reference, monkeypatch):
   model, config, params = reference
+  if config.model.decoder_block != "gemma3":
+    pytest.skip("Gemma 3's image mask (Llama 4's text stays causal: tests/layers/test_llama4_vision_vs_hf.py)")
   token_ids, pixels = H.multimodal_prompt(model, 1, seed=1)
   expected = H.hf_multimodal_logits(model, token_ids, pixels)
   monkeypatch.setattr(masks, "image_blocks", lambda tokens_BL, image_token_id: jnp.zeros_like(tokens_BL))
@@ -102,7 +103,7 @@ MULTIMODAL = dict(decoder_block="gemma3", use_multimodal=True, attention="dot_pr
     ({"boi_token_id": 122}, "image_token_id, boi_token_id and eoi_token_id must be three different token ids"),
     ({"eoi_token_id": 500}, "eoi_token_id (500) must be below vocab_size (128)"),
     ({"attention": "flash"}, "use_multimodal=True needs attention=dot_product or autoselected"),
-    ({"decoder_block": "llama2"}, "use_multimodal=True is supported for decoder_block gemma3; got 'llama2'"),
+    ({"decoder_block": "llama2"}, "use_multimodal=True is supported for decoder_block gemma3, llama4; got 'llama2'"),
     ({"vision_num_layers": 0}, "vision_num_layers must be > 0, got 0"),
     ({"use_multimodal": False, "freeze_vision_encoder": True}, "freeze_vision_encoder=True needs use_multimodal=True"),
     ({"ici_sequence_parallelism": 2, "ici_fsdp_parallelism": 4}, "use_multimodal=True does not support pipeline or "
@@ -126,6 +127,8 @@ def test_a_text_only_model_refuses_pixel_values():
 
 def test_vision_parameters_carry_logical_names(reference):
   _, config, _ = reference
+  if config.model.decoder_block != "gemma3":
+    pytest.skip("Gemma 3's parameter names (Llama 4's: tests/layers/test_llama4_vision_vs_hf.py)")
   names = models.build_model_spec(config.model).logical_names
   assert names["vision_encoder"]["layers"]["fc1"]["kernel"] == ("layers", "embed", "mlp")
   assert names["vision_encoder"]["layers"]["attention"]["query"]["kernel"] == ("layers", "embed", "heads", "kv")
