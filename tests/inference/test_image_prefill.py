@@ -7,6 +7,7 @@ no page and answer differently."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from MaxText.errors import UserError
 from MaxText.inference import image_prompts
 from MaxText.inference.engine import Engine, Request, serve
+from MaxText.platform import sharding
 from decode_test_utils import one_device_mesh
 from test_paged_cache import _scheduled_outputs
 
@@ -66,13 +68,18 @@ def hf_greedy(hf, model, prompt: list[int], images: image_prompts.PromptImages, 
 
 def uncached_greedy(engine: Engine, params, prompt: list[int], images: image_prompts.PromptImages,
                     num_new: int) -> list[int]:
-  tokens, out = list(prompt), []
+  """The full forward pass over a fixed [1, TARGET] buffer each step (one compiled program)."""
+  buffer = np.zeros((1, TARGET), np.int32)
+  buffer[0, :len(prompt)] = prompt
   pixel_values = jnp.asarray(images.pixels_MCRR[None])
-  for _ in range(num_new):
-    ids = jnp.asarray([tokens])
-    logits = engine.spec.apply(params, ids, jnp.arange(len(tokens))[None], jnp.ones_like(ids), None, pixel_values)
-    out.append(int(jnp.argmax(logits[0, -1])))
-    tokens.append(out[-1])
+  apply = jax.jit(sharding.unsharded()(engine.spec.apply))
+  out = []
+  for step in range(num_new):
+    last = len(prompt) + step - 1
+    logits = apply(params, jnp.asarray(buffer), jnp.arange(TARGET)[None], jnp.ones((1, TARGET), jnp.int32), None,
+                   pixel_values)
+    out.append(int(jnp.argmax(logits[0, last])))
+    buffer[0, last + 1] = out[-1]
   return out
 
 
@@ -127,18 +134,16 @@ def test_prefix_caching_keys_image_pages_by_the_image(hf, reference):
   """The same text with a different image shares only the pages before the image and answers
   differently; the same image again shares its pages too."""
   model, params = reference
-  engine = Engine(config_for(hf, model, kv_cache_layout="paged", kv_page_size=4, prefix_caching=True),
+  engine = Engine(config_for(hf, model, kv_cache_layout="paged", kv_page_size=4, kv_num_pages=32, prefix_caching=True),
                   num_slots=1, mesh=one_device_mesh())
   prompt = image_prompt([2, 5, 17, 40, 41, 42, 43, 44], [9, 33, 42])  # the image's run starts on page 2
   loads: list = []
-  first = _scheduled_jobs(engine, params, [prompt], [pixels(1)], loads)
-  other = _scheduled_jobs(engine, params, [prompt], [pixels(3)], loads)
-  again = _scheduled_jobs(engine, params, [prompt], [pixels(1)], loads)
-  cached = [load["prefix_cached_tokens"] for load in loads]
-  assert cached[1] - cached[0] == 8  # the two text pages before begin-of-image's page
-  assert cached[2] - cached[1] == (len(prompt) - 1) // 4 * 4  # every full page
+  first, other, again = _scheduled_jobs(engine, params, [prompt] * 3, [pixels(1), pixels(3), pixels(1)], loads)
+  # One slot: the requests run one after another. The second finds the two text pages before the
+  # image's first page, the third every full page of the first.
+  assert loads[0]["prefix_cached_tokens"] == 8 + (len(prompt) - 1) // 4 * 4
   assert other != first and again == first
-  assert other == engine_greedy(Engine(config_for(hf, model), mesh=one_device_mesh()), params, [prompt], [pixels(3)])
+  assert other == engine_greedy(Engine(config_for(hf, model), mesh=one_device_mesh()), params, [prompt], [pixels(3)])[0]
 
 
 def test_chunks_smaller_than_an_image_and_mismatched_images_are_user_errors(hf, reference):
@@ -154,8 +159,8 @@ def test_chunks_smaller_than_an_image_and_mismatched_images_are_user_errors(hf, 
 
 def test_whole_runs_start_and_chunk_end_never_split_an_image():
   runs = [(5, 9), (10, 14)]
-  assert image_prompts.whole_runs_start(12, runs, 4) == 8  # inside the second run: back to its page
-  assert image_prompts.whole_runs_start(8, runs, 4) == 4  # inside the first
+  assert image_prompts.whole_runs_start(12, [(1, 3), (10, 14)], 4) == 8  # inside a run: back to its page
+  assert image_prompts.whole_runs_start(12, runs, 4) == 4  # and page 8 would split the first run
   assert image_prompts.whole_runs_start(4, runs, 4) == 4
   assert image_prompts.chunk_end(0, 8, runs) == 5 and image_prompts.chunk_end(5, 13, runs) == 10
   salts = image_prompts.page_salts(runs, pixels(0, 2), 4)
