@@ -165,3 +165,29 @@ def test_whole_runs_start_and_chunk_end_never_split_an_image():
   assert image_prompts.chunk_end(0, 8, runs) == 5 and image_prompts.chunk_end(5, 13, runs) == 10
   salts = image_prompts.page_salts(runs, pixels(0, 2), 4)
   assert sorted(salts) == [1, 2, 3] and len(salts[2]) == 64  # page 2 holds tokens of both images
+
+
+def test_decode_py_with_image_path_equals_hf_generate(hf, tmp_path):
+  """MaxText.decode on a converted checkpoint, prompt_token_ids holding one image's run and
+  image_path a PNG: the greedy ids equal HF generate on the same pixel values."""
+  from pathlib import Path
+
+  from PIL import Image
+
+  from MaxText import decode, startup
+  from MaxText.convert import hf_to_maxtext
+  from MaxText.input_pipeline import images
+
+  model = hf.build_hf_multimodal_model("gemma3-vision")
+  model.save_pretrained(str(tmp_path / "hf"))
+  hf_to_maxtext.convert(str(tmp_path / "hf"), str(tmp_path / "ckpt"), [])
+  png = tmp_path / "a.png"
+  Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 90, 3), dtype=np.uint8)).save(png)
+  prompt = image_prompt([2, 5, 17], [9, 33, 42])
+  base = str(Path(__file__).resolve().parents[2] / "configs" / "base.yml")
+  config = startup.start(decode.TOOL, ["decode", base, f"load_parameters_path={tmp_path / 'ckpt'}", "dtype=float32",
+                                       "max_target_length=30", "max_prefill_predict_length=24",
+                                       f"prompt_token_ids={','.join(map(str, prompt))}", f"image_path={png}"]).config
+  got = decode.decode(config)
+  pixels = images.pixel_values(images.load(str(png)), images.ImageOptions(64))
+  assert got == hf_greedy(hf, model, prompt, image_prompts.PromptImages.of(pixels), 30 - len(prompt) + 1)
