@@ -27,6 +27,7 @@ from MaxText.errors import UserError, run_cli
 from MaxText.inference import image_chat
 from MaxText.inference.engine import load_engine
 from MaxText.inference.image_prompts import PromptImages
+from MaxText.input_pipeline import image_text, images
 from MaxText.input_pipeline.tokenizer import DocumentEncoder, Tokenizer, load_tokenizer
 from MaxText import startup
 from MaxText.platform.distributed import log
@@ -63,7 +64,7 @@ def prompt_with_images(config: config_lib.Config) -> tuple[list[int], Tokenizer 
   if not paths:
     ids, tokenizer = prompt_ids(config)
     return ids, tokenizer, None
-  from MaxText.input_pipeline import chat, image_text, images
+  from MaxText.input_pipeline import chat
 
   cfg, data = config.model, config.data
   image_text.refuse_images_without_vision([image_text.ImageSlot(p, 0) for p in paths], cfg.vision)
