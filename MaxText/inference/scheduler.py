@@ -95,6 +95,11 @@ class Job:
 _COUNTS = ("admitted", "released", "steps", "loops", "length", "stop", "cancelled", "error", "prefix_cached_tokens")
 
 
+def _images(job: Job) -> dict[str, Any]:
+  """A text job calls the engine as before images existed (engines that take none stay usable)."""
+  return {} if job.images is None else {"images": job.images}
+
+
 def _top(ids_k: np.ndarray, logprobs_k: np.ndarray) -> list[tuple[int, float]]:
   return [(int(i), float(lp)) for i, lp in zip(ids_k, logprobs_k)]
 
@@ -234,7 +239,7 @@ class Scheduler:
 
   def _start(self, job: Job, slot: int) -> None:
     if job.score_prompt:
-      scores = jax.device_get(self.engine.score(self.params, job.prompt, job.images))
+      scores = jax.device_get(self.engine.score(self.params, job.prompt, **_images(job)))
       n = len(job.prompt)
       job.emit(PromptScores(job.index, [float(x) for x in scores.chosen_B[:n]],
                             [_top(i, lp) for i, lp in zip(scores.top_ids_Bk[:n], scores.top_logprobs_Bk[:n])]))
@@ -242,12 +247,13 @@ class Scheduler:
       self._finish(job, None, "length")
       return
     if self._into_pages:
-      cached = self.engine.begin_prompt(slot, job.prompt, job.images)
+      cached = self.engine.begin_prompt(slot, job.prompt, **_images(job))
       self.counts["prefix_cached_tokens"] += cached
       with self._wake:
         self._prefilling[slot] = (job, cached)
       return
-    prefix = self.engine.prefill(self.params, [job.prompt], row_params=[job.row], images=[job.images])
+    rows: dict[str, Any] = {} if job.images is None else {"images": [job.images]}
+    prefix = self.engine.prefill(self.params, [job.prompt], row_params=[job.row], **rows)
     self._state = self.engine.insert(prefix, self._state, slot)
     first, logprobs = jax.device_get((prefix.first_tokens_B, prefix.first_logprobs))
     with self._wake:
@@ -260,7 +266,7 @@ class Scheduler:
     the unchunked path prefills them all before the next step."""
     for slot, (job, start) in list(self._prefilling.items()):
       self._state, end, first = self.engine.prefill_chunk(self.params, self._state, slot, job.prompt, start, job.row,
-                                                          images=job.images)
+                                                          **_images(job))
       if first is None:
         with self._wake:
           self._prefilling[slot] = (job, end)
