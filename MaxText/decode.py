@@ -2,7 +2,8 @@
 
     python3 -m MaxText.decode configs/base.yml load_parameters_path=CKPT tokenizer_path=TOK prompt="..." \\
         [model_name=...] [max_prefill_predict_length=64] [max_target_length=...] \\
-        [decode_sampling_strategy=greedy|weighted|nucleus|topk] [prompt_token_ids=5,17,42]
+        [decode_sampling_strategy=greedy|weighted|nucleus|topk] [prompt_token_ids=5,17,42] \\
+        [image_path=cat.png,gs://bucket/dog.jpg]   (a vision-language model: Multimodal.md)
 
 Reads like a table of contents: config → prompt ids → engine (mesh, params) → prefill → generate → report.
 Without model_name the model keys saved beside the checkpoint (model_config.yml) are used, as in
@@ -23,7 +24,10 @@ import jax
 
 from MaxText.configuration import config as config_lib
 from MaxText.errors import UserError, run_cli
+from MaxText.inference import image_chat
 from MaxText.inference.engine import load_engine
+from MaxText.inference.image_prompts import PromptImages
+from MaxText.input_pipeline import image_text, images
 from MaxText.input_pipeline.tokenizer import DocumentEncoder, Tokenizer, load_tokenizer
 from MaxText import startup
 from MaxText.platform.distributed import log
@@ -47,9 +51,50 @@ def prompt_ids(config: config_lib.Config) -> tuple[list[int], Tokenizer | None]:
   return DocumentEncoder(tokenizer, data.add_bos, add_eos=False)(config.decode.prompt), tokenizer
 
 
+def image_paths(config: config_lib.Config) -> list[str]:
+  return [path.strip() for path in config.decode.image_path.split(",") if path.strip()]
+
+
+def prompt_with_images(config: config_lib.Config) -> tuple[list[int], Tokenizer | None, PromptImages | None]:
+  """The prompt's ids, the tokenizer and the images of image_path (None without): with
+  prompt_chat_template, one user turn of the images then the prompt; else the prompt with each of
+  its image markers expanded (the images go first when it has none). prompt_token_ids must
+  already hold each image's placeholder run."""
+  paths = image_paths(config)
+  if not paths:
+    ids, tokenizer = prompt_ids(config)
+    return ids, tokenizer, None
+  from MaxText.input_pipeline import chat
+
+  cfg, data = config.model, config.data
+  image_text.refuse_images_without_vision([image_text.ImageSlot(p, 0) for p in paths], cfg.vision)
+  options = images.ImageOptions(cfg.vision.vision_image_size)
+  if config.decode.prompt_token_ids:
+    _, tokenizer = prompt_ids(config)
+    return list(config.decode.prompt_token_ids), tokenizer, PromptImages.of(
+        images.batch_pixel_values([images.load(p) for p in paths], options))
+  if not data.tokenizer_path:
+    raise UserError("set tokenizer_path=... to encode prompt with its images")
+  tokenizer = load_tokenizer(data.tokenizer_type, data.tokenizer_path)
+  hf_tokenizer = chat.load_chat_tokenizer(data.tokenizer_path, require_template=config.decode.prompt_chat_template)
+  if config.decode.prompt_chat_template:
+    parts = [{"type": "image", "image": p} for p in paths] + [{"type": "text", "text": config.decode.prompt}]
+    ids, prompt_images = image_chat.conversation_ids(hf_tokenizer, [{"role": "user", "content": parts}], cfg,
+                                                     files=True)
+    return ids, tokenizer, prompt_images
+  text = config.decode.prompt
+  marker = image_chat.image_marker(hf_tokenizer, cfg)
+  if marker not in text:
+    text = marker * len(paths) + text
+  expanded = image_text.expand_image_markers(text, hf_tokenizer, cfg.vision, cfg.decoder_block, [0] * len(paths))
+  prompt_images = PromptImages.of(images.batch_pixel_values([images.load(p) for p in paths], options))
+  return DocumentEncoder(tokenizer, data.add_bos, add_eos=False)(expanded), tokenizer, prompt_images
+
+
 def decode(config: config_lib.Config) -> list[int]:
-  """Runs one prompt; returns the generated ids (also printed)."""
-  ids, tokenizer = prompt_ids(config)
+  """Runs one prompt (with image_path's images); returns the generated ids (also printed)."""
+  ids, tokenizer, prompt_images = prompt_with_images(config)
+  rows = [prompt_images]
   limit = config.decode.max_prefill_predict_length
   if len(ids) > limit:
     raise UserError(f"the prompt has {len(ids)} tokens, more than max_prefill_predict_length={limit}; "
@@ -58,9 +103,9 @@ def decode(config: config_lib.Config) -> list[int]:
   num_new = config.model.max_target_length - len(ids) + 1  # the last token needs no cache slot
   seed = config.decode.decode_sampling_seed
 
-  engine.prefill(params, [ids], seed).first_tokens_B.block_until_ready()  # compile
+  engine.prefill(params, [ids], seed, images=rows).first_tokens_B.block_until_ready()  # compile
   start = time.perf_counter()
-  prefix = engine.prefill(params, [ids], seed)
+  prefix = engine.prefill(params, [ids], seed, images=rows)
   prefix.first_tokens_B.block_until_ready()
   prefill_s = time.perf_counter() - start
 

@@ -33,6 +33,7 @@ from MaxText.configuration import config as config_lib
 from MaxText import startup
 from MaxText.platform import distributed
 from MaxText.errors import UserError, run_cli
+from MaxText.inference import image_chat
 from MaxText.inference import openai_api as api
 from MaxText.inference import scheduler as sched
 from MaxText.inference import serve_metrics
@@ -57,7 +58,7 @@ def _codec(config: config_lib.Config) -> tuple[api.Codec, int | None]:
   encode = DocumentEncoder(tokenizer, data.add_bos, add_eos=False)
   chat_tokenizer: list[Any] = []
 
-  def chat(messages: list[dict[str, str]]) -> list[int]:
+  def template_tokenizer() -> Any:
     from MaxText.errors import ConfigError
     from MaxText.input_pipeline import chat as chat_lib
 
@@ -66,10 +67,19 @@ def _codec(config: config_lib.Config) -> tuple[api.Codec, int | None]:
         chat_tokenizer.append(chat_lib.load_chat_tokenizer(data.tokenizer_path))
     except ConfigError as e:
       raise api.ApiError(400, f"chat completions need a chat template: {e}") from None
-    text = chat_tokenizer[0].apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(chat_tokenizer[0](text, add_special_tokens=False)["input_ids"])
+    return chat_tokenizer[0]
 
-  return api.Codec(encode, tokenizer.decode, chat), tokenizer.eos_id
+  def chat(messages: list[dict[str, str]]) -> list[int]:
+    text = template_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(template_tokenizer()(text, add_special_tokens=False)["input_ids"])
+
+  d = config.decode
+  limits = image_chat.ImageLimits(d.serve_max_images, d.serve_max_image_bytes, d.serve_max_image_pixels)
+
+  def chat_images(messages: list[dict[str, Any]]) -> tuple[list[int], Any]:
+    return image_chat.conversation_ids(template_tokenizer(), messages, config.model, files=False, limits=limits)
+
+  return api.Codec(encode, tokenizer.decode, chat, chat_images), tokenizer.eos_id
 
 
 class Server:
@@ -80,7 +90,8 @@ class Server:
     self.codec, self.decode_cfg = codec, d
     self.limits = api.Limits(d.serve_model_name or config["model_name"], config.model.vocab_size,
                              d.max_prefill_predict_length, config.model.max_target_length, d.serve_max_tokens,
-                             d.serve_max_n)
+                             d.serve_max_n,
+                             config.model.vision.image_token_id if config.model.vision.use_multimodal else None)
     self.scheduler = sched.Scheduler(engine, params, d.serve_max_queue, [] if eos_id is None else [eos_id]).start()
     self.metrics = serve_metrics.ServeMetrics(self.scheduler.load)
     self._token_text: dict[int, str] = {}
@@ -101,7 +112,8 @@ class Server:
       except RuntimeError:  # the event loop is closed: the server is stopping
         pass
 
-    jobs = [sched.Job(c.index, c.prompt, c.max_tokens, c.row, emit, score_prompt) for c in request.choices]
+    jobs = [sched.Job(c.index, c.prompt, c.max_tokens, c.row, emit, score_prompt, images=c.images)
+            for c in request.choices]
     try:
       self.scheduler.submit(jobs)
     except sched.QueueFull as e:

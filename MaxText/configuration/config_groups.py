@@ -391,6 +391,7 @@ class DecodeConfig:
   prompt: str = key()
   prompt_token_ids: tuple[int, ...] = key()  # empty = tokenize `prompt`
   prompt_chat_template: bool = key()  # `prompt` as one user turn in the tokenizer's chat template
+  image_path: str = key()  # decode: images for a vision-language prompt, comma-separated (local or gs://)
   max_prefill_predict_length: int = key()
   decode_sampling_strategy: str = key()
   decode_sampling_temperature: float = key()
@@ -406,6 +407,9 @@ class DecodeConfig:
   serve_max_tokens: int = key()  # the most new tokens one request may ask for
   serve_max_n: int = key()  # the most completions (prompts x n) one request may ask for
   serve_max_body_bytes: int = key()
+  serve_max_images: int = key()  # the most images one chat request may bring
+  serve_max_image_bytes: int = key()  # one image's encoded size
+  serve_max_image_pixels: int = key()  # one image's width x height
   serve_request_timeout_seconds: float = key()
   kv_cache_layout: str = key()  # dense: [slots, max_target_length] per layer; paged: a pool of pages
   kv_page_size: int = key()
@@ -448,9 +452,11 @@ class DecodeConfig:
              f"{prefill}; raise max_prefill_predict_length or shorten the prompt")
     _require(bool(str(v["host"]).strip()), "host must name an address to bind, e.g. 127.0.0.1")
     _require(0 <= v["port"] <= 65535, f"port must be in [0, 65535] (0 = any free port), got {v['port']}")
-    for name in ("serve_max_slots", "serve_max_tokens", "serve_max_n", "serve_max_body_bytes"):
+    for name in ("serve_max_slots", "serve_max_tokens", "serve_max_n", "serve_max_body_bytes", "serve_max_image_bytes",
+                 "serve_max_image_pixels"):
       _require(v[name] >= 1, f"{name} must be >= 1, got {v[name]}")
     _require(v["serve_max_queue"] >= 0, f"serve_max_queue must be >= 0, got {v['serve_max_queue']}")
+    _require(v["serve_max_images"] >= 0, f"serve_max_images must be >= 0 (0: no images), got {v['serve_max_images']}")
     _require(v["serve_request_timeout_seconds"] > 0,
              f"serve_request_timeout_seconds must be > 0, got {v['serve_request_timeout_seconds']}")
     return cls(**read_keys(cls, v, prompt_token_ids=ids))

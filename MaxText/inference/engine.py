@@ -20,6 +20,10 @@ kv_cache_layout=paged keeps each layer's cache as a pool of pages instead of [T,
 the last `init_decode_state`; `insert` takes the prompt's pages, `generate` a new page when a
 slot crosses a page boundary (chosen on the host before the jitted step, which takes the block
 table as an argument), `release(slot)` gives them back. One engine, one decode state at a time.
+
+A vision-language model's prompts may bring images (image_prompts.PromptImages: `prefill`'s
+`images`, `begin_prompt`/`prefill_chunk`'s, `score`'s): prefill runs them through the vision tower
+with each image's tokens attending both ways; generate steps are text.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from MaxText.training import model_assembly
 from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.errors import UserError
-from MaxText.inference import paged_cache, sampling
+from MaxText.inference import image_prompts, paged_cache, sampling
 from MaxText.layers import kv_cache
 
 
@@ -123,6 +127,11 @@ class Engine:
     # The scheduler prefills prompts straight into pages (begin_prompt, prefill_chunk): in chunks,
     # or in one piece after the pages a cached prefix already holds.
     self.prefills_into_pages = self.paged and (self.decode_cfg.prefill_chunk_size > 0 or self.decode_cfg.prefix_caching)
+    vision, chunk = self.cfg.vision, self.decode_cfg.prefill_chunk_size
+    if vision.use_multimodal and 0 < chunk < vision.mm_tokens_per_image:
+      raise UserError(f"prefill_chunk_size={chunk} is less than mm_tokens_per_image={vision.mm_tokens_per_image}: "
+                      "an image's tokens attend to each other both ways, so each image is prefilled within one "
+                      "chunk; raise prefill_chunk_size or set it to 0")
     abstract_caches = jax.eval_shape(self._empty_caches)
     self._cache_bytes = paged_cache.cache_bytes(abstract_caches)  # cache_stats is read by every /health
     names = (paged_cache.model_pool_names(self.cfg, quantized) if self.paged
@@ -158,11 +167,13 @@ class Engine:
     return self._init_state(jnp.uint32(seed))
 
   def prefill(self, params: Any, prompts: Sequence[Sequence[int]], seed: int = 0,
-              row_params: Sequence[sampling.RowParams] | None = None) -> Prefix:
+              row_params: Sequence[sampling.RowParams] | None = None,
+              images: Sequence[image_prompts.PromptImages | None] | None = None) -> Prefix:
     """One pass over the right-padded prompts (each at most max_prefill_predict_length tokens).
     Each row samples by its `row_params` (default: the decode_sampling_* keys, row i seeded
-    with seed + i)."""
+    with seed + i). `images`: each prompt's images (None: none), one per placeholder run."""
     tokens_BL, lengths_B = pad_prompts(prompts, self.decode_cfg.max_prefill_predict_length)
+    pixels = self._pixels(prompts, images)
     if row_params is None:
       row_params = [sampling.RowParams.from_strategy(self.sampling, seed + i) for i in range(len(prompts))]
     if len(row_params) != len(prompts):
@@ -172,7 +183,7 @@ class Engine:
                        jnp.asarray([r.top_k for r in row_params], jnp.int32),
                        jnp.asarray([r.seed % 2**32 for r in row_params], jnp.uint32))  # seeds: keys made in jit
     with sharding.activation_sharding(self.mesh, self.rules):
-      return self._prefill(params, jnp.asarray(tokens_BL), jnp.asarray(lengths_B), rows)
+      return self._prefill(params, jnp.asarray(tokens_BL), jnp.asarray(lengths_B), rows, pixels)
 
   def insert(self, prefix: Prefix, state: DecodeState, slot: int, row: int = 0) -> DecodeState:
     """`state` with prompt `row` of `prefix` in slot `slot` (slot and row are traced: no recompiles)."""
@@ -200,32 +211,40 @@ class Engine:
       self.pages.advance()
     return out
 
-  def begin_prompt(self, slot: int, prompt: Sequence[int]) -> int:
+  def begin_prompt(self, slot: int, prompt: Sequence[int], images: image_prompts.PromptImages | None = None) -> int:
     """Paged, chunked prefill: the pages of `prompt` for `slot`, which generate steps skip until
     the last `prefill_chunk` has run (raises OutOfPages, nothing changed, when they are not free).
     Returns where prefilling starts: after the prompt's leading pages another request already
-    cached (prefix_caching), else 0."""
+    cached (prefix_caching; with `images`, pages keyed by their content too, and never inside an
+    image's run), else 0."""
     self._check_slot(slot)
     if self.pages is None:
       raise UserError("chunked prefill needs kv_cache_layout=paged")
     if not 1 <= len(prompt) <= self.cfg.max_target_length - 1:
       raise UserError(f"a prompt of {len(prompt)} tokens does not fit max_target_length={self.cfg.max_target_length} "
                       "with room to generate")
-    return self.pages.assign(slot, len(prompt), active=False, prompt=prompt)
+    runs = image_prompts.image_runs(prompt, self.cfg.vision, images)
+    return self.pages.assign(slot, len(prompt), active=False, prompt=prompt,
+                             salts=image_prompts.page_salts(runs, images, self.pages.page_size), runs=runs)
 
   def prefill_chunk(self, params: Any, state: DecodeState, slot: int, prompt: Sequence[int], start: int,
-                    row_params: sampling.RowParams | None = None, seed: int = 0
+                    row_params: sampling.RowParams | None = None, seed: int = 0,
+                    images: image_prompts.PromptImages | None = None
                     ) -> tuple[DecodeState, int, tuple[jax.Array, TokenLogprobs] | None]:
     """Prefills prompt[start:start + prefill_chunk_size] of `slot` straight into its pages,
     attending over the tokens before it there. Returns (state, where the next chunk starts, and
     after the last chunk the first sampled token [1] with its log-probabilities, else None); the
     slot then generates like one `insert`ed. One compiled program for every chunk of
-    prefill_chunk_size; unchunked (prefix caching alone), one per power of two of what is left."""
+    prefill_chunk_size; unchunked (prefix caching alone), one per power of two of what is left.
+    With `images` (those given to begin_prompt), a chunk ends before an image run it cannot hold
+    whole and runs the images inside it through the vision tower."""
     chunk = self.decode_cfg.prefill_chunk_size
     if not chunk:  # the rest of the prompt in one piece, padded to a power of two: a few programs in all
       chunk = min(1 << max(len(prompt) - start - 1, 0).bit_length(), self.decode_cfg.max_prefill_predict_length)
-    tokens = list(prompt[start:start + chunk])
-    end = start + len(tokens)
+    runs = image_prompts.image_runs(prompt, self.cfg.vision, images)
+    end = image_prompts.chunk_end(start, min(start + chunk, len(prompt)), runs)
+    tokens = list(prompt[start:end])
+    pixels = image_prompts.images_within(images, runs, start, end)
     row = row_params or sampling.RowParams.from_strategy(self.sampling, seed)
     rows = RowSampling(jnp.asarray([row.temperature], jnp.float32), jnp.asarray([row.top_p], jnp.float32),
                        jnp.asarray([row.top_k], jnp.int32), jnp.asarray([row.seed % 2**32], jnp.uint32))
@@ -234,10 +253,11 @@ class Engine:
     assert self.pages is not None
     with sharding.activation_sharding(self.mesh, self.rules):
       state, first = self._extend(params, state, jnp.asarray(tokens_1C), jnp.int32(start), jnp.int32(len(tokens)),
-                                  jnp.int32(slot), jnp.asarray(self.pages.table[slot][None]), rows)
+                                  jnp.int32(slot), jnp.asarray(self.pages.table[slot][None]), rows,
+                                  None if pixels is None else jnp.asarray(pixels))
     if end < len(prompt):
       return state, end, None
-    self.pages.activate(slot, prompt)
+    self.pages.activate(slot, prompt, image_prompts.page_salts(runs, images, self.pages.page_size))
     return state, end, first
 
   def release(self, slot: int) -> None:
@@ -261,12 +281,14 @@ class Engine:
       return {**stats, "pages_total": 0, "pages_free": 0, "pages_used": 0}
     return {**stats, **self.pages.stats()}
 
-  def score(self, params: Any, prompt: Sequence[int]) -> TokenLogprobs:
+  def score(self, params: Any, prompt: Sequence[int], images: image_prompts.PromptImages | None = None
+            ) -> TokenLogprobs:
     """Log-probabilities of each prompt token given the ones before it ([L], row 0 meaningless)
     and the most probable alternatives at each position, from one full forward pass."""
     tokens_BL, _ = pad_prompts([prompt], self.decode_cfg.max_prefill_predict_length)
+    pixels = self._pixels([prompt], [images])
     with sharding.activation_sharding(self.mesh, self.rules):
-      return self._score(params, jnp.asarray(tokens_BL))
+      return self._score(params, jnp.asarray(tokens_BL), pixels)
 
   def generate_compilations(self) -> int:
     """How many distinct programs `generate` has compiled (1 after any number of steps)."""
@@ -276,6 +298,18 @@ class Engine:
   def _check_slot(self, slot: int) -> None:
     if not 0 <= slot < self.num_slots:
       raise ValueError(f"slot {slot} out of range for {self.num_slots} slots")
+
+  def _pixels(self, prompts: Sequence[Sequence[int]], images: Sequence[image_prompts.PromptImages | None] | None
+              ) -> jax.Array | None:
+    """The prompts' images as one padded [B, M, 3, R, R] array (None: no images), each row's
+    images checked against its placeholder runs."""
+    rows = list(images) if images is not None else [None] * len(prompts)
+    if len(rows) != len(prompts):
+      raise ValueError(f"{len(rows)} image rows for {len(prompts)} prompts")
+    for prompt, row in zip(prompts, rows):
+      image_prompts.image_runs(prompt, self.cfg.vision, row)
+    pixels = image_prompts.pixel_batch(rows)
+    return None if pixels is None else jnp.asarray(pixels)
 
   def _check_num_pages(self) -> int:
     per_slot = paged_cache.pages_per_slot(self.cfg.max_target_length, self.decode_cfg.kv_page_size)
@@ -313,21 +347,22 @@ class Engine:
                        keys)
     return DecodeState(self._empty_caches(), zeros, zeros, rows)
 
-  def _prefill_fn(self, params: Any, tokens_BL: jax.Array, lengths_B: jax.Array, rows: RowSampling) -> Prefix:
+  def _prefill_fn(self, params: Any, tokens_BL: jax.Array, lengths_B: jax.Array, rows: RowSampling,
+                  pixels: jax.Array | None) -> Prefix:
     self.traces["prefill"] += 1
     seeds_to_keys = jax.vmap(lambda seed: jax.random.key_data(jax.random.key(seed)))
     rows = dataclasses.replace(rows, keys_B=seeds_to_keys(rows.keys_B))
     batch, length = tokens_BL.shape
     caches = kv_cache.model_caches(self.cfg, batch, length, self.decode_cfg.quantize_kvcache)
     positions_BL = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens_BL.shape)
-    logits_B1V, caches = self.spec.apply_decode(params, tokens_BL, positions_BL, caches, lengths_B - 1)
+    logits_B1V, caches = self.spec.apply_decode(params, tokens_BL, positions_BL, caches, lengths_B - 1, pixels)
     tokens_B, rows, logprobs = self._sample(logits_B1V[:, 0], rows)
     return Prefix(caches, lengths_B, tokens_B, rows, logprobs)
 
-  def _score_fn(self, params: Any, tokens_BL: jax.Array) -> TokenLogprobs:
+  def _score_fn(self, params: Any, tokens_BL: jax.Array, pixels: jax.Array | None) -> TokenLogprobs:
     self.traces["score"] += 1
     positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1], dtype=jnp.int32), tokens_BL.shape)
-    logits_BLV = self.spec.apply(params, tokens_BL, positions_BL, jnp.ones_like(tokens_BL))
+    logits_BLV = self.spec.apply(params, tokens_BL, positions_BL, jnp.ones_like(tokens_BL), None, pixels)
     # Position i scores token i from the logits at i - 1 (position 0 has no prediction: scored as itself).
     logits_LV = jnp.concatenate([logits_BLV[0, :1], logits_BLV[0, :-1]], axis=0)
     return TokenLogprobs(*sampling.token_logprobs(logits_LV, tokens_BL[0]))
@@ -359,7 +394,7 @@ class Engine:
                                                      prefix.sampling))
 
   def _extend_fn(self, params: Any, state: DecodeState, tokens_1C: jax.Array, start: jax.Array, length: jax.Array,
-                 slot: jax.Array, table_1M: jax.Array, rows: RowSampling
+                 slot: jax.Array, table_1M: jax.Array, rows: RowSampling, pixels: jax.Array | None
                  ) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
     """One prefill chunk of one slot through its pages: tokens [1, C] (the first `length` real) at
     positions start.. attend over what the slot's pages already hold; the slot's next position,
@@ -372,7 +407,7 @@ class Engine:
     stored_tables = jax.tree.map(lambda c: c.block_table_BM, state.caches, is_leaf=paged_cache.is_pool)
     caches = paged_cache.with_block_table(state.caches, table_1M)
     positions_1C = start + jnp.arange(tokens_1C.shape[1], dtype=jnp.int32)[None]
-    logits_11V, caches = self.spec.apply_decode(params, tokens_1C, positions_1C, caches, (length - 1)[None])
+    logits_11V, caches = self.spec.apply_decode(params, tokens_1C, positions_1C, caches, (length - 1)[None], pixels)
     caches = jax.tree.map(lambda c, t: dataclasses.replace(c, block_table_BM=t), caches, stored_tables,
                           is_leaf=paged_cache.is_pool)
     tokens_1, rows, logprobs = self._sample(logits_11V[:, 0], rows)
@@ -394,6 +429,7 @@ class Request:
   prompt: list[int]
   max_new_tokens: int
   output: list[int] = dataclasses.field(default_factory=list)
+  images: image_prompts.PromptImages | None = None
 
 
 def load_engine(config: Config, num_slots: int, fresh_note: str, mesh: Mesh | None = None) -> tuple[Engine, Any]:
@@ -431,7 +467,7 @@ def serve(engine: Engine, params: Any, requests: Sequence[Request], eos_id: int 
       if need and sum(reserved.values()) + need > engine.cache_stats()["pages_total"]:
         break  # wait for running requests to give their pages back
       waiting.popleft()
-      prefix = engine.prefill(params, [request.prompt], seed=seed + index)
+      prefix = engine.prefill(params, [request.prompt], seed=seed + index, images=[request.images])
       state = engine.insert(prefix, state, slot)
       request.output.append(int(prefix.first_tokens_B[0]))
       if _finished(request, eos_id):

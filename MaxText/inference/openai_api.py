@@ -5,6 +5,8 @@ ids, max_tokens, sampling parameters) or raise `ApiError` (status, message, the 
 fault); `ChoiceText` turns a choice's token stream into text, finding stop sequences and
 holding back text that could still become one; the `*_body` helpers build response objects.
 No field can name a file, a path or another checkpoint: `model` is only compared to the served name.
+Chat content parts may carry images as data: URLs (`Codec.chat_images`, inference/image_chat.py);
+an http(s) URL is refused, nothing is fetched.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import secrets
 from typing import Any, Callable, Sequence
 
+from MaxText.errors import UserError
 from MaxText.inference.sampling import NUM_TOP_LOGPROBS, RowParams
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
@@ -38,6 +41,7 @@ class Limits:
   max_target_length: int
   max_tokens: int  # serve_max_tokens
   max_choices: int  # serve_max_n
+  image_token_id: int | None = None  # a vision-language model's placeholder: never typed into a prompt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +50,9 @@ class Codec:
   encode: Callable[[str], list[int]]
   decode: Callable[[list[int]], str]
   chat: Callable[[list[dict[str, str]]], list[int]]
+  # Messages with content parts, images among them -> (ids, the images: image_prompts.PromptImages
+  # or None); raises UserError on a bad image. None: the server takes no images.
+  chat_images: Callable[[list[dict[str, Any]]], tuple[list[int], Any]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +61,7 @@ class Completion:
   prompt: list[int]
   max_tokens: int
   row: RowParams
+  images: Any = None  # image_prompts.PromptImages of the prompt's placeholder runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +156,7 @@ def _sampling(body: dict[str, Any], vocab_size: int) -> tuple[float, float, int,
   return temperature, top_p, min(top_k, vocab_size), seed, n
 
 
-def _check_prompt(ids: list[int], limits: Limits) -> None:
+def _check_prompt(ids: list[int], limits: Limits, has_images: bool = False) -> None:
   if not ids:
     raise ApiError(400, "the prompt is empty (it must have at least one token)", "prompt")
   if len(ids) > limits.max_prompt_tokens:
@@ -157,6 +165,9 @@ def _check_prompt(ids: list[int], limits: Limits) -> None:
   bad = [t for t in ids if not 0 <= t < limits.vocab_size]
   if bad:
     raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})", "prompt")
+  if not has_images and limits.image_token_id is not None and limits.image_token_id in ids:
+    raise ApiError(400, f"the prompt holds the image placeholder token {limits.image_token_id} but no image; send "
+                   "images as image_url content parts of /v1/chat/completions", "prompt")
 
 
 def _max_tokens(value: Any, name: str, prompt_len: int, limits: Limits, minimum: int) -> int:
@@ -176,20 +187,20 @@ def _max_tokens(value: Any, name: str, prompt_len: int, limits: Limits, minimum:
   return value
 
 
-def _choices(prompts: list[list[int]], body: dict[str, Any], name: str, limits: Limits, minimum: int
-             ) -> list[Completion]:
+def _choices(prompts: list[list[int]], body: dict[str, Any], name: str, limits: Limits, minimum: int,
+             images: Any = None) -> list[Completion]:
   temperature, top_p, top_k, seed, n = _sampling(body, limits.vocab_size)
   if len(prompts) * n > limits.max_choices:
     raise ApiError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} completions; this server allows at "
                    f"most {limits.max_choices} per request (serve_max_n)", "n")
   out = []
   for p, ids in enumerate(prompts):
-    _check_prompt(ids, limits)
+    _check_prompt(ids, limits, images is not None)
     max_tokens = _max_tokens(body.get(name), name, len(ids), limits, minimum)
     for j in range(n):
       index = p * n + j
       row_seed = secrets.randbits(32) if seed is None else seed + index
-      out.append(Completion(index, ids, max_tokens, RowParams(temperature, top_p, top_k, row_seed)))
+      out.append(Completion(index, ids, max_tokens, RowParams(temperature, top_p, top_k, row_seed), images))
   return out
 
 
@@ -230,10 +241,23 @@ def parse_chat(body: Any, limits: Limits, codec: Codec) -> Request:
   messages = body.get("messages")
   if not isinstance(messages, list) or not messages:
     raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-  rendered = []
   for i, message in enumerate(messages):
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
       raise ApiError(400, f"messages[{i}] must be an object with a role and a content", "messages")
+  if body.get("logprobs") or body.get("top_logprobs"):
+    raise ApiError(400, "logprobs are supported by /v1/completions only", "logprobs")
+  name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+  if has_images(body) or (codec.chat_images is not None and limits.image_token_id is not None):
+    if codec.chat_images is None:
+      raise ApiError(400, "this server takes no images", "messages")
+    try:
+      ids, images = codec.chat_images(messages)
+    except UserError as e:
+      raise ApiError(400, str(e), "messages", "invalid_image") from None
+    choices = _choices([ids], body, name, limits, minimum=1, images=images)
+    return Request(choices, bool(_get(body, "stream", bool, False)), _stop(body))
+  rendered = []
+  for i, message in enumerate(messages):
     content = message.get("content")
     if isinstance(content, list):  # content parts: only text parts are understood
       if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
@@ -243,11 +267,19 @@ def parse_chat(body: Any, limits: Limits, codec: Codec) -> Request:
     if not isinstance(content, str):
       raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
     rendered.append({"role": message["role"], "content": content})
-  if body.get("logprobs") or body.get("top_logprobs"):
-    raise ApiError(400, "logprobs are supported by /v1/completions only", "logprobs")
-  name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
   choices = _choices([codec.chat(rendered)], body, name, limits, minimum=1)
   return Request(choices, bool(_get(body, "stream", bool, False)), _stop(body))
+
+
+IMAGE_PART_TYPES = ("image_url", "image")
+
+
+def has_images(body: Any) -> bool:
+  """Whether a chat body's messages carry image parts (decoded off the event loop)."""
+  messages = body.get("messages") if isinstance(body, dict) else None
+  return isinstance(messages, list) and any(
+      isinstance(m, dict) and isinstance(m.get("content"), list)
+      and any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES for p in m["content"]) for m in messages)
 
 
 class ChoiceText:

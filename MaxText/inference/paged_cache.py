@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from MaxText.errors import UserError
-from MaxText.inference import prefix_cache
+from MaxText.inference import image_prompts, prefix_cache
 from MaxText.layers import kv_cache, paged_kv
 from MaxText.configuration.model_config import ModelConfig
 
@@ -64,14 +64,18 @@ class PageAllocator:
     """Pages a slot can be given now: free ones and indexed ones nobody holds (evicted on demand)."""
     return len(self.free) + (self.index.parked if self.index is not None else 0)
 
-  def assign(self, slot: int, prompt_length: int, active: bool = True, prompt: Sequence[int] | None = None) -> int:
+  def assign(self, slot: int, prompt_length: int, active: bool = True, prompt: Sequence[int] | None = None,
+             salts: Mapping[int, bytes] | None = None, runs: Sequence[tuple[int, int]] = ()) -> int:
     """Pages for a prompt of `prompt_length` tokens in `slot` (its previous pages freed first);
     returns how many leading prompt tokens are already cached (shared prefix pages, with
     prefix caching and the prompt's tokens given; at least one token is always left to compute).
-    `active=False`: the prompt is still being prefilled in chunks; `activate` once it is cached."""
+    `active=False`: the prompt is still being prefilled in chunks; `activate` once it is cached.
+    An image prompt gives its pages' `salts` and image `runs`: no shared prefix ends inside a run."""
     shared = []
     if self.index is not None and prompt is not None:
-      shared = self.index.match(prompt, (prompt_length - 1) // self.page_size)
+      shared = self.index.match(prompt, (prompt_length - 1) // self.page_size, salts)
+      shared = shared[:image_prompts.whole_runs_start(len(shared) * self.page_size, runs, self.page_size)
+                      // self.page_size]
     need = self.pages_for(prompt_length) - len(shared)
     releasable = sum(1 for p in self.table[slot] if p >= 0 and self.refs[p] == 1)
     parked_shared = sum(1 for p in shared if self.index is not None and self.index.is_parked(p))
@@ -87,12 +91,12 @@ class PageAllocator:
     self.positions[slot], self.active[slot] = prompt_length, active
     return len(shared) * self.page_size
 
-  def activate(self, slot: int, prompt: Sequence[int] | None = None) -> None:
+  def activate(self, slot: int, prompt: Sequence[int] | None = None, salts: Mapping[int, bytes] | None = None) -> None:
     """The slot's prompt is cached: it generates from the next step on, and with prefix caching
     its full pages are indexed for the requests after it."""
     self.active[slot] = True
     if self.index is not None and prompt is not None:
-      self.index.register(prompt, [int(p) for p in self.table[slot]])
+      self.index.register(prompt, [int(p) for p in self.table[slot]], salts)
 
   def generate_table(self) -> np.ndarray:
     """The block table a generate step sees: a slot still prefilling shows no pages, so the step

@@ -6,14 +6,15 @@ their first k full pages share those k pages: the second request's slot points i
 at them and prefills only the rest. Only full prompt pages are ever shared, and the page where
 two prompts part is each request's own, so a shared page is never written (nothing to copy on
 write). A page nobody holds any more stays indexed (its keys still valid) in least-recently-used
-order, and is evicted, index entry first, only when the free list runs dry.
+order, and is evicted, index entry first, only when the free list runs dry. A page holding an
+image's placeholder tokens also hashes the image's digest (`salts`).
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -27,27 +28,29 @@ class PrefixIndex:
     self._hash_of: dict[int, bytes] = {}
     self._unheld: collections.OrderedDict[int, None] = collections.OrderedDict()  # oldest first
 
-  def chain(self, tokens: Sequence[int], num_pages: int) -> list[bytes]:
+  def chain(self, tokens: Sequence[int], num_pages: int, salts: Mapping[int, bytes] | None = None) -> list[bytes]:
+    """The pages' chain hashes; `salts` (page index -> bytes) folds in what a page's keys depend on
+    beyond its tokens: the images whose placeholder tokens it holds (inference/image_prompts.py)."""
     hashes, previous = [], b""
     for i in range(num_pages):
       page_tokens = np.asarray(tokens[i * self.page_size:(i + 1) * self.page_size], np.int64)
-      previous = hashlib.sha256(previous + page_tokens.tobytes()).digest()
+      previous = hashlib.sha256(previous + page_tokens.tobytes() + (salts or {}).get(i, b"")).digest()
       hashes.append(previous)
     return hashes
 
-  def match(self, tokens: Sequence[int], max_pages: int) -> list[int]:
+  def match(self, tokens: Sequence[int], max_pages: int, salts: Mapping[int, bytes] | None = None) -> list[int]:
     """The indexed pages holding the longest run of `tokens`' first full pages (at most max_pages)."""
     pages = []
-    for digest in self.chain(tokens, max_pages):
+    for digest in self.chain(tokens, max_pages, salts):
       page = self._page_of.get(digest)
       if page is None:
         break
       pages.append(page)
     return pages
 
-  def register(self, tokens: Sequence[int], pages: Sequence[int]) -> None:
+  def register(self, tokens: Sequence[int], pages: Sequence[int], salts: Mapping[int, bytes] | None = None) -> None:
     """Indexes the full pages of a prompt now cached in `pages` (already indexed ones stay as they are)."""
-    for digest, page in zip(self.chain(tokens, len(tokens) // self.page_size), pages):
+    for digest, page in zip(self.chain(tokens, len(tokens) // self.page_size, salts), pages):
       if digest not in self._page_of and page not in self._hash_of:
         self._page_of[digest], self._hash_of[page] = page, digest
 

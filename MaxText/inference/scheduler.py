@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from MaxText.inference.engine import Engine, TokenLogprobs
+from MaxText.inference.image_prompts import PromptImages
 from MaxText.inference.sampling import RowParams
 
 
@@ -82,6 +83,7 @@ class Job:
   cancelled: bool = False  # set by the handler; read by the scheduler at the next step
   submitted: float = 0.0  # time.monotonic() at submit
   on_cancel: Callable[[], None] | None = None  # set by submit: wakes the scheduler
+  images: PromptImages | None = None  # a vision-language prompt's images, one per placeholder run
 
   def cancel(self) -> None:
     if not self.cancelled:
@@ -91,6 +93,11 @@ class Job:
 
 
 _COUNTS = ("admitted", "released", "steps", "loops", "length", "stop", "cancelled", "error", "prefix_cached_tokens")
+
+
+def _images(job: Job) -> dict[str, Any]:
+  """A text job calls the engine as before images existed (engines that take none stay usable)."""
+  return {} if job.images is None else {"images": job.images}
 
 
 def _top(ids_k: np.ndarray, logprobs_k: np.ndarray) -> list[tuple[int, float]]:
@@ -232,7 +239,7 @@ class Scheduler:
 
   def _start(self, job: Job, slot: int) -> None:
     if job.score_prompt:
-      scores = jax.device_get(self.engine.score(self.params, job.prompt))
+      scores = jax.device_get(self.engine.score(self.params, job.prompt, **_images(job)))
       n = len(job.prompt)
       job.emit(PromptScores(job.index, [float(x) for x in scores.chosen_B[:n]],
                             [_top(i, lp) for i, lp in zip(scores.top_ids_Bk[:n], scores.top_logprobs_Bk[:n])]))
@@ -240,12 +247,13 @@ class Scheduler:
       self._finish(job, None, "length")
       return
     if self._into_pages:
-      cached = self.engine.begin_prompt(slot, job.prompt)
+      cached = self.engine.begin_prompt(slot, job.prompt, **_images(job))
       self.counts["prefix_cached_tokens"] += cached
       with self._wake:
         self._prefilling[slot] = (job, cached)
       return
-    prefix = self.engine.prefill(self.params, [job.prompt], row_params=[job.row])
+    rows: dict[str, Any] = {} if job.images is None else {"images": [job.images]}
+    prefix = self.engine.prefill(self.params, [job.prompt], row_params=[job.row], **rows)
     self._state = self.engine.insert(prefix, self._state, slot)
     first, logprobs = jax.device_get((prefix.first_tokens_B, prefix.first_logprobs))
     with self._wake:
@@ -257,7 +265,8 @@ class Scheduler:
     per-step prefill budget); without it (prefix caching alone), every admitted prompt whole, as
     the unchunked path prefills them all before the next step."""
     for slot, (job, start) in list(self._prefilling.items()):
-      self._state, end, first = self.engine.prefill_chunk(self.params, self._state, slot, job.prompt, start, job.row)
+      self._state, end, first = self.engine.prefill_chunk(self.params, self._state, slot, job.prompt, start, job.row,
+                                                          **_images(job))
       if first is None:
         with self._wake:
           self._prefilling[slot] = (job, end)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import time
@@ -124,7 +125,11 @@ def add_routes(app: FastAPI, server: "Server", json_response: Any, streaming_res
 
   @app.post("/v1/chat/completions")
   async def chat_completions(http: Request) -> Any:
-    request = api.parse_chat(await read_json(http), server.limits, server.codec)
+    body = await read_json(http)
+    if api.has_images(body):  # decoding and resizing images: not on the event loop other requests share
+      request = await asyncio.to_thread(api.parse_chat, body, server.limits, server.codec)
+    else:
+      request = api.parse_chat(body, server.limits, server.codec)
     choices = await _run(http, request, False, chat=True)
     if not isinstance(choices, dict):
       return choices  # the stream

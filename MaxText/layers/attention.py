@@ -272,7 +272,8 @@ class Attention(nnx.Module):
     if cache is not None:
       cache = kv_cache.write(cache, k_BSKH, v_BSKH, positions_BL)
       out_BLNH = kv_cache.cached_attention(q_BLNH, cache, positions_BL, layer_window_size(cfg.attn, layer_index),
-                                           cfg.attn.attn_logits_soft_cap, layer_chunk_size(cfg.attn, layer_index), **sinks)
+                                           cfg.attn.attn_logits_soft_cap, layer_chunk_size(cfg.attn, layer_index), **sinks,
+                                           image_blocks_BL=image_blocks_BL)
       return self.out(sharding.constrain(out_BLNH, heads_names)), cache
     chunk: dict[str, Any] = ({"chunk_size": layer_chunk_size(cfg.attn, layer_index), "positions_BL": positions_BL}
                              if self.chunked else {})

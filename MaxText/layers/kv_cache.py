@@ -114,13 +114,18 @@ def write(cache: KVCache | paged_kv.PagedKVCache, k_BLKH: jax.Array, v_BLKH: jax
 
 def cached_attention(q_BLNH: jax.Array, cache: KVCache | paged_kv.PagedKVCache, positions_BL: jax.Array,
                      window_size: masks.Window = None, soft_cap: float = 0.0,
-                     chunk_size: masks.Window = None, sinks_N: jax.Array | None = None) -> jax.Array:
-  """Grouped-query attention of already-scaled queries over the whole cache (masks.cache_mask),
-  with the attention sinks of masks.dense_attention when given; over pages: attention_kernels.paged_attention."""
+                     chunk_size: masks.Window = None, sinks_N: jax.Array | None = None,
+                     image_blocks_BL: jax.Array | None = None) -> jax.Array:
+  """Grouped-query attention of already-scaled queries over the whole cache (masks.cache_mask,
+  with a prefill's image blocks), with the attention sinks of masks.dense_attention when given;
+  over pages: attention_kernels.paged_attention."""
   if isinstance(cache, paged_kv.PagedKVCache):
+    if image_blocks_BL is not None:  # only the reference takes a mask beyond causality
+      return paged_kv.gathered_attention(q_BLNH, cache, positions_BL, window_size, soft_cap, chunk_size, sinks_N,
+                                         image_blocks_BL)
     return attention_kernels.paged_attention(q_BLNH, cache, positions_BL, window_size, soft_cap, chunk_size, sinks_N)
   k_BSKH, v_BSKH = cache.read(q_BLNH.dtype)
-  mask_BLS = masks.cache_mask(positions_BL, k_BSKH.shape[1], window_size, chunk_size)
+  mask_BLS = masks.cache_mask(positions_BL, k_BSKH.shape[1], window_size, chunk_size, image_blocks_BL)
   return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS, soft_cap, sinks_N)
 
 

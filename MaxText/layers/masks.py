@@ -111,10 +111,19 @@ def image_blocks(tokens_BL: jax.Array, image_token_id: int) -> jax.Array:
 
 
 def cache_mask(positions_BL: jax.Array, cache_length: int, window: Window = None,
-               chunk: Window = None) -> jax.Array:
+               chunk: Window = None, image_blocks_BL: jax.Array | None = None) -> jax.Array:
   """[B, L, S] mask of new queries over a KV cache (index = position), which needs no segment
-  ids: entries past a query's position (padding, stale tokens) are hidden as future."""
-  return allowed(positions_BL, jnp.arange(cache_length)[None], window=window, chunk=chunk)
+  ids: entries past a query's position (padding, stale tokens) are hidden as future.
+  `image_blocks_BL` (`image_blocks` of this call's tokens; each image whole within the call): an
+  image's tokens also see the cache entries of its later tokens, which this call writes."""
+  k_pos_1S = jnp.arange(cache_length)[None]
+  if image_blocks_BL is None:
+    return allowed(positions_BL, k_pos_1S, window=window, chunk=chunk)
+  # Each key position gets the block id of the token this call writes there (0: none or text).
+  rows_BL = jnp.broadcast_to(jnp.arange(positions_BL.shape[0])[:, None], positions_BL.shape)
+  k_block_BS = jnp.zeros((positions_BL.shape[0], cache_length), jnp.int32).at[rows_BL, positions_BL].set(
+      image_blocks_BL, mode="drop")
+  return allowed(positions_BL, k_pos_1S, window=window, chunk=chunk, q_block_BL=image_blocks_BL, k_block_BS=k_block_BS)
 
 
 def group_queries(q_BLNH: jax.Array, num_kv: int) -> jax.Array:

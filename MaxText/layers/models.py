@@ -396,17 +396,25 @@ class Transformer(nnx.Module):
     return {"mtp_xent_sum": xent_sum, "mtp_weight_sum": weight_sum}
 
   def decode(self, tokens_BL: jax.Array, positions_BL: jax.Array, caches: Any,
-             logits_index_B: jax.Array | None = None) -> tuple[jax.Array, Any]:
+             logits_index_B: jax.Array | None = None, pixel_values: jax.Array | None = None
+             ) -> tuple[jax.Array, Any]:
     """Decoding forward pass: float32 logits [B, L, V] of new tokens at absolute `positions_BL`,
     attending over (and written into) `caches`; returns the updated caches too. With
     `logits_index_B`, only the logits of that one token per row ([B, 1, V]): prefill needs just
-    the last prompt token's, and a [B, L, V] float32 block would dwarf the cache for long prompts."""
+    the last prompt token's, and a [B, L, V] float32 block would dwarf the cache for long prompts.
+    `pixel_values` [B, M, 3, R, R] (a prefill): the images whose placeholder runs all lie in this
+    call's tokens, placed as `_multimodal_input` places them; their tokens attend both ways."""
     if self.cfg.pipeline.num_pipeline_stages > 1:
       raise ValueError("decoding does not support pipeline parallelism; set ici_pipeline_parallelism=1")
-    x_BLD = sharding.constrain(self._embed(tokens_BL, positions_BL), ACTIVATION_NAMES)
+    x_BLD = self._embed(tokens_BL, positions_BL)
+    image_blocks_BL = None
+    if pixel_values is not None:
+      x_BLD, image_blocks_BL = self._multimodal_input(x_BLD, tokens_BL, pixel_values)
+    x_BLD = sharding.constrain(x_BLD, ACTIVATION_NAMES)
     segment_ids_BL = jnp.ones(tokens_BL.shape, jnp.int32)  # unused: the cache masks by position
     with quantization.use_quantization(self.cfg.quantization):  # as in training: same matmuls as the full pass
-      x_BLD, _, caches = self._run_layers(x_BLD, positions_BL, segment_ids_BL, None, caches)
+      x_BLD, _, caches = self._run_layers(x_BLD, positions_BL, segment_ids_BL, None, caches,
+                                          image_blocks_BL=image_blocks_BL)
     if logits_index_B is not None:
       x_BLD = jnp.take_along_axis(x_BLD, logits_index_B[:, None, None], axis=1)
     return self._logits(x_BLD), caches
@@ -495,11 +503,12 @@ class ModelSpec:
     return model.logits_and_aux(tokens_BL, positions_BL, segment_ids_BL, dropout_rng, mtp_targets, pixel_values)
 
   def apply_decode(self, params: Params, tokens_BL: jax.Array, positions_BL: jax.Array, caches: Any,
-                   logits_index_B: jax.Array | None = None) -> tuple[jax.Array, Any]:
+                   logits_index_B: jax.Array | None = None, pixel_values: jax.Array | None = None
+                   ) -> tuple[jax.Array, Any]:
     """(float32 logits [B, L, V] or [B, 1, V], updated caches): one prefill or generate pass
-    (see Transformer.decode)."""
+    (see Transformer.decode; `pixel_values`: a prefill's images)."""
     model = nnx.merge(self.graphdef, params)
-    return model.decode(tokens_BL, positions_BL, caches, logits_index_B)
+    return model.decode(tokens_BL, positions_BL, caches, logits_index_B, pixel_values)
 
 
 def build_model_spec(cfg: ModelConfig) -> ModelSpec:

@@ -215,9 +215,9 @@ def tpu_paged_attention(q_BLNH: jax.Array, cache: PagedKVCache, positions_BL: ja
 
 def gathered_attention(q_BLNH: jax.Array, cache: PagedKVCache, positions_BL: jax.Array,
                        window_size: masks.Window = None, soft_cap: float = 0.0, chunk_size: masks.Window = None,
-                       sinks_N: jax.Array | None = None) -> jax.Array:
+                       sinks_N: jax.Array | None = None, image_blocks_BL: jax.Array | None = None) -> jax.Array:
   """kv_cache.cached_attention over pages, the reference on any platform: every slot's pages
   gathered into position order, then the dense cache's masked attention."""
   k_BSKH, v_BSKH = cache.read(q_BLNH.dtype)
-  mask_BLS = masks.cache_mask(positions_BL, k_BSKH.shape[1], window_size, chunk_size)
+  mask_BLS = masks.cache_mask(positions_BL, k_BSKH.shape[1], window_size, chunk_size, image_blocks_BL)
   return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS, soft_cap, sinks_N)
