@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -272,6 +272,15 @@ class Engine:
     last sampled token is never written); 0 for the dense cache. Admission control compares the
     sum over running requests with cache_stats()["pages_total"]."""
     return 0 if self.pages is None else self.pages.pages_for(num_tokens)
+
+  def admission_pages(self, reserved: Mapping[int, int], prompt: Sequence[int], need: int, text_only: bool) -> int:
+    """Pages the running requests (`reserved`: slot -> pages held at its end) and a new one needing
+    `need` pages commit, prefix pages shared with a running request counted once (an image prompt's
+    sharing is not predicted: it counts whole)."""
+    if self.pages is None:
+      return 0
+    shared = self.pages.shared_held(prompt) if text_only else 0
+    return self.pages.committed(reserved) + need - shared
 
   def cache_stats(self) -> dict[str, Any]:
     """layout, cache_bytes (all layers' cache arrays as allocated) and, paged, pages_total /

@@ -60,6 +60,18 @@ class PageAllocator:
   def held(self, slot: int) -> int:
     return int((self.table[slot] >= 0).sum())
 
+  def shared_held(self, prompt: Sequence[int]) -> int:
+    """Leading full pages of a text prompt that `assign` would share with a slot holding them now
+    (admission counts such a page once; an unheld cached page is an allocation like a free one)."""
+    if self.index is None or not prompt:
+      return 0
+    return sum(1 for page in self.index.match(prompt, (len(prompt) - 1) // self.page_size) if self.refs[page] > 0)
+
+  def committed(self, final_pages: Mapping[int, int]) -> int:
+    """Pages held now, a shared one once, plus what each slot of `final_pages` (slot -> pages it
+    holds at its end) will still take: what admission must keep free for the running requests."""
+    return int((self.refs > 0).sum()) + sum(max(0, final - self.held(slot)) for slot, final in final_pages.items())
+
   def available(self) -> int:
     """Pages a slot can be given now: free ones and indexed ones nobody holds (evicted on demand)."""
     return len(self.free) + (self.index.parked if self.index is not None else 0)

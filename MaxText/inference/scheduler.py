@@ -170,6 +170,7 @@ class Scheduler:
               "prefilling": len(self._prefilling),
               "slots": self.engine.num_slots,
               "pages_total": self._pages_total, "pages_free": int(self.engine.cache_stats()["pages_free"]),
+              "pages_cached": int(self.engine.cache_stats().get("pages_cached", 0)),
               "pages_reserved": sum(self._reserved.values()), "oldest_age_s": oldest, **self.counts}
 
   def _notify(self) -> None:
@@ -185,7 +186,8 @@ class Scheduler:
 
   def _fits(self, job: Job) -> bool:
     need = self.pages_needed(job)
-    return not need or sum(self._reserved.values()) + need <= self._pages_total
+    return not need or self.engine.admission_pages(self._reserved, job.prompt, need, job.images is None) \
+        <= self._pages_total
 
   def _loop(self) -> None:
     while True:

@@ -34,6 +34,7 @@ def health(load: dict[str, Any]) -> dict[str, Any]:
   """/health's body from Scheduler.load()."""
   return {"status": "ok", "slots_total": load["slots"], "slots_in_use": load["active"],
           "queue_length": load["waiting"], "pages_total": load["pages_total"], "pages_free": load["pages_free"],
+          "pages_cached": load["pages_cached"],
           "pages_reserved": load["pages_reserved"], "oldest_request_age_seconds": round(load["oldest_age_s"], 3)}
 
 
@@ -51,6 +52,7 @@ class _SchedulerCollector(Collector):
         ("queue_length", "waiting", "requests waiting for a slot or KV pages"),
         ("kv_pages_total", "pages_total", "KV cache pages in the pool (0: the dense cache)"),
         ("kv_pages_free", "pages_free", "KV cache pages not holding any token"),
+        ("kv_pages_cached", "pages_cached", "free KV cache pages still holding a cached prompt prefix (prefix caching)"),
         ("kv_pages_reserved", "pages_reserved", "KV cache pages the active requests will hold at their end"),
         ("oldest_request_age_seconds", "oldest_age_s", "age of the oldest request waiting or decoding (0: none)")):
       yield GaugeMetricFamily(f"maxtext_serve_{name}", text, value=float(now[key]))
