@@ -321,7 +321,7 @@ def train_row(impl: str, model: str, quant: str, batch: int, seq: int, r: dict[s
     mfu = r.get("mfu", tflops / peak if peak else None)
     row.update({"params": _params(r["params_m"]), "step ms": _fmt(r["step_s"] * 1e3, ".1f"),
                 "tokens/s": _fmt(r["tokens_per_s"], ".0f"), "TFLOP/s/dev": _fmt(tflops, ".1f"),
-                "MFU": _fmt(100 * mfu if mfu is not None and mfu == mfu else None, ".1f") + ("%" if mfu else ""),
+                "MFU": f"{100 * mfu:.1f}%" if mfu is not None and mfu == mfu else "",
                 "note": "ok" if status == "ok" else status})
   return row
 
@@ -374,11 +374,15 @@ def run_suite(args: argparse.Namespace, runner: Callable[..., tuple[dict[str, An
   probe, probe_status, _ = runner(me + ["--_child", "probe"], env, str(REPO), 120)
   header = header_lines(probe, probe_status)
   upstream_env = _env(dry, args.upstream_site or "")
+  missing = ""
+  if args.upstream_site and not (Path(args.upstream_site) / "maxtext").is_dir():
+    missing = f"no maxtext package in {args.upstream_site}"
+    args.upstream_site = ""
   if args.upstream_site:
     header.append(f"upstream: maxtext {_site_version(args.upstream_site)} from {args.upstream_site} "
                   f"(python {args.upstream_python or sys.executable})")
   else:
-    header.append("upstream: not available (no --upstream_site given)")
+    header.append(f"upstream: not available ({missing or 'no --upstream_site given'})")
   rows: list[dict[str, str]] = []
   gpu = bool(probe and probe.get("platform") == "gpu")
   reserve = DRY_SERVE_RESERVE_S if dry else SERVE_RESERVE_S
@@ -421,7 +425,8 @@ def run_suite(args: argparse.Namespace, runner: Callable[..., tuple[dict[str, An
     if ours and theirs and theirs["tokens_per_s"] > 0:
       rows[-2]["ours/upstream"] = f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}"
   if not args.upstream_site:
-    rows.append(dict(section="train", impl="upstream", note="upstream: not available (no --upstream_site given)"))
+    rows.append(dict(section="train", impl="upstream",
+                     note=f"upstream: not available ({missing or 'no --upstream_site given'})"))
   rows.extend(_serving_rows(args, me, env, start, dry))
   print_table(header, rows)
   return rows

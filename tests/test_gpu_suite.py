@@ -81,6 +81,7 @@ def test_planned_rows_with_fake_children(capsys, tmp_path):
     return dict(step_s=0.25, tokens_per_s=65536.0, tflops=400.0, mfu=0.4, params_m=1235.8, peak=989.0,
                 compile_s=20), "ok", ""
 
+  (tmp_path / "maxtext").mkdir()
   rows = suite.run_suite(_args(upstream_site=str(tmp_path)), runner)
   train = [r for r in rows if r["section"] == "train"]
   first = train[0]
@@ -90,6 +91,10 @@ def test_planned_rows_with_fake_children(capsys, tmp_path):
   assert [r["note"] for r in train if r["model"] == "8b" and r["impl"] == "ours"] == ["OOM"]
   assert [r["note"] for r in train if r["quant"] == "fp8" and r["seq"] == "8192"] == ["skipped: only with --full"] * 2
   assert "| train | ours | 1b |" in capsys.readouterr().out
+
+  rows = suite.run_suite(_args(upstream_site=str(tmp_path / "empty"), rows="1b"), runner)
+  assert [r["note"] for r in rows if r.get("impl") == "upstream"] == [
+      f"upstream: not available (no maxtext package in {tmp_path / 'empty'})"]
 
   calls.clear()
   rows = suite.run_suite(_args(budget_s=60.0), runner)  # less than the serving reserve: no training child
