@@ -54,6 +54,7 @@ from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 SUITE_TAG = "SUITE_JSON "
+NO_FP8 = "skipped: fp8 needs compute capability >= 8.9"
 SERVE_RESERVE_S = 90  # kept from the training rows for the serving child
 DRY_SERVE_RESERVE_S = 40
 
@@ -212,7 +213,8 @@ def classify(returncode: int | None, output: str, timed_out: bool, timeout_s: fl
   return "failed: " + last.replace("|", "/")[:140]
 
 
-def run_child(cmd: list[str], env: dict[str, str], cwd: str, timeout_s: float) -> tuple[dict[str, Any] | None, str, str]:
+def run_child(cmd: list[str], env: dict[str, str], cwd: str,
+              timeout_s: float) -> tuple[dict[str, Any] | None, str, str]:
   """(the SUITE_JSON result or None, status, the whole output)."""
   try:
     proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=max(1.0, timeout_s))
@@ -300,7 +302,8 @@ def header_lines(probe: dict[str, Any] | None, probe_status: str) -> list[str]:
       return "n/a"
 
   return [f"date: {now}", f"device: {device}", f"driver: {driver or 'n/a'}", f"CUDA: {cuda}",
-          f"jax {version('jax')}, jaxlib {version('jaxlib')}, flax {version('flax')}; python {platform.python_version()}"]
+          f"jax {version('jax')}, jaxlib {version('jaxlib')}, flax {version('flax')}; "
+          f"python {platform.python_version()}"]
 
 
 def _params(millions: float) -> str:
@@ -331,7 +334,8 @@ def print_table(header: list[str], rows: list[dict[str, str]]) -> None:
     print(line)
   print()
   print("| " + " | ".join(COLUMNS) + " |")
-  print("| " + " | ".join("---" if c in ("section", "impl", "model", "quant", "note") else "---:" for c in COLUMNS) + " |")
+  text_columns = ("section", "impl", "model", "quant", "note")
+  print("| " + " | ".join("---" if c in text_columns else "---:" for c in COLUMNS) + " |")
   for row in rows:
     print("| " + " | ".join(row.get(c, "") for c in COLUMNS) + " |")
   sys.stdout.flush()
@@ -340,7 +344,7 @@ def print_table(header: list[str], rows: list[dict[str, str]]) -> None:
 def plan_configs(args: argparse.Namespace, fp8: bool) -> list[tuple[str, str, int, str]]:
   """(model, quant, seq, why skipped or '') in the order they run."""
   if args.dry_run:
-    return [("tiny", "bf16", 64, ""), ("tiny", "fp8", 64, "" if fp8 else "skipped: fp8 needs compute capability >= 8.9")]
+    return [("tiny", "bf16", 64, ""), ("tiny", "fp8", 64, "" if fp8 else NO_FP8)]
   wanted = set(args.rows.split(",")) if args.rows else set(MODELS)
   out = []
   for model, quant, seq in DEFAULT_CONFIGS + FULL_EXTRA:
@@ -348,7 +352,7 @@ def plan_configs(args: argparse.Namespace, fp8: bool) -> list[tuple[str, str, in
       continue
     why = ""
     if quant == "fp8" and not fp8:
-      why = "skipped: fp8 needs compute capability >= 8.9"
+      why = NO_FP8
     elif (model, quant, seq) in FULL_EXTRA and not args.full:
       why = "skipped: only with --full"
     out.append((model, quant, seq, why))
@@ -499,7 +503,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, str]] | None:
   args, rest = parser.parse_known_args(argv)
   if args._child:
     spec = json.loads(rest[0]) if rest else {}
-    {"probe": lambda: child_probe(), "train": lambda: child_train(spec), "serve": lambda: child_serve(spec)}[args._child]()
+    children = {"probe": child_probe, "train": lambda: child_train(spec), "serve": lambda: child_serve(spec)}
+    children[args._child]()
     return None
   return run_suite(args)
 

@@ -77,7 +77,8 @@ def test_planned_rows_with_fake_children(capsys, tmp_path):
       return None, "failed: exit status 1", UPSTREAM_LOG
     spec = cmd[-1]
     if '"llama3.1-8b"' in spec:
-      return None, suite.classify(1, "jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory", False, 9), ""
+      oom = "jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory"
+      return None, suite.classify(1, oom, False, 9), ""
     return dict(step_s=0.25, tokens_per_s=65536.0, tflops=400.0, mfu=0.4, params_m=1235.8, peak=989.0,
                 compile_s=20), "ok", ""
 
@@ -85,7 +86,7 @@ def test_planned_rows_with_fake_children(capsys, tmp_path):
   rows = suite.run_suite(_args(upstream_site=str(tmp_path)), runner)
   train = [r for r in rows if r["section"] == "train"]
   first = train[0]
-  assert (first["impl"], first["model"], first["quant"], first["seq"], first["batch"]) == ("ours", "1b", "bf16", "4096", "4")
+  assert [first[k] for k in ("impl", "model", "quant", "seq", "batch")] == ["ours", "1b", "bf16", "4096", "4"]
   assert first["ours/upstream"] == "2.00" and train[1]["impl"] == "upstream" and train[1]["tokens/s"] == "32768"
   assert train[1]["params"] == "1.24B" and train[1]["step ms"] == "500.0"
   assert [r["note"] for r in train if r["model"] == "8b" and r["impl"] == "ours"] == ["OOM"]
