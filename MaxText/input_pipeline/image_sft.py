@@ -48,13 +48,14 @@ def placeholder_runs(tokens: list[int], image_token_id: int) -> np.ndarray:
   return edges.reshape(-1, 2).astype(np.int32)
 
 
-class ImageSftEncoder(SftEncoder):
+class ImageSftEncoder:
   """record → int32 [2, n] (tokens, target weights), or an ImageDocument when images remain after
-  truncation; an empty document for a dropped sample (as SftEncoder)."""
+  truncation; an empty document for a dropped sample (as SftEncoder, which renders the text)."""
 
   def __init__(self, tokenizer: Any, max_target_length: int, completion_only: bool, add_bos: bool, add_eos: bool,
                vision: VisionConfig, decoder_block: str, max_images: int, model_name: str = "the model"):
-    super().__init__(tokenizer, max_target_length, completion_only, add_bos, add_eos)
+    self.text = SftEncoder(tokenizer, max_target_length, completion_only, add_bos, add_eos)
+    self.tokenizer, self.max_tokens, self.dropped = tokenizer, self.text.max_tokens, self.text.dropped
     self.vision, self.decoder_block, self.max_images, self.model_name = vision, decoder_block, max_images, model_name
     self.options = images.ImageOptions(image_size=vision.vision_image_size)
 
@@ -63,7 +64,7 @@ class ImageSftEncoder(SftEncoder):
     templated, slots = split_record(record)
     if not self.vision.use_multimodal:
       image_text.refuse_images_without_vision(slots, self.vision, self.model_name)
-      return super().__call__(record)
+      return self.text(record)
     self._check_count(len(slots), "")
     views = [images.pixel_values(image_text.read_image(slot.ref, files=True), self.options) for slot in slots]
     crops = [len(v) - 1 for v in views]
@@ -72,7 +73,7 @@ class ImageSftEncoder(SftEncoder):
     def expand(text: str, spans: list[tuple[int, int]]) -> tuple[str, list[tuple[int, int]]]:
       return self._expand(text, spans, crops)
 
-    tokens, weights = self.tokens_and_weights(templated, rewrite=expand)
+    tokens, weights = self.text.tokens_and_weights(templated, rewrite=expand)
     image_id = self.vision.image_token_id
     weights = [0 if token == image_id else weight for token, weight in zip(tokens, weights)]
     runs = placeholder_runs(tokens, image_id)
@@ -83,6 +84,9 @@ class ImageSftEncoder(SftEncoder):
                       f"(id {image_id}) in {len(runs)} run(s), but its {needed} image(s) need {needed} run(s) of "
                       f"{self.vision.mm_tokens_per_image}; remove image placeholder tokens typed in text")
     return self._truncated(tokens, weights, runs, np.concatenate(views) if views else None)
+
+  def explain_empty(self) -> str | None:
+    return self.text.explain_empty()
 
   def _check_count(self, count: int, what: str) -> None:
     if count > self.max_images:

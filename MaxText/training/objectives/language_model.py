@@ -37,7 +37,7 @@ class LanguageModel(Objective):
   The load-balancing loss is a per-batch mean, so it enters weighted by the batch's target count
   (0 for dense models)."""
 
-  batch_fields = FIELDS
+  batch_fields: tuple[str, ...] = FIELDS
 
   def __init__(self, model: ModelSpec, z_loss_multiplier: float, load_balance_loss_weight: float = 0.0,
                num_micro: int = 1, images: bool = False):
