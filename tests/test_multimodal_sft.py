@@ -22,7 +22,7 @@ from MaxText import families
 from MaxText.configuration.config import Config
 from MaxText.errors import UserError
 from MaxText.input_pipeline import chat, image_sft
-from MaxText.training import params_io
+from MaxText.training import lora, params_io
 
 pytest.importorskip("transformers", reason="needs transformers (EXTRAS=test bash setup.sh)")
 sys.path.insert(0, str(Path(__file__).parent / "input_pipeline"))
@@ -92,12 +92,13 @@ def model_keys(ids: dict) -> dict:
 
 def config(data, tmp_path: Path, **overrides) -> Config:
   tokenizer_dir, train, evaluation, ids = data
-  return Config.for_testing(
-      **model_keys(ids), max_target_length=128, per_device_batch_size=1, dtype="float32",
-      base_output_directory=str(tmp_path), use_sft=True, dataset_type="hf", hf_path="json", hf_data_files=train,
-      hf_eval_files=evaluation, tokenizer_type="huggingface", tokenizer_path=tokenizer_dir, max_images_per_row=2,
-      learning_rate=3e-3, warmup_steps_fraction=0.0, data_prefetch_batches=0, eval_interval=10, print_config=False,
-      **{"ici_fsdp_parallelism": 8, **overrides})
+  return Config.for_testing(**{
+      **model_keys(ids), "max_target_length": 128, "per_device_batch_size": 1, "dtype": "float32",
+      "base_output_directory": str(tmp_path), "use_sft": True, "dataset_type": "hf", "hf_path": "json",
+      "hf_data_files": train, "hf_eval_files": evaluation, "tokenizer_type": "huggingface",
+      "tokenizer_path": tokenizer_dir, "max_images_per_row": 2, "learning_rate": 3e-3, "warmup_steps_fraction": 0.0,
+      "data_prefetch_batches": 0, "eval_interval": 10, "print_config": False, "ici_fsdp_parallelism": 8,
+      **overrides})
 
 
 def eval_loss(run: train_utils.Run, state) -> float:
@@ -191,8 +192,13 @@ def test_frozen_tower_and_lora_keep_the_tower_bitwise(data, tmp_path, overrides)
   run = train_utils.Run(config(data, tmp_path, **overrides))
   start = run.init()
   before, embedding = tower(start.params), np.asarray(jax.device_get(start.params["token_embedder"]["embedding"]))
+  adapters = jax.tree.leaves(jax.device_get(lora.split(start.params)[0]))
   state, history = run.train(start, 4)
-  assert all(np.isfinite(h["loss"]) for h in history) and history[-1]["loss"] < history[0]["loss"]
+  assert all(np.isfinite(h["loss"]) for h in history)
+  if adapters:  # LoRA: its adapters train
+    assert any(not np.array_equal(a, b) for a, b in zip(adapters, jax.tree.leaves(lora.split(state.params)[0])))
+  else:
+    assert history[-1]["loss"] < history[0]["loss"]
   assert all(np.array_equal(a, b) for a, b in zip(before, tower(state.params)))
   moved = not np.array_equal(embedding, np.asarray(jax.device_get(state.params["token_embedder"]["embedding"])))
   assert moved == ("lora_rank" not in overrides)  # LoRA trains only its adapters
@@ -234,3 +240,17 @@ def test_the_exported_checkpoint_gives_transformers_our_logits_on_an_image_promp
   tokens, pixels = document.tokens[0][None], document.pixels[None]
   ours = H.our_multimodal_logits(run.config, jax.device_get(state.params), tokens, pixels)
   np.testing.assert_allclose(H.hf_multimodal_logits(model, tokens, pixels), ours, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"max_images_per_row": -1}, "max_images_per_row must be a whole number >= 0, got -1"),
+    ({"use_multimodal": False}, "max_images_per_row=2 gives batches images, which only use_sft=True reads, for a "
+                                "use_multimodal=True model"),
+    ({"max_target_length": 6}, "max_target_length (6) must exceed an image's 6 tokens"),
+])
+def test_image_slot_keys_are_checked_in_one_line(data, tmp_path, overrides, message):
+  from MaxText.errors import ConfigError
+
+  with pytest.raises(ConfigError) as raised:
+    config(data, tmp_path, **overrides)
+  assert message in str(raised.value) and "\n" not in str(raised.value)
