@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 from jax.sharding import Mesh
 
+from MaxText.input_pipeline import packing
 from MaxText.input_pipeline.synthetic import Batch, SyntheticIterator
 from MaxText.platform.sharding import batch_sharding
 
@@ -96,7 +97,7 @@ def _real_data_iterator(config: Config, mesh: Mesh, train: bool) -> BatchIterato
                                            cfg.tokenizer_path, cfg.max_target_length, cfg.add_bos, cfg.add_eos)
     pack["pack"] = preference.pack_preference_batch
   elif cfg.use_sft:
-    from MaxText.input_pipeline import chat, image_sft, packing
+    from MaxText.input_pipeline import chat, image_sft
 
     # Every conversation goes through the image encoder: a text-only model then refuses images.
     encoder = image_sft.ImageSftEncoder(chat.load_chat_tokenizer(cfg.tokenizer_path), cfg.max_target_length,
