@@ -194,12 +194,15 @@ class DataConfig:
   # Supervised fine-tuning on conversations / prompt-completion pairs (input_pipeline/chat.py).
   use_sft: bool = key(fixed_on_resume=DATA_POSITION)
   sft_train_on_completion_only: bool = key(fixed_on_resume=DATA_POSITION)
+  # Multimodal SFT: image slots per batch row (input_pipeline/image_sft.py); 0 = no pixel_values field.
+  max_images_per_row: int = key(fixed_on_resume=DATA_POSITION)
   # Preference optimisation on {"prompt", "chosen", "rejected"} records (input_pipeline/preference.py, dpo.py).
   use_dpo: bool = key(fixed_on_resume=DATA_POSITION)
   # Reinforcement learning: prompt records, completions sampled by the run (MaxText/rl/, rl_config.py).
   use_grpo: bool = key(fixed_on_resume=DATA_POSITION)
   # A new mesh may change per_device_batch_size or the device count, not their product.
   global_batch_size: int = derived(fixed_on_resume=DATA_POSITION)
+  image_size: int = derived(0)  # pixel_values' side (the vision tower's) when max_images_per_row > 0
 
   @property
   def text_column(self) -> str:
@@ -219,6 +222,7 @@ class DataConfig:
                f"(JSON/JSONL/Parquet files) or grain (JSON records); got dataset_type={v['dataset_type']}")
       _require(v["tokenizer_type"] == "huggingface", "use_sft=True renders the model's chat template, which lives "
                f"in its Hugging Face tokenizer files: set tokenizer_type=huggingface (got {v['tokenizer_type']})")
+    _check_images(v)
     if v["use_dpo"]:
       _check_dpo(v, pipelined=dict(mesh.shape)["stage"] > 1)
     if v["dataset_type"] != "synthetic":
@@ -233,7 +237,21 @@ class DataConfig:
     _require(global_batch % (batch_shards * accum) == 0,
              f"global batch {global_batch} must split evenly into gradient_accumulation_steps={accum} "
              f"micro-batches over the {batch_shards} devices of data_sharding; raise per_device_batch_size")
-    return cls(**read_keys(cls, v), global_batch_size=global_batch)
+    return cls(**read_keys(cls, v), global_batch_size=global_batch,
+               image_size=v["vision_image_size"] if v["max_images_per_row"] else 0)
+
+
+def _check_images(v: Mapping[str, Any]) -> None:
+  count = v["max_images_per_row"]
+  _require(isinstance(count, int) and count >= 0, f"max_images_per_row must be a whole number >= 0, got {count!r}")
+  if not count:
+    return
+  _require(bool(v["use_sft"]) and bool(v["use_multimodal"]), f"max_images_per_row={count} gives batches images, "
+           "which only use_sft=True reads, for a use_multimodal=True model; set max_images_per_row=0 otherwise")
+  # An image's placeholder run is never split across rows, so one must fit in a row.
+  run = v["mm_tokens_per_image"] + 2
+  _require(v["max_target_length"] > run, f"max_target_length ({v['max_target_length']}) must exceed an image's "
+           f"{run} tokens (mm_tokens_per_image + begin/end markers) to hold any image")
 
 
 def _check_dpo(v: Mapping[str, Any], pipelined: bool) -> None:

@@ -4,10 +4,12 @@ grain) tokenised, packed and sharded by `pipeline.py`."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 from jax.sharding import Mesh
 
+from MaxText.input_pipeline import packing
 from MaxText.input_pipeline.synthetic import Batch, SyntheticIterator
 from MaxText.platform.sharding import batch_sharding
 
@@ -95,10 +97,16 @@ def _real_data_iterator(config: Config, mesh: Mesh, train: bool) -> BatchIterato
                                            cfg.tokenizer_path, cfg.max_target_length, cfg.add_bos, cfg.add_eos)
     pack["pack"] = preference.pack_preference_batch
   elif cfg.use_sft:
-    from MaxText.input_pipeline import chat
+    from MaxText.input_pipeline import chat, image_sft
 
-    encoder = chat.SftEncoder(chat.load_chat_tokenizer(cfg.tokenizer_path), cfg.max_target_length,
-                              cfg.sft_train_on_completion_only, cfg.add_bos, cfg.add_eos)
+    # Every conversation goes through the image encoder: a text-only model then refuses images.
+    encoder = image_sft.ImageSftEncoder(chat.load_chat_tokenizer(cfg.tokenizer_path), cfg.max_target_length,
+                                        cfg.sft_train_on_completion_only, cfg.add_bos, cfg.add_eos,
+                                        config.model.vision, config.model.decoder_block, cfg.max_images_per_row,
+                                        config.startup.model_name or "the model")
+    if cfg.max_images_per_row:
+      pack["pack"] = functools.partial(packing.pack_batch,
+                                       images=packing.ImageSlots(cfg.max_images_per_row, cfg.image_size))
   else:
     encoder = DocumentEncoder(load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path), cfg.add_bos, cfg.add_eos)
   seed = cfg.data_shuffle_seed if (train and cfg.enable_data_shuffling) else None

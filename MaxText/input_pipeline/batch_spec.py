@@ -3,7 +3,9 @@ arrays (ten with use_dpo: the rejected sequence of each pair in the same fields 
 `rejected_`, row for row beside its chosen one, so both halves of a pair share a device under
 any batch sharding and stay together when gradient accumulation splits the rows; with use_grpo,
 one prompt + completion per row, the completion's targets weighted, plus each row's float32
-`advantages` [global_batch]). The synthetic
+`advantages` [global_batch]; with max_images_per_row > 0, multimodal SFT's float32 `pixel_values`
+[global_batch, max_images_per_row, 3, image_size, image_size]: each row's images in token order,
+zeros after them, which the model ignores). The synthetic
 generator and the real-data pipelines build exactly these, and AOT compiles the train step for
 them without running either."""
 
@@ -22,14 +24,26 @@ REJECTED_PREFIX = "rejected_"
 DPO_FIELDS = FIELDS + tuple(REJECTED_PREFIX + name for name in FIELDS)
 ADVANTAGES = "advantages"  # float32 [global_batch]: one per row (rl/rollouts.py)
 GRPO_FIELDS = FIELDS + (ADVANTAGES,)
+PIXEL_VALUES = "pixel_values"  # float32 [global_batch, max_images_per_row, 3, R, R] (packing.py)
+IMAGE_FIELDS = FIELDS + (PIXEL_VALUES,)
+NUM_CHANNELS = 3
 
 
 def fields(cfg: DataConfig) -> tuple[str, ...]:
+  if cfg.max_images_per_row:
+    return IMAGE_FIELDS
   return DPO_FIELDS if cfg.use_dpo else GRPO_FIELDS if cfg.use_grpo else FIELDS
+
+
+def _shape(cfg: DataConfig, name: str) -> tuple[int, ...]:
+  if name == ADVANTAGES:
+    return (cfg.global_batch_size,)
+  if name == PIXEL_VALUES:
+    return (cfg.global_batch_size, cfg.max_images_per_row, NUM_CHANNELS, cfg.image_size, cfg.image_size)
+  return (cfg.global_batch_size, cfg.max_target_length)
 
 
 def batch_spec(cfg: DataConfig) -> dict[str, jax.ShapeDtypeStruct]:
   """Name -> global shape and dtype of one batch for the data config `cfg` (config.data)."""
-  shape = (cfg.global_batch_size, cfg.max_target_length)
-  return {name: jax.ShapeDtypeStruct(shape[:1], jnp.float32) if name == ADVANTAGES
-          else jax.ShapeDtypeStruct(shape, DTYPE) for name in fields(cfg)}
+  return {name: jax.ShapeDtypeStruct(_shape(cfg, name), jnp.float32 if name in (ADVANTAGES, PIXEL_VALUES) else DTYPE)
+          for name in fields(cfg)}

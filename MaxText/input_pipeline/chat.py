@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -31,6 +31,8 @@ from MaxText.paths import storage
 from MaxText.errors import ConfigError, UserError
 
 PAIR_FIELDS = ("prompt", "completion")
+# (rendered text, trained character spans) -> the same, rewritten.
+Rewrite = Callable[[str, list[tuple[int, int]]], tuple[str, list[tuple[int, int]]]]
 
 
 def _transformers() -> Any:
@@ -145,9 +147,12 @@ class SftEncoder:
   def explain_empty(self) -> str | None:
     return self.dropped.explain_all_dropped(self.max_tokens - 1)
 
-  def tokens_and_weights(self, record: Mapping[str, Any]) -> tuple[list[int], list[int]]:
-    """The whole sample's tokens and 0/1 target weights, before truncation."""
+  def tokens_and_weights(self, record: Mapping[str, Any], rewrite: Rewrite | None = None) -> tuple[list[int], list[int]]:
+    """The whole sample's tokens and 0/1 target weights, before truncation. `rewrite` changes the
+    rendered text and moves the trained spans with it (image_sft.py expands image markers)."""
     text, spans, plain = self.render(record)
+    if rewrite is not None:
+      text, spans = rewrite(text, spans)
     encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     tokens = list(encoding["input_ids"])
     weights = [int(not self.completion_only or _overlaps(offset, spans)) for offset in encoding["offset_mapping"]]

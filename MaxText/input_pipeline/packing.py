@@ -24,8 +24,23 @@ from typing import Callable, Iterator
 import numpy as np
 
 from MaxText.errors import UserError
-from MaxText.input_pipeline.batch_spec import FIELDS
+from MaxText.input_pipeline.batch_spec import FIELDS, NUM_CHANNELS, PIXEL_VALUES
 
+
+@dataclasses.dataclass(frozen=True)
+class ImageDocument:
+  """A document with images: int32 [2, n] tokens and 0/1 target weights; each image's float32
+  [3, R, R] pixel values and its placeholder run [start, end) in the tokens, in token order."""
+  tokens: np.ndarray
+  pixels: np.ndarray  # float32 [k, 3, R, R]
+  runs: np.ndarray  # int32 [k, 2]
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSlots:
+  """A batch row's image capacity: `per_row` slots of [3, size, size] pixel values."""
+  per_row: int
+  size: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,15 +65,23 @@ class DocumentCursor:
     self.position = position
     self._docs = self._read_from(position.index)
     self._current: np.ndarray | None = None
+    self._images: ImageDocument | None = None
     self._loaded = False
 
   def current(self) -> np.ndarray | None:
     """The current document as int32 [2, n] (tokens, 0/1 target weights), or None past the end
     of finite data. A plain token list weighs every token 1."""
     if not self._loaded:
-      self._current = next(map(_weighted, self._docs), None)
+      document = next(self._docs, None)
+      self._images = document if isinstance(document, ImageDocument) else None
+      self._current = None if document is None else _weighted(document)
       self._loaded = True
     return self._current
+
+  def current_images(self) -> ImageDocument | None:
+    """The current document's images, when it has any."""
+    self.current()
+    return self._images
 
   def advance(self, pairs: int = 0) -> None:
     """Consumes `pairs` more pairs of the current document, or moves to the next one (pairs=0)."""
@@ -70,17 +93,40 @@ class DocumentCursor:
 
 
 def _weighted(document: object) -> np.ndarray:
+  if isinstance(document, ImageDocument):
+    return document.tokens
   array = np.asarray(document, np.int32)
   return array if array.ndim == 2 else np.stack([array, np.ones_like(array)])
 
 
-def _empty_row(length: int) -> dict[str, np.ndarray]:
-  return {name: np.zeros(length, np.int32) for name in FIELDS}
+def _empty_row(length: int, images: ImageSlots | None = None) -> dict[str, np.ndarray]:
+  row = {name: np.zeros(length, np.int32) for name in FIELDS}
+  if images is not None:
+    row[PIXEL_VALUES] = np.zeros((images.per_row, NUM_CHANNELS, images.size, images.size), np.float32)
+  return row
 
 
-def pack_row(cursor: DocumentCursor, length: int, packing: bool) -> dict[str, np.ndarray] | None:
-  """One row of `length` pairs from the cursor onwards; None when the data has ended."""
-  row, filled, segment, empty_run = _empty_row(length), 0, 1, 0
+def _image_cut(runs: np.ndarray, start: int, take: int, free: int) -> tuple[int, int, int]:
+  """(pairs to take, the first image inside them, how many): `take` shortened to end before the
+  first image run it would cut, or before the first image past the `free` slots."""
+  first, count = None, 0
+  for index, (run_start, run_end) in enumerate(runs.tolist()):
+    if run_end <= start:
+      continue  # emitted with an earlier part of the document
+    if run_start >= start + take:
+      break
+    if run_end > start + take or count == free:
+      return run_start - start, index if first is None else first, count
+    first = index if first is None else first
+    count += 1
+  return take, 0 if first is None else first, count
+
+
+def pack_row(cursor: DocumentCursor, length: int, packing: bool,
+             images: ImageSlots | None = None) -> dict[str, np.ndarray] | None:
+  """One row of `length` pairs from the cursor onwards; None when the data has ended. With
+  `images` the row also holds its documents' pixel values."""
+  row, filled, segment, empty_run, placed = _empty_row(length, images), 0, 1, 0, 0
   while filled < length:
     document = cursor.current()
     if document is None:
@@ -101,6 +147,19 @@ def pack_row(cursor: DocumentCursor, length: int, packing: bool) -> dict[str, np
       break  # it fits in a row of its own: start the next row with it
     take = min(remaining, space)
     start = cursor.position.offset
+    document_images = cursor.current_images()
+    if document_images is not None:
+      if images is None:
+        raise UserError("a document has images but the batches have no image slots; set max_images_per_row")
+      fitting, first, count = _image_cut(document_images.runs, start, take, images.per_row - placed)
+      if fitting < take and filled > 0 and (remaining <= length or not packing) or fitting == 0 < filled:
+        break  # its images do not fit here: start the next row with it (or its continuation)
+      if fitting == 0:
+        raise UserError(f"an image's {int(np.ptp(document_images.runs[first]))} placeholder tokens do not fit in a "
+                        f"row of max_target_length={length}; raise max_target_length")
+      take = fitting
+      row[PIXEL_VALUES][placed:placed + count] = document_images.pixels[first:first + count]
+      placed += count
     _place(row, filled, tokens[start:start + take], tokens[start + 1:start + take + 1],
            weights[start + 1:start + take + 1], segment)
     filled, segment = filled + take, segment + 1
@@ -122,15 +181,17 @@ def _place(row: dict[str, np.ndarray], at: int, inputs: np.ndarray, targets: np.
   row["targets_segmentation"][span] = segment * (target_weights != 0)
 
 
-def pack_batch(cursor: DocumentCursor, num_rows: int, length: int, packing: bool) -> tuple[dict[str, np.ndarray], int]:
-  """[num_rows, length] int32 arrays and how many rows hold data; past the end of finite data the
-  remaining rows are all padding (segment 0), so they add nothing to a loss."""
+def pack_batch(cursor: DocumentCursor, num_rows: int, length: int, packing: bool,
+               images: ImageSlots | None = None) -> tuple[dict[str, np.ndarray], int]:
+  """[num_rows, length] int32 arrays (and with `images` [num_rows, per_row, 3, R, R] pixel values)
+  and how many rows hold data; past the end of finite data the remaining rows are all padding
+  (segment 0), so they add nothing to a loss."""
   rows = []
   for _ in range(num_rows):
-    row = pack_row(cursor, length, packing)
+    row = pack_row(cursor, length, packing, images)
     if row is None:
       break
     rows.append(row)
   num_real = len(rows)
-  rows += [_empty_row(length) for _ in range(num_rows - num_real)]
-  return {name: np.stack([r[name] for r in rows]) for name in FIELDS}, num_real
+  rows += [_empty_row(length, images) for _ in range(num_rows - num_real)]
+  return {name: np.stack([r[name] for r in rows]) for name in rows[0]}, num_real

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 
 from MaxText.errors import ConfigError, UserError
 from MaxText.input_pipeline.packing import DocumentCursor, Position, pack_batch
+from MaxText.platform.sharding import for_rank
 
 STATE_FORMAT = 1
 
@@ -238,7 +239,9 @@ class PackedBatchIterator:
     host_batch, position = self._next_host_batch()
     self._position = position
     self.rows_with_data = int(host_batch.pop("_num_real"))
-    return {name: jax.make_array_from_process_local_data(self.sharding, rows, self.global_shape)
+    # Rows split like `sharding` whatever a field's rank (pixel_values: [B, M, 3, R, R]).
+    return {name: jax.make_array_from_process_local_data(
+        for_rank(self.sharding, rows.ndim), rows, self.global_shape[:1] + rows.shape[1:])
             for name, rows in host_batch.items()}
 
   def describe_next_position(self) -> str:

@@ -33,7 +33,7 @@ def objective_for(config: Config, model: ModelSpec, partition: Partition) -> Obj
     return Grpo(model, partition, config.rl, config.model.moe.load_balance_loss_weight,
                 optim.gradient_accumulation_steps)
   return LanguageModel(model, optim.z_loss_multiplier, config.model.moe.load_balance_loss_weight,
-                       optim.gradient_accumulation_steps)
+                       optim.gradient_accumulation_steps, images=config.data.max_images_per_row > 0)
 
 
 __all__ = ["Grpo", "LanguageModel", "Objective", "Preference", "objective_for"]

@@ -1,5 +1,6 @@
 """Language modelling (pre-training and SFT): next-token cross-entropy over the weighted targets
-(SFT's assistant-only weights ride in `targets_segmentation`), plus the z-loss, the MoE
+(SFT's assistant-only weights ride in `targets_segmentation`; multimodal SFT's images in
+`pixel_values`, declared as a batch field when the batches carry them), plus the z-loss, the MoE
 load-balancing loss and, in training, multi-token prediction."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
-from MaxText.input_pipeline.batch_spec import FIELDS
+from MaxText.input_pipeline.batch_spec import FIELDS, PIXEL_VALUES
 from MaxText.layers.moe import ROUTING_STATS
 from MaxText.layers.models import ModelSpec, token_loss_sums
 from MaxText.training.objectives.base import Batch, Metrics, Objective, Params, Sums
@@ -36,12 +37,14 @@ class LanguageModel(Objective):
   The load-balancing loss is a per-batch mean, so it enters weighted by the batch's target count
   (0 for dense models)."""
 
-  batch_fields = FIELDS
+  batch_fields: tuple[str, ...] = FIELDS
 
   def __init__(self, model: ModelSpec, z_loss_multiplier: float, load_balance_loss_weight: float = 0.0,
-               num_micro: int = 1):
-    """`num_micro`: the step's gradient-accumulation steps (routing statistics are means over them)."""
+               num_micro: int = 1, images: bool = False):
+    """`num_micro`: the step's gradient-accumulation steps (routing statistics are means over them);
+    `images`: the batches carry `pixel_values` for the model's vision tower."""
     self.model, self.num_micro = model, num_micro
+    self.batch_fields = FIELDS + (PIXEL_VALUES,) if images else FIELDS
     self.z_loss_multiplier, self.load_balance_loss_weight = z_loss_multiplier, load_balance_loss_weight
 
   def loss_sums(self, params: Params, context: Params | None, batch: Batch,
@@ -62,7 +65,8 @@ class LanguageModel(Objective):
     weights_BL = (batch["targets_segmentation"] != 0).astype(jnp.float32)
     mtp_targets = (batch["targets"], weights_BL) if with_mtp else None
     logits_BLV, aux = self.model.apply_with_aux(params, batch["inputs"], batch["inputs_position"],
-                                                batch["inputs_segmentation"], dropout_rng, mtp_targets)
+                                                batch["inputs_segmentation"], dropout_rng, mtp_targets,
+                                                batch.get(PIXEL_VALUES))
     _, sums = token_loss_sums(logits_BLV, batch["targets"], weights_BL, self.z_loss_multiplier)
     xent_sum, z_sum = sums["xent_sum"], sums["z_loss_sum"]
     weight_sum = jnp.sum(weights_BL)
