@@ -274,13 +274,10 @@ class Engine:
     return 0 if self.pages is None else self.pages.pages_for(num_tokens)
 
   def admission_pages(self, reserved: Mapping[int, int], prompt: Sequence[int], need: int, text_only: bool) -> int:
-    """Pages the running requests (`reserved`: slot -> pages held at its end) and a new one needing
-    `need` pages commit, prefix pages shared with a running request counted once (an image prompt's
-    sharing is not predicted: it counts whole)."""
+    """paged_cache.admission_pages for this engine's pool (0 for the dense cache)."""
     if self.pages is None:
       return 0
-    shared = self.pages.shared_held(prompt) if text_only else 0
-    return self.pages.committed(reserved) + need - shared
+    return paged_cache.admission_pages(self.pages, reserved, prompt, need, text_only)
 
   def cache_stats(self) -> dict[str, Any]:
     """layout, cache_bytes (all layers' cache arrays as allocated) and, paged, pages_total /

@@ -164,6 +164,14 @@ class PageAllocator:
     self.table[slot, index] = page
 
 
+def admission_pages(pages: PageAllocator, reserved: Mapping[int, int], prompt: Sequence[int], need: int,
+                    text_only: bool) -> int:
+  """Pages the running requests (`reserved`: slot -> pages held at its end) and a new one needing
+  `need` pages commit, prefix pages shared with a running request counted once (an image prompt's
+  sharing is not predicted: it counts whole)."""
+  return pages.committed(reserved) + need - (pages.shared_held(prompt) if text_only else 0)
+
+
 def layer_pool(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int, quantized: bool
                ) -> paged_kv.PagedKVCache:
   """One layer's empty pool; MLA pages its compressed cache (latents and rope keys, K = 1)."""

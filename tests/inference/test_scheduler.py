@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from MaxText.inference import scheduler as sched
+from MaxText.inference import paged_cache, scheduler as sched
 from MaxText.inference.engine import TokenLogprobs
 from MaxText.inference.paged_cache import PageAllocator
 from MaxText.inference.sampling import RowParams
@@ -41,6 +41,9 @@ class FakeEngine:
 
   def cache_stats(self) -> dict[str, int]:
     return self.pages.stats()
+
+  def admission_pages(self, reserved, prompt, need: int, text_only: bool) -> int:
+    return paged_cache.admission_pages(self.pages, reserved, prompt, need, text_only)
 
   @staticmethod
   def _logprobs(n: int) -> TokenLogprobs:
