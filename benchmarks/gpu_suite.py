@@ -144,20 +144,11 @@ def _decode(overrides: dict[str, Any], slots: int, prompt_len: int, steps: int) 
 def _serve(overrides: dict[str, Any], concurrencies: list[int], max_tokens: int, prompt_lengths: list[int],
            requests_per_client: int) -> list[dict[str, Any]]:
   import asyncio
-  import socket
-  import threading
-
-  import jax
-  import numpy as np
-  import uvicorn
-  from jax.sharding import Mesh
 
   sys.path.insert(0, str(REPO / "benchmarks"))
-  import serve_bench  # noqa: E402  (its tokenizer and its streaming clients)
+  import serve_bench  # noqa: E402  (its tokenizer, in-process server and streaming clients)
 
   from MaxText.configuration.config import Config
-  from MaxText.configuration.config_groups import MESH_AXES
-  from MaxText.serve import build_app, build_server
 
   prompt_vocab = 512  # the tokenizer's; the model's own vocabulary may be larger
   tokenizer = serve_bench._tokenizer(Path(tempfile.mkdtemp()) / "tok", prompt_vocab)
@@ -166,17 +157,7 @@ def _serve(overrides: dict[str, Any], concurrencies: list[int], max_tokens: int,
       tokenizer_type="huggingface", tokenizer_path=str(tokenizer), add_bos=False, print_config=False,
       serve_max_slots=max(concurrencies), serve_max_queue=1024, serve_max_tokens=max_tokens,
       serve_model_name="bench"))
-  mesh = Mesh(np.asarray(jax.devices()[:1]).reshape((1,) * len(MESH_AXES)), MESH_AXES)
-  server = build_server(config, mesh=mesh)
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  uv = uvicorn.Server(uvicorn.Config(build_app(server, api_key=""), host="127.0.0.1", port=port, log_level="warning"))
-  thread = threading.Thread(target=uv.run, daemon=True)
-  thread.start()
-  while not uv.started:
-    time.sleep(0.05)
-  url = f"http://127.0.0.1:{port}/v1/completions"
+  server, uv, thread, url = serve_bench.start_server(config)
   asyncio.run(serve_bench._round(url, 2, 2, 4, prompt_lengths, prompt_vocab))  # compiles, untimed
   rows = []
   for concurrency in concurrencies:

@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -111,18 +112,38 @@ async def _round(url: str, concurrency: int, num_requests: int, max_tokens: int,
   return times
 
 
+def start_server(config: Any) -> tuple[Any, Any, threading.Thread, str]:
+  """MaxText.serve's app for `config` on one device under uvicorn on a free 127.0.0.1 port, no API key:
+  (server, uvicorn server, its thread, the completions URL). Stop: uv.should_exit, join, scheduler.stop()."""
+  import jax
+  import numpy as np
+  import uvicorn
+  from jax.sharding import Mesh
+
+  from MaxText.configuration.config_groups import MESH_AXES
+  from MaxText.serve import build_app, build_server
+
+  mesh = Mesh(np.asarray(jax.devices()[:1]).reshape((1,) * len(MESH_AXES)), MESH_AXES)
+  server = build_server(config, mesh=mesh)
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  uv = uvicorn.Server(uvicorn.Config(build_app(server, api_key=""), host="127.0.0.1", port=port, log_level="warning"))
+  thread = threading.Thread(target=uv.run, daemon=True)
+  thread.start()
+  while not uv.started:
+    time.sleep(0.05)
+  return server, uv, thread, f"http://127.0.0.1:{port}/v1/completions"
+
+
 def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int, tokenizer: Path,
                   chunk: int = 0, prefix_caching: bool = False) -> None:
   """The table for one KV cache layout, then its memory: what the cache allocates and, paged, the
   most pages in use at once (polled while the clients run)."""
   import jax
   import numpy as np
-  import uvicorn
-  from jax.sharding import Mesh
 
   from MaxText.configuration.config import Config
-  from MaxText.configuration.config_groups import MESH_AXES
-  from MaxText.serve import build_app, build_server
 
   config = Config.for_testing(
       base_emb_dim=args.emb, base_num_query_heads=4, base_num_kv_heads=4, head_dim=args.emb // 4,
@@ -133,18 +154,8 @@ def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int,
       print_config=False, tokenizer_type="huggingface", tokenizer_path=str(tokenizer), add_bos=False,
       serve_max_slots=args.slots, serve_max_queue=1024, serve_max_tokens=args.max_tokens, serve_model_name="bench",
       kv_cache_layout=layout, kv_page_size=args.page_size, kv_num_pages=args.pages if layout == "paged" else 0)
-  mesh = Mesh(np.asarray(jax.devices()[:1]).reshape((1,) * len(MESH_AXES)), MESH_AXES)
-  server = build_server(config, mesh=mesh)
+  server, uv, thread, url = start_server(config)
   engine = server.scheduler.engine
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  uv = uvicorn.Server(uvicorn.Config(build_app(server, api_key=""), host="127.0.0.1", port=port, log_level="warning"))
-  thread = threading.Thread(target=uv.run, daemon=True)
-  thread.start()
-  while not uv.started:
-    time.sleep(0.05)
-  url = f"http://127.0.0.1:{port}/v1/completions"
   # Compiles every step (its prompts have no shared prefix: nothing of the measured load is cached yet).
   asyncio.run(_round(url, 2, 2, 4, prompt_lengths, args.vocab, args.long_prompt))
   if args.shared_prefix:  # the measured load once, untimed: its prefill shapes compile, and the steady

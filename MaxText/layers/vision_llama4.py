@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from MaxText.configuration.model_config import ModelConfig
-from MaxText.layers import masks, remat
+from MaxText.layers import masks, remat, vision_tower
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.normalizations import LayerNorm
@@ -160,12 +160,7 @@ class Llama4VisionEncoder(nnx.Module):
     self.adapter = Llama4VisionAdapter(cfg, rngs=rngs)
 
   def patches(self, pixels_ICRR: jax.Array) -> jax.Array:
-    """[I, C, R, R] -> [I, P, C, p, p], patches row-major (an unfold's order)."""
-    i, c, r, _ = pixels_ICRR.shape
-    p = self.cfg.vision.vision_patch_size
-    grid = r // p
-    x = pixels_ICRR.reshape(i, c, grid, p, grid, p).transpose(0, 2, 4, 1, 3, 5)
-    return x.reshape(i, grid * grid, c, p, p)
+    return vision_tower.image_patches(pixels_ICRR, self.cfg.vision.vision_patch_size)
 
   def __call__(self, pixels_ICRR: jax.Array) -> jax.Array:
     vision = self.cfg.vision

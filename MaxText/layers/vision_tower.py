@@ -50,6 +50,14 @@ def _layer_norm(cfg: ModelConfig) -> LayerNorm:
                    dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype))
 
 
+def image_patches(pixels_ICRR: jax.Array, patch: int) -> jax.Array:
+  """[I, C, R, R] -> [I, P, C, p, p], patches in row-major order (a conv's and an unfold's order)."""
+  i, c, r, _ = pixels_ICRR.shape
+  grid = r // patch
+  x = pixels_ICRR.reshape(i, c, grid, patch, grid, patch).transpose(0, 2, 4, 1, 3, 5)
+  return x.reshape(i, grid * grid, c, patch, patch)
+
+
 class VisionAttention(nnx.Module):
   """Multi-head self-attention over one image's patches, every patch seeing every other."""
 
@@ -106,12 +114,7 @@ class VisionEncoder(nnx.Module):
     self.post_layernorm = _layer_norm(cfg)
 
   def patches(self, pixels_ICRR: jax.Array) -> jax.Array:
-    """[I, C, R, R] -> [I, P, C, p, p], patches in row-major order (a conv's output order)."""
-    i, c, r, _ = pixels_ICRR.shape
-    p = self.cfg.vision.vision_patch_size
-    grid = r // p
-    x = pixels_ICRR.reshape(i, c, grid, p, grid, p).transpose(0, 2, 4, 1, 3, 5)
-    return x.reshape(i, grid * grid, c, p, p)
+    return image_patches(pixels_ICRR, self.cfg.vision.vision_patch_size)
 
   def __call__(self, pixels_ICRR: jax.Array) -> jax.Array:
     x_IPE = self.patch_embedding(self.patches(pixels_ICRR))

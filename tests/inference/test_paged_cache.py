@@ -375,11 +375,10 @@ def test_prefix_caching_gives_the_same_tokens_and_shares_the_prefix_pages(scan_l
     assert loads[0]["prefix_cached_tokens"] >= 3 * len(prefix)
 
 
-def test_admission_counts_a_shared_prefix_page_once():
-  """Two requests with the same 13-token prompt (4 full pages of 3 shared) and 4 new tokens each
-  hold 6 pages at their end: 12 counted apart, 8 with the shared pages once. A pool of 9 runs them
-  together (the second starts before the first ends) with the tokens of a pool big enough for
-  both; afterwards every page is free again."""
+def _two_sharing_requests(num_pages: int, prefix_caching: bool = True):
+  """Two requests with one 13-token prompt (4 full pages of 3) and 4 new tokens each, submitted
+  together to a scheduler over a pool of `num_pages`: (the events in order as (job, kind), the
+  load afterwards, the engine, the tokens of each)."""
   import threading
 
   from MaxText.inference import scheduler as sched
@@ -387,55 +386,17 @@ def test_admission_counts_a_shared_prefix_page_once():
 
   prompt = list(range(20, 33))
   config = dict(MIXED, kv_cache_layout="paged", kv_page_size=3, max_target_length=18, max_prefill_predict_length=16)
-  roomy = Engine(Config.for_testing(**config, kv_num_pages=24, prefix_caching=False), num_slots=2,
-                 mesh=one_device_mesh())
-  params = roomy.load_params(seed=1)
-  expected = _scheduled_outputs(roomy, params, [prompt, prompt], [4, 4])
-  tight = Engine(Config.for_testing(**config, kv_num_pages=9), num_slots=2, mesh=one_device_mesh())
-  events, lock, done = [], threading.Lock(), [threading.Event(), threading.Event()]
-
-  def sink(i):
-    def emit(event):
-      with lock:
-        events.append((i, type(event).__name__))
-      if isinstance(event, sched.Done):
-        done[i].set()
-    return emit
-
-  runner = sched.Scheduler(tight, params, max_queue=4).start()
-  try:
-    runner.submit([sched.Job(0, list(prompt), 4, RowParams(), sink(0)), sched.Job(1, list(prompt), 4, RowParams(),
-                                                                                     sink(1))])
-    assert all(d.wait(120) for d in done)
-    load = runner.load()
-  finally:
-    runner.stop(10)
-  tokens = [[e for e in events if e == (i, "Token")] for i in (0, 1)]
-  assert [len(t) for t in tokens] == [len(e) for e in expected]
-  second_starts, first_ends = events.index((1, "Token")), events.index((0, "Done"))
-  assert second_starts < first_ends, events  # admitted beside the first, not after it
-  assert load["pages_reserved"] == 0 and load["pages_free"] == 9 and not tight.pages.refs.any(), load
-  assert load["pages_cached"] == 4
-
-
-def test_admission_still_waits_when_the_shared_pages_do_not_make_room():
-  """The same two requests in a pool of 7: 8 pages even counted once, so the second waits."""
-  import threading
-
-  from MaxText.inference import scheduler as sched
-  from MaxText.inference.sampling import RowParams
-
-  prompt = list(range(20, 33))
-  config = dict(MIXED, kv_cache_layout="paged", kv_page_size=3, max_target_length=18, max_prefill_predict_length=16,
-                kv_num_pages=7)
-  engine = Engine(Config.for_testing(**config), num_slots=2, mesh=one_device_mesh())
+  engine = Engine(Config.for_testing(**config, kv_num_pages=num_pages, prefix_caching=prefix_caching), num_slots=2,
+                  mesh=one_device_mesh())
   params = engine.load_params(seed=1)
-  events, lock, done = [], threading.Lock(), [threading.Event(), threading.Event()]
+  events, tokens, lock, done = [], ([], []), threading.Lock(), [threading.Event(), threading.Event()]
 
   def sink(i):
     def emit(event):
       with lock:
         events.append((i, type(event).__name__))
+      if isinstance(event, sched.Token):
+        tokens[i].append(event.token)
       if isinstance(event, sched.Done):
         done[i].set()
     return emit
@@ -445,6 +406,24 @@ def test_admission_still_waits_when_the_shared_pages_do_not_make_room():
     runner.submit([sched.Job(0, list(prompt), 4, RowParams(), sink(0)), sched.Job(1, list(prompt), 4, RowParams(),
                                                                                      sink(1))])
     assert all(d.wait(120) for d in done)
+    return events, runner.load(), engine, tokens
   finally:
     runner.stop(10)
+
+
+def test_admission_counts_a_shared_prefix_page_once():
+  """Each request holds 6 pages at its end: 12 counted apart, 8 with the 4 shared pages once. A
+  pool of 9 runs them together (the second starts before the first ends) with the tokens of a
+  pool big enough for both without sharing; afterwards every page is free again."""
+  expected = _two_sharing_requests(24, prefix_caching=False)[3]
+  events, load, engine, tokens = _two_sharing_requests(9)
+  assert tokens == expected
+  assert events.index((1, "Token")) < events.index((0, "Done")), events  # admitted beside the first
+  assert load["pages_reserved"] == 0 and load["pages_free"] == 9 and not engine.pages.refs.any(), load
+  assert load["pages_cached"] == 4
+
+
+def test_admission_still_waits_when_the_shared_pages_do_not_make_room():
+  """The same two requests in a pool of 7: 8 pages even counted once, so the second waits."""
+  events = _two_sharing_requests(7)[0]
   assert events.index((0, "Done")) < events.index((1, "Token")), events
