@@ -19,6 +19,7 @@ from MaxText.errors import ConfigError
 from MaxText.input_pipeline.tokenizer import load_tokenizer
 from MaxText.platform import sharding
 from MaxText.training import run_assembly, task_eval
+from tests.lm_eval_tasks import choice_task
 
 lm_eval = pytest.importorskip("lm_eval", reason="needs lm-eval (EXTRAS=test bash setup.sh)")
 sys.path.insert(0, str(Path(__file__).parent / "input_pipeline"))
@@ -27,19 +28,6 @@ from sft_fixtures import CHATML, WORDS, write_tokenizer, without_markers  # noqa
 MODEL = dict(base_emb_dim=32, base_num_query_heads=4, base_num_kv_heads=2, head_dim=8, base_mlp_dim=64,
              base_num_decoder_layers=2, vocab_size=272, max_target_length=64, dtype="float32", print_config=False,
              tokenizer_type="huggingface", add_bos=False, per_device_batch_size=1)
-CHOICE_TASK = """task: tiny_choice
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{label}}}}"
-metric_list:
-  - metric: acc
-"""
 GENERATION_TASK = """task: tiny_continue
 dataset_path: json
 dataset_kwargs:
@@ -74,7 +62,7 @@ def write_tasks(directory: Path, docs: list[dict]) -> Path:
   directory.mkdir(parents=True, exist_ok=True)
   data = directory / "docs.jsonl"
   data.write_text("".join(json.dumps(d) + "\n" for d in docs))
-  (directory / "choice.yaml").write_text(CHOICE_TASK.format(data=data))
+  (directory / "choice.yaml").write_text(choice_task("tiny_choice", data))
   (directory / "continue.yaml").write_text(GENERATION_TASK.format(data=data))
   return directory
 
