@@ -430,19 +430,6 @@ def _direct_logprobs(served, ids: list[int]) -> np.ndarray:
   return np.asarray(jnp.take_along_axis(logprobs, tokens[0, 1:, None], axis=-1)[:, 0])
 
 
-LM_EVAL_TASK = """task: serve_tiny_choice
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{label}}}}"
-metric_list:
-  - metric: acc
-"""
 LM_EVAL_DOCS = [{"context": "the quick brown", "choices": [" fox", " dog", " day"], "label": 0},
                 {"context": "to be or", "choices": [" not", " that"], "label": 0},
                 {"context": "shall i", "choices": [" compare thee", " be"], "label": 1}]
@@ -454,6 +441,8 @@ def test_lm_eval_local_completions_log_likelihoods_equal_the_model(served, tmp_p
   lm_eval = pytest.importorskip("lm_eval", reason="needs lm-eval (EXTRAS=test bash setup.sh)")
   from lm_eval.tasks import TaskManager
 
+  from tests.lm_eval_tasks import choice_task
+
   import json
 
   monkeypatch.setenv("OPENAI_API_KEY", KEY)
@@ -461,7 +450,7 @@ def test_lm_eval_local_completions_log_likelihoods_equal_the_model(served, tmp_p
   monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
   data = tmp_path / "docs.jsonl"
   data.write_text("".join(json.dumps(d) + "\n" for d in LM_EVAL_DOCS))
-  (tmp_path / "task.yaml").write_text(LM_EVAL_TASK.format(data=data))
+  (tmp_path / "task.yaml").write_text(choice_task("serve_tiny_choice", data))
   results = lm_eval.simple_evaluate(
       model="local-completions", tasks=["serve_tiny_choice"], task_manager=TaskManager(include_path=str(tmp_path)),
       model_args=dict(base_url=f"{served.url}/v1/completions", model="tiny", tokenizer=str(served.tokenizer_dir),
