@@ -4,6 +4,7 @@ and the processes it starts share one persistent compilation cache (tests/jax_ca
 import os
 import shutil
 import tempfile
+import time
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 _flags = os.environ.get("XLA_FLAGS", "")
@@ -38,6 +39,27 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
   if _owned_cache_dir is not None:
     shutil.rmtree(_owned_cache_dir, ignore_errors=True)
+
+
+def _minutes_needed(item) -> float:
+  """The most a test may take, for the CI deadline: a docs command half its time limit, another slow test 6
+  minutes, the rest 1."""
+  block = getattr(getattr(item, "callspec", None), "params", {}).get("block")
+  if block is not None and hasattr(block, "timeout_s"):
+    return block.timeout_s / 120
+  return 6.0 if item.get_closest_marker("slow") else 1.0
+
+
+def pytest_runtest_setup(item):
+  """.ci/run sets MAXTEXT_CI_DEADLINE (epoch seconds): a test that might not end before it is skipped, saying
+  so, rather than the whole run being stopped at CI's 90 minutes."""
+  deadline = os.environ.get("MAXTEXT_CI_DEADLINE")
+  if not deadline:
+    return
+  left_s, need = float(deadline) - time.time(), _minutes_needed(item)
+  if left_s < need * 60:
+    pytest.skip(f"CI budget: {max(left_s, 0) / 60:.1f} minutes left before MAXTEXT_CI_DEADLINE, this test may take "
+                f"{need:.0f}")
 
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
