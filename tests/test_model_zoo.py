@@ -52,6 +52,8 @@ PUBLISHED = {
     "deepseek3-671b": 671e9, "deepseek2-16b": 15.7e9,
     # OpenAI's gpt-oss model card (bf16 weights; the checkpoints store the experts in MXFP4).
     "gpt-oss-20b": 20.9e9, "gpt-oss-120b": 116.8e9,
+    # OLMo 3: the Hugging Face hub's counts of the published checkpoints' tensors.
+    "olmo3-7b": 7.3e9, "olmo3-32b": 32.2e9,
 }
 # The `default` family has no published size: it follows global_parameter_scale.
 UNPUBLISHED = {"default"}

@@ -122,6 +122,7 @@ class AttentionConfig:
   attention_sinks: bool = key(architecture=True)  # a learned per-head logit in every softmax (GPT-OSS)
   attn_logits_soft_cap: float = key(architecture=True)  # 0 = off
   use_qk_norm: bool = key(architecture=True)  # RMSNorm over each query / key head before RoPE
+  qk_norm_over_all_heads: bool = key(architecture=True)  # OLMo 2/3: one RMSNorm over all heads' queries (keys) at once
   use_qk_l2_norm: bool = key(architecture=True)  # weightless RMS norm of q / k after RoPE, RoPE layers only
   attn_temperature_floor_scale: float = key(architecture=True)  # 0 = off; NoPE layers' query temperature
   attn_temperature_scale: float = key(architecture=True)
@@ -461,6 +462,8 @@ def _check_positions_and_attention(v: Mapping[str, Any]) -> None:
              f"got {v['rope_scaling_factor']}")
   _require(v["rope_local_max_timescale"] >= 0, "rope_local_max_timescale must be >= 0 (0 = the global layers' "
            f"RoPE), got {v['rope_local_max_timescale']}")
+  _require(not v["qk_norm_over_all_heads"] or v["use_qk_norm"],
+           "qk_norm_over_all_heads=True sets the QK-norm's scope: it needs use_qk_norm=True")
   pattern = list(v["attention_layer_pattern"])
   _require(len(pattern) >= 1 and all(kind in ATTENTION_LAYER_KINDS for kind in pattern),
            f"attention_layer_pattern must be a non-empty list of {', '.join(ATTENTION_LAYER_KINDS)}; got {pattern}")

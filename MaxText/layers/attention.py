@@ -211,6 +211,14 @@ def layer_rope_scale(cfg: ModelConfig, layer_index: int | jax.Array) -> float | 
   return jnp.where(is_local, 1.0, global_)
 
 
+def _qk_norm(norm: RMSNorm, x_BLNH: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """The QK-norm over each head's vector, or (qk_norm_over_all_heads) over all heads' vectors as one."""
+  if not cfg.attn.qk_norm_over_all_heads:
+    return norm(x_BLNH)
+  b, l, n, h = x_BLNH.shape
+  return norm(x_BLNH.reshape(b, l, n * h)).reshape(b, l, n, h)
+
+
 class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, n, k, h = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
@@ -220,11 +228,12 @@ class Attention(nnx.Module):
     self.key = dense((d,), (k, h), ("embed", "kv_heads", "kv"), tag="key_proj", **cfg.lora.adapter("k_proj"))
     self.value = dense((d,), (k, h), ("embed", "kv_heads", "kv"), tag="value_proj", **cfg.lora.adapter("v_proj"))
     self.out = dense((n, h), (d,), ("heads", "kv", "embed"), tag="out_proj", **cfg.lora.adapter("o_proj"))
-    if cfg.attn.use_qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's vector, before RoPE
-      norm = functools.partial(RMSNorm, h, epsilon=cfg.normalization_layer_epsilon, dtype=jnp.dtype(cfg.dtype),
+    if cfg.attn.use_qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's vector (OLMo: over all heads), before RoPE
+      norm = functools.partial(RMSNorm, epsilon=cfg.normalization_layer_epsilon, dtype=jnp.dtype(cfg.dtype),
                                weight_dtype=jnp.dtype(cfg.weight_dtype),
                                scale_offset=1.0 if cfg.normalization_type == "rms_plus_one" else 0.0)
-      self.query_norm, self.key_norm = norm(), norm()
+      all_heads = cfg.attn.qk_norm_over_all_heads
+      self.query_norm, self.key_norm = norm(n * h if all_heads else h), norm(k * h if all_heads else h)
     if cfg.attn.attention_sinks:  # GPT-OSS: one learned logit per query head (masks.dense_attention)
       self.sinks = nnx.Param(jnp.zeros((n,), jnp.dtype(cfg.weight_dtype)), out_sharding=("heads",))
     self.cfg = cfg
@@ -258,7 +267,7 @@ class Attention(nnx.Module):
     kv_names = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
     q_BLNH, k_BSKH = self.query(x_BLD), self.key(x_BLD)
     if cfg.attn.use_qk_norm:
-      q_BLNH, k_BSKH = self.query_norm(q_BLNH), self.key_norm(k_BSKH)
+      q_BLNH, k_BSKH = _qk_norm(self.query_norm, q_BLNH, cfg), _qk_norm(self.key_norm, k_BSKH, cfg)
     q_BLNH, k_BSKH = self._rope(q_BLNH, positions_BL, layer_index), self._rope(k_BSKH, positions_BL, layer_index)
     if cfg.attn.attn_temperature_floor_scale > 0:  # on NoPE layers only
       is_rope = is_rope_layer(cfg.rope, layer_index)

@@ -74,11 +74,15 @@ class DecoderLayer(nnx.Module):
 
   # Gemma 2: also normalise each sub-block's output before it joins the residual stream.
   normalize_block_outputs: bool = False
+  # OLMo 2/3: only the outputs (the sub-blocks read the residual stream as it is).
+  normalize_block_inputs: bool = True
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    self.pre_self_attention_layer_norm = make_norm(cfg)
+    if self.normalize_block_inputs:
+      self.pre_self_attention_layer_norm = make_norm(cfg)
     self.self_attention = attention_block(cfg, rngs)
-    self.post_self_attention_layer_norm = make_norm(cfg)  # the norm in front of the MLP
+    if self.normalize_block_inputs:
+      self.post_self_attention_layer_norm = make_norm(cfg)  # the norm in front of the MLP
     self.mlp = feed_forward_block(cfg, rngs)
     if self.normalize_block_outputs:
       self.attention_output_norm = make_norm(cfg)
@@ -87,6 +91,9 @@ class DecoderLayer(nnx.Module):
 
   def _block_output(self, name: str, y_BLD: jax.Array) -> jax.Array:
     return getattr(self, name)(y_BLD) if self.normalize_block_outputs else y_BLD
+
+  def _block_input(self, name: str, x_BLD: jax.Array) -> jax.Array:
+    return getattr(self, name)(x_BLD) if self.normalize_block_inputs else x_BLD
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
                dropout_rng: jax.Array | None, layer_index: int | jax.Array = 0,
@@ -97,11 +104,11 @@ class DecoderLayer(nnx.Module):
     attn_rng, mlp_rng = jax.random.split(dropout_rng) if dropout_rng is not None else (None, None)
     x_BLD = sharding.constrain(x_BLD, ACTIVATION_NAMES)
     blocks = {} if image_blocks_BL is None else {"image_blocks_BL": image_blocks_BL}
-    attn_out = self.self_attention(self.pre_self_attention_layer_norm(x_BLD), positions_BL, segment_ids_BL,
-                                   layer_index, cache, **blocks)
+    attn_out = self.self_attention(self._block_input("pre_self_attention_layer_norm", x_BLD), positions_BL,
+                                   segment_ids_BL, layer_index, cache, **blocks)
     attn_BLD, cache = attn_out if isinstance(attn_out, tuple) else (attn_out, None)
     h_BLD = x_BLD + dropout(self._block_output("attention_output_norm", attn_BLD), self.dropout_rate, attn_rng)
-    mlp_BLD = self.mlp(self.post_self_attention_layer_norm(h_BLD))
+    mlp_BLD = self.mlp(self._block_input("post_self_attention_layer_norm", h_BLD))
     out_BLD = h_BLD + dropout(self._block_output("mlp_output_norm", mlp_BLD), self.dropout_rate, mlp_rng)
     out_BLD = sharding.constrain(out_BLD, ACTIVATION_NAMES)
     return out_BLD if cache is None else (out_BLD, cache)
@@ -112,3 +119,11 @@ class Gemma2DecoderLayer(DecoderLayer):
   """Gemma 2: the shared block with normalised sub-block outputs ("sandwich" norms)."""
 
   normalize_block_outputs = True
+
+
+@register_layer("olmo2")
+class Olmo2DecoderLayer(DecoderLayer):
+  """OLMo 2 and 3: h = x + norm(Attn(x)), then h + norm(MLP(h)); each sub-block reads the stream unnormalised."""
+
+  normalize_block_outputs = True
+  normalize_block_inputs = False

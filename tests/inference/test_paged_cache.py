@@ -35,6 +35,11 @@ INTERLEAVED = dict(TINY, decoder_block="llama4", base_num_decoder_layers=4, num_
                    moe_layer_interval=2, dense_mlp_dim=96, shared_experts=1, capacity_factor=-1.0,
                    mlp_activations=["silu", "linear"], attention_layer_pattern=["chunked", "global"],
                    attention_chunk_size=4)
+# OLMo 3: outputs-only norms, QK-norm over all heads, 3 local : 1 global layers, YaRN on the global ones.
+OLMO3 = dict(TINY, decoder_block="olmo3", base_num_decoder_layers=4, use_qk_norm=True, qk_norm_over_all_heads=True,
+             attention_layer_pattern=["local", "local", "local", "global"], sliding_window_size=4,
+             mlp_activations=["silu", "linear"], rope_type="yarn", rope_scaling_factor=4.0,
+             rope_original_max_position=8, rope_local_max_timescale=10000)
 PROMPTS = [[3, 9, 27], [1, 2, 3, 4, 5, 6, 7, 8], [100], [50, 60, 70, 80, 90], [7, 7]]
 NEW_TOKENS = [9, 12, 16, 6, 10]
 
@@ -127,6 +132,7 @@ def test_paged_serve_equals_dense_with_windows_slot_reuse_and_waiting_for_pages(
     pytest.param(CHUNKED, True, marks=pytest.mark.slow),
     pytest.param(MIXED, True, marks=pytest.mark.slow),
     pytest.param(INTERLEAVED, True, marks=pytest.mark.slow),
+    (OLMO3, False),
 ])
 def test_paged_serve_equals_dense_for_each_family(overrides, scan_layers):
   expected, got, paged, _ = serve_both(dict(overrides, scan_layers=scan_layers), num_slots=2, kv_num_pages=12,

@@ -1,0 +1,101 @@
+"""OLMo 2 (HF `olmo2`, decoder_block "olmo2") and OLMo 3 (HF `olmo3`, decoder_block "olmo3"): Llama's
+tensors with the norms moved to the sub-blocks' outputs (layer "olmo2": h = x + norm(Attn(x)), then
+h + norm(MLP(h))) and a QK-norm over all heads at once (qk_norm_over_all_heads). OLMo 3 adds sliding-window
+layers, three of every four in the releases, and keeps RoPE scaling (YaRN in the long-context models) to
+the full-attention layers: its local layers rotate by the unscaled base (rope_local_max_timescale).
+
+HF names beyond Llama's (layer i)                        ours (inside layer i)
+  model.layers.{i}.post_attention_layernorm.weight        attention_output_norm/scale
+  model.layers.{i}.post_feedforward_layernorm.weight      mlp_output_norm/scale
+  model.layers.{i}.self_attn.q_norm.weight [N * H]        self_attention/query_norm/scale
+  model.layers.{i}.self_attn.k_norm.weight [K * H]        self_attention/key_norm/scale
+There is no input_layernorm.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from MaxText.configuration.model_config import ModelConfig
+from MaxText.convert import tensor_maps as r
+from MaxText.errors import ConfigError
+from MaxText.families import Family, register_family
+from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, gated_mlp_tensors, max_positions,
+                                    qk_norm_tensors, rope_hf_config, rope_keys, shape_hf_config, shape_keys)
+
+
+def olmo_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
+  layer = "model.layers.{i}."
+  attention = [m for m in decoder_tensors(cfg) if "layernorm" not in m.hf]
+  return embedding_tensors(cfg) + attention + qk_norm_tensors() + gated_mlp_tensors() + [
+      r.one(layer + "post_attention_layernorm.weight", "attention_output_norm/scale"),
+      r.one(layer + "post_feedforward_layernorm.weight", "mlp_output_norm/scale")]
+
+
+def olmo2_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  r.require_hf(hf, "hidden_act", ("silu",), "silu")
+  r.require_hf(hf, "attention_bias", (False,), False)
+  if hf.get("clip_qkv") is not None:
+    raise ConfigError(f"HF config clip_qkv={hf['clip_qkv']!r} (OLMo 1's clipping) is not supported by the "
+                      f"{hf.get('model_type')} converter (supported: None)")
+  return {"decoder_block": "olmo2", **shape_keys(hf), **rope_keys(hf), "mlp_activations": ["silu", "linear"],
+          "use_qk_norm": True, "qk_norm_over_all_heads": True,
+          "logits_via_embedding": bool(hf.get("tie_word_embeddings", False))}
+
+
+def olmo2_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+  return {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", **shape_hf_config(cfg),
+          **rope_hf_config(cfg.rope), "hidden_act": "silu", "attention_bias": False,
+          "max_position_embeddings": max_positions(cfg)}
+
+
+def olmo3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  params = hf.get("rope_parameters") or {}
+  if "full_attention" in params:  # transformers >= 5: one RoPE per layer type
+    global_rope, local_rope = params["full_attention"], params.get("sliding_attention") or {}
+  else:  # older files: rope_scaling applies to the full-attention layers only
+    theta = hf.get("rope_theta", 500_000.0)
+    global_rope, local_rope = {**(hf.get("rope_scaling") or {}), "rope_theta": theta}, {"rope_theta": theta}
+  r.require_hf(local_rope, "rope_type", ("default",), "default")
+  keys = olmo2_model_keys({**hf, "rope_parameters": global_rope, "rope_scaling": None})
+  num_layers = hf["num_hidden_layers"]
+  layer_types = hf.get("layer_types") or ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
+                                          for i in range(num_layers)]
+  window = hf.get("sliding_window")
+  pattern = r.attention_pattern([kind == "sliding_attention" and bool(window) for kind in layer_types])
+  if len(pattern) == num_layers and num_layers > 4:
+    raise ConfigError(f"HF config layer_types {layer_types} repeats no pattern: the {hf.get('model_type')} "
+                      "converter needs sliding and full layers in a repeating order")
+  keys.update(decoder_block="olmo3", attention_layer_pattern=pattern)
+  if "local" in pattern:
+    keys["sliding_window_size"] = int(window)
+    local_theta = float(local_rope.get("rope_theta", keys["rope_max_timescale"]))
+    if keys["rope_type"] != "default" or local_theta != keys["rope_max_timescale"]:
+      keys["rope_local_max_timescale"] = local_theta
+  return keys
+
+
+def olmo3_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+  hf = olmo2_hf_config(cfg)
+  global_rope = rope_hf_config(cfg.rope)["rope_parameters"]
+  local_theta = cfg.rope.rope_local_max_timescale or cfg.rope.rope_max_timescale
+  return {**hf, "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3",
+          "layer_types": r.hf_layer_types(cfg.attn.attention_layer_pattern, cfg.num_decoder_layers),
+          "sliding_window": cfg.attn.sliding_window_size,
+          "rope_parameters": {"full_attention": global_rope,
+                              "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}}
+
+
+_TINY = dict(TINY_SHAPES, rms_norm_eps=1e-6)
+# A window shorter than the test sequences, 3 sliding : 1 full as released; YaRN on the full layers only,
+# over a short original context so that its ramp falls inside these few dimensions.
+_OLMO3 = dict(model_type="olmo3", **{**_TINY, "num_hidden_layers": 4}, sliding_window=5,
+              layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"])
+register_family(Family("olmo2", ("olmo2",), ("olmo2",), olmo2_model_keys, olmo2_hf_config, olmo_tensors, layer="olmo2",
+                       reference_hf_configs={"olmo2": dict(model_type="olmo2", **_TINY, rope_theta=500_000.0)}))
+register_family(Family("olmo3", ("olmo3",), ("olmo3",), olmo3_model_keys, olmo3_hf_config, olmo_tensors, layer="olmo2",
+                       reference_hf_configs={
+                           "olmo3": dict(_OLMO3, rope_parameters={
+                               "full_attention": {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+                                                  "original_max_position_embeddings": 16},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})}))
