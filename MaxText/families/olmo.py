@@ -68,7 +68,7 @@ def olmo3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
                       "converter needs sliding and full layers in a repeating order")
   keys.update(decoder_block="olmo3", attention_layer_pattern=pattern)
   if "local" in pattern:
-    keys["sliding_window_size"] = int(window)
+    keys["sliding_window_size"] = int(window or 0)  # "local" only where a window is set
     local_theta = float(local_rope.get("rope_theta", keys["rope_max_timescale"]))
     if keys["rope_type"] != "default" or local_theta != keys["rope_max_timescale"]:
       keys["rope_local_max_timescale"] = local_theta
