@@ -63,9 +63,6 @@ def olmo3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
                                           for i in range(num_layers)]
   window = hf.get("sliding_window")
   pattern = r.attention_pattern([kind == "sliding_attention" and bool(window) for kind in layer_types])
-  if len(pattern) == num_layers and num_layers > 4:
-    raise ConfigError(f"HF config layer_types {layer_types} repeats no pattern: the {hf.get('model_type')} "
-                      "converter needs sliding and full layers in a repeating order")
   keys.update(decoder_block="olmo3", attention_layer_pattern=pattern)
   if "local" in pattern:
     keys["sliding_window_size"] = int(window or 0)  # "local" only where a window is set
