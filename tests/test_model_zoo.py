@@ -54,6 +54,8 @@ PUBLISHED = {
     "gpt-oss-20b": 20.9e9, "gpt-oss-120b": 116.8e9,
     # OLMo 3: the Hugging Face hub's counts of the published checkpoints' tensors.
     "olmo3-7b": 7.3e9, "olmo3-32b": 32.2e9,
+    # Kimi K2: the Hugging Face hub's count of the published checkpoint (the model card's headline: 1T).
+    "kimi-k2-1t": 1.03e12,
 }
 # The `default` family has no published size: it follows global_parameter_scale.
 UNPUBLISHED = {"default"}

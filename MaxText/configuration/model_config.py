@@ -452,8 +452,8 @@ def _check_positions_and_attention(v: Mapping[str, Any]) -> None:
              f"{v['rope_low_freq_factor']}, {v['rope_high_freq_factor']}, {v['rope_original_max_position']}")
   if v["rope_type"] == "yarn":
     _require(v["rope_scaling_factor"] >= 1.0 and v["rope_original_max_position"] > 0
-             and v["rope_yarn_beta_fast"] > v["rope_yarn_beta_slow"] > 0 and v["rope_attention_factor"] >= 0,
-             "rope_type=yarn needs rope_scaling_factor >= 1, rope_original_max_position > 0, rope_yarn_beta_fast > "
+             and v["rope_yarn_beta_fast"] >= v["rope_yarn_beta_slow"] > 0 and v["rope_attention_factor"] >= 0,
+             "rope_type=yarn needs rope_scaling_factor >= 1, rope_original_max_position > 0, rope_yarn_beta_fast >= "
              f"rope_yarn_beta_slow > 0 and rope_attention_factor >= 0; got {v['rope_scaling_factor']}, "
              f"{v['rope_original_max_position']}, {v['rope_yarn_beta_fast']}, {v['rope_yarn_beta_slow']}, "
              f"{v['rope_attention_factor']}")

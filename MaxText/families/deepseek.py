@@ -1,4 +1,5 @@
-"""DeepSeek-V3 (HF `deepseek_v3`, decoder_block "deepseek3") and DeepSeek-V2 / V2-Lite (HF
+"""DeepSeek-V3 (HF `deepseek_v3`, decoder_block "deepseek3"; also Moonshot's Kimi K2, HF `kimi_k2`: the same
+architecture with 384 experts and 64 heads) and DeepSeek-V2 / V2-Lite (HF
 `deepseek_v2`, decoder_block "deepseek2"): multi-head latent attention (attention_type=mla,
 layers/mla.py), a dense-MLP prefix of first_k_dense_replace layers (first_dense_layers), then
 routed MoE layers with shared experts. V3 routes by sigmoid scores with the correction bias and
@@ -242,7 +243,7 @@ _YARN = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "original_m
          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 1.0}
 
 register_family(Family(
-    "deepseek3", ("deepseek_v3",), ("deepseek3",), deepseek3_model_keys, deepseek3_hf_config, deepseek_tensors,
+    "deepseek3", ("deepseek_v3", "kimi_k2"), ("deepseek3",), deepseek3_model_keys, deepseek3_hf_config, deepseek_tensors,
     reference_hf_configs={
         # Low-rank queries, sigmoid routing with the bias (randomised by the test's builder), 4 groups
         # of 2 with the best 2 kept, a scaling factor, a dense first layer, a shared expert, YaRN with
