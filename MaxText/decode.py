@@ -21,13 +21,14 @@ if __package__ in (None, ""):  # `python3 MaxText/decode.py`: import the package
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import jax
+import numpy as np
 
 from MaxText.configuration import config as config_lib
 from MaxText.errors import UserError, run_cli
 from MaxText.inference import image_chat
 from MaxText.inference.engine import load_engine
 from MaxText.inference.image_prompts import PromptImages
-from MaxText.input_pipeline import image_text, images
+from MaxText.input_pipeline import image_text
 from MaxText.input_pipeline.tokenizer import DocumentEncoder, Tokenizer, load_tokenizer
 from MaxText import startup
 from MaxText.platform.distributed import log
@@ -59,7 +60,8 @@ def prompt_with_images(config: config_lib.Config) -> tuple[list[int], Tokenizer 
   """The prompt's ids, the tokenizer and the images of image_path (None without): with
   prompt_chat_template, one user turn of the images then the prompt; else the prompt with each of
   its image markers expanded (the images go first when it has none). prompt_token_ids must
-  already hold each image's placeholder run."""
+  already hold each view's placeholder run (Llama 4: each tile's and the thumbnail's, as the
+  image's tile grid gives them; image_formats.py)."""
   paths = image_paths(config)
   if not paths:
     ids, tokenizer = prompt_ids(config)
@@ -68,11 +70,10 @@ def prompt_with_images(config: config_lib.Config) -> tuple[list[int], Tokenizer 
 
   cfg, data = config.model, config.data
   image_text.refuse_images_without_vision([image_text.ImageSlot(p, 0) for p in paths], cfg.vision)
-  options = images.ImageOptions(cfg.vision.vision_image_size)
   if config.decode.prompt_token_ids:
     _, tokenizer = prompt_ids(config)
-    return list(config.decode.prompt_token_ids), tokenizer, PromptImages.of(
-        images.batch_pixel_values([images.load(p) for p in paths], options))
+    prepared = image_text.prepare_images(paths, cfg.vision, cfg.decoder_block, files=True)
+    return list(config.decode.prompt_token_ids), tokenizer, PromptImages.of(np.concatenate([p.pixels for p in prepared]))
   if not data.tokenizer_path:
     raise UserError("set tokenizer_path=... to encode prompt with its images")
   tokenizer = load_tokenizer(data.tokenizer_type, data.tokenizer_path)
@@ -86,8 +87,9 @@ def prompt_with_images(config: config_lib.Config) -> tuple[list[int], Tokenizer 
   marker = image_chat.image_marker(hf_tokenizer, cfg)
   if marker not in text:
     text = marker * len(paths) + text
-  expanded = image_text.expand_image_markers(text, hf_tokenizer, cfg.vision, cfg.decoder_block, [0] * len(paths))
-  prompt_images = PromptImages.of(images.batch_pixel_values([images.load(p) for p in paths], options))
+  prepared = image_text.prepare_images(paths, cfg.vision, cfg.decoder_block, files=True)
+  expanded = image_text.expand_image_markers(text, hf_tokenizer, cfg.vision, cfg.decoder_block, prepared)
+  prompt_images = PromptImages.of(np.concatenate([p.pixels for p in prepared]))
   return DocumentEncoder(tokenizer, data.add_bos, add_eos=False)(expanded), tokenizer, prompt_images
 
 

@@ -159,7 +159,8 @@ def _image_runs(vision: VisionConfig, paths: list[str], llama4: bool, vocab_size
   loaded = [images.load(path) for path in paths]
   if llama4:
     ids = llama4_images.image_tokens(vision.boi_token_id, vision.eoi_token_id, vision.image_token_id, vocab_size)
-    tiled = [llama4_images.tiles(image, llama4_images.TileOptions(tile_size=vision.vision_image_size))
+    tiled = [llama4_images.tiles(image, llama4_images.TileOptions(tile_size=vision.vision_image_size,
+                                                                   max_tiles=vision.image_max_tiles))
              for image in loaded]
     runs = [llama4_images.expand_image(grid, vision.mm_tokens_per_image, ids) for _, grid in tiled]
     return runs, np.concatenate([pixels for pixels, _ in tiled])

@@ -109,8 +109,9 @@ MULTIMODAL_CONFIGS = families.multimodal_reference_hf_configs()
 MULTIMODAL = tuple(MULTIMODAL_CONFIGS)
 
 
-def build_hf_multimodal_model(name: str, seed: int = 0) -> Any:
-  fields = dict(MULTIMODAL_CONFIGS[name])
+def build_hf_multimodal_model(name: str, seed: int = 0, **overrides: Any) -> Any:
+  """The family's tiny multimodal reference, randomised; `overrides` replace its top-level HF fields."""
+  fields = {**MULTIMODAL_CONFIGS[name], **overrides}
   config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
   torch.manual_seed(seed)
   model = transformers.AutoModelForImageTextToText.from_config(config, attn_implementation="eager").eval()
@@ -200,3 +201,30 @@ def our_multimodal_logits(config: Config, params: Any, token_ids: np.ndarray, pi
   apply = jax.jit(sharding.unsharded()(spec.apply))
   return np.asarray(apply(params, jnp.asarray(token_ids), jnp.asarray(positions), jnp.ones(token_ids.shape, jnp.int32),
                           None, None if pixels is None else jnp.asarray(pixels)))
+
+
+def hf_generate(model: Any, prompt: list[int], pixels_MCRR: np.ndarray, num_new: int) -> list[int]:
+  """HF's greedy `generate` on one prompt with its images' views [M, 3, R, R] (Gemma 3: with the
+  token_type_ids its processor gives). Llama 4: transformers 5.24's forward fails building its
+  output record from the language model's (which has no image_outputs), so a forward hook gives
+  the language model's output that field; generate, its cache and its image placing run as they are."""
+  ids = torch.tensor([prompt])
+  extra: dict[str, Any] = {}
+  hooks = []
+  if model.config.model_type == "gemma3":
+    extra["token_type_ids"] = (ids == model.config.image_token_index).long()
+  if model.config.model_type == "llama4":
+    from transformers.models.llama4 import modeling_llama4
+
+    def with_image_outputs(module: Any, args: Any, output: Any) -> Any:
+      return modeling_llama4.Llama4CausalLMOutputWithPast(**dict(output), image_outputs=None)
+
+    hooks.append(model.language_model.register_forward_hook(with_image_outputs))
+  try:
+    with torch.no_grad():
+      out = model.generate(ids, pixel_values=torch.tensor(pixels_MCRR), max_new_tokens=num_new,
+                           min_new_tokens=num_new, do_sample=False, pad_token_id=0, eos_token_id=None, **extra)
+  finally:
+    for hook in hooks:
+      hook.remove()
+  return out[0, len(prompt):].tolist()

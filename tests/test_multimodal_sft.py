@@ -3,7 +3,8 @@ and circles, each named by the assistant; the tiny Gemma 3 vision model of
 tests/layers/test_multimodal_vs_hf.py trains on them through the real pipeline (hf JSONL files,
 the chat template, packing with pixel_values). Held-out loss falls; the freeze options and LoRA
 keep the tower bitwise; the exported checkpoint gives transformers' Gemma3ForConditionalGeneration
-our logits on an image prompt."""
+our logits on an image prompt. The tiny Llama 4 trains the same way on 64x32 images, each cut
+into two 32-pixel tiles and a thumbnail (three pixel_values slots)."""
 
 from __future__ import annotations
 
@@ -26,30 +27,30 @@ from MaxText.training import lora, params_io
 
 pytest.importorskip("transformers", reason="needs transformers (EXTRAS=test bash setup.sh)")
 sys.path.insert(0, str(Path(__file__).parent / "input_pipeline"))
-from sft_fixtures import GEMMA3, IMAGE_SPECIAL, write_tokenizer  # noqa: E402
+from sft_fixtures import GEMMA3, IMAGE_SPECIAL, LLAMA4, LLAMA4_IMAGE_IDS, LLAMA4_IMAGE_SPECIAL, write_tokenizer  # noqa: E402
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 180, 30), "blue": (30, 30, 220)}
 SHAPES = ("square", "circle")
 TOWER = ("vision_encoder", "multimodal_projector")
 
 
-def shape_image(path: Path, colour: str, shape: str, rng: random.Random) -> str:
-  image = Image.new("RGB", (32, 32), (255, 255, 255))
+def shape_image(path: Path, colour: str, shape: str, rng: random.Random, width: int = 32) -> str:
+  image = Image.new("RGB", (width, 32), (255, 255, 255))
   side = rng.randrange(14, 24)
-  left, top = rng.randrange(0, 32 - side), rng.randrange(0, 32 - side)
+  left, top = rng.randrange(0, width - side), rng.randrange(0, 32 - side)
   draw = ImageDraw.Draw(image)
   (draw.rectangle if shape == "square" else draw.ellipse)((left, top, left + side, top + side), fill=COLOURS[colour])
   image.save(path)
   return str(path)
 
 
-def shape_records(directory: Path, count: int, seed: int) -> list[dict]:
+def shape_records(directory: Path, count: int, seed: int, width: int = 32) -> list[dict]:
   rng = random.Random(seed)
   directory.mkdir(parents=True, exist_ok=True)
   records = []
   for i in range(count):
     colour, shape = rng.choice(sorted(COLOURS)), rng.choice(SHAPES)
-    image = shape_image(directory / f"{i}.png", colour, shape, rng)
+    image = shape_image(directory / f"{i}.png", colour, shape, rng, width)
     records.append({"messages": [
         {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "what is this"}]},
         {"role": "assistant", "content": f"{colour} {shape}"}]})
@@ -254,3 +255,62 @@ def test_image_slot_keys_are_checked_in_one_line(data, tmp_path, overrides, mess
   with pytest.raises(ConfigError) as raised:
     config(data, tmp_path, **overrides)
   assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+# ---- Llama 4: 64 x 32 images are a 1 x 2 tile grid and a thumbnail, three slots of a row each.
+
+LLAMA4_TILES = 3
+
+
+@pytest.fixture(scope="module")
+def llama4_data(tmp_path_factory):
+  root = tmp_path_factory.mktemp("llama4_shapes")
+  tokenizer_dir = write_tokenizer(root / "tok", LLAMA4, LLAMA4_IMAGE_SPECIAL)
+  train = write_jsonl(root / "train.jsonl", shape_records(root / "train", 96, 0, width=64))
+  evaluation = write_jsonl(root / "eval.jsonl", shape_records(root / "eval", 16, 1, width=64))
+  return str(tokenizer_dir), train, evaluation
+
+
+def llama4_config(llama4_data, tmp_path: Path, **overrides) -> Config:
+  """The tiny Llama 4 vision reference (families/llama4.py) with the fixture tokenizer's image
+  tokens; every key inferred from its HF config."""
+  import transformers
+
+  tokenizer_dir, train, evaluation = llama4_data
+  fields = dict(families.multimodal_reference_hf_configs()["llama4-vision"])
+  fields.update(boi_token_index=LLAMA4_IMAGE_IDS["boi_token_id"], eoi_token_index=LLAMA4_IMAGE_IDS["eoi_token_id"],
+                image_token_index=LLAMA4_IMAGE_IDS["image_token_id"],
+                text_config={**fields["text_config"], "vocab_size": 320, "max_position_embeddings": 256})
+  hf = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields).to_dict()
+  return Config.for_testing(**{
+      **families.family_for_hf_config(hf).model_keys(hf), "max_target_length": 128, "per_device_batch_size": 1,
+      "dtype": "float32", "base_output_directory": str(tmp_path), "use_sft": True, "dataset_type": "hf",
+      "hf_path": "json", "hf_data_files": train, "hf_eval_files": evaluation, "tokenizer_type": "huggingface",
+      "tokenizer_path": tokenizer_dir, "max_images_per_row": LLAMA4_TILES, "learning_rate": 3e-3,
+      "warmup_steps_fraction": 0.0, "data_prefetch_batches": 0, "eval_interval": 10, "print_config": False,
+      "ici_fsdp_parallelism": 8, **overrides})
+
+
+def test_llama4_batches_hold_each_images_tiles_in_a_rows_slots(llama4_data, tmp_path):
+  """No compile: each row holds one conversation, its image's two tiles and thumbnail in its three
+  slots (one per placeholder run), no loss on a placeholder."""
+  run = train_utils.Run(llama4_config(llama4_data, tmp_path))
+  batch = next(run.data)
+  pixels, inputs = np.asarray(batch["pixel_values"]), np.asarray(batch["inputs"])
+  assert pixels.shape == (8, LLAMA4_TILES, 3, 32, 32)
+  image_id = LLAMA4_IMAGE_IDS["image_token_id"]
+  assert [int((row == image_id).sum()) for row in inputs] == [LLAMA4_TILES * 16] * 8
+  assert pixels.any(axis=(2, 3, 4)).all()
+  assert not np.asarray(batch["targets_segmentation"])[np.asarray(batch["targets"]) == image_id].any()
+
+
+@pytest.mark.slow  # 30 steps with the vision tower and the MoE text stack on 2 shared cores
+def test_llama4_held_out_loss_falls(llama4_data, tmp_path):
+  run = train_utils.Run(llama4_config(llama4_data, tmp_path))
+  state = run.init()
+  first, start_tower = eval_loss(run, state), tower(state.params)
+  state, history = run.train(state, 30)
+  assert all(np.isfinite(h["loss"]) for h in history)
+  assert any(not np.array_equal(a, b) for a, b in zip(start_tower, tower(state.params)))  # the tower trains
+  last = eval_loss(run, state)
+  assert last < 0.5 * first, (first, last)

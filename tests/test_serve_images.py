@@ -1,6 +1,8 @@
 """The server with a vision-language model (a tiny random Gemma 3 with its vision tower and a
-Gemma-3-style tokenizer), driven by the official `openai` client on 127.0.0.1: a chat request with
-an image_url content part gets the greedy answer of the engine alone on the same conversation;
+Gemma-3-style tokenizer; a tiny Llama 4 with Llama 4's tile prompts), driven by the official
+`openai` client on 127.0.0.1: a chat request with an image_url content part gets the greedy
+answer of the engine alone on the same conversation (Llama 4: chunks that cut between tiles,
+prefix pages keyed by the tiles' pixels);
 an http(s) URL, too many or too large images, an undecodable or unsupported image, a marker
 typed without its image, and images sent to a text-only model each get a 400 JSON error; images
 are decoded off the event loop."""
@@ -31,7 +33,7 @@ from MaxText.serve import _codec, build_app, build_server  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent / "inference"))
 sys.path.insert(0, str(Path(__file__).parent / "input_pipeline"))
 from decode_test_utils import one_device_mesh  # noqa: E402
-from sft_fixtures import GEMMA3, IMAGE_SPECIAL, write_tokenizer  # noqa: E402
+from sft_fixtures import GEMMA3, IMAGE_SPECIAL, LLAMA4, LLAMA4_IMAGE_IDS, LLAMA4_IMAGE_SPECIAL, write_tokenizer  # noqa: E402
 
 # The fixture tokenizer's ids: <start_of_image> 10, <end_of_image> 11, <image_soft_token> 12.
 MODEL = dict(decoder_block="gemma3", use_multimodal=True, attention="dot_product", vision_emb_dim=16,
@@ -47,10 +49,10 @@ SERVING = dict(kv_cache_layout="paged", kv_page_size=4, prefill_chunk_size=8, se
 EOS = 2
 
 
-def png_url(seed: int, size: int = 24, noise: bool = False, kind: str = "PNG") -> str:
+def png_url(seed: int, size: int = 24, noise: bool = False, kind: str = "PNG", width: int = 0) -> str:
   rng = np.random.default_rng(seed)
-  pixels = (rng.integers(0, 256, (size, size, 3)) if noise
-            else np.broadcast_to(rng.integers(0, 256, 3), (size, size, 3))).astype(np.uint8)
+  shape = (size, width or size, 3)
+  pixels = (rng.integers(0, 256, shape) if noise else np.broadcast_to(rng.integers(0, 256, 3), shape)).astype(np.uint8)
   buffer = io.BytesIO()
   Image.fromarray(pixels).save(buffer, kind)
   return f"data:image/{kind.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
@@ -62,9 +64,11 @@ def image_message(text: str, *urls: str) -> list[dict]:
 
 
 class Served:
-  def __init__(self, tmp: Path):
-    self.tokenizer_dir = write_tokenizer(tmp / "tok", GEMMA3, IMAGE_SPECIAL)
-    self.config = Config.for_testing(**MODEL, **SERVING, tokenizer_path=str(self.tokenizer_dir))
+  def __init__(self, tmp: Path, model: dict = MODEL, template: str = GEMMA3, special: list[str] = IMAGE_SPECIAL,
+               serving: dict = SERVING):
+    self.model = model
+    self.tokenizer_dir = write_tokenizer(tmp / "tok", template, special)
+    self.config = Config.for_testing(**model, **serving, tokenizer_path=str(self.tokenizer_dir))
     self.server = build_server(self.config, mesh=one_device_mesh())
     self.params = self.server.scheduler.params
     self.uv = uvicorn.Server(uvicorn.Config(build_app(self.server, api_key="k"), host="127.0.0.1", port=0,
@@ -83,7 +87,7 @@ class Served:
     """The same conversation through the engine alone (dense cache, whole prefill), greedy."""
     tokenizer = chat.load_chat_tokenizer(str(self.tokenizer_dir))
     ids, images = image_chat.conversation_ids(tokenizer, messages, self.config.model, files=False)
-    engine = Engine(Config.for_testing(**MODEL), mesh=one_device_mesh())
+    engine = Engine(Config.for_testing(**self.model), mesh=one_device_mesh())
     tokens = serve(engine, self.params, [Request(ids, max_tokens, images=images)], eos_id=EOS)[0].output
     return self.server.codec.decode(tokens)
 
@@ -168,3 +172,62 @@ def test_images_are_decoded_off_the_event_loop(served, monkeypatch):
   health_answered.set()
   worker.join(120)
   assert result and result[0].choices[0].message.content is not None
+
+
+# ---- Llama 4: a tiny random model (families/llama4.py's reference) with the fixture tokenizer's
+# image tokens, 32 x 32 tiles of 16 soft tokens.
+
+def llama4_model_keys() -> dict:
+  import transformers
+
+  from MaxText import families
+
+  fields = dict(families.multimodal_reference_hf_configs()["llama4-vision"])
+  fields.update(boi_token_index=LLAMA4_IMAGE_IDS["boi_token_id"], eoi_token_index=LLAMA4_IMAGE_IDS["eoi_token_id"],
+                image_token_index=LLAMA4_IMAGE_IDS["image_token_id"],
+                text_config={**fields["text_config"], "vocab_size": 320, "max_position_embeddings": 256})
+  hf = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields).to_dict()
+  return {**families.family_for_hf_config(hf).model_keys(hf), "max_target_length": 128,
+          "max_prefill_predict_length": 112, "dtype": "float32", "print_config": False,
+          "tokenizer_type": "huggingface", "add_bos": False}
+
+
+# Chunks of 20: a wide image's tile runs (16 placeholders and a separator each) fall in different
+# chunks, which Llama 4's causal text stack allows; each tile's run stays whole.
+LLAMA4_SERVING = {**SERVING, "prefill_chunk_size": 20}
+
+
+@pytest.fixture(scope="module")
+def served_llama4(tmp_path_factory):
+  s = Served(tmp_path_factory.mktemp("serve_llama4"), llama4_model_keys(), LLAMA4, LLAMA4_IMAGE_SPECIAL,
+             LLAMA4_SERVING)
+  yield s
+  s.close()
+
+
+@pytest.mark.slow  # a second tiny model's server and engine: about a minute on 2 shared cores
+def test_a_llama4_image_chat_gets_the_engines_greedy_answer(served_llama4):
+  wide = png_url(8, size=20, width=44, noise=True)  # a 1 x 2 tile grid and its thumbnail: 3 tiles
+  for messages in (image_message("what is this", wide), image_message("compare", png_url(2), wide)):
+    answer = served_llama4.client.chat.completions.create(model="tiny-vlm", messages=messages, max_tokens=6,
+                                                          temperature=0)
+    assert answer.choices[0].message.content == served_llama4.engine_answer(messages, 6)
+  # The same text with another image shares only the pages before the image's first tile run; the
+  # same image again shares its pages too (prefix caching keys image pages by the tiles' pixels).
+  other = image_message("what is this", png_url(9, size=20, width=44, noise=True))
+  ids, _ = image_chat.conversation_ids(chat.load_chat_tokenizer(str(served_llama4.tokenizer_dir)), other,
+                                       served_llama4.config.model, files=False)
+  first_tile = ids.index(LLAMA4_IMAGE_IDS["image_token_id"])
+  page = SERVING["kv_page_size"]
+
+  def cached_tokens(messages: list[dict]) -> tuple[str, int]:
+    before = served_llama4.server.scheduler.load()["prefix_cached_tokens"]
+    answer = served_llama4.client.chat.completions.create(model="tiny-vlm", messages=messages, max_tokens=6,
+                                                          temperature=0).choices[0].message.content
+    return answer, served_llama4.server.scheduler.load()["prefix_cached_tokens"] - before
+
+  answer, cached = cached_tokens(other)
+  assert cached == first_tile // page * page and answer == served_llama4.engine_answer(other, 6)
+  assert cached_tokens(image_message("what is this", wide))[1] > cached
+  assert served_llama4.server.scheduler.load()["pages_reserved"] == 0
+

@@ -9,7 +9,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from MaxText.configuration.config_fields import OPTIMIZER, key, read_keys
+from MaxText.configuration.config_fields import DATA_POSITION, OPTIMIZER, key, read_keys
 from MaxText.configuration.config_fields import require as _require
 
 # The decoder blocks with an image encoder: Gemma 3's SigLIP (layers/vision_tower.py) and Llama 4's
@@ -39,6 +39,14 @@ class VisionConfig:
   # Frozen parts keep no optimizer state: a resume must agree.
   freeze_vision_encoder: bool = key(fixed_on_resume=OPTIMIZER)
   freeze_multimodal_projector: bool = key(fixed_on_resume=OPTIMIZER)
+  # How an image becomes the tower's views (input_pipeline/image_formats.py), the same in SFT,
+  # decode and serve: Gemma 3's pan-and-scan crops, Llama 4's tile count. They change a record's
+  # tokens, so a data position (pairs into a document) means something else under other values.
+  image_pan_and_scan: bool = key(fixed_on_resume=DATA_POSITION)
+  image_pan_and_scan_min_crop_size: int = key(fixed_on_resume=DATA_POSITION)
+  image_pan_and_scan_max_num_crops: int = key(fixed_on_resume=DATA_POSITION)
+  image_pan_and_scan_min_ratio: float = key(fixed_on_resume=DATA_POSITION)
+  image_max_tiles: int = key(fixed_on_resume=DATA_POSITION)
 
   @property
   def patches_per_side(self) -> int:
@@ -60,7 +68,7 @@ class VisionConfig:
   @classmethod
   def from_values(cls, v: Mapping[str, Any], *, pipelined: bool, context_parallel: bool) -> "VisionConfig":
     values = read_keys(cls, v)
-    for name in ("use_multimodal", "freeze_vision_encoder", "freeze_multimodal_projector"):
+    for name in ("use_multimodal", "freeze_vision_encoder", "freeze_multimodal_projector", "image_pan_and_scan"):
       _require(isinstance(values[name], bool), f"{name} must be True or False, got {values[name]!r}")
     if not values["use_multimodal"]:
       frozen = [name for name in ("freeze_vision_encoder", "freeze_multimodal_projector") if values[name]]
@@ -79,6 +87,7 @@ class VisionConfig:
     _require(values["vision_image_size"] % values["vision_patch_size"] == 0,
              f"vision_image_size ({values['vision_image_size']}) must be a multiple of vision_patch_size "
              f"({values['vision_patch_size']})")
+    _check_image_options(values, v["decoder_block"])
     if v["decoder_block"] == "llama4":
       _check_llama4(values)
     else:
@@ -102,6 +111,21 @@ class VisionConfig:
              "ici/dcn_pipeline_parallelism=1 and ici/dcn_sequence_parallelism=1")
     _require(v["mtp_num_layers"] == 0, "use_multimodal=True does not support multi-token prediction (mtp_num_layers > 0)")
     return cls(**values)
+
+
+def _check_image_options(values: Mapping[str, Any], decoder_block: str) -> None:
+  """How images are cut into views: pan-and-scan is Gemma 3's processor option, tiles Llama 4's."""
+  _require(not values["image_pan_and_scan"] or decoder_block == "gemma3",
+           f"image_pan_and_scan=True is Gemma 3's option; decoder_block {decoder_block!r} cuts images its own way "
+           "(Llama 4: image_max_tiles)")
+  for name in ("image_pan_and_scan_min_crop_size", "image_pan_and_scan_max_num_crops", "image_max_tiles"):
+    _require(isinstance(values[name], int) and values[name] >= 1, f"{name} must be a whole number >= 1, got "
+             f"{values[name]!r}")
+  _require(values["image_pan_and_scan_max_num_crops"] >= 2 or not values["image_pan_and_scan"],
+           f"image_pan_and_scan_max_num_crops must be >= 2 (pan-and-scan cuts an image into 2 or more crops), got "
+           f"{values['image_pan_and_scan_max_num_crops']}")
+  _require(values["image_pan_and_scan_min_ratio"] >= 1, "image_pan_and_scan_min_ratio must be >= 1 (long side / "
+           f"short side), got {values['image_pan_and_scan_min_ratio']}")
 
 
 def _check_llama4(values: Mapping[str, Any]) -> None:

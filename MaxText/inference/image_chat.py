@@ -2,7 +2,8 @@
 
 The messages go through input_pipeline/image_text.py as fine-tuning reads them (content parts, the
 chat template's image marker expanded into each image's soft-token run), and the images through
-input_pipeline/images.py into the pixel values the vision tower takes (inference/image_prompts.py
+their family's format (input_pipeline/image_formats.py: Gemma 3's image and pan-and-scan crops,
+Llama 4's tiles) into the views' pixel values the vision tower takes (inference/image_prompts.py
 then keeps them beside the prompt). `ImageLimits` bound what one request may bring before any of
 it is decoded: the server's serve_max_images, serve_max_image_bytes and serve_max_image_pixels.
 """
@@ -17,7 +18,7 @@ import numpy as np
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.errors import UserError
 from MaxText.inference.image_prompts import PromptImages
-from MaxText.input_pipeline import image_text, images
+from MaxText.input_pipeline import image_formats, image_text
 
 BASE64_BYTES_PER_CHAR = 3 / 4
 
@@ -45,10 +46,11 @@ def _read(ref: str, files: bool, limits: ImageLimits | None) -> Any:
 def conversation_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], cfg: ModelConfig, *, files: bool,
                      limits: ImageLimits | None = None, add_generation_prompt: bool = True
                      ) -> tuple[list[int], PromptImages | None]:
-  """(prompt ids, the images' pixel values or None) of `messages` through the tokenizer's chat
-  template. `files`: image parts may name local paths and gs:// objects (decode.py), else only
-  data: URLs (the server). A text-only model refuses images; a multimodal one refuses an image
-  marker typed without its image."""
+  """(prompt ids, the images' views' pixel values or None) of `messages` through the tokenizer's
+  chat template. `files`: image parts may name local paths and gs:// objects (decode.py), else
+  only data: URLs (the server). A text-only model refuses images; a multimodal one refuses an
+  image marker typed without its image. `limits` count images as sent (a Llama 4 image is then
+  up to image_max_tiles + 1 tiles, a Gemma 3 one 1 + image_pan_and_scan_max_num_crops views)."""
   vision = cfg.vision
   templated, slots = image_text.split_images(messages, "the messages")
   image_text.refuse_images_without_vision(slots, vision)
@@ -57,24 +59,22 @@ def conversation_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], cfg:
                     f"{limits.max_images}")
   if not vision.use_multimodal:
     templated = image_text.flat_text(templated)
-  pixels = [images.pixel_values(_read(slot.ref, files, limits), images.ImageOptions(vision.vision_image_size))
-            for slot in slots]
+  prepared = image_text.prepare_images([slot.ref for slot in slots], vision, cfg.decoder_block, files=files,
+                                       read=lambda ref: _read(ref, files, limits))
   text = tokenizer.apply_chat_template(templated, tokenize=False, add_generation_prompt=add_generation_prompt)
-  return encode_with_images(tokenizer, text, cfg, pixels)
+  return encode_with_images(tokenizer, text, cfg, prepared)
 
 
-def encode_with_images(tokenizer: Any, text: str, cfg: ModelConfig, pixels: Sequence[np.ndarray]
+def encode_with_images(tokenizer: Any, text: str, cfg: ModelConfig, prepared: Sequence[image_formats.PreparedImage]
                        ) -> tuple[list[int], PromptImages | None]:
-  """`text` (holding one image marker per entry of `pixels`, each [N, 3, R, R]: an image and its
-  pan-and-scan crops) as ids with the markers expanded, and the images in order."""
+  """`text` (holding one image marker per entry of `prepared`) as ids with the markers expanded,
+  and every image's views in order."""
   if cfg.vision.use_multimodal:
-    text = image_text.expand_image_markers(text, tokenizer, cfg.vision, cfg.decoder_block,
-                                           [len(p) - 1 for p in pixels])
+    text = image_text.expand_image_markers(text, tokenizer, cfg.vision, cfg.decoder_block, prepared)
   ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-  return ids, PromptImages.of(np.concatenate(pixels)) if pixels else None
+  return ids, PromptImages.of(np.concatenate([p.pixels for p in prepared])) if prepared else None
 
 
 def image_marker(tokenizer: Any, cfg: ModelConfig) -> str:
-  """The text a prompt holds where an image goes (the family's marker, e.g. Gemma 3's <start_of_image>)."""
-  marker_of, _ = image_text.IMAGE_TEXT[cfg.decoder_block]
-  return marker_of(tokenizer, cfg.vision)
+  """The text a prompt holds where an image goes (the family's marker: Gemma 3's <start_of_image>, Llama 4's <|image|>)."""
+  return image_formats.image_format(cfg.decoder_block).marker(tokenizer, cfg.vision)

@@ -1,11 +1,13 @@
 """Prompts with images for the decode engine: a prompt's pixel values beside its tokens.
 
-Shape legend: M images of one prompt (each pan-and-scan crop counts as one), R image side.
+Shape legend: M views of one prompt's images (an image, each pan-and-scan crop, each Llama 4 tile
+or thumbnail counts as one; input_pipeline/image_formats.py), R view side.
 
-A vision-language prompt holds one run of `image_token_id` placeholders per image
-(mm_tokens_per_image long, written by input_pipeline/image_text.py), the images' pixel values in
-the same order. Prefill runs them through the vision tower; the tokens of one image attend to
-each other both ways, so the engine never splits an image's run between two prefill calls:
+A vision-language prompt holds one run of `image_token_id` placeholders per view
+(mm_tokens_per_image long, written by input_pipeline/image_text.py), the views' pixel values in
+the same order. Prefill runs them through the vision tower; Gemma 3's tokens of one view attend
+to each other both ways, so the engine never splits a view's run between two prefill calls (a
+Llama 4 image's tiles may fall in different calls: its text stack is causal over them):
 - chunked prefill ends a chunk before a run that would not fit in it (`chunk_end`), which needs
   prefill_chunk_size >= mm_tokens_per_image (checked when the engine is built);
 - a cached prefix (prefix caching) is cut back to the page where a run it would split begins

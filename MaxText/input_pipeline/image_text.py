@@ -10,8 +10,8 @@ path or a gs:// object. Nothing is fetched over the network: an http(s) URL is r
 
 The chat template sees the parts as HF's templates expect ({"type": "image"} / {"type": "text"})
 and writes its image marker for each image; `expand_image_markers` then replaces every marker
-with the family's soft-token run (what the HF processor inserts), so the tokenizer sees the same
-text it would under `transformers`.
+with the family's soft-token run for that image's views (image_formats.py: what the HF processor
+inserts), so the tokenizer sees the same text it would under `transformers`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from PIL import Image
 
 from MaxText.configuration.vision_config import VisionConfig
 from MaxText.errors import UserError
-from MaxText.input_pipeline import images
+from MaxText.input_pipeline import image_formats, images
 
 DATA_URL_PREFIX = "data:"
 
@@ -104,57 +104,29 @@ def read_image(ref: str, *, files: bool) -> Image.Image:
   return images.load(ref)
 
 
-# A family's image text: (its template's per-image marker, the soft-token run that replaces it).
-# `crops` is how many pan-and-scan crops follow the image (0 without pan-and-scan).
-ImageText = Callable[[Any, VisionConfig, int], str]
-
-
-def _token(tokenizer: Any, token_id: int, name: str) -> str:
-  token = tokenizer.convert_ids_to_tokens(token_id)
-  if not isinstance(token, str):
-    raise UserError(f"the tokenizer has no token for {name} {token_id}; use the model's own tokenizer")
-  return token
-
-
-def gemma3_marker(tokenizer: Any, vision: VisionConfig) -> str:
-  return _token(tokenizer, vision.boi_token_id, "boi_token_id")
-
-
-def gemma3_image_text(tokenizer: Any, vision: VisionConfig, crops: int) -> str:
-  """Gemma 3: blank lines around begin-of-image, mm_tokens_per_image placeholders, end-of-image;
-  with pan-and-scan the original image and then each crop, in the processor's own words."""
-  one = (f"\n\n{gemma3_marker(tokenizer, vision)}"
-         f"{_token(tokenizer, vision.image_token_id, 'image_token_id') * vision.mm_tokens_per_image}"
-         f"{_token(tokenizer, vision.eoi_token_id, 'eoi_token_id')}\n\n")
-  if not crops:
-    return one
-  return f"Here is the original image {one} and here are some crops to help you see better " + " ".join([one] * crops)
-
-
-IMAGE_TEXT: dict[str, tuple[Callable[[Any, VisionConfig], str], ImageText]] = {
-    "gemma3": (gemma3_marker, gemma3_image_text),
-}
-
-
 def expand_image_markers(text: str, tokenizer: Any, vision: VisionConfig, decoder_block: str,
-                         crops: Sequence[int]) -> str:
-  """`text` with its i-th image marker replaced by image i's soft-token run; one crops entry per
-  image. A marker count that differs from the image count is one error line (a marker typed
-  without an image, or an image the template did not place)."""
-  if decoder_block not in IMAGE_TEXT:
-    raise UserError(f"decoder_block {decoder_block!r} has no image prompt format; images need one of "
-                    f"{', '.join(IMAGE_TEXT)}")
-  marker_of, image_text = IMAGE_TEXT[decoder_block]
-  marker = marker_of(tokenizer, vision)
+                         prepared: Sequence[image_formats.PreparedImage]) -> str:
+  """`text` with its i-th image marker replaced by image i's run (its family's format,
+  image_formats.py, given the views it was cut into). A marker count that differs from the image
+  count is one error line (a marker typed without an image, or an image the template did not place)."""
+  image_format = image_formats.image_format(decoder_block)
+  marker = image_format.marker(tokenizer, vision)
   pieces = text.split(marker)
-  if len(pieces) - 1 != len(crops):
-    raise UserError(f"the text has {len(pieces) - 1} image marker(s) ({marker}) but {len(crops)} image(s) were "
+  if len(pieces) - 1 != len(prepared):
+    raise UserError(f"the text has {len(pieces) - 1} image marker(s) ({marker}) but {len(prepared)} image(s) were "
                     "given; put one image part per image and no marker in text parts")
   out = [pieces[0]]
-  for count, piece in zip(crops, pieces[1:]):
-    out.append(image_text(tokenizer, vision, count))
+  for image, piece in zip(prepared, pieces[1:]):
+    out.append(image_format.text(tokenizer, vision, image))
     out.append(piece)
   return "".join(out)
+
+
+def prepare_images(refs: Sequence[str], vision: VisionConfig, decoder_block: str, *, files: bool,
+                   read: Callable[[str], Image.Image] | None = None) -> list[image_formats.PreparedImage]:
+  """Each image read (`read`, else read_image) and cut into its family's views."""
+  prepare = image_formats.image_format(decoder_block).prepare
+  return [prepare((read or (lambda r: read_image(r, files=files)))(ref), vision) for ref in refs]
 
 
 def refuse_images_without_vision(slots: Sequence[ImageSlot], vision: VisionConfig, model_name: str = "the model") -> None:

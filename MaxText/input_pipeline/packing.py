@@ -29,11 +29,25 @@ from MaxText.input_pipeline.batch_spec import FIELDS, NUM_CHANNELS, PIXEL_VALUES
 
 @dataclasses.dataclass(frozen=True)
 class ImageDocument:
-  """A document with images: int32 [2, n] tokens and 0/1 target weights; each image's float32
-  [3, R, R] pixel values and its placeholder run [start, end) in the tokens, in token order."""
+  """A document with images: int32 [2, n] tokens and 0/1 target weights; each view's (an image,
+  a pan-and-scan crop, a Llama 4 tile) float32 [3, R, R] pixel values and its placeholder run
+  [start, end) in the tokens, in token order; which image each view belongs to (the views of one
+  image are never split between rows; None: every view is an image of its own)."""
   tokens: np.ndarray
   pixels: np.ndarray  # float32 [k, 3, R, R]
   runs: np.ndarray  # int32 [k, 2]
+  image_of_run: np.ndarray | None = None  # int32 [k], non-decreasing
+
+  def units(self) -> list[tuple[int, int, int, int]]:
+    return image_units(self.runs, self.image_of_run)
+
+
+def image_units(runs: np.ndarray, image_of_run: np.ndarray | None) -> list[tuple[int, int, int, int]]:
+  """(first run, number of runs, start of its first run, end of its last) per image, in order."""
+  owners = np.arange(len(runs)) if image_of_run is None else np.asarray(image_of_run)
+  firsts = np.flatnonzero(np.diff(np.concatenate([[-1], owners])))
+  ends = np.concatenate([firsts[1:], [len(owners)]])
+  return [(int(a), int(b - a), int(runs[a, 0]), int(runs[b - 1, 1])) for a, b in zip(firsts, ends)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,20 +120,31 @@ def _empty_row(length: int, images: ImageSlots | None = None) -> dict[str, np.nd
   return row
 
 
-def _image_cut(runs: np.ndarray, start: int, take: int, free: int) -> tuple[int, int, int]:
-  """(pairs to take, the first image inside them, how many): `take` shortened to end before the
-  first image run it would cut, or before the first image past the `free` slots."""
+def _image_cut(document: ImageDocument, start: int, take: int, free: int) -> tuple[int, int, int]:
+  """(pairs to take, the first view inside them, how many views): `take` shortened to end before
+  the first image whose runs it would cut, or before the first image past the `free` slots."""
   first, count = None, 0
-  for index, (run_start, run_end) in enumerate(runs.tolist()):
-    if run_end <= start:
+  for first_run, num_runs, unit_start, unit_end in document.units():
+    if unit_end <= start:
       continue  # emitted with an earlier part of the document
-    if run_start >= start + take:
+    if unit_start >= start + take:
       break
-    if run_end > start + take or count == free:
-      return run_start - start, index if first is None else first, count
-    first = index if first is None else first
-    count += 1
+    if unit_end > start + take or count + num_runs > free:
+      return unit_start - start, first_run if first is None else first, count
+    first = first_run if first is None else first
+    count += num_runs
   return take, 0 if first is None else first, count
+
+
+def _unfit_image(document: ImageDocument, first: int, length: int, per_row: int) -> str:
+  """Why an image cannot start an empty row: its views outnumber the slots, or its runs outrun the row."""
+  _, num_runs, unit_start, unit_end = next(u for u in document.units() if u[0] == first)
+  if num_runs > per_row:
+    return (f"an image's {num_runs} views need more than max_images_per_row={per_row} slots; raise "
+            "max_images_per_row")
+  what = "placeholder tokens" if num_runs == 1 else f"tokens (its {num_runs} views' placeholder runs and between)"
+  return f"an image's {unit_end - unit_start} {what} do not fit in a row of max_target_length={length}; " \
+         "raise max_target_length"
 
 
 def pack_row(cursor: DocumentCursor, length: int, packing: bool,
@@ -151,12 +176,11 @@ def pack_row(cursor: DocumentCursor, length: int, packing: bool,
     if document_images is not None:
       if images is None:
         raise UserError("a document has images but the batches have no image slots; set max_images_per_row")
-      fitting, first, count = _image_cut(document_images.runs, start, take, images.per_row - placed)
+      fitting, first, count = _image_cut(document_images, start, take, images.per_row - placed)
       if fitting < take and filled > 0 and (remaining <= length or not packing) or fitting == 0 < filled:
         break  # its images do not fit here: start the next row with it (or its continuation)
       if fitting == 0:
-        raise UserError(f"an image's {int(np.ptp(document_images.runs[first]))} placeholder tokens do not fit in a "
-                        f"row of max_target_length={length}; raise max_target_length")
+        raise UserError(_unfit_image(document_images, first, length, images.per_row))
       take = fitting
       row[PIXEL_VALUES][placed:placed + count] = document_images.pixels[first:first + count]
       placed += count

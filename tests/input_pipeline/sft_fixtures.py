@@ -24,8 +24,22 @@ GEMMA3 = ("{{ bos_token }}{%- for message in messages %}"
           "{%- elif part['type'] == 'text' %}{{ part['text'] | trim }}{%- endif %}{%- endfor %}{%- endif %}"
           "{{ '<end_of_turn>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}"
           "{%- endif %}")
+# Llama 4's turn layout with content parts: an image part writes <|image|>, which Llama4Processor
+# (and image_formats.py) replace by the image's tile run.
+LLAMA4 = ("{{ bos_token }}{%- for message in messages %}"
+          "{{ '<|header_start|>' + message['role'] + '<|header_end|>\\n\\n' }}"
+          "{%- if message['content'] is string %}{{ message['content'] | trim }}{%- else %}"
+          "{%- for part in message['content'] %}{%- if part['type'] == 'image' %}{{ '<|image|>' }}"
+          "{%- elif part['type'] == 'text' %}{{ part['text'] | trim }}{%- endif %}{%- endfor %}{%- endif %}"
+          "{{ '<|eot|>' }}{%- endfor %}{%- if add_generation_prompt %}"
+          "{{ '<|header_start|>assistant<|header_end|>\\n\\n' }}{%- endif %}")
 TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3}
 IMAGE_SPECIAL = ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+# After SPECIAL's 8: <|image_start|> 11, <|image_end|> 12, <|patch|> 13 (the model's boi, eoi and
+# image_token_id), the separators 14 and 15, <|image|> 16.
+LLAMA4_IMAGE_SPECIAL = ["<|header_start|>", "<|header_end|>", "<|eot|>", "<|image_start|>", "<|image_end|>", "<|patch|>",
+                        "<|tile_x_separator|>", "<|tile_y_separator|>", "<|image|>"]
+LLAMA4_IMAGE_IDS = {"boi_token_id": 11, "eoi_token_id": 12, "image_token_id": 13}
 SPECIAL = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>",
            "<|eot_id|>"]
 WORDS = ("the quick brown fox jumps over a lazy dog to be or not that is question continue this line "
@@ -39,7 +53,7 @@ def without_markers(template: str) -> str:
 def write_tokenizer(directory: Path, template: str | None, extra_special: list[str] | None = None) -> Path:
   """tokenizer.json (byte-level BPE over WORDS) and tokenizer_config.json with `template`;
   `extra_special` tokens follow SPECIAL (write_tokenizer(d, GEMMA3, IMAGE_SPECIAL): Gemma 3's
-  image and turn markers)."""
+  image and turn markers; write_tokenizer(d, LLAMA4, LLAMA4_IMAGE_SPECIAL): Llama 4's)."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
   tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))

@@ -7,12 +7,13 @@ import base64
 import dataclasses
 import io
 
+import numpy as np
 import pytest
 from PIL import Image
 
 from MaxText.configuration.vision_config import VisionConfig
 from MaxText.errors import UserError
-from MaxText.input_pipeline import chat, image_text
+from MaxText.input_pipeline import chat, image_formats, image_text
 
 from sft_fixtures import GEMMA3, IMAGE_SPECIAL, write_tokenizer
 
@@ -28,6 +29,11 @@ def _vision(tokenizer, use_multimodal=True, tokens=4):
   fields = {f.name: 0 for f in dataclasses.fields(VisionConfig)}
   return VisionConfig(**{**fields, "use_multimodal": use_multimodal, "mm_tokens_per_image": tokens, **ids,
                          "freeze_vision_encoder": False, "freeze_multimodal_projector": False})
+
+
+def _views(*counts: int) -> list[image_formats.PreparedImage]:
+  """Gemma 3 images of these view counts (the image and its pan-and-scan crops); the pixels do not matter here."""
+  return [image_formats.PreparedImage(np.zeros((count, 3, 1, 1), np.float32)) for count in counts]
 
 
 def _png_url(colour=(255, 0, 0)) -> str:
@@ -47,7 +53,7 @@ def test_parts_become_template_parts_and_images_keep_their_order(tokenizer):
   assert messages[0]["content"] == [{"type": "image"}, {"type": "text", "text": "what is this"}, {"type": "image"}]
   assert messages[1] == MESSAGES[1]
   text = tokenizer.apply_chat_template(messages, tokenize=False)
-  expanded = image_text.expand_image_markers(text, tokenizer, _vision(tokenizer), "gemma3", crops=[0, 0])
+  expanded = image_text.expand_image_markers(text, tokenizer, _vision(tokenizer), "gemma3", _views(1, 1))
   run = "\n\n<start_of_image>" + "<image_soft_token>" * 4 + "<end_of_image>\n\n"
   assert expanded == text.replace("<start_of_image>", run)
   ids = tokenizer(expanded, add_special_tokens=False)["input_ids"]
@@ -56,15 +62,15 @@ def test_parts_become_template_parts_and_images_keep_their_order(tokenizer):
 
 def test_pan_and_scan_crops_follow_the_original_image(tokenizer):
   text = image_text.expand_image_markers("<start_of_image>", tokenizer, _vision(tokenizer, tokens=1), "gemma3",
-                                         crops=[2])
+                                         _views(3))
   one = "\n\n<start_of_image><image_soft_token><end_of_image>\n\n"
   assert text == f"Here is the original image {one} and here are some crops to help you see better {one} {one}"
 
 
-@pytest.mark.parametrize("text,crops", [("<start_of_image> and <start_of_image>", [0]), ("no marker", [0])])
-def test_markers_and_images_must_pair_up(tokenizer, text, crops):
+@pytest.mark.parametrize("text", ["<start_of_image> and <start_of_image>", "no marker"])
+def test_markers_and_images_must_pair_up(tokenizer, text):
   with pytest.raises(UserError, match=r"image marker\(s\) .* but 1 image\(s\)"):
-    image_text.expand_image_markers(text, tokenizer, _vision(tokenizer), "gemma3", crops)
+    image_text.expand_image_markers(text, tokenizer, _vision(tokenizer), "gemma3", _views(1))
 
 
 def test_data_urls_decode_and_network_urls_are_refused():
