@@ -1,0 +1,45 @@
+"""A shipped model YAML equals what its published Hugging Face config.json converts to (the family's
+model_keys), for models whose YAML was written from the published shapes rather than converted: the
+fields below are the published config.json's, as facts."""
+
+from __future__ import annotations
+
+import pytest
+
+from MaxText import families
+from MaxText.configuration.config import Config
+from MaxText.layers.embeddings import rope_attention_scale
+
+KIMI_K2 = dict(  # moonshotai/Kimi-K2-Instruct
+    model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"], vocab_size=163840, hidden_size=7168,
+    intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64,
+    num_key_value_heads=64, n_shared_experts=1, n_routed_experts=384, routed_scaling_factor=2.827, kv_lora_rank=512,
+    q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, topk_method="noaux_tc", n_group=1,
+    topk_group=1, num_experts_per_tok=8, first_k_dense_replace=1, norm_topk_prob=True, scoring_func="sigmoid",
+    hidden_act="silu", max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    rope_theta=50000.0, attention_bias=False, num_nextn_predict_layers=0,
+    rope_scaling=dict(type="yarn", factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0, beta_slow=1.0,
+                      mscale=1.0, mscale_all_dim=1.0))
+OLMO3_7B = dict(  # allenai/Olmo-3-1025-7B
+    model_type="olmo3", architectures=["Olmo3ForCausalLM"], vocab_size=100278, hidden_size=4096,
+    intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, hidden_act="silu",
+    max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+    rope_theta=500000.0, sliding_window=4096,
+    rope_scaling=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=8192,
+                      attention_factor=1.2079441541679836, beta_fast=32.0, beta_slow=1.0),
+    layer_types=["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(32)])
+OLMO3_32B = dict(OLMO3_7B, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                 num_key_value_heads=8,
+                 layer_types=["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(64)])
+
+
+@pytest.mark.parametrize("model_name,hf", [("kimi-k2-1t", KIMI_K2), ("olmo3-7b", OLMO3_7B),
+                                           ("olmo3-32b", OLMO3_32B)])
+def test_the_yaml_is_what_the_published_config_converts_to(model_name, hf):
+  """Every key the converter sets (the architecture) has the YAML's value; YaRN's attention factor, given outright
+  in a config.json or left to its formula in a YAML, scales alike."""
+  keys = families.family_for_hf_config(hf).model_keys(hf)
+  converted, shipped = Config.for_testing(**keys), Config.for_testing(model_name=model_name)
+  differ = {k: (converted[k], shipped[k]) for k in keys if k != "rope_attention_factor" and converted[k] != shipped[k]}
+  assert not differ, f"{model_name}: (converted, shipped) differ: {differ}"
+  assert rope_attention_scale(converted.model.rope) == pytest.approx(rope_attention_scale(shipped.model.rope), 1e-12)
