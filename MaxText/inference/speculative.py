@@ -46,7 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxText.errors import UserError
 from MaxText.inference import paged_cache, sampling
-from MaxText.inference.engine import DecodeState, Engine, Prefix, RowSampling
+from MaxText.inference.engine import DecodeState, Engine, Prefix, RowSampling, TokenLogprobs
 from MaxText.platform import sharding
 
 
@@ -84,7 +84,8 @@ class SpeculativeDecoder:
     replicated = NamedSharding(target.mesh, PartitionSpec())
     self.state_shardings = SpeculativeState(target.state_shardings, draft.state_shardings)
     self._round = jax.jit(self._round_fn, donate_argnums=(2,),
-                          out_shardings=(self.state_shardings, replicated, replicated))
+                          out_shardings=(self.state_shardings, replicated, replicated,
+                                         TokenLogprobs(replicated, replicated, replicated)))
 
   # ---------------------------------------------------------------- public API
   def init_decode_state(self, seed: int = 0) -> SpeculativeState:
@@ -114,6 +115,15 @@ class SpeculativeDecoder:
     allocator's active slots) only selects the slots the acceptance counters count. Paged:
     raises paged_cache.OutOfPages (state unchanged) when the pages of the next k + 1 positions
     are not free."""
+    state, tokens, counts, _ = self.scored_step(target_params, draft_params, state, active)
+    return state, tokens, counts
+
+  def scored_step(self, target_params: Any, draft_params: Any, state: SpeculativeState,
+                  active: Sequence[bool] | np.ndarray | None = None
+                  ) -> tuple[SpeculativeState, np.ndarray, np.ndarray, TokenLogprobs]:
+    """`step` that also returns what each emitted token scored under the target (fields [T, k + 1]
+    and [T, k + 1, top]): sampling.token_logprobs of the target's logits at the token's position,
+    what plain decoding reports for the same token."""
     tables: list[jax.Array | None] = []
     for engine in (self.target, self.draft):
       if engine.pages is None:
@@ -122,8 +132,8 @@ class SpeculativeDecoder:
       engine.pages.grow(self.k + 1)
       tables.append(jnp.asarray(engine.pages.generate_table()))
     with sharding.activation_sharding(self.target.mesh, self.target.rules):
-      state, tokens_TK, counts_T = self._round(target_params, draft_params, state, tables[0], tables[1])
-    tokens, counts = np.asarray(tokens_TK), np.asarray(counts_T)
+      state, tokens_TK, counts_T, logprobs = self._round(target_params, draft_params, state, tables[0], tables[1])
+    tokens, counts, logprobs = jax.device_get((tokens_TK, counts_T, logprobs))
     for engine in (self.target, self.draft):
       if engine.pages is not None:
         engine.pages.advance(counts)
@@ -133,7 +143,7 @@ class SpeculativeDecoder:
     self.rounds += 1
     self.proposed += self.k * int(mask.sum())
     self.accepted += int((counts[mask] - 1).sum())
-    return state, tokens, counts
+    return state, tokens, counts, logprobs
 
   def metrics(self) -> dict[str, float]:
     """proposed / accepted draft tokens, acceptance_rate (accepted / proposed; 0 before any) and rounds."""
@@ -143,7 +153,7 @@ class SpeculativeDecoder:
   # ---------------------------------------------------------------- the jitted round
   def _round_fn(self, target_params: Any, draft_params: Any, state: SpeculativeState,
                 target_table_TM: jax.Array | None, draft_table_TM: jax.Array | None
-                ) -> tuple[SpeculativeState, jax.Array, jax.Array]:
+                ) -> tuple[SpeculativeState, jax.Array, jax.Array, TokenLogprobs]:
     self.traces["round"] += 1  # once per trace
     k, rows = self.k, state.target.sampling
     positions_T, pending_T = state.target.next_positions_B, state.target.tokens_B
@@ -200,7 +210,11 @@ class SpeculativeDecoder:
     next_positions_T = positions_T + num_accepted_T + 1
     target = DecodeState(target_caches, next_positions_T, last_T, dataclasses.replace(rows, keys_B=keys_T))
     draft = DecodeState(draft_caches, next_positions_T, last_T, state.draft.sampling)
-    return SpeculativeState(target, draft), out_TK, num_accepted_T + 1
+    chosen, top_ids, top_logprobs = sampling.token_logprobs(logits_TKV.reshape(num_slots * (k + 1), vocab),
+                                                            out_TK.reshape(-1))
+    logprobs = TokenLogprobs(chosen.reshape(num_slots, k + 1), top_ids.reshape(num_slots, k + 1, -1),
+                             top_logprobs.reshape(num_slots, k + 1, -1))
+    return SpeculativeState(target, draft), out_TK, num_accepted_T + 1, logprobs
 
 
 def _with_table(caches: Any, table_TM: jax.Array | None) -> Any:
