@@ -13,7 +13,9 @@ caching each engine prefills into its own pages from where its own cache stops; 
 first token is the slot's pending token for both (the round reads the target's).
 
 `load` picks what a tool serves: a plain Engine when speculative_tokens is 0, else this over the
-target and the draft named by draft_model_name / draft_load_parameters_path.
+target and the draft named by draft_model_name / draft_load_parameters_path, or, with no draft
+named and a model with MTP heads (mtp_num_layers > 0), over mtp_draft.MtpSpeculativeDecoder (whose
+prompts are prefilled whole: no chunked prefill, no shared prefix pages).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from jax.sharding import Mesh
 
 from MaxText.configuration.config import Config, draft_config
 from MaxText.errors import UserError
-from MaxText.inference import image_prompts, sampling, speculative
+from MaxText.inference import image_prompts, mtp_draft, sampling, speculative
 from MaxText.inference.engine import Engine, Prefix, TokenLogprobs, load_engine
 from MaxText.paths import storage
 from MaxText.platform import distributed
@@ -38,7 +40,7 @@ class SpeculativePrefix:
   """Both models' prefills of the same prompts; what a caller reads is the target's."""
 
   target: Prefix
-  draft: Prefix
+  draft: Any  # the draft model's Prefix, or mtp_draft.MtpDraft
 
   @property
   def first_tokens_B(self) -> jax.Array:
@@ -56,16 +58,18 @@ class SpeculativePrefix:
 class SpeculativeEngine:
   """The Engine calls of the scheduler over a SpeculativeDecoder; params = (target's, draft's)."""
 
-  def __init__(self, decoder: speculative.SpeculativeDecoder):
+  def __init__(self, decoder: speculative.SpeculativeDecoder | mtp_draft.MtpSpeculativeDecoder):
     self.decoder, self.target, self.draft = decoder, decoder.target, decoder.draft
     self.speculative_tokens = decoder.k
     self.num_slots, self.cfg, self.decode_cfg = self.target.num_slots, self.target.cfg, self.target.decode_cfg
-    self.vocab_size, self.spec, self.prefills_into_pages = self.target.vocab_size, self.target.spec, \
-        self.target.prefills_into_pages
+    self.vocab_size, self.spec = self.target.vocab_size, self.target.spec
+    # The MTP draft prefills prompts whole (its module runs over them): no chunks, no prefix pages.
+    self.prefills_into_pages = self.target.prefills_into_pages and self.draft is not None
     self._draft_done: dict[int, int] = {}  # slot -> prompt tokens the draft has cached (chunked prefill)
 
   # ---------------------------------------------------------------- state and pages
-  def init_decode_state(self, seed: int = 0) -> speculative.SpeculativeState:
+  def init_decode_state(self, seed: int = 0) -> Any:
+    """The decoder's state (speculative.SpeculativeState, or mtp_draft.MtpState)."""
     self._draft_done.clear()
     return self.decoder.init_decode_state(seed)
 
@@ -74,12 +78,20 @@ class SpeculativeEngine:
     return self.target.pages_needed(num_tokens + self.speculative_tokens)
 
   def admission_pages(self, reserved: Mapping[int, int], prompt: Sequence[int], need: int, text_only: bool) -> int:
-    return max(engine.admission_pages(reserved, prompt, need, text_only) for engine in (self.target, self.draft))
+    if not self.prefills_into_pages:  # every prompt gets pages of its own: nothing is shared
+      return self.target.admission_pages(reserved, [], need, text_only)
+    return max(engine.admission_pages(reserved, prompt, need, text_only) for engine in self._engines())
 
   def cache_stats(self) -> dict[str, Any]:
     """The target's figures (its pool is the one admission counts), cache_bytes of both models."""
     stats = self.target.cache_stats()
-    return {**stats, "cache_bytes": stats["cache_bytes"] + self.draft.cache_stats()["cache_bytes"]}
+    decoder = self.decoder
+    draft_bytes = (decoder.cache_bytes if isinstance(decoder, mtp_draft.MtpSpeculativeDecoder)
+                   else decoder.draft.cache_stats()["cache_bytes"])
+    return {**stats, "cache_bytes": stats["cache_bytes"] + draft_bytes}
+
+  def _engines(self) -> tuple[Engine, ...]:
+    return (self.target,) if self.draft is None else (self.target, self.draft)
 
   def metrics(self) -> dict[str, float]:
     return self.decoder.metrics()
@@ -93,13 +105,13 @@ class SpeculativeEngine:
               row_params: Sequence[sampling.RowParams] | None = None) -> SpeculativePrefix:
     return SpeculativePrefix(*self.decoder.prefill(params[0], params[1], prompts, seed, row_params))
 
-  def insert(self, prefix: SpeculativePrefix, state: speculative.SpeculativeState, slot: int,
-             row: int = 0) -> speculative.SpeculativeState:
+  def insert(self, prefix: SpeculativePrefix, state: Any, slot: int, row: int = 0) -> Any:
     return self.decoder.insert((prefix.target, prefix.draft), state, slot, row)
 
   def begin_prompt(self, slot: int, prompt: Sequence[int]) -> int:
     """Both engines' pages for the prompt; where the target's prefill starts (the draft keeps its own)."""
     start = self.target.begin_prompt(slot, prompt)
+    assert self.draft is not None  # prefills_into_pages
     try:
       self._draft_done[slot] = self.draft.begin_prompt(slot, prompt)
     except Exception:
@@ -111,6 +123,7 @@ class SpeculativeEngine:
                     prompt: Sequence[int], start: int, row_params: sampling.RowParams | None = None, seed: int = 0
                     ) -> tuple[speculative.SpeculativeState, int, tuple[jax.Array, TokenLogprobs] | None]:
     """The target's next chunk, and the draft's chunks until its cache reaches as far."""
+    assert self.draft is not None  # prefills_into_pages
     target, end, first = self.target.prefill_chunk(params[0], state.target, slot, prompt, start, row_params, seed)
     draft, done = state.draft, self._draft_done.get(slot, 0)
     while done < end or (first is not None and done < len(prompt)):
@@ -118,9 +131,8 @@ class SpeculativeEngine:
     self._draft_done[slot] = done
     return speculative.SpeculativeState(target, draft), end, first
 
-  def speculative_round(self, params: tuple[Any, Any], state: speculative.SpeculativeState,
-                        active: Sequence[bool] | np.ndarray
-                        ) -> tuple[speculative.SpeculativeState, np.ndarray, np.ndarray, TokenLogprobs]:
+  def speculative_round(self, params: tuple[Any, Any], state: Any, active: Sequence[bool] | np.ndarray
+                        ) -> tuple[Any, np.ndarray, np.ndarray, TokenLogprobs]:
     """One round: (state, tokens [T, k + 1], counts [T], their target log-probabilities); slot t
     emitted tokens[t, :counts[t]]. `active`: the slots the acceptance counters count."""
     return self.decoder.scored_step(params[0], params[1], state, active)
@@ -139,10 +151,11 @@ def check_draft(config: Config) -> None:
     raise UserError("speculative decoding (speculative_tokens > 0) is for text models; this one has "
                     "use_multimodal=True: set speculative_tokens=0")
   named = d.draft_model_name or d.draft_load_parameters_path
-  if not named:
+  if not named and config.model.mtp.mtp_num_layers == 0:
     raise UserError(f"speculative_tokens={d.speculative_tokens} needs a draft model: set draft_model_name=<a "
                     "configs/models name> (draft_overrides=key=value,... to resize it) and/or "
-                    "draft_load_parameters_path=<its checkpoint>, or set speculative_tokens=0")
+                    "draft_load_parameters_path=<its checkpoint>, use a model with MTP heads (mtp_num_layers > 0), "
+                    "or set speculative_tokens=0")
   if d.draft_load_parameters_path and not storage.exists(d.draft_load_parameters_path):
     raise UserError(f"draft checkpoint {d.draft_load_parameters_path} does not exist (draft_load_parameters_path)")
 
@@ -157,6 +170,10 @@ def load(config: Config, num_slots: int, fresh_note: str, mesh: Mesh | None = No
       distributed.log("note: a draft model is named but speculative_tokens=0: decoding without it")
   if config.decode.speculative_tokens == 0:
     return load_engine(config, num_slots, fresh_note, mesh)
+  if not (config.decode.draft_model_name or config.decode.draft_load_parameters_path):  # the MTP heads
+    target, target_params = load_engine(config, num_slots, fresh_note, mesh)
+    return SpeculativeEngine(mtp_draft.MtpSpeculativeDecoder(target, config.decode.speculative_tokens)), \
+        (target_params, None)
   draft_cfg = draft_config(config)  # every mistake in the draft's keys before anything loads
   if draft_cfg.model.vocab_size != config.model.vocab_size:
     raise UserError(f"the draft model's vocab_size ({draft_cfg.model.vocab_size}) differs from the target's "
