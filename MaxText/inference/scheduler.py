@@ -14,6 +14,10 @@ With prefill_chunk_size > 0 (paged), an admitted prompt is prefilled one chunk p
 the running jobs' generate steps, so a long prompt delays each of their tokens by one chunk's
 time instead of its whole prefill; the job joins the generate steps after its last chunk.
 
+With a speculative engine (speculative_engine.SpeculativeEngine, speculative_tokens > 0) a step is
+a round that gives each slot 1 to k + 1 tokens, delivered in order until its job ends; the rest of
+the round is dropped, and the engine's pages_needed includes the round's k-token look-ahead.
+
 Paged cache: a job is admitted only when the pages it will hold at its end fit beside what the
 active jobs have reserved, so a step never runs out. The reservation belongs to the slot while its
 job is active and is given back whichever way the job ends; a scoring-only job (max_tokens 0)
