@@ -4,11 +4,14 @@
         [model_name=...] [max_prefill_predict_length=64] [max_target_length=...] \\
         [decode_sampling_strategy=greedy|weighted|nucleus|topk] [prompt_token_ids=5,17,42] \\
         [image_path=cat.png,gs://bucket/dog.jpg]   (a vision-language model: Multimodal.md)
+        [speculative_tokens=4 draft_model_name=... draft_load_parameters_path=DRAFT_CKPT]   (Decode.md)
 
 Reads like a table of contents: config → prompt ids → engine (mesh, params) → prefill → generate → report.
 Without model_name the model keys saved beside the checkpoint (model_config.yml) are used, as in
 train.py. Prints the completion text (with a tokenizer), the generated ids, and prefill and
-generate tokens/s measured after compilation.
+generate tokens/s measured after compilation. With speculative_tokens > 0 a draft model proposes
+that many tokens per round and the target verifies them in one pass (inference/speculative.py):
+greedy output is the same, the acceptance rate is printed too.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import numpy as np
 
 from MaxText.configuration import config as config_lib
 from MaxText.errors import UserError, run_cli
-from MaxText.inference import image_chat
+from MaxText.inference import image_chat, speculative_engine
 from MaxText.inference.engine import load_engine
 from MaxText.inference.image_prompts import PromptImages
 from MaxText.input_pipeline import image_text
@@ -101,7 +104,9 @@ def decode(config: config_lib.Config) -> list[int]:
   if len(ids) > limit:
     raise UserError(f"the prompt has {len(ids)} tokens, more than max_prefill_predict_length={limit}; "
                     "raise max_prefill_predict_length or shorten the prompt")
-  engine, params = load_engine(config, 1, "decode: no load_parameters_path given; using randomly initialised parameters")
+  if config.decode.speculative_tokens:
+    return decode_speculative(config, ids, tokenizer)
+  engine, params = load_engine(config, 1, FRESH_NOTE)
   num_new = config.model.max_target_length - len(ids) + 1  # the last token needs no cache slot
   seed = config.decode.decode_sampling_seed
 
@@ -123,6 +128,52 @@ def decode(config: config_lib.Config) -> list[int]:
   generated += [int(t[0]) for t in jax.device_get(step_tokens)]
   generate_s = time.perf_counter() - start
 
+  generated = report(ids, generated, tokenizer, prefill_s, limit)
+  steps = max(num_new - 2, 0)
+  if steps:
+    log(f"generate: {steps} steps in {generate_s * 1e3:.1f} ms ({generate_s / steps * 1e3:.2f} ms/token, "
+        f"{steps / generate_s:.1f} tokens/s)")
+  return generated
+
+
+def decode_speculative(config: config_lib.Config, ids: list[int], tokenizer: Tokenizer | None) -> list[int]:
+  """`decode` by speculative rounds (draft proposes, target verifies) until max_target_length or
+  the end of sequence; also prints the draft's acceptance rate."""
+  engine, params = speculative_engine.load(config, 1, FRESH_NOTE)
+  assert isinstance(engine, speculative_engine.SpeculativeEngine)
+  num_new = config.model.max_target_length - len(ids) + 1
+  seed, eos = config.decode.decode_sampling_seed, None if tokenizer is None else tokenizer.eos_id
+  engine.prefill(params, [ids], seed).first_tokens_B.block_until_ready()  # compile
+  start = time.perf_counter()
+  prefix = engine.prefill(params, [ids], seed)
+  prefix.first_tokens_B.block_until_ready()
+  prefill_s = time.perf_counter() - start
+
+  state = engine.insert(prefix, engine.init_decode_state(seed), slot=0)
+  generated, rounds, start, timed_from = [int(prefix.first_tokens_B[0])], 0, 0.0, 0
+  while len(generated) < num_new and generated[-1] != eos:
+    state, tokens, counts, _ = engine.speculative_round(params, state, [True])
+    generated += [int(t) for t in tokens[0, :counts[0]]]
+    rounds += 1
+    if rounds == 1:  # the first round compiles: timed from the second on
+      start, timed_from = time.perf_counter(), len(generated)
+  generate_s = time.perf_counter() - start
+  generated = report(ids, generated[:num_new], tokenizer, prefill_s, config.decode.max_prefill_predict_length)
+  metrics = engine.metrics()
+  log(f"speculative: k={engine.speculative_tokens}, {rounds} rounds, {metrics['accepted']} of {metrics['proposed']} "
+      f"draft tokens accepted (acceptance rate {metrics['acceptance_rate']:.2f}), "
+      f"{(len(generated) - 1) / max(rounds, 1):.2f} tokens per round")
+  if rounds > 1:
+    timed = len(generated) - timed_from
+    log(f"generate: {timed} tokens in {rounds - 1} rounds, {generate_s * 1e3:.1f} ms "
+        f"({generate_s / max(timed, 1) * 1e3:.2f} ms/token, {timed / generate_s:.1f} tokens/s)")
+  return generated
+
+
+def report(ids: list[int], generated: list[int], tokenizer: Tokenizer | None, prefill_s: float, limit: int
+           ) -> list[int]:
+  """Prints the prompt, the completion (up to the end of sequence) and the prefill time; returns
+  the generated ids up to the end of sequence."""
   if tokenizer is not None and tokenizer.eos_id in generated:  # steps run on (shape-stable); shown up to eos
     generated = generated[:generated.index(tokenizer.eos_id) + 1]
   if tokenizer is not None:
@@ -131,13 +182,10 @@ def decode(config: config_lib.Config) -> list[int]:
   log(f"prompt ids: {ids}")
   log(f"generated ids: {generated}")
   log(f"prefill: {len(ids)} tokens in {prefill_s * 1e3:.1f} ms ({len(ids) / prefill_s:.1f} tokens/s, padded to {limit})")
-  steps = max(num_new - 2, 0)
-  if steps:
-    log(f"generate: {steps} steps in {generate_s * 1e3:.1f} ms ({generate_s / steps * 1e3:.2f} ms/token, "
-        f"{steps / generate_s:.1f} tokens/s)")
   return generated
 
 
+FRESH_NOTE = "decode: no load_parameters_path given; using randomly initialised parameters"
 TOOL = startup.Tool("decode", reads_run=True, joins_job=True)
 
 

@@ -36,8 +36,8 @@ from MaxText.errors import UserError, run_cli
 from MaxText.inference import image_chat
 from MaxText.inference import openai_api as api
 from MaxText.inference import scheduler as sched
-from MaxText.inference import serve_metrics
-from MaxText.inference.engine import Engine, load_engine
+from MaxText.inference import serve_metrics, speculative_engine
+from MaxText.inference.engine import Engine
 
 API_KEY_ENV = "MAXTEXT_API_KEY"  # an environment variable, never a config key: configs are saved with runs
 RETRY_AFTER_SECONDS = "1"
@@ -85,7 +85,8 @@ def _codec(config: config_lib.Config) -> tuple[api.Codec, int | None]:
 class Server:
   """The engine's scheduler and what the routes need to turn requests into jobs and answers."""
 
-  def __init__(self, config: config_lib.Config, engine: Engine, params: Any, codec: api.Codec, eos_id: int | None):
+  def __init__(self, config: config_lib.Config, engine: Engine | speculative_engine.SpeculativeEngine, params: Any,
+               codec: api.Codec, eos_id: int | None):
     d = config.decode
     self.codec, self.decode_cfg = codec, d
     self.limits = api.Limits(d.serve_model_name or config["model_name"], config.model.vocab_size,
@@ -265,9 +266,10 @@ async def _send_error(send: Callable[[dict[str, Any]], Awaitable[None]], e: api.
 
 
 def build_server(config: config_lib.Config, mesh: Any = None) -> Server:
-  """Tokenizer, engine and parameters (load_parameters_path, else random ones), scheduler thread."""
+  """Tokenizer, engine and parameters (load_parameters_path, else random ones; with
+  speculative_tokens > 0 the draft's too), scheduler thread."""
   codec, eos_id = _codec(config)
-  engine, params = load_engine(config, config.decode.serve_max_slots,
+  engine, params = speculative_engine.load(config, config.decode.serve_max_slots,
                                "serve: no load_parameters_path given; serving randomly initialised parameters", mesh)
   return Server(config, engine, params, codec, eos_id)
 

@@ -4,6 +4,7 @@ inter-token latency (ITL) p50/p99 against the number of concurrent clients, and 
     nice -n 5 python3 benchmarks/serve_bench.py [--concurrency 1,4,16] [--requests_per_client 4]
         [--max_tokens 32] [--slots 16] [--emb 256] [--layers 4] [--caches dense,paged] [--page_size 16] [--pages 0]
         [--prefill_chunk_sizes 0,64] [--long_prompt 0] [--shared_prefix 0] [--prefix_caching true,false]
+        [--speculative_tokens 0,4] [--draft small|self]
 
 A small random-init model (greedy, no end-of-sequence token, so every request makes max_tokens
 tokens) is served in this process on 127.0.0.1 through the real app (uvicorn, the scheduler
@@ -16,6 +17,11 @@ which a long prefill stalls unless it is chunked (--prefill_chunk_sizes, paged l
 --shared_prefix N starts every prompt with the same N tokens (a system prompt), and runs the
 measured load once untimed first; --prefix_caching serves the paged layout with prefix caching
 on and/or off, and the memory line reports the most pages in use at once.
+--speculative_tokens 0,4 serves each layout without and with speculative decoding (k draft tokens
+per round); --draft small is a 1-layer model of half the width, --draft self the target's own
+architecture, whose random initialisation is the target's (an acceptance-rate-1 upper bound on
+what a perfect draft could give, paying for a full-size draft). With random weights a small
+draft's acceptance rate says nothing about a trained one; the line after each table prints it.
 Prints a Markdown table (getting_started/Serving.md holds the measured one).
 """
 
@@ -136,8 +142,19 @@ def start_server(config: Any) -> tuple[Any, Any, threading.Thread, str]:
   return server, uv, thread, f"http://127.0.0.1:{port}/v1/completions"
 
 
+def _draft_keys(args, speculative: int) -> dict[str, Any]:
+  """The speculative keys of the served config: --draft small or self (see the docstring)."""
+  if not speculative:
+    return {}
+  emb, layers, heads = (args.emb // 2, 1, 2) if args.draft == "small" else (args.emb, args.layers, 4)
+  return dict(speculative_tokens=speculative, draft_model_name="default",
+              draft_overrides=f"base_emb_dim={emb},base_num_query_heads={heads},base_num_kv_heads={heads},"
+                              f"head_dim={emb // heads},base_mlp_dim={4 * emb},base_num_decoder_layers={layers},"
+                              f"vocab_size={args.vocab}")
+
+
 def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int, tokenizer: Path,
-                  chunk: int = 0, prefix_caching: bool = False) -> None:
+                  chunk: int = 0, prefix_caching: bool = False, speculative: int = 0) -> None:
   """The table for one KV cache layout, then its memory: what the cache allocates and, paged, the
   most pages in use at once (polled while the clients run)."""
   import jax
@@ -153,7 +170,8 @@ def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int,
       dtype="float32", prefill_chunk_size=chunk, prefix_caching=prefix_caching,
       print_config=False, tokenizer_type="huggingface", tokenizer_path=str(tokenizer), add_bos=False,
       serve_max_slots=args.slots, serve_max_queue=1024, serve_max_tokens=args.max_tokens, serve_model_name="bench",
-      kv_cache_layout=layout, kv_page_size=args.page_size, kv_num_pages=args.pages if layout == "paged" else 0)
+      kv_cache_layout=layout, kv_page_size=args.page_size, kv_num_pages=args.pages if layout == "paged" else 0,
+      **_draft_keys(args, speculative))
   server, uv, thread, url = start_server(config)
   engine = server.scheduler.engine
   # Compiles every step (its prompts have no shared prefix: nothing of the measured load is cached yet).
@@ -175,6 +193,9 @@ def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int,
   mixed = f"; beside them, prompts of {args.long_prompt} tokens back to back" if args.long_prompt else ""
   shared = f"; every prompt starts with the same {args.shared_prefix} tokens" if args.shared_prefix else ""
   mixed += shared
+  if speculative:
+    mixed += f"; speculative_tokens={speculative}, draft {args.draft}"
+  before = server.scheduler.load()
   print(f"\n{layout} KV cache, prefill_chunk_size={chunk}{', prefix_caching' if prefix_caching else ''}; model: emb {args.emb}, {args.layers} layers, vocab "
         f"{args.vocab}; {args.slots} slots; prompts of {args.prompt_lengths} tokens; {args.max_tokens} new tokens "
         f"each{mixed}; {jax.devices()[0].platform}")
@@ -190,6 +211,12 @@ def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int,
           f"{_percentile(t['itl'], 99) * 1e3:.1f} |", flush=True)
   polling.set()
   poller.join()
+  if speculative:
+    after = server.scheduler.load()
+    proposed = after["speculative_proposed"] - before["speculative_proposed"]
+    accepted = after["speculative_accepted"] - before["speculative_accepted"]
+    print(f"speculative: {accepted} of {proposed} draft tokens accepted (acceptance rate "
+          f"{accepted / max(proposed, 1):.2f}); {after['steps'] - before['steps']} rounds")
   stats = engine.cache_stats()
   allocated = stats["cache_bytes"] / 2**20
   if layout == "dense":  # every slot holds max_target_length tokens whatever its request needs
@@ -223,6 +250,8 @@ def main() -> None:
   parser.add_argument("--long_prompt", type=int, default=0, help="tokens of the mixed load's long prompts (0: none)")
   parser.add_argument("--shared_prefix", type=int, default=0, help="tokens every prompt starts with (0: none)")
   parser.add_argument("--prefix_caching", default="false", help="paged: prefix_caching values to serve with")
+  parser.add_argument("--speculative_tokens", default="0", help="speculative_tokens values to serve with (0: off)")
+  parser.add_argument("--draft", default="small", choices=("small", "self"), help="the speculative draft")
   args = parser.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   prompt_lengths = [int(x) for x in args.prompt_lengths.split(",")]
@@ -232,7 +261,8 @@ def main() -> None:
     for chunk in [int(c) for c in args.prefill_chunk_sizes.split(",")] if layout == "paged" else [0]:
       for caching in [v.strip().lower() == "true" for v in args.prefix_caching.split(",")] if layout == "paged" \
           else [False]:
-        _serve_layout(args, layout, prompt_lengths, max_target, tokenizer, chunk, caching)
+        for speculative in [int(k) for k in args.speculative_tokens.split(",")]:
+          _serve_layout(args, layout, prompt_lengths, max_target, tokenizer, chunk, caching, speculative)
 
 
 if __name__ == "__main__":

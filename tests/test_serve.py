@@ -248,7 +248,8 @@ def test_health_needs_no_key_and_models_does(served):
 
 
 IDLE = {"status": "ok", "slots_total": 4, "slots_in_use": 0, "queue_length": 0, "pages_total": 16, "pages_free": 16,
-        "pages_reserved": 0, "oldest_request_age_seconds": 0}
+        "pages_reserved": 0, "oldest_request_age_seconds": 0, "speculative_tokens": 0, "speculative_proposed_tokens": 0,
+        "speculative_accepted_tokens": 0, "speculative_acceptance_rate": 0.0}
 
 
 def _idle_health(served) -> dict:

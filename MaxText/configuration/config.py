@@ -46,8 +46,8 @@ MODELS_DIR = CONFIGS_DIR / "models"
 MODEL_CONFIG_FILE = run_record.MODEL_CONFIG_FILE
 ENV_PREFIX = "M_"
 # Keys whose values are paths (comma-separated lists allowed): each may be local or gs://.
-PATH_KEYS = ("base_output_directory", "load_parameters_path", "load_full_state_path", "param_only_checkpoint_path",
-             "compiled_trainstep_file", "tokenizer_path", "dataset_path", "hf_path", "hf_data_files", "hf_eval_files",
+PATH_KEYS = ("base_output_directory", "load_parameters_path", "draft_load_parameters_path", "load_full_state_path",
+             "param_only_checkpoint_path", "compiled_trainstep_file", "tokenizer_path", "dataset_path", "hf_path", "hf_data_files", "hf_eval_files",
              "grain_train_files", "grain_eval_files")
 
 # Values computed from other keys; setting them directly is a mistake we can explain.
@@ -389,3 +389,40 @@ def load_config(
     reads_run: bool = False) -> Config:
   """argv/env → validated, frozen Config for `target` (the local devices unless given)."""
   return build_config(parse_overrides(argv, environ), target or accelerators.local_target(), reads_run)
+
+
+# Keys of the target that never pass to its speculative draft: which model and parameters it is.
+_TARGET_ONLY_KEYS = ("model_name", "load_parameters_path", "load_full_state_path", "draft_model_name",
+                     "draft_load_parameters_path", "draft_overrides", "speculative_tokens")
+
+
+def draft_config(config: Config) -> Config:
+  """The speculative draft's configuration: the model of draft_model_name (else the model keys
+  saved beside draft_load_parameters_path) with draft_overrides on top, every other key the
+  target's (decode, cache, mesh, dtype, max_target_length: the draft must cache what the target
+  does), and draft_load_parameters_path as its load_parameters_path."""
+  from MaxText.configuration.model_config import MODEL_KEYS
+
+  d = config.decode
+  schema = read_yaml(BASE_CONFIG_PATH)
+  if not d.draft_model_name and (not d.draft_load_parameters_path
+                                 or run_record.saved_model_keys(d.draft_load_parameters_path) is None):
+    where = (f"no model_config.yml or run config.yml is saved with draft_load_parameters_path="
+             f"{d.draft_load_parameters_path}" if d.draft_load_parameters_path else "no draft is named")
+    raise ConfigError(f"speculative decoding with a draft model: {where}; set draft_model_name=<a configs/models "
+                      "name> (and draft_overrides=key=value,... to resize it)")
+  argv = {k: v for k, v in config.values.items() if k not in MODEL_KEYS and k not in _TARGET_ONLY_KEYS}
+  argv["load_parameters_path"] = d.draft_load_parameters_path
+  if d.draft_model_name:
+    argv["model_name"] = d.draft_model_name
+  for item in d.draft_overrides:
+    key, _, text = str(item).partition("=")
+    key = key.strip()
+    if key not in schema:
+      raise _unknown_key_error(key, schema, "draft_overrides")
+    if key in _TARGET_ONLY_KEYS:
+      raise ConfigError(f"draft_overrides cannot set {key}: name the draft with draft_model_name and "
+                        "draft_load_parameters_path")
+    argv[key] = coerce(key, _parse_cli_value(text.strip(), schema[key]), schema[key])
+  overrides = Overrides(BASE_CONFIG_PATH, {}, argv, {}, schema)
+  return build_config(overrides, config.target, default_run_name=str(config["run_name"]))

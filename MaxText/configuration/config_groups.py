@@ -435,6 +435,9 @@ class DecodeConfig:
   prefill_chunk_size: int = key()  # paged serving: prompt tokens prefilled per step; 0 = a whole prompt at once
   prefix_caching: bool = key()  # paged serving: full prompt pages shared between requests with the same prefix
   speculative_tokens: int = key()  # speculative decoding: draft tokens proposed per round; 0 = off
+  draft_model_name: str = key()  # the draft's configs/models/<name>.yml ("" = saved beside its checkpoint)
+  draft_load_parameters_path: str = key()  # the draft's parameters
+  draft_overrides: tuple[str, ...] = key()  # key=value model keys for the draft only
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any]) -> "DecodeConfig":
@@ -450,6 +453,9 @@ class DecodeConfig:
              "straight into the slot's pages); set kv_cache_layout=paged or prefill_chunk_size=0")
     _require(v["speculative_tokens"] >= 0, f"speculative_tokens must be >= 0 (0: no speculative decoding), got "
              f"{v['speculative_tokens']}")
+    for item in v["draft_overrides"]:
+      _require("=" in str(item) and bool(str(item).partition("=")[0].strip()),
+               f"draft_overrides items are key=value (e.g. base_num_decoder_layers=2), got {item!r}")
     # Checked against max_target_length by the decode engine only: training runs never read it.
     prefill = v["max_prefill_predict_length"]
     _require(prefill > 0, f"max_prefill_predict_length must be > 0, got {prefill}")

@@ -14,6 +14,10 @@ With prefill_chunk_size > 0 (paged), an admitted prompt is prefilled one chunk p
 the running jobs' generate steps, so a long prompt delays each of their tokens by one chunk's
 time instead of its whole prefill; the job joins the generate steps after its last chunk.
 
+With a speculative engine (speculative_engine.SpeculativeEngine, speculative_tokens > 0) a step is
+a round that gives each slot 1 to k + 1 tokens, delivered in order until its job ends; the rest of
+the round is dropped, and the engine's pages_needed includes the round's k-token look-ahead.
+
 Paged cache: a job is admitted only when the pages it will hold at its end fit beside what the
 active jobs have reserved, so a step never runs out. The reservation belongs to the slot while its
 job is active and is given back whichever way the job ends; a scoring-only job (max_tokens 0)
@@ -28,7 +32,7 @@ import dataclasses
 import threading
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import jax
 import numpy as np
@@ -36,6 +40,7 @@ import numpy as np
 from MaxText.inference.engine import Engine, TokenLogprobs
 from MaxText.inference.image_prompts import PromptImages
 from MaxText.inference.sampling import RowParams
+from MaxText.inference.speculative_engine import SpeculativeEngine
 
 
 class QueueFull(Exception):
@@ -92,7 +97,8 @@ class Job:
         self.on_cancel()
 
 
-_COUNTS = ("admitted", "released", "steps", "loops", "length", "stop", "cancelled", "error", "prefix_cached_tokens")
+_COUNTS = ("admitted", "released", "steps", "loops", "length", "stop", "cancelled", "error", "prefix_cached_tokens",
+           "speculative_proposed", "speculative_accepted")
 
 
 def _images(job: Job) -> dict[str, Any]:
@@ -104,19 +110,27 @@ def _top(ids_k: np.ndarray, logprobs_k: np.ndarray) -> list[tuple[int, float]]:
   return [(int(i), float(lp)) for i, lp in zip(ids_k, logprobs_k)]
 
 
+def _scores(logprobs: TokenLogprobs, *index: int) -> tuple[float, list[tuple[int, float]]]:
+  """The chosen token's log-probability and the top alternatives at `index` ([slot] or [slot, i])."""
+  return float(logprobs.chosen_B[index]), _top(logprobs.top_ids_Bk[index], logprobs.top_logprobs_Bk[index])
+
+
 class Scheduler:
   """Owns `engine` and `params` on its own thread; `submit` is safe from any thread."""
 
-  def __init__(self, engine: Engine, params: Any, max_queue: int, eos_ids: Sequence[int] = (), seed: int = 0):
+  def __init__(self, engine: Engine | SpeculativeEngine, params: Any, max_queue: int, eos_ids: Sequence[int] = (),
+               seed: int = 0):
     self.engine, self.params, self.max_queue = engine, params, max_queue
     self.eos_ids = frozenset(eos_ids)
     self._waiting: collections.deque[Job] = collections.deque()
     self._active: dict[int, Job] = {}
     self._prefilling: dict[int, tuple[Job, int]] = {}  # slot -> (job, prompt tokens cached so far), in admission order
     self._into_pages = engine.prefills_into_pages
+    # k > 0: the engine is a speculative_engine.SpeculativeEngine, whose rounds emit 1..k + 1 tokens per slot.
+    self.speculative_tokens = int(getattr(engine, "speculative_tokens", 0))
     self._wake = threading.Condition()  # guards _waiting, _active, _reserved
     self._stopping = False
-    self._state = engine.init_decode_state(seed)
+    self._state: Any = engine.init_decode_state(seed)  # the engine's own decode state, opaque here
     self._pages_total = int(engine.cache_stats()["pages_total"])  # 0: the dense cache
     self._reserved: dict[int, int] = {}  # slot -> pages its active job holds at its end (paged cache)
     # Jobs admitted, finished by reason, slots released, steps, loops. Every key exists from the
@@ -171,7 +185,8 @@ class Scheduler:
               "slots": self.engine.num_slots,
               "pages_total": self._pages_total, "pages_free": int(self.engine.cache_stats()["pages_free"]),
               "pages_cached": int(self.engine.cache_stats().get("pages_cached", 0)),
-              "pages_reserved": sum(self._reserved.values()), "oldest_age_s": oldest, **self.counts}
+              "pages_reserved": sum(self._reserved.values()), "oldest_age_s": oldest,
+              "speculative_tokens": self.speculative_tokens, **self.counts}
 
   def _notify(self) -> None:
     with self._wake:
@@ -255,12 +270,12 @@ class Scheduler:
         self._prefilling[slot] = (job, cached)
       return
     rows: dict[str, Any] = {} if job.images is None else {"images": [job.images]}
-    prefix = self.engine.prefill(self.params, [job.prompt], row_params=[job.row], **rows)
+    prefix: Any = self.engine.prefill(self.params, [job.prompt], row_params=[job.row], **rows)
     self._state = self.engine.insert(prefix, self._state, slot)
     first, logprobs = jax.device_get((prefix.first_tokens_B, prefix.first_logprobs))
     with self._wake:
       self._active[slot] = job
-    self._deliver(slot, job, int(first[0]), logprobs, 0)
+    self._deliver(slot, job, int(first[0]), *_scores(logprobs, 0))
 
   def _prefill_chunk(self) -> None:
     """With prefill_chunk_size, one chunk of the longest-waiting prompt being prefilled (the
@@ -277,21 +292,38 @@ class Scheduler:
       with self._wake:
         del self._prefilling[slot]
         self._active[slot] = job
-      self._deliver(slot, job, int(tokens_1[0]), logprobs, 0)
+      self._deliver(slot, job, int(tokens_1[0]), *_scores(logprobs, 0))
       if self.engine.decode_cfg.prefill_chunk_size:
         return
 
   def _step(self) -> None:
-    self._state, step_out = self.engine.step(self.params, self._state)
+    if self.speculative_tokens:
+      return self._round()
+    self._state, step_out = cast(Engine, self.engine).step(self.params, self._state)
     tokens_T, logprobs = jax.device_get(step_out)
     self.counts["steps"] += 1
     for slot, job in list(self._active.items()):
-      self._deliver(slot, job, int(tokens_T[slot]), logprobs, slot)
+      self._deliver(slot, job, int(tokens_T[slot]), *_scores(logprobs, slot))
 
-  def _deliver(self, slot: int, job: Job, token: int, logprobs: TokenLogprobs, row: int) -> None:
+  def _round(self) -> None:
+    """A speculative round: each active slot's 1..k + 1 tokens in order, until its job ends (the
+    rest of the round is dropped: max_tokens or an end-of-sequence token cut it mid-round)."""
+    active = np.zeros(self.engine.num_slots, bool)
+    active[list(self._active)] = True
+    engine = cast(SpeculativeEngine, self.engine)
+    self._state, tokens_TK, counts_T, logprobs = engine.speculative_round(self.params, self._state, active)
+    self.counts["steps"] += 1
+    self.counts["speculative_proposed"] += self.speculative_tokens * int(active.sum())
+    self.counts["speculative_accepted"] += int((counts_T[active] - 1).sum())
+    for slot, job in list(self._active.items()):
+      for i in range(int(counts_T[slot])):
+        self._deliver(slot, job, int(tokens_TK[slot, i]), *_scores(logprobs, slot, i))
+        if slot not in self._active:
+          break
+
+  def _deliver(self, slot: int, job: Job, token: int, logprob: float, top: list[tuple[int, float]]) -> None:
     job.generated += 1
-    job.emit(Token(job.index, token, float(logprobs.chosen_B[row]),
-                   _top(logprobs.top_ids_Bk[row], logprobs.top_logprobs_Bk[row])))
+    job.emit(Token(job.index, token, logprob, top))
     if token in self.eos_ids:
       self._finish(job, slot, "stop")
     elif job.generated >= job.max_tokens:

@@ -35,7 +35,17 @@ def health(load: dict[str, Any]) -> dict[str, Any]:
   return {"status": "ok", "slots_total": load["slots"], "slots_in_use": load["active"],
           "queue_length": load["waiting"], "pages_total": load["pages_total"], "pages_free": load["pages_free"],
           "pages_cached": load["pages_cached"],
-          "pages_reserved": load["pages_reserved"], "oldest_request_age_seconds": round(load["oldest_age_s"], 3)}
+          "pages_reserved": load["pages_reserved"], "oldest_request_age_seconds": round(load["oldest_age_s"], 3),
+          **speculative(load)}
+
+
+def speculative(load: dict[str, Any]) -> dict[str, Any]:
+  """Speculative decoding's figures: k (0 = off), draft tokens proposed to running requests and
+  accepted by the target, and their ratio (0 before any round)."""
+  proposed, accepted = int(load.get("speculative_proposed", 0)), int(load.get("speculative_accepted", 0))
+  return {"speculative_tokens": int(load.get("speculative_tokens", 0)), "speculative_proposed_tokens": proposed,
+          "speculative_accepted_tokens": accepted,
+          "speculative_acceptance_rate": round(accepted / proposed, 4) if proposed else 0.0}
 
 
 class _SchedulerCollector(Collector):
@@ -56,8 +66,17 @@ class _SchedulerCollector(Collector):
         ("kv_pages_reserved", "pages_reserved", "KV cache pages the active requests will hold at their end"),
         ("oldest_request_age_seconds", "oldest_age_s", "age of the oldest request waiting or decoding (0: none)")):
       yield GaugeMetricFamily(f"maxtext_serve_{name}", text, value=float(now[key]))
-    yield CounterMetricFamily("maxtext_serve_engine_steps", "generate steps over all slots",
+    yield CounterMetricFamily("maxtext_serve_engine_steps", "generate steps (speculative rounds) over all slots",
                               value=float(now.get("steps", 0)))
+    spec = speculative(now)
+    yield GaugeMetricFamily("maxtext_serve_speculative_tokens", "draft tokens proposed per slot and round "
+                            "(speculative_tokens; 0: speculative decoding off)", value=float(spec["speculative_tokens"]))
+    yield CounterMetricFamily("maxtext_serve_speculative_proposed_tokens", "draft tokens proposed to running requests",
+                              value=float(spec["speculative_proposed_tokens"]))
+    yield CounterMetricFamily("maxtext_serve_speculative_accepted_tokens", "draft tokens the target accepted",
+                              value=float(spec["speculative_accepted_tokens"]))
+    yield GaugeMetricFamily("maxtext_serve_speculative_acceptance_rate", "accepted / proposed draft tokens since start "
+                            "(0 before any round)", value=float(spec["speculative_acceptance_rate"]))
     finished = CounterMetricFamily("maxtext_serve_completions_finished", "completions (choices) ended, by reason",
                                    labels=["reason"])
     for reason in FINISH_REASONS:

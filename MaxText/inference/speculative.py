@@ -46,7 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxText.errors import UserError
 from MaxText.inference import paged_cache, sampling
-from MaxText.inference.engine import DecodeState, Engine, Prefix, RowSampling
+from MaxText.inference.engine import DecodeState, Engine, Prefix, RowSampling, TokenLogprobs
 from MaxText.platform import sharding
 
 
@@ -84,7 +84,8 @@ class SpeculativeDecoder:
     replicated = NamedSharding(target.mesh, PartitionSpec())
     self.state_shardings = SpeculativeState(target.state_shardings, draft.state_shardings)
     self._round = jax.jit(self._round_fn, donate_argnums=(2,),
-                          out_shardings=(self.state_shardings, replicated, replicated))
+                          out_shardings=(self.state_shardings, replicated, replicated,
+                                         TokenLogprobs(replicated, replicated, replicated)))
 
   # ---------------------------------------------------------------- public API
   def init_decode_state(self, seed: int = 0) -> SpeculativeState:
@@ -114,6 +115,15 @@ class SpeculativeDecoder:
     allocator's active slots) only selects the slots the acceptance counters count. Paged:
     raises paged_cache.OutOfPages (state unchanged) when the pages of the next k + 1 positions
     are not free."""
+    state, tokens, counts, _ = self.scored_step(target_params, draft_params, state, active)
+    return state, tokens, counts
+
+  def scored_step(self, target_params: Any, draft_params: Any, state: SpeculativeState,
+                  active: Sequence[bool] | np.ndarray | None = None
+                  ) -> tuple[SpeculativeState, np.ndarray, np.ndarray, TokenLogprobs]:
+    """`step` that also returns what each emitted token scored under the target (fields [T, k + 1]
+    and [T, k + 1, top]): sampling.token_logprobs of the target's logits at the token's position,
+    what plain decoding reports for the same token."""
     tables: list[jax.Array | None] = []
     for engine in (self.target, self.draft):
       if engine.pages is None:
@@ -122,8 +132,8 @@ class SpeculativeDecoder:
       engine.pages.grow(self.k + 1)
       tables.append(jnp.asarray(engine.pages.generate_table()))
     with sharding.activation_sharding(self.target.mesh, self.target.rules):
-      state, tokens_TK, counts_T = self._round(target_params, draft_params, state, tables[0], tables[1])
-    tokens, counts = np.asarray(tokens_TK), np.asarray(counts_T)
+      state, tokens_TK, counts_T, logprobs = self._round(target_params, draft_params, state, tables[0], tables[1])
+    tokens, counts, logprobs = jax.device_get((tokens_TK, counts_T, logprobs))
     for engine in (self.target, self.draft):
       if engine.pages is not None:
         engine.pages.advance(counts)
@@ -133,7 +143,7 @@ class SpeculativeDecoder:
     self.rounds += 1
     self.proposed += self.k * int(mask.sum())
     self.accepted += int((counts[mask] - 1).sum())
-    return state, tokens, counts
+    return state, tokens, counts, logprobs
 
   def metrics(self) -> dict[str, float]:
     """proposed / accepted draft tokens, acceptance_rate (accepted / proposed; 0 before any) and rounds."""
@@ -143,14 +153,11 @@ class SpeculativeDecoder:
   # ---------------------------------------------------------------- the jitted round
   def _round_fn(self, target_params: Any, draft_params: Any, state: SpeculativeState,
                 target_table_TM: jax.Array | None, draft_table_TM: jax.Array | None
-                ) -> tuple[SpeculativeState, jax.Array, jax.Array]:
+                ) -> tuple[SpeculativeState, jax.Array, jax.Array, TokenLogprobs]:
     self.traces["round"] += 1  # once per trace
     k, rows = self.k, state.target.sampling
     positions_T, pending_T = state.target.next_positions_B, state.target.tokens_B
-    keys_T, round_keys_T = sampling.split_rows(rows.keys_B)
-    # Per slot: k + 1 draft draws (the last unused), the acceptance uniforms, the final draw.
-    draw_keys_TX = jax.vmap(lambda key: jax.random.key_data(
-        jax.random.split(jax.random.wrap_key_data(key), k + 3)))(round_keys_T)
+    keys_T, draw_keys_TX = round_keys(rows.keys_B, k)
     probs = lambda logits_BV: sampling.row_probs(logits_BV, rows.temperature_B, rows.top_p_B,  # noqa: E731
                                                  rows.top_k_B)
 
@@ -163,7 +170,7 @@ class SpeculativeDecoder:
       logits_T1V, caches = self.draft.spec.apply_decode(draft_params, token_T[:, None],
                                                         (positions_T + index)[:, None], caches)
       q_TV = probs(logits_T1V[:, 0])
-      proposal_T = _draw(keys, q_TV)
+      proposal_T = draw(keys, q_TV)
       return (proposal_T, caches), (proposal_T, q_TV)
 
     steps = (jnp.arange(k + 1, dtype=jnp.int32), jnp.moveaxis(draw_keys_TX[:, :k + 1], 1, 0))
@@ -175,42 +182,63 @@ class SpeculativeDecoder:
     positions_TK = positions_T[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
     target_caches = _with_table(state.target.caches, target_table_TM)
     logits_TKV, target_caches = self.target.spec.apply_decode(target_params, tokens_TK, positions_TK, target_caches)
-    num_slots, vocab = logits_TKV.shape[0], logits_TKV.shape[-1]
-    repeat = lambda x: jnp.repeat(x, k + 1, axis=0)  # noqa: E731
-    p_TKV = sampling.row_probs(logits_TKV.reshape(num_slots * (k + 1), vocab), repeat(rows.temperature_B),
-                               repeat(rows.top_p_B), repeat(rows.top_k_B)).reshape(logits_TKV.shape)
-
-    # Accept d_{i+1} when u < p_i(d) / q_i(d) (u * q < p: q(d) > 0, d was drawn from q).
-    p_draft_Tk = jnp.take_along_axis(p_TKV[:, :k], proposals_Tk[..., None], axis=-1)[..., 0]
-    q_draft_Tk = jnp.take_along_axis(q_TkV, proposals_Tk[..., None], axis=-1)[..., 0]
-    uniform_Tk = jax.vmap(lambda key: jax.random.uniform(jax.random.wrap_key_data(key), (k,)))(
-        draw_keys_TX[:, k + 1])
-    accepted_Tk = uniform_Tk * q_draft_Tk < p_draft_Tk
-    num_accepted_T = jnp.sum(jnp.cumprod(accepted_Tk.astype(jnp.int32), axis=1), axis=1)
-    # The last token: from max(0, p_n - q_n), where q_k = 0 makes it the bonus draw from p_k.
-    q_TKV = jnp.concatenate([q_TkV, jnp.zeros_like(p_TKV[:, :1])], axis=1)
-    pick = lambda x_TKV: jnp.take_along_axis(x_TKV, num_accepted_T[:, None, None], axis=1)[:, 0]  # noqa: E731
-    p_TV = pick(p_TKV)
-    residual_TV = jnp.maximum(pick(p_TKV) - pick(q_TKV), 0.0)
-    # Rounding can leave no mass where p == q (a rejection then has probability 0): fall back to p.
-    residual_TV = jnp.where(jnp.sum(residual_TV, axis=-1, keepdims=True) > 0, residual_TV, p_TV)
-    last_T = _draw(draw_keys_TX[:, k + 2], residual_TV)
-    slots_K = jnp.arange(k + 1)[None]
-    out_TK = jnp.where(slots_K < num_accepted_T[:, None], jnp.pad(proposals_Tk, ((0, 0), (0, 1))), last_T[:, None])
+    out_TK, num_accepted_T, last_T, logprobs = verify(logits_TKV, q_TkV, proposals_Tk, rows, draw_keys_TX)
     next_positions_T = positions_T + num_accepted_T + 1
     target = DecodeState(target_caches, next_positions_T, last_T, dataclasses.replace(rows, keys_B=keys_T))
     draft = DecodeState(draft_caches, next_positions_T, last_T, state.draft.sampling)
-    return SpeculativeState(target, draft), out_TK, num_accepted_T + 1
+    return SpeculativeState(target, draft), out_TK, num_accepted_T + 1, logprobs
+
+
+def round_keys(keys_T: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """(the rows' next keys, key data [T, k + 3] for a round's draws): k + 1 draft draws (the last
+  unused by a draft model), the acceptance uniforms and the final draw."""
+  keys_T, round_keys_T = sampling.split_rows(keys_T)
+  return keys_T, jax.vmap(lambda key: jax.random.key_data(
+      jax.random.split(jax.random.wrap_key_data(key), k + 3)))(round_keys_T)
+
+
+def verify(logits_TKV: jax.Array, q_TkV: jax.Array, proposals_Tk: jax.Array, rows: Any, draw_keys_TX: jax.Array
+           ) -> tuple[jax.Array, jax.Array, jax.Array, TokenLogprobs]:
+  """The rejection rule over the target's logits of [t0, d1..dk] and the draft's distributions
+  q_1..q_k of its proposals d1..dk (each row by its own sampling parameters): (tokens [T, K]
+  of which each row emits its first count = accepted + 1, the accepted counts [T], the last
+  emitted token [T], their target log-probabilities)."""
+  num_slots, k, vocab = proposals_Tk.shape[0], proposals_Tk.shape[1], logits_TKV.shape[-1]
+  repeat = lambda x: jnp.repeat(x, k + 1, axis=0)  # noqa: E731
+  p_TKV = sampling.row_probs(logits_TKV.reshape(num_slots * (k + 1), vocab), repeat(rows.temperature_B),
+                             repeat(rows.top_p_B), repeat(rows.top_k_B)).reshape(logits_TKV.shape)
+  # Accept d_{i+1} when u < p_i(d) / q_i(d) (u * q < p: q(d) > 0, d was drawn from q).
+  p_draft_Tk = jnp.take_along_axis(p_TKV[:, :k], proposals_Tk[..., None], axis=-1)[..., 0]
+  q_draft_Tk = jnp.take_along_axis(q_TkV, proposals_Tk[..., None], axis=-1)[..., 0]
+  uniform_Tk = jax.vmap(lambda key: jax.random.uniform(jax.random.wrap_key_data(key), (k,)))(
+      draw_keys_TX[:, k + 1])
+  accepted_Tk = uniform_Tk * q_draft_Tk < p_draft_Tk
+  num_accepted_T = jnp.sum(jnp.cumprod(accepted_Tk.astype(jnp.int32), axis=1), axis=1)
+  # The last token: from max(0, p_n - q_n), where q_k = 0 makes it the bonus draw from p_k.
+  q_TKV = jnp.concatenate([q_TkV, jnp.zeros_like(p_TKV[:, :1])], axis=1)
+  pick = lambda x_TKV: jnp.take_along_axis(x_TKV, num_accepted_T[:, None, None], axis=1)[:, 0]  # noqa: E731
+  p_TV = pick(p_TKV)
+  residual_TV = jnp.maximum(p_TV - pick(q_TKV), 0.0)
+  # Rounding can leave no mass where p == q (a rejection then has probability 0): fall back to p.
+  residual_TV = jnp.where(jnp.sum(residual_TV, axis=-1, keepdims=True) > 0, residual_TV, p_TV)
+  last_T = draw(draw_keys_TX[:, k + 2], residual_TV)
+  slots_K = jnp.arange(k + 1)[None]
+  out_TK = jnp.where(slots_K < num_accepted_T[:, None], jnp.pad(proposals_Tk, ((0, 0), (0, 1))), last_T[:, None])
+  chosen, top_ids, top_logprobs = sampling.token_logprobs(logits_TKV.reshape(num_slots * (k + 1), vocab),
+                                                          out_TK.reshape(-1))
+  logprobs = TokenLogprobs(chosen.reshape(num_slots, k + 1), top_ids.reshape(num_slots, k + 1, -1),
+                           top_logprobs.reshape(num_slots, k + 1, -1))
+  return out_TK, num_accepted_T, last_T, logprobs
 
 
 def _with_table(caches: Any, table_TM: jax.Array | None) -> Any:
   return caches if table_TM is None else paged_cache.with_block_table(caches, table_TM)
 
 
-def _draw(keys_T: jax.Array, probs_TV: jax.Array) -> jax.Array:
+def draw(keys_T: jax.Array, probs_TV: jax.Array) -> jax.Array:
   """One token per row from its distribution (key data per row); a one-hot row gives its token."""
-  draw = jax.vmap(lambda key, logits: jax.random.categorical(jax.random.wrap_key_data(key), logits))
-  return draw(keys_T, jnp.log(probs_TV)).astype(jnp.int32)
+  each = jax.vmap(lambda key, logits: jax.random.categorical(jax.random.wrap_key_data(key), logits))
+  return each(keys_T, jnp.log(probs_TV)).astype(jnp.int32)
 
 
 def generate(decoder: SpeculativeDecoder, target_params: Any, draft_params: Any, prompts: Sequence[Sequence[int]],

@@ -404,6 +404,15 @@ class Transformer(nnx.Module):
     the last prompt token's, and a [B, L, V] float32 block would dwarf the cache for long prompts.
     `pixel_values` [B, M, 3, R, R] (a prefill): the images whose placeholder runs all lie in this
     call's tokens, placed as `_multimodal_input` places them; their tokens attend both ways."""
+    x_BLD, caches = self.decode_hidden(tokens_BL, positions_BL, caches, pixel_values)
+    if logits_index_B is not None:
+      x_BLD = jnp.take_along_axis(x_BLD, logits_index_B[:, None, None], axis=1)
+    return self._logits(x_BLD), caches
+
+  def decode_hidden(self, tokens_BL: jax.Array, positions_BL: jax.Array, caches: Any,
+                    pixel_values: jax.Array | None = None) -> tuple[jax.Array, Any]:
+    """`decode` up to the decoder stack's output (before the final norm: what the first MTP
+    module reads), with the updated caches."""
     if self.cfg.pipeline.num_pipeline_stages > 1:
       raise ValueError("decoding does not support pipeline parallelism; set ici_pipeline_parallelism=1")
     x_BLD = self._embed(tokens_BL, positions_BL)
@@ -415,9 +424,29 @@ class Transformer(nnx.Module):
     with quantization.use_quantization(self.cfg.quantization):  # as in training: same matmuls as the full pass
       x_BLD, _, caches = self._run_layers(x_BLD, positions_BL, segment_ids_BL, None, caches,
                                           image_blocks_BL=image_blocks_BL)
-    if logits_index_B is not None:
-      x_BLD = jnp.take_along_axis(x_BLD, logits_index_B[:, None, None], axis=1)
-    return self._logits(x_BLD), caches
+    return x_BLD, caches
+
+  def mtp_decode(self, depth: int, h_BLD: jax.Array, next_tokens_BL: jax.Array, positions_BL: jax.Array,
+                 cache: Any) -> tuple[jax.Array, Any]:
+    """MTP module `depth` at `positions_BL`, decoding: its input is `h_BLD` (the stack's output,
+    or the previous depth's) combined with the embedding of the token one place ahead
+    (`next_tokens_BL`, at positions + 1), its layer attends over (and writes) its own one-layer
+    `cache`. Returns (the module's output [B, L, D], the cache); `mtp_logits` of that output
+    scores the token two places ahead."""
+    cfg = self.cfg
+    module = getattr(self, mtp.module_name(depth))
+    embedded_BLD = self._embed(next_tokens_BL, positions_BL + 1)
+    x_BLD = sharding.constrain(module.combine(embedded_BLD, h_BLD), ACTIVATION_NAMES)
+    one_layer = self._layer_fn(positions_BL, jnp.ones(next_tokens_BL.shape, jnp.int32), decoding=True)
+    graphdef, state = nnx.split(module.layer)
+    with quantization.use_quantization(cfg.quantization):
+      x_BLD, _, cache = one_layer(graphdef, x_BLD, state, None, jnp.asarray(cfg.num_decoder_layers + depth, jnp.int32),
+                                  cache)
+    return x_BLD, cache
+
+  def mtp_logits(self, depth: int, h_BLD: jax.Array) -> jax.Array:
+    """Float32 logits [B, L, V] of MTP module `depth`'s output (its own final norm, the shared head)."""
+    return output_logits(self.cfg, getattr(self, mtp.module_name(depth)).final_norm, self._output_module(), h_BLD)
 
   def _output_module(self) -> Embed | DenseGeneral:
     """What turns final activations into logits: the tied embedding or the output projection."""
@@ -509,6 +538,23 @@ class ModelSpec:
     (see Transformer.decode; `pixel_values`: a prefill's images)."""
     model = nnx.merge(self.graphdef, params)
     return model.decode(tokens_BL, positions_BL, caches, logits_index_B, pixel_values)
+
+  def apply_decode_hidden(self, params: Params, tokens_BL: jax.Array, positions_BL: jax.Array, caches: Any
+                          ) -> tuple[jax.Array, Any]:
+    """(the stack's output [B, L, D] before the final norm, caches): Transformer.decode_hidden."""
+    return nnx.merge(self.graphdef, params).decode_hidden(tokens_BL, positions_BL, caches)
+
+  def apply_logits(self, params: Params, x_BLD: jax.Array) -> jax.Array:
+    """Float32 logits [B, L, V] of the stack's output (final norm, output head, soft cap)."""
+    return nnx.merge(self.graphdef, params)._logits(x_BLD)
+
+  def apply_mtp_decode(self, params: Params, depth: int, h_BLD: jax.Array, next_tokens_BL: jax.Array,
+                       positions_BL: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
+    """Transformer.mtp_decode: (the module's output, its cache)."""
+    return nnx.merge(self.graphdef, params).mtp_decode(depth, h_BLD, next_tokens_BL, positions_BL, cache)
+
+  def apply_mtp_logits(self, params: Params, depth: int, h_BLD: jax.Array) -> jax.Array:
+    return nnx.merge(self.graphdef, params).mtp_logits(depth, h_BLD)
 
 
 def build_model_spec(cfg: ModelConfig) -> ModelSpec:

@@ -10,7 +10,7 @@ where `layer` is one more decoder layer of the model's own kind and the embeddin
 head are the model's (shared, as in the paper). At position i the target is t(i+k+1), i.e. the
 ordinary target of position i+k; positions whose look-ahead leaves their packed document carry no
 weight. The modules' losses are averaged over the depths and added to the training loss times
-mtp_loss_scaling_factor; decoding never runs them.
+mtp_loss_scaling_factor. Speculative decoding may use module 0 as its draft (inference/mtp_draft.py).
 
 The router correction bias of an MTP layer's MoE (DeepSeek-V3) keeps its initial or converted
 value: the load-driven update reads the main stack's expert load only.

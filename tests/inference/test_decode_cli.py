@@ -62,10 +62,28 @@ def test_cli_prints_ids_equal_to_in_process_greedy(checkpoint):
   assert uncached_greedy(spec, params, [5, 17, 42], len(ids), RUN["max_target_length"]) == ids
 
 
+@pytest.mark.slow  # two subprocess starts' worth of compiling
+def test_cli_speculative_decoding_prints_the_same_ids_and_the_acceptance_rate(checkpoint, tmp_path):
+  """A smaller draft checkpoint with its own model_config.yml (read as the target's is)."""
+  draft_model = dict(MODEL, base_emb_dim=16, base_num_query_heads=2, base_num_kv_heads=1, base_num_decoder_layers=1)
+  spec = models.build_model_spec(Config.for_testing(**draft_model, **RUN).model)
+  params_io.save_params(str(tmp_path / "draft"), jax.jit(spec.init_params)(jax.random.key(4)))
+  convert_engine.write_model_config(str(tmp_path / "draft"), draft_model, "a test")
+  common = (f"load_parameters_path={checkpoint}", "prompt_token_ids=5,17,42", *(f"{k}={v}" for k, v in RUN.items()))
+  plain = run_decode(*common)
+  result = run_decode(*common, "speculative_tokens=3", f"draft_load_parameters_path={tmp_path / 'draft'}")
+  assert plain.returncode == 0 and result.returncode == 0, result.stderr[-2000:]
+  assert printed_ids(result.stdout) == printed_ids(plain.stdout)
+  assert "acceptance rate" in result.stdout and "speculative: k=3" in result.stdout
+
+
 @pytest.mark.parametrize("args,message", [
     (("load_parameters_path=/nonexistent/ckpt", "prompt_token_ids=1,2"), "checkpoint /nonexistent/ckpt does not exist"),
     (("prompt_token_ids=1,2,3,4,5,6,7,8,9",), "more than max_prefill_predict_length=8"),
     (("prompt=hello",), "set tokenizer_path"),
+    (("prompt_token_ids=1,2", "speculative_tokens=2"), "speculative_tokens=2 needs a draft model"),
+    (("prompt_token_ids=1,2", "speculative_tokens=2", "draft_load_parameters_path=/nonexistent/draft"),
+     "draft checkpoint /nonexistent/draft does not exist"),
 ])
 def test_cli_errors_are_one_line(args, message):
   result = run_decode(*(f"{k}={v}" for k, v in {**MODEL, **RUN}.items()), *args)
