@@ -104,7 +104,7 @@ class ModelShape:
     flat = jax.tree.leaves(params)
     flat_names = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple))
     leaves = tuple((tuple(p.shape), p.dtype.itemsize, tuple(n)) for p, n in zip(flat, flat_names))
-    optimizer = optimizers.create_optimizer(optim_cfg)
+    optimizer = optimizers.create_optimizer(optim_cfg, names)
     opt_state = jax.eval_shape(optimizer.init, params)
     param_bytes = sum(p.size * p.dtype.itemsize for p in flat)
     opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(opt_state))

@@ -132,6 +132,11 @@ class OptimConfig:
   adam_eps: float = key()
   adam_eps_root: float = key()
   adam_weight_decay: float = key()
+  # Muon (opt_type=muon; training/muon.py): momentum, Newton-Schulz iterations, and the update's RMS match to
+  # AdamW's (0 = optax's width scaling); its state differs from AdamW's, so a resume must agree on opt_type.
+  muon_beta: float = key()
+  muon_ns_steps: int = key()
+  muon_consistent_rms: float = key()
   gradient_clipping_threshold: float = key()
   gradient_accumulation_steps: int = key()
   z_loss_multiplier: float = key()
@@ -143,7 +148,10 @@ class OptimConfig:
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any]) -> "OptimConfig":
-    _require(v["opt_type"] == "adamw", f"opt_type must be 'adamw', got {v['opt_type']!r}")
+    _require(v["opt_type"] in ("adamw", "muon"), f"opt_type must be 'adamw' or 'muon', got {v['opt_type']!r}")
+    _require(0.0 < v["muon_beta"] < 1.0 and v["muon_ns_steps"] >= 1 and v["muon_consistent_rms"] >= 0.0,
+             f"Muon needs 0 < muon_beta < 1, muon_ns_steps >= 1 and muon_consistent_rms >= 0; got {v['muon_beta']}, "
+             f"{v['muon_ns_steps']}, {v['muon_consistent_rms']}")
     _positive(v, "learning_rate", "gradient_accumulation_steps")
     _require(0.0 <= v["warmup_steps_fraction"] <= 1.0,
              f"warmup_steps_fraction must be in [0, 1], got {v['warmup_steps_fraction']}")

@@ -34,13 +34,21 @@ def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
   return optax.join_schedules([warmup, cosine], [cfg.warmup_steps])
 
 
-def create_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-  adamw = optax.adamw(
-      learning_rate_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
-      eps_root=cfg.adam_eps_root, weight_decay=cfg.adam_weight_decay)
+def create_optimizer(cfg: OptimConfig, logical_names: Params | None = None) -> optax.GradientTransformation:
+  """AdamW, or (opt_type=muon) Muon on the weight matrices and AdamW on the rest, which needs the model's
+  parameter `logical_names` (ModelSpec.logical_names) to tell them apart."""
+  schedule = learning_rate_schedule(cfg)
+  optimizer = optax.adamw(schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps, eps_root=cfg.adam_eps_root,
+                          weight_decay=cfg.adam_weight_decay)
+  if cfg.opt_type == "muon":
+    if logical_names is None:
+      raise ValueError("opt_type=muon needs the parameters' logical names")
+    from MaxText.training import muon  # noqa: PLC0415  (optax.contrib, only for Muon)
+
+    optimizer = muon.muon(cfg, schedule, optimizer, logical_names)
   if cfg.gradient_clipping_threshold > 0:
-    return optax.chain(optax.clip_by_global_norm(cfg.gradient_clipping_threshold), adamw)
-  return adamw
+    return optax.chain(optax.clip_by_global_norm(cfg.gradient_clipping_threshold), optimizer)
+  return optimizer
 
 
 def check_host_memory_kinds(kinds: set[str], platform: str) -> None:

@@ -86,7 +86,7 @@ def build_state_setup(config: Config, mesh: Mesh, model: models.ModelSpec, parti
                       layout: StateLayout) -> StateSetup:
   """Abstract state and its shardings; fails when too many parameter bytes stay unsharded.
   `partition`: which parameters train (the optimizer keeps no state for the others)."""
-  optimizer = partition.optimizer(optimizers.create_optimizer(config.optim))
+  optimizer = partition.optimizer(optimizers.create_optimizer(config.optim, model.logical_names))
   abstract_state = jax.eval_shape(lambda: _create_state(model, optimizer, jax.random.key(0), layout))
   rules = config.mesh.logical_axis_rules
   param_shardings = models.shard_params_like(model, mesh, rules)
