@@ -4,8 +4,8 @@ from a small sweep; held-out loss at the end and the step time.
     python3 benchmarks/optimizer_bench.py [--steps 300] [--learning_rates 1e-3,3e-3,1e-2] [--workdir outputs/opt_bench]
 
 The data is tinyshakespeare (../shared/data/tinyshakespeare.txt), prepared as Data.md's first run does (documents,
-a 1024-token SentencePiece vocabulary, ArrayRecord); the model is a 4-layer Llama-style decoder of width 256 at
-256 tokens, 16 sequences a step, a linear warmup over a tenth of the steps and cosine decay, as train.py runs it.
+a 1024-token SentencePiece vocabulary, ArrayRecord); the model is a 4-layer Llama-style decoder of width 128 at
+128 tokens, 8 sequences a step, a linear warmup over a tenth of the steps and cosine decay, as train.py runs it.
 Every optimizer key but opt_type is the same in both (Muon's matrices take muon_consistent_rms's AdamW-matched
 scale, so one learning-rate grid serves both). The last line is machine-readable.
 """
@@ -21,8 +21,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
-MODEL = ["base_emb_dim=256", "base_num_query_heads=4", "base_num_kv_heads=4", "head_dim=64", "base_mlp_dim=1024",
-         "base_num_decoder_layers=4", "vocab_size=1024", "max_target_length=256", "per_device_batch_size=16",
+MODEL = ["base_emb_dim=128", "base_num_query_heads=4", "base_num_kv_heads=4", "head_dim=32", "base_mlp_dim=512",
+         "base_num_decoder_layers=4", "vocab_size=1024", "max_target_length=128", "per_device_batch_size=8",
          "warmup_steps_fraction=0.1", "print_config=False", "dtype=float32"]
 STEP = re.compile(r"^step +(\d+) \| loss +([\d.]+) \| +([\d.]+) s")
 EVAL = re.compile(r"^eval +(\d+) \| loss +([\d.]+)")

@@ -99,6 +99,34 @@ def test_whole_processor_equals_hf(size):
   np.testing.assert_allclose(ours, hf["pixel_values"].float().numpy(), atol=2 / 255 * 2)
 
 
+@pytest.mark.parametrize("size", [(60, 25), (25, 90), (57, 29), (300, 41), (1000, 250)])
+def test_tiles_equal_hf_resize_kernel_without_torchvision(size):
+  """HF's processor resizes the uint8 image with torchvision's resize (bilinear, antialias), which on CPU runs
+  torch's uint8 antialiased bilinear kernel; built from that kernel, HF's tiles and thumbnail equal ours (Pillow's
+  bilinear) within one uint8 level (after normalisation: 2/255 and bfloat16's rounding)."""
+  width, height = size
+  rgb = np.random.default_rng(2).integers(0, 256, (height, width, 3), dtype=np.uint8)
+  options = L.TileOptions(tile_size=28, max_tiles=6)
+  ours, grid = L.tiles(Image.fromarray(rgb), options)
+  rows, cols = grid
+  new_h, new_w = L._fit(height, width, grid, options)
+
+  def kernel(out_h: int, out_w: int) -> np.ndarray:
+    t = torch.tensor(rgb.transpose(2, 0, 1))[None]
+    resized = torch.nn.functional.interpolate(t, size=(out_h, out_w), mode="bilinear", antialias=True,
+                                              align_corners=False)
+    return resized[0].numpy().transpose(1, 2, 0)
+
+  canvas = np.zeros((rows * 28, cols * 28, 3), np.uint8)
+  canvas[:new_h, :new_w] = kernel(new_h, new_w)
+  expected = L._normalised(canvas, options).reshape(3, rows, 28, cols, 28).transpose(1, 3, 0, 2, 4)
+  expected = expected.reshape(rows * cols, 3, 28, 28)
+  if rows * cols > 1:
+    expected = np.concatenate([expected, L._normalised(kernel(28, 28), options)[None]])
+  assert ours.shape == expected.shape
+  np.testing.assert_allclose(ours, expected, atol=2 / 255 + 0.016)
+
+
 TOKENS = {"<|image_start|>": 1, "<|image_end|>": 2, "<|patch|>": 3, "<|tile_x_separator|>": 4,
           "<|tile_y_separator|>": 5, "<|image|>": 6}
 
