@@ -162,7 +162,7 @@ def speculate(overrides: dict[str, Any], target: Any, target_params: Any, layout
   for slot in range(num_slots):
     state = decoder.insert(prefixes, state, slot)
   state, _, _ = decoder.step(target_params, draft_params, state)  # compile
-  decoder.proposed = decoder.accepted = decoder.rounds = 0
+  decoder.acceptance.reset()
   emitted = 0
   start = time.perf_counter()
   for _ in range(args.steps):

@@ -73,7 +73,7 @@ class MtpSpeculativeDecoder:
                       "whole (the MTP module runs over the prompt); set prefill_chunk_size=0 or name a draft model")
     self.target, self.draft, self.k = target, None, k
     self.num_slots = target.num_slots
-    self.proposed = self.accepted = self.rounds = 0
+    self.acceptance = speculative.Acceptance(k)
     self.traces = {"round": 0, "prefill": 0}
     cfg, quantized = target.cfg, target.decode_cfg.quantize_kvcache
     self._empty_cache = lambda batch, length: kv_cache.layer_cache(cfg, batch, length, quantized)  # noqa: E731
@@ -127,12 +127,7 @@ class MtpSpeculativeDecoder:
     tokens, counts, logprobs = jax.device_get((tokens_TK, counts_T, logprobs))
     if self.target.pages is not None:
       self.target.pages.advance(counts)
-    if active is None:
-      active = self.target.pages.active if self.target.pages is not None else np.ones(self.num_slots, bool)
-    mask = np.asarray(active, bool)
-    self.rounds += 1
-    self.proposed += self.k * int(mask.sum())
-    self.accepted += int((counts[mask] - 1).sum())
+    self.acceptance.record(self.target, counts, active)
     return state, tokens, counts, logprobs
 
   def step(self, target_params: Any, draft_params: Any, state: MtpState,
@@ -141,8 +136,7 @@ class MtpSpeculativeDecoder:
     return state, tokens, counts
 
   def metrics(self) -> dict[str, float]:
-    rate = self.accepted / self.proposed if self.proposed else 0.0
-    return {"proposed": self.proposed, "accepted": self.accepted, "acceptance_rate": rate, "rounds": self.rounds}
+    return self.acceptance.metrics()
 
   # ---------------------------------------------------------------- jitted bodies
   def _init_fn(self) -> MtpDraft:

@@ -59,6 +59,32 @@ class SpeculativeState:
   draft: Any  # DecodeState
 
 
+class Acceptance:
+  """A speculative decoder's running counts: rounds, draft tokens proposed to active slots and, of those, the ones
+  the target accepted."""
+
+  def __init__(self, k: int):
+    self.k = k
+    self.reset()
+
+  def reset(self) -> None:
+    self.proposed = self.accepted = self.rounds = 0
+
+  def record(self, target: Engine, counts: np.ndarray, active: Sequence[bool] | np.ndarray | None) -> None:
+    """One round's tokens per slot (`counts`: accepted + 1); `active` defaults to the slots holding a request."""
+    if active is None:
+      active = target.pages.active if target.pages is not None else np.ones(target.num_slots, bool)
+    mask = np.asarray(active, bool)
+    self.rounds += 1
+    self.proposed += self.k * int(mask.sum())
+    self.accepted += int((counts[mask] - 1).sum())
+
+  def metrics(self) -> dict[str, float]:
+    """proposed / accepted draft tokens, acceptance_rate (accepted / proposed; 0 before any) and rounds."""
+    rate = self.accepted / self.proposed if self.proposed else 0.0
+    return {"proposed": self.proposed, "accepted": self.accepted, "acceptance_rate": rate, "rounds": self.rounds}
+
+
 class SpeculativeDecoder:
   """Draft-and-verify decoding over a target Engine and a draft Engine with the same vocabulary
   and number of slots; k = speculative_tokens (the target config's key unless given)."""
@@ -77,9 +103,7 @@ class SpeculativeDecoder:
                       f"({target.cfg.max_target_length}): the draft must cache every position the target does")
     self.target, self.draft, self.k = target, draft, k
     self.num_slots = target.num_slots
-    self.proposed = 0  # draft tokens proposed to active slots
-    self.accepted = 0  # of those, accepted by the target
-    self.rounds = 0
+    self.acceptance = Acceptance(k)
     self.traces = {"round": 0}
     replicated = NamedSharding(target.mesh, PartitionSpec())
     self.state_shardings = SpeculativeState(target.state_shardings, draft.state_shardings)
@@ -137,18 +161,11 @@ class SpeculativeDecoder:
     for engine in (self.target, self.draft):
       if engine.pages is not None:
         engine.pages.advance(counts)
-    if active is None:
-      active = self.target.pages.active if self.target.pages is not None else np.ones(self.num_slots, bool)
-    mask = np.asarray(active, bool)
-    self.rounds += 1
-    self.proposed += self.k * int(mask.sum())
-    self.accepted += int((counts[mask] - 1).sum())
+    self.acceptance.record(self.target, counts, active)
     return state, tokens, counts, logprobs
 
   def metrics(self) -> dict[str, float]:
-    """proposed / accepted draft tokens, acceptance_rate (accepted / proposed; 0 before any) and rounds."""
-    rate = self.accepted / self.proposed if self.proposed else 0.0
-    return {"proposed": self.proposed, "accepted": self.accepted, "acceptance_rate": rate, "rounds": self.rounds}
+    return self.acceptance.metrics()
 
   # ---------------------------------------------------------------- the jitted round
   def _round_fn(self, target_params: Any, draft_params: Any, state: SpeculativeState,
