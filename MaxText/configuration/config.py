@@ -34,7 +34,7 @@ from MaxText.configuration import run_record
 from MaxText.paths import storage
 from MaxText.platform.accelerators import DeviceTarget
 from MaxText.errors import ConfigError
-from MaxText.configuration.model_config import ModelConfig
+from MaxText.configuration.model_config import MODEL_KEYS, ModelConfig
 from MaxText.configuration.rl_config import RLConfig
 from MaxText.configuration.task_eval_config import TaskEvalConfig
 
@@ -401,8 +401,6 @@ def draft_config(config: Config) -> Config:
   saved beside draft_load_parameters_path) with draft_overrides on top, every other key the
   target's (decode, cache, mesh, dtype, max_target_length: the draft must cache what the target
   does), and draft_load_parameters_path as its load_parameters_path."""
-  from MaxText.configuration.model_config import MODEL_KEYS
-
   d = config.decode
   schema = read_yaml(BASE_CONFIG_PATH)
   if not d.draft_model_name and (not d.draft_load_parameters_path

@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from MaxText.configuration.config_groups import OptimConfig
 from MaxText.errors import ConfigError
+from MaxText.training import muon
 
 HOST_MEMORY_KIND = "pinned_host"
 
@@ -43,8 +44,6 @@ def create_optimizer(cfg: OptimConfig, logical_names: Params | None = None) -> o
   if cfg.opt_type == "muon":
     if logical_names is None:
       raise ValueError("opt_type=muon needs the parameters' logical names")
-    from MaxText.training import muon  # noqa: PLC0415  (optax.contrib, only for Muon)
-
     optimizer = muon.muon(cfg, schedule, optimizer, logical_names)
   if cfg.gradient_clipping_threshold > 0:
     return optax.chain(optax.clip_by_global_norm(cfg.gradient_clipping_threshold), optimizer)
