@@ -34,6 +34,7 @@ from MaxText.training import metrics, run_assembly
 from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib
 from MaxText.aot.hlo_cycles import estimated_cycles, uncosted_kernel_calls
+from MaxText.aot.step_time import saved as saved_step
 from MaxText.aot.memory_report import (GIB, MemoryReport, buffer_assignment_dump_options, does_not_fit_message,
                                    format_bytes, oom_bytes_from_xla, read_buffer_assignment)
 from MaxText.errors import UserError, run_cli
@@ -179,6 +180,9 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
     compiled = compile_or_explain(run.train_step, inputs, topology, options)
   print(f"compiled in {time.perf_counter() - start:.1f} s")
   memory = report(config, topology, compiled, report_dir, run.objective.passes_per_row)
+  stem = saved_step.save_requested()
+  if stem and topology is not None:
+    _save_step_hlo(stem, config, topology, run, compiled, memory, run.objective.passes_per_row)
   if topology is not None:
     gen = topology.generation
     if memory.total > gen.hbm_gib * GIB:
@@ -192,6 +196,19 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
     print(f"saved the compiled train step to {path} ({size / 2**20:.1f} MiB); it is executable code: "
           "share and load it only where you trust its origin")
   return 0
+
+
+def _save_step_hlo(stem: str, config: config_lib.Config, topology: accelerators.TpuTopology, run: run_assembly.Run,
+                   compiled: Any, memory: MemoryReport, passes_per_row: int) -> None:
+  """The compiled HLO and its device coordinates for the step-time model (MAXTEXT_SAVE_STEP_HLO)."""
+  flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size,
+                                           config.data.max_target_length, passes=passes_per_row)
+  num_devices = config.target.num_devices
+  target = saved_step.StepTarget.from_devices(topology, config.mesh.num_slices, list(run.mesh.devices.flat),
+                                              dict(run.mesh.shape), flops.total_tflops / num_devices,
+                                              flops.attention_tflops / num_devices)
+  saved_step.save_step(stem, compiled.as_text(), target, {"memory_total": memory.total})
+  print(f"saved the compiled HLO to {stem}.hlo.gz")
 
 
 def _compile_rollout(config: config_lib.Config, run: run_assembly.Run, inputs: run_assembly.StepInputs) -> None:
