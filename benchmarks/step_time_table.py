@@ -67,7 +67,7 @@ def main() -> int:
     compile_all(opts.only, opts.slices)
     return 0
   from benchmarks.step_time_fit import print_table  # noqa: PLC0415
-  print_table(POINTS, stem, UNCOMPILABLE)
+  print_table(POINTS, stem, UNCOMPILABLE, SAVED / "table.json")
   return 0
 
 

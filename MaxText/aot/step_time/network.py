@@ -71,6 +71,11 @@ class Transfer:
   base_s: float
   latency_units: float = 0.0
   axis: str = ""
+  link: str = ""  # which physical links it occupies (work on other links runs at the same time)
+
+  @property
+  def queue(self) -> str:
+    return f"{self.resource}:{self.link}"
 
   def seconds(self, cal: Calibration) -> float:
     return self.base_s / cal.efficiency(self.resource) + self.latency_units * cal.latency(self.resource)
@@ -95,10 +100,10 @@ def _unravel(flat: int, sizes: list[int]) -> list[int]:
   return index[::-1]
 
 
-def _ring_bandwidth(group: Sequence[int], target: StepTarget, net: Network) -> tuple[float, int]:
-  """(one-way link bandwidth the group's ring uses per chip, ring steps) on the ICI torus."""
+def _ring_bandwidth(group: Sequence[int], target: StepTarget, net: Network) -> tuple[float, int, str]:
+  """(one-way link bandwidth the group's ring uses per chip, ring steps, the torus axes it uses)."""
   coords = [target.coords[d] for d in group]
-  bandwidth, steps = 0.0, 0
+  bandwidth, steps, used = 0.0, 0, ""
   for axis in range(len(target.shape)):
     size = len({c[axis] for c in coords})
     if size < 2:
@@ -106,17 +111,29 @@ def _ring_bandwidth(group: Sequence[int], target: StepTarget, net: Network) -> t
     whole_ring = target.wrap[axis] and size == target.shape[axis]
     bandwidth += net.link_one_way * (2 if whole_ring else 1)
     steps += size - 1
-  return bandwidth, steps
+    used += "xyz"[axis]
+  return bandwidth, steps, used
+
+
+def _permute_link(pair: Sequence[int], target: StepTarget) -> str:
+  """The torus axis and direction of a permute's first source -> target pair (a bidirectional
+  windowed matmul sends both ways at once, on different links)."""
+  source, dest = target.coords[pair[0]], target.coords[pair[1]]
+  for axis in range(len(target.shape)):
+    delta = (dest[axis] - source[axis]) % max(target.shape[axis], 1)
+    if delta:
+      return "xyz"[axis] + ("+" if delta <= target.shape[axis] // 2 else "-")
+  return "self"
 
 
 def collective_transfer(kind: str, result_bytes: int, group: Sequence[int], target: StepTarget,
-                        net: Network) -> Transfer:
+                        net: Network, axis: str = "") -> Transfer:
   """One collective with the links to itself. `result_bytes` is what each device ends with
   (all-gather: the gathered array; reduce-scatter: its shard; all-reduce: the array)."""
   n = len(group)
   if n < 2:
     return Transfer("ici", 0.0)
-  axis = mesh_axes_of(group, target.mesh)
+  axis = axis or mesh_axes_of(group, target.mesh)
   slices = {target.coords[d][3] for d in group}
   if kind == "collective-permute":
     moved, passes = float(result_bytes), 1.0
@@ -132,11 +149,11 @@ def collective_transfer(kind: str, result_bytes: int, group: Sequence[int], targ
     moved, passes = result_bytes * (n - 1.0) / n, 1.0
   if len(slices) > 1:  # across slices: each chip's share of its host's DCN carries its part
     dcn_bytes = passes * moved * n / (n - 1.0) * (len(slices) - 1) / len(slices)
-    return Transfer("dcn", dcn_bytes / net.dcn_per_chip, passes, axis)
+    return Transfer("dcn", dcn_bytes / net.dcn_per_chip, passes, axis, "dcn")
   if kind == "collective-permute":
-    return Transfer("ici", moved / net.link_one_way, 1.0, axis)
-  bandwidth, steps = _ring_bandwidth(group, target, net)
-  return Transfer("ici", passes * moved / bandwidth, passes * steps, axis)
+    return Transfer("ici", moved / net.link_one_way, 1.0, axis, _permute_link(group, target))
+  bandwidth, steps, used = _ring_bandwidth(group, target, net)
+  return Transfer("ici", passes * moved / bandwidth, passes * steps, axis, used)
 
 
 def dcn_all_reduce(array_bytes: int, num_slices: int, net: Network, axis: str = "data") -> Transfer:
@@ -146,7 +163,7 @@ def dcn_all_reduce(array_bytes: int, num_slices: int, net: Network, axis: str = 
   if num_slices < 2:
     return Transfer("dcn", 0.0, 0.0, axis)
   moved = 2.0 * array_bytes * (num_slices - 1) / num_slices
-  return Transfer("dcn", moved / net.dcn_per_chip, math.log2(num_slices), axis)
+  return Transfer("dcn", moved / net.dcn_per_chip, math.log2(num_slices), axis, "dcn")
 
 
 def host_transfer(array_bytes: int, net: Network) -> Transfer:

@@ -11,7 +11,7 @@ import re
 
 from MaxText.aot.step_time import hlo
 from MaxText.aot.step_time.network import (NETWORKS, Network, Transfer, collective_transfer, dcn_all_reduce,
-                                           host_transfer)
+                                           host_transfer, mesh_axes_of)
 from MaxText.aot.step_time.saved import StepTarget
 from MaxText.errors import UserError
 from MaxText.platform import accelerators
@@ -134,8 +134,13 @@ class _Builder:
       size = max(arrays, default=0)  # a start's tuple holds the operand and the result
     else:
       size = sum(arrays)
-    group = hlo.replica_groups(inst, self.num_devices)[0]
-    work = collective_transfer(opcode, size, group, self.target, self.net)
+    groups = hlo.replica_groups(inst, self.num_devices)
+    if opcode == "collective-permute":  # the mesh axes a pair's source and target differ in
+      varying = {a for pair in groups[:16] for a in mesh_axes_of(pair, self.target.mesh).split("+")}
+      axis = "+".join(a for a in self.target.mesh if a in varying) or "none"
+      work = collective_transfer(opcode, size, groups[0], self.target, self.net, axis)
+    else:
+      work = collective_transfer(opcode, size, groups[0], self.target, self.net)
     return Op(kind, inst.name, source, work=work, key=key,
               category=f"{work.resource}:{opcode.removesuffix('-full')}")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Iterable
+from typing import Any, Iterable
 
 from MaxText.aot.step_time.network import Calibration
 from MaxText.aot.step_time.program import Op
@@ -21,7 +21,7 @@ class Prediction:
   mfu: float
   seconds: dict[str, float]  # compute, kernel, and the exposed part of each link's work by kind and mesh axis
   busy: dict[str, float]  # each link's total work, hidden or not
-  top_exposed: list[tuple[str, str, float]]  # (op, source, exposed seconds), largest first
+  top_exposed: list[tuple[str, str, str, float]]  # (what, op, source, exposed seconds), largest first
 
   def exposed(self, prefix: str) -> float:
     return sum(v for k, v in self.seconds.items() if k.startswith(prefix))
@@ -32,18 +32,19 @@ class _State:
     self.t = 0.0
     self.free: dict[str, float] = {}
     self.pending: dict[str, tuple[float, Op]] = {}
-    self.seconds: collections.Counter[str] = collections.Counter()
-    self.busy: collections.Counter[str] = collections.Counter()
-    self.by_op: collections.Counter[tuple[str, str]] = collections.Counter()
+    self.seconds: collections.defaultdict[str, float] = collections.defaultdict(float)
+    self.busy: collections.defaultdict[str, float] = collections.defaultdict(float)
+    self.by_op: collections.defaultdict[tuple[str, str, str], float] = collections.defaultdict(float)
 
-  def counters(self) -> tuple[collections.Counter, ...]:
+  def counters(self) -> tuple[collections.defaultdict[Any, float], ...]:
     return self.seconds, self.busy, self.by_op
 
   def expose(self, op: Op, wait: float) -> None:
     if wait <= 0:
       return
-    self.seconds[f"{op.category} over {op.work.axis if op.work else ''}".rstrip()] += wait
-    self.by_op[(op.name, op.source)] += wait
+    label = f"{op.category} over {op.work.axis}" if op.work and op.work.axis else op.category
+    self.seconds[label] += wait
+    self.by_op[(label, op.name, op.source)] += wait
 
 
 def _run(ops: Iterable[Op], st: _State, cal: Calibration) -> None:
@@ -54,11 +55,11 @@ def _run(ops: Iterable[Op], st: _State, cal: Calibration) -> None:
       st.seconds[op.category] += seconds
     elif op.kind in ("start", "sync") and op.work is not None:
       seconds = op.work.seconds(cal)
-      resource = op.work.resource
+      resource = op.work.queue
       begin = max(st.t, st.free.get(resource, 0.0))
       end = begin + seconds
       st.free[resource] = end
-      st.busy[resource] += seconds
+      st.busy[op.work.resource] += seconds
       if op.kind == "start":
         st.pending[op.key] = (end, op)
       else:
@@ -79,7 +80,7 @@ def _loop(op: Op, st: _State, cal: Calibration) -> None:
     return
   _run(op.body, st, cal)
   before_t = st.t
-  before = [collections.Counter(c) for c in st.counters()]
+  before = [dict(c) for c in st.counters()]
   _run(op.body, st, cal)
   rest = op.trips - 2
   dt = st.t - before_t
@@ -103,5 +104,6 @@ def simulate(program: list[Op], cal: Calibration, model_tflops_per_device: float
     st.expose(started, end - st.t)
     st.t = max(st.t, end)
   mfu = model_tflops_per_device / st.t / peak_tflops if st.t > 0 else 0.0
-  top = [(name, source, s) for (name, source), s in st.by_op.most_common(5)]
+  largest = sorted(st.by_op.items(), key=lambda kv: -kv[1])[:5]
+  top = [(label, name, source, seconds) for (label, name, source), seconds in largest]
   return Prediction(st.t, mfu, dict(st.seconds), dict(st.busy), top)
