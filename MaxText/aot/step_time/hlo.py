@@ -43,6 +43,7 @@ class Instruction:
   attrs: str  # everything after the operand list
   is_root: bool = False
   args: str = ""  # the operand list's text (a constant's literal)
+  text: str = dataclasses.field(default="", repr=False)  # the whole line
 
   @functools.cached_property
   def arrays(self) -> tuple[Array, ...]:
@@ -118,7 +119,8 @@ def parse_instruction(line: str) -> Instruction | None:
   opcode = rest[:paren]
   end = _balanced(rest, paren)
   operands = tuple(re.findall(r"%([\w.\-]+)", rest[paren:end]))
-  return Instruction(match.group(2), shape, opcode, operands, rest[end:], bool(match.group(1)), rest[paren + 1:end - 1])
+  return Instruction(match.group(2), shape, opcode, operands, rest[end:], bool(match.group(1)), rest[paren + 1:end - 1],
+                     line)
 
 
 @dataclasses.dataclass
@@ -147,6 +149,45 @@ class Module:
   def root(self, computation: str) -> Instruction | None:
     body = self.computations.get(computation, [])
     return next((i for i in body if i.is_root), body[-1] if body else None)
+
+
+def trip_count(module: Module, loop: Instruction) -> int:
+  """A while loop's trips: XLA's known trip count, else the counter's limit in the condition, its
+  step in the body (an unrolled loop counts by 2 or more) and its start in the loop's initial tuple."""
+  known = re.search(r'"known_trip_count":\{"n":"(\d+)"', loop.attrs)
+  if known:
+    return int(known.group(1))
+  by_name = module.by_name
+  condition = loop.attr("condition") or ""
+  root = module.root(condition)
+  counter, bound = (by_name.get(o) for o in root.operands) if root is not None and len(root.operands) == 2 else \
+      (None, None)
+  if root is None or root.opcode != "compare" or counter is None or bound is None or \
+      counter.opcode != "get-tuple-element" or not bound.args.isdigit():
+    # No counter to follow: the largest constant the condition compares with.
+    constants = [int(i.args) for i in module.computations.get(condition, []) if i.opcode == "constant" and i.args.isdigit()]
+    return max(constants, default=1)
+  index, limit = int(counter.attr("index") or 0), int(bound.args)
+  start = 0
+  initial = by_name.get(loop.operands[0]) if loop.operands else None
+  if initial is not None and initial.opcode == "tuple" and index < len(initial.operands):
+    first = by_name.get(initial.operands[index])
+    start = int(first.args) if first is not None and first.opcode == "constant" and first.args.isdigit() else 0
+  return max(1, -(-(limit - start) // _counter_step(module, loop.attr("body") or "", index)))
+
+
+def _counter_step(module: Module, body: str, index: int) -> int:
+  root = module.root(body)
+  if root is None or root.opcode != "tuple" or index >= len(root.operands):
+    return 1
+  update = module.by_name.get(root.operands[index])
+  if update is None or update.opcode != "add":
+    return 1
+  for operand in update.operands:
+    found = module.by_name.get(operand)
+    if found is not None and found.opcode == "constant" and found.args.isdigit():
+      return max(1, int(found.args))
+  return 1
 
 
 def base_opcode(opcode: str) -> str:

@@ -67,8 +67,8 @@ class _Builder:
     if opcode in _FREE:
       return []
     if opcode == "while":
-      body, condition = inst.attr("body"), inst.attr("condition")
-      trips = self._trip_count(inst, condition)
+      body = inst.attr("body")
+      trips = hlo.trip_count(self.module, inst)
       return [Op("loop", inst.name, body=self.computation(body or ""), trips=trips)]
     if opcode == "call":
       return [op for callee in inst.callees for op in self.computation(callee)]
@@ -182,42 +182,6 @@ class _Builder:
       return Op("compute", inst.name, inst.source, work=Transfer("kernel", flops / self.peak), category="kernel")
     moved = sum(a.bytes for a in shapes) + inst.result_bytes
     return Op("compute", inst.name, inst.source, seconds=moved / self.net.hbm, category="kernel")
-
-  def _trip_count(self, inst: hlo.Instruction, condition: str | None) -> int:
-    """A loop's trips: XLA's known trip count, else the counter's limit in the condition, its step
-    in the body (an unrolled loop counts by 2 or more) and its start in the loop's initial tuple."""
-    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attrs)
-    if known:
-      return int(known.group(1))
-    by_name = self.module.by_name
-    root = self.module.root(condition or "")
-    if root is None or root.opcode != "compare" or len(root.operands) != 2:
-      return 1
-    lhs, rhs = (by_name.get(o) for o in root.operands)
-    if lhs is None or rhs is None or lhs.opcode != "get-tuple-element" or not rhs.args.isdigit():
-      return 1
-    index, limit = int(lhs.attr("index") or 0), int(rhs.args)
-    step = self._counter_step(inst.attr("body") or "", index)
-    start = 0
-    initial = by_name.get(inst.operands[0]) if inst.operands else None
-    if initial is not None and initial.opcode == "tuple" and index < len(initial.operands):
-      first = by_name.get(initial.operands[index])
-      start = int(first.args) if first is not None and first.opcode == "constant" and first.args.isdigit() else 0
-    return max(1, -(-(limit - start) // step))
-
-  def _counter_step(self, body: str, index: int) -> int:
-    root = self.module.root(body)
-    if root is None or root.opcode != "tuple" or index >= len(root.operands):
-      return 1
-    update = self.module.by_name.get(root.operands[index])
-    if update is None or update.opcode != "add":
-      return 1
-    for operand in update.operands:
-      found = self.module.by_name.get(operand)
-      if found is not None and found.opcode == "constant" and found.args.isdigit():
-        return max(1, int(found.args))
-    return 1
-
 
 def _static_seconds(ops: list[Op]) -> float:
   return sum(op.seconds + (op.trips * _static_seconds(op.body) if op.kind == "loop" else 0.0) for op in ops)
