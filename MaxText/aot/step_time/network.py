@@ -33,10 +33,11 @@ class Network:
 
 NETWORKS: dict[str, Network] = {
     # cloud.google.com/tpu/docs/v5e: ICI 400 GBps bidirectional per chip, DCN 6.4 Tbps per 256-chip pod,
-    # HBM 819 GBps; host link: the JAX scaling book's PCIe figure (AOT.md).
-    "v5e": Network(ici_bidirectional=400e9, ici_links=4, dcn_per_chip=6.4e12 / 8 / 256, host_link=16e9, hbm=819e9),
-    # cloud.google.com/tpu/docs/v5p: ICI 1200 GBps bidirectional per chip, DCN 50 Gbps per chip, HBM 2765 GBps.
-    "v5p": Network(ici_bidirectional=1200e9, ici_links=6, dcn_per_chip=50e9 / 8, host_link=32e9, hbm=2765e9),
+    # HBM 819 GBps; host link: the JAX scaling book's PCIe figure, 1.5e10 bytes/s per chip (AOT.md).
+    "v5e": Network(ici_bidirectional=400e9, ici_links=4, dcn_per_chip=6.4e12 / 8 / 256, host_link=1.5e10, hbm=819e9),
+    # cloud.google.com/tpu/docs/v5p: ICI 1200 GBps bidirectional per chip, DCN 50 Gbps per chip, HBM 2765 GBps;
+    # host link as v5e.
+    "v5p": Network(ici_bidirectional=1200e9, ici_links=6, dcn_per_chip=50e9 / 8, host_link=1.5e10, hbm=2765e9),
 }
 
 
@@ -47,6 +48,7 @@ class Calibration:
   latency per transfer, the share of peak a Pallas kernel reaches. One set for every model."""
 
   mxu_efficiency: float = 0.9
+  matmul_cost: str = "flops"  # "flops": FLOPs / (peak x mxu_efficiency); "compiler": the compiler's cycles
   ici_efficiency: float = 1.0
   ici_hop_latency_s: float = 1e-6
   dcn_efficiency: float = 1.0

@@ -37,6 +37,7 @@ class Op:
   trips: int = 1
   flops: float = 0.0  # matmul FLOPs of a compute op
   roofline_s: float = 0.0  # its FLOPs at peak or its HBM bytes at full bandwidth, whichever is longer
+  cycles_s: float = 0.0  # a matmul's time by the compiler's cost model (Calibration.matmul_cost="compiler")
 
 
 def network_for(generation: str) -> Network:
@@ -102,10 +103,10 @@ class _Builder:
         a.bytes for o in inst.operands if o in self.module.by_name
         for a in self.module.by_name[o].arrays[:1] if a.memory_space == 0)
     roofline = max(flops / self.peak, hbm_bytes / self.net.hbm)
+    seconds = cycles / self.clock_hz if cycles is not None else roofline
     if flops > 0:  # a matmul: its FLOPs at the MXUs' achieved share of peak (the calibration's)
       return Op("compute", inst.name, inst.source, work=Transfer("mxu", flops / self.peak), category="matmul",
-                flops=flops, roofline_s=roofline)
-    seconds = cycles / self.clock_hz if cycles is not None else roofline
+                flops=flops, roofline_s=roofline, cycles_s=seconds)
     return Op("compute", inst.name, inst.source, seconds=seconds, category="other compute", roofline_s=roofline)
 
   def _fusion(self, inst: hlo.Instruction) -> list[Op]:

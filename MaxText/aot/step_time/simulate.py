@@ -50,7 +50,10 @@ class _State:
 def _run(ops: Iterable[Op], st: _State, cal: Calibration) -> None:
   for op in ops:
     if op.kind == "compute":
-      seconds = op.seconds + (op.work.seconds(cal) if op.work else 0.0)
+      if op.category == "matmul" and cal.matmul_cost == "compiler":
+        seconds = op.cycles_s
+      else:
+        seconds = op.seconds + (op.work.seconds(cal) if op.work else 0.0)
       st.t += seconds
       st.seconds[op.category] += seconds
     elif op.kind in ("start", "sync") and op.work is not None:
