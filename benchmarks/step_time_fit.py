@@ -20,8 +20,8 @@ from MaxText.aot.step_time.network import Calibration
 from MaxText.platform import accelerators
 
 # The constants fitted, with the range each may take (physical shares of a published figure, latencies).
-FITTED = {"mxu_efficiency": (0.5, 1.0), "kernel_efficiency": (0.2, 1.0), "ici_efficiency": (0.3, 1.5),
-          "dcn_efficiency": (0.05, 1.5), "dcn_latency_s": (0.0, 0.2)}
+FITTED = {"mxu_efficiency": (0.5, 1.0), "kernel_efficiency": (0.2, 1.0), "ici_efficiency": (0.2, 1.0),
+          "dcn_efficiency": (0.02, 1.0), "dcn_latency_s": (0.0, 0.1)}
 
 
 @dataclasses.dataclass

@@ -46,8 +46,8 @@ def compile_point(recipe: str, topology: str, slices: int) -> tuple[int, float, 
 
 
 def compile_all(only: str, slices: str) -> None:
-  # Single slices first, then the two ends of the DCN range, then the middle.
-  order = {1: 0, 2: 1, 32: 2, 8: 3, 4: 4, 16: 5}
+  # The two ends of the DCN range first, then single slices, then the middle.
+  order = {2: 0, 32: 1, 1: 2, 8: 3, 4: 4, 16: 5}
   for recipe, topology, num_slices, _ in sorted(POINTS, key=lambda p: (order[p[2]], p[0])):
     if not recipe.startswith(only) or (slices and str(num_slices) not in slices.split(",")):
       continue

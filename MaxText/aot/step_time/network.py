@@ -10,7 +10,6 @@ each link in both directions). Latency is one hop per ring step."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
 
 from MaxText.aot.step_time.saved import StepTarget
@@ -159,13 +158,13 @@ def collective_transfer(kind: str, result_bytes: int, group: Sequence[int], targ
 
 
 def dcn_all_reduce(array_bytes: int, num_slices: int, net: Network, axis: str = "data") -> Transfer:
-  """A cross-slice all-reduce of `array_bytes` per chip (XLA's megascale send/recv): every chip
-  exchanges its own array with its peers on the other slices over its share of the host's DCN;
-  one latency per halving of the slices (a tree or recursive-halving exchange)."""
+  """A cross-slice all-reduce of `array_bytes` per chip (XLA's megascale send/recv) as a ring over
+  the slices: every chip moves 2 (s - 1) / s of its array over its share of the host's DCN, in
+  2 (s - 1) steps of one latency each."""
   if num_slices < 2:
     return Transfer("dcn", 0.0, 0.0, axis)
   moved = 2.0 * array_bytes * (num_slices - 1) / num_slices
-  return Transfer("dcn", moved / net.dcn_per_chip, math.log2(num_slices), axis, "dcn")
+  return Transfer("dcn", moved / net.dcn_per_chip, 2.0 * (num_slices - 1), axis, "dcn")
 
 
 def host_transfer(array_bytes: int, net: Network) -> Transfer:

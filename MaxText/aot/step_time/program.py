@@ -17,7 +17,8 @@ from MaxText.errors import UserError
 from MaxText.platform import accelerators
 
 _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",
-         "replica-id", "opt-barrier", "add-dependency"}
+         "replica-id", "opt-barrier", "add-dependency",
+         "slice-start"}  # an on-chip DMA into vector memory, beside the TensorCore
 _HOST_ASYNC = ("copy-start", "dynamic-slice-start", "dynamic-update-slice-start")
 
 
