@@ -20,8 +20,9 @@ from MaxText.aot.step_time.network import Calibration
 from MaxText.platform import accelerators
 
 # The constants fitted, with the range each may take (physical shares of a published figure, latencies).
-FITTED = {"mxu_efficiency": (0.5, 1.0), "kernel_efficiency": (0.2, 1.0), "ici_efficiency": (0.2, 1.0),
-          "dcn_efficiency": (0.02, 1.0), "dcn_latency_s": (0.0, 0.1)}
+FITTED = {"mxu_efficiency": (0.5, 1.0), "other_compute_scale": (0.5, 1.5), "kernel_efficiency": (0.2, 1.0),
+          "ici_efficiency": (0.2, 1.0),
+          "dcn_efficiency": (0.25, 1.0), "dcn_latency_s": (0.0, 0.01)}
 
 
 @dataclasses.dataclass

@@ -48,6 +48,7 @@ class Calibration:
 
   mxu_efficiency: float = 0.9
   matmul_cost: str = "flops"  # "flops": FLOPs / (peak x mxu_efficiency); "compiler": the compiler's cycles
+  other_compute_scale: float = 1.0  # the compiler's cycle estimates of everything but matmuls, scaled
   ici_efficiency: float = 1.0
   ici_hop_latency_s: float = 1e-6
   dcn_efficiency: float = 1.0

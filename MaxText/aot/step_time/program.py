@@ -33,7 +33,7 @@ class Op:
   seconds: float = 0.0
   work: Transfer | None = None
   key: str = ""
-  category: str = ""  # compute, kernel, ici, dcn, host
+  category: str = ""  # matmul, other compute, kernel, or a link's work: "ici:all-gather", "dcn:all-reduce", "host:offload"
   body: list["Op"] = dataclasses.field(default_factory=list)
   trips: int = 1
   flops: float = 0.0  # matmul FLOPs of a compute op
@@ -186,7 +186,9 @@ class _Builder:
     return Op("compute", inst.name, inst.source, seconds=moved / self.net.hbm, category="kernel")
 
 def _static_seconds(ops: list[Op]) -> float:
-  return sum(op.seconds + (op.trips * _static_seconds(op.body) if op.kind == "loop" else 0.0) for op in ops)
+  """Compute and link time at the published figures, overlap aside: a conditional's branches compared."""
+  return sum((op.trips * _static_seconds(op.body) if op.kind == "loop" else op.seconds + (op.work.base_s if op.work else 0.0))
+             for op in ops)
 
 
 def build_program(hlo_text: str, target: StepTarget) -> list[Op]:

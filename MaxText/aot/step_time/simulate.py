@@ -53,7 +53,8 @@ def _run(ops: Iterable[Op], st: _State, cal: Calibration) -> None:
       if op.category == "matmul" and cal.matmul_cost == "compiler":
         seconds = op.cycles_s
       else:
-        seconds = op.seconds + (op.work.seconds(cal) if op.work else 0.0)
+        scale = cal.other_compute_scale if op.category == "other compute" else 1.0
+        seconds = op.seconds * scale + (op.work.seconds(cal) if op.work else 0.0)
       st.t += seconds
       st.seconds[op.category] += seconds
     elif op.kind in ("start", "sync") and op.work is not None:
