@@ -85,7 +85,10 @@ def print_table(points_spec: Sequence[tuple[str, str, int, float]], stem: Callab
   if missing:
     print(f"not compiled yet ({len(missing)}): {', '.join(missing)}")
   cal = fit(points)
-  print("fitted constants (all points): " + ", ".join(f"{n}={getattr(cal, n):.4g}" for n in FITTED))
+  print("| constant | fitted | bounds |\n| --- | --- | --- |")
+  for name, (lo, hi) in FITTED.items():
+    print(f"| `{name}` | {getattr(cal, name):.3g} | {lo:g} to {hi:g} |")
+  print()
   models = sorted({p.recipe for p in points})
   held_out: dict[int, float] = {}
   for model in models:
