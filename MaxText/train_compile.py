@@ -34,6 +34,8 @@ from MaxText.training import metrics, run_assembly
 from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib
 from MaxText.aot.hlo_cycles import estimated_cycles, uncosted_kernel_calls
+from MaxText.aot.step_time import report as step_report
+from MaxText.aot.step_time import saved as saved_step
 from MaxText.aot.memory_report import (GIB, MemoryReport, buffer_assignment_dump_options, does_not_fit_message,
                                    format_bytes, oom_bytes_from_xla, read_buffer_assignment)
 from MaxText.errors import UserError, run_cli
@@ -90,9 +92,10 @@ def compile_or_explain(step_fn: Any, inputs: run_assembly.StepInputs, topology: 
 
 
 def report(config: config_lib.Config, topology: accelerators.TpuTopology | None, compiled: Any,
-           report_dir: str | None = None, passes_per_row: int = 3) -> MemoryReport:
-  """Prints memory per device, FLOPs (`passes_per_row`: the objective's, see metrics.training_tflops_per_step)
-  and the compiler's step-time estimate."""
+           report_dir: str | None = None, passes_per_row: int = 3,
+           target: saved_step.StepTarget | None = None) -> MemoryReport:
+  """Prints memory per device, FLOPs (`passes_per_row`: the objective's, see metrics.training_tflops_per_step),
+  the compiler's step-time estimate and, given the step's `target`, the step-time model's prediction."""
   memory = MemoryReport.from_compiled(compiled, read_buffer_assignment(report_dir))
   print("memory per device (XLA memory analysis of the compiled step):")
   print("\n".join(memory.lines()))
@@ -119,7 +122,20 @@ def report(config: config_lib.Config, topology: accelerators.TpuTopology | None,
       print(f"  not in it: {kernels:,} Pallas kernel calls per step, which the compiler gives no cycle estimate"
             + _kernel_floor(config, flops.attention_tflops / num_devices, seconds, flops.total_tflops / num_devices,
                             gen.peak_tflops))
+    if target is not None:
+      _print_step_model(hlo_text, target, gen.peak_tflops)
   return memory
+
+
+def _print_step_model(hlo_text: str, target: saved_step.StepTarget, peak_tflops: float) -> None:
+  """The step-time model's prediction (MaxText/aot/step_time): compute, exposed communication and
+  host transfers from the scheduled HLO; a generation without network figures says so."""
+  try:
+    prediction = step_report.predict(hlo_text, target)
+  except UserError as e:
+    print(f"step-time model: not available ({e})")
+    return
+  print("\n".join(step_report.lines(prediction, peak_tflops)))
 
 
 def _kernel_floor(config: config_lib.Config, attention_tflops: float, seconds: float, total_tflops: float,
@@ -178,7 +194,12 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
   with _without_persistent_cache(bool(config.startup.compiled_trainstep_file)):
     compiled = compile_or_explain(run.train_step, inputs, topology, options)
   print(f"compiled in {time.perf_counter() - start:.1f} s")
-  memory = report(config, topology, compiled, report_dir, run.objective.passes_per_row)
+  target = _step_target(config, topology, run, run.objective.passes_per_row) if topology is not None else None
+  memory = report(config, topology, compiled, report_dir, run.objective.passes_per_row, target)
+  stem = saved_step.save_requested()
+  if stem and target is not None:
+    saved_step.save_step(stem, compiled.as_text(), target, {"memory_total": memory.total})
+    print(f"saved the compiled HLO to {stem}.hlo.gz")
   if topology is not None:
     gen = topology.generation
     if memory.total > gen.hbm_gib * GIB:
@@ -192,6 +213,17 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
     print(f"saved the compiled train step to {path} ({size / 2**20:.1f} MiB); it is executable code: "
           "share and load it only where you trust its origin")
   return 0
+
+
+def _step_target(config: config_lib.Config, topology: accelerators.TpuTopology, run: run_assembly.Run,
+                 passes_per_row: int) -> saved_step.StepTarget:
+  """Where the step runs, for the step-time model: every device's torus coordinates, the mesh, the model FLOPs."""
+  flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size,
+                                           config.data.max_target_length, passes=passes_per_row)
+  num_devices = config.target.num_devices
+  return saved_step.StepTarget.from_devices(topology, config.mesh.num_slices, list(run.mesh.devices.flat),
+                                            dict(run.mesh.shape), flops.total_tflops / num_devices,
+                                            flops.attention_tflops / num_devices)
 
 
 def _compile_rollout(config: config_lib.Config, run: run_assembly.Run, inputs: run_assembly.StepInputs) -> None:

@@ -13,6 +13,8 @@ import pytest
 
 from MaxText import train, train_compile
 from MaxText.aot import hlo_cycles, memory_report
+from MaxText.aot.step_time import report as step_report
+from MaxText.aot.step_time import saved
 from MaxText.training import compiled_step
 from MaxText.platform import accelerators
 from MaxText.configuration.config import BASE_CONFIG_PATH, Config
@@ -80,6 +82,7 @@ def test_compiles_for_one_v5e_256_slice(capsys):
   assert "from the XLA buffer assignment" in out
   assert "--xla_dump_to" not in os.environ.get("XLA_FLAGS", "")  # the report options did not leak
   assert "compiler estimate (not a measurement)" in out and "implied MFU" in out
+  assert "step-time model (not a measurement): step" in out and "exposed ICI" in out
 
 
 def test_cli_reports_the_device_heap_from_xla_buffer_assignment():
@@ -89,12 +92,16 @@ def test_cli_reports_the_device_heap_from_xla_buffer_assignment():
   assert "xla_dump_to" not in result.stdout  # train_compile's own flags are not shown as the user's
 
 
-def test_compiles_and_saves_for_two_v5e_256_slices(tmp_path, capsys):
+def test_compiles_and_saves_for_two_v5e_256_slices(tmp_path, capsys, monkeypatch):
   path = tmp_path / "step.aot"
+  monkeypatch.setenv(saved.SAVE_ENV, str(tmp_path / "hlo"))  # the step-time model's copy of the compiled step
   assert train_compile.main(argv(compile_topology="v5e-256", compile_topology_num_slices=2, dcn_data_parallelism=2,
                                  compiled_trainstep_file=path, **TPU_TINY)) == 0
   out = capsys.readouterr().out
   assert "2 x v5e-256" in out and "512 devices" in out and "mesh: data=2, fsdp=256" in out
+  hlo_text, target, _ = saved.load_step(str(tmp_path / "hlo"))
+  assert target.num_slices == 2 and len(target.coords) == 512 and {c[3] for c in target.coords} == {0, 1}
+  assert step_report.predict(hlo_text, target).busy.get("dcn", 0.0) > 0  # the gradients cross the DCN
   header, _ = compiled_step.read_header(str(path))
   assert "--xla_dump_to" not in header["flags"]["XLA_FLAGS"]  # train_compile's own report flags stay out
   assert header["topology"] == "v5e-256"

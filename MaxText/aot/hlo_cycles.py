@@ -7,49 +7,22 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
+from MaxText.aot.step_time import hlo
+
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
-_CALLEES = re.compile(r"(?:to_apply|calls)=\{?%([\w.\-]+)")
-
-
-def _branches(line: str) -> list[str]:
-  """A conditional's branch computations (`branch_computations={%a, %b}` or true/false_computation)."""
-  listed = re.search(r"branch_computations=\{([^}]*)\}", line)
-  if listed:
-    return [name.strip().lstrip("%") for name in listed.group(1).split(",")]
-  return re.findall(r"(?:true|false)_computation=%([\w.\-]+)", line)
-
-
-def _split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
-  computations: dict[str, list[str]] = {}
-  current, entry = None, None
-  for line in hlo_text.splitlines():
-    match = _COMPUTATION.match(line)
-    if match:
-      current = match.group(1)
-      computations[current] = []
-      entry = current if line.startswith("ENTRY") else entry
-    elif line == "}":
-      current = None
-    elif current is not None:
-      computations[current].append(line)
-  return computations, entry
 
 
 def _per_execution(hlo_text: str, line_value: Callable[[str], dict[str, int]]) -> dict[str, int]:
   """Adds `line_value(line)` over every instruction one execution runs: a while loop (the
   scanned layer stack, windowed collective matmuls) counts its body once per iteration, its trip
-  count being the constant its condition compares the counter with; calls and async wrappers
-  count their callees, a conditional its costliest branch per key (one branch runs; which one is
-  decided at run time, so this is an upper bound, e.g. the ring's per-pair kernel switch)."""
-  computations, entry = _split_computations(hlo_text)
-  if entry is None:
+  count read from its counter (limit, start and step: an unrolled loop counts by 2 or more; see
+  step_time.hlo.trip_count); calls and async wrappers count their callees, a conditional its
+  costliest branch per key (one branch runs; which one is decided at run time, so this is an
+  upper bound, e.g. the ring's per-pair kernel switch)."""
+  if "ENTRY" not in hlo_text:
     return {}
+  module = hlo.parse_module(hlo_text)
   memo: dict[str, dict[str, int]] = {}
-
-  def trip_count(condition: str) -> int:
-    constants = [int(m) for line in computations.get(condition, []) for m in re.findall(r"constant\((\d+)\)", line)]
-    return max(constants) if constants else 1
 
   def add(total: dict[str, int], more: dict[str, int], times: int = 1) -> None:
     for key, value in more.items():
@@ -59,24 +32,23 @@ def _per_execution(hlo_text: str, line_value: Callable[[str], dict[str, int]]) -
     if name not in memo:
       memo[name] = {}  # guards against recursion through malformed text
       total: dict[str, int] = {}
-      for line in computations.get(name, []):
-        add(total, line_value(line))
-        if " while(" in line:
-          condition = re.search(r"condition=%([\w.\-]+)", line)
-          body = re.search(r"body=%([\w.\-]+)", line)
-          if condition and body:
-            add(total, walk(body.group(1)), trip_count(condition.group(1)))
-        elif " conditional(" in line:
-          branches = [walk(branch) for branch in _branches(line)]
+      for inst in module.computations.get(name, []):
+        add(total, line_value(inst.text))
+        if inst.opcode == "while":
+          body = inst.attr("body")
+          if body:
+            add(total, walk(body), hlo.trip_count(module, inst))
+        elif inst.opcode == "conditional":
+          branches = [walk(branch) for branch in inst.callees]
           for key in {k for branch in branches for k in branch}:
             add(total, {key: max(branch.get(key, 0) for branch in branches)})
-        elif re.search(r" (call|async-start)\(", line):
-          for callee in _CALLEES.findall(line):
+        elif inst.opcode in ("call", "async-start"):
+          for callee in re.findall(r"(?:to_apply|calls)=\{?%([\w.\-]+)", inst.attrs):
             add(total, walk(callee))
       memo[name] = total
     return memo[name]
 
-  return walk(entry)
+  return walk(module.entry)
 
 
 def estimated_cycles(hlo_text: str) -> int | None:

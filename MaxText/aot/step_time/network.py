@@ -1,0 +1,172 @@
+"""What a collective costs on a TPU slice's ICI torus or across slices over the data-centre
+network (DCN), and a host transfer over the host link: bytes, the devices' torus coordinates and
+the published per-chip figures (sources in getting_started/AOT.md, "The step-time model").
+
+A collective whose group spans k torus axes runs its ring algorithm over all of them at once:
+each axis adds two links per chip when the group is a whole wrapped ring of that axis (a
+bidirectional ring), one when it is a line or a part of a ring (a ring embedded on a line uses
+each link in both directions). Latency is one hop per ring step."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from MaxText.aot.step_time.saved import StepTarget
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+  """Published per-chip figures of one TPU generation, in bytes/s."""
+
+  ici_bidirectional: float  # all of a chip's ICI links together, both directions
+  ici_links: int  # links per chip: 4 on a 2D torus, 6 on a 3D one
+  dcn_per_chip: float  # the data-centre network's share of one chip, one direction
+  host_link: float  # host <-> chip (PCIe), one direction
+  hbm: float
+
+  @property
+  def link_one_way(self) -> float:
+    return self.ici_bidirectional / self.ici_links / 2
+
+
+NETWORKS: dict[str, Network] = {
+    # cloud.google.com/tpu/docs/v5e: ICI 400 GBps bidirectional per chip, DCN 6.4 Tbps per 256-chip pod,
+    # HBM 819 GBps; host link: the JAX scaling book's PCIe figure, 1.5e10 bytes/s per chip (AOT.md).
+    "v5e": Network(ici_bidirectional=400e9, ici_links=4, dcn_per_chip=6.4e12 / 8 / 256, host_link=1.5e10, hbm=819e9),
+    # cloud.google.com/tpu/docs/v5p: ICI 1200 GBps bidirectional per chip, DCN 50 Gbps per chip, HBM 2765 GBps;
+    # host link as v5e.
+    "v5p": Network(ici_bidirectional=1200e9, ici_links=6, dcn_per_chip=50e9 / 8, host_link=1.5e10, hbm=2765e9),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+  """The physical constants fitted to the published MFU points (benchmarks/step_time_table.py):
+  the share of the links' bandwidth a collective achieves, the DCN's achieved share and its
+  latency per transfer, the share of peak a Pallas kernel reaches. One set for every model."""
+
+  mxu_efficiency: float = 0.9
+  matmul_cost: str = "flops"  # "flops": FLOPs / (peak x mxu_efficiency); "compiler": the compiler's cycles
+  other_compute_scale: float = 1.0  # the compiler's cycle estimates of everything but matmuls, scaled
+  ici_efficiency: float = 1.0
+  ici_hop_latency_s: float = 1e-6
+  dcn_efficiency: float = 1.0
+  dcn_latency_s: float = 0.0
+  kernel_efficiency: float = 0.6
+  host_efficiency: float = 1.0
+
+  def efficiency(self, resource: str) -> float:
+    return {"ici": self.ici_efficiency, "dcn": self.dcn_efficiency, "host": self.host_efficiency,
+            "kernel": self.kernel_efficiency, "mxu": self.mxu_efficiency}[resource]
+
+  def latency(self, resource: str) -> float:
+    return {"ici": self.ici_hop_latency_s, "dcn": self.dcn_latency_s}.get(resource, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+  """Work on one resource (ici, dcn, host, kernel): seconds at the published figure, plus
+  latency units (ring hops, DCN round trips) priced by the calibration."""
+
+  resource: str
+  base_s: float
+  latency_units: float = 0.0
+  axis: str = ""
+  link: str = ""  # which physical links it occupies (work on other links runs at the same time)
+
+  @property
+  def queue(self) -> str:
+    return f"{self.resource}:{self.link}"
+
+  def seconds(self, cal: Calibration) -> float:
+    return self.base_s / cal.efficiency(self.resource) + self.latency_units * cal.latency(self.resource)
+
+
+def mesh_axes_of(group: Sequence[int], mesh: dict[str, int]) -> str:
+  """Which mesh axes vary within a group of device ids (ids index the mesh's devices in order)."""
+  names, sizes = list(mesh), list(mesh.values())
+  varying: set[str] = set()
+  first = _unravel(group[0], sizes)
+  for device in group[1:]:
+    index = _unravel(device, sizes)
+    varying.update(names[k] for k in range(len(sizes)) if index[k] != first[k])
+  return "+".join(n for n in names if n in varying) or "none"
+
+
+def _unravel(flat: int, sizes: list[int]) -> list[int]:
+  index = []
+  for size in reversed(sizes):
+    index.append(flat % size if size else 0)
+    flat //= max(size, 1)
+  return index[::-1]
+
+
+def _ring_bandwidth(group: Sequence[int], target: StepTarget, net: Network) -> tuple[float, int, str]:
+  """(one-way link bandwidth the group's ring uses per chip, ring steps, the torus axes it uses)."""
+  coords = [target.coords[d] for d in group]
+  bandwidth, steps, used = 0.0, 0, ""
+  for axis in range(len(target.shape)):
+    size = len({c[axis] for c in coords})
+    if size < 2:
+      continue
+    whole_ring = target.wrap[axis] and size == target.shape[axis]
+    bandwidth += net.link_one_way * (2 if whole_ring else 1)
+    steps += size - 1
+    used += "xyz"[axis]
+  return bandwidth, steps, used
+
+
+def _permute_link(pair: Sequence[int], target: StepTarget) -> str:
+  """The torus axis and direction of a permute's first source -> target pair (a bidirectional
+  windowed matmul sends both ways at once, on different links)."""
+  source, dest = target.coords[pair[0]], target.coords[pair[1]]
+  for axis in range(len(target.shape)):
+    delta = (dest[axis] - source[axis]) % max(target.shape[axis], 1)
+    if delta:
+      return "xyz"[axis] + ("+" if delta <= target.shape[axis] // 2 else "-")
+  return "self"
+
+
+def collective_transfer(kind: str, result_bytes: int, group: Sequence[int], target: StepTarget,
+                        net: Network, axis: str = "") -> Transfer:
+  """One collective with the links to itself. `result_bytes` is what each device ends with
+  (all-gather: the gathered array; reduce-scatter: its shard; all-reduce: the array)."""
+  n = len(group)
+  if n < 2:
+    return Transfer("ici", 0.0)
+  axis = axis or mesh_axes_of(group, target.mesh)
+  slices = {target.coords[d][3] for d in group}
+  if kind == "collective-permute":
+    moved, passes = float(result_bytes), 1.0
+  elif kind == "reduce-scatter":
+    moved, passes = result_bytes * (n - 1.0), 1.0
+  elif kind == "reduce-scatter-full":  # given the unscattered size (an all-reduce fused with its slice)
+    moved, passes = result_bytes * (n - 1.0) / n, 1.0
+  elif kind == "all-reduce":
+    moved, passes = result_bytes * (n - 1.0) / n, 2.0
+  elif kind in ("all-to-all", "ragged-all-to-all"):
+    moved, passes = result_bytes * (n - 1.0) / n * max(1.0, n / 4), 1.0  # bisection-bound on a ring
+  else:  # all-gather
+    moved, passes = result_bytes * (n - 1.0) / n, 1.0
+  if len(slices) > 1:  # across slices: each chip's share of its host's DCN carries its part
+    dcn_bytes = passes * moved * n / (n - 1.0) * (len(slices) - 1) / len(slices)
+    return Transfer("dcn", dcn_bytes / net.dcn_per_chip, passes, axis, "dcn")
+  if kind == "collective-permute":
+    return Transfer("ici", moved / net.link_one_way, 1.0, axis, _permute_link(group, target))
+  bandwidth, steps, used = _ring_bandwidth(group, target, net)
+  return Transfer("ici", passes * moved / bandwidth, passes * steps, axis, used)
+
+
+def dcn_all_reduce(array_bytes: int, num_slices: int, net: Network, axis: str = "data") -> Transfer:
+  """A cross-slice all-reduce of `array_bytes` per chip (XLA's megascale send/recv) as a ring over
+  the slices: every chip moves 2 (s - 1) / s of its array over its share of the host's DCN, in
+  2 (s - 1) steps of one latency each."""
+  if num_slices < 2:
+    return Transfer("dcn", 0.0, 0.0, axis)
+  moved = 2.0 * array_bytes * (num_slices - 1) / num_slices
+  return Transfer("dcn", moved / net.dcn_per_chip, 2.0 * (num_slices - 1), axis, "dcn")
+
+
+def host_transfer(array_bytes: int, net: Network) -> Transfer:
+  return Transfer("host", array_bytes / net.host_link, 0.0, "host")

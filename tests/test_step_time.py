@@ -1,0 +1,166 @@
+"""The step-time model (MaxText/aot/step_time) on hand-built HLO whose answer is known: a lone
+all-gather on a ring, a collective hidden behind a matmul and one exposed, a DCN all-reduce
+across two slices, and the parsing it relies on (replica groups, loop trip counts)."""
+
+from __future__ import annotations
+
+import pytest
+
+from MaxText.aot import hlo_cycles
+from MaxText.aot.step_time import hlo, program, report, simulate
+from MaxText.aot.step_time.network import NETWORKS, Calibration, collective_transfer
+from MaxText.aot.step_time.saved import StepTarget
+from MaxText.errors import UserError
+
+V5E = NETWORKS["v5e"]
+PEAK = 197e12
+# Published figures only: no efficiency, no latency.
+EXACT = Calibration(mxu_efficiency=1.0, kernel_efficiency=1.0, ici_efficiency=1.0, ici_hop_latency_s=0.0,
+                    dcn_efficiency=1.0, dcn_latency_s=0.0, host_efficiency=1.0)
+
+
+def ring(n: int = 16, slices: int = 1) -> StepTarget:
+  """n chips per slice on one wrapped ring (x), `slices` slices; mesh data=slices x fsdp=n."""
+  coords = tuple((x, 0, 0, s) for s in range(slices) for x in range(n))
+  return StepTarget("v5e", f"v5e-{n}", (n, 1), (True, False), slices, coords, {"data": slices, "fsdp": n},
+                    model_tflops_per_device=1.0)
+
+
+def predict(body: str, target: StepTarget, cal: Calibration = EXACT) -> simulate.Prediction:
+  text = f"HloModule m, is_scheduled=true\n\nENTRY %main (p: bf16[64,1024]) -> bf16[1024,1024] {{\n{body}\n}}\n"
+  return simulate.simulate(program.build_program(text, target), cal, 1.0, PEAK / 1e12)
+
+
+GATHER_BYTES = 1024 * 1024 * 2
+GATHER_S = 15 / 16 * GATHER_BYTES / (2 * V5E.link_one_way)  # a bidirectional ring: two links per chip
+MATMUL_S = 2 * 4096**3 / PEAK
+MATMUL = """  %a = bf16[4096,4096]{1,0} parameter(1)
+  %b = bf16[4096,4096]{1,0} parameter(2)
+  %dot = bf16[4096,4096]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}"""
+
+
+def test_a_lone_all_gather_on_a_wrapped_ring_takes_its_bytes_over_two_links_per_chip():
+  pred = predict("""  %p = bf16[64,1024]{1,0} parameter(0)
+  ROOT %ag = bf16[1024,1024]{1,0} all-gather(%p), channel_id=1, replica_groups=[1,16]<=[16], dimensions={0}, use_global_device_ids=true""",
+                 ring())
+  assert pred.step_s == pytest.approx(GATHER_S)
+  assert pred.seconds == {"ici:all-gather over fsdp": pytest.approx(GATHER_S)}
+  hops = predict("""  %p = bf16[64,1024]{1,0} parameter(0)
+  ROOT %ag = bf16[1024,1024]{1,0} all-gather(%p), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15}}, dimensions={0}""",
+                 ring(), Calibration(**{**EXACT.__dict__, "ici_hop_latency_s": 1e-6}))
+  assert hops.step_s == pytest.approx(GATHER_S + 15e-6)  # one hop per ring step
+
+
+def test_half_a_ring_is_a_line_and_uses_one_link_per_chip():
+  target = ring()
+  whole = collective_transfer("all-gather", GATHER_BYTES, list(range(16)), target, V5E)
+  half = collective_transfer("all-gather", GATHER_BYTES, list(range(8)), target, V5E)
+  assert whole.seconds(EXACT) == pytest.approx(GATHER_S)
+  assert half.seconds(EXACT) == pytest.approx(7 / 8 * GATHER_BYTES / V5E.link_one_way)
+  reduce = collective_transfer("all-reduce", GATHER_BYTES, list(range(16)), target, V5E)
+  assert reduce.seconds(EXACT) == pytest.approx(2 * GATHER_S)  # reduce-scatter then all-gather
+
+
+def test_a_collective_started_before_a_longer_matmul_is_hidden():
+  pred = predict(f"""  %p = bf16[64,1024]{{1,0}} parameter(0)
+  %ags = (bf16[64,1024]{{1,0}}, bf16[1024,1024]{{1,0}}) all-gather-start(%p), channel_id=1, replica_groups=[1,16]<=[16], dimensions={{0}}, use_global_device_ids=true
+{MATMUL}
+  ROOT %agd = bf16[1024,1024]{{1,0}} all-gather-done(%ags)""", ring())
+  assert MATMUL_S > GATHER_S
+  assert pred.step_s == pytest.approx(MATMUL_S)
+  assert pred.exposed("ici:") == 0.0
+  assert pred.busy["ici"] == pytest.approx(GATHER_S)
+
+
+def test_a_collective_waited_for_before_the_matmul_is_exposed_in_full():
+  pred = predict(f"""  %p = bf16[64,1024]{{1,0}} parameter(0)
+  %ags = (bf16[64,1024]{{1,0}}, bf16[1024,1024]{{1,0}}) all-gather-start(%p), channel_id=1, replica_groups=[1,16]<=[16], dimensions={{0}}, use_global_device_ids=true
+  %agd = bf16[1024,1024]{{1,0}} all-gather-done(%ags)
+{MATMUL}""", ring())
+  assert pred.step_s == pytest.approx(MATMUL_S + GATHER_S)
+  assert pred.exposed("ici:") == pytest.approx(GATHER_S)
+  assert pred.top_exposed[0][:2] == ("ici:all-gather over fsdp", "ags")
+
+
+def test_a_dcn_all_reduce_across_two_slices_moves_half_the_array_each_way():
+  send_attrs = ('is_host_transfer=true, frontend_attributes={_xla_megascale_transfer_type="ALL_REDUCE"}')
+  pred = predict(f"""  %p = bf16[64,1024]{{1,0}} parameter(0)
+  %aa = token[] after-all()
+  %send = (bf16[1024,1024]{{1,0}}, u32[], token[]) send(%p, %aa), channel_id=3, {send_attrs}
+  %recv = (bf16[1024,1024]{{1,0}}, u32[], token[]) recv(%aa), channel_id=2, {send_attrs}
+  %sd = token[] send-done(%send), channel_id=3
+  ROOT %rd = (bf16[1024,1024]{{1,0}}, token[]) recv-done(%recv), channel_id=2""", ring(slices=2))
+  expected = 2 * GATHER_BYTES * (1 / 2) / V5E.dcn_per_chip
+  assert pred.step_s == pytest.approx(expected)
+  assert pred.exposed("dcn:") == pytest.approx(expected)
+  slower = predict(f"""  %p = bf16[64,1024]{{1,0}} parameter(0)
+  %aa = token[] after-all()
+  %recv = (bf16[1024,1024]{{1,0}}, u32[], token[]) recv(%aa), channel_id=2, {send_attrs}
+  ROOT %rd = (bf16[1024,1024]{{1,0}}, token[]) recv-done(%recv), channel_id=2""", ring(slices=2),
+                   Calibration(**{**EXACT.__dict__, "dcn_efficiency": 0.5, "dcn_latency_s": 1e-3}))
+  assert slower.step_s == pytest.approx(2 * expected + 2 * 1e-3)  # a ring over 2 slices: 2 steps
+
+
+def test_an_hlo_all_reduce_whose_group_spans_two_slices_goes_over_dcn():
+  target = ring(n=4, slices=2)
+  work = collective_transfer("all-reduce", GATHER_BYTES, [0, 4], target, V5E)
+  assert work.resource == "dcn" and work.axis == "data"
+  assert work.seconds(EXACT) == pytest.approx(2 * GATHER_BYTES / 2 / V5E.dcn_per_chip)
+
+
+def test_replica_groups_in_every_form():
+  def groups(attrs: str, n: int = 8) -> list[list[int]]:
+    inst = hlo.parse_instruction(f"  %x = f32[8]{{0}} all-reduce(%y), {attrs}, to_apply=%add")
+    assert inst is not None
+    return hlo.replica_groups(inst, n)
+
+  assert groups("replica_groups={{0,1},{2,3}}") == [[0, 1], [2, 3]]
+  assert groups("replica_groups=[2,4]<=[8]") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+  assert groups("replica_groups=[2,4]<=[4,2]T(1,0)") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+  assert groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+  assert groups("replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_1'}") == [
+      [0, 2, 4, 6], [1, 3, 5, 7]]
+  assert groups("replica_groups={}") == [list(range(8))]
+
+
+UNROLLED_LOOP = """HloModule m, is_scheduled=true
+
+%cond (c: (s32[], f32[8])) -> pred[] {
+  %c = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %limit = s32[] constant(8)
+  ROOT %lt = pred[] compare(%i, %limit), direction=LT
+}
+
+%body (b: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %b = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %two = s32[] constant(2)
+  %next = s32[] add(%i, %two)
+  %x = f32[8]{0} get-tuple-element(%b), index=1
+  %y = f32[8]{0} exponential(%x), backend_config={"estimated_cycles":"1500"}
+  ROOT %t = (s32[], f32[8]{0}) tuple(%next, %y)
+}
+
+ENTRY %main (p: f32[8]) -> (s32[], f32[8]) {
+  %p = f32[8]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8]{0}) tuple(%zero, %p)
+  ROOT %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_an_unrolled_loop_counts_its_counter_step():
+  text = UNROLLED_LOOP
+  ops = program.build_program(text, ring())
+  assert [(op.kind, op.trips) for op in ops] == [("loop", 4)]
+  pred = simulate.simulate(ops, EXACT, 1.0, PEAK / 1e12)
+  assert pred.step_s == pytest.approx(4 * 1500 / 1.5e9, rel=1e-3)
+  assert hlo_cycles.estimated_cycles(text) == 4 * 1500  # the compiler estimate reads the same trip count  # v5e's clock (the scalar counter ops: HBM time)
+
+
+def test_a_generation_without_network_figures_is_named():
+  target = StepTarget("v4", "v4-8", (2, 2, 1), (False,) * 3, 1, ((0, 0, 0, 0),), {"fsdp": 1}, 1.0)
+  with pytest.raises(UserError, match="no network figures for TPU v4"):
+    report.predict("HloModule m\n\nENTRY %main () -> f32[] {\n  ROOT %c = f32[] constant(0)\n}\n", target)
