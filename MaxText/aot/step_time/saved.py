@@ -9,8 +9,9 @@ import dataclasses
 import gzip
 import json
 import os
-from pathlib import Path
 from typing import Any, Sequence
+
+from MaxText.paths import storage
 
 SAVE_ENV = "MAXTEXT_SAVE_STEP_HLO"
 
@@ -57,17 +58,14 @@ def save_requested() -> str | None:
 
 
 def save_step(stem: str, hlo_text: str, target: StepTarget, extra: dict[str, Any]) -> None:
-  """Writes STEM.hlo.gz (the compiled HLO text) and STEM.json (the target and `extra`)."""
-  path = Path(stem)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  with gzip.open(f"{stem}.hlo.gz", "wt") as f:
-    f.write(hlo_text)
-  Path(f"{stem}.json").write_text(json.dumps({"target": target.to_json(), **extra}))
+  """Writes STEM.hlo.gz (the compiled HLO text) and STEM.json (the target and `extra`); local or gs://."""
+  storage.makedirs(storage.parent(stem))
+  storage.write_bytes(f"{stem}.hlo.gz", gzip.compress(hlo_text.encode()))
+  storage.write_text(f"{stem}.json", json.dumps({"target": target.to_json(), **extra}))
 
 
 def load_step(stem: str) -> tuple[str, StepTarget, dict[str, Any]]:
-  with gzip.open(f"{stem}.hlo.gz", "rt") as f:
-    hlo_text = f.read()
-  data = json.loads(Path(f"{stem}.json").read_text())
+  hlo_text = gzip.decompress(storage.read_bytes(f"{stem}.hlo.gz")).decode()
+  data = json.loads(storage.read_text(f"{stem}.json"))
   target = StepTarget.from_json(data.pop("target"))
   return hlo_text, target, data
