@@ -19,7 +19,8 @@ from MaxText.configuration.model_config import ModelConfig
 from MaxText.convert import tensor_maps as r
 from MaxText.families import Family, register_family
 from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, gated_mlp_tensors,
-                                    qk_norm_tensors, rope_hf_config, rope_keys, shape_hf_config, shape_keys)
+                                    layer_type_rope_hf_config, layer_type_ropes, qk_norm_tensors, rope_hf_config,
+                                    rope_keys, shape_hf_config, shape_keys)
 
 # HF activation names that are the tanh-approximated GELU our "gelu" computes.
 _TANH_GELU = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
@@ -92,12 +93,7 @@ def gemma3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   """Gemma 3 text: Gemma 2's layer and local/global layers (5:1 in the releases), with QK-norm,
   no soft caps, and separate RoPE for local layers (base `rope_local_base_freq`, unscaled) and
   global ones (base `rope_theta`, linear scaling in the 4B and larger models)."""
-  params = hf.get("rope_parameters") or {}
-  if "full_attention" in params:  # transformers >= 5: one RoPE per layer type
-    global_rope, local_rope = params["full_attention"], params.get("sliding_attention", {})
-  else:
-    global_rope = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 1_000_000.0)}
-    local_rope = {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+  global_rope, local_rope = layer_type_ropes(hf, 1_000_000.0, hf.get("rope_local_base_freq", 10_000.0))
   keys = gemma2_model_keys({**hf, "rope_parameters": global_rope, "rope_scaling": None})
   r.require_hf(local_rope, "rope_type", ("default",), "default")
   keys.update(decoder_block="gemma3", use_qk_norm=True, rope_local_max_timescale=float(local_rope["rope_theta"]))
@@ -105,12 +101,8 @@ def gemma3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def gemma3_hf_config(cfg: ModelConfig) -> dict[str, Any]:
-  hf = gemma2_hf_config(cfg)
-  global_rope = rope_hf_config(cfg.rope)["rope_parameters"]
-  local_theta = cfg.rope.rope_local_max_timescale or cfg.rope.rope_max_timescale
-  return {**hf, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
-          "rope_parameters": {"full_attention": global_rope,
-                              "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}}
+  return {**gemma2_hf_config(cfg), "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+          "rope_parameters": layer_type_rope_hf_config(cfg.rope)}
 
 
 def gemma3_tensors(cfg: ModelConfig) -> list[r.TensorMap]:

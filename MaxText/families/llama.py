@@ -92,6 +92,25 @@ def rope_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   return keys
 
 
+def layer_type_ropes(hf: Mapping[str, Any], default_theta: float, legacy_local_theta: float
+                     ) -> tuple[dict[str, Any], dict[str, Any]]:
+  """(full-attention RoPE, sliding-attention RoPE) of a family with one RoPE per layer type (Gemma 3, OLMo 3):
+  transformers >= 5's `rope_parameters` by layer type, or the older `rope_theta` / `rope_scaling` (scaling the
+  full-attention layers only) with the local layers' base `legacy_local_theta`."""
+  params = hf.get("rope_parameters") or {}
+  if "full_attention" in params:
+    return dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
+  return ({**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", default_theta)},
+          {"rope_theta": legacy_local_theta})
+
+
+def layer_type_rope_hf_config(rope: RopeConfig) -> dict[str, Any]:
+  """`rope_parameters` by layer type: the global RoPE on full-attention layers, plain RoPE on sliding ones."""
+  return {"full_attention": rope_hf_config(rope)["rope_parameters"],
+          "sliding_attention": {"rope_type": "default",
+                                "rope_theta": rope.rope_local_max_timescale or rope.rope_max_timescale}}
+
+
 def max_positions(cfg: ModelConfig) -> int:
   """HF's max_position_embeddings (metadata for RoPE models): the scaled context for llama3 RoPE."""
   if cfg.rope.rope_type in ("llama3", "yarn"):

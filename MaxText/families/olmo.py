@@ -20,8 +20,9 @@ from MaxText.configuration.model_config import ModelConfig
 from MaxText.convert import tensor_maps as r
 from MaxText.errors import ConfigError
 from MaxText.families import Family, register_family
-from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, gated_mlp_tensors, max_positions,
-                                    qk_norm_tensors, rope_hf_config, rope_keys, shape_hf_config, shape_keys)
+from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, gated_mlp_tensors,
+                                    layer_type_rope_hf_config, layer_type_ropes, max_positions, qk_norm_tensors,
+                                    rope_hf_config, rope_keys, shape_hf_config, shape_keys)
 
 
 def olmo_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
@@ -50,12 +51,7 @@ def olmo2_hf_config(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def olmo3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
-  params = hf.get("rope_parameters") or {}
-  if "full_attention" in params:  # transformers >= 5: one RoPE per layer type
-    global_rope, local_rope = params["full_attention"], params.get("sliding_attention") or {}
-  else:  # older files: rope_scaling applies to the full-attention layers only
-    theta = hf.get("rope_theta", 500_000.0)
-    global_rope, local_rope = {**(hf.get("rope_scaling") or {}), "rope_theta": theta}, {"rope_theta": theta}
+  global_rope, local_rope = layer_type_ropes(hf, 500_000.0, hf.get("rope_theta", 500_000.0))
   r.require_hf(local_rope, "rope_type", ("default",), "default")
   keys = olmo2_model_keys({**hf, "rope_parameters": global_rope, "rope_scaling": None})
   num_layers = hf["num_hidden_layers"]
@@ -73,14 +69,9 @@ def olmo3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def olmo3_hf_config(cfg: ModelConfig) -> dict[str, Any]:
-  hf = olmo2_hf_config(cfg)
-  global_rope = rope_hf_config(cfg.rope)["rope_parameters"]
-  local_theta = cfg.rope.rope_local_max_timescale or cfg.rope.rope_max_timescale
-  return {**hf, "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3",
+  return {**olmo2_hf_config(cfg), "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3",
           "layer_types": r.hf_layer_types(cfg.attn.attention_layer_pattern, cfg.num_decoder_layers),
-          "sliding_window": cfg.attn.sliding_window_size,
-          "rope_parameters": {"full_attention": global_rope,
-                              "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}}
+          "sliding_window": cfg.attn.sliding_window_size, "rope_parameters": layer_type_rope_hf_config(cfg.rope)}
 
 
 _TINY = dict(TINY_SHAPES, rms_norm_eps=1e-6)
