@@ -35,6 +35,7 @@ from MaxText.serve import build_app, build_server  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent / "inference"))
 sys.path.insert(0, str(Path(__file__).parent / "input_pipeline"))
 from decode_test_utils import one_device_mesh, uncached_greedy  # noqa: E402
+from tests.uvicorn_thread import UvicornThread  # noqa: E402
 from sft_fixtures import CHATML, write_tokenizer, without_markers  # noqa: E402
 
 KEY = "test-key-123"
@@ -55,16 +56,8 @@ class Served:
     self.config = Config.for_testing(**MODEL, **LIMITS, tokenizer_path=str(self.tokenizer_dir))
     self.server = build_server(self.config, mesh=one_device_mesh())
     self.engine, self.params = self.server.scheduler.engine, self.server.scheduler.params
-    self.uv = uvicorn.Server(uvicorn.Config(build_app(self.server, api_key=KEY, max_body_bytes=4096),
-                                            host="127.0.0.1", port=0, log_level="warning"))
-    self.thread = threading.Thread(target=self.uv.run, daemon=True)
-    self.thread.start()
-    deadline = time.monotonic() + 60
-    while not self.uv.started:
-      assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
-      time.sleep(0.05)
-    self.port = self.uv.servers[0].sockets[0].getsockname()[1]
-    self.url = f"http://127.0.0.1:{self.port}"
+    self.http = UvicornThread(build_app(self.server, api_key=KEY, max_body_bytes=4096))
+    self.port, self.url = self.http.port, self.http.url
     self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=120)
     self._expected: dict[tuple[int, ...], list[int]] = {}
 
@@ -86,8 +79,7 @@ class Served:
     return self.server.codec.decode(ids)
 
   def close(self) -> None:
-    self.uv.should_exit = True
-    self.thread.join(30)
+    self.http.close()
     self.server.scheduler.stop()
 
 

@@ -33,6 +33,7 @@ from MaxText.serve import _codec, build_app, build_server  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent / "inference"))
 sys.path.insert(0, str(Path(__file__).parent / "input_pipeline"))
 from decode_test_utils import one_device_mesh  # noqa: E402
+from tests.uvicorn_thread import UvicornThread  # noqa: E402
 from sft_fixtures import GEMMA3, IMAGE_SPECIAL, LLAMA4, LLAMA4_IMAGE_IDS, LLAMA4_IMAGE_SPECIAL, write_tokenizer  # noqa: E402
 
 # The fixture tokenizer's ids: <start_of_image> 10, <end_of_image> 11, <image_soft_token> 12.
@@ -71,16 +72,8 @@ class Served:
     self.config = Config.for_testing(**model, **serving, tokenizer_path=str(self.tokenizer_dir))
     self.server = build_server(self.config, mesh=one_device_mesh())
     self.params = self.server.scheduler.params
-    self.uv = uvicorn.Server(uvicorn.Config(build_app(self.server, api_key="k"), host="127.0.0.1", port=0,
-                                            log_level="warning"))
-    self.thread = threading.Thread(target=self.uv.run, daemon=True)
-    self.thread.start()
-    deadline = time.monotonic() + 60
-    while not self.uv.started:
-      assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
-      time.sleep(0.05)
-    port = self.uv.servers[0].sockets[0].getsockname()[1]
-    self.url = f"http://127.0.0.1:{port}"
+    self.http = UvicornThread(build_app(self.server, api_key="k"))
+    self.url = self.http.url
     self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="k", max_retries=0, timeout=120)
 
   def engine_answer(self, messages: list[dict], max_tokens: int) -> str:
@@ -92,8 +85,7 @@ class Served:
     return self.server.codec.decode(tokens)
 
   def close(self) -> None:
-    self.uv.should_exit = True
-    self.thread.join(30)
+    self.http.close()
     self.server.scheduler.stop()
 
 

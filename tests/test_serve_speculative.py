@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import re
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent / "inference"))
 sys.path.insert(0, str(Path(__file__).parent / "input_pipeline"))
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_test_utils import one_device_mesh, uncached_greedy  # noqa: E402
+from tests.uvicorn_thread import UvicornThread  # noqa: E402
 from sft_fixtures import CHATML, write_tokenizer, without_markers  # noqa: E402
 from test_serve import LIMITS, MODEL, PROMPTS  # noqa: E402
 
@@ -50,15 +49,8 @@ class SpeculativeServed:
     self.server = build_server(self.config, mesh=one_device_mesh())
     self.engine, self.params = self.server.scheduler.engine, self.server.scheduler.params
     assert isinstance(self.engine, SpeculativeEngine)
-    self.uv = uvicorn.Server(uvicorn.Config(build_app(self.server, api_key=""), host="127.0.0.1", port=0,
-                                            log_level="warning"))
-    self.thread = threading.Thread(target=self.uv.run, daemon=True)
-    self.thread.start()
-    deadline = time.monotonic() + 60
-    while not self.uv.started:
-      assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
-      time.sleep(0.05)
-    self.url = f"http://127.0.0.1:{self.uv.servers[0].sockets[0].getsockname()[1]}"
+    self.http = UvicornThread(build_app(self.server, api_key=""))
+    self.url = self.http.url
     self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
     # What test_serve's helpers read: the target's spec and parameters.
     self.target_params = self.params[0]
@@ -69,8 +61,7 @@ class SpeculativeServed:
     return out[:out.index(eos) + 1] if eos in out else out
 
   def close(self) -> None:
-    self.uv.should_exit = True
-    self.thread.join(30)
+    self.http.close()
     self.server.scheduler.stop()
 
 
