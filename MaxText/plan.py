@@ -10,11 +10,15 @@ max_target_length, a degree or remat_policy the user wants kept). Two stages:
      slices, remat policy, optimizer offload, batch, gradient accumulation) by its analytical
      step time among those it estimates to fit in HBM, in seconds;
   2. the best `max_candidates` are compiled ahead of time for the topology (train_compile's
-     path) in worker processes, each reporting XLA's device heap and the compiler's step-time
-     estimate. Results are cached on disk under a key of everything that affects a compile,
-     so a second identical plan compiles nothing; Ctrl-C keeps what finished.
-The best compiled candidate is printed as a command line and, with write_recipe=PATH,
-written as a recipe like configs/v5e/*.sh (EXECUTABLE=train_compile, DRY_RUN=1, ...).
+     path) in worker processes, each reporting XLA's device heap, the step-time model's
+     prediction from the scheduled HLO (aot/step_time: compute, exposed ICI and DCN, host
+     transfers) and the compiler's own estimate. Results are cached on disk under a key of
+     everything that affects a compile, so a second identical plan compiles nothing; Ctrl-C
+     keeps what finished.
+Candidates that fit are ranked by the step-time model's MFU (the compiler's estimate where the
+model has no network figures for the generation). The best is printed as a command line and,
+with write_recipe=PATH, written as a recipe like configs/v5e/*.sh (EXECUTABLE=train_compile,
+DRY_RUN=1, ...) whose header states the prediction and its breakdown.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ if __package__ in (None, ""):  # `python3 MaxText/plan.py`: import the package, 
 
 from MaxText import startup
 from MaxText.aot import plan_model, plan_progress
+from MaxText.aot.step_time import report as step_report
 from MaxText.training import compiled_step
 from MaxText.platform import accelerators, tpu_launch
 from MaxText.configuration import config as config_lib
@@ -165,7 +170,8 @@ def compile_candidate(argv: list[str], libtpu_flags: str, log_path: str) -> dict
 
 def compile_figures(argv: list[str]) -> dict[str, Any]:
   """Compiles the train step for the topology `argv` names (train_compile's path): XLA's device
-  heap per chip, the compiler's step time and the compile time, or why it did not compile."""
+  heap per chip, the step-time model's prediction, the compiler's step time and the compile
+  time, or why it did not compile."""
   from MaxText import train_compile
   from MaxText.training import run_assembly  # noqa: PLC0415  (after the flags are set)
   from MaxText.aot.hlo_cycles import estimated_cycles  # noqa: PLC0415
@@ -185,10 +191,25 @@ def compile_figures(argv: list[str]) -> dict[str, Any]:
               "total": float(needed.group(1)) * GIB if needed else 0.0}
     compile_s = time.perf_counter() - start
     memory = MemoryReport.from_compiled(compiled, read_buffer_assignment(report_dir))
-  cycles = estimated_cycles(compiled.as_text())
-  return {"status": "compiled", "compile_s": compile_s, "total": memory.total, "arguments": memory.arguments,
-          "source": memory.source, "host_bytes": sum(size for _, size in memory.other_spaces),
-          "step_s": cycles / (topology.generation.clock_ghz * 1e9) if cycles and topology else None}
+  hlo_text = compiled.as_text()
+  cycles = estimated_cycles(hlo_text)
+  figures = {"status": "compiled", "compile_s": compile_s, "total": memory.total, "arguments": memory.arguments,
+             "source": memory.source, "host_bytes": sum(size for _, size in memory.other_spaces),
+             "step_s": cycles / (topology.generation.clock_ghz * 1e9) if cycles and topology else None}
+  if topology is not None:
+    figures.update(model_figures(hlo_text, train_compile.step_target(config, topology, run), topology))
+  return figures
+
+
+def model_figures(hlo_text: str, target: Any, topology: accelerators.TpuTopology) -> dict[str, Any]:
+  """The step-time model's step, MFU and breakdown lines for one compiled candidate, or why it
+  has none (a generation without network figures)."""
+  try:
+    prediction = step_report.predict(hlo_text, target)
+  except UserError as e:
+    return {"model_error": str(e)}
+  return {"model_step_s": prediction.step_s, "model_mfu": prediction.mfu,
+          "model_lines": step_report.lines(prediction, topology.generation.peak_tflops)}
 
 
 @dataclasses.dataclass
@@ -398,27 +419,66 @@ def _block_variants(best: Planned, args: PlanArgs, overrides: config_lib.Overrid
   return variants
 
 
-def _row(index: int, p: Planned, hbm: float, chips: int, seq_len: int, peak: float) -> tuple[list[str], float]:
-  """The table row of a compiled candidate and its compiler MFU (-1 when it did not compile or fit)."""
+# The analytical model's caveats that the step-time model prices (the compiler's estimate does not).
+MODEL_PRICES = frozenset({"host offload", "DCN-bound"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranked:
+  """A compiled candidate's standing: the MFU it is ranked by (the step-time model's, else the
+  compiler's; -1 when it did not compile or fit) and the caveats that apply to that figure."""
+
+  mfu: float
+  by_model: bool
+  caveats: tuple[str, ...]
+
+
+def _standing(p: Planned) -> Ranked:
+  r = p.result or {}
+  by_model = r.get("model_mfu") is not None
+  caveats = tuple(c for c in p.estimate.caveats if not (by_model and c in MODEL_PRICES))
+  return Ranked(-1.0, by_model, caveats)
+
+
+def _row(index: int, p: Planned, hbm: float, chips: int, seq_len: int, peak: float) -> tuple[list[str], Ranked]:
+  """The table row of a compiled candidate and its standing."""
   r = p.result or {"status": "not compiled"}
   label = plan_model.describe(p.settings) or "(as given)"
   analytic = f"{p.estimate.total / GIB:.2f}"
+  standing = _standing(p)
   if r["status"] != "compiled":  # XLA's out-of-memory figure, where it gave one, is its whole heap too
     needed = float(r.get("total") or 0.0)
     error = f"{(p.estimate.total - needed) / needed:+.0%}" if needed else "-"
-    return [str(index), label, f"{needed / GIB:.2f}" if needed else "-", r["status"], "-", "-", "-", _compile_time(p),
-            analytic, error, "-", ", ".join(p.estimate.caveats)], -1.0
-  total, step = float(r["total"]), r.get("step_s")
+    return [str(index), label, f"{needed / GIB:.2f}" if needed else "-", r["status"], "-", "-", "-", "-", "-",
+            _compile_time(p), analytic, error, "-", ", ".join(standing.caveats)], standing
+  total, compiler_step, model_step = float(r["total"]), r.get("step_s"), r.get("model_step_s")
   fits = total <= hbm
   tokens = float(p.config.data.global_batch_size) * seq_len / chips
-  mfu = p.estimate.flops / step / (peak * 1e12) if step else float("nan")
+  compiler_mfu = p.estimate.flops / compiler_step / (peak * 1e12) if compiler_step else float("nan")
+  step = model_step if standing.by_model else compiler_step
+  mfu = float(r["model_mfu"]) if standing.by_model else compiler_mfu
   memory_error = (p.estimate.total - total) / total
   step_error = (p.estimate.step_s - step) / step if step else float("nan")
+  ms = lambda seconds: f"{seconds * 1e3:,.1f}" if seconds else "-"  # noqa: E731
   row = [str(index), label, f"{total / GIB:.2f}", f"yes ({1 - total / hbm:.0%} free)" if fits else "NO",
-         f"{step * 1e3:,.1f}" if step else "-", f"{tokens / step:,.0f}" if step else "-",
-         f"{mfu:.1%}" if step else "-", _compile_time(p), analytic, f"{memory_error:+.0%}", f"{step_error:+.0%}",
-         ", ".join(p.estimate.caveats)]
-  return row, (mfu if fits and step else -1.0)
+         ms(model_step), f"{r['model_mfu']:.1%}" if standing.by_model else "-",
+         f"{tokens / step:,.0f}" if step else "-", ms(compiler_step), f"{compiler_mfu:.1%}" if compiler_step else "-",
+         _compile_time(p), analytic, f"{memory_error:+.0%}", f"{step_error:+.0%}", ", ".join(standing.caveats)]
+  return row, dataclasses.replace(standing, mfu=mfu if fits and step else -1.0)
+
+
+def rank_compiled(planned: list[Planned], hbm: float, chips: int, seq_len: int,
+                  peak: float) -> tuple[list[list[str]], tuple[Planned, Ranked] | None]:
+  """The table rows, and the best candidate that compiled and fits: the highest ranking MFU, a
+  candidate whose ranking figure carries caveats winning only when no other fits."""
+  rows: list[list[str]] = []
+  best: tuple[Planned, Ranked] | None = None
+  for i, p in enumerate(planned, 1):
+    row, standing = _row(i, p, hbm, chips, seq_len, peak)
+    rows.append(row)
+    if standing.mfu >= 0 and (best is None or (not standing.caveats, standing.mfu) > (not best[1].caveats, best[1].mfu)):
+      best = (p, standing)
+  return rows, best
 
 
 def _compile_time(p: Planned) -> str:
@@ -427,8 +487,8 @@ def _compile_time(p: Planned) -> str:
   return f"cached ({p.result['compile_s']:.0f} s)" if p.cached else f"{p.result['compile_s']:.1f} s"
 
 
-HEADER = ["#", "candidate", "HBM GiB/chip", "fits", "step ms", "tokens/s/chip", "MFU", "compile", "analytic GiB",
-          "mem err", "step err", "caveats"]
+HEADER = ["#", "candidate", "HBM GiB/chip", "fits", "model ms", "model MFU", "tokens/s/chip", "compiler ms",
+          "compiler MFU", "compile", "analytic GiB", "mem err", "step err", "caveats"]
 
 
 def format_table(rows: list[list[str]]) -> str:
@@ -437,8 +497,10 @@ def format_table(rows: list[list[str]]) -> str:
   return "\n".join([lines[0], "  ".join("-" * w for w in widths)] + lines[1:])
 
 
-def write_recipe(path: str, topology: accelerators.TpuTopology, recipe_args: list[str], summary: str) -> str:
-  """A recipe like configs/v5e/*.sh running `recipe_args` on `topology`; returns its dry run."""
+def write_recipe(path: str, topology: accelerators.TpuTopology, recipe_args: list[str], summary: str,
+                 breakdown: list[str] | None = None) -> str:
+  """A recipe like configs/v5e/*.sh running `recipe_args` on `topology`, its header stating the
+  prediction and `breakdown` (the step-time model's lines); returns its dry run."""
   target = Path(path).resolve()
   target.parent.mkdir(parents=True, exist_ok=True)
   library = os.path.relpath(RECIPE_LIB, target.parent)
@@ -447,7 +509,8 @@ def write_recipe(path: str, topology: accelerators.TpuTopology, recipe_args: lis
   text = "\n".join([
       "#!/usr/bin/env bash",
       f"# Written by MaxText.plan: {summary}",
-      "# Compiler estimates, not measurements: verify on the hardware.",
+      *(f"# {line.strip()}" for line in breakdown or []),
+      "# Predictions from the compiled step, not measurements: verify on the hardware.",
       f"#   bash {path} RUN_NAME=my_run OUTPUT_PATH=gs://my-bucket/runs [PLATFORM=gce|gke] [DRY_RUN=1]",
       f"#   bash {path} EXECUTABLE=train_compile [NUM_SLICES=N]   # compile for {topology.name} on any machine",
       f'source "$(dirname "${{BASH_SOURCE[0]}}")/{library}"  # arguments: see recipe_lib.sh',
@@ -492,17 +555,13 @@ def main(argv: list[str]) -> int:
   except KeyboardInterrupt:
     interrupted, finished = True, False
   chips, seq_len, hbm = topology.chips * num_slices, config.data.max_target_length, gen.hbm_gib * GIB
-  rows, best, best_mfu = [], None, -1.0
-  for i, p in enumerate(planned, 1):
-    row, mfu = _row(i, p, hbm, chips, seq_len, gen.peak_tflops)
-    rows.append(row)
-    # A candidate whose compiler estimate cannot be trusted wins only when no trusted one fits.
-    if mfu >= 0 and (best is None or (not p.estimate.caveats, mfu) > (not best.estimate.caveats, best_mfu)):
-      best, best_mfu = p, mfu
+  rows, best = rank_compiled(planned, hbm, chips, seq_len, gen.peak_tflops)
   print(format_table(rows))
-  print("HBM: XLA's device heap per chip; step ms, tokens/s/chip, MFU: the compiler's estimate (communication "
-        f"assumed hidden), MFU of {gen.peak_tflops:g} TFLOP/s; mem err / step err: the analytical model against it. "
-        "Caveats mark candidates whose compiler estimate cannot be trusted (host transfers and DCN are not in it).")
+  print("HBM: XLA's device heap per chip; model ms / model MFU: the step-time model's prediction from the scheduled "
+        "HLO (compute, exposed ICI and DCN, host transfers), which ranks the candidates; tokens/s/chip at that step; "
+        f"compiler ms / MFU: XLA's own estimate (communication assumed hidden); MFU of {gen.peak_tflops:g} TFLOP/s; "
+        "mem err / step err: the analytical model against the compile and the ranking figure. Caveats mark what "
+        "the ranking figure cannot price.")
   if interrupted:
     print(f"interrupted: {sum(1 for p in planned if p.result)} results kept in {cache_dir}", file=sys.stderr)
     return 130
@@ -511,21 +570,27 @@ def main(argv: list[str]) -> int:
   if best is None and not finished:
     raise UserError(f"the budget of {args.budget_minutes:g} min ran out before a candidate that fits compiled; "
                     f"raise budget_minutes (finished compiles are cached in {cache_dir})")
-  if best is None or best_mfu < 0:
+  if best is None:
     raise UserError(f"none of the {len(planned)} compiled candidates fits {gen.hbm_gib:g} GiB per {gen.name} chip; "
                     "raise max_candidates, or fix a smaller per_device_batch_size or a remat_policy")
+  chosen, standing = best
   user_args = config_argv[2:] if len(config_argv) > 1 and "=" not in config_argv[1] else config_argv[1:]
   yaml_arg = config_argv[1] if len(config_argv) > 1 and "=" not in config_argv[1] else "configs/base.yml"
   train_args = [a for a in user_args if not a.startswith(("compile_topology=", "compile_topology_num_slices="))]
-  train_args += best.argv_values()
-  caveat = f" (caveats: {', '.join(best.estimate.caveats)}: no candidate without them fits)" if best.estimate.caveats else ""
-  print(f"best: {plan_model.describe(best.settings)}: compiler-estimated MFU {best_mfu:.1%}{caveat}")
+  train_args += chosen.argv_values()
+  caveat = f" (caveats: {', '.join(standing.caveats)}: no candidate without them fits)" if standing.caveats else ""
+  figure = f"{'predicted' if standing.by_model else 'compiler-estimated'} MFU {standing.mfu:.1%}"
+  model_lines = list((chosen.result or {}).get("model_lines") or [])
+  print(f"best: {plan_model.describe(chosen.settings)}: {figure}{caveat}")
+  if not standing.by_model:
+    print(f"  (no step-time model: {(chosen.result or {}).get('model_error', 'not computed')})")
+  for line in model_lines[1:]:
+    print(line)
   print(f"  LIBTPU_INIT_ARGS={shlex.quote(compile_flags(gen.name))} python3 -m MaxText.train {yaml_arg} "
         f"{' '.join(shlex.quote(a) for a in train_args)}")
   if args.write_recipe:
-    summary = (f"{config['model_name']} on {num_slices} x {topology.name}, {plan_model.describe(best.settings)}, "
-               f"compiler-estimated MFU {best_mfu:.1%}")
-    dry = write_recipe(args.write_recipe, topology, train_args, summary)
+    summary = f"{config['model_name']} on {num_slices} x {topology.name}, {plan_model.describe(chosen.settings)}, {figure}"
+    dry = write_recipe(args.write_recipe, topology, train_args, summary, model_lines)
     print(f"wrote {args.write_recipe}; its dry run:\n  {dry}")
     left_out = sorted(set(Path(args.write_recipe).parts) & tpu_launch.EXCLUDED_NAMES)
     if left_out:

@@ -194,7 +194,7 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
   with _without_persistent_cache(bool(config.startup.compiled_trainstep_file)):
     compiled = compile_or_explain(run.train_step, inputs, topology, options)
   print(f"compiled in {time.perf_counter() - start:.1f} s")
-  target = _step_target(config, topology, run, run.objective.passes_per_row) if topology is not None else None
+  target = step_target(config, topology, run) if topology is not None else None
   memory = report(config, topology, compiled, report_dir, run.objective.passes_per_row, target)
   stem = saved_step.save_requested()
   if stem and target is not None:
@@ -215,11 +215,11 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
   return 0
 
 
-def _step_target(config: config_lib.Config, topology: accelerators.TpuTopology, run: run_assembly.Run,
-                 passes_per_row: int) -> saved_step.StepTarget:
+def step_target(config: config_lib.Config, topology: accelerators.TpuTopology,
+                run: run_assembly.Run) -> saved_step.StepTarget:
   """Where the step runs, for the step-time model: every device's torus coordinates, the mesh, the model FLOPs."""
   flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size,
-                                           config.data.max_target_length, passes=passes_per_row)
+                                           config.data.max_target_length, passes=run.objective.passes_per_row)
   num_devices = config.target.num_devices
   return saved_step.StepTarget.from_devices(topology, config.mesh.num_slices, list(run.mesh.devices.flat),
                                             dict(run.mesh.shape), flops.total_tflops / num_devices,

@@ -40,8 +40,11 @@ def compile_point(recipe: str, topology: str, slices: int) -> dict:
                            f"compile_topology={topology}"], cwd=REPO, capture_output=True, text=True, check=False)
   text = result.stdout + result.stderr
   mfu = re.search(r"implied MFU ([\d.]+)%", text)
+  model = re.search(r"^step-time model \(not a measurement\): step .* -> MFU ([\d.]+)%", text, re.M)
   used = re.search(r"HBM per \S+ chip ([\d.]+) GiB: ([\d.]+)% used", text)
-  return {"estimate": float(mfu.group(1)) if mfu else None, "hbm_used": float(used.group(2)) if used else None,
+  return {"estimate": float(mfu.group(1)) if mfu else None, "model": float(model.group(1)) if model else None,
+          "model_breakdown": [line.strip() for line in text.splitlines() if line.startswith("  compute ")],
+          "hbm_used": float(used.group(2)) if used else None,
           "compile_s": round(time.perf_counter() - start, 1), "returncode": result.returncode,
           "error": None if mfu else text.strip().splitlines()[-1:]}
 

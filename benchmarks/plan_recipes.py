@@ -1,6 +1,7 @@
 """The planner against the shipped v5e/v5p recipes (issue 21's validation): for each recipe,
 plans its model, topology and global batch with everything else left to the planner, and
-prints the planner's best compiler-estimated MFU and wall time beside the recipe's own.
+prints the planner's best predicted MFU (the step-time model's, which ranks) and wall time beside
+the recipe's own, by the same model and by the compiler's estimate.
 
   python3 benchmarks/plan_recipes.py [--recipes v5e/32b,v5p/64b] [--max-candidates 2] [--workers 1]
       [--cache-dir outputs/plan_cache] [--out outputs/plan_recipes.jsonl] [--plan-args "attention_blocks=none"]
@@ -70,14 +71,18 @@ def main() -> int:
     start = time.perf_counter()
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
-    best = re.search(r"^best: (.*): compiler-estimated MFU ([\d.]+)%", result.stdout, re.M)
+    best = re.search(r"^best: (.*): (predicted|compiler-estimated) MFU ([\d.]+)%", result.stdout, re.M)
     row = {"recipe": name, "topology": topology, "plan_wall_s": round(wall, 1), "returncode": result.returncode,
-           "best": best.group(1) if best else None, "plan_mfu": float(best.group(2)) / 100 if best else None,
+           "best": best.group(1) if best else None, "plan_mfu": float(best.group(3)) / 100 if best else None,
+           "plan_by": best.group(2) if best else None,
+           "breakdown": [line.strip() for line in result.stdout.splitlines() if line.startswith("  compute ")],
            "table": result.stdout.strip().splitlines()[-20:], "error": result.stderr.strip().splitlines()[-1:]}
     if not opts.no_recipe_compile:
       # The recipe's own setting, compiled by the recipe itself: its flags, the planner's estimator.
       own = estimator_table.compile_point(name, topology, 1)
       row["recipe_mfu"] = own["estimate"] / 100 if own["estimate"] is not None else None
+      row["recipe_model_mfu"] = own["model"] / 100 if own["model"] is not None else None
+      row["recipe_breakdown"] = own["model_breakdown"]
       row["recipe_compile_s"] = own["compile_s"]
     print(json.dumps({k: v for k, v in row.items() if k != "table"}), flush=True)
     with open(opts.out, "a") as f:

@@ -169,11 +169,14 @@ def test_tiny_plan_compiles_caches_and_writes_a_recipe(tmp_path, capsys):
   # Progress: the candidate as it starts compiling (with its worker's log), then the bar.
   assert re.search(r"^compiling candidate 1/1: \S.* \(log: .*\.log\)$", err, re.M), err
   assert "1/1 compiled, ETA 0 s" in err
-  assert "HBM GiB/chip" in out and "yes (" in out and "best: " in out and "python3 -m MaxText.train" in out
+  assert "HBM GiB/chip" in out and "yes (" in out and "python3 -m MaxText.train" in out
+  assert re.search(r"^best: .*: predicted MFU [\d.]+%$", out, re.M), out  # ranked by the step-time model
+  assert "exposed ICI" in out
   assert len(list(cache.glob("*.json"))) == 1
   # The recipe runs like the shipped ones: its dry run holds the planned keys and the fixed ones.
   dry = subprocess.run(["bash", str(recipe), "DRY_RUN=1", "RUN_NAME=r"], capture_output=True, text=True, check=True)
   assert "python3 -m MaxText.train configs/base.yml run_name=r" in dry.stdout
+  assert re.search(r"^# step-time model \(not a measurement\): step .* -> MFU", recipe.read_text(), re.M)
   assert "remat_policy=full" in dry.stdout and "per_device_batch_size=2" in dry.stdout
   assert "--xla_tpu_enable_async_collective_fusion=true" in dry.stdout
   compile_run = subprocess.run(["bash", str(recipe), "EXECUTABLE=train_compile", "DRY_RUN=1"], capture_output=True,
@@ -297,3 +300,36 @@ def test_the_best_candidate_is_also_compiled_with_other_splash_blocks():
 def test_plan_args_defaults():
   args, rest = plan.PlanArgs.parse(["plan", "configs/base.yml", "max_candidates=3", "steps=5"])
   assert dataclasses.asdict(args)["max_candidates"] == 3 and rest == ["plan", "configs/base.yml", "steps=5"]
+
+
+def test_compiled_candidates_are_ranked_by_the_step_time_model():
+  """The step-time model's MFU ranks, not the compiler's; host offload and DCN, which the model
+  prices, are no caveat then; without the model the compiler's figure ranks, caveats and all."""
+  topology = accelerators.tpu_topology("v5e-4")
+  args, rest = plan.PlanArgs.parse(argv(compile_topology="v5e-4", max_candidates=2, **TINY))
+  overrides = startup.read_overrides(rest)
+  config = config_lib.build_config(overrides, topology.target(), default_run_name="plan")
+  first, second = plan.shortlist(args, overrides, config, topology, 1)[0][:2]
+  hbm, chips, seq_len, peak = 16 * 2**30, 4, config.data.max_target_length, 197.0
+
+  def compiled(step_s: float, model_mfu: float | None) -> dict:
+    result = {"status": "compiled", "compile_s": 1.0, "total": 2**30, "step_s": step_s}
+    if model_mfu is None:
+      return dict(result, model_error="no network figures")
+    return dict(result, model_step_s=step_s * 2, model_mfu=model_mfu, model_lines=["step-time model", "  compute"])
+
+  first.result, second.result = compiled(1e-3, 0.30), compiled(2e-3, 0.50)  # the compiler prefers the first
+  rows, best = plan.rank_compiled([first, second], hbm, chips, seq_len, peak)
+  assert best is not None and best[0] is second and best[1].by_model and best[1].mfu == 0.50
+  assert rows[1][plan.HEADER.index("model MFU")] == "50.0%"
+
+  first.estimate = dataclasses.replace(first.estimate, caveats=("host offload",))
+  first.result = compiled(1e-3, 0.60)
+  assert plan.rank_compiled([first, second], hbm, chips, seq_len, peak)[1][0] is first  # priced by the model
+
+  first.result, second.result = compiled(1e-3, None), compiled(2e-3, None)
+  _, best = plan.rank_compiled([first, second], hbm, chips, seq_len, peak)
+  assert best is not None and best[0] is second and not best[1].by_model  # the offload caveat holds again
+  first.estimate = dataclasses.replace(first.estimate, caveats=())
+  _, best = plan.rank_compiled([first, second], hbm, chips, seq_len, peak)
+  assert best is not None and best[0] is first and best[1].caveats == ()
