@@ -24,6 +24,7 @@ import jax
 from jax.sharding import AbstractMesh
 
 from MaxText.training import metrics, optimizers
+from MaxText.aot.step_time.network import NETWORKS, Network
 from MaxText.platform import accelerators, sharding
 from MaxText.configuration import remat_policies
 from MaxText.configuration.config_groups import OptimConfig
@@ -43,10 +44,15 @@ class Links:
   host: float
 
 
+def _from_network(network: Network) -> Links:
+  return Links(ici=network.ici_bidirectional / 2, dcn=network.dcn_per_chip, host=network.host_link)
+
+
+# The generations the step-time model has published figures for take them from its table
+# (aot/step_time/network.py, sources in AOT.md), so the two models price one network.
 LINKS: dict[str, Links] = {
     "v4": Links(ici=300e9, dcn=100e9 / 8 / 4, host=16e9),
-    "v5e": Links(ici=200e9, dcn=200e9 / 8 / 4, host=16e9),
-    "v5p": Links(ici=600e9, dcn=200e9 / 8 / 4, host=32e9),
+    **{name: _from_network(network) for name, network in NETWORKS.items()},
     "v6e": Links(ici=448e9, dcn=400e9 / 8 / 4, host=32e9),
 }
 
