@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,17 @@ def _wandb_records(path: Path) -> list:
   return records
 
 
+def _closed_wandb_records(path: Path, timeout_s: float = 60.0) -> list:
+  """The records once the run's exit record is in: W&B's service process writes the file and may
+  still be flushing it when `finish()` returns."""
+  deadline = time.monotonic() + timeout_s
+  while True:
+    records = _wandb_records(path)
+    if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+      return records
+    time.sleep(0.2)
+
+
 def _offline_wandb(tmp_path: Path, monkeypatch) -> None:
   pytest.importorskip("wandb")
   for name in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
@@ -173,7 +185,7 @@ def test_wandb_offline_files_hold_the_config_and_each_step(tmp_path, monkeypatch
     guarded.log(step, {"loss": loss, "moe_load_cv/layer_0": 0.5})
   guarded.close()
   (wandb_file,) = (tmp_path / "direct").glob("wandb/offline-run-*-direct/run-direct.wandb")
-  records = _wandb_records(wandb_file)
+  records = _closed_wandb_records(wandb_file)
   assert _history(records) == {1: {"loss": 4.5, "moe_load_cv/layer_0": 0.5}, 2: {"loss": 4.25, "moe_load_cv/layer_0": 0.5}}
   assert _config(records)["run_name"] == "direct"
 
@@ -187,7 +199,7 @@ def test_train_with_wandb_offline_logs_the_config_and_the_losses_of_metrics_json
   run_dir = tmp_path / "tracked"
   jsonl = {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
   (wandb_file,) = run_dir.glob("wandb/offline-run-*-tracked/run-tracked.wandb")
-  records = _wandb_records(wandb_file)
+  records = _closed_wandb_records(wandb_file)
   logged = {step: row["loss"] for step, row in _history(records).items() if "loss" in row}
   assert logged == jsonl and len(logged) == 3
   config = _config(records)
