@@ -14,6 +14,7 @@ import pytest
 from MaxText import train
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
+from MaxText.paths import storage
 from MaxText.training import trackers
 from tests.conftest import REPO_ROOT
 
@@ -84,10 +85,14 @@ def test_bad_tracker_keys_are_one_line_errors(overrides, message):
 
 
 def _event_records(path: Path) -> list:
+  return _event_records_of(path.read_bytes())
+
+
+def _event_records_of(data: bytes) -> list:
   """Event protos of a TFRecord file (length, crc, payload, crc per record)."""
   from tensorboardX.proto import event_pb2
 
-  data, offset, events = path.read_bytes(), 0, []
+  offset, events = 0, []
   while offset < len(data):
     (length,) = struct.unpack("<Q", data[offset:offset + 8])
     events.append(event_pb2.Event.FromString(data[offset + 12:offset + 12 + length]))
@@ -108,6 +113,25 @@ def test_vertex_tensorboard_writes_one_folder_per_run_under_the_vertex_log_dir(t
   assert [(step, v.simple_value) for step, tag, v in values if tag == "loss"] == [(1, 3.5), (2, 3.0)]
   (config_text,) = [v.tensor.string_val[0].decode() for _, tag, v in values if tag.startswith("config")]
   assert "    run_name: vrun" in config_text.splitlines()
+
+
+def test_vertex_tensorboard_writes_to_a_bucket_through_the_storage_layer(gcs_bucket):
+  config = Config.for_testing(run_name="remote", base_output_directory=f"{gcs_bucket}/out",
+                              vertex_tensorboard_dir=f"{gcs_bucket}/tb-logs")
+  tracker = trackers.VertexTensorboardTracker(config)
+  tracker.log(1, {"loss": 2.5})
+  tracker.close()
+  (events,) = storage.glob(f"{gcs_bucket}/tb-logs/remote/events.out.tfevents.*")
+  assert not (REPO_ROOT / "gs:").exists()  # nothing landed on local disk under a mangled 'gs:' folder
+  tags = {v.tag for e in _event_records_of(storage.read_bytes(events)) for v in e.summary.value}
+  assert "loss" in tags
+
+
+def test_wandb_without_its_package_is_a_one_line_setup_error(tmp_path, monkeypatch):
+  monkeypatch.setattr(trackers, "wandb", None)
+  config = Config.for_testing(run_name="t", base_output_directory=str(tmp_path), metric_trackers="wandb")
+  with pytest.raises(ConfigError, match="metric_trackers=wandb needs the wandb package: pip install wandb"):
+    trackers.Trackers.open(config)
 
 
 def _wandb_records(path: Path) -> list:
