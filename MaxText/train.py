@@ -85,6 +85,7 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None, argv:
   checkpoints = checkpointing.RunCheckpoints.for_run(config.checkpoint) if config.checkpoint.enable_checkpointing else None
   check_resume(config, checkpoints)
   check_sources(config.data)
+  trackers.check_installed(config.run)
   run_dir = config.run.run_dir
   target = config.target
   log(f"devices: {target.num_devices} x {target.device_kind} ({target.platform}), "

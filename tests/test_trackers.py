@@ -130,8 +130,9 @@ def test_vertex_tensorboard_writes_to_a_bucket_through_the_storage_layer(gcs_buc
 def test_wandb_without_its_package_is_a_one_line_setup_error(tmp_path, monkeypatch):
   monkeypatch.setattr(trackers, "wandb", None)
   config = Config.for_testing(run_name="t", base_output_directory=str(tmp_path), metric_trackers="wandb")
-  with pytest.raises(ConfigError, match="metric_trackers=wandb needs the wandb package: pip install wandb"):
-    trackers.Trackers.open(config)
+  for check in (lambda: trackers.check_installed(config.run), lambda: trackers.Trackers.open(config)):
+    with pytest.raises(ConfigError, match="metric_trackers=wandb needs the wandb package: pip install wandb"):
+      check()
 
 
 def _wandb_records(path: Path) -> list:

@@ -26,7 +26,7 @@ import sys
 from typing import Any, Callable, Mapping, Protocol, cast
 
 from MaxText.configuration.config import Config
-from MaxText.configuration.config_groups import METRIC_TRACKERS
+from MaxText.configuration.config_groups import METRIC_TRACKERS, RunConfig
 from MaxText.errors import ConfigError
 from MaxText.paths import storage
 from MaxText.training import metrics
@@ -49,11 +49,16 @@ def _numbers(scalars: Mapping[str, Any]) -> dict[str, float]:
   return {k: float(v) for k, v in scalars.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
+def check_installed(run: RunConfig) -> None:
+  """A tracker's missing package is a setup error, reported before the run builds anything."""
+  if "wandb" in run.metric_trackers and wandb is None:
+    raise ConfigError("metric_trackers=wandb needs the wandb package: pip install wandb "
+                      "(or EXTRAS=tracking bash setup.sh), or drop wandb from metric_trackers")
+
+
 class WandbTracker:
   def __init__(self, config: Config):
-    if wandb is None:
-      raise ConfigError("metric_trackers=wandb needs the wandb package: pip install wandb "
-                        "(or EXTRAS=tracking bash setup.sh), or drop wandb from metric_trackers")
+    check_installed(config.run)
     run = config.run
     local_dir = None if storage.is_remote(run.run_dir) else storage.resolve(run.run_dir)
     if local_dir is not None:
