@@ -14,7 +14,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1
 
 WORKDIR /app
-COPY setup.sh pyproject.toml requirements.txt requirements-test.txt requirements-hf.txt README.md LICENSE ./
+COPY setup.sh pyproject.toml requirements.txt requirements-test.txt requirements-hf.txt requirements-tracking.txt README.md LICENSE ./
 # An empty package is enough for setup.sh's editable install; the real one replaces it below
 # and the editable install keeps pointing at /app/MaxText.
 RUN mkdir -p MaxText && touch MaxText/__init__.py \

@@ -5,6 +5,7 @@
 #   EXTRAS=test bash setup.sh          # also the test dependencies (pytest, the GCS test server, and hf)
 #   EXTRAS=hf bash setup.sh            # also CPU torch + transformers (the logit checker)
 #   EXTRAS=eval bash setup.sh          # also lm-eval (eval_tasks: downstream tasks during training)
+#   EXTRAS=tracking bash setup.sh      # also wandb (metric_trackers=wandb: Weights & Biases)
 #   MODE=stable|nightly bash setup.sh  # stable (default): released JAX in JAX_RANGE; nightly: the
 #                                      # newest pre-release jax/jaxlib (+ libtpu, + the CUDA 13 plugin
 #                                      # for DEVICE=gpu) from JAX's nightly wheel index, over the
@@ -65,6 +66,9 @@ else
   fi
   if [[ ",$EXTRAS," == *",eval,"* ]]; then
     pip_install --quiet -r requirements-eval.txt
+  fi
+  if [[ ",$EXTRAS," == *",tracking,"* ]]; then
+    pip_install --quiet -r requirements-tracking.txt
   fi
 fi
 pip_install --quiet --no-deps -e .

@@ -23,7 +23,7 @@ from MaxText.run_dir import checkpointing
 from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib
 from MaxText import startup
-from MaxText.training import health, run_assembly, run_start, task_eval
+from MaxText.training import health, run_assembly, run_start, task_eval, trackers
 from MaxText.input_pipeline.tokenizer import load_tokenizer
 from MaxText.run_dir import preemption, run_lease
 from MaxText.configuration import run_record
@@ -85,6 +85,7 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None, argv:
   checkpoints = checkpointing.RunCheckpoints.for_run(config.checkpoint) if config.checkpoint.enable_checkpointing else None
   check_resume(config, checkpoints)
   check_sources(config.data)
+  trackers.check_installed(config.run)
   run_dir = config.run.run_dir
   target = config.target
   log(f"devices: {target.num_devices} x {target.device_kind} ({target.platform}), "
@@ -158,7 +159,7 @@ def add_hooks(trainer: Trainer, run: run_assembly.Run, checkpoints: checkpointin
   config, settings = run.config, run.config.run
   is_primary = jax.process_index() == 0
   writer = metrics.MetricWriter(settings.run_dir, settings.enable_jsonl_metrics, settings.enable_tensorboard,
-                                resume_step=start_step) if is_primary else None
+                                resume_step=start_step, sinks=[trackers.Trackers.open(config)]) if is_primary else None
   if lease is not None:
     trainer.add_hook(LeaseHook(lease), every=1)
   # Before the logging hook: its on_end closes the metric writer, which goodput's on_end still uses.

@@ -29,6 +29,8 @@ DATASET_TYPES = ("synthetic", "tfds", "hf", "grain")
 TOKENIZER_TYPES = ("sentencepiece", "tiktoken", "huggingface")  # input_pipeline/tokenizer.py reads each
 SAMPLING_STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
 KV_CACHE_LAYOUTS = ("dense", "paged")
+METRIC_TRACKERS = ("wandb", "vertex_tensorboard")  # training/trackers.py: one class per name
+WANDB_MODES = ("", "online", "offline", "disabled")
 
 
 def _fill_auto_axis(degrees: dict[MeshAxis, int], total: int, group: Group) -> dict[MeshAxis, int]:
@@ -321,6 +323,11 @@ class RunConfig:
   init_weights_seed: int = key()
   enable_tensorboard: bool = key()
   enable_jsonl_metrics: bool = key()
+  metric_trackers: tuple[str, ...] = key()  # beside JSONL/TensorBoard (training/trackers.py)
+  wandb_project: str = key()
+  wandb_entity: str = key()  # "" = the account's default entity
+  wandb_mode: str = key()  # "" = wandb's own choice (WANDB_MODE, else online)
+  vertex_tensorboard_dir: str = key()  # "" = $AIP_TENSORBOARD_LOG_DIR, else <run_dir>/vertex_tensorboard
   print_config: bool = key()
   cpu_peak_tflops: float = key()
   profiler: str = key()  # "" (off) or "xplane"
@@ -354,7 +361,21 @@ class RunConfig:
     _require("/" not in run_name, f"run_name must not contain '/', got {run_name!r}")
     _require(v["profiler"] in ("", "xplane"), f"profiler must be '' (off) or 'xplane', got {v['profiler']!r}")
     _require(v["profile_start_step"] >= 0, f"profile_start_step must be >= 0, got {v['profile_start_step']}")
-    return cls(**read_keys(cls, v), run_dir=storage.join(v["base_output_directory"], run_name))
+    values = read_keys(cls, v, metric_trackers=_metric_trackers(v))
+    _one_of(v, "wandb_mode", WANDB_MODES)
+    _require("wandb" not in values["metric_trackers"] or bool(v["wandb_project"]),
+             "metric_trackers names wandb but wandb_project is empty; set wandb_project=<your W&B project>")
+    return cls(**values, run_dir=storage.join(v["base_output_directory"], run_name))
+
+
+def _metric_trackers(v: Mapping[str, Any]) -> tuple[str, ...]:
+  names = v["metric_trackers"]
+  if isinstance(names, str):  # metric_trackers=wandb,vertex_tensorboard on the command line
+    names = [n.strip() for n in names.split(",") if n.strip()]
+  _require(isinstance(names, (list, tuple)) and all(n in METRIC_TRACKERS for n in names),
+           f"metric_trackers must be a list of {', '.join(METRIC_TRACKERS)}; got {names!r}")
+  _require(len(set(names)) == len(names), f"metric_trackers names a tracker twice: {list(names)}")
+  return tuple(names)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

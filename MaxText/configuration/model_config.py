@@ -20,7 +20,7 @@ from MaxText.configuration.vision_config import VisionConfig
 if TYPE_CHECKING:
   from MaxText.configuration.config_groups import MeshConfig
 
-QUANTIZATION_MODES = ("", "int8", "fp8")  # mirrors layers/quantization.py (config must not import layers)
+QUANTIZATION_MODES = ("", "int8", "fp8", "mxfp8")  # layers/quantization.py runs each
 ATTENTION_KINDS = ("dot_product", "flash", "cudnn_flash", "autoselected")
 CONTEXT_PARALLEL_STRATEGIES = ("all_gather", "ring", "all_to_all")  # layers/context_parallel.py, ring_attention.py
 MOE_DISPATCHES = ("all_to_all", "gather")
@@ -247,7 +247,7 @@ class ModelConfig:
   logits_dot_in_fp32: bool = key()
   remat_policy: str = key()
   max_target_length: int = key(fixed_on_resume=DATA_POSITION)
-  quantization: str = key()  # "" | int8 | fp8: the decoder stack's matmuls (layers/quantization.py)
+  quantization: str = key()  # "" | int8 | fp8 | mxfp8: the decoder stack's matmuls (layers/quantization.py)
   pipeline: PipelineConfig = record(PipelineConfig)
   lora: LoraConfig = record(LoraConfig)
   # Derived: sizes after global_parameter_scale.
@@ -382,7 +382,7 @@ def _check_context_parallel(v: Mapping[str, Any], degree: int, num_q: int, num_k
 def _check_quantization(v: Mapping[str, Any]) -> None:
   mode = v["quantization"]
   _require(mode in QUANTIZATION_MODES,
-           f"quantization must be one of \"\", int8, fp8; got {mode!r} (\"\" trains in dtype)")
+           f"quantization must be one of \"\", int8, fp8, mxfp8; got {mode!r} (\"\" trains in dtype)")
   _require(not (mode and v["num_experts"] > 1 and v["sparse_matmul"]),
            f"quantization={mode} does not cover sparse_matmul's ragged_dot experts; set sparse_matmul=False "
            "(the padded expert matmuls are quantized) or quantization=\"\"")

@@ -1,4 +1,4 @@
-"""Low-precision training matmuls: int8 (AQT-style) and fp8, selected by `quantization`.
+"""Low-precision training matmuls: int8 (AQT-style), fp8 and mxfp8 (mxfp8.py), selected by `quantization`.
 
 `quantized_dot_general(mode, lhs, rhs, dimension_numbers)` is a drop-in for
 `jax.lax.dot_general` with lhs = activations and rhs = weights. `DenseGeneral` and the
@@ -41,7 +41,9 @@ from typing import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 
-QUANTIZATION_MODES = ("", "int8", "fp8")
+from MaxText.configuration.model_config import QUANTIZATION_MODES
+from MaxText.layers.mxfp8 import mxfp8_dot_general
+
 DotDims = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
 
 _INT8_MAX = 127.0
@@ -171,6 +173,8 @@ def quantized_dot_general(mode: str, lhs: jax.Array, rhs: jax.Array, dims: DotDi
     return int8_dot_general(lhs, rhs, dims)
   if mode == "fp8":
     return fp8_dot_general(lhs, rhs, dims)
+  if mode == "mxfp8":
+    return mxfp8_dot_general(lhs, rhs, dims)
   raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}; got {mode!r}")
 
 

@@ -37,7 +37,7 @@ import dataclasses
 import json
 import math
 import sys
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -194,7 +194,7 @@ class _ObjectRecordWriterFactory:
     pass  # object stores have no directories to create
 
 
-def _tensorboardx_summary_writer() -> Any:
+def tensorboard_summary_writer() -> Any:
   """tensorboardX's SummaryWriter, with the `gs` writer registered, imported without torch:
   tensorboardX imports torch, when it is installed, only to accept torch tensors, which a run
   never hands it, and torch's import is the larger part of a training process's start-up.
@@ -211,15 +211,25 @@ def _tensorboardx_summary_writer() -> Any:
   return SummaryWriter
 
 
+class ScalarSink(Protocol):
+  """Where else the writer sends every scalar it writes (the experiment trackers, trackers.py)."""
+
+  def log(self, step: int, scalars: Mapping[str, Any]) -> None: ...
+
+  def close(self) -> None: ...
+
+
 class MetricWriter:
-  """Writes each logged step's scalars to metrics.jsonl and TensorBoard (process 0 only).
+  """Writes each logged step's scalars to metrics.jsonl, TensorBoard and the `sinks` (process 0 only).
 
   `run_dir` may be local or gs:// (TensorBoard events there through `_ObjectRecordWriter`)."""
 
-  def __init__(self, run_dir: str, enable_jsonl: bool, enable_tensorboard: bool, resume_step: int = 0):
+  def __init__(self, run_dir: str, enable_jsonl: bool, enable_tensorboard: bool, resume_step: int = 0,
+               sinks: Sequence[ScalarSink] = ()):
     """A fresh run (resume_step 0) starts metrics.jsonl anew; a run resumed from a checkpoint
     keeps the lines up to that step and drops later ones, which the killed run logged but
     the resumed run will log again."""
+    self._sinks = list(sinks)
     storage.makedirs(run_dir)
     jsonl_path = storage.join(run_dir, "metrics.jsonl")
     self._jsonl: storage.LineLog | None = None
@@ -228,7 +238,7 @@ class MetricWriter:
       self._jsonl = storage.LineLog(jsonl_path, kept)
     self._tb = None
     if enable_tensorboard:
-      self._tb = _tensorboardx_summary_writer()(storage.join(storage.resolve(run_dir), "tensorboard"))
+      self._tb = tensorboard_summary_writer()(storage.join(storage.resolve(run_dir), "tensorboard"))
 
   def write(self, step: int, scalars: Mapping[str, Any]) -> None:
     if self._jsonl is not None:
@@ -240,6 +250,8 @@ class MetricWriter:
     """Run-level figures (the goodput summary) go to TensorBoard only: metrics.jsonl holds one
     record per logged step, so `[json.loads(l)["loss"] for l in f]` keeps working; the run's
     summaries have files of their own (goodput.json)."""
+    for sink in self._sinks:
+      sink.log(step, scalars)
     if self._tb is not None:
       for key, value in scalars.items():
         if isinstance(value, (int, float)) and not math.isnan(value):
@@ -255,6 +267,9 @@ class MetricWriter:
       if self._jsonl is not None:
         self._jsonl.close()
     finally:
+      for sink in self._sinks:
+        sink.close()
+      self._sinks = []
       if self._tb is not None:
         self._tb.flush()
         self._tb.close()
