@@ -128,7 +128,7 @@ def test_vertex_tensorboard_writes_to_a_bucket_through_the_storage_layer(gcs_buc
 
 
 def test_wandb_without_its_package_is_a_one_line_setup_error(tmp_path, monkeypatch):
-  monkeypatch.setattr(trackers, "wandb", None)
+  monkeypatch.setattr(trackers, "WANDB_MODULE", "wandb_not_installed_here")
   config = Config.for_testing(run_name="t", base_output_directory=str(tmp_path), metric_trackers="wandb")
   for check in (lambda: trackers.check_installed(config.run), lambda: trackers.Trackers.open(config)):
     with pytest.raises(ConfigError, match="metric_trackers=wandb needs the wandb package: pip install wandb"):

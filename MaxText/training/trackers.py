@@ -22,6 +22,8 @@ from __future__ import annotations
 import functools
 import math
 import os
+import importlib
+import importlib.util
 import sys
 from typing import Any, Callable, Mapping, Protocol, cast
 
@@ -31,10 +33,9 @@ from MaxText.errors import ConfigError
 from MaxText.paths import storage
 from MaxText.training import metrics
 
-try:  # an optional extra (requirements-tracking.txt): only metric_trackers=wandb needs it
-  import wandb
-except ImportError:  # pragma: no cover - exercised where the extra is not installed
-  wandb = None  # type: ignore[assignment]
+# An optional extra (requirements-tracking.txt), imported only by a run that names it: its import
+# would otherwise add to every process start.
+WANDB_MODULE = "wandb"
 
 VERTEX_LOG_DIR_ENV = "AIP_TENSORBOARD_LOG_DIR"
 
@@ -51,7 +52,7 @@ def _numbers(scalars: Mapping[str, Any]) -> dict[str, float]:
 
 def check_installed(run: RunConfig) -> None:
   """A tracker's missing package is a setup error, reported before the run builds anything."""
-  if "wandb" in run.metric_trackers and wandb is None:
+  if "wandb" in run.metric_trackers and importlib.util.find_spec(WANDB_MODULE) is None:
     raise ConfigError("metric_trackers=wandb needs the wandb package: pip install wandb "
                       "(or EXTRAS=tracking bash setup.sh), or drop wandb from metric_trackers")
 
@@ -59,6 +60,7 @@ def check_installed(run: RunConfig) -> None:
 class WandbTracker:
   def __init__(self, config: Config):
     check_installed(config.run)
+    wandb = importlib.import_module(WANDB_MODULE)
     run = config.run
     local_dir = None if storage.is_remote(run.run_dir) else storage.resolve(run.run_dir)
     if local_dir is not None:
