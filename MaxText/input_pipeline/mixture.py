@@ -59,7 +59,7 @@ def draw_sources(seed: int, batch: int, num_rows: int, probabilities: np.ndarray
 
 class MixtureBatchIterator(BatchIterator):
   """Global batches whose rows come from `sources` with `weights` (changed by `stages` from their
-  steps on). `token_counts()` gives the last batch's target tokens per source, over all processes."""
+  steps on). `host_metrics()` gives target tokens per source, over all processes, for the step's metrics."""
 
   def __init__(self, sources: Sequence[OpenedSource], weights: Sequence[float], stages: Sequence[MixtureStage],
                seed: int, shard: HostShard, sharding: NamedSharding, global_batch: int, length: int, packing: bool,
@@ -73,6 +73,7 @@ class MixtureBatchIterator(BatchIterator):
     self._cursors = [DocumentCursor(s.read_from, s.max_empty_run, explain_empty=explain_empty) for s in sources]
     self._batches = 0  # the next batch the producer makes
     self.total_tokens = dict.fromkeys(self.names, 0)  # target tokens per source handed out over the run
+    self.last_tokens = dict.fromkeys(self.names, 0)
 
   def _produce(self) -> tuple[dict[str, np.ndarray], MixturePosition]:
     probabilities = weights_at(self._batches, self._weights, self._stages)
@@ -95,10 +96,17 @@ class MixtureBatchIterator(BatchIterator):
     position = MixturePosition(self._batches, tuple(c.position for c in self._cursors))
     return {**rows, "_num_real": np.asarray(self.shard.rows), "_tokens": tokens, "_source_of_row": mine}, position
 
-  def token_counts(self) -> dict[str, int]:
-    """Target tokens of each source in the batch last handed out, summed over the data shards.
-    With several processes every process must call it after every batch (the trainer does)."""
-    mine = np.asarray(self.extras.get("_tokens", np.zeros(len(self.names), np.int64)))
+  def __next__(self) -> dict[str, jax.Array]:
+    batch = super().__next__()
+    self.last_tokens = self._gather_tokens()
+    for name, count in self.last_tokens.items():
+      self.total_tokens[name] += count
+    return batch
+
+  def _gather_tokens(self) -> dict[str, int]:
+    """Target tokens of each source in the batch just handed out, summed over the data shards
+    (every process hands out every batch, so the gather lines up)."""
+    mine = np.asarray(self.extras["_tokens"])
     if jax.process_count() > 1:
       rows = np.asarray(multihost_utils.process_allgather(np.concatenate([[self.shard.index], mine])))
       by_shard = {int(row[0]): row[1:] for row in rows.reshape(-1, len(mine) + 1)}  # replicas count once
@@ -106,11 +114,8 @@ class MixtureBatchIterator(BatchIterator):
     return {name: int(count) for name, count in zip(self.names, mine)}
 
   def host_metrics(self) -> dict[str, float]:
-    """The step's tokens per source and their totals over the run (the realised mixture)."""
-    counts = self.token_counts()
-    for name, count in counts.items():
-      self.total_tokens[name] += count
-    return {**{f"data/tokens/{name}": float(count) for name, count in counts.items()},
+    """The last batch's tokens per source and their totals over the run (the realised mixture)."""
+    return {**{f"data/tokens/{name}": float(count) for name, count in self.last_tokens.items()},
             **{f"data/total_tokens/{name}": float(count) for name, count in self.total_tokens.items()}}
 
   def get_state(self) -> dict[str, Any]:

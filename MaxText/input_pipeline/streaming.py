@@ -104,6 +104,7 @@ class ShardStream:
     self._encode, self._column, self._seed, self._repeat, self.what = encode, column, shuffle_seed, repeat, what
     # One fetch at a time, ahead of the reader; a daemon-free pool is fine: a fetch is bounded by storage_retry.
     self._fetcher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-read-ahead")
+    self._release = _close_fetched  # held here: a generator closed at interpreter exit outlives the module's globals
 
   def file_of_visit(self, visit: int) -> str | None:
     """The file opened on the `visit`-th visit (None past the end of one-pass data)."""
@@ -140,7 +141,7 @@ class ShardStream:
         visit, row = visit + 1, 0
     finally:
       if ahead is not None:  # abandoned (a seek, the end of the run): release the shard fetched ahead
-        ahead.add_done_callback(_close_fetched)
+        ahead.add_done_callback(self._release)
 
   def _encoded(self, path: str, row: int, record: Any) -> Any:
     try:
