@@ -18,7 +18,7 @@ from array_record.python.array_record_module import ArrayRecordWriter
 
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError, UserError
-from MaxText.input_pipeline import create_data_iterator, streaming
+from MaxText.input_pipeline import create_data_iterator, create_eval_iterator, streaming
 from MaxText.input_pipeline.pipeline import HostShard
 from MaxText.paths import storage
 from MaxText.platform import sharding
@@ -171,3 +171,29 @@ def test_bad_shards_are_one_line_each(spm_model, tmp_path):
   with pytest.raises(UserError, match=r"bad.jsonl record 2: is not JSON") as error:
     _take(_iterator(_values(spm_model, stream_train_files=str(tmp_path / "bad.jsonl"))), 2)
   assert "\n" not in str(error.value)
+
+
+def test_eval_reads_the_shards_once_then_pads_and_reset_starts_over(spm_model, shards):
+  config = Config.for_testing(**_values(spm_model, stream_train_files=str(shards / "*.jsonl"), eval_interval=5,
+                                        stream_eval_files=str(shards / "shard-00[01].jsonl")))
+  evaluation = create_eval_iterator(config, sharding.create_mesh(config.mesh))
+  first = _take(evaluation, 40)
+  real = [b for b in first if b["targets_segmentation"].any()]
+  assert 0 < len(real) < 40 and not first[-1]["targets_segmentation"].any()  # ran out, then padding
+  evaluation.reset()
+  _assert_same(_take(evaluation, len(real)), real)
+
+
+def test_a_stream_in_a_mixture_resumes_exactly(spm_model, shards, prepared):
+  values = _values(spm_model, dataset_type="grain", data_prefetch_batches=2, data_mixture=[
+      {"name": "books", "weight": 1, "grain_train_files": str(prepared / "arrayrecord" / "train.array_record")},
+      {"name": "shards", "weight": 2, "dataset_type": "stream", "stream_train_files": str(shards / "*.parquet")}])
+  data = _iterator(values)
+  _take(data, 6)
+  state = json.loads(json.dumps(data.get_state()))
+  expected = _take(data, 10)
+  data.close()
+  resumed = _iterator(values)
+  resumed.set_state(state)
+  _assert_same(_take(resumed, 10), expected)
+  resumed.close()
