@@ -31,7 +31,9 @@ def _documents() -> list[str]:
   import numpy as np
 
   rng = np.random.default_rng(0)
-  words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet"]
+  letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+  # Enough distinct words for a 1024-token tokenizer.
+  words = ["".join(rng.choice(letters, size=int(rng.integers(2, 9)))) for _ in range(3000)]
   return [" ".join(rng.choice(words, size=int(rng.integers(5, 200)))) for _ in range(8000)]
 
 
