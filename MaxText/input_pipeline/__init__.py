@@ -139,7 +139,8 @@ def _open_source(cfg: DataConfig, shard: pipeline.HostShard, encoder: Any, train
     describe = f"stream {value}"
     stream = streaming.ShardStream(key, value, shard, encoder, column, seed, repeat=train,
                                    what=what.format(describe=describe))
-    # An endless run of unusable documents would hang the packer; a shard file's worth is an error.
+    # An endless run of unusable documents would hang the packer; with no length known up front,
+    # a fixed count of them in a row is the error.
     return (mixture.OpenedSource("", stream.read_from, 1 << 16, describe),
             functools.partial(streaming.describe_position, stream=stream))
   source, describe = open_records(cfg, train)

@@ -146,6 +146,25 @@ def test_a_restored_mixture_gives_the_same_batches(spm_model, prepared, second_c
   resumed.close()
 
 
+def test_tfds_grain_and_hf_sources_mix_and_resume(spm_model, prepared, second_corpus):
+  sources = [*_sources(prepared, second_corpus),
+             dict(name="books", weight=2, dataset_type="tfds", dataset_path=str(prepared / "tfds"),
+                  dataset_name="local_text/corpus")]
+  values = _values(spm_model, prepared, second_corpus, data_mixture=sources)
+  data = _iterator(values)
+  for _ in range(3):
+    next(data)
+  state = data.get_state()
+  expected = [_host(next(data)) for _ in range(5)]
+  assert set(data.total_tokens) == {"web", "code", "books"} and all(data.total_tokens.values())
+  resumed = _iterator(values)
+  resumed.set_state(state)
+  for want in expected:
+    got = _host(next(resumed))
+    for name in want:
+      np.testing.assert_array_equal(got[name], want[name])
+
+
 def test_a_single_source_state_and_a_mixture_state_refuse_each_other(spm_model, prepared, second_corpus):
   mixed = _iterator(_values(spm_model, prepared, second_corpus))
   single = _iterator(_values(spm_model, prepared, second_corpus, data_mixture=[],

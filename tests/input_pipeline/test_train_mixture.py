@@ -70,3 +70,20 @@ def test_a_stream_from_gcs_killed_mid_shard_reruns_bitwise(tmp_path, spm_model, 
   position = state["shards"]["0"]
   visit, row = divmod(position["index"], 1 << 32)
   assert visit >= 1 and (row or position["offset"]), position  # past the first shard, inside another
+
+
+@pytest.mark.slow  # two train.py processes that stop at start-up
+def test_bad_mixtures_stop_train_py_with_one_error_line(tmp_path, spm_model, prepared):
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text("")
+  train_file = prepared / "arrayrecord" / "train.array_record"
+  for mix, message in [
+      (f"[{{name: web, weight: 0, grain_train_files: {train_file}}}]", "data_mixture's weights sum to 0"),
+      (f"[{{name: web, weight: 1, grain_train_files: {train_file}}}, {{name: code, weight: 1, dataset_type: stream, "
+       f"stream_train_files: {empty}}}]", "data_mixture source 'code' (stream"),
+  ]:
+    proc = run(_command(tmp_path, "bad", "dataset_type=grain", f"tokenizer_path={spm_model}", "vocab_size=512",
+                        f"data_mixture={mix}"), env(None), expect=2)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  assert committed_steps(str(tmp_path / "bad")) == []
