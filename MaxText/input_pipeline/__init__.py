@@ -1,6 +1,7 @@
 """Input pipelines: `create_data_iterator(config, mesh)` and `create_eval_iterator(config, mesh)` are
 the front doors; `dataset_type` picks synthetic (generated on device) or a real dataset (tfds, hf,
-grain) tokenised, packed and sharded by `pipeline.py`."""
+grain, stream) tokenised, packed and sharded by `pipeline.py`; `data_mixture` draws the train
+rows from several such sources (`mixture.py`)."""
 
 from __future__ import annotations
 
@@ -126,8 +127,8 @@ def _encoder(config: Config) -> tuple[Any, dict[str, Any]]:
   return encoder, pack
 
 
-def _open_source(cfg: DataConfig, shard: pipeline.HostShard, encoder: Any, train: bool,
-                 what: str) -> tuple[mixture.OpenedSource, Callable[[int], str] | None]:
+def _open_source(cfg: DataConfig, shard: pipeline.HostShard, encoder: Any, train: bool, what: str,
+                 name: str = "") -> tuple[mixture.OpenedSource, Callable[[int], str] | None]:
   """One source's documents for this shard, and how to name a document index (streams)."""
   from MaxText.input_pipeline import mixture, pipeline, streaming
 
@@ -141,14 +142,14 @@ def _open_source(cfg: DataConfig, shard: pipeline.HostShard, encoder: Any, train
                                    what=what.format(describe=describe))
     # An endless run of unusable documents would hang the packer; with no length known up front,
     # a fixed count of them in a row is the error.
-    return (mixture.OpenedSource("", stream.read_from, 1 << 16, describe),
+    return (mixture.OpenedSource(name, stream.read_from, 1 << 16, describe),
             functools.partial(streaming.describe_position, stream=stream))
   source, describe = open_records(cfg, train)
   dataset = pipeline.document_dataset(source, shard, encoder, column, seed, repeat=train,
                                       what=what.format(describe=describe), locate=_record_locator(cfg, train))
   # An endless run of unusable documents would hang the packer; one epoch of them is an error.
   max_empty_run = max(len(source) // shard.count, 1)
-  return mixture.OpenedSource("", pipeline.reader(dataset, cfg.grain_worker_count), max_empty_run, describe), None
+  return mixture.OpenedSource(name, pipeline.reader(dataset, cfg.grain_worker_count), max_empty_run, describe), None
 
 
 def _real_data_iterator(config: Config, mesh: Mesh, train: bool) -> BatchIterator:
@@ -160,9 +161,8 @@ def _real_data_iterator(config: Config, mesh: Mesh, train: bool) -> BatchIterato
   encoder, pack = _encoder(config)
   explain_empty = getattr(encoder, "explain_empty", None)
   if train and cfg.data_mixture:
-    sources = [dataclasses.replace(_open_source(source_config(cfg, s), shard, encoder, True,
-                                                f"data_mixture source {s.name!r} ({{describe}})")[0], name=s.name)
-               for s in cfg.data_mixture]
+    sources = [_open_source(source_config(cfg, s), shard, encoder, True,
+                            f"data_mixture source {s.name!r} ({{describe}})", s.name)[0] for s in cfg.data_mixture]
     return mixture.MixtureBatchIterator(sources, [s.weight for s in cfg.data_mixture], cfg.data_mixture_schedule,
                                         cfg.data_shuffle_seed, shard, sharding, cfg.global_batch_size,
                                         cfg.max_target_length, cfg.packing, cfg.data_prefetch_batches,
