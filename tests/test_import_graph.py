@@ -10,7 +10,8 @@ import import_graph
 FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
     **{("MaxText.input_pipeline", f"MaxText.input_pipeline.{m}"): "a data source's readers load its optional "
        "libraries (tensorflow-datasets, datasets, grain, tokenizers) only when that source is configured"
-       for m in ("files", "tokenizer", "chat", "image_sft", "tfds", "hf", "grain", "pipeline", "preference")},
+       for m in ("files", "tokenizer", "chat", "image_sft", "tfds", "hf", "grain", "pipeline", "preference",
+                 "mixture", "streaming")},
     ("MaxText.input_pipeline", "MaxText.paths.storage"): "the package's import stays free of etils for the readers",
     ("MaxText.input_pipeline", "MaxText.errors"): "imported with the readers it serves",
     ("MaxText.input_pipeline.hf", "MaxText.input_pipeline.json_records"): "read only after a failed JSON parse",

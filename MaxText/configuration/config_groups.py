@@ -18,6 +18,7 @@ from MaxText.paths import storage
 from MaxText.platform.accelerators import DeviceTarget
 from MaxText.configuration.config_fields import DATA_POSITION, OPTIMIZER, derived, key, read_keys
 from MaxText.configuration.config_fields import require as _require
+from MaxText.configuration.data_mixture import MixtureSource, MixtureStage, parse_schedule, parse_sources
 from MaxText.errors import ConfigError
 from MaxText.platform.mesh_axes import MESH_AXES, Group, MeshAxis
 from MaxText.configuration.model_config import ModelConfig
@@ -25,7 +26,7 @@ from MaxText.configuration.rl_config import RLConfig
 from MaxText.configuration.task_eval_config import TaskEvalConfig
 from MaxText.configuration.model_config import one_of as _one_of, positive as _positive
 
-DATASET_TYPES = ("synthetic", "tfds", "hf", "grain")
+DATASET_TYPES = ("synthetic", "tfds", "hf", "grain", "stream")
 TOKENIZER_TYPES = ("sentencepiece", "tiktoken", "huggingface")  # input_pipeline/tokenizer.py reads each
 SAMPLING_STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
 KV_CACHE_LAYOUTS = ("dense", "paged")
@@ -193,6 +194,12 @@ class DataConfig:
   grain_train_files: str = key(fixed_on_resume=DATA_POSITION)
   grain_eval_files: str = key()
   grain_worker_count: int = key()
+  # Shard files streamed one at a time (input_pipeline/streaming.py).
+  stream_train_files: str = key(fixed_on_resume=DATA_POSITION)
+  stream_eval_files: str = key()
+  # Several weighted sources instead of one (configuration/data_mixture.py, input_pipeline/mixture.py).
+  data_mixture: tuple[MixtureSource, ...] = key(fixed_on_resume=DATA_POSITION)
+  data_mixture_schedule: tuple[MixtureStage, ...] = key()
   train_data_columns: tuple[str, ...] = key(fixed_on_resume=DATA_POSITION)
   tokenizer_type: str = key(fixed_on_resume=DATA_POSITION)
   tokenizer_path: str = key(fixed_on_resume=DATA_POSITION)
@@ -235,8 +242,12 @@ class DataConfig:
     _check_images(v)
     if v["use_dpo"]:
       _check_dpo(v, pipelined=dict(mesh.shape)["stage"] > 1)
+    mixture = parse_sources(v["data_mixture"], v)
+    schedule = parse_schedule(v["data_mixture_schedule"], mixture)
+    if mixture:
+      _check_mixture(v, mixture)
     if v["dataset_type"] != "synthetic":
-      _check_real_data(v)
+      _check_real_data(v, mixed=bool(mixture))
     global_batch = v["per_device_batch_size"] * target.num_devices
     _require(float(global_batch).is_integer(), f"per_device_batch_size {v['per_device_batch_size']} x "
              f"{target.num_devices} devices = {global_batch} is not a whole number of sequences")
@@ -247,7 +258,7 @@ class DataConfig:
     _require(global_batch % (batch_shards * accum) == 0,
              f"global batch {global_batch} must split evenly into gradient_accumulation_steps={accum} "
              f"micro-batches over the {batch_shards} devices of data_sharding; raise per_device_batch_size")
-    return cls(**read_keys(cls, v), global_batch_size=global_batch,
+    return cls(**read_keys(cls, v, data_mixture=mixture, data_mixture_schedule=schedule), global_batch_size=global_batch,
                image_size=v["vision_image_size"] if v["max_images_per_row"] else 0)
 
 
@@ -277,10 +288,41 @@ def _check_dpo(v: Mapping[str, Any], pipelined: bool) -> None:
            "use_dpo=True runs the plain forward pass; set pipeline_schedule=gpipe or num_pipeline_stages=1")
 
 
-def _check_real_data(v: Mapping[str, Any]) -> None:
-  """The keys each dataset_type needs. Files and the tokenizer are checked when the data is
-  opened (input_pipeline.check_sources)."""
+def _check_mixture(v: Mapping[str, Any], sources: tuple[MixtureSource, ...]) -> None:
+  _require(v["dataset_type"] != "synthetic", "data_mixture needs dataset_type set to a real type (tfds, hf, grain "
+           "or stream): it is every source's default and the eval data's type")
+  _require(not v["use_grpo"], "data_mixture mixes training documents; use_grpo=True reads prompts (rl_config), "
+           "not a mixture: leave data_mixture empty")
+  for source in sources:
+    _check_train_source(source.values(v), f"data_mixture source {source.name!r}: ")
+
+
+def _check_train_source(v: Mapping[str, Any], who: str = "") -> None:
+  """The keys a training source of v["dataset_type"] needs."""
+  kind = v["dataset_type"]
+  _require(kind in DATASET_TYPES[1:], f"{who}dataset_type must be one of {', '.join(DATASET_TYPES[1:])}; got {kind!r}")
+  if kind == "tfds":
+    _require(bool(v["dataset_name"]), f"{who}dataset_type=tfds needs dataset_name (and dataset_path, its data_dir)")
+    _require(not storage.is_remote(v["dataset_path"]),
+             f"{who}dataset_path={v['dataset_path']}: TFDS data is read through ArrayRecord, which cannot open gs:// "
+             "paths; copy the prepared dataset to local disk (gcloud storage cp -r) or mount the bucket with gcsfuse")
+  elif kind == "hf":
+    _require(bool(v["hf_path"] or v["hf_data_files"]), f"{who}dataset_type=hf needs hf_path or hf_data_files")
+  elif kind == "grain":
+    _require(bool(v["grain_train_files"]), f"{who}dataset_type=grain needs grain_train_files")
+  else:
+    _require(bool(v["stream_train_files"]), f"{who}dataset_type=stream needs stream_train_files (parquet, JSONL "
+             "or ArrayRecord shards, local or gs://)")
+  _require(len(v["train_data_columns"]) == 1,
+           f"{who}train_data_columns must name exactly one text column, got {list(v['train_data_columns'])}")
+
+
+def _check_real_data(v: Mapping[str, Any], mixed: bool = False) -> None:
+  """The keys each dataset_type needs (with a mixture, its sources replace the train keys). Files
+  and the tokenizer are checked when the data is opened (input_pipeline.check_sources)."""
   kind, evaluates = v["dataset_type"], v["eval_interval"] > 0
+  if not mixed:
+    _check_train_source(v)
   _require(len(v["train_data_columns"]) == 1,
            f"train_data_columns must name exactly one text column, got {list(v['train_data_columns'])}")
   _require(v["grain_worker_count"] >= 0 and v["data_prefetch_batches"] >= 0,
@@ -289,19 +331,15 @@ def _check_real_data(v: Mapping[str, Any]) -> None:
   _one_of(v, "tokenizer_type", TOKENIZER_TYPES)
   _require(bool(v["tokenizer_path"]), f"tokenizer_path is empty: dataset_type={kind} needs a tokenizer "
            "(tokenizer_type and tokenizer_path)")
-  if kind == "tfds":
-    _require(bool(v["dataset_name"]), "dataset_type=tfds needs dataset_name (and dataset_path, its data_dir)")
-    _require(not storage.is_remote(v["dataset_path"]),
-             f"dataset_path={v['dataset_path']}: TFDS data is read through ArrayRecord, which cannot open gs:// "
-             "paths; copy the prepared dataset to local disk (gcloud storage cp -r) or mount the bucket with gcsfuse")
-  elif kind == "hf":
-    _require(bool(v["hf_path"] or v["hf_data_files"]), "dataset_type=hf needs hf_path or hf_data_files")
+  if kind == "hf":
     _require(not evaluates or bool(v["hf_eval_files"] or (v["hf_path"] and not v["hf_data_files"])),
              "eval_interval > 0 with hf_data_files needs hf_eval_files (the eval split's files)")
-  else:
-    _require(bool(v["grain_train_files"]), "dataset_type=grain needs grain_train_files")
+  elif kind == "grain":
     _require(not evaluates or bool(v["grain_eval_files"]), "eval_interval > 0 with dataset_type=grain "
              "needs grain_eval_files")
+  elif kind == "stream":
+    _require(not evaluates or bool(v["stream_eval_files"]), "eval_interval > 0 with dataset_type=stream "
+             "needs stream_eval_files")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,19 +1,23 @@
 """Input pipelines: `create_data_iterator(config, mesh)` and `create_eval_iterator(config, mesh)` are
 the front doors; `dataset_type` picks synthetic (generated on device) or a real dataset (tfds, hf,
-grain) tokenised, packed and sharded by `pipeline.py`."""
+grain, stream) tokenised, packed and sharded by `pipeline.py`; `data_mixture` draws the train
+rows from several such sources (`mixture.py`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 from jax.sharding import Mesh
 
+from MaxText.configuration.data_mixture import MixtureSource
 from MaxText.input_pipeline import packing
 from MaxText.input_pipeline.synthetic import Batch, SyntheticIterator
 from MaxText.platform.sharding import batch_sharding
 
 if TYPE_CHECKING:
+  from MaxText.input_pipeline import mixture, pipeline
   from MaxText.configuration.config import Config
   from MaxText.configuration.config_groups import DataConfig
 
@@ -36,6 +40,16 @@ class BatchIterator(Protocol):
   def set_state(self, state: dict[str, Any]) -> None: ...
 
 
+_FILE_KEYS = {"hf": ("hf_data_files", "hf_eval_files"), "grain": ("grain_train_files", "grain_eval_files"),
+              "stream": ("stream_train_files", "stream_eval_files")}
+
+
+def source_config(cfg: DataConfig, source: MixtureSource) -> DataConfig:
+  """The data keys as one source of the mixture sees them (its own keys in place, no eval split)."""
+  return dataclasses.replace(cfg, **dict(source.keys), data_mixture=(), hf_eval_files="", grain_eval_files="",
+                             stream_eval_files="")
+
+
 def check_sources(cfg: DataConfig) -> None:
   """Opens what a real dataset_type names before any state is built, so a missing file, a bad
   glob or a tokenizer larger than vocab_size stops the run at once (config validation does no I/O)."""
@@ -45,12 +59,16 @@ def check_sources(cfg: DataConfig) -> None:
   from MaxText.errors import ConfigError
   from MaxText.input_pipeline import files, tokenizer
 
-  if cfg.dataset_type == "tfds" and cfg.dataset_path and not storage.is_dir(cfg.dataset_path):
-    raise ConfigError(f"dataset_path {cfg.dataset_path} is not a directory")
-  for key in ("hf_data_files", "hf_eval_files") if cfg.dataset_type == "hf" else \
-      ("grain_train_files", "grain_eval_files") if cfg.dataset_type == "grain" else ():
-    if getattr(cfg, key):
-      files.expand_files(key, getattr(cfg, key))
+  for source_cfg, who in [(cfg, "")] + [(source_config(cfg, s), f"data_mixture source {s.name!r}: ")
+                                        for s in cfg.data_mixture]:
+    if source_cfg.dataset_type == "tfds" and source_cfg.dataset_path and not storage.is_dir(source_cfg.dataset_path):
+      raise ConfigError(f"{who}dataset_path {source_cfg.dataset_path} is not a directory")
+    for key in _FILE_KEYS.get(source_cfg.dataset_type, ()):
+      if getattr(source_cfg, key):
+        try:
+          files.expand_files(key, getattr(source_cfg, key))
+        except ConfigError as e:
+          raise ConfigError(f"{who}{e}") from None
   if cfg.use_sft or cfg.use_dpo or cfg.use_grpo:
     from MaxText.input_pipeline import chat
 
@@ -80,14 +98,11 @@ def open_records(cfg: DataConfig, train: bool) -> tuple[Sequence[Any], str]:
                             else ("grain_eval_files", cfg.grain_eval_files)))
 
 
-def _real_data_iterator(config: Config, mesh: Mesh, train: bool) -> BatchIterator:
-  from MaxText.input_pipeline import pipeline
+def _encoder(config: Config) -> tuple[Any, dict[str, Any]]:
+  """The document encoder of the run's data keys and the packer's arguments it needs."""
   from MaxText.input_pipeline.tokenizer import DocumentEncoder, load_tokenizer
 
   cfg = config.data
-  sharding = batch_sharding(mesh, config.mesh.data_sharding)
-  shard = pipeline.host_shard(sharding, cfg.global_batch_size, cfg.max_target_length)
-  source, describe = open_records(cfg, train)
   encoder: Any
   pack: dict[str, Any] = {}
   if cfg.use_dpo:
@@ -109,17 +124,55 @@ def _real_data_iterator(config: Config, mesh: Mesh, train: bool) -> BatchIterato
                                        images=packing.ImageSlots(cfg.max_images_per_row, cfg.image_size))
   else:
     encoder = DocumentEncoder(load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path), cfg.add_bos, cfg.add_eos)
+  return encoder, pack
+
+
+def _open_source(cfg: DataConfig, shard: pipeline.HostShard, encoder: Any, train: bool, what: str,
+                 name: str = "") -> tuple[mixture.OpenedSource, Callable[[int], str] | None]:
+  """One source's documents for this shard, and how to name a document index (streams)."""
+  from MaxText.input_pipeline import mixture, pipeline, streaming
+
   seed = cfg.data_shuffle_seed if (train and cfg.enable_data_shuffling) else None
-  what = f"the {'train' if train else 'eval'} data ({describe})"
-  whole_record = cfg.use_sft or cfg.use_dpo
-  dataset = pipeline.document_dataset(source, shard, encoder, None if whole_record else cfg.text_column, seed,
-                                      repeat=train, what=what, locate=_record_locator(cfg, train))
+  column = None if (cfg.use_sft or cfg.use_dpo) else cfg.text_column  # fine-tuning encoders take whole records
+  if cfg.dataset_type == "stream":
+    key, value = ("stream_train_files", cfg.stream_train_files) if train else \
+        ("stream_eval_files", cfg.stream_eval_files)
+    describe = f"stream {value}"
+    stream = streaming.ShardStream(key, value, shard, encoder, column, seed, repeat=train,
+                                   what=what.format(describe=describe))
+    # An endless run of unusable documents would hang the packer; with no length known up front,
+    # a fixed count of them in a row is the error.
+    return (mixture.OpenedSource(name, stream.read_from, 1 << 16, describe),
+            functools.partial(streaming.describe_position, stream=stream))
+  source, describe = open_records(cfg, train)
+  dataset = pipeline.document_dataset(source, shard, encoder, column, seed, repeat=train,
+                                      what=what.format(describe=describe), locate=_record_locator(cfg, train))
   # An endless run of unusable documents would hang the packer; one epoch of them is an error.
-  epoch = len(source) // shard.count
-  return pipeline.PackedBatchIterator(dataset, shard, sharding, cfg.global_batch_size, cfg.max_target_length,
-                                      cfg.packing, cfg.grain_worker_count, cfg.data_prefetch_batches,
-                                      max_empty_run=max(epoch, 1), describe=describe,
-                                      explain_empty=getattr(encoder, "explain_empty", None), **pack)
+  max_empty_run = max(len(source) // shard.count, 1)
+  return mixture.OpenedSource(name, pipeline.reader(dataset, cfg.grain_worker_count), max_empty_run, describe), None
+
+
+def _real_data_iterator(config: Config, mesh: Mesh, train: bool) -> BatchIterator:
+  from MaxText.input_pipeline import mixture, pipeline
+
+  cfg = config.data
+  sharding = batch_sharding(mesh, config.mesh.data_sharding)
+  shard = pipeline.host_shard(sharding, cfg.global_batch_size, cfg.max_target_length)
+  encoder, pack = _encoder(config)
+  explain_empty = getattr(encoder, "explain_empty", None)
+  if train and cfg.data_mixture:
+    sources = [_open_source(source_config(cfg, s), shard, encoder, True,
+                            f"data_mixture source {s.name!r} ({{describe}})", s.name)[0] for s in cfg.data_mixture]
+    return mixture.MixtureBatchIterator(sources, [s.weight for s in cfg.data_mixture], cfg.data_mixture_schedule,
+                                        cfg.data_shuffle_seed, shard, sharding, cfg.global_batch_size,
+                                        cfg.max_target_length, cfg.packing, cfg.data_prefetch_batches,
+                                        explain_empty=explain_empty, **pack)
+  opened, describe_index = _open_source(cfg, shard, encoder, train, f"the {'train' if train else 'eval'} data "
+                                        "({describe})")
+  return pipeline.PackedBatchIterator(opened.read_from, shard, sharding, cfg.global_batch_size, cfg.max_target_length,
+                                      cfg.packing, cfg.data_prefetch_batches, max_empty_run=opened.max_empty_run,
+                                      describe=opened.describe, explain_empty=explain_empty,
+                                      describe_index=describe_index, **pack)
 
 
 def _record_locator(cfg: DataConfig, train: bool) -> Callable[[int], str] | None:

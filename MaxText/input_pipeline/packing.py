@@ -63,6 +63,13 @@ class Position:
   offset: int = 0  # (input, target) pairs of that document already emitted
 
 
+@dataclasses.dataclass(frozen=True)
+class Located:
+  """A document with its own index, from readers whose indices are not consecutive (streaming.py)."""
+  index: int
+  document: object
+
+
 class DocumentCursor:
   """Reads documents index, index+1, ... through `read_from(index)`, an iterator of token lists
   (finite for eval data, endless for repeated train data); remembers the current document so a
@@ -87,10 +94,19 @@ class DocumentCursor:
     of finite data. A plain token list weighs every token 1."""
     if not self._loaded:
       document = next(self._docs, None)
+      if isinstance(document, Located):
+        self.position = Position(document.index, self.position.offset)
+        document = document.document
       self._images = document if isinstance(document, ImageDocument) else None
       self._current = None if document is None else _weighted(document)
       self._loaded = True
     return self._current
+
+  def settle(self) -> None:
+    """Loads the document the position names, so a reader of Located documents has put its own
+    index there (a position saved past a stream's file end then names the next file)."""
+    if self.position.offset == 0:
+      self.current()
 
   def current_images(self) -> ImageDocument | None:
     """The current document's images, when it has any."""

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from MaxText.errors import ConfigError, UserError
@@ -160,7 +161,7 @@ def _stop_prefetchers() -> None:
 class _Prefetcher:
   """A daemon thread that keeps up to `depth` (host batch, position after it) pairs ready."""
 
-  def __init__(self, produce: Callable[[], tuple[dict[str, np.ndarray], Position]], depth: int):
+  def __init__(self, produce: Callable[[], tuple[dict[str, np.ndarray], Any]], depth: int):
     self._produce = produce
     self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
     self._stop = threading.Event()
@@ -183,7 +184,7 @@ class _Prefetcher:
       if isinstance(item, BaseException):
         return
 
-  def get(self) -> tuple[dict[str, np.ndarray], Position]:
+  def get(self) -> tuple[dict[str, np.ndarray], Any]:
     item = self._queue.get()
     if isinstance(item, BaseException):
       raise item
@@ -194,32 +195,46 @@ class _Prefetcher:
     self._thread.join()
 
 
-class PackedBatchIterator:
+class BatchIterator:
   """Global [B, L] int32 batches sharded by `sharding`; `get_state`/`set_state`/`reset` as the
-  trainer, the checkpoint hook and the eval hook expect. `pack` builds this host's rows from the
-  cursor (packing.pack_batch; preference.pack_preference_batch for DPO's pairs)."""
+  trainer, the checkpoint hook and the eval hook expect. A subclass makes this host's rows and
+  says what its position is: a list of ints per data shard (gathered from every process) and
+  its JSON form. Host-side values a subclass adds to a batch under names starting with `_` are
+  kept aside as `extras` of the batch last handed out."""
 
-  def __init__(self, dataset: Any, shard: HostShard, sharding: NamedSharding, global_batch: int, length: int,
-               packing: bool, num_threads: int, prefetch: int, max_empty_run: int, describe: str,
-               pack: Callable[..., tuple[dict[str, np.ndarray], int]] = pack_batch,
-               explain_empty: Callable[[], str | None] | None = None):
-    self.shard, self.sharding, self.describe, self._pack = shard, sharding, describe, pack
+  def __init__(self, shard: HostShard, sharding: NamedSharding, global_batch: int, length: int, packing: bool,
+               prefetch: int, describe: str, position: Any):
+    self.shard, self.sharding, self.describe = shard, sharding, describe
     self.global_shape = (global_batch, length)
     self._length, self._packing, self._prefetch_depth = length, packing, prefetch
-    self._cursor = DocumentCursor(reader(dataset, num_threads), max_empty_run, explain_empty=explain_empty)
-    self._position = Position()  # where the next handed-out batch starts
+    self._position = position  # where the next handed-out batch starts
     self._prefetcher: _Prefetcher | None = None
-    self._peeked: tuple[dict[str, np.ndarray], Position] | None = None  # read by peek(), not yet handed out
+    self._peeked: tuple[dict[str, np.ndarray], Any] | None = None  # read by peek(), not yet handed out
     self.rows_with_data = 0  # rows of the last batch that hold any data (eval data can run out)
+    self.extras: dict[str, np.ndarray] = {}
 
-  def _produce(self) -> tuple[dict[str, np.ndarray], Position]:
-    batch, num_real = self._pack(self._cursor, self.shard.rows, self._length, self._packing)
-    return {**batch, "_num_real": np.asarray(num_real)}, self._cursor.position
+  # What a subclass provides.
+  def _produce(self) -> tuple[dict[str, np.ndarray], Any]:
+    """This host's rows of the next batch (with `_num_real`) and the position after it."""
+    raise NotImplementedError
 
-  def __iter__(self) -> "PackedBatchIterator":
+  def _restart(self, position: Any) -> None:
+    """Reads on from `position` (None: the start)."""
+    raise NotImplementedError
+
+  def _position_ints(self, position: Any) -> list[int]:
+    raise NotImplementedError
+
+  def _shard_json(self, ints: list[int]) -> dict[str, Any]:
+    raise NotImplementedError
+
+  def _position_of(self, shard_json: dict[str, Any]) -> Any:
+    raise NotImplementedError
+
+  def __iter__(self) -> "BatchIterator":
     return self
 
-  def _next_host_batch(self) -> tuple[dict[str, np.ndarray], Position]:
+  def _next_host_batch(self) -> tuple[dict[str, np.ndarray], Any]:
     if self._peeked is not None:
       item, self._peeked = self._peeked, None
       return item
@@ -238,26 +253,22 @@ class PackedBatchIterator:
   def __next__(self) -> dict[str, jax.Array]:
     host_batch, position = self._next_host_batch()
     self._position = position
-    self.rows_with_data = int(host_batch.pop("_num_real"))
+    self.extras = {name: host_batch.pop(name) for name in [n for n in host_batch if n.startswith("_")]}
+    self.rows_with_data = int(self.extras["_num_real"])
     # Rows split like `sharding` whatever a field's rank (pixel_values: [B, M, 3, R, R]).
     return {name: jax.make_array_from_process_local_data(
         for_rank(self.sharding, rows.ndim), rows, self.global_shape[:1] + rows.shape[1:])
             for name, rows in host_batch.items()}
 
-  def describe_next_position(self) -> str:
-    """Where the next batch starts in this host's shard (a skipped batch is named by it)."""
-    return (f"data shard {self.shard.index} of {self.shard.count}, from document {self._position.index}, "
-            f"token pair {self._position.offset}")
-
-  def _seek(self, position: Position) -> None:
+  def _seek(self, position: Any) -> None:
     self.close()
     self._peeked = None
-    self._cursor.seek(position)
+    self._restart(position)
     self._position = position
 
-  def reset(self) -> "PackedBatchIterator":
+  def reset(self) -> "BatchIterator":
     """Back to the first batch (every evaluation reads the same batches)."""
-    self._seek(Position())
+    self._seek(None)
     return self
 
   def close(self) -> None:
@@ -270,14 +281,12 @@ class PackedBatchIterator:
 
     With several processes this gathers every process's position, so every process must call it
     at the same step (the checkpoint hook does)."""
-    mine = np.array([self.shard.index, self._position.index, self._position.offset], np.int64)
+    mine = np.array([self.shard.index, *self._position_ints(self._position)], np.int64)
     if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
-
-      rows = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 3)
+      rows = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(mine))
     else:
       rows = mine[None]
-    shards = {str(int(s)): {"index": int(i), "offset": int(o)} for s, i, o in rows}
+    shards = {str(int(row[0])): self._shard_json([int(x) for x in row[1:]]) for row in rows}
     return {"format": STATE_FORMAT, "source": self.describe, "num_shards": self.shard.count,
             "global_batch_size": self.global_shape[0], "max_target_length": self._length, "shards": shards}
 
@@ -295,6 +304,48 @@ class PackedBatchIterator:
     if state.get("source") != self.describe:
       print(f"warning: the checkpoint's data position was saved for {state.get('source')}, "
             f"now reading {self.describe}", flush=True)
-    mine = state["shards"][str(self.shard.index)]
-    self._seek(Position(int(mine["index"]), int(mine["offset"])))
+    self._seek(self._position_of(state["shards"][str(self.shard.index)]))
 
+
+class PackedBatchIterator(BatchIterator):
+  """One source: a document cursor packed into rows by `pack` (packing.pack_batch;
+  preference.pack_preference_batch for DPO's pairs). Its position is the cursor's."""
+
+  def __init__(self, read_from: Callable[[int], Iterator[Any]], shard: HostShard, sharding: NamedSharding,
+               global_batch: int, length: int, packing: bool, prefetch: int, max_empty_run: int, describe: str,
+               pack: Callable[..., tuple[dict[str, np.ndarray], int]] = pack_batch,
+               explain_empty: Callable[[], str | None] | None = None,
+               describe_index: Callable[[int], str] | None = None):
+    super().__init__(shard, sharding, global_batch, length, packing, prefetch, describe, Position())
+    self._pack, self._describe_index = pack, describe_index
+    self._cursor = DocumentCursor(read_from, max_empty_run, explain_empty=explain_empty)
+
+  def _produce(self) -> tuple[dict[str, np.ndarray], Position]:
+    batch, num_real = self._pack(self._cursor, self.shard.rows, self._length, self._packing)
+    self._cursor.settle()
+    return {**batch, "_num_real": np.asarray(num_real)}, self._cursor.position
+
+  def describe_next_position(self) -> str:
+    """Where the next batch starts in this host's shard (a skipped batch is named by it)."""
+    position = self._position
+    where = (self._describe_index(position.index) if self._describe_index is not None
+             else f"document {position.index}")
+    return f"data shard {self.shard.index} of {self.shard.count}, from {where}, token pair {position.offset}"
+
+  def _restart(self, position: Position | None) -> None:
+    self._cursor.seek(position or Position())
+
+  def _seek(self, position: Position | None) -> None:
+    super()._seek(position or Position())
+
+  def _position_ints(self, position: Position) -> list[int]:
+    return [position.index, position.offset]
+
+  def _shard_json(self, ints: list[int]) -> dict[str, Any]:
+    return {"index": ints[0], "offset": ints[1]}
+
+  def _position_of(self, shard_json: dict[str, Any]) -> Position:
+    if "index" not in shard_json:
+      raise ConfigError(f"the checkpoint's data position is a mixture's ({', '.join(shard_json.get('sources', {}))}); "
+                        "this run reads one source: resume with the data_mixture it was saved with")
+    return Position(int(shard_json["index"]), int(shard_json["offset"]))

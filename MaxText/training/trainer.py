@@ -43,6 +43,13 @@ class ResumableBatches(Protocol):
 
 
 @runtime_checkable
+class ReportsDataMetrics(Protocol):
+  """Batches with host-side scalars of their own for the step's metrics (a mixture's tokens per source)."""
+
+  def host_metrics(self) -> dict[str, float]: ...
+
+
+@runtime_checkable
 class OnPolicyBatches(Protocol):
   """Batches made from the parameters about to be trained (rl/rollouts.py): the loop hands each
   step's starting state over and gets the batch with host-side scalars for the step's metrics."""
@@ -225,7 +232,8 @@ class Trainer:
         if isinstance(self.data, OnPolicyBatches):
           batch, host_scalars = self.data.next_for(loop.state)
         else:
-          batch, host_scalars = next(self.data), {}
+          batch = next(self.data)
+          host_scalars = self.data.host_metrics() if isinstance(self.data, ReportsDataMetrics) else {}
         input_wait_s = time.perf_counter() - waited_from  # > 0 means the input pipeline is the bottleneck
         if self.spike_limit is None:
           loop.state, device_metrics = self.train_step(loop.state, batch, self.rng)

@@ -1,0 +1,154 @@
+"""Batches drawn from several sources by weight (data_mixture): every row of the global batch
+is given to a source by a draw seeded with (data_shuffle_seed, batch number), so the draw is
+the same on every process and after a restart; each process then packs its own rows from its
+own shard of each source, in order. A source's rows are whole packed rows of that source.
+
+Position: the number of batches handed out and, per source, this shard's (document, pair
+offset), saved in the checkpoint like a single source's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+
+from MaxText.configuration.data_mixture import MixtureStage
+from MaxText.errors import ConfigError
+from MaxText.input_pipeline.packing import DocumentCursor, Position, pack_batch
+from MaxText.input_pipeline.pipeline import BatchIterator, HostShard
+
+# Keeps the mixture's draws apart from other users of data_shuffle_seed (the document shuffle).
+_DRAW_STREAM = 0x6D6978
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenedSource:
+  """One source as the mixture reads it: this shard's documents from an index on."""
+  name: str
+  read_from: Callable[[int], Iterator[Any]]
+  max_empty_run: int
+  describe: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MixturePosition:
+  batches: int  # batches handed out so far: the next batch's draw
+  sources: tuple[Position, ...]
+
+
+def weights_at(step: int, weights: Sequence[float], stages: Sequence[MixtureStage]) -> np.ndarray:
+  """The sampling probabilities of the sources at `step`: the last stage begun, else `weights`."""
+  current = tuple(weights)
+  for stage in stages:
+    if stage.step <= step:
+      current = stage.weights
+  array = np.asarray(current, np.float64)
+  return array / array.sum()
+
+
+def draw_sources(seed: int, batch: int, num_rows: int, probabilities: np.ndarray) -> np.ndarray:
+  """Which source fills each row of the global batch `batch` (the same on every process)."""
+  rng = np.random.default_rng([seed, _DRAW_STREAM, batch])
+  return rng.choice(len(probabilities), size=num_rows, p=probabilities)
+
+
+class MixtureBatchIterator(BatchIterator):
+  """Global batches whose rows come from `sources` with `weights` (changed by `stages` from their
+  steps on). `host_metrics()` gives target tokens per source, over all processes, for the step's metrics."""
+
+  def __init__(self, sources: Sequence[OpenedSource], weights: Sequence[float], stages: Sequence[MixtureStage],
+               seed: int, shard: HostShard, sharding: NamedSharding, global_batch: int, length: int, packing: bool,
+               prefetch: int, pack: Callable[..., tuple[dict[str, np.ndarray], int]] = pack_batch,
+               explain_empty: Callable[[], str | None] | None = None):
+    describe = "mixture of " + ", ".join(f"{s.name} ({s.describe})" for s in sources)
+    start = MixturePosition(0, tuple(Position() for _ in sources))
+    super().__init__(shard, sharding, global_batch, length, packing, prefetch, describe, start)
+    self.names = [s.name for s in sources]
+    self._weights, self._stages, self._seed, self._pack = tuple(weights), tuple(stages), seed, pack
+    self._cursors = [DocumentCursor(s.read_from, s.max_empty_run, explain_empty=explain_empty) for s in sources]
+    self._batches = 0  # the next batch the producer makes
+    self.total_tokens = dict.fromkeys(self.names, 0)  # target tokens per source handed out over the run
+    self.last_tokens = dict.fromkeys(self.names, 0)
+
+  def _produce(self) -> tuple[dict[str, np.ndarray], MixturePosition]:
+    probabilities = weights_at(self._batches, self._weights, self._stages)
+    drawn = draw_sources(self._seed, self._batches, self.global_shape[0], probabilities)
+    mine = drawn[self.shard.index * self.shard.rows:(self.shard.index + 1) * self.shard.rows]
+    rows: dict[str, np.ndarray] = {}
+    tokens = np.zeros(len(self._cursors), np.int64)
+    for k, cursor in enumerate(self._cursors):
+      picked = np.flatnonzero(mine == k)
+      if not picked.size:
+        continue
+      part, _ = self._pack(cursor, picked.size, self._length, self._packing)
+      cursor.settle()
+      for name, values in part.items():
+        if name not in rows:
+          rows[name] = np.zeros((self.shard.rows, *values.shape[1:]), values.dtype)
+        rows[name][picked] = values
+      tokens[k] = int(np.count_nonzero(part["targets_segmentation"]))
+    self._batches += 1
+    position = MixturePosition(self._batches, tuple(c.position for c in self._cursors))
+    return {**rows, "_num_real": np.asarray(self.shard.rows), "_tokens": tokens, "_source_of_row": mine}, position
+
+  def __next__(self) -> dict[str, jax.Array]:
+    batch = super().__next__()
+    self.last_tokens = self._gather_tokens()
+    for name, count in self.last_tokens.items():
+      self.total_tokens[name] += count
+    return batch
+
+  def _gather_tokens(self) -> dict[str, int]:
+    """Target tokens of each source in the batch just handed out, summed over the data shards
+    (every process hands out every batch, so the gather lines up)."""
+    mine = np.asarray(self.extras["_tokens"])
+    if jax.process_count() > 1:
+      rows = np.asarray(multihost_utils.process_allgather(np.concatenate([[self.shard.index], mine])))
+      by_shard = {int(row[0]): row[1:] for row in rows.reshape(-1, len(mine) + 1)}  # replicas count once
+      mine = np.sum(list(by_shard.values()), axis=0)
+    return {name: int(count) for name, count in zip(self.names, mine)}
+
+  def host_metrics(self) -> dict[str, float]:
+    """The last batch's tokens per source and their totals over the run (the realised mixture)."""
+    return {**{f"data/tokens/{name}": float(count) for name, count in self.last_tokens.items()},
+            **{f"data/total_tokens/{name}": float(count) for name, count in self.total_tokens.items()}}
+
+  def get_state(self) -> dict[str, Any]:
+    return {**super().get_state(), "total_tokens": dict(self.total_tokens)}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    super().set_state(state)
+    saved = state.get("total_tokens", {})
+    self.total_tokens = {name: int(saved.get(name, 0)) for name in self.names}
+
+  def describe_next_position(self) -> str:
+    position = self._position
+    where = ", ".join(f"{name} document {p.index} pair {p.offset}" for name, p in zip(self.names, position.sources))
+    return f"data shard {self.shard.index} of {self.shard.count}, batch {position.batches} ({where})"
+
+  def _restart(self, position: MixturePosition | None) -> None:
+    position = position or MixturePosition(0, tuple(Position() for _ in self._cursors))
+    self._batches = position.batches
+    for cursor, at in zip(self._cursors, position.sources):
+      cursor.seek(at)
+
+  def _position_ints(self, position: MixturePosition) -> list[int]:
+    return [position.batches, *(x for p in position.sources for x in (p.index, p.offset))]
+
+  def _shard_json(self, ints: list[int]) -> dict[str, Any]:
+    sources = {name: {"index": ints[1 + 2 * k], "offset": ints[2 + 2 * k]} for k, name in enumerate(self.names)}
+    return {"batches": ints[0], "sources": sources}
+
+  def _position_of(self, shard_json: dict[str, Any]) -> MixturePosition:
+    saved = shard_json.get("sources")
+    if not isinstance(saved, dict) or sorted(saved) != sorted(self.names):
+      had = sorted(saved) if isinstance(saved, dict) else "a single source"
+      raise ConfigError(f"the checkpoint's data position is for {had}; this run mixes {sorted(self.names)}: "
+                        "resume with the data_mixture it was saved with")
+    return MixturePosition(int(shard_json["batches"]),
+                           tuple(Position(int(saved[n]["index"]), int(saved[n]["offset"])) for n in self.names))

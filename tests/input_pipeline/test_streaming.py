@@ -1,0 +1,199 @@
+"""dataset_type=stream: parquet, JSONL and ArrayRecord shards read one at a time (local and from the
+GCS server on 127.0.0.1), the next shard read ahead, a restart that opens only the unfinished
+shard and continues bit for bit, and one line for each bad input."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from array_record.python.array_record_module import ArrayRecordWriter
+
+from MaxText.configuration.config import Config
+from MaxText.errors import ConfigError, UserError
+from MaxText.input_pipeline import create_data_iterator, create_eval_iterator, streaming
+from MaxText.input_pipeline.pipeline import HostShard
+from MaxText.paths import storage
+from MaxText.platform import sharding
+from tests.input_pipeline.data_fixtures import numbered_documents
+
+LENGTH = 16
+NUM_SHARDS, PER_SHARD = 4, 12
+SUFFIXES = ("parquet", "jsonl", "array_record")
+
+
+def write_shards(directory: Path, documents: list[str], per_shard: int = PER_SHARD) -> None:
+  """The documents in order as shard-NNN.{parquet,jsonl,array_record}, `per_shard` to a file."""
+  directory.mkdir(parents=True, exist_ok=True)
+  for i in range(0, len(documents), per_shard):
+    part, stem = documents[i:i + per_shard], directory / f"shard-{i // per_shard:03d}"
+    pq.write_table(pa.table({"text": part}), f"{stem}.parquet")
+    Path(f"{stem}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
+    writer = ArrayRecordWriter(f"{stem}.array_record", "group_size:1")
+    for text in part:
+      writer.write(json.dumps({"text": text}).encode())
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+  directory = tmp_path_factory.mktemp("shards")
+  write_shards(directory, numbered_documents(NUM_SHARDS * PER_SHARD))
+  return directory
+
+
+def _values(spm_model: str, **overrides) -> dict:
+  values = dict(dataset_type="stream", tokenizer_path=spm_model, vocab_size=512, max_target_length=LENGTH,
+                per_device_batch_size=1, print_config=False, data_prefetch_batches=0)
+  values.update(overrides)
+  return values
+
+
+def _iterator(values: dict):
+  config = Config.for_testing(**values)
+  return create_data_iterator(config, sharding.create_mesh(config.mesh))
+
+
+def _take(iterator, n: int) -> list[dict[str, np.ndarray]]:
+  return [{k: np.asarray(jax.device_get(v)) for k, v in next(iterator).items()} for _ in range(n)]
+
+
+def _assert_same(a: list[dict], b: list[dict]) -> None:
+  assert len(a) == len(b)
+  for i, (x, y) in enumerate(zip(a, b)):
+    for name in x:
+      np.testing.assert_array_equal(x[name], y[name], err_msg=f"batch {i} {name}")
+
+
+@pytest.fixture
+def opened(monkeypatch) -> list[str]:
+  """The shard files the stream fetches, in order."""
+  paths: list[str] = []
+  lock, real = threading.Lock(), streaming._open_shard
+
+  def recording(path: str):
+    with lock:
+      paths.append(storage.name(path))
+    return real(path)
+
+  monkeypatch.setattr(streaming, "_open_shard", recording)
+  return paths
+
+
+@pytest.mark.parametrize("suffix", SUFFIXES)
+def test_shards_give_the_batches_of_the_same_documents_in_one_file(spm_model, shards, tmp_path, suffix):
+  whole = tmp_path / "whole.jsonl"
+  whole.write_text("".join(json.dumps({"text": t}) + "\n" for t in numbered_documents(NUM_SHARDS * PER_SHARD)))
+  single = _iterator(_values(spm_model, dataset_type="hf", hf_data_files=str(whole), enable_data_shuffling=False))
+  streamed = _iterator(_values(spm_model, stream_train_files=str(shards / f"*.{suffix}"), enable_data_shuffling=False))
+  _assert_same(_take(streamed, 12), _take(single, 12))
+
+
+def test_one_shard_is_read_at_a_time_with_the_next_read_ahead(spm_model, shards, opened):
+  data = _iterator(_values(spm_model, stream_train_files=str(shards / "*.parquet"), enable_data_shuffling=False))
+  next(data)
+  deadline = time.time() + 30
+  while len(opened) < 2 and time.time() < deadline:
+    time.sleep(0.01)
+  assert opened == ["shard-000.parquet", "shard-001.parquet"]  # the first, and the next one ahead; no more
+
+
+@pytest.mark.parametrize("suffix", SUFFIXES)
+def test_a_restart_mid_shard_opens_only_that_shard_and_continues_exactly(spm_model, shards, opened, suffix):
+  values = _values(spm_model, stream_train_files=str(shards / f"*.{suffix}"), data_prefetch_batches=2)
+  data = _iterator(values)
+  while (data.get_state()["shards"]["0"]["index"] >> streaming.ROW_BITS) < 2:  # into the third file visited
+    next(data)
+  state = json.loads(json.dumps(data.get_state()))
+  expected = _take(data, 20)  # on into the reshuffled second epoch
+  data.close()
+  visit, row = divmod(state["shards"]["0"]["index"], 1 << streaming.ROW_BITS)
+  assert 0 < row < PER_SHARD or state["shards"]["0"]["offset"] > 0, state  # mid-shard
+  stream = streaming.ShardStream("k", str(shards / f"*.{suffix}"), data.shard, str, "text", 0, True, "w")
+  unfinished = storage.name(stream.file_of_visit(visit) or "")
+  opened.clear()
+  resumed = _iterator(values)
+  resumed.set_state(state)
+  first = _take(resumed, 1)
+  assert opened[0] == unfinished and len(set(opened[:2])) == len(opened[:2])
+  _assert_same(first + _take(resumed, 19), expected)
+  resumed.close()
+
+
+def test_streaming_from_gcs_killed_mid_shard_continues_exactly(spm_model, shards, gcs, gcs_bucket):
+  for path in sorted(shards.glob("*.parquet")):
+    storage.write_bytes(f"{gcs_bucket}/corpus/{path.name}", path.read_bytes())
+  values = _values(spm_model, stream_train_files=f"{gcs_bucket}/corpus/*.parquet", data_prefetch_batches=2)
+  uninterrupted = _iterator(values)
+  expected = _take(uninterrupted, 30)
+  uninterrupted.close()
+  killed = _iterator(values)
+  _take(killed, 7)
+  state = json.loads(json.dumps(killed.get_state()))
+  assert state["shards"]["0"]["index"] & ((1 << streaming.ROW_BITS) - 1) or state["shards"]["0"]["offset"]
+  killed.close()  # what a SIGKILL leaves: the checkpoint's state and nothing else
+  del killed
+  rerun = _iterator(values)
+  rerun.set_state(state)
+  _assert_same(_take(rerun, 23), expected[7:])
+  rerun.close()
+
+
+def test_hosts_read_their_own_files(spm_model, shards):
+  files = [streaming.ShardStream("k", str(shards / "*.jsonl"), HostShard(i, 2, 4), str, "text", None, True, "w").files
+           for i in (0, 1)]
+  assert [[storage.name(f) for f in fs] for fs in files] == [["shard-000.jsonl", "shard-002.jsonl"],
+                                                              ["shard-001.jsonl", "shard-003.jsonl"]]
+  with pytest.raises(ConfigError, match="has 4 shard file.*fewer than the 5 data shards"):
+    streaming.ShardStream("k", str(shards / "*.jsonl"), HostShard(0, 5, 1), str, "text", None, True, "w")
+
+
+def test_bad_shards_are_one_line_each(spm_model, tmp_path):
+  (tmp_path / "a.csv").write_text("text\nx\n")
+  with pytest.raises(ConfigError, match=r"stream_train_files: .*a.csv is not a shard file this reader knows"):
+    _iterator(_values(spm_model, stream_train_files=str(tmp_path / "a.csv")))
+  with pytest.raises(ConfigError, match="stream_train_files: no file matches"):
+    _iterator(_values(spm_model, stream_train_files=str(tmp_path / "none*.jsonl")))
+  with pytest.raises(ConfigError, match="dataset_type=stream needs stream_train_files"):
+    Config.for_testing(**_values(spm_model))
+  (tmp_path / "e1.jsonl").write_text("")
+  (tmp_path / "e2.jsonl").write_text("\n")
+  with pytest.raises(ConfigError, match=r"the train data \(stream .*\) is empty: its 2 shard file\(s\) hold no records"):
+    _take(_iterator(_values(spm_model, stream_train_files=str(tmp_path / "e*.jsonl"))), 1)
+  (tmp_path / "bad.jsonl").write_text('{"text": "fine words here"}\n{"text": broken\n')
+  with pytest.raises(UserError, match=r"bad.jsonl record 2: is not JSON") as error:
+    _take(_iterator(_values(spm_model, stream_train_files=str(tmp_path / "bad.jsonl"))), 2)
+  assert "\n" not in str(error.value)
+
+
+def test_eval_reads_the_shards_once_then_pads_and_reset_starts_over(spm_model, shards):
+  config = Config.for_testing(**_values(spm_model, stream_train_files=str(shards / "*.jsonl"), eval_interval=5,
+                                        stream_eval_files=str(shards / "shard-00[01].jsonl")))
+  evaluation = create_eval_iterator(config, sharding.create_mesh(config.mesh))
+  first = _take(evaluation, 40)
+  real = [b for b in first if b["targets_segmentation"].any()]
+  assert 0 < len(real) < 40 and not first[-1]["targets_segmentation"].any()  # ran out, then padding
+  evaluation.reset()
+  _assert_same(_take(evaluation, len(real)), real)
+
+
+def test_a_stream_in_a_mixture_resumes_exactly(spm_model, shards, prepared):
+  values = _values(spm_model, dataset_type="grain", data_prefetch_batches=2, data_mixture=[
+      {"name": "books", "weight": 1, "grain_train_files": str(prepared / "arrayrecord" / "train.array_record")},
+      {"name": "shards", "weight": 2, "dataset_type": "stream", "stream_train_files": str(shards / "*.parquet")}])
+  data = _iterator(values)
+  _take(data, 6)
+  state = json.loads(json.dumps(data.get_state()))
+  expected = _take(data, 10)
+  data.close()
+  resumed = _iterator(values)
+  resumed.set_state(state)
+  _assert_same(_take(resumed, 10), expected)
+  resumed.close()
