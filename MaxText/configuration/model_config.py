@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from MaxText.configuration.config_fields import ARCHITECTURE, FIXED, LAYOUT, MODEL, DATA_POSITION, derived, key, key_fields, keys_where, read_keys, record
 from MaxText.configuration.config_fields import require as _require
 from MaxText.configuration.remat_policies import NAMES as REMAT_POLICY_NAMES
+from MaxText.configuration.layer_shapes_config import LayerShapesConfig
 from MaxText.configuration.vision_config import VisionConfig
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ ACTIVATIONS = ("silu", "gelu", "relu", "linear", "tanh", "clamped_swish", "clamp
 DTYPES = ("float32", "bfloat16", "float16")
 NORMALIZATION_TYPES = ("rms", "rms_plus_one", "layer")
 POSITION_EMBEDDINGS = ("rope", "learned", "sinusoidal")
-ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+ROPE_TYPES = ("default", "llama3", "linear", "yarn", "proportional")
 ATTENTION_LAYER_KINDS = ("global", "local", "chunked")
 ROPE_LAYER_KINDS = ("rope", "nope")
 ATTENTION_TYPES = ("gqa", "mla")
@@ -97,7 +98,8 @@ class RopeConfig:
   rope_min_timescale: float = key(architecture=True)
   rope_max_timescale: float = key(architecture=True)
   rope_interleaved: bool = key(architecture=True)
-  rope_type: str = key(architecture=True)  # default | llama3 | linear | yarn
+  rope_type: str = key(architecture=True)  # default | llama3 | linear | yarn | proportional
+  rope_partial_rotary_factor: float = key(architecture=True)  # rope_type=proportional: share of the pairs rotated
   rope_local_max_timescale: float = key(architecture=True)  # 0 = local layers use the global RoPE
   rope_yarn_beta_fast: float = key(architecture=True)
   rope_yarn_beta_slow: float = key(architecture=True)
@@ -238,6 +240,7 @@ class ModelConfig:
   moe: MoeConfig = record(MoeConfig)
   mtp: MtpConfig = record(MtpConfig)
   vision: VisionConfig = record(VisionConfig)
+  layer_shapes: LayerShapesConfig = record(LayerShapesConfig)
   global_parameter_scale: int = key(fixed_on_resume=MODEL)
   scan_layers: bool = key(fixed_on_resume=LAYOUT)
   weight_dtype: str = key(fixed_on_resume=LAYOUT)
@@ -344,9 +347,13 @@ class ModelConfig:
                            attention_blocks=AttentionBlocks.from_values(v))
     pipeline = PipelineConfig(**read_keys(PipelineConfig, v, num_pipeline_microbatches=micro), num_pipeline_stages=stages,
                               layers_per_pipeline_stage=layers // (stages * v["num_pipeline_repeats"]))
-    return cls(**read_keys(cls, v), rope=RopeConfig(**read_keys(RopeConfig, v)), attn=attn,
+    layer_shapes = LayerShapesConfig.from_values(v, num_layers=layers, pipelined=pipelined)
+    # A stack of differing layers (Gemma 4) is never scanned: each layer has its own shapes.
+    scan_layers = v["scan_layers"] and not layer_shapes.active
+    return cls(**read_keys(cls, v, scan_layers=scan_layers), rope=RopeConfig(**read_keys(RopeConfig, v)), attn=attn,
                mla=MlaConfig(**read_keys(MlaConfig, v)), moe=MoeConfig(**read_keys(MoeConfig, v)),
-               mtp=MtpConfig(**read_keys(MtpConfig, v)), vision=vision, pipeline=pipeline, lora=LoraConfig(**read_keys(LoraConfig, v)),
+               mtp=MtpConfig(**read_keys(MtpConfig, v)), vision=vision,
+               layer_shapes=layer_shapes, pipeline=pipeline, lora=LoraConfig(**read_keys(LoraConfig, v)),
                emb_dim=v["base_emb_dim"] * s["emb"], num_query_heads=num_q, num_kv_heads=num_kv,
                mlp_dim=v["base_mlp_dim"] * s["mlp"], num_decoder_layers=layers)
 
@@ -457,6 +464,10 @@ def _check_positions_and_attention(v: Mapping[str, Any]) -> None:
              f"rope_yarn_beta_slow > 0 and rope_attention_factor >= 0; got {v['rope_scaling_factor']}, "
              f"{v['rope_original_max_position']}, {v['rope_yarn_beta_fast']}, {v['rope_yarn_beta_slow']}, "
              f"{v['rope_attention_factor']}")
+  if v["rope_type"] == "proportional":
+    _require(0.0 < v["rope_partial_rotary_factor"] <= 1.0 and v["rope_scaling_factor"] >= 1.0,
+             "rope_type=proportional needs 0 < rope_partial_rotary_factor <= 1 and rope_scaling_factor >= 1; got "
+             f"{v['rope_partial_rotary_factor']}, {v['rope_scaling_factor']}")
   if v["rope_type"] == "linear":
     _require(v["rope_scaling_factor"] >= 1.0, f"rope_type=linear needs rope_scaling_factor >= 1, "
              f"got {v['rope_scaling_factor']}")

@@ -23,7 +23,7 @@ from MaxText.layers.embeddings import Embed, sinusoidal_positions
 from MaxText.layers.kv_cache import KVCache
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.moe import ROUTING_STATS, update_correction_biases
-from MaxText.layers import masks, mtp, paged_kv, pipeline, quantization, remat, vision_llama4, vision_tower
+from MaxText.layers import gemma4, layer_shapes, masks, mtp, paged_kv, pipeline, quantization, remat, vision_llama4, vision_tower
 from MaxText.layers.normalizations import make_norm
 
 # What layers sow as nnx.Intermediate, by name: scalar losses (e.g. MoE load balancing), summed
@@ -90,6 +90,8 @@ class Transformer(nnx.Module):
       self.position_embedder = Embed(cfg.max_position_embeddings, cfg.emb_dim, dtype=dtype,
                                      weight_dtype=weight_dtype, rngs=rngs, names=(None, "embed"))
     self.decoder_norm = make_norm(cfg)
+    if cfg.layer_shapes.per_layer_input_dim:
+      self.per_layer_inputs = gemma4.PerLayerInputs(cfg, rngs=rngs)
     if not cfg.logits_via_embedding:
       logits_dtype = jnp.float32 if cfg.logits_dot_in_fp32 else dtype
       self.logits_dense = DenseGeneral((cfg.emb_dim,), (cfg.vocab_size,), ("embed", "vocab"),
@@ -112,8 +114,9 @@ class Transformer(nnx.Module):
         return layer_class(cfg, rngs=rngs)
       setattr(self, name, stacked(rngs))
     else:
-      for i in range(count):
-        setattr(self, f"{name}_{i}", layer_class(cfg, rngs=rngs))
+      for i in range(count):  # a stack of differing layers builds each from its index (layers/layer_shapes.py)
+        own = {"layer_index": i} if getattr(layer_class, "per_layer_shapes", False) else {}
+        setattr(self, f"{name}_{i}", layer_class(cfg, rngs=rngs, **own))
 
   def _embed(self, tokens_BL: jax.Array, positions_BL: jax.Array) -> jax.Array:
     """Token embeddings, scaled (Gemma) and with absolute positions added (GPT-3) as configured."""
@@ -130,14 +133,15 @@ class Transformer(nnx.Module):
     return x_BLD
 
   def _run_layers(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
-                  dropout_rng: jax.Array | None, caches: Any = None, image_blocks_BL: jax.Array | None = None
-                  ) -> tuple[jax.Array, AuxLosses, Any]:
+                  dropout_rng: jax.Array | None, caches: Any = None, image_blocks_BL: jax.Array | None = None,
+                  per_layer_BLMP: jax.Array | None = None) -> tuple[jax.Array, AuxLosses, Any]:
     """The decoder stack; also returns each auxiliary loss the layers sow, summed over layers (and
     each statistic, stacked per layer; not under pipeline parallelism), and,
     when decoding, the updated KV caches (`caches`: one KVCache stacked over layers when
     scan_layers, else a list with one per layer; with first_dense_layers, a dict of those for
     `dense_layers` and `layers`, see kv_cache.model_caches). `image_blocks_BL`: a multimodal model's
-    image blocks (masks.image_blocks) for every layer's attention mask."""
+    image blocks (masks.image_blocks) for every layer's attention mask. `per_layer_BLMP`: each layer's
+    own input (gemma4.PerLayerInputs)."""
     cfg = self.cfg
     if cfg.pipeline.num_pipeline_stages > 1:  # the stage-sharded scanned stack runs as a pipeline
       return (*self._run_pipeline(x_BLD, positions_BL, segment_ids_BL, dropout_rng), None)
@@ -146,7 +150,7 @@ class Transformer(nnx.Module):
     dense = cfg.moe.first_dense_layers
     if dense == 0:
       return self._run_stack("layers", cfg.num_decoder_layers, 0, x_BLD, positions_BL, segment_ids_BL, dropout_rng,
-                             caches, image_blocks_BL)
+                             caches, image_blocks_BL, per_layer_BLMP)
     dense_rng, rng = jax.random.split(dropout_rng) if dropout_rng is not None else (None, None)
     x_BLD, _, dense_caches = self._run_stack("dense_layers", dense, 0, x_BLD, positions_BL, segment_ids_BL,
                                              dense_rng, None if caches is None else caches["dense_layers"],
@@ -158,7 +162,8 @@ class Transformer(nnx.Module):
 
   def _run_stack(self, name: str, num_layers: int, first_index: int, x_BLD: jax.Array, positions_BL: jax.Array,
                  segment_ids_BL: jax.Array, dropout_rng: jax.Array | None, caches: Any,
-                 image_blocks_BL: jax.Array | None = None) -> tuple[jax.Array, AuxLosses, Any]:
+                 image_blocks_BL: jax.Array | None = None, per_layer_BLMP: jax.Array | None = None
+                 ) -> tuple[jax.Array, AuxLosses, Any]:
     """One stack of `_run_layers` (`first_index`: its first layer's index in the whole decoder)."""
     cfg = self.cfg
     layer_rngs = jax.random.split(dropout_rng, num_layers) if dropout_rng is not None else None
@@ -192,12 +197,21 @@ class Transformer(nnx.Module):
       return x_BLD, {name: _over_layers(name, values) for name, values in aux_per_layer.items()}, caches
     per_layer: list[AuxLosses] = []
     new_caches = []
+    # KV sharing (layers/layer_shapes.py): a source's keys and values (training) or cache (decoding), by layer.
+    sources, producers, kept = layer_shapes.kv_sources(cfg), layer_shapes.kv_producers(cfg), {}
     for i in range(num_layers):
       graphdef, state = nnx.split(getattr(self, f"{name}_{i}"))
+      cache = None if caches is None else caches[i]
+      if first_index + i in sources:
+        cache = kept[sources[first_index + i]]
+      elif cache is None and first_index + i in producers:
+        cache = layer_shapes.SharedKV()
       x_BLD, layer_aux, cache = one_layer(graphdef, x_BLD, state, None if layer_rngs is None else layer_rngs[i],
-                                          jnp.asarray(first_index + i, jnp.int32), None if caches is None else caches[i])
+                                          jnp.asarray(first_index + i, jnp.int32), cache,
+                                          gemma4.layer_inputs(per_layer_BLMP, first_index + i))
+      kept[first_index + i] = cache
       per_layer.append(layer_aux)
-      new_caches.append(cache)
+      new_caches.append(None if first_index + i in sources else cache)
     aux = _unrolled_aux(per_layer)
     return x_BLD, aux, None if caches is None else new_caches
 
@@ -208,10 +222,13 @@ class Transformer(nnx.Module):
     # layer_index lets a layer pick its per-layer behaviour (e.g. local vs global attention)
     # inside a scan, where every layer shares one traced body.
     def one_layer(graphdef: nnx.GraphDef[nnx.Module], x: jax.Array, layer_state: nnx.State[Any, Any], rng: jax.Array | None,
-                  layer_index: jax.Array, cache: KVCache | None) -> tuple[jax.Array, AuxLosses, KVCache | None]:
+                  layer_index: jax.Array, cache: Any, layer_input: jax.Array | None = None
+                  ) -> tuple[jax.Array, AuxLosses, Any]:
       layer = nnx.merge(graphdef, layer_state)
       extra = () if cache is None else (cache,)
-      blocks = {} if image_blocks_BL is None else {"image_blocks_BL": image_blocks_BL}
+      blocks: dict[str, jax.Array] = {} if image_blocks_BL is None else {"image_blocks_BL": image_blocks_BL}
+      if layer_input is not None:
+        blocks["per_layer_input_BLP"] = layer_input
       out, sown = nnx.capture(layer, nnx.Intermediate)(x, positions_BL, segment_ids_BL, rng, layer_index, *extra,
                                                        **blocks)
       x, cache = out if cache is not None else (out, None)
@@ -363,17 +380,23 @@ class Transformer(nnx.Module):
     [B, M, 3, R, R]: a multimodal model's images (`_multimodal_input`)."""
     x_BLD, image_blocks_BL = self._multimodal_input(self._embed(tokens_BL, positions_BL), tokens_BL, pixel_values)
     x_BLD = sharding.constrain(x_BLD, ACTIVATION_NAMES)
+    per_layer_BLMP = self._per_layer_inputs(tokens_BL, x_BLD)
     mtp_rng = None
     if dropout_rng is not None and mtp_targets is not None:
       dropout_rng, mtp_rng = jax.random.split(dropout_rng)
     with quantization.use_quantization(self.cfg.quantization):  # the stack only: logits stay in float
-      x_BLD, aux, _ = self._run_layers(x_BLD, positions_BL, segment_ids_BL, dropout_rng, image_blocks_BL=image_blocks_BL)
+      x_BLD, aux, _ = self._run_layers(x_BLD, positions_BL, segment_ids_BL, dropout_rng, image_blocks_BL=image_blocks_BL,
+                                       per_layer_BLMP=per_layer_BLMP)
     aux = {name: value if name in ROUTING_STATS else value / self.cfg.num_moe_stack_layers
            for name, value in aux.items()}
     if mtp_targets is not None and self.cfg.mtp.mtp_num_layers > 0:
       aux.update(self._mtp_sums(x_BLD, tokens_BL, positions_BL, segment_ids_BL, *mtp_targets,
                                 mtp_rng))
     return self._logits(x_BLD), aux
+
+  def _per_layer_inputs(self, tokens_BL: jax.Array, x_BLD: jax.Array) -> jax.Array | None:
+    """Each layer's own input [B, L, M, P] (per_layer_input_dim > 0, Gemma 4), else None."""
+    return self.per_layer_inputs(tokens_BL, x_BLD) if self.cfg.layer_shapes.per_layer_input_dim else None
 
   def _mtp_sums(self, h_BLD: jax.Array, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
                 targets_BL: jax.Array, weights_BL: jax.Array, rng: jax.Array | None) -> AuxLosses:
@@ -420,10 +443,11 @@ class Transformer(nnx.Module):
     if pixel_values is not None:
       x_BLD, image_blocks_BL = self._multimodal_input(x_BLD, tokens_BL, pixel_values)
     x_BLD = sharding.constrain(x_BLD, ACTIVATION_NAMES)
+    per_layer_BLMP = self._per_layer_inputs(tokens_BL, x_BLD)
     segment_ids_BL = jnp.ones(tokens_BL.shape, jnp.int32)  # unused: the cache masks by position
     with quantization.use_quantization(self.cfg.quantization):  # as in training: same matmuls as the full pass
       x_BLD, _, caches = self._run_layers(x_BLD, positions_BL, segment_ids_BL, None, caches,
-                                          image_blocks_BL=image_blocks_BL)
+                                          image_blocks_BL=image_blocks_BL, per_layer_BLMP=per_layer_BLMP)
     return x_BLD, caches
 
   def mtp_decode(self, depth: int, h_BLD: jax.Array, next_tokens_BL: jax.Array, positions_BL: jax.Array,

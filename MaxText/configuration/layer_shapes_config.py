@@ -1,0 +1,67 @@
+"""The model's per-layer-shape record: layers of one stack that differ in head shape, in where their
+keys and values come from, or in an input of their own (Gemma 4). Every field holds the base.yml key
+of its name; ModelConfig nests it as `layer_shapes` (layers/gemma4.py reads it). Checked without I/O.
+
+Such a stack is not one homogeneous layer, so it runs unrolled whatever scan_layers says (ModelConfig reads
+scan_layers as False then) and unpipelined.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from MaxText.configuration.config_fields import key, read_keys
+from MaxText.configuration.config_fields import require as _require
+
+# The decoder blocks whose layer reads these keys (layers/gemma4.py); others must leave them off.
+PER_LAYER_SHAPE_BLOCKS = ("gemma4",)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerShapesConfig:
+  """Global layers' own head shape, keys shared across layers, per-layer input embeddings."""
+  global_head_dim: int = key(architecture=True)  # 0 = head_dim
+  global_num_kv_heads: int = key(architecture=True)  # 0 = num_kv_heads
+  attention_k_eq_v: bool = key(architecture=True)  # global layers' values are their keys (no value projection)
+  use_v_norm: bool = key(architecture=True)  # scale-free RMSNorm over each value head
+  num_kv_shared_layers: int = key(architecture=True)  # the last this many layers reuse earlier layers' keys and values
+  kv_shared_double_mlp: bool = key(architecture=True)  # those layers' MLPs are twice mlp_dim wide
+  per_layer_input_dim: int = key(architecture=True)  # 0 = off; width of each layer's own token embedding
+  per_layer_input_vocab_size: int = key(architecture=True)  # 0 = vocab_size; rows of the per-layer embedding
+
+  @property
+  def active(self) -> bool:
+    """Whether any layer differs from the stack's common shape."""
+    return any((self.global_head_dim, self.global_num_kv_heads, self.attention_k_eq_v, self.use_v_norm,
+                self.num_kv_shared_layers, self.kv_shared_double_mlp, self.per_layer_input_dim))
+
+  @classmethod
+  def from_values(cls, v: Mapping[str, Any], *, num_layers: int, pipelined: bool) -> "LayerShapesConfig":
+    values = read_keys(cls, v)
+    for name in ("attention_k_eq_v", "use_v_norm", "kv_shared_double_mlp"):
+      _require(isinstance(values[name], bool), f"{name} must be True or False, got {values[name]!r}")
+    for name in ("global_head_dim", "global_num_kv_heads", "per_layer_input_dim", "per_layer_input_vocab_size"):
+      _require(values[name] >= 0, f"{name} must be >= 0 (0 = off or the common value), got {values[name]}")
+    _require(0 <= values["num_kv_shared_layers"] < num_layers,
+             f"num_kv_shared_layers must be in [0, num_decoder_layers ({num_layers})), got {values['num_kv_shared_layers']}")
+    _require(values["global_head_dim"] % 2 == 0, f"global_head_dim must be even, got {values['global_head_dim']}")
+    record = cls(**values)
+    if not record.active:
+      return record
+    _require(v["decoder_block"] in PER_LAYER_SHAPE_BLOCKS,
+             f"global_head_dim, global_num_kv_heads, attention_k_eq_v, use_v_norm, num_kv_shared_layers, "
+             f"kv_shared_double_mlp and per_layer_input_dim need decoder_block {', '.join(PER_LAYER_SHAPE_BLOCKS)}; "
+             f"got {v['decoder_block']!r}: set them to 0 / False")
+    _require(not pipelined, "decoder_block gemma4 does not support pipeline parallelism (its layers differ in shape); "
+             "set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
+    kinds = [v["attention_layer_pattern"][i % len(v["attention_layer_pattern"])] for i in range(num_layers)]
+    shared = values["num_kv_shared_layers"]
+    _require(set(kinds[num_layers - shared:]) <= set(kinds[:num_layers - shared]),
+             f"num_kv_shared_layers={shared} leaves a kind of attention layer with no unshared layer to share keys and "
+             "values from; lower num_kv_shared_layers")
+    num_kv = v["base_num_kv_heads"]
+    global_kv = values["global_num_kv_heads"] or num_kv
+    _require(v["base_num_query_heads"] % global_kv == 0,
+             f"num_query_heads ({v['base_num_query_heads']}) must be a multiple of global_num_kv_heads ({global_kv})")
+    return record
