@@ -54,6 +54,8 @@ def randomize(model: Any, seed: int) -> Any:
     for name, buffer in model.named_buffers():  # DeepSeek-V3's routing bias is a buffer, zero at init
       if name.endswith("e_score_correction_bias"):
         buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
+      if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale, one at init
+        buffer.copy_(1 + 0.1 * torch.randn(buffer.shape, generator=generator))
   return model
 
 

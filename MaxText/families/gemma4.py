@@ -227,7 +227,7 @@ def gemma4_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
 # 3 layers sharing keys and values (one of each kind) with double-wide MLPs, per-layer inputs, a soft cap.
 _TINY = dict(TINY_SHAPES, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 _GEMMA4 = dict(model_type="gemma4_text", **_TINY, global_head_dim=32, num_global_key_value_heads=1,
-               attention_k_eq_v=True, sliding_window=5, final_logit_softcapping=3.0,
+               attention_k_eq_v=True, sliding_window=5, final_logit_softcapping=30.0,
                layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
                rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
                                                    "rope_theta": 1_000_000.0},

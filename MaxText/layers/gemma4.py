@@ -150,7 +150,7 @@ class Gemma4DecoderLayer(nnx.Module):
     if per_layer_input_BLP is not None:
       gated_BLP = self.gate_activation(self.per_layer_input_gate(out_BLD)) * per_layer_input_BLP.astype(out_BLD.dtype)
       out_BLD = out_BLD + self.post_per_layer_input_norm(self.per_layer_projection(gated_BLP))
-    out_BLD = out_BLD * self.layer_scalar[...].astype(out_BLD.dtype)
+    out_BLD = out_BLD * self.layer_scalar[...].astype(out_BLD.dtype).reshape(1, 1, 1)
     out_BLD = sharding.constrain(out_BLD, ACTIVATION_NAMES)
     return out_BLD if cache is None else (out_BLD, cache)
 

@@ -45,6 +45,7 @@ FEATURE_OFF = [
     ("gemma2", {"attention_layer_pattern": ["global"]}),
     ("qwen3_moe-unnormalised", {"norm_topk_prob": True}),
     ("gemma3", {"rope_local_max_timescale": 0.0}),
+    ("gemma4", {"use_v_norm": False}),
     ("qwen3-yarn", {"rope_attention_factor": 1.0}),
     ("llama4", {"attention_layer_pattern": ["global"]}),
     ("llama4", {"rope_layer_pattern": ["rope"]}),
@@ -71,6 +72,9 @@ FEATURE_OFF = [
     pytest.param("gemma2", {"attention_layer_pattern": ["local"]}, marks=_slow),
     pytest.param("gemma2", {"query_pre_attn_scalar": 0.0}, marks=_slow),
     pytest.param("gpt3", {"normalization_layer_epsilon": 0.5}, marks=_slow),
+    pytest.param("gemma4", {"rope_type": "default"}, marks=_slow),
+    pytest.param("gemma4", {"rope_local_max_timescale": 0.0}, marks=_slow),
+    pytest.param("gemma4", {"final_logits_soft_cap": 0.0}, marks=_slow),
 ]
 
 
@@ -121,7 +125,13 @@ def test_bfloat16_error_is_no_worse_than_hf_bfloat16(family, staging):
     agree_ours, agree_hf = agree_ours[kept], agree_hf[kept]
   assert _rms(ours_error) <= 1.5 * _rms(hf_error), (_rms(ours_error), _rms(hf_error))
   assert np.abs(ours_error).max() <= 2 * np.abs(hf_error).max(), (np.abs(ours_error).max(), np.abs(hf_error).max())
-  assert agree_ours.mean() >= agree_hf.mean() - 0.05
+  # A token whose two best float32 logits are closer than bf16's own error (HF's, RMS) has no argmax at
+  # this precision (Gemma 4's unscaled QK-normed scores make such errors large): the agreement counts the rest.
+  top2 = np.sort(reference, axis=-1)[..., -2:]
+  decided = (top2[..., 1] - top2[..., 0]) > _rms(hf_error)
+  if config.model.moe.num_experts > 1:
+    decided = decided[kept]
+  assert agree_ours[decided].mean() >= agree_hf[decided].mean() - 0.05
 
 
 def test_interleaved_rope_layout_is_the_same_model(staging):
