@@ -78,7 +78,9 @@ def test_converted_checkpoint_passes_the_logit_checker_float32(family, converted
 # MoE families are left to test_families_vs_hf's flip-aware bf16 check: in a tiny random MoE,
 # bf16 rounding flips near-tied expert choices (on HF's side too), an O(1) move of that token's
 # logits that no fixed bound here can tell from a bug.
-_DENSE = [f for f in H.FAMILIES if "experts" not in str(H.REFERENCE_CONFIGS[f])]
+# Gemma 4 too: its queries are not scaled down (the QK-norm sets their size), so on random weights
+# bf16 moves its tiny model's logits by ~0.3 on HF's side as on ours (test_families_vs_hf compares the two).
+_DENSE = [f for f in H.FAMILIES if "experts" not in str(H.REFERENCE_CONFIGS[f]) and f != "gemma4"]
 
 
 @pytest.mark.parametrize("family", [f if f in ("llama3.1", "gemma2") else pytest.param(f, marks=pytest.mark.slow)
