@@ -56,6 +56,9 @@ PUBLISHED = {
     "olmo3-7b": 7.3e9, "olmo3-32b": 32.2e9,
     # Kimi K2: the Hugging Face hub's count of the published checkpoint (the model card's headline: 1T).
     "kimi-k2-1t": 1.03e12,
+    # Gemma 4 E2B, text decoder: the card's 2.3B effective parameters plus the per-layer embedding table
+    # (35 x 256 x 262144 = 2.349B) they leave out; the card's 5.1B total adds the vision and audio encoders.
+    "gemma4-e2b": 4.649e9,
 }
 # The `default` family has no published size: it follows global_parameter_scale.
 UNPUBLISHED = {"default"}
