@@ -198,7 +198,8 @@ class Transformer(nnx.Module):
     per_layer: list[AuxLosses] = []
     new_caches = []
     # KV sharing (layers/layer_shapes.py): a source's keys and values (training) or cache (decoding), by layer.
-    sources, producers, kept = layer_shapes.kv_sources(cfg), layer_shapes.kv_producers(cfg), {}
+    sources, producers = layer_shapes.kv_sources(cfg), layer_shapes.kv_producers(cfg)
+    kept: dict[int, Any] = {}
     for i in range(num_layers):
       graphdef, state = nnx.split(getattr(self, f"{name}_{i}"))
       cache = None if caches is None else caches[i]
