@@ -1,0 +1,88 @@
+"""Gemma 4 beyond the shared family tests: KV sharing changes the model, the logit checker fails on a
+corrupted weight of the converted checkpoint, and an unsupported checkpoint (the MoE block) is one
+`error:` line with nothing written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import hf_families as H
+from MaxText import logit_checker
+from MaxText.configuration import config as config_lib
+from MaxText.convert import hf_to_maxtext
+from MaxText.layers import models
+from MaxText.training import params_io
+
+REPO = Path(__file__).resolve().parent.parent
+BASE = str(REPO / "configs" / "base.yml")
+
+
+def test_kv_sharing_changes_the_model(tmp_path):
+  """An HF model whose every layer has its own keys and values, read as if its last 3 layers shared
+  (their own projections skipped): the logits move, so sharing is not a no-op on our side."""
+  fields = {**H.REFERENCE_CONFIGS["gemma4"], "num_kv_shared_layers": 0, "use_double_wide_mlp": False}
+  config = H.transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+  H.torch.manual_seed(0)
+  model = H.randomize(H.transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval(), 0)
+  token_ids = H.tokens()
+  expected = H.hf_logits(model, token_ids)
+  same = H.our_config(model, dtype="float32")
+  # The unshared model matches (its parity proper is test_families_vs_hf's; this one, 6 layers of own keys, sums
+  # a little more rounding); the shared reading then moves the logits by orders of magnitude more.
+  np.testing.assert_allclose(H.our_logits(same, H.our_params(model, same, tmp_path / "own"), token_ids), expected,
+                             atol=1e-4, rtol=0)
+  shared = H.our_config(model, dtype="float32", num_kv_shared_layers=3)
+  params = H.our_params(model, shared, tmp_path / "shared")
+  assert "key" not in params["layers_5"]["self_attention"]
+  assert np.abs(H.our_logits(shared, params, token_ids) - expected).max() > 1e-2
+
+
+@pytest.mark.slow  # ~25 s: a conversion and two checker runs
+def test_corrupting_one_weight_makes_the_checker_fail(tmp_path):
+  hf_dir = tmp_path / "hf"
+  H.build_hf_model("gemma4").save_pretrained(str(hf_dir))
+  ckpt = tmp_path / "ckpt"
+  hf_to_maxtext.convert(str(hf_dir), str(ckpt), [])
+  args = [f"hf_model_path={hf_dir}", "dtype=float32", "atol=2e-5", "max_kl=1e-9"]
+  assert logit_checker.main(["logit_checker", BASE, f"load_parameters_path={ckpt}", *args]) == 0
+  config = config_lib.Config.for_testing(load_parameters_path=str(ckpt), print_config=False)
+  spec = models.build_model_spec(config.model)
+  one_device = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)),
+                                          jax.sharding.PartitionSpec())
+  params = jax.tree.map(np.array, params_io.load_params(str(ckpt), spec.abstract_params,
+                                                        jax.tree.map(lambda _: one_device, spec.abstract_params)))
+  params["layers_4"]["mlp"]["wo"]["kernel"][3, 5] += 0.5  # one number in a KV-shared layer's MLP
+  corrupt = tmp_path / "corrupt"
+  params_io.save_params(str(corrupt), params)
+  (corrupt / config_lib.MODEL_CONFIG_FILE).write_text((ckpt / config_lib.MODEL_CONFIG_FILE).read_text())
+  assert logit_checker.main(["logit_checker", BASE, f"load_parameters_path={corrupt}", *args]) == 1
+
+
+def test_moe_checkpoint_is_one_error_line_and_nothing_written(tmp_path):
+  hf_dir = tmp_path / "hf"
+  hf_dir.mkdir()
+  fields = {**H.REFERENCE_CONFIGS["gemma4"], "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+            "moe_intermediate_size": 32}
+  (hf_dir / "config.json").write_text(json.dumps(fields))
+  out = tmp_path / "out"
+  proc = subprocess.run([sys.executable, "-m", "MaxText.convert.hf_to_maxtext", f"--hf_path={hf_dir}",
+                         f"--output_path={out}"],
+                        cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and "enable_moe_block" in errors[0], proc.stderr[-2000:]
+  assert not out.exists()
+
+
+def test_multimodal_config_reads_its_text_decoder():
+  text = dict(H.REFERENCE_CONFIGS["gemma4"])
+  family = H.families.family_for_hf_config({"model_type": "gemma4", "text_config": text})
+  assert family.name == "gemma4"
+  assert family.model_keys({"model_type": "gemma4", "text_config": text}) == family.model_keys(text)
