@@ -188,12 +188,12 @@ def layer_pool(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int,
 
 def model_pools(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int, quantized: bool) -> Any:
   """Every layer's pool, in the structure of kv_cache.model_caches."""
-  return kv_cache.stacked_layers(cfg, layer_pool(cfg, num_pages, page_size, num_slots, quantized))
+  return kv_cache.layer_caches(cfg, lambda own: layer_pool(own, num_pages, page_size, num_slots, quantized))
 
 
 def model_pool_names(cfg: ModelConfig, quantized: bool) -> Any:
   one = paged_kv.empty_pool(1, 1, 1, 1, jnp.float32, 1, 1, quantized)
-  return kv_cache.stacked_names(cfg, paged_kv.logical_names(one, stacked=cfg.scan_layers))
+  return kv_cache.layer_cache_names(cfg, paged_kv.logical_names(one, stacked=cfg.scan_layers))
 
 
 def is_pool(x: Any) -> bool:

@@ -26,7 +26,7 @@ from flax import struct
 from jax.typing import DTypeLike
 
 from MaxText.platform import sharding
-from MaxText.layers import attention_kernels, masks, paged_kv
+from MaxText.layers import attention_kernels, layer_shapes, masks, paged_kv
 from MaxText.configuration.model_config import ModelConfig
 
 CACHE_NAMES = ("cache_batch", "cache_sequence", "cache_kv_heads", "cache_kv")
@@ -165,13 +165,29 @@ def stacked_names(cfg: ModelConfig, names: Any) -> Any:
   return per_stack(cfg, lambda count: names if cfg.scan_layers else [names for _ in range(count)])
 
 
+def layer_caches(cfg: ModelConfig, build: Callable[[ModelConfig], Any]) -> Any:
+  """Every layer's cache, `build(a layer's configuration)`: `stacked_layers` of one; a stack of differing
+  layers (layers/layer_shapes.py) gets a list with each layer's own, None for a layer sharing another's."""
+  if not cfg.layer_shapes.active:
+    return stacked_layers(cfg, build(cfg))
+  return [build(layer_shapes.layer_config(cfg, i)) if layer_shapes.has_own_kv(cfg, i) else None
+          for i in range(cfg.num_decoder_layers)]
+
+
+def layer_cache_names(cfg: ModelConfig, names: Any) -> Any:
+  """Logical names matching `layer_caches` (`names`: one layer's)."""
+  if not cfg.layer_shapes.active:
+    return stacked_names(cfg, names)
+  return [names if layer_shapes.has_own_kv(cfg, i) else None for i in range(cfg.num_decoder_layers)]
+
+
 def model_caches(cfg: ModelConfig, batch: int, length: int, quantized: bool = False) -> Any:
   """Empty caches for every layer: one KVCache stacked over layers (scan_layers) or a list; with
-  a dense_layers stack, {"dense_layers": its caches, "layers": the rest's}."""
-  return stacked_layers(cfg, layer_cache(cfg, batch, length, quantized))
+  a dense_layers stack, {"dense_layers": its caches, "layers": the rest's}; see `layer_caches`."""
+  return layer_caches(cfg, lambda own: layer_cache(own, batch, length, quantized))
 
 
 def model_cache_names(cfg: ModelConfig, quantized: bool = False) -> Any:
   """Logical axis names matching `model_caches`."""
-  return stacked_names(cfg, cache_logical_names(empty_cache(1, 1, 1, 1, jnp.float32, quantized),
-                                                stacked=cfg.scan_layers))
+  return layer_cache_names(cfg, cache_logical_names(empty_cache(1, 1, 1, 1, jnp.float32, quantized),
+                                                    stacked=cfg.scan_layers))

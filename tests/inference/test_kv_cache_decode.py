@@ -47,7 +47,8 @@ CASES = [pytest.param("llama3.1", True, marks=pytest.mark.slow), pytest.param("l
          ("llama4", True), pytest.param("llama4", False, marks=pytest.mark.slow),
          ("llama4-maverick", False), pytest.param("llama4-maverick", True, marks=pytest.mark.slow),
          ("deepseek3", True), ("deepseek2-lite", False),
-         ("gpt_oss", False), ("olmo3", True), pytest.param("olmo2", False, marks=pytest.mark.slow)]
+         ("gpt_oss", False), ("olmo3", True), pytest.param("olmo2", False, marks=pytest.mark.slow),
+         ("gemma4", False)]
 
 
 @pytest.mark.parametrize("family,scan_layers", CASES)

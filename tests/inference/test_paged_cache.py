@@ -40,6 +40,12 @@ OLMO3 = dict(TINY, decoder_block="olmo3", base_num_decoder_layers=4, use_qk_norm
              attention_layer_pattern=["local", "local", "local", "global"], sliding_window_size=4,
              mlp_activations=["silu", "linear"], rope_type="yarn", rope_scaling_factor=4.0,
              rope_original_max_position=8, rope_local_max_timescale=10000)
+# Gemma 4: global layers with their own head shape and k = v, the last 3 layers reading earlier layers' pages.
+GEMMA4 = dict(TINY, decoder_block="gemma4", base_num_decoder_layers=6, attention_layer_pattern=["local", "local", "global"],
+              sliding_window_size=4, global_head_dim=32, global_num_kv_heads=1, attention_k_eq_v=True, use_v_norm=True,
+              num_kv_shared_layers=3, kv_shared_double_mlp=True, per_layer_input_dim=8, use_qk_norm=True,
+              query_pre_attn_scalar=1.0, rope_type="proportional", rope_partial_rotary_factor=0.5,
+              rope_scaling_factor=1.0, rope_local_max_timescale=10000, mlp_activations=["gelu", "linear"])
 PROMPTS = [[3, 9, 27], [1, 2, 3, 4, 5, 6, 7, 8], [100], [50, 60, 70, 80, 90], [7, 7]]
 NEW_TOKENS = [9, 12, 16, 6, 10]
 
@@ -133,6 +139,7 @@ def test_paged_serve_equals_dense_with_windows_slot_reuse_and_waiting_for_pages(
     pytest.param(MIXED, True, marks=pytest.mark.slow),
     pytest.param(INTERLEAVED, True, marks=pytest.mark.slow),
     (OLMO3, False),
+    pytest.param(GEMMA4, False, marks=pytest.mark.slow),
 ])
 def test_paged_serve_equals_dense_for_each_family(overrides, scan_layers):
   expected, got, paged, _ = serve_both(dict(overrides, scan_layers=scan_layers), num_slots=2, kv_num_pages=12,
