@@ -17,7 +17,7 @@ import hf_families as H
 from MaxText import logit_checker
 from MaxText.configuration import config as config_lib
 from MaxText.convert import hf_to_maxtext
-from MaxText.layers import models
+from MaxText.layers import attention, layer_shapes, models
 from MaxText.training import params_io
 
 REPO = Path(__file__).resolve().parent.parent
@@ -86,3 +86,13 @@ def test_multimodal_config_reads_its_text_decoder():
   family = H.families.family_for_hf_config({"model_type": "gemma4", "text_config": text})
   assert family.name == "gemma4"
   assert family.model_keys({"model_type": "gemma4", "text_config": text}) == family.model_keys(text)
+
+
+def test_each_layer_picks_its_kernel_from_the_table_with_its_own_head_shape():
+  """The kernel table sees each layer's own configuration: on GPU, cuDNN's head-width limit keeps the
+  sliding layers (head_dim 128) on cuDNN and sends the global ones (256) to the chunked flash kernel."""
+  keys = H.families.families()["gemma4"].model_keys(dict(H.REFERENCE_CONFIGS["gemma4"]))
+  cfg = config_lib.Config.for_testing(**{**keys, "head_dim": 128, "global_head_dim": 256, "dtype": "bfloat16",
+                              "print_config": False}).model
+  chosen = [attention.select_kernel("autoselected", "gpu", layer_shapes.layer_config(cfg, i)) for i in range(3)]
+  assert chosen == ["cudnn_flash", "cudnn_flash", "flash"]

@@ -59,6 +59,8 @@ PUBLISHED = {
     # Gemma 4 E2B, text decoder: the card's 2.3B effective parameters plus the per-layer embedding table
     # (35 x 256 x 262144 = 2.349B) they leave out; the card's 5.1B total adds the vision and audio encoders.
     "gemma4-e2b": 4.649e9,
+    # Gemma 4 31B: the model card's 30.7B dense parameters.
+    "gemma4-31b": 30.7e9,
 }
 # The `default` family has no published size: it follows global_parameter_scale.
 UNPUBLISHED = {"default"}

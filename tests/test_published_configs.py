@@ -32,9 +32,31 @@ OLMO3_32B = dict(OLMO3_7B, hidden_size=5120, intermediate_size=27648, num_hidden
                  num_key_value_heads=8,
                  layer_types=["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(64)])
 
+_GEMMA4_ROPE = {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+                "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}}
+GEMMA4_E2B = dict(  # google/gemma-4-E2B (its text_config; the towers' configs left out)
+    model_type="gemma4", architectures=["Gemma4ForConditionalGeneration"], tie_word_embeddings=True,
+    text_config=dict(
+        model_type="gemma4_text", hidden_size=1536, num_hidden_layers=35, num_attention_heads=8, num_key_value_heads=1,
+        head_dim=256, global_head_dim=512, num_global_key_value_heads=None, attention_k_eq_v=False, sliding_window=512,
+        vocab_size=262144, vocab_size_per_layer_input=262144, hidden_size_per_layer_input=256, num_kv_shared_layers=20,
+        use_double_wide_mlp=True, intermediate_size=6144, max_position_embeddings=131072, rms_norm_eps=1e-6,
+        hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=30.0, rope_parameters=_GEMMA4_ROPE,
+        layer_types=["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(35)]))
+GEMMA4_31B = dict(  # google/gemma-4-31B
+    model_type="gemma4", architectures=["Gemma4ForConditionalGeneration"], tie_word_embeddings=True,
+    text_config=dict(
+        model_type="gemma4_text", hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
+        num_key_value_heads=16, num_global_key_value_heads=4, head_dim=256, global_head_dim=512, sliding_window=1024,
+        max_position_embeddings=262144, hidden_activation="gelu_pytorch_tanh", attention_k_eq_v=True,
+        hidden_size_per_layer_input=0, num_kv_shared_layers=0, final_logit_softcapping=30.0, vocab_size=262144,
+        rms_norm_eps=1e-6, enable_moe_block=False, rope_parameters=_GEMMA4_ROPE,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(60)]))
+
 
 @pytest.mark.parametrize("model_name,hf", [("kimi-k2-1t", KIMI_K2), ("olmo3-7b", OLMO3_7B),
-                                           ("olmo3-32b", OLMO3_32B)])
+                                           ("olmo3-32b", OLMO3_32B), ("gemma4-e2b", GEMMA4_E2B),
+                                           ("gemma4-31b", GEMMA4_31B)])
 def test_the_yaml_is_what_the_published_config_converts_to(model_name, hf):
   """Every key the converter sets (the architecture) has the YAML's value; YaRN's attention factor, given outright
   in a config.json or left to its formula in a YAML, scales alike."""

@@ -164,7 +164,7 @@ class PerLayerInputs(nnx.Module):
     dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
     m, p = cfg.num_decoder_layers, shapes.per_layer_input_dim
     self.embedder = Embed(shapes.per_layer_input_vocab_size or cfg.vocab_size, m * p, dtype=dtype,
-                          weight_dtype=weight_dtype, rngs=rngs, names=("vocab", "mlp"))
+                          weight_dtype=weight_dtype, rngs=rngs, names=("vocab", "embed"))
     self.projection = DenseGeneral((cfg.emb_dim,), (m, p), ("embed", None, "mlp"), dtype=dtype,
                                    weight_dtype=weight_dtype, rngs=rngs)
     self.projection_norm = RMSNorm(p, epsilon=cfg.normalization_layer_epsilon, dtype=dtype, weight_dtype=weight_dtype)
