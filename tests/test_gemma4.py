@@ -123,3 +123,35 @@ def test_multimodal_checkpoint_converts_its_text_decoder(tmp_path):
   # Other random weights than the reference model's: Gemma 4's unscaled scores carry summation-order
   # differences a little further (a few 1e-5 seen at single positions); a wrong tensor moves logits by >= 0.1.
   np.testing.assert_allclose(H.our_logits(ours, params, token_ids), H.hf_logits(model, token_ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow  # ~30 s: a server, its compiles and an uncached reference
+def test_served_greedy_completion_equals_uncached_decoding(tmp_path):
+  """MaxText.serve on a Gemma 4 model (paged cache, KV-shared layers reading their sources' pages): an OpenAI
+  completion request's greedy tokens are the full forward pass's."""
+  httpx = pytest.importorskip("httpx")
+  pytest.importorskip("uvicorn")
+  sys.path.insert(0, str(REPO / "tests" / "inference"))
+  sys.path.insert(0, str(REPO / "tests" / "input_pipeline"))
+  from decode_test_utils import one_device_mesh, uncached_greedy
+  from sft_fixtures import CHATML, write_tokenizer, without_markers
+  from tests.uvicorn_thread import UvicornThread
+  from MaxText.serve import build_app, build_server
+  keys = H.families.families()["gemma4"].model_keys(dict(H.REFERENCE_CONFIGS["gemma4"]))
+  config = config_lib.Config.for_testing(
+      **{**keys, "vocab_size": 272, "per_layer_input_vocab_size": 272}, max_target_length=32,
+      max_prefill_predict_length=16, dtype="float32", print_config=False, tokenizer_type="huggingface",
+      add_bos=False, kv_cache_layout="paged", kv_page_size=4, kv_num_pages=16, serve_max_slots=2,
+      serve_model_name="tiny", tokenizer_path=str(write_tokenizer(tmp_path / "tok", without_markers(CHATML))))
+  server = build_server(config, mesh=one_device_mesh())
+  http = UvicornThread(build_app(server, api_key="k", max_body_bytes=4096))
+  try:
+    prompt = [5, 17, 42, 7, 99, 3, 64, 20, 11]
+    reply = httpx.post(f"{http.url}/v1/completions", headers={"Authorization": "Bearer k"}, timeout=120,
+                       json={"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}).json()
+    expected = uncached_greedy(server.scheduler.engine.spec, server.scheduler.params, prompt, 12, 32)
+    assert reply["choices"][0]["text"] == server.codec.decode(expected[:reply["usage"]["completion_tokens"]])
+    assert reply["usage"]["completion_tokens"] >= 1
+  finally:
+    http.close()
+    server.scheduler.stop()
