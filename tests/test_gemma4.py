@@ -1,6 +1,6 @@
 """Gemma 4 beyond the shared family tests: KV sharing changes the model, the logit checker fails on a
-corrupted weight of the converted checkpoint, and an unsupported checkpoint (the MoE block) is one
-`error:` line with nothing written."""
+corrupted weight of the converted checkpoint, an unsupported checkpoint is one `error:` line with nothing
+written, a multimodal checkpoint converts its text decoder, each layer picks its kernel, and the server."""
 
 from __future__ import annotations
 
@@ -65,19 +65,18 @@ def test_corrupting_one_weight_makes_the_checker_fail(tmp_path):
   assert logit_checker.main(["logit_checker", BASE, f"load_parameters_path={corrupt}", *args]) == 1
 
 
-def test_moe_checkpoint_is_one_error_line_and_nothing_written(tmp_path):
+def test_unsupported_checkpoint_is_one_error_line_and_nothing_written(tmp_path):
+  """Bidirectional attention over all tokens (use_bidirectional_attention="all") is not built here."""
   hf_dir = tmp_path / "hf"
   hf_dir.mkdir()
-  fields = {**H.REFERENCE_CONFIGS["gemma4"], "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
-            "moe_intermediate_size": 32}
+  fields = {**H.REFERENCE_CONFIGS["gemma4"], "use_bidirectional_attention": "all"}
   (hf_dir / "config.json").write_text(json.dumps(fields))
   out = tmp_path / "out"
   proc = subprocess.run([sys.executable, "-m", "MaxText.convert.hf_to_maxtext", f"--hf_path={hf_dir}",
-                         f"--output_path={out}"],
-                        cwd=REPO, capture_output=True, text=True, timeout=300)
+                         f"--output_path={out}"], cwd=REPO, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2, proc.stderr[-2000:]
   errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-  assert len(errors) == 1 and "enable_moe_block" in errors[0], proc.stderr[-2000:]
+  assert len(errors) == 1 and "use_bidirectional_attention" in errors[0], proc.stderr[-2000:]
   assert not out.exists()
 
 

@@ -29,17 +29,18 @@ class LayerShapesConfig:
   kv_shared_double_mlp: bool = key(architecture=True)  # those layers' MLPs are twice mlp_dim wide
   per_layer_input_dim: int = key(architecture=True)  # 0 = off; width of each layer's own token embedding
   per_layer_input_vocab_size: int = key(architecture=True)  # 0 = vocab_size; rows of the per-layer embedding
+  moe_beside_mlp: bool = key(architecture=True)  # routed experts (mlp_dim wide) beside a dense MLP of dense_mlp_dim
 
   @property
   def active(self) -> bool:
     """Whether any layer differs from the stack's common shape."""
     return any((self.global_head_dim, self.global_num_kv_heads, self.attention_k_eq_v, self.use_v_norm,
-                self.num_kv_shared_layers, self.kv_shared_double_mlp, self.per_layer_input_dim))
+                self.num_kv_shared_layers, self.kv_shared_double_mlp, self.per_layer_input_dim, self.moe_beside_mlp))
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any], *, num_layers: int, pipelined: bool) -> "LayerShapesConfig":
     values = read_keys(cls, v)
-    for name in ("attention_k_eq_v", "use_v_norm", "kv_shared_double_mlp"):
+    for name in ("attention_k_eq_v", "use_v_norm", "kv_shared_double_mlp", "moe_beside_mlp"):
       _require(isinstance(values[name], bool), f"{name} must be True or False, got {values[name]!r}")
     for name in ("global_head_dim", "global_num_kv_heads", "per_layer_input_dim", "per_layer_input_vocab_size"):
       _require(values[name] >= 0, f"{name} must be >= 0 (0 = off or the common value), got {values[name]}")
@@ -51,7 +52,7 @@ class LayerShapesConfig:
       return record
     _require(v["decoder_block"] in PER_LAYER_SHAPE_BLOCKS,
              f"global_head_dim, global_num_kv_heads, attention_k_eq_v, use_v_norm, num_kv_shared_layers, "
-             f"kv_shared_double_mlp and per_layer_input_dim need decoder_block {', '.join(PER_LAYER_SHAPE_BLOCKS)}; "
+             f"kv_shared_double_mlp, per_layer_input_dim and moe_beside_mlp need decoder_block {', '.join(PER_LAYER_SHAPE_BLOCKS)}; "
              f"got {v['decoder_block']!r}: set them to 0 / False")
     _require(not pipelined, "decoder_block gemma4 does not support pipeline parallelism (its layers differ in shape); "
              "set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
@@ -60,6 +61,10 @@ class LayerShapesConfig:
     _require(set(kinds[num_layers - shared:]) <= set(kinds[:num_layers - shared]),
              f"num_kv_shared_layers={shared} leaves a kind of attention layer with no unshared layer to share keys and "
              "values from; lower num_kv_shared_layers")
+    _require(not values["moe_beside_mlp"] or v["num_experts"] > 1,
+             f"moe_beside_mlp=True needs num_experts > 1, got {v['num_experts']}")
+    _require(values["moe_beside_mlp"] or v["num_experts"] == 1,
+             "decoder_block gemma4 runs experts only beside its dense MLP: set moe_beside_mlp=True or num_experts=1")
     num_kv = v["base_num_kv_heads"]
     global_kv = values["global_num_kv_heads"] or num_kv
     _require(v["base_num_query_heads"] % global_kv == 0,

@@ -15,7 +15,8 @@ A KV-shared layer's k/v projections and norms, which checkpoints may still hold,
 
 Multimodal checkpoints (`gemma4`): the text decoder under `model.language_model.` converts; the vision and
 audio towers and their embedders are left out (Models.md). Written back, it is a text-only Gemma4ForCausalLM.
-Gemma 4's MoE block (26B A4B, enable_moe_block) is not supported: its config is refused.
+Gemma 4's MoE block (26B A4B, enable_moe_block): experts beside the dense MLP (moe_beside_mlp), their fused
+gate/up projection split into our wi_0 / wi_1.
 """
 
 from __future__ import annotations
@@ -83,9 +84,6 @@ def gemma4_text_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   r.require_hf(hf, "attention_bias", (False,), False)
   r.require_hf(hf, "tie_word_embeddings", (True,), True)
   r.require_hf(hf, "use_bidirectional_attention", (None,), None)
-  if hf.get("enable_moe_block"):
-    raise ConfigError("HF config enable_moe_block=True (Gemma 4's expert block beside the MLP, as in 26B A4B) is not "
-                      "supported by the gemma4 converter; only the dense Gemma 4 models (E2B, E4B, 31B) convert")
   kinds = _layer_types(hf)
   pattern = r.attention_pattern([kind == "sliding_attention" for kind in kinds])
   k_eq_v = bool(hf.get("attention_k_eq_v", False))
@@ -102,6 +100,10 @@ def gemma4_text_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
           "per_layer_input_vocab_size": int(hf.get("vocab_size_per_layer_input") or hf["vocab_size"]) if per_layer else 0}
   if "local" in pattern:
     keys["sliding_window_size"] = int(hf.get("sliding_window", 512))
+  if hf.get("enable_moe_block"):  # 26B A4B: experts (our mlp_dim) beside the dense MLP (dense_mlp_dim)
+    keys.update(moe_beside_mlp=True, num_experts=int(hf["num_experts"]), num_experts_per_tok=int(hf["top_k_experts"]),
+                base_mlp_dim=int(hf["moe_intermediate_size"]), dense_mlp_dim=int(hf["intermediate_size"]),
+                norm_topk_prob=True)
   return keys
 
 
@@ -137,7 +139,14 @@ def gemma4_hf_config(cfg: ModelConfig) -> dict[str, Any]:
           "use_double_wide_mlp": shapes.kv_shared_double_mlp,
           "hidden_size_per_layer_input": shapes.per_layer_input_dim,
           "vocab_size_per_layer_input": shapes.per_layer_input_vocab_size or cfg.vocab_size,
-          "enable_moe_block": False}
+          **_moe_hf_config(cfg)}
+
+
+def _moe_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+  if not cfg.layer_shapes.moe_beside_mlp:
+    return {"enable_moe_block": False}
+  return {"enable_moe_block": True, "num_experts": cfg.moe.num_experts, "top_k_experts": cfg.moe.num_experts_per_tok,
+          "moe_intermediate_size": cfg.mlp_dim, "intermediate_size": cfg.moe.dense_mlp_dim or cfg.mlp_dim}
 
 
 class _Skipped(r.TensorMap):
@@ -181,11 +190,36 @@ def _layer_tensors(cfg: ModelConfig, i: int, prefix: str) -> list[r.TensorMap]:
     maps += [one(*entry) for entry in kv]
   else:  # checkpoints may keep a shared layer's unused projections
     maps += [r.ignored(entry[0]) for entry in kv]
+  if cfg.layer_shapes.moe_beside_mlp:
+    maps += _expert_tensors(hf, ours)
   if cfg.layer_shapes.per_layer_input_dim:
     maps += [one(hf + "per_layer_input_gate.weight", "per_layer_input_gate/kernel", r.transpose, r.transpose),
              one(hf + "per_layer_projection.weight", "per_layer_projection/kernel", r.transpose, r.transpose),
              one(hf + "post_per_layer_input_norm.weight", "post_per_layer_input_norm/scale")]
   return maps
+
+
+def _expert_tensors(hf: str, ours: str) -> list[r.TensorMap]:
+  """The expert branch: HF's fused gate_up_proj [E, 2F, D] is our wi_0 and wi_1 [E, D, F]; down_proj [E, D, F]
+  our wo [E, F, D]; the router's projection our gate, its scales and the branch's three norms."""
+  def split(w: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, ...]:
+    gate, up = np.split(w, 2, axis=1)
+    return gate.transpose(0, 2, 1), up.transpose(0, 2, 1)
+
+  def fuse(kernels: tuple[np.ndarray, ...], cfg: ModelConfig) -> np.ndarray:
+    return np.concatenate([k.transpose(0, 2, 1) for k in kernels], axis=1)
+
+  def swap(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return w.transpose(0, 2, 1)
+
+  return [r.TensorMap(hf + "experts.gate_up_proj", (ours + "moe/wi_0/kernel", ours + "moe/wi_1/kernel"), split, fuse),
+          r.one(hf + "experts.down_proj", ours + "moe/wo/kernel", swap, swap),
+          r.one(hf + "router.proj.weight", ours + "moe/gate/kernel", r.transpose, r.transpose),
+          r.one(hf + "router.scale", ours + "router_scale"),
+          r.one(hf + "router.per_expert_scale", ours + "router_expert_scale"),
+          r.one(hf + "post_feedforward_layernorm_1.weight", ours + "dense_output_norm/scale"),
+          r.one(hf + "pre_feedforward_layernorm_2.weight", ours + "experts_input_norm/scale"),
+          r.one(hf + "post_feedforward_layernorm_2.weight", ours + "experts_output_norm/scale")]
 
 
 def _per_layer_input_tensors(cfg: ModelConfig, prefix: str) -> list[r.TensorMap]:
@@ -235,5 +269,13 @@ _GEMMA4 = dict(model_type="gemma4_text", **_TINY, global_head_dim=32, num_global
                num_kv_shared_layers=3, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
                vocab_size_per_layer_input=128)
 
+# 26B A4B's layout: experts beside the dense MLP (no per-layer inputs or KV sharing there), 5 sliding : 1 full.
+_GEMMA4_MOE = dict(model_type="gemma4_text", **{**_TINY, "num_hidden_layers": 3}, global_head_dim=32,
+                   num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=5, final_logit_softcapping=30.0,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                   rope_parameters=_GEMMA4["rope_parameters"], hidden_size_per_layer_input=0, enable_moe_block=True,
+                   num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+
 register_family(Family("gemma4", ("gemma4_text", "gemma4"), ("gemma4",), gemma4_model_keys, gemma4_hf_config,
-                       gemma4_tensors, layer="gemma4", reference_hf_configs={"gemma4": _GEMMA4}))
+                       gemma4_tensors, layer="gemma4",
+                       reference_hf_configs={"gemma4": _GEMMA4, "gemma4-experts": _GEMMA4_MOE}))

@@ -31,6 +31,7 @@ from MaxText.layers.decoders import ACTIVATION_NAMES, register_layer
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import DenseGeneral, dropout
 from MaxText.layers.mlp import ACTIVATION_FNS, MlpBlock
+from MaxText.layers.moe import MoeBlock
 from MaxText.layers.normalizations import RMSNorm, make_norm
 from MaxText.platform import sharding
 
@@ -123,6 +124,12 @@ class Gemma4DecoderLayer(nnx.Module):
     self.post_self_attention_layer_norm = make_norm(own)
     self.mlp = MlpBlock(own, rngs=rngs)
     self.mlp_output_norm = make_norm(own)
+    if shapes.moe_beside_mlp:  # experts of mlp_dim beside the dense MLP, each branch with its own norms
+      self.moe = MoeBlock(cfg, rngs=rngs)
+      self.router_scale = nnx.Param(jnp.ones((cfg.emb_dim,), jnp.dtype(cfg.weight_dtype)), out_sharding=("norm",))
+      self.router_expert_scale = nnx.Param(jnp.ones((cfg.moe.num_experts,), jnp.dtype(cfg.weight_dtype)),
+                                           out_sharding=(None,))
+      self.dense_output_norm, self.experts_input_norm, self.experts_output_norm = (make_norm(own) for _ in range(3))
     p = shapes.per_layer_input_dim
     if p:
       dense = functools.partial(DenseGeneral, dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype),
@@ -132,7 +139,8 @@ class Gemma4DecoderLayer(nnx.Module):
       self.post_per_layer_input_norm = make_norm(own)
     self.layer_scalar = nnx.Param(jnp.ones((1,), jnp.dtype(cfg.weight_dtype)), out_sharding=(None,))
     self.gate_activation = ACTIVATION_FNS[cfg.mlp_activations[0]]
-    self.dropout_rate = cfg.dropout_rate
+    self.dropout_rate, self.epsilon = cfg.dropout_rate, cfg.normalization_layer_epsilon
+    self.moe_beside_mlp = shapes.moe_beside_mlp
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
                dropout_rng: jax.Array | None, layer_index: int | jax.Array = 0, cache: LayerCache | None = None,
@@ -146,6 +154,8 @@ class Gemma4DecoderLayer(nnx.Module):
     attn_BLD, cache = attn_out if isinstance(attn_out, tuple) else (attn_out, None)
     h_BLD = x_BLD + dropout(self.attention_output_norm(attn_BLD), self.dropout_rate, attn_rng)
     mlp_BLD = self.mlp(self.post_self_attention_layer_norm(h_BLD))
+    if self.moe_beside_mlp:
+      mlp_BLD = self.dense_output_norm(mlp_BLD) + self._experts(h_BLD)
     out_BLD = h_BLD + dropout(self.mlp_output_norm(mlp_BLD), self.dropout_rate, mlp_rng)
     if per_layer_input_BLP is not None:
       gated_BLP = self.gate_activation(self.per_layer_input_gate(out_BLD)) * per_layer_input_BLP.astype(out_BLD.dtype)
@@ -153,6 +163,15 @@ class Gemma4DecoderLayer(nnx.Module):
     out_BLD = out_BLD * self.layer_scalar[...].astype(out_BLD.dtype).reshape(1, 1, 1)
     out_BLD = sharding.constrain(out_BLD, ACTIVATION_NAMES)
     return out_BLD if cache is None else (out_BLD, cache)
+
+  def _experts(self, h_BLD: jax.Array) -> jax.Array:
+    """The expert branch: routed from the scale-free-normed stream times a learned scale and D**-0.5, fed the
+    stream through its own norm."""
+    emb_dim = h_BLD.shape[-1]
+    router_BLD = (scale_free_rms(h_BLD, self.epsilon).astype(jnp.float32)
+                  * self.router_scale[...].astype(jnp.float32).reshape(1, 1, emb_dim) * emb_dim**-0.5)
+    out_BLD = self.moe(self.experts_input_norm(h_BLD), router_BLD, self.router_expert_scale[...])
+    return self.experts_output_norm(out_BLD)
 
 
 class PerLayerInputs(nnx.Module):

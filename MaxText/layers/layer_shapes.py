@@ -62,6 +62,8 @@ def layer_config(cfg: ModelConfig, index: int) -> ModelConfig:
     head_dim, num_kv = shapes.global_head_dim or head_dim, shapes.global_num_kv_heads or num_kv
   shared = index in kv_sources(cfg)
   mlp_dim = cfg.mlp_dim * (2 if shared and shapes.kv_shared_double_mlp else 1)
+  if shapes.moe_beside_mlp:  # mlp_dim is the experts' width; the dense MLP's is dense_mlp_dim
+    mlp_dim = cfg.moe.dense_mlp_dim or cfg.mlp_dim
   return dataclasses.replace(cfg, head_dim=head_dim, num_kv_heads=num_kv, mlp_dim=mlp_dim,
                              attn=dataclasses.replace(cfg.attn, attention_layer_pattern=(kind,)))
 

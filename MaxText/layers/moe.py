@@ -340,16 +340,21 @@ class MoeBlock(nnx.Module):
       return None
     return moe_dispatch.expert_layout(*context, batch, getattr(self, "wi_0").kernel.shape)
 
-  def __call__(self, x_BLD: jax.Array) -> jax.Array:
+  def __call__(self, x_BLD: jax.Array, router_BLD: jax.Array | None = None,
+               expert_scale_E: jax.Array | None = None) -> jax.Array:
+    """`router_BLD`: what the router reads when it is not the experts' input (Gemma 4); `expert_scale_E`: each
+    expert's learned factor on its routing weights (Gemma 4)."""
     moe = self.moe
     top_k, num_experts, length = moe.num_experts_per_tok, moe.num_experts, x_BLD.shape[1]
     x_BLD = x_BLD.astype(self.dtype)
-    logits_BLE = self.gate(x_BLD)
+    logits_BLE = self.gate(x_BLD if router_BLD is None else router_BLD.astype(self.dtype))
     bias_E = (jax.lax.stop_gradient(self.score_correction_bias[...]) if moe.moe_score_correction_bias else None)
     probs_BLE, experts_BLk, weights_BLk = route(
         logits_BLE, top_k, moe.norm_topk_prob, score_function=moe.moe_score_function, bias_E=bias_E,
         num_groups=moe.moe_num_groups, topk_groups=moe.moe_topk_groups, group_score=moe.moe_group_score,
         scaling=moe.routed_scaling_factor)
+    if expert_scale_E is not None:
+      weights_BLk = weights_BLk * jnp.take(expert_scale_E.astype(jnp.float32), experts_BLk)
     routed_BLD = x_BLD
     if moe.moe_router_scales_input:  # top-1 (config): the weight moves onto the expert's input
       routed_BLD, weights_BLk = scale_routed_input(x_BLD, logits_BLE, experts_BLk)

@@ -46,6 +46,7 @@ FEATURE_OFF = [
     ("qwen3_moe-unnormalised", {"norm_topk_prob": True}),
     ("gemma3", {"rope_local_max_timescale": 0.0}),
     ("gemma4", {"use_v_norm": False}),
+    pytest.param("gemma4-experts", {"num_experts_per_tok": 1}, marks=_slow),
     ("qwen3-yarn", {"rope_attention_factor": 1.0}),
     ("llama4", {"attention_layer_pattern": ["global"]}),
     ("llama4", {"rope_layer_pattern": ["rope"]}),
