@@ -61,6 +61,9 @@ PUBLISHED = {
     "gemma4-e2b": 4.649e9,
     # Gemma 4 31B: the model card's 30.7B dense parameters.
     "gemma4-31b": 30.7e9,
+    # Gemma 4 26B A4B: no published text-only total was found (the name's 26B includes the vision encoder); this is
+    # the count of the published config's text decoder, whose 3.82B active parameters match the card's 3.8B.
+    "gemma4-26b-a4b": 25.233e9,
 }
 # The `default` family has no published size: it follows global_parameter_scale.
 UNPUBLISHED = {"default"}

@@ -53,10 +53,17 @@ GEMMA4_31B = dict(  # google/gemma-4-31B
         rms_norm_eps=1e-6, enable_moe_block=False, rope_parameters=_GEMMA4_ROPE,
         layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(60)]))
 
+GEMMA4_26B_A4B = dict(  # google/gemma-4-26B-A4B
+    model_type="gemma4", architectures=["Gemma4ForConditionalGeneration"], tie_word_embeddings=True,
+    text_config=dict(GEMMA4_31B["text_config"], hidden_size=2816, num_hidden_layers=30, intermediate_size=2112,
+                     num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2, enable_moe_block=True,
+                     num_experts=128, top_k_experts=8, moe_intermediate_size=704,
+                     layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(30)]))
+
 
 @pytest.mark.parametrize("model_name,hf", [("kimi-k2-1t", KIMI_K2), ("olmo3-7b", OLMO3_7B),
                                            ("olmo3-32b", OLMO3_32B), ("gemma4-e2b", GEMMA4_E2B),
-                                           ("gemma4-31b", GEMMA4_31B)])
+                                           ("gemma4-31b", GEMMA4_31B), ("gemma4-26b-a4b", GEMMA4_26B_A4B)])
 def test_the_yaml_is_what_the_published_config_converts_to(model_name, hf):
   """Every key the converter sets (the architecture) has the YAML's value; YaRN's attention factor, given outright
   in a config.json or left to its formula in a YAML, scales alike."""
