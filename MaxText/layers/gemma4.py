@@ -9,7 +9,9 @@ it adds, per layer (layers/layer_shapes.py builds each layer's own configuration
     values of an earlier layer of their kind (training: `layer_shapes.SharedKV`; decoding: its cache);
   * per-layer inputs: a token embedding of its own per layer (`PerLayerInputs`, computed once for the
     stack), gated by the layer's output and added back through a projection and a norm;
-  * `layer_scalar`: one learned number the layer's output is multiplied by.
+  * `layer_scalar`: one learned number the layer's output is multiplied by;
+  * moe_beside_mlp (26B A4B): routed experts (moe.MoeBlock) beside the dense MLP, each branch with its own norms,
+    the router reading the scale-free-normed stream times a learned scale, each expert's weight a learned factor.
 Queries are not scaled (the QK-norm sets their size): query_pre_attn_scalar = 1.
 
 Shape legend beyond layers/__init__.py's: P per-layer input width, M layers (the per-layer inputs' axis).

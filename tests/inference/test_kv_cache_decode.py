@@ -48,7 +48,7 @@ CASES = [pytest.param("llama3.1", True, marks=pytest.mark.slow), pytest.param("l
          ("llama4-maverick", False), pytest.param("llama4-maverick", True, marks=pytest.mark.slow),
          ("deepseek3", True), ("deepseek2-lite", False),
          ("gpt_oss", False), ("olmo3", True), pytest.param("olmo2", False, marks=pytest.mark.slow),
-         ("gemma4", False)]
+         ("gemma4", False), pytest.param("gemma4-experts", False, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("family,scan_layers", CASES)
