@@ -46,7 +46,8 @@ CASES = [pytest.param("llama3.1", True, marks=pytest.mark.slow), pytest.param("l
          pytest.param("qwen3-yarn", True, marks=pytest.mark.slow),
          ("llama4", True), pytest.param("llama4", False, marks=pytest.mark.slow),
          ("llama4-maverick", False), pytest.param("llama4-maverick", True, marks=pytest.mark.slow),
-         ("deepseek3", True), ("deepseek2-lite", False),
+         ("deepseek3", True), ("deepseek2-lite", False), pytest.param("deepseek32", True, marks=pytest.mark.slow),
+         pytest.param("deepseek32", False, marks=pytest.mark.slow),
          ("gpt_oss", False), ("olmo3", True), pytest.param("olmo2", False, marks=pytest.mark.slow)]
 
 
