@@ -66,6 +66,9 @@ def gathered_attention(q_BLNX: jax.Array, keys_BSX: jax.Array, values_BSR: jax.A
   q_seg = q_seg_BL if q_seg_BL is not None else jnp.zeros(q_pos_BL.shape, jnp.int32)
   q_pos = jnp.broadcast_to(q_pos_BL, q_BLNX.shape[:2])
   args = (q_BLNX, q_pos, jnp.broadcast_to(q_seg, q_BLNX.shape[:2]), q_index_BLIJ, w_BLI)
+  # Rematerialised per block: the backward pass recomputes each block's gathered rows, so the
+  # training step never holds all queries' [T, X] rows at once.
+  one_block = jax.checkpoint(one_block)
   if block == length:
     return one_block(args)
   # [B, L, ...] -> [L / Lb, B, Lb, ...], one block at a time, back to [B, L, N, R].
