@@ -20,17 +20,12 @@ KIMI_K2 = dict(  # moonshotai/Kimi-K2-Instruct
     rope_theta=50000.0, attention_bias=False, num_nextn_predict_layers=0,
     rope_scaling=dict(type="yarn", factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0, beta_slow=1.0,
                       mscale=1.0, mscale_all_dim=1.0))
-DEEPSEEK_V32 = dict(  # deepseek-ai/DeepSeek-V3.2
-    model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"], vocab_size=129280, hidden_size=7168,
-    intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
-    num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
-    q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, topk_method="noaux_tc", n_group=8,
-    topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True, scoring_func="sigmoid",
-    hidden_act="silu", max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    rope_theta=10000.0, attention_bias=False, num_nextn_predict_layers=1, index_topk=2048, index_n_heads=64,
-    index_head_dim=128,
-    rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
-                      mscale=1.0, mscale_all_dim=1.0))
+DEEPSEEK_V32 = dict(  # deepseek-ai/DeepSeek-V3.2: V3's shapes (Kimi K2's architecture) plus the indexer
+    KIMI_K2, model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"], vocab_size=129280,
+    num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256, routed_scaling_factor=2.5, n_group=8,
+    topk_group=4, first_k_dense_replace=3, max_position_embeddings=163840, rope_theta=10000.0,
+    num_nextn_predict_layers=1, index_topk=2048, index_n_heads=64, index_head_dim=128,
+    rope_scaling=dict(KIMI_K2["rope_scaling"], factor=40.0, beta_fast=32.0))
 OLMO3_7B = dict(  # allenai/Olmo-3-1025-7B
     model_type="olmo3", architectures=["Olmo3ForCausalLM"], vocab_size=100278, hidden_size=4096,
     intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, hidden_act="silu",
