@@ -15,6 +15,7 @@ from MaxText.families import deepseek32
 from MaxText.layers import attention_kernels, masks, sparse_attention
 
 H = pytest.importorskip("hf_families")
+from test_family_training import _config, _history  # noqa: E402 (needs hf_families' skip first)
 FP32_ATOL = 2e-5
 
 
@@ -94,3 +95,15 @@ def test_an_unsupported_checkpoint_is_one_error_line():
     deepseek32.deepseek32_model_keys({**fields, "q_lora_rank": None})
   with pytest.raises(ConfigError, match="mlp_layer_types"):
     deepseek32.deepseek32_model_keys({**fields, "mlp_layer_types": ["sparse", "dense", "sparse"]})
+
+
+@pytest.mark.slow  # two short training runs on the 8-device mesh
+def test_the_gathered_form_trains_sharded_like_replicated(monkeypatch):
+  """The gathered form (forced for the 24-token sequences) under fsdp x tensor x expert equals one replica."""
+  monkeypatch.setattr(attention_kernels, "SPARSE_GATHER_ABOVE", 0)
+  mesh = {"ici_fsdp_parallelism": 2, "ici_expert_parallelism": 2, "ici_tensor_parallelism": 2,
+          "ici_data_parallelism": -1}
+  ours = _history(_config("deepseek32", **mesh))
+  reference = _history(_config("deepseek32", ici_fsdp_parallelism=1, ici_data_parallelism=-1))
+  for key in ("loss", "grad_norm"):
+    np.testing.assert_allclose([h[key] for h in ours], [h[key] for h in reference], rtol=2e-5, err_msg=key)
