@@ -101,8 +101,8 @@ def _corrupt_indexer(params):
   weights *= -1  # the indexer's head weights: its top-k becomes each query's lowest-scoring keys
 
 
-@pytest.mark.parametrize("family,corrupt_weights", [("llama3.1", _corrupt_llama),
-                                                    pytest.param("deepseek32", _corrupt_indexer, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family,corrupt_weights", [
+    ("llama3.1", _corrupt_llama), pytest.param("deepseek32", _corrupt_indexer, marks=pytest.mark.slow)])
 def test_corrupting_one_weight_makes_the_checker_fail(family, corrupt_weights, converted, tmp_path):
   hf_dir, ckpt = converted(family)
   params = jax.tree.map(np.array, _load(ckpt, scan_layers=True))

@@ -142,7 +142,7 @@ class MlaConfig:
   qk_nope_head_dim: int = key(architecture=True)
   qk_rope_head_dim: int = key(architecture=True)
   v_head_dim: int = key(architecture=True)
-  index_topk: int = key(architecture=True)  # DeepSeek Sparse Attention's keys per query (0 = dense MLA; layers/indexer.py)
+  index_topk: int = key(architecture=True)  # DeepSeek Sparse Attention's keys per query (0 = dense MLA; indexer.py)
   index_n_heads: int = key(architecture=True)  # the lightning indexer's query heads
   index_head_dim: int = key(architecture=True)  # its query heads' and shared key's width
 

@@ -130,7 +130,8 @@ def test_paged_serve_equals_dense_with_windows_slot_reuse_and_waiting_for_pages(
 @pytest.mark.parametrize("overrides,scan_layers", [
     (dict(MLA, quantize_kvcache=True), True),
     pytest.param(MLA, False, marks=pytest.mark.slow),
-    pytest.param(DSA, True, marks=pytest.mark.slow), pytest.param(dict(DSA, quantize_kvcache=True), False, marks=pytest.mark.slow),
+    pytest.param(DSA, True, marks=pytest.mark.slow),
+    pytest.param(dict(DSA, quantize_kvcache=True), False, marks=pytest.mark.slow),
     pytest.param(dict(CHUNKED, quantize_kvcache=True), False, marks=pytest.mark.slow),  # MHA, chunks, int8
     pytest.param(CHUNKED, True, marks=pytest.mark.slow),
     pytest.param(MIXED, True, marks=pytest.mark.slow),
