@@ -51,6 +51,7 @@ CASES = [pytest.param("llama3.1", True, marks=_slow), pytest.param("llama2-tied"
          ("llama4", True), pytest.param("llama4", False, marks=_slow),
          pytest.param("llama4-maverick", False, marks=_slow), pytest.param("llama4-maverick", True, marks=_slow),
          ("deepseek3", True), pytest.param("deepseek2-lite", False, marks=_slow),
+         pytest.param("deepseek32", True, marks=_slow), pytest.param("deepseek32", False, marks=_slow),
          ("gpt_oss", False), ("olmo3", True), pytest.param("olmo2", False, marks=_slow)]
 
 
