@@ -94,10 +94,21 @@ def test_converted_checkpoint_passes_the_logit_checker_bfloat16(family, converte
   assert "logit_checker: PASS" in capsys.readouterr().out
 
 
-def test_corrupting_one_weight_makes_the_checker_fail(converted, tmp_path):
-  hf_dir, ckpt = converted("llama3.1")
-  params = jax.tree.map(np.array, _load(ckpt, scan_layers=True))
+def _corrupt_llama(params):
   params["layers"]["mlp"]["wo"]["kernel"][1, 3, 5] += 0.5  # one number in layer 1's MLP
+
+
+def _corrupt_indexer(params):
+  weights = params["layers"]["self_attention"]["indexer"]["weights_proj"]["kernel"]
+  weights *= -1  # the indexer's head weights: its top-k becomes each query's lowest-scoring keys
+
+
+@pytest.mark.parametrize("family,corrupt_weights", [
+    ("llama3.1", _corrupt_llama), pytest.param("deepseek32", _corrupt_indexer, marks=pytest.mark.slow)])
+def test_corrupting_one_weight_makes_the_checker_fail(family, corrupt_weights, converted, tmp_path):
+  hf_dir, ckpt = converted(family)
+  params = jax.tree.map(np.array, _load(ckpt, scan_layers=True))
+  corrupt_weights(params)
   corrupt = tmp_path / "corrupt"
   params_io.save_params(str(corrupt), params)
   shutil.copy(ckpt / config_lib.MODEL_CONFIG_FILE, corrupt / config_lib.MODEL_CONFIG_FILE)

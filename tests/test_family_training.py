@@ -48,7 +48,9 @@ def _cases() -> list:
       meshes = [{"ici_fsdp_parallelism": 2, "ici_expert_parallelism": 2, "ici_tensor_parallelism": 2,
                  "ici_data_parallelism": -1, "moe_dispatch": dispatch} for dispatch in ("all_to_all", "gather")]
     for mesh in meshes:
-      marks = () if family in DEFAULT else (pytest.mark.slow,)
+      # The default run keeps one dispatch; all-to-all against gather is tests/layers/test_moe_dispatch.py's.
+      default = family in DEFAULT and mesh.get("moe_dispatch", "gather") == "gather"
+      marks = () if default else (pytest.mark.slow,)
       cases.append(pytest.param(family, mesh, marks=marks, id=f"{family}-{mesh.get('moe_dispatch', 'dense')}"))
   return cases
 

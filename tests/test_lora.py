@@ -304,6 +304,7 @@ def test_every_family_gets_adapters_on_each_target_named_like_its_base_weight(fa
     assert {name.split(".")[-3] for name in exported} == set(targets)
 
 
+@pytest.mark.slow  # a composition (MLA's absorbed decode with adapters): the default run covers each part
 def test_mla_decoding_includes_the_adapters():
   """MLA decodes in the absorbed form, reading wkv_b's kernel itself: its adapter must be folded in."""
   from MaxText.platform import sharding

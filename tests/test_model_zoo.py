@@ -50,6 +50,9 @@ PUBLISHED = {
     "llama4-scout-17b-16e-vision": 109e9, "llama4-maverick-17b-128e-vision": 400e9,
     # DeepSeek: V3's 671B without the 14B multi-token-prediction module; V2-Lite's model card.
     "deepseek3-671b": 671e9, "deepseek2-16b": 15.7e9,
+    # DeepSeek-V3.2: V3's count plus 61 layers' indexers (13.96M each: 1536x64x128 + 7168x(128 + 64) + 256);
+    # the hub lists 685B with the multi-token-prediction module, as for V3.
+    "deepseek3.2-671b": 671.85e9,
     # OpenAI's gpt-oss model card (bf16 weights; the checkpoints store the experts in MXFP4).
     "gpt-oss-20b": 20.9e9, "gpt-oss-120b": 116.8e9,
     # OLMo 3: the Hugging Face hub's counts of the published checkpoints' tensors.

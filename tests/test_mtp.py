@@ -21,6 +21,7 @@ def _mtp(tiny_overrides, **overrides) -> Config:
                                "ici_data_parallelism": 2, "ici_fsdp_parallelism": 4, **overrides})
 
 
+@pytest.mark.slow  # the weighting's edge case; test_mtp_learns_to_predict_further_ahead trains MTP by default
 def test_with_zero_weight_the_next_token_model_trains_exactly_as_without_mtp(tiny_overrides):
   plain = Run(_mtp(tiny_overrides))
   with_mtp = Run(_mtp(tiny_overrides, mtp_num_layers=2, mtp_loss_scaling_factor=0.0))

@@ -118,7 +118,9 @@ def test_compiles_for_a_v5p_topology(capsys, repeats, expected):
 
 
 # The interleaved case (circular reference) by default; the plain one is slow-marked (~40 s here).
-@pytest.mark.parametrize("reference, repeats", [pytest.param("gpipe", 1, marks=pytest.mark.slow), ("circular", 2)])
+# A composition (1F1B inside the accumulation scan): both cases slow; each part runs by default.
+@pytest.mark.parametrize("reference, repeats", [pytest.param("gpipe", 1, marks=pytest.mark.slow),
+                                                pytest.param("circular", 2, marks=pytest.mark.slow)])
 def test_gradient_accumulation_over_1f1b_equals_gpipe(reference, repeats):
   """The 1F1B custom_vjp also runs inside the gradient-accumulation scan."""
   accum = dict(gradient_accumulation_steps=2, per_device_batch_size=4, num_pipeline_repeats=repeats,

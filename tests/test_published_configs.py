@@ -20,6 +20,12 @@ KIMI_K2 = dict(  # moonshotai/Kimi-K2-Instruct
     rope_theta=50000.0, attention_bias=False, num_nextn_predict_layers=0,
     rope_scaling=dict(type="yarn", factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0, beta_slow=1.0,
                       mscale=1.0, mscale_all_dim=1.0))
+DEEPSEEK_V32 = dict(  # deepseek-ai/DeepSeek-V3.2: V3's shapes (Kimi K2's architecture) plus the indexer
+    KIMI_K2, model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"], vocab_size=129280,
+    num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256, routed_scaling_factor=2.5, n_group=8,
+    topk_group=4, first_k_dense_replace=3, max_position_embeddings=163840, rope_theta=10000.0,
+    num_nextn_predict_layers=1, index_topk=2048, index_n_heads=64, index_head_dim=128,
+    rope_scaling=dict(KIMI_K2["rope_scaling"], factor=40.0, beta_fast=32.0))
 OLMO3_7B = dict(  # allenai/Olmo-3-1025-7B
     model_type="olmo3", architectures=["Olmo3ForCausalLM"], vocab_size=100278, hidden_size=4096,
     intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, hidden_act="silu",
@@ -62,8 +68,9 @@ GEMMA4_26B_A4B = dict(  # google/gemma-4-26B-A4B
 
 
 @pytest.mark.parametrize("model_name,hf", [("kimi-k2-1t", KIMI_K2), ("olmo3-7b", OLMO3_7B),
-                                           ("olmo3-32b", OLMO3_32B), ("gemma4-e2b", GEMMA4_E2B),
-                                           ("gemma4-31b", GEMMA4_31B), ("gemma4-26b-a4b", GEMMA4_26B_A4B)])
+                                           ("olmo3-32b", OLMO3_32B), ("deepseek3.2-671b", DEEPSEEK_V32),
+                                           ("gemma4-e2b", GEMMA4_E2B), ("gemma4-31b", GEMMA4_31B),
+                                           ("gemma4-26b-a4b", GEMMA4_26B_A4B)])
 def test_the_yaml_is_what_the_published_config_converts_to(model_name, hf):
   """Every key the converter sets (the architecture) has the YAML's value; YaRN's attention factor, given outright
   in a config.json or left to its formula in a YAML, scales alike."""

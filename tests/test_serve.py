@@ -51,9 +51,9 @@ PROMPTS = ["the quick brown fox", "to be or not", "shall i compare thee", "a laz
 
 
 class Served:
-  def __init__(self, tmp: Path):
+  def __init__(self, tmp: Path, model: dict = MODEL):
     self.tokenizer_dir = write_tokenizer(tmp / "tok", without_markers(CHATML))
-    self.config = Config.for_testing(**MODEL, **LIMITS, tokenizer_path=str(self.tokenizer_dir))
+    self.config = Config.for_testing(**model, **LIMITS, tokenizer_path=str(self.tokenizer_dir))
     self.server = build_server(self.config, mesh=one_device_mesh())
     self.engine, self.params = self.server.scheduler.engine, self.server.scheduler.params
     self.http = UvicornThread(build_app(self.server, api_key=KEY, max_body_bytes=4096))
@@ -68,9 +68,10 @@ class Served:
     """The model's greedy tokens without a cache, up to the tokenizer's end of sequence."""
     key = tuple(ids)
     if key not in self._expected:
-      room = MODEL["max_target_length"] + 1 - len(ids)
+      length = self.config.model.max_target_length
+      room = length + 1 - len(ids)
       self._expected[key] = uncached_greedy(self.engine.spec, self.params, ids, min(room, LIMITS["serve_max_tokens"]),
-                                            MODEL["max_target_length"])
+                                            length)
     out = self._expected[key][:max_tokens]
     eos = 2  # "</s>" in sft_fixtures.SPECIAL
     return out[:out.index(eos) + 1] if eos in out else out
@@ -113,6 +114,22 @@ def test_openai_client_greedy_equals_uncached_decode_and_streams_join(served):
                                                  stream=True)
   assert "".join(c.choices[0].delta.content or "" for c in stream) == answer.choices[0].message.content
   assert [m.id for m in served.client.models.list().data] == ["tiny"]
+
+
+@pytest.mark.slow  # a second server
+def test_a_sparse_attention_model_is_served_like_its_uncached_decode(tmp_path):
+  """DeepSeek-V3.2's indexer (top-4 of up to 48 positions) through the paged server."""
+  dsa = dict(MODEL, decoder_block="deepseek32", attention_type="mla", base_num_kv_heads=4, head_dim=12,
+             q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, index_topk=4,
+             index_n_heads=2, index_head_dim=8)
+  served = Served(tmp_path, dsa)
+  try:
+    for prompt in PROMPTS[:2]:
+      expected = served.greedy(served.ids(prompt), 12)
+      out = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+      assert out.choices[0].text == served.text(expected)
+  finally:
+    served.close()
 
 
 def test_stop_sequences_end_the_text_before_them(served):

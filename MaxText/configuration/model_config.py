@@ -144,6 +144,9 @@ class MlaConfig:
   qk_nope_head_dim: int = key(architecture=True)
   qk_rope_head_dim: int = key(architecture=True)
   v_head_dim: int = key(architecture=True)
+  index_topk: int = key(architecture=True)  # DeepSeek Sparse Attention's keys per query (0 = dense MLA; indexer.py)
+  index_n_heads: int = key(architecture=True)  # the lightning indexer's query heads
+  index_head_dim: int = key(architecture=True)  # its query heads' and shared key's width
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -544,7 +547,21 @@ def _check_mla(v: Mapping[str, Any]) -> None:
     _require(set(v["attention_layer_pattern"]) == {"global"} and set(v["rope_layer_pattern"]) == {"rope"}
              and not (v["use_qk_norm"] or v["use_qk_l2_norm"] or v["use_bias"]),
              "attention_type=mla supports only global rope layers, without use_qk_norm, use_qk_l2_norm or use_bias")
+  _check_indexer(v)
   _require(v["rope_yarn_mscale_all_dim"] >= 0, f"rope_yarn_mscale_all_dim must be >= 0, got {v['rope_yarn_mscale_all_dim']}")
+
+
+def _check_indexer(v: Mapping[str, Any]) -> None:
+  _require(v["index_topk"] >= 0, f"index_topk must be >= 0 (0 = dense MLA), got {v['index_topk']}")
+  if v["index_topk"] == 0:
+    return
+  _require(v["attention_type"] == "mla" and v["q_lora_rank"] > 0,
+           f"index_topk={v['index_topk']} (DeepSeek Sparse Attention) needs attention_type=mla with q_lora_rank > 0 "
+           "(the indexer's queries read the query latent); set index_topk=0 otherwise")
+  positive(v, "index_n_heads", "index_head_dim")
+  _require(v["index_head_dim"] >= v["qk_rope_head_dim"],
+           f"index_head_dim ({v['index_head_dim']}) must be >= qk_rope_head_dim ({v['qk_rope_head_dim']}): "
+           "the indexer rotates that many of its features")
 
 
 def _pipeline(v: Mapping[str, Any], mesh: "MeshConfig", global_batch: int, layers: int) -> tuple[int, int]:

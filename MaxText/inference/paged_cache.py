@@ -181,7 +181,8 @@ def layer_pool(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int,
     return paged_kv.empty_pool(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, num_slots, per_slot,
                                quantized)
   latent = paged_kv.empty_pool(num_pages, page_size, 1, cfg.mla.kv_lora_rank, dtype, num_slots, per_slot, quantized)
-  rope = paged_kv.empty_pool(num_pages, page_size, 1, cfg.mla.qk_rope_head_dim, dtype, num_slots, per_slot, quantized)
+  rope = paged_kv.empty_pool(num_pages, page_size, 1, kv_cache.mla_row_width(cfg), dtype, num_slots, per_slot,
+                             quantized)
   return paged_kv.PagedKVCache(latent.key_KPZH, rope.key_KPZH, latent.block_table_BM, latent.key_scale_KPZ1,
                                rope.key_scale_KPZ1)
 

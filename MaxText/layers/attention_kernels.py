@@ -240,6 +240,31 @@ def full_sequence_kernel(cfg: ModelConfig, platform: str, length: int, *, interp
   return context_parallel_implementation(call, platform).sequence(call)
 
 
+# ---------------------------------------------------------------- sparse attention (DeepSeek-V3.2)
+
+# The gathered form pays once the keys outnumber each query's chosen ones by this factor (it
+# gathers T rows per query and attends in the [R + P]-wide absorbed form; the masked form scores
+# every key): benchmarks/sparse_attention_bench.py, getting_started/Models.md.
+SPARSE_GATHER_ABOVE = 4
+
+
+def _gather_pays(keys: int, topk: int) -> bool:
+  return keys > SPARSE_GATHER_ABOVE * topk
+
+
+# family -> DeepSeek Sparse Attention's forms (layers/sparse_attention.py) in order: (name, when it
+# is worth it for (key length, index_topk)). No Pallas kernel yet: both forms are XLA everywhere.
+SPARSE: dict[str, tuple[tuple[str, Callable[[int, int], bool]], ...]] = {
+    family: (("gathered", _gather_pays), ("masked", lambda keys, topk: True)) for family in accelerators.FAMILIES}
+
+
+def sparse_kernel(keys: int, topk: int, platform: str | None = None) -> str:
+  """The sparse-attention form (masked | gathered) for `keys` keys and `topk` chosen per query on
+  `platform` (default: the traced program's)."""
+  family = _known(accelerators.platform_family(platform or sharding.trace_platform()))
+  return next(name for name, worth in SPARSE[family] if worth(keys, topk))
+
+
 # ---------------------------------------------------------------- paged decode attention
 
 

@@ -132,12 +132,18 @@ def cached_attention(q_BLNH: jax.Array, cache: KVCache | paged_kv.PagedKVCache, 
 def layer_cache(cfg: ModelConfig, batch: int, length: int, quantized: bool = False) -> KVCache:
   """One layer's empty cache. attention_type=mla caches its compressed form instead of keys and
   values (layers/mla.py): key_BSKH holds the latents [B, S, 1, kv_lora_rank], value_BSKH the
-  rotated rope keys [B, S, 1, qk_rope_head_dim]."""
+  rotated rope keys [B, S, 1, qk_rope_head_dim] (then the indexer's keys: `mla_row_width`)."""
   if cfg.attn.attention_type != "mla":
     return empty_cache(batch, length, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype), quantized)
   latent = empty_cache(batch, length, 1, cfg.mla.kv_lora_rank, jnp.dtype(cfg.dtype), quantized)
-  rope = empty_cache(batch, length, 1, cfg.mla.qk_rope_head_dim, jnp.dtype(cfg.dtype), quantized)
+  rope = empty_cache(batch, length, 1, mla_row_width(cfg), jnp.dtype(cfg.dtype), quantized)
   return KVCache(latent.key_BSKH, rope.key_BSKH, latent.key_scale_BSK1, rope.key_scale_BSK1)
+
+
+def mla_row_width(cfg: ModelConfig) -> int:
+  """Width of MLA's second cache array per token: the rope key, and with index_topk > 0 the
+  lightning indexer's key after it (one int8 scale covers both when quantized)."""
+  return cfg.mla.qk_rope_head_dim + (cfg.mla.index_head_dim if cfg.mla.index_topk > 0 else 0)
 
 
 def _stack_caches(cfg: ModelConfig, one: Any, count: int) -> Any:

@@ -158,3 +158,23 @@ def dense_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, all
     probs_BKGLS = jax.nn.softmax(jnp.concatenate([logits_BKGLS, sink_BKGL1], axis=-1), axis=-1)[..., :-1]
     probs_BKGLS = probs_BKGLS.astype(v_BSKH.dtype)
   return merge_groups(jnp.einsum("bkgls,bskh->blkgh", probs_BKGLS, v_BSKH))
+
+
+def top_k_keys(scores_BLS: jax.Array, allowed_BLS: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """DeepSeek Sparse Attention's choice: each query's `k` allowed keys of highest score, as
+  (key indices [B, L, k'] int32, whether each is allowed [B, L, k']) with k' = min(k, S). A query
+  with fewer than k allowed keys gets some disallowed ones, flagged False (they stay masked)."""
+  masked_BLS = jnp.where(allowed_BLS, scores_BLS.astype(jnp.float32), -jnp.inf)
+  values_BLk, indices_BLk = jax.lax.top_k(masked_BLS, min(k, scores_BLS.shape[-1]))
+  return indices_BLk.astype(jnp.int32), values_BLk > -jnp.inf
+
+
+def top_k_mask(scores_BLS: jax.Array, allowed_BLS: jax.Array, k: int) -> jax.Array:
+  """[B, L, S] boolean: `allowed_BLS` narrowed to each query's `top_k_keys` (the dense form of the
+  sparse mask, for attention that scores every key and masks the rest)."""
+  indices_BLk, valid_BLk = top_k_keys(scores_BLS, allowed_BLS, k)
+  batch, length, _ = indices_BLk.shape
+  rows_BLk = jnp.arange(batch)[:, None, None]
+  cols_BLk = jnp.arange(length)[None, :, None]
+  chosen_BLS = jnp.zeros(scores_BLS.shape, bool).at[rows_BLk, cols_BLk, indices_BLk].max(valid_BLk)
+  return chosen_BLS & allowed_BLS

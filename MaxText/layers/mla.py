@@ -17,6 +17,11 @@ them as they are). Decoding caches only the normalised latent and the rotated ro
 (R + P numbers instead of N·(head_dim + V)) and attends in the absorbed form: W_kvb's key half is
 folded into the queries and its value half applied after the attention, so the cache is never
 expanded per head.
+
+With index_topk > 0 (DeepSeek-V3.2's sparse attention) a lightning indexer (layers/indexer.py)
+picks each query's index_topk keys and the attention sees only those (layers/sparse_attention.py,
+its form from attention_kernels.sparse_kernel); decoding caches the indexer's key beside the
+rope key (value_BSKH holds [rope key | indexer key]).
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from MaxText.platform import sharding
-from MaxText.layers import kv_cache, masks
+from MaxText.layers import attention_kernels, kv_cache, masks, sparse_attention
 from MaxText.layers.attention import ATTENTION_KERNELS, layer_window_size, select_kernel
+from MaxText.layers.indexer import LightningIndexer
 from MaxText.layers.embeddings import apply_rope, rope_attention_scale, rope_inverse_frequencies, rope_softmax_scale
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.normalizations import RMSNorm
@@ -63,6 +69,8 @@ class MultiHeadLatentAttention(nnx.Module):
     self.wkv_b = dense((cfg.mla.kv_lora_rank,), (n, cfg.mla.qk_nope_head_dim + v), ("embed", "heads", "kv"),
                        tag="value_proj", **cfg.lora.adapter("kv_b_proj"))
     self.out = dense((n, v), (d,), ("heads", "kv", "embed"), tag="out_proj", **cfg.lora.adapter("o_proj"))
+    if cfg.mla.index_topk > 0:
+      self.indexer = LightningIndexer(cfg, rngs=rngs)
     self.cfg = cfg
     self.kernel_name = select_kernel(cfg.attn.attention)
     self.kernel = ATTENTION_KERNELS[self.kernel_name](cfg)
@@ -73,10 +81,11 @@ class MultiHeadLatentAttention(nnx.Module):
     return apply_rope(x_BLNP, positions_BL, rope_inverse_frequencies(cfg.rope, cfg.mla.qk_rope_head_dim),
                       cfg.rope.rope_interleaved, rope_attention_scale(cfg.rope))
 
-  def _queries(self, x_BLD: jax.Array, positions_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
+  def _queries(self, x_BLD: jax.Array, q_latent_BLQ: jax.Array | None, positions_BL: jax.Array
+               ) -> tuple[jax.Array, jax.Array]:
     """(no-position part [B, L, N, C], rotated part [B, L, N, P]), both already scaled."""
     cfg = self.cfg
-    q_BLNH = self.query(x_BLD) if cfg.mla.q_lora_rank <= 0 else self.wq_b(self.q_norm(self.wq_a(x_BLD)))
+    q_BLNH = self.query(x_BLD) if q_latent_BLQ is None else self.wq_b(q_latent_BLQ)
     q_BLNH = sharding.constrain(q_BLNH * jnp.asarray(self.query_scale, q_BLNH.dtype), _HEADS)
     nope = cfg.mla.qk_nope_head_dim
     return q_BLNH[..., :nope], self._rope(q_BLNH[..., nope:], positions_BL)
@@ -91,10 +100,17 @@ class MultiHeadLatentAttention(nnx.Module):
                layer_index: int | jax.Array = 0, cache: kv_cache.KVCache | None = None
                ) -> jax.Array | tuple[jax.Array, kv_cache.KVCache]:
     cfg = self.cfg
-    q_nope_BLNC, q_rope_BLNP = self._queries(x_BLD, positions_BL)
+    q_latent_BLQ = self.q_norm(self.wq_a(x_BLD)) if cfg.mla.q_lora_rank > 0 else None
+    q_nope_BLNC, q_rope_BLNP = self._queries(x_BLD, q_latent_BLQ, positions_BL)
     latent_BLR, k_rope_BL1P = self._latent(x_BLD, positions_BL)
+    index = None
+    if cfg.mla.index_topk > 0:
+      assert q_latent_BLQ is not None  # config validation: the indexer needs q_lora_rank > 0
+      index = (*self.indexer.queries(x_BLD, q_latent_BLQ, positions_BL), self.indexer.keys(x_BLD, positions_BL))
     if cache is not None:
-      return self._decode(q_nope_BLNC, q_rope_BLNP, latent_BLR, k_rope_BL1P, positions_BL, layer_index, cache)
+      return self._decode(q_nope_BLNC, q_rope_BLNP, latent_BLR, k_rope_BL1P, positions_BL, layer_index, cache, index)
+    if index is not None:
+      return self._sparse(q_nope_BLNC, q_rope_BLNP, latent_BLR, k_rope_BL1P, segment_ids_BL, index)
     kv_BLNX = self.wkv_b(latent_BLR)
     k_nope_BLNC, v_BLNV = kv_BLNX[..., :cfg.mla.qk_nope_head_dim], kv_BLNX[..., cfg.mla.qk_nope_head_dim:]
     k_BLNH = jnp.concatenate([k_nope_BLNC, jnp.broadcast_to(k_rope_BL1P, q_rope_BLNP.shape).astype(k_nope_BLNC.dtype)],
@@ -108,21 +124,68 @@ class MultiHeadLatentAttention(nnx.Module):
                            cfg.attn.attn_logits_soft_cap)[..., :width]
     return self.out(sharding.constrain(out_BLNV, _HEADS))
 
-  def _decode(self, q_nope_BLNC: jax.Array, q_rope_BLNP: jax.Array, latent_BLR: jax.Array, k_rope_BL1P: jax.Array,
-              positions_BL: jax.Array, layer_index: int | jax.Array, cache: kv_cache.KVCache
-              ) -> tuple[jax.Array, kv_cache.KVCache]:
-    """Absorbed attention over the compressed cache (key_BSKH: latents [B, S, 1, R], value_BSKH:
-    rotated rope keys [B, S, 1, P])."""
+  def _absorbed(self, q_nope_BLNC: jax.Array, q_rope_BLNP: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(absorbed queries [B, L, N, R + P], W_kvb's value half [R, N, V])."""
     cfg = self.cfg
-    cache = kv_cache.write(cache, latent_BLR[:, :, None, :], k_rope_BL1P, positions_BL)
-    latent_BS1R, k_rope_BS1P = cache.read(q_nope_BLNC.dtype)
     w_kvb_RNX = self.wkv_b.merged_kernel().astype(q_nope_BLNC.dtype)  # its LoRA adapter (kv_b_proj) included
     w_k_RNC, w_v_RNV = w_kvb_RNX[..., :cfg.mla.qk_nope_head_dim], w_kvb_RNX[..., cfg.mla.qk_nope_head_dim:]
     # q_nope·(latent·W_k) = (q_nope·W_kᵀ)·latent: one [R]-wide query per head against the shared latent.
     q_latent_BLNR = jnp.einsum("blnc,rnc->blnr", q_nope_BLNC, w_k_RNC)
-    q_BLNX = jnp.concatenate([q_latent_BLNR, q_rope_BLNP.astype(q_latent_BLNR.dtype)], axis=-1)
-    k_BS1X = jnp.concatenate([latent_BS1R, k_rope_BS1P], axis=-1)
-    mask_BLS = masks.cache_mask(positions_BL, k_BS1X.shape[1], layer_window_size(cfg.attn, layer_index))
-    out_latent_BLNR = masks.dense_attention(q_BLNX, k_BS1X, latent_BS1R, mask_BLS, cfg.attn.attn_logits_soft_cap)
+    return jnp.concatenate([q_latent_BLNR, q_rope_BLNP.astype(q_latent_BLNR.dtype)], axis=-1), w_v_RNV
+
+  def _sparse(self, q_nope_BLNC: jax.Array, q_rope_BLNP: jax.Array, latent_BLR: jax.Array, k_rope_BL1P: jax.Array,
+              segment_ids_BL: jax.Array, index: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+    """Training / prefill with DeepSeek Sparse Attention, in the form the kernel table picks."""
+    cfg = self.cfg
+    length, topk = latent_BLR.shape[1], cfg.mla.index_topk
+    if attention_kernels.sparse_kernel(length, topk) == "masked":
+      kv_BLNX = self.wkv_b(latent_BLR)
+      nope = cfg.mla.qk_nope_head_dim
+      k_BLNH = jnp.concatenate([kv_BLNX[..., :nope], jnp.broadcast_to(k_rope_BL1P, q_rope_BLNP.shape).astype(
+          kv_BLNX.dtype)], axis=-1)
+      q_BLNH = jnp.concatenate([q_nope_BLNC, q_rope_BLNP.astype(q_nope_BLNC.dtype)], axis=-1)
+      out_BLNV = sparse_attention.masked_attention(
+          sharding.constrain(q_BLNH, _HEADS), sharding.constrain(k_BLNH, _HEADS),
+          sharding.constrain(kv_BLNX[..., nope:], _HEADS), masks.self_mask(segment_ids_BL), *index, topk,
+          cfg.attn.attn_logits_soft_cap)
+      return self.out(sharding.constrain(out_BLNV, _HEADS))
+    q_BLNX, w_v_RNV = self._absorbed(q_nope_BLNC, q_rope_BLNP)
+    keys_BLX = jnp.concatenate([latent_BLR, k_rope_BL1P[:, :, 0].astype(latent_BLR.dtype)], axis=-1)
+    positions_1L = jnp.arange(length)[None]
+    out_latent_BLNR = sparse_attention.gathered_attention(
+        q_BLNX, keys_BLX, latent_BLR, positions_1L, positions_1L, segment_ids_BL, segment_ids_BL, *index, topk,
+        cfg.attn.attn_logits_soft_cap)
+    out_BLNV = jnp.einsum("blnr,rnv->blnv", out_latent_BLNR, w_v_RNV)
+    return self.out(sharding.constrain(out_BLNV, _HEADS))
+
+  def _decode(self, q_nope_BLNC: jax.Array, q_rope_BLNP: jax.Array, latent_BLR: jax.Array, k_rope_BL1P: jax.Array,
+              positions_BL: jax.Array, layer_index: int | jax.Array, cache: kv_cache.KVCache,
+              index: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> tuple[jax.Array, kv_cache.KVCache]:
+    """Absorbed attention over the compressed cache (key_BSKH: latents [B, S, 1, R], value_BSKH:
+    rotated rope keys [B, S, 1, P], followed by the indexer's keys [J] with index_topk > 0)."""
+    cfg = self.cfg
+    rope = cfg.mla.qk_rope_head_dim
+    cached_BL1Y = k_rope_BL1P if index is None else jnp.concatenate(
+        [k_rope_BL1P, index[2][:, :, None, :].astype(k_rope_BL1P.dtype)], axis=-1)
+    cache = kv_cache.write(cache, latent_BLR[:, :, None, :], cached_BL1Y, positions_BL)
+    latent_BS1R, rows_BS1Y = cache.read(q_nope_BLNC.dtype)
+    q_BLNX, w_v_RNV = self._absorbed(q_nope_BLNC, q_rope_BLNP)
+    k_BS1X = jnp.concatenate([latent_BS1R, rows_BS1Y[..., :rope]], axis=-1)
+    window = layer_window_size(cfg.attn, layer_index)
+    if index is None:
+      mask_BLS = masks.cache_mask(positions_BL, k_BS1X.shape[1], window)
+      out_latent_BLNR = masks.dense_attention(q_BLNX, k_BS1X, latent_BS1R, mask_BLS, cfg.attn.attn_logits_soft_cap)
+    else:
+      q_index_BLIJ, w_BLI, _ = index
+      index_keys_BSJ = rows_BS1Y[:, :, 0, rope:]
+      length, topk = k_BS1X.shape[1], cfg.mla.index_topk
+      if attention_kernels.sparse_kernel(length, topk) == "masked":
+        out_latent_BLNR = sparse_attention.masked_attention(
+            q_BLNX, k_BS1X, latent_BS1R, masks.cache_mask(positions_BL, length, window), q_index_BLIJ, w_BLI,
+            index_keys_BSJ, topk, cfg.attn.attn_logits_soft_cap)
+      else:
+        out_latent_BLNR = sparse_attention.gathered_attention(
+            q_BLNX, k_BS1X[:, :, 0], latent_BS1R[:, :, 0], positions_BL, jnp.arange(length)[None], None, None,
+            q_index_BLIJ, w_BLI, index_keys_BSJ, topk, cfg.attn.attn_logits_soft_cap)
     out_BLNV = jnp.einsum("blnr,rnv->blnv", out_latent_BLNR, w_v_RNV)
     return self.out(sharding.constrain(out_BLNV, _HEADS)), cache

@@ -39,16 +39,22 @@ def hf_greedy(hf, model, prompt: list[int], num_new: int) -> list[int]:
 
 
 # scan_layers alternates so both cache layouts (stacked and per-layer tuple) are covered.
-# Sliding windows, soft caps, MoE and learned positions stay in the default run; the rest are slow.
-CASES = [pytest.param("llama3.1", True, marks=pytest.mark.slow), pytest.param("llama2-tied", False, marks=pytest.mark.slow), ("mistral", True),
-         pytest.param("gemma", False, marks=pytest.mark.slow), ("gemma2", True), ("gpt3", False), ("mixtral", True),
-         ("gemma3", False), ("qwen3_moe", True), pytest.param("qwen3", False, marks=pytest.mark.slow),
-         pytest.param("qwen3-yarn", True, marks=pytest.mark.slow),
-         ("llama4", True), pytest.param("llama4", False, marks=pytest.mark.slow),
-         ("llama4-maverick", False), pytest.param("llama4-maverick", True, marks=pytest.mark.slow),
-         ("deepseek3", True), ("deepseek2-lite", False),
-         ("gpt_oss", False), ("olmo3", True), pytest.param("olmo2", False, marks=pytest.mark.slow),
-         ("gemma4", False), pytest.param("gemma4-experts", False, marks=pytest.mark.slow)]
+# One case per cache mechanism stays in the default run: sliding window with soft caps (gemma2),
+# learned positions (gpt3), MoE (mixtral), chunked attention (llama4), MLA's latent cache (deepseek3),
+# sinks with alternating windows (gpt_oss), per-layer-type RoPE (olmo3), per-layer cache shapes with
+# KV-shared layers reading their sources' caches (gemma4). The rest are slow.
+_slow = pytest.mark.slow
+CASES = [pytest.param("llama3.1", True, marks=_slow), pytest.param("llama2-tied", False, marks=_slow),
+         pytest.param("mistral", True, marks=_slow), pytest.param("gemma", False, marks=_slow), ("gemma2", True),
+         ("gpt3", False), ("mixtral", True), pytest.param("gemma3", False, marks=_slow),
+         pytest.param("qwen3_moe", True, marks=_slow), pytest.param("qwen3", False, marks=_slow),
+         pytest.param("qwen3-yarn", True, marks=_slow),
+         ("llama4", True), pytest.param("llama4", False, marks=_slow),
+         pytest.param("llama4-maverick", False, marks=_slow), pytest.param("llama4-maverick", True, marks=_slow),
+         ("deepseek3", True), pytest.param("deepseek2-lite", False, marks=_slow),
+         pytest.param("deepseek32", True, marks=_slow), pytest.param("deepseek32", False, marks=_slow),
+         ("gpt_oss", False), ("olmo3", True), pytest.param("olmo2", False, marks=_slow),
+         ("gemma4", False), pytest.param("gemma4-experts", False, marks=_slow)]
 
 
 @pytest.mark.parametrize("family,scan_layers", CASES)

@@ -29,6 +29,8 @@ MLA = dict(TINY, decoder_block="deepseek3", base_num_query_heads=4, base_num_kv_
            base_num_decoder_layers=2, attention_type="mla", q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
            qk_rope_head_dim=4, v_head_dim=6, num_experts=4, num_experts_per_tok=2, shared_experts=1,
            first_dense_layers=1, dense_mlp_dim=48)
+# DeepSeek-V3.2: MLA with the indexer's keys in the rope-key pages; top-4 of up to 24 positions.
+DSA = dict(MLA, decoder_block="deepseek32", index_topk=4, index_n_heads=2, index_head_dim=8)
 CHUNKED = dict(TINY, base_num_kv_heads=4, attention_layer_pattern=["chunked", "global"], attention_chunk_size=4)
 # Llama 4 Maverick's interleaved stack: dense and MoE layers alternate (the scanned periods carry two pools).
 INTERLEAVED = dict(TINY, decoder_block="llama4", base_num_decoder_layers=4, num_experts=4, num_experts_per_tok=1,
@@ -134,6 +136,8 @@ def test_paged_serve_equals_dense_with_windows_slot_reuse_and_waiting_for_pages(
 @pytest.mark.parametrize("overrides,scan_layers", [
     (dict(MLA, quantize_kvcache=True), True),
     pytest.param(MLA, False, marks=pytest.mark.slow),
+    pytest.param(DSA, True, marks=pytest.mark.slow),
+    pytest.param(dict(DSA, quantize_kvcache=True), False, marks=pytest.mark.slow),
     pytest.param(dict(CHUNKED, quantize_kvcache=True), False, marks=pytest.mark.slow),  # MHA, chunks, int8
     pytest.param(CHUNKED, True, marks=pytest.mark.slow),
     pytest.param(MIXED, True, marks=pytest.mark.slow),
@@ -319,7 +323,8 @@ def _scheduled_outputs(engine: Engine, params, prompts, new_tokens, cancel_secon
 
 
 @pytest.mark.parametrize("overrides,scan_layers", [
-    (MIXED, True), pytest.param(MLA, False, marks=pytest.mark.slow), pytest.param(CHUNKED, True, marks=pytest.mark.slow)])
+    (MIXED, True), pytest.param(MLA, False, marks=pytest.mark.slow), pytest.param(DSA, True, marks=pytest.mark.slow),
+    pytest.param(CHUNKED, True, marks=pytest.mark.slow)])
 def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(overrides, scan_layers):
   """Prompts prefilled 3 tokens per scheduler loop straight into their pages, between the other
   slots' generate steps, give the same greedy tokens as whole-prompt prefills; every page comes

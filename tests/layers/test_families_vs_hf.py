@@ -119,8 +119,11 @@ def test_bfloat16_error_is_no_worse_than_hf_bfloat16(family, staging):
     # rounding flips a token's expert on one side or the other (an O(1) move of that token's
     # logits, seen on both sides). Flips may not be more frequent than HF's own (+1); the
     # bounds below then apply to the tokens neither side flipped.
+    # A sparse-attention model (index_topk) adds a second discrete choice per layer, its top-k of
+    # positions, which near ties flip the same way: its allowance is half HF's own count more.
     flipped_ours, flipped_hf = (np.abs(e).max(-1) > FLIP for e in (ours_error, hf_error))
-    assert flipped_ours.sum() <= flipped_hf.sum() + 1, (flipped_ours.sum(), flipped_hf.sum())
+    slack = 1 + (flipped_hf.sum() // 2 if config.model.mla.index_topk > 0 else 0)
+    assert flipped_ours.sum() <= flipped_hf.sum() + slack, (flipped_ours.sum(), flipped_hf.sum())
     kept = ~(flipped_ours | flipped_hf)
     ours_error, hf_error = ours_error[kept], hf_error[kept]
     agree_ours, agree_hf = agree_ours[kept], agree_hf[kept]

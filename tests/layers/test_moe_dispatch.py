@@ -117,6 +117,7 @@ def test_receive_buffer_factor_bounds_the_buffer_and_drops_only_what_overflows()
   assert all(v == 0 for k, v in want[1][0].items() if k.startswith("moe_dropped_fraction/"))
 
 
+@pytest.mark.slow  # an escape hatch's equivalence, not the default path
 def test_unchecked_shard_map_gives_the_same_gradients(monkeypatch):
   """The shard_map runs with check_vma=False around megablox; that must not change the
   gradients (shard_map inserts the same reductions either way for this body)."""

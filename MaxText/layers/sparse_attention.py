@@ -1,0 +1,77 @@
+"""DeepSeek Sparse Attention over MLA's keys: each query attends to its index_topk allowed keys of
+highest index score (layers/indexer.py, masks.top_k_keys). Two forms, chosen by
+attention_kernels.sparse_kernel:
+
+- `masked`: the index scores of every (query, key) pair, the top-k as a [B, L, S] mask, and the
+  ordinary materialised attention under it (masks.dense_attention). Exact and simple; it computes
+  every score, so it is no faster than dense attention (the short-sequence and reference form).
+- `gathered`: per block of queries, the index scores of the block against every key, then each
+  query's top-k keys gathered from the shared [latent | rope key] rows and attended in MLA's
+  absorbed form (one [R + P]-wide key per token, shared by the heads). Only the indexer is
+  quadratic; the attention itself costs index_topk keys per query, whatever the length.
+
+Shape legend (extends layers/mla.py and indexer.py): X = R + P (an absorbed query or key row),
+T index_topk, Lb a block of queries.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from MaxText.layers import masks
+from MaxText.layers.indexer import index_scores
+
+# Queries per block of the gathered form: bounds its [B, Lb, S] index scores and [B, Lb, T, X] gathered keys.
+QUERY_BLOCK = 256
+
+
+def masked_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, allowed_BLS: jax.Array,
+                     q_index_BLIJ: jax.Array, w_BLI: jax.Array, index_keys_BSJ: jax.Array, topk: int,
+                     soft_cap: float = 0.0) -> jax.Array:
+  """Attention of pre-scaled queries under `allowed_BLS` narrowed to each query's top-k keys."""
+  scores_BLS = index_scores(q_index_BLIJ, w_BLI, index_keys_BSJ)
+  return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, masks.top_k_mask(scores_BLS, allowed_BLS, topk), soft_cap)
+
+
+def _gathered_block(q_BLNX: jax.Array, keys_BSX: jax.Array, values_BSR: jax.Array, allowed_BLS: jax.Array,
+                    q_index_BLIJ: jax.Array, w_BLI: jax.Array, index_keys_BSJ: jax.Array, topk: int,
+                    soft_cap: float) -> jax.Array:
+  indices_BLT, valid_BLT = masks.top_k_keys(index_scores(q_index_BLIJ, w_BLI, index_keys_BSJ), allowed_BLS, topk)
+  take = jax.vmap(lambda rows_SX, idx_LT: rows_SX[idx_LT])  # per batch row: [S, X], [L, T] -> [L, T, X]
+  keys_BLTX, values_BLTR = take(keys_BSX, indices_BLT), take(values_BSR, indices_BLT)
+  logits_BLNT = jnp.einsum("blnx,bltx->blnt", q_BLNX, keys_BLTX, preferred_element_type=jnp.float32)
+  if soft_cap > 0:
+    logits_BLNT = soft_cap * jnp.tanh(logits_BLNT / soft_cap)
+  logits_BLNT = jnp.where(valid_BLT[:, :, None, :], logits_BLNT, masks.MASK_VALUE)
+  probs_BLNT = jax.nn.softmax(logits_BLNT, axis=-1).astype(values_BSR.dtype)
+  return jnp.einsum("blnt,bltr->blnr", probs_BLNT, values_BLTR)
+
+
+def gathered_attention(q_BLNX: jax.Array, keys_BSX: jax.Array, values_BSR: jax.Array, q_pos_BL: jax.Array,
+                       k_pos_BS: jax.Array, q_seg_BL: jax.Array | None, k_seg_BS: jax.Array | None,
+                       q_index_BLIJ: jax.Array, w_BLI: jax.Array, index_keys_BSJ: jax.Array, topk: int,
+                       soft_cap: float = 0.0) -> jax.Array:
+  """[B, L, N, R]: absorbed attention of pre-scaled queries over each one's top-k of the shared
+  key rows (allowed: masks.allowed of the positions and segment ids), values the latents."""
+  length = q_BLNX.shape[1]
+  block = QUERY_BLOCK if length > QUERY_BLOCK and length % QUERY_BLOCK == 0 else length
+
+  def one_block(args: tuple[jax.Array, ...]) -> jax.Array:
+    q_BLNX, q_pos_BL, q_seg_BL, q_index_BLIJ, w_BLI = args
+    allowed_BLS = masks.allowed(q_pos_BL, k_pos_BS, q_seg_BL if k_seg_BS is not None else None, k_seg_BS)
+    return _gathered_block(q_BLNX, keys_BSX, values_BSR, allowed_BLS, q_index_BLIJ, w_BLI, index_keys_BSJ, topk,
+                           soft_cap)
+
+  q_seg = q_seg_BL if q_seg_BL is not None else jnp.zeros(q_pos_BL.shape, jnp.int32)
+  q_pos = jnp.broadcast_to(q_pos_BL, q_BLNX.shape[:2])
+  args = (q_BLNX, q_pos, jnp.broadcast_to(q_seg, q_BLNX.shape[:2]), q_index_BLIJ, w_BLI)
+  # Rematerialised per block: the backward pass recomputes each block's gathered rows, so the
+  # training step never holds all queries' [T, X] rows at once.
+  one_block = jax.checkpoint(one_block)
+  if block == length:
+    return one_block(args)
+  # [B, L, ...] -> [L / Lb, B, Lb, ...], one block at a time, back to [B, L, N, R].
+  blocked = tuple(jnp.moveaxis(a.reshape(a.shape[0], length // block, block, *a.shape[2:]), 1, 0) for a in args)
+  out = jax.lax.map(one_block, blocked)
+  return jnp.moveaxis(out, 0, 1).reshape(q_BLNX.shape[:3] + (values_BSR.shape[-1],))

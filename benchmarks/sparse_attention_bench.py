@@ -1,0 +1,86 @@
+"""DeepSeek Sparse Attention against full MLA attention: one attention layer's training step
+(forward + backward) on CPU, tokens/s.
+
+    python3 benchmarks/sparse_attention_bench.py [--lengths 4096,16384,65536] [--topk 2048]
+        [--heads 4] [--index_heads 2] [--repeats 1] [--forms full,gathered,masked]
+
+One MultiHeadLatentAttention layer (layers/mla.py) of a scaled-down V3.2 shape (model width 128,
+4 heads, a 32-wide latent, 16 rotated features, an indexer of 2 heads of 32) over one sequence,
+float32, jitted, gradients of its parameters and input; the first (compiling) call is not timed.
+Forms: `full` is dense MLA under the chunked flash kernel (attention=flash, what CPU runs at these
+lengths); `gathered` and `masked` are the two sparse forms (layers/sparse_attention.py), forced
+whatever attention_kernels.SPARSE would pick. The masked form materialises [L, L] scores and is
+skipped above 16384 tokens. Prints one Markdown table row per form and length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+MASKED_MAX = 16384
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--lengths", default="4096,16384,65536")
+  parser.add_argument("--topk", type=int, default=2048)
+  parser.add_argument("--heads", type=int, default=4)
+  parser.add_argument("--index_heads", type=int, default=2)
+  parser.add_argument("--repeats", type=int, default=1)
+  parser.add_argument("--forms", default="full,gathered,masked")
+  args = parser.parse_args()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from MaxText.configuration.config import Config
+  from MaxText.layers import attention_kernels
+  from MaxText.platform import sharding
+  from MaxText.layers.mla import MultiHeadLatentAttention
+
+  shape = dict(decoder_block="deepseek32", attention_type="mla", base_emb_dim=128, base_num_query_heads=args.heads,
+               base_num_kv_heads=args.heads, head_dim=48, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
+               qk_rope_head_dim=16, v_head_dim=32, index_n_heads=args.index_heads, index_head_dim=32,
+               dtype="float32", print_config=False, flash_block_q=512, flash_block_kv=512)
+  print(f"one MLA layer, width 128, {args.heads} heads, latent 32, indexer {args.index_heads}x32, top-k {args.topk}, "
+        f"float32, {jax.devices()[0].device_kind}")
+  print("| form | tokens | fwd+bwd s | tokens/s |")
+  print("| --- | --- | --- | --- |")
+  for length in (int(x) for x in args.lengths.split(",")):
+    x = jax.random.normal(jax.random.key(0), (1, length, 128), jnp.float32)
+    positions = jnp.arange(length)[None]
+    segments = jnp.ones((1, length), jnp.int32)
+    for form in args.forms.split(","):
+      if form == "masked" and length > MASKED_MAX:
+        continue
+      topk = 0 if form == "full" else args.topk
+      cfg = Config.for_testing(**shape, index_topk=topk, max_target_length=length, attention="flash").model
+      # Force the form: gathered above 0 x top-k keys, masked never.
+      attention_kernels.SPARSE_GATHER_ABOVE = 0 if form == "gathered" else 1 << 30
+      with nnx.use_eager_sharding(False):
+        graph, params = nnx.split(MultiHeadLatentAttention(cfg, rngs=nnx.Rngs(0)))
+
+      def loss(params: nnx.State, x: jax.Array, graph: nnx.GraphDef = graph) -> jax.Array:
+        out = nnx.merge(graph, params)(x, positions, segments)
+        assert isinstance(out, jax.Array)
+        return out.sum()
+
+      step = jax.jit(sharding.unsharded()(jax.grad(loss, argnums=(0, 1))))
+      jax.block_until_ready(step(params, x))
+      start = time.perf_counter()
+      for _ in range(args.repeats):
+        jax.block_until_ready(step(params, x))
+      seconds = (time.perf_counter() - start) / args.repeats
+      print(f"| {form} | {length} | {seconds:.2f} | {length / seconds:,.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()
