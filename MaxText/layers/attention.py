@@ -254,13 +254,15 @@ class Attention(nnx.Module):
     cfg = self.cfg
     if cfg.position_embedding != "rope":
       return x_BLNH
-    rope = functools.partial(apply_rope, positions_BL=positions_BL,
-                             inv_freq_h=layer_rope_frequencies(cfg, layer_index), interleaved=cfg.rope.rope_interleaved,
-                             scale=layer_rope_scale(cfg, layer_index))
+    full_rope = functools.partial(apply_rope, positions_BL=positions_BL,
+                                  inv_freq_h=layer_rope_frequencies(cfg, layer_index),
+                                  interleaved=cfg.rope.rope_interleaved, scale=layer_rope_scale(cfg, layer_index))
     rotated = rotary_dim(cfg)
-    if rotated < cfg.head_dim:  # partial RoPE (Qwen3-Next): the first `rotated` features turn, the rest pass
-      full_rope = rope
-      rope = lambda x: jnp.concatenate([full_rope(x[..., :rotated]), x[..., rotated:]], axis=-1)  # noqa: E731
+
+    def rope(x: jax.Array) -> jax.Array:  # partial RoPE (Qwen3-Next): the first `rotated` features turn, the rest pass
+      if rotated == cfg.head_dim:
+        return full_rope(x)
+      return jnp.concatenate([full_rope(x[..., :rotated]), x[..., rotated:]], axis=-1)
     x_BLNH = _on_layers(is_rope_layer(cfg.rope, layer_index), rope, x_BLNH)
     if cfg.attn.use_qk_l2_norm:
       x_BLNH = _on_layers(is_rope_layer(cfg.rope, layer_index),
