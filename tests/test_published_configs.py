@@ -37,6 +37,14 @@ OLMO3_7B = dict(  # allenai/Olmo-3-1025-7B
 OLMO3_32B = dict(OLMO3_7B, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
                  num_key_value_heads=8,
                  layer_types=["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(64)])
+QWEN3_NEXT_80B = dict(  # Qwen/Qwen3-Next-80B-A3B-Instruct
+    model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], vocab_size=151936, hidden_size=2048,
+    intermediate_size=5120, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    hidden_act="silu", max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    attention_bias=False, rope_theta=10000000, partial_rotary_factor=0.25, full_attention_interval=4,
+    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+    linear_value_head_dim=128, moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=512,
+    num_experts_per_tok=10, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
 
 _GEMMA4_ROPE = {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
                 "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}}
@@ -70,7 +78,8 @@ GEMMA4_26B_A4B = dict(  # google/gemma-4-26B-A4B
 @pytest.mark.parametrize("model_name,hf", [("kimi-k2-1t", KIMI_K2), ("olmo3-7b", OLMO3_7B),
                                            ("olmo3-32b", OLMO3_32B), ("deepseek3.2-671b", DEEPSEEK_V32),
                                            ("gemma4-e2b", GEMMA4_E2B), ("gemma4-31b", GEMMA4_31B),
-                                           ("gemma4-26b-a4b", GEMMA4_26B_A4B)])
+                                           ("gemma4-26b-a4b", GEMMA4_26B_A4B),
+                                           ("qwen3-next-80b-a3b", QWEN3_NEXT_80B)])
 def test_the_yaml_is_what_the_published_config_converts_to(model_name, hf):
   """Every key the converter sets (the architecture) has the YAML's value; YaRN's attention factor, given outright
   in a config.json or left to its formula in a YAML, scales alike."""

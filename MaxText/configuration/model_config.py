@@ -34,7 +34,7 @@ POSITION_EMBEDDINGS = ("rope", "learned", "sinusoidal")
 ROPE_TYPES = ("default", "llama3", "linear", "yarn", "proportional")
 ATTENTION_LAYER_KINDS = ("global", "local", "chunked")
 ROPE_LAYER_KINDS = ("rope", "nope")
-ATTENTION_TYPES = ("gqa", "mla")
+ATTENTION_TYPES = ("gqa", "mla", "gated_deltanet")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_GROUP_SCORES = ("max", "top2_sum")
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
@@ -111,13 +111,15 @@ class RopeConfig:
   rope_original_max_position: int = key(architecture=True)
   rope_layer_pattern: tuple[str, ...] = key(architecture=True)  # cycled over layers: rope | nope
   rope_yarn_mscale_all_dim: float = key(architecture=True)  # 0 = no softmax-scale correction (MLA)
+  partial_rotary_factor: float = key(architecture=True)  # the rotated share of each head's features (1 = all)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AttentionConfig:
   """Which attention layer and kernel, its per-layer masks and logit shaping, and how it splits
   the sequence over the `sequence` mesh axis. `attention` (the key) names the kernel."""
-  attention_type: str = key(architecture=True)  # gqa | mla (layers/mla.py)
+  attention_type: str = key(architecture=True)  # gqa | mla (layers/mla.py) | gated_deltanet (layers/gated_deltanet.py)
+  attention_output_gate: bool = key(architecture=True)  # Qwen3-Next: sigmoid(x W_gate) scales the heads' output
   attention_layer_pattern: tuple[str, ...] = key(architecture=True)  # cycled over layers: global | local | chunked
   sliding_window_size: int = key(architecture=True)
   attention_chunk_size: int = key(architecture=True)  # chunked layers attend within fixed chunks of positions
@@ -134,6 +136,18 @@ class AttentionConfig:
   context_parallel_load_balance: bool = key()  # zig-zag chunk order so causal work is equal per shard
   context_parallel_degree: int = derived(1)  # shards of the sequence (the `sequence` mesh axis)
   attention_blocks: AttentionBlocks = record(AttentionBlocks)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinearAttentionConfig:
+  """Gated DeltaNet (layers/gated_deltanet.py): its shape, and where it runs in a hybrid stack."""
+  full_attention_interval: int = key(architecture=True)  # k > 1: every k-th layer full attention, the others Gated DeltaNet
+  linear_num_key_heads: int = key(architecture=True)
+  linear_num_value_heads: int = key(architecture=True)
+  linear_key_head_dim: int = key(architecture=True)
+  linear_value_head_dim: int = key(architecture=True)
+  linear_conv_kernel_dim: int = key(architecture=True)
+  linear_attention_chunk_size: int = key()  # tokens per chunk of the chunked (training, prefill) form
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -155,6 +169,7 @@ class MoeConfig:
   num_experts: int = key(architecture=True)  # 1 = dense MLP
   num_experts_per_tok: int = key(architecture=True)
   shared_experts: int = key(architecture=True)  # 0 = none
+  shared_expert_gate: bool = key(architecture=True)  # Qwen3-Next: sigmoid(x W) scales the shared experts' output
   norm_topk_prob: bool = key(architecture=True)  # renormalise the k routing weights to sum to one
   moe_router_scales_input: bool = key(architecture=True)  # Llama 4: sigmoid(top logit) scales the expert input
   moe_score_function: str = key(architecture=True)  # softmax | sigmoid
@@ -240,6 +255,7 @@ class ModelConfig:
   rope: RopeConfig = record(RopeConfig)
   attn: AttentionConfig = record(AttentionConfig)
   mla: MlaConfig = record(MlaConfig)
+  linear_attn: LinearAttentionConfig = record(LinearAttentionConfig)
   moe: MoeConfig = record(MoeConfig)
   mtp: MtpConfig = record(MtpConfig)
   vision: VisionConfig = record(VisionConfig)
@@ -264,11 +280,18 @@ class ModelConfig:
   num_decoder_layers: int = derived()
 
   @property
+  def layer_period(self) -> int:
+    """Layers per period of an interleaved stack: the last of each in `layers`, the others in
+    `dense_layers` (moe_layer_interval: dense-MLP layers; full_attention_interval: Gated DeltaNet
+    layers); 1 = no interleaving."""
+    return max(self.moe.moe_layer_interval, self.linear_attn.full_attention_interval, 1)
+
+  @property
   def num_dense_layers(self) -> int:
     """Layers of the `dense_layers` stack: the first_dense_layers prefix, or the layers between the
-    MoE ones (moe_layer_interval)."""
-    per_period = self.moe.moe_layer_interval - 1
-    return self.moe.first_dense_layers + self.num_decoder_layers // self.moe.moe_layer_interval * per_period
+    last ones of each period (layer_period)."""
+    per_period = self.layer_period - 1
+    return self.moe.first_dense_layers + self.num_decoder_layers // self.layer_period * per_period
 
   @property
   def num_moe_stack_layers(self) -> int:
@@ -277,7 +300,7 @@ class ModelConfig:
 
   def stack_position(self, layer: int) -> tuple[str, int]:
     """(stack, index in it) of decoder layer `layer`: "dense_layers" or "layers"."""
-    interval = self.moe.moe_layer_interval
+    interval = self.layer_period
     if layer < self.moe.first_dense_layers:
       return "dense_layers", layer
     if interval == 1:
@@ -286,6 +309,13 @@ class ModelConfig:
     if offset == interval - 1:
       return "layers", period
     return "dense_layers", period * (interval - 1) + offset
+
+  def dense_stack_config(self) -> "ModelConfig":
+    """The configuration the `dense_layers` stack is built with: Gated DeltaNet in place of attention
+    in a hybrid stack (full_attention_interval), else `dense_prefix_config`."""
+    if self.linear_attn.full_attention_interval > 1:
+      return dataclasses.replace(self, attn=dataclasses.replace(self.attn, attention_type="gated_deltanet"))
+    return self.dense_prefix_config()
 
   def dense_prefix_config(self) -> "ModelConfig":
     """The configuration the first_dense_layers prefix is built with: a dense MLP of dense_mlp_dim."""
@@ -319,6 +349,7 @@ class ModelConfig:
     _check_positions_and_attention(v)
     _check_moe(v)
     _check_mla(v)
+    _check_linear_attention(v)
     _check_quantization(v)
     _check_lora(v)
     layers = v["base_num_decoder_layers"] * s["layers"]
@@ -354,7 +385,8 @@ class ModelConfig:
     # A stack of differing layers (Gemma 4) is never scanned: each layer has its own shapes.
     scan_layers = v["scan_layers"] and not layer_shapes.active
     return cls(**read_keys(cls, v, scan_layers=scan_layers), rope=RopeConfig(**read_keys(RopeConfig, v)), attn=attn,
-               mla=MlaConfig(**read_keys(MlaConfig, v)), moe=MoeConfig(**read_keys(MoeConfig, v)),
+               mla=MlaConfig(**read_keys(MlaConfig, v)),
+               linear_attn=LinearAttentionConfig(**read_keys(LinearAttentionConfig, v)), moe=MoeConfig(**read_keys(MoeConfig, v)),
                mtp=MtpConfig(**read_keys(MtpConfig, v)), vision=vision,
                layer_shapes=layer_shapes, pipeline=pipeline, lora=LoraConfig(**read_keys(LoraConfig, v)),
                emb_dim=v["base_emb_dim"] * s["emb"], num_query_heads=num_q, num_kv_heads=num_kv,
@@ -531,6 +563,28 @@ def _check_moe(v: Mapping[str, Any]) -> None:
   _require(not v["sparse_matmul"] or v["capacity_factor"] <= 0,
            f"sparse_matmul=True is the dropless grouped-matmul path but capacity_factor={v['capacity_factor']} "
            "asks for dropping; set capacity_factor=-1 or sparse_matmul=False")
+
+
+def _check_linear_attention(v: Mapping[str, Any]) -> None:
+  """Gated DeltaNet's shape, the hybrid stack's period, partial RoPE and the output gates."""
+  interval, linear = v["full_attention_interval"], v["attention_type"] == "gated_deltanet"
+  _require(interval >= 0, f"full_attention_interval must be >= 0 (0 = no Gated DeltaNet layers), got {interval}")
+  if interval > 1 or linear:
+    positive(v, "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+             "linear_conv_kernel_dim", "linear_attention_chunk_size")
+    _require(v["linear_num_value_heads"] % v["linear_num_key_heads"] == 0,
+             f"linear_num_value_heads ({v['linear_num_value_heads']}) must be a multiple of linear_num_key_heads "
+             f"({v['linear_num_key_heads']})")
+  if interval > 1:
+    layers = v["base_num_decoder_layers"] * parameter_scales(v["global_parameter_scale"])["layers"]
+    _require(v["attention_type"] == "gqa" and v["moe_layer_interval"] == 1 and v["first_dense_layers"] == 0
+             and layers % interval == 0,
+             f"full_attention_interval={interval} needs attention_type=gqa, moe_layer_interval=1, first_dense_layers=0 "
+             f"and a layer count ({layers}) that is a multiple of it")
+  fraction = v["partial_rotary_factor"]
+  _require(0 < fraction <= 1 and (v["head_dim"] * fraction) % 2 == 0,
+           f"partial_rotary_factor must be in (0, 1] and rotate an even number of head_dim={v['head_dim']} "
+           f"features, got {fraction}")
 
 
 def _check_mla(v: Mapping[str, Any]) -> None:

@@ -187,14 +187,19 @@ def temperature_scale(attn: AttentionConfig, positions_BL: jax.Array) -> jax.Arr
   return jnp.log1p(steps_BL) * attn.attn_temperature_scale + 1.0
 
 
+def rotary_dim(cfg: ModelConfig) -> int:
+  """The features of each head RoPE rotates: head_dim, or its partial_rotary_factor share."""
+  return int(cfg.head_dim * cfg.rope.partial_rotary_factor)
+
+
 def layer_rope_frequencies(cfg: ModelConfig, layer_index: int | jax.Array) -> np.ndarray | jax.Array:
   """RoPE frequencies of layer `layer_index`: the local layers' own when rope_local_max_timescale
   is set (Gemma 3), else every layer's."""
   if cfg.rope.rope_local_max_timescale <= 0 or "local" not in cfg.attn.attention_layer_pattern:
-    return rope_inverse_frequencies(cfg.rope, cfg.head_dim)
+    return rope_inverse_frequencies(cfg.rope, rotary_dim(cfg))
   is_local = is_local_layer(cfg.attn, layer_index)
-  local = rope_inverse_frequencies(cfg.rope, cfg.head_dim, local=True)
-  global_ = rope_inverse_frequencies(cfg.rope, cfg.head_dim)
+  local = rope_inverse_frequencies(cfg.rope, rotary_dim(cfg), local=True)
+  global_ = rope_inverse_frequencies(cfg.rope, rotary_dim(cfg))
   if isinstance(is_local, bool):
     return local if is_local else global_
   return jnp.where(is_local, jnp.asarray(local), jnp.asarray(global_))
@@ -228,6 +233,8 @@ class Attention(nnx.Module):
     self.key = dense((d,), (k, h), ("embed", "kv_heads", "kv"), tag="key_proj", **cfg.lora.adapter("k_proj"))
     self.value = dense((d,), (k, h), ("embed", "kv_heads", "kv"), tag="value_proj", **cfg.lora.adapter("v_proj"))
     self.out = dense((n, h), (d,), ("heads", "kv", "embed"), tag="out_proj", **cfg.lora.adapter("o_proj"))
+    if cfg.attn.attention_output_gate:  # Qwen3-Next: sigmoid(x W_gate) scales each head's output
+      self.output_gate = dense((d,), (n, h), ("embed", "heads", "kv"), tag="query_proj")
     if cfg.attn.use_qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's vector (OLMo: over all heads), before RoPE
       norm = functools.partial(RMSNorm, epsilon=cfg.normalization_layer_epsilon, dtype=jnp.dtype(cfg.dtype),
                                weight_dtype=jnp.dtype(cfg.weight_dtype),
@@ -247,9 +254,15 @@ class Attention(nnx.Module):
     cfg = self.cfg
     if cfg.position_embedding != "rope":
       return x_BLNH
-    rope = functools.partial(apply_rope, positions_BL=positions_BL,
-                             inv_freq_h=layer_rope_frequencies(cfg, layer_index), interleaved=cfg.rope.rope_interleaved,
-                             scale=layer_rope_scale(cfg, layer_index))
+    full_rope = functools.partial(apply_rope, positions_BL=positions_BL,
+                                  inv_freq_h=layer_rope_frequencies(cfg, layer_index),
+                                  interleaved=cfg.rope.rope_interleaved, scale=layer_rope_scale(cfg, layer_index))
+    rotated = rotary_dim(cfg)
+
+    def rope(x: jax.Array) -> jax.Array:  # partial RoPE (Qwen3-Next): the first `rotated` features turn, the rest pass
+      if rotated == cfg.head_dim:
+        return full_rope(x)
+      return jnp.concatenate([full_rope(x[..., :rotated]), x[..., rotated:]], axis=-1)
     x_BLNH = _on_layers(is_rope_layer(cfg.rope, layer_index), rope, x_BLNH)
     if cfg.attn.use_qk_l2_norm:
       x_BLNH = _on_layers(is_rope_layer(cfg.rope, layer_index),
@@ -283,13 +296,20 @@ class Attention(nnx.Module):
       out_BLNH = kv_cache.cached_attention(q_BLNH, cache, positions_BL, layer_window_size(cfg.attn, layer_index),
                                            cfg.attn.attn_logits_soft_cap, layer_chunk_size(cfg.attn, layer_index), **sinks,
                                            image_blocks_BL=image_blocks_BL)
-      return self.out(sharding.constrain(out_BLNH, heads_names)), cache
+      return self._output(sharding.constrain(out_BLNH, heads_names), x_BLD), cache
     chunk: dict[str, Any] = ({"chunk_size": layer_chunk_size(cfg.attn, layer_index), "positions_BL": positions_BL}
                              if self.chunked else {})
     if image_blocks_BL is not None:  # config validation: the kernel is dot_product then
       out_BLNH = dot_product_attention(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, layer_window_size(cfg.attn, layer_index),
                                        cfg.attn.attn_logits_soft_cap, image_blocks_BL=image_blocks_BL, **sinks)
-      return self.out(sharding.constrain(out_BLNH, heads_names))
+      return self._output(sharding.constrain(out_BLNH, heads_names), x_BLD)
     out_BLNH = self.kernel(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, layer_window_size(cfg.attn, layer_index),
                            cfg.attn.attn_logits_soft_cap, **chunk, **sinks)
-    return self.out(sharding.constrain(out_BLNH, heads_names))
+    return self._output(sharding.constrain(out_BLNH, heads_names), x_BLD)
+
+  def _output(self, out_BLNH: jax.Array, x_BLD: jax.Array) -> jax.Array:
+    """The output projection, after the output gate where there is one (attention_output_gate)."""
+    if self.cfg.attn.attention_output_gate:
+      gate_BLNH = jax.nn.sigmoid(self.output_gate(x_BLD).astype(jnp.float32))
+      out_BLNH = (out_BLNH.astype(jnp.float32) * gate_BLNH).astype(out_BLNH.dtype)
+    return self.out(out_BLNH)

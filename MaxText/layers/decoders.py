@@ -16,6 +16,7 @@ from MaxText.platform import sharding
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.errors import ConfigError
 from MaxText.layers.attention import Attention
+from MaxText.layers.gated_deltanet import GatedDeltaNet
 from MaxText.layers.kv_cache import KVCache
 from MaxText.layers.linears import dropout
 from MaxText.layers.mla import MultiHeadLatentAttention
@@ -60,11 +61,14 @@ def feed_forward_block(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
 
 
 def attention_block(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
-  """The one place a decoder layer's attention is chosen: attention_type gqa or mla."""
+  """The one place a decoder layer's attention is chosen: attention_type gqa, mla or gated_deltanet
+  (a hybrid stack's dense_layers get gated_deltanet from ModelConfig.dense_stack_config)."""
+  if cfg.attn.attention_type == "gated_deltanet":
+    return GatedDeltaNet(cfg, rngs=rngs)
   return MultiHeadLatentAttention(cfg, rngs=rngs) if cfg.attn.attention_type == "mla" else Attention(cfg, rngs=rngs)
 
 
-@register_layer("decoder")  # Llama, Mistral, Mixtral, Qwen3-MoE and DeepSeek, GPT-OSS (MoE from num_experts > 1, MLA from attention_type), Qwen3, Gemma, GPT-3
+@register_layer("decoder")  # Llama, Mistral, Mixtral, Qwen3-MoE and DeepSeek, GPT-OSS (MoE from num_experts > 1, MLA from attention_type), Qwen3, Qwen3-Next (Gated DeltaNet from attention_type), Gemma, GPT-3
 class DecoderLayer(nnx.Module):
   """Pre-norm block: h = x + Attn(norm(x)), then h + MLP(norm(h)).
 

@@ -82,9 +82,10 @@ class Transformer(nnx.Module):
     self.cfg = cfg
     self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
     layer_class = decoder_layer_class(cfg.decoder_block)
-    # DeepSeek's dense-MLP prefix, or Llama 4 Maverick's dense layers between the MoE ones: a second stack.
+    # DeepSeek's dense-MLP prefix, Llama 4 Maverick's dense layers between the MoE ones, or
+    # Qwen3-Next's Gated DeltaNet layers between the full-attention ones: a second stack.
     if cfg.num_dense_layers > 0:
-      self._build_stack("dense_layers", layer_class, cfg.dense_prefix_config(), cfg.num_dense_layers, rngs)
+      self._build_stack("dense_layers", layer_class, cfg.dense_stack_config(), cfg.num_dense_layers, rngs)
     self._build_stack("layers", layer_class, cfg, cfg.num_moe_stack_layers, rngs)
     if cfg.position_embedding == "learned":
       self.position_embedder = Embed(cfg.max_position_embeddings, cfg.emb_dim, dtype=dtype,
@@ -145,7 +146,7 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     if cfg.pipeline.num_pipeline_stages > 1:  # the stage-sharded scanned stack runs as a pipeline
       return (*self._run_pipeline(x_BLD, positions_BL, segment_ids_BL, dropout_rng), None)
-    if cfg.moe.moe_layer_interval > 1:
+    if cfg.layer_period > 1:
       return self._run_interleaved(x_BLD, positions_BL, segment_ids_BL, dropout_rng, caches, image_blocks_BL)
     dense = cfg.moe.first_dense_layers
     if dense == 0:
@@ -244,11 +245,12 @@ class Transformer(nnx.Module):
   def _run_interleaved(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
                        dropout_rng: jax.Array | None, caches: Any, image_blocks_BL: jax.Array | None = None
                        ) -> tuple[jax.Array, AuxLosses, Any]:
-    """Llama 4 Maverick's stack: periods of moe_layer_interval layers, the last of each an MoE layer
-    (from `layers`), the others dense (from `dense_layers`), run in order; scanned over the periods.
-    The aux losses and statistics are the MoE layers' (the dense ones sow none)."""
+    """An interleaved stack (layer_period): periods of k layers, the last of each from `layers`, the
+    others from `dense_layers`, run in order; scanned over the periods. Llama 4 Maverick: the last an
+    MoE layer, the others dense (the aux losses and statistics are the MoE layers'); Qwen3-Next: the
+    last full attention, the others Gated DeltaNet."""
     cfg = self.cfg
-    k, num_layers = cfg.moe.moe_layer_interval, cfg.num_decoder_layers
+    k, num_layers = cfg.layer_period, cfg.num_decoder_layers
     periods = num_layers // k
     one_layer = self._layer_fn(positions_BL, segment_ids_BL, decoding=caches is not None, image_blocks_BL=image_blocks_BL)
     rngs = None if dropout_rng is None else jax.random.split(dropout_rng, num_layers).reshape(periods, k)

@@ -50,7 +50,8 @@ sigmoid(its router logit) and multiplies the token before the expert, whose outp
 unweighted. It is applied to the tokens before dispatch, so every path above runs it unchanged.
 
 Shared experts (shared_experts > 0, DeepSeek / Llama 4): one dense gated MLP of width
-shared_experts·mlp_dim that every token goes through, added to the routed output.
+shared_experts·mlp_dim that every token goes through, added to the routed output (with
+shared_expert_gate, Qwen3-Next's, scaled first by a per-token sigmoid of x · W, W [D, 1]).
 
 Routing health (sown per layer, reported by train_step.py): the fraction of tokens routed to
 each expert before dropping (`moe_load`, [E], sums to k), the fraction of assignments dropped
@@ -252,6 +253,9 @@ class MoeBlock(nnx.Module):
     self.wo = expert(e, f, d, ("exp", "mlp", "embed"))
     if cfg.moe.shared_experts > 0:
       self.shared_mlp = MlpBlock(cfg, rngs=rngs, mlp_dim=cfg.moe.shared_experts * f)
+    if cfg.moe.shared_expert_gate:
+      self.shared_gate = DenseGeneral((d,), (1,), ("embed", None), dtype=dtype, weight_dtype=weight_dtype, rngs=rngs,
+                                      quantize=False)
     if cfg.moe.moe_score_correction_bias:  # moves only by moe_bias_update_rate (train_step.py), never by gradients
       self.score_correction_bias = nnx.Param(jnp.zeros((e,), weight_dtype), out_sharding=(None,))
     self.cfg, self.moe, self.dtype, self.activations = cfg, cfg.moe, dtype, activation_fns(cfg)
@@ -379,5 +383,8 @@ class MoeBlock(nnx.Module):
     for name, value in routing_health(probs_BLE, routed_E, dropped).items():
       self.sow(nnx.Intermediate, name, value)
     if moe.shared_experts > 0:
-      out_BLD = out_BLD + self.shared_mlp(x_BLD)
+      shared_BLD = self.shared_mlp(x_BLD)
+      if moe.shared_expert_gate:  # Qwen3-Next: a per-token sigmoid scales the shared experts' output
+        shared_BLD = shared_BLD * jax.nn.sigmoid(self.shared_gate(x_BLD).astype(jnp.float32)).astype(shared_BLD.dtype)
+      out_BLD = out_BLD + shared_BLD
     return out_BLD

@@ -1,0 +1,225 @@
+"""Qwen3-Next (HF `qwen3_next`, decoder_block "qwen3_next"): a hybrid stack in periods of
+full_attention_interval layers (4 in the release), the first ones Gated DeltaNet (linear attention,
+layers/gated_deltanet.py, in the `dense_layers` stack) and the last gated full attention (partial RoPE,
+QK-norm, a sigmoid output gate); every layer's MLP is a high-sparsity MoE with one shared expert
+whose output a per-token sigmoid scales. Every RMSNorm but the DeltaNet's output norm is zero-centred
+(gain 1 + w: normalization_type rms_plus_one).
+
+HF names (layer i; full-attention layers)                  ours (inside layer i)
+  self_attn.q_proj.weight [N * 2H, D] (per head: query, gate)  self_attention/query/kernel, output_gate/kernel
+  self_attn.{k,v,o}_proj, q_norm, k_norm                       as Qwen3's
+HF names (Gated DeltaNet layers), under linear_attn.
+  in_proj_qkvz.weight [I * (2Q + 2rW), D] (per key head: q, k, r values, r gates; r = Y / I)
+                                                              self_attention/{query,key,value,output_gate}/kernel
+  in_proj_ba.weight [I * 2r, D] (per key head: r b's, r a's)   self_attention/{write_strength,decay_input}/kernel
+  conv1d.weight [2IQ + YW, 1, w] (channels q, k, v)           self_attention/{query,key,value}_conv [w, heads, dim]
+  dt_bias [Y], A_log [Y], norm.weight [W], out_proj.weight    self_attention/dt_bias, a_log, norm_scale, out/kernel
+MoE (every layer), under mlp.: gate, experts (as Qwen3-MoE's), shared_expert.{gate,up,down}_proj
+→ mlp/shared_mlp/wi_0, wi_1, wo, shared_expert_gate.weight [1, D] → mlp/shared_gate/kernel [D, 1].
+
+HF checkpoints of Qwen3-Next carry no multi-token-prediction weights (transformers drops them), so
+none are converted. Dense-MLP layers (mlp_only_layers, decoder_sparse_step > 1) and layer types
+that do not repeat in periods ending in full attention are refused with one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import numpy as np
+
+from MaxText.configuration.model_config import ModelConfig
+from MaxText.convert import tensor_maps as r
+from MaxText.errors import ConfigError
+from MaxText.families import Family, register_family
+from MaxText.families.llama import TINY_SHAPES, embedding_tensors, max_positions, shape_hf_config, shape_keys
+from MaxText.families.mixtral import fused_expert_tensors
+
+_LAYER = "model.layers.{i}."
+_MOE = _LAYER + "mlp."
+_LINEAR = _LAYER + "linear_attn."
+_ATTN = _LAYER + "self_attn."
+Array = np.ndarray
+
+
+def _linear_shape(cfg: ModelConfig) -> tuple[int, int, int, int, int]:
+  """(I key heads, r value heads per key head, Q key dim, W value dim, D)."""
+  la = cfg.linear_attn
+  i = la.linear_num_key_heads
+  return i, la.linear_num_value_heads // i, la.linear_key_head_dim, la.linear_value_head_dim, cfg.emb_dim
+
+
+def _qkvz_to_ours(w: Array, cfg: ModelConfig) -> tuple[Array, ...]:
+  i, r_, q, wd, d = _linear_shape(cfg)
+  per_head = w.reshape(i, 2 * q + 2 * r_ * wd, d)
+  query, key, value, gate = np.split(per_head, [q, 2 * q, 2 * q + r_ * wd], axis=1)
+  heads = lambda x, n, dim: x.reshape(n, dim, d).transpose(2, 0, 1)  # noqa: E731  [n*dim, D] -> [D, n, dim]
+  return heads(query, i, q), heads(key, i, q), heads(value, i * r_, wd), heads(gate, i * r_, wd)
+
+
+def _qkvz_to_hf(ours: tuple[Array, ...], cfg: ModelConfig) -> Array:
+  i, r_, q, wd, d = _linear_shape(cfg)
+  query, key, value, gate = (x.transpose(1, 2, 0) for x in ours)  # [heads, dim, D]
+  per_head = [query, key, value.reshape(i, r_ * wd, d), gate.reshape(i, r_ * wd, d)]
+  return np.concatenate(per_head, axis=1).reshape(-1, d)
+
+
+def _ba_to_ours(w: Array, cfg: ModelConfig) -> tuple[Array, ...]:
+  i, r_, _, _, d = _linear_shape(cfg)
+  b, a = np.split(w.reshape(i, 2 * r_, d), 2, axis=1)
+  return b.reshape(i * r_, d).T, a.reshape(i * r_, d).T
+
+
+def _ba_to_hf(ours: tuple[Array, ...], cfg: ModelConfig) -> Array:
+  i, r_, _, _, d = _linear_shape(cfg)
+  b, a = (x.T.reshape(i, r_, d) for x in ours)
+  return np.concatenate([b, a], axis=1).reshape(-1, d)
+
+
+def _conv_to_ours(w: Array, cfg: ModelConfig) -> tuple[Array, ...]:
+  i, r_, q, wd, _ = _linear_shape(cfg)
+  kernel = w[:, 0, :].T  # [w, channels]
+  query, key, value = np.split(kernel, [i * q, 2 * i * q], axis=1)
+  width = kernel.shape[0]
+  return query.reshape(width, i, q), key.reshape(width, i, q), value.reshape(width, i * r_, wd)
+
+
+def _conv_to_hf(ours: tuple[Array, ...], cfg: ModelConfig) -> Array:
+  del cfg
+  kernel = np.concatenate([x.reshape(x.shape[0], -1) for x in ours], axis=1)
+  return kernel.T[:, None, :]
+
+
+def _gated_query_to_ours(w: Array, cfg: ModelConfig) -> tuple[Array, ...]:
+  per_head = w.reshape(cfg.num_query_heads, 2, cfg.head_dim, cfg.emb_dim)
+  return per_head[:, 0].transpose(2, 0, 1), per_head[:, 1].transpose(2, 0, 1)
+
+
+def _gated_query_to_hf(ours: tuple[Array, ...], cfg: ModelConfig) -> Array:
+  query, gate = (x.transpose(1, 2, 0) for x in ours)  # [N, H, D]
+  return np.stack([query, gate], axis=1).reshape(-1, cfg.emb_dim)
+
+
+def _linear_out_to_ours(w: Array, cfg: ModelConfig) -> Array:
+  la = cfg.linear_attn
+  return w.T.reshape(la.linear_num_value_heads, la.linear_value_head_dim, cfg.emb_dim)
+
+
+def _linear_out_to_hf(kernel: Array, cfg: ModelConfig) -> Array:
+  return kernel.reshape(-1, cfg.emb_dim).T
+
+
+# Each attention kind lives in its own stack: full attention in `layers`, Gated DeltaNet in `dense_layers`.
+def _full_attention_tensors() -> list[r.TensorMap]:
+  k_in, k_out = r.heads_in(r.kv_heads)
+  v_in, v_out = r.heads_in(r.kv_heads)
+  return [dataclasses.replace(m, stack="layers") for m in [
+      r.TensorMap(_ATTN + "q_proj.weight", ("self_attention/query/kernel", "self_attention/output_gate/kernel"),
+                  _gated_query_to_ours, _gated_query_to_hf),
+      r.one(_ATTN + "k_proj.weight", "self_attention/key/kernel", k_in, k_out),
+      r.one(_ATTN + "v_proj.weight", "self_attention/value/kernel", v_in, v_out),
+      r.one(_ATTN + "o_proj.weight", "self_attention/out/kernel", r.heads_out, r.heads_out_to_hf),
+      r.one(_ATTN + "q_norm.weight", "self_attention/query_norm/scale"),
+      r.one(_ATTN + "k_norm.weight", "self_attention/key_norm/scale")]]
+
+
+def _linear_attention_tensors() -> list[r.TensorMap]:
+  ours = lambda *names: tuple(f"self_attention/{n}" for n in names)  # noqa: E731
+  return [dataclasses.replace(m, stack="dense_layers") for m in [
+      r.TensorMap(_LINEAR + "in_proj_qkvz.weight", ours("query/kernel", "key/kernel", "value/kernel", "output_gate/kernel"),
+                  _qkvz_to_ours, _qkvz_to_hf),
+      r.TensorMap(_LINEAR + "in_proj_ba.weight", ours("write_strength/kernel", "decay_input/kernel"), _ba_to_ours, _ba_to_hf),
+      r.TensorMap(_LINEAR + "conv1d.weight", ours("query_conv", "key_conv", "value_conv"), _conv_to_ours, _conv_to_hf),
+      r.one(_LINEAR + "dt_bias", "self_attention/dt_bias"),
+      r.one(_LINEAR + "A_log", "self_attention/a_log"),
+      r.one(_LINEAR + "norm.weight", "self_attention/norm_scale"),
+      r.one(_LINEAR + "out_proj.weight", "self_attention/out/kernel", _linear_out_to_ours, _linear_out_to_hf)]]
+
+
+def qwen3_next_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
+  norms = [r.one(_LAYER + "input_layernorm.weight", "pre_self_attention_layer_norm/scale"),
+           r.one(_LAYER + "post_attention_layernorm.weight", "post_self_attention_layer_norm/scale")]
+  experts = [
+      r.one(_MOE + "gate.weight", "mlp/gate/kernel", r.transpose, r.transpose),
+      r.one(_MOE + "experts.{e}.gate_proj.weight", "mlp/wi_0/kernel", r.transpose, r.transpose),
+      r.one(_MOE + "experts.{e}.up_proj.weight", "mlp/wi_1/kernel", r.transpose, r.transpose),
+      r.one(_MOE + "experts.{e}.down_proj.weight", "mlp/wo/kernel", r.transpose, r.transpose),
+      r.one(_MOE + "shared_expert.gate_proj.weight", "mlp/shared_mlp/wi_0/kernel", r.transpose, r.transpose),
+      r.one(_MOE + "shared_expert.up_proj.weight", "mlp/shared_mlp/wi_1/kernel", r.transpose, r.transpose),
+      r.one(_MOE + "shared_expert.down_proj.weight", "mlp/shared_mlp/wo/kernel", r.transpose, r.transpose),
+      r.one(_MOE + "shared_expert_gate.weight", "mlp/shared_gate/kernel", r.transpose, r.transpose)]
+  return (embedding_tensors(cfg) + norms + _full_attention_tensors() + _linear_attention_tensors() + experts
+          + fused_expert_tensors(_MOE))
+
+
+def _full_attention_interval(hf: Mapping[str, Any]) -> int:
+  num_layers = hf["num_hidden_layers"]
+  interval = int(hf.get("full_attention_interval") or 4)
+  layer_types = list(hf.get("layer_types") or
+                     ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)])
+  if "full_attention" in layer_types:
+    interval = layer_types.index("full_attention") + 1
+  expected = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+  if layer_types != expected or num_layers % interval:
+    raise ConfigError(f"HF config layer_types {layer_types} is not supported by the qwen3_next converter: it needs "
+                      "periods of linear_attention layers each ended by one full_attention layer")
+  return interval
+
+
+def qwen3_next_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  r.require_hf(hf, "hidden_act", ("silu",), "silu")
+  r.require_hf(hf, "attention_bias", (False,), False)
+  r.require_hf(hf, "decoder_sparse_step", (1,), 1)
+  if hf.get("mlp_only_layers"):
+    r.require_hf(hf, "mlp_only_layers", ([],))
+  params = dict(hf.get("rope_parameters") or {})
+  r.require_hf(params, "rope_type", ("default",), "default")
+  moe_width, shared_width = int(hf["moe_intermediate_size"]), int(hf.get("shared_expert_intermediate_size") or 0)
+  if shared_width % moe_width:
+    raise ConfigError(f"HF config shared_expert_intermediate_size={shared_width} is not supported by the qwen3_next "
+                      f"converter: it must be a multiple of moe_intermediate_size ({moe_width})")
+  return {"decoder_block": "qwen3_next", **shape_keys(hf), "base_mlp_dim": moe_width,
+          "rope_max_timescale": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
+          "partial_rotary_factor": float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
+          "mlp_activations": ["silu", "linear"], "normalization_type": "rms_plus_one", "use_qk_norm": True,
+          "attention_output_gate": True, "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
+          "full_attention_interval": _full_attention_interval(hf),
+          "linear_num_key_heads": int(hf["linear_num_key_heads"]),
+          "linear_num_value_heads": int(hf["linear_num_value_heads"]),
+          "linear_key_head_dim": int(hf["linear_key_head_dim"]), "linear_value_head_dim": int(hf["linear_value_head_dim"]),
+          "linear_conv_kernel_dim": int(hf["linear_conv_kernel_dim"]),
+          "num_experts": int(hf["num_experts"]), "num_experts_per_tok": int(hf["num_experts_per_tok"]),
+          "norm_topk_prob": bool(hf.get("norm_topk_prob", True)), "shared_experts": shared_width // moe_width,
+          "shared_expert_gate": shared_width > 0}
+
+
+def qwen3_next_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+  la, interval = cfg.linear_attn, cfg.linear_attn.full_attention_interval
+  return {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", **shape_hf_config(cfg),
+          "hidden_act": "silu", "attention_bias": False, "max_position_embeddings": max_positions(cfg),
+          "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope.rope_max_timescale,
+                              "partial_rotary_factor": cfg.rope.partial_rotary_factor},
+          "full_attention_interval": interval,
+          "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                          for i in range(cfg.num_decoder_layers)],
+          "linear_num_key_heads": la.linear_num_key_heads, "linear_num_value_heads": la.linear_num_value_heads,
+          "linear_key_head_dim": la.linear_key_head_dim, "linear_value_head_dim": la.linear_value_head_dim,
+          "linear_conv_kernel_dim": la.linear_conv_kernel_dim, "moe_intermediate_size": cfg.mlp_dim,
+          "shared_expert_intermediate_size": cfg.moe.shared_experts * cfg.mlp_dim, "num_experts": cfg.moe.num_experts,
+          "num_experts_per_tok": cfg.moe.num_experts_per_tok, "norm_topk_prob": cfg.moe.norm_topk_prob,
+          "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": cfg.moe.load_balance_loss_weight}
+
+
+# Two periods of 3 Gated DeltaNet + 1 full attention, as released; 2 value heads per key head, a
+# quarter of each head rotated; 8 experts, top-2, one gated shared expert. rms_norm_eps is large
+# because the DeltaNet's output norm rescales each head: at random weights some heads' outputs are
+# tiny differences of larger terms (q·k over 8 features), whose rounding a 1e-6 epsilon would blow up
+# to where HF's own chunked and recurrent forms disagree beyond float32 tolerance.
+_TINY = dict(TINY_SHAPES, num_hidden_layers=8, rms_norm_eps=1e-2, moe_intermediate_size=32,
+             shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+             linear_conv_kernel_dim=4, full_attention_interval=4,
+             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25})
+register_family(Family("qwen3_next", ("qwen3_next",), ("qwen3_next",), qwen3_next_model_keys, qwen3_next_hf_config,
+                       qwen3_next_tensors, reference_hf_configs={"qwen3_next": dict(model_type="qwen3_next", **_TINY)}))

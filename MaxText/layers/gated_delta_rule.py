@@ -1,0 +1,118 @@
+"""The gated delta rule (Gated DeltaNet's linear attention) in its two forms, and the short causal conv
+in front of it.
+
+Per value head, with a state S [Q, W] (key dim × value dim), each token t does
+  S ← exp(g_t) · S                       (decay, g_t <= 0)
+  S ← S + k_t ⊗ β_t (v_t − Sᵀ k_t)       (delta rule: write only what S does not yet predict)
+  o_t = Sᵀ q_t
+`recurrent` runs that token by token (decoding, and the reference); `chunked` gives the same outputs
+in chunks of `chunk_size` tokens: inside a chunk the updates are folded into one lower-triangular
+solve (the WY / UT form), so the work is matmuls, and only the state crosses chunks (a `lax.scan`).
+Both are pure JAX (no Pallas kernel yet): XLA turns the chunk's matmuls into MXU / tensor-core work,
+and the scan carries one [Q, W] state per head, so the chunked form is linear in length.
+
+Legend beyond layers/__init__.py: Y value heads of the linear attention, Q its key head dim,
+W its value head dim, U chunks, c positions in a chunk (c2 the second index of a pair),
+Z conv channels, w the conv width.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.linalg import solve_triangular
+
+# g added at a document's first token (packed rows): exp of it is ~1e-13, so no state crosses
+# documents; a finite value keeps the chunked form's differences of cumulative sums exact enough.
+DOCUMENT_RESET_LOG_DECAY = -30.0
+
+
+def recurrent(q_BLYQ: jax.Array, k_BLYQ: jax.Array, v_BLYW: jax.Array, g_BLY: jax.Array, beta_BLY: jax.Array,
+              state_BYQW: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Token by token: (outputs [B, L, Y, W], final state [B, Y, Q, W]), all in float32."""
+
+  def one_token(state: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+    q_BYQ, k_BYQ, v_BYW, g_BY, beta_BY = xs
+    state = state * jnp.exp(g_BY)[:, :, None, None]
+    predicted_BYW = jnp.einsum("byqw,byq->byw", state, k_BYQ)
+    delta_BYW = (v_BYW - predicted_BYW) * beta_BY[:, :, None]
+    state = state + k_BYQ[:, :, :, None] * delta_BYW[:, :, None, :]
+    return state, jnp.einsum("byqw,byq->byw", state, q_BYQ)
+
+  xs = tuple(jnp.moveaxis(x.astype(jnp.float32), 1, 0) for x in (q_BLYQ, k_BLYQ, v_BLYW, g_BLY, beta_BLY))
+  state, out_LBYW = jax.lax.scan(one_token, state_BYQW.astype(jnp.float32), xs)
+  return jnp.moveaxis(out_LBYW, 0, 1), state
+
+
+def chunked(q_BLYQ: jax.Array, k_BLYQ: jax.Array, v_BLYW: jax.Array, g_BLY: jax.Array, beta_BLY: jax.Array,
+            state_BYQW: jax.Array, chunk_size: int) -> tuple[jax.Array, jax.Array]:
+  """The same as `recurrent`, chunk by chunk (see the module docstring); float32."""
+  b, length, y, _ = k_BLYQ.shape
+  wd = v_BLYW.shape[-1]
+  c = chunk_size
+  pad = -length % c
+  # Padding tokens have k = v = β = 0 and g = 0: they neither write nor decay the state.
+  def chunks(x: jax.Array) -> jax.Array:  # [B, L, Y, ...] -> [B, Y, U, c, ...]
+    x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    x = x.reshape((b, (length + pad) // c, c) + x.shape[2:])
+    return jnp.moveaxis(x, 3, 1)
+
+  q, k, v = chunks(q_BLYQ), chunks(k_BLYQ), chunks(v_BLYW)
+  g_BYUc, beta_BYUc = chunks(g_BLY), chunks(beta_BLY)
+  cum_BYUc = jnp.cumsum(g_BYUc, axis=-1)
+  lower_cc = jnp.tril(jnp.ones((c, c), bool))[None, None, None]  # [1, 1, 1, c, c]: no implicit rank promotion
+  eye_cc = jnp.eye(c, dtype=jnp.float32)[None, None, None]
+  # The log decay between two tokens of a chunk, Σ g over (j, i], summed directly rather than as
+  # cum_i − cum_j: with strong decay the cumulative sums grow large and their difference loses digits.
+  strictly_lower = jnp.tril(jnp.ones((c, c), bool), -1)[None, None, None]
+  gap = jnp.cumsum(jnp.where(strictly_lower, jnp.broadcast_to(g_BYUc[..., :, None], g_BYUc.shape + (c,)), 0.0), axis=-2)
+  decay_BYUcc = jnp.where(lower_cc, jnp.exp(jnp.where(lower_cc, gap, 0.0)), 0.0)
+  k_beta = k * beta_BYUc[..., None]
+  # The chunk's updates as one unit-lower-triangular system (I + L) X = rhs, L strictly lower.
+  strict_BYUcc = jnp.einsum("byucq,byudq->byucd", k_beta, k) * decay_BYUcc * (1.0 - eye_cc)
+  system = strict_BYUcc + eye_cc
+  solve = lambda rhs: solve_triangular(system, rhs, lower=True, unit_diagonal=True)  # noqa: E731
+  u_BYUcW = solve(v * beta_BYUc[..., None])  # what each token writes, before the state's prediction
+  w_BYUcQ = solve(k_beta * jnp.exp(cum_BYUc)[..., None])  # how each token reads the chunk's incoming state
+  intra_BYUcc = jnp.einsum("byucq,byudq->byucd", q, k) * decay_BYUcc
+  q_decayed = q * jnp.exp(cum_BYUc)[..., None]
+  last_BYU = cum_BYUc[..., -1]
+  to_end_BYUc = jnp.flip(jnp.cumsum(jnp.flip(g_BYUc, -1), axis=-1), -1) - g_BYUc  # Σ g over (i, end]
+  k_to_end = k * jnp.exp(to_end_BYUc)[..., None]
+
+  def one_chunk(state: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+    u, w, intra, q_dec, k_dec, last = xs
+    v_new = u - jnp.einsum("bycq,byqw->bycw", w, state)
+    out = jnp.einsum("bycq,byqw->bycw", q_dec, state) + jnp.einsum("bycd,bydw->bycw", intra, v_new)
+    state = state * jnp.exp(last)[:, :, None, None] + jnp.einsum("bycq,bycw->byqw", k_dec, v_new)
+    return state, out
+
+  per_chunk = tuple(jnp.moveaxis(x, 2, 0) for x in (u_BYUcW, w_BYUcQ, intra_BYUcc, q_decayed, k_to_end, last_BYU))
+  state, out_UBYcW = jax.lax.scan(one_chunk, state_BYQW.astype(jnp.float32), per_chunk)
+  out_BLYW = jnp.moveaxis(out_UBYcW, 0, 1).transpose(0, 1, 3, 2, 4).reshape(b, length + pad, y, wd)
+  return out_BLYW[:, :length], state
+
+
+def causal_conv(x_BLZ: jax.Array, state_BwZ: jax.Array, kernel_wZ: jax.Array,
+                segment_ids_BL: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """Depthwise causal conv of width w over the sequence, preceded by the w − 1 inputs in `state_BwZ`
+  (zeros at a sequence's start): (silu of the conv [B, L, Z], the last w − 1 inputs as the next state).
+  With `segment_ids_BL`, a token never reads an earlier document's inputs (packed rows)."""
+  width = kernel_wZ.shape[0]
+  length = x_BLZ.shape[1]
+  history = jnp.concatenate([state_BwZ.astype(x_BLZ.dtype), x_BLZ], axis=1)
+  out = jnp.zeros(x_BLZ.shape, jnp.float32)
+  for j in range(width):  # tap j reads the input width − 1 − j places back
+    back = width - 1 - j
+    tap_BLZ = history[:, j:j + length].astype(jnp.float32)
+    if segment_ids_BL is not None and back > 0:
+      earlier = jnp.pad(segment_ids_BL, ((0, 0), (back, 0)), constant_values=-1)[:, :length]
+      tap_BLZ = tap_BLZ * (earlier == segment_ids_BL)[:, :, None]
+    out = out + tap_BLZ * kernel_wZ[j].astype(jnp.float32)[None, None, :]
+  return jax.nn.silu(out).astype(x_BLZ.dtype), history[:, history.shape[1] - (width - 1):]
+
+
+def l2_normalize(x: jax.Array, epsilon: float = 1e-6) -> jax.Array:
+  """x / sqrt(Σx² + ε) over the last dim, in float32 (Gated DeltaNet's query and key norm)."""
+  x = x.astype(jnp.float32)
+  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + epsilon)

@@ -1,0 +1,107 @@
+"""Gated DeltaNet: the chunked form equals the recurrent form step by step and HF transformers'
+torch reference functions; packed documents do not see each other; decoding token by token with
+the layer's LinearState equals the whole-sequence pass."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText.configuration.config import Config
+from MaxText.layers import gated_delta_rule as gdr
+from MaxText.layers.gated_deltanet import GatedDeltaNet, empty_state
+from MaxText.platform import sharding
+from flax import nnx
+
+B, L, Y, Q, W = 2, 21, 3, 8, 6  # L crosses two chunk boundaries at chunk size 8
+CHUNK = 8
+# Compiled once per shape: eager, every op of the scans would dispatch on its own.
+chunked = jax.jit(gdr.chunked, static_argnums=6)
+recurrent = jax.jit(gdr.recurrent)
+
+
+def _inputs(seed: int = 0) -> tuple[np.ndarray, ...]:
+  rng = np.random.default_rng(seed)
+  q = rng.normal(size=(B, L, Y, Q)).astype(np.float32)
+  k = rng.normal(size=(B, L, Y, Q)).astype(np.float32)
+  v = rng.normal(size=(B, L, Y, W)).astype(np.float32)
+  g = -np.abs(rng.normal(size=(B, L, Y))).astype(np.float32)
+  beta = (1 / (1 + np.exp(-rng.normal(size=(B, L, Y))))).astype(np.float32)
+  state = rng.normal(size=(B, Y, Q, W)).astype(np.float32)
+  return np.asarray(gdr.l2_normalize(q)) * Q ** -0.5, np.asarray(gdr.l2_normalize(k)), v, g, beta, state
+
+
+def test_chunked_equals_recurrent_at_every_step():
+  q, k, v, g, beta, state = _inputs()
+  out, _ = recurrent(q, k, v, g, beta, state)  # every step's output, token by token
+  # Prefixes ending on both sides of each chunk boundary: outputs of every step and the state after the last.
+  for length in (1, CHUNK, CHUNK + 1, 2 * CHUNK + 1, L):
+    chunk_out, chunk_state = chunked(q[:, :length], k[:, :length], v[:, :length], g[:, :length],
+                                         beta[:, :length], state, CHUNK)
+    _, step_state = recurrent(q[:, :length], k[:, :length], v[:, :length], g[:, :length], beta[:, :length], state)
+    np.testing.assert_allclose(chunk_out, out[:, :length], atol=2e-5, err_msg=f"length {length}")
+    np.testing.assert_allclose(chunk_state, step_state, atol=2e-5, err_msg=f"length {length}")
+
+
+def test_both_forms_equal_hf_reference_functions():
+  torch = pytest.importorskip("torch")
+  modeling = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+  q, k, v, g, beta, state = _inputs(1)
+  t = torch.tensor
+  # HF's functions take raw q, k and normalise and scale them themselves: hand them ours pre-scaled back.
+  hf_out, hf_state = modeling.torch_chunk_gated_delta_rule(
+      t(q * Q ** 0.5), t(k), t(v), t(g), t(beta), chunk_size=CHUNK, initial_state=t(state), output_final_state=True,
+      use_qk_l2norm_in_kernel=True)
+  for out, final in (chunked(q, k, v, g, beta, state, CHUNK), recurrent(q, k, v, g, beta, state)):
+    np.testing.assert_allclose(out, hf_out.numpy(), atol=2e-5)
+    np.testing.assert_allclose(final, hf_state.numpy(), atol=2e-5)
+
+
+def test_causal_conv_continues_from_its_state():
+  rng = np.random.default_rng(2)
+  x = rng.normal(size=(B, L, 5)).astype(np.float32)
+  kernel = rng.normal(size=(4, 5)).astype(np.float32)
+  whole, _ = gdr.causal_conv(x, np.zeros((B, 3, 5), np.float32), kernel)
+  state = np.zeros((B, 3, 5), np.float32)
+  for t in range(L):
+    step, state = gdr.causal_conv(x[:, t:t + 1], state, kernel)
+    np.testing.assert_allclose(step[:, 0], whole[:, t], atol=1e-6)
+
+
+def _layer() -> tuple[GatedDeltaNet, Config]:
+  config = Config.for_testing(decoder_block="qwen3_next", attention_type="gated_deltanet", base_emb_dim=32,
+                              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                              linear_value_head_dim=6, linear_conv_kernel_dim=4, linear_attention_chunk_size=CHUNK,
+                              dtype="float32", max_target_length=L)
+  with nnx.use_eager_sharding(False):
+    return GatedDeltaNet(config.model, rngs=nnx.Rngs(params=0)), config
+
+
+def test_packed_documents_do_not_see_each_other():
+  layer, _ = _layer()
+  x = jax.random.normal(jax.random.PRNGKey(0), (1, L, 32))
+  positions = jnp.arange(L)[None]
+  cut = 11
+  segments = jnp.where(positions < cut, 1, 2)
+  run = nnx.jit(lambda layer, *args: layer(*args))
+  with sharding.unsharded():
+    packed = run(layer, x, positions, segments)
+    second = run(layer, x[:, cut:], positions[:, cut:] - cut, jnp.ones((1, L - cut), jnp.int32))
+  np.testing.assert_allclose(packed[:, cut:], second, atol=1e-4)
+
+
+def test_decode_token_by_token_equals_whole_sequence():
+  layer, config = _layer()
+  x = jax.random.normal(jax.random.PRNGKey(1), (B, L, 32))
+  positions = jnp.broadcast_to(jnp.arange(L)[None], (B, L))
+  run = nnx.jit(lambda layer, *args: layer(*args))
+  with sharding.unsharded():
+    whole = run(layer, x, positions, jnp.ones((B, L), jnp.int32))
+    prefill = 9  # a prefill, then one token at a time past the next chunk boundary
+    out, state = run(layer, x[:, :prefill], positions[:, :prefill], jnp.ones((B, prefill), jnp.int32), 0,
+                     empty_state(config.model, B))
+    steps = [out]
+    for t in range(prefill, L):
+      out, state = run(layer, x[:, t:t + 1], positions[:, t:t + 1], jnp.ones((B, 1), jnp.int32), 0, state)
+      steps.append(out)
+  np.testing.assert_allclose(jnp.concatenate(steps, axis=1), whole, atol=1e-4)
