@@ -7,7 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from MaxText import families
 from MaxText.configuration.config import Config
+from MaxText.errors import UserError
+from MaxText.inference.engine import Engine
 from MaxText.layers import gated_delta_rule as gdr
 from MaxText.layers.gated_deltanet import GatedDeltaNet, empty_state
 from MaxText.platform import sharding
@@ -105,3 +108,13 @@ def test_decode_token_by_token_equals_whole_sequence():
       out, state = run(layer, x[:, t:t + 1], positions[:, t:t + 1], jnp.ones((B, 1), jnp.int32), 0, state)
       steps.append(out)
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), whole, atol=1e-4)
+
+
+def test_the_decode_engine_refuses_a_gated_deltanet_model_in_one_line():
+  """Decoding needs the recurrent state in the decode caches, not built yet: the engine (decode.py,
+  the server, GRPO rollouts) says so before it builds anything."""
+  hf_config = dict(families.reference_hf_configs()["qwen3_next"])
+  keys = families.family_for_hf_config(hf_config).model_keys(hf_config)
+  config = Config.for_testing(**keys, max_target_length=32, max_prefill_predict_length=8)
+  with pytest.raises(UserError, match=r"^decoding a model with gated DeltaNet layers \(Qwen3-Next\) is not supported"):
+    Engine(config)
