@@ -433,38 +433,32 @@ class Ranked:
   caveats: tuple[str, ...]
 
 
-def _standing(p: Planned) -> Ranked:
-  r = p.result or {}
-  by_model = r.get("model_mfu") is not None
-  caveats = tuple(c for c in p.estimate.caveats if not (by_model and c in MODEL_PRICES))
-  return Ranked(-1.0, by_model, caveats)
-
-
 def _row(index: int, p: Planned, hbm: float, chips: int, seq_len: int, peak: float) -> tuple[list[str], Ranked]:
   """The table row of a compiled candidate and its standing."""
   r = p.result or {"status": "not compiled"}
   label = plan_model.describe(p.settings) or "(as given)"
   analytic = f"{p.estimate.total / GIB:.2f}"
-  standing = _standing(p)
+  by_model = r.get("model_mfu") is not None
+  caveats = tuple(c for c in p.estimate.caveats if not (by_model and c in MODEL_PRICES))
   if r["status"] != "compiled":  # XLA's out-of-memory figure, where it gave one, is its whole heap too
     needed = float(r.get("total") or 0.0)
     error = f"{(p.estimate.total - needed) / needed:+.0%}" if needed else "-"
     return [str(index), label, f"{needed / GIB:.2f}" if needed else "-", r["status"], "-", "-", "-", "-", "-",
-            _compile_time(p), analytic, error, "-", ", ".join(standing.caveats)], standing
+            _compile_time(p), analytic, error, "-", ", ".join(caveats)], Ranked(-1.0, by_model, caveats)
   total, compiler_step, model_step = float(r["total"]), r.get("step_s"), r.get("model_step_s")
   fits = total <= hbm
   tokens = float(p.config.data.global_batch_size) * seq_len / chips
   compiler_mfu = p.estimate.flops / compiler_step / (peak * 1e12) if compiler_step else float("nan")
-  step = model_step if standing.by_model else compiler_step
-  mfu = float(r["model_mfu"]) if standing.by_model else compiler_mfu
+  step = model_step if by_model else compiler_step
+  mfu = float(r["model_mfu"]) if by_model else compiler_mfu
   memory_error = (p.estimate.total - total) / total
   step_error = (p.estimate.step_s - step) / step if step else float("nan")
   ms = lambda seconds: f"{seconds * 1e3:,.1f}" if seconds else "-"  # noqa: E731
   row = [str(index), label, f"{total / GIB:.2f}", f"yes ({1 - total / hbm:.0%} free)" if fits else "NO",
-         ms(model_step), f"{r['model_mfu']:.1%}" if standing.by_model else "-",
+         ms(model_step), f"{r['model_mfu']:.1%}" if by_model else "-",
          f"{tokens / step:,.0f}" if step else "-", ms(compiler_step), f"{compiler_mfu:.1%}" if compiler_step else "-",
-         _compile_time(p), analytic, f"{memory_error:+.0%}", f"{step_error:+.0%}", ", ".join(standing.caveats)]
-  return row, dataclasses.replace(standing, mfu=mfu if fits and step else -1.0)
+         _compile_time(p), analytic, f"{memory_error:+.0%}", f"{step_error:+.0%}", ", ".join(caveats)]
+  return row, Ranked(mfu if fits and step else -1.0, by_model, caveats)
 
 
 def rank_compiled(planned: list[Planned], hbm: float, chips: int, seq_len: int,

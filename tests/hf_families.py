@@ -28,6 +28,10 @@ BATCH, LENGTH, VOCAB = 2, 24, 128
 # Every family's tiny reference models (MaxText/families/): a new family is tested by adding it.
 REFERENCE_CONFIGS = families.reference_hf_configs()
 FAMILIES = tuple(REFERENCE_CONFIGS)
+# Families whose forward pass does not finish on the 8 simulated CPU devices, with the reason tests skip them
+# there (open; getting_started/Models.md). One-device runs of them work.
+MESH_HANGS = {"qwen3_next": "Qwen3-Next's forward on 8 simulated CPU devices does not finish (open; "
+                            "getting_started/Models.md)"}
 
 
 def hf_config(family: str) -> Any:

@@ -63,13 +63,9 @@ def _load(path: Path, scan_layers: bool):
                                    jax.tree.map(lambda _: one_device, spec.abstract_params))
 
 
-# Qwen3-Next's logit checker run does not finish on 8 simulated CPU devices (open: getting_started/Models.md);
-# on one device it runs: its corrupted-weight check below runs there.
-ONE_DEVICE = {"qwen3_next"}
-# Qwen3-Next's forward on the 8 simulated CPU devices does not finish (getting_started/Models.md): its
-# checkpoint is checked on one device by the corrupted-weight test below, its logits by test_families_vs_hf.
-_MESH_HANGS = "Qwen3-Next's forward on 8 simulated CPU devices does not finish (open; getting_started/Models.md)"
-CHECKER_CASES = [pytest.param(f, marks=pytest.mark.skip(reason=_MESH_HANGS)) if f in ONE_DEVICE else f
+# Checked on one device where 8 simulated devices hang: the corrupted-weight test below; their logits are
+# test_families_vs_hf's, which runs on one device.
+CHECKER_CASES = [pytest.param(f, marks=pytest.mark.skip(reason=H.MESH_HANGS[f])) if f in H.MESH_HANGS else f
                  for f in H.FAMILIES]
 
 
@@ -131,7 +127,7 @@ def test_corrupting_one_weight_makes_the_checker_fail(family, corrupt_weights, c
   params_io.save_params(str(corrupt), params)
   shutil.copy(ckpt / config_lib.MODEL_CONFIG_FILE, corrupt / config_lib.MODEL_CONFIG_FILE)
   env = dict(os.environ)
-  if family in ONE_DEVICE:
+  if family in H.MESH_HANGS:
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
   proc = subprocess.run(
       [sys.executable, "-m", "MaxText.logit_checker", BASE, f"load_parameters_path={corrupt}",

@@ -51,8 +51,8 @@ def _cases() -> list:
       # The default run keeps one dispatch; all-to-all against gather is tests/layers/test_moe_dispatch.py's.
       default = family in DEFAULT and mesh.get("moe_dispatch", "gather") == "gather"
       marks = () if default else (pytest.mark.slow,)
-      if family == "qwen3_next":  # its forward on 8 simulated CPU devices does not finish (Models.md)
-        marks = (pytest.mark.skip(reason="Qwen3-Next on 8 simulated CPU devices does not finish (open; Models.md)"),)
+      if family in H.MESH_HANGS:
+        marks = (pytest.mark.skip(reason=H.MESH_HANGS[family]),)
       cases.append(pytest.param(family, mesh, marks=marks, id=f"{family}-{mesh.get('moe_dispatch', 'dense')}"))
   return cases
 
