@@ -25,13 +25,12 @@ Every row runs in its own subprocess (this process never starts a JAX backend, s
 the GPU memory taken), with a per-row timeout, inside one overall --budget_s: a row that would
 start past the budget (less the time kept for serving) is printed as skipped.
 
-Sizing (estimates, not measurements: no GPU run is recorded yet): short runs are dominated by
-process start-up and compilation, so a row costs about half a minute to a minute whatever its
-steps; 5 timed steps (ours) and 8 logged steps (upstream) add seconds. The default set is 7
-training configurations (1B and 3B bf16 and fp8 at 4096, 1B and 3B bf16 at 8192, 8B bf16 at 4096,
-which is expected to be OOM on 80 GB: 16 bytes per parameter of float32 weights and AdamW state)
-times two implementations, ordered so the most informative come first, plus about 90 s of serving:
-about 14 x 25 s + 90 s against the 480 s budget. --full adds fp8 at 8192.
+Sizing: short runs are dominated by process start-up and compilation, so a training row costs
+about the same whatever its steps (getting_started/GPU.md records what a row took on an H200).
+The default set is 7 training configurations (1B and 3B bf16 and fp8 at 4096, 1B and 3B bf16 at
+8192, 8B bf16 at 4096, which needs 16 bytes per parameter of float32 weights and AdamW state)
+times two implementations, ordered so the most informative come first, plus about 90 s of
+serving; what does not fit the budget is printed as skipped. --full adds fp8 at 8192.
 """
 
 from __future__ import annotations
@@ -241,6 +240,15 @@ def upstream_command(site: str, python: str, model: dict[str, Any], quant: str, 
           *_kv(keys)]
 
 
+def _dump_env(env: dict[str, str], dump_dir: str, row: str) -> dict[str, str]:
+  """`env` with XLA dumping the train step's HLO (text, before and after optimisation) to DIR/row."""
+  if not dump_dir:
+    return env
+  flags = (f"--xla_dump_to={Path(dump_dir) / row} --xla_dump_hlo_as_text "
+           "--xla_dump_hlo_module_re=.*train_step.*")
+  return dict(env, XLA_FLAGS=(env.get("XLA_FLAGS", "") + " " + flags).strip())
+
+
 def _env(dry: bool, pythonpath: str) -> dict[str, str]:
   env = dict(os.environ, PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1")
   if dry:  # one CPU device: the dry run checks code paths, not sharding
@@ -327,9 +335,10 @@ def plan_configs(args: argparse.Namespace, fp8: bool) -> list[tuple[str, str, in
   if args.dry_run:
     return [("tiny", "bf16", 64, ""), ("tiny", "fp8", 64, "" if fp8 else NO_FP8)]
   wanted = set(args.rows.split(",")) if args.rows else set(MODELS)
+  quants = set(args.quants.split(",")) if args.quants else {"bf16", "fp8"}
   out = []
   for model, quant, seq in DEFAULT_CONFIGS + FULL_EXTRA:
-    if model not in wanted:
+    if model not in wanted or quant not in quants:
       continue
     why = ""
     if quant == "fp8" and not fp8:
@@ -380,6 +389,7 @@ def run_suite(args: argparse.Namespace, runner: Callable[..., tuple[dict[str, An
     impls = ["ours"] + (["upstream"] if args.upstream_site else [])
     results: dict[str, dict[str, Any] | None] = {}
     for impl in impls:
+      row_id = f"{impl}-{model}-{quant}-{seq}"
       left = args.budget_s - reserve - (time.monotonic() - start)
       if left < 10:
         rows.append(train_row(impl, model, quant, batch, seq, None, f"skipped: budget ({args.budget_s:.0f} s) spent"))
@@ -389,7 +399,8 @@ def run_suite(args: argparse.Namespace, runner: Callable[..., tuple[dict[str, An
       if impl == "ours":
         overrides = _our_train_overrides(model, quant, seq, batch, dry, gpu)
         spec = json.dumps(dict(overrides=overrides, steps=2 if dry else args.steps))
-        r, status, _ = runner(me + ["--_child", "train", spec], env, str(REPO), timeout)
+        r, status, _ = runner(me + ["--_child", "train", spec], _dump_env(env, args.dump_hlo, row_id),
+                                  str(REPO), timeout)
         if r:
           peak = r["peak"]
       else:
@@ -398,7 +409,7 @@ def run_suite(args: argparse.Namespace, runner: Callable[..., tuple[dict[str, An
           cmd = upstream_command(args.upstream_site, args.upstream_python or sys.executable, shapes, quant, batch,
                                  seq, 4 if dry else args.steps + 3, "cudnn_flash_jax" if gpu else "dot_product",
                                  "gpu" if gpu else "cpu", cwd)
-          _, status, out = runner(cmd, upstream_env, cwd, timeout)
+          _, status, out = runner(cmd, _dump_env(upstream_env, args.dump_hlo, row_id), cwd, timeout)
         r = parse_upstream_log(out, skip=2 if dry else 3)
         if r:
           devices = probe["count"] if probe else 1
@@ -477,6 +488,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, str]] | None:
   parser.add_argument("--upstream_site", default="", help="a folder holding `pip install --target` of maxtext")
   parser.add_argument("--upstream_python", default="", help="the interpreter for upstream (default: this one)")
   parser.add_argument("--rows", default="", help="comma-separated models to train (1b,3b,8b; default all)")
+  parser.add_argument("--quants", default="", help="comma-separated training modes (bf16,fp8; default both)")
+  parser.add_argument("--dump_hlo", default="", help="a folder: each training child dumps its train step's HLO "
+                      "to FOLDER/<impl>-<model>-<quant>-<seq> (to compare the two projects' compiled steps)")
   parser.add_argument("--full", action="store_true", help="also fp8 at 8192 (past the default budget)")
   parser.add_argument("--no_serve", dest="serve", action="store_false", help="leave out the serving rows")
   parser.add_argument("--dry_run", action="store_true", help="tiny shapes on CPU: checks every code path")

@@ -51,7 +51,7 @@ def test_dry_run_prints_header_and_every_section(capsys):
 
 def _args(**kw):
   base = dict(dry_run=False, budget_s=480.0, row_timeout_s=180.0, steps=5, upstream_site="", upstream_python="",
-              rows="", full=False, serve=False)
+              rows="", quants="", dump_hlo="", full=False, serve=False)
   return argparse.Namespace(**dict(base, **kw))
 
 

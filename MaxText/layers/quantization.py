@@ -18,9 +18,10 @@ scale/2 = amax/254, i.e. a relative error of ~0.4% of each row's largest entry.
 fp8: per-tensor current scaling (the scale comes from this step's amax, no history).
 Forward: both operands cast to float8_e4m3fn (max 448) and multiplied by a `dot_general`
 on fp8 inputs with a float32 result. Backward: the incoming gradient is cast to
-float8_e5m2 (max 57344, wider range for gradients) and multiplied with the dequantised fp8
-operands saved by the forward; on GPU, XLA rewrites these convert-scale-dot patterns into
-fp8 cuBLASLt GEMMs. e4m3 keeps 3 mantissa bits: a relative rounding error up to 2**-4.
+float8_e5m2 (max 57344, wider range for gradients), and each operand's gradient is a
+`dot_general` of it with the other fp8 operand saved by the forward (e5m2 x e4m3); on GPU
+each of the three becomes an fp8 cuBLASLt GEMM. e4m3 keeps 3 mantissa bits: a relative
+rounding error up to 2**-4.
 
 Why not qwix (0.1.8, installable next to jax 0.10 / flax 0.12 without upgrades): its
 public NNX entry point, `qwix.quantize_model`, subclasses the model at run time and
@@ -151,13 +152,39 @@ def _fp8_fwd(lhs: jax.Array, rhs: jax.Array, dims: DotDims) -> tuple[jax.Array, 
 def _fp8_bwd(dims: DotDims, residuals: tuple[jax.Array, ...], g: jax.Array) -> tuple[jax.Array, jax.Array]:
   lhs_8, lhs_scale, rhs_8, rhs_scale, lhs_like, rhs_like = residuals
   g_8, g_scale = quantize_fp8(g, jnp.float8_e5m2, _E5M2_MAX)
-  compute = lhs_like.dtype
-  lhs_dq = (lhs_8.astype(jnp.float32) * lhs_scale).astype(compute)
-  rhs_dq = (rhs_8.astype(jnp.float32) * rhs_scale).astype(compute)
-  g_dq = (g_8.astype(jnp.float32) * g_scale).astype(compute)
-  _, vjp = jax.vjp(functools.partial(_float_dot, dims=dims), lhs_dq, rhs_dq)
-  d_lhs, d_rhs = vjp(g_dq)
+  # Both gradients are dots on the fp8 values themselves (e5m2 x e4m3, float32 accumulation), as the
+  # forward is. Dequantize-then-dot leaves the GEMM to a pattern match, and XLA's GPU pipeline may
+  # first fold the quantize/dequantize round trip of the gradient away (excess precision is allowed
+  # by default), which left every backward GEMM in bfloat16 (getting_started/GPU.md).
+  d_lhs = _fp8_operand_gradient(g_8, rhs_8, g_scale * rhs_scale, dims, lhs_8.ndim, of_lhs=True)
+  d_rhs = _fp8_operand_gradient(g_8, lhs_8, g_scale * lhs_scale, dims, rhs_8.ndim, of_lhs=False)
   return d_lhs.astype(lhs_like.dtype), d_rhs.astype(rhs_like.dtype)
+
+
+def _fp8_operand_gradient(g_8: jax.Array, other_8: jax.Array, scale: jax.Array, dims: DotDims, ndim: int,
+                          of_lhs: bool) -> jax.Array:
+  """The gradient of one operand of dot_general(lhs, rhs, dims) for the output gradient g: a dot of g
+  with the other operand over the other operand's free axes, then a transpose into the operand's
+  own axis order. g's axes are (batch, lhs free, rhs free), as dot_general lays out its result."""
+  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dims
+  other_ndim = other_8.ndim
+  lhs_ndim, rhs_ndim = (ndim, other_ndim) if of_lhs else (other_ndim, ndim)
+  lhs_free = [i for i in range(lhs_ndim) if i not in lhs_contract and i not in lhs_batch]
+  rhs_free = [i for i in range(rhs_ndim) if i not in rhs_contract and i not in rhs_batch]
+  nb = len(lhs_batch)
+  if of_lhs:
+    mine_contract, other_contract, mine_batch, other_batch = lhs_contract, rhs_contract, lhs_batch, rhs_batch
+    mine_free, other_free, g_other_free = lhs_free, rhs_free, range(nb + len(lhs_free), nb + len(lhs_free) + len(rhs_free))
+  else:
+    mine_contract, other_contract, mine_batch, other_batch = rhs_contract, lhs_contract, rhs_batch, lhs_batch
+    mine_free, other_free, g_other_free = rhs_free, lhs_free, range(nb, nb + len(lhs_free))
+  grad_dims = ((tuple(g_other_free), tuple(other_free)), (tuple(range(nb)), tuple(other_batch)))
+  out = jax.lax.dot_general(g_8, other_8, grad_dims, preferred_element_type=jnp.float32) * scale
+  # out's axes: batch, this operand's free axes (in g's order), then the other operand's contracted
+  # axes in their own ascending order, each standing for the contracted axis of this operand it pairs with.
+  paired = [mine_contract[list(other_contract).index(d)] for d in sorted(other_contract)]
+  axes_of_out = [*mine_batch, *mine_free, *paired]
+  return jnp.transpose(out, [axes_of_out.index(axis) for axis in range(ndim)])
 
 
 fp8_dot_general.defvjp(_fp8_fwd, _fp8_bwd)

@@ -121,6 +121,44 @@ def test_fp8_forward_and_backward_match_numpy_reference():
     assert np.linalg.norm(np.asarray(got) - want) / np.linalg.norm(want) < 0.12
 
 
+@pytest.mark.parametrize("lhs_shape,rhs_shape,dims", [
+    ((2, 6, 8), (8, 5), (((2,), (0,)), ((), ()))),            # a projection: [batch, seq, embed] x [embed, out]
+    ((2, 6, 4, 3), (4, 3, 5), (((2, 3), (0, 1)), ((), ()))),   # heads and head_dim contracted (an output projection)
+    ((3, 6, 8), (3, 5, 8), (((2,), (2,)), ((0,), (0,)))),      # a batch axis on both sides
+    ((8, 2, 6), (5, 8), (((0,), (1,)), ((), ()))),             # contracted axes not leading or trailing
+    ((2, 4, 6, 3), (3, 5, 4), (((3, 1), (0, 2)), ((), ()))),   # contracted axes paired out of order
+])
+def test_fp8_gradients_are_exact_dots_of_the_quantized_values(lhs_shape, rhs_shape, dims):
+  """The backward's fp8 dots (with their axis bookkeeping) equal float64 einsums of the same
+  quantized operands, for any dot_general layout the layers may use."""
+  keys = jax.random.split(jax.random.key(3), 3)
+  x = jax.random.normal(keys[0], lhs_shape)
+  w = jax.random.normal(keys[1], rhs_shape)
+  f = lambda a, b: quantization.quantized_dot_general("fp8", a, b, dims)
+  y, vjp = jax.vjp(f, x, w)
+  g = jax.random.normal(keys[2], y.shape)
+  dx, dw = vjp(g)
+  xq, sx = _numpy_fp8(np.asarray(x, np.float64), ml_dtypes.float8_e4m3fn, 448.0)
+  wq, sw = _numpy_fp8(np.asarray(w, np.float64), ml_dtypes.float8_e4m3fn, 448.0)
+  gq, sg = _numpy_fp8(np.asarray(g, np.float64), ml_dtypes.float8_e5m2, 57344.0)
+  _, want_dx = jax.vjp(lambda a: jax.lax.dot_general(a, jnp.asarray(wq * sw), dims), jnp.asarray(xq * sx))
+  _, want_dw = jax.vjp(lambda b: jax.lax.dot_general(jnp.asarray(xq * sx), b, dims), jnp.asarray(wq * sw))
+  np.testing.assert_allclose(dx, want_dx(jnp.asarray(gq * sg, jnp.float32))[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dw, want_dw(jnp.asarray(gq * sg, jnp.float32))[0], rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_backward_dots_take_fp8_operands():
+  """All three matmuls of a step are dots on fp8 values: the backward does not dequantize first,
+  which on GPU let XLA fold the gradient's quantization away and run bfloat16 GEMMs."""
+  x, w = _inputs()
+  loss = lambda a, b: jnp.sum(quantization.quantized_dot_general("fp8", a, b, DIMS_2D) ** 2)
+  text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).as_text()
+  dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+  assert len(dots) == 3
+  assert all(line.count("xf8E") == 2 for line in dots), dots
+  assert sum("xf8E5M2>" in line for line in dots) == 2  # the gradient, in both backward dots
+
+
 def test_fp8_types_appear_in_hlo():
   x, w = _inputs()
   loss = lambda a, b: jnp.sum(quantization.quantized_dot_general("fp8", a, b, DIMS_2D) ** 2)
