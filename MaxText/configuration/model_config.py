@@ -135,6 +135,9 @@ class AttentionConfig:
   context_parallel_strategy: str = key()  # all_gather | ring | all_to_all over the `sequence` axis
   context_parallel_load_balance: bool = key()  # zig-zag chunk order so causal work is equal per shard
   context_parallel_degree: int = derived(1)  # shards of the sequence (the `sequence` mesh axis)
+  # Synthetic data (no mixture, no RL rollouts): every row is one full-length document, so attention
+  # needs no document mask.
+  rows_hold_one_document: bool = derived(False)
   attention_blocks: AttentionBlocks = record(AttentionBlocks)
 
 
@@ -378,6 +381,8 @@ class ModelConfig:
     _check_context_parallel(v, context, num_q, num_kv)
     vision = VisionConfig.from_values(v, pipelined=pipelined, context_parallel=context > 1)
     attn = AttentionConfig(**read_keys(AttentionConfig, v), context_parallel_degree=context,
+                           rows_hold_one_document=(v["dataset_type"] == "synthetic" and not v["data_mixture"]
+                                                   and not v["use_grpo"]),
                            attention_blocks=AttentionBlocks.from_values(v))
     pipeline = PipelineConfig(**read_keys(PipelineConfig, v, num_pipeline_microbatches=micro), num_pipeline_stages=stages,
                               layers_per_pipeline_stage=layers // (stages * v["num_pipeline_repeats"]))

@@ -50,9 +50,11 @@ def dot_product_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Arra
 
 def cudnn_flash_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BL: jax.Array,
                           window_size: masks.Window = None, soft_cap: float = 0.0,
-                          implementation: Literal["xla", "cudnn"] = "cudnn") -> jax.Array:
+                          implementation: Literal["xla", "cudnn"] = "cudnn", document_mask: bool = True) -> jax.Array:
   """cuDNN flash attention through jax.nn.dot_product_attention. `implementation="xla"` runs the
-  same arguments through XLA (how the argument mapping is tested off GPU)."""
+  same arguments through XLA (how the argument mapping is tested off GPU). `document_mask=False`
+  (rows that each hold one full-length document) leaves the segment ids out: with a static window
+  cuDNN then runs its causal kernel alone, without reading a [B, 1, L, S] bias."""
   if soft_cap > 0:
     raise ConfigError(f"attention=cudnn_flash does not support attn_logits_soft_cap={soft_cap} (cuDNN has no "
                       "logit soft cap); use attention=flash")
@@ -62,7 +64,9 @@ def cudnn_flash_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Arra
   if isinstance(window_size, int):
     local_window = masks.local_window_bounds(window_size)
   mask_window = None if masks.is_static(window_size) else window_size
-  mask_B1LS = masks.self_mask(segment_ids_BL, mask_window)[:, None]
+  mask_B1LS = None
+  if document_mask or mask_window is not None:  # a traced window still needs its mask
+    mask_B1LS = masks.self_mask(segment_ids_BL, mask_window)[:, None]
   return jax.nn.dot_product_attention(q_BLNH, k_BSKH, v_BSKH, mask=mask_B1LS, scale=1.0, is_causal=True,
                                       local_window_size=local_window, implementation=implementation)
 
@@ -132,6 +136,12 @@ def _splash_pair(call: Call) -> ring_blocks.BlockKernel:
                                   interpret=call.interpret)
 
 
+def _cudnn_sequence(call: Call) -> AttentionKernel:
+  if call.cfg.attn.rows_hold_one_document:
+    return functools.partial(cudnn_flash_attention, document_mask=False)
+  return cudnn_flash_attention
+
+
 def _cudnn_pair(call: Call) -> ring_blocks.BlockKernel:
   return ring_blocks.CudnnBlocks(call.window if isinstance(call.window, int) else None)
 
@@ -157,7 +167,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     "splash": Implementation(("tpu",), _splash_supports, _splash_sequence, _splash_pair, single_device=True,
                              needs="a TPU (Pallas Mosaic)"),
     "cudnn": Implementation(("gpu",), lambda call: cudnn_supports(call.cfg) and not call.soft_cap,
-                            lambda call: cudnn_flash_attention, _cudnn_pair, needs="an NVIDIA GPU (cuDNN)"),
+                            _cudnn_sequence, _cudnn_pair, needs="an NVIDIA GPU (cuDNN)"),
     "chunked": Implementation(accelerators.FAMILIES, _always, _chunked_sequence, _chunked_pair, sinks=True),
     "dot_product": Implementation(accelerators.FAMILIES, _always, lambda call: dot_product_attention, sinks=True),
 }

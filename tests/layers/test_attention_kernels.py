@@ -136,6 +136,27 @@ def test_cudnn_argument_mapping_through_xla_equals_dot_product(name, window, sof
   _compare(kernel, q, k, v, _segments(2, 40, packed), window, soft_cap)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_cudnn_without_document_mask_is_causal_attention_over_the_whole_row(window):
+  """document_mask=False (synthetic rows, one document each) hands cuDNN no mask: whatever segment
+  ids come in, the result is causal (and windowed) attention over the whole row."""
+  q, k, v = _inputs()
+  unmasked = functools.partial(attention_kernels.cudnn_flash_attention, implementation="xla", document_mask=False)
+  out = unmasked(q, k, v, _segments(2, 40, packed=True), window, 0.0)
+  want = dot_product_attention(q, k, v, _segments(2, 40, packed=False), window, 0.0)
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+  lowered = jax.jit(lambda q: unmasked(q, k, v, _segments(2, 40, packed=True), window, 0.0)).lower(q).as_text()
+  assert "tensor<2x1x40x40xi1>" not in lowered  # no [B, 1, L, S] mask is built
+  masked = functools.partial(attention_kernels.cudnn_flash_attention, implementation="xla")
+  assert "tensor<2x1x40x40xi1>" in jax.jit(lambda q: masked(q, k, v, _segments(2, 40, True), window, 0.0)
+                                           ).lower(q).as_text()
+
+
+def test_only_synthetic_rows_skip_the_document_mask():
+  assert _tiny().model.attn.rows_hold_one_document
+  assert not _tiny(dataset_type="hf", hf_data_files="/data/train.jsonl", tokenizer_path="/data/tok.model").model.attn.rows_hold_one_document
+
+
 def _tiny(**overrides) -> Config:
   values = dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16, base_mlp_dim=128,
                 base_num_decoder_layers=2, vocab_size=128, max_target_length=32, per_device_batch_size=1,

@@ -3,6 +3,7 @@ dense attention, forward and gradients, on the CPU mesh with GQA, packing and a 
 the ring's HLO has no all-gather; the block schedule is balanced with load balancing; the batch
 order round-trips; bad settings are one-line config errors."""
 
+import dataclasses
 import functools
 
 import jax
@@ -176,8 +177,17 @@ def test_all_to_all_picks_the_platform_kernel():
   assert attention_kernels.full_sequence_kernel(model, "tpu", 192).__name__ == "chunked"  # tiles do not divide
   assert attention_kernels.full_sequence_kernel(model, "cpu", 256).__name__ == "chunked"
   assert attention_kernels.full_sequence_kernel(model, "gpu", 256).__name__ == "chunked"  # float32: no cuDNN
-  half = _splash_config(2, dtype="bfloat16", head_dim=8).model
+  half = _packed(_splash_config(2, dtype="bfloat16", head_dim=8).model)
   assert attention_kernels.full_sequence_kernel(half, "gpu", 256) is attention_kernels.cudnn_flash_attention
+  # Synthetic rows hold one document each: cuDNN runs without the document mask.
+  synthetic = _splash_config(2, dtype="bfloat16", head_dim=8).model
+  unmasked = attention_kernels.full_sequence_kernel(synthetic, "gpu", 256)
+  assert unmasked.func is attention_kernels.cudnn_flash_attention and unmasked.keywords == {"document_mask": False}
+
+
+def _packed(model):
+  """The model as a run on packed real data sees it (rows may hold several documents)."""
+  return dataclasses.replace(model, attn=dataclasses.replace(model.attn, rows_hold_one_document=False))
 
 
 @pytest.mark.parametrize("platform, window", [("tpu", None), ("tpu", 40), ("gpu", 40)])
@@ -189,7 +199,7 @@ def test_all_to_all_platform_kernel_equals_dense(platform, window, monkeypatch):
   # cuDNN covers bfloat16 models with head dims that are multiples of 8 (the inputs stay float32 for XLA).
   config = _splash_config(shards, head_dim=8, **(dict(dtype="bfloat16") if platform == "gpu" else {}))
   mesh, rules = sharding.create_mesh(config.mesh), config.mesh.logical_axis_rules
-  kernel = attention.ATTENTION_KERNELS["flash"](config.model)
+  kernel = attention.ATTENTION_KERNELS["flash"](_packed(config.model))  # the segments below pack two documents
   monkeypatch.setattr(sharding, "trace_platform", lambda: platform)
   # Pallas' HLO interpreter (interpret=True) traces into plain ops, which run under shard_map.
   monkeypatch.setattr(attention_kernels, "full_sequence_kernel",
