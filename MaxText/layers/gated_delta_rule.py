@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
 
 # g added at a document's first token (packed rows): exp of it is ~1e-13, so no state crosses
 # documents; a finite value keeps the chunked form's differences of cumulative sums exact enough.
@@ -70,8 +69,8 @@ def chunked(q_BLYQ: jax.Array, k_BLYQ: jax.Array, v_BLYW: jax.Array, g_BLY: jax.
   k_beta = k * beta_BYUc[..., None]
   # The chunk's updates as one unit-lower-triangular system (I + L) X = rhs, L strictly lower.
   strict_BYUcc = jnp.einsum("byucq,byudq->byucd", k_beta, k) * decay_BYUcc * (1.0 - eye_cc)
-  system = strict_BYUcc + eye_cc
-  solve = lambda rhs: solve_triangular(system, rhs, lower=True, unit_diagonal=True)  # noqa: E731
+  inverse_BYUcc = unit_lower_inverse(strict_BYUcc + eye_cc)
+  solve = lambda rhs: jnp.einsum("byucd,byud...->byuc...", inverse_BYUcc, rhs)  # noqa: E731
   u_BYUcW = solve(v * beta_BYUc[..., None])  # what each token writes, before the state's prediction
   w_BYUcQ = solve(k_beta * jnp.exp(cum_BYUc)[..., None])  # how each token reads the chunk's incoming state
   intra_BYUcc = jnp.einsum("byucq,byudq->byucd", q, k) * decay_BYUcc
@@ -91,6 +90,42 @@ def chunked(q_BLYQ: jax.Array, k_BLYQ: jax.Array, v_BLYW: jax.Array, g_BLY: jax.
   state, out_UBYcW = jax.lax.scan(one_chunk, state_BYQW.astype(jnp.float32), per_chunk)
   out_BLYW = jnp.moveaxis(out_UBYcW, 0, 1).transpose(0, 1, 3, 2, 4).reshape(b, length + pad, y, wd)
   return out_BLYW[:, :length], state
+
+
+def unit_lower_inverse(m: jax.Array) -> jax.Array:
+  """The inverse of unit-lower-triangular matrices [..., n, n], by matmuls only: diagonal blocks of
+  size s are inverted first (size 1: the unit diagonal), then each pair of them joins into a block
+  of size 2s through inv([[A, 0], [B, D]]) = [[A⁻¹, 0], [−D⁻¹ B A⁻¹, D⁻¹]]. Every intermediate is
+  a block of the true inverse, so nothing grows past it (a power series of the strictly lower part
+  would, and cancel). jax.scipy's solve_triangular is not used: on CPU its LAPACK kernel waits for
+  work it queues on the thread pool that the simulated devices' programs occupy, and a sharded
+  program deadlocks."""
+  n = m.shape[-1]
+  size = 1 << max(n - 1, 0).bit_length()  # the next power of two; padded with the identity
+  batch = m.shape[:-2]
+  eye = jnp.eye(size, dtype=m.dtype)
+  if size != n:
+    m = jnp.pad(m, [(0, 0)] * len(batch) + [(0, size - n), (0, size - n)])
+    padding_row = jnp.broadcast_to((jnp.arange(size) >= n)[:, None], m.shape)
+    m = jnp.where(padding_row, jnp.broadcast_to(eye, m.shape), m)
+  inverse = jnp.broadcast_to(eye, batch + (size, size))
+  s = 1
+  while s < size:
+    k = size // (2 * s)  # blocks of size 2s on the diagonal
+    # [..., k, 2, s, k, 2, s]: block (i, p) x (j, r) of size s; the diagonal pairs i == j are wanted.
+    m_blocks = m.reshape(batch + (k, 2, s, k, 2, s))
+    inv_blocks = inverse.reshape(batch + (k, 2, s, k, 2, s))
+    below = jnp.einsum("...iaiB->...iaB", m_blocks[..., :, 1, :, :, 0, :])       # B [..., k, s, s]
+    top = jnp.einsum("...iaiB->...iaB", inv_blocks[..., :, 0, :, :, 0, :])       # A⁻¹
+    bottom = jnp.einsum("...iaiB->...iaB", inv_blocks[..., :, 1, :, :, 1, :])    # D⁻¹
+    corner = -jnp.einsum("...iab,...ibc,...icd->...iad", bottom, below, top)     # −D⁻¹ B A⁻¹
+    zeros = jnp.zeros_like(corner)
+    joined = jnp.stack([jnp.stack([top, zeros], -3), jnp.stack([corner, bottom], -3)], -4)  # [..., k, 2, 2, s, s]
+    joined = jnp.moveaxis(joined, -2, -3)  # [..., k, 2 (p), s (a), 2 (r), s (b)]
+    diagonal = jnp.eye(k, dtype=m.dtype)
+    inverse = jnp.einsum("...ipaqb,ij->...ipajqb", joined, diagonal).reshape(batch + (size, size))
+    s *= 2
+  return inverse[..., :n, :n]
 
 
 def causal_conv(x_BLZ: jax.Array, state_BwZ: jax.Array, kernel_wZ: jax.Array,

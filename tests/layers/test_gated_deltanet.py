@@ -118,3 +118,19 @@ def test_the_decode_engine_refuses_a_gated_deltanet_model_in_one_line():
   config = Config.for_testing(**keys, max_target_length=32, max_prefill_predict_length=8)
   with pytest.raises(UserError, match=r"^decoding a model with gated DeltaNet layers \(Qwen3-Next\) is not supported"):
     Engine(config)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 16, 48])
+def test_unit_lower_inverse_equals_the_triangular_solve(n):
+  """The matmul-only inverse of a chunk's system (no LAPACK call, which deadlocks sharded CPU
+  programs) against jax.scipy's solve, sizes that are and are not powers of two."""
+  from jax.scipy.linalg import solve_triangular
+
+  from MaxText.layers.gated_delta_rule import unit_lower_inverse
+
+  eye = jnp.broadcast_to(jnp.eye(n), (3, 2, n, n))
+  m = jnp.tril(jax.random.normal(jax.random.key(n), (3, 2, n, n)) * 0.5, -1) + eye
+  want = solve_triangular(m, eye, lower=True, unit_diagonal=True)
+  got = unit_lower_inverse(m)
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * float(jnp.abs(want).max()))
+  np.testing.assert_allclose(jnp.einsum("...ij,...jk->...ik", m, got), eye, atol=1e-4)
