@@ -275,6 +275,24 @@ def sparse_kernel(keys: int, topk: int, platform: str | None = None) -> str:
   return next(name for name, worth in SPARSE[family] if worth(keys, topk))
 
 
+# family -> Gated DeltaNet's forms (layers/gated_delta_rule.py) in order: (name, whether it serves a
+# call of `tokens` tokens, `cached`: with a decode cache's state). One token with a state steps the
+# recurrence; anything longer (training, prefill) takes the chunked form, whose in-chunk work is
+# matmuls XLA already maps onto the MXU / tensor cores, leaving only the scan across chunks serial.
+# No Pallas kernel yet: one would keep the [Q, W] state on chip across chunks instead of a scan
+# carry, but no accelerator measurement here says what that is worth.
+LINEAR: dict[str, tuple[tuple[str, Callable[[int, bool], bool]], ...]] = {
+    family: (("recurrent", lambda tokens, cached: cached and tokens == 1), ("chunked", lambda tokens, cached: True))
+    for family in accelerators.FAMILIES}
+
+
+def linear_attention_form(tokens: int, cached: bool, platform: str | None = None) -> str:
+  """The gated delta rule's form (recurrent | chunked) for a call of `tokens` tokens, with or without
+  a decode cache's state, on `platform` (default: the traced program's)."""
+  family = _known(accelerators.platform_family(platform or sharding.trace_platform()))
+  return next(name for name, serves in LINEAR[family] if serves(tokens, cached))
+
+
 # ---------------------------------------------------------------- paged decode attention
 
 

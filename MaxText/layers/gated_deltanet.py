@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from MaxText.configuration.model_config import ModelConfig
-from MaxText.layers import gated_delta_rule
+from MaxText.layers import attention_kernels, gated_delta_rule
 from MaxText.layers.linears import DenseGeneral
 from MaxText.platform import sharding
 
@@ -128,7 +128,7 @@ class GatedDeltaNet(nnx.Module):
     b = x_BLD.shape[0]
     state = (jnp.zeros((b, la.linear_num_value_heads, la.linear_key_head_dim, la.linear_value_head_dim), jnp.float32)
              if cache is None else cache.state_BYQW)
-    if cache is not None and x_BLD.shape[1] == 1:
+    if attention_kernels.linear_attention_form(x_BLD.shape[1], cache is not None) == "recurrent":
       out_BLYW, state = gated_delta_rule.recurrent(q, k, v, g_BLY, beta_BLY, state)
     else:
       out_BLYW, state = gated_delta_rule.chunked(q, k, v, g_BLY, beta_BLY, state, la.linear_attention_chunk_size)

@@ -134,3 +134,14 @@ def test_unit_lower_inverse_equals_the_triangular_solve(n):
   got = unit_lower_inverse(m)
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * float(jnp.abs(want).max()))
   np.testing.assert_allclose(jnp.einsum("...ij,...jk->...ik", m, got), eye, atol=1e-4)
+
+
+def test_the_kernel_table_picks_the_delta_rule_form():
+  """One cached token steps the recurrence; training, prefill and multi-token calls run chunked, on
+  every platform family (attention_kernels.LINEAR)."""
+  from MaxText.layers import attention_kernels
+
+  for platform in ("cpu", "gpu", "tpu"):
+    assert attention_kernels.linear_attention_form(1, cached=True, platform=platform) == "recurrent"
+    assert attention_kernels.linear_attention_form(1, cached=False, platform=platform) == "chunked"
+    assert attention_kernels.linear_attention_form(64, cached=True, platform=platform) == "chunked"
