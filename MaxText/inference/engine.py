@@ -106,11 +106,6 @@ class Engine:
       # Expert capacity is counted per call (a prompt, then one token), so which tokens are dropped
       # would depend on how the text is split into calls: decode dropless, the exact routing.
       self.cfg = dataclasses.replace(self.cfg, moe=dataclasses.replace(self.cfg.moe, capacity_factor=-1.0))
-    if self.cfg.linear_attn.full_attention_interval > 1 or self.cfg.attn.attention_type == "gated_deltanet":
-      # The layer keeps a recurrent state (layers/gated_deltanet.LinearState), which neither cache holds yet.
-      raise UserError("decoding a model with gated DeltaNet layers (Qwen3-Next) is not supported yet: its "
-                      "recurrent state is in neither the dense nor the paged decode cache; train, convert and "
-                      "check its logits instead (getting_started/Models.md)")
     self.num_slots = num_slots
     prefill, target = self.decode_cfg.max_prefill_predict_length, self.cfg.max_target_length
     if prefill >= target:

@@ -27,7 +27,7 @@ import numpy as np
 
 from MaxText.errors import UserError
 from MaxText.inference import image_prompts, prefix_cache
-from MaxText.layers import kv_cache, paged_kv
+from MaxText.layers import gated_deltanet, kv_cache, paged_kv
 from MaxText.configuration.model_config import ModelConfig
 
 
@@ -189,7 +189,9 @@ def layer_pool(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int,
 
 def model_pools(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int, quantized: bool) -> Any:
   """Every layer's pool, in the structure of kv_cache.model_caches."""
-  return kv_cache.layer_caches(cfg, lambda own: layer_pool(own, num_pages, page_size, num_slots, quantized))
+  # A Gated DeltaNet layer's state is fixed-size per slot: slot state, not pages.
+  return kv_cache.layer_caches(cfg, lambda own: gated_deltanet.empty_state(own, num_slots) if kv_cache.is_linear(own)
+                               else layer_pool(own, num_pages, page_size, num_slots, quantized))
 
 
 def model_pool_names(cfg: ModelConfig, quantized: bool) -> Any:

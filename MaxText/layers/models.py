@@ -429,16 +429,22 @@ class Transformer(nnx.Module):
     `logits_index_B`, only the logits of that one token per row ([B, 1, V]): prefill needs just
     the last prompt token's, and a [B, L, V] float32 block would dwarf the cache for long prompts.
     `pixel_values` [B, M, 3, R, R] (a prefill): the images whose placeholder runs all lie in this
-    call's tokens, placed as `_multimodal_input` places them; their tokens attend both ways."""
-    x_BLD, caches = self.decode_hidden(tokens_BL, positions_BL, caches, pixel_values)
+    call's tokens, placed as `_multimodal_input` places them; their tokens attend both ways.
+    Tokens after `logits_index_B` are a right-padded prompt's padding: segment id 0, which a
+    recurrent layer (gated_deltanet.py) keeps out of its state; attention masks by position."""
+    segment_ids_BL = None
+    if logits_index_B is not None:
+      segment_ids_BL = (jnp.arange(tokens_BL.shape[1])[None] <= logits_index_B[:, None]).astype(jnp.int32)
+    x_BLD, caches = self.decode_hidden(tokens_BL, positions_BL, caches, pixel_values, segment_ids_BL)
     if logits_index_B is not None:
       x_BLD = jnp.take_along_axis(x_BLD, logits_index_B[:, None, None], axis=1)
     return self._logits(x_BLD), caches
 
   def decode_hidden(self, tokens_BL: jax.Array, positions_BL: jax.Array, caches: Any,
-                    pixel_values: jax.Array | None = None) -> tuple[jax.Array, Any]:
+                    pixel_values: jax.Array | None = None, segment_ids_BL: jax.Array | None = None
+                    ) -> tuple[jax.Array, Any]:
     """`decode` up to the decoder stack's output (before the final norm: what the first MTP
-    module reads), with the updated caches."""
+    module reads), with the updated caches (`segment_ids_BL`: 0 at padding; None: none)."""
     if self.cfg.pipeline.num_pipeline_stages > 1:
       raise ValueError("decoding does not support pipeline parallelism; set ici_pipeline_parallelism=1")
     x_BLD = self._embed(tokens_BL, positions_BL)
@@ -447,7 +453,8 @@ class Transformer(nnx.Module):
       x_BLD, image_blocks_BL = self._multimodal_input(x_BLD, tokens_BL, pixel_values)
     x_BLD = sharding.constrain(x_BLD, ACTIVATION_NAMES)
     per_layer_BLMP = self._per_layer_inputs(tokens_BL, x_BLD)
-    segment_ids_BL = jnp.ones(tokens_BL.shape, jnp.int32)  # unused: the cache masks by position
+    if segment_ids_BL is None:
+      segment_ids_BL = jnp.ones(tokens_BL.shape, jnp.int32)
     with quantization.use_quantization(self.cfg.quantization):  # as in training: same matmuls as the full pass
       x_BLD, _, caches = self._run_layers(x_BLD, positions_BL, segment_ids_BL, None, caches,
                                           image_blocks_BL=image_blocks_BL, per_layer_BLMP=per_layer_BLMP)
