@@ -273,22 +273,36 @@ class Transformer(nnx.Module):
         return x, (aux, dense_c, moe_c)
 
       if paged_kv.holds_pages(caches):  # in the carry, as in _run_stack
-        def carried(carry: tuple[jax.Array, Any, Any], xs: tuple[Any, ...]) -> tuple[tuple[jax.Array, Any, Any],
-                                                                                      AuxLosses]:
+        # Gated DeltaNet layers' states are per slot, not paged: scanned per period as unpaged caches are.
+        dense_paged = paged_kv.holds_pages(caches["dense_layers"])
+
+        def carried(carry: tuple[jax.Array, Any, Any], xs: tuple[Any, ...]
+                    ) -> tuple[tuple[jax.Array, Any, Any], tuple[AuxLosses, Any]]:
           x, dense_pools, moe_pools = carry
-          dense_s, moe_s, rng_k, period = xs
+          dense_s, moe_s, rng_k, period, dense_c = xs
+          new_dense = []
           for j in range(k - 1):
-            x, _, dense_pools = one_layer(dense_graph, x, jax.tree.map(lambda a, j=j: a[j], dense_s),
-                                          None if rng_k is None else rng_k[j], period * k + j,
-                                          paged_kv.with_layer(dense_pools, period * (k - 1) + j))
+            layer_cache = (paged_kv.with_layer(dense_pools, period * (k - 1) + j) if dense_paged
+                           else jax.tree.map(lambda a, j=j: a[j], dense_c))
+            x, _, layer_cache = one_layer(dense_graph, x, jax.tree.map(lambda a, j=j: a[j], dense_s),
+                                          None if rng_k is None else rng_k[j], period * k + j, layer_cache)
+            if dense_paged:
+              dense_pools = layer_cache
+            else:
+              new_dense.append(layer_cache)
           x, aux, moe_pools = one_layer(moe_graph, x, moe_s, None if rng_k is None else rng_k[k - 1],
                                         period * k + k - 1, paged_kv.with_layer(moe_pools, period))
-          return (x, paged_kv.with_layer(dense_pools, None), paged_kv.with_layer(moe_pools, None)), aux
+          dense_c = jax.tree.map(lambda *cs: jnp.stack(cs), *new_dense) if new_dense else None
+          return ((x, paged_kv.with_layer(dense_pools, None) if dense_paged else None,
+                   paged_kv.with_layer(moe_pools, None)), (aux, dense_c))
 
-        (x_BLD, dense_pools, moe_pools), aux_per_layer = jax.lax.scan(
-            carried, (x_BLD, caches["dense_layers"], caches["layers"]),
-            (by_period(dense_state), moe_state, rngs, jnp.arange(periods)))
+        (x_BLD, dense_pools, moe_pools), (aux_per_layer, dense_caches) = jax.lax.scan(
+            carried, (x_BLD, caches["dense_layers"] if dense_paged else None, caches["layers"]),
+            (by_period(dense_state), moe_state, rngs, jnp.arange(periods),
+             None if dense_paged else by_period(caches["dense_layers"])))
         aux = {name: _over_layers(name, values) for name, values in aux_per_layer.items()}
+        if not dense_paged:
+          dense_pools = jax.tree.map(lambda a: a.reshape((periods * (k - 1),) + a.shape[2:]), dense_caches)
         return x_BLD, aux, {"dense_layers": dense_pools, "layers": moe_pools}
       dense_caches = None if caches is None else by_period(caches["dense_layers"])
       x_BLD, (aux_per_layer, dense_caches, moe_caches) = jax.lax.scan(
