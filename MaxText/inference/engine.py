@@ -42,6 +42,7 @@ from MaxText.platform import distributed
 from MaxText.training import model_assembly
 from MaxText.platform import sharding
 from MaxText.configuration.config import Config
+from MaxText.configuration.model_config import ModelConfig
 from MaxText.errors import UserError
 from MaxText.inference import image_prompts, paged_cache, sampling
 from MaxText.layers import kv_cache
@@ -103,9 +104,16 @@ RECURRENT_REFUSAL = ("{what} is not supported for a model with Gated DeltaNet la
                      "recurrent decode state cannot be restored from cached pages or rolled back; {fix}")
 
 
-def has_recurrent_state(cfg: Any) -> bool:
+def has_recurrent_state(cfg: ModelConfig) -> bool:
   """Whether some layer of the model keeps a recurrent decode state (Gated DeltaNet) beside or instead of a KV cache."""
   return cfg.linear_attn.full_attention_interval > 1 or cfg.attn.attention_type == "gated_deltanet"
+
+
+def refuse_speculative(cfg: ModelConfig, role: str) -> None:
+  """Speculative decoding rolls a rejected draft token's cache entry back by position: a recurrent state cannot be."""
+  if has_recurrent_state(cfg):
+    raise UserError(RECURRENT_REFUSAL.format(what=f"speculative decoding (speculative_tokens > 0; the {role})",
+                                             fix="set speculative_tokens=0"))
 
 
 class Engine:
