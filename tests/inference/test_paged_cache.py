@@ -152,7 +152,7 @@ def test_paged_serve_equals_dense_with_windows_slot_reuse_and_waiting_for_pages(
     pytest.param(INTERLEAVED, True, marks=pytest.mark.slow),
     (OLMO3, False),
     pytest.param(GEMMA4, False, marks=pytest.mark.slow),
-    pytest.param(QWEN3_NEXT, True, id="qwen3_next-True"),
+    pytest.param(QWEN3_NEXT, True, id="qwen3_next-True", marks=pytest.mark.slow),
     pytest.param(QWEN3_NEXT, False, id="qwen3_next-False", marks=pytest.mark.slow),
 ])
 def test_paged_serve_equals_dense_for_each_family(overrides, scan_layers):
