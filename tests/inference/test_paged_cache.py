@@ -164,7 +164,8 @@ def test_paged_serve_equals_dense_for_each_family(overrides, scan_layers):
 
 @pytest.mark.parametrize("overrides,scan_layers,num_slots", [
     (TINY, False, 1), (TINY, True, 1), pytest.param(TINY, True, 4, marks=pytest.mark.slow),
-    pytest.param(INTERLEAVED, True, 1, marks=pytest.mark.slow)])
+    pytest.param(INTERLEAVED, True, 1, marks=pytest.mark.slow),
+    pytest.param(QWEN3_NEXT, True, 2, id="qwen3_next-True-2", marks=pytest.mark.slow)])
 def test_a_generate_step_works_in_memory_that_does_not_grow_with_the_pool(overrides, scan_layers, num_slots):
   """The attention reads only each slot's pages and the step writes the pool in place: its
   scratch memory is the same for the default pool and one 16 times larger (a pool-sized copy, as
