@@ -18,7 +18,7 @@ from MaxText.errors import ConfigError, UserError
 from MaxText.inference import paged_cache
 from MaxText.inference.engine import Engine, Request, serve
 from MaxText.layers import attention_kernels, gated_deltanet, kv_cache, paged_kv
-from decode_test_utils import engine_tokens, one_device_mesh
+from decode_test_utils import engine_tokens, one_device_mesh, uncached_greedy
 
 TINY = dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16, base_mlp_dim=128,
             base_num_decoder_layers=2, vocab_size=128, max_target_length=24, max_prefill_predict_length=8,
@@ -349,6 +349,19 @@ def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(overrides, scan_lay
   assert chunked.traces["extend"] == 1 and chunked.traces["prefill"] == 0  # one program for every chunk
   got = _scheduled_outputs(chunked, params, PROMPTS, NEW_TOKENS, cancel_second=True)
   assert [g for i, g in enumerate(got) if i != 1] == [e for i, e in enumerate(expected) if i != 1]
+
+
+@pytest.mark.slow
+def test_a_model_of_only_gated_deltanet_layers_decodes_like_its_uncached_forward():
+  """attention_type=gated_deltanet on every layer: no KV cache at all, only the layers' slot states,
+  in both layouts (the paged engine then holds no pages)."""
+  config = dict(QWEN3_NEXT, full_attention_interval=0, attention_type="gated_deltanet", base_num_decoder_layers=2)
+  prompts = PROMPTS[:2]
+  for layout in ({}, dict(kv_cache_layout="paged", kv_page_size=4, kv_num_pages=16)):
+    engine = Engine(Config.for_testing(**config, **layout), num_slots=2, mesh=one_device_mesh())
+    params = engine.load_params(seed=1)
+    expected = [uncached_greedy(engine.spec, params, p, 10, TINY["max_target_length"]) for p in prompts]
+    assert engine_tokens(engine, params, prompts, 10) == expected, layout
 
 
 def test_prefill_chunk_size_needs_the_paged_cache():
