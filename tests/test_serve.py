@@ -132,6 +132,29 @@ def test_a_sparse_attention_model_is_served_like_its_uncached_decode(tmp_path):
     served.close()
 
 
+@pytest.mark.slow  # a second server
+def test_a_qwen3_next_model_is_served_like_its_uncached_decode(tmp_path):
+  """Qwen3-Next's Gated DeltaNet states as slot state beside the full-attention layers' pages; its prompts
+  prefilled 5 tokens per scheduler step (the state carried from chunk to chunk, kept while other slots
+  generate); prefix caching off (refused for a recurrent state). Concurrent requests share the batch."""
+  qwen3_next = dict(MODEL, decoder_block="qwen3_next", base_num_decoder_layers=4, full_attention_interval=2,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+                    linear_conv_kernel_dim=4, linear_attention_chunk_size=4, attention_output_gate=True,
+                    use_qk_norm=True, partial_rotary_factor=0.5, normalization_type="rms_plus_one",
+                    prefix_caching=False, prefill_chunk_size=5)
+  served = Served(tmp_path, qwen3_next)
+  try:
+    expected = {prompt: served.text(served.greedy(served.ids(prompt), 12)) for prompt in PROMPTS[:3]}
+    ask = lambda prompt: served.client.completions.create(model="tiny", prompt=prompt, max_tokens=12,  # noqa: E731
+                                                          temperature=0).choices[0].text
+    with ThreadPoolExecutor(3) as pool:
+      answers = dict(zip(expected, pool.map(ask, expected)))
+    assert answers == expected
+    assert served.engine.traces["extend"] == 1 and max(len(served.ids(p)) for p in expected) > 5  # chunked
+  finally:
+    served.close()
+
+
 def test_stop_sequences_end_the_text_before_them(served):
   prompt = PROMPTS[2]
   full = served.text(served.greedy(served.ids(prompt), 16))

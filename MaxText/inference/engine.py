@@ -42,6 +42,7 @@ from MaxText.platform import distributed
 from MaxText.training import model_assembly
 from MaxText.platform import sharding
 from MaxText.configuration.config import Config
+from MaxText.configuration.model_config import ModelConfig
 from MaxText.errors import UserError
 from MaxText.inference import image_prompts, paged_cache, sampling
 from MaxText.layers import kv_cache
@@ -97,6 +98,24 @@ def pad_prompts(prompts: Sequence[Sequence[int]], length: int) -> tuple[np.ndarr
   return tokens, np.asarray([len(p) for p in prompts], np.int32)
 
 
+# A Gated DeltaNet layer's recurrent state summarises every token so far: nothing can restart it
+# from shared prefix pages or roll it back past rejected draft tokens.
+RECURRENT_REFUSAL = ("{what} is not supported for a model with Gated DeltaNet layers (Qwen3-Next): their "
+                     "recurrent decode state cannot be restored from cached pages or rolled back; {fix}")
+
+
+def has_recurrent_state(cfg: ModelConfig) -> bool:
+  """Whether some layer of the model keeps a recurrent decode state (Gated DeltaNet) beside or instead of a KV cache."""
+  return cfg.linear_attn.full_attention_interval > 1 or cfg.attn.attention_type == "gated_deltanet"
+
+
+def refuse_speculative(cfg: ModelConfig, role: str) -> None:
+  """Speculative decoding rolls a rejected draft token's cache entry back by position: a recurrent state cannot be."""
+  if has_recurrent_state(cfg):
+    raise UserError(RECURRENT_REFUSAL.format(what=f"speculative decoding (speculative_tokens > 0; the {role})",
+                                             fix="set speculative_tokens=0"))
+
+
 class Engine:
   """Prefill/insert/generate over one model; every step function is jitted once per shape."""
 
@@ -106,11 +125,6 @@ class Engine:
       # Expert capacity is counted per call (a prompt, then one token), so which tokens are dropped
       # would depend on how the text is split into calls: decode dropless, the exact routing.
       self.cfg = dataclasses.replace(self.cfg, moe=dataclasses.replace(self.cfg.moe, capacity_factor=-1.0))
-    if self.cfg.linear_attn.full_attention_interval > 1 or self.cfg.attn.attention_type == "gated_deltanet":
-      # The layer keeps a recurrent state (layers/gated_deltanet.LinearState), which neither cache holds yet.
-      raise UserError("decoding a model with gated DeltaNet layers (Qwen3-Next) is not supported yet: its "
-                      "recurrent state is in neither the dense nor the paged decode cache; train, convert and "
-                      "check its logits instead (getting_started/Models.md)")
     self.num_slots = num_slots
     prefill, target = self.decode_cfg.max_prefill_predict_length, self.cfg.max_target_length
     if prefill >= target:
@@ -126,6 +140,9 @@ class Engine:
     quantized = self.decode_cfg.quantize_kvcache
     self.paged = self.decode_cfg.kv_cache_layout == "paged"
     self.pages: paged_cache.PageAllocator | None = None
+    if self.paged and self.decode_cfg.prefix_caching and has_recurrent_state(self.cfg):
+      raise UserError(RECURRENT_REFUSAL.format(what="prefix caching (prefix_caching=True, the default with "
+                                               "kv_cache_layout=paged)", fix="set prefix_caching=False"))
     if self.paged:
       self.num_pages = self._check_num_pages()
       self.pages = self._new_allocator()
@@ -393,7 +410,7 @@ class Engine:
   def _insert_paged_fn(self, prefix: Prefix, state: DecodeState, slot: jax.Array, row: jax.Array,
                        table_row_M: jax.Array) -> DecodeState:
     self.traces["insert"] += 1
-    caches = paged_cache.insert_prefix(state.caches, prefix.caches, row, table_row_M, self.cfg.scan_layers)
+    caches = paged_cache.insert_prefix(state.caches, prefix.caches, row, slot, table_row_M, self.cfg.scan_layers)
     return self._with_prompt(state, caches, prefix, slot, row)
 
   @staticmethod
@@ -415,12 +432,15 @@ class Engine:
     self.traces["extend"] += 1
     seeds_to_keys = jax.vmap(lambda seed: jax.random.key_data(jax.random.key(seed)))
     rows = dataclasses.replace(rows, keys_B=seeds_to_keys(rows.keys_B))
-    stored_tables = jax.tree.map(lambda c: c.block_table_BM, state.caches, is_leaf=paged_cache.is_pool)
-    caches = paged_cache.with_block_table(state.caches, table_1M)
+    stacked = self.cfg.scan_layers
+    stored_tables = jax.tree.map(lambda c: c.block_table_BM if paged_cache.is_pool(c) else c, state.caches,
+                                 is_leaf=paged_cache.is_pool)
+    caches = paged_cache.with_block_table(paged_cache.slot_states(state.caches, slot, stacked), table_1M)
     positions_1C = start + jnp.arange(tokens_1C.shape[1], dtype=jnp.int32)[None]
     logits_11V, caches = self.spec.apply_decode(params, tokens_1C, positions_1C, caches, (length - 1)[None], pixels)
-    caches = jax.tree.map(lambda c, t: dataclasses.replace(c, block_table_BM=t), caches, stored_tables,
-                          is_leaf=paged_cache.is_pool)
+    caches = jax.tree.map(lambda c, t: dataclasses.replace(c, block_table_BM=t) if paged_cache.is_pool(c) else c,
+                          caches, stored_tables, is_leaf=paged_cache.is_pool)
+    caches = paged_cache.with_slot_states(state.caches, caches, slot, stacked)
     tokens_1, rows, logprobs = self._sample(logits_11V[:, 0], rows)
     prefix = Prefix(None, (start + length)[None], tokens_1, rows, logprobs)
     return self._with_prompt(state, caches, prefix, slot, jnp.int32(0)), (tokens_1, logprobs)
@@ -431,6 +451,8 @@ class Engine:
     caches = state.caches if table_TM is None else paged_cache.with_block_table(state.caches, table_TM)
     logits_B1V, caches = self.spec.apply_decode(params, state.tokens_B[:, None], state.next_positions_B[:, None],
                                                 caches)
+    if table_TM is not None:
+      caches = paged_cache.keep_inactive_states(caches, state.caches, table_TM[:, 0] >= 0, self.cfg.scan_layers)
     tokens_B, rows, logprobs = self._sample(logits_B1V[:, 0], state.sampling)
     return DecodeState(caches, state.next_positions_B + 1, tokens_B, rows), (tokens_B, logprobs)
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from MaxText.errors import UserError
 from MaxText.inference import image_prompts, prefix_cache
-from MaxText.layers import kv_cache, paged_kv
+from MaxText.layers import gated_deltanet, kv_cache, paged_kv
 from MaxText.configuration.model_config import ModelConfig
 
 
@@ -189,7 +189,9 @@ def layer_pool(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int,
 
 def model_pools(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int, quantized: bool) -> Any:
   """Every layer's pool, in the structure of kv_cache.model_caches."""
-  return kv_cache.layer_caches(cfg, lambda own: layer_pool(own, num_pages, page_size, num_slots, quantized))
+  # A Gated DeltaNet layer's state is fixed-size per slot: slot state, not pages.
+  return kv_cache.layer_caches(cfg, lambda own: gated_deltanet.empty_state(own, num_slots) if kv_cache.is_linear(own)
+                               else layer_pool(own, num_pages, page_size, num_slots, quantized))
 
 
 def model_pool_names(cfg: ModelConfig, quantized: bool) -> Any:
@@ -204,16 +206,20 @@ def is_pool(x: Any) -> bool:
 def with_block_table(pools: Any, table_TM: jax.Array) -> Any:
   """Every layer's cache with a block table (broadcast over a stacked layer dim): the allocator's
   [T, M] for a generate step, or one slot's row [1, M] for a prefill chunk."""
-  def put(cache: paged_kv.PagedKVCache) -> paged_kv.PagedKVCache:
+  def put(cache: Any) -> Any:
+    if not is_pool(cache):  # a Gated DeltaNet layer's state array: no pages
+      return cache
     leading = cache.block_table_BM.shape[:-2]
     return dataclasses.replace(cache, block_table_BM=jnp.broadcast_to(table_TM, leading + table_TM.shape))
 
   return jax.tree.map(put, pools, is_leaf=is_pool)
 
 
-def insert_prefix(pools: Any, prefix_caches: Any, row: jax.Array, table_row_M: jax.Array, stacked: bool) -> Any:
+def insert_prefix(pools: Any, prefix_caches: Any, row: jax.Array, slot: jax.Array, table_row_M: jax.Array,
+                  stacked: bool) -> Any:
   """The pools with prompt `row` of the prefill's dense caches (length L) copied into the pages
-  of `table_row_M` (stored values as they are: int8 stays int8); entries without a page dropped."""
+  of `table_row_M` (stored values as they are: int8 stays int8); entries without a page dropped.
+  A Gated DeltaNet layer's state (slot state, no pages) is copied from `row` into `slot`."""
 
   def one_layer(pool: paged_kv.PagedKVCache, cache: kv_cache.KVCache) -> paged_kv.PagedKVCache:
     length = cache.key_BSKH.shape[1]
@@ -228,7 +234,44 @@ def insert_prefix(pools: Any, prefix_caches: Any, row: jax.Array, table_row_M: j
                            for name, dense_name in _FIELDS if getattr(pool, name) is not None})
 
   layer = jax.vmap(one_layer) if stacked else one_layer
-  return jax.tree.map(layer, pools, prefix_caches, is_leaf=is_pool)
+  batch_axis = 1 if stacked else 0
+
+  def one(pool: Any, cache: Any) -> Any:
+    if is_pool(pool):
+      return layer(pool, cache)
+    return put_slot(pool, jax.lax.dynamic_slice_in_dim(cache, row, 1, axis=batch_axis), slot, stacked)
+  return jax.tree.map(one, pools, prefix_caches, is_leaf=is_pool)
+
+
+def put_slot(state: jax.Array, rows_1: jax.Array, slot: jax.Array, stacked: bool) -> jax.Array:
+  """`state` (a slot-state array [T, ...], [layers, T, ...] when stacked) with slot `slot` set to `rows_1`."""
+  start: list[Any] = [0] * state.ndim
+  start[1 if stacked else 0] = slot
+  return jax.lax.dynamic_update_slice(state, rows_1.astype(state.dtype), start)
+
+
+def slot_states(caches: Any, slot: jax.Array, stacked: bool) -> Any:
+  """`caches` with each slot-state array (a Gated DeltaNet layer's) cut to slot `slot` (batch 1); pools as they are."""
+  return jax.tree.map(lambda c: c if is_pool(c) else jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1 if stacked else 0),
+                      caches, is_leaf=is_pool)
+
+
+def with_slot_states(caches: Any, one_slot: Any, slot: jax.Array, stacked: bool) -> Any:
+  """`caches` (all slots) with `slot_states`' slot `slot` put back from `one_slot`; pools from `one_slot`."""
+  return jax.tree.map(lambda big, one: one if is_pool(one) else put_slot(big, one, slot, stacked), caches, one_slot,
+                      is_leaf=is_pool)
+
+
+def keep_inactive_states(new: Any, old: Any, active_T: jax.Array, stacked: bool) -> Any:
+  """`new` caches with each slot-state array's inactive slots (no pages in the step's table: free, or a
+  prompt still being prefilled in chunks) kept as in `old`: a generate step advances every slot."""
+  def keep(n: Any, o: Any) -> Any:
+    if is_pool(n):
+      return n
+    shape = [1] * n.ndim
+    shape[1 if stacked else 0] = -1
+    return jnp.where(active_T.reshape(shape), n, o)
+  return jax.tree.map(keep, new, old, is_leaf=is_pool)
 
 
 _FIELDS = (("key_KPZH", "key_BSKH"), ("value_KPZH", "value_BSKH"), ("key_scale_KPZ1", "key_scale_BSK1"),

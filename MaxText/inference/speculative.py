@@ -46,7 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxText.errors import UserError
 from MaxText.inference import paged_cache, sampling
-from MaxText.inference.engine import DecodeState, Engine, Prefix, RowSampling, TokenLogprobs
+from MaxText.inference.engine import DecodeState, Engine, Prefix, RowSampling, TokenLogprobs, refuse_speculative
 from MaxText.platform import sharding
 
 
@@ -93,6 +93,8 @@ class SpeculativeDecoder:
     k = target.decode_cfg.speculative_tokens if speculative_tokens is None else speculative_tokens
     if k < 0:
       raise UserError(f"speculative_tokens must be >= 0 (0: no speculative decoding), got {k}")
+    refuse_speculative(target.cfg, "target")
+    refuse_speculative(draft.cfg, "draft")
     if draft.vocab_size != target.vocab_size:
       raise UserError(f"the draft model's vocab_size ({draft.vocab_size}) differs from the target's "
                       f"({target.vocab_size}): speculative decoding needs the same tokenizer")

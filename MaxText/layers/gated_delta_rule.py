@@ -129,10 +129,12 @@ def unit_lower_inverse(m: jax.Array) -> jax.Array:
 
 
 def causal_conv(x_BLZ: jax.Array, state_BwZ: jax.Array, kernel_wZ: jax.Array,
-                segment_ids_BL: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                segment_ids_BL: jax.Array | None = None, lengths_B: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
   """Depthwise causal conv of width w over the sequence, preceded by the w − 1 inputs in `state_BwZ`
   (zeros at a sequence's start): (silu of the conv [B, L, Z], the last w − 1 inputs as the next state).
-  With `segment_ids_BL`, a token never reads an earlier document's inputs (packed rows)."""
+  With `segment_ids_BL`, a token never reads an earlier document's inputs (packed rows). With
+  `lengths_B`, only each row's first lengths[b] tokens are real: the next state ends at the last of them."""
   width = kernel_wZ.shape[0]
   length = x_BLZ.shape[1]
   history = jnp.concatenate([state_BwZ.astype(x_BLZ.dtype), x_BLZ], axis=1)
@@ -144,7 +146,11 @@ def causal_conv(x_BLZ: jax.Array, state_BwZ: jax.Array, kernel_wZ: jax.Array,
       earlier = jnp.pad(segment_ids_BL, ((0, 0), (back, 0)), constant_values=-1)[:, :length]
       tap_BLZ = tap_BLZ * (earlier == segment_ids_BL)[:, :, None]
     out = out + tap_BLZ * kernel_wZ[j].astype(jnp.float32)[None, None, :]
-  return jax.nn.silu(out).astype(x_BLZ.dtype), history[:, history.shape[1] - (width - 1):]
+  if lengths_B is None:
+    return jax.nn.silu(out).astype(x_BLZ.dtype), history[:, history.shape[1] - (width - 1):]
+  # history[b, n : n + w − 1] are the w − 1 inputs up to token n − 1 (the state's own when n < w − 1).
+  last = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, width - 1, axis=0))(history, lengths_B)
+  return jax.nn.silu(out).astype(x_BLZ.dtype), last
 
 
 def l2_normalize(x: jax.Array, epsilon: float = 1e-6) -> jax.Array:

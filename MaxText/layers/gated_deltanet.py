@@ -9,6 +9,8 @@ serves linear_num_value_heads / linear_num_key_heads consecutive value heads.
 Decoding carries a `LinearState` per layer in place of a KV cache: the conv's last inputs and the
 delta rule's state. A call whose first position is 0 (a prefill) starts from zeros, so a reused
 decode slot never reads its previous request's state; a call continues the state otherwise.
+When decoding, segment id 0 marks a right-padded prompt's padding (models.Transformer.decode): those
+tokens neither decay nor write the state, and the conv state ends at each row's last real token.
 
 Legend beyond layers/__init__.py (as in gated_delta_rule.py): Y value heads, Q key head dim,
 W value head dim, I query/key heads (linear_num_key_heads), w the conv width.
@@ -88,8 +90,8 @@ class GatedDeltaNet(nnx.Module):
     self.out = dense((y, wd), (d,), ("heads", "kv", "embed"))
     self.cfg, self.dtype = cfg, dtype
 
-  def _conv(self, name: str, x_BLhd: jax.Array, state: jax.Array | None, segment_ids_BL: jax.Array | None
-            ) -> tuple[jax.Array, jax.Array]:
+  def _conv(self, name: str, x_BLhd: jax.Array, state: jax.Array | None, segment_ids_BL: jax.Array | None,
+            lengths_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The causal conv over one of q, k, v [B, L, heads, dim] (its kernel is depthwise per feature)."""
     b, length, heads, dim = x_BLhd.shape
     kernel = getattr(self, name)[...]
@@ -98,7 +100,7 @@ class GatedDeltaNet(nnx.Module):
       state = jnp.zeros((b, width - 1, heads, dim), x_BLhd.dtype)
     out, new_state = gated_delta_rule.causal_conv(x_BLhd.reshape(b, length, heads * dim),
                                                   state.reshape(b, width - 1, heads * dim),
-                                                  kernel.reshape(width, heads * dim), segment_ids_BL)
+                                                  kernel.reshape(width, heads * dim), segment_ids_BL, lengths_B)
     return out.reshape(x_BLhd.shape), new_state.reshape(state.shape)
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
@@ -112,12 +114,19 @@ class GatedDeltaNet(nnx.Module):
       cache = jax.tree.map(lambda s: jnp.where(fresh_B.reshape((-1,) + (1,) * (s.ndim - 1)), jnp.zeros_like(s), s),
                            cache)
     segments = None if cache is not None else segment_ids_BL
-    q, conv_q = self._conv("query_conv", self.query(x_BLD), None if cache is None else cache.conv_query, segments)
-    k, conv_k = self._conv("key_conv", self.key(x_BLD), None if cache is None else cache.conv_key, segments)
-    v, conv_v = self._conv("value_conv", self.value(x_BLD), None if cache is None else cache.conv_value, segments)
+    real_BL = None if cache is None else segment_ids_BL != 0  # decoding: padding after each row's prompt
+    lengths_B = None if real_BL is None else jnp.sum(real_BL, axis=1, dtype=jnp.int32)
+    q, conv_q = self._conv("query_conv", self.query(x_BLD), None if cache is None else cache.conv_query, segments,
+                           lengths_B)
+    k, conv_k = self._conv("key_conv", self.key(x_BLD), None if cache is None else cache.conv_key, segments, lengths_B)
+    v, conv_v = self._conv("value_conv", self.value(x_BLD), None if cache is None else cache.conv_value, segments,
+                           lengths_B)
     beta_BLY = jax.nn.sigmoid(self.write_strength(x_BLD).astype(jnp.float32))
     a_BLY = self.decay_input(x_BLD).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)[None, None, :]
     g_BLY = -jnp.exp(self.a_log[...].astype(jnp.float32))[None, None, :] * jax.nn.softplus(a_BLY)
+    if real_BL is not None:  # β = 0 and g = 0: a padding token leaves the state as it is
+      beta_BLY = jnp.where(real_BL[..., None], beta_BLY, 0.0)
+      g_BLY = jnp.where(real_BL[..., None], g_BLY, 0.0)
     if segments is not None:
       g_BLY = g_BLY + jnp.where(_document_starts(segments), gated_delta_rule.DOCUMENT_RESET_LOG_DECAY, 0.0)[..., None]
     repeat = la.linear_num_value_heads // la.linear_num_key_heads

@@ -14,6 +14,9 @@ past p are never attended. No separate padding mask is needed: the mask is masks
 
 kv_cache_layout=paged replaces each layer's KVCache by a page pool (layers/paged_kv.py); `write`
 and `cached_attention` take either.
+
+A Gated DeltaNet layer (Qwen3-Next's linear attention) caches no keys and values: its decode state
+is a fixed-size gated_deltanet.LinearState per row, in the same place in the tree (both layouts).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from flax import struct
 from jax.typing import DTypeLike
 
 from MaxText.platform import sharding
-from MaxText.layers import attention_kernels, layer_shapes, masks, paged_kv
+from MaxText.layers import attention_kernels, gated_deltanet, layer_shapes, masks, paged_kv
 from MaxText.configuration.model_config import ModelConfig
 
 CACHE_NAMES = ("cache_batch", "cache_sequence", "cache_kv_heads", "cache_kv")
@@ -153,44 +156,52 @@ def _stack_caches(cfg: ModelConfig, one: Any, count: int) -> Any:
   return [one for _ in range(count)]
 
 
-def per_stack(cfg: ModelConfig, build: Callable[[int], Any]) -> Any:
-  """`build(number of layers)` for each layer stack: one for all decoder layers, or with a
-  dense_layers stack (first_dense_layers, moe_layer_interval) {"dense_layers": ..., "layers": ...}."""
+def per_stack(cfg: ModelConfig, build: Callable[[ModelConfig, int], Any]) -> Any:
+  """`build(the stack's configuration, number of layers)` for each layer stack: one for all decoder
+  layers, or with a dense_layers stack (first_dense_layers, moe_layer_interval, full_attention_interval)
+  {"dense_layers": ..., "layers": ...}."""
   if cfg.num_dense_layers == 0:
-    return build(cfg.num_decoder_layers)
-  return {"dense_layers": build(cfg.num_dense_layers), "layers": build(cfg.num_moe_stack_layers)}
+    return build(cfg, cfg.num_decoder_layers)
+  return {"dense_layers": build(cfg.dense_stack_config(), cfg.num_dense_layers),
+          "layers": build(cfg, cfg.num_moe_stack_layers)}
 
 
-def stacked_layers(cfg: ModelConfig, one: Any) -> Any:
-  """Every layer's copy of `one` layer's cache: stacked over layers (scan_layers) or a list, per stack."""
-  return per_stack(cfg, lambda count: _stack_caches(cfg, one, count))
+def is_linear(cfg: ModelConfig) -> bool:
+  """A Gated DeltaNet layer's configuration: its decode state is a LinearState, not a KV cache."""
+  return cfg.attn.attention_type == "gated_deltanet"
 
 
-def stacked_names(cfg: ModelConfig, names: Any) -> Any:
-  """Logical names matching `stacked_layers` (`names` already carries the layer dim when scanned)."""
-  return per_stack(cfg, lambda count: names if cfg.scan_layers else [names for _ in range(count)])
+def _linear_names(stacked: bool) -> gated_deltanet.LinearState:
+  prefix = ("cache_layers",) if stacked else ()
+  return jax.tree.map(lambda names: prefix + names, gated_deltanet.state_names(), is_leaf=lambda x: isinstance(x, tuple))
 
 
 def layer_caches(cfg: ModelConfig, build: Callable[[ModelConfig], Any]) -> Any:
-  """Every layer's cache, `build(a layer's configuration)`: `stacked_layers` of one; a stack of differing
-  layers (layers/layer_shapes.py) gets a list with each layer's own, None for a layer sharing another's."""
+  """Every layer's cache, `build(a layer's configuration)` (a Gated DeltaNet stack's config gives its
+  LinearState), stacked over layers (scan_layers) or a list, per stack; a stack of differing layers
+  (layers/layer_shapes.py) gets a list with each layer's own, None for a layer sharing another's."""
   if not cfg.layer_shapes.active:
-    return stacked_layers(cfg, build(cfg))
+    return per_stack(cfg, lambda own, count: _stack_caches(cfg, build(own), count))
   return [build(layer_shapes.layer_config(cfg, i)) if layer_shapes.has_own_kv(cfg, i) else None
           for i in range(cfg.num_decoder_layers)]
 
 
 def layer_cache_names(cfg: ModelConfig, names: Any) -> Any:
-  """Logical names matching `layer_caches` (`names`: one layer's)."""
+  """Logical names matching `layer_caches` (`names`: one attention layer's; a Gated DeltaNet
+  stack gets its LinearState's)."""
   if not cfg.layer_shapes.active:
-    return stacked_names(cfg, names)
+    def stack(own: ModelConfig, count: int) -> Any:
+      one = _linear_names(cfg.scan_layers) if is_linear(own) else names
+      return one if cfg.scan_layers else [one for _ in range(count)]
+    return per_stack(cfg, stack)
   return [names if layer_shapes.has_own_kv(cfg, i) else None for i in range(cfg.num_decoder_layers)]
 
 
 def model_caches(cfg: ModelConfig, batch: int, length: int, quantized: bool = False) -> Any:
   """Empty caches for every layer: one KVCache stacked over layers (scan_layers) or a list; with
   a dense_layers stack, {"dense_layers": its caches, "layers": the rest's}; see `layer_caches`."""
-  return layer_caches(cfg, lambda own: layer_cache(own, batch, length, quantized))
+  return layer_caches(cfg, lambda own: gated_deltanet.empty_state(own, batch) if is_linear(own)
+                      else layer_cache(own, batch, length, quantized))
 
 
 def model_cache_names(cfg: ModelConfig, quantized: bool = False) -> Any:

@@ -273,22 +273,36 @@ class Transformer(nnx.Module):
         return x, (aux, dense_c, moe_c)
 
       if paged_kv.holds_pages(caches):  # in the carry, as in _run_stack
-        def carried(carry: tuple[jax.Array, Any, Any], xs: tuple[Any, ...]) -> tuple[tuple[jax.Array, Any, Any],
-                                                                                      AuxLosses]:
+        # Gated DeltaNet layers' states are per slot, not paged: scanned per period as unpaged caches are.
+        dense_paged = paged_kv.holds_pages(caches["dense_layers"])
+
+        def carried(carry: tuple[jax.Array, Any, Any], xs: tuple[Any, ...]
+                    ) -> tuple[tuple[jax.Array, Any, Any], tuple[AuxLosses, Any]]:
           x, dense_pools, moe_pools = carry
-          dense_s, moe_s, rng_k, period = xs
+          dense_s, moe_s, rng_k, period, dense_c = xs
+          new_dense = []
           for j in range(k - 1):
-            x, _, dense_pools = one_layer(dense_graph, x, jax.tree.map(lambda a, j=j: a[j], dense_s),
-                                          None if rng_k is None else rng_k[j], period * k + j,
-                                          paged_kv.with_layer(dense_pools, period * (k - 1) + j))
+            layer_cache = (paged_kv.with_layer(dense_pools, period * (k - 1) + j) if dense_paged
+                           else jax.tree.map(lambda a, j=j: a[j], dense_c))
+            x, _, layer_cache = one_layer(dense_graph, x, jax.tree.map(lambda a, j=j: a[j], dense_s),
+                                          None if rng_k is None else rng_k[j], period * k + j, layer_cache)
+            if dense_paged:
+              dense_pools = layer_cache
+            else:
+              new_dense.append(layer_cache)
           x, aux, moe_pools = one_layer(moe_graph, x, moe_s, None if rng_k is None else rng_k[k - 1],
                                         period * k + k - 1, paged_kv.with_layer(moe_pools, period))
-          return (x, paged_kv.with_layer(dense_pools, None), paged_kv.with_layer(moe_pools, None)), aux
+          dense_c = jax.tree.map(lambda *cs: jnp.stack(cs), *new_dense) if new_dense else None
+          return ((x, paged_kv.with_layer(dense_pools, None) if dense_paged else None,
+                   paged_kv.with_layer(moe_pools, None)), (aux, dense_c))
 
-        (x_BLD, dense_pools, moe_pools), aux_per_layer = jax.lax.scan(
-            carried, (x_BLD, caches["dense_layers"], caches["layers"]),
-            (by_period(dense_state), moe_state, rngs, jnp.arange(periods)))
+        (x_BLD, dense_pools, moe_pools), (aux_per_layer, dense_caches) = jax.lax.scan(
+            carried, (x_BLD, caches["dense_layers"] if dense_paged else None, caches["layers"]),
+            (by_period(dense_state), moe_state, rngs, jnp.arange(periods),
+             None if dense_paged else by_period(caches["dense_layers"])))
         aux = {name: _over_layers(name, values) for name, values in aux_per_layer.items()}
+        if not dense_paged:
+          dense_pools = jax.tree.map(lambda a: a.reshape((periods * (k - 1),) + a.shape[2:]), dense_caches)
         return x_BLD, aux, {"dense_layers": dense_pools, "layers": moe_pools}
       dense_caches = None if caches is None else by_period(caches["dense_layers"])
       x_BLD, (aux_per_layer, dense_caches, moe_caches) = jax.lax.scan(
@@ -429,16 +443,22 @@ class Transformer(nnx.Module):
     `logits_index_B`, only the logits of that one token per row ([B, 1, V]): prefill needs just
     the last prompt token's, and a [B, L, V] float32 block would dwarf the cache for long prompts.
     `pixel_values` [B, M, 3, R, R] (a prefill): the images whose placeholder runs all lie in this
-    call's tokens, placed as `_multimodal_input` places them; their tokens attend both ways."""
-    x_BLD, caches = self.decode_hidden(tokens_BL, positions_BL, caches, pixel_values)
+    call's tokens, placed as `_multimodal_input` places them; their tokens attend both ways.
+    Tokens after `logits_index_B` are a right-padded prompt's padding: segment id 0, which a
+    recurrent layer (gated_deltanet.py) keeps out of its state; attention masks by position."""
+    segment_ids_BL = None
+    if logits_index_B is not None:
+      segment_ids_BL = (jnp.arange(tokens_BL.shape[1])[None] <= logits_index_B[:, None]).astype(jnp.int32)
+    x_BLD, caches = self.decode_hidden(tokens_BL, positions_BL, caches, pixel_values, segment_ids_BL)
     if logits_index_B is not None:
       x_BLD = jnp.take_along_axis(x_BLD, logits_index_B[:, None, None], axis=1)
     return self._logits(x_BLD), caches
 
   def decode_hidden(self, tokens_BL: jax.Array, positions_BL: jax.Array, caches: Any,
-                    pixel_values: jax.Array | None = None) -> tuple[jax.Array, Any]:
+                    pixel_values: jax.Array | None = None, segment_ids_BL: jax.Array | None = None
+                    ) -> tuple[jax.Array, Any]:
     """`decode` up to the decoder stack's output (before the final norm: what the first MTP
-    module reads), with the updated caches."""
+    module reads), with the updated caches (`segment_ids_BL`: 0 at padding; None: none)."""
     if self.cfg.pipeline.num_pipeline_stages > 1:
       raise ValueError("decoding does not support pipeline parallelism; set ici_pipeline_parallelism=1")
     x_BLD = self._embed(tokens_BL, positions_BL)
@@ -447,7 +467,8 @@ class Transformer(nnx.Module):
       x_BLD, image_blocks_BL = self._multimodal_input(x_BLD, tokens_BL, pixel_values)
     x_BLD = sharding.constrain(x_BLD, ACTIVATION_NAMES)
     per_layer_BLMP = self._per_layer_inputs(tokens_BL, x_BLD)
-    segment_ids_BL = jnp.ones(tokens_BL.shape, jnp.int32)  # unused: the cache masks by position
+    if segment_ids_BL is None:
+      segment_ids_BL = jnp.ones(tokens_BL.shape, jnp.int32)
     with quantization.use_quantization(self.cfg.quantization):  # as in training: same matmuls as the full pass
       x_BLD, _, caches = self._run_layers(x_BLD, positions_BL, segment_ids_BL, None, caches,
                                           image_blocks_BL=image_blocks_BL, per_layer_BLMP=per_layer_BLMP)

@@ -17,8 +17,8 @@ from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError, UserError
 from MaxText.inference import paged_cache
 from MaxText.inference.engine import Engine, Request, serve
-from MaxText.layers import attention_kernels, kv_cache, paged_kv
-from decode_test_utils import engine_tokens, one_device_mesh
+from MaxText.layers import attention_kernels, gated_deltanet, kv_cache, paged_kv
+from decode_test_utils import engine_tokens, one_device_mesh, uncached_greedy
 
 TINY = dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16, base_mlp_dim=128,
             base_num_decoder_layers=2, vocab_size=128, max_target_length=24, max_prefill_predict_length=8,
@@ -48,6 +48,12 @@ GEMMA4 = dict(TINY, decoder_block="gemma4", base_num_decoder_layers=6, attention
               num_kv_shared_layers=3, kv_shared_double_mlp=True, per_layer_input_dim=8, use_qk_norm=True,
               query_pre_attn_scalar=1.0, rope_type="proportional", rope_partial_rotary_factor=0.5,
               rope_scaling_factor=1.0, rope_local_max_timescale=10000, mlp_activations=["gelu", "linear"])
+# Qwen3-Next: Gated DeltaNet and gated full attention alternate; the DeltaNet states are slot state, not pages.
+QWEN3_NEXT = dict(TINY, decoder_block="qwen3_next", base_num_decoder_layers=4, full_attention_interval=2,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+                  linear_conv_kernel_dim=4, linear_attention_chunk_size=4, attention_output_gate=True,
+                  use_qk_norm=True, partial_rotary_factor=0.5, normalization_type="rms_plus_one",
+                  prefix_caching=False)  # refused: a recurrent state cannot restart from cached pages
 PROMPTS = [[3, 9, 27], [1, 2, 3, 4, 5, 6, 7, 8], [100], [50, 60, 70, 80, 90], [7, 7]]
 NEW_TOKENS = [9, 12, 16, 6, 10]
 
@@ -105,8 +111,10 @@ def serve_both(overrides: dict, num_slots: int, kv_num_pages: int, page_size: in
 
 
 def check_paged_run(paged: Engine) -> None:
-  pools = jax.tree.leaves(paged.state_shardings.caches, is_leaf=lambda x: isinstance(x, paged_kv.PagedKVCache))
-  assert pools and all(isinstance(pool, paged_kv.PagedKVCache) for pool in pools)
+  per_layer = (paged_kv.PagedKVCache, gated_deltanet.LinearState)  # a DeltaNet layer's state is slot state
+  pools = jax.tree.leaves(paged.state_shardings.caches, is_leaf=lambda x: isinstance(x, per_layer))
+  assert any(isinstance(pool, paged_kv.PagedKVCache) for pool in pools)
+  assert all(isinstance(pool, per_layer) for pool in pools)
   stats = paged.cache_stats()
   assert stats["pages_free"] == stats["pages_total"] and stats["pages_used"] == 0  # every page came back
   steps = {name: paged.traces[name] for name in ("prefill", "insert", "generate")}
@@ -144,6 +152,8 @@ def test_paged_serve_equals_dense_with_windows_slot_reuse_and_waiting_for_pages(
     pytest.param(INTERLEAVED, True, marks=pytest.mark.slow),
     (OLMO3, False),
     pytest.param(GEMMA4, False, marks=pytest.mark.slow),
+    pytest.param(QWEN3_NEXT, True, id="qwen3_next-True", marks=pytest.mark.slow),
+    pytest.param(QWEN3_NEXT, False, id="qwen3_next-False", marks=pytest.mark.slow),
 ])
 def test_paged_serve_equals_dense_for_each_family(overrides, scan_layers):
   expected, got, paged, _ = serve_both(dict(overrides, scan_layers=scan_layers), num_slots=2, kv_num_pages=12,
@@ -154,7 +164,8 @@ def test_paged_serve_equals_dense_for_each_family(overrides, scan_layers):
 
 @pytest.mark.parametrize("overrides,scan_layers,num_slots", [
     (TINY, False, 1), (TINY, True, 1), pytest.param(TINY, True, 4, marks=pytest.mark.slow),
-    pytest.param(INTERLEAVED, True, 1, marks=pytest.mark.slow)])
+    pytest.param(INTERLEAVED, True, 1, marks=pytest.mark.slow),
+    pytest.param(QWEN3_NEXT, True, 2, id="qwen3_next-True-2", marks=pytest.mark.slow)])
 def test_a_generate_step_works_in_memory_that_does_not_grow_with_the_pool(overrides, scan_layers, num_slots):
   """The attention reads only each slot's pages and the step writes the pool in place: its
   scratch memory is the same for the default pool and one 16 times larger (a pool-sized copy, as
@@ -324,7 +335,7 @@ def _scheduled_outputs(engine: Engine, params, prompts, new_tokens, cancel_secon
 
 @pytest.mark.parametrize("overrides,scan_layers", [
     (MIXED, True), pytest.param(MLA, False, marks=pytest.mark.slow), pytest.param(DSA, True, marks=pytest.mark.slow),
-    pytest.param(CHUNKED, True, marks=pytest.mark.slow)])
+    pytest.param(CHUNKED, True, marks=pytest.mark.slow), pytest.param(QWEN3_NEXT, True, id="qwen3_next-True")])
 def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(overrides, scan_layers):
   """Prompts prefilled 3 tokens per scheduler loop straight into their pages, between the other
   slots' generate steps, give the same greedy tokens as whole-prompt prefills; every page comes
@@ -338,6 +349,19 @@ def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(overrides, scan_lay
   assert chunked.traces["extend"] == 1 and chunked.traces["prefill"] == 0  # one program for every chunk
   got = _scheduled_outputs(chunked, params, PROMPTS, NEW_TOKENS, cancel_second=True)
   assert [g for i, g in enumerate(got) if i != 1] == [e for i, e in enumerate(expected) if i != 1]
+
+
+@pytest.mark.slow
+def test_a_model_of_only_gated_deltanet_layers_decodes_like_its_uncached_forward():
+  """attention_type=gated_deltanet on every layer: no KV cache at all, only the layers' slot states,
+  in both layouts (the paged engine then holds no pages)."""
+  config = dict(QWEN3_NEXT, full_attention_interval=0, attention_type="gated_deltanet", base_num_decoder_layers=2)
+  prompts = PROMPTS[:2]
+  for layout in ({}, dict(kv_cache_layout="paged", kv_page_size=4, kv_num_pages=16)):
+    engine = Engine(Config.for_testing(**config, **layout), num_slots=2, mesh=one_device_mesh())
+    params = engine.load_params(seed=1)
+    expected = [uncached_greedy(engine.spec, params, p, 10, TINY["max_target_length"]) for p in prompts]
+    assert engine_tokens(engine, params, prompts, 10) == expected, layout
 
 
 def test_prefill_chunk_size_needs_the_paged_cache():

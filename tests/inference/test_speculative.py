@@ -1,7 +1,7 @@
 """Speculative decoding with a draft model (inference/speculative.py): greedy tokens equal the
 target's plain greedy decoding (dense and paged caches, scanned and unrolled layers, k = 1 and 3,
 up to max_target_length), a draft equal to the target accepts everything, sampled first tokens
-follow the target's distribution (chi-square), and bad input is refused."""
+follow the target's distribution (chi-square), and bad input is refused (a Gated DeltaNet model too)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from scipy import stats
 
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError, UserError
-from MaxText.inference import paged_cache, sampling, speculative
+from MaxText.inference import mtp_draft, paged_cache, sampling, speculative, speculative_engine
 from MaxText.inference.engine import Engine
 from MaxText.platform import sharding
 from decode_test_utils import engine_tokens, one_device_mesh
-from test_paged_cache import CHUNKED, INTERLEAVED, MIXED, MLA
+from test_paged_cache import CHUNKED, INTERLEAVED, MIXED, MLA, QWEN3_NEXT
 
 TARGET = dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16, base_mlp_dim=128,
               base_num_decoder_layers=2, vocab_size=128, max_target_length=24, max_prefill_predict_length=8,
@@ -149,6 +149,27 @@ def test_bad_input_is_refused():
     speculative.SpeculativeDecoder(target, other_vocab)
   with pytest.raises(UserError, match="the draft engine has 3 slots, the target 2"):
     speculative.SpeculativeDecoder(target, Engine(Config.for_testing(**DRAFT), num_slots=3, mesh=mesh))
+
+
+def test_a_gated_deltanet_model_refuses_speculative_decoding_and_prefix_caching_in_one_line():
+  """A recurrent state (Qwen3-Next's Gated DeltaNet layers) can neither be rolled back past rejected
+  draft tokens nor restarted from shared prefix pages: each is refused before it could decode wrongly."""
+  mesh = one_device_mesh()
+  recurrent = Engine(Config.for_testing(**QWEN3_NEXT), num_slots=2, mesh=mesh)
+  plain = Engine(Config.for_testing(**DRAFT), num_slots=2, mesh=mesh)
+  refused = r"^speculative decoding \(speculative_tokens > 0; the {}\) is not supported for a model with Gated " \
+            r"DeltaNet layers \(Qwen3-Next\).*; set speculative_tokens=0$"
+  with pytest.raises(UserError, match=refused.format("target")):
+    speculative.SpeculativeDecoder(recurrent, plain)
+  with pytest.raises(UserError, match=refused.format("draft")):
+    speculative.SpeculativeDecoder(plain, recurrent)
+  with pytest.raises(UserError, match=refused.format("target")):
+    mtp_draft.MtpSpeculativeDecoder(recurrent, 2)
+  with pytest.raises(UserError, match=refused.format("target")):  # decode.py and the server, before loading
+    speculative_engine.check_draft(Config.for_testing(**QWEN3_NEXT, speculative_tokens=2, draft_model_name="x"))
+  with pytest.raises(UserError, match=r"^prefix caching \(prefix_caching=True.*is not supported for a model "
+                                      r"with Gated DeltaNet layers.*; set prefix_caching=False$"):
+    Engine(Config.for_testing(**dict(QWEN3_NEXT, prefix_caching=True), kv_cache_layout="paged"), mesh=mesh)
 
 
 @pytest.mark.parametrize("family,layout", [

@@ -1,16 +1,13 @@
 """Gated DeltaNet: the chunked form equals the recurrent form step by step and HF transformers'
 torch reference functions; packed documents do not see each other; decoding token by token with
-the layer's LinearState equals the whole-sequence pass."""
+the layer's LinearState equals the whole-sequence pass, and a padded prefill keeps padding out of it."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import families
 from MaxText.configuration.config import Config
-from MaxText.errors import UserError
-from MaxText.inference.engine import Engine
 from MaxText.layers import gated_delta_rule as gdr
 from MaxText.layers.gated_deltanet import GatedDeltaNet, empty_state
 from MaxText.platform import sharding
@@ -110,14 +107,23 @@ def test_decode_token_by_token_equals_whole_sequence():
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), whole, atol=1e-4)
 
 
-def test_the_decode_engine_refuses_a_gated_deltanet_model_in_one_line():
-  """Decoding needs the recurrent state in the decode caches, not built yet: the engine (decode.py,
-  the server, GRPO rollouts) says so before it builds anything."""
-  hf_config = dict(families.reference_hf_configs()["qwen3_next"])
-  keys = families.family_for_hf_config(hf_config).model_keys(hf_config)
-  config = Config.for_testing(**keys, max_target_length=32, max_prefill_predict_length=8)
-  with pytest.raises(UserError, match=r"^decoding a model with gated DeltaNet layers \(Qwen3-Next\) is not supported"):
-    Engine(config)
+def test_padded_prefill_leaves_the_state_of_its_real_tokens():
+  """A right-padded prompt (segment id 0 after its real tokens, as Transformer.decode marks a prefill's
+  padding) leaves the state its real tokens alone leave: padding neither decays nor writes it, and the
+  conv state ends at the last real token. Row 1's prompt is shorter than the conv width."""
+  layer, config = _layer()
+  x = jax.random.normal(jax.random.PRNGKey(2), (B, L, 32))
+  positions = jnp.broadcast_to(jnp.arange(L)[None], (B, L))
+  lengths = (13, 2)
+  run = nnx.jit(lambda layer, *args: layer(*args))
+  with sharding.unsharded():
+    segments = (positions < jnp.asarray(lengths)[:, None]).astype(jnp.int32)
+    _, padded = run(layer, x, positions, segments, 0, empty_state(config.model, B))
+    for row, n in enumerate(lengths):
+      _, alone = run(layer, x[row:row + 1, :n], positions[row:row + 1, :n], jnp.ones((1, n), jnp.int32), 0,
+                     empty_state(config.model, 1))
+      for got, want in zip(jax.tree.leaves(padded), jax.tree.leaves(alone)):
+        np.testing.assert_allclose(got[row:row + 1], want, atol=1e-5, err_msg=f"row {row}")
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 16, 48])
