@@ -141,8 +141,12 @@ class Engine:
     self.paged = self.decode_cfg.kv_cache_layout == "paged"
     self.pages: paged_cache.PageAllocator | None = None
     if self.paged and self.decode_cfg.prefix_caching and has_recurrent_state(self.cfg):
-      raise UserError(RECURRENT_REFUSAL.format(what="prefix caching (prefix_caching=True, the default with "
-                                               "kv_cache_layout=paged)", fix="set prefix_caching=False"))
+      # Shared prefix pages cannot restore a recurrent state, and prefix caching is on by default with
+      # the paged cache: such a model is served without it (as decode is dropless above), said once.
+      self.decode_cfg = dataclasses.replace(self.decode_cfg, prefix_caching=False)
+      if jax.process_index() == 0:
+        print("engine: prefix_caching is off for this model: its Gated DeltaNet layers keep a recurrent state "
+              "that shared prefix pages cannot restore", flush=True)
     if self.paged:
       self.num_pages = self._check_num_pages()
       self.pages = self._new_allocator()

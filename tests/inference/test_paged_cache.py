@@ -53,7 +53,7 @@ QWEN3_NEXT = dict(TINY, decoder_block="qwen3_next", base_num_decoder_layers=4, f
                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
                   linear_conv_kernel_dim=4, linear_attention_chunk_size=4, attention_output_gate=True,
                   use_qk_norm=True, partial_rotary_factor=0.5, normalization_type="rms_plus_one",
-                  prefix_caching=False)  # refused: a recurrent state cannot restart from cached pages
+                  prefix_caching=False)  # the engine would turn it off: a recurrent state cannot restart from cached pages
 PROMPTS = [[3, 9, 27], [1, 2, 3, 4, 5, 6, 7, 8], [100], [50, 60, 70, 80, 90], [7, 7]]
 NEW_TOKENS = [9, 12, 16, 6, 10]
 

@@ -151,9 +151,9 @@ def test_bad_input_is_refused():
     speculative.SpeculativeDecoder(target, Engine(Config.for_testing(**DRAFT), num_slots=3, mesh=mesh))
 
 
-def test_a_gated_deltanet_model_refuses_speculative_decoding_and_prefix_caching_in_one_line():
+def test_a_gated_deltanet_model_refuses_speculative_decoding_in_one_line():
   """A recurrent state (Qwen3-Next's Gated DeltaNet layers) can neither be rolled back past rejected
-  draft tokens nor restarted from shared prefix pages: each is refused before it could decode wrongly."""
+  draft tokens: speculative decoding is refused before it could decode wrongly."""
   mesh = one_device_mesh()
   recurrent = Engine(Config.for_testing(**QWEN3_NEXT), num_slots=2, mesh=mesh)
   plain = Engine(Config.for_testing(**DRAFT), num_slots=2, mesh=mesh)
@@ -167,9 +167,16 @@ def test_a_gated_deltanet_model_refuses_speculative_decoding_and_prefix_caching_
     mtp_draft.MtpSpeculativeDecoder(recurrent, 2)
   with pytest.raises(UserError, match=refused.format("target")):  # decode.py and the server, before loading
     speculative_engine.check_draft(Config.for_testing(**QWEN3_NEXT, speculative_tokens=2, draft_model_name="x"))
-  with pytest.raises(UserError, match=r"^prefix caching \(prefix_caching=True.*is not supported for a model "
-                                      r"with Gated DeltaNet layers.*; set prefix_caching=False$"):
-    Engine(Config.for_testing(**dict(QWEN3_NEXT, prefix_caching=True), kv_cache_layout="paged"), mesh=mesh)
+
+
+
+def test_a_gated_deltanet_model_is_served_without_prefix_caching(capsys):
+  """Prefix caching (on by default with the paged cache) cannot restore a recurrent state from shared
+  pages: the engine turns it off for such a model and says so, instead of refusing the default."""
+  engine = Engine(Config.for_testing(**dict(QWEN3_NEXT, prefix_caching=True), kv_cache_layout="paged"),
+                  mesh=one_device_mesh())
+  assert not engine.decode_cfg.prefix_caching and engine.pages is not None and engine.pages.index is None
+  assert "engine: prefix_caching is off for this model" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("family,layout", [
