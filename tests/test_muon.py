@@ -85,7 +85,9 @@ def test_sharded_muon_training_equals_one_device():
   state_b, hist_b = sharded.train(sharded.init(), 3)
   assert hist_a[-1]["loss"] < hist_a[0]["loss"]
   np.testing.assert_allclose([h["loss"] for h in hist_b], [h["loss"] for h in hist_a], rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5),
+  # Newton-Schulz's five matmul rounds amplify the sharded sums' different rounding: one weight in
+  # 8192 has been seen 3e-4 (relative) off after 3 steps on a 2-core machine, at base as well.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=5e-5),
                jax.device_get(state_b.params), jax.device_get(state_a.params))
   muon_state = [x for x in jax.tree.leaves(state_b.opt_state) if getattr(x, "ndim", 0) == 4]
   assert muon_state and all(not x.sharding.is_fully_replicated for x in muon_state)
