@@ -98,10 +98,10 @@ def pad_prompts(prompts: Sequence[Sequence[int]], length: int) -> tuple[np.ndarr
   return tokens, np.asarray([len(p) for p in prompts], np.int32)
 
 
-# A Gated DeltaNet layer's recurrent state summarises every token so far: nothing can restart it
-# from shared prefix pages or roll it back past rejected draft tokens.
+# A Gated DeltaNet layer's recurrent state summarises every token so far: nothing can roll it back
+# past rejected draft tokens (and nothing restarts it from shared prefix pages: Engine turns that off).
 RECURRENT_REFUSAL = ("{what} is not supported for a model with Gated DeltaNet layers (Qwen3-Next): their "
-                     "recurrent decode state cannot be restored from cached pages or rolled back; {fix}")
+                     "recurrent decode state cannot be rolled back past rejected draft tokens; {fix}")
 
 
 def has_recurrent_state(cfg: ModelConfig) -> bool:
