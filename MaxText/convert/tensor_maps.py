@@ -73,6 +73,17 @@ def ignored(hf: str) -> TensorMap:
   return TensorMap(hf, (), lambda x, cfg: (), lambda xs, cfg: np.zeros(()), write=False)
 
 
+@dataclasses.dataclass(frozen=True)
+class _IgnoredPrefix(TensorMap):
+  def pattern(self) -> re.Pattern[str]:
+    return re.compile(re.escape(self.hf) + ".*$")
+
+
+def ignored_prefix(prefix: str) -> TensorMap:
+  """Every HF tensor whose name starts with `prefix`, skipped (a multimodal checkpoint's vision tower)."""
+  return _IgnoredPrefix(prefix, (), lambda x, cfg: (), lambda xs, cfg: np.zeros(()), write=False)
+
+
 # ---- transforms shared by the families: torch Linear weights are [out, in], our kernels [in, out...].
 
 def transpose(x: Array, cfg: ModelConfig) -> Array:

@@ -77,7 +77,7 @@ def _ba_to_hf(ours: tuple[Array, ...], cfg: ModelConfig) -> Array:
   return np.concatenate([b, a], axis=1).reshape(-1, d)
 
 
-def _conv_to_ours(w: Array, cfg: ModelConfig) -> tuple[Array, ...]:
+def conv_to_ours(w: Array, cfg: ModelConfig) -> tuple[Array, ...]:
   i, r_, q, wd, _ = _linear_shape(cfg)
   kernel = w[:, 0, :].T  # [w, channels]
   query, key, value = np.split(kernel, [i * q, 2 * i * q], axis=1)
@@ -85,7 +85,7 @@ def _conv_to_ours(w: Array, cfg: ModelConfig) -> tuple[Array, ...]:
   return query.reshape(width, i, q), key.reshape(width, i, q), value.reshape(width, i * r_, wd)
 
 
-def _conv_to_hf(ours: tuple[Array, ...], cfg: ModelConfig) -> Array:
+def conv_to_hf(ours: tuple[Array, ...], cfg: ModelConfig) -> Array:
   del cfg
   kernel = np.concatenate([x.reshape(x.shape[0], -1) for x in ours], axis=1)
   return kernel.T[:, None, :]
@@ -101,17 +101,17 @@ def _gated_query_to_hf(ours: tuple[Array, ...], cfg: ModelConfig) -> Array:
   return np.stack([query, gate], axis=1).reshape(-1, cfg.emb_dim)
 
 
-def _linear_out_to_ours(w: Array, cfg: ModelConfig) -> Array:
+def linear_out_to_ours(w: Array, cfg: ModelConfig) -> Array:
   la = cfg.linear_attn
   return w.T.reshape(la.linear_num_value_heads, la.linear_value_head_dim, cfg.emb_dim)
 
 
-def _linear_out_to_hf(kernel: Array, cfg: ModelConfig) -> Array:
+def linear_out_to_hf(kernel: Array, cfg: ModelConfig) -> Array:
   return kernel.reshape(-1, cfg.emb_dim).T
 
 
 # Each attention kind lives in its own stack: full attention in `layers`, Gated DeltaNet in `dense_layers`.
-def _full_attention_tensors() -> list[r.TensorMap]:
+def full_attention_tensors() -> list[r.TensorMap]:
   k_in, k_out = r.heads_in(r.kv_heads)
   v_in, v_out = r.heads_in(r.kv_heads)
   return [dataclasses.replace(m, stack="layers") for m in [
@@ -124,23 +124,37 @@ def _full_attention_tensors() -> list[r.TensorMap]:
       r.one(_ATTN + "k_norm.weight", "self_attention/key_norm/scale")]]
 
 
-def _linear_attention_tensors() -> list[r.TensorMap]:
-  ours = lambda *names: tuple(f"self_attention/{n}" for n in names)  # noqa: E731
-  return [dataclasses.replace(m, stack="dense_layers") for m in [
-      r.TensorMap(_LINEAR + "in_proj_qkvz.weight", ours("query/kernel", "key/kernel", "value/kernel", "output_gate/kernel"),
-                  _qkvz_to_ours, _qkvz_to_hf),
-      r.TensorMap(_LINEAR + "in_proj_ba.weight", ours("write_strength/kernel", "decay_input/kernel"), _ba_to_ours, _ba_to_hf),
-      r.TensorMap(_LINEAR + "conv1d.weight", ours("query_conv", "key_conv", "value_conv"), _conv_to_ours, _conv_to_hf),
+def linear_attention_tensors(projections: list[r.TensorMap]) -> list[r.TensorMap]:
+  """A Gated DeltaNet layer's tensors (the `dense_layers` stack): its input `projections` (laid out
+  differently by Qwen3-Next and Qwen3.5), then the conv, decay, output norm and output projection."""
+  return [dataclasses.replace(m, stack="dense_layers") for m in projections + [
+      r.TensorMap(_LINEAR + "conv1d.weight", _ours("query_conv", "key_conv", "value_conv"), conv_to_ours, conv_to_hf),
       r.one(_LINEAR + "dt_bias", "self_attention/dt_bias"),
       r.one(_LINEAR + "A_log", "self_attention/a_log"),
       r.one(_LINEAR + "norm.weight", "self_attention/norm_scale"),
-      r.one(_LINEAR + "out_proj.weight", "self_attention/out/kernel", _linear_out_to_ours, _linear_out_to_hf)]]
+      r.one(_LINEAR + "out_proj.weight", "self_attention/out/kernel", linear_out_to_ours, linear_out_to_hf)]]
 
 
-def qwen3_next_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
-  norms = [r.one(_LAYER + "input_layernorm.weight", "pre_self_attention_layer_norm/scale"),
-           r.one(_LAYER + "post_attention_layernorm.weight", "post_self_attention_layer_norm/scale")]
-  experts = [
+def _ours(*names: str) -> tuple[str, ...]:
+  return tuple(f"self_attention/{n}" for n in names)
+
+
+def _fused_projections() -> list[r.TensorMap]:
+  """Qwen3-Next's interleaved in_proj_qkvz and in_proj_ba."""
+  return [r.TensorMap(_LINEAR + "in_proj_qkvz.weight", _ours("query/kernel", "key/kernel", "value/kernel",
+                                                             "output_gate/kernel"), _qkvz_to_ours, _qkvz_to_hf),
+          r.TensorMap(_LINEAR + "in_proj_ba.weight", _ours("write_strength/kernel", "decay_input/kernel"), _ba_to_ours,
+                      _ba_to_hf)]
+
+
+def norm_tensors() -> list[r.TensorMap]:
+  return [r.one(_LAYER + "input_layernorm.weight", "pre_self_attention_layer_norm/scale"),
+          r.one(_LAYER + "post_attention_layernorm.weight", "post_self_attention_layer_norm/scale")]
+
+
+def moe_tensors() -> list[r.TensorMap]:
+  """Every layer's routed experts (per expert on disk, fused in transformers' memory) and gated shared expert."""
+  return [
       r.one(_MOE + "gate.weight", "mlp/gate/kernel", r.transpose, r.transpose),
       r.one(_MOE + "experts.{e}.gate_proj.weight", "mlp/wi_0/kernel", r.transpose, r.transpose),
       r.one(_MOE + "experts.{e}.up_proj.weight", "mlp/wi_1/kernel", r.transpose, r.transpose),
@@ -148,12 +162,16 @@ def qwen3_next_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
       r.one(_MOE + "shared_expert.gate_proj.weight", "mlp/shared_mlp/wi_0/kernel", r.transpose, r.transpose),
       r.one(_MOE + "shared_expert.up_proj.weight", "mlp/shared_mlp/wi_1/kernel", r.transpose, r.transpose),
       r.one(_MOE + "shared_expert.down_proj.weight", "mlp/shared_mlp/wo/kernel", r.transpose, r.transpose),
-      r.one(_MOE + "shared_expert_gate.weight", "mlp/shared_gate/kernel", r.transpose, r.transpose)]
-  return (embedding_tensors(cfg) + norms + _full_attention_tensors() + _linear_attention_tensors() + experts
-          + fused_expert_tensors(_MOE))
+      r.one(_MOE + "shared_expert_gate.weight", "mlp/shared_gate/kernel", r.transpose, r.transpose),
+      *fused_expert_tensors(_MOE)]
 
 
-def _full_attention_interval(hf: Mapping[str, Any]) -> int:
+def qwen3_next_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
+  return (embedding_tensors(cfg) + norm_tensors() + full_attention_tensors()
+          + linear_attention_tensors(_fused_projections()) + moe_tensors())
+
+
+def full_attention_interval(hf: Mapping[str, Any], converter: str = "qwen3_next") -> int:
   num_layers = hf["num_hidden_layers"]
   interval = int(hf.get("full_attention_interval") or 4)
   layer_types = list(hf.get("layer_types") or
@@ -162,42 +180,52 @@ def _full_attention_interval(hf: Mapping[str, Any]) -> int:
     interval = layer_types.index("full_attention") + 1
   expected = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
   if layer_types != expected or num_layers % interval:
-    raise ConfigError(f"HF config layer_types {layer_types} is not supported by the qwen3_next converter: it needs "
+    raise ConfigError(f"HF config layer_types {layer_types} is not supported by the {converter} converter: it needs "
                       "periods of linear_attention layers each ended by one full_attention layer")
   return interval
 
 
-def qwen3_next_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+def hybrid_model_keys(hf: Mapping[str, Any], converter: str) -> dict[str, Any]:
+  """The keys every Qwen3-Next-style hybrid shares: shapes, gated full attention with partial RoPE, Gated DeltaNet."""
   r.require_hf(hf, "hidden_act", ("silu",), "silu")
   r.require_hf(hf, "attention_bias", (False,), False)
-  r.require_hf(hf, "decoder_sparse_step", (1,), 1)
-  if hf.get("mlp_only_layers"):
-    r.require_hf(hf, "mlp_only_layers", ([],))
   params = dict(hf.get("rope_parameters") or {})
   r.require_hf(params, "rope_type", ("default",), "default")
-  moe_width, shared_width = int(hf["moe_intermediate_size"]), int(hf.get("shared_expert_intermediate_size") or 0)
-  if shared_width % moe_width:
-    raise ConfigError(f"HF config shared_expert_intermediate_size={shared_width} is not supported by the qwen3_next "
-                      f"converter: it must be a multiple of moe_intermediate_size ({moe_width})")
-  return {"decoder_block": "qwen3_next", **shape_keys(hf), "base_mlp_dim": moe_width,
+  return {"decoder_block": converter, **shape_keys(hf),
           "rope_max_timescale": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
           "partial_rotary_factor": float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
           "mlp_activations": ["silu", "linear"], "normalization_type": "rms_plus_one", "use_qk_norm": True,
           "attention_output_gate": True, "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
-          "full_attention_interval": _full_attention_interval(hf),
+          "full_attention_interval": full_attention_interval(hf, converter),
           "linear_num_key_heads": int(hf["linear_num_key_heads"]),
           "linear_num_value_heads": int(hf["linear_num_value_heads"]),
           "linear_key_head_dim": int(hf["linear_key_head_dim"]), "linear_value_head_dim": int(hf["linear_value_head_dim"]),
-          "linear_conv_kernel_dim": int(hf["linear_conv_kernel_dim"]),
-          "num_experts": int(hf["num_experts"]), "num_experts_per_tok": int(hf["num_experts_per_tok"]),
-          "norm_topk_prob": bool(hf.get("norm_topk_prob", True)), "shared_experts": shared_width // moe_width,
-          "shared_expert_gate": shared_width > 0}
+          "linear_conv_kernel_dim": int(hf["linear_conv_kernel_dim"])}
 
 
-def qwen3_next_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+def moe_model_keys(hf: Mapping[str, Any], converter: str) -> dict[str, Any]:
+  """Every layer's routed experts plus one gated shared expert (a whole multiple of an expert's width)."""
+  r.require_hf(hf, "decoder_sparse_step", (1,), 1)
+  if hf.get("mlp_only_layers"):
+    r.require_hf(hf, "mlp_only_layers", ([],))
+  moe_width, shared_width = int(hf["moe_intermediate_size"]), int(hf.get("shared_expert_intermediate_size") or 0)
+  if shared_width % moe_width:
+    raise ConfigError(f"HF config shared_expert_intermediate_size={shared_width} is not supported by the {converter} "
+                      f"converter: it must be a multiple of moe_intermediate_size ({moe_width})")
+  return {"base_mlp_dim": moe_width, "num_experts": int(hf["num_experts"]),
+          "num_experts_per_tok": int(hf["num_experts_per_tok"]), "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+          "shared_experts": shared_width // moe_width, "shared_expert_gate": shared_width > 0}
+
+
+def qwen3_next_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  return {**hybrid_model_keys(hf, "qwen3_next"), **moe_model_keys(hf, "qwen3_next")}
+
+
+def hybrid_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+  """HF config fields of the hybrid stack (shapes, RoPE, layer types, Gated DeltaNet)."""
   la, interval = cfg.linear_attn, cfg.linear_attn.full_attention_interval
-  return {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", **shape_hf_config(cfg),
-          "hidden_act": "silu", "attention_bias": False, "max_position_embeddings": max_positions(cfg),
+  return {**shape_hf_config(cfg), "hidden_act": "silu", "attention_bias": False,
+          "max_position_embeddings": max_positions(cfg),
           "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope.rope_max_timescale,
                               "partial_rotary_factor": cfg.rope.partial_rotary_factor},
           "full_attention_interval": interval,
@@ -205,10 +233,19 @@ def qwen3_next_hf_config(cfg: ModelConfig) -> dict[str, Any]:
                           for i in range(cfg.num_decoder_layers)],
           "linear_num_key_heads": la.linear_num_key_heads, "linear_num_value_heads": la.linear_num_value_heads,
           "linear_key_head_dim": la.linear_key_head_dim, "linear_value_head_dim": la.linear_value_head_dim,
-          "linear_conv_kernel_dim": la.linear_conv_kernel_dim, "moe_intermediate_size": cfg.mlp_dim,
-          "shared_expert_intermediate_size": cfg.moe.shared_experts * cfg.mlp_dim, "num_experts": cfg.moe.num_experts,
-          "num_experts_per_tok": cfg.moe.num_experts_per_tok, "norm_topk_prob": cfg.moe.norm_topk_prob,
-          "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": cfg.moe.load_balance_loss_weight}
+          "linear_conv_kernel_dim": la.linear_conv_kernel_dim}
+
+
+def moe_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+  return {"moe_intermediate_size": cfg.mlp_dim, "shared_expert_intermediate_size": cfg.moe.shared_experts * cfg.mlp_dim,
+          "num_experts": cfg.moe.num_experts, "num_experts_per_tok": cfg.moe.num_experts_per_tok,
+          "router_aux_loss_coef": cfg.moe.load_balance_loss_weight}
+
+
+def qwen3_next_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+  return {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", **hybrid_hf_config(cfg),
+          **moe_hf_config(cfg), "norm_topk_prob": cfg.moe.norm_topk_prob, "decoder_sparse_step": 1,
+          "mlp_only_layers": []}
 
 
 # Two periods of 3 Gated DeltaNet + 1 full attention, as released; 2 value heads per key head, a
