@@ -46,6 +46,30 @@ QWEN3_NEXT_80B = dict(  # Qwen/Qwen3-Next-80B-A3B-Instruct
     linear_value_head_dim=128, moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=512,
     num_experts_per_tok=10, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
 
+# Qwen/Qwen3.5-35B-A3B and Qwen/Qwen3.5-27B: image-text checkpoints (their text_config; the vision_config left out).
+_QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                 "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+QWEN3_5_35B_A3B = dict(
+    model_type="qwen3_5_moe", architectures=["Qwen3_5MoeForConditionalGeneration"], tie_word_embeddings=False,
+    text_config=dict(
+        model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, hidden_act="silu", attention_bias=False,
+        attn_output_gate=True, max_position_embeddings=262144, rms_norm_eps=1e-6, rope_parameters=_QWEN3_5_ROPE,
+        full_attention_interval=4, layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                                for i in range(40)],
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+        linear_num_value_heads=32, moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=256,
+        num_experts_per_tok=8, router_aux_loss_coef=0.001, mtp_num_hidden_layers=1, mamba_ssm_dtype="float32"))
+QWEN3_5_27B = dict(
+    model_type="qwen3_5", architectures=["Qwen3_5ForConditionalGeneration"], tie_word_embeddings=False,
+    text_config=dict(
+        {k: v for k, v in QWEN3_5_35B_A3B["text_config"].items()
+         if k not in ("moe_intermediate_size", "shared_expert_intermediate_size", "num_experts", "num_experts_per_tok",
+                      "router_aux_loss_coef")},
+        model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+        num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)]))
+
 _GEMMA4_ROPE = {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
                 "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}}
 GEMMA4_E2B = dict(  # google/gemma-4-E2B (its text_config; the towers' configs left out)
@@ -79,7 +103,8 @@ GEMMA4_26B_A4B = dict(  # google/gemma-4-26B-A4B
                                            ("olmo3-32b", OLMO3_32B), ("deepseek3.2-671b", DEEPSEEK_V32),
                                            ("gemma4-e2b", GEMMA4_E2B), ("gemma4-31b", GEMMA4_31B),
                                            ("gemma4-26b-a4b", GEMMA4_26B_A4B),
-                                           ("qwen3-next-80b-a3b", QWEN3_NEXT_80B)])
+                                           ("qwen3-next-80b-a3b", QWEN3_NEXT_80B),
+                                           ("qwen3.5-35b-a3b", QWEN3_5_35B_A3B), ("qwen3.5-27b", QWEN3_5_27B)])
 def test_the_yaml_is_what_the_published_config_converts_to(model_name, hf):
   """Every key the converter sets (the architecture) has the YAML's value; YaRN's attention factor, given outright
   in a config.json or left to its formula in a YAML, scales alike."""

@@ -64,6 +64,10 @@ def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict[str, f
     largest = engine.stage_hf_tensors(tensors, family, cfg, staged)
     streaming.save_params_one_by_one(output_path, staged.tree())
   saved = engine.write_model_config(output_path, model_keys, hf_path)
+  left_out = [tower for tower in ("vision", "audio") if hf_config.get(f"{tower}_config")]
+  if left_out and not cfg.vision.use_multimodal:  # an image-text checkpoint read as its text decoder
+    print(f"{PROG}: {hf_path} is a multimodal checkpoint ({hf_config.get('model_type')}): its text decoder was "
+          f"converted and its {' and '.join(left_out)} tower{'s were' if len(left_out) > 1 else ' was'} left out")
   peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
   print(f"{PROG}: wrote {output_path} ({family.name}, {cfg.num_decoder_layers} layers, "
         f"{'scanned' if cfg.scan_layers else 'unrolled'}, {cfg.weight_dtype}) and {storage.name(saved)}; "

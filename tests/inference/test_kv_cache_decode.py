@@ -58,10 +58,11 @@ CASES = [pytest.param("llama3.1", True, marks=_slow), pytest.param("llama2-tied"
          pytest.param("deepseek32", True, marks=_slow), pytest.param("deepseek32", False, marks=_slow),
          ("gpt_oss", False), ("olmo3", True), pytest.param("olmo2", False, marks=_slow),
          ("gemma4", False), pytest.param("gemma4-experts", False, marks=_slow),
-         pytest.param("qwen3_next", True, marks=_slow), pytest.param("qwen3_next", False, marks=_slow)]
-# Per family: keys beyond the reference config. Qwen3-Next: DeltaNet chunks of 4, so the prompts span
+         pytest.param("qwen3_next", True, marks=_slow), pytest.param("qwen3_next", False, marks=_slow),
+         pytest.param("qwen3_5", True, marks=_slow), pytest.param("qwen3_5_moe", False, marks=_slow)]
+# Per family: keys beyond the reference config. Qwen3-Next and Qwen3.5: DeltaNet chunks of 4, so the prompts span
 # chunks and the new tokens pass several chunk lengths (its recurrent state rides in the cache).
-EXTRA = {"qwen3_next": {"linear_attention_chunk_size": 4}}
+EXTRA = {family: {"linear_attention_chunk_size": 4} for family in ("qwen3_next", "qwen3_5", "qwen3_5_moe")}
 
 
 @pytest.mark.parametrize("family,scan_layers", CASES)

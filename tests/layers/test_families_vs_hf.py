@@ -22,8 +22,9 @@ def staging(tmp_path_factory) -> Path:
   return tmp_path_factory.mktemp("staging")
 
 
-# Qwen3-Next's chunked DeltaNet scans compile for tens of seconds on CPU: its cases run under -m slow.
-HEAVY = {"qwen3_next"}
+# Qwen3-Next's and Qwen3.5's chunked DeltaNet scans compile for tens of seconds on CPU: their cases run under
+# -m slow (tests/test_qwen3_5.py checks Qwen3.5's own tensor layout and RoPE in the default run).
+HEAVY = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}
 FAMILY_CASES = [pytest.param(f, marks=pytest.mark.slow) if f in HEAVY else f for f in H.FAMILIES]
 
 

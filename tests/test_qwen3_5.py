@@ -1,0 +1,106 @@
+"""Qwen3.5 (MaxText/families/qwen3_5.py) beyond the generic family tests: its multimodal RoPE reduces to plain
+partial RoPE on text, and an image-text checkpoint's text decoder converts with its vision tower left out."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import hf_families as H
+from MaxText.configuration import config as config_lib
+from MaxText.convert import hf_to_maxtext
+from MaxText.families import qwen3_5
+from MaxText.layers import models
+from MaxText.training import params_io
+
+# The published configs' rotary layout: head_dim 256, a quarter rotated (32 frequencies in sections of 11, 11, 10).
+_PUBLISHED_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                   "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+_VISION = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4, temporal_patch_size=2,
+               spatial_merge_size=2, num_position_embeddings=16)
+
+
+def _rotary_tables(positions_3BL):
+  modeling = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+  config = H.transformers.Qwen3_5TextConfig(hidden_size=64, num_attention_heads=4, head_dim=256,
+                                            rope_parameters=_PUBLISHED_ROPE)
+  rotary = modeling.Qwen3_5TextRotaryEmbedding(config)
+  with H.torch.no_grad():
+    cos, sin = rotary(H.torch.zeros(1, dtype=H.torch.float32), H.torch.tensor(positions_3BL))
+  return cos.numpy(), sin.numpy()
+
+
+def test_text_positions_make_the_multimodal_rope_plain_partial_rope():
+  """HF's interleaved M-RoPE (frequencies taken in turn from the temporal, height and width positions) with a
+  text token's three equal positions is the halves-layout partial RoPE we run: cos/sin of position x theta^(-2j/64)
+  over 64 of 256 features. Distinct image positions would give other tables, which is why images are unsupported."""
+  positions = np.arange(40)[None, :]
+  cos, sin = _rotary_tables(np.stack([positions] * 3))
+  rotated = int(256 * _PUBLISHED_ROPE["partial_rotary_factor"])
+  inverse_frequency = _PUBLISHED_ROPE["rope_theta"] ** (-np.arange(0, rotated, 2) / rotated)
+  angles = positions[..., None] * inverse_frequency[None, None, :]
+  np.testing.assert_allclose(cos, np.cos(np.concatenate([angles, angles], -1)), atol=2e-6)
+  np.testing.assert_allclose(sin, np.sin(np.concatenate([angles, angles], -1)), atol=2e-6)
+  image = np.stack([positions, positions // 4, positions % 4])  # an image's own height and width positions
+  assert np.abs(_rotary_tables(image)[0] - cos).max() > 0.1
+
+
+def _multimodal_model(family: str):
+  """A tiny image-text Qwen3.5 (Qwen3_5ForConditionalGeneration or its MoE) whose text decoder is the family's
+  reference model."""
+  text = dict(H.REFERENCE_CONFIGS[family])
+  model_type = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}[text.pop("model_type")]
+  config = H.transformers.AutoConfig.for_model(model_type, text_config=text,
+                                               vision_config=dict(_VISION, out_hidden_size=text["hidden_size"]))
+  H.torch.manual_seed(0)
+  model = H.transformers.AutoModelForImageTextToText.from_config(config, attn_implementation="eager").eval()
+  return H.randomize(model, 0)
+
+
+def _text_model(multimodal):
+  """The same weights as a text-only causal LM (its text decoder's tensors renamed from model.language_model.)."""
+  config = multimodal.config.text_config
+  config.tie_word_embeddings = multimodal.config.tie_word_embeddings
+  text = H.transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+  prefix = qwen3_5.MULTIMODAL_TEXT_PREFIX
+  weights = {("model." + k[len(prefix):] if k.startswith(prefix) else k): v
+             for k, v in multimodal.state_dict().items() if not k.startswith(qwen3_5.LEFT_OUT)}
+  text.load_state_dict(weights, strict=True)
+  return text
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_a_multimodal_checkpoint_gives_its_text_decoders_parameters(family, tmp_path):
+  """Read through the tensor table, an image-text model's tensors (text decoder under model.language_model.,
+  vision tower under model.visual.) give exactly the parameters of the same text decoder saved alone; its
+  config.json's text_config gives the same model keys."""
+  multimodal = _multimodal_model(family)
+  text = _text_model(multimodal)
+  keys = H.families.family_for_hf_config(multimodal.config.to_dict()).model_keys(multimodal.config.to_dict())
+  assert keys == H.families.family_for_hf_config(text.config.to_dict()).model_keys(text.config.to_dict())
+  config = config_lib.Config.for_testing(**keys, max_target_length=H.LENGTH, print_config=False)
+  from_multimodal = H.our_params(multimodal, config, tmp_path / "multimodal")
+  from_text = H.our_params(text, config, tmp_path / "text")
+  jax.tree.map(np.testing.assert_array_equal, from_multimodal, from_text)
+
+
+@pytest.mark.slow  # ~30 s: an image-text model saved, converted and run
+def test_a_multimodal_checkpoint_converts_with_its_vision_tower_left_out(tmp_path, capsys):
+  """The saved image-text checkpoint converts (saying in one line that its vision tower was left out) to a model
+  whose logits on text are the HF text decoder's."""
+  multimodal = _multimodal_model("qwen3_5")
+  multimodal.save_pretrained(str(tmp_path / "hf"))
+  hf_to_maxtext.convert(str(tmp_path / "hf"), str(tmp_path / "ckpt"), [])
+  out = capsys.readouterr().out
+  assert "is a multimodal checkpoint (qwen3_5): its text decoder was converted and its vision tower was left out" in out
+  config = config_lib.Config.for_testing(load_parameters_path=str(tmp_path / "ckpt"), dtype="float32",
+                                         max_target_length=H.LENGTH, print_config=False)
+  spec = models.build_model_spec(config.model)
+  one_device = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)),
+                                          jax.sharding.PartitionSpec())
+  params = params_io.load_params(str(tmp_path / "ckpt"), spec.abstract_params,
+                                 jax.tree.map(lambda _: one_device, spec.abstract_params))
+  token_ids = H.tokens()
+  np.testing.assert_allclose(H.our_logits(config, params, token_ids), H.hf_logits(_text_model(multimodal), token_ids),
+                             atol=2e-5, rtol=0)
