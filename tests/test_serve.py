@@ -133,11 +133,15 @@ def test_a_sparse_attention_model_is_served_like_its_uncached_decode(tmp_path):
 
 
 @pytest.mark.slow  # a second server
-def test_a_qwen3_next_model_is_served_like_its_uncached_decode(tmp_path):
-  """Qwen3-Next's Gated DeltaNet states as slot state beside the full-attention layers' pages; its prompts
-  prefilled 5 tokens per scheduler step (the state carried from chunk to chunk, kept while other slots
+@pytest.mark.parametrize("decoder_block,mlp", [
+    ("qwen3_next", {}),
+    ("qwen3_5_moe", dict(base_mlp_dim=16, num_experts=4, num_experts_per_tok=2, shared_experts=1,
+                         shared_expert_gate=True))])
+def test_a_qwen3_next_model_is_served_like_its_uncached_decode(tmp_path, decoder_block, mlp):
+  """Qwen3-Next's (and Qwen3.5's) Gated DeltaNet states as slot state beside the full-attention layers' pages; its
+  prompts prefilled 5 tokens per scheduler step (the state carried from chunk to chunk, kept while other slots
   generate); prefix caching off (refused for a recurrent state). Concurrent requests share the batch."""
-  qwen3_next = dict(MODEL, decoder_block="qwen3_next", base_num_decoder_layers=4, full_attention_interval=2,
+  qwen3_next = dict(MODEL, **mlp, decoder_block=decoder_block, base_num_decoder_layers=4, full_attention_interval=2,
                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
                     linear_conv_kernel_dim=4, linear_attention_chunk_size=4, attention_output_gate=True,
                     use_qk_norm=True, partial_rotary_factor=0.5, normalization_type="rms_plus_one",

@@ -54,6 +54,10 @@ QWEN3_NEXT = dict(TINY, decoder_block="qwen3_next", base_num_decoder_layers=4, f
                   linear_conv_kernel_dim=4, linear_attention_chunk_size=4, attention_output_gate=True,
                   use_qk_norm=True, partial_rotary_factor=0.5, normalization_type="rms_plus_one",
                   prefix_caching=False)  # the engine would turn it off: a recurrent state cannot restart from cached pages
+# Qwen3.5: the same stack as qwen3_5 (a dense MLP, as above) and as qwen3_5_moe (routed experts and a gated shared one).
+QWEN3_5 = dict(QWEN3_NEXT, decoder_block="qwen3_5")
+QWEN3_5_MOE = dict(QWEN3_NEXT, decoder_block="qwen3_5_moe", base_mlp_dim=32, num_experts=4, num_experts_per_tok=2,
+                   shared_experts=1, shared_expert_gate=True)
 PROMPTS = [[3, 9, 27], [1, 2, 3, 4, 5, 6, 7, 8], [100], [50, 60, 70, 80, 90], [7, 7]]
 NEW_TOKENS = [9, 12, 16, 6, 10]
 
@@ -154,6 +158,8 @@ def test_paged_serve_equals_dense_with_windows_slot_reuse_and_waiting_for_pages(
     pytest.param(GEMMA4, False, marks=pytest.mark.slow),
     pytest.param(QWEN3_NEXT, True, id="qwen3_next-True", marks=pytest.mark.slow),
     pytest.param(QWEN3_NEXT, False, id="qwen3_next-False", marks=pytest.mark.slow),
+    pytest.param(QWEN3_5, False, id="qwen3_5-False", marks=pytest.mark.slow),
+    pytest.param(QWEN3_5_MOE, True, id="qwen3_5_moe-True", marks=pytest.mark.slow),
 ])
 def test_paged_serve_equals_dense_for_each_family(overrides, scan_layers):
   expected, got, paged, _ = serve_both(dict(overrides, scan_layers=scan_layers), num_slots=2, kv_num_pages=12,
