@@ -332,8 +332,8 @@ def test_one_by_one_orbax_write_holds_about_one_parameter(tmp_path):
 
 @pytest.mark.parametrize("hf_config, message", [
     (lambda: {"model_type": "llava", "text_config": {"model_type": "llama"}},
-     "HF model_type 'llava' is a multimodal checkpoint (it has a text_config); only text-only models and Gemma 3's "
-     "and Llama 4's"),
+     "HF model_type 'llava' is a multimodal checkpoint (it has a text_config); only text-only models and Gemma 3's, "
+     "Gemma 4's, Llama 4's and Qwen3.5's"),
     # transformers' default Llama4Config: its adapter's output (projector_output_dim) is not its projector's input.
     (lambda: H.transformers.Llama4Config().to_dict(), "do not form a runnable tower"),
     (lambda: {"model_type": "mamba", "hidden_size": 64}, "HF model_type 'mamba' has no converter; supported:"),

@@ -68,8 +68,8 @@ def family_for_hf_config(hf_config: Mapping[str, Any]) -> Family:
   if "text_config" in hf_config:  # LLaVA, ... as image-text models
     text_type = (hf_config.get("text_config") or {}).get("model_type", "its text model")
     raise ConfigError(f"HF model_type {model_type!r} is a multimodal checkpoint (it has a text_config); only "
-                      f"text-only models and Gemma 3's and Llama 4's are supported ({text_type} as a text-only checkpoint would be); "
-                      f"supported model types: {known}")
+                      f"text-only models and Gemma 3's, Gemma 4's, Llama 4's and Qwen3.5's are supported "
+                      f"({text_type} as a text-only checkpoint would be); supported model types: {known}")
   raise ConfigError(f"HF model_type {model_type!r} has no converter; supported: {known}")
 
 
