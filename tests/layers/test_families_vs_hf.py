@@ -82,6 +82,7 @@ FEATURE_OFF = [
     pytest.param("gemma4", {"rope_type": "default"}, marks=_slow),
     pytest.param("gemma4", {"rope_local_max_timescale": 0.0}, marks=_slow),
     pytest.param("gemma4", {"final_logits_soft_cap": 0.0}, marks=_slow),
+    pytest.param("qwen3_5", {"partial_rotary_factor": 1.0}, marks=_slow),  # M-RoPE on text: a quarter rotated
 ]
 
 
