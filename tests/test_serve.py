@@ -136,7 +136,7 @@ def test_a_sparse_attention_model_is_served_like_its_uncached_decode(tmp_path):
 @pytest.mark.parametrize("decoder_block,mlp", [
     ("qwen3_next", {}),
     ("qwen3_5_moe", dict(base_mlp_dim=16, num_experts=4, num_experts_per_tok=2, shared_experts=1,
-                         shared_expert_gate=True))])
+                         shared_expert_gate=True))], ids=["qwen3_next", "qwen3_5_moe"])
 def test_a_qwen3_next_model_is_served_like_its_uncached_decode(tmp_path, decoder_block, mlp):
   """Qwen3-Next's (and Qwen3.5's) Gated DeltaNet states as slot state beside the full-attention layers' pages; its
   prompts prefilled 5 tokens per scheduler step (the state carried from chunk to chunk, kept while other slots
