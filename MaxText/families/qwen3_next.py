@@ -17,6 +17,9 @@ HF names (Gated DeltaNet layers), under linear_attn.
 MoE (every layer), under mlp.: gate, experts (as Qwen3-MoE's), shared_expert.{gate,up,down}_proj
 → mlp/shared_mlp/wi_0, wi_1, wo, shared_expert_gate.weight [1, D] → mlp/shared_gate/kernel [D, 1].
 
+Qwen3.5 (qwen3_5.py) reuses these layers and most of these tables (its DeltaNet projections are laid out
+differently).
+
 HF checkpoints of Qwen3-Next carry no multi-token-prediction weights (transformers drops them), so
 none are converted. Dense-MLP layers (mlp_only_layers, decoder_sparse_step > 1) and layer types
 that do not repeat in periods ending in full attention are refused with one line.
@@ -77,7 +80,7 @@ def _ba_to_hf(ours: tuple[Array, ...], cfg: ModelConfig) -> Array:
   return np.concatenate([b, a], axis=1).reshape(-1, d)
 
 
-def conv_to_ours(w: Array, cfg: ModelConfig) -> tuple[Array, ...]:
+def _conv_to_ours(w: Array, cfg: ModelConfig) -> tuple[Array, ...]:
   i, r_, q, wd, _ = _linear_shape(cfg)
   kernel = w[:, 0, :].T  # [w, channels]
   query, key, value = np.split(kernel, [i * q, 2 * i * q], axis=1)
@@ -85,7 +88,7 @@ def conv_to_ours(w: Array, cfg: ModelConfig) -> tuple[Array, ...]:
   return query.reshape(width, i, q), key.reshape(width, i, q), value.reshape(width, i * r_, wd)
 
 
-def conv_to_hf(ours: tuple[Array, ...], cfg: ModelConfig) -> Array:
+def _conv_to_hf(ours: tuple[Array, ...], cfg: ModelConfig) -> Array:
   del cfg
   kernel = np.concatenate([x.reshape(x.shape[0], -1) for x in ours], axis=1)
   return kernel.T[:, None, :]
@@ -101,12 +104,12 @@ def _gated_query_to_hf(ours: tuple[Array, ...], cfg: ModelConfig) -> Array:
   return np.stack([query, gate], axis=1).reshape(-1, cfg.emb_dim)
 
 
-def linear_out_to_ours(w: Array, cfg: ModelConfig) -> Array:
+def _linear_out_to_ours(w: Array, cfg: ModelConfig) -> Array:
   la = cfg.linear_attn
   return w.T.reshape(la.linear_num_value_heads, la.linear_value_head_dim, cfg.emb_dim)
 
 
-def linear_out_to_hf(kernel: Array, cfg: ModelConfig) -> Array:
+def _linear_out_to_hf(kernel: Array, cfg: ModelConfig) -> Array:
   return kernel.reshape(-1, cfg.emb_dim).T
 
 
@@ -128,11 +131,11 @@ def linear_attention_tensors(projections: list[r.TensorMap]) -> list[r.TensorMap
   """A Gated DeltaNet layer's tensors (the `dense_layers` stack): its input `projections` (laid out
   differently by Qwen3-Next and Qwen3.5), then the conv, decay, output norm and output projection."""
   return [dataclasses.replace(m, stack="dense_layers") for m in projections + [
-      r.TensorMap(_LINEAR + "conv1d.weight", _ours("query_conv", "key_conv", "value_conv"), conv_to_ours, conv_to_hf),
+      r.TensorMap(_LINEAR + "conv1d.weight", _ours("query_conv", "key_conv", "value_conv"), _conv_to_ours, _conv_to_hf),
       r.one(_LINEAR + "dt_bias", "self_attention/dt_bias"),
       r.one(_LINEAR + "A_log", "self_attention/a_log"),
       r.one(_LINEAR + "norm.weight", "self_attention/norm_scale"),
-      r.one(_LINEAR + "out_proj.weight", "self_attention/out/kernel", linear_out_to_ours, linear_out_to_hf)]]
+      r.one(_LINEAR + "out_proj.weight", "self_attention/out/kernel", _linear_out_to_ours, _linear_out_to_hf)]]
 
 
 def _ours(*names: str) -> tuple[str, ...]:
