@@ -6,6 +6,7 @@ losses equal the uninterrupted run's either way."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import socket
@@ -76,7 +77,9 @@ def reference(gcs, tmp_path_factory) -> tuple[str, dict[int, float]]:
   """The uninterrupted two-process run, persistent tier only, on gs://."""
   bucket = f"gs://{gcs.create_bucket()}"
   outs = wait(launch(gcs, f"{bucket}/runs", "ref", None))
-  ours = [line for line in outs[1].splitlines() if "peer ranks" not in line and not line.startswith("[Gloo]")]
+  # Gloo's C++ lines, and on a loaded machine fragments of them that hold no word, are not ours.
+  ours = [line for line in outs[1].splitlines()
+          if "peer ranks" not in line and not line.startswith("[Gloo]") and re.search(r"[A-Za-z]", line)]
   assert not ours, f"only process 0 prints; process 1 printed: {ours[:5]}"
   return bucket, losses(f"{bucket}/runs/ref")
 

@@ -2,6 +2,7 @@
 the reason, so CI's run ends green inside its 90 minutes instead of being stopped in the middle."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -25,7 +26,8 @@ def _run_target(deadline: float | None) -> str:
 
 def test_a_test_that_might_overrun_the_deadline_is_skipped_with_the_reason():
   out = _run_target(time.time() + 30)  # a default test is allowed 1 minute
-  assert "1 skipped" in out and "CI budget: 0.5 minutes left before MAXTEXT_CI_DEADLINE" in out, out
+  # 0.5 minutes, less however long the child took to start (a loaded machine takes seconds).
+  assert "1 skipped" in out and re.search(r"CI budget: 0\.[2-5] minutes left before MAXTEXT_CI_DEADLINE", out), out
 
 
 def test_tests_run_when_time_is_left_or_no_deadline_is_set():

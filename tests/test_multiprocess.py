@@ -4,6 +4,7 @@ jax.distributed (gloo CPU collectives), compared with one process holding all th
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -83,7 +84,9 @@ def test_two_processes_train_like_one_and_hand_checkpoints_back_and_forth(tmp_pa
   outs = _wait(_launch(tmp_path, "mixed", 2, "steps=4", "dcn_data_parallelism=2"))
   assert "state: resumed from step 2" in outs[0] and "mesh: data=2, fsdp=4" in outs[0]
   # gloo's C++ log names its peers, and its lines are sometimes split by other output
-  ours = [line for line in outs[1].splitlines() if "peer ranks" not in line and not line.startswith("[Gloo]")]
+  # Gloo's C++ lines, and on a loaded machine fragments of them that hold no word, are not ours.
+  ours = [line for line in outs[1].splitlines()
+          if "peer ranks" not in line and not line.startswith("[Gloo]") and re.search(r"[A-Za-z]", line)]
   assert not ours, f"only process 0 prints; process 1 printed: {ours[:5]}"
   outs = _wait(_launch(tmp_path, "mixed", 1, "steps=6"))
   assert "state: resumed from step 4" in outs[0]
