@@ -132,9 +132,17 @@ def _fp8_forward(lhs: jax.Array, rhs: jax.Array, dims: DotDims
                  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array, jax.Array]]:
   lhs_8, lhs_scale = quantize_fp8(lhs, jnp.float8_e4m3fn, _E4M3_MAX)
   rhs_8, rhs_scale = quantize_fp8(rhs, jnp.float8_e4m3fn, _E4M3_MAX)
-  acc = jax.lax.dot_general(lhs_8, rhs_8, dims, preferred_element_type=jnp.float32)
-  out = (acc * (lhs_scale * rhs_scale)).astype(lhs.dtype)
+  out = _scaled_fp8_dot(lhs_8, rhs_8, dims, lhs_scale * rhs_scale, lhs.dtype)
   return out, (lhs_8, lhs_scale, rhs_8, rhs_scale)
+
+
+def _scaled_fp8_dot(lhs_8: jax.Array, rhs_8: jax.Array, dims: DotDims, scale: jax.Array, out_dtype: jnp.dtype
+                    ) -> jax.Array:
+  """dot_general of fp8 values (float32 accumulation inside the GEMM) times the scales, in out_dtype.
+  The GEMM writes out_dtype itself: a float32 result that a later fusion scales and narrows costs
+  three times the bytes of a bfloat16 one, for every projection of every layer (getting_started/GPU.md)."""
+  acc = jax.lax.dot_general(lhs_8, rhs_8, dims, preferred_element_type=out_dtype)
+  return (acc.astype(jnp.float32) * scale).astype(out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -156,13 +164,13 @@ def _fp8_bwd(dims: DotDims, residuals: tuple[jax.Array, ...], g: jax.Array) -> t
   # forward is. Dequantize-then-dot leaves the GEMM to a pattern match, and XLA's GPU pipeline may
   # first fold the quantize/dequantize round trip of the gradient away (excess precision is allowed
   # by default), which left every backward GEMM in bfloat16 (getting_started/GPU.md).
-  d_lhs = _fp8_operand_gradient(g_8, rhs_8, g_scale * rhs_scale, dims, lhs_8.ndim, of_lhs=True)
-  d_rhs = _fp8_operand_gradient(g_8, lhs_8, g_scale * lhs_scale, dims, rhs_8.ndim, of_lhs=False)
-  return d_lhs.astype(lhs_like.dtype), d_rhs.astype(rhs_like.dtype)
+  d_lhs = _fp8_operand_gradient(g_8, rhs_8, g_scale * rhs_scale, dims, lhs_8.ndim, lhs_like.dtype, of_lhs=True)
+  d_rhs = _fp8_operand_gradient(g_8, lhs_8, g_scale * lhs_scale, dims, rhs_8.ndim, rhs_like.dtype, of_lhs=False)
+  return d_lhs, d_rhs
 
 
 def _fp8_operand_gradient(g_8: jax.Array, other_8: jax.Array, scale: jax.Array, dims: DotDims, ndim: int,
-                          of_lhs: bool) -> jax.Array:
+                          out_dtype: jnp.dtype, of_lhs: bool) -> jax.Array:
   """The gradient of one operand of dot_general(lhs, rhs, dims) for the output gradient g: a dot of g
   with the other operand over the other operand's free axes, then a transpose into the operand's
   own axis order. g's axes are (batch, lhs free, rhs free), as dot_general lays out its result."""
@@ -179,7 +187,7 @@ def _fp8_operand_gradient(g_8: jax.Array, other_8: jax.Array, scale: jax.Array, 
     mine_contract, other_contract, mine_batch, other_batch = rhs_contract, lhs_contract, rhs_batch, lhs_batch
     mine_free, other_free, g_other_free = rhs_free, lhs_free, range(nb, nb + len(lhs_free))
   grad_dims = ((tuple(g_other_free), tuple(other_free)), (tuple(range(nb)), tuple(other_batch)))
-  out = jax.lax.dot_general(g_8, other_8, grad_dims, preferred_element_type=jnp.float32) * scale
+  out = _scaled_fp8_dot(g_8, other_8, grad_dims, scale, out_dtype)
   # out's axes: batch, this operand's free axes (in g's order), then the other operand's contracted
   # axes in their own ascending order, each standing for the contracted axis of this operand it pairs with.
   paired = [mine_contract[list(other_contract).index(d)] for d in sorted(other_contract)]

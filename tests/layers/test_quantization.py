@@ -159,6 +159,18 @@ def test_fp8_backward_dots_take_fp8_operands():
   assert sum("xf8E5M2>" in line for line in dots) == 2  # the gradient, in both backward dots
 
 
+def test_fp8_gemms_write_the_operand_dtype():
+  """Each fp8 dot asks for its result in the dtype it returns (bfloat16 activations: bfloat16), not a
+  float32 result that a later fusion narrows; the weight gradient stays in the weights' float32."""
+  x, w = _inputs()
+  x = x.astype(jnp.bfloat16)
+  loss = lambda a, b: jnp.sum(quantization.quantized_dot_general("fp8", a, b, DIMS_2D).astype(jnp.float32) ** 2)
+  text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).as_text()
+  dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+  results = sorted(line.rsplit("->", 1)[1].strip() for line in dots)
+  assert results == ["tensor<16x24xbf16>", "tensor<16x64xbf16>", "tensor<24x64xf32>"], dots
+
+
 def test_fp8_types_appear_in_hlo():
   x, w = _inputs()
   loss = lambda a, b: jnp.sum(quantization.quantized_dot_general("fp8", a, b, DIMS_2D) ** 2)
