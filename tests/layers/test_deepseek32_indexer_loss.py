@@ -14,6 +14,7 @@ from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
 from MaxText.layers import attention_kernels, masks, sparse_attention
 from MaxText.layers.indexer import head_mean_probs, index_scores, indexer_kl
+from MaxText.platform import sharding
 
 H = pytest.importorskip("hf_families")
 import train_utils  # noqa: E402
@@ -87,7 +88,7 @@ def _leaves(tree: object) -> list[tuple[tuple[object, ...], np.ndarray]]:
 
 
 def _indexer_config(**keys: object) -> Config:
-  return _config("deepseek32", ici_data_parallelism=-1, learning_rate=3e-3, warmup_steps_fraction=0.0,
+  return _config("deepseek32", ici_fsdp_parallelism=1, ici_data_parallelism=-1, learning_rate=3e-3, warmup_steps_fraction=0.0,
                  indexer_loss_scaling_factor=1.0, **keys)
 
 
@@ -95,11 +96,14 @@ def test_warmup_trains_only_the_indexer_and_its_loss_falls():
   run = train_utils.Run(_indexer_config(indexer_warmup=True))
   start = run.init()
   before = _leaves(start.params)
-  end, history = run.train(start, 6)
+  end, history = run.train(start, 4)
   after = _leaves(end.params)
   changed = [p for (p, a), (_, b) in zip(before, after) if not np.array_equal(a, b)]
   assert changed and all(_is_indexer(p) for p in changed), changed
-  assert all(not np.array_equal(a, b) for (p, a), (_, b) in zip(before, after) if _is_indexer(p))
+  # Every stack's indexer kernels move (a LayerNorm bias may see an exactly zero gradient: the
+  # softmax over keys ignores a shift shared by every key).
+  kernels = [p for p, _ in before if _is_indexer(p) and getattr(p[-1], "key", None) == "kernel"]
+  assert kernels and set(kernels) <= set(changed), set(kernels) - set(changed)
   losses = [h["indexer_loss"] for h in history]
   assert losses[-1] < losses[0], losses
 
@@ -129,7 +133,7 @@ def test_warmup_brings_the_indexers_top_k_toward_the_attentions():
   assert agreement(index) > start_agreement + 0.1, (start_agreement, agreement(index))
 
 
-@pytest.mark.parametrize("form", ["masked", "gathered"])
+@pytest.mark.parametrize("form", ["masked", pytest.param("gathered", marks=pytest.mark.slow)])
 def test_sparse_stage_keeps_each_loss_on_its_own_parameters(form, monkeypatch):
   """The LM loss's gradient is zero on every indexer weight and the indexer loss's zero on every
   other weight (and not zero on the indexer's)."""
@@ -148,18 +152,19 @@ def test_sparse_stage_keeps_each_loss_on_its_own_parameters(form, monkeypatch):
     return -jnp.mean(jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1))
 
   for which in ("lm", "indexer"):
-    grads = _leaves(jax.jit(jax.grad(losses), static_argnums=1)(params, which))
+    grads = _leaves(jax.jit(jax.grad(sharding.unsharded()(losses)), static_argnums=1)(params, which))
     indexer = [np.abs(g).max() for p, g in grads if _is_indexer(p)]
     rest = [np.abs(g).max() for p, g in grads if not _is_indexer(p)]
     assert indexer and rest
     if which == "lm":
       assert max(indexer) == 0 and max(rest) > 0
     else:
-      assert max(rest) == 0 and min(indexer) > 0
+      assert max(rest) == 0 and max(indexer) > 0
 
 
+@pytest.mark.slow  # the default step itself is tests/test_golden_step.py's and the V3.2 tests'
 def test_default_reports_no_indexer_loss():
-  run = train_utils.Run(_config("deepseek32", ici_data_parallelism=-1))
+  run = train_utils.Run(_config("deepseek32", ici_fsdp_parallelism=1, ici_data_parallelism=-1))
   _, history = run.train(run.init(), 1)
   assert "indexer_loss" not in history[0]
 
