@@ -114,7 +114,7 @@ def partition_for(cfg: ModelConfig) -> Partition:
   if cfg.lora.lora_rank > 0:
     return AdapterPartition()
   if cfg.mla.indexer_warmup:
-    return TrainedSubtrees(["indexer"])
+    return TrainedSubtrees(["indexer"], unread=True)
   frozen = [name for name, on in (("vision_encoder", cfg.vision.freeze_vision_encoder),
                                    ("multimodal_projector", cfg.vision.freeze_multimodal_projector)) if on]
   return FrozenSubtrees(frozen) if frozen else TrainAll()

@@ -147,13 +147,16 @@ class FrozenSubtrees:
 class TrainedSubtrees:
   """Only the subtrees under a key in `names`, wherever it sits in the tree, train (DeepSeek-V3.2's
   dense warm-up: every layer's `indexer`); everything else stays as loaded: no gradients, no
-  optimizer state, bitwise unchanged."""
+  optimizer state, bitwise unchanged. `unread`: the model's function does not read the trained
+  part (the warm-up's dense attention ignores its indexers), so the frozen part alone gives the
+  starting model and a load takes only it from the checkpoint, the trained part freshly
+  initialised (as LoRA's adapters: a DeepSeek-V3 checkpoint has no indexers)."""
 
   trains_everything = False
-  frozen_gives_base_model = False
 
-  def __init__(self, names: Sequence[str]):
+  def __init__(self, names: Sequence[str], unread: bool = False):
     self.names = frozenset(names)
+    self.frozen_gives_base_model = unread
 
   def split(self, params: Params) -> tuple[Params, Params]:
     trained: Params = {}
@@ -185,7 +188,9 @@ class TrainedSubtrees:
                                  lambda params: jax.tree_util.tree_map_with_path(label, params))
 
   def base_model(self, params: Params) -> Params:
-    raise ValueError("the trained subtrees' starting values are not kept: keep a copy of the starting model")
+    if not self.frozen_gives_base_model:
+      raise ValueError("the trained subtrees' starting values are not kept: keep a copy of the starting model")
+    return params
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ from MaxText.errors import ConfigError
 from MaxText.layers import attention_kernels, masks, sparse_attention
 from MaxText.layers.indexer import head_mean_probs, index_scores, indexer_kl
 from MaxText.platform import sharding
+from MaxText.training import params_io, run_start
 
 H = pytest.importorskip("hf_families")
 import train_utils  # noqa: E402
@@ -183,3 +184,21 @@ def test_bad_indexer_key_values_are_one_line_errors():
     _config("deepseek32", indexer_warmup=True)
   with pytest.raises(ConfigError, match="indexer_loss_scaling_factor must be >= 0"):
     _config("deepseek32", indexer_loss_scaling_factor=-1.0)
+
+
+def test_warmup_starts_from_a_dense_checkpoint_without_indexers(tmp_path):
+  """DeepSeek's conversion: a dense model's parameters (no indexer tensors) load into the warm-up,
+  every weight from the checkpoint and the indexers freshly initialised."""
+  dense = train_utils.Run(_config("deepseek32", ici_fsdp_parallelism=1, ici_data_parallelism=-1, index_topk=0))
+  dense_params = jax.device_get(dense.init().params)
+  params_io.save_params(str(tmp_path / "v3"), dense_params)
+  warm = train_utils.Run(_indexer_config(indexer_warmup=True, load_parameters_path=str(tmp_path / "v3")))
+  start = run_start.initial_state(warm.config, warm.setup, None, warm.assembly.init_state)
+  assert "loaded parameters" in start.description
+  loaded = _leaves(start.state.params)
+  assert any(_is_indexer(p) for p, _ in loaded)
+  expected = dict(_leaves(dense_params))
+  others = [(p, v) for p, v in loaded if not _is_indexer(p)]
+  assert len(others) == len(expected)
+  for path, value in others:
+    np.testing.assert_array_equal(value, expected[path], err_msg=str(path))
