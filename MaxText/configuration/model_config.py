@@ -651,6 +651,9 @@ def _pipeline(v: Mapping[str, Any], mesh: "MeshConfig", global_batch: int, layer
     return 1, 1
   micro = stages if micro == -1 else micro
   _require(v["scan_layers"], "pipeline parallelism needs scan_layers=True (the stage axis splits the scanned layer stack)")
+  _require(schedule != "1f1b" or v["indexer_loss_scaling_factor"] == 0,
+           "indexer_loss_scaling_factor > 0 is not built for pipeline_schedule=1f1b (its loss head carries the "
+           "load-balancing loss only); use pipeline_schedule=gpipe or circular")
   _require(schedule != "gpipe" or repeats == 1,
            f"num_pipeline_repeats={repeats} needs pipeline_schedule=circular or 1f1b (gpipe makes one pass through "
            "the stages)")

@@ -184,6 +184,9 @@ def test_bad_indexer_key_values_are_one_line_errors():
     _config("deepseek32", indexer_warmup=True)
   with pytest.raises(ConfigError, match="indexer_loss_scaling_factor must be >= 0"):
     _config("deepseek32", indexer_loss_scaling_factor=-1.0)
+  with pytest.raises(ConfigError, match="indexer_loss_scaling_factor > 0 is not built for pipeline_schedule=1f1b"):
+    _config("deepseek32", ici_fsdp_parallelism=1, ici_pipeline_parallelism=2, ici_data_parallelism=-1,
+            pipeline_schedule="1f1b", indexer_loss_scaling_factor=1.0, first_dense_layers=0)
 
 
 def test_warmup_starts_from_a_dense_checkpoint_without_indexers(tmp_path):
