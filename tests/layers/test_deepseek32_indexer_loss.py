@@ -15,6 +15,7 @@ from MaxText.errors import ConfigError
 from MaxText.layers import attention_kernels, masks, sparse_attention
 from MaxText.layers.indexer import head_mean_probs, index_scores, indexer_kl
 from MaxText.platform import sharding
+from MaxText.run_dir import checkpointing
 from MaxText.training import params_io, run_start
 
 H = pytest.importorskip("hf_families")
@@ -205,3 +206,29 @@ def test_warmup_starts_from_a_dense_checkpoint_without_indexers(tmp_path):
   assert len(others) == len(expected)
   for path, value in others:
     np.testing.assert_array_equal(value, expected[path], err_msg=str(path))
+
+
+@pytest.mark.slow  # the save and restore are the generic checkpoint tests'; this is the warm-up's state tree
+def test_warmup_state_saves_and_resumes(tmp_path):
+  """The warm-up's state (its optimizer state holds the indexers' moments only) round-trips
+  through a checkpoint bitwise, and the resumed state trains on."""
+  config = _indexer_config(indexer_warmup=True, base_output_directory=str(tmp_path), run_name="warm",
+                           enable_checkpointing=True, async_checkpointing=False)
+  run = train_utils.Run(config)
+  checkpoints = checkpointing.RunCheckpoints.for_run(config.checkpoint)
+  state, _ = run.train(run.init(), 1)
+  checkpoints.save(1, state, run.data.get_state(), {"step": 1})
+  checkpoints.wait()
+  saved = jax.device_get((state.params, state.opt_state))
+  checkpoints.close()
+  again = train_utils.Run(config)
+  reopened = checkpointing.RunCheckpoints.for_run(config.checkpoint)
+  restored = reopened.restore_latest(again.setup.abstract_state, again.setup.state_shardings)
+  reopened.close()
+  assert restored is not None and int(restored.state.step) == 1
+  got = jax.device_get((restored.state.params, restored.state.opt_state))
+  assert jax.tree.structure(got) == jax.tree.structure(saved)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(saved)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  _, history = again.train(restored.state, 1)
+  assert np.isfinite(history[0]["indexer_loss"])
