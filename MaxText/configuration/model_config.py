@@ -12,7 +12,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Mapping
 
-from MaxText.configuration.config_fields import ARCHITECTURE, FIXED, LAYOUT, MODEL, DATA_POSITION, derived, key, key_fields, keys_where, read_keys, record
+from MaxText.configuration.config_fields import ARCHITECTURE, FIXED, LAYOUT, MODEL, OPTIMIZER, DATA_POSITION, derived, key, key_fields, keys_where, read_keys, record
 from MaxText.configuration.config_fields import require as _require
 from MaxText.configuration.remat_policies import NAMES as REMAT_POLICY_NAMES
 from MaxText.configuration.layer_shapes_config import LayerShapesConfig
@@ -164,6 +164,10 @@ class MlaConfig:
   index_topk: int = key(architecture=True)  # DeepSeek Sparse Attention's keys per query (0 = dense MLA; indexer.py)
   index_n_heads: int = key(architecture=True)  # the lightning indexer's query heads
   index_head_dim: int = key(architecture=True)  # its query heads' and shared key's width
+  # The indexer's own training (indexer.py, "Training the indexer"): the weight of its KL loss
+  # (0 = the indexer stays as loaded, no loss computed) and the dense warm-up stage.
+  indexer_loss_scaling_factor: float = key()
+  indexer_warmup: bool = key(fixed_on_resume=OPTIMIZER)  # dense attention; only the indexer trains
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -612,8 +616,17 @@ def _check_mla(v: Mapping[str, Any]) -> None:
 
 def _check_indexer(v: Mapping[str, Any]) -> None:
   _require(v["index_topk"] >= 0, f"index_topk must be >= 0 (0 = dense MLA), got {v['index_topk']}")
+  scale = v["indexer_loss_scaling_factor"]
+  _require(scale >= 0, f"indexer_loss_scaling_factor must be >= 0 (0 = the indexer does not train), got {scale}")
   if v["index_topk"] == 0:
+    _require(scale == 0 and not v["indexer_warmup"],
+             "indexer_loss_scaling_factor and indexer_warmup train DeepSeek Sparse Attention's indexer: they need "
+             "index_topk > 0 (a model with a lightning indexer)")
     return
+  _require(not v["indexer_warmup"] or scale > 0,
+           "indexer_warmup=True trains only the indexer, by its KL loss: set indexer_loss_scaling_factor > 0")
+  _require(not v["indexer_warmup"] or v["lora_rank"] == 0,
+           "indexer_warmup=True trains only the indexer: it cannot be combined with lora_rank > 0")
   _require(v["attention_type"] == "mla" and v["q_lora_rank"] > 0,
            f"index_topk={v['index_topk']} (DeepSeek Sparse Attention) needs attention_type=mla with q_lora_rank > 0 "
            "(the indexer's queries read the query latent); set index_topk=0 otherwise")
@@ -638,6 +651,9 @@ def _pipeline(v: Mapping[str, Any], mesh: "MeshConfig", global_batch: int, layer
     return 1, 1
   micro = stages if micro == -1 else micro
   _require(v["scan_layers"], "pipeline parallelism needs scan_layers=True (the stage axis splits the scanned layer stack)")
+  _require(schedule != "1f1b" or v["indexer_loss_scaling_factor"] == 0,
+           "indexer_loss_scaling_factor > 0 is not built for pipeline_schedule=1f1b (its loss head carries the "
+           "load-balancing loss only); use pipeline_schedule=gpipe or circular")
   _require(schedule != "gpipe" or repeats == 1,
            f"num_pipeline_repeats={repeats} needs pipeline_schedule=circular or 1f1b (gpipe makes one pass through "
            "the stages)")

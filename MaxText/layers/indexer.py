@@ -10,8 +10,18 @@ Shape legend (extends layers/mla.py): I index_n_heads, J index_head_dim, S key p
 
 Each query then attends only to its index_topk allowed keys of highest score
 (masks.top_k_keys). The choice is discrete, so the language-model loss sends the indexer no
-gradient; its inputs are cut from the gradient so training does not differentiate it at all.
+gradient, and its inputs are cut from the gradient (stop_gradient on x and the query latent).
 Decoding caches the rotated key per token beside MLA's rope key (kv_cache.layer_cache).
+
+Training the indexer (DeepSeek-V3.2's two stages; indexer_loss_scaling_factor > 0): for each query
+t the target is the main attention's distribution p(t, ·), its probabilities summed over the heads
+and L1-normalised (= their mean over heads), and the indexer's is q(t, ·) = softmax of its scores;
+the loss is KL(p ‖ q) = Σ_s p log(p / q), a mean over the queries and the layers.
+  * dense warm-up (indexer_warmup): attention stays dense, the KL runs over every allowed (causal,
+    same-document) key, and only the indexer trains (training/lora.partition_for freezes the rest);
+  * sparse stage: attention over the top-k keys, the KL over each query's top-k set only (both
+    distributions renormalised over it). The target is held constant and the indexer's inputs
+    are detached, so its loss reaches only its own weights and the LM loss only the rest.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from MaxText.configuration.model_config import ModelConfig
+from MaxText.layers.masks import MASK_VALUE
 from MaxText.layers.embeddings import apply_rope, rope_attention_scale, rope_inverse_frequencies
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.normalizations import LayerNorm
@@ -73,3 +84,37 @@ def index_scores(q_BLIJ: jax.Array, w_BLI: jax.Array, keys_BSJ: jax.Array) -> ja
   """float32 [B, L, S]: each query's index score of each key (unmasked), Σ_i w_i · relu(q_i·k)."""
   dots_BLIS = jnp.einsum("blij,bsj->blis", q_BLIJ, keys_BSJ.astype(q_BLIJ.dtype), preferred_element_type=jnp.float32)
   return jnp.einsum("bli,blis->bls", w_BLI, jax.nn.relu(dots_BLIS))
+
+
+def indexer_kl(target_BLS: jax.Array, scores_BLS: jax.Array, allowed_BLS: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(Σ over queries of KL(target ‖ softmax(scores)) over each query's allowed keys, the number of
+  queries with any allowed key), both float32 scalars. `target_BLS` (rows summing to 1 over the
+  allowed keys, 0 elsewhere) is held constant: the gradient reaches only the scores."""
+  target_BLS = jax.lax.stop_gradient(target_BLS.astype(jnp.float32))
+  logits_BLS = jnp.where(allowed_BLS, scores_BLS.astype(jnp.float32), MASK_VALUE)
+  any_BL = jnp.any(allowed_BLS, axis=-1)
+  log_q_BLS = jax.nn.log_softmax(jnp.where(any_BL[..., None], logits_BLS, 0.0), axis=-1)
+  used_BLS = allowed_BLS & (target_BLS > 0)
+  safe_p_BLS = jnp.where(used_BLS, target_BLS, 1.0)
+  terms_BLS = jnp.where(used_BLS, target_BLS * (jnp.log(safe_p_BLS) - jnp.where(used_BLS, log_q_BLS, 0.0)), 0.0)
+  return jnp.sum(terms_BLS), jnp.sum(any_BL.astype(jnp.float32))
+
+
+def head_mean_probs(q_BLNH: jax.Array, k_BSNH: jax.Array, allowed_BLS: jax.Array, soft_cap: float = 0.0) -> jax.Array:
+  """float32 [B, L, S], no gradient: the main attention's probabilities (pre-scaled queries, one
+  key per head) under `allowed_BLS`, summed over the heads and L1-normalised (rows with no allowed
+  key are 0). Cost: the scores' QKᵀ once more (the attention kernels do not hand out their
+  probabilities), one head at a time, so it holds the [B, L, S] sum and one head's [B, L, S]
+  probabilities, never [B, N, L, S]."""
+  q_NBLH = jnp.moveaxis(jax.lax.stop_gradient(q_BLNH), 2, 0)
+  k_NBSH = jnp.moveaxis(jax.lax.stop_gradient(k_BSNH).astype(q_BLNH.dtype), 2, 0)
+
+  def add_head(total_BLS: jax.Array, qk: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
+    logits_BLS = jnp.einsum("blh,bsh->bls", qk[0], qk[1], preferred_element_type=jnp.float32)
+    if soft_cap > 0:
+      logits_BLS = soft_cap * jnp.tanh(logits_BLS / soft_cap)
+    probs_BLS = jax.nn.softmax(jnp.where(allowed_BLS, logits_BLS, MASK_VALUE), axis=-1)
+    return total_BLS + jnp.where(allowed_BLS, probs_BLS, 0.0), None
+
+  total_BLS, _ = jax.lax.scan(add_head, jnp.zeros(allowed_BLS.shape, jnp.float32), (q_NBLH, k_NBSH))
+  return total_BLS / q_BLNH.shape[2]

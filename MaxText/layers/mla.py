@@ -21,7 +21,10 @@ expanded per head.
 With index_topk > 0 (DeepSeek-V3.2's sparse attention) a lightning indexer (layers/indexer.py)
 picks each query's index_topk keys and the attention sees only those (layers/sparse_attention.py,
 its form from attention_kernels.sparse_kernel); decoding caches the indexer's key beside the
-rope key (value_BSKH holds [rope key | indexer key]).
+rope key (value_BSKH holds [rope key | indexer key]). Training the indexer
+(indexer_loss_scaling_factor > 0, indexer.py's "Training the indexer") sows its KL loss as
+`indexer_kl_sum` and `indexer_queries` (the objective takes their ratio); with indexer_warmup the
+attention stays dense and the KL covers every allowed key.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from flax import nnx
 from MaxText.platform import sharding
 from MaxText.layers import attention_kernels, kv_cache, masks, sparse_attention
 from MaxText.layers.attention import ATTENTION_KERNELS, layer_window_size, select_kernel
+from MaxText.layers import indexer
 from MaxText.layers.indexer import LightningIndexer
 from MaxText.layers.embeddings import apply_rope, rope_attention_scale, rope_inverse_frequencies, rope_softmax_scale
 from MaxText.layers.linears import DenseGeneral
@@ -109,7 +113,7 @@ class MultiHeadLatentAttention(nnx.Module):
       index = (*self.indexer.queries(x_BLD, q_latent_BLQ, positions_BL), self.indexer.keys(x_BLD, positions_BL))
     if cache is not None:
       return self._decode(q_nope_BLNC, q_rope_BLNP, latent_BLR, k_rope_BL1P, positions_BL, layer_index, cache, index)
-    if index is not None:
+    if index is not None and not cfg.mla.indexer_warmup:
       return self._sparse(q_nope_BLNC, q_rope_BLNP, latent_BLR, k_rope_BL1P, segment_ids_BL, index)
     kv_BLNX = self.wkv_b(latent_BLR)
     k_nope_BLNC, v_BLNV = kv_BLNX[..., :cfg.mla.qk_nope_head_dim], kv_BLNX[..., cfg.mla.qk_nope_head_dim:]
@@ -122,7 +126,16 @@ class MultiHeadLatentAttention(nnx.Module):
       v_BLNV = jnp.pad(v_BLNV, ((0, 0), (0, 0), (0, 0), (0, q_BLNH.shape[-1] - width)))
     out_BLNV = self.kernel(q_BLNH, k_BLNH, v_BLNV, segment_ids_BL, layer_window_size(cfg.attn, layer_index),
                            cfg.attn.attn_logits_soft_cap)[..., :width]
+    if index is not None:  # the dense warm-up: the indexer learns the dense attention over every allowed key
+      allowed_BLS = masks.self_mask(segment_ids_BL)
+      target_BLS = indexer.head_mean_probs(q_BLNH, k_BLNH, allowed_BLS, cfg.attn.attn_logits_soft_cap)
+      self._sow_indexer_loss(*indexer.indexer_kl(target_BLS, indexer.index_scores(*index), allowed_BLS))
     return self.out(sharding.constrain(out_BLNV, _HEADS))
+
+  def _sow_indexer_loss(self, kl_sum: jax.Array, queries: jax.Array) -> None:
+    """The indexer's KL summed over this layer's queries, and their count (the objective's mean is the ratio)."""
+    self.sow(nnx.Intermediate, "indexer_kl_sum", kl_sum)
+    self.sow(nnx.Intermediate, "indexer_queries", queries)
 
   def _absorbed(self, q_nope_BLNC: jax.Array, q_rope_BLNP: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(absorbed queries [B, L, N, R + P], W_kvb's value half [R, N, V])."""
@@ -144,17 +157,25 @@ class MultiHeadLatentAttention(nnx.Module):
       k_BLNH = jnp.concatenate([kv_BLNX[..., :nope], jnp.broadcast_to(k_rope_BL1P, q_rope_BLNP.shape).astype(
           kv_BLNX.dtype)], axis=-1)
       q_BLNH = jnp.concatenate([q_nope_BLNC, q_rope_BLNP.astype(q_nope_BLNC.dtype)], axis=-1)
-      out_BLNV = sparse_attention.masked_attention(
-          sharding.constrain(q_BLNH, _HEADS), sharding.constrain(k_BLNH, _HEADS),
-          sharding.constrain(kv_BLNX[..., nope:], _HEADS), masks.self_mask(segment_ids_BL), *index, topk,
-          cfg.attn.attn_logits_soft_cap)
+      args = (sharding.constrain(q_BLNH, _HEADS), sharding.constrain(k_BLNH, _HEADS),
+              sharding.constrain(kv_BLNX[..., nope:], _HEADS), masks.self_mask(segment_ids_BL), *index, topk,
+              cfg.attn.attn_logits_soft_cap)
+      if cfg.mla.indexer_loss_scaling_factor > 0:
+        out_BLNV, kl_sum, queries = sparse_attention.masked_attention_kl(*args)
+        self._sow_indexer_loss(kl_sum, queries)
+      else:
+        out_BLNV = sparse_attention.masked_attention(*args)
       return self.out(sharding.constrain(out_BLNV, _HEADS))
     q_BLNX, w_v_RNV = self._absorbed(q_nope_BLNC, q_rope_BLNP)
     keys_BLX = jnp.concatenate([latent_BLR, k_rope_BL1P[:, :, 0].astype(latent_BLR.dtype)], axis=-1)
     positions_1L = jnp.arange(length)[None]
-    out_latent_BLNR = sparse_attention.gathered_attention(
-        q_BLNX, keys_BLX, latent_BLR, positions_1L, positions_1L, segment_ids_BL, segment_ids_BL, *index, topk,
-        cfg.attn.attn_logits_soft_cap)
+    gathered_args = (q_BLNX, keys_BLX, latent_BLR, positions_1L, positions_1L, segment_ids_BL, segment_ids_BL,
+                     *index, topk, cfg.attn.attn_logits_soft_cap)
+    if cfg.mla.indexer_loss_scaling_factor > 0:
+      out_latent_BLNR, kl_sum, queries = sparse_attention.gathered_attention_kl(*gathered_args)
+      self._sow_indexer_loss(kl_sum, queries)
+    else:
+      out_latent_BLNR = sparse_attention.gathered_attention(*gathered_args)
     out_BLNV = jnp.einsum("blnr,rnv->blnv", out_latent_BLNR, w_v_RNV)
     return self.out(sharding.constrain(out_BLNV, _HEADS))
 

@@ -10,6 +10,12 @@ attention_kernels.sparse_kernel:
   absorbed form (one [R + P]-wide key per token, shared by the heads). Only the indexer is
   quadratic; the attention itself costs index_topk keys per query, whatever the length.
 
+Each form also has a `_kl` variant for training the indexer (indexer.py, "Training the indexer"):
+the same output plus the sum over queries of the KL from the attention's distribution over each
+query's top-k keys (its heads' probabilities averaged) to the indexer's softmax over those keys,
+and the number of queries. The gathered form takes the target from the probabilities the block
+already holds ([B, Lb, N, T]); the masked form recomputes its scores one head at a time.
+
 Shape legend (extends layers/mla.py and indexer.py): X = R + P (an absorbed query or key row),
 T index_topk, Lb a block of queries.
 """
@@ -20,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxText.layers import masks
-from MaxText.layers.indexer import index_scores
+from MaxText.layers.indexer import head_mean_probs, index_scores, indexer_kl
 
 # Queries per block of the gathered form: bounds its [B, Lb, S] index scores and [B, Lb, T, X] gathered keys.
 QUERY_BLOCK = 256
@@ -34,18 +40,38 @@ def masked_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, al
   return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, masks.top_k_mask(scores_BLS, allowed_BLS, topk), soft_cap)
 
 
+def masked_attention_kl(q_BLNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, allowed_BLS: jax.Array,
+                        q_index_BLIJ: jax.Array, w_BLI: jax.Array, index_keys_BSJ: jax.Array, topk: int,
+                        soft_cap: float = 0.0) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`masked_attention` (one key per query head) and the indexer's KL sum and query count over the top-k sets."""
+  scores_BLS = index_scores(q_index_BLIJ, w_BLI, index_keys_BSJ)
+  chosen_BLS = masks.top_k_mask(scores_BLS, allowed_BLS, topk)
+  out = masks.dense_attention(q_BLNH, k_BSNH, v_BSNH, chosen_BLS, soft_cap)
+  kl_sum, count = indexer_kl(head_mean_probs(q_BLNH, k_BSNH, chosen_BLS, soft_cap), scores_BLS, chosen_BLS)
+  return out, kl_sum, count
+
+
 def _gathered_block(q_BLNX: jax.Array, keys_BSX: jax.Array, values_BSR: jax.Array, allowed_BLS: jax.Array,
                     q_index_BLIJ: jax.Array, w_BLI: jax.Array, index_keys_BSJ: jax.Array, topk: int,
-                    soft_cap: float) -> jax.Array:
-  indices_BLT, valid_BLT = masks.top_k_keys(index_scores(q_index_BLIJ, w_BLI, index_keys_BSJ), allowed_BLS, topk)
+                    soft_cap: float, kl: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+  scores_BLS = index_scores(q_index_BLIJ, w_BLI, index_keys_BSJ)
+  indices_BLT, valid_BLT = masks.top_k_keys(scores_BLS, allowed_BLS, topk)
   take = jax.vmap(lambda rows_SX, idx_LT: rows_SX[idx_LT])  # per batch row: [S, X], [L, T] -> [L, T, X]
   keys_BLTX, values_BLTR = take(keys_BSX, indices_BLT), take(values_BSR, indices_BLT)
   logits_BLNT = jnp.einsum("blnx,bltx->blnt", q_BLNX, keys_BLTX, preferred_element_type=jnp.float32)
   if soft_cap > 0:
     logits_BLNT = soft_cap * jnp.tanh(logits_BLNT / soft_cap)
   logits_BLNT = jnp.where(valid_BLT[:, :, None, :], logits_BLNT, masks.MASK_VALUE)
-  probs_BLNT = jax.nn.softmax(logits_BLNT, axis=-1).astype(values_BSR.dtype)
-  return jnp.einsum("blnt,bltr->blnr", probs_BLNT, values_BLTR)
+  probs_BLNT = jax.nn.softmax(logits_BLNT, axis=-1)
+  out_BLNR = jnp.einsum("blnt,bltr->blnr", probs_BLNT.astype(values_BSR.dtype), values_BLTR)
+  if not kl:
+    zero = jnp.zeros((), jnp.float32)
+    return out_BLNR, zero, zero
+  # The target from the probabilities this block already holds: the heads' mean over the top-k keys.
+  target_BLT = jnp.where(valid_BLT, jnp.mean(probs_BLNT, axis=2), 0.0)
+  chosen_scores_BLT = jnp.take_along_axis(scores_BLS, indices_BLT, axis=-1)
+  kl_sum, count = indexer_kl(target_BLT, chosen_scores_BLT, valid_BLT)
+  return out_BLNR, kl_sum, count
 
 
 def gathered_attention(q_BLNX: jax.Array, keys_BSX: jax.Array, values_BSR: jax.Array, q_pos_BL: jax.Array,
@@ -54,14 +80,31 @@ def gathered_attention(q_BLNX: jax.Array, keys_BSX: jax.Array, values_BSR: jax.A
                        soft_cap: float = 0.0) -> jax.Array:
   """[B, L, N, R]: absorbed attention of pre-scaled queries over each one's top-k of the shared
   key rows (allowed: masks.allowed of the positions and segment ids), values the latents."""
+  return _gathered(q_BLNX, keys_BSX, values_BSR, q_pos_BL, k_pos_BS, q_seg_BL, k_seg_BS, q_index_BLIJ, w_BLI,
+                   index_keys_BSJ, topk, soft_cap, False)[0]
+
+
+def gathered_attention_kl(q_BLNX: jax.Array, keys_BSX: jax.Array, values_BSR: jax.Array, q_pos_BL: jax.Array,
+                          k_pos_BS: jax.Array, q_seg_BL: jax.Array | None, k_seg_BS: jax.Array | None,
+                          q_index_BLIJ: jax.Array, w_BLI: jax.Array, index_keys_BSJ: jax.Array, topk: int,
+                          soft_cap: float = 0.0) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`gathered_attention` and the indexer's KL sum and query count over the top-k sets."""
+  return _gathered(q_BLNX, keys_BSX, values_BSR, q_pos_BL, k_pos_BS, q_seg_BL, k_seg_BS, q_index_BLIJ, w_BLI,
+                   index_keys_BSJ, topk, soft_cap, True)
+
+
+def _gathered(q_BLNX: jax.Array, keys_BSX: jax.Array, values_BSR: jax.Array, q_pos_BL: jax.Array,
+              k_pos_BS: jax.Array, q_seg_BL: jax.Array | None, k_seg_BS: jax.Array | None,
+              q_index_BLIJ: jax.Array, w_BLI: jax.Array, index_keys_BSJ: jax.Array, topk: int,
+              soft_cap: float, kl: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
   length = q_BLNX.shape[1]
   block = QUERY_BLOCK if length > QUERY_BLOCK and length % QUERY_BLOCK == 0 else length
 
-  def one_block(args: tuple[jax.Array, ...]) -> jax.Array:
+  def one_block(args: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
     q_BLNX, q_pos_BL, q_seg_BL, q_index_BLIJ, w_BLI = args
     allowed_BLS = masks.allowed(q_pos_BL, k_pos_BS, q_seg_BL if k_seg_BS is not None else None, k_seg_BS)
     return _gathered_block(q_BLNX, keys_BSX, values_BSR, allowed_BLS, q_index_BLIJ, w_BLI, index_keys_BSJ, topk,
-                           soft_cap)
+                           soft_cap, kl)
 
   q_seg = q_seg_BL if q_seg_BL is not None else jnp.zeros(q_pos_BL.shape, jnp.int32)
   q_pos = jnp.broadcast_to(q_pos_BL, q_BLNX.shape[:2])
@@ -73,5 +116,6 @@ def gathered_attention(q_BLNX: jax.Array, keys_BSX: jax.Array, values_BSR: jax.A
     return one_block(args)
   # [B, L, ...] -> [L / Lb, B, Lb, ...], one block at a time, back to [B, L, N, R].
   blocked = tuple(jnp.moveaxis(a.reshape(a.shape[0], length // block, block, *a.shape[2:]), 1, 0) for a in args)
-  out = jax.lax.map(one_block, blocked)
-  return jnp.moveaxis(out, 0, 1).reshape(q_BLNX.shape[:3] + (values_BSR.shape[-1],))
+  out, kl_sums, counts = jax.lax.map(one_block, blocked)
+  return (jnp.moveaxis(out, 0, 1).reshape(q_BLNX.shape[:3] + (values_BSR.shape[-1],)), jnp.sum(kl_sums),
+          jnp.sum(counts))

@@ -24,7 +24,7 @@ import optax
 
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.layers import linears
-from MaxText.training.optimizers import FrozenSubtrees, Params, Partition, TrainAll
+from MaxText.training.optimizers import FrozenSubtrees, Params, Partition, TrainAll, TrainedSubtrees
 
 ADAPTER_KEYS = ("lora_a", "lora_b")
 TRAIN, FROZEN = "lora", "frozen"
@@ -108,10 +108,13 @@ class AdapterPartition:
 
 def partition_for(cfg: ModelConfig) -> Partition:
   """Which parameters train: the adapters with lora_rank > 0 (which leaves a vision tower frozen
-  too); else all but the vision parts freeze_vision_encoder / freeze_multimodal_projector name;
+  too); DeepSeek-V3.2's lightning indexers alone with indexer_warmup (its dense warm-up stage);
+  else all but the vision parts freeze_vision_encoder / freeze_multimodal_projector name;
   else all of them."""
   if cfg.lora.lora_rank > 0:
     return AdapterPartition()
+  if cfg.mla.indexer_warmup:
+    return TrainedSubtrees(["indexer"], unread=True)
   frozen = [name for name, on in (("vision_encoder", cfg.vision.freeze_vision_encoder),
                                    ("multimodal_projector", cfg.vision.freeze_multimodal_projector)) if on]
   return FrozenSubtrees(frozen) if frozen else TrainAll()

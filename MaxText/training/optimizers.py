@@ -144,6 +144,55 @@ class FrozenSubtrees:
     raise ValueError("frozen parts alone do not give the starting model: keep a copy of it")
 
 
+class TrainedSubtrees:
+  """Only the subtrees under a key in `names`, wherever it sits in the tree, train (DeepSeek-V3.2's
+  dense warm-up: every layer's `indexer`); everything else stays as loaded: no gradients, no
+  optimizer state, bitwise unchanged. `unread`: the model's function does not read the trained
+  part (the warm-up's dense attention ignores its indexers), so the frozen part alone gives the
+  starting model and a load takes only it from the checkpoint, the trained part freshly
+  initialised (as LoRA's adapters: a DeepSeek-V3 checkpoint has no indexers)."""
+
+  trains_everything = False
+
+  def __init__(self, names: Sequence[str], unread: bool = False):
+    self.names = frozenset(names)
+    self.frozen_gives_base_model = unread
+
+  def split(self, params: Params) -> tuple[Params, Params]:
+    trained: Params = {}
+    frozen: Params = {}
+    for key, value in params.items():
+      if key in self.names:
+        trained[key] = value
+      elif isinstance(value, dict):
+        t, f = self.split(value)
+        if t:
+          trained[key] = t
+        if f:
+          frozen[key] = f
+      else:
+        frozen[key] = value
+    return trained, frozen
+
+  def combine(self, trainable: Params, frozen: Params) -> Params:
+    out = dict(frozen)
+    for key, value in trainable.items():
+      out[key] = value if key in self.names else self.combine(value, frozen.get(key, {}))
+    return out
+
+  def optimizer(self, inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    def label(path: tuple[Any, ...], _: Any) -> str:
+      return "train" if any(getattr(key, "key", None) in self.names for key in path) else "frozen"
+
+    return optax.multi_transform({"train": inner, "frozen": optax.set_to_zero()},
+                                 lambda params: jax.tree_util.tree_map_with_path(label, params))
+
+  def base_model(self, params: Params) -> Params:
+    if not self.frozen_gives_base_model:
+      raise ValueError("the trained subtrees' starting values are not kept: keep a copy of the starting model")
+    return params
+
+
 @dataclasses.dataclass(frozen=True)
 class Updater:
   """The optimizer as the step uses it, the same code for every run: the trainable part's

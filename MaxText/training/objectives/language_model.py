@@ -1,7 +1,8 @@
 """Language modelling (pre-training and SFT): next-token cross-entropy over the weighted targets
 (SFT's assistant-only weights ride in `targets_segmentation`; multimodal SFT's images in
 `pixel_values`, declared as a batch field when the batches carry them), plus the z-loss, the MoE
-load-balancing loss and, in training, multi-token prediction."""
+load-balancing loss, in training, multi-token prediction and, for DeepSeek-V3.2 with
+indexer_loss_scaling_factor > 0, the lightning indexer's KL loss (layers/indexer.py)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,12 @@ class LanguageModel(Objective):
       # λ times the mean over depths of each depth's per-token loss.
       total = total + cfg.mtp.mtp_loss_scaling_factor / cfg.mtp.mtp_num_layers * aux["mtp_xent_sum"]
       stats.update(mtp_xent_sum=aux["mtp_xent_sum"], mtp_weight_sum=aux["mtp_weight_sum"])
+    if "indexer_kl_sum" in aux:
+      # The mean KL per (layer, query), weighted by the batch's target count like the load-balancing
+      # loss. Its gradient reaches only the indexer (its inputs are detached, its target constant).
+      indexer_sum = aux["indexer_kl_sum"] / jnp.maximum(aux["indexer_queries"], 1.0) * weight_sum
+      total = total + cfg.mla.indexer_loss_scaling_factor * indexer_sum
+      stats["indexer_loss_sum"] = indexer_sum
     return total, {"xent_sum": xent_sum, "z_loss_sum": z_sum, "moe_lb_loss_sum": lb_sum, "weight_sum": weight_sum,
                    **stats}
 
@@ -109,6 +116,8 @@ class LanguageModel(Objective):
     metrics = {"loss": sums["xent_sum"] / num_tokens, "z_loss": sums["z_loss_sum"] / num_tokens}
     if "mtp_xent_sum" in sums:
       metrics["mtp_loss"] = sums["mtp_xent_sum"] / jnp.maximum(sums["mtp_weight_sum"], 1.0)
+    if "indexer_loss_sum" in sums:
+      metrics["indexer_loss"] = sums["indexer_loss_sum"] / num_tokens
     if self.model.cfg.moe.num_experts > 1:
       metrics["moe_lb_loss"] = sums["moe_lb_loss_sum"] / num_tokens
       metrics.update(routing_metrics(sums, self.num_micro))
