@@ -190,6 +190,7 @@ def test_bad_indexer_key_values_are_one_line_errors():
             pipeline_schedule="1f1b", indexer_loss_scaling_factor=1.0, first_dense_layers=0)
 
 
+@pytest.mark.slow  # a save, a load and a step: the default suite is at its time budget
 def test_warmup_starts_from_a_dense_checkpoint_without_indexers(tmp_path):
   """DeepSeek's conversion: a dense model's parameters (no indexer tensors) load into the warm-up,
   every weight from the checkpoint and the indexers freshly initialised."""
