@@ -85,6 +85,18 @@ def our_params(model: Any, config: Config, staging_dir: Path) -> Any:
   return jax.tree.map(np.array, staged.tree())
 
 
+def converted_checkpoint(ckpt: Path) -> tuple[Config, Any]:
+  """A checkpoint hf_to_maxtext wrote: its config (float32, the tests' length) and its parameters on one device."""
+  from MaxText.training import params_io
+  config = Config.for_testing(load_parameters_path=str(ckpt), dtype="float32", max_target_length=LENGTH,
+                              print_config=False)
+  spec = models.build_model_spec(config.model)
+  one_device = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)),
+                                          jax.sharding.PartitionSpec())
+  return config, params_io.load_params(str(ckpt), spec.abstract_params,
+                                       jax.tree.map(lambda _: one_device, spec.abstract_params))
+
+
 def tokens(seed: int = 0) -> np.ndarray:
   return np.random.default_rng(seed).integers(0, VOCAB, size=(BATCH, LENGTH))
 

@@ -111,13 +111,7 @@ def test_multimodal_checkpoint_converts_its_text_decoder(tmp_path):
   model = H.randomize(H.transformers.Gemma4ForConditionalGeneration(config).eval(), 0)
   model.save_pretrained(str(tmp_path / "hf"))
   hf_to_maxtext.convert(str(tmp_path / "hf"), str(tmp_path / "ckpt"), [])
-  ours = config_lib.Config.for_testing(load_parameters_path=str(tmp_path / "ckpt"), dtype="float32",
-                                       max_target_length=H.LENGTH, print_config=False)
-  spec = models.build_model_spec(ours.model)
-  one_device = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)),
-                                          jax.sharding.PartitionSpec())
-  params = params_io.load_params(str(tmp_path / "ckpt"), spec.abstract_params,
-                                 jax.tree.map(lambda _: one_device, spec.abstract_params))
+  ours, params = H.converted_checkpoint(tmp_path / "ckpt")
   token_ids = H.tokens()
   # Other random weights than the reference model's: Gemma 4's unscaled scores carry summation-order
   # differences a little further (a few 1e-5 seen at single positions); a wrong tensor moves logits by >= 0.1.

@@ -16,7 +16,6 @@ from MaxText.families import qwen3_5
 from MaxText.layers import models
 from MaxText.layers.gated_deltanet import GatedDeltaNet
 from MaxText.platform import sharding
-from MaxText.training import params_io
 
 # The published configs' rotary layout: head_dim 256, a quarter rotated (32 frequencies in sections of 11, 11, 10).
 _PUBLISHED_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
@@ -133,13 +132,7 @@ def test_a_multimodal_checkpoint_converts_with_its_vision_tower_left_out(tmp_pat
   hf_to_maxtext.convert(str(tmp_path / "hf"), str(tmp_path / "ckpt"), [])
   out = capsys.readouterr().out
   assert "is a multimodal checkpoint (qwen3_5): its text decoder was converted and its vision tower was left out" in out
-  config = config_lib.Config.for_testing(load_parameters_path=str(tmp_path / "ckpt"), dtype="float32",
-                                         max_target_length=H.LENGTH, print_config=False)
-  spec = models.build_model_spec(config.model)
-  one_device = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)),
-                                          jax.sharding.PartitionSpec())
-  params = params_io.load_params(str(tmp_path / "ckpt"), spec.abstract_params,
-                                 jax.tree.map(lambda _: one_device, spec.abstract_params))
+  config, params = H.converted_checkpoint(tmp_path / "ckpt")
   token_ids = H.tokens()
   # Other random weights than the reference model's (the vision tower draws from the same generator): a DeltaNet
   # chunk's inverted triangular system carries summation-order differences a little further here (2.8e-5 seen at
