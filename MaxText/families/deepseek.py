@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Any, Mapping
 
 from MaxText.convert import tensor_maps as r
@@ -101,14 +100,6 @@ def mlp_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
   return (dense if cfg.moe.first_dense_layers > 0 else []) + moe
 
 
-@dataclasses.dataclass(frozen=True)
-class _IgnoredPrefix(r.TensorMap):
-  """Every HF tensor whose name starts with `hf` is skipped (read, never written)."""
-
-  def pattern(self) -> re.Pattern[str]:
-    return re.compile(re.escape(self.hf) + ".*$")
-
-
 def mtp_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
   """The published V3 checkpoint's multi-token-prediction module, stored as one layer past the
   last (model.layers.{num_hidden_layers}.*: a decoder layer plus the tensors below). With
@@ -117,8 +108,7 @@ def mtp_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
   not written. Without, the whole layer is skipped (HF skips it too), an entry first in the table
   so its decoder-layer tensors are not taken for a layer of the model."""
   if cfg.mtp.mtp_num_layers == 0:
-    skip = r.ignored(f"model.layers.{cfg.num_decoder_layers}.")
-    return [_IgnoredPrefix(skip.hf, skip.ours, skip.to_ours, skip.to_hf, write=False)]
+    return [r.ignored_prefix(f"model.layers.{cfg.num_decoder_layers}.")]
   maps = [r.one(_LAYER + "enorm.weight", "enorm/scale"), r.one(_LAYER + "hnorm.weight", "hnorm/scale"),
           r.one(_LAYER + "eh_proj.weight", "eh_proj/kernel", r.transpose, r.transpose),
           r.one(_LAYER + "shared_head.norm.weight", "final_norm/scale"),

@@ -22,7 +22,6 @@ gate/up projection split into our wi_0 / wi_1.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Mapping
 
 import numpy as np
@@ -149,13 +148,6 @@ def _moe_hf_config(cfg: ModelConfig) -> dict[str, Any]:
           "moe_intermediate_size": cfg.mlp_dim, "intermediate_size": cfg.moe.dense_mlp_dim or cfg.mlp_dim}
 
 
-class _Skipped(r.TensorMap):
-  """Every HF tensor under a prefix, skipped (a multimodal checkpoint's towers)."""
-
-  def pattern(self) -> re.Pattern[str]:
-    return re.compile(re.escape(self.hf) + ".*$")
-
-
 def _bound(convert: r.ConvertOne, own: ModelConfig) -> r.ConvertOne:
   """`convert` with layer `i`'s own configuration in place of the model's."""
   return lambda x, cfg: convert(x, own)
@@ -252,7 +244,7 @@ def gemma4_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
   text = gemma4_text_tensors(cfg)
   multimodal = [dataclasses.replace(m, hf="model.language_model." + m.hf[len("model."):], write=False)
                 for m in text if m.hf.startswith("model.")]
-  towers = [_Skipped(prefix, (), lambda x, cfg: (), lambda xs, cfg: np.zeros(()), write=False) for prefix in _TOWERS]
+  towers = [r.ignored_prefix(prefix) for prefix in _TOWERS]
   return text + multimodal + towers
 
 
