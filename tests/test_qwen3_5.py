@@ -11,7 +11,7 @@ from flax import nnx
 
 import hf_families as H
 from MaxText.configuration import config as config_lib
-from MaxText.convert import hf_to_maxtext
+from MaxText.convert import hf_to_maxtext, tensor_maps
 from MaxText.families import qwen3_5
 from MaxText.layers import models
 from MaxText.layers.gated_deltanet import GatedDeltaNet
@@ -101,7 +101,7 @@ def _text_model(multimodal):
   config = multimodal.config.text_config
   config.tie_word_embeddings = multimodal.config.tie_word_embeddings
   text = H.transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-  prefix = qwen3_5.MULTIMODAL_TEXT_PREFIX
+  prefix = tensor_maps.TEXT_DECODER_PREFIX
   weights = {("model." + k[len(prefix):] if k.startswith(prefix) else k): v
              for k, v in multimodal.state_dict().items() if not k.startswith(qwen3_5.LEFT_OUT)}
   text.load_state_dict(weights, strict=True)

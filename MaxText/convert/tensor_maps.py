@@ -84,6 +84,19 @@ def ignored_prefix(prefix: str) -> TensorMap:
   return _IgnoredPrefix(prefix, (), lambda x, cfg: (), lambda xs, cfg: np.zeros(()), write=False)
 
 
+# Where an image-text checkpoint keeps its text decoder's `model.` tensors.
+TEXT_DECODER_PREFIX = "model.language_model."
+
+
+def also_read_as_text_decoder(text: list[TensorMap], left_out: Sequence[str]) -> list[TensorMap]:
+  """A text checkpoint's table (written back) plus, read only, the same tensors as an image-text
+  checkpoint names them (`model.language_model.` in place of `model.`), with everything under the
+  `left_out` prefixes (its towers) skipped: such a checkpoint converts as its text decoder."""
+  multimodal = [dataclasses.replace(m, hf=TEXT_DECODER_PREFIX + m.hf[len("model."):], write=False)
+                for m in text if m.hf.startswith("model.")]
+  return text + multimodal + [ignored_prefix(prefix) for prefix in left_out]
+
+
 # ---- transforms shared by the families: torch Linear weights are [out, in], our kernels [in, out...].
 
 def transpose(x: Array, cfg: ModelConfig) -> Array:

@@ -21,7 +21,6 @@ gate/up projection split into our wi_0 / wi_1.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping
 
 import numpy as np
@@ -241,11 +240,7 @@ def gemma4_text_tensors(cfg: ModelConfig, prefix: str = "model.") -> list[r.Tens
 
 def gemma4_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
   """The text checkpoint's names (written), and a multimodal one's (read), its towers skipped."""
-  text = gemma4_text_tensors(cfg)
-  multimodal = [dataclasses.replace(m, hf="model.language_model." + m.hf[len("model."):], write=False)
-                for m in text if m.hf.startswith("model.")]
-  towers = [r.ignored_prefix(prefix) for prefix in _TOWERS]
-  return text + multimodal + towers
+  return r.also_read_as_text_decoder(gemma4_text_tensors(cfg), _TOWERS)
 
 
 # Every mechanism at once: 2 sliding : 1 full (the last full), global layers with twice the head width and

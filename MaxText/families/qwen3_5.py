@@ -25,7 +25,6 @@ drops) are left out. Written back, the model is a text-only Qwen3_5ForCausalLM /
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping
 
 import numpy as np
@@ -39,8 +38,6 @@ from MaxText.families.qwen3_next import (full_attention_tensors, hybrid_hf_confi
                                          norm_tensors)
 
 _LINEAR = "model.layers.{i}.linear_attn."
-# A multimodal checkpoint's text decoder lives under this prefix in place of "model.".
-MULTIMODAL_TEXT_PREFIX = "model.language_model."
 # What a multimodal checkpoint holds beyond its text decoder: left out.
 LEFT_OUT = ("model.visual.", "mtp.")
 Array = np.ndarray
@@ -91,10 +88,7 @@ def _text_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
 def qwen3_5_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
   """The text checkpoint's names (written) and a multimodal one's (read only), its vision tower and
   multi-token-prediction module skipped."""
-  text = _text_tensors(cfg)
-  multimodal = [dataclasses.replace(m, hf=MULTIMODAL_TEXT_PREFIX + m.hf[len("model."):], write=False)
-                for m in text if m.hf.startswith("model.")]
-  return text + multimodal + [r.ignored_prefix(prefix) for prefix in LEFT_OUT]
+  return r.also_read_as_text_decoder(_text_tensors(cfg), LEFT_OUT)
 
 
 def _text_config(hf: Mapping[str, Any]) -> dict[str, Any]:
