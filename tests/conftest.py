@@ -1,5 +1,6 @@
 """Every test runs on CPU with 8 simulated devices; set before JAX is imported anywhere. The session
-and the processes it starts share one persistent compilation cache (tests/jax_cache.py)."""
+and the processes it starts share one persistent compilation cache, and compile without LLVM's optimisation
+of the CPU code (tests/compile_settings.py)."""
 
 import os
 import shutil
@@ -7,9 +8,14 @@ import tempfile
 import time
 
 os.environ["JAX_PLATFORMS"] = "cpu"
+from tests.compile_settings import FAST_COMPILE_FLAG  # noqa: E402  (os only: nothing initialises JAX)
+
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-  os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+  _flags = f"{_flags} --xla_force_host_platform_device_count=8"
+if "xla_backend_optimization_level" not in _flags:  # a level set beforehand is kept
+  _flags = f"{_flags} {FAST_COMPILE_FLAG}"
+os.environ["XLA_FLAGS"] = _flags.strip()
 
 from pathlib import Path  # noqa: E402
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO_ROOT
-from tests.jax_cache import jax_cache_env
+from tests.compile_settings import jax_cache_env
 
 
 @pytest.mark.slow  # one ~0.9 GB state saved and restored three ways

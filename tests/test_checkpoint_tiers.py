@@ -20,7 +20,7 @@ import pytest
 
 from MaxText.paths import storage
 from tests.conftest import REPO_ROOT
-from tests.jax_cache import jax_cache_env
+from tests.compile_settings import cpu_xla_flags, jax_cache_env
 
 STEPS = 24
 MODEL = ["base_emb_dim=64", "base_num_decoder_layers=1", "base_mlp_dim=128", "head_dim=16", "max_target_length=32",
@@ -43,7 +43,7 @@ def launch(gcs, out: str, run_name: str, local_root: Path, *args: str) -> list[s
   for i in range(2):
     tier = ["enable_emergency_checkpoint=True", f"local_checkpoint_directory={local_root / f'host{i}'}",
             "local_checkpoint_period=2"] if local_root else []
-    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PATH": "/usr/bin:/bin",
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(4), "PATH": "/usr/bin:/bin",
            "HOME": str(Path.home()), "PYTHONPATH": str(REPO_ROOT), "JAX_COORDINATOR_ADDRESS": address,
            "JAX_PROCESS_COUNT": "2", "JAX_PROCESS_ID": str(i), **gcs.env(), **jax_cache_env()}
     procs.append(subprocess.Popen(command + tier, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,

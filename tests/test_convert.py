@@ -24,6 +24,7 @@ from MaxText.configuration import config as config_lib
 from MaxText.convert import hf_io, hf_to_maxtext, maxtext_to_hf, streaming
 from MaxText.errors import ConfigError, UserError
 from tests.conftest import REPO_ROOT
+from tests.compile_settings import cpu_xla_flags
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = str(REPO / "configs" / "base.yml")
@@ -82,6 +83,9 @@ CHECKER_CASES = [_family_case(f) for f in H.FAMILIES]
 # has entries in the hundreds, which carry the sharded sums' different rounding into the logits (2.4e-5 seen;
 # its one-device parity in test_families_vs_hf holds 2e-5).
 CHECKER_ATOL = {family: "atol=5e-5" for family in ("qwen3_next", "qwen3_5", "qwen3_5_moe")}
+# Gemma 4 on the mesh: logits soft-capped at 30 and the tests' unoptimised CPU code (tests/compile_settings.py)
+# round differently: 2.3e-5 seen at one position of 32, where optimised code stays under 2e-5.
+CHECKER_ATOL["gemma4"] = "atol=3e-5"
 
 
 @pytest.mark.parametrize("family", CHECKER_CASES)
@@ -151,7 +155,7 @@ def test_corrupting_one_weight_makes_the_checker_fail(family, corrupt_weights, c
   shutil.copy(ckpt / config_lib.MODEL_CONFIG_FILE, corrupt / config_lib.MODEL_CONFIG_FILE)
   env = dict(os.environ)
   if family in H.MESH_HANGS:
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    env["XLA_FLAGS"] = cpu_xla_flags(1)
   proc = subprocess.run(
       [sys.executable, "-m", "MaxText.logit_checker", BASE, f"load_parameters_path={corrupt}",
        f"hf_model_path={hf_dir}", "dtype=float32", "atol=2e-5", "max_kl=1e-9", "hardware=cpu"],

@@ -12,7 +12,7 @@ import pytest
 from MaxText.platform import distributed
 from MaxText.errors import UserError
 from tests.conftest import REPO_ROOT
-from tests.jax_cache import jax_cache_env
+from tests.compile_settings import cpu_xla_flags, jax_cache_env
 
 
 @pytest.mark.parametrize("environ, platform, expected", [
@@ -57,7 +57,7 @@ def test_unreachable_coordinator_fails_within_the_timeout_naming_it(tmp_path):
 
 def test_profiler_traces_the_chosen_steps(tmp_path, tiny_overrides):
   args = [f"{k}={v}" for k, v in tiny_overrides.items()]
-  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PATH": "/usr/bin:/bin",
+  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(2), "PATH": "/usr/bin:/bin",
          "HOME": str(Path.home()), "PYTHONPATH": str(REPO_ROOT), **jax_cache_env()}
   proc = subprocess.run([sys.executable, "-m", "MaxText.train", "configs/base.yml", "run_name=prof",
                          f"base_output_directory={tmp_path}", *args, "steps=6", "profiler=xplane",

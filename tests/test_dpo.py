@@ -31,7 +31,7 @@ from MaxText.input_pipeline.packing import DocumentCursor
 from MaxText.training.run_assembly import build_run
 from MaxText.training.train_state import reference_of
 from tests.conftest import REPO_ROOT
-from tests.jax_cache import jax_cache_env
+from tests.compile_settings import cpu_xla_flags, jax_cache_env
 
 sys.path.insert(0, str(Path(__file__).parent / "input_pipeline"))
 from sft_fixtures import CHATML, WORDS, write_tokenizer, without_markers  # noqa: E402
@@ -326,7 +326,7 @@ def _train(tmp_path: Path, *extra: str, records: list[dict] | None = None) -> su
              f"base_output_directory={tmp_path}", f"tokenizer_path={tokenizer}", *files, *MODEL,
              "per_device_batch_size=8", "learning_rate=3e-3", "eval_steps=2", "data_prefetch_batches=0",
              "print_config=False", "cpu_peak_tflops=0.1", "log_period=1", "async_checkpointing=False", *extra]
-  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "PATH": "/usr/bin:/bin",
+  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(1), "PATH": "/usr/bin:/bin",
          "HOME": str(Path.home()), "PYTHONPATH": str(REPO_ROOT), **jax_cache_env()}
   return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
 

@@ -16,7 +16,7 @@ import pytest
 
 from MaxText.paths import storage
 from tests.conftest import REPO_ROOT
-from tests.jax_cache import jax_cache_env
+from tests.compile_settings import cpu_xla_flags, jax_cache_env
 from tests.test_resume import _start_and_signal
 
 STEPS = 12
@@ -25,7 +25,7 @@ MODEL = ["base_emb_dim=64", "base_num_decoder_layers=1", "base_mlp_dim=128", "he
 
 
 def env(gcs, **extra: str) -> dict:
-  return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PATH": "/usr/bin:/bin",
+  return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(2), "PATH": "/usr/bin:/bin",
           "HOME": str(Path.home()), "PYTHONPATH": str(REPO_ROOT), **(gcs.env() if gcs else {}), **jax_cache_env(), **extra}
 
 

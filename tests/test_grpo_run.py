@@ -20,7 +20,7 @@ from sft_fixtures import CHATML, WORDS, without_markers, write_tokenizer  # noqa
 from MaxText.configuration.config import Config  # noqa: E402
 from MaxText.layers import models  # noqa: E402
 from MaxText.training import params_io  # noqa: E402
-from tests.jax_cache import jax_cache_env  # noqa: E402
+from tests.compile_settings import cpu_xla_flags, jax_cache_env  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = dict(base_emb_dim=64, base_num_decoder_layers=2, base_mlp_dim=128, head_dim=16, vocab_size=320,
@@ -57,7 +57,7 @@ def _command(workdir: Path, out: Path, *extra: str) -> list[str]:
 
 
 def _env(workdir: Path, devices: int) -> dict[str, str]:
-  return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+  return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(devices),
           "PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "PYTHONPATH": f"{workdir}:{REPO_ROOT}", **jax_cache_env()}
 
 

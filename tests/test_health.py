@@ -16,7 +16,7 @@ import pytest
 from MaxText.training.health import StragglerHook
 from MaxText.training.trainer import StepRecord
 from tests.conftest import REPO_ROOT
-from tests.jax_cache import jax_cache_env
+from tests.compile_settings import cpu_xla_flags, jax_cache_env
 
 
 class _FakeProcesses:
@@ -108,7 +108,7 @@ def _train(tmp_path: Path, hooks: Path | None, *extra: str) -> subprocess.Popen:
              "base_emb_dim=64", "base_num_decoder_layers=1", "base_mlp_dim=128", "head_dim=16", "max_target_length=32",
              "print_config=False", "cpu_peak_tflops=0.1", "steps=40", "checkpoint_period=15",
              "async_checkpointing=False", *extra]
-  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PATH": "/usr/bin:/bin",
+  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(2), "PATH": "/usr/bin:/bin",
          "HOME": str(Path.home()), "PYTHONPATH": f"{hooks}:{REPO_ROOT}" if hooks else str(REPO_ROOT),
          **jax_cache_env()}
   return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -223,7 +223,7 @@ def _two_processes(tmp_path: Path, hooks: Path | None, *extra: str) -> list[subp
   procs = []
   for i in range(2):
     path = f"{hooks}:{REPO_ROOT}" if hooks else str(REPO_ROOT)
-    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PATH": "/usr/bin:/bin",
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(2), "PATH": "/usr/bin:/bin",
            "HOME": str(Path.home()), "PYTHONPATH": path, "JAX_COORDINATOR_ADDRESS": address,
            "JAX_PROCESS_COUNT": "2", "JAX_PROCESS_ID": str(i), **jax_cache_env()}
     procs.append(subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

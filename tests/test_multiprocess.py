@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO_ROOT
-from tests.jax_cache import jax_cache_env
+from tests.compile_settings import cpu_xla_flags, jax_cache_env
 
 TOTAL_DEVICES = 8
 MODEL = ["base_emb_dim=64", "base_num_decoder_layers=1", "base_mlp_dim=128", "head_dim=16", "max_target_length=32",
@@ -32,7 +32,7 @@ def _free_port() -> int:
 
 
 def _env(num_devices: int, **extra: str) -> dict:
-  return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={num_devices}",
+  return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(num_devices),
           "PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "PYTHONPATH": str(REPO_ROOT), **jax_cache_env(), **extra}
 
 

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).parent / "inference"))
 sys.path.insert(0, str(Path(__file__).parent / "input_pipeline"))
 from decode_test_utils import one_device_mesh, uncached_greedy  # noqa: E402
 from tests.uvicorn_thread import UvicornThread  # noqa: E402
+from tests.compile_settings import cpu_xla_flags  # noqa: E402
 from sft_fixtures import CHATML, write_tokenizer, without_markers  # noqa: E402
 
 KEY = "test-key-123"
@@ -546,7 +547,7 @@ def test_cli_server_answers_like_decode_py(tmp_path):
   common = [f"load_parameters_path={checkpoint}", f"tokenizer_path={tokenizer}", "tokenizer_type=huggingface",
             "add_bos=False", "max_target_length=24", "max_prefill_predict_length=20", "dtype=float32"]
   repo = Path(__file__).resolve().parents[1]
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "MAXTEXT_API_KEY": KEY}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(1), "MAXTEXT_API_KEY": KEY}
   decoded = subprocess.run([sys.executable, "-m", "MaxText.decode", "configs/base.yml", *common, "prompt=to be or not"],
                            cwd=repo, env=env, capture_output=True, text=True, timeout=300)
   assert decoded.returncode == 0, decoded.stderr[-2000:]

@@ -16,7 +16,7 @@ import pytest
 
 from MaxText.input_pipeline import chat
 from tests.conftest import REPO_ROOT
-from tests.jax_cache import jax_cache_env
+from tests.compile_settings import cpu_xla_flags, jax_cache_env
 
 pytest.importorskip("transformers", reason="needs transformers (EXTRAS=test bash setup.sh)")
 sys.path.insert(0, str(Path(__file__).parent / "input_pipeline"))
@@ -52,7 +52,7 @@ def train(tmp_path: Path, *extra: str, records: list[dict] | None = None) -> sub
            f"hf_eval_files={write_jsonl(tmp_path / 'eval.jsonl', conversations(16, 1))}"]
   command = [sys.executable, "-m", "MaxText.train", "configs/sft.yml", "run_name=sft", f"base_output_directory={tmp_path}",
              f"tokenizer_path={tokenizer}", *files, *MODEL, *extra]
-  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "PATH": "/usr/bin:/bin",
+  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(1), "PATH": "/usr/bin:/bin",
          "HOME": str(Path.home()), "PYTHONPATH": str(REPO_ROOT), **jax_cache_env()}
   return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
 
@@ -90,7 +90,7 @@ def test_a_conversation_without_an_assistant_turn_stops_the_run_in_one_line(tmp_
 
 
 def _run(tmp_path: Path, module: str, *args: str) -> subprocess.CompletedProcess:
-  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "PATH": "/usr/bin:/bin",
+  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(1), "PATH": "/usr/bin:/bin",
          "HOME": str(Path.home()), "PYTHONPATH": str(REPO_ROOT), **jax_cache_env()}
   proc = subprocess.run([sys.executable, "-m", module, "configs/base.yml", *args], cwd=REPO_ROOT, env=env,
                         capture_output=True, text=True, timeout=600)

@@ -29,7 +29,7 @@ from MaxText.input_pipeline.files import expand_files
 from MaxText.input_pipeline.tokenizer import load_tokenizer
 from tests.conftest import REPO_ROOT, SHAKESPEARE
 from tests.input_pipeline.data_fixtures import numbered_documents
-from tests.jax_cache import jax_cache_env
+from tests.compile_settings import cpu_xla_flags, jax_cache_env
 
 BASE = str(BASE_CONFIG_PATH)
 TEXT = "doc 3 alpha bravo charlie"
@@ -37,7 +37,7 @@ TEXT = "doc 3 alpha bravo charlie"
 
 def cli_env(gcs) -> dict:
   """What a user's shell gives a CLI: the emulator address only (the tools configure the rest)."""
-  return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+  return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(1),
           "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(Path.home()), "PYTHONPATH": str(REPO_ROOT),
           **gcs.env(), **jax_cache_env()}
 

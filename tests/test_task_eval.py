@@ -169,7 +169,7 @@ def test_train_logs_task_scores_that_the_served_export_reproduces(tmp_path, monk
 
   from MaxText.serve import build_app, build_server
   from tests.conftest import REPO_ROOT
-  from tests.jax_cache import jax_cache_env
+  from tests.compile_settings import cpu_xla_flags, jax_cache_env
 
   tokenizer_dir = write_tokenizer(tmp_path / "tok", without_markers(CHATML))
   tasks = write_tasks(tmp_path / "tasks", line_docs())
@@ -178,7 +178,7 @@ def test_train_logs_task_scores_that_the_served_export_reproduces(tmp_path, monk
   model = ["base_emb_dim=64", "base_num_decoder_layers=2", "base_mlp_dim=128", "head_dim=16", "max_target_length=64",
            "vocab_size=320", "cpu_peak_tflops=0.1", "add_bos=False", "tokenizer_type=huggingface",
            f"tokenizer_path={tokenizer_dir}"]
-  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "PATH": "/usr/bin:/bin",
+  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(1), "PATH": "/usr/bin:/bin",
          "HOME": str(Path.home()), "PYTHONPATH": str(REPO_ROOT), "HF_DATASETS_OFFLINE": "1", **jax_cache_env()}
 
   def run(module: str, *args: str) -> str:

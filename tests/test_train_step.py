@@ -17,7 +17,7 @@ from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.errors import TrainingError
 from MaxText.training.trainer import Trainer
-from tests.jax_cache import jax_cache_env
+from tests.compile_settings import cpu_xla_flags, jax_cache_env
 from train_utils import Run, assert_accumulation_equals_one_big_batch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -230,7 +230,7 @@ def test_the_trainer_owns_each_hooks_cadence(tiny_overrides):
 
 
 def _cli_env() -> dict:
-  return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PATH": "/usr/bin:/bin",
+  return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(2), "PATH": "/usr/bin:/bin",
           "HOME": str(Path.home()), **jax_cache_env()}
 
 

@@ -38,7 +38,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from tests.jax_cache import jax_cache_env
+from tests.compile_settings import cpu_xla_flags, jax_cache_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STEPS = 32
@@ -110,7 +110,7 @@ class Job:
     command = [sys.executable, "-m", "MaxText.train", "configs/base.yml", f"run_name={run_name}",
                f"base_output_directory={out}", *MODEL, *extra]
     base = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
-            "PYTHONPATH": str(REPO_ROOT), "XLA_FLAGS": f"--xla_force_host_platform_device_count={2 // layout.processes}",
+            "PYTHONPATH": str(REPO_ROOT), "XLA_FLAGS": cpu_xla_flags(2 // layout.processes),
             **jax_cache_env(), **env}
     if layout.processes > 1:
       base.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", JAX_PROCESS_COUNT=str(layout.processes))

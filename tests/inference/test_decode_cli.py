@@ -18,6 +18,7 @@ from MaxText.training import params_io
 from MaxText.configuration.config import Config
 from MaxText.convert import engine as convert_engine
 from decode_test_utils import one_device_mesh, uncached_greedy
+from tests.compile_settings import cpu_xla_flags
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = dict(base_emb_dim=32, base_num_query_heads=4, base_num_kv_heads=2, head_dim=8, base_mlp_dim=64,
@@ -37,7 +38,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 def run_decode(*args: str) -> subprocess.CompletedProcess:
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(1)}
   return subprocess.run([sys.executable, "-m", "MaxText.decode", "configs/base.yml", *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=300)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO_ROOT
-from tests.jax_cache import jax_cache_env
+from tests.compile_settings import cpu_xla_flags, jax_cache_env
 
 MODEL = ["base_emb_dim=64", "base_num_decoder_layers=1", "base_mlp_dim=128", "head_dim=16", "max_target_length=32",
          "vocab_size=512", "print_config=False", "cpu_peak_tflops=0.1", "learning_rate_schedule_steps=6",
@@ -25,7 +25,7 @@ def _train(out: Path, run_name: str, spm_model: str, prepared: Path, *extra: str
   command = [sys.executable, "-m", "MaxText.train", "configs/base.yml", f"run_name={run_name}",
              f"base_output_directory={out}", "dataset_type=grain", f"tokenizer_path={spm_model}", *files, *MODEL,
              *extra]
-  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PATH": "/usr/bin:/bin",
+  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(2), "PATH": "/usr/bin:/bin",
          "HOME": str(Path.home()), "PYTHONPATH": str(REPO_ROOT), **jax_cache_env()}
   proc = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]

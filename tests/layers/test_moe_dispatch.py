@@ -25,7 +25,7 @@ from MaxText.errors import ConfigError
 from MaxText.layers import grouped_matmul, moe, moe_dispatch
 from MaxText.training.run_assembly import build_run
 from MaxText.training.trainer import RouterHealthHook, StepRecord
-from tests.jax_cache import jax_cache_env
+from tests.compile_settings import cpu_xla_flags, jax_cache_env
 from train_utils import Run
 
 from layers.test_moe import D, E, F, TOP_K, _apply, _block, _reference, tiny_mixtral
@@ -270,7 +270,8 @@ def test_a_zero_router_collapses_in_a_real_step_and_the_metrics_say_so():
   _, history = run.train(run.init(params), 1)
   layers = config.model.num_decoder_layers
   assert [history[0][f"moe_load_max/layer_{i}"] for i in range(layers)] == [1.0] * layers
-  assert all(history[0][f"moe_router_entropy/layer_{i}"] == pytest.approx(np.log(E)) for i in range(layers))
+  # A float32 mean over the tokens: equal to log E to float32 accumulation error, not to float64's.
+  assert all(history[0][f"moe_router_entropy/layer_{i}"] == pytest.approx(np.log(E), rel=1e-5) for i in range(layers))
 
 
 # ---------------------------------------------------------------- bad input
@@ -314,7 +315,7 @@ CLI_MODEL = ["decoder_block=mixtral", "base_emb_dim=64", "base_num_query_heads=4
 
 
 def _train_cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
-  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PATH": "/usr/bin:/bin",
+  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(8), "PATH": "/usr/bin:/bin",
          "HOME": str(Path.home()), **jax_cache_env()}
   return subprocess.run([sys.executable, "-m", "MaxText.train", "configs/base.yml", f"base_output_directory={tmp_path}",
                          "run_name=moe", *CLI_MODEL, *args], cwd=REPO, env=env, capture_output=True, text=True,

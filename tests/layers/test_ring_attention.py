@@ -16,7 +16,7 @@ from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
 from MaxText.layers import attention, attention_kernels, context_parallel, ring_attention
 from MaxText.layers.attention import dot_product_attention
-from tests.jax_cache import jax_cache_env
+from tests.compile_settings import cpu_xla_flags, jax_cache_env
 
 TINY = dict(base_emb_dim=64, base_num_query_heads=16, base_num_kv_heads=8, head_dim=4, base_mlp_dim=128,
             base_num_decoder_layers=2, vocab_size=128, max_target_length=32, per_device_batch_size=1,
@@ -149,7 +149,7 @@ def test_cli_rejects_bad_context_parallelism_in_one_line(args, message, tmp_path
   import subprocess
   import sys
 
-  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PATH": "/usr/bin:/bin",
+  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(8), "PATH": "/usr/bin:/bin",
          **jax_cache_env()}
   proc = subprocess.run([sys.executable, "-m", "MaxText.train", "configs/base.yml", f"base_output_directory={tmp_path}",
                          "ici_sequence_parallelism=4", "ici_fsdp_parallelism=-1", *args],
