@@ -79,20 +79,13 @@ def _family_case(family: str, slow: set[str] = SLOW_FAMILIES):
 
 
 CHECKER_CASES = [_family_case(f) for f in H.FAMILIES]
-# Qwen3-Next (and Qwen3.5, its layers) on the 8-device mesh: the inverse of a DeltaNet chunk's triangular system
-# has entries in the hundreds, which carry the sharded sums' different rounding into the logits (2.4e-5 seen;
-# its one-device parity in test_families_vs_hf holds 2e-5).
-CHECKER_ATOL = {family: "atol=5e-5" for family in ("qwen3_next", "qwen3_5", "qwen3_5_moe")}
-# Gemma 4 on the mesh: logits soft-capped at 30 and the tests' unoptimised CPU code (tests/compile_settings.py)
-# round differently: 2.3e-5 seen at one position of 32, where optimised code stays under 2e-5.
-CHECKER_ATOL["gemma4"] = "atol=3e-5"
 
 
 @pytest.mark.parametrize("family", CHECKER_CASES)
 def test_converted_checkpoint_passes_the_logit_checker_float32(family, converted, capsys):
   hf_dir, ckpt = converted(family)
-  # The tolerance of tests/layers/test_families_vs_hf.py; KL ~ |Δlogit|^2 / 2.
-  assert _check(hf_dir, ckpt, "dtype=float32", CHECKER_ATOL.get(family, "atol=2e-5"), "max_kl=1e-9") == 0
+  # The parity tests' tolerance (hf_families.CHECKER_FP32_ATOL); KL ~ |Δlogit|^2 / 2.
+  assert _check(hf_dir, ckpt, "dtype=float32", H.checker_atol(family), "max_kl=1e-9") == 0
   out = capsys.readouterr().out
   assert "no model_name given; using the model keys saved with the checkpoint" in out
   assert "logit_checker: PASS" in out

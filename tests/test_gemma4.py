@@ -50,8 +50,7 @@ def test_corrupting_one_weight_makes_the_checker_fail(tmp_path):
   H.build_hf_model("gemma4").save_pretrained(str(hf_dir))
   ckpt = tmp_path / "ckpt"
   hf_to_maxtext.convert(str(hf_dir), str(ckpt), [])
-  # 3e-5: Gemma 4's bound in tests/test_convert.py (CHECKER_ATOL), for the tests' unoptimised CPU code.
-  args = [f"hf_model_path={hf_dir}", "dtype=float32", "atol=3e-5", "max_kl=1e-9"]
+  args = [f"hf_model_path={hf_dir}", "dtype=float32", H.checker_atol("gemma4"), "max_kl=1e-9"]
   assert logit_checker.main(["logit_checker", BASE, f"load_parameters_path={ckpt}", *args]) == 0
   config = config_lib.Config.for_testing(load_parameters_path=str(ckpt), print_config=False)
   spec = models.build_model_spec(config.model)

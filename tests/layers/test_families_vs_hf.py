@@ -12,11 +12,7 @@ import hf_families as H
 # float32: |logits| <= 8 here and a forward pass is a few hundred roundings of relative size
 # 6e-8 that mostly cancel; the two implementations order their sums differently, so about
 # 1e-5 separates them (observed: <= 5e-6). A missing feature moves the logits by >= 0.3.
-FP32_ATOL = 2e-5
-# The DeltaNet families: the inverse of a chunk's triangular system has entries in the hundreds and carries
-# rounding into the logits (1.7e-5 seen; 2.2e-5 for Qwen3.5's MoE with the tests' unoptimised CPU code,
-# tests/compile_settings.py). The same bound as their logit check in tests/test_convert.py.
-DELTANET_FP32_ATOL = 5e-5
+FP32_ATOL = H.FP32_ATOL
 # bf16, MoE: a token whose logits moved this much had its experts changed by rounding.
 FLIP = 0.25
 
@@ -40,7 +36,7 @@ def test_float32_logits_match_hf_scanned_and_unrolled(family, staging):
   for scan_layers in (True, False):
     config = H.our_config(model, dtype="float32", scan_layers=scan_layers)
     params = H.our_params(model, config, staging / f"{family}-{scan_layers}")
-    atol = DELTANET_FP32_ATOL if family in HEAVY else FP32_ATOL
+    atol = H.DELTANET_FP32_ATOL if family in HEAVY else FP32_ATOL
     np.testing.assert_allclose(H.our_logits(config, params, token_ids), expected, atol=atol, rtol=0,
                                err_msg=f"{family} scan_layers={scan_layers}")
 
