@@ -48,6 +48,23 @@ def test_tied_embeddings_use_the_token_table(tiny_overrides):
   assert not np.allclose(_apply(spec, scaled, tokens, positions, segments), logits)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_initial_loss_near_uniform(tiny_overrides, tied):
+  """A fresh model's cross-entropy starts near log V, tied or not: a tied table initialised like an
+  untied one (unit rows) would start the logits at std sqrt(D) and the loss many times log V."""
+  overrides = dict(tiny_overrides, base_emb_dim=256, head_dim=64, vocab_size=1024)
+  config = Config.for_testing(**overrides, logits_via_embedding=tied)
+  spec = models.build_model_spec(config.model)
+  params = spec.init_params(jax.random.key(0))
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1024, (2, 32)), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(32), (2, 32))
+  logits = _apply(spec, params, tokens, positions, jnp.ones((2, 32), jnp.int32))
+  loss = float(jnp.mean(-jax.nn.log_softmax(logits)[:, :-1].reshape(-1, 1024)[
+      jnp.arange(62), tokens[:, 1:].reshape(-1)]))
+  assert float(jnp.std(logits)) < 3.0
+  assert abs(loss - np.log(1024)) < 2.0, loss
+
+
 def test_dropout_only_with_an_rng(tiny_overrides):
   config = Config.for_testing(**tiny_overrides, dropout_rate=0.5)
   spec = models.build_model_spec(config.model)

@@ -15,13 +15,17 @@ from MaxText.configuration.model_config import RopeConfig
 class Embed(nnx.Module):
   """Token table [V, D]; `attend` reuses it as the output projection (tied embeddings).
 
+  `stddev`: the initial rows' scale. A tied table is also the output projection, where rows of
+  norm ~sqrt(D) against the final norm's unit-RMS activations would start the logits at std
+  sqrt(D) and the loss in the hundreds; the model passes 1/sqrt(D) for it.
+
   Also the learned position table [max_position_embeddings, D] (GPT-3), with `names`
   (None, "embed") since its rows are positions, not vocabulary.
   """
 
   def __init__(self, vocab_size: int, dim: int, *, dtype: jnp.dtype, weight_dtype: jnp.dtype, rngs: nnx.Rngs,
-               names: tuple[str | None, str] = ("vocab", "embed")):
-    table = nnx.initializers.normal(stddev=1.0)(rngs.params(), (vocab_size, dim), weight_dtype)
+               names: tuple[str | None, str] = ("vocab", "embed"), stddev: float = 1.0):
+    table = nnx.initializers.normal(stddev=stddev)(rngs.params(), (vocab_size, dim), weight_dtype)
     self.embedding = nnx.Param(table, out_sharding=names)
     self.dtype = dtype
 

@@ -80,7 +80,8 @@ class Transformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
     self.cfg = cfg
-    self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
+    self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, dtype=dtype, weight_dtype=weight_dtype, rngs=rngs,
+                                stddev=cfg.emb_dim**-0.5 if cfg.logits_via_embedding else 1.0)
     layer_class = decoder_layer_class(cfg.decoder_block)
     # DeepSeek's dense-MLP prefix, Llama 4 Maverick's dense layers between the MoE ones, or
     # Qwen3-Next's Gated DeltaNet layers between the full-attention ones: a second stack.
