@@ -132,10 +132,11 @@ def _print_step_model(hlo_text: str, target: saved_step.StepTarget, peak_tflops:
   host transfers from the scheduled HLO; a generation without network figures says so."""
   try:
     prediction = step_report.predict(hlo_text, target)
+    scheduled = step_report.predict(hlo_text, target, overlap="scheduled")
   except UserError as e:
     print(f"step-time model: not available ({e})")
     return
-  print("\n".join(step_report.lines(prediction, peak_tflops)))
+  print("\n".join(step_report.lines(prediction, peak_tflops, scheduled)))
 
 
 def _kernel_floor(config: config_lib.Config, attention_tflops: float, seconds: float, total_tflops: float,

@@ -62,12 +62,14 @@ def main() -> int:
   parser.add_argument("what", choices=("compile", "table"))
   parser.add_argument("--only", default="", help="a prefix of the recipe names (e.g. v5e)")
   parser.add_argument("--slices", default="", help="only these slice counts (e.g. 1,2,32)")
+  parser.add_argument("--overlap", default="dataflow", choices=("dataflow", "scheduled"),
+                      help="table: the reading of the overlap to fit (MaxText/aot/step_time/program.py)")
   opts = parser.parse_args()
   if opts.what == "compile":
     compile_all(opts.only, opts.slices)
     return 0
   from benchmarks.step_time_fit import print_table  # noqa: PLC0415
-  print_table(POINTS, stem, UNCOMPILABLE, SAVED / "table.json")
+  print_table(POINTS, stem, UNCOMPILABLE, SAVED / "table.json", opts.overlap)
   return 0
 
 

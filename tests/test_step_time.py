@@ -26,9 +26,9 @@ def ring(n: int = 16, slices: int = 1) -> StepTarget:
                     model_tflops_per_device=1.0)
 
 
-def predict(body: str, target: StepTarget, cal: Calibration = EXACT) -> simulate.Prediction:
+def predict(body: str, target: StepTarget, cal: Calibration = EXACT, overlap: str = "scheduled") -> simulate.Prediction:
   text = f"HloModule m, is_scheduled=true\n\nENTRY %main (p: bf16[64,1024]) -> bf16[1024,1024] {{\n{body}\n}}\n"
-  return simulate.simulate(program.build_program(text, target), cal, 1.0, PEAK / 1e12)
+  return simulate.simulate(program.build_program(text, target, overlap), cal, 1.0, PEAK / 1e12, target.num_slices)
 
 
 GATHER_BYTES = 1024 * 1024 * 2
@@ -80,6 +80,58 @@ def test_a_collective_waited_for_before_the_matmul_is_exposed_in_full():
   assert pred.step_s == pytest.approx(MATMUL_S + GATHER_S)
   assert pred.exposed("ici:") == pytest.approx(GATHER_S)
   assert pred.top_exposed[0][:2] == ("ici:all-gather over fsdp", "ags")
+
+
+# Waited for at once, but first read after an independent matmul: a windowed matmul's permute.
+WAITED_EARLY = f"""  %p = bf16[64,1024]{{1,0}} parameter(0)
+  %ags = (bf16[64,1024]{{1,0}}, bf16[1024,1024]{{1,0}}) all-gather-start(%p), channel_id=1, replica_groups=[1,16]<=[16], dimensions={{0}}, use_global_device_ids=true
+  %agd = bf16[1024,1024]{{1,0}} all-gather-done(%ags)
+  %moved = (bf16[1024,1024]{{1,0}}, bf16[1024,1024]{{1,0}}, u32[]) copy-start(%agd)
+{MATMUL}
+  %moved_done = bf16[1024,1024]{{1,0}} copy-done(%moved)
+  ROOT %use = bf16[1024,1024]{{1,0}} add(%moved_done, %moved_done)"""
+
+
+def test_dataflow_overlap_waits_where_the_result_is_first_read():
+  scheduled = predict(WAITED_EARLY, ring())
+  assert scheduled.exposed("ici:") == pytest.approx(GATHER_S)
+  dataflow = predict(WAITED_EARLY, ring(), overlap="dataflow")
+  assert dataflow.exposed("ici:") == 0.0  # the on-chip copy hands it on; the add is the first read
+  assert dataflow.seconds["matmul"] == pytest.approx(MATMUL_S)
+  # Read at once: nothing to hide behind, whichever reading.
+  read_at_once = predict(f"""  %p = bf16[64,1024]{{1,0}} parameter(0)
+  %ags = (bf16[64,1024]{{1,0}}, bf16[1024,1024]{{1,0}}) all-gather-start(%p), channel_id=1, replica_groups=[1,16]<=[16], dimensions={{0}}, use_global_device_ids=true
+  %agd = bf16[1024,1024]{{1,0}} all-gather-done(%ags)
+  %r = bf16[1024,1024]{{1,0}} add(%agd, %agd)
+{MATMUL}
+  ROOT %t = (bf16[1024,1024]{{1,0}}, bf16[4096,4096]{{1,0}}) tuple(%r, %dot)""", ring(), overlap="dataflow")
+  assert read_at_once.exposed("ici:") == pytest.approx(GATHER_S)
+  ops = [op.name for op in program.build_program(
+      f"HloModule m\n\nENTRY %main (p: bf16[64,1024]) -> bf16[1024,1024] {{\n{WAITED_EARLY}\n}}\n", ring(), "dataflow")]
+  assert ops.index("agd") > ops.index("dot")  # the done moved past the independent matmul
+  with pytest.raises(UserError, match="not one of scheduled, dataflow"):
+    program.build_program("HloModule m\n\nENTRY %main () -> f32[] {\n  ROOT %c = f32[] constant(0)\n}\n", ring(),
+                          "eager")
+
+
+def test_a_done_read_only_by_the_root_waits_at_the_end():
+  pred = predict(f"""  %p = bf16[64,1024]{{1,0}} parameter(0)
+  %ags = (bf16[64,1024]{{1,0}}, bf16[1024,1024]{{1,0}}) all-gather-start(%p), channel_id=1, replica_groups=[1,16]<=[16], dimensions={{0}}, use_global_device_ids=true
+  %agd = bf16[1024,1024]{{1,0}} all-gather-done(%ags)
+{MATMUL}
+  ROOT %t = (bf16[1024,1024]{{1,0}}, bf16[4096,4096]{{1,0}}) tuple(%agd, %dot)""", ring(), overlap="dataflow")
+  assert pred.step_s == pytest.approx(MATMUL_S)  # a loop's carried result: hidden behind the body's work
+  assert pred.exposed("ici:") == 0.0
+
+
+def test_slices_wait_for_the_slowest_a_share_of_the_step_per_doubling():
+  cal = Calibration(**{**EXACT.__dict__, "slice_sync_share": 0.01})
+  one = predict(MATMUL, ring(slices=1), cal)
+  four = predict(MATMUL, ring(slices=4), cal)
+  assert one.step_s == pytest.approx(MATMUL_S)
+  assert four.step_s == pytest.approx(MATMUL_S * 1.02)  # two doublings
+  assert four.seconds[simulate.SLICE_SYNC] == pytest.approx(MATMUL_S * 0.02)
+  assert four.top_exposed[0][0] == simulate.SLICE_SYNC
 
 
 def test_a_dcn_all_reduce_across_two_slices_moves_half_the_array_each_way():

@@ -55,6 +55,10 @@ class Calibration:
   dcn_latency_s: float = 0.0
   kernel_efficiency: float = 0.6
   host_efficiency: float = 1.0
+  # Slices meet at every step's cross-slice gradient exchange, so the step runs at the pace of the
+  # slowest; the share of the step that costs per doubling of the slice count (the depth of a
+  # reduction tree over the slices). No HLO op shows it (AOT.md, "The step-time model").
+  slice_sync_share: float = 0.0
 
   def efficiency(self, resource: str) -> float:
     return {"ici": self.ici_efficiency, "dcn": self.dcn_efficiency, "host": self.host_efficiency,

@@ -2,7 +2,14 @@
 computations walked in their scheduled order, each instruction turned into one `Op` (compute on
 the TensorCore, the start or the end of asynchronous work on a link, or a synchronous
 collective), loops kept as loops. Built once per compiled step; `simulate` prices it for any
-calibration."""
+calibration.
+
+Two readings of the overlap (`OVERLAPS`): `scheduled` waits for asynchronous work where the
+compiled schedule puts its done; `dataflow` waits only where the result is first read (through
+tuple plumbing and on-chip copies), inside the same computation: what a latency-hiding scheduler
+may make of the same program when it lets independent compute run between start and use. A
+compile's schedule can leave a start and its done adjacent though nothing between them and the
+first read needs the result (AOT.md has the case: tensor-parallel windowed matmuls)."""
 
 from __future__ import annotations
 
@@ -20,6 +27,10 @@ _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "afte
          "replica-id", "opt-barrier", "add-dependency",
          "slice-start"}  # an on-chip DMA into vector memory, beside the TensorCore
 _HOST_ASYNC = ("copy-start", "dynamic-slice-start", "dynamic-update-slice-start")
+OVERLAPS = ("scheduled", "dataflow")
+# Instructions that hand a value on without reading it on the TensorCore: a done's result passing
+# through them is not yet needed.
+_PLUMBING = {"get-tuple-element", "bitcast", "tuple", "copy-start", "copy-done"}
 
 
 @dataclasses.dataclass
@@ -48,9 +59,70 @@ def network_for(generation: str) -> Network:
   return NETWORKS[generation]
 
 
+def _is_done(module: hlo.Module, inst: hlo.Instruction) -> bool:
+  if inst.opcode == "copy-done":  # a host transfer's; an on-chip copy costs nothing here
+    return not _on_chip_copy(module, inst)
+  if not (inst.opcode.endswith("-done") or inst.opcode == "fusion"):
+    return False
+  if inst.opcode == "fusion":
+    root = module.root(inst.attr("calls") or "")
+    return root is not None and root.custom_call_target == "AsyncCollectiveDone"
+  return True
+
+
+def _on_chip_copy(module: hlo.Module, inst: hlo.Instruction) -> bool:
+  start = module.by_name.get(inst.operands[0]) if inst.opcode == "copy-done" and inst.operands else inst
+  return start is not None and not any(a.memory_space == hlo.HOST_MEMORY_SPACE for a in start.arrays)
+
+
+def dataflow_order(module: hlo.Module, insts: list[hlo.Instruction]) -> list[hlo.Instruction]:
+  """`insts` with each asynchronous done moved down to just before the first instruction that reads
+  its result (following tuple plumbing and on-chip copies), or to the end of the computation when
+  only its root (a loop's carried state) takes it."""
+  users: dict[str, list[int]] = {}
+  for k, inst in enumerate(insts):
+    for operand in inst.operands:
+      users.setdefault(operand, []).append(k)
+  end = len(insts)
+
+  def first_read(name: str, after: int) -> int:
+    first, seen, todo = end, set(), [name]
+    while todo:
+      for k in users.get(todo.pop(), []):
+        if k <= after or k in seen:
+          continue
+        seen.add(k)
+        user = insts[k]
+        plumbing = user.opcode in _PLUMBING and not user.is_root and (
+            user.opcode not in ("copy-start", "copy-done") or _on_chip_copy(module, user))
+        if plumbing:
+          todo.append(user.name)
+        else:
+          first = min(first, k)
+    return first
+
+  before: dict[int, list[hlo.Instruction]] = {}
+  kept: list[tuple[int, hlo.Instruction]] = []
+  for k, inst in enumerate(insts):
+    if _is_done(module, inst):
+      before.setdefault(first_read(inst.name, k), []).append(inst)
+    else:
+      kept.append((k, inst))
+  ordered: list[hlo.Instruction] = []
+  for k, inst in kept:
+    ordered.extend(before.pop(k, []))
+    ordered.append(inst)
+  for k in sorted(before):  # read by nothing after them but the root, or the root itself is a done
+    ordered.extend(before[k])
+  return ordered
+
+
 class _Builder:
-  def __init__(self, module: hlo.Module, target: StepTarget):
+  def __init__(self, module: hlo.Module, target: StepTarget, overlap: str = "scheduled"):
+    if overlap not in OVERLAPS:
+      raise UserError(f"step-time overlap {overlap!r} is not one of {', '.join(OVERLAPS)}")
     self.module = module
+    self.overlap = overlap
     self.target = target
     self.net = network_for(target.generation)
     gen = accelerators.TPU_GENERATIONS[target.generation]
@@ -60,7 +132,10 @@ class _Builder:
 
   def computation(self, name: str) -> list[Op]:
     ops: list[Op] = []
-    for inst in self.module.computations.get(name, []):
+    insts = self.module.computations.get(name, [])
+    if self.overlap == "dataflow":
+      insts = dataflow_order(self.module, insts)
+    for inst in insts:
       ops.extend(self.instruction(inst))
     return ops
 
@@ -191,6 +266,6 @@ def _static_seconds(ops: list[Op]) -> float:
              for op in ops)
 
 
-def build_program(hlo_text: str, target: StepTarget) -> list[Op]:
+def build_program(hlo_text: str, target: StepTarget, overlap: str = "scheduled") -> list[Op]:
   module = hlo.parse_module(hlo_text)
-  return _Builder(module, target).computation(module.entry)
+  return _Builder(module, target, overlap).computation(module.entry)

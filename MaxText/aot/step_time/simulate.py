@@ -3,12 +3,14 @@ order; asynchronous work (collectives, DCN exchanges, host transfers) starts on 
 its start is reached, queues behind earlier work on the same link, and costs the TensorCore
 only what is left of it when the matching done is reached: that remainder is *exposed*, the
 rest was hidden behind the compute scheduled in between. A loop body runs twice and the
-steady-state difference is extrapolated to the remaining trips."""
+steady-state difference is extrapolated to the remaining trips. On more than one slice the step
+then waits for the slowest slice: `slice_sync_share` of it per doubling of the slice count."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from typing import Any, Iterable
 
 from MaxText.aot.step_time.network import Calibration
@@ -101,12 +103,21 @@ def _loop(op: Op, st: _State, cal: Calibration) -> None:
       st.pending[key] = (end + rest * dt, started)
 
 
-def simulate(program: list[Op], cal: Calibration, model_tflops_per_device: float, peak_tflops: float) -> Prediction:
+SLICE_SYNC = "dcn:slice synchronisation"
+
+
+def simulate(program: list[Op], cal: Calibration, model_tflops_per_device: float, peak_tflops: float,
+             num_slices: int = 1) -> Prediction:
   st = _State()
   _run(program, st, cal)
   for end, started in st.pending.values():  # started but never waited for: the step ends with it
     st.expose(started, end - st.t)
     st.t = max(st.t, end)
+  if num_slices > 1 and cal.slice_sync_share > 0:
+    wait = st.t * cal.slice_sync_share * math.log2(num_slices)
+    st.seconds[SLICE_SYNC] += wait
+    st.by_op[(SLICE_SYNC, "every step", "")] += wait
+    st.t += wait
   mfu = model_tflops_per_device / st.t / peak_tflops if st.t > 0 else 0.0
   largest = sorted(st.by_op.items(), key=lambda kv: -kv[1])[:5]
   top = [(label, name, source, seconds) for (label, name, source), seconds in largest]
