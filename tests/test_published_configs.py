@@ -70,6 +70,15 @@ QWEN3_5_27B = dict(
         num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48,
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)]))
 
+# Qwen/Qwen3.5-122B-A10B and Qwen/Qwen3.5-397B-A17B: the 35B-A3B's text_config with their shapes.
+QWEN3_5_122B_A10B = dict(QWEN3_5_35B_A3B, text_config=dict(
+    QWEN3_5_35B_A3B["text_config"], hidden_size=3072, num_hidden_layers=48, num_attention_heads=32,
+    linear_num_value_heads=64, moe_intermediate_size=1024, shared_expert_intermediate_size=1024,
+    layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(48)]))
+QWEN3_5_397B_A17B = dict(QWEN3_5_35B_A3B, text_config=dict(
+    QWEN3_5_122B_A10B["text_config"], hidden_size=4096, num_hidden_layers=60, num_experts=512, num_experts_per_tok=10,
+    layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(60)]))
+
 _GEMMA4_ROPE = {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
                 "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}}
 GEMMA4_E2B = dict(  # google/gemma-4-E2B (its text_config; the towers' configs left out)
@@ -104,7 +113,9 @@ GEMMA4_26B_A4B = dict(  # google/gemma-4-26B-A4B
                                            ("gemma4-e2b", GEMMA4_E2B), ("gemma4-31b", GEMMA4_31B),
                                            ("gemma4-26b-a4b", GEMMA4_26B_A4B),
                                            ("qwen3-next-80b-a3b", QWEN3_NEXT_80B),
-                                           ("qwen3.5-35b-a3b", QWEN3_5_35B_A3B), ("qwen3.5-27b", QWEN3_5_27B)])
+                                           ("qwen3.5-35b-a3b", QWEN3_5_35B_A3B), ("qwen3.5-27b", QWEN3_5_27B),
+                                           ("qwen3.5-122b-a10b", QWEN3_5_122B_A10B),
+                                           ("qwen3.5-397b-a17b", QWEN3_5_397B_A17B)])
 def test_the_yaml_is_what_the_published_config_converts_to(model_name, hf):
   """Every key the converter sets (the architecture) has the YAML's value; YaRN's attention factor, given outright
   in a config.json or left to its formula in a YAML, scales alike."""

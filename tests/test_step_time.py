@@ -114,6 +114,14 @@ def test_dataflow_overlap_waits_where_the_result_is_first_read():
                           "eager")
 
 
+def test_the_printed_breakdown_names_the_schedules_own_step_where_it_differs():
+  dataflow, scheduled = (predict(WAITED_EARLY, ring(), overlap=o) for o in ("dataflow", "scheduled"))
+  printed = report.lines(dataflow, PEAK / 1e12, scheduled)
+  assert printed[2].startswith(f"  waiting where this compile's schedule waits: step {scheduled.step_s * 1e3:,.1f} ms")
+  same = report.lines(scheduled, PEAK / 1e12, scheduled)
+  assert not any("schedule waits" in line for line in same)
+
+
 def test_a_done_read_only_by_the_root_waits_at_the_end():
   pred = predict(f"""  %p = bf16[64,1024]{{1,0}} parameter(0)
   %ags = (bf16[64,1024]{{1,0}}, bf16[1024,1024]{{1,0}}) all-gather-start(%p), channel_id=1, replica_groups=[1,16]<=[16], dimensions={{0}}, use_global_device_ids=true
@@ -132,6 +140,9 @@ def test_slices_wait_for_the_slowest_a_share_of_the_step_per_doubling():
   assert four.step_s == pytest.approx(MATMUL_S * 1.02)  # two doublings
   assert four.seconds[simulate.SLICE_SYNC] == pytest.approx(MATMUL_S * 0.02)
   assert four.top_exposed[0][0] == simulate.SLICE_SYNC
+  printed = "\n".join(report.lines(four, PEAK / 1e12))
+  assert "exposed DCN 0.0 ms" in printed and f"slice synchronisation {MATMUL_S * 0.02 * 1e3:,.1f} ms" in printed
+  assert "exposed: " + f"{MATMUL_S * 0.02 * 1e3:,.1f} ms slice synchronisation (every step waits" in printed
 
 
 def test_a_dcn_all_reduce_across_two_slices_moves_half_the_array_each_way():

@@ -51,5 +51,8 @@ def lines(pred: simulate.Prediction, peak_tflops: float, scheduled: simulate.Pre
     out.append(f"  waiting where this compile's schedule waits: step {ms(scheduled.step_s)} -> MFU {scheduled.mfu:.1%} "
                f"(exposed ICI {ms(scheduled.exposed('ici:'))})")
   for label, name, source, seconds in pred.top_exposed:
-    out.append(f"  exposed: {ms(seconds)} {label.split(':', 1)[-1]} ({name}; {where(source)})")
+    if label == simulate.SLICE_SYNC:
+      out.append(f"  exposed: {ms(seconds)} slice synchronisation (every step waits for the slowest slice)")
+    else:
+      out.append(f"  exposed: {ms(seconds)} {label.split(':', 1)[-1]} ({name}; {where(source)})")
   return out

@@ -103,7 +103,7 @@ def _loop(op: Op, st: _State, cal: Calibration) -> None:
       st.pending[key] = (end + rest * dt, started)
 
 
-SLICE_SYNC = "dcn:slice synchronisation"
+SLICE_SYNC = "slice synchronisation"  # not DCN traffic: waiting for the slowest slice
 
 
 def simulate(program: list[Op], cal: Calibration, model_tflops_per_device: float, peak_tflops: float,
@@ -116,7 +116,7 @@ def simulate(program: list[Op], cal: Calibration, model_tflops_per_device: float
   if num_slices > 1 and cal.slice_sync_share > 0:
     wait = st.t * cal.slice_sync_share * math.log2(num_slices)
     st.seconds[SLICE_SYNC] += wait
-    st.by_op[(SLICE_SYNC, "every step", "")] += wait
+    st.by_op[(SLICE_SYNC, "", "")] += wait
     st.t += wait
   mfu = model_tflops_per_device / st.t / peak_tflops if st.t > 0 else 0.0
   largest = sorted(st.by_op.items(), key=lambda kv: -kv[1])[:5]
