@@ -214,6 +214,27 @@ ENTRY %main (p: f32[8]) -> (s32[], f32[8]) {
 """
 
 
+def test_a_batched_matmul_laid_along_a_dilated_window_counts_one_tap_per_batch_element():
+  """The TPU compiler writes a matmul batched over [32, 64] as a convolution whose two spatial
+  dimensions carry the batch: a window as wide as each, over an input dilated by as much, so one tap
+  in each window lands on an element and the rest on the dilation's holes (a DeltaNet chunk's
+  einsum, as compiled for v5p). Its work is the batched matmul's, not the window's taps."""
+  text = """HloModule m, is_scheduled=true
+
+ENTRY %main (a: f32[32,64,64,128], b: f32[32,64,64,128]) -> f32[32,64,64,64] {
+  %a = f32[32,64,64,128]{3,2,1,0} parameter(0)
+  %b = f32[32,64,64,128]{3,2,1,0} parameter(1)
+  ROOT %c = f32[32,64,64,64]{3,2,1,0} convolution(%a, %b), window={size=32x64 stride=31x63 lhs_dilate=32x64}, dim_labels=01bf_01oi->01bf
+}
+"""
+  module = hlo.parse_module(text)
+  conv = module.by_name["c"]
+  assert hlo.matmul_flops(conv, module.by_name) == 2.0 * 32 * 64 * 64 * 64 * 128
+  plain = hlo.parse_instruction(conv.text.replace(" lhs_dilate=32x64", "").replace("stride=31x63", "stride=1x1"))
+  assert plain is not None  # without the dilation every tap is on the input: 32 x 64 of them
+  assert hlo.matmul_flops(plain, module.by_name) == 2.0 * 32 * 64 * 64 * 64 * 128 * 32 * 64
+
+
 def test_an_unrolled_loop_counts_its_counter_step():
   text = UNROLLED_LOOP
   ops = program.build_program(text, ring())

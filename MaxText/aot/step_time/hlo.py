@@ -279,7 +279,8 @@ def iota_groups(group_shape: list[int], reshape: list[int], transpose: list[int]
 
 def matmul_flops(inst: Instruction, by_name: dict[str, Instruction]) -> float:
   """FLOPs of a dot or convolution (the TPU compiler writes batched matmuls as convolutions with
-  a batch dimension in a padded spatial window; a window tap past the input is padding, not work)."""
+  a batch dimension in a padded or dilated spatial window; a window tap past the input, or into
+  the holes of a dilated one, is not work)."""
   out = math.prod(inst.arrays[0].dims) if inst.arrays else 0
   operands = [by_name.get(o) for o in inst.operands[:2]]
   if not out or any(o is None or not o.arrays for o in operands):
@@ -293,12 +294,17 @@ def matmul_flops(inst: Instruction, by_name: dict[str, Instruction]) -> float:
   if not labels:
     return 0.0
   lhs_labels, rhs_labels = labels.group(1), labels.group(2)
+  dilation = re.search(r"lhs_dilate=([\dx]+)", inst.attrs)
+  lhs_dilate = [int(d) for d in dilation.group(1).split("x")] if dilation else []
   macs = 1
   for position, label in enumerate(rhs_labels):
     if label == "i":
       macs *= rhs[position]
     elif label.isdigit():
-      macs *= min(rhs[position], lhs[lhs_labels.index(label)])
+      # Of a window's taps, those on the input's elements: not past its ends (padding) nor between
+      # them (lhs dilation's holes, how the compiler lays a batch dimension along a window).
+      size, stride = lhs[lhs_labels.index(label)], lhs_dilate[int(label)] if int(label) < len(lhs_dilate) else 1
+      macs *= max(1, min(size, math.ceil(min(rhs[position], (size - 1) * stride + 1) / stride)))
   return 2.0 * out * macs
 
 
