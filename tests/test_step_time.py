@@ -235,6 +235,19 @@ ENTRY %main (a: f32[32,64,64,128], b: f32[32,64,64,128]) -> f32[32,64,64,64] {
   assert hlo.matmul_flops(plain, module.by_name) == 2.0 * 32 * 64 * 64 * 64 * 128 * 32 * 64
 
 
+def test_megablox_grouped_matmuls_are_priced_from_their_flops():
+  body = """  %x = bf16[4096,2048]{1,0} parameter(1)
+  %w = bf16[8,2048,512]{2,1,0} parameter(2)
+  %sizes = s32[8]{0} parameter(3)
+  %gmm.1 = bf16[4096,512]{1,0} custom-call(%sizes, %x, %w), custom_call_target="tpu_custom_call"
+  ROOT %tgmm.1 = bf16[8,2048,512]{2,1,0} custom-call(%sizes, %x, %gmm.1), custom_call_target="tpu_custom_call"
+"""
+  pred = predict(body, ring())
+  assert pred.seconds["kernel"] == pytest.approx(2 * 2 * 4096 * 2048 * 512 / PEAK)  # forward rows, weight gradient
+  slower = predict(body, ring(), Calibration(**{**EXACT.__dict__, "mxu_efficiency": 0.5}))
+  assert slower.seconds["kernel"] == pytest.approx(2 * pred.seconds["kernel"])
+
+
 def test_an_unrolled_loop_counts_its_counter_step():
   text = UNROLLED_LOOP
   ops = program.build_program(text, ring())

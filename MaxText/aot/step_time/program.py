@@ -247,7 +247,8 @@ class _Builder:
   def _kernel(self, inst: hlo.Instruction) -> Op:
     """A Pallas kernel priced from its shapes: splash attention's matmuls (4-D q and k operands,
     causal, forward 2 matmuls, dq 3, dkv 4) at the chip's peak, the kernel efficiency applied
-    in `simulate`; any other kernel reads and writes its operands once at HBM speed."""
+    in `simulate`; megablox's grouped matmuls from their FLOPs; any other kernel reads and writes
+    its operands once at HBM speed."""
     shapes = [self.module.by_name[o].arrays[0] for o in inst.operands
               if o in self.module.by_name and self.module.by_name[o].arrays]
     four_d = [a for a in shapes if len(a.dims) == 4]
@@ -257,8 +258,29 @@ class _Builder:
       matmuls = 4 if "dkv" in name else 3 if "dq" in name else 2
       flops = matmuls * 2 * q[0] * q[1] * q[2] * k[2] * q[3] * 0.5
       return Op("compute", inst.name, inst.source, work=Transfer("kernel", flops / self.peak), category="kernel")
+    grouped = _grouped_matmul_flops(name, shapes, inst.arrays)
+    if grouped:  # megablox: a grouped GEMM, at the MXUs' share of peak as XLA's own matmuls
+      return Op("compute", inst.name, inst.source, work=Transfer("mxu", grouped / self.peak), category="kernel",
+                flops=grouped)
     moved = sum(a.bytes for a in shapes) + inst.result_bytes
     return Op("compute", inst.name, inst.source, seconds=moved / self.net.hbm, category="kernel")
+
+def _grouped_matmul_flops(name: str, operands: list[hlo.Array], result: tuple[hlo.Array, ...]) -> float:
+  """FLOPs of a megablox kernel: `gmm` multiplies each of M rows [M, K] by its group's [K, N] of a
+  [G, K, N] weight; `tgmm` (the weight's gradient) sums rows [M, K] x [M, N] into [G, K, N]. Either
+  way 2·M·K·N, M the routed rows the kernel was compiled for."""
+  arrays = [a for a in operands if len(a.dims) >= 2]
+  if not result or not arrays:
+    return 0.0
+  out = result[0].dims
+  if name.startswith("tgmm") and len(out) == 3:
+    rows = [a for a in arrays if len(a.dims) == 2 and a.dims[1] == out[1]]
+    return 2.0 * rows[0].dims[0] * out[1] * out[2] if rows else 0.0
+  if name.startswith("gmm") and len(out) == 2:
+    weights = [a for a in arrays if len(a.dims) == 3 and a.dims[2] == out[1]]
+    return 2.0 * out[0] * weights[0].dims[1] * out[1] if weights else 0.0
+  return 0.0
+
 
 def _static_seconds(ops: list[Op]) -> float:
   """Compute and link time at the published figures, overlap aside: a conditional's branches compared."""
