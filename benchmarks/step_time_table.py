@@ -62,7 +62,8 @@ def main() -> int:
   parser.add_argument("what", choices=("compile", "table"))
   parser.add_argument("--only", default="", help="a prefix of the recipe names (e.g. v5e)")
   parser.add_argument("--slices", default="", help="only these slice counts (e.g. 1,2,32)")
-  parser.add_argument("--overlap", default="dataflow", choices=("dataflow", "scheduled"),
+  from MaxText.aot.step_time import program, report  # noqa: PLC0415
+  parser.add_argument("--overlap", default=report.OVERLAP, choices=program.OVERLAPS,
                       help="table: the reading of the overlap to fit (MaxText/aot/step_time/program.py)")
   opts = parser.parse_args()
   if opts.what == "compile":
