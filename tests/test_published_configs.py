@@ -79,6 +79,27 @@ QWEN3_5_397B_A17B = dict(QWEN3_5_35B_A3B, text_config=dict(
     QWEN3_5_122B_A10B["text_config"], hidden_size=4096, num_hidden_layers=60, num_experts=512, num_experts_per_tok=10,
     layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(60)]))
 
+# Qwen/Qwen3.5-0.8B, -4B and -9B: dense image-text checkpoints (text_config as published; vision_config kept for
+# the count check below). The 0.8B and 4B tie the output projection to the token table.
+QWEN3_5_9B = dict(
+    QWEN3_5_27B, text_config=dict(
+        QWEN3_5_27B["text_config"], hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+        num_attention_heads=16, num_key_value_heads=4, linear_num_value_heads=32,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(32)]),
+    vision_config=dict(depth=27, hidden_size=1152, in_channels=3, intermediate_size=4304, num_heads=16,
+                       num_position_embeddings=2304, out_hidden_size=4096, patch_size=16, spatial_merge_size=2,
+                       temporal_patch_size=2))
+QWEN3_5_4B = dict(
+    {k: v for k, v in QWEN3_5_9B.items() if k != "vision_config"}, tie_word_embeddings=True, text_config=dict(
+        QWEN3_5_9B["text_config"], hidden_size=2560, intermediate_size=9216, tie_word_embeddings=True))
+QWEN3_5_0_8B = dict(
+    QWEN3_5_4B, text_config=dict(
+        QWEN3_5_4B["text_config"], hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+        num_attention_heads=8, num_key_value_heads=2, linear_num_value_heads=16,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(24)]))
+# The 9B checkpoint's safetensors index gives its total size: 19,306,216,416 bytes of bfloat16.
+QWEN3_5_9B_CHECKPOINT_PARAMETERS = 19_306_216_416 // 2
+
 _GEMMA4_ROPE = {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
                 "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}}
 GEMMA4_E2B = dict(  # google/gemma-4-E2B (its text_config; the towers' configs left out)
@@ -115,7 +136,9 @@ GEMMA4_26B_A4B = dict(  # google/gemma-4-26B-A4B
                                            ("qwen3-next-80b-a3b", QWEN3_NEXT_80B),
                                            ("qwen3.5-35b-a3b", QWEN3_5_35B_A3B), ("qwen3.5-27b", QWEN3_5_27B),
                                            ("qwen3.5-122b-a10b", QWEN3_5_122B_A10B),
-                                           ("qwen3.5-397b-a17b", QWEN3_5_397B_A17B)])
+                                           ("qwen3.5-397b-a17b", QWEN3_5_397B_A17B),
+                                           ("qwen3.5-0.8b", QWEN3_5_0_8B), ("qwen3.5-4b", QWEN3_5_4B),
+                                           ("qwen3.5-9b", QWEN3_5_9B)])
 def test_the_yaml_is_what_the_published_config_converts_to(model_name, hf):
   """Every key the converter sets (the architecture) has the YAML's value; YaRN's attention factor, given outright
   in a config.json or left to its formula in a YAML, scales alike."""
@@ -124,3 +147,27 @@ def test_the_yaml_is_what_the_published_config_converts_to(model_name, hf):
   differ = {k: (converted[k], shipped[k]) for k in keys if k != "rope_attention_factor" and converted[k] != shipped[k]}
   assert not differ, f"{model_name}: (converted, shipped) differ: {differ}"
   assert rope_attention_scale(converted.model.rope) == pytest.approx(rope_attention_scale(shipped.model.rope), 1e-12)
+
+
+@pytest.mark.parametrize("model_name,hf", [("qwen3.5-0.8b", QWEN3_5_0_8B), ("qwen3.5-4b", QWEN3_5_4B),
+                                           ("qwen3.5-9b", QWEN3_5_9B)])
+def test_small_qwen3_5_counts_are_the_published_checkpoints(model_name, hf):
+  """The cards' 0.8B/4B/9B are rounded totals with the vision encoder, so the count is held to transformers' own
+  text decoder built from the published config; for the 9B, that plus the vision encoder and the
+  multi-token-prediction layer (one full-attention layer, a 2H -> H projection, three norms) is the checkpoint."""
+  torch = pytest.importorskip("torch")
+  hf_models = pytest.importorskip("transformers")
+  from tests.test_model_zoo import parameter_count
+
+  config = hf_models.Qwen3_5Config(**{k: v for k, v in hf.items() if k not in ("model_type", "architectures")})
+  with torch.device("meta"):
+    model = hf_models.Qwen3_5ForConditionalGeneration(config)
+  counts = {name: p.numel() for name, p in model.named_parameters()}
+  vision = sum(n for name, n in counts.items() if ".visual." in name)
+  text = sum(counts.values()) - vision
+  assert parameter_count(model_name)[1] == text
+  if "vision_config" in hf:
+    width = hf["text_config"]["hidden_size"]
+    full_layer = sum(n for name, n in counts.items() if ".layers.3." in name and ".visual." not in name)
+    mtp = full_layer + 2 * width * width + 3 * width
+    assert text + vision + mtp == pytest.approx(QWEN3_5_9B_CHECKPOINT_PARAMETERS, rel=1e-5)
