@@ -98,9 +98,10 @@ def pad_prompts(prompts: Sequence[Sequence[int]], length: int) -> tuple[np.ndarr
   return tokens, np.asarray([len(p) for p in prompts], np.int32)
 
 
-# A Gated DeltaNet layer's recurrent state summarises every token so far: nothing can roll it back
-# past rejected draft tokens (and nothing restarts it from shared prefix pages: Engine turns that off).
-RECURRENT_REFUSAL = ("{what} is not supported for a model with Gated DeltaNet layers (Qwen3-Next): their "
+# A Gated DeltaNet layer's recurrent state summarises every token so far. A draft model's rounds restore the
+# states from before the round and replay the accepted tokens (speculative.roll_back_recurrent); the MTP heads'
+# rounds keep no such copy, and nothing restarts a state from shared prefix pages (Engine turns that off).
+RECURRENT_REFUSAL = ("{what} is not supported for a model with Gated DeltaNet layers (Qwen3-Next, Qwen3.5): their "
                      "recurrent decode state cannot be rolled back past rejected draft tokens; {fix}")
 
 
@@ -109,11 +110,11 @@ def has_recurrent_state(cfg: ModelConfig) -> bool:
   return cfg.linear_attn.full_attention_interval > 1 or cfg.attn.attention_type == "gated_deltanet"
 
 
-def refuse_speculative(cfg: ModelConfig, role: str) -> None:
-  """Speculative decoding rolls a rejected draft token's cache entry back by position: a recurrent state cannot be."""
+def refuse_mtp_speculative(cfg: ModelConfig) -> None:
+  """Speculative decoding with the target's own MTP heads rolls rejected tokens back by position only."""
   if has_recurrent_state(cfg):
-    raise UserError(RECURRENT_REFUSAL.format(what=f"speculative decoding (speculative_tokens > 0; the {role})",
-                                             fix="set speculative_tokens=0"))
+    raise UserError(RECURRENT_REFUSAL.format(what="speculative decoding with the model's MTP heads",
+                                             fix="name a draft model (draft_model_name=...) or set speculative_tokens=0"))
 
 
 class Engine:

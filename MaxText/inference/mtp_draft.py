@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from MaxText.errors import UserError
 from MaxText.inference import paged_cache, sampling, speculative
 from MaxText.inference.engine import (DecodeState, Engine, Prefix, RowSampling, TokenLogprobs, pad_prompts,
-                                      refuse_speculative)
+                                      refuse_mtp_speculative)
 from MaxText.layers import kv_cache
 from MaxText.platform import sharding
 
@@ -67,7 +67,7 @@ class MtpSpeculativeDecoder:
     k = target.decode_cfg.speculative_tokens if speculative_tokens is None else speculative_tokens
     if k < 1:
       raise UserError(f"speculative_tokens must be >= 1 for MTP drafting, got {k}")
-    refuse_speculative(target.cfg, "target")
+    refuse_mtp_speculative(target.cfg)
     if target.cfg.mtp.mtp_num_layers < 1:
       raise UserError("MTP drafting needs a model with multi-token-prediction modules (mtp_num_layers > 0)")
     if target.decode_cfg.prefill_chunk_size:

@@ -28,6 +28,15 @@ attends, and a query at position x attends only to positions <= x (masks.cache_m
 this round or accepted earlier. So no stale key is ever read. Writes past max_target_length are
 dropped (both cache layouts); the tokens they would condition are past the stop condition.
 
+Recurrent states (Gated DeltaNet layers, in the target, the draft or both): a layer's state after
+the round's k + 1 tokens has taken in the rejected ones too, and unlike a KV cache it cannot be cut back
+by position. Such a model keeps its states from before the round, and where some slot rejected a
+proposal, runs its k + 1 tokens once more from those states with each slot's tokens after its n + 1
+accepted marked as padding, which a recurrent layer keeps out of its state (models.Transformer.decode's
+`logits_index_B`). Its KV-cache layers take the replay's writes, the same values at the same positions
+for the accepted tokens. So a round over a recurrent model costs one more pass of that model over
+k + 1 tokens, skipped when every slot accepted everything.
+
 Paged caches: before a round each engine's allocator gives every active slot pages for its next
 k + 1 positions (capped at max_target_length) and afterwards advances each slot by its own count.
 The random draws of a round come from the target state's per-slot key streams.
@@ -46,7 +55,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxText.errors import UserError
 from MaxText.inference import paged_cache, sampling
-from MaxText.inference.engine import DecodeState, Engine, Prefix, RowSampling, TokenLogprobs, refuse_speculative
+from MaxText.inference.engine import DecodeState, Engine, Prefix, RowSampling, TokenLogprobs, has_recurrent_state
+from MaxText.layers.gated_deltanet import LinearState
 from MaxText.platform import sharding
 
 
@@ -93,8 +103,6 @@ class SpeculativeDecoder:
     k = target.decode_cfg.speculative_tokens if speculative_tokens is None else speculative_tokens
     if k < 0:
       raise UserError(f"speculative_tokens must be >= 0 (0: no speculative decoding), got {k}")
-    refuse_speculative(target.cfg, "target")
-    refuse_speculative(draft.cfg, "draft")
     if draft.vocab_size != target.vocab_size:
       raise UserError(f"the draft model's vocab_size ({draft.vocab_size}) differs from the target's "
                       f"({target.vocab_size}): speculative decoding needs the same tokenizer")
@@ -104,6 +112,7 @@ class SpeculativeDecoder:
       raise UserError(f"the draft's max_target_length ({draft.cfg.max_target_length}) is below the target's "
                       f"({target.cfg.max_target_length}): the draft must cache every position the target does")
     self.target, self.draft, self.k = target, draft, k
+    self.replays = (has_recurrent_state(target.cfg), has_recurrent_state(draft.cfg))  # (target, draft)
     self.num_slots = target.num_slots
     self.acceptance = Acceptance(k)
     self.traces = {"round": 0}
@@ -193,6 +202,7 @@ class SpeculativeDecoder:
       return (proposal_T, caches), (proposal_T, q_TV)
 
     steps = (jnp.arange(k + 1, dtype=jnp.int32), jnp.moveaxis(draw_keys_TX[:, :k + 1], 1, 0))
+    draft_before = draft_caches
     (_, draft_caches), (proposals_KT, q_KTV) = jax.lax.scan(draft_step, (pending_T, draft_caches), steps)
     proposals_Tk = proposals_KT[:k].T  # the last step only wrote dk; its draw is unused
     q_TkV = jnp.moveaxis(q_KTV[:k], 0, 1)
@@ -200,12 +210,41 @@ class SpeculativeDecoder:
     tokens_TK = jnp.concatenate([pending_T[:, None], proposals_Tk], axis=1)
     positions_TK = positions_T[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
     target_caches = _with_table(state.target.caches, target_table_TM)
+    target_before = target_caches
     logits_TKV, target_caches = self.target.spec.apply_decode(target_params, tokens_TK, positions_TK, target_caches)
     out_TK, num_accepted_T, last_T, logprobs = verify(logits_TKV, q_TkV, proposals_Tk, rows, draw_keys_TX)
+    if self.replays[0]:
+      target_caches = roll_back_recurrent(self.target, target_params, tokens_TK, positions_TK, target_before,
+                                          target_caches, num_accepted_T, k)
+    if self.replays[1]:
+      draft_caches = roll_back_recurrent(self.draft, draft_params, tokens_TK, positions_TK, draft_before, draft_caches,
+                                         num_accepted_T, k)
+    # A round steps every slot; paged, a slot without pages (free, or its prompt still being prefilled in chunks)
+    # keeps its recurrent states as they were, as a plain generate step does.
+    if target_table_TM is not None:
+      target_caches = paged_cache.keep_inactive_states(target_caches, state.target.caches, target_table_TM[:, 0] >= 0,
+                                                       self.target.cfg.scan_layers)
+    if draft_table_TM is not None:
+      draft_caches = paged_cache.keep_inactive_states(draft_caches, state.draft.caches, draft_table_TM[:, 0] >= 0,
+                                                      self.draft.cfg.scan_layers)
     next_positions_T = positions_T + num_accepted_T + 1
     target = DecodeState(target_caches, next_positions_T, last_T, dataclasses.replace(rows, keys_B=keys_T))
     draft = DecodeState(draft_caches, next_positions_T, last_T, state.draft.sampling)
     return SpeculativeState(target, draft), out_TK, num_accepted_T + 1, logprobs
+
+
+def roll_back_recurrent(engine: Engine, params: Any, tokens_TK: jax.Array, positions_TK: jax.Array, before: Any,
+                        after: Any, num_accepted_T: jax.Array, k: int) -> Any:
+  """`after` (the caches once the round's k + 1 tokens went in) with every recurrent state as if only each slot's
+  first num_accepted + 1 tokens had: a replay of the tokens from the states in `before`, the rest padding.
+  Only the recurrent states are taken from `before` (small); the KV caches replayed over are `after`'s."""
+  is_state = lambda x: isinstance(x, LinearState)  # noqa: E731
+  restored = jax.tree.map(lambda old, new: old if is_state(new) else new, before, after, is_leaf=is_state)
+
+  def replay(caches: Any) -> Any:
+    return engine.spec.apply_decode(params, tokens_TK, positions_TK, caches, logits_index_B=num_accepted_T)[1]
+
+  return jax.lax.cond(jnp.all(num_accepted_T == k), lambda _: after, replay, restored)
 
 
 def round_keys(keys_T: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from MaxText.configuration.config import Config, draft_config
 from MaxText.errors import UserError
 from MaxText.inference import image_prompts, mtp_draft, sampling, speculative
-from MaxText.inference.engine import Engine, Prefix, TokenLogprobs, load_engine, refuse_speculative
+from MaxText.inference.engine import Engine, Prefix, TokenLogprobs, load_engine, refuse_mtp_speculative
 from MaxText.paths import storage
 from MaxText.platform import distributed
 
@@ -147,11 +147,12 @@ def check_draft(config: Config) -> None:
   d = config.decode
   if d.speculative_tokens <= 0:
     return
-  refuse_speculative(config.model, "target")
   if config.model.vision.use_multimodal:
     raise UserError("speculative decoding (speculative_tokens > 0) is for text models; this one has "
                     "use_multimodal=True: set speculative_tokens=0")
   named = d.draft_model_name or d.draft_load_parameters_path
+  if not named and config.model.mtp.mtp_num_layers > 0:
+    refuse_mtp_speculative(config.model)
   if not named and config.model.mtp.mtp_num_layers == 0:
     raise UserError(f"speculative_tokens={d.speculative_tokens} needs a draft model: set draft_model_name=<a "
                     "configs/models name> (draft_overrides=key=value,... to resize it) and/or "

@@ -1,7 +1,8 @@
 """Speculative decoding with a draft model (inference/speculative.py): greedy tokens equal the
 target's plain greedy decoding (dense and paged caches, scanned and unrolled layers, k = 1 and 3,
 up to max_target_length), a draft equal to the target accepts everything, sampled first tokens
-follow the target's distribution (chi-square), and bad input is refused (a Gated DeltaNet model too)."""
+follow the target's distribution (chi-square), Gated DeltaNet models (target, draft or both) roll their
+recurrent states back, and bad input is refused."""
 
 from __future__ import annotations
 
@@ -151,23 +152,38 @@ def test_bad_input_is_refused():
     speculative.SpeculativeDecoder(target, Engine(Config.for_testing(**DRAFT), num_slots=3, mesh=mesh))
 
 
-def test_a_gated_deltanet_model_refuses_speculative_decoding_in_one_line():
-  """A recurrent state (Qwen3-Next's Gated DeltaNet layers) can neither be rolled back past rejected
-  draft tokens: speculative decoding is refused before it could decode wrongly."""
+@pytest.mark.parametrize("roles", ["target", "draft", "both"])
+def test_gated_deltanet_models_decode_speculatively_as_plain_greedy(roles):
+  """A recurrent state (Qwen3-Next's Gated DeltaNet layers) cannot be cut back by position: a round restores the
+  states from before it and replays the accepted tokens (speculative.roll_back_recurrent). A random draft gets
+  rejections (the replay), the target as its own draft none (the replay skipped); greedy output is the target's."""
   mesh = one_device_mesh()
-  recurrent = Engine(Config.for_testing(**QWEN3_NEXT), num_slots=2, mesh=mesh)
-  plain = Engine(Config.for_testing(**DRAFT), num_slots=2, mesh=mesh)
-  refused = r"^speculative decoding \(speculative_tokens > 0; the {}\) is not supported for a model with Gated " \
-            r"DeltaNet layers \(Qwen3-Next\).*; set speculative_tokens=0$"
-  with pytest.raises(UserError, match=refused.format("target")):
-    speculative.SpeculativeDecoder(recurrent, plain)
-  with pytest.raises(UserError, match=refused.format("draft")):
-    speculative.SpeculativeDecoder(plain, recurrent)
-  with pytest.raises(UserError, match=refused.format("target")):
-    mtp_draft.MtpSpeculativeDecoder(recurrent, 2)
-  with pytest.raises(UserError, match=refused.format("target")):  # decode.py and the server, before loading
-    speculative_engine.check_draft(Config.for_testing(**QWEN3_NEXT, speculative_tokens=2, draft_model_name="x"))
+  recurrent_cfg = Config.for_testing(**dict(QWEN3_NEXT, max_target_length=24, max_prefill_predict_length=8))
+  plain_cfg = Config.for_testing(**dict(DRAFT, vocab_size=recurrent_cfg.model.vocab_size))
+  target = Engine(recurrent_cfg if roles != "draft" else plain_cfg, num_slots=3, mesh=mesh)
+  draft = Engine(recurrent_cfg if roles != "target" else plain_cfg, num_slots=3, mesh=mesh)
+  target_params, draft_params = target.load_params(seed=1), draft.load_params(seed=2)
+  expected = engine_tokens(target, target_params, PROMPTS, 12)
+  decoder = speculative.SpeculativeDecoder(target, draft, 3)
+  assert decoder.replays == (roles != "draft", roles != "target")
+  assert speculative.generate(decoder, target_params, draft_params, PROMPTS, 12) == expected
+  assert decoder.metrics()["acceptance_rate"] < 1.0
+  if roles == "both":
+    itself = speculative.SpeculativeDecoder(target, target, 3)
+    assert speculative.generate(itself, target_params, target_params, PROMPTS, 12) == expected
+    assert itself.metrics()["acceptance_rate"] == 1.0
 
+
+def test_mtp_drafting_of_a_gated_deltanet_model_is_refused_in_one_line():
+  """The MTP heads' rounds roll back by position only; with a recurrent target they are refused before decoding."""
+  recurrent = Engine(Config.for_testing(**QWEN3_NEXT), num_slots=2, mesh=one_device_mesh())
+  refused = r"^speculative decoding with the model's MTP heads is not supported for a model with Gated DeltaNet " \
+            r"layers \(Qwen3-Next, Qwen3.5\).*; name a draft model \(draft_model_name=...\) or set speculative_tokens=0$"
+  with pytest.raises(UserError, match=refused):
+    mtp_draft.MtpSpeculativeDecoder(recurrent, 2)
+  with pytest.raises(UserError, match=refused):  # decode.py and the server, before loading
+    speculative_engine.check_draft(Config.for_testing(**QWEN3_NEXT, speculative_tokens=2, mtp_num_layers=1))
+  speculative_engine.check_draft(Config.for_testing(**QWEN3_NEXT, speculative_tokens=2, draft_model_name="x"))
 
 
 def test_a_gated_deltanet_model_is_served_without_prefix_caching(capsys):

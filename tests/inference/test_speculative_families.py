@@ -1,7 +1,8 @@
 """Speculative decoding on every family: each family's tiny reference model (its HF weights, converted) as the
 target and a randomly initialised model of the same family as the draft; speculative greedy tokens equal the
-target's plain greedy tokens, past every window and chunk boundary of the reference configs, with the paged cache
-on every other family. Two cases run in the default suite, the rest under -m slow."""
+target's plain greedy tokens, past every window and chunk boundary of the reference configs (the Gated DeltaNet
+families roll their recurrent states back by a replay), with the paged cache on every other family. One case runs
+in the default suite, the rest under -m slow."""
 
 from __future__ import annotations
 
@@ -15,12 +16,9 @@ PROMPTS = [[5, 17, 42, 7, 99, 3, 64, 20, 11], [101, 2, 33, 8]]
 NEW_TOKENS, TARGET, PREFILL = 14, 32, 12
 hf = pytest.importorskip("hf_families", reason="needs torch and transformers (EXTRAS=test bash setup.sh)")
 DEFAULT = {"llama4"}  # chunked attention, NoPE global layers and an MoE
-# Families speculative decoding refuses (tests/inference/test_speculative.py checks the refusal): those with
-# Gated DeltaNet layers, whose recurrent state cannot roll back past rejected tokens.
-NO_DECODE = {f for f in hf.FAMILIES if "linear_num_key_heads" in hf.REFERENCE_CONFIGS[f]}
 CASES = [pytest.param(family, i % 2 == 1, id=f"{family}-{'paged' if i % 2 else 'dense'}",
                       marks=[] if family in DEFAULT else [pytest.mark.slow])
-         for i, family in enumerate(f for f in hf.FAMILIES if f not in NO_DECODE)]
+         for i, family in enumerate(hf.FAMILIES)]
 
 
 @pytest.mark.parametrize("family,paged", CASES)

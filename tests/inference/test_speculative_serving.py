@@ -1,6 +1,7 @@
 """Speculative decoding through the server's scheduler (inference/speculative_engine.py): greedy
 jobs get the tokens, log-probabilities and top alternatives the plain scheduler gives them (dense
-and paged caches, chunked prefill and prefix caching, a llama-style, an MoE and an MLA family),
+and paged caches, chunked prefill and prefix caching, a llama-style, an MoE, an MLA and a Gated DeltaNet
+family),
 max_tokens and end-of-sequence tokens cut a round short, a sampled job's reported scores are the
 target's for the tokens it got, every page comes back, the acceptance counters count; the draft's
 config and each bad input's one-line error."""
@@ -20,7 +21,7 @@ from MaxText.inference import speculative, speculative_engine
 from MaxText.inference.engine import Engine
 from MaxText.inference.sampling import RowParams
 from decode_test_utils import one_device_mesh
-from test_paged_cache import INTERLEAVED, MLA
+from test_paged_cache import INTERLEAVED, MLA, QWEN3_NEXT
 from test_speculative import DRAFT, TARGET
 
 PROMPTS = [[3, 9, 27], [100], [1, 2, 3, 4, 5, 6, 7, 8], [3, 9, 27, 4], [50, 60]]
@@ -82,6 +83,9 @@ CASES = {
                                    dict(DRAFT, **PAGED, prefill_chunk_size=4, prefix_caching=True)),
     "moe_paged": (dict(INTERLEAVED, **PAGED), None),
     "mla_dense": (MLA, None),
+    # Gated DeltaNet states roll back by a replay each round (speculative.roll_back_recurrent), and carry across
+    # prefill chunks; prefix caching is off for a recurrent model (the engine turns it off).
+    "qwen3_next_paged_chunked": (dict(QWEN3_NEXT, **PAGED, prefill_chunk_size=4), None),
 }
 
 
@@ -108,7 +112,7 @@ def check_equal_to_plain(case: str) -> None:
   print(f"{case}: acceptance {load['speculative_accepted'] / load['speculative_proposed']:.2f}")
 
 
-@pytest.mark.parametrize("case", ["llama_dense", "llama_paged_chunked_prefix"])
+@pytest.mark.parametrize("case", ["llama_dense", "llama_paged_chunked_prefix", "qwen3_next_paged_chunked"])
 def test_greedy_jobs_get_the_plain_schedulers_tokens_and_scores(case):
   check_equal_to_plain(case)
 
