@@ -139,6 +139,24 @@ def test_sequence_parallel_candidates_on_the_chunked_kernel_are_flagged():
                                                context_parallel_load_balance=True)).caveats  # the whole 256
 
 
+MOE = dict(SMALL, num_experts=16, num_experts_per_tok=4, sparse_matmul=True, capacity_factor=-1.0, base_mlp_dim=512,
+           per_device_batch_size=8, remat_policy="full", ici_expert_parallelism=4)
+
+
+@pytest.mark.parametrize("buffer_factor", [-1.0, pytest.param(2.0, marks=pytest.mark.slow)])
+def test_analytical_memory_counts_the_expert_exchange_buffers(buffer_factor, monkeypatch):
+  """Dropless expert parallelism sizes each device's receive buffer for every peer's rows (or, with
+  moe_ragged_buffer_factor, that many even shares): the estimate holds the compiled heap with those buffers, and
+  falls short of it without them."""
+  overrides = dict(MOE, moe_ragged_buffer_factor=buffer_factor)
+  compiled = plan.compile_figures(argv(compile_topology="v5p-8", **overrides))
+  assert compiled["status"] == "compiled"
+  low, high = MEMORY_TOLERANCE
+  assert low * compiled["total"] <= analytic("v5p-8", **overrides).total <= high * compiled["total"]
+  monkeypatch.setattr(plan_model, "MOE_EXCHANGE_COPIES", 0)
+  assert analytic("v5p-8", **overrides).total < low * compiled["total"]
+
+
 def test_moe_experts_may_span_slices(monkeypatch):
   topology = accelerators.tpu_topology("v5e-8")
   config = config_lib.Config.for_testing(target=topology.target(2), run_name="t", num_experts=4,

@@ -248,6 +248,34 @@ def test_megablox_grouped_matmuls_are_priced_from_their_flops():
   assert slower.seconds["kernel"] == pytest.approx(2 * pred.seconds["kernel"])
 
 
+def test_a_ragged_all_to_all_moves_the_rows_it_sends_not_its_worst_case_receive_buffer():
+  """Expert parallelism's ragged exchanges: the dispatch's result is a receive buffer for every peer's rows (here 16
+  times the sender's), and the combine sends from that buffer; the links carry the rows that fit the smaller
+  buffer. A fixed all-to-all of the worst-case buffer moves all of it."""
+  rows, width = 4096, 2048
+  body = f"""  %rows = bf16[{rows},{width}]{{1,0}} parameter(1)
+  %buffer = bf16[{16 * rows},{width}]{{1,0}} parameter(2)
+  %in_off = s64[16]{{0}} parameter(3)
+  %send = s64[16]{{0}} parameter(4)
+  %out_off = s64[16]{{0}} parameter(5)
+  %recv = s64[16]{{0}} parameter(6)
+  ROOT %r = bf16[{16 * rows},{width}]{{1,0}} ragged-all-to-all(%rows, %buffer, %in_off, %send, %out_off, %recv), channel_id=1, replica_groups=[1,16]<=[16]"""
+  pred = predict(body, ring())
+  sent = collective_transfer("ragged-all-to-all", rows * width * 2, list(range(16)), ring(), V5E).seconds(EXACT)
+  assert pred.seconds == {"ici:ragged-all-to-all over fsdp": pytest.approx(sent)}
+  # The combine: the worst-case buffer is the operand, the rows coming home fit the result.
+  combine = f"""  %buffer = bf16[{16 * rows},{width}]{{1,0}} parameter(1)
+  %home = bf16[{rows},{width}]{{1,0}} parameter(2)
+  %in_off = s64[16]{{0}} parameter(3)
+  %send = s64[16]{{0}} parameter(4)
+  %out_off = s64[16]{{0}} parameter(5)
+  %recv = s64[16]{{0}} parameter(6)
+  ROOT %r = bf16[{rows},{width}]{{1,0}} ragged-all-to-all(%buffer, %home, %in_off, %send, %out_off, %recv), channel_id=1, replica_groups=[1,16]<=[16]"""
+  assert predict(combine, ring()).seconds == {"ici:ragged-all-to-all over fsdp": pytest.approx(sent)}
+  fixed = collective_transfer("all-to-all", 16 * rows * width * 2, list(range(16)), ring(), V5E).seconds(EXACT)
+  assert fixed == pytest.approx(16 * sent)
+
+
 def test_an_unrolled_loop_counts_its_counter_step():
   text = UNROLLED_LOOP
   ops = program.build_program(text, ring())

@@ -59,6 +59,10 @@ LINKS: dict[str, Links] = {
 # With optimizer_memory_host_offload the update still copies the moments to the device; the
 # share of them live there at once, fitted to compiles of llama2-7b on v5e-4 (getting_started/Planner.md).
 OFFLOADED_OPTIMIZER_ON_DEVICE = 0.7
+# Row-sized arrays ([rows, emb_dim]) of the expert exchange's receive buffer that one layer holds at once: the
+# received rows, their sorted and returned copies, the grouped matmuls' outputs and, backward, their gradients;
+# counted from XLA's buffer assignments of expert-parallel Qwen3-Next 80B compiles (getting_started/Planner.md).
+MOE_EXCHANGE_COPIES = 12
 SEARCHED_POLICIES = tuple(p.name for p in remat_policies.REMAT_POLICIES if p.searched_by_planner)
 
 # Keys a candidate sets; a key the user gives is held fixed instead.
@@ -158,6 +162,29 @@ def _widths(cfg: ModelConfig) -> dict[remat_policies.Width, float]:
           "attn": cfg.num_query_heads * cfg.head_dim, "norms": 2 * cfg.emb_dim, "mlp_act": mlp}
 
 
+def expert_layers(cfg: ModelConfig) -> int:
+  """Decoder layers with routed experts (a hybrid stack's Gated DeltaNet layers have them too)."""
+  if cfg.moe.num_experts <= 1:
+    return 0
+  return cfg.num_decoder_layers if cfg.linear_attn.full_attention_interval > 1 else cfg.num_moe_stack_layers
+
+
+def moe_exchange_rows(cfg: ModelConfig, experts: int, tokens: float) -> tuple[float, float]:
+  """(rows of one device's receive buffer, rows it sends) per layer under expert parallelism's all-to-all
+  dispatch (layers/moe_dispatch.py), for `tokens` tokens on the device; (0, 0) without it."""
+  moe = cfg.moe
+  if moe.num_experts <= 1 or experts <= 1 or moe.moe_dispatch != "all_to_all":
+    return 0.0, 0.0
+  routed = tokens * moe.num_experts_per_tok
+  if not moe.sparse_matmul:  # capacity slots, sent and received whole: C = capacity_factor·L·k / E per expert, or L
+    slots = routed * moe.capacity_factor if moe.capacity_factor > 0 else tokens * moe.num_experts
+    return slots, slots
+  if moe.moe_ragged_buffer_factor > 0:
+    return moe.moe_ragged_buffer_factor * routed, routed
+  # Dropless: sized for every peer's tokens landing here, each at most once per local expert.
+  return experts * tokens * min(moe.num_experts_per_tok, max(1, moe.num_experts // experts)), routed
+
+
 def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelerators.TpuTopology, num_slices: int,
              seq_len: int, rules: sharding.Rules, attention_kernel: str) -> Estimate:
   """The analytical estimate of one candidate (its keys resolved: every degree, batch, policy)."""
@@ -192,7 +219,8 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   shard_group = chips // (mesh_shape["data"] * mesh_shape["stage"])
   gathered = model.layer_params * 2 * 2 / max(1, mesh_shape["tensor"] * mesh_shape["expert"])  # two layers in flight
   gathered = gathered if shard_group > 1 else 0.0
-  activations = saved + working + logits + gathered
+  exchange_rows, routed_rows = moe_exchange_rows(cfg, mesh_shape["expert"], working_tokens)
+  activations = saved + working + logits + gathered + exchange_rows * cfg.emb_dim * act_bytes * MOE_EXCHANGE_COPIES
   # Gradients arrive layer by layer as the saved activations are freed: the step needs the larger
   # of the two, plus the running sum when it accumulates microbatches.
   accumulated = gradients if accumulation > 1 else 0.0
@@ -220,6 +248,10 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   # Tensor and sequence parallelism exchange activations inside each layer, on the critical path.
   critical = accumulation * layers * 6 * ring(tokens * tensor * cfg.emb_dim * act_bytes, tensor)
   critical += accumulation * layers * 3 * ring(tokens * seq * 2 * cfg.num_kv_heads * cfg.head_dim * act_bytes, seq)
+  # Expert parallelism's dispatch and combine all-to-alls, forward and backward, wait for their rows.
+  ici_experts = int(candidate.get(MeshAxis.EXPERT.ici_key, 1))
+  critical += accumulation * expert_layers(cfg) * 4 * ring(routed_rows * cfg.emb_dim * act_bytes, ici_experts) * max(
+      1.0, ici_experts / 4)  # bisection-bound on a ring, as the step-time model prices an all-to-all
   # Stage boundaries pass each microbatch's activations forward and their gradients back.
   stage_bytes = 2 * pdb * seq_len * stages * cfg.emb_dim * act_bytes * pipe.repeats if stages > 1 else 0.0
   dcn_stages = int(candidate.get(MeshAxis.STAGE.dcn_key, 1))
@@ -230,9 +262,8 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   dcn_exposed = stage_bytes if dcn_stages > 1 else 0.0
   dcn_experts = int(candidate.get(MeshAxis.EXPERT.dcn_key, 1))
   if dcn_experts > 1 and cfg.moe.num_experts > 1:  # dispatch and combine all-to-alls, forward and backward
-    moe_layers = layers - cfg.num_dense_layers
     dcn_exposed += 4 * ring(tokens * accumulation * cfg.moe.num_experts_per_tok * cfg.emb_dim * act_bytes,
-                            dcn_experts) * moe_layers
+                            dcn_experts) * expert_layers(cfg)
   if num_slices > 1:
     dcn_fsdp = int(candidate.get(MeshAxis.FSDP.dcn_key, 1))
     dcn_bytes += 2 * ring(params * 2, int(candidate.get(MeshAxis.DATA.dcn_key, 1)))  # gradient all-reduce

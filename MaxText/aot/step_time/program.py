@@ -207,7 +207,11 @@ class _Builder:
   def _collective(self, inst: hlo.Instruction, kind: str, key: str, source: str, as_kind: str = "") -> Op:
     opcode = as_kind or hlo.base_opcode(inst.opcode)
     arrays = [a.bytes for a in inst.arrays]
-    if inst.opcode.endswith("-start") or opcode in ("all-gather", "collective-permute"):
+    if opcode == "ragged-all-to-all":
+      # One of its buffers is sized for the worst case (every peer's rows landing on one device): the result
+      # where it dispatches, the operand where it combines. The rows that cross the links fit the smaller one.
+      size = min(self._operand_bytes(inst) or max(arrays, default=0), max(arrays, default=0))
+    elif inst.opcode.endswith("-start") or opcode in ("all-gather", "collective-permute"):
       size = max(arrays, default=0)  # a start's tuple holds the operand and the result
     else:
       size = sum(arrays)
@@ -220,6 +224,11 @@ class _Builder:
       work = collective_transfer(opcode, size, groups[0], self.target, self.net)
     return Op(kind, inst.name, source, work=work, key=key,
               category=f"{work.resource}:{opcode.removesuffix('-full')}")
+
+  def _operand_bytes(self, inst: hlo.Instruction) -> int:
+    """The bytes of an instruction's first operand (0 where it is not in the module)."""
+    operand = self.module.by_name.get(inst.operands[0]) if inst.operands else None
+    return operand.arrays[0].bytes if operand is not None and operand.arrays else 0
 
   def _inner_collective(self, inst: hlo.Instruction) -> hlo.Instruction | None:
     inner = [c for callee in inst.callees for c in self.module.collectives_inside(callee)]
