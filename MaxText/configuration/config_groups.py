@@ -501,6 +501,7 @@ class DecodeConfig:
   kv_num_pages: int = key()  # 0: as many as slots x pages per slot (the dense capacity)
   prefill_chunk_size: int = key()  # paged serving: prompt tokens prefilled per step; 0 = a whole prompt at once
   prefix_caching: bool = key()  # paged serving: full prompt pages shared between requests with the same prefix
+  prefix_state_snapshots: int = key()  # recurrent models' states kept at page boundaries; -1: 2 per slot, 0: none
   speculative_tokens: int = key()  # speculative decoding: draft tokens proposed per round; 0 = off
   draft_model_name: str = key()  # the draft's configs/models/<name>.yml ("" = saved beside its checkpoint)
   draft_load_parameters_path: str = key()  # the draft's parameters
@@ -513,6 +514,8 @@ class DecodeConfig:
     _require(v["kv_page_size"] >= 1, f"kv_page_size must be >= 1, got {v['kv_page_size']}")
     _require(v["kv_num_pages"] >= 0, f"kv_num_pages must be >= 0 (0: enough for every slot at max_target_length), "
              f"got {v['kv_num_pages']}")
+    _require(v["prefix_state_snapshots"] >= -1, f"prefix_state_snapshots must be >= -1 (-1: 2 per slot, 0: none), "
+             f"got {v['prefix_state_snapshots']}")
     _require(v["prefill_chunk_size"] >= 0, f"prefill_chunk_size must be >= 0 (0: no chunking), got "
              f"{v['prefill_chunk_size']}")
     _require(v["prefill_chunk_size"] == 0 or v["kv_cache_layout"] == "paged",

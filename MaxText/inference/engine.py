@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -44,7 +45,7 @@ from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.errors import UserError
-from MaxText.inference import image_prompts, paged_cache, sampling
+from MaxText.inference import image_prompts, paged_cache, sampling, state_snapshots
 from MaxText.layers import kv_cache
 
 
@@ -141,13 +142,19 @@ class Engine:
     quantized = self.decode_cfg.quantize_kvcache
     self.paged = self.decode_cfg.kv_cache_layout == "paged"
     self.pages: paged_cache.PageAllocator | None = None
+    # A recurrent layer's state after a shared prefix is not in its pages: snapshots of it at page boundaries.
+    self.snapshots: state_snapshots.SnapshotIndex | None = None
+    self._restore_rows: dict[int, tuple[int, int]] = {}  # slot -> (where its prefill starts, snapshot row)
     if self.paged and self.decode_cfg.prefix_caching and has_recurrent_state(self.cfg):
-      # Shared prefix pages cannot restore a recurrent state, and prefix caching is on by default with
-      # the paged cache: such a model is served without it (as decode is dropless above), said once.
-      self.decode_cfg = dataclasses.replace(self.decode_cfg, prefix_caching=False)
-      if jax.process_index() == 0:
-        print("engine: prefix_caching is off for this model: its Gated DeltaNet layers keep a recurrent state "
-              "that shared prefix pages cannot restore", flush=True)
+      capacity = self.decode_cfg.prefix_state_snapshots
+      capacity = 2 * num_slots if capacity < 0 else capacity
+      if capacity:
+        self.snapshots = state_snapshots.SnapshotIndex(capacity)
+      else:  # prefix caching is on by default with the paged cache: turned off, said once
+        self.decode_cfg = dataclasses.replace(self.decode_cfg, prefix_caching=False)
+        if jax.process_index() == 0:
+          print("engine: prefix_caching is off for this model: its Gated DeltaNet layers keep a recurrent state, and "
+                "prefix_state_snapshots=0 keeps no snapshots of it for shared prefixes to start from", flush=True)
     if self.paged:
       self.num_pages = self._check_num_pages()
       self.pages = self._new_allocator()
@@ -180,6 +187,14 @@ class Engine:
     self._extend = jax.jit(self._extend_fn, donate_argnums=(1,),
                            out_shardings=(self.state_shardings, (replicated, TokenLogprobs(replicated, replicated,
                                                                                            replicated))))
+    if self.snapshots is not None:
+      stacked = self.cfg.scan_layers
+      self._snapshot_pool = state_snapshots.empty_pool(abstract_caches, self.snapshots.capacity, stacked)
+      self._save_snapshot = jax.jit(functools.partial(state_snapshots.save, stacked=stacked), donate_argnums=(0,))
+      self._restore_snapshot = jax.jit(
+          lambda state, pool, slot, row: dataclasses.replace(
+              state, caches=state_snapshots.restore(state.caches, pool, slot, row, stacked)),
+          donate_argnums=(0,), out_shardings=self.state_shardings)
 
   # ---------------------------------------------------------------- public API
   def load_params(self, path: str | None = None, seed: int = 0) -> Any:
@@ -191,6 +206,9 @@ class Engine:
     """Empty caches for every slot, born sharded (paged: every page free again)."""
     if self.paged:
       self.pages = self._new_allocator()
+    if self.snapshots is not None:  # the snapshots named pages of the old index
+      self.snapshots = state_snapshots.SnapshotIndex(self.snapshots.capacity)
+      self._restore_rows.clear()
     return self._init_state(jnp.uint32(seed))
 
   def prefill(self, params: Any, prompts: Sequence[Sequence[int]], seed: int = 0,
@@ -251,8 +269,14 @@ class Engine:
       raise UserError(f"a prompt of {len(prompt)} tokens does not fit max_target_length={self.cfg.max_target_length} "
                       "with room to generate")
     runs = image_prompts.image_runs(prompt, self.cfg.vision, images)
-    return self.pages.assign(slot, len(prompt), active=False, prompt=prompt,
-                             salts=image_prompts.page_salts(runs, images, self.pages.page_size), runs=runs)
+    salts = image_prompts.page_salts(runs, images, self.pages.page_size)
+    start = self.pages.assign(slot, len(prompt), active=False, prompt=prompt, salts=salts, runs=runs)
+    self._restore_rows.pop(slot, None)
+    if self.snapshots is not None and start:  # assign shared pages only up to a boundary with a snapshot
+      row = self.snapshots.lookup(self._boundary_digest(prompt, start, salts))
+      assert row is not None
+      self._restore_rows[slot] = (start, row)
+    return start
 
   def prefill_chunk(self, params: Any, state: DecodeState, slot: int, prompt: Sequence[int], start: int,
                     row_params: sampling.RowParams | None = None, seed: int = 0,
@@ -270,6 +294,16 @@ class Engine:
       chunk = min(1 << max(len(prompt) - start - 1, 0).bit_length(), self.decode_cfg.max_prefill_predict_length)
     runs = image_prompts.image_runs(prompt, self.cfg.vision, images)
     end = image_prompts.chunk_end(start, min(start + chunk, len(prompt)), runs)
+    assert self.pages is not None
+    page_size = self.pages.page_size
+    if self.snapshots is not None:
+      restore = self._restore_rows.pop(slot, None)
+      if restore is not None and restore[0] == start:  # the shared prefix's recurrent states, not zeros
+        state = self._restore_snapshot(state, self._snapshot_pool, jnp.int32(slot), jnp.int32(restore[1]))
+      # A chunk stops at the prompt's last page boundary, so the states there are kept for later prompts.
+      boundary = len(prompt) // page_size * page_size
+      if start < boundary < end and image_prompts.chunk_end(start, boundary, runs) > start:
+        end = image_prompts.chunk_end(start, boundary, runs)
     tokens = list(prompt[start:end])
     pixels = image_prompts.images_within(images, runs, start, end)
     row = row_params or sampling.RowParams.from_strategy(self.sampling, seed)
@@ -277,11 +311,14 @@ class Engine:
                        jnp.asarray([row.top_k], jnp.int32), jnp.asarray([row.seed % 2**32], jnp.uint32))
     tokens_1C = np.zeros((1, chunk), np.int32)
     tokens_1C[0, :len(tokens)] = tokens
-    assert self.pages is not None
     with sharding.activation_sharding(self.mesh, self.rules):
       state, first = self._extend(params, state, jnp.asarray(tokens_1C), jnp.int32(start), jnp.int32(len(tokens)),
                                   jnp.int32(slot), jnp.asarray(self.pages.table[slot][None]), rows,
                                   None if pixels is None else jnp.asarray(pixels))
+    if self.snapshots is not None and end % page_size == 0:
+      salts = image_prompts.page_salts(runs, images, page_size)
+      kept = self.snapshots.reserve(self._boundary_digest(prompt, end, salts))
+      self._snapshot_pool = self._save_snapshot(self._snapshot_pool, state.caches, jnp.int32(slot), jnp.int32(kept))
     if end < len(prompt):
       return state, end, None
     self.pages.activate(slot, prompt, image_prompts.page_salts(runs, images, self.pages.page_size))
@@ -355,8 +392,22 @@ class Engine:
     return num_pages
 
   def _new_allocator(self) -> paged_cache.PageAllocator:
-    return paged_cache.PageAllocator(self.num_pages, self.decode_cfg.kv_page_size, self.num_slots,
-                                     self.cfg.max_target_length, self.decode_cfg.prefix_caching)
+    pages = paged_cache.PageAllocator(self.num_pages, self.decode_cfg.kv_page_size, self.num_slots,
+                                      self.cfg.max_target_length, self.decode_cfg.prefix_caching)
+    if self.snapshots is not None:
+      pages.usable_pages = self._pages_with_snapshot
+    return pages
+
+  def _boundary_digest(self, prompt: Sequence[int], end: int, salts: Mapping[int, bytes] | None) -> bytes:
+    """The chain hash of the page that ends at token `end` (a page boundary) of `prompt`."""
+    assert self.pages is not None and self.pages.index is not None
+    return self.pages.index.chain(prompt, end // self.pages.page_size, salts)[-1]
+
+  def _pages_with_snapshot(self, prompt: Sequence[int], salts: Mapping[int, bytes] | None, matched: int) -> int:
+    """Of `matched` leading shared pages, how many end at a boundary whose recurrent states were kept."""
+    assert self.pages is not None and self.pages.index is not None and self.snapshots is not None
+    digests = self.pages.index.chain(prompt, matched, salts)
+    return next((n for n in range(matched, 0, -1) if self.snapshots.has(digests[n - 1])), 0)
 
   def _empty_caches(self) -> Any:
     quantized = self.decode_cfg.quantize_kvcache

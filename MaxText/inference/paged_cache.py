@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,21 @@ class PageAllocator:
     self.index = prefix_cache.PrefixIndex(page_size) if prefix_caching else None
     self.positions = np.zeros(num_slots, np.int64)  # where each slot's pending token is written
     self.active = np.zeros(num_slots, bool)
+    # (prompt, salts, matched page count) -> how many of them a request may share; None: all. A model with
+    # recurrent layers shares only up to a page boundary where it kept their states (state_snapshots.py).
+    self.usable_pages: Callable[[Sequence[int], Mapping[int, bytes] | None, int], int] | None = None
+
+  def _match(self, prompt: Sequence[int], prompt_length: int, salts: Mapping[int, bytes] | None = None,
+             runs: Sequence[tuple[int, int]] = ()) -> list[int]:
+    """The indexed pages a prompt may share: its leading full pages (one token always left to compute), never
+    ending inside an image run, and only as many as `usable_pages` allows."""
+    assert self.index is not None
+    shared = self.index.match(prompt, (prompt_length - 1) // self.page_size, salts)
+    shared = shared[:image_prompts.whole_runs_start(len(shared) * self.page_size, runs, self.page_size)
+                    // self.page_size]
+    if shared and self.usable_pages is not None:
+      shared = shared[:self.usable_pages(prompt, salts, len(shared))]
+    return shared
 
   def pages_for(self, tokens: int) -> int:
     """Pages that hold `tokens` cached tokens (capped at max_target_length)."""
@@ -65,7 +80,7 @@ class PageAllocator:
     (admission counts such a page once; an unheld cached page is an allocation like a free one)."""
     if self.index is None or not prompt:
       return 0
-    return sum(1 for page in self.index.match(prompt, (len(prompt) - 1) // self.page_size) if self.refs[page] > 0)
+    return sum(1 for page in self._match(prompt, len(prompt)) if self.refs[page] > 0)
 
   def committed(self, final_pages: Mapping[int, int]) -> int:
     """Pages held now, a shared one once, plus what each slot of `final_pages` (slot -> pages it
@@ -83,11 +98,7 @@ class PageAllocator:
     prefix caching and the prompt's tokens given; at least one token is always left to compute).
     `active=False`: the prompt is still being prefilled in chunks; `activate` once it is cached.
     An image prompt gives its pages' `salts` and image `runs`: no shared prefix ends inside a run."""
-    shared = []
-    if self.index is not None and prompt is not None:
-      shared = self.index.match(prompt, (prompt_length - 1) // self.page_size, salts)
-      shared = shared[:image_prompts.whole_runs_start(len(shared) * self.page_size, runs, self.page_size)
-                      // self.page_size]
+    shared = self._match(prompt, prompt_length, salts, runs) if self.index is not None and prompt is not None else []
     need = self.pages_for(prompt_length) - len(shared)
     releasable = sum(1 for p in self.table[slot] if p >= 0 and self.refs[p] == 1)
     parked_shared = sum(1 for p in shared if self.index is not None and self.index.is_parked(p))

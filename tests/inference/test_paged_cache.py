@@ -53,7 +53,7 @@ QWEN3_NEXT = dict(TINY, decoder_block="qwen3_next", base_num_decoder_layers=4, f
                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
                   linear_conv_kernel_dim=4, linear_attention_chunk_size=4, attention_output_gate=True,
                   use_qk_norm=True, partial_rotary_factor=0.5, normalization_type="rms_plus_one",
-                  prefix_caching=False)  # the engine would turn it off: a recurrent state cannot restart from cached pages
+                  prefix_caching=False)  # tests of prefix caching turn it on (its recurrent states: state_snapshots.py)
 # Qwen3.5: the same stack as qwen3_5 (a dense MLP, as above) and as qwen3_5_moe (routed experts and a gated shared one).
 QWEN3_5 = dict(QWEN3_NEXT, decoder_block="qwen3_5")
 QWEN3_5_MOE = dict(QWEN3_NEXT, decoder_block="qwen3_5_moe", base_mlp_dim=32, num_experts=4, num_experts_per_tok=2,
@@ -400,21 +400,28 @@ def test_the_allocator_shares_full_prefix_pages_keeps_them_when_unheld_and_evict
   assert pages.assign(0, 5, prompt=first) == 0  # evicted: computed again
 
 
-@pytest.mark.parametrize("scan_layers,num_pages", [(True, 24), pytest.param(False, 12, marks=pytest.mark.slow)])
-def test_prefix_caching_gives_the_same_tokens_and_shares_the_prefix_pages(scan_layers, num_pages):
+@pytest.mark.parametrize("family,scan_layers,num_pages", [
+    ("mixed", True, 24), pytest.param("mixed", False, 12, marks=pytest.mark.slow), ("qwen3_next", True, 24),
+    pytest.param("qwen3_next_chunked", False, 24, marks=pytest.mark.slow)])
+def test_prefix_caching_gives_the_same_tokens_and_shares_the_prefix_pages(family, scan_layers, num_pages):
   """Requests sharing a 12-token prefix (4 pages of 3) with different tails: identical greedy
   tokens with and without prefix caching, the shared prefix's pages reused by later requests;
   with a pool too small to keep it (12 pages), eviction changes no answer; afterwards no page
-  is held."""
+  is held. Qwen3-Next's Gated DeltaNet layers restart from their states kept at the page boundary where
+  the shared part ends (inference/state_snapshots.py): at the prompt's last page boundary, or, prefilled in
+  chunks of 2 pages, at every chunk's end."""
   prefix = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
   prompts = [prefix + tail for tail in ([1], [2, 3], [4, 5, 6, 7], [1], [8, 9])]
   new_tokens = [4, 3, 5, 4, 2]
-  config = dict(MIXED, scan_layers=scan_layers, kv_cache_layout="paged", kv_page_size=3, kv_num_pages=num_pages,
+  base = {"mixed": MIXED, "qwen3_next": QWEN3_NEXT, "qwen3_next_chunked": dict(QWEN3_NEXT, prefill_chunk_size=6)}[family]
+  config = dict(base, scan_layers=scan_layers, kv_cache_layout="paged", kv_page_size=3, kv_num_pages=num_pages,
                 max_target_length=32, max_prefill_predict_length=16)
+  config.pop("prefix_caching", None)
   plain = Engine(Config.for_testing(**config, prefix_caching=False), num_slots=2, mesh=one_device_mesh())
   params = plain.load_params(seed=1)
   cached = Engine(Config.for_testing(**config, prefix_caching=True), num_slots=2, mesh=one_device_mesh())
-  assert plain.prefills_into_pages is False and cached.prefills_into_pages is True
+  assert plain.prefills_into_pages is (family == "qwen3_next_chunked") and cached.prefills_into_pages is True
+  assert (cached.snapshots is not None) is family.startswith("qwen3_next")
   expected = _scheduled_outputs(plain, params, prompts, new_tokens)
   loads: list = []
   assert _scheduled_outputs(cached, params, prompts, new_tokens, loads=loads) == expected

@@ -186,11 +186,14 @@ def test_mtp_drafting_of_a_gated_deltanet_model_is_refused_in_one_line():
   speculative_engine.check_draft(Config.for_testing(**QWEN3_NEXT, speculative_tokens=2, draft_model_name="x"))
 
 
-def test_a_gated_deltanet_model_is_served_without_prefix_caching(capsys):
-  """Prefix caching (on by default with the paged cache) cannot restore a recurrent state from shared
-  pages: the engine turns it off for such a model and says so, instead of refusing the default."""
-  engine = Engine(Config.for_testing(**dict(QWEN3_NEXT, prefix_caching=True), kv_cache_layout="paged"),
-                  mesh=one_device_mesh())
+def test_a_gated_deltanet_model_keeps_state_snapshots_for_prefix_caching_unless_told_not_to(capsys):
+  """Prefix caching (on by default with the paged cache) restarts a recurrent model from its states kept at page
+  boundaries (2 per slot by default); with prefix_state_snapshots=0 there are none, so the engine turns prefix
+  caching off for such a model and says so, instead of refusing the default."""
+  paged = dict(QWEN3_NEXT, prefix_caching=True, kv_cache_layout="paged")
+  engine = Engine(Config.for_testing(**paged), num_slots=3, mesh=one_device_mesh())
+  assert engine.decode_cfg.prefix_caching and engine.snapshots is not None and engine.snapshots.capacity == 6
+  engine = Engine(Config.for_testing(**paged, prefix_state_snapshots=0), mesh=one_device_mesh())
   assert not engine.decode_cfg.prefix_caching and engine.pages is not None and engine.pages.index is None
   assert "engine: prefix_caching is off for this model" in capsys.readouterr().out
 
