@@ -71,27 +71,20 @@ def empty_pool(caches: Any, capacity: int, stacked: bool) -> Any:
   return jax.tree.map(rows, caches, is_leaf=paged_cache.is_pool)
 
 
+def _copy_row(dst: jax.Array, src: jax.Array, src_row: jax.Array, dst_row: jax.Array, axis: int) -> jax.Array:
+  one = jax.lax.dynamic_slice_in_dim(src, src_row, 1, axis=axis)
+  return jax.lax.dynamic_update_slice_in_dim(dst, one.astype(dst.dtype), dst_row, axis=axis)
+
+
 def save(pool: Any, caches: Any, slot: jax.Array, row: jax.Array, stacked: bool) -> Any:
   """`pool` with row `row` set to slot `slot`'s recurrent states in `caches`."""
   axis = _batch_axis(stacked)
-
-  def put(snapshots: Any, x: Any) -> Any:
-    if snapshots is None:
-      return None
-    one = jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=axis)
-    return jax.lax.dynamic_update_slice_in_dim(snapshots, one.astype(snapshots.dtype), row, axis=axis)
-
-  return jax.tree.map(put, pool, caches, is_leaf=lambda x: x is None or paged_cache.is_pool(x))
+  return jax.tree.map(lambda snapshots, x: None if snapshots is None else _copy_row(snapshots, x, slot, row, axis),
+                      pool, caches, is_leaf=lambda x: x is None or paged_cache.is_pool(x))
 
 
 def restore(caches: Any, pool: Any, slot: jax.Array, row: jax.Array, stacked: bool) -> Any:
   """`caches` with slot `slot`'s recurrent states set to the snapshot in row `row`."""
   axis = _batch_axis(stacked)
-
-  def take(x: Any, snapshots: Any) -> Any:
-    if snapshots is None:
-      return x
-    one = jax.lax.dynamic_slice_in_dim(snapshots, row, 1, axis=axis)
-    return jax.lax.dynamic_update_slice_in_dim(x, one.astype(x.dtype), slot, axis=axis)
-
-  return jax.tree.map(take, caches, pool, is_leaf=paged_cache.is_pool)
+  return jax.tree.map(lambda x, snapshots: x if snapshots is None else _copy_row(x, snapshots, row, slot, axis),
+                      caches, pool, is_leaf=paged_cache.is_pool)
