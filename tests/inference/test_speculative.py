@@ -152,7 +152,8 @@ def test_bad_input_is_refused():
     speculative.SpeculativeDecoder(target, Engine(Config.for_testing(**DRAFT), num_slots=3, mesh=mesh))
 
 
-@pytest.mark.parametrize("roles", ["target", "draft", "both"])
+@pytest.mark.parametrize("roles", [pytest.param("target", marks=pytest.mark.slow),
+                                   pytest.param("draft", marks=pytest.mark.slow), "both"])
 def test_gated_deltanet_models_decode_speculatively_as_plain_greedy(roles):
   """A recurrent state (Qwen3-Next's Gated DeltaNet layers) cannot be cut back by position: a round restores the
   states from before it and replays the accepted tokens (speculative.roll_back_recurrent). A random draft gets
