@@ -276,6 +276,23 @@ def test_a_ragged_all_to_all_moves_the_rows_it_sends_not_its_worst_case_receive_
   assert fixed == pytest.approx(16 * sent)
 
 
+@pytest.mark.parametrize("batch", [None, 2])
+def test_splash_attention_is_priced_from_its_causal_matmuls_with_or_without_a_batch_dimension(batch):
+  """A splash kernel's q and k are [batch, heads, length, head dim], or [heads, length, head dim] where a chip holds
+  one sequence; its integer block masks are not q or k. Forward: QK^T and AV over the causal half."""
+  heads, kv_heads, length, width = 16, 2, 4096, 256
+  lead, layout = (f"{batch},", "{3,2,1,0}") if batch else ("", "{2,1,0}")
+  body = "\n".join([
+      "  %mask = s8[1,32,32]{2,1,0} parameter(1)",
+      "  %mask.1 = s8[1,32,32]{2,1,0} parameter(2)",
+      f"  %q = bf16[{lead}{heads},{length},{width}]{layout} parameter(3)",
+      f"  %k = bf16[{lead}{kv_heads},{length},{width}]{layout} parameter(4)",
+      f"  ROOT %splash_mha_fwd.1 = bf16[{lead}{heads},{length},{width}]{layout} custom-call(%mask, %mask.1, %q, %k), "
+      'custom_call_target="tpu_custom_call"'])
+  flops = 2 * 2 * (batch or 1) * heads * length * length * width * 0.5
+  assert predict(body, ring()).seconds["kernel"] == pytest.approx(flops / PEAK)
+
+
 def test_an_unrolled_loop_counts_its_counter_step():
   text = UNROLLED_LOOP
   ops = program.build_program(text, ring())

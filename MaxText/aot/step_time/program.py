@@ -14,6 +14,7 @@ first read needs the result (AOT.md has the case: tensor-parallel windowed matmu
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 from MaxText.aot.step_time import hlo
@@ -260,12 +261,15 @@ class _Builder:
     its operands once at HBM speed."""
     shapes = [self.module.by_name[o].arrays[0] for o in inst.operands
               if o in self.module.by_name and self.module.by_name[o].arrays]
-    four_d = [a for a in shapes if len(a.dims) == 4]
+    # q and k: [batch, heads, length, head dim], or without the batch where a chip holds one sequence
+    # (its block masks are integer arrays, never these).
+    heads_length_dim = [a.dims[-3:] + (math.prod(a.dims[:-3]),) for a in shapes
+                        if len(a.dims) in (3, 4) and a.dtype in ("bf16", "f16", "f32")]
     name = inst.name.lower()
-    if len(four_d) >= 2 and ("mha" in name or "attention" in name or "splash" in name or "flash" in name):
-      q, k = four_d[0].dims, four_d[1].dims
+    if len(heads_length_dim) >= 2 and ("mha" in name or "attention" in name or "splash" in name or "flash" in name):
+      (heads, q_length, head_dim, batch), k_length = heads_length_dim[0], heads_length_dim[1][1]
       matmuls = 4 if "dkv" in name else 3 if "dq" in name else 2
-      flops = matmuls * 2 * q[0] * q[1] * q[2] * k[2] * q[3] * 0.5
+      flops = matmuls * 2 * batch * heads * q_length * k_length * head_dim * 0.5
       return Op("compute", inst.name, inst.source, work=Transfer("kernel", flops / self.peak), category="kernel")
     grouped = _grouped_matmul_flops(name, shapes, inst.arrays)
     if grouped:  # megablox: a grouped GEMM, at the MXUs' share of peak as XLA's own matmuls
