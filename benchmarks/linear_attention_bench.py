@@ -13,13 +13,23 @@ Training: forward + backward (gradients of the parameters and the input) over `l
 Decode: one new token per call at position `length`, the linear layer stepping its recurrent state,
 the full layer attending over a KV cache of `length + 1` rows; the median of `--decode_steps` calls.
 Prints one Markdown table row per layer and length.
+
+    python3 benchmarks/linear_attention_bench.py --aot v5p-8 [--lengths ...] [--layers ...]
+
+instead predicts a TPU: a 4-layer model at Qwen3-Next's shapes (width 2048; DeltaNet 16 key and 32 value heads
+of 128 in chunks of 64, or gated full attention with 16 query and 2 KV heads of 256 under splash; a dense SwiGLU
+MLP of 5120), every layer one kind, one sequence per chip over FSDP, is compiled for the topology by
+`MaxText.train_compile`, and the step-time model (getting_started/AOT.md) prices the compiled train step: a
+prediction from the schedule, not a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,7 +50,11 @@ def main() -> None:
   parser.add_argument("--decode_steps", type=int, default=20)
   parser.add_argument("--no_train", dest="train", action="store_false")
   parser.add_argument("--no_decode", dest="decode", action="store_false")
+  parser.add_argument("--aot", default="", help="a TPU topology (e.g. v5p-8): predict its train step instead")
   args = parser.parse_args()
+  if args.aot:
+    _aot_table(args.aot, [int(x) for x in args.lengths.split(",")], args.layers.split(","))
+    return
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
   import jax
@@ -56,6 +70,36 @@ def main() -> None:
       cells = [f"{train:.2f}" if train else "", f"{length / train:,.0f}" if train else "",
                f"{1e3 * decode:.3f}" if decode else ""]
       print(f"| {layer} | {length} | " + " | ".join(cells) + " |", flush=True)
+
+
+AOT_SHAPE = dict(decoder_block="qwen3_next", base_emb_dim=2048, base_num_query_heads=16, base_num_kv_heads=2,
+                 head_dim=256, base_mlp_dim=5120, base_num_decoder_layers=4, num_experts=1, linear_num_key_heads=16,
+                 linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                 linear_conv_kernel_dim=4, linear_attention_chunk_size=64, per_device_batch_size=1)
+STEP_LINE = re.compile(r"step-time model \(not a measurement\): step ([\d,.]+) ms -> MFU ([\d.]+)%")
+COMPILER_LINE = re.compile(r"compiler estimate \(not a measurement\): step ([\d,.]+) ms")
+
+
+def _aot_table(topology: str, lengths: list[int], layers: list[str]) -> None:
+  print(f"{topology}, 4 layers of one kind at Qwen3-Next's shapes, one sequence per chip; step-time model "
+        "predictions from train_compile (not measurements)")
+  print("| layer | tokens | predicted step ms | predicted tokens/s/chip | predicted MFU | compiler estimate ms |")
+  print("| --- | --- | --- | --- | --- | --- |")
+  for length in lengths:
+    for layer in layers:
+      keys = dict(AOT_SHAPE, max_target_length=length,
+                  attention_type="gated_deltanet" if layer == "linear" else "gqa")
+      command = [sys.executable, "-m", "MaxText.train_compile", "configs/base.yml", f"compile_topology={topology}",
+                 *(f"{k}={v}" for k, v in keys.items())]
+      done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+      step, compiler = STEP_LINE.search(done.stdout), COMPILER_LINE.search(done.stdout)
+      if done.returncode or step is None:
+        tail = (done.stdout + done.stderr).strip().splitlines()[-1:] or ["no output"]
+        print(f"| {layer} | {length} | failed: {tail[0][:200]} | | | |", flush=True)
+        continue
+      ms = float(step.group(1).replace(",", ""))
+      print(f"| {layer} | {length} | {ms:,.1f} | {length / ms * 1e3:,.0f} | {step.group(2)}% | "
+            f"{compiler.group(1) if compiler else ''} |", flush=True)
 
 
 def _layer(kind: str, length: int):  # -> (the module, its config)
