@@ -143,7 +143,20 @@ MOE = dict(SMALL, num_experts=16, num_experts_per_tok=4, sparse_matmul=True, cap
            per_device_batch_size=8, remat_policy="full", ici_expert_parallelism=4)
 
 
-@pytest.mark.parametrize("buffer_factor", [-1.0, pytest.param(2.0, marks=pytest.mark.slow)])
+def test_expert_exchange_rows_are_the_worst_case_or_the_bounded_share():
+  """Per device and layer: a dropless receive buffer holds every peer's tokens, each at most once per local expert;
+  moe_ragged_buffer_factor holds that many even shares; one device (no expert axis) exchanges nothing."""
+  config = config_lib.Config.for_testing(**{k: v for k, v in MOE.items() if k != "ici_expert_parallelism"})
+  assert plan_model.moe_exchange_rows(config.model, 4, 2048) == (4 * 2048 * 4, 2048 * 4)  # min(k=4, 16/4 experts)
+  assert plan_model.moe_exchange_rows(config.model, 8, 2048) == (8 * 2048 * 2, 2048 * 4)  # 2 local experts
+  assert plan_model.moe_exchange_rows(config.model, 1, 2048) == (0.0, 0.0)
+  bounded = config_lib.Config.for_testing(**{**{k: v for k, v in MOE.items() if k != "ici_expert_parallelism"},
+                                             "moe_ragged_buffer_factor": 2.0})
+  assert plan_model.moe_exchange_rows(bounded.model, 8, 2048) == (2 * 2048 * 4, 2048 * 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("buffer_factor", [-1.0, 2.0])
 def test_analytical_memory_counts_the_expert_exchange_buffers(buffer_factor, monkeypatch):
   """Dropless expert parallelism sizes each device's receive buffer for every peer's rows (or, with
   moe_ragged_buffer_factor, that many even shares): the estimate holds the compiled heap with those buffers, and
