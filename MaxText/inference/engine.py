@@ -101,7 +101,7 @@ def pad_prompts(prompts: Sequence[Sequence[int]], length: int) -> tuple[np.ndarr
 
 # A Gated DeltaNet layer's recurrent state summarises every token so far. A draft model's rounds restore the
 # states from before the round and replay the accepted tokens (speculative.roll_back_recurrent); the MTP heads'
-# rounds keep no such copy, and nothing restarts a state from shared prefix pages (Engine turns that off).
+# rounds keep no such copy. Prefix caching restarts one from snapshots at page boundaries (state_snapshots.py).
 RECURRENT_REFUSAL = ("{what} is not supported for a model with Gated DeltaNet layers (Qwen3-Next, Qwen3.5): their "
                      "recurrent decode state cannot be rolled back past rejected draft tokens; {fix}")
 
@@ -271,10 +271,11 @@ class Engine:
     runs = image_prompts.image_runs(prompt, self.cfg.vision, images)
     salts = image_prompts.page_salts(runs, images, self.pages.page_size)
     start = self.pages.assign(slot, len(prompt), active=False, prompt=prompt, salts=salts, runs=runs)
-    self._restore_rows.pop(slot, None)
+    self._forget_restore(slot)
     if self.snapshots is not None and start:  # assign shared pages only up to a boundary with a snapshot
       row = self.snapshots.lookup(self._boundary_digest(prompt, start, salts))
       assert row is not None
+      self.snapshots.pin(row)  # other prompts' chunks may not reuse it before this one's first chunk
       self._restore_rows[slot] = (start, row)
     return start
 
@@ -297,9 +298,10 @@ class Engine:
     assert self.pages is not None
     page_size = self.pages.page_size
     if self.snapshots is not None:
-      restore = self._restore_rows.pop(slot, None)
+      restore = self._restore_rows.get(slot)
       if restore is not None and restore[0] == start:  # the shared prefix's recurrent states, not zeros
         state = self._restore_snapshot(state, self._snapshot_pool, jnp.int32(slot), jnp.int32(restore[1]))
+      self._forget_restore(slot)
       # A chunk stops at the prompt's last page boundary, so the states there are kept for later prompts.
       boundary = len(prompt) // page_size * page_size
       if start < boundary < end and image_prompts.chunk_end(start, boundary, runs) > start:
@@ -318,7 +320,9 @@ class Engine:
     if self.snapshots is not None and end % page_size == 0:
       salts = image_prompts.page_salts(runs, images, page_size)
       kept = self.snapshots.reserve(self._boundary_digest(prompt, end, salts))
-      self._snapshot_pool = self._save_snapshot(self._snapshot_pool, state.caches, jnp.int32(slot), jnp.int32(kept))
+      if kept is not None:
+        self._snapshot_pool = self._save_snapshot(self._snapshot_pool, state.caches, jnp.int32(slot),
+                                                  jnp.int32(kept))
     if end < len(prompt):
       return state, end, None
     self.pages.activate(slot, prompt, image_prompts.page_salts(runs, images, self.pages.page_size))
@@ -328,6 +332,7 @@ class Engine:
     """The slot's request is done: paged, its pages go back to the pool (the slot keeps stepping
     in the batch with nothing cached until the next insert); dense, nothing to do."""
     self._check_slot(slot)
+    self._forget_restore(slot)
     if self.pages is not None:
       self.pages.release(slot)
 
@@ -397,6 +402,12 @@ class Engine:
     if self.snapshots is not None:
       pages.usable_pages = self._pages_with_snapshot
     return pages
+
+  def _forget_restore(self, slot: int) -> None:
+    """The slot no longer waits to restore a snapshot (restored, released or given another prompt)."""
+    restore = self._restore_rows.pop(slot, None)
+    if restore is not None and self.snapshots is not None:
+      self.snapshots.unpin(restore[1])
 
   def _boundary_digest(self, prompt: Sequence[int], end: int, salts: Mapping[int, bytes] | None) -> bytes:
     """The chain hash of the page that ends at token `end` (a page boundary) of `prompt`."""

@@ -29,6 +29,7 @@ class SnapshotIndex:
   def __init__(self, capacity: int):
     self.capacity = capacity
     self._row_of: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # least recently used first
+    self._pinned: collections.Counter[int] = collections.Counter()  # rows a prompt will restore: never reused
 
   def has(self, digest: bytes) -> bool:
     return digest in self._row_of
@@ -39,15 +40,28 @@ class SnapshotIndex:
       self._row_of.move_to_end(digest)
     return row
 
-  def reserve(self, digest: bytes) -> int:
+  def reserve(self, digest: bytes) -> int | None:
     """The row to write the states at `digest` into: its own if it has one, else a free or the least recently
-    used row (whose boundary is forgotten)."""
+    used unpinned row (whose boundary is forgotten); None when every row is pinned."""
     row = self.lookup(digest)
     if row is not None:
       return row
-    row = len(self._row_of) if len(self._row_of) < self.capacity else self._row_of.popitem(last=False)[1]
+    if len(self._row_of) < self.capacity:
+      row = len(self._row_of)
+    else:
+      oldest = next((d for d, r in self._row_of.items() if not self._pinned[r]), None)
+      if oldest is None:
+        return None
+      row = self._row_of.pop(oldest)
     self._row_of[digest] = row
     return row
+
+  def pin(self, row: int) -> None:
+    """A prompt will restore `row`: it is not reused until `unpin`."""
+    self._pinned[row] += 1
+
+  def unpin(self, row: int) -> None:
+    self._pinned[row] -= 1
 
   def __len__(self) -> int:
     return len(self._row_of)

@@ -400,6 +400,24 @@ def test_the_allocator_shares_full_prefix_pages_keeps_them_when_unheld_and_evict
   assert pages.assign(0, 5, prompt=first) == 0  # evicted: computed again
 
 
+def test_state_snapshots_reuse_the_least_recently_used_row_but_never_a_pinned_one():
+  """The recurrent states kept at page boundaries (inference/state_snapshots.py): a boundary keeps its row, a new
+  one takes a free row, then the least recently used; a row a prompt will restore from is not reused until it
+  has been, and with every row pinned nothing is kept."""
+  from MaxText.inference.state_snapshots import SnapshotIndex
+
+  index = SnapshotIndex(2)
+  assert index.reserve(b"a") == 0 and index.reserve(b"b") == 1 and index.reserve(b"a") == 0
+  assert index.lookup(b"a") == 0  # now b is the least recently used
+  assert index.reserve(b"c") == 1 and not index.has(b"b") and index.has(b"a")
+  index.pin(0)
+  assert index.reserve(b"d") == 1 and index.has(b"a")  # c's row, not the pinned one
+  index.pin(1)
+  assert index.reserve(b"e") is None and len(index) == 2
+  index.unpin(0)
+  assert index.reserve(b"e") == 0 and not index.has(b"a")
+
+
 @pytest.mark.parametrize("family,scan_layers,num_pages", [
     ("mixed", True, 24), pytest.param("mixed", False, 12, marks=pytest.mark.slow), ("qwen3_next", True, 24),
     pytest.param("qwen3_next_chunked", False, 24, marks=pytest.mark.slow)])
