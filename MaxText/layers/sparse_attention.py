@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers import masks
 from MaxText.layers.indexer import head_mean_probs, index_scores, indexer_kl
 
 # Queries per block of the gathered form: bounds its [B, Lb, S] index scores and [B, Lb, T, X] gathered keys.
 QUERY_BLOCK = 256
+# The block's top-k choice, kept from its forward pass for its backward (see _gathered).
+TOPK_NAME = "sparse_topk"
 
 
 def masked_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, allowed_BLS: jax.Array,
@@ -56,6 +59,8 @@ def _gathered_block(q_BLNX: jax.Array, keys_BSX: jax.Array, values_BSR: jax.Arra
                     soft_cap: float, kl: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
   scores_BLS = index_scores(q_index_BLIJ, w_BLI, index_keys_BSJ)
   indices_BLT, valid_BLT = masks.top_k_keys(scores_BLS, allowed_BLS, topk)
+  indices_BLT = checkpoint_name(indices_BLT, TOPK_NAME)
+  valid_BLT = checkpoint_name(valid_BLT, TOPK_NAME)
   take = jax.vmap(lambda rows_SX, idx_LT: rows_SX[idx_LT])  # per batch row: [S, X], [L, T] -> [L, T, X]
   keys_BLTX, values_BLTR = take(keys_BSX, indices_BLT), take(values_BSR, indices_BLT)
   logits_BLNT = jnp.einsum("blnx,bltx->blnt", q_BLNX, keys_BLTX, preferred_element_type=jnp.float32)
@@ -110,8 +115,10 @@ def _gathered(q_BLNX: jax.Array, keys_BSX: jax.Array, values_BSR: jax.Array, q_p
   q_pos = jnp.broadcast_to(q_pos_BL, q_BLNX.shape[:2])
   args = (q_BLNX, q_pos, jnp.broadcast_to(q_seg, q_BLNX.shape[:2]), q_index_BLIJ, w_BLI)
   # Rematerialised per block: the backward pass recomputes each block's gathered rows, so the
-  # training step never holds all queries' [T, X] rows at once.
-  one_block = jax.checkpoint(one_block)
+  # training step never holds all queries' [T, X] rows at once. It keeps each query's top-k
+  # indices ([B, L, T] int32, T/X of the rows' size) instead of sorting every row's scores again:
+  # the top-k is the quadratic part, and its gradient is none (the choice is discrete).
+  one_block = jax.checkpoint(one_block, policy=jax.checkpoint_policies.save_only_these_names(TOPK_NAME))
   if block == length:
     return one_block(args)
   # [B, L, ...] -> [L / Lb, B, Lb, ...], one block at a time, back to [B, L, N, R].

@@ -75,6 +75,38 @@ def test_gathered_equals_masked_over_query_blocks_with_packing(monkeypatch):
   np.testing.assert_allclose(gathered, masked, atol=1e-5, rtol=0)
 
 
+def test_the_gathered_backward_keeps_the_forward_top_k(monkeypatch):
+  """Each block's top-k indices are kept from the forward pass: the gradients equal the masked form's,
+  and the training step sorts the index scores once (the block's rematerialisation does not sort again)."""
+  monkeypatch.setattr(sparse_attention, "QUERY_BLOCK", 16)
+  length, heads, width, rank, topk = 64, 2, 6, 4, 8
+  keys = jax.random.split(jax.random.key(1), 6)
+  q_BLNX = jax.random.normal(keys[0], (1, length, heads, width))
+  rows_BSX = jax.random.normal(keys[1], (1, length, width))
+  values_BSR = jax.random.normal(keys[5], (1, length, rank))
+  q_index = jax.random.normal(keys[2], (1, length, 3, 5))
+  w_index = jax.random.normal(keys[3], (1, length, 3))
+  index_keys = jax.random.normal(keys[4], (1, length, 5))
+  positions = jnp.arange(length)[None]
+  cotangent = jax.random.normal(jax.random.key(2), (1, length, heads, rank))
+
+  def gathered(q, rows, values):
+    out = sparse_attention.gathered_attention(q, rows, values, positions, positions, None, None, q_index, w_index,
+                                              index_keys, topk)
+    return jnp.sum(out * cotangent)
+
+  def masked(q, rows, values):
+    out = sparse_attention.masked_attention(q, rows[:, :, None], values[:, :, None], masks.self_mask(jnp.ones((1, length), jnp.int32)),
+                                            q_index, w_index, index_keys, topk)
+    return jnp.sum(out * cotangent)
+
+  args = (q_BLNX, rows_BSX, values_BSR)
+  for ours, theirs in zip(jax.grad(gathered, argnums=(0, 1, 2))(*args), jax.grad(masked, argnums=(0, 1, 2))(*args)):
+    np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+  step = str(jax.make_jaxpr(jax.grad(gathered, argnums=(0, 1, 2)))(*args))
+  assert step.count("top_k[") == 1, "the backward pass sorts the index scores again"
+
+
 def test_top_k_mask_keeps_k_allowed_keys():
   scores = jnp.asarray([[[3.0, 1.0, 2.0, 5.0], [0.0, 9.0, 1.0, 4.0]]])
   allowed = jnp.asarray([[[True, True, True, False], [True, True, True, True]]])
