@@ -44,6 +44,21 @@ def test_kv_sharing_changes_the_model(tmp_path):
   assert np.abs(H.our_logits(shared, params, token_ids) - expected).max() > 1e-2
 
 
+def test_kv_shared_layers_with_single_width_mlps_match_hf(tmp_path):
+  """E4B's layout: KV-shared layers whose MLPs keep their width (use_double_wide_mlp off), against HF."""
+  fields = {**H.REFERENCE_CONFIGS["gemma4"], "use_double_wide_mlp": False}
+  config = H.transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+  H.torch.manual_seed(0)
+  model = H.randomize(H.transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval(), 0)
+  token_ids = H.tokens()
+  ours = H.our_config(model, dtype="float32")
+  assert ours.model.layer_shapes.num_kv_shared_layers == 3 and not ours.model.layer_shapes.kv_shared_double_mlp
+  params = H.our_params(model, ours, tmp_path / "ckpt")
+  assert params["layers_5"]["mlp"]["wo"]["kernel"].shape[0] == fields["intermediate_size"]
+  np.testing.assert_allclose(H.our_logits(ours, params, token_ids), H.hf_logits(model, token_ids),
+                             atol=H.CHECKER_FP32_ATOL["gemma4"], rtol=0)
+
+
 @pytest.mark.slow  # ~25 s: a conversion and two checker runs
 def test_corrupting_one_weight_makes_the_checker_fail(tmp_path):
   hf_dir = tmp_path / "hf"

@@ -62,6 +62,11 @@ PUBLISHED = {
     # Gemma 4 E2B, text decoder: the card's 2.3B effective parameters plus the per-layer embedding table
     # (35 x 256 x 262144 = 2.349B) they leave out; the card's 5.1B total adds the vision and audio encoders.
     "gemma4-e2b": 4.649e9,
+    # Gemma 4 E4B: the card's 8B total holds the vision and audio encoders and its "4.5B effective" matches no
+    # count of the published config (3% under the decoder without its per-layer embeddings), so this is
+    # transformers' own text decoder of that config (tests/test_published_configs.py builds it) plus one scalar
+    # a layer (HF's layer_scalar buffer; a parameter here).
+    "gemma4-e4b": 7_463_013_418,
     # Gemma 4 31B: the model card's 30.7B dense parameters.
     "gemma4-31b": 30.7e9,
     # Gemma 4 26B A4B: no published text-only total was found (the name's 26B includes the vision encoder); this is
@@ -120,7 +125,7 @@ def test_model_builds_abstractly_with_its_published_size(name):
   assert name in PUBLISHED, f"add the published parameter count of {name} to PUBLISHED"
   assert abs(count - PUBLISHED[name]) <= 0.01 * PUBLISHED[name], f"{name}: {count:,} vs {PUBLISHED[name]:,.0f}"
   if name in ("qwen3-next-80b-a3b", "qwen3.5-27b", "qwen3.5-122b-a10b", "qwen3.5-397b-a17b", "qwen3.5-0.8b",
-              "qwen3.5-4b", "qwen3.5-9b"):  # the issue's bar for a new family: within 0.5% of its card
+              "qwen3.5-4b", "qwen3.5-9b", "gemma4-e4b"):  # the issue's bar for a new family: within 0.5% of its card
     # (qwen3.5-35b-a3b's text decoder is 0.97% under the card's rounded 35B, which its vision encoder makes up)
     assert abs(count - PUBLISHED[name]) <= 0.005 * PUBLISHED[name], f"{name}: {count:,} vs {PUBLISHED[name]:,.0f}"
 

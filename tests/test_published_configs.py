@@ -111,6 +111,11 @@ GEMMA4_E2B = dict(  # google/gemma-4-E2B (its text_config; the towers' configs l
         use_double_wide_mlp=True, intermediate_size=6144, max_position_embeddings=131072, rms_norm_eps=1e-6,
         hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=30.0, rope_parameters=_GEMMA4_ROPE,
         layer_types=["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(35)]))
+# google/gemma-4-E4B: three public copies of its text_config agree (use_double_wide_mlp off, window 512, 5:1 layers).
+GEMMA4_E4B = dict(GEMMA4_E2B, text_config=dict(
+    GEMMA4_E2B["text_config"], hidden_size=2560, num_hidden_layers=42, num_key_value_heads=2, intermediate_size=10240,
+    num_kv_shared_layers=18, use_double_wide_mlp=False,
+    layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(42)]))
 GEMMA4_31B = dict(  # google/gemma-4-31B
     model_type="gemma4", architectures=["Gemma4ForConditionalGeneration"], tie_word_embeddings=True,
     text_config=dict(
@@ -131,7 +136,8 @@ GEMMA4_26B_A4B = dict(  # google/gemma-4-26B-A4B
 
 @pytest.mark.parametrize("model_name,hf", [("kimi-k2-1t", KIMI_K2), ("olmo3-7b", OLMO3_7B),
                                            ("olmo3-32b", OLMO3_32B), ("deepseek3.2-671b", DEEPSEEK_V32),
-                                           ("gemma4-e2b", GEMMA4_E2B), ("gemma4-31b", GEMMA4_31B),
+                                           ("gemma4-e2b", GEMMA4_E2B), ("gemma4-e4b", GEMMA4_E4B),
+                                           ("gemma4-31b", GEMMA4_31B),
                                            ("gemma4-26b-a4b", GEMMA4_26B_A4B),
                                            ("qwen3-next-80b-a3b", QWEN3_NEXT_80B),
                                            ("qwen3.5-35b-a3b", QWEN3_5_35B_A3B), ("qwen3.5-27b", QWEN3_5_27B),
@@ -171,3 +177,19 @@ def test_small_qwen3_5_counts_are_the_published_checkpoints(model_name, hf):
     full_layer = sum(n for name, n in counts.items() if ".layers.3." in name and ".visual." not in name)
     mtp = full_layer + 2 * width * width + 3 * width
     assert text + vision + mtp == pytest.approx(QWEN3_5_9B_CHECKPOINT_PARAMETERS, rel=1e-5)
+
+
+@pytest.mark.parametrize("model_name,hf", [("gemma4-e2b", GEMMA4_E2B), ("gemma4-e4b", GEMMA4_E4B)])
+def test_gemma4_counts_are_transformers_text_decoders(model_name, hf):
+  """Transformers' own Gemma4ForCausalLM built from the published text_config, plus one scalar a layer (HF's
+  `layer_scalar` buffer is a parameter here, so that it trains). The E4B card's 8B total adds the vision and audio
+  encoders; its "4.5B effective" (without the per-layer embeddings) is 3% under this decoder's 4.64B."""
+  torch = pytest.importorskip("torch")
+  hf_models = pytest.importorskip("transformers")
+  from tests.test_model_zoo import parameter_count
+
+  config = hf_models.Gemma4TextConfig(**hf["text_config"])
+  with torch.device("meta"):
+    model = hf_models.Gemma4ForCausalLM(config)
+  text = sum(p.numel() for p in model.parameters())
+  assert parameter_count(model_name)[1] == text + config.num_hidden_layers
