@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -76,30 +74,16 @@ AOT_SHAPE = dict(decoder_block="qwen3_next", base_emb_dim=2048, base_num_query_h
                  head_dim=256, base_mlp_dim=5120, base_num_decoder_layers=4, num_experts=1, linear_num_key_heads=16,
                  linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
                  linear_conv_kernel_dim=4, linear_attention_chunk_size=64, per_device_batch_size=1)
-STEP_LINE = re.compile(r"step-time model \(not a measurement\): step ([\d,.]+) ms -> MFU ([\d.]+)%")
-COMPILER_LINE = re.compile(r"compiler estimate \(not a measurement\): step ([\d,.]+) ms")
 
 
 def _aot_table(topology: str, lengths: list[int], layers: list[str]) -> None:
+  import aot_layer_table  # noqa: PLC0415  (benchmarks/, beside this script)
+
   print(f"{topology}, 4 layers of one kind at Qwen3-Next's shapes, one sequence per chip; step-time model "
         "predictions from train_compile (not measurements)")
-  print("| layer | tokens | predicted step ms | predicted tokens/s/chip | predicted MFU | compiler estimate ms |")
-  print("| --- | --- | --- | --- | --- | --- |")
-  for length in lengths:
-    for layer in layers:
-      keys = dict(AOT_SHAPE, max_target_length=length,
-                  attention_type="gated_deltanet" if layer == "linear" else "gqa")
-      command = [sys.executable, "-m", "MaxText.train_compile", "configs/base.yml", f"compile_topology={topology}",
-                 *(f"{k}={v}" for k, v in keys.items())]
-      done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
-      step, compiler = STEP_LINE.search(done.stdout), COMPILER_LINE.search(done.stdout)
-      if done.returncode or step is None:
-        tail = (done.stdout + done.stderr).strip().splitlines()[-1:] or ["no output"]
-        print(f"| {layer} | {length} | failed: {tail[0][:200]} | | | |", flush=True)
-        continue
-      ms = float(step.group(1).replace(",", ""))
-      print(f"| {layer} | {length} | {ms:,.1f} | {length / ms * 1e3:,.0f} | {step.group(2)}% | "
-            f"{compiler.group(1) if compiler else ''} |", flush=True)
+  aot_layer_table.print_table(topology, lengths, layers, lambda layer, length: dict(
+      AOT_SHAPE, max_target_length=length, attention_type="gated_deltanet" if layer == "linear" else "gqa"),
+      form_column="layer")
 
 
 def _layer(kind: str, length: int):  # -> (the module, its config)

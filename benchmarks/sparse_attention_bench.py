@@ -11,6 +11,15 @@ Forms: `full` is dense MLA under the chunked flash kernel (attention=flash, what
 lengths); `gathered` and `masked` are the two sparse forms (layers/sparse_attention.py), forced
 whatever attention_kernels.SPARSE would pick. The masked form materialises [L, L] scores and is
 skipped above 16384 tokens. Prints one Markdown table row per form and length.
+
+    python3 benchmarks/sparse_attention_bench.py --aot v5p-8 [--lengths ...]
+
+instead predicts a TPU: a 4-layer DeepSeek-V3.2 model at its published attention shapes (width 7168, 128
+heads, MLA with a 512-wide latent, an indexer of 64 heads of 128, top-k 2048; three dense MLPs of 18432 and a
+small routed layer of 8 experts of 2048, top-2, the family's layout at a size that fits), one sequence per
+chip over FSDP, with `full` dense MLA (index_topk=0) or `sparse` (index_topk=2048, the form the attention
+kernel table picks for the length), compiled for the topology by `MaxText.train_compile` and priced by the
+step-time model (getting_started/AOT.md): a prediction from the schedule, not a measurement.
 """
 
 from __future__ import annotations
@@ -33,8 +42,12 @@ def main() -> None:
   parser.add_argument("--heads", type=int, default=4)
   parser.add_argument("--index_heads", type=int, default=2)
   parser.add_argument("--repeats", type=int, default=1)
-  parser.add_argument("--forms", default="full,gathered,masked")
+  parser.add_argument("--forms", default="full,gathered,masked", help="the CPU forms; --aot compiles full and sparse")
+  parser.add_argument("--aot", default="", help="a TPU topology (e.g. v5p-8): predict its train step instead")
   args = parser.parse_args()
+  if args.aot:
+    _aot_table(args.aot, [int(x) for x in args.lengths.split(",")], args.topk)
+    return
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
   import jax
@@ -80,6 +93,21 @@ def main() -> None:
         jax.block_until_ready(step(params, x))
       seconds = (time.perf_counter() - start) / args.repeats
       print(f"| {form} | {length} | {seconds:.2f} | {length / seconds:,.0f} |", flush=True)
+
+
+# V3.2's attention at 4 layers: 3 dense, 1 routed (the smallest routed layer the family's grouped router takes).
+AOT_SHAPE = dict(model_name="deepseek3.2-671b", base_num_decoder_layers=4, first_dense_layers=3, num_experts=8,
+                 num_experts_per_tok=2, moe_num_groups=1, moe_topk_groups=1, vocab_size=32768, per_device_batch_size=1)
+
+
+def _aot_table(topology: str, lengths: list[int], topk: int) -> None:
+  sys.path.insert(0, str(Path(__file__).resolve().parent))
+  import aot_layer_table  # noqa: PLC0415
+
+  print(f"{topology}, a 4-layer DeepSeek-V3.2 at its attention shapes, one sequence per chip, top-k {topk}; "
+        "step-time model predictions from train_compile (not measurements)")
+  aot_layer_table.print_table(topology, lengths, ["full", "sparse"], lambda form, length: dict(
+      AOT_SHAPE, max_target_length=length, index_topk=0 if form == "full" else topk))
 
 
 if __name__ == "__main__":
