@@ -116,7 +116,7 @@ def _gathered(q_BLNX: jax.Array, keys_BSX: jax.Array, values_BSR: jax.Array, q_p
   args = (q_BLNX, q_pos, jnp.broadcast_to(q_seg, q_BLNX.shape[:2]), q_index_BLIJ, w_BLI)
   # Rematerialised per block: the backward pass recomputes each block's gathered rows, so the
   # training step never holds all queries' [T, X] rows at once. It keeps each query's top-k
-  # indices ([B, L, T] int32, T/X of the rows' size) instead of sorting every row's scores again:
+  # indices ([B, L, T] int32, one element per gathered row of X) instead of sorting every row's scores again:
   # the top-k is the quadratic part, and its gradient is none (the choice is discrete).
   one_block = jax.checkpoint(one_block, policy=jax.checkpoint_policies.save_only_these_names(TOPK_NAME))
   if block == length:
