@@ -71,6 +71,41 @@ def test_chunked_layers_count_a_causal_triangle_per_chunk():
   assert ours == 2 * (2 * 48**2 / 2 + 32**2 / 2) + LENGTH**2 / 2
 
 
+DSA = dict(decoder_block="deepseek32", attention_type="mla", base_emb_dim=64, base_num_query_heads=4,
+           base_num_kv_heads=4, head_dim=24, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+           qk_rope_head_dim=8, v_head_dim=16, index_n_heads=2, index_head_dim=8, base_num_decoder_layers=2,
+           vocab_size=128, max_target_length=LENGTH, print_config=False)
+
+
+def test_sparse_attention_counts_each_querys_chosen_keys_and_its_indexer():
+  """DeepSeek Sparse Attention: each query's top-k keys (the real top-k mask, less the half diagonal, as
+  for a window of k), plus the indexer's projections and scores, forward only unless the indexer trains."""
+  topk = 48
+  config = Config.for_testing(**DSA, index_topk=topk).model
+  scores = jax.random.normal(jax.random.key(0), (1, LENGTH, LENGTH))
+  causal = masks.self_mask(jnp.ones((1, LENGTH), jnp.int32))
+  chosen = int(jnp.sum(masks.top_k_mask(scores, causal, topk)))
+  ours = metrics.attended_pairs(config, LENGTH)
+  assert ours + 2 * topk / 2 == 2 * chosen
+  assert ours == 2 * (topk * LENGTH - topk**2 / 2)
+  # The dense warm-up attends every causal pair; so does a top-k covering the sequence.
+  assert metrics.attended_pairs(Config.for_testing(**DSA, index_topk=topk, indexer_warmup=True,
+                                                   indexer_loss_scaling_factor=1.0).model, LENGTH) == LENGTH**2
+  assert metrics.attended_pairs(Config.for_testing(**DSA, index_topk=LENGTH).model, LENGTH) == LENGTH**2
+  projections, index_scores = metrics.indexer_flops_per_sequence(config, LENGTH)
+  assert projections == 2 * LENGTH * 2 * (32 * 2 * 8 + 64 * 8 + 64 * 2)
+  assert index_scores == 2 * LENGTH**2 / 2 * 2 * 2 * (8 + 1)
+  dense = metrics.training_tflops_per_step(Config.for_testing(**DSA).model, BATCH, LENGTH)
+  frozen = metrics.training_tflops_per_step(config, BATCH, LENGTH)
+  trained = metrics.training_tflops_per_step(Config.for_testing(**DSA, index_topk=topk,
+                                                               indexer_loss_scaling_factor=1.0).model, BATCH, LENGTH)
+  assert math.isclose(frozen.weight_tflops - dense.weight_tflops, BATCH * projections / 1e12)
+  assert math.isclose(trained.weight_tflops - dense.weight_tflops, 3 * BATCH * projections / 1e12)
+  _, sparse_attention = metrics.forward_flops_per_sequence(config, LENGTH)
+  assert math.isclose(frozen.attention_tflops, BATCH * (3 * sparse_attention + index_scores) / 1e12)
+  assert math.isclose(trained.attention_tflops, 3 * BATCH * (sparse_attention + index_scores) / 1e12)
+
+
 def test_window_flops_unmasked_match_xla_cost_analysis():
   # The dense attention kernel computes every score and masks afterwards, so XLA counts all
   # L² pairs on every layer: the unmasked figure must match it in the band of the dense test,

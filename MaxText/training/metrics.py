@@ -14,7 +14,12 @@ multiply-add counts 2):
     L²/2 for a global layer and W·L − W²/2 for a local (sliding-window) layer with window
     W < L (each query sees at most W keys; the first W queries see a causal triangle), and
     for a chunked layer with chunk C < L a causal triangle per chunk: (L // C)·C²/2 + (L mod C)²/2.
-    The layer kinds cycle over attention_layer_pattern.
+    The layer kinds cycle over attention_layer_pattern. DeepSeek Sparse Attention (index_topk T > 0,
+    outside the dense warm-up) attends each query's T chosen keys: T·L − T²/2 like a window of T.
+  its lightning indexer (I heads of J), per layer: per token 2·(q_lora_rank·I·J + D·J + D·I) for
+    its projections, per causal pair (L²/2) 2·I·(J + 1) for the scores and their weighted sum;
+    forward only (one third of a training pass's count) unless the indexer trains
+    (indexer_loss_scaling_factor > 0), whose KL target is not counted.
 
   tflops_per_step = 3 · (B·L · per_token · num_layers (+ logits) + B · attention) / 1e12
 
@@ -67,9 +72,22 @@ def attended_pairs(cfg: ModelConfig, length: int, causal: bool = True) -> float:
       total += (length // chunk) * chunk * chunk / 2 + (length % chunk) ** 2 / 2
     elif window is not None and window < length:
       total += window * length - window * window / 2
+    elif 0 < cfg.mla.index_topk < length and not cfg.mla.indexer_warmup:
+      total += cfg.mla.index_topk * length - cfg.mla.index_topk ** 2 / 2
     else:
       total += length * length / 2
   return total
+
+
+def indexer_flops_per_sequence(cfg: ModelConfig, length: int) -> tuple[float, float]:
+  """(projection FLOPs, score FLOPs) of DeepSeek Sparse Attention's indexers in one forward pass
+  over one sequence (the module docstring); zeros without an indexer."""
+  heads, width = cfg.mla.index_n_heads, cfg.mla.index_head_dim
+  if cfg.mla.index_topk <= 0 or heads <= 0:
+    return 0.0, 0.0
+  layers = cfg.num_decoder_layers + cfg.mtp.mtp_num_layers
+  per_token = 2 * (cfg.mla.q_lora_rank * heads * width + cfg.emb_dim * width + cfg.emb_dim * heads)
+  return float(layers * length * per_token), float(layers * length * length / 2 * 2 * heads * (width + 1))
 
 
 def moe_expert_rows(cfg: ModelConfig, length: int) -> float:
@@ -119,8 +137,10 @@ def training_tflops_per_step(cfg: ModelConfig, global_batch: int, length: int, p
   """`passes` forward passes' worth per batch row: forward + backward is 3 (language modelling);
   an objective that runs more sequences per row says how many (objectives/base.Objective.passes_per_row)."""
   weights, attention = forward_flops_per_sequence(cfg, length)
-  weight_tflops = passes * global_batch * weights / 1e12
-  attention_tflops = passes * global_batch * attention / 1e12
+  index_weights, index_scores = indexer_flops_per_sequence(cfg, length)
+  index_passes = passes if cfg.mla.indexer_loss_scaling_factor > 0 else passes / 3  # detached: forward only
+  weight_tflops = global_batch * (passes * weights + index_passes * index_weights) / 1e12
+  attention_tflops = global_batch * (passes * attention + index_passes * index_scores) / 1e12
   return StepFlops(weight_tflops, attention_tflops, weight_tflops + attention_tflops)
 
 
