@@ -101,8 +101,7 @@ AOT_SHAPE = dict(model_name="deepseek3.2-671b", base_num_decoder_layers=4, first
 
 
 def _aot_table(topology: str, lengths: list[int], topk: int) -> None:
-  sys.path.insert(0, str(Path(__file__).resolve().parent))
-  import aot_layer_table  # noqa: PLC0415
+  import aot_layer_table  # noqa: PLC0415  (benchmarks/, beside this script)
 
   print(f"{topology}, a 4-layer DeepSeek-V3.2 at its attention shapes, one sequence per chip, top-k {topk}; "
         "step-time model predictions from train_compile (not measurements)")
