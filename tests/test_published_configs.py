@@ -97,6 +97,13 @@ QWEN3_5_0_8B = dict(
         QWEN3_5_4B["text_config"], hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
         num_attention_heads=8, num_key_value_heads=2, linear_num_value_heads=16,
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(24)]))
+# Qwen/Qwen3.5-2B: its config.json is not in the offline corpus. A public llama.cpp capture of the published
+# checkpoint's graph (GGUF "qwen35", BF16) gives its shapes: width 2048, 24 layers, DeltaNet q/k/v 16 heads of 128
+# each (a fused 2048 -> 6144 projection, 16 decay heads), full attention 8 query and 2 key/value heads of 256, an MLP
+# of 6144, no separate output matrix; and its text trunk's count, which the test below holds transformers to.
+QWEN3_5_2B = dict(
+    QWEN3_5_0_8B, text_config=dict(QWEN3_5_0_8B["text_config"], hidden_size=2048, intermediate_size=6144))
+QWEN3_5_2B_GGUF_TEXT_PARAMETERS = 1_881_825_088
 # The 9B checkpoint's safetensors index gives its total size: 19,306,216,416 bytes of bfloat16.
 QWEN3_5_9B_CHECKPOINT_PARAMETERS = 19_306_216_416 // 2
 
@@ -143,8 +150,8 @@ GEMMA4_26B_A4B = dict(  # google/gemma-4-26B-A4B
                                            ("qwen3.5-35b-a3b", QWEN3_5_35B_A3B), ("qwen3.5-27b", QWEN3_5_27B),
                                            ("qwen3.5-122b-a10b", QWEN3_5_122B_A10B),
                                            ("qwen3.5-397b-a17b", QWEN3_5_397B_A17B),
-                                           ("qwen3.5-0.8b", QWEN3_5_0_8B), ("qwen3.5-4b", QWEN3_5_4B),
-                                           ("qwen3.5-9b", QWEN3_5_9B)])
+                                           ("qwen3.5-0.8b", QWEN3_5_0_8B), ("qwen3.5-2b", QWEN3_5_2B),
+                                           ("qwen3.5-4b", QWEN3_5_4B), ("qwen3.5-9b", QWEN3_5_9B)])
 def test_the_yaml_is_what_the_published_config_converts_to(model_name, hf):
   """Every key the converter sets (the architecture) has the YAML's value; YaRN's attention factor, given outright
   in a config.json or left to its formula in a YAML, scales alike."""
@@ -155,12 +162,13 @@ def test_the_yaml_is_what_the_published_config_converts_to(model_name, hf):
   assert rope_attention_scale(converted.model.rope) == pytest.approx(rope_attention_scale(shipped.model.rope), 1e-12)
 
 
-@pytest.mark.parametrize("model_name,hf", [("qwen3.5-0.8b", QWEN3_5_0_8B), ("qwen3.5-4b", QWEN3_5_4B),
-                                           ("qwen3.5-9b", QWEN3_5_9B)])
+@pytest.mark.parametrize("model_name,hf", [("qwen3.5-0.8b", QWEN3_5_0_8B), ("qwen3.5-2b", QWEN3_5_2B),
+                                           ("qwen3.5-4b", QWEN3_5_4B), ("qwen3.5-9b", QWEN3_5_9B)])
 def test_small_qwen3_5_counts_are_the_published_checkpoints(model_name, hf):
-  """The cards' 0.8B/4B/9B are rounded totals with the vision encoder, so the count is held to transformers' own
-  text decoder built from the published config; for the 9B, that plus the vision encoder and the
-  multi-token-prediction layer (one full-attention layer, a 2H -> H projection, three norms) is the checkpoint."""
+  """The cards' 0.8B/2B/4B/9B are rounded totals with the vision encoder, so the count is held to transformers' own
+  text decoder built from the published config (for the 2B, read from a GGUF graph, also to that graph's count); for
+  the 9B, that plus the vision encoder and the multi-token-prediction layer (one full-attention layer, a 2H -> H
+  projection, three norms) is the checkpoint."""
   torch = pytest.importorskip("torch")
   hf_models = pytest.importorskip("transformers")
   from tests.test_model_zoo import parameter_count
@@ -172,6 +180,8 @@ def test_small_qwen3_5_counts_are_the_published_checkpoints(model_name, hf):
   vision = sum(n for name, n in counts.items() if ".visual." in name)
   text = sum(counts.values()) - vision
   assert parameter_count(model_name)[1] == text
+  if model_name == "qwen3.5-2b":  # the shapes were read from a GGUF graph: its own count must agree
+    assert text == QWEN3_5_2B_GGUF_TEXT_PARAMETERS
   if "vision_config" in hf:
     width = hf["text_config"]["hidden_size"]
     full_layer = sum(n for name, n in counts.items() if ".layers.3." in name and ".visual." not in name)
