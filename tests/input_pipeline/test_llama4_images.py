@@ -90,7 +90,8 @@ def test_a_one_tile_image_has_no_thumbnail():
 
 @pytest.mark.parametrize("size", [(28, 28), (60, 25), (25, 90), (57, 29)])
 def test_whole_processor_equals_hf(size):
-  pytest.importorskip("torchvision", reason="HF's Llama4ImageProcessor needs torchvision")
+  pytest.importorskip("torchvision", reason="HF's Llama4ImageProcessor needs torchvision, which has no CPU "
+                      "build on PyPI (requirements-test.txt says why); test_tiles_equal_hf_resize_kernel_* stands in")
   image = Image.fromarray(np.random.default_rng(1).integers(0, 256, size[::-1] + (3,), dtype=np.uint8))
   hf = transformers.Llama4ImageProcessor(size={"height": 28, "width": 28}, max_patches=6)(images=[image],
                                                                                           return_tensors="pt")
