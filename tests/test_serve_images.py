@@ -139,6 +139,24 @@ def test_a_text_only_model_refuses_images(served, tmp_path):
   assert raised.value.status == 400
 
 
+def test_a_decompression_bomb_is_refused_before_decoding(tmp_path):
+  """A 9400x9400 PNG of one colour (a few hundred KB as a data URL, 265 MB decoded) under
+  serve_max_image_bytes: the request gets its 400 from the image's header, fast and without the
+  decoded megabytes."""
+  from big_images import peak_rss_growth, solid_png
+
+  bomb = "data:image/png;base64," + base64.b64encode(solid_png(9400, 9400)).decode()
+  config = Config.for_testing(**MODEL, **{**SERVING, "serve_max_image_bytes": 1 << 20},
+                              tokenizer_path=str(write_tokenizer(tmp_path / "tok", GEMMA3, IMAGE_SPECIAL)))
+  codec, _ = _codec(config)
+  limits = openai_api.Limits("tiny-vlm", 272, 48, 64, 8, 1, image_token_id=12)
+  body = {"messages": image_message("what is this", bomb), "max_tokens": 2}
+  seconds, grown, raised = peak_rss_growth(lambda: openai_api.parse_chat(body, limits, codec))
+  assert isinstance(raised, openai_api.ApiError) and raised.status == 400, raised
+  assert "larger than serve_max_image_pixels=2304" in raised.message, raised.message
+  assert seconds < 0.5 and grown < 32 << 20, (seconds, grown)
+
+
 def test_images_are_decoded_off_the_event_loop(served, monkeypatch):
   """While one request's images are being read (held here until /health has answered), the
   server keeps answering other requests."""

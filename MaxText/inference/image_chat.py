@@ -5,7 +5,8 @@ chat template's image marker expanded into each image's soft-token run), and the
 their family's format (input_pipeline/image_formats.py: Gemma 3's image and pan-and-scan crops,
 Llama 4's tiles) into the views' pixel values the vision tower takes (inference/image_prompts.py
 then keeps them beside the prompt). `ImageLimits` bound what one request may bring before any of
-it is decoded: the server's serve_max_images, serve_max_image_bytes and serve_max_image_pixels.
+it is decoded: the server's serve_max_images, serve_max_image_bytes and serve_max_image_pixels
+(an image's width x height, read from its header).
 """
 
 from __future__ import annotations
@@ -36,11 +37,10 @@ def _read(ref: str, files: bool, limits: ImageLimits | None) -> Any:
     if payload * BASE64_BYTES_PER_CHAR > limits.max_bytes:
       raise UserError(f"an image of about {int(payload * BASE64_BYTES_PER_CHAR)} bytes is larger than "
                       f"serve_max_image_bytes={limits.max_bytes}")
-  image = image_text.read_image(ref, files=files)
-  if limits is not None and image.width * image.height > limits.max_pixels:
-    raise UserError(f"an image of {image.width}x{image.height} pixels is larger than "
-                    f"serve_max_image_pixels={limits.max_pixels}")
-  return image
+  if limits is None:
+    return image_text.read_image(ref, files=files)
+  # The pixel limit is checked on the image's header, before its pixels are decoded.
+  return image_text.read_image(ref, files=files, max_pixels=limits.max_pixels, limit_key="serve_max_image_pixels")
 
 
 def conversation_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], cfg: ModelConfig, *, files: bool,

@@ -84,9 +84,10 @@ def flat_text(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
           for m in messages]
 
 
-def read_image(ref: str, *, files: bool) -> Image.Image:
-  """A data: URL, or with `files` a local path or gs:// object, decoded (images.decode's checks).
-  http(s) URLs are refused: nothing here reaches the network."""
+def read_image(ref: str, *, files: bool, max_pixels: int = images.MAX_IMAGE_PIXELS, limit_key: str = ""
+               ) -> Image.Image:
+  """A data: URL, or with `files` a local path or gs:// object, decoded (images.decode's checks,
+  `max_pixels` among them). http(s) URLs are refused: nothing here reaches the network."""
   if ref.startswith(("http://", "https://")):
     raise UserError(f"image {ref[:60]!r}: http(s) image URLs are not fetched (the server reaches no network); "
                     "send the image inline as a data:image/...;base64, URL")
@@ -98,10 +99,10 @@ def read_image(ref: str, *, files: bool) -> Image.Image:
       data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
       raise UserError(f"image {header}: its base64 data does not decode") from None
-    return images.decode(data, header)
+    return images.decode(data, header, max_pixels, limit_key)
   if not files:
     raise UserError(f"image {ref[:60]!r}: only data:image/...;base64, URLs are accepted here")
-  return images.load(ref)
+  return images.load(ref, max_pixels, limit_key)
 
 
 def expand_image_markers(text: str, tokenizer: Any, vision: VisionConfig, decoder_block: str,

@@ -8,7 +8,8 @@ filter, rescaled by 1/255 and normalised per channel, channels first: float32 [N
 on the accelerator. `vision_tower.image_embeddings` turns the result into soft tokens.
 
 A file or bytes that Pillow cannot decode, or decodes as a format outside SUPPORTED_FORMATS,
-is one `UserError` line naming the image.
+is one `UserError` line naming the image. So is one of more pixels than allowed, refused from its
+header before any pixel is decoded (a small file can hold a huge image: a bomb).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from MaxText.paths import storage
 
 # What a user's image may be encoded as: the formats chat clients and datasets send.
 SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
-# Decoding a huge image is where a bad input costs memory; Pillow's own guard, as an error.
+# Decoding a huge image is where a bad input costs memory: no image of more pixels is decoded.
 MAX_IMAGE_PIXELS = 8192 * 8192
+# Pillow's own guard at the same limit, for every image this process opens (datasets' decoders too).
+Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,31 +48,37 @@ class ImageOptions:
   pan_and_scan_min_ratio_to_activate: float = 1.2
 
 
-def decode(data: bytes, name: str) -> Image.Image:
-  """An encoded image (PNG, JPEG, ...) as a loaded Pillow image; `name` says which in errors."""
+def decode(data: bytes, name: str, max_pixels: int = MAX_IMAGE_PIXELS, limit_key: str = "") -> Image.Image:
+  """An encoded image (PNG, JPEG, ...) as a loaded Pillow image; `name` says which in errors.
+  Its size and format are read from its header and checked before its pixels are decoded: at
+  most `max_pixels` (the config key `limit_key` when a tool sets its own) and MAX_IMAGE_PIXELS."""
+  limit = f"{limit_key}={max_pixels}" if limit_key and max_pixels < MAX_IMAGE_PIXELS else f"{MAX_IMAGE_PIXELS} pixels"
   with warnings.catch_warnings():
     warnings.simplefilter("error", Image.DecompressionBombWarning)
     try:
-      image = Image.open(io.BytesIO(data))
+      image = Image.open(io.BytesIO(data))  # the header only: no pixel is decoded yet
+      if image.format not in SUPPORTED_FORMATS:
+        raise UserError(f"image {name}: format {image.format} is not supported; use one of "
+                        f"{', '.join(SUPPORTED_FORMATS)}")
+      width, height = image.size
+      if width * height > min(max_pixels, MAX_IMAGE_PIXELS):
+        raise UserError(f"image {name}: {width}x{height} pixels is larger than {limit}; resize it first")
       image.load()
-    except (Image.DecompressionBombWarning, Image.DecompressionBombError):
-      raise UserError(f"image {name}: larger than {MAX_IMAGE_PIXELS} pixels; resize it first") from None
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError):  # Pillow's guard, in Image.open
+      raise UserError(f"image {name}: larger than {limit}; resize it first") from None
     except (OSError, ValueError, SyntaxError) as e:  # Pillow's ways of saying "not an image I can read"
       raise UserError(f"image {name}: cannot be decoded as an image ({e}); give a PNG, JPEG, WEBP, GIF or BMP "
                       "file") from None
-  if image.format not in SUPPORTED_FORMATS:
-    raise UserError(f"image {name}: format {image.format} is not supported; use one of "
-                    f"{', '.join(SUPPORTED_FORMATS)}")
   return image
 
 
-def load(path: str) -> Image.Image:
+def load(path: str, max_pixels: int = MAX_IMAGE_PIXELS, limit_key: str = "") -> Image.Image:
   """An image file (a local path or gs:// object) decoded as `decode` does."""
   try:
     data = storage.read_bytes(path)
   except OSError as e:
     raise UserError(f"image {path}: cannot be read ({e.strerror or e})") from None
-  return decode(data, path)
+  return decode(data, path, max_pixels, limit_key)
 
 
 def to_rgb(image: Image.Image) -> np.ndarray:

@@ -1,6 +1,7 @@
 """Image pre-processing equals HF's Gemma 3 image processor (its Pillow backend, what
 transformers runs without torchvision) on generated images of several sizes, modes and
-encodings; bad images are one UserError line naming the image."""
+encodings; bad images are one UserError line naming the image, an image of too many pixels
+refused from its header before any pixel is decoded."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import io
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageFile
 
+from big_images import peak_rss_growth, solid_png
 from MaxText.errors import UserError
 from MaxText.input_pipeline import images
 
@@ -93,3 +95,27 @@ def test_bad_images_are_one_line_errors(data, message):
 def test_unreadable_file_names_the_path(tmp_path):
   with pytest.raises(UserError, match=f"image {tmp_path / 'missing.png'}: cannot be read"):
     images.load(str(tmp_path / "missing.png"))
+
+
+def test_pillows_own_guard_is_our_limit():
+  assert Image.MAX_IMAGE_PIXELS == images.MAX_IMAGE_PIXELS
+
+
+def test_a_decompression_bomb_is_refused_from_its_header_fast_and_small():
+  """A 9000x9000 PNG of one colour (a few hundred KB, 243 MB decoded) lies under Pillow's default
+  guard; it is refused on its size alone, in milliseconds and without the decoded megabytes."""
+  data = solid_png(9000, 9000)
+  seconds, grown, raised = peak_rss_growth(lambda: images.decode(data, "bomb.png"))
+  assert isinstance(raised, UserError) and f"larger than {images.MAX_IMAGE_PIXELS} pixels" in str(raised), raised
+  assert seconds < 0.5 and grown < 32 << 20, (seconds, grown)
+
+
+def test_a_tool_limit_is_checked_before_decoding(monkeypatch):
+  def no_decoding(self):
+    raise AssertionError("pixels were decoded")
+
+  monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoding)
+  with pytest.raises(UserError, match=r"image up.png: 100x60 pixels is larger than serve_max_image_pixels=2500;"):
+    images.decode(solid_png(100, 60), "up.png", 50 * 50, "serve_max_image_pixels")
+  with pytest.raises(UserError, match=r"format TIFF is not supported"):  # the format too, from the header
+    images.decode(_encoded(_image("RGB", 16, 16), "TIFF"), "up.tiff")
