@@ -50,15 +50,47 @@ def _remote_files_allowed(datasets: Any, builder: str, files: list[str]) -> Iter
     datasets.config.HF_DATASETS_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
 
 
-def _quiet_json_loader() -> contextlib.AbstractContextManager[None]:
-  """datasets' JSON builder logs a parse failure (twice, through its own handler and the root's)
-  before raising it; the raised error becomes the one line that names the file and line."""
-  return quiet_logger("datasets.packaged_modules.json.json", logging.CRITICAL)
+@contextlib.contextmanager
+def _quiet_loaders() -> Iterator[None]:
+  """datasets' JSON and parquet builders log a parse failure (twice, through their own handler and
+  the root's) before raising it; the raised error becomes the one line that names the file."""
+  with quiet_logger("datasets.packaged_modules.json.json", logging.CRITICAL), \
+      quiet_logger("datasets.packaged_modules.parquet.parquet", logging.CRITICAL):
+    yield
+
+
+def _blank(path: str) -> bool:
+  """Whether a file holds nothing but whitespace (and a byte order mark)."""
+  with storage.open_file(path, "rb") as f:
+    first = True
+    while chunk := f.read(1 << 16):
+      if (chunk.removeprefix(b"\xef\xbb\xbf") if first else chunk).strip():
+        return False
+      first = False
+  return True
+
+
+def _bad_parquet(files: list[str]) -> str | None:
+  """'<file> is not a readable parquet file (why)' for the first file whose footer cannot be read."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  for path in files:
+    try:
+      with storage.open_file(path, "rb") as f:
+        pq.read_metadata(f)
+    except (pa.ArrowException, OSError) as e:
+      return f"{path} is not a readable parquet file ({(str(e).splitlines() or [type(e).__name__])[0]})"
+  return None
 
 
 def _unreadable(files_key: str, data_files: str, builder: str, files: list[str], error: Exception) -> str:
   """The one line for files datasets could not turn into a table: for JSON, the first bad line
   (found by reading the files again, only now that the fast reader failed)."""
+  if builder == "parquet":
+    problem = _bad_parquet(files)
+    if problem is not None:
+      return f"{files_key}: {problem}; replace or remove it"
   if builder == "json":
     from MaxText.input_pipeline import json_records
 
@@ -108,12 +140,21 @@ def open_split(hf_path: str, data_files: str, split: str, files_key: str) -> tup
     if data_files:
       files = expand_files(files_key, data_files)
       builder = _builder_for(hf_path, files)
-      with _remote_files_allowed(datasets, builder, files), _quiet_json_loader():
+      describe = f"hf {builder} files {data_files}"
+      # utf-8-sig: a text file's byte order mark is not part of its first line
+      options = {"encoding": "utf-8-sig"} if builder == "text" else {}
+      with _remote_files_allowed(datasets, builder, files), _quiet_loaders():
         try:
-          dataset = datasets.load_dataset(builder, data_files={split: files}, split=split)
-        except datasets.exceptions.DatasetGenerationError as e:
+          dataset = datasets.load_dataset(builder, data_files={split: files}, split=split, **options)
+        except (datasets.exceptions.DatasetGenerationError, StopIteration, ValueError) as e:
+          # datasets fails on files with no records in its own ways (StopIteration from the JSON
+          # builder, "corresponds to no data"): they are an empty split, which the callers name.
+          if builder in ("json", "text") and all(_blank(f) for f in files):
+            return datasets.Dataset.from_dict({}), describe
+          if isinstance(e, ValueError) and builder != "parquet":
+            raise  # an argument datasets refuses: worded below
           raise ConfigError(_unreadable(files_key, data_files, builder, files, e)) from None
-      return dataset, f"hf {builder} files {data_files}"
+      return dataset, describe
     if not hf_path:
       raise ConfigError(f"dataset_type=hf needs hf_path or {files_key}")
     if storage.is_file(storage.join(hf_path, "dataset_dict.json")):

@@ -67,10 +67,15 @@ def host_shard(sharding: NamedSharding, global_batch: int, length: int, process_
   return HostShard(index=start // rows, count=global_batch // rows, rows=rows)
 
 
+BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark: part of the file, never of the text
+
+
 def record_text(record: Any, column: str) -> str:
-  """The document text of one record: a dict (HF, TFDS) or bytes holding JSON or raw UTF-8 (ArrayRecord)."""
+  """The document text of one record: a dict (HF, TFDS, parsed JSON) or bytes holding JSON or raw
+  UTF-8 (ArrayRecord). A column that is not text (null, a number, a list) is refused, not trained
+  as its Python spelling."""
   if isinstance(record, (bytes, bytearray)):
-    text = bytes(record).decode("utf-8", errors="replace")
+    text = bytes(record).removeprefix(BOM).decode("utf-8", errors="replace")
     if text[:1] in ('{', '"'):
       try:
         record = json.loads(text)
@@ -85,8 +90,20 @@ def record_text(record: Any, column: str) -> str:
       raise ConfigError(f"records have no column {column!r} (they have {', '.join(map(str, record))}); "
                         "set train_data_columns")
     value = record[column]
-    return value.decode("utf-8", errors="replace") if isinstance(value, (bytes, bytearray)) else str(value)
+    if isinstance(value, (bytes, bytearray)):
+      return bytes(value).decode("utf-8", errors="replace")
+    if not isinstance(value, str):
+      raise UserError(f"column {column!r} is {json_kind(value)}, not text; fix or remove that record")
+    return value
   return str(record)
+
+
+def json_kind(value: Any) -> str:
+  """'null', 'a JSON number', ...: what a value that should have been text is, for error messages."""
+  if value is None:
+    return "null"
+  kinds = {bool: "boolean", int: "number", float: "number", list: "array", tuple: "array", dict: "object"}
+  return "a JSON " + next((name for kind, name in kinds.items() if isinstance(value, kind)), type(value).__name__)
 
 
 class _Numbered:

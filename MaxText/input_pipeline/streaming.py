@@ -20,12 +20,13 @@ from typing import Any, Callable, Iterator, Sequence
 
 import grain
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from MaxText.errors import ConfigError, UserError
 from MaxText.input_pipeline.files import expand_files
 from MaxText.input_pipeline.packing import Located
-from MaxText.input_pipeline.pipeline import HostShard, record_text
+from MaxText.input_pipeline.pipeline import BOM, HostShard, json_kind, record_text
 from MaxText.paths import storage
 
 ROW_BITS = 32  # rows of one shard file must stay below 2**32
@@ -47,14 +48,42 @@ class _Shard:
   path: str
   records: Sequence[Any]
   cleanup: contextlib.ExitStack
+  lines: Sequence[int] | None = None  # JSONL: each record's line in the file (records skip blank lines)
+  json: bool = False  # records are JSON text (a JSONL line) or values parsed from a JSON array
 
   def close(self) -> None:
     self.cleanup.close()
 
+  def where(self, row: int) -> str:
+    return f"{self.path} line {self.lines[row]}" if self.lines is not None else f"{self.path} record {row + 1}"
 
-def _jsonl_records(data: bytes) -> list[bytes]:
-  # Blank lines are skipped, as `datasets` does; each line is parsed when it is read.
-  return [line for line in data.split(b"\n") if line.strip()]
+
+def _json_shard(path: str, data: bytes, stack: contextlib.ExitStack) -> _Shard:
+  """A .jsonl/.json shard: one JSON record per non-blank line (each parsed when it is read), or, as
+  `datasets` reads a file starting with `[`, one JSON array of records. A leading BOM is the file's."""
+  data = data.removeprefix(BOM)
+  if data.lstrip()[:1] == b"[":
+    try:
+      values = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      where = f"line {e.lineno}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else f"byte {e.start + 1}"
+      raise UserError(f"{path} is a JSON array (it starts with '[') but not valid JSON ({_reason(e)} at {where}); "
+                      "fix it, or write one JSON record per line") from None
+    return _Shard(path, values, stack, json=True)
+  records, lines = [], []
+  for number, line in enumerate(data.split(b"\n"), 1):
+    if line.strip():  # blank lines are skipped, as `datasets` does
+      records.append(line)
+      lines.append(number)
+  return _Shard(path, records, stack, lines=lines, json=True)
+
+
+def _parquet_rows(path: str, data: bytes) -> list[Any]:
+  try:
+    return pq.read_table(io.BytesIO(data)).to_pylist()
+  except (pa.ArrowException, OSError) as e:  # a bad footer, a truncated page, not parquet at all
+    reason = (str(e).splitlines() or [type(e).__name__])[0]
+    raise UserError(f"{path} is not a readable parquet file ({reason}); replace or remove it") from None
 
 
 def _open_shard(path: str) -> _Shard:
@@ -62,13 +91,17 @@ def _open_shard(path: str) -> _Shard:
   stack = contextlib.ExitStack()
   kind = file_format("stream files", path)
   if kind == "parquet":
-    records: Sequence[Any] = pq.read_table(io.BytesIO(storage.read_bytes(path))).to_pylist()
-  elif kind == "jsonl":
-    records = _jsonl_records(storage.read_bytes(path))
-  else:
-    # ArrayRecord's reader opens local files only: a remote shard is downloaded, and removed when done.
-    local = stack.enter_context(storage.local_copy(path))
+    return _Shard(path, _parquet_rows(path, storage.read_bytes(path)), stack)
+  if kind == "jsonl":
+    return _json_shard(path, storage.read_bytes(path), stack)
+  # ArrayRecord's reader opens local files only: a remote shard is downloaded, and removed when done.
+  local = stack.enter_context(storage.local_copy(path))
+  try:
     records = grain.sources.ArrayRecordDataSource([local])
+  except (RuntimeError, ValueError, OSError) as e:
+    stack.close()
+    reason = (str(e).splitlines() or [""])[0] or type(e).__name__
+    raise UserError(f"{path} is not a readable ArrayRecord file ({reason}); replace or remove it") from None
   return _Shard(path, records, stack)
 
 
@@ -77,13 +110,23 @@ def _close_fetched(future: "concurrent.futures.Future[_Shard]") -> None:
     future.result().close()
 
 
-def _record(record: Any) -> Any:
-  """A JSONL line as its JSON value (ArrayRecord bytes and parquet rows go to record_text as they are)."""
-  if isinstance(record, bytes) and record[:1] in (b"{", b"\""):
+def _reason(error: Exception) -> str:
+  return error.msg if isinstance(error, json.JSONDecodeError) else "not UTF-8 text"
+
+
+def _json_record(record: Any) -> Any:
+  """A JSONL line (bytes) or an element of a JSON array as the record it must be: an object, or a
+  string holding the text itself."""
+  if isinstance(record, bytes):
     try:
-      return json.loads(record)
+      record = json.loads(record)  # surrounding whitespace (an indented record, a CR) is allowed
     except json.JSONDecodeError as e:
-      raise UserError(f"is not JSON ({e.msg} at column {e.colno})") from None
+      raise UserError(f"not valid JSON ({e.msg} at column {e.colno}); fix or remove that record") from None
+    except UnicodeDecodeError as e:
+      raise UserError(f"not valid JSON (not UTF-8 text at byte {e.start + 1}); fix or remove that record") from None
+  if not isinstance(record, (dict, str)):
+    raise UserError(f"{json_kind(record)}, not an object (one record per line, or an array of objects); "
+                    "fix or remove that record")
   return record
 
 
@@ -135,7 +178,7 @@ class ShardStream:
           if empty_visits >= len(self.files):
             raise ConfigError(f"{self.what} is empty: its {len(self.files)} shard file(s) hold no records")
           for r in range(row, len(records)):
-            yield Located((visit << ROW_BITS) | r, self._encoded(shard.path, r, records[r]))
+            yield Located((visit << ROW_BITS) | r, self._encoded(shard, r, records[r]))
         finally:
           shard.close()
         visit, row = visit + 1, 0
@@ -143,12 +186,12 @@ class ShardStream:
       if ahead is not None:  # abandoned (a seek, the end of the run): release the shard fetched ahead
         ahead.add_done_callback(self._release)
 
-  def _encoded(self, path: str, row: int, record: Any) -> Any:
+  def _encoded(self, shard: _Shard, row: int, record: Any) -> Any:
     try:
-      value = _record(record)
+      value = _json_record(record) if shard.json else record
       return self._encode(value if self._column is None else record_text(value, self._column))
     except UserError as e:
-      raise type(e)(f"{path} record {row + 1}: {e}") from None
+      raise type(e)(f"{shard.where(row)}: {e}") from None
 
 
 def describe_position(index: int, stream: ShardStream) -> str:

@@ -67,7 +67,7 @@ class PromptSet:
                         "+ max_completion_length <= max_target_length + 1, or shorten the prompt)")
       self.prompts.append(Prompt(index, ids, record[column], {k: v for k, v in record.items() if k != column}))
     if not self.prompts:
-      raise UserError(f"{describe} holds no prompt records")
+      raise UserError(f"{describe} is empty: it holds no prompt records")
     self.shuffle_seed = data.data_shuffle_seed if data.enable_data_shuffling else None
     self.position = 0
     self.describe = describe

@@ -8,7 +8,7 @@ import pytest
 
 from MaxText.platform import sharding
 from MaxText.configuration.config import Config
-from MaxText.errors import ConfigError
+from MaxText.errors import ConfigError, UserError
 from MaxText.input_pipeline import check_sources, create_data_iterator, create_eval_iterator
 
 
@@ -93,3 +93,37 @@ def test_hub_dataset_is_never_downloaded(spm_model, prepared):
   values = _grain(spm_model, prepared, dataset_type="hf", hf_path="someone/not_cached_here")
   with pytest.raises(ConfigError, match="is not available offline"):
     _open(values)
+
+
+@pytest.mark.parametrize("name, content", [("empty.jsonl", ""), ("empty.json", ""), ("blank.jsonl", "\n \n"),
+                                           ("empty.txt", "")])
+def test_an_empty_hf_file_is_named_as_empty(spm_model, prepared, tmp_path, name, content):
+  (tmp_path / name).write_text(content)
+  with pytest.raises(ConfigError) as error:
+    _open(_grain(spm_model, prepared, dataset_type="hf", hf_data_files=str(tmp_path / name)))
+  assert f"{tmp_path / name}) is empty" in str(error.value), str(error.value)
+
+
+def test_an_empty_grpo_prompt_file_is_named_as_empty(tiny_overrides, tmp_path):
+  from MaxText.input_pipeline import chat
+  from MaxText.rl import prompts
+  from tests.input_pipeline.sft_fixtures import write_tokenizer
+
+  tokenizer = write_tokenizer(tmp_path / "tokenizer", None)
+  (tmp_path / "prompts.jsonl").write_text("")
+  config = Config.for_testing(**{**tiny_overrides, "use_grpo": True, "dataset_type": "hf", "tokenizer_path": str(
+      tokenizer), "tokenizer_type": "huggingface", "hf_data_files": str(tmp_path / "prompts.jsonl"), "vocab_size": 320,
+      "reward_functions": "exact_match", "num_generations": 4, "max_prefill_predict_length": 8,
+      "max_completion_length": 6, "max_target_length": 16, "eval_interval": -1})
+  with pytest.raises(UserError) as error:
+    prompts.PromptSet(config, chat.load_chat_tokenizer(str(tokenizer), require_template=False))
+  assert f"{tmp_path / 'prompts.jsonl'}" in str(error.value) and "is empty" in str(error.value), str(error.value)
+
+
+def test_a_byte_order_mark_is_not_text(spm_model, prepared, tmp_path):
+  """hf reads a .txt file's lines as documents; the BOM before the first is the file's, not the text's."""
+  from MaxText.input_pipeline import hf
+
+  (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfline one\nline two\n")
+  dataset, _ = hf.open_split("", str(tmp_path / "bom.txt"), "train", "hf_data_files")
+  assert dataset["text"] == ["line one", "line two"]

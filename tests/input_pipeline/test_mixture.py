@@ -215,3 +215,14 @@ def test_an_empty_or_missing_source_is_named(spm_model, prepared, second_corpus,
   sources[1] = dict(name="code", weight=1, grain_train_files=str(tmp_path / "empty.array_record"))
   with pytest.raises(ConfigError, match=r"data_mixture source 'code' \(grain .*\) is empty"):
     _iterator(_values(spm_model, prepared, second_corpus, data_mixture=sources))
+
+
+@pytest.mark.parametrize("content", ["", "\n  \n"])
+def test_an_empty_json_source_is_named_as_empty(spm_model, prepared, second_corpus, tmp_path, content):
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text(content)
+  sources = _sources(prepared, second_corpus)
+  sources[1]["hf_data_files"] = str(empty)
+  with pytest.raises(ConfigError) as error:
+    _iterator(_values(spm_model, prepared, second_corpus, data_mixture=sources))
+  assert f"data_mixture source 'code' (hf json files {empty}) is empty" in str(error.value), str(error.value)

@@ -3,6 +3,7 @@ the prefetch thread, eval reset and exhaustion."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import jax
@@ -11,6 +12,7 @@ import pytest
 
 from MaxText.platform import sharding
 from MaxText.configuration.config import Config
+from MaxText.errors import UserError
 from MaxText.input_pipeline import create_data_iterator, create_eval_iterator, pipeline
 from MaxText.input_pipeline.batch_spec import batch_spec
 from MaxText.input_pipeline.packing import DocumentCursor, pack_batch
@@ -95,6 +97,16 @@ def test_record_text_reads_json_objects_strings_and_raw_bytes():
   assert pipeline.record_text(b'"quoted"', "text") == "quoted"
   assert pipeline.record_text(b"plain words", "text") == "plain words"
   assert pipeline.record_text({"body": b"bytes"}, "body") == "bytes"
+  assert pipeline.record_text(b'\xef\xbb\xbf{"text": "after a BOM"}', "text") == "after a BOM"
+
+
+@pytest.mark.parametrize("value, what", [(None, "is null"), (3, "is a JSON number"), (["a"], "is a JSON array"),
+                                         ({"a": 1}, "is a JSON object")])
+def test_record_text_refuses_a_column_that_is_not_text(value, what):
+  with pytest.raises(UserError, match=f"column 'text' {what}, not text"):
+    pipeline.record_text({"text": value}, "text")
+  with pytest.raises(UserError, match=f"column 'text' {what}, not text"):
+    pipeline.record_text(json.dumps({"text": value}).encode(), "text")
 
 
 # ---------------------------------------------------------------- formats

@@ -168,7 +168,7 @@ def test_bad_shards_are_one_line_each(spm_model, tmp_path):
   with pytest.raises(ConfigError, match=r"the train data \(stream .*\) is empty: its 2 shard file\(s\) hold no records"):
     _take(_iterator(_values(spm_model, stream_train_files=str(tmp_path / "e*.jsonl"))), 1)
   (tmp_path / "bad.jsonl").write_text('{"text": "fine words here"}\n{"text": broken\n')
-  with pytest.raises(UserError, match=r"bad.jsonl record 2: is not JSON") as error:
+  with pytest.raises(UserError, match=r"bad.jsonl line 2: not valid JSON") as error:
     _take(_iterator(_values(spm_model, stream_train_files=str(tmp_path / "bad.jsonl"))), 2)
   assert "\n" not in str(error.value)
 
@@ -197,3 +197,54 @@ def test_a_stream_in_a_mixture_resumes_exactly(spm_model, shards, prepared):
   resumed.set_state(state)
   _assert_same(_take(resumed, 10), expected)
   resumed.close()
+
+
+def _documents(path: Path, column: str | None = "text") -> list:
+  """Every document of one shard file as the stream hands it to the encoder (no tokenizer)."""
+  stream = streaming.ShardStream("stream_train_files", str(path), HostShard(0, 1, 1), lambda d: d, column, None,
+                                 False, "the train data")
+  return [located.document for located in stream.read_from(0)]
+
+
+def _one_line_error(path: Path) -> str:
+  with pytest.raises(UserError) as error:
+    _documents(path)
+  message = str(error.value)
+  assert str(path) in message and "\n" not in message, message
+  return message
+
+
+def test_every_line_of_a_json_shard_is_a_json_record(tmp_path):
+  ok = tmp_path / "ok.jsonl"  # a BOM, an indented record, a blank line, CRLF, a JSON string record
+  ok.write_bytes(b'\xef\xbb\xbf{"text": "first doc"}\r\n   {"text": "indented"}\n\n\t"a string"\n')
+  assert _documents(ok) == ["first doc", "indented", "a string"]
+  for name, lines, problem in [
+      ("garbage.jsonl", b'{"text": "fine"}\nthis is not json\n', "line 2: not valid JSON"),
+      ("number.jsonl", b'{"text": "fine"}\n\n42\n', "line 3: a JSON number, not an object"),
+      ("truncated.jsonl", b'{"text": "fine"}\n{"text": "cut her', "line 2: not valid JSON"),
+      ("binary.jsonl", b'{"text": "fine"}\n\xff\xfe\x00garbage\n', "line 2: not"),
+      ("null.jsonl", b'{"text": "fine"}\n{"text": null}\n', "line 2: column 'text' is null"),
+      ("list.jsonl", b'{"text": ["a", "b"]}\n', "line 1: column 'text' is a JSON array, not text")]:
+    (tmp_path / name).write_bytes(lines)
+    assert problem in _one_line_error(tmp_path / name), name
+
+
+def test_a_json_array_shard_is_read_as_its_records_as_hf_reads_it(tmp_path):
+  array = tmp_path / "pretty.json"
+  array.write_text('[\n  {"text": "one"},\n  {"text": "two"}\n]\n')
+  assert _documents(array) == ["one", "two"]
+  (tmp_path / "cut.json").write_text('[\n  {"text": "one"},\n  {"text": "tw')
+  assert "is a JSON array (it starts with '[') but not valid JSON" in _one_line_error(tmp_path / "cut.json")
+  (tmp_path / "numbers.json").write_text('[{"text": "one"}, 7]')
+  assert "record 2: a JSON number, not an object" in _one_line_error(tmp_path / "numbers.json")
+
+
+@pytest.mark.parametrize("content", ["garbage", "truncated", "empty", "jsonl"])
+def test_a_corrupt_parquet_shard_is_one_line_naming_it(tmp_path, content):
+  good = tmp_path / "good.parquet"
+  pq.write_table(pa.table({"text": numbered_documents(20)}), good)
+  data = {"garbage": bytes(range(256)) * 4, "truncated": good.read_bytes()[:-30], "empty": b"",
+          "jsonl": b'{"text": "not parquet"}\n'}[content]
+  bad = tmp_path / "bad.parquet"
+  bad.write_bytes(data)
+  assert "is not a readable parquet file" in _one_line_error(bad)
