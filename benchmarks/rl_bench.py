@@ -89,7 +89,7 @@ def main() -> int:
                f"max_completion_length={args.completion}", f"num_generations={args.generations}",
                f"per_device_batch_size={args.rows / devices}", "reward_functions=bench_rewards:low_ids",
                f"steps={args.steps}", "log_period=1", "checkpoint_period=100000", "print_config=False",
-               "enable_tensorboard=False", "learning_rate=1e-4", "rl_temperature=1.0"]
+               "enable_tensorboard=False", "learning_rate=1e-4", "rl_sampling_temperature=1.0"]
     env = {**os.environ, "PYTHONPATH": f"{directory}:{REPO}"}
     if args.platform == "cpu":
       env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")

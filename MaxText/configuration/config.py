@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from MaxText.configuration import config_groups
+from MaxText.configuration import config_groups, spellings
 from MaxText.platform import accelerators
 from MaxText.configuration import run_record
 from MaxText.paths import storage
@@ -195,6 +195,19 @@ class Overrides:
     return self.schema[key]
 
 
+def _set_once(values: dict[str, Any], spelled: dict[str, str], key: str, given: str, value: Any, source: str,
+              prefix: str = "") -> None:
+  """values[key] = value, unless an old and a new spelling of the key give it different values."""
+  earlier = spelled.get(key)
+  if earlier is not None and earlier != given and not spellings.same_value(values[key], value):
+    old, new = (given, earlier) if given != key else (earlier, given)
+    old_value, new_value = (value, values[key]) if given != key else (values[key], value)
+    if prefix:
+      old, new = prefix + old.upper(), prefix + new.upper()
+    raise spellings.clash_error(old, new, old_value, new_value, source)
+  values[key], spelled[key] = value, given
+
+
 def parse_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -> Overrides:
   """Parses `prog [config.yml] key=value ...` and `M_<KEY>` variables, checking every key."""
   environ = os.environ if environ is None else environ
@@ -203,28 +216,35 @@ def parse_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -
   yaml_path: Path | str = BASE_CONFIG_PATH
   if args and "=" not in args[0]:
     yaml_path = args.pop(0)
-  file_values = read_yaml(yaml_path, stop_at=BASE_CONFIG_PATH)  # the user's own YAML layer
+  # the user's own YAML layer
+  file_values = spellings.canonical(read_yaml(yaml_path, stop_at=BASE_CONFIG_PATH), str(yaml_path))
   for key in file_values:
     if key not in schema:
       raise _unknown_key_error(key, schema, str(yaml_path))
 
   argv_values: dict[str, Any] = {}
+  spelled: dict[str, str] = {}  # the spelling that set each key (an old one and its new one must agree)
   for arg in args:
-    key, sep, text = arg.partition("=")
-    if not sep or not key:
+    given, sep, text = arg.partition("=")
+    if not sep or not given:
       raise ConfigError(f"expected key=value, got {arg!r}")
+    key = spellings.rename(given)
     if key not in schema:
-      raise _unknown_key_error(key, schema, "the command line")
-    argv_values[key] = coerce(key, _parse_cli_value(text, schema[key]), schema[key])
+      raise _unknown_key_error(given, schema, "the command line")
+    _set_once(argv_values, spelled, key, given, coerce(key, _parse_cli_value(text, schema[key]), schema[key]),
+              "the command line")
 
   env_values: dict[str, Any] = {}
+  env_spelled: dict[str, str] = {}
   for name, text in environ.items():
     if not name.startswith(ENV_PREFIX) or len(name) == len(ENV_PREFIX):
       continue
-    key = name[len(ENV_PREFIX):].lower()
+    given = name[len(ENV_PREFIX):].lower()
+    key = spellings.rename(given)
     if key not in schema:
-      raise _unknown_key_error(key, schema, f"environment variable {name}")
-    env_values[key] = coerce(key, _parse_cli_value(text, schema[key]), schema[key])
+      raise _unknown_key_error(given, schema, f"environment variable {name}")
+    _set_once(env_values, env_spelled, key, given, coerce(key, _parse_cli_value(text, schema[key]), schema[key]),
+              "the environment", prefix=ENV_PREFIX)
     if key in argv_values:
       print(f"config: {key} is set by both {name} and the command line; the command line wins")
 
@@ -246,6 +266,7 @@ def _read_model_keys(path: Path | str, schema: Mapping[str, Any]) -> dict[str, A
 
 def _typed(values: Mapping[str, Any], schema: Mapping[str, Any], source: str) -> dict[str, Any]:
   """Values from a file of model keys or from a tool, each known to base.yml and coerced to its type."""
+  values = spellings.canonical(values, source)
   for key in values:
     if key not in schema:
       raise _unknown_key_error(key, schema, source)
@@ -415,7 +436,7 @@ def draft_config(config: Config) -> Config:
     argv["model_name"] = d.draft_model_name
   for item in d.draft_overrides:
     key, _, text = str(item).partition("=")
-    key = key.strip()
+    key = spellings.rename(key.strip())
     if key not in schema:
       raise _unknown_key_error(key, schema, "draft_overrides")
     if key in _TARGET_ONLY_KEYS:

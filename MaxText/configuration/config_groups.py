@@ -480,7 +480,7 @@ class DecodeConfig:
   max_prefill_predict_length: int = key()
   decode_sampling_strategy: str = key()
   decode_sampling_temperature: float = key()
-  decode_sampling_nucleus_p: float = key()
+  decode_sampling_top_p: float = key()
   decode_sampling_top_k: int = key()
   decode_sampling_seed: int = key()
   quantize_kvcache: bool = key()
@@ -531,8 +531,8 @@ class DecodeConfig:
     _require(prefill > 0, f"max_prefill_predict_length must be > 0, got {prefill}")
     _require(v["decode_sampling_temperature"] > 0,
              f"decode_sampling_temperature must be > 0, got {v['decode_sampling_temperature']}")
-    _require(0 < v["decode_sampling_nucleus_p"] <= 1,
-             f"decode_sampling_nucleus_p must be in (0, 1], got {v['decode_sampling_nucleus_p']}")
+    _require(0 < v["decode_sampling_top_p"] <= 1,
+             f"decode_sampling_top_p must be in (0, 1], got {v['decode_sampling_top_p']}")
     _require(1 <= v["decode_sampling_top_k"] <= v["vocab_size"],
              f"decode_sampling_top_k must be between 1 and vocab_size, got {v['decode_sampling_top_k']}")
     try:

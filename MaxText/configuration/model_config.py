@@ -99,7 +99,7 @@ class RopeConfig:
   rope_max_timescale: float = key(architecture=True)
   rope_interleaved: bool = key(architecture=True)
   rope_type: str = key(architecture=True)  # default | llama3 | linear | yarn | proportional
-  rope_partial_rotary_factor: float = key(architecture=True)  # rope_type=proportional: share of the pairs rotated
+  rope_proportional_rotated_fraction: float = key(architecture=True)  # rope_type=proportional: share of pairs that turn
   rope_local_max_timescale: float = key(architecture=True)  # 0 = local layers use the global RoPE
   rope_yarn_beta_fast: float = key(architecture=True)
   rope_yarn_beta_slow: float = key(architecture=True)
@@ -509,9 +509,10 @@ def _check_positions_and_attention(v: Mapping[str, Any]) -> None:
              f"{v['rope_original_max_position']}, {v['rope_yarn_beta_fast']}, {v['rope_yarn_beta_slow']}, "
              f"{v['rope_attention_factor']}")
   if v["rope_type"] == "proportional":
-    _require(0.0 < v["rope_partial_rotary_factor"] <= 1.0 and v["rope_scaling_factor"] >= 1.0,
-             "rope_type=proportional needs 0 < rope_partial_rotary_factor <= 1 and rope_scaling_factor >= 1; got "
-             f"{v['rope_partial_rotary_factor']}, {v['rope_scaling_factor']}")
+    _require(0.0 < v["rope_proportional_rotated_fraction"] <= 1.0 and v["rope_scaling_factor"] >= 1.0,
+             "rope_type=proportional needs 0 < rope_proportional_rotated_fraction <= 1 and rope_scaling_factor >= 1; "
+             "got "
+             f"{v['rope_proportional_rotated_fraction']}, {v['rope_scaling_factor']}")
   if v["rope_type"] == "linear":
     _require(v["rope_scaling_factor"] >= 1.0, f"rope_type=linear needs rope_scaling_factor >= 1, "
              f"got {v['rope_scaling_factor']}")

@@ -20,9 +20,9 @@ REWARD_SCALINGS = ("group", "batch", "none")
 class RLConfig:
   num_generations: int = key(fixed_on_resume=DATA_POSITION)  # completions per prompt: a group
   max_completion_length: int = key()
-  rl_temperature: float = key()
-  rl_top_p: float = key()
-  rl_top_k: int = key()
+  rl_sampling_temperature: float = key()
+  rl_sampling_top_p: float = key()
+  rl_sampling_top_k: int = key()
   reward_functions: tuple[str, ...] = key()  # built-in names or package.module:function
   reward_weights: tuple[float, ...] = key()  # () = every function weighs 1
   rl_prompt_column: str = key(fixed_on_resume=DATA_POSITION)
@@ -48,9 +48,10 @@ class RLConfig:
     _require(prefill + rl.max_completion_length <= length + 1,
              f"max_prefill_predict_length ({prefill}) + max_completion_length ({rl.max_completion_length}) must be "
              f"<= max_target_length + 1 ({length + 1}): a prompt and its completion are one training sequence")
-    _require(rl.rl_temperature > 0, f"rl_temperature must be > 0, got {rl.rl_temperature}")
-    _require(0 < rl.rl_top_p <= 1, f"rl_top_p must be in (0, 1], got {rl.rl_top_p}")
-    _require(0 <= rl.rl_top_k <= v["vocab_size"], f"rl_top_k must be in [0, vocab_size] (0 = off), got {rl.rl_top_k}")
+    _require(rl.rl_sampling_temperature > 0, f"rl_sampling_temperature must be > 0, got {rl.rl_sampling_temperature}")
+    _require(0 < rl.rl_sampling_top_p <= 1, f"rl_sampling_top_p must be in (0, 1], got {rl.rl_sampling_top_p}")
+    _require(0 <= rl.rl_sampling_top_k <= v["vocab_size"],
+             f"rl_sampling_top_k must be in [0, vocab_size] (0 = off), got {rl.rl_sampling_top_k}")
     _require(bool(rl.reward_functions), "use_grpo=True needs reward_functions: built-in names (exact_match, format, "
              "length_penalty) or package.module:function paths")
     _require(not rl.reward_weights or len(rl.reward_weights) == len(rl.reward_functions),

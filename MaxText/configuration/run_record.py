@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import yaml
 
 from MaxText.paths import storage
-from MaxText.configuration import config_fields, config_groups
+from MaxText.configuration import config_fields, config_groups, spellings
 from MaxText.configuration.model_config import LORA_KEYS, MODEL_KEYS
 from MaxText.errors import ConfigError, UserError
 
@@ -52,7 +52,7 @@ def _read_record(path: str, run_dir: str) -> dict[str, Any]:
   derived = data.pop("derived", None) or {}
   if "global_batch_size" in derived:
     data["global_batch_size"] = derived["global_batch_size"]
-  return data
+  return spellings.upgrade(data)  # a record written before a key was renamed
 
 
 def read_saved(run_dir: str) -> dict[str, Any] | None:
@@ -180,7 +180,7 @@ def saved_model_keys(checkpoint_path: str) -> tuple[dict[str, Any], str] | None:
   beside = storage.join(checkpoint_path, MODEL_CONFIG_FILE)
   if storage.is_file(beside):
     values = yaml.safe_load(storage.read_text(beside)) or {}
-    return dict(values), beside
+    return spellings.upgrade(values), beside
   run_dir = run_dir_of(checkpoint_path)
   if run_dir is None:
     return None

@@ -53,7 +53,7 @@ def _rope_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   keys: dict[str, Any] = {"rope_max_timescale": float(full.get("rope_theta", 1_000_000.0)), "rope_type": rope_type,
                           "rope_local_max_timescale": float(sliding.get("rope_theta", 10_000.0))}
   if rope_type == "proportional":
-    keys.update(rope_partial_rotary_factor=float(full.get("partial_rotary_factor", 1.0)),
+    keys.update(rope_proportional_rotated_fraction=float(full.get("partial_rotary_factor", 1.0)),
                 rope_scaling_factor=float(full.get("factor", 1.0)))
   return keys
 
@@ -121,7 +121,7 @@ def gemma4_hf_config(cfg: ModelConfig) -> dict[str, Any]:
                       "num_global_key_value_heads only with attention_k_eq_v); set global_num_kv_heads=0")
   full: dict[str, Any] = {"rope_type": "default", "rope_theta": rope.rope_max_timescale}
   if rope.rope_type == "proportional":
-    full.update(rope_type="proportional", partial_rotary_factor=rope.rope_partial_rotary_factor,
+    full.update(rope_type="proportional", partial_rotary_factor=rope.rope_proportional_rotated_fraction,
                 factor=rope.rope_scaling_factor)
   return {"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", **shape_hf_config(cfg),
           "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,

@@ -137,7 +137,7 @@ class Engine:
     self.param_shardings = self.model.param_shardings
     self.sampling = sampling.SamplingParams(
         self.decode_cfg.decode_sampling_strategy, self.decode_cfg.decode_sampling_temperature,
-        self.decode_cfg.decode_sampling_nucleus_p, self.decode_cfg.decode_sampling_top_k)
+        self.decode_cfg.decode_sampling_top_p, self.decode_cfg.decode_sampling_top_k)
     self.vocab_size = self.cfg.vocab_size
     quantized = self.decode_cfg.quantize_kvcache
     self.paged = self.decode_cfg.kv_cache_layout == "paged"

@@ -20,7 +20,7 @@ STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
 class SamplingParams:
   strategy: str = "greedy"  # one of STRATEGIES
   temperature: float = 1.0  # logits are divided by this before weighted / nucleus / top-k sampling
-  nucleus_p: float = 0.9  # nucleus: smallest set of tokens whose probability mass reaches this
+  top_p: float = 0.9  # nucleus: smallest set of tokens whose probability mass reaches this
   top_k: int = 40  # topk: sample among the k most probable tokens
 
 
@@ -32,15 +32,15 @@ def weighted(logits_BV: jax.Array, key: jax.Array, temperature: float) -> jax.Ar
   return jax.random.categorical(key, logits_BV.astype(jnp.float32) / temperature, axis=-1).astype(jnp.int32)
 
 
-def nucleus(logits_BV: jax.Array, key: jax.Array, nucleus_p: float, temperature: float) -> jax.Array:
-  """Samples among the most probable tokens whose cumulative probability first reaches `nucleus_p`
+def nucleus(logits_BV: jax.Array, key: jax.Array, top_p: float, temperature: float) -> jax.Array:
+  """Samples among the most probable tokens whose cumulative probability first reaches `top_p`
   (the token that crosses the threshold is kept, so at least one token always survives)."""
   scaled_BV = logits_BV.astype(jnp.float32) / temperature
   sorted_BV = jnp.sort(scaled_BV, axis=-1)[:, ::-1]
   cumulative_BV = jnp.cumsum(jax.nn.softmax(sorted_BV, axis=-1), axis=-1)
   # Mass strictly before each sorted token; a token is kept while that mass is below p.
   before_BV = cumulative_BV - jax.nn.softmax(sorted_BV, axis=-1)
-  num_kept_B = jnp.sum(before_BV < nucleus_p, axis=-1)
+  num_kept_B = jnp.sum(before_BV < top_p, axis=-1)
   threshold_B1 = jnp.take_along_axis(sorted_BV, (num_kept_B - 1)[:, None], axis=-1)
   masked_BV = jnp.where(scaled_BV >= threshold_B1, scaled_BV, -jnp.inf)
   return jax.random.categorical(key, masked_BV, axis=-1).astype(jnp.int32)
@@ -60,7 +60,7 @@ def sample(logits_BV: jax.Array, key: jax.Array, params: SamplingParams) -> jax.
   if params.strategy == "weighted":
     return weighted(logits_BV, key, params.temperature)
   if params.strategy == "nucleus":
-    return nucleus(logits_BV, key, params.nucleus_p, params.temperature)
+    return nucleus(logits_BV, key, params.top_p, params.temperature)
   if params.strategy == "topk":
     return top_k(logits_BV, key, params.top_k, params.temperature)
   raise ValueError(f"unknown sampling strategy {params.strategy!r}; expected one of {', '.join(STRATEGIES)}")
@@ -86,7 +86,7 @@ class RowParams:
     """The per-row form of a decode_sampling_strategy (what decode.py's keys ask for)."""
     if params.strategy == "greedy":
       return cls(0.0, 1.0, 0, seed)
-    top_p = params.nucleus_p if params.strategy == "nucleus" else 1.0
+    top_p = params.top_p if params.strategy == "nucleus" else 1.0
     top_k = params.top_k if params.strategy == "topk" else 0
     return cls(params.temperature, top_p, top_k, seed)
 

@@ -41,7 +41,7 @@ def rope_inverse_frequencies(rope: RopeConfig, head_dim: int, local: bool = Fals
 
   `local`: for a local (sliding-window) layer, which with rope_local_max_timescale > 0 uses that
   base and no scaling (Gemma 3). rope_type=linear divides every frequency by `factor`;
-  rope_type=proportional (Gemma 4) keeps the first rope_partial_rotary_factor of the pairs' frequencies and
+  rope_type=proportional (Gemma 4) keeps the first rope_proportional_rotated_fraction of the pairs' frequencies and
   sets the rest to 0 (unrotated), then divides by `factor`.
 
   With rope_type=llama3 (Llama 3.1) the long wavelengths are stretched for longer contexts:
@@ -61,7 +61,7 @@ def rope_inverse_frequencies(rope: RopeConfig, head_dim: int, local: bool = Fals
   if rope.rope_type == "linear":
     return (inv_freq / np.float32(rope.rope_scaling_factor)).astype(np.float32)
   if rope.rope_type == "proportional":  # Gemma 4: the first pairs turn, the rest stay put (frequency 0)
-    rotated = int(rope.rope_partial_rotary_factor * head_dim // 2)
+    rotated = int(rope.rope_proportional_rotated_fraction * head_dim // 2)
     kept = np.where(np.arange(head_dim // 2) < rotated, inv_freq, np.float32(0.0))
     return (kept / np.float32(rope.rope_scaling_factor)).astype(np.float32)
   if rope.rope_type == "yarn":

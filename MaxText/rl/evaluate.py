@@ -3,10 +3,10 @@
     python3 -m MaxText.rl.evaluate configs/grpo.yml load_parameters_path=CKPT tokenizer_path=TOK \\
         hf_data_files=heldout.jsonl reward_functions=exact_match [max_completion_length=...]
 
-num_generations completions per prompt, sampled as a GRPO rollout samples them (rl_temperature,
-rl_top_p, rl_top_k) by the same engine, seeded from decode_sampling_seed (the same checkpoint gives
-the same score), scored by the same reward functions: the mean is the policy's expected reward,
-which a greedy completion would not show. Prints the mean reward (and per function) and the first
+num_generations completions per prompt, sampled as a GRPO rollout samples them
+(rl_sampling_temperature, rl_sampling_top_p, rl_sampling_top_k) by the same engine, seeded from
+decode_sampling_seed (the same checkpoint gives the same score), scored by the same reward
+functions: the mean is the policy's expected reward, which a greedy completion would not show. Prints the mean reward (and per function) and the first
 four prompts with a completion each: a before/after check of an RL run on prompts it never saw.
 """
 
@@ -53,7 +53,7 @@ def evaluate(config: config_lib.Config, show: int = 4) -> dict[str, float]:
   for start in range(0, len(prompts), slots):
     chunk = prompts[start:start + slots]
     rows = [p.ids for p in chunk] + [chunk[-1].ids] * (slots - len(chunk))  # one shape: one compilation
-    row_params = [RowParams(rl.rl_temperature, rl.rl_top_p, rl.rl_top_k, int(seed))
+    row_params = [RowParams(rl.rl_sampling_temperature, rl.rl_sampling_top_p, rl.rl_sampling_top_k, int(seed))
                   for seed in seeds[start:start + slots]]
     row_params += [row_params[-1]] * (slots - len(row_params))
     out = generate(engine, params, rows, row_params, rl.max_completion_length, eos_id)
@@ -63,7 +63,7 @@ def evaluate(config: config_lib.Config, show: int = 4) -> dict[str, float]:
                             [p.index for p in prompts])
   means = {name.rsplit(":", 1)[-1]: float(values.mean()) for name, values in scores.per_function.items()}
   log(f"evaluate: {len(prompt_set.prompts)} prompts of {prompt_set.describe}, {group} completions each "
-      f"(temperature {rl.rl_temperature:g}), at most {rl.max_completion_length} new tokens")
+      f"(temperature {rl.rl_sampling_temperature:g}), at most {rl.max_completion_length} new tokens")
   log(f"reward {float(scores.total.mean()):.4f} ({', '.join(f'{k} {v:.4f}' for k, v in means.items())})")
   for i in range(0, min(show, len(prompt_set.prompts)) * group, group):
     log(f"  {prompts[i].prompt!r} -> {texts[i]!r} (reward {float(scores.total[i]):g})")

@@ -133,7 +133,8 @@ class RolloutBatches:
   # ---------------------------------------------------------------- one rollout
   def _row_params(self, step: int) -> list[sampling.RowParams]:
     seeds = np.random.SeedSequence([self.config.decode.decode_sampling_seed, step]).generate_state(self.num_rows)
-    return [sampling.RowParams(self.rl.rl_temperature, self.rl.rl_top_p, self.rl.rl_top_k, int(seed))
+    rl = self.rl
+    return [sampling.RowParams(rl.rl_sampling_temperature, rl.rl_sampling_top_p, rl.rl_sampling_top_k, int(seed))
             for seed in seeds]
 
   def _rollout(self, params: Any, step: int) -> tuple[Batch, dict[str, float]]:

@@ -109,7 +109,7 @@ def test_tokenizer_larger_than_vocab_is_an_error(tmp_path):
 @pytest.mark.parametrize("overrides,message", [
     (dict(decode_sampling_strategy="beam"), "decode_sampling_strategy must be one of greedy, weighted, nucleus, topk"),
     (dict(decode_sampling_temperature=0.0), "decode_sampling_temperature must be > 0"),
-    (dict(decode_sampling_nucleus_p=1.5), "decode_sampling_nucleus_p must be in (0, 1]"),
+    (dict(decode_sampling_top_p=1.5), "decode_sampling_top_p must be in (0, 1]"),
     (dict(decode_sampling_top_k=0), "decode_sampling_top_k must be between 1 and vocab_size"),
     (dict(prompt_token_ids="5,x"), "prompt_token_ids must be comma-separated integers"),
     (dict(prompt_token_ids="5,64"), "prompt_token_ids must lie in [0, vocab_size=64)"),

@@ -46,7 +46,7 @@ OLMO3 = dict(TINY, decoder_block="olmo3", base_num_decoder_layers=4, use_qk_norm
 GEMMA4 = dict(TINY, decoder_block="gemma4", base_num_decoder_layers=6, attention_layer_pattern=["local", "local", "global"],
               sliding_window_size=4, global_head_dim=32, global_num_kv_heads=1, attention_k_eq_v=True, use_v_norm=True,
               num_kv_shared_layers=3, kv_shared_double_mlp=True, per_layer_input_dim=8, use_qk_norm=True,
-              query_pre_attn_scalar=1.0, rope_type="proportional", rope_partial_rotary_factor=0.5,
+              query_pre_attn_scalar=1.0, rope_type="proportional", rope_proportional_rotated_fraction=0.5,
               rope_scaling_factor=1.0, rope_local_max_timescale=10000, mlp_activations=["gelu", "linear"])
 # Qwen3-Next: Gated DeltaNet and gated full attention alternate; the DeltaNet states are slot state, not pages.
 QWEN3_NEXT = dict(TINY, decoder_block="qwen3_next", base_num_decoder_layers=4, full_attention_interval=2,

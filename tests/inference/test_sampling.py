@@ -38,10 +38,10 @@ def test_weighted_follows_tempered_softmax():
 
 def test_nucleus_keeps_the_smallest_set_reaching_p():
   # Sorted masses 0.5, 0.3, 0.15, 0.05: p=0.8 is reached by {1, 3}; p=0.81 also needs token 2.
-  np.testing.assert_allclose(frequencies(SamplingParams("nucleus", nucleus_p=0.8)), [0, 0.625, 0, 0.375], atol=TOL)
-  np.testing.assert_allclose(frequencies(SamplingParams("nucleus", nucleus_p=0.81)),
+  np.testing.assert_allclose(frequencies(SamplingParams("nucleus", top_p=0.8)), [0, 0.625, 0, 0.375], atol=TOL)
+  np.testing.assert_allclose(frequencies(SamplingParams("nucleus", top_p=0.81)),
                              [0, 0.5 / 0.95, 0.15 / 0.95, 0.3 / 0.95], atol=TOL)
-  np.testing.assert_allclose(frequencies(SamplingParams("nucleus", nucleus_p=1.0)), PROBS, atol=TOL)
+  np.testing.assert_allclose(frequencies(SamplingParams("nucleus", top_p=1.0)), PROBS, atol=TOL)
 
 
 def test_top_k_renormalises_over_the_k_best():
@@ -50,7 +50,7 @@ def test_top_k_renormalises_over_the_k_best():
   np.testing.assert_allclose(frequencies(SamplingParams("topk", top_k=3, temperature=2.0))[1:], expected, atol=TOL)
 
 
-@pytest.mark.parametrize("params", [SamplingParams("topk", top_k=1), SamplingParams("nucleus", nucleus_p=1e-6),
+@pytest.mark.parametrize("params", [SamplingParams("topk", top_k=1), SamplingParams("nucleus", top_p=1e-6),
                                     SamplingParams("greedy")])
 def test_degenerate_settings_are_greedy(params):
   logits = jax.random.normal(jax.random.key(1), (64, 100))
@@ -61,7 +61,7 @@ def test_degenerate_settings_are_greedy(params):
 @pytest.mark.parametrize("strategy", ["weighted", "nucleus", "topk"])
 def test_fixed_seed_reproduces_and_other_seeds_differ(strategy):
   logits = jax.random.normal(jax.random.key(1), (64, 100))
-  params = SamplingParams(strategy, temperature=1.0, nucleus_p=0.9, top_k=20)
+  params = SamplingParams(strategy, temperature=1.0, top_p=0.9, top_k=20)
   first = np.asarray(sampling.sample(logits, jax.random.key(7), params))
   np.testing.assert_array_equal(first, np.asarray(sampling.sample(logits, jax.random.key(7), params)))
   assert (first != np.asarray(sampling.sample(logits, jax.random.key(8), params))).any()

@@ -1,0 +1,89 @@
+"""One name per idea: every old spelling of a config key still works, maps to its new name and
+prints one deprecation line; both spellings with different values is one `error:` line; a saved
+record written before a rename reads without a word."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from MaxText import errors
+from MaxText.configuration import config as config_lib
+from MaxText.configuration import run_record, spellings
+from MaxText.errors import ConfigError
+
+SCHEMA = config_lib.read_yaml(config_lib.BASE_CONFIG_PATH)
+# A valid value for each renamed key, other than its default (so the test sees it arrive).
+SAMPLE_VALUE = {"decode_sampling_top_p": 0.5, "rl_sampling_temperature": 0.7, "rl_sampling_top_p": 0.8,
+                "rl_sampling_top_k": 5, "rope_proportional_rotated_fraction": 0.25}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch):
+  monkeypatch.setattr(spellings, "_warned", set())
+
+
+def _deprecations(text: str) -> list[str]:
+  return [line for line in text.splitlines() if "deprecated" in line]
+
+
+def test_every_renamed_key_names_a_key_and_no_old_one_is_still_a_key():
+  assert set(SAMPLE_VALUE) == set(spellings.RENAMED_KEYS.values())
+  for old, new in spellings.RENAMED_KEYS.items():
+    assert new in SCHEMA, f"{old} -> {new}: {new} is not in base.yml"
+    assert old not in SCHEMA, f"{old} is still a key of base.yml beside {new}"
+
+
+@pytest.mark.parametrize("old, new", sorted(spellings.RENAMED_KEYS.items()))
+def test_an_old_key_on_the_command_line_sets_the_new_one_with_one_warning(old, new, capsys):
+  value = SAMPLE_VALUE[new]
+  for _ in range(2):  # a second parse in the same process says nothing more
+    overrides = config_lib.parse_overrides(["prog", f"{old}={value}"], environ={})
+    assert overrides.argv_values == {new: value} and old not in overrides.argv_values
+  assert _deprecations(capsys.readouterr().err) == [f"warning: '{old}' is deprecated; use '{new}'"]
+
+
+def test_an_old_key_works_from_the_environment_a_yaml_file_and_a_tools_values(tmp_path, capsys):
+  overrides = config_lib.parse_overrides(["prog"], environ={"M_RL_TOP_P": "0.8"})
+  assert overrides.env_values == {"rl_sampling_top_p": 0.8}
+  recipe = tmp_path / "recipe.yml"
+  recipe.write_text(f"base_config: {config_lib.BASE_CONFIG_PATH}\nrl_temperature: 0.7\n")
+  assert config_lib.parse_overrides(["prog", str(recipe)], environ={}).file_values == {"rl_sampling_temperature": 0.7}
+  config = config_lib.Config.for_testing(decode_sampling_nucleus_p=0.5)  # a tool's own values take them too
+  assert config["decode_sampling_top_p"] == 0.5 and "decode_sampling_nucleus_p" not in config.values
+  assert _deprecations(capsys.readouterr().err) == [
+      "warning: 'rl_top_p' is deprecated; use 'rl_sampling_top_p'",
+      "warning: 'rl_temperature' is deprecated; use 'rl_sampling_temperature'",
+      "warning: 'decode_sampling_nucleus_p' is deprecated; use 'decode_sampling_top_p'"]
+
+
+def test_both_spellings_agreeing_is_fine_and_disagreeing_is_one_error_line(capsys):
+  same = config_lib.parse_overrides(["prog", "rl_top_k=5", "rl_sampling_top_k=5"], environ={})
+  assert same.argv_values == {"rl_sampling_top_k": 5}
+  for argv in (["rl_top_k=5", "rl_sampling_top_k=6"], ["rl_sampling_top_k=6", "rl_top_k=5"]):
+    with pytest.raises(ConfigError, match="'rl_top_k' \\(deprecated\\) and 'rl_sampling_top_k' name the same "
+                       "setting but the command line gives them different values \\(5 and 6\\); keep only "
+                       "'rl_sampling_top_k'"):
+      config_lib.parse_overrides(["prog", *argv], environ={})
+  with pytest.raises(ConfigError, match="'M_RL_TOP_K' \\(deprecated\\) and 'M_RL_SAMPLING_TOP_K'"):
+    config_lib.parse_overrides(["prog"], environ={"M_RL_TOP_K": "5", "M_RL_SAMPLING_TOP_K": "6"})
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as exit_info:
+    errors.run_cli(lambda argv: config_lib.parse_overrides(argv, environ={}) and 0,
+                   ["prog", "rl_top_k=5", "rl_sampling_top_k=6"])
+  err = capsys.readouterr().err
+  assert exit_info.value.code == 2
+  assert [line for line in err.splitlines() if line.startswith("error")] == [err.splitlines()[-1]]
+  assert err.splitlines()[-1].startswith("error: 'rl_top_k' (deprecated) and 'rl_sampling_top_k'")
+
+
+def test_a_saved_record_under_an_old_name_reads_as_the_new_one_without_a_warning(tmp_path, capsys):
+  checkpoint = tmp_path / "ckpt"
+  checkpoint.mkdir()
+  (checkpoint / run_record.MODEL_CONFIG_FILE).write_text(yaml.safe_dump({"rope_partial_rotary_factor": 0.25}))
+  assert run_record.saved_model_keys(str(checkpoint))[0] == {"rope_proportional_rotated_fraction": 0.25}
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  (run_dir / run_record.CONFIG_FILE).write_text(yaml.safe_dump({"rl_top_p": 0.8, "steps": 3}))
+  assert run_record.read_saved(str(run_dir)) == {"rl_sampling_top_p": 0.8, "steps": 3}
+  assert not _deprecations(capsys.readouterr().err)
