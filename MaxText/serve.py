@@ -21,6 +21,7 @@ import asyncio
 import hmac
 import json
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -274,6 +275,28 @@ def build_server(config: config_lib.Config, mesh: Any = None) -> Server:
   return Server(config, engine, params, codec, eos_id)
 
 
+def listen(host: str, port: int) -> socket.socket:
+  """The server's socket, bound and listening before the model loads: a port another program holds
+  stops the server at once (a client polling that port would otherwise get the other program's
+  answers), and port=0 takes a free one, which the start-up line names."""
+  sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restarts reuse a port in TIME_WAIT
+  try:
+    sock.bind((host, port))
+    sock.listen(2048)
+  except OSError as e:
+    sock.close()
+    raise UserError(f"serve: cannot listen on {host}:{port} ({e.strerror or e}): choose another port=, or port=0 "
+                    "for any free one (the start-up line names it)") from None
+  return sock
+
+
+def address(host: str, sock: socket.socket) -> str:
+  """The base URL of a listening socket (its real port, also when port=0 chose it)."""
+  port = sock.getsockname()[1]
+  return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 TOOL = startup.Tool("serve", reads_run=True, joins_job=True)
 
 
@@ -281,14 +304,15 @@ def main(argv: list[str]) -> int:
   import uvicorn
 
   config = startup.start(TOOL, argv).config
-  server = build_server(config)
   d = config.decode
+  sock = listen(d.host, d.port)
+  server = build_server(config)
   app = build_app(server, max_body_bytes=d.serve_max_body_bytes)
   if d.host not in ("127.0.0.1", "localhost", "::1") and not os.environ.get(API_KEY_ENV):
     distributed.log(f"serve: warning: binding {d.host} with no {API_KEY_ENV}: anyone who reaches it can use the model")
-  distributed.log(f"serve: model {server.limits.model_name!r} on http://{d.host}:{d.port}/v1 "
+  distributed.log(f"serve: model {server.limits.model_name!r} on {address(d.host, sock)}/v1 "
               f"({d.serve_max_slots} slots, {d.serve_max_queue} waiting at most)")
-  uvicorn.run(app, host=d.host, port=d.port, log_level="warning")
+  uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
   server.scheduler.stop()
   return 0
 
