@@ -30,6 +30,13 @@ case "$MODE" in
   stable|nightly) ;;
   *) echo "error: MODE must be stable or nightly; got '$MODE'" >&2; exit 2 ;;
 esac
+# A misspelt extra would otherwise install nothing for it, silently.
+for extra in ${EXTRAS//,/ }; do
+  case "$extra" in
+    test|hf|eval|tracking) ;;
+    *) echo "error: EXTRAS takes test, hf, eval and tracking, comma-separated; got '$extra'" >&2; exit 2 ;;
+  esac
+done
 
 pip_install() {
   if [[ "$DRY_RUN" == "1" ]]; then

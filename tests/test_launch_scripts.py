@@ -55,6 +55,17 @@ def test_setup_dry_run_keeps_the_stable_ci_path_and_adds_nightly():
   assert wrong.returncode == 2 and "MODE must be stable or nightly" in wrong.stderr
 
 
+def test_setup_refuses_an_unknown_extra_and_eval_brings_lm_evals_client():
+  wrong = bash("setup.sh", env={"DRY_RUN": "1", "EXTRAS": "hf,trackng"})
+  assert wrong.returncode == 2 and "got 'trackng'" in wrong.stderr and not wrong.stdout.strip()
+  assert pip_commands(bash("setup.sh", env={"DRY_RUN": "1", "EXTRAS": "hf,eval", "DEVICE": "cpu"}).stdout)[1:3] == [
+      ["--quiet", "-r", "requirements-hf.txt"], ["--quiet", "-r", "requirements-eval.txt"]]
+  # `lm_eval --model local-completions` (Path_finetune.md) imports lm-eval's `api` extra.
+  from packaging.requirements import Requirement
+  lines = [l.split("#")[0].strip() for l in (REPO / "requirements-eval.txt").read_text().splitlines()]
+  assert any(Requirement(l).name == "lm-eval" and "api" in Requirement(l).extras for l in lines if l)
+
+
 def test_pyproject_requirement_files_hold_only_requirement_lines():
   """setuptools reads these files for pyproject's dynamic dependencies and extras; a pip-only line
   (`-r other.txt`) there breaks `pip install -e .` before anything is installed."""
