@@ -2,7 +2,7 @@
 
   python3 -m MaxText.logit_checker configs/base.yml [model_name=<name>] load_parameters_path=CKPT \\
       hf_model_path=DIR [atol=A] [max_kl=K] [hf_dtype=float32|bfloat16] [batch_size=2] \\
-      [sequence_length=32] [seed=0] [images=PNG,JPEG,...] [key=value ...]
+      [sequence_length=32] [seed=0] [image_path=PNG,JPEG,...] [key=value ...]
 
 Prints, per position, the largest |Δlogit| over the batch and vocabulary, the mean
 KL(HF ‖ ours) and the top-1 agreement, then the totals; exits 1 when max |Δlogit| > atol or the
@@ -12,11 +12,15 @@ config.json is an error. Default tolerances suit real checkpoints: float32 (dtyp
 atol=0.01, max_kl=1e-5; bfloat16 atol=1.0, max_kl=0.01. CKPT and DIR may be gs:// paths (DIR's
 top-level files are downloaded to a temporary directory for transformers).
 
-A vision-language model (use_multimodal) is checked with images too: `images=` names image files
-(local or gs://), pre-processed as HF's processor does (input_pipeline/images.py) and placed in
+A vision-language model (use_multimodal) is checked with images too: `image_path=` (the key decode.py
+reads its prompt's images from) names image files (local or gs://), pre-processed as HF's processor does (input_pipeline/images.py) and placed in
 every sequence as the chat template writes them (begin-of-image, mm_tokens_per_image
 placeholders, end-of-image; Llama 4: its tiles' expansion, input_pipeline/llama4_images.py), so the
 vision tower, the projector and the image mask are compared.
+
+A sparse-attention model's indexer (DeepSeek-V3.2) runs on HF's side with equal index scores taken
+lowest key position first, as ours takes them: torch leaves that order unspecified
+(`break_index_ties_by_position`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import numpy as np
 from MaxText import startup
 from MaxText.training import model_assembly
 from MaxText.platform import sharding
+from MaxText.configuration import tool_args
 from MaxText.configuration.config import Config
 from MaxText.configuration.vision_config import VisionConfig
 from MaxText.input_pipeline import images, llama4_images
@@ -43,7 +48,8 @@ from MaxText.errors import UserError, run_cli
 
 PROG = "logit_checker"
 _CHECKER_KEYS = {"hf_model_path": "", "atol": None, "max_kl": None, "hf_dtype": "float32", "batch_size": 2,
-                 "sequence_length": 32, "seed": 0, "images": ""}
+                 "sequence_length": 32, "seed": 0}
+_RENAMED = {"images": "image_path"}  # the checker's old key for the config key decode.py reads images from
 _DEFAULT_TOLERANCES = {"float32": (0.01, 1e-5)}  # anything lower-precision: (1.0, 0.01)
 
 
@@ -51,13 +57,13 @@ def split_checker_args(args: list[str]) -> tuple[dict[str, Any], list[str]]:
   """The checker's own key=value arguments, typed; the rest go to the model config."""
   values: dict[str, Any] = dict(_CHECKER_KEYS)
   rest = []
-  for arg in args:
+  for arg in tool_args.renamed_key_values(args, _RENAMED):
     key, sep, text = arg.partition("=")
     if not sep or key not in _CHECKER_KEYS:
       rest.append(arg)
       continue
     try:
-      values[key] = text if key in ("hf_model_path", "hf_dtype", "images") else (
+      values[key] = text if key in ("hf_model_path", "hf_dtype") else (
           float(text) if key in ("atol", "max_kl") else int(text))
     except ValueError:
       raise UserError(f"{key} must be a number, got {text!r}") from None
@@ -97,6 +103,7 @@ def hf_logits(hf_model_path: str, token_ids: np.ndarray, hf_dtype: str, pixels_B
     image_text = transformers.AutoConfig.from_pretrained(local).model_type == "llama4"
     auto = transformers.AutoModelForImageTextToText if image_text else transformers.AutoModelForCausalLM
     model = auto.from_pretrained(local, dtype=getattr(torch, hf_dtype), attn_implementation="eager").eval()
+  break_index_ties_by_position(model)
   if model.config.model_type == "llama4":
     flat = None if pixels_BMCRR is None else pixels_BMCRR.reshape((-1,) + pixels_BMCRR.shape[2:])
     return hf_llama4_logits(model, token_ids, flat)
@@ -108,6 +115,39 @@ def hf_logits(hf_model_path: str, token_ids: np.ndarray, hf_dtype: str, pixels_B
     inputs["pixel_values"] = torch.tensor(flat, dtype=getattr(torch, hf_dtype))
   with torch.no_grad():
     return model(**inputs).logits.float().numpy()
+
+
+def _first_k_by_position(scores: Any, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> Any:
+  """torch.topk with equal scores taken lowest index first (jax.lax.top_k's documented order)."""
+  import torch
+  del sorted  # a stable sort returns them sorted either way
+  values, indices = torch.sort(scores, dim=dim, descending=largest, stable=True)
+  return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+
+def break_index_ties_by_position(model: Any) -> Any:
+  """`model` (a transformers model) with each sparse-attention indexer's top-k (DeepSeek-V3.2's
+  `DeepseekV32Indexer`, any module with `index_topk`) taking equal index scores lowest key position
+  first, as ours does (masks.top_k_keys). Every score whose heads' ReLUs are all 0 is exactly 0, so
+  with few index heads such ties at the top-k boundary are common; torch.topk leaves their order
+  unspecified (DeepSeek's reference calls it too), and on CPU it is neither first nor last, which
+  would fail a correct conversion. Other top-k choices (MoE routing) are left as they are."""
+  import torch
+  for module in model.modules():
+    if not hasattr(module, "index_topk") or getattr(module, "_ties_by_position", False):
+      continue
+
+    def forward(*args: Any, _forward: Any = module.forward, **kwargs: Any) -> Any:
+      method, function = torch.Tensor.topk, torch.topk
+      torch.Tensor.topk = torch.topk = _first_k_by_position  # type: ignore[method-assign, assignment]
+      try:
+        return _forward(*args, **kwargs)
+      finally:
+        torch.Tensor.topk, torch.topk = method, function  # type: ignore[method-assign]
+
+    module.forward = forward
+    module._ties_by_position = True
+  return model
 
 
 def hf_llama4_logits(model: Any, token_ids: np.ndarray, pixels_ICRR: np.ndarray | None) -> np.ndarray:
@@ -201,10 +241,10 @@ def main(argv: list[str]) -> int:
   max_kl = default_kl if checker["max_kl"] is None else checker["max_kl"]
   rng = np.random.default_rng(checker["seed"])
   token_ids = rng.integers(0, config.model.vocab_size, size=(checker["batch_size"], checker["sequence_length"]))
-  paths = [path for path in checker["images"].split(",") if path]
+  paths = [path.strip() for path in config.decode.image_path.split(",") if path.strip()]
   vision = config.model.vision
   if paths and not vision.use_multimodal:
-    raise UserError(f"images= given, but {config.model.decoder_block} here is a text-only model (use_multimodal=False)")
+    raise UserError(f"image_path= given, but {config.model.decoder_block} here is a text-only model (use_multimodal=False)")
   pixels, image_token_id = None, None
   if vision.use_multimodal:
     token_ids, pixels = image_prompts(token_ids, vision, paths, config.model.decoder_block == "llama4",

@@ -60,9 +60,9 @@ def run_and_sample(args: list[str]) -> dict[str, int]:
 def round_trip(work_dir: Path, name: str, scan_layers: str, max_shard_mb: int) -> tuple[dict, dict]:
   """Peaks of HF → ours (from work_dir/name) and ours → HF."""
   ckpt, back = work_dir / f"{name}_ckpt", work_dir / f"{name}_back"
-  to_ours = run_and_sample(["MaxText.convert.hf_to_maxtext", "--hf_path", str(work_dir / name),
-                            "--output_path", str(ckpt), f"scan_layers={scan_layers}"])
-  to_hf = run_and_sample(["MaxText.convert.maxtext_to_hf", "--checkpoint", str(ckpt), "--output_path", str(back),
+  to_ours = run_and_sample(["MaxText.convert.hf_to_maxtext", f"hf_model_path={work_dir / name}",
+                            f"output_path={ckpt}", f"scan_layers={scan_layers}"])
+  to_hf = run_and_sample(["MaxText.convert.maxtext_to_hf", f"load_parameters_path={ckpt}", f"output_path={back}",
                           f"max_shard_mb={max_shard_mb}"])
   return to_ours, to_hf
 

@@ -260,10 +260,10 @@ def test_training_config_reads_the_saved_model_keys(converted, capsys):
 
 
 @pytest.mark.parametrize("make_args, message", [
-    (lambda d, c, o: ["--hf_path", str(d)], "missing --output_path"),
-    (lambda d, c, o: ["--hf_path", str(d), "--output_path", str(c)], "already exists"),
-    (lambda d, c, o: ["--hf_path", str(o), "--output_path", str(o / "x")], "config.json is missing"),
-    (lambda d, c, o: ["--hf_path", str(d), "--output_path", str(o / "x"), "base_num_decoder_layers=3"],
+    (lambda d, c, o: [f"hf_model_path={d}"], "missing output_path=..."),
+    (lambda d, c, o: [f"hf_model_path={d}", f"output_path={c}"], "already exists"),
+    (lambda d, c, o: [f"hf_model_path={o}", f"output_path={o / 'x'}"], "config.json is missing"),
+    (lambda d, c, o: [f"hf_model_path={d}", f"output_path={o / 'x'}", "base_num_decoder_layers=3"],
      "base_num_decoder_layers: 3.0 vs 2.0"),
 ])
 def test_hf_to_maxtext_user_errors(make_args, message, converted, tmp_path):
@@ -340,8 +340,8 @@ def test_an_unsupported_hf_checkpoint_is_refused_in_one_line_and_writes_nothing(
   hf_dir, output = tmp_path / "hf", tmp_path / "out"
   hf_dir.mkdir()
   (hf_dir / "config.json").write_text(json.dumps(hf_config()))
-  proc = subprocess.run([sys.executable, "-m", "MaxText.convert.hf_to_maxtext", "--hf_path", str(hf_dir),
-                         "--output_path", str(output)], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+  proc = subprocess.run([sys.executable, "-m", "MaxText.convert.hf_to_maxtext", f"hf_model_path={hf_dir}",
+                         f"output_path={output}"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
   errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
   assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
   assert not output.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

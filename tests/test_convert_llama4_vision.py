@@ -73,7 +73,7 @@ def _check(hf_dir: Path, ckpt: Path, *args: str) -> int:
 def test_logit_checker_with_images_passes_and_a_corrupted_vision_weight_fails(converted, tmp_path, capsys):
   _, saved, ckpt = converted
   # A wide image (a 1 x 2 grid and the thumbnail) and a small one (one tile).
-  images = f"images={_png(tmp_path / 'a.png', 0, (70, 30))},{_png(tmp_path / 'b.png', 1, (20, 24))}"
+  images = f"image_path={_png(tmp_path / 'a.png', 0, (70, 30))},{_png(tmp_path / 'b.png', 1, (20, 24))}"
   assert _check(saved, ckpt, images) == 0
   out = capsys.readouterr().out
   assert "2 image(s) each" in out and "logit_checker: PASS" in out

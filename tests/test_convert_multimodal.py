@@ -96,7 +96,7 @@ def _check(hf_dir: Path, ckpt: Path, *args: str) -> int:
 
 def test_logit_checker_with_images_passes_and_a_corrupted_vision_weight_fails(converted, tmp_path, capsys):
   _, _, published, ckpt = converted
-  images = f"images={_png(tmp_path / 'a.png', 0, (90, 40))},{_png(tmp_path / 'b.png', 1, (30, 70))}"
+  images = f"image_path={_png(tmp_path / 'a.png', 0, (90, 40))},{_png(tmp_path / 'b.png', 1, (30, 70))}"
   assert _check(published, ckpt, images) == 0
   out = capsys.readouterr().out
   assert "2 image(s) each" in out and "logit_checker: PASS" in out

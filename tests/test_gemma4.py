@@ -87,8 +87,8 @@ def test_unsupported_checkpoint_is_one_error_line_and_nothing_written(tmp_path):
   fields = {**H.REFERENCE_CONFIGS["gemma4"], "use_bidirectional_attention": "all"}
   (hf_dir / "config.json").write_text(json.dumps(fields))
   out = tmp_path / "out"
-  proc = subprocess.run([sys.executable, "-m", "MaxText.convert.hf_to_maxtext", f"--hf_path={hf_dir}",
-                         f"--output_path={out}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+  proc = subprocess.run([sys.executable, "-m", "MaxText.convert.hf_to_maxtext", f"hf_model_path={hf_dir}",
+                         f"output_path={out}"], cwd=REPO, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2, proc.stderr[-2000:]
   errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and "use_bidirectional_attention" in errors[0], proc.stderr[-2000:]

@@ -198,7 +198,7 @@ def test_fine_tune_chain_needs_no_model_keys_after_the_conversion(chain_root, tm
   hf_dir = tmp_path / "hf"
   H.build_hf_model("llama3.1").save_pretrained(str(hf_dir))
   converted, params_only, exported = (storage.join(out, name) for name in ("converted", "params-only", "exported"))
-  _tool(gcs, "MaxText.convert.hf_to_maxtext", "--hf_path", str(hf_dir), "--output_path", converted)
+  _tool(gcs, "MaxText.convert.hf_to_maxtext", f"hf_model_path={hf_dir}", f"output_path={converted}")
 
   run_args = [f"base_output_directory={out}", "run_name=ft", "print_config=False"]
   train = _tool(gcs, "MaxText.train", "configs/base.yml", *run_args, f"load_parameters_path={converted}", "steps=2",
@@ -216,7 +216,7 @@ def test_fine_tune_chain_needs_no_model_keys_after_the_conversion(chain_root, tm
   export = _tool(gcs, "MaxText.generate_param_only_checkpoint", "configs/base.yml", *run_args,
                  f"param_only_checkpoint_path={params_only}")
   assert f"using the model keys saved with the checkpoint in {storage.join(out, 'ft', 'config.yml')}" in export.stdout
-  _tool(gcs, "MaxText.convert.maxtext_to_hf", "--checkpoint", params_only, "--output_path", exported)
+  _tool(gcs, "MaxText.convert.maxtext_to_hf", f"load_parameters_path={params_only}", f"output_path={exported}")
 
   local_hf = tmp_path / "exported-copy"
   storage.copy_tree(exported, str(local_hf))

@@ -87,3 +87,39 @@ def test_a_saved_record_under_an_old_name_reads_as_the_new_one_without_a_warning
   (run_dir / run_record.CONFIG_FILE).write_text(yaml.safe_dump({"rl_top_p": 0.8, "steps": 3}))
   assert run_record.read_saved(str(run_dir)) == {"rl_sampling_top_p": 0.8, "steps": 3}
   assert not _deprecations(capsys.readouterr().err)
+
+
+# ---------------------------------------------------------------- tools' own arguments
+
+def test_the_converters_old_flags_map_to_their_key_value_names_with_one_warning_each(capsys):
+  from MaxText.convert import cli
+
+  own, rest = cli.split_args(["--hf_path", "hf", "--output_path=out", "scan_layers=false"],
+                             ("hf_model_path", "output_path"))
+  assert own == {"hf_model_path": "hf", "output_path": "out"} and rest == ["scan_layers=false"]
+  own, rest = cli.split_args(["configs/base.yml", "--checkpoint", "ckpt", "output_path=hf", "max_shard_mb=7"],
+                             ("load_parameters_path", "output_path"), ("max_shard_mb",))
+  assert own == {"load_parameters_path": "ckpt", "output_path": "hf", "max_shard_mb": "7"}
+  assert rest == ["configs/base.yml"]
+  assert cli.split_args(["hf_path=hf", "output_path=out"], ("hf_model_path", "output_path"))[0] == {
+      "hf_model_path": "hf", "output_path": "out"}  # the old name in the new syntax
+  assert _deprecations(capsys.readouterr().err) == [
+      "warning: '--hf_path' is deprecated; use 'hf_model_path=...'",
+      "warning: '--output_path' is deprecated; use 'output_path=...'",
+      "warning: '--checkpoint' is deprecated; use 'load_parameters_path=...'",
+      "warning: 'hf_path' is deprecated; use 'hf_model_path'"]
+  with pytest.raises(ConfigError, match="'--hf_path' \\(deprecated\\) and 'hf_model_path' name the same setting"):
+    cli.split_args(["hf_model_path=a", "--hf_path", "b", "output_path=o"], ("hf_model_path", "output_path"))
+  with pytest.raises(errors.UserError, match="unknown argument --output; this tool takes key=value arguments"):
+    cli.split_args(["--output", "o"], ("hf_model_path", "output_path"))
+
+
+def test_the_logit_checkers_images_is_the_config_key_image_path(capsys):
+  from MaxText import logit_checker
+
+  checker, rest = logit_checker.split_checker_args(["hf_model_path=hf", "images=a.png,b.png", "dtype=float32"])
+  assert checker["hf_model_path"] == "hf" and "images" not in checker
+  assert rest == ["image_path=a.png,b.png", "dtype=float32"]  # read by the config, as decode.py reads it
+  assert _deprecations(capsys.readouterr().err) == ["warning: 'images' is deprecated; use 'image_path'"]
+  with pytest.raises(ConfigError, match="'images' \\(deprecated\\) and 'image_path'"):
+    logit_checker.split_checker_args(["hf_model_path=hf", "image_path=a.png", "images=b.png"])

@@ -80,7 +80,7 @@ def hf_remote(bucket, hf_local) -> str:
 def ckpt_remote(gcs, bucket, hf_local) -> str:
   """hf_to_maxtext's CLI writing a params-only checkpoint into the bucket from a local HF dir."""
   path = f"{bucket}/ckpt/llama"
-  proc = run_cli(gcs, "MaxText.convert.hf_to_maxtext", "--hf_path", str(hf_local), "--output_path", path)
+  proc = run_cli(gcs, "MaxText.convert.hf_to_maxtext", f"hf_model_path={hf_local}", f"output_path={path}")
   assert f"hf_to_maxtext: wrote {path}" in proc.stdout
   return path
 
@@ -131,7 +131,7 @@ def test_maxtext_to_hf_from_gs_to_gs_loads_in_transformers(gcs, bucket, ckpt_rem
   from safetensors.numpy import load_file
 
   out = f"{bucket}/exported/llama"
-  proc = run_cli(gcs, "MaxText.convert.maxtext_to_hf", "--checkpoint", ckpt_remote, "--output_path", out)
+  proc = run_cli(gcs, "MaxText.convert.maxtext_to_hf", f"load_parameters_path={ckpt_remote}", f"output_path={out}")
   assert f"maxtext_to_hf: wrote {out}" in proc.stdout
   assert storage.listdir(out) == ["config.json", "model.safetensors"]
   local = tmp_path / "exported"

@@ -1,4 +1,4 @@
-"""What the converters and the logit checker share: argument splitting and the model keys their
+"""What the converters and the logit checker share: their own key=value arguments and the model keys their
 config takes (from `model_name=`, from a checkpoint's model_config.yml, or inferred from HF
 config.json), as a layer `startup.start` puts below the user's own arguments."""
 
@@ -7,33 +7,25 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from MaxText import families
-from MaxText.configuration import run_record
+from MaxText.configuration import run_record, tool_args
 from MaxText.configuration import config as config_lib
 from MaxText.convert import engine, hf_io
 from MaxText.errors import ConfigError, UserError
 
 
-def split_args(argv: Sequence[str], flags: Sequence[str]) -> tuple[dict[str, str], list[str]]:
-  """`--flag VALUE` / `--flag=VALUE` for the named flags; everything else must be key=value."""
-  values: dict[str, str] = {}
-  rest: list[str] = []
-  args = list(argv)
-  while args:
-    arg = args.pop(0)
-    if arg.startswith("--"):
-      name, sep, value = arg[2:].partition("=")
-      if name not in flags:
-        raise UserError(f"unknown flag --{name}; expected {', '.join('--' + f for f in flags)} and key=value overrides")
-      if not sep:
-        if not args:
-          raise UserError(f"--{name} needs a value")
-        value = args.pop(0)
-      values[name] = value
-    else:
-      rest.append(arg)
-  missing = [f for f in flags if f not in values]
+# The converters' old spellings: `--hf_path DIR` (also hf_path=, which no converter reads as a
+# dataset) and `--checkpoint CKPT`, the checkpoint every other tool reads as load_parameters_path.
+RENAMED = {"hf_path": "hf_model_path", "checkpoint": "load_parameters_path"}
+
+
+def split_args(argv: Sequence[str], required: Sequence[str], optional: Sequence[str] = ()
+               ) -> tuple[dict[str, str], list[str]]:
+  """A converter's own key=value arguments (`required` and `optional` keys; the old `--key VALUE`
+  spellings warn), and the rest: config key=value overrides."""
+  values, rest = tool_args.split_tool_args(argv, (*required, *optional), RENAMED)
+  missing = [key for key in required if not values.get(key)]
   if missing:
-    raise UserError(f"missing {', '.join('--' + f for f in missing)}")
+    raise UserError(f"missing {', '.join(key + '=...' for key in missing)}")
   return values, rest
 
 

@@ -1,6 +1,6 @@
 """Hugging Face checkpoint → parameters-only Orbax checkpoint.
 
-  python3 -m MaxText.convert.hf_to_maxtext --hf_path DIR --output_path CKPT [model_name=<name>] \\
+  python3 -m MaxText.convert.hf_to_maxtext hf_model_path=DIR output_path=CKPT [model_name=<name>] \\
       [scan_layers=True|False] [weight_dtype=float32|bfloat16] [key=value ...]
 
 Without model_name the family and every dimension come from DIR/config.json (printed as
@@ -42,10 +42,10 @@ def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict[str, f
   """Converts and returns a summary (tensor bytes, peak memory) for logs and tests."""
   def output_is_new() -> None:
     if storage.exists(output_path):
-      raise UserError(f"{output_path} already exists; choose a new --output_path or remove it first")
+      raise UserError(f"{output_path} already exists; choose a new output_path or remove it first")
 
   hf_keys = cli.HfModelKeys(hf_path, PROG)
-  config = startup.start(TOOL, [PROG, *user_args], paths={"--hf_path": hf_path, "--output_path": output_path},
+  config = startup.start(TOOL, [PROG, *user_args], paths={"hf_model_path": hf_path, "output_path": output_path},
                          check_paths=output_is_new, model_keys=hf_keys).config
   hf_config, model_keys = hf_keys.hf_config, hf_keys.model_keys
   cfg = config.model
@@ -76,8 +76,8 @@ def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict[str, f
 
 
 def main(argv: list[str]) -> int:
-  flags, user_args = cli.split_args(argv[1:], ("hf_path", "output_path"))
-  convert(flags["hf_path"], flags["output_path"], user_args)
+  own, user_args = cli.split_args(argv[1:], ("hf_model_path", "output_path"))
+  convert(own["hf_model_path"], own["output_path"], user_args)
   return 0
 
 

@@ -1,6 +1,6 @@
 """Our checkpoint → a Hugging Face model directory (config.json + safetensors shards).
 
-  python3 -m MaxText.convert.maxtext_to_hf --checkpoint CKPT --output_path DIR [model_name=<name>] \\
+  python3 -m MaxText.convert.maxtext_to_hf load_parameters_path=CKPT output_path=DIR [model_name=<name>] \\
       [max_shard_mb=5000] [key=value ...]
 
 CKPT may be a parameters-only checkpoint (model keys from its model_config.yml unless
@@ -73,9 +73,9 @@ def _hf_config(config: config_lib.Config, family: families.Family) -> dict[str, 
 def export(checkpoint: str, output_path: str, user_args: list[str], max_shard_mb: int = 5000) -> list[str]:
   def output_is_empty() -> None:
     if storage.exists(output_path) and (not storage.is_dir(output_path) or storage.listdir(output_path)):
-      raise UserError(f"{output_path} exists and is not empty; choose a new --output_path")
+      raise UserError(f"{output_path} exists and is not empty; choose a new output_path")
 
-  config = startup.start(TOOL, [PROG, *user_args], paths={"--checkpoint": checkpoint, "--output_path": output_path},
+  config = startup.start(TOOL, [PROG, *user_args], paths={"load_parameters_path": checkpoint, "output_path": output_path},
                          check_paths=output_is_empty, model_keys=cli.CheckpointModelKeys(checkpoint, PROG)).config
   family = families.family_for_decoder_block(config.model.decoder_block)
   hf_config = _hf_config(config, family)
@@ -98,16 +98,11 @@ def export(checkpoint: str, output_path: str, user_args: list[str], max_shard_mb
 
 
 def main(argv: list[str]) -> int:
-  flags, user_args = cli.split_args(argv[1:], ("checkpoint", "output_path"))
-  shard_args = [a for a in user_args if a.startswith("max_shard_mb=")]
-  user_args = [a for a in user_args if not a.startswith("max_shard_mb=")]
-  max_shard_mb = 5000
-  if shard_args:
-    text = shard_args[-1].partition("=")[2]
-    if not text.isdigit() or int(text) < 1:
-      raise UserError(f"max_shard_mb must be a positive whole number of MiB, got {text!r}")
-    max_shard_mb = int(text)
-  export(flags["checkpoint"], flags["output_path"], user_args, max_shard_mb)
+  own, user_args = cli.split_args(argv[1:], ("load_parameters_path", "output_path"), ("max_shard_mb",))
+  text = own.get("max_shard_mb", "5000")
+  if not text.isdigit() or int(text) < 1:
+    raise UserError(f"max_shard_mb must be a positive whole number of MiB, got {text!r}")
+  export(own["load_parameters_path"], own["output_path"], user_args, int(text))
   return 0
 
 

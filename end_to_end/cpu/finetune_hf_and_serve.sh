@@ -7,10 +7,11 @@
 #   -> MaxText.serve with the HF tokenizer -> lm-eval's local-completions scores a local task
 #   against the server.
 #   bash end_to_end/cpu/finetune_hf_and_serve.sh [OUTPUT_DIR]
-# Needs the hf and eval extras (EXTRAS=hf,eval bash setup.sh) and curl.
+# Needs the hf and eval extras (EXTRAS=hf,eval bash setup.sh).
+# PORT=...: the server's port; 0 (the default) takes a free one, which the server's start-up line names.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-: "${SFT_STEPS:=150}" "${CORPUS:=../shared/data/tinyshakespeare.txt}" "${PORT:=8012}"
+: "${SFT_STEPS:=150}" "${CORPUS:=../shared/data/tinyshakespeare.txt}" "${PORT:=0}"
 OUT="${1:-$(mktemp -d)}"
 mkdir -p "$OUT"
 if [[ ! -f "$CORPUS" ]]; then
@@ -82,7 +83,7 @@ print(f"stand-in checkpoint: {sum(p.numel() for p in transformers.Qwen3ForCausal
 PY
 
 # 1. Convert: a parameters-only checkpoint plus its model_config.yml (no model keys needed later).
-python3 -m MaxText.convert.hf_to_maxtext --hf_path "$OUT/Qwen3-tiny" --output_path "$OUT/qwen3-tiny-ckpt" | tail -1
+python3 -m MaxText.convert.hf_to_maxtext hf_model_path="$OUT/Qwen3-tiny" output_path="$OUT/qwen3-tiny-ckpt" | tail -1
 
 # 2. SFT from the converted weights, loss on the assistant's tokens.
 python3 -m MaxText.train configs/sft.yml run_name=sft base_output_directory="$OUT/runs" \
@@ -95,7 +96,7 @@ python3 -m MaxText.train configs/sft.yml run_name=sft base_output_directory="$OU
 # 3. Export: the run's parameters, then back to Hugging Face's layout.
 python3 -m MaxText.generate_param_only_checkpoint configs/base.yml run_name=sft base_output_directory="$OUT/runs" \
   param_only_checkpoint_path="$OUT/sft-params" | tail -1
-python3 -m MaxText.convert.maxtext_to_hf --checkpoint "$OUT/sft-params" --output_path "$OUT/sft-hf" | tail -1
+python3 -m MaxText.convert.maxtext_to_hf load_parameters_path="$OUT/sft-params" output_path="$OUT/sft-hf" | tail -1
 cp "$OUT/Qwen3-tiny/tokenizer.json" "$OUT/Qwen3-tiny/tokenizer_config.json" "$OUT/sft-hf/"
 python3 - "$OUT" <<'PY'
 import pathlib, sys
@@ -115,12 +116,22 @@ python3 -m MaxText.serve configs/base.yml load_parameters_path="$OUT/sft-params"
   tokenizer_path="$OUT/Qwen3-tiny" max_prefill_predict_length=96 max_target_length=128 port="$PORT" >"$OUT/serve.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT
+# The address from this server's own start-up line (printed once its port is bound), never whatever
+# else answers on a port.
+URL=""
 for _ in $(seq 300); do
-  curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
+  URL=$(sed -n 's|^serve: model .* on \(http://[^ ]*\)/v1 .*|\1|p' "$OUT/serve.log")
+  [[ -n "$URL" ]] && break
   kill -0 $SERVER 2>/dev/null || { echo "error: the server exited:" >&2; tail -3 "$OUT/serve.log" >&2; exit 1; }
   sleep 1
 done
-OPENAI_API_KEY=unused lm_eval --model local-completions --tasks next_line --include_path "$OUT/tasks" \
-  --model_args "base_url=http://127.0.0.1:$PORT/v1/completions,model=default,tokenizer=$OUT/Qwen3-tiny,tokenizer_backend=huggingface,max_length=128" \
-  2>/dev/null | grep -E '^\|'
+[[ -n "$URL" ]] || { echo "error: the server named no address in 300 s:" >&2; tail -3 "$OUT/serve.log" >&2; exit 1; }
+if ! OPENAI_API_KEY=unused lm_eval --model local-completions --tasks next_line --include_path "$OUT/tasks" \
+  --model_args "base_url=$URL/v1/completions,model=default,tokenizer=$OUT/Qwen3-tiny,tokenizer_backend=huggingface,max_length=128" \
+  >"$OUT/lm_eval.log" 2>&1; then
+  echo "error: lm_eval failed; the end of $OUT/lm_eval.log:" >&2
+  tail -20 "$OUT/lm_eval.log" >&2
+  exit 1
+fi
+grep -E '^\|' "$OUT/lm_eval.log"
 echo "end_to_end ok: converted, fine-tuned, exported to HF, served and evaluated"
