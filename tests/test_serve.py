@@ -173,6 +173,36 @@ def test_stop_sequences_end_the_text_before_them(served):
     assert text == want, (stream, text, want)
 
 
+@pytest.mark.parametrize("fields, param", [
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+     "response_format"),
+    (dict(response_format={"type": "json_object"}), "response_format"),
+    (dict(tools=[{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]), "tools"),
+    (dict(tool_choice="required"), "tool_choice"),
+], ids=["json-schema", "json-object", "tools", "tool-choice"])
+def test_json_mode_and_tools_are_refused_by_name(served, fields, param):
+  """What the server does not do is a 400 naming the field, not a free-text 200."""
+  with pytest.raises(openai.BadRequestError) as raised:
+    served.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          **fields)
+  assert raised.value.status_code == 400 and raised.value.body["param"] == param, raised.value.body
+  assert param in raised.value.body["message"] and raised.value.body["code"] == "unsupported_parameter"
+
+
+def test_a_stream_with_include_usage_ends_with_the_usage(served):
+  messages = [{"role": "user", "content": "to be or not"}]
+  whole = served.client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+  chunks = list(served.client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                                      stream=True, stream_options={"include_usage": True}))
+  assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+  assert all(c.usage is None for c in chunks[:-1])
+  assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == whole.choices[0].message.content
+  whole = served.client.completions.create(model="tiny", prompt="to be", max_tokens=3, temperature=0)
+  completion = list(served.client.completions.create(model="tiny", prompt="to be", max_tokens=3, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+  assert completion[-1].choices == [] and completion[-1].usage == whole.usage
+
+
 def test_seeded_sampling_repeats_and_n_choices_differ(served):
   args = dict(model="tiny", prompt=PROMPTS[1], max_tokens=10, temperature=1.5, top_p=0.95, seed=7, n=3)
   first = served.client.completions.create(**args)

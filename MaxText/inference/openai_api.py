@@ -5,6 +5,8 @@ ids, max_tokens, sampling parameters) or raise `ApiError` (status, message, the 
 fault); `ChoiceText` turns a choice's token stream into text, finding stop sequences and
 holding back text that could still become one; the `*_body` helpers build response objects.
 No field can name a file, a path or another checkpoint: `model` is only compared to the served name.
+A field a route does not implement is a 400 naming it (COMPLETION_FIELDS, CHAT_FIELDS; a few only at
+their defaults, NO_OP_VALUES), bar IGNORED_FIELDS, which ask nothing of the answer.
 Chat content parts may carry images as data: URLs (`Codec.chat_images`, inference/image_chat.py);
 an http(s) URL is refused, nothing is fetched.
 """
@@ -71,6 +73,7 @@ class Request:
   stop: list[str]
   echo: bool = False
   logprobs: int | None = None  # completions: how many alternatives per token (0..5); None = none
+  include_usage: bool = False  # streams: a last chunk with the usage (stream_options)
 
 
 def parse_json(raw: bytes) -> Any:
@@ -106,17 +109,73 @@ def _check_model(body: dict[str, Any], limits: Limits) -> None:
                    "model", "model_not_found")
 
 
-def _unsupported(body: dict[str, Any]) -> None:
-  """Fields whose non-default values would change the answer and which this server does not do."""
-  for name in ("presence_penalty", "frequency_penalty"):
-    if body.get(name) not in (None, 0, 0.0):
-      raise ApiError(400, f"{name} is not supported (only 0)", name)
-  if body.get("logit_bias"):
-    raise ApiError(400, "logit_bias is not supported", "logit_bias")
-  if body.get("best_of") not in (None, 1):
-    raise ApiError(400, "best_of is not supported (only 1)", "best_of")
-  if body.get("suffix"):
-    raise ApiError(400, "suffix is not supported", "suffix")
+# The fields each route reads. Any other field with a value (null is no value) is a 400 naming it:
+# a request is never answered as if it had asked for less than it did.
+_SAMPLING_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stream",
+                    "stream_options", "presence_penalty", "frequency_penalty", "logit_bias")
+COMPLETION_FIELDS = frozenset(_SAMPLING_FIELDS + ("prompt", "echo", "logprobs", "best_of", "suffix"))
+CHAT_FIELDS = frozenset(_SAMPLING_FIELDS + ("messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                                            "response_format", "tools", "tool_choice", "functions", "function_call",
+                                            "modalities"))
+# Read and ignored on both routes: they ask nothing of the answer (who asks, bookkeeping, billing and
+# caching hints; parallel_tool_calls without tools).
+IGNORED_FIELDS = frozenset(("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                            "prompt_cache_retention", "prompt_cache_options", "parallel_tool_calls"))
+# Fields read only at the values that ask for nothing (their defaults), and why others are refused.
+_NO_TOOLS = "this server calls no tools"
+NO_OP_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
+    "presence_penalty": ((0,), "only 0"),
+    "frequency_penalty": ((0,), "only 0"),
+    "logit_bias": (({},), "only {}"),
+    "best_of": ((1,), "only 1"),
+    "suffix": (("",), "only \"\""),
+    "response_format": (({"type": "text"},), 'only {"type": "text"}: the output is not constrained to JSON'),
+    "tools": (([],), _NO_TOOLS),
+    "tool_choice": (("none",), f'only "none": {_NO_TOOLS}'),
+    "functions": (([],), _NO_TOOLS),
+    "function_call": (("none",), f'only "none": {_NO_TOOLS}'),
+    "modalities": ((["text"],), 'only ["text"]'),
+}
+_CHAT_NO_OP_VALUES = {**NO_OP_VALUES,
+                      "logprobs": ((False,), "logprobs are supported by /v1/completions only"),
+                      "top_logprobs": ((0,), "logprobs are supported by /v1/completions only")}
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")  # the second ignored: nothing is padded
+
+
+def _check_fields(body: dict[str, Any], route: str, fields: frozenset[str],
+                  no_op_values: dict[str, tuple[tuple[Any, ...], str]]) -> None:
+  for name, value in body.items():
+    if value is None or name in IGNORED_FIELDS:
+      continue
+    if name not in fields:
+      raise ApiError(400, f"{name[:100]} is not supported by {route}; remove it", name[:100], "unsupported_parameter")
+    if name in no_op_values:
+      allowed, why = no_op_values[name]
+      if not any(type(value) is type(a) and value == a or _is_zero(value, a) for a in allowed):
+        raise ApiError(400, f"{name} is not supported ({why})", name, "unsupported_parameter")
+
+
+def _is_zero(value: Any, allowed: Any) -> bool:
+  """0 and 0.0 alike (not False or True)."""
+  return allowed == 0 and isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+  """stream_options: {"include_usage": true} asks for a last chunk with the usage."""
+  options = body.get("stream_options")
+  if options is None:
+    return False
+  if not isinstance(options, dict):
+    raise ApiError(400, "stream_options must be an object", "stream_options")
+  if not body.get("stream"):
+    raise ApiError(400, "stream_options is only allowed with \"stream\": true", "stream_options")
+  for name, value in options.items():
+    if name not in STREAM_OPTIONS:
+      raise ApiError(400, f"stream_options.{name[:100]} is not supported; remove it", "stream_options",
+                     "unsupported_parameter")
+    if value is not None and not isinstance(value, bool):
+      raise ApiError(400, f"stream_options.{name} must be true or false, got {str(value)[:40]!r}", "stream_options")
+  return bool(options.get("include_usage"))
 
 
 def _stop(body: dict[str, Any]) -> list[str]:
@@ -204,17 +263,20 @@ def _choices(prompts: list[list[int]], body: dict[str, Any], name: str, limits: 
   return out
 
 
-def _check_body(body: Any, limits: Limits) -> None:
+def _check_body(body: Any, limits: Limits, chat: bool) -> None:
   """What every generation request must satisfy: a JSON object naming the served model, with
-  no field this server refuses."""
+  no field this server does not implement."""
   if not isinstance(body, dict):
     raise ApiError(400, "the request body must be a JSON object")
   _check_model(body, limits)
-  _unsupported(body)
+  if chat:
+    _check_fields(body, "/v1/chat/completions", CHAT_FIELDS, _CHAT_NO_OP_VALUES)
+  else:
+    _check_fields(body, "/v1/completions", COMPLETION_FIELDS, NO_OP_VALUES)
 
 
 def parse_completion(body: Any, limits: Limits, codec: Codec) -> Request:
-  _check_body(body, limits)
+  _check_body(body, limits, chat=False)
   prompt = body.get("prompt")
   if isinstance(prompt, str):
     prompts = [codec.encode(prompt)]
@@ -233,19 +295,18 @@ def parse_completion(body: Any, limits: Limits, codec: Codec) -> Request:
   if logprobs is not None and not 0 <= logprobs <= NUM_TOP_LOGPROBS:
     raise ApiError(400, f"logprobs must be in [0, {NUM_TOP_LOGPROBS}], got {logprobs}", "logprobs")
   choices = _choices(prompts, body, "max_tokens", limits, minimum=0 if echo else 1)
-  return Request(choices, bool(_get(body, "stream", bool, False)), _stop(body), echo, logprobs)
+  return Request(choices, bool(_get(body, "stream", bool, False)), _stop(body), echo, logprobs,
+                 _include_usage(body))
 
 
 def parse_chat(body: Any, limits: Limits, codec: Codec) -> Request:
-  _check_body(body, limits)
+  _check_body(body, limits, chat=True)
   messages = body.get("messages")
   if not isinstance(messages, list) or not messages:
     raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
   for i, message in enumerate(messages):
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
       raise ApiError(400, f"messages[{i}] must be an object with a role and a content", "messages")
-  if body.get("logprobs") or body.get("top_logprobs"):
-    raise ApiError(400, "logprobs are supported by /v1/completions only", "logprobs")
   name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
   if has_images(body) or (codec.chat_images is not None and limits.image_token_id is not None):
     if codec.chat_images is None:
@@ -255,7 +316,8 @@ def parse_chat(body: Any, limits: Limits, codec: Codec) -> Request:
     except UserError as e:
       raise ApiError(400, str(e), "messages", "invalid_image") from None
     choices = _choices([ids], body, name, limits, minimum=1, images=images)
-    return Request(choices, bool(_get(body, "stream", bool, False)), _stop(body))
+    return Request(choices, bool(_get(body, "stream", bool, False)), _stop(body),
+                   include_usage=_include_usage(body))
   rendered = []
   for i, message in enumerate(messages):
     content = message.get("content")
@@ -268,7 +330,8 @@ def parse_chat(body: Any, limits: Limits, codec: Codec) -> Request:
       raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
     rendered.append({"role": message["role"], "content": content})
   choices = _choices([codec.chat(rendered)], body, name, limits, minimum=1)
-  return Request(choices, bool(_get(body, "stream", bool, False)), _stop(body))
+  return Request(choices, bool(_get(body, "stream", bool, False)), _stop(body),
+                 include_usage=_include_usage(body))
 
 
 IMAGE_PART_TYPES = ("image_url", "image")

@@ -143,9 +143,13 @@ async def _stream(server: "Server", request: api.Request, jobs: list[sched.Job],
                   events: AsyncGenerator[sched.Event, None], sse: Callable[[Any], str],
                   chat: bool) -> AsyncIterator[str]:
   """Server-sent events: a chunk per piece of text (per token with logprobs), a last chunk per
-  choice with its finish_reason, then [DONE]. An error mid-stream is sent as an error event."""
+  choice with its finish_reason, the usage when stream_options asks for it, then [DONE]. An error
+  mid-stream is sent as an error event."""
   kind, prefix = ("chat.completion.chunk", "chatcmpl") if chat else ("text_completion", "cmpl")
-  head = {"id": _new_id(prefix), "object": kind, "created": int(time.time()), "model": server.limits.model_name}
+  head: dict[str, Any] = {"id": _new_id(prefix), "object": kind, "created": int(time.time()),
+                          "model": server.limits.model_name}
+  if request.include_usage:
+    head["usage"] = None  # every chunk but the last, which has the usage and no choices
   choices = _choices(server, request)
 
   def chunk(index: int, text: str | None, finish_reason: str | None, logprobs: Any = None) -> str:
@@ -182,6 +186,9 @@ async def _stream(server: "Server", request: api.Request, jobs: list[sched.Job],
           yield chunk(event.index, delta, None, logprobs)
   except api.ApiError as e:
     yield sse(e.body())
+  else:
+    if request.include_usage:
+      yield sse({**head, "choices": [], "usage": _usage(request, choices)})
   yield "data: [DONE]\n\n"
 
 

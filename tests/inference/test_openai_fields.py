@@ -1,0 +1,123 @@
+"""Every field the installed `openai` client can send to /v1/completions and /v1/chat/completions
+(read from its typed request parameters) is either implemented, ignored because it asks nothing of
+the answer, or refused with a 400 naming it: never silently dropped. The table below says which
+for each; a field a newer client adds must be refused until the server implements it. Parsing
+only: no model, no HTTP."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="needs openai (EXTRAS=test bash setup.sh)")
+from openai.types import completion_create_params  # noqa: E402
+from openai.types.chat import completion_create_params as chat_create_params  # noqa: E402
+
+from MaxText.inference import openai_api as api  # noqa: E402
+
+LIMITS = api.Limits("tiny", 272, 32, 48, 16, 4)
+CODEC = api.Codec(encode=lambda text: [5, 6, 7], decode=lambda ids: "x", chat=lambda messages: [5, 6, 7])
+OK, REFUSED = "ok", "400"
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+# field -> (a value a client would send, what it gets). Fields read only at their defaults get a value
+# that asks for something (their defaults are checked below).
+COMPLETIONS = {
+    "prompt": ("the", OK), "model": ("tiny", OK), "max_tokens": (4, OK), "temperature": (0.5, OK),
+    "top_p": (0.9, OK), "seed": (3, OK), "n": (2, OK), "stop": (["\n"], OK), "stream": (True, OK),
+    "stream_options": ({"include_usage": True}, OK), "echo": (True, OK), "logprobs": (2, OK), "user": ("u1", OK),
+    "best_of": (2, REFUSED), "frequency_penalty": (0.5, REFUSED), "presence_penalty": (0.5, REFUSED),
+    "logit_bias": ({"5": 10}, REFUSED), "suffix": ("end", REFUSED),
+}
+CHAT = {
+    "messages": ([{"role": "user", "content": "hi"}], OK), "model": ("tiny", OK), "max_tokens": (4, OK),
+    "max_completion_tokens": (4, OK), "temperature": (0.5, OK), "top_p": (0.9, OK), "seed": (3, OK), "n": (2, OK),
+    "stop": ("\n", OK), "stream": (True, OK), "stream_options": ({"include_usage": True}, OK),
+    # Ignored: they ask nothing of the answer.
+    "user": ("u1", OK), "metadata": ({"k": "v"}, OK), "store": (True, OK), "service_tier": ("auto", OK),
+    "safety_identifier": ("s", OK), "prompt_cache_key": ("k", OK), "prompt_cache_retention": ("24h", OK),
+    "prompt_cache_options": ({"ttl": "30m"}, OK), "parallel_tool_calls": (True, OK),
+    # Refused unless at their defaults.
+    "frequency_penalty": (0.5, REFUSED), "presence_penalty": (0.5, REFUSED), "logit_bias": ({"5": 10}, REFUSED),
+    "logprobs": (True, REFUSED), "top_logprobs": (2, REFUSED),
+    "response_format": ({"type": "json_object"}, REFUSED), "tools": ([TOOL], REFUSED), "tool_choice": ("auto", REFUSED),
+    "functions": ([TOOL["function"]], REFUSED), "function_call": ("auto", REFUSED),
+    "modalities": (["text", "audio"], REFUSED),
+    # Refused: not implemented.
+    "audio": ({"voice": "alloy", "format": "wav"}, REFUSED), "prediction": ({"type": "content", "content": "x"}, REFUSED),
+    "reasoning_effort": ("high", REFUSED), "verbosity": ("low", REFUSED), "web_search_options": ({}, REFUSED),
+    "moderation": ({"model": "omni-moderation-latest"}, REFUSED),
+}
+DEFAULTS = {"best_of": 1, "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "suffix": "",
+            "logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"}, "tools": [],
+            "tool_choice": "none", "functions": [], "function_call": "none", "modalities": ["text"]}
+
+
+def _client_fields(module) -> set[str]:
+  return {name for cls in (module.CompletionCreateParamsStreaming, module.CompletionCreateParamsNonStreaming)
+          for name in cls.__annotations__}
+
+
+ROUTES = {"completions": (completion_create_params, COMPLETIONS, api.parse_completion, {"prompt": "the"}),
+          "chat": (chat_create_params, CHAT, api.parse_chat, {"messages": [{"role": "user", "content": "hi"}]})}
+
+
+def _cases():
+  for route, (module, table, _, _) in ROUTES.items():
+    for name in sorted(_client_fields(module) | set(table)):
+      value, outcome = table.get(name, ("a value", REFUSED))  # a field newer than this table: refused
+      yield pytest.param(route, name, value, outcome, id=f"{route}-{name}")
+
+
+@pytest.mark.parametrize("route, name, value, outcome", list(_cases()))
+def test_every_client_field_is_implemented_ignored_or_refused_by_name(route, name, value, outcome):
+  _, _, parse, base = ROUTES[route]
+  body = {**base, name: value, **({"stream": True} if name == "stream_options" else {})}
+  if outcome == OK:
+    parse(body, LIMITS, CODEC)
+    return
+  with pytest.raises(api.ApiError) as raised:
+    parse(body, LIMITS, CODEC)
+  error = raised.value.body()["error"]
+  assert raised.value.status == 400 and error["param"] == name and name in error["message"], error
+  assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_fields_read_only_at_their_defaults_accept_them_and_null(route):
+  module, table, parse, base = ROUTES[route]
+  for name in DEFAULTS.keys() & {n for n, (_, outcome) in table.items() if outcome == REFUSED}:
+    parse({**base, name: DEFAULTS[name]}, LIMITS, CODEC)
+  for name in table:  # null is no value, for every field but the one each route needs
+    if name not in base:
+      parse({**base, name: None}, LIMITS, CODEC)
+
+
+def test_unknown_fields_are_refused_by_name():
+  for parse, base in ((api.parse_completion, {"prompt": "the"}), (api.parse_chat, {"messages": [{"role": "user",
+                                                                                                "content": "hi"}]})):
+    with pytest.raises(api.ApiError, match="repetition_penalty is not supported by /v1/") as raised:
+      parse({**base, "repetition_penalty": 1.2}, LIMITS, CODEC)
+    assert raised.value.param == "repetition_penalty"
+
+
+def test_stream_options_ask_for_a_usage_chunk_only_in_a_stream():
+  request = api.parse_completion({"prompt": "the", "stream": True, "stream_options": {"include_usage": True}},
+                                 LIMITS, CODEC)
+  assert request.include_usage
+  assert not api.parse_completion({"prompt": "the", "stream": True}, LIMITS, CODEC).include_usage
+  for options, stream, message in (({"include_usage": True}, False, 'only allowed with "stream": true'),
+                                   ({"include_usage": "yes"}, True, "must be true or false"),
+                                   ({"chunk_size": 4}, True, "stream_options.chunk_size is not supported")):
+    with pytest.raises(api.ApiError, match=re.escape(message)):
+      api.parse_chat({**ROUTES["chat"][3], "stream": stream, "stream_options": options}, LIMITS, CODEC)
+
+
+def test_serving_md_names_every_field_each_route_reads():
+  """The routes' table and the list of ignored fields in Serving.md name every field the server reads."""
+  text = (Path(__file__).resolve().parents[2] / "getting_started" / "Serving.md").read_text()
+  named = set(re.findall(r"`([a-z_]+)`", text))
+  missing = (api.COMPLETION_FIELDS | api.CHAT_FIELDS | api.IGNORED_FIELDS) - named
+  assert not missing, f"Serving.md does not name {sorted(missing)}"
