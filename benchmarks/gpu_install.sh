@@ -11,8 +11,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 SITE=${SITE:-/tmp/site}
 OURS=(fastapi starlette uvicorn pydantic pydantic_core annotated_types typing_inspection opentelemetry_api
       tensorboardx grain array_record)
+# `|| true` for grep alone (nothing left after the filter); pipefail still stops at a failed install.
 pip_quiet() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "$@" 2>&1 \
-  | grep -v "already exists" || true; }
+  | { grep -v "already exists" || true; }; }
 for dir in .whl .whl_xprof; do
   [ -d "$dir" ] || continue
   shopt -s nullglob

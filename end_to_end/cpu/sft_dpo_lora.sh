@@ -81,13 +81,14 @@ export JAX_PLATFORMS=cpu
 run() {  # run NAME CONFIG KEY=VALUE... : trains, keeps stdout, shows the step/eval lines
   local name=$1 config=$2
   shift 2
+  # `|| true` for grep alone (a run may print no such line); pipefail still stops at a failed run.
   python3 -m MaxText.train "$config" run_name="$name" "${MODEL[@]}" "$@" | tee "$OUT/stdout_$name.txt" \
-    | grep -E '^(eval|done|warning)' || true
+    | { grep -E '^(eval|done|warning)' || true; }
   grep -q '^done' "$OUT/stdout_$name.txt" || { echo "error: run $name did not finish" >&2; exit 1; }
 }
 export_params() {  # export_params RUN DIR: the run's newest parameters as a params-only checkpoint
   python3 -m MaxText.generate_param_only_checkpoint configs/base.yml run_name="$1" "${MODEL[@]}" \
-    param_only_checkpoint_path="$2" | grep -E '^(wrote|saved|params)' || true
+    param_only_checkpoint_path="$2" | { grep -E '^(wrote|saved|params)' || true; }
 }
 
 # 2. Pre-training on the plays (next-token loss on every token).
