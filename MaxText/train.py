@@ -98,7 +98,8 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None, argv:
   setup = run.setup
   start = run_start.initial_state(config, setup, checkpoints, run.init_state)
   log(f"state: {start.description}")
-  data = open_data(run, start) if int(start.state.step) < config.run.steps else None
+  watchdog = health.StepWatchdog(config.run.step_timeout_seconds) if config.run.step_timeout_seconds > 0 else None
+  data = open_data(run, start, watchdog) if int(start.state.step) < config.run.steps else None
   record_start(config)
   log(f"model: {run.num_params / 1e6:.2f}M parameters, {config.model.num_decoder_layers} layers, "
       f"attention={select_kernel(config.model.attn.attention, target.platform, config.model)}, "
@@ -124,7 +125,7 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None, argv:
       else jax.random.wrap_key_data(jax.numpy.asarray(start.rng_key_data, jax.numpy.uint32))
   trainer = Trainer(config, run.train_step, data, rng, flops, peak)
   trainer.advise_nonfinite = run_start.nonfinite_advice(config, checkpoints, argv if argv is not None else sys.argv)
-  add_hooks(trainer, run, checkpoints, rng, start_step, lease)
+  add_hooks(trainer, run, checkpoints, rng, start_step, lease, watchdog)
   loop = trainer.run(start.state, start_step)
   if trainer.stop_reason is not None:  # on every process: each host's log says why it exited 143
     print(f"stopped: {trainer.stop_reason}; rerun the same command to resume", flush=True)
@@ -136,24 +137,28 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None, argv:
   return 0
 
 
-def open_data(run: run_assembly.Run, start: run_start.Start) -> Any:
+def open_data(run: run_assembly.Run, start: run_start.Start, watchdog: health.StepWatchdog | None = None) -> Any:
   """The train batches from where the run starts, the first already read: bad data (a malformed
   file, a refused record, every sample dropped, a failing reward function) stops the run before it
   writes to its directory. An objective that trains on its own samples gets the rollouts
-  (rl/rollouts.py), which the trainer hands each step's state."""
+  (rl/rollouts.py), which the trainer hands each step's state. With a watchdog, reading the first
+  batch (for rollouts: scoring it, the user's reward functions) must finish within its timeout."""
   data: Any = RolloutBatches(run.config, run.mesh, run.batch_sharding) if run.objective.uses_rollouts \
       else run.data_iterator()
   if start.data_state is not None:
     data.set_state(start.data_state)
+  guard = watchdog.guard if watchdog is not None else health.unguarded
   if isinstance(data, OnPolicyBatches):
-    data.prime(start.state)  # the first rollout, rewards included
+    data.prime(start.state, guard)  # the first rollout, rewards included
   elif hasattr(data, "peek"):
-    data.peek()
+    with guard("reading the first batch"):
+      data.peek()
   return data
 
 
 def add_hooks(trainer: Trainer, run: run_assembly.Run, checkpoints: checkpointing.RunCheckpoints | None,
-              rng: jax.Array, start_step: int, lease: run_lease.Lease | None = None) -> None:
+              rng: jax.Array, start_step: int, lease: run_lease.Lease | None = None,
+              watchdog: health.StepWatchdog | None = None) -> None:
   """Logging and eval hooks, plus checkpointing when it is enabled. With a lease, every step
   first checks that no other run took the run directory over. The trainer owns each cadence."""
   config, settings = run.config, run.config.run
@@ -163,7 +168,8 @@ def add_hooks(trainer: Trainer, run: run_assembly.Run, checkpoints: checkpointin
   if lease is not None:
     trainer.add_hook(LeaseHook(lease), every=1)
   # Before the logging hook: its on_end closes the metric writer, which goodput's on_end still uses.
-  health.add_health_hooks(trainer, settings, writer, is_primary, jax.process_count(), PROCESS_STARTED, start_step)
+  health.add_health_hooks(trainer, settings, writer, is_primary, jax.process_count(), PROCESS_STARTED, start_step,
+                          watchdog)
   trainer.add_hook(LoggingHook(writer, is_primary), every=settings.log_period)
   model = config.model
   if model.moe.num_experts > 1 and is_primary:

@@ -102,7 +102,7 @@ def test_user_reward_functions_are_imported_weighted_and_given_the_columns(tiny_
 
 @pytest.mark.parametrize("source, message", [
     ("def f(**kw):\n  raise KeyError('answer')\n", "reward function bad:f raised KeyError: 'answer' (on the "
-     "completions of prompt records 7..9)"),
+     "completions of prompt records 7, 9)"),
     ("def f(completions, **kw):\n  return [1.0]\n", "reward function bad:f returned 1 value(s) for 2 completions"),
     ("def f(completions, **kw):\n  return [1.0, float('nan')]\n", "reward function bad:f returned nan for "
      "completion 1 (prompt record 9); rewards must be finite"),

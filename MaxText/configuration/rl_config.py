@@ -7,6 +7,7 @@ Checked here without I/O; reward paths are imported when the run opens its data 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping
 
 from MaxText.configuration.config_fields import DATA_POSITION, key, read_keys
@@ -57,6 +58,13 @@ class RLConfig:
     _require(not rl.reward_weights or len(rl.reward_weights) == len(rl.reward_functions),
              f"reward_weights has {len(rl.reward_weights)} values for {len(rl.reward_functions)} reward_functions; "
              "give one weight per function or none (all 1)")
+    twice = sorted({name for name in rl.reward_functions if rl.reward_functions.count(name) > 1})
+    _require(not twice, f"reward_functions lists {', '.join(twice)} twice; list each function once and give it the "
+             "sum of the weights in reward_weights")
+    weights = tuple(_number(w) for w in rl.reward_weights)  # a command line's `1,0.5` arrives as text
+    _require(all(math.isfinite(w) for w in weights), "reward_weights must be finite numbers (the reward is their "
+             f"weighted sum), got {', '.join(map(str, rl.reward_weights))}")
+    rl = dataclasses.replace(rl, reward_weights=weights)
     _require(rl.grpo_beta >= 0, f"grpo_beta must be >= 0 (0 = no KL term), got {rl.grpo_beta}")
     _require(0 <= rl.grpo_epsilon_low < 1 and rl.grpo_epsilon_high >= 0,
              f"grpo_epsilon_low must be in [0, 1) and grpo_epsilon_high >= 0; got {rl.grpo_epsilon_low}, "
@@ -69,6 +77,13 @@ class RLConfig:
     _require(rl.rl_length_penalty_window >= 0, "rl_length_penalty_window must be >= 0")
     _check_grpo_run(v, rl)
     return rl
+
+
+def _number(value: Any) -> float:
+  try:
+    return float(value)
+  except (TypeError, ValueError):
+    return math.nan
 
 
 def _check_grpo_run(v: Mapping[str, Any], rl: RLConfig) -> None:

@@ -54,6 +54,12 @@ def _chat_template(tokenizer_dir: str, config: Mapping[str, Any]) -> str | None:
   return template or None
 
 
+def no_template(tokenizer_path: str, needs: str) -> ConfigError:
+  """The one error for a tokenizer without a chat template that `needs` (what the run asks of it)."""
+  return ConfigError(f"the tokenizer in {tokenizer_path} has no chat template (no chat_template in "
+                     f"tokenizer_config.json and no chat_template.jinja); {needs} needs the model's own template")
+
+
 def load_chat_tokenizer(tokenizer_path: str, require_template: bool = True) -> Any:
   """A transformers fast tokenizer with its chat template, from a (local or gs://) directory holding
   tokenizer.json and tokenizer_config.json. Without `require_template` a tokenizer with no template
@@ -64,8 +70,7 @@ def load_chat_tokenizer(tokenizer_path: str, require_template: bool = True) -> A
   config = json.loads(storage.read_text(config_file)) if storage.is_file(config_file) else {}
   template = _chat_template(directory, config)
   if template is None and require_template:
-    raise ConfigError(f"the tokenizer in {directory} has no chat template (no chat_template in tokenizer_config.json "
-                      "and no chat_template.jinja); use_sft with conversations needs the model's own template")
+    raise no_template(directory, "use_sft with conversations")
   from tokenizers import Tokenizer
 
   tokenizer_file = storage.join(directory, "tokenizer.json")

@@ -17,6 +17,7 @@ import numpy as np
 from MaxText.configuration.config import Config
 from MaxText.errors import UserError
 from MaxText.input_pipeline import chat, open_records
+from MaxText.rl.rewards import ARGUMENTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,12 +28,14 @@ class Prompt:
   columns: Mapping[str, Any]  # the record's other columns
 
 
-def encode_prompt(tokenizer: Any, value: Any, add_bos: bool) -> list[int]:
+def encode_prompt(tokenizer: Any, value: Any, add_bos: bool, tokenizer_path: str = "tokenizer_path") -> list[int]:
   """A prompt's token ids: a message list rendered with the chat template and the assistant's
   generation prompt; a string as one user turn when the tokenizer has a template, else as plain
   text (with the tokenizer's bos when add_bos)."""
   if isinstance(value, list):
     messages = chat.as_messages(value, "prompt")
+    if not tokenizer.chat_template:
+      raise chat.no_template(tokenizer_path, "use_grpo with message-list prompts (or give prompts as plain strings)")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
   if not isinstance(value, str):
@@ -57,10 +60,14 @@ class PromptSet:
       if column not in record:
         raise UserError(f"prompt record {index} of {describe} has no {column!r} field (rl_prompt_column); its "
                         f"fields: {', '.join(map(str, record)) or 'none'}")
+      clash = sorted(set(record) & set(ARGUMENTS) - {column})
+      if clash:
+        raise UserError(f"{describe} has a column named {clash[0]!r} (prompt record {index}), which is an argument the "
+                        f"reward functions are called with ({', '.join(ARGUMENTS)}); rename the column in the file")
       try:
-        ids = encode_prompt(tokenizer, record[column], data.add_bos)
+        ids = encode_prompt(tokenizer, record[column], data.add_bos, data.tokenizer_path)
       except UserError as e:
-        raise UserError(f"prompt record {index} of {describe}: {e}") from None
+        raise type(e)(f"prompt record {index} of {describe}: {e}") from None
       if not 1 <= len(ids) <= limit:
         raise UserError(f"prompt record {index} of {describe} has {len(ids)} tokens; prompts must have 1 to "
                         f"max_prefill_predict_length={limit} tokens (raise it, keeping max_prefill_predict_length "

@@ -10,10 +10,13 @@ A reward function is called once per rollout batch with keyword arguments
 
 and returns one finite float per completion. A user's function is named `package.module:function`
 and imported from the Python path; functions should accept **kwargs so new columns do not break them.
+Each function gets its own copy of the arguments: what it does to them reaches neither the other
+functions nor the training rows.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import re
@@ -23,8 +26,13 @@ import numpy as np
 
 from MaxText.configuration.rl_config import RLConfig
 from MaxText.errors import ConfigError, UserError
+from MaxText.training import health
 
 RewardFn = Callable[..., Sequence[float]]
+ARGUMENTS = ("prompts", "completions", "completion_ids")  # a prompt record's columns may not reuse these
+# With grpo_scale_rewards=none the advantages are reward differences as they are; larger ones
+# overflow the gradient's norm long before float32 itself does.
+MAX_UNSCALED_ADVANTAGE = 1e6
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -158,21 +166,34 @@ class RewardSet:
     self.functions = [_builtin(n, rl, eos_id) if n in BUILTINS else load_function(n) for n in self.names]
     self.weights = np.asarray(rl.reward_weights or [1.0] * len(self.names), np.float64)
 
-  def score(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
+  def score(self, prompts: list[Any], completions: list[str], completion_ids: list[list[int]],
             columns: Mapping[str, list[Any]], prompt_indices: Sequence[int]) -> Scores:
     """`prompt_indices`: each completion's prompt record index (for the error that names one)."""
     per_function = {}
     for name, fn in zip(self.names, self.functions):
+      arguments = copy.deepcopy({"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
+                                 **columns})
       try:
-        values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        with health.activity(f"reward function {name}"):
+          values = fn(**arguments)
       except UserError:
         raise
-      except Exception as e:  # noqa: BLE001 - the user's code: name it and stop
+      except KeyboardInterrupt:  # Ctrl-C is the person's, not the function's
+        raise
+      except BaseException as e:  # noqa: BLE001 - the user's code (an exit too): name it and stop
         raise UserError(f"reward function {name} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                        f" (on the completions of prompt records {prompt_indices[0]}..{prompt_indices[-1]})") from None
+                        f" (on the completions of prompt records {_records(prompt_indices)})") from None
       per_function[name] = self._checked(name, values, len(completions), prompt_indices)
-    total = sum(w * v for w, v in zip(self.weights, per_function.values()))
-    return Scores(np.asarray(total, np.float64), per_function)
+    with np.errstate(over="ignore", invalid="ignore"):
+      total = np.asarray(sum(w * v for w, v in zip(self.weights, per_function.values())), np.float64)
+    bad = np.flatnonzero(~np.isfinite(total))
+    if bad.size:
+      i = int(bad[0])
+      terms = ", ".join(f"{w:g} x {v[i]:g}" for w, v in zip(self.weights, per_function.values()))
+      raise UserError(f"the weighted sum of reward functions {', '.join(self.names)} is {total[i]} for completion {i} "
+                      f"(prompt record {prompt_indices[i]}): {terms} overflows float64; scale the rewards or "
+                      "reward_weights down")
+    return Scores(total, per_function)
 
   @staticmethod
   def _checked(name: str, values: Any, count: int, prompt_indices: Sequence[int]) -> np.ndarray:
@@ -191,32 +212,77 @@ class RewardSet:
     return array
 
 
+def _records(indices: Sequence[int]) -> str:
+  """Prompt record indices for a message: distinct, in order, the first few."""
+  distinct = sorted(set(int(i) for i in indices))
+  shown = ", ".join(map(str, distinct[:6]))
+  return shown if len(distinct) <= 6 else f"{shown} and {len(distinct) - 6} more"
+
+
+def _scaled(values: np.ndarray, axis: int | None) -> tuple[np.ndarray, np.ndarray]:
+  """(values / scale, scale): scale is the largest |value| along `axis` (1 where all are 0), so
+  sums of squares cannot overflow however large the finite values are."""
+  scale = np.max(np.abs(values), axis=axis, keepdims=True)
+  scale = np.where(scale > 0, scale, 1.0)
+  return values / scale, scale
+
+
+def _std(values: np.ndarray, axis: int | None = None) -> np.ndarray:
+  """The sample standard deviation (ddof=1), without overflow for huge finite values (inf only
+  when the std itself exceeds float64's range)."""
+  unit, scale = _scaled(values, axis)
+  with np.errstate(over="ignore"):
+    return np.squeeze(unit.std(axis=axis, ddof=1, keepdims=True) * scale, axis=axis)
+
+
 def advantages(rewards: np.ndarray, group_size: int, scaling: str) -> tuple[np.ndarray, np.ndarray]:
   """(advantages [R], each completion's group reward std [R]): the reward minus its group's mean,
   divided by the group's (scaling=group) or the batch's (batch) sample standard deviation + 1e-4,
-  or not divided (none). Rows are grouped in order: completions i*G .. i*G + G - 1 share a prompt."""
-  grouped = rewards.reshape(-1, group_size)
-  centred = (grouped - grouped.mean(axis=1, keepdims=True)).reshape(-1)
-  group_std = np.repeat(grouped.std(axis=1, ddof=1), group_size)
+  or not divided (none). Rows are grouped in order: completions i*G .. i*G + G - 1 share a prompt.
+
+  Computed on the rewards divided by their group's (batch's) largest |r|, which leaves the result
+  as it is (the + 1e-4 is divided too) but keeps any finite rewards from overflowing."""
+  grouped = np.asarray(rewards, np.float64).reshape(-1, group_size)
+  group_std = np.repeat(_std(grouped, axis=1), group_size)
   if scaling == "none":
+    unit, scale = _scaled(grouped, axis=1)
+    with np.errstate(over="ignore"):
+      centred = ((unit - unit.mean(axis=1, keepdims=True)) * scale).reshape(-1)
+    worst = float(np.max(np.abs(centred))) if centred.size else 0.0
+    if not worst <= MAX_UNSCALED_ADVANTAGE:
+      raise UserError(f"with grpo_scale_rewards=none an advantage (a reward minus its group's mean) is {worst:.3g}, "
+                      f"beyond the {MAX_UNSCALED_ADVANTAGE:g} the loss's gradient can take; scale the rewards or "
+                      "reward_weights down, or set grpo_scale_rewards=group")
     return centred, group_std
-  std = group_std if scaling == "group" else np.full_like(rewards, rewards.std(ddof=1) if rewards.size > 1 else 0.0)
-  return centred / (std + 1e-4), group_std
+  if scaling == "group":
+    unit, scale = _scaled(grouped, axis=1)
+  else:
+    unit, scale = _scaled(grouped, axis=None)
+  centred = unit - unit.mean(axis=1, keepdims=True)
+  unit_std = unit.std(axis=1, ddof=1, keepdims=True) if scaling == "group" \
+      else np.full_like(grouped[:, :1], unit.std(ddof=1) if unit.size > 1 else 0.0)
+  return (centred / (unit_std + 1e-4 / scale)).reshape(-1), group_std
 
 
 def reward_metrics(scores: Scores, group_std: np.ndarray, advantage: np.ndarray) -> dict[str, float]:
   """The per-batch figures TRL logs: reward (and per function) mean and std, the fraction of groups
   whose rewards are all equal (they train nothing), and the advantages' spread."""
-  out = {"reward": float(scores.total.mean()), "reward_std": float(scores.total.std(ddof=1))
-         if scores.total.size > 1 else 0.0}
+  def mean(values: np.ndarray) -> float:
+    unit, scale = _scaled(values, axis=None)
+    return float(unit.mean() * scale.item())
+
+  def std(values: np.ndarray) -> float:
+    return float(_std(values)) if values.size > 1 else 0.0
+
+  out = {"reward": mean(scores.total), "reward_std": std(scores.total)}
   for name, values in scores.per_function.items():
     short = name.rsplit(":", 1)[-1]
-    out[f"rewards/{short}/mean"] = float(values.mean())
-    out[f"rewards/{short}/std"] = float(values.std(ddof=1)) if values.size > 1 else 0.0
+    out[f"rewards/{short}/mean"] = mean(values)
+    out[f"rewards/{short}/std"] = std(values)
   out["frac_reward_zero_std"] = float(np.mean(np.isclose(group_std, 0.0)))
   out["advantage_std"] = float(advantage.std())
   out["advantage_abs_max"] = float(np.abs(advantage).max())
   return out
 
 
-__all__ = ["BUILTINS", "RewardSet", "Scores", "advantages", "extract_answer", "load_function", "reward_metrics"]
+__all__ = ["ARGUMENTS", "BUILTINS", "RewardSet", "Scores", "advantages", "extract_answer", "load_function", "reward_metrics"]

@@ -35,6 +35,7 @@ from MaxText.input_pipeline.batch_spec import ADVANTAGES, FIELDS
 from MaxText.platform import sharding
 from MaxText.rl import prompts as prompts_lib
 from MaxText.rl import rewards as rewards_lib
+from MaxText.training import health
 from MaxText.training.train_state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -112,13 +113,14 @@ class RolloutBatches:
       _, batch, scalars = self._primed
       self._primed = None
       return batch, scalars
-    return self._rollout(state.params, step)
+    return self._rollout(state.params, step, health.unguarded)
 
-  def prime(self, state: TrainState) -> None:
+  def prime(self, state: TrainState, guard: health.Guard | None = None) -> None:
     """Samples the first batch now, so a reward function that fails or a prompt the engine refuses
-    stops the run before it writes anything; `next_for` at the same step returns it."""
+    stops the run before it writes anything; `next_for` at the same step returns it. Its scoring
+    runs inside `guard` (the hang watchdog's): generating compiles the engine, which is no hang."""
     step = int(state.step)
-    batch, scalars = self._rollout(state.params, step)
+    batch, scalars = self._rollout(state.params, step, guard or health.unguarded)
     self._primed = (step, batch, scalars)
 
   def get_state(self) -> dict[str, Any]:
@@ -137,7 +139,7 @@ class RolloutBatches:
     return [sampling.RowParams(rl.rl_sampling_temperature, rl.rl_sampling_top_p, rl.rl_sampling_top_k, int(seed))
             for seed in seeds]
 
-  def _rollout(self, params: Any, step: int) -> tuple[Batch, dict[str, float]]:
+  def _rollout(self, params: Any, step: int, guard: health.Guard) -> tuple[Batch, dict[str, float]]:
     jax.block_until_ready(params)  # the previous step's update is not the rollout's time
     started = time.perf_counter()
     group = self.prompts.take(self.num_rows // self.group)
@@ -147,10 +149,12 @@ class RolloutBatches:
     rollout_s = time.perf_counter() - started
     texts = [self.tokenizer.decode(c[:-1] if c and c[-1] == self.eos_id else c, skip_special_tokens=True)
              for c in completions]
-    scores = self.rewards.score([p.prompt for p in row_prompts], texts, completions,
-                                prompts_lib.columns_of(group, self.group), [p.index for p in row_prompts])
-    advantages, group_std = rewards_lib.advantages(scores.total, self.group, self.rl.grpo_scale_rewards)
+    # The rows first: nothing the reward functions do reaches what is trained (they get copies too).
     rows = training_rows([p.ids for p in row_prompts], completions, self.config.data.max_target_length)
+    with guard("the first rollout's reward functions"):
+      scores = self.rewards.score([p.prompt for p in row_prompts], texts, completions,
+                                  prompts_lib.columns_of(group, self.group), [p.index for p in row_prompts])
+    advantages, group_std = rewards_lib.advantages(scores.total, self.group, self.rl.grpo_scale_rewards)
     rows[ADVANTAGES] = advantages.astype(np.float32)
     batch: Batch = {name: _global(value, sharding.for_rank(self.sharding, value.ndim)) for name, value in rows.items()}
     lengths = np.asarray([len(c) for c in completions])

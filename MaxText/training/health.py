@@ -10,6 +10,7 @@ named in the log and counted in the metrics.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -17,7 +18,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager, Iterator
 
 import numpy as np
 
@@ -219,6 +220,33 @@ class _StepBoard:
     time.sleep(1.0)  # their exit calls run after they set the key
 
 
+_ACTIVITY: list[str] = []  # what the main thread is inside (innermost last), for the watchdog's line
+
+
+@contextlib.contextmanager
+def activity(what: str) -> Iterator[None]:
+  """Marks a stretch of the loop that runs the user's code (a reward function), so a watchdog that
+  fires inside it names it."""
+  _ACTIVITY.append(what)
+  try:
+    yield
+  finally:
+    _ACTIVITY.pop()
+
+
+Guard = Callable[[str], ContextManager[None]]  # StepWatchdog.guard, or `unguarded` without a watchdog
+
+
+@contextlib.contextmanager
+def unguarded(what: str) -> Iterator[None]:
+  yield
+
+
+def _in_activity() -> str:
+  current = list(_ACTIVITY)
+  return f" (in {current[-1]})" if current else ""
+
+
 def _print_stacks() -> None:
   """Every thread's Python stack, named, on stderr (faulthandler needs a real file descriptor)."""
   names = {t.ident: t.name for t in threading.enumerate()}
@@ -232,8 +260,9 @@ class StepWatchdog:
   """Ends a run whose next step does not finish within `timeout_s` (a hang inside a collective, a
   stuck host): prints every thread's Python stack, names the processes that did not reach the step
   the others are waiting in, and exits with EXIT_CODE so the scheduler restarts the job, which
-  resumes from its last checkpoint. Armed after the first step (compilation is not a hang); add
-  with every=0 (its `due` records each dispatch) on every process."""
+  resumes from its last checkpoint. Armed after the first step (compilation is not a hang) and,
+  before it, inside `guard` (the first batch: a reward function or a reader that never returns);
+  add with every=0 (its `due` records each dispatch) on every process."""
 
   EXIT_CODE = 4
 
@@ -241,8 +270,10 @@ class StepWatchdog:
     self.timeout_s, self._exit = timeout_s, exit
     self.board = _StepBoard()
     self._petted = threading.Event()
+    self._armed = threading.Event()
     self._stopped = threading.Event()
     self._thread: threading.Thread | None = None
+    self._guarding: str | None = None  # what `guard` watches, while it does
     self.last_step = 0
 
   def due(self, step: int) -> bool:
@@ -250,24 +281,50 @@ class StepWatchdog:
     self.board.set(step)
     return True
 
+  @contextlib.contextmanager
+  def guard(self, what: str) -> Iterator[None]:
+    """Fires when the block (`what`, e.g. "the first rollout") does not finish within timeout_s;
+    disarmed again after it, until the first step finishes."""
+    self._guarding = what
+    self._start()
+    self._armed.set()
+    self._petted.set()
+    try:
+      yield
+    finally:
+      self._armed.clear()
+      self._guarding = None
+      self._petted.set()
+
   def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
     self.last_step = record.step
+    self._start()
+    self._armed.set()
+    self._petted.set()
+
+  def _start(self) -> None:
     if self._thread is None:
       self._thread = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
       self._thread.start()
-    self._petted.set()
 
   def _watch(self) -> None:
     while not self._stopped.is_set():
+      self._armed.wait()  # unarmed: no deadline (compiling the first step)
       if self._petted.wait(self.timeout_s):
         self._petted.clear()
         continue
-      if not self._stopped.is_set():
+      if self._armed.is_set() and not self._stopped.is_set():
         self._fire()
         return
 
   def _fire(self) -> None:
     _print_stacks()
+    doing = _in_activity()
+    if self._guarding is not None:
+      print(f"error: {self._guarding} did not finish in step_timeout_seconds={self.timeout_s:g}{doing}; Python "
+            f"stacks above. Exiting with status {self.EXIT_CODE} so the job restarts", file=sys.stderr, flush=True)
+      self._leave()
+      return
     try:
       steps = self.board.all()
     except Exception as e:  # noqa: BLE001 - the coordination service may be what is broken
@@ -280,8 +337,11 @@ class StepWatchdog:
              f"({', '.join(f'process {p} started step {steps[p]} last' for p in behind)})" if behind
              else f"every process started step {ahead}, and it did not finish")
     print(f"error: no step finished in step_timeout_seconds={self.timeout_s:g} after step {self.last_step} on "
-          f"this process; {where}{unreachable}; Python stacks above. Exiting with status {self.EXIT_CODE} so the "
-          "job restarts and resumes from its last checkpoint", file=sys.stderr, flush=True)
+          f"this process; {where}{unreachable}{doing}; Python stacks above. Exiting with status {self.EXIT_CODE} so "
+          "the job restarts and resumes from its last checkpoint", file=sys.stderr, flush=True)
+    self._leave()
+
+  def _leave(self) -> None:
     try:
       self.board.leave(grace_s=min(30.0, self.timeout_s))
     except Exception:  # noqa: BLE001 - exiting with the restart code matters more than an orderly exit
@@ -290,15 +350,18 @@ class StepWatchdog:
 
   def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
     self._stopped.set()
+    self._armed.set()
     self._petted.set()
 
 
 def add_health_hooks(trainer: Trainer, settings: RunConfig, writer: metrics_lib.MetricWriter | None,
-                     is_primary: bool, num_processes: int, process_started: float, start_step: int) -> None:
+                     is_primary: bool, num_processes: int, process_started: float, start_step: int,
+                     watchdog: StepWatchdog | None = None) -> None:
+  """`watchdog`: the one that guarded the first batch (train.py), else one is made here."""
   if settings.straggler_report_period > 0 and num_processes > 1:
     trainer.add_hook(StragglerHook(settings.straggler_report_period, settings.straggler_threshold, writer,
                                    is_primary), every=1)
   if settings.step_timeout_seconds > 0:
-    trainer.add_hook(StepWatchdog(settings.step_timeout_seconds), every=0)
+    trainer.add_hook(watchdog or StepWatchdog(settings.step_timeout_seconds), every=0)
   if is_primary:
     trainer.add_hook(GoodputHook(settings.run_dir, process_started, start_step, writer), every=1)

@@ -13,7 +13,7 @@ import math
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, ContextManager, Mapping, Protocol, runtime_checkable
 
 import jax
 import numpy as np
@@ -56,8 +56,9 @@ class OnPolicyBatches(Protocol):
 
   def next_for(self, state: TrainState) -> tuple[Any, dict[str, float]]: ...
 
-  def prime(self, state: TrainState) -> None:
-    """Makes the first batch now (the run checks its data before it writes anything)."""
+  def prime(self, state: TrainState, guard: Callable[[str], ContextManager[None]] | None = None) -> None:
+    """Makes the first batch now (the run checks its data before it writes anything); the part that
+    runs the user's code inside `guard(what)` (the hang watchdog's, when there is one)."""
     ...
 
   def get_state(self) -> Any: ...
