@@ -186,7 +186,7 @@ def report(ids: list[int], generated: list[int], tokenizer: Tokenizer | None, pr
 
 
 FRESH_NOTE = "decode: no load_parameters_path given; using randomly initialised parameters"
-TOOL = startup.Tool("decode", reads_run=True, joins_job=True)
+TOOL = startup.Tool("decode", reads_run=True, joins_job=True, reads_data=False)
 
 
 def main(argv: list[str]) -> int:

@@ -63,7 +63,7 @@ def generate(config: Config) -> str:
   return output
 
 
-TOOL = startup.Tool("generate_param_only_checkpoint", reads_run=True, joins_job=True)
+TOOL = startup.Tool("generate_param_only_checkpoint", reads_run=True, joins_job=True, reads_data=False)
 
 
 def main(argv: list[str]) -> int:

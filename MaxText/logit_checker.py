@@ -228,7 +228,7 @@ def image_prompts(token_ids: np.ndarray, vision: VisionConfig, paths: list[str],
   return np.stack(rows).astype(token_ids.dtype), np.ascontiguousarray(pixels)
 
 
-TOOL = startup.Tool(PROG, reads_run=True)
+TOOL = startup.Tool(PROG, reads_run=True, reads_data=False)
 
 
 def main(argv: list[str]) -> int:

@@ -297,7 +297,7 @@ def address(host: str, sock: socket.socket) -> str:
   return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-TOOL = startup.Tool("serve", reads_run=True, joins_job=True)
+TOOL = startup.Tool("serve", reads_run=True, joins_job=True, reads_data=False)
 
 
 def main(argv: list[str]) -> int:

@@ -46,6 +46,9 @@ class Tool:
   name: str
   builds_config: bool = True  # False: no model config and no JAX backend (data preparation, launchers)
   reads_run: bool = False  # reads a run or checkpoint: the model keys saved with it apply (config.resolve_values)
+  # False: reads no training data, so the data keys' checks of where data comes from (and GRPO's of
+  # its prompts and rewards) do not apply: a model is served with the config it was fine-tuned with.
+  reads_data: bool = True
   joins_job: bool = False  # joins a multi-process job (jax.distributed) before anything asks for devices
   hardware: str | None = None  # the platform unless the user sets hardware= (None: the config's own default)
   compiles_for: CompileTarget = "local"
@@ -127,7 +130,8 @@ def start(tool: Tool, argv: Sequence[str], *, paths: Mapping[str, str] | None = 
   # A compile writes nothing under a run directory; a fixed name satisfies the multi-host rule
   # that every process of a real run must be given the same run_name.
   config = config_lib.build_config(overrides, target, tool.reads_run,
-                                   default_run_name=None if tool.compiles_for == "local" else tool.name)
+                                   default_run_name=None if tool.compiles_for == "local" else tool.name,
+                                   reads_data=tool.reads_data)
   if model_keys is not None:
     model_keys.check(config)
   started = Started(tool, built_config=config, read_overrides=overrides, topology=topology, num_slices=num_slices,

@@ -334,8 +334,8 @@ def resolve_values(overrides: Overrides, platform: str, reads_run: bool = False)
 class Config:
   """The immutable configuration of one run: flat values (`config["steps"]`) and typed groups."""
 
-  def __init__(self, values: Mapping[str, Any], target: DeviceTarget):
-    groups = config_groups.build_groups(values, target)
+  def __init__(self, values: Mapping[str, Any], target: DeviceTarget, reads_data: bool = True):
+    groups = config_groups.build_groups(values, target, reads_data)
     self.values: Mapping[str, Any] = types.MappingProxyType(dict(values))
     self.target = target
     self.model: ModelConfig = groups.model
@@ -392,17 +392,18 @@ class Config:
 
 
 def build_config(overrides: Overrides, target: DeviceTarget, reads_run: bool = False,
-                 default_run_name: str | None = None) -> Config:
+                 default_run_name: str | None = None, reads_data: bool = True) -> Config:
   """The validated, frozen Config for `target`. An empty run_name becomes `default_run_name`, or
   run_<local time> (the clock is read here, not while validating), which only a single-process
-  run may use: every process must name the same run directory."""
+  run may use: every process must name the same run directory. `reads_data`: False for a tool
+  that reads no training data (startup.Tool), whose config may name none."""
   values = resolve_values(overrides, target.platform, reads_run)
   if not values["run_name"]:
     if default_run_name is None and target.num_processes > 1:
       raise ConfigError(f"set run_name=NAME: with {target.num_processes} processes each would otherwise name "
                         "the run after its own clock")
     values["run_name"] = default_run_name or datetime.datetime.now().strftime("run_%Y%m%d_%H%M%S")
-  return Config(values, target)
+  return Config(values, target, reads_data)
 
 
 def load_config(
@@ -444,4 +445,4 @@ def draft_config(config: Config) -> Config:
                         "draft_load_parameters_path")
     argv[key] = coerce(key, _parse_cli_value(text.strip(), schema[key]), schema[key])
   overrides = Overrides(BASE_CONFIG_PATH, {}, argv, {}, schema)
-  return build_config(overrides, config.target, default_run_name=str(config["run_name"]))
+  return build_config(overrides, config.target, default_run_name=str(config["run_name"]), reads_data=False)

@@ -231,22 +231,25 @@ class DataConfig:
     return self.dataset_type != "synthetic" and self.eval_interval > 0
 
   @classmethod
-  def from_values(cls, v: Mapping[str, Any], target: DeviceTarget, mesh: MeshConfig) -> "DataConfig":
+  def from_values(cls, v: Mapping[str, Any], target: DeviceTarget, mesh: MeshConfig,
+                  reads_data: bool = True) -> "DataConfig":
+    """`reads_data`: False for a tool that reads no training data; where data would come from is
+    then not checked (a fine-tuning config names files a server never opens)."""
     _one_of(v, "dataset_type", DATASET_TYPES)
     _positive(v, "per_device_batch_size", "synthetic_max_stride", "eval_steps")
-    if v["use_sft"]:
+    if v["use_sft"] and reads_data:
       _require(v["dataset_type"] in ("hf", "grain"), f"use_sft=True reads conversation records with dataset_type=hf "
                f"(JSON/JSONL/Parquet files) or grain (JSON records); got dataset_type={v['dataset_type']}")
       _require(v["tokenizer_type"] == "huggingface", "use_sft=True renders the model's chat template, which lives "
                f"in its Hugging Face tokenizer files: set tokenizer_type=huggingface (got {v['tokenizer_type']})")
     _check_images(v)
-    if v["use_dpo"]:
+    if v["use_dpo"] and reads_data:
       _check_dpo(v, pipelined=dict(mesh.shape)["stage"] > 1)
     mixture = parse_sources(v["data_mixture"], v)
     schedule = parse_schedule(v["data_mixture_schedule"], mixture)
-    if mixture:
+    if mixture and reads_data:
       _check_mixture(v, mixture)
-    if v["dataset_type"] != "synthetic":
+    if v["dataset_type"] != "synthetic" and reads_data:
       _check_real_data(v, mixed=bool(mixture))
     global_batch = v["per_device_batch_size"] * target.num_devices
     _require(float(global_batch).is_integer(), f"per_device_batch_size {v['per_device_batch_size']} x "
@@ -594,7 +597,9 @@ class Groups:
   tasks: TaskEvalConfig
 
 
-def build_groups(values: Mapping[str, Any], target: DeviceTarget) -> Groups:
+def build_groups(values: Mapping[str, Any], target: DeviceTarget, reads_data: bool = True) -> Groups:
+  """`reads_data`: False for a tool that reads no training data (startup.Tool): neither the data
+  sources nor GRPO's prompts, rewards and groups are checked."""
   mesh = MeshConfig.from_values(values, target)
   run = RunConfig.from_values(values)
   num_experts, expert_degree = values["num_experts"], dict(mesh.shape)["expert"]
@@ -602,9 +607,9 @@ def build_groups(values: Mapping[str, Any], target: DeviceTarget) -> Groups:
   _require(num_experts == 1 or num_experts % expert_degree == 0,
            f"num_experts ({num_experts}) must be a multiple of the expert parallelism "
            f"(ici_expert_parallelism * dcn_expert_parallelism = {expert_degree})")
-  data = DataConfig.from_values(values, target, mesh)
-  rl = RLConfig.from_values(values)
-  _require(not data.use_grpo or data.global_batch_size % rl.num_generations == 0,
+  data = DataConfig.from_values(values, target, mesh, reads_data)
+  rl = RLConfig.from_values(values if reads_data else {**values, "use_grpo": False})
+  _require(not (data.use_grpo and reads_data) or data.global_batch_size % rl.num_generations == 0,
            f"the global batch of {data.global_batch_size} completions (per_device_batch_size x devices) does not "
            f"divide into groups of num_generations={rl.num_generations}; make it a multiple")
   return Groups(model=ModelConfig.from_values(values, mesh, data.global_batch_size), mesh=mesh,

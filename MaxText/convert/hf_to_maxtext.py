@@ -35,7 +35,7 @@ from MaxText.convert import cli, engine, hf_io, mxfp4, streaming
 from MaxText.errors import UserError, run_cli
 
 PROG = "hf_to_maxtext"
-TOOL = startup.Tool(PROG, reads_run=True, hardware="cpu")  # conversion is host work
+TOOL = startup.Tool(PROG, reads_run=True, hardware="cpu", reads_data=False)  # conversion is host work
 
 
 def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict[str, float]:

@@ -37,7 +37,7 @@ from MaxText.convert import cli, engine, hf_io, streaming
 from MaxText.errors import ConfigError, UserError, run_cli
 
 PROG = "maxtext_to_hf"
-TOOL = startup.Tool(PROG, reads_run=True, hardware="cpu")  # conversion is host work
+TOOL = startup.Tool(PROG, reads_run=True, hardware="cpu", reads_data=False)  # conversion is host work
 
 
 def _open_checkpoint(checkpoint: str, config: config_lib.Config) -> tuple[streaming.ParamReader, ModelConfig]:
