@@ -85,6 +85,18 @@ def test_data_urls_decode_and_network_urls_are_refused():
     image_text.read_image("data:image/png;base64," + base64.b64encode(b"not a png").decode(), files=False)
 
 
+def test_an_image_file_of_too_many_pixels_is_refused_before_decoding(tmp_path):
+  """decode.py's image_path and fine-tuning records read files through read_image: a small file
+  holding a huge image is refused from its header (images.MAX_IMAGE_PIXELS)."""
+  from big_images import peak_rss_growth, solid_png
+
+  path = tmp_path / "bomb.png"
+  path.write_bytes(solid_png(9000, 9000))
+  seconds, grown, raised = peak_rss_growth(lambda: image_text.read_image(str(path), files=True))
+  assert isinstance(raised, UserError) and f"image {path}: larger than" in str(raised), raised
+  assert seconds < 0.5 and grown < 32 << 20, (seconds, grown)
+
+
 def test_a_text_only_model_refuses_images(tokenizer):
   _, slots = image_text.split_images(MESSAGES)
   with pytest.raises(UserError, match="2 image.s. given to llama2-7b, a text-only model"):
