@@ -82,6 +82,21 @@ def test_a_reward_function_that_exits_is_an_error_naming_it(tiny_overrides, tmp_
   assert "prompt records 7, 9" in str(error.value)  # in order, not the rollout's shuffled first..last
 
 
+@pytest.mark.parametrize("body, message", [
+    ("return [[1.0], [0.0]]", "returned an array of shape (2, 1) for 2 completions"),
+    ("return None", "returned a scalar for 2 completions"),
+    ("return {'a': 1}", "returned dict, not a list of floats"),
+    ("return [Exits(), Exits()]", "raised SystemExit: 3"),  # the exit comes while the values are read
+])
+def test_a_reward_function_that_returns_the_wrong_thing_is_an_error_naming_it(tiny_overrides, tmp_path, monkeypatch,
+                                                                               body, message):
+  source = f"import sys\nclass Exits:\n  def __float__(self):\n    sys.exit(3)\ndef f(**kw):\n  {body}\n"
+  reward_set = _reward_set(tiny_overrides, tmp_path, monkeypatch, source)
+  with pytest.raises(UserError) as error:
+    reward_set.score(["p", "q"], ["a", "b"], [[1], [2]], {}, [9, 7])
+  assert f"reward function {reward_set.names[0]} {message}" in str(error.value), str(error.value)
+
+
 # ---- 3: huge finite rewards -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("scale", [1.0, 1e150, 1e308])

@@ -176,6 +176,7 @@ class RewardSet:
       try:
         with health.activity(f"reward function {name}"):
           values = fn(**arguments)
+          array = self._floats(name, values)  # may call the user's code too (an iterator, __float__)
       except UserError:
         raise
       except KeyboardInterrupt:  # Ctrl-C is the person's, not the function's
@@ -183,7 +184,7 @@ class RewardSet:
       except BaseException as e:  # noqa: BLE001 - the user's code (an exit too): name it and stop
         raise UserError(f"reward function {name} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                         f" (on the completions of prompt records {_records(prompt_indices)})") from None
-      per_function[name] = self._checked(name, values, len(completions), prompt_indices)
+      per_function[name] = self._checked(name, array, len(completions), prompt_indices)
     with np.errstate(over="ignore", invalid="ignore"):
       total = np.asarray(sum(w * v for w, v in zip(self.weights, per_function.values())), np.float64)
     bad = np.flatnonzero(~np.isfinite(total))
@@ -196,14 +197,19 @@ class RewardSet:
     return Scores(total, per_function)
 
   @staticmethod
-  def _checked(name: str, values: Any, count: int, prompt_indices: Sequence[int]) -> np.ndarray:
+  def _floats(name: str, values: Any) -> np.ndarray:
     try:
-      array = np.asarray(values, np.float64)
+      return np.asarray(values, np.float64)
     except (TypeError, ValueError):
       raise UserError(f"reward function {name} returned {type(values).__name__}, not a list of floats") from None
+
+  @staticmethod
+  def _checked(name: str, array: np.ndarray, count: int, prompt_indices: Sequence[int]) -> np.ndarray:
     if array.shape != (count,):
-      raise UserError(f"reward function {name} returned {array.size if array.ndim else 'a scalar'} value(s) for "
-                      f"{count} completions; it must return one float per completion")
+      got = "a scalar" if array.ndim == 0 else f"{array.size} value(s)" if array.ndim == 1 \
+          else f"an array of shape {array.shape}"
+      raise UserError(f"reward function {name} returned {got} for {count} completions; it must return one float "
+                      "per completion")
     bad = np.flatnonzero(~np.isfinite(array))
     if bad.size:
       i = int(bad[0])
