@@ -1,16 +1,16 @@
 """Submit a job to fresh TPU capacity through a queued resource: the production counterpart of
 multihost_runner.py (which needs slices that already exist and a live ssh session).
 
-  python3 -m MaxText.multihost_job --TPU_TYPE=v5litepod-256 --VERSION=v2-alpha-tpuv5-lite \\
-      --BUCKET_NAME=my-bucket --NUM_SLICES=2 \\
-      --COMMAND="python3 -m MaxText.train configs/base.yml run_name=big base_output_directory=gs://my-bucket/runs"
+  python3 -m MaxText.multihost_job tpu_type=v5litepod-256 version=v2-alpha-tpuv5-lite \\
+      bucket_name=my-bucket num_slices=2 \\
+      command="python3 -m MaxText.train configs/base.yml run_name=big base_output_directory=gs://my-bucket/runs"
 
 Packs SCRIPT_DIR into a tarball and uploads it to gs://BUCKET_NAME/BUCKET_DIR/RUN_NAME/, writes a
 startup script, and asks for the slices with `gcloud alpha compute tpus queued-resources create`
 (--node-count/--node-prefix for several slices, whose multislice settings the TPU service
 provides). When the capacity arrives, every worker runs the startup script: it fetches the code,
 runs SETUP_COMMAND and COMMAND, and uploads its log to .../logs/<hostname>.log every
-LOG_UPLOAD_SECONDS and at the end. `--dry-run` prints the commands and the startup script.
+LOG_UPLOAD_SECONDS and at the end. `dry_run=true` prints the commands and the startup script.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # `python3 MaxText/multihost_job.py`: import the 
 
 from MaxText import startup
 from MaxText.platform import tpu_launch
+from MaxText.configuration import tool_args
 from MaxText.errors import UserError, run_cli
 from MaxText.platform.tpu_launch import Gcloud
 
@@ -72,56 +73,56 @@ exit "$status"
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="python3 -m MaxText.multihost_job", description=__doc__.split("\n")[0])
-  parser.add_argument("--TPU_TYPE", required=True, help="accelerator type of each slice, e.g. v5litepod-256, v5p-128")
-  parser.add_argument("--VERSION", required=True,
+  parser.add_argument("--tpu_type", required=True, help="accelerator type of each slice, e.g. v5litepod-256, v5p-128")
+  parser.add_argument("--version", required=True,
                       help="TPU VM runtime version, e.g. v2-alpha-tpuv5-lite (v5e), v2-alpha-tpuv5 (v5p), "
                            "tpu-ubuntu2204-base (v4)")
-  parser.add_argument("--BUCKET_NAME", required=True, help="GCS bucket for the code and the logs (gs:// optional)")
-  parser.add_argument("--BUCKET_DIR", default="multihost_job", help="folder in the bucket (default: multihost_job)")
+  parser.add_argument("--bucket_name", required=True, help="GCS bucket for the code and the logs (gs:// optional)")
+  parser.add_argument("--bucket_dir", default="multihost_job", help="folder in the bucket (default: multihost_job)")
   tpu_launch.add_common_arguments(parser)
-  parser.add_argument("--SETUP_COMMAND", default="bash setup.sh",
+  parser.add_argument("--setup_command", default="bash setup.sh",
                       help="runs on every worker before COMMAND (default: bash setup.sh)")
-  parser.add_argument("--CQR_EXTRA_ARGS", default="",
+  parser.add_argument("--cqr_extra_args", default="",
                       help="more queued-resources create flags, e.g. '--spot', '--best-effort' or '--reserved'")
-  parser.add_argument("--LOG_UPLOAD_SECONDS", type=int, default=300,
+  parser.add_argument("--log_upload_seconds", type=int, default=300,
                       help="how often each worker uploads its log while the job runs (default: 300)")
-  parser.add_argument("--LOCAL_DIR", default=None,
+  parser.add_argument("--local_dir", default=None,
                       help="where the tarball and startup script are written (default: a temp folder)")
-  args = parser.parse_args(argv)
+  args = tool_args.parse_args(parser, argv)
   tpu_launch.check_common_arguments(args)
-  if args.LOG_UPLOAD_SECONDS < 1:
-    raise UserError(f"--LOG_UPLOAD_SECONDS must be at least 1, got {args.LOG_UPLOAD_SECONDS}")
-  bucket = args.BUCKET_NAME.removeprefix("gs://").strip("/")
+  if args.log_upload_seconds < 1:
+    raise UserError(f"log_upload_seconds must be at least 1, got {args.log_upload_seconds}")
+  bucket = args.bucket_name.removeprefix("gs://").strip("/")
   if not bucket or "/" in bucket:
-    raise UserError(f"--BUCKET_NAME '{args.BUCKET_NAME}' must be a bucket name; put folders in --BUCKET_DIR")
-  args.gcs_dir = "/".join(p for p in ("gs:/", bucket, args.BUCKET_DIR.strip("/"), args.RUN_NAME) if p)
-  args.LOCAL_DIR = Path(args.LOCAL_DIR or Path(tempfile.gettempdir(), "multihost_job", args.RUN_NAME))
+    raise UserError(f"bucket_name '{args.bucket_name}' must be a bucket name; put folders in bucket_dir")
+  args.gcs_dir = "/".join(p for p in ("gs:/", bucket, args.bucket_dir.strip("/"), args.run_name) if p)
+  args.local_dir = Path(args.local_dir or Path(tempfile.gettempdir(), "multihost_job", args.run_name))
   return args
 
 
 def startup_script(args: argparse.Namespace) -> str:
-  return STARTUP_TEMPLATE.format(run_name=args.RUN_NAME, gcs_dir=shlex.quote(args.gcs_dir),
-                                 setup=shlex.quote(args.SETUP_COMMAND), command=shlex.quote(args.COMMAND),
-                                 upload_seconds=args.LOG_UPLOAD_SECONDS)
+  return STARTUP_TEMPLATE.format(run_name=args.run_name, gcs_dir=shlex.quote(args.gcs_dir),
+                                 setup=shlex.quote(args.setup_command), command=shlex.quote(args.command),
+                                 upload_seconds=args.log_upload_seconds)
 
 
 def create_command(gcloud: Gcloud, args: argparse.Namespace, script_path: Path) -> list[str]:
-  if args.NUM_SLICES == 1:
-    nodes = [f"--node-id={args.RUN_NAME}"]
+  if args.num_slices == 1:
+    nodes = [f"--node-id={args.run_name}"]
   else:  # the slices are named RUN_NAME-0 .. RUN_NAME-(N-1), as multihost_runner expects too
-    nodes = [f"--node-count={args.NUM_SLICES}", f"--node-prefix={args.RUN_NAME}"]
-  return gcloud.command(*QUEUED_RESOURCES, "create", args.RUN_NAME, f"--accelerator-type={args.TPU_TYPE}",
-                        f"--runtime-version={args.VERSION}", *nodes,
+    nodes = [f"--node-count={args.num_slices}", f"--node-prefix={args.run_name}"]
+  return gcloud.command(*QUEUED_RESOURCES, "create", args.run_name, f"--accelerator-type={args.tpu_type}",
+                        f"--runtime-version={args.version}", *nodes,
                         f"--metadata-from-file=startup-script={script_path}",
-                        *shlex.split(args.CQR_EXTRA_ARGS))
+                        *shlex.split(args.cqr_extra_args))
 
 
 def follow_up(gcloud: Gcloud, args: argparse.Namespace) -> str:
-  status = gcloud.command(*QUEUED_RESOURCES, "describe", args.RUN_NAME)
+  status = gcloud.command(*QUEUED_RESOURCES, "describe", args.run_name)
   logs = gcloud.command("storage", "ls", f"{args.gcs_dir}/logs/", zonal=False)
-  delete = gcloud.command(*QUEUED_RESOURCES, "delete", args.RUN_NAME, "--force", "--async")
+  delete = gcloud.command(*QUEUED_RESOURCES, "delete", args.run_name, "--force", "--async")
   return (f"  status: {tpu_launch.quote(status)}\n"
-          f"  logs (every {args.LOG_UPLOAD_SECONDS} s and at the end): {tpu_launch.quote(logs)}\n"
+          f"  logs (every {args.log_upload_seconds} s and at the end): {tpu_launch.quote(logs)}\n"
           f"  delete the slices when done (they are billed until then): {tpu_launch.quote(delete)}")
 
 
@@ -131,14 +132,14 @@ TOOL = startup.Tool("multihost_job", builds_config=False)
 def main(argv: list[str]) -> int:
   startup.start(TOOL, argv)
   args = parse_args(argv[1:])
-  gcloud = Gcloud(args.PROJECT, args.ZONE, args.dry_run)
-  tarball = args.LOCAL_DIR / "code.tar.gz"
-  script_path = args.LOCAL_DIR / "startup.sh"
+  gcloud = Gcloud(args.project, args.zone, args.dry_run)
+  tarball = args.local_dir / "code.tar.gz"
+  script_path = args.local_dir / "startup.sh"
   upload = gcloud.command("storage", "cp", str(tarball), f"{args.gcs_dir}/code.tar.gz", zonal=False)
   create = create_command(gcloud, args, script_path)
   script = startup_script(args)
   if args.dry_run:
-    print(f"# package {args.SCRIPT_DIR} into {tarball}, then upload it:")
+    print(f"# package {args.script_dir} into {tarball}, then upload it:")
     gcloud.show(upload)
     print(f"# write this startup script to {script_path}:")
     print(script, end="")
@@ -146,13 +147,13 @@ def main(argv: list[str]) -> int:
     gcloud.show(create)
     print("# then:\n" + follow_up(gcloud, args))
     return 0
-  tpu_launch.package_directory(args.SCRIPT_DIR, tarball)
+  tpu_launch.package_directory(args.script_dir, tarball)
   script_path.write_text(script)
-  tpu_launch.log_to_stderr(f"uploading {args.SCRIPT_DIR} to {args.gcs_dir}/code.tar.gz ...")
+  tpu_launch.log_to_stderr(f"uploading {args.script_dir} to {args.gcs_dir}/code.tar.gz ...")
   gcloud.act(upload, "uploading the code")
-  tpu_launch.log_to_stderr(f"requesting {args.NUM_SLICES} x {args.TPU_TYPE} as queued resource {args.RUN_NAME} ...")
+  tpu_launch.log_to_stderr(f"requesting {args.num_slices} x {args.tpu_type} as queued resource {args.run_name} ...")
   gcloud.act(create, "creating the queued resource")
-  print(f"multihost_job: queued resource {args.RUN_NAME} requested ({args.NUM_SLICES} x {args.TPU_TYPE}); the job "
+  print(f"multihost_job: queued resource {args.run_name} requested ({args.num_slices} x {args.tpu_type}); the job "
         "starts on every worker when the capacity is granted.\n" + follow_up(gcloud, args), flush=True)
   return 0
 

@@ -1,8 +1,8 @@
 """Run one command on every worker of one or more existing TPU VM slices, for development.
 
-  python3 -m MaxText.multihost_runner --TPU_PREFIX=my-v5e \
-      --COMMAND="bash setup.sh && python3 -m MaxText.train configs/base.yml run_name=r1"
-  python3 -m MaxText.multihost_runner --TPU_PREFIX=my-v5e --NUM_SLICES=2 --COMMAND="..." --dry-run
+  python3 -m MaxText.multihost_runner tpu_prefix=my-v5e \
+      command="bash setup.sh && python3 -m MaxText.train configs/base.yml run_name=r1"
+  python3 -m MaxText.multihost_runner tpu_prefix=my-v5e num_slices=2 command="..." dry_run=true
 
 Finds the workers (`gcloud compute tpus tpu-vm describe`), copies SCRIPT_DIR to each of them as a
 tarball, starts the command on all of them at once over `gcloud compute tpus tpu-vm ssh`, prints
@@ -34,6 +34,7 @@ if __package__ in (None, ""):  # `python3 MaxText/multihost_runner.py`: import t
 
 from MaxText import startup
 from MaxText.platform import tpu_launch
+from MaxText.configuration import tool_args
 from MaxText.errors import UserError, run_cli
 from MaxText.platform.tpu_launch import Gcloud, log_to_stderr
 
@@ -55,23 +56,23 @@ class Worker:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="python3 -m MaxText.multihost_runner", description=__doc__.split("\n")[0])
-  parser.add_argument("--TPU_PREFIX", required=True,
-                      help="the slice's name; with --NUM_SLICES=N the slices are TPU_PREFIX-0 .. TPU_PREFIX-(N-1)")
+  parser.add_argument("--tpu_prefix", required=True,
+                      help="the slice's name; with num_slices=N the slices are TPU_PREFIX-0 .. TPU_PREFIX-(N-1)")
   tpu_launch.add_common_arguments(parser)
-  parser.add_argument("--USE_EXISTING_FOLDER", action="store_true",
-                      help="skip the copy and run in the workers' existing ~/RUN_NAME folder (needs --RUN_NAME)")
-  parser.add_argument("--LOG_DIR", default=None, help="local folder for every worker's log (default: a temp folder)")
-  parser.add_argument("--INTERNAL_IP", action="store_true", help="reach the workers by internal IP (from inside GCP)")
-  parser.add_argument("--MEGASCALE_PORT", type=int, default=8080, help="multislice coordinator port")
-  parser.add_argument("--FAIL_FAST", action="store_true",
+  parser.add_argument("--use_existing_folder", action="store_true",
+                      help="skip the copy and run in the workers' existing ~/RUN_NAME folder (needs run_name)")
+  parser.add_argument("--log_dir", default=None, help="local folder for every worker's log (default: a temp folder)")
+  parser.add_argument("--internal_ip", action="store_true", help="reach the workers by internal IP (from inside GCP)")
+  parser.add_argument("--megascale_port", type=int, default=8080, help="multislice coordinator port")
+  parser.add_argument("--fail_fast", action="store_true",
                       help="stop every worker as soon as one fails (default: wait for all of them)")
-  parser.add_argument("--NUM_WORKERS", type=int, default=1,
-                      help="with --dry-run only: workers per slice to print commands for (a real run asks gcloud)")
-  args = parser.parse_args(argv)
-  if args.USE_EXISTING_FOLDER and not args.RUN_NAME:
-    raise UserError("--USE_EXISTING_FOLDER needs --RUN_NAME: the folder ~/RUN_NAME on the workers is reused")
+  parser.add_argument("--num_workers", type=int, default=1,
+                      help="with dry_run=true only: workers per slice to print commands for (a real run asks gcloud)")
+  args = tool_args.parse_args(parser, argv)
+  if args.use_existing_folder and not args.run_name:
+    raise UserError("use_existing_folder=true needs run_name=NAME: the folder ~/NAME on the workers is reused")
   tpu_launch.check_common_arguments(args)
-  args.LOG_DIR = Path(args.LOG_DIR or Path(tempfile.gettempdir(), "multihost_runner", args.RUN_NAME))
+  args.log_dir = Path(args.log_dir or Path(tempfile.gettempdir(), "multihost_runner", args.run_name))
   return args
 
 
@@ -96,17 +97,17 @@ def describe_slice(gcloud: Gcloud, name: str, slice_id: int) -> list[Worker]:
 
 
 def discover_workers(gcloud: Gcloud, args: argparse.Namespace) -> list[Worker]:
-  names = tpu_launch.slice_names(args.TPU_PREFIX, args.NUM_SLICES)
+  names = tpu_launch.slice_names(args.tpu_prefix, args.num_slices)
   if gcloud.dry_run:
-    # No gcloud call at all in a dry run: the worker count comes from --NUM_WORKERS.
-    print(f"# dry run: {len(names)} slice(s) x {args.NUM_WORKERS} worker(s) assumed (--NUM_WORKERS); "
+    # No gcloud call at all in a dry run: the worker count comes from num_workers.
+    print(f"# dry run: {len(names)} slice(s) x {args.num_workers} worker(s) assumed (num_workers); "
           f"a real run reads the workers with: {tpu_launch.quote(describe_command(gcloud, names[0]))}")
-    return [Worker(n, s, w, f"<{n}-worker-{w}-ip>") for s, n in enumerate(names) for w in range(args.NUM_WORKERS)]
+    return [Worker(n, s, w, f"<{n}-worker-{w}-ip>") for s, n in enumerate(names) for w in range(args.num_workers)]
   listed = gcloud.read(gcloud.command("compute", "tpus", "tpu-vm", "list", "--format=value(name.basename())"),
                        "listing TPU VMs").split()
   missing = [n for n in names if n not in listed]
   if missing:
-    near = sorted(n for n in listed if n.startswith(args.TPU_PREFIX))
+    near = sorted(n for n in listed if n.startswith(args.tpu_prefix))
     hint = f"; TPUs with that prefix: {', '.join(near)}" if near else ""
     raise UserError(f"no TPU VM named {', '.join(missing)} in this project/zone{hint}")
   workers = [w for s, n in enumerate(names) for w in describe_slice(gcloud, n, s)]
@@ -284,19 +285,19 @@ TOOL = startup.Tool("multihost_runner", builds_config=False)
 def main(argv: list[str]) -> int:
   startup.start(TOOL, argv)
   args = parse_args(argv[1:])
-  gcloud = Gcloud(args.PROJECT, args.ZONE, args.dry_run)
+  gcloud = Gcloud(args.project, args.zone, args.dry_run)
   workers = discover_workers(gcloud, args)
-  names = tpu_launch.slice_names(args.TPU_PREFIX, args.NUM_SLICES)
-  tarball = args.LOG_DIR / "code.tar.gz"
-  copies = [] if args.USE_EXISTING_FOLDER else copy_commands(gcloud, names, tarball, args.RUN_NAME, args.INTERNAL_IP)
+  names = tpu_launch.slice_names(args.tpu_prefix, args.num_slices)
+  tarball = args.log_dir / "code.tar.gz"
+  copies = [] if args.use_existing_folder else copy_commands(gcloud, names, tarball, args.run_name, args.internal_ip)
   runs = [ssh_command(gcloud, w.slice_name, str(w.index),
-                      remote_script(args.RUN_NAME, args.COMMAND,
-                                    worker_env(w, workers[0].ip, args.NUM_SLICES, args.MEGASCALE_PORT),
-                                    unpack=not args.USE_EXISTING_FOLDER), args.INTERNAL_IP) for w in workers]
-  kills = [ssh_command(gcloud, n, "all", kill_script(args.RUN_NAME), args.INTERNAL_IP) for n in names]
+                      remote_script(args.run_name, args.command,
+                                    worker_env(w, workers[0].ip, args.num_slices, args.megascale_port),
+                                    unpack=not args.use_existing_folder), args.internal_ip) for w in workers]
+  kills = [ssh_command(gcloud, n, "all", kill_script(args.run_name), args.internal_ip) for n in names]
   if args.dry_run:
     if copies:
-      print(f"# package {args.SCRIPT_DIR} into {tarball}, then copy it to every worker:")
+      print(f"# package {args.script_dir} into {tarball}, then copy it to every worker:")
     for argv_ in copies + runs:
       gcloud.show(argv_)
     print("# on Ctrl-C:")
@@ -304,29 +305,29 @@ def main(argv: list[str]) -> int:
       gcloud.show(argv_)
     return 0
 
-  args.LOG_DIR.mkdir(parents=True, exist_ok=True)
+  args.log_dir.mkdir(parents=True, exist_ok=True)
   hosts: list[HostProcess] = []
   with sigterm_as_interrupt():
     try:
       if copies:
-        log_to_stderr(f"copying {args.SCRIPT_DIR} to {len(workers)} worker(s) of {len(names)} slice(s) ...")
-        tpu_launch.package_directory(args.SCRIPT_DIR, tarball)
+        log_to_stderr(f"copying {args.script_dir} to {len(workers)} worker(s) of {len(names)} slice(s) ...")
+        tpu_launch.package_directory(args.script_dir, tarball)
         run_parallel(copies, "copying the code to the workers")
       log_to_stderr(f"running on {len(workers)} worker(s); showing {workers[0].label}, "
-                    f"every worker's log in {args.LOG_DIR}")
+                    f"every worker's log in {args.log_dir}")
       for i, (argv_, worker) in enumerate(zip(runs, workers)):
-        hosts.append(start_host(argv_, worker, args.LOG_DIR, stream=(i == 0)))
-      codes = wait_for_hosts(hosts, args.FAIL_FAST)
-      return summarize([(w.label, codes[w.label]) for w in workers], args.LOG_DIR)
+        hosts.append(start_host(argv_, worker, args.log_dir, stream=(i == 0)))
+      codes = wait_for_hosts(hosts, args.fail_fast)
+      return summarize([(w.label, codes[w.label]) for w in workers], args.log_dir)
     except (KeyboardInterrupt, _FailFast) as stop:
       with contextlib.suppress(KeyboardInterrupt):
         stop_everything(hosts, kills)
       for host in hosts:
         host.close()
       if isinstance(stop, _FailFast):
-        log_to_stderr(f"multihost_runner: stopped every worker after the first failure; logs in {args.LOG_DIR}")
+        log_to_stderr(f"multihost_runner: stopped every worker after the first failure; logs in {args.log_dir}")
         return 1
-      log_to_stderr(f"multihost_runner: interrupted; every worker's command was stopped; logs in {args.LOG_DIR}")
+      log_to_stderr(f"multihost_runner: interrupted; every worker's command was stopped; logs in {args.log_dir}")
       return 130
 
 

@@ -1,11 +1,12 @@
 """Train a SentencePiece tokenizer on a corpus (local or gs://):
 
-    python3 -m MaxText.train_tokenizer --dataset_path corpus.txt --vocab_size 1024 --output tokenizer.model
+    python3 -m MaxText.train_tokenizer data_files=corpus.txt vocab_size=1024 output_path=tokenizer.model
 
-`--dataset_path` takes comma-separated files or globs: `.txt` files give one sentence per line,
-`.json`/`.jsonl` files one document per line in the `--text_column` field. The output is a
-`.model` file for `tokenizer_type=sentencepiece tokenizer_path=...`, with ids 0 = <unk>,
-1 = <s> (bos), 2 = </s> (eos). Both the corpus files and `--output` may be gs:// paths.
+`data_files` takes comma-separated files or globs: `.txt` files give one sentence per line,
+`.json`/`.jsonl` files one document per line in the `train_data_columns` field (the key training
+reads its text column from). The output is a `.model` file for `tokenizer_type=sentencepiece
+tokenizer_path=...`, with ids 0 = <unk>, 1 = <s> (bos), 2 = </s> (eos). Both the corpus files and
+`output_path` may be gs:// paths.
 """
 
 from __future__ import annotations
@@ -23,21 +24,29 @@ if __package__ in (None, ""):  # `python3 MaxText/train_tokenizer.py`
 
 from MaxText import startup
 from MaxText.paths import storage
+from MaxText.configuration import tool_args
 from MaxText.errors import UserError, run_cli
 from MaxText.input_pipeline.files import expand_files
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="python3 -m MaxText.train_tokenizer", description=__doc__.split("\n\n")[0])
-  parser.add_argument("--dataset_path", required=True, help="comma-separated .txt/.jsonl files or globs")
+  parser.add_argument("--data_files", required=True, help="comma-separated .txt/.jsonl files or globs")
   parser.add_argument("--vocab_size", type=int, required=True, help="number of tokens, special ones included")
-  parser.add_argument("--output", required=True, help="where to write the .model file (local or gs://)")
+  parser.add_argument("--output_path", required=True, help="where to write the .model file (local or gs://)")
   parser.add_argument("--model_type", default="bpe", choices=("bpe", "unigram", "char", "word"))
-  parser.add_argument("--text_column", default="text", help="field holding the text in .json/.jsonl files")
+  parser.add_argument("--train_data_columns", default="text", metavar="COLUMN",
+                      help="the field holding the text in .json/.jsonl files")
   parser.add_argument("--character_coverage", type=float, default=1.0,
                       help="fraction of characters the vocabulary covers (lower for large alphabets)")
   parser.add_argument("--max_lines", type=int, default=10_000_000, help="read at most this many lines")
-  return parser.parse_args(argv[1:])
+  # dataset_path is the tfds data directory to every other tool; --output and --text_column: as the
+  # converters and training name the same things
+  args = tool_args.parse_args(parser, argv[1:], renamed={"dataset_path": "data_files", "output": "output_path",
+                                                          "text_column": "train_data_columns"})
+  if "," in args.train_data_columns:
+    raise UserError(f"train_data_columns names one field, got {args.train_data_columns!r}")
+  return args
 
 
 def iterate_lines(paths: list[str], text_column: str, max_lines: int) -> Iterator[str]:
@@ -62,7 +71,7 @@ def train(paths: list[str], vocab_size: int, output: str, model_type: str = "bpe
   import sentencepiece as spm
 
   if vocab_size < 4:
-    raise UserError(f"--vocab_size must be at least 4 (3 special tokens and one more), got {vocab_size}")
+    raise UserError(f"vocab_size must be at least 4 (3 special tokens and one more), got {vocab_size}")
   lines = list(iterate_lines(paths, text_column, max_lines))
   if not lines:
     raise UserError(f"the corpus {', '.join(paths)} holds no text")
@@ -84,10 +93,10 @@ TOOL = startup.Tool("train_tokenizer", builds_config=False)
 def main(argv: list[str]) -> int:
   startup.start(TOOL, argv)
   args = _parse(argv)
-  paths = expand_files("--dataset_path", args.dataset_path)
-  num_lines = train(paths, args.vocab_size, args.output, args.model_type, args.text_column,
+  paths = expand_files("data_files", args.data_files)
+  num_lines = train(paths, args.vocab_size, args.output_path, args.model_type, args.train_data_columns,
                     args.character_coverage, args.max_lines)
-  print(f"train_tokenizer: wrote {args.output} ({args.vocab_size} tokens, {args.model_type}) "
+  print(f"train_tokenizer: wrote {args.output_path} ({args.vocab_size} tokens, {args.model_type}) "
         f"from {num_lines} lines of {len(paths)} file(s)")
   return 0
 

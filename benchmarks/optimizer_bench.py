@@ -41,10 +41,10 @@ def prepare(workdir: Path) -> list[str]:
   if not tokenizer.exists():
     if not CORPUS.exists():
       raise SystemExit(f"needs {CORPUS}")
-    run([sys.executable, "-m", "MaxText.input_pipeline.prepare_data", "--input", str(CORPUS), "--output_dir",
-         str(data)], REPO)
-    run([sys.executable, "-m", "MaxText.train_tokenizer", "--dataset_path", str(data / "jsonl" / "train.jsonl"),
-         "--vocab_size", "1024", "--output", str(tokenizer)], REPO)
+    run([sys.executable, "-m", "MaxText.input_pipeline.prepare_data", f"data_files={CORPUS}", f"output_path={data}"],
+        REPO)
+    run([sys.executable, "-m", "MaxText.train_tokenizer", f"data_files={data / 'jsonl' / 'train.jsonl'}",
+         "vocab_size=1024", f"output_path={tokenizer}"], REPO)
   return ["dataset_type=grain", f"tokenizer_path={tokenizer}", f"grain_train_files={data}/arrayrecord/train.array_record",
           f"grain_eval_files={data}/arrayrecord/validation.array_record"]
 

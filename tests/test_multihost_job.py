@@ -18,15 +18,15 @@ def job(cloud: FakeCloud, tmp_path: Path, *extra: str) -> subprocess.CompletedPr
   src = tmp_path / "src"
   src.mkdir(exist_ok=True)
   (src / "code.py").write_text("print('the code')\n")
-  argv = [sys.executable, "-m", "MaxText.multihost_job", "--TPU_TYPE=v5litepod-16", "--VERSION=v2-alpha-tpuv5-lite",
-          "--BUCKET_NAME=gs://bucket", "--RUN_NAME=job1", f"--SCRIPT_DIR={src}", f"--LOCAL_DIR={tmp_path / 'local'}",
-          "--ZONE=us-east5-a", *extra]
+  argv = [sys.executable, "-m", "MaxText.multihost_job", "tpu_type=v5litepod-16", "version=v2-alpha-tpuv5-lite",
+          "bucket_name=gs://bucket", "run_name=job1", f"script_dir={src}", f"local_dir={tmp_path / 'local'}",
+          "zone=us-east5-a", *extra]
   return subprocess.run(argv, env=cloud.env, cwd=REPO, capture_output=True, text=True, timeout=60)
 
 
 def test_dry_run_prints_the_upload_the_startup_script_and_the_request(tmp_path):
   cloud = FakeCloud(tmp_path / "cloud", {})
-  result = job(cloud, tmp_path, "--dry-run", "--COMMAND=python3 -m MaxText.train configs/base.yml run_name=job1")
+  result = job(cloud, tmp_path, "dry_run=true", "command=python3 -m MaxText.train configs/base.yml run_name=job1")
   assert result.returncode == 0, result.stderr
   assert cloud.calls() == [] and not (tmp_path / "local").exists()
   lines = result.stdout.splitlines()
@@ -45,8 +45,8 @@ def test_dry_run_prints_the_upload_the_startup_script_and_the_request(tmp_path):
 
 def test_multislice_request_uploads_the_code_and_attaches_the_startup_script(tmp_path):
   cloud = FakeCloud(tmp_path / "cloud", {})
-  result = job(cloud, tmp_path, "--NUM_SLICES=4", "--BUCKET_DIR=team/jobs", "--CQR_EXTRA_ARGS=--spot",
-               "--COMMAND=echo run")
+  result = job(cloud, tmp_path, "num_slices=4", "bucket_dir=team/jobs", "cqr_extra_args=--spot",
+               "command=echo run")
   assert result.returncode == 0, result.stderr
   assert (tmp_path / "cloud" / "gcs" / "bucket" / "team" / "jobs" / "job1" / "code.tar.gz").is_file()
   create = next(c for c in cloud.calls() if "create" in c)
@@ -60,17 +60,17 @@ def test_multislice_request_uploads_the_code_and_attaches_the_startup_script(tmp
 
 def test_failed_request_is_a_one_line_error(tmp_path):
   cloud = FakeCloud(tmp_path / "cloud", {}, create_exit=1)
-  result = job(cloud, tmp_path, "--COMMAND=true")
+  result = job(cloud, tmp_path, "command=true")
   assert result.returncode == 2
   assert result.stderr.splitlines()[-1].startswith("error: creating the queued resource failed (exit 1)")
-  result = job(cloud, tmp_path, "--COMMAND=true", "--BUCKET_NAME=gs://bucket/sub")
-  assert result.returncode == 2 and "put folders in --BUCKET_DIR" in result.stderr
+  result = job(cloud, tmp_path, "command=true", "bucket_name=gs://bucket/sub")
+  assert result.returncode == 2 and "put folders in bucket_dir" in result.stderr
 
 
 def test_startup_script_fetches_runs_uploads_and_runs_only_once(tmp_path):
   cloud = FakeCloud(tmp_path / "cloud", {})
-  result = job(cloud, tmp_path, "--SETUP_COMMAND=echo setup-ran", "--LOG_UPLOAD_SECONDS=1",
-               "--COMMAND=python3 code.py; sleep 1.5; exit 5")
+  result = job(cloud, tmp_path, "setup_command=echo setup-ran", "log_upload_seconds=1",
+               "command=python3 code.py; sleep 1.5; exit 5")
   assert result.returncode == 0, result.stderr
   script = tmp_path / "local" / "startup.sh"
   env = {**cloud.env, "MULTIHOST_JOB_ROOT": str(tmp_path / "worker")}

@@ -34,8 +34,8 @@ def project(tmp_path: Path) -> Path:
 
 
 def runner_argv(src: Path, tmp_path: Path, *extra: str) -> list[str]:
-  return [sys.executable, "-m", "MaxText.multihost_runner", f"--SCRIPT_DIR={src}", "--RUN_NAME=job1",
-          f"--LOG_DIR={tmp_path / 'logs'}", *extra]
+  return [sys.executable, "-m", "MaxText.multihost_runner", f"script_dir={src}", "run_name=job1",
+          f"log_dir={tmp_path / 'logs'}", *extra]
 
 
 def run(cloud: FakeCloud, src: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -49,8 +49,8 @@ def ssh_calls(cloud: FakeCloud) -> list[list[str]]:
 
 def test_runs_once_per_worker_streams_host_zero_and_logs_every_host(tmp_path, project):
   cloud = FakeCloud(tmp_path / "cloud", {"v5e": 4})
-  result = run(cloud, project, tmp_path, "--TPU_PREFIX=v5e", "--ZONE=us-west4-a", "--PROJECT=proj",
-               "--COMMAND=echo out-$FAKE_WORKER; cat pkg/code.py; ls -a pkg")
+  result = run(cloud, project, tmp_path, "tpu_prefix=v5e", "zone=us-west4-a", "project=proj",
+               "command=echo out-$FAKE_WORKER; cat pkg/code.py; ls -a pkg")
   assert result.returncode == 0, result.stderr
   describe = [c for c in cloud.calls() if "describe" in c]
   assert describe == [["compute", "tpus", "tpu-vm", "describe", "v5e", "--format=json", "--zone=us-west4-a",
@@ -70,8 +70,8 @@ def test_runs_once_per_worker_streams_host_zero_and_logs_every_host(tmp_path, pr
 
 def test_multislice_sets_megascale_variables_from_slice_zero_worker_zero(tmp_path, project):
   cloud = FakeCloud(tmp_path / "cloud", {"pod-0": 2, "pod-1": 2, "other": 1})
-  result = run(cloud, project, tmp_path, "--TPU_PREFIX=pod", "--NUM_SLICES=2",
-               "--COMMAND=env | grep ^MEGASCALE_ | sort > megascale.txt")
+  result = run(cloud, project, tmp_path, "tpu_prefix=pod", "num_slices=2",
+               "command=env | grep ^MEGASCALE_ | sort > megascale.txt")
   assert result.returncode == 0, result.stderr
   assert len(ssh_calls(cloud)) == 4 and len([c for c in cloud.calls() if "scp" in c]) == 2
   for slice_id in range(2):
@@ -85,32 +85,32 @@ def test_multislice_sets_megascale_variables_from_slice_zero_worker_zero(tmp_pat
 
 def test_any_failed_worker_fails_the_run_and_is_named(tmp_path, project):
   cloud = FakeCloud(tmp_path / "cloud", {"v5e": 3})
-  result = run(cloud, project, tmp_path, "--TPU_PREFIX=v5e",
-               "--COMMAND=if [ $FAKE_WORKER = 2 ]; then echo boom; exit 3; fi; echo fine")
+  result = run(cloud, project, tmp_path, "tpu_prefix=v5e",
+               "command=if [ $FAKE_WORKER = 2 ]; then echo boom; exit 3; fi; echo fine")
   assert result.returncode == 3
   assert "1 of 3 worker(s) failed: slice-0-worker-2 (exit 3)" in result.stderr
   assert "boom" in (tmp_path / "logs" / "slice-0-worker-2.log").read_text()
 
   cloud.configure(ssh_exit={"v5e:1": 255})  # ssh itself cannot reach a worker
-  result = run(cloud, project, tmp_path, "--TPU_PREFIX=v5e", "--COMMAND=true")
+  result = run(cloud, project, tmp_path, "tpu_prefix=v5e", "command=true")
   assert result.returncode == 255 and "slice-0-worker-1 (exit 255)" in result.stderr
 
 
 def test_unknown_or_unready_tpu_is_a_one_line_error(tmp_path, project):
   cloud = FakeCloud(tmp_path / "cloud", {"v5e-a": 1, "v5e-b": 1})
-  result = run(cloud, project, tmp_path, "--TPU_PREFIX=v5e", "--COMMAND=true")
+  result = run(cloud, project, tmp_path, "tpu_prefix=v5e", "command=true")
   assert result.returncode == 2
   assert result.stderr.strip() == "error: no TPU VM named v5e in this project/zone; TPUs with that prefix: v5e-a, v5e-b"
   cloud.configure(tpus={"v5e": {"workers": 2, "state": "CREATING"}})
-  result = run(cloud, project, tmp_path, "--TPU_PREFIX=v5e", "--COMMAND=true")
+  result = run(cloud, project, tmp_path, "tpu_prefix=v5e", "command=true")
   assert result.returncode == 2 and "TPU 'v5e' is CREATING, not READY" in result.stderr
   assert not ssh_calls(cloud)
 
 
 def test_dry_run_prints_every_command_and_calls_nothing(tmp_path, project):
   cloud = FakeCloud(tmp_path / "cloud", {})
-  result = run(cloud, project, tmp_path, "--TPU_PREFIX=pod", "--NUM_SLICES=2", "--NUM_WORKERS=2", "--dry-run",
-               "--ZONE=z", "--COMMAND=python3 -m MaxText.train configs/base.yml run_name=x")
+  result = run(cloud, project, tmp_path, "tpu_prefix=pod", "num_slices=2", "num_workers=2", "dry_run=true",
+               "zone=z", "command=python3 -m MaxText.train configs/base.yml run_name=x")
   assert result.returncode == 0, result.stderr
   assert cloud.calls() == [] and not (tmp_path / "logs").exists()
   commands = [shlex.split(line) for line in result.stdout.splitlines() if line.startswith("gcloud ")]
@@ -129,12 +129,12 @@ def test_dry_run_prints_every_command_and_calls_nothing(tmp_path, project):
 
 def test_existing_folder_is_reused_without_a_copy(tmp_path, project):
   cloud = FakeCloud(tmp_path / "cloud", {"v5e": 2})
-  result = run(cloud, project, tmp_path, "--TPU_PREFIX=v5e", "--USE_EXISTING_FOLDER", "--COMMAND=true")
+  result = run(cloud, project, tmp_path, "tpu_prefix=v5e", "use_existing_folder=true", "command=true")
   assert result.returncode == 2 and "has no folder ~/job1" in (tmp_path / "logs" / "slice-0-worker-1.log").read_text()
   for w in range(2):
     (cloud.home("v5e", w) / "job1").mkdir(parents=True)
     (cloud.home("v5e", w) / "job1" / "marker").write_text(f"kept-{w}")
-  result = run(cloud, project, tmp_path, "--TPU_PREFIX=v5e", "--USE_EXISTING_FOLDER", "--COMMAND=cat marker")
+  result = run(cloud, project, tmp_path, "tpu_prefix=v5e", "use_existing_folder=true", "command=cat marker")
   assert result.returncode == 0 and "kept-0" in result.stdout
   assert not any("scp" in c for c in cloud.calls())
 
@@ -165,7 +165,7 @@ def alive(process_group: int) -> bool:
 def test_interrupt_stops_every_remote_command(tmp_path, project, sig):
   cloud = FakeCloud(tmp_path / "cloud", {"v5e": 2})
   command = "trap 'echo got-term; exit 143' TERM; echo started; sleep 120 & wait"
-  runner = subprocess.Popen(runner_argv(project, tmp_path, "--TPU_PREFIX=v5e", f"--COMMAND={command}"),
+  runner = subprocess.Popen(runner_argv(project, tmp_path, "tpu_prefix=v5e", f"command={command}"),
                             env=cloud.env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   groups = []
   try:
@@ -192,7 +192,7 @@ def test_fail_fast_stops_the_others(tmp_path, project):
   cloud = FakeCloud(tmp_path / "cloud", {"v5e": 2})
   command = "if [ $FAKE_WORKER = 1 ]; then sleep 0.5; exit 4; fi; sleep 120"
   started = time.monotonic()
-  result = run(cloud, project, tmp_path, "--TPU_PREFIX=v5e", "--FAIL_FAST", f"--COMMAND={command}")
+  result = run(cloud, project, tmp_path, "tpu_prefix=v5e", "fail_fast=true", f"command={command}")
   assert result.returncode == 1 and time.monotonic() - started < 30
   assert "slice-0-worker-1 exited with code 4" in result.stderr
   assert "stopped every worker after the first failure" in result.stderr
@@ -200,10 +200,10 @@ def test_fail_fast_stops_the_others(tmp_path, project):
 
 def test_bad_arguments_are_one_line_errors(tmp_path, project):
   cloud = FakeCloud(tmp_path / "cloud", {})
-  for extra, message in [(["--RUN_NAME=Bad_Name"], "--RUN_NAME 'Bad_Name' must be"),
-                         (["--NUM_SLICES=0"], "--NUM_SLICES must be at least 1")]:
-    result = run(cloud, project, tmp_path, "--TPU_PREFIX=v5e", "--COMMAND=true", *extra)
+  for extra, message in [(["run_name=Bad_Name"], "run_name 'Bad_Name' must be"),
+                         (["num_slices=0"], "num_slices must be at least 1")]:
+    result = run(cloud, project, tmp_path, "tpu_prefix=v5e", "command=true", *extra)
     assert result.returncode == 2 and result.stderr.startswith(f"error: {message}"), result.stderr
-  result = subprocess.run([sys.executable, "-m", "MaxText.multihost_runner", "--TPU_PREFIX=v5e", "--COMMAND=true",
-                           "--USE_EXISTING_FOLDER"], env=cloud.env, cwd=REPO, capture_output=True, text=True)
-  assert result.returncode == 2 and "--USE_EXISTING_FOLDER needs --RUN_NAME" in result.stderr
+  result = subprocess.run([sys.executable, "-m", "MaxText.multihost_runner", "tpu_prefix=v5e", "command=true",
+                           "use_existing_folder=true"], env=cloud.env, cwd=REPO, capture_output=True, text=True)
+  assert result.returncode == 2 and "use_existing_folder=true needs run_name=NAME" in result.stderr

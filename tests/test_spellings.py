@@ -4,6 +4,8 @@ record written before a rename reads without a word."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 
@@ -123,3 +125,66 @@ def test_the_logit_checkers_images_is_the_config_key_image_path(capsys):
   assert _deprecations(capsys.readouterr().err) == ["warning: 'images' is deprecated; use 'image_path'"]
   with pytest.raises(ConfigError, match="'images' \\(deprecated\\) and 'image_path'"):
     logit_checker.split_checker_args(["hf_model_path=hf", "image_path=a.png", "images=b.png"])
+
+
+def test_the_data_tools_take_key_value_and_their_old_flags_with_one_warning_each(tmp_path, capsys):
+  from MaxText import train_tokenizer
+  from MaxText.input_pipeline import prepare_data
+
+  args = prepare_data._parse(["prepare_data", "data_files=a.txt", "output_path=o", "split_by=line"])
+  assert (args.data_files, args.output_path, args.split_by) == ("a.txt", "o", "line")
+  assert not _deprecations(capsys.readouterr().err)
+  args = prepare_data._parse(["prepare_data", "--input", "a.txt", "--output_dir=o", "--split_by", "line"])
+  assert (args.data_files, args.output_path, args.split_by) == ("a.txt", "o", "line")
+  args = train_tokenizer._parse(["train_tokenizer", "--dataset_path", "c.txt", "--vocab_size", "9", "--output", "m",
+                                 "--text_column", "body"])
+  assert (args.data_files, args.vocab_size, args.output_path, args.train_data_columns) == ("c.txt", 9, "m", "body")
+  assert _deprecations(capsys.readouterr().err) == [
+      "warning: '--input' is deprecated; use 'data_files=...'",
+      "warning: '--output_dir' is deprecated; use 'output_path=...'",
+      "warning: '--split_by' is deprecated; use 'split_by=...'",
+      "warning: '--dataset_path' is deprecated; use 'data_files=...'",
+      "warning: '--vocab_size' is deprecated; use 'vocab_size=...'",
+      "warning: '--output' is deprecated; use 'output_path=...'",
+      "warning: '--text_column' is deprecated; use 'train_data_columns=...'"]
+  with pytest.raises(SystemExit) as exit_info:
+    prepare_data._parse(["prepare_data", "--input=a.txt", "data_files=b.txt", "output_path=o"])
+  assert exit_info.value.code == 2
+  assert capsys.readouterr().err.splitlines()[-1] == (
+      "error: '--input' (deprecated) and 'data_files' name the same setting but the command line gives them different "
+      "values ('a.txt' and 'b.txt'); keep only 'data_files'")
+
+
+def test_prepare_data_reads_several_files_as_one_corpus(tmp_path, capsys):
+  from MaxText.input_pipeline import prepare_data
+
+  for name, text in [("a.txt", "one\n\ntwo\n"), ("b.txt", "three\n\nfour\n")]:
+    (tmp_path / name).write_text(text)
+  assert prepare_data.main(["prepare_data", f"data_files={tmp_path / 'a.txt'},{tmp_path / 'b*.txt'}",
+                            f"output_path={tmp_path / 'out'}", "formats=jsonl", "eval_fraction=0.25"]) == 0
+  lines = (tmp_path / "out" / "jsonl" / "train.jsonl").read_text().splitlines()
+  assert [json.loads(line)["text"] for line in lines] == ["one", "two", "three"]
+  assert json.loads((tmp_path / "out" / "jsonl" / "validation.jsonl").read_text())["text"] == "four"
+
+
+def test_the_tpu_launchers_take_key_value_and_both_old_dry_run_spellings(capsys):
+  from MaxText import multihost_job, multihost_runner
+
+  args = multihost_runner.parse_args(["tpu_prefix=p", "command=python3 -m MaxText.train steps=5", "num_slices=2",
+                                      "dry_run=true", "use_existing_folder=true", "run_name=r"])
+  assert (args.tpu_prefix, args.command, args.num_slices, args.dry_run, args.use_existing_folder) == (
+      "p", "python3 -m MaxText.train steps=5", 2, True, True)
+  assert not _deprecations(capsys.readouterr().err)
+  for old in ("--dry-run", "--DRY_RUN"):
+    args = multihost_runner.parse_args(["--TPU_PREFIX=p", "--COMMAND", "true", old])
+    assert (args.tpu_prefix, args.command, args.dry_run) == ("p", "true", True)
+  args = multihost_job.parse_args(["--TPU_TYPE=v5litepod-16", "--VERSION=v", "--BUCKET_NAME=b", "command=true"])
+  assert (args.tpu_type, args.version, args.bucket_name) == ("v5litepod-16", "v", "b")
+  assert _deprecations(capsys.readouterr().err) == [
+      "warning: '--TPU_PREFIX' is deprecated; use 'tpu_prefix=...'",
+      "warning: '--COMMAND' is deprecated; use 'command=...'",
+      "warning: '--dry-run' is deprecated; use 'dry_run=true'",
+      "warning: '--DRY_RUN' is deprecated; use 'dry_run=true'",
+      "warning: '--TPU_TYPE' is deprecated; use 'tpu_type=...'",
+      "warning: '--VERSION' is deprecated; use 'version=...'",
+      "warning: '--BUCKET_NAME' is deprecated; use 'bucket_name=...'"]

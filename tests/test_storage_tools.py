@@ -155,8 +155,8 @@ def test_train_tokenizer_reads_and_writes_gs_and_sentencepiece_loads_from_gs(gcs
     pytest.skip(f"{SHAKESPEARE} is absent (the shared tinyshakespeare corpus the tokenizer is trained on)")
   storage.copy_tree(str(SHAKESPEARE), f"{bucket}/corpus/shakespeare.txt")
   output = f"{bucket}/tok/spm.model"
-  proc = run_cli(gcs, "MaxText.train_tokenizer", "--dataset_path", f"{bucket}/corpus/*.txt", "--vocab_size", "512",
-                 "--output", output)
+  proc = run_cli(gcs, "MaxText.train_tokenizer", f"data_files={bucket}/corpus/*.txt", "vocab_size=512",
+                 f"output_path={output}")
   assert f"wrote {output}" in proc.stdout and "lines of 1 file(s)" in proc.stdout
   assert storage.listdir(f"{bucket}/tok") == ["spm.model"]  # no .vocab or partial files beside it
   remote = load_tokenizer("sentencepiece", output)
@@ -253,8 +253,8 @@ def test_prepare_data_reads_and_writes_gs(bucket):
 
   storage.write_text(f"{bucket}/raw/corpus.txt", "\n\n".join(numbered_documents()) + "\n")
   out = f"{bucket}/prepared"
-  assert prepare_data.main(["prepare_data", "--input", f"{bucket}/raw/corpus.txt", "--output_dir", out,
-                            "--formats", "jsonl,arrayrecord", "--eval_fraction", "0.25"]) == 0
+  assert prepare_data.main(["prepare_data", f"data_files={bucket}/raw/corpus.txt", f"output_path={out}",
+                            "formats=jsonl,arrayrecord", "eval_fraction=0.25"]) == 0
   assert storage.listdir(out) == ["arrayrecord", "jsonl"]
   assert storage.listdir(f"{out}/arrayrecord") == ["train.array_record", "validation.array_record"]
   train_docs = [json.loads(line)["text"] for line in storage.read_text(f"{out}/jsonl/train.jsonl").splitlines()]

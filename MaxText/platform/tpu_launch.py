@@ -59,7 +59,7 @@ class Gcloud:
       done = subprocess.run(list(argv), capture_output=True, text=True, check=False, timeout=300)
     except FileNotFoundError:
       raise UserError(f"'{argv[0]}' was not found on PATH: install the Google Cloud CLI "
-                      "(https://cloud.google.com/sdk/docs/install) or use --dry-run") from None
+                      "(https://cloud.google.com/sdk/docs/install) or use dry_run=true") from None
     except subprocess.TimeoutExpired:
       raise UserError(f"{what} did not finish within 300 s; command: {quote(argv)}") from None
     if done.returncode != 0:
@@ -76,29 +76,29 @@ class Gcloud:
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("--COMMAND", required=True, help="shell command every worker runs, from the copied directory")
-  parser.add_argument("--SCRIPT_DIR", default=os.getcwd(),
+  parser.add_argument("--command", required=True, help="shell command every worker runs, from the copied directory")
+  parser.add_argument("--script_dir", default=os.getcwd(),
                       help="directory copied to the workers (default: the current directory)")
-  parser.add_argument("--RUN_NAME", default=None,
+  parser.add_argument("--run_name", default=None,
                       help="names the job, its folder on the workers and its logs (default: user-date-time)")
-  parser.add_argument("--NUM_SLICES", type=int, default=1, help="number of TPU slices (multislice when > 1)")
-  parser.add_argument("--PROJECT", default=None, help="GCP project (default: gcloud's configured project)")
-  parser.add_argument("--ZONE", default=None, help="GCP zone (default: gcloud's configured compute/zone)")
-  parser.add_argument("--dry-run", "--DRY_RUN", dest="dry_run", action="store_true",
+  parser.add_argument("--num_slices", type=int, default=1, help="number of TPU slices (multislice when > 1)")
+  parser.add_argument("--project", default=None, help="GCP project (default: gcloud's configured project)")
+  parser.add_argument("--zone", default=None, help="GCP zone (default: gcloud's configured compute/zone)")
+  parser.add_argument("--dry_run", action="store_true",
                       help="print every gcloud command instead of running it")
 
 
 def check_common_arguments(args: argparse.Namespace) -> None:
-  if args.NUM_SLICES < 1:
-    raise UserError(f"--NUM_SLICES must be at least 1, got {args.NUM_SLICES}")
-  if not Path(args.SCRIPT_DIR).is_dir():
-    raise UserError(f"--SCRIPT_DIR {args.SCRIPT_DIR} is not a directory")
-  if not args.COMMAND.strip():
-    raise UserError("--COMMAND is empty")
-  args.RUN_NAME = args.RUN_NAME or default_run_name()
-  if not _RUN_NAME.match(args.RUN_NAME):
+  if args.num_slices < 1:
+    raise UserError(f"num_slices must be at least 1, got {args.num_slices}")
+  if not Path(args.script_dir).is_dir():
+    raise UserError(f"script_dir {args.script_dir} is not a directory")
+  if not args.command.strip():
+    raise UserError("command is empty")
+  args.run_name = args.run_name or default_run_name()
+  if not _RUN_NAME.match(args.run_name):
     # Queued-resource and node names, and folder names on the workers, must all accept it.
-    raise UserError(f"--RUN_NAME '{args.RUN_NAME}' must be lower-case letters, digits and '-', "
+    raise UserError(f"run_name '{args.run_name}' must be lower-case letters, digits and '-', "
                     "starting with a letter and not ending with '-'")
 
 

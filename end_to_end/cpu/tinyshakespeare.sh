@@ -18,11 +18,11 @@ if [[ ! -f "$CORPUS" ]]; then
 fi
 
 DATA="$OUT/data"
-python3 -m MaxText.input_pipeline.prepare_data --input "$CORPUS" --output_dir "$DATA" --name tinyshakespeare \
-  --formats jsonl,arrayrecord,tfds --eval_fraction 0.1 2>&1 | grep '^prepare_data'
+python3 -m MaxText.input_pipeline.prepare_data data_files="$CORPUS" output_path="$DATA" name=tinyshakespeare \
+  formats=jsonl,arrayrecord,tfds eval_fraction=0.1 2>&1 | grep '^prepare_data'
 # The tokenizer sees only the train split, so the eval loss is measured on text it never saw.
-python3 -m MaxText.train_tokenizer --dataset_path "$DATA/jsonl/train.jsonl" --vocab_size 1024 \
-  --output "$OUT/tokenizer.model"
+python3 -m MaxText.train_tokenizer data_files="$DATA/jsonl/train.jsonl" vocab_size=1024 \
+  output_path="$OUT/tokenizer.model"
 
 # ~0.5M parameters besides the embeddings; 8 x 128 tokens a step (one epoch of the ~380k train
 # tokens is ~370 steps).

@@ -16,10 +16,10 @@ if [[ ! -f "$CORPUS" ]]; then
 fi
 
 DATA="$OUT/data"
-python3 -m MaxText.input_pipeline.prepare_data --input "$CORPUS" --output_dir "$DATA" --name tinyshakespeare \
-  --formats jsonl --eval_fraction 0.1 2>&1 | grep '^prepare_data'
-python3 -m MaxText.train_tokenizer --dataset_path "$DATA/jsonl/train.jsonl" --vocab_size 1024 \
-  --output "$OUT/tokenizer.model"
+python3 -m MaxText.input_pipeline.prepare_data data_files="$CORPUS" output_path="$DATA" name=tinyshakespeare \
+  formats=jsonl eval_fraction=0.1 2>&1 | grep '^prepare_data'
+python3 -m MaxText.train_tokenizer data_files="$DATA/jsonl/train.jsonl" vocab_size=1024 \
+  output_path="$OUT/tokenizer.model"
 
 # The model of tinyshakespeare.sh (~0.5M parameters besides the embeddings), checkpointed once at the end.
 MODEL=(base_emb_dim=128 base_num_query_heads=4 base_num_kv_heads=2 head_dim=32 base_mlp_dim=384

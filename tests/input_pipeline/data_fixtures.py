@@ -41,8 +41,8 @@ def prepare_corpus(directory: Path, documents: list[str], eval_fraction: float =
   directory.mkdir(parents=True, exist_ok=True)
   source = directory / f"{name}.txt"
   source.write_text("\n\n".join(documents) + "\n", encoding="utf-8")
-  assert prepare_data.main(["prepare_data", "--input", str(source), "--output_dir", str(directory / "prepared"),
-                            "--formats", formats, "--eval_fraction", str(eval_fraction)]) == 0
+  assert prepare_data.main(["prepare_data", f"data_files={source}", f"output_path={directory / 'prepared'}",
+                            f"formats={formats}", f"eval_fraction={eval_fraction}"]) == 0
   return directory / "prepared"
 
 

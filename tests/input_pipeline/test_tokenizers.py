@@ -67,11 +67,11 @@ def test_train_tokenizer_command_line(tmp_path):
   corpus = tmp_path / "corpus.jsonl"
   corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in numbered_documents() * 3))
   output = tmp_path / "out" / "tok.model"
-  command = [sys.executable, "-m", "MaxText.train_tokenizer", "--dataset_path", str(tmp_path / "*.jsonl"),
-             "--vocab_size", "80", "--output", str(output)]
+  command = [sys.executable, "-m", "MaxText.train_tokenizer", f"data_files={tmp_path / '*.jsonl'}",
+             "vocab_size=80", f"output_path={output}"]
   proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr
   assert "wrote" in proc.stdout and load_tokenizer("sentencepiece", str(output)).vocab_size == 80
-  bad = subprocess.run(command[:4] + [str(tmp_path / "none*.txt")] + command[5:], cwd=REPO_ROOT,
+  bad = subprocess.run(command[:3] + [f"data_files={tmp_path / 'none*.txt'}"] + command[4:], cwd=REPO_ROOT,
                        capture_output=True, text=True, timeout=120)
-  assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --dataset_path: no file matches")
+  assert bad.returncode == 2 and bad.stderr.strip().startswith("error: data_files: no file matches")
