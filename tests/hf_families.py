@@ -17,7 +17,7 @@ import numpy as np
 
 from MaxText.layers import models
 from MaxText.configuration.config import Config
-from MaxText import families
+from MaxText import families, logit_checker
 from MaxText.platform import sharding
 from MaxText.convert import engine
 
@@ -49,18 +49,19 @@ def checker_atol(family: str) -> str:
   return f"atol={CHECKER_FP32_ATOL.get(family, FP32_ATOL):g}"
 
 
-def hf_config(family: str) -> Any:
-  """The tiny HF config `family` names in its family module."""
-  fields = dict(REFERENCE_CONFIGS[family])
+def hf_config(family: str, **overrides: Any) -> Any:
+  """The tiny HF config `family` names in its family module; `overrides` replace its top-level fields
+  (the shape grids of tests/layers/test_shape_grids.py)."""
+  fields = {**REFERENCE_CONFIGS[family], **overrides}
   config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
   assert config.vocab_size == VOCAB, f"{family}: the reference configs share vocab_size={VOCAB}"
   return config
 
 
-def build_hf_model(family: str, seed: int = 0) -> Any:
+def build_hf_model(family: str, seed: int = 0, **overrides: Any) -> Any:
   torch.manual_seed(seed)
-  model = transformers.AutoModelForCausalLM.from_config(hf_config(family), attn_implementation="eager").eval()
-  return randomize(model, seed)
+  model = transformers.AutoModelForCausalLM.from_config(hf_config(family, **overrides), attn_implementation="eager")
+  return logit_checker.break_index_ties_by_position(randomize(model.eval(), seed))
 
 
 def randomize(model: Any, seed: int) -> Any:
@@ -112,8 +113,8 @@ def converted_checkpoint(ckpt: Path) -> tuple[Config, Any]:
                                        jax.tree.map(lambda _: one_device, spec.abstract_params))
 
 
-def tokens(seed: int = 0) -> np.ndarray:
-  return np.random.default_rng(seed).integers(0, VOCAB, size=(BATCH, LENGTH))
+def tokens(seed: int = 0, length: int = LENGTH) -> np.ndarray:
+  return np.random.default_rng(seed).integers(0, VOCAB, size=(BATCH, length))
 
 
 def hf_logits(model: Any, token_ids: np.ndarray) -> np.ndarray:

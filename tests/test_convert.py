@@ -112,6 +112,17 @@ def test_converted_checkpoint_passes_the_logit_checker_bfloat16(family, converte
   assert "logit_checker: PASS" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a conversion and a checker run; the default run's test_shape_grids point holds the same tie rule
+def test_the_checker_breaks_hfs_index_score_ties_as_we_do(tmp_path, capsys):
+  """Two index heads: a quarter of DeepSeek-V3.2's index scores are exactly 0 (both ReLUs at 0) and
+  tie at the top-k boundary, where torch.topk's order is unspecified; the checker has HF's indexer
+  take them lowest position first, as ours does (masks.top_k_keys), so a correct conversion passes."""
+  hf_dir = _save_hf(H.build_hf_model("deepseek32", index_n_heads=2, index_head_dim=16, index_topk=4), tmp_path / "hf")
+  hf_to_maxtext.convert(str(hf_dir), str(tmp_path / "ckpt"), [])
+  assert _check(hf_dir, tmp_path / "ckpt", "dtype=float32", H.checker_atol("deepseek32"), "max_kl=1e-9") == 0
+  assert "logit_checker: PASS" in capsys.readouterr().out
+
+
 def _corrupt_llama(params):
   params["layers"]["mlp"]["wo"]["kernel"][1, 3, 5] += 0.5  # one number in layer 1's MLP
 

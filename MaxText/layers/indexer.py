@@ -7,6 +7,8 @@ Shape legend (extends layers/mla.py): I index_n_heads, J index_head_dim, S key p
   both rotate their first qk_rope_head_dim features (halves layout, whatever the MLA's own
            rope_interleaved) with the model's RoPE.
   score(t, s) = Σ_i w_i(t) · relu(q_i(t)·k(s) · J**-0.5), w(t) = x(t) · W_w · I**-0.5.
+DeepSeek's reference also multiplies q and k by a normalised Hadamard matrix before scoring (for
+its FP8 kernel). The matrix is orthogonal, so q·k is unchanged and it is left out (as HF does).
 
 Each query then attends only to its index_topk allowed keys of highest score
 (masks.top_k_keys). The choice is discrete, so the language-model loss sends the indexer no

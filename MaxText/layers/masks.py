@@ -163,7 +163,9 @@ def dense_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, all
 def top_k_keys(scores_BLS: jax.Array, allowed_BLS: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """DeepSeek Sparse Attention's choice: each query's `k` allowed keys of highest score, as
   (key indices [B, L, k'] int32, whether each is allowed [B, L, k']) with k' = min(k, S). A query
-  with fewer than k allowed keys gets some disallowed ones, flagged False (they stay masked)."""
+  with fewer than k allowed keys gets some disallowed ones, flagged False (they stay masked).
+  Equal scores go lowest key position first (jax.lax.top_k's order). The indexer's ReLU makes
+  exact-zero ties common with few index heads, and torch.topk leaves their order open."""
   masked_BLS = jnp.where(allowed_BLS, scores_BLS.astype(jnp.float32), -jnp.inf)
   values_BLk, indices_BLk = jax.lax.top_k(masked_BLS, min(k, scores_BLS.shape[-1]))
   return indices_BLk.astype(jnp.int32), values_BLk > -jnp.inf
