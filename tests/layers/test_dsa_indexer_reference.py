@@ -67,8 +67,9 @@ def test_the_indexer_is_deepseeks_reference_function():
   rng = np.random.default_rng(0)
   module.k_norm.scale[...] = jnp.asarray(1 + 0.1 * rng.standard_normal(WIDTH), jnp.float32)
   module.k_norm.bias[...] = jnp.asarray(0.1 * rng.standard_normal(WIDTH), jnp.float32)
-  params = {"wq_b": module.wq_b.kernel[...], "wk": module.wk.kernel[...], "weights_proj": module.weights_proj.kernel[...],
-            "k_scale": module.k_norm.scale[...], "k_bias": module.k_norm.bias[...]}
+  params = {"wq_b": module.wq_b.kernel[...], "wk": module.wk.kernel[...],
+            "weights_proj": module.weights_proj.kernel[...], "k_scale": module.k_norm.scale[...],
+            "k_bias": module.k_norm.bias[...]}
   params = {name: np.asarray(value, np.float64) for name, value in params.items()}
   x_LD, qr_LQ = rng.standard_normal((LENGTH, EMB)), rng.standard_normal((LENGTH, Q_RANK))
 

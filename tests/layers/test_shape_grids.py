@@ -29,7 +29,8 @@ def _parity(family: str, staging: Path, length: int = H.LENGTH, **overrides: Any
   token_ids = H.tokens(length=length)
   config = H.our_config(model, dtype="float32", max_target_length=length)
   ours = H.our_logits(config, H.our_params(model, config, staging), token_ids)
-  np.testing.assert_allclose(ours, H.hf_logits(model, token_ids), atol=H.CHECKER_FP32_ATOL.get(family, H.FP32_ATOL), rtol=0,
+  atol = H.CHECKER_FP32_ATOL.get(family, H.FP32_ATOL)
+  np.testing.assert_allclose(ours, H.hf_logits(model, token_ids), atol=atol, rtol=0,
                              err_msg=f"{family} {overrides} length={length}")
 
 
