@@ -1,4 +1,4 @@
-"""A TPU prediction table for layer benchmarks (linear_attention_bench.py, sparse_attention_bench.py --aot):
+"""A TPU prediction table for layer benchmarks (linear_attention_bench.py, sparse_attention_bench.py aot=TOPOLOGY):
 each (form, length) model is compiled for a topology by `MaxText.train_compile` in its own process, and the
 row is the step-time model's price of the compiled train step (getting_started/AOT.md): a prediction from
 the schedule, not a measurement.

@@ -1,7 +1,7 @@
 """Attention forward + backward on CPU: chunked flash vs dot_product, tokens/s and memory.
 
-    python3 benchmarks/attention_bench.py [--lengths 1024,2048,4096,8192] [--heads 8] [--kv_heads 8]
-        [--head_dim 64] [--batch 1] [--block 512] [--repeats 3] [--window 0]
+    python3 benchmarks/attention_bench.py [lengths=1024,2048,4096,8192] [base_num_query_heads=8]
+        [base_num_kv_heads=8] [head_dim=64] [batch=1] [block=512] [repeats=3] [sliding_window_size=0]
 
 One sequence of causal self-attention per step (gradients of q, k and v of a scalar loss), jitted,
 on one CPU device; the first (compiling) call is not timed. Memory is XLA's own accounting of the
@@ -19,20 +19,25 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+
+
+# The old names of options named after the config keys they set (the old --flags work with a warning).
+RENAMED = {"heads": "base_num_query_heads", "kv_heads": "base_num_kv_heads", "window": "sliding_window_size"}
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--lengths", default="1024,2048,4096,8192")
   parser.add_argument("--batch", type=int, default=1)
-  parser.add_argument("--heads", type=int, default=8)
-  parser.add_argument("--kv_heads", type=int, default=8)
+  parser.add_argument("--base_num_query_heads", type=int, default=8)
+  parser.add_argument("--base_num_kv_heads", type=int, default=8)
   parser.add_argument("--head_dim", type=int, default=64)
   parser.add_argument("--block", type=int, default=512, help="flash_block_q = flash_block_kv")
-  parser.add_argument("--window", type=int, default=0, help="sliding window (0 = full causal)")
+  parser.add_argument("--sliding_window_size", type=int, default=0, help="sliding window (0 = full causal)")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--kernels", default="dot_product,flash")
-  args = parser.parse_args()
+  args = tool_args.parse_args(parser, None, renamed=RENAMED)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
   import jax
@@ -43,15 +48,17 @@ def main() -> None:
 
   kernels = {"dot_product": dot_product_attention,
              "flash": functools.partial(flash_blocks.flash_attention, block_q=args.block, block_kv=args.block)}
-  window = args.window or None
-  print(f"batch {args.batch}, heads {args.heads}/{args.kv_heads} (q/kv), head_dim {args.head_dim}, float32, "
+  window = args.sliding_window_size or None
+  print(f"batch {args.batch}, heads {args.base_num_query_heads}/{args.base_num_kv_heads} (q/kv), "
+        f"head_dim {args.head_dim}, float32, "
         f"window {window}, flash block {args.block}, {jax.devices()[0].device_kind}")
   print("| kernel | length | fwd+bwd s | tokens/s | temp memory MiB |")
   print("| --- | --- | --- | --- | --- |")
   for length in (int(x) for x in args.lengths.split(",")):
     keys = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(keys[0], (args.batch, length, args.heads, args.head_dim), jnp.float32)
-    k, v = (jax.random.normal(key, (args.batch, length, args.kv_heads, args.head_dim), jnp.float32) for key in keys[1:])
+    q = jax.random.normal(keys[0], (args.batch, length, args.base_num_query_heads, args.head_dim), jnp.float32)
+    kv_shape = (args.batch, length, args.base_num_kv_heads, args.head_dim)
+    k, v = (jax.random.normal(key, kv_shape, jnp.float32) for key in keys[1:])
     segments = jnp.ones((args.batch, length), jnp.int32)
     for name in args.kernels.split(","):
       kernel = kernels[name]

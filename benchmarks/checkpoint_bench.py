@@ -1,9 +1,10 @@
 """Checkpoint save/restore throughput and the step-time cost of async saving, ~200M parameters on CPU.
 
-    python3 benchmarks/checkpoint_bench.py [--dir /tmp/ckpt_bench] [--steps 4] [--gcs] [--layers 8]
+    python3 benchmarks/checkpoint_bench.py [dir=/tmp/ckpt_bench] [steps=4] [gcs=true]
+        [base_num_decoder_layers=8]
 
 The full train state (parameters + AdamW's two moments, float32) is ~2.4 GB. For each target
-(local disk; with --gcs also a GCS endpoint: STORAGE_EMULATOR_HOST if set, else a
+(local disk; with gcs=true also a GCS endpoint: STORAGE_EMULATOR_HOST if set, else a
 fake-gcs-server started on 127.0.0.1 from the test extra) it prints:
   * synchronous save and restore throughput (GB/s of state bytes),
   * how long an async save blocks the caller (the device->host copy) and how much it slows
@@ -23,11 +24,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
 
 # 8 layers of width 1024 (8 heads of 128, MLP 4096, SwiGLU) and a 32000 vocabulary: ~200M parameters.
 MODEL = dict(base_emb_dim=1024, base_num_query_heads=8, base_num_kv_heads=8, head_dim=128, base_mlp_dim=4096,
              base_num_decoder_layers=8, vocab_size=32000, dtype="float32", remat_policy="none",
              max_target_length=128, print_config=False)
+
+
+# The old names of options named after the config keys they set (the old --flags work with a warning).
+RENAMED = {"layers": "base_num_decoder_layers"}
 
 
 def _timed(fn) -> float:
@@ -41,8 +47,8 @@ def main() -> None:
   parser.add_argument("--dir", default="/tmp/checkpoint_bench")
   parser.add_argument("--steps", type=int, default=4, help="train steps timed with and without a save in flight")
   parser.add_argument("--gcs", action="store_true", help="also measure a GCS endpoint (see above)")
-  parser.add_argument("--layers", type=int, default=8, help="decoder layers (8: ~200M parameters)")
-  args = parser.parse_args()
+  parser.add_argument("--base_num_decoder_layers", type=int, default=8, help="decoder layers (8: ~200M parameters)")
+  args = tool_args.parse_args(parser, None, renamed=RENAMED)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
   import jax
@@ -52,7 +58,7 @@ def main() -> None:
 
   shutil.rmtree(args.dir, ignore_errors=True)
   per_device = 1.0 / jax.device_count() if jax.device_count() > 1 else 1.0
-  base = dict(MODEL, base_num_decoder_layers=args.layers, per_device_batch_size=per_device,
+  base = dict(MODEL, base_num_decoder_layers=args.base_num_decoder_layers, per_device_batch_size=per_device,
               base_output_directory=args.dir, run_name="bench", steps=1000)
   sync_cfg = Config.for_testing(**base, async_checkpointing=False)
   run = build_run(sync_cfg)

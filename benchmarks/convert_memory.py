@@ -1,7 +1,7 @@
 """Peak host memory of `hf_to_maxtext` and `maxtext_to_hf` against the largest tensor and the model.
 
-  python3 benchmarks/convert_memory.py [--hidden 1024] [--layers 8] [--vocab 32000] [--scan_layers True]
-      [--max_shard_mb 200] [--workdir DIR]
+  python3 benchmarks/convert_memory.py [base_emb_dim=1024] [base_num_decoder_layers=8] [vocab_size=32000]
+      [scan_layers=True] [max_shard_mb=200] [workdir=DIR]
 
 Saves a random Llama checkpoint with transformers (float32, 200 MB shards), converts it to ours
 and back in child processes while sampling each child's /proc/<pid>/status every 10 ms, and does
@@ -21,7 +21,14 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+
 REPO = Path(__file__).resolve().parent.parent
+
+
+# The old names of options named after the config keys they set (the old --flags work with a warning).
+RENAMED = {"hidden": "base_emb_dim", "layers": "base_num_decoder_layers", "vocab": "vocab_size"}
 
 
 def _status_kib(pid: int) -> dict[str, int]:
@@ -93,24 +100,24 @@ def save_llama(directory: Path, hidden: int, layers: int, vocab: int) -> tuple[i
 
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("--hidden", type=int, default=1024)
-  parser.add_argument("--layers", type=int, default=8)
-  parser.add_argument("--vocab", type=int, default=32000)
+  parser.add_argument("--base_emb_dim", type=int, default=1024)
+  parser.add_argument("--base_num_decoder_layers", type=int, default=8)
+  parser.add_argument("--vocab_size", type=int, default=32000)
   parser.add_argument("--scan_layers", default="True", choices=("True", "False"))
   parser.add_argument("--max_shard_mb", type=int, default=200)
   parser.add_argument("--workdir", default=None)
-  args = parser.parse_args()
+  args = tool_args.parse_args(parser, None, renamed=RENAMED)
   if args.workdir is not None and not os.path.isdir(args.workdir):
-    parser.error(f"--workdir {args.workdir} is not a directory; create it or leave --workdir out (a temporary one)")
+    parser.error(f"workdir={args.workdir} is not a directory; create it or leave workdir out (a temporary one)")
   with tempfile.TemporaryDirectory(dir=args.workdir) as work:
     work_dir = Path(work)
     save_llama(work_dir / "tiny", 128, 1, 256)
     base_ours, base_hf = round_trip(work_dir, "tiny", args.scan_layers, args.max_shard_mb)
-    largest, total = save_llama(work_dir / "hf", args.hidden, args.layers, args.vocab)
+    largest, total = save_llama(work_dir / "hf", args.base_emb_dim, args.base_num_decoder_layers, args.vocab_size)
     to_ours, to_hf = round_trip(work_dir, "hf", args.scan_layers, args.max_shard_mb)
   # Stored parameters stack the layers when scanned: the MLP kernels are 4 * hidden^2 per layer.
-  per_layer = 4 * args.hidden * args.hidden * 4
-  stacked = max(largest, per_layer * (args.layers if args.scan_layers == "True" else 1))
+  per_layer = 4 * args.base_emb_dim * args.base_emb_dim * 4
+  stacked = max(largest, per_layer * (args.base_num_decoder_layers if args.scan_layers == "True" else 1))
   print(f"model: {total / 2**20:.0f} MiB float32, largest tensor {largest / 2**20:.0f} MiB; "
         f"scan_layers={args.scan_layers}, largest stored parameter {stacked / 2**20:.0f} MiB")
   report("hf_to_maxtext", to_ours, base_ours, largest, total)

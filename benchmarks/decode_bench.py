@@ -1,29 +1,29 @@
 """CPU decode latency and throughput of a ~110M-parameter Llama-style model through the engine.
 
-    python3 benchmarks/decode_bench.py [--prefill 128] [--steps 32] [--slots 1,8] [--layouts unrolled,scanned]
-                                       [--repeats 3] [--int8] [--caches dense,paged] [--page-size 16]
-                                       [--pool-multiples 1,4,16] [--speculative_tokens 4 --draft small]
+    python3 benchmarks/decode_bench.py [max_prefill_predict_length=128] [steps=32] [slots=1,8]
+        [layouts=unrolled,scanned] [repeats=3] [quantize_kvcache=true] [caches=dense,paged]
+        [kv_page_size=16] [pool_multiples=1,4,16] [speculative_tokens=4 draft=small]
 
-Prefill: one pass over a full prompt of --prefill tokens (batch 1); latency is the median of
---repeats runs after a compiling one. Generate: --steps jitted steps advancing every slot by one
+Prefill: one pass over a full prompt of max_prefill_predict_length tokens (batch 1); latency is the median of
+repeats runs after a compiling one. Generate: steps jitted steps advancing every slot by one
 token, timed after a compiling step; per-token latency is the wall time of one step (all slots
 at once), tokens/s counts every slot. Both layer layouts are measured: on CPU the scanned stack
 generates about 3x slower (XLA's CPU backend copies each layer's weights out of the stacked
 arrays every step; see getting_started/Decode.md), so decode there with scan_layers=False. Random weights
 (the speed does not depend on them).
---caches also times the paged KV cache (kv_cache_layout=paged, pages of --page-size tokens, as many
-as the dense cache holds, times each of --pool-multiples: a paged step's cost should follow the
+caches also times the paged KV cache (kv_cache_layout=paged, pages of kv_page_size tokens, as many
+as the dense cache holds, times each of pool_multiples: a paged step's cost should follow the
 tokens its slots hold, not the pool) and prints the cache bytes of a mixed-length workload (8 slots,
 max_target_length 1024, prompts of 10..900 tokens with 64 new each) dense vs paged, the pool sized
 to the pages the workload holds. The last lines are machine-readable: `RESULT prefill ...`,
 `RESULT generate slots=...` and `RESULT memory ...`.
---speculative_tokens k > 0 also times speculative decoding (inference/speculative.py): --steps
+speculative_tokens=k > 0 also times speculative decoding (inference/speculative.py): steps
 rounds of k draft steps and one target pass, tokens/s counting every token the slots emitted,
 and the acceptance rate (`RESULT speculative ...`). Random weights say nothing about a real
 draft's acceptance (with tied embeddings both random models mostly repeat their input token, so
 even a small random draft is accepted nearly always): the figure is the cost of a round at the
-acceptance measured. --draft small: a 2-layer, width-256 model of the same vocabulary; --draft
-self: the target as its own draft (everything accepted, the draft as expensive as the target).
+acceptance measured. draft=small: a 2-layer, width-256 model of the same vocabulary;
+draft=self: the target as its own draft (everything accepted, the draft as expensive as the target).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
 
 # ~110M parameters: 12 layers of width 768 (12 heads of 64, SwiGLU MLP 2048), a 32000 vocabulary
 # tied to the output projection (24.6M of the total).
@@ -45,40 +46,45 @@ MODEL = dict(base_emb_dim=768, base_num_query_heads=12, base_num_kv_heads=12, he
              ici_fsdp_parallelism=1, ici_data_parallelism=-1)
 
 
+# The old names of options named after the config keys they set (the old --flags work with a warning).
+RENAMED = {"prefill": "max_prefill_predict_length", "int8": "quantize_kvcache", "page_size": "kv_page_size"}
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--prefill", type=int, default=128, help="prompt tokens (= max_prefill_predict_length)")
+  parser.add_argument("--max_prefill_predict_length", type=int, default=128, help="prompt tokens")
   parser.add_argument("--steps", type=int, default=32, help="generate steps timed")
   parser.add_argument("--slots", default="1,8", help="comma-separated decode batch sizes")
   parser.add_argument("--layouts", default="unrolled,scanned", help="scan_layers=False (unrolled) and/or True")
   parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--int8", action="store_true", help="quantize_kvcache=True")
+  parser.add_argument("--quantize_kvcache", action="store_true", help="quantize_kvcache=True")
   parser.add_argument("--caches", default="dense", help="kv_cache_layout values to time: dense and/or paged")
-  parser.add_argument("--page-size", type=int, default=16, help="kv_page_size of the paged cache")
-  parser.add_argument("--pool-multiples", default="1",
+  parser.add_argument("--kv_page_size", type=int, default=16, help="kv_page_size of the paged cache")
+  parser.add_argument("--pool_multiples", default="1",
                       help="comma-separated paged pool sizes, as multiples of the dense cache's capacity")
   parser.add_argument("--speculative_tokens", type=int, default=0, help="draft tokens per round (0: not timed)")
   parser.add_argument("--draft", default="small", choices=("small", "self"),
                       help="the draft model: a small random one, or the target itself")
-  args = parser.parse_args()
+  args = tool_args.parse_args(parser, None, renamed=RENAMED)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
   import numpy as np
 
   from MaxText.configuration.config import Config
 
-  prompt = list(np.random.default_rng(0).integers(1, MODEL["vocab_size"], args.prefill))
+  prompt = list(np.random.default_rng(0).integers(1, MODEL["vocab_size"], args.max_prefill_predict_length))
   if "paged" in args.caches:
     memory(args)
   for layout in args.layouts.split(","):
     for cache in args.caches.split(","):
-      max_length = args.prefill + (args.steps + 1) * (args.speculative_tokens + 1) + 2
+      max_length = args.max_prefill_predict_length + (args.steps + 1) * (args.speculative_tokens + 1) + 2
       for num_slots in (int(s) for s in args.slots.split(",")):
         for multiple in ([int(m) for m in args.pool_multiples.split(",")] if cache == "paged" else [0]):
-          pages = multiple * num_slots * -(-max_length // args.page_size)
-          overrides = dict(MODEL, scan_layers=layout == "scanned", max_prefill_predict_length=args.prefill,
-                           max_target_length=max_length, per_device_batch_size=1, quantize_kvcache=args.int8,
-                           print_config=False, kv_cache_layout=cache, kv_page_size=args.page_size,
+          pages = multiple * num_slots * -(-max_length // args.kv_page_size)
+          overrides = dict(MODEL, scan_layers=layout == "scanned",
+                           max_prefill_predict_length=args.max_prefill_predict_length, max_target_length=max_length,
+                           per_device_batch_size=1, quantize_kvcache=args.quantize_kvcache,
+                           print_config=False, kv_cache_layout=cache, kv_page_size=args.kv_page_size,
                            kv_num_pages=pages)
           label = f"{layout} cache={cache}" + (f" pool={multiple}x pages={pages}" if cache == "paged" else "")
           run(overrides, label, num_slots, prompt, args)
@@ -91,15 +97,15 @@ def memory(args: argparse.Namespace) -> None:
   from MaxText.inference.engine import Engine
 
   prompts, new_tokens, max_length = [20, 900, 64, 300, 130, 45, 600, 10], 64, 1024
-  pages = sum(-(-(n + new_tokens - 1) // args.page_size) for n in prompts)
+  pages = sum(-(-(n + new_tokens - 1) // args.kv_page_size) for n in prompts)
   overrides = dict(MODEL, max_target_length=max_length, max_prefill_predict_length=max_length - new_tokens,
-                   per_device_batch_size=1, quantize_kvcache=args.int8, print_config=False)
+                   per_device_batch_size=1, quantize_kvcache=args.quantize_kvcache, print_config=False)
   dense = Engine(Config.for_testing(**overrides), num_slots=len(prompts)).cache_stats()["cache_bytes"]
-  paged = Engine(Config.for_testing(**overrides, kv_cache_layout="paged", kv_page_size=args.page_size,
+  paged = Engine(Config.for_testing(**overrides, kv_cache_layout="paged", kv_page_size=args.kv_page_size,
                                     kv_num_pages=pages), num_slots=len(prompts)).cache_stats()["cache_bytes"]
   print(f"RESULT memory slots={len(prompts)} max_target_length={max_length} tokens_cached="
         f"{sum(prompts) + len(prompts) * (new_tokens - 1)} dense_mib={dense / 2**20:.1f} "
-        f"paged_mib={paged / 2**20:.1f} pages={pages}x{args.page_size} ratio={paged / dense:.3f}")
+        f"paged_mib={paged / 2**20:.1f} pages={pages}x{args.kv_page_size} ratio={paged / dense:.3f}")
 
 
 def run(overrides: dict[str, Any], layout: str, num_slots: int, prompt: list[int], args: argparse.Namespace) -> None:
@@ -120,9 +126,9 @@ def run(overrides: dict[str, Any], layout: str, num_slots: int, prompt: list[int
     times.append(time.perf_counter() - start)
   prefill_s = statistics.median(times[1:])
   print(f"model: {num_params / 1e6:.1f}M parameters, {jax.device_count()} CPU device(s), "
-        f"kv cache {'int8' if args.int8 else config.model.dtype}; compile+first prefill {times[0]:.2f} s")
-  print(f"RESULT prefill layout={layout} tokens={args.prefill} latency_ms={prefill_s * 1e3:.1f} "
-        f"tokens_per_s={args.prefill / prefill_s:.1f}")
+        f"kv cache {'int8' if args.quantize_kvcache else config.model.dtype}; compile+first prefill {times[0]:.2f} s")
+  print(f"RESULT prefill layout={layout} tokens={args.max_prefill_predict_length} latency_ms={prefill_s * 1e3:.1f} "
+        f"tokens_per_s={args.max_prefill_predict_length / prefill_s:.1f}")
 
   state = engine.init_decode_state()
   for slot in range(num_slots):
@@ -136,7 +142,8 @@ def run(overrides: dict[str, Any], layout: str, num_slots: int, prompt: list[int
   step_s = (time.perf_counter() - start) / args.steps
   assert engine.generate_compilations() == 1
   print(f"RESULT generate layout={layout} slots={num_slots} per_token_ms={step_s * 1e3:.2f} "
-        f"tokens_per_s={num_slots / step_s:.1f} (context {args.prefill}..{args.prefill + args.steps})")
+        f"tokens_per_s={num_slots / step_s:.1f} "
+        f"(context {args.max_prefill_predict_length}..{args.max_prefill_predict_length + args.steps})")
   if args.speculative_tokens > 0:
     speculate(overrides, engine, params, layout, num_slots, prompt, args)
 

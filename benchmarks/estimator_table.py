@@ -3,10 +3,10 @@
 machine through its recipe (EXECUTABLE=train_compile, NUM_SLICES, compile_topology), its
 implied MFU beside the published one, the error of each and the rank correlation.
 
-  python3 benchmarks/estimator_table.py [--out outputs/estimator_points.jsonl] [--only v5e] [--slices 1,2,8]
-      [--reuse outputs/plan_recipes.jsonl]
+  python3 benchmarks/estimator_table.py [out=outputs/estimator_points.jsonl] [only=v5e] [slices=1,2,8]
+      [reuse=outputs/plan_recipes.jsonl]
 
-Points already in --out are not compiled again. Figures: getting_started/AOT.md.
+Points already in out are not compiled again. Figures: getting_started/AOT.md.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -60,7 +63,7 @@ def main() -> int:
   parser.add_argument("--only", default="", help="a prefix of the recipe names to compile (e.g. v5e)")
   parser.add_argument("--slices", default="", help="compile only these slice counts (e.g. 1,2,8,32)")
   parser.add_argument("--reuse", default="", help="plan_recipes.py's output: its single-slice recipe compiles")
-  opts = parser.parse_args()
+  opts = tool_args.parse_args(parser, None)
   out = Path(opts.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   done = {}

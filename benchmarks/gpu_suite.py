@@ -1,7 +1,7 @@
 """One GPU benchmark table: training MFU and tokens/s side by side with upstream MaxText, decode and serving.
 
-    python3 benchmarks/gpu_suite.py [--budget_s 480] [--upstream_site DIR] [--full] [--rows 1b,3b]
-    python3 benchmarks/gpu_suite.py --dry_run      # tiny shapes on CPU: every code path, no figures
+    python3 benchmarks/gpu_suite.py [budget_s=480] [upstream_site=DIR] [full=true] [rows=1b,3b]
+    python3 benchmarks/gpu_suite.py dry_run=true      # tiny shapes on CPU: every code path, no figures
 
 Prints a header (date, device, driver, JAX/CUDA/Python versions) and ONE Markdown table:
 - train rows: Llama-3-style models (configs/models/llama3.2-1b, llama3.2-3b, llama3.1-8b) with
@@ -11,7 +11,7 @@ Prints a header (date, device, driver, JAX/CUDA/Python versions) and ONE Markdow
   A row that runs out of device memory is printed as OOM, not raised.
 - upstream rows: the same configuration run by the PyPI `maxtext` package (module
   maxtext.trainers.pre_train.train, its maxtext/configs/base.yml, attention=cudnn_flash_jax: the
-  same jax.nn.dot_product_attention cuDNN call without Transformer Engine) from `--upstream_site DIR`
+  same jax.nn.dot_product_attention cuDNN call without Transformer Engine) from `upstream_site=DIR`
   (wheels installed there with `pip install --target`; see benchmarks/fetch_upstream_wheels.sh).
   It runs with PYTHONPATH=DIR from a temporary working directory, so this repository is never on
   its path and upstream is never a dependency here. Its figures are parsed from its per-step log
@@ -22,7 +22,7 @@ Prints a header (date, device, driver, JAX/CUDA/Python versions) and ONE Markdow
   OpenAI-compatible server's output tokens/s at 1, 8 and 32 concurrent streaming clients.
 
 Every row runs in its own subprocess (this process never starts a JAX backend, so no child finds
-the GPU memory taken), with a per-row timeout, inside one overall --budget_s: a row that would
+the GPU memory taken), with a per-row timeout, inside one overall budget_s: a row that would
 start past the budget (less the time kept for serving) is printed as skipped.
 
 Sizing: short runs are dominated by process start-up and compilation, so a training row costs
@@ -30,7 +30,7 @@ about the same whatever its steps (getting_started/GPU.md records what a row too
 The default set is 7 training configurations (1B and 3B bf16 and fp8 at 4096, 1B and 3B bf16 at
 8192, 8B bf16 at 4096, which needs 16 bytes per parameter of float32 weights and AdamW state)
 times two implementations, ordered so the most informative come first, plus about 90 s of
-serving; what does not fit the budget is printed as skipped. --full adds fp8 at 8192.
+serving; what does not fit the budget is printed as skipped. full=true adds fp8 at 8192.
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
 
 REPO = Path(__file__).resolve().parent.parent
 SUITE_TAG = "SUITE_JSON "
@@ -344,7 +347,7 @@ def plan_configs(args: argparse.Namespace, fp8: bool) -> list[tuple[str, str, in
     if quant == "fp8" and not fp8:
       why = NO_FP8
     elif (model, quant, seq) in FULL_EXTRA and not args.full:
-      why = "skipped: only with --full"
+      why = "skipped: only with full=true"
     out.append((model, quant, seq, why))
   return out
 
@@ -365,7 +368,7 @@ def run_suite(args: argparse.Namespace, runner: Callable[..., tuple[dict[str, An
   dry = args.dry_run
   me = [sys.executable, str(Path(__file__).resolve())]
   env = _env(dry, str(REPO))
-  probe, probe_status, _ = runner(me + ["--_child", "probe"], env, str(REPO), 120)
+  probe, probe_status, _ = runner(me + ["_child=probe"], env, str(REPO), 120)
   header = header_lines(probe, probe_status)
   upstream_env = _env(dry, args.upstream_site or "")
   missing = ""
@@ -376,7 +379,7 @@ def run_suite(args: argparse.Namespace, runner: Callable[..., tuple[dict[str, An
     header.append(f"upstream: maxtext {_site_version(args.upstream_site)} from {args.upstream_site} "
                   f"(python {args.upstream_python or sys.executable})")
   else:
-    header.append(f"upstream: not available ({missing or 'no --upstream_site given'})")
+    header.append(f"upstream: not available ({missing or 'no upstream_site given'})")
   rows: list[dict[str, str]] = []
   gpu = bool(probe and probe.get("platform") == "gpu")
   reserve = DRY_SERVE_RESERVE_S if dry else SERVE_RESERVE_S
@@ -399,7 +402,7 @@ def run_suite(args: argparse.Namespace, runner: Callable[..., tuple[dict[str, An
       if impl == "ours":
         overrides = _our_train_overrides(model, quant, seq, batch, dry, gpu)
         spec = json.dumps(dict(overrides=overrides, steps=2 if dry else args.steps))
-        r, status, _ = runner(me + ["--_child", "train", spec], _dump_env(env, args.dump_hlo, row_id),
+        r, status, _ = runner(me + ["_child=train", spec], _dump_env(env, args.dump_hlo, row_id),
                                   str(REPO), timeout)
         if r:
           peak = r["peak"]
@@ -422,7 +425,7 @@ def run_suite(args: argparse.Namespace, runner: Callable[..., tuple[dict[str, An
       rows[-2]["ours/upstream"] = f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}"
   if not args.upstream_site:
     rows.append(dict(section="train", impl="upstream",
-                     note=f"upstream: not available ({missing or 'no --upstream_site given'})"))
+                     note=f"upstream: not available ({missing or 'no upstream_site given'})"))
   rows.extend(_serving_rows(args, me, env, start, dry))
   print_table(header, rows)
   return rows
@@ -461,8 +464,8 @@ def _serving_rows(args: argparse.Namespace, me: list[str], env: dict[str, str], 
   if left < 10:
     return [dict(section=s, impl="ours", model=label, note=f"skipped: budget ({args.budget_s:.0f} s) spent; {n}")
             for s, n in names]
-  r, status, _ = run_child(me + ["--_child", "serve", json.dumps(spec)], env, str(REPO), left) \
-      if args.serve else (None, "skipped: --no_serve", "")
+  r, status, _ = run_child(me + ["_child=serve", json.dumps(spec)], env, str(REPO), left) \
+      if args.serve else (None, "skipped: serve=false", "")
   if not r:
     return [dict(section=s, impl="ours", model=label, note=f"{status}; {n}") for s, n in names]
   rows = []
@@ -495,7 +498,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, str]] | None:
   parser.add_argument("--no_serve", dest="serve", action="store_false", help="leave out the serving rows")
   parser.add_argument("--dry_run", action="store_true", help="tiny shapes on CPU: checks every code path")
   parser.add_argument("--_child", default="", help=argparse.SUPPRESS)
-  args, rest = parser.parse_known_args(argv)
+  args, rest = tool_args.parse_known_args(parser, argv)
   if args._child:
     spec = json.loads(rest[0]) if rest else {}
     children = {"probe": child_probe, "train": lambda: child_train(spec), "serve": lambda: child_serve(spec)}

@@ -1,16 +1,16 @@
 """Training step time, tokens/s, TFLOP/s/device and MFU of one model config on the local accelerator.
 
-    python3 benchmarks/gpu_train.py [--model_name llama2-7b] [--attention cudnn_flash]
-        [--quantization fp8] [--steps 10] [--per_device_batch_size 1] [--max_target_length 2048]
-        [--remat_policy full] [key=value ...]
-    python3 benchmarks/gpu_train.py --smoke     # a tiny model on CPU: checks the script runs
+    python3 benchmarks/gpu_train.py [model_name=llama2-7b] [attention=cudnn_flash]
+        [quantization=fp8] [steps=10] [per_device_batch_size=1] [max_target_length=2048]
+        [remat_policy=full] [key=value ...]
+    python3 benchmarks/gpu_train.py smoke=true     # a tiny model on CPU: checks the script runs
 
 Builds the same state and jitted step as train.py (synthetic data), runs one compiling
-step, then times `--steps` steps. FLOPs follow MaxText/training/metrics.py (6 x matmul parameters x
+step, then times `steps` steps. FLOPs follow MaxText/training/metrics.py (6 x matmul parameters x
 tokens plus attention); MFU is against the device's published bf16 peak from
 MaxText/platform/accelerators.py (on CPU: a measured float32 matmul rate), also for int8/fp8 runs,
-so a quantized run's MFU shows its speed-up over the same bf16 budget. `--compare
-quantization=,int8` runs several variants in one process and prints one line each. The
+so a quantized run's MFU shows its speed-up over the same bf16 budget.
+`compare=quantization=,int8` runs several variants in one process and prints one line each. The
 last line of each run is machine-readable: `RESULT name=... step_s=... tokens_per_s=...
 tflops_per_s_per_device=... mfu=...`.
 """
@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
 
-# A model that compiles and steps in seconds on CPU (the --smoke run and the CPU int8/bf16 figures).
+# A model that compiles and steps in seconds on CPU (the smoke=true run and the CPU int8/bf16 figures).
 SMOKE_MODEL = dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16, base_mlp_dim=128,
                    base_num_decoder_layers=2, vocab_size=256, max_target_length=64, per_device_batch_size=1)
 
@@ -44,7 +45,7 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
   parser.add_argument("--compare", default="",
                       help="key=v1,v2: one run per value, e.g. quantization=,int8 or attention=dot_product,cudnn_flash")
   parser.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, CPU")
-  args, rest = parser.parse_known_args(argv)
+  args, rest = tool_args.parse_known_args(parser, argv)
   extra = dict(item.split("=", 1) for item in rest)
   return args, extra
 

@@ -1,8 +1,8 @@
 """Gated DeltaNet (Qwen3-Next's linear attention) against full attention, one layer on CPU: a training
 step's tokens/s, and a decode step's milliseconds with the recurrent state against a KV cache.
 
-    python3 benchmarks/linear_attention_bench.py [--lengths 4096,16384,65536] [--layers linear,full]
-        [--repeats 1] [--decode_steps 20] [--no_train] [--no_decode]
+    python3 benchmarks/linear_attention_bench.py [lengths=4096,16384,65536] [layers=linear,full]
+        [repeats=1] [decode_steps=20] [train=false] [decode=false]
 
 A scaled-down Qwen3-Next shape, float32, one sequence, jitted; the first (compiling) call is not timed.
 - `linear`: one GatedDeltaNet layer (layers/gated_deltanet.py): width 128, 2 key heads and 4 value
@@ -11,10 +11,10 @@ A scaled-down Qwen3-Next shape, float32, one sequence, jitted; the first (compil
   the chunked flash kernel (attention=flash, what CPU runs at these lengths).
 Training: forward + backward (gradients of the parameters and the input) over `length` tokens.
 Decode: one new token per call at position `length`, the linear layer stepping its recurrent state,
-the full layer attending over a KV cache of `length + 1` rows; the median of `--decode_steps` calls.
+the full layer attending over a KV cache of `length + 1` rows; the median of `decode_steps` calls.
 Prints one Markdown table row per layer and length.
 
-    python3 benchmarks/linear_attention_bench.py --aot v5p-8 [--lengths ...] [--layers ...]
+    python3 benchmarks/linear_attention_bench.py aot=v5p-8 [lengths=...] [layers=...]
 
 instead predicts a TPU: a 4-layer model at Qwen3-Next's shapes (width 2048; DeltaNet 16 key and 32 value heads
 of 128 in chunks of 64, or gated full attention with 16 query and 2 KV heads of 256 under splash; a dense SwiGLU
@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
 
 SHAPE = dict(decoder_block="qwen3_next", base_emb_dim=128, base_num_query_heads=4, base_num_kv_heads=2, head_dim=32,
              attention_output_gate=True, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
@@ -49,7 +50,7 @@ def main() -> None:
   parser.add_argument("--no_train", dest="train", action="store_false")
   parser.add_argument("--no_decode", dest="decode", action="store_false")
   parser.add_argument("--aot", default="", help="a TPU topology (e.g. v5p-8): predict its train step instead")
-  args = parser.parse_args()
+  args = tool_args.parse_args(parser, None)
   if args.aot:
     _aot_table(args.aot, [int(x) for x in args.lengths.split(",")], args.layers.split(","))
     return

@@ -1,9 +1,10 @@
 """Batches per second of the data pipeline: one source against weighted mixtures, and streamed shards.
 
-    python3 benchmarks/mixture_bench.py [--batches 200] [--length 512] [--per_device_batch 4] [--devices 8]
+    python3 benchmarks/mixture_bench.py [batches=200] [max_target_length=512] [per_device_batch_size=4]
+        [devices=8]
 
 Prepares a corpus in a temporary directory (tinyshakespeare from ../shared/data when present, else
-generated words), trains a small SentencePiece tokenizer on it, and times `--batches` global
+generated words), trains a small SentencePiece tokenizer on it, and times `batches` global
 batches of each pipeline after a few warm-up ones, with the prefetch thread off so the figure is
 the producer's own rate (what the prefetch thread has to keep ahead of the train step). Prints
 one Markdown row per pipeline.
@@ -21,8 +22,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
 
 SHAKESPEARE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+# The old names of options named after the config keys they set (the old --flags work with a warning).
+RENAMED = {"length": "max_target_length", "per_device_batch": "per_device_batch_size"}
 
 
 def _documents() -> list[str]:
@@ -81,17 +87,17 @@ def _rate(values: dict, batches: int) -> float:
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batches", type=int, default=200)
-  parser.add_argument("--length", type=int, default=512)
-  parser.add_argument("--per_device_batch", type=int, default=4)
+  parser.add_argument("--max_target_length", type=int, default=512)
+  parser.add_argument("--per_device_batch_size", type=int, default=4)
   parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
-  args = parser.parse_args(argv)
+  args = tool_args.parse_args(parser, argv, renamed=RENAMED)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}"
 
   with tempfile.TemporaryDirectory(prefix="mixture-bench-") as tmp:
     files = _prepare(Path(tmp))
-    base = dict(tokenizer_path=files["tokenizer"], vocab_size=1024, max_target_length=args.length,
-                per_device_batch_size=args.per_device_batch, print_config=False, data_prefetch_batches=0)
+    base = dict(tokenizer_path=files["tokenizer"], vocab_size=1024, max_target_length=args.max_target_length,
+                per_device_batch_size=args.per_device_batch_size, print_config=False, data_prefetch_batches=0)
     web = dict(name="web", weight=3, grain_train_files=files["web"])
     code = dict(name="code", weight=1, dataset_type="hf", hf_data_files=files["code"])
     shards = dict(name="shards", weight=1, dataset_type="stream", stream_train_files=files["shards"])
@@ -102,8 +108,8 @@ def main(argv: list[str] | None = None) -> None:
         ("mixture of 2: grain 3 + hf 1", dict(dataset_type="grain", data_mixture=[web, code])),
         ("mixture of 3: grain 3 + hf 1 + stream 1", dict(dataset_type="grain", data_mixture=[web, code, shards])),
     ]
-    rows = args.per_device_batch * args.devices
-    print(f"{args.batches} batches of {rows} x {args.length} tokens, prefetch off; {os.cpu_count()} CPUs, "
+    rows = args.per_device_batch_size * args.devices
+    print(f"{args.batches} batches of {rows} x {args.max_target_length} tokens, prefetch off; {os.cpu_count()} CPUs, "
           f"{platform.processor() or platform.machine()}, python {platform.python_version()}")
     print("| pipeline | batches/s | relative to grain |")
     print("| --- | --- | --- |")

@@ -1,16 +1,17 @@
 """What images cost in training: the vision tower's throughput, and multimodal SFT beside text-only SFT of
 the same language model, on the local devices.
 
-    python3 benchmarks/multimodal_bench.py [--steps 5] [--batch 4] [--length 512] [--images 2] [--published_tower]
+    python3 benchmarks/multimodal_bench.py [steps=5] [batch=4] [max_target_length=512]
+        [max_images_per_row=2] [published_tower=true]
 
 The model is Gemma 3 (`gemma3-4b-vision`'s architecture: 5 local : 1 global layers, SigLIP tower, average-pooling
 projector) at a size a CPU trains: a 6-layer text model of width 512 and a 6-layer tower of width 384 on 224 x 224
-images in 14 x 14 patches, pooled to 64 soft tokens. Each row of the multimodal batch holds `--images` images;
+images in 14 x 14 patches, pooled to 64 soft tokens. Each row of the multimodal batch holds `max_images_per_row` images;
 the text-only batch has the same tokens (the placeholders become ordinary tokens) and no tower. Printed:
 - the tower (encoder and projector, forward only) in images/s, as the server and decode.py run it;
-- the train step of each, in tokens/s (each figure the fastest of --steps calls, alternating), and the share of the multimodal step the tower takes (the two steps'
+- the train step of each, in tokens/s (each figure the fastest of steps calls, alternating), and the share of the multimodal step the tower takes (the two steps'
   difference over the multimodal step: the tower's forward and backward);
-- with --published_tower, the published SigLIP-So400m tower at 896 x 896 (forward, one image at a time).
+- with published_tower=true, the published SigLIP-So400m tower at 896 x 896 (forward, one image at a time).
 The last line is machine-readable: `RESULT images_per_s=... mm_tokens_per_s=... text_tokens_per_s=... tower_share=...`.
 Figures: getting_started/Multimodal.md.
 """
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
 
 TEXT: dict[str, Any] = dict(base_emb_dim=512, base_num_query_heads=8, base_num_kv_heads=4, head_dim=64, base_mlp_dim=2048,
             base_num_decoder_layers=6, vocab_size=8192)
@@ -32,6 +34,10 @@ TEXT: dict[str, Any] = dict(base_emb_dim=512, base_num_query_heads=8, base_num_k
 TOKENS: dict[str, Any] = dict(image_token_id=8191, boi_token_id=8189, eoi_token_id=8190)
 TOWER: dict[str, Any] = dict(vision_emb_dim=384, vision_mlp_dim=1536, vision_num_layers=6, vision_num_heads=6, vision_patch_size=14,
              vision_image_size=224, mm_tokens_per_image=64)
+
+
+# The old names of options named after the config keys they set (the old --flags work with a warning).
+RENAMED = {"length": "max_target_length", "images": "max_images_per_row"}
 
 
 def fastest_call(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
@@ -58,7 +64,7 @@ def image_rows(batch: int, length: int, images: int, tokens_per_image: int, rng:
   run = [TOKENS["boi_token_id"]] + [TOKENS["image_token_id"]] * tokens_per_image + [TOKENS["eoi_token_id"]]
   stride = (length + 1) // images
   if stride < len(run) + 1:
-    raise SystemExit(f"--length {length} is too short for {images} images of {len(run)} tokens each")
+    raise SystemExit(f"max_target_length={length} is too short for {images} images of {len(run)} tokens each")
   for i in range(images):
     rows[:, i * stride + 1:i * stride + 1 + len(run)] = run
   return rows
@@ -117,11 +123,11 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--batch", type=int, default=4, help="rows per step")
-  parser.add_argument("--length", type=int, default=512)
-  parser.add_argument("--images", type=int, default=2, help="images per row")
+  parser.add_argument("--max_target_length", type=int, default=512)
+  parser.add_argument("--max_images_per_row", type=int, default=2, help="images per row")
   parser.add_argument("--published_tower", action="store_true",
                       help="also time gemma3-4b-vision's own tower (SigLIP-So400m at 896 x 896) on one image")
-  args = parser.parse_args()
+  args = tool_args.parse_args(parser, None, renamed=RENAMED)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
   import jax
@@ -130,30 +136,31 @@ def main() -> None:
   from MaxText.configuration.config import Config
 
   common = dict(model_name="gemma3-4b-vision", **TEXT, **TOKENS, dtype="float32", remat_policy="none",
-                per_device_batch_size=args.batch / jax.device_count(), max_target_length=args.length,
+                per_device_batch_size=args.batch / jax.device_count(), max_target_length=args.max_target_length,
                 use_sft=True, dataset_type="hf", hf_data_files="unused.jsonl", tokenizer_type="huggingface",
                 tokenizer_path="unused",
                 eval_interval=-1, print_config=False)
-  multimodal = Config.for_testing(**common, **TOWER, max_images_per_row=args.images)
+  multimodal = Config.for_testing(**common, **TOWER, max_images_per_row=args.max_images_per_row)
   text = Config.for_testing(**{**common, "model_name": "gemma3-4b"})
   tokens_per_image = multimodal.model.vision.mm_tokens_per_image
   rng = np.random.default_rng(0)
-  rows = image_rows(args.batch, args.length, args.images, tokens_per_image, rng)
+  rows = image_rows(args.batch, args.max_target_length, args.max_images_per_row, tokens_per_image, rng)
   size = multimodal.model.vision.vision_image_size
-  pixels = rng.uniform(-1, 1, (args.batch, args.images, 3, size, size)).astype(np.float32)
+  pixels = rng.uniform(-1, 1, (args.batch, args.max_images_per_row, 3, size, size)).astype(np.float32)
 
   from MaxText.training.run_assembly import build_run
 
   sharding = build_run(text).batch_sharding
-  tower_images = args.batch * args.images
+  tower_images = args.batch * args.max_images_per_row
   seconds = fastest_call({"tower": tower_call(multimodal, tower_images),
                           "multimodal": train_step_call(multimodal, batch_of(rows, pixels, sharding)),
                           "text": train_step_call(text, batch_of(rows, None, sharding))}, args.steps)
   tower_s, mm_s, text_s = seconds["tower"], seconds["multimodal"], seconds["text"]
-  tokens = args.batch * args.length
+  tokens = args.batch * args.max_target_length
   share = max(mm_s - text_s, 0.0) / mm_s
-  print(f"devices: {jax.device_count()} {jax.devices()[0].platform}; batch {args.batch} x {args.length} tokens, "
-        f"{args.images} images of {size} x {size} per row ({args.images * (tokens_per_image + 2)} image tokens)")
+  print(f"devices: {jax.device_count()} {jax.devices()[0].platform}; batch {args.batch} x {args.max_target_length} tokens, "
+        f"{args.max_images_per_row} images of {size} x {size} per row "
+        f"({args.max_images_per_row * (tokens_per_image + 2)} image tokens)")
   print(f"tower (forward): {tower_images / tower_s:.1f} images/s ({1e3 * tower_s / tower_images:.1f} ms per image)")
   print(f"multimodal SFT step: {mm_s:.3f} s, {tokens / mm_s:,.0f} tokens/s")
   print(f"text-only SFT step:  {text_s:.3f} s, {tokens / text_s:,.0f} tokens/s")

@@ -1,13 +1,13 @@
 """Matmul throughput of the training matmul modes: bf16, fp8 and mxfp8, forward and forward + backward.
 
-    python3 benchmarks/mxfp8_bench.py [--sizes 1024,2048,4096] [--repeats 5] [--modes ,fp8,mxfp8]
+    python3 benchmarks/mxfp8_bench.py [sizes=1024,2048,4096] [repeats=5] [modes=,fp8,mxfp8]
 
 One [M, K] x [K, N] product (M = N = K = size) through `quantization.quantized_dot_general`,
 the function the model's projections call, with bfloat16 operands; "fwd+bwd" is the gradient
 of both operands for a random cotangent (three matmuls; a constant one would let XLA fold the
 gradient's quantization at compile time). Jitted on the first device JAX gives (CPU,
 GPU or TPU, whatever the machine has); the first (compiling) call is not timed; the time is
-the median of `--repeats` calls. TFLOP/s counts 2·M·N·K per matmul whatever the operand type,
+the median of `repeats` calls. TFLOP/s counts 2·M·N·K per matmul whatever the operand type,
 so a mode that runs faster shows as a higher figure. Prints one Markdown table row per mode
 and size, after a line naming the device.
 """
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -45,7 +46,7 @@ def main() -> None:
   parser.add_argument("--sizes", default="1024,2048,4096")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--modes", default=",fp8,mxfp8", help='quantization modes, "" = bf16')
-  args = parser.parse_args()
+  args = tool_args.parse_args(parser, None)
   device = jax.devices()[0]
   print(f"device: {device.platform} ({device.device_kind}), bfloat16 operands, median of {args.repeats} calls")
   print("| mode | size | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |")

@@ -1,7 +1,8 @@
 """Muon against AdamW on CPU: the same small model, data and token budget, each optimizer at its best learning rate
 from a small sweep; held-out loss at the end and the step time.
 
-    python3 benchmarks/optimizer_bench.py [--steps 300] [--learning_rates 1e-3,3e-3,1e-2] [--workdir outputs/opt_bench]
+    python3 benchmarks/optimizer_bench.py [steps=300] [learning_rates=1e-3,3e-3,1e-2]
+        [workdir=outputs/opt_bench]
 
 The data is tinyshakespeare (../shared/data/tinyshakespeare.txt), prepared as Data.md's first run does (documents,
 a 1024-token SentencePiece vocabulary, ArrayRecord); the model is a 4-layer Llama-style decoder of width 128 at
@@ -18,6 +19,9 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -68,7 +72,7 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--learning_rates", default="1e-3,3e-3,1e-2")
   parser.add_argument("--workdir", default="outputs/opt_bench")
-  args = parser.parse_args()
+  args = tool_args.parse_args(parser, None)
   workdir = (REPO / args.workdir).resolve()
   workdir.mkdir(parents=True, exist_ok=True)
   data = prepare(workdir)

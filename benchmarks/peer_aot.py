@@ -6,10 +6,10 @@ HLO, MFU from metrics.training_tflops_per_step), plus the planner's setting wher
 Upstream is the `maxtext` package from PyPI in its own environment, never a dependency:
 
   python3.12 -m venv ~/maxtext-peer && ~/maxtext-peer/bin/pip install "maxtext[tpu]" "jax[tpu]==0.11.2"
-  python3 benchmarks/peer_aot.py --peer-python ~/maxtext-peer/bin/python [--cases v5e/16b,v5e/128b,v5p/32b]
-      [--plans outputs/plan_recipes.jsonl] [--out outputs/peer_aot.jsonl]
+  python3 benchmarks/peer_aot.py peer_python=~/maxtext-peer/bin/python [cases=v5e/16b,v5e/128b,v5p/32b]
+      [plans=outputs/plan_recipes.jsonl] [out=outputs/peer_aot.jsonl]
 
-Both compiles run under --peer-python (this checkout on its PYTHONPATH), so this project is
+Both compiles run under peer_python (this checkout on its PYTHONPATH), so this project is
 measured on the peer's JAX too. Figures: getting_started/AOT.md.
 """
 
@@ -29,6 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
 
 CASES = {"v5e/16b": "v5e-256", "v5e/128b": "v5e-256", "v5p/32b": "v5p-128"}
 # The model's keys, read off our recipe, that fix the FLOPs both compiles are measured against.
@@ -121,12 +122,12 @@ def planned_args(plans: Path, case: str) -> list[str]:
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--peer-python", required=True, help="python of the environment with upstream's maxtext")
+  parser.add_argument("--peer_python", required=True, help="python of the environment with upstream's maxtext")
   parser.add_argument("--cases", default=",".join(CASES))
   parser.add_argument("--plans", default="outputs/plan_recipes.jsonl")
   parser.add_argument("--out", default="outputs/peer_aot.jsonl")
   parser.add_argument("--columns", default="upstream,ours,planned", help="which compiles to run")
-  opts = parser.parse_args()
+  opts = tool_args.parse_args(parser, None)
   columns = set(opts.columns.split(","))
   from MaxText.platform import accelerators  # noqa: PLC0415
   versions = subprocess.run([opts.peer_python, "-c", "import jax, jaxlib, importlib.metadata as m; "

@@ -3,11 +3,11 @@ plans its model, topology and global batch with everything else left to the plan
 prints the planner's best predicted MFU (the step-time model's, which ranks) and wall time beside
 the recipe's own, by the same model and by the compiler's estimate.
 
-  python3 benchmarks/plan_recipes.py [--recipes v5e/32b,v5p/64b] [--max-candidates 2] [--workers 1]
-      [--cache-dir outputs/plan_cache] [--out outputs/plan_recipes.jsonl] [--plan-args "attention_blocks=none"]
+  python3 benchmarks/plan_recipes.py [recipes=v5e/32b,v5p/64b] [max_candidates=2] [workers=1]
+      [cache_dir=outputs/plan_cache] [out=outputs/plan_recipes.jsonl] [plan_args="attention_blocks=none"]
 
 The recipe's own setting is compiled too (`bash configs/<recipe>.sh EXECUTABLE=train_compile`;
-`--no-recipe-compile` skips it), with the same code, flags and estimator, so the columns
+`no_recipe_compile=true` skips it), with the same code, flags and estimator, so the columns
 compare. Figures: getting_started/Planner.md.
 """
 
@@ -25,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
+from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
 
 import estimator_table  # noqa: E402  (the recipe compile and its MFU, shared)
 
@@ -55,13 +56,13 @@ def plan_command(topology: str, args: list[str], max_candidates: int, workers: i
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--recipes", default="", help="comma-separated gen/name (default: every v5e and v5p recipe)")
-  parser.add_argument("--max-candidates", type=int, default=2)
+  parser.add_argument("--max_candidates", type=int, default=2)
   parser.add_argument("--workers", type=int, default=1)
-  parser.add_argument("--cache-dir", default="outputs/plan_cache")
+  parser.add_argument("--cache_dir", default="outputs/plan_cache")
   parser.add_argument("--out", default="outputs/plan_recipes.jsonl")
-  parser.add_argument("--no-recipe-compile", action="store_true")
-  parser.add_argument("--plan-args", default="", help="more planner arguments, e.g. attention_blocks=none")
-  opts = parser.parse_args()
+  parser.add_argument("--no_recipe_compile", action="store_true")
+  parser.add_argument("--plan_args", default="", help="more planner arguments, e.g. attention_blocks=none")
+  opts = tool_args.parse_args(parser, None)
   names = [n for n in opts.recipes.split(",") if n] or sorted(
       f"{p.parent.name}/{p.stem}" for gen in ("v5e", "v5p") for p in (REPO / "configs" / gen).glob("*.sh"))
   Path(opts.out).parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ Then times one pair's forward + backward with each kernel, and one whole causal 
 cuDNN call against the ring's pairs on one device (TIME lines).
 
   python3 benchmarks/ring_blocks_gpu.py            # on a GPU
-  python3 benchmarks/ring_blocks_gpu.py --kernel chunked --small   # the script itself, on CPU
+  python3 benchmarks/ring_blocks_gpu.py kernel=chunked small=true   # the script itself, on CPU
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from MaxText.configuration import tool_args
 from MaxText.layers import attention, attention_kernels, masks, ring_attention, ring_blocks
 
 FAILED: list[str] = []
@@ -187,7 +188,7 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--kernel", choices=("cudnn", "chunked"), default="cudnn")
   parser.add_argument("--small", action="store_true", help="short chunks and no timing (a CPU dry run)")
-  args = parser.parse_args(argv)
+  args = tool_args.parse_args(parser, argv)
   print(f"devices: {jax.devices()}  jax {jax.__version__}", flush=True)
   dtype = jnp.bfloat16 if args.kernel == "cudnn" else jnp.float32
   tol = 3e-2 if dtype == jnp.bfloat16 else 1e-4

@@ -1,7 +1,7 @@
 """How a GRPO step splits between rollout (sampling + rewards) and update, for a small model.
 
-    python3 benchmarks/rl_bench.py [--steps 12] [--devices 4] [--completion 32] [--generations 8] [--rows 32]
-                                   [--emb 256] [--layers 4] [--platform cpu|gpu]
+    python3 benchmarks/rl_bench.py [steps=12] [devices=4] [max_completion_length=32] [num_generations=8]
+        [rows=32] [base_emb_dim=256] [base_num_decoder_layers=4] [platform=cpu|gpu]
 
 Runs `python3 -m MaxText.train configs/grpo.yml` on a generated prompt set (a byte-level BPE
 tokenizer, random starting weights, a reward on token ids, so completions run to
@@ -10,7 +10,7 @@ the rest give medians of: rollout seconds (prefill + one decode step per token, 
 update seconds (`update_s`, the rest of the step's wall time: old/reference log-probs, forward and
 backward, optimizer), rollout
 tokens/s (completion tokens sampled per second) and update tokens/s (every row's tokens, prompt and
-padding included, per second of update). On GPU (--platform gpu) the same run uses one device.
+padding included, per second of update). On GPU (platform=gpu) the same run uses one device.
 The last line is machine-readable: `RESULT rl ...`.
 """
 
@@ -29,11 +29,17 @@ REPO = Path(__file__).resolve().parent.parent
 REWARD = "def low_ids(completion_ids, **_):\n  return [sum(t < 200 for t in c) / max(len(c), 1) for c in completion_ids]\n"
 
 
+# The old names of options named after the config keys they set (the old --flags work with a warning).
+RENAMED = {"completion": "max_completion_length", "generations": "num_generations", "emb": "base_emb_dim",
+           "layers": "base_num_decoder_layers"}
+
+
 def _prepare(directory: Path, model: dict[str, int]) -> None:
   """A tokenizer with a ChatML template, 512 prompts, random starting weights, the reward module."""
   script = f"""
 import json, random, sys
 sys.path.insert(0, {str(REPO)!r})
+from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
 from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 import jax
@@ -67,18 +73,19 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=12)
   parser.add_argument("--devices", type=int, default=4, help="simulated CPU devices (cpu only)")
-  parser.add_argument("--completion", type=int, default=32, help="max_completion_length")
-  parser.add_argument("--generations", type=int, default=8)
+  parser.add_argument("--max_completion_length", type=int, default=32, help="max_completion_length")
+  parser.add_argument("--num_generations", type=int, default=8)
   parser.add_argument("--rows", type=int, default=32, help="completions per step (the global batch)")
-  parser.add_argument("--emb", type=int, default=256)
-  parser.add_argument("--layers", type=int, default=4)
+  parser.add_argument("--base_emb_dim", type=int, default=256)
+  parser.add_argument("--base_num_decoder_layers", type=int, default=4)
   parser.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
-  args = parser.parse_args()
+  args = tool_args.parse_args(parser, None, renamed=RENAMED)
   devices = args.devices if args.platform == "cpu" else 1
   prefill = 64
-  model = dict(base_emb_dim=args.emb, base_num_query_heads=4, base_num_kv_heads=4, head_dim=args.emb // 4,
-               base_mlp_dim=4 * args.emb, base_num_decoder_layers=args.layers, vocab_size=512,
-               max_target_length=prefill + args.completion)
+  emb = args.base_emb_dim
+  model = dict(base_emb_dim=emb, base_num_query_heads=4, base_num_kv_heads=4, head_dim=emb // 4, base_mlp_dim=4 * emb,
+               base_num_decoder_layers=args.base_num_decoder_layers, vocab_size=512,
+               max_target_length=prefill + args.max_completion_length)
   with tempfile.TemporaryDirectory(prefix="rl-bench-") as tmp:
     directory = Path(tmp)
     _prepare(directory, model)
@@ -86,7 +93,7 @@ def main() -> int:
                f"base_output_directory={directory / 'out'}", f"tokenizer_path={directory / 'tokenizer'}",
                f"hf_data_files={directory / 'prompts.jsonl'}", f"load_parameters_path={directory / 'start'}",
                *(f"{k}={v}" for k, v in model.items()), f"max_prefill_predict_length={prefill}",
-               f"max_completion_length={args.completion}", f"num_generations={args.generations}",
+               f"max_completion_length={args.max_completion_length}", f"num_generations={args.num_generations}",
                f"per_device_batch_size={args.rows / devices}", "reward_functions=bench_rewards:low_ids",
                f"steps={args.steps}", "log_period=1", "checkpoint_period=100000", "print_config=False",
                "enable_tensorboard=False", "learning_rate=1e-4", "rl_sampling_temperature=1.0"]
@@ -104,8 +111,9 @@ def main() -> int:
   sampled = statistics.median(r["rollout_tokens_per_s"] for r in timed)
   update_tps = args.rows * model["max_target_length"] / update
   share = rollout / (rollout + update)
-  print(f"model: emb {args.emb}, {args.layers} layers; {args.rows} completions x <= {args.completion} tokens per step "
-        f"({args.generations} per prompt), prompts of ~40 tokens, {devices} {args.platform} device(s)")
+  print(f"model: emb {args.base_emb_dim}, {args.base_num_decoder_layers} layers; {args.rows} completions x "
+        f"<= {args.max_completion_length} tokens per step "
+        f"({args.num_generations} per prompt), prompts of ~40 tokens, {devices} {args.platform} device(s)")
   print(f"{'rollout s':>10} {'update s':>10} {'rollout share':>14} {'rollout tok/s':>14} {'update tok/s':>13}")
   print(f"{rollout:10.3f} {update:10.3f} {share:13.0%} {sampled:14.1f} {update_tps:13.1f}")
   print(f"RESULT rl platform={args.platform} rollout_s={rollout:.4f} update_s={update:.4f} rollout_share={share:.3f} "

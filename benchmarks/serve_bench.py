@@ -1,24 +1,24 @@
 """The OpenAI-compatible server under load on CPU: output tokens/s, time to first token (TTFT) and
 inter-token latency (ITL) p50/p99 against the number of concurrent clients, and KV cache memory.
 
-    nice -n 5 python3 benchmarks/serve_bench.py [--concurrency 1,4,16] [--requests_per_client 4]
-        [--max_tokens 32] [--slots 16] [--emb 256] [--layers 4] [--caches dense,paged] [--page_size 16] [--pages 0]
-        [--prefill_chunk_sizes 0,64] [--long_prompt 0] [--shared_prefix 0] [--prefix_caching true,false]
-        [--speculative_tokens 0,4] [--draft small|self]
+    nice -n 5 python3 benchmarks/serve_bench.py [concurrency=1,4,16] [requests_per_client=4]
+        [max_tokens=32] [serve_max_slots=16] [base_emb_dim=256] [base_num_decoder_layers=4]
+        [caches=dense,paged] [kv_page_size=16] [kv_num_pages=0] [prefill_chunk_sizes=0,64] [long_prompt=0]
+        [shared_prefix=0] [prefix_caching=true,false] [speculative_tokens=0,4] [draft=small|self]
 
 A small random-init model (greedy, no end-of-sequence token, so every request makes max_tokens
 tokens) is served in this process on 127.0.0.1 through the real app (uvicorn, the scheduler
 thread); asyncio clients stream `/v1/completions` with token-id prompts of mixed lengths and
 `logprobs: 0`, which makes one server-sent event per token: TTFT is send → first token's event,
 ITL the gaps between a request's later events. Compilation happens in a warm-up round, untimed.
---long_prompt N adds a mixed load: while the clients stream, one more client sends prompts of N
+long_prompt=N adds a mixed load: while the clients stream, one more client sends prompts of N
 tokens (one new token each) back to back; the table then reports the short streams' latencies,
-which a long prefill stalls unless it is chunked (--prefill_chunk_sizes, paged layout only).
---shared_prefix N starts every prompt with the same N tokens (a system prompt), and runs the
-measured load once untimed first; --prefix_caching serves the paged layout with prefix caching
+which a long prefill stalls unless it is chunked (prefill_chunk_sizes, paged layout only).
+shared_prefix=N starts every prompt with the same N tokens (a system prompt), and runs the
+measured load once untimed first; prefix_caching serves the paged layout with prefix caching
 on and/or off, and the memory line reports the most pages in use at once.
---speculative_tokens 0,4 serves each layout without and with speculative decoding (k draft tokens
-per round); --draft small is a 1-layer model of half the width, --draft self the target's own
+speculative_tokens=0,4 serves each layout without and with speculative decoding (k draft tokens
+per round); draft=small is a 1-layer model of half the width, draft=self the target's own
 architecture, whose random initialisation is the target's (an acceptance-rate-1 upper bound on
 what a perfect draft could give, paying for a full-size draft). With random weights a small
 draft's acceptance rate says nothing about a trained one; the line after each table prints it.
@@ -40,6 +40,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+
+
+# The old names of options named after the config keys they set (the old --flags work with a warning).
+RENAMED = {"emb": "base_emb_dim", "layers": "base_num_decoder_layers", "vocab": "vocab_size",
+           "page_size": "kv_page_size", "pages": "kv_num_pages", "slots": "serve_max_slots"}
 
 
 def _tokenizer(directory: Path, vocab_size: int) -> Path:
@@ -143,14 +149,15 @@ def start_server(config: Any) -> tuple[Any, Any, threading.Thread, str]:
 
 
 def _draft_keys(args, speculative: int) -> dict[str, Any]:
-  """The speculative keys of the served config: --draft small or self (see the docstring)."""
+  """The speculative keys of the served config: draft=small or self (see the docstring)."""
   if not speculative:
     return {}
-  emb, layers, heads = (args.emb // 2, 1, 2) if args.draft == "small" else (args.emb, args.layers, 4)
+  emb, layers, heads = ((args.base_emb_dim // 2, 1, 2) if args.draft == "small"
+                        else (args.base_emb_dim, args.base_num_decoder_layers, 4))
   return dict(speculative_tokens=speculative, draft_model_name="default",
               draft_overrides=f"base_emb_dim={emb},base_num_query_heads={heads},base_num_kv_heads={heads},"
                               f"head_dim={emb // heads},base_mlp_dim={4 * emb},base_num_decoder_layers={layers},"
-                              f"vocab_size={args.vocab}")
+                              f"vocab_size={args.vocab_size}")
 
 
 def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int, tokenizer: Path,
@@ -163,24 +170,26 @@ def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int,
   from MaxText.configuration.config import Config
 
   config = Config.for_testing(
-      base_emb_dim=args.emb, base_num_query_heads=4, base_num_kv_heads=4, head_dim=args.emb // 4,
-      base_mlp_dim=4 * args.emb, base_num_decoder_layers=args.layers, vocab_size=args.vocab,
+      base_emb_dim=args.base_emb_dim, base_num_query_heads=4, base_num_kv_heads=4, head_dim=args.base_emb_dim // 4,
+      base_mlp_dim=4 * args.base_emb_dim, base_num_decoder_layers=args.base_num_decoder_layers,
+      vocab_size=args.vocab_size,
       max_target_length=max_target,
       max_prefill_predict_length=max([n + args.shared_prefix for n in prompt_lengths] + [args.long_prompt]),
       dtype="float32", prefill_chunk_size=chunk, prefix_caching=prefix_caching,
       print_config=False, tokenizer_type="huggingface", tokenizer_path=str(tokenizer), add_bos=False,
-      serve_max_slots=args.slots, serve_max_queue=1024, serve_max_tokens=args.max_tokens, serve_model_name="bench",
-      kv_cache_layout=layout, kv_page_size=args.page_size, kv_num_pages=args.pages if layout == "paged" else 0,
+      serve_max_slots=args.serve_max_slots, serve_max_queue=1024, serve_max_tokens=args.max_tokens,
+      serve_model_name="bench", kv_cache_layout=layout, kv_page_size=args.kv_page_size,
+      kv_num_pages=args.kv_num_pages if layout == "paged" else 0,
       **_draft_keys(args, speculative))
   server, uv, thread, url = start_server(config)
   engine = server.scheduler.engine
   # Compiles every step (its prompts have no shared prefix: nothing of the measured load is cached yet).
-  asyncio.run(_round(url, 2, 2, 4, prompt_lengths, args.vocab, args.long_prompt))
+  asyncio.run(_round(url, 2, 2, 4, prompt_lengths, args.vocab_size, args.long_prompt))
   if args.shared_prefix:  # the measured load once, untimed: its prefill shapes compile, and the steady
     # state of a shared system prompt (already cached, with prefix caching) is what gets measured
     for concurrency in [int(c) for c in args.concurrency.split(",")]:
       asyncio.run(_round(url, concurrency, concurrency * args.requests_per_client, args.max_tokens, prompt_lengths,
-                         args.vocab, args.long_prompt, args.shared_prefix))
+                         args.vocab_size, args.long_prompt, args.shared_prefix))
   peak = {"pages": 0}
   polling = threading.Event()
 
@@ -196,14 +205,15 @@ def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int,
   if speculative:
     mixed += f"; speculative_tokens={speculative}, draft {args.draft}"
   before = server.scheduler.load()
-  print(f"\n{layout} KV cache, prefill_chunk_size={chunk}{', prefix_caching' if prefix_caching else ''}; model: emb {args.emb}, {args.layers} layers, vocab "
-        f"{args.vocab}; {args.slots} slots; prompts of {args.prompt_lengths} tokens; {args.max_tokens} new tokens "
+  print(f"\n{layout} KV cache, prefill_chunk_size={chunk}{', prefix_caching' if prefix_caching else ''}; "
+        f"model: emb {args.base_emb_dim}, {args.base_num_decoder_layers} layers, vocab "
+        f"{args.vocab_size}; {args.serve_max_slots} slots; prompts of {args.prompt_lengths} tokens; {args.max_tokens} new tokens "
         f"each{mixed}; {jax.devices()[0].platform}")
   print("| clients | requests | output tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) |")
   print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
   for concurrency in [int(c) for c in args.concurrency.split(",")]:
     n = concurrency * args.requests_per_client
-    t = asyncio.run(_round(url, concurrency, n, args.max_tokens, prompt_lengths, args.vocab, args.long_prompt,
+    t = asyncio.run(_round(url, concurrency, n, args.max_tokens, prompt_lengths, args.vocab_size, args.long_prompt,
                            args.shared_prefix))
     assert t["tokens"] == n * args.max_tokens, (t["tokens"], n * args.max_tokens)
     print(f"| {concurrency} | {n} | {t['tokens'] / t['wall']:.0f} | {_percentile(t['ttft'], 50) * 1e3:.1f} | "
@@ -220,9 +230,9 @@ def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int,
   stats = engine.cache_stats()
   allocated = stats["cache_bytes"] / 2**20
   if layout == "dense":  # every slot holds max_target_length tokens whatever its request needs
-    live = args.slots * (float(np.mean(prompt_lengths)) + args.max_tokens)
-    print(f"dense KV cache: {allocated:.2f} MiB for {args.slots} slots x {max_target} tokens; the workload's live "
-          f"tokens at full occupancy ({live:.0f}) need {live / (args.slots * max_target) * allocated:.2f} MiB")
+    live = args.serve_max_slots * (float(np.mean(prompt_lengths)) + args.max_tokens)
+    print(f"dense KV cache: {allocated:.2f} MiB for {args.serve_max_slots} slots x {max_target} tokens; the workload's live "
+          f"tokens at full occupancy ({live:.0f}) need {live / (args.serve_max_slots * max_target) * allocated:.2f} MiB")
   else:  # the pool's pages are handed out as tokens arrive: the peak in use is what the workload cost
     per_page = allocated / stats["pages_total"]
     print(f"paged KV cache: pool of {stats['pages_total']} pages of {stats['page_size']} tokens ({allocated:.2f} MiB); "
@@ -239,24 +249,24 @@ def main() -> None:
   parser.add_argument("--requests_per_client", type=int, default=4)
   parser.add_argument("--max_tokens", type=int, default=32)
   parser.add_argument("--prompt_lengths", default="8,24,48,16")
-  parser.add_argument("--slots", type=int, default=16)
-  parser.add_argument("--emb", type=int, default=256)
-  parser.add_argument("--layers", type=int, default=4)
-  parser.add_argument("--vocab", type=int, default=512)
+  parser.add_argument("--serve_max_slots", type=int, default=16)
+  parser.add_argument("--base_emb_dim", type=int, default=256)
+  parser.add_argument("--base_num_decoder_layers", type=int, default=4)
+  parser.add_argument("--vocab_size", type=int, default=512)
   parser.add_argument("--caches", default="dense,paged", help="KV cache layouts to serve with, in turn")
-  parser.add_argument("--page_size", type=int, default=16)
-  parser.add_argument("--pages", type=int, default=0, help="paged pool size (0: the dense capacity)")
+  parser.add_argument("--kv_page_size", type=int, default=16)
+  parser.add_argument("--kv_num_pages", type=int, default=0, help="paged pool size (0: the dense capacity)")
   parser.add_argument("--prefill_chunk_sizes", default="0", help="paged: prefill_chunk_size values to serve with")
   parser.add_argument("--long_prompt", type=int, default=0, help="tokens of the mixed load's long prompts (0: none)")
   parser.add_argument("--shared_prefix", type=int, default=0, help="tokens every prompt starts with (0: none)")
   parser.add_argument("--prefix_caching", default="false", help="paged: prefix_caching values to serve with")
   parser.add_argument("--speculative_tokens", default="0", help="speculative_tokens values to serve with (0: off)")
   parser.add_argument("--draft", default="small", choices=("small", "self"), help="the speculative draft")
-  args = parser.parse_args()
+  args = tool_args.parse_args(parser, None, renamed=RENAMED)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   prompt_lengths = [int(x) for x in args.prompt_lengths.split(",")]
   max_target = max([n + args.shared_prefix for n in prompt_lengths] + [args.long_prompt]) + args.max_tokens
-  tokenizer = _tokenizer(Path(tempfile.mkdtemp()) / "tok", args.vocab)
+  tokenizer = _tokenizer(Path(tempfile.mkdtemp()) / "tok", args.vocab_size)
   for layout in args.caches.split(","):
     for chunk in [int(c) for c in args.prefill_chunk_sizes.split(",")] if layout == "paged" else [0]:
       for caching in [v.strip().lower() == "true" for v in args.prefix_caching.split(",")] if layout == "paged" \

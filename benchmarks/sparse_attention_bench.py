@@ -1,8 +1,8 @@
 """DeepSeek Sparse Attention against full MLA attention: one attention layer's training step
 (forward + backward) on CPU, tokens/s.
 
-    python3 benchmarks/sparse_attention_bench.py [--lengths 4096,16384,65536] [--topk 2048]
-        [--heads 4] [--index_heads 2] [--repeats 1] [--forms full,gathered,masked]
+    python3 benchmarks/sparse_attention_bench.py [lengths=4096,16384,65536] [index_topk=2048]
+        [base_num_query_heads=4] [index_n_heads=2] [repeats=1] [forms=full,gathered,masked]
 
 One MultiHeadLatentAttention layer (layers/mla.py) of a scaled-down V3.2 shape (model width 128,
 4 heads, a 32-wide latent, 16 rotated features, an indexer of 2 heads of 32) over one sequence,
@@ -12,7 +12,7 @@ lengths); `gathered` and `masked` are the two sparse forms (layers/sparse_attent
 whatever attention_kernels.SPARSE would pick. The masked form materialises [L, L] scores and is
 skipped above 16384 tokens. Prints one Markdown table row per form and length.
 
-    python3 benchmarks/sparse_attention_bench.py --aot v5p-8 [--lengths ...]
+    python3 benchmarks/sparse_attention_bench.py aot=v5p-8 [lengths=...]
 
 instead predicts a TPU: a 4-layer DeepSeek-V3.2 model at its published attention shapes (width 7168, 128
 heads, MLA with a 512-wide latent, an indexer of 64 heads of 128, top-k 2048; three dense MLPs of 18432 and a
@@ -31,22 +31,27 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
 
 MASKED_MAX = 16384
+
+
+# The old names of options named after the config keys they set (the old --flags work with a warning).
+RENAMED = {"heads": "base_num_query_heads", "index_heads": "index_n_heads", "topk": "index_topk"}
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--lengths", default="4096,16384,65536")
-  parser.add_argument("--topk", type=int, default=2048)
-  parser.add_argument("--heads", type=int, default=4)
-  parser.add_argument("--index_heads", type=int, default=2)
+  parser.add_argument("--index_topk", type=int, default=2048)
+  parser.add_argument("--base_num_query_heads", type=int, default=4)
+  parser.add_argument("--index_n_heads", type=int, default=2)
   parser.add_argument("--repeats", type=int, default=1)
   parser.add_argument("--forms", default="full,gathered,masked", help="the CPU forms; --aot compiles full and sparse")
   parser.add_argument("--aot", default="", help="a TPU topology (e.g. v5p-8): predict its train step instead")
-  args = parser.parse_args()
+  args = tool_args.parse_args(parser, None, renamed=RENAMED)
   if args.aot:
-    _aot_table(args.aot, [int(x) for x in args.lengths.split(",")], args.topk)
+    _aot_table(args.aot, [int(x) for x in args.lengths.split(",")], args.index_topk)
     return
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -59,11 +64,12 @@ def main() -> None:
   from MaxText.platform import sharding
   from MaxText.layers.mla import MultiHeadLatentAttention
 
-  shape = dict(decoder_block="deepseek32", attention_type="mla", base_emb_dim=128, base_num_query_heads=args.heads,
-               base_num_kv_heads=args.heads, head_dim=48, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
-               qk_rope_head_dim=16, v_head_dim=32, index_n_heads=args.index_heads, index_head_dim=32,
+  heads = args.base_num_query_heads
+  shape = dict(decoder_block="deepseek32", attention_type="mla", base_emb_dim=128, base_num_query_heads=heads,
+               base_num_kv_heads=heads, head_dim=48, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
+               qk_rope_head_dim=16, v_head_dim=32, index_n_heads=args.index_n_heads, index_head_dim=32,
                dtype="float32", print_config=False, flash_block_q=512, flash_block_kv=512)
-  print(f"one MLA layer, width 128, {args.heads} heads, latent 32, indexer {args.index_heads}x32, top-k {args.topk}, "
+  print(f"one MLA layer, width 128, {heads} heads, latent 32, indexer {args.index_n_heads}x32, top-k {args.index_topk}, "
         f"float32, {jax.devices()[0].device_kind}")
   print("| form | tokens | fwd+bwd s | tokens/s |")
   print("| --- | --- | --- | --- |")
@@ -74,7 +80,7 @@ def main() -> None:
     for form in args.forms.split(","):
       if form == "masked" and length > MASKED_MAX:
         continue
-      topk = 0 if form == "full" else args.topk
+      topk = 0 if form == "full" else args.index_topk
       cfg = Config.for_testing(**shape, index_topk=topk, max_target_length=length, attention="flash").model
       # Force the form: gathered above 0 x top-k keys, masked never.
       attention_kernels.SPARSE_GATHER_ABOVE = 0 if form == "gathered" else 1 << 30

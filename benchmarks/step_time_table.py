@@ -4,7 +4,7 @@ NUM_SLICES, compile_topology) with its scheduled HLO saved under outputs/steptim
 from the saved HLO, the physical constants fitted, leave-one-model-out errors and the rank
 correlation printed as AOT.md's table.
 
-  python3 benchmarks/step_time_table.py compile [--only v5e] [--slices 1,2,32]   # hours on a CPU machine
+  python3 benchmarks/step_time_table.py compile [only=v5e] [slices=1,2,32]   # hours on a CPU machine
   python3 benchmarks/step_time_table.py table                                    # seconds, from the saved HLO
 """
 
@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
 
 from benchmarks.estimator_table import POINTS  # noqa: E402
 
@@ -65,7 +66,7 @@ def main() -> int:
   from MaxText.aot.step_time import program, report  # noqa: PLC0415
   parser.add_argument("--overlap", default=report.OVERLAP, choices=program.OVERLAPS,
                       help="table: the reading of the overlap to fit (MaxText/aot/step_time/program.py)")
-  opts = parser.parse_args()
+  opts = tool_args.parse_args(parser, None)
   if opts.what == "compile":
     compile_all(opts.only, opts.slices)
     return 0

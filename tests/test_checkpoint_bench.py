@@ -11,8 +11,8 @@ from tests.compile_settings import jax_cache_env
 
 @pytest.mark.slow  # one ~0.9 GB state saved and restored three ways
 def test_prints_a_result_line_per_target(gcs, tmp_path):
-  proc = subprocess.run([sys.executable, "benchmarks/checkpoint_bench.py", "--layers", "1", "--steps", "1", "--gcs",
-                         "--dir", str(tmp_path / "bench")], cwd=REPO_ROOT, capture_output=True, text=True,
+  proc = subprocess.run([sys.executable, "benchmarks/checkpoint_bench.py", "base_num_decoder_layers=1", "steps=1",
+                         "gcs=true", f"dir={tmp_path / 'bench'}"], cwd=REPO_ROOT, capture_output=True, text=True,
                         timeout=900, env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", **gcs.env(), **jax_cache_env()})
   assert proc.returncode == 0, proc.stderr[-3000:]
   results = [line.split() for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

@@ -28,11 +28,11 @@ def _table(out: str) -> list[list[str]]:
 
 def test_dry_run_prints_header_and_every_section(capsys):
   suite = _load_suite()
-  rows = suite.main(["--dry_run"])
+  rows = suite.main(["dry_run=true"])
   out = capsys.readouterr().out
   for key in ("date: ", "device: 1 x cpu", "driver: ", "CUDA: ", "jax ", "python "):
     assert key in out, key
-  assert "upstream: not available (no --upstream_site given)" in out
+  assert "upstream: not available (no upstream_site given)" in out
   table = _table(out)
   assert table[0] == suite.COLUMNS
   by_section = {}
@@ -69,7 +69,7 @@ def test_planned_rows_with_fake_children(capsys, tmp_path):
 
   def runner(cmd, env, cwd, timeout):
     calls.append(cmd)
-    if "probe" in cmd:
+    if "_child=probe" in cmd:
       return PROBE, "ok", ""
     if cmd[1] == "-m":  # upstream
       assert env["PYTHONPATH"] == str(tmp_path) and not cwd.startswith(str(REPO_ROOT))
@@ -90,7 +90,7 @@ def test_planned_rows_with_fake_children(capsys, tmp_path):
   assert first["ours/upstream"] == "2.00" and train[1]["impl"] == "upstream" and train[1]["tokens/s"] == "32768"
   assert train[1]["params"] == "1.24B" and train[1]["step ms"] == "500.0"
   assert [r["note"] for r in train if r["model"] == "8b" and r["impl"] == "ours"] == ["OOM"]
-  assert [r["note"] for r in train if r["quant"] == "fp8" and r["seq"] == "8192"] == ["skipped: only with --full"] * 2
+  assert [r["note"] for r in train if r["quant"] == "fp8" and r["seq"] == "8192"] == ["skipped: only with full=true"] * 2
   assert "| train | ours | 1b |" in capsys.readouterr().out
 
   rows = suite.run_suite(_args(upstream_site=str(tmp_path / "empty"), rows="1b"), runner)
@@ -99,8 +99,8 @@ def test_planned_rows_with_fake_children(capsys, tmp_path):
 
   calls.clear()
   rows = suite.run_suite(_args(budget_s=60.0), runner)  # less than the serving reserve: no training child
-  assert [c for c in calls if "probe" not in c] == []
-  assert all("budget" in r["note"] or "only with --full" in r["note"] or "no --upstream_site" in r["note"]
+  assert [c for c in calls if "_child=probe" not in c] == []
+  assert all("budget" in r["note"] or "only with full=true" in r["note"] or "no upstream_site" in r["note"]
              for r in rows if r["section"] == "train")
 
 
@@ -118,8 +118,8 @@ def test_classify_and_upstream_log():
                     reason=f"no upstream venv at {UPSTREAM_VENV} (getting_started/GPU.md: how to make one)")
 def test_dry_run_with_upstream_on_cpu(capsys):
   site = next((UPSTREAM_VENV / "lib").glob("python3*/site-packages"))
-  rows = _load_suite().main(["--dry_run", "--no_serve", "--upstream_site", str(site),
-                             "--upstream_python", str(UPSTREAM_VENV / "bin" / "python")])
+  rows = _load_suite().main(["dry_run=true", "serve=false", f"upstream_site={site}",
+                             f"upstream_python={UPSTREAM_VENV / 'bin' / 'python'}"])
   train = [r for r in rows if r["section"] == "train" and r["quant"] == "bf16"]
   assert [r["impl"] for r in train] == ["ours", "upstream"]
   assert train[1]["note"] == "ok" and float(train[1]["tokens/s"]) > 0

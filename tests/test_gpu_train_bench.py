@@ -1,4 +1,4 @@
-"""benchmarks/gpu_train.py runs end to end (--smoke: a tiny model on the CPU test devices)."""
+"""benchmarks/gpu_train.py runs end to end (smoke=true: a tiny model on the CPU test devices)."""
 
 import importlib.util
 import math
@@ -15,7 +15,7 @@ def _load_bench():
 
 def test_smoke_run_prints_step_time_throughput_and_mfu(capsys):
   # cpu_peak_tflops is given so the test does not spend time measuring the matmul peak.
-  _load_bench().main(["--smoke", "--steps", "2", "--quantization", "int8", "cpu_peak_tflops=0.5"])
+  _load_bench().main(["smoke=true", "steps=2", "quantization=int8", "cpu_peak_tflops=0.5"])
   out = capsys.readouterr().out
   result = next(line for line in out.splitlines() if line.startswith("RESULT "))
   fields = dict(item.split("=", 1) for item in result.split()[1:])

@@ -19,7 +19,7 @@ def _rows(stdout: str, forms: tuple[str, ...]) -> list[list[str]]:
 
 
 def test_its_cpu_table_times_every_form():
-  proc = subprocess.run([sys.executable, BENCH, "--lengths", "512", "--topk", "64"], capture_output=True, text=True,
+  proc = subprocess.run([sys.executable, BENCH, "lengths=512", "index_topk=64"], capture_output=True, text=True,
                         timeout=600, cwd=REPO)
   assert proc.returncode == 0, proc.stderr[-2000:]
   rows = _rows(proc.stdout, ("full", "gathered", "masked"))
@@ -30,9 +30,9 @@ def test_its_cpu_table_times_every_form():
 
 @pytest.mark.slow
 def test_its_tpu_mode_prices_dense_and_sparse_mla_compiled_for_a_topology():
-  """--aot: V3.2's attention compiled for v5p-8 with and without the indexer, priced by the step-time model."""
+  """aot=TOPOLOGY: V3.2's attention compiled for v5p-8 with and without the indexer, priced by the step-time model."""
   pytest.importorskip("libtpu", reason="needs libtpu for the TPU topology")
-  proc = subprocess.run([sys.executable, BENCH, "--aot", "v5p-8", "--lengths", "2048", "--topk", "256"],
+  proc = subprocess.run([sys.executable, BENCH, "aot=v5p-8", "lengths=2048", "index_topk=256"],
                         capture_output=True, text=True, timeout=1800, cwd=REPO)
   assert proc.returncode == 0, proc.stderr[-2000:]
   rows = _rows(proc.stdout, ("full", "sparse"))
