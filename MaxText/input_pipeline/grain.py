@@ -22,5 +22,25 @@ def open_files(key: str, value: str) -> tuple[Any, str]:
   try:
     source = grain.sources.ArrayRecordDataSource(files)
   except (RuntimeError, ValueError, OSError) as e:
-    raise ConfigError(f"{key}: cannot read {value} as ArrayRecord files ({str(e).splitlines()[0]})") from None
+    bad = first_unreadable(files)
+    if bad is not None:
+      raise ConfigError(f"{key}: {bad[0]} is not a readable ArrayRecord file ({bad[1]}); "
+                        "replace or remove it") from None
+    raise ConfigError(f"{key}: cannot read {value} as ArrayRecord files ({_reason(e)})") from None
   return source, f"grain {len(files)} ArrayRecord file(s) {value}"
+
+
+def first_unreadable(files: list[str]) -> tuple[str, str] | None:
+  """(file, why) for the first of `files` the ArrayRecord reader cannot open (its error names none)."""
+  import grain
+
+  for path in files:
+    try:
+      grain.sources.ArrayRecordDataSource([path])
+    except (RuntimeError, ValueError, OSError) as e:
+      return path, _reason(e)
+  return None
+
+
+def _reason(error: Exception) -> str:
+  return (str(error).splitlines() or [""])[0] or f"{type(error).__name__}, no detail"

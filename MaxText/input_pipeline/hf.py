@@ -52,10 +52,11 @@ def _remote_files_allowed(datasets: Any, builder: str, files: list[str]) -> Iter
 
 @contextlib.contextmanager
 def _quiet_loaders() -> Iterator[None]:
-  """datasets' JSON and parquet builders log a parse failure (twice, through their own handler and
-  the root's) before raising it; the raised error becomes the one line that names the file."""
-  with quiet_logger("datasets.packaged_modules.json.json", logging.CRITICAL), \
-      quiet_logger("datasets.packaged_modules.parquet.parquet", logging.CRITICAL):
+  """datasets' file builders log a parse failure (twice, through their own handler and the root's)
+  before raising it; the raised error becomes the one line that names the file."""
+  with contextlib.ExitStack() as stack:
+    for builder in ("json", "parquet", "csv"):
+      stack.enter_context(quiet_logger(f"datasets.packaged_modules.{builder}.{builder}", logging.CRITICAL))
     yield
 
 
@@ -149,7 +150,7 @@ def open_split(hf_path: str, data_files: str, split: str, files_key: str) -> tup
         except (datasets.exceptions.DatasetGenerationError, StopIteration, ValueError) as e:
           # datasets fails on files with no records in its own ways (StopIteration from the JSON
           # builder, "corresponds to no data"): they are an empty split, which the callers name.
-          if builder in ("json", "text") and all(_blank(f) for f in files):
+          if builder in ("json", "text", "csv") and all(_blank(f) for f in files):
             return datasets.Dataset.from_dict({}), describe
           if isinstance(e, ValueError) and builder != "parquet":
             raise  # an argument datasets refuses: worded below

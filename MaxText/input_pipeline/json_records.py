@@ -37,7 +37,7 @@ def first_problem(path: str) -> str | None:
     try:
       records = json.loads(storage.read_bytes(path))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      return _describe(e)
+      return "is " + _describe(e)
     bad = next((i for i, r in enumerate(records) if not isinstance(r, dict)), None)
     return None if bad is None else f"record {bad + 1} of its array is a JSON {_kind(records[bad])}, not an object"
   for number, line in _lines(path):

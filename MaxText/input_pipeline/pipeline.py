@@ -117,7 +117,23 @@ class _Numbered:
     return len(self.source)
 
   def __getitem__(self, index: int) -> tuple[int, Any]:
-    return index, self.source[index]
+    try:
+      return index, self.source[index]
+    except (RuntimeError, UserError) as e:  # RuntimeError: the ArrayRecord reader's, on a damaged chunk
+      return index, Unreadable(e)
+
+
+class Unreadable:
+  """A record its reader failed on; the encoder's wrapper raises it as a UserError naming the record."""
+
+  def __init__(self, error: Exception):
+    self._error = error
+
+  def error(self) -> UserError:
+    if isinstance(self._error, UserError):
+      return self._error
+    reason = (str(self._error).splitlines() or [""])[0] or type(self._error).__name__
+    return UserError(f"cannot be read ({reason}); the file holding it is damaged: replace or remove it")
 
 
 def document_dataset(source: Sequence[Any], shard: HostShard, encode: Callable[[Any], Any], column: str | None,
@@ -132,6 +148,8 @@ def document_dataset(source: Sequence[Any], shard: HostShard, encode: Callable[[
   def encode_numbered(numbered: tuple[int, Any]) -> Any:
     index, record = numbered
     try:
+      if isinstance(record, Unreadable):
+        raise record.error()
       return encode(record if column is None else record_text(record, column))
     except UserError as e:
       where = locate(index) if locate is not None else f"record {index + 1} of {what}"

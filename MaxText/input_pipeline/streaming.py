@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from MaxText.errors import ConfigError, UserError
 from MaxText.input_pipeline.files import expand_files
 from MaxText.input_pipeline.packing import Located
-from MaxText.input_pipeline.pipeline import BOM, HostShard, json_kind, record_text
+from MaxText.input_pipeline.pipeline import BOM, HostShard, Unreadable, json_kind, record_text
 from MaxText.paths import storage
 
 ROW_BITS = 32  # rows of one shard file must stay below 2**32
@@ -178,7 +178,7 @@ class ShardStream:
           if empty_visits >= len(self.files):
             raise ConfigError(f"{self.what} is empty: its {len(self.files)} shard file(s) hold no records")
           for r in range(row, len(records)):
-            yield Located((visit << ROW_BITS) | r, self._encoded(shard, r, records[r]))
+            yield Located((visit << ROW_BITS) | r, self._encoded(shard, r))
         finally:
           shard.close()
         visit, row = visit + 1, 0
@@ -186,8 +186,12 @@ class ShardStream:
       if ahead is not None:  # abandoned (a seek, the end of the run): release the shard fetched ahead
         ahead.add_done_callback(self._release)
 
-  def _encoded(self, shard: _Shard, row: int, record: Any) -> Any:
+  def _encoded(self, shard: _Shard, row: int) -> Any:
     try:
+      try:
+        record = shard.records[row]
+      except RuntimeError as e:  # the ArrayRecord reader's: a damaged chunk, found only when it is read
+        raise Unreadable(e).error() from None
       value = _json_record(record) if shard.json else record
       return self._encode(value if self._column is None else record_text(value, self._column))
     except UserError as e:

@@ -127,3 +127,26 @@ def test_a_byte_order_mark_is_not_text(spm_model, prepared, tmp_path):
   (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfline one\nline two\n")
   dataset, _ = hf.open_split("", str(tmp_path / "bom.txt"), "train", "hf_data_files")
   assert dataset["text"] == ["line one", "line two"]
+
+
+def test_a_damaged_arrayrecord_file_is_named(spm_model, prepared, tmp_path):
+  import shutil
+
+  shutil.copy(prepared / "arrayrecord" / "train.array_record", tmp_path / "a.array_record")
+  (tmp_path / "b.array_record").write_bytes(b"\xff" * 300)
+  with pytest.raises(ConfigError) as error:
+    _open(_grain(spm_model, prepared, grain_train_files=str(tmp_path / "*.array_record")))
+  assert f"{tmp_path / 'b.array_record'} is not a readable ArrayRecord file" in str(error.value), str(error.value)
+
+
+@pytest.mark.parametrize("damaged", ["dataset_info.json", "local_text-train.array_record-00000-of-00001"])
+def test_a_damaged_tfds_file_is_named(spm_model, prepared, tmp_path, damaged):
+  import shutil
+
+  shutil.copytree(prepared / "tfds", tmp_path / "tfds")
+  path = next((tmp_path / "tfds").rglob(damaged))
+  path.write_bytes(path.read_bytes()[:200])
+  with pytest.raises(UserError) as error:
+    next(_open(_grain(spm_model, prepared, dataset_type="tfds", dataset_path=str(tmp_path / "tfds"),
+                      dataset_name="local_text/corpus")))
+  assert str(path) in str(error.value) and "\n" not in str(error.value), str(error.value)

@@ -148,7 +148,7 @@ def test_an_empty_conversation_is_named_by_file_and_line(tmp_path):
 @pytest.mark.parametrize("lines, problem", [
     ([json.dumps(GOOD), '{"messages": [', json.dumps(GOOD)], "line 2: not valid JSON (Expecting value at column 15)"),
     ([json.dumps(GOOD), json.dumps(GOOD), "", '"just text"'], "line 4: a JSON string, not an object (one record per line)"),
-    (['[{"messages": []},', '  {"messages": [}]'], "not valid JSON (Expecting value at line 2, column 17)"),
+    (['[{"messages": []},', '  {"messages": [}]'], "is not valid JSON (Expecting value at line 2, column 17)"),
 ], ids=["truncated", "not-an-object", "json-array"])
 def test_a_malformed_json_line_names_file_and_line(tmp_path, lines, problem, capfd):
   name = "train.json" if lines[0].startswith("[") else "train.jsonl"

@@ -248,3 +248,9 @@ def test_a_corrupt_parquet_shard_is_one_line_naming_it(tmp_path, content):
   bad = tmp_path / "bad.parquet"
   bad.write_bytes(data)
   assert "is not a readable parquet file" in _one_line_error(bad)
+
+
+def test_a_damaged_arrayrecord_shard_is_one_line_naming_it(tmp_path, shards):
+  bad = tmp_path / "bad.array_record"
+  bad.write_bytes((shards / "shard-000.array_record").read_bytes()[:-100])
+  assert "is not a readable ArrayRecord file" in _one_line_error(bad)
