@@ -14,7 +14,10 @@ is quoted (why="needs a TPU v5e slice").
   ```bash cpu after=first  runs the named block's command first, in the same copy (it reads its outputs)
   ```bash cpu install      the block runs setup.sh: the test runs it with DRY_RUN=1 (setup.sh then
                            prints its pip commands); tests/test_setup_install.py runs the real
-                           install in a fresh venv (in CI's docs stage)
+                           install in a fresh venv (in CI's docs stage). A block that holds only
+                           `EXTRAS=... bash setup.sh` is the install of the blocks below it on its
+                           page; one that goes on with commands, of itself (tests/doc_installs.py):
+                           tests/test_page_installs.py runs those blocks after that install, in CI
   ```bash cpu dry-run      the dry-run form of the tpu/gpu/cloud/manual block before it
   ```bash cpu local        its local form: the same command on 8 simulated CPU devices or local disk
   ```bash tpu why="..."    needs that accelerator (`tpu gpu`: either); not run
@@ -228,7 +231,7 @@ class Run:
   seconds: float
 
 
-def run(block: Block, workdir: Path, root: Path = REPO_ROOT) -> Run:
+def run(block: Block, workdir: Path, root: Path = REPO_ROOT, bin_dir: Path | None = None) -> Run:
   """Runs a `cpu` block as written with bash -e in a fresh copy of the repository under `workdir`.
 
   The copy is what the docs assume: the current folder is the repository root (configs/base.yml,
@@ -236,7 +239,8 @@ def run(block: Block, workdir: Path, root: Path = REPO_ROOT) -> Run:
   repository. `python3 -m MaxText...` imports the copy's MaxText (the current folder comes first
   on sys.path). The environment is PATH and HOME only, plus what the command sets itself: the
   8-device XLA_FLAGS and JAX_PLATFORMS of tests/conftest.py do not leak in. With after=, the named
-  block's command runs first in the same copy; only this block's own output is returned.
+  block's command runs first in the same copy; only this block's own output is returned. With
+  `bin_dir` (a venv's bin/), its python3 and tools come first on PATH.
   """
   repo = workdir / "repo"
   shutil.copytree(root, repo, ignore=COPY_IGNORE, symlinks=True)
@@ -246,6 +250,8 @@ def run(block: Block, workdir: Path, root: Path = REPO_ROOT) -> Run:
   if any("corpus" in b.tags for b in chain):
     (workdir / "shared").symlink_to(SHARED)  # ../shared from the copy, as beside the repository
   env = {k: os.environ[k] for k in ("PATH", "HOME") if k in os.environ}
+  if bin_dir is not None:
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
   if any("install" in b.tags for b in chain):
     env["DRY_RUN"] = "1"
   start = time.monotonic()

@@ -319,3 +319,13 @@ def script_problems() -> list[str]:
     rel = str(path.relative_to(REPO_ROOT))
     found += [f"{rel} (its header: {describe(extras)}): {m}" for m in missing(shell_needs(text, rel), extras)]
   return found
+
+
+def after_own_install(blocks: list[Block]) -> dict[str, frozenset[str]]:
+  """Block id -> extras, for the `cpu` blocks whose page or block states an install other than the
+  plain one or EXTRAS=test (CI's own, which the docs test runs every block in): the blocks
+  tests/test_page_installs.py runs after exactly that install. The install blocks themselves are
+  left out: on their own they only run setup.sh, which the docs test does with DRY_RUN=1."""
+  extras = installs(blocks)
+  return {b.id: extras[b.id] for b in blocks
+          if "cpu" in b.kinds and extras[b.id] and "test" not in extras[b.id] and not page_wide(b)}

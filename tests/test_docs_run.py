@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests import doc_blocks, doc_output, doc_prose, doc_samples
+from tests import doc_blocks, doc_installs, doc_output, doc_prose, doc_samples, venv_install
 from tests.doc_blocks import Block
 
 BLOCKS, TAG_ERRORS = doc_blocks.all_blocks()
 COMMANDS = [b for b in BLOCKS if b.kinds & doc_blocks.COMMAND_KINDS]
+OWN_INSTALL = doc_installs.after_own_install(BLOCKS)
 SAMPLES, SAMPLE_ERRORS = doc_samples.sources(BLOCKS)
 
 
@@ -94,6 +95,8 @@ def test_doc_command(block: Block, tmp_path):
     pytest.skip(f"{' '.join(sorted(block.kinds))}: {block.why or 'no reason given'}{dry}")
   if "corpus" in block.tags and not doc_blocks.CORPUS.exists():
     pytest.skip(f"needs {doc_blocks.CORPUS} (the shared data beside the repository), which is absent")
+  if block.id in OWN_INSTALL and venv_install.skip_reason() is None:
+    pytest.skip(f"runs after {doc_installs.describe(OWN_INSTALL[block.id])} alone, in tests/test_page_installs.py")
   problem = doc_blocks.check(block, doc_blocks.run(block, tmp_path))
   assert problem is None, problem
 
