@@ -27,6 +27,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -66,6 +67,7 @@ SEARCH_KEYS = (*(axis.ici_key for axis in plan_model.ICI_AXES), *(axis.dcn_key f
 # The LIBTPU_INIT_ARGS variable of recipe_lib.sh each generation's recipes use.
 RECIPE_FLAG_VARS = {"v5e": "V5E_LIBTPU_FLAGS", "v5p": "V5P_LIBTPU_FLAGS"}
 COMPILE_MEMORY_GIB = 6  # what one worker's compile may take, for the worker count
+HOST_OVERFLOW = "does not fit: host memory"  # how train_compile's line for the host's memory starts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,19 +184,23 @@ def compile_figures(argv: list[str]) -> dict[str, Any]:
       config, devices, topology = train_compile.load_target_config(argv)
       run = run_assembly.build_run(config, devices=devices, compiled_step=False)
       compiled = train_compile.compile_or_explain(run.train_step, run.abstract_inputs(), topology,
-                                                  buffer_assignment_dump_options(report_dir))
+                                                  buffer_assignment_dump_options(report_dir),
+                                                  train_compile.offload_of(config))
     except UserError as e:
       message = str(e)
       status = "does not fit" if message.startswith("does not fit") else "invalid"
       needed = re.search(r"needs ([\d.]+) GiB", message)
-      return {"status": status, "message": message, "compile_s": time.perf_counter() - start,
-              "total": float(needed.group(1)) * GIB if needed else 0.0}
+      figure = float(needed.group(1)) * GIB if needed else 0.0
+      if message.startswith(HOST_OVERFLOW):  # its figure is host memory, not the device heap
+        return {"status": "NO (host memory)", "message": message, "compile_s": time.perf_counter() - start,
+                "total": 0.0, "host_bytes": figure}
+      return {"status": status, "message": message, "compile_s": time.perf_counter() - start, "total": figure}
     compile_s = time.perf_counter() - start
     memory = MemoryReport.from_compiled(compiled, read_buffer_assignment(report_dir))
   hlo_text = compiled.as_text()
   cycles = estimated_cycles(hlo_text)
   figures = {"status": "compiled", "compile_s": compile_s, "total": memory.total, "arguments": memory.arguments,
-             "source": memory.source, "host_bytes": sum(size for _, size in memory.other_spaces),
+             "source": memory.source, "host_bytes": memory.host,
              "step_s": cycles / (topology.generation.clock_ghz * 1e9) if cycles and topology else None}
   if topology is not None:
     figures.update(model_figures(hlo_text, train_compile.step_target(config, topology, run), topology))
@@ -345,13 +351,22 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
   print(f"ranking the search space for {num_slices} x {topology.name} (analytical model) ...", flush=True)
   # (-tokens/s, accumulation steps, bytes per chip, the candidate's keys, its estimate)
   ranked: list[tuple[float, int, float, dict[str, Any], plan_model.Estimate]] = []
+  host_reason = ""  # why a candidate that fits HBM overflows the host's memory (offloaded state)
   for settings in plan_model.candidates(model, topology, num_slices, fixed, global_batch, seq_len,
                                           config.mesh.data_sharding):
     estimate = plan_model.estimate(model, settings, topology, num_slices, seq_len, rules, kernel)
     if estimate.total <= limit and estimate.unsharded <= config.mesh.sharding_tolerance:
+      overflow = plan_model.host_overflow(estimate, topology.generation)
+      if overflow:
+        host_reason = host_reason or f"{plan_model.describe(settings)}: {overflow}"
+        continue
       ranked.append((-estimate.tokens_per_s, int(settings.get("gradient_accumulation_steps", 1)), estimate.total,
                      settings, estimate))
   counted = len(ranked)
+  if not ranked and host_reason:
+    raise UserError(f"{config['model_name']} does not fit {num_slices} x {topology.name}: every setting that fits "
+                    f"HBM overflows the host's memory with what it offloads, e.g. {host_reason}; offload less "
+                    "(another remat_policy, optimizer_memory_host_offload=false), or fewer sequences per chip")
   if not ranked:  # the bound fits, but only with a batch or a layout the planner cannot run
     leanest = bound.leanest(topology, num_slices)
     figure = f"{leanest[0].total / GIB:.1f} GiB per chip, " if leanest else ""
@@ -433,8 +448,9 @@ class Ranked:
   caveats: tuple[str, ...]
 
 
-def _row(index: int, p: Planned, hbm: float, chips: int, seq_len: int, peak: float) -> tuple[list[str], Ranked]:
-  """The table row of a compiled candidate and its standing."""
+def _row(index: int, p: Planned, hbm: float, chips: int, seq_len: int, peak: float,
+         host: float = math.inf) -> tuple[list[str], Ranked]:
+  """The table row of a compiled candidate and its standing (`host`: the host's memory per chip)."""
   r = p.result or {"status": "not compiled"}
   label = plan_model.describe(p.settings) or "(as given)"
   analytic = f"{p.estimate.total / GIB:.2f}"
@@ -446,7 +462,8 @@ def _row(index: int, p: Planned, hbm: float, chips: int, seq_len: int, peak: flo
     return [str(index), label, f"{needed / GIB:.2f}" if needed else "-", r["status"], "-", "-", "-", "-", "-",
             _compile_time(p), analytic, error, "-", ", ".join(caveats)], Ranked(-1.0, by_model, caveats)
   total, compiler_step, model_step = float(r["total"]), r.get("step_s"), r.get("model_step_s")
-  fits = total <= hbm
+  host_fits = float(r.get("host_bytes") or 0.0) <= host  # offloaded activations and optimizer state
+  fits = total <= hbm and host_fits
   tokens = float(p.config.data.global_batch_size) * seq_len / chips
   compiler_mfu = p.estimate.flops / compiler_step / (peak * 1e12) if compiler_step else float("nan")
   step = model_step if by_model else compiler_step
@@ -454,21 +471,22 @@ def _row(index: int, p: Planned, hbm: float, chips: int, seq_len: int, peak: flo
   memory_error = (p.estimate.total - total) / total
   step_error = (p.estimate.step_s - step) / step if step else float("nan")
   ms = lambda seconds: f"{seconds * 1e3:,.1f}" if seconds else "-"  # noqa: E731
-  row = [str(index), label, f"{total / GIB:.2f}", f"yes ({1 - total / hbm:.0%} free)" if fits else "NO",
+  row = [str(index), label, f"{total / GIB:.2f}", f"yes ({1 - total / hbm:.0%} free)" if fits else "NO" if host_fits else "NO (host memory)",
          ms(model_step), f"{r['model_mfu']:.1%}" if by_model else "-",
          f"{tokens / step:,.0f}" if step else "-", ms(compiler_step), f"{compiler_mfu:.1%}" if compiler_step else "-",
          _compile_time(p), analytic, f"{memory_error:+.0%}", f"{step_error:+.0%}", ", ".join(caveats)]
   return row, Ranked(mfu if fits and step else -1.0, by_model, caveats)
 
 
-def rank_compiled(planned: list[Planned], hbm: float, chips: int, seq_len: int,
-                  peak: float) -> tuple[list[list[str]], tuple[Planned, Ranked] | None]:
-  """The table rows, and the best candidate that compiled and fits: the highest ranking MFU, a
-  candidate whose ranking figure carries caveats winning only when no other fits."""
+def rank_compiled(planned: list[Planned], hbm: float, chips: int, seq_len: int, peak: float,
+                  host: float = math.inf) -> tuple[list[list[str]], tuple[Planned, Ranked] | None]:
+  """The table rows, and the best candidate that compiled and fits HBM and the host's memory
+  (`host` per chip): the highest ranking MFU, a candidate whose ranking figure carries caveats
+  winning only when no other fits."""
   rows: list[list[str]] = []
   best: tuple[Planned, Ranked] | None = None
   for i, p in enumerate(planned, 1):
-    row, standing = _row(i, p, hbm, chips, seq_len, peak)
+    row, standing = _row(i, p, hbm, chips, seq_len, peak, host)
     rows.append(row)
     if standing.mfu >= 0 and (best is None or (not standing.caveats, standing.mfu) > (not best[1].caveats, best[1].mfu)):
       best = (p, standing)
@@ -549,7 +567,8 @@ def main(argv: list[str]) -> int:
   except KeyboardInterrupt:
     interrupted, finished = True, False
   chips, seq_len, hbm = topology.chips * num_slices, config.data.max_target_length, gen.hbm_gib * GIB
-  rows, best = rank_compiled(planned, hbm, chips, seq_len, gen.peak_tflops)
+  host = gen.host_gib * GIB if gen.host_gib is not None else math.inf
+  rows, best = rank_compiled(planned, hbm, chips, seq_len, gen.peak_tflops, host)
   print(format_table(rows))
   print("HBM: XLA's device heap per chip; model ms / model MFU: the step-time model's prediction from the scheduled "
         "HLO (compute, exposed ICI and DCN, host transfers), which ranks the candidates; tokens/s/chip at that step; "
@@ -565,7 +584,8 @@ def main(argv: list[str]) -> int:
     raise UserError(f"the budget of {args.budget_minutes:g} min ran out before a candidate that fits compiled; "
                     f"raise budget_minutes (finished compiles are cached in {cache_dir})")
   if best is None:
-    raise UserError(f"none of the {len(planned)} compiled candidates fits {gen.hbm_gib:g} GiB per {gen.name} chip; "
+    raise UserError(f"none of the {len(planned)} compiled candidates fits {gen.hbm_gib:g} GiB per {gen.name} chip"
+                    + (f" and its host's {gen.host_gib:.1f} GiB per chip" if gen.host_gib else "") + "; "
                     "raise max_candidates, or fix a smaller per_device_batch_size or a remat_policy")
   chosen, standing = best
   user_args = config_argv[2:] if len(config_argv) > 1 and "=" not in config_argv[1] else config_argv[1:]

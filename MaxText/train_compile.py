@@ -36,8 +36,11 @@ from MaxText.configuration import config as config_lib
 from MaxText.aot.hlo_cycles import estimated_cycles, uncosted_kernel_calls
 from MaxText.aot.step_time import report as step_report
 from MaxText.aot.step_time import saved as saved_step
-from MaxText.aot.memory_report import (GIB, MemoryReport, buffer_assignment_dump_options, does_not_fit_message,
-                                   format_bytes, oom_bytes_from_xla, read_buffer_assignment)
+from MaxText.aot.memory_report import (GIB, MemoryReport, Offload, buffer_assignment_dump_options,
+                                       does_not_fit_message, format_bytes, host_overflow_message, parse_xla_oom,
+                                       read_buffer_assignment)
+from MaxText.aot.plan_model import offloaded_activations
+from MaxText.configuration import remat_policies
 from MaxText.errors import UserError, run_cli
 from MaxText.layers import pipeline
 from MaxText.rl.rollouts import compile_rollout_step
@@ -66,9 +69,19 @@ def _buffer_report_dir() -> Iterator[str | None]:
     yield report_dir
 
 
+def offload_of(config: config_lib.Config) -> Offload:
+  """What decides the run's host-memory use, with the planner's count of its offloaded activations."""
+  pdb, accumulation = config.data.per_device_batch_size, config.optim.gradient_accumulation_steps
+  policy = remat_policies.by_name(config.model.remat_policy)
+  tokens = pdb / accumulation * config.data.max_target_length
+  return Offload(policy.name, pdb, accumulation, config.optim.optimizer_memory_host_offload,
+                 offloaded_activations(config.model, policy, tokens))
+
+
 def compile_or_explain(step_fn: Any, inputs: run_assembly.StepInputs, topology: accelerators.TpuTopology | None,
-                       compiler_options: dict[str, str] | None = None) -> Any:
-  """Lowers and compiles; XLA's out-of-memory error becomes a one-line 'does not fit'."""
+                       compiler_options: dict[str, str] | None = None, offload: Offload | None = None) -> Any:
+  """Lowers and compiles; XLA's out-of-memory error becomes a one-line 'does not fit' naming the
+  memory that ran out (`offload`: the run's settings, for what to change when it is the host's)."""
   try:
     return step_fn.lower(*inputs.as_args()).compile(compiler_options=compiler_options)
   except jax.errors.JaxRuntimeError as e:
@@ -76,19 +89,34 @@ def compile_or_explain(step_fn: Any, inputs: run_assembly.StepInputs, topology: 
     if "RESOURCE_EXHAUSTED" not in message or topology is None:
       raise
     first_line = message.strip().splitlines()[0]
-    if "space=smem" in first_line:  # a kernel's scalar memory, not HBM: splash's block-mask metadata
+    oom = parse_xla_oom(first_line)
+    if oom.space == "smem":  # a kernel's scalar memory, not HBM: splash's block-mask metadata
       raise UserError("does not fit: a Pallas kernel's scalar memory (SMEM) overflows, not HBM; with "
                       "attention=flash the splash mask metadata grows with (sequence / sa_block)^2: raise the "
                       f"sa_block_* sizes or split the sequence more (context_parallel_strategy=ring) (XLA: {first_line})"
                       ) from None
-    if "VmemOom" in first_line or "space=vmem" in first_line:  # a kernel's tiles, not HBM
+    if oom.space == "vmem":  # a kernel's tiles, not HBM
       raise UserError("does not fit: a Pallas kernel's tiles overflow its vector memory (VMEM), not HBM; with "
                       f"attention=flash use smaller sa_block_* sizes (XLA: {first_line})") from None
+    if oom.space == "host":  # offloaded activations in the host's pinned memory
+      raise UserError(_host_message(oom.needed, topology.generation, offload, f"XLA: {first_line}", oom.buffer,
+                                    oom.available)) from None
     # XLA's figure is its whole device heap, arguments included, even where it says "HLO
     # temporaries" (getting_started/AOT.md shows the heaps it extrapolates from).
-    needed = oom_bytes_from_xla(first_line) or 0
-    raise UserError(does_not_fit_message(needed, topology.generation.name, topology.generation.hbm_gib,
-                                             f"XLA: {first_line}")) from None
+    raise UserError(does_not_fit_message(oom.needed, topology.generation.name, topology.generation.hbm_gib,
+                                         f"XLA: {first_line}")) from None
+
+
+def _host_message(needed: float, gen: accelerators.TpuGeneration, offload: Offload | None, detail: str,
+                  one_buffer: str = "", xla_limit: float = 0.0) -> str:
+  """Host memory ran out: against what XLA allows offloaded buffers (`xla_limit`, from its message)
+  and what the generation's host VM has per chip, whichever is less."""
+  limits = [f"XLA allows {xla_limit / GIB:g} GiB of offloaded buffers per chip"] if xla_limit else []
+  if gen.host_gib is not None:
+    limits.append(f"a {gen.name} host has {gen.host_gib:.1f} GiB per chip")
+  caps = ([xla_limit] if xla_limit else []) + ([gen.host_gib * GIB] if gen.host_gib is not None else [])
+  return host_overflow_message(needed, " and ".join(limits) or "more than there is", offload or Offload("", 0, 1, False),
+                               detail, one_buffer, min(caps, default=0.0))
 
 
 def report(config: config_lib.Config, topology: accelerators.TpuTopology | None, compiled: Any,
@@ -193,7 +221,7 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
   # The report options go to this compile only (XLA reads XLA_FLAGS once per process).
   options = buffer_assignment_dump_options(report_dir) if report_dir and topology else None
   with _without_persistent_cache(bool(config.startup.compiled_trainstep_file)):
-    compiled = compile_or_explain(run.train_step, inputs, topology, options)
+    compiled = compile_or_explain(run.train_step, inputs, topology, options, offload_of(config))
   print(f"compiled in {time.perf_counter() - start:.1f} s")
   target = step_target(config, topology, run) if topology is not None else None
   memory = report(config, topology, compiled, report_dir, run.objective.passes_per_row, target)
@@ -205,7 +233,11 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
     gen = topology.generation
     if memory.total > gen.hbm_gib * GIB:
       raise UserError(does_not_fit_message(memory.total, gen.name, gen.hbm_gib, memory.source))
-    print(f"fits: {format_bytes(memory.total)} of {gen.hbm_gib:g} GiB per {gen.name} chip")
+    host = memory.host
+    if gen.host_gib is not None and host > gen.host_gib * GIB:  # XLA accepts it; the host VM has less
+      raise UserError(_host_message(host, gen, offload_of(config), "XLA buffer assignment, host memory space"))
+    print(f"fits: {format_bytes(memory.total)} of {gen.hbm_gib:g} GiB per {gen.name} chip" +
+          (f"; {format_bytes(host)} of host memory per chip ({gen.host_gib:.1f} GiB)" if host and gen.host_gib else ""))
   if run.objective.uses_rollouts:
     _compile_rollout(config, run, inputs)
   path = config.startup.compiled_trainstep_file

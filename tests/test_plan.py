@@ -275,6 +275,68 @@ def test_fixed_keys_that_keep_a_model_out_are_named(tmp_path, monkeypatch):
                    ici_data_parallelism=16, cache_dir=tmp_path))
 
 
+# A model whose offloaded activations outgrow a v5e host VM (44.7 GiB per chip) while HBM holds the rest.
+HOST_HEAVY = dict(TINY, base_num_decoder_layers=64, max_target_length=8192, per_device_batch_size=32)
+
+
+def test_the_host_memory_an_offloading_candidate_needs_is_counted():
+  gib, v5e = plan_model.GIB, accelerators.TPU_GENERATIONS["v5e"]
+  offloaded = analytic("v5e-4", remat_policy="minimal_offloaded", **HOST_HEAVY)
+  # Per token and layer: q, k, v (384), the attention output (256), both MLP inputs (1024), the MLP output (256).
+  assert offloaded.host_activations == 32 * 8192 * 2 * 64 * (384 + 256 + 1024 + 256)
+  assert offloaded.total < 14.4 * gib < offloaded.host_activations  # HBM would hold it; the host would not
+  assert plan_model.host_overflow(offloaded, v5e) == (
+      "it needs 60.0 GiB of host memory per chip (offloaded activations 60.0 + optimizer 0.0), a v5e host has 44.7 "
+      "GiB per chip")
+  assert plan_model.host_overflow(analytic("v5e-4", remat_policy="full", **HOST_HEAVY), v5e) is None
+  with_optimizer = analytic("v5e-4", remat_policy="full", optimizer_memory_host_offload=True, **HOST_HEAVY)
+  assert with_optimizer.host_optimizer == pytest.approx(with_optimizer.params * 2, rel=0.01)  # AdamW: mu and nu
+  # Past XLA's own limit on offloaded buffers (128 GiB per chip), whatever the host has.
+  v6e = accelerators.TPU_GENERATIONS["v6e"]
+  assert plan_model.host_overflow(dataclasses.replace(offloaded, host_activations=130 * gib), v6e) == (
+      "its offloaded activations need 130.0 GiB of host memory per chip, over the 128 GiB XLA allows")
+  assert plan_model.host_overflow(offloaded, v6e) is None
+
+
+def test_an_offloading_preset_that_overflows_the_host_is_not_proposed(tmp_path, monkeypatch):
+  no_compile(monkeypatch)
+  with pytest.raises(UserError, match=r"^default does not fit 1 x v5e-4: every setting that fits HBM overflows the "
+                                      r"host's memory with what it offloads, e.g. .*minimal_offloaded.*: it needs "
+                                      r"60.0 GiB of host memory per chip .* a v5e host has 44.7 GiB per chip; "
+                                      r"offload less"):
+    plan.main(argv(compile_topology="v5e-4", remat_policy="minimal_offloaded", gradient_accumulation_steps=1,
+                   ici_pipeline_parallelism=1, cache_dir=tmp_path, **HOST_HEAVY))
+  topology = accelerators.tpu_topology("v5e-4")
+
+  def shortlisted(**fixed) -> list:
+    args, rest = plan.PlanArgs.parse(argv(compile_topology="v5e-4", max_candidates=8, **HOST_HEAVY, **fixed))
+    overrides = startup.read_overrides(rest)
+    config = config_lib.build_config(overrides, topology.target(), default_run_name="plan")
+    planned = plan.shortlist(args, overrides, config, topology, 1)[0]
+    assert planned and all(plan_model.host_overflow(p.estimate, topology.generation) is None for p in planned)
+    return planned
+
+  # With the policy fixed, only microbatches small enough for the host (more of them, or a 1F1B pipeline's
+  # share live at once); left free, no offloading preset at one microbatch.
+  assert all(p.config["gradient_accumulation_steps"] >= 2 or p.config["pipeline_schedule"] == "1f1b"
+             for p in shortlisted(remat_policy="minimal_offloaded"))
+  assert not any(str(p.config["remat_policy"]).endswith("_offloaded") and p.config["gradient_accumulation_steps"] == 1
+                 for p in shortlisted())
+
+
+def test_a_compiled_candidate_over_the_host_memory_does_not_fit():
+  topology = accelerators.tpu_topology("v5e-4")
+  args, rest = plan.PlanArgs.parse(argv(compile_topology="v5e-4", max_candidates=1, **TINY))
+  overrides = startup.read_overrides(rest)
+  config = config_lib.build_config(overrides, topology.target(), default_run_name="plan")
+  (only,) = plan.shortlist(args, overrides, config, topology, 1)[0][:1]
+  only.result = {"status": "compiled", "compile_s": 1.0, "total": 2**30, "step_s": 1e-3, "host_bytes": 50 * 2**30,
+                 "model_step_s": 2e-3, "model_mfu": 0.3, "model_lines": ["step-time model"]}
+  rows, best = plan.rank_compiled([only], 16 * 2**30, 4, 64, 197.0, host=44.7 * 2**30)
+  assert best is None and rows[0][plan.HEADER.index("fits")] == "NO (host memory)"
+  assert plan.rank_compiled([only], 16 * 2**30, 4, 64, 197.0)[1] is not None  # without a host figure it fits
+
+
 def test_the_bound_is_below_every_ranked_candidate():
   """fits_nowhere may answer before ranking only because no candidate can need less than the bound."""
   topology = accelerators.tpu_topology("v5e-8")

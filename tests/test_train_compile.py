@@ -276,6 +276,101 @@ def test_oom_message_parsing_and_wording():
       "does not fit: needs 21.4 GiB per chip, v5e has 16 GiB (x)"
 
 
+# XLA's out-of-memory messages, first lines as this libtpu wrote them compiling for v5p on a CPU:
+# llama3.1-405b on v5p-1024, per_device_batch_size=2, max_target_length=8192, ici_fsdp_parallelism=-1,
+# with remat_policy=save_dot_except_mlp_offloaded (the sum) and =minimal_offloaded (one buffer).
+XLA_HOST_SUM = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space host. "
+                "Used 133.88G of 128.00G host. Exceeded host capacity by 5.88G.")
+XLA_HOST_BUFFER = ("RESOURCE_EXHAUSTED: Allocation (size=219848638464) would exceed memory (size=137438953472) :: "
+                   "%s0 = inlined_call_operand.host [shape: bf16[126,2,8192,53248], index: 0, kind: output, shape "
+                   "index: {}] /* operand 0 */ :: custom-call.226")
+
+
+def test_xla_out_of_memory_messages_name_the_memory_and_the_sizes():
+  gib = memory_report.GIB
+  assert memory_report.parse_xla_oom(XLA_HOST_SUM + "\n\nProgram host requirement 133.88G:") == \
+      memory_report.XlaOom("host", int(133.88 * gib), 128 * gib)
+  assert memory_report.parse_xla_oom(XLA_HOST_BUFFER) == \
+      memory_report.XlaOom("host", 219848638464, 128 * gib, "bf16[126,2,8192,53248]")
+  assert memory_report.parse_xla_oom("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
+                                     "HLO temporaries (19.70G) exceeds available HBM (15.75G).") == \
+      memory_report.XlaOom("hbm", int(19.70 * gib), int(15.75 * gib))
+  assert memory_report.parse_xla_oom("Used 20.5G of 15.75G hbm").space == "hbm"
+  smem = memory_report.parse_xla_oom(
+      "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space smem. Allocation "
+      "(size=2097152) would exceed memory (size=1048576) :: #allocation3 [shape = 'u8[2097152]{0}', space=smem]")
+  assert smem == memory_report.XlaOom("smem", 2097152, 1048576, "u8[2097152]")
+  assert memory_report.parse_xla_oom("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:").space == "vmem"
+
+
+def _raising(message: str):
+  class Step:
+    def lower(self, *args):
+      return self
+
+    def compile(self, compiler_options=None):
+      raise jax.errors.JaxRuntimeError(message)
+
+  class Inputs:
+    def as_args(self):
+      return ()
+  return Step(), Inputs()
+
+
+def test_host_memory_running_out_is_named_with_its_sizes_and_what_to_change():
+  """XLA's host memory space (offloaded activations) ran out: said so, not 'needs 0.0 GiB' of HBM."""
+  gib, v5p = memory_report.GIB, accelerators.tpu_topology("v5p-1024")
+  offload = memory_report.Offload("save_dot_except_mlp_offloaded", 2, 1, False, 133.875 * gib)
+  with pytest.raises(UserError) as raised:
+    train_compile.compile_or_explain(*_raising(XLA_HOST_SUM), v5p, None, offload)
+  message = str(raised.value)
+  assert message.startswith("does not fit: host memory, not HBM: the activations "
+                            "remat_policy=save_dot_except_mlp_offloaded offloads to the host's pinned memory need "
+                            "133.9 GiB per chip, XLA allows 128 GiB of offloaded buffers per chip and a v5p host has "
+                            "104.3 GiB per chip; offload less (remat_policy=full), fewer sequences per chip at a time "
+                            "(1.3x fewer: per_device_batch_size=1, or gradient_accumulation_steps=2), or the same "
+                            "global batch on 1.3x the chips (XLA: RESOURCE_EXHAUSTED: "), message
+  offload = memory_report.Offload("minimal_offloaded", 2, 1, False, 606 * gib)
+  with pytest.raises(UserError) as raised:
+    train_compile.compile_or_explain(*_raising(XLA_HOST_BUFFER), v5p, None, offload)
+  message = str(raised.value)
+  assert "its largest buffer bf16[126,2,8192,53248] alone needs 204.8 GiB per chip (all of them about 606.0 GiB" \
+         in message and "offload less (remat_policy=save_dot_except_mlp_offloaded or full)" in message, message
+  assert "gradient_accumulation_steps=6" in message and "needs 0.0" not in message
+  # Device memory keeps its line (plan.py reads its figure).
+  with pytest.raises(UserError, match=r"^does not fit: needs 19.7 GiB per chip, v5p has 95 GiB \(XLA: "):
+    train_compile.compile_or_explain(*_raising("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+                                               "required for HLO temporaries (19.70G) exceeds available HBM (15.75G)."),
+                                     v5p)
+
+
+@pytest.mark.slow
+def test_offloaded_activations_over_the_host_limit_are_reported_as_host_memory():
+  """A real compile (about 2 minutes on a CPU): a small model whose offloaded activations exceed
+  the host memory XLA gives each v5p chip."""
+  model = dict(TPU_TINY, base_emb_dim=512, base_num_query_heads=4, base_num_kv_heads=4, head_dim=128,
+               base_mlp_dim=2048, base_num_decoder_layers=64, max_target_length=2048, per_device_batch_size=96,
+               remat_policy="minimal_offloaded", dataset_type="synthetic")
+  result = run_cli("MaxText.train_compile", *argv(compile_topology="v5p-8", **model)[1:])
+  assert result.returncode == 2, result.stderr[-2000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: does not fit: host memory, not HBM: the activations remat_policy=minimal_offloaded "
+                         "offloads to the host's pinned memory need 144.0 GiB per chip, XLA allows 128 GiB"), last
+  assert "Used 144.00G of 128.00G host" in last and "Traceback" not in result.stderr
+
+
+def test_a_step_xla_accepts_is_refused_when_the_host_vm_has_less(monkeypatch):
+  """XLA allows 128 GiB of offloaded buffers per chip; a v5e host VM has 44.7. The compiled
+  step's host memory space is held to the host's figure too."""
+  v5e = accelerators.TPU_GENERATIONS["v5e"]
+  assert v5e.host_gib == pytest.approx(44.70, abs=0.01)
+  monkeypatch.setitem(accelerators.TPU_GENERATIONS, "v5e", dataclasses.replace(v5e, host_gib=2**-20))
+  with pytest.raises(UserError, match=r"^does not fit: host memory, not HBM: the activations "
+                                      r"remat_policy=minimal_offloaded offloads to the host's pinned memory need "
+                                      r"[\d.]+ GiB per chip, a v5e host has 0.0 GiB per chip; offload less"):
+    train_compile.main(argv(compile_topology="v5e-4", **dict(TPU_TINY, remat_policy="minimal_offloaded")))
+
+
 def test_memory_total_is_xla_peak_when_reported_else_the_upper_bound():
   gib = memory_report.GIB
   # v5e/32b as compiled: 16.1 GiB of temporaries in all, but XLA's peak of live buffers is 11.6 GiB.
@@ -298,7 +393,7 @@ def test_buffer_assignment_report_is_read_per_memory_space(tmp_path):
       "Memory Space: vmem (color=1)\nTotal bytes: 117440512 (112.00MiB)\n\n"
       "Memory Space: cmem (color=5)\nTotal bytes: 45097156608 (42.00GiB)\n")
   heap, others = memory_report.read_buffer_assignment(str(tmp_path))
-  assert heap == 14541765120 and others == (("cmem", 45097156608),)
+  assert heap == 14541765120 and others == (("host", 45097156608),)  # colour 5 is the host's pinned memory
   report = memory_report.MemoryReport(1, 1, 1, 20 * memory_report.GIB, 100, peak=47 * memory_report.GIB, device_heap=heap, other_spaces=others)
   assert report.total == heap + 100 and report.source == "XLA buffer assignment"
   assert memory_report.read_buffer_assignment(str(tmp_path / "empty")) is None and memory_report.read_buffer_assignment(None) is None

@@ -1,13 +1,17 @@
-"""What the compiled train step needs in device memory, from XLA's memory analysis and its
-buffer-assignment report, and the one-line "does not fit" message (train_compile's report)."""
+"""What the compiled train step needs in device memory (and in the host's, for what it offloads),
+from XLA's memory analysis and its buffer-assignment report; XLA's out-of-memory messages read
+back (which memory, how much against how much); and the one-line "does not fit" messages
+(train_compile's report)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import jax
 
+from MaxText.configuration import remat_policies
 from MaxText.paths import storage
 
 GIB = 1024**3
@@ -51,6 +55,11 @@ class MemoryReport:
     return self.upper_bound
 
   @property
+  def host(self) -> int:
+    """Bytes per chip in the host's pinned memory: offloaded activations and optimizer state."""
+    return sum(size for space, size in self.other_spaces if space == "host")
+
+  @property
   def source(self) -> str:
     if self.device_heap > 0:
       return "XLA buffer assignment"
@@ -78,7 +87,9 @@ class MemoryReport:
     if self.device_heap > 0:
       lines.append(f"  device heap     {format_bytes(self.device_heap):>12}  (XLA's buffer assignment in device memory)")
     for space, size in self.other_spaces:
-      lines.append(f"  {space + ' memory':<15} {format_bytes(size):>12}  (not device HBM: e.g. offloaded activations)")
+      what = "the host's pinned memory: offloaded activations and optimizer state" if space == "host" else \
+          "not device HBM"
+      lines.append(f"  {space + ' memory':<15} {format_bytes(size):>12}  ({what})")
     lines.append(f"  total           {format_bytes(self.total):>12}  (device memory per chip, from the {self.source})")
     return lines
 
@@ -86,6 +97,9 @@ class MemoryReport:
 # Memory spaces of XLA's TPU buffer assignment that are not the device heap and too small to
 # matter (vector/scalar scratch memories, semaphores).
 _SCRATCH_SPACES = {"vmem", "smem", "sflag"}
+# Colour 5 is the host's pinned memory (layouts' S(5), which XLA's out-of-memory messages call
+# "host"); this libtpu's memory-usage report labels it "cmem".
+_HOST_COLOR = 5
 _SPACE = re.compile(r"^Memory Space: (\S+) \(color=(\d+)\)\s*\nTotal bytes: (\d+)", re.MULTILINE)
 
 
@@ -101,6 +115,8 @@ def read_buffer_assignment(dump_dir: str | None) -> tuple[int, tuple[tuple[str, 
   for name, color, size in _SPACE.findall(storage.read_text(reports[-1])):
     if int(color) == 0:
       heap = int(size)
+    elif int(color) == _HOST_COLOR:
+      others.append(("host", int(size)))
     elif name not in _SCRATCH_SPACES and int(size) >= 2**20:
       others.append((name, int(size)))
   return (heap, tuple(others)) if heap else None
@@ -131,3 +147,107 @@ def oom_bytes_from_xla(message: str) -> int | None:
 
 def does_not_fit_message(needed_bytes: float, generation: str, hbm_gib: float, detail: str) -> str:
   return f"does not fit: needs {needed_bytes / GIB:.1f} GiB per chip, {generation} has {hbm_gib:g} GiB ({detail})"
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaOom:
+  """What an XLA out-of-memory message says: the memory space that ran out ("hbm", "host",
+  "vmem", "smem"; "" when it names none), the bytes needed and available per chip (0 where it
+  gives none) and, when one allocation alone is larger than the space, that buffer's shape."""
+
+  space: str
+  needed: int
+  available: int
+  buffer: str = ""
+
+
+# The TPU compiler's messages (first lines, this libtpu), e.g.:
+#   Ran out of memory in memory space host. Used 133.88G of 128.00G host. Exceeded host capacity by 5.88G.
+#   Allocation (size=219848638464) would exceed memory (size=137438953472) :: %s0 = inlined_call_operand.host
+#     [shape: bf16[126,2,8192,53248], index: 0, kind: output, shape index: {}] /* operand 0 */ :: custom-call.226
+#   Ran out of memory on HBM, the total memory required for HLO temporaries (19.70G) exceeds available HBM (15.75G).
+#   E1001: CompileTimeScopedVmemOom:
+_USED = re.compile(r"Used ([\d.]+)([KMGT])i?B? of ([\d.]+)([KMGT])i?B? (\w+)")
+_ALLOCATION = re.compile(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\)")
+_OPERAND_SPACE = re.compile(r"inlined_call_operand\.(\w+)|space=(\w+)|memory space (\w+)")
+_SHAPE = re.compile(r"shape(?::| =) '?(\w+\[[\d,]*\])")
+_EXCEEDS = re.compile(r"\(([\d.]+)([KMGT])\) exceeds available (\w+) \(([\d.]+)([KMGT])\)")
+
+
+def parse_xla_oom(message: str) -> XlaOom:
+  """The memory space, sizes and buffer an XLA out-of-memory message names (its first line)."""
+  line = message.strip().splitlines()[0] if message.strip() else ""
+  if "VmemOom" in line:
+    return XlaOom("vmem", 0, 0)
+  allocation = _ALLOCATION.search(line)
+  if allocation:
+    where = _OPERAND_SPACE.search(line)
+    space = next((g for g in where.groups() if g), "") if where else ""
+    shape = _SHAPE.search(line)
+    return XlaOom(space.lower(), int(allocation.group(1)), int(allocation.group(2)), shape.group(1) if shape else "")
+  used = _USED.search(line)
+  if used:
+    return XlaOom(used.group(5).lower(), int(float(used.group(1)) * _UNIT[used.group(2)]),
+                  int(float(used.group(3)) * _UNIT[used.group(4)]))
+  exceeds = _EXCEEDS.search(line)
+  if exceeds:
+    return XlaOom(exceeds.group(3).lower(), int(float(exceeds.group(1)) * _UNIT[exceeds.group(2)]),
+                  int(float(exceeds.group(4)) * _UNIT[exceeds.group(5)]))
+  return XlaOom("hbm" if "hbm" in line.lower() else "", oom_bytes_from_xla(line) or 0, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload:
+  """The run's settings that decide its host-memory use, for what the message suggests;
+  `estimate`: the planner's count of its offloaded activations per chip (0 if not counted)."""
+
+  remat_policy: str
+  per_device_batch_size: float
+  accumulation: int
+  optimizer_offloaded: bool
+  estimate: float = 0.0
+
+
+def host_overflow_message(needed: float, limits: str, offload: Offload, detail: str, one_buffer: str = "",
+                          available: float = 0.0) -> str:
+  """The one line for host memory running out: what is there (offloaded activations from an
+  *_offloaded remat policy, offloaded optimizer state), how much against how much (`limits`),
+  and what would use less. With `one_buffer`, `needed` is that buffer alone (a lower bound)."""
+  policy = remat_policies.BY_NAME.get(offload.remat_policy)
+  what = f"the activations remat_policy={offload.remat_policy} offloads" if policy and policy.offloaded else \
+      "what the step offloads"
+  what += " and the optimizer state (optimizer_memory_host_offload)" if offload.optimizer_offloaded else ""
+  what += " to the host's pinned memory"
+  if one_buffer:
+    need = f"{what}: its largest buffer {one_buffer} alone needs {needed / GIB:.1f} GiB per chip"
+    if offload.estimate > needed:
+      need += f" (all of them about {offload.estimate / GIB:.1f} GiB by the planner's count)"
+  else:
+    need = f"{what} need {needed / GIB:.1f} GiB per chip"
+  # Activations scale with the sequences a chip holds at a time; offloaded optimizer state does not.
+  total = max(needed, offload.estimate if one_buffer else 0.0)
+  factor = total / available if available and not offload.optimizer_offloaded else 0.0
+  at_least = "at least " if one_buffer and offload.estimate <= needed else ""
+  options = []
+  if policy and policy.offloaded:
+    lighter = [p.name for p in remat_policies.REMAT_POLICIES
+               if p.offloaded and p.searched_by_planner and set(p.saved) < set(policy.saved)]
+    options.append(f"offload less (remat_policy={' or '.join(lighter + ['full'])})")
+  if offload.optimizer_offloaded:
+    options.append("keep the optimizer state in HBM (optimizer_memory_host_offload=false)")
+  if policy and policy.offloaded and factor > 1:
+    options.append(f"fewer sequences per chip at a time ({at_least}{factor:.2g}x fewer: per_device_batch_size="
+                   f"{_batch(offload.per_device_batch_size / factor)}, or gradient_accumulation_steps="
+                   f"{math.ceil(offload.accumulation * factor)})")
+  elif policy and policy.offloaded:
+    options.append("fewer sequences per chip at a time (per_device_batch_size, gradient_accumulation_steps)")
+  options.append(f"or the same global batch on {at_least}{factor:.2g}x the chips" if factor > 1 else
+                 "or the same global batch on more chips")
+  return f"does not fit: host memory, not HBM: {need}, {limits}; {', '.join(options)} ({detail})"
+
+
+def _batch(pdb: float) -> str:
+  """The largest per_device_batch_size not above `pdb`: whole below 1 sequence are halves, quarters, ..."""
+  if pdb >= 1:
+    return f"{math.floor(pdb)}"
+  return f"{2.0 ** math.floor(math.log2(pdb)):g}" if pdb > 0 else "less"

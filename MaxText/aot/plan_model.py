@@ -64,6 +64,9 @@ OFFLOADED_OPTIMIZER_ON_DEVICE = 0.7
 # counted from XLA's buffer assignments of expert-parallel Qwen3-Next 80B compiles (getting_started/Planner.md).
 MOE_EXCHANGE_COPIES = 12
 SEARCHED_POLICIES = tuple(p.name for p in remat_policies.REMAT_POLICIES if p.searched_by_planner)
+# XLA's TPU compiler refuses more than this many bytes of offloaded temporaries (activations) in host
+# memory per chip, on every generation here; offloaded arguments (optimizer state) are outside it.
+XLA_HOST_TEMPORARIES = 128 * GIB
 
 # Keys a candidate sets; a key the user gives is held fixed instead.
 PIPELINE_KEYS = ("pipeline_schedule", "num_pipeline_repeats", "num_pipeline_microbatches")
@@ -94,6 +97,8 @@ class Estimate:
   tokens_per_s: float  # per chip
   caveats: tuple[str, ...]  # where the compiler estimate cannot be trusted
   unsharded: float  # fraction of parameter bytes not split over every non-data axis
+  host_activations: float = 0.0  # in the host's pinned memory: what an *_offloaded remat policy keeps
+  host_optimizer: float = 0.0  # in the host's pinned memory: the optimizer state, when offloaded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +165,26 @@ def _widths(cfg: ModelConfig) -> dict[remat_policies.Width, float]:
   mlp = cfg.mlp_dim * (cfg.moe.num_experts_per_tok if cfg.moe.num_experts > 1 else 1)
   return {"qkv": heads, "out": cfg.emb_dim, "mlp_in": mlp * len(cfg.mlp_activations), "mlp_out": cfg.emb_dim,
           "attn": cfg.num_query_heads * cfg.head_dim, "norms": 2 * cfg.emb_dim, "mlp_act": mlp}
+
+
+def offloaded_activations(cfg: ModelConfig, policy: remat_policies.RematPolicy, tokens: float) -> float:
+  """Bytes (bf16) that `policy` keeps in host memory for `tokens` tokens on a chip, over every layer."""
+  widths = _widths(cfg)
+  return tokens * 2 * cfg.num_decoder_layers * sum(widths[w] for w in policy.saved_on_host)
+
+
+def host_overflow(e: Estimate, generation: accelerators.TpuGeneration) -> str | None:
+  """Why a candidate's host-memory side does not fit (what XLA refuses, or more than the host VM
+  has per chip), or None."""
+  if e.host_activations > XLA_HOST_TEMPORARIES:
+    return (f"its offloaded activations need {e.host_activations / GIB:.1f} GiB of host memory per chip, over the "
+            f"{XLA_HOST_TEMPORARIES / GIB:g} GiB XLA allows")
+  host = e.host_activations + e.host_optimizer
+  if generation.host_gib is not None and host > generation.host_gib * GIB:
+    return (f"it needs {host / GIB:.1f} GiB of host memory per chip (offloaded activations "
+            f"{e.host_activations / GIB:.1f} + optimizer {e.host_optimizer / GIB:.1f}), a {generation.name} host "
+            f"has {generation.host_gib:.1f} GiB per chip")
+  return None
 
 
 def expert_layers(cfg: ModelConfig) -> int:
@@ -287,7 +312,8 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
     caveats.append("attention loop uncounted")
   return Estimate(params, device_optimizer, gradients, activations, total, flops_per_chip,
                   compute_s, ici_s + exposed_s, dcn_s, host_s, step_s, mfu, global_batch * seq_len / chips / step_s, tuple(caveats),
-                  unsharded)
+                  unsharded, offloaded_activations(cfg, policy, tokens) * pipe.live_share,
+                  optimizer if offload_opt else 0.0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -177,6 +177,9 @@ class TpuGeneration:
   # turn the compiler's per-op cycle estimates into seconds.
   clock_ghz: float
   sizes: tuple[int, ...]  # the published slice names' numbers
+  # The host VM's memory per chip in GiB (published RAM of a host / its chips; getting_started/Planner.md
+  # cites them): what offloaded activations and optimizer state share. None: no published figure.
+  host_gib: float | None = None
 
 
 def _v5p_sizes() -> tuple[int, ...]:
@@ -187,10 +190,11 @@ TPU_GENERATIONS: dict[str, TpuGeneration] = {
     "v4": TpuGeneration("v4", "v4", "TPU v4", "megacore", 2, 3, 32.0, 275.0, 1.05,
                         (8, 16, 32, 64, 128, 256, 384, 512, 1024, 1536, 2048, 4096)),
     "v5e": TpuGeneration("v5e", "v5e", "TPU v5 lite", "default", 1, 2, 16.0, 197.0, 1.5,
-                         (1, 4, 8, 16, 32, 64, 128, 256)),
-    "v5p": TpuGeneration("v5p", "v5", "TPU v5", "megacore", 2, 3, 95.0, 459.0, 1.75, _v5p_sizes()),
+                         (1, 4, 8, 16, 32, 64, 128, 256), host_gib=192e9 / 4 / 2**30),  # 192 GB per 4-chip VM
+    "v5p": TpuGeneration("v5p", "v5", "TPU v5", "megacore", 2, 3, 95.0, 459.0, 1.75, _v5p_sizes(),
+                         host_gib=448e9 / 4 / 2**30),  # 448 GB per 4-chip host
     "v6e": TpuGeneration("v6e", "v6e", "TPU v6 lite", "default", 1, 2, 32.0, 918.0, 1.75,
-                         (1, 4, 8, 16, 32, 64, 128, 256)),
+                         (1, 4, 8, 16, 32, 64, 128, 256), host_gib=1536 / 8),  # 1536 GiB per 8-chip host
 }
 
 # 2D (v5e/v6e) slice shapes; a side of 16 is a full ring and wraps around.
