@@ -209,6 +209,21 @@ def test_the_watchdog_guards_the_first_batch(capsys):
   watchdog.on_end(None, None)  # type: ignore[arg-type]
 
 
+def test_the_watchdog_is_armed_once_the_first_step_is_dispatched(capsys):
+  """The trainer finishes step 1 (on_step) only after step 2 is dispatched, so step 2's rollout and
+  its reward functions run before it: armed at on_step, a hang there went unnoticed for good."""
+  from MaxText.training.health import StepWatchdog, activity
+
+  exits: list[int] = []
+  watchdog = StepWatchdog(0.5, exit=exits.append)
+  assert watchdog.due(13)  # a run resumed at step 12 dispatched (and compiled) its first step
+  with activity("reward function slow:f"):
+    time.sleep(1.5)  # step 14's rollout
+  assert exits == [StepWatchdog.EXIT_CODE]
+  assert "error: no step finished in step_timeout_seconds=0.5 after step 12 on this process; every process started " \
+         "step 13, and it did not finish (in reward function slow:f); Python stacks above" in capsys.readouterr().err
+
+
 class _SlowFirstBatch:
   """Data whose first batch never comes (a reader that hangs)."""
 

@@ -260,9 +260,9 @@ class StepWatchdog:
   """Ends a run whose next step does not finish within `timeout_s` (a hang inside a collective, a
   stuck host): prints every thread's Python stack, names the processes that did not reach the step
   the others are waiting in, and exits with EXIT_CODE so the scheduler restarts the job, which
-  resumes from its last checkpoint. Armed after the first step (compilation is not a hang) and,
-  before it, inside `guard` (the first batch: a reward function or a reader that never returns);
-  add with every=0 (its `due` records each dispatch) on every process."""
+  resumes from its last checkpoint. Armed once the first step is dispatched (compiling it is not a
+  hang) and, before it, inside `guard` (the first batch: a reward function or a reader that never
+  returns); add with every=0 (its `due` records each dispatch) on every process."""
 
   EXIT_CODE = 4
 
@@ -277,8 +277,15 @@ class StepWatchdog:
     self.last_step = 0
 
   def due(self, step: int) -> bool:
-    """Asked right after step `step` is dispatched: this process reached it."""
+    """Asked right after step `step` is dispatched: this process reached it. The first dispatch
+    arms the watchdog: the step is compiled by then, and what follows before its on_step (its run,
+    the next batch: for GRPO the next rollout with its reward functions) can hang."""
     self.board.set(step)
+    if not self._armed.is_set():
+      self.last_step = step - 1
+      self._start()
+      self._armed.set()
+      self._petted.set()
     return True
 
   @contextlib.contextmanager
