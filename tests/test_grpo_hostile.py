@@ -221,7 +221,7 @@ def test_the_watchdog_is_armed_once_the_first_step_is_dispatched(capsys):
     time.sleep(1.5)  # step 14's rollout
   assert exits == [StepWatchdog.EXIT_CODE]
   assert "error: no step finished in step_timeout_seconds=0.5 after step 12 on this process; every process started " \
-         "step 13, and it did not finish (in reward function slow:f); Python stacks above" in capsys.readouterr().err
+         "step 13; this process is in reward function slow:f; Python stacks above" in capsys.readouterr().err
 
 
 class _SlowFirstBatch:

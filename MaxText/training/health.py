@@ -242,9 +242,9 @@ def unguarded(what: str) -> Iterator[None]:
   yield
 
 
-def _in_activity() -> str:
+def _in_activity() -> str | None:
   current = list(_ACTIVITY)
-  return f" (in {current[-1]})" if current else ""
+  return current[-1] if current else None
 
 
 def _print_stacks() -> None:
@@ -328,7 +328,8 @@ class StepWatchdog:
     _print_stacks()
     doing = _in_activity()
     if self._guarding is not None:
-      print(f"error: {self._guarding} did not finish in step_timeout_seconds={self.timeout_s:g}{doing}; Python "
+      inside = f" (in {doing})" if doing else ""
+      print(f"error: {self._guarding} did not finish in step_timeout_seconds={self.timeout_s:g}{inside}; Python "
             f"stacks above. Exiting with status {self.EXIT_CODE} so the job restarts", file=sys.stderr, flush=True)
       self._leave()
       return
@@ -342,9 +343,10 @@ class StepWatchdog:
     behind = sorted(p for p, s in steps.items() if s < ahead)
     where = (f"process(es) {', '.join(map(str, behind))} did not reach step {ahead} "
              f"({', '.join(f'process {p} started step {steps[p]} last' for p in behind)})" if behind
-             else f"every process started step {ahead}, and it did not finish")
+             else f"every process started step {ahead}" + ("" if doing else ", and it did not finish"))
+    inside = f"; this process is in {doing}" if doing else ""
     print(f"error: no step finished in step_timeout_seconds={self.timeout_s:g} after step {self.last_step} on "
-          f"this process; {where}{unreachable}{doing}; Python stacks above. Exiting with status {self.EXIT_CODE} so "
+          f"this process; {where}{unreachable}{inside}; Python stacks above. Exiting with status {self.EXIT_CODE} so "
           "the job restarts and resumes from its last checkpoint", file=sys.stderr, flush=True)
     self._leave()
 
