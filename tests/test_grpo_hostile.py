@@ -123,8 +123,9 @@ def test_a_weighted_sum_beyond_float_range_is_an_error_naming_the_functions(tiny
 
 def test_unscaled_advantages_beyond_the_bound_are_an_error():
   with pytest.raises(UserError) as error:
-    rewards.advantages(np.asarray([1e300, -1e300, 0.0, 0.0]), 4, "none")
-  assert "grpo_scale_rewards=none" in str(error.value) and "1e+06" in str(error.value)
+    rewards.advantages(np.asarray([1e300, -1e300, 0.0, 0.0]), 4, "none", ["mine:f"])
+  assert "grpo_scale_rewards=none an advantage (the weighted reward of reward functions mine:f minus its group's " \
+         "mean) is 1e+300, beyond the 1e+06" in str(error.value), str(error.value)
   np.testing.assert_array_equal(rewards.advantages(np.asarray([3.0, 1.0, 2.0, 2.0]), 4, "none")[0], [1, -1, 0, 0])
 
 

@@ -171,8 +171,9 @@ class RewardSet:
     """`prompt_indices`: each completion's prompt record index (for the error that names one)."""
     per_function = {}
     for name, fn in zip(self.names, self.functions):
-      arguments = copy.deepcopy({"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
-                                 **columns})
+      # Token ids, the bulk, copied as lists of ints; the rest (message lists, columns) deeply.
+      arguments = {"prompts": copy.deepcopy(prompts), "completions": list(completions),
+                   "completion_ids": [list(ids) for ids in completion_ids], **copy.deepcopy(dict(columns))}
       try:
         with health.activity(f"reward function {name}"):
           values = fn(**arguments)
@@ -241,10 +242,12 @@ def _std(values: np.ndarray, axis: int | None = None) -> np.ndarray:
     return np.squeeze(unit.std(axis=axis, ddof=1, keepdims=True) * scale, axis=axis)
 
 
-def advantages(rewards: np.ndarray, group_size: int, scaling: str) -> tuple[np.ndarray, np.ndarray]:
+def advantages(rewards: np.ndarray, group_size: int, scaling: str,
+               names: Sequence[str] = ()) -> tuple[np.ndarray, np.ndarray]:
   """(advantages [R], each completion's group reward std [R]): the reward minus its group's mean,
   divided by the group's (scaling=group) or the batch's (batch) sample standard deviation + 1e-4,
   or not divided (none). Rows are grouped in order: completions i*G .. i*G + G - 1 share a prompt.
+  `names`: the reward functions, for the error about unscaled advantages that are too large.
 
   Computed on the rewards divided by their group's (batch's) largest |r|, which leaves the result
   as it is (the + 1e-4 is divided too) but keeps any finite rewards from overflowing."""
@@ -256,9 +259,10 @@ def advantages(rewards: np.ndarray, group_size: int, scaling: str) -> tuple[np.n
       centred = ((unit - unit.mean(axis=1, keepdims=True)) * scale).reshape(-1)
     worst = float(np.max(np.abs(centred))) if centred.size else 0.0
     if not worst <= MAX_UNSCALED_ADVANTAGE:
-      raise UserError(f"with grpo_scale_rewards=none an advantage (a reward minus its group's mean) is {worst:.3g}, "
-                      f"beyond the {MAX_UNSCALED_ADVANTAGE:g} the loss's gradient can take; scale the rewards or "
-                      "reward_weights down, or set grpo_scale_rewards=group")
+      of = f" of reward functions {', '.join(names)}" if names else ""
+      raise UserError(f"with grpo_scale_rewards=none an advantage (the weighted reward{of} minus its group's mean) is "
+                      f"{worst:.3g}, beyond the {MAX_UNSCALED_ADVANTAGE:g} the loss's gradient can take; scale the "
+                      "rewards or reward_weights down, or set grpo_scale_rewards=group")
     return centred, group_std
   if scaling == "group":
     unit, scale = _scaled(grouped, axis=1)

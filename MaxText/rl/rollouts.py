@@ -19,6 +19,7 @@ data state, and every row's sampler seed comes from decode_sampling_seed, the st
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Mapping
 
@@ -30,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from MaxText.configuration.config import Config
 from MaxText.inference import sampling
 from MaxText.inference.engine import Engine
+from MaxText.inference.engine_api import DecodeEngine
 from MaxText.input_pipeline import chat
 from MaxText.input_pipeline.batch_spec import ADVANTAGES, FIELDS
 from MaxText.platform import sharding
@@ -53,7 +55,7 @@ def _global(value: np.ndarray, where: NamedSharding) -> jax.Array:
   return jax.make_array_from_callback(value.shape, where, lambda index: value[index])
 
 
-def generate(engine: Engine, params: Any, rows: list[list[int]], row_params: list[sampling.RowParams],
+def generate(engine: DecodeEngine, params: Any, rows: list[list[int]], row_params: list[sampling.RowParams],
              max_new_tokens: int, eos_id: int | None) -> list[list[int]]:
   """Each row's completion: sampled tokens up to and including eos_id, at most max_new_tokens.
   All rows share one decode state (one slot per row) and stop together when every row is done."""
@@ -64,11 +66,14 @@ def generate(engine: Engine, params: Any, rows: list[list[int]], row_params: lis
   outputs = [[int(t)] for t in _on_host(prefix.first_tokens_B)]
   done = [max_new_tokens <= 1 or out[-1] == eos_id for out in outputs]
   while not all(done):
-    state, tokens_T = engine.generate(params, state)
-    tokens = _on_host(tokens_T)
+    state, emitted = engine.decode_step(params, state)
+    emitted = dataclasses.replace(emitted, tokens=_on_host(emitted.tokens),
+                                  counts=None if emitted.counts is None else _on_host(emitted.counts))
     for row, out in enumerate(outputs):
-      if not done[row]:
-        out.append(int(tokens[row]))
+      for i in range(emitted.count(row)):
+        if done[row]:
+          break
+        out.append(emitted.token(row, i))
         done[row] = len(out) >= max_new_tokens or out[-1] == eos_id
   return outputs
 
@@ -154,7 +159,8 @@ class RolloutBatches:
     with guard("the first rollout's reward functions"):
       scores = self.rewards.score([p.prompt for p in row_prompts], texts, completions,
                                   prompts_lib.columns_of(group, self.group), [p.index for p in row_prompts])
-    advantages, group_std = rewards_lib.advantages(scores.total, self.group, self.rl.grpo_scale_rewards)
+    advantages, group_std = rewards_lib.advantages(scores.total, self.group, self.rl.grpo_scale_rewards,
+                                                   self.rewards.names)
     rows[ADVANTAGES] = advantages.astype(np.float32)
     batch: Batch = {name: _global(value, sharding.for_rank(self.sharding, value.ndim)) for name, value in rows.items()}
     lengths = np.asarray([len(c) for c in completions])
@@ -171,9 +177,4 @@ def compile_rollout_step(config: Config, mesh: Mesh, abstract_params: Any) -> An
   """The rollout's decode step (one token for every completion of a batch) compiled ahead of time
   on `mesh` for parameters laid out as the train state holds them (`abstract_params`: shapes with
   shardings), as train_compile checks it for a topology."""
-  engine = Engine(config, num_slots=config.data.global_batch_size, mesh=mesh)
-  shapes = jax.eval_shape(engine._init_state_fn, np.uint32(0))
-  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
-                       engine.state_shardings)
-  with sharding.activation_sharding(engine.mesh, engine.rules):
-    return engine._generate.lower(abstract_params, state, None).compile()
+  return Engine(config, num_slots=config.data.global_batch_size, mesh=mesh).compile_step(abstract_params)
