@@ -118,13 +118,13 @@ def decode(config: config_lib.Config) -> list[int]:
 
   state = engine.insert(prefix, engine.init_decode_state(seed), slot=0)
   generated = [int(prefix.first_tokens_B[0])]
-  state, tokens = engine.generate(params, state)  # compile + first step, outside the timing
-  generated.append(int(tokens[0]))
+  state, emitted = engine.decode_step(params, state)  # compile + first step, outside the timing
+  generated.append(emitted.token(0))
   start = time.perf_counter()
   step_tokens = []
   for _ in range(num_new - 2):
-    state, tokens = engine.generate(params, state)
-    step_tokens.append(tokens)  # read back after the loop: the host never waits inside it
+    state, emitted = engine.decode_step(params, state)
+    step_tokens.append(emitted.tokens)  # read back after the loop: the host never waits inside it
   generated += [int(t[0]) for t in jax.device_get(step_tokens)]
   generate_s = time.perf_counter() - start
 
@@ -140,7 +140,6 @@ def decode_speculative(config: config_lib.Config, ids: list[int], tokenizer: Tok
   """`decode` by speculative rounds (draft proposes, target verifies) until max_target_length or
   the end of sequence; also prints the draft's acceptance rate."""
   engine, params = speculative_engine.load(config, 1, FRESH_NOTE)
-  assert isinstance(engine, speculative_engine.SpeculativeEngine)
   num_new = config.model.max_target_length - len(ids) + 1
   seed, eos = config.decode.decode_sampling_seed, None if tokenizer is None else tokenizer.eos_id
   engine.prefill(params, [ids], seed).first_tokens_B.block_until_ready()  # compile
@@ -152,8 +151,8 @@ def decode_speculative(config: config_lib.Config, ids: list[int], tokenizer: Tok
   state = engine.insert(prefix, engine.init_decode_state(seed), slot=0)
   generated, rounds, start, timed_from = [int(prefix.first_tokens_B[0])], 0, 0.0, 0
   while len(generated) < num_new and generated[-1] != eos:
-    state, tokens, counts, _ = engine.speculative_round(params, state, [True])
-    generated += [int(t) for t in tokens[0, :counts[0]]]
+    state, emitted = engine.decode_step(params, state, [True])
+    generated += [emitted.token(0, i) for i in range(emitted.count(0))]
     rounds += 1
     if rounds == 1:  # the first round compiles: timed from the second on
       start, timed_from = time.perf_counter(), len(generated)

@@ -38,7 +38,7 @@ from MaxText.inference import image_chat
 from MaxText.inference import openai_api as api
 from MaxText.inference import scheduler as sched
 from MaxText.inference import serve_metrics, speculative_engine
-from MaxText.inference.engine import Engine
+from MaxText.inference.engine_api import DecodeEngine
 
 API_KEY_ENV = "MAXTEXT_API_KEY"  # an environment variable, never a config key: configs are saved with runs
 RETRY_AFTER_SECONDS = "1"
@@ -86,7 +86,7 @@ def _codec(config: config_lib.Config) -> tuple[api.Codec, int | None]:
 class Server:
   """The engine's scheduler and what the routes need to turn requests into jobs and answers."""
 
-  def __init__(self, config: config_lib.Config, engine: Engine | speculative_engine.SpeculativeEngine, params: Any,
+  def __init__(self, config: config_lib.Config, engine: DecodeEngine, params: Any,
                codec: api.Codec, eos_id: int | None):
     d = config.decode
     self.codec, self.decode_cfg = codec, d

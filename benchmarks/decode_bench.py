@@ -133,14 +133,14 @@ def run(overrides: dict[str, Any], layout: str, num_slots: int, prompt: list[int
   state = engine.init_decode_state()
   for slot in range(num_slots):
     state = engine.insert(prefix, state, slot)
-  state, tokens = engine.generate(params, state)  # compile
-  tokens.block_until_ready()
+  state, emitted = engine.decode_step(params, state)  # compile
+  emitted.tokens.block_until_ready()
   start = time.perf_counter()
   for _ in range(args.steps):
-    state, tokens = engine.generate(params, state)
-  tokens.block_until_ready()
+    state, emitted = engine.decode_step(params, state)
+  emitted.tokens.block_until_ready()
   step_s = (time.perf_counter() - start) / args.steps
-  assert engine.generate_compilations() == 1
+  assert engine.metrics()["step_compilations"] == 1
   print(f"RESULT generate layout={layout} slots={num_slots} per_token_ms={step_s * 1e3:.2f} "
         f"tokens_per_s={num_slots / step_s:.1f} "
         f"(context {args.max_prefill_predict_length}..{args.max_prefill_predict_length + args.steps})")
@@ -155,6 +155,7 @@ def speculate(overrides: dict[str, Any], target: Any, target_params: Any, layout
   from MaxText.configuration.config import Config
   from MaxText.inference.engine import Engine
   from MaxText.inference.speculative import SpeculativeDecoder
+  from MaxText.inference.speculative_engine import SpeculativeEngine
 
   if args.draft == "self":
     draft, draft_params = target, target_params
@@ -163,20 +164,23 @@ def speculate(overrides: dict[str, Any], target: Any, target_params: Any, layout
                  base_num_decoder_layers=2)
     draft = Engine(Config.for_testing(**small), num_slots=num_slots)
     draft_params = draft.load_params(seed=1)
-  decoder = SpeculativeDecoder(target, draft, args.speculative_tokens)
-  prefixes = decoder.prefill(target_params, draft_params, [prompt])
-  state = decoder.init_decode_state()
+  engine = SpeculativeEngine(SpeculativeDecoder(target, draft, args.speculative_tokens))
+  params = (target_params, draft_params)
+  prefix = engine.prefill(params, [prompt])
+  state = engine.init_decode_state()
   for slot in range(num_slots):
-    state = decoder.insert(prefixes, state, slot)
-  state, _, _ = decoder.step(target_params, draft_params, state)  # compile
-  decoder.acceptance.reset()
+    state = engine.insert(prefix, state, slot)
+  state, _ = engine.decode_step(params, state)  # compile
+  before = engine.metrics()  # the timed rounds' acceptance only
   emitted = 0
   start = time.perf_counter()
   for _ in range(args.steps):
-    state, _, counts = decoder.step(target_params, draft_params, state)  # counts come back to the host
-    emitted += int(np.sum(counts))
+    state, out = engine.decode_step(params, state)  # counts come back to the host
+    emitted += int(np.sum(out.counts))
   round_s = (time.perf_counter() - start) / args.steps
-  metrics = decoder.metrics()
+  after = engine.metrics()
+  proposed = after["proposed"] - before["proposed"]
+  metrics = {"acceptance_rate": (after["accepted"] - before["accepted"]) / proposed if proposed else 0.0}
   print(f"RESULT speculative layout={layout} slots={num_slots} k={args.speculative_tokens} draft={args.draft} "
         f"round_ms={round_s * 1e3:.2f} tokens_per_s={emitted / args.steps / round_s:.1f} "
         f"acceptance_rate={metrics['acceptance_rate']:.3f}")

@@ -46,6 +46,7 @@ from MaxText.configuration.config import Config
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.errors import UserError
 from MaxText.inference import image_prompts, paged_cache, sampling, state_snapshots
+from MaxText.inference.engine_api import Emitted, SlotInfo, TokenLogprobs
 from MaxText.layers import kv_cache
 
 
@@ -57,15 +58,6 @@ class RowSampling:
   top_p_B: Any  # float32; 1 = no nucleus cut
   top_k_B: Any  # int32; 0 = no top-k cut
   keys_B: Any  # PRNG key data per row, split at every draw
-
-
-@struct.dataclass
-class TokenLogprobs:
-  """What a sampled token scored under the model (temperature 1): see sampling.token_logprobs."""
-
-  chosen_B: Any  # float32 log-probability of the sampled token
-  top_ids_Bk: Any  # int32 the most probable tokens, best first
-  top_logprobs_Bk: Any  # float32 their log-probabilities
 
 
 @struct.dataclass
@@ -119,7 +111,10 @@ def refuse_mtp_speculative(cfg: ModelConfig) -> None:
 
 
 class Engine:
-  """Prefill/insert/generate over one model; every step function is jitted once per shape."""
+  """Prefill/insert/generate over one model; every step function is jitted once per shape. An
+  engine_api.DecodeEngine (one token per slot and step)."""
+
+  speculative_tokens = 0
 
   def __init__(self, config: Config, num_slots: int = 1, mesh: Mesh | None = None):
     self.config, self.cfg, self.decode_cfg = config, config.model, config.decode
@@ -128,6 +123,7 @@ class Engine:
       # would depend on how the text is split into calls: decode dropless, the exact routing.
       self.cfg = dataclasses.replace(self.cfg, moe=dataclasses.replace(self.cfg.moe, capacity_factor=-1.0))
     self.num_slots = num_slots
+    self._busy = np.zeros(num_slots, bool)  # slots holding a request (SlotInfo.busy)
     prefill, target = self.decode_cfg.max_prefill_predict_length, self.cfg.max_target_length
     if prefill >= target:
       raise UserError(f"max_prefill_predict_length ({prefill}) must be less than max_target_length ({target}): "
@@ -209,6 +205,7 @@ class Engine:
     if self.snapshots is not None:  # the snapshots named pages of the old index
       self.snapshots = state_snapshots.SnapshotIndex(self.snapshots.capacity)
       self._restore_rows.clear()
+    self._busy[:] = False
     return self._init_state(jnp.uint32(seed))
 
   def prefill(self, params: Any, prompts: Sequence[Sequence[int]], seed: int = 0,
@@ -234,9 +231,12 @@ class Engine:
     """`state` with prompt `row` of `prefix` in slot `slot` (slot and row are traced: no recompiles)."""
     self._check_slot(slot)
     if self.pages is None:
-      return self._insert(prefix, state, jnp.int32(slot), jnp.int32(row))
-    self.pages.assign(slot, int(prefix.next_positions_B[row]))  # OutOfPages leaves everything as it was
-    return self._insert(prefix, state, jnp.int32(slot), jnp.int32(row), jnp.asarray(self.pages.table[slot]))
+      state = self._insert(prefix, state, jnp.int32(slot), jnp.int32(row))
+    else:
+      self.pages.assign(slot, int(prefix.next_positions_B[row]))  # OutOfPages leaves everything as it was
+      state = self._insert(prefix, state, jnp.int32(slot), jnp.int32(row), jnp.asarray(self.pages.table[slot]))
+    self._busy[slot] = True
+    return state
 
   def generate(self, params: Any, state: DecodeState) -> tuple[DecodeState, jax.Array]:
     """Every slot's next token [T]; the state moves on by one position per slot. Paged: raises
@@ -271,6 +271,7 @@ class Engine:
     runs = image_prompts.image_runs(prompt, self.cfg.vision, images)
     salts = image_prompts.page_salts(runs, images, self.pages.page_size)
     start = self.pages.assign(slot, len(prompt), active=False, prompt=prompt, salts=salts, runs=runs)
+    self._busy[slot] = True
     self._forget_restore(slot)
     if self.snapshots is not None and start:  # assign shared pages only up to a boundary with a snapshot
       row = self.snapshots.lookup(self._boundary_digest(prompt, start, salts))
@@ -333,6 +334,7 @@ class Engine:
     in the batch with nothing cached until the next insert); dense, nothing to do."""
     self._check_slot(slot)
     self._forget_restore(slot)
+    self._busy[slot] = False
     if self.pages is not None:
       self.pages.release(slot)
 
@@ -364,6 +366,37 @@ class Engine:
     pixels = self._pixels([prompt], [images])
     with sharding.activation_sharding(self.mesh, self.rules):
       return self._score(params, jnp.asarray(tokens_BL), pixels)
+
+  @property
+  def prefill_chunk_size(self) -> int:
+    return self.decode_cfg.prefill_chunk_size
+
+  def decode_step(self, params: Any, state: DecodeState, active: Sequence[bool] | np.ndarray | None = None
+                  ) -> tuple[DecodeState, Emitted]:
+    """`step` as engine_api.Emitted (one token per slot; `active` is not needed)."""
+    state, (tokens_B, logprobs) = self.step(params, state)
+    return state, Emitted(tokens_B, logprobs)
+
+  def slot(self, slot: int) -> SlotInfo:
+    self._check_slot(slot)
+    if self.pages is None:
+      return SlotInfo(bool(self._busy[slot]), False, 0)
+    return SlotInfo(bool(self._busy[slot]), bool(self._busy[slot] and not self.pages.active[slot]),
+                    self.pages.held(slot))
+
+  def metrics(self) -> dict[str, float]:
+    return {"step_compilations": self.traces["generate"]}
+
+  def compile_step(self, abstract_params: Any) -> Any:
+    """The decode step (one token for every slot) compiled ahead of time for parameters laid out as
+    `abstract_params` (shapes with shardings): what an AOT check of a topology compiles."""
+    shapes = jax.eval_shape(self._init_state_fn, np.uint32(0))
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                         self.state_shardings)
+    table = None if self.pages is None else jax.ShapeDtypeStruct(self.pages.table.shape, jnp.int32,
+                                                                  sharding=sharding.replicated(self.mesh))
+    with sharding.activation_sharding(self.mesh, self.rules):
+      return self._generate.lower(abstract_params, state, table).compile()
 
   def generate_compilations(self) -> int:
     """How many distinct programs `generate` has compiled (1 after any number of steps)."""

@@ -38,8 +38,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxText.errors import UserError
 from MaxText.inference import paged_cache, sampling, speculative
-from MaxText.inference.engine import (DecodeState, Engine, Prefix, RowSampling, TokenLogprobs, pad_prompts,
+from MaxText.inference.engine import (DecodeState, Engine, Prefix, RowSampling, pad_prompts,
                                       refuse_mtp_speculative)
+from MaxText.inference.engine_api import TokenLogprobs
 from MaxText.layers import kv_cache
 from MaxText.platform import sharding
 

@@ -32,15 +32,14 @@ import dataclasses
 import threading
 import time
 import traceback
-from typing import Any, Callable, Sequence, cast
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
-from MaxText.inference.engine import Engine, TokenLogprobs
+from MaxText.inference.engine_api import DecodeEngine, Emitted, TokenLogprobs
 from MaxText.inference.image_prompts import PromptImages
 from MaxText.inference.sampling import RowParams
-from MaxText.inference.speculative_engine import SpeculativeEngine
 
 
 class QueueFull(Exception):
@@ -118,7 +117,7 @@ def _scores(logprobs: TokenLogprobs, *index: int) -> tuple[float, list[tuple[int
 class Scheduler:
   """Owns `engine` and `params` on its own thread; `submit` is safe from any thread."""
 
-  def __init__(self, engine: Engine | SpeculativeEngine, params: Any, max_queue: int, eos_ids: Sequence[int] = (),
+  def __init__(self, engine: DecodeEngine, params: Any, max_queue: int, eos_ids: Sequence[int] = (),
                seed: int = 0):
     self.engine, self.params, self.max_queue = engine, params, max_queue
     self.eos_ids = frozenset(eos_ids)
@@ -126,8 +125,8 @@ class Scheduler:
     self._active: dict[int, Job] = {}
     self._prefilling: dict[int, tuple[Job, int]] = {}  # slot -> (job, prompt tokens cached so far), in admission order
     self._into_pages = engine.prefills_into_pages
-    # k > 0: the engine is a speculative_engine.SpeculativeEngine, whose rounds emit 1..k + 1 tokens per slot.
-    self.speculative_tokens = int(getattr(engine, "speculative_tokens", 0))
+    # k > 0: a speculative engine, whose steps (rounds) emit 1..k + 1 tokens per slot.
+    self.speculative_tokens = engine.speculative_tokens
     self._wake = threading.Condition()  # guards _waiting, _active, _reserved
     self._stopping = False
     self._state: Any = engine.init_decode_state(seed)  # the engine's own decode state, opaque here
@@ -293,31 +292,23 @@ class Scheduler:
         del self._prefilling[slot]
         self._active[slot] = job
       self._deliver(slot, job, int(tokens_1[0]), *_scores(logprobs, 0))
-      if self.engine.decode_cfg.prefill_chunk_size:
+      if self.engine.prefill_chunk_size:
         return
 
   def _step(self) -> None:
-    if self.speculative_tokens:
-      return self._round()
-    self._state, step_out = cast(Engine, self.engine).step(self.params, self._state)
-    tokens_T, logprobs = jax.device_get(step_out)
-    self.counts["steps"] += 1
-    for slot, job in list(self._active.items()):
-      self._deliver(slot, job, int(tokens_T[slot]), *_scores(logprobs, slot))
-
-  def _round(self) -> None:
-    """A speculative round: each active slot's 1..k + 1 tokens in order, until its job ends (the
-    rest of the round is dropped: max_tokens or an end-of-sequence token cut it mid-round)."""
+    """One step: each active slot's tokens in order (1, or 1..k + 1 for a speculative round) until
+    its job ends (the rest of a round is dropped: max_tokens or an end-of-sequence token cut it)."""
     active = np.zeros(self.engine.num_slots, bool)
     active[list(self._active)] = True
-    engine = cast(SpeculativeEngine, self.engine)
-    self._state, tokens_TK, counts_T, logprobs = engine.speculative_round(self.params, self._state, active)
+    self._state, emitted = self.engine.decode_step(self.params, self._state, active)
+    out: Emitted = jax.device_get(emitted)
     self.counts["steps"] += 1
-    self.counts["speculative_proposed"] += self.speculative_tokens * int(active.sum())
-    self.counts["speculative_accepted"] += int((counts_T[active] - 1).sum())
+    if self.speculative_tokens:
+      self.counts["speculative_proposed"] += self.speculative_tokens * int(active.sum())
+      self.counts["speculative_accepted"] += sum([out.count(int(slot)) - 1 for slot in np.flatnonzero(active)])
     for slot, job in list(self._active.items()):
-      for i in range(int(counts_T[slot])):
-        self._deliver(slot, job, int(tokens_TK[slot, i]), *_scores(logprobs, slot, i))
+      for i in range(out.count(slot)):
+        self._deliver(slot, job, out.token(slot, i), *out.scores(slot, i))
         if slot not in self._active:
           break
 

@@ -55,7 +55,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxText.errors import UserError
 from MaxText.inference import paged_cache, sampling
-from MaxText.inference.engine import DecodeState, Engine, Prefix, RowSampling, TokenLogprobs, has_recurrent_state
+from MaxText.inference.engine import DecodeState, Engine, Prefix, RowSampling, has_recurrent_state
+from MaxText.inference.engine_api import TokenLogprobs
 from MaxText.layers.gated_deltanet import LinearState
 from MaxText.platform import sharding
 

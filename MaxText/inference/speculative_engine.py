@@ -30,7 +30,8 @@ from jax.sharding import Mesh
 from MaxText.configuration.config import Config, draft_config
 from MaxText.errors import UserError
 from MaxText.inference import image_prompts, mtp_draft, sampling, speculative
-from MaxText.inference.engine import Engine, Prefix, TokenLogprobs, load_engine, refuse_mtp_speculative
+from MaxText.inference.engine import Engine, Prefix, load_engine, refuse_mtp_speculative
+from MaxText.inference.engine_api import DecodeEngine, Emitted, SlotInfo, TokenLogprobs
 from MaxText.paths import storage
 from MaxText.platform import distributed
 
@@ -56,7 +57,7 @@ class SpeculativePrefix:
 
 
 class SpeculativeEngine:
-  """The Engine calls of the scheduler over a SpeculativeDecoder; params = (target's, draft's)."""
+  """engine_api.DecodeEngine over a SpeculativeDecoder (a step is a round); params = (target's, draft's)."""
 
   def __init__(self, decoder: speculative.SpeculativeDecoder | mtp_draft.MtpSpeculativeDecoder):
     self.decoder, self.target, self.draft = decoder, decoder.target, decoder.draft
@@ -94,7 +95,14 @@ class SpeculativeEngine:
     return (self.target,) if self.draft is None else (self.target, self.draft)
 
   def metrics(self) -> dict[str, float]:
-    return self.decoder.metrics()
+    return {**self.decoder.metrics(), "step_compilations": self.decoder.traces["round"]}
+
+  @property
+  def prefill_chunk_size(self) -> int:
+    return self.target.prefill_chunk_size
+
+  def slot(self, slot: int) -> SlotInfo:
+    return self.target.slot(slot)
 
   # ---------------------------------------------------------------- requests
   def score(self, params: tuple[Any, Any], prompt: Sequence[int],
@@ -102,14 +110,17 @@ class SpeculativeEngine:
     return self.target.score(params[0], prompt, images)
 
   def prefill(self, params: tuple[Any, Any], prompts: Sequence[Sequence[int]], seed: int = 0,
-              row_params: Sequence[sampling.RowParams] | None = None) -> SpeculativePrefix:
+              row_params: Sequence[sampling.RowParams] | None = None,
+              images: Sequence[image_prompts.PromptImages | None] | None = None) -> SpeculativePrefix:
+    _text_only(images)
     return SpeculativePrefix(*self.decoder.prefill(params[0], params[1], prompts, seed, row_params))
 
   def insert(self, prefix: SpeculativePrefix, state: Any, slot: int, row: int = 0) -> Any:
     return self.decoder.insert((prefix.target, prefix.draft), state, slot, row)
 
-  def begin_prompt(self, slot: int, prompt: Sequence[int]) -> int:
+  def begin_prompt(self, slot: int, prompt: Sequence[int], images: image_prompts.PromptImages | None = None) -> int:
     """Both engines' pages for the prompt; where the target's prefill starts (the draft keeps its own)."""
+    _text_only([images])
     start = self.target.begin_prompt(slot, prompt)
     assert self.draft is not None  # prefills_into_pages
     try:
@@ -120,9 +131,11 @@ class SpeculativeEngine:
     return start
 
   def prefill_chunk(self, params: tuple[Any, Any], state: speculative.SpeculativeState, slot: int,
-                    prompt: Sequence[int], start: int, row_params: sampling.RowParams | None = None, seed: int = 0
+                    prompt: Sequence[int], start: int, row_params: sampling.RowParams | None = None, seed: int = 0,
+                    images: image_prompts.PromptImages | None = None
                     ) -> tuple[speculative.SpeculativeState, int, tuple[jax.Array, TokenLogprobs] | None]:
     """The target's next chunk, and the draft's chunks until its cache reaches as far."""
+    _text_only([images])
     assert self.draft is not None  # prefills_into_pages
     target, end, first = self.target.prefill_chunk(params[0], state.target, slot, prompt, start, row_params, seed)
     draft, done = state.draft, self._draft_done.get(slot, 0)
@@ -137,9 +150,21 @@ class SpeculativeEngine:
     emitted tokens[t, :counts[t]]. `active`: the slots the acceptance counters count."""
     return self.decoder.scored_step(params[0], params[1], state, active)
 
+  def decode_step(self, params: tuple[Any, Any], state: Any, active: Sequence[bool] | np.ndarray | None = None
+                  ) -> tuple[Any, Emitted]:
+    """`speculative_round` as engine_api.Emitted (tokens [T, k + 1], counts [T])."""
+    state, tokens_TK, counts_T, logprobs = self.decoder.scored_step(params[0], params[1], state, active)
+    return state, Emitted(tokens_TK, logprobs, counts_T)
+
   def release(self, slot: int) -> None:
     self._draft_done.pop(slot, None)
     self.decoder.release(slot)
+
+
+def _text_only(images: Sequence[image_prompts.PromptImages | None] | None) -> None:
+  """check_draft refuses a vision-language model, so images never reach a speculative engine."""
+  if images is not None and any(row is not None for row in images):
+    raise UserError("speculative decoding (speculative_tokens > 0) is for text prompts: set speculative_tokens=0")
 
 
 def check_draft(config: Config) -> None:
@@ -163,7 +188,7 @@ def check_draft(config: Config) -> None:
 
 
 def load(config: Config, num_slots: int, fresh_note: str, mesh: Mesh | None = None
-         ) -> tuple[Engine | SpeculativeEngine, Any]:
+         ) -> tuple[DecodeEngine, Any]:
   """The engine a tool decodes with and its parameters: a plain Engine (speculative_tokens=0), else
   a SpeculativeEngine over the target and its draft, parameters (target's, draft's)."""
   check_draft(config)

@@ -181,10 +181,7 @@ def test_a_generate_step_works_in_memory_that_does_not_grow_with_the_pool(overri
                                 kv_cache_layout="paged", kv_page_size=4, kv_num_pages=num_pages)
     engine = Engine(config, num_slots=num_slots, mesh=one_device_mesh())
     params = sharding.with_shardings(engine.spec.abstract_params, engine.param_shardings)
-    state = sharding.with_shardings(jax.eval_shape(engine._init_state_fn, jnp.uint32(0)), engine.state_shardings)
-    with sharding.activation_sharding(engine.mesh, engine.rules):
-      compiled = engine._generate.lower(params, state, jnp.asarray(engine.pages.table)).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+    return engine.compile_step(params).memory_analysis().temp_size_in_bytes
 
   default_pages = num_slots * paged_cache.pages_per_slot(64, 4)
   assert temp_bytes(0) == temp_bytes(16 * default_pages)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from MaxText.inference import paged_cache, scheduler as sched
-from MaxText.inference.engine import TokenLogprobs
+from MaxText.inference.engine_api import Emitted, TokenLogprobs
 from MaxText.inference.paged_cache import PageAllocator
 from MaxText.inference.sampling import RowParams
 
@@ -60,6 +60,12 @@ class FakeEngine:
     self.pages.assign(slot, prefix.length)
     self.last[slot] = prefix.first_tokens_B[0]
     return state
+
+  speculative_tokens = prefill_chunk_size = 0
+
+  def decode_step(self, params, state, active=None):
+    state, (tokens, logprobs) = self.step(params, state)
+    return state, Emitted(tokens, logprobs)
 
   def step(self, params, state):
     if self.fail_step:

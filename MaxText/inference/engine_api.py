@@ -1,0 +1,134 @@
+"""What a decode engine offers the code that drives it: the server's scheduler, `decode.py`, GRPO's
+rollouts and the benchmarks call an engine through `DecodeEngine` and nothing else.
+
+Shape legend: T slots of the decode state, K tokens a step may emit per slot (1, or k + 1 for a
+speculative round), top the alternatives reported per token.
+
+A request's life: `prefill` + `insert` put a prompt into a free slot (or, where the engine
+`prefills_into_pages`, `begin_prompt` then `prefill_chunk` until it returns the first token);
+every `decode_step` gives each slot 1..K tokens (`Emitted`); `release` frees the slot. The
+decode state is the engine's own and opaque to callers: they pass it back as they got it.
+Implementations: engine.Engine (dense or paged KV cache), speculative_engine.SpeculativeEngine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Protocol, Sequence
+
+import numpy as np
+from flax import struct
+
+from MaxText.inference import image_prompts, sampling
+
+
+@struct.dataclass
+class TokenLogprobs:
+  """What a sampled token scored under the model (temperature 1): see sampling.token_logprobs."""
+
+  chosen_B: Any  # float32 log-probability of the sampled token
+  top_ids_Bk: Any  # int32 the most probable tokens, best first
+  top_logprobs_Bk: Any  # float32 their log-probabilities
+
+
+@struct.dataclass
+class Emitted:
+  """What one decode step gave every slot. One token each: `tokens` [T] and `logprobs` fields [T] /
+  [T, top], `counts` None. A speculative round: `tokens` [T, K], of which slot t emitted the first
+  counts[t], `logprobs` fields [T, K] / [T, K, top]. May hold device arrays: read it after
+  jax.device_get when the host needs the values."""
+
+  tokens: Any
+  logprobs: TokenLogprobs
+  counts: Any = None
+
+  def count(self, slot: int) -> int:
+    return 1 if self.counts is None else int(self.counts[slot])
+
+  def token(self, slot: int, i: int = 0) -> int:
+    return int(self.tokens[slot] if self.counts is None else self.tokens[slot, i])
+
+  def scores(self, slot: int, i: int = 0) -> tuple[float, list[tuple[int, float]]]:
+    """The slot's i-th token's log-probability and the most probable alternatives, best first."""
+    index = (slot,) if self.counts is None else (slot, i)
+    lp = self.logprobs
+    return float(lp.chosen_B[index]), [(int(t), float(p)) for t, p in zip(np.asarray(lp.top_ids_Bk[index]),
+                                                                         np.asarray(lp.top_logprobs_Bk[index]))]
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotInfo:
+  """What a slot holds, as the engine's host side knows it."""
+
+  busy: bool  # a request was put in (insert or begin_prompt) and not released
+  prefilling: bool  # its prompt is being prefilled into pages, not yet generating
+  pages: int  # KV pages it holds (0 for the dense cache, whose slots own max_target_length each)
+
+
+class Admitted(Protocol):
+  """What `prefill` returns: the engine's own prefix, of which callers read the first sampled tokens."""
+
+  @property
+  def first_tokens_B(self) -> Any: ...
+
+  @property
+  def first_logprobs(self) -> TokenLogprobs: ...
+
+
+class DecodeEngine(Protocol):
+  """The calls a server, decode.py, the rollouts and the benchmarks make of an engine."""
+
+  @property
+  def num_slots(self) -> int: ...
+
+  @property
+  def speculative_tokens(self) -> int:
+    """k of a speculative engine (a step emits 1..k + 1 tokens per slot); 0 for one token per step."""
+
+  @property
+  def prefills_into_pages(self) -> bool:
+    """Whether prompts go in through begin_prompt / prefill_chunk instead of prefill + insert."""
+
+  @property
+  def prefill_chunk_size(self) -> int:
+    """Prompt tokens per prefill_chunk call; 0: the rest of the prompt in one call."""
+
+  def init_decode_state(self, seed: int = 0) -> Any:
+    """A fresh decode state with every slot free (and every page back in the pool)."""
+
+  def prefill(self, params: Any, prompts: Sequence[Sequence[int]], seed: int = 0,
+              row_params: Sequence[sampling.RowParams] | None = None,
+              images: Sequence[image_prompts.PromptImages | None] | None = None) -> Admitted: ...
+
+  def insert(self, prefix: Any, state: Any, slot: int, row: int = 0) -> Any:
+    """`state` with prompt `row` of `prefix` in slot `slot`."""
+
+  def begin_prompt(self, slot: int, prompt: Sequence[int], images: image_prompts.PromptImages | None = None) -> int:
+    """The slot's pages for `prompt`; returns how many leading tokens are already cached."""
+
+  def prefill_chunk(self, params: Any, state: Any, slot: int, prompt: Sequence[int], start: int,
+                    row_params: sampling.RowParams | None = None, seed: int = 0,
+                    images: image_prompts.PromptImages | None = None) -> tuple[Any, int, Any]:
+    """(state, where the next chunk starts, after the last chunk (first token [1], its TokenLogprobs) else None)."""
+
+  def decode_step(self, params: Any, state: Any, active: Sequence[bool] | np.ndarray | None = None
+                  ) -> tuple[Any, Emitted]:
+    """Every slot's next token(s); `active` names the slots holding a request (for the engine's metrics)."""
+
+  def release(self, slot: int) -> None: ...
+
+  def score(self, params: Any, prompt: Sequence[int], images: image_prompts.PromptImages | None = None
+            ) -> TokenLogprobs: ...
+
+  def slot(self, slot: int) -> SlotInfo: ...
+
+  def pages_needed(self, num_tokens: int) -> int:
+    """KV pages a request holds once `num_tokens` tokens are cached (0: the dense cache)."""
+
+  def admission_pages(self, reserved: Mapping[int, int], prompt: Sequence[int], need: int, text_only: bool) -> int: ...
+
+  def cache_stats(self) -> dict[str, Any]:
+    """layout, cache_bytes, pages_total / pages_free / pages_used (0 for the dense cache), ..."""
+
+  def metrics(self) -> dict[str, float]:
+    """The engine's counters: step_compilations; a speculative engine's acceptance counts."""
