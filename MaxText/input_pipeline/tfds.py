@@ -11,6 +11,8 @@ import re
 from typing import Any, NoReturn
 
 from MaxText.errors import ConfigError
+from MaxText.input_pipeline.grain import first_unreadable
+from MaxText.paths import storage
 
 
 def _builder(dataset_name: str, dataset_path: str) -> Any:
@@ -32,8 +34,6 @@ def _builder(dataset_name: str, dataset_path: str) -> Any:
 
 
 def _bad_metadata(dataset_name: str, dataset_path: str, reason: str) -> str:
-  from MaxText.paths import storage
-
   name = dataset_name.split(":")[0]
   found = storage.glob(storage.join(dataset_path, name, "*", "dataset_info.json")) if dataset_path else []
   what = ", ".join(found) or f"the dataset_info.json of tfds dataset {dataset_name!r}"
@@ -81,9 +81,6 @@ class _DamagedShardNamed:
       self.raise_named()
 
   def raise_named(self) -> NoReturn:
-    from MaxText.input_pipeline.grain import first_unreadable
-    from MaxText.paths import storage
-
     files = storage.glob(storage.join(str(self._builder.data_dir), f"*-{self._split}.array_record*"))
     bad = first_unreadable(files)
     if bad is None:
