@@ -471,7 +471,8 @@ def _row(index: int, p: Planned, hbm: float, chips: int, seq_len: int, peak: flo
   memory_error = (p.estimate.total - total) / total
   step_error = (p.estimate.step_s - step) / step if step else float("nan")
   ms = lambda seconds: f"{seconds * 1e3:,.1f}" if seconds else "-"  # noqa: E731
-  row = [str(index), label, f"{total / GIB:.2f}", f"yes ({1 - total / hbm:.0%} free)" if fits else "NO" if host_fits else "NO (host memory)",
+  fits_cell = f"yes ({1 - total / hbm:.0%} free)" if fits else "NO" if host_fits else "NO (host memory)"
+  row = [str(index), label, f"{total / GIB:.2f}", fits_cell,
          ms(model_step), f"{r['model_mfu']:.1%}" if by_model else "-",
          f"{tokens / step:,.0f}" if step else "-", ms(compiler_step), f"{compiler_mfu:.1%}" if compiler_step else "-",
          _compile_time(p), analytic, f"{memory_error:+.0%}", f"{step_error:+.0%}", ", ".join(caveats)]

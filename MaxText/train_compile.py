@@ -115,8 +115,8 @@ def _host_message(needed: float, gen: accelerators.TpuGeneration, offload: Offlo
   if gen.host_gib is not None:
     limits.append(f"a {gen.name} host has {gen.host_gib:.1f} GiB per chip")
   caps = ([xla_limit] if xla_limit else []) + ([gen.host_gib * GIB] if gen.host_gib is not None else [])
-  return host_overflow_message(needed, " and ".join(limits) or "more than there is", offload or Offload("", 0, 1, False),
-                               detail, one_buffer, min(caps, default=0.0))
+  return host_overflow_message(needed, " and ".join(limits) or "more than there is",
+                               offload or Offload("", 0, 1, False), detail, one_buffer, min(caps, default=0.0))
 
 
 def report(config: config_lib.Config, topology: accelerators.TpuTopology | None, compiled: Any,

@@ -115,10 +115,8 @@ def read_buffer_assignment(dump_dir: str | None) -> tuple[int, tuple[tuple[str, 
   for name, color, size in _SPACE.findall(storage.read_text(reports[-1])):
     if int(color) == 0:
       heap = int(size)
-    elif int(color) == _HOST_COLOR:
-      others.append(("host", int(size)))
     elif name not in _SCRATCH_SPACES and int(size) >= 2**20:
-      others.append((name, int(size)))
+      others.append(("host" if int(color) == _HOST_COLOR else name, int(size)))
   return (heap, tuple(others)) if heap else None
 
 
@@ -236,9 +234,8 @@ def host_overflow_message(needed: float, limits: str, offload: Offload, detail: 
   if offload.optimizer_offloaded:
     options.append("keep the optimizer state in HBM (optimizer_memory_host_offload=false)")
   if policy and policy.offloaded and factor > 1:
-    options.append(f"fewer sequences per chip at a time ({at_least}{factor:.2g}x fewer: per_device_batch_size="
-                   f"{_batch(offload.per_device_batch_size / factor)}, or gradient_accumulation_steps="
-                   f"{math.ceil(offload.accumulation * factor)})")
+    options.append(f"fewer sequences per chip at a time ({at_least}{factor:.2g}x fewer: "
+                   f"{_fewer_sequences(offload.per_device_batch_size, offload.accumulation, factor)})")
   elif policy and policy.offloaded:
     options.append("fewer sequences per chip at a time (per_device_batch_size, gradient_accumulation_steps)")
   options.append(f"or the same global batch on {at_least}{factor:.2g}x the chips" if factor > 1 else
@@ -246,8 +243,16 @@ def host_overflow_message(needed: float, limits: str, offload: Offload, detail: 
   return f"does not fit: host memory, not HBM: {need}, {limits}; {', '.join(options)} ({detail})"
 
 
-def _batch(pdb: float) -> str:
-  """The largest per_device_batch_size not above `pdb`: whole below 1 sequence are halves, quarters, ..."""
-  if pdb >= 1:
-    return f"{math.floor(pdb)}"
-  return f"{2.0 ** math.floor(math.log2(pdb)):g}" if pdb > 0 else "less"
+def _fewer_sequences(pdb: float, accumulation: int, factor: float) -> str:
+  """Settings that hold `factor` times fewer sequences per chip at a time: a smaller batch or more
+  microbatches while a chip still holds whole sequences, else each sequence split over chips."""
+  target = pdb / accumulation / factor  # sequences per chip at a time
+  if target >= 1:
+    ways = [f"per_device_batch_size={math.floor(target * accumulation)}"]
+    whole = float(pdb).is_integer()
+    steps = [k for k in range(math.ceil(accumulation * factor), int(pdb) + 1) if whole and pdb % k == 0]
+    ways += [f"gradient_accumulation_steps={steps[0]}"] if steps else []
+    return " or ".join(ways)
+  split = 2 ** math.ceil(math.log2(1 / target))  # chips sharing each sequence
+  return (f"under one sequence per chip, so per_device_batch_size={accumulation / split:g} with each sequence split "
+          f"over {split} chips (ici_tensor_parallelism={split} or ici_sequence_parallelism={split})")
