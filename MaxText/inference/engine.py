@@ -45,7 +45,7 @@ from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.errors import UserError
-from MaxText.inference import image_prompts, paged_cache, sampling, state_snapshots
+from MaxText.inference import image_prompts, kv_layout, paged_cache, sampling, state_snapshots
 from MaxText.inference.engine_api import Emitted, SlotInfo, TokenLogprobs
 from MaxText.layers import kv_cache
 
@@ -135,37 +135,34 @@ class Engine:
         self.decode_cfg.decode_sampling_strategy, self.decode_cfg.decode_sampling_temperature,
         self.decode_cfg.decode_sampling_top_p, self.decode_cfg.decode_sampling_top_k)
     self.vocab_size = self.cfg.vocab_size
-    quantized = self.decode_cfg.quantize_kvcache
-    self.paged = self.decode_cfg.kv_cache_layout == "paged"
-    self.pages: paged_cache.PageAllocator | None = None
-    # A recurrent layer's state after a shared prefix is not in its pages: snapshots of it at page boundaries.
+    # The cache layout (kv_layout.make picks it) and, with prefix caching of a model with recurrent layers,
+    # snapshots of their states at page boundaries (a shared prefix's states are not in its pages).
     self.snapshots: state_snapshots.SnapshotIndex | None = None
     self._restore_rows: dict[int, tuple[int, int]] = {}  # slot -> (where its prefill starts, snapshot row)
-    if self.paged and self.decode_cfg.prefix_caching and has_recurrent_state(self.cfg):
+    self.cache = kv_layout.make(self.cfg, self.decode_cfg, num_slots, self.decode_cfg.prefix_caching)
+    if self.cache.prefix_caching and has_recurrent_state(self.cfg):
       capacity = self.decode_cfg.prefix_state_snapshots
       capacity = 2 * num_slots if capacity < 0 else capacity
       if capacity:
         self.snapshots = state_snapshots.SnapshotIndex(capacity)
+        self.cache.usable_pages = self._pages_with_snapshot
+        self.cache.reset()
       else:  # prefix caching is on by default with the paged cache: turned off, said once
-        self.decode_cfg = dataclasses.replace(self.decode_cfg, prefix_caching=False)
+        self.cache = kv_layout.make(self.cfg, self.decode_cfg, num_slots, prefix_caching=False)
         if jax.process_index() == 0:
           print("engine: prefix_caching is off for this model: its Gated DeltaNet layers keep a recurrent state, and "
                 "prefix_state_snapshots=0 keeps no snapshots of it for shared prefixes to start from", flush=True)
-    if self.paged:
-      self.num_pages = self._check_num_pages()
-      self.pages = self._new_allocator()
-    # The scheduler prefills prompts straight into pages (begin_prompt, prefill_chunk): in chunks,
-    # or in one piece after the pages a cached prefix already holds.
-    self.prefills_into_pages = self.paged and (self.decode_cfg.prefill_chunk_size > 0 or self.decode_cfg.prefix_caching)
+    self.prefix_caching = self.cache.prefix_caching  # the setting in effect (the config's key may say more)
+    # The scheduler prefills prompts straight into pages (begin_prompt, prefill_chunk).
+    self.prefills_into_pages = self.cache.prefills_into_pages
     vision, chunk = self.cfg.vision, self.decode_cfg.prefill_chunk_size
     if vision.use_multimodal and 0 < chunk < vision.mm_tokens_per_image:
       raise UserError(f"prefill_chunk_size={chunk} is less than mm_tokens_per_image={vision.mm_tokens_per_image}: "
                       "an image's tokens attend to each other both ways, so each image is prefilled within one "
                       "chunk; raise prefill_chunk_size or set it to 0")
-    abstract_caches = jax.eval_shape(self._empty_caches)
+    abstract_caches = jax.eval_shape(self.cache.empty_caches)
     self._cache_bytes = paged_cache.cache_bytes(abstract_caches)  # cache_stats is read by every /health
-    names = (paged_cache.model_pool_names(self.cfg, quantized) if self.paged
-             else kv_cache.model_cache_names(self.cfg, quantized))
+    names = self.cache.logical_names()
     replicated = NamedSharding(self.mesh, PartitionSpec())
     # A DecodeState-shaped tree of shardings (its fields hold NamedShardings, not arrays).
     self.state_shardings = DecodeState(sharding.named_shardings(abstract_caches, names, self.mesh, self.rules),
@@ -174,8 +171,7 @@ class Engine:
     self.traces = {"prefill": 0, "insert": 0, "generate": 0, "score": 0, "extend": 0}
     self._init_state = jax.jit(self._init_state_fn, out_shardings=self.state_shardings)
     self._prefill = jax.jit(self._prefill_fn)
-    self._insert = jax.jit(self._insert_paged_fn if self.paged else self._insert_fn, donate_argnums=(1,),
-                           out_shardings=self.state_shardings)
+    self._insert = jax.jit(self._insert_fn, donate_argnums=(1,), out_shardings=self.state_shardings)
     self._generate = jax.jit(self._generate_fn, donate_argnums=(1,),
                              out_shardings=(self.state_shardings, (replicated, TokenLogprobs(replicated, replicated,
                                                                                              replicated))))
@@ -200,8 +196,7 @@ class Engine:
 
   def init_decode_state(self, seed: int = 0) -> DecodeState:
     """Empty caches for every slot, born sharded (paged: every page free again)."""
-    if self.paged:
-      self.pages = self._new_allocator()
+    self.cache.reset()
     if self.snapshots is not None:  # the snapshots named pages of the old index
       self.snapshots = state_snapshots.SnapshotIndex(self.snapshots.capacity)
       self._restore_rows.clear()
@@ -230,11 +225,8 @@ class Engine:
   def insert(self, prefix: Prefix, state: DecodeState, slot: int, row: int = 0) -> DecodeState:
     """`state` with prompt `row` of `prefix` in slot `slot` (slot and row are traced: no recompiles)."""
     self._check_slot(slot)
-    if self.pages is None:
-      state = self._insert(prefix, state, jnp.int32(slot), jnp.int32(row))
-    else:
-      self.pages.assign(slot, int(prefix.next_positions_B[row]))  # OutOfPages leaves everything as it was
-      state = self._insert(prefix, state, jnp.int32(slot), jnp.int32(row), jnp.asarray(self.pages.table[slot]))
+    admitted = self.cache.admit(slot, prefix.next_positions_B[row])
+    state = self._insert(prefix, state, jnp.int32(slot), jnp.int32(row), admitted)
     self._busy[slot] = True
     return state
 
@@ -246,14 +238,10 @@ class Engine:
 
   def step(self, params: Any, state: DecodeState) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
     """`generate` that also returns what each new token scored (the same compiled program)."""
-    table = None
-    if self.pages is not None:
-      self.pages.grow()
-      table = jnp.asarray(self.pages.generate_table())
+    table = self.cache.step_table()
     with sharding.activation_sharding(self.mesh, self.rules):
       out = self._generate(params, state, table)
-    if self.pages is not None:
-      self.pages.advance()
+    self.cache.advance()
     return out
 
   def begin_prompt(self, slot: int, prompt: Sequence[int], images: image_prompts.PromptImages | None = None) -> int:
@@ -263,14 +251,13 @@ class Engine:
     cached (prefix_caching; with `images`, pages keyed by their content too, and never inside an
     image's run), else 0."""
     self._check_slot(slot)
-    if self.pages is None:
-      raise UserError("chunked prefill needs kv_cache_layout=paged")
+    pages = self.cache.prompt_pages()
     if not 1 <= len(prompt) <= self.cfg.max_target_length - 1:
       raise UserError(f"a prompt of {len(prompt)} tokens does not fit max_target_length={self.cfg.max_target_length} "
                       "with room to generate")
     runs = image_prompts.image_runs(prompt, self.cfg.vision, images)
-    salts = image_prompts.page_salts(runs, images, self.pages.page_size)
-    start = self.pages.assign(slot, len(prompt), active=False, prompt=prompt, salts=salts, runs=runs)
+    salts = image_prompts.page_salts(runs, images, pages.page_size)
+    start = pages.assign(slot, len(prompt), active=False, prompt=prompt, salts=salts, runs=runs)
     self._busy[slot] = True
     self._forget_restore(slot)
     if self.snapshots is not None and start:  # assign shared pages only up to a boundary with a snapshot
@@ -296,8 +283,8 @@ class Engine:
       chunk = min(1 << max(len(prompt) - start - 1, 0).bit_length(), self.decode_cfg.max_prefill_predict_length)
     runs = image_prompts.image_runs(prompt, self.cfg.vision, images)
     end = image_prompts.chunk_end(start, min(start + chunk, len(prompt)), runs)
-    assert self.pages is not None
-    page_size = self.pages.page_size
+    pages = self.cache.prompt_pages()
+    page_size = pages.page_size
     if self.snapshots is not None:
       restore = self._restore_rows.get(slot)
       if restore is not None and restore[0] == start:  # the shared prefix's recurrent states, not zeros
@@ -316,7 +303,7 @@ class Engine:
     tokens_1C[0, :len(tokens)] = tokens
     with sharding.activation_sharding(self.mesh, self.rules):
       state, first = self._extend(params, state, jnp.asarray(tokens_1C), jnp.int32(start), jnp.int32(len(tokens)),
-                                  jnp.int32(slot), jnp.asarray(self.pages.table[slot][None]), rows,
+                                  jnp.int32(slot), jnp.asarray(pages.table[slot][None]), rows,
                                   None if pixels is None else jnp.asarray(pixels))
     if self.snapshots is not None and end % page_size == 0:
       salts = image_prompts.page_salts(runs, images, page_size)
@@ -326,7 +313,7 @@ class Engine:
                                                   jnp.int32(kept))
     if end < len(prompt):
       return state, end, None
-    self.pages.activate(slot, prompt, image_prompts.page_salts(runs, images, self.pages.page_size))
+    pages.activate(slot, prompt, image_prompts.page_salts(runs, images, page_size))
     return state, end, first
 
   def release(self, slot: int) -> None:
@@ -335,28 +322,22 @@ class Engine:
     self._check_slot(slot)
     self._forget_restore(slot)
     self._busy[slot] = False
-    if self.pages is not None:
-      self.pages.release(slot)
+    self.cache.release(slot)
 
   def pages_needed(self, num_tokens: int) -> int:
     """Pages a request holds once `num_tokens` tokens are cached (prompt + new tokens - 1; the
     last sampled token is never written); 0 for the dense cache. Admission control compares the
     sum over running requests with cache_stats()["pages_total"]."""
-    return 0 if self.pages is None else self.pages.pages_for(num_tokens)
+    return self.cache.pages_needed(num_tokens)
 
   def admission_pages(self, reserved: Mapping[int, int], prompt: Sequence[int], need: int, text_only: bool) -> int:
     """paged_cache.admission_pages for this engine's pool (0 for the dense cache)."""
-    if self.pages is None:
-      return 0
-    return paged_cache.admission_pages(self.pages, reserved, prompt, need, text_only)
+    return self.cache.admission_pages(reserved, prompt, need, text_only)
 
   def cache_stats(self) -> dict[str, Any]:
     """layout, cache_bytes (all layers' cache arrays as allocated) and, paged, pages_total /
     pages_free / pages_used / page_size (dense: pages_* are 0, every slot owns max_target_length)."""
-    stats: dict[str, Any] = {"layout": self.decode_cfg.kv_cache_layout, "cache_bytes": self._cache_bytes}
-    if self.pages is None:
-      return {**stats, "pages_total": 0, "pages_free": 0, "pages_used": 0}
-    return {**stats, **self.pages.stats()}
+    return {"layout": self.cache.name, "cache_bytes": self._cache_bytes, **self.cache.stats()}
 
   def score(self, params: Any, prompt: Sequence[int], images: image_prompts.PromptImages | None = None
             ) -> TokenLogprobs:
@@ -379,10 +360,8 @@ class Engine:
 
   def slot(self, slot: int) -> SlotInfo:
     self._check_slot(slot)
-    if self.pages is None:
-      return SlotInfo(bool(self._busy[slot]), False, 0)
-    return SlotInfo(bool(self._busy[slot]), bool(self._busy[slot] and not self.pages.active[slot]),
-                    self.pages.held(slot))
+    busy = bool(self._busy[slot])
+    return SlotInfo(busy, busy and self.cache.prefilling(slot), self.cache.held(slot))
 
   def metrics(self) -> dict[str, float]:
     return {"step_compilations": self.traces["generate"]}
@@ -393,14 +372,19 @@ class Engine:
     shapes = jax.eval_shape(self._init_state_fn, np.uint32(0))
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
                          self.state_shardings)
-    table = None if self.pages is None else jax.ShapeDtypeStruct(self.pages.table.shape, jnp.int32,
-                                                                  sharding=sharding.replicated(self.mesh))
+    shape = self.cache.table_shape()
+    table = None if shape is None else jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding.replicated(self.mesh))
     with sharding.activation_sharding(self.mesh, self.rules):
       return self._generate.lower(abstract_params, state, table).compile()
 
   def generate_compilations(self) -> int:
     """How many distinct programs `generate` has compiled (1 after any number of steps)."""
     return self.traces["generate"]
+
+  @property
+  def pages(self) -> paged_cache.PageAllocator | None:
+    """The paged layout's allocator (None: the dense cache)."""
+    return self.cache.pages
 
   # ---------------------------------------------------------------- helpers
   def _check_slot(self, slot: int) -> None:
@@ -419,23 +403,6 @@ class Engine:
     pixels = image_prompts.pixel_batch(rows)
     return None if pixels is None else jnp.asarray(pixels)
 
-  def _check_num_pages(self) -> int:
-    per_slot = paged_cache.pages_per_slot(self.cfg.max_target_length, self.decode_cfg.kv_page_size)
-    num_pages = self.decode_cfg.kv_num_pages or self.num_slots * per_slot
-    if num_pages < per_slot:
-      raise UserError(f"kv_num_pages={num_pages} cannot hold one request at max_target_length="
-                      f"{self.cfg.max_target_length} ({per_slot} pages of kv_page_size="
-                      f"{self.decode_cfg.kv_page_size}); "
-                      f"set kv_num_pages >= {per_slot} (0 = {self.num_slots * per_slot}, the dense capacity)")
-    return num_pages
-
-  def _new_allocator(self) -> paged_cache.PageAllocator:
-    pages = paged_cache.PageAllocator(self.num_pages, self.decode_cfg.kv_page_size, self.num_slots,
-                                      self.cfg.max_target_length, self.decode_cfg.prefix_caching)
-    if self.snapshots is not None:
-      pages.usable_pages = self._pages_with_snapshot
-    return pages
-
   def _forget_restore(self, slot: int) -> None:
     """The slot no longer waits to restore a snapshot (restored, released or given another prompt)."""
     restore = self._restore_rows.pop(slot, None)
@@ -453,13 +420,6 @@ class Engine:
     digests = self.pages.index.chain(prompt, matched, salts)
     return next((n for n in range(matched, 0, -1) if self.snapshots.has(digests[n - 1])), 0)
 
-  def _empty_caches(self) -> Any:
-    quantized = self.decode_cfg.quantize_kvcache
-    if self.paged:
-      return paged_cache.model_pools(self.cfg, self.num_pages, self.decode_cfg.kv_page_size, self.num_slots,
-                                     quantized)
-    return kv_cache.model_caches(self.cfg, self.num_slots, self.cfg.max_target_length, quantized)
-
   # ---------------------------------------------------------------- jitted bodies
   @staticmethod
   def _sample(logits_BV: jax.Array, rows: RowSampling) -> tuple[jax.Array, RowSampling, TokenLogprobs]:
@@ -473,7 +433,7 @@ class Engine:
     keys = jax.random.key_data(jax.random.split(jax.random.key(seed), self.num_slots))
     rows = RowSampling(jnp.zeros((self.num_slots,), jnp.float32), jnp.ones((self.num_slots,), jnp.float32), zeros,
                        keys)
-    return DecodeState(self._empty_caches(), zeros, zeros, rows)
+    return DecodeState(self.cache.empty_caches(), zeros, zeros, rows)
 
   def _prefill_fn(self, params: Any, tokens_BL: jax.Array, lengths_B: jax.Array, rows: RowSampling,
                   pixels: jax.Array | None) -> Prefix:
@@ -495,22 +455,10 @@ class Engine:
     logits_LV = jnp.concatenate([logits_BLV[0, :1], logits_BLV[0, :-1]], axis=0)
     return TokenLogprobs(*sampling.token_logprobs(logits_LV, tokens_BL[0]))
 
-  def _insert_fn(self, prefix: Prefix, state: DecodeState, slot: jax.Array, row: jax.Array) -> DecodeState:
+  def _insert_fn(self, prefix: Prefix, state: DecodeState, slot: jax.Array, row: jax.Array, admitted: Any
+                 ) -> DecodeState:
     self.traces["insert"] += 1
-    batch_axis = 1 if self.cfg.scan_layers else 0  # stacked caches carry a leading layer dim
-
-    def put(big: jax.Array, small: jax.Array) -> jax.Array:
-      one_row = jax.lax.dynamic_slice_in_dim(small, row, 1, axis=batch_axis)
-      start: list[Any] = [0] * big.ndim
-      start[batch_axis] = slot
-      return jax.lax.dynamic_update_slice(big, one_row.astype(big.dtype), start)
-
-    return self._with_prompt(state, jax.tree.map(put, state.caches, prefix.caches), prefix, slot, row)
-
-  def _insert_paged_fn(self, prefix: Prefix, state: DecodeState, slot: jax.Array, row: jax.Array,
-                       table_row_M: jax.Array) -> DecodeState:
-    self.traces["insert"] += 1
-    caches = paged_cache.insert_prefix(state.caches, prefix.caches, row, slot, table_row_M, self.cfg.scan_layers)
+    caches = self.cache.insert(state.caches, prefix.caches, slot, row, admitted)
     return self._with_prompt(state, caches, prefix, slot, row)
 
   @staticmethod
@@ -548,11 +496,10 @@ class Engine:
   def _generate_fn(self, params: Any, state: DecodeState, table_TM: jax.Array | None
                    ) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
     self.traces["generate"] += 1  # Python side effect: runs once per trace, never per executed step
-    caches = state.caches if table_TM is None else paged_cache.with_block_table(state.caches, table_TM)
+    caches = self.cache.with_table(state.caches, table_TM)
     logits_B1V, caches = self.spec.apply_decode(params, state.tokens_B[:, None], state.next_positions_B[:, None],
                                                 caches)
-    if table_TM is not None:
-      caches = paged_cache.keep_inactive_states(caches, state.caches, table_TM[:, 0] >= 0, self.cfg.scan_layers)
+    caches = self.cache.keep_inactive(caches, state.caches, table_TM)
     tokens_B, rows, logprobs = self._sample(logits_B1V[:, 0], state.sampling)
     return DecodeState(caches, state.next_positions_B + 1, tokens_B, rows), (tokens_B, logprobs)
 

@@ -121,15 +121,11 @@ class MtpSpeculativeDecoder:
                   active: Sequence[bool] | np.ndarray | None = None
                   ) -> tuple[MtpState, np.ndarray, np.ndarray, TokenLogprobs]:
     """One round: as speculative.SpeculativeDecoder.scored_step."""
-    table = None
-    if self.target.pages is not None:
-      self.target.pages.grow(self.k + 1)
-      table = jnp.asarray(self.target.pages.generate_table())
+    table = self.target.cache.step_table(self.k + 1)
     with sharding.activation_sharding(self.target.mesh, self.target.rules):
       state, tokens_TK, counts_T, logprobs = self._round(target_params, state, table)
     tokens, counts, logprobs = jax.device_get((tokens_TK, counts_T, logprobs))
-    if self.target.pages is not None:
-      self.target.pages.advance(counts)
+    self.target.cache.advance(counts)
     self.acceptance.record(self.target, counts, active)
     return state, tokens, counts, logprobs
 
@@ -206,7 +202,7 @@ class MtpSpeculativeDecoder:
 
     tokens_TK = jnp.concatenate([pending_T[:, None], proposals_Tk], axis=1)
     positions_TK = positions_T[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
-    caches = state.target.caches if table_TM is None else paged_cache.with_block_table(state.target.caches, table_TM)
+    caches = self.target.cache.with_table(state.target.caches, table_TM)
     h_TKD, caches = spec.apply_decode_hidden(params, tokens_TK, positions_TK, caches)
     logits_TKV = spec.apply_logits(params, h_TKD)
     out_TK, num_accepted_T, last_T, logprobs = speculative.verify(logits_TKV, q_TkV, proposals_Tk, rows, draw_keys_TX)

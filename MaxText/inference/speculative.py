@@ -54,7 +54,7 @@ from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxText.errors import UserError
-from MaxText.inference import paged_cache, sampling
+from MaxText.inference import sampling
 from MaxText.inference.engine import DecodeState, Engine, Prefix, RowSampling, has_recurrent_state
 from MaxText.inference.engine_api import TokenLogprobs
 from MaxText.layers.gated_deltanet import LinearState
@@ -84,7 +84,7 @@ class Acceptance:
   def record(self, target: Engine, counts: np.ndarray, active: Sequence[bool] | np.ndarray | None) -> None:
     """One round's tokens per slot (`counts`: accepted + 1); `active` defaults to the slots holding a request."""
     if active is None:
-      active = target.pages.active if target.pages is not None else np.ones(target.num_slots, bool)
+      active = target.cache.active_slots()
     mask = np.asarray(active, bool)
     self.rounds += 1
     self.proposed += self.k * int(mask.sum())
@@ -160,19 +160,12 @@ class SpeculativeDecoder:
     """`step` that also returns what each emitted token scored under the target (fields [T, k + 1]
     and [T, k + 1, top]): sampling.token_logprobs of the target's logits at the token's position,
     what plain decoding reports for the same token."""
-    tables: list[jax.Array | None] = []
-    for engine in (self.target, self.draft):
-      if engine.pages is None:
-        tables.append(None)
-        continue
-      engine.pages.grow(self.k + 1)
-      tables.append(jnp.asarray(engine.pages.generate_table()))
+    tables = [engine.cache.step_table(self.k + 1) for engine in (self.target, self.draft)]
     with sharding.activation_sharding(self.target.mesh, self.target.rules):
       state, tokens_TK, counts_T, logprobs = self._round(target_params, draft_params, state, tables[0], tables[1])
     tokens, counts, logprobs = jax.device_get((tokens_TK, counts_T, logprobs))
     for engine in (self.target, self.draft):
-      if engine.pages is not None:
-        engine.pages.advance(counts)
+      engine.cache.advance(counts)
     self.acceptance.record(self.target, counts, active)
     return state, tokens, counts, logprobs
 
@@ -190,7 +183,7 @@ class SpeculativeDecoder:
     probs = lambda logits_BV: sampling.row_probs(logits_BV, rows.temperature_B, rows.top_p_B,  # noqa: E731
                                                  rows.top_k_B)
 
-    draft_caches = _with_table(state.draft.caches, draft_table_TM)
+    draft_caches = self.draft.cache.with_table(state.draft.caches, draft_table_TM)
 
     def draft_step(carry: tuple[jax.Array, Any], step: tuple[jax.Array, jax.Array]
                    ) -> tuple[tuple[jax.Array, Any], tuple[jax.Array, jax.Array]]:
@@ -210,7 +203,7 @@ class SpeculativeDecoder:
 
     tokens_TK = jnp.concatenate([pending_T[:, None], proposals_Tk], axis=1)
     positions_TK = positions_T[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
-    target_caches = _with_table(state.target.caches, target_table_TM)
+    target_caches = self.target.cache.with_table(state.target.caches, target_table_TM)
     target_before = target_caches
     logits_TKV, target_caches = self.target.spec.apply_decode(target_params, tokens_TK, positions_TK, target_caches)
     out_TK, num_accepted_T, last_T, logprobs = verify(logits_TKV, q_TkV, proposals_Tk, rows, draw_keys_TX)
@@ -222,12 +215,8 @@ class SpeculativeDecoder:
                                          num_accepted_T, k)
     # A round steps every slot; paged, a slot without pages (free, or its prompt still being prefilled in chunks)
     # keeps its recurrent states as they were, as a plain generate step does.
-    if target_table_TM is not None:
-      target_caches = paged_cache.keep_inactive_states(target_caches, state.target.caches, target_table_TM[:, 0] >= 0,
-                                                       self.target.cfg.scan_layers)
-    if draft_table_TM is not None:
-      draft_caches = paged_cache.keep_inactive_states(draft_caches, state.draft.caches, draft_table_TM[:, 0] >= 0,
-                                                      self.draft.cfg.scan_layers)
+    target_caches = self.target.cache.keep_inactive(target_caches, state.target.caches, target_table_TM)
+    draft_caches = self.draft.cache.keep_inactive(draft_caches, state.draft.caches, draft_table_TM)
     next_positions_T = positions_T + num_accepted_T + 1
     target = DecodeState(target_caches, next_positions_T, last_T, dataclasses.replace(rows, keys_B=keys_T))
     draft = DecodeState(draft_caches, next_positions_T, last_T, state.draft.sampling)
@@ -288,10 +277,6 @@ def verify(logits_TKV: jax.Array, q_TkV: jax.Array, proposals_Tk: jax.Array, row
   logprobs = TokenLogprobs(chosen.reshape(num_slots, k + 1), top_ids.reshape(num_slots, k + 1, -1),
                            top_logprobs.reshape(num_slots, k + 1, -1))
   return out_TK, num_accepted_T, last_T, logprobs
-
-
-def _with_table(caches: Any, table_TM: jax.Array | None) -> Any:
-  return caches if table_TM is None else paged_cache.with_block_table(caches, table_TM)
 
 
 def draw(keys_T: jax.Array, probs_TV: jax.Array) -> jax.Array:

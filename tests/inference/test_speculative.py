@@ -193,9 +193,9 @@ def test_a_gated_deltanet_model_keeps_state_snapshots_for_prefix_caching_unless_
   caching off for such a model and says so, instead of refusing the default."""
   paged = dict(QWEN3_NEXT, prefix_caching=True, kv_cache_layout="paged")
   engine = Engine(Config.for_testing(**paged), num_slots=3, mesh=one_device_mesh())
-  assert engine.decode_cfg.prefix_caching and engine.snapshots is not None and engine.snapshots.capacity == 6
+  assert engine.prefix_caching and engine.snapshots is not None and engine.snapshots.capacity == 6
   engine = Engine(Config.for_testing(**paged, prefix_state_snapshots=0), mesh=one_device_mesh())
-  assert not engine.decode_cfg.prefix_caching and engine.pages is not None and engine.pages.index is None
+  assert not engine.prefix_caching and engine.pages is not None and engine.pages.index is None
   assert "engine: prefix_caching is off for this model" in capsys.readouterr().out
 
 

@@ -1,0 +1,217 @@
+"""The engine's KV cache as one interface with two layouts (kv_cache_layout): `DenseLayout` keeps
+[T, S] per layer and slot, `PagedLayout` a pool of pages per layer with a host-side allocator
+(inference/paged_cache.py). `make` is the one place that picks a layout; the engine and the
+speculative decoders call the interface and never ask which layout it is.
+
+Shape legend (as engine.py): T slots, S max_target_length, M pages per slot.
+
+Host side: `admit` before an insert (paged: the prompt's pages), `step_table` before a step (paged:
+pages for each active slot's next positions, the block table the jitted step takes), `advance`
+after it, `release` when a request ends. Traced side (inside the engine's jitted bodies):
+`empty_caches`, `insert` (a prefill row into a slot), `with_table` and `keep_inactive` around a step.
+Prompts prefilled straight into pages (chunked prefill, prefix caching) need `prompt_pages`, which
+only the paged layout has; the dense one refuses in one line.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from MaxText.configuration.config_groups import DecodeConfig
+from MaxText.configuration.model_config import ModelConfig
+from MaxText.errors import UserError
+from MaxText.inference import paged_cache
+from MaxText.layers import kv_cache
+
+
+class KVLayout:
+  """The dense layout; `PagedLayout` overrides what pages change."""
+
+  name = "dense"
+  prefix_caching = False  # full prompt pages shared between requests (paged only)
+  prefills_into_pages = False  # prompts go in through begin_prompt / prefill_chunk (paged only)
+
+  def __init__(self, cfg: ModelConfig, num_slots: int, quantized: bool):
+    self.cfg, self.num_slots, self.quantized = cfg, num_slots, quantized
+    # (prompt, salts, matched pages) -> how many a request may share (state_snapshots.py); set by the engine.
+    self.usable_pages: Callable[[Sequence[int], Mapping[int, bytes] | None, int], int] | None = None
+
+  # ---------------------------------------------------------------- host side
+  def reset(self) -> None:
+    """A new decode state: nothing held."""
+
+  def admit(self, slot: int, prompt_length: Any) -> Any:
+    """Before an insert of a prompt of `prompt_length` tokens into `slot`: the insert's extra argument."""
+    return None
+
+  def table_shape(self) -> tuple[int, ...] | None:
+    """The shape of step_table's block table (None: none)."""
+    return None
+
+  def step_table(self, ahead: int = 1) -> jax.Array | None:
+    """Before a step writing each active slot's next `ahead` positions: the block table it takes."""
+    return None
+
+  def advance(self, steps: int | np.ndarray = 1) -> None:
+    """After a step: each active slot cached `steps` more tokens."""
+
+  def release(self, slot: int) -> None:
+    """The slot's request is done."""
+
+  def active_slots(self) -> np.ndarray:
+    """The slots a step generates for (dense: every slot, free or not)."""
+    return np.ones(self.num_slots, bool)
+
+  def held(self, slot: int) -> int:
+    return 0
+
+  def prefilling(self, slot: int) -> bool:
+    return False
+
+  def pages_needed(self, num_tokens: int) -> int:
+    return 0
+
+  def admission_pages(self, reserved: Mapping[int, int], prompt: Sequence[int], need: int, text_only: bool) -> int:
+    return 0
+
+  def stats(self) -> dict[str, int]:
+    return {"pages_total": 0, "pages_free": 0, "pages_used": 0}
+
+  def prompt_pages(self) -> paged_cache.PageAllocator:
+    """The allocator that prompts prefilled into pages (begin_prompt, prefill_chunk) take pages from."""
+    raise UserError("chunked prefill needs kv_cache_layout=paged")
+
+  @property
+  def pages(self) -> paged_cache.PageAllocator | None:
+    """The page allocator (None: no pages)."""
+    return None
+
+  # ---------------------------------------------------------------- traced side
+  def empty_caches(self) -> Any:
+    return kv_cache.model_caches(self.cfg, self.num_slots, self.cfg.max_target_length, self.quantized)
+
+  def logical_names(self) -> Any:
+    return kv_cache.model_cache_names(self.cfg, self.quantized)
+
+  def insert(self, caches: Any, prefix_caches: Any, slot: jax.Array, row: jax.Array, admitted: Any) -> Any:
+    """`caches` with prompt `row` of a prefill's caches (length L) in `slot`."""
+    batch_axis = 1 if self.cfg.scan_layers else 0  # stacked caches carry a leading layer dim
+
+    def put(big: jax.Array, small: jax.Array) -> jax.Array:
+      one_row = jax.lax.dynamic_slice_in_dim(small, row, 1, axis=batch_axis)
+      start: list[Any] = [0] * big.ndim
+      start[batch_axis] = slot
+      return jax.lax.dynamic_update_slice(big, one_row.astype(big.dtype), start)
+
+    return jax.tree.map(put, caches, prefix_caches)
+
+  @staticmethod
+  def with_table(caches: Any, table_TM: jax.Array | None) -> Any:
+    """The caches a step attends over (paged: with the step's block table)."""
+    return caches
+
+  def keep_inactive(self, new: Any, old: Any, table_TM: jax.Array | None) -> Any:
+    """`new` after a step, with what the step must not change in slots without pages kept from `old`."""
+    return new
+
+
+class PagedLayout(KVLayout):
+  """kv_cache_layout=paged: one allocator per decode state (the engine's last init_decode_state)."""
+
+  name = "paged"
+
+  def __init__(self, cfg: ModelConfig, num_slots: int, quantized: bool, page_size: int, num_pages: int,
+               prefix_caching: bool, prefill_chunk_size: int):
+    super().__init__(cfg, num_slots, quantized)
+    self.page_size, self.prefix_caching = page_size, prefix_caching
+    # In chunks, or in one piece after the pages a cached prefix already holds.
+    self.prefills_into_pages = prefill_chunk_size > 0 or prefix_caching
+    per_slot = paged_cache.pages_per_slot(cfg.max_target_length, page_size)
+    self.num_pages = num_pages or num_slots * per_slot
+    if self.num_pages < per_slot:
+      raise UserError(f"kv_num_pages={self.num_pages} cannot hold one request at max_target_length="
+                      f"{cfg.max_target_length} ({per_slot} pages of kv_page_size={page_size}); "
+                      f"set kv_num_pages >= {per_slot} (0 = {num_slots * per_slot}, the dense capacity)")
+    self._pages = self._new_allocator()
+
+  def _new_allocator(self) -> paged_cache.PageAllocator:
+    pages = paged_cache.PageAllocator(self.num_pages, self.page_size, self.num_slots, self.cfg.max_target_length,
+                                      self.prefix_caching)
+    pages.usable_pages = self.usable_pages
+    return pages
+
+  def reset(self) -> None:
+    self._pages = self._new_allocator()
+
+  def admit(self, slot: int, prompt_length: Any) -> Any:
+    self._pages.assign(slot, int(prompt_length))  # OutOfPages leaves everything as it was
+    return jnp.asarray(self._pages.table[slot])
+
+  def table_shape(self) -> tuple[int, ...] | None:
+    return tuple(self._pages.table.shape)
+
+  def step_table(self, ahead: int = 1) -> jax.Array | None:
+    self._pages.grow(ahead)
+    return jnp.asarray(self._pages.generate_table())
+
+  def advance(self, steps: int | np.ndarray = 1) -> None:
+    self._pages.advance(steps)
+
+  def release(self, slot: int) -> None:
+    self._pages.release(slot)
+
+  def active_slots(self) -> np.ndarray:
+    return self._pages.active
+
+  def held(self, slot: int) -> int:
+    return self._pages.held(slot)
+
+  def prefilling(self, slot: int) -> bool:
+    return not self._pages.active[slot]
+
+  def pages_needed(self, num_tokens: int) -> int:
+    return self._pages.pages_for(num_tokens)
+
+  def admission_pages(self, reserved: Mapping[int, int], prompt: Sequence[int], need: int, text_only: bool) -> int:
+    return paged_cache.admission_pages(self._pages, reserved, prompt, need, text_only)
+
+  def stats(self) -> dict[str, int]:
+    return self._pages.stats()
+
+  def prompt_pages(self) -> paged_cache.PageAllocator:
+    return self._pages
+
+  @property
+  def pages(self) -> paged_cache.PageAllocator | None:
+    return self._pages
+
+  def empty_caches(self) -> Any:
+    return paged_cache.model_pools(self.cfg, self.num_pages, self.page_size, self.num_slots, self.quantized)
+
+  def logical_names(self) -> Any:
+    return paged_cache.model_pool_names(self.cfg, self.quantized)
+
+  def insert(self, caches: Any, prefix_caches: Any, slot: jax.Array, row: jax.Array, admitted: Any) -> Any:
+    return paged_cache.insert_prefix(caches, prefix_caches, row, slot, admitted, self.cfg.scan_layers)
+
+  @staticmethod
+  def with_table(caches: Any, table_TM: jax.Array | None) -> Any:
+    assert table_TM is not None
+    return paged_cache.with_block_table(caches, table_TM)
+
+  def keep_inactive(self, new: Any, old: Any, table_TM: jax.Array | None) -> Any:
+    # A step advances every slot: a recurrent state of a slot without pages (free, or still prefilling) stays.
+    assert table_TM is not None
+    return paged_cache.keep_inactive_states(new, old, table_TM[:, 0] >= 0, self.cfg.scan_layers)
+
+
+def make(cfg: ModelConfig, decode: DecodeConfig, num_slots: int, prefix_caching: bool) -> KVLayout:
+  """The layout kv_cache_layout names (`prefix_caching`: the engine's own setting, paged only)."""
+  if decode.kv_cache_layout == "paged":
+    return PagedLayout(cfg, num_slots, decode.quantize_kvcache, decode.kv_page_size, decode.kv_num_pages,
+                       prefix_caching, decode.prefill_chunk_size)
+  return KVLayout(cfg, num_slots, decode.quantize_kvcache)
