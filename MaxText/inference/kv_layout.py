@@ -15,6 +15,7 @@ only the paged layout has; the dense one refuses in one line.
 
 from __future__ import annotations
 
+import abc
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -28,39 +29,116 @@ from MaxText.inference import paged_cache
 from MaxText.layers import kv_cache
 
 
-class KVLayout:
-  """The dense layout; `PagedLayout` overrides what pages change."""
+class KVLayout(abc.ABC):
+  """The interface: one implementation per layout."""
 
-  name = "dense"
-  prefix_caching = False  # full prompt pages shared between requests (paged only)
-  prefills_into_pages = False  # prompts go in through begin_prompt / prefill_chunk (paged only)
+  name: str
+  prefix_caching = False  # full prompt pages shared between requests
+  prefills_into_pages = False  # prompts go in through begin_prompt / prefill_chunk
 
   def __init__(self, cfg: ModelConfig, num_slots: int, quantized: bool):
     self.cfg, self.num_slots, self.quantized = cfg, num_slots, quantized
     # (prompt, salts, matched pages) -> how many a request may share (state_snapshots.py); set by the engine.
     self.usable_pages: Callable[[Sequence[int], Mapping[int, bytes] | None, int], int] | None = None
 
-  # ---------------------------------------------------------------- host side
+  @abc.abstractmethod
   def reset(self) -> None:
     """A new decode state: nothing held."""
 
+  @abc.abstractmethod
   def admit(self, slot: int, prompt_length: Any) -> Any:
     """Before an insert of a prompt of `prompt_length` tokens into `slot`: the insert's extra argument."""
-    return None
 
+  @abc.abstractmethod
   def table_shape(self) -> tuple[int, ...] | None:
     """The shape of step_table's block table (None: none)."""
-    return None
 
+  @abc.abstractmethod
   def step_table(self, ahead: int = 1) -> jax.Array | None:
     """Before a step writing each active slot's next `ahead` positions: the block table it takes."""
-    return None
 
+  @abc.abstractmethod
   def advance(self, steps: int | np.ndarray = 1) -> None:
     """After a step: each active slot cached `steps` more tokens."""
 
+  @abc.abstractmethod
   def release(self, slot: int) -> None:
     """The slot's request is done."""
+
+  @abc.abstractmethod
+  def active_slots(self) -> np.ndarray:
+    """The slots a step generates for."""
+
+  @abc.abstractmethod
+  def held(self, slot: int) -> int:
+    """Pages the slot holds."""
+
+  @abc.abstractmethod
+  def prefilling(self, slot: int) -> bool:
+    """Whether the slot's prompt is still being prefilled into its pages."""
+
+  @abc.abstractmethod
+  def pages_needed(self, num_tokens: int) -> int: ...
+
+  @abc.abstractmethod
+  def admission_pages(self, reserved: Mapping[int, int], prompt: Sequence[int], need: int, text_only: bool
+                      ) -> int: ...
+
+  @abc.abstractmethod
+  def stats(self) -> dict[str, int]: ...
+
+  @abc.abstractmethod
+  def prompt_pages(self) -> paged_cache.PageAllocator:
+    """The allocator that prompts prefilled into pages (begin_prompt, prefill_chunk) take pages from."""
+
+  @property
+  @abc.abstractmethod
+  def pages(self) -> paged_cache.PageAllocator | None:
+    """The page allocator (None: no pages)."""
+
+  @abc.abstractmethod
+  def empty_caches(self) -> Any:
+    """Every layer's empty cache for all slots (traced)."""
+
+  @abc.abstractmethod
+  def logical_names(self) -> Any: ...
+
+  @abc.abstractmethod
+  def insert(self, caches: Any, prefix_caches: Any, slot: jax.Array, row: jax.Array, admitted: Any) -> Any:
+    """`caches` with prompt `row` of a prefill's caches (length L) in `slot` (traced)."""
+
+  @abc.abstractmethod
+  def with_table(self, caches: Any, table_TM: jax.Array | None) -> Any:
+    """The caches a step attends over (traced)."""
+
+  @abc.abstractmethod
+  def keep_inactive(self, new: Any, old: Any, table_TM: jax.Array | None) -> Any:
+    """`new` after a step, with what the step must not change in slots without pages kept from `old` (traced)."""
+
+
+class DenseLayout(KVLayout):
+  """kv_cache_layout=dense: every slot owns max_target_length positions of every layer."""
+
+  name = "dense"
+
+  # ---------------------------------------------------------------- host side
+  def reset(self) -> None:
+    pass
+
+  def admit(self, slot: int, prompt_length: Any) -> Any:
+    return None
+
+  def table_shape(self) -> tuple[int, ...] | None:
+    return None
+
+  def step_table(self, ahead: int = 1) -> jax.Array | None:
+    return None
+
+  def advance(self, steps: int | np.ndarray = 1) -> None:
+    pass
+
+  def release(self, slot: int) -> None:
+    pass
 
   def active_slots(self) -> np.ndarray:
     """The slots a step generates for (dense: every slot, free or not)."""
@@ -82,12 +160,10 @@ class KVLayout:
     return {"pages_total": 0, "pages_free": 0, "pages_used": 0}
 
   def prompt_pages(self) -> paged_cache.PageAllocator:
-    """The allocator that prompts prefilled into pages (begin_prompt, prefill_chunk) take pages from."""
     raise UserError("chunked prefill needs kv_cache_layout=paged")
 
   @property
   def pages(self) -> paged_cache.PageAllocator | None:
-    """The page allocator (None: no pages)."""
     return None
 
   # ---------------------------------------------------------------- traced side
@@ -98,7 +174,6 @@ class KVLayout:
     return kv_cache.model_cache_names(self.cfg, self.quantized)
 
   def insert(self, caches: Any, prefix_caches: Any, slot: jax.Array, row: jax.Array, admitted: Any) -> Any:
-    """`caches` with prompt `row` of a prefill's caches (length L) in `slot`."""
     batch_axis = 1 if self.cfg.scan_layers else 0  # stacked caches carry a leading layer dim
 
     def put(big: jax.Array, small: jax.Array) -> jax.Array:
@@ -109,13 +184,10 @@ class KVLayout:
 
     return jax.tree.map(put, caches, prefix_caches)
 
-  @staticmethod
-  def with_table(caches: Any, table_TM: jax.Array | None) -> Any:
-    """The caches a step attends over (paged: with the step's block table)."""
+  def with_table(self, caches: Any, table_TM: jax.Array | None) -> Any:
     return caches
 
   def keep_inactive(self, new: Any, old: Any, table_TM: jax.Array | None) -> Any:
-    """`new` after a step, with what the step must not change in slots without pages kept from `old`."""
     return new
 
 
@@ -198,8 +270,7 @@ class PagedLayout(KVLayout):
   def insert(self, caches: Any, prefix_caches: Any, slot: jax.Array, row: jax.Array, admitted: Any) -> Any:
     return paged_cache.insert_prefix(caches, prefix_caches, row, slot, admitted, self.cfg.scan_layers)
 
-  @staticmethod
-  def with_table(caches: Any, table_TM: jax.Array | None) -> Any:
+  def with_table(self, caches: Any, table_TM: jax.Array | None) -> Any:
     assert table_TM is not None
     return paged_cache.with_block_table(caches, table_TM)
 
@@ -214,4 +285,4 @@ def make(cfg: ModelConfig, decode: DecodeConfig, num_slots: int, prefix_caching:
   if decode.kv_cache_layout == "paged":
     return PagedLayout(cfg, num_slots, decode.quantize_kvcache, decode.kv_page_size, decode.kv_num_pages,
                        prefix_caching, decode.prefill_chunk_size)
-  return KVLayout(cfg, num_slots, decode.quantize_kvcache)
+  return DenseLayout(cfg, num_slots, decode.quantize_kvcache)
