@@ -3,10 +3,10 @@
 machine through its recipe (EXECUTABLE=train_compile, NUM_SLICES, compile_topology), its
 implied MFU beside the published one, the error of each and the rank correlation.
 
-  python3 benchmarks/estimator_table.py [out=outputs/estimator_points.jsonl] [only=v5e] [slices=1,2,8]
+  python3 benchmarks/estimator_table.py [output_path=outputs/estimator_points.jsonl] [only=v5e] [slices=1,2,8]
       [reuse=outputs/plan_recipes.jsonl]
 
-Points already in out are not compiled again. Figures: getting_started/AOT.md.
+Points already in output_path are not compiled again. Figures: getting_started/AOT.md.
 """
 
 from __future__ import annotations
@@ -59,12 +59,12 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--out", default="outputs/estimator_points.jsonl")
+  parser.add_argument("--output_path", default="outputs/estimator_points.jsonl")
   parser.add_argument("--only", default="", help="a prefix of the recipe names to compile (e.g. v5e)")
   parser.add_argument("--slices", default="", help="compile only these slice counts (e.g. 1,2,8,32)")
   parser.add_argument("--reuse", default="", help="plan_recipes.py's output: its single-slice recipe compiles")
-  opts = tool_args.parse_args(parser, None)
-  out = Path(opts.out)
+  opts = tool_args.parse_args(parser, None, renamed={"out": "output_path"})
+  out = Path(opts.output_path)
   out.parent.mkdir(parents=True, exist_ok=True)
   done = {}
   if out.exists():

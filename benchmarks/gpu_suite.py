@@ -495,10 +495,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, str]] | None:
   parser.add_argument("--dump_hlo", default="", help="a folder: each training child dumps its train step's HLO "
                       "to FOLDER/<impl>-<model>-<quant>-<seq> (to compare the two projects' compiled steps)")
   parser.add_argument("--full", action="store_true", help="also fp8 at 8192 (past the default budget)")
-  parser.add_argument("--no_serve", dest="serve", action="store_false", help="leave out the serving rows")
+  parser.add_argument("--serve", action="store_false", help="false: leave out the serving rows")
   parser.add_argument("--dry_run", action="store_true", help="tiny shapes on CPU: checks every code path")
   parser.add_argument("--_child", default="", help=argparse.SUPPRESS)
-  args, rest = tool_args.parse_known_args(parser, argv)
+  args, rest = tool_args.parse_known_args(parser, argv, renamed={"no_serve": "serve"})
   if args._child:
     spec = json.loads(rest[0]) if rest else {}
     children = {"probe": child_probe, "train": lambda: child_train(spec), "serve": lambda: child_serve(spec)}

@@ -47,10 +47,10 @@ def main() -> None:
   parser.add_argument("--layers", default="linear,full")
   parser.add_argument("--repeats", type=int, default=1)
   parser.add_argument("--decode_steps", type=int, default=20)
-  parser.add_argument("--no_train", dest="train", action="store_false")
-  parser.add_argument("--no_decode", dest="decode", action="store_false")
+  parser.add_argument("--train", action="store_false", help="false: leave out the train step")
+  parser.add_argument("--decode", action="store_false", help="false: leave out the decode step")
   parser.add_argument("--aot", default="", help="a TPU topology (e.g. v5p-8): predict its train step instead")
-  args = tool_args.parse_args(parser, None)
+  args = tool_args.parse_args(parser, None, renamed={"no_train": "train", "no_decode": "decode"})
   if args.aot:
     _aot_table(args.aot, [int(x) for x in args.lengths.split(",")], args.layers.split(","))
     return

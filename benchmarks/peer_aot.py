@@ -7,7 +7,7 @@ Upstream is the `maxtext` package from PyPI in its own environment, never a depe
 
   python3.12 -m venv ~/maxtext-peer && ~/maxtext-peer/bin/pip install "maxtext[tpu]" "jax[tpu]==0.11.2"
   python3 benchmarks/peer_aot.py peer_python=~/maxtext-peer/bin/python [cases=v5e/16b,v5e/128b,v5p/32b]
-      [plans=outputs/plan_recipes.jsonl] [out=outputs/peer_aot.jsonl]
+      [plans=outputs/plan_recipes.jsonl] [output_path=outputs/peer_aot.jsonl]
 
 Both compiles run under peer_python (this checkout on its PYTHONPATH), so this project is
 measured on the peer's JAX too. Figures: getting_started/AOT.md.
@@ -125,9 +125,9 @@ def main() -> int:
   parser.add_argument("--peer_python", required=True, help="python of the environment with upstream's maxtext")
   parser.add_argument("--cases", default=",".join(CASES))
   parser.add_argument("--plans", default="outputs/plan_recipes.jsonl")
-  parser.add_argument("--out", default="outputs/peer_aot.jsonl")
+  parser.add_argument("--output_path", default="outputs/peer_aot.jsonl")
   parser.add_argument("--columns", default="upstream,ours,planned", help="which compiles to run")
-  opts = tool_args.parse_args(parser, None)
+  opts = tool_args.parse_args(parser, None, renamed={"out": "output_path"})
   columns = set(opts.columns.split(","))
   from MaxText.platform import accelerators  # noqa: PLC0415
   versions = subprocess.run([opts.peer_python, "-c", "import jax, jaxlib, importlib.metadata as m; "
@@ -150,7 +150,7 @@ def main() -> int:
       row[column] = {**figures, "extra": extra, "mfu": flops / step / peak if step else None}
       print(json.dumps({"case": case, column: row[column]}), flush=True)
     rows.append(row)
-    with open(opts.out, "a") as f:
+    with open(opts.output_path, "a") as f:
       f.write(json.dumps(row) + "\n")
   print("| recipe | topology | upstream, same estimator | this project | the planner's setting |")
   print("| --- | --- | --- | --- | --- |")

@@ -4,7 +4,7 @@ prints the planner's best predicted MFU (the step-time model's, which ranks) and
 the recipe's own, by the same model and by the compiler's estimate.
 
   python3 benchmarks/plan_recipes.py [recipes=v5e/32b,v5p/64b] [max_candidates=2] [workers=1]
-      [cache_dir=outputs/plan_cache] [out=outputs/plan_recipes.jsonl] [plan_args="attention_blocks=none"]
+      [cache_dir=outputs/plan_cache] [output_path=outputs/plan_recipes.jsonl] [plan_args="attention_blocks=none"]
 
 The recipe's own setting is compiled too (`bash configs/<recipe>.sh EXECUTABLE=train_compile`;
 `no_recipe_compile=true` skips it), with the same code, flags and estimator, so the columns
@@ -59,13 +59,13 @@ def main() -> int:
   parser.add_argument("--max_candidates", type=int, default=2)
   parser.add_argument("--workers", type=int, default=1)
   parser.add_argument("--cache_dir", default="outputs/plan_cache")
-  parser.add_argument("--out", default="outputs/plan_recipes.jsonl")
+  parser.add_argument("--output_path", default="outputs/plan_recipes.jsonl")
   parser.add_argument("--no_recipe_compile", action="store_true")
   parser.add_argument("--plan_args", default="", help="more planner arguments, e.g. attention_blocks=none")
-  opts = tool_args.parse_args(parser, None)
+  opts = tool_args.parse_args(parser, None, renamed={"out": "output_path"})
   names = [n for n in opts.recipes.split(",") if n] or sorted(
       f"{p.parent.name}/{p.stem}" for gen in ("v5e", "v5p") for p in (REPO / "configs" / gen).glob("*.sh"))
-  Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+  Path(opts.output_path).parent.mkdir(parents=True, exist_ok=True)
   for name in names:
     topology, args = read_recipe(REPO / "configs" / f"{name}.sh")
     command = plan_command(topology, args, opts.max_candidates, opts.workers, opts.cache_dir) + opts.plan_args.split()
@@ -86,7 +86,7 @@ def main() -> int:
       row["recipe_breakdown"] = own["model_breakdown"]
       row["recipe_compile_s"] = own["compile_s"]
     print(json.dumps({k: v for k, v in row.items() if k != "table"}), flush=True)
-    with open(opts.out, "a") as f:
+    with open(opts.output_path, "a") as f:
       f.write(json.dumps(row) + "\n")
   return 0
 

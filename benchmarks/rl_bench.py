@@ -26,6 +26,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+
 REWARD = "def low_ids(completion_ids, **_):\n  return [sum(t < 200 for t in c) / max(len(c), 1) for c in completion_ids]\n"
 
 
@@ -39,7 +42,6 @@ def _prepare(directory: Path, model: dict[str, int]) -> None:
   script = f"""
 import json, random, sys
 sys.path.insert(0, {str(REPO)!r})
-from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
 from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 import jax

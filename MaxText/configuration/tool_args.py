@@ -194,6 +194,8 @@ def _translate(parser: argparse.ArgumentParser, argv: Sequence[str], renamed: Ma
       continue
     if name != key:
       spellings.warn_deprecated(name, key)
+      if normalized(name) == f"no_{key}" and _is_switch(options[key]):  # no_x=true is x=false
+        value = {"true": "false", "false": "true"}.get(value.strip().lower(), value)
     given.set(key, name, value)
 
   translated: list[str] = []

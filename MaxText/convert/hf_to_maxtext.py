@@ -36,6 +36,7 @@ from MaxText.errors import UserError, run_cli
 
 PROG = "hf_to_maxtext"
 TOOL = startup.Tool(PROG, reads_run=True, hardware="cpu", reads_data=False)  # conversion is host work
+OWN_KEYS = ("hf_model_path", "output_path")  # its own key=value arguments; the rest are config keys
 
 
 def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict[str, float]:
@@ -76,7 +77,7 @@ def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict[str, f
 
 
 def main(argv: list[str]) -> int:
-  own, user_args = cli.split_args(argv[1:], ("hf_model_path", "output_path"))
+  own, user_args = cli.split_args(argv[1:], OWN_KEYS)
   convert(own["hf_model_path"], own["output_path"], user_args)
   return 0
 

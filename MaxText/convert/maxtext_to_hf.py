@@ -38,6 +38,8 @@ from MaxText.errors import ConfigError, UserError, run_cli
 
 PROG = "maxtext_to_hf"
 TOOL = startup.Tool(PROG, reads_run=True, hardware="cpu", reads_data=False)  # conversion is host work
+OWN_KEYS = ("load_parameters_path", "output_path")  # its own key=value arguments; the rest are config keys
+OPTIONAL_KEYS = ("max_shard_mb",)
 
 
 def _open_checkpoint(checkpoint: str, config: config_lib.Config) -> tuple[streaming.ParamReader, ModelConfig]:
@@ -75,7 +77,8 @@ def export(checkpoint: str, output_path: str, user_args: list[str], max_shard_mb
     if storage.exists(output_path) and (not storage.is_dir(output_path) or storage.listdir(output_path)):
       raise UserError(f"{output_path} exists and is not empty; choose a new output_path")
 
-  config = startup.start(TOOL, [PROG, *user_args], paths={"load_parameters_path": checkpoint, "output_path": output_path},
+  paths = {"load_parameters_path": checkpoint, "output_path": output_path}
+  config = startup.start(TOOL, [PROG, *user_args], paths=paths,
                          check_paths=output_is_empty, model_keys=cli.CheckpointModelKeys(checkpoint, PROG)).config
   family = families.family_for_decoder_block(config.model.decoder_block)
   hf_config = _hf_config(config, family)
@@ -98,7 +101,7 @@ def export(checkpoint: str, output_path: str, user_args: list[str], max_shard_mb
 
 
 def main(argv: list[str]) -> int:
-  own, user_args = cli.split_args(argv[1:], ("load_parameters_path", "output_path"), ("max_shard_mb",))
+  own, user_args = cli.split_args(argv[1:], OWN_KEYS, OPTIONAL_KEYS)
   text = own.get("max_shard_mb", "5000")
   if not text.isdigit() or int(text) < 1:
     raise UserError(f"max_shard_mb must be a positive whole number of MiB, got {text!r}")
