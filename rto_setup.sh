@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Network tuning for the workers of a multi-host TPU job: run once on every worker, as root,
-# before the job (e.g. multihost_runner --COMMAND="sudo bash rto_setup.sh && ...").
+# before the job (e.g. multihost_runner command="sudo bash rto_setup.sh && ...").
 #
 #   sudo bash rto_setup.sh              # apply; prints each change, or that there is none
-#   bash rto_setup.sh --dry-run         # (or DRY_RUN=1) only print what would change; no root needed
+#   bash rto_setup.sh DRY_RUN=1         # only print what would change; no root needed
 #
 # What it sets, and why:
 #   default route  rto_min 5ms   TCP's retransmit timeout floor is 200 ms: one lost packet between
@@ -23,9 +23,10 @@ DRY_RUN="${DRY_RUN:-0}"
 
 for arg in "$@"; do
   case "$arg" in
-    --dry-run) DRY_RUN=1 ;;
+    DRY_RUN=*) DRY_RUN="${arg#*=}" ;;  # KEY=VALUE, as the recipes and setup.sh take it
+    --dry-run) DRY_RUN=1; echo "warning: '--dry-run' is deprecated; use 'DRY_RUN=1'" >&2 ;;
     -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
-    *) echo "error: rto_setup.sh: unknown argument '$arg' (expected --dry-run)" >&2; exit 2 ;;
+    *) echo "error: rto_setup.sh: unknown argument '$arg' (expected DRY_RUN=1)" >&2; exit 2 ;;
   esac
 done
 
@@ -35,7 +36,7 @@ fail() {
 }
 
 if [[ "$DRY_RUN" != "1" && "$(id -u)" != "0" ]]; then
-  fail "must run as root to change the route and the sysctls: sudo bash $0 (or --dry-run to see the changes)"
+  fail "must run as root to change the route and the sysctls: sudo bash $0 (or DRY_RUN=1 to see the changes)"
 fi
 
 CHANGES=()   # "description|command" pairs, applied in order after everything was read

@@ -70,15 +70,17 @@ def test_refuses_without_root_and_changes_nothing(net):
   before = snapshot(net)
   result = rto_setup(net, uid=1000)
   assert result.returncode == 2
-  assert result.stderr.startswith("error: rto_setup.sh: must run as root") and "--dry-run" in result.stderr
+  assert result.stderr.startswith("error: rto_setup.sh: must run as root") and "DRY_RUN=1" in result.stderr
   assert snapshot(net) == before and changing_calls(net) == []
 
 
-@pytest.mark.parametrize("how", [["--dry-run"], []], ids=["flag", "env"])
+@pytest.mark.parametrize("how", [["DRY_RUN=1"], ["--dry-run"], []], ids=["argument", "old flag", "env"])
 def test_dry_run_prints_every_change_and_applies_none(net, how):
   before = snapshot(net)
   result = rto_setup(net, *how, uid=1000, **({} if how else {"DRY_RUN": "1"}))
   assert result.returncode == 0, result.stderr
+  deprecated = ["warning: '--dry-run' is deprecated; use 'DRY_RUN=1'"] if how == ["--dry-run"] else []
+  assert [line for line in result.stderr.splitlines() if "deprecated" in line] == deprecated
   out = result.stdout
   assert "would change (dry run) default route: rto_min unset -> 5ms, quickack unset -> 1" in out
   assert f"$ ip route change {ROUTE} rto_min 5ms quickack 1" in out
