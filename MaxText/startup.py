@@ -104,7 +104,7 @@ class Started:
 
 def start(tool: Tool, argv: Sequence[str], *, paths: Mapping[str, str] | None = None,
           check_paths: Callable[[], None] | None = None, model_keys: ModelKeys | None = None) -> Started:
-  """The whole start-up of `tool`. `paths`: a tool's own path flags ({"--flag": path}), whose
+  """The whole start-up of `tool`. `paths`: a tool's own path arguments ({"key": path}), whose
   buckets must answer too; `check_paths`: the tool's checks of them, once they answer and before
   the backend starts; `model_keys`: the tool's own model-key layer (the converters)."""
   prepare_process()
@@ -152,7 +152,7 @@ def start(tool: Tool, argv: Sequence[str], *, paths: Mapping[str, str] | None = 
 
 def read_overrides(argv: list[str], extra_paths: Mapping[str, str] | None = None) -> config_lib.Overrides:
   """The user's layers (YAML, env, argv), every key checked, and every gs:// bucket a path key
-  (or a tool's own path flag in `extra_paths`) names reachable, before any backend starts or
+  (or a tool's own path argument in `extra_paths`) names reachable, before any backend starts or
   anything compiles."""
   overrides = config_lib.parse_overrides(argv)
   paths = {key: str(overrides.peek(key)) for key in config_lib.PATH_KEYS}

@@ -12,7 +12,7 @@ Streaming: our parameters are restored one at a time (a whole layer stack when t
 is scanned) and dropped after their last HF tensor is produced; each HF tensor is appended to
 the shard's data file on disk at once, and the shard gets its header when it is full (at most
 max_shard_mb). Peak host memory is about the largest stored parameter plus one HF tensor
-(measured in getting_started/Models.md, benchmarks/convert_memory.py --direction to_hf).
+(measured in getting_started/Models.md, benchmarks/convert_memory.py, which converts both ways).
 
 CKPT and DIR may be gs:// paths: Orbax reads CKPT from the bucket; for a gs:// DIR the shards are
 written to a local temporary directory (needs disk for the whole model) and uploaded at the end.
