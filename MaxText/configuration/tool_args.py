@@ -129,7 +129,9 @@ class _KeyValueHelp(argparse.HelpFormatter):
     return f"{action.dest}={self._get_default_metavar_for_optional(action)}"
 
   def _get_default_metavar_for_optional(self, action: argparse.Action) -> str:
-    return action.metavar if isinstance(action.metavar, str) else action.dest.upper()
+    if isinstance(action.metavar, str):
+      return action.metavar
+    return "|".join(str(c) for c in action.choices) if action.choices else action.dest.upper()
 
 
 def _key_value_help(parser: argparse.ArgumentParser) -> None:
