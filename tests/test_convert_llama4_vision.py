@@ -54,7 +54,7 @@ def test_the_saved_model_keys_describe_the_vision_tower(converted):
   _, _, ckpt = converted
   keys = config_lib.read_yaml(ckpt / config_lib.MODEL_CONFIG_FILE)
   assert keys["use_multimodal"] is True and keys["decoder_block"] == "llama4" and keys["vision_num_layers"] == 2
-  assert keys["mm_tokens_per_image"] == 16 and keys["vision_adapter_dim"] == 48 and keys["vision_rope_theta"] == 100.0
+  assert keys["mm_tokens_per_image"] == 16 and keys["vision_adapter_dim"] == 48 and keys["vision_rope_max_timescale"] == 100.0
   assert keys["image_token_id"] == 122 and keys["boi_token_id"] == 120 and keys["eoi_token_id"] == 121
 
 

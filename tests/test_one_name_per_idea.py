@@ -65,6 +65,8 @@ SYNONYMS: list[tuple[Name, ...]] = [
     (_n("rl_sampling_top_k"), _n("rl_top_k")),
     # HF's partial_rotary_factor is ours; proportional RoPE's share is another idea with its own name
     (_n("rope_proportional_rotated_fraction"), _n("rope_partial_rotary_factor")),
+    # RoPE's theta, *_max_timescale as for the text layers
+    (_n("vision_rope_max_timescale"), _n("vision_rope_theta")),
     # an HF model directory (hf_path in base.yml is the HF dataset)
     (_n("hf_model_path"), _n("hf_path", "config")),
     # the checkpoint a tool reads, the images of a prompt, where a tool writes, a corpus's files

@@ -25,6 +25,8 @@ RENAMED_KEYS: dict[str, str] = {
     # not HF's partial_rotary_factor (the rotated share of the features, our partial_rotary_factor):
     # rope_type=proportional's share of frequency pairs that turn, over the whole head
     "rope_partial_rotary_factor": "rope_proportional_rotated_fraction",
+    # RoPE's theta is rope_max_timescale (and rope_local_max_timescale) for the text layers
+    "vision_rope_theta": "vision_rope_max_timescale",
 }
 
 _warned: set[str] = set()

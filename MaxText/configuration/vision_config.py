@@ -19,8 +19,8 @@ MULTIMODAL_DECODER_BLOCKS = ("gemma3", "llama4")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VisionConfig:
-  """The image encoder and projector (use_multimodal=True; ignored otherwise). The vision_rope_theta,
-  vision_pixel_shuffle_ratio and vision_adapter_dim keys are Llama 4's only."""
+  """The image encoder and projector (use_multimodal=True; ignored otherwise). The
+  vision_rope_max_timescale, vision_pixel_shuffle_ratio and vision_adapter_dim keys are Llama 4's only."""
   use_multimodal: bool = key(architecture=True)
   vision_emb_dim: int = key(architecture=True)
   vision_mlp_dim: int = key(architecture=True)
@@ -30,7 +30,7 @@ class VisionConfig:
   vision_image_size: int = key(architecture=True)
   vision_layer_norm_epsilon: float = key(architecture=True)
   mm_tokens_per_image: int = key(architecture=True)
-  vision_rope_theta: float = key(architecture=True)
+  vision_rope_max_timescale: float = key(architecture=True)
   vision_pixel_shuffle_ratio: float = key(architecture=True)
   vision_adapter_dim: int = key(architecture=True)
   image_token_id: int = key(architecture=True)  # the placeholder token each soft token replaces
@@ -132,7 +132,8 @@ def _check_llama4(values: Mapping[str, Any]) -> None:
   """Llama 4's tower: a 2-D RoPE over the head width's quarters, a pixel shuffle by an integer
   factor s = 1 / vision_pixel_shuffle_ratio, and s x s patches per soft token."""
   ratio, heads = values["vision_pixel_shuffle_ratio"], values["vision_emb_dim"] // values["vision_num_heads"]
-  _require(values["vision_rope_theta"] > 0, f"vision_rope_theta must be > 0, got {values['vision_rope_theta']}")
+  _require(values["vision_rope_max_timescale"] > 0,
+           f"vision_rope_max_timescale must be > 0, got {values['vision_rope_max_timescale']}")
   _require(values["vision_adapter_dim"] > 0, f"vision_adapter_dim must be > 0, got {values['vision_adapter_dim']}")
   _require(heads % 4 == 0, f"the vision head width vision_emb_dim / vision_num_heads ({heads}) must be a multiple of "
            "4 for decoder_block llama4 (its 2-D RoPE turns a quarter of the pairs per axis)")

@@ -282,7 +282,8 @@ def llama4_multimodal_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
               vision_image_size=image,
               # HF's vision LayerNorms take torch's default epsilon, whatever norm_eps says.
               vision_layer_norm_epsilon=1e-5,
-              mm_tokens_per_image=round(image // patch * ratio) ** 2, vision_rope_theta=float(rope["rope_theta"]),
+              mm_tokens_per_image=round(image // patch * ratio) ** 2,
+              vision_rope_max_timescale=float(rope["rope_theta"]),
               vision_pixel_shuffle_ratio=ratio, vision_adapter_dim=width,
               image_token_id=int(hf.get("image_token_index", 200092)), boi_token_id=int(hf.get("boi_token_index", 200080)),
               eoi_token_id=int(hf.get("eoi_token_index", 200081)))
@@ -303,7 +304,8 @@ def llama4_multimodal_hf_config(cfg: ModelConfig) -> dict[str, Any]:
                             "projector_output_dim": width, "vision_output_dim": width,
                             "multi_modal_projector_bias": False, "vision_feature_layer": -1,
                             "vision_feature_select_strategy": "default",
-                            "rope_parameters": {"rope_type": "default", "rope_theta": vision.vision_rope_theta}},
+                            "rope_parameters": {"rope_type": "default",
+                                                "rope_theta": vision.vision_rope_max_timescale}},
           "image_token_index": vision.image_token_id, "boi_token_index": vision.boi_token_id,
           "eoi_token_index": vision.eoi_token_id, "tie_word_embeddings": cfg.logits_via_embedding}
 

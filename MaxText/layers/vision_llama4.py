@@ -169,7 +169,8 @@ class Llama4VisionEncoder(nnx.Module):
     x_IQE = jnp.concatenate([x_IPE, cls_IE[:, None]], axis=1)
     x_IQE = self.layernorm_pre(x_IQE + self.position_embedding.embedding[...].astype(x_IQE.dtype)[None])
     x_IQE = sharding.constrain(x_IQE, IMAGE_NAMES)
-    angles_QJ = jnp.asarray(rope_angles(vision.patches_per_side, vision.vision_head_dim, vision.vision_rope_theta))
+    angles_QJ = jnp.asarray(rope_angles(vision.patches_per_side, vision.vision_head_dim,
+                                        vision.vision_rope_max_timescale))
     graphdef, stacked_state = nnx.split(self.layers)
 
     def one_layer(x: jax.Array, layer_state: nnx.State[Any, Any]) -> tuple[jax.Array, None]:

@@ -79,7 +79,7 @@ def test_a_consistent_record_builds_and_flash_is_allowed():
     ({"vision_pixel_shuffle_ratio": 0.3}, "vision_pixel_shuffle_ratio must be 1 / an integer"),
     ({"vision_num_heads": 16}, "the vision head width vision_emb_dim / vision_num_heads (2) must be a multiple of 4"),
     ({"vision_adapter_dim": 0}, "vision_adapter_dim must be > 0, got 0"),
-    ({"vision_rope_theta": 0.0}, "vision_rope_theta must be > 0"),
+    ({"vision_rope_max_timescale": 0.0}, "vision_rope_max_timescale must be > 0"),
     ({"vision_pixel_shuffle_ratio": 1 / 3, "mm_tokens_per_image": 9},
      "the 8 patches per tile side must be a multiple of 1 / vision_pixel_shuffle_ratio (3)"),
 ])
