@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -138,17 +137,13 @@ class Engine:
     self.vocab_size = self.cfg.vocab_size
     # The cache layout (kv_layout.make picks it) and, with prefix caching of a model with recurrent layers,
     # snapshots of their states at page boundaries (a shared prefix's states are not in its pages).
-    self.snapshots: state_snapshots.SnapshotIndex | None = None
-    self._restore_rows: dict[int, tuple[int, int]] = {}  # slot -> (where its prefill starts, snapshot row)
+    self.snapshots: state_snapshots.RecurrentSnapshots | None = None
     self.cache = kv_layout.make(self.cfg, self.decode_cfg, num_slots, self.decode_cfg.prefix_caching)
+    snapshot_capacity = 0
     if self.cache.prefix_caching and has_recurrent_state(self.cfg):
       capacity = self.decode_cfg.prefix_state_snapshots
-      capacity = 2 * num_slots if capacity < 0 else capacity
-      if capacity:
-        self.snapshots = state_snapshots.SnapshotIndex(capacity)
-        self.cache.usable_pages = self._pages_with_snapshot
-        self.cache.reset()
-      else:  # prefix caching is on by default with the paged cache: turned off, said once
+      snapshot_capacity = 2 * num_slots if capacity < 0 else capacity
+      if not snapshot_capacity:  # prefix caching is on by default with the paged cache: turned off, said once
         self.cache = kv_layout.make(self.cfg, self.decode_cfg, num_slots, prefix_caching=False)
         if jax.process_index() == 0:
           print("engine: prefix_caching is off for this model: its Gated DeltaNet layers keep a recurrent state, and "
@@ -180,14 +175,11 @@ class Engine:
     self._extend = jax.jit(self._extend_fn, donate_argnums=(1,),
                            out_shardings=(self.state_shardings, (replicated, TokenLogprobs(replicated, replicated,
                                                                                            replicated))))
-    if self.snapshots is not None:
-      stacked = self.cfg.scan_layers
-      self._snapshot_pool = state_snapshots.empty_pool(abstract_caches, self.snapshots.capacity, stacked)
-      self._save_snapshot = jax.jit(functools.partial(state_snapshots.save, stacked=stacked), donate_argnums=(0,))
-      self._restore_snapshot = jax.jit(
-          lambda state, pool, slot, row: dataclasses.replace(
-              state, caches=state_snapshots.restore(state.caches, pool, slot, row, stacked)),
-          donate_argnums=(0,), out_shardings=self.state_shardings)
+    if snapshot_capacity:
+      self.snapshots = state_snapshots.RecurrentSnapshots(snapshot_capacity, self.cache.prompt_pages, abstract_caches,
+                                                          self.cfg.scan_layers, self.state_shardings)
+      self.cache.usable_pages = self.snapshots.usable_pages
+      self.cache.reset()
 
   # ---------------------------------------------------------------- public API
   def load_params(self, path: str | None = None, seed: int = 0) -> Any:
@@ -198,9 +190,8 @@ class Engine:
   def init_decode_state(self, seed: int = 0) -> DecodeState:
     """Empty caches for every slot, born sharded (paged: every page free again)."""
     self.cache.reset()
-    if self.snapshots is not None:  # the snapshots named pages of the old index
-      self.snapshots = state_snapshots.SnapshotIndex(self.snapshots.capacity)
-      self._restore_rows.clear()
+    if self.snapshots is not None:
+      self.snapshots.reset()
     self._busy[:] = False
     return self._init_state(jnp.uint32(seed))
 
@@ -260,12 +251,8 @@ class Engine:
     salts = image_prompts.page_salts(runs, images, pages.page_size)
     start = pages.assign(slot, len(prompt), active=False, prompt=prompt, salts=salts, runs=runs)
     self._busy[slot] = True
-    self._forget_restore(slot)
-    if self.snapshots is not None and start:  # assign shared pages only up to a boundary with a snapshot
-      row = self.snapshots.lookup(self._boundary_digest(prompt, start, salts))
-      assert row is not None
-      self.snapshots.pin(row)  # other prompts' chunks may not reuse it before this one's first chunk
-      self._restore_rows[slot] = (start, row)
+    if self.snapshots is not None:  # assign shared pages only up to a boundary with a snapshot
+      self.snapshots.begin(slot, prompt, start, salts)
     return start
 
   def prefill_chunk(self, params: Any, state: DecodeState, slot: int, prompt: Sequence[int], start: int,
@@ -286,15 +273,8 @@ class Engine:
     end = image_prompts.chunk_end(start, min(start + chunk, len(prompt)), runs)
     pages = self.cache.prompt_pages()
     page_size = pages.page_size
-    if self.snapshots is not None:
-      restore = self._restore_rows.get(slot)
-      if restore is not None and restore[0] == start:  # the shared prefix's recurrent states, not zeros
-        state = self._restore_snapshot(state, self._snapshot_pool, jnp.int32(slot), jnp.int32(restore[1]))
-      self._forget_restore(slot)
-      # A chunk stops at the prompt's last page boundary, so the states there are kept for later prompts.
-      boundary = len(prompt) // page_size * page_size
-      if start < boundary < end and image_prompts.chunk_end(start, boundary, runs) > start:
-        end = image_prompts.chunk_end(start, boundary, runs)
+    if self.snapshots is not None:  # the shared prefix's recurrent states, not zeros; chunks end at a boundary
+      state, end = self.snapshots.before_chunk(state, slot, prompt, start, end, runs)
     tokens = list(prompt[start:end])
     pixels = image_prompts.images_within(images, runs, start, end)
     row = row_params or sampling.RowParams.from_strategy(self.sampling, seed)
@@ -306,12 +286,8 @@ class Engine:
       state, first = self._extend(params, state, jnp.asarray(tokens_1C), jnp.int32(start), jnp.int32(len(tokens)),
                                   jnp.int32(slot), jnp.asarray(pages.table[slot][None]), rows,
                                   None if pixels is None else jnp.asarray(pixels))
-    if self.snapshots is not None and end % page_size == 0:
-      salts = image_prompts.page_salts(runs, images, page_size)
-      kept = self.snapshots.reserve(self._boundary_digest(prompt, end, salts))
-      if kept is not None:
-        self._snapshot_pool = self._save_snapshot(self._snapshot_pool, state.caches, jnp.int32(slot),
-                                                  jnp.int32(kept))
+    if self.snapshots is not None:
+      self.snapshots.after_chunk(state.caches, slot, prompt, end, image_prompts.page_salts(runs, images, page_size))
     if end < len(prompt):
       return state, end, None
     pages.activate(slot, prompt, image_prompts.page_salts(runs, images, page_size))
@@ -321,7 +297,8 @@ class Engine:
     """The slot's request is done: paged, its pages go back to the pool (the slot keeps stepping
     in the batch with nothing cached until the next insert); dense, nothing to do."""
     self._check_slot(slot)
-    self._forget_restore(slot)
+    if self.snapshots is not None:
+      self.snapshots.forget(slot)
     self._busy[slot] = False
     self.cache.release(slot)
 
@@ -403,23 +380,6 @@ class Engine:
       image_prompts.image_runs(prompt, self.cfg.vision, row)
     pixels = image_prompts.pixel_batch(rows)
     return None if pixels is None else jnp.asarray(pixels)
-
-  def _forget_restore(self, slot: int) -> None:
-    """The slot no longer waits to restore a snapshot (restored, released or given another prompt)."""
-    restore = self._restore_rows.pop(slot, None)
-    if restore is not None and self.snapshots is not None:
-      self.snapshots.unpin(restore[1])
-
-  def _boundary_digest(self, prompt: Sequence[int], end: int, salts: Mapping[int, bytes] | None) -> bytes:
-    """The chain hash of the page that ends at token `end` (a page boundary) of `prompt`."""
-    assert self.pages is not None and self.pages.index is not None
-    return self.pages.index.chain(prompt, end // self.pages.page_size, salts)[-1]
-
-  def _pages_with_snapshot(self, prompt: Sequence[int], salts: Mapping[int, bytes] | None, matched: int) -> int:
-    """Of `matched` leading shared pages, how many end at a boundary whose recurrent states were kept."""
-    assert self.pages is not None and self.pages.index is not None and self.snapshots is not None
-    digests = self.pages.index.chain(prompt, matched, salts)
-    return next((n for n in range(matched, 0, -1) if self.snapshots.has(digests[n - 1])), 0)
 
   # ---------------------------------------------------------------- jitted bodies
   @staticmethod

@@ -10,17 +10,21 @@ pool of `prefix_state_snapshots` rows per state array, reused least recently use
 
 Host side: `SnapshotIndex` (digest -> pool row). Device side: `empty_pool`, `save` and `restore`,
 pure functions of the caches tree, where every leaf that is not a page pool is slot state.
+`RecurrentSnapshots` is the part the engine composes with its paged cache when prefix caching
+meets a model with recurrent layers.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Any
+import dataclasses
+import functools
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from MaxText.inference import paged_cache
+from MaxText.inference import image_prompts, paged_cache
 
 
 class SnapshotIndex:
@@ -102,3 +106,76 @@ def restore(caches: Any, pool: Any, slot: jax.Array, row: jax.Array, stacked: bo
   axis = _batch_axis(stacked)
   return jax.tree.map(lambda x, snapshots: x if snapshots is None else _copy_row(x, snapshots, row, slot, axis),
                       caches, pool, is_leaf=paged_cache.is_pool)
+
+
+class RecurrentSnapshots:
+  """Prefix caching's part for a model with recurrent layers (paged cache): the host index, the device pool,
+  and what begin_prompt / prefill_chunk do with them. `pages` gives the decode state's allocator."""
+
+  def __init__(self, capacity: int, pages: Callable[[], paged_cache.PageAllocator], abstract_caches: Any,
+               stacked: bool, state_shardings: Any):
+    self.capacity, self._pages = capacity, pages
+    self.index = SnapshotIndex(capacity)
+    self._restore_rows: dict[int, tuple[int, int]] = {}  # slot -> (where its prefill starts, snapshot row)
+    self._pool = empty_pool(abstract_caches, capacity, stacked)
+    self._save = jax.jit(functools.partial(save, stacked=stacked), donate_argnums=(0,))
+    self._restore = jax.jit(lambda state, pool, slot, row: dataclasses.replace(
+        state, caches=restore(state.caches, pool, slot, row, stacked)), donate_argnums=(0,),
+        out_shardings=state_shardings)
+
+  def reset(self) -> None:
+    """A new decode state: the snapshots named pages of the old allocator's index."""
+    self.index = SnapshotIndex(self.capacity)
+    self._restore_rows.clear()
+
+  def usable_pages(self, prompt: Sequence[int], salts: Mapping[int, bytes] | None, matched: int) -> int:
+    """Of `matched` leading shared pages, how many end at a boundary whose recurrent states were kept."""
+    pages = self._pages()
+    assert pages.index is not None
+    digests = pages.index.chain(prompt, matched, salts)
+    return next((n for n in range(matched, 0, -1) if self.index.has(digests[n - 1])), 0)
+
+  def forget(self, slot: int) -> None:
+    """The slot no longer waits to restore a snapshot (restored, released or given another prompt)."""
+    waiting = self._restore_rows.pop(slot, None)
+    if waiting is not None:
+      self.index.unpin(waiting[1])
+
+  def begin(self, slot: int, prompt: Sequence[int], start: int, salts: Mapping[int, bytes] | None) -> None:
+    """The slot's prompt shares `start` tokens' pages (only up to a boundary with a snapshot): its first chunk
+    starts from that snapshot."""
+    self.forget(slot)
+    if start:
+      row = self.index.lookup(self._digest(prompt, start, salts))
+      assert row is not None
+      self.index.pin(row)  # other prompts' chunks may not reuse it before this one's first chunk
+      self._restore_rows[slot] = (start, row)
+
+  def before_chunk(self, state: Any, slot: int, prompt: Sequence[int], start: int, end: int,
+                   runs: Sequence[tuple[int, int]]) -> tuple[Any, int]:
+    """(state with the shared prefix's recurrent states where the chunk starts from one, where the chunk ends:
+    at the prompt's last page boundary when it crosses it, so the states there are kept for later prompts)."""
+    waiting = self._restore_rows.get(slot)
+    if waiting is not None and waiting[0] == start:
+      state = self._restore(state, self._pool, jnp.int32(slot), jnp.int32(waiting[1]))
+    self.forget(slot)
+    page_size = self._pages().page_size
+    boundary = len(prompt) // page_size * page_size
+    if start < boundary < end and image_prompts.chunk_end(start, boundary, runs) > start:
+      end = image_prompts.chunk_end(start, boundary, runs)
+    return state, end
+
+  def after_chunk(self, caches: Any, slot: int, prompt: Sequence[int], end: int,
+                  salts: Mapping[int, bytes] | None) -> None:
+    """A chunk ending on a page boundary: the slot's recurrent states there, kept."""
+    if end % self._pages().page_size:
+      return
+    kept = self.index.reserve(self._digest(prompt, end, salts))
+    if kept is not None:
+      self._pool = self._save(self._pool, caches, jnp.int32(slot), jnp.int32(kept))
+
+  def _digest(self, prompt: Sequence[int], end: int, salts: Mapping[int, bytes] | None) -> bytes:
+    """The chain hash of the page that ends at token `end` (a page boundary) of `prompt`."""
+    pages = self._pages()
+    assert pages.index is not None
+    return pages.index.chain(prompt, end // pages.page_size, salts)[-1]
