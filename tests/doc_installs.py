@@ -46,7 +46,7 @@ _REPO_PACKAGES = {"tests", "benchmarks", "end_to_end"}
 _KEY_NEEDS = [
     (re.compile(r"\bmetric_trackers=\S*wandb"), "wandb", "metric_trackers=wandb"),
     (re.compile(r"\beval_tasks=(?!\"\"|''|\s|$)"), "lm-eval", "eval_tasks="),
-    (re.compile(r"configs/(?:sft|dpo|grpo)\.yml|\buse_sft=[Tt]rue|\bMaxText\.rl\."), "transformers",
+    (re.compile(r"configs/(?:sft|dpo|grpo)\.yml|\buse_sft=[Tt]rue|\bobjective=(?:sft|dpo|grpo)\b|\bMaxText\.rl\."), "transformers",
      "a chat template (rendered by transformers)"),
     (re.compile(r"\bMaxText\.logit_checker\b"), "transformers", "the logit checker"),
     (re.compile(r"\bMaxText\.logit_checker\b"), "torch", "the logit checker"),

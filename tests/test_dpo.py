@@ -211,15 +211,15 @@ def test_message_lists_need_a_chat_template(tmp_path):
 
 # ---- configuration --------------------------------------------------------------------------------
 
-DPO_DATA = dict(use_dpo=True, dataset_type="hf", hf_data_files="train.jsonl", tokenizer_type="huggingface",
+DPO_DATA = dict(objective="dpo", dataset_type="hf", hf_data_files="train.jsonl", tokenizer_type="huggingface",
                 tokenizer_path="tokenizer")
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(dataset_type="synthetic"), "use_dpo=True reads preference records with dataset_type=hf"),
-    (dict(use_sft=True), "use_sft and use_dpo are two kinds of fine-tuning"),
+    (dict(dataset_type="synthetic"), "objective=dpo reads preference records with dataset_type=hf"),
+    (dict(use_sft=True), "'use_sft' (deprecated) says use_sft=True but Config.for_testing also gives objective='dpo'"),
     (dict(tokenizer_type="sentencepiece"), "set tokenizer_type=huggingface"),
-    (dict(load_full_state_path="/somewhere"), "use_dpo=True starts from load_parameters_path"),
+    (dict(load_full_state_path="/somewhere"), "objective=dpo starts from load_parameters_path"),
     (dict(dpo_label_smoothing=0.5), "dpo_label_smoothing (the probability a preference label is flipped) must be"),
     (dict(dpo_beta=0.0), "dpo_beta must be > 0"),
 ])
@@ -255,7 +255,7 @@ def test_the_step_trains_the_policy_and_leaves_the_reference_alone(tiny_override
   config = Config.for_testing(one_device, **overrides)
   run = build_run(config, devices=jax.devices()[:1])
   assert reference_of(run.setup.abstract_state) is not None
-  with pytest.raises(UserError, match="use_dpo=True needs a reference model: set load_parameters_path"):
+  with pytest.raises(UserError, match="objective=dpo needs a reference model: set load_parameters_path"):
     run_start.initial_state(config, run.setup, None, lambda: pytest.fail("must not initialise"))
   spec = models.build_model_spec(config.model)
   params_io.save_params(str(tmp_path / "start"), jax.jit(spec.init_params)(jax.random.key(1)))
@@ -335,7 +335,7 @@ def test_dpo_without_a_reference_stops_in_one_line(tmp_path):
   proc = _train(tmp_path, "steps=2")
   errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
   assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
-  assert "use_dpo=True needs a reference model: set load_parameters_path" in errors[0]
+  assert "objective=dpo needs a reference model: set load_parameters_path" in errors[0]
   assert not (tmp_path / "dpo" / "checkpoints").exists() or not any((tmp_path / "dpo" / "checkpoints").iterdir())
 
 

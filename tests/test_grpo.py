@@ -1,4 +1,4 @@
-"""GRPO (use_grpo): configuration and reward errors, rollouts by the decode engine from the train
+"""GRPO (objective=grpo): configuration and reward errors, rollouts by the decode engine from the train
 state's parameters for every family on the 8-device mesh, and the step's updates (LoRA keeping
 its base, iterations keeping the old policy). train.py end to end is in test_grpo_run.py."""
 
@@ -21,7 +21,7 @@ from MaxText.training import lora, run_assembly
 from MaxText.training.objectives import Grpo, objective_for
 from MaxText.input_pipeline.batch_spec import GRPO_FIELDS, batch_spec
 
-GRPO = dict(use_grpo=True, dataset_type="hf", hf_data_files="prompts.jsonl", tokenizer_type="huggingface",
+GRPO = dict(objective="grpo", dataset_type="hf", hf_data_files="prompts.jsonl", tokenizer_type="huggingface",
             tokenizer_path="tokenizer", eval_interval=-1, reward_functions="exact_match", num_generations=4,
             max_prefill_predict_length=8, max_completion_length=6, max_target_length=16)
 MOE = dict(decoder_block="mixtral", num_experts=4, num_experts_per_tok=2, load_balance_loss_weight=0.01)
@@ -39,12 +39,12 @@ def _config(tiny_overrides, **extra) -> Config:
 @pytest.mark.parametrize("overrides, message", [
     (dict(num_generations=1), "num_generations=1: GRPO compares the completions of one prompt"),
     (dict(num_generations=3), "the global batch of 8 completions (per_device_batch_size x devices) does not divide into groups of num_generations=3"),
-    (dict(reward_functions="[]"), "use_grpo=True needs reward_functions"),
+    (dict(reward_functions="[]"), "objective=grpo needs reward_functions"),
     (dict(reward_weights="1,2"), "reward_weights has 2 values for 1 reward_functions"),
     (dict(max_completion_length=10), "max_prefill_predict_length (8) + max_completion_length (10) must be <= "
      "max_target_length + 1 (17)"),
     (dict(grpo_loss_type="ppo"), "grpo_loss_type must be one of grpo, dapo, dr_grpo"),
-    (dict(use_sft=True), "set only one of use_sft, use_dpo and use_grpo"),
+    (dict(use_sft=True), "'use_sft' (deprecated) says use_sft=True but Config.for_testing also gives objective='grpo'"),
     (dict(eval_interval=10, hf_eval_files="eval.jsonl"), "set eval_interval=-1"),
 ])
 def test_configuration_errors(tiny_overrides, overrides, message):

@@ -25,7 +25,7 @@ from MaxText.errors import ConfigError, UserError  # noqa: E402
 from MaxText.rl import prompts, rewards  # noqa: E402
 from tests.test_grpo_run import REPO_ROOT, _command, _env, workdir  # noqa: E402,F401 - the run fixture
 
-GRPO = dict(use_grpo=True, dataset_type="hf", hf_data_files="prompts.jsonl", tokenizer_type="huggingface",
+GRPO = dict(objective="grpo", dataset_type="hf", hf_data_files="prompts.jsonl", tokenizer_type="huggingface",
             tokenizer_path="tokenizer", eval_interval=-1, reward_functions="exact_match", num_generations=4,
             max_prefill_predict_length=8, max_completion_length=6, max_target_length=16)
 
@@ -176,7 +176,7 @@ def test_message_prompts_without_a_chat_template_are_one_error(tiny_overrides, t
     _prompt_set(tiny_overrides, tmp_path, records, template=None)
   message = str(error.value)
   assert message.startswith("prompt record 1 of ") and "has no chat template" in message \
-      and "use_grpo with message-list prompts" in message and "\n" not in message, message
+      and "objective=grpo with message-list prompts" in message and "\n" not in message, message
   assert len(_prompt_set(tiny_overrides, tmp_path / "with", records, without_markers(CHATML)).prompts) == 2
 
 

@@ -95,7 +95,7 @@ def config(data, tmp_path: Path, **overrides) -> Config:
   tokenizer_dir, train, evaluation, ids = data
   return Config.for_testing(**{
       **model_keys(ids), "max_target_length": 128, "per_device_batch_size": 1, "dtype": "float32",
-      "base_output_directory": str(tmp_path), "use_sft": True, "dataset_type": "hf", "hf_path": "json",
+      "base_output_directory": str(tmp_path), "objective": "sft", "dataset_type": "hf", "hf_path": "json",
       "hf_data_files": train, "hf_eval_files": evaluation, "tokenizer_type": "huggingface",
       "tokenizer_path": tokenizer_dir, "max_images_per_row": 2, "learning_rate": 3e-3, "warmup_steps_fraction": 0.0,
       "data_prefetch_batches": 0, "eval_interval": 10, "print_config": False, "ici_fsdp_parallelism": 8,
@@ -245,7 +245,7 @@ def test_the_exported_checkpoint_gives_transformers_our_logits_on_an_image_promp
 
 @pytest.mark.parametrize("overrides, message", [
     ({"max_images_per_row": -1}, "max_images_per_row must be a whole number >= 0, got -1"),
-    ({"use_multimodal": False}, "max_images_per_row=2 gives batches images, which only use_sft=True reads, for a "
+    ({"use_multimodal": False}, "max_images_per_row=2 gives batches images, which only objective=sft reads, for a "
                                 "use_multimodal=True model"),
     ({"max_target_length": 6}, "max_target_length (6) must exceed an image's 6 tokens"),
 ])
@@ -284,7 +284,7 @@ def llama4_config(llama4_data, tmp_path: Path, **overrides) -> Config:
   hf = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields).to_dict()
   return Config.for_testing(**{
       **families.family_for_hf_config(hf).model_keys(hf), "max_target_length": 128, "per_device_batch_size": 1,
-      "dtype": "float32", "base_output_directory": str(tmp_path), "use_sft": True, "dataset_type": "hf",
+      "dtype": "float32", "base_output_directory": str(tmp_path), "objective": "sft", "dataset_type": "hf",
       "hf_path": "json", "hf_data_files": train, "hf_eval_files": evaluation, "tokenizer_type": "huggingface",
       "tokenizer_path": tokenizer_dir, "max_images_per_row": LLAMA4_TILES, "learning_rate": 3e-3,
       "warmup_steps_fraction": 0.0, "data_prefetch_batches": 0, "eval_interval": 10, "print_config": False,

@@ -25,12 +25,12 @@ from MaxText.training.objectives.base import Batch, Metrics, Params, Sums, T
 from MaxText.training.train_state import PreferenceState, TrainState, reference_of
 
 MAXTEXT = Path(__file__).resolve().parent.parent / "MaxText"
-DPO_DATA = dict(use_dpo=True, dataset_type="hf", hf_data_files="train.jsonl", tokenizer_type="huggingface",
+DPO_DATA = dict(objective="dpo", dataset_type="hf", hf_data_files="train.jsonl", tokenizer_type="huggingface",
                 tokenizer_path="tokenizer")
 
 
 @pytest.mark.parametrize("data, lora_rank, kind", [
-    ({}, 0, LanguageModel), (dict(use_sft=True, dataset_type="hf", hf_data_files="train.jsonl",
+    ({}, 0, LanguageModel), (dict(objective="sft", dataset_type="hf", hf_data_files="train.jsonl",
                                   tokenizer_type="huggingface", tokenizer_path="tokenizer"), 0, LanguageModel),
     (DPO_DATA, 0, Preference), (DPO_DATA, 4, Preference)])
 def test_each_objective_reads_the_fields_batch_spec_declares(tiny_overrides, data, lora_rank, kind):
@@ -45,12 +45,12 @@ def test_each_objective_reads_the_fields_batch_spec_declares(tiny_overrides, dat
 
 def test_the_step_and_the_model_name_no_objective_or_partition():
   step = Path(train_step_module.__file__).read_text()
-  for word in ("use_dpo", "lora_rank", "lora", "dpo", "pair_count", "xent_sum", "moe_", "host_offload", "mtp"):
+  for word in ("objective ==", "lora_rank", "lora", "dpo", "pair_count", "xent_sum", "moe_", "host_offload", "mtp"):
     assert word not in step, word
   model = Path(models.__file__).read_text()
   assert "pipeline_1f1b" not in model and "pipelined_loss" not in model and "load_balance_loss_weight" not in model
   # The one place outside the data's own code that reads the config's kind of run: it picks the objective.
-  readers = sorted(p.relative_to(MAXTEXT).as_posix() for p in MAXTEXT.rglob("*.py") if ".use_dpo" in p.read_text())
+  readers = sorted(p.relative_to(MAXTEXT).as_posix() for p in MAXTEXT.rglob("*.py") if 'objective == "dpo"' in p.read_text())
   assert [p for p in readers if not p.startswith(("input_pipeline/", "configuration/"))] == ["training/objectives/__init__.py"]
 
 

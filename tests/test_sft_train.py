@@ -71,8 +71,8 @@ def test_sft_trains_on_assistant_tokens_only_and_eval_loss_falls(tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["tokenizer_type=sentencepiece"], "use_sft=True renders the model's chat template"),
-    (["dataset_type=synthetic"], "use_sft=True reads conversation records with dataset_type=hf"),
+    (["tokenizer_type=sentencepiece"], "objective=sft renders the model's chat template"),
+    (["dataset_type=synthetic"], "objective=sft reads conversation records with dataset_type=hf"),
 ])
 def test_sft_configuration_errors_are_one_line(tmp_path, extra, message):
   proc = train(tmp_path, "steps=1", *extra)

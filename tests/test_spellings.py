@@ -91,6 +91,62 @@ def test_a_saved_record_under_an_old_name_reads_as_the_new_one_without_a_warning
   assert not _deprecations(capsys.readouterr().err)
 
 
+# ---------------------------------------------------------------- objective: the old use_sft/use_dpo/use_grpo
+
+@pytest.mark.parametrize("flag, objective", sorted((k, v) for k, (_, v) in spellings.VALUE_ALIASES.items()))
+def test_an_old_objective_flag_chooses_the_objective_with_one_warning(flag, objective, tmp_path, capsys):
+  assert flag not in SCHEMA and SCHEMA["objective"] == "lm"
+  assert config_lib.parse_overrides(["t", f"{flag}=True"], environ={}).argv_values == {"objective": objective}
+  env = config_lib.parse_overrides(["t"], environ={f"M_{flag.upper()}": "true"})
+  assert env.env_values == {"objective": objective}
+  recipe = tmp_path / "recipe.yml"
+  recipe.write_text(f"{flag}: true\n")
+  assert config_lib.parse_overrides(["t", str(recipe)], environ={}).file_values == {"objective": objective}
+  assert _deprecations(capsys.readouterr().err) == [f"warning: '{flag}' is deprecated; use 'objective={objective}'"]
+  # False says only "not this objective": alone it sets nothing
+  assert config_lib.parse_overrides(["t", f"{flag}=false"], environ={}).argv_values == {}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["use_sft=True", "use_dpo=True"], "'use_sft' and 'use_dpo' (deprecated) from the command line choose two values "
+     "of objective; set only objective=sft or objective=dpo"),
+    (["objective=dpo", "use_grpo=true"], "'use_grpo' (deprecated) says use_grpo=True but the command line also gives "
+     "objective='dpo'; keep only 'objective'"),
+    (["use_sft=false", "objective=sft"], "'use_sft' (deprecated) says use_sft=False but the command line also gives "
+     "objective='sft'"),
+    (["use_dpo=maybe"], "use_dpo (the command line) must be true or false, got 'maybe'; it is deprecated: set "
+     "objective=dpo"),
+])
+def test_old_objective_flags_that_disagree_are_one_error_line(argv, message):
+  with pytest.raises(ConfigError) as error:
+    config_lib.parse_overrides(["t", *argv], environ={})
+  assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_agreeing_old_and_new_objective_spellings_are_fine():
+  assert config_lib.parse_overrides(["t", "objective=sft", "use_sft=true", "use_dpo=false"],
+                                    environ={}).argv_values == {"objective": "sft"}
+
+
+def test_an_unknown_objective_lists_the_choices():
+  with pytest.raises(ConfigError, match=r"^objective must be one of lm, sft, dpo, grpo; got 'rlhf'$"):
+    config_lib.Config.for_testing(objective="rlhf")
+
+
+def test_a_run_saved_with_use_sft_resumes_as_objective_sft_without_a_warning(tmp_path, capsys):
+  assert "objective" in run_record.FIXED_ON_RESUME["data position"]
+  (tmp_path / run_record.CONFIG_FILE).write_text(yaml.safe_dump(
+      {"use_sft": True, "use_dpo": False, "use_grpo": False, "steps": 3}))
+  saved = run_record.read_saved(str(tmp_path))
+  assert saved == {"objective": "sft", "steps": 3}
+  assert run_record.resume_differences({"objective": "sft"}, saved) == []
+  assert run_record.resume_differences({"objective": "lm"}, saved) == ["objective: 'sft' -> 'lm'"]
+  # a record whose flags are all False was a plain language-model run
+  plain = spellings.upgrade({"use_sft": False, "use_dpo": False, "use_grpo": False})
+  assert plain == {"objective": "lm"}
+  assert not _deprecations(capsys.readouterr().err)
+
+
 # ---------------------------------------------------------------- tools' own arguments
 
 def test_the_converters_old_flags_map_to_their_key_value_names_with_one_warning_each(capsys):

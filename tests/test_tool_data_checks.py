@@ -25,7 +25,7 @@ NO_DATA_TOOLS = [serve, decode, logit_checker, generate_param_only_checkpoint, h
 @pytest.mark.parametrize("tool", NO_DATA_TOOLS, ids=lambda m: m.TOOL.name)
 def test_a_tool_that_reads_no_data_starts_from_the_sft_config(tool):
   config = startup.start(tool.TOOL, [tool.TOOL.name, str(CONFIGS / "sft.yml"), *TINY]).config
-  assert config.data.use_sft and config.data.dataset_type == "hf" and not config.data.hf_data_files
+  assert config.data.objective == "sft" and config.data.dataset_type == "hf" and not config.data.hf_data_files
   assert not tool.TOOL.reads_data
 
 

@@ -224,22 +224,31 @@ def parse_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -
 
   argv_values: dict[str, Any] = {}
   spelled: dict[str, str] = {}  # the spelling that set each key (an old one and its new one must agree)
+  flags: dict[str, Any] = {}  # old flags that choose a key's value (spellings.VALUE_ALIASES)
   for arg in args:
     given, sep, text = arg.partition("=")
     if not sep or not given:
       raise ConfigError(f"expected key=value, got {arg!r}")
+    if given in spellings.VALUE_ALIASES:
+      flags[given] = text
+      continue
     key = spellings.rename(given)
     if key not in schema:
       raise _unknown_key_error(given, schema, "the command line")
     _set_once(argv_values, spelled, key, given, coerce(key, _parse_cli_value(text, schema[key]), schema[key]),
               "the command line")
 
+  argv_values = spellings.fold_value_aliases(argv_values, flags, "the command line")
   env_values: dict[str, Any] = {}
   env_spelled: dict[str, str] = {}
+  env_flags: dict[str, Any] = {}
   for name, text in environ.items():
     if not name.startswith(ENV_PREFIX) or len(name) == len(ENV_PREFIX):
       continue
     given = name[len(ENV_PREFIX):].lower()
+    if given in spellings.VALUE_ALIASES:
+      env_flags[given] = text
+      continue
     key = spellings.rename(given)
     if key not in schema:
       raise _unknown_key_error(given, schema, f"environment variable {name}")
@@ -248,6 +257,7 @@ def parse_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -
     if key in argv_values:
       print(f"config: {key} is set by both {name} and the command line; the command line wins")
 
+  env_values = spellings.fold_value_aliases(env_values, env_flags, "the environment")
   file_values = {k: coerce(k, v, schema[k]) for k, v in file_values.items()}
   return Overrides(yaml_path, file_values, argv_values, env_values, schema)
 

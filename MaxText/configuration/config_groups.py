@@ -27,6 +27,7 @@ from MaxText.configuration.task_eval_config import TaskEvalConfig
 from MaxText.configuration.model_config import one_of as _one_of, positive as _positive
 
 DATASET_TYPES = ("synthetic", "tfds", "hf", "grain", "stream")
+OBJECTIVES = ("lm", "sft", "dpo", "grpo")  # training/objectives/: lm = next-token loss on documents
 TOKENIZER_TYPES = ("sentencepiece", "tiktoken", "huggingface")  # input_pipeline/tokenizer.py reads each
 SAMPLING_STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
 KV_CACHE_LAYOUTS = ("dense", "paged")
@@ -143,7 +144,7 @@ class OptimConfig:
   gradient_clipping_threshold: float = key()
   gradient_accumulation_steps: int = key()
   z_loss_multiplier: float = key()
-  # DPO's loss (use_dpo; MaxText/training/objectives/dpo.py): the reward scale β and the conservative-DPO flip probability.
+  # DPO's loss (objective=dpo; MaxText/training/objectives/dpo.py): the reward scale β and the conservative-DPO flip probability.
   dpo_beta: float = key()
   dpo_label_smoothing: float = key()
   optimizer_memory_host_offload: bool = key()  # optimizer state in pinned host memory
@@ -160,7 +161,7 @@ class OptimConfig:
              f"warmup_steps_fraction must be in [0, 1], got {v['warmup_steps_fraction']}")
     schedule_steps = v["learning_rate_schedule_steps"]
     # The schedule counts optimizer updates: a GRPO step makes grpo_num_iterations of them.
-    updates_per_step = v["grpo_num_iterations"] if v["use_grpo"] else 1
+    updates_per_step = v["grpo_num_iterations"] if v["objective"] == "grpo" else 1
     schedule_steps = v["steps"] * updates_per_step if schedule_steps == -1 else schedule_steps
     _require(schedule_steps > 0, f"learning_rate_schedule_steps must be > 0 or -1, got {schedule_steps}")
     for name in ("adam_b1", "adam_b2"):
@@ -209,14 +210,12 @@ class DataConfig:
   enable_data_shuffling: bool = key(fixed_on_resume=DATA_POSITION)
   data_prefetch_batches: int = key()
   # Supervised fine-tuning on conversations / prompt-completion pairs (input_pipeline/chat.py).
-  use_sft: bool = key(fixed_on_resume=DATA_POSITION)
+  # What the run trains (training/objectives/): lm, sft, dpo or grpo; the old use_sft/use_dpo/use_grpo
+  # flags are aliases (spellings.VALUE_ALIASES).
+  objective: str = key(fixed_on_resume=DATA_POSITION)
   sft_train_on_completion_only: bool = key(fixed_on_resume=DATA_POSITION)
   # Multimodal SFT: image slots per batch row (input_pipeline/image_sft.py); 0 = no pixel_values field.
   max_images_per_row: int = key(fixed_on_resume=DATA_POSITION)
-  # Preference optimisation on {"prompt", "chosen", "rejected"} records (input_pipeline/preference.py, dpo.py).
-  use_dpo: bool = key(fixed_on_resume=DATA_POSITION)
-  # Reinforcement learning: prompt records, completions sampled by the run (MaxText/rl/, rl_config.py).
-  use_grpo: bool = key(fixed_on_resume=DATA_POSITION)
   # A new mesh may change per_device_batch_size or the device count, not their product.
   global_batch_size: int = derived(fixed_on_resume=DATA_POSITION)
   image_size: int = derived(0)  # pixel_values' side (the vision tower's) when max_images_per_row > 0
@@ -236,14 +235,15 @@ class DataConfig:
     """`reads_data`: False for a tool that reads no training data; where data would come from is
     then not checked (a fine-tuning config names files a server never opens)."""
     _one_of(v, "dataset_type", DATASET_TYPES)
+    _one_of(v, "objective", OBJECTIVES)
     _positive(v, "per_device_batch_size", "synthetic_max_stride", "eval_steps")
-    if v["use_sft"] and reads_data:
-      _require(v["dataset_type"] in ("hf", "grain"), f"use_sft=True reads conversation records with dataset_type=hf "
+    if v["objective"] == "sft" and reads_data:
+      _require(v["dataset_type"] in ("hf", "grain"), f"objective=sft reads conversation records with dataset_type=hf "
                f"(JSON/JSONL/Parquet files) or grain (JSON records); got dataset_type={v['dataset_type']}")
-      _require(v["tokenizer_type"] == "huggingface", "use_sft=True renders the model's chat template, which lives "
+      _require(v["tokenizer_type"] == "huggingface", "objective=sft renders the model's chat template, which lives "
                f"in its Hugging Face tokenizer files: set tokenizer_type=huggingface (got {v['tokenizer_type']})")
     _check_images(v)
-    if v["use_dpo"] and reads_data:
+    if v["objective"] == "dpo" and reads_data:
       _check_dpo(v, pipelined=dict(mesh.shape)["stage"] > 1)
     mixture = parse_sources(v["data_mixture"], v)
     schedule = parse_schedule(v["data_mixture_schedule"], mixture)
@@ -270,8 +270,8 @@ def _check_images(v: Mapping[str, Any]) -> None:
   _require(isinstance(count, int) and count >= 0, f"max_images_per_row must be a whole number >= 0, got {count!r}")
   if not count:
     return
-  _require(bool(v["use_sft"]) and bool(v["use_multimodal"]), f"max_images_per_row={count} gives batches images, "
-           "which only use_sft=True reads, for a use_multimodal=True model; set max_images_per_row=0 otherwise")
+  _require(v["objective"] == "sft" and bool(v["use_multimodal"]), f"max_images_per_row={count} gives batches images, "
+           "which only objective=sft reads, for a use_multimodal=True model; set max_images_per_row=0 otherwise")
   # An image's placeholder run is never split across rows, so one must fit in a row.
   run = v["mm_tokens_per_image"] + 2
   _require(v["max_target_length"] > run, f"max_target_length ({v['max_target_length']}) must exceed an image's "
@@ -279,22 +279,20 @@ def _check_images(v: Mapping[str, Any]) -> None:
 
 
 def _check_dpo(v: Mapping[str, Any], pipelined: bool) -> None:
-  _require(not v["use_sft"], "use_sft and use_dpo are two kinds of fine-tuning: set only one (preference records "
-           "{\"prompt\", \"chosen\", \"rejected\"} are use_dpo's)")
-  _require(v["dataset_type"] in ("hf", "grain"), "use_dpo=True reads preference records with dataset_type=hf "
+  _require(v["dataset_type"] in ("hf", "grain"), "objective=dpo reads preference records with dataset_type=hf "
            f"(JSON/JSONL/Parquet files) or grain (JSON records); got dataset_type={v['dataset_type']}")
-  _require(v["tokenizer_type"] == "huggingface", "use_dpo=True tokenizes with the model's Hugging Face tokenizer "
+  _require(v["tokenizer_type"] == "huggingface", "objective=dpo tokenizes with the model's Hugging Face tokenizer "
            f"(and its chat template for conversations): set tokenizer_type=huggingface (got {v['tokenizer_type']})")
-  _require(not v["load_full_state_path"], "use_dpo=True starts from load_parameters_path (the policy's first "
+  _require(not v["load_full_state_path"], "objective=dpo starts from load_parameters_path (the policy's first "
            "weights and the frozen reference), not load_full_state_path; to continue a DPO run, rerun it")
   _require(not (pipelined and v["pipeline_schedule"] == "1f1b"),
-           "use_dpo=True runs the plain forward pass; set pipeline_schedule=gpipe or num_pipeline_stages=1")
+           "objective=dpo runs the plain forward pass; set pipeline_schedule=gpipe or num_pipeline_stages=1")
 
 
 def _check_mixture(v: Mapping[str, Any], sources: tuple[MixtureSource, ...]) -> None:
   _require(v["dataset_type"] != "synthetic", "data_mixture needs dataset_type set to a real type (tfds, hf, grain "
            "or stream): it is every source's default and the eval data's type")
-  _require(not v["use_grpo"], "data_mixture mixes training documents; use_grpo=True reads prompts (rl_config), "
+  _require(v["objective"] != "grpo", "data_mixture mixes training documents; objective=grpo reads prompts (rl_config), "
            "not a mixture: leave data_mixture empty")
   for source in sources:
     _check_train_source(source.values(v), f"data_mixture source {source.name!r}: ")
@@ -608,8 +606,8 @@ def build_groups(values: Mapping[str, Any], target: DeviceTarget, reads_data: bo
            f"num_experts ({num_experts}) must be a multiple of the expert parallelism "
            f"(ici_expert_parallelism * dcn_expert_parallelism = {expert_degree})")
   data = DataConfig.from_values(values, target, mesh, reads_data)
-  rl = RLConfig.from_values(values if reads_data else {**values, "use_grpo": False})
-  _require(not (data.use_grpo and reads_data) or data.global_batch_size % rl.num_generations == 0,
+  rl = RLConfig.from_values(values if reads_data else {**values, "objective": "lm"})
+  _require(not (data.objective == "grpo" and reads_data) or data.global_batch_size % rl.num_generations == 0,
            f"the global batch of {data.global_batch_size} completions (per_device_batch_size x devices) does not "
            f"divide into groups of num_generations={rl.num_generations}; make it a multiple")
   return Groups(model=ModelConfig.from_values(values, mesh, data.global_batch_size), mesh=mesh,

@@ -386,7 +386,7 @@ class ModelConfig:
     vision = VisionConfig.from_values(v, pipelined=pipelined, context_parallel=context > 1)
     attn = AttentionConfig(**read_keys(AttentionConfig, v), context_parallel_degree=context,
                            rows_hold_one_document=(v["dataset_type"] == "synthetic" and not v["data_mixture"]
-                                                   and not v["use_grpo"]),
+                                                   and v["objective"] != "grpo"),
                            attention_blocks=AttentionBlocks.from_values(v))
     pipeline = PipelineConfig(**read_keys(PipelineConfig, v, num_pipeline_microbatches=micro), num_pipeline_stages=stages,
                               layers_per_pipeline_stage=layers // (stages * v["num_pipeline_repeats"]))

@@ -1,4 +1,4 @@
-"""The reinforcement-learning group (use_grpo): rollouts, rewards and the GRPO loss.
+"""The reinforcement-learning group (objective=grpo): rollouts, rewards and the GRPO loss.
 
 Every field holds the base.yml key of its name; MaxText/rl/ and objectives/grpo.py read them.
 Checked here without I/O; reward paths are imported when the run opens its data (rl/rewards.py).
@@ -40,7 +40,7 @@ class RLConfig:
   @classmethod
   def from_values(cls, v: Mapping[str, Any]) -> "RLConfig":
     rl = cls(**read_keys(cls, v))
-    if not v["use_grpo"]:
+    if v["objective"] != "grpo":
       return rl
     _require(rl.num_generations >= 2, f"num_generations={rl.num_generations}: GRPO compares the completions of one "
              "prompt with each other, so a group of 1 has zero advantage and trains nothing; use num_generations >= 2")
@@ -53,7 +53,7 @@ class RLConfig:
     _require(0 < rl.rl_sampling_top_p <= 1, f"rl_sampling_top_p must be in (0, 1], got {rl.rl_sampling_top_p}")
     _require(0 <= rl.rl_sampling_top_k <= v["vocab_size"],
              f"rl_sampling_top_k must be in [0, vocab_size] (0 = off), got {rl.rl_sampling_top_k}")
-    _require(bool(rl.reward_functions), "use_grpo=True needs reward_functions: built-in names (exact_match, format, "
+    _require(bool(rl.reward_functions), "objective=grpo needs reward_functions: built-in names (exact_match, format, "
              "length_penalty) or package.module:function paths")
     _require(not rl.reward_weights or len(rl.reward_weights) == len(rl.reward_functions),
              f"reward_weights has {len(rl.reward_weights)} values for {len(rl.reward_functions)} reward_functions; "
@@ -87,19 +87,17 @@ def _number(value: Any) -> float:
 
 
 def _check_grpo_run(v: Mapping[str, Any], rl: RLConfig) -> None:
-  _require(not (v["use_sft"] or v["use_dpo"]), "use_grpo is a kind of fine-tuning of its own: set only one of "
-           "use_sft, use_dpo and use_grpo")
-  _require(v["dataset_type"] in ("hf", "grain"), "use_grpo=True reads prompt records with dataset_type=hf "
+  _require(v["dataset_type"] in ("hf", "grain"), "objective=grpo reads prompt records with dataset_type=hf "
            f"(JSON/JSONL/Parquet files) or grain (JSON records); got dataset_type={v['dataset_type']}")
-  _require(v["tokenizer_type"] == "huggingface", "use_grpo=True renders prompts with the model's chat template and "
+  _require(v["tokenizer_type"] == "huggingface", "objective=grpo renders prompts with the model's chat template and "
            f"decodes completions with its Hugging Face tokenizer: set tokenizer_type=huggingface (got "
            f"{v['tokenizer_type']})")
-  _require(not v["load_full_state_path"], "use_grpo=True starts from load_parameters_path (the policy's first "
+  _require(not v["load_full_state_path"], "objective=grpo starts from load_parameters_path (the policy's first "
            "weights and the frozen reference), not load_full_state_path; to continue a GRPO run, rerun it")
-  _require(v["eval_interval"] < 0, "use_grpo=True has no eval batches (its progress is the reward of each rollout "
+  _require(v["eval_interval"] < 0, "objective=grpo has no eval batches (its progress is the reward of each rollout "
            "batch, in the step metrics); set eval_interval=-1")
   _require(v["ici_pipeline_parallelism"] == 1 and v["dcn_pipeline_parallelism"] == 1,
-           "use_grpo=True generates with the KV-cache engine, which has no pipeline stages; set "
+           "objective=grpo generates with the KV-cache engine, which has no pipeline stages; set "
            "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
   _require(not (v["optimizer_memory_host_offload"] and rl.grpo_num_iterations > 1),
            "grpo_num_iterations > 1 keeps the optimizer state on the device across its updates; set "

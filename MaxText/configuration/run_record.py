@@ -122,7 +122,7 @@ def check_resume(config: Any, run_dir: str, what: str,
       records.append((history[0], f"{history[1]} ({CONFIG_FILE} is missing)"))
   if checkpoint_keys is not None:
     values, source = checkpoint_keys
-    records.append((values, source if records else f"{source} ({CONFIG_FILE} and {HISTORY_DIR}/ are missing)"))
+    records.append((spellings.upgrade(values), source if records else f"{source} ({CONFIG_FILE} and {HISTORY_DIR}/ are missing)"))
   current = flat_values(config)
   differences: list[str] = []
   sources = []

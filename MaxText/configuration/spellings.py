@@ -6,6 +6,9 @@ config.yml, a checkpoint's model_config.yml) written before a rename are read th
 `upgrade` without a warning: the user did not type them. Tools with arguments of their own
 (converters, the logit checker, argparse tools) keep their renamed arguments beside their
 parsers and report them through `warn_deprecated` (configuration/tool_args.py).
+
+`VALUE_ALIASES` holds old boolean keys that each chose one value of a newer key (`use_sft=True`
+is `objective=sft`); `False` only asserts that the newer key is not that value.
 """
 
 from __future__ import annotations
@@ -29,6 +32,15 @@ RENAMED_KEYS: dict[str, str] = {
     "vision_rope_theta": "vision_rope_max_timescale",
 }
 
+# old boolean key -> (the key it chose a value of, the value True means)
+VALUE_ALIASES: dict[str, tuple[str, str]] = {
+    "use_sft": ("objective", "sft"),
+    "use_dpo": ("objective", "dpo"),
+    "use_grpo": ("objective", "grpo"),
+}
+# what a saved record meant when it held the flags of a key and none of them was True
+VALUE_ALIAS_NONE: dict[str, str] = {"objective": "lm"}
+
 _warned: set[str] = set()
 
 
@@ -49,10 +61,51 @@ def same_value(a: Any, b: Any) -> bool:
   return a == b or str(a) == str(b)
 
 
+def _flag(key: str, value: Any, source: str) -> bool:
+  if isinstance(value, bool):
+    return value
+  text = str(value).strip().lower()
+  if text in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+    return text in ("true", "1", "yes", "on")
+  new, chosen = VALUE_ALIASES[key]
+  raise ConfigError(f"{key} ({source}) must be true or false, got {value!r}; it is deprecated: set {new}={chosen}")
+
+
+def fold_value_aliases(values: Mapping[str, Any], flags: Mapping[str, Any], source: str,
+                       warn: bool = True) -> dict[str, Any]:
+  """`values` (one source's keys, without old flags) with the old flags `flags` of the same source
+  folded in: a True flag sets its key; two flags choosing different values, or a flag that
+  contradicts the key given beside it, is an error."""
+  out = dict(values)
+  chosen: dict[str, tuple[str, str]] = {}  # new key -> (the flag that set it, its value)
+  for old, given in flags.items():
+    new, value = VALUE_ALIASES[old]
+    if warn:
+      warn_deprecated(old, f"{new}={value}")
+    on = _flag(old, given, source)
+    if new in values:
+      if on != (values[new] == value):
+        raise ConfigError(f"'{old}' (deprecated) says {old}={on} but {source} also gives {new}={values[new]!r}; "
+                          f"keep only '{new}'")
+      continue
+    if not on:
+      continue
+    if new in chosen and chosen[new][1] != value:
+      raise ConfigError(f"'{chosen[new][0]}' and '{old}' (deprecated) from {source} choose two values of {new}; "
+                        f"set only {new}={chosen[new][1]} or {new}={value}")
+    chosen[new] = (old, value)
+    out[new] = value
+  return out
+
+
 def canonical(values: Mapping[str, Any], source: str, renamed: Mapping[str, str] = RENAMED_KEYS,
               warn: bool = True) -> dict[str, Any]:
   """`values` with every old spelling replaced by its new one (order kept); `source` names where
   they come from, for the clash error. `warn=False` for saved records."""
+  flags = {k: v for k, v in values.items() if k in VALUE_ALIASES}
+  if flags:
+    rest = canonical({k: v for k, v in values.items() if k not in VALUE_ALIASES}, source, renamed, warn)
+    return fold_value_aliases(rest, flags, source, warn)
   out: dict[str, Any] = {}
   for key, value in values.items():
     new = renamed.get(key)
@@ -73,7 +126,18 @@ def canonical(values: Mapping[str, Any], source: str, renamed: Mapping[str, str]
 def upgrade(values: Mapping[str, Any]) -> dict[str, Any]:
   """A saved record's keys under their current names (a record never holds both spellings; if one
   does, the current one wins)."""
-  return {RENAMED_KEYS.get(k, k): v for k, v in values.items() if RENAMED_KEYS.get(k) not in values}
+  flags = {k: v for k, v in values.items() if k in VALUE_ALIASES}
+  out = {RENAMED_KEYS.get(k, k): v for k, v in values.items()
+         if RENAMED_KEYS.get(k) not in values and k not in VALUE_ALIASES}
+  for old, given in flags.items():
+    new, value = VALUE_ALIASES[old]
+    if new not in values and given is True:
+      out[new] = value
+  for old in flags:
+    new = VALUE_ALIASES[old][0]
+    if new not in out:
+      out[new] = VALUE_ALIAS_NONE[new]
+  return out
 
 
 def rename(key: str, renamed: Mapping[str, str] = RENAMED_KEYS) -> str:

@@ -69,11 +69,11 @@ def check_sources(cfg: DataConfig) -> None:
           files.expand_files(key, getattr(source_cfg, key))
         except ConfigError as e:
           raise ConfigError(f"{who}{e}") from None
-  if cfg.use_sft or cfg.use_dpo or cfg.use_grpo:
+  if cfg.objective in ("sft", "dpo", "grpo"):
     from MaxText.input_pipeline import chat
 
     # SFT's template must exist before anything starts; DPO and GRPO need one only for message lists.
-    chat.load_chat_tokenizer(cfg.tokenizer_path, require_template=cfg.use_sft)
+    chat.load_chat_tokenizer(cfg.tokenizer_path, require_template=cfg.objective == "sft")
   vocab = tokenizer.load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path).vocab_size
   if vocab > cfg.vocab_size:
     raise ConfigError(f"the tokenizer {cfg.tokenizer_path} has {vocab} tokens, more than vocab_size="
@@ -105,13 +105,13 @@ def _encoder(config: Config) -> tuple[Any, dict[str, Any]]:
   cfg = config.data
   encoder: Any
   pack: dict[str, Any] = {}
-  if cfg.use_dpo:
+  if cfg.objective == "dpo":
     from MaxText.input_pipeline import chat, preference
 
     encoder = preference.PreferenceEncoder(chat.load_chat_tokenizer(cfg.tokenizer_path, require_template=False),
                                            cfg.tokenizer_path, cfg.max_target_length, cfg.add_bos, cfg.add_eos)
     pack["pack"] = preference.pack_preference_batch
-  elif cfg.use_sft:
+  elif cfg.objective == "sft":
     from MaxText.input_pipeline import chat, image_sft
 
     # Every conversation goes through the image encoder: a text-only model then refuses images.
@@ -133,7 +133,7 @@ def _open_source(cfg: DataConfig, shard: pipeline.HostShard, encoder: Any, train
   from MaxText.input_pipeline import mixture, pipeline, streaming
 
   seed = cfg.data_shuffle_seed if (train and cfg.enable_data_shuffling) else None
-  column = None if (cfg.use_sft or cfg.use_dpo) else cfg.text_column  # fine-tuning encoders take whole records
+  column = None if cfg.objective in ("sft", "dpo") else cfg.text_column  # fine-tuning encoders take whole records
   if cfg.dataset_type == "stream":
     key, value = ("stream_train_files", cfg.stream_train_files) if train else \
         ("stream_eval_files", cfg.stream_eval_files)

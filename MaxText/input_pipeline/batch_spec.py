@@ -1,7 +1,7 @@
 """The batch every iterator yields, declared once: five [global_batch, max_target_length] int32
-arrays (ten with use_dpo: the rejected sequence of each pair in the same fields prefixed
+arrays (ten with objective=dpo: the rejected sequence of each pair in the same fields prefixed
 `rejected_`, row for row beside its chosen one, so both halves of a pair share a device under
-any batch sharding and stay together when gradient accumulation splits the rows; with use_grpo,
+any batch sharding and stay together when gradient accumulation splits the rows; with objective=grpo,
 one prompt + completion per row, the completion's targets weighted, plus each row's float32
 `advantages` [global_batch]; with max_images_per_row > 0, multimodal SFT's float32 `pixel_values`
 [global_batch, max_images_per_row, 3, image_size, image_size]: each row's images in token order,
@@ -32,7 +32,7 @@ NUM_CHANNELS = 3
 def fields(cfg: DataConfig) -> tuple[str, ...]:
   if cfg.max_images_per_row:
     return IMAGE_FIELDS
-  return DPO_FIELDS if cfg.use_dpo else GRPO_FIELDS if cfg.use_grpo else FIELDS
+  return DPO_FIELDS if cfg.objective == "dpo" else GRPO_FIELDS if cfg.objective == "grpo" else FIELDS
 
 
 def _shape(cfg: DataConfig, name: str) -> tuple[int, ...]:

@@ -39,7 +39,7 @@ def _transformers() -> Any:
   try:
     import transformers
   except ImportError:
-    raise ConfigError("use_sft=True renders chat templates with transformers, which is not installed; "
+    raise ConfigError("objective=sft renders chat templates with transformers, which is not installed; "
                       "install the hf extra (EXTRAS=hf bash setup.sh)") from None
   return transformers
 
@@ -70,12 +70,12 @@ def load_chat_tokenizer(tokenizer_path: str, require_template: bool = True) -> A
   config = json.loads(storage.read_text(config_file)) if storage.is_file(config_file) else {}
   template = _chat_template(directory, config)
   if template is None and require_template:
-    raise no_template(directory, "use_sft with conversations")
+    raise no_template(directory, "objective=sft with conversations")
   from tokenizers import Tokenizer
 
   tokenizer_file = storage.join(directory, "tokenizer.json")
   if not storage.is_file(tokenizer_file):
-    raise ConfigError(f"use_sft needs a Hugging Face tokenizer directory; {tokenizer_file} does not exist")
+    raise ConfigError(f"objective=sft needs a Hugging Face tokenizer directory; {tokenizer_file} does not exist")
   special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
   tokenizer = transformers.PreTrainedTokenizerFast(
       tokenizer_object=Tokenizer.from_str(storage.read_text(tokenizer_file)),

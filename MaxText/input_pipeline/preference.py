@@ -3,7 +3,7 @@
 A record is `{"prompt", "chosen", "rejected"}`: three plain strings (the prompt, then each
 completion appended as text, with the tokenizer's bos/eos as add_bos/add_eos say), or three
 lists of messages (the prompt's turns, then each completion's assistant turn(s), rendered with
-the chat template in tokenizer_path as use_sft renders a prompt/completion pair). Each
+the chat template in tokenizer_path as objective=sft renders a prompt/completion pair). Each
 sequence's target weights are 1 on its completion only (chat.py finds the assistant's tokens).
 
 A pair is never packed with another: DPO compares whole-sequence log-probabilities, so each

@@ -36,9 +36,9 @@ MAX_SLOTS = 64  # prompts decoded together
 
 def evaluate(config: config_lib.Config, show: int = 4) -> dict[str, float]:
   """The mean reward of sampled completions over every prompt record (and per reward function)."""
-  if not config.data.use_grpo:
+  if config.data.objective != "grpo":
     raise ConfigError("MaxText.rl.evaluate reads the GRPO keys (prompt records, reward functions): start from "
-                      "configs/grpo.yml or set use_grpo=True")
+                      "configs/grpo.yml or set objective=grpo")
   tokenizer = chat.load_chat_tokenizer(config.data.tokenizer_path, require_template=False)
   eos_id = tokenizer.eos_token_id
   reward_set = rewards_lib.RewardSet(config.rl, eos_id)

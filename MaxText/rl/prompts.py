@@ -35,7 +35,7 @@ def encode_prompt(tokenizer: Any, value: Any, add_bos: bool, tokenizer_path: str
   if isinstance(value, list):
     messages = chat.as_messages(value, "prompt")
     if not tokenizer.chat_template:
-      raise chat.no_template(tokenizer_path, "use_grpo with message-list prompts (or give prompts as plain strings)")
+      raise chat.no_template(tokenizer_path, "objective=grpo with message-list prompts (or give prompts as plain strings)")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
   if not isinstance(value, str):

@@ -197,7 +197,7 @@ class Campaign:
     from MaxText.rl import prompts
 
     tokenizer = self.grpo_tokenizer()
-    config = Config.for_testing(use_grpo=True, dataset_type="hf", hf_data_files=str(path),
+    config = Config.for_testing(objective="grpo", dataset_type="hf", hf_data_files=str(path),
                                 tokenizer_path=str(tokenizer), tokenizer_type="huggingface", vocab_size=320,
                                 reward_functions="exact_match", num_generations=4, max_prefill_predict_length=200,
                                 max_completion_length=8, max_target_length=256, eval_interval=-1, print_config=False,

@@ -111,7 +111,7 @@ def test_an_empty_grpo_prompt_file_is_named_as_empty(tiny_overrides, tmp_path):
 
   tokenizer = write_tokenizer(tmp_path / "tokenizer", None)
   (tmp_path / "prompts.jsonl").write_text("")
-  config = Config.for_testing(**{**tiny_overrides, "use_grpo": True, "dataset_type": "hf", "tokenizer_path": str(
+  config = Config.for_testing(**{**tiny_overrides, "objective": "grpo", "dataset_type": "hf", "tokenizer_path": str(
       tokenizer), "tokenizer_type": "huggingface", "hf_data_files": str(tmp_path / "prompts.jsonl"), "vocab_size": 320,
       "reward_functions": "exact_match", "num_generations": 4, "max_prefill_predict_length": 8,
       "max_completion_length": 6, "max_target_length": 16, "eval_interval": -1})

@@ -126,7 +126,7 @@ def first_batch(tmp_path, lines: list[str], name: str = "train.jsonl", **overrid
   data = tmp_path / name
   data.write_text("".join(line + "\n" for line in lines))
   tokenizer = write_tokenizer(tmp_path / "tok", without_markers(TEMPLATES["chatml"]))
-  values = dict(dataset_type="hf", use_sft=True, tokenizer_type="huggingface", tokenizer_path=str(tokenizer),
+  values = dict(dataset_type="hf", objective="sft", tokenizer_type="huggingface", tokenizer_path=str(tokenizer),
                 hf_data_files=str(data), vocab_size=320, max_target_length=32, per_device_batch_size=1,
                 print_config=False, data_prefetch_batches=0, enable_data_shuffling=False)
   config = Config.for_testing(**{**values, **overrides})

@@ -6,8 +6,8 @@ the state layout and the FLOPs count ask it instead of branching on the kind of 
 
   * `language_model.LanguageModel`: pre-training and SFT (next-token loss, z-loss, MoE
     load balancing, multi-token prediction; under the 1F1B schedule through `pipelined.py`);
-  * `preference.Preference`: DPO against a frozen reference (use_dpo);
-  * `grpo.Grpo`: reinforcement learning on the run's own sampled completions (use_grpo).
+  * `preference.Preference`: DPO against a frozen reference (objective=dpo);
+  * `grpo.Grpo`: reinforcement learning on the run's own sampled completions (objective=grpo).
 
 A new objective: a module here with an `Objective` subclass, and its line in `objective_for`
 (its batch fields also go in input_pipeline/batch_spec.py, its records' encoding in input_pipeline/).
@@ -27,9 +27,9 @@ from MaxText.training.optimizers import Partition
 def objective_for(config: Config, model: ModelSpec, partition: Partition) -> Objective:
   """The objective `config` trains `model` with; `partition`: which parameters the optimizer trains."""
   optim = config.optim
-  if config.data.use_dpo:
+  if config.data.objective == "dpo":
     return Preference(model, partition, optim.dpo_beta, optim.dpo_label_smoothing)
-  if config.data.use_grpo:
+  if config.data.objective == "grpo":
     return Grpo(model, partition, config.rl, config.model.moe.load_balance_loss_weight,
                 optim.gradient_accumulation_steps)
   return LanguageModel(model, optim.z_loss_multiplier, config.model.moe.load_balance_loss_weight,

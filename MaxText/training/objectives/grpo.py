@@ -28,7 +28,7 @@ class Grpo(Objective):
   LoRA, the base with the adapters off (as DPO does)."""
 
   batch_fields = GRPO_FIELDS
-  needs_loaded_params = ("use_grpo=True samples from the starting policy: set load_parameters_path to its weights (a "
+  needs_loaded_params = ("objective=grpo samples from the starting policy: set load_parameters_path to its weights (a "
                          "params-only checkpoint, e.g. an SFT run's export); a fresh init samples noise")
   uses_rollouts = True
 
