@@ -137,7 +137,7 @@ def main() -> None:
 
   common = dict(model_name="gemma3-4b-vision", **TEXT, **TOKENS, dtype="float32", remat_policy="none",
                 per_device_batch_size=args.batch / jax.device_count(), max_target_length=args.max_target_length,
-                use_sft=True, dataset_type="hf", hf_data_files="unused.jsonl", tokenizer_type="huggingface",
+                objective="sft", dataset_type="hf", hf_data_files="unused.jsonl", tokenizer_type="huggingface",
                 tokenizer_path="unused",
                 eval_interval=-1, print_config=False)
   multimodal = Config.for_testing(**common, **TOWER, max_images_per_row=args.max_images_per_row)

@@ -67,6 +67,8 @@ SYNONYMS: list[tuple[Name, ...]] = [
     (_n("rope_proportional_rotated_fraction"), _n("rope_partial_rotary_factor")),
     # RoPE's theta, *_max_timescale as for the text layers
     (_n("vision_rope_max_timescale"), _n("vision_rope_theta")),
+    # what a run trains: one key, the old flags are value aliases (spellings.VALUE_ALIASES)
+    (_n("objective"), _n("use_sft"), _n("use_dpo"), _n("use_grpo")),
     # an HF model directory (hf_path in base.yml is the HF dataset)
     (_n("hf_model_path"), _n("hf_path", "config")),
     # the checkpoint a tool reads, the images of a prompt, where a tool writes, a corpus's files
