@@ -5,6 +5,7 @@ through build_run's step unchanged."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -18,9 +19,11 @@ from MaxText.layers import models
 from MaxText.training import lora, run_assembly
 from MaxText.training import train_step as train_step_module
 from MaxText.platform import accelerators
+from MaxText.configuration import config_groups
 from MaxText.configuration.config import Config
-from MaxText.input_pipeline.batch_spec import FIELDS, batch_spec
-from MaxText.training.objectives import LanguageModel, Objective, Preference, objective_for
+from MaxText.input_pipeline import OBJECTIVE_DATA
+from MaxText.input_pipeline.batch_spec import FIELDS, OBJECTIVE_FIELDS, batch_spec
+from MaxText.training.objectives import OBJECTIVES, LanguageModel, Objective, Preference, objective_for
 from MaxText.training.objectives.base import Batch, Metrics, Params, Sums, T
 from MaxText.training.train_state import PreferenceState, TrainState, reference_of
 
@@ -49,9 +52,16 @@ def test_the_step_and_the_model_name_no_objective_or_partition():
     assert word not in step, word
   model = Path(models.__file__).read_text()
   assert "pipeline_1f1b" not in model and "pipelined_loss" not in model and "load_balance_loss_weight" not in model
-  # The one place outside the data's own code that reads the config's kind of run: it picks the objective.
-  readers = sorted(p.relative_to(MAXTEXT).as_posix() for p in MAXTEXT.rglob("*.py") if 'objective == "dpo"' in p.read_text())
-  assert [p for p in readers if not p.startswith(("input_pipeline/", "configuration/"))] == ["training/objectives/__init__.py"]
+  # Outside the configuration's checks, code asks the registries by the objective's name instead of
+  # comparing names; the one exception is the GRPO-only evaluation tool refusing another config.
+  compares = re.compile(r"objective\s*(?:==|!=|in \()")
+  readers = sorted(p.relative_to(MAXTEXT).as_posix() for p in MAXTEXT.rglob("*.py") if compares.search(p.read_text()))
+  assert [p for p in readers if not p.startswith("configuration/")] == ["rl/evaluate.py"]
+
+
+def test_every_objective_has_its_loss_its_batch_fields_and_its_records():
+  """A new objective is its module plus one line in each registry under the config's name."""
+  assert set(OBJECTIVES) == set(config_groups.OBJECTIVES) == set(OBJECTIVE_FIELDS) == set(OBJECTIVE_DATA)
 
 
 class _AnchoredRows(Objective):

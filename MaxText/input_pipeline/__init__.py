@@ -69,11 +69,12 @@ def check_sources(cfg: DataConfig) -> None:
           files.expand_files(key, getattr(source_cfg, key))
         except ConfigError as e:
           raise ConfigError(f"{who}{e}") from None
-  if cfg.objective in ("sft", "dpo", "grpo"):
+  template = OBJECTIVE_DATA[cfg.objective].chat_template
+  if template is not None:
     from MaxText.input_pipeline import chat
 
-    # SFT's template must exist before anything starts; DPO and GRPO need one only for message lists.
-    chat.load_chat_tokenizer(cfg.tokenizer_path, require_template=cfg.objective == "sft")
+    # A required template must exist before anything starts; others are needed only for message lists.
+    chat.load_chat_tokenizer(cfg.tokenizer_path, require_template=template)
   vocab = tokenizer.load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path).vocab_size
   if vocab > cfg.vocab_size:
     raise ConfigError(f"the tokenizer {cfg.tokenizer_path} has {vocab} tokens, more than vocab_size="
@@ -98,33 +99,66 @@ def open_records(cfg: DataConfig, train: bool) -> tuple[Sequence[Any], str]:
                             else ("grain_eval_files", cfg.grain_eval_files)))
 
 
-def _encoder(config: Config) -> tuple[Any, dict[str, Any]]:
-  """The document encoder of the run's data keys and the packer's arguments it needs."""
+Encoded = tuple[Any, dict[str, Any]]  # a record encoder and the packer's arguments it needs
+
+
+def _documents(config: Config) -> Encoded:
+  """Plain documents: the text column tokenized, bos/eos added."""
   from MaxText.input_pipeline.tokenizer import DocumentEncoder, load_tokenizer
 
   cfg = config.data
-  encoder: Any
-  pack: dict[str, Any] = {}
-  if cfg.objective == "dpo":
-    from MaxText.input_pipeline import chat, preference
+  return DocumentEncoder(load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path), cfg.add_bos, cfg.add_eos), {}
 
-    encoder = preference.PreferenceEncoder(chat.load_chat_tokenizer(cfg.tokenizer_path, require_template=False),
-                                           cfg.tokenizer_path, cfg.max_target_length, cfg.add_bos, cfg.add_eos)
-    pack["pack"] = preference.pack_preference_batch
-  elif cfg.objective == "sft":
-    from MaxText.input_pipeline import chat, image_sft
 
-    # Every conversation goes through the image encoder: a text-only model then refuses images.
-    encoder = image_sft.ImageSftEncoder(chat.load_chat_tokenizer(cfg.tokenizer_path), cfg.max_target_length,
-                                        cfg.sft_train_on_completion_only, cfg.add_bos, cfg.add_eos,
-                                        config.model.vision, config.model.decoder_block, cfg.max_images_per_row,
-                                        config.startup.model_name or "the model")
-    if cfg.max_images_per_row:
-      pack["pack"] = functools.partial(packing.pack_batch,
-                                       images=packing.ImageSlots(cfg.max_images_per_row, cfg.image_size))
-  else:
-    encoder = DocumentEncoder(load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path), cfg.add_bos, cfg.add_eos)
-  return encoder, pack
+def _conversations(config: Config) -> Encoded:
+  """SFT's conversations or prompt/completion pairs, rendered with the chat template."""
+  from MaxText.input_pipeline import chat, image_sft
+
+  cfg = config.data
+  # Every conversation goes through the image encoder: a text-only model then refuses images.
+  encoder = image_sft.ImageSftEncoder(chat.load_chat_tokenizer(cfg.tokenizer_path), cfg.max_target_length,
+                                      cfg.sft_train_on_completion_only, cfg.add_bos, cfg.add_eos,
+                                      config.model.vision, config.model.decoder_block, cfg.max_images_per_row,
+                                      config.startup.model_name or "the model")
+  if not cfg.max_images_per_row:
+    return encoder, {}
+  return encoder, {"pack": functools.partial(packing.pack_batch,
+                                             images=packing.ImageSlots(cfg.max_images_per_row, cfg.image_size))}
+
+
+def _preferences(config: Config) -> Encoded:
+  """DPO's {"prompt", "chosen", "rejected"} records, one pair per row."""
+  from MaxText.input_pipeline import chat, preference
+
+  cfg = config.data
+  encoder = preference.PreferenceEncoder(chat.load_chat_tokenizer(cfg.tokenizer_path, require_template=False),
+                                         cfg.tokenizer_path, cfg.max_target_length, cfg.add_bos, cfg.add_eos)
+  return encoder, {"pack": preference.pack_preference_batch}
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveData:
+  """What an objective (config key `objective`) reads from a dataset. Its batch fields are
+  batch_spec.OBJECTIVE_FIELDS[name]; its loss is training/objectives' OBJECTIVES[name]."""
+
+  encoder: Callable[[Config], Encoded]
+  whole_records: bool  # the encoder takes each record whole, not its text column
+  # None: no chat tokenizer; False: one whose template only message lists need; True: a template is required
+  chat_template: bool | None
+
+
+OBJECTIVE_DATA: dict[str, ObjectiveData] = {
+    "lm": ObjectiveData(_documents, whole_records=False, chat_template=None),
+    "sft": ObjectiveData(_conversations, whole_records=True, chat_template=True),
+    "dpo": ObjectiveData(_preferences, whole_records=True, chat_template=False),
+    # GRPO's batches are rollouts (rl/rollouts.py) of prompts rl/prompts.py reads
+    "grpo": ObjectiveData(_documents, whole_records=False, chat_template=False),
+}
+
+
+def _encoder(config: Config) -> Encoded:
+  """The record encoder of the run's objective and the packer's arguments it needs."""
+  return OBJECTIVE_DATA[config.data.objective].encoder(config)
 
 
 def _open_source(cfg: DataConfig, shard: pipeline.HostShard, encoder: Any, train: bool, what: str,
@@ -133,7 +167,7 @@ def _open_source(cfg: DataConfig, shard: pipeline.HostShard, encoder: Any, train
   from MaxText.input_pipeline import mixture, pipeline, streaming
 
   seed = cfg.data_shuffle_seed if (train and cfg.enable_data_shuffling) else None
-  column = None if cfg.objective in ("sft", "dpo") else cfg.text_column  # fine-tuning encoders take whole records
+  column = None if OBJECTIVE_DATA[cfg.objective].whole_records else cfg.text_column
   if cfg.dataset_type == "stream":
     key, value = ("stream_train_files", cfg.stream_train_files) if train else \
         ("stream_eval_files", cfg.stream_eval_files)

@@ -27,12 +27,14 @@ GRPO_FIELDS = FIELDS + (ADVANTAGES,)
 PIXEL_VALUES = "pixel_values"  # float32 [global_batch, max_images_per_row, 3, R, R] (packing.py)
 IMAGE_FIELDS = FIELDS + (PIXEL_VALUES,)
 NUM_CHANNELS = 3
+# The fields of each objective's batch (config key `objective`; with max_images_per_row, IMAGE_FIELDS).
+OBJECTIVE_FIELDS: dict[str, tuple[str, ...]] = {"lm": FIELDS, "sft": FIELDS, "dpo": DPO_FIELDS, "grpo": GRPO_FIELDS}
 
 
 def fields(cfg: DataConfig) -> tuple[str, ...]:
   if cfg.max_images_per_row:
     return IMAGE_FIELDS
-  return DPO_FIELDS if cfg.objective == "dpo" else GRPO_FIELDS if cfg.objective == "grpo" else FIELDS
+  return OBJECTIVE_FIELDS[cfg.objective]
 
 
 def _shape(cfg: DataConfig, name: str) -> tuple[int, ...]:

@@ -9,11 +9,15 @@ the state layout and the FLOPs count ask it instead of branching on the kind of 
   * `preference.Preference`: DPO against a frozen reference (objective=dpo);
   * `grpo.Grpo`: reinforcement learning on the run's own sampled completions (objective=grpo).
 
-A new objective: a module here with an `Objective` subclass, and its line in `objective_for`
-(its batch fields also go in input_pipeline/batch_spec.py, its records' encoding in input_pipeline/).
+A new objective: a module here with an `Objective` subclass and its line in `OBJECTIVES`, its name
+in configuration/config_groups.OBJECTIVES, its batch fields' line in input_pipeline/batch_spec.py's
+OBJECTIVE_FIELDS and its records' line in input_pipeline's OBJECTIVE_DATA (tests/test_objectives.py
+checks that the four name the same objectives).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from MaxText.configuration.config import Config
 from MaxText.layers.models import ModelSpec
@@ -24,16 +28,30 @@ from MaxText.training.objectives.preference import Preference
 from MaxText.training.optimizers import Partition
 
 
-def objective_for(config: Config, model: ModelSpec, partition: Partition) -> Objective:
-  """The objective `config` trains `model` with; `partition`: which parameters the optimizer trains."""
+def _language_model(config: Config, model: ModelSpec, partition: Partition) -> Objective:
   optim = config.optim
-  if config.data.objective == "dpo":
-    return Preference(model, partition, optim.dpo_beta, optim.dpo_label_smoothing)
-  if config.data.objective == "grpo":
-    return Grpo(model, partition, config.rl, config.model.moe.load_balance_loss_weight,
-                optim.gradient_accumulation_steps)
   return LanguageModel(model, optim.z_loss_multiplier, config.model.moe.load_balance_loss_weight,
                        optim.gradient_accumulation_steps, images=config.data.max_images_per_row > 0)
 
 
-__all__ = ["Grpo", "LanguageModel", "Objective", "Preference", "objective_for"]
+def _preference(config: Config, model: ModelSpec, partition: Partition) -> Objective:
+  return Preference(model, partition, config.optim.dpo_beta, config.optim.dpo_label_smoothing)
+
+
+def _grpo(config: Config, model: ModelSpec, partition: Partition) -> Objective:
+  return Grpo(model, partition, config.rl, config.model.moe.load_balance_loss_weight,
+              config.optim.gradient_accumulation_steps)
+
+
+# The config key `objective` -> how to build its Objective (its data: input_pipeline.OBJECTIVE_DATA and
+# batch_spec.OBJECTIVE_FIELDS under the same name).
+OBJECTIVES: dict[str, Callable[[Config, ModelSpec, Partition], Objective]] = {
+    "lm": _language_model, "sft": _language_model, "dpo": _preference, "grpo": _grpo}
+
+
+def objective_for(config: Config, model: ModelSpec, partition: Partition) -> Objective:
+  """The objective `config` trains `model` with; `partition`: which parameters the optimizer trains."""
+  return OBJECTIVES[config.data.objective](config, model, partition)
+
+
+__all__ = ["OBJECTIVES", "Grpo", "LanguageModel", "Objective", "Preference", "objective_for"]
