@@ -123,6 +123,21 @@ def test_old_objective_flags_that_disagree_are_one_error_line(argv, message):
   assert message in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("argv, environ", [(["use_sft=false"], {}), ([], {"M_USE_SFT": "false"})])
+def test_a_false_flag_over_a_recipe_that_chose_its_objective_is_an_error_not_ignored(argv, environ):
+  """configs/sft.yml use_sft=False once trained a plain language model; now it must not train SFT."""
+  overrides = config_lib.parse_overrides(["t", str(config_lib.CONFIGS_DIR / "sft.yml"), *argv], environ=environ)
+  with pytest.raises(ConfigError, match=r"^use_sft=False \(deprecated, from the (command line|environment)\) "
+                     r"contradicts objective=sft, which the config file"):
+    config_lib.resolve_values(overrides, "cpu")
+  other = config_lib.parse_overrides(["t", str(config_lib.CONFIGS_DIR / "dpo.yml"), *argv], environ=environ)
+  assert config_lib.resolve_values(other, "cpu")["objective"] == "dpo"
+  # a higher layer's objective wins over the environment's flag
+  if environ:
+    higher = config_lib.parse_overrides(["t", str(config_lib.CONFIGS_DIR / "sft.yml"), "objective=lm"], environ=environ)
+    assert config_lib.resolve_values(higher, "cpu")["objective"] == "lm"
+
+
 def test_agreeing_old_and_new_objective_spellings_are_fine():
   assert config_lib.parse_overrides(["t", "objective=sft", "use_sft=true", "use_dpo=false"],
                                     environ={}).argv_values == {"objective": "sft"}

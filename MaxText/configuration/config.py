@@ -178,6 +178,9 @@ class Overrides:
   argv_values: Mapping[str, Any]
   env_values: Mapping[str, Any]
   schema: Mapping[str, Any]
+  # old False flags (spellings.VALUE_ALIASES) of the environment or argv that set nothing there: each
+  # rules out one value a lower layer may set (old flag -> key, value, source)
+  negated: Mapping[str, tuple[str, str, str]] = dataclasses.field(default_factory=dict)
 
   def explicit_keys(self) -> set[str]:
     return set(self.argv_values) | set(self.env_values)
@@ -239,6 +242,7 @@ def parse_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -
               "the command line")
 
   argv_values = spellings.fold_value_aliases(argv_values, flags, "the command line")
+  negated = spellings.negations(flags, argv_values, "the command line")
   env_values: dict[str, Any] = {}
   env_spelled: dict[str, str] = {}
   env_flags: dict[str, Any] = {}
@@ -258,8 +262,10 @@ def parse_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -
       print(f"config: {key} is set by both {name} and the command line; the command line wins")
 
   env_values = spellings.fold_value_aliases(env_values, env_flags, "the environment")
+  env_negated = spellings.negations(env_flags, env_values, "the environment")
+  negated = {**{k: v for k, v in env_negated.items() if v[0] not in argv_values}, **negated}
   file_values = {k: coerce(k, v, schema[k]) for k, v in file_values.items()}
-  return Overrides(yaml_path, file_values, argv_values, env_values, schema)
+  return Overrides(yaml_path, file_values, argv_values, env_values, schema, negated)
 
 
 def _model_values(model_name: str, schema: Mapping[str, Any]) -> dict[str, Any]:
@@ -338,6 +344,9 @@ def resolve_values(overrides: Overrides, platform: str, reads_run: bool = False)
   values.update(_model_layer(overrides, schema, reads_run))
   values.update(overrides.env_values)
   values.update(overrides.argv_values)
+  for old, (key, value, source) in overrides.negated.items():
+    if values[key] == value:
+      raise spellings.negation_error(old, key, value, source)
   return values
 
 

@@ -98,6 +98,22 @@ def fold_value_aliases(values: Mapping[str, Any], flags: Mapping[str, Any], sour
   return out
 
 
+def negations(flags: Mapping[str, Any], values: Mapping[str, Any], source: str) -> dict[str, tuple[str, str, str]]:
+  """The False flags of one source that set nothing there (`values` holds no key of theirs): old flag
+  -> (the key, the value it rules out, `source`), for a check against the lower sources' value."""
+  out = {}
+  for old, given in flags.items():
+    new, value = VALUE_ALIASES[old]
+    if new not in values and not _flag(old, given, source):
+      out[old] = (new, value, source)
+  return out
+
+
+def negation_error(old: str, new: str, value: str, source: str) -> ConfigError:
+  return ConfigError(f"{old}=False (deprecated, from {source}) contradicts {new}={value}, which the config file or "
+                     f"another lower source sets; set {new} to the value you want instead")
+
+
 def canonical(values: Mapping[str, Any], source: str, renamed: Mapping[str, str] = RENAMED_KEYS,
               warn: bool = True) -> dict[str, Any]:
   """`values` with every old spelling replaced by its new one (order kept); `source` names where
