@@ -17,7 +17,7 @@ leave their slot when done, all while the other slots keep generating.
 
 The cache is a kv_layout.KVLayout (kv_layout.make picks dense or paged; nothing here asks which).
 kv_cache_layout=paged keeps each layer's cache as a pool of pages instead of [T, S] per slot
-(inference/paged_cache.py): the engine then owns a host-side page allocator tied to the state of
+(inference/paged_cache.py): the layout then owns a host-side page allocator tied to the state of
 the last `init_decode_state`; `insert` takes the prompt's pages, `generate` a new page when a
 slot crosses a page boundary (chosen on the host before the jitted step, which takes the block
 table as an argument), `release(slot)` gives them back. One engine, one decode state at a time.

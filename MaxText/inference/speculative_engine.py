@@ -1,10 +1,9 @@
 """Speculative decoding behind the engine interface the scheduler and decode.py use.
 
 `SpeculativeEngine` wraps a `speculative.SpeculativeDecoder` (a target Engine and a draft Engine)
-and answers the calls the server's scheduler makes of an Engine (prefill, insert, begin_prompt,
-prefill_chunk, release, score, pages and cache figures), with `speculative_round` in place of
-`step`: a round emits 1 to k + 1 tokens per slot. Its `params` are the pair (target's, draft's),
-which the scheduler passes along without looking inside.
+and is an engine_api.DecodeEngine (prefill, insert, begin_prompt, prefill_chunk, release, score,
+pages and cache figures) whose `decode_step` is a round: 1 to k + 1 tokens per slot. Its
+`params` are the pair (target's, draft's), which the scheduler passes along without looking inside.
 
 Both engines share every decode and cache key (config.draft_config), so their page allocators see
 the same prompts, lengths and rounds; admission reserves for the k + 1 positions a round writes
