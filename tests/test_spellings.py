@@ -5,6 +5,7 @@ record written before a rename reads without a word."""
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import yaml
@@ -156,6 +157,15 @@ def test_a_run_saved_with_use_sft_resumes_as_objective_sft_without_a_warning(tmp
   assert saved == {"objective": "sft", "steps": 3}
   assert run_record.resume_differences({"objective": "sft"}, saved) == []
   assert run_record.resume_differences({"objective": "lm"}, saved) == ["objective: 'sft' -> 'lm'"]
+  # the keys saved with a checkpoint step are read the same way
+  step_keys = ({"use_sft": True, "use_dpo": False, "use_grpo": False}, "step 4's keys")
+  empty = tmp_path / "no_config"
+  empty.mkdir()
+  def run(objective):
+    return types.SimpleNamespace(values={"objective": objective}, data=types.SimpleNamespace(global_batch_size=8))
+  assert run_record.check_resume(run("sft"), str(empty), "checkpoint step 4", step_keys)
+  with pytest.raises(ConfigError, match="objective: 'sft' -> 'lm'"):
+    run_record.check_resume(run("lm"), str(empty), "checkpoint step 4", step_keys)
   # a record whose flags are all False was a plain language-model run
   plain = spellings.upgrade({"use_sft": False, "use_dpo": False, "use_grpo": False})
   assert plain == {"objective": "lm"}
