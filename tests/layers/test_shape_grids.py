@@ -5,7 +5,9 @@ that no mechanism is held to HF on its family's one reference shape only (tests/
   sequences past the top-k (both sparse forms: the gathered one above 4 x top-k keys);
 - grouped-query attention: KV-head ratios 1 (as many KV heads as query heads), 2, 4 and 8 (one KV head);
 - sliding windows from 1 token to past the sequence, sequences longer than the window;
-- partial rotary embeddings (the rotated fraction of each head).
+- partial rotary embeddings (the rotated fraction of each head);
+- expert routing: one expert a token, every expert, other expert counts (Mixtral, DeepSeek-V3);
+- multi-head latent attention's KV rank and rotated width (DeepSeek-V3).
 
 Each point converts a tiny random HF model and runs one forward pass on one device. The default run
 keeps two points: the DSA shape whose exact-zero index scores tie at the top-k boundary
@@ -90,3 +92,24 @@ PARTIAL_GRID = [_case(v) for v in (("gemma4", 0.25), ("gemma4", 1.0), ("qwen3_ne
 def test_partial_rotary_matches_hf_over_fractions(family, fraction, tmp_path):
   rope = _gemma4_rope(fraction) if family == "gemma4" else _qwen3_next_rope(fraction)
   _parity(family, tmp_path, rope_parameters=rope)
+
+
+# (family, experts, experts per token): routing with one expert a token, with every expert, and at
+# other widths than the reference's (Mixtral 4 choose 2, DeepSeek-V3 8 choose 2 beside a shared expert).
+MOE_GRID = [_case(v) for v in (("mixtral", 4, 1), ("mixtral", 4, 4), ("mixtral", 8, 3),
+                               ("deepseek3", 16, 1), ("deepseek3", 8, 4))]
+
+
+@pytest.mark.parametrize("family, experts, per_token", MOE_GRID)
+def test_expert_routing_matches_hf_over_expert_counts(family, experts, per_token, tmp_path):
+  count = {"n_routed_experts": experts} if family.startswith("deepseek") else {"num_local_experts": experts}
+  _parity(family, tmp_path, num_experts_per_tok=per_token, **count)
+
+
+# (kv_lora_rank, qk_rope_head_dim) of DeepSeek-V3's multi-head latent attention (reference 16, 4).
+MLA_GRID = [_case(v) for v in ((8, 4), (32, 8), (16, 2))]
+
+
+@pytest.mark.parametrize("rank, rope_dim", MLA_GRID)
+def test_latent_attention_matches_hf_over_ranks(rank, rope_dim, tmp_path):
+  _parity("deepseek3", tmp_path, kv_lora_rank=rank, qk_rope_head_dim=rope_dim)
