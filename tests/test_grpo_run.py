@@ -30,9 +30,8 @@ MODEL = dict(base_emb_dim=64, base_num_decoder_layers=2, base_mlp_dim=128, head_
 REWARDS = "def low_ids(completion_ids, **_):\n  return [sum(t < 160 for t in c) / max(len(c), 1) for c in completion_ids]\n"
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-  directory = tmp_path_factory.mktemp("grpo")
+def prepare(directory: Path) -> None:
+  """The tokenizer, prompts and starting parameters these runs train from (the GRPO fault campaign's too)."""
   write_tokenizer(directory / "tokenizer", without_markers(CHATML))
   rng = random.Random(0)
   with open(directory / "prompts.jsonl", "w") as f:
@@ -40,10 +39,16 @@ def workdir(tmp_path_factory) -> Path:
       start = rng.randrange(len(WORDS))
       f.write(json.dumps({"prompt": "continue this line: " + " ".join(WORDS[(start + k) % len(WORDS)] for k in range(3)),
                           "answer": WORDS[(start + 3) % len(WORDS)]}) + "\n")
-  (directory / "task_rewards.py").write_text(REWARDS)
   config = Config.for_testing(**MODEL)
   params_io.save_params(str(directory / "start"),
                         jax.jit(models.build_model_spec(config.model).init_params)(jax.random.key(0)))
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+  directory = tmp_path_factory.mktemp("grpo")
+  prepare(directory)
+  (directory / "task_rewards.py").write_text(REWARDS)
   return directory
 
 

@@ -122,26 +122,9 @@ def plan(seed: int, count: int, faults: tuple[str, ...] = FAULTS) -> list[Trial]
 # ---------------------------------------------------------------------------------------------- runs
 def prepare(workdir: Path) -> None:
   """The tokenizer, prompts and starting parameters tests/test_grpo_run.py trains from."""
-  import jax
+  from tests.test_grpo_run import prepare as prepare_grpo_run
 
-  sys.path.insert(0, str(REPO_ROOT / "tests" / "input_pipeline"))
-  from sft_fixtures import CHATML, WORDS, without_markers, write_tokenizer
-
-  from MaxText.configuration.config import Config
-  from MaxText.layers import models
-  from MaxText.training import params_io
-  from tests.test_grpo_run import MODEL
-
-  write_tokenizer(workdir / "tokenizer", without_markers(CHATML))
-  rng = random.Random(0)
-  with open(workdir / "prompts.jsonl", "w") as f:
-    for _ in range(64):
-      start = rng.randrange(len(WORDS))
-      f.write(json.dumps({"prompt": "continue this line: " + " ".join(WORDS[(start + k) % len(WORDS)] for k in range(3)),
-                          "answer": WORDS[(start + 3) % len(WORDS)]}) + "\n")
-  config = Config.for_testing(**MODEL)
-  params_io.save_params(str(workdir / "start"),
-                        jax.jit(models.build_model_spec(config.model).init_params)(jax.random.key(0)))
+  prepare_grpo_run(workdir)
 
 
 @dataclasses.dataclass
