@@ -14,7 +14,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import hf_families as H
-from MaxText.convert import hf_to_maxtext, mxfp4
+from MaxText.convert import hf_to_maxtext
+from MaxText.families import mxfp4
 from MaxText.errors import UserError
 from tests.test_convert import _load
 

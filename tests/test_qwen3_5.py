@@ -11,7 +11,8 @@ from flax import nnx
 
 import hf_families as H
 from MaxText.configuration import config as config_lib
-from MaxText.convert import hf_to_maxtext, tensor_maps
+from MaxText.convert import hf_to_maxtext
+from MaxText.families import tensor_maps
 from MaxText.families import qwen3_5
 from MaxText.layers import models
 from MaxText.layers.gated_deltanet import GatedDeltaNet

@@ -21,7 +21,7 @@ from MaxText.paths import storage
 from MaxText.configuration.config import MODEL_CONFIG_FILE
 from MaxText.configuration.model_config import ARCHITECTURE_KEYS, ModelConfig
 from MaxText.configuration.vision_config import VisionConfig
-from MaxText.convert.tensor_maps import TensorMap
+from MaxText.families.tensor_maps import TensorMap
 from MaxText.layers import mtp
 from MaxText.errors import ConfigError, UserError
 

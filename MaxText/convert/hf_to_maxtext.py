@@ -16,7 +16,7 @@ when False. Staging needs disk space for one extra copy of the converted model, 
 Measured figures are in getting_started/Models.md.
 
 An MXFP4-quantised checkpoint (GPT-OSS as published) is dequantised to bfloat16 as it streams
-(convert/mxfp4.py); the model trains and is written back in bfloat16.
+(families/mxfp4.py); the model trains and is written back in bfloat16.
 
 DIR and CKPT may be gs:// paths: HF shards are downloaded one at a time just before they are read,
 and Orbax writes a gs:// CKPT itself (its staging files then go to the local temporary directory).
@@ -31,7 +31,8 @@ import tempfile
 from MaxText import families, startup
 from MaxText.layers import models
 from MaxText.paths import storage
-from MaxText.convert import cli, engine, hf_io, mxfp4, streaming
+from MaxText.convert import cli, engine, hf_io, streaming
+from MaxText.families import mxfp4
 from MaxText.errors import UserError, run_cli
 
 PROG = "hf_to_maxtext"

@@ -2,7 +2,7 @@
 which `peft.PeftModel.from_pretrained(hf_model, DIR)` loads onto the HF base model.
 
 Each adapted projection's HF weight comes from our kernel through the family's tensor table
-(convert/tensor_maps.py). For the projections LoRA targets, that conversion only moves entries
+(families/tensor_maps.py). For the projections LoRA targets, that conversion only moves entries
 (transposes, head reshapes, RoPE permutations), so it is found by converting two probe kernels
 whose entries are their own input (or output) index, and the same moves are applied to A's input
 side and B's output side: lora_A.weight [r, in] = A's rows in HF's input order, lora_B.weight

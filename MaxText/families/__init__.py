@@ -6,7 +6,7 @@ more `Family` records and calls `register_family(...)` at import:
   * `layer`: the decoder-layer class it runs (registered in layers/decoders.py by layer name),
   * `model_keys(hf_config)`: HF config.json → our base.yml model keys,
   * `hf_config(cfg)`: our ModelConfig → HF config.json,
-  * `tensors(cfg)`: its HF ↔ ours tensor table (convert/tensor_maps.py),
+  * `tensors(cfg)`: its HF ↔ ours tensor table (families/tensor_maps.py),
   * `reference_hf_configs`: tiny HF configs with the family's distinctive features on; the
     tests check our logits and conversions against HF `transformers` on each of them
     (`multimodal_reference_hf_configs`: its image-text model, checked with images).
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from MaxText.errors import ConfigError
 
 if TYPE_CHECKING:
-  from MaxText.convert.tensor_maps import TensorMap
+  from MaxText.families.tensor_maps import TensorMap
   from MaxText.configuration.model_config import ModelConfig
 
 

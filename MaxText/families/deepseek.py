@@ -34,7 +34,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from MaxText.convert import tensor_maps as r
+from MaxText.families import tensor_maps as r
 from MaxText.families import Family, register_family
 from MaxText.families.llama import embedding_tensors, gated_mlp_tensors, rope_hf_config, rope_keys
 from MaxText.families.mixtral import fused_expert_tensors

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from MaxText.convert import tensor_maps as r
+from MaxText.families import tensor_maps as r
 from MaxText.families import Family, register_family
 from MaxText.families.deepseek import deepseek3_hf_config, deepseek3_model_keys, deepseek_tensors
 from MaxText.configuration.model_config import ModelConfig

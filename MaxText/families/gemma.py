@@ -16,7 +16,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from MaxText.configuration.model_config import ModelConfig
-from MaxText.convert import tensor_maps as r
+from MaxText.families import tensor_maps as r
 from MaxText.families import Family, register_family
 from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, gated_mlp_tensors,
                                     layer_type_rope_hf_config, layer_type_ropes, qk_norm_tensors, rope_hf_config,

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from MaxText.configuration.model_config import ModelConfig
-from MaxText.convert import tensor_maps as r
+from MaxText.families import tensor_maps as r
 from MaxText.errors import ConfigError
 from MaxText.families import Family, register_family
 from MaxText.families.gemma import _activation, _same

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from MaxText.configuration.model_config import ModelConfig
-from MaxText.convert import tensor_maps as r
+from MaxText.families import tensor_maps as r
 from MaxText.families import Family, register_family
 
 _QKV = ("self_attention/query", "self_attention/key", "self_attention/value")

@@ -15,7 +15,7 @@ HF names beyond Llama's attention and norms (layer i)         ours (inside layer
 
 The published checkpoints store the experts MXFP4-quantised (`quantization_config`,
 *_blocks / *_scales tensors); the converter dequantises them to the bfloat16 layout above as it
-reads (convert/mxfp4.py), and reads a bfloat16 checkpoint as it is. Other quantisation methods
+reads (families/mxfp4.py), and reads a bfloat16 checkpoint as it is. Other quantisation methods
 are refused with one line. A config with sinks or biases switched off (an ablation) reads a
 checkpoint without those tensors.
 """
@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from MaxText.convert import mxfp4, tensor_maps as r
+from MaxText.families import mxfp4, tensor_maps as r
 from MaxText.errors import ConfigError
 from MaxText.families import Family, register_family
 from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, max_positions, rope_hf_config,

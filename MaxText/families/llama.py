@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from MaxText.configuration.model_config import ModelConfig, RopeConfig
-from MaxText.convert import tensor_maps as r
+from MaxText.families import tensor_maps as r
 from MaxText.families import Family, register_family
 from MaxText.errors import ConfigError
 

@@ -37,7 +37,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from MaxText.convert import tensor_maps as r
+from MaxText.families import tensor_maps as r
 from MaxText.errors import ConfigError
 from MaxText.families import Family, register_family
 from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, gated_mlp_tensors,

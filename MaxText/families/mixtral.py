@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from MaxText.configuration.model_config import ModelConfig
-from MaxText.convert import tensor_maps as r
+from MaxText.families import tensor_maps as r
 from MaxText.families import Family, register_family
 from MaxText.families.llama import TINY_SHAPES, decoder_tensors, embedding_tensors, mistral_hf_config, mistral_model_keys
 

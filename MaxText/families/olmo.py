@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from MaxText.configuration.model_config import ModelConfig
-from MaxText.convert import tensor_maps as r
+from MaxText.families import tensor_maps as r
 from MaxText.errors import ConfigError
 from MaxText.families import Family, register_family
 from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, gated_mlp_tensors,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from MaxText.convert import tensor_maps as r
+from MaxText.families import tensor_maps as r
 from MaxText.families import Family, register_family
 from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, gated_mlp_tensors, max_positions,
                                     qk_norm_tensors, rope_hf_config, rope_keys, shape_hf_config, shape_keys)

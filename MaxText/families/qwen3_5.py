@@ -30,7 +30,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from MaxText.configuration.model_config import ModelConfig
-from MaxText.convert import tensor_maps as r
+from MaxText.families import tensor_maps as r
 from MaxText.families import Family, register_family
 from MaxText.families.llama import TINY_SHAPES, embedding_tensors, gated_mlp_tensors
 from MaxText.families.qwen3_next import (full_attention_tensors, hybrid_hf_config, hybrid_model_keys,

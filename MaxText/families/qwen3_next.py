@@ -33,7 +33,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from MaxText.configuration.model_config import ModelConfig
-from MaxText.convert import tensor_maps as r
+from MaxText.families import tensor_maps as r
 from MaxText.errors import ConfigError
 from MaxText.families import Family, register_family
 from MaxText.families.llama import TINY_SHAPES, embedding_tensors, max_positions, shape_hf_config, shape_keys
