@@ -11,7 +11,7 @@ import yaml
 from MaxText.platform import xla_flags
 from MaxText.platform.accelerators import DeviceTarget
 from MaxText.configuration.config import BASE_CONFIG_PATH, CONFIGS_DIR, Config, load_config, read_descriptions, read_yaml
-from MaxText.configuration.model_config import parameter_scales
+from MaxText.configuration.model_checks import parameter_scales
 from MaxText.errors import ConfigError
 
 CPU8 = DeviceTarget(platform="cpu", device_kind="cpu", num_devices=8)

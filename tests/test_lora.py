@@ -268,7 +268,7 @@ def test_resume_and_merged_params_only_export(tiny_overrides, tmp_path):
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_every_family_gets_adapters_on_each_target_named_like_its_base_weight(family, scan_layers):
   from MaxText import families
-  from MaxText.configuration.model_config import MLP_LORA_TARGETS, lora_targets
+  from MaxText.configuration.model_checks import MLP_LORA_TARGETS, lora_targets
 
   hf_config = hf.hf_config(family).to_dict()
   keys = families.family_for_hf_config(hf_config).model_keys(hf_config)

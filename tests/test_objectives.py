@@ -19,7 +19,7 @@ from MaxText.layers import models
 from MaxText.training import lora, run_assembly
 from MaxText.training import train_step as train_step_module
 from MaxText.platform import accelerators
-from MaxText.configuration import config_groups
+from MaxText.configuration import data_config
 from MaxText.configuration.config import Config
 from MaxText.input_pipeline import OBJECTIVE_DATA
 from MaxText.input_pipeline.batch_spec import FIELDS, OBJECTIVE_FIELDS, batch_spec
@@ -61,7 +61,7 @@ def test_the_step_and_the_model_name_no_objective_or_partition():
 
 def test_every_objective_has_its_loss_its_batch_fields_and_its_records():
   """A new objective is its module plus one line in each registry under the config's name."""
-  assert set(OBJECTIVES) == set(config_groups.OBJECTIVES) == set(OBJECTIVE_FIELDS) == set(OBJECTIVE_DATA)
+  assert set(OBJECTIVES) == set(data_config.OBJECTIVES) == set(OBJECTIVE_FIELDS) == set(OBJECTIVE_DATA)
 
 
 class _AnchoredRows(Objective):

@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from MaxText.configuration import config_groups, spellings
+from MaxText.configuration import config_groups, data_config, spellings
 from MaxText.platform import accelerators
 from MaxText.configuration import run_record
 from MaxText.paths import storage
@@ -360,7 +360,7 @@ class Config:
     self.model: ModelConfig = groups.model
     self.mesh: config_groups.MeshConfig = groups.mesh
     self.optim: config_groups.OptimConfig = groups.optim
-    self.data: config_groups.DataConfig = groups.data
+    self.data: data_config.DataConfig = groups.data
     self.run: config_groups.RunConfig = groups.run
     self.checkpoint: config_groups.CheckpointConfig = groups.checkpoint
     self.decode: config_groups.DecodeConfig = groups.decode

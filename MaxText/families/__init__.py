@@ -3,16 +3,19 @@
 A family module (llama.py, gemma.py, gpt3.py, mixtral.py, ...) describes itself with one or
 more `Family` records and calls `register_family(...)` at import:
   * which HF `model_type`s it reads and which `decoder_block`s (configs/models/*.yml) it writes,
-  * `layer`: the decoder-layer class it runs (registered in layers/decoders.py by layer name),
+  * its model parts: `layer`, the decoder-layer class it runs (none: layers/decoders.DecoderLayer);
+    `vision`, its image side with use_multimodal (a `VisionTower`); `per_layer_inputs`, a module
+    giving each layer its own input (gemma4_layers.PerLayerInputs); a family's own layer code lives
+    beside it in this package (gemma4_layers.py, llama4_vision.py),
   * `model_keys(hf_config)`: HF config.json → our base.yml model keys,
   * `hf_config(cfg)`: our ModelConfig → HF config.json,
   * `tensors(cfg)`: its HF ↔ ours tensor table (families/tensor_maps.py),
   * `reference_hf_configs`: tiny HF configs with the family's distinctive features on; the
     tests check our logits and conversions against HF `transformers` on each of them
     (`multimodal_reference_hf_configs`: its image-text model, checked with images).
-To add a family: a module here plus its configs/models/*.yml (and a layer class only if no
-registered layer computes it). The converters, the logit checker, models.py and the tests
-find it here.
+To add a family, text or vision: a module here (with its own layer or vision modules if no shared
+one computes them) plus its configs/models/*.yml. The model (MaxText/models/), the converters, the
+logit checker and the tests find it here; nothing outside this package names a family.
 """
 
 from __future__ import annotations
@@ -30,6 +33,16 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass(frozen=True)
+class VisionTower:
+  """A family's image side: its encoder and projector, each built as `(cfg, rngs=)`, the projector's
+  output soft tokens [images, tokens, emb_dim] that the model places at the image placeholders; and
+  whether each image's tokens see each other both ways in the text stack."""
+  encoder: Callable[..., Any]
+  projector: Callable[..., Any]
+  bidirectional_images: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
   name: str
   hf_model_types: tuple[str, ...]
@@ -37,11 +50,17 @@ class Family:
   model_keys: Callable[[Mapping[str, Any]], dict[str, Any]]
   hf_config: Callable[["ModelConfig"], dict[str, Any]]
   tensors: Callable[["ModelConfig"], list["TensorMap"]]
-  layer: str = "decoder"  # a layer name registered in layers/decoders.py
+  # The decoder layer, built as `layer(cfg, rngs=)` (and `layer_index=` where the class sets
+  # per_layer_shapes); None: the shared pre-norm block, layers/decoders.DecoderLayer.
+  layer: Callable[..., Any] | None = None
   # name -> HF config fields (model_type included) of a tiny model for the outside-truth tests.
   reference_hf_configs: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
   # The same for its image-text model (use_multimodal), tested with images (tests/layers/test_multimodal_vs_hf.py).
   multimodal_reference_hf_configs: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+  vision: VisionTower | None = None  # None: a text-only family
+  # With layer_shapes' per_layer_input_dim: a module `(cfg, rngs=)` mapping (tokens [B, L], input
+  # embeddings [B, L, D]) to every layer's own input [B, L, M, P]; layer i gets [:, :, i] as per_layer_input_BLP.
+  per_layer_inputs: Callable[..., Any] | None = None
 
 
 _FAMILIES: dict[str, Family] = {}

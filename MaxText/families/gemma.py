@@ -17,6 +17,8 @@ from typing import Any, Mapping
 
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.families import tensor_maps as r
+from MaxText.families import VisionTower
+from MaxText.layers import decoders, vision_tower
 from MaxText.families import Family, register_family
 from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, gated_mlp_tensors,
                                     layer_type_rope_hf_config, layer_type_ropes, qk_norm_tensors, rope_hf_config,
@@ -236,13 +238,16 @@ register_family(Family("gemma", ("gemma",), ("gemma",), gemma_model_keys, gemma_
                            "gemma": dict(model_type="gemma", **{**TINY_SHAPES, "num_key_value_heads": 1,
                                                                 "head_dim": 32})}))
 register_family(Family("gemma2", ("gemma2",), ("gemma2",), gemma2_model_keys, gemma2_hf_config, gemma2_tensors,
-                       layer="gemma2",
+                       layer=decoders.SandwichNormDecoderLayer,
                        reference_hf_configs={  # local/global alternation, both soft caps, a query scalar
                            "gemma2": dict(model_type="gemma2", **{**TINY_SHAPES, "num_hidden_layers": 3},
                                           sliding_window=6, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
                                           query_pre_attn_scalar=24)}))
 register_family(Family("gemma3", ("gemma3_text", "gemma3"), ("gemma3",), gemma3_any_model_keys, gemma3_any_hf_config,
-                       gemma3_tensors, layer="gemma2",
+                       gemma3_tensors, layer=decoders.SandwichNormDecoderLayer,
+                       vision=VisionTower(vision_tower.VisionEncoder, vision_tower.MultimodalProjector,
+                                          bidirectional_images=True),
+                      
                        multimodal_reference_hf_configs={  # 2 images' soft tokens outnumber the window; 2x2 pooling
                            "gemma3-vision": dict(
                                model_type="gemma3", mm_tokens_per_image=16, boi_token_index=120, eoi_token_index=121,

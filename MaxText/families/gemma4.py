@@ -28,7 +28,7 @@ import numpy as np
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.families import tensor_maps as r
 from MaxText.errors import ConfigError
-from MaxText.families import Family, register_family
+from MaxText.families import Family, gemma4_layers, register_family
 from MaxText.families.gemma import _activation, _same
 from MaxText.families.llama import TINY_SHAPES, layer_type_ropes, shape_hf_config, shape_keys
 from MaxText.layers import layer_shapes
@@ -264,5 +264,6 @@ _GEMMA4_MOE = dict(model_type="gemma4_text", **{**_TINY, "num_hidden_layers": 3}
                    num_experts=4, top_k_experts=2, moe_intermediate_size=32)
 
 register_family(Family("gemma4", ("gemma4_text", "gemma4"), ("gemma4",), gemma4_model_keys, gemma4_hf_config,
-                       gemma4_tensors, layer="gemma4",
+                       gemma4_tensors, layer=gemma4_layers.Gemma4DecoderLayer,
+                       per_layer_inputs=gemma4_layers.PerLayerInputs,
                        reference_hf_configs={"gemma4": _GEMMA4, "gemma4-experts": _GEMMA4_MOE}))

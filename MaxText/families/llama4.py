@@ -38,6 +38,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from MaxText.families import tensor_maps as r
+from MaxText.families import VisionTower, llama4_vision
 from MaxText.errors import ConfigError
 from MaxText.families import Family, register_family
 from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, gated_mlp_tensors,
@@ -324,6 +325,8 @@ _TINY_TEXT = dict(**{**TINY_SHAPES, "num_hidden_layers": 4, "intermediate_size":
                   rope_parameters=_TINY_ROPE)
 
 register_family(Family("llama4", ("llama4_text", "llama4"), ("llama4",), llama4_any_model_keys, llama4_any_hf_config,
+                       vision=VisionTower(llama4_vision.Llama4VisionEncoder, llama4_vision.Llama4Projector,
+                                          bidirectional_images=False),
                        llama4_any_tensors,
                        multimodal_reference_hf_configs={  # 32 x 32 tiles of 4 x 4 patches: 16 soft tokens each
                            "llama4-vision": dict(

@@ -20,6 +20,7 @@ from MaxText.configuration.model_config import ModelConfig
 from MaxText.families import tensor_maps as r
 from MaxText.errors import ConfigError
 from MaxText.families import Family, register_family
+from MaxText.layers import decoders
 from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, gated_mlp_tensors,
                                     layer_type_rope_hf_config, layer_type_ropes, max_positions, qk_norm_tensors,
                                     rope_hf_config, rope_keys, shape_hf_config, shape_keys)
@@ -79,9 +80,11 @@ _TINY = dict(TINY_SHAPES, rms_norm_eps=1e-6)
 # over a short original context so that its ramp falls inside these few dimensions.
 _OLMO3 = dict(model_type="olmo3", **{**_TINY, "num_hidden_layers": 4}, sliding_window=5,
               layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"])
-register_family(Family("olmo2", ("olmo2",), ("olmo2",), olmo2_model_keys, olmo2_hf_config, olmo_tensors, layer="olmo2",
+register_family(Family("olmo2", ("olmo2",), ("olmo2",), olmo2_model_keys, olmo2_hf_config, olmo_tensors,
+                       layer=decoders.PostNormDecoderLayer,
                        reference_hf_configs={"olmo2": dict(model_type="olmo2", **_TINY, rope_theta=500_000.0)}))
-register_family(Family("olmo3", ("olmo3",), ("olmo3",), olmo3_model_keys, olmo3_hf_config, olmo_tensors, layer="olmo2",
+register_family(Family("olmo3", ("olmo3",), ("olmo3",), olmo3_model_keys, olmo3_hf_config, olmo_tensors,
+                       layer=decoders.PostNormDecoderLayer,
                        reference_hf_configs={
                            "olmo3": dict(_OLMO3, rope_parameters={
                                "full_attention": {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,

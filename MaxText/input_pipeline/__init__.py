@@ -19,7 +19,7 @@ from MaxText.platform.sharding import batch_sharding
 if TYPE_CHECKING:
   from MaxText.input_pipeline import mixture, pipeline
   from MaxText.configuration.config import Config
-  from MaxText.configuration.config_groups import DataConfig
+  from MaxText.configuration.data_config import DataConfig
 
 # Eval batches come from a disjoint part of the synthetic stream.
 _EVAL_SEED_OFFSET = 1 << 30

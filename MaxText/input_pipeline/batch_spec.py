@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from MaxText.configuration.config_groups import DataConfig
+from MaxText.configuration.data_config import DataConfig
 
 # inputs/targets: token ids; inputs_position: 0, 1, ... per document; *_segmentation: 1, 2, ...
 # per document in the row, 0 on padding.

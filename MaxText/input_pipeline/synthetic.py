@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from MaxText.configuration.config_groups import DataConfig
+from MaxText.configuration.data_config import DataConfig
 from MaxText.input_pipeline.batch_spec import DTYPE
 
 Batch = dict[str, jax.Array]

@@ -18,7 +18,7 @@ import json
 from typing import Callable, Protocol
 
 from MaxText.paths import storage
-from MaxText.configuration.config_groups import TOKENIZER_TYPES
+from MaxText.configuration.data_config import TOKENIZER_TYPES
 from MaxText.errors import ConfigError
 
 # Llama 3's pre-tokenisation split and special-token block (facts of its published tokenizer).

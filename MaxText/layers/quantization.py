@@ -42,7 +42,7 @@ from typing import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 
-from MaxText.configuration.model_config import QUANTIZATION_MODES
+from MaxText.configuration.model_checks import QUANTIZATION_MODES
 from MaxText.layers.mxfp8 import mxfp8_dot_general
 
 DotDims = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]

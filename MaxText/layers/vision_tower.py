@@ -23,7 +23,7 @@ M images per row.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +48,32 @@ def _dense(cfg: ModelConfig, rngs: nnx.Rngs) -> functools.partial[DenseGeneral]:
 def _layer_norm(cfg: ModelConfig) -> LayerNorm:
   return LayerNorm(cfg.vision.vision_emb_dim, epsilon=cfg.vision.vision_layer_norm_epsilon,
                    dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype))
+
+
+def stacked_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) -> nnx.Module:
+  """`count` layers from `make_layer(rngs)`, stacked on a leading axis: a vision encoder's layers are always
+  scanned (whatever scan_layers says), one compiled layer and one stacked checkpoint layout."""
+
+  @nnx.split_rngs(splits=count)
+  @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+  def stacked(rngs: nnx.Rngs) -> nnx.Module:
+    return make_layer(rngs)
+
+  return stacked(rngs)
+
+
+def run_stacked(layers: nnx.Module, x: jax.Array, remat_policy: str, *args: Any) -> jax.Array:
+  """`x` through every layer of `stacked_layers` in a scan (each layer called as layer(x, *args)),
+  rematerialised by `remat_policy`."""
+  graphdef, stacked_state = nnx.split(layers)
+
+  def one_layer(x: jax.Array, layer_state: nnx.State[Any, Any]) -> tuple[jax.Array, None]:
+    return sharding.constrain(nnx.merge(graphdef, layer_state)(x, *args), IMAGE_NAMES), None
+
+  policy = remat.checkpoint_policy(remat_policy)
+  body = one_layer if isinstance(policy, str) else jax.checkpoint(one_layer, policy=policy)
+  x, _ = jax.lax.scan(body, x, stacked_state)
+  return x
 
 
 def image_patches(pixels_ICRR: jax.Array, patch: int) -> jax.Array:
@@ -103,14 +129,7 @@ class VisionEncoder(nnx.Module):
                                              (None, None, None, "embed"))
     self.position_embedding = Embed(vision.patches_per_side**2, vision.vision_emb_dim, dtype=jnp.dtype(cfg.dtype),
                                     weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs, names=(None, "embed"))
-
-    # Always scanned (whatever scan_layers says): one compiled layer, one stacked checkpoint layout.
-    @nnx.split_rngs(splits=vision.vision_num_layers)
-    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def stacked(rngs: nnx.Rngs) -> VisionLayer:
-      return VisionLayer(cfg, rngs=rngs)
-
-    self.layers = stacked(rngs)
+    self.layers = stacked_layers(lambda rngs: VisionLayer(cfg, rngs=rngs), vision.vision_num_layers, rngs)
     self.post_layernorm = _layer_norm(cfg)
 
   def patches(self, pixels_ICRR: jax.Array) -> jax.Array:
@@ -120,15 +139,7 @@ class VisionEncoder(nnx.Module):
     x_IPE = self.patch_embedding(self.patches(pixels_ICRR))
     x_IPE = x_IPE + self.position_embedding.embedding[...].astype(x_IPE.dtype)[None]
     x_IPE = sharding.constrain(x_IPE, IMAGE_NAMES)
-    graphdef, stacked_state = nnx.split(self.layers)
-
-    def one_layer(x: jax.Array, layer_state: nnx.State[Any, Any]) -> tuple[jax.Array, None]:
-      return sharding.constrain(nnx.merge(graphdef, layer_state)(x), IMAGE_NAMES), None
-
-    policy = remat.checkpoint_policy(self.cfg.remat_policy)
-    body = one_layer if isinstance(policy, str) else jax.checkpoint(one_layer, policy=policy)
-    x_IPE, _ = jax.lax.scan(body, x_IPE, stacked_state)
-    return self.post_layernorm(x_IPE)
+    return self.post_layernorm(run_stacked(self.layers, x_IPE, self.cfg.remat_policy))
 
 
 class MultimodalProjector(nnx.Module):

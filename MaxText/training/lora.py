@@ -1,7 +1,7 @@
 """LoRA: low-rank adapters trained beside frozen base weights (`lora_rank` > 0).
 
 The adapters are ordinary parameters of the projections PEFT's names select
-(`lora_target_modules`; model_config.lora_targets maps them to ours): `lora_a` and `lora_b` in a
+(`lora_target_modules`; model_checks.lora_targets maps them to ours): `lora_a` and `lora_b` in a
 `DenseGeneral` (layers/linears.py), which adds lora_scale · (x · lora_a) · lora_b to its output,
 lora_scale = lora_alpha / lora_rank as PEFT's default (not rsLoRA). They live in the one params
 tree, so checkpoints, resume and shardings treat them like any weight; this module says which

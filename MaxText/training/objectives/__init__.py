@@ -10,7 +10,7 @@ the state layout and the FLOPs count ask it instead of branching on the kind of 
   * `grpo.Grpo`: reinforcement learning on the run's own sampled completions (objective=grpo).
 
 A new objective: a module here with an `Objective` subclass and its line in `OBJECTIVES`, its name
-in configuration/config_groups.OBJECTIVES, its batch fields' line in input_pipeline/batch_spec.py's
+in configuration/data_config.OBJECTIVES, its batch fields' line in input_pipeline/batch_spec.py's
 OBJECTIVE_FIELDS and its records' line in input_pipeline's OBJECTIVE_DATA (tests/test_objectives.py
 checks that the four name the same objectives).
 """
