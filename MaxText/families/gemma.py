@@ -247,7 +247,6 @@ register_family(Family("gemma3", ("gemma3_text", "gemma3"), ("gemma3",), gemma3_
                        gemma3_tensors, layer=decoders.SandwichNormDecoderLayer,
                        vision=VisionTower(vision_tower.VisionEncoder, vision_tower.MultimodalProjector,
                                           bidirectional_images=True),
-                      
                        multimodal_reference_hf_configs={  # 2 images' soft tokens outnumber the window; 2x2 pooling
                            "gemma3-vision": dict(
                                model_type="gemma3", mm_tokens_per_image=16, boi_token_index=120, eoi_token_index=121,
