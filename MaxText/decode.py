@@ -64,7 +64,7 @@ def prompt_with_images(config: config_lib.Config) -> tuple[list[int], Tokenizer 
   prompt_chat_template, one user turn of the images then the prompt; else the prompt with each of
   its image markers expanded (the images go first when it has none). prompt_token_ids must
   already hold each view's placeholder run (Llama 4: each tile's and the thumbnail's, as the
-  image's tile grid gives them; image_formats.py)."""
+  image's tile grid gives them; the family's image format)."""
   paths = image_paths(config)
   if not paths:
     ids, tokenizer = prompt_ids(config)

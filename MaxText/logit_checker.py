@@ -13,10 +13,10 @@ atol=0.01, max_kl=1e-5; bfloat16 atol=1.0, max_kl=0.01. CKPT and DIR may be gs:/
 top-level files are downloaded to a temporary directory for transformers).
 
 A vision-language model (use_multimodal) is checked with images too: `image_path=` (the key decode.py
-reads its prompt's images from) names image files (local or gs://), pre-processed as HF's processor does (input_pipeline/images.py) and placed in
-every sequence as the chat template writes them (begin-of-image, mm_tokens_per_image
-placeholders, end-of-image; Llama 4: its tiles' expansion, input_pipeline/llama4_images.py), so the
-vision tower, the projector and the image mask are compared.
+reads its prompt's images from) names image files (local or gs://), cut into views as HF's processor
+does and placed in every sequence as token runs, both by the family's image format
+(Family.image_format: Gemma 3's begin-of-image, mm_tokens_per_image placeholders, end-of-image per
+view; Llama 4's tiles' expansion), so the vision tower, the projector and the image mask are compared.
 
 A sparse-attention model's indexer (DeepSeek-V3.2) runs on HF's side with equal index scores taken
 lowest key position first, as ours takes them: torch leaves that order unspecified
@@ -36,13 +36,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText import startup
+from MaxText import families, startup
 from MaxText.training import model_assembly
 from MaxText.platform import sharding
 from MaxText.configuration import tool_args
 from MaxText.configuration.config import Config
 from MaxText.configuration.vision_config import VisionConfig
-from MaxText.input_pipeline import images, llama4_images
+from MaxText.families.image_format import ImageFormat
+from MaxText.input_pipeline import images
 from MaxText.convert import cli, hf_io
 from MaxText.errors import UserError, run_cli
 
@@ -99,14 +100,16 @@ def hf_logits(hf_model_path: str, token_ids: np.ndarray, hf_dtype: str, pixels_B
   except ImportError:
     raise UserError("the logit checker needs torch and transformers: install them with EXTRAS=hf bash setup.sh") from None
   with hf_io.local_model_dir(hf_model_path) as local:
-    # AutoModelForCausalLM reads a Llama 4 image-text checkpoint as its text model alone.
-    image_text = transformers.AutoConfig.from_pretrained(local).model_type == "llama4"
-    auto = transformers.AutoModelForImageTextToText if image_text else transformers.AutoModelForCausalLM
+    model_type = transformers.AutoConfig.from_pretrained(local).model_type
+    # A family's own runner (Family.hf_image_text_logits) takes an image-text checkpoint that
+    # AutoModelForCausalLM would read as its text model alone.
+    own = next((family.hf_image_text_logits[model_type] for family in families.families().values()
+                if model_type in family.hf_image_text_logits), None)
+    auto = transformers.AutoModelForImageTextToText if own else transformers.AutoModelForCausalLM
     model = auto.from_pretrained(local, dtype=getattr(torch, hf_dtype), attn_implementation="eager").eval()
   break_index_ties_by_position(model)
-  if model.config.model_type == "llama4":
-    flat = None if pixels_BMCRR is None else pixels_BMCRR.reshape((-1,) + pixels_BMCRR.shape[2:])
-    return hf_llama4_logits(model, token_ids, flat)
+  if own is not None:
+    return own(model, token_ids, None if pixels_BMCRR is None else pixels_BMCRR.reshape((-1,) + pixels_BMCRR.shape[2:]))
   inputs = {"input_ids": torch.tensor(token_ids)}
   if image_token_id is not None:
     inputs["token_type_ids"] = torch.tensor(token_ids == image_token_id, dtype=torch.long)
@@ -150,23 +153,6 @@ def break_index_ties_by_position(model: Any) -> Any:
   return model
 
 
-def hf_llama4_logits(model: Any, token_ids: np.ndarray, pixels_ICRR: np.ndarray | None) -> np.ndarray:
-  """Llama4ForConditionalGeneration's logits, its forward's steps run on its own modules (embed,
-  vision model, projector, placing over the image_token_index placeholders, language model):
-  transformers 5.24's forward itself fails building its output record."""
-  import torch
-  ids = torch.tensor(token_ids)
-  with torch.no_grad():
-    embeds = model.get_input_embeddings()(ids)
-    if pixels_ICRR is not None:
-      pixels = torch.tensor(pixels_ICRR, dtype=embeds.dtype)
-      features = model.get_image_features(pixel_values=pixels, return_dict=True).last_hidden_state
-      soft = model.multi_modal_projector(features.reshape(-1, features.shape[-1])).to(embeds.dtype)
-      placeholders = (ids == model.config.image_token_index)[..., None].expand_as(embeds)
-      embeds = embeds.masked_scatter(placeholders, soft)
-    return model.language_model(inputs_embeds=embeds).logits.float().numpy()
-
-
 def _log_softmax(x: np.ndarray) -> np.ndarray:
   x = x.astype(np.float64)
   shifted = x - x.max(axis=-1, keepdims=True)
@@ -193,31 +179,18 @@ def report(per_position: dict[str, np.ndarray], atol: float, max_kl: float) -> b
   return passed
 
 
-def _image_runs(vision: VisionConfig, paths: list[str], llama4: bool, vocab_size: int
-                ) -> tuple[list[list[int]], np.ndarray]:
-  """Each image's token run and all their pixel values [M, 3, R, R] (Llama 4: tiles), as HF's processors give them."""
-  loaded = [images.load(path) for path in paths]
-  if llama4:
-    ids = llama4_images.image_tokens(vision.boi_token_id, vision.eoi_token_id, vision.image_token_id, vocab_size)
-    tiled = [llama4_images.tiles(image, llama4_images.TileOptions(tile_size=vision.vision_image_size,
-                                                                   max_tiles=vision.image_max_tiles))
-             for image in loaded]
-    runs = [llama4_images.expand_image(grid, vision.mm_tokens_per_image, ids) for _, grid in tiled]
-    return runs, np.concatenate([pixels for pixels, _ in tiled])
-  options = images.ImageOptions(image_size=vision.vision_image_size)
-  block = [vision.boi_token_id] + [vision.image_token_id] * vision.mm_tokens_per_image + [vision.eoi_token_id]
-  return [block] * len(paths), images.batch_pixel_values(loaded, options)
-
-
-def image_prompts(token_ids: np.ndarray, vision: VisionConfig, paths: list[str], llama4: bool = False,
+def image_prompts(token_ids: np.ndarray, vision: VisionConfig, paths: list[str], image_format: ImageFormat | None,
                   vocab_size: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
-  """(token ids with the images' tokens placed evenly through every row, pixel values [B, M, 3, R, R]);
-  the random text never holds the image tokens themselves."""
+  """(token ids with the images' runs (`image_format`'s, as HF's processor writes them) placed evenly
+  through every row, pixel values [B, M, 3, R, R] of their views); the random text never holds the
+  image tokens themselves."""
   special = [vision.image_token_id, vision.boi_token_id, vision.eoi_token_id]
   token_ids = np.where(np.isin(token_ids, special), 0, token_ids)
-  if not paths:
+  if not paths or image_format is None:
     return token_ids, None
-  blocks, pixels_MCRR = _image_runs(vision, paths, llama4, vocab_size)
+  prepared = [image_format.prepare(images.load(path), vision) for path in paths]
+  blocks = [image_format.run_ids(vision, image, vocab_size) for image in prepared]
+  pixels_MCRR = np.concatenate([image.pixels for image in prepared])
   cuts = [token_ids.shape[1] * (k + 1) // (len(paths) + 1) for k in range(len(paths))]
   rows = []
   for row in token_ids.tolist():
@@ -247,8 +220,8 @@ def main(argv: list[str]) -> int:
     raise UserError(f"image_path= given, but {config.model.decoder_block} here is a text-only model (use_multimodal=False)")
   pixels, image_token_id = None, None
   if vision.use_multimodal:
-    token_ids, pixels = image_prompts(token_ids, vision, paths, config.model.decoder_block == "llama4",
-                                      config.model.vocab_size)
+    image_format = families.family_for_decoder_block(config.model.decoder_block).image_format
+    token_ids, pixels = image_prompts(token_ids, vision, paths, image_format, config.model.vocab_size)
     image_token_id = vision.image_token_id
   ours = our_logits(config, token_ids, pixels)
   theirs = hf_logits(hf_path, token_ids, checker["hf_dtype"], pixels, image_token_id)

@@ -158,7 +158,7 @@ LLAMA4_GRIDS = ((1, 2), (1, 1), (2, 1))
 
 
 def _llama4_tokens(config: Any) -> Any:
-  from MaxText.input_pipeline import llama4_images
+  from MaxText.families import llama4_images
   return llama4_images.ImageTokens(start=config.boi_token_index, end=config.eoi_token_index,
                                    patch=config.image_token_index, tile_x_separator=123, tile_y_separator=124,
                                    image=125)
@@ -167,10 +167,10 @@ def _llama4_tokens(config: Any) -> Any:
 def image_runs(model: Any, num_images: int) -> tuple[list[list[int]], int, int]:
   """(each image's token run, how many views (tiles) each image has in total, tile side) as the
   chat template and processor write them: Gemma 3's begin-of-image, mm_tokens_per_image
-  placeholders, end-of-image; Llama 4's expansion of its tile grid (input_pipeline/llama4_images.py)."""
+  placeholders, end-of-image; Llama 4's expansion of its tile grid (families/llama4_images.py)."""
   config = model.config
   if config.model_type == "llama4":
-    from MaxText.input_pipeline import llama4_images
+    from MaxText.families import llama4_images
     vision = config.vision_config
     per_tile = (vision.image_size // vision.patch_size) ** 2 // round(1 / vision.pixel_shuffle_ratio**2)
     grids = [LLAMA4_GRIDS[k % len(LLAMA4_GRIDS)] for k in range(num_images)]
@@ -216,8 +216,8 @@ def hf_multimodal_logits(model: Any, token_ids: np.ndarray, pixels: np.ndarray |
 def llama4_logits(model: Any, token_ids: np.ndarray, pixels: np.ndarray | None) -> np.ndarray:
   """Llama4ForConditionalGeneration.forward's steps, on its own modules: transformers 5.24's forward
   fails building its output record (MoeCausalLMOutputWithPast has no image_outputs)."""
-  from MaxText.logit_checker import hf_llama4_logits
-  return hf_llama4_logits(model, token_ids, None if pixels is None else pixels.reshape((-1,) + pixels.shape[2:]))
+  from MaxText.families.llama4_images import hf_image_text_logits
+  return hf_image_text_logits(model, token_ids, None if pixels is None else pixels.reshape((-1,) + pixels.shape[2:]))
 
 
 def hf_soft_tokens(model: Any, pixels_ICRR: np.ndarray) -> np.ndarray:

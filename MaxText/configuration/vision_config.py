@@ -39,7 +39,7 @@ class VisionConfig:
   # Frozen parts keep no optimizer state: a resume must agree.
   freeze_vision_encoder: bool = key(fixed_on_resume=OPTIMIZER)
   freeze_multimodal_projector: bool = key(fixed_on_resume=OPTIMIZER)
-  # How an image becomes the tower's views (input_pipeline/image_formats.py), the same in SFT,
+  # How an image becomes the tower's views (the family's image format, families/), the same in SFT,
   # decode and serve: Gemma 3's pan-and-scan crops, Llama 4's tile count. They change a record's
   # tokens, so a data position (pairs into a document) means something else under other values.
   image_pan_and_scan: bool = key(fixed_on_resume=DATA_POSITION)

@@ -12,7 +12,11 @@ more `Family` records and calls `register_family(...)` at import:
   * `tensors(cfg)`: its HF ↔ ours tensor table (families/tensor_maps.py),
   * `reference_hf_configs`: tiny HF configs with the family's distinctive features on; the
     tests check our logits and conversions against HF `transformers` on each of them
-    (`multimodal_reference_hf_configs`: its image-text model, checked with images).
+    (`multimodal_reference_hf_configs`: its image-text model, checked with images),
+  * `image_format`: with a vision tower, how an image becomes its views and its prompt's tokens
+    (image_format.py; gemma3_images.py, llama4_images.py), for fine-tuning, decode, the server and
+    the logit checker alike; `hf_image_text_logits`: HF's logits of an image-text model_type whose
+    own forward the logit checker cannot call.
 To add a family, text or vision: a module here (with its own layer or vision modules if no shared
 one computes them) plus its configs/models/*.yml. The model (MaxText/models/), the converters, the
 logit checker and the tests find it here; nothing outside this package names a family.
@@ -30,6 +34,8 @@ from MaxText.errors import ConfigError
 if TYPE_CHECKING:
   from MaxText.families.tensor_maps import TensorMap
   from MaxText.configuration.model_config import ModelConfig
+  from MaxText.families.image_format import ImageFormat
+  import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +67,10 @@ class Family:
   # With layer_shapes' per_layer_input_dim: a module `(cfg, rngs=)` mapping (tokens [B, L], input
   # embeddings [B, L, D]) to every layer's own input [B, L, M, P]; layer i gets [:, :, i] as per_layer_input_BLP.
   per_layer_inputs: Callable[..., Any] | None = None
+  image_format: "ImageFormat | None" = None  # None: a text-only family
+  # HF model_type -> (its transformers model, token ids [B, L], pixel values [I, 3, R, R] or None) -> logits
+  hf_image_text_logits: Mapping[str, Callable[[Any, "np.ndarray", "np.ndarray | None"], "np.ndarray"]] = (
+      dataclasses.field(default_factory=dict))
 
 
 _FAMILIES: dict[str, Family] = {}

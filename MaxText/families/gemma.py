@@ -19,7 +19,7 @@ from MaxText.configuration.model_config import ModelConfig
 from MaxText.families import tensor_maps as r
 from MaxText.families import VisionTower
 from MaxText.layers import decoders, vision_tower
-from MaxText.families import Family, register_family
+from MaxText.families import Family, gemma3_images, register_family
 from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, gated_mlp_tensors,
                                     layer_type_rope_hf_config, layer_type_ropes, qk_norm_tensors, rope_hf_config,
                                     rope_keys, shape_hf_config, shape_keys)
@@ -247,6 +247,7 @@ register_family(Family("gemma3", ("gemma3_text", "gemma3"), ("gemma3",), gemma3_
                        gemma3_tensors, layer=decoders.SandwichNormDecoderLayer,
                        vision=VisionTower(vision_tower.VisionEncoder, vision_tower.MultimodalProjector,
                                           bidirectional_images=True),
+                       image_format=gemma3_images.IMAGE_FORMAT,
                        multimodal_reference_hf_configs={  # 2 images' soft tokens outnumber the window; 2x2 pooling
                            "gemma3-vision": dict(
                                model_type="gemma3", mm_tokens_per_image=16, boi_token_index=120, eoi_token_index=121,

@@ -40,7 +40,7 @@ import numpy as np
 from MaxText.families import tensor_maps as r
 from MaxText.families import VisionTower, llama4_vision
 from MaxText.errors import ConfigError
-from MaxText.families import Family, register_family
+from MaxText.families import Family, llama4_images, register_family
 from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, gated_mlp_tensors,
                                     max_positions, rope_hf_config, rope_keys, shape_hf_config, shape_keys)
 from MaxText.configuration.model_config import ModelConfig
@@ -326,6 +326,9 @@ _TINY_TEXT = dict(**{**TINY_SHAPES, "num_hidden_layers": 4, "intermediate_size":
 
 register_family(Family("llama4", ("llama4_text", "llama4"), ("llama4",), llama4_any_model_keys, llama4_any_hf_config,
                        vision=VisionTower(llama4_vision.Llama4VisionEncoder, llama4_vision.Llama4Projector,
+                       vision=VisionTower(llama4_vision.Llama4VisionEncoder, llama4_vision.Llama4Projector,
+                                          bidirectional_images=False), image_format=llama4_images.IMAGE_FORMAT,
+                       hf_image_text_logits={"llama4": llama4_images.hf_image_text_logits},
                                           bidirectional_images=False),
                        llama4_any_tensors,
                        multimodal_reference_hf_configs={  # 32 x 32 tiles of 4 x 4 patches: 16 soft tokens each

@@ -1,4 +1,5 @@
-"""Llama 4's image pre-processing and prompt expansion, on the host (Pillow and numpy).
+"""Llama 4's image format: its image pre-processing and prompt expansion, on the host (Pillow and
+numpy), the family record's `image_format` (families/image_format.py).
 
 `tiles(image, options)` gives what HF's `Llama4ImageProcessor` gives: the image resized, without
 distortion, to fit the best grid of `tile_size` tiles for its aspect ratio (at most `max_tiles`),
@@ -6,7 +7,7 @@ padded with black on the right and bottom to fill the grid, cut into tiles row b
 there is more than one tile, a global thumbnail (the whole image squashed to one tile) last;
 rescaled and normalised in bfloat16 as HF does, returned as float32 [N, 3, S, S] with the
 grid (rows, columns). `expand_image` is the token run Llama4Processor writes for one `<|image|>`
-of that grid; the model (layers/vision_llama4.py) takes each tile as one "image" of
+of that grid; the model (its vision tower) takes each tile as one "image" of
 mm_tokens_per_image soft tokens, placed over the run's patch tokens in order.
 """
 
@@ -16,11 +17,15 @@ import dataclasses
 import functools
 import math
 
+from typing import Any
+
 import ml_dtypes
 import numpy as np
 from PIL import Image
 
-from MaxText.input_pipeline.images import to_rgb
+from MaxText.configuration.vision_config import VisionConfig
+from MaxText.errors import UserError
+from MaxText.families.image_format import ImageFormat, PreparedImage, named_token, to_rgb, token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,3 +143,68 @@ def expand_image(grid: tuple[int, int], tokens_per_tile: int, ids: ImageTokens =
 def num_views(grid: tuple[int, int]) -> int:
   """How many tiles (soft-token groups) an image of this grid gives: its tiles and, if several, the thumbnail."""
   return grid[0] * grid[1] + (1 if grid[0] * grid[1] > 1 else 0)
+
+
+# ---- the family's image format: the marker <|image|> becomes Llama4Processor's run for the image's
+# grid, mm_tokens_per_image placeholders per tile between tile separators.
+
+MARKER = "<|image|>"
+SEPARATORS = ("<|tile_x_separator|>", "<|tile_y_separator|>")
+
+
+def marker(tokenizer: Any, vision: VisionConfig) -> str:
+  return named_token(tokenizer, MARKER, "Llama 4")
+
+
+def prepare(image: Image.Image, vision: VisionConfig) -> PreparedImage:
+  pixels, grid = tiles(image, TileOptions(tile_size=vision.vision_image_size, max_tiles=vision.image_max_tiles))
+  return PreparedImage(pixels, grid)
+
+
+def _grid(image: PreparedImage) -> tuple[int, int]:
+  if image.grid is None or num_views(image.grid) != image.num_views:
+    raise UserError(f"a Llama 4 image needs its tile grid and one view per tile (and thumbnail), got grid "
+                    f"{image.grid} for {image.num_views} view(s)")
+  return image.grid
+
+
+def run_ids(vision: VisionConfig, image: PreparedImage, vocab_size: int) -> list[int]:
+  """`expand_image`'s run with the model's image tokens (`image_tokens`)."""
+  ids = image_tokens(vision.boi_token_id, vision.eoi_token_id, vision.image_token_id, vocab_size)
+  return expand_image(_grid(image), vision.mm_tokens_per_image, ids)
+
+
+def text(tokenizer: Any, vision: VisionConfig, image: PreparedImage) -> str:
+  """Llama4Processor's run for the image's grid (expand_image), as token text."""
+  grid = _grid(image)
+  x_separator, y_separator = (named_token(tokenizer, t, "Llama 4") for t in SEPARATORS)
+  by_id = {vision.boi_token_id: token(tokenizer, vision.boi_token_id, "boi_token_id"),
+           vision.eoi_token_id: token(tokenizer, vision.eoi_token_id, "eoi_token_id"),
+           vision.image_token_id: token(tokenizer, vision.image_token_id, "image_token_id")}
+  # expand_image numbers the tokens; here they are named, so give it stand-in ids for the named ones.
+  named = {-1: x_separator, -2: y_separator, -3: marker(tokenizer, vision)}
+  ids = ImageTokens(start=vision.boi_token_id, end=vision.eoi_token_id, patch=vision.image_token_id,
+                    tile_x_separator=-1, tile_y_separator=-2, image=-3)
+  return "".join({**by_id, **named}[i] for i in expand_image(grid, vision.mm_tokens_per_image, ids))
+
+
+IMAGE_FORMAT = ImageFormat(marker, prepare, text, run_ids,
+                           views="tiles (each image's tiles, and its global thumbnail when it has several)",
+                           views_key="image_max_tiles")
+
+
+def hf_image_text_logits(model: Any, token_ids: np.ndarray, pixels_ICRR: np.ndarray | None) -> np.ndarray:
+  """Llama4ForConditionalGeneration's logits, its forward's steps run on its own modules (embed,
+  vision model, projector, placing over the image_token_index placeholders, language model):
+  transformers 5.24's forward itself fails building its output record. For the logit checker."""
+  import torch
+  ids = torch.tensor(token_ids)
+  with torch.no_grad():
+    embeds = model.get_input_embeddings()(ids)
+    if pixels_ICRR is not None:
+      pixels = torch.tensor(pixels_ICRR, dtype=embeds.dtype)
+      features = model.get_image_features(pixel_values=pixels, return_dict=True).last_hidden_state
+      soft = model.multi_modal_projector(features.reshape(-1, features.shape[-1])).to(embeds.dtype)
+      placeholders = (ids == model.config.image_token_index)[..., None].expand_as(embeds)
+      embeds = embeds.masked_scatter(placeholders, soft)
+    return model.language_model(inputs_embeds=embeds).logits.float().numpy()

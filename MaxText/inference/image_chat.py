@@ -2,9 +2,9 @@
 
 The messages go through input_pipeline/image_text.py as fine-tuning reads them (content parts, the
 chat template's image marker expanded into each image's soft-token run), and the images through
-their family's format (input_pipeline/image_formats.py: Gemma 3's image and pan-and-scan crops,
-Llama 4's tiles) into the views' pixel values the vision tower takes (inference/image_prompts.py
-then keeps them beside the prompt). `ImageLimits` bound what one request may bring before any of
+their family's format (Family.image_format, families/image_format.py: Gemma 3's image and
+pan-and-scan crops, Llama 4's tiles) into the views' pixel values the vision tower takes
+(inference/image_prompts.py then keeps them beside the prompt). `ImageLimits` bound what one request may bring before any of
 it is decoded: the server's serve_max_images, serve_max_image_bytes and serve_max_image_pixels
 (an image's width x height, read from its header).
 """
@@ -19,7 +19,8 @@ import numpy as np
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.errors import UserError
 from MaxText.inference.image_prompts import PromptImages
-from MaxText.input_pipeline import image_formats, image_text
+from MaxText.families.image_format import PreparedImage
+from MaxText.input_pipeline import image_text
 
 BASE64_BYTES_PER_CHAR = 3 / 4
 
@@ -65,7 +66,7 @@ def conversation_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], cfg:
   return encode_with_images(tokenizer, text, cfg, prepared)
 
 
-def encode_with_images(tokenizer: Any, text: str, cfg: ModelConfig, prepared: Sequence[image_formats.PreparedImage]
+def encode_with_images(tokenizer: Any, text: str, cfg: ModelConfig, prepared: Sequence[PreparedImage]
                        ) -> tuple[list[int], PromptImages | None]:
   """`text` (holding one image marker per entry of `prepared`) as ids with the markers expanded,
   and every image's views in order."""
@@ -77,4 +78,4 @@ def encode_with_images(tokenizer: Any, text: str, cfg: ModelConfig, prepared: Se
 
 def image_marker(tokenizer: Any, cfg: ModelConfig) -> str:
   """The text a prompt holds where an image goes (the family's marker: Gemma 3's <start_of_image>, Llama 4's <|image|>)."""
-  return image_formats.image_format(cfg.decoder_block).marker(tokenizer, cfg.vision)
+  return image_text.image_format(cfg.decoder_block).marker(tokenizer, cfg.vision)

@@ -1,7 +1,7 @@
 """Prompts with images for the decode engine: a prompt's pixel values beside its tokens.
 
 Shape legend: M views of one prompt's images (an image, each pan-and-scan crop, each Llama 4 tile
-or thumbnail counts as one; input_pipeline/image_formats.py), R view side.
+or thumbnail counts as one; the family's image format, families/image_format.py), R view side.
 
 A vision-language prompt holds one run of `image_token_id` placeholders per view
 (mm_tokens_per_image long, written by input_pipeline/image_text.py), the views' pixel values in
@@ -35,7 +35,7 @@ Run = tuple[int, int]  # [start, end) of one image's placeholder tokens in the p
 class PromptImages:
   """One prompt's images, in prompt order."""
 
-  pixels_MCRR: np.ndarray  # float32 [M, 3, R, R] (input_pipeline/images.py)
+  pixels_MCRR: np.ndarray  # float32 [M, 3, R, R] (Family.image_format's views)
   digests: tuple[bytes, ...]  # sha256 of each image's pixel values
 
   @classmethod

@@ -5,8 +5,8 @@ A record is an SFT record (chat.py) whose message contents may be lists of parts
 them (image_text.py: local paths, gs:// objects or data:image URLs). In order, per record:
   image parts → template parts and image refs (image_text.split_images) → the image count against
   max_images_per_row → each image read, decoded and cut into its family's views here, on the host
-  (image_formats.py: Gemma 3's image and pan-and-scan crops, Llama 4's tiles and thumbnail; this
-  runs in the input pipeline's worker threads) → the view count against max_images_per_row (a
+  (the family's image format, families/image_format.py: Gemma 3's image and pan-and-scan crops,
+  Llama 4's tiles and thumbnail; this runs in the input pipeline's worker threads) → the view count against max_images_per_row (a
   slot holds one view) → the chat template → each marker replaced by the image's run
   (image_text.expand_image_markers), the trained spans moved with it → tokens and 0/1 weights, 0
   on every image placeholder → the placeholder runs, one per view of mm_tokens_per_image tokens,
@@ -24,7 +24,8 @@ import numpy as np
 
 from MaxText.configuration.vision_config import VisionConfig
 from MaxText.errors import UserError
-from MaxText.input_pipeline import image_formats, image_text
+from MaxText.families.image_format import PreparedImage
+from MaxText.input_pipeline import image_text
 from MaxText.input_pipeline.chat import PAIR_FIELDS, SftEncoder, as_mapping, as_messages
 from MaxText.input_pipeline.packing import ImageDocument, image_units
 
@@ -53,7 +54,7 @@ def placeholder_runs(tokens: list[int], image_token_id: int) -> np.ndarray:
 class ImageSftEncoder:
   """record → int32 [2, n] (tokens, target weights), or an ImageDocument when images remain after
   truncation; an empty document for a dropped sample (as SftEncoder, which renders the text).
-  `max_images` counts views (image_formats.py), what a batch row's pixel_values slots hold."""
+  `max_images` counts views (the family's image format), what a batch row's pixel_values slots hold."""
 
   def __init__(self, tokenizer: Any, max_target_length: int, completion_only: bool, add_bos: bool, add_eos: bool,
                vision: VisionConfig, decoder_block: str, max_images: int, model_name: str = "the model"):
@@ -67,7 +68,7 @@ class ImageSftEncoder:
     if not self.vision.use_multimodal:
       image_text.refuse_images_without_vision(slots, self.vision, self.model_name)
       return self.text(record)
-    image_format = image_formats.image_format(self.decoder_block)
+    image_format = image_text.image_format(self.decoder_block)
     if len(slots) > self.max_images:  # before decoding any: every image is at least one view
       raise UserError(f"{len(slots)} image(s), more than max_images_per_row={self.max_images} (the image slots of a "
                       "batch row); raise max_images_per_row or give the record fewer images")
@@ -76,7 +77,7 @@ class ImageSftEncoder:
     if needed > self.max_images:
       raise UserError(f"{len(slots)} image(s) give {needed} {image_format.views}, more than max_images_per_row="
                       f"{self.max_images} (a batch row's slots, one per view); raise max_images_per_row or give the "
-                      f"record fewer images{_fewer_views(self.decoder_block)}")
+                      f"record fewer images, or lower {image_format.views_key}")
 
     def expand(text: str, spans: list[tuple[int, int]]) -> tuple[str, list[tuple[int, int]]]:
       return self._expand(text, spans, prepared)
@@ -97,11 +98,11 @@ class ImageSftEncoder:
   def explain_empty(self) -> str | None:
     return self.text.explain_empty()
 
-  def _expand(self, text: str, spans: list[tuple[int, int]], prepared: list[image_formats.PreparedImage]
+  def _expand(self, text: str, spans: list[tuple[int, int]], prepared: list[PreparedImage]
               ) -> tuple[str, list[tuple[int, int]]]:
     """The text with each image marker replaced by its run; spans moved to match."""
     expanded = image_text.expand_image_markers(text, self.tokenizer, self.vision, self.decoder_block, prepared)
-    marker = image_formats.image_format(self.decoder_block).marker(self.tokenizer, self.vision)
+    marker = image_text.image_format(self.decoder_block).marker(self.tokenizer, self.vision)
     grown, at = [], -1
     for image in prepared:  # expand_image_markers checked there is one marker per image
       at = text.index(marker, at + 1)
@@ -132,8 +133,3 @@ class ImageSftEncoder:
     if not kept or pixels is None:
       return array
     return ImageDocument(array, pixels[:kept], runs[:kept], image_of_run[:kept])
-
-
-def _fewer_views(decoder_block: str) -> str:
-  return {"gemma3": ", or lower image_pan_and_scan_max_num_crops", "llama4": ", or lower image_max_tiles"}.get(
-      decoder_block, "")

@@ -10,8 +10,9 @@ path or a gs:// object. Nothing is fetched over the network: an http(s) URL is r
 
 The chat template sees the parts as HF's templates expect ({"type": "image"} / {"type": "text"})
 and writes its image marker for each image; `expand_image_markers` then replaces every marker
-with the family's soft-token run for that image's views (image_formats.py: what the HF processor
-inserts), so the tokenizer sees the same text it would under `transformers`.
+with the family's soft-token run for that image's views (its `Family.image_format`,
+families/image_format.py: what the HF processor inserts), so the tokenizer sees the same text it
+would under `transformers`.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from typing import Any, Callable, Mapping, Sequence
 from PIL import Image
 
 from MaxText.configuration.vision_config import VisionConfig
+from MaxText import families
 from MaxText.errors import UserError
-from MaxText.input_pipeline import image_formats, images
+from MaxText.families.image_format import ImageFormat, PreparedImage
+from MaxText.input_pipeline import images
 
 DATA_URL_PREFIX = "data:"
 
@@ -105,28 +108,38 @@ def read_image(ref: str, *, files: bool, max_pixels: int = images.MAX_IMAGE_PIXE
   return images.load(ref, max_pixels, limit_key)
 
 
+def image_format(decoder_block: str) -> ImageFormat:
+  """The image format of decoder_block's family (one line naming the formats' blocks when it has none)."""
+  found = families.family_for_decoder_block(decoder_block).image_format
+  if found is None:
+    known = [block for family in families.families().values() if family.image_format for block in family.decoder_blocks]
+    raise UserError(f"decoder_block {decoder_block!r} has no image prompt format; images need one of "
+                    f"{', '.join(known)}")
+  return found
+
+
 def expand_image_markers(text: str, tokenizer: Any, vision: VisionConfig, decoder_block: str,
-                         prepared: Sequence[image_formats.PreparedImage]) -> str:
-  """`text` with its i-th image marker replaced by image i's run (its family's format,
-  image_formats.py, given the views it was cut into). A marker count that differs from the image
+                         prepared: Sequence[PreparedImage]) -> str:
+  """`text` with its i-th image marker replaced by image i's run (its family's format, given the
+  views it was cut into). A marker count that differs from the image
   count is one error line (a marker typed without an image, or an image the template did not place)."""
-  image_format = image_formats.image_format(decoder_block)
-  marker = image_format.marker(tokenizer, vision)
+  family_format = image_format(decoder_block)
+  marker = family_format.marker(tokenizer, vision)
   pieces = text.split(marker)
   if len(pieces) - 1 != len(prepared):
     raise UserError(f"the text has {len(pieces) - 1} image marker(s) ({marker}) but {len(prepared)} image(s) were "
                     "given; put one image part per image and no marker in text parts")
   out = [pieces[0]]
   for image, piece in zip(prepared, pieces[1:]):
-    out.append(image_format.text(tokenizer, vision, image))
+    out.append(family_format.text(tokenizer, vision, image))
     out.append(piece)
   return "".join(out)
 
 
 def prepare_images(refs: Sequence[str], vision: VisionConfig, decoder_block: str, *, files: bool,
-                   read: Callable[[str], Image.Image] | None = None) -> list[image_formats.PreparedImage]:
+                   read: Callable[[str], Image.Image] | None = None) -> list[PreparedImage]:
   """Each image read (`read`, else read_image) and cut into its family's views."""
-  prepare = image_formats.image_format(decoder_block).prepare
+  prepare = image_format(decoder_block).prepare
   return [prepare((read or (lambda r: read_image(r, files=files)))(ref), vision) for ref in refs]
 
 

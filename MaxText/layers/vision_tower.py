@@ -1,7 +1,7 @@
 """The image side of a vision-language model (use_multimodal): Gemma 3's SigLIP encoder and its
 multimodal projector, and the placing of their soft tokens into the decoder's input.
 
-  pixel values [I, C, R, R] (input_pipeline/images.py, channels first as HF's processors give them)
+  pixel values [I, C, R, R] (families/gemma3_images.py, channels first as HF's processors give them)
     ─► VisionEncoder: R/p x R/p patches (a conv with stride = kernel = p, computed as a dense layer
        over each flattened patch) + learned position embeddings ─► pre-LayerNorm encoder layers
        (bidirectional attention, GELU MLP, biases everywhere), scanned ─► post-LayerNorm
@@ -36,7 +36,7 @@ from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.normalizations import LayerNorm, RMSNorm
 from MaxText.platform import sharding
 
-NUM_CHANNELS = 3  # RGB, as input_pipeline/images.py gives them
+NUM_CHANNELS = 3  # RGB, as the families' image formats give them
 IMAGE_NAMES = ("activation_batch", "activation_length", "activation_embed")
 
 

@@ -176,6 +176,7 @@ def test_decode_py_with_image_path_equals_hf_generate(hf, tmp_path):
 
   from MaxText import decode, startup
   from MaxText.convert import hf_to_maxtext
+  from MaxText.families import gemma3_images
   from MaxText.input_pipeline import images
 
   model = hf.build_hf_multimodal_model("gemma3-vision")
@@ -189,5 +190,5 @@ def test_decode_py_with_image_path_equals_hf_generate(hf, tmp_path):
                                        "max_target_length=30", "max_prefill_predict_length=24",
                                        f"prompt_token_ids={','.join(map(str, prompt))}", f"image_path={png}"]).config
   got = decode.decode(config)
-  pixels = images.pixel_values(images.load(str(png)), images.ImageOptions(64))
+  pixels = gemma3_images.pixel_values(images.load(str(png)), gemma3_images.ImageOptions(64))
   assert got == hf_greedy(hf, model, prompt, image_prompts.PromptImages.of(pixels), 30 - len(prompt) + 1)

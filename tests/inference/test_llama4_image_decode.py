@@ -1,7 +1,7 @@
 """Llama 4 decoding with images end to end, on a tiny random Llama4ForConditionalGeneration whose
 image tokens are the fixture tokenizer's (tests/input_pipeline/sft_fixtures.py, LLAMA4): a
 conversation with a wide image (a 1 x 3 tile grid and its thumbnail) and a one-tile image goes
-through the chat template and Llama 4's image format (input_pipeline/image_formats.py) into ids
+through the chat template and Llama 4's image format (families/llama4_images.py) into ids
 and tile pixel values; the engine's greedy tokens equal HF `generate` on them, and decode.py with
 image_path (a converted checkpoint, the chat template) gives the same tokens."""
 
@@ -16,7 +16,8 @@ from PIL import Image
 
 from MaxText.inference import image_chat
 from MaxText.inference.engine import Engine, Request, serve
-from MaxText.input_pipeline import chat, llama4_images
+from MaxText.families import llama4_images
+from MaxText.input_pipeline import chat
 from decode_test_utils import one_device_mesh
 
 pytest.importorskip("transformers", reason="needs transformers (EXTRAS=test bash setup.sh)")

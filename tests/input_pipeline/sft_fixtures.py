@@ -25,7 +25,7 @@ GEMMA3 = ("{{ bos_token }}{%- for message in messages %}"
           "{{ '<end_of_turn>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}"
           "{%- endif %}")
 # Llama 4's turn layout with content parts: an image part writes <|image|>, which Llama4Processor
-# (and image_formats.py) replace by the image's tile run.
+# (and its image format, families/llama4_images.py) replace by the image's tile run.
 LLAMA4 = ("{{ bos_token }}{%- for message in messages %}"
           "{{ '<|header_start|>' + message['role'] + '<|header_end|>\\n\\n' }}"
           "{%- if message['content'] is string %}{{ message['content'] | trim }}{%- else %}"

@@ -1,4 +1,4 @@
-"""Each family's image format (input_pipeline/image_formats.py) through its callers: Gemma 3's
+"""Each family's image format (Family.image_format: families/image_format.py) through its callers: Gemma 3's
 pan-and-scan key gives the prompt and pixel values of HF's Gemma3Processor with do_pan_and_scan
 (its Pillow image processor, Gemma3ImageProcessorPil: torchvision is not installed) in a chat
 request and a fine-tuning record alike; Llama 4's records become one placeholder run per tile,
@@ -20,7 +20,8 @@ from MaxText.configuration.config import Config
 from MaxText.configuration.vision_config import VisionConfig
 from MaxText.errors import ConfigError, UserError
 from MaxText.inference import image_chat
-from MaxText.input_pipeline import chat, image_formats, image_sft, image_text, llama4_images
+from MaxText.families import image_format, llama4_images
+from MaxText.input_pipeline import chat, image_sft, image_text
 from MaxText.input_pipeline.packing import DocumentCursor, ImageDocument, ImageSlots, pack_row
 from sft_fixtures import GEMMA3, IMAGE_SPECIAL, LLAMA4, LLAMA4_IMAGE_IDS, LLAMA4_IMAGE_SPECIAL, write_tokenizer
 
@@ -191,13 +192,13 @@ def test_an_image_with_more_views_than_a_rows_slots_is_one_error_line():
 
 def test_a_tokenizer_without_llama4s_image_tokens_is_one_error_line(gemma3_dir):
   gemma3_tokenizer = chat.load_chat_tokenizer(str(gemma3_dir))
-  one_tile = image_formats.PreparedImage(np.zeros((1, 3, 8, 8), np.float32), (1, 1))
+  one_tile = image_format.PreparedImage(np.zeros((1, 3, 8, 8), np.float32), (1, 1))
   with pytest.raises(UserError, match=r"the tokenizer has no <\|image\|> token, which Llama 4's image prompts need"):
     image_text.expand_image_markers("look", gemma3_tokenizer, _llama4_vision(), "llama4", [one_tile])
 
 
 def test_a_llama4_image_without_its_grid_is_refused(llama4_tokenizer):
-  views = image_formats.PreparedImage(np.zeros((2, 3, 8, 8), np.float32), (1, 2))  # 1 x 2 needs the thumbnail too
+  views = image_format.PreparedImage(np.zeros((2, 3, 8, 8), np.float32), (1, 2))  # 1 x 2 needs the thumbnail too
   with pytest.raises(UserError, match=r"got grid \(1, 2\) for 2 view\(s\)"):
     image_text.expand_image_markers("<|image|>", llama4_tokenizer, _llama4_vision(), "llama4", [views])
 

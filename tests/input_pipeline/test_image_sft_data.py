@@ -16,6 +16,7 @@ from PIL import Image
 
 from MaxText.configuration.vision_config import VisionConfig
 from MaxText.errors import UserError
+from MaxText.families import gemma3_images
 from MaxText.input_pipeline import chat, image_sft, images
 from MaxText.input_pipeline.packing import DocumentCursor, ImageDocument, ImageSlots, Position, pack_batch, pack_row
 from sft_fixtures import GEMMA3, IMAGE_SPECIAL, write_tokenizer
@@ -68,9 +69,9 @@ def test_a_record_with_images_becomes_tokens_weights_and_pixel_values(tokenizer,
   assert all((tokens[s:e] == image_id).all() for s, e in document.runs)
   assert not weights[tokens == image_id].any()
   assert tokenizer.decode(tokens[weights == 1]) == "a red fox<end_of_turn>"
-  options = images.ImageOptions(image_size=SIZE)
-  expected = [images.pixel_values(images.load(red), options)[0],
-              images.pixel_values(Image.open(io.BytesIO(base64.b64decode(blue.split(",")[1]))), options)[0]]
+  options = gemma3_images.ImageOptions(image_size=SIZE)
+  expected = [gemma3_images.pixel_values(images.load(red), options)[0],
+              gemma3_images.pixel_values(Image.open(io.BytesIO(base64.b64decode(blue.split(",")[1]))), options)[0]]
   np.testing.assert_array_equal(document.pixels, np.stack(expected))
   # The text around the images is what the chat template writes, each marker expanded.
   text = tokenizer.decode(tokens)

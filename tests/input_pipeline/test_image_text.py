@@ -13,7 +13,8 @@ from PIL import Image
 
 from MaxText.configuration.vision_config import VisionConfig
 from MaxText.errors import UserError
-from MaxText.input_pipeline import chat, image_formats, image_text
+from MaxText.families.image_format import PreparedImage
+from MaxText.input_pipeline import chat, image_text
 
 from sft_fixtures import GEMMA3, IMAGE_SPECIAL, write_tokenizer
 
@@ -31,9 +32,9 @@ def _vision(tokenizer, use_multimodal=True, tokens=4):
                          "freeze_vision_encoder": False, "freeze_multimodal_projector": False})
 
 
-def _views(*counts: int) -> list[image_formats.PreparedImage]:
+def _views(*counts: int) -> list[PreparedImage]:
   """Gemma 3 images of these view counts (the image and its pan-and-scan crops); the pixels do not matter here."""
-  return [image_formats.PreparedImage(np.zeros((count, 3, 1, 1), np.float32)) for count in counts]
+  return [PreparedImage(np.zeros((count, 3, 1, 1), np.float32)) for count in counts]
 
 
 def _png_url(colour=(255, 0, 0)) -> str:

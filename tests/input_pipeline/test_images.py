@@ -1,4 +1,4 @@
-"""Image pre-processing equals HF's Gemma 3 image processor (its Pillow backend, what
+"""Image pre-processing (families/gemma3_images.py) equals HF's Gemma 3 image processor (its Pillow backend, what
 transformers runs without torchvision) on generated images of several sizes, modes and
 encodings; bad images are one UserError line naming the image, an image of too many pixels
 refused from its header before any pixel is decoded."""
@@ -13,6 +13,7 @@ from PIL import Image, ImageFile
 
 from big_images import peak_rss_growth, solid_png
 from MaxText.errors import UserError
+from MaxText.families import gemma3_images
 from MaxText.input_pipeline import images
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (EXTRAS=test bash setup.sh)")
@@ -51,7 +52,7 @@ def test_pixel_values_equal_hf(mode, width, height, fmt):
   image = _image(mode, width, height)
   if fmt:
     image = images.decode(_encoded(image, fmt), f"generated.{fmt.lower()}")
-  ours = images.pixel_values(image, images.ImageOptions(image_size=SIZE))
+  ours = gemma3_images.pixel_values(image, gemma3_images.ImageOptions(image_size=SIZE))
   expected = _hf(image)
   assert ours.shape == expected.shape == (1, 3, SIZE, SIZE) and ours.dtype == np.float32
   np.testing.assert_allclose(ours, expected, atol=1e-6, rtol=0)
@@ -60,8 +61,8 @@ def test_pixel_values_equal_hf(mode, width, height, fmt):
 @pytest.mark.parametrize("width, height", [(600, 200), (200, 900), (300, 280), (1000, 270)])
 def test_pan_and_scan_equals_hf(width, height):
   image = _image("RGB", width, height, seed=1)
-  options = images.ImageOptions(image_size=SIZE, pan_and_scan=True, pan_and_scan_min_crop_size=64)
-  ours = images.pixel_values(image, options)
+  options = gemma3_images.ImageOptions(image_size=SIZE, pan_and_scan=True, pan_and_scan_min_crop_size=64)
+  ours = gemma3_images.pixel_values(image, options)
   expected = _hf(image, do_pan_and_scan=True, pan_and_scan_min_crop_size=64, pan_and_scan_max_num_crops=4,
                  pan_and_scan_min_ratio_to_activate=1.2)
   assert ours.shape == expected.shape, (ours.shape, expected.shape)
@@ -70,15 +71,15 @@ def test_pan_and_scan_equals_hf(width, height):
 
 def test_transparency_is_composited_onto_white():
   clear = Image.new("RGBA", (8, 8), (10, 20, 30, 0))
-  values = images.pixel_values(clear, images.ImageOptions(image_size=4))
+  values = gemma3_images.pixel_values(clear, gemma3_images.ImageOptions(image_size=4))
   np.testing.assert_array_equal(values, np.ones((1, 3, 4, 4), np.float32))  # white, normalised
 
 
 def test_batch_keeps_image_order():
   a, b = _image("RGB", 30, 30, seed=2), _image("L", 50, 20, seed=3)
-  options = images.ImageOptions(image_size=SIZE)
-  batch = images.batch_pixel_values([a, b], options)
-  np.testing.assert_array_equal(batch, np.concatenate([images.pixel_values(a, options), images.pixel_values(b, options)]))
+  options = gemma3_images.ImageOptions(image_size=SIZE)
+  batch = gemma3_images.batch_pixel_values([a, b], options)
+  np.testing.assert_array_equal(batch, np.concatenate([gemma3_images.pixel_values(a, options), gemma3_images.pixel_values(b, options)]))
 
 
 @pytest.mark.parametrize("data, message", [

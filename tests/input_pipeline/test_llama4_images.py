@@ -1,4 +1,4 @@
-"""Llama 4's image pre-processing and prompt expansion (input_pipeline/llama4_images.py) against
+"""Llama 4's image pre-processing and prompt expansion (families/llama4_images.py) against
 HF's Llama4ImageProcessor and Llama4Processor. The processor needs torchvision: without it, its
 tile-grid choice, fitted size and tile order are checked with its own functions (imported with
 a stand-in torchvision module, as they do not use it), the bfloat16 normalisation against the
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from MaxText.input_pipeline import llama4_images as L
+from MaxText.families import llama4_images as L
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
