@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # `python3 MaxText/generate_param_only_checkpoint
 
 import jax
 
-from MaxText.layers import models
+from MaxText import models
 from MaxText.training import lora, model_assembly, params_io
 from MaxText.paths import storage
 from MaxText.configuration.config import Config

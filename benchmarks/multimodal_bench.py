@@ -107,7 +107,7 @@ def tower_call(config: Any, images: int) -> Callable[[], Any]:
   import numpy as np
   from flax import nnx
 
-  from MaxText.layers import models
+  from MaxText import models
   from MaxText.platform import sharding
 
   with nnx.use_eager_sharding(False):  # one device: no shardings to place

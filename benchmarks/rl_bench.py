@@ -46,7 +46,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 import jax
 from MaxText.configuration.config import Config
-from MaxText.layers import models as maxtext_models
+from MaxText import models as maxtext_models
 from MaxText.training import params_io
 d = Path({str(directory)!r})
 words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda sigma".split()

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes  # noqa: F401 (re-exported for tests)
 import numpy as np
 
-from MaxText.layers import models
+from MaxText import models
 from MaxText.configuration.config import Config
 from MaxText import families, logit_checker
 from MaxText.platform import sharding

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText.layers import models
+from MaxText import models
 from MaxText.training import params_io, run_start
 from MaxText.run_dir import checkpointing
 from MaxText.configuration.config import Config

@@ -18,7 +18,7 @@ from safetensors.numpy import load_file
 
 import hf_families as H
 from MaxText import families, logit_checker
-from MaxText.layers import models
+from MaxText import models
 from MaxText.training import params_io
 from MaxText.configuration import config as config_lib
 from MaxText.convert import hf_io, hf_to_maxtext, maxtext_to_hf, streaming

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText.layers import models
+from MaxText import models
 from MaxText.training.objectives import dpo
 from MaxText.training import params_io, run_start
 from MaxText.platform import accelerators

@@ -9,7 +9,7 @@ from jax.extend import core as jax_core
 import numpy as np
 import pytest
 
-from MaxText.layers import models
+from MaxText import models
 from MaxText.training import metrics
 from MaxText.platform import sharding
 from MaxText.configuration.config import Config

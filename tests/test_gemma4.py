@@ -17,7 +17,8 @@ import hf_families as H
 from MaxText import logit_checker
 from MaxText.configuration import config as config_lib
 from MaxText.convert import hf_to_maxtext
-from MaxText.layers import attention, layer_shapes, models
+from MaxText import models
+from MaxText.layers import attention, layer_shapes
 from MaxText.training import params_io
 
 REPO = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError, UserError
 from MaxText.inference.engine import Engine
 from MaxText.inference.sampling import RowParams
-from MaxText.layers import models
+from MaxText import models
 from MaxText.rl import rewards, rollouts
 from MaxText.training import lora, run_assembly
 from MaxText.training.objectives import Grpo, objective_for

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent / "input_pipeline"))
 from sft_fixtures import CHATML, WORDS, without_markers, write_tokenizer  # noqa: E402
 
 from MaxText.configuration.config import Config  # noqa: E402
-from MaxText.layers import models  # noqa: E402
+from MaxText import models  # noqa: E402
 from MaxText.training import params_io  # noqa: E402
 from tests.compile_settings import cpu_xla_flags, jax_cache_env  # noqa: E402
 

@@ -22,15 +22,13 @@ FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
     ("MaxText.serve", "MaxText.errors"): "imported with the chat template it checks",
     ("MaxText.serve", "MaxText.input_pipeline.chat"): "the chat template's tokenizer stack, only when serving chat",
     ("MaxText.serve", "MaxText.inference.serve_routes"): "FastAPI loads only when the server starts",
-    ("MaxText.layers.decoders", "MaxText.families"): "the family registry lists and imports every family module "
-    "(and the converter tables), which a layer class lookup needs only when a model is built",
     ("MaxText.training.metrics", "MaxText.layers.moe"): "flax and the layers load only for a MoE model's FLOPs",
     ("MaxText.plan", "MaxText.training.run_assembly"): "JAX's backend must start after the planner sets the XLA flags",
     ("MaxText.plan", "MaxText.train_compile"): "JAX's backend must start after the planner sets the XLA flags",
     ("MaxText.plan", "MaxText.aot.hlo_cycles"): "JAX's backend must start after the planner sets the XLA flags",
     ("MaxText.plan", "MaxText.aot.memory_report"): "JAX's backend must start after the planner sets the XLA flags",
     ("MaxText.plan", "MaxText.layers.attention"): "flax and the layers load only for the kernel choice",
-    ("MaxText.aot.plan_model", "MaxText.layers.models"): "flax and the model load only for the planner's parameter count",
+    ("MaxText.aot.plan_model", "MaxText.models"): "flax and the model load only for the planner's parameter count",
 }
 
 
@@ -63,3 +61,58 @@ def test_graph_reads_relative_and_submodule_imports(tmp_path) -> None:
   assert [(i.importer, i.imported) for i in graph.function_level()] == [("Pkg.sub.c", "Pkg.a")]
   assert import_graph.cycles(graph.edges) == [["Pkg.a", "Pkg.sub.b", "Pkg.sub.c", "Pkg.a"]]
   assert import_graph.levels(graph.edges) == 1  # the cycle counts as one module
+
+
+# The packages (and top-level modules) from the bottom up: a module imports only its own rank and the
+# ranks below it. The model's parts rise from the generic layers through the families (each owning its
+# layers, vision tower and tensor table) to the assembled model; training runs a model, and the
+# converters, the decode engine and reinforcement learning use training's assembly.
+FOLDER_ORDER: tuple[tuple[str, ...], ...] = (
+    ("MaxText", "MaxText.errors"),
+    ("MaxText.paths", "MaxText.platform"),
+    ("MaxText.configuration",),
+    ("MaxText.run_dir",),
+    ("MaxText.startup",),
+    ("MaxText.layers",),
+    ("MaxText.families",),
+    ("MaxText.models",),
+    ("MaxText.input_pipeline",),  # reads images as the model's family cuts them (Family.image_format)
+    ("MaxText.training",),
+    ("MaxText.aot",),
+    ("MaxText.convert",),
+    ("MaxText.inference",),
+    ("MaxText.rl",),
+    # entry points (the converters and prepare_data.py live inside their packages)
+    ("MaxText.train_compile", "MaxText.train", "MaxText.plan", "MaxText.decode", "MaxText.serve",
+     "MaxText.generate_param_only_checkpoint", "MaxText.logit_checker", "MaxText.train_tokenizer",
+     "MaxText.multihost_runner", "MaxText.multihost_job"),
+)
+# (importer, imported) -> why this import climbs back up the order.
+CLIMBS_ALLOWED: dict[tuple[str, str], str] = {}
+
+
+def _rank(module: str) -> int | None:
+  """The rank of the longest listed package or module `module` belongs to."""
+  best, best_len = None, -1
+  for rank, names in enumerate(FOLDER_ORDER):
+    for name in names:
+      if (module == name or module.startswith(name + ".")) and len(name) > best_len:
+        best, best_len = rank, len(name)
+  return best
+
+
+def climbing_imports(graph: import_graph.Graph) -> list[str]:
+  """Every import (at file grain) of a module ranked above its importer in FOLDER_ORDER."""
+  return [f"{imp.importer}:{imp.line} imports {imp.imported}" for imp in sorted(
+              graph.imports, key=lambda i: (i.importer, i.line, i.imported))
+          if (_rank(imp.imported) or 0) > (_rank(imp.importer) or 0)
+          and (imp.importer, imp.imported) not in CLIMBS_ALLOWED]
+
+
+def test_packages_import_down_the_folder_order() -> None:
+  graph = import_graph.build()
+  unranked = sorted(m for m in graph.modules if _rank(m) is None or (_rank(m) == 0 and m not in FOLDER_ORDER[0]))
+  assert not unranked, f"modules outside FOLDER_ORDER (give the package or entry point its rank): {unranked}"
+  climbs = climbing_imports(graph)
+  assert not climbs, "imports that climb back up FOLDER_ORDER (move the code down, or list the import in " \
+                     "CLIMBS_ALLOWED with why): " + "; ".join(climbs)

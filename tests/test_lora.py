@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText.layers import models
+from MaxText import models
 from MaxText.training import lora, train_state
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError

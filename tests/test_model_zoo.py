@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from MaxText.layers import models
+from MaxText import models
 from MaxText.platform.accelerators import DeviceTarget
 from MaxText.configuration.config import MODELS_DIR, Config
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText.layers import models
+from MaxText import models
 from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError

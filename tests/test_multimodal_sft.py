@@ -161,7 +161,7 @@ def _answer_losses(run: train_utils.Run, state, encoder: image_sft.ImageSftEncod
                    ) -> tuple[float, float]:
   """Mean assistant-token loss with each record's own image, and with the next record's image
   where that one shows a different answer."""
-  from MaxText.layers import models
+  from MaxText import models
   from MaxText.platform import sharding
 
   spec = models.build_model_spec(run.config.model)

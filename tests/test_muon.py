@@ -14,7 +14,7 @@ from optax import contrib
 import train_utils
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
-from MaxText.layers import models
+from MaxText import models
 from MaxText.training import muon, optimizers
 from tests import test_resume
 

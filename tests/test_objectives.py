@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 
-from MaxText.layers import models
+from MaxText import models
 from MaxText.training import lora, run_assembly
 from MaxText.training import train_step as train_step_module
 from MaxText.platform import accelerators

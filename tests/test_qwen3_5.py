@@ -14,7 +14,7 @@ from MaxText.configuration import config as config_lib
 from MaxText.convert import hf_to_maxtext
 from MaxText.families import tensor_maps
 from MaxText.families import qwen3_5
-from MaxText.layers import models
+from MaxText import models
 from MaxText.layers.gated_deltanet import GatedDeltaNet
 from MaxText.platform import sharding
 

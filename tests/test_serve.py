@@ -563,7 +563,7 @@ def test_cli_server_answers_like_decode_py(tmp_path):
   import os
   import subprocess
 
-  from MaxText.layers import models
+  from MaxText import models
   from MaxText.training import params_io
   from MaxText.convert import engine as convert_engine
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText.layers import models
+from MaxText import models
 from MaxText.training import metrics
 from MaxText.platform import sharding
 from MaxText.configuration.config import Config

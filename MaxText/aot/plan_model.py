@@ -113,7 +113,7 @@ class ModelShape:
 
   @classmethod
   def of(cls, cfg: ModelConfig, optim_cfg: OptimConfig) -> "ModelShape":
-    from MaxText.layers import models  # noqa: PLC0415  (flax; only the planner needs it here)
+    from MaxText import models  # noqa: PLC0415  (flax; only the planner needs it here)
     spec = models.build_model_spec(cfg)
     params, names = spec.abstract_params, spec.logical_names
     flat = jax.tree.leaves(params)

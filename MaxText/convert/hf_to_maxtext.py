@@ -29,7 +29,7 @@ import sys
 import tempfile
 
 from MaxText import families, startup
-from MaxText.layers import models
+from MaxText import models
 from MaxText.paths import storage
 from MaxText.convert import cli, engine, hf_io, streaming
 from MaxText.families import mxfp4

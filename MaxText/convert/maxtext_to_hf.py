@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from MaxText import families, startup
-from MaxText.layers import models
+from MaxText import models
 from MaxText.training import lora, params_io
 from MaxText.paths import storage
 from MaxText.configuration import config as config_lib

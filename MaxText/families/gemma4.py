@@ -1,7 +1,7 @@
 """Gemma 4 (HF `gemma4_text`, Gemma4ForCausalLM; and the text decoder of `gemma4`, Gemma4ForConditionalGeneration):
 Gemma 3's local/global stack (gemma.py) with plain RMSNorm gains, unscaled queries, a value norm, the
 global layers' own head shape (and, with attention_k_eq_v, no value projection), keys and values shared
-by the last layers, per-layer input embeddings and a per-layer output scalar (layers/gemma4.py).
+by the last layers, per-layer input embeddings and a per-layer output scalar (gemma4_layers.py).
 
 Each layer has its own table entries (its head shape is its own), written with its index:
   model.layers.{i}.input_layernorm / post_attention_layernorm / pre_feedforward_layernorm /

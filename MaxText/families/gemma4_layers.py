@@ -1,6 +1,7 @@
-"""Gemma 4's decoder layer (layer "gemma4") and its per-layer input embeddings.
+"""Gemma 4's decoder layer and its per-layer input embeddings (the gemma4 family's `layer` and
+`per_layer_inputs`, families/gemma4.py).
 
-On Gemma 2's sandwich-normed block (decoders.Gemma2DecoderLayer's four norms, plain RMSNorm gains)
+On Gemma 2's sandwich-normed block (decoders.SandwichNormDecoderLayer's four norms, plain RMSNorm gains)
 it adds, per layer (layers/layer_shapes.py builds each layer's own configuration):
   * the global layers' own head width and key/value heads (global_head_dim, global_num_kv_heads);
   * attention_k_eq_v: a global layer has no value projection, its values are its keys as projected;
@@ -20,7 +21,6 @@ Shape legend beyond layers/__init__.py's: P per-layer input width, M layers (the
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +29,7 @@ from flax import nnx
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.layers import kv_cache, layer_shapes, paged_kv
 from MaxText.layers.attention import ATTENTION_KERNELS, Attention, layer_window_size, select_kernel
-from MaxText.layers.decoders import ACTIVATION_NAMES, register_layer
+from MaxText.layers.decoders import ACTIVATION_NAMES
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import DenseGeneral, dropout
 from MaxText.layers.mlp import ACTIVATION_FNS, MlpBlock
@@ -108,12 +108,11 @@ class Gemma4Attention(Attention):
     return self.out(sharding.constrain(out_BLNH, HEADS_NAMES))
 
 
-@register_layer("gemma4")
 class Gemma4DecoderLayer(nnx.Module):
   """Layer `layer_index` of a Gemma 4 stack: h = x + norm(Attn(norm(x))), h + norm(MLP(norm(h))), then the
   per-layer input's gated residual, all times layer_scalar. Built unrolled, one configuration per layer."""
 
-  per_layer_shapes = True  # models.py builds each unrolled layer with its index
+  per_layer_shapes = True  # the model builds each unrolled layer with its index
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer_index: int = 0):
     own = layer_shapes.layer_config(cfg, layer_index)
@@ -199,7 +198,3 @@ class PerLayerInputs(nnx.Module):
     mixed_BLMP = (self.projection_norm(projected_BLMP) + embedded_BLMP) * jnp.asarray(2.0**-0.5, x_BLD.dtype)
     return mixed_BLMP
 
-
-def layer_inputs(per_layer_BLMP: jax.Array | None, index: int) -> Any:
-  """Layer `index`'s slice of the per-layer inputs, or None without them."""
-  return None if per_layer_BLMP is None else per_layer_BLMP[:, :, index]

@@ -24,7 +24,7 @@ MoE): moe_layer_interval=2, the dense layers in the dense_layers stack, run in o
 layers (models.py).
 
 The image-text checkpoints (HF `llama4`, Llama4ForConditionalGeneration: a text_config beside a
-vision_config) convert with use_multimodal (layers/vision_llama4.py): the text model under
+vision_config) convert with use_multimodal (llama4_vision.py): the text model under
 `language_model.`, the vision encoder and its pixel-shuffle adapter under `vision_model.` (ours
 vision_encoder/, the adapter at vision_encoder/adapter/), the projector `multi_modal_projector.linear_1`
 (ours multimodal_projector/projection). Linear weights are torch [out, in], our kernels [in, out].
@@ -325,12 +325,10 @@ _TINY_TEXT = dict(**{**TINY_SHAPES, "num_hidden_layers": 4, "intermediate_size":
                   rope_parameters=_TINY_ROPE)
 
 register_family(Family("llama4", ("llama4_text", "llama4"), ("llama4",), llama4_any_model_keys, llama4_any_hf_config,
-                       vision=VisionTower(llama4_vision.Llama4VisionEncoder, llama4_vision.Llama4Projector,
+                       llama4_any_tensors,
                        vision=VisionTower(llama4_vision.Llama4VisionEncoder, llama4_vision.Llama4Projector,
                                           bidirectional_images=False), image_format=llama4_images.IMAGE_FORMAT,
                        hf_image_text_logits={"llama4": llama4_images.hf_image_text_logits},
-                                          bidirectional_images=False),
-                       llama4_any_tensors,
                        multimodal_reference_hf_configs={  # 32 x 32 tiles of 4 x 4 patches: 16 soft tokens each
                            "llama4-vision": dict(
                                model_type="llama4", boi_token_index=120, eoi_token_index=121, image_token_index=122,

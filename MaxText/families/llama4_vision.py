@@ -1,5 +1,5 @@
-"""Llama 4's image side (use_multimodal with decoder_block "llama4"): its vision encoder, the
-pixel-shuffle adapter and the projector into the text width.
+"""Llama 4's image side (the llama4 family's `vision` tower, families/llama4.py): its vision encoder,
+the pixel-shuffle adapter and the projector into the text width.
 
   tile pixel values [I, C, R, R] (input_pipeline/llama4_images.py: each image's tiles, then its
   global thumbnail, each a separate "image" here)
@@ -24,7 +24,6 @@ width, T soft tokens per tile, C channels, R tile side.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from MaxText.configuration.model_config import ModelConfig
-from MaxText.layers import masks, remat, vision_tower
+from MaxText.layers import masks, vision_tower
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.normalizations import LayerNorm
@@ -149,13 +148,8 @@ class Llama4VisionEncoder(nnx.Module):
                                     weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs, names=(None, "embed"))
     self.layernorm_pre = _layer_norm(cfg)
 
-    # Always scanned (whatever scan_layers says), as vision_tower.py's encoder.
-    @nnx.split_rngs(splits=vision.vision_num_layers)
-    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def stacked(rngs: nnx.Rngs) -> Llama4VisionLayer:
-      return Llama4VisionLayer(cfg, rngs=rngs)
-
-    self.layers = stacked(rngs)
+    self.layers = vision_tower.stacked_layers(lambda rngs: Llama4VisionLayer(cfg, rngs=rngs),
+                                              vision.vision_num_layers, rngs)
     self.layernorm_post = _layer_norm(cfg)
     self.adapter = Llama4VisionAdapter(cfg, rngs=rngs)
 
@@ -171,14 +165,7 @@ class Llama4VisionEncoder(nnx.Module):
     x_IQE = sharding.constrain(x_IQE, IMAGE_NAMES)
     angles_QJ = jnp.asarray(rope_angles(vision.patches_per_side, vision.vision_head_dim,
                                         vision.vision_rope_max_timescale))
-    graphdef, stacked_state = nnx.split(self.layers)
-
-    def one_layer(x: jax.Array, layer_state: nnx.State[Any, Any]) -> tuple[jax.Array, None]:
-      return sharding.constrain(nnx.merge(graphdef, layer_state)(x, angles_QJ), IMAGE_NAMES), None
-
-    policy = remat.checkpoint_policy(self.cfg.remat_policy)
-    body = one_layer if isinstance(policy, str) else jax.checkpoint(one_layer, policy=policy)
-    x_IQE, _ = jax.lax.scan(body, x_IQE, stacked_state)
+    x_IQE = vision_tower.run_stacked(self.layers, x_IQE, self.cfg.remat, angles_QJ)
     return self.adapter(self.layernorm_post(x_IQE)[:, :-1])
 
 

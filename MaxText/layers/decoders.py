@@ -1,20 +1,19 @@
-"""Decoder-layer classes, registered by layer name (`@register_layer("name")`).
+"""The shared decoder layer and its normalisation variants.
 
-A model family (MaxText/families/) names the layer it runs; models.py looks the class up by
-`decoder_block` through the family and never switches on names. A family whose layer differs
-from every registered one adds a class here (or in its own file).
+A model family (MaxText/families/) names the layer class it runs in its `Family` record (none: the
+pre-norm `DecoderLayer`); the model builds that class and never switches on names. A family whose
+layer differs from these keeps its class in its own module under families/.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Protocol
 
 import jax
 from flax import nnx
 
 from MaxText.platform import sharding
 from MaxText.configuration.model_config import ModelConfig
-from MaxText.errors import ConfigError
 from MaxText.layers.attention import Attention
 from MaxText.layers.gated_deltanet import GatedDeltaNet
 from MaxText.layers.kv_cache import KVCache
@@ -28,31 +27,10 @@ ACTIVATION_NAMES = ("activation_batch", "activation_length", "activation_embed")
 
 
 class DecoderLayerCall(Protocol):
-  """What models.py calls on every registered layer (`layer_index` counts from 0 up the stack)."""
+  """What the model (models/transformer.py) calls on every decoder layer (`layer_index` counts from 0 up the stack)."""
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
                dropout_rng: jax.Array | None, layer_index: int | jax.Array) -> jax.Array: ...
-
-
-_LAYERS: dict[str, Callable[..., nnx.Module]] = {}
-
-
-def register_layer(name: str) -> Callable[[type], type]:
-  def register(cls: type) -> type:
-    _LAYERS[name] = cls
-    return cls
-  return register
-
-
-def decoder_layer_class(decoder_block: str) -> Callable[..., nnx.Module]:
-  """The layer class the family of `decoder_block` runs."""
-  from MaxText import families  # lazily: family modules import the converter tables, not layers
-
-  layer = families.family_for_decoder_block(decoder_block).layer
-  if layer not in _LAYERS:
-    raise ConfigError(f"decoder_block {decoder_block!r} runs layer {layer!r}, which is not registered; "
-                      f"registered: {', '.join(sorted(_LAYERS))}")
-  return _LAYERS[layer]
 
 
 def feed_forward_block(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
@@ -68,17 +46,16 @@ def attention_block(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
   return MultiHeadLatentAttention(cfg, rngs=rngs) if cfg.attn.attention_type == "mla" else Attention(cfg, rngs=rngs)
 
 
-@register_layer("decoder")  # Llama, Mistral, Mixtral, Qwen3-MoE and DeepSeek, GPT-OSS (MoE from num_experts > 1, MLA from attention_type), Qwen3, Qwen3-Next (Gated DeltaNet from attention_type), Gemma, GPT-3
 class DecoderLayer(nnx.Module):
   """Pre-norm block: h = x + Attn(norm(x)), then h + MLP(norm(h)).
 
   Every dense family shares it; what differs is config-driven (normalization_type, use_bias, use_qk_norm,
-  attention_layer_pattern, soft caps, RoPE settings) or a small subclass switch below.
+  attention_layer_pattern, soft caps, RoPE settings) or a subclass's norm switches below.
   """
 
-  # Gemma 2: also normalise each sub-block's output before it joins the residual stream.
+  # Also normalise each sub-block's output before it joins the residual stream.
   normalize_block_outputs: bool = False
-  # OLMo 2/3: only the outputs (the sub-blocks read the residual stream as it is).
+  # Normalise each sub-block's input (off: the sub-blocks read the residual stream as it is).
   normalize_block_inputs: bool = True
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -118,16 +95,14 @@ class DecoderLayer(nnx.Module):
     return out_BLD if cache is None else (out_BLD, cache)
 
 
-@register_layer("gemma2")
-class Gemma2DecoderLayer(DecoderLayer):
-  """Gemma 2: the shared block with normalised sub-block outputs ("sandwich" norms)."""
+class SandwichNormDecoderLayer(DecoderLayer):
+  """The shared block with normalised sub-block inputs and outputs ("sandwich" norms)."""
 
   normalize_block_outputs = True
 
 
-@register_layer("olmo2")
-class Olmo2DecoderLayer(DecoderLayer):
-  """OLMo 2 and 3: h = x + norm(Attn(x)), then h + norm(MLP(h)); each sub-block reads the stream unnormalised."""
+class PostNormDecoderLayer(DecoderLayer):
+  """h = x + norm(Attn(x)), then h + norm(MLP(h)): each sub-block reads the stream unnormalised."""
 
   normalize_block_outputs = True
   normalize_block_inputs = False

@@ -1,79 +1,37 @@
 """The decoder-only Transformer: embed → decoder stack (scanned or unrolled, rematerialised) → norm → logits.
 
-Parameters live outside the module as a plain nested dict (`params`), so the
-train state, optimizer, checkpoints and converters all see ordinary pytrees;
-`ModelSpec.apply` merges them back into the NNX module inside the jitted step.
+Generic: what a family brings (its decoder layer, vision tower, per-layer inputs) comes from its
+`Family` record (MaxText/families/), looked up by decoder_block; no family is named here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
-from jax.sharding import Mesh
 
-from MaxText.platform import sharding
+from MaxText import families
 from MaxText.configuration.model_config import ModelConfig
-from MaxText.layers.decoders import ACTIVATION_NAMES, decoder_layer_class
+from MaxText.errors import ConfigError
+from MaxText.layers import layer_shapes, masks, mtp, paged_kv, pipeline, quantization, remat, vision_tower
+from MaxText.layers.decoders import ACTIVATION_NAMES, DecoderLayer
 from MaxText.layers.embeddings import Embed, sinusoidal_positions
 from MaxText.layers.kv_cache import KVCache
 from MaxText.layers.linears import DenseGeneral
-from MaxText.layers.moe import ROUTING_STATS, update_correction_biases
-from MaxText.layers import gemma4, layer_shapes, masks, mtp, paged_kv, pipeline, quantization, remat, vision_llama4, vision_tower
+from MaxText.layers.moe import ROUTING_STATS
 from MaxText.layers.normalizations import make_norm
-
-# What layers sow as nnx.Intermediate, by name: scalar losses (e.g. MoE load balancing), summed
-# over layers, and statistics (moe.ROUTING_STATS), kept per layer (stacked on a leading axis).
-AuxLosses = dict[str, jax.Array]
-Params = dict[str, Any]  # nested dict of arrays (or of ShapeDtypeStructs, shardings, ...)
+from MaxText.models.outputs import (AuxLosses, output_logits, over_layers, sum_sown_losses, token_loss_sums,
+                                    unrolled_aux)
+from MaxText.platform import sharding
 
 
-def sum_sown_losses(sown: nnx.State[Any, Any], stats: bool = True) -> AuxLosses:
-  """Adds up every value sown under the same name anywhere in a layer (e.g. several MoE blocks);
-  `stats=False` leaves the statistics out (the pipelines carry losses only)."""
-  totals: AuxLosses = {}
-  for path, value in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(sown))[0]:
-    name = next(str(key.key) for key in reversed(path) if isinstance(key, jax.tree_util.DictKey))
-    if name in ROUTING_STATS and not stats:
-      continue
-    totals[name] = totals.get(name, 0.0) + (value if name in ROUTING_STATS else jnp.sum(value))
-  return totals
+def remat_policy(cfg: ModelConfig) -> remat.CheckpointPolicy:
+  """jax.checkpoint policy for the config's `remat_policy` (custom: its placement keys); "none" means
+  no rematerialisation at all."""
+  return remat.checkpoint_policy(cfg.remat)
 
-
-def _over_layers(name: str, per_layer: jax.Array) -> jax.Array:
-  """A loss summed over the stacked layers; a statistic kept per layer."""
-  return per_layer if name in ROUTING_STATS else jnp.sum(per_layer)
-
-
-def _unrolled_aux(per_layer: list[AuxLosses]) -> AuxLosses:
-  """What unrolled layers sowed, one dict per layer, as a scan returns it: losses summed, statistics stacked."""
-  names = per_layer[0] if per_layer else {}
-  return {name: _over_layers(name, jnp.stack([layer[name] for layer in per_layer])) for name in names}
-
-
-@dataclasses.dataclass(frozen=True)
-class VisionTower:
-  """A decoder block's image side: its encoder and projector modules (each built from the config),
-  and whether each image's tokens see each other both ways in the text stack."""
-  encoder: Callable[..., nnx.Module]
-  projector: Callable[..., nnx.Module]
-  bidirectional_images: bool
-
-
-# By decoder block (configuration/vision_config.py's MULTIMODAL_DECODER_BLOCKS).
-VISION_TOWERS = {
-    "gemma3": VisionTower(vision_tower.VisionEncoder, vision_tower.MultimodalProjector, bidirectional_images=True),
-    "llama4": VisionTower(vision_llama4.Llama4VisionEncoder, vision_llama4.Llama4Projector, bidirectional_images=False),
-}
-
-
-def remat_policy(name: str) -> remat.CheckpointPolicy:
-  """jax.checkpoint policy for `remat_policy`; "none" means no rematerialisation at all."""
-  return remat.checkpoint_policy(name)
 
 
 class Transformer(nnx.Module):
@@ -82,7 +40,8 @@ class Transformer(nnx.Module):
     self.cfg = cfg
     self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, dtype=dtype, weight_dtype=weight_dtype, rngs=rngs,
                                 stddev=cfg.emb_dim**-0.5 if cfg.logits_via_embedding else 1.0)
-    layer_class = decoder_layer_class(cfg.decoder_block)
+    family = families.family_for_decoder_block(cfg.decoder_block)
+    layer_class = family.layer or DecoderLayer
     # DeepSeek's dense-MLP prefix, Llama 4 Maverick's dense layers between the MoE ones, or
     # Qwen3-Next's Gated DeltaNet layers between the full-attention ones: a second stack.
     if cfg.num_dense_layers > 0:
@@ -93,15 +52,22 @@ class Transformer(nnx.Module):
                                      weight_dtype=weight_dtype, rngs=rngs, names=(None, "embed"))
     self.decoder_norm = make_norm(cfg)
     if cfg.layer_shapes.per_layer_input_dim:
-      self.per_layer_inputs = gemma4.PerLayerInputs(cfg, rngs=rngs)
+      if family.per_layer_inputs is None:
+        raise ConfigError(f"per_layer_input_dim is set but decoder_block {cfg.decoder_block!r} takes no per-layer "
+                          "inputs; set per_layer_input_dim=0")
+      self.per_layer_inputs = family.per_layer_inputs(cfg, rngs=rngs)
     if not cfg.logits_via_embedding:
       logits_dtype = jnp.float32 if cfg.logits_dot_in_fp32 else dtype
       self.logits_dense = DenseGeneral((cfg.emb_dim,), (cfg.vocab_size,), ("embed", "vocab"),
                                        dtype=logits_dtype, weight_dtype=weight_dtype, rngs=rngs)
     for depth in range(cfg.mtp.mtp_num_layers):  # last, so the other parameters initialise as without them
       setattr(self, mtp.module_name(depth), mtp.MtpModule(cfg, layer_class, rngs=rngs))
+    self.bidirectional_images = False
     if cfg.vision.use_multimodal:  # after everything, for the same reason
-      tower = VISION_TOWERS[cfg.decoder_block]
+      tower = family.vision
+      if tower is None:
+        raise ConfigError(f"decoder_block {cfg.decoder_block!r} has no vision tower; set use_multimodal=False")
+      self.bidirectional_images = tower.bidirectional_images
       self.vision_encoder = tower.encoder(cfg, rngs=rngs)
       self.multimodal_projector = tower.projector(cfg, rngs=rngs)
 
@@ -143,7 +109,7 @@ class Transformer(nnx.Module):
     scan_layers, else a list with one per layer; with first_dense_layers, a dict of those for
     `dense_layers` and `layers`, see kv_cache.model_caches). `image_blocks_BL`: a multimodal model's
     image blocks (masks.image_blocks) for every layer's attention mask. `per_layer_BLMP`: each layer's
-    own input (gemma4.PerLayerInputs)."""
+    own input (the family's `per_layer_inputs`)."""
     cfg = self.cfg
     if cfg.pipeline.num_pipeline_stages > 1:  # the stage-sharded scanned stack runs as a pipeline
       return (*self._run_pipeline(x_BLD, positions_BL, segment_ids_BL, dropout_rng), None)
@@ -186,7 +152,7 @@ class Transformer(nnx.Module):
 
       (x_BLD, caches), aux_per_layer = jax.lax.scan(
           carried, (x_BLD, caches), (stacked_state, layer_rngs, jnp.arange(num_layers)))
-      return x_BLD, {name: _over_layers(name, values) for name, values in aux_per_layer.items()}, caches
+      return x_BLD, {name: over_layers(name, values) for name, values in aux_per_layer.items()}, caches
     if cfg.scan_layers:
       graphdef, stacked_state = nnx.split(getattr(self, name))
 
@@ -196,7 +162,7 @@ class Transformer(nnx.Module):
 
       x_BLD, (aux_per_layer, caches) = jax.lax.scan(
           body, x_BLD, (stacked_state, layer_rngs, first_index + jnp.arange(num_layers), caches))
-      return x_BLD, {name: _over_layers(name, values) for name, values in aux_per_layer.items()}, caches
+      return x_BLD, {name: over_layers(name, values) for name, values in aux_per_layer.items()}, caches
     per_layer: list[AuxLosses] = []
     new_caches = []
     # KV sharing (layers/layer_shapes.py): a source's keys and values (training) or cache (decoding), by layer.
@@ -211,11 +177,11 @@ class Transformer(nnx.Module):
         cache = layer_shapes.SharedKV()
       x_BLD, layer_aux, cache = one_layer(graphdef, x_BLD, state, None if layer_rngs is None else layer_rngs[i],
                                           jnp.asarray(first_index + i, jnp.int32), cache,
-                                          gemma4.layer_inputs(per_layer_BLMP, first_index + i))
+                                          None if per_layer_BLMP is None else per_layer_BLMP[:, :, first_index + i])
       kept[first_index + i] = cache
       per_layer.append(layer_aux)
       new_caches.append(None if first_index + i in sources else cache)
-    aux = _unrolled_aux(per_layer)
+    aux = unrolled_aux(per_layer)
     return x_BLD, aux, None if caches is None else new_caches
 
   def _layer_fn(self, positions_BL: jax.Array, segment_ids_BL: jax.Array, decoding: bool,
@@ -237,7 +203,7 @@ class Transformer(nnx.Module):
       x, cache = out if cache is not None else (out, None)
       return x, sum_sown_losses(sown), cache
 
-    policy = remat_policy(self.cfg.remat_policy)
+    policy = remat_policy(self.cfg)
     # "none": no rematerialisation; decoding takes no gradients: nothing to rematerialise.
     if not isinstance(policy, str) and not decoding:
       return jax.checkpoint(one_layer, policy=policy, static_argnums=(0,))
@@ -301,7 +267,7 @@ class Transformer(nnx.Module):
             carried, (x_BLD, caches["dense_layers"] if dense_paged else None, caches["layers"]),
             (by_period(dense_state), moe_state, rngs, jnp.arange(periods),
              None if dense_paged else by_period(caches["dense_layers"])))
-        aux = {name: _over_layers(name, values) for name, values in aux_per_layer.items()}
+        aux = {name: over_layers(name, values) for name, values in aux_per_layer.items()}
         if not dense_paged:
           dense_pools = jax.tree.map(lambda a: a.reshape((periods * (k - 1),) + a.shape[2:]), dense_caches)
         return x_BLD, aux, {"dense_layers": dense_pools, "layers": moe_pools}
@@ -309,7 +275,7 @@ class Transformer(nnx.Module):
       x_BLD, (aux_per_layer, dense_caches, moe_caches) = jax.lax.scan(
           body, x_BLD, (by_period(dense_state), moe_state, rngs, jnp.arange(periods),
                         dense_caches, None if caches is None else caches["layers"]))
-      aux = {name: _over_layers(name, values) for name, values in aux_per_layer.items()}
+      aux = {name: over_layers(name, values) for name, values in aux_per_layer.items()}
       if caches is None:
         return x_BLD, aux, None
       flat = jax.tree.map(lambda a: a.reshape((periods * (k - 1),) + a.shape[2:]), dense_caches)
@@ -324,7 +290,7 @@ class Transformer(nnx.Module):
       if stack == "layers":
         per_layer.append(layer_aux)
       new_caches[stack].append(cache)
-    aux = _unrolled_aux(per_layer)
+    aux = unrolled_aux(per_layer)
     return x_BLD, aux, None if caches is None else new_caches
 
   # What a pipeline schedule needs (the 1F1B loss drivers in objectives/pipelined.py): the
@@ -357,7 +323,7 @@ class Transformer(nnx.Module):
     passes (evaluation) this way too: without gradients its order is GPipe's."""
     stacked_state, apply_layer = self.stage_layers()
     return pipeline.run_pipeline(self.cfg.pipeline, apply_layer, stacked_state, x_BLD, positions_BL, segment_ids_BL,
-                                 dropout_rng, remat_policy(self.cfg.remat_policy))
+                                 dropout_rng, remat_policy(self.cfg))
 
   def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
                dropout_rng: jax.Array | None = None, pixel_values: jax.Array | None = None) -> jax.Array:
@@ -365,8 +331,8 @@ class Transformer(nnx.Module):
     return self.logits_and_aux(tokens_BL, positions_BL, segment_ids_BL, dropout_rng, pixel_values=pixel_values)[0]
 
   def image_embeddings(self, pixels_ICRR: jax.Array) -> jax.Array:
-    """Soft tokens [I, mm_tokens_per_image, D] of images' pixel values [I, 3, R, R] (Llama 4: of
-    tiles; input_pipeline/images.py, llama4_images.py); layers/vision_tower.py, vision_llama4.py."""
+    """Soft tokens [I, mm_tokens_per_image, D] of images' pixel values [I, 3, R, R] (each a view of the
+    family's image format, e.g. a tile): the family's vision encoder, then its projector."""
     return self.multimodal_projector(self.vision_encoder(pixels_ICRR.astype(jnp.dtype(self.cfg.dtype))))
 
   def _multimodal_input(self, x_BLD: jax.Array, tokens_BL: jax.Array, pixel_values: jax.Array | None
@@ -384,7 +350,7 @@ class Transformer(nnx.Module):
       soft_ITD = self.image_embeddings(pixel_values.reshape((rows * per_row,) + pixel_values.shape[2:]))
       soft_BTD = soft_ITD.reshape(rows, per_row * soft_ITD.shape[1], soft_ITD.shape[2])
       x_BLD = vision_tower.place_image_tokens(x_BLD, soft_BTD, tokens_BL, vision.image_token_id)
-    if not VISION_TOWERS[self.cfg.decoder_block].bidirectional_images:
+    if not self.bidirectional_images:
       return x_BLD, None
     return x_BLD, masks.image_blocks(tokens_BL, vision.image_token_id)
 
@@ -413,7 +379,7 @@ class Transformer(nnx.Module):
     return self._logits(x_BLD), aux
 
   def _per_layer_inputs(self, tokens_BL: jax.Array, x_BLD: jax.Array) -> jax.Array | None:
-    """Each layer's own input [B, L, M, P] (per_layer_input_dim > 0, Gemma 4), else None."""
+    """Each layer's own input [B, L, M, P] (per_layer_input_dim > 0: the family's per_layer_inputs), else None."""
     return self.per_layer_inputs(tokens_BL, x_BLD) if self.cfg.layer_shapes.per_layer_input_dim else None
 
   def _mtp_sums(self, h_BLD: jax.Array, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
@@ -428,7 +394,7 @@ class Transformer(nnx.Module):
       layer_rng = None if rng is None else jax.random.fold_in(rng, depth)
       with quantization.use_quantization(cfg.quantization):
         h_BLD = mtp.run_layer(module, h_BLD, positions_BL, segment_ids_BL, layer_rng, cfg.num_decoder_layers + depth,
-                              remat_policy(cfg.remat_policy))
+                              remat_policy(cfg))
       logits_BLV = output_logits(cfg, module.final_norm, self._output_module(), h_BLD)
       same_document = mtp.ahead(segment_ids_BL, k) == segment_ids_BL
       w_BL = mtp.ahead(weights_BL, k) * same_document
@@ -503,153 +469,3 @@ class Transformer(nnx.Module):
 
   def _logits(self, x_BLD: jax.Array) -> jax.Array:
     return output_logits(self.cfg, self.decoder_norm, self._output_module(), x_BLD)
-
-
-def output_logits(cfg: ModelConfig, norm: nnx.Module, output: Embed | DenseGeneral, x_BLD: jax.Array) -> jax.Array:
-  """Final norm, output projection (or tied embedding `attend`) and soft cap: float32 [B, L, V]."""
-  x_BLD = norm(x_BLD)
-  if isinstance(output, Embed):  # tied embeddings (logits_via_embedding)
-    logits_dtype = jnp.float32 if cfg.logits_dot_in_fp32 else jnp.dtype(cfg.dtype)
-    logits_BLV = output.attend(x_BLD, logits_dtype)
-  else:
-    logits_BLV = output(x_BLD)
-  logits_BLV = sharding.constrain(logits_BLV, ("activation_batch", "activation_length", "activation_vocab"))
-  logits_BLV = logits_BLV.astype(jnp.float32)
-  if cfg.final_logits_soft_cap > 0:
-    logits_BLV = cfg.final_logits_soft_cap * jnp.tanh(logits_BLV / cfg.final_logits_soft_cap)
-  return logits_BLV
-
-
-def token_loss_sums(logits_BLV: jax.Array, targets_BL: jax.Array, weights_BL: jax.Array,
-                    z_loss_multiplier: float) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """(cross-entropy sum + z_loss_multiplier · z-loss sum, {xent_sum, z_loss_sum}) over weighted targets.
-  The z-loss, log(Z)², pushes log Z towards 0, keeping logits from drifting (PaLM's stabiliser)."""
-  xent_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL)
-  z_BL = jnp.square(jax.nn.logsumexp(logits_BLV, axis=-1))
-  xent_sum, z_sum = jnp.sum(xent_BL * weights_BL), jnp.sum(z_BL * weights_BL)
-  return xent_sum + z_loss_multiplier * z_sum, {"xent_sum": xent_sum, "z_loss_sum": z_sum}
-
-
-def _logical_names(variable: nnx.Variable[Any]) -> tuple[str | None, ...]:
-  names = variable.get_metadata().get("out_sharding")
-  if names is None:
-    raise ValueError(f"parameter of shape {variable.shape} has no logical axis names")
-  return tuple(names)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-  """Everything about the model except its parameter values."""
-
-  cfg: ModelConfig
-  graphdef: nnx.GraphDef[Transformer]
-  abstract_params: Params  # nested dict of ShapeDtypeStruct
-  logical_names: dict[str, Any]  # nested dict (same structure) of tuples of logical axis names
-
-  def init_params(self, rng: jax.Array) -> Params:
-    """Fresh parameters as a nested dict; jit this with out_shardings to create them sharded."""
-    with nnx.use_eager_sharding(False):
-      model = Transformer(self.cfg, rngs=nnx.Rngs(params=rng))
-    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
-
-  def module(self, params: Params) -> Transformer:
-    """The model with `params` (inside a jitted function: what a loss driver takes apart)."""
-    return nnx.merge(self.graphdef, params)
-
-  def after_update(self, new_params: Params, old_params: Params, sums: Mapping[str, jax.Array], num_micro: int
-                   ) -> Params:
-    """The optimizer's new parameters with what the model sets itself: each MoE layer's correction
-    bias follows the expert load (`moe_load` summed over `num_micro` micro-batches), not the
-    optimizer; the step's non-finite check comes after, and then keeps the old bias too."""
-    if not self.cfg.moe.moe_score_correction_bias:
-      return new_params
-    load_NE = sums["moe_load"] / num_micro if "moe_load" in sums else None
-    return update_correction_biases(new_params, old_params, load_NE, self.cfg.moe.moe_bias_update_rate)
-
-  def apply(self, params: Params, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
-            dropout_rng: jax.Array | None = None, pixel_values: jax.Array | None = None) -> jax.Array:
-    """Float32 logits [B, L, V]; `pixel_values` [B, M, 3, R, R]: a multimodal model's images."""
-    model = nnx.merge(self.graphdef, params)
-    return model(tokens_BL, positions_BL, segment_ids_BL, dropout_rng, pixel_values)
-
-  def apply_with_aux(self, params: Params, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
-                     dropout_rng: jax.Array | None = None, mtp_targets: tuple[jax.Array, jax.Array] | None = None,
-                     pixel_values: jax.Array | None = None) -> tuple[jax.Array, AuxLosses]:
-    """(logits, auxiliary losses): what the train step needs (e.g. the MoE load-balancing loss, the
-    multi-token-prediction sums with `mtp_targets`)."""
-    model = nnx.merge(self.graphdef, params)
-    return model.logits_and_aux(tokens_BL, positions_BL, segment_ids_BL, dropout_rng, mtp_targets, pixel_values)
-
-  def apply_decode(self, params: Params, tokens_BL: jax.Array, positions_BL: jax.Array, caches: Any,
-                   logits_index_B: jax.Array | None = None, pixel_values: jax.Array | None = None
-                   ) -> tuple[jax.Array, Any]:
-    """(float32 logits [B, L, V] or [B, 1, V], updated caches): one prefill or generate pass
-    (see Transformer.decode; `pixel_values`: a prefill's images)."""
-    model = nnx.merge(self.graphdef, params)
-    return model.decode(tokens_BL, positions_BL, caches, logits_index_B, pixel_values)
-
-  def apply_decode_hidden(self, params: Params, tokens_BL: jax.Array, positions_BL: jax.Array, caches: Any
-                          ) -> tuple[jax.Array, Any]:
-    """(the stack's output [B, L, D] before the final norm, caches): Transformer.decode_hidden."""
-    return nnx.merge(self.graphdef, params).decode_hidden(tokens_BL, positions_BL, caches)
-
-  def apply_logits(self, params: Params, x_BLD: jax.Array) -> jax.Array:
-    """Float32 logits [B, L, V] of the stack's output (final norm, output head, soft cap)."""
-    return nnx.merge(self.graphdef, params)._logits(x_BLD)
-
-  def apply_mtp_decode(self, params: Params, depth: int, h_BLD: jax.Array, next_tokens_BL: jax.Array,
-                       positions_BL: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
-    """Transformer.mtp_decode: (the module's output, its cache)."""
-    return nnx.merge(self.graphdef, params).mtp_decode(depth, h_BLD, next_tokens_BL, positions_BL, cache)
-
-  def apply_mtp_logits(self, params: Params, depth: int, h_BLD: jax.Array) -> jax.Array:
-    return nnx.merge(self.graphdef, params).mtp_logits(depth, h_BLD)
-
-
-def build_model_spec(cfg: ModelConfig) -> ModelSpec:
-  """Traces the model abstractly (no parameter memory) to get its structure and axis names."""
-  with nnx.use_eager_sharding(False):
-    abstract_model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
-  graphdef, state = nnx.split(abstract_model)
-  abstract_params = nnx.to_pure_dict(state)
-  names_state = jax.tree.map(_logical_names, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-  logical_names = nnx.to_pure_dict(names_state)
-  return ModelSpec(cfg, graphdef, abstract_params, logical_names)
-
-
-# The layer stacks a parameter tree may hold: `layers` and, with first_dense_layers, `dense_layers`.
-LAYER_STACKS = ("dense_layers", "layers")
-
-
-def unstack_layers(params: Params, num_layers: int) -> Params:
-  """Scanned parameters ({'layers': leaves with a leading layer dim}) → {'layers_0': ..., ...}
-  (a `dense_layers` stack likewise, its length read from its leaves)."""
-  out = {k: v for k, v in params.items() if k not in LAYER_STACKS}
-  for stack in LAYER_STACKS:
-    if stack not in params:
-      continue
-    count = num_layers if stack == "layers" else jax.tree.leaves(params[stack])[0].shape[0]
-    for i in range(count):
-      out[f"{stack}_{i}"] = jax.tree.map(lambda x, i=i: x[i], params[stack])
-  return out
-
-
-def stack_layers(params: Params, num_layers: int) -> Params:
-  """Inverse of `unstack_layers`."""
-  out = {k: v for k, v in params.items() if stacked_layer_key(k) is None}
-  for stack in LAYER_STACKS:
-    count = num_layers if stack == "layers" else sum(1 for k in params if stacked_layer_key(k) == stack)
-    if count:
-      out[stack] = jax.tree.map(lambda *xs: jnp.stack(xs), *[params[f"{stack}_{i}"] for i in range(count)])
-  return out
-
-
-def stacked_layer_key(key: str) -> str | None:
-  """The stack an unrolled parameter key (`layers_3`, `dense_layers_0`) belongs to, else None."""
-  stack, _, index = key.rpartition("_")
-  return stack if stack in LAYER_STACKS and index.isdigit() else None
-
-
-def shard_params_like(spec: ModelSpec, mesh: Mesh, rules: sharding.Rules) -> Params:
-  """NamedShardings for the parameter dict under `rules`."""
-  return sharding.named_shardings(spec.abstract_params, spec.logical_names, mesh, rules)

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import jax
 from jax.sharding import Mesh
 
-from MaxText.layers import models
+from MaxText import models
 from MaxText.training import params_io
 from MaxText.platform import sharding
 from MaxText.paths import storage

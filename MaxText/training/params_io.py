@@ -13,7 +13,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from MaxText.layers import models
+from MaxText import models
 from MaxText.training import lora
 from MaxText.paths import storage
 from MaxText.run_dir.checkpointing import STATE, first_line, is_step_dir, log, quiet_absl

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from MaxText.configuration.config import Config
 from MaxText.training import compiled_step as compiled_step_file
-from MaxText.layers import models
+from MaxText import models
 from MaxText.training import lora, train_state, train_step
 from MaxText.platform import sharding
 from MaxText.input_pipeline import Batch, BatchIterator, create_data_iterator, create_eval_iterator

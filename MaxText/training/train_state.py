@@ -16,7 +16,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
 from MaxText.configuration.config import Config
-from MaxText.layers import models
+from MaxText import models
 from MaxText.training import optimizers
 from MaxText.platform import sharding
 from MaxText.training.optimizers import Params

@@ -325,7 +325,7 @@ class Campaign:
       import jax
 
       from MaxText.configuration.config import Config
-      from MaxText.layers import models
+      from MaxText import models
       from MaxText.training import params_io
 
       config = Config.for_testing(**MODEL_SHAPE)

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText.layers import models
+from MaxText import models
 from MaxText.training import params_io
 from MaxText.configuration.config import Config
 from MaxText.convert import engine as convert_engine

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText.layers import models
+from MaxText import models
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
 from MaxText.layers import kv_cache

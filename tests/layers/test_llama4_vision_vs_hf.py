@@ -4,6 +4,8 @@ Llama4ForConditionalGeneration): the text stack stays causal over image tokens a
 bidirectional image mask switched on breaks the match), the pieces (2-D RoPE angles, pixel
 shuffle) equal HF's, the parameters carry logical names, and the vision keys' one-line errors."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,7 +13,8 @@ import pytest
 import hf_families as H
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
-from MaxText.layers import models, vision_llama4
+from MaxText import families, models
+from MaxText.families import llama4_vision
 
 FP32_ATOL = 2e-5
 NAME = "llama4-vision"
@@ -30,9 +33,10 @@ def test_image_tokens_stay_causal_as_in_hf(reference, monkeypatch):
   expected = H.hf_multimodal_logits(model, token_ids, pixels)
   np.testing.assert_allclose(H.our_multimodal_logits(config, params, token_ids, pixels), expected, atol=FP32_ATOL,
                              rtol=0)
-  monkeypatch.setitem(models.VISION_TOWERS, "llama4",
-                      models.VisionTower(vision_llama4.Llama4VisionEncoder, vision_llama4.Llama4Projector,
-                                         bidirectional_images=True))
+  family = families.family_for_decoder_block("llama4")
+  assert family.vision is not None
+  monkeypatch.setitem(families._FAMILIES, family.name,  # the same tower, its image tokens seeing each other both ways
+                      dataclasses.replace(family, vision=dataclasses.replace(family.vision, bidirectional_images=True)))
   assert np.abs(H.our_multimodal_logits(config, params, token_ids, pixels) - expected).max() > 0.01
 
 
@@ -41,7 +45,7 @@ def test_rope_angles_equal_hf_frequencies():
   config = H.transformers.Llama4VisionConfig(hidden_size=64, num_attention_heads=2, image_size=20, patch_size=4,
                                              rope_parameters={"rope_type": "default", "rope_theta": 50.0})
   expected = rotary._compute_freqs_ci(config)  # complex [Q, 1, Y / 2]
-  ours = vision_llama4.rope_angles(5, 32, 50.0)
+  ours = llama4_vision.rope_angles(5, 32, 50.0)
   np.testing.assert_allclose(np.cos(ours), expected.real.numpy()[:, 0], atol=1e-6)
   np.testing.assert_allclose(np.sin(ours), expected.imag.numpy()[:, 0], atol=1e-6)
 
@@ -49,7 +53,7 @@ def test_rope_angles_equal_hf_frequencies():
 def test_pixel_shuffle_equals_hf():
   x = np.random.default_rng(0).normal(size=(3, 36, 8)).astype(np.float32)
   expected = H.transformers.models.llama4.modeling_llama4.pixel_shuffle(H.torch.tensor(x), 0.5).numpy()
-  np.testing.assert_array_equal(np.asarray(vision_llama4.pixel_shuffle(jnp.asarray(x), 2)), expected)
+  np.testing.assert_array_equal(np.asarray(llama4_vision.pixel_shuffle(jnp.asarray(x), 2)), expected)
 
 
 def test_vision_parameters_carry_logical_names(reference):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText.layers import models
+from MaxText import models
 from MaxText.training import metrics, train_state
 from MaxText.platform import sharding
 from MaxText.training.objectives.language_model import LanguageModel

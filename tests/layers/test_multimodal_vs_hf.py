@@ -13,7 +13,8 @@ import hf_families as H
 import train_utils
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
-from MaxText.layers import masks, models
+from MaxText import models
+from MaxText.layers import masks
 from MaxText.platform import sharding
 
 # As tests/layers/test_families_vs_hf.py: float32 implementations that sum in different orders.

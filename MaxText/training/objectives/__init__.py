@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Callable
 
 from MaxText.configuration.config import Config
-from MaxText.layers.models import ModelSpec
+from MaxText.models import ModelSpec
 from MaxText.training.objectives.base import Objective
 from MaxText.training.objectives.grpo import Grpo
 from MaxText.training.objectives.language_model import LanguageModel

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from MaxText.input_pipeline.batch_spec import REJECTED_PREFIX as REJECTED
-from MaxText.layers.models import ModelSpec
+from MaxText.models import ModelSpec
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]

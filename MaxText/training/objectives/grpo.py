@@ -9,7 +9,7 @@ import jax
 
 from MaxText.configuration.rl_config import RLConfig
 from MaxText.input_pipeline.batch_spec import ADVANTAGES, GRPO_FIELDS
-from MaxText.layers.models import ModelSpec
+from MaxText.models import ModelSpec
 from MaxText.layers.moe import ROUTING_STATS
 from MaxText.training.objectives import grpo_loss
 from MaxText.training.objectives.base import Batch, Metrics, Objective, Params, Sums, T

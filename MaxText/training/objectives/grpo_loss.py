@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from MaxText.layers.models import ModelSpec
+from MaxText.models import ModelSpec
 
 Batch = dict[str, jax.Array]
 Sums = dict[str, jax.Array]

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from MaxText.input_pipeline.batch_spec import FIELDS, PIXEL_VALUES
 from MaxText.layers.moe import ROUTING_STATS
-from MaxText.layers.models import ModelSpec, token_loss_sums
+from MaxText.models import ModelSpec, token_loss_sums
 from MaxText.training.objectives.base import Batch, Metrics, Objective, Params, Sums
 from MaxText.training.objectives.pipelined import one_f_one_b_loss
 

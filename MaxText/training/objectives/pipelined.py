@@ -10,7 +10,7 @@ import jax
 from flax import nnx
 
 from MaxText.layers import pipeline_1f1b, quantization
-from MaxText.layers.models import ModelSpec, output_logits, remat_policy
+from MaxText.models import ModelSpec, output_logits, remat_policy
 from MaxText.training.objectives.base import Batch, Params, Sums
 
 # (float32 logits [m, L, V] of one microbatch, its head inputs) -> (loss sum, sums)
@@ -43,6 +43,6 @@ def one_f_one_b_loss(model: ModelSpec, params: Params, batch: Batch, dropout_rng
   data = {"positions": batch["inputs_position"], "segment_ids": batch["inputs_segmentation"],
           "head_inputs": head_inputs, "dropout_rng": dropout_rng, "aux_cotangents": aux_cotangents}
   with quantization.use_quantization(cfg.quantization):
-    loss, sums = pipeline_1f1b.pipelined_loss(cfg.pipeline, apply_layer, head, remat_policy(cfg.remat_policy),
+    loss, sums = pipeline_1f1b.pipelined_loss(cfg.pipeline, apply_layer, head, remat_policy(cfg),
                                               stacked_state, (norm_state, output_state), x_BLD, data)
   return loss, sums

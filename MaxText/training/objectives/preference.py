@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from MaxText.training.objectives import dpo
 from MaxText.input_pipeline.batch_spec import DPO_FIELDS
-from MaxText.layers.models import ModelSpec
+from MaxText.models import ModelSpec
 from MaxText.training.objectives.base import Batch, Metrics, Objective, Params, Sums, T
 from MaxText.training.optimizers import Partition
 from MaxText.training.train_state import PreferenceState, TrainState, reference_of
