@@ -37,7 +37,7 @@ from typing import Any, Mapping
 from MaxText.families import tensor_maps as r
 from MaxText.families import Family, register_family
 from MaxText.families.llama import embedding_tensors, gated_mlp_tensors, rope_hf_config, rope_keys
-from MaxText.families.mixtral import fused_expert_tensors
+from MaxText.families.mixtral import fused_expert_tensors, routed_expert_tensors
 from MaxText.configuration.model_config import ModelConfig, RopeConfig
 
 _LAYER = "model.layers.{i}."
@@ -85,10 +85,7 @@ def mlp_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
   """The dense prefix's MLP, the router, routed and shared experts, each limited to its stack."""
   dense = [dataclasses.replace(m, stack="dense_layers") for m in gated_mlp_tensors()]
   moe = [
-      r.one(_MOE + "gate.weight", "mlp/gate/kernel", r.transpose, r.transpose),
-      r.one(_MOE + "experts.{e}.gate_proj.weight", "mlp/wi_0/kernel", r.transpose, r.transpose),
-      r.one(_MOE + "experts.{e}.up_proj.weight", "mlp/wi_1/kernel", r.transpose, r.transpose),
-      r.one(_MOE + "experts.{e}.down_proj.weight", "mlp/wo/kernel", r.transpose, r.transpose),
+      *routed_expert_tensors(_MOE),
       *fused_expert_tensors(_MOE),
   ]
   if cfg.moe.moe_score_correction_bias:

@@ -148,10 +148,7 @@ def gemma3_multimodal_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   text = {k: v for k, v in gemma3_hf_config(cfg).items() if k != "architectures"}
   vision = cfg.vision
   return {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text,
-          "vision_config": {"model_type": "siglip_vision_model", "hidden_size": vision.vision_emb_dim,
-                            "intermediate_size": vision.vision_mlp_dim, "num_hidden_layers": vision.vision_num_layers,
-                            "num_attention_heads": vision.vision_num_heads, "num_channels": 3,
-                            "image_size": vision.vision_image_size, "patch_size": vision.vision_patch_size,
+          "vision_config": {"model_type": "siglip_vision_model", **r.vision_hf_config(cfg),
                             "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": vision.vision_layer_norm_epsilon,
                             "attention_dropout": 0.0, "vision_use_head": False},
           "mm_tokens_per_image": vision.mm_tokens_per_image, "image_token_index": vision.image_token_id,
@@ -168,36 +165,9 @@ _MULTIMODAL_PREFIXES = {
 }
 
 
-def _vision_heads_in(cfg: ModelConfig) -> tuple[int, int, int]:
-  return cfg.vision.vision_emb_dim, cfg.vision.vision_num_heads, cfg.vision.vision_head_dim
-
-
 def siglip_tensors(prefix: str = "vision_tower.vision_model.") -> list[r.TensorMap]:
   """SigLIP's vision transformer (no pooling head): torch [out, in] weights, our [in, out] kernels,
   attention projections split into heads, the patch conv as a dense kernel over (C, p, p)."""
-  def stacked(hf: str, ours: str, to_ours: r.ConvertOne = r.transpose, to_hf: r.ConvertOne = r.transpose) -> r.TensorMap:
-    entry = r.one(prefix + "encoder.layers.{e}." + hf, "vision_encoder/layers/" + ours, to_ours, to_hf)
-    return dataclasses.replace(entry, count=lambda cfg: cfg.vision.vision_num_layers)
-
-  def heads_in(w: r.Array, cfg: ModelConfig) -> r.Array:
-    return w.T.reshape(_vision_heads_in(cfg))
-
-  def heads_in_bias(b: r.Array, cfg: ModelConfig) -> r.Array:
-    return b.reshape(_vision_heads_in(cfg)[1:])
-
-  def heads_out(w: r.Array, cfg: ModelConfig) -> r.Array:
-    e, a, y = _vision_heads_in(cfg)
-    return w.T.reshape(a, y, e)
-
-  def flat_in(kernel: r.Array, cfg: ModelConfig) -> r.Array:
-    return kernel.reshape(cfg.vision.vision_emb_dim, -1).T
-
-  def flat_out(kernel: r.Array, cfg: ModelConfig) -> r.Array:
-    return kernel.reshape(-1, cfg.vision.vision_emb_dim).T
-
-  def flat(b: r.Array, cfg: ModelConfig) -> r.Array:
-    return b.reshape(-1)
-
   maps = [
       r.one(prefix + "embeddings.patch_embedding.weight", "vision_encoder/patch_embedding/kernel",
             lambda w, cfg: w.transpose(1, 2, 3, 0), lambda k, cfg: k.transpose(3, 0, 1, 2)),
@@ -206,17 +176,7 @@ def siglip_tensors(prefix: str = "vision_tower.vision_model.") -> list[r.TensorM
       r.one(prefix + "post_layernorm.weight", "vision_encoder/post_layernorm/scale"),
       r.one(prefix + "post_layernorm.bias", "vision_encoder/post_layernorm/bias"),
   ]
-  for norm in ("layer_norm1", "layer_norm2"):
-    maps += [stacked(f"{norm}.weight", f"{norm}/scale", _same, _same),
-             stacked(f"{norm}.bias", f"{norm}/bias", _same, _same)]
-  for hf, ours in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value")):
-    maps += [stacked(f"self_attn.{hf}.weight", f"attention/{ours}/kernel", heads_in, flat_in),
-             stacked(f"self_attn.{hf}.bias", f"attention/{ours}/bias", heads_in_bias, flat)]
-  maps += [stacked("self_attn.out_proj.weight", "attention/out/kernel", heads_out, flat_out),
-           stacked("self_attn.out_proj.bias", "attention/out/bias", _same, _same)]
-  for fc in ("fc1", "fc2"):
-    maps += [stacked(f"mlp.{fc}.weight", f"{fc}/kernel"), stacked(f"mlp.{fc}.bias", f"{fc}/bias", _same, _same)]
-  return maps
+  return maps + r.vision_layer_tensors(prefix + "encoder.layers.{e}.")
 
 
 def _same(x: r.Array, cfg: ModelConfig) -> r.Array:

@@ -171,59 +171,16 @@ _TINY_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_
 
 # ---- the image-text model (HF `llama4`)
 
-def _vision_layers(ours: str, hf: str, to_ours: r.ConvertOne = r.transpose, to_hf: r.ConvertOne = r.transpose
-                   ) -> r.TensorMap:
-  entry = r.one("vision_model.model.layers.{e}." + hf, "vision_encoder/layers/" + ours, to_ours, to_hf)
-  return dataclasses.replace(entry, count=lambda cfg: cfg.vision.vision_num_layers)
-
-
-def _same(x: r.Array, cfg: ModelConfig) -> r.Array:
-  return x
-
-
-def _heads(cfg: ModelConfig) -> tuple[int, int, int]:
-  return cfg.vision.vision_emb_dim, cfg.vision.vision_num_heads, cfg.vision.vision_head_dim
-
-
-def _heads_in(w: r.Array, cfg: ModelConfig) -> r.Array:
-  return w.T.reshape(_heads(cfg))
-
-
-def _heads_in_bias(b: r.Array, cfg: ModelConfig) -> r.Array:
-  return b.reshape(_heads(cfg)[1:])
-
-
-def _heads_out(w: r.Array, cfg: ModelConfig) -> r.Array:
-  e, a, y = _heads(cfg)
-  return w.T.reshape(a, y, e)
-
-
-def _flat_in(kernel: r.Array, cfg: ModelConfig) -> r.Array:
-  return kernel.reshape(cfg.vision.vision_emb_dim, -1).T
-
-
-def _flat_out(kernel: r.Array, cfg: ModelConfig) -> r.Array:
-  return kernel.reshape(-1, cfg.vision.vision_emb_dim).T
-
-
-def _flat(b: r.Array, cfg: ModelConfig) -> r.Array:
-  return b.reshape(-1)
-
-
 def _patch_in(w: r.Array, cfg: ModelConfig) -> r.Array:
   """HF's unfold linear [E, C·p·p] (channel-major, as Unfold flattens) -> our kernel [C, p, p, E]."""
   p = cfg.vision.vision_patch_size
   return w.T.reshape(-1, p, p, cfg.vision.vision_emb_dim)
 
 
-def _patch_out(kernel: r.Array, cfg: ModelConfig) -> r.Array:
-  return kernel.reshape(-1, cfg.vision.vision_emb_dim).T
-
-
 def llama4_vision_tensors() -> list[r.TensorMap]:
   v = "vision_model."
   maps = [
-      r.one(v + "patch_embedding.linear.weight", "vision_encoder/patch_embedding/kernel", _patch_in, _patch_out),
+      r.one(v + "patch_embedding.linear.weight", "vision_encoder/patch_embedding/kernel", _patch_in, r.vision_flat_out),
       r.one(v + "class_embedding", "vision_encoder/class_embedding"),
       r.one(v + "positional_embedding_vlm", "vision_encoder/position_embedding/embedding"),
       r.one(v + "vision_adapter.mlp.fc1.weight", "vision_encoder/adapter/fc1/kernel", r.transpose, r.transpose),
@@ -233,17 +190,8 @@ def llama4_vision_tensors() -> list[r.TensorMap]:
   for norm in ("layernorm_pre", "layernorm_post"):
     maps += [r.one(v + f"{norm}.weight", f"vision_encoder/{norm}/scale"),
              r.one(v + f"{norm}.bias", f"vision_encoder/{norm}/bias")]
-  for hf, ours in (("input_layernorm", "layer_norm1"), ("post_attention_layernorm", "layer_norm2")):
-    maps += [_vision_layers(f"{ours}/scale", f"{hf}.weight", _same, _same),
-             _vision_layers(f"{ours}/bias", f"{hf}.bias", _same, _same)]
-  for hf, ours in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value")):
-    maps += [_vision_layers(f"attention/{ours}/kernel", f"self_attn.{hf}.weight", _heads_in, _flat_in),
-             _vision_layers(f"attention/{ours}/bias", f"self_attn.{hf}.bias", _heads_in_bias, _flat)]
-  maps += [_vision_layers("attention/out/kernel", "self_attn.o_proj.weight", _heads_out, _flat_out),
-           _vision_layers("attention/out/bias", "self_attn.o_proj.bias", _same, _same)]
-  for fc in ("fc1", "fc2"):
-    maps += [_vision_layers(f"{fc}/kernel", f"mlp.{fc}.weight"), _vision_layers(f"{fc}/bias", f"mlp.{fc}.bias", _same, _same)]
-  return maps
+  return maps + r.vision_layer_tensors(v + "model.layers.{e}.", norms=("input_layernorm", "post_attention_layernorm"),
+                                      out="o_proj")
 
 
 def llama4_any_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
@@ -296,10 +244,7 @@ def llama4_multimodal_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   vision = cfg.vision
   width = vision.vision_adapter_dim
   return {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "text_config": text,
-          "vision_config": {"model_type": "llama4_vision_model", "hidden_size": vision.vision_emb_dim,
-                            "intermediate_size": vision.vision_mlp_dim, "num_hidden_layers": vision.vision_num_layers,
-                            "num_attention_heads": vision.vision_num_heads, "num_channels": 3,
-                            "image_size": vision.vision_image_size, "patch_size": vision.vision_patch_size,
+          "vision_config": {"model_type": "llama4_vision_model", **r.vision_hf_config(cfg),
                             "hidden_act": "gelu", "norm_eps": vision.vision_layer_norm_epsilon,
                             "pixel_shuffle_ratio": vision.vision_pixel_shuffle_ratio, "projector_input_dim": width,
                             "projector_output_dim": width, "vision_output_dim": width,

@@ -52,13 +52,19 @@ def fused_expert_tensors(prefix: str) -> list[r.TensorMap]:
   ]
 
 
+def routed_expert_tensors(prefix: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj"
+                          ) -> list[r.TensorMap]:
+  """The router (`prefix`gate) and each expert's SwiGLU weights as stored on disk, one tensor per
+  expert under `prefix`experts.{e}. (HF's names of its gate, up and down projections)."""
+  return [r.one(prefix + "gate.weight", "mlp/gate/kernel", r.transpose, r.transpose),
+          *(r.one(prefix + f"experts.{{e}}.{hf}.weight", f"mlp/{ours}/kernel", r.transpose, r.transpose)
+            for hf, ours in ((gate, "wi_0"), (up, "wi_1"), (down, "wo")))]
+
+
 def expert_tensors() -> list[r.TensorMap]:
   """Router and per-expert SwiGLU weights, in the on-disk form and the in-memory fused form."""
   return [
-      r.one(_MOE + "gate.weight", "mlp/gate/kernel", r.transpose, r.transpose),
-      r.one(_MOE + "experts.{e}.w1.weight", "mlp/wi_0/kernel", r.transpose, r.transpose),
-      r.one(_MOE + "experts.{e}.w3.weight", "mlp/wi_1/kernel", r.transpose, r.transpose),
-      r.one(_MOE + "experts.{e}.w2.weight", "mlp/wo/kernel", r.transpose, r.transpose),
+      *routed_expert_tensors(_MOE, "w1", "w3", "w2"),
       r.one(_FUSED + "gate.weight", "mlp/gate/kernel", r.transpose, r.transpose, write=False),
       *fused_expert_tensors(_FUSED),
   ]

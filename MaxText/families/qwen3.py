@@ -25,7 +25,7 @@ from MaxText.families import tensor_maps as r
 from MaxText.families import Family, register_family
 from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, gated_mlp_tensors, max_positions,
                                     qk_norm_tensors, rope_hf_config, rope_keys, shape_hf_config, shape_keys)
-from MaxText.families.mixtral import fused_expert_tensors
+from MaxText.families.mixtral import fused_expert_tensors, routed_expert_tensors
 from MaxText.configuration.model_config import ModelConfig
 
 _MOE = "model.layers.{i}.mlp."
@@ -36,13 +36,8 @@ def qwen3_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
 
 
 def qwen3_moe_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
-  experts = [
-      r.one(_MOE + "gate.weight", "mlp/gate/kernel", r.transpose, r.transpose),
-      r.one(_MOE + "experts.{e}.gate_proj.weight", "mlp/wi_0/kernel", r.transpose, r.transpose),
-      r.one(_MOE + "experts.{e}.up_proj.weight", "mlp/wi_1/kernel", r.transpose, r.transpose),
-      r.one(_MOE + "experts.{e}.down_proj.weight", "mlp/wo/kernel", r.transpose, r.transpose),
-  ]
-  return embedding_tensors(cfg) + decoder_tensors(cfg) + qk_norm_tensors() + experts + fused_expert_tensors(_MOE)
+  return (embedding_tensors(cfg) + decoder_tensors(cfg) + qk_norm_tensors() + routed_expert_tensors(_MOE)
+          + fused_expert_tensors(_MOE))
 
 
 def _common_keys(hf: Mapping[str, Any]) -> dict[str, Any]:

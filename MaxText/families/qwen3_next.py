@@ -37,7 +37,7 @@ from MaxText.families import tensor_maps as r
 from MaxText.errors import ConfigError
 from MaxText.families import Family, register_family
 from MaxText.families.llama import TINY_SHAPES, embedding_tensors, max_positions, shape_hf_config, shape_keys
-from MaxText.families.mixtral import fused_expert_tensors
+from MaxText.families.mixtral import fused_expert_tensors, routed_expert_tensors
 
 _LAYER = "model.layers.{i}."
 _MOE = _LAYER + "mlp."
@@ -158,10 +158,7 @@ def norm_tensors() -> list[r.TensorMap]:
 def moe_tensors() -> list[r.TensorMap]:
   """Every layer's routed experts (per expert on disk, fused in transformers' memory) and gated shared expert."""
   return [
-      r.one(_MOE + "gate.weight", "mlp/gate/kernel", r.transpose, r.transpose),
-      r.one(_MOE + "experts.{e}.gate_proj.weight", "mlp/wi_0/kernel", r.transpose, r.transpose),
-      r.one(_MOE + "experts.{e}.up_proj.weight", "mlp/wi_1/kernel", r.transpose, r.transpose),
-      r.one(_MOE + "experts.{e}.down_proj.weight", "mlp/wo/kernel", r.transpose, r.transpose),
+      *routed_expert_tensors(_MOE),
       r.one(_MOE + "shared_expert.gate_proj.weight", "mlp/shared_mlp/wi_0/kernel", r.transpose, r.transpose),
       r.one(_MOE + "shared_expert.up_proj.weight", "mlp/shared_mlp/wi_1/kernel", r.transpose, r.transpose),
       r.one(_MOE + "shared_expert.down_proj.weight", "mlp/shared_mlp/wo/kernel", r.transpose, r.transpose),

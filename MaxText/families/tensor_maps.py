@@ -163,3 +163,73 @@ def attention_pattern(layer_is_local: Sequence[bool]) -> list[str]:
     if all(kinds[i] == kinds[i % period] for i in range(len(kinds))):
       return kinds[:period]
   return kinds
+
+
+# ---- a vision tower's encoder layers (SigLIP's, Llama 4's): two LayerNorms, biased attention
+# projections split into heads, a biased two-layer MLP; stacked over vision_num_layers.
+
+def same(x: Array, cfg: ModelConfig) -> Array:
+  del cfg
+  return x
+
+
+def _vision_heads(cfg: ModelConfig) -> tuple[int, int, int]:
+  return cfg.vision.vision_emb_dim, cfg.vision.vision_num_heads, cfg.vision.vision_head_dim
+
+
+def _vision_heads_in(w: Array, cfg: ModelConfig) -> Array:
+  return w.T.reshape(_vision_heads(cfg))
+
+
+def _vision_heads_in_bias(b: Array, cfg: ModelConfig) -> Array:
+  return b.reshape(_vision_heads(cfg)[1:])
+
+
+def _vision_heads_out(w: Array, cfg: ModelConfig) -> Array:
+  e, a, y = _vision_heads(cfg)
+  return w.T.reshape(a, y, e)
+
+
+def vision_flat_in(kernel: Array, cfg: ModelConfig) -> Array:
+  """Our [E, ...] kernel -> torch's [..., E] Linear weight (the inverse of transposing and reshaping it)."""
+  return kernel.reshape(cfg.vision.vision_emb_dim, -1).T
+
+
+def vision_flat_out(kernel: Array, cfg: ModelConfig) -> Array:
+  """Our [..., E] kernel -> torch's [E, ...] Linear weight."""
+  return kernel.reshape(-1, cfg.vision.vision_emb_dim).T
+
+
+def _flat(b: Array, cfg: ModelConfig) -> Array:
+  del cfg
+  return b.reshape(-1)
+
+
+def vision_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+  """The vision_config fields every vision tower's HF config spells alike (its shape)."""
+  vision = cfg.vision
+  return {"hidden_size": vision.vision_emb_dim, "intermediate_size": vision.vision_mlp_dim,
+          "num_hidden_layers": vision.vision_num_layers, "num_attention_heads": vision.vision_num_heads,
+          "num_channels": 3, "image_size": vision.vision_image_size, "patch_size": vision.vision_patch_size}
+
+
+def vision_layer_tensors(hf_layer: str, norms: tuple[str, str] = ("layer_norm1", "layer_norm2"),
+                         out: str = "out_proj") -> list[TensorMap]:
+  """Each vision encoder layer's tensors: HF's under `hf_layer` (holding "{e}", the layer) ↔ ours
+  under vision_encoder/layers/. `norms`: HF's names of the pre-attention and pre-MLP LayerNorms
+  (ours: layer_norm1, layer_norm2); `out`: of the attention output projection."""
+  def stacked(hf: str, ours: str, to_ours: ConvertOne = transpose, to_hf: ConvertOne = transpose) -> TensorMap:
+    entry = one(hf_layer + hf, "vision_encoder/layers/" + ours, to_ours, to_hf)
+    return dataclasses.replace(entry, count=lambda cfg: cfg.vision.vision_num_layers)
+
+  maps = []
+  for hf, ours in zip(norms, ("layer_norm1", "layer_norm2")):
+    maps += [stacked(f"{hf}.weight", f"{ours}/scale", same, same), stacked(f"{hf}.bias", f"{ours}/bias", same, same)]
+  for hf, ours in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value")):
+    maps += [stacked(f"self_attn.{hf}.weight", f"attention/{ours}/kernel", _vision_heads_in, vision_flat_in),
+             stacked(f"self_attn.{hf}.bias", f"attention/{ours}/bias", _vision_heads_in_bias, _flat)]
+  maps += [stacked(f"self_attn.{out}.weight", "attention/out/kernel", _vision_heads_out, vision_flat_out),
+           stacked(f"self_attn.{out}.bias", "attention/out/bias", same, same)]
+  for fc in ("fc1", "fc2"):
+    maps += [stacked(f"mlp.{fc}.weight", f"{fc}/kernel"), stacked(f"mlp.{fc}.bias", f"{fc}/bias", same, same)]
+  return maps
