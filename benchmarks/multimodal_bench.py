@@ -56,12 +56,11 @@ def fastest_call(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, f
   return best
 
 
-def image_rows(batch: int, length: int, images: int, tokens_per_image: int, rng: Any) -> Any:
-  """[batch, length + 1] token rows, each with `images` runs of boi, the placeholders, eoi among text."""
+def image_rows(batch: int, length: int, images: int, run: list[int], rng: Any) -> Any:
+  """[batch, length + 1] token rows, each with `images` copies of one image's token `run` among text."""
   import numpy as np
 
   rows = rng.integers(0, TOKENS["boi_token_id"], size=(batch, length + 1)).astype(np.int32)
-  run = [TOKENS["boi_token_id"]] + [TOKENS["image_token_id"]] * tokens_per_image + [TOKENS["eoi_token_id"]]
   stride = (length + 1) // images
   if stride < len(run) + 1:
     raise SystemExit(f"max_target_length={length} is too short for {images} images of {len(run)} tokens each")
@@ -142,10 +141,16 @@ def main() -> None:
                 eval_interval=-1, print_config=False)
   multimodal = Config.for_testing(**common, **TOWER, max_images_per_row=args.max_images_per_row)
   text = Config.for_testing(**{**common, "model_name": "gemma3-4b"})
-  tokens_per_image = multimodal.model.vision.mm_tokens_per_image
+  from MaxText import families
+  from MaxText.families.image_format import PreparedImage
+
+  vision, size = multimodal.model.vision, multimodal.model.vision.vision_image_size
+  image_format = families.family_for_decoder_block(multimodal.model.decoder_block).image_format
+  assert image_format is not None
+  one_view = PreparedImage(np.zeros((1, 3, size, size), np.float32))  # an image of one view, as the model's format writes it
+  run = image_format.run_ids(vision, one_view, multimodal.model.vocab_size)
   rng = np.random.default_rng(0)
-  rows = image_rows(args.batch, args.max_target_length, args.max_images_per_row, tokens_per_image, rng)
-  size = multimodal.model.vision.vision_image_size
+  rows = image_rows(args.batch, args.max_target_length, args.max_images_per_row, run, rng)
   pixels = rng.uniform(-1, 1, (args.batch, args.max_images_per_row, 3, size, size)).astype(np.float32)
 
   from MaxText.training.run_assembly import build_run
@@ -160,7 +165,7 @@ def main() -> None:
   share = max(mm_s - text_s, 0.0) / mm_s
   print(f"devices: {jax.device_count()} {jax.devices()[0].platform}; batch {args.batch} x {args.max_target_length} tokens, "
         f"{args.max_images_per_row} images of {size} x {size} per row "
-        f"({args.max_images_per_row * (tokens_per_image + 2)} image tokens)")
+        f"({args.max_images_per_row * len(run)} image tokens)")
   print(f"tower (forward): {tower_images / tower_s:.1f} images/s ({1e3 * tower_s / tower_images:.1f} ms per image)")
   print(f"multimodal SFT step: {mm_s:.3f} s, {tokens / mm_s:,.0f} tokens/s")
   print(f"text-only SFT step:  {text_s:.3f} s, {tokens / text_s:,.0f} tokens/s")

@@ -113,6 +113,20 @@ def test_each_layer_picks_its_kernel_from_the_table_with_its_own_head_shape():
   assert chosen == ["cudnn_flash", "cudnn_flash", "flash"]
 
 
+@pytest.mark.parametrize("overrides, message", [
+    ({"ici_pipeline_parallelism": 2, "ici_fsdp_parallelism": 4},
+     "per-layer shapes (global_head_dim, global_num_kv_heads, attention_k_eq_v, use_v_norm, num_kv_shared_layers, "
+     "kv_shared_double_mlp, per_layer_input_dim) do not support pipeline parallelism"),
+    ({"num_experts": 4}, "num_experts=4 with per-layer shapes (global_head_dim, "),
+])
+def test_per_layer_shape_errors_name_the_keys_that_make_the_layers_differ(overrides, message):
+  """The errors name the keys set (the feature), not a decoder block."""
+  keys = H.families.families()["gemma4"].model_keys(dict(H.REFERENCE_CONFIGS["gemma4"]))
+  with pytest.raises(config_lib.ConfigError) as raised:
+    config_lib.Config.for_testing(**{**keys, **overrides, "print_config": False})
+  assert message in str(raised.value) and "\n" not in str(raised.value) and "gemma4" not in str(raised.value)
+
+
 @pytest.mark.slow  # ~25 s: an image-text model built, saved and converted
 def test_multimodal_checkpoint_converts_its_text_decoder(tmp_path):
   """A Gemma4ForConditionalGeneration checkpoint: its text decoder (under model.language_model) converts, the

@@ -34,8 +34,13 @@ class LayerShapesConfig:
   @property
   def active(self) -> bool:
     """Whether any layer differs from the stack's common shape."""
-    return any((self.global_head_dim, self.global_num_kv_heads, self.attention_k_eq_v, self.use_v_norm,
-                self.num_kv_shared_layers, self.kv_shared_double_mlp, self.per_layer_input_dim, self.moe_beside_mlp))
+    return bool(self.set_keys)
+
+  @property
+  def set_keys(self) -> list[str]:
+    """The keys set away from the stack's common shape."""
+    return [field.name for field in dataclasses.fields(self) if getattr(self, field.name) and field.name not in (
+        "per_layer_input_vocab_size",)]
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any], *, num_layers: int, pipelined: bool) -> "LayerShapesConfig":
@@ -54,8 +59,8 @@ class LayerShapesConfig:
              f"global_head_dim, global_num_kv_heads, attention_k_eq_v, use_v_norm, num_kv_shared_layers, "
              f"kv_shared_double_mlp, per_layer_input_dim and moe_beside_mlp need decoder_block {', '.join(PER_LAYER_SHAPE_BLOCKS)}; "
              f"got {v['decoder_block']!r}: set them to 0 / False")
-    _require(not pipelined, "decoder_block gemma4 does not support pipeline parallelism (its layers differ in shape); "
-             "set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
+    _require(not pipelined, f"per-layer shapes ({', '.join(record.set_keys)}) do not support pipeline parallelism (the "
+             "stack's layers differ); set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
     kinds = [v["attention_layer_pattern"][i % len(v["attention_layer_pattern"])] for i in range(num_layers)]
     shared = values["num_kv_shared_layers"]
     _require(set(kinds[num_layers - shared:]) <= set(kinds[:num_layers - shared]),
@@ -64,7 +69,8 @@ class LayerShapesConfig:
     _require(not values["moe_beside_mlp"] or v["num_experts"] > 1,
              f"moe_beside_mlp=True needs num_experts > 1, got {v['num_experts']}")
     _require(values["moe_beside_mlp"] or v["num_experts"] == 1,
-             "decoder_block gemma4 runs experts only beside its dense MLP: set moe_beside_mlp=True or num_experts=1")
+             f"num_experts={v['num_experts']} with per-layer shapes ({', '.join(record.set_keys)}) runs experts only "
+             "beside a dense MLP: set moe_beside_mlp=True or num_experts=1")
     num_kv = v["base_num_kv_heads"]
     global_kv = values["global_num_kv_heads"] or num_kv
     _require(v["base_num_query_heads"] % global_kv == 0,

@@ -1,7 +1,7 @@
 """Llama 4's image side (the llama4 family's `vision` tower, families/llama4.py): its vision encoder,
 the pixel-shuffle adapter and the projector into the text width.
 
-  tile pixel values [I, C, R, R] (input_pipeline/llama4_images.py: each image's tiles, then its
+  tile pixel values [I, C, R, R] (families/llama4_images.py: each image's tiles, then its
   global thumbnail, each a separate "image" here)
     ─► Llama4VisionEncoder: R/p x R/p patches (an unfold + a linear without bias, computed as a
        dense layer over each flattened patch), a learned class token appended last, learned

@@ -146,4 +146,4 @@ def prepare_images(refs: Sequence[str], vision: VisionConfig, decoder_block: str
 def refuse_images_without_vision(slots: Sequence[ImageSlot], vision: VisionConfig, model_name: str = "the model") -> None:
   if slots and not vision.use_multimodal:
     raise UserError(f"{len(slots)} image(s) given to {model_name}, a text-only model (use_multimodal=False); "
-                    "use a vision model's config (e.g. model_name=gemma3-4b-vision) or remove the images")
+                    "use a vision model's config (a model_name of configs/models/*-vision.yml) or remove the images")

@@ -74,6 +74,25 @@ def test_markers_and_images_must_pair_up(tokenizer, text):
     image_text.expand_image_markers(text, tokenizer, _vision(tokenizer), "gemma3", _views(1))
 
 
+def test_a_family_brings_its_image_format_through_its_record_alone(tokenizer, monkeypatch):
+  """The prompt code finds a block's image format on its Family record: a made-up family with its own
+  format expands markers its way; a family without one is refused in one line naming the blocks that have one."""
+  from MaxText import families
+  from MaxText.families import gemma3_images
+
+  own = dataclasses.replace(gemma3_images.IMAGE_FORMAT, text=lambda tokenizer, vision, image: "[IMAGE]")
+  base = families.family_for_decoder_block("gemma3")
+  monkeypatch.setitem(families._FAMILIES, "made_up", dataclasses.replace(  # noqa: SLF001  (registered for this test)
+      base, name="made_up", hf_model_types=(), decoder_blocks=("made_up",), image_format=own))
+  assert image_text.image_format("made_up") is own
+  assert image_text.expand_image_markers("a <start_of_image> b", tokenizer, _vision(tokenizer), "made_up",
+                                         _views(1)) == "a [IMAGE] b"
+  with pytest.raises(UserError) as raised:
+    image_text.image_format("llama2")
+  assert str(raised.value).startswith("decoder_block 'llama2' has no image prompt format; images need one of ")
+  assert "made_up" in str(raised.value) and "\n" not in str(raised.value)
+
+
 def test_data_urls_decode_and_network_urls_are_refused():
   assert image_text.read_image(_png_url((0, 255, 0)), files=False).getpixel((0, 0)) == (0, 255, 0)
   with pytest.raises(UserError, match="http.s. image URLs are not fetched"):
