@@ -132,12 +132,12 @@ def _decode(overrides: dict[str, Any], slots: int, prompt_len: int, steps: int) 
   state = engine.init_decode_state()
   for slot in range(slots):
     state = engine.insert(prefix, state, slot)
-  state, tokens = engine.generate(params, state)  # compiles
-  tokens.block_until_ready()
+  state, emitted = engine.decode_step(params, state)  # compiles
+  emitted.tokens.block_until_ready()
   start = time.perf_counter()
   for _ in range(steps):
-    state, tokens = engine.generate(params, state)
-  tokens.block_until_ready()
+    state, emitted = engine.decode_step(params, state)
+  emitted.tokens.block_until_ready()
   step_s = (time.perf_counter() - start) / steps
   return dict(step_s=step_s, tokens_per_s=slots / step_s,
               params_m=sum(x.size for x in jax.tree.leaves(params)) / 1e6)

@@ -106,6 +106,9 @@ def _type_name(value: Any) -> str:
 
 def coerce(key: str, value: Any, default: Any) -> Any:
   """Converts `value` (a YAML scalar/list or a command-line string) to the type of `default`."""
+  if key in config_groups.AUTO_SWITCHES:  # auto | true | false, and an old config's boolean
+    text = str(value).strip().lower()
+    return "true" if text in _TRUE else "false" if text in _FALSE else text
   if isinstance(default, bool):
     if isinstance(value, bool):
       return value

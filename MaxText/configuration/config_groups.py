@@ -28,6 +28,10 @@ from MaxText.configuration.model_checks import one_of as _one_of, positive as _p
 
 SAMPLING_STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
 KV_CACHE_LAYOUTS = ("dense", "paged")
+# Keys that once were booleans and now take auto | true | false (auto: where it applies); an old
+# config's True / False reads as true / false.
+AUTO_SWITCHES = ("prefix_caching",)
+AUTO_SWITCH_VALUES = ("auto", "true", "false")
 METRIC_TRACKERS = ("wandb", "vertex_tensorboard")  # training/trackers.py: one class per name
 WANDB_MODES = ("", "online", "offline", "disabled")
 
@@ -329,7 +333,7 @@ class DecodeConfig:
   kv_page_size: int = key()
   kv_num_pages: int = key()  # 0: as many as slots x pages per slot (the dense capacity)
   prefill_chunk_size: int = key()  # paged serving: prompt tokens prefilled per step; 0 = a whole prompt at once
-  prefix_caching: bool = key()  # paged serving: full prompt pages shared between requests with the same prefix
+  prefix_caching: str = key()  # auto | true | false: full prompt pages shared between requests (paged layout)
   prefix_state_snapshots: int = key()  # recurrent models' states kept at page boundaries; -1: 2 per slot, 0: none
   speculative_tokens: int = key()  # speculative decoding: draft tokens proposed per round; 0 = off
   draft_model_name: str = key()  # the draft's configs/models/<name>.yml ("" = saved beside its checkpoint)
@@ -350,6 +354,10 @@ class DecodeConfig:
     _require(v["prefill_chunk_size"] == 0 or v["kv_cache_layout"] == "paged",
              f"prefill_chunk_size={v['prefill_chunk_size']} needs kv_cache_layout=paged (chunks are prefilled "
              "straight into the slot's pages); set kv_cache_layout=paged or prefill_chunk_size=0")
+    _one_of(v, "prefix_caching", AUTO_SWITCH_VALUES)
+    _require(v["prefix_caching"] != "true" or v["kv_cache_layout"] == "paged",
+             "prefix_caching=true needs kv_cache_layout=paged (requests share their prompts' cached pages); set "
+             "kv_cache_layout=paged or prefix_caching=auto (on where the cache has pages)")
     _require(v["speculative_tokens"] >= 0, f"speculative_tokens must be >= 0 (0: no speculative decoding), got "
              f"{v['speculative_tokens']}")
     for item in v["draft_overrides"]:

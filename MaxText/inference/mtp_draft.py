@@ -38,8 +38,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxText.errors import UserError
 from MaxText.inference import paged_cache, sampling, speculative
-from MaxText.inference.engine import (DecodeState, Engine, Prefix, RowSampling, pad_prompts,
-                                      refuse_mtp_speculative)
+from MaxText.inference.decode_state import DecodeState, Prefix, RowSampling, pad_prompts, row_sampling, sample, seeded
+from MaxText.inference.engine import Engine, refuse_mtp_speculative
 from MaxText.inference.engine_api import TokenLogprobs
 from MaxText.layers import kv_cache
 from MaxText.platform import sharding
@@ -74,6 +74,9 @@ class MtpSpeculativeDecoder:
     if target.decode_cfg.prefill_chunk_size:
       raise UserError(f"prefill_chunk_size={target.decode_cfg.prefill_chunk_size}: MTP drafting prefills prompts "
                       "whole (the MTP module runs over the prompt); set prefill_chunk_size=0 or name a draft model")
+    if target.decode_cfg.prefix_caching == "true":
+      raise UserError("prefix_caching=true: MTP drafting prefills prompts whole and shares no prompt pages; set "
+                      "prefix_caching=auto or name a draft model")
     self.target, self.draft, self.k = target, None, k
     self.num_slots = target.num_slots
     self.acceptance = speculative.Acceptance(k)
@@ -103,12 +106,8 @@ class MtpSpeculativeDecoder:
     tokens_BL, lengths_B = pad_prompts(prompts, self.target.decode_cfg.max_prefill_predict_length)
     if row_params is None:
       row_params = [sampling.RowParams.from_strategy(self.target.sampling, seed + i) for i in range(len(prompts))]
-    rows = RowSampling(jnp.asarray([r.temperature for r in row_params], jnp.float32),
-                       jnp.asarray([r.top_p for r in row_params], jnp.float32),
-                       jnp.asarray([r.top_k for r in row_params], jnp.int32),
-                       jnp.asarray([r.seed % 2**32 for r in row_params], jnp.uint32))
     with sharding.activation_sharding(self.target.mesh, self.target.rules):
-      return self._prefill(target_params, jnp.asarray(tokens_BL), jnp.asarray(lengths_B), rows)
+      return self._prefill(target_params, jnp.asarray(tokens_BL), jnp.asarray(lengths_B), row_sampling(row_params))
 
   def insert(self, prefixes: tuple[Prefix, MtpDraft], state: MtpState, slot: int, row: int = 0) -> MtpState:
     target = self.target.insert(prefixes[0], state.target, slot, row)
@@ -148,15 +147,14 @@ class MtpSpeculativeDecoder:
                   ) -> tuple[Prefix, MtpDraft]:
     self.traces["prefill"] += 1
     spec, cfg = self.target.spec, self.target.cfg
-    seeds_to_keys = jax.vmap(lambda seed: jax.random.key_data(jax.random.key(seed)))
-    rows = dataclasses.replace(rows, keys_B=seeds_to_keys(rows.keys_B))
+    rows = seeded(rows)
     batch, length = tokens_BL.shape
     caches = kv_cache.model_caches(cfg, batch, length, self.target.decode_cfg.quantize_kvcache)
     positions_BL = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens_BL.shape)
     h_BLD, caches = spec.apply_decode_hidden(params, tokens_BL, positions_BL, caches)
     last_B11 = (lengths_B - 1)[:, None, None]
     logits_BV = spec.apply_logits(params, jnp.take_along_axis(h_BLD, last_B11, axis=1))[:, 0]
-    first_B, rows, logprobs = Engine._sample(logits_BV, rows)
+    first_B, rows, logprobs = sample(logits_BV, rows)
     # The token after each position: the prompt's next one, the first sampled token after its last.
     next_BL = jnp.pad(tokens_BL[:, 1:], ((0, 0), (0, 1)))
     next_BL = jnp.where(positions_BL == lengths_B[:, None] - 1, first_B[:, None], next_BL)

@@ -55,8 +55,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxText.errors import UserError
 from MaxText.inference import sampling
-from MaxText.inference.engine import DecodeState, Engine, Prefix, RowSampling, has_recurrent_state
+from MaxText.inference.decode_state import DecodeState, Prefix
+from MaxText.inference.engine import Engine
 from MaxText.inference.engine_api import TokenLogprobs
+from MaxText.inference.state_snapshots import has_recurrent_state
 from MaxText.layers.gated_deltanet import LinearState
 from MaxText.platform import sharding
 

@@ -29,7 +29,8 @@ from jax.sharding import Mesh
 from MaxText.configuration.config import Config, draft_config
 from MaxText.errors import UserError
 from MaxText.inference import image_prompts, mtp_draft, sampling, speculative
-from MaxText.inference.engine import Engine, Prefix, load_engine, refuse_mtp_speculative
+from MaxText.inference.decode_state import Prefix
+from MaxText.inference.engine import Engine, load_engine, refuse_mtp_speculative
 from MaxText.inference.engine_api import DecodeEngine, Emitted, SlotInfo, TokenLogprobs
 from MaxText.paths import storage
 from MaxText.platform import distributed

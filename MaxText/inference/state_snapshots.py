@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+from MaxText.configuration.model_config import ModelConfig
 from MaxText.inference import image_prompts, paged_cache
 
 
@@ -106,6 +107,11 @@ def restore(caches: Any, pool: Any, slot: jax.Array, row: jax.Array, stacked: bo
   axis = _batch_axis(stacked)
   return jax.tree.map(lambda x, snapshots: x if snapshots is None else _copy_row(x, snapshots, row, slot, axis),
                       caches, pool, is_leaf=paged_cache.is_pool)
+
+
+def has_recurrent_state(cfg: ModelConfig) -> bool:
+  """Whether some layer of the model keeps a recurrent decode state (Gated DeltaNet) beside or instead of a KV cache."""
+  return cfg.linear_attn.full_attention_interval > 1 or cfg.attn.attention_type == "gated_deltanet"
 
 
 class RecurrentSnapshots:

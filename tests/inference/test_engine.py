@@ -30,7 +30,7 @@ def test_serve_reuses_slots_and_compiles_each_step_once():
   served = serve(engine, params, requests)
   for request in served:  # five requests through two slots, each exactly its solo greedy decode
     assert request.output == uncached_greedy(engine.spec, params, request.prompt, request.max_new_tokens, 24)
-  assert engine.generate_compilations() == 1
+  assert engine.metrics()["step_compilations"] == 1
   assert engine.traces == {"prefill": 1, "insert": 1, "generate": 1, "score": 0, "extend": 0}
   # An end-of-sequence id frees the slot early: each request stops at its first eos.
   eos = served[0].output[2]

@@ -90,7 +90,7 @@ def test_carried_mtp_logits_equal_the_uncached_module_over_the_text():
 
 @pytest.mark.slow
 def test_the_scheduler_with_mtp_gives_the_plain_schedulers_tokens_and_scores():
-  overrides = dict(LLAMA_MTP, **PAGED, prefix_caching=True)  # MTP leaves prefix caching out
+  overrides = dict(LLAMA_MTP, **PAGED)  # prefix_caching=auto: MTP leaves prefix caching out
   target, params, decoder = build(overrides, 3, num_slots=3)
   plain, _ = run_jobs(target, params)
   got, load = run_jobs(speculative_engine.SpeculativeEngine(decoder), (params, None))
@@ -106,6 +106,9 @@ def test_mtp_drafting_is_chosen_and_refused_with_one_line():
   assert isinstance(engine, speculative_engine.SpeculativeEngine) and engine.draft is None
   with pytest.raises(UserError, match="prefill_chunk_size=4: MTP drafting prefills prompts whole"):
     speculative_engine.load(Config.for_testing(**LLAMA_MTP, **PAGED, prefill_chunk_size=4, speculative_tokens=2), 2,
+                            "", one_device_mesh())
+  with pytest.raises(UserError, match="prefix_caching=true: MTP drafting prefills prompts whole"):
+    speculative_engine.load(Config.for_testing(**LLAMA_MTP, **PAGED, prefix_caching=True, speculative_tokens=2), 2,
                             "", one_device_mesh())
   target = Engine(Config.for_testing(**TARGET), num_slots=2, mesh=one_device_mesh())
   with pytest.raises(UserError, match=r"needs a model with multi-token-prediction modules \(mtp_num_layers > 0\)"):

@@ -436,7 +436,7 @@ def test_prefix_caching_gives_the_same_tokens_and_shares_the_prefix_pages(family
   params = plain.load_params(seed=1)
   cached = Engine(Config.for_testing(**config, prefix_caching=True), num_slots=2, mesh=one_device_mesh())
   assert plain.prefills_into_pages is (family == "qwen3_next_chunked") and cached.prefills_into_pages is True
-  assert (cached.snapshots is not None) is family.startswith("qwen3_next")
+  assert (cached.page_prefill.snapshots is not None) is family.startswith("qwen3_next")
   expected = _scheduled_outputs(plain, params, prompts, new_tokens)
   loads: list = []
   assert _scheduled_outputs(cached, params, prompts, new_tokens, loads=loads) == expected

@@ -188,15 +188,18 @@ def test_mtp_drafting_of_a_gated_deltanet_model_is_refused_in_one_line():
 
 
 def test_a_gated_deltanet_model_keeps_state_snapshots_for_prefix_caching_unless_told_not_to(capsys):
-  """Prefix caching (on by default with the paged cache) restarts a recurrent model from its states kept at page
-  boundaries (2 per slot by default); with prefix_state_snapshots=0 there are none, so the engine turns prefix
-  caching off for such a model and says so, instead of refusing the default."""
-  paged = dict(QWEN3_NEXT, prefix_caching=True, kv_cache_layout="paged")
+  """Prefix caching (prefix_caching=auto: on with the paged cache) restarts a recurrent model from its states kept at
+  page boundaries (2 per slot by default); with prefix_state_snapshots=0 there are none, so auto turns prefix
+  caching off for such a model and says so, and prefix_caching=true is refused in one line."""
+  paged = dict(QWEN3_NEXT, kv_cache_layout="paged", prefix_caching="auto")
   engine = Engine(Config.for_testing(**paged), num_slots=3, mesh=one_device_mesh())
-  assert engine.prefix_caching and engine.snapshots is not None and engine.snapshots.capacity == 6
+  snapshots = engine.page_prefill.snapshots
+  assert engine.prefix_caching and snapshots is not None and snapshots.capacity == 6
   engine = Engine(Config.for_testing(**paged, prefix_state_snapshots=0), mesh=one_device_mesh())
   assert not engine.prefix_caching and engine.pages is not None and engine.pages.index is None
   assert "engine: prefix_caching is off for this model" in capsys.readouterr().out
+  with pytest.raises(UserError, match="prefix_caching=true needs snapshots .* set prefix_state_snapshots=-1"):
+    Engine(Config.for_testing(**dict(paged, prefix_caching=True), prefix_state_snapshots=0), mesh=one_device_mesh())
 
 
 @pytest.mark.parametrize("family,layout", [

@@ -1,0 +1,96 @@
+"""The records a decode engine and its parts pass around, and the traced helpers that fill a slot.
+
+Shape legend (as engine.py): B prompts or rows, L padded prompt length, T slots, V vocabulary.
+
+`Prefix` is what a prefill returns, `DecodeState` the batched state of every slot, `RowSampling`
+each row's sampling parameters and PRNG stream. `sample` draws each row's next token, `with_prompt`
+puts a prefilled prompt's position, first token and sampling row into a slot. The engine
+(engine.py), its prefill into pages (page_prefill.py) and the speculative decoders share them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from MaxText.errors import UserError
+from MaxText.inference import sampling
+from MaxText.inference.engine_api import TokenLogprobs
+
+
+@struct.dataclass
+class RowSampling:
+  """Per-row sampling parameters and PRNG streams (rows are prompts in a Prefix, slots in a DecodeState).
+  Fields are Any: the same structure carries the rows' shardings."""
+
+  temperature_B: Any  # float32; 0 = greedy
+  top_p_B: Any  # float32; 1 = no nucleus cut
+  top_k_B: Any  # int32; 0 = no top-k cut
+  keys_B: Any  # PRNG key data per row, split at every draw (before the jitted body: uint32 seeds)
+
+
+@struct.dataclass
+class Prefix:
+  caches: Any  # per-layer KV caches of length L (batch B); None from a prefill straight into pages
+  next_positions_B: jax.Array  # the prompts' true lengths: where each first generated token goes
+  first_tokens_B: jax.Array  # token sampled from each prompt's last position
+  sampling: RowSampling  # each row's parameters, keys already advanced past the first draw
+  first_logprobs: TokenLogprobs
+
+
+@struct.dataclass
+class DecodeState:
+  """Arrays of the batched decode state (the same structure also carries their shardings)."""
+
+  caches: Any  # per-layer KV caches of length S (batch T)
+  next_positions_B: Any  # [T] int32 position the slot's pending token is written at
+  tokens_B: Any  # [T] int32 each slot's latest sampled token (input of the next step)
+  sampling: Any  # RowSampling of the slots (a free slot keeps its last request's values, unused)
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], length: int) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pads token lists to [B, length] (pad id 0); returns (tokens, true lengths)."""
+  for i, prompt in enumerate(prompts):
+    if not 1 <= len(prompt) <= length:
+      raise UserError(f"prompt {i} has {len(prompt)} tokens; it must have 1 to max_prefill_predict_length="
+                      f"{length} tokens (raise max_prefill_predict_length or shorten the prompt)")
+  tokens = np.zeros((len(prompts), length), np.int32)
+  for i, prompt in enumerate(prompts):
+    tokens[i, :len(prompt)] = prompt
+  return tokens, np.asarray([len(p) for p in prompts], np.int32)
+
+
+def row_sampling(rows: Sequence[sampling.RowParams]) -> RowSampling:
+  """The rows' parameters as arrays; `keys_B` holds their seeds, which `seeded` turns into keys inside jit."""
+  return RowSampling(jnp.asarray([r.temperature for r in rows], jnp.float32),
+                     jnp.asarray([r.top_p for r in rows], jnp.float32),
+                     jnp.asarray([r.top_k for r in rows], jnp.int32),
+                     jnp.asarray([r.seed % 2**32 for r in rows], jnp.uint32))
+
+
+def seeded(rows: RowSampling) -> RowSampling:
+  """`rows` with each row's seed made into its PRNG key data (traced)."""
+  seeds_to_keys = jax.vmap(lambda seed: jax.random.key_data(jax.random.key(seed)))
+  return dataclasses.replace(rows, keys_B=seeds_to_keys(rows.keys_B))
+
+
+def sample(logits_BV: jax.Array, rows: RowSampling) -> tuple[jax.Array, RowSampling, TokenLogprobs]:
+  """Each row's next token by its own parameters, the rows with their keys advanced, the tokens' scores."""
+  keys_B, draw_keys_B = sampling.split_rows(rows.keys_B)
+  tokens_B = sampling.sample_rows(logits_BV, draw_keys_B, rows.temperature_B, rows.top_p_B, rows.top_k_B)
+  return tokens_B, dataclasses.replace(rows, keys_B=keys_B), TokenLogprobs(*sampling.token_logprobs(logits_BV,
+                                                                                                    tokens_B))
+
+
+def with_prompt(state: DecodeState, caches: Any, prefix: Prefix, slot: jax.Array, row: jax.Array) -> DecodeState:
+  """`state` with `caches` and prompt `row` of `prefix` (next position, first token, sampling) in `slot` (traced)."""
+  return dataclasses.replace(state, caches=caches,
+                             next_positions_B=state.next_positions_B.at[slot].set(prefix.next_positions_B[row]),
+                             tokens_B=state.tokens_B.at[slot].set(prefix.first_tokens_B[row]),
+                             sampling=jax.tree.map(lambda big, small: big.at[slot].set(small[row]), state.sampling,
+                                                   prefix.sampling))

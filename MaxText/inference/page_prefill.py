@@ -1,0 +1,161 @@
+"""Prompts prefilled straight into a slot's pages: chunked prefill (prefill_chunk_size tokens a call)
+and prefix caching's prefill of what follows the pages a cached prefix already holds.
+
+A part the engine composes with its cache layout (kv_layout.py): it takes a prompt's pages from
+the layout's `prompt_pages`, which only the paged layout has; with the dense layout every call
+refuses in one line. For a model with recurrent layers (Gated DeltaNet) and prefix caching it
+restarts their states from state_snapshots.RecurrentSnapshots at a shared prefix's end.
+
+`layout` resolves the prefix_caching key (auto | true | false) against the layout and the model:
+auto turns it on where it exists (the paged layout; a recurrent model only with snapshots),
+true refuses where it does not, false keeps it off.
+
+Shape legend (as engine.py): C prefill_chunk_size (or the power of two a one-piece prefill is
+padded to), M pages per slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from MaxText.configuration.config_groups import DecodeConfig
+from MaxText.configuration.model_config import ModelConfig
+from MaxText.errors import UserError
+from MaxText.inference import image_prompts, kv_layout, paged_cache, sampling, state_snapshots
+from MaxText.inference.decode_state import DecodeState, Prefix, RowSampling, row_sampling, sample, seeded, \
+    with_prompt
+from MaxText.inference.engine_api import TokenLogprobs
+from MaxText.platform import sharding
+from MaxText.training.model_assembly import ModelOnMesh
+
+# A chunk's result: (state, where the next chunk starts, after the last chunk (first token [1], its scores) else None).
+ChunkResult = tuple[DecodeState, int, tuple[jax.Array, TokenLogprobs] | None]
+
+
+def layout(cfg: ModelConfig, decode: DecodeConfig, num_slots: int) -> tuple[kv_layout.KVLayout, int]:
+  """The cache layout kv_cache_layout names, sharing prompt pages as prefix_caching says, and how many
+  recurrent-state snapshots prefix caching keeps (0: none, or not a recurrent model)."""
+  cache = kv_layout.make(cfg, decode, num_slots, prefix_caching=decode.prefix_caching != "false")
+  if not (cache.prefix_caching and state_snapshots.has_recurrent_state(cfg)):
+    return cache, 0
+  capacity = 2 * num_slots if decode.prefix_state_snapshots < 0 else decode.prefix_state_snapshots
+  if capacity:
+    return cache, capacity
+  if decode.prefix_caching == "true":
+    raise UserError("prefix_caching=true needs snapshots of this model's recurrent states (Gated DeltaNet layers) "
+                    "but prefix_state_snapshots=0 keeps none; set prefix_state_snapshots=-1 (2 per slot) or "
+                    "prefix_caching=auto")
+  if jax.process_index() == 0:
+    print("engine: prefix_caching is off for this model: its Gated DeltaNet layers keep a recurrent state, and "
+          "prefix_state_snapshots=0 keeps no snapshots of it for shared prefixes to start from", flush=True)
+  return kv_layout.make(cfg, decode, num_slots, prefix_caching=False), 0
+
+
+class PagePrefill:
+  """begin_prompt / prefill_chunk of an engine: one compiled program per chunk length (`traces["extend"]`)."""
+
+  def __init__(self, cfg: ModelConfig, decode: DecodeConfig, cache: kv_layout.KVLayout, model: ModelOnMesh,
+               state_shardings: DecodeState, traces: dict[str, int], default_sampling: sampling.SamplingParams,
+               snapshot_capacity: int):
+    vision, chunk = cfg.vision, decode.prefill_chunk_size
+    if vision.use_multimodal and 0 < chunk < vision.mm_tokens_per_image:
+      raise UserError(f"prefill_chunk_size={chunk} is less than mm_tokens_per_image={vision.mm_tokens_per_image}: "
+                      "an image's tokens attend to each other both ways, so each image is prefilled within one "
+                      "chunk; raise prefill_chunk_size or set it to 0")
+    self.cfg, self.decode, self.cache, self.model = cfg, decode, cache, model
+    self.traces, self.default_sampling = traces, default_sampling
+    self.snapshots: state_snapshots.RecurrentSnapshots | None = None
+    if snapshot_capacity:
+      self.snapshots = state_snapshots.RecurrentSnapshots(
+          snapshot_capacity, cache.prompt_pages, jax.eval_shape(cache.empty_caches), cfg.scan_layers, state_shardings)
+      cache.usable_pages = self.snapshots.usable_pages
+      cache.reset()
+    replicated = NamedSharding(model.mesh, PartitionSpec())
+    self._extend = jax.jit(self._extend_fn, donate_argnums=(1,),
+                           out_shardings=(state_shardings, (replicated, TokenLogprobs(replicated, replicated,
+                                                                                       replicated))))
+
+  def reset(self) -> None:
+    """A new decode state."""
+    if self.snapshots is not None:
+      self.snapshots.reset()
+
+  def release(self, slot: int) -> None:
+    if self.snapshots is not None:
+      self.snapshots.forget(slot)
+
+  def begin(self, slot: int, prompt: Sequence[int], images: image_prompts.PromptImages | None = None) -> int:
+    """The pages of `prompt` for `slot`, which generate steps skip until the last chunk has run
+    (raises OutOfPages, nothing changed, when they are not free). Returns where prefilling starts:
+    after the prompt's leading pages another request already cached (prefix caching; with
+    `images`, pages keyed by their content too, and never inside an image's run), else 0."""
+    pages = self.cache.prompt_pages()
+    limit = self.cfg.max_target_length
+    if not 1 <= len(prompt) <= limit - 1:
+      raise UserError(f"a prompt of {len(prompt)} tokens does not fit max_target_length={limit} with room to generate")
+    runs = image_prompts.image_runs(prompt, self.cfg.vision, images)
+    salts = image_prompts.page_salts(runs, images, pages.page_size)
+    start = pages.assign(slot, len(prompt), active=False, prompt=prompt, salts=salts, runs=runs)
+    if self.snapshots is not None:  # assign shared pages only up to a boundary with a snapshot
+      self.snapshots.begin(slot, prompt, start, salts)
+    return start
+
+  def chunk(self, params: Any, state: DecodeState, slot: int, prompt: Sequence[int], start: int,
+            row_params: sampling.RowParams | None = None, seed: int = 0,
+            images: image_prompts.PromptImages | None = None) -> ChunkResult:
+    """Prefills prompt[start:start + prefill_chunk_size] of `slot` straight into its pages, attending
+    over the tokens before it there; see Engine.prefill_chunk."""
+    pages = self.cache.prompt_pages()
+    chunk = self.decode.prefill_chunk_size
+    if not chunk:  # the rest of the prompt in one piece, padded to a power of two: a few programs in all
+      chunk = min(1 << max(len(prompt) - start - 1, 0).bit_length(), self.decode.max_prefill_predict_length)
+    runs = image_prompts.image_runs(prompt, self.cfg.vision, images)
+    end = image_prompts.chunk_end(start, min(start + chunk, len(prompt)), runs)
+    if self.snapshots is not None:  # the shared prefix's recurrent states, not zeros; chunks end at a boundary
+      state, end = self.snapshots.before_chunk(state, slot, prompt, start, end, runs)
+    tokens = list(prompt[start:end])
+    pixels = image_prompts.images_within(images, runs, start, end)
+    rows = row_sampling([row_params or sampling.RowParams.from_strategy(self.default_sampling, seed)])
+    tokens_1C = np.zeros((1, chunk), np.int32)
+    tokens_1C[0, :len(tokens)] = tokens
+    with sharding.activation_sharding(self.model.mesh, self.model.rules):
+      state, first = self._extend(params, state, jnp.asarray(tokens_1C), jnp.int32(start), jnp.int32(len(tokens)),
+                                  jnp.int32(slot), jnp.asarray(pages.table[slot][None]), rows,
+                                  None if pixels is None else jnp.asarray(pixels))
+    salts = image_prompts.page_salts(runs, images, pages.page_size)
+    if self.snapshots is not None:
+      self.snapshots.after_chunk(state.caches, slot, prompt, end, salts)
+    if end < len(prompt):
+      return state, end, None
+    pages.activate(slot, prompt, salts)
+    return state, end, first
+
+  def _extend_fn(self, params: Any, state: DecodeState, tokens_1C: jax.Array, start: jax.Array, length: jax.Array,
+                 slot: jax.Array, table_1M: jax.Array, rows: RowSampling, pixels: jax.Array | None
+                 ) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
+    """One prefill chunk of one slot through its pages: tokens [1, C] (the first `length` real) at
+    positions start.. attend over what the slot's pages already hold; the slot's next position,
+    token and sampling rows are set as `insert` sets them (read only after the last chunk).
+    Padding past `length` writes garbage only at positions the generated tokens overwrite before
+    anything attends to them, or, past the prompt's pages, nowhere."""
+    self.traces["extend"] += 1
+    rows = seeded(rows)
+    stacked = self.cfg.scan_layers
+    stored_tables = jax.tree.map(lambda c: c.block_table_BM if paged_cache.is_pool(c) else c, state.caches,
+                                 is_leaf=paged_cache.is_pool)
+    caches = paged_cache.with_block_table(paged_cache.slot_states(state.caches, slot, stacked), table_1M)
+    positions_1C = start + jnp.arange(tokens_1C.shape[1], dtype=jnp.int32)[None]
+    logits_11V, caches = self.model.spec.apply_decode(params, tokens_1C, positions_1C, caches, (length - 1)[None],
+                                                      pixels)
+    caches = jax.tree.map(lambda c, t: dataclasses.replace(c, block_table_BM=t) if paged_cache.is_pool(c) else c,
+                          caches, stored_tables, is_leaf=paged_cache.is_pool)
+    caches = paged_cache.with_slot_states(state.caches, caches, slot, stacked)
+    tokens_1, rows, logprobs = sample(logits_11V[:, 0], rows)
+    prefix = Prefix(None, (start + length)[None], tokens_1, rows, logprobs)
+    return with_prompt(state, caches, prefix, slot, jnp.int32(0)), (tokens_1, logprobs)
