@@ -25,6 +25,7 @@ lowest key position first, as ours takes them: torch leaves that order unspecifi
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,31 +49,30 @@ from MaxText.convert import cli, hf_io
 from MaxText.errors import UserError, run_cli
 
 PROG = "logit_checker"
-_CHECKER_KEYS = {"hf_model_path": "", "atol": None, "max_kl": None, "hf_dtype": "float32", "batch_size": 2,
-                 "sequence_length": 32, "seed": 0}
 _RENAMED = {"images": "image_path"}  # the checker's old key for the config key decode.py reads images from
 _DEFAULT_TOLERANCES = {"float32": (0.01, 1e-5)}  # anything lower-precision: (1.0, 0.01)
 
 
-def split_checker_args(args: list[str]) -> tuple[dict[str, Any], list[str]]:
+@dataclasses.dataclass(frozen=True)
+class CheckerArgs:
+  """The checker's own key=value arguments (tool_args.parse_tool_record), with their defaults."""
+  hf_model_path: str = ""
+  atol: float | None = None  # None: the HF dtype's default
+  max_kl: float | None = None
+  hf_dtype: str = "float32"
+  batch_size: int = 2
+  sequence_length: int = 32
+  seed: int = 0
+
+
+def split_checker_args(args: list[str]) -> tuple[CheckerArgs, list[str]]:
   """The checker's own key=value arguments, typed; the rest go to the model config."""
-  values: dict[str, Any] = dict(_CHECKER_KEYS)
-  rest = []
-  for arg in tool_args.renamed_key_values(args, _RENAMED):
-    key, sep, text = arg.partition("=")
-    if not sep or key not in _CHECKER_KEYS:
-      rest.append(arg)
-      continue
-    try:
-      values[key] = text if key in ("hf_model_path", "hf_dtype") else (
-          float(text) if key in ("atol", "max_kl") else int(text))
-    except ValueError:
-      raise UserError(f"{key} must be a number, got {text!r}") from None
-  if not values["hf_model_path"]:
+  checker, rest = tool_args.parse_tool_record(CheckerArgs, tool_args.renamed_key_values(args, _RENAMED))
+  if not checker.hf_model_path:
     raise UserError("set hf_model_path=DIR: the Hugging Face model directory to compare with")
-  if values["hf_dtype"] not in ("float32", "bfloat16"):
-    raise UserError(f"hf_dtype must be float32 or bfloat16, got {values['hf_dtype']!r}")
-  return values, rest
+  if checker.hf_dtype not in ("float32", "bfloat16"):
+    raise UserError(f"hf_dtype must be float32 or bfloat16, got {checker.hf_dtype!r}")
+  return checker, rest
 
 
 def our_logits(config: Config, token_ids: np.ndarray, pixels_BMCRR: np.ndarray | None = None) -> np.ndarray:
@@ -206,14 +206,14 @@ TOOL = startup.Tool(PROG, reads_run=True, reads_data=False)
 
 def main(argv: list[str]) -> int:
   checker, config_args = split_checker_args(argv[1:])
-  hf_path = checker["hf_model_path"]
+  hf_path = checker.hf_model_path
   config = startup.start(TOOL, [PROG, *config_args], paths={"hf_model_path": hf_path},
                          model_keys=cli.HfModelKeys(hf_path, PROG)).config
   default_atol, default_kl = _DEFAULT_TOLERANCES.get(config.model.dtype, (1.0, 0.01))
-  atol = default_atol if checker["atol"] is None else checker["atol"]
-  max_kl = default_kl if checker["max_kl"] is None else checker["max_kl"]
-  rng = np.random.default_rng(checker["seed"])
-  token_ids = rng.integers(0, config.model.vocab_size, size=(checker["batch_size"], checker["sequence_length"]))
+  atol = default_atol if checker.atol is None else checker.atol
+  max_kl = default_kl if checker.max_kl is None else checker.max_kl
+  rng = np.random.default_rng(checker.seed)
+  token_ids = rng.integers(0, config.model.vocab_size, size=(checker.batch_size, checker.sequence_length))
   paths = [path.strip() for path in config.decode.image_path.split(",") if path.strip()]
   vision = config.model.vision
   if paths and not vision.use_multimodal:
@@ -224,8 +224,8 @@ def main(argv: list[str]) -> int:
     token_ids, pixels = image_prompts(token_ids, vision, paths, image_format, config.model.vocab_size)
     image_token_id = vision.image_token_id
   ours = our_logits(config, token_ids, pixels)
-  theirs = hf_logits(hf_path, token_ids, checker["hf_dtype"], pixels, image_token_id)
-  print(f"{PROG}: {config.model.decoder_block} model ({config.model.dtype}) vs HF {hf_path} ({checker['hf_dtype']}), "
+  theirs = hf_logits(hf_path, token_ids, checker.hf_dtype, pixels, image_token_id)
+  print(f"{PROG}: {config.model.decoder_block} model ({config.model.dtype}) vs HF {hf_path} ({checker.hf_dtype}), "
         f"{token_ids.shape[0]} sequences x {token_ids.shape[1]} tokens"
         + (f", {len(paths)} image(s) each" if paths else ""))
   return 0 if report(compare(ours, theirs), atol, max_kl) else 1

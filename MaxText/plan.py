@@ -32,7 +32,6 @@ import multiprocessing
 import os
 import re
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,43 +42,40 @@ if __package__ in (None, ""):  # `python3 MaxText/plan.py`: import the package, 
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from MaxText import startup
-from MaxText.aot import plan_model, plan_progress
+from MaxText.aot import plan_model, plan_progress, plan_ranking, plan_recipe, plan_search
+from MaxText.aot.plan_ranking import Planned, format_table, rank_compiled
+from MaxText.aot.plan_recipe import compile_flags, write_recipe
 from MaxText.aot.step_time import report as step_report
 from MaxText.training import compiled_step
 from MaxText.platform import accelerators, tpu_launch
-from MaxText.configuration import config as config_lib
+from MaxText.configuration import config as config_lib, tool_args
 from MaxText.errors import ConfigError, UserError, run_cli
 from MaxText.aot.memory_report import GIB
 from MaxText.platform.mesh_axes import MeshAxis
 
 REPO = Path(__file__).resolve().parent.parent
-RECIPE_LIB = REPO / "configs" / "recipe_lib.sh"
-# The planner's own arguments (not config keys) and their defaults.
-PLAN_ARGS: dict[str, Any] = {"global_batch_tokens": 0, "max_candidates": 4, "budget_minutes": 30.0, "workers": 0,
-                             "cache_dir": "", "write_recipe": "", "headroom": 0.1, "attention_blocks": "none"}
 # The splash kernel's block sizes (base.yml sa_*): one size for all, tried on the best candidate.
 SPLASH_BLOCK_KEYS = ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv", "sa_block_kv_dkv",
                      "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq")
 # Config keys a candidate may set; one the user gives on the command line or in M_* is kept.
-SEARCH_KEYS = (*(axis.ici_key for axis in plan_model.ICI_AXES), *(axis.dcn_key for axis in plan_model.DCN_AXES),
+SEARCH_KEYS = (*(axis.ici_key for axis in plan_search.ICI_AXES), *(axis.dcn_key for axis in plan_search.DCN_AXES),
                "pipeline_schedule", "num_pipeline_repeats", "num_pipeline_microbatches",
                "remat_policy", "optimizer_memory_host_offload", "per_device_batch_size", "gradient_accumulation_steps")
-# The LIBTPU_INIT_ARGS variable of recipe_lib.sh each generation's recipes use.
-RECIPE_FLAG_VARS = {"v5e": "V5E_LIBTPU_FLAGS", "v5p": "V5P_LIBTPU_FLAGS"}
 COMPILE_MEMORY_GIB = 6  # what one worker's compile may take, for the worker count
 HOST_OVERFLOW = "does not fit: host memory"  # how train_compile's line for the host's memory starts
 
 
 @dataclasses.dataclass(frozen=True)
 class PlanArgs:
-  global_batch_tokens: int
-  max_candidates: int
-  budget_minutes: float
-  workers: int
-  cache_dir: str
-  write_recipe: str
-  headroom: float  # share of HBM the analytical estimate must leave free to be short-listed
-  attention_blocks: str  # splash block sizes compiled for the best candidate ("" or "none": none)
+  """The planner's own key=value arguments (not config keys), with their defaults."""
+  global_batch_tokens: int = 0  # 0: not given
+  max_candidates: int = 4
+  budget_minutes: float = 30.0
+  workers: int = 0  # 0: automatic
+  cache_dir: str = ""
+  write_recipe: str = ""
+  headroom: float = 0.1  # share of HBM the analytical estimate must leave free to be short-listed
+  attention_blocks: str = "none"  # splash block sizes compiled for the best candidate ("" or "none": none)
 
   def block_sizes(self) -> list[int]:
     text = self.attention_blocks.strip().lower()
@@ -97,18 +93,7 @@ class PlanArgs:
   @classmethod
   def parse(cls, argv: list[str]) -> tuple["PlanArgs", list[str]]:
     """(the planner's arguments, the argv left for the config)."""
-    values, rest = dict(PLAN_ARGS), [argv[0]]
-    for arg in argv[1:]:
-      key, sep, text = arg.partition("=")
-      if sep and key in PLAN_ARGS:
-        default = PLAN_ARGS[key]
-        try:
-          values[key] = type(default)(text)
-        except ValueError:
-          raise ConfigError(f"{key} must be a {type(default).__name__}, got {text!r}") from None
-      else:
-        rest.append(arg)
-    args = cls(**values)
+    args, rest = tool_args.parse_tool_record(cls, argv[1:])
     args.block_sizes()
     if args.max_candidates < 1:
       raise ConfigError(f"max_candidates must be >= 1, got {args.max_candidates}")
@@ -122,25 +107,14 @@ class PlanArgs:
       if "://" in getattr(args, key):
         raise ConfigError(f"{key}={getattr(args, key)} must be a local path (the planner's cache and recipe live "
                           "on the machine that runs it)")
-    return args, rest
-
-
-def recipe_flags(generation: str) -> str:
-  """The generation's published LIBTPU_INIT_ARGS from recipe_lib.sh ("" for others)."""
-  var = RECIPE_FLAG_VARS.get(generation)
-  match = re.search(rf'^{var}="([^"]*)"', RECIPE_LIB.read_text(), re.M) if var else None
-  return match.group(1) if match else ""
-
-
-def compile_flags(generation: str) -> str:
-  """What the compiles run with: the recipe flags, then the user's own (later flags win)."""
-  return " ".join(f for f in (recipe_flags(generation), os.environ.get("LIBTPU_INIT_ARGS", "")) if f.strip())
+    return args, [argv[0], *rest]
 
 
 def _source_digest() -> str:
   """The code that builds and compiles the step: every module but the planner's own."""
   digest = hashlib.sha256()
-  planner = {Path(f).resolve() for f in (__file__, plan_model.__file__, plan_progress.__file__)}
+  planner = {Path(f).resolve() for f in (__file__, plan_model.__file__, plan_progress.__file__, plan_search.__file__,
+                                               plan_ranking.__file__, plan_recipe.__file__)}
   for path in sorted(p for p in (REPO / "MaxText").rglob("*.py") if p.resolve() not in planner):
     digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
   return digest.hexdigest()
@@ -218,25 +192,6 @@ def model_figures(hlo_text: str, target: Any, topology: accelerators.TpuTopology
           "model_lines": step_report.lines(prediction, topology.generation.peak_tflops)}
 
 
-@dataclasses.dataclass
-class Planned:
-  """One short-listed candidate: its settings, config, analytical estimate and compile result."""
-
-  settings: dict[str, Any]
-  config: config_lib.Config
-  estimate: plan_model.Estimate
-  key: str
-  result: dict[str, Any] | None = None
-  cached: bool = False
-
-  def argv_values(self) -> list[str]:
-    return [f"{k}={_text(v)}" for k, v in self.settings.items()]
-
-
-def _text(value: Any) -> str:
-  return ("true" if value else "false") if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) else str(value)
-
-
 def _workers(requested: int, todo: int) -> int:
   if requested:
     return max(1, min(requested, todo))
@@ -270,7 +225,7 @@ def _compile_all(planned: list[Planned], config_argv: list[str], flags: str, cac
   def announce(p: Planned) -> None:
     if p.key not in announced:
       announced.add(p.key)
-      progress.started(todo.index(p) + 1, plan_model.describe(p.settings) or "(as given)", logs[p.key])
+      progress.started(todo.index(p) + 1, plan_search.describe(p.settings) or "(as given)", logs[p.key])
 
   finished = True
   try:
@@ -290,7 +245,7 @@ def _compile_all(planned: list[Planned], config_argv: list[str], flags: str, cac
           p.result = {"status": "failed", "message": f"{type(e).__name__}: {e}".splitlines()[0], "compile_s": 0.0}
         else:
           _write_cache(cache_dir / f"{p.key}.json", p.result)
-        progress.update(plan_model.describe(p.settings), float(p.result.get("compile_s", 0.0)))
+        progress.update(plan_search.describe(p.settings), float(p.result.get("compile_s", 0.0)))
       if pending and time.monotonic() >= deadline:
         finished = False
         break
@@ -343,8 +298,8 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
   hbm = topology.generation.hbm_gib * GIB
   limit = hbm * (1 - args.headroom)  # the analytical model's error on large models is a few percent
   # A lower bound over the whole space answers "fits nowhere" before the long ranking and any compile.
-  bound = plan_model.Bound(model, seq_len, rules, kernel, fixed, global_batch, config.mesh.data_sharding)
-  nowhere = plan_model.fits_nowhere(bound, topology, num_slices, args.headroom)
+  bound = plan_search.Bound(model, seq_len, rules, kernel, fixed, global_batch, config.mesh.data_sharding)
+  nowhere = plan_search.fits_nowhere(bound, topology, num_slices, args.headroom)
   if nowhere:
     raise UserError(f"{config['model_name']} does not fit {num_slices} x {topology.name} at any setting the planner "
                     f"searches: {nowhere}")
@@ -352,13 +307,13 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
   # (-tokens/s, accumulation steps, bytes per chip, the candidate's keys, its estimate)
   ranked: list[tuple[float, int, float, dict[str, Any], plan_model.Estimate]] = []
   host_reason = ""  # why a candidate that fits HBM overflows the host's memory (offloaded state)
-  for settings in plan_model.candidates(model, topology, num_slices, fixed, global_batch, seq_len,
+  for settings in plan_search.candidates(model, topology, num_slices, fixed, global_batch, seq_len,
                                           config.mesh.data_sharding):
     estimate = plan_model.estimate(model, settings, topology, num_slices, seq_len, rules, kernel)
     if estimate.total <= limit and estimate.unsharded <= config.mesh.sharding_tolerance:
       overflow = plan_model.host_overflow(estimate, topology.generation)
       if overflow:
-        host_reason = host_reason or f"{plan_model.describe(settings)}: {overflow}"
+        host_reason = host_reason or f"{plan_search.describe(settings)}: {overflow}"
         continue
       ranked.append((-estimate.tokens_per_s, int(settings.get("gradient_accumulation_steps", 1)), estimate.total,
                      settings, estimate))
@@ -434,112 +389,6 @@ def _block_variants(best: Planned, args: PlanArgs, overrides: config_lib.Overrid
   return variants
 
 
-# The analytical model's caveats that the step-time model prices (the compiler's estimate does not).
-MODEL_PRICES = frozenset({"host offload", "DCN-bound"})
-
-
-@dataclasses.dataclass(frozen=True)
-class Ranked:
-  """A compiled candidate's standing: the MFU it is ranked by (the step-time model's, else the
-  compiler's; -1 when it did not compile or fit) and the caveats that apply to that figure."""
-
-  mfu: float
-  by_model: bool
-  caveats: tuple[str, ...]
-
-
-def _row(index: int, p: Planned, hbm: float, chips: int, seq_len: int, peak: float,
-         host: float = math.inf) -> tuple[list[str], Ranked]:
-  """The table row of a compiled candidate and its standing (`host`: the host's memory per chip)."""
-  r = p.result or {"status": "not compiled"}
-  label = plan_model.describe(p.settings) or "(as given)"
-  analytic = f"{p.estimate.total / GIB:.2f}"
-  by_model = r.get("model_mfu") is not None
-  caveats = tuple(c for c in p.estimate.caveats if not (by_model and c in MODEL_PRICES))
-  if r["status"] != "compiled":  # XLA's out-of-memory figure, where it gave one, is its whole heap too
-    needed = float(r.get("total") or 0.0)
-    error = f"{(p.estimate.total - needed) / needed:+.0%}" if needed else "-"
-    return [str(index), label, f"{needed / GIB:.2f}" if needed else "-", r["status"], "-", "-", "-", "-", "-",
-            _compile_time(p), analytic, error, "-", ", ".join(caveats)], Ranked(-1.0, by_model, caveats)
-  total, compiler_step, model_step = float(r["total"]), r.get("step_s"), r.get("model_step_s")
-  host_fits = float(r.get("host_bytes") or 0.0) <= host  # offloaded activations and optimizer state
-  fits = total <= hbm and host_fits
-  tokens = float(p.config.data.global_batch_size) * seq_len / chips
-  compiler_mfu = p.estimate.flops / compiler_step / (peak * 1e12) if compiler_step else float("nan")
-  step = model_step if by_model else compiler_step
-  mfu = float(r["model_mfu"]) if by_model else compiler_mfu
-  memory_error = (p.estimate.total - total) / total
-  step_error = (p.estimate.step_s - step) / step if step else float("nan")
-  ms = lambda seconds: f"{seconds * 1e3:,.1f}" if seconds else "-"  # noqa: E731
-  fits_cell = f"yes ({1 - total / hbm:.0%} free)" if fits else "NO" if host_fits else "NO (host memory)"
-  row = [str(index), label, f"{total / GIB:.2f}", fits_cell,
-         ms(model_step), f"{r['model_mfu']:.1%}" if by_model else "-",
-         f"{tokens / step:,.0f}" if step else "-", ms(compiler_step), f"{compiler_mfu:.1%}" if compiler_step else "-",
-         _compile_time(p), analytic, f"{memory_error:+.0%}", f"{step_error:+.0%}", ", ".join(caveats)]
-  return row, Ranked(mfu if fits and step else -1.0, by_model, caveats)
-
-
-def rank_compiled(planned: list[Planned], hbm: float, chips: int, seq_len: int, peak: float,
-                  host: float = math.inf) -> tuple[list[list[str]], tuple[Planned, Ranked] | None]:
-  """The table rows, and the best candidate that compiled and fits HBM and the host's memory
-  (`host` per chip): the highest ranking MFU, a candidate whose ranking figure carries caveats
-  winning only when no other fits."""
-  rows: list[list[str]] = []
-  best: tuple[Planned, Ranked] | None = None
-  for i, p in enumerate(planned, 1):
-    row, standing = _row(i, p, hbm, chips, seq_len, peak, host)
-    rows.append(row)
-    if standing.mfu >= 0 and (best is None or (not standing.caveats, standing.mfu) > (not best[1].caveats, best[1].mfu)):
-      best = (p, standing)
-  return rows, best
-
-
-def _compile_time(p: Planned) -> str:
-  if not p.result:
-    return "-"
-  return f"cached ({p.result['compile_s']:.0f} s)" if p.cached else f"{p.result['compile_s']:.1f} s"
-
-
-HEADER = ["#", "candidate", "HBM GiB/chip", "fits", "model ms", "model MFU", "tokens/s/chip", "compiler ms",
-          "compiler MFU", "compile", "analytic GiB", "mem err", "step err", "caveats"]
-
-
-def format_table(rows: list[list[str]]) -> str:
-  widths = [max(len(r[i]) for r in [HEADER] + rows) for i in range(len(HEADER))]
-  lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [HEADER] + rows]
-  return "\n".join([lines[0], "  ".join("-" * w for w in widths)] + lines[1:])
-
-
-def write_recipe(path: str, topology: accelerators.TpuTopology, recipe_args: list[str], summary: str,
-                 breakdown: list[str] | None = None) -> str:
-  """A recipe like configs/v5e/*.sh running `recipe_args` on `topology`, its header stating the
-  prediction and `breakdown` (the step-time model's lines); returns its dry run."""
-  target = Path(path).resolve()
-  target.parent.mkdir(parents=True, exist_ok=True)
-  library = os.path.relpath(RECIPE_LIB, target.parent)
-  flag_var = RECIPE_FLAG_VARS.get(topology.generation.name)
-  flags = f'"${flag_var}"' if flag_var else '""'
-  text = "\n".join([
-      "#!/usr/bin/env bash",
-      f"# Written by MaxText.plan: {summary}",
-      *(f"# {line.strip()}" for line in breakdown or []),
-      "# Predictions from the compiled step, not measurements: verify on the hardware.",
-      f"#   bash {path} RUN_NAME=my_run OUTPUT_PATH=gs://my-bucket/runs [PLATFORM=gce|gke] [DRY_RUN=1]",
-      f"#   bash {path} EXECUTABLE=train_compile [NUM_SLICES=N]   # compile for {topology.name} on any machine",
-      f'source "$(dirname "${{BASH_SOURCE[0]}}")/{library}"  # arguments: see recipe_lib.sh',
-      f"RECIPE_TOPOLOGY={topology.name} RECIPE_FLAGS={flags}",
-      f"RECIPE_ARGS=({' '.join(shlex.quote(a) for a in recipe_args)})",
-      'recipe_run "$@"', ""])
-  target.write_text(text)
-  target.chmod(0o755)
-  clean = {k: v for k, v in os.environ.items() if k != "LIBTPU_INIT_ARGS"}
-  result = subprocess.run(["bash", str(target), "DRY_RUN=1", "RUN_NAME=planned"], capture_output=True, text=True,
-                          env=clean, check=False)
-  if result.returncode != 0:
-    raise UserError(f"the written recipe {path} does not run: {result.stderr.strip()}")
-  return result.stdout.strip()
-
-
 TOOL = startup.Tool("plan", compiles_for="slice figures")
 
 
@@ -596,7 +445,7 @@ def main(argv: list[str]) -> int:
   caveat = f" (caveats: {', '.join(standing.caveats)}: no candidate without them fits)" if standing.caveats else ""
   figure = f"{'predicted' if standing.by_model else 'compiler-estimated'} MFU {standing.mfu:.1%}"
   model_lines = list((chosen.result or {}).get("model_lines") or [])
-  print(f"best: {plan_model.describe(chosen.settings)}: {figure}{caveat}")
+  print(f"best: {plan_search.describe(chosen.settings)}: {figure}{caveat}")
   if not standing.by_model:
     print(f"  (no step-time model: {(chosen.result or {}).get('model_error', 'not computed')})")
   for line in model_lines[1:]:
@@ -604,7 +453,7 @@ def main(argv: list[str]) -> int:
   print(f"  LIBTPU_INIT_ARGS={shlex.quote(compile_flags(gen.name))} python3 -m MaxText.train {yaml_arg} "
         f"{' '.join(shlex.quote(a) for a in train_args)}")
   if args.write_recipe:
-    summary = f"{config['model_name']} on {num_slices} x {topology.name}, {plan_model.describe(chosen.settings)}, {figure}"
+    summary = f"{config['model_name']} on {num_slices} x {topology.name}, {plan_search.describe(chosen.settings)}, {figure}"
     dry = write_recipe(args.write_recipe, topology, train_args, summary, model_lines)
     print(f"wrote {args.write_recipe}; its dry run:\n  {dry}")
     left_out = sorted(set(Path(args.write_recipe).parts) & tpu_launch.EXCLUDED_NAMES)

@@ -274,8 +274,8 @@ def _canonical_names(monkeypatch) -> dict[str, set[str]]:
   from MaxText import logit_checker, plan
   from MaxText.convert import hf_to_maxtext, maxtext_to_hf
 
-  names: dict[str, set[str]] = {"config": set(CONFIG_KEYS), "logit_checker": set(logit_checker._CHECKER_KEYS),
-                                "plan": set(plan.PLAN_ARGS), "hf_to_maxtext": set(hf_to_maxtext.OWN_KEYS),
+  names: dict[str, set[str]] = {"config": set(CONFIG_KEYS), "logit_checker": {f.name for f in dataclasses.fields(logit_checker.CheckerArgs)},
+                                "plan": {f.name for f in dataclasses.fields(plan.PlanArgs)}, "hf_to_maxtext": set(hf_to_maxtext.OWN_KEYS),
                                 "maxtext_to_hf": {*maxtext_to_hf.OWN_KEYS, *maxtext_to_hf.OPTIONAL_KEYS}}
   for name in (*ARGPARSE_MODULES, *BENCHMARKS):
     parser, _ = _parser(name, monkeypatch)

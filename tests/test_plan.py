@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from MaxText import plan, startup
-from MaxText.aot import plan_model
+from MaxText.aot import plan_model, plan_ranking, plan_search
 from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib
 from MaxText.configuration.config import BASE_CONFIG_PATH
@@ -84,7 +84,7 @@ def test_candidates_respect_fixed_keys_and_fill_the_slice():
   model = plan_model.ModelShape.of(config.model, config.optim)
   topology = accelerators.tpu_topology("v5e-8")
   fixed = {"remat_policy": "full", "ici_tensor_parallelism": 2}
-  found = list(plan_model.candidates(model, topology, 1, fixed, global_batch=16, seq_len=64))
+  found = list(plan_search.candidates(model, topology, 1, fixed, global_batch=16, seq_len=64))
   assert found
   for c in found:
     assert c["remat_policy"] == "full" and c["ici_tensor_parallelism"] == 2
@@ -98,7 +98,7 @@ def test_pipeline_candidates_are_valid_configs_and_their_schedules_trade_bubble_
   shape = dict(TINY, base_num_decoder_layers=4)
   config = config_lib.Config.for_testing(target=topology.target(2), run_name="t", **shape)
   model = plan_model.ModelShape.of(config.model, config.optim)
-  found = list(plan_model.candidates(model, topology, 2, {"remat_policy": "full"}, global_batch=64, seq_len=64,
+  found = list(plan_search.candidates(model, topology, 2, {"remat_policy": "full"}, global_batch=64, seq_len=64,
                                      data_sharding=config.mesh.data_sharding))
   piped = [c for c in found if plan_model.mesh_of(c)["stage"] > 1]
   assert {c["pipeline_schedule"] for c in piped} == {"gpipe", "circular", "1f1b"}
@@ -109,7 +109,7 @@ def test_pipeline_candidates_are_valid_configs_and_their_schedules_trade_bubble_
                                             **{k: v for k, v in c.items()}))
     built = config_lib.build_config(overrides, topology.target(2), default_run_name="plan")
     assert dict(built.mesh.shape)["stage"] == plan_model.mesh_of(c)["stage"]
-  fixed = list(plan_model.candidates(model, topology, 2, {"pipeline_schedule": "1f1b"}, global_batch=64, seq_len=64,
+  fixed = list(plan_search.candidates(model, topology, 2, {"pipeline_schedule": "1f1b"}, global_batch=64, seq_len=64,
                                      data_sharding=config.mesh.data_sharding))
   assert all(c["pipeline_schedule"] == "1f1b" for c in fixed if plan_model.mesh_of(c)["stage"] > 1)
   # More microbatches and circular repeats shrink the bubble; 1F1B holds fewer microbatches' activations.
@@ -175,7 +175,7 @@ def test_moe_experts_may_span_slices(monkeypatch):
   config = config_lib.Config.for_testing(target=topology.target(2), run_name="t", num_experts=4,
                                          num_experts_per_tok=2, **TINY)
   model = plan_model.ModelShape.of(config.model, config.optim)
-  found = list(plan_model.candidates(model, topology, 2, {"remat_policy": "full"}, global_batch=32, seq_len=64,
+  found = list(plan_search.candidates(model, topology, 2, {"remat_policy": "full"}, global_batch=32, seq_len=64,
                                      data_sharding=config.mesh.data_sharding))
   across = [c for c in found if c.get("dcn_expert_parallelism") == 2]
   assert across and all(plan_model.mesh_of(c)["expert"] >= 2 for c in across)
@@ -332,9 +332,9 @@ def test_a_compiled_candidate_over_the_host_memory_does_not_fit():
   (only,) = plan.shortlist(args, overrides, config, topology, 1)[0][:1]
   only.result = {"status": "compiled", "compile_s": 1.0, "total": 2**30, "step_s": 1e-3, "host_bytes": 50 * 2**30,
                  "model_step_s": 2e-3, "model_mfu": 0.3, "model_lines": ["step-time model"]}
-  rows, best = plan.rank_compiled([only], 16 * 2**30, 4, 64, 197.0, host=44.7 * 2**30)
-  assert best is None and rows[0][plan.HEADER.index("fits")] == "NO (host memory)"
-  assert plan.rank_compiled([only], 16 * 2**30, 4, 64, 197.0)[1] is not None  # without a host figure it fits
+  rows, best = plan_ranking.rank_compiled([only], 16 * 2**30, 4, 64, 197.0, host=44.7 * 2**30)
+  assert best is None and rows[0][plan_ranking.HEADER.index("fits")] == "NO (host memory)"
+  assert plan_ranking.rank_compiled([only], 16 * 2**30, 4, 64, 197.0)[1] is not None  # without a host figure it fits
 
 
 def test_the_bound_is_below_every_ranked_candidate():
@@ -343,10 +343,10 @@ def test_the_bound_is_below_every_ranked_candidate():
   config = config_lib.Config.for_testing(target=topology.target(), run_name="t", **dict(TINY, base_num_decoder_layers=4))
   model = plan_model.ModelShape.of(config.model, config.optim)
   rules, kernel = config.mesh.logical_axis_rules, select_kernel(config.model.attn.attention, "tpu", config.model)
-  bound = plan_model.Bound(model, 64, rules, kernel, {}, None, config.mesh.data_sharding)
+  bound = plan_search.Bound(model, 64, rules, kernel, {}, None, config.mesh.data_sharding)
   least = bound.leanest(topology, 1)[0].total
   totals = [plan_model.estimate(model, c, topology, 1, 64, rules, kernel).total
-            for c in plan_model.candidates(model, topology, 1, {}, None, 64, config.mesh.data_sharding)]
+            for c in plan_search.candidates(model, topology, 1, {}, None, 64, config.mesh.data_sharding)]
   assert totals and least <= min(totals)
 
 
@@ -373,7 +373,7 @@ def test_the_best_candidate_is_also_compiled_with_other_splash_blocks():
   topology = accelerators.tpu_topology("v5e-4")
   shape = dict(TINY, max_target_length=1024)
 
-  def short(**extra) -> list[plan.Planned]:
+  def short(**extra) -> list[plan_ranking.Planned]:
     args, rest = plan.PlanArgs.parse(argv(compile_topology="v5e-4", max_candidates=2,
                                           **{"attention_blocks": "1024,2048", **shape, **extra}))
     overrides = startup.read_overrides(rest)
@@ -386,7 +386,7 @@ def test_the_best_candidate_is_also_compiled_with_other_splash_blocks():
   assert [p.settings.get("sa_block_kv_dq") for p in planned] == [None, None, 1024]
   assert {k: v for k, v in planned[2].settings.items() if not k.startswith("sa_")} == planned[0].settings
   assert planned[2].key not in {planned[0].key, planned[1].key}  # its own compile and cache entry
-  assert "blocks=1024" in plan_model.describe(planned[2].settings)
+  assert "blocks=1024" in plan_search.describe(planned[2].settings)
   assert len(short(attention_blocks="none")) == 2 and len(short(sa_block_q=256, sa_block_q_dkv=256)) == 2
 
 
@@ -412,17 +412,17 @@ def test_compiled_candidates_are_ranked_by_the_step_time_model():
     return dict(result, model_step_s=step_s * 2, model_mfu=model_mfu, model_lines=["step-time model", "  compute"])
 
   first.result, second.result = compiled(1e-3, 0.30), compiled(2e-3, 0.50)  # the compiler prefers the first
-  rows, best = plan.rank_compiled([first, second], hbm, chips, seq_len, peak)
+  rows, best = plan_ranking.rank_compiled([first, second], hbm, chips, seq_len, peak)
   assert best is not None and best[0] is second and best[1].by_model and best[1].mfu == 0.50
-  assert rows[1][plan.HEADER.index("model MFU")] == "50.0%"
+  assert rows[1][plan_ranking.HEADER.index("model MFU")] == "50.0%"
 
   first.estimate = dataclasses.replace(first.estimate, caveats=("host offload",))
   first.result = compiled(1e-3, 0.60)
-  assert plan.rank_compiled([first, second], hbm, chips, seq_len, peak)[1][0] is first  # priced by the model
+  assert plan_ranking.rank_compiled([first, second], hbm, chips, seq_len, peak)[1][0] is first  # priced by the model
 
   first.result, second.result = compiled(1e-3, None), compiled(2e-3, None)
-  _, best = plan.rank_compiled([first, second], hbm, chips, seq_len, peak)
+  _, best = plan_ranking.rank_compiled([first, second], hbm, chips, seq_len, peak)
   assert best is not None and best[0] is second and not best[1].by_model  # the offload caveat holds again
   first.estimate = dataclasses.replace(first.estimate, caveats=())
-  _, best = plan.rank_compiled([first, second], hbm, chips, seq_len, peak)
+  _, best = plan_ranking.rank_compiled([first, second], hbm, chips, seq_len, peak)
   assert best is not None and best[0] is first and best[1].caveats == ()

@@ -201,7 +201,7 @@ def test_the_logit_checkers_images_is_the_config_key_image_path(capsys):
   from MaxText import logit_checker
 
   checker, rest = logit_checker.split_checker_args(["hf_model_path=hf", "images=a.png,b.png", "dtype=float32"])
-  assert checker["hf_model_path"] == "hf" and "images" not in checker
+  assert checker.hf_model_path == "hf" and not hasattr(checker, "images")
   assert rest == ["image_path=a.png,b.png", "dtype=float32"]  # read by the config, as decode.py reads it
   assert _deprecations(capsys.readouterr().err) == ["warning: 'images' is deprecated; use 'image_path'"]
   with pytest.raises(ConfigError, match="'images' \\(deprecated\\) and 'image_path'"):
@@ -269,3 +269,20 @@ def test_the_tpu_launchers_take_key_value_and_both_old_dry_run_spellings(capsys)
       "warning: '--TPU_TYPE' is deprecated; use 'tpu_type=...'",
       "warning: '--VERSION' is deprecated; use 'version=...'",
       "warning: '--BUCKET_NAME' is deprecated; use 'bucket_name=...'"]
+
+
+def test_the_planners_and_checkers_own_arguments_are_typed_by_tool_args(capsys):
+  """One parser (tool_args.parse_tool_record) for the tools' typed own arguments: the old --flag
+  spelling warns once, a value of the wrong type is one line naming the key."""
+  from MaxText import logit_checker, plan
+
+  args, rest = plan.PlanArgs.parse(["plan", "configs/base.yml", "--max_candidates", "3", "headroom=0.2", "steps=5"])
+  assert (args.max_candidates, args.headroom, args.workers) == (3, 0.2, 0)
+  assert rest == ["plan", "configs/base.yml", "steps=5"]
+  assert _deprecations(capsys.readouterr().err) == ["warning: '--max_candidates' is deprecated; use 'max_candidates=...'"]
+  checker, rest = logit_checker.split_checker_args(["hf_model_path=hf", "atol=0.5", "seed=3", "dtype=float32"])
+  assert (checker.atol, checker.max_kl, checker.seed, rest) == (0.5, None, 3, ["dtype=float32"])
+  with pytest.raises(ConfigError, match="^batch_size must be an int, got 'two'$"):
+    logit_checker.split_checker_args(["hf_model_path=hf", "batch_size=two"])
+  with pytest.raises(ConfigError, match="^budget_minutes must be a float, got 'soon'$"):
+    plan.PlanArgs.parse(["plan", "budget_minutes=soon"])

@@ -1,7 +1,8 @@
 """One argument syntax for every tool: `key=value`, as the config keys are given.
 
-Tools with arguments of their own beside the config keys (the converters, the logit checker) split
-theirs out with `split_tool_args`; tools with an argparse parser (the tokenizer trainer, data
+Tools with arguments of their own beside the config keys (the converters, the logit checker, the
+planner) split theirs out with `split_tool_args`, or typed into a record of their own with
+`parse_tool_record`; tools with an argparse parser (the tokenizer trainer, data
 preparation, the TPU launchers, the benchmarks) parse with `parse_args`, which reads `key=value`
 for every option (its key is the option's dest; a flag takes `key=true|false`). The old spellings
 keep working with one deprecation line each (spellings.warn_deprecated): `--key VALUE`,
@@ -12,13 +13,18 @@ setting given twice under different spellings with different values is one `erro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import re
 import sys
-from typing import Any, Mapping, NoReturn, Sequence
+import types
+import typing
+from typing import Any, Mapping, NoReturn, Sequence, TypeVar
 
 from MaxText.configuration import spellings
-from MaxText.errors import UserError
+from MaxText.errors import ConfigError, UserError
+
+Record = TypeVar("Record")
 
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 _TRUE = {"true", "1", "yes", "on"}
@@ -98,6 +104,33 @@ def renamed_key_values(argv: Sequence[str], renamed: Mapping[str, str]) -> list[
       arg = f"{key}={value}"
     out.append(arg)
   return out
+
+
+def _typed(key: str, text: str, kind: Any) -> object:
+  """`text` as the record field's type: str, int, float, bool, or one of them or None."""
+  if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+    kind = next(k for k in typing.get_args(kind) if k is not type(None))
+  if kind is bool:
+    word = text.strip().lower()
+    if word not in _TRUE | _FALSE:
+      raise ConfigError(f"{key} must be true or false, got {text!r}")
+    return word in _TRUE
+  try:
+    return kind(text)
+  except ValueError:
+    raise ConfigError(f"{key} must be a{'n' if kind is int else ''} {kind.__name__}, got {text!r}") from None
+
+
+def parse_tool_record(record: type[Record], argv: Sequence[str], renamed: Mapping[str, str] | None = None
+                      ) -> tuple[Record, list[str]]:
+  """A tool's own `key=value` arguments as `record` (a dataclass: one field per key, with its
+  default and its type), and the rest (a YAML path, config key=value) in order, as split_tool_args
+  splits them. A value that does not read as its field's type is one ConfigError line."""
+  fields = {f.name: f for f in dataclasses.fields(record)}  # type: ignore[arg-type]
+  hints = typing.get_type_hints(record)
+  given, rest = split_tool_args(argv, tuple(fields), renamed)
+  values = {key: _typed(key, text, hints[key]) for key, text in given.items()}
+  return record(**values), rest
 
 
 # ---------------------------------------------------------------- argparse tools

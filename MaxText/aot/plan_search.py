@@ -1,0 +1,274 @@
+"""The planner's search (MaxText/plan.py): the candidates of a topology (mesh degrees within and
+across slices, pipeline schedules, remat policy, optimizer offload, batch, gradient accumulation)
+that respect the user's fixed keys, their short labels, and the lower bound on memory that says,
+before anything is ranked, whether any candidate can fit and where the model would.
+
+Each candidate is priced by the analytical model (plan_model.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Any, Iterator, Mapping, Sequence
+
+from MaxText.aot.plan_model import GIB, Estimate, ModelShape, estimate, mesh_of
+from MaxText.configuration import remat_policies
+from MaxText.configuration.model_config import ModelConfig
+from MaxText.platform import accelerators, sharding
+from MaxText.platform.mesh_axes import MESH_AXES, MeshAxis
+
+SEARCHED_POLICIES = tuple(p.name for p in remat_policies.REMAT_POLICIES if p.searched_by_planner)
+# Keys a candidate sets; a key the user gives is held fixed instead.
+PIPELINE_KEYS = ("pipeline_schedule", "num_pipeline_repeats", "num_pipeline_microbatches")
+# Pipeline stages within a slice: a few, as ICI is fast enough that they rarely beat FSDP there.
+MAX_ICI_STAGES = 4
+# The mesh axes whose degrees the planner sets, within a slice and across slices (the others stay 1).
+ICI_AXES = (MeshAxis.DATA, MeshAxis.FSDP, MeshAxis.FSDP_TRANSPOSE, MeshAxis.SEQUENCE, MeshAxis.TENSOR,
+            MeshAxis.EXPERT, MeshAxis.STAGE)
+DCN_AXES = (MeshAxis.DATA, MeshAxis.FSDP, MeshAxis.STAGE, MeshAxis.EXPERT)
+
+
+def pipeline_variants(stages: int, layers: int) -> list[dict[str, Any]]:
+  """The schedules searched for `stages` stages: GPipe and 1F1B at 1x, 2x and 4x the stages in
+  microbatches, and circular / interleaved 1F1B with 2 repeats where the layers divide."""
+  variants: list[dict[str, Any]] = []
+  for micro in (stages, 2 * stages, 4 * stages):
+    variants.append({"pipeline_schedule": "gpipe", "num_pipeline_repeats": 1, "num_pipeline_microbatches": micro})
+    variants.append({"pipeline_schedule": "1f1b", "num_pipeline_repeats": 1, "num_pipeline_microbatches": micro})
+    if layers % (stages * 2) == 0:
+      variants.append({"pipeline_schedule": "circular", "num_pipeline_repeats": 2, "num_pipeline_microbatches": micro})
+      variants.append({"pipeline_schedule": "1f1b", "num_pipeline_repeats": 2, "num_pipeline_microbatches": micro})
+  return variants
+
+
+def can_pipeline(cfg: ModelConfig) -> bool:
+  """What config validation allows: a scanned stack without a second (dense) stack or MTP modules."""
+  return cfg.scan_layers and cfg.num_dense_layers == 0 and cfg.mtp.mtp_num_layers == 0
+
+
+def powers_of_two(limit: int) -> list[int]:
+  return [2**i for i in range(int(math.log2(limit)) + 1)] if limit >= 1 else [1]
+
+
+def candidates(model: ModelShape, topology: accelerators.TpuTopology, num_slices: int, fixed: Mapping[str, Any],
+               global_batch: int | None, seq_len: int, data_sharding: Sequence[str] = MESH_AXES,
+               whole_batches: bool = True) -> Iterator[dict[str, Any]]:
+  """Every candidate in the search space that respects the user's `fixed` keys: degrees per
+  mesh axis within a slice and across slices (pipeline stages with their schedules and
+  microbatch counts among them), remat policy, optimizer offload, batch and gradient
+  accumulation. Degrees are powers of two whose product is the device count. Without
+  `whole_batches`, batches that do not split into whole rows are kept (for a lower bound)."""
+  cfg = model.cfg
+  per_slice = topology.chips
+  layers = cfg.num_decoder_layers
+  pipelined = can_pipeline(cfg)
+  stage_choices = [p for p in powers_of_two(min(per_slice, MAX_ICI_STAGES)) if layers % p == 0] if pipelined else [1]
+  tensor_limit = min(per_slice, max(1, cfg.num_query_heads))
+  choices: dict[str, list[Any]] = {
+      MeshAxis.TENSOR.ici_key: [t for t in powers_of_two(tensor_limit) if t <= 16],
+      MeshAxis.SEQUENCE.ici_key: [s for s in powers_of_two(per_slice) if s <= 8],
+      MeshAxis.FSDP_TRANSPOSE.ici_key: [1, 2],
+      MeshAxis.EXPERT.ici_key: [e for e in powers_of_two(per_slice) if e <= max(1, cfg.moe.num_experts)],
+      MeshAxis.DATA.ici_key: powers_of_two(per_slice),
+      MeshAxis.STAGE.ici_key: stage_choices,
+      "remat_policy": list(SEARCHED_POLICIES),
+      "optimizer_memory_host_offload": [False, True],
+      "gradient_accumulation_steps": [1, 2, 4],
+  }
+  if num_slices > 1:
+    choices[MeshAxis.DATA.dcn_key] = [d for d in powers_of_two(num_slices) if num_slices % d == 0]
+    choices[MeshAxis.FSDP.dcn_key] = [1, num_slices]
+    choices[MeshAxis.STAGE.dcn_key] = [1, num_slices] if pipelined and layers % num_slices == 0 else [1]
+    choices[MeshAxis.EXPERT.dcn_key] = [1, num_slices] if cfg.moe.num_experts % num_slices == 0 and cfg.moe.num_experts > 1 else [1]
+  if global_batch is not None:
+    batches: list[float] = [global_batch / (per_slice * num_slices)]
+  else:
+    batches = [0.5, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+  choices["per_device_batch_size"] = batches
+  for key in list(choices):
+    if key in fixed:
+      choices[key] = [fixed[key]]
+  keys = list(choices)
+  for values in itertools.product(*(choices[k] for k in keys)):
+    candidate = dict(zip(keys, values))
+    # ici_fsdp_parallelism fills the slice.
+    ici = {a: int(candidate[a.ici_key]) for a in ICI_AXES if a is not MeshAxis.FSDP}
+    if ici[MeshAxis.STAGE] > 1 and (ici[MeshAxis.SEQUENCE] > 1 or ici[MeshAxis.FSDP_TRANSPOSE] > 1):
+      continue  # stages within a slice only beside the common axes: keeps the space small
+    rest = math.prod(ici.values())
+    fsdp_key = MeshAxis.FSDP.ici_key
+    if fsdp_key in fixed and int(fixed[fsdp_key]) != -1:
+      if rest * int(fixed[fsdp_key]) != per_slice:
+        continue
+      candidate[fsdp_key] = int(fixed[fsdp_key])
+    else:
+      if per_slice % rest:
+        continue
+      candidate[fsdp_key] = per_slice // rest
+    if num_slices > 1:
+      dcn = math.prod(int(candidate.get(a.dcn_key, 1)) for a in DCN_AXES)
+      if dcn != num_slices:
+        continue
+    else:
+      candidate[MeshAxis.DATA.dcn_key] = 1
+    stages = mesh_of(candidate)["stage"]
+    fixed_pipeline = {k: fixed[k] for k in PIPELINE_KEYS if k in fixed}
+    divides = lambda c: not whole_batches or _batch_divides(c, per_slice * num_slices, seq_len, data_sharding)
+    if stages == 1:
+      if divides(candidate):
+        yield candidate
+      continue
+    for variant in pipeline_variants(stages, layers):
+      if any(variant[k] != v for k, v in fixed_pipeline.items()):
+        continue
+      piped = {**candidate, **variant}
+      if divides(piped):
+        yield piped
+
+
+def _batch_divides(candidate: Mapping[str, Any], chips: int, seq_len: int, data_sharding: Sequence[str]) -> bool:
+  """The global (micro)batch splits into whole rows over the data_sharding axes (as config
+  validation requires), each pipeline microbatch over the non-stage ones; the length over sequence."""
+  mesh = mesh_of(candidate)
+  global_batch = float(candidate["per_device_batch_size"]) * chips
+  micro = global_batch / int(candidate.get("gradient_accumulation_steps", 1))
+  rows = math.prod(mesh[a] for a in data_sharding)
+  if mesh["stage"] > 1:
+    rows = math.prod(mesh[a] for a in data_sharding if a != "stage") * int(candidate["num_pipeline_microbatches"])
+  return micro.is_integer() and global_batch.is_integer() and int(micro) % rows == 0 and seq_len % mesh["sequence"] == 0
+
+
+# The fewest bytes per chip: whatever the mesh, these settings only lower a candidate's estimate.
+LEAN = {"remat_policy": "full", "optimizer_memory_host_offload": True}
+MAX_SUGGESTED_SLICES = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+  """Where the planner looks (topology, slices, the user's fixed keys and global batch) and the
+  least memory any candidate there can need: `leanest` is a lower bound on every ranked estimate."""
+
+  model: ModelShape
+  seq_len: int
+  rules: sharding.Rules
+  attention_kernel: str
+  fixed: Mapping[str, Any]
+  global_batch: int | None
+  data_sharding: Sequence[str] = MESH_AXES
+
+  def leanest(self, topology: accelerators.TpuTopology, num_slices: int,
+              fixed: Mapping[str, Any] | None = None) -> tuple[Estimate, dict[str, Any]] | None:
+    """The candidate of least estimated memory over every mesh layout, with full remat, the
+    optimizer offloaded and, unless the batch is fixed, one sequence per step (not a valid batch
+    for most layouts: only a bound); None when the fixed keys leave no layout."""
+    fixed = self.fixed if fixed is None else fixed
+    lean: dict[str, Any] = dict(LEAN)
+    if self.global_batch is None and "per_device_batch_size" not in fixed:
+      lean.update(per_device_batch_size=1 / (topology.chips * num_slices), gradient_accumulation_steps=1)
+    best = None
+    for candidate in candidates(self.model, topology, num_slices, {**lean, **fixed}, self.global_batch, self.seq_len,
+                                self.data_sharding, whole_batches=False):
+      found = estimate(self.model, candidate, topology, num_slices, self.seq_len, self.rules, self.attention_kernel)
+      if best is None or found.total < best[0].total:
+        best = (found, candidate)
+    return best
+
+  def fits(self, topology: accelerators.TpuTopology, num_slices: int, limit_share: float,
+           fixed: Mapping[str, Any] | None = None) -> bool:
+    found = self.leanest(topology, num_slices, fixed)
+    return found is not None and found[0].total <= topology.generation.hbm_gib * GIB * limit_share
+
+  def smallest_slice(self, generation: accelerators.TpuGeneration, num_slices: int, above_chips: int,
+                     limit_share: float, fixed: Mapping[str, Any]) -> str | None:
+    """The smallest slice of `generation` with more than `above_chips` chips where the bound fits
+    (a binary search: more chips never need more memory per chip), or None."""
+    sizes = [n for n in generation.sizes if n // generation.cores_per_chip > above_chips]
+    fitting = lambda n: self.fits(accelerators.tpu_topology(f"{generation.name}-{n}"), num_slices, limit_share, fixed)
+    if not sizes or not fitting(sizes[-1]):
+      return None
+    low, high = 0, len(sizes) - 1  # sizes[high] fits
+    while low < high:
+      mid = (low + high) // 2
+      low, high = (low, mid) if fitting(sizes[mid]) else (mid + 1, high)
+    return f"{generation.name}-{sizes[high]}"
+
+
+def where_it_fits(bound: Bound, topology: accelerators.TpuTopology, num_slices: int, limit_share: float) -> str:
+  """What to change so that the bound fits (analytical model): a larger slice of this generation,
+  else more slices of its largest, and a generation with more HBM per chip."""
+  gen = topology.generation
+  # The user's mesh degrees belong to this topology; the other fixed keys (policy, batch) are kept.
+  fixed = {k: v for k, v in bound.fixed.items() if MeshAxis.of_key(k) is None}
+  options = []
+  larger = bound.smallest_slice(gen, num_slices, topology.chips, limit_share, fixed)
+  if larger:
+    options.append(f"{num_slices} x {larger}" if num_slices > 1 else larger)
+  else:
+    largest = accelerators.tpu_topology(f"{gen.name}-{gen.sizes[-1]}")
+    slices = 2 * num_slices
+    while slices <= MAX_SUGGESTED_SLICES and not bound.fits(largest, slices, limit_share, fixed):
+      slices *= 2
+    if slices <= MAX_SUGGESTED_SLICES:
+      options.append(f"{slices} x {largest.name} (compile_topology_num_slices={slices})")
+  for other in accelerators.TPU_GENERATIONS.values():
+    if other.hbm_gib > gen.hbm_gib:
+      found = bound.smallest_slice(other, num_slices, 0, limit_share, fixed)
+      if found:
+        options.append(f"{num_slices} x {found}" if num_slices > 1 else found)
+  if not options:
+    return f"no TPU topology up to {MAX_SUGGESTED_SLICES} slices holds it (analytical model)"
+  return f"it would fit (analytical model) on {', or '.join(options)}"
+
+
+def fits_nowhere(bound: Bound, topology: accelerators.TpuTopology, num_slices: int, headroom: float) -> str | None:
+  """Why no candidate can fit `topology`, with the figures and what to change, when the lower
+  bound says so (answered before anything is ranked or compiled); None when one may fit."""
+  limit_share = 1 - headroom
+  gen = topology.generation
+  limit = gen.hbm_gib * GIB * limit_share
+  found = bound.leanest(topology, num_slices)
+  if found is not None and found[0].total <= limit:
+    return None
+  if found is None:
+    need = "no mesh layout respects the fixed degrees"
+  else:
+    e, settings = found
+    need = (f"its leanest setting ({describe(settings, shown=('remat_policy', 'optimizer_memory_host_offload'))}) "
+            f"needs {e.total / GIB:.1f} GiB per chip (parameters {e.params / GIB:.1f} + optimizer "
+            f"{e.optimizer / GIB:.1f} + the larger of gradients {e.gradients / GIB:.1f} and activations "
+            f"{e.activations / GIB:.1f})")
+  have = f"a {gen.name} chip holds {gen.hbm_gib:g} GiB ({limit / GIB:.1f} with headroom={headroom:g})"
+  if bound.fixed and bound.fits(topology, num_slices, limit_share, fixed={}):
+    return f"{need}, {have}; drop or change the fixed keys {', '.join(sorted(bound.fixed))}"
+  return f"{need}, {have}; {where_it_fits(bound, topology, num_slices, limit_share)}"
+
+
+def describe(candidate: Mapping[str, Any], shown: Sequence[str] | None = None) -> str:
+  """A short label: the non-trivial degrees, then policy, batch, accumulation, offload."""
+  parts = []
+  for key, value in candidate.items():
+    if MeshAxis.of_key(key):
+      if int(value) > 1:
+        parts.append(f"{key.replace('_parallelism', '')}={value}")
+    elif shown is None or key in shown:
+      if key == "optimizer_memory_host_offload":
+        if value:
+          parts.append("opt_offload")
+      elif key == "gradient_accumulation_steps":
+        if int(value) > 1:
+          parts.append(f"accum={value}")
+      elif key == "per_device_batch_size":
+        parts.append(f"pdb={float(value):g}")
+      elif key.startswith("sa_block"):
+        if key == "sa_block_q":
+          parts.append(f"blocks={value}")
+      elif key == "num_pipeline_microbatches":
+        parts.append(f"micro={value}")
+      elif key == "num_pipeline_repeats":
+        if int(value) > 1:
+          parts.append(f"repeats={value}")
+      else:
+        parts.append(f"{value}")
+  return " ".join(parts)
