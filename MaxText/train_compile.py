@@ -40,7 +40,6 @@ from MaxText.aot.memory_report import (GIB, MemoryReport, Offload, buffer_assign
                                        does_not_fit_message, format_bytes, host_overflow_message, parse_xla_oom,
                                        read_buffer_assignment)
 from MaxText.aot.plan_model import offloaded_activations
-from MaxText.configuration import remat_policies
 from MaxText.errors import UserError, run_cli
 from MaxText.layers import pipeline
 from MaxText.rl.rollouts import compile_rollout_step
@@ -72,10 +71,10 @@ def _buffer_report_dir() -> Iterator[str | None]:
 def offload_of(config: config_lib.Config) -> Offload:
   """What decides the run's host-memory use, with the planner's count of its offloaded activations."""
   pdb, accumulation = config.data.per_device_batch_size, config.optim.gradient_accumulation_steps
-  policy = remat_policies.by_name(config.model.remat_policy)
+  policy = config.model.remat
   tokens = pdb / accumulation * config.data.max_target_length
   return Offload(policy.name, pdb, accumulation, config.optim.optimizer_memory_host_offload,
-                 offloaded_activations(config.model, policy, tokens))
+                 offloaded_activations(config.model, policy, tokens), policy)
 
 
 def compile_or_explain(step_fn: Any, inputs: run_assembly.StepInputs, topology: accelerators.TpuTopology | None,

@@ -19,16 +19,24 @@ def test_base_yml_names_every_remat_policy():
   assert tuple(name.strip() for name in listed.split("|")) == remat_policies.NAMES
 
 
-@pytest.mark.parametrize("name", remat_policies.NAMES)
-def test_every_remat_policy_has_a_jax_policy(name):
+@pytest.mark.parametrize("name", [n for n in remat_policies.NAMES if n != "custom"])
+def test_every_fixed_remat_policy_has_a_jax_policy(name):
   policy = remat.checkpoint_policy(name)
   assert policy == "none" if name == "none" else callable(policy)
 
 
+def test_custom_is_resolved_from_its_placements_not_by_name():
+  with pytest.raises(AssertionError, match="ModelConfig.remat"):
+    remat.checkpoint_policy("custom")
+  assert callable(remat.checkpoint_policy(remat_policies.custom({"query_proj": "offload", "mlpwo": "device"})))
+
+
 def test_only_named_policies_name_tensors_and_only_saving_ones_offload():
   for policy in remat_policies.REMAT_POLICIES:
-    assert (policy.keeps == "names") == bool(policy.names), policy.name
+    if policy.name != "custom":  # its tensors come from the placement keys
+      assert (policy.keeps in ("names", "dots")) == bool(policy.names), policy.name
     assert not policy.offloaded or policy.keeps in ("dots", "names"), policy.name
+    assert set(policy.names) <= set(remat_policies.PRODUCED), policy.name
 
 
 def test_mesh_config_has_one_key_per_axis_and_group():

@@ -204,6 +204,7 @@ class Offload:
   accumulation: int
   optimizer_offloaded: bool
   estimate: float = 0.0
+  policy: remat_policies.RematPolicy | None = None  # the resolved record (remat_policy=custom's placements)
 
 
 def host_overflow_message(needed: float, limits: str, offload: Offload, detail: str, one_buffer: str = "",
@@ -211,7 +212,7 @@ def host_overflow_message(needed: float, limits: str, offload: Offload, detail: 
   """The one line for host memory running out: what is there (offloaded activations from an
   *_offloaded remat policy, offloaded optimizer state), how much against how much (`limits`),
   and what would use less. With `one_buffer`, `needed` is that buffer alone (a lower bound)."""
-  policy = remat_policies.BY_NAME.get(offload.remat_policy)
+  policy = offload.policy or remat_policies.BY_NAME.get(offload.remat_policy)
   what = f"the activations remat_policy={offload.remat_policy} offloads" if policy and policy.offloaded else \
       "what the step offloads"
   what += " and the optimizer state (optimizer_memory_host_offload)" if offload.optimizer_offloaded else ""
@@ -227,7 +228,9 @@ def host_overflow_message(needed: float, limits: str, offload: Offload, detail: 
   factor = total / available if available and not offload.optimizer_offloaded else 0.0
   at_least = "at least " if one_buffer and offload.estimate <= needed else ""
   options = []
-  if policy and policy.offloaded:
+  if policy and policy.name == "custom" and policy.offloaded:
+    options.append(f"offload less (fewer of {', '.join(f'{n}=offload' for n in policy.offload)})")
+  elif policy and policy.offloaded:
     lighter = [p.name for p in remat_policies.REMAT_POLICIES
                if p.offloaded and p.searched_by_planner and set(p.saved) < set(policy.saved)]
     options.append(f"offload less (remat_policy={' or '.join(lighter + ['full'])})")

@@ -16,11 +16,30 @@ from MaxText.configuration import model_checks as checks
 from MaxText.configuration.config_fields import ARCHITECTURE, FIXED, LAYOUT, MODEL, OPTIMIZER, DATA_POSITION, derived, key, key_fields, keys_where, read_keys, record
 from MaxText.configuration.config_fields import require as _require
 from MaxText.configuration.model_checks import parameter_scales, positive
+from MaxText.configuration import remat_policies
 from MaxText.configuration.layer_shapes_config import LayerShapesConfig
 from MaxText.configuration.vision_config import VisionConfig
 
 if TYPE_CHECKING:
   from MaxText.configuration.config_groups import MeshConfig
+
+
+# remat_policy=custom: one key per named activation (remat_policies.TENSORS), each remat | device | offload.
+RematPlacements = dataclasses.make_dataclass(
+    "RematPlacements", [(name, str, key()) for name in remat_policies.TENSORS], frozen=True, kw_only=True)
+
+
+def remat_placements_from_values(v: Mapping[str, Any]) -> Any:
+  """The placement keys, checked: each a placement, and only read with remat_policy=custom."""
+  placements = read_keys(RematPlacements, v)
+  problems = remat_policies.check_placements(placements)
+  _require(not problems, "; ".join(problems))
+  if v["remat_policy"] != "custom":
+    moved = [f"{n}={p}" for n, p in placements.items() if p != ("device" if n in remat_policies.NOT_RECOMPUTABLE
+                                                                     else "remat")]
+    _require(not moved, f"{', '.join(moved)} place activations only with remat_policy=custom (it is "
+             f"{v['remat_policy']!r}); add remat_policy=custom, or drop them")
+  return RematPlacements(**placements)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -232,6 +251,7 @@ class ModelConfig:
   dropout_rate: float = key()
   logits_dot_in_fp32: bool = key()
   remat_policy: str = key()
+  remat_placements: Any = record(RematPlacements)  # remat_policy=custom's placement keys
   max_target_length: int = key(fixed_on_resume=DATA_POSITION)
   quantization: str = key()  # "" | int8 | fp8 | mxfp8: the decoder stack's matmuls (layers/quantization.py)
   pipeline: PipelineConfig = record(PipelineConfig)
@@ -242,6 +262,13 @@ class ModelConfig:
   num_kv_heads: int = derived()
   mlp_dim: int = derived()
   num_decoder_layers: int = derived()
+
+  @property
+  def remat(self) -> remat_policies.RematPolicy:
+    """The remat policy the layers run: remat_policy's record, or custom's from its placement keys."""
+    if self.remat_policy == "custom":
+      return remat_policies.custom(dataclasses.asdict(self.remat_placements))
+    return remat_policies.by_name(self.remat_policy)
 
   @property
   def layer_period(self) -> int:
@@ -322,6 +349,7 @@ class ModelConfig:
                linear_attn=LinearAttentionConfig(**read_keys(LinearAttentionConfig, v)), moe=MoeConfig(**read_keys(MoeConfig, v)),
                mtp=MtpConfig(**read_keys(MtpConfig, v)), vision=vision,
                layer_shapes=layer_shapes, pipeline=pipeline, lora=LoraConfig(**read_keys(LoraConfig, v)),
+               remat_placements=remat_placements_from_values(v),
                emb_dim=v["base_emb_dim"] * s["emb"], num_query_heads=num_q, num_kv_heads=num_kv,
                mlp_dim=v["base_mlp_dim"] * s["mlp"], num_decoder_layers=layers)
 

@@ -2,45 +2,116 @@
 (model_config), the model's jax.checkpoint policy (layers/remat.py) and the planner's
 activation-memory and recompute model (plan_model.py). Free of jax, so the configuration can
 import it; layers/remat.py turns a record into jax's policy.
+
+`remat_policy=custom` places each activation the layers name (`checkpoint_name`) by its own key:
+`device` (kept in HBM for the backward pass), `offload` (kept in pinned host memory) or `remat`
+(recomputed). The key names are upstream MaxText's, so a recipe's tuning block carries over as
+written. The fixed policies are named placements of the same tensors (PRESET_PLACEMENTS).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, Mapping
 
 # What the backward pass finds saved rather than recomputing: nothing, the matmuls without batch
-# dimensions (weights × activations), the tensors named by `checkpoint_name` in `names`, or
-# everything (no rematerialisation at all).
+# dimensions (weights × activations), the tensors named by `checkpoint_name` in `device` and
+# `offload`, or everything (no rematerialisation at all).
 Keeps = Literal["nothing", "dots", "names", "everything"]
 # The widths the planner counts per token and layer, as plan_model._widths names them.
 Width = Literal["qkv", "out", "mlp_in", "mlp_out", "attn", "norms", "mlp_act"]
+Placement = Literal["remat", "device", "offload"]
+PLACEMENTS: tuple[Placement, ...] = ("remat", "device", "offload")
 
-# The attention projections' checkpoint names (layers/linears.DenseGeneral's `tag`).
-QKV_PROJ = ("query_proj", "key_proj", "value_proj")
+# Every activation name a `remat_policy=custom` key places, with what carries it here. A name no
+# layer here produces (a fused projection, a feature this project does not have) is accepted so
+# an upstream recipe runs as written, and places nothing.
+TENSORS: dict[str, str] = {
+    "decoder_layer_input": "a decoder layer's input, the residual stream entering it",
+    "query_proj": "the query projection (MLA: its up-projection from the query latent)",
+    "key_proj": "the key projection (MLA: the keys' no-position part from the key/value latent)",
+    "value_proj": "the value projection (MLA: the values from the key/value latent)",
+    "context": "the attention kernel's output before the output projection (grouped-query attention)",
+    "attention_out": "the attention kernel's output before the output projection (MLA)",
+    "out_proj": "the attention output projection",
+    "query_wa_proj": "MLA's query down-projection (q_lora_rank wide)",
+    "kv_wa_proj": "MLA's key/value down-projection (kv_lora_rank plus the rotated key)",
+    "mla_q": "MLA's normalised query latent",
+    "mla_kv": "MLA's normalised key/value latent",
+    "mlpwi": "an ungated MLP's input projection",
+    "mlpwi_0": "a gated MLP's first input projection (the activation's input)",
+    "mlpwi_1": "a gated MLP's second input projection (the linear one)",
+    "mlpwo": "the MLP output projection",
+    "moe_mlpwi_0": "the routed experts' first input projection",
+    "moe_mlpwi_1": "the routed experts' second input projection",
+    "moe_mlpwo": "the routed experts' output projection",
+    "qkv_proj": "",  # a fused query/key/value projection: none here
+    "kv_proj": "",  # a fused key/value projection: none here
+    "indexer_cutoff_threshold": "",  # the sparse-attention indexer keeps its own selection (layers/sparse_attention.py)
+    "engram": "",  # no engram memory here
+}
+PRODUCED: tuple[str, ...] = tuple(name for name, what in TENSORS.items() if what)
+# A layer's input is what every recompute starts from: it can be kept in HBM or offloaded, not recomputed.
+NOT_RECOMPUTABLE = ("decoder_layer_input",)
+
+# The attention projections' checkpoint names (layers/linears.DenseGeneral's `tag`), MLA's down-projections included.
+QKV_PROJ = ("query_proj", "key_proj", "value_proj", "query_wa_proj", "kv_wa_proj")
 ATTENTION_PROJ = QKV_PROJ + ("out_proj",)
+# Every projection's output: what jax's dots-without-batch-dimensions policy keeps of the named tensors.
+PROJECTIONS = ATTENTION_PROJ + ("mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo", "moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo")
+
+# The planner's widths each produced tensor fills (plan_model._widths); a tensor without one is
+# not counted (the latents and the layer input, which the planner counts as the stream already).
+_TENSOR_WIDTHS: dict[str, Width] = {
+    "query_proj": "qkv", "key_proj": "qkv", "value_proj": "qkv", "out_proj": "out", "context": "attn",
+    "attention_out": "attn", "mlpwi": "mlp_in", "mlpwi_0": "mlp_in", "mlpwi_1": "mlp_in", "mlpwo": "mlp_out",
+    "moe_mlpwi_0": "mlp_in", "moe_mlpwi_1": "mlp_in", "moe_mlpwo": "mlp_out",
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class RematPolicy:
   name: str
   keeps: Keeps
-  names: tuple[str, ...] = ()  # with keeps="names"
-  # The kept tensors go to pinned host memory and come back for the backward pass.
-  offloaded: bool = False
-  # What the planner counts as kept per token and layer besides the layer input (on the host
-  # when offloaded), and the share of the forward's matmul FLOPs the backward re-runs.
+  device: tuple[str, ...] = ()  # named tensors kept in HBM (keeps="names"; with "dots": what the dots amount to)
+  offload: tuple[str, ...] = ()  # named tensors kept in pinned host memory, back for the backward pass
+  # What the planner counts as kept per token and layer besides the layer input, and the share of
+  # the forward's matmul FLOPs the backward re-runs.
   saved: tuple[Width, ...] = ()
   recompute: float = 0.0
   searched_by_planner: bool = True
 
   @property
+  def offloaded(self) -> bool:
+    return bool(self.offload)
+
+  @property
+  def names(self) -> tuple[str, ...]:
+    """Every named tensor the policy keeps, in HBM or on the host."""
+    return self.device + self.offload
+
+  @property
   def saved_on_device(self) -> tuple[Width, ...]:
-    return () if self.offloaded else self.saved
+    return _widths_of(self.device) if self.keeps == "names" and self.offload else (
+        () if self.offloaded else self.saved)
 
   @property
   def saved_on_host(self) -> tuple[Width, ...]:
-    return self.saved if self.offloaded else ()
+    return _widths_of(self.offload) if self.offloaded else ()
+
+  def placements(self) -> dict[str, Placement]:
+    """Every tensor key's placement under this policy (the layer input stays in HBM)."""
+    out: dict[str, Placement] = {name: "remat" for name in TENSORS}
+    out["decoder_layer_input"] = "device"
+    out.update({name: "device" for name in self.device})
+    out.update({name: "offload" for name in self.offload})
+    return out
+
+
+def _widths_of(names: tuple[str, ...]) -> tuple[Width, ...]:
+  """The planner widths `names` fill, each once, in _TENSOR_WIDTHS' order."""
+  found = {_TENSOR_WIDTHS[n] for n in names if n in _TENSOR_WIDTHS}
+  return tuple(dict.fromkeys(w for w in _TENSOR_WIDTHS.values() if w in found))
 
 
 _MINIMAL: tuple[Width, ...] = ("qkv", "out", "mlp_in", "mlp_out")
@@ -51,15 +122,44 @@ REMAT_POLICIES: tuple[RematPolicy, ...] = (
     RematPolicy("full", "nothing", recompute=1 / 3),
     RematPolicy("save_qkv_proj", "names", QKV_PROJ, saved=("qkv",), recompute=0.22),
     RematPolicy("save_dot_except_mlp", "names", ATTENTION_PROJ, saved=_ATTENTION, recompute=0.2),
-    RematPolicy("minimal", "dots", saved=_MINIMAL, recompute=0.02),
-    RematPolicy("minimal_offloaded", "dots", offloaded=True, saved=_MINIMAL, recompute=0.02),
-    RematPolicy("save_dot_except_mlp_offloaded", "names", ATTENTION_PROJ, offloaded=True, saved=_ATTENTION,
-                recompute=0.2),
+    RematPolicy("minimal", "dots", PROJECTIONS, saved=_MINIMAL, recompute=0.02),
+    RematPolicy("minimal_offloaded", "dots", offload=PROJECTIONS, saved=_MINIMAL, recompute=0.02),
+    RematPolicy("save_dot_except_mlp_offloaded", "names", offload=ATTENTION_PROJ, saved=_ATTENTION, recompute=0.2),
     RematPolicy("none", "everything", saved=_MINIMAL + ("attn", "norms", "mlp_act"), searched_by_planner=False),
+    RematPolicy("custom", "names", searched_by_planner=False),  # its tensors from the placement keys (custom())
 )
 BY_NAME: dict[str, RematPolicy] = {policy.name: policy for policy in REMAT_POLICIES}
 NAMES: tuple[str, ...] = tuple(BY_NAME)
+# The fixed policies as placements: what `remat_policy=custom` with these keys keeps. "none" keeps
+# every intermediate, which no placement of named tensors spells.
+PRESET_PLACEMENTS: dict[str, dict[str, Placement]] = {
+    p.name: p.placements() for p in REMAT_POLICIES if p.name not in ("none", "custom")}
+
 
 
 def by_name(name: str) -> RematPolicy:
   return BY_NAME[name]
+
+
+def custom(placements: Mapping[str, str]) -> RematPolicy:
+  """The policy `remat_policy=custom` runs for `placements` (tensor key -> remat | device | offload;
+  keys left out are recomputed). The planner's recompute share is that of the lightest preset
+  keeping at least the widths it keeps (full remat's when it keeps none)."""
+  device = tuple(n for n in PRODUCED if placements.get(n) == "device" and n not in NOT_RECOMPUTABLE)
+  offload = tuple(n for n in PRODUCED if placements.get(n) == "offload")
+  keeps_widths = set(_widths_of(device + offload))
+  shares = [p.recompute for p in REMAT_POLICIES if p.name in PRESET_PLACEMENTS and keeps_widths <= set(p.saved)]
+  recompute = max(shares) if shares else min(p.recompute for p in REMAT_POLICIES if p.name in PRESET_PLACEMENTS)
+  return RematPolicy("custom", "names", device, offload, saved=_widths_of(device + offload), recompute=recompute,
+                     searched_by_planner=False)
+
+
+def check_placements(placements: Mapping[str, object]) -> list[str]:
+  """One message per wrong placement value (empty when all are right)."""
+  problems = []
+  for name, value in placements.items():
+    if value not in PLACEMENTS:
+      problems.append(f"{name}={value!r} is not a placement; use one of {' | '.join(PLACEMENTS)}")
+    elif name in NOT_RECOMPUTABLE and value == "remat":
+      problems.append(f"{name}=remat: a layer's input is where its recompute starts; keep it on device or offload it")
+  return problems

@@ -25,6 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.layers import kv_cache, layer_shapes, paged_kv
@@ -105,7 +106,7 @@ class Gemma4Attention(Attention):
       raise ValueError("a KV-shared layer needs its source layer's keys and values (layer_shapes.SharedKV)")
     k_BSKH, v_BSKH = self._keys_values(x_BLD, positions_BL)
     out_BLNH = self.kernel(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, window, 0.0)
-    return self.out(sharding.constrain(out_BLNH, HEADS_NAMES))
+    return self.out(checkpoint_name(sharding.constrain(out_BLNH, HEADS_NAMES), "context"))
 
 
 class Gemma4DecoderLayer(nnx.Module):

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.platform import sharding
 from MaxText.errors import ConfigError
@@ -309,6 +310,7 @@ class Attention(nnx.Module):
 
   def _output(self, out_BLNH: jax.Array, x_BLD: jax.Array) -> jax.Array:
     """The output projection, after the output gate where there is one (attention_output_gate)."""
+    out_BLNH = checkpoint_name(out_BLNH, "context")  # a remat_policy=custom placement
     if self.cfg.attn.attention_output_gate:
       gate_BLNH = jax.nn.sigmoid(self.output_gate(x_BLD).astype(jnp.float32))
       out_BLNH = (out_BLNH.astype(jnp.float32) * gate_BLNH).astype(out_BLNH.dtype)

@@ -40,10 +40,10 @@ def _gated_mlp(x: jax.Array, project: Callable[[jax.Array, int], jax.Array],
   projections, then the output projection (named for rematerialisation policies)."""
   hidden: jax.Array | None = None
   for i, activation in enumerate(activations):
-    h = activation(checkpoint_name(project(x, i), "mlpwi"))
+    h = activation(checkpoint_name(project(x, i), f"moe_mlpwi_{i}"))
     hidden = h if hidden is None else hidden * h
   assert hidden is not None  # mlp_activations is non-empty (config)
-  return checkpoint_name(project(hidden, len(activations)), "mlpwo")
+  return checkpoint_name(project(hidden, len(activations)), "moe_mlpwo")
 
 
 # ---------------------------------------------------------------- capacity slots

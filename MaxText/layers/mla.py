@@ -34,6 +34,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.platform import sharding
 from MaxText.layers import attention_kernels, kv_cache, masks, sparse_attention
@@ -61,17 +62,19 @@ class MultiHeadLatentAttention(nnx.Module):
     # A rank is replicated where it is the output (the input is the fsdp-sharded model width) and
     # named "embed" where it is the input, so the up-projections are fsdp-sharded like the rest.
     if cfg.mla.q_lora_rank > 0:
-      self.wq_a = dense((d,), (cfg.mla.q_lora_rank,), ("embed", None), tag="query_proj", **cfg.lora.adapter("q_a_proj"))
+      self.wq_a = dense((d,), (cfg.mla.q_lora_rank,), ("embed", None), tag="query_wa_proj",
+                        **cfg.lora.adapter("q_a_proj"))
       self.q_norm = norm(cfg.mla.q_lora_rank)
       self.wq_b = dense((cfg.mla.q_lora_rank,), (n, qk), ("embed", "heads", "kv"), tag="query_proj",
                         **cfg.lora.adapter("q_b_proj"))
     else:
       self.query = dense((d,), (n, qk), ("embed", "heads", "kv"), tag="query_proj", **cfg.lora.adapter("q_proj"))
-    self.wkv_a = dense((d,), (cfg.mla.kv_lora_rank + rope,), ("embed", None), tag="key_proj",
+    self.wkv_a = dense((d,), (cfg.mla.kv_lora_rank + rope,), ("embed", None), tag="kv_wa_proj",
                        **cfg.lora.adapter("kv_a_proj_with_mqa"))
     self.kv_norm = norm(cfg.mla.kv_lora_rank)
+    # Its keys and values are named after the split (key_proj, value_proj), as remat placements.
     self.wkv_b = dense((cfg.mla.kv_lora_rank,), (n, cfg.mla.qk_nope_head_dim + v), ("embed", "heads", "kv"),
-                       tag="value_proj", **cfg.lora.adapter("kv_b_proj"))
+                       **cfg.lora.adapter("kv_b_proj"))
     self.out = dense((n, v), (d,), ("heads", "kv", "embed"), tag="out_proj", **cfg.lora.adapter("o_proj"))
     if cfg.mla.index_topk > 0:
       self.indexer = LightningIndexer(cfg, rngs=rngs)
@@ -98,13 +101,14 @@ class MultiHeadLatentAttention(nnx.Module):
     """(normalised latent [B, L, R], rotated shared rope key [B, L, 1, P]): what decoding caches."""
     kv_BLr = self.wkv_a(x_BLD)
     rank = self.cfg.mla.kv_lora_rank
-    return self.kv_norm(kv_BLr[..., :rank]), self._rope(kv_BLr[:, :, None, rank:], positions_BL)
+    return (checkpoint_name(self.kv_norm(kv_BLr[..., :rank]), "mla_kv"),
+            self._rope(kv_BLr[:, :, None, rank:], positions_BL))
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
                layer_index: int | jax.Array = 0, cache: kv_cache.KVCache | None = None
                ) -> jax.Array | tuple[jax.Array, kv_cache.KVCache]:
     cfg = self.cfg
-    q_latent_BLQ = self.q_norm(self.wq_a(x_BLD)) if cfg.mla.q_lora_rank > 0 else None
+    q_latent_BLQ = checkpoint_name(self.q_norm(self.wq_a(x_BLD)), "mla_q") if cfg.mla.q_lora_rank > 0 else None
     q_nope_BLNC, q_rope_BLNP = self._queries(x_BLD, q_latent_BLQ, positions_BL)
     latent_BLR, k_rope_BL1P = self._latent(x_BLD, positions_BL)
     index = None
@@ -116,7 +120,8 @@ class MultiHeadLatentAttention(nnx.Module):
     if index is not None and not cfg.mla.indexer_warmup:
       return self._sparse(q_nope_BLNC, q_rope_BLNP, latent_BLR, k_rope_BL1P, segment_ids_BL, index)
     kv_BLNX = self.wkv_b(latent_BLR)
-    k_nope_BLNC, v_BLNV = kv_BLNX[..., :cfg.mla.qk_nope_head_dim], kv_BLNX[..., cfg.mla.qk_nope_head_dim:]
+    k_nope_BLNC = checkpoint_name(kv_BLNX[..., :cfg.mla.qk_nope_head_dim], "key_proj")
+    v_BLNV = checkpoint_name(kv_BLNX[..., cfg.mla.qk_nope_head_dim:], "value_proj")
     k_BLNH = jnp.concatenate([k_nope_BLNC, jnp.broadcast_to(k_rope_BL1P, q_rope_BLNP.shape).astype(k_nope_BLNC.dtype)],
                              axis=-1)
     q_BLNH = jnp.concatenate([q_nope_BLNC, q_rope_BLNP.astype(q_nope_BLNC.dtype)], axis=-1)
@@ -130,7 +135,7 @@ class MultiHeadLatentAttention(nnx.Module):
       allowed_BLS = masks.self_mask(segment_ids_BL)
       target_BLS = indexer.head_mean_probs(q_BLNH, k_BLNH, allowed_BLS, cfg.attn.attn_logits_soft_cap)
       self._sow_indexer_loss(*indexer.indexer_kl(target_BLS, indexer.index_scores(*index), allowed_BLS))
-    return self.out(sharding.constrain(out_BLNV, _HEADS))
+    return self.out(checkpoint_name(sharding.constrain(out_BLNV, _HEADS), "attention_out"))
 
   def _sow_indexer_loss(self, kl_sum: jax.Array, queries: jax.Array) -> None:
     """The indexer's KL summed over this layer's queries, and their count (the objective's mean is the ratio)."""
@@ -154,18 +159,20 @@ class MultiHeadLatentAttention(nnx.Module):
     if attention_kernels.sparse_kernel(length, topk) == "masked":
       kv_BLNX = self.wkv_b(latent_BLR)
       nope = cfg.mla.qk_nope_head_dim
-      k_BLNH = jnp.concatenate([kv_BLNX[..., :nope], jnp.broadcast_to(k_rope_BL1P, q_rope_BLNP.shape).astype(
+      k_nope_BLNC, v_BLNV = checkpoint_name(kv_BLNX[..., :nope], "key_proj"), checkpoint_name(kv_BLNX[..., nope:],
+                                                                                                "value_proj")
+      k_BLNH = jnp.concatenate([k_nope_BLNC, jnp.broadcast_to(k_rope_BL1P, q_rope_BLNP.shape).astype(
           kv_BLNX.dtype)], axis=-1)
       q_BLNH = jnp.concatenate([q_nope_BLNC, q_rope_BLNP.astype(q_nope_BLNC.dtype)], axis=-1)
       args = (sharding.constrain(q_BLNH, _HEADS), sharding.constrain(k_BLNH, _HEADS),
-              sharding.constrain(kv_BLNX[..., nope:], _HEADS), masks.self_mask(segment_ids_BL), *index, topk,
+              sharding.constrain(v_BLNV, _HEADS), masks.self_mask(segment_ids_BL), *index, topk,
               cfg.attn.attn_logits_soft_cap)
       if cfg.mla.indexer_loss_scaling_factor > 0:
         out_BLNV, kl_sum, queries = sparse_attention.masked_attention_kl(*args)
         self._sow_indexer_loss(kl_sum, queries)
       else:
         out_BLNV = sparse_attention.masked_attention(*args)
-      return self.out(sharding.constrain(out_BLNV, _HEADS))
+      return self.out(checkpoint_name(sharding.constrain(out_BLNV, _HEADS), "attention_out"))
     q_BLNX, w_v_RNV = self._absorbed(q_nope_BLNC, q_rope_BLNP)
     keys_BLX = jnp.concatenate([latent_BLR, k_rope_BL1P[:, :, 0].astype(latent_BLR.dtype)], axis=-1)
     positions_1L = jnp.arange(length)[None]
@@ -177,7 +184,7 @@ class MultiHeadLatentAttention(nnx.Module):
     else:
       out_latent_BLNR = sparse_attention.gathered_attention(*gathered_args)
     out_BLNV = jnp.einsum("blnr,rnv->blnv", out_latent_BLNR, w_v_RNV)
-    return self.out(sharding.constrain(out_BLNV, _HEADS))
+    return self.out(checkpoint_name(sharding.constrain(out_BLNV, _HEADS), "attention_out"))
 
   def _decode(self, q_nope_BLNC: jax.Array, q_rope_BLNP: jax.Array, latent_BLR: jax.Array, k_rope_BL1P: jax.Array,
               positions_BL: jax.Array, layer_index: int | jax.Array, cache: kv_cache.KVCache,

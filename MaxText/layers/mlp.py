@@ -58,8 +58,10 @@ class MlpBlock(nnx.Module):
     dense: dict[str, Any] = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs,
                  use_bias=cfg.use_bias)
     # Named wi_0, wi_1, ... (not a list) so checkpoints have string keys only.
+    gated = len(cfg.mlp_activations) > 1  # remat names (remat_policies.TENSORS): mlpwi_0, mlpwi_1, or mlpwi
     for i, target in enumerate(mlp_lora_targets(len(cfg.mlp_activations))):
-      setattr(self, f"wi_{i}", DenseGeneral((cfg.emb_dim,), (mlp_dim,), ("embed", "mlp"), tag="mlpwi", **dense,
+      setattr(self, f"wi_{i}", DenseGeneral((cfg.emb_dim,), (mlp_dim,), ("embed", "mlp"),
+                                            tag=f"mlpwi_{i}" if gated else "mlpwi", **dense,
                                             **cfg.lora.adapter(target)))
     self.wo = DenseGeneral((mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), tag="mlpwo", **dense, **cfg.lora.adapter("down_proj"))
     self.activations = activation_fns(cfg)

@@ -1,4 +1,5 @@
-"""The jax.checkpoint policy of a `remat_policy` (its record: MaxText/configuration/remat_policies.py)."""
+"""The jax.checkpoint policy of a remat policy record (MaxText/configuration/remat_policies.py;
+ModelConfig.remat resolves `remat_policy` and, for `custom`, its placement keys)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from MaxText.configuration import remat_policies
 CheckpointPolicy = Callable[..., bool] | None | str
 
 
-def checkpoint_policy(name: str) -> CheckpointPolicy:
-  policy = remat_policies.by_name(name)
+def checkpoint_policy(policy: remat_policies.RematPolicy | str) -> CheckpointPolicy:
+  """jax's policy for a record, or for a fixed policy's name."""
+  if isinstance(policy, str):
+    assert policy != "custom", "remat_policy=custom places tensors by its keys: pass ModelConfig.remat"
+    policy = remat_policies.by_name(policy)
   policies = jax.checkpoint_policies
   if policy.keeps == "everything":
     return "none"
@@ -26,6 +30,6 @@ def checkpoint_policy(name: str) -> CheckpointPolicy:
     return policies.checkpoint_dots_with_no_batch_dims
   if policy.offloaded:
     return policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=list(policy.names),
+        names_which_can_be_saved=list(policy.device), names_which_can_be_offloaded=list(policy.offload),
         offload_src="device", offload_dst="pinned_host")
-  return policies.save_only_these_names(*policy.names)
+  return policies.save_only_these_names(*policy.device)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from MaxText.configuration.model_config import ModelConfig
+from MaxText.configuration import remat_policies
 from MaxText.layers import masks, remat
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import DenseGeneral
@@ -62,7 +63,7 @@ def stacked_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], count: int, rng
   return stacked(rngs)
 
 
-def run_stacked(layers: nnx.Module, x: jax.Array, remat_policy: str, *args: Any) -> jax.Array:
+def run_stacked(layers: nnx.Module, x: jax.Array, remat_policy: remat_policies.RematPolicy, *args: Any) -> jax.Array:
   """`x` through every layer of `stacked_layers` in a scan (each layer called as layer(x, *args)),
   rematerialised by `remat_policy`."""
   graphdef, stacked_state = nnx.split(layers)
@@ -139,7 +140,7 @@ class VisionEncoder(nnx.Module):
     x_IPE = self.patch_embedding(self.patches(pixels_ICRR))
     x_IPE = x_IPE + self.position_embedding.embedding[...].astype(x_IPE.dtype)[None]
     x_IPE = sharding.constrain(x_IPE, IMAGE_NAMES)
-    return self.post_layernorm(run_stacked(self.layers, x_IPE, self.cfg.remat_policy))
+    return self.post_layernorm(run_stacked(self.layers, x_IPE, self.cfg.remat))
 
 
 class MultimodalProjector(nnx.Module):

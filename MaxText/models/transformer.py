@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from flax import nnx
 
@@ -194,6 +195,7 @@ class Transformer(nnx.Module):
                   layer_index: jax.Array, cache: Any, layer_input: jax.Array | None = None
                   ) -> tuple[jax.Array, AuxLosses, Any]:
       layer = nnx.merge(graphdef, layer_state)
+      x = checkpoint_name(x, "decoder_layer_input")  # remat_policy=custom places it (device or offload)
       extra = () if cache is None else (cache,)
       blocks: dict[str, jax.Array] = {} if image_blocks_BL is None else {"image_blocks_BL": image_blocks_BL}
       if layer_input is not None:

@@ -1,0 +1,111 @@
+"""remat_policy=custom: each named activation placed on device, offloaded to the host or recomputed
+by its own key (upstream MaxText's names), the fixed policies as placements of the same tensors."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText.configuration import remat_policies
+from MaxText.configuration.config import Config
+from MaxText.errors import ConfigError
+from train_utils import Run
+
+# An upstream recipe's tuning block, as written there: attention projections offloaded, the MLP's
+# inputs kept in HBM, the rest recomputed.
+RECIPE_BLOCK = dict(remat_policy="custom", decoder_layer_input="device", context="remat", mlpwi_0="device",
+                    mlpwi_1="device", mlpwo="remat", query_proj="offload", key_proj="offload", value_proj="offload",
+                    qkv_proj="offload", out_proj="device")
+# Tiny models that between them produce every name a layer here tags (remat_policies.PRODUCED).
+_TINY = dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16, base_mlp_dim=128,
+             base_num_decoder_layers=2, vocab_size=128, max_target_length=32, per_device_batch_size=1, print_config=False)
+_MLA_MOE = dict(_TINY, decoder_block="deepseek3", base_num_kv_heads=4, head_dim=12, base_mlp_dim=32,
+                attention_type="mla", q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                v_head_dim=6, num_experts=4, num_experts_per_tok=2)
+_UNGATED = dict(_TINY, mlp_activations=["gelu"])
+
+
+def _spelling(name: str) -> dict[str, str]:
+  """The custom keys that spell preset `name` (those that differ from the defaults)."""
+  defaults = remat_policies.BY_NAME["full"].placements()
+  return {k: v for k, v in remat_policies.PRESET_PLACEMENTS[name].items() if v != defaults[k]}
+
+
+def _lowered_text(**overrides) -> str:
+  run = Run(Config.for_testing(**_TINY, **overrides))
+  text = run.step_fn.lower(run.init(), next(run.data), run.rng).as_text()
+  return re.sub(r"loc\([^)]*\)", "", text)  # source locations differ, the program does not
+
+
+def test_recipe_block_reads_as_written():
+  policy = Config.for_testing(**_TINY, **RECIPE_BLOCK).model.remat
+  assert policy.name == "custom" and policy.keeps == "names"
+  assert policy.device == ("out_proj", "mlpwi_0", "mlpwi_1")
+  assert policy.offload == ("query_proj", "key_proj", "value_proj")  # qkv_proj: no fused projection here
+  assert policy.saved_on_device == ("out", "mlp_in") and policy.saved_on_host == ("qkv",)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(remat_policy="custom", query_proj="hbm"), r"^query_proj='hbm' is not a placement; use one of remat \| device \| offload$"),
+    (dict(remat_policy="custom", decoder_layer_input="remat"), r"^decoder_layer_input=remat: a layer's input is where"),
+    (dict(remat_policy="full", query_proj="offload", mlpwo="device"),
+     r"^query_proj=offload, mlpwo=device place activations only with remat_policy=custom \(it is 'full'\); add "
+     r"remat_policy=custom, or drop them$"),
+])
+def test_wrong_placements_are_one_line_errors(overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    Config.for_testing(**_TINY, **overrides)
+
+
+def test_every_preset_but_none_is_a_placement():
+  assert set(remat_policies.PRESET_PLACEMENTS) == set(remat_policies.NAMES) - {"none", "custom"}
+  for name, placements in remat_policies.PRESET_PLACEMENTS.items():
+    assert set(placements) == set(remat_policies.TENSORS) and placements["decoder_layer_input"] == "device", name
+    policy = remat_policies.custom(placements)
+    preset = remat_policies.by_name(name)
+    # The same tensors in the same places, and the planner's same memory and recompute figures.
+    assert (set(policy.device), set(policy.offload)) == (set(preset.device), set(preset.offload)), name
+    assert (policy.saved_on_device, policy.saved_on_host) == (preset.saved_on_device, preset.saved_on_host), name
+    assert policy.recompute == preset.recompute, name
+
+
+@pytest.mark.parametrize("name", [
+    "minimal",  # jax's dots policy against named tensors: the one whose spelling is not the same code path
+    *[pytest.param(n, marks=pytest.mark.slow) for n in ("full", "save_qkv_proj", "save_dot_except_mlp",
+                                                        "minimal_offloaded", "save_dot_except_mlp_offloaded")]])
+def test_preset_lowers_to_the_same_program_as_its_custom_spelling(name):
+  assert _lowered_text(remat_policy=name) == _lowered_text(remat_policy="custom", **_spelling(name))
+
+
+def test_a_custom_placement_trains_like_full_remat():
+  """Where activations stay changes memory, not arithmetic."""
+  def losses(**overrides):
+    run = Run(Config.for_testing(**_TINY, **overrides))
+    _, history = run.train(run.init(), 2)
+    return [h["loss"] for h in history]
+  np.testing.assert_allclose(losses(**RECIPE_BLOCK), losses(remat_policy="full"), rtol=1e-6)
+
+
+@pytest.mark.parametrize("overrides", [_TINY, _MLA_MOE, _UNGATED], ids=["gqa_gated", "mla_moe", "ungated"])
+def test_named_tensors_are_in_the_step(overrides):
+  """Every name a key places is tagged in the traced step of a model that has it."""
+  names = {"gqa_gated": {"decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj",
+                         "mlpwi_0", "mlpwi_1", "mlpwo"},
+           "mla_moe": {"decoder_layer_input", "query_wa_proj", "mla_q", "query_proj", "kv_wa_proj", "mla_kv",
+                       "key_proj", "value_proj", "attention_out", "out_proj", "moe_mlpwi_0", "moe_mlpwi_1",
+                       "moe_mlpwo"},
+           "ungated": {"mlpwi", "mlpwo"}}
+  key = "gqa_gated" if overrides is _TINY else "mla_moe" if overrides is _MLA_MOE else "ungated"
+  run = Run(Config.for_testing(**overrides, remat_policy="custom"))
+  jaxpr = str(jax.make_jaxpr(run.step_fn)(*run.assembly.abstract_inputs().as_args()))
+  tagged = set(re.findall(r"\bname\[name=(\w+)\]", jaxpr)) | set(re.findall(r"name=(\w+)\s", jaxpr))
+  assert names[key] <= tagged, sorted(names[key] - tagged)
+  assert tagged & set(remat_policies.TENSORS) <= set(remat_policies.PRODUCED)
+
+
+def test_every_produced_name_is_tagged_by_some_reference_model():
+  covered = {"decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi_0",
+             "mlpwi_1", "mlpwo", "query_wa_proj", "mla_q", "kv_wa_proj", "mla_kv", "attention_out", "moe_mlpwi_0",
+             "moe_mlpwi_1", "moe_mlpwo", "mlpwi"}
+  assert covered == set(remat_policies.PRODUCED)
