@@ -187,10 +187,7 @@ def report(ids: list[int], generated: list[int], tokenizer: Tokenizer | None, pr
 FRESH_NOTE = "decode: no load_parameters_path given; using randomly initialised parameters"
 TOOL = startup.Tool("decode", reads_run=True, joins_job=True, reads_data=False)
 
-
-def main(argv: list[str]) -> int:
-  decode(startup.start(TOOL, argv).config)
-  return 0
+main = startup.config_main(TOOL, decode)
 
 
 if __name__ == "__main__":

@@ -65,10 +65,7 @@ def generate(config: Config) -> str:
 
 TOOL = startup.Tool("generate_param_only_checkpoint", reads_run=True, joins_job=True, reads_data=False)
 
-
-def main(argv: list[str]) -> int:
-  generate(startup.start(TOOL, argv).config)
-  return 0
+main = startup.config_main(TOOL, generate)
 
 
 if __name__ == "__main__":

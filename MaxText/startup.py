@@ -150,6 +150,14 @@ def start(tool: Tool, argv: Sequence[str], *, paths: Mapping[str, str] | None = 
   return started
 
 
+def config_main(tool: Tool, run: Callable[[config_lib.Config], object]) -> Callable[[list[str]], int]:
+  """The `main` of an entry point whose whole work is `run(config)` once `tool` has started up."""
+  def main(argv: list[str]) -> int:
+    run(start(tool, argv).config)
+    return 0
+  return main
+
+
 def read_overrides(argv: list[str], extra_paths: Mapping[str, str] | None = None) -> config_lib.Overrides:
   """The user's layers (YAML, env, argv), every key checked, and every gs:// bucket a path key
   (or a tool's own path argument in `extra_paths`) names reachable, before any backend starts or
@@ -198,9 +206,12 @@ def describe_topology(topology: accelerators.TpuTopology, num_slices: int) -> Se
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     # libtpu's lock file guards TPU chips; with none attached, several compiles may run at once.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  description = topologies.get_topology_desc(
-      topology_name=topology.topology_name, platform="tpu", chip_config_name=topology.generation.chip_config,
-      chips_per_host_bounds=topology.host_bounds, num_slices=num_slices, wrap=topology.wrap)
+  try:
+    description = topologies.get_topology_desc(
+        topology_name=topology.topology_name, platform="tpu", chip_config_name=topology.generation.chip_config,
+        chips_per_host_bounds=topology.host_bounds, num_slices=num_slices, wrap=topology.wrap)
+  except RuntimeError as e:  # a libtpu too old for the generation, or none (JaxRuntimeError is one)
+    raise ConfigError(accelerators.cannot_describe_message(topology, str(e))) from None
   devices: Sequence[jax.Device] = description.devices
   return devices
 

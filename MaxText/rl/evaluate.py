@@ -72,10 +72,7 @@ def evaluate(config: config_lib.Config, show: int = 4) -> dict[str, float]:
 
 TOOL = startup.Tool("evaluate", reads_run=True, joins_job=True)
 
-
-def main(argv: list[str]) -> int:
-  evaluate(startup.start(TOOL, argv).config)
-  return 0
+main = startup.config_main(TOOL, evaluate)
 
 
 if __name__ == "__main__":

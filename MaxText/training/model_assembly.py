@@ -1,15 +1,16 @@
 """A model on a mesh from a checkpoint: mesh → model spec → parameter shardings → parameters
 born sharded (read from a checkpoint, or freshly initialised).
 
-The one assembly for the tools that run or export a model without training it: decode and
-serve (through `inference.engine.Engine`), the logit checker and the parameters-only export.
-Training assembles its state beside this, in `run_assembly.build_run`.
+The one assembly of a model on a mesh: training builds its state around it
+(`run_assembly.build_run`, whose parameters-only start reads through `ModelOnMesh.read`), and the
+tools that run or export a model without training it use it whole: decode and serve (through
+`inference.engine.Engine`), the logit checker and the parameters-only export.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 from jax.sharding import Mesh
@@ -38,8 +39,16 @@ class ModelOnMesh:
   def params(self, path: str = "", seed: int = 0) -> Params:
     """From `path` (any of our checkpoint kinds, in either layer layout), else fresh from `seed`."""
     if path:
-      return params_io.load_params(path, self.spec.abstract_params, self.param_shardings)
+      return self.read(path)
     return jax.jit(self.spec.init_params, out_shardings=self.param_shardings)(jax.random.key(seed))
+
+  def read(self, path: str, part: Callable[[Params], Params] | None = None) -> Params:
+    """The parameters `part` picks out of the model's tree (all of them when None), read from
+    `path` born sharded: a run that trains part of them (LoRA) reads the rest."""
+    abstract, shardings = self.spec.abstract_params, self.param_shardings
+    if part is not None:
+      abstract, shardings = part(abstract), part(shardings)
+    return params_io.load_params(path, abstract, shardings)
 
 
 def build_model(config: Config, *, devices: Sequence[jax.Device] | None = None, mesh: Mesh | None = None,

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from MaxText.configuration.config import Config
 from MaxText.training import compiled_step as compiled_step_file
-from MaxText import models
+from MaxText.training import model_assembly
 from MaxText.training import lora, train_state, train_step
 from MaxText.platform import sharding
 from MaxText.input_pipeline import Batch, BatchIterator, create_data_iterator, create_eval_iterator
@@ -110,11 +110,11 @@ def build_run(config: Config, *, devices: Sequence[Any] | None = None, compiled_
   (its header checked against this run); otherwise it is jitted here and compiles on first call.
   train_compile passes compiled_step=False: there the file is its output, not an input.
   """
-  mesh = sharding.create_mesh(config.mesh, devices)
-  model = models.build_model_spec(config.model)
+  on_mesh = model_assembly.build_model(config, devices=devices)
+  mesh = on_mesh.mesh
   partition = lora.partition_for(config.model)  # which parameters train: the optimizer's business
-  objective = objective_for(config, model, partition)
-  setup = train_state.build_state_setup(config, mesh, model, partition, objective)
+  objective = objective_for(config, on_mesh.spec, partition)
+  setup = train_state.build_state_setup(config, on_mesh, partition, objective)
   batch_sharding = sharding.batch_sharding(mesh, config.mesh.data_sharding)
   step: Callable[..., tuple[train_state.TrainState, Metrics]]
   if compiled_step and config.startup.compiled_trainstep_file:

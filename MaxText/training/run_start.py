@@ -9,7 +9,6 @@ from typing import Any, Callable
 
 import jax
 
-from MaxText.training import params_io
 from MaxText.paths import storage
 from MaxText.run_dir.checkpointing import Restored, RunCheckpoints, first_line, is_step_dir, log
 from MaxText.configuration.config import Config
@@ -38,11 +37,11 @@ def _load_params(config: Config, setup: StateSetup, path: str) -> Params:
   """The parameters of `path`; when the optimizer trains only part of them (LoRA), the frozen
   part from `path` and the trained part freshly initialised (LoRA's lora_b zero: the loaded
   model's function), whether or not the checkpoint holds adapters."""
-  abstract, shardings = setup.abstract_state.params, setup.state_shardings.params
+  shardings = setup.state_shardings.params
   partition = setup.updater.partition
   if not partition.frozen_gives_base_model:  # every parameter is in the checkpoint
-    return params_io.load_params(path, abstract, shardings)
-  base = params_io.load_params(path, partition.split(abstract)[1], partition.split(shardings)[1])
+    return setup.on_mesh.read(path)
+  base = setup.on_mesh.read(path, lambda tree: partition.split(tree)[1])
   init_trained = jax.jit(lambda rng: partition.split(setup.model.init_params(rng))[0],
                          out_shardings=partition.split(shardings)[0])
   return partition.combine(init_trained(jax.random.key(config.run.init_weights_seed)), base)

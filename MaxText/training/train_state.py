@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from MaxText.configuration.config import Config
 from MaxText import models
 from MaxText.training import optimizers
+from MaxText.training.model_assembly import ModelOnMesh
 from MaxText.platform import sharding
 from MaxText.training.optimizers import Params
 
@@ -58,14 +59,21 @@ class StateLayout(Protocol):
 class StateSetup:
   """Everything needed to create, shard and step the train state for one config and mesh."""
 
-  model: models.ModelSpec
+  on_mesh: ModelOnMesh  # the model, its mesh and its parameters' shardings (model_assembly)
   optimizer: optax.GradientTransformation  # already restricted to the trainable parameters
-  mesh: Mesh
   abstract_state: TrainState
   state_shardings: TrainState
   param_unsharded_fraction: float
   updater: optimizers.Updater  # how the step applies gradients (partition, host-offloaded state)
   layout: StateLayout
+
+  @property
+  def model(self) -> models.ModelSpec:
+    return self.on_mesh.spec
+
+  @property
+  def mesh(self) -> Mesh:
+    return self.on_mesh.mesh
 
 
 def _create_state(model: models.ModelSpec, optimizer: optax.GradientTransformation, rng: jax.Array,
@@ -82,14 +90,13 @@ def state_from_params(params: Params, optimizer: optax.GradientTransformation, l
   return layout.state_class(step=step, params=params, opt_state=opt_state, **extra)
 
 
-def build_state_setup(config: Config, mesh: Mesh, model: models.ModelSpec, partition: optimizers.Partition,
+def build_state_setup(config: Config, on_mesh: ModelOnMesh, partition: optimizers.Partition,
                       layout: StateLayout) -> StateSetup:
-  """Abstract state and its shardings; fails when too many parameter bytes stay unsharded.
-  `partition`: which parameters train (the optimizer keeps no state for the others)."""
+  """Abstract state and its shardings around the model on its mesh; fails when too many parameter
+  bytes stay unsharded. `partition`: which parameters train (the optimizer keeps no state for the others)."""
+  model, mesh, param_shardings = on_mesh.spec, on_mesh.mesh, on_mesh.param_shardings
   optimizer = partition.optimizer(optimizers.create_optimizer(config.optim, model.logical_names))
   abstract_state = jax.eval_shape(lambda: _create_state(model, optimizer, jax.random.key(0), layout))
-  rules = config.mesh.logical_axis_rules
-  param_shardings = models.shard_params_like(model, mesh, rules)
   fraction = sharding.check_sharding_tolerance(
       model.abstract_params, param_shardings, mesh, config.mesh.sharding_tolerance)
   replicated = sharding.replicated(mesh)
@@ -105,7 +112,7 @@ def build_state_setup(config: Config, mesh: Mesh, model: models.ModelSpec, parti
   state_shardings = layout.state_class(step=replicated, params=param_shardings,  # type: ignore[arg-type]
                                        opt_state=opt_shardings, **layout.extra_state(param_shardings, lambda s: s))
   updater = optimizers.Updater(optimizer, partition, opt_device_shardings)
-  return StateSetup(model, optimizer, mesh, abstract_state, state_shardings, fraction, updater, layout)
+  return StateSetup(on_mesh, optimizer, abstract_state, state_shardings, fraction, updater, layout)
 
 
 def reference_of(state: TrainState) -> Params | None:
