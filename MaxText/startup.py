@@ -206,9 +206,12 @@ def describe_topology(topology: accelerators.TpuTopology, num_slices: int) -> Se
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     # libtpu's lock file guards TPU chips; with none attached, several compiles may run at once.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  description = topologies.get_topology_desc(
-      topology_name=topology.topology_name, platform="tpu", chip_config_name=topology.generation.chip_config,
-      chips_per_host_bounds=topology.host_bounds, num_slices=num_slices, wrap=topology.wrap)
+  try:
+    description = topologies.get_topology_desc(
+        topology_name=topology.topology_name, platform="tpu", chip_config_name=topology.generation.chip_config,
+        chips_per_host_bounds=topology.host_bounds, num_slices=num_slices, wrap=topology.wrap)
+  except RuntimeError as e:  # a libtpu too old for the generation, or none (JaxRuntimeError is one)
+    raise ConfigError(accelerators.cannot_describe_message(topology, str(e))) from None
   devices: Sequence[jax.Device] = description.devices
   return devices
 

@@ -112,7 +112,7 @@ def _host_message(needed: float, gen: accelerators.TpuGeneration, offload: Offlo
   and what the generation's host VM has per chip, whichever is less."""
   limits = [f"XLA allows {xla_limit / GIB:g} GiB of offloaded buffers per chip"] if xla_limit else []
   if gen.host_gib is not None:
-    limits.append(f"a {gen.name} host has {gen.host_gib:.1f} GiB per chip")
+    limits.append(f"a {gen.name} host has {gen.host_gib:.1f} GiB per {gen.device_unit}")
   caps = ([xla_limit] if xla_limit else []) + ([gen.host_gib * GIB] if gen.host_gib is not None else [])
   return host_overflow_message(needed, " and ".join(limits) or "more than there is",
                                offload or Offload("", 0, 1, False), detail, one_buffer, min(caps, default=0.0))
@@ -128,7 +128,7 @@ def report(config: config_lib.Config, topology: accelerators.TpuTopology | None,
   print("\n".join(memory.lines()))
   if topology is not None:
     gen = topology.generation
-    print(f"  HBM per {gen.name} chip {gen.hbm_gib:g} GiB: {memory.total / (gen.hbm_gib * GIB):.1%} used")
+    print(f"  HBM per {gen.name} {gen.device_unit} {gen.hbm_gib:g} GiB: {memory.total / (gen.hbm_gib * GIB):.1%} used")
   flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size,
                                            config.data.max_target_length, passes=passes_per_row)
   num_devices = config.target.num_devices
@@ -203,7 +203,9 @@ def main(argv: list[str]) -> int:
 def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
   config, devices, topology = load_target_config(argv)
   where = f"{config.mesh.num_slices} x {topology.name} ({topology.topology_name}, {topology.hosts} hosts of " \
-          f"{topology.chips_per_host} chips per slice)" if topology else f"the local {config.target.platform} devices"
+          f"{topology.chips_per_host} chips per slice" + (f", {topology.generation.devices_per_chip} devices per chip"
+          if topology.generation.devices_per_chip > 1 else "") + ")" if topology else \
+          f"the local {config.target.platform} devices"
   print(f"compiling for {where}: {config.target.num_devices} devices, {config.target.device_kind}")
   for name in ("LIBTPU_INIT_ARGS", "XLA_FLAGS"):
     if os.environ.get(name):
@@ -235,8 +237,9 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
     host = memory.host
     if gen.host_gib is not None and host > gen.host_gib * GIB:  # XLA accepts it; the host VM has less
       raise UserError(_host_message(host, gen, offload_of(config), "XLA buffer assignment, host memory space"))
-    print(f"fits: {format_bytes(memory.total)} of {gen.hbm_gib:g} GiB per {gen.name} chip" +
-          (f"; {format_bytes(host)} of host memory per chip ({gen.host_gib:.1f} GiB)" if host and gen.host_gib else ""))
+    print(f"fits: {format_bytes(memory.total)} of {gen.hbm_gib:g} GiB per {gen.name} {gen.device_unit}" +
+          (f"; {format_bytes(host)} of host memory per {gen.device_unit} ({gen.host_gib:.1f} GiB)"
+           if host and gen.host_gib else ""))
   if run.objective.uses_rollouts:
     _compile_rollout(config, run, inputs)
   path = config.startup.compiled_trainstep_file

@@ -306,3 +306,34 @@ def test_a_generation_without_network_figures_is_named():
   target = StepTarget("v4", "v4-8", (2, 2, 1), (False,) * 3, 1, ((0, 0, 0, 0),), {"fsdp": 1}, 1.0)
   with pytest.raises(UserError, match="no network figures for TPU v4"):
     report.predict("HloModule m\n\nENTRY %main () -> f32[] {\n  ROOT %c = f32[] constant(0)\n}\n", target)
+
+
+def test_v6e_and_tpu7x_have_the_published_network_figures():
+  v6e, tpu7x = NETWORKS["v6e"], NETWORKS["tpu7x"]
+  assert (v6e.ici_bidirectional, v6e.ici_links, v6e.hbm, v6e.dcn_per_chip) == (800e9, 4, 1638e9, 12.5e9)
+  assert v6e.link_one_way == 100e9
+  assert (tpu7x.ici_bidirectional, tpu7x.ici_links, tpu7x.hbm, tpu7x.dcn_per_chip) == (1200e9, 6, 7380e9, 12.5e9)
+  # Two TensorCores (JAX devices) per tpu7x chip share its HBM and DCN.
+  assert (tpu7x.hbm_per_device, tpu7x.dcn_per_device) == (3690e9, 6.25e9)
+
+
+def tpu7x_line(chips: int = 4) -> StepTarget:
+  """`chips` tpu7x chips on an unwrapped line (x), two devices (TensorCores) each, in device order."""
+  coords = tuple((x, 0, 0, 0) for x in range(chips) for _ in range(2))
+  return StepTarget("tpu7x", f"tpu7x-{2 * chips}", (chips, 1, 1), (False,) * 3, 1, coords, {"fsdp": 2 * chips},
+                    model_tflops_per_device=1.0)
+
+
+def test_a_chips_two_devices_share_its_links_and_talk_on_chip_at_hbm_speed():
+  net, target = NETWORKS["tpu7x"], tpu7x_line()
+  # 8 devices on 4 chips: each chip's links carry both of its devices' parts of the ring.
+  gather = collective_transfer("all-gather", GATHER_BYTES, list(range(8)), target, net)
+  assert gather.seconds(EXACT) == pytest.approx(2 * 7 / 8 * GATHER_BYTES / net.link_one_way)
+  assert gather.link == "x"
+  # One device per chip (the even ids): the ring v5p would run.
+  spread = collective_transfer("all-gather", GATHER_BYTES, [0, 2, 4, 6], target, net)
+  assert spread.seconds(EXACT) == pytest.approx(3 / 4 * GATHER_BYTES / net.link_one_way)
+  # The two TensorCores of one chip: no ICI link between them.
+  on_chip = collective_transfer("all-reduce", GATHER_BYTES, [0, 1], target, net)
+  assert (on_chip.link, on_chip.seconds(EXACT)) == ("on-chip", pytest.approx(2 * GATHER_BYTES / 2 / net.hbm_per_device))
+  assert collective_transfer("collective-permute", GATHER_BYTES, [0, 1], target, net).link == "on-chip"

@@ -43,12 +43,25 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subproce
     ("v4-8", 4, 1, "v4:2x2x1"), ("v4-384", 192, 48, "v4:4x4x12"), ("v4-4096", 2048, 512, "v4:8x16x16"),
     ("v5p-8", 4, 1, "v5:2x2x1"), ("v5p-640", 320, 80, "v5:4x4x20"), ("v5p-1152", 576, 144, "v5:4x12x12"),
     ("v5p-7680", 3840, 960, "v5:12x16x20"), ("v5p-12288", 6144, 1536, "v5:16x16x24"),
-    ("v6e-1", 1, 1, "v6e:1x1"), ("v6e-256", 256, 64, "v6e:16x16"),
+    ("v6e-1", 1, 1, "v6e:1x1"), ("v6e-4", 4, 1, "v6e:2x2"), ("v6e-8", 8, 2, "v6e:2x4"), ("v6e-256", 256, 64, "v6e:16x16"),
+    ("tpu7x-2", 1, 1, "tpu7x:1x1x1"), ("tpu7x-8", 4, 1, "tpu7x:2x2x1"), ("tpu7x-64", 32, 8, "tpu7x:2x4x4"),
+    ("tpu7x-128", 64, 16, "tpu7x:4x4x4"), ("tpu7x-18432", 9216, 2304, "tpu7x:16x24x24"),
 ])
 def test_topology_table_matches_published_slice_shapes(name, chips, hosts, topology):
   t = accelerators.tpu_topology(name)
   assert (t.chips, t.hosts, t.topology_name) == (chips, hosts, topology)
-  assert t.target(num_slices=2).num_devices == 2 * chips
+  per_chip = 2 if name.startswith("tpu7x") else 1  # a tpu7x chip's two TensorCores are two JAX devices
+  assert t.devices == per_chip * chips and t.target(num_slices=2).num_devices == 2 * per_chip * chips
+
+
+def test_v6e_and_tpu7x_figures_are_the_published_ones_per_device():
+  v6e, tpu7x = accelerators.TPU_GENERATIONS["v6e"], accelerators.TPU_GENERATIONS["tpu7x"]
+  assert (v6e.hbm_gib, v6e.peak_tflops, v6e.peak_fp8_tflops, v6e.devices_per_chip) == (32.0, 918.0, 918.0, 1)
+  assert v6e.host_gib == pytest.approx(720e9 / 4 / 2**30)  # 720 GB per 4-chip VM
+  # Per chip 192 GiB, 2307 bf16 / 4614 fp8 TFLOP/s, 960 GB per 4-chip VM: halved per TensorCore.
+  assert (tpu7x.hbm_gib, tpu7x.peak_tflops, tpu7x.peak_fp8_tflops, tpu7x.devices_per_chip) == (96.0, 1153.5, 2307.0, 2)
+  assert tpu7x.host_gib == pytest.approx(960e9 / 8 / 2**30) and tpu7x.device_unit == "TensorCore"
+  assert accelerators.known_peak_tflops("TPU7x") == 1153.5 and accelerators.known_peak_tflops("TPU v6 lite") == 918.0
 
 
 def test_topology_table_hardware_facts_and_names():
@@ -83,6 +96,36 @@ def test_compiles_for_one_v5e_256_slice(capsys):
   assert "--xla_dump_to" not in os.environ.get("XLA_FLAGS", "")  # the report options did not leak
   assert "compiler estimate (not a measurement)" in out and "implied MFU" in out
   assert "step-time model (not a measurement): step" in out and "exposed ICI" in out
+
+
+def test_compiles_for_v6e_4_with_the_step_time_model(capsys):
+  assert train_compile.main(argv(compile_topology="v6e-4", **TPU_TINY)) == 0
+  out = capsys.readouterr().out
+  assert "1 x v6e-4 (v6e:2x2, 1 hosts of 4 chips per slice): 4 devices, TPU v6 lite" in out
+  assert "step-time model (not a measurement): step" in out and "of 918 TFLOP/s" in out
+  assert "no network figures" not in out and "fits:" in out and "of 32 GiB per v6e chip" in out
+
+
+@pytest.mark.slow
+def test_compiles_for_tpu7x_8_with_two_devices_per_chip(capsys):
+  assert train_compile.main(argv(compile_topology="tpu7x-8", **TPU_TINY)) == 0
+  out = capsys.readouterr().out
+  assert "1 x tpu7x-8 (tpu7x:2x2x1, 1 hosts of 4 chips per slice, 2 devices per chip): 8 devices, TPU7x" in out
+  assert "mesh: fsdp=8" in out and "step-time model (not a measurement): step" in out and "of 1153.5 TFLOP/s" in out
+  assert "fits:" in out and "of 96 GiB per tpu7x TensorCore" in out
+
+
+def test_a_topology_libtpu_cannot_describe_is_one_line(monkeypatch):
+  # The installed libtpu has no "megacore" chip config for tpu7x: its refusal, as an older libtpu refuses tpu7x.
+  tpu7x = accelerators.TPU_GENERATIONS["tpu7x"]
+  monkeypatch.setitem(accelerators.TPU_GENERATIONS, "tpu7x", dataclasses.replace(tpu7x, chip_config="megacore"))
+  with pytest.raises(ConfigError) as refused:
+    train_compile.main(argv(compile_topology="tpu7x-8", **TPU_TINY))
+  message = str(refused.value)
+  assert message.startswith(f"the installed libtpu ({accelerators.libtpu_version()}) cannot describe "
+                            "compile_topology=tpu7x-8 (tpu7x:2x2x1): NOT_FOUND")
+  assert message.endswith("install a libtpu that knows tpu7x (pip install -U libtpu) or compile for another topology")
+  assert "\n" not in message
 
 
 def test_cli_reports_the_device_heap_from_xla_buffer_assignment():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import importlib.metadata
 import os
 import shutil
 import time
@@ -163,27 +164,43 @@ def peak_tflops_per_device(target: DeviceTarget, cpu_peak_tflops: float) -> tupl
 
 @dataclasses.dataclass(frozen=True)
 class TpuGeneration:
-  """Per-generation facts libtpu needs to describe a topology, and what MFU is measured against."""
+  """Per-generation facts libtpu needs to describe a topology, and what MFU is measured against.
+
+  The memory and FLOP/s figures are per JAX device: one chip, except on tpu7x, whose two
+  TensorCores are two devices, each with half the chip's HBM and peak (getting_started/AOT.md,
+  "v6e and tpu7x", cites every figure)."""
 
   name: str  # user-facing prefix: "v5e" in "v5e-256"
   topology_prefix: str  # libtpu's name: "v5" for v5p, "v5e", ...
   device_kind: str  # what jax.Device.device_kind reports on the real chip
   chip_config: str  # "megacore": one JAX device drives both TensorCores of a chip
-  cores_per_chip: int  # v4/v5p names count TensorCores (v4-8 is 4 chips), v5e/v6e names count chips
+  cores_per_chip: int  # v4/v5p/tpu7x names count TensorCores (v4-8 is 4 chips), v5e/v6e names count chips
   torus_dims: int
-  hbm_gib: float
-  peak_tflops: float  # dense bf16 per chip
-  # Derived as peak FLOP/s / MXU FLOPs per cycle (MXUs x 128^2 MACs, 256^2 on v6e, x 2); used to
-  # turn the compiler's per-op cycle estimates into seconds.
+  hbm_gib: float  # per device
+  peak_tflops: float  # dense bf16 per device
+  # Derived as peak FLOP/s per device / its MXUs' FLOPs per cycle (4 MXUs of 128^2 MACs per TensorCore,
+  # of 256^2 on v6e and tpu7x, x 2; AOT.md says why four on v6e); turns the compiler's cycles into seconds.
   clock_ghz: float
   sizes: tuple[int, ...]  # the published slice names' numbers
-  # The host VM's memory per chip in GiB (published RAM of a host / its chips; getting_started/Planner.md
+  # The host VM's memory per device in GiB (published RAM of a 4-chip VM / its devices; getting_started/Planner.md
   # cites them): what offloaded activations and optimizer state share. None: no published figure.
   host_gib: float | None = None
+  devices_per_chip: int = 1  # JAX devices per chip: 2 on tpu7x
+  peak_fp8_tflops: float | None = None  # dense fp8 per device, where published
+
+  @property
+  def device_unit(self) -> str:
+    """What one JAX device is, for messages: a chip, or a TensorCore where a chip shows as several."""
+    return "chip" if self.devices_per_chip == 1 else "TensorCore"
 
 
 def _v5p_sizes() -> tuple[int, ...]:
   return (8, 16, 32, 64) + tuple(range(128, 12288 + 1, 128))
+
+
+def _tpu7x_sizes() -> tuple[int, ...]:
+  """One chip, the shapes below a 4x4x4 cube, then whole cubes up to the 9,216-chip pod."""
+  return (2, 8, 16, 32, 64) + tuple(range(128, 2 * 9216 + 1, 128))
 
 
 TPU_GENERATIONS: dict[str, TpuGeneration] = {
@@ -192,14 +209,19 @@ TPU_GENERATIONS: dict[str, TpuGeneration] = {
     "v5e": TpuGeneration("v5e", "v5e", "TPU v5 lite", "default", 1, 2, 16.0, 197.0, 1.5,
                          (1, 4, 8, 16, 32, 64, 128, 256), host_gib=192e9 / 4 / 2**30),  # 192 GB per 4-chip VM
     "v5p": TpuGeneration("v5p", "v5", "TPU v5", "megacore", 2, 3, 95.0, 459.0, 1.75, _v5p_sizes(),
-                         host_gib=448e9 / 4 / 2**30),  # 448 GB per 4-chip host
+                         host_gib=448e9 / 4 / 2**30, peak_fp8_tflops=459.0),  # 448 GB per 4-chip host
     "v6e": TpuGeneration("v6e", "v6e", "TPU v6 lite", "default", 1, 2, 32.0, 918.0, 1.75,
-                         (1, 4, 8, 16, 32, 64, 128, 256), host_gib=1536 / 8),  # 1536 GiB per 8-chip host
+                         (1, 4, 8, 16, 32, 64, 128, 256), host_gib=720e9 / 4 / 2**30,  # 720 GB per 4-chip VM
+                         peak_fp8_tflops=918.0),
+    # Two TensorCores per chip, each its own JAX device: per-device figures are half the chip's.
+    "tpu7x": TpuGeneration("tpu7x", "tpu7x", "TPU7x", "default", 2, 3, 192.0 / 2, 2307.0 / 2, 2.2, _tpu7x_sizes(),
+                           host_gib=960e9 / 4 / 2 / 2**30, devices_per_chip=2,  # 960 GB per 4-chip VM
+                           peak_fp8_tflops=4614.0 / 2),
 }
 
 # 2D (v5e/v6e) slice shapes; a side of 16 is a full ring and wraps around.
 _TORUS_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}
-_SMALL_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4)}  # below one 4x4x4 cube
+_SMALL_3D = {1: (1, 1, 1), 4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4)}  # below one 4x4x4 cube
 
 
 def _cube_shape(chips: int) -> tuple[int, int, int]:
@@ -249,10 +271,15 @@ class TpuTopology:
       return (self.chips >= 64,) * 3
     return (self.shape[0] == 16, self.shape[1] == 16, False)
 
+  @property
+  def devices(self) -> int:
+    """JAX devices per slice: one per chip, two per tpu7x chip."""
+    return self.chips * self.generation.devices_per_chip
+
   def target(self, num_slices: int = 1) -> DeviceTarget:
-    """The DeviceTarget a Config is built for: one JAX device per chip, on every slice."""
+    """The DeviceTarget a Config is built for: every device of every slice."""
     return DeviceTarget(platform="tpu", device_kind=self.generation.device_kind,
-                        num_devices=self.chips * num_slices, num_processes=self.hosts * num_slices,
+                        num_devices=self.devices * num_slices, num_processes=self.hosts * num_slices,
                         num_slices=num_slices)
 
 
@@ -283,3 +310,18 @@ def tpu_topology(name: str) -> TpuTopology:
     shape = _SMALL_3D[chips] if chips < 64 else _cube_shape(chips)
   return TpuTopology(name=f"{generation.name}-{size_text}", generation=generation, chips=chips,
                      chips_per_host=1 if chips == 1 else 4, shape=shape)
+
+
+def libtpu_version() -> str:
+  try:
+    return importlib.metadata.version("libtpu")
+  except importlib.metadata.PackageNotFoundError:
+    return "none installed"
+
+
+def cannot_describe_message(topology: TpuTopology, libtpu_error: str) -> str:
+  """One line for a topology the installed libtpu does not know (libtpu's own first line kept)."""
+  lines = libtpu_error.strip().splitlines()
+  return (f"the installed libtpu ({libtpu_version()}) cannot describe compile_topology={topology.name} "
+          f"({topology.topology_name}): {lines[0] if lines else 'no reason given'}; install a libtpu that knows "
+          f"{topology.generation.name} (pip install -U libtpu) or compile for another topology")

@@ -17,17 +17,27 @@ from MaxText.aot.step_time.saved import StepTarget
 
 @dataclasses.dataclass(frozen=True)
 class Network:
-  """Published per-chip figures of one TPU generation, in bytes/s."""
+  """Published per-chip figures of one TPU generation, in bytes/s. Where a chip is several JAX
+  devices (tpu7x: one per TensorCore) they share its links, DCN, host link and HBM."""
 
   ici_bidirectional: float  # all of a chip's ICI links together, both directions
   ici_links: int  # links per chip: 4 on a 2D torus, 6 on a 3D one
   dcn_per_chip: float  # the data-centre network's share of one chip, one direction
   host_link: float  # host <-> chip (PCIe), one direction
   hbm: float
+  devices_per_chip: int = 1
 
   @property
   def link_one_way(self) -> float:
     return self.ici_bidirectional / self.ici_links / 2
+
+  @property
+  def hbm_per_device(self) -> float:
+    return self.hbm / self.devices_per_chip
+
+  @property
+  def dcn_per_device(self) -> float:
+    return self.dcn_per_chip / self.devices_per_chip
 
 
 NETWORKS: dict[str, Network] = {
@@ -37,6 +47,13 @@ NETWORKS: dict[str, Network] = {
     # cloud.google.com/tpu/docs/v5p: ICI 1200 GBps bidirectional per chip, DCN 50 Gbps per chip, HBM 2765 GBps;
     # host link as v5e.
     "v5p": Network(ici_bidirectional=1200e9, ici_links=6, dcn_per_chip=50e9 / 8, host_link=1.5e10, hbm=2765e9),
+    # cloud.google.com/tpu/docs/v6e: ICI 800 GBps bidirectional over 4 ports, HBM 1638 GBps; DCN 100 Gb/s per
+    # chip from the tpu7x page's comparison table; host link: the scaling book's v6e PCIe figure.
+    "v6e": Network(ici_bidirectional=800e9, ici_links=4, dcn_per_chip=100e9 / 8, host_link=1.5e10, hbm=1638e9),
+    # cloud.google.com/tpu/docs/tpu7x: ICI 1200 GB/s bidirectional per chip on a 3D torus (6 neighbours),
+    # DCN 100 Gb/s per chip, HBM 7380 GB/s; no published host-link figure: v6e's, assumed (AOT.md).
+    "tpu7x": Network(ici_bidirectional=1200e9, ici_links=6, dcn_per_chip=100e9 / 8, host_link=1.5e10, hbm=7380e9,
+                     devices_per_chip=2),
 }
 
 
@@ -132,6 +149,12 @@ def _permute_link(pair: Sequence[int], target: StepTarget) -> str:
   return "self"
 
 
+def _devices_per_chip(group: Sequence[int], target: StepTarget) -> tuple[int, int]:
+  """(the group's chips, its devices per chip): tpu7x's two TensorCores share a chip's coordinates."""
+  chips = len({target.coords[d] for d in group})
+  return chips, max(1, len(group) // max(chips, 1))
+
+
 def collective_transfer(kind: str, result_bytes: int, group: Sequence[int], target: StepTarget,
                         net: Network, axis: str = "") -> Transfer:
   """One collective with the links to itself. `result_bytes` is what each device ends with
@@ -153,13 +176,20 @@ def collective_transfer(kind: str, result_bytes: int, group: Sequence[int], targ
     moved, passes = result_bytes * (n - 1.0) / n * max(1.0, n / 4), 1.0  # bisection-bound on a ring
   else:  # all-gather
     moved, passes = result_bytes * (n - 1.0) / n, 1.0
-  if len(slices) > 1:  # across slices: each chip's share of its host's DCN carries its part
+  if len(slices) > 1:  # across slices: each device's share of its host's DCN carries its part
     dcn_bytes = passes * moved * n / (n - 1.0) * (len(slices) - 1) / len(slices)
-    return Transfer("dcn", dcn_bytes / net.dcn_per_chip, passes, axis, "dcn")
+    return Transfer("dcn", dcn_bytes / net.dcn_per_device, passes, axis, "dcn")
+  chips, sharing = _devices_per_chip(group, target)
+  if chips == 1:  # the TensorCores of one chip: no ICI link; priced at the device's HBM bandwidth
+    return Transfer("ici", passes * moved / net.hbm_per_device, 0.0, axis, "on-chip")
   if kind == "collective-permute":
-    return Transfer("ici", moved / net.link_one_way, 1.0, axis, _permute_link(group, target))
+    link = _permute_link(group, target)
+    if link == "self":
+      return Transfer("ici", moved / net.hbm_per_device, 0.0, axis, "on-chip")
+    return Transfer("ici", moved / net.link_one_way, 1.0, axis, link)
   bandwidth, steps, used = _ring_bandwidth(group, target, net)
-  return Transfer("ici", passes * moved / bandwidth, passes * steps, axis, used)
+  # A chip's devices in the group share its links: each link carries all of their parts.
+  return Transfer("ici", passes * moved * sharing / bandwidth, passes * steps, axis, used)
 
 
 def dcn_all_reduce(array_bytes: int, num_slices: int, net: Network, axis: str = "data") -> Transfer:
@@ -169,8 +199,8 @@ def dcn_all_reduce(array_bytes: int, num_slices: int, net: Network, axis: str = 
   if num_slices < 2:
     return Transfer("dcn", 0.0, 0.0, axis)
   moved = 2.0 * array_bytes * (num_slices - 1) / num_slices
-  return Transfer("dcn", moved / net.dcn_per_chip, 2.0 * (num_slices - 1), axis, "dcn")
+  return Transfer("dcn", moved / net.dcn_per_device, 2.0 * (num_slices - 1), axis, "dcn")
 
 
 def host_transfer(array_bytes: int, net: Network) -> Transfer:
-  return Transfer("host", array_bytes / net.host_link, 0.0, "host")
+  return Transfer("host", array_bytes / (net.host_link / net.devices_per_chip), 0.0, "host")

@@ -179,7 +179,7 @@ class _Builder:
     hbm_bytes = sum(a.bytes for a in inst.arrays if a.memory_space == 0) + sum(
         a.bytes for o in inst.operands if o in self.module.by_name
         for a in self.module.by_name[o].arrays[:1] if a.memory_space == 0)
-    roofline = max(flops / self.peak, hbm_bytes / self.net.hbm)
+    roofline = max(flops / self.peak, hbm_bytes / self.net.hbm_per_device)
     seconds = cycles / self.clock_hz if cycles is not None else roofline
     if flops > 0:  # a matmul: its FLOPs at the MXUs' achieved share of peak (the calibration's)
       return Op("compute", inst.name, inst.source, work=Transfer("mxu", flops / self.peak), category="matmul",
@@ -276,7 +276,7 @@ class _Builder:
       return Op("compute", inst.name, inst.source, work=Transfer("mxu", grouped / self.peak), category="kernel",
                 flops=grouped)
     moved = sum(a.bytes for a in shapes) + inst.result_bytes
-    return Op("compute", inst.name, inst.source, seconds=moved / self.net.hbm, category="kernel")
+    return Op("compute", inst.name, inst.source, seconds=moved / self.net.hbm_per_device, category="kernel")
 
 def _grouped_matmul_flops(name: str, operands: list[hlo.Array], result: tuple[hlo.Array, ...]) -> float:
   """FLOPs of a megablox kernel: `gmm` multiplies each of M rows [M, K] by its group's [K, N] of a
