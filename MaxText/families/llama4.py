@@ -21,7 +21,7 @@ Attention, norms and embeddings map as Llama's. The experts are fused on disk to
 Maverick 17B-128E interleaves dense layers (a gated MLP of intermediate_size_mlp, HF
 feed_forward.{gate,up,down}_proj) with the MoE ones (interleave_moe_layer_step 2: layers 1, 3, ...
 MoE): moe_layer_interval=2, the dense layers in the dense_layers stack, run in order with the MoE
-layers (models.py).
+layers (models/transformer.py).
 
 The image-text checkpoints (HF `llama4`, Llama4ForConditionalGeneration: a text_config beside a
 vision_config) convert with use_multimodal (llama4_vision.py): the text model under

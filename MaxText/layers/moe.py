@@ -62,7 +62,7 @@ tokens whose top-k includes expert e (before any dropping; the f_e sum to k) and
 the mean router probability of e over the tokens, the loss is E · Σ_e f_e · P_e:
 k for perfectly even routing, up to k·E when every token goes to the same experts.
 It is computed per layer over the whole batch (padding included), sown as
-`moe_lb_loss`, averaged over layers by models.py and added to the training loss
+`moe_lb_loss`, averaged over layers by the model (models/transformer.py) and added to the training loss
 with weight load_balance_loss_weight by train_step.py.
 """
 
@@ -85,7 +85,7 @@ from MaxText.layers.linears import DenseGeneral
 from MaxText.layers import experts, grouped_matmul, moe_dispatch
 from MaxText.layers.mlp import Activation, MlpBlock, activation_fns
 
-# What MoeBlock sows besides the load-balancing loss: statistics, not losses (models.py keeps
+# What MoeBlock sows besides the load-balancing loss: statistics, not losses (the model keeps
 # them per layer and out of the gradient).
 ROUTING_STATS = ("moe_load", "moe_router_entropy", "moe_dropped_fraction")
 
