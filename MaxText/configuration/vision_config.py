@@ -12,8 +12,9 @@ from typing import Any, Mapping
 from MaxText.configuration.config_fields import DATA_POSITION, OPTIMIZER, key, read_keys
 from MaxText.configuration.config_fields import require as _require
 
-# The decoder blocks with an image encoder: Gemma 3's SigLIP (layers/vision_tower.py) and Llama 4's
-# (layers/vision_llama4.py); a new family's tower adds its block here and to models.py's VISION_TOWERS.
+# The decoder blocks whose family has a vision tower (Family.vision, Family.image_format), listed
+# here because the keys are checked below families/ in the import order: a new vision family adds
+# its block here (and any check of its own vision keys below) until these checks move to the families.
 MULTIMODAL_DECODER_BLOCKS = ("gemma3", "llama4")
 
 
