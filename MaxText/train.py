@@ -24,6 +24,7 @@ from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib
 from MaxText import startup
 from MaxText.training import health, run_assembly, run_start, task_eval, trackers
+from MaxText.input_pipeline import BatchIterator
 from MaxText.input_pipeline.tokenizer import load_tokenizer
 from MaxText.run_dir import preemption, run_lease
 from MaxText.configuration import run_record
@@ -143,8 +144,8 @@ def open_data(run: run_assembly.Run, start: run_start.Start, watchdog: health.St
   writes to its directory. An objective that trains on its own samples gets the rollouts
   (rl/rollouts.py), which the trainer hands each step's state. With a watchdog, reading the first
   batch (for rollouts: scoring it, the user's reward functions) must finish within its timeout."""
-  data: Any = RolloutBatches(run.config, run.mesh, run.batch_sharding) if run.objective.uses_rollouts \
-      else run.data_iterator()
+  data: RolloutBatches | BatchIterator = RolloutBatches(run.config, run.mesh, run.batch_sharding) \
+      if run.objective.uses_rollouts else run.data_iterator()
   if start.data_state is not None:
     data.set_state(start.data_state)
   guard = watchdog.guard if watchdog is not None else health.unguarded
@@ -175,8 +176,9 @@ def add_hooks(trainer: Trainer, run: run_assembly.Run, checkpoints: checkpointin
   if model.moe.num_experts > 1 and is_primary:
     trainer.add_hook(RouterHealthHook(settings.router_collapse_fraction, settings.router_collapse_logs,
                                       model.moe.num_experts_per_tok / model.moe.num_experts), every=settings.log_period)
-  if settings.eval_interval > 0:
-    trainer.add_hook(EvalHook(run.eval_step, run.eval_iterator(), config.data.eval_steps, writer, is_primary,
+  eval_data = run.eval_iterator() if settings.eval_interval > 0 else None
+  if eval_data is not None:
+    trainer.add_hook(EvalHook(run.eval_step, eval_data, config.data.eval_steps, writer, is_primary,
                               run.objective.eval_metrics),
                      every=settings.eval_interval, needs_state=True)
   if config.tasks.eval_tasks:

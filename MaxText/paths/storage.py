@@ -213,7 +213,11 @@ def copy_tree(source: str, target: str) -> None:
 # a run directory. `version` is opaque: the object's generation on GCS, the text itself locally.
 
 
-def read_versioned(path: str) -> tuple[str, Any] | None:
+# A small file's version for conditional writes: a GCS object's generation, or a local file's text.
+Version = int | str
+
+
+def read_versioned(path: str) -> tuple[str, Version] | None:
   """(text, version) of a small file, or None when it does not exist."""
   if is_remote(path):
     blob = _gcs_blob(path, existing=True)
@@ -222,7 +226,7 @@ def read_versioned(path: str) -> tuple[str, Any] | None:
     return _read_local(path)
 
 
-def write_if(path: str, text: str, version: Any) -> Any | None:
+def write_if(path: str, text: str, version: Version | None) -> Version | None:
   """Writes `text` only if the file is at `version` (None: only if it does not exist); returns
   the new version, or None when another writer got there first."""
   if is_remote(path):
@@ -242,7 +246,7 @@ def write_if(path: str, text: str, version: Any) -> Any | None:
     return text
 
 
-def remove_if(path: str, version: Any) -> bool:
+def remove_if(path: str, version: Version | None) -> bool:
   """Deletes the file only if it is still at `version`; False when it changed or is gone."""
   if is_remote(path):
     from google.api_core import exceptions  # noqa: PLC0415

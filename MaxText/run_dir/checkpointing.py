@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import json
 import time
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,9 @@ from MaxText.configuration.config_groups import CheckpointConfig
 from MaxText.errors import TrainingError, UserError, quiet_logger
 from MaxText.run_dir.local_checkpoints import LocalTier
 from MaxText.platform.sharding import with_shardings
+
+# The run's state (a tree of arrays); its abstract twin and its shardings are trees of the same type.
+State = TypeVar("State")
 
 STATE, DATA, META = "state", "data", "meta"
 META_FILE = "metadata"  # the file Orbax's JsonSave writes in an item's directory
@@ -57,10 +60,10 @@ def quiet_absl() -> contextlib.AbstractContextManager[None]:
   return quiet_logger("absl")
 
 
-def _shapes_by_path(tree: Any) -> dict[str, tuple[int, ...]]:
+def _shapes_by_path(tree: object) -> dict[str, tuple[int, ...]]:
   """{'params/layers/mlp/...': shape} for the arrays of a state tree or of Orbax's metadata of
   one (whose nodes are plain dicts and lists, not the state's dataclasses and tuples)."""
-  def key_name(entry: Any) -> str:
+  def key_name(entry: object) -> str:
     for attribute in ("name", "key", "idx"):
       if hasattr(entry, attribute):
         return str(getattr(entry, attribute))
@@ -71,8 +74,8 @@ def _shapes_by_path(tree: Any) -> dict[str, tuple[int, ...]]:
 
 
 @dataclasses.dataclass
-class Restored:
-  state: Any
+class Restored(Generic[State]):
+  state: State
   data_state: dict[str, Any] | None
   meta: dict[str, Any]
   step: int
@@ -114,7 +117,7 @@ class RunCheckpoints:
   def local_due(self, step: int) -> bool:
     return self.local is not None and step % self.local.period == 0
 
-  def save_local(self, step: int, state: Any, data_state: dict[str, Any], meta: dict[str, Any]) -> None:
+  def save_local(self, step: int, state: object, data_state: dict[str, Any], meta: dict[str, Any]) -> None:
     assert self.local is not None
     self.local.save(step, state, data_state, meta)
 
@@ -126,7 +129,7 @@ class RunCheckpoints:
     steps = self.all_steps() + (self.local.steps() if self.local is not None else [])
     return max(steps) if steps else None
 
-  def save(self, step: int, state: Any, data_state: dict[str, Any], meta: dict[str, Any]) -> None:
+  def save(self, step: int, state: object, data_state: dict[str, Any], meta: dict[str, Any]) -> None:
     """Starts (async) or completes (sync) a save of `step`; raises TrainingError if any save failed."""
     self._raise_if_failed(step)
     self.wait()  # the previous async save, which Orbax's save would wait for first (unbounded)
@@ -181,7 +184,7 @@ class RunCheckpoints:
       elif self.local is not None:  # Orbax's threads may hang on the unreachable storage: left to the exit
         self.local.close()  # this host's own disk still works: its newest save stays usable
 
-  def restore_latest(self, abstract_state: Any, shardings: Any) -> Restored | None:
+  def restore_latest(self, abstract_state: State, shardings: State) -> Restored[State] | None:
     """Newest step that restores cleanly, from whichever tier holds the newer one; a damaged
     persistent step is set aside (renamed, never deleted)."""
     persistent = self.all_steps()
@@ -201,7 +204,7 @@ class RunCheckpoints:
              f"({first_line(e)}); moved it to {moved} and falling back to the previous one")
     return None
 
-  def _check_stored_shapes(self, step: int, abstract_state: Any) -> None:
+  def _check_stored_shapes(self, step: int, abstract_state: object) -> None:
     """A step whose arrays have other shapes than this config builds was written by another
     model config: a UserError naming them, not damage (the step stays where it is). Unreadable
     metadata is left for the restore to report as damage."""
@@ -227,7 +230,8 @@ class RunCheckpoints:
                     f"{'; '.join(parts)}. Rerun with the model keys that wrote it, choose a new run_name, or start "
                     f"a new run from its weights with load_parameters_path={self.directory}")
 
-  def _restore_local(self, abstract_state: Any, shardings: Any, persistent_step: int | None) -> Restored | None:
+  def _restore_local(self, abstract_state: State, shardings: State, persistent_step: int | None
+                     ) -> Restored[State] | None:
     """The local tier's newest step if every process holds it and it is newer than the
     persistent tier's (all processes decide together)."""
     assert self.local is not None
@@ -246,7 +250,7 @@ class RunCheckpoints:
       return None
     return Restored(state, data_state, meta, step, f"the local tier ({self.local.root})")
 
-  def restore_step(self, step: int, abstract_state: Any, shardings: Any) -> Restored:
+  def restore_step(self, step: int, abstract_state: State, shardings: State) -> Restored[State]:
     args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(with_shardings(abstract_state, shardings)),
                                  DATA: ocp.args.JsonRestore(), META: ocp.args.JsonRestore()})
     restored = storage_retry.call(f"restoring checkpoint step {step}", self.directory,

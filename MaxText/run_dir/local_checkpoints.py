@@ -25,13 +25,15 @@ import json
 import os
 import shutil
 import threading
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
 from MaxText.errors import TrainingError
+
+State = TypeVar("State")  # the run's state tree; its abstract twin and shardings share its type
 
 MANIFEST = "manifest.json"
 _MAX_STEPS_COMPARED = 16  # newest local steps each process reports when the processes agree on one
@@ -71,7 +73,7 @@ class LocalTier:
 
   # ------------------------------------------------------------------ save
 
-  def save(self, step: int, state: Any, data_state: Any, meta: dict[str, Any]) -> None:
+  def save(self, step: int, state: object, data_state: object, meta: dict[str, Any]) -> None:
     """Copies this process's shards to host memory now, writes them in the background."""
     self.wait()
     leaves: list[Any] = []
@@ -130,7 +132,7 @@ class LocalTier:
 
   # ------------------------------------------------------------------ restore
 
-  def agreed_step(self, shardings: Any, abstract_state: Any) -> int | None:
+  def agreed_step(self, shardings: object, abstract_state: object) -> int | None:
     """The newest step every process holds whole, with this mesh's shard layout (collective)."""
     mine = [s for s in self.steps() if self._layout_matches(s, abstract_state, shardings)][-_MAX_STEPS_COMPARED:]
     padded = np.full(_MAX_STEPS_COMPARED, -1, np.int64)
@@ -160,7 +162,7 @@ class LocalTier:
     os.rename(os.path.join(self.root, str(step)), target)
     return target
 
-  def _layout_matches(self, step: int, abstract_state: Any, shardings: Any) -> bool:
+  def _layout_matches(self, step: int, abstract_state: object, shardings: object) -> bool:
     try:
       manifest = self._manifest(step)
     except (OSError, json.JSONDecodeError):
@@ -179,7 +181,7 @@ class LocalTier:
         return False
     return True
 
-  def restore(self, step: int, abstract_state: Any, shardings: Any) -> tuple[Any, Any, dict[str, Any]]:
+  def restore(self, step: int, abstract_state: State, shardings: State) -> tuple[State, Any, dict[str, Any]]:
     """(state, data state, meta) of `step`, built from this process's files into `shardings`."""
     manifest = self._manifest(step)
     directory = os.path.join(self.root, str(step))
@@ -205,9 +207,10 @@ def _normalise(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice,
   return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
 
 
-def _local_indices(sharding: Any, shape: tuple[int, ...]) -> list[tuple[slice, ...]]:
+def _local_indices(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> list[tuple[slice, ...]]:
   seen, out = set(), []
   for index in sharding.addressable_devices_indices_map(shape).values():
+    assert index is not None, "an addressable device holds a region of the array"
     norm = _normalise(index, shape)
     key = json.dumps(_index_key(norm))
     if key not in seen:
@@ -229,5 +232,5 @@ def _unique_shards(leaf: jax.Array) -> list[Any]:
 
 
 class _Shard:
-  def __init__(self, index: tuple[slice, ...], data: Any):
+  def __init__(self, index: tuple[slice, ...], data: jax.Array):
     self.index, self.data = index, data

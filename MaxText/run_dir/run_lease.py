@@ -25,7 +25,6 @@ import os
 import socket
 import threading
 import time
-from typing import Any
 
 from MaxText.paths import storage, storage_retry
 from MaxText.errors import TrainingError, UserError
@@ -64,7 +63,7 @@ class Holder:
 class Lease:
   """The lease this process holds; `lost` is set when another run took it over."""
 
-  def __init__(self, path: str, holder: Holder, version: Any, timeout_seconds: float):
+  def __init__(self, path: str, holder: Holder, version: storage.Version, timeout_seconds: float):
     self.path, self.holder, self._version, self.timeout = path, holder, version, timeout_seconds
     self.lost: str | None = None
     self._stop = threading.Event()
@@ -152,6 +151,7 @@ def acquire(run_dir: str, run_name: str, timeout_seconds: float, processes: int)
   storage.makedirs(run_dir)
   me = Holder(socket.gethostname(), os.getpid(), run_name, time.time(), time.time(), processes, _pid_namespace())
   for _ in range(5):  # each retry follows another run's move; five in a row means something is wrong
+    current: tuple[str, storage.Version | None] | None
     try:
       version = storage.write_if(path, me.to_json(), None)
       current = None if version is not None else storage.read_versioned(path)

@@ -41,7 +41,7 @@ def runtime_versions() -> dict[str, str | None]:
   return {"jax": jax.__version__, "jaxlib": version("jaxlib"), "libtpu": version("libtpu") or version("libtpu-nightly")}
 
 
-def _jsonable(value: Any) -> Any:
+def _jsonable(value: object) -> Any:
   return json.loads(json.dumps(value, default=str))
 
 
@@ -73,7 +73,7 @@ def header_differences(saved: dict[str, Any], expected: dict[str, Any], limit: i
   """'section.key: file X, this run Y' for the checked sections that disagree."""
   out: list[str] = []
 
-  def walk(prefix: str, a: Any, b: Any) -> None:
+  def walk(prefix: str, a: object, b: object) -> None:
     if isinstance(a, dict) and isinstance(b, dict):
       for key in sorted(set(a) | set(b)):
         walk(f"{prefix}.{key}" if prefix else str(key), a.get(key), b.get(key))

@@ -310,7 +310,7 @@ def host_scalars(values: Mapping[str, Any]) -> dict[str, float]:
   return scalars
 
 
-def _jsonable(value: Any) -> Any:
+def _jsonable(value: object) -> Any:
   if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
     return str(value)
   return value

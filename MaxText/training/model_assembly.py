@@ -10,7 +10,7 @@ tools that run or export a model without training it use it whole: decode and se
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 from jax.sharding import Mesh
@@ -24,7 +24,7 @@ from MaxText.errors import UserError
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.platform.sharding import Rules
 
-Params = Any  # a nested dict of arrays, shaped like ModelSpec.abstract_params
+Params = models.Params  # a nested dict of arrays, shaped like ModelSpec.abstract_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +34,7 @@ class ModelOnMesh:
   mesh: Mesh
   spec: models.ModelSpec
   rules: Rules
-  param_shardings: Any  # NamedShardings, shaped like spec.abstract_params
+  param_shardings: Params  # NamedShardings, shaped like spec.abstract_params
 
   def params(self, path: str = "", seed: int = 0) -> Params:
     """From `path` (any of our checkpoint kinds, in either layer layout), else fresh from `seed`."""

@@ -22,6 +22,8 @@ from optax import contrib
 
 from MaxText.configuration.config_groups import OptimConfig
 
+Params = dict[str, Any]  # nested dict of arrays (masked leaves where a partition leaves them out)
+
 BATCH_AXES = frozenset({"layers", "exp"})  # stacked copies of one matrix: scanned layers, experts
 ADAM, MUON = "adam", "muon"
 
@@ -47,10 +49,10 @@ def muon(cfg: OptimConfig, schedule: optax.Schedule, adamw: optax.GradientTransf
          logical_names: dict[str, Any]) -> optax.GradientTransformation:
   """Muon on the matrices, `adamw` on the rest; `logical_names`: the model's parameter names (ModelSpec)."""
 
-  def dims(params: Any) -> Any:  # params may be masked (LoRA, frozen parts): the names follow their paths
+  def dims(params: Params) -> Params:  # params may be masked (LoRA, frozen parts): the names follow their paths
     return jax.tree_util.tree_map_with_path(lambda path, _: dimension_numbers(_names_at(logical_names, path)), params)
 
-  def labels(params: Any) -> Any:
+  def labels(params: Params) -> Params:
     return jax.tree_util.tree_map_with_path(
         lambda path, _: ADAM if dimension_numbers(_names_at(logical_names, path)) is None else MUON, params)
 

@@ -58,7 +58,7 @@ def check_host_memory_kinds(kinds: set[str], platform: str) -> None:
         f"offer {sorted(kinds)}; set optimizer_memory_host_offload=False")
 
 
-def host_offloaded(opt_shardings: Any, mesh: Mesh) -> Any:
+def host_offloaded(opt_shardings: optax.OptState, mesh: Mesh) -> optax.OptState:
   """The same shardings in pinned host memory: optimizer state (AdamW's mu and nu, 2x the
   float32 parameters) then lives in host RAM; the step copies it to the device for the update
   and back (`jax.device_put` inside the jitted step, overlapped by XLA with compute)."""
@@ -134,7 +134,7 @@ class FrozenSubtrees:
     return {**trainable, **frozen}
 
   def optimizer(self, inner: optax.GradientTransformation) -> optax.GradientTransformation:
-    def label(path: tuple[Any, ...], _: Any) -> str:
+    def label(path: tuple[Any, ...], _: object) -> str:
       return "frozen" if path and getattr(path[0], "key", None) in self.names else "train"
 
     return optax.multi_transform({"train": inner, "frozen": optax.set_to_zero()},
@@ -181,7 +181,7 @@ class TrainedSubtrees:
     return out
 
   def optimizer(self, inner: optax.GradientTransformation) -> optax.GradientTransformation:
-    def label(path: tuple[Any, ...], _: Any) -> str:
+    def label(path: tuple[Any, ...], _: object) -> str:
       return "train" if any(getattr(key, "key", None) in self.names for key in path) else "frozen"
 
     return optax.multi_transform({"train": inner, "frozen": optax.set_to_zero()},
@@ -202,7 +202,7 @@ class Updater:
   partition: Partition
   # Device-memory shardings of the optimizer state when the state keeps it in host memory
   # (optimizer_memory_host_offload); None when it lives on the device.
-  device_shardings: Any = None
+  device_shardings: optax.OptState | None = None
 
   def fetch(self, opt_state: optax.OptState) -> optax.OptState:
     """The optimizer state where the update runs: a host-offloaded one is copied to the device

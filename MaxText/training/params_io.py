@@ -7,11 +7,9 @@ Reads are sharded: arrays go straight into the shardings of the current mesh.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from MaxText import models
 from MaxText.training import lora
@@ -23,7 +21,7 @@ from MaxText.platform.sharding import with_shardings
 PARAMS = "params"
 
 
-def save_params(path: str, params: Any) -> None:
+def save_params(path: str, params: models.Params) -> None:
   """Writes a parameters-only checkpoint (synchronously) to a new directory `path`."""
   if storage.exists(path):
     raise UserError(f"{path} already exists; choose a new output path or remove it first")
@@ -50,7 +48,7 @@ def params_directory(path: str) -> tuple[str, str]:
                   f"containing '{STATE}/', or a checkpoints directory with numbered steps")
 
 
-def load_params(path: str, abstract_params: Any, shardings: Any) -> Any:
+def load_params(path: str, abstract_params: models.Params, shardings: models.Params) -> models.Params:
   """Reads only the parameters from any of our checkpoint kinds, into `shardings`.
 
   A checkpoint written with the other layer layout (scanned `layers` vs `layers_0..N`) is
@@ -101,21 +99,21 @@ def _stored_layout_is_scanned(directory: str) -> bool | None:
   return "layers" in keys
 
 
-def _num_layers(params: Any, stack: str = "layers") -> int:
+def _num_layers(params: models.Params, stack: str = "layers") -> int:
   if stack in params:
     return jax.tree.leaves(params[stack])[0].shape[0]
   return sum(1 for k in params if models.stacked_layer_key(k) == stack)
 
 
-def _other_layout(abstract_params: Any, shardings: Any) -> tuple[Any, Any]:
+def _other_layout(abstract_params: models.Params, shardings: models.Params) -> tuple[models.Params, models.Params]:
   """Abstract params and shardings in the opposite layer layout (the stacked dim unsharded)."""
   # Only named shardings carry a per-dimension spec; any other sharding fits either shape.
-  def unstack(a: jax.ShapeDtypeStruct, s: Any) -> tuple[Any, Any]:
+  def unstack(a: jax.ShapeDtypeStruct, s: Sharding) -> tuple[jax.ShapeDtypeStruct, Sharding]:
     if isinstance(s, NamedSharding):
       s = NamedSharding(s.mesh, PartitionSpec(*s.spec[1:]))
     return jax.ShapeDtypeStruct(a.shape[1:], a.dtype), s
 
-  def stack(a: jax.ShapeDtypeStruct, s: Any, n: int) -> tuple[Any, Any]:
+  def stack(a: jax.ShapeDtypeStruct, s: Sharding, n: int) -> tuple[jax.ShapeDtypeStruct, Sharding]:
     if isinstance(s, NamedSharding):
       s = NamedSharding(s.mesh, PartitionSpec(None, *s.spec))
     return jax.ShapeDtypeStruct((n, *a.shape), a.dtype), s

@@ -117,7 +117,7 @@ def nonfinite_advice(config: Config, checkpoints: RunCheckpoints | None,
   return advise
 
 
-def restore_full_state(path: str, abstract_state: TrainState, shardings: TrainState) -> Restored:
+def restore_full_state(path: str, abstract_state: TrainState, shardings: TrainState) -> Restored[TrainState]:
   """Full state from a step directory or a checkpoints root (its latest good step)."""
   root = storage.resolve(path)
   if not storage.exists(root):

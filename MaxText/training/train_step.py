@@ -84,7 +84,7 @@ def make_train_step(setup: StateSetup, objective: Objective, config: Config
   num_micro = config.optim.gradient_accumulation_steps
   updater = setup.updater
 
-  def update(params: Params, opt_state: Any, context: Params | None, batch: Batch, dropout_rng: jax.Array | None
+  def update(params: Params, opt_state: optax.OptState, context: Params | None, batch: Batch, dropout_rng: jax.Array | None
              ) -> tuple[Params, Any, Metrics, jax.Array]:
     """One optimizer update: (new params, new optimizer state, the objective's sums, gradient norm)."""
     with sharding.activation_sharding(setup.mesh, config.mesh.logical_axis_rules):
@@ -95,7 +95,7 @@ def make_train_step(setup: StateSetup, objective: Objective, config: Config
     new_params, opt_state = updater.apply(grads, opt_state, params)
     return setup.model.after_update(new_params, params, sums, num_micro), opt_state, sums, grad_norm
 
-  def updates(params: Params, opt_state: Any, context: Params | None, batch: Batch, dropout_rng: jax.Array | None
+  def updates(params: Params, opt_state: optax.OptState, context: Params | None, batch: Batch, dropout_rng: jax.Array | None
               ) -> tuple[Params, Any, Metrics, jax.Array, jax.Array]:
     """The objective's updates_per_batch updates on one batch: (params, optimizer state, its metrics
     averaged over the updates, mean gradient norm, tokens trained)."""

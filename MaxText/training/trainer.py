@@ -13,12 +13,16 @@ import math
 import sys
 import tempfile
 import time
-from typing import Any, Callable, ContextManager, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Protocol, runtime_checkable
 
 import jax
 import numpy as np
 
 from MaxText.training import metrics as metrics_lib
+from MaxText.configuration.config import Config
+from MaxText.run_dir.checkpointing import RunCheckpoints
+from MaxText.run_dir.preemption import PreemptionWatcher
+from MaxText.run_dir.run_lease import Lease
 from MaxText.paths import storage, storage_retry
 from MaxText.errors import TrainingError
 from MaxText.training.train_state import TrainState
@@ -40,6 +44,12 @@ class ResumableBatches(Protocol):
   def __next__(self) -> Any: ...
 
   def get_state(self) -> Any: ...
+
+
+class RestartableBatches(Protocol):
+  """Eval batches that start again from the first at each evaluation."""
+
+  def reset(self) -> Iterator[Any]: ...
 
 
 @runtime_checkable
@@ -132,7 +142,7 @@ class LoopState:
 
 
 class Trainer:
-  def __init__(self, config: Any, train_step: Callable[..., Any], data: ResumableBatches, rng: jax.Array,
+  def __init__(self, config: Config, train_step: Callable[..., Any], data: ResumableBatches, rng: jax.Array,
                flops: metrics_lib.StepFlops, peak_tflops_per_device: float):
     self.config, self.train_step, self.data, self.rng = config, train_step, data, rng
     self.flops, self.peak = flops, peak_tflops_per_device
@@ -285,7 +295,7 @@ class Trainer:
 class LeaseHook:
   """Stops the run (before it writes anything more) once another run took its lease over."""
 
-  def __init__(self, lease: Any):
+  def __init__(self, lease: Lease):
     self.lease = lease
 
   def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
@@ -347,7 +357,7 @@ class EvalHook:
   """The objective's eval metrics (e.g. mean loss and perplexity; DPO's loss and rewards per
   preference pair) over `eval_steps` eval batches at each due step (needs the state)."""
 
-  def __init__(self, eval_step: Callable[..., Any], eval_data: Any, eval_steps: int,
+  def __init__(self, eval_step: Callable[..., Any], eval_data: RestartableBatches, eval_steps: int,
                writer: metrics_lib.MetricWriter | None, is_primary: bool,
                summarise: Callable[[Mapping[str, float]], tuple[dict[str, float], str]]):
     """`eval_data` has `reset()`, so every evaluation sees the same batches; `summarise`: the
@@ -383,7 +393,7 @@ class CheckpointHook:
   a rerun would resume them and stop again whatever the learning rate. A periodic save due then
   waits for the next finite step."""
 
-  def __init__(self, checkpoints: Any, period: int, last_step: int, preemption: Any, rng: jax.Array,
+  def __init__(self, checkpoints: RunCheckpoints, period: int, last_step: int, preemption: PreemptionWatcher, rng: jax.Array,
                before_save: Callable[[], None] = lambda: None, meta: dict[str, Any] | None = None):
     """`before_save` runs before every save (the metric writer's sync: a resumed run keeps
     the metric lines up to its checkpoint, so they must be durable first); `meta` is saved

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from MaxText.input_pipeline.batch_spec import REJECTED_PREFIX as REJECTED
-from MaxText.models import ModelSpec
+from MaxText.models import ModelSpec, Params
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -36,7 +36,7 @@ SUM_KEYS = ("dpo_loss_sum", "chosen_reward_sum", "rejected_reward_sum", "accurac
             "rejected_logps_sum", "pair_count", "weight_sum")
 
 
-def sequence_logps(model: ModelSpec, params: Any, batch: Batch, prefix: str,
+def sequence_logps(model: ModelSpec, params: Params, batch: Batch, prefix: str,
                    dropout_rng: jax.Array | None) -> tuple[jax.Array, jax.Array]:
   """(summed completion log-probs [B], completion tokens [B]) of the sequence under `prefix`."""
   logits_BLV, _ = model.apply_with_aux(params, batch[prefix + "inputs"], batch[prefix + "inputs_position"],
@@ -46,7 +46,7 @@ def sequence_logps(model: ModelSpec, params: Any, batch: Batch, prefix: str,
   return -jnp.sum(xent_BL * weights_BL, axis=1), jnp.sum(weights_BL, axis=1)
 
 
-def reference_logps(model: ModelSpec, reference: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
+def reference_logps(model: ModelSpec, reference: Params, batch: Batch) -> tuple[jax.Array, jax.Array]:
   """(chosen, rejected) summed completion log-probs [B] under the frozen reference (no dropout,
   no gradient). The one place the reference is evaluated: a reference that is the policy with
   its adapters switched off changes only this function."""
@@ -67,7 +67,7 @@ def dpo_losses(policy_chosen: jax.Array, policy_rejected: jax.Array, reference_c
   return losses, jax.lax.stop_gradient(beta * chosen_logratios), jax.lax.stop_gradient(beta * rejected_logratios)
 
 
-def dpo_loss_sums(model: ModelSpec, params: Any, reference: Any, batch: Batch, dropout_rng: jax.Array | None,
+def dpo_loss_sums(model: ModelSpec, params: Params, reference: Params, batch: Batch, dropout_rng: jax.Array | None,
                   beta: float, label_smoothing: float) -> tuple[jax.Array, Metrics]:
   """(summed per-pair loss, the SUM_KEYS sums) over the batch's pairs."""
   rng_chosen, rng_rejected = jax.random.split(dropout_rng) if dropout_rng is not None else (None, None)

@@ -18,12 +18,10 @@ GRPOTrainer (`kl`, `entropy`, `clip_ratio/low_mean`, ...), token means over comp
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
-from MaxText.models import ModelSpec
+from MaxText.models import ModelSpec, Params
 
 Batch = dict[str, jax.Array]
 Sums = dict[str, jax.Array]
@@ -33,7 +31,7 @@ SUM_KEYS = ("loss_sum", "sequence_count", "weight_sum", "kl_sum", "entropy_sum",
             "high_clipped_sum", "region_clipped_sum", "ratio_sum")
 
 
-def token_logps(model: ModelSpec, params: Any, batch: Batch, dropout_rng: jax.Array | None,
+def token_logps(model: ModelSpec, params: Params, batch: Batch, dropout_rng: jax.Array | None,
                 with_entropy: bool = True) -> tuple[jax.Array, jax.Array | None, dict[str, jax.Array]]:
   """(log-probability of each target token [B, L], the policy's entropy at each position [B, L],
   the model's auxiliary losses, e.g. MoE load balancing)."""

@@ -44,6 +44,7 @@ class Preference(Objective):
 
   def loss_sums(self, params: Params, context: Params | None, batch: Batch,
                 dropout_rng: jax.Array | None) -> tuple[jax.Array, Sums]:
+    assert context is not None, "the step hands DPO its reference (context)"
     return dpo.dpo_loss_sums(self.model, params, context, batch, dropout_rng, self.beta, self.label_smoothing)
 
   def eval_sums(self, params: Params, context: Params | None, batch: Batch) -> Sums:
