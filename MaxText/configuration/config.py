@@ -100,7 +100,7 @@ def read_descriptions(path: Path = BASE_CONFIG_PATH) -> dict[str, str]:
   return descriptions
 
 
-def _type_name(value: Any) -> str:
+def _type_name(value: object) -> str:
   return type(value).__name__
 
 
@@ -372,7 +372,7 @@ class Config:
     self.tasks: TaskEvalConfig = groups.tasks
     self._frozen = True
 
-  def __setattr__(self, name: str, value: Any) -> None:
+  def __setattr__(self, name: str, value: object) -> None:
     if getattr(self, "_frozen", False):
       raise AttributeError("Config is immutable; build a new one with different overrides")
     super().__setattr__(name, value)
@@ -404,7 +404,7 @@ class Config:
     return "\n".join(lines)
 
   @classmethod
-  def for_testing(cls, target: DeviceTarget | None = None, **overrides: Any) -> "Config":
+  def for_testing(cls, target: DeviceTarget | None = None, **overrides: object) -> "Config":
     """A config from base.yml (+ CPU defaults on CPU) and keyword overrides, for tests."""
     target = target or accelerators.local_target()
     parsed = parse_overrides(["test"], environ={})

@@ -13,9 +13,12 @@ checkpoint's architecture; run_record and the converters read those lists from h
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from MaxText.errors import ConfigError
+
+if TYPE_CHECKING:
+  from _typeshed import DataclassInstance
 
 _KEY = "key"
 _RECORD = "record"
@@ -67,7 +70,7 @@ def nested_fields(group: type) -> list[dataclasses.Field[Any]]:
   return out
 
 
-def key_values(group: Any) -> dict[str, Any]:
+def key_values(group: DataclassInstance) -> dict[str, Any]:
   """The key fields of a built group and of its nested records, by key name."""
   out: dict[str, Any] = {}
   for f in dataclasses.fields(group):
@@ -90,7 +93,7 @@ def read_keys(group: type, values: Mapping[str, Any], **resolved: Any) -> dict[s
   return {**out, **resolved}
 
 
-def keys_where(groups: tuple[type, ...], name: str, value: Any) -> tuple[str, ...]:
+def keys_where(groups: tuple[type, ...], name: str, value: object) -> tuple[str, ...]:
   """Keys and derived values whose field metadata `name` equals `value`, in field order, each once."""
   found: dict[str, None] = {}
   for group in groups:

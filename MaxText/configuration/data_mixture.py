@@ -37,10 +37,10 @@ class MixtureStage:
   weights: tuple[float, ...]  # one per source, in data_mixture's order
 
 
-def _weight(what: str, value: Any) -> float:
-  _require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0,
-           f"{what} must be a number >= 0, got {value!r}")
-  return float(value)
+def _weight(what: str, value: object) -> float:
+  number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+  _require(math.isfinite(number) and number >= 0, f"{what} must be a number >= 0, got {value!r}")
+  return number
 
 
 def _check_sum(what: str, weights: Sequence[float]) -> None:

@@ -79,10 +79,10 @@ class RLConfig:
     return rl
 
 
-def _number(value: Any) -> float:
+def _number(value: object) -> float:
   try:
-    return float(value)
-  except (TypeError, ValueError):
+    return float(value) if isinstance(value, (int, float, str)) else math.nan
+  except ValueError:
     return math.nan
 
 

@@ -15,7 +15,7 @@ it (`saved_model_keys`), so nobody has to retype them.
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import yaml
 
@@ -23,6 +23,9 @@ from MaxText.paths import storage
 from MaxText.configuration import config_fields, config_groups, spellings
 from MaxText.configuration.model_config import LORA_KEYS, MODEL_KEYS
 from MaxText.errors import ConfigError, UserError
+
+if TYPE_CHECKING:
+  from MaxText.configuration.config import Config
 
 CONFIG_FILE = "config.yml"
 HISTORY_DIR = "config_history"
@@ -33,7 +36,7 @@ FIXED_ON_RESUME: dict[str, tuple[str, ...]] = {
     kind: config_fields.keys_where(config_groups.GROUPS, config_fields.FIXED, kind) for kind in config_fields.FIXED_KINDS}
 
 
-def flat_values(config: Any) -> dict[str, Any]:
+def flat_values(config: Config) -> dict[str, Any]:
   """The values a start records (config.yml's flat keys plus the derived ones it compares)."""
   return {**dict(config.values), "global_batch_size": config.data.global_batch_size}
 
@@ -78,14 +81,14 @@ def newest_history(run_dir: str) -> tuple[dict[str, Any], str] | None:
   return _read_record(path, run_dir), path
 
 
-def resume_keys(config: Any) -> dict[str, Any]:
+def resume_keys(config: Config) -> dict[str, Any]:
   """The values of the keys a resume must keep, as a checkpoint records them (JSON: lists)."""
   values = flat_values(config)
   return {key: list(values[key]) if isinstance(values[key], tuple) else values[key]
           for keys in FIXED_ON_RESUME.values() for key in keys if key in values}
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: object, b: object) -> bool:
   if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
     return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
   if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
@@ -105,7 +108,7 @@ def resume_differences(current: Mapping[str, Any], saved: Mapping[str, Any]) -> 
   return found
 
 
-def check_resume(config: Any, run_dir: str, what: str,
+def check_resume(config: Config, run_dir: str, what: str,
                  checkpoint_keys: tuple[Mapping[str, Any], str] | None = None) -> list[str]:
   """Raises ConfigError (exit 2) when this start would resume `what` (e.g. "checkpoint step 6")
   with a fixed key changed; nothing has been read or written yet. Compares with every record the
@@ -142,7 +145,7 @@ def check_resume(config: Any, run_dir: str, what: str,
   return [source for _, source in records]
 
 
-def record_start(config: Any, run_dir: str) -> str:
+def record_start(config: Config, run_dir: str) -> str:
   """Writes config.yml (this start) and a new config_history entry; returns the entry's path."""
   text = config.to_yaml()
   storage.makedirs(storage.join(run_dir, HISTORY_DIR))

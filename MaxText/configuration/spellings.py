@@ -52,16 +52,16 @@ def warn_deprecated(old: str, new: str) -> None:
   print(f"warning: '{old}' is deprecated; use '{new}'", file=sys.stderr, flush=True)
 
 
-def clash_error(old: str, new: str, old_value: Any, new_value: Any, source: str) -> ConfigError:
+def clash_error(old: str, new: str, old_value: object, new_value: object, source: str) -> ConfigError:
   return ConfigError(f"'{old}' (deprecated) and '{new}' name the same setting but {source} gives them different "
                      f"values ({old_value!r} and {new_value!r}); keep only '{new}'")
 
 
-def same_value(a: Any, b: Any) -> bool:
+def same_value(a: object, b: object) -> bool:
   return a == b or str(a) == str(b)
 
 
-def _flag(key: str, value: Any, source: str) -> bool:
+def _flag(key: str, value: object, source: str) -> bool:
   if isinstance(value, bool):
     return value
   text = str(value).strip().lower()

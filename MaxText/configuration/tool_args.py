@@ -19,7 +19,7 @@ import re
 import sys
 import types
 import typing
-from typing import Any, Mapping, NoReturn, Sequence, TypeVar
+from typing import Any, Callable, Mapping, NoReturn, Sequence, TypeVar
 
 from MaxText.configuration import spellings
 from MaxText.errors import ConfigError, UserError
@@ -106,7 +106,10 @@ def renamed_key_values(argv: Sequence[str], renamed: Mapping[str, str]) -> list[
   return out
 
 
-def _typed(key: str, text: str, kind: Any) -> object:
+_FROM_TEXT: dict[object, Callable[[str], object]] = {str: str, int: int, float: float}
+
+
+def _typed(key: str, text: str, kind: object) -> object:
   """`text` as the record field's type: str, int, float, bool, or one of them or None."""
   if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
     kind = next(k for k in typing.get_args(kind) if k is not type(None))
@@ -116,9 +119,10 @@ def _typed(key: str, text: str, kind: Any) -> object:
       raise ConfigError(f"{key} must be true or false, got {text!r}")
     return word in _TRUE
   try:
-    return kind(text)
+    return _FROM_TEXT[kind](text)
   except ValueError:
-    raise ConfigError(f"{key} must be a{'n' if kind is int else ''} {kind.__name__}, got {text!r}") from None
+    raise ConfigError(f"{key} must be a{'n' if kind is int else ''} {getattr(kind, '__name__', kind)}, "
+                      f"got {text!r}") from None
 
 
 def parse_tool_record(record: type[Record], argv: Sequence[str], renamed: Mapping[str, str] | None = None
