@@ -22,6 +22,10 @@ from MaxText.errors import UserError
 from MaxText.inference import sampling
 from MaxText.inference.engine_api import TokenLogprobs
 
+# Every layer's decode cache: a pytree of kv_cache.KVCache, paged_cache pools and recurrent-layer states (the
+# same structure also carries their shardings).
+Caches = Any
+
 
 @struct.dataclass
 class RowSampling:
@@ -36,7 +40,7 @@ class RowSampling:
 
 @struct.dataclass
 class Prefix:
-  caches: Any  # per-layer KV caches of length L (batch B); None from a prefill straight into pages
+  caches: Caches  # per-layer KV caches of length L (batch B); None from a prefill straight into pages
   next_positions_B: jax.Array  # the prompts' true lengths: where each first generated token goes
   first_tokens_B: jax.Array  # token sampled from each prompt's last position
   sampling: RowSampling  # each row's parameters, keys already advanced past the first draw
@@ -47,7 +51,7 @@ class Prefix:
 class DecodeState:
   """Arrays of the batched decode state (the same structure also carries their shardings)."""
 
-  caches: Any  # per-layer KV caches of length S (batch T)
+  caches: Caches  # per-layer KV caches of length S (batch T)
   next_positions_B: Any  # [T] int32 position the slot's pending token is written at
   tokens_B: Any  # [T] int32 each slot's latest sampled token (input of the next step)
   sampling: Any  # RowSampling of the slots (a free slot keeps its last request's values, unused)
@@ -87,7 +91,7 @@ def sample(logits_BV: jax.Array, rows: RowSampling) -> tuple[jax.Array, RowSampl
                                                                                                     tokens_B))
 
 
-def with_prompt(state: DecodeState, caches: Any, prefix: Prefix, slot: jax.Array, row: jax.Array) -> DecodeState:
+def with_prompt(state: DecodeState, caches: Caches, prefix: Prefix, slot: jax.Array, row: jax.Array) -> DecodeState:
   """`state` with `caches` and prompt `row` of `prefix` (next position, first token, sampling) in `slot` (traced)."""
   return dataclasses.replace(state, caches=caches,
                              next_positions_B=state.next_positions_B.at[slot].set(prefix.next_positions_B[row]),

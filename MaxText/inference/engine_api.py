@@ -16,10 +16,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Protocol, Sequence
 
+import jax
 import numpy as np
 from flax import struct
 
 from MaxText.inference import image_prompts, sampling
+
+# What a caller holds for an engine without looking inside: its parameters (a model's tree, or a
+# speculative engine's (target's, draft's)) and its decode state. Each implementation names its own.
+EngineParams = Any
+EngineState = Any
 
 
 @struct.dataclass
@@ -38,9 +44,9 @@ class Emitted:
   counts[t], `logprobs` fields [T, K] / [T, K, top]. May hold device arrays: read it after
   jax.device_get when the host needs the values."""
 
-  tokens: Any
+  tokens: jax.Array | np.ndarray
   logprobs: TokenLogprobs
-  counts: Any = None
+  counts: np.ndarray | None = None
 
   def count(self, slot: int) -> int:
     return 1 if self.counts is None else int(self.counts[slot])
@@ -69,7 +75,7 @@ class Admitted(Protocol):
   """What `prefill` returns: the engine's own prefix, of which callers read the first sampled tokens."""
 
   @property
-  def first_tokens_B(self) -> Any: ...
+  def first_tokens_B(self) -> jax.Array: ...
 
   @property
   def first_logprobs(self) -> TokenLogprobs: ...
@@ -93,31 +99,32 @@ class DecodeEngine(Protocol):
   def prefill_chunk_size(self) -> int:
     """Prompt tokens per prefill_chunk call; 0: the rest of the prompt in one call."""
 
-  def init_decode_state(self, seed: int = 0) -> Any:
+  def init_decode_state(self, seed: int = 0) -> EngineState:
     """A fresh decode state with every slot free (and every page back in the pool)."""
 
-  def prefill(self, params: Any, prompts: Sequence[Sequence[int]], seed: int = 0,
+  def prefill(self, params: EngineParams, prompts: Sequence[Sequence[int]], seed: int = 0,
               row_params: Sequence[sampling.RowParams] | None = None,
               images: Sequence[image_prompts.PromptImages | None] | None = None) -> Admitted: ...
 
-  def insert(self, prefix: Any, state: Any, slot: int, row: int = 0) -> Any:
-    """`state` with prompt `row` of `prefix` in slot `slot`."""
+  def insert(self, prefix: Any, state: EngineState, slot: int, row: int = 0) -> EngineState:
+    """`state` with prompt `row` of `prefix` (what this engine's `prefill` returned) in slot `slot`."""
 
   def begin_prompt(self, slot: int, prompt: Sequence[int], images: image_prompts.PromptImages | None = None) -> int:
     """The slot's pages for `prompt`; returns how many leading tokens are already cached."""
 
-  def prefill_chunk(self, params: Any, state: Any, slot: int, prompt: Sequence[int], start: int,
+  def prefill_chunk(self, params: EngineParams, state: EngineState, slot: int, prompt: Sequence[int], start: int,
                     row_params: sampling.RowParams | None = None, seed: int = 0,
-                    images: image_prompts.PromptImages | None = None) -> tuple[Any, int, Any]:
+                    images: image_prompts.PromptImages | None = None
+                    ) -> tuple[EngineState, int, tuple[jax.Array, TokenLogprobs] | None]:
     """(state, where the next chunk starts, after the last chunk (first token [1], its TokenLogprobs) else None)."""
 
-  def decode_step(self, params: Any, state: Any, active: Sequence[bool] | np.ndarray | None = None
-                  ) -> tuple[Any, Emitted]:
+  def decode_step(self, params: EngineParams, state: EngineState, active: Sequence[bool] | np.ndarray | None = None
+                  ) -> tuple[EngineState, Emitted]:
     """Every slot's next token(s); `active` names the slots holding a request (for the engine's metrics)."""
 
   def release(self, slot: int) -> None: ...
 
-  def score(self, params: Any, prompt: Sequence[int], images: image_prompts.PromptImages | None = None
+  def score(self, params: EngineParams, prompt: Sequence[int], images: image_prompts.PromptImages | None = None
             ) -> TokenLogprobs: ...
 
   def slot(self, slot: int) -> SlotInfo: ...

@@ -26,6 +26,7 @@ from MaxText.configuration.config_groups import DecodeConfig
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.errors import UserError
 from MaxText.inference import paged_cache
+from MaxText.inference.decode_state import Caches
 from MaxText.layers import kv_cache
 
 
@@ -46,7 +47,7 @@ class KVLayout(abc.ABC):
     """A new decode state: nothing held."""
 
   @abc.abstractmethod
-  def admit(self, slot: int, prompt_length: Any) -> Any:
+  def admit(self, slot: int, prompt_length: int | jax.Array) -> jax.Array | None:
     """Before an insert of a prompt of `prompt_length` tokens into `slot`: the insert's extra argument."""
 
   @abc.abstractmethod
@@ -97,22 +98,23 @@ class KVLayout(abc.ABC):
     """The page allocator (None: no pages)."""
 
   @abc.abstractmethod
-  def empty_caches(self) -> Any:
+  def empty_caches(self) -> Caches:
     """Every layer's empty cache for all slots (traced)."""
 
   @abc.abstractmethod
   def logical_names(self) -> Any: ...
 
   @abc.abstractmethod
-  def insert(self, caches: Any, prefix_caches: Any, slot: jax.Array, row: jax.Array, admitted: Any) -> Any:
+  def insert(self, caches: Caches, prefix_caches: Caches, slot: jax.Array, row: jax.Array,
+             admitted: jax.Array | None) -> Caches:
     """`caches` with prompt `row` of a prefill's caches (length L) in `slot` (traced)."""
 
   @abc.abstractmethod
-  def with_table(self, caches: Any, table_TM: jax.Array | None) -> Any:
+  def with_table(self, caches: Caches, table_TM: jax.Array | None) -> Caches:
     """The caches a step attends over (traced)."""
 
   @abc.abstractmethod
-  def keep_inactive(self, new: Any, old: Any, table_TM: jax.Array | None) -> Any:
+  def keep_inactive(self, new: Caches, old: Caches, table_TM: jax.Array | None) -> Caches:
     """`new` after a step, with what the step must not change in slots without pages kept from `old` (traced)."""
 
 
@@ -125,7 +127,7 @@ class DenseLayout(KVLayout):
   def reset(self) -> None:
     pass
 
-  def admit(self, slot: int, prompt_length: Any) -> Any:
+  def admit(self, slot: int, prompt_length: int | jax.Array) -> jax.Array | None:
     return None
 
   def table_shape(self) -> tuple[int, ...] | None:
@@ -167,13 +169,14 @@ class DenseLayout(KVLayout):
     return None
 
   # ---------------------------------------------------------------- traced side
-  def empty_caches(self) -> Any:
+  def empty_caches(self) -> Caches:
     return kv_cache.model_caches(self.cfg, self.num_slots, self.cfg.max_target_length, self.quantized)
 
   def logical_names(self) -> Any:
     return kv_cache.model_cache_names(self.cfg, self.quantized)
 
-  def insert(self, caches: Any, prefix_caches: Any, slot: jax.Array, row: jax.Array, admitted: Any) -> Any:
+  def insert(self, caches: Caches, prefix_caches: Caches, slot: jax.Array, row: jax.Array,
+             admitted: jax.Array | None) -> Caches:
     batch_axis = 1 if self.cfg.scan_layers else 0  # stacked caches carry a leading layer dim
 
     def put(big: jax.Array, small: jax.Array) -> jax.Array:
@@ -184,10 +187,10 @@ class DenseLayout(KVLayout):
 
     return jax.tree.map(put, caches, prefix_caches)
 
-  def with_table(self, caches: Any, table_TM: jax.Array | None) -> Any:
+  def with_table(self, caches: Caches, table_TM: jax.Array | None) -> Caches:
     return caches
 
-  def keep_inactive(self, new: Any, old: Any, table_TM: jax.Array | None) -> Any:
+  def keep_inactive(self, new: Caches, old: Caches, table_TM: jax.Array | None) -> Caches:
     return new
 
 
@@ -219,7 +222,7 @@ class PagedLayout(KVLayout):
   def reset(self) -> None:
     self._pages = self._new_allocator()
 
-  def admit(self, slot: int, prompt_length: Any) -> Any:
+  def admit(self, slot: int, prompt_length: int | jax.Array) -> jax.Array | None:
     self._pages.assign(slot, int(prompt_length))  # OutOfPages leaves everything as it was
     return jnp.asarray(self._pages.table[slot])
 
@@ -261,20 +264,22 @@ class PagedLayout(KVLayout):
   def pages(self) -> paged_cache.PageAllocator | None:
     return self._pages
 
-  def empty_caches(self) -> Any:
+  def empty_caches(self) -> Caches:
     return paged_cache.model_pools(self.cfg, self.num_pages, self.page_size, self.num_slots, self.quantized)
 
   def logical_names(self) -> Any:
     return paged_cache.model_pool_names(self.cfg, self.quantized)
 
-  def insert(self, caches: Any, prefix_caches: Any, slot: jax.Array, row: jax.Array, admitted: Any) -> Any:
+  def insert(self, caches: Caches, prefix_caches: Caches, slot: jax.Array, row: jax.Array,
+             admitted: jax.Array | None) -> Caches:
+    assert admitted is not None  # the prompt's page row (admit)
     return paged_cache.insert_prefix(caches, prefix_caches, row, slot, admitted, self.cfg.scan_layers)
 
-  def with_table(self, caches: Any, table_TM: jax.Array | None) -> Any:
+  def with_table(self, caches: Caches, table_TM: jax.Array | None) -> Caches:
     assert table_TM is not None
     return paged_cache.with_block_table(caches, table_TM)
 
-  def keep_inactive(self, new: Any, old: Any, table_TM: jax.Array | None) -> Any:
+  def keep_inactive(self, new: Caches, old: Caches, table_TM: jax.Array | None) -> Caches:
     # A step advances every slot: a recurrent state of a slot without pages (free, or still prefilling) stays.
     assert table_TM is not None
     return paged_cache.keep_inactive_states(new, old, table_TM[:, 0] >= 0, self.cfg.scan_layers)

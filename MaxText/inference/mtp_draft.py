@@ -42,6 +42,7 @@ from MaxText.inference.decode_state import DecodeState, Prefix, RowSampling, pad
 from MaxText.inference.engine import Engine, refuse_mtp_speculative
 from MaxText.inference.engine_api import TokenLogprobs
 from MaxText.layers import kv_cache
+from MaxText.training.model_assembly import Params
 from MaxText.platform import sharding
 
 
@@ -56,8 +57,8 @@ class MtpDraft:
 
 @struct.dataclass
 class MtpState:
-  target: Any  # DecodeState
-  draft: Any  # MtpDraft of the slots
+  target: DecodeState
+  draft: MtpDraft  # of the slots
 
 
 class MtpSpeculativeDecoder:
@@ -100,7 +101,7 @@ class MtpSpeculativeDecoder:
   def init_decode_state(self, seed: int = 0) -> MtpState:
     return MtpState(self.target.init_decode_state(seed), self._init())
 
-  def prefill(self, target_params: Any, draft_params: Any, prompts: Sequence[Sequence[int]], seed: int = 0,
+  def prefill(self, target_params: Params, draft_params: Params, prompts: Sequence[Sequence[int]], seed: int = 0,
               row_params: Sequence[sampling.RowParams] | None = None) -> tuple[Prefix, MtpDraft]:
     """The target's prefill (its first tokens) and the MTP module's pass over the prompts."""
     tokens_BL, lengths_B = pad_prompts(prompts, self.target.decode_cfg.max_prefill_predict_length)
@@ -116,7 +117,7 @@ class MtpSpeculativeDecoder:
   def release(self, slot: int) -> None:
     self.target.release(slot)
 
-  def scored_step(self, target_params: Any, draft_params: Any, state: MtpState,
+  def scored_step(self, target_params: Params, draft_params: Params, state: MtpState,
                   active: Sequence[bool] | np.ndarray | None = None
                   ) -> tuple[MtpState, np.ndarray, np.ndarray, TokenLogprobs]:
     """One round: as speculative.SpeculativeDecoder.scored_step."""
@@ -128,7 +129,7 @@ class MtpSpeculativeDecoder:
     self.acceptance.record(self.target, counts, active)
     return state, tokens, counts, logprobs
 
-  def step(self, target_params: Any, draft_params: Any, state: MtpState,
+  def step(self, target_params: Params, draft_params: Params, state: MtpState,
            active: Sequence[bool] | np.ndarray | None = None) -> tuple[MtpState, np.ndarray, np.ndarray]:
     state, tokens, counts, _ = self.scored_step(target_params, draft_params, state, active)
     return state, tokens, counts
@@ -143,7 +144,7 @@ class MtpSpeculativeDecoder:
                     jnp.zeros((self.num_slots, cfg.emb_dim), jnp.dtype(cfg.dtype)),
                     jnp.zeros((self.num_slots, cfg.vocab_size), jnp.float32))
 
-  def _prefill_fn(self, params: Any, tokens_BL: jax.Array, lengths_B: jax.Array, rows: RowSampling
+  def _prefill_fn(self, params: Params, tokens_BL: jax.Array, lengths_B: jax.Array, rows: RowSampling
                   ) -> tuple[Prefix, MtpDraft]:
     self.traces["prefill"] += 1
     spec, cfg = self.target.spec, self.target.cfg
@@ -171,7 +172,7 @@ class MtpSpeculativeDecoder:
 
     return jax.tree.map(put, state, prefix)
 
-  def _round_fn(self, params: Any, state: MtpState, table_TM: jax.Array | None
+  def _round_fn(self, params: Params, state: MtpState, table_TM: jax.Array | None
                 ) -> tuple[MtpState, jax.Array, jax.Array, TokenLogprobs]:
     self.traces["round"] += 1
     spec, k, rows = self.target.spec, self.k, state.target.sampling

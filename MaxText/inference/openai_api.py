@@ -19,6 +19,7 @@ import secrets
 from typing import Any, Callable, Sequence
 
 from MaxText.errors import UserError
+from MaxText.inference.image_prompts import PromptImages
 from MaxText.inference.sampling import NUM_TOP_LOGPROBS, RowParams
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
@@ -63,7 +64,7 @@ class Completion:
   prompt: list[int]
   max_tokens: int
   row: RowParams
-  images: Any = None  # image_prompts.PromptImages of the prompt's placeholder runs
+  images: PromptImages | None = None  # of the prompt's placeholder runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +248,7 @@ def _max_tokens(value: Any, name: str, prompt_len: int, limits: Limits, minimum:
 
 
 def _choices(prompts: list[list[int]], body: dict[str, Any], name: str, limits: Limits, minimum: int,
-             images: Any = None) -> list[Completion]:
+             images: PromptImages | None = None) -> list[Completion]:
   temperature, top_p, top_k, seed, n = _sampling(body, limits.vocab_size)
   if len(prompts) * n > limits.max_choices:
     raise ApiError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} completions; this server allows at "

@@ -17,7 +17,7 @@ padded to), M pages per slot.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +32,7 @@ from MaxText.inference.decode_state import DecodeState, Prefix, RowSampling, row
     with_prompt
 from MaxText.inference.engine_api import TokenLogprobs
 from MaxText.platform import sharding
-from MaxText.training.model_assembly import ModelOnMesh
+from MaxText.training.model_assembly import ModelOnMesh, Params
 
 # A chunk's result: (state, where the next chunk starts, after the last chunk (first token [1], its scores) else None).
 ChunkResult = tuple[DecodeState, int, tuple[jax.Array, TokenLogprobs] | None]
@@ -106,7 +106,7 @@ class PagePrefill:
       self.snapshots.begin(slot, prompt, start, salts)
     return start
 
-  def chunk(self, params: Any, state: DecodeState, slot: int, prompt: Sequence[int], start: int,
+  def chunk(self, params: Params, state: DecodeState, slot: int, prompt: Sequence[int], start: int,
             row_params: sampling.RowParams | None = None, seed: int = 0,
             images: image_prompts.PromptImages | None = None) -> ChunkResult:
     """Prefills prompt[start:start + prefill_chunk_size] of `slot` straight into its pages, attending
@@ -136,7 +136,7 @@ class PagePrefill:
     pages.activate(slot, prompt, salts)
     return state, end, first
 
-  def _extend_fn(self, params: Any, state: DecodeState, tokens_1C: jax.Array, start: jax.Array, length: jax.Array,
+  def _extend_fn(self, params: Params, state: DecodeState, tokens_1C: jax.Array, start: jax.Array, length: jax.Array,
                  slot: jax.Array, table_1M: jax.Array, rows: RowSampling, pixels: jax.Array | None
                  ) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
     """One prefill chunk of one slot through its pages: tokens [1, C] (the first `length` real) at

@@ -27,6 +27,7 @@ import numpy as np
 
 from MaxText.errors import UserError
 from MaxText.inference import image_prompts, prefix_cache
+from MaxText.inference.decode_state import Caches
 from MaxText.layers import gated_deltanet, kv_cache, paged_kv
 from MaxText.configuration.model_config import ModelConfig
 
@@ -210,11 +211,11 @@ def model_pool_names(cfg: ModelConfig, quantized: bool) -> Any:
   return kv_cache.layer_cache_names(cfg, paged_kv.logical_names(one, stacked=cfg.scan_layers))
 
 
-def is_pool(x: Any) -> bool:
+def is_pool(x: object) -> bool:
   return isinstance(x, paged_kv.PagedKVCache)
 
 
-def with_block_table(pools: Any, table_TM: jax.Array) -> Any:
+def with_block_table(pools: Caches, table_TM: jax.Array) -> Caches:
   """Every layer's cache with a block table (broadcast over a stacked layer dim): the allocator's
   [T, M] for a generate step, or one slot's row [1, M] for a prefill chunk."""
   def put(cache: Any) -> Any:
@@ -226,7 +227,7 @@ def with_block_table(pools: Any, table_TM: jax.Array) -> Any:
   return jax.tree.map(put, pools, is_leaf=is_pool)
 
 
-def insert_prefix(pools: Any, prefix_caches: Any, row: jax.Array, slot: jax.Array, table_row_M: jax.Array,
+def insert_prefix(pools: Caches, prefix_caches: Caches, row: jax.Array, slot: jax.Array, table_row_M: jax.Array,
                   stacked: bool) -> Any:
   """The pools with prompt `row` of the prefill's dense caches (length L) copied into the pages
   of `table_row_M` (stored values as they are: int8 stays int8); entries without a page dropped.
@@ -261,19 +262,19 @@ def put_slot(state: jax.Array, rows_1: jax.Array, slot: jax.Array, stacked: bool
   return jax.lax.dynamic_update_slice(state, rows_1.astype(state.dtype), start)
 
 
-def slot_states(caches: Any, slot: jax.Array, stacked: bool) -> Any:
+def slot_states(caches: Caches, slot: jax.Array, stacked: bool) -> Caches:
   """`caches` with each slot-state array (a Gated DeltaNet layer's) cut to slot `slot` (batch 1); pools as they are."""
   return jax.tree.map(lambda c: c if is_pool(c) else jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1 if stacked else 0),
                       caches, is_leaf=is_pool)
 
 
-def with_slot_states(caches: Any, one_slot: Any, slot: jax.Array, stacked: bool) -> Any:
+def with_slot_states(caches: Caches, one_slot: Caches, slot: jax.Array, stacked: bool) -> Caches:
   """`caches` (all slots) with `slot_states`' slot `slot` put back from `one_slot`; pools from `one_slot`."""
   return jax.tree.map(lambda big, one: one if is_pool(one) else put_slot(big, one, slot, stacked), caches, one_slot,
                       is_leaf=is_pool)
 
 
-def keep_inactive_states(new: Any, old: Any, active_T: jax.Array, stacked: bool) -> Any:
+def keep_inactive_states(new: Caches, old: Caches, active_T: jax.Array, stacked: bool) -> Caches:
   """`new` caches with each slot-state array's inactive slots (no pages in the step's table: free, or a
   prompt still being prefilled in chunks) kept as in `old`: a generate step advances every slot."""
   def keep(n: Any, o: Any) -> Any:
@@ -289,6 +290,6 @@ _FIELDS = (("key_KPZH", "key_BSKH"), ("value_KPZH", "value_BSKH"), ("key_scale_K
            ("value_scale_KPZ1", "value_scale_BSK1"))
 
 
-def cache_bytes(caches: Any) -> int:
+def cache_bytes(caches: Caches) -> int:
   """Bytes of the cache arrays (block tables included)."""
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(caches))

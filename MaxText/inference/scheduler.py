@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from MaxText.inference.engine_api import DecodeEngine, Emitted, TokenLogprobs
+from MaxText.inference.engine_api import Admitted, DecodeEngine, Emitted, EngineParams, EngineState, TokenLogprobs
 from MaxText.inference.image_prompts import PromptImages
 from MaxText.inference.sampling import RowParams
 
@@ -117,7 +117,7 @@ def _scores(logprobs: TokenLogprobs, *index: int) -> tuple[float, list[tuple[int
 class Scheduler:
   """Owns `engine` and `params` on its own thread; `submit` is safe from any thread."""
 
-  def __init__(self, engine: DecodeEngine, params: Any, max_queue: int, eos_ids: Sequence[int] = (),
+  def __init__(self, engine: DecodeEngine, params: EngineParams, max_queue: int, eos_ids: Sequence[int] = (),
                seed: int = 0):
     self.engine, self.params, self.max_queue = engine, params, max_queue
     self.eos_ids = frozenset(eos_ids)
@@ -129,7 +129,7 @@ class Scheduler:
     self.speculative_tokens = engine.speculative_tokens
     self._wake = threading.Condition()  # guards _waiting, _active, _reserved
     self._stopping = False
-    self._state: Any = engine.init_decode_state(seed)  # the engine's own decode state, opaque here
+    self._state: EngineState = engine.init_decode_state(seed)  # the engine's own decode state, opaque here
     self._pages_total = int(engine.cache_stats()["pages_total"])  # 0: the dense cache
     self._reserved: dict[int, int] = {}  # slot -> pages its active job holds at its end (paged cache)
     # Jobs admitted, finished by reason, slots released, steps, loops. Every key exists from the
@@ -269,7 +269,7 @@ class Scheduler:
         self._prefilling[slot] = (job, cached)
       return
     rows: dict[str, Any] = {} if job.images is None else {"images": [job.images]}
-    prefix: Any = self.engine.prefill(self.params, [job.prompt], row_params=[job.row], **rows)
+    prefix: Admitted = self.engine.prefill(self.params, [job.prompt], row_params=[job.row], **rows)
     self._state = self.engine.insert(prefix, self._state, slot)
     first, logprobs = jax.device_get((prefix.first_tokens_B, prefix.first_logprobs))
     with self._wake:

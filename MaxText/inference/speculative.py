@@ -55,12 +55,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxText.errors import UserError
 from MaxText.inference import sampling
-from MaxText.inference.decode_state import DecodeState, Prefix
+from MaxText.inference.decode_state import Caches, DecodeState, Prefix
 from MaxText.inference.engine import Engine
 from MaxText.inference.engine_api import TokenLogprobs
 from MaxText.inference.state_snapshots import has_recurrent_state
 from MaxText.layers.gated_deltanet import LinearState
 from MaxText.platform import sharding
+from MaxText.training.model_assembly import Params
 
 
 @struct.dataclass
@@ -68,8 +69,8 @@ class SpeculativeState:
   """The target's and the draft's decode states; between rounds each slot's next position and
   pending token are the same in both."""
 
-  target: Any  # DecodeState
-  draft: Any  # DecodeState
+  target: DecodeState
+  draft: DecodeState
 
 
 class Acceptance:
@@ -129,7 +130,7 @@ class SpeculativeDecoder:
   def init_decode_state(self, seed: int = 0) -> SpeculativeState:
     return SpeculativeState(self.target.init_decode_state(seed), self.draft.init_decode_state(seed))
 
-  def prefill(self, target_params: Any, draft_params: Any, prompts: Sequence[Sequence[int]], seed: int = 0,
+  def prefill(self, target_params: Params, draft_params: Params, prompts: Sequence[Sequence[int]], seed: int = 0,
               row_params: Sequence[sampling.RowParams] | None = None) -> tuple[Prefix, Prefix]:
     """Both models' prefills of the prompts; the first tokens are the target's."""
     target = self.target.prefill(target_params, prompts, seed, row_params)
@@ -145,7 +146,7 @@ class SpeculativeDecoder:
     self.target.release(slot)
     self.draft.release(slot)
 
-  def step(self, target_params: Any, draft_params: Any, state: SpeculativeState,
+  def step(self, target_params: Params, draft_params: Params, state: SpeculativeState,
            active: Sequence[bool] | np.ndarray | None = None
            ) -> tuple[SpeculativeState, np.ndarray, np.ndarray]:
     """One round over every slot: (state, tokens [T, k + 1], counts [T]); slot t emitted
@@ -156,7 +157,7 @@ class SpeculativeDecoder:
     state, tokens, counts, _ = self.scored_step(target_params, draft_params, state, active)
     return state, tokens, counts
 
-  def scored_step(self, target_params: Any, draft_params: Any, state: SpeculativeState,
+  def scored_step(self, target_params: Params, draft_params: Params, state: SpeculativeState,
                   active: Sequence[bool] | np.ndarray | None = None
                   ) -> tuple[SpeculativeState, np.ndarray, np.ndarray, TokenLogprobs]:
     """`step` that also returns what each emitted token scored under the target (fields [T, k + 1]
@@ -175,7 +176,7 @@ class SpeculativeDecoder:
     return self.acceptance.metrics()
 
   # ---------------------------------------------------------------- the jitted round
-  def _round_fn(self, target_params: Any, draft_params: Any, state: SpeculativeState,
+  def _round_fn(self, target_params: Params, draft_params: Params, state: SpeculativeState,
                 target_table_TM: jax.Array | None, draft_table_TM: jax.Array | None
                 ) -> tuple[SpeculativeState, jax.Array, jax.Array, TokenLogprobs]:
     self.traces["round"] += 1  # once per trace
@@ -225,15 +226,15 @@ class SpeculativeDecoder:
     return SpeculativeState(target, draft), out_TK, num_accepted_T + 1, logprobs
 
 
-def roll_back_recurrent(engine: Engine, params: Any, tokens_TK: jax.Array, positions_TK: jax.Array, before: Any,
-                        after: Any, num_accepted_T: jax.Array, k: int) -> Any:
+def roll_back_recurrent(engine: Engine, params: Params, tokens_TK: jax.Array, positions_TK: jax.Array, before: Caches,
+                        after: Caches, num_accepted_T: jax.Array, k: int) -> Caches:
   """`after` (the caches once the round's k + 1 tokens went in) with every recurrent state as if only each slot's
   first num_accepted + 1 tokens had: a replay of the tokens from the states in `before`, the rest padding.
   Only the recurrent states are taken from `before` (small); the KV caches replayed over are `after`'s."""
   is_state = lambda x: isinstance(x, LinearState)  # noqa: E731
   restored = jax.tree.map(lambda old, new: old if is_state(new) else new, before, after, is_leaf=is_state)
 
-  def replay(caches: Any) -> Any:
+  def replay(caches: Caches) -> Caches:
     return engine.spec.apply_decode(params, tokens_TK, positions_TK, caches, logits_index_B=num_accepted_T)[1]
 
   return jax.lax.cond(jnp.all(num_accepted_T == k), lambda _: after, replay, restored)
@@ -287,7 +288,7 @@ def draw(keys_T: jax.Array, probs_TV: jax.Array) -> jax.Array:
   return each(keys_T, jnp.log(probs_TV)).astype(jnp.int32)
 
 
-def generate(decoder: SpeculativeDecoder, target_params: Any, draft_params: Any, prompts: Sequence[Sequence[int]],
+def generate(decoder: SpeculativeDecoder, target_params: Params, draft_params: Params, prompts: Sequence[Sequence[int]],
              max_new_tokens: int, seed: int = 0, row_params: Sequence[sampling.RowParams] | None = None,
              eos_id: int | None = None) -> list[list[int]]:
   """Prompt i in slot i (at most num_slots prompts), decoded by speculative rounds until

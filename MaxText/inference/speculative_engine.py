@@ -30,6 +30,7 @@ from MaxText.configuration.config import Config, draft_config
 from MaxText.errors import UserError
 from MaxText.inference import image_prompts, mtp_draft, sampling, speculative
 from MaxText.inference.decode_state import Prefix
+from MaxText.training.model_assembly import Params
 from MaxText.inference.engine import Engine, load_engine, refuse_mtp_speculative
 from MaxText.inference.engine_api import DecodeEngine, Emitted, SlotInfo, TokenLogprobs
 from MaxText.paths import storage
@@ -105,11 +106,11 @@ class SpeculativeEngine:
     return self.target.slot(slot)
 
   # ---------------------------------------------------------------- requests
-  def score(self, params: tuple[Any, Any], prompt: Sequence[int],
+  def score(self, params: tuple[Params, Params], prompt: Sequence[int],
             images: image_prompts.PromptImages | None = None) -> TokenLogprobs:
     return self.target.score(params[0], prompt, images)
 
-  def prefill(self, params: tuple[Any, Any], prompts: Sequence[Sequence[int]], seed: int = 0,
+  def prefill(self, params: tuple[Params, Params], prompts: Sequence[Sequence[int]], seed: int = 0,
               row_params: Sequence[sampling.RowParams] | None = None,
               images: Sequence[image_prompts.PromptImages | None] | None = None) -> SpeculativePrefix:
     _text_only(images)
@@ -130,7 +131,7 @@ class SpeculativeEngine:
       raise
     return start
 
-  def prefill_chunk(self, params: tuple[Any, Any], state: speculative.SpeculativeState, slot: int,
+  def prefill_chunk(self, params: tuple[Params, Params], state: speculative.SpeculativeState, slot: int,
                     prompt: Sequence[int], start: int, row_params: sampling.RowParams | None = None, seed: int = 0,
                     images: image_prompts.PromptImages | None = None
                     ) -> tuple[speculative.SpeculativeState, int, tuple[jax.Array, TokenLogprobs] | None]:
@@ -144,13 +145,13 @@ class SpeculativeEngine:
     self._draft_done[slot] = done
     return speculative.SpeculativeState(target, draft), end, first
 
-  def speculative_round(self, params: tuple[Any, Any], state: Any, active: Sequence[bool] | np.ndarray
+  def speculative_round(self, params: tuple[Params, Params], state: Any, active: Sequence[bool] | np.ndarray
                         ) -> tuple[Any, np.ndarray, np.ndarray, TokenLogprobs]:
     """One round: (state, tokens [T, k + 1], counts [T], their target log-probabilities); slot t
     emitted tokens[t, :counts[t]]. `active`: the slots the acceptance counters count."""
     return self.decoder.scored_step(params[0], params[1], state, active)
 
-  def decode_step(self, params: tuple[Any, Any], state: Any, active: Sequence[bool] | np.ndarray | None = None
+  def decode_step(self, params: tuple[Params, Params], state: Any, active: Sequence[bool] | np.ndarray | None = None
                   ) -> tuple[Any, Emitted]:
     """`speculative_round` as engine_api.Emitted (tokens [T, k + 1], counts [T])."""
     state, tokens_TK, counts_T, logprobs = self.decoder.scored_step(params[0], params[1], state, active)
@@ -188,7 +189,7 @@ def check_draft(config: Config) -> None:
 
 
 def load(config: Config, num_slots: int, fresh_note: str, mesh: Mesh | None = None
-         ) -> tuple[DecodeEngine, Any]:
+         ) -> tuple[DecodeEngine, tuple[Params, Params | None] | Params]:
   """The engine a tool decodes with and its parameters: a plain Engine (speculative_tokens=0), else
   a SpeculativeEngine over the target and its draft, parameters (target's, draft's)."""
   check_draft(config)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.inference import image_prompts, paged_cache
+from MaxText.inference.decode_state import Caches, DecodeState
 
 
 class SnapshotIndex:
@@ -76,7 +77,7 @@ def _batch_axis(stacked: bool) -> int:
   return 1 if stacked else 0  # scanned layers stack their states on a leading layer dimension
 
 
-def empty_pool(caches: Any, capacity: int, stacked: bool) -> Any:
+def empty_pool(caches: Caches, capacity: int, stacked: bool) -> Caches:
   """Zero snapshot rows for every slot-state array of `caches` (abstract or real); None for page pools."""
   axis = _batch_axis(stacked)
 
@@ -95,14 +96,14 @@ def _copy_row(dst: jax.Array, src: jax.Array, src_row: jax.Array, dst_row: jax.A
   return jax.lax.dynamic_update_slice_in_dim(dst, one.astype(dst.dtype), dst_row, axis=axis)
 
 
-def save(pool: Any, caches: Any, slot: jax.Array, row: jax.Array, stacked: bool) -> Any:
+def save(pool: Caches, caches: Caches, slot: jax.Array, row: jax.Array, stacked: bool) -> Caches:
   """`pool` with row `row` set to slot `slot`'s recurrent states in `caches`."""
   axis = _batch_axis(stacked)
   return jax.tree.map(lambda snapshots, x: None if snapshots is None else _copy_row(snapshots, x, slot, row, axis),
                       pool, caches, is_leaf=lambda x: x is None or paged_cache.is_pool(x))
 
 
-def restore(caches: Any, pool: Any, slot: jax.Array, row: jax.Array, stacked: bool) -> Any:
+def restore(caches: Caches, pool: Caches, slot: jax.Array, row: jax.Array, stacked: bool) -> Caches:
   """`caches` with slot `slot`'s recurrent states set to the snapshot in row `row`."""
   axis = _batch_axis(stacked)
   return jax.tree.map(lambda x, snapshots: x if snapshots is None else _copy_row(x, snapshots, row, slot, axis),
@@ -118,8 +119,8 @@ class RecurrentSnapshots:
   """Prefix caching's part for a model with recurrent layers (paged cache): the host index, the device pool,
   and what begin_prompt / prefill_chunk do with them. `pages` gives the decode state's allocator."""
 
-  def __init__(self, capacity: int, pages: Callable[[], paged_cache.PageAllocator], abstract_caches: Any,
-               stacked: bool, state_shardings: Any):
+  def __init__(self, capacity: int, pages: Callable[[], paged_cache.PageAllocator], abstract_caches: Caches,
+               stacked: bool, state_shardings: DecodeState):
     self.capacity, self._pages = capacity, pages
     self.index = SnapshotIndex(capacity)
     self._restore_rows: dict[int, tuple[int, int]] = {}  # slot -> (where its prefill starts, snapshot row)
@@ -157,8 +158,8 @@ class RecurrentSnapshots:
       self.index.pin(row)  # other prompts' chunks may not reuse it before this one's first chunk
       self._restore_rows[slot] = (start, row)
 
-  def before_chunk(self, state: Any, slot: int, prompt: Sequence[int], start: int, end: int,
-                   runs: Sequence[tuple[int, int]]) -> tuple[Any, int]:
+  def before_chunk(self, state: DecodeState, slot: int, prompt: Sequence[int], start: int, end: int,
+                   runs: Sequence[tuple[int, int]]) -> tuple[DecodeState, int]:
     """(state with the shared prefix's recurrent states where the chunk starts from one, where the chunk ends:
     at the prompt's last page boundary when it crosses it, so the states there are kept for later prompts)."""
     waiting = self._restore_rows.get(slot)
@@ -171,7 +172,7 @@ class RecurrentSnapshots:
       end = image_prompts.chunk_end(start, boundary, runs)
     return state, end
 
-  def after_chunk(self, caches: Any, slot: int, prompt: Sequence[int], end: int,
+  def after_chunk(self, caches: Caches, slot: int, prompt: Sequence[int], end: int,
                   salts: Mapping[int, bytes] | None) -> None:
     """A chunk ending on a page boundary: the slot's recurrent states there, kept."""
     if end % self._pages().page_size:

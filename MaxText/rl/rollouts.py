@@ -43,9 +43,9 @@ from MaxText.training.train_state import TrainState
 Batch = dict[str, jax.Array]
 
 
-def _on_host(x: jax.Array) -> np.ndarray:
+def _on_host(x: jax.Array | np.ndarray) -> np.ndarray:
   """A global array's values on every process (a row-sharded one is gathered across processes)."""
-  if x.is_fully_addressable or x.is_fully_replicated:
+  if isinstance(x, np.ndarray) or x.is_fully_addressable or x.is_fully_replicated:
     return np.asarray(x)
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
