@@ -58,7 +58,7 @@ def _num_hf_layers(cfg: ModelConfig, maps: list[TensorMap], family_name: str) ->
   return cfg.num_decoder_layers + cfg.mtp.mtp_num_layers
 
 
-def flat_abstract(abstract_params: Any) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
+def flat_abstract(abstract_params: dict[str, Any]) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
   flat = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
   return {tuple(str(k.key) for k in path): leaf for path, leaf in flat}
 
@@ -67,7 +67,7 @@ class StagedParams:
   """Our parameter tree as memory-mapped files under `directory` (local: a temporary staging
   directory of the converter), filled one slice at a time."""
 
-  def __init__(self, abstract_params: Any, directory: str, weight_dtype: np.dtype | str):
+  def __init__(self, abstract_params: dict[str, Any], directory: str, weight_dtype: np.dtype | str):
     self.directory = directory
     self.leaves = flat_abstract(abstract_params)
     self.dtype = np.dtype(weight_dtype)
@@ -251,7 +251,7 @@ def full_model_keys(schema: Mapping[str, Any], inferred: Mapping[str, Any]) -> d
 
 def describe_keys(keys: Mapping[str, Any]) -> str:
   """`keys` as the key=value arguments a user would type (lists in YAML flow style)."""
-  def text(value: Any) -> str:
+  def text(value: object) -> str:
     return "[" + ",".join(map(str, value)) + "]" if isinstance(value, (list, tuple)) else str(value)
   return " ".join(f"{k}={text(v)}" for k, v in keys.items())
 

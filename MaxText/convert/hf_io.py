@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import tempfile
-from typing import Any, Iterator
+from typing import IO, Any, Iterator
 
 import ml_dtypes
 import numpy as np
@@ -110,7 +110,7 @@ class SafetensorsWriter:
     self.output_dir = output_dir
     self.max_shard_bytes = max_shard_bytes
     self._header: dict[str, Any] = {}
-    self._data: Any = None  # open data file of the current shard
+    self._data: IO[bytes] | None = None  # open data file of the current shard
     self._data_bytes = 0
     self._shards: list[list[str]] = []
     self.total_bytes = 0

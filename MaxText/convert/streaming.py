@@ -67,7 +67,7 @@ class OneByOneNumpyHandler(ocp.type_handlers.NumpyHandler):  # type: ignore[misc
     return [ocp.future.CommitFutureAwaitingContractedSignals(write_one_by_one(), name="one_by_one_numpy")]
 
 
-def save_params_one_by_one(path: str, params: Any) -> None:
+def save_params_one_by_one(path: str, params: dict[str, Any]) -> None:
   """Writes {"params": params} (numpy leaves, e.g. memory maps) synchronously to a new `path`.
 
   Peak extra host memory is about one parameter (measured in benchmarks/convert_memory.py).
@@ -84,9 +84,9 @@ def save_params_one_by_one(path: str, params: Any) -> None:
     checkpointer.close()
 
 
-def _nested(path: ParamPath, leaf: Any) -> dict[str, Any]:
-  out: dict[str, Any] = leaf
-  for key in reversed(path):
+def _nested(path: ParamPath, leaf: object) -> dict[str, Any]:
+  out: dict[str, Any] = {path[-1]: leaf}
+  for key in reversed(path[:-1]):
     out = {key: out}
   return out
 

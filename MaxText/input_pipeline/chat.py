@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -60,7 +60,24 @@ def no_template(tokenizer_path: str, needs: str) -> ConfigError:
                      f"tokenizer_config.json and no chat_template.jinja); {needs} needs the model's own template")
 
 
-def load_chat_tokenizer(tokenizer_path: str, require_template: bool = True) -> Any:
+class ChatTokenizer(Protocol):
+  """The Hugging Face tokenizer the chat paths call (load_chat_tokenizer's PreTrainedTokenizerFast)."""
+
+  chat_template: str | None
+  bos_token: str | None
+  bos_token_id: int | None
+  eos_token_id: int | None
+
+  def apply_chat_template(self, conversation: list[dict[str, Any]], *, tokenize: bool,
+                          add_generation_prompt: bool) -> str: ...
+
+  def __call__(self, text: str, *, add_special_tokens: bool, return_offsets_mapping: bool = False
+               ) -> Mapping[str, Any]: ...
+
+  def decode(self, ids: list[int], *, skip_special_tokens: bool) -> str: ...
+
+
+def load_chat_tokenizer(tokenizer_path: str, require_template: bool = True) -> ChatTokenizer:
   """A transformers fast tokenizer with its chat template, from a (local or gs://) directory holding
   tokenizer.json and tokenizer_config.json. Without `require_template` a tokenizer with no template
   loads too (its chat_template is None): plain-text records do not need one."""
@@ -84,7 +101,7 @@ def load_chat_tokenizer(tokenizer_path: str, require_template: bool = True) -> A
   return tokenizer
 
 
-def chat_prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+def chat_prompt_ids(tokenizer: ChatTokenizer, prompt: str) -> list[int]:
   """`prompt` as one user turn followed by the assistant's generation prompt, as token ids."""
   text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                        add_generation_prompt=True)
@@ -128,7 +145,8 @@ class DroppedSamples:
 class SftEncoder:
   """record → int32 [2, n] (tokens, target weights); an empty document for a dropped sample."""
 
-  def __init__(self, tokenizer: Any, max_target_length: int, completion_only: bool, add_bos: bool, add_eos: bool):
+  def __init__(self, tokenizer: ChatTokenizer, max_target_length: int, completion_only: bool, add_bos: bool,
+               add_eos: bool):
     self.tokenizer, self.completion_only = tokenizer, completion_only
     self.max_tokens = max_target_length + 1  # max_target_length (input, target) pairs
     # Plain-text prompt/completion pairs get the tokenizer's bos/eos as configured; a chat
@@ -137,7 +155,7 @@ class SftEncoder:
     self.eos_id = tokenizer.eos_token_id if add_eos else None
     self.dropped = DroppedSamples()
 
-  def __call__(self, record: Any) -> np.ndarray:
+  def __call__(self, record: object) -> np.ndarray:
     tokens, weights = self.tokens_and_weights(as_mapping(record))
     if len(tokens) > self.max_tokens:
       if not any(weights[1:self.max_tokens]):
@@ -208,7 +226,7 @@ class SftEncoder:
     return text, spans
 
 
-def as_mapping(record: Any, what: str = "sft") -> Mapping[str, Any]:
+def as_mapping(record: object, what: str = "sft") -> Mapping[str, Any]:
   if isinstance(record, (bytes, bytearray)):
     record = json.loads(bytes(record).decode("utf-8"))
   if not isinstance(record, Mapping):
@@ -216,7 +234,7 @@ def as_mapping(record: Any, what: str = "sft") -> Mapping[str, Any]:
   return record
 
 
-def as_messages(value: Any, field: str) -> list[dict[str, Any]]:
+def as_messages(value: object, field: str) -> list[dict[str, Any]]:
   if not isinstance(value, list) or not all(isinstance(m, Mapping) and "role" in m and "content" in m
                                             for m in value):
     raise UserError(f"sft field {field!r} must be a list of {{'role': ..., 'content': ...}} messages, got "

@@ -21,7 +21,7 @@ import numpy as np
 
 from MaxText.errors import ConfigError, UserError
 from MaxText.input_pipeline.batch_spec import DPO_FIELDS, FIELDS, REJECTED_PREFIX
-from MaxText.input_pipeline.chat import DroppedSamples, SftEncoder, as_mapping
+from MaxText.input_pipeline.chat import ChatTokenizer, DroppedSamples, SftEncoder, as_mapping
 from MaxText.input_pipeline.packing import DocumentCursor
 
 RECORD_FIELDS = ("prompt", "chosen", "rejected")
@@ -32,14 +32,15 @@ class PreferenceEncoder:
   """record → int32 [4, n]: chosen tokens, chosen weights, rejected tokens, rejected weights (the
   shorter one padded with _PAD tokens of weight 0); [4, 0] for a dropped pair."""
 
-  def __init__(self, tokenizer: Any, tokenizer_path: str, max_target_length: int, add_bos: bool, add_eos: bool):
+  def __init__(self, tokenizer: ChatTokenizer, tokenizer_path: str, max_target_length: int, add_bos: bool,
+               add_eos: bool):
     self.sequences = SftEncoder(tokenizer, max_target_length, completion_only=True, add_bos=add_bos, add_eos=add_eos)
     self.tokenizer_path = tokenizer_path
     self.max_tokens = max_target_length + 1
     self.dropped = DroppedSamples("dpo")
 
-  def __call__(self, record: Any) -> np.ndarray:
-    record = as_mapping(record, "dpo")
+  def __call__(self, value: object) -> np.ndarray:
+    record = as_mapping(value, "dpo")
     # A table reader (datasets' JSON/Parquet) fills a field some other record has with None.
     present = [str(f) for f, value in record.items() if value is not None]
     missing = [f for f in RECORD_FIELDS if f not in present]
@@ -76,7 +77,7 @@ class PreferenceEncoder:
         raise UserError(f"a dpo record's {field!r} must be a list of messages with an assistant turn (the completion "
                         f"to prefer or reject), got {str(value)[:80]!r}")
 
-  def _truncated(self, prompt: Any, completion: Any) -> tuple[list[int], list[int]] | None:
+  def _truncated(self, prompt: object, completion: object) -> tuple[list[int], list[int]] | None:
     tokens, weights = self.sequences.tokens_and_weights({"prompt": prompt, "completion": completion})
     tokens, weights = tokens[:self.max_tokens], weights[:self.max_tokens]
     return (tokens, weights) if any(weights[1:]) else None

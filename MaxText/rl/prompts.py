@@ -24,11 +24,12 @@ from MaxText.rl.rewards import ARGUMENTS
 class Prompt:
   index: int  # the record's index in the train split
   ids: list[int]  # the prompt's tokens as the model sees them (chat template and generation prompt)
-  prompt: Any  # the record's prompt value (a string or a message list), given to the reward functions
+  prompt: str | list[dict[str, Any]]  # the record's prompt (a string or a message list), given to the reward functions
   columns: Mapping[str, Any]  # the record's other columns
 
 
-def encode_prompt(tokenizer: Any, value: Any, add_bos: bool, tokenizer_path: str = "tokenizer_path") -> list[int]:
+def encode_prompt(tokenizer: chat.ChatTokenizer, value: object, add_bos: bool, tokenizer_path: str = "tokenizer_path"
+                  ) -> list[int]:
   """A prompt's token ids: a message list rendered with the chat template and the assistant's
   generation prompt; a string as one user turn when the tokenizer has a template, else as plain
   text (with the tokenizer's bos when add_bos)."""
@@ -50,7 +51,7 @@ class PromptSet:
   """All prompts, tokenised; `take(n)` gives the next n in the seeded order, `position` how many
   were taken (the checkpointed data position)."""
 
-  def __init__(self, config: Config, tokenizer: Any):
+  def __init__(self, config: Config, tokenizer: chat.ChatTokenizer):
     data, column = config.data, config.rl.rl_prompt_column
     records, describe = open_records(data, train=True)
     limit = config.decode.max_prefill_predict_length

@@ -75,7 +75,7 @@ class ExactMatch:
   column: str
   __name__ = "exact_match"
 
-  def __call__(self, completions: list[str], **columns: Any) -> list[float]:
+  def __call__(self, completions: list[str], **columns: Sequence[object]) -> list[float]:
     if self.column not in columns:
       raise UserError(f"reward exact_match reads the column rl_answer_column={self.column!r}, which the prompt "
                       f"records do not have (their columns: {', '.join(sorted(columns)) or 'none'})")
@@ -93,7 +93,7 @@ class FormatMatch:
   pattern: re.Pattern[str]
   __name__ = "format"
 
-  def __call__(self, completions: list[str], **_: Any) -> list[float]:
+  def __call__(self, completions: list[str], **_: object) -> list[float]:
     return [float(self.pattern.search(c) is not None) for c in completions]
 
 
@@ -107,7 +107,7 @@ class LengthPenalty:
   eos_id: int | None
   __name__ = "length_penalty"
 
-  def __call__(self, completion_ids: list[list[int]], **_: Any) -> list[float]:
+  def __call__(self, completion_ids: list[list[int]], **_: object) -> list[float]:
     out = []
     for ids in completion_ids:
       ended = bool(ids) and self.eos_id is not None and ids[-1] == self.eos_id
