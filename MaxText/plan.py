@@ -48,7 +48,7 @@ from MaxText.aot.plan_recipe import compile_flags, write_recipe
 from MaxText.aot.step_time import report as step_report
 from MaxText.training import compiled_step
 from MaxText.platform import accelerators, tpu_launch
-from MaxText.configuration import config as config_lib, tool_args
+from MaxText.configuration import config as config_lib, remat_policies, tool_args
 from MaxText.errors import ConfigError, UserError, run_cli
 from MaxText.aot.memory_report import GIB
 from MaxText.platform.mesh_axes import MeshAxis
@@ -60,7 +60,8 @@ SPLASH_BLOCK_KEYS = ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_blo
 # Config keys a candidate may set; one the user gives on the command line or in M_* is kept.
 SEARCH_KEYS = (*(axis.ici_key for axis in plan_search.ICI_AXES), *(axis.dcn_key for axis in plan_search.DCN_AXES),
                "pipeline_schedule", "num_pipeline_repeats", "num_pipeline_microbatches",
-               "remat_policy", "optimizer_memory_host_offload", "per_device_batch_size", "gradient_accumulation_steps")
+               "remat_policy", *remat_policies.TENSORS, "optimizer_memory_host_offload", "per_device_batch_size",
+               "gradient_accumulation_steps")
 COMPILE_MEMORY_GIB = 6  # what one worker's compile may take, for the worker count
 HOST_OVERFLOW = "does not fit: host memory"  # how train_compile's line for the host's memory starts
 
@@ -337,8 +338,8 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
   # The short list takes the best of each kind first (remat policy, offload, tensor and sequence
   # degrees), then the next best: the compiles then test the analytical model where it is weakest.
   def kind(settings: Mapping[str, Any]) -> tuple[Any, ...]:
-    return tuple(settings.get(k) for k in ("remat_policy", "optimizer_memory_host_offload", MeshAxis.TENSOR.ici_key,
-                                           MeshAxis.SEQUENCE.ici_key, "pipeline_schedule"))
+    return tuple(settings.get(k) for k in ("remat_policy", *remat_policies.TENSORS, "optimizer_memory_host_offload",
+                                           MeshAxis.TENSOR.ici_key, MeshAxis.SEQUENCE.ici_key, "pipeline_schedule"))
   seen: set[tuple[Any, ...]] = set()
   firsts: list[tuple[float, int, float, dict[str, Any], plan_model.Estimate]] = []
   rest: list[tuple[float, int, float, dict[str, Any], plan_model.Estimate]] = []

@@ -109,3 +109,59 @@ def test_every_produced_name_is_tagged_by_some_reference_model():
              "mlpwi_1", "mlpwo", "query_wa_proj", "mla_q", "kv_wa_proj", "mla_kv", "attention_out", "moe_mlpwi_0",
              "moe_mlpwi_1", "moe_mlpwo", "mlpwi"}
   assert covered == set(remat_policies.PRODUCED)
+
+
+# ------------------------------------------------------------------ the planner prices placements
+
+def _estimate(topology_name: str = "v5e-4", **overrides):
+  """The planner's analytical estimate of exactly this config (tests/test_plan.analytic)."""
+  from test_plan import analytic
+  return analytic(topology_name, **dict(_PLAN_MODEL, **overrides))
+
+
+_PLAN_MODEL = dict(base_emb_dim=1024, base_num_query_heads=8, base_num_kv_heads=4, head_dim=128, base_mlp_dim=4096,
+                   base_num_decoder_layers=4, vocab_size=1024, max_target_length=2048, per_device_batch_size=2)
+
+
+@pytest.mark.parametrize("name", ["save_qkv_proj", "minimal_offloaded"])
+def test_planner_prices_a_preset_and_its_spelling_alike(name):
+  preset, spelled = _estimate(remat_policy=name), _estimate(remat_policy="custom", **_spelling(name))
+  assert spelled.activations == pytest.approx(preset.activations)
+  assert spelled.host_activations == pytest.approx(preset.host_activations)
+  assert spelled.step_s == pytest.approx(preset.step_s)
+
+
+def test_planner_moves_each_offloaded_tensor_to_the_host():
+  """Per token and layer: 2 bytes per element of each offloaded tensor, off HBM and onto the host."""
+  tokens_layers = 2 * 2048 * 4  # sequences per chip x length x layers
+  device = _estimate(remat_policy="custom", mlpwi_0="device", mlpwi_1="device", mlpwo="device")
+  host = _estimate(remat_policy="custom", mlpwi_0="offload", mlpwi_1="offload", mlpwo="offload")
+  moved = tokens_layers * 2 * (2 * 4096 + 1024)
+  assert host.host_activations == pytest.approx(moved)
+  assert device.activations - host.activations == pytest.approx(moved)
+  assert host.host_s > 0 == device.host_s
+  stream = _estimate(remat_policy="custom", decoder_layer_input="offload")
+  assert stream.host_activations == pytest.approx(tokens_layers * 2 * 1024)
+
+
+def test_planner_searches_placements_beside_the_presets():
+  from MaxText.aot import plan_search
+  names = [f"custom:{n}" for n in remat_policies.SEARCHED_PLACEMENTS]
+  assert set(names) <= set(plan_search.SEARCHED_REMAT)
+  config = Config.for_testing(**_TINY)
+  from MaxText.aot.plan_model import ModelShape
+  from MaxText.platform import accelerators
+  model = ModelShape.of(config.model, config.optim)
+  policy_words = lambda c: {w for w in plan_search.describe(c, shown=("remat_policy",)).split()  # noqa: E731
+                            if w.startswith("custom:") or w in remat_policies.NAMES}
+  found = {w for c in plan_search.candidates(model, accelerators.tpu_topology("v5e-4"), 1, {"ici_tensor_parallelism": 1,
+                                           "ici_sequence_parallelism": 1, "ici_fsdp_transpose_parallelism": 1,
+                                           "ici_expert_parallelism": 1, "ici_pipeline_parallelism": 1,
+                                           "optimizer_memory_host_offload": False, "gradient_accumulation_steps": 1},
+                                           8, 32) for w in policy_words(c)}
+  assert {"custom:attn_hbm_mlp_host", "custom:qkv_host", "custom:minimal_input_host", "full", "minimal"} <= found
+  # A custom policy the user fixed keeps the user's placements.
+  fixed = {"remat_policy": "custom", "query_proj": "offload", "ici_tensor_parallelism": 1}
+  labels = {w for c in plan_search.candidates(model, accelerators.tpu_topology("v5e-4"), 1, fixed, 8, 32)
+            for w in policy_words(c)}
+  assert labels == {"custom:query_proj=offload"}

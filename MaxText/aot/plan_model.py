@@ -156,10 +156,49 @@ def _widths(cfg: ModelConfig) -> dict[remat_policies.Width, float]:
           "attn": cfg.num_query_heads * cfg.head_dim, "norms": 2 * cfg.emb_dim, "mlp_act": mlp}
 
 
+def tensor_widths(cfg: ModelConfig) -> dict[str, float]:
+  """Per token and layer, the elements of each named activation a remat_policy=custom key places
+  (remat_policies.TENSORS); a routed expert's rows count once per chosen expert."""
+  n, k, h, d = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.emb_dim
+  moe = cfg.moe.num_experts > 1
+  routed = cfg.mlp_dim * cfg.moe.num_experts_per_tok if moe else 0
+  dense = cfg.mlp_dim * max(cfg.moe.shared_experts, 1) if not moe or cfg.moe.shared_experts else 0
+  rope = cfg.mla.qk_rope_head_dim
+  gated = len(cfg.mlp_activations) > 1  # two input projections (layers/mlp.py names them mlpwi_0, mlpwi_1)
+  return {"decoder_layer_input": d, "query_proj": n * h, "key_proj": k * h, "value_proj": k * h, "context": n * h,
+          "attention_out": n * h, "out_proj": d, "query_wa_proj": cfg.mla.q_lora_rank,
+          "kv_wa_proj": cfg.mla.kv_lora_rank + rope if cfg.attn.attention_type == "mla" else 0,
+          "mla_q": cfg.mla.q_lora_rank, "mla_kv": cfg.mla.kv_lora_rank if cfg.attn.attention_type == "mla" else 0,
+          "mlpwi": 0 if gated else dense, "mlpwi_0": dense if gated else 0, "mlpwi_1": dense if gated else 0,
+          "mlpwo": d if dense else 0, "moe_mlpwi_0": routed, "moe_mlpwi_1": routed if gated else 0,
+          "moe_mlpwo": d if routed else 0}
+
+
+def kept_width(cfg: ModelConfig, policy: remat_policies.RematPolicy, on_host: bool) -> float:
+  """Elements per token and layer `policy` keeps on the host, or in HBM besides the layer input:
+  a custom placement per tensor, a fixed policy by its preset widths."""
+  if policy.name == "custom":
+    widths = tensor_widths(cfg)
+    return sum(widths[n] for n in (policy.offload if on_host else policy.device))
+  preset = _widths(cfg)
+  return sum(preset[w] for w in (policy.saved_on_host if on_host else policy.saved_on_device))
+
+
+def stream_width(cfg: ModelConfig, policy: remat_policies.RematPolicy) -> float:
+  """The layer input's elements per token and layer in HBM: none when it is offloaded."""
+  return 0 if "decoder_layer_input" in policy.offload else cfg.emb_dim
+
+
+def policy_of(candidate: Mapping[str, Any]) -> remat_policies.RematPolicy:
+  """A candidate's remat policy: remat_policy's record, or custom's from its placement keys."""
+  if candidate["remat_policy"] == "custom":
+    return remat_policies.custom({n: str(candidate[n]) for n in remat_policies.TENSORS if n in candidate})
+  return remat_policies.by_name(str(candidate["remat_policy"]))
+
+
 def offloaded_activations(cfg: ModelConfig, policy: remat_policies.RematPolicy, tokens: float) -> float:
   """Bytes (bf16) that `policy` keeps in host memory for `tokens` tokens on a chip, over every layer."""
-  widths = _widths(cfg)
-  return tokens * 2 * cfg.num_decoder_layers * sum(widths[w] for w in policy.saved_on_host)
+  return tokens * 2 * cfg.num_decoder_layers * kept_width(cfg, policy, on_host=True)
 
 
 def host_overflow(e: Estimate, generation: accelerators.TpuGeneration) -> str | None:
@@ -208,7 +247,7 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   mesh_shape = mesh_of(candidate)
   pdb = float(candidate["per_device_batch_size"])
   accumulation = int(candidate.get("gradient_accumulation_steps", 1))
-  policy = remat_policies.by_name(str(candidate["remat_policy"]))
+  policy = policy_of(candidate)
   offload_opt = bool(candidate.get("optimizer_memory_host_offload", False))
   stages = mesh_shape["stage"]
   pipe = pipeline_shape(candidate, stages)
@@ -222,7 +261,7 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   widths = _widths(cfg)
   layers = cfg.num_decoder_layers
   act_bytes = 2  # bf16
-  saved = tokens * act_bytes * layers * (cfg.emb_dim + sum(widths[w] for w in policy.saved_on_device))
+  saved = tokens * act_bytes * layers * (stream_width(cfg, policy) + kept_width(cfg, policy, on_host=False))
   saved *= pipe.live_share
   # A stage works on one pipeline microbatch at a time: its share of the stage's rows.
   working_tokens = tokens * stages / pipe.microbatches if stages > 1 else tokens
@@ -286,7 +325,7 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   exposed_s += dcn_exposed / links.dcn
   host_bytes = 2 * optimizer if offload_opt else 0.0
   if policy.offloaded:
-    host_bytes += 2 * tokens * accumulation * act_bytes * layers * sum(widths[w] for w in policy.saved_on_host)
+    host_bytes += 2 * tokens * accumulation * act_bytes * layers * kept_width(cfg, policy, on_host=True)
   host_s = host_bytes / links.host
   # Weight gathers, gradient reductions and DCN overlap with compute; activation exchanges and
   # host transfers (offloaded state and activations) are counted in full.

@@ -20,6 +20,8 @@ from MaxText.platform import accelerators, sharding
 from MaxText.platform.mesh_axes import MESH_AXES, MeshAxis
 
 SEARCHED_POLICIES = tuple(p.name for p in remat_policies.REMAT_POLICIES if p.searched_by_planner)
+# A searched remat_policy=custom placement stands in the remat_policy choices as "custom:<its name>".
+SEARCHED_REMAT = SEARCHED_POLICIES + tuple(f"custom:{name}" for name in remat_policies.SEARCHED_PLACEMENTS)
 # Keys a candidate sets; a key the user gives is held fixed instead.
 PIPELINE_KEYS = ("pipeline_schedule", "num_pipeline_repeats", "num_pipeline_microbatches")
 # Pipeline stages within a slice: a few, as ICI is fast enough that they rarely beat FSDP there.
@@ -73,7 +75,7 @@ def candidates(model: ModelShape, topology: accelerators.TpuTopology, num_slices
       MeshAxis.EXPERT.ici_key: [e for e in powers_of_two(per_slice) if e <= max(1, cfg.moe.num_experts)],
       MeshAxis.DATA.ici_key: powers_of_two(per_slice),
       MeshAxis.STAGE.ici_key: stage_choices,
-      "remat_policy": list(SEARCHED_POLICIES),
+      "remat_policy": list(SEARCHED_REMAT),
       "optimizer_memory_host_offload": [False, True],
       "gradient_accumulation_steps": [1, 2, 4],
   }
@@ -92,7 +94,7 @@ def candidates(model: ModelShape, topology: accelerators.TpuTopology, num_slices
       choices[key] = [fixed[key]]
   keys = list(choices)
   for values in itertools.product(*(choices[k] for k in keys)):
-    candidate = dict(zip(keys, values))
+    candidate = _with_placements(dict(zip(keys, values)), fixed)
     # ici_fsdp_parallelism fills the slice.
     ici = {a: int(candidate[a.ici_key]) for a in ICI_AXES if a is not MeshAxis.FSDP}
     if ici[MeshAxis.STAGE] > 1 and (ici[MeshAxis.SEQUENCE] > 1 or ici[MeshAxis.FSDP_TRANSPOSE] > 1):
@@ -126,6 +128,18 @@ def candidates(model: ModelShape, topology: accelerators.TpuTopology, num_slices
       piped = {**candidate, **variant}
       if divides(piped):
         yield piped
+
+
+def _with_placements(candidate: dict[str, Any], fixed: Mapping[str, Any]) -> dict[str, Any]:
+  """A searched placement ("custom:<name>") as remat_policy=custom and its keys; a custom policy the
+  user fixed with the placement keys the user gave."""
+  policy = str(candidate["remat_policy"])
+  if policy.startswith("custom:"):
+    candidate["remat_policy"] = "custom"
+    candidate.update(remat_policies.SEARCHED_PLACEMENTS[policy.removeprefix("custom:")])
+  elif policy == "custom":
+    candidate.update({n: fixed[n] for n in remat_policies.TENSORS if n in fixed})
+  return candidate
 
 
 def _batch_divides(candidate: Mapping[str, Any], chips: int, seq_len: int, data_sharding: Sequence[str]) -> bool:
@@ -249,7 +263,11 @@ def describe(candidate: Mapping[str, Any], shown: Sequence[str] | None = None) -
   """A short label: the non-trivial degrees, then policy, batch, accumulation, offload."""
   parts = []
   for key, value in candidate.items():
-    if MeshAxis.of_key(key):
+    if key in remat_policies.TENSORS:
+      continue  # with remat_policy=custom, in its label
+    if key == "remat_policy" and value == "custom" and (shown is None or key in shown):
+      parts.append(f"custom:{remat_policies.placement_label(candidate)}")
+    elif MeshAxis.of_key(key):
       if int(value) > 1:
         parts.append(f"{key.replace('_parallelism', '')}={value}")
     elif shown is None or key in shown:

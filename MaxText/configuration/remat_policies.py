@@ -60,8 +60,8 @@ ATTENTION_PROJ = QKV_PROJ + ("out_proj",)
 # Every projection's output: what jax's dots-without-batch-dimensions policy keeps of the named tensors.
 PROJECTIONS = ATTENTION_PROJ + ("mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo", "moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo")
 
-# The planner's widths each produced tensor fills (plan_model._widths); a tensor without one is
-# not counted (the latents and the layer input, which the planner counts as the stream already).
+# The preset widths (plan_model._widths) each produced tensor belongs to, for comparing a placement
+# with the presets; the planner prices a custom placement per tensor (plan_model.tensor_widths).
 _TENSOR_WIDTHS: dict[str, Width] = {
     "query_proj": "qkv", "key_proj": "qkv", "value_proj": "qkv", "out_proj": "out", "context": "attn",
     "attention_out": "attn", "mlpwi": "mlp_in", "mlpwi_0": "mlp_in", "mlpwi_1": "mlp_in", "mlpwo": "mlp_out",
@@ -92,11 +92,13 @@ class RematPolicy:
 
   @property
   def saved_on_device(self) -> tuple[Width, ...]:
+    """Widths kept in HBM besides the layer input (which is there unless offloaded)."""
     return _widths_of(self.device) if self.keeps == "names" and self.offload else (
         () if self.offloaded else self.saved)
 
   @property
   def saved_on_host(self) -> tuple[Width, ...]:
+    """Widths kept in pinned host memory."""
     return _widths_of(self.offload) if self.offloaded else ()
 
   def placements(self) -> dict[str, Placement]:
@@ -137,14 +139,37 @@ PRESET_PLACEMENTS: dict[str, dict[str, Placement]] = {
 
 
 
+# The placements the planner searches beside the fixed policies, between their steps as upstream
+# recipes tune them: the attention projections in HBM with the MLP's offloaded; only the query,
+# key and value offloaded (upstream's qkv_proj_offloaded); every projection in HBM with the layer
+# input offloaded.
+SEARCHED_PLACEMENTS: dict[str, dict[str, Placement]] = {
+    "attn_hbm_mlp_host": {**{n: "device" for n in ATTENTION_PROJ},
+                          **{n: "offload" for n in ("mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo", "moe_mlpwi_0",
+                                                    "moe_mlpwi_1", "moe_mlpwo")}},
+    "qkv_host": {n: "offload" for n in QKV_PROJ},
+    "minimal_input_host": {**{n: "device" for n in PROJECTIONS}, "decoder_layer_input": "offload"},
+}
+
+
 def by_name(name: str) -> RematPolicy:
   return BY_NAME[name]
+
+
+def placement_label(placements: Mapping[str, object]) -> str:
+  """A searched placement's name, or the non-default keys, for a table label."""
+  moved = {n: p for n, p in placements.items() if n in TENSORS and p != BY_NAME["full"].placements()[n]}
+  for name, searched in SEARCHED_PLACEMENTS.items():
+    if moved == searched:
+      return name
+  return ",".join(f"{n}={p}" for n, p in moved.items()) or "full"
 
 
 def custom(placements: Mapping[str, str]) -> RematPolicy:
   """The policy `remat_policy=custom` runs for `placements` (tensor key -> remat | device | offload;
   keys left out are recomputed). The planner's recompute share is that of the lightest preset
   keeping at least the widths it keeps (full remat's when it keeps none)."""
+  # The layer input is jax.checkpoint's own argument: kept without a name unless it is offloaded.
   device = tuple(n for n in PRODUCED if placements.get(n) == "device" and n not in NOT_RECOMPUTABLE)
   offload = tuple(n for n in PRODUCED if placements.get(n) == "offload")
   keeps_widths = set(_widths_of(device + offload))
