@@ -244,8 +244,7 @@ class Engine:
     shapes = jax.eval_shape(self._init_state_fn, np.uint32(0))
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
                          self.state_shardings)
-    shape = self.cache.table_shape()
-    table = None if shape is None else jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding.replicated(self.mesh))
+    table = self.cache.abstract_table(sharding.replicated(self.mesh))
     with sharding.activation_sharding(self.mesh, self.rules):
       return self._generate.lower(abstract_params, state, table).compile()
 

@@ -51,8 +51,8 @@ class KVLayout(abc.ABC):
     """Before an insert of a prompt of `prompt_length` tokens into `slot`: the insert's extra argument."""
 
   @abc.abstractmethod
-  def table_shape(self) -> tuple[int, ...] | None:
-    """The shape of step_table's block table (None: none)."""
+  def abstract_table(self, sharding: jax.sharding.Sharding) -> jax.ShapeDtypeStruct | None:
+    """step_table's block table as a shape laid out by `sharding` (None: none), for an ahead-of-time compile."""
 
   @abc.abstractmethod
   def step_table(self, ahead: int = 1) -> jax.Array | None:
@@ -130,7 +130,7 @@ class DenseLayout(KVLayout):
   def admit(self, slot: int, prompt_length: int | jax.Array) -> jax.Array | None:
     return None
 
-  def table_shape(self) -> tuple[int, ...] | None:
+  def abstract_table(self, sharding: jax.sharding.Sharding) -> jax.ShapeDtypeStruct | None:
     return None
 
   def step_table(self, ahead: int = 1) -> jax.Array | None:
@@ -226,8 +226,8 @@ class PagedLayout(KVLayout):
     self._pages.assign(slot, int(prompt_length))  # OutOfPages leaves everything as it was
     return jnp.asarray(self._pages.table[slot])
 
-  def table_shape(self) -> tuple[int, ...] | None:
-    return tuple(self._pages.table.shape)
+  def abstract_table(self, sharding: jax.sharding.Sharding) -> jax.ShapeDtypeStruct | None:
+    return jax.ShapeDtypeStruct(self._pages.table.shape, jnp.int32, sharding=sharding)
 
   def step_table(self, ahead: int = 1) -> jax.Array | None:
     self._pages.grow(ahead)

@@ -187,6 +187,15 @@ def test_a_generate_step_works_in_memory_that_does_not_grow_with_the_pool(overri
   assert temp_bytes(0) == temp_bytes(16 * default_pages)
 
 
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_the_step_compiles_ahead_of_time_with_either_layouts_table(layout):
+  """compile_step takes the block table the layout gives (the dense one none): the rollouts' and AOT checks' path."""
+  config = Config.for_testing(**dict(TINY, max_target_length=32), kv_cache_layout=layout, kv_page_size=4)
+  engine = Engine(config, num_slots=2, mesh=one_device_mesh())
+  params = sharding.with_shardings(engine.spec.abstract_params, engine.param_shardings)
+  assert engine.compile_step(params).memory_analysis() is not None
+
+
 @pytest.mark.slow  # ~30 s: 8 simulated devices
 def test_sharded_paged_decode_equals_one_device():
   """tensor=2 x fsdp=4: the pools' kv heads split over tensor (pages replicated), tokens unchanged."""
