@@ -21,6 +21,7 @@ from MaxText.errors import UserError
 from MaxText.inference.image_prompts import PromptImages
 from MaxText.families.image_format import PreparedImage
 from MaxText.input_pipeline import image_text
+from MaxText.input_pipeline.chat import ChatTokenizer
 
 BASE64_BYTES_PER_CHAR = 3 / 4
 
@@ -44,7 +45,7 @@ def _read(ref: str, files: bool, limits: ImageLimits | None) -> Any:
   return image_text.read_image(ref, files=files, max_pixels=limits.max_pixels, limit_key="serve_max_image_pixels")
 
 
-def conversation_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], cfg: ModelConfig, *, files: bool,
+def conversation_ids(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]], cfg: ModelConfig, *, files: bool,
                      limits: ImageLimits | None = None, add_generation_prompt: bool = True
                      ) -> tuple[list[int], PromptImages | None]:
   """(prompt ids, the images' views' pixel values or None) of `messages` through the tokenizer's
@@ -66,7 +67,7 @@ def conversation_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], cfg:
   return encode_with_images(tokenizer, text, cfg, prepared)
 
 
-def encode_with_images(tokenizer: Any, text: str, cfg: ModelConfig, prepared: Sequence[PreparedImage]
+def encode_with_images(tokenizer: ChatTokenizer, text: str, cfg: ModelConfig, prepared: Sequence[PreparedImage]
                        ) -> tuple[list[int], PromptImages | None]:
   """`text` (holding one image marker per entry of `prepared`) as ids with the markers expanded,
   and every image's views in order."""
@@ -76,6 +77,6 @@ def encode_with_images(tokenizer: Any, text: str, cfg: ModelConfig, prepared: Se
   return ids, PromptImages.of(np.concatenate([p.pixels for p in prepared])) if prepared else None
 
 
-def image_marker(tokenizer: Any, cfg: ModelConfig) -> str:
+def image_marker(tokenizer: ChatTokenizer, cfg: ModelConfig) -> str:
   """The text a prompt holds where an image goes (the family's marker: Gemma 3's <start_of_image>, Llama 4's <|image|>)."""
   return image_text.image_format(cfg.decoder_block).marker(tokenizer, cfg.vision)
