@@ -9,6 +9,7 @@ each link in both directions). Latency is one hop per ring step."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Sequence
 
@@ -151,8 +152,8 @@ def _permute_link(pair: Sequence[int], target: StepTarget) -> str:
 
 def _devices_per_chip(group: Sequence[int], target: StepTarget) -> tuple[int, int]:
   """(the group's chips, its devices per chip): tpu7x's two TensorCores share a chip's coordinates."""
-  chips = len({target.coords[d] for d in group})
-  return chips, max(1, len(group) // max(chips, 1))
+  per_chip = collections.Counter(target.coords[d] for d in group)
+  return len(per_chip), max(per_chip.values(), default=1)
 
 
 def collective_transfer(kind: str, result_bytes: int, group: Sequence[int], target: StepTarget,
