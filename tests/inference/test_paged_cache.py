@@ -187,6 +187,18 @@ def test_a_generate_step_works_in_memory_that_does_not_grow_with_the_pool(overri
   assert temp_bytes(0) == temp_bytes(16 * default_pages)
 
 
+def test_the_dense_layout_refuses_prefill_into_pages_in_one_line():
+  """page_prefill.PagePrefill composes with either layout: with the dense one (no pages) each call refuses."""
+  engine = Engine(Config.for_testing(**dict(TINY, max_target_length=32)), num_slots=2, mesh=one_device_mesh())
+  assert not engine.prefills_into_pages and not engine.prefix_caching  # prefix_caching=auto: off without pages
+  state = engine.init_decode_state()
+  with pytest.raises(UserError, match="chunked prefill needs kv_cache_layout=paged"):
+    engine.begin_prompt(0, [5, 6, 7])
+  with pytest.raises(UserError, match="chunked prefill needs kv_cache_layout=paged"):
+    engine.prefill_chunk(None, state, 0, [5, 6, 7], 0)
+  assert not engine.slot(0).busy
+
+
 @pytest.mark.parametrize("layout", ["dense", "paged"])
 def test_the_step_compiles_ahead_of_time_with_either_layouts_table(layout):
   """compile_step takes the block table the layout gives (the dense one none): the rollouts' and AOT checks' path."""
