@@ -165,3 +165,27 @@ def test_planner_searches_placements_beside_the_presets():
   labels = {w for c in plan_search.candidates(model, accelerators.tpu_topology("v5e-4"), 1, fixed, 8, 32)
             for w in policy_words(c)}
   assert labels == {"custom:query_proj=offload"}
+
+
+@pytest.mark.slow  # one AOT compile for v5e-4: one to three minutes on a loaded 2-core machine
+def test_an_offloaded_placement_is_host_memory_and_host_transfers_in_the_tpu_compile(capsys):
+  """What a placement offloads is in XLA's host memory space, at least what the planner counts
+  (8 layers x 4 sequences x 512 tokens x q, k and v of 128 each, in bf16), and the step-time model
+  prices its transfers."""
+  from MaxText import train_compile
+  from MaxText.aot import plan_model
+  from MaxText.configuration.config import BASE_CONFIG_PATH
+  overrides = dict(base_emb_dim=256, base_num_query_heads=2, base_num_kv_heads=2, head_dim=64, base_mlp_dim=512,
+                   base_num_decoder_layers=8, vocab_size=256, max_target_length=512, per_device_batch_size=4,
+                   print_config=False, remat_policy="custom", query_proj="offload", key_proj="offload",
+                   value_proj="offload", mlpwo="device")
+  argv = [f"{k}={v}" for k, v in dict(overrides, compile_topology="v5e-4").items()]
+  assert train_compile.main(["train_compile", str(BASE_CONFIG_PATH), *argv]) == 0
+  out = capsys.readouterr().out
+  host = re.search(r"^\s+host memory\s+([\d.]+) MiB", out, re.M)
+  transfers = re.search(r"host transfers ([\d.]+) ms", out)
+  assert host and transfers and float(transfers.group(1)) > 0, out
+  model = Config.for_testing(**overrides).model
+  counted = plan_model.offloaded_activations(model, model.remat, 4 * 512)
+  assert counted == 8 * 4 * 512 * 3 * 128 * 2
+  assert counted <= float(host.group(1)) * 2**20 <= 2 * counted, out
