@@ -70,7 +70,7 @@ def host_shard(sharding: NamedSharding, global_batch: int, length: int, process_
 BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark: part of the file, never of the text
 
 
-def record_text(record: Any, column: str) -> str:
+def record_text(record: object, column: str) -> str:
   """The document text of one record: a dict (HF, TFDS, parsed JSON) or bytes holding JSON or raw
   UTF-8 (ArrayRecord). A column that is not text (null, a number, a list) is refused, not trained
   as its Python spelling."""
@@ -98,7 +98,7 @@ def record_text(record: Any, column: str) -> str:
   return str(record)
 
 
-def json_kind(value: Any) -> str:
+def json_kind(value: object) -> str:
   """'null', 'a JSON number', ...: what a value that should have been text is, for error messages."""
   if value is None:
     return "null"

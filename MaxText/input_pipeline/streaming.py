@@ -114,7 +114,7 @@ def _reason(error: Exception) -> str:
   return error.msg if isinstance(error, json.JSONDecodeError) else "not UTF-8 text"
 
 
-def _json_record(record: Any) -> Any:
+def _json_record(record: object) -> object:
   """A JSONL line (bytes) or an element of a JSON array as the record it must be: an object, or a
   string holding the text itself."""
   if isinstance(record, bytes):

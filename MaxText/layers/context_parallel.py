@@ -21,7 +21,7 @@ Legend: B batch, L local query length, S global length, N query heads, K key/val
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +36,7 @@ _Q_NAMES = ("activation_batch", "activation_length", "activation_heads", "activa
 _KV_NAMES = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
 
 
-def _axes(entry: Any) -> tuple[str, ...]:
+def _axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
@@ -93,7 +93,7 @@ def merges_blocks(attn: AttentionConfig) -> bool:
                                               or attn.context_parallel_load_balance)
 
 
-def shard_chunk_starts(shard: Any, local_length: int, shards: int, balanced: bool) -> list[Any]:
+def shard_chunk_starts(shard: int | jax.Array, local_length: int, shards: int, balanced: bool) -> list[int | jax.Array]:
   """Global start positions of the contiguous chunks shard `shard` holds (its local tokens in
   order): one chunk of local_length, or with balancing two halves, chunks shard and 2n - 1 - shard."""
   if not balanced:

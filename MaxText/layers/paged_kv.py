@@ -15,12 +15,13 @@ which have pages). The host-side allocator that fills the table: inference/paged
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec
+from jax.typing import DTypeLike
 
 from MaxText.platform import sharding
 from MaxText.layers import masks
@@ -28,6 +29,7 @@ from MaxText.layers import masks
 POOL_NAMES = ("cache_kv_heads", None, None, "cache_kv")  # pages are not sharded: any slot may hold any page
 POOL_SCALE_NAMES = ("cache_kv_heads", None, None, None)
 TABLE_NAMES = (None, None)
+Tree = TypeVar("Tree")  # a tree of caches (stacked per layer, or a list of layers)
 
 
 @struct.dataclass
@@ -67,7 +69,7 @@ class PagedKVCache:
     return PagedKVCache(take(self.key_KPZH), take(self.value_KPZH), take(self.block_table_BM),
                         take(self.key_scale_KPZ1), take(self.value_scale_KPZ1))
 
-  def read(self, dtype: Any) -> tuple[jax.Array, jax.Array]:
+  def read(self, dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
     """Each slot's keys and values gathered into dense [B, M * Z, K, H] (index = position),
     dequantized if stored as int8: the reference path, any platform."""
     view = self.this_layer()
@@ -79,7 +81,7 @@ class PagedKVCache:
             (value * gather(view.value_scale_KPZ1, table)).astype(dtype))
 
 
-def empty_pool(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: Any, num_slots: int,
+def empty_pool(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: DTypeLike, num_slots: int,
                pages_per_slot: int, quantized: bool = False) -> PagedKVCache:
   shape = (num_kv_heads, num_pages, page_size, head_dim)
   table = jnp.full((num_slots, pages_per_slot), -1, jnp.int32)
@@ -97,14 +99,14 @@ def logical_names(cache: PagedKVCache, stacked: bool) -> PagedKVCache:
                       None if cache.layer is None else ())
 
 
-def with_layer(caches: Any, layer: jax.Array | None) -> Any:
+def with_layer(caches: Tree, layer: jax.Array | None) -> Tree:
   """`caches` (stacked over layers) with every PagedKVCache in it set to read and write `layer`
   (None: the whole stack again, as a scan carries it)."""
   return jax.tree.map(lambda c: dataclasses.replace(c, layer=layer) if isinstance(c, PagedKVCache) else c,
                       caches, is_leaf=lambda c: isinstance(c, PagedKVCache))
 
 
-def holds_pages(caches: Any) -> bool:
+def holds_pages(caches: object) -> bool:
   return any(isinstance(c, PagedKVCache) for c in jax.tree.leaves(caches, is_leaf=lambda c: isinstance(c, PagedKVCache)))
 
 
@@ -191,8 +193,8 @@ def tpu_paged_attention(q_BLNH: jax.Array, cache: PagedKVCache, positions_BL: ja
                                                 else [])
 
   def per_device(q_BNH: jax.Array, lengths_B: jax.Array, table_BM: jax.Array, *pools: jax.Array) -> jax.Array:
-    keys: Any = pools[0]
-    values: Any = pools[1]
+    keys: jax.Array | quantization_utils.QuantizedTensor = pools[0]
+    values: jax.Array | quantization_utils.QuantizedTensor = pools[1]
     if len(pools) == 4:  # the kernel dequantizes as int8 * h / MAX_INT8; ours is int8 * scale
       keys = quantization_utils.QuantizedTensor(pools[0], pools[2] * quantization_utils.MAX_INT8)
       values = quantization_utils.QuantizedTensor(pools[1], pools[3] * quantization_utils.MAX_INT8)

@@ -50,7 +50,7 @@ load balancing) are summed over layers and averaged over microbatches, skipping 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +61,7 @@ from MaxText.layers import pipeline_timetable
 from MaxText.layers.remat import CheckpointPolicy
 
 AuxLosses = dict[str, jax.Array]
+Weights = TypeVar("Weights")  # a tree of stacked layer weights (nnx.State)
 # (x_mLD, one layer's state, dropout key or None, layer_index, positions_mL, segment_ids_mL) -> (x_mLD, aux)
 LayerFn = Callable[[jax.Array, Any, "jax.Array | None", jax.Array, jax.Array, jax.Array], tuple[jax.Array, AuxLosses]]
 Policy = CheckpointPolicy
@@ -106,7 +107,7 @@ def _merge_micro(x: jax.Array) -> jax.Array:
   return jnp.swapaxes(x, 0, 1).reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
 
-def stage_weights(stacked_state: Any, pipe: PipelineConfig) -> Any:
+def stage_weights(stacked_state: Weights, pipe: PipelineConfig) -> Weights:
   """Stacked [num_layers, ...] leaves → [P, R, J, ...]: [s, r, g] is layer (r·P + s)·J + g."""
   s, r, g = pipe.num_pipeline_stages, pipe.num_pipeline_repeats, pipe.layers_per_pipeline_stage
 

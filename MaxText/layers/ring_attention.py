@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,7 @@ from MaxText.configuration.model_config import ModelConfig
 from MaxText.layers import attention_kernels, context_parallel, flash_blocks, masks, ring_blocks
 
 Array = jax.Array
+Tree = TypeVar("Tree")  # what a ring step carries or rotates (arrays, or a tuple of them)
 Grads = tuple[Array, Array, Array]  # dQ, dK, dV (chunked, float32 while they accumulate)
 Block = tuple[Array, Array, Array]  # a K/V block travelling the ring: keys, values, segment ids (chunked)
 
@@ -183,12 +184,12 @@ def _ring(q_BLKGH: Array, k_BLKH: Array, v_BLKH: Array, seg_BL: Array, window: A
   return _ring_fwd(q_BLKGH, k_BLKH, v_BLKH, seg_BL, window, axes, shards, balanced, kernel)[0]
 
 
-def _rotate(x: Any, axes: tuple[str, ...], shards: int) -> Any:
+def _rotate(x: Tree, axes: tuple[str, ...], shards: int) -> Tree:
   """Every shard's block to the next shard along the ring (shard i receives from i - 1)."""
   return jax.lax.ppermute(x, axes, perm=[(i, (i + 1) % shards) for i in range(shards)])
 
 
-def _ring_steps(attend: Callable[..., Any], block: Block, state: Any, axes: tuple[str, ...], shards: int) -> Any:
+def _ring_steps(attend: Callable[..., Tree], block: Block, state: Tree, axes: tuple[str, ...], shards: int) -> Tree:
   """state = attend(block, source, state, first) over every ring step: the shard's own block first
   (its own pair schedule), n - 2 steps that each issue the next block's rotation before their
   compute (so the transfer overlaps it), then the last block, which need not move on."""
@@ -262,11 +263,11 @@ def _gathered(q_BLKGH: Array, k_BSKH: Array, v_BSKH: Array, seg_BL: Array, kseg_
   return _gathered_fwd(q_BLKGH, k_BSKH, v_BSKH, seg_BL, kseg_BS, window, axes, shards, balanced, kernel)[0]
 
 
-def _gathered_steps(attend: Callable[..., Any], state: Any, local: _Local) -> Any:
+def _gathered_steps(attend: Callable[..., Tree], state: Tree, local: _Local) -> Tree:
   """state = attend(source, state, first) over the gathered blocks in the ring's order (the
   shard's own block first: its own pair schedule)."""
   state = attend(local.shard, state, True)
-  def step(state: Any, step: Array) -> tuple[Any, None]:
+  def step(state: Tree, step: Array) -> tuple[Tree, None]:
     return attend((local.shard - step) % local.shards, state, False), None
 
   return jax.lax.scan(step, state, jnp.arange(1, local.shards))[0]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence, TypeVar
 
 import jax
 import numpy as np
@@ -23,6 +23,8 @@ from MaxText.errors import ConfigError
 if TYPE_CHECKING:  # the mesh keys' group: configuration builds on this package, not the other way
   from MaxText.configuration.config_groups import MeshConfig
 
+# A tree (of arrays, abstract arrays, shardings or logical names) whose structure a call keeps.
+Tree = TypeVar("Tree")
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 LogicalNames = tuple[str | None, ...]
 
@@ -89,7 +91,7 @@ def logical_to_mesh_spec(
   return PartitionSpec(*spec)
 
 
-def named_shardings(abstract_tree: Any, names_tree: Any, mesh: Mesh, rules: Rules) -> Any:
+def named_shardings(abstract_tree: Tree, names_tree: Tree, mesh: Mesh, rules: Rules) -> Tree:
   """NamedShardings for a tree of arrays/ShapeDtypeStructs and a matching tree of logical names."""
   return jax.tree.map(
       lambda x, names: NamedSharding(mesh, logical_to_mesh_spec(names, rules, mesh, x.shape)),
@@ -101,7 +103,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 
 
-def with_shardings(abstract: Any, shardings: Any) -> Any:
+def with_shardings(abstract: Tree, shardings: Tree) -> Tree:
   """ShapeDtypeStructs that carry the target shardings (what Orbax restores into, what AOT lowers for)."""
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
@@ -117,7 +119,7 @@ def for_rank(batch: NamedSharding, rank: int) -> NamedSharding:
   return NamedSharding(batch.mesh, PartitionSpec(*tuple(batch.spec)[:1], *([None] * (rank - 1))))
 
 
-def unsharded_fraction(abstract_tree: Any, shardings: Any, mesh: Mesh) -> float:
+def unsharded_fraction(abstract_tree: object, shardings: object, mesh: Mesh) -> float:
   """Fraction of bytes not split over every non-data mesh axis (pure data parallelism
   replicates parameters by design, so the data axis does not count; nor does the pipeline
   `stage` axis, over which only the layer stack is split and embeddings are replicated by design,
@@ -135,7 +137,7 @@ def unsharded_fraction(abstract_tree: Any, shardings: Any, mesh: Mesh) -> float:
   return unsharded / total if total else 0.0
 
 
-def check_sharding_tolerance(abstract_tree: Any, shardings: Any, mesh: Mesh, tolerance: float) -> float:
+def check_sharding_tolerance(abstract_tree: object, shardings: object, mesh: Mesh, tolerance: float) -> float:
   fraction = unsharded_fraction(abstract_tree, shardings, mesh)
   if fraction > tolerance:
     raise ConfigError(
