@@ -25,7 +25,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, AsyncGenerator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Awaitable, Callable
 
 if __package__ in (None, ""):  # `python3 MaxText/serve.py`: import the package, not sibling files.
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
@@ -38,7 +38,10 @@ from MaxText.inference import image_chat
 from MaxText.inference import openai_api as api
 from MaxText.inference import scheduler as sched
 from MaxText.inference import serve_metrics, speculative_engine
-from MaxText.inference.engine_api import DecodeEngine
+from MaxText.inference.engine_api import DecodeEngine, EngineParams
+
+if TYPE_CHECKING:
+  from jax.sharding import Mesh
 
 API_KEY_ENV = "MAXTEXT_API_KEY"  # an environment variable, never a config key: configs are saved with runs
 RETRY_AFTER_SECONDS = "1"
@@ -86,7 +89,7 @@ def _codec(config: config_lib.Config) -> tuple[api.Codec, int | None]:
 class Server:
   """The engine's scheduler and what the routes need to turn requests into jobs and answers."""
 
-  def __init__(self, config: config_lib.Config, engine: DecodeEngine, params: Any,
+  def __init__(self, config: config_lib.Config, engine: DecodeEngine, params: EngineParams,
                codec: api.Codec, eos_id: int | None):
     d = config.decode
     self.codec, self.decode_cfg = codec, d
@@ -162,7 +165,7 @@ def _error(e: api.ApiError) -> Any:
   return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-def _sse(obj: Any) -> str:
+def _sse(obj: object) -> str:
   return f"data: {json.dumps(obj)}\n\n"
 
 
@@ -266,7 +269,7 @@ async def _send_error(send: Callable[[dict[str, Any]], Awaitable[None]], e: api.
 
 
 
-def build_server(config: config_lib.Config, mesh: Any = None) -> Server:
+def build_server(config: config_lib.Config, mesh: Mesh | None = None) -> Server:
   """Tokenizer, engine and parameters (load_parameters_path, else random ones; with
   speculative_tokens > 0 the draft's too), scheduler thread."""
   codec, eos_id = _codec(config)
