@@ -95,7 +95,7 @@ _APPLY = {}
 
 def _reference_apply(run):
   if id(run) not in _APPLY:
-    _APPLY[id(run)] = jax.jit(sharding.unsharded()(run.setup.model.apply))
+    _APPLY[id(run)] = jax.jit(sharding.unsharded()(run.setup.on_mesh.spec.apply))
   return _APPLY[id(run)]
 
 

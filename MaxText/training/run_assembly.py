@@ -89,8 +89,8 @@ def abstract_inputs(config: Config, setup: train_state.StateSetup, batch_shardin
   batch = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.for_rank(batch_sharding, x.ndim))
            for name, x in batch_spec(config.data).items()}
   key = jax.eval_shape(lambda: jax.random.key(0))
-  rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(setup.mesh))
-  limit = (jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding.replicated(setup.mesh))
+  rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(setup.on_mesh.mesh))
+  limit = (jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding.replicated(setup.on_mesh.mesh))
            if config.run.loss_spike_threshold > 0 else None)
   return StepInputs(state, batch, rng, limit)
 

@@ -42,7 +42,7 @@ def _load_params(config: Config, setup: StateSetup, path: str) -> Params:
   if not partition.frozen_gives_base_model:  # every parameter is in the checkpoint
     return setup.on_mesh.read(path)
   base = setup.on_mesh.read(path, lambda tree: partition.split(tree)[1])
-  init_trained = jax.jit(lambda rng: partition.split(setup.model.init_params(rng))[0],
+  init_trained = jax.jit(lambda rng: partition.split(setup.on_mesh.spec.init_params(rng))[0],
                          out_shardings=partition.split(shardings)[0])
   return partition.combine(init_trained(jax.random.key(config.run.init_weights_seed)), base)
 

@@ -55,7 +55,7 @@ class Scorer:
     config = run.config
     self.rows, self.length = config.data.global_batch_size, config.data.max_target_length
     self.sharding = run.batch_sharding
-    model, mesh, rules = run.setup.model, run.mesh, config.mesh.logical_axis_rules
+    model, mesh, rules = run.setup.on_mesh.spec, run.mesh, config.mesh.logical_axis_rules
     replicated = NamedSharding(mesh, PartitionSpec())
 
     def logits(params: Params, tokens_BL: jax.Array, segments_BL: jax.Array) -> jax.Array:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 
 from MaxText.configuration.config import Config
 from MaxText import models
@@ -67,14 +67,6 @@ class StateSetup:
   updater: optimizers.Updater  # how the step applies gradients (partition, host-offloaded state)
   layout: StateLayout
 
-  @property
-  def model(self) -> models.ModelSpec:
-    return self.on_mesh.spec
-
-  @property
-  def mesh(self) -> Mesh:
-    return self.on_mesh.mesh
-
 
 def _create_state(model: models.ModelSpec, optimizer: optax.GradientTransformation, rng: jax.Array,
                   layout: StateLayout) -> TrainState:
@@ -123,7 +115,7 @@ def reference_of(state: TrainState) -> Params | None:
 def init_state(setup: StateSetup, seed: int) -> TrainState:
   """Initialises parameters and optimizer state directly into their shardings
   (no device ever holds the whole model)."""
-  create = jax.jit(lambda rng: _create_state(setup.model, setup.optimizer, rng, setup.layout),
+  create = jax.jit(lambda rng: _create_state(setup.on_mesh.spec, setup.optimizer, rng, setup.layout),
                    out_shardings=setup.state_shardings)
   return create(jax.random.key(seed))
 

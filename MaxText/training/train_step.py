@@ -87,19 +87,19 @@ def make_train_step(setup: StateSetup, objective: Objective, config: Config
   def update(params: Params, opt_state: optax.OptState, context: Params | None, batch: Batch, dropout_rng: jax.Array | None
              ) -> tuple[Params, Any, Metrics, jax.Array]:
     """One optimizer update: (new params, new optimizer state, the objective's sums, gradient norm)."""
-    with sharding.activation_sharding(setup.mesh, config.mesh.logical_axis_rules):
+    with sharding.activation_sharding(setup.on_mesh.mesh, config.mesh.logical_axis_rules):
       grads, sums = _grads_and_sums(setup, objective, config, params, context, batch, dropout_rng)
     divisor = objective.divisor(sums)  # the loss is a mean: per target token, per preference pair, ...
     grads = jax.tree.map(lambda g: g / divisor, grads)
     grad_norm = optax.tree.norm(grads)
     new_params, opt_state = updater.apply(grads, opt_state, params)
-    return setup.model.after_update(new_params, params, sums, num_micro), opt_state, sums, grad_norm
+    return setup.on_mesh.spec.after_update(new_params, params, sums, num_micro), opt_state, sums, grad_norm
 
   def updates(params: Params, opt_state: optax.OptState, context: Params | None, batch: Batch, dropout_rng: jax.Array | None
               ) -> tuple[Params, Any, Metrics, jax.Array, jax.Array]:
     """The objective's updates_per_batch updates on one batch: (params, optimizer state, its metrics
     averaged over the updates, mean gradient norm, tokens trained)."""
-    with sharding.activation_sharding(setup.mesh, config.mesh.logical_axis_rules):
+    with sharding.activation_sharding(setup.on_mesh.mesh, config.mesh.logical_axis_rules):
       batch = objective.prepare_batch(params, context, batch)
     if objective.updates_per_batch == 1:
       params, opt_state, sums, grad_norm = update(params, opt_state, context, batch, dropout_rng)
@@ -158,7 +158,7 @@ def _field_shardings(config: Config, batch_sharding: NamedSharding) -> dict[str,
 def jit_train_step(setup: StateSetup, objective: Objective, config: Config, batch_sharding: NamedSharding
                    ) -> Callable[..., tuple[TrainState, Metrics]]:
   """jit with explicit shardings; the old state is donated so its buffers are reused."""
-  replicated = sharding.replicated(setup.mesh)
+  replicated = sharding.replicated(setup.on_mesh.mesh)
   limit = (replicated,) if config.run.loss_spike_threshold > 0 else ()  # the step's loss_limit argument
   return jax.jit(
       make_train_step(setup, objective, config),
@@ -174,7 +174,7 @@ def make_eval_step(setup: StateSetup, objective: Objective, config: Config) -> C
   balance = _balanced(config)
 
   def eval_step(state: TrainState, batch: Batch) -> Metrics:
-    with sharding.activation_sharding(setup.mesh, config.mesh.logical_axis_rules):
+    with sharding.activation_sharding(setup.on_mesh.mesh, config.mesh.logical_axis_rules):
       return objective.eval_sums(state.params, objective.context(state), balance(batch))
 
   return jax.jit(eval_step)
