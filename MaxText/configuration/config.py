@@ -201,7 +201,7 @@ class Overrides:
     return self.schema[key]
 
 
-def _set_once(values: dict[str, Any], spelled: dict[str, str], key: str, given: str, value: Any, source: str,
+def _set_once(values: dict[str, Any], spelled: dict[str, str], key: str, given: str, value: object, source: str,
               prefix: str = "") -> None:
   """values[key] = value, unless an old and a new spelling of the key give it different values."""
   earlier = spelled.get(key)

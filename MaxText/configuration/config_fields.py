@@ -81,7 +81,7 @@ def key_values(group: DataclassInstance) -> dict[str, Any]:
   return out
 
 
-def read_keys(group: type, values: Mapping[str, Any], **resolved: Any) -> dict[str, Any]:
+def read_keys(group: type, values: Mapping[str, Any], **resolved: object) -> dict[str, Any]:
   """The group's key fields from the flat values (lists as tuples), with `resolved` replacing
   the values the group worked out itself (auto -1 values, parsed ids)."""
   out = {}

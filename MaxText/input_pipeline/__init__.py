@@ -99,7 +99,7 @@ def open_records(cfg: DataConfig, train: bool) -> tuple[Sequence[Any], str]:
                             else ("grain_eval_files", cfg.grain_eval_files)))
 
 
-Encoded = tuple[Any, dict[str, Any]]  # a record encoder and the packer's arguments it needs
+Encoded = tuple[Callable[[Any], Any], dict[str, Any]]  # a record encoder and the packer's arguments it needs
 
 
 def _documents(config: Config) -> Encoded:
@@ -161,7 +161,7 @@ def _encoder(config: Config) -> Encoded:
   return OBJECTIVE_DATA[config.data.objective].encoder(config)
 
 
-def _open_source(cfg: DataConfig, shard: pipeline.HostShard, encoder: Any, train: bool, what: str,
+def _open_source(cfg: DataConfig, shard: pipeline.HostShard, encoder: Callable[[Any], Any], train: bool, what: str,
                  name: str = "") -> tuple[mixture.OpenedSource, Callable[[int], str] | None]:
   """One source's documents for this shard, and how to name a document index (streams)."""
   from MaxText.input_pipeline import mixture, pipeline, streaming

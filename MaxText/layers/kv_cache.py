@@ -149,7 +149,7 @@ def mla_row_width(cfg: ModelConfig) -> int:
   return cfg.mla.qk_rope_head_dim + (cfg.mla.index_head_dim if cfg.mla.index_topk > 0 else 0)
 
 
-def _stack_caches(cfg: ModelConfig, one: Any, count: int) -> Any:
+def _stack_caches(cfg: ModelConfig, one: object, count: int) -> Any:
   if cfg.scan_layers:
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (count, *x.shape)), one)
   # A list, not a tuple: logical-name trees treat tuples as leaves.
@@ -186,7 +186,7 @@ def layer_caches(cfg: ModelConfig, build: Callable[[ModelConfig], Any]) -> Any:
           for i in range(cfg.num_decoder_layers)]
 
 
-def layer_cache_names(cfg: ModelConfig, names: Any) -> Any:
+def layer_cache_names(cfg: ModelConfig, names: object) -> Any:
   """Logical names matching `layer_caches` (`names`: one attention layer's; a Gated DeltaNet
   stack gets its LinearState's)."""
   if not cfg.layer_shapes.active:
