@@ -33,6 +33,7 @@ from MaxText.paths import storage
 from MaxText.platform.distributed import log
 from MaxText.errors import run_cli
 from MaxText.input_pipeline import check_sources
+from MaxText.rl import rollout_mesh
 from MaxText.rl.rollouts import RolloutBatches
 from MaxText.layers import pipeline
 from MaxText.layers.attention import select_kernel
@@ -92,7 +93,8 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None, argv:
   log(f"devices: {target.num_devices} x {target.device_kind} ({target.platform}), "
       f"{target.num_processes} process(es), {config.mesh.num_slices} slice(s)")
 
-  run = run_assembly.build_run(config)  # the train step is jitted, or loaded from compiled_trainstep_file
+  # the train step is jitted, or loaded from compiled_trainstep_file; a rollout mesh's devices are not the run's
+  run = run_assembly.build_run(config, devices=rollout_mesh.training_devices(config))
   log(f"mesh: {run.mesh_description()}")
   if config.model.pipeline.num_pipeline_stages > 1:
     log(pipeline.describe(config.model.pipeline))

@@ -22,6 +22,7 @@ from MaxText.errors import ConfigError
 from MaxText.platform.mesh_axes import MESH_AXES, Group, MeshAxis
 from MaxText.configuration.data_config import DataConfig
 from MaxText.configuration.model_config import ModelConfig
+from MaxText.configuration import rl_config
 from MaxText.configuration.rl_config import RLConfig
 from MaxText.configuration.task_eval_config import TaskEvalConfig
 from MaxText.configuration.model_checks import one_of as _one_of, positive as _positive
@@ -434,6 +435,9 @@ class Groups:
 def build_groups(values: Mapping[str, Any], target: DeviceTarget, reads_data: bool = True) -> Groups:
   """`reads_data`: False for a tool that reads no training data (startup.Tool): neither the data
   sources nor GRPO's prompts, rewards and groups are checked."""
+  if reads_data:  # a rollout mesh of its own (rl_rollout_devices) leaves the rest to train
+    target = dataclasses.replace(target, num_devices=rl_config.training_devices(values, target.num_devices,
+                                                                                target.num_processes))
   mesh = MeshConfig.from_values(values, target)
   run = RunConfig.from_values(values)
   num_experts, expert_degree = values["num_experts"], dict(mesh.shape)["expert"]
@@ -446,7 +450,9 @@ def build_groups(values: Mapping[str, Any], target: DeviceTarget, reads_data: bo
   _require(not (data.objective == "grpo" and reads_data) or data.global_batch_size % rl.num_generations == 0,
            f"the global batch of {data.global_batch_size} completions (per_device_batch_size x devices) does not "
            f"divide into groups of num_generations={rl.num_generations}; make it a multiple")
-  return Groups(model=ModelConfig.from_values(values, mesh, data.global_batch_size), mesh=mesh,
+  model = ModelConfig.from_values(values, mesh, data.global_batch_size)
+  rl_config.check_rollout_heads(rl, model.num_query_heads, data.objective if reads_data else "lm")
+  return Groups(model=model, mesh=mesh,
                 optim=OptimConfig.from_values(values), data=data, run=run,
                 checkpoint=CheckpointConfig.from_values(values, run), decode=DecodeConfig.from_values(values),
                 startup=StartupConfig.from_values(values), rl=rl, tasks=TaskEvalConfig.from_values(values))

@@ -36,6 +36,9 @@ class RLConfig:
   grpo_num_iterations: int = key()  # optimizer updates per rollout batch (μ)
   grpo_loss_type: str = key()
   grpo_scale_rewards: str = key()
+  rl_rollout_devices: int = key()  # 0 = the rollouts run on the training mesh (rl/rollout_mesh.py)
+  rl_rollout_ici_tensor_parallelism: int = key()
+  rl_weight_sync_interval: int = key()
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any]) -> "RLConfig":
@@ -75,6 +78,8 @@ class RLConfig:
     _require(rl.grpo_scale_rewards in REWARD_SCALINGS,
              f"grpo_scale_rewards must be one of {', '.join(REWARD_SCALINGS)}; got {rl.grpo_scale_rewards!r}")
     _require(rl.rl_length_penalty_window >= 0, "rl_length_penalty_window must be >= 0")
+    _require(rl.rl_weight_sync_interval >= 1, f"rl_weight_sync_interval must be >= 1 (copy the weights to the rollout "
+             f"mesh every this many updates), got {rl.rl_weight_sync_interval}")
     _check_grpo_run(v, rl)
     return rl
 
@@ -102,3 +107,26 @@ def _check_grpo_run(v: Mapping[str, Any], rl: RLConfig) -> None:
   _require(not (v["optimizer_memory_host_offload"] and rl.grpo_num_iterations > 1),
            "grpo_num_iterations > 1 keeps the optimizer state on the device across its updates; set "
            "optimizer_memory_host_offload=False or grpo_num_iterations=1")
+
+
+def training_devices(v: Mapping[str, Any], num_devices: int, num_processes: int) -> int:
+  """The devices the training mesh and the global batch count: all but the rollout mesh's."""
+  rollout = v["rl_rollout_devices"] if v["objective"] == "grpo" else 0
+  if rollout == 0:
+    return num_devices
+  _require(0 < rollout < num_devices, f"rl_rollout_devices={rollout} leaves no device to train of the {num_devices} "
+           f"devices; give the rollouts at most {num_devices - 1} (0 = roll out on the training mesh)")
+  _require(num_processes == 1, f"rl_rollout_devices={rollout}: a rollout mesh of its own is built in one process only "
+           f"(this run has {num_processes}); set rl_rollout_devices=0")
+  tensor = v["rl_rollout_ici_tensor_parallelism"]
+  _require(tensor >= 1 and rollout % tensor == 0, f"rl_rollout_ici_tensor_parallelism={tensor} does not divide the "
+           f"rl_rollout_devices={rollout}; give a divisor of it (the rest of the rollout mesh is data)")
+  return num_devices - rollout
+
+
+def check_rollout_heads(rl: RLConfig, num_query_heads: int, objective: str) -> None:
+  """The rollout mesh's tensor degree splits the attention heads: it must divide them."""
+  tensor = rl.rl_rollout_ici_tensor_parallelism
+  _require(objective != "grpo" or rl.rl_rollout_devices == 0 or num_query_heads % tensor == 0,
+           f"rl_rollout_ici_tensor_parallelism={tensor} does not divide the model's {num_query_heads} query heads, so "
+           "the rollout mesh cannot hold the model; give a divisor of them")

@@ -37,6 +37,7 @@ from MaxText.input_pipeline.batch_spec import ADVANTAGES, FIELDS
 from MaxText.platform import sharding
 from MaxText.rl import prompts as prompts_lib
 from MaxText.rl import rewards as rewards_lib
+from MaxText.rl import rollout_mesh
 from MaxText.training import health
 from MaxText.training.train_state import TrainState
 
@@ -108,7 +109,12 @@ class RolloutBatches:
     self.rewards = rewards_lib.RewardSet(self.rl, self.eos_id)
     self.prompts = prompts_lib.PromptSet(config, self.tokenizer)
     self.sharding = batch_sharding
-    self.engine = Engine(config, num_slots=self.num_rows, mesh=mesh)
+    rollout_devices = rollout_mesh.split_devices(config)[1]
+    on_own_mesh = bool(rollout_devices)
+    self.engine = Engine(config, num_slots=self.num_rows,
+                         mesh=rollout_mesh.rollout_mesh(config, rollout_devices) if on_own_mesh else mesh)
+    self.weights = rollout_mesh.WeightSync(self.engine.param_shardings if on_own_mesh else None,
+                                           self.rl.rl_weight_sync_interval)
     self._primed: tuple[int, Batch, dict[str, float]] | None = None
 
   # ---------------------------------------------------------------- the data-iterator surface
@@ -146,6 +152,7 @@ class RolloutBatches:
 
   def _rollout(self, params: Any, step: int, guard: health.Guard) -> tuple[Batch, dict[str, float]]:
     jax.block_until_ready(params)  # the previous step's update is not the rollout's time
+    params, sync_scalars = self.weights.for_step(params, step)
     started = time.perf_counter()
     group = self.prompts.take(self.num_rows // self.group)
     row_prompts = [p for p in group for _ in range(self.group)]
@@ -169,7 +176,7 @@ class RolloutBatches:
                "completions/mean_length": float(lengths.mean()), "completions/max_length": float(lengths.max()),
                "completions/min_length": float(lengths.min()), "completions/clipped_ratio": float(1 - ended.mean()),
                "rollout_s": rollout_s, "rollout_tokens_per_s": float(lengths.sum() / max(rollout_s, 1e-9)),
-               "reward_s": time.perf_counter() - started - rollout_s}
+               "reward_s": time.perf_counter() - started - rollout_s, **sync_scalars}
     return batch, scalars
 
 

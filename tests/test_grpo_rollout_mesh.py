@@ -1,0 +1,81 @@
+"""GRPO's rollout mesh (rl/rollout_mesh.py): bad layouts stop in one line, the weights move to the
+rollout devices device to device, and a split run trains exactly as the same-mesh run does."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText.configuration.config import Config
+from MaxText.errors import ConfigError
+from MaxText.rl import rollout_mesh
+from MaxText.training import run_assembly
+from tests.test_grpo import GRPO
+from tests.test_grpo_run import _metrics, _train, workdir  # noqa: F401 (workdir: the fixture)
+
+
+def _config(tiny_overrides, **extra) -> Config:
+  return Config.for_testing(**{**tiny_overrides, **GRPO, **extra})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(rl_rollout_devices=8), "rl_rollout_devices=8 leaves no device to train of the 8 devices"),
+    (dict(rl_rollout_devices=12), "rl_rollout_devices=12 leaves no device to train of the 8 devices"),
+    (dict(rl_rollout_devices=4, rl_rollout_ici_tensor_parallelism=3),
+     "rl_rollout_ici_tensor_parallelism=3 does not divide the rl_rollout_devices=4"),
+    (dict(rl_rollout_devices=6, rl_rollout_ici_tensor_parallelism=6, per_device_batch_size=2),
+     "rl_rollout_ici_tensor_parallelism=6 does not divide the model's 4 query heads"),
+    (dict(rl_rollout_devices=4, rl_weight_sync_interval=0), "rl_weight_sync_interval must be >= 1"),
+])
+def test_rollout_mesh_errors(tiny_overrides, overrides, message):
+  with pytest.raises(ConfigError) as error:
+    _config(tiny_overrides, **overrides)
+  assert message in str(error.value)
+
+
+def test_the_training_mesh_and_batch_count_only_the_training_devices(tiny_overrides):
+  config = _config(tiny_overrides, rl_rollout_devices=4, per_device_batch_size=2)
+  assert dict(config.mesh.shape)["fsdp"] == 4 and config.data.global_batch_size == 8
+  train, rollout = rollout_mesh.split_devices(config)
+  assert train == jax.devices()[:4] and rollout == jax.devices()[4:]
+  mesh = rollout_mesh.rollout_mesh(_config(tiny_overrides, rl_rollout_devices=4, rl_rollout_ici_tensor_parallelism=2,
+                                           per_device_batch_size=2), rollout)
+  assert dict(mesh.shape)["data"] == 2 and dict(mesh.shape)["tensor"] == 2
+  assert rollout_mesh.training_devices(_config(tiny_overrides)) is None  # the same-mesh mode: every device
+
+
+def test_weights_move_device_to_device_every_interval(tiny_overrides):
+  from MaxText.inference.engine import Engine
+
+  config = _config(tiny_overrides, rl_rollout_devices=4, rl_rollout_ici_tensor_parallelism=2, per_device_batch_size=2,
+                   rl_weight_sync_interval=2)
+  train, rollout = rollout_mesh.split_devices(config)
+  run = run_assembly.build_run(config, devices=train)
+  params = run.init_state().params
+  engine = Engine(config, num_slots=8, mesh=rollout_mesh.rollout_mesh(config, rollout))
+  sync = rollout_mesh.WeightSync(engine.param_shardings, interval=2)
+  with jax.transfer_guard_device_to_host("disallow"), jax.transfer_guard_host_to_device("disallow"):
+    copy, scalars = sync.for_step(params, 0)
+  for ours, theirs in zip(jax.tree.leaves(copy), jax.tree.leaves(params)):
+    assert set(ours.sharding.device_set) <= set(rollout) and set(theirs.sharding.device_set) <= set(train)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+  assert scalars["weight_sync_bytes"] == rollout_mesh.tree_bytes(params) > 0 and scalars["weight_sync_s"] > 0
+  again, skipped = sync.for_step(params, 1)  # between copies: the last one, a step old
+  assert again is copy and skipped == {"weight_sync_bytes": 0.0, "weight_sync_s": 0.0, "policy_lag": 1.0}
+  assert sync.for_step(params, 2)[1]["weight_sync_bytes"] > 0
+  assert rollout_mesh.WeightSync(None, 1).for_step(params, 0) == (params, {})  # the same-mesh mode
+
+
+@pytest.mark.slow  # two training processes
+def test_a_split_mesh_run_equals_the_same_mesh_run_step_for_step(workdir, tmp_path):  # noqa: F811
+  same = _train(workdir, tmp_path / "same", "steps=4", devices=2)
+  split = _train(workdir, tmp_path / "split", "steps=4", "rl_rollout_devices=2", "rl_rollout_ici_tensor_parallelism=2",
+                 devices=4)
+  assert same.returncode == 0 and split.returncode == 0, (same.stderr + split.stderr)[-3000:]
+  ours, theirs = _metrics(tmp_path / "split"), _metrics(tmp_path / "same")
+  assert [r["reward"] for r in ours] == [r["reward"] for r in theirs]
+  assert [r["completions/mean_length"] for r in ours] == [r["completions/mean_length"] for r in theirs]
+  np.testing.assert_allclose([r["loss"] for r in ours], [r["loss"] for r in theirs], rtol=1e-5, atol=1e-6)
+  assert all(r["weight_sync_bytes"] > 0 and r["weight_sync_s"] > 0 for r in ours)
+  assert "weight_sync_bytes" not in theirs[0]
