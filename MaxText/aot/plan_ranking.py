@@ -30,7 +30,7 @@ class Planned:
     return [f"{k}={_text(v)}" for k, v in self.settings.items()]
 
 
-def _text(value: Any) -> str:
+def _text(value: object) -> str:
   return ("true" if value else "false") if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) else str(value)
 
 

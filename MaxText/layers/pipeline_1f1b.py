@@ -35,7 +35,7 @@ re-run in step 3), as with full rematerialisation at stage granularity; inside t
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +47,7 @@ from MaxText.layers.pipeline import LayerFn, Policy, StageFn, _merge_micro, _spl
 from MaxText.layers.pipeline import first_layer, layer_group_fn, stage_weights
 
 Sums = dict[str, jax.Array]
+Tree = TypeVar("Tree")  # a tree of weights or their gradients, kept in structure
 # (head state, y_mLD, the microbatch's head inputs) -> (loss sum, sums): the loss sum is what gets
 # differentiated, the sums are metrics (scalars that add up over microbatches). The head inputs
 # are whatever the caller passes in data["head_inputs"] ([B, ...] each), split like the batch.
@@ -71,15 +72,15 @@ def _stage_fn(pipe: PipelineConfig, layer_fn: LayerFn, layer_rngs: jax.Array | N
   return run
 
 
-def _zeros_like(tree: Any) -> Any:
+def _zeros_like(tree: Tree) -> Tree:
   return jax.tree.map(jnp.zeros_like, tree)
 
 
-def _masked(valid: jax.Array, tree: Any) -> Any:
+def _masked(valid: jax.Array, tree: Tree) -> Tree:
   return jax.tree.map(lambda x: jnp.where(valid, x, jnp.zeros_like(x)), tree)
 
 
-def _pass_weights(weights_RJ: Any, repeat: jax.Array) -> Any:
+def _pass_weights(weights_RJ: Tree, repeat: jax.Array) -> Tree:
   return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, repeat, keepdims=False), weights_RJ)
 
 
@@ -99,20 +100,20 @@ def _loop(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Poli
   stages_P = jnp.arange(num_stages)
   run = _stage_fn(pipe, layer_fn, layer_rngs, policy)
 
-  def stage_forward(weights_RJ: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
+  def stage_forward(weights_RJ: Tree, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
                     stage: jax.Array, repeat: jax.Array, micro: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     return run(_pass_weights(weights_RJ, repeat), x_mLD, positions_mL, segment_ids_mL, stage, repeat, micro)
 
-  def stage_backward(weights_RJ: Any, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
+  def stage_backward(weights_RJ: Tree, x_mLD: jax.Array, positions_mL: jax.Array, segment_ids_mL: jax.Array,
                      stage: jax.Array, repeat: jax.Array, micro: jax.Array, dy_mLD: jax.Array,
-                     valid: jax.Array) -> tuple[Any, jax.Array]:
+                     valid: jax.Array) -> tuple[Tree, jax.Array]:
     (_, aux), vjp = jax.vjp(lambda w, x: run(w, x, positions_mL, segment_ids_mL, stage, repeat, micro),
                             _pass_weights(weights_RJ, repeat), x_mLD)
     daux = {name: jnp.asarray(aux_cotangents.get(name, 0.0), value.dtype) for name, value in aux.items()}
     dw_J, dx = vjp((dy_mLD, daux))
     return _masked(valid, dw_J), jnp.where(valid, dx, jnp.zeros_like(dx))
 
-  def add_pass_grads(dweights_PRJ: Any, dw_PJ: Any, pass_P: jax.Array) -> Any:
+  def add_pass_grads(dweights_PRJ: Tree, dw_PJ: Tree, pass_P: jax.Array) -> Tree:
     # Added where the pass matches, elementwise over [P, R, J, ...]: XLA fuses it into one in-place update.
     this_pass_PR = pass_P[:, None] == jnp.arange(num_repeats)[None]
     return jax.tree.map(

@@ -4,10 +4,10 @@ start-up and storage alike, so it imports nothing of the project)."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import MutableMapping
 
 
-def configure_cloud_env(environ: Any = None) -> None:
+def configure_cloud_env(environ: MutableMapping[str, str] | None = None) -> None:
   """Hands `STORAGE_EMULATOR_HOST` on to every library with its own endpoint setting.
 
   Must run before the first `gs://` access (the entry points call it first thing). The

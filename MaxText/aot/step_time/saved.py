@@ -12,6 +12,7 @@ import os
 from typing import Any, Sequence
 
 from MaxText.paths import storage
+from MaxText.platform.accelerators import TpuTopology
 
 SAVE_ENV = "MAXTEXT_SAVE_STEP_HLO"
 
@@ -32,7 +33,7 @@ class StepTarget:
   attention_tflops_per_device: float = 0.0
 
   @classmethod
-  def from_devices(cls, topology: Any, num_slices: int, devices: Sequence[Any], mesh: dict[str, int],
+  def from_devices(cls, topology: TpuTopology, num_slices: int, devices: Sequence[Any], mesh: dict[str, int],
                    model_tflops_per_device: float, attention_tflops_per_device: float) -> "StepTarget":
     coords = []
     for device in devices:

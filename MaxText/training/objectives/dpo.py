@@ -19,7 +19,7 @@ objective (objectives/preference.py) passes it; it is only ever evaluated here, 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -98,7 +98,7 @@ def pair_sums(policy_chosen: jax.Array, policy_rejected: jax.Array, reference_ch
   }
 
 
-def dpo_metrics(sums: Any, prefix: str = "") -> dict[str, Any]:
+def dpo_metrics(sums: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
   """Means per pair, named as TRL logs them (`rewards/chosen`, ...); works on device arrays in the
   step and on host floats in the eval hook (`prefix="eval_"`)."""
   pairs = jnp.maximum(sums["pair_count"], 1.0) if isinstance(sums["pair_count"], jax.Array) \
