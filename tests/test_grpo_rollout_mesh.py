@@ -27,6 +27,11 @@ def _config(tiny_overrides, **extra) -> Config:
     (dict(rl_rollout_devices=6, rl_rollout_ici_tensor_parallelism=6, per_device_batch_size=2),
      "rl_rollout_ici_tensor_parallelism=6 does not divide the model's 4 query heads"),
     (dict(rl_rollout_devices=4, rl_weight_sync_interval=0), "rl_weight_sync_interval must be >= 1"),
+    (dict(rl_max_staleness=1), "rl_max_staleness=1 generates batches while the training runs, which needs devices of "
+     "its own for the rollouts: set rl_rollout_devices"),
+    (dict(rl_rollout_devices=4, rl_weight_sync_interval=3, rl_max_staleness=1),
+     "rl_weight_sync_interval=3 trains on batches sampled up to 2 updates before, beyond rl_max_staleness=1"),
+    (dict(rl_rollout_devices=4, rl_max_staleness=-1), "rl_max_staleness must be >= 0"),
 ])
 def test_rollout_mesh_errors(tiny_overrides, overrides, message):
   with pytest.raises(ConfigError) as error:
@@ -49,7 +54,7 @@ def test_weights_move_device_to_device_every_interval(tiny_overrides):
   from MaxText.inference.engine import Engine
 
   config = _config(tiny_overrides, rl_rollout_devices=4, rl_rollout_ici_tensor_parallelism=2, per_device_batch_size=2,
-                   rl_weight_sync_interval=2)
+                   rl_weight_sync_interval=2, rl_max_staleness=1)
   train, rollout = rollout_mesh.split_devices(config)
   run = run_assembly.build_run(config, devices=train)
   params = run.init_state().params
@@ -79,3 +84,18 @@ def test_a_split_mesh_run_equals_the_same_mesh_run_step_for_step(workdir, tmp_pa
   np.testing.assert_allclose([r["loss"] for r in ours], [r["loss"] for r in theirs], rtol=1e-5, atol=1e-6)
   assert all(r["weight_sync_bytes"] > 0 and r["weight_sync_s"] > 0 for r in ours)
   assert "weight_sync_bytes" not in theirs[0]
+
+
+@pytest.mark.slow  # three training processes
+def test_rollouts_made_ahead_stay_within_the_staleness_bound_and_resume_bitwise(workdir, tmp_path):  # noqa: F811
+  ahead = ("rl_rollout_devices=2", "rl_weight_sync_interval=2", "rl_max_staleness=1", "checkpoint_period=2")
+  whole = _train(workdir, tmp_path / "whole", "steps=4", *ahead, devices=4)
+  first = _train(workdir, tmp_path / "halves", "steps=2", *ahead, devices=4)
+  second = _train(workdir, tmp_path / "halves", "steps=4", *ahead, devices=4)
+  assert whole.returncode == first.returncode == second.returncode == 0, (whole.stderr + second.stderr)[-3000:]
+  records = _metrics(tmp_path / "whole")
+  assert [r["policy_lag"] for r in records] == [0.0, 1.0, 0.0, 1.0]
+  assert [r["weight_sync_bytes"] > 0 for r in records] == [True, False, True, False]
+  keys = ("reward", "loss", "grad_norm", "completions/mean_length")
+  resumed = _metrics(tmp_path / "halves")
+  assert [[r[k] for k in keys] for r in resumed if r["step"] > 2] == [[r[k] for k in keys] for r in records[2:]]

@@ -39,6 +39,7 @@ class RLConfig:
   rl_rollout_devices: int = key()  # 0 = the rollouts run on the training mesh (rl/rollout_mesh.py)
   rl_rollout_ici_tensor_parallelism: int = key()
   rl_weight_sync_interval: int = key()
+  rl_max_staleness: int = key()  # 0 = synchronous; bounds rl_weight_sync_interval - 1
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any]) -> "RLConfig":
@@ -80,6 +81,7 @@ class RLConfig:
     _require(rl.rl_length_penalty_window >= 0, "rl_length_penalty_window must be >= 0")
     _require(rl.rl_weight_sync_interval >= 1, f"rl_weight_sync_interval must be >= 1 (copy the weights to the rollout "
              f"mesh every this many updates), got {rl.rl_weight_sync_interval}")
+    _check_staleness(rl)
     _check_grpo_run(v, rl)
     return rl
 
@@ -130,3 +132,15 @@ def check_rollout_heads(rl: RLConfig, num_query_heads: int, objective: str) -> N
   _require(objective != "grpo" or rl.rl_rollout_devices == 0 or num_query_heads % tensor == 0,
            f"rl_rollout_ici_tensor_parallelism={tensor} does not divide the model's {num_query_heads} query heads, so "
            "the rollout mesh cannot hold the model; give a divisor of them")
+
+
+def _check_staleness(rl: RLConfig) -> None:
+  """A batch samples from the last weight copy, up to rl_weight_sync_interval - 1 updates old."""
+  stale = rl.rl_max_staleness
+  _require(stale >= 0, f"rl_max_staleness must be >= 0 (0 = synchronous), got {stale}")
+  _require(stale == 0 or rl.rl_rollout_devices > 0, f"rl_max_staleness={stale} generates batches while the training "
+           "runs, which needs devices of its own for the rollouts: set rl_rollout_devices (or rl_max_staleness=0)")
+  interval = rl.rl_weight_sync_interval
+  _require(interval - 1 <= stale, f"rl_weight_sync_interval={interval} trains on batches sampled up to {interval - 1} "
+           f"updates before, beyond rl_max_staleness={stale}; raise rl_max_staleness to {interval - 1} or lower the "
+           "interval")

@@ -8,16 +8,19 @@ devices laid out (data, tensor) by rl_rollout_ici_tensor_parallelism, while the 
     rollout devices [n - r, n) ◄── weights (rollout layout) ── Engine.prefill / decode_step
 
 The copy goes device to device (no host round trip); each one's bytes and seconds are metrics.
-Between copies the rollouts sample from the last one, which is as many updates old as the
-interval allows. A copy is made at every step that is a multiple of the interval and at the
-first rollout of a process, so a run resumed at such a step samples exactly as the uninterrupted
-one did.
+The batch of step t samples from the copy made at step t - t % interval (at most interval - 1
+updates old: rl_max_staleness bounds it), so once a copy is made every batch up to the next one
+is determined and `RunAhead` generates them on a worker thread while the training runs. A copy is
+made at every multiple of the interval and at the first rollout of a process: a run resumed at a
+multiple samples exactly as the uninterrupted one did (its checkpointed weights are the copy's);
+one resumed between two copies samples until the next one from its own step's weights.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
 import jax
 import numpy as np
@@ -25,6 +28,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from MaxText.configuration.config import Config
 from MaxText.platform.mesh_axes import MESH_AXES
+
+T = TypeVar("T")
+NO_COPY = {"weight_sync_bytes": 0.0, "weight_sync_s": 0.0}  # a step's metrics when it made no copy
 
 
 def split_devices(config: Config, devices: Sequence[Any] | None = None) -> tuple[list[Any], list[Any]]:
@@ -65,9 +71,40 @@ class WeightSync:
     if self.shardings is None:
       return params, {}
     if self.copy is not None and step % self.interval != 0:
-      return self.copy, {"weight_sync_bytes": 0.0, "weight_sync_s": 0.0, "policy_lag": float(step - (self.copied_at or 0))}
+      return self.copy, {**NO_COPY, "policy_lag": float(step - (self.copied_at or 0))}
     started = time.perf_counter()
     self.copy = jax.block_until_ready(jax.device_put(params, self.shardings))
     self.copied_at = step
-    return self.copy, {"weight_sync_bytes": float(tree_bytes(self.copy)), "weight_sync_s": time.perf_counter() - started,
-                       "policy_lag": 0.0}
+    seconds = time.perf_counter() - started
+    return self.copy, {"weight_sync_bytes": float(tree_bytes(self.copy)), "weight_sync_s": seconds, "policy_lag": 0.0}
+
+  def next_copy(self, step: int) -> int:
+    """The step of the copy after `step`'s."""
+    return (step // self.interval + 1) * self.interval
+
+
+class RunAhead(Generic[T]):
+  """Rollouts queued ahead of the training, made one at a time in step order on a worker thread
+  (their device work runs on the rollout mesh, beside the train step's on the training mesh)."""
+
+  def __init__(self) -> None:
+    self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
+    self.pending: dict[int, Future[T]] = {}
+
+  def has(self, step: int) -> bool:
+    return step in self.pending
+
+  def submit(self, step: int, work: Callable[[], T]) -> None:
+    self.pending[step] = self.pool.submit(work)
+
+  def result(self, step: int) -> T:
+    return self.pending.pop(step).result()
+
+  def clear(self) -> None:
+    """Drops the queued rollouts (their prompts are given back by the caller's data state)."""
+    for future in self.pending.values():
+      future.cancel()
+    for future in self.pending.values():
+      if not future.cancelled():
+        future.exception()  # the one running finishes before the engine is used again
+    self.pending.clear()

@@ -20,6 +20,8 @@ data state, and every row's sampler seed comes from decode_sampling_seed, the st
 from __future__ import annotations
 
 import dataclasses
+import functools
+import sys
 import time
 from typing import Any, Mapping
 
@@ -116,6 +118,9 @@ class RolloutBatches:
     self.weights = rollout_mesh.WeightSync(self.engine.param_shardings if on_own_mesh else None,
                                            self.rl.rl_weight_sync_interval)
     self._primed: tuple[int, Batch, dict[str, float]] | None = None
+    # rl_weight_sync_interval > 1 on a rollout mesh: each copy's batches are made ahead (rollout_mesh.py)
+    self.ahead: rollout_mesh.RunAhead[tuple[Batch, dict[str, float]]] | None = \
+        rollout_mesh.RunAhead() if on_own_mesh and self.rl.rl_weight_sync_interval > 1 else None
 
   # ---------------------------------------------------------------- the data-iterator surface
   def next_for(self, state: TrainState) -> tuple[Batch, dict[str, float]]:
@@ -124,6 +129,8 @@ class RolloutBatches:
       _, batch, scalars = self._primed
       self._primed = None
       return batch, scalars
+    if self.ahead is not None:
+      return self._from_ahead(state.params, step, health.unguarded)
     return self._rollout(state.params, step, health.unguarded)
 
   def prime(self, state: TrainState, guard: health.Guard | None = None) -> None:
@@ -131,17 +138,40 @@ class RolloutBatches:
     stops the run before it writes anything; `next_for` at the same step returns it. Its scoring
     runs inside `guard` (the hang watchdog's): generating compiles the engine, which is no hang."""
     step = int(state.step)
-    batch, scalars = self._rollout(state.params, step, guard or health.unguarded)
+    batch, scalars = (self._rollout if self.ahead is None else self._from_ahead)(state.params, step,
+                                                                                  guard or health.unguarded)
     self._primed = (step, batch, scalars)
 
   def get_state(self) -> dict[str, Any]:
-    if self._primed is not None:  # sampled ahead, not trained on yet: a resume samples it again
-      return {"prompts_taken": self.prompts.position - self.num_rows // self.group}
+    ahead = int(self._primed is not None) + (len(self.ahead.pending) if self.ahead is not None else 0)
+    if ahead:  # sampled (or queued) ahead, not trained on yet: a resume samples them again
+      return {"prompts_taken": self.prompts.position - ahead * (self.num_rows // self.group)}
     return self.prompts.get_state()
 
   def set_state(self, state: Mapping[str, Any]) -> None:
     self.prompts.set_state(state)
     self._primed = None
+    if self.ahead is not None:
+      self.ahead.clear()
+
+  def _from_ahead(self, params: Any, step: int, guard: health.Guard) -> tuple[Batch, dict[str, float]]:
+    """The batch of `step` from the worker. At a copy step (or a process's first rollout) the copy is
+    made here and every batch up to the next copy queued: they sample from that copy alone."""
+    assert self.ahead is not None
+    if not self.ahead.has(step):
+      interval = self.rl.rl_weight_sync_interval
+      if step % interval:
+        print(f"warning: resumed at step {step}, between two weight copies (rl_weight_sync_interval={interval}): "
+              f"until step {self.weights.next_copy(step)} the rollouts sample from this step's weights, not the last "
+              "copy's as the uninterrupted run did; resume at a multiple of the interval for a bitwise rerun",
+              file=sys.stderr, flush=True)
+      copy, synced = self.weights.for_step(params, step)
+      for t in range(step, max(step + 1, min(self.weights.next_copy(step), self.config.run.steps))):
+        group = self.prompts.take(self.num_rows // self.group)
+        scalars = synced if t == step else {**rollout_mesh.NO_COPY, "policy_lag": float(t - step)}
+        self.ahead.submit(t, functools.partial(self._rollout, copy, t, guard if t == step else health.unguarded,
+                                               group, scalars))
+    return self.ahead.result(step)
 
   # ---------------------------------------------------------------- one rollout
   def _row_params(self, step: int) -> list[sampling.RowParams]:
@@ -150,11 +180,13 @@ class RolloutBatches:
     return [sampling.RowParams(rl.rl_sampling_temperature, rl.rl_sampling_top_p, rl.rl_sampling_top_k, int(seed))
             for seed in seeds]
 
-  def _rollout(self, params: Any, step: int, guard: health.Guard) -> tuple[Batch, dict[str, float]]:
+  def _rollout(self, params: Any, step: int, guard: health.Guard, group: list[prompts_lib.Prompt] | None = None,
+               sync_scalars: dict[str, float] | None = None) -> tuple[Batch, dict[str, float]]:
     jax.block_until_ready(params)  # the previous step's update is not the rollout's time
-    params, sync_scalars = self.weights.for_step(params, step)
+    if sync_scalars is None:  # else `params` is the rollout mesh's copy, made by _from_ahead
+      params, sync_scalars = self.weights.for_step(params, step)
     started = time.perf_counter()
-    group = self.prompts.take(self.num_rows // self.group)
+    group = self.prompts.take(self.num_rows // self.group) if group is None else group
     row_prompts = [p for p in group for _ in range(self.group)]
     completions = generate(self.engine, params, [p.ids for p in row_prompts], self._row_params(step),
                            self.rl.max_completion_length, self.eos_id)
