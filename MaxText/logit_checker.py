@@ -81,7 +81,7 @@ def our_logits(config: Config, token_ids: np.ndarray, pixels_BMCRR: np.ndarray |
     raise UserError("set load_parameters_path=CKPT: the checkpoint to check")
   model, params = model_assembly.assemble_model(config, checkpoint)
 
-  def forward(p: Any, tokens_BL: jax.Array, pixels: jax.Array | None) -> jax.Array:
+  def forward(p: model_assembly.Params, tokens_BL: jax.Array, pixels: jax.Array | None) -> jax.Array:
     positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
     with sharding.activation_sharding(model.mesh, model.rules):
       return model.spec.apply(p, tokens_BL, positions_BL, jnp.ones_like(tokens_BL), None, pixels)

@@ -46,6 +46,7 @@ from MaxText.aot import plan_model, plan_progress, plan_ranking, plan_recipe, pl
 from MaxText.aot.plan_ranking import Planned, format_table, rank_compiled
 from MaxText.aot.plan_recipe import compile_flags, write_recipe
 from MaxText.aot.step_time import report as step_report
+from MaxText.aot.step_time.saved import StepTarget
 from MaxText.training import compiled_step
 from MaxText.platform import accelerators, tpu_launch
 from MaxText.configuration import config as config_lib, remat_policies, tool_args
@@ -182,7 +183,7 @@ def compile_figures(argv: list[str]) -> dict[str, Any]:
   return figures
 
 
-def model_figures(hlo_text: str, target: Any, topology: accelerators.TpuTopology) -> dict[str, Any]:
+def model_figures(hlo_text: str, target: StepTarget, topology: accelerators.TpuTopology) -> dict[str, Any]:
   """The step-time model's step, MFU and breakdown lines for one compiled candidate, or why it
   has none (a generation without network figures)."""
   try:

@@ -153,7 +153,7 @@ def _stage_fn(pipe: PipelineConfig, layer_fn: LayerFn, layer_rngs: jax.Array | N
   return jax.checkpoint(run, policy=policy)
 
 
-def run_pipeline(pipe: PipelineConfig, layer_fn: LayerFn, stacked_state: Any, x_BLD: jax.Array,
+def run_pipeline(pipe: PipelineConfig, layer_fn: LayerFn, stacked_state: object, x_BLD: jax.Array,
                  positions_BL: jax.Array, segment_ids_BL: jax.Array, dropout_rng: jax.Array | None,
                  policy: Policy) -> tuple[jax.Array, AuxLosses]:
   """The decoder stack as a pipeline; returns x_BLD and the aux losses summed over layers

@@ -48,6 +48,8 @@ from MaxText.layers.pipeline import first_layer, layer_group_fn, stage_weights
 
 Sums = dict[str, jax.Array]
 Tree = TypeVar("Tree")  # a tree of weights or their gradients, kept in structure
+Stacked = TypeVar("Stacked")  # the stack's layer weights (and their gradients)
+Head = TypeVar("Head")  # the loss head's weights (and their gradients)
 # (head state, y_mLD, the microbatch's head inputs) -> (loss sum, sums): the loss sum is what gets
 # differentiated, the sums are metrics (scalars that add up over microbatches). The head inputs
 # are whatever the caller passes in data["head_inputs"] ([B, ...] each), split like the batch.
@@ -84,8 +86,8 @@ def _pass_weights(weights_RJ: Tree, repeat: jax.Array) -> Tree:
   return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, repeat, keepdims=False), weights_RJ)
 
 
-def _loop(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, stacked_state: Any,
-          head_state: Any, x_BLD: jax.Array, data: dict[str, Any]) -> tuple[Sums, tuple[Any, Any, jax.Array]]:
+def _loop(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, stacked_state: Stacked,
+          head_state: Head, x_BLD: jax.Array, data: dict[str, Any]) -> tuple[Sums, tuple[Stacked, Head, jax.Array]]:
   """Runs the schedule: (loss sums, (stacked layer grads, head grads, d x_BLD)) of the summed loss."""
   num_stages, num_micro, num_repeats = pipe.num_pipeline_stages, pipe.num_pipeline_microbatches, pipe.num_pipeline_repeats
   table = pipeline_timetable.build(num_stages, num_micro, num_repeats)
@@ -141,7 +143,7 @@ def _loop(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Poli
     aux = {name: carry["aux"].get(name, 0.0) + jnp.sum(jnp.where(valid_P, v, 0.0)) for name, v in aux_P.items()}
     return {**carry, "fwd": sharding.constrain(out_PmLD, _STAGE_NAMES), "ring": ring, "aux": aux}
 
-  def head_loss(head_state_: Any, y_mLD: jax.Array, micro: jax.Array) -> tuple[Any, Sums, jax.Array]:
+  def head_loss(head_state_: Head, y_mLD: jax.Array, micro: jax.Array) -> tuple[Head, Sums, jax.Array]:
     """Loss of the microbatch that just left the last stage, and d(loss)/d(head, its activations)."""
     inputs_m = jax.tree.map(lambda x: x[micro], head_inputs_M)
     loss, vjp, sums = jax.vjp(lambda hs, y: head_fn(hs, y, inputs_m), head_state_, y_mLD, has_aux=True)
@@ -194,11 +196,11 @@ def _loop(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Poli
                                          inputs_MmLD[0], positions_MmL[0], segment_ids_MmL[0], jnp.int32(0),
                                          jnp.int32(0), jnp.int32(0)))[1]
   head_sums = jax.eval_shape(lambda: head_fn(head_state, stage_buffer[0], jax.tree.map(lambda x: x[0], head_inputs_M)))[1]
-  carry = {"fwd": stage_buffer, "bwd": stage_buffer, "ring": sharding.constrain(ring, _RING_NAMES),
-           "dinputs": jnp.zeros_like(inputs_MmLD), "dweights": _zeros_like(weights_PRJ),
-           "dhead": _zeros_like(head_state),
-           "sums": {"loss": zero, **{name: jnp.zeros(v.shape, v.dtype) for name, v in head_sums.items()}},
-           "aux": {name: zero for name in aux_names}}
+  carry: dict[str, Any] = {
+      "fwd": stage_buffer, "bwd": stage_buffer, "ring": sharding.constrain(ring, _RING_NAMES),
+      "dinputs": jnp.zeros_like(inputs_MmLD), "dweights": _zeros_like(weights_PRJ), "dhead": _zeros_like(head_state),
+      "sums": {"loss": zero, **{name: jnp.zeros(v.shape, v.dtype) for name, v in head_sums.items()}},
+      "aux": {name: zero for name in aux_names}}
   rows = {"iteration": jnp.arange(table.num_iterations), **{k: jnp.asarray(v) for k, v in table.rows().items()}}
   phases = ((warmup, 0, table.warmup_end), (steady, table.warmup_end, table.steady_end),
             (drain, table.steady_end, table.num_iterations))
@@ -214,8 +216,8 @@ def _loop(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Poli
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def pipelined_loss(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, stacked_state: Any,
-                   head_state: Any, x_BLD: jax.Array, data: dict[str, Any]) -> tuple[jax.Array, Sums]:
+def pipelined_loss(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, stacked_state: Stacked,
+                   head_state: Head, x_BLD: jax.Array, data: dict[str, Any]) -> tuple[jax.Array, Sums]:
   """(differentiable scalar loss, sums) of the stack + head under the 1F1B schedule.
 
   The loss is the sum of `head_fn`'s losses plus Σ_name aux_cotangents[name] · (the aux `name`
@@ -226,8 +228,9 @@ def pipelined_loss(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, pol
   return _loss_and_grads(pipe, layer_fn, head_fn, policy, stacked_state, head_state, x_BLD, data)[0]
 
 
-def _loss_and_grads(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, stacked_state: Any,
-                    head_state: Any, x_BLD: jax.Array, data: dict[str, Any]) -> tuple[tuple[jax.Array, Sums], Any]:
+def _loss_and_grads(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, stacked_state: Stacked,
+                    head_state: Head, x_BLD: jax.Array, data: dict[str, Any]
+                    ) -> tuple[tuple[jax.Array, Sums], tuple[Stacked, Head, jax.Array]]:
   sums, grads = _loop(pipe, layer_fn, head_fn, policy, stacked_state, head_state, x_BLD, data)
   loss = sums["loss"] + sum((jnp.asarray(weight, jnp.float32) * sums[f"aux_{name}"]
                              for name, weight in data["aux_cotangents"].items() if f"aux_{name}" in sums),

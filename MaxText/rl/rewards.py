@@ -198,7 +198,7 @@ class RewardSet:
     return Scores(total, per_function)
 
   @staticmethod
-  def _floats(name: str, values: Any) -> np.ndarray:
+  def _floats(name: str, values: object) -> np.ndarray:
     try:
       return np.asarray(values, np.float64)
     except (TypeError, ValueError):
