@@ -15,6 +15,8 @@ from MaxText.configuration.config_fields import require as _require
 
 GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo")  # objectives/grpo_loss.py
 REWARD_SCALINGS = ("group", "batch", "none")
+# objectives/rollout_correction.py's MODES (the names of TRL's vllm_importance_sampling_mode)
+IMPORTANCE_SAMPLING_MODES = ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,6 +38,9 @@ class RLConfig:
   grpo_num_iterations: int = key()  # optimizer updates per rollout batch (μ)
   grpo_loss_type: str = key()
   grpo_scale_rewards: str = key()
+  rl_importance_sampling: str = key()  # off or a rollout_correction.MODES entry
+  rl_importance_sampling_cap: float = key()  # C_max: the weight's ceiling (truncate) or rejection bound (mask)
+  rl_importance_sampling_floor: float = key()  # C_min: the same below (0 = none)
   rl_rollout_devices: int = key()  # 0 = the rollouts run on the training mesh (rl/rollout_mesh.py)
   rl_rollout_ici_tensor_parallelism: int = key()
   rl_weight_sync_interval: int = key()
@@ -79,6 +84,7 @@ class RLConfig:
     _require(rl.grpo_scale_rewards in REWARD_SCALINGS,
              f"grpo_scale_rewards must be one of {', '.join(REWARD_SCALINGS)}; got {rl.grpo_scale_rewards!r}")
     _require(rl.rl_length_penalty_window >= 0, "rl_length_penalty_window must be >= 0")
+    _check_importance_sampling(rl)
     _require(rl.rl_weight_sync_interval >= 1, f"rl_weight_sync_interval must be >= 1 (copy the weights to the rollout "
              f"mesh every this many updates), got {rl.rl_weight_sync_interval}")
     _check_staleness(rl)
@@ -91,6 +97,23 @@ def _number(value: object) -> float:
     return float(value) if isinstance(value, (int, float, str)) else math.nan
   except ValueError:
     return math.nan
+
+
+def _check_importance_sampling(rl: RLConfig) -> None:
+  mode = rl.rl_importance_sampling
+  _require(mode in IMPORTANCE_SAMPLING_MODES, f"rl_importance_sampling must be one of "
+           f"{', '.join(IMPORTANCE_SAMPLING_MODES)}; got {mode!r}")
+  if mode == "off":
+    return
+  cap, floor = rl.rl_importance_sampling_cap, rl.rl_importance_sampling_floor
+  _require(math.isfinite(cap) and cap >= 1, f"rl_importance_sampling_cap must be a finite number >= 1 (a token the "
+           f"engine and the trainer score alike has weight 1 and must keep it), got {cap}")
+  _require(0 <= floor <= 1, f"rl_importance_sampling_floor must be in [0, 1] (0 = no lower bound), got {floor}")
+  sampled = (rl.rl_sampling_temperature, rl.rl_sampling_top_p, rl.rl_sampling_top_k)
+  _require(sampled == (1.0, 1.0, 0), f"rl_importance_sampling={mode} weighs tokens by the trainer's over the engine's "
+           "log-probability, both of the model's own distribution (temperature 1, every token allowed), but the "
+           f"rollouts sample with rl_sampling_temperature={sampled[0]}, rl_sampling_top_p={sampled[1]}, "
+           f"rl_sampling_top_k={sampled[2]}; set them to 1, 1, 0 or rl_importance_sampling=off")
 
 
 def _check_grpo_run(v: Mapping[str, Any], rl: RLConfig) -> None:

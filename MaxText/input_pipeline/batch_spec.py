@@ -3,9 +3,10 @@ arrays (ten with objective=dpo: the rejected sequence of each pair in the same f
 `rejected_`, row for row beside its chosen one, so both halves of a pair share a device under
 any batch sharding and stay together when gradient accumulation splits the rows; with objective=grpo,
 one prompt + completion per row, the completion's targets weighted, plus each row's float32
-`advantages` [global_batch]; with max_images_per_row > 0, multimodal SFT's float32 `pixel_values`
-[global_batch, max_images_per_row, 3, image_size, image_size]: each row's images in token order,
-zeros after them, which the model ignores). The synthetic
+`advantages` [global_batch] and float32 `sampler_logps` [global_batch, max_target_length], the
+engine's log-probability of each completion target token (0 elsewhere); with max_images_per_row > 0,
+multimodal SFT's float32 `pixel_values` [global_batch, max_images_per_row, 3, image_size,
+image_size]: each row's images in token order, zeros after them, which the model ignores). The synthetic
 generator and the real-data pipelines build exactly these, and AOT compiles the train step for
 them without running either."""
 
@@ -23,10 +24,12 @@ DTYPE = jnp.int32
 REJECTED_PREFIX = "rejected_"
 DPO_FIELDS = FIELDS + tuple(REJECTED_PREFIX + name for name in FIELDS)
 ADVANTAGES = "advantages"  # float32 [global_batch]: one per row (rl/rollouts.py)
-GRPO_FIELDS = FIELDS + (ADVANTAGES,)
+SAMPLER_LOGPS = "sampler_logps"  # float32 [global_batch, max_target_length] (rl/rollouts.py)
+GRPO_FIELDS = FIELDS + (ADVANTAGES, SAMPLER_LOGPS)
 PIXEL_VALUES = "pixel_values"  # float32 [global_batch, max_images_per_row, 3, R, R] (packing.py)
 IMAGE_FIELDS = FIELDS + (PIXEL_VALUES,)
 NUM_CHANNELS = 3
+FLOAT_FIELDS = (ADVANTAGES, SAMPLER_LOGPS, PIXEL_VALUES)
 # The fields of each objective's batch (config key `objective`; with max_images_per_row, IMAGE_FIELDS).
 OBJECTIVE_FIELDS: dict[str, tuple[str, ...]] = {"lm": FIELDS, "sft": FIELDS, "dpo": DPO_FIELDS, "grpo": GRPO_FIELDS}
 
@@ -47,5 +50,5 @@ def _shape(cfg: DataConfig, name: str) -> tuple[int, ...]:
 
 def batch_spec(cfg: DataConfig) -> dict[str, jax.ShapeDtypeStruct]:
   """Name -> global shape and dtype of one batch for the data config `cfg` (config.data)."""
-  return {name: jax.ShapeDtypeStruct(_shape(cfg, name), jnp.float32 if name in (ADVANTAGES, PIXEL_VALUES) else DTYPE)
+  return {name: jax.ShapeDtypeStruct(_shape(cfg, name), jnp.float32 if name in FLOAT_FIELDS else DTYPE)
           for name in fields(cfg)}

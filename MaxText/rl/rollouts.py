@@ -35,7 +35,7 @@ from MaxText.inference import sampling
 from MaxText.inference.engine import Engine
 from MaxText.inference.engine_api import DecodeEngine
 from MaxText.input_pipeline import chat
-from MaxText.input_pipeline.batch_spec import ADVANTAGES, FIELDS
+from MaxText.input_pipeline.batch_spec import ADVANTAGES, FIELDS, SAMPLER_LOGPS
 from MaxText.platform import sharding
 from MaxText.rl import prompts as prompts_lib
 from MaxText.rl import rewards as rewards_lib
@@ -60,32 +60,46 @@ def _global(value: np.ndarray, where: NamedSharding) -> jax.Array:
 
 def generate(engine: DecodeEngine, params: Any, rows: list[list[int]], row_params: list[sampling.RowParams],
              max_new_tokens: int, eos_id: int | None) -> list[list[int]]:
-  """Each row's completion: sampled tokens up to and including eos_id, at most max_new_tokens.
-  All rows share one decode state (one slot per row) and stop together when every row is done."""
+  """Each row's completion: sampled tokens up to and including eos_id, at most max_new_tokens."""
+  return generate_scored(engine, params, rows, row_params, max_new_tokens, eos_id)[0]
+
+
+def generate_scored(engine: DecodeEngine, params: Any, rows: list[list[int]], row_params: list[sampling.RowParams],
+                    max_new_tokens: int, eos_id: int | None) -> tuple[list[list[int]], list[list[float]]]:
+  """(each row's completion as `generate` gives it, the engine's log-probability of each of its
+  tokens: TokenLogprobs.chosen_B, the model's distribution at temperature 1 as the engine computes
+  it). All rows share one decode state (one slot per row) and stop together when every row is done."""
   prefix = engine.prefill(params, rows, row_params=row_params)
   state = engine.init_decode_state(row_params[0].seed if row_params else 0)
   for row in range(len(rows)):
     state = engine.insert(prefix, state, slot=row, row=row)
   outputs = [[int(t)] for t in _on_host(prefix.first_tokens_B)]
+  logps = [[float(p)] for p in _on_host(prefix.first_logprobs.chosen_B)]
   done = [max_new_tokens <= 1 or out[-1] == eos_id for out in outputs]
   while not all(done):
     state, emitted = engine.decode_step(params, state)
     emitted = dataclasses.replace(emitted, tokens=_on_host(emitted.tokens),
                                   counts=None if emitted.counts is None else _on_host(emitted.counts))
+    chosen = _on_host(emitted.logprobs.chosen_B)
     for row, out in enumerate(outputs):
       for i in range(emitted.count(row)):
         if done[row]:
           break
         out.append(emitted.token(row, i))
+        logps[row].append(float(chosen[row] if emitted.counts is None else chosen[row, i]))
         done[row] = len(out) >= max_new_tokens or out[-1] == eos_id
-  return outputs
+  return outputs, logps
 
 
-def training_rows(prompt_ids: list[list[int]], completions: list[list[int]], length: int) -> dict[str, np.ndarray]:
+def training_rows(prompt_ids: list[list[int]], completions: list[list[int]], length: int,
+                  logps: list[list[float]] | None = None) -> dict[str, np.ndarray]:
   """[rows, length] int32 fields of batch_spec.FIELDS: each row is one prompt + completion; the
-  targets that are completion tokens carry weight (targets_segmentation 1), the prompt's none."""
+  targets that are completion tokens carry weight (targets_segmentation 1), the prompt's none.
+  float32 SAMPLER_LOGPS: `logps` (the engine's, per completion token) at those targets, NaN there
+  without them (not known: weight 1, as TRL treats a token vLLM could not score), 0 elsewhere."""
   num_rows = len(prompt_ids)
   out = {name: np.zeros((num_rows, length), np.int32) for name in FIELDS}
+  out[SAMPLER_LOGPS] = np.zeros((num_rows, length), np.float32)
   for row, (prompt, completion) in enumerate(zip(prompt_ids, completions)):
     sequence = prompt + completion
     n = len(sequence) - 1  # (input, target) pairs
@@ -95,6 +109,7 @@ def training_rows(prompt_ids: list[list[int]], completions: list[list[int]], len
     out["inputs_position"][row, :n] = np.arange(n)
     out["inputs_segmentation"][row, :n] = 1
     out["targets_segmentation"][row, len(prompt) - 1:n] = 1
+    out[SAMPLER_LOGPS][row, len(prompt) - 1:n] = np.nan if logps is None else logps[row]
   return out
 
 
@@ -188,13 +203,14 @@ class RolloutBatches:
     started = time.perf_counter()
     group = self.prompts.take(self.num_rows // self.group) if group is None else group
     row_prompts = [p for p in group for _ in range(self.group)]
-    completions = generate(self.engine, params, [p.ids for p in row_prompts], self._row_params(step),
-                           self.rl.max_completion_length, self.eos_id)
+    completions, sampler_logps = generate_scored(self.engine, params, [p.ids for p in row_prompts],
+                                                 self._row_params(step), self.rl.max_completion_length, self.eos_id)
     rollout_s = time.perf_counter() - started
     texts = [self.tokenizer.decode(c[:-1] if c and c[-1] == self.eos_id else c, skip_special_tokens=True)
              for c in completions]
     # The rows first: nothing the reward functions do reaches what is trained (they get copies too).
-    rows = training_rows([p.ids for p in row_prompts], completions, self.config.data.max_target_length)
+    rows = training_rows([p.ids for p in row_prompts], completions, self.config.data.max_target_length,
+                         sampler_logps)
     with guard("the first rollout's reward functions"):
       scores = self.rewards.score([p.prompt for p in row_prompts], texts, completions,
                                   prompts_lib.columns_of(group, self.group), [p.index for p in row_prompts])

@@ -6,12 +6,13 @@ from __future__ import annotations
 from typing import Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 
 from MaxText.configuration.rl_config import RLConfig
-from MaxText.input_pipeline.batch_spec import ADVANTAGES, GRPO_FIELDS
+from MaxText.input_pipeline.batch_spec import ADVANTAGES, GRPO_FIELDS, SAMPLER_LOGPS
 from MaxText.models import ModelSpec
 from MaxText.layers.moe import ROUTING_STATS
-from MaxText.training.objectives import grpo_loss
+from MaxText.training.objectives import grpo_loss, rollout_correction
 from MaxText.training.objectives.base import Batch, Metrics, Objective, Params, Sums, T
 from MaxText.training.objectives.language_model import routing_metrics
 from MaxText.training.optimizers import Partition
@@ -25,7 +26,8 @@ class Grpo(Objective):
   policy's log-probs (the parameters the rollout sampled from; with one update they are the
   current ones, so the ratio is 1 and only its gradient counts) and, with grpo_beta > 0, the
   frozen reference's. The reference is a copy of the starting weights in the state or, under
-  LoRA, the base with the adapters off (as DPO does)."""
+  LoRA, the base with the adapters off (as DPO does). With rl_importance_sampling on, it also
+  weighs each token by the trainer's over the engine's probability (rollout_correction.py)."""
 
   batch_fields = GRPO_FIELDS
   needs_loaded_params = ("objective=grpo samples from the starting policy: set load_parameters_path to its weights (a "
@@ -37,12 +39,13 @@ class Grpo(Objective):
     self.model, self.partition, self.rl = model, partition, rl
     self.load_balance_loss_weight, self.num_micro = load_balance_loss_weight, num_micro
     self.updates_per_batch = rl.grpo_num_iterations
+    self.corrects = rl.rl_importance_sampling != "off"
     self.uses_reference = rl.grpo_beta > 0
     self.keeps_copy = self.uses_reference and not partition.frozen_gives_base_model
     self.state_class = PreferenceState if self.keeps_copy else TrainState
     # Per row: the update's forward and backward (3 passes) each iteration; once per rollout
     # batch the old policy's forward (when iterated) and the reference's.
-    fixed_passes = int(self.updates_per_batch > 1) + int(self.uses_reference)
+    fixed_passes = int(self.updates_per_batch > 1 or self.corrects) + int(self.uses_reference)
     self.passes_per_row = 3 * self.updates_per_batch + fixed_passes
 
   def extra_state(self, params: T, copy: Callable[[T], T]) -> dict[str, T]:
@@ -63,7 +66,24 @@ class Grpo(Objective):
       extra[grpo_loss.OLD_LOGPS] = grpo_loss.token_logps(self.model, params, batch, None, with_entropy=False)[0]
     if context is not None:
       extra[grpo_loss.REF_LOGPS] = grpo_loss.token_logps(self.model, context, batch, None, with_entropy=False)[0]
+    if self.corrects:  # π_old as TRL scores it for the weights: with one update, an extra forward kept apart
+      old_BL = (extra[grpo_loss.OLD_LOGPS] if grpo_loss.OLD_LOGPS in extra else
+                grpo_loss.token_logps(self.model, params, batch, None, with_entropy=False)[0])
+      extra.update(self._importance_fields(old_BL, batch))
     return {**batch, **jax.lax.stop_gradient(extra)}
+
+  def _importance_fields(self, old_BL: jax.Array, batch: Batch) -> Batch:
+    """The weights [B, L] and the mismatch metrics of the whole batch, each a [B] field holding
+    the batch's value in every row (so micro-batches split them without changing them)."""
+    rl, mask_BL = self.rl, grpo_loss.completion_mask(batch)
+    sampler_BL = batch[SAMPLER_LOGPS]
+    weights, ratio = rollout_correction.weights(old_BL, sampler_BL, mask_BL, rl.rl_importance_sampling,
+                                                rl.rl_importance_sampling_cap, rl.rl_importance_sampling_floor)
+    rows = old_BL.shape[0]
+    fields = {rollout_correction.WEIGHTS: jnp.broadcast_to(weights, old_BL.shape)}
+    for name, value in rollout_correction.metrics(old_BL, sampler_BL, mask_BL, weights, ratio).items():
+      fields[rollout_correction.METRIC_PREFIX + name] = jnp.full((rows,), value, jnp.float32)
+    return fields
 
   def loss_sums(self, params: Params, context: Params | None, batch: Batch,
                 dropout_rng: jax.Array | None) -> tuple[jax.Array, Sums]:
@@ -73,13 +93,17 @@ class Grpo(Objective):
     sums = grpo_loss.loss_sums(logps_BL, old_BL, batch.get(grpo_loss.REF_LOGPS), batch[ADVANTAGES],
                                grpo_loss.completion_mask(batch), entropy_BL, loss_type=rl.grpo_loss_type,
                                epsilon_low=rl.grpo_epsilon_low, epsilon_high=rl.grpo_epsilon_high,
-                               beta=rl.grpo_beta, max_completion_length=rl.max_completion_length)
+                               beta=rl.grpo_beta, max_completion_length=rl.max_completion_length,
+                               importance_weights_BL=batch.get(rollout_correction.WEIGHTS))
     total = sums["loss_sum"]
     if "moe_lb_loss" in aux:  # a per-batch mean: weighted by what the loss is divided by
       lb_sum = aux["moe_lb_loss"] * grpo_loss.divisor(sums, rl.grpo_loss_type)
       total = total + self.load_balance_loss_weight * lb_sum
       sums["moe_lb_loss_sum"] = lb_sum
     sums.update({name: aux[name] for name in ROUTING_STATS if name in aux})
+    for name in batch:  # each micro-batch adds its share of the batch's value
+      if name.startswith(rollout_correction.METRIC_PREFIX):
+        sums[name] = batch[name][0] / self.num_micro
     return total, sums
 
   def eval_sums(self, params: Params, context: Params | None, batch: Batch) -> Sums:
@@ -90,6 +114,8 @@ class Grpo(Objective):
 
   def train_metrics(self, sums: Sums) -> Metrics:
     metrics = grpo_loss.metrics(sums, self.rl.grpo_loss_type)
+    metrics.update({name[len(rollout_correction.METRIC_PREFIX):]: value for name, value in sums.items()
+                    if name.startswith(rollout_correction.METRIC_PREFIX)})
     if "moe_lb_loss_sum" in sums:
       metrics["moe_lb_loss"] = sums["moe_lb_loss_sum"] / self.divisor(sums)
       metrics.update(routing_metrics(sums, self.num_micro))

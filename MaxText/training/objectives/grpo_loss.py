@@ -50,13 +50,17 @@ def completion_mask(batch: Batch) -> jax.Array:
 
 def loss_sums(logps_BL: jax.Array, old_logps_BL: jax.Array, ref_logps_BL: jax.Array | None, advantages_B: jax.Array,
               mask_BL: jax.Array, entropy_BL: jax.Array | None, *, loss_type: str, epsilon_low: float,
-              epsilon_high: float, beta: float, max_completion_length: int) -> Sums:
+              epsilon_high: float, beta: float, max_completion_length: int,
+              importance_weights_BL: jax.Array | None = None) -> Sums:
   """The SUM_KEYS sums of one batch; `loss_sum` / `sequence_count` (grpo, dr_grpo) or / `weight_sum`
-  (dapo) is the loss."""
+  (dapo) is the loss. `importance_weights_BL` (rollout_correction.py, fixed) scale each token's
+  policy-gradient term, not the KL term, as TRL applies its vLLM importance weights."""
   advantages_B1 = advantages_B[:, None]
   ratio_BL = jnp.exp(logps_BL - old_logps_BL)
   clipped_BL = jnp.clip(ratio_BL, 1.0 - epsilon_low, 1.0 + epsilon_high)
   per_token_BL = -jnp.minimum(ratio_BL * advantages_B1, clipped_BL * advantages_B1)
+  if importance_weights_BL is not None:
+    per_token_BL = per_token_BL * jax.lax.stop_gradient(importance_weights_BL)
   kl_BL = jnp.zeros_like(logps_BL)
   if beta != 0.0:
     assert ref_logps_BL is not None, "grpo_beta > 0 needs the reference's log-probs"
