@@ -11,6 +11,7 @@ import re
 from typing import Any, Mapping, Sequence
 
 from MaxText.configuration.config_fields import require as _require
+from MaxText.errors import ConfigError
 
 # The data keys a source may set for itself; the rest (packing, lengths, shuffling) are the run's.
 SOURCE_KEYS = ("dataset_type", "dataset_path", "dataset_name", "train_split", "hf_path", "hf_data_files",
@@ -47,15 +48,20 @@ def _check_sum(what: str, weights: Sequence[float]) -> None:
   _require(sum(weights) > 0, f"{what} sum to {sum(weights):g}; give at least one source a positive weight")
 
 
-def parse_sources(value: Any, run_values: Mapping[str, Any]) -> tuple[MixtureSource, ...]:
+def _mappings(value: object, message: str) -> list[Mapping[str, Any]]:
+  """`value` as the list of mappings it must be, else the ConfigError `message`."""
+  _require(isinstance(value, (list, tuple)) and all(isinstance(s, Mapping) for s in value), message)
+  return [s for s in value if isinstance(s, Mapping)] if isinstance(value, (list, tuple)) else []
+
+
+def parse_sources(value: object, run_values: Mapping[str, Any]) -> tuple[MixtureSource, ...]:
   """data_mixture: a list of mappings {name, weight, and any of SOURCE_KEYS}."""
   if not value:
     return ()
-  _require(isinstance(value, (list, tuple)) and all(isinstance(s, Mapping) for s in value),
-           "data_mixture must be a list of sources, each like {name: web, weight: 0.7, dataset_type: hf, "
-           f"hf_data_files: web/*.jsonl}}, got {value!r}")
+  specs = _mappings(value, "data_mixture must be a list of sources, each like {name: web, weight: 0.7, "
+                    f"dataset_type: hf, hf_data_files: web/*.jsonl}}, got {value!r}")
   sources, names = [], set()
-  for i, spec in enumerate(value):
+  for i, spec in enumerate(specs):
     name = str(spec.get("name", ""))
     _require(bool(_NAME.fullmatch(name)), f"data_mixture source {i + 1} needs a name of letters, digits, '_', '-' "
              f"or '.' (it names its metrics and saved position), got {spec.get('name')!r}")
@@ -80,21 +86,21 @@ def parse_sources(value: Any, run_values: Mapping[str, Any]) -> tuple[MixtureSou
   return tuple(sources)
 
 
-def parse_schedule(value: Any, sources: Sequence[MixtureSource]) -> tuple[MixtureStage, ...]:
+def parse_schedule(value: object, sources: Sequence[MixtureSource]) -> tuple[MixtureStage, ...]:
   """data_mixture_schedule: a list of mappings {step: N, <source name>: weight, ...}, steps rising;
   a source a stage does not name gets weight 0 from that step."""
   if not value:
     return ()
   _require(bool(sources), "data_mixture_schedule changes the weights of data_mixture's sources; set data_mixture "
            "or leave the schedule empty")
-  _require(isinstance(value, (list, tuple)) and all(isinstance(s, Mapping) for s in value),
-           f"data_mixture_schedule must be a list like [{{step: 1000, web: 0.5, code: 0.5}}], got {value!r}")
+  specs = _mappings(value, "data_mixture_schedule must be a list like [{step: 1000, web: 0.5, code: 0.5}], "
+                    f"got {value!r}")
   names = [s.name for s in sources]
   stages: list[MixtureStage] = []
-  for spec in value:
+  for spec in specs:
     step = spec.get("step")
-    _require(isinstance(step, int) and not isinstance(step, bool) and step >= 0,
-             f"data_mixture_schedule entry {dict(spec)} needs step: <whole number >= 0>")
+    if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+      raise ConfigError(f"data_mixture_schedule entry {dict(spec)} needs step: <whole number >= 0>")
     _require(not stages or step > stages[-1].step, f"data_mixture_schedule steps must rise; {step} follows "
              f"{stages[-1].step if stages else ''}")
     unknown = [k for k in spec if k != "step" and k not in names]
