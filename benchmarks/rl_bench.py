@@ -1,7 +1,9 @@
-"""How a GRPO step splits between rollout (sampling + rewards) and update, for a small model.
+"""How a GRPO step splits between rollout (sampling + rewards) and update, for a small model, and
+what a rollout mesh of its own and asynchronous rollouts change.
 
     python3 benchmarks/rl_bench.py [steps=12] [devices=4] [max_completion_length=32] [num_generations=8]
         [rows=32] [base_emb_dim=256] [base_num_decoder_layers=4] [platform=cpu|gpu]
+        [modes=same] [rl_rollout_devices=2]
 
 Runs `python3 -m MaxText.train configs/grpo.yml` on a generated prompt set (a byte-level BPE
 tokenizer, random starting weights, a reward on token ids, so completions run to
@@ -11,7 +13,13 @@ update seconds (`update_s`, the rest of the step's wall time: old/reference log-
 backward, optimizer), rollout
 tokens/s (completion tokens sampled per second) and update tokens/s (every row's tokens, prompt and
 padding included, per second of update). On GPU (platform=gpu) the same run uses one device.
-The last line is machine-readable: `RESULT rl ...`.
+
+`modes` (comma-separated) picks the layouts, each one run: same (rollouts on the training mesh),
+split (the last rl_rollout_devices devices roll out, weights copied every update), async1 and
+async2 (split, rl_max_staleness 1 and 2 with a weight copy every 2 and 3 updates: the batches
+up to the next copy are generated while the training runs). Each prints steps/s (timed steps over
+their wall time) and the weight copies' median seconds and bytes. The global batch is `rows` in
+every mode. The last line of each mode is machine-readable: `RESULT rl ...`.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -81,47 +90,77 @@ def main() -> int:
   parser.add_argument("--base_emb_dim", type=int, default=256)
   parser.add_argument("--base_num_decoder_layers", type=int, default=4)
   parser.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
+  parser.add_argument("--modes", default="same", help="comma-separated: same, split, async1, async2")
+  parser.add_argument("--rl_rollout_devices", type=int, default=2, help="devices of the rollout mesh (split, async*)")
   args = tool_args.parse_args(parser, None, renamed=RENAMED)
   devices = args.devices if args.platform == "cpu" else 1
+  modes = [m for m in args.modes.split(",") if m]
+  unknown = [m for m in modes if m not in MODES]
+  if unknown:
+    print(f"error: modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}", file=sys.stderr)
+    return 2
   prefill = 64
   emb = args.base_emb_dim
   model = dict(base_emb_dim=emb, base_num_query_heads=4, base_num_kv_heads=4, head_dim=emb // 4, base_mlp_dim=4 * emb,
                base_num_decoder_layers=args.base_num_decoder_layers, vocab_size=512,
                max_target_length=prefill + args.max_completion_length)
-  with tempfile.TemporaryDirectory(prefix="rl-bench-") as tmp:
-    directory = Path(tmp)
-    _prepare(directory, model)
-    command = [sys.executable, "-m", "MaxText.train", "configs/grpo.yml", "run_name=bench",
-               f"base_output_directory={directory / 'out'}", f"tokenizer_path={directory / 'tokenizer'}",
-               f"hf_data_files={directory / 'prompts.jsonl'}", f"load_parameters_path={directory / 'start'}",
-               *(f"{k}={v}" for k, v in model.items()), f"max_prefill_predict_length={prefill}",
-               f"max_completion_length={args.max_completion_length}", f"num_generations={args.num_generations}",
-               f"per_device_batch_size={args.rows / devices}", "reward_functions=bench_rewards:low_ids",
-               f"steps={args.steps}", "log_period=1", "checkpoint_period=100000", "print_config=False",
-               "enable_tensorboard=False", "learning_rate=1e-4", "rl_sampling_temperature=1.0"]
-    env = {**os.environ, "PYTHONPATH": f"{directory}:{REPO}"}
-    if args.platform == "cpu":
-      env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-      print(proc.stderr[-3000:], file=sys.stderr)
-      return proc.returncode
-    records = [json.loads(line) for line in (directory / "out" / "bench" / "metrics.jsonl").read_text().splitlines()]
-  timed = [r for r in records if r["step"] > 2]
-  rollout = statistics.median(r["rollout_s"] for r in timed)
-  update = statistics.median(r["update_s"] for r in timed)  # the step's time but its rollout and rewards
-  sampled = statistics.median(r["rollout_tokens_per_s"] for r in timed)
-  update_tps = args.rows * model["max_target_length"] / update
-  share = rollout / (rollout + update)
   print(f"model: emb {args.base_emb_dim}, {args.base_num_decoder_layers} layers; {args.rows} completions x "
         f"<= {args.max_completion_length} tokens per step "
         f"({args.num_generations} per prompt), prompts of ~40 tokens, {devices} {args.platform} device(s)")
-  print(f"{'rollout s':>10} {'update s':>10} {'rollout share':>14} {'rollout tok/s':>14} {'update tok/s':>13}")
-  print(f"{rollout:10.3f} {update:10.3f} {share:13.0%} {sampled:14.1f} {update_tps:13.1f}")
-  print(f"RESULT rl platform={args.platform} rollout_s={rollout:.4f} update_s={update:.4f} rollout_share={share:.3f} "
-        f"rollout_tokens_per_s={sampled:.1f} update_tokens_per_s={update_tps:.1f}")
+  print(f"{'mode':>7} {'steps/s':>8} {'rollout s':>10} {'update s':>10} {'rollout share':>14} {'rollout tok/s':>14} "
+        f"{'update tok/s':>13} {'sync s':>8} {'sync MB':>8}")
+  with tempfile.TemporaryDirectory(prefix="rl-bench-") as tmp:
+    directory = Path(tmp)
+    _prepare(directory, model)
+    for mode in modes:
+      rollout_devices = 0 if mode == "same" else args.rl_rollout_devices
+      command = [sys.executable, "-m", "MaxText.train", "configs/grpo.yml", f"run_name={mode}",
+                 f"base_output_directory={directory / 'out'}", f"tokenizer_path={directory / 'tokenizer'}",
+                 f"hf_data_files={directory / 'prompts.jsonl'}", f"load_parameters_path={directory / 'start'}",
+                 *(f"{k}={v}" for k, v in model.items()), f"max_prefill_predict_length={prefill}",
+                 f"max_completion_length={args.max_completion_length}", f"num_generations={args.num_generations}",
+                 f"per_device_batch_size={args.rows / (devices - rollout_devices)}",
+                 "reward_functions=bench_rewards:low_ids", f"steps={args.steps}", "log_period=1",
+                 "checkpoint_period=100000", "print_config=False", "enable_tensorboard=False", "learning_rate=1e-4",
+                 "rl_sampling_temperature=1.0", *MODES[mode](rollout_devices)]
+      env = {**os.environ, "PYTHONPATH": f"{directory}:{REPO}"}
+      if args.platform == "cpu":
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+      proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+      if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        return proc.returncode
+      records = [json.loads(line) for line in (directory / "out" / mode / "metrics.jsonl").read_text().splitlines()]
+      _report(mode, records, args, model)
   return 0
 
+
+# Each mode's extra keys, given the rollout mesh's devices.
+MODES: dict[str, Callable[[int], list[str]]] = {
+    "same": lambda r: [],
+    "split": lambda r: [f"rl_rollout_devices={r}"],
+    "async1": lambda r: [f"rl_rollout_devices={r}", "rl_max_staleness=1", "rl_weight_sync_interval=2"],
+    "async2": lambda r: [f"rl_rollout_devices={r}", "rl_max_staleness=2", "rl_weight_sync_interval=3"],
+}
+
+
+def _report(mode: str, records: list[dict[str, Any]], args: argparse.Namespace, model: dict[str, int]) -> None:
+  timed = [r for r in records if r["step"] > 2]
+  steps_per_s = len(timed) / sum(r["step_seconds"] for r in timed)
+  rollout = statistics.median(r["rollout_s"] for r in timed)
+  update = statistics.median(r["update_s"] for r in timed)  # the step's time but its wait for the batch
+  sampled = statistics.median(r["rollout_tokens_per_s"] for r in timed)
+  update_tps = args.rows * model["max_target_length"] / update
+  share = rollout / (rollout + update)
+  copies = [r for r in records if r.get("weight_sync_bytes", 0) > 0][1:] or \
+      [r for r in records if r.get("weight_sync_bytes", 0) > 0]  # past the first copy where there are more
+  sync_s = statistics.median(r["weight_sync_s"] for r in copies) if copies else 0.0
+  sync_mb = copies[0]["weight_sync_bytes"] / 2**20 if copies else 0.0
+  print(f"{mode:>7} {steps_per_s:8.3f} {rollout:10.3f} {update:10.3f} {share:13.0%} {sampled:14.1f} {update_tps:13.1f} "
+        f"{sync_s:8.4f} {sync_mb:8.2f}")
+  print(f"RESULT rl mode={mode} platform={args.platform} steps_per_s={steps_per_s:.4f} rollout_s={rollout:.4f} "
+        f"update_s={update:.4f} rollout_share={share:.3f} rollout_tokens_per_s={sampled:.1f} "
+        f"update_tokens_per_s={update_tps:.1f} weight_sync_s={sync_s:.5f} weight_sync_bytes={sync_mb * 2**20:.0f}")
 
 if __name__ == "__main__":
   sys.exit(main())
