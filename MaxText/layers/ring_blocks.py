@@ -32,13 +32,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
 
 from MaxText.configuration.model_config import AttentionBlocks
 from MaxText.layers import flash_blocks, masks, splash_attention
+
+if TYPE_CHECKING:
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_types
+  from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask_info import MaskInfo
 
 Array = jax.Array
 Grads = tuple[Array, Array, Array]
@@ -138,7 +142,8 @@ class SplashBlocks:
   traced_window: bool = False
   interpret: bool = False
 
-  def _cases(self, chunk: int, heads: int, window: Array) -> tuple[list[Any], Callable[[Array], Array]]:
+  def _cases(self, chunk: int, heads: int, window: Array
+             ) -> tuple[list[splash_types.SplashAttentionKernel | None], Callable[[Array], Array]]:
     """The distinct kernels (None: nothing to see) and a function of the traced offset picking one."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
@@ -173,7 +178,7 @@ class SplashBlocks:
     q_BNLH, k_BKCH, v_BKCH = _heads_first(q_BLKGH), k_BCKH.swapaxes(1, 2), v_BCKH.swapaxes(1, 2)
     segments = splash.SegmentIds(q=qseg_BL, kv=kseg_BC)
 
-    def branch(kernel: Any) -> Callable[[], tuple[Array, Array]]:
+    def branch(kernel: splash_types.SplashAttentionKernel | None) -> Callable[[], tuple[Array, Array]]:
       if kernel is None:
         return lambda: (jnp.zeros(q_BLKGH.shape, q_BLKGH.dtype),
                         jnp.full((batch, kv_heads, group, length), -jnp.inf, jnp.float32))
@@ -199,12 +204,12 @@ class SplashBlocks:
     zeros: Grads = (jnp.zeros(q_BLKGH.shape, q_BLKGH.dtype), jnp.zeros(k_BCKH.shape, k_BCKH.dtype),
                     jnp.zeros(v_BCKH.shape, v_BCKH.dtype))
 
-    def branch(kernel: Any) -> Callable[[], Grads]:
+    def branch(kernel: splash_types.SplashAttentionKernel | None) -> Callable[[], Grads]:
       if kernel is None:
         return lambda: zeros
 
       def run() -> Grads:
-        def one(q: Array, k: Array, v: Array, seg: Any, out: Array, lse: Array, do: Array) -> Grads:
+        def one(q: Array, k: Array, v: Array, seg: splash_types.SegmentIds, out: Array, lse: Array, do: Array) -> Grads:
           return _splash_backward(kernel, q, k, v, seg, out, lse, do)
         dq_BNLH, dk_BKCH, dv_BKCH = jax.vmap(one)(q_BNLH, k_BKCH, v_BKCH, segments, out_BNLH, lse_BNL, do_BNLH)
         return (_heads_last(dq_BNLH, kv_heads).astype(q_BLKGH.dtype), dk_BKCH.swapaxes(1, 2).astype(k_BCKH.dtype),
@@ -214,12 +219,13 @@ class SplashBlocks:
     return jax.lax.switch(pick(offset), [branch(k) for k in kernels])
 
 
-def _splash_backward(kernel: Any, q_NLH: Array, k_KCH: Array, v_KCH: Array, segments: Any, out_NLH: Array, lse_NL: Array,
+def _splash_backward(kernel: splash_types.SplashAttentionKernel, q_NLH: Array, k_KCH: Array, v_KCH: Array,
+                     segments: splash_types.SegmentIds, out_NLH: Array, lse_NL: Array,
                      do_NLH: Array) -> Grads:
   """Splash's own backward rule with the global output and log-sum-exp as its residuals."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 
-  def collapsed(info: Any) -> Any:  # as splash's jitted entry point hands mask infos to its custom VJP
+  def collapsed(info: MaskInfo | None) -> MaskInfo | None:  # as splash's jitted entry point hands mask infos to its custom VJP
     if info is None or info.partial_mask_blocks is None:
       return info
     return info._replace(partial_mask_blocks=info.partial_mask_blocks.reshape(
