@@ -81,7 +81,8 @@ def test_a_split_mesh_run_equals_the_same_mesh_run_step_for_step(workdir, tmp_pa
   ours, theirs = _metrics(tmp_path / "split"), _metrics(tmp_path / "same")
   assert [r["reward"] for r in ours] == [r["reward"] for r in theirs]
   assert [r["completions/mean_length"] for r in ours] == [r["completions/mean_length"] for r in theirs]
-  np.testing.assert_allclose([r["loss"] for r in ours], [r["loss"] for r in theirs], rtol=1e-5, atol=1e-6)
+  for key in ("loss", "grad_norm", "entropy"):  # equal bitwise on the CPU mesh; the bound allows other kernels
+    np.testing.assert_allclose([r[key] for r in ours], [r[key] for r in theirs], rtol=1e-5, atol=1e-6)
   assert all(r["weight_sync_bytes"] > 0 and r["weight_sync_s"] > 0 for r in ours)
   assert "weight_sync_bytes" not in theirs[0]
 
