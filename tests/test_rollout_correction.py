@@ -174,10 +174,11 @@ def test_weighted_loss_and_gradient_equal_trl(mode, loss_type, beta):
 
 def _grpo_config(tiny_overrides, **extra):
   from tests.test_grpo import _config  # noqa: PLC0415  (the GRPO test config, shared)
-  return _config(tiny_overrides, per_device_batch_size=1, learning_rate=1e-2, warmup_steps_fraction=0.0,
-                 dtype="float32", **extra)
+  return _config(tiny_overrides, **{**dict(per_device_batch_size=1, learning_rate=1e-2, warmup_steps_fraction=0.0,
+                                           dtype="float32"), **extra})
 
 
+@pytest.mark.slow  # builds two runs and compiles the engine and two steps
 def test_the_engine_records_the_trainers_log_probs_and_equal_ones_leave_the_step_unchanged(tiny_overrides):
   """The engine's log-prob of each sampled token lands on that token's target (float32: equal to
   the trainer's to float tolerance); with the sampler's log-probs set to the trainer's, a step with
@@ -218,6 +219,26 @@ def test_the_engine_records_the_trainers_log_probs_and_equal_ones_leave_the_step
   assert "sampling/kl" not in off
 
 
+@pytest.mark.slow  # builds two runs and compiles two steps
+def test_the_metrics_and_weights_do_not_depend_on_micro_batches(tiny_overrides):
+  """Weights and metrics come from the whole rollout batch: with gradient accumulation (and two
+  updates per batch) the step logs the same mismatch and trains like one without."""
+  base = dict(rl_importance_sampling="sequence_truncate", rl_importance_sampling_cap=1.5, grpo_num_iterations=2)
+  runs = [run_assembly.build_run(_grpo_config(tiny_overrides, per_device_batch_size=2,
+                                              gradient_accumulation_steps=micro, **base)) for micro in (1, 2)]
+  rng = np.random.default_rng(0)
+  prompts = [[1, 2, 3, (i % 4) + 4] for i in range(4) for _ in range(4)]
+  completions = [[int(t) for t in rng.integers(5, 200, 6)] for _ in range(16)]
+  logps = [[float(p) for p in rng.uniform(-10.0, -7.0, 6)] for _ in range(16)]  # below the model's: weights clip
+  rows = rollouts.training_rows(prompts, completions, runs[0].config.data.max_target_length, logps)
+  rows["advantages"] = rng.normal(0, 1, 16).astype(np.float32)
+  batch = {k: jnp.asarray(v) for k, v in rows.items()}
+  (_, one), (_, two) = (r.train_step(r.init_state(), batch, jax.random.key(0)) for r in runs)
+  for name in rollout_correction.METRICS + ("loss",):
+    np.testing.assert_allclose(float(two[name]), float(one[name]), rtol=1e-5, atol=1e-6, err_msg=name)
+  assert 0 < float(one["sampling/importance_sampling_corrected"]) and float(one["sampling/kl"]) > 0
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(rl_importance_sampling="tis"), "rl_importance_sampling must be one of off, token_truncate, token_mask, "
      "sequence_truncate, sequence_mask; got 'tis'"),
@@ -248,3 +269,24 @@ def test_the_mode_parses_from_the_command_line():
   from MaxText.configuration import config as config_lib  # noqa: PLC0415
   overrides = config_lib.parse_overrides(["train.py", "rl_importance_sampling=off"])
   assert overrides.argv_values["rl_importance_sampling"] == "off"  # the string, not YAML's boolean
+
+
+@pytest.mark.slow  # a train.py process that compiles the rollout engine and the step
+def test_a_run_with_the_correction_logs_the_mismatch_every_step(tmp_path_factory, tmp_path):
+  """train.py end to end: the sampler's log-probs travel with the batch through the real rollout
+  and every step logs the mismatch metrics, finite and consistent."""
+  from tests import test_grpo_run  # noqa: PLC0415  (its prompts, tokenizer, starting weights and command)
+  workdir = tmp_path_factory.mktemp("grpo_correction")
+  test_grpo_run.prepare(workdir)
+  (workdir / "task_rewards.py").write_text(test_grpo_run.REWARDS)
+  proc = test_grpo_run._train(workdir, tmp_path, "steps=3", "rl_importance_sampling=token_truncate",
+                              "rl_importance_sampling_cap=2")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  records = test_grpo_run._metrics(tmp_path)
+  assert len(records) == 3
+  for record in records:
+    for name in rollout_correction.METRICS:
+      assert math.isfinite(record[name]), (name, record)
+    assert record["sampling/kl"] >= 0 and 0 <= record["sampling/importance_sampling_corrected"] <= 1
+    assert record["sampling/importance_sampling_ratio/max"] <= 2.0 + 1e-6
+    assert record["sampling/sampling_logp_difference/max"] >= record["sampling/sampling_logp_difference/mean"]
