@@ -72,6 +72,29 @@ def test_weights_move_device_to_device_every_interval(tiny_overrides):
   assert rollout_mesh.WeightSync(None, 1).for_step(params, 0) == (params, {})  # the same-mesh mode
 
 
+@pytest.mark.parametrize("family", [
+    # dense: the slow run below compares whole runs
+    pytest.param({}, marks=pytest.mark.slow), dict(lora_rank=4, lora_target_modules="q_proj,v_proj", grpo_beta=0.1),
+    pytest.param(dict(decoder_block="mixtral", num_experts=4, num_experts_per_tok=2), marks=pytest.mark.slow),
+], ids=["dense", "lora", "moe"])
+def test_the_rollout_mesh_samples_what_the_training_mesh_samples(tiny_overrides, family):
+  from MaxText.inference.engine import Engine
+  from MaxText.inference.sampling import RowParams
+  from MaxText.rl import rollouts
+
+  config = _config(tiny_overrides, per_device_batch_size=2, rl_rollout_devices=4, rl_rollout_ici_tensor_parallelism=2,
+                   **family)
+  train, rollout = rollout_mesh.split_devices(config)
+  run = run_assembly.build_run(config, devices=train)
+  params = run.init_state().params
+  engine = Engine(config, num_slots=8, mesh=rollout_mesh.rollout_mesh(config, rollout))
+  copy, _ = rollout_mesh.WeightSync(engine.param_shardings, 1).for_step(params, 0)
+  rows, row_params = [[1, 2, 3, 4 + i % 2] for i in range(8)], [RowParams(1.0, 1.0, 0, seed) for seed in range(8)]
+  ours = rollouts.generate(engine, copy, rows, row_params, max_new_tokens=5, eos_id=None)
+  theirs = rollouts.generate(Engine(config, num_slots=8, mesh=run.mesh), params, rows, row_params, 5, None)
+  assert ours == theirs
+
+
 @pytest.mark.slow  # two training processes
 def test_a_split_mesh_run_equals_the_same_mesh_run_step_for_step(workdir, tmp_path):  # noqa: F811
   same = _train(workdir, tmp_path / "same", "steps=4", devices=2)
