@@ -3,6 +3,8 @@ rollout devices device to device, and a split run trains exactly as the same-mes
 
 from __future__ import annotations
 
+import shutil
+
 import jax
 import numpy as np
 import pytest
@@ -123,3 +125,20 @@ def test_rollouts_made_ahead_stay_within_the_staleness_bound_and_resume_bitwise(
   keys = ("reward", "loss", "grad_norm", "completions/mean_length")
   resumed = _metrics(tmp_path / "halves")
   assert [[r[k] for k in keys] for r in resumed if r["step"] > 2] == [[r[k] for k in keys] for r in records[2:]]
+
+
+@pytest.mark.slow  # two training processes
+def test_a_run_stopped_with_rollouts_in_flight_resumes_bitwise(workdir, tmp_path):  # noqa: F811
+  # Saved at step 3 with the batch of step 3 made ahead from step 2's weights, which the checkpoint
+  # does not hold: the checkpoint keeps that batch's completions, and the rerun trains on them.
+  ahead = ("rl_rollout_devices=2", "rl_weight_sync_interval=2", "rl_max_staleness=1", "checkpoint_period=3")
+  whole = _train(workdir, tmp_path / "whole", "steps=6", *ahead, devices=4)
+  assert whole.returncode == 0, whole.stderr[-3000:]
+  shutil.copytree(tmp_path / "whole", tmp_path / "again")
+  shutil.rmtree(tmp_path / "again" / "grpo" / "checkpoints" / "6")
+  again = _train(workdir, tmp_path / "again", "steps=6", *ahead, devices=4)
+  assert again.returncode == 0 and "state: resumed from step 3" in again.stdout, again.stderr[-3000:]
+  assert "warning: resumed at step" not in again.stderr
+  keys = ("reward", "loss", "grad_norm", "entropy", "completions/mean_length", "policy_lag")
+  ours, theirs = _metrics(tmp_path / "again"), _metrics(tmp_path / "whole")
+  assert [[r[k] for k in keys] for r in ours if r["step"] > 3] == [[r[k] for k in keys] for r in theirs[3:]]

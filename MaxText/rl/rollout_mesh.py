@@ -12,8 +12,9 @@ The batch of step t samples from the copy made at step t - t % interval (at most
 updates old: rl_max_staleness bounds it), so once a copy is made every batch up to the next one
 is determined and `RunAhead` generates them on a worker thread while the training runs. A copy is
 made at every multiple of the interval and at the first rollout of a process: a run resumed at a
-multiple samples exactly as the uninterrupted one did (its checkpointed weights are the copy's);
-one resumed between two copies samples until the next one from its own step's weights.
+multiple samples exactly as the uninterrupted one did (its checkpointed weights are the copy's).
+A checkpoint between two copies holds the completions made ahead (rollouts.py's data state), since
+their copy is not in it, and the rerun trains on them as they were.
 """
 
 from __future__ import annotations

@@ -136,6 +136,10 @@ class RolloutBatches:
     # rl_weight_sync_interval > 1 on a rollout mesh: each copy's batches are made ahead (rollout_mesh.py)
     self.ahead: rollout_mesh.RunAhead[tuple[Batch, dict[str, float]]] | None = \
         rollout_mesh.RunAhead() if on_own_mesh and self.rl.rl_weight_sync_interval > 1 else None
+    # Made ahead, not trained on yet (step -> completions, sampler log-probs, policy lag): a checkpoint keeps
+    # them, since the weight copy they sampled from is not in it; `_replay` holds those a resume read back.
+    self._made: dict[int, tuple[list[list[int]], list[list[float]], float]] = {}
+    self._replay: dict[int, tuple[list[list[int]], list[list[float]], float]] = {}
 
   # ---------------------------------------------------------------- the data-iterator surface
   def next_for(self, state: TrainState) -> tuple[Batch, dict[str, float]]:
@@ -159,34 +163,51 @@ class RolloutBatches:
 
   def get_state(self) -> dict[str, Any]:
     ahead = int(self._primed is not None) + (len(self.ahead.pending) if self.ahead is not None else 0)
-    if ahead:  # sampled (or queued) ahead, not trained on yet: a resume samples them again
-      return {"prompts_taken": self.prompts.position - ahead * (self.num_rows // self.group)}
-    return self.prompts.get_state()
+    if not ahead:
+      return self.prompts.get_state()
+    # Sampled (or queued) ahead, not trained on yet: a resume takes their prompts again.
+    state: dict[str, Any] = {"prompts_taken": self.prompts.position - ahead * (self.num_rows // self.group)}
+    if self.ahead is not None:  # ... and trains on these completions: their weight copy is gone
+      for future in list(self.ahead.pending.values()):
+        future.exception()  # made to the end (a failure is raised when its step takes it)
+      state["queued"] = {str(t): {"completions": c, "sampler_logps": logps, "policy_lag": lag}
+                         for t, (c, logps, lag) in sorted(self._made.items())}
+    return state
 
   def set_state(self, state: Mapping[str, Any]) -> None:
     self.prompts.set_state(state)
     self._primed = None
     if self.ahead is not None:
       self.ahead.clear()
+      self._made.clear()
+    self._replay = {int(t): (q["completions"], q["sampler_logps"], float(q["policy_lag"]))
+                    for t, q in state.get("queued", {}).items()}
 
   def _from_ahead(self, params: Any, step: int, guard: health.Guard) -> tuple[Batch, dict[str, float]]:
     """The batch of `step` from the worker. At a copy step (or a process's first rollout) the copy is
     made here and every batch up to the next copy queued: they sample from that copy alone."""
     assert self.ahead is not None
+    if not self.ahead.has(step) and step in self._replay:  # a resume's queued batches, as they were made
+      for t in sorted(t for t in self._replay if t >= step):
+        completions, logps, lag = self._replay.pop(t)
+        self.ahead.submit(t, functools.partial(self._rollout, None, t, guard if t == step else health.unguarded,
+                                               self.prompts.take(self.num_rows // self.group),
+                                               {**rollout_mesh.NO_COPY, "policy_lag": lag}, (completions, logps)))
     if not self.ahead.has(step):
       interval = self.rl.rl_weight_sync_interval
       if step % interval:
-        print(f"warning: resumed at step {step}, between two weight copies (rl_weight_sync_interval={interval}): "
-              f"until step {self.weights.next_copy(step)} the rollouts sample from this step's weights, not the last "
-              "copy's as the uninterrupted run did; resume at a multiple of the interval for a bitwise rerun",
-              file=sys.stderr, flush=True)
+        print(f"warning: resumed at step {step}, between two weight copies (rl_weight_sync_interval={interval}) with "
+              f"no batch made ahead in the checkpoint: until step {self.weights.next_copy(step)} the rollouts sample "
+              "from this step's weights, not the last copy's", file=sys.stderr, flush=True)
       copy, synced = self.weights.for_step(params, step)
       for t in range(step, max(step + 1, min(self.weights.next_copy(step), self.config.run.steps))):
         group = self.prompts.take(self.num_rows // self.group)
         scalars = synced if t == step else {**rollout_mesh.NO_COPY, "policy_lag": float(t - step)}
         self.ahead.submit(t, functools.partial(self._rollout, copy, t, guard if t == step else health.unguarded,
                                                group, scalars))
-    return self.ahead.result(step)
+    made = self.ahead.result(step)
+    self._made.pop(step, None)
+    return made
 
   # ---------------------------------------------------------------- one rollout
   def _row_params(self, step: int) -> list[sampling.RowParams]:
@@ -196,15 +217,21 @@ class RolloutBatches:
             for seed in seeds]
 
   def _rollout(self, params: Any, step: int, guard: health.Guard, group: list[prompts_lib.Prompt] | None = None,
-               sync_scalars: dict[str, float] | None = None) -> tuple[Batch, dict[str, float]]:
+               sync_scalars: dict[str, float] | None = None,
+               replay: tuple[list[list[int]], list[list[float]]] | None = None) -> tuple[Batch, dict[str, float]]:
     jax.block_until_ready(params)  # the previous step's update is not the rollout's time
     if sync_scalars is None:  # else `params` is the rollout mesh's copy, made by _from_ahead
       params, sync_scalars = self.weights.for_step(params, step)
     started = time.perf_counter()
     group = self.prompts.take(self.num_rows // self.group) if group is None else group
     row_prompts = [p for p in group for _ in range(self.group)]
-    completions, sampler_logps = generate_scored(self.engine, params, [p.ids for p in row_prompts],
-                                                 self._row_params(step), self.rl.max_completion_length, self.eos_id)
+    if replay is None:
+      completions, sampler_logps = generate_scored(self.engine, params, [p.ids for p in row_prompts],
+                                                   self._row_params(step), self.rl.max_completion_length, self.eos_id)
+    else:  # made before a resume, from a weight copy the checkpoint does not hold
+      completions, sampler_logps = replay
+    if self.ahead is not None:
+      self._made[step] = (completions, sampler_logps, sync_scalars.get("policy_lag", 0.0))
     rollout_s = time.perf_counter() - started
     texts = [self.tokenizer.decode(c[:-1] if c and c[-1] == self.eos_id else c, skip_special_tokens=True)
              for c in completions]
