@@ -25,7 +25,7 @@ from typing import Any, Callable, Generic, Sequence, TypeVar
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from MaxText.configuration.config import Config
 from MaxText.platform.mesh_axes import MESH_AXES
