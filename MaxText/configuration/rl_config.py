@@ -134,6 +134,11 @@ def _check_grpo_run(v: Mapping[str, Any], rl: RLConfig) -> None:
            "optimizer_memory_host_offload=False or grpo_num_iterations=1")
 
 
+def own_rollout_devices(objective: str, rl: RLConfig) -> int:
+  """The devices rolling out on a mesh of their own: rl_rollout_devices with objective=grpo, else none."""
+  return rl.rl_rollout_devices if objective == "grpo" else 0
+
+
 def training_devices(v: Mapping[str, Any], num_devices: int, num_processes: int) -> int:
   """The devices the training mesh and the global batch count: all but the rollout mesh's."""
   rollout = v["rl_rollout_devices"] if v["objective"] == "grpo" else 0

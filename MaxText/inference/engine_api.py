@@ -99,6 +99,11 @@ class DecodeEngine(Protocol):
   def prefill_chunk_size(self) -> int:
     """Prompt tokens per prefill_chunk call; 0: the rest of the prompt in one call."""
 
+  @property
+  def param_shardings(self) -> EngineParams:
+    """Where the engine's parameters live (NamedShardings shaped like them): the target a weight
+    copy from another mesh is put onto (rl/rollout_mesh.py)."""
+
   def init_decode_state(self, seed: int = 0) -> EngineState:
     """A fresh decode state with every slot free (and every page back in the pool)."""
 

@@ -65,6 +65,9 @@ class SpeculativeEngine:
     self.speculative_tokens = decoder.k
     self.num_slots, self.cfg, self.decode_cfg = self.target.num_slots, self.target.cfg, self.target.decode_cfg
     self.vocab_size, self.spec = self.target.vocab_size, self.target.spec
+    # Its parameters are (the target's, the draft model's or None): their shardings likewise.
+    self.param_shardings = (self.target.param_shardings,
+                            None if self.draft is None else self.draft.param_shardings)
     # The MTP draft prefills prompts whole (its module runs over them): no chunks, no prefix pages.
     self.prefills_into_pages = self.target.prefills_into_pages and self.draft is not None
     self._draft_done: dict[int, int] = {}  # slot -> prompt tokens the draft has cached (chunked prefill)

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from MaxText.configuration import rl_config
 from MaxText.configuration.config import Config
 from MaxText.platform.mesh_axes import MESH_AXES
 
@@ -37,13 +38,13 @@ NO_COPY = {"weight_sync_bytes": 0.0, "weight_sync_s": 0.0}  # a step's metrics w
 def split_devices(config: Config, devices: Sequence[Any] | None = None) -> tuple[list[Any], list[Any]]:
   """(training devices, rollout devices): the rollout mesh takes the last rl_rollout_devices."""
   devices = list(jax.devices() if devices is None else devices)
-  rollout = config.rl.rl_rollout_devices if config.data.objective == "grpo" else 0
+  rollout = rl_config.own_rollout_devices(config.data.objective, config.rl)
   return devices[:len(devices) - rollout], devices[len(devices) - rollout:]
 
 
 def training_devices(config: Config) -> list[Any] | None:
   """The devices build_run lays the training mesh on: None (all of them) without a rollout mesh."""
-  return split_devices(config)[0] if config.data.objective == "grpo" and config.rl.rl_rollout_devices else None
+  return split_devices(config)[0] if rl_config.own_rollout_devices(config.data.objective, config.rl) else None
 
 
 def rollout_mesh(config: Config, devices: Sequence[Any]) -> Mesh:
