@@ -31,20 +31,23 @@ def _case(seed: int) -> dict[str, np.ndarray]:
           "mask": mask}
 
 
-def _trl(case: dict[str, np.ndarray], loss_type: str, epsilon_low: float, epsilon_high: float, beta: float):
-  """GRPOTrainer._compute_loss with the model's log-probs and entropies given: (loss, d loss / d logps,
-  metrics)."""
+def trl_compute_loss(case: dict[str, np.ndarray], loss_type: str, epsilon_low: float, epsilon_high: float,
+                     beta: float, dtype: str = "float64", importance_weights: np.ndarray | None = None):
+  """GRPOTrainer._compute_loss with the model's log-probs and entropies given (and, with
+  `importance_weights`, vLLM's importance-sampling correction): (loss, d loss / d logps, metrics)."""
   torch = pytest.importorskip("torch", reason="the TRL comparison needs torch (requirements-hf.txt)")
   trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer", reason="needs trl (requirements-test.txt)")
-  logps = torch.tensor(case["logps"], dtype=torch.float64, requires_grad=True)
-  entropy = torch.tensor(case["entropy"], dtype=torch.float64)
-  mask = torch.tensor(case["mask"], dtype=torch.float64)
+  as_tensor = lambda a: torch.tensor(a, dtype=getattr(torch, dtype))  # noqa: E731
+  logps = torch.tensor(case["logps"], dtype=getattr(torch, dtype), requires_grad=True)
+  entropy = as_tensor(case["entropy"]) if "entropy" in case else torch.ones_like(logps)
+  mask = as_tensor(case["mask"])
   identity = lambda x, **_: x  # noqa: E731  (one process: gather and reduce change nothing)
+  corrected = importance_weights is not None
   trainer = types.SimpleNamespace(
       _get_per_token_logps_and_entropies=lambda *a, **k: (logps, entropy, None),
       aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
       importance_sampling_level="token", beta=beta, loss_type=loss_type, epsilon_low=epsilon_low,
-      epsilon_high=epsilon_high, use_vllm=False, vllm_importance_sampling_correction=False,
+      epsilon_high=epsilon_high, use_vllm=corrected, vllm_importance_sampling_correction=corrected,
       model=types.SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
       max_completion_length=MAX_COMPLETION, _entropy_bonus_enabled=False,
       args=types.SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
@@ -53,14 +56,18 @@ def _trl(case: dict[str, np.ndarray], loss_type: str, epsilon_low: float, epsilo
       _metrics={"train": collections.defaultdict(list)})
   inputs = {"prompt_ids": torch.zeros((ROWS, 1), dtype=torch.long), "prompt_mask": torch.ones((ROWS, 1)),
             "completion_ids": torch.zeros((ROWS, TOKENS), dtype=torch.long), "completion_mask": mask,
-            "advantages": torch.tensor(case["advantages"], dtype=torch.float64),
-            "old_per_token_logps": torch.tensor(case["old"], dtype=torch.float64),
-            "ref_per_token_logps": torch.tensor(case["ref"], dtype=torch.float64),
-            "num_items_in_batch": mask.sum()}
+            "advantages": as_tensor(case["advantages"]), "old_per_token_logps": as_tensor(case["old"]),
+            "ref_per_token_logps": as_tensor(case["ref"]), "num_items_in_batch": mask.sum()}
+  if corrected:
+    inputs["importance_sampling_ratio"] = as_tensor(importance_weights)
   loss = trl_grpo.GRPOTrainer._compute_loss(trainer, None, inputs)
   loss.backward()
   metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
   return float(loss), logps.grad.numpy(), metrics
+
+
+def _trl(case: dict[str, np.ndarray], loss_type: str, epsilon_low: float, epsilon_high: float, beta: float):
+  return trl_compute_loss(case, loss_type, epsilon_low, epsilon_high, beta)
 
 
 def _ours(case: dict[str, np.ndarray], loss_type: str, epsilon_low: float, epsilon_high: float, beta: float):

@@ -25,7 +25,7 @@ from MaxText.platform import sharding
 from MaxText.rl import rewards, rollouts
 from MaxText.training import run_assembly
 from MaxText.training.objectives import grpo_loss, rollout_correction
-from tests.test_grpo_loss import MAX_COMPLETION, ROWS, TOKENS, _case
+from tests.test_grpo_loss import MAX_COMPLETION, ROWS, TOKENS, _case, trl_compute_loss
 
 MODES = [m for m in rollout_correction.MODES if m != "off"]
 
@@ -123,31 +123,9 @@ def test_nan_sampler_log_probs_weigh_one_and_are_left_out_of_the_metrics():
 
 
 def _trl_loss(case, weights, loss_type: str, beta: float):
-  torch = pytest.importorskip("torch", reason="the TRL comparison needs torch (requirements-hf.txt)")
-  trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer", reason="needs trl (requirements-test.txt)")
-  logps = torch.tensor(case["logps"], dtype=torch.float32, requires_grad=True)
-  mask = torch.tensor(case["mask"], dtype=torch.float32)
-  identity = lambda x, **_: x  # noqa: E731
-  trainer = types.SimpleNamespace(
-      _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.ones_like(logps), None),
-      aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
-      importance_sampling_level="token", beta=beta, loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28,
-      use_vllm=True, vllm_importance_sampling_correction=True, model=types.SimpleNamespace(training=True),
-      current_gradient_accumulation_steps=1, max_completion_length=MAX_COMPLETION, _entropy_bonus_enabled=False,
-      args=types.SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
-      accelerator=types.SimpleNamespace(num_processes=1, gather=identity, gather_for_metrics=identity,
-                                        reduce=identity),
-      _metrics={"train": collections.defaultdict(list)})
-  inputs = {"prompt_ids": torch.zeros((ROWS, 1), dtype=torch.long), "prompt_mask": torch.ones((ROWS, 1)),
-            "completion_ids": torch.zeros((ROWS, TOKENS), dtype=torch.long), "completion_mask": mask,
-            "advantages": torch.tensor(case["advantages"], dtype=torch.float32),
-            "old_per_token_logps": torch.tensor(case["old"], dtype=torch.float32),
-            "ref_per_token_logps": torch.tensor(case["ref"], dtype=torch.float32),
-            "importance_sampling_ratio": torch.tensor(weights, dtype=torch.float32),
-            "num_items_in_batch": mask.sum()}
-  loss = trl_grpo.GRPOTrainer._compute_loss(trainer, None, inputs)
-  loss.backward()
-  return float(loss), logps.grad.numpy()
+  loss, grad, _ = trl_compute_loss({k: v for k, v in case.items() if k != "entropy"}, loss_type, 0.2, 0.28, beta,
+                                   dtype="float32", importance_weights=weights)
+  return loss, grad
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
