@@ -51,8 +51,7 @@ def _from_network(network: Network) -> Links:
 # (aot/step_time/network.py, sources in AOT.md), so the two models price one network.
 LINKS: dict[str, Links] = {
     "v4": Links(ici=300e9, dcn=100e9 / 8 / 4, host=16e9),
-    **{name: _from_network(network) for name, network in NETWORKS.items()},
-    "v6e": Links(ici=448e9, dcn=400e9 / 8 / 4, host=32e9),
+    **{name: _from_network(network) for name, network in NETWORKS.items()},  # v5e, v5p, v6e, tpu7x: their sources
 }
 
 # With optimizer_memory_host_offload the update still copies the moments to the device; the
