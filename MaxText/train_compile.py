@@ -32,7 +32,7 @@ from MaxText import startup
 from MaxText.training import compiled_step
 from MaxText.training import metrics, run_assembly
 from MaxText.platform import accelerators
-from MaxText.configuration import config as config_lib
+from MaxText.configuration import config as config_lib, rl_config
 from MaxText.aot.hlo_cycles import estimated_cycles, uncosted_kernel_calls
 from MaxText.aot.step_time import report as step_report
 from MaxText.aot.step_time import saved as saved_step
@@ -202,6 +202,11 @@ def main(argv: list[str]) -> int:
 
 def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
   config, devices, topology = load_target_config(argv)
+  rollout_devices = rl_config.own_rollout_devices(config.data.objective, config.rl)
+  if rollout_devices:  # the train step would be laid on the training devices alone, the rollout step on none
+    raise UserError(f"rl_rollout_devices={rollout_devices}: train_compile compiles the rollouts on the training mesh "
+                    "only, not on a rollout mesh of their own; compile with rl_rollout_devices=0 (the same train step "
+                    "on every device, and its rollout step beside it)")
   where = f"{config.mesh.num_slices} x {topology.name} ({topology.topology_name}, {topology.hosts} hosts of " \
           f"{topology.chips_per_host} chips per slice" + (f", {topology.generation.devices_per_chip} devices per chip"
           if topology.generation.devices_per_chip > 1 else "") + ")" if topology else \

@@ -142,3 +142,14 @@ def test_a_run_stopped_with_rollouts_in_flight_resumes_bitwise(workdir, tmp_path
   keys = ("reward", "loss", "grad_norm", "entropy", "completions/mean_length", "policy_lag")
   ours, theirs = _metrics(tmp_path / "again"), _metrics(tmp_path / "whole")
   assert [[r[k] for k in keys] for r in ours if r["step"] > 3] == [[r[k] for k in keys] for r in theirs[3:]]
+
+
+def test_train_compile_refuses_a_rollout_mesh_in_one_line(tiny_overrides, monkeypatch):
+  """train_compile lays out the same-mesh run only: a rollout mesh of its own is refused, not half compiled."""
+  from MaxText import train_compile
+  from MaxText.errors import UserError
+  config = _config(tiny_overrides, rl_rollout_devices=4)
+  monkeypatch.setattr(train_compile, "load_target_config", lambda argv: (config, jax.devices(), None))
+  with pytest.raises(UserError, match=r"^rl_rollout_devices=4: train_compile compiles the rollouts on the training "
+                                      r"mesh only.*compile with rl_rollout_devices=0"):
+    train_compile.main(["train_compile"])
