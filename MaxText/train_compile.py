@@ -32,7 +32,7 @@ from MaxText import startup
 from MaxText.training import compiled_step
 from MaxText.training import metrics, run_assembly
 from MaxText.platform import accelerators
-from MaxText.configuration import config as config_lib, rl_config
+from MaxText.configuration import config as config_lib
 from MaxText.aot.hlo_cycles import estimated_cycles, uncosted_kernel_calls
 from MaxText.aot.step_time import report as step_report
 from MaxText.aot.step_time import saved as saved_step
@@ -42,7 +42,9 @@ from MaxText.aot.memory_report import (GIB, MemoryReport, Offload, buffer_assign
 from MaxText.aot.plan_model import offloaded_activations
 from MaxText.errors import UserError, run_cli
 from MaxText.layers import pipeline
+from MaxText.rl import rollout_mesh
 from MaxText.rl.rollouts import compile_rollout_step
+from MaxText.inference.engine import Engine
 
 
 TOOL = startup.Tool("train_compile", reads_run=True, compiles_for="slice or local")
@@ -202,20 +204,19 @@ def main(argv: list[str]) -> int:
 
 def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
   config, devices, topology = load_target_config(argv)
-  rollout_devices = rl_config.own_rollout_devices(config.data.objective, config.rl)
-  if rollout_devices:  # the train step would be laid on the training devices alone, the rollout step on none
-    raise UserError(f"rl_rollout_devices={rollout_devices}: train_compile compiles the rollouts on the training mesh "
-                    "only, not on a rollout mesh of their own; compile with rl_rollout_devices=0 (the same train step "
-                    "on every device, and its rollout step beside it)")
+  # A rollout mesh of its own (rl_rollout_devices): the train step on the first devices, the rollout
+  # step on the last, as rollout_mesh.split_devices lays out a run.
+  train_devices, rollout_devices = rollout_mesh.split_devices(config, devices)
   where = f"{config.mesh.num_slices} x {topology.name} ({topology.topology_name}, {topology.hosts} hosts of " \
           f"{topology.chips_per_host} chips per slice" + (f", {topology.generation.devices_per_chip} devices per chip"
           if topology.generation.devices_per_chip > 1 else "") + ")" if topology else \
           f"the local {config.target.platform} devices"
-  print(f"compiling for {where}: {config.target.num_devices} devices, {config.target.device_kind}")
+  print(f"compiling for {where}: {len(devices)} devices, {config.target.device_kind}" +
+        (f"; {len(train_devices)} train, the last {len(rollout_devices)} roll out" if rollout_devices else ""))
   for name in ("LIBTPU_INIT_ARGS", "XLA_FLAGS"):
     if os.environ.get(name):
       print(f"  {name}={os.environ[name]}")
-  run = run_assembly.build_run(config, devices=devices, compiled_step=False)
+  run = run_assembly.build_run(config, devices=train_devices, compiled_step=False)
   print(f"mesh: {run.mesh_description()}")
   if config.model.pipeline.num_pipeline_stages > 1:
     print(pipeline.describe(config.model.pipeline))
@@ -245,7 +246,9 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
     print(f"fits: {format_bytes(memory.total)} of {gen.hbm_gib:g} GiB per {gen.name} {gen.device_unit}" +
           (f"; {format_bytes(host)} of host memory per {gen.device_unit} ({gen.host_gib:.1f} GiB)"
            if host and gen.host_gib else ""))
-  if run.objective.uses_rollouts:
+  if run.objective.uses_rollouts and rollout_devices:
+    _compile_rollout_mesh(config, rollout_devices, inputs.state.params, topology)
+  elif run.objective.uses_rollouts:
     _compile_rollout(config, run, inputs)
   path = config.startup.compiled_trainstep_file
   if path:
@@ -271,11 +274,39 @@ def _compile_rollout(config: config_lib.Config, run: run_assembly.Run, inputs: r
   layout) is compiled and its memory reported beside the train step's."""
   start = time.perf_counter()
   compiled = compile_rollout_step(config, run.mesh, inputs.state.params)
+  _print_rollout(config, "rollout step", compiled, start)
+
+
+def _compile_rollout_mesh(config: config_lib.Config, devices: Sequence[Any], train_params: Any,
+                          topology: accelerators.TpuTopology | None) -> None:
+  """The rollout side of a split run: the decode step on the rollout devices, laid out (data,
+  tensor) with the parameters in the engine's layout there, the weight copy's size and whether it fits."""
+  mesh = rollout_mesh.rollout_mesh(config, devices)
+  print(f"rollout mesh: {len(devices)} devices, " +
+        " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items() if size > 1 or axis in ("data", "tensor")))
+  start = time.perf_counter()
+  engine = Engine(config, num_slots=config.data.global_batch_size, mesh=mesh)
+  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), train_params,
+                        engine.param_shardings)
+  compiled = engine.compile_step(params)
+  total = _print_rollout(config, "rollout step on the rollout mesh", compiled, start)
+  print(f"weight copy to the rollout mesh: {format_bytes(rollout_mesh.tree_bytes(train_params))} per sync "
+        f"(every rl_weight_sync_interval={config.rl.rl_weight_sync_interval} updates)")
+  if topology is not None:
+    gen = topology.generation
+    if total > gen.hbm_gib * GIB:
+      raise UserError(does_not_fit_message(total, gen.name, gen.hbm_gib, "XLA memory analysis of the rollout step"))
+    print(f"rollout side fits: {format_bytes(total)} of {gen.hbm_gib:g} GiB per {gen.name} {gen.device_unit}")
+
+
+def _print_rollout(config: config_lib.Config, what: str, compiled: Any, start: float) -> float:
+  """Prints the decode step's memory per device; returns its total (arguments, outputs, temporaries)."""
   analysis = compiled.memory_analysis()
-  sizes = {name: getattr(analysis, f"{name}_size_in_bytes", 0) for name in ("argument", "output", "temp")}
-  print(f"rollout step ({config.data.global_batch_size} completions, one token each, KV cache of "
+  sizes = {name: getattr(analysis, f"{name}_size_in_bytes", 0) for name in ("argument", "output", "temp", "alias")}
+  print(f"{what} ({config.data.global_batch_size} completions, one token each, KV cache of "
         f"{config.model.max_target_length} positions): compiled in {time.perf_counter() - start:.1f} s; per device "
         f"arguments {format_bytes(sizes['argument'])} (parameters + cache), temporaries {format_bytes(sizes['temp'])}")
+  return float(sizes["argument"] + sizes["output"] + sizes["temp"] - sizes["alias"])
 
 
 if __name__ == "__main__":

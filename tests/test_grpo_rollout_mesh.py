@@ -144,12 +144,29 @@ def test_a_run_stopped_with_rollouts_in_flight_resumes_bitwise(workdir, tmp_path
   assert [[r[k] for k in keys] for r in ours if r["step"] > 3] == [[r[k] for k in keys] for r in theirs[3:]]
 
 
-def test_train_compile_refuses_a_rollout_mesh_in_one_line(tiny_overrides, monkeypatch):
-  """train_compile lays out the same-mesh run only: a rollout mesh of its own is refused, not half compiled."""
-  from MaxText import train_compile
-  from MaxText.errors import UserError
-  config = _config(tiny_overrides, rl_rollout_devices=4)
-  monkeypatch.setattr(train_compile, "load_target_config", lambda argv: (config, jax.devices(), None))
-  with pytest.raises(UserError, match=r"^rl_rollout_devices=4: train_compile compiles the rollouts on the training "
-                                      r"mesh only.*compile with rl_rollout_devices=0"):
-    train_compile.main(["train_compile"])
+def _train_compile_v5e_4(tiny_overrides, monkeypatch, capsys, **extra) -> str:
+  from MaxText import startup, train_compile
+  from MaxText.platform import accelerators
+  topology = accelerators.tpu_topology("v5e-4")
+  config = Config.for_testing(target=topology.target(), **{**tiny_overrides, **GRPO, **extra})
+  devices = startup.describe_topology(topology, 1)
+  monkeypatch.setattr(train_compile, "load_target_config", lambda argv: (config, devices, topology))
+  assert train_compile.main(["train_compile"]) == 0
+  return str(capsys.readouterr().out)
+
+
+def test_train_compile_compiles_both_sides_of_a_split_run_for_a_topology(tiny_overrides, monkeypatch, capsys):
+  """v5e-4 with rl_rollout_devices=2: the train step on the first two chips, the decode step on the
+  last two laid out tensor-parallel, each with its memory, and the weight copy's size."""
+  out = _train_compile_v5e_4(tiny_overrides, monkeypatch, capsys, per_device_batch_size=2, rl_rollout_devices=2,
+                             rl_rollout_ici_tensor_parallelism=2)
+  assert "4 devices, TPU v5 lite; 2 train, the last 2 roll out" in out
+  assert "fits: " in out and "rollout mesh: 2 devices, data 1 x tensor 2" in out
+  assert "rollout step on the rollout mesh (4 completions, one token each" in out and "rollout side fits: " in out
+  assert "weight copy to the rollout mesh: " in out and "per sync (every rl_weight_sync_interval=1 updates)" in out
+
+
+def test_train_compile_compiles_the_same_mesh_rollout_beside_the_train_step(tiny_overrides, monkeypatch, capsys):
+  out = _train_compile_v5e_4(tiny_overrides, monkeypatch, capsys)
+  assert "4 devices, TPU v5 lite\n" in out and "mesh: fsdp=4" in out and "rollout mesh" not in out
+  assert "rollout step (4 completions, one token each, KV cache of 16 positions)" in out
