@@ -58,6 +58,18 @@ def test_wrong_placements_are_one_line_errors(overrides, message):
     Config.for_testing(**_TINY, **overrides)
 
 
+def test_a_key_no_layer_produces_is_accepted_with_one_warning(capsys):
+  from MaxText.configuration import model_config
+  model_config._WARNED_UNPRODUCED.discard("engram")
+  for _ in range(2):
+    policy = Config.for_testing(**_TINY, remat_policy="custom", engram="offload", kv_proj="device").model.remat
+  assert policy.names == ()  # it places nothing
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert [line for line in lines if "engram" in line] == [
+      "warning: engram=offload places nothing: no layer here produces 'engram' (the key is accepted so that upstream "
+      "recipes run as written)"]
+
+
 def test_every_preset_but_none_is_a_placement():
   assert set(remat_policies.PRESET_PLACEMENTS) == set(remat_policies.NAMES) - {"none", "custom"}
   for name, placements in remat_policies.PRESET_PLACEMENTS.items():

@@ -10,6 +10,7 @@ are validated together (model_checks.py) before the records are built. Building 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import TYPE_CHECKING, Any, Mapping
 
 from MaxText.configuration import model_checks as checks
@@ -39,7 +40,16 @@ def remat_placements_from_values(v: Mapping[str, Any]) -> Any:
                                                                      else "remat")]
     _require(not moved, f"{', '.join(moved)} place activations only with remat_policy=custom (it is "
              f"{v['remat_policy']!r}); add remat_policy=custom, or drop them")
+  else:
+    for name in sorted(n for n, p in placements.items() if p != "remat" and n not in remat_policies.PRODUCED):
+      if name not in _WARNED_UNPRODUCED:  # once per process: a planner builds many configs
+        _WARNED_UNPRODUCED.add(name)
+        print(f"warning: {name}={placements[name]} places nothing: no layer here produces {name!r} (the key is "
+              "accepted so that upstream recipes run as written)", file=sys.stderr, flush=True)
   return RematPlacements(**placements)
+
+
+_WARNED_UNPRODUCED: set[str] = set()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
