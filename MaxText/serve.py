@@ -73,8 +73,16 @@ def _codec(config: config_lib.Config) -> tuple[api.Codec, int | None]:
       raise api.ApiError(400, f"chat completions need a chat template: {e}") from None
     return chat_tokenizer[0]
 
-  def chat(messages: list[dict[str, str]]) -> list[int]:
+  def chat(messages: list[dict[str, Any]]) -> list[int]:
     text = template_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(template_tokenizer()(text, add_special_tokens=False)["input_ids"])
+
+  def chat_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
+    template = template_tokenizer().chat_template
+    if not isinstance(template, str) or "tools" not in template:  # it would drop them without a word
+      raise api.ApiError(400, f"tools: the chat template of {data.tokenizer_path} does not render tools; serve a "
+                         "tokenizer whose template does", "tools", "unsupported_parameter")
+    text = template_tokenizer().apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     return list(template_tokenizer()(text, add_special_tokens=False)["input_ids"])
 
   d = config.decode
@@ -83,7 +91,7 @@ def _codec(config: config_lib.Config) -> tuple[api.Codec, int | None]:
   def chat_images(messages: list[dict[str, Any]]) -> tuple[list[int], Any]:
     return image_chat.conversation_ids(template_tokenizer(), messages, config.model, files=False, limits=limits)
 
-  return api.Codec(encode, tokenizer.decode, chat, chat_images), tokenizer.eos_id
+  return api.Codec(encode, tokenizer.decode, chat, chat_images, chat_tools), tokenizer.eos_id
 
 
 class Server:

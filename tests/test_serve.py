@@ -30,6 +30,8 @@ pytest.importorskip("transformers", reason="chat templates need transformers (EX
 from MaxText.platform import sharding  # noqa: E402
 from MaxText.configuration.config import Config  # noqa: E402
 from MaxText.input_pipeline import chat  # noqa: E402
+from MaxText import serve as serve_lib  # noqa: E402
+from MaxText.inference import serve_routes  # noqa: E402
 from MaxText.serve import build_app, build_server  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "inference"))
@@ -40,6 +42,13 @@ from tests.compile_settings import cpu_xla_flags  # noqa: E402
 from sft_fixtures import CHATML, write_tokenizer, without_markers  # noqa: E402
 
 KEY = "test-key-123"
+NOW = {"type": "function", "function": {"name": "the", "parameters": {"type": "object", "properties": {}}}}
+# A compact ChatML without roles (the test model takes 32 prompt tokens) with a tools section (their names), an
+# assistant turn's calls and tool results.
+CHATML_TOOLS = ("{%- for tool in tools or [] %}{{ tool.function.name }}{%- endfor %}"
+                "{%- for message in messages %}{{ '<|im_start|>' + message['content'] }}"
+                "{%- for call in message.tool_calls or [] %}{{ call.function.name }}{%- endfor %}"
+                "{{ '<|im_end|>' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>' }}{%- endif %}")
 MODEL = dict(base_emb_dim=32, base_num_query_heads=4, base_num_kv_heads=2, head_dim=8, base_mlp_dim=64,
              base_num_decoder_layers=2, vocab_size=272, max_target_length=48, max_prefill_predict_length=32,
              dtype="float32", print_config=False, tokenizer_type="huggingface", add_bos=False,
@@ -177,9 +186,10 @@ def test_stop_sequences_end_the_text_before_them(served):
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
      "response_format"),
     (dict(response_format={"type": "json_object"}), "response_format"),
-    (dict(tools=[{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]), "tools"),
-    (dict(tool_choice="required"), "tool_choice"),
-], ids=["json-schema", "json-object", "tools", "tool-choice"])
+    (dict(tools=[NOW], tool_choice="required"), "tool_choice"),
+    (dict(tools=[NOW], tool_choice={"type": "function", "function": {"name": "now"}}), "tool_choice"),
+    (dict(tools=[NOW]), "tools"),  # this fixture's template renders no tools
+], ids=["json-schema", "json-object", "tool-choice-required", "tool-choice-named", "tools-template"])
 def test_json_mode_and_tools_are_refused_by_name(served, fields, param):
   """What the server does not do is a 400 naming the field, not a free-text 200."""
   with pytest.raises(openai.BadRequestError) as raised:
@@ -187,6 +197,49 @@ def test_json_mode_and_tools_are_refused_by_name(served, fields, param):
                                           **fields)
   assert raised.value.status_code == 400 and raised.value.body["param"] == param, raised.value.body
   assert param in raised.value.body["message"] and raised.value.body["code"] == "unsupported_parameter"
+
+
+def test_tools_are_rendered_and_tool_messages_rendered_back(served, tmp_path, monkeypatch):
+  """The openai client's tool flow against a random model with a template that renders tools: the
+  prompt is the template's rendering with the tools, then with the assistant's call and the tool's result."""
+  tok = write_tokenizer(tmp_path / "tok", CHATML_TOOLS)
+  codec, _ = serve_lib._codec(Config.for_testing(**MODEL, **LIMITS, tokenizer_path=str(tok)))
+  monkeypatch.setattr(served.server, "codec", codec)
+  template = chat.load_chat_tokenizer(str(tok))
+
+  def ids(messages):
+    text = template.apply_chat_template(messages, tools=[NOW], tokenize=False, add_generation_prompt=True)
+    return list(template(text, add_special_tokens=False)["input_ids"])
+
+  messages = [{"role": "user", "content": "to be"}]
+  answer = served.client.chat.completions.create(model="tiny", messages=messages, tools=[NOW], max_tokens=4,
+                                                 temperature=0)
+  assert answer.usage.prompt_tokens == len(ids(messages)) > len(ids(messages)[:-1])
+  assert answer.choices[0].message.content == served.text(served.greedy(ids(messages), 4))  # no call: content
+  assert not answer.choices[0].message.tool_calls and answer.choices[0].finish_reason in ("stop", "length")
+  stream = served.client.chat.completions.create(model="tiny", messages=messages, tools=[NOW], max_tokens=4,
+                                                 temperature=0, stream=True)
+  assert "".join(c.choices[0].delta.content or "" for c in stream) == answer.choices[0].message.content
+  call = {"id": "call_1", "type": "function", "function": {"name": "the", "arguments": "{}"}}
+  follow = messages + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "call_1", "content": "day"}]
+  again = served.client.chat.completions.create(model="tiny", messages=follow, tools=[NOW], max_tokens=2,
+                                                temperature=0)
+  rendered = [*messages, {"role": "assistant", "content": "", "tool_calls": [{**call, "function": {
+      "name": "the", "arguments": {}}}]}, {"role": "tool", "content": "day"}]
+  assert "<|im_start|>the<|im_end|><|im_start|>day<|im_end|>" in template.apply_chat_template(rendered, tools=[NOW], tokenize=False)
+  assert again.usage.prompt_tokens == len(ids(rendered))
+
+
+def test_a_generated_call_is_a_tool_call_the_openai_client_reads():
+  """The chat route's answer for a generated call text, as the openai client's types read it."""
+  text = '<tool_call>{"name": "now", "arguments": {"tz": "UTC"}}</tool_call>'
+  body = {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "tiny",
+          "choices": [serve_routes.chat_choice(0, text, "stop", tools=True)]}
+  choice = openai.types.chat.ChatCompletion.model_validate(body).choices[0]
+  assert choice.finish_reason == "tool_calls" and choice.message.content is None
+  assert choice.message.tool_calls[0].function.name == "now"
+  assert choice.message.tool_calls[0].function.arguments == '{"tz": "UTC"}'
 
 
 def test_a_stream_with_include_usage_ends_with_the_usage(served):

@@ -7,7 +7,9 @@ holding back text that could still become one; the `*_body` helpers build respon
 No field can name a file, a path or another checkpoint: `model` is only compared to the served name.
 A field a route does not implement is a 400 naming it (COMPLETION_FIELDS, CHAT_FIELDS; a few only at
 their defaults, NO_OP_VALUES), bar IGNORED_FIELDS, which ask nothing of the answer.
-Chat content parts may carry images as data: URLs (`Codec.chat_images`, inference/image_chat.py);
+`tools` with `tool_choice` "auto" are rendered through the chat template (`Codec.chat_tools`) and the
+reply's calls parsed (inference/tool_calls.py); "required" and a named function need constrained decoding
+and are refused. Chat content parts may carry images as data: URLs (`Codec.chat_images`, inference/image_chat.py);
 an http(s) URL is refused, nothing is fetched.
 """
 
@@ -52,10 +54,13 @@ class Codec:
   """Text <-> ids for one tokenizer (`chat` renders messages with the tokenizer's template)."""
   encode: Callable[[str], list[int]]
   decode: Callable[[list[int]], str]
-  chat: Callable[[list[dict[str, str]]], list[int]]
+  chat: Callable[[list[dict[str, Any]]], list[int]]
   # Messages with content parts, images among them -> (ids, the images: image_prompts.PromptImages
   # or None); raises UserError on a bad image. None: the server takes no images.
   chat_images: Callable[[list[dict[str, Any]]], tuple[list[int], Any]] | None = None
+  # Messages and OpenAI `tools` -> ids; raises ApiError when the template cannot render tools.
+  # None: the server renders no tools.
+  chat_tools: Callable[[list[dict[str, Any]], list[dict[str, Any]]], list[int]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +80,7 @@ class Request:
   echo: bool = False
   logprobs: int | None = None  # completions: how many alternatives per token (0..5); None = none
   include_usage: bool = False  # streams: a last chunk with the usage (stream_options)
+  tools: bool = False  # chat: tools were offered, the reply's tool calls are parsed
 
 
 def parse_json(raw: bytes) -> Any:
@@ -123,7 +129,7 @@ CHAT_FIELDS = frozenset(_SAMPLING_FIELDS + ("messages", "max_completion_tokens",
 IGNORED_FIELDS = frozenset(("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
                             "prompt_cache_retention", "prompt_cache_options", "parallel_tool_calls"))
 # Fields read only at the values that ask for nothing (their defaults), and why others are refused.
-_NO_TOOLS = "this server calls no tools"
+_NO_TOOLS = "use tools and tool_choice"
 NO_OP_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
     "presence_penalty": ((0,), "only 0"),
     "frequency_penalty": ((0,), "only 0"),
@@ -131,10 +137,8 @@ NO_OP_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((1,), "only 1"),
     "suffix": (("",), "only \"\""),
     "response_format": (({"type": "text"},), 'only {"type": "text"}: the output is not constrained to JSON'),
-    "tools": (([],), _NO_TOOLS),
-    "tool_choice": (("none",), f'only "none": {_NO_TOOLS}'),
-    "functions": (([],), _NO_TOOLS),
-    "function_call": (("none",), f'only "none": {_NO_TOOLS}'),
+    "functions": (([],), f"deprecated: {_NO_TOOLS}"),
+    "function_call": (("none",), f"deprecated: {_NO_TOOLS}"),
     "modalities": ((["text"],), 'only ["text"]'),
 }
 _CHAT_NO_OP_VALUES = {**NO_OP_VALUES,
@@ -319,6 +323,7 @@ def parse_chat(body: Any, limits: Limits, codec: Codec) -> Request:
     choices = _choices([ids], body, name, limits, minimum=1, images=images)
     return Request(choices, bool(_get(body, "stream", bool, False)), _stop(body),
                    include_usage=_include_usage(body))
+  tools = _tools(body)
   rendered = []
   for i, message in enumerate(messages):
     content = message.get("content")
@@ -327,12 +332,64 @@ def parse_chat(body: Any, limits: Limits, codec: Codec) -> Request:
                  for part in content):
         raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
       content = "".join(part["text"] for part in content)
+    if content is None and message.get("tool_calls"):
+      content = ""  # an assistant turn that only called tools
     if not isinstance(content, str):
       raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
-    rendered.append({"role": message["role"], "content": content})
-  choices = _choices([codec.chat(rendered)], body, name, limits, minimum=1)
+    rendered.append({"role": message["role"], "content": content, **_tool_fields(message, i)})
+  if tools:
+    if codec.chat_tools is None:
+      raise ApiError(400, "tools are not supported by this server's chat", "tools", "unsupported_parameter")
+    ids = codec.chat_tools(rendered, tools)
+  else:
+    ids = codec.chat(rendered)
+  choices = _choices([ids], body, name, limits, minimum=1)
   return Request(choices, bool(_get(body, "stream", bool, False)), _stop(body),
-                 include_usage=_include_usage(body))
+                 include_usage=_include_usage(body), tools=bool(tools))
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
+  """The tools to render: none without tools or with tool_choice "none" (the model is not told of them)."""
+  tools = _get(body, "tools", list, [])
+  for i, tool in enumerate(tools):
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict) \
+        or not isinstance(function.get("name"), str):
+      raise ApiError(400, f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}', "tools")
+  choice = body.get("tool_choice")
+  if choice is None:
+    choice = "auto"
+  if choice in ("required",) or isinstance(choice, dict):
+    raise ApiError(400, f"tool_choice {json.dumps(choice)[:100]} needs constrained decoding, which this server "
+                   'does not do yet; use "auto" or "none"', "tool_choice", "unsupported_parameter")
+  if choice not in ("auto", "none"):
+    raise ApiError(400, f'tool_choice must be "auto", "none", "required" or a named function, got {choice!r:.100}',
+                   "tool_choice")
+  return tools if choice == "auto" else []
+
+
+def _tool_fields(message: dict[str, Any], i: int) -> dict[str, Any]:
+  """A message's tool_calls (arguments as objects, as templates render them), tool_call_id and name."""
+  out: dict[str, Any] = {k: message[k] for k in ("tool_call_id", "name") if isinstance(message.get(k), str)}
+  calls = message.get("tool_calls")
+  if not calls:
+    return out
+  if not isinstance(calls, list):
+    raise ApiError(400, f"messages[{i}].tool_calls must be a list", "messages")
+  out["tool_calls"] = []
+  for call in calls:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+      raise ApiError(400, f"messages[{i}].tool_calls: each needs a function with a name", "messages")
+    arguments = function.get("arguments", "{}")
+    try:
+      arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+      raise ApiError(400, f"messages[{i}].tool_calls: arguments of {function['name'][:100]!r} are not JSON",
+                     "messages") from None
+    out["tool_calls"].append({"id": call.get("id"), "type": "function",
+                              "function": {"name": function["name"], "arguments": arguments}})
+  return out
 
 
 IMAGE_PART_TYPES = ("image_url", "image")

@@ -15,6 +15,7 @@ from fastapi.responses import Response
 from MaxText.inference import openai_api as api
 from MaxText.inference import scheduler as sched
 from MaxText.inference import serve_metrics
+from MaxText.inference import tool_calls
 
 if TYPE_CHECKING:
   from MaxText.serve import Server
@@ -133,10 +134,34 @@ def add_routes(app: FastAPI, server: "Server", json_response: Any, streaming_res
     choices = await _run(http, request, False, chat=True)
     if not isinstance(choices, dict):
       return choices  # the stream
-    out = [{"index": index, "message": {"role": "assistant", "content": choice.text.text}, "logprobs": None,
-            "finish_reason": choice.finish_reason} for index, choice in sorted(choices.items())]
+    out = [chat_choice(index, choice.text.text, choice.finish_reason, request.tools)
+           for index, choice in sorted(choices.items())]
     return {"id": _new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
             "model": server.limits.model_name, "choices": out, "usage": _usage(request, choices)}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, tools: bool) -> dict[str, Any]:
+  """One choice of a chat answer; with tools offered, the calls in its text as `tool_calls`."""
+  message: dict[str, Any] = {"role": "assistant", "content": text}
+  parsed = tool_calls.parse(text) if tools else None
+  if parsed is not None and parsed.calls:
+    message = {"role": "assistant", "content": parsed.content or None,
+               "tool_calls": [call.openai() for call in parsed.calls]}
+    finish_reason = "tool_calls"
+  return {"index": index, "message": message, "logprobs": None, "finish_reason": finish_reason}
+
+
+def _tool_chunks(index: int, splitter: tool_calls.ContentSplitter, finish_reason: str | None
+                 ) -> tuple[list[dict[str, Any]], str | None]:
+  """A streamed choice's end with tools offered: the content not yet sent and one delta per call."""
+  parsed = tool_calls.parse(splitter.text)
+  rest = parsed.content[splitter.sent:]
+  bodies: list[dict[str, Any]] = [{"index": index, "delta": {"content": rest}, "logprobs": None,
+                                   "finish_reason": None}] if rest else []
+  for i, call in enumerate(parsed.calls):
+    bodies.append({"index": index, "delta": {"tool_calls": [{"index": i, **call.openai()}]}, "logprobs": None,
+                   "finish_reason": None})
+  return bodies, "tool_calls" if parsed.calls else finish_reason
 
 
 async def _stream(server: "Server", request: api.Request, jobs: list[sched.Job],
@@ -151,6 +176,7 @@ async def _stream(server: "Server", request: api.Request, jobs: list[sched.Job],
   if request.include_usage:
     head["usage"] = None  # every chunk but the last, which has the usage and no choices
   choices = _choices(server, request)
+  splitters = {index: tool_calls.ContentSplitter() for index in choices} if chat and request.tools else {}
 
   def chunk(index: int, text: str | None, finish_reason: str | None, logprobs: Any = None) -> str:
     if chat:
@@ -180,7 +206,16 @@ async def _stream(server: "Server", request: api.Request, jobs: list[sched.Job],
           elif len(choice.tokens) > had:
             logprobs = api.completion_logprobs(choice.tokens[had:], choice.logprobs[had:], list(choice.tops[had:]),
                                                request.logprobs, server.token_text)
-        if isinstance(event, sched.Done):
+        if event.index in splitters:
+          delta = splitters[event.index].add(delta)
+        if isinstance(event, sched.Done) and event.index in splitters:
+          if delta:
+            yield chunk(event.index, delta, None)
+          bodies, finish_reason = _tool_chunks(event.index, splitters[event.index], choice.finish_reason)
+          for body in bodies:
+            yield sse({**head, "choices": [body]})
+          yield chunk(event.index, None, finish_reason)
+        elif isinstance(event, sched.Done):
           yield chunk(event.index, delta or None, choice.finish_reason)
         elif delta or logprobs is not None:
           yield chunk(event.index, delta, None, logprobs)

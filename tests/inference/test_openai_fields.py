@@ -18,7 +18,8 @@ from openai.types.chat import completion_create_params as chat_create_params  # 
 from MaxText.inference import openai_api as api  # noqa: E402
 
 LIMITS = api.Limits("tiny", 272, 32, 48, 16, 4)
-CODEC = api.Codec(encode=lambda text: [5, 6, 7], decode=lambda ids: "x", chat=lambda messages: [5, 6, 7])
+CODEC = api.Codec(encode=lambda text: [5, 6, 7], decode=lambda ids: "x", chat=lambda messages: [5, 6, 7],
+                  chat_tools=lambda messages, tools: [5, 6, 7])
 OK, REFUSED = "ok", "400"
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 
@@ -39,10 +40,12 @@ CHAT = {
     "user": ("u1", OK), "metadata": ({"k": "v"}, OK), "store": (True, OK), "service_tier": ("auto", OK),
     "safety_identifier": ("s", OK), "prompt_cache_key": ("k", OK), "prompt_cache_retention": ("24h", OK),
     "prompt_cache_options": ({"ttl": "30m"}, OK), "parallel_tool_calls": (True, OK),
+    # Tools rendered by the chat template, calls parsed (tool_choice "required" or a named function: refused).
+    "tools": ([TOOL], OK), "tool_choice": ("auto", OK),
     # Refused unless at their defaults.
     "frequency_penalty": (0.5, REFUSED), "presence_penalty": (0.5, REFUSED), "logit_bias": ({"5": 10}, REFUSED),
     "logprobs": (True, REFUSED), "top_logprobs": (2, REFUSED),
-    "response_format": ({"type": "json_object"}, REFUSED), "tools": ([TOOL], REFUSED), "tool_choice": ("auto", REFUSED),
+    "response_format": ({"type": "json_object"}, REFUSED),
     "functions": ([TOOL["function"]], REFUSED), "function_call": ("auto", REFUSED),
     "modalities": (["text", "audio"], REFUSED),
     # Refused: not implemented.
@@ -51,8 +54,8 @@ CHAT = {
     "moderation": ({"model": "omni-moderation-latest"}, REFUSED),
 }
 DEFAULTS = {"best_of": 1, "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "suffix": "",
-            "logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"}, "tools": [],
-            "tool_choice": "none", "functions": [], "function_call": "none", "modalities": ["text"]}
+            "logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"},
+            "functions": [], "function_call": "none", "modalities": ["text"]}
 
 
 def _client_fields(module) -> set[str]:

@@ -1,0 +1,114 @@
+"""Tool calls in a model's reply, in the formats chat templates teach: `parse` splits a reply into its
+content and its calls; `ContentSplitter` says, while a reply streams, which text is surely content.
+
+FORMATS, tried in order on a whole reply:
+  tag:  Qwen 2.5/3 and Hermes, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one or more,
+        with content around them;
+  json: Llama 3.1, the whole reply one `{"name": ..., "parameters": {...}}` (after an optional
+        `<|python_tag|>`).
+A call whose JSON is malformed (or not a name with an object of arguments) stays in the content as
+written: the client sees what the model said, never an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from typing import Any, Callable
+
+TAG_OPEN, TAG_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+  name: str
+  arguments: dict[str, Any]
+
+  def openai(self) -> dict[str, Any]:
+    """OpenAI's shape: the arguments as a JSON string."""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Parsed:
+  content: str  # the reply with its calls taken out ("" when only calls)
+  calls: list[ToolCall]
+
+
+def _call(text: str, arguments_key: str) -> ToolCall | None:
+  try:
+    obj = json.loads(text)
+  except (ValueError, RecursionError):
+    return None
+  if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    return None
+  arguments = obj.get(arguments_key, {})
+  if isinstance(arguments, str):  # some models write the arguments as a JSON string
+    try:
+      arguments = json.loads(arguments)
+    except (ValueError, RecursionError):
+      return None
+  return ToolCall(obj["name"], arguments) if isinstance(arguments, dict) else None
+
+
+def _tagged(text: str) -> Parsed:
+  content, calls, at = [], [], 0
+  while (start := text.find(TAG_OPEN, at)) >= 0:
+    end = text.find(TAG_CLOSE, start)
+    if end < 0:
+      break  # an unclosed tag (cut by max_tokens): content
+    call = _call(text[start + len(TAG_OPEN):end], "arguments")
+    content.append(text[at:start] if call else text[at:end + len(TAG_CLOSE)])
+    calls += [call] if call else []
+    at = end + len(TAG_CLOSE)
+  content.append(text[at:])
+  joined = "".join(content)
+  return Parsed(joined if joined.strip() or not calls else "", calls)
+
+
+def _whole_json(text: str) -> Parsed:
+  body = text.strip()
+  body = body[len(PYTHON_TAG):] if body.startswith(PYTHON_TAG) else body
+  call = _call(body, "parameters") or _call(body, "arguments")
+  return Parsed("", [call]) if call else Parsed(text, [])
+
+
+FORMATS: dict[str, Callable[[str], Parsed]] = {"tag": _tagged, "json": _whole_json}
+
+
+def parse(text: str) -> Parsed:
+  for fmt in FORMATS.values():
+    parsed = fmt(text)
+    if parsed.calls:
+      return parsed
+  return Parsed(text, [])
+
+
+class ContentSplitter:
+  """While a reply streams: `add(delta)` returns the text that is content whatever follows, i.e. the
+  text before the first `<tool_call>` (less a tail that could begin one); a reply that opens like a
+  Llama JSON call is held whole. `parse(text)` of the whole reply then has this text as its prefix."""
+
+  def __init__(self) -> None:
+    self.text = ""
+    self.sent = 0
+
+  def add(self, delta: str) -> str:
+    self.text += delta
+    head = self.text.lstrip()
+    if head.startswith("{") or PYTHON_TAG.startswith(head[:len(PYTHON_TAG)]):
+      return ""  # maybe a whole-reply JSON call (or only whitespace so far)
+    safe = self.text.find(TAG_OPEN)
+    if safe < 0:
+      safe = len(self.text)
+      for keep in range(min(len(TAG_OPEN) - 1, len(self.text)), 0, -1):
+        if TAG_OPEN.startswith(self.text[-keep:]):
+          safe -= keep
+          break
+    if safe <= self.sent:
+      return ""
+    out, self.sent = self.text[self.sent:safe], safe
+    return out

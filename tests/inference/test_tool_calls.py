@@ -1,0 +1,153 @@
+"""Tool calls in /v1/chat/completions without a model: the parser on each format (several calls,
+malformed JSON left as content), the streamed split of content and calls, the chat route's answer
+built from a fixed generated text, and what parse_chat accepts, renders and refuses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from MaxText.inference import openai_api as api
+from MaxText.inference import scheduler as sched
+from MaxText.inference import serve_routes, tool_calls
+
+LIMITS = api.Limits("tiny", 272, 32, 48, 16, 4)
+TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+    "a": {"type": "number"}, "b": {"type": "number"}}}}}
+TWO_CALLS = ('Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+             '<tool_call>{"name": "now", "arguments": {}}</tool_call>')
+
+
+def test_tag_format_several_calls_and_the_content_before_them():
+  parsed = tool_calls.parse(TWO_CALLS)
+  assert parsed.calls == [tool_calls.ToolCall("add", {"a": 1, "b": 2}), tool_calls.ToolCall("now", {})]
+  assert parsed.content == "Let me add.\n\n"
+
+
+def test_llama_json_format_is_the_whole_reply():
+  for text in ('{"name": "add", "parameters": {"a": 1, "b": 2}}', '<|python_tag|>{"name": "add", "parameters": '
+               '{"a": 1, "b": 2}}\n'):
+    assert tool_calls.parse(text) == tool_calls.Parsed("", [tool_calls.ToolCall("add", {"a": 1, "b": 2})])
+  # JSON inside a longer reply is not a call.
+  assert tool_calls.parse('see {"name": "add", "parameters": {}}').calls == []
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": "add", "arguments": {"a": 1,</tool_call>',  # cut JSON
+    '<tool_call>{"arguments": {}}</tool_call>',  # no name
+    '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>',  # arguments not an object
+    '<tool_call>{"name": "add", "arguments": {}}',  # never closed
+    '{"name": "add", "parameters": {"a": }',
+    "[" * 100000,  # deeper than json's recursion limit
+])
+def test_malformed_calls_are_plain_content(text):
+  assert tool_calls.parse(text) == tool_calls.Parsed(text, [])
+
+
+def test_one_malformed_call_among_good_ones_stays_content():
+  bad = '<tool_call>{"name": oops}</tool_call>'
+  parsed = tool_calls.parse(bad + '<tool_call>{"name": "now", "arguments": "{}"}</tool_call>')
+  assert parsed.content == bad and parsed.calls == [tool_calls.ToolCall("now", {})]
+
+
+@pytest.mark.parametrize("text", [TWO_CALLS, "plain text < not a tag", '{"name": "add", "parameters": {}}',
+                                  'a <tool_call>{"bad"}</tool_call> b'])
+def test_streamed_content_is_a_prefix_of_the_parsed_content(text):
+  splitter = tool_calls.ContentSplitter()
+  sent = "".join(splitter.add(c) for c in text)
+  parsed = tool_calls.parse(text)
+  assert parsed.content.startswith(sent) and "<tool_call" not in sent
+  if not parsed.calls:
+    assert sent == text[:len(sent)]
+
+
+def test_the_answer_built_from_a_generated_call():
+  choice = serve_routes.chat_choice(0, TWO_CALLS, "stop", tools=True)
+  assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me add.\n\n"
+  calls = choice["message"]["tool_calls"]
+  assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+      ("function", "add", {"a": 1, "b": 2}), ("function", "now", {})]
+  assert all(c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
+  # Without tools offered the same text is content.
+  assert serve_routes.chat_choice(0, TWO_CALLS, "stop", tools=False)["message"] == {"role": "assistant",
+                                                                                     "content": TWO_CALLS}
+
+
+class _Job:
+  def cancel(self) -> None:
+    pass
+
+
+class _Server:
+  class limits:
+    model_name = "tiny"
+
+  codec = api.Codec(encode=lambda t: [5], decode=lambda ids: "".join(chr(i) for i in ids), chat=lambda m: [5])
+
+
+def test_a_stream_sends_the_content_then_one_delta_per_call():
+  request = api.Request([api.Completion(0, [5], 99, None)], stream=True, stop=[], tools=True)  # type: ignore[arg-type]
+
+  async def events():
+    for ch in TWO_CALLS:
+      yield sched.Token(0, ord(ch), 0.0, [])
+    yield sched.Done(0, "stop")
+
+  async def collect():
+    return [line async for line in serve_routes._stream(_Server(), request, [_Job()], events(),  # type: ignore[arg-type]
+                                                         lambda obj: json.dumps(obj), chat=True)]
+
+  chunks = [json.loads(c) for c in asyncio.run(collect()) if c.startswith("{")]
+  deltas = [c["choices"][0]["delta"] for c in chunks]
+  assert "".join(d.get("content") or "" for d in deltas) == "Let me add.\n\n"
+  calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+  assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "add"), (1, "now")]
+  assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def _codec(seen: list):
+  def chat_tools(messages, tools):
+    seen.append((messages, tools))
+    return [5, 6]
+  return api.Codec(encode=lambda t: [5], decode=lambda ids: "x", chat=lambda m: seen.append((m, None)) or [5],
+                   chat_tools=chat_tools)
+
+
+def test_tools_and_tool_messages_reach_the_template():
+  seen: list = []
+  messages = [{"role": "user", "content": "1+2?"},
+              {"role": "assistant", "content": None, "tool_calls": [
+                  {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+  request = api.parse_chat({"messages": messages, "tools": [TOOL]}, LIMITS, _codec(seen))
+  assert request.tools and request.choices[0].prompt == [5, 6]
+  rendered, tools = seen[-1]
+  assert tools == [TOOL]
+  assert rendered[1] == {"role": "assistant", "content": "", "tool_calls": [
+      {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]}
+  assert rendered[2] == {"role": "tool", "content": "3", "tool_call_id": "call_1"}
+  # tool_choice "none": the tools are not rendered and no call is parsed.
+  request = api.parse_chat({"messages": messages, "tools": [TOOL], "tool_choice": "none"}, LIMITS, _codec(seen))
+  assert not request.tools and seen[-1][1] is None
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"tools": [TOOL], "tool_choice": "required"}, "needs constrained decoding"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "add"}}}, "needs constrained decoding"),
+    ({"tools": [TOOL], "tool_choice": "sometimes"}, 'tool_choice must be "auto"'),
+    ({"tools": [{"type": "function"}]}, r"tools\[0\] must be"),
+])
+def test_refusals_name_the_field(fields, message):
+  with pytest.raises(api.ApiError, match=message) as raised:
+    api.parse_chat({"messages": [{"role": "user", "content": "hi"}], **fields}, LIMITS, _codec([]))
+  assert raised.value.status == 400 and raised.value.param in ("tool_choice", "tools")
+  assert "\n" not in raised.value.message
+
+
+def test_a_codec_without_tools_refuses_them():
+  codec = api.Codec(encode=lambda t: [5], decode=lambda ids: "x", chat=lambda m: [5])
+  with pytest.raises(api.ApiError, match="tools are not supported") as raised:
+    api.parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": [TOOL]}, LIMITS, codec)
+  assert raised.value.param == "tools"
