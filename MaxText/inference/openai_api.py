@@ -316,6 +316,9 @@ def parse_chat(body: Any, limits: Limits, codec: Codec) -> Request:
   if has_images(body) or (codec.chat_images is not None and limits.image_token_id is not None):
     if codec.chat_images is None:
       raise ApiError(400, "this server takes no images", "messages")
+    if _tools(body):
+      raise ApiError(400, "tools with images are not supported yet; send one or the other", "tools",
+                     "unsupported_parameter")
     try:
       ids, images = codec.chat_images(messages)
     except UserError as e:

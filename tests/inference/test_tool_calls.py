@@ -151,3 +151,12 @@ def test_a_codec_without_tools_refuses_them():
   with pytest.raises(api.ApiError, match="tools are not supported") as raised:
     api.parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": [TOOL]}, LIMITS, codec)
   assert raised.value.param == "tools"
+
+
+def test_tools_with_images_are_refused():
+  codec = api.Codec(encode=lambda t: [5], decode=lambda ids: "x", chat=lambda m: [5],
+                    chat_images=lambda m: ([5], None), chat_tools=lambda m, t: [5])
+  image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+  with pytest.raises(api.ApiError, match="tools with images") as raised:
+    api.parse_chat({"messages": [{"role": "user", "content": [image]}], "tools": [TOOL]}, LIMITS, codec)
+  assert raised.value.param == "tools"
