@@ -87,11 +87,12 @@ class _Server:
   codec = api.Codec(encode=lambda t: [5], decode=lambda ids: "".join(chr(i) for i in ids), chat=lambda m: [5])
 
 
-def test_a_stream_sends_the_content_then_one_delta_per_call():
+def _streamed(text: str) -> list[dict]:
+  """The chat stream's chunks for a choice that generates `text` (one character per token)."""
   request = api.Request([api.Completion(0, [5], 99, None)], stream=True, stop=[], tools=True)  # type: ignore[arg-type]
 
   async def events():
-    for ch in TWO_CALLS:
+    for ch in text:
       yield sched.Token(0, ord(ch), 0.0, [])
     yield sched.Done(0, "stop")
 
@@ -99,7 +100,11 @@ def test_a_stream_sends_the_content_then_one_delta_per_call():
     return [line async for line in serve_routes._stream(_Server(), request, [_Job()], events(),  # type: ignore[arg-type]
                                                          lambda obj: json.dumps(obj), chat=True)]
 
-  chunks = [json.loads(c) for c in asyncio.run(collect()) if c.startswith("{")]
+  return [json.loads(c) for c in asyncio.run(collect()) if c.startswith("{")]
+
+
+def test_a_stream_sends_the_content_then_one_delta_per_call():
+  chunks = _streamed(TWO_CALLS)
   deltas = [c["choices"][0]["delta"] for c in chunks]
   assert "".join(d.get("content") or "" for d in deltas) == "Let me add.\n\n"
   calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
@@ -160,3 +165,15 @@ def test_tools_with_images_are_refused():
   with pytest.raises(api.ApiError, match="tools with images") as raised:
     api.parse_chat({"messages": [{"role": "user", "content": [image]}], "tools": [TOOL]}, LIMITS, codec)
   assert raised.value.param == "tools"
+
+
+def test_streamed_calls_are_chunks_the_openai_client_reads():
+  openai = pytest.importorskip("openai", reason="needs openai (EXTRAS=test bash setup.sh)")
+  chunks = [openai.types.chat.ChatCompletionChunk.model_validate(c) for c in _streamed(TWO_CALLS)]
+  calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+  assert [(t.index, t.type, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+      (0, "function", "add", {"a": 1, "b": 2}), (1, "function", "now", {})]
+  # No tool call: the stream is the text, finish_reason as without tools.
+  plain = _streamed("<b>plain</b>")
+  assert "".join(c["choices"][0]["delta"].get("content") or "" for c in plain) == "<b>plain</b>"
+  assert plain[-1]["choices"][0]["finish_reason"] == "stop"
