@@ -151,16 +151,20 @@ def chat_choice(index: int, text: str, finish_reason: str | None, tools: bool) -
   return {"index": index, "message": message, "logprobs": None, "finish_reason": finish_reason}
 
 
+def _call_chunks(index: int, calls: list[tool_calls.ToolCall], first: int) -> list[dict[str, Any]]:
+  """One `delta.tool_calls` chunk per call; `first` numbers them after those already sent."""
+  return [{"index": index, "delta": {"tool_calls": [{"index": first + i, **call.openai()}]}, "logprobs": None,
+           "finish_reason": None} for i, call in enumerate(calls)]
+
+
 def _tool_chunks(index: int, splitter: tool_calls.ContentSplitter, finish_reason: str | None
                  ) -> tuple[list[dict[str, Any]], str | None]:
-  """A streamed choice's end with tools offered: the content not yet sent and one delta per call."""
+  """A streamed choice's end with tools offered: the content not yet sent and the calls not yet sent."""
   parsed = tool_calls.parse(splitter.text)
   rest = parsed.content[splitter.sent:]
   bodies: list[dict[str, Any]] = [{"index": index, "delta": {"content": rest}, "logprobs": None,
                                    "finish_reason": None}] if rest else []
-  for i, call in enumerate(parsed.calls):
-    bodies.append({"index": index, "delta": {"tool_calls": [{"index": i, **call.openai()}]}, "logprobs": None,
-                   "finish_reason": None})
+  bodies += _call_chunks(index, parsed.calls[splitter.calls_sent:], splitter.calls_sent)
   return bodies, "tool_calls" if parsed.calls else finish_reason
 
 
@@ -217,6 +221,12 @@ async def _stream(server: "Server", request: api.Request, jobs: list[sched.Job],
           yield chunk(event.index, None, finish_reason)
         elif isinstance(event, sched.Done):
           yield chunk(event.index, delta or None, choice.finish_reason)
+        elif event.index in splitters:  # a call whose closing tag just arrived goes out now
+          if delta:
+            yield chunk(event.index, delta, None)
+          first = splitters[event.index].calls_sent
+          for body in _call_chunks(event.index, splitters[event.index].new_calls(), first):
+            yield sse({**head, "choices": [body]})
         elif delta or logprobs is not None:
           yield chunk(event.index, delta, None, logprobs)
   except api.ApiError as e:

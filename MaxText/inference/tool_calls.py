@@ -90,11 +90,24 @@ def parse(text: str) -> Parsed:
 class ContentSplitter:
   """While a reply streams: `add(delta)` returns the text that is content whatever follows, i.e. the
   text before the first `<tool_call>` (less a tail that could begin one); a reply that opens like a
-  Llama JSON call is held whole. `parse(text)` of the whole reply then has this text as its prefix."""
+  Llama JSON call is held whole. `parse(text)` of the whole reply then has this text as its prefix,
+  and its calls begin with those `new_calls` returned on the way."""
 
   def __init__(self) -> None:
     self.text = ""
     self.sent = 0
+    self.calls_sent = 0
+    self._last_close = -1
+
+  def new_calls(self) -> list[ToolCall]:
+    """The tagged calls closed since the last time asked (the whole reply's parse starts with them)."""
+    end = self.text.rfind(TAG_CLOSE)
+    if end < 0 or end == self._last_close:
+      return []
+    self._last_close = end
+    calls = _tagged(self.text[:end + len(TAG_CLOSE)]).calls
+    out, self.calls_sent = calls[self.calls_sent:], max(self.calls_sent, len(calls))
+    return out
 
   def add(self, delta: str) -> str:
     self.text += delta

@@ -63,6 +63,15 @@ def test_streamed_content_is_a_prefix_of_the_parsed_content(text):
     assert sent == text[:len(sent)]
 
 
+def test_a_streamed_call_is_ready_when_its_tag_closes():
+  splitter, ready = tool_calls.ContentSplitter(), []
+  for i, ch in enumerate(TWO_CALLS):
+    splitter.add(ch)
+    ready += [(i + 1, call.name) for call in splitter.new_calls()]
+  first_close = TWO_CALLS.index(tool_calls.TAG_CLOSE) + len(tool_calls.TAG_CLOSE)
+  assert ready == [(first_close, "add"), (len(TWO_CALLS), "now")]
+
+
 def test_the_answer_built_from_a_generated_call():
   choice = serve_routes.chat_choice(0, TWO_CALLS, "stop", tools=True)
   assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me add.\n\n"
