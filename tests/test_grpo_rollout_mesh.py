@@ -170,3 +170,12 @@ def test_train_compile_compiles_the_same_mesh_rollout_beside_the_train_step(tiny
   out = _train_compile_v5e_4(tiny_overrides, monkeypatch, capsys)
   assert "4 devices, TPU v5 lite\n" in out and "mesh: fsdp=4" in out and "rollout mesh" not in out
   assert "rollout step (4 completions, one token each, KV cache of 16 positions)" in out
+
+
+def test_a_topology_of_several_hosts_is_refused_for_a_rollout_mesh(tiny_overrides):
+  """v5e-8 has two hosts, so a run on it has two processes: the rollout mesh is built in one only."""
+  from MaxText.platform import accelerators
+  with pytest.raises(ConfigError, match="rl_rollout_devices=4: a rollout mesh of its own is built in one process only "
+                                        r"\(this run has 2\)"):
+    Config.for_testing(target=accelerators.tpu_topology("v5e-8").target(),
+                       **{**tiny_overrides, **GRPO, "run_name": "split", "rl_rollout_devices": 4})
