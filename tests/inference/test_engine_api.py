@@ -17,7 +17,7 @@ from MaxText.inference import engine_api, kv_layout
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CALLERS = ("MaxText/serve.py", "MaxText/decode.py", "MaxText/rl/rollouts.py", "MaxText/rl/evaluate.py",
            "MaxText/inference/scheduler.py", "MaxText/inference/serve_routes.py", "benchmarks/decode_bench.py",
-           "benchmarks/serve_bench.py", "benchmarks/gpu_suite.py")
+           "benchmarks/serve_bench.py", "benchmarks/gpu_suite.py", "MaxText/train_compile.py")
 # Building an engine is not driving one: parameters come with it.
 CONSTRUCTION = {"load_params", "compile_step"}
 ENGINE_MODULES = ("engine.py", "speculative.py", "speculative_engine.py", "mtp_draft.py", "page_prefill.py",
