@@ -93,8 +93,7 @@ class RematPolicy:
   @property
   def saved_on_device(self) -> tuple[Width, ...]:
     """Widths kept in HBM besides the layer input (which is there unless offloaded)."""
-    return _widths_of(self.device) if self.keeps == "names" and self.offload else (
-        () if self.offloaded else self.saved)
+    return _widths_of(self.device) if self.offloaded else self.saved
 
   @property
   def saved_on_host(self) -> tuple[Width, ...]:
