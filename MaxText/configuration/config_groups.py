@@ -336,6 +336,7 @@ class DecodeConfig:
   prefill_chunk_size: int = key()  # paged serving: prompt tokens prefilled per step; 0 = a whole prompt at once
   prefix_caching: str = key()  # auto | true | false: full prompt pages shared between requests (paged layout)
   prefix_state_snapshots: int = key()  # recurrent models' states kept at page boundaries; -1: 2 per slot, 0: none
+  decode_steps_per_call: int = key()  # generate steps per host round trip (a device-side loop); 1 = one
   speculative_tokens: int = key()  # speculative decoding: draft tokens proposed per round; 0 = off
   draft_model_name: str = key()  # the draft's configs/models/<name>.yml ("" = saved beside its checkpoint)
   draft_load_parameters_path: str = key()  # the draft's parameters
@@ -361,6 +362,12 @@ class DecodeConfig:
              "kv_cache_layout=paged or prefix_caching=auto (on where the cache has pages)")
     _require(v["speculative_tokens"] >= 0, f"speculative_tokens must be >= 0 (0: no speculative decoding), got "
              f"{v['speculative_tokens']}")
+    _require(v["decode_steps_per_call"] >= 1, f"decode_steps_per_call must be >= 1 (1: one token per call), got "
+             f"{v['decode_steps_per_call']}")
+    _require(v["decode_steps_per_call"] == 1 or v["speculative_tokens"] == 0,
+             f"decode_steps_per_call={v['decode_steps_per_call']} does not combine with speculative_tokens="
+             f"{v['speculative_tokens']} (a speculative round already emits several tokens per call); set one of "
+             "them to its default")
     for item in v["draft_overrides"]:
       _require("=" in str(item) and bool(str(item).partition("=")[0].strip()),
                f"draft_overrides items are key=value (e.g. base_num_decoder_layers=2), got {item!r}")

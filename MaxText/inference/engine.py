@@ -7,7 +7,9 @@ T slots of the batched decode state, S max_target_length (cache length), V vocab
   (length L), true lengths and first sampled tokens.
 - `insert` copies one prefix row into slot i of a `DecodeState` (caches of length S for T slots).
 - `generate` advances every slot by one token: one jitted, shape-stable step (it compiles once);
-  `decode_step` is the same program, also returning the tokens' log-probabilities.
+  `decode_step` is the same program, also returning the tokens' log-probabilities. With
+  decode_steps_per_call > 1 or `StepLimits`, `decode_step` runs up to that many steps in one
+  device-side loop (decode_block.py) that stops each slot at its end of sequence or length.
 - `release` returns a finished slot's cache resources (nothing to return for the dense cache).
 Sampling is per slot: each prompt row brings its own temperature, top-p, top-k and seed
 (`sampling.RowParams`, by default the decode_sampling_* keys), which `insert` copies into the
@@ -49,7 +51,8 @@ from MaxText.errors import UserError
 from MaxText.inference import image_prompts, page_prefill, paged_cache, sampling
 from MaxText.inference.decode_state import (DecodeState, Prefix, RowSampling, pad_prompts, row_sampling, sample,
                                             seeded, with_prompt)
-from MaxText.inference.engine_api import Emitted, SlotInfo, TokenLogprobs
+from MaxText.inference import decode_block
+from MaxText.inference.engine_api import Emitted, SlotInfo, StepLimits, TokenLogprobs
 from MaxText.inference.state_snapshots import has_recurrent_state
 from MaxText.layers import kv_cache
 from MaxText.training.model_assembly import Params
@@ -115,6 +118,8 @@ class Engine:
                              out_shardings=(self.state_shardings, (replicated, TokenLogprobs(replicated, replicated,
                                                                                              replicated))))
     self._score = jax.jit(self._score_fn)
+    self.steps_per_call = self.decode_cfg.decode_steps_per_call
+    self._block = jax.jit(self._block_fn, donate_argnums=(1,), out_shardings=(self.state_shardings, replicated))
     self.page_prefill = page_prefill.PagePrefill(self.cfg, self.decode_cfg, self.cache, self.model,
                                                  self.state_shardings, self.traces, self.sampling, snapshot_capacity)
 
@@ -224,11 +229,29 @@ class Engine:
   def prefill_chunk_size(self) -> int:
     return self.decode_cfg.prefill_chunk_size
 
-  def decode_step(self, params: Params, state: DecodeState, active: Sequence[bool] | np.ndarray | None = None
-                  ) -> tuple[DecodeState, Emitted]:
-    """`step` as engine_api.Emitted (one token per slot; `active` is not needed)."""
-    state, (tokens_B, logprobs) = self._step(params, state)
-    return state, Emitted(tokens_B, logprobs)
+  def decode_step(self, params: Params, state: DecodeState, active: Sequence[bool] | np.ndarray | None = None,
+                  limits: StepLimits | None = None) -> tuple[DecodeState, Emitted]:
+    """`step` as engine_api.Emitted (one token per slot; `active` is not needed). With `limits` or
+    decode_steps_per_call > 1, up to decode_steps_per_call steps in one call, each slot stopping on
+    the device (Emitted with counts; nothing here waits for the device)."""
+    if limits is None and self.steps_per_call == 1:
+      state, (tokens_B, logprobs) = self._step(params, state)
+      return state, Emitted(tokens_B, logprobs)
+    return self._steps(params, state, limits)
+
+  def _steps(self, params: Params, state: DecodeState, limits: StepLimits | None) -> tuple[DecodeState, Emitted]:
+    k, length = self.steps_per_call, self.cfg.max_target_length
+    ends_T = np.full(self.num_slots, length + 1, np.int64) if limits is None else \
+        np.minimum(np.asarray(limits.ends, np.int64), length + 1)
+    stop_E = np.asarray((limits.stop_ids if limits is not None else ()) or (-1,), np.int32)
+    table = self.cache.step_table(k, ends_T)
+    with sharding.activation_sharding(self.mesh, self.rules):
+      state, (tokens_TK, counts_T, logprobs) = self._block(params, state, table, jnp.asarray(ends_T, jnp.int32),
+                                                           jnp.asarray(stop_E))
+    pages = self.cache.pages
+    if pages is not None:  # a slot still stepping moved k on; one that stopped never steps again
+      self.cache.advance(np.clip(ends_T - 1 - pages.positions, 0, k))
+    return state, Emitted(tokens_TK, logprobs, counts_T)
 
   def slot(self, slot: int) -> SlotInfo:
     self._check_slot(slot)
@@ -236,7 +259,7 @@ class Engine:
     return SlotInfo(busy, busy and self.cache.prefilling(slot), self.cache.held(slot))
 
   def metrics(self) -> dict[str, float]:
-    return {"step_compilations": self.traces["generate"]}
+    return {"step_compilations": self.traces["generate"]}  # a call of several steps counts here too
 
   def compile_step(self, abstract_params: Params) -> jax.stages.Compiled:
     """The decode step (one token for every slot) compiled ahead of time for parameters laid out as
@@ -312,6 +335,22 @@ class Engine:
     caches = self.cache.keep_inactive(caches, state.caches, table_TM)
     tokens_B, rows, logprobs = sample(logits_B1V[:, 0], state.sampling)
     return DecodeState(caches, state.next_positions_B + 1, tokens_B, rows), (tokens_B, logprobs)
+
+  def _block_fn(self, params: Params, state: DecodeState, table_TM: jax.Array | None, ends_T: jax.Array,
+                stop_E: jax.Array) -> tuple[DecodeState, tuple[jax.Array, jax.Array, TokenLogprobs]]:
+    self.traces["generate"] += 1  # once per trace
+
+    def step(state: DecodeState, live_T: jax.Array) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
+      old = self.cache.with_table(state.caches, table_TM)
+      logits_B1V, caches = self.spec.apply_decode(params, state.tokens_B[:, None], state.next_positions_B[:, None],
+                                                  old)
+      caches = self.cache.keep_inactive(caches, old, table_TM)
+      if has_recurrent_state(self.cfg):  # a stopped slot's recurrent state stays where it stopped
+        caches = paged_cache.keep_inactive_states(caches, old, live_T, self.cfg.scan_layers)
+      tokens_B, rows, logprobs = sample(logits_B1V[:, 0], state.sampling)
+      return DecodeState(caches, state.next_positions_B + 1, tokens_B, rows), (tokens_B, logprobs)
+
+    return decode_block.run(step, state, self.steps_per_call, ends_T, stop_E)
 
 
 @dataclasses.dataclass

@@ -1,12 +1,13 @@
 """What a decode engine offers the code that drives it: the server's scheduler, `decode.py`, GRPO's
 rollouts and the benchmarks call an engine through `DecodeEngine` and nothing else.
 
-Shape legend: T slots of the decode state, K tokens a step may emit per slot (1, or k + 1 for a
-speculative round), top the alternatives reported per token.
+Shape legend: T slots of the decode state, K tokens a step may emit per slot (1; k + 1 for a
+speculative round; decode_steps_per_call for a call of several steps on the device), top the
+alternatives reported per token.
 
 A request's life: `prefill` + `insert` put a prompt into a free slot (or, where the engine
 `prefills_into_pages`, `begin_prompt` then `prefill_chunk` until it returns the first token);
-every `decode_step` gives each slot 1..K tokens (`Emitted`); `release` frees the slot. The
+every `decode_step` gives each slot 0..K tokens (`Emitted`); `release` frees the slot. The
 decode state is the engine's own and opaque to callers: they pass it back as they got it.
 Implementations: engine.Engine (dense or paged KV cache), speculative_engine.SpeculativeEngine.
 """
@@ -40,13 +41,14 @@ class TokenLogprobs:
 @struct.dataclass
 class Emitted:
   """What one decode step gave every slot. One token each: `tokens` [T] and `logprobs` fields [T] /
-  [T, top], `counts` None. A speculative round: `tokens` [T, K], of which slot t emitted the first
-  counts[t], `logprobs` fields [T, K] / [T, K, top]. May hold device arrays: read it after
+  [T, top], `counts` None. A speculative round or a call of several steps (or one given
+  `StepLimits`): `tokens` [T, K], of which slot t emitted the first counts[t] (0 for a slot that had
+  stopped), `logprobs` fields [T, K] / [T, K, top]. May hold device arrays: read it after
   jax.device_get when the host needs the values."""
 
   tokens: jax.Array | np.ndarray
   logprobs: TokenLogprobs
-  counts: np.ndarray | None = None
+  counts: jax.Array | np.ndarray | None = None
 
   def count(self, slot: int) -> int:
     return 1 if self.counts is None else int(self.counts[slot])
@@ -60,6 +62,18 @@ class Emitted:
     lp = self.logprobs
     return float(lp.chosen_B[index]), [(int(t), float(p)) for t, p in zip(np.asarray(lp.top_ids_Bk[index]),
                                                                          np.asarray(lp.top_logprobs_Bk[index]))]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLimits:
+  """Where each slot stops inside a `decode_step` call (checked on the device, after every step):
+  a slot steps while its sequence (prompt + generated tokens) is shorter than ends[t] and its latest
+  token is none of `stop_ids`; a stopped slot emits nothing more and its state does not move on.
+  Host values that stay fixed for a request's life, so the next call can be dispatched before the
+  previous one's tokens are read."""
+
+  ends: np.ndarray  # [T] int: prompt length + max new tokens of the slot's request; 0: the slot does not step
+  stop_ids: tuple[int, ...] = ()  # end-of-sequence tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,9 +137,11 @@ class DecodeEngine(Protocol):
                     ) -> tuple[EngineState, int, tuple[jax.Array, TokenLogprobs] | None]:
     """(state, where the next chunk starts, after the last chunk (first token [1], its TokenLogprobs) else None)."""
 
-  def decode_step(self, params: EngineParams, state: EngineState, active: Sequence[bool] | np.ndarray | None = None
-                  ) -> tuple[EngineState, Emitted]:
-    """Every slot's next token(s); `active` names the slots holding a request (for the engine's metrics)."""
+  def decode_step(self, params: EngineParams, state: EngineState, active: Sequence[bool] | np.ndarray | None = None,
+                  limits: StepLimits | None = None) -> tuple[EngineState, Emitted]:
+    """Every slot's next token(s); `active` names the slots holding a request (for the engine's metrics).
+    With `limits` (or decode_steps_per_call > 1) counts are given and slots stop on the device; a
+    speculative engine ignores them (its caller cuts a round's tokens)."""
 
   def release(self, slot: int) -> None: ...
 

@@ -55,8 +55,9 @@ class KVLayout(abc.ABC):
     """step_table's block table as a shape laid out by `sharding` (None: none), for an ahead-of-time compile."""
 
   @abc.abstractmethod
-  def step_table(self, ahead: int = 1) -> jax.Array | None:
-    """Before a step writing each active slot's next `ahead` positions: the block table it takes."""
+  def step_table(self, ahead: int = 1, ends: np.ndarray | None = None) -> jax.Array | None:
+    """Before a step writing each active slot's next `ahead` positions (with `ends` [T]: short of
+    position ends[t] - 1, where a request stops): the block table it takes."""
 
   @abc.abstractmethod
   def advance(self, steps: int | np.ndarray = 1) -> None:
@@ -133,7 +134,7 @@ class DenseLayout(KVLayout):
   def abstract_table(self, sharding: jax.sharding.Sharding) -> jax.ShapeDtypeStruct | None:
     return None
 
-  def step_table(self, ahead: int = 1) -> jax.Array | None:
+  def step_table(self, ahead: int = 1, ends: np.ndarray | None = None) -> jax.Array | None:
     return None
 
   def advance(self, steps: int | np.ndarray = 1) -> None:
@@ -229,8 +230,8 @@ class PagedLayout(KVLayout):
   def abstract_table(self, sharding: jax.sharding.Sharding) -> jax.ShapeDtypeStruct | None:
     return jax.ShapeDtypeStruct(self._pages.table.shape, jnp.int32, sharding=sharding)
 
-  def step_table(self, ahead: int = 1) -> jax.Array | None:
-    self._pages.grow(ahead)
+  def step_table(self, ahead: int = 1, ends: np.ndarray | None = None) -> jax.Array | None:
+    self._pages.grow(ahead, ends)
     return jnp.asarray(self._pages.generate_table())
 
   def advance(self, steps: int | np.ndarray = 1) -> None:

@@ -127,12 +127,16 @@ class PageAllocator:
     (which advances every slot) writes nothing into the pages its prompt is filling."""
     return np.where(self.active[:, None], self.table, -1).astype(np.int32)
 
-  def grow(self, ahead: int = 1) -> None:
+  def grow(self, ahead: int = 1, ends: np.ndarray | None = None) -> None:
     """Before a generate step: pages for every active slot's next `ahead` positions from its
-    pending token's (1 for a generate step, k + 1 for a speculative round), up to max_length."""
-    starting = [(int(slot), index) for slot in np.flatnonzero(self.active) if self.positions[slot] < self.max_length
+    pending token's (1 for a generate step, k + 1 for a speculative round), up to max_length and,
+    with `ends` [T], short of position ends[t] - 1 (a request's last token is never written)."""
+    caps = np.full(len(self.positions), self.max_length, np.int64)
+    if ends is not None:
+      caps = np.minimum(caps, np.asarray(ends, np.int64) - 1)
+    starting = [(int(slot), index) for slot in np.flatnonzero(self.active) if self.positions[slot] < caps[slot]
                 for index in range(int(self.positions[slot]) // self.page_size,
-                                   (min(int(self.positions[slot]) + ahead, self.max_length) - 1) // self.page_size + 1)
+                                   (min(int(self.positions[slot]) + ahead, int(caps[slot])) - 1) // self.page_size + 1)
                 if self.table[slot, index] < 0]
     if len(starting) > self.available():
       raise OutOfPages(f"out of KV pages: {len(starting)} slots need a new page, {self.available()} are free of "

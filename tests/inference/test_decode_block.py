@@ -1,0 +1,170 @@
+"""Several decode steps per call (decode_steps_per_call, inference/decode_block.py): the tokens and
+log-probabilities of one step per call, with each slot stopped on the device at its end of sequence
+or length, also when that falls inside a call."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText.configuration.config import Config
+from MaxText.errors import ConfigError
+from MaxText.inference.engine import Engine
+from MaxText.inference.engine_api import StepLimits
+from MaxText.inference.sampling import RowParams
+from decode_test_utils import one_device_mesh
+
+TINY = dict(base_emb_dim=32, base_num_query_heads=2, base_num_kv_heads=2, head_dim=16, base_mlp_dim=64,
+            base_num_decoder_layers=1, vocab_size=64, max_target_length=32, max_prefill_predict_length=8,
+            per_device_batch_size=1, print_config=False, dtype="float32")
+PAGED = dict(kv_cache_layout="paged", kv_page_size=4)
+PROMPTS = [[5, 9, 2], [7, 1, 3, 3, 8], [11, 4], [2, 2, 6, 1]]
+
+_ENGINES: dict[tuple, Engine] = {}
+
+
+def engine(k: int, slots: int, **keys) -> Engine:
+  key = (k, slots, tuple(sorted(keys.items())))
+  if key not in _ENGINES:  # compiled programs are kept with the engine
+    _ENGINES[key] = Engine(Config.for_testing(**TINY, **keys, decode_steps_per_call=k), num_slots=slots,
+                           mesh=one_device_mesh())
+  return _ENGINES[key]
+
+
+def admit(eng: Engine, params, state, slot: int, prompt: list[int], row: RowParams):
+  """(state, first token, its log-probability): prefill + insert, or into pages chunk by chunk."""
+  if eng.prefills_into_pages:
+    start = eng.begin_prompt(slot, prompt)
+    first = None
+    while first is None:
+      state, start, first = eng.prefill_chunk(params, state, slot, prompt, start, row)
+    tokens, logprobs = jax.device_get(first)
+    return state, int(tokens[0]), float(logprobs.chosen_B[0])
+  prefix = eng.prefill(params, [prompt], row_params=[row])
+  return eng.insert(prefix, state, slot), int(prefix.first_tokens_B[0]), float(prefix.first_logprobs.chosen_B[0])
+
+
+def one_per_call(eng: Engine, prompts, max_new, stop=(), rows=None):
+  """Today's decoding: one step per call, each slot's tokens cut on the host."""
+  params = eng.load_params()
+  rows = rows or [RowParams(seed=i) for i in range(len(prompts))]
+  state = eng.init_decode_state()
+  out, logps = [], []
+  for slot, prompt in enumerate(prompts):
+    state, token, logp = admit(eng, params, state, slot, prompt, rows[slot])
+    out.append([token])
+    logps.append([logp])
+  done = [len(o) >= m or o[-1] in stop for o, m in zip(out, max_new)]
+  while not all(done):
+    state, emitted = eng.decode_step(params, state)
+    emitted = jax.device_get(emitted)
+    for slot in range(len(prompts)):
+      if not done[slot]:
+        out[slot].append(emitted.token(slot))
+        logps[slot].append(emitted.scores(slot)[0])
+        done[slot] = len(out[slot]) >= max_new[slot] or out[slot][-1] in stop
+  return out, logps
+
+
+def per_block(eng: Engine, prompts, max_new, stop=(), rows=None):
+  """The same through calls of several steps with StepLimits; also the tokens per call and the state."""
+  params = eng.load_params()
+  rows = rows or [RowParams(seed=i) for i in range(len(prompts))]
+  state = eng.init_decode_state()
+  out, logps = [], []
+  ends = np.zeros(eng.num_slots, np.int64)
+  for slot, prompt in enumerate(prompts):
+    state, token, logp = admit(eng, params, state, slot, prompt, rows[slot])
+    out.append([token])
+    logps.append([logp])
+    ends[slot] = 0 if token in stop else len(prompt) + max_new[slot]
+  calls = []
+  while True:
+    state, emitted = eng.decode_step(params, state, limits=StepLimits(ends, tuple(stop)))
+    emitted = jax.device_get(emitted)
+    counts = [emitted.count(slot) for slot in range(len(prompts))]
+    if not any(counts):
+      break
+    calls.append(counts)
+    for slot in range(len(prompts)):
+      out[slot] += [emitted.token(slot, i) for i in range(counts[slot])]
+      logps[slot] += [emitted.scores(slot, i)[0] for i in range(counts[slot])]
+  return out, logps, calls, state
+
+
+def check_same(reference, got):
+  (ref_tokens, ref_logps), (tokens, logps) = reference, got
+  assert tokens == ref_tokens
+  for a, b in zip(ref_logps, logps):
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", [{}, PAGED], ids=["dense", "paged"])
+def test_lengths_inside_a_call_give_todays_tokens(layout):
+  max_new = [6, 11, 1, 9]  # 6 and 11 - 1 end inside a call of 4 steps; 1: nothing to step
+  reference = one_per_call(engine(1, 4, **layout), PROMPTS, max_new)
+  tokens, logps, calls, state = per_block(engine(4, 4, **layout), PROMPTS, max_new)
+  check_same(reference, (tokens, logps))
+  assert [len(t) for t in tokens] == max_new
+  assert calls[0] == [4, 4, 0, 4] and calls[1] == [1, 4, 0, 4] and calls[2] == [0, 2, 0, 0]
+  # A slot that stopped did not move on: its next position is where its last token would be written.
+  positions = np.asarray(state.next_positions_B)
+  assert positions[:4].tolist() == [len(p) + m - 1 for p, m in zip(PROMPTS, max_new)]
+
+
+def test_one_slot_matches():
+  reference = one_per_call(engine(1, 1), PROMPTS[1:2], [20])
+  tokens, logps, calls, _ = per_block(engine(4, 1), PROMPTS[1:2], [20])
+  check_same(reference, (tokens, logps))
+  assert calls == [[4]] * 4 + [[3]]
+
+
+@pytest.mark.parametrize("layout", [{}, PAGED], ids=["dense", "paged"])
+def test_an_end_of_sequence_token_inside_a_call_stops_its_slot(layout):
+  max_new = [14, 14, 14, 14]
+  free_run, _ = one_per_call(engine(1, 4, **layout), PROMPTS, max_new)
+  # A stop token that slot 0 makes as its 3rd new token (inside the first call of 4 steps).
+  stop = free_run[0][2]
+  reference = one_per_call(engine(1, 4, **layout), PROMPTS, max_new, stop=(stop,))
+  tokens, logps, calls, state = per_block(engine(4, 4, **layout), PROMPTS, max_new, stop=(stop,))
+  check_same(reference, (tokens, logps))
+  cut = free_run[0].index(stop)
+  assert tokens[0] == free_run[0][:cut + 1]
+  assert sum(call[0] for call in calls) == cut
+  assert int(np.asarray(state.next_positions_B)[0]) == len(PROMPTS[0]) + cut
+
+
+def test_sampled_rows_draw_the_same_tokens():
+  rows = [RowParams(temperature=0.9, top_p=0.9, seed=3), RowParams(temperature=1.3, top_k=5, seed=4)]
+  reference = one_per_call(engine(1, 2), PROMPTS[:2], [9, 7], rows=rows)
+  tokens, logps, _, _ = per_block(engine(4, 2), PROMPTS[:2], [9, 7], rows=rows)
+  check_same(reference, (tokens, logps))
+
+
+@pytest.mark.parametrize("keys", [dict(PAGED, prefix_caching=True), dict(PAGED, prefill_chunk_size=3)],
+                         ids=["prefix_cached", "chunked"])
+def test_pages_filled_chunk_by_chunk(keys):
+  prompts = [[5, 9, 2, 7, 1, 3], [5, 9, 2, 7, 8], [5, 9, 2, 7, 1, 3, 4]]  # a shared first page
+  max_new = [10, 7, 9]
+  stop = one_per_call(engine(1, 3, **keys), prompts, max_new)[0][1][4]
+  reference = one_per_call(engine(1, 3, **keys), prompts, max_new, stop=(stop,))
+  tokens, logps, _, _ = per_block(engine(4, 3, **keys), prompts, max_new, stop=(stop,))
+  check_same(reference, (tokens, logps))
+
+
+def test_without_limits_every_slot_steps_k_times():
+  eng = engine(3, 2)
+  params = eng.load_params()
+  state = eng.init_decode_state()
+  for slot, prompt in enumerate(PROMPTS[:2]):
+    state, _, _ = admit(eng, params, state, slot, prompt, RowParams(seed=slot))
+  state, emitted = eng.decode_step(params, state)
+  assert np.asarray(emitted.tokens).shape == (2, 3) and np.asarray(emitted.counts).tolist() == [3, 3]
+
+
+def test_steps_per_call_is_checked():
+  with pytest.raises(ConfigError, match="decode_steps_per_call must be >= 1"):
+    Config.for_testing(**TINY, decode_steps_per_call=0)
+  with pytest.raises(ConfigError, match="decode_steps_per_call=2 does not combine with speculative_tokens=2"):
+    Config.for_testing(**TINY, decode_steps_per_call=2, speculative_tokens=2)
