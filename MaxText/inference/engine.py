@@ -48,7 +48,7 @@ from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.errors import UserError
-from MaxText.inference import image_prompts, page_prefill, paged_cache, quantized_weights, sampling
+from MaxText.inference import image_prompts, page_prefill, paged_cache, sampling
 from MaxText.inference.decode_state import (DecodeState, Prefix, RowSampling, pad_prompts, row_sampling, sample,
                                             seeded, with_prompt)
 from MaxText.inference import decode_block
@@ -93,9 +93,7 @@ class Engine:
                       "the cache needs room for generated tokens")
     self.model = model_assembly.build_model(config, mesh=mesh, model=self.cfg)
     self.mesh, self.rules, self.spec = self.model.mesh, self.model.rules, self.model.spec
-    self.param_shardings = self.model.param_shardings  # of the float parameters prepare_params takes
-    self.weight_quantizer = quantized_weights.for_engine(self.spec, self.decode_cfg.quantize_weights,
-                                                         self.decode_cfg.quantize_weights_block)
+    self.param_shardings = self.model.param_shardings
     self.sampling = sampling.SamplingParams(
         self.decode_cfg.decode_sampling_strategy, self.decode_cfg.decode_sampling_temperature,
         self.decode_cfg.decode_sampling_top_p, self.decode_cfg.decode_sampling_top_k)
@@ -129,15 +127,7 @@ class Engine:
   def load_params(self, path: str | None = None, seed: int = 0) -> Params:
     """Parameters from a checkpoint (params-only, step directory or checkpoints root), sharded for
     this mesh; with no path, freshly initialised ones (for tests and benchmarks)."""
-    return self.prepare_params(self.model.params(path or "", seed), donate=True)
-
-  def prepare_params(self, params: Params, donate: bool = False) -> Params:
-    """Float parameters laid out as `param_shardings` as this engine decodes from them: with
-    quantize_weights, the decoder kernels in 8-bit storage (quantized_weights.py); `donate`: the
-    float kernels' buffers may be reused."""
-    if self.weight_quantizer is None:
-      return params
-    return self.weight_quantizer(params, self.param_shardings, donate)
+    return self.model.params(path or "", seed)
 
   def init_decode_state(self, seed: int = 0) -> DecodeState:
     """Empty caches for every slot, born sharded (paged: every page free again)."""
@@ -148,10 +138,12 @@ class Engine:
 
   def prefill(self, params: Params, prompts: Sequence[Sequence[int]], seed: int = 0,
               row_params: Sequence[sampling.RowParams] | None = None,
-              images: Sequence[image_prompts.PromptImages | None] | None = None) -> Prefix:
+              images: Sequence[image_prompts.PromptImages | None] | None = None,
+              masks: np.ndarray | None = None) -> Prefix:
     """One pass over the right-padded prompts (each at most max_prefill_predict_length tokens).
     Each row samples by its `row_params` (default: the decode_sampling_* keys, row i seeded
-    with seed + i). `images`: each prompt's images (None: none), one per placeholder run."""
+    with seed + i). `images`: each prompt's images (None: none), one per placeholder run.
+    `masks`: int32 [B, W] token bitmasks of the first tokens (constrained decoding; sampling.apply_token_mask)."""
     tokens_BL, lengths_B = pad_prompts(prompts, self.decode_cfg.max_prefill_predict_length)
     pixels = self._pixels(prompts, images)
     if row_params is None:
@@ -159,7 +151,8 @@ class Engine:
     if len(row_params) != len(prompts):
       raise ValueError(f"{len(row_params)} row_params for {len(prompts)} prompts")
     with sharding.activation_sharding(self.mesh, self.rules):
-      return self._prefill(params, jnp.asarray(tokens_BL), jnp.asarray(lengths_B), row_sampling(row_params), pixels)
+      return self._prefill(params, jnp.asarray(tokens_BL), jnp.asarray(lengths_B), row_sampling(row_params), pixels,
+                           None if masks is None else jnp.asarray(masks))
 
   def insert(self, prefix: Prefix, state: DecodeState, slot: int, row: int = 0) -> DecodeState:
     """`state` with prompt `row` of `prefix` in slot `slot` (slot and row are traced: no recompiles)."""
@@ -175,11 +168,13 @@ class Engine:
     state, (tokens_B, _) = self._step(params, state)
     return state, tokens_B
 
-  def _step(self, params: Params, state: DecodeState) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
-    """`generate` that also returns what each new token scored (the same compiled program)."""
+  def _step(self, params: Params, state: DecodeState, mask: np.ndarray | None = None
+            ) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
+    """`generate` that also returns what each new token scored (the same compiled program; with a
+    token `mask` [T, W], a second one that samples each slot among the tokens its mask allows)."""
     table = self.cache.step_table()
     with sharding.activation_sharding(self.mesh, self.rules):
-      out = self._generate(params, state, table)
+      out = self._generate(params, state, table, None if mask is None else jnp.asarray(mask))
     self.cache.advance()
     return out
 
@@ -193,15 +188,17 @@ class Engine:
 
   def prefill_chunk(self, params: Params, state: DecodeState, slot: int, prompt: Sequence[int], start: int,
                     row_params: sampling.RowParams | None = None, seed: int = 0,
-                    images: image_prompts.PromptImages | None = None) -> page_prefill.ChunkResult:
+                    images: image_prompts.PromptImages | None = None, mask: np.ndarray | None = None
+                    ) -> page_prefill.ChunkResult:
     """Prefills prompt[start:start + prefill_chunk_size] of `slot` straight into its pages,
     attending over the tokens before it there. Returns (state, where the next chunk starts, and
     after the last chunk the first sampled token [1] with its log-probabilities, else None); the
     slot then generates like one `insert`ed. One compiled program for every chunk of
     prefill_chunk_size; unchunked (prefix caching alone), one per power of two of what is left.
     With `images` (those given to begin_prompt), a chunk ends before an image run it cannot hold
-    whole and runs the images inside it through the vision tower."""
-    return self.page_prefill.chunk(params, state, slot, prompt, start, row_params, seed, images)
+    whole and runs the images inside it through the vision tower. `mask`: int32 [1, W], the first
+    token's bitmask (constrained decoding)."""
+    return self.page_prefill.chunk(params, state, slot, prompt, start, row_params, seed, images, mask)
 
   def release(self, slot: int) -> None:
     """The slot's request is done: paged, its pages go back to the pool (the slot keeps stepping
@@ -240,12 +237,13 @@ class Engine:
     return self.decode_cfg.prefill_chunk_size
 
   def decode_step(self, params: Params, state: DecodeState, active: Sequence[bool] | np.ndarray | None = None,
-                  limits: StepLimits | None = None) -> tuple[DecodeState, Emitted]:
-    """`step` as engine_api.Emitted (one token per slot; `active` is not needed). With `limits` or
-    decode_steps_per_call > 1, up to decode_steps_per_call steps in one call, each slot stopping on
-    the device (Emitted with counts; nothing here waits for the device)."""
-    if limits is None and self.steps_per_call == 1:
-      state, (tokens_B, logprobs) = self._step(params, state)
+                  mask: np.ndarray | None = None, limits: StepLimits | None = None) -> tuple[DecodeState, Emitted]:
+    """`step` as engine_api.Emitted (one token per slot; `active` is not needed; `mask` as `_step`'s).
+    With `limits` or decode_steps_per_call > 1, and no `mask` (a constrained slot's mask depends on
+    its previous token: one step per call), up to decode_steps_per_call steps in one call, each slot
+    stopping on the device (Emitted with counts; nothing here waits for the device)."""
+    if mask is not None or (limits is None and self.steps_per_call == 1):
+      state, (tokens_B, logprobs) = self._step(params, state, mask)
       return state, Emitted(tokens_B, logprobs)
     return self._steps(params, state, limits)
 
@@ -279,8 +277,6 @@ class Engine:
                          self.state_shardings)
     table = self.cache.abstract_table(sharding.replicated(self.mesh))
     with sharding.activation_sharding(self.mesh, self.rules):
-      if self.weight_quantizer is not None:
-        abstract_params = self.weight_quantizer.abstract(abstract_params)
       return self._generate.lower(abstract_params, state, table).compile()
 
   @property
@@ -314,14 +310,14 @@ class Engine:
     return DecodeState(self.cache.empty_caches(), zeros, zeros, rows)
 
   def _prefill_fn(self, params: Params, tokens_BL: jax.Array, lengths_B: jax.Array, rows: RowSampling,
-                  pixels: jax.Array | None) -> Prefix:
+                  pixels: jax.Array | None, masks_BW: jax.Array | None = None) -> Prefix:
     self.traces["prefill"] += 1
     rows = seeded(rows)
     batch, length = tokens_BL.shape
     caches = kv_cache.model_caches(self.cfg, batch, length, self.decode_cfg.quantize_kvcache)
     positions_BL = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens_BL.shape)
     logits_B1V, caches = self.spec.apply_decode(params, tokens_BL, positions_BL, caches, lengths_B - 1, pixels)
-    tokens_B, rows, logprobs = sample(logits_B1V[:, 0], rows)
+    tokens_B, rows, logprobs = sample(logits_B1V[:, 0], rows, masks_BW)
     return Prefix(caches, lengths_B, tokens_B, rows, logprobs)
 
   def _score_fn(self, params: Params, tokens_BL: jax.Array, pixels: jax.Array | None) -> TokenLogprobs:
@@ -338,14 +334,14 @@ class Engine:
     caches = self.cache.insert(state.caches, prefix.caches, slot, row, admitted)
     return with_prompt(state, caches, prefix, slot, row)
 
-  def _generate_fn(self, params: Params, state: DecodeState, table_TM: jax.Array | None
-                   ) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
+  def _generate_fn(self, params: Params, state: DecodeState, table_TM: jax.Array | None,
+                   mask_TW: jax.Array | None = None) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
     self.traces["generate"] += 1  # Python side effect: runs once per trace, never per executed step
     caches = self.cache.with_table(state.caches, table_TM)
     logits_B1V, caches = self.spec.apply_decode(params, state.tokens_B[:, None], state.next_positions_B[:, None],
                                                 caches)
     caches = self.cache.keep_inactive(caches, state.caches, table_TM)
-    tokens_B, rows, logprobs = sample(logits_B1V[:, 0], state.sampling)
+    tokens_B, rows, logprobs = sample(logits_B1V[:, 0], state.sampling, mask_TW)
     return DecodeState(caches, state.next_positions_B + 1, tokens_B, rows), (tokens_B, logprobs)
 
   def _block_fn(self, params: Params, state: DecodeState, table_TM: jax.Array | None, ends_T: jax.Array,

@@ -9,6 +9,10 @@ A request's life: `prefill` + `insert` put a prompt into a free slot (or, where 
 `prefills_into_pages`, `begin_prompt` then `prefill_chunk` until it returns the first token);
 every `decode_step` gives each slot 0..K tokens (`Emitted`); `release` frees the slot. The
 decode state is the engine's own and opaque to callers: they pass it back as they got it.
+Constrained decoding: `prefill`'s `masks`, `prefill_chunk`'s and `decode_step`'s `mask` are int32 token
+bitmasks per row / slot ([B or T, W], sampling.apply_token_mask), computed on the host from the
+requests' grammars (inference/grammar.py) and applied to the logits on the device; None (the
+default) samples as without them, in the same compiled program as before.
 Implementations: engine.Engine (dense or paged KV cache), speculative_engine.SpeculativeEngine.
 """
 
@@ -123,7 +127,8 @@ class DecodeEngine(Protocol):
 
   def prefill(self, params: EngineParams, prompts: Sequence[Sequence[int]], seed: int = 0,
               row_params: Sequence[sampling.RowParams] | None = None,
-              images: Sequence[image_prompts.PromptImages | None] | None = None) -> Admitted: ...
+              images: Sequence[image_prompts.PromptImages | None] | None = None,
+              masks: np.ndarray | None = None) -> Admitted: ...
 
   def insert(self, prefix: Any, state: EngineState, slot: int, row: int = 0) -> EngineState:
     """`state` with prompt `row` of `prefix` (what this engine's `prefill` returned) in slot `slot`."""
@@ -133,13 +138,14 @@ class DecodeEngine(Protocol):
 
   def prefill_chunk(self, params: EngineParams, state: EngineState, slot: int, prompt: Sequence[int], start: int,
                     row_params: sampling.RowParams | None = None, seed: int = 0,
-                    images: image_prompts.PromptImages | None = None
+                    images: image_prompts.PromptImages | None = None, mask: np.ndarray | None = None
                     ) -> tuple[EngineState, int, tuple[jax.Array, TokenLogprobs] | None]:
     """(state, where the next chunk starts, after the last chunk (first token [1], its TokenLogprobs) else None)."""
 
   def decode_step(self, params: EngineParams, state: EngineState, active: Sequence[bool] | np.ndarray | None = None,
-                  limits: StepLimits | None = None) -> tuple[EngineState, Emitted]:
-    """Every slot's next token(s); `active` names the slots holding a request (for the engine's metrics).
+                  mask: np.ndarray | None = None, limits: StepLimits | None = None) -> tuple[EngineState, Emitted]:
+    """Every slot's next token(s); `active` names the slots holding a request (for the engine's metrics);
+    `mask` [T, W] the slots' token bitmasks for one step (a speculative engine's constrained slot emits one token).
     With `limits` (or decode_steps_per_call > 1) counts are given and slots stop on the device; a
     speculative engine ignores them (its caller cuts a round's tokens)."""
 

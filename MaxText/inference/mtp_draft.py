@@ -102,13 +102,16 @@ class MtpSpeculativeDecoder:
     return MtpState(self.target.init_decode_state(seed), self._init())
 
   def prefill(self, target_params: Params, draft_params: Params, prompts: Sequence[Sequence[int]], seed: int = 0,
-              row_params: Sequence[sampling.RowParams] | None = None) -> tuple[Prefix, MtpDraft]:
-    """The target's prefill (its first tokens) and the MTP module's pass over the prompts."""
+              row_params: Sequence[sampling.RowParams] | None = None, masks: np.ndarray | None = None
+              ) -> tuple[Prefix, MtpDraft]:
+    """The target's prefill (its first tokens; `masks`: their token bitmasks) and the MTP module's pass over the
+    prompts."""
     tokens_BL, lengths_B = pad_prompts(prompts, self.target.decode_cfg.max_prefill_predict_length)
     if row_params is None:
       row_params = [sampling.RowParams.from_strategy(self.target.sampling, seed + i) for i in range(len(prompts))]
     with sharding.activation_sharding(self.target.mesh, self.target.rules):
-      return self._prefill(target_params, jnp.asarray(tokens_BL), jnp.asarray(lengths_B), row_sampling(row_params))
+      return self._prefill(target_params, jnp.asarray(tokens_BL), jnp.asarray(lengths_B), row_sampling(row_params),
+                           None if masks is None else jnp.asarray(masks))
 
   def insert(self, prefixes: tuple[Prefix, MtpDraft], state: MtpState, slot: int, row: int = 0) -> MtpState:
     target = self.target.insert(prefixes[0], state.target, slot, row)
@@ -118,12 +121,13 @@ class MtpSpeculativeDecoder:
     self.target.release(slot)
 
   def scored_step(self, target_params: Params, draft_params: Params, state: MtpState,
-                  active: Sequence[bool] | np.ndarray | None = None
+                  active: Sequence[bool] | np.ndarray | None = None, mask: np.ndarray | None = None
                   ) -> tuple[MtpState, np.ndarray, np.ndarray, TokenLogprobs]:
     """One round: as speculative.SpeculativeDecoder.scored_step."""
     table = self.target.cache.step_table(self.k + 1)
     with sharding.activation_sharding(self.target.mesh, self.target.rules):
-      state, tokens_TK, counts_T, logprobs = self._round(target_params, state, table)
+      state, tokens_TK, counts_T, logprobs = self._round(target_params, state, table,
+                                                         None if mask is None else jnp.asarray(mask))
     tokens, counts, logprobs = jax.device_get((tokens_TK, counts_T, logprobs))
     self.target.cache.advance(counts)
     self.acceptance.record(self.target, counts, active)
@@ -144,8 +148,8 @@ class MtpSpeculativeDecoder:
                     jnp.zeros((self.num_slots, cfg.emb_dim), jnp.dtype(cfg.dtype)),
                     jnp.zeros((self.num_slots, cfg.vocab_size), jnp.float32))
 
-  def _prefill_fn(self, params: Params, tokens_BL: jax.Array, lengths_B: jax.Array, rows: RowSampling
-                  ) -> tuple[Prefix, MtpDraft]:
+  def _prefill_fn(self, params: Params, tokens_BL: jax.Array, lengths_B: jax.Array, rows: RowSampling,
+                  masks_BW: jax.Array | None = None) -> tuple[Prefix, MtpDraft]:
     self.traces["prefill"] += 1
     spec, cfg = self.target.spec, self.target.cfg
     rows = seeded(rows)
@@ -155,7 +159,7 @@ class MtpSpeculativeDecoder:
     h_BLD, caches = spec.apply_decode_hidden(params, tokens_BL, positions_BL, caches)
     last_B11 = (lengths_B - 1)[:, None, None]
     logits_BV = spec.apply_logits(params, jnp.take_along_axis(h_BLD, last_B11, axis=1))[:, 0]
-    first_B, rows, logprobs = sample(logits_BV, rows)
+    first_B, rows, logprobs = sample(logits_BV, rows, masks_BW)
     # The token after each position: the prompt's next one, the first sampled token after its last.
     next_BL = jnp.pad(tokens_BL[:, 1:], ((0, 0), (0, 1)))
     next_BL = jnp.where(positions_BL == lengths_B[:, None] - 1, first_B[:, None], next_BL)
@@ -172,7 +176,7 @@ class MtpSpeculativeDecoder:
 
     return jax.tree.map(put, state, prefix)
 
-  def _round_fn(self, params: Params, state: MtpState, table_TM: jax.Array | None
+  def _round_fn(self, params: Params, state: MtpState, table_TM: jax.Array | None, mask_TW: jax.Array | None = None
                 ) -> tuple[MtpState, jax.Array, jax.Array, TokenLogprobs]:
     self.traces["round"] += 1
     spec, k, rows = self.target.spec, self.k, state.target.sampling
@@ -204,7 +208,8 @@ class MtpSpeculativeDecoder:
     caches = self.target.cache.with_table(state.target.caches, table_TM)
     h_TKD, caches = spec.apply_decode_hidden(params, tokens_TK, positions_TK, caches)
     logits_TKV = spec.apply_logits(params, h_TKD)
-    out_TK, num_accepted_T, last_T, logprobs = speculative.verify(logits_TKV, q_TkV, proposals_Tk, rows, draw_keys_TX)
+    out_TK, num_accepted_T, last_T, logprobs = speculative.verify(logits_TKV, q_TkV, proposals_Tk, rows, draw_keys_TX,
+                                                                  mask_TW)
 
     # The module over the round's positions with the verified hidden states and emitted tokens.
     mtp_TKD, mtp_cache = spec.apply_mtp_decode(params, 0, h_TKD, out_TK, positions_TK, mtp_cache)

@@ -108,7 +108,7 @@ class PagePrefill:
 
   def chunk(self, params: Params, state: DecodeState, slot: int, prompt: Sequence[int], start: int,
             row_params: sampling.RowParams | None = None, seed: int = 0,
-            images: image_prompts.PromptImages | None = None) -> ChunkResult:
+            images: image_prompts.PromptImages | None = None, mask: np.ndarray | None = None) -> ChunkResult:
     """Prefills prompt[start:start + prefill_chunk_size] of `slot` straight into its pages, attending
     over the tokens before it there; see Engine.prefill_chunk."""
     pages = self.cache.prompt_pages()
@@ -127,7 +127,8 @@ class PagePrefill:
     with sharding.activation_sharding(self.model.mesh, self.model.rules):
       state, first = self._extend(params, state, jnp.asarray(tokens_1C), jnp.int32(start), jnp.int32(len(tokens)),
                                   jnp.int32(slot), jnp.asarray(pages.table[slot][None]), rows,
-                                  None if pixels is None else jnp.asarray(pixels))
+                                  None if pixels is None else jnp.asarray(pixels),
+                                  None if mask is None else jnp.asarray(mask))
     salts = image_prompts.page_salts(runs, images, pages.page_size)
     if self.snapshots is not None:
       self.snapshots.after_chunk(state.caches, slot, prompt, end, salts)
@@ -137,8 +138,8 @@ class PagePrefill:
     return state, end, first
 
   def _extend_fn(self, params: Params, state: DecodeState, tokens_1C: jax.Array, start: jax.Array, length: jax.Array,
-                 slot: jax.Array, table_1M: jax.Array, rows: RowSampling, pixels: jax.Array | None
-                 ) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
+                 slot: jax.Array, table_1M: jax.Array, rows: RowSampling, pixels: jax.Array | None,
+                 mask_1W: jax.Array | None = None) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
     """One prefill chunk of one slot through its pages: tokens [1, C] (the first `length` real) at
     positions start.. attend over what the slot's pages already hold; the slot's next position,
     token and sampling rows are set as `insert` sets them (read only after the last chunk).
@@ -156,6 +157,6 @@ class PagePrefill:
     caches = jax.tree.map(lambda c, t: dataclasses.replace(c, block_table_BM=t) if paged_cache.is_pool(c) else c,
                           caches, stored_tables, is_leaf=paged_cache.is_pool)
     caches = paged_cache.with_slot_states(state.caches, caches, slot, stacked)
-    tokens_1, rows, logprobs = sample(logits_11V[:, 0], rows)
+    tokens_1, rows, logprobs = sample(logits_11V[:, 0], rows, mask_1W)
     prefix = Prefix(None, (start + length)[None], tokens_1, rows, logprobs)
     return with_prompt(state, caches, prefix, slot, jnp.int32(0)), (tokens_1, logprobs)

@@ -135,6 +135,40 @@ def row_probs(logits_BV: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array
   return jax.lax.cond(jnp.all(temperature_B <= 0), one_hot, sampled)
 
 
+# ---------------------------------------------------------------- token masks (constrained decoding)
+# A mask is a bitmask per row, int32 [B, W] with W * 32 > V: bit v of word v // 32 set = token v allowed.
+# The host computes it (inference/grammar.py) and the device expands it here; a row of all ones (-1)
+# is unconstrained. A constrained row always has a bit past the vocabulary clear (W * 32 > V), so
+# `constrained_rows` tells it apart even when every real token is allowed.
+ALL_TOKENS = -1  # a mask word with every bit set
+
+
+def mask_words(vocab_size: int) -> int:
+  """W: mask words per row, with at least one bit past the vocabulary."""
+  return vocab_size // 32 + 1
+
+
+def allowed_tokens(mask_BW: jax.Array, vocab_size: int) -> jax.Array:
+  """bool [B, V]: the tokens each row's bitmask allows."""
+  bits_BW32 = (mask_BW[:, :, None] >> jnp.arange(32, dtype=jnp.int32)[None, None]) & 1
+  return bits_BW32.reshape(mask_BW.shape[0], -1)[:, :vocab_size].astype(bool)
+
+
+def constrained_rows(mask_BW: jax.Array) -> jax.Array:
+  """bool [B]: the rows whose mask constrains them (not every bit set)."""
+  return jnp.any(mask_BW != ALL_TOKENS, axis=-1)
+
+
+def apply_token_mask(logits_BV: jax.Array, mask_BW: jax.Array | None) -> jax.Array:
+  """Logits with each row's disallowed tokens at -inf (None: unchanged). A row allowing no token at
+  all (a grammar in error) keeps its logits: the host ends that request."""
+  if mask_BW is None:
+    return logits_BV
+  allowed_BV = allowed_tokens(mask_BW, logits_BV.shape[-1])
+  allowed_BV |= ~jnp.any(allowed_BV, axis=-1, keepdims=True)
+  return jnp.where(allowed_BV, logits_BV, -jnp.inf)
+
+
 def split_rows(keys_B: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(next keys, keys to draw with now) from per-row key data: each row's stream is its own, so a
   request's draws do not depend on which slot it holds or who shares the batch."""

@@ -18,6 +18,12 @@ With a speculative engine (speculative_engine.SpeculativeEngine, speculative_tok
 a round that gives each slot 1 to k + 1 tokens, delivered in order until its job ends; the rest of
 the round is dropped, and the engine's pages_needed includes the round's k-token look-ahead.
 
+Constrained decoding (a job with a `constraint`: response_format, a forced tool call): before each
+prefill or step the host writes each constrained slot's allowed tokens as a bitmask row
+(inference/grammar.py), the engine applies it on the device, and every token the job gets advances
+its constraint; the job ends ("stop") when its grammar is complete. Jobs without one pay nothing:
+with no constrained job the engine is called as before, and otherwise their rows allow every token.
+
 Paged cache: a job is admitted only when the pages it will hold at its end fit beside what the
 active jobs have reserved, so a step never runs out. The reservation belongs to the slot while its
 job is active and is given back whichever way the job ends; a scoring-only job (max_tokens 0)
@@ -32,14 +38,14 @@ import dataclasses
 import threading
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import numpy as np
 
 from MaxText.inference.engine_api import Admitted, DecodeEngine, Emitted, EngineParams, EngineState, TokenLogprobs
 from MaxText.inference.image_prompts import PromptImages
-from MaxText.inference.sampling import RowParams
+from MaxText.inference.sampling import ALL_TOKENS, RowParams
 
 
 class QueueFull(Exception):
@@ -75,6 +81,19 @@ class Done:
 Event = Token | PromptScores | Done
 
 
+class TokenConstraint(Protocol):
+  """The tokens a job may get next (grammar.Constraint): a bitmask row of `words` int32 words before
+  each token, then the token it got."""
+
+  words: int
+
+  def fill(self, row: np.ndarray) -> None:
+    """Writes the allowed tokens' bits into `row` (int32 [words])."""
+
+  def advance(self, token: int) -> bool:
+    """Takes the job's next token; True when the job must end there (its grammar is complete)."""
+
+
 @dataclasses.dataclass(eq=False)
 class Job:
   index: int
@@ -88,6 +107,7 @@ class Job:
   submitted: float = 0.0  # time.monotonic() at submit
   on_cancel: Callable[[], None] | None = None  # set by submit: wakes the scheduler
   images: PromptImages | None = None  # a vision-language prompt's images, one per placeholder run
+  constraint: TokenConstraint | None = None  # constrained decoding: the tokens it may get
 
   def cancel(self) -> None:
     if not self.cancelled:
@@ -103,6 +123,18 @@ _COUNTS = ("admitted", "released", "steps", "loops", "length", "stop", "cancelle
 def _images(job: Job) -> dict[str, Any]:
   """A text job calls the engine as before images existed (engines that take none stay usable)."""
   return {} if job.images is None else {"images": job.images}
+
+
+def _masks(jobs: dict[int, Job], rows: int, name: str) -> dict[str, Any]:
+  """{name: the jobs' token bitmasks by row (slot), every token for rows without a constrained job}, or
+  {} when none is constrained: the engine is then called as without constrained decoding."""
+  constrained = {row: job.constraint for row, job in jobs.items() if job.constraint is not None}
+  if not constrained:
+    return {}
+  mask = np.full((rows, next(iter(constrained.values())).words), ALL_TOKENS, np.int32)
+  for row, constraint in constrained.items():
+    constraint.fill(mask[row])
+  return {name: mask}
 
 
 def _top(ids_k: np.ndarray, logprobs_k: np.ndarray) -> list[tuple[int, float]]:
@@ -269,7 +301,8 @@ class Scheduler:
         self._prefilling[slot] = (job, cached)
       return
     rows: dict[str, Any] = {} if job.images is None else {"images": [job.images]}
-    prefix: Admitted = self.engine.prefill(self.params, [job.prompt], row_params=[job.row], **rows)
+    prefix: Admitted = self.engine.prefill(self.params, [job.prompt], row_params=[job.row], **rows,
+                                           **_masks({0: job}, 1, "masks"))
     self._state = self.engine.insert(prefix, self._state, slot)
     first, logprobs = jax.device_get((prefix.first_tokens_B, prefix.first_logprobs))
     with self._wake:
@@ -282,7 +315,7 @@ class Scheduler:
     the unchunked path prefills them all before the next step."""
     for slot, (job, start) in list(self._prefilling.items()):
       self._state, end, first = self.engine.prefill_chunk(self.params, self._state, slot, job.prompt, start, job.row,
-                                                          **_images(job))
+                                                          **_images(job), **_masks({0: job}, 1, "mask"))
       if first is None:
         with self._wake:
           self._prefilling[slot] = (job, end)
@@ -300,7 +333,8 @@ class Scheduler:
     its job ends (the rest of a round is dropped: max_tokens or an end-of-sequence token cut it)."""
     active = np.zeros(self.engine.num_slots, bool)
     active[list(self._active)] = True
-    self._state, emitted = self.engine.decode_step(self.params, self._state, active)
+    self._state, emitted = self.engine.decode_step(self.params, self._state, active,
+                                                   **_masks(self._active, self.engine.num_slots, "mask"))
     out: Emitted = jax.device_get(emitted)
     self.counts["steps"] += 1
     if self.speculative_tokens:
@@ -315,7 +349,7 @@ class Scheduler:
   def _deliver(self, slot: int, job: Job, token: int, logprob: float, top: list[tuple[int, float]]) -> None:
     job.generated += 1
     job.emit(Token(job.index, token, logprob, top))
-    if token in self.eos_ids:
+    if token in self.eos_ids or (job.constraint is not None and job.constraint.advance(token)):
       self._finish(job, slot, "stop")
     elif job.generated >= job.max_tokens:
       self._finish(job, slot, "length")

@@ -131,9 +131,10 @@ class SpeculativeDecoder:
     return SpeculativeState(self.target.init_decode_state(seed), self.draft.init_decode_state(seed))
 
   def prefill(self, target_params: Params, draft_params: Params, prompts: Sequence[Sequence[int]], seed: int = 0,
-              row_params: Sequence[sampling.RowParams] | None = None) -> tuple[Prefix, Prefix]:
-    """Both models' prefills of the prompts; the first tokens are the target's."""
-    target = self.target.prefill(target_params, prompts, seed, row_params)
+              row_params: Sequence[sampling.RowParams] | None = None, masks: np.ndarray | None = None
+              ) -> tuple[Prefix, Prefix]:
+    """Both models' prefills of the prompts; the first tokens are the target's (`masks`: their token bitmasks)."""
+    target = self.target.prefill(target_params, prompts, seed, row_params, masks=masks)
     draft = self.draft.prefill(draft_params, prompts, seed, row_params)
     return target, dataclasses.replace(draft, first_tokens_B=target.first_tokens_B)
 
@@ -158,14 +159,15 @@ class SpeculativeDecoder:
     return state, tokens, counts
 
   def scored_step(self, target_params: Params, draft_params: Params, state: SpeculativeState,
-                  active: Sequence[bool] | np.ndarray | None = None
+                  active: Sequence[bool] | np.ndarray | None = None, mask: np.ndarray | None = None
                   ) -> tuple[SpeculativeState, np.ndarray, np.ndarray, TokenLogprobs]:
     """`step` that also returns what each emitted token scored under the target (fields [T, k + 1]
     and [T, k + 1, top]): sampling.token_logprobs of the target's logits at the token's position,
-    what plain decoding reports for the same token."""
+    what plain decoding reports for the same token. `mask`: token bitmasks [T, W] (see `verify`)."""
     tables = [engine.cache.step_table(self.k + 1) for engine in (self.target, self.draft)]
     with sharding.activation_sharding(self.target.mesh, self.target.rules):
-      state, tokens_TK, counts_T, logprobs = self._round(target_params, draft_params, state, tables[0], tables[1])
+      state, tokens_TK, counts_T, logprobs = self._round(target_params, draft_params, state, tables[0], tables[1],
+                                                         None if mask is None else jnp.asarray(mask))
     tokens, counts, logprobs = jax.device_get((tokens_TK, counts_T, logprobs))
     for engine in (self.target, self.draft):
       engine.cache.advance(counts)
@@ -177,7 +179,7 @@ class SpeculativeDecoder:
 
   # ---------------------------------------------------------------- the jitted round
   def _round_fn(self, target_params: Params, draft_params: Params, state: SpeculativeState,
-                target_table_TM: jax.Array | None, draft_table_TM: jax.Array | None
+                target_table_TM: jax.Array | None, draft_table_TM: jax.Array | None, mask_TW: jax.Array | None = None
                 ) -> tuple[SpeculativeState, jax.Array, jax.Array, TokenLogprobs]:
     self.traces["round"] += 1  # once per trace
     k, rows = self.k, state.target.sampling
@@ -209,7 +211,7 @@ class SpeculativeDecoder:
     target_caches = self.target.cache.with_table(state.target.caches, target_table_TM)
     target_before = target_caches
     logits_TKV, target_caches = self.target.spec.apply_decode(target_params, tokens_TK, positions_TK, target_caches)
-    out_TK, num_accepted_T, last_T, logprobs = verify(logits_TKV, q_TkV, proposals_Tk, rows, draw_keys_TX)
+    out_TK, num_accepted_T, last_T, logprobs = verify(logits_TKV, q_TkV, proposals_Tk, rows, draw_keys_TX, mask_TW)
     if self.replays[0]:
       target_caches = roll_back_recurrent(self.target, target_params, tokens_TK, positions_TK, target_before,
                                           target_caches, num_accepted_T, k)
@@ -248,13 +250,22 @@ def round_keys(keys_T: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
       jax.random.split(jax.random.wrap_key_data(key), k + 3)))(round_keys_T)
 
 
-def verify(logits_TKV: jax.Array, q_TkV: jax.Array, proposals_Tk: jax.Array, rows: Any, draw_keys_TX: jax.Array
-           ) -> tuple[jax.Array, jax.Array, jax.Array, TokenLogprobs]:
+def verify(logits_TKV: jax.Array, q_TkV: jax.Array, proposals_Tk: jax.Array, rows: Any, draw_keys_TX: jax.Array,
+           mask_TW: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, TokenLogprobs]:
   """The rejection rule over the target's logits of [t0, d1..dk] and the draft's distributions
   q_1..q_k of its proposals d1..dk (each row by its own sampling parameters): (tokens [T, K]
   of which each row emits its first count = accepted + 1, the accepted counts [T], the last
-  emitted token [T], their target log-probabilities)."""
+  emitted token [T], their target log-probabilities).
+
+  `mask_TW` (constrained decoding, sampling.apply_token_mask): the host's grammar state gives the
+  allowed tokens of the round's first position only. A constrained row accepts no proposal and draws
+  its one token from the masked p_0 itself (not the residual: no proposal was judged), so every
+  token it emits is one its grammar allows; the drafts of a constrained row are never emitted.
+  Unconstrained rows go on as without a mask."""
   num_slots, k, vocab = proposals_Tk.shape[0], proposals_Tk.shape[1], logits_TKV.shape[-1]
+  scores_TKV = logits_TKV
+  if mask_TW is not None:
+    logits_TKV = logits_TKV.at[:, 0].set(sampling.apply_token_mask(logits_TKV[:, 0], mask_TW))
   repeat = lambda x: jnp.repeat(x, k + 1, axis=0)  # noqa: E731
   p_TKV = sampling.row_probs(logits_TKV.reshape(num_slots * (k + 1), vocab), repeat(rows.temperature_B),
                              repeat(rows.top_p_B), repeat(rows.top_k_B)).reshape(logits_TKV.shape)
@@ -264,6 +275,8 @@ def verify(logits_TKV: jax.Array, q_TkV: jax.Array, proposals_Tk: jax.Array, row
   uniform_Tk = jax.vmap(lambda key: jax.random.uniform(jax.random.wrap_key_data(key), (k,)))(
       draw_keys_TX[:, k + 1])
   accepted_Tk = uniform_Tk * q_draft_Tk < p_draft_Tk
+  constrained_T = jnp.zeros((num_slots,), bool) if mask_TW is None else sampling.constrained_rows(mask_TW)
+  accepted_Tk &= ~constrained_T[:, None]
   num_accepted_T = jnp.sum(jnp.cumprod(accepted_Tk.astype(jnp.int32), axis=1), axis=1)
   # The last token: from max(0, p_n - q_n), where q_k = 0 makes it the bonus draw from p_k.
   q_TKV = jnp.concatenate([q_TkV, jnp.zeros_like(p_TKV[:, :1])], axis=1)
@@ -272,10 +285,11 @@ def verify(logits_TKV: jax.Array, q_TkV: jax.Array, proposals_Tk: jax.Array, row
   residual_TV = jnp.maximum(p_TV - pick(q_TKV), 0.0)
   # Rounding can leave no mass where p == q (a rejection then has probability 0): fall back to p.
   residual_TV = jnp.where(jnp.sum(residual_TV, axis=-1, keepdims=True) > 0, residual_TV, p_TV)
+  residual_TV = jnp.where(constrained_T[:, None], p_TV, residual_TV)
   last_T = draw(draw_keys_TX[:, k + 2], residual_TV)
   slots_K = jnp.arange(k + 1)[None]
   out_TK = jnp.where(slots_K < num_accepted_T[:, None], jnp.pad(proposals_Tk, ((0, 0), (0, 1))), last_T[:, None])
-  chosen, top_ids, top_logprobs = sampling.token_logprobs(logits_TKV.reshape(num_slots * (k + 1), vocab),
+  chosen, top_ids, top_logprobs = sampling.token_logprobs(scores_TKV.reshape(num_slots * (k + 1), vocab),
                                                           out_TK.reshape(-1))
   logprobs = TokenLogprobs(chosen.reshape(num_slots, k + 1), top_ids.reshape(num_slots, k + 1, -1),
                            top_logprobs.reshape(num_slots, k + 1, -1))

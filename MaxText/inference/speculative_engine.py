@@ -115,9 +115,10 @@ class SpeculativeEngine:
 
   def prefill(self, params: tuple[Params, Params], prompts: Sequence[Sequence[int]], seed: int = 0,
               row_params: Sequence[sampling.RowParams] | None = None,
-              images: Sequence[image_prompts.PromptImages | None] | None = None) -> SpeculativePrefix:
+              images: Sequence[image_prompts.PromptImages | None] | None = None,
+              masks: np.ndarray | None = None) -> SpeculativePrefix:
     _text_only(images)
-    return SpeculativePrefix(*self.decoder.prefill(params[0], params[1], prompts, seed, row_params))
+    return SpeculativePrefix(*self.decoder.prefill(params[0], params[1], prompts, seed, row_params, masks))
 
   def insert(self, prefix: SpeculativePrefix, state: Any, slot: int, row: int = 0) -> Any:
     return self.decoder.insert((prefix.target, prefix.draft), state, slot, row)
@@ -136,12 +137,14 @@ class SpeculativeEngine:
 
   def prefill_chunk(self, params: tuple[Params, Params], state: speculative.SpeculativeState, slot: int,
                     prompt: Sequence[int], start: int, row_params: sampling.RowParams | None = None, seed: int = 0,
-                    images: image_prompts.PromptImages | None = None
+                    images: image_prompts.PromptImages | None = None, mask: np.ndarray | None = None
                     ) -> tuple[speculative.SpeculativeState, int, tuple[jax.Array, TokenLogprobs] | None]:
-    """The target's next chunk, and the draft's chunks until its cache reaches as far."""
+    """The target's next chunk (`mask`: the first token's bitmask), and the draft's chunks until its cache
+    reaches as far."""
     _text_only([images])
     assert self.draft is not None  # prefills_into_pages
-    target, end, first = self.target.prefill_chunk(params[0], state.target, slot, prompt, start, row_params, seed)
+    target, end, first = self.target.prefill_chunk(params[0], state.target, slot, prompt, start, row_params, seed,
+                                                   mask=mask)
     draft, done = state.draft, self._draft_done.get(slot, 0)
     while done < end or (first is not None and done < len(prompt)):
       draft, done, _ = self.draft.prefill_chunk(params[1], draft, slot, prompt, done, row_params, seed)
@@ -154,10 +157,11 @@ class SpeculativeEngine:
     emitted tokens[t, :counts[t]]. `active`: the slots the acceptance counters count."""
     return self.decoder.scored_step(params[0], params[1], state, active)
 
-  def decode_step(self, params: tuple[Params, Params], state: Any, active: Sequence[bool] | np.ndarray | None = None
-                  ) -> tuple[Any, Emitted]:
-    """`speculative_round` as engine_api.Emitted (tokens [T, k + 1], counts [T])."""
-    state, tokens_TK, counts_T, logprobs = self.decoder.scored_step(params[0], params[1], state, active)
+  def decode_step(self, params: tuple[Params, Params], state: Any, active: Sequence[bool] | np.ndarray | None = None,
+                  mask: np.ndarray | None = None) -> tuple[Any, Emitted]:
+    """`speculative_round` as engine_api.Emitted (tokens [T, k + 1], counts [T]). `mask`: token bitmasks
+    [T, W]; a constrained slot emits one token a round, drawn from the target under its mask (speculative.verify)."""
+    state, tokens_TK, counts_T, logprobs = self.decoder.scored_step(params[0], params[1], state, active, mask)
     return state, Emitted(tokens_TK, logprobs, counts_T)
 
   def release(self, slot: int) -> None:

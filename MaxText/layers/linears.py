@@ -10,8 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.layers import quantization, weight_quantization
-from MaxText.layers.weight_quantization import QuantizedWeight
+from MaxText.layers import quantization
 
 
 class DenseGeneral(nnx.Module):
@@ -63,12 +62,8 @@ class DenseGeneral(nnx.Module):
     num_in = len(self.in_shape)
     contract = (tuple(range(x.ndim - num_in, x.ndim)), tuple(range(num_in)))
     mode = quantization.current_quantization() if self.quantize else ""
-    stored = self.kernel.get_raw_value()
-    if isinstance(stored, QuantizedWeight):  # quantize_weights: decoding from 8-bit storage
-      y = weight_quantization.dense_dot(x, stored, num_in, self.dtype, mode)
-    else:
-      y = quantization.quantized_dot_general(mode, x.astype(self.dtype), self.kernel[...].astype(self.dtype),
-                                             (contract, ((), ())))
+    y = quantization.quantized_dot_general(mode, x.astype(self.dtype), self.kernel[...].astype(self.dtype),
+                                           (contract, ((), ())))
     if self.lora_rank > 0:
       x_r = jax.lax.dot_general(x.astype(self.dtype), self.lora_a[...].astype(self.dtype), (contract, ((), ())))
       delta = jax.lax.dot_general(x_r, self.lora_b[...].astype(self.dtype), (((x_r.ndim - 1,), (0,)), ((), ())))

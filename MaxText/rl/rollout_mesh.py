@@ -62,28 +62,23 @@ def tree_bytes(tree: Any) -> int:
 class WeightSync:
   """The rollout side's copy of the policy: `for_step(params, step)` returns the parameters a
   rollout at `step` samples from and the copy's metrics (weight_sync_bytes, weight_sync_s; 0 at a
-  step that reuses the last copy). Without a rollout mesh (`shardings` None) it is `params`.
-  `prepare(params, donate)`: the engine's conversion of the weights it decodes from (quantize_weights),
-  applied to each copy once it is made (donated), or without a rollout mesh to `params` at every step."""
+  step that reuses the last copy). Without a rollout mesh (`shardings` None) it is `params`."""
 
-  def __init__(self, shardings: Any | None, interval: int, prepare: Callable[[Any, bool], Any] | None = None):
-    self.shardings, self.interval, self.prepare = shardings, interval, prepare
+  def __init__(self, shardings: Any | None, interval: int):
+    self.shardings, self.interval = shardings, interval
     self.copy: Any | None = None
     self.copied_at: int | None = None  # the step (= updates applied) of the policy in `copy`
 
   def for_step(self, params: Any, step: int) -> tuple[Any, dict[str, float]]:
     if self.shardings is None:
-      return (params if self.prepare is None else self.prepare(params, False)), {}
+      return params, {}
     if self.copy is not None and step % self.interval != 0:
       return self.copy, {**NO_COPY, "policy_lag": float(step - (self.copied_at or 0))}
     started = time.perf_counter()
     self.copy = jax.block_until_ready(jax.device_put(params, self.shardings))
-    copied = tree_bytes(self.copy)
-    if self.prepare is not None:
-      self.copy = jax.block_until_ready(self.prepare(self.copy, True))
     self.copied_at = step
     seconds = time.perf_counter() - started
-    return self.copy, {"weight_sync_bytes": float(copied), "weight_sync_s": seconds, "policy_lag": 0.0}
+    return self.copy, {"weight_sync_bytes": float(tree_bytes(self.copy)), "weight_sync_s": seconds, "policy_lag": 0.0}
 
   def next_copy(self, step: int) -> int:
     """The step of the copy after `step`'s."""

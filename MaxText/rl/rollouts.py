@@ -131,8 +131,7 @@ class RolloutBatches:
     self.engine = Engine(config, num_slots=self.num_rows,
                          mesh=rollout_mesh.rollout_mesh(config, rollout_devices) if on_own_mesh else mesh)
     self.weights = rollout_mesh.WeightSync(self.engine.param_shardings if on_own_mesh else None,
-                                           self.rl.rl_weight_sync_interval,
-                                           prepare=self.engine.prepare_params if self.engine.weight_quantizer else None)
+                                           self.rl.rl_weight_sync_interval)
     self._primed: tuple[int, Batch, dict[str, float]] | None = None
     # rl_weight_sync_interval > 1 on a rollout mesh: each copy's batches are made ahead (rollout_mesh.py)
     self.ahead: rollout_mesh.RunAhead[tuple[Batch, dict[str, float]]] | None = \

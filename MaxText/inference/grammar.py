@@ -1,0 +1,139 @@
+"""Constrained decoding, the host side: a request's grammar (response_format's JSON schema or any JSON
+object, a regex, a Lark grammar, or a forced tool call) compiled by llguidance against the served
+tokenizer, and per request a `Constraint` that writes the allowed tokens' bitmask before each step
+and advances with each token the request gets (the scheduler's TokenConstraint). The device side is
+sampling.apply_token_mask: the bitmask goes up with the step and masked logits are -inf before
+sampling or the argmax.
+
+Why llguidance (not xgrammar or outlines-core) for a JAX sampler: it computes each step's mask on the
+host, lazily from the tokenizer's token trie, straight into a plain int32 bitmask, so the jitted
+sampler only takes one more array and nothing framework-specific is in the loop; a schema needs no
+index over the vocabulary built before its first token (outlines-core builds one per schema); and it
+is one small wheel with no dependencies (xgrammar's package brings torch and triton). JSON schemas,
+regexes and Lark grammars compile through one API, which names what it cannot compile.
+
+JSON is compact (no whitespace between tokens, separators "," and ":"): a model cannot spend its
+tokens on blank space inside a value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Sequence
+
+import llguidance
+import llguidance.hf
+import numpy as np
+
+from MaxText.inference import sampling, tool_calls
+
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+class GrammarError(ValueError):
+  """What llguidance cannot compile, in one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Grammar:
+  """A grammar compiled and checked for one tokenizer; `constraint()` starts one request's matcher."""
+
+  text: str  # llguidance's grammar (JSON with the schema, regex or Lark inside)
+  tokenizer: Any  # llguidance.LLTokenizer
+  vocab_size: int  # the model's (the bitmask's width: sampling.mask_words)
+
+  def constraint(self) -> Constraint:
+    return Constraint(self)
+
+
+class Constraint:
+  """One request's position in its grammar (a scheduler.TokenConstraint)."""
+
+  def __init__(self, grammar: Grammar):
+    self._matcher = llguidance.LLMatcher(grammar.tokenizer, grammar.text, log_level=0)
+    self._tokenizer_words = (grammar.tokenizer.vocab_size + 31) // 32  # what llguidance writes
+    self.words = sampling.mask_words(grammar.vocab_size)
+
+  def fill(self, row: np.ndarray) -> None:
+    """The allowed tokens' bits into `row` (int32 [words], C-contiguous); the bits past the tokenizer's
+    vocabulary stay clear, which marks the row constrained (sampling.constrained_rows)."""
+    if row.dtype != np.int32 or row.shape != (self.words,) or not row.flags["C_CONTIGUOUS"]:
+      raise ValueError(f"a mask row must be C-contiguous int32 [{self.words}], got {row.dtype} {row.shape}")
+    row[:] = 0
+    self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, self._tokenizer_words * 4)
+
+  def mask(self) -> np.ndarray:
+    """int32 [1, words]: the next token's bitmask as one row."""
+    row = np.zeros((1, self.words), np.int32)
+    self.fill(row[0])
+    return row
+
+  def advance(self, token: int) -> bool:
+    """Takes the request's token; True when the request must end: the grammar is complete (or, for a
+    token the mask did not allow, broken: it can only end)."""
+    return not self._matcher.consume_token(token) or self._matcher.is_stopped()
+
+  @property
+  def accepting(self) -> bool:
+    """Whether the tokens so far are a complete sentence of the grammar."""
+    return bool(self._matcher.is_accepting())
+
+  @property
+  def error(self) -> str:
+    return str(self._matcher.get_error())
+
+
+class Compiler:
+  """Grammars for one tokenizer (built once: it reads the whole vocabulary)."""
+
+  def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]):
+    self.vocab_size = vocab_size
+    self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
+                                                  eos_token=list(eos_ids) or None)
+
+  def compile(self, text: str) -> Grammar:
+    """`text` (an llguidance grammar) checked against the tokenizer; GrammarError says why it does not compile."""
+    message = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
+    if message and not message.startswith("WARNING"):
+      raise GrammarError(" ".join(message.split())[:300])
+    return Grammar(text, self.tokenizer, self.vocab_size)
+
+  def json_schema(self, schema: dict[str, Any]) -> Grammar:
+    try:
+      text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+    except ValueError as e:
+      raise GrammarError(str(e)[:300]) from None
+    return self.compile(text)
+
+  def regex(self, pattern: str) -> Grammar:
+    return self.compile(llguidance.LLMatcher.grammar_from_regex(pattern))
+
+  def lark(self, grammar: str) -> Grammar:
+    return self.compile(llguidance.LLMatcher.grammar_from_lark(grammar))
+
+  def tool_call(self, tools: list[dict[str, Any]], fmt: str) -> Grammar:
+    """One or more well-formed calls of `tools` (OpenAI's function tools) in the chat template's format
+    (tool_calls.FORMATS: "tag" `<tool_call>{"name": .., "arguments": {..}}</tool_call>`, "json" Llama 3.1's
+    whole-reply `{"name": .., "parameters": {..}}`), each call's arguments matching its tool's parameters."""
+    return self.lark(tool_call_lark(tools, fmt))
+
+
+def call_schema(tools: list[dict[str, Any]], arguments_key: str) -> dict[str, Any]:
+  """The JSON schema of one call of any of `tools`: its name and its parameters' schema."""
+  choices = [{"type": "object", "properties": {"name": {"const": tool["function"]["name"]},
+                                               arguments_key: tool["function"].get("parameters") or ANY_JSON_OBJECT},
+              "required": ["name", arguments_key], "additionalProperties": False} for tool in tools]
+  schema = choices[0] if len(choices) == 1 else {"anyOf": choices}
+  return {**schema, "x-guidance": JSON_OPTIONS}
+
+
+def tool_call_lark(tools: list[dict[str, Any]], fmt: str) -> str:
+  """The Lark grammar of tool_call's calls."""
+  if fmt == "json":
+    return f"start: call\ncall: %json {json.dumps(call_schema(tools, 'parameters'))}\n"
+  if fmt != "tag":
+    raise GrammarError(f"unknown tool-call format {fmt!r}; expected one of {', '.join(tool_calls.FORMATS)}")
+  return (f"start: tagged (\"\\n\" tagged)*\ntagged: {json.dumps(tool_calls.TAG_OPEN)} call "
+          f"{json.dumps(tool_calls.TAG_CLOSE)}\ncall: %json {json.dumps(call_schema(tools, 'arguments'))}\n")
