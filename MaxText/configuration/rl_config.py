@@ -45,6 +45,10 @@ class RLConfig:
   rl_rollout_ici_tensor_parallelism: int = key()
   rl_weight_sync_interval: int = key()
   rl_max_staleness: int = key()  # 0 = synchronous; bounds rl_weight_sync_interval - 1
+  rl_environment: str = key()  # "" = single-turn; calculator or package.module:Name (rl/environments.py)
+  rl_environment_timeout_seconds: float = key()  # the most one call of the environment may take
+  rl_max_turns: int = key()  # model turns per episode
+  rl_max_episode_tokens: int = key()  # prompt + every turn; 0 = max_target_length + 1
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any]) -> "RLConfig":
@@ -62,8 +66,9 @@ class RLConfig:
     _require(0 < rl.rl_sampling_top_p <= 1, f"rl_sampling_top_p must be in (0, 1], got {rl.rl_sampling_top_p}")
     _require(0 <= rl.rl_sampling_top_k <= v["vocab_size"],
              f"rl_sampling_top_k must be in [0, vocab_size] (0 = off), got {rl.rl_sampling_top_k}")
-    _require(bool(rl.reward_functions), "objective=grpo needs reward_functions: built-in names (exact_match, format, "
-             "length_penalty) or package.module:function paths")
+    _require(bool(rl.reward_functions) or bool(rl.rl_environment), "objective=grpo needs reward_functions: built-in "
+             "names (exact_match, format, length_penalty) or package.module:function paths (or an rl_environment, "
+             "whose episodes give rewards)")
     _require(not rl.reward_weights or len(rl.reward_weights) == len(rl.reward_functions),
              f"reward_weights has {len(rl.reward_weights)} values for {len(rl.reward_functions)} reward_functions; "
              "give one weight per function or none (all 1)")
@@ -88,6 +93,7 @@ class RLConfig:
     _require(rl.rl_weight_sync_interval >= 1, f"rl_weight_sync_interval must be >= 1 (copy the weights to the rollout "
              f"mesh every this many updates), got {rl.rl_weight_sync_interval}")
     _check_staleness(rl)
+    _check_environment(rl, length)
     _check_grpo_run(v, rl)
     return rl
 
@@ -160,6 +166,21 @@ def check_rollout_heads(rl: RLConfig, num_query_heads: int, objective: str) -> N
   _require(objective != "grpo" or rl.rl_rollout_devices == 0 or num_query_heads % tensor == 0,
            f"rl_rollout_ici_tensor_parallelism={tensor} does not divide the model's {num_query_heads} query heads, so "
            "the rollout mesh cannot hold the model; give a divisor of them")
+
+
+def _check_environment(rl: RLConfig, max_target_length: int) -> None:
+  """Multi-turn episodes (rl/episodes.py): their limits, and what they do not combine with yet."""
+  if not rl.rl_environment:
+    return
+  _require(rl.rl_max_turns >= 1, f"rl_max_turns must be >= 1 (model turns per episode), got {rl.rl_max_turns}")
+  _require(rl.rl_environment_timeout_seconds > 0, "rl_environment_timeout_seconds must be > 0 (the most one call "
+           f"of the environment may take), got {rl.rl_environment_timeout_seconds}")
+  _require(0 <= rl.rl_max_episode_tokens <= max_target_length + 1, f"rl_max_episode_tokens={rl.rl_max_episode_tokens}"
+           f" must be in [0, max_target_length + 1 = {max_target_length + 1}] (an episode is one training sequence; "
+           "0 = that bound)")
+  _require(rl.rl_weight_sync_interval == 1, f"rl_environment with rl_weight_sync_interval="
+           f"{rl.rl_weight_sync_interval}: episodes are not generated ahead of the training (a checkpoint could not "
+           "keep them); set rl_weight_sync_interval=1")
 
 
 def _check_staleness(rl: RLConfig) -> None:

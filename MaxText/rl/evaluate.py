@@ -18,6 +18,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python3 MaxText/rl/evaluate.py`: import the package, not sibling files.
   sys.path[0] = str(Path(__file__).resolve().parent.parent.parent)
 
+from typing import Any
+
 import numpy as np
 
 from MaxText import startup
@@ -27,9 +29,10 @@ from MaxText.inference.engine import load_engine
 from MaxText.inference.sampling import RowParams
 from MaxText.input_pipeline import chat
 from MaxText.platform.distributed import log
+from MaxText.rl import episodes as episodes_lib
 from MaxText.rl import prompts as prompts_lib
 from MaxText.rl import rewards as rewards_lib
-from MaxText.rl.rollouts import generate
+from MaxText.rl.rollouts import generate, padded_generate
 
 MAX_SLOTS = 64  # prompts decoded together
 
@@ -50,6 +53,10 @@ def evaluate(config: config_lib.Config, show: int = 4) -> dict[str, float]:
   rl = config.rl
   seeds = np.random.SeedSequence([config.decode.decode_sampling_seed, 1 << 20]).generate_state(len(prompts))
   completions: list[list[int]] = []
+  environment = episodes_lib.environment_for(rl) if rl.rl_environment else None
+  if environment is not None:  # multi-turn episodes: scored by the environment (and the reward functions)
+    return _evaluate_episodes(config, environment, tokenizer, engine, params, prompts, seeds, slots, reward_set,
+                              show)
   for start in range(0, len(prompts), slots):
     chunk = prompts[start:start + slots]
     rows = [p.ids for p in chunk] + [chunk[-1].ids] * (slots - len(chunk))  # one shape: one compilation
@@ -68,6 +75,42 @@ def evaluate(config: config_lib.Config, show: int = 4) -> dict[str, float]:
   for i in range(0, min(show, len(prompt_set.prompts)) * group, group):
     log(f"  {prompts[i].prompt!r} -> {texts[i]!r} (reward {float(scores.total[i]):g})")
   return {"reward": float(np.mean(scores.total)), **means}
+
+
+def _evaluate_episodes(config: config_lib.Config, environment: Any, tokenizer: chat.ChatTokenizer, engine: Any,
+                       params: Any, prompts: list[prompts_lib.Prompt], seeds: np.ndarray, slots: int,
+                       reward_set: rewards_lib.RewardSet, show: int) -> dict[str, float]:
+  """`evaluate` with rl_environment: each prompt's episodes, as a GRPO rollout runs them (rl/episodes.py)."""
+  rl, eos_id = config.rl, tokenizer.eos_token_id
+  limits = episodes_lib.Limits.of(rl, config.decode.max_prefill_predict_length, config.data.max_target_length)
+  episodes: list[episodes_lib.Episode] = []
+  for start in range(0, len(prompts), slots):
+    chunk = prompts[start:start + slots]
+
+    def row_params(turn: int, start: int = start, count: int = len(chunk)) -> list[RowParams]:
+      turn_seeds = seeds if not turn else np.random.SeedSequence(
+          [config.decode.decode_sampling_seed, 1 << 20, turn]).generate_state(len(prompts))
+      return [RowParams(rl.rl_sampling_temperature, rl.rl_sampling_top_p, rl.rl_sampling_top_k, int(seed))
+              for seed in turn_seeds[start:start + count]]
+    episodes += episodes_lib.run(environment, tokenizer, eos_id, [(p.index, p.prompt, p.columns) for p in chunk],
+                                 padded_generate(engine, params, eos_id), row_params, limits)
+  total = np.asarray([e.reward for e in episodes], np.float64)
+  means = {"environment": float(total.mean())}
+  if reward_set.names:
+    scores = reward_set.score([p.prompt for p in prompts], [e.last_text for e in episodes],
+                              [e.last_ids for e in episodes], prompts_lib.columns_of(prompts, 1),
+                              [p.index for p in prompts])
+    total = total + scores.total
+    means.update({name.rsplit(":", 1)[-1]: float(values.mean()) for name, values in scores.per_function.items()})
+  shares = episodes_lib.metrics(episodes, episodes_lib.Timing())
+  log(f"evaluate: {len(prompts) // rl.num_generations} prompts, {rl.num_generations} episodes each with "
+      f"rl_environment={rl.rl_environment} (temperature {rl.rl_sampling_temperature:g}), at most {rl.rl_max_turns} "
+      f"turns of {rl.max_completion_length} tokens; {shares['episodes/mean_turns']:.2f} turns per episode")
+  log(f"reward {float(total.mean()):.4f} ({', '.join(f'{k} {v:.4f}' for k, v in means.items())})")
+  for i in range(0, min(show * rl.num_generations, len(episodes)), rl.num_generations):
+    shown = tokenizer.decode(episodes[i].tokens, skip_special_tokens=False)
+    log(f"  {prompts[i].prompt!r} -> {shown!r} (reward {float(total[i]):g})")
+  return {"reward": float(total.mean()), **means}
 
 
 TOOL = startup.Tool("evaluate", reads_run=True, joins_job=True)

@@ -31,12 +31,14 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from MaxText.configuration.config import Config
+from MaxText.errors import UserError
 from MaxText.inference import sampling
 from MaxText.inference.engine import Engine
 from MaxText.inference.engine_api import DecodeEngine
 from MaxText.input_pipeline import chat
 from MaxText.input_pipeline.batch_spec import ADVANTAGES, FIELDS, SAMPLER_LOGPS
 from MaxText.platform import sharding
+from MaxText.rl import episodes as episodes_lib
 from MaxText.rl import prompts as prompts_lib
 from MaxText.rl import rewards as rewards_lib
 from MaxText.rl import rollout_mesh
@@ -91,12 +93,27 @@ def generate_scored(engine: DecodeEngine, params: Any, rows: list[list[int]], ro
   return outputs, logps
 
 
+def padded_generate(engine: DecodeEngine, params: Any, eos_id: int | None) -> episodes_lib.Generate:
+  """`generate_scored` on every slot of `engine` (the rows given, then copies of the first): one
+  prefill shape whatever the number of open episodes, so one compilation."""
+  def run(rows: list[list[int]], row_params: list[sampling.RowParams], max_new_tokens: int
+          ) -> tuple[list[list[int]], list[list[float]]]:
+    pad = engine.num_slots - len(rows)
+    out, logps = generate_scored(engine, params, rows + [rows[0]] * pad, row_params + [row_params[0]] * pad,
+                                 max_new_tokens, eos_id)
+    return out[:len(rows)], logps[:len(rows)]
+  return run
+
+
 def training_rows(prompt_ids: list[list[int]], completions: list[list[int]], length: int,
-                  logps: list[list[float]] | None = None) -> dict[str, np.ndarray]:
+                  logps: list[list[float]] | None = None,
+                  model_masks: list[list[bool]] | None = None) -> dict[str, np.ndarray]:
   """[rows, length] int32 fields of batch_spec.FIELDS: each row is one prompt + completion; the
   targets that are completion tokens carry weight (targets_segmentation 1), the prompt's none.
   float32 SAMPLER_LOGPS: `logps` (the engine's, per completion token) at those targets, NaN there
-  without them (not known: weight 1, as TRL treats a token vLLM could not score), 0 elsewhere."""
+  without them (not known: weight 1, as TRL treats a token vLLM could not score), 0 elsewhere.
+  `model_masks` (an episode's, per completion token): only the tokens the model sampled carry
+  weight; the environment's are context alone, out of the loss and the KL (SAMPLER_LOGPS 0)."""
   num_rows = len(prompt_ids)
   out = {name: np.zeros((num_rows, length), np.int32) for name in FIELDS}
   out[SAMPLER_LOGPS] = np.zeros((num_rows, length), np.float32)
@@ -110,6 +127,10 @@ def training_rows(prompt_ids: list[list[int]], completions: list[list[int]], len
     out["inputs_segmentation"][row, :n] = 1
     out["targets_segmentation"][row, len(prompt) - 1:n] = 1
     out[SAMPLER_LOGPS][row, len(prompt) - 1:n] = np.nan if logps is None else logps[row]
+    if model_masks is not None:
+      sampled = np.asarray(model_masks[row], bool)
+      out["targets_segmentation"][row, len(prompt) - 1:n] = sampled
+      out[SAMPLER_LOGPS][row, len(prompt) - 1:n] *= sampled
   return out
 
 
@@ -124,6 +145,12 @@ class RolloutBatches:
     self.tokenizer = chat.load_chat_tokenizer(config.data.tokenizer_path, require_template=False)
     self.eos_id = self.tokenizer.eos_token_id
     self.rewards = rewards_lib.RewardSet(self.rl, self.eos_id)
+    # Multi-turn episodes (rl/episodes.py) with rl_environment; rl_config refuses them with batches made ahead.
+    self.environment = episodes_lib.environment_for(self.rl) if self.rl.rl_environment else None
+    if self.environment is not None and not self.tokenizer.chat_template:
+      raise chat.no_template(config.data.tokenizer_path, f"rl_environment={self.rl.rl_environment}")
+    self.limits = episodes_lib.Limits.of(self.rl, config.decode.max_prefill_predict_length,
+                                         config.data.max_target_length)
     self.prompts = prompts_lib.PromptSet(config, self.tokenizer)
     self.sharding = batch_sharding
     rollout_devices = rollout_mesh.split_devices(config)[1]
@@ -210,8 +237,10 @@ class RolloutBatches:
     return made
 
   # ---------------------------------------------------------------- one rollout
-  def _row_params(self, step: int) -> list[sampling.RowParams]:
-    seeds = np.random.SeedSequence([self.config.decode.decode_sampling_seed, step]).generate_state(self.num_rows)
+  def _row_params(self, step: int, turn: int = 0) -> list[sampling.RowParams]:
+    """Every row's sampler at `step` (and an episode's later `turn`: seeds of their own)."""
+    entropy = [self.config.decode.decode_sampling_seed, step] + ([turn] if turn else [])
+    seeds = np.random.SeedSequence(entropy).generate_state(self.num_rows)
     rl = self.rl
     return [sampling.RowParams(rl.rl_sampling_temperature, rl.rl_sampling_top_p, rl.rl_sampling_top_k, int(seed))
             for seed in seeds]
@@ -225,6 +254,8 @@ class RolloutBatches:
     started = time.perf_counter()
     group = self.prompts.take(self.num_rows // self.group) if group is None else group
     row_prompts = [p for p in group for _ in range(self.group)]
+    if self.environment is not None:
+      return self._episodes(params, step, guard, group, row_prompts, sync_scalars, started)
     if replay is None:
       completions, sampler_logps = generate_scored(self.engine, params, [p.ids for p in row_prompts],
                                                    self._row_params(step), self.rl.max_completion_length, self.eos_id)
@@ -250,6 +281,48 @@ class RolloutBatches:
     scalars = {**rewards_lib.reward_metrics(scores, group_std, advantages),
                "completions/mean_length": float(lengths.mean()), "completions/max_length": float(lengths.max()),
                "completions/min_length": float(lengths.min()), "completions/clipped_ratio": float(1 - ended.mean()),
+               "rollout_s": rollout_s, "rollout_tokens_per_s": float(lengths.sum() / max(rollout_s, 1e-9)),
+               "reward_s": time.perf_counter() - started - rollout_s, **sync_scalars}
+    return batch, scalars
+
+  def _episodes(self, params: Any, step: int, guard: health.Guard, group: list[prompts_lib.Prompt],
+                row_prompts: list[prompts_lib.Prompt], sync_scalars: dict[str, float], started: float
+                ) -> tuple[Batch, dict[str, float]]:
+    """`_rollout` with an environment: one multi-turn episode per row, rewarded by the environment
+    (and the reward functions, which see each episode's last model turn as its completion)."""
+    assert self.environment is not None
+    timing = episodes_lib.Timing()
+    with guard("the first rollout's environment"):
+      episodes = episodes_lib.run(self.environment, self.tokenizer, self.eos_id,
+                                  [(p.index, p.prompt, p.columns) for p in row_prompts],
+                                  padded_generate(self.engine, params, self.eos_id),
+                                  functools.partial(self._row_params, step), self.limits, timing)
+    rollout_s = time.perf_counter() - started
+    rows = training_rows([e.prompt_ids for e in episodes], [e.tokens for e in episodes],
+                         self.config.data.max_target_length, [e.logps for e in episodes],
+                         [e.model_mask for e in episodes])
+    environment = np.asarray([e.reward for e in episodes], np.float64)
+    scores = rewards_lib.Scores(environment, {"environment": environment})
+    if self.rewards.names:
+      with guard("the first rollout's reward functions"):
+        scored = self.rewards.score([p.prompt for p in row_prompts], [e.last_text for e in episodes],
+                                    [e.last_ids for e in episodes], prompts_lib.columns_of(group, self.group),
+                                    [p.index for p in row_prompts])
+      with np.errstate(over="ignore", invalid="ignore"):
+        scores = rewards_lib.Scores(scored.total + environment, {"environment": environment, **scored.per_function})
+    if not np.all(np.isfinite(scores.total)):
+      raise UserError(f"the environment's rewards plus the reward functions' overflow float64 (episode "
+                      f"{int(np.flatnonzero(~np.isfinite(scores.total))[0])}); scale the rewards down")
+    advantages, group_std = rewards_lib.advantages(scores.total, self.group, self.rl.grpo_scale_rewards,
+                                                   ["environment", *self.rewards.names])
+    rows[ADVANTAGES] = advantages.astype(np.float32)
+    batch: Batch = {name: _global(value, sharding.for_rank(self.sharding, value.ndim)) for name, value in rows.items()}
+    lengths = np.asarray([e.model_tokens for e in episodes])
+    scalars = {**rewards_lib.reward_metrics(scores, group_std, advantages),
+               "completions/mean_length": float(lengths.mean()), "completions/max_length": float(lengths.max()),
+               "completions/min_length": float(lengths.min()),
+               "completions/clipped_ratio": float(np.mean([not e.last_ended for e in episodes])),
+               **episodes_lib.metrics(episodes, timing),
                "rollout_s": rollout_s, "rollout_tokens_per_s": float(lengths.sum() / max(rollout_s, 1e-9)),
                "reward_s": time.perf_counter() - started - rollout_s, **sync_scalars}
     return batch, scalars

@@ -1,0 +1,196 @@
+"""Environments of multi-turn GRPO episodes (`rl_environment`): what answers the model between its
+turns. Named as reward functions are, `package.module:Name` on PYTHONPATH, or the built-in
+`calculator` (rl/calculator.py). `Name` is called once per episode with the prompt record as
+keyword arguments (`prompt` and every other column) and returns an episode object with
+
+    tools: list[dict]                   optional: the tools' JSON schemas, given to the chat template
+    start() -> list[message]            the messages that open the episode (e.g. the prompt as a user turn)
+    step(turn: ModelTurn) -> Step       after each model turn: the messages to append (tool results as
+                                        role "tool", or user turns), a reward contribution, whether it ended
+
+`step` may also return a (messages, reward, done) tuple. A message is a dict with a "role" (tool,
+user or system) and a string "content". Every call runs guarded (`Guarded`): one that raises (an
+exit included), does not return within rl_environment_timeout_seconds or returns anything else
+stops the run with one `error:` line naming the environment, the call and the prompt record. A
+tool call the model wrote badly is not an error: the episode's `step` gets it (`malformed`) and
+answers the model, as the calculator does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import threading
+import time
+from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar
+
+from MaxText.errors import ConfigError, UserError
+from MaxText.inference import tool_calls
+
+T = TypeVar("T")
+Message = dict[str, Any]
+ROLES = ("tool", "user", "system")  # what an environment may append (the assistant's turns are the model's)
+BUILTINS = ("calculator",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelTurn:
+  """What the model said in one turn, as its environment's `step` gets it."""
+
+  text: str  # the reply decoded (special tokens and the end-of-sequence token left out)
+  calls: list[tool_calls.ToolCall]  # the tool calls parsed from it (inference/tool_calls.py's formats)
+  malformed: bool  # it opened a tool call that does not parse (bad JSON, no name): answer with an error message
+  ended: bool  # it ended with the end-of-sequence token (False: cut at the turn's token limit)
+  turn: int  # 1 for the episode's first model turn
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """An environment's answer to a model turn."""
+
+  messages: list[Message]  # appended to the episode, rendered by the chat template, not trained on
+  reward: float = 0.0  # added to the episode's reward
+  done: bool = False  # the episode ends here (its messages are then not appended)
+
+
+def model_turn(text: str, ended: bool, turn: int) -> ModelTurn:
+  parsed = tool_calls.parse(text)
+  opened = text.count(tool_calls.TAG_OPEN) + int(text.lstrip().startswith((tool_calls.PYTHON_TAG, '{"name"')))
+  return ModelTurn(text, parsed.calls, opened > len(parsed.calls), ended, turn)
+
+
+def load(path: str) -> Callable[..., Any]:
+  """The episode factory a `package.module:Name` path names (the built-ins are episodes.py's)."""
+  module_name, sep, attribute = path.partition(":")
+  if not sep or not module_name or not attribute:
+    raise ConfigError(f"rl_environment={path!r} is neither a built-in ({', '.join(BUILTINS)}) nor a "
+                      "package.module:Name path")
+  try:
+    module = importlib.import_module(module_name)
+  except Exception as e:  # noqa: BLE001 - any failure to import is the user's to fix
+    raise ConfigError(f"rl_environment {path}: cannot import {module_name} ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}); is it on PYTHONPATH?") from None
+  factory = getattr(module, attribute, None)
+  if not callable(factory):
+    raise ConfigError(f"rl_environment {path}: {module_name} has no callable {attribute!r}")
+  return factory
+
+
+class _Call(Generic[T]):
+  """One call on a daemon thread of its own: one that never returns is left behind, not joined."""
+
+  def __init__(self, fn: Callable[[], T]):
+    self.fn = fn
+    self.value: T | None = None
+    self.error: BaseException | None = None
+    self.thread = threading.Thread(target=self._run, name="rl-environment", daemon=True)
+    self.thread.start()
+
+  def _run(self) -> None:
+    try:
+      self.value = self.fn()
+    except BaseException as e:  # noqa: BLE001 - the user's code (an exit too): reported by the caller
+      self.error = e
+
+
+class Guarded:
+  """The run's environment: its episode factory and the guard every call to it runs under."""
+
+  def __init__(self, name: str, factory: Callable[..., Any], timeout_s: float):
+    self.name, self.factory, self.timeout_s = name, factory, timeout_s
+
+  def call_all(self, method: str, calls: Sequence[Callable[[], T]], records: Sequence[int]) -> list[T]:
+    """Each call's result, the calls run at once (one thread each), all within timeout_s of the start.
+    `method` names the call and `records` each call's prompt record for the error."""
+    running = [_Call(fn) for fn in calls]
+    deadline = time.monotonic() + self.timeout_s
+    for call in running:
+      call.thread.join(max(0.0, deadline - time.monotonic()))
+    for call, record in zip(running, records):
+      where = f"(in {method}, prompt record {record})"
+      if call.thread.is_alive():
+        raise UserError(f"environment {self.name} did not return within rl_environment_timeout_seconds="
+                        f"{self.timeout_s:g} {where}; make it faster or raise the limit")
+      if call.error is not None:
+        if isinstance(call.error, UserError):
+          raise UserError(f"environment {self.name} {where}: {call.error}") from None
+        text = str(call.error).splitlines()[0] if str(call.error) else ""
+        raise UserError(f"environment {self.name} raised {type(call.error).__name__}: {text} {where}") from None
+    return [call.value for call in running]  # type: ignore[misc]
+
+  def episodes(self, records: Sequence[Mapping[str, Any]], indices: Sequence[int]) -> list[Any]:
+    """One episode object per record (the factory called with the record's fields as keywords)."""
+    def make(record: Mapping[str, Any]) -> Callable[[], Any]:
+      return lambda: self.factory(**dict(record))
+    return self.call_all("creating the episode", [make(r) for r in records], indices)
+
+  def opening(self, episodes: Sequence[Any], indices: Sequence[int]) -> list[list[Message]]:
+    values = self.call_all("start", [_method(e, "start") for e in episodes], indices)
+    return [self.messages(v, "start", i, allow_assistant=True) for v, i in zip(values, indices)]
+
+  def step(self, episodes: Sequence[Any], turns: Sequence[ModelTurn], indices: Sequence[int]) -> list[Step]:
+    def call(episode: Any, turn: ModelTurn) -> Callable[[], Any]:
+      fn = _method(episode, "step")
+      return lambda: fn(turn)
+    values = self.call_all("step", [call(e, t) for e, t in zip(episodes, turns)], indices)
+    return [self._step(v, i) for v, i in zip(values, indices)]
+
+  def tools(self, episode: Any, index: int) -> list[dict[str, Any]] | None:
+    tools = getattr(episode, "tools", None)
+    if tools is None:
+      return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+      raise UserError(f"environment {self.name}: the episode's tools is {type(tools).__name__} for prompt record "
+                      f"{index}; it must be a list of JSON schemas (dicts), or absent")
+    return tools
+
+  def _step(self, value: object, index: int) -> Step:
+    if isinstance(value, tuple) and len(value) == 3:
+      value = Step(*value)
+    if not isinstance(value, Step):
+      raise UserError(f"environment {self.name}: step returned {type(value).__name__} for prompt record {index}; it "
+                      "must return a Step (messages, reward, done) or such a tuple")
+    reward = value.reward
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+      raise UserError(f"environment {self.name}: step returned the reward {reward!r} for prompt record {index}; it "
+                      "must be a finite number")
+    if not isinstance(value.done, bool):
+      raise UserError(f"environment {self.name}: step returned done={value.done!r} for prompt record {index}; it must "
+                      "be True or False")
+    return Step(self.messages(value.messages, "step", index), float(reward), value.done)
+
+  def messages(self, value: object, method: str, index: int, allow_assistant: bool = False) -> list[Message]:
+    roles = ROLES + (("assistant",) if allow_assistant else ())
+    problem = _message_problem(value, roles, empty_ok=not allow_assistant)
+    if problem:
+      raise UserError(f"environment {self.name}: {method} returned {problem} for prompt record {index}; it must "
+                      f"return a list of messages, dicts with a role ({', '.join(roles)}) and a string content")
+    assert isinstance(value, list)
+    return [dict(m) for m in value]
+
+
+def _message_problem(value: object, roles: Sequence[str], empty_ok: bool) -> str | None:
+  if not isinstance(value, list):
+    return type(value).__name__
+  if not value and not empty_ok:
+    return "no messages"
+  for i, message in enumerate(value):
+    if not isinstance(message, dict):
+      return f"a {type(message).__name__} as message {i}"
+    if message.get("role") not in roles:
+      return f"the role {message.get('role')!r} in message {i}"
+    if not isinstance(message.get("content"), str):
+      return f"a {type(message.get('content')).__name__} content in message {i}"
+  return None
+
+
+def _method(episode: Any, name: str) -> Callable[..., Any]:
+  fn = getattr(episode, name, None)
+  if not callable(fn):
+    raise UserError(f"the episode object {type(episode).__name__} has no {name}() method; an environment's episodes "
+                    "need start() and step(turn) (getting_started/RL.md, Agentic RL)")
+  return fn
+
+
+__all__ = ["BUILTINS", "Guarded", "Message", "ModelTurn", "ROLES", "Step", "load", "model_turn"]

@@ -1,0 +1,207 @@
+"""Multi-turn GRPO episodes: the model and an environment (rl/environments.py) take turns until the
+environment ends the episode or a limit does.
+
+    record ─► env.start() messages ─► chat template (+ the env's tools) ─► prompt ids
+      ┌─► the model's turn: the engine samples from [prompt + everything so far] until its end token
+      │     ─► tool calls parsed (inference/tool_calls.py) ─► env.step(turn): messages, reward, done
+      └── the env's messages rendered by the chat template and appended (not trained on)
+
+Episodes run in batch by turn: each turn the engine decodes the open episodes together (one slot
+each), then every open episode's `step` runs at once on threads of its own (Guarded), then the
+next turn prefills the grown contexts. An episode ends when its environment says so (`done`), after
+rl_max_turns model turns (`turns`), or when the next turn's context would pass
+max_prefill_predict_length or leave no token within rl_max_episode_tokens (`tokens`). A model turn
+cut at max_completion_length is the environment's to judge (ModelTurn.ended is False); if the
+episode goes on, the template's closing of that turn (its end token) is context, not the model's. The episode's tokens are kept exactly as the engine saw
+them, with a mask of which the model sampled: training_rows weighs only those, so the trainer
+scores the rollout's own context and the loss and the KL see the model's tokens alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+from MaxText.configuration.rl_config import RLConfig
+from MaxText.errors import UserError
+from MaxText.inference import sampling
+from MaxText.input_pipeline import chat
+from MaxText.rl import calculator, environments
+from MaxText.rl.environments import Message, ModelTurn
+
+# (contexts, each one's sampling parameters, the most new tokens) -> (each context's new tokens, ending
+# with the end-of-sequence token when it ended; the engine's log-probability of each)
+Generate = Callable[[list[list[int]], list[sampling.RowParams], int], tuple[list[list[int]], list[list[float]]]]
+ENDINGS = ("done", "turns", "tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  max_turns: int  # model turns per episode (rl_max_turns)
+  max_turn_tokens: int  # tokens per model turn (max_completion_length)
+  max_context: int  # the longest context a model turn starts from (max_prefill_predict_length)
+  max_episode_tokens: int  # the prompt and every turn (rl_max_episode_tokens, else max_target_length + 1)
+
+  @classmethod
+  def of(cls, rl: RLConfig, max_prefill_predict_length: int, max_target_length: int) -> "Limits":
+    return cls(rl.rl_max_turns, rl.max_completion_length, max_prefill_predict_length,
+               rl.rl_max_episode_tokens or max_target_length + 1)
+
+
+@dataclasses.dataclass
+class Episode:
+  index: int  # the prompt record
+  prompt_ids: list[int]  # the opening messages rendered, with the generation prompt
+  messages: list[Message]  # the conversation so far (the model's turns as assistant messages)
+  tools: list[dict[str, Any]] | None
+  tokens: list[int] = dataclasses.field(default_factory=list)  # after the prompt: every turn, as the engine saw it
+  model_mask: list[bool] = dataclasses.field(default_factory=list)  # per token: sampled by the model
+  logps: list[float] = dataclasses.field(default_factory=list)  # per token: the engine's log-prob (0: not the model's)
+  reward: float = 0.0  # the environment's contributions, summed
+  turns: int = 0  # model turns taken
+  last_text: str = ""  # the last model turn, decoded
+  last_ids: list[int] = dataclasses.field(default_factory=list)  # its tokens
+  last_ended: bool = False  # it ended with the end-of-sequence token (else cut at max_completion_length)
+  end: str = ""  # one of ENDINGS once it ended
+
+  @property
+  def model_tokens(self) -> int:
+    return sum(self.model_mask)
+
+
+def environment_for(rl: RLConfig) -> environments.Guarded:
+  """The run's environment: the built-in calculator or the `package.module:Name` of rl_environment."""
+  name = rl.rl_environment
+  factory = calculator.factory(rl.rl_answer_column) if name == "calculator" else environments.load(name)
+  return environments.Guarded(name, factory, rl.rl_environment_timeout_seconds)
+
+
+class Renderer:
+  """Messages to token ids through the chat template; `continuation` is what appending messages adds
+  after a model turn that ended with the end-of-sequence token."""
+
+  def __init__(self, tokenizer: chat.ChatTokenizer, eos_id: int | None):
+    self.tokenizer = tokenizer
+    self.eos_text = tokenizer.decode([eos_id], skip_special_tokens=False) if eos_id is not None else ""
+
+  def text(self, messages: list[Message], tools: list[dict[str, Any]] | None, generation_prompt: bool) -> str:
+    return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                              tools=tools)
+
+  def ids(self, text: str) -> list[int]:
+    return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+  def continuation(self, messages: list[Message], new: list[Message], tools: list[dict[str, Any]] | None,
+                   index: int, ended: bool = True) -> list[int]:
+    """The tokens after the model's last one: the rest of its turn as the template closes it (from its
+    end token on when the model did not write it, `ended` False), the new messages and the next
+    generation prompt."""
+    before = self.text(messages, tools, False)
+    after = self.text(messages + new, tools, True)
+    if not after.startswith(before):
+      raise UserError(f"prompt record {index}: the chat template renders the episode differently once the "
+                      "environment's messages are appended (the earlier text changes), so the model's context "
+                      "cannot grow turn by turn; use a template that renders each message on its own")
+    prefix, reply = self.text(messages[:-1], tools, True), messages[-1]["content"]
+    if before.startswith(prefix + reply):
+      closing = before[len(prefix + reply):]
+    else:  # the template rewrites the reply (trims it): its turn closes at its last end token
+      at = before.rfind(self.eos_text) if self.eos_text else -1
+      closing = before[at:] if at >= 0 else ""
+    if ended and self.eos_text and closing.startswith(self.eos_text):
+      closing = closing[len(self.eos_text):]  # the model wrote it: it is in the context already
+    return self.ids(closing + after[len(before):])
+
+
+@dataclasses.dataclass
+class Timing:
+  generate_s: float = 0.0
+  environment_s: float = 0.0
+
+
+def run(env: environments.Guarded, tokenizer: chat.ChatTokenizer, eos_id: int | None,
+        records: Sequence[tuple[int, Any, Mapping[str, Any]]], generate: Generate,
+        row_params: Callable[[int], list[sampling.RowParams]], limits: Limits,
+        timing: Timing | None = None) -> list[Episode]:
+  """One episode per record (index, prompt, other columns). `row_params(turn)` gives every record's
+  sampling parameters for that turn (0 for the first)."""
+  timing = timing or Timing()
+  renderer = Renderer(tokenizer, eos_id)
+  indices = [index for index, _, _ in records]
+  started = time.perf_counter()
+  objects = env.episodes([{"prompt": prompt, **columns} for _, prompt, columns in records], indices)
+  openings = env.opening(objects, indices)
+  timing.environment_s += time.perf_counter() - started
+  episodes = []
+  for obj, opening, index in zip(objects, openings, indices):
+    tools = env.tools(obj, index)
+    ids = renderer.ids(renderer.text(opening, tools, True))
+    if not 1 <= len(ids) <= limits.max_context:
+      raise UserError(f"prompt record {index}: the environment's opening messages are {len(ids)} tokens; an episode "
+                      f"must start with 1 to max_prefill_predict_length={limits.max_context} (raise it or shorten them)")
+    episodes.append(Episode(index, ids, opening, tools))
+  for turn in range(limits.max_turns):
+    live = [i for i, e in enumerate(episodes) if not e.end]
+    if not live:
+      break
+    contexts = [episodes[i].prompt_ids + episodes[i].tokens for i in live]
+    budgets = [min(limits.max_turn_tokens, limits.max_episode_tokens - len(c)) for c in contexts]
+    turn_params = row_params(turn)
+    started = time.perf_counter()
+    outputs, logps = generate(contexts, [turn_params[i] for i in live], max(budgets))
+    timing.generate_s += time.perf_counter() - started
+    turns = []
+    for i, out, lps, budget in zip(live, outputs, logps, budgets):
+      out = out[:budget]
+      episode, ended = episodes[i], bool(out) and out[-1] == eos_id
+      episode.tokens += out
+      episode.model_mask += [True] * len(out)
+      episode.logps += [float(p) for p in lps[:len(out)]]
+      episode.last_ids = list(out)
+      episode.last_text = tokenizer.decode(out[:-1] if ended else out, skip_special_tokens=True)
+      episode.turns = turn + 1
+      episode.last_ended = ended
+      turns.append(environments.model_turn(episode.last_text, ended, turn + 1))
+    started = time.perf_counter()
+    steps = env.step([objects[i] for i in live], turns, [episodes[i].index for i in live])
+    timing.environment_s += time.perf_counter() - started
+    for i, model, step in zip(live, turns, steps):
+      _advance(episodes[i], model, step, renderer, limits)
+  return episodes
+
+
+def _advance(episode: Episode, model: ModelTurn, step: environments.Step, renderer: Renderer, limits: Limits) -> None:
+  """The episode after its environment's answer: ended, or grown by the answer's tokens."""
+  episode.reward += step.reward
+  episode.messages = episode.messages + [{"role": "assistant", "content": model.text}]
+  if step.done:
+    episode.end = "done"
+  elif episode.turns >= limits.max_turns:
+    episode.end = "turns"
+  if episode.end:
+    return
+  added = renderer.continuation(episode.messages, step.messages, episode.tools, episode.index, model.ended)
+  length = len(episode.prompt_ids) + len(episode.tokens) + len(added)
+  if length > limits.max_context or length >= limits.max_episode_tokens:
+    episode.end = "tokens"
+    return
+  episode.messages = episode.messages + step.messages
+  episode.tokens += added
+  episode.model_mask += [False] * len(added)
+  episode.logps += [0.0] * len(added)
+
+
+def metrics(episodes: Sequence[Episode], timing: Timing) -> dict[str, float]:
+  """Per batch: turns, the share of the episodes' tokens (after the prompt) the model sampled, how they ended."""
+  count = max(len(episodes), 1)
+  model = sum(e.model_tokens for e in episodes)
+  total = sum(len(e.tokens) for e in episodes)
+  out = {"episodes/mean_turns": sum(e.turns for e in episodes) / count,
+         "episodes/model_token_share": model / max(total, 1),
+         "episodes/environment_s": timing.environment_s}
+  out.update({f"episodes/{ending}_ratio": sum(e.end == ending for e in episodes) / count for ending in ENDINGS})
+  return out
+
+
+__all__ = ["ENDINGS", "Episode", "Generate", "Limits", "Renderer", "Timing", "environment_for", "metrics", "run"]
