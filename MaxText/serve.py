@@ -34,7 +34,7 @@ from MaxText.configuration import config as config_lib
 from MaxText import startup
 from MaxText.platform import distributed
 from MaxText.errors import UserError, run_cli
-from MaxText.inference import image_chat
+from MaxText.inference import grammar, image_chat, tool_calls
 from MaxText.inference import openai_api as api
 from MaxText.inference import scheduler as sched
 from MaxText.inference import serve_metrics, speculative_engine
@@ -91,7 +91,23 @@ def _codec(config: config_lib.Config) -> tuple[api.Codec, int | None]:
   def chat_images(messages: list[dict[str, Any]]) -> tuple[list[int], Any]:
     return image_chat.conversation_ids(template_tokenizer(), messages, config.model, files=False, limits=limits)
 
-  return api.Codec(encode, tokenizer.decode, chat, chat_images, chat_tools), tokenizer.eos_id
+  compilers: list[grammar.Compiler] = []
+
+  def grammars() -> grammar.Compiler:
+    """Built at the first constrained request: it reads the whole vocabulary."""
+    if not compilers:
+      try:
+        eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+        compilers.append(grammar.Compiler(template_tokenizer(), config.model.vocab_size, eos))
+      except ValueError as e:  # llguidance reads Hugging Face fast tokenizers only
+        raise api.ApiError(400, f"response_format and forced tool calls need a Hugging Face fast tokenizer: {e}",
+                           "response_format", "unsupported_parameter") from None
+    return compilers[0]
+
+  def tool_format() -> str:
+    return tool_calls.template_format(template_tokenizer().chat_template)
+
+  return api.Codec(encode, tokenizer.decode, chat, chat_images, chat_tools, grammars, tool_format), tokenizer.eos_id
 
 
 class Server:
@@ -125,7 +141,8 @@ class Server:
       except RuntimeError:  # the event loop is closed: the server is stopping
         pass
 
-    jobs = [sched.Job(c.index, c.prompt, c.max_tokens, c.row, emit, score_prompt, images=c.images)
+    jobs = [sched.Job(c.index, c.prompt, c.max_tokens, c.row, emit, score_prompt, images=c.images,
+                      constraint=None if request.grammar is None else request.grammar.constraint())
             for c in request.choices]
     try:
       self.scheduler.submit(jobs)

@@ -183,15 +183,12 @@ def test_stop_sequences_end_the_text_before_them(served):
 
 
 @pytest.mark.parametrize("fields, param", [
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
-     "response_format"),
-    (dict(response_format={"type": "json_object"}), "response_format"),
-    (dict(tools=[NOW], tool_choice="required"), "tool_choice"),
-    (dict(tools=[NOW], tool_choice={"type": "function", "function": {"name": "now"}}), "tool_choice"),
-    (dict(tools=[NOW]), "tools"),  # this fixture's template renders no tools
-], ids=["json-schema", "json-object", "tool-choice-required", "tool-choice-named", "tools-template"])
-def test_json_mode_and_tools_are_refused_by_name(served, fields, param):
-  """What the server does not do is a 400 naming the field, not a free-text 200."""
+    (dict(tools=[NOW], tool_choice="required"), "tools"),  # this fixture's template renders no tools
+    (dict(tools=[NOW]), "tools"),
+], ids=["tool-choice-required", "tools-template"])
+def test_tools_a_template_cannot_render_are_refused_by_name(served, fields, param):
+  """What the server does not do is a 400 naming the field, not a free-text 200 (response_format and forced
+  calls: tests/test_serve_constrained.py)."""
   with pytest.raises(openai.BadRequestError) as raised:
     served.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                           **fields)

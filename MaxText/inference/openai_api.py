@@ -8,8 +8,10 @@ No field can name a file, a path or another checkpoint: `model` is only compared
 A field a route does not implement is a 400 naming it (COMPLETION_FIELDS, CHAT_FIELDS; a few only at
 their defaults, NO_OP_VALUES), bar IGNORED_FIELDS, which ask nothing of the answer.
 `tools` with `tool_choice` "auto" are rendered through the chat template (`Codec.chat_tools`) and the
-reply's calls parsed (inference/tool_calls.py); "required" and a named function need constrained decoding
-and are refused. Chat content parts may carry images as data: URLs (`Codec.chat_images`, inference/image_chat.py);
+reply's calls parsed (inference/tool_calls.py); "required" and a named function also force a well-formed
+call by constrained decoding, as `response_format` (json_object, json_schema, and the extensions regex and
+grammar, a Lark grammar) forces its format: `Codec.grammars` compiles them (inference/grammar.py) into
+the request's `grammar`. Chat content parts may carry images as data: URLs (`Codec.chat_images`, inference/image_chat.py);
 an http(s) URL is refused, nothing is fetched.
 """
 
@@ -21,6 +23,7 @@ import secrets
 from typing import Any, Callable, Sequence
 
 from MaxText.errors import UserError
+from MaxText.inference import grammar as grammar_lib
 from MaxText.inference.image_prompts import PromptImages
 from MaxText.inference.sampling import NUM_TOP_LOGPROBS, RowParams
 
@@ -61,6 +64,10 @@ class Codec:
   # Messages and OpenAI `tools` -> ids; raises ApiError when the template cannot render tools.
   # None: the server renders no tools.
   chat_tools: Callable[[list[dict[str, Any]], list[dict[str, Any]]], list[int]] | None = None
+  # The tokenizer's grammar compiler (grammar.Compiler; raises ApiError when the tokenizer has none) and the
+  # tool-call format its chat template teaches (tool_calls.FORMATS). None: no constrained decoding.
+  grammars: Callable[[], grammar_lib.Compiler] | None = None
+  tool_format: Callable[[], str] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +88,7 @@ class Request:
   logprobs: int | None = None  # completions: how many alternatives per token (0..5); None = none
   include_usage: bool = False  # streams: a last chunk with the usage (stream_options)
   tools: bool = False  # chat: tools were offered, the reply's tool calls are parsed
+  grammar: grammar_lib.Grammar | None = None  # constrained decoding: what every choice's text must match
 
 
 def parse_json(raw: bytes) -> Any:
@@ -136,7 +144,6 @@ NO_OP_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
     "logit_bias": (({},), "only {}"),
     "best_of": ((1,), "only 1"),
     "suffix": (("",), "only \"\""),
-    "response_format": (({"type": "text"},), 'only {"type": "text"}: the output is not constrained to JSON'),
     "functions": (([],), f"deprecated: {_NO_TOOLS}"),
     "function_call": (("none",), f"deprecated: {_NO_TOOLS}"),
     "modalities": ((["text"],), 'only ["text"]'),
@@ -313,10 +320,12 @@ def parse_chat(body: Any, limits: Limits, codec: Codec) -> Request:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
       raise ApiError(400, f"messages[{i}] must be an object with a role and a content", "messages")
   name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+  tools, forced = _tools(body)
+  grammar = _grammar(body, codec, forced)
   if has_images(body) or (codec.chat_images is not None and limits.image_token_id is not None):
     if codec.chat_images is None:
       raise ApiError(400, "this server takes no images", "messages")
-    if _tools(body):
+    if tools or forced:
       raise ApiError(400, "tools with images are not supported yet; send one or the other", "tools",
                      "unsupported_parameter")
     try:
@@ -325,8 +334,7 @@ def parse_chat(body: Any, limits: Limits, codec: Codec) -> Request:
       raise ApiError(400, str(e), "messages", "invalid_image") from None
     choices = _choices([ids], body, name, limits, minimum=1, images=images)
     return Request(choices, bool(_get(body, "stream", bool, False)), _stop(body),
-                   include_usage=_include_usage(body))
-  tools = _tools(body)
+                   include_usage=_include_usage(body), grammar=grammar)
   rendered = []
   for i, message in enumerate(messages):
     content = message.get("content")
@@ -348,11 +356,63 @@ def parse_chat(body: Any, limits: Limits, codec: Codec) -> Request:
     ids = codec.chat(rendered)
   choices = _choices([ids], body, name, limits, minimum=1)
   return Request(choices, bool(_get(body, "stream", bool, False)), _stop(body),
-                 include_usage=_include_usage(body), tools=bool(tools))
+                 include_usage=_include_usage(body), tools=bool(tools), grammar=grammar)
 
 
-def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
-  """The tools to render: none without tools or with tool_choice "none" (the model is not told of them)."""
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "grammar")
+
+
+def _grammar(body: dict[str, Any], codec: Codec, forced: list[dict[str, Any]] | None) -> grammar_lib.Grammar | None:
+  """What response_format or a forced tool call (tool_choice "required" or a named function) constrains the
+  reply to, compiled for the tokenizer; None: the reply is free."""
+  fmt = body.get("response_format")
+  if fmt is not None and (not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str)):
+    raise ApiError(400, 'response_format must be an object with a "type"', "response_format")
+  kind = "text" if fmt is None else fmt["type"]
+  if kind not in RESPONSE_FORMATS:
+    raise ApiError(400, f"response_format type {kind[:100]!r} is not supported; use one of {', '.join(RESPONSE_FORMATS)}",
+                   "response_format")
+  if kind == "text" and forced is None:
+    return None
+  if kind != "text" and forced is not None:
+    raise ApiError(400, f"response_format {kind} and a forced tool call (tool_choice) both constrain the reply; "
+                   "send one of them", "tool_choice", "unsupported_parameter")
+  if codec.grammars is None:
+    raise ApiError(400, f"{'tool_choice' if forced else 'response_format'} needs constrained decoding, which this "
+                   "server's tokenizer does not offer", "tool_choice" if forced else "response_format",
+                   "unsupported_parameter")
+  compiler = codec.grammars()
+  try:
+    if forced is not None:
+      return compiler.tool_call(forced, codec.tool_format() if codec.tool_format else "tag")
+    assert fmt is not None
+    return _response_format(compiler, fmt, kind)
+  except grammar_lib.GrammarError as e:
+    part = "tools (a forced call's parameters)" if forced is not None else f"response_format {kind}"
+    raise ApiError(400, f"{part} does not compile to a grammar: {e}", "tools" if forced else "response_format",
+                   "invalid_grammar") from None
+
+
+def _response_format(compiler: grammar_lib.Compiler, fmt: dict[str, Any], kind: str) -> grammar_lib.Grammar:
+  if kind == "json_object":
+    return compiler.json_schema(grammar_lib.ANY_JSON_OBJECT)
+  if kind == "json_schema":
+    spec = fmt.get("json_schema")
+    schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+      raise ApiError(400, 'response_format json_schema must be {"type": "json_schema", "json_schema": {"name": ..., '
+                     '"schema": {...}}}', "response_format")
+    return compiler.json_schema(schema)
+  text = fmt.get(kind)
+  if not isinstance(text, str) or not text:
+    raise ApiError(400, f'response_format {kind} needs {{"type": "{kind}", "{kind}": "..."}} (a non-empty string)',
+                   "response_format")
+  return compiler.regex(text) if kind == "regex" else compiler.lark(text)
+
+
+def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+  """(the tools to render: none without tools or with tool_choice "none" (the model is not told of them);
+  the tools a call is forced among: every one for "required", the named one, None for "auto" and "none")."""
   tools = _get(body, "tools", list, [])
   for i, tool in enumerate(tools):
     function = tool.get("function") if isinstance(tool, dict) else None
@@ -362,13 +422,26 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
   choice = body.get("tool_choice")
   if choice is None:
     choice = "auto"
-  if choice in ("required",) or isinstance(choice, dict):
-    raise ApiError(400, f"tool_choice {json.dumps(choice)[:100]} needs constrained decoding, which this server "
-                   'does not do yet; use "auto" or "none"', "tool_choice", "unsupported_parameter")
-  if choice not in ("auto", "none"):
+  forced: list[dict[str, Any]] | None = None
+  if choice == "required":
+    forced = tools
+  elif isinstance(choice, dict):
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+      raise ApiError(400, 'a named tool_choice must be {"type": "function", "function": {"name": ...}}',
+                     "tool_choice")
+    forced = [tool for tool in tools if tool["function"]["name"] == name]
+    if not forced:
+      names = ", ".join(repr(tool["function"]["name"][:50]) for tool in tools[:10]) or "none"
+      raise ApiError(400, f"tool_choice names the function {name[:100]!r}, which is not among tools ({names})",
+                     "tool_choice")
+  elif choice not in ("auto", "none"):
     raise ApiError(400, f'tool_choice must be "auto", "none", "required" or a named function, got {choice!r:.100}',
                    "tool_choice")
-  return tools if choice == "auto" else []
+  if forced is not None and not forced:
+    raise ApiError(400, 'tool_choice "required" needs tools to call', "tool_choice")
+  return (tools if choice != "none" else []), forced
 
 
 def _tool_fields(message: dict[str, Any], i: int) -> dict[str, Any]:

@@ -79,6 +79,13 @@ def _whole_json(text: str) -> Parsed:
 FORMATS: dict[str, Callable[[str], Parsed]] = {"tag": _tagged, "json": _whole_json}
 
 
+def template_format(template: str | None) -> str:
+  """Which of FORMATS a chat template teaches its model: Llama 3.1's whole-reply JSON where it names
+  `<|python_tag|>` or a call's "parameters" and no tag; else the tag."""
+  text = template or ""
+  return "json" if TAG_OPEN not in text and (PYTHON_TAG in text or '"parameters"' in text) else "tag"
+
+
 def parse(text: str) -> Parsed:
   for fmt in FORMATS.values():
     parsed = fmt(text)

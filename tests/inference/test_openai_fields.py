@@ -40,7 +40,7 @@ CHAT = {
     "user": ("u1", OK), "metadata": ({"k": "v"}, OK), "store": (True, OK), "service_tier": ("auto", OK),
     "safety_identifier": ("s", OK), "prompt_cache_key": ("k", OK), "prompt_cache_retention": ("24h", OK),
     "prompt_cache_options": ({"ttl": "30m"}, OK), "parallel_tool_calls": (True, OK),
-    # Tools rendered by the chat template, calls parsed (tool_choice "required" or a named function: refused).
+    # Tools rendered by the chat template, calls parsed (response_format and forced calls need a codec with grammars).
     "tools": ([TOOL], OK), "tool_choice": ("auto", OK),
     # Refused unless at their defaults.
     "frequency_penalty": (0.5, REFUSED), "presence_penalty": (0.5, REFUSED), "logit_bias": ({"5": 10}, REFUSED),
