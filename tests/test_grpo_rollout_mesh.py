@@ -4,6 +4,8 @@ rollout devices device to device, and a split run trains exactly as the same-mes
 from __future__ import annotations
 
 import shutil
+import socket
+import subprocess
 
 import jax
 import numpy as np
@@ -14,7 +16,7 @@ from MaxText.errors import ConfigError
 from MaxText.rl import rollout_mesh
 from MaxText.training import run_assembly
 from tests.test_grpo import GRPO
-from tests.test_grpo_run import _metrics, _train, workdir  # noqa: F401 (workdir: the fixture)
+from tests.test_grpo_run import REPO_ROOT, _command, _env, _metrics, _train, workdir  # noqa: F401 (workdir: the fixture)
 
 
 def _config(tiny_overrides, **extra) -> Config:
@@ -172,10 +174,72 @@ def test_train_compile_compiles_the_same_mesh_rollout_beside_the_train_step(tiny
   assert "rollout step (4 completions, one token each, KV cache of 16 positions)" in out
 
 
-def test_a_topology_of_several_hosts_is_refused_for_a_rollout_mesh(tiny_overrides):
-  """v5e-8 has two hosts, so a run on it has two processes: the rollout mesh is built in one only."""
+def test_the_weight_copy_across_processes_equals_device_put():
+  """copy_across_processes (what a run of several processes uses, tried here in one): the rollout
+  layout on other devices, no host round trip, the values of jax.device_put; 6 training devices
+  reshard for 2 rollout devices in 3 copies."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  train = Mesh(np.asarray(jax.devices()[:6]), ("fsdp",))
+  rollout = Mesh(np.asarray(jax.devices()[6:]).reshape(1, 2), ("data", "tensor"))
+  value = np.arange(48 * 8, dtype=np.float32).reshape(48, 8)
+  params = {"w": jax.device_put(value, NamedSharding(train, P("fsdp", None))),
+            "scale": jax.device_put(np.float32(3), NamedSharding(train, P()))}
+  where = {"w": NamedSharding(rollout, P(None, "tensor")), "scale": NamedSharding(rollout, P())}
+  with jax.transfer_guard_device_to_host("disallow"), jax.transfer_guard_host_to_device("disallow"):
+    copy, scalars = rollout_mesh.WeightSync(where, 1, across_processes=True).for_step(params, 0)
+  assert copy["w"].sharding == where["w"] and copy["scale"].sharding == where["scale"]
+  np.testing.assert_array_equal(np.asarray(copy["w"]), value)
+  assert float(copy["scale"]) == 3.0 and scalars["weight_sync_bytes"] == value.nbytes + 4
+
+
+def test_several_processes_give_the_rollouts_the_same_share_of_their_devices(tiny_overrides):
+  """v5e-8 (two hosts of 4 chips): each host's last 2 chips roll out; 3 rollout chips cannot be
+  shared evenly, and 3 per host leave 1 training chip, too few to reshard for them."""
   from MaxText.platform import accelerators
-  with pytest.raises(ConfigError, match="rl_rollout_devices=4: a rollout mesh of its own is built in one process only "
-                                        r"\(this run has 2\)"):
-    Config.for_testing(target=accelerators.tpu_topology("v5e-8").target(),
-                       **{**tiny_overrides, **GRPO, "run_name": "split", "rl_rollout_devices": 4})
+  from MaxText import startup
+  topology = accelerators.tpu_topology("v5e-8")
+  config = Config.for_testing(target=topology.target(), **{**tiny_overrides, **GRPO, "run_name": "split", "rl_rollout_devices": 4})
+  devices = startup.describe_topology(topology, 1)
+  train, rollout = rollout_mesh.split_devices(config, devices)
+  assert [d.process_index for d in rollout] == [0, 0, 1, 1] and [d.process_index for d in train] == [0, 0, 1, 1]
+  with pytest.raises(ConfigError, match="rl_rollout_devices=3: each of the 2 processes gives the rollouts the same "
+                                        "number of its devices; give a multiple of 2"):
+    Config.for_testing(target=topology.target(), **{**tiny_overrides, **GRPO, "run_name": "split", "rl_rollout_devices": 3})
+  with pytest.raises(ConfigError, match=r"rl_rollout_devices=6: each process would train on 1 and roll out on 3 of its "
+                                        r"4 devices; .* \(e.g. rl_rollout_devices=4\)"):
+    Config.for_testing(target=topology.target(), **{**tiny_overrides, **GRPO, "run_name": "split", "rl_rollout_devices": 6})
+
+
+def test_rollouts_queued_inline_are_made_when_queued_and_fail_when_taken():
+  ahead: rollout_mesh.RunAhead[int] = rollout_mesh.RunAhead(inline=True)
+  made: list[int] = []
+  ahead.submit(0, lambda: made.append(0) or 10)
+  ahead.submit(1, lambda: 1 // 0)
+  assert made == [0] and ahead.result(0) == 10
+  with pytest.raises(ZeroDivisionError):
+    ahead.result(1)
+
+
+@pytest.mark.slow  # a one-process run and two jax.distributed processes
+def test_two_processes_with_a_rollout_mesh_train_like_one(workdir, tmp_path):  # noqa: F811
+  """Two processes of 2 CPU devices, each training on one and rolling out on the other (the weight
+  copy crosses processes, rl_weight_sync_interval 2 queues a batch ahead), against one process of
+  4 devices, 2 training and 2 rolling out."""
+  split = ("steps=4", "rl_rollout_devices=2", "rl_rollout_ici_tensor_parallelism=2", "rl_weight_sync_interval=2",
+           "rl_max_staleness=1")
+  one = _train(workdir, tmp_path / "one", *split, devices=4)
+  assert one.returncode == 0, one.stderr[-3000:]
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{s.getsockname()[1]}"
+  procs = [subprocess.Popen(_command(workdir, tmp_path / "two", *split, "distributed_init_timeout_seconds=120"),
+                            cwd=REPO_ROOT, env={**_env(workdir, 2), "JAX_COORDINATOR_ADDRESS": address,
+                                                "JAX_PROCESS_COUNT": "2", "JAX_PROCESS_ID": str(index)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for index in range(2)]
+  outs = [p.communicate(timeout=600) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+  ours, theirs = _metrics(tmp_path / "two"), _metrics(tmp_path / "one")
+  for key in ("reward", "completions/mean_length", "policy_lag", "weight_sync_bytes"):
+    assert [r[key] for r in ours] == [r[key] for r in theirs], key
+  for key in ("loss", "grad_norm", "entropy"):  # equal bitwise on the CPU; the bound allows gloo's reduction order
+    np.testing.assert_allclose([r[key] for r in ours], [r[key] for r in theirs], rtol=1e-5, atol=1e-6)

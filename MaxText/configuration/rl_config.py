@@ -152,8 +152,16 @@ def training_devices(v: Mapping[str, Any], num_devices: int, num_processes: int)
     return num_devices
   _require(0 < rollout < num_devices, f"rl_rollout_devices={rollout} leaves no device to train of the {num_devices} "
            f"devices; give the rollouts at most {num_devices - 1} (0 = roll out on the training mesh)")
-  _require(num_processes == 1, f"rl_rollout_devices={rollout}: a rollout mesh of its own is built in one process only "
-           f"(this run has {num_processes}); set rl_rollout_devices=0")
+  # Several processes: each gives its last rl_rollout_devices / processes devices to the rollouts
+  # (rl/rollout_mesh.py), and the weight copy needs as many training devices per rollout device on each.
+  _require(rollout % num_processes == 0, f"rl_rollout_devices={rollout}: each of the {num_processes} processes gives "
+           f"the rollouts the same number of its devices; give a multiple of {num_processes}")
+  local, local_rollout = num_devices // num_processes, rollout // num_processes
+  _require(num_processes == 1 or (local - local_rollout) % local_rollout == 0,
+           f"rl_rollout_devices={rollout}: each process would train on {local - local_rollout} and roll out on "
+           f"{local_rollout} of its {local} devices; the weight copy across processes needs the training devices to "
+           "be a multiple of the rollout devices on each (e.g. rl_rollout_devices="
+           f"{num_processes * max(d for d in range(1, local) if local % d == 0 and d <= local // 2)})")
   tensor = v["rl_rollout_ici_tensor_parallelism"]
   _require(tensor >= 1 and rollout % tensor == 0, f"rl_rollout_ici_tensor_parallelism={tensor} does not divide the "
            f"rl_rollout_devices={rollout}; give a divisor of it (the rest of the rollout mesh is data)")

@@ -25,7 +25,7 @@ from typing import Any, Callable, Generic, Sequence, TypeVar
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from MaxText.configuration import rl_config
 from MaxText.configuration.config import Config
@@ -36,10 +36,19 @@ NO_COPY = {"weight_sync_bytes": 0.0, "weight_sync_s": 0.0}  # a step's metrics w
 
 
 def split_devices(config: Config, devices: Sequence[Any] | None = None) -> tuple[list[Any], list[Any]]:
-  """(training devices, rollout devices): the rollout mesh takes the last rl_rollout_devices."""
+  """(training devices, rollout devices): the rollout mesh takes the last rl_rollout_devices; with
+  several processes (hosts), the last rl_rollout_devices / processes of each, so that both meshes
+  span every process and each process drives both sides as one process does."""
   devices = list(jax.devices() if devices is None else devices)
   rollout = rl_config.own_rollout_devices(config.data.objective, config.rl)
-  return devices[:len(devices) - rollout], devices[len(devices) - rollout:]
+  processes = sorted({d.process_index for d in devices})
+  train: list[Any] = []
+  roll: list[Any] = []
+  for process in processes:  # rl_config.training_devices checked that the processes share them evenly
+    local = [d for d in devices if d.process_index == process]
+    cut = len(local) - rollout // len(processes)
+    train, roll = train + local[:cut], roll + local[cut:]
+  return train, roll
 
 
 def training_devices(config: Config) -> list[Any] | None:
@@ -55,6 +64,49 @@ def rollout_mesh(config: Config, devices: Sequence[Any]) -> Mesh:
   return Mesh(np.asarray(devices, dtype=object).reshape(tuple(shape[a] for a in MESH_AXES)), MESH_AXES)
 
 
+def _staging_mesh(source: Sequence[Any], target: Mesh) -> Mesh:
+  """The training devices as (copies, *target's shape): position p of every copy is a device of the
+  process that holds the target's device p, so that what copy 0 holds there is that device's shard."""
+  positions: dict[int, list[int]] = {}
+  for position, device in enumerate(target.devices.flat):
+    positions.setdefault(device.process_index, []).append(position)
+  copies = len(source) // target.devices.size
+  grid = np.empty((copies, target.devices.size), dtype=object)
+  for process, where in positions.items():
+    local = sorted((d for d in source if d.process_index == process), key=lambda d: d.id)
+    if len(local) != copies * len(where):
+      raise ValueError(f"process {process} has {len(local)} training devices for {len(where)} rollout devices; "
+                       f"each process needs {copies} per rollout device (rl_config.training_devices checks it)")
+    for copy in range(copies):
+      grid[copy, where] = local[copy * len(where):(copy + 1) * len(where)]
+  return Mesh(grid.reshape((copies, *target.devices.shape)), ("rollout_copy", *target.axis_names))
+
+
+def copy_across_processes(params: Any, shardings: Any) -> Any:
+  """`jax.device_put(params, shardings)` for a rollout mesh on other devices of the same processes,
+  which JAX refuses with several processes (a reshard between device sets must keep the set). In two
+  moves, neither through a host: each parameter is resharded on the training devices to the rollout
+  layout (a collective of the training mesh, the devices grouped as `_staging_mesh`), then each
+  rollout device takes its shard from a training device of its own process."""
+  leaves, tree = jax.tree.flatten(params)
+  targets = jax.tree.leaves(jax.tree.map(lambda _, where: where, params, shardings))
+  staged = jax.device_put(leaves, [NamedSharding(_staging_mesh(list(x.sharding.device_set), s.mesh), s.spec)
+                                   for x, s in zip(leaves, targets)])
+  pieces, devices = [], []
+  for x, s in zip(staged, targets):
+    home = dict(zip(s.mesh.devices.flat, x.sharding.mesh.devices[0].flat))
+    held = {shard.device: shard.data for shard in x.addressable_shards}
+    ordered = sorted(s.addressable_devices, key=lambda d: d.id)
+    pieces.append([held[home[d]] for d in ordered])
+    devices.append(ordered)
+  moved = jax.device_put([p for group in pieces for p in group], [d for group in devices for d in group])
+  out, at = [], 0
+  for x, s, group in zip(leaves, targets, pieces):
+    out.append(jax.make_array_from_single_device_arrays(x.shape, s, moved[at:at + len(group)]))
+    at += len(group)
+  return jax.tree.unflatten(tree, out)
+
+
 def tree_bytes(tree: Any) -> int:
   return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
@@ -62,23 +114,31 @@ def tree_bytes(tree: Any) -> int:
 class WeightSync:
   """The rollout side's copy of the policy: `for_step(params, step)` returns the parameters a
   rollout at `step` samples from and the copy's metrics (weight_sync_bytes, weight_sync_s; 0 at a
-  step that reuses the last copy). Without a rollout mesh (`shardings` None) it is `params`."""
+  step that reuses the last copy). Without a rollout mesh (`shardings` None) it is `params`.
+  `prepare(params, donate)`: the engine's conversion of the weights it decodes from (quantize_weights),
+  applied to each copy once it is made (donated), or without a rollout mesh to `params` at every step."""
 
-  def __init__(self, shardings: Any | None, interval: int):
-    self.shardings, self.interval = shardings, interval
+  def __init__(self, shardings: Any | None, interval: int, across_processes: bool | None = None,
+               prepare: Callable[[Any, bool], Any] | None = None):
+    self.shardings, self.interval, self.prepare = shardings, interval, prepare
+    self.across_processes = jax.process_count() > 1 if across_processes is None else across_processes
     self.copy: Any | None = None
     self.copied_at: int | None = None  # the step (= updates applied) of the policy in `copy`
 
   def for_step(self, params: Any, step: int) -> tuple[Any, dict[str, float]]:
     if self.shardings is None:
-      return params, {}
+      return (params if self.prepare is None else self.prepare(params, False)), {}
     if self.copy is not None and step % self.interval != 0:
       return self.copy, {**NO_COPY, "policy_lag": float(step - (self.copied_at or 0))}
     started = time.perf_counter()
-    self.copy = jax.block_until_ready(jax.device_put(params, self.shardings))
+    move = copy_across_processes if self.across_processes else jax.device_put
+    self.copy = jax.block_until_ready(move(params, self.shardings))
+    copied = tree_bytes(self.copy)
+    if self.prepare is not None:
+      self.copy = jax.block_until_ready(self.prepare(self.copy, True))
     self.copied_at = step
     seconds = time.perf_counter() - started
-    return self.copy, {"weight_sync_bytes": float(tree_bytes(self.copy)), "weight_sync_s": seconds, "policy_lag": 0.0}
+    return self.copy, {"weight_sync_bytes": float(copied), "weight_sync_s": seconds, "policy_lag": 0.0}
 
   def next_copy(self, step: int) -> int:
     """The step of the copy after `step`'s."""
@@ -87,9 +147,13 @@ class WeightSync:
 
 class RunAhead(Generic[T]):
   """Rollouts queued ahead of the training, made one at a time in step order on a worker thread
-  (their device work runs on the rollout mesh, beside the train step's on the training mesh)."""
+  (their device work runs on the rollout mesh, beside the train step's on the training mesh).
+  `inline` (the default with several processes) makes each when it is queued, on the caller's
+  thread: every process must start its collectives in the same order, which two threads do not keep
+  (the worker's decode beside the main thread's global broadcasts fails in gloo)."""
 
-  def __init__(self) -> None:
+  def __init__(self, inline: bool | None = None) -> None:
+    self.inline = jax.process_count() > 1 if inline is None else inline
     self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
     self.pending: dict[int, Future[T]] = {}
 
@@ -97,7 +161,15 @@ class RunAhead(Generic[T]):
     return step in self.pending
 
   def submit(self, step: int, work: Callable[[], T]) -> None:
-    self.pending[step] = self.pool.submit(work)
+    if not self.inline:
+      self.pending[step] = self.pool.submit(work)
+      return
+    made: Future[T] = Future()
+    try:
+      made.set_result(work())
+    except Exception as error:  # noqa: BLE001 - raised when the step takes its batch, as from the worker
+      made.set_exception(error)
+    self.pending[step] = made
 
   def result(self, step: int) -> T:
     return self.pending.pop(step).result()
