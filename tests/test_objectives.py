@@ -19,11 +19,12 @@ from MaxText import models
 from MaxText.training import lora, run_assembly
 from MaxText.training import train_step as train_step_module
 from MaxText.platform import accelerators
-from MaxText.configuration import data_config
+from MaxText.configuration import objective_registry
 from MaxText.configuration.config import Config
-from MaxText.input_pipeline import OBJECTIVE_DATA
-from MaxText.input_pipeline.batch_spec import FIELDS, OBJECTIVE_FIELDS, batch_spec
-from MaxText.training.objectives import OBJECTIVES, LanguageModel, Objective, Preference, objective_for
+from MaxText.errors import ConfigError
+from MaxText.input_pipeline import document_encoder
+from MaxText.input_pipeline.batch_spec import FIELDS, batch_spec
+from MaxText.training.objectives import LanguageModel, Objective, ObjectiveRecord, Preference, objective_for
 from MaxText.training.objectives.base import Batch, Metrics, Params, Sums, T
 from MaxText.training.train_state import PreferenceState, TrainState, reference_of
 
@@ -59,9 +60,11 @@ def test_the_step_and_the_model_name_no_objective_or_partition():
   assert [p for p in readers if not p.startswith("configuration/")] == ["rl/evaluate.py"]
 
 
-def test_every_objective_has_its_loss_its_batch_fields_and_its_records():
-  """A new objective is its module plus one line in each registry under the config's name."""
-  assert set(OBJECTIVES) == set(data_config.OBJECTIVES) == set(OBJECTIVE_FIELDS) == set(OBJECTIVE_DATA)
+def test_every_registered_objective_declares_its_loss_fields_and_data():
+  for name in objective_registry.OBJECTIVES:
+    record = objective_registry.record(name)
+    assert isinstance(record, ObjectiveRecord) and FIELDS == record.batch_fields[:len(FIELDS)], name
+    assert callable(record.build) and callable(record.encoder), name
 
 
 class _AnchoredRows(Objective):
@@ -106,10 +109,22 @@ class _AnchoredRows(Objective):
     return {"eval_loss": loss}, f"nll per row {loss:.3f}"
 
 
-def test_a_new_objective_trains_through_build_runs_step(tiny_overrides, monkeypatch):
+# The made-up objective as its module declares it (this file is the module): documents as the data,
+# its own batch fields (the plain ones), its builder.
+ANCHORED_ROWS = ObjectiveRecord(lambda config, model, partition: _AnchoredRows(model, 1e-4), FIELDS, document_encoder,
+                                whole_records=False, chat_template=None)
+
+
+def test_a_new_objective_is_its_module_plus_one_registry_line(tiny_overrides, monkeypatch):
+  """Registered by one line, the made-up objective passes the config check, gives the batch its
+  fields and trains through build_run's step unchanged."""
   one_device = dataclasses.replace(accelerators.local_target(), num_devices=1)
-  config = Config.for_testing(one_device, **tiny_overrides, learning_rate=1e-2, warmup_steps_fraction=0.0)
-  monkeypatch.setattr(run_assembly, "objective_for", lambda config, model, partition: _AnchoredRows(model, 1e-4))
+  overrides = dict(tiny_overrides, learning_rate=1e-2, warmup_steps_fraction=0.0, objective="anchored_rows")
+  with pytest.raises(ConfigError, match="objective must be one of .*got 'anchored_rows'"):
+    Config.for_testing(one_device, **overrides)
+  monkeypatch.setitem(objective_registry.OBJECTIVES, "anchored_rows", f"{__name__}.ANCHORED_ROWS")
+  config = Config.for_testing(one_device, **overrides)
+  assert tuple(batch_spec(config.data)) == FIELDS
   run = run_assembly.build_run(config, devices=jax.devices()[:1])
   assert isinstance(run.objective, _AnchoredRows) and isinstance(run.setup.abstract_state, PreferenceState)
   state = run.init_state()

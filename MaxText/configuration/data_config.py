@@ -16,12 +16,12 @@ from MaxText.configuration.config_fields import DATA_POSITION, derived, key, rea
 from MaxText.configuration.config_fields import require as _require
 from MaxText.configuration.data_mixture import MixtureSource, MixtureStage, parse_schedule, parse_sources
 from MaxText.configuration.model_checks import one_of as _one_of, positive as _positive
+from MaxText.configuration.objective_registry import OBJECTIVES
 
 if TYPE_CHECKING:
   from MaxText.configuration.config_groups import MeshConfig
 
 DATASET_TYPES = ("synthetic", "tfds", "hf", "grain", "stream")
-OBJECTIVES = ("lm", "sft", "dpo", "grpo")  # training/objectives/: lm = next-token loss on documents
 TOKENIZER_TYPES = ("sentencepiece", "tiktoken", "huggingface")  # input_pipeline/tokenizer.py reads each
 
 
@@ -61,8 +61,8 @@ class DataConfig:
   enable_data_shuffling: bool = key(fixed_on_resume=DATA_POSITION)
   data_prefetch_batches: int = key()
   # Supervised fine-tuning on conversations / prompt-completion pairs (input_pipeline/chat.py).
-  # What the run trains (training/objectives/): lm, sft, dpo or grpo; the old use_sft/use_dpo/use_grpo
-  # flags are aliases (spellings.VALUE_ALIASES).
+  # What the run trains: a name in objective_registry.OBJECTIVES (lm, sft, dpo, grpo); the old
+  # use_sft/use_dpo/use_grpo flags are aliases (spellings.VALUE_ALIASES).
   objective: str = key(fixed_on_resume=DATA_POSITION)
   sft_train_on_completion_only: bool = key(fixed_on_resume=DATA_POSITION)
   # Multimodal SFT: image slots per batch row (input_pipeline/image_sft.py); 0 = no pixel_values field.
@@ -86,7 +86,7 @@ class DataConfig:
     """`reads_data`: False for a tool that reads no training data; where data would come from is
     then not checked (a fine-tuning config names files a server never opens)."""
     _one_of(v, "dataset_type", DATASET_TYPES)
-    _one_of(v, "objective", OBJECTIVES)
+    _one_of(v, "objective", tuple(OBJECTIVES))
     _positive(v, "per_device_batch_size", "synthetic_max_stride", "eval_steps")
     if v["objective"] == "sft" and reads_data:
       _require(v["dataset_type"] in ("hf", "grain"), f"objective=sft reads conversation records with dataset_type=hf "

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 from jax.sharding import Mesh
 
+from MaxText.configuration import objective_registry
 from MaxText.configuration.data_mixture import MixtureSource
 from MaxText.input_pipeline import packing
 from MaxText.input_pipeline.synthetic import Batch, SyntheticIterator
@@ -69,7 +70,7 @@ def check_sources(cfg: DataConfig) -> None:
           files.expand_files(key, getattr(source_cfg, key))
         except ConfigError as e:
           raise ConfigError(f"{who}{e}") from None
-  template = OBJECTIVE_DATA[cfg.objective].chat_template
+  template = objective_registry.record(cfg.objective).chat_template
   if template is not None:
     from MaxText.input_pipeline import chat
 
@@ -102,7 +103,10 @@ def open_records(cfg: DataConfig, train: bool) -> tuple[Sequence[Any], str]:
 Encoded = tuple[Callable[[Any], Any], dict[str, Any]]  # a record encoder and the packer's arguments it needs
 
 
-def _documents(config: Config) -> Encoded:
+# The encoders objectives name in their records (training/objectives/, base.ObjectiveRecord.encoder).
+
+
+def document_encoder(config: Config) -> Encoded:
   """Plain documents: the text column tokenized, bos/eos added."""
   from MaxText.input_pipeline.tokenizer import DocumentEncoder, load_tokenizer
 
@@ -110,7 +114,7 @@ def _documents(config: Config) -> Encoded:
   return DocumentEncoder(load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path), cfg.add_bos, cfg.add_eos), {}
 
 
-def _conversations(config: Config) -> Encoded:
+def conversation_encoder(config: Config) -> Encoded:
   """SFT's conversations or prompt/completion pairs, rendered with the chat template."""
   from MaxText.input_pipeline import chat, image_sft
 
@@ -126,7 +130,7 @@ def _conversations(config: Config) -> Encoded:
                                              images=packing.ImageSlots(cfg.max_images_per_row, cfg.image_size))}
 
 
-def _preferences(config: Config) -> Encoded:
+def preference_encoder(config: Config) -> Encoded:
   """DPO's {"prompt", "chosen", "rejected"} records, one pair per row."""
   from MaxText.input_pipeline import chat, preference
 
@@ -136,29 +140,9 @@ def _preferences(config: Config) -> Encoded:
   return encoder, {"pack": preference.pack_preference_batch}
 
 
-@dataclasses.dataclass(frozen=True)
-class ObjectiveData:
-  """What an objective (config key `objective`) reads from a dataset. Its batch fields are
-  batch_spec.OBJECTIVE_FIELDS[name]; its loss is training/objectives' OBJECTIVES[name]."""
-
-  encoder: Callable[[Config], Encoded]
-  whole_records: bool  # the encoder takes each record whole, not its text column
-  # None: no chat tokenizer; False: one whose template only message lists need; True: a template is required
-  chat_template: bool | None
-
-
-OBJECTIVE_DATA: dict[str, ObjectiveData] = {
-    "lm": ObjectiveData(_documents, whole_records=False, chat_template=None),
-    "sft": ObjectiveData(_conversations, whole_records=True, chat_template=True),
-    "dpo": ObjectiveData(_preferences, whole_records=True, chat_template=False),
-    # GRPO's batches are rollouts (rl/rollouts.py) of prompts rl/prompts.py reads
-    "grpo": ObjectiveData(_documents, whole_records=False, chat_template=False),
-}
-
-
 def _encoder(config: Config) -> Encoded:
   """The record encoder of the run's objective and the packer's arguments it needs."""
-  return OBJECTIVE_DATA[config.data.objective].encoder(config)
+  return objective_registry.record(config.data.objective).encoder(config)
 
 
 def _open_source(cfg: DataConfig, shard: pipeline.HostShard, encoder: Callable[[Any], Any], train: bool, what: str,
@@ -167,7 +151,7 @@ def _open_source(cfg: DataConfig, shard: pipeline.HostShard, encoder: Callable[[
   from MaxText.input_pipeline import mixture, pipeline, streaming
 
   seed = cfg.data_shuffle_seed if (train and cfg.enable_data_shuffling) else None
-  column = None if OBJECTIVE_DATA[cfg.objective].whole_records else cfg.text_column
+  column = None if objective_registry.record(cfg.objective).whole_records else cfg.text_column
   if cfg.dataset_type == "stream":
     key, value = ("stream_train_files", cfg.stream_train_files) if train else \
         ("stream_eval_files", cfg.stream_eval_files)
@@ -238,4 +222,5 @@ def create_eval_iterator(config: Config, mesh: Mesh) -> BatchIterator | None:
   return SyntheticIterator(config.data, sharding, seed_offset=_EVAL_SEED_OFFSET)
 
 
-__all__ = ["Batch", "BatchIterator", "create_data_iterator", "create_eval_iterator", "open_records"]
+__all__ = ["Batch", "BatchIterator", "Encoded", "conversation_encoder", "create_data_iterator", "create_eval_iterator",
+           "document_encoder", "open_records", "preference_encoder"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from MaxText.configuration import objective_registry
 from MaxText.configuration.data_config import DataConfig
 
 # inputs/targets: token ids; inputs_position: 0, 1, ... per document; *_segmentation: 1, 2, ...
@@ -30,14 +31,13 @@ PIXEL_VALUES = "pixel_values"  # float32 [global_batch, max_images_per_row, 3, R
 IMAGE_FIELDS = FIELDS + (PIXEL_VALUES,)
 NUM_CHANNELS = 3
 FLOAT_FIELDS = (ADVANTAGES, SAMPLER_LOGPS, PIXEL_VALUES)
-# The fields of each objective's batch (config key `objective`; with max_images_per_row, IMAGE_FIELDS).
-OBJECTIVE_FIELDS: dict[str, tuple[str, ...]] = {"lm": FIELDS, "sft": FIELDS, "dpo": DPO_FIELDS, "grpo": GRPO_FIELDS}
 
 
 def fields(cfg: DataConfig) -> tuple[str, ...]:
+  """The objective's fields (its record's, configuration/objective_registry.py); IMAGE_FIELDS with images."""
   if cfg.max_images_per_row:
     return IMAGE_FIELDS
-  return OBJECTIVE_FIELDS[cfg.objective]
+  return objective_registry.record(cfg.objective).batch_fields
 
 
 def _shape(cfg: DataConfig, name: str) -> tuple[int, ...]:

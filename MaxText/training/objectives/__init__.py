@@ -9,49 +9,29 @@ the state layout and the FLOPs count ask it instead of branching on the kind of 
   * `preference.Preference`: DPO against a frozen reference (objective=dpo);
   * `grpo.Grpo`: reinforcement learning on the run's own sampled completions (objective=grpo).
 
-A new objective: a module here with an `Objective` subclass and its line in `OBJECTIVES`, its name
-in configuration/data_config.OBJECTIVES, its batch fields' line in input_pipeline/batch_spec.py's
-OBJECTIVE_FIELDS and its records' line in input_pipeline's OBJECTIVE_DATA (tests/test_objectives.py
-checks that the four name the same objectives).
+Each objective's module also declares it whole in an `ObjectiveRecord` (base.py): how to build it,
+its batch fields and its data (the records' encoder, whole records or a text column, the chat
+template it needs). A new objective is one module here (its `Objective` subclass and its record)
+plus one line in configuration/objective_registry.OBJECTIVES naming the record under the config's
+name; the config check, input_pipeline/batch_spec.py, the input pipeline and `objective_for` all
+read the record from there (tests/test_objectives.py registers a made-up one that way).
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
+from MaxText.configuration import objective_registry
 from MaxText.configuration.config import Config
 from MaxText.models import ModelSpec
-from MaxText.training.objectives.base import Objective
+from MaxText.training.objectives.base import Objective, ObjectiveRecord
 from MaxText.training.objectives.grpo import Grpo
 from MaxText.training.objectives.language_model import LanguageModel
 from MaxText.training.objectives.preference import Preference
 from MaxText.training.optimizers import Partition
 
 
-def _language_model(config: Config, model: ModelSpec, partition: Partition) -> Objective:
-  optim = config.optim
-  return LanguageModel(model, optim.z_loss_multiplier, config.model.moe.load_balance_loss_weight,
-                       optim.gradient_accumulation_steps, images=config.data.max_images_per_row > 0)
-
-
-def _preference(config: Config, model: ModelSpec, partition: Partition) -> Objective:
-  return Preference(model, partition, config.optim.dpo_beta, config.optim.dpo_label_smoothing)
-
-
-def _grpo(config: Config, model: ModelSpec, partition: Partition) -> Objective:
-  return Grpo(model, partition, config.rl, config.model.moe.load_balance_loss_weight,
-              config.optim.gradient_accumulation_steps)
-
-
-# The config key `objective` -> how to build its Objective (its data: input_pipeline.OBJECTIVE_DATA and
-# batch_spec.OBJECTIVE_FIELDS under the same name).
-OBJECTIVES: dict[str, Callable[[Config, ModelSpec, Partition], Objective]] = {
-    "lm": _language_model, "sft": _language_model, "dpo": _preference, "grpo": _grpo}
-
-
 def objective_for(config: Config, model: ModelSpec, partition: Partition) -> Objective:
   """The objective `config` trains `model` with; `partition`: which parameters the optimizer trains."""
-  return OBJECTIVES[config.data.objective](config, model, partition)
+  return objective_registry.record(config.data.objective).build(config, model, partition)
 
 
-__all__ = ["OBJECTIVES", "Grpo", "LanguageModel", "Objective", "Preference", "objective_for"]
+__all__ = ["Grpo", "LanguageModel", "Objective", "ObjectiveRecord", "Preference", "objective_for"]

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, Mapping, TypeVar
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 
 import jax
 
 from MaxText.training.train_state import TrainState
+
+if TYPE_CHECKING:
+  from MaxText.configuration.config import Config
+  from MaxText.input_pipeline import Encoded
+  from MaxText.models import ModelSpec
+  from MaxText.training.optimizers import Partition
 
 Params = dict[str, Any]  # nested dict of arrays
 Batch = dict[str, jax.Array]
@@ -76,3 +83,19 @@ class Objective(abc.ABC):
   @abc.abstractmethod
   def eval_metrics(self, totals: Mapping[str, float]) -> tuple[dict[str, float], str]:
     """(`eval_`-named scalars, the eval log line's text) from the scalar sums over the eval batches."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveRecord:
+  """One objective as its module declares it and configuration/objective_registry.py names it: what
+  the config check, the batch layout (input_pipeline/batch_spec.py), the input pipeline and
+  objective_for read. Whether batches come from a dataset or from the run's own rollouts is the
+  built Objective's `uses_rollouts`."""
+
+  build: Callable[[Config, ModelSpec, Partition], Objective]  # (config, model, trained partition) -> the loss
+  batch_fields: tuple[str, ...]  # the batch's fields (with max_images_per_row > 0, batch_spec.IMAGE_FIELDS)
+  # The dataset records' encoder and the packer's arguments it needs (input_pipeline's *_encoder).
+  encoder: Callable[[Config], Encoded]
+  whole_records: bool  # the encoder takes each record whole, not its text column
+  # None: no chat tokenizer; False: one whose template only message lists need; True: a template is required
+  chat_template: bool | None

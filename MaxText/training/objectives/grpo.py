@@ -8,12 +8,14 @@ from typing import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
+from MaxText.configuration.config import Config
 from MaxText.configuration.rl_config import RLConfig
+from MaxText.input_pipeline import document_encoder
 from MaxText.input_pipeline.batch_spec import ADVANTAGES, GRPO_FIELDS, SAMPLER_LOGPS
 from MaxText.models import ModelSpec
 from MaxText.layers.moe import ROUTING_STATS
 from MaxText.training.objectives import grpo_loss, rollout_correction
-from MaxText.training.objectives.base import Batch, Metrics, Objective, Params, Sums, T
+from MaxText.training.objectives.base import Batch, Metrics, Objective, ObjectiveRecord, Params, Sums, T
 from MaxText.training.objectives.language_model import routing_metrics
 from MaxText.training.optimizers import Partition
 from MaxText.training.train_state import PreferenceState, TrainState, reference_of
@@ -124,3 +126,12 @@ class Grpo(Objective):
   def eval_metrics(self, totals: Mapping[str, float]) -> tuple[dict[str, float], str]:
     loss = totals["loss_sum"] / max(totals["weight_sum" if self.rl.grpo_loss_type == "dapo" else "sequence_count"], 1.0)
     return {"eval_loss": loss}, f"loss {loss:8.4f}"
+
+
+def _build(config: Config, model: ModelSpec, partition: Partition) -> Objective:
+  return Grpo(model, partition, config.rl, config.model.moe.load_balance_loss_weight,
+              config.optim.gradient_accumulation_steps)
+
+
+# objective=grpo: its train batches are rollouts (uses_rollouts) of the prompts rl/prompts.py reads.
+ROLLOUTS = ObjectiveRecord(_build, GRPO_FIELDS, document_encoder, whole_records=False, chat_template=False)

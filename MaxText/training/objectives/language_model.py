@@ -12,11 +12,14 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
+from MaxText.configuration.config import Config
+from MaxText.input_pipeline import conversation_encoder, document_encoder
 from MaxText.input_pipeline.batch_spec import FIELDS, PIXEL_VALUES
 from MaxText.layers.moe import ROUTING_STATS
 from MaxText.models import ModelSpec, token_loss_sums
-from MaxText.training.objectives.base import Batch, Metrics, Objective, Params, Sums
+from MaxText.training.objectives.base import Batch, Metrics, Objective, ObjectiveRecord, Params, Sums
 from MaxText.training.objectives.pipelined import one_f_one_b_loss
+from MaxText.training.optimizers import Partition
 
 
 def routing_metrics(sums: Sums, num_micro: int) -> Metrics:
@@ -127,3 +130,15 @@ class LanguageModel(Objective):
     loss = totals["xent_sum"] / max(totals["weight_sum"], 1.0)
     perplexity = math.exp(min(loss, 50.0))
     return {"eval_loss": loss, "eval_perplexity": perplexity}, f"loss {loss:8.4f} | perplexity {perplexity:.3f}"
+
+
+def _build(config: Config, model: ModelSpec, partition: Partition) -> Objective:
+  optim = config.optim
+  return LanguageModel(model, optim.z_loss_multiplier, config.model.moe.load_balance_loss_weight,
+                       optim.gradient_accumulation_steps, images=config.data.max_images_per_row > 0)
+
+
+# objective=lm: documents, their text column tokenized.
+DOCUMENTS = ObjectiveRecord(_build, FIELDS, document_encoder, whole_records=False, chat_template=None)
+# objective=sft: conversations or prompt/completion pairs rendered with the chat template (and their images).
+CONVERSATIONS = ObjectiveRecord(_build, FIELDS, conversation_encoder, whole_records=True, chat_template=True)

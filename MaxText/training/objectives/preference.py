@@ -8,10 +8,12 @@ from typing import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
+from MaxText.configuration.config import Config
 from MaxText.training.objectives import dpo
+from MaxText.input_pipeline import preference_encoder
 from MaxText.input_pipeline.batch_spec import DPO_FIELDS
 from MaxText.models import ModelSpec
-from MaxText.training.objectives.base import Batch, Metrics, Objective, Params, Sums, T
+from MaxText.training.objectives.base import Batch, Metrics, Objective, ObjectiveRecord, Params, Sums, T
 from MaxText.training.optimizers import Partition
 from MaxText.training.train_state import PreferenceState, TrainState, reference_of
 
@@ -60,3 +62,11 @@ class Preference(Objective):
     scalars = dpo.dpo_metrics(totals, prefix="eval_")
     return scalars, (f"loss {scalars['eval_loss']:8.4f} | reward accuracy {scalars['eval_rewards/accuracies']:.3f} | "
                      f"reward margin {scalars['eval_rewards/margins']:.4f}")
+
+
+def _build(config: Config, model: ModelSpec, partition: Partition) -> Objective:
+  return Preference(model, partition, config.optim.dpo_beta, config.optim.dpo_label_smoothing)
+
+
+# objective=dpo: {"prompt", "chosen", "rejected"} records, one pair per row.
+PREFERENCE_PAIRS = ObjectiveRecord(_build, DPO_FIELDS, preference_encoder, whole_records=True, chat_template=False)
