@@ -24,6 +24,14 @@ prefill or step the host writes each constrained slot's allowed tokens as a bitm
 its constraint; the job ends ("stop") when its grammar is complete. Jobs without one pay nothing:
 with no constrained job the engine is called as before, and otherwise their rows allow every token.
 
+An engine that emits one token per call otherwise is driven a call ahead: each `decode_step`
+(decode_steps_per_call steps on the device, each slot stopped there at its job's end-of-sequence
+token or max_tokens: engine_api.StepLimits) is dispatched before the previous call's tokens are
+read, so the device computes the next tokens while the host delivers the last ones. A call's
+tokens go to the job that held the slot when it was dispatched, and only while it still does. A
+speculative engine and a constrained job (its mask depends on the token before) take one call at
+a time.
+
 Paged cache: a job is admitted only when the pages it will hold at its end fit beside what the
 active jobs have reserved, so a step never runs out. The reservation belongs to the slot while its
 job is active and is given back whichever way the job ends; a scoring-only job (max_tokens 0)
@@ -43,7 +51,8 @@ from typing import Any, Callable, Protocol, Sequence
 import jax
 import numpy as np
 
-from MaxText.inference.engine_api import Admitted, DecodeEngine, Emitted, EngineParams, EngineState, TokenLogprobs
+from MaxText.inference.engine_api import (Admitted, DecodeEngine, Emitted, EngineParams, EngineState, StepLimits,
+                                          TokenLogprobs)
 from MaxText.inference.image_prompts import PromptImages
 from MaxText.inference.sampling import ALL_TOKENS, RowParams
 
@@ -167,6 +176,9 @@ class Scheduler:
     # Jobs admitted, finished by reason, slots released, steps, loops. Every key exists from the
     # start: load() copies the counter from another thread, which a new key would break.
     self.counts = collections.Counter[str]({k: 0 for k in _COUNTS})
+    self._stop_ids = tuple(sorted(self.eos_ids))
+    # The call dispatched and not yet read: its Emitted and the jobs that held its slots.
+    self._ahead: tuple[Emitted, dict[int, Job]] | None = None
     self._thread = threading.Thread(target=self._loop, name="maxtext-scheduler", daemon=True)
 
   def start(self) -> "Scheduler":
@@ -226,7 +238,7 @@ class Scheduler:
   # ---------------------------------------------------------------- the scheduler thread
   def _runnable(self) -> bool:
     """Under the lock: a step to take, a cancelled waiting job to drop or a job to admit."""
-    if self._active or self._prefilling or any(j.cancelled for j in self._waiting):
+    if self._active or self._prefilling or self._ahead is not None or any(j.cancelled for j in self._waiting):
       return True
     return bool(self._waiting) and self._fits(self._waiting[0])
 
@@ -248,10 +260,11 @@ class Scheduler:
         self._admit()
         if self._prefilling:
           self._prefill_chunk()
-        if self._active:
+        if self._active or self._ahead is not None:
           self._step()
       except Exception as e:  # noqa: BLE001 - a failed step must fail its jobs, not kill the server
         traceback.print_exc()
+        self._ahead = None
         self._fail_all(f"{type(e).__name__}: {e}", waiting_too=False)
         self._state = self.engine.init_decode_state()  # the failed step may have consumed the donated state
         with self._wake:
@@ -328,9 +341,44 @@ class Scheduler:
       if self.engine.prefill_chunk_size:
         return
 
+  def _one_call_at_a_time(self) -> bool:
+    return bool(self.speculative_tokens) or any(getattr(job, "constraint", None) is not None
+                                                for job in self._active.values())
+
+  def _step_ahead(self) -> None:
+    """Dispatches the next call of decode steps for the active jobs, then delivers the previous
+    call's tokens while the device runs it."""
+    previous, self._ahead = self._ahead, None
+    if self._active:
+      ends = np.zeros(self.engine.num_slots, np.int64)
+      for slot, job in self._active.items():
+        ends[slot] = len(job.prompt) + job.max_tokens
+      self._state, emitted = self.engine.decode_step(self.params, self._state, ends > 0,
+                                                     limits=StepLimits(ends, self._stop_ids))
+      self._ahead = (emitted, dict(self._active))
+      self.counts["steps"] += 1
+    if previous is not None:
+      self._deliver_call(*previous)
+
+  def _deliver_call(self, emitted: Emitted, jobs: dict[int, Job]) -> None:
+    out: Emitted = jax.device_get(emitted)
+    for slot, job in jobs.items():
+      for i in range(out.count(slot)):
+        if self._active.get(slot) is not job:  # it ended (a stop string, a cancel) or the slot has a new job
+          break
+        self._deliver(slot, job, out.token(slot, i), *out.scores(slot, i))
+
   def _step(self) -> None:
     """One step: each active slot's tokens in order (1, or 1..k + 1 for a speculative round) until
     its job ends (the rest of a round is dropped: max_tokens or an end-of-sequence token cut it)."""
+    if not self._one_call_at_a_time():
+      self._step_ahead()
+      return
+    if self._ahead is not None:  # a constrained job arrived: the call in flight is read first
+      self._deliver_call(*self._ahead)
+      self._ahead = None
+      if not self._active:
+        return
     active = np.zeros(self.engine.num_slots, bool)
     active[list(self._active)] = True
     self._state, emitted = self.engine.decode_step(self.params, self._state, active,

@@ -32,7 +32,7 @@ from MaxText.inference import image_prompts, mtp_draft, sampling, speculative
 from MaxText.inference.decode_state import Prefix
 from MaxText.training.model_assembly import Params
 from MaxText.inference.engine import Engine, load_engine, refuse_mtp_speculative
-from MaxText.inference.engine_api import DecodeEngine, Emitted, SlotInfo, TokenLogprobs
+from MaxText.inference.engine_api import DecodeEngine, Emitted, SlotInfo, StepLimits, TokenLogprobs
 from MaxText.paths import storage
 from MaxText.platform import distributed
 
@@ -158,9 +158,11 @@ class SpeculativeEngine:
     return self.decoder.scored_step(params[0], params[1], state, active)
 
   def decode_step(self, params: tuple[Params, Params], state: Any, active: Sequence[bool] | np.ndarray | None = None,
-                  mask: np.ndarray | None = None) -> tuple[Any, Emitted]:
-    """`speculative_round` as engine_api.Emitted (tokens [T, k + 1], counts [T]). `mask`: token bitmasks
-    [T, W]; a constrained slot emits one token a round, drawn from the target under its mask (speculative.verify)."""
+                  mask: np.ndarray | None = None, limits: StepLimits | None = None) -> tuple[Any, Emitted]:
+    """`speculative_round` as engine_api.Emitted (tokens [T, k + 1], counts [T]); `limits` are not needed
+    (the caller cuts a round's tokens; decode_steps_per_call > 1 is refused with speculative_tokens).
+    `mask`: token bitmasks [T, W]; a constrained slot emits one token a round, drawn from the target
+    under its mask (speculative.verify)."""
     state, tokens_TK, counts_T, logprobs = self.decoder.scored_step(params[0], params[1], state, active, mask)
     return state, Emitted(tokens_TK, logprobs, counts_T)
 

@@ -4,6 +4,8 @@ or length, also when that falls inside a call."""
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import numpy as np
 import pytest
@@ -168,3 +170,40 @@ def test_steps_per_call_is_checked():
     Config.for_testing(**TINY, decode_steps_per_call=0)
   with pytest.raises(ConfigError, match="decode_steps_per_call=2 does not combine with speculative_tokens=2"):
     Config.for_testing(**TINY, decode_steps_per_call=2, speculative_tokens=2)
+
+
+def scheduled(eng: Engine, prompts, max_new, stop=()):
+  """Each job's (tokens, log-probabilities, end) through the server's scheduler, more jobs than slots."""
+  from MaxText.inference import scheduler as sched
+
+  events: dict[int, list] = {i: [] for i in range(len(prompts))}
+  done = threading.Semaphore(0)
+
+  def sink(i):
+    def emit(event):
+      events[i].append(event)
+      if isinstance(event, sched.Done):
+        done.release()
+    return emit
+
+  s = sched.Scheduler(eng, eng.load_params(), max_queue=16, eos_ids=stop).start()
+  try:
+    s.submit([sched.Job(0, p, m, RowParams(seed=i), sink(i)) for i, (p, m) in enumerate(zip(prompts, max_new))])
+    for _ in prompts:
+      assert done.acquire(timeout=120)
+  finally:
+    s.stop()
+  return [([e.token for e in ev if isinstance(e, sched.Token)], [e.logprob for e in ev if isinstance(e, sched.Token)],
+           ev[-1].reason) for ev in events.values()]
+
+
+@pytest.mark.parametrize("layout", [{}, PAGED], ids=["dense", "paged"])
+def test_the_scheduler_serves_todays_tokens(layout):
+  prompts = PROMPTS + [[9, 9, 1], [3, 14, 15, 9, 2, 6]]
+  max_new = [6, 13, 1, 9, 10, 7]
+  stop = one_per_call(engine(1, 6, **layout), prompts, max_new)[0][3][3]  # made by job 3 inside its first call
+  reference = one_per_call(engine(1, 6, **layout), prompts, max_new, stop=(stop,))
+  got = scheduled(engine(4, 3, **layout), prompts, max_new, stop=(stop,))
+  check_same(reference, ([t for t, _, _ in got], [lp for _, lp, _ in got]))
+  reasons = [r for _, _, r in got]
+  assert reasons == ["stop" if t[-1] == stop else "length" for t in reference[0]] and "stop" in reasons

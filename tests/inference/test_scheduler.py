@@ -63,16 +63,22 @@ class FakeEngine:
 
   speculative_tokens = prefill_chunk_size = 0
 
-  def decode_step(self, params, state, active=None):
-    state, (tokens, logprobs) = self.step(params, state)
-    return state, Emitted(tokens, logprobs)
+  def decode_step(self, params, state, active=None, limits=None):
+    if limits is None:
+      state, (tokens, logprobs) = self.step(params, state)
+      return state, Emitted(tokens, logprobs)
+    # As the engine does: a slot past its end (or after an end-of-sequence token) neither steps nor takes a page.
+    live = (self.pages.positions + 1 < limits.ends) & ~np.isin(self.last, limits.stop_ids)
+    state, (tokens, logprobs) = self.step(params, state, np.where(live, limits.ends, 0))
+    logprobs = TokenLogprobs(logprobs.chosen_B[:, None], logprobs.top_ids_Bk[:, None], logprobs.top_logprobs_Bk[:, None])
+    return state, Emitted(tokens[:, None], logprobs, live.astype(np.int32))
 
-  def step(self, params, state):
+  def step(self, params, state, ends=None):
     if self.fail_step:
       raise RuntimeError("step failed on purpose")
-    self.pages.grow()
-    self.pages.advance()
-    self.last = self.last + 1
+    self.pages.grow(1, ends)
+    self.pages.advance(1 if ends is None else (ends > 0).astype(np.int64))
+    self.last = self.last + (1 if ends is None else (ends > 0))
     return state, (self.last.copy(), self._logprobs(self.num_slots))
 
   def release(self, slot: int) -> None:
