@@ -2,7 +2,7 @@
 
     python3 benchmarks/decode_bench.py [max_prefill_predict_length=128] [steps=32] [slots=1,8]
         [layouts=unrolled,scanned] [repeats=3] [quantize_kvcache=true] [caches=dense,paged]
-        [kv_page_size=16] [pool_multiples=1,4,16] [speculative_tokens=4 draft=small]
+        [kv_page_size=16] [pool_multiples=1,4,16] [speculative_tokens=4 draft=small] [response_format=json_schema]
 
 Prefill: one pass over a full prompt of max_prefill_predict_length tokens (batch 1); latency is the median of
 repeats runs after a compiling one. Generate: steps jitted steps advancing every slot by one
@@ -24,6 +24,12 @@ draft's acceptance (with tied embeddings both random models mostly repeat their 
 even a small random draft is accepted nearly always): the figure is the cost of a round at the
 acceptance measured. draft=small: a 2-layer, width-256 model of the same vocabulary;
 draft=self: the target as its own draft (everything accepted, the draft as expensive as the target).
+response_format=json_schema also times constrained decoding (inference/grammar.py) as the server's
+scheduler runs it: each step the host writes every slot's token bitmask from its JSON schema
+(llguidance, over a byte-level BPE tokenizer trained here to the model's 32000 tokens), the step
+masks the logits on the device, the tokens come back and advance each slot's grammar (a finished
+reply starts the next). The same loop without the schema (a step, its tokens read back) is the
+baseline: `RESULT constrained ... plain_ms=... schema_ms=... host_mask_ms=...` per token.
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ def main() -> None:
   parser.add_argument("--speculative_tokens", type=int, default=0, help="draft tokens per round (0: not timed)")
   parser.add_argument("--draft", default="small", choices=("small", "self"),
                       help="the draft model: a small random one, or the target itself")
+  parser.add_argument("--response_format", default="none", choices=("none", "json_schema"),
+                      help="json_schema: also time decoding under a JSON schema (constrained decoding)")
   args = tool_args.parse_args(parser, None, renamed=RENAMED)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -146,6 +154,74 @@ def run(overrides: dict[str, Any], layout: str, num_slots: int, prompt: list[int
         f"(context {args.max_prefill_predict_length}..{args.max_prefill_predict_length + args.steps})")
   if args.speculative_tokens > 0:
     speculate(overrides, engine, params, layout, num_slots, prompt, args)
+  if args.response_format == "json_schema":
+    constrained(engine, params, prefix, layout, num_slots, args)
+
+
+# A schema like a tool's arguments: nested objects, an enum, an array, numbers and short strings.
+SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]},
+    "days": {"type": "array", "items": {"type": "object", "properties": {
+        "day": {"type": "integer", "minimum": 1, "maximum": 31}, "high": {"type": "number"}},
+        "required": ["day", "high"], "additionalProperties": False}, "maxItems": 4}},
+    "required": ["city", "unit", "days"], "additionalProperties": False}
+
+
+def bench_tokenizer(vocab_size: int) -> Any:
+  """A Hugging Face fast tokenizer of `vocab_size` tokens: byte-level BPE trained on random words."""
+  import numpy as np
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  from transformers import PreTrainedTokenizerFast
+
+  rng = np.random.default_rng(0)
+  letters = list("abcdefghijklmnopqrstuvwxyz")
+  words = ["".join(rng.choice(letters, int(rng.integers(2, 9)))) for _ in range(40000)]
+  tokenizer = Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  tokenizer.train_from_iterator([" ".join(words[i:i + 50]) for i in range(0, len(words), 50)] * 2,
+                                trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["</s>"], show_progress=False,
+                                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="</s>")
+
+
+def constrained(engine: Any, params: Any, prefix: Any, layout: str, num_slots: int, args: argparse.Namespace) -> None:
+  import jax
+  import numpy as np
+
+  from MaxText.inference import grammar, sampling
+
+  vocab = engine.vocab_size
+  schema = grammar.Compiler(bench_tokenizer(vocab), vocab, eos_ids=[0]).json_schema(SCHEMA)
+
+  def loop(masked: bool) -> tuple[float, float]:
+    """(seconds per step, of which the host's masks and grammar advances)."""
+    state = engine.init_decode_state()
+    for slot in range(num_slots):
+      state = engine.insert(prefix, state, slot)
+    slots = [schema.constraint() for _ in range(num_slots)]
+    mask = np.full((num_slots, sampling.mask_words(vocab)), sampling.ALL_TOKENS, np.int32)
+    start = host = 0.0
+    for step in range(args.steps + 1):
+      if step == 1:  # step 0 compiled
+        start, host = time.perf_counter(), 0.0
+      began = time.perf_counter()
+      for i, constraint in enumerate(slots if masked else []):
+        constraint.fill(mask[i])
+      host += time.perf_counter() - began
+      state, out = engine.decode_step(params, state, mask=mask if masked else None)
+      tokens = np.asarray(jax.device_get(out.tokens))
+      began = time.perf_counter()
+      for i, constraint in enumerate(slots if masked else []):
+        if constraint.advance(int(tokens[i])):
+          slots[i] = schema.constraint()
+      host += time.perf_counter() - began
+    return (time.perf_counter() - start) / args.steps, host / args.steps
+
+  plain_s, _ = loop(masked=False)
+  schema_s, host_s = loop(masked=True)
+  print(f"RESULT constrained layout={layout} slots={num_slots} plain_ms={plain_s * 1e3:.2f} "
+        f"schema_ms={schema_s * 1e3:.2f} host_mask_ms={host_s * 1e3:.2f} overhead={schema_s / plain_s - 1:+.1%}")
 
 
 def speculate(overrides: dict[str, Any], target: Any, target_params: Any, layout: str, num_slots: int,
