@@ -17,9 +17,13 @@ padding included, per second of update). On GPU (platform=gpu) the same run uses
 `modes` (comma-separated) picks the layouts, each one run: same (rollouts on the training mesh),
 split (the last rl_rollout_devices devices roll out, weights copied every update), async1 and
 async2 (split, rl_max_staleness 1 and 2 with a weight copy every 2 and 3 updates: the batches
-up to the next copy are generated while the training runs). Each prints steps/s (timed steps over
-their wall time) and the weight copies' median seconds and bytes. The global batch is `rows` in
-every mode. The last line of each mode is machine-readable: `RESULT rl ...`.
+up to the next copy are generated while the training runs), and tools (the same mesh, multi-turn
+episodes: an environment answers each of 3 model turns with a tool message of about 16 tokens;
+rl/episodes.py). Each prints steps/s (timed steps over their wall time) and the weight copies'
+median seconds and bytes; tools also episodes/s (episodes over rollout seconds), turns per episode
+and the model's share of the episodes' tokens after the prompt (the rest is tool output, in the
+context but not trained on). The global batch is `rows` in every mode. The last line of each mode
+is machine-readable: `RESULT rl ...`.
 """
 
 from __future__ import annotations
@@ -39,6 +43,17 @@ sys.path.insert(0, str(REPO))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
 
 REWARD = "def low_ids(completion_ids, **_):\n  return [sum(t < 200 for t in c) / max(len(c), 1) for c in completion_ids]\n"
+# The tools mode's environment: a tool message after each model turn, the episode ends after the third.
+ENVIRONMENT = """
+class ThreeTurns:
+  def __init__(self, prompt, **columns):
+    self.prompt = prompt
+  def start(self):
+    return [{"role": "user", "content": self.prompt}]
+  def step(self, turn):
+    return ([{"role": "tool", "content": "alpha beta gamma delta epsilon zeta"}], 0.0, turn.turn >= 3)
+"""
+TOOL_TURNS = 3
 
 
 # The old names of options named after the config keys they set (the old --flags work with a warning).
@@ -78,6 +93,7 @@ params_io.save_params(str(d / "start"), jax.jit(maxtext_models.build_model_spec(
 """
   subprocess.run([sys.executable, "-c", script], check=True, cwd=REPO, capture_output=True, text=True)
   (directory / "bench_rewards.py").write_text(REWARD)
+  (directory / "bench_environment.py").write_text(ENVIRONMENT)
 
 
 def main() -> int:
@@ -90,7 +106,7 @@ def main() -> int:
   parser.add_argument("--base_emb_dim", type=int, default=256)
   parser.add_argument("--base_num_decoder_layers", type=int, default=4)
   parser.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
-  parser.add_argument("--modes", default="same", help="comma-separated: same, split, async1, async2")
+  parser.add_argument("--modes", default="same", help="comma-separated: same, split, async1, async2, tools")
   parser.add_argument("--rl_rollout_devices", type=int, default=2, help="devices of the rollout mesh (split, async*)")
   args = tool_args.parse_args(parser, None, renamed=RENAMED)
   devices = args.devices if args.platform == "cpu" else 1
@@ -113,11 +129,14 @@ def main() -> int:
     directory = Path(tmp)
     _prepare(directory, model)
     for mode in modes:
-      rollout_devices = 0 if mode == "same" else args.rl_rollout_devices
+      rollout_devices = 0 if mode in ("same", "tools") else args.rl_rollout_devices
+      # tools: every turn's context fits the prefill (the prompt, earlier turns and tool messages)
+      mode_prefill = prefill + (TOOL_TURNS - 1) * (args.max_completion_length + 32) if mode == "tools" else prefill
+      keys = {**model, "max_target_length": mode_prefill + args.max_completion_length}
       command = [sys.executable, "-m", "MaxText.train", "configs/grpo.yml", f"run_name={mode}",
                  f"base_output_directory={directory / 'out'}", f"tokenizer_path={directory / 'tokenizer'}",
                  f"hf_data_files={directory / 'prompts.jsonl'}", f"load_parameters_path={directory / 'start'}",
-                 *(f"{k}={v}" for k, v in model.items()), f"max_prefill_predict_length={prefill}",
+                 *(f"{k}={v}" for k, v in keys.items()), f"max_prefill_predict_length={mode_prefill}",
                  f"max_completion_length={args.max_completion_length}", f"num_generations={args.num_generations}",
                  f"per_device_batch_size={args.rows / (devices - rollout_devices)}",
                  "reward_functions=bench_rewards:low_ids", f"steps={args.steps}", "log_period=1",
@@ -131,7 +150,7 @@ def main() -> int:
         print(proc.stderr[-3000:], file=sys.stderr)
         return proc.returncode
       records = [json.loads(line) for line in (directory / "out" / mode / "metrics.jsonl").read_text().splitlines()]
-      _report(mode, records, args, model)
+      _report(mode, records, args, keys)
   return 0
 
 
@@ -141,6 +160,7 @@ MODES: dict[str, Callable[[int], list[str]]] = {
     "split": lambda r: [f"rl_rollout_devices={r}"],
     "async1": lambda r: [f"rl_rollout_devices={r}", "rl_max_staleness=1", "rl_weight_sync_interval=2"],
     "async2": lambda r: [f"rl_rollout_devices={r}", "rl_max_staleness=2", "rl_weight_sync_interval=3"],
+    "tools": lambda r: ["rl_environment=bench_environment:ThreeTurns", f"rl_max_turns={TOOL_TURNS}"],
 }
 
 
@@ -160,7 +180,19 @@ def _report(mode: str, records: list[dict[str, Any]], args: argparse.Namespace, 
         f"{sync_s:8.4f} {sync_mb:8.2f}")
   print(f"RESULT rl mode={mode} platform={args.platform} steps_per_s={steps_per_s:.4f} rollout_s={rollout:.4f} "
         f"update_s={update:.4f} rollout_share={share:.3f} rollout_tokens_per_s={sampled:.1f} "
-        f"update_tokens_per_s={update_tps:.1f} weight_sync_s={sync_s:.5f} weight_sync_bytes={sync_mb * 2**20:.0f}")
+        f"update_tokens_per_s={update_tps:.1f} weight_sync_s={sync_s:.5f} weight_sync_bytes={sync_mb * 2**20:.0f}"
+        + _episodes(timed, args.rows))
+
+
+def _episodes(timed: list[dict[str, Any]], rows: int) -> str:
+  """The tools mode's figures (printed, and the RESULT line's tail); "" for single-turn modes."""
+  if "episodes/mean_turns" not in timed[0]:
+    return ""
+  per_s = statistics.median(rows / r["rollout_s"] for r in timed)
+  share = statistics.median(r["episodes/model_token_share"] for r in timed)
+  turns = statistics.median(r["episodes/mean_turns"] for r in timed)
+  print(f"  tools: {per_s:.2f} episodes/s, {turns:.2f} model turns per episode, model-token share {share:.1%}")
+  return f" episodes_per_s={per_s:.3f} mean_turns={turns:.2f} model_token_share={share:.4f}"
 
 if __name__ == "__main__":
   sys.exit(main())
