@@ -18,6 +18,7 @@ bounded (413 / 400 / 503 with Retry-After), and every request has a deadline.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import os
@@ -37,7 +38,7 @@ from MaxText.errors import UserError, run_cli
 from MaxText.inference import grammar, image_chat, tool_calls
 from MaxText.inference import openai_api as api
 from MaxText.inference import scheduler as sched
-from MaxText.inference import serve_metrics, speculative_engine
+from MaxText.inference import lora_adapters, serve_metrics, speculative_engine
 from MaxText.inference.engine_api import DecodeEngine, EngineParams
 
 if TYPE_CHECKING:
@@ -114,14 +115,18 @@ class Server:
   """The engine's scheduler and what the routes need to turn requests into jobs and answers."""
 
   def __init__(self, config: config_lib.Config, engine: DecodeEngine, params: EngineParams,
-               codec: api.Codec, eos_id: int | None):
+               codec: api.Codec, eos_id: int | None, adapters: lora_adapters.Registry | None = None):
     d = config.decode
     self.codec, self.decode_cfg = codec, d
+    self.adapters = adapters  # LoRA adapters served beside the model, by name (their admin routes: lora_routes.py)
     self.limits = api.Limits(d.serve_model_name or config["model_name"], config.model.vocab_size,
                              d.max_prefill_predict_length, config.model.max_target_length, d.serve_max_tokens,
                              d.serve_max_n,
-                             config.model.vision.image_token_id if config.model.vision.use_multimodal else None)
+                             config.model.vision.image_token_id if config.model.vision.use_multimodal else None,
+                             adapters.names if adapters is not None else tuple)
     self.scheduler = sched.Scheduler(engine, params, d.serve_max_queue, [] if eos_id is None else [eos_id]).start()
+    if adapters is not None:  # an adapter added or removed: the scheduler's next engine call takes the new tables
+      adapters.swap = lambda new: setattr(self.scheduler, "params", new)
     self.metrics = serve_metrics.ServeMetrics(self.scheduler.load)
     self._token_text: dict[int, str] = {}
 
@@ -141,9 +146,49 @@ class Server:
       except RuntimeError:  # the event loop is closed: the server is stopping
         pass
 
+    if self.adapters is not None and request.model not in ("", self.limits.model_name):
+      return self._submit_to_adapter(request, score_prompt, emit), queue
     jobs = [sched.Job(c.index, c.prompt, c.max_tokens, c.row, emit, score_prompt, images=c.images,
                       constraint=None if request.grammar is None else request.grammar.constraint())
             for c in request.choices]
+    self._submit(jobs)
+    return jobs, queue
+
+  def _submit_to_adapter(self, request: api.Request, score_prompt: bool, emit: Callable[[sched.Event], None]
+                         ) -> list[sched.Job]:
+    """The jobs of a request naming a LoRA adapter: each decodes with the adapter's table row and holds
+    the adapter (it cannot be removed) until its Done event."""
+    assert self.adapters is not None
+    if score_prompt:
+      raise api.ApiError(400, "echo with logprobs scores the prompt under the base model only; not with a LoRA "
+                         "adapter", "echo", "unsupported_parameter")
+    adapters, name = self.adapters, request.model
+    jobs: list[sched.Job] = []
+    for c in request.choices:
+      try:
+        row = adapters.acquire(name)
+      except lora_adapters.UnknownAdapter:  # removed since the request was read
+        for _ in jobs:
+          adapters.release(name)
+        raise api.ApiError(404, f"the model {name!r} does not exist", "model", "model_not_found") from None
+
+      def emit_releasing(event: sched.Event) -> None:
+        if isinstance(event, sched.Done):
+          adapters.release(name)
+        emit(event)
+
+      jobs.append(sched.Job(c.index, c.prompt, c.max_tokens, dataclasses.replace(c.row, adapter=row), emit_releasing,
+                            score_prompt, images=c.images,
+                            constraint=None if request.grammar is None else request.grammar.constraint()))
+    try:
+      self._submit(jobs)
+    except api.ApiError:
+      for _ in jobs:
+        adapters.release(name)
+      raise
+    return jobs
+
+  def _submit(self, jobs: list[sched.Job]) -> None:
     try:
       self.scheduler.submit(jobs)
     except sched.QueueFull as e:
@@ -151,7 +196,6 @@ class Server:
                          headers={"Retry-After": RETRY_AFTER_SECONDS}) from None
     except sched.TooLarge as e:
       raise api.ApiError(400, f"{e} (kv_num_pages)", "max_tokens", "context_length_exceeded") from None
-    return jobs, queue
 
   async def events(self, jobs: list[sched.Job], queue: asyncio.Queue[sched.Event],
                    is_disconnected: Callable[[], Awaitable[bool]], route: str = ""
@@ -214,6 +258,10 @@ def build_app(server: Server, api_key: str | None = None, max_body_bytes: int = 
     return _error(e)
 
   add_routes(app, server, JSONResponse, StreamingResponse, _sse)
+  if server.adapters is not None:
+    from MaxText.inference import lora_routes
+
+    lora_routes.add_routes(app, server.adapters, admin_allowed=bool(key))
   return _Guard(app, key, max_body_bytes, server.metrics)
 
 
@@ -298,8 +346,13 @@ def build_server(config: config_lib.Config, mesh: Mesh | None = None) -> Server:
   """Tokenizer, engine and parameters (load_parameters_path, else random ones; with
   speculative_tokens > 0 the draft's too), scheduler thread."""
   codec, eos_id = _codec(config)
-  engine, params = speculative_engine.load(config, config.decode.serve_max_slots,
-                               "serve: no load_parameters_path given; serving randomly initialised parameters", mesh)
+  fresh = "serve: no load_parameters_path given; serving randomly initialised parameters"
+  d = config.decode
+  if d.serve_lora_adapters or d.serve_lora_slots:  # LoRA adapters beside the model, in adapter tables
+    table_engine, adapters = lora_adapters.load_engine(config, d.serve_max_slots, fresh, d.serve_model_name or
+                                                       config["model_name"], mesh)
+    return Server(config, table_engine, adapters.params, codec, eos_id, adapters)
+  engine, params = speculative_engine.load(config, d.serve_max_slots, fresh, mesh)
   return Server(config, engine, params, codec, eos_id)
 
 

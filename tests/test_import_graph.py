@@ -22,6 +22,7 @@ FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
     ("MaxText.serve", "MaxText.errors"): "imported with the chat template it checks",
     ("MaxText.serve", "MaxText.input_pipeline.chat"): "the chat template's tokenizer stack, only when serving chat",
     ("MaxText.serve", "MaxText.inference.serve_routes"): "FastAPI loads only when the server starts",
+    ("MaxText.serve", "MaxText.inference.lora_routes"): "FastAPI loads only when the server starts",
     ("MaxText.training.metrics", "MaxText.layers.moe"): "flax and the layers load only for a MoE model's FLOPs",
     ("MaxText.plan", "MaxText.training.run_assembly"): "JAX's backend must start after the planner sets the XLA flags",
     ("MaxText.plan", "MaxText.train_compile"): "JAX's backend must start after the planner sets the XLA flags",

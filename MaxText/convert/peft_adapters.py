@@ -12,6 +12,7 @@ refused in one line.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Callable, Iterator
 
@@ -102,3 +103,88 @@ def save(output_path: str, params: dict[str, Any], cfg: ModelConfig) -> list[str
                       safetensors_bytes({k: v.astype(np.float32) for k, v in tensors.items()}))
   storage.write_text(storage.join(output_path, CONFIG_FILE), json.dumps(config, indent=2) + "\n")
   return targets
+
+
+@dataclasses.dataclass(frozen=True)
+class PeftAdapter:
+  """An adapter read from PEFT's format, in our layout: for each adapted kernel (its tree path and,
+  in a scanned stack, its layer index), lora_a [in dims..., r] and lora_b [r, out dims...]."""
+
+  rank: int
+  alpha: float
+  targets: tuple[str, ...]
+  leaves: dict[tuple[tuple[str, ...], tuple[int, ...]], tuple[np.ndarray, np.ndarray]]
+
+
+def load(path: str, cfg: ModelConfig, abstract_params: dict[str, Any]) -> PeftAdapter:
+  """The adapter in `path` (adapter_config.json + adapter_model.safetensors) placed onto the kernels of
+  a model whose parameters are shaped like `abstract_params` (each adapted kernel's lora_a there gives
+  its input dims); raises UserError naming what does not fit."""
+  from safetensors.numpy import load as safetensors_load
+
+  rank, _, alpha = read_config(path)
+  tensors = safetensors_load(storage.read_bytes(storage.join(path, WEIGHTS_FILE)))
+  unused = set(tensors)
+  family = families.family_for_decoder_block(cfg.decoder_block)
+  maps = family.tensors(cfg)
+  leaves: dict[tuple[tuple[str, ...], tuple[int, ...]], tuple[np.ndarray, np.ndarray]] = {}
+  for m in maps:
+    if len(m.ours) != 1 or not m.ours[0].endswith("/kernel") or m.per_expert:
+      continue
+    for layer in (range(engine._num_hf_layers(cfg, maps, family.name)) if m.per_layer else [None]):
+      if not engine._applies(cfg, m, layer):
+        continue
+      name = m.hf.format(i=layer).removesuffix(".weight")
+      a_name, b_name = (f"base_model.model.{name}.lora_{side}.weight" for side in "AB")
+      if a_name not in tensors:
+        continue
+      unused -= {a_name, b_name}
+      path_, index = engine._leaf_path(cfg, m, m.ours[0], layer)
+      dense = _subtree(abstract_params, path_[:-1])
+      if dense is None or "lora_a" not in dense or b_name not in tensors:
+        raise UserError(f"{path}: the adapter of {name} has no place in this model (its projection takes no "
+                        "adapter here); serve it with a base model whose adapter targets include it")
+      kernel_shape = tuple(dense["kernel"].shape[len(index):])
+      num_in = len(dense["lora_a"].shape) - len(index) - 1
+      a_hf, b_hf = np.asarray(tensors[a_name], np.float32), np.asarray(tensors[b_name], np.float32)
+      in_size, out_size = int(np.prod(kernel_shape[:num_in])), int(np.prod(kernel_shape[num_in:]))
+      if a_hf.shape != (rank, in_size) or b_hf.shape != (out_size, rank):
+        raise UserError(f"{path}: {name}'s adapter is lora_A {list(a_hf.shape)}, lora_B {list(b_hf.shape)}; this "
+                        f"model needs [{rank}, {in_size}] and [{out_size}, {rank}] (an adapter of another base model?)")
+      try:
+        in_order = _index_order(m.to_hf, cfg, kernel_shape, num_in, "in")
+        out_order = _index_order(m.to_hf, cfg, kernel_shape, num_in, "out")
+      except ValueError as e:
+        raise UserError(f"{path}: cannot place the adapter of {name}: the {family.name} converter's {m.hf} is not a "
+                        f"plain re-layout of our kernel ({e})") from None
+      a, b = np.zeros((in_size, rank), np.float32), np.zeros((rank, out_size), np.float32)
+      a[in_order], b[:, out_order] = a_hf.T, b_hf.T
+      leaves[(path_[:-1], index)] = (a.reshape(kernel_shape[:num_in] + (rank,)),
+                                     b.reshape((rank,) + kernel_shape[num_in:]))
+  if unused:
+    raise UserError(f"{path}: {len(unused)} tensors name no projection of this model, e.g. {sorted(unused)[0]} "
+                    "(an adapter of another model family or depth?)")
+  if not leaves:
+    raise UserError(f"{path} holds no LoRA tensors")
+  targets = tuple(sorted({name.split(".")[-3] for name in tensors}))
+  return PeftAdapter(rank, alpha, targets, leaves)
+
+
+def read_config(path: str) -> tuple[int, tuple[str, ...], float]:
+  """(rank, target modules, lora_alpha) of the PEFT LoRA adapter in `path`; UserError for anything else."""
+  if not storage.exists(storage.join(path, CONFIG_FILE)) or not storage.exists(storage.join(path, WEIGHTS_FILE)):
+    raise UserError(f"{path} is not a PEFT LoRA adapter: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
+  try:
+    config = json.loads(storage.read_text(storage.join(path, CONFIG_FILE)))
+  except ValueError as e:
+    raise UserError(f"{path}/{CONFIG_FILE} is not valid JSON: {e}") from None
+  if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA" or not isinstance(config.get("r"), int):
+    raise UserError(f"{path}/{CONFIG_FILE} does not describe a LoRA adapter (peft_type LORA with an integer r)")
+  for name, plain in (("use_rslora", False), ("use_dora", False), ("fan_in_fan_out", False)):
+    if config.get(name, plain) != plain:
+      raise UserError(f"{path}: {name}={config[name]} is not supported; plain LoRA adapters only")
+  if config.get("rank_pattern") or config.get("alpha_pattern"):
+    raise UserError(f"{path}: rank_pattern / alpha_pattern (a rank per module) is not supported")
+  targets = config.get("target_modules") or []
+  targets = [targets] if isinstance(targets, str) else list(targets)
+  return int(config["r"]), tuple(sorted(str(t) for t in targets)), float(config.get("lora_alpha") or config["r"])

@@ -36,6 +36,7 @@ class RowSampling:
   top_p_B: Any  # float32; 1 = no nucleus cut
   top_k_B: Any  # int32; 0 = no top-k cut
   keys_B: Any  # PRNG key data per row, split at every draw (before the jitted body: uint32 seeds)
+  adapter_B: Any  # int32 the row's LoRA adapter (a row of the engine's adapter table, lora_adapters.py); 0 = none
 
 
 @struct.dataclass
@@ -74,7 +75,8 @@ def row_sampling(rows: Sequence[sampling.RowParams]) -> RowSampling:
   return RowSampling(jnp.asarray([r.temperature for r in rows], jnp.float32),
                      jnp.asarray([r.top_p for r in rows], jnp.float32),
                      jnp.asarray([r.top_k for r in rows], jnp.int32),
-                     jnp.asarray([r.seed % 2**32 for r in rows], jnp.uint32))
+                     jnp.asarray([r.seed % 2**32 for r in rows], jnp.uint32),
+                     jnp.asarray([r.adapter for r in rows], jnp.int32))
 
 
 def seeded(rows: RowSampling) -> RowSampling:

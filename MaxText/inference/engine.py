@@ -54,7 +54,7 @@ from MaxText.inference.decode_state import (DecodeState, Prefix, RowSampling, pa
 from MaxText.inference import decode_block
 from MaxText.inference.engine_api import Emitted, SlotInfo, StepLimits, TokenLogprobs
 from MaxText.inference.state_snapshots import has_recurrent_state
-from MaxText.layers import kv_cache
+from MaxText.layers import kv_cache, lora_rows
 from MaxText.training.model_assembly import Params
 
 
@@ -107,8 +107,9 @@ class Engine:
     names = self.cache.logical_names()
     replicated = NamedSharding(self.mesh, PartitionSpec())
     # A DecodeState-shaped tree of shardings (its fields hold NamedShardings, not arrays).
+    rows = RowSampling(replicated, replicated, replicated, replicated, replicated)
     self.state_shardings = DecodeState(sharding.named_shardings(abstract_caches, names, self.mesh, self.rules),
-                                       replicated, replicated, RowSampling(replicated, replicated, replicated, replicated))
+                                       replicated, replicated, rows)
     # jit traces (= compilations) per step function
     self.traces = {"prefill": 0, "insert": 0, "generate": 0, "score": 0, "extend": 0}
     self._init_state = jax.jit(self._init_state_fn, out_shardings=self.state_shardings)
@@ -306,7 +307,7 @@ class Engine:
     zeros = jnp.zeros((self.num_slots,), jnp.int32)
     keys = jax.random.key_data(jax.random.split(jax.random.key(seed), self.num_slots))
     rows = RowSampling(jnp.zeros((self.num_slots,), jnp.float32), jnp.ones((self.num_slots,), jnp.float32), zeros,
-                       keys)
+                       keys, zeros)
     return DecodeState(self.cache.empty_caches(), zeros, zeros, rows)
 
   def _prefill_fn(self, params: Params, tokens_BL: jax.Array, lengths_B: jax.Array, rows: RowSampling,
@@ -316,7 +317,8 @@ class Engine:
     batch, length = tokens_BL.shape
     caches = kv_cache.model_caches(self.cfg, batch, length, self.decode_cfg.quantize_kvcache)
     positions_BL = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens_BL.shape)
-    logits_B1V, caches = self.spec.apply_decode(params, tokens_BL, positions_BL, caches, lengths_B - 1, pixels)
+    with lora_rows.use_rows(rows.adapter_B):  # each row's LoRA adapter, where the model holds a table of them
+      logits_B1V, caches = self.spec.apply_decode(params, tokens_BL, positions_BL, caches, lengths_B - 1, pixels)
     tokens_B, rows, logprobs = sample(logits_B1V[:, 0], rows, masks_BW)
     return Prefix(caches, lengths_B, tokens_B, rows, logprobs)
 
@@ -338,8 +340,9 @@ class Engine:
                    mask_TW: jax.Array | None = None) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
     self.traces["generate"] += 1  # Python side effect: runs once per trace, never per executed step
     caches = self.cache.with_table(state.caches, table_TM)
-    logits_B1V, caches = self.spec.apply_decode(params, state.tokens_B[:, None], state.next_positions_B[:, None],
-                                                caches)
+    with lora_rows.use_rows(state.sampling.adapter_B):
+      logits_B1V, caches = self.spec.apply_decode(params, state.tokens_B[:, None], state.next_positions_B[:, None],
+                                                  caches)
     caches = self.cache.keep_inactive(caches, state.caches, table_TM)
     tokens_B, rows, logprobs = sample(logits_B1V[:, 0], state.sampling, mask_TW)
     return DecodeState(caches, state.next_positions_B + 1, tokens_B, rows), (tokens_B, logprobs)
@@ -350,8 +353,9 @@ class Engine:
 
     def step(state: DecodeState, live_T: jax.Array) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
       old = self.cache.with_table(state.caches, table_TM)
-      logits_B1V, caches = self.spec.apply_decode(params, state.tokens_B[:, None], state.next_positions_B[:, None],
-                                                  old)
+      with lora_rows.use_rows(state.sampling.adapter_B):
+        logits_B1V, caches = self.spec.apply_decode(params, state.tokens_B[:, None], state.next_positions_B[:, None],
+                                                    old)
       caches = self.cache.keep_inactive(caches, old, table_TM)
       if has_recurrent_state(self.cfg):  # a stopped slot's recurrent state stays where it stopped
         caches = paged_cache.keep_inactive_states(caches, old, live_T, self.cfg.scan_layers)

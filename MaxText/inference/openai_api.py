@@ -50,6 +50,7 @@ class Limits:
   max_tokens: int  # serve_max_tokens
   max_choices: int  # serve_max_n
   image_token_id: int | None = None  # a vision-language model's placeholder: never typed into a prompt
+  adapter_names: Callable[[], Sequence[str]] = tuple  # the LoRA adapters served beside the model (lora_adapters.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,7 @@ class Request:
   include_usage: bool = False  # streams: a last chunk with the usage (stream_options)
   tools: bool = False  # chat: tools were offered, the reply's tool calls are parsed
   grammar: grammar_lib.Grammar | None = None  # constrained decoding: what every choice's text must match
+  model: str = ""  # the `model` asked for ("": the served model); a LoRA adapter's name picks that adapter
 
 
 def parse_json(raw: bytes) -> Any:
@@ -119,9 +121,16 @@ def _names(kinds: type | tuple[type, ...]) -> str:
 
 def _check_model(body: dict[str, Any], limits: Limits) -> None:
   model = body.get("model")
-  if model is not None and model != limits.model_name:
-    raise ApiError(404, f"the model {str(model)[:200]!r} does not exist; this server serves {limits.model_name!r}",
-                   "model", "model_not_found")
+  if model is not None and model != limits.model_name and model not in limits.adapter_names():
+    adapters = limits.adapter_names()
+    also = f" and the LoRA adapters {', '.join(repr(a) for a in adapters)}" if adapters else ""
+    raise ApiError(404, f"the model {str(model)[:200]!r} does not exist; this server serves {limits.model_name!r}"
+                   f"{also}", "model", "model_not_found")
+
+
+def _model(body: dict[str, Any]) -> str:
+  model = body.get("model")
+  return model if isinstance(model, str) else ""
 
 
 # The fields each route reads. Any other field with a value (null is no value) is a 400 naming it:
@@ -308,7 +317,7 @@ def parse_completion(body: Any, limits: Limits, codec: Codec) -> Request:
     raise ApiError(400, f"logprobs must be in [0, {NUM_TOP_LOGPROBS}], got {logprobs}", "logprobs")
   choices = _choices(prompts, body, "max_tokens", limits, minimum=0 if echo else 1)
   return Request(choices, bool(_get(body, "stream", bool, False)), _stop(body), echo, logprobs,
-                 _include_usage(body))
+                 _include_usage(body), model=_model(body))
 
 
 def parse_chat(body: Any, limits: Limits, codec: Codec) -> Request:
@@ -334,7 +343,7 @@ def parse_chat(body: Any, limits: Limits, codec: Codec) -> Request:
       raise ApiError(400, str(e), "messages", "invalid_image") from None
     choices = _choices([ids], body, name, limits, minimum=1, images=images)
     return Request(choices, bool(_get(body, "stream", bool, False)), _stop(body),
-                   include_usage=_include_usage(body), grammar=grammar)
+                   include_usage=_include_usage(body), grammar=grammar, model=_model(body))
   rendered = []
   for i, message in enumerate(messages):
     content = message.get("content")
@@ -356,7 +365,7 @@ def parse_chat(body: Any, limits: Limits, codec: Codec) -> Request:
     ids = codec.chat(rendered)
   choices = _choices([ids], body, name, limits, minimum=1)
   return Request(choices, bool(_get(body, "stream", bool, False)), _stop(body),
-                 include_usage=_include_usage(body), tools=bool(tools), grammar=grammar)
+                 include_usage=_include_usage(body), tools=bool(tools), grammar=grammar, model=_model(body))
 
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "grammar")

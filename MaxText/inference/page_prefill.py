@@ -31,6 +31,7 @@ from MaxText.inference import image_prompts, kv_layout, paged_cache, sampling, s
 from MaxText.inference.decode_state import DecodeState, Prefix, RowSampling, row_sampling, sample, seeded, \
     with_prompt
 from MaxText.inference.engine_api import TokenLogprobs
+from MaxText.layers import lora_rows
 from MaxText.platform import sharding
 from MaxText.training.model_assembly import ModelOnMesh, Params
 
@@ -152,8 +153,9 @@ class PagePrefill:
                                  is_leaf=paged_cache.is_pool)
     caches = paged_cache.with_block_table(paged_cache.slot_states(state.caches, slot, stacked), table_1M)
     positions_1C = start + jnp.arange(tokens_1C.shape[1], dtype=jnp.int32)[None]
-    logits_11V, caches = self.model.spec.apply_decode(params, tokens_1C, positions_1C, caches, (length - 1)[None],
-                                                      pixels)
+    with lora_rows.use_rows(rows.adapter_B):  # the slot's LoRA adapter (lora_adapters.py)
+      logits_11V, caches = self.model.spec.apply_decode(params, tokens_1C, positions_1C, caches, (length - 1)[None],
+                                                        pixels)
     caches = jax.tree.map(lambda c, t: dataclasses.replace(c, block_table_BM=t) if paged_cache.is_pool(c) else c,
                           caches, stored_tables, is_leaf=paged_cache.is_pool)
     caches = paged_cache.with_slot_states(state.caches, caches, slot, stacked)

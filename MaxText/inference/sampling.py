@@ -80,6 +80,7 @@ class RowParams:
   top_p: float = 1.0
   top_k: int = 0
   seed: int = 0
+  adapter: int = 0  # the LoRA adapter's row in the engine's adapter table (inference/lora_adapters.py); 0: none
 
   @classmethod
   def from_strategy(cls, params: SamplingParams, seed: int) -> "RowParams":

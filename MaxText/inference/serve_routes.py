@@ -104,8 +104,10 @@ def add_routes(app: FastAPI, server: "Server", json_response: Any, streaming_res
 
   @app.get("/v1/models")
   async def models() -> dict[str, Any]:
+    adapters = [{"id": name, "object": "model", "created": 0, "owned_by": "maxtext", "parent": server.limits.model_name}
+                for name in server.limits.adapter_names()]  # LoRA adapters served beside the model
     return {"object": "list", "data": [{"id": server.limits.model_name, "object": "model", "created": 0,
-                                        "owned_by": "maxtext"}]}
+                                        "owned_by": "maxtext"}, *adapters]}
 
   @app.post("/v1/completions")
   async def completions(http: Request) -> Any:
@@ -122,7 +124,7 @@ def add_routes(app: FastAPI, server: "Server", json_response: Any, streaming_res
       out.append({"index": index, "text": prompt_text + choice.text.text, "logprobs": logprobs,
                   "finish_reason": choice.finish_reason})
     return {"id": _new_id("cmpl"), "object": "text_completion", "created": int(time.time()),
-            "model": server.limits.model_name, "choices": out, "usage": _usage(request, choices)}
+            "model": request.model or server.limits.model_name, "choices": out, "usage": _usage(request, choices)}
 
   @app.post("/v1/chat/completions")
   async def chat_completions(http: Request) -> Any:
@@ -137,7 +139,7 @@ def add_routes(app: FastAPI, server: "Server", json_response: Any, streaming_res
     out = [chat_choice(index, choice.text.text, choice.finish_reason, request.tools)
            for index, choice in sorted(choices.items())]
     return {"id": _new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
-            "model": server.limits.model_name, "choices": out, "usage": _usage(request, choices)}
+            "model": request.model or server.limits.model_name, "choices": out, "usage": _usage(request, choices)}
 
 
 def chat_choice(index: int, text: str, finish_reason: str | None, tools: bool) -> dict[str, Any]:
@@ -176,7 +178,7 @@ async def _stream(server: "Server", request: api.Request, jobs: list[sched.Job],
   mid-stream is sent as an error event."""
   kind, prefix = ("chat.completion.chunk", "chatcmpl") if chat else ("text_completion", "cmpl")
   head: dict[str, Any] = {"id": _new_id(prefix), "object": kind, "created": int(time.time()),
-                          "model": server.limits.model_name}
+                          "model": request.model or server.limits.model_name}
   if request.include_usage:
     head["usage"] = None  # every chunk but the last, which has the usage and no choices
   choices = _choices(server, request)

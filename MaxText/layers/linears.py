@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.layers import quantization
+from MaxText.layers import lora_rows, quantization
 
 
 class DenseGeneral(nnx.Module):
@@ -64,7 +64,11 @@ class DenseGeneral(nnx.Module):
     mode = quantization.current_quantization() if self.quantize else ""
     y = quantization.quantized_dot_general(mode, x.astype(self.dtype), self.kernel[...].astype(self.dtype),
                                            (contract, ((), ())))
-    if self.lora_rank > 0:
+    if self.lora_rank > 0 and lora_rows.is_table(self.lora_a[...], num_in):  # serving many adapters
+      rows_delta = lora_rows.delta(x, self.lora_a[...], self.lora_b[...], num_in, self.dtype)
+      if rows_delta is not None:
+        y = y + rows_delta.astype(y.dtype)
+    elif self.lora_rank > 0:
       x_r = jax.lax.dot_general(x.astype(self.dtype), self.lora_a[...].astype(self.dtype), (contract, ((), ())))
       delta = jax.lax.dot_general(x_r, self.lora_b[...].astype(self.dtype), (((x_r.ndim - 1,), (0,)), ((), ())))
       y = y + (delta * jnp.asarray(self.lora_scale, delta.dtype)).astype(y.dtype)

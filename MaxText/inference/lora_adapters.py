@@ -1,0 +1,296 @@
+"""Many LoRA adapters beside one base model, decoded in the same batch.
+
+The engine is built from `table_config`: its model has a LoRA adapter place in every targeted
+projection (the adapter table's targets, at the table's rank). `AdapterTable` turns each such
+place into a table (layers/lora_rows.py): lora_a [N + 1, in dims..., r], lora_b [N + 1, r, out
+dims...] (after the layer dim of a scanned stack), where row 0 stays all zeros (the base model)
+and each loaded adapter owns one other row: its PEFT weights (convert/peft_adapters.load) in our
+layout, zero-padded to rank r, its scale lora_alpha / its rank folded into lora_b. A request picks
+a row through its sampling row (sampling.RowParams.adapter), which travels with the slot like its
+temperature (decode_state.RowSampling.adapter_B); the engine's model calls run inside
+lora_rows.use_rows, so every adapted projection adds x · A[row] · B[row] per batch row.
+
+Adding or removing an adapter rewrites one row of every table: the tables keep their shapes, so
+nothing recompiles, and the new parameters replace the old ones between two engine calls. The
+server maps OpenAI `model` names to rows (`Registry`); its admin routes are in lora_routes.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from MaxText.configuration.config import Config
+from MaxText.configuration.model_checks import MLP_LORA_TARGETS, lora_targets
+from MaxText.convert import peft_adapters
+from MaxText.errors import UserError
+from MaxText.inference.engine import Engine
+from MaxText.models import LAYER_STACKS
+from MaxText.platform import distributed
+from MaxText.training import lora, model_assembly
+from MaxText.training.model_assembly import Params
+
+BASE_ROW = 0
+# Targets a table cannot take: MLA's kv_b_proj kernel is read merged (its adapter folded in) by absorbed decoding.
+NO_TABLE_TARGETS = ("kv_b_proj",)
+
+
+def table_targets(config: Config) -> tuple[str, ...]:
+  """Every projection of this model an adapter table can sit on (dense MLPs only, as lora_rank > 0)."""
+  valid = lora_targets(config.values)
+  moe = config.model.moe.num_experts > 1
+  return tuple(t for t in valid if t not in NO_TABLE_TARGETS and not (moe and t in MLP_LORA_TARGETS))
+
+
+def table_config(config: Config, rank: int, targets: Sequence[str]) -> Config:
+  """`config` with an adapter place of `rank` on each of `targets`: an engine built from it can hold tables."""
+  if rank < 1:
+    raise UserError(f"serve_lora_max_rank must be >= 1 to hold LoRA adapters, got {rank}")
+  values = {**config.values, "lora_rank": rank, "lora_alpha": float(rank), "lora_target_modules": tuple(targets)}
+  return Config(values, config.target, reads_data=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedAdapter:
+  name: str
+  row: int
+  rank: int
+  alpha: float
+  targets: tuple[str, ...]
+
+
+def _path_keys(path: tuple[Any, ...]) -> tuple[str, ...]:
+  return tuple(str(getattr(k, "key", k)) for k in path)
+
+
+class AdapterTable:
+  """Rows of the engine's adapter tables: `with_tables` gives the parameters zero tables of
+  `capacity` adapters (+ the base row), `set_row` writes an adapter's weights into a row."""
+
+  def __init__(self, engine: Engine, capacity: int):
+    if capacity < 1:
+      raise UserError(f"serve_lora_slots must be >= 1 to hold LoRA adapters, got {capacity}")
+    self.engine, self.capacity = engine, capacity
+    self.rank = engine.cfg.lora.lora_rank
+    self.targets = tuple(engine.cfg.lora.lora_target_modules)
+    abstract = engine.spec.abstract_params
+    # (dense's path, lora leaf name) -> the single adapter's abstract shape and its layer dims in front
+    self._places: dict[tuple[tuple[str, ...], str], tuple[tuple[int, ...], int, Any]] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+      keys = _path_keys(path)
+      if keys[-1] in lora.ADAPTER_KEYS:
+        lead = 1 if keys[0] in LAYER_STACKS else 0  # a scanned stack: the layer dim comes first
+        self._places[(keys[:-1], keys[-1])] = (tuple(leaf.shape), lead, leaf.dtype)
+    shardings = {_path_keys(p): s for p, s in jax.tree_util.tree_flatten_with_path(engine.param_shardings)[0]}
+    self._shardings = {}
+    for (dense, key), (_, lead, _) in self._places.items():
+      spec = tuple(shardings[dense + (key,)].spec)
+      spec = spec + (None,) * (len(self._places[(dense, key)][0]) - len(spec))
+      self._shardings[(dense, key)] = NamedSharding(engine.mesh, PartitionSpec(*spec[:lead], None, *spec[lead:]))
+    self._set = jax.jit(self._set_fn, out_shardings=self._shardings)
+
+  def with_tables(self, params: Params) -> Params:
+    """`params` (the engine's, its adapter leaves whatever they hold) with all-zero adapter tables."""
+    def table(path: tuple[Any, ...], leaf: Any) -> Any:
+      keys = _path_keys(path)
+      if keys[-1] not in lora.ADAPTER_KEYS:
+        return leaf
+      shape, lead, dtype = self._places[(keys[:-1], keys[-1])]
+      return jax.device_put(jnp.zeros(shape[:lead] + (self.capacity + 1,) + shape[lead:], dtype),
+                            self._shardings[(keys[:-1], keys[-1])])
+    return jax.tree_util.tree_map_with_path(table, params)
+
+  def check(self, rank: int, targets: Sequence[str], name: str) -> None:
+    """UserError when an adapter of `rank` on `targets` does not fit the tables."""
+    if rank > self.rank:
+      raise UserError(f"LoRA adapter {name!r} has rank {rank}, more than this server's serve_lora_max_rank="
+                      f"{self.rank}; restart with serve_lora_max_rank >= {rank}")
+    outside = [t for t in targets if t not in self.targets]
+    if outside:
+      raise UserError(f"LoRA adapter {name!r} targets {outside}, which this server's adapter tables do not cover "
+                      f"({list(self.targets)}: the start-up adapters' targets)")
+
+  def row_values(self, adapter: peft_adapters.PeftAdapter | None) -> dict[tuple[tuple[str, ...], str], np.ndarray]:
+    """Each table leaf's row for `adapter` (None: zeros), rank-padded, its scale folded into lora_b."""
+    out = {}
+    for (dense, key), (shape, lead, dtype) in self._places.items():
+      value = np.zeros(shape, np.float32)
+      if adapter is not None:
+        scale = adapter.alpha / adapter.rank
+        for index in (np.ndindex(*shape[:lead]) if lead else [()]):
+          pair = adapter.leaves.get((dense, tuple(int(i) for i in index)))
+          if pair is None:
+            continue
+          if key == "lora_a":
+            value[index][..., :adapter.rank] = pair[0]
+          else:
+            value[index][:adapter.rank] = pair[1] * scale
+      out[(dense, key)] = value.astype(dtype)
+    return out
+
+  def set_row(self, params: Params, row: int, adapter: peft_adapters.PeftAdapter | None) -> Params:
+    """New parameters: `params` with table row `row` holding `adapter` (None: zeros). One compiled
+    program for every row; the other parameters are shared, not copied."""
+    tables = {place: _subtree(params, place[0])[place[1]] for place in self._places}
+    new = self._set(tables, self.row_values(adapter), jnp.int32(row))
+    out = _copy_dicts(params)
+    for (dense, key), value in new.items():
+      _subtree(out, dense)[key] = value
+    return out
+
+  def _set_fn(self, tables: Mapping[Any, jax.Array], values: Mapping[Any, jax.Array], row: jax.Array
+              ) -> dict[Any, jax.Array]:
+    out = {}
+    for place, table in tables.items():
+      lead = self._places[place][1]
+      moved = jnp.moveaxis(table, lead, 0)
+      out[place] = jnp.moveaxis(moved.at[row].set(values[place].astype(table.dtype)), 0, lead)
+    return out
+
+
+def _subtree(params: Params, path: tuple[str, ...]) -> dict[str, Any]:
+  node: Any = params
+  for key in path:
+    node = node[key]
+  return dict[str, Any](node) if not isinstance(node, dict) else node
+
+
+def _copy_dicts(params: Any) -> Any:
+  return {k: _copy_dicts(v) for k, v in params.items()} if isinstance(params, dict) else params
+
+
+class UnknownAdapter(KeyError):
+  """A `model` name that is neither the base model nor a loaded adapter."""
+
+
+class AdapterBusy(Exception):
+  """An adapter that requests in flight still decode with."""
+
+
+class Registry:
+  """The served adapters by name: `add` / `remove` change the engine's parameters through `swap`
+  (called with the new parameters before a new name is usable, after an old one is gone);
+  `acquire` / `release` count each adapter's requests in flight. Thread-safe."""
+
+  def __init__(self, table: AdapterTable, base_name: str, params: Params, swap: Any = None):
+    self.table, self.base_name = table, base_name
+    self.params = params
+    self.swap = swap  # callable(new params) -> None, e.g. setting the scheduler's parameters
+    self._by_name: dict[str, LoadedAdapter] = {}
+    self._in_flight: dict[str, int] = {}
+    self._lock = threading.Lock()
+
+  def names(self) -> list[str]:
+    with self._lock:
+      return sorted(self._by_name)
+
+  def adapters(self) -> list[LoadedAdapter]:
+    with self._lock:
+      return [self._by_name[n] for n in sorted(self._by_name)]
+
+  def add(self, name: str, path: str) -> LoadedAdapter:
+    """Loads the PEFT adapter in `path` as `name`; UserError (with no change) when it cannot be served."""
+    if not name or name != name.strip() or len(name) > 200:
+      raise UserError(f"a LoRA adapter's name must be 1 to 200 characters without surrounding spaces, got {name!r}")
+    with self._lock:
+      if name == self.base_name:
+        raise UserError(f"LoRA adapter name {name!r} is the base model's name; choose another")
+      if name in self._by_name:
+        raise UserError(f"a LoRA adapter named {name!r} is already loaded; remove it first or choose another name")
+      free = sorted(set(range(1, self.table.capacity + 1)) - {a.row for a in self._by_name.values()})
+      if not free:
+        raise UserError(f"all serve_lora_slots={self.table.capacity} adapter rows are taken; remove an adapter first")
+      rank, targets, _ = peft_adapters.read_config(path)
+      self.table.check(rank, targets, name)
+      adapter = peft_adapters.load(path, self.table.engine.cfg, self.table.engine.spec.abstract_params)
+      self.table.check(adapter.rank, adapter.targets, name)  # the targets its tensors name
+      loaded = LoadedAdapter(name, free[0], adapter.rank, adapter.alpha, adapter.targets)
+      self._set_params(self.table.set_row(self.params, loaded.row, adapter))
+      self._by_name[name], self._in_flight[name] = loaded, 0
+      return loaded
+
+  def remove(self, name: str) -> LoadedAdapter:
+    with self._lock:
+      if name not in self._by_name:
+        raise UnknownAdapter(name)
+      if self._in_flight[name]:
+        raise AdapterBusy(f"LoRA adapter {name!r} has {self._in_flight[name]} requests in flight; retry when they end")
+      loaded = self._by_name.pop(name)
+      del self._in_flight[name]
+      self._set_params(self.table.set_row(self.params, loaded.row, None))
+      return loaded
+
+  def acquire(self, name: str) -> int:
+    """The table row of `name` for one more request in flight (BASE_ROW for the base model)."""
+    if name == self.base_name:
+      return BASE_ROW
+    with self._lock:
+      if name not in self._by_name:
+        raise UnknownAdapter(name)
+      self._in_flight[name] += 1
+      return self._by_name[name].row
+
+  def release(self, name: str) -> None:
+    with self._lock:
+      if name in self._in_flight and self._in_flight[name] > 0:
+        self._in_flight[name] -= 1
+
+  def _set_params(self, params: Params) -> None:
+    self.params = params
+    if self.swap is not None:
+      self.swap(params)
+
+
+def parse_adapters(items: Sequence[str]) -> list[tuple[str, str]]:
+  """serve_lora_adapters' name=path items."""
+  out = []
+  for item in items:
+    name, sep, path = str(item).partition("=")
+    if not sep or not name.strip() or not path.strip():
+      raise UserError(f"serve_lora_adapters items are name=path (a PEFT adapter directory), got {item!r}")
+    out.append((name.strip(), path.strip()))
+  return out
+
+
+def load_engine(config: Config, num_slots: int, fresh_note: str, base_name: str,
+                mesh: Any = None) -> tuple[Engine, Registry]:
+  """An engine with adapter tables and a registry holding serve_lora_adapters: the tables' rank is
+  serve_lora_max_rank (0: the largest start-up adapter's), their targets the start-up adapters' (every
+  target of the model when none is given), their rows serve_lora_slots (0: the start-up adapters')."""
+  d = config.decode
+  if d.speculative_tokens or d.quantize_weights:
+    raise UserError("LoRA adapter tables (serve_lora_adapters / serve_lora_slots) do not combine with "
+                    "speculative_tokens or quantize_weights yet; set those to their defaults")
+  if config.model.lora.lora_rank:
+    raise UserError("serve LoRA adapters beside a base model with lora_rank=0 (a LoRA checkpoint: export it merged "
+                    "with MaxText.generate_param_only_checkpoint, or its adapters with lora_peft_export_path)")
+  named = parse_adapters(d.serve_lora_adapters)
+  peeks = [peft_adapters.read_config(path)[:2] for _, path in named]
+  rank = d.serve_lora_max_rank or max((r for r, _ in peeks), default=0)
+  targets = sorted({t for _, ts in peeks for t in ts}) or list(table_targets(config))
+  unknown = [t for t in targets if t not in table_targets(config)]
+  if unknown:
+    raise UserError(f"LoRA adapters target {unknown}, which this model cannot serve from adapter tables "
+                    f"(it can: {list(table_targets(config))})")
+  table_cfg = table_config(config, rank, targets)
+  path = model_assembly.parameters_path(config)
+  engine = Engine(table_cfg, num_slots=num_slots, mesh=mesh)
+  if engine.cache.prefix_caching:
+    raise UserError("LoRA adapter tables do not combine with prefix caching yet (cached prompt pages are not keyed by "
+                    "adapter); set prefix_caching=false")
+  if not path:
+    distributed.log(fresh_note)
+  base = model_assembly.build_model(config, mesh=engine.mesh).params(path)  # as a server without adapters reads it
+  table = AdapterTable(engine, d.serve_lora_slots or len(named))
+  params = table.with_tables(lora.combine(lora.split(dict(engine.spec.abstract_params))[0], base))
+  registry = Registry(table, base_name, params)
+  for name, adapter_path in named:
+    registry.add(name, adapter_path)
+  return engine, registry
+

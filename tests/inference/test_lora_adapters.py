@@ -1,0 +1,205 @@
+"""Many LoRA adapters at once (inference/lora_adapters.py): a batch that mixes adapters and the base
+model gives each request the tokens of an engine with only its adapter merged into the weights."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText.configuration.config import Config
+from MaxText.convert import peft_adapters
+from MaxText.errors import UserError
+from MaxText.inference import lora_adapters
+from MaxText.inference.engine import Engine
+from MaxText.inference.sampling import RowParams
+from MaxText.training import lora
+from decode_test_utils import one_device_mesh
+
+TINY = dict(base_emb_dim=32, base_num_query_heads=2, base_num_kv_heads=2, head_dim=16, base_mlp_dim=64,
+            base_num_decoder_layers=2, vocab_size=64, max_target_length=32, max_prefill_predict_length=8,
+            per_device_batch_size=1, print_config=False, dtype="float32")
+PROMPTS = [[5, 9, 2], [7, 1, 3, 3, 8], [11, 4], [2, 2, 6, 1], [3, 1, 4, 1, 5]]
+# (name, rank, alpha, targets): ranks and targets differ, so the tables pad and leave places empty.
+ADAPTERS = [("alpha", 4, 8.0, ("q_proj", "v_proj")), ("beta", 2, 4.0, ("k_proj", "o_proj", "down_proj")),
+            ("gamma", 4, 2.0, ("q_proj", "up_proj", "gate_proj", "v_proj")), ("kappa", 3, 6.0, ("q_proj", "o_proj"))]
+
+
+def write_adapter(directory, rank: int, alpha: float, targets, seed: int, **keys) -> dict:
+  """A random PEFT adapter of the tiny model in `directory`; returns our adapter leaves."""
+  config = Config.for_testing(**{**TINY, **keys}, lora_rank=rank, lora_alpha=alpha,
+                              lora_target_modules=",".join(targets))
+  from MaxText import models
+
+  abstract = models.build_model_spec(config.model).abstract_params  # shapes only: nothing to compile
+  rng = np.random.default_rng(seed)
+  adapters, base = lora.split(jax.tree.map(lambda x: (0.5 * rng.standard_normal(x.shape)).astype(x.dtype), abstract))
+  peft_adapters.save(str(directory), lora.combine(adapters, base), config.model)
+  return adapters
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+  root = tmp_path_factory.mktemp("adapters")
+  ours = {}
+  for i, (name, rank, alpha, targets) in enumerate(ADAPTERS[:3]):
+    ours[name] = write_adapter(root / name, rank, alpha, targets, seed=10 + i)
+  config = Config.for_testing(**TINY, serve_lora_adapters=",".join(f"{n}={root / n}" for n, *_ in ADAPTERS[:3]),
+                              serve_lora_slots=4)
+  engine, registry = lora_adapters.load_engine(config, 4, "fresh", "base", one_device_mesh())
+  return config, engine, registry, ours, root
+
+
+def greedy(engine, params, prompts, rows, new_tokens: int = 6) -> list[list[int]]:
+  """Every prompt in its own slot at once, greedy, `new_tokens` each."""
+  state = engine.init_decode_state()
+  out = []
+  for slot, (prompt, row) in enumerate(zip(prompts, rows)):
+    prefix = engine.prefill(params, [prompt], row_params=[row])
+    state = engine.insert(prefix, state, slot)
+    out.append([int(prefix.first_tokens_B[0])])
+  for _ in range(new_tokens - 1):
+    state, tokens = engine.generate(params, state)
+    for slot in range(len(prompts)):
+      out[slot].append(int(tokens[slot]))
+  return out
+
+
+_REFERENCE: list[Engine] = []
+
+
+def merged_tokens(config, registry, ours, name, prompts) -> list[list[int]]:
+  """The tokens of a plain engine whose weights have adapter `name` merged in (None: the base model)."""
+  base = lora.split(jax.device_get(registry.params))[1]
+  if name is None:
+    params = base
+  else:
+    _, rank, alpha, _ = next(a for a in ADAPTERS if a[0] == name)
+    params = lora.merge(lora.combine(ours[name], base), alpha / rank)
+  if not _REFERENCE:  # one engine (its programs compiled once) for every merged model
+    _REFERENCE.append(Engine(config, num_slots=1, mesh=one_device_mesh()))
+  return [greedy(_REFERENCE[0], params, [prompt], [RowParams()])[0] for prompt in prompts]
+
+
+def test_a_mixed_batch_gives_each_request_its_merged_adapters_tokens(served):
+  config, engine, registry, ours, _ = served
+  picks = ["alpha", None, "beta", "gamma", "alpha"]
+  rows = [RowParams(adapter=0 if p is None else registry.acquire(p)) for p in picks]
+  mixed = greedy(engine, registry.params, PROMPTS[:4], rows[:4])
+  for slot, pick in enumerate(picks[:4]):
+    assert mixed[slot] == merged_tokens(config, registry, ours, pick, [PROMPTS[slot]])[0], pick
+  # the adapters change the tokens (else the comparison proves nothing)
+  assert merged_tokens(config, registry, ours, None, [PROMPTS[0]])[0] != mixed[0]
+
+
+# ---------------------------------------------------------------- the server: model names, admin routes
+KEY = "lora-key"
+SERVE_MODEL = dict(base_emb_dim=32, base_num_query_heads=4, base_num_kv_heads=2, head_dim=8, base_mlp_dim=64,
+                   base_num_decoder_layers=2, vocab_size=272, max_target_length=32, max_prefill_predict_length=16,
+                   dtype="float32", print_config=False, tokenizer_type="huggingface", add_bos=False,
+                   serve_max_slots=4, serve_max_tokens=6, serve_model_name="tiny")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+  pytest.importorskip("uvicorn", reason="needs uvicorn (pip install -r requirements.txt)")
+  import httpx
+  sys.path.insert(0, str(Path(__file__).parent.parent / "input_pipeline"))
+  from sft_fixtures import CHATML, write_tokenizer, without_markers
+  from tests.uvicorn_thread import UvicornThread
+  from MaxText.serve import build_app, build_server
+
+  root = tmp_path_factory.mktemp("serve_lora")
+  ours = {name: write_adapter(root / name, rank, alpha, targets, seed=20 + i, **SERVE_MODEL)
+          for i, (name, rank, alpha, targets) in enumerate(ADAPTERS)}
+  write_adapter(root / "wide", 8, 8.0, ("q_proj",), seed=3, **SERVE_MODEL)  # rank 8 > the tables' 4
+  tok = write_tokenizer(root / "tok", without_markers(CHATML))
+  config = Config.for_testing(**SERVE_MODEL, tokenizer_path=str(tok), serve_lora_slots=3, serve_lora_max_rank=4,
+                              serve_lora_adapters=",".join(f"{n}={root / n}" for n, *_ in ADAPTERS[:2]))
+  srv = build_server(config, mesh=one_device_mesh())
+  http = UvicornThread(build_app(srv, api_key=KEY))
+  client = httpx.Client(base_url=http.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+  yield config, srv, client, ours, root
+  client.close()
+  http.close()
+  srv.scheduler.stop()
+
+
+def _expected(config, srv, ours, name, ids) -> list[int]:
+  from MaxText import models
+  from decode_test_utils import uncached_greedy
+
+  base = lora.split(jax.device_get(srv.adapters.params))[1]
+  params = base
+  if name != "tiny":
+    _, rank, alpha, _ = next(a for a in ADAPTERS if a[0] == name)
+    params = lora.merge(lora.combine(ours[name], base), alpha / rank)
+  spec = models.build_model_spec(Config.for_testing(**SERVE_MODEL).model)
+  return uncached_greedy(spec, params, ids, 6, config.model.max_target_length)
+
+
+def test_server_picks_adapters_by_model_name_and_adds_and_removes_them_without_restart(server):
+  from concurrent.futures import ThreadPoolExecutor
+
+  config, srv, client, ours, root = server
+  ids = [[5, 9, 2, 40, 7], [7, 1, 3, 3, 8, 100], [11, 4, 200], [2, 2, 6, 1, 50]]
+
+  def complete(model: str, prompt: list[int]):
+    return client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0})
+
+  def expected_text(name: str, prompt: list[int]) -> str:
+    out = _expected(config, srv, ours, name, prompt)
+    eos = 2  # "</s>" in sft_fixtures.SPECIAL
+    return srv.codec.decode(out[:out.index(eos) + 1] if eos in out else out)
+
+  assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny", "alpha", "beta"]
+  # 401 without the key; a third adapter loads while the server runs
+  assert httpx_post_without_key(client, {"name": "kappa", "path": str(root / "kappa")}).status_code == 401
+  added = client.post("/v1/admin/lora_adapters", json={"name": "kappa", "path": str(root / "kappa")})
+  assert added.status_code == 200 and added.json()["row"] == 3, added.text
+  assert client.get("/v1/admin/lora_adapters").json()["data"][-1]["name"] == "kappa"
+  picks = ["alpha", "tiny", "beta", "kappa"]
+  with ThreadPoolExecutor(4) as pool:  # requests for different adapters share the decode steps
+    responses = list(pool.map(complete, picks, ids))
+  for pick, prompt, response in zip(picks, ids, responses):
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == pick
+    assert response.json()["choices"][0]["text"] == expected_text(pick, prompt), pick
+  assert responses[0].json()["choices"][0]["text"] != expected_text("tiny", ids[0])  # the adapter changes the text
+  removed = client.delete("/v1/admin/lora_adapters/kappa")
+  assert removed.status_code == 200 and removed.json()["deleted"], removed.text
+  gone = complete("kappa", ids[0])
+  assert gone.status_code == 404 and "'kappa'" in gone.json()["error"]["message"]
+  assert client.delete("/v1/admin/lora_adapters/kappa").status_code == 404
+
+
+def httpx_post_without_key(client, body):
+  import httpx
+
+  return httpx.post(f"{client.base_url}/v1/admin/lora_adapters", json=body, timeout=60)
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"name": "tiny", "path": "x"}, 409, "'tiny' is taken"),
+    ({"name": "alpha", "path": "x"}, 409, "'alpha' is taken"),
+    ({"name": "w", "path": "{root}/wide"}, 400, "rank 8, more than this server's serve_lora_max_rank=4"),
+    ({"name": "g", "path": "{root}/gamma"}, 400, "targets ['gate_proj', 'up_proj'], which this server's adapter"),
+    ({"name": "n", "path": "{root}/nowhere"}, 400, "is not a PEFT LoRA adapter"),
+])
+def test_admin_refusals_are_one_line(server, body, status, words):
+  _, _, client, _, root = server
+  body = {k: v.replace("{root}", str(root)) for k, v in body.items()}
+  response = client.post("/v1/admin/lora_adapters", json=body)
+  assert response.status_code == status, response.text
+  assert words in response.json()["error"]["message"] and "\n" not in response.json()["error"]["message"]
+
+
+def test_unknown_model_names_the_adapter_and_the_served_ones(server):
+  _, _, client, _, _ = server
+  response = client.post("/v1/completions", json={"model": "delta", "prompt": [5, 6], "max_tokens": 2})
+  assert response.status_code == 404
+  assert response.json()["error"]["message"] == ("the model 'delta' does not exist; this server serves 'tiny' and the "
+                                                 "LoRA adapters 'alpha', 'beta'")
