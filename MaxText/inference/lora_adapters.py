@@ -259,10 +259,11 @@ def parse_adapters(items: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def load_engine(config: Config, num_slots: int, fresh_note: str, base_name: str,
-                mesh: Any = None) -> tuple[Engine, Registry]:
+                mesh: Any = None, base_params: Params | None = None) -> tuple[Engine, Registry]:
   """An engine with adapter tables and a registry holding serve_lora_adapters: the tables' rank is
   serve_lora_max_rank (0: the largest start-up adapter's), their targets the start-up adapters' (every
-  target of the model when none is given), their rows serve_lora_slots (0: the start-up adapters')."""
+  target of the model when none is given), their rows serve_lora_slots (0: the start-up adapters').
+  The base model's parameters: `base_params` when given, else load_parameters_path's (else fresh ones)."""
   d = config.decode
   if d.speculative_tokens or d.quantize_weights:
     raise UserError("LoRA adapter tables (serve_lora_adapters / serve_lora_slots) do not combine with "
@@ -284,11 +285,12 @@ def load_engine(config: Config, num_slots: int, fresh_note: str, base_name: str,
   if engine.cache.prefix_caching:
     raise UserError("LoRA adapter tables do not combine with prefix caching yet (cached prompt pages are not keyed by "
                     "adapter); set prefix_caching=false")
-  if not path:
+  if base_params is None and not path:
     distributed.log(fresh_note)
-  base = model_assembly.build_model(config, mesh=engine.mesh).params(path)  # as a server without adapters reads it
+  if base_params is None:  # read as a server without adapters reads them
+    base_params = model_assembly.build_model(config, mesh=engine.mesh).params(path)
   table = AdapterTable(engine, d.serve_lora_slots or len(named))
-  params = table.with_tables(lora.combine(lora.split(dict(engine.spec.abstract_params))[0], base))
+  params = table.with_tables(lora.combine(lora.split(dict(engine.spec.abstract_params))[0], base_params))
   registry = Registry(table, base_name, params)
   for name, adapter_path in named:
     registry.add(name, adapter_path)
