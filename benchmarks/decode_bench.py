@@ -191,7 +191,7 @@ def constrained(engine: Any, params: Any, prefix: Any, layout: str, num_slots: i
 
   from MaxText.inference import grammar, sampling
 
-  vocab = engine.vocab_size
+  vocab = MODEL["vocab_size"]
   schema = grammar.Compiler(bench_tokenizer(vocab), vocab, eos_ids=[0]).json_schema(SCHEMA)
 
   def loop(masked: bool) -> tuple[float, float]:
