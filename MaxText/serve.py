@@ -262,10 +262,6 @@ def build_app(server: Server, api_key: str | None = None, max_body_bytes: int = 
     from MaxText.inference import lora_routes
 
     lora_routes.add_routes(app, server.adapters, admin_allowed=bool(key))
-  if server.adapters is not None:
-    from MaxText.inference import lora_routes
-
-    lora_routes.add_routes(app, server.adapters, admin_allowed=bool(key))
   return _Guard(app, key, max_body_bytes, server.metrics)
 
 

@@ -333,9 +333,6 @@ class DecodeConfig:
   serve_lora_adapters: tuple[str, ...] = key()  # name=path PEFT LoRA adapters served beside the base model
   serve_lora_slots: int = key()  # adapters held at once (admin routes add more); 0: as many as serve_lora_adapters
   serve_lora_max_rank: int = key()  # the adapter tables' rank; 0: the largest serve_lora_adapters rank
-  serve_lora_adapters: tuple[str, ...] = key()  # name=path PEFT LoRA adapters served beside the base model
-  serve_lora_slots: int = key()  # adapters held at once (admin routes add more); 0: as many as serve_lora_adapters
-  serve_lora_max_rank: int = key()  # the adapter tables' rank; 0: the largest serve_lora_adapters rank
   kv_cache_layout: str = key()  # dense: [slots, max_target_length] per layer; paged: a pool of pages
   kv_page_size: int = key()
   kv_num_pages: int = key()  # 0: as many as slots x pages per slot (the dense capacity)
@@ -401,9 +398,6 @@ class DecodeConfig:
                  "serve_max_image_pixels"):
       _require(v[name] >= 1, f"{name} must be >= 1, got {v[name]}")
     _require(v["serve_max_queue"] >= 0, f"serve_max_queue must be >= 0, got {v['serve_max_queue']}")
-    _require(v["serve_lora_slots"] >= 0 and v["serve_lora_max_rank"] >= 0,
-             f"serve_lora_slots and serve_lora_max_rank must be >= 0, got {v['serve_lora_slots']} and "
-             f"{v['serve_lora_max_rank']}")
     _require(v["serve_lora_slots"] >= 0 and v["serve_lora_max_rank"] >= 0,
              f"serve_lora_slots and serve_lora_max_rank must be >= 0, got {v['serve_lora_slots']} and "
              f"{v['serve_lora_max_rank']}")

@@ -108,7 +108,6 @@ class Engine:
     replicated = NamedSharding(self.mesh, PartitionSpec())
     # A DecodeState-shaped tree of shardings (its fields hold NamedShardings, not arrays).
     rows = RowSampling(replicated, replicated, replicated, replicated, replicated)
-    rows = RowSampling(replicated, replicated, replicated, replicated, replicated)
     self.state_shardings = DecodeState(sharding.named_shardings(abstract_caches, names, self.mesh, self.rules),
                                        replicated, replicated, rows)
     # jit traces (= compilations) per step function
@@ -319,7 +318,6 @@ class Engine:
     caches = kv_cache.model_caches(self.cfg, batch, length, self.decode_cfg.quantize_kvcache)
     positions_BL = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens_BL.shape)
     with lora_rows.use_rows(rows.adapter_B):  # each row's LoRA adapter, where the model holds a table of them
-      with lora_rows.use_rows(rows.adapter_B):  # each row's LoRA adapter, where the model holds a table of them
       logits_B1V, caches = self.spec.apply_decode(params, tokens_BL, positions_BL, caches, lengths_B - 1, pixels)
     tokens_B, rows, logprobs = sample(logits_B1V[:, 0], rows, masks_BW)
     return Prefix(caches, lengths_B, tokens_B, rows, logprobs)
