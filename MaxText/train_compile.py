@@ -33,6 +33,7 @@ from MaxText.training import compiled_step
 from MaxText.training import metrics, run_assembly
 from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib
+from MaxText.configuration.model_config import ModelConfig
 from MaxText.aot.hlo_cycles import estimated_cycles, uncosted_kernel_calls
 from MaxText.aot.step_time import report as step_report
 from MaxText.aot.step_time import saved as saved_step
@@ -122,9 +123,10 @@ def _host_message(needed: float, gen: accelerators.TpuGeneration, offload: Offlo
 
 def report(config: config_lib.Config, topology: accelerators.TpuTopology | None, compiled: Any,
            report_dir: str | None = None, passes_per_row: int = 3,
-           target: saved_step.StepTarget | None = None) -> MemoryReport:
+           target: saved_step.StepTarget | None = None, forward_only: Sequence[ModelConfig] = ()) -> MemoryReport:
   """Prints memory per device, FLOPs (`passes_per_row`: the objective's, see metrics.training_tflops_per_step),
-  the compiler's step-time estimate and, given the step's `target`, the step-time model's prediction."""
+  the compiler's step-time estimate and, given the step's `target`, the step-time model's prediction;
+  `forward_only`: the objective's other models run forward (a distillation teacher)."""
   memory = MemoryReport.from_compiled(compiled, read_buffer_assignment(report_dir))
   print("memory per device (XLA memory analysis of the compiled step):")
   print("\n".join(memory.lines()))
@@ -132,7 +134,8 @@ def report(config: config_lib.Config, topology: accelerators.TpuTopology | None,
     gen = topology.generation
     print(f"  HBM per {gen.name} {gen.device_unit} {gen.hbm_gib:g} GiB: {memory.total / (gen.hbm_gib * GIB):.1%} used")
   flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size,
-                                           config.data.max_target_length, passes=passes_per_row)
+                                           config.data.max_target_length, passes=passes_per_row,
+                                           forward_only=forward_only)
   num_devices = config.target.num_devices
   print(f"model FLOPs per step: {flops.total_tflops:,.4g} TFLOP ({flops.total_tflops / num_devices:,.4g} per device; "
         f"{config.data.global_batch_size} sequences x {config.data.max_target_length} tokens)")
@@ -231,7 +234,8 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
     compiled = compile_or_explain(run.train_step, inputs, topology, options, offload_of(config))
   print(f"compiled in {time.perf_counter() - start:.1f} s")
   target = step_target(config, topology, run) if topology is not None else None
-  memory = report(config, topology, compiled, report_dir, run.objective.passes_per_row, target)
+  memory = report(config, topology, compiled, report_dir, run.objective.passes_per_row, target,
+                  run.objective.forward_only_models)
   stem = saved_step.save_requested()
   if stem and target is not None:
     saved_step.save_step(stem, compiled.as_text(), target, {"memory_total": memory.total})
@@ -262,7 +266,8 @@ def step_target(config: config_lib.Config, topology: accelerators.TpuTopology,
                 run: run_assembly.Run) -> saved_step.StepTarget:
   """Where the step runs, for the step-time model: every device's torus coordinates, the mesh, the model FLOPs."""
   flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size,
-                                           config.data.max_target_length, passes=run.objective.passes_per_row)
+                                           config.data.max_target_length, passes=run.objective.passes_per_row,
+                                           forward_only=run.objective.forward_only_models)
   num_devices = config.target.num_devices
   return saved_step.StepTarget.from_devices(topology, config.mesh.num_slices, list(run.mesh.devices.flat),
                                             dict(run.mesh.shape), flops.total_tflops / num_devices,

@@ -174,7 +174,7 @@ def test_every_base_key_is_one_group_field_of_its_own_name():
   config = load("model_name=llama2-7b", "ici_tensor_parallelism=2", "dataset_type=hf", "hf_path=x",
                 "tokenizer_path=/tok.model")
   groups = [config.model, config.mesh, config.optim, config.data, config.run, config.checkpoint, config.decode,
-            config.startup, config.rl, config.tasks]
+            config.startup, config.rl, config.tasks, config.distill]
   auto = {"num_slices", "ici_fsdp_parallelism", "dcn_data_parallelism", "learning_rate_schedule_steps",
           "num_pipeline_microbatches", "logical_axis_rules"}  # -1 (or nested lists) resolved by the group
   seen: list[str] = []

@@ -37,6 +37,7 @@ from MaxText.errors import ConfigError
 from MaxText.configuration.model_config import MODEL_KEYS, ModelConfig
 from MaxText.configuration.rl_config import RLConfig
 from MaxText.configuration.task_eval_config import TaskEvalConfig
+from MaxText.configuration.distill_config import DistillConfig
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 BASE_CONFIG_PATH = CONFIGS_DIR / "base.yml"
@@ -370,6 +371,7 @@ class Config:
     self.startup: config_groups.StartupConfig = groups.startup
     self.rl: RLConfig = groups.rl
     self.tasks: TaskEvalConfig = groups.tasks
+    self.distill: DistillConfig = groups.distill
     self._frozen = True
 
   def __setattr__(self, name: str, value: object) -> None:
@@ -446,25 +448,36 @@ def draft_config(config: Config) -> Config:
   target's (decode, cache, mesh, dtype, max_target_length: the draft must cache what the target
   does), and draft_load_parameters_path as its load_parameters_path."""
   d = config.decode
+  return companion_config(config, "draft", d.draft_model_name, d.draft_load_parameters_path, d.draft_overrides,
+                          ("draft_model_name", "draft_load_parameters_path", "draft_overrides"),
+                          "speculative decoding with a draft model")
+
+
+def companion_config(config: Config, role: str, model_name: str, path: str, model_overrides: tuple[str, ...],
+                     names: tuple[str, str, str], use: str, **fixed: Any) -> Config:
+  """The configuration of a model run beside `config`'s (a speculative draft, a distillation
+  teacher): the model of `model_name` (else the model keys saved beside `path`) with
+  `model_overrides` (key=value items) on top, `path` as its load_parameters_path, `fixed` keys, and
+  every other key `config`'s. `names`: the keys holding (model_name, path, model_overrides), `use`:
+  what needs the model, for the messages."""
   schema = read_yaml(BASE_CONFIG_PATH)
-  if not d.draft_model_name and (not d.draft_load_parameters_path
-                                 or run_record.saved_model_keys(d.draft_load_parameters_path) is None):
-    where = (f"no model_config.yml or run config.yml is saved with draft_load_parameters_path="
-             f"{d.draft_load_parameters_path}" if d.draft_load_parameters_path else "no draft is named")
-    raise ConfigError(f"speculative decoding with a draft model: {where}; set draft_model_name=<a configs/models "
-                      "name> (and draft_overrides=key=value,... to resize it)")
+  if not model_name and (not path or run_record.saved_model_keys(path) is None):
+    where = (f"no model_config.yml or run config.yml is saved with {names[1]}={path}" if path
+             else f"no {role} is named")
+    raise ConfigError(f"{use}: {where}; set {names[0]}=<a configs/models name> (and {names[2]}=key=value,... to "
+                      "resize it)")
   argv = {k: v for k, v in config.values.items() if k not in MODEL_KEYS and k not in _TARGET_ONLY_KEYS}
-  argv["load_parameters_path"] = d.draft_load_parameters_path
-  if d.draft_model_name:
-    argv["model_name"] = d.draft_model_name
-  for item in d.draft_overrides:
+  argv["load_parameters_path"] = path
+  if model_name:
+    argv["model_name"] = model_name
+  for item in model_overrides:
     key, _, text = str(item).partition("=")
     key = spellings.rename(key.strip())
     if key not in schema:
-      raise _unknown_key_error(key, schema, "draft_overrides")
+      raise _unknown_key_error(key, schema, names[2])
     if key in _TARGET_ONLY_KEYS:
-      raise ConfigError(f"draft_overrides cannot set {key}: name the draft with draft_model_name and "
-                        "draft_load_parameters_path")
+      raise ConfigError(f"{names[2]} cannot set {key}: name the {role} with {names[0]} and {names[1]}")
     argv[key] = coerce(key, _parse_cli_value(text.strip(), schema[key]), schema[key])
+  argv.update(fixed)
   overrides = Overrides(BASE_CONFIG_PATH, {}, argv, {}, schema)
   return build_config(overrides, config.target, default_run_name=str(config["run_name"]), reads_data=False)

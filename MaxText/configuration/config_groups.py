@@ -21,6 +21,7 @@ from MaxText.configuration.config_fields import require as _require
 from MaxText.errors import ConfigError
 from MaxText.platform.mesh_axes import MESH_AXES, Group, MeshAxis
 from MaxText.configuration.data_config import DataConfig
+from MaxText.configuration.distill_config import DistillConfig
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.configuration import rl_config
 from MaxText.configuration.rl_config import RLConfig
@@ -428,7 +429,7 @@ class StartupConfig:
 
 
 GROUPS = (ModelConfig, MeshConfig, OptimConfig, DataConfig, RunConfig, CheckpointConfig,
-          DecodeConfig, StartupConfig, RLConfig, TaskEvalConfig)
+          DecodeConfig, StartupConfig, RLConfig, TaskEvalConfig, DistillConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -443,6 +444,7 @@ class Groups:
   startup: StartupConfig
   rl: RLConfig
   tasks: TaskEvalConfig
+  distill: DistillConfig
 
 
 def build_groups(values: Mapping[str, Any], target: DeviceTarget, reads_data: bool = True) -> Groups:
@@ -468,4 +470,5 @@ def build_groups(values: Mapping[str, Any], target: DeviceTarget, reads_data: bo
   return Groups(model=model, mesh=mesh,
                 optim=OptimConfig.from_values(values), data=data, run=run,
                 checkpoint=CheckpointConfig.from_values(values, run), decode=DecodeConfig.from_values(values),
-                startup=StartupConfig.from_values(values), rl=rl, tasks=TaskEvalConfig.from_values(values))
+                startup=StartupConfig.from_values(values), rl=rl, tasks=TaskEvalConfig.from_values(values),
+                distill=DistillConfig.from_values(values))

@@ -25,6 +25,7 @@ OBJECTIVES: dict[str, str] = {
     "sft": "MaxText.training.objectives.language_model.CONVERSATIONS",  # the same on chat-rendered records
     "dpo": "MaxText.training.objectives.preference.PREFERENCE_PAIRS",
     "grpo": "MaxText.training.objectives.grpo.ROLLOUTS",
+    "distill": "MaxText.training.objectives.distill.DOCUMENTS",  # a frozen teacher's distributions + the labels
 }
 
 

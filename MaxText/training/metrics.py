@@ -133,14 +133,20 @@ def forward_flops_per_sequence(cfg: ModelConfig, length: int, causal: bool = Tru
   return float(weights), float(scores)
 
 
-def training_tflops_per_step(cfg: ModelConfig, global_batch: int, length: int, passes: int = 3) -> StepFlops:
+def training_tflops_per_step(cfg: ModelConfig, global_batch: int, length: int, passes: int = 3,
+                             forward_only: Sequence[ModelConfig] = ()) -> StepFlops:
   """`passes` forward passes' worth per batch row: forward + backward is 3 (language modelling);
-  an objective that runs more sequences per row says how many (objectives/base.Objective.passes_per_row)."""
+  an objective that runs more sequences per row says how many (objectives/base.Objective.passes_per_row).
+  `forward_only`: other models run once forward per row (a distillation teacher: 2·N_teacher·tokens)."""
   weights, attention = forward_flops_per_sequence(cfg, length)
   index_weights, index_scores = indexer_flops_per_sequence(cfg, length)
   index_passes = passes if cfg.mla.indexer_loss_scaling_factor > 0 else passes / 3  # detached: forward only
   weight_tflops = global_batch * (passes * weights + index_passes * index_weights) / 1e12
   attention_tflops = global_batch * (passes * attention + index_passes * index_scores) / 1e12
+  for other in forward_only:
+    other_weights, other_attention = forward_flops_per_sequence(other, length)
+    weight_tflops += global_batch * other_weights / 1e12
+    attention_tflops += global_batch * other_attention / 1e12
   return StepFlops(weight_tflops, attention_tflops, weight_tflops + attention_tflops)
 
 

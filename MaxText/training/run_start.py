@@ -30,7 +30,7 @@ def _state_from_params(setup: StateSetup, params: Params) -> TrainState:
   """Step 0 and a fresh optimizer around loaded parameters (fine-tuning), with the objective's
   extra state (DPO's reference: a copy of them)."""
   create = lambda p: state_from_params(p, setup.optimizer, setup.layout)
-  return jax.jit(create, out_shardings=setup.state_shardings, donate_argnums=(0,))(params)
+  return setup.layout.load_extra_state(jax.jit(create, out_shardings=setup.state_shardings, donate_argnums=(0,))(params))
 
 
 def _load_params(config: Config, setup: StateSetup, path: str) -> Params:

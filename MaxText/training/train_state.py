@@ -54,6 +54,8 @@ class StateLayout(Protocol):
 
   def extra_state(self, params: T, copy: Callable[[T], T]) -> dict[str, T]: ...
 
+  def load_extra_state(self, state: TrainState) -> TrainState: ...
+
 
 @dataclasses.dataclass(frozen=True)
 class StateSetup:
@@ -117,7 +119,7 @@ def init_state(setup: StateSetup, seed: int) -> TrainState:
   (no device ever holds the whole model)."""
   create = jax.jit(lambda rng: _create_state(setup.on_mesh.spec, setup.optimizer, rng, setup.layout),
                    out_shardings=setup.state_shardings)
-  return create(jax.random.key(seed))
+  return setup.layout.load_extra_state(create(jax.random.key(seed)))
 
 
 def shardings_summary(shardings: TrainState | Params) -> dict[str, tuple[SpecEntry, ...]]:

@@ -12,6 +12,7 @@ from MaxText.training.train_state import TrainState
 
 if TYPE_CHECKING:
   from MaxText.configuration.config import Config
+  from MaxText.configuration.model_config import ModelConfig
   from MaxText.input_pipeline import Encoded
   from MaxText.models import ModelSpec
   from MaxText.training.optimizers import Partition
@@ -38,6 +39,8 @@ class Objective(abc.ABC):
   batch_fields: tuple[str, ...]
   # Model passes per batch row, a forward pass counting 1 (forward + backward: 3), for the FLOPs count.
   passes_per_row: int = 3
+  # Other models run forward-only once per row (a distillation teacher), for the FLOPs count.
+  forward_only_models: tuple[ModelConfig, ...] = ()
   # The train state's class: TrainState, or a subclass holding `extra_state`'s fields.
   state_class: type[TrainState] = TrainState
   # Why a fresh initialisation cannot start this objective; "" when it can.
@@ -52,6 +55,12 @@ class Objective(abc.ABC):
     frozen reference: `copy(params)`). Called on arrays, on their shapes and on their shardings,
     so it only arranges what `copy` gives."""
     return {}
+
+  def load_extra_state(self, state: TrainState) -> TrainState:
+    """A state born in this run (fresh, or around load_parameters_path; not one restored from a
+    checkpoint) with what `extra_state` only shaped read from elsewhere (a distillation teacher's
+    weights)."""
+    return state
 
   def context(self, state: TrainState) -> Params | None:
     """What the loss reads from the state besides the trained parameters (e.g. a frozen

@@ -1,0 +1,42 @@
+"""The distillation group (objective=distill): the teacher and the loss against it
+(training/objectives/distill.py). Checked here without I/O; the teacher's model keys and weights are
+read when the run builds its objective."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from MaxText.configuration.config_fields import key, read_keys
+from MaxText.configuration.config_fields import require as _require
+
+DISTILL_LOSSES = ("forward_kl", "reverse_kl")  # KL(teacher || student), KL(student || teacher)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistillConfig:
+  distill_teacher_path: str = key()  # the teacher's weights: a parameters-only checkpoint or another run's checkpoints
+  distill_teacher_model_name: str = key()  # configs/models/<name>.yml; "" = the model keys saved with the teacher
+  distill_teacher_overrides: tuple[str, ...] = key()  # key=value model keys over the teacher's
+  distill_loss: str = key()  # forward_kl | reverse_kl
+  distill_alpha: float = key()  # weight of the distillation term; 1 - alpha weighs the hard-label loss
+  distill_temperature: float = key()  # both distributions are softened by it; the KL term is scaled by its square
+  distill_top_k: int = key()  # 0: the full vocabulary; k: the teacher's k most likely tokens per position
+
+  @classmethod
+  def from_values(cls, v: Mapping[str, Any]) -> "DistillConfig":
+    distill = cls(**read_keys(cls, v))
+    if v["objective"] != "distill":
+      return distill
+    _require(bool(distill.distill_teacher_path), "objective=distill needs a teacher: set distill_teacher_path to its "
+             "checkpoint (a parameters-only checkpoint or another run's checkpoints)")
+    _require(distill.distill_loss in DISTILL_LOSSES,
+             f"distill_loss must be one of {', '.join(DISTILL_LOSSES)}, got {distill.distill_loss!r}")
+    _require(0.0 <= distill.distill_alpha <= 1.0,
+             f"distill_alpha (the distillation term's weight; 1 - alpha weighs the labels) must be in [0, 1], got "
+             f"{distill.distill_alpha}")
+    _require(distill.distill_temperature > 0, f"distill_temperature must be > 0, got {distill.distill_temperature}")
+    _require(0 <= distill.distill_top_k <= v["vocab_size"],
+             f"distill_top_k={distill.distill_top_k} must be in [0, vocab_size={v['vocab_size']}] (0 = the full "
+             "vocabulary)")
+    return distill

@@ -1,0 +1,176 @@
+"""Knowledge distillation (objective=distill; the loss is distill_loss.py's): the student trains on
+documents against a frozen teacher's next-token distributions, mixed with the labels.
+
+The teacher is another model (any family the project loads, of another size, with the same
+tokenizer) named by distill_teacher_path and its model keys (distill_teacher_model_name, else the keys
+saved with its checkpoint, plus distill_teacher_overrides; configuration/config.companion_config, as a
+speculative draft is named). It runs forward-only on the student's mesh, its parameters sharded by the
+same logical rules, with no optimizer state and no gradient: it lives in the train state
+(`DistillState.teacher`), so it is born sharded, counted by the AOT memory report and saved with the
+run's checkpoints (a resumed run needs no teacher path to be readable again, and is bitwise equal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Mapping, cast
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.sharding import NamedSharding
+
+from MaxText import models
+from MaxText.configuration import config as config_lib
+from MaxText.configuration import run_record
+from MaxText.configuration.config import Config
+from MaxText.configuration.model_config import ModelConfig
+from MaxText.errors import UserError
+from MaxText.input_pipeline import document_encoder
+from MaxText.input_pipeline.batch_spec import FIELDS
+from MaxText.layers.moe import ROUTING_STATS
+from MaxText.models import ModelSpec, token_loss_sums
+from MaxText.paths import storage
+from MaxText.training import params_io
+from MaxText.training.objectives import distill_loss
+from MaxText.training.objectives.base import Batch, Metrics, Objective, ObjectiveRecord, Params, Sums, T
+from MaxText.training.optimizers import Partition
+from MaxText.training.train_state import TrainState
+
+TEACHER_KEYS = ("distill_teacher_model_name", "distill_teacher_path", "distill_teacher_overrides")
+
+
+@struct.dataclass
+class DistillState(TrainState):
+  """The train state of a distillation run: also the frozen teacher's parameters, sharded like a
+  model's under the run's rules (only read by the step: no gradient, no optimizer state)."""
+
+  teacher: Params | None = None
+
+
+def teacher_config(config: Config) -> Config:
+  """The teacher's configuration: its model keys, every other key the student's (mesh, rules, dtype,
+  max_target_length); a UserError when it is missing or reads another vocabulary or tokenizer."""
+  d = config.distill
+  path = d.distill_teacher_path
+  if not storage.exists(path):
+    raise UserError(f"distill_teacher_path {path} does not exist; point it at the teacher's checkpoint (a "
+                    "parameters-only checkpoint or another run's checkpoints)")
+  teacher = config_lib.companion_config(config, "teacher", d.distill_teacher_model_name, path,
+                                        d.distill_teacher_overrides, TEACHER_KEYS, "objective=distill",
+                                        objective="lm", lora_rank=0)
+  student_vocab, teacher_vocab = config.model.vocab_size, teacher.model.vocab_size
+  if student_vocab != teacher_vocab:
+    raise UserError(f"the teacher ({path}) has vocab_size={teacher_vocab}, the student {student_vocab}: distillation "
+                    "compares next-token distributions token by token, so both must use the same tokenizer; pick a "
+                    "teacher of the student's tokenizer")
+  run_dir = run_record.run_dir_of(path)
+  saved = run_record.read_saved(run_dir) if run_dir is not None else None
+  if saved and "tokenizer_path" in saved:
+    theirs = (str(saved.get("tokenizer_type", "")), str(saved["tokenizer_path"]))
+    ours = (config.data.tokenizer_type, config.data.tokenizer_path)
+    if theirs != ours:
+      raise UserError(f"the teacher ({path}) was trained with tokenizer {theirs[1]} ({theirs[0]}), the student reads "
+                      f"{ours[1]} ({ours[0]}): distillation needs the same tokenizer; set tokenizer_path and "
+                      "tokenizer_type to the teacher's")
+  return teacher
+
+
+class Distill(Objective):
+  """The loss is a mean per target token: sums {loss_sum, distill_kl_sum, xent_sum, z_loss_sum,
+  moe_lb_loss_sum, weight_sum}. The teacher's forward runs inside each micro-batch's loss (its
+  top k taken there), so only one micro-batch's teacher logits are ever live."""
+
+  batch_fields = FIELDS
+  state_class = DistillState
+
+  def __init__(self, model: ModelSpec, teacher: ModelSpec, teacher_path: str, rules: tuple[tuple[str, tuple[str, ...]], ...],
+               kind: str, alpha: float, temperature: float, top_k: int, z_loss_multiplier: float = 0.0,
+               load_balance_loss_weight: float = 0.0):
+    self.model, self.teacher, self.teacher_path, self.rules = model, teacher, teacher_path, rules
+    self.kind, self.alpha, self.temperature, self.top_k = kind, alpha, temperature, top_k
+    self.z_loss_multiplier, self.load_balance_loss_weight = z_loss_multiplier, load_balance_loss_weight
+    # The student's forward and backward per row; the teacher's forward is counted on its own model.
+    self.forward_only_models: tuple[ModelConfig, ...] = (teacher.cfg,)
+
+  def _teacher_shardings(self, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> Params:
+    assert isinstance(mesh, jax.sharding.Mesh), "the state is sharded on a concrete mesh"
+    return models.shard_params_like(self.teacher, mesh, self.rules)
+
+  def extra_state(self, params: T, copy: Callable[[T], T]) -> dict[str, T]:
+    # Called on the parameters' shardings (the teacher's: the same rules on the same mesh) and on
+    # arrays or their shapes (zeros: `load_extra_state` reads the teacher into them).
+    leaf = jax.tree.leaves(params)[0]
+    if isinstance(leaf, NamedSharding):
+      return {"teacher": cast(T, self._teacher_shardings(leaf.mesh))}
+    return {"teacher": cast(T, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self.teacher.abstract_params))}
+
+  def load_extra_state(self, state: TrainState) -> TrainState:
+    assert isinstance(state, DistillState) and state.teacher is not None
+    shardings = jax.tree.map(lambda x: x.sharding, state.teacher)
+    jax.tree.map(lambda x: x.delete(), state.teacher)  # the placeholder goes before the teacher comes
+    teacher = params_io.load_params(self.teacher_path, self.teacher.abstract_params, shardings)
+    return dataclasses.replace(state, teacher=teacher)
+
+  def context(self, state: TrainState) -> Params | None:
+    assert isinstance(state, DistillState), type(state)
+    return state.teacher
+
+  def loss_sums(self, params: Params, context: Params | None, batch: Batch,
+                dropout_rng: jax.Array | None) -> tuple[jax.Array, Sums]:
+    assert context is not None, "the step hands distillation its teacher (context)"
+    teacher = jax.lax.stop_gradient(context)
+    inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+    teacher_logits_BLV = self.teacher.apply(teacher, *inputs)
+    targets = distill_loss.teacher_targets(teacher_logits_BLV, self.temperature, self.top_k)
+    logits_BLV, aux = self.model.apply_with_aux(params, *inputs, dropout_rng)
+    weights_BL = (batch["targets_segmentation"] != 0).astype(jnp.float32)
+    _, sums = token_loss_sums(logits_BLV, batch["targets"], weights_BL, self.z_loss_multiplier)
+    kl_sum = jnp.sum(distill_loss.token_kl(logits_BLV, targets, self.kind, self.temperature) * weights_BL)
+    weight_sum = jnp.sum(weights_BL)
+    loss_sum = distill_loss.mixed(kl_sum, sums["xent_sum"], self.alpha, self.temperature)
+    lb_sum = aux.get("moe_lb_loss", jnp.zeros((), jnp.float32)) * weight_sum
+    total = loss_sum + self.z_loss_multiplier * sums["z_loss_sum"] + self.load_balance_loss_weight * lb_sum
+    stats = {name: aux[name] for name in ROUTING_STATS if name in aux}
+    return total, {"loss_sum": loss_sum, "distill_kl_sum": kl_sum, "xent_sum": sums["xent_sum"],
+                   "z_loss_sum": sums["z_loss_sum"], "moe_lb_loss_sum": lb_sum, "weight_sum": weight_sum, **stats}
+
+  def eval_sums(self, params: Params, context: Params | None, batch: Batch) -> Sums:
+    return self.loss_sums(params, context, batch, None)[1]
+
+  def divisor(self, sums: Sums) -> jax.Array:
+    return jnp.maximum(sums["weight_sum"], 1.0)
+
+  def train_metrics(self, sums: Sums) -> Metrics:
+    tokens = self.divisor(sums)
+    metrics = {"loss": sums["loss_sum"] / tokens, "distill_kl": sums["distill_kl_sum"] / tokens,
+               "xent": sums["xent_sum"] / tokens, "z_loss": sums["z_loss_sum"] / tokens}
+    if self.model.cfg.moe.num_experts > 1:
+      metrics["moe_lb_loss"] = sums["moe_lb_loss_sum"] / tokens
+    return metrics
+
+  def eval_metrics(self, totals: Mapping[str, float]) -> tuple[dict[str, float], str]:
+    tokens = max(totals["weight_sum"], 1.0)
+    loss, kl, xent = totals["loss_sum"] / tokens, totals["distill_kl_sum"] / tokens, totals["xent_sum"] / tokens
+    perplexity = math.exp(min(xent, 50.0))
+    return ({"eval_loss": loss, "eval_distill_kl": kl, "eval_xent": xent, "eval_perplexity": perplexity},
+            f"loss {loss:8.4f} | xent {xent:8.4f} | kl {kl:.4f} | perplexity {perplexity:.3f}")
+
+
+def _build(config: Config, model: ModelSpec, partition: Partition) -> Objective:
+  cfg = config.model
+  if cfg.pipeline.num_pipeline_stages > 1 and cfg.pipeline.pipeline_schedule == "1f1b":
+    raise UserError("objective=distill runs the plain forward pass; set pipeline_schedule=gpipe or "
+                    "num_pipeline_stages=1")
+  if cfg.mtp.mtp_num_layers > 0:
+    raise UserError("objective=distill trains the next-token head only; set mtp_num_layers=0")
+  d = config.distill
+  teacher = models.build_model_spec(teacher_config(config).model)
+  return Distill(model, teacher, d.distill_teacher_path, config.mesh.logical_axis_rules, d.distill_loss,
+                 d.distill_alpha, d.distill_temperature, d.distill_top_k, config.optim.z_loss_multiplier,
+                 cfg.moe.load_balance_loss_weight)
+
+
+# objective=distill: documents, their text column tokenized, as objective=lm reads them.
+DOCUMENTS = ObjectiveRecord(_build, FIELDS, document_encoder, whole_records=False, chat_template=None)
