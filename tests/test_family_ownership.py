@@ -17,6 +17,7 @@ from flax import nnx
 
 from MaxText import families, models
 from MaxText.configuration.config import Config
+from MaxText.errors import ConfigError
 from MaxText.layers.decoders import DecoderLayer
 from MaxText.platform import sharding
 from tests.conftest import REPO_ROOT
@@ -33,12 +34,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("input_pipeline/tokenizer.py", "llama3_pattern"): "the Llama 3 tokenizer's pre-tokenisation regex, a tokenizer kind",
     ("inference/engine.py", "qwen3-next"): "an error line's prose: models with Gated DeltaNet layers, as examples",
     ("inference/engine.py", "qwen3.5"): "an error line's prose: models with Gated DeltaNet layers, as examples",
-}
-# Files still naming families while another change of issue 54 moves those checks into the family
-# records; every hit in them is allowed until then, and a listed file with no hit left fails.
-PENDING: dict[str, str] = {
-    "configuration/vision_config.py": "the vision keys' per-block checks (Gemma 3's pan-and-scan, Llama 4's tiles)",
-    "configuration/layer_shapes_config.py": "the per-layer-shape keys' block check (Gemma 4)",
 }
 
 
@@ -73,11 +68,11 @@ def family_references(root: pathlib.Path) -> list[tuple[str, int, str]]:
 def test_no_family_is_named_outside_families():
   found = family_references(MAXTEXT)
   unlisted = sorted({f"{path}:{line} names {word!r}" for path, line, word in found
-                     if (path, word) not in ALLOWED and path not in PENDING})
+                     if (path, word) not in ALLOWED})
   assert not unlisted, ("a family named outside MaxText/families/ (give the family record the part, or list it in "
                         "ALLOWED with why it is not a family reference): " + "; ".join(unlisted))
   seen = {(path, word) for path, _, word in found}
-  stale = sorted(set(ALLOWED) - seen) + sorted(set(PENDING) - {path for path, _, _ in found})
+  stale = sorted(set(ALLOWED) - seen)
   assert not stale, f"allowed family references that no longer exist: {stale}"
 
 
@@ -120,3 +115,46 @@ def test_a_family_without_a_vision_tower_refuses_images_in_one_line(tiny_overrid
   assert families.family_for_decoder_block("gemma3").vision is not None
   with pytest.raises(Exception, match="vision|multimodal"):
     models.build_model_spec(Config.for_testing(**tiny_overrides, decoder_block="llama2", use_multimodal=True).model)
+
+
+GEMMA3_VISION = dict(decoder_block="gemma3", use_multimodal=True, attention="dot_product", vision_emb_dim=32,
+                     vision_mlp_dim=48, vision_num_layers=2, vision_num_heads=4, vision_patch_size=8,
+                     vision_image_size=64, mm_tokens_per_image=16, image_token_id=122, boi_token_id=120,
+                     eoi_token_id=121, vocab_size=128, print_config=False)
+
+
+def _even_layers(values):
+  if values["vision_num_layers"] % 2:
+    raise ConfigError(f"the made-up tower needs an even vision_num_layers, got {values['vision_num_layers']}")
+
+
+def test_a_new_vision_family_brings_its_key_checks_through_its_record(monkeypatch):
+  """The config checks a vision family's own keys with its tower's checks and its image format's
+  options, found through its record: a made-up family with Gemma 3's tower but its own checks."""
+  base = families.family_for_decoder_block("gemma3")
+  made_up = dataclasses.replace(base, name="made_up", hf_model_types=(), decoder_blocks=("made_up",),
+                                vision=dataclasses.replace(base.vision, check_keys=_even_layers),
+                                image_format=dataclasses.replace(base.image_format, name="Made Up",
+                                                                 option_keys=("image_max_tiles",)))
+  monkeypatch.setitem(families._FAMILIES, "made_up", made_up)  # noqa: SLF001  (registered for this test)
+  model = {**GEMMA3_VISION, "decoder_block": "made_up"}
+  assert Config.for_testing(**{**model, "mm_tokens_per_image": 12}).model.vision.use_multimodal  # no Gemma 3 square
+  with pytest.raises(ConfigError, match="the made-up tower needs an even vision_num_layers, got 3"):
+    Config.for_testing(**{**model, "vision_num_layers": 3})
+  with pytest.raises(ConfigError, match=re.escape("image_pan_and_scan=True is Gemma 3's option; decoder_block "
+                                                  "'made_up' cuts images its own way (Made Up: image_max_tiles)")):
+    Config.for_testing(**model, image_pan_and_scan=True)
+  with pytest.raises(ConfigError, match="use_multimodal=True is supported for decoder_block gemma3, llama4, made_up; "
+                                        "got 'llama2'"):
+    Config.for_testing(**{**GEMMA3_VISION, "decoder_block": "llama2"})
+
+
+def test_a_family_whose_layer_reads_per_layer_shapes_may_set_them(monkeypatch):
+  base = families.families()["gemma4"]
+  assert base.per_layer_shapes and not families.families()["gemma3"].per_layer_shapes
+  monkeypatch.setitem(families._FAMILIES, "made_up", dataclasses.replace(  # noqa: SLF001  (registered for this test)
+      base, name="made_up", hf_model_types=(), decoder_blocks=("made_up",)))
+  keys = {**base.model_keys(dict(base.reference_hf_configs["gemma4"])), "print_config": False}
+  assert Config.for_testing(**{**keys, "decoder_block": "made_up"}).model.layer_shapes.active
+  with pytest.raises(ConfigError, match="need decoder_block gemma4, made_up; got 'gemma3'"):
+    Config.for_testing(**{**keys, "decoder_block": "gemma3"})

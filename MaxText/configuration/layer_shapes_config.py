@@ -1,6 +1,7 @@
 """The model's per-layer-shape record: layers of one stack that differ in head shape, in where their
 keys and values come from, or in an input of their own (Gemma 4). Every field holds the base.yml key
-of its name; ModelConfig nests it as `layer_shapes` (layers/gemma4.py reads it). Checked without I/O.
+of its name; ModelConfig nests it as `layer_shapes` (a family's layer with `per_layer_shapes` reads it,
+families/gemma4_layers.py). Checked without I/O.
 
 Such a stack is not one homogeneous layer, so it runs unrolled whatever scan_layers says (ModelConfig reads
 scan_layers as False then) and unpipelined.
@@ -11,11 +12,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from MaxText.configuration import model_checks
 from MaxText.configuration.config_fields import key, read_keys
 from MaxText.configuration.config_fields import require as _require
-
-# The decoder blocks whose layer reads these keys (layers/gemma4.py); others must leave them off.
-PER_LAYER_SHAPE_BLOCKS = ("gemma4",)
+from MaxText.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,10 +55,13 @@ class LayerShapesConfig:
     record = cls(**values)
     if not record.active:
       return record
-    _require(v["decoder_block"] in PER_LAYER_SHAPE_BLOCKS,
-             f"global_head_dim, global_num_kv_heads, attention_k_eq_v, use_v_norm, num_kv_shared_layers, "
-             f"kv_shared_double_mlp, per_layer_input_dim and moe_beside_mlp need decoder_block {', '.join(PER_LAYER_SHAPE_BLOCKS)}; "
-             f"got {v['decoder_block']!r}: set them to 0 / False")
+    # Only a family whose layer reads these keys (Family.per_layer_shapes) may set them.
+    family = model_checks.family_of(v["decoder_block"])
+    if not (family and family.per_layer_shapes):
+      blocks = sorted(b for f in model_checks.families().values() if f.per_layer_shapes for b in f.decoder_blocks)
+      raise ConfigError(f"global_head_dim, global_num_kv_heads, attention_k_eq_v, use_v_norm, num_kv_shared_layers, "
+                        f"kv_shared_double_mlp, per_layer_input_dim and moe_beside_mlp need decoder_block "
+                        f"{', '.join(blocks)}; got {v['decoder_block']!r}: set them to 0 / False")
     _require(not pipelined, f"per-layer shapes ({', '.join(record.set_keys)}) do not support pipeline parallelism (the "
              "stack's layers differ); set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
     kinds = [v["attention_layer_pattern"][i % len(v["attention_layer_pattern"])] for i in range(num_layers)]

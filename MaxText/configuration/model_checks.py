@@ -6,6 +6,7 @@ Every check reads the flat key values and raises one ConfigError line naming the
 
 from __future__ import annotations
 
+import importlib
 import math
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -14,6 +15,7 @@ from MaxText.configuration.remat_policies import NAMES as REMAT_POLICY_NAMES
 
 if TYPE_CHECKING:
   from MaxText.configuration.config_groups import MeshConfig
+  from MaxText.families import Family
 
 QUANTIZATION_MODES = ("", "int8", "fp8", "mxfp8")  # layers/quantization.py runs each
 ATTENTION_KINDS = ("dot_product", "flash", "cudnn_flash", "autoselected")
@@ -32,6 +34,20 @@ ATTENTION_TYPES = ("gqa", "mla", "gated_deltanet")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_GROUP_SCORES = ("max", "top2_sum")
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
+
+
+def families() -> dict[str, Family]:
+  """Every model family's record (families/), for the keys only some families read (a vision tower's,
+  the per-layer shapes'). families/ sits above configuration/ in the import order (a family holds its
+  layers), so the registry is looked up by name when such a key is set."""
+  registry = importlib.import_module("MaxText.families")
+  found: dict[str, Family] = registry.families()
+  return found
+
+
+def family_of(decoder_block: str) -> Family | None:
+  """The family that writes `decoder_block`, None for a block no family writes."""
+  return next((f for f in families().values() if decoder_block in f.decoder_blocks), None)
 
 
 def positive(values: Mapping[str, Any], *keys: str) -> None:

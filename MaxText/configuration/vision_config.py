@@ -7,15 +7,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
+from MaxText.configuration import model_checks
 from MaxText.configuration.config_fields import DATA_POSITION, OPTIMIZER, key, read_keys
 from MaxText.configuration.config_fields import require as _require
+from MaxText.errors import ConfigError
 
-# The decoder blocks whose family has a vision tower (Family.vision, Family.image_format), listed
-# here because the keys are checked below families/ in the import order: a new vision family adds
-# its block here (and any check of its own vision keys below) until these checks move to the families.
-MULTIMODAL_DECODER_BLOCKS = ("gemma3", "llama4")
+if TYPE_CHECKING:
+  from MaxText.families.image_format import ImageFormat
+
+# How an image becomes its tower's views; a family's image format (Family.image_format.option_keys)
+# reads its own of them.
+IMAGE_OPTION_KEYS = ("image_pan_and_scan", "image_pan_and_scan_min_crop_size", "image_pan_and_scan_max_num_crops",
+                     "image_pan_and_scan_min_ratio", "image_max_tiles")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,9 +81,14 @@ class VisionConfig:
       _require(not frozen, f"{frozen[0] if frozen else ''}=True needs use_multimodal=True (a text-only model has "
                "no vision encoder or projector)")
       return cls(**values)
-    _require(v["decoder_block"] in MULTIMODAL_DECODER_BLOCKS,
-             f"use_multimodal=True is supported for decoder_block {', '.join(MULTIMODAL_DECODER_BLOCKS)}; "
-             f"got {v['decoder_block']!r}")
+    # The family's vision tower and image format (families/) check what is theirs alone.
+    family = model_checks.family_of(v["decoder_block"])
+    tower, image_format = (family.vision, family.image_format) if family else (None, None)
+    if tower is None or image_format is None:
+      blocks = sorted(b for f in model_checks.families().values() if f.vision and f.image_format
+                      for b in f.decoder_blocks)
+      raise ConfigError(f"use_multimodal=True is supported for decoder_block {', '.join(blocks)}; "
+                        f"got {v['decoder_block']!r}")
     for name in ("vision_emb_dim", "vision_mlp_dim", "vision_num_layers", "vision_num_heads", "vision_patch_size",
                  "vision_image_size", "mm_tokens_per_image", "vision_layer_norm_epsilon"):
       _require(values[name] > 0, f"{name} must be > 0, got {values[name]}")
@@ -88,23 +98,17 @@ class VisionConfig:
     _require(values["vision_image_size"] % values["vision_patch_size"] == 0,
              f"vision_image_size ({values['vision_image_size']}) must be a multiple of vision_patch_size "
              f"({values['vision_patch_size']})")
-    _check_image_options(values, v["decoder_block"])
-    if v["decoder_block"] == "llama4":
-      _check_llama4(values)
-    else:
-      side, tokens = values["vision_image_size"] // values["vision_patch_size"], values["mm_tokens_per_image"]
-      _require(math.isqrt(tokens) ** 2 == tokens and side % math.isqrt(tokens) == 0,
-               f"mm_tokens_per_image ({tokens}) must be a square whose side divides the {side} patches per image "
-               "side (the projector average-pools square blocks of patches)")
+    _check_image_options(values, v["decoder_block"], image_format)
+    if tower.check_keys is not None:
+      tower.check_keys(values)
     ids = {name: values[name] for name in ("image_token_id", "boi_token_id", "eoi_token_id")}
     _require(all(isinstance(i, int) and i >= 0 for i in ids.values()) and len(set(ids.values())) == 3,
              f"image_token_id, boi_token_id and eoi_token_id must be three different token ids >= 0; got {ids}")
     _require(values["boi_token_id"] < v["vocab_size"] and values["eoi_token_id"] < v["vocab_size"],
              f"boi_token_id ({values['boi_token_id']}) and eoi_token_id ({values['eoi_token_id']}) must be below "
              f"vocab_size ({v['vocab_size']})")
-    # Gemma 3's image tokens see the rest of their image (a bidirectional block): only dot_product
-    # has that mask. Llama 4's stay causal.
-    _require(v["decoder_block"] == "llama4" or v["attention"] in ("dot_product", "autoselected"),
+    # Image tokens that see the rest of their image (a bidirectional block) need dot_product's mask.
+    _require(not tower.bidirectional_images or v["attention"] in ("dot_product", "autoselected"),
              f"use_multimodal=True needs attention=dot_product or autoselected (which picks it): the bidirectional "
              f"mask over each image's tokens is dot_product's; got attention={v['attention']}")
     _require(not pipelined and not context_parallel,
@@ -114,11 +118,15 @@ class VisionConfig:
     return cls(**values)
 
 
-def _check_image_options(values: Mapping[str, Any], decoder_block: str) -> None:
-  """How images are cut into views: pan-and-scan is Gemma 3's processor option, tiles Llama 4's."""
-  _require(not values["image_pan_and_scan"] or decoder_block == "gemma3",
-           f"image_pan_and_scan=True is Gemma 3's option; decoder_block {decoder_block!r} cuts images its own way "
-           "(Llama 4: image_max_tiles)")
+def _check_image_options(values: Mapping[str, Any], decoder_block: str, image_format: ImageFormat) -> None:
+  """How images are cut into views: a switch another family's format owns is refused."""
+  for name in IMAGE_OPTION_KEYS:
+    if values[name] is True and name not in image_format.option_keys:
+      owners = [f.image_format.name for f in model_checks.families().values()
+                if f.image_format and name in f.image_format.option_keys]
+      raise ConfigError(f"{name}=True is {' or '.join(owners) or 'another family'}'s option; decoder_block "
+                        f"{decoder_block!r} cuts images its own way ({image_format.name}: "
+                        f"{', '.join(image_format.option_keys)})")
   for name in ("image_pan_and_scan_min_crop_size", "image_pan_and_scan_max_num_crops", "image_max_tiles"):
     _require(isinstance(values[name], int) and values[name] >= 1, f"{name} must be a whole number >= 1, got "
              f"{values[name]!r}")
@@ -127,24 +135,3 @@ def _check_image_options(values: Mapping[str, Any], decoder_block: str) -> None:
            f"{values['image_pan_and_scan_max_num_crops']}")
   _require(values["image_pan_and_scan_min_ratio"] >= 1, "image_pan_and_scan_min_ratio must be >= 1 (long side / "
            f"short side), got {values['image_pan_and_scan_min_ratio']}")
-
-
-def _check_llama4(values: Mapping[str, Any]) -> None:
-  """Llama 4's tower: a 2-D RoPE over the head width's quarters, a pixel shuffle by an integer
-  factor s = 1 / vision_pixel_shuffle_ratio, and s x s patches per soft token."""
-  ratio, heads = values["vision_pixel_shuffle_ratio"], values["vision_emb_dim"] // values["vision_num_heads"]
-  _require(values["vision_rope_max_timescale"] > 0,
-           f"vision_rope_max_timescale must be > 0, got {values['vision_rope_max_timescale']}")
-  _require(values["vision_adapter_dim"] > 0, f"vision_adapter_dim must be > 0, got {values['vision_adapter_dim']}")
-  _require(heads % 4 == 0, f"the vision head width vision_emb_dim / vision_num_heads ({heads}) must be a multiple of "
-           "4 for decoder_block llama4 (its 2-D RoPE turns a quarter of the pairs per axis)")
-  factor = round(1 / ratio) if 0 < ratio <= 1 else 0
-  _require(factor >= 1 and math.isclose(factor * ratio, 1.0),
-           f"vision_pixel_shuffle_ratio must be 1 / an integer (0.5 in the releases), got {ratio}")
-  side = values["vision_image_size"] // values["vision_patch_size"]
-  _require(side % factor == 0, f"the {side} patches per tile side must be a multiple of 1 / vision_pixel_shuffle_ratio "
-           f"({factor})")
-  tokens = (side // factor) ** 2
-  _require(values["mm_tokens_per_image"] == tokens,
-           f"mm_tokens_per_image ({values['mm_tokens_per_image']}) must be {tokens} for decoder_block llama4: the "
-           f"({side} / {factor})² soft tokens of one tile")

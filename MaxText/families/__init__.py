@@ -4,9 +4,10 @@ A family module (llama.py, gemma.py, gpt3.py, mixtral.py, ...) describes itself 
 more `Family` records and calls `register_family(...)` at import:
   * which HF `model_type`s it reads and which `decoder_block`s (configs/models/*.yml) it writes,
   * its model parts: `layer`, the decoder-layer class it runs (none: layers/decoders.DecoderLayer);
-    `vision`, its image side with use_multimodal (a `VisionTower`); `per_layer_inputs`, a module
-    giving each layer its own input (gemma4_layers.PerLayerInputs); a family's own layer code lives
-    beside it in this package (gemma4_layers.py, llama4_vision.py),
+    `vision`, its image side with use_multimodal (a `VisionTower`, with the checks of its own vision
+    keys); `per_layer_inputs`, a module giving each layer its own input (gemma4_layers.PerLayerInputs);
+    a layer class with `per_layer_shapes = True` reads the per-layer-shape keys; a family's own layer
+    code lives beside it in this package (gemma4_layers.py, llama4_vision.py),
   * `model_keys(hf_config)`: HF config.json → our base.yml model keys,
   * `hf_config(cfg)`: our ModelConfig → HF config.json,
   * `tensors(cfg)`: its HF ↔ ours tensor table (families/tensor_maps.py),
@@ -15,11 +16,12 @@ more `Family` records and calls `register_family(...)` at import:
     (`multimodal_reference_hf_configs`: its image-text model, checked with images),
   * `image_format`: with a vision tower, how an image becomes its views and its prompt's tokens
     (image_format.py; gemma3_images.py, llama4_images.py), for fine-tuning, decode, the server and
-    the logit checker alike; `hf_image_text_logits`: HF's logits of an image-text model_type whose
-    own forward the logit checker cannot call.
+    the logit checker alike, and the image keys only it reads; `hf_image_text_logits`: HF's logits
+    of an image-text model_type whose own forward the logit checker cannot call.
 To add a family, text or vision: a module here (with its own layer or vision modules if no shared
-one computes them) plus its configs/models/*.yml. The model (MaxText/models/), the converters, the
-logit checker and the tests find it here; nothing outside this package names a family.
+one computes them) plus its configs/models/*.yml. The model (MaxText/models/), the config checks
+(configuration/model_checks.families), the converters, the logit checker and the tests find it
+here; nothing outside this package names a family.
 """
 
 from __future__ import annotations
@@ -41,11 +43,14 @@ if TYPE_CHECKING:
 @dataclasses.dataclass(frozen=True)
 class VisionTower:
   """A family's image side: its encoder and projector, each built as `(cfg, rngs=)`, the projector's
-  output soft tokens [images, tokens, emb_dim] that the model places at the image placeholders; and
-  whether each image's tokens see each other both ways in the text stack."""
+  output soft tokens [images, tokens, emb_dim] that the model places at the image placeholders;
+  whether each image's tokens see each other both ways in the text stack; and the checks of the
+  vision keys its own shape needs, run by configuration/vision_config.py after the shared ones
+  (the key values by name -> raises one ConfigError line)."""
   encoder: Callable[..., Any]
   projector: Callable[..., Any]
   bidirectional_images: bool
+  check_keys: Callable[[Mapping[str, Any]], None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +76,12 @@ class Family:
   # HF model_type -> (its transformers model, token ids [B, L], pixel values [I, 3, R, R] or None) -> logits
   hf_image_text_logits: Mapping[str, Callable[[Any, "np.ndarray", "np.ndarray | None"], "np.ndarray"]] = (
       dataclasses.field(default_factory=dict))
+
+  @property
+  def per_layer_shapes(self) -> bool:
+    """Whether its layer reads the per-layer-shape keys (configuration/layer_shapes_config.py): the
+    model then builds each unrolled layer with its index."""
+    return bool(getattr(self.layer, "per_layer_shapes", False))
 
 
 _FAMILIES: dict[str, Family] = {}

@@ -13,8 +13,10 @@ four norms per layer map as
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping
 
+from MaxText.configuration.config_fields import require
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.families import tensor_maps as r
 from MaxText.families import VisionTower
@@ -193,6 +195,14 @@ def gemma3_multimodal_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
   return written + others
 
 
+def gemma3_vision_checks(values: Mapping[str, Any]) -> None:
+  """Gemma 3's projector average-pools square blocks of patches into its soft tokens."""
+  side, tokens = values["vision_image_size"] // values["vision_patch_size"], values["mm_tokens_per_image"]
+  require(math.isqrt(tokens) ** 2 == tokens and side % math.isqrt(tokens) == 0,
+          f"mm_tokens_per_image ({tokens}) must be a square whose side divides the {side} patches per image "
+          "side (the projector average-pools square blocks of patches)")
+
+
 register_family(Family("gemma", ("gemma",), ("gemma",), gemma_model_keys, gemma_hf_config, gemma_tensors,
                        reference_hf_configs={  # multi-query, heads wider than emb_dim / heads (as Gemma 7B)
                            "gemma": dict(model_type="gemma", **{**TINY_SHAPES, "num_key_value_heads": 1,
@@ -206,7 +216,7 @@ register_family(Family("gemma2", ("gemma2",), ("gemma2",), gemma2_model_keys, ge
 register_family(Family("gemma3", ("gemma3_text", "gemma3"), ("gemma3",), gemma3_any_model_keys, gemma3_any_hf_config,
                        gemma3_tensors, layer=decoders.SandwichNormDecoderLayer,
                        vision=VisionTower(vision_tower.VisionEncoder, vision_tower.MultimodalProjector,
-                                          bidirectional_images=True),
+                                          bidirectional_images=True, check_keys=gemma3_vision_checks),
                        image_format=gemma3_images.IMAGE_FORMAT,
                        multimodal_reference_hf_configs={  # 2 images' soft tokens outnumber the window; 2x2 pooling
                            "gemma3-vision": dict(

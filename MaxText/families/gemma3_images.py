@@ -116,4 +116,6 @@ def text(tokenizer: Any, vision: VisionConfig, image: PreparedImage) -> str:
 
 IMAGE_FORMAT = ImageFormat(marker, prepare, text, run_ids,
                            views="image views (each image, and each of its pan-and-scan crops)",
-                           views_key="image_pan_and_scan_max_num_crops")
+                           views_key="image_pan_and_scan_max_num_crops", name="Gemma 3",
+                           option_keys=("image_pan_and_scan", "image_pan_and_scan_min_crop_size",
+                                        "image_pan_and_scan_max_num_crops", "image_pan_and_scan_min_ratio"))

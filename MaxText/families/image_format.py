@@ -40,6 +40,10 @@ class ImageFormat:
   run_ids: Callable[[VisionConfig, PreparedImage, int], list[int]]
   views: str  # what one pixel_values slot holds, for error lines and docs
   views_key: str  # the config key that bounds an image's view count, for error lines
+  name: str  # the family in prose, for error lines
+  # The image keys (configuration/vision_config.IMAGE_OPTION_KEYS) only this format reads: another
+  # family's config that switches one on is refused.
+  option_keys: tuple[str, ...]
 
 
 def token(tokenizer: Any, token_id: int, name: str) -> str:

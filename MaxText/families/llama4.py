@@ -272,7 +272,8 @@ _TINY_TEXT = dict(**{**TINY_SHAPES, "num_hidden_layers": 4, "intermediate_size":
 register_family(Family("llama4", ("llama4_text", "llama4"), ("llama4",), llama4_any_model_keys, llama4_any_hf_config,
                        llama4_any_tensors,
                        vision=VisionTower(llama4_vision.Llama4VisionEncoder, llama4_vision.Llama4Projector,
-                                          bidirectional_images=False), image_format=llama4_images.IMAGE_FORMAT,
+                                          bidirectional_images=False, check_keys=llama4_vision.check_vision_keys),
+                       image_format=llama4_images.IMAGE_FORMAT,
                        hf_image_text_logits={"llama4": llama4_images.hf_image_text_logits},
                        multimodal_reference_hf_configs={  # 32 x 32 tiles of 4 x 4 patches: 16 soft tokens each
                            "llama4-vision": dict(

@@ -190,7 +190,7 @@ def text(tokenizer: Any, vision: VisionConfig, image: PreparedImage) -> str:
 
 IMAGE_FORMAT = ImageFormat(marker, prepare, text, run_ids,
                            views="tiles (each image's tiles, and its global thumbnail when it has several)",
-                           views_key="image_max_tiles")
+                           views_key="image_max_tiles", name="Llama 4", option_keys=("image_max_tiles",))
 
 
 def hf_image_text_logits(model: Any, token_ids: np.ndarray, pixels_ICRR: np.ndarray | None) -> np.ndarray:

@@ -24,12 +24,15 @@ width, T soft tokens per tile, C channels, R tile side.
 from __future__ import annotations
 
 import functools
+import math
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from MaxText.configuration.config_fields import require
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.layers import masks, vision_tower
 from MaxText.layers.embeddings import Embed
@@ -39,6 +42,27 @@ from MaxText.platform import sharding
 
 NUM_CHANNELS = 3
 IMAGE_NAMES = ("activation_batch", "activation_length", "activation_embed")
+
+
+def check_vision_keys(values: Mapping[str, Any]) -> None:
+  """Llama 4's tower: a 2-D RoPE over the head width's quarters, a pixel shuffle by an integer
+  factor s = 1 / vision_pixel_shuffle_ratio, and s x s patches per soft token."""
+  ratio, heads = values["vision_pixel_shuffle_ratio"], values["vision_emb_dim"] // values["vision_num_heads"]
+  require(values["vision_rope_max_timescale"] > 0,
+          f"vision_rope_max_timescale must be > 0, got {values['vision_rope_max_timescale']}")
+  require(values["vision_adapter_dim"] > 0, f"vision_adapter_dim must be > 0, got {values['vision_adapter_dim']}")
+  require(heads % 4 == 0, f"the vision head width vision_emb_dim / vision_num_heads ({heads}) must be a multiple of "
+          "4 for decoder_block llama4 (its 2-D RoPE turns a quarter of the pairs per axis)")
+  factor = round(1 / ratio) if 0 < ratio <= 1 else 0
+  require(factor >= 1 and math.isclose(factor * ratio, 1.0),
+          f"vision_pixel_shuffle_ratio must be 1 / an integer (0.5 in the releases), got {ratio}")
+  side = values["vision_image_size"] // values["vision_patch_size"]
+  require(side % factor == 0, f"the {side} patches per tile side must be a multiple of 1 / vision_pixel_shuffle_ratio "
+          f"({factor})")
+  tokens = (side // factor) ** 2
+  require(values["mm_tokens_per_image"] == tokens,
+          f"mm_tokens_per_image ({values['mm_tokens_per_image']}) must be {tokens} for decoder_block llama4: the "
+          f"({side} / {factor})² soft tokens of one tile")
 
 
 def _dense(cfg: ModelConfig, rngs: nnx.Rngs, use_bias: bool) -> functools.partial[DenseGeneral]:
