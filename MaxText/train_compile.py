@@ -15,6 +15,7 @@ from a trusted source, with `train.py ... compiled_trainstep_file=PATH`.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import tempfile
@@ -297,6 +298,11 @@ def _compile_rollout_mesh(config: config_lib.Config, devices: Sequence[Any], tra
   total = _print_rollout(config, "rollout step on the rollout mesh", compiled, start)
   print(f"weight copy to the rollout mesh: {format_bytes(rollout_mesh.tree_bytes(train_params))} per sync "
         f"(every rl_weight_sync_interval={config.rl.rl_weight_sync_interval} updates)")
+  if len({d.process_index for d in devices}) > 1:  # rollout_mesh.copy_across_processes: resharded on the trainers
+    staged = sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+                 for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(engine.param_shardings)))
+    print(f"  across {len({d.process_index for d in devices})} hosts: each sync first reshards on the training chips "
+          f"to the rollout layout, {format_bytes(staged)} more per training chip while it runs")
   if topology is not None:
     gen = topology.generation
     if total > gen.hbm_gib * GIB:

@@ -124,7 +124,7 @@ def main() -> int:
         f"<= {args.max_completion_length} tokens per step "
         f"({args.num_generations} per prompt), prompts of ~40 tokens, {devices} {args.platform} device(s)")
   print(f"{'mode':>7} {'steps/s':>8} {'rollout s':>10} {'update s':>10} {'rollout share':>14} {'rollout tok/s':>14} "
-        f"{'update tok/s':>13} {'sync s':>8} {'sync MB':>8}")
+        f"{'update tok/s':>13} {'sync s':>8} {'sync MB':>8} {'idle train':>10} {'idle roll':>9}")
   with tempfile.TemporaryDirectory(prefix="rl-bench-") as tmp:
     directory = Path(tmp)
     _prepare(directory, model)
@@ -176,11 +176,16 @@ def _report(mode: str, records: list[dict[str, Any]], args: argparse.Namespace, 
       [r for r in records if r.get("weight_sync_bytes", 0) > 0]  # past the first copy where there are more
   sync_s = statistics.median(r["weight_sync_s"] for r in copies) if copies else 0.0
   sync_mb = copies[0]["weight_sync_bytes"] / 2**20 if copies else 0.0
+  # Each side's idle share of the timed wall time (rl/rollout_mesh.py's IdleClock, per step's cycle).
+  wall = sum(r["step_seconds"] for r in timed)
+  idle_train, idle_roll = (sum(r.get(key, 0.0) * r["step_seconds"] for r in timed) / wall
+                           for key in ("trainer_idle_share", "rollout_idle_share"))
   print(f"{mode:>7} {steps_per_s:8.3f} {rollout:10.3f} {update:10.3f} {share:13.0%} {sampled:14.1f} {update_tps:13.1f} "
-        f"{sync_s:8.4f} {sync_mb:8.2f}")
+        f"{sync_s:8.4f} {sync_mb:8.2f} {idle_train:10.0%} {idle_roll:9.0%}")
   print(f"RESULT rl mode={mode} platform={args.platform} steps_per_s={steps_per_s:.4f} rollout_s={rollout:.4f} "
         f"update_s={update:.4f} rollout_share={share:.3f} rollout_tokens_per_s={sampled:.1f} "
-        f"update_tokens_per_s={update_tps:.1f} weight_sync_s={sync_s:.5f} weight_sync_bytes={sync_mb * 2**20:.0f}"
+        f"update_tokens_per_s={update_tps:.1f} weight_sync_s={sync_s:.5f} weight_sync_bytes={sync_mb * 2**20:.0f} "
+        f"trainer_idle_share={idle_train:.3f} rollout_idle_share={idle_roll:.3f}"
         + _episodes(timed, args.rows))
 
 

@@ -112,6 +112,9 @@ def test_a_split_mesh_run_equals_the_same_mesh_run_step_for_step(workdir, tmp_pa
     np.testing.assert_allclose([r[key] for r in ours], [r[key] for r in theirs], rtol=1e-5, atol=1e-6)
   assert all(r["weight_sync_bytes"] > 0 and r["weight_sync_s"] > 0 for r in ours)
   assert "weight_sync_bytes" not in theirs[0]
+  for records in (ours, theirs):  # from the second step on: each side's idle share of the step's cycle
+    assert "trainer_idle_share" not in records[0]
+    assert all(0 <= r["trainer_idle_share"] <= 1 and 0 <= r["rollout_idle_share"] <= 1 for r in records[1:])
 
 
 @pytest.mark.slow  # three training processes
@@ -243,3 +246,37 @@ def test_two_processes_with_a_rollout_mesh_train_like_one(workdir, tmp_path):  #
     assert [r[key] for r in ours] == [r[key] for r in theirs], key
   for key in ("loss", "grad_norm", "entropy"):  # equal bitwise on the CPU; the bound allows gloo's reduction order
     np.testing.assert_allclose([r[key] for r in ours], [r[key] for r in theirs], rtol=1e-5, atol=1e-6)
+
+
+def test_the_idle_clock_gives_each_side_its_idle_share_of_a_cycle(monkeypatch):
+  now = [0.0]
+  monkeypatch.setattr(rollout_mesh.time, "perf_counter", lambda: now[0])
+  clock = rollout_mesh.IdleClock()
+  assert clock.handed(0.0) == {}  # the first hand-over starts the first cycle
+
+  def rollout() -> int:
+    now[0] = 3.0
+    return 7
+  now[0] = 1.0
+  assert clock.timed(rollout)() == 7  # the rollout side busy from 1 to 3
+  clock.add(1.0)  # and a synchronous rollout's second
+  now[0] = 4.0
+  assert clock.handed(1.0) == {"trainer_idle_share": 0.25, "rollout_idle_share": 0.25}
+  clock.running_since = 5.0  # a rollout under way counts up to the hand-over
+  now[0] = 6.0
+  assert clock.handed(0.0) == {"trainer_idle_share": 0.0, "rollout_idle_share": 0.5}
+
+
+def test_the_training_chips_of_a_pod_split_by_host_get_a_mesh(tiny_overrides):
+  """v5p-64 (8 hosts of 4 chips), one chip of each host rolling out: the 24 training chips are no
+  physical block, so the mesh takes them in host order (was: cannot lay out mesh)."""
+  from MaxText import startup
+  from MaxText.platform import accelerators, sharding
+  topology = accelerators.tpu_topology("v5p-64")
+  config = Config.for_testing(target=topology.target(), **{**tiny_overrides, **GRPO, "run_name": "split",
+                                                            "rl_rollout_devices": 8, "ici_data_parallelism": 3,
+                                                            "ici_fsdp_parallelism": 8})
+  train, rollout = rollout_mesh.split_devices(config, startup.describe_topology(topology, 1))
+  assert len(train) == 24 and [d.process_index for d in rollout] == list(range(8))
+  mesh = sharding.create_mesh(config.mesh, train)
+  assert dict(mesh.shape)["data"] == 3 and dict(mesh.shape)["fsdp"] == 8 and list(mesh.devices.flat) == train

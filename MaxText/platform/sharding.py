@@ -44,7 +44,20 @@ def device_array(mesh_config: MeshConfig, devices: Sequence[Any]) -> np.ndarray:
           ici, dcn, devices, process_is_granule=not on_tpu, allow_split_physical_axes=True)
     return mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
   except (AssertionError, ValueError, NotImplementedError) as e:
+    if math.prod(dcn) == 1 and not _whole_block(devices):
+      # Part of a slice that is no physical block (a GRPO run's training chips beside its rollout
+      # chips on every host): there is no torus to follow, so the devices go in the order given.
+      return np.asarray(devices, dtype=object).reshape(ici)
     raise ConfigError(f"cannot lay out mesh ici={ici} dcn={dcn} on {len(devices)} devices: {e}") from None
+
+
+def _whole_block(devices: Sequence[Any]) -> bool:
+  """Whether TPU devices fill the box of their chip coordinates (True for devices without them)."""
+  coords = {tuple(getattr(d, "coords", ())) for d in devices}
+  if not all(coords) or len(coords) < 1:
+    return True
+  box = math.prod(max(c[i] for c in coords) - min(c[i] for c in coords) + 1 for i in range(len(next(iter(coords)))))
+  return box == len(coords)
 
 
 def create_mesh(mesh_config: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh:

@@ -19,6 +19,7 @@ their copy is not in it, and the rerun trains on them as they were.
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Generic, Sequence, TypeVar
@@ -145,6 +146,47 @@ class WeightSync:
     return (step // self.interval + 1) * self.interval
 
 
+class IdleClock:
+  """Each side's idle share of a step's cycle (from one batch handed to the training loop to the
+  next, so the update before it and the wait for it): `trainer_idle_share`, the time the loop waited
+  for its batch; `rollout_idle_share`, the time no rollout was generated or scored (the rollout side
+  waiting for the training: for the weights, or for the staleness bound to let it start a batch)."""
+
+  def __init__(self) -> None:
+    self.lock = threading.Lock()
+    self.busy_s = 0.0
+    self.running_since: float | None = None
+    self.last: tuple[float, float] | None = None  # (time, busy_s) at the last hand-over
+
+  def add(self, seconds: float) -> None:
+    with self.lock:
+      self.busy_s += seconds
+
+  def timed(self, work: Callable[[], T]) -> Callable[[], T]:
+    def run() -> T:
+      with self.lock:
+        self.running_since = time.perf_counter()
+      try:
+        return work()
+      finally:
+        with self.lock:
+          self.busy_s += time.perf_counter() - (self.running_since or 0.0)
+          self.running_since = None
+    return run
+
+  def handed(self, waited_s: float) -> dict[str, float]:
+    """The shares of the cycle that ends now, the loop having waited `waited_s` ({} for the first)."""
+    now = time.perf_counter()
+    with self.lock:
+      busy = self.busy_s + (now - self.running_since if self.running_since is not None else 0.0)
+    last, self.last = self.last, (now, busy)
+    if last is None or now <= last[0]:
+      return {}
+    cycle = now - last[0]
+    return {"trainer_idle_share": min(1.0, waited_s / cycle),
+            "rollout_idle_share": max(0.0, 1.0 - (busy - last[1]) / cycle)}
+
+
 class RunAhead(Generic[T]):
   """Rollouts queued ahead of the training, made one at a time in step order on a worker thread
   (their device work runs on the rollout mesh, beside the train step's on the training mesh).
@@ -152,8 +194,9 @@ class RunAhead(Generic[T]):
   thread: every process must start its collectives in the same order, which two threads do not keep
   (the worker's decode beside the main thread's global broadcasts fails in gloo)."""
 
-  def __init__(self, inline: bool | None = None) -> None:
+  def __init__(self, inline: bool | None = None, clock: IdleClock | None = None) -> None:
     self.inline = jax.process_count() > 1 if inline is None else inline
+    self.clock = clock
     self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
     self.pending: dict[int, Future[T]] = {}
 
@@ -161,6 +204,7 @@ class RunAhead(Generic[T]):
     return step in self.pending
 
   def submit(self, step: int, work: Callable[[], T]) -> None:
+    work = work if self.clock is None else self.clock.timed(work)
     if not self.inline:
       self.pending[step] = self.pool.submit(work)
       return

@@ -158,11 +158,13 @@ class RolloutBatches:
     self.engine = Engine(config, num_slots=self.num_rows,
                          mesh=rollout_mesh.rollout_mesh(config, rollout_devices) if on_own_mesh else mesh)
     self.weights = rollout_mesh.WeightSync(self.engine.param_shardings if on_own_mesh else None,
-                                           self.rl.rl_weight_sync_interval)
+                                           self.rl.rl_weight_sync_interval,
+                                           prepare=self.engine.prepare_params if self.engine.weight_quantizer else None)
     self._primed: tuple[int, Batch, dict[str, float]] | None = None
+    self.clock = rollout_mesh.IdleClock()  # each side's idle share, a metric of every step
     # rl_weight_sync_interval > 1 on a rollout mesh: each copy's batches are made ahead (rollout_mesh.py)
     self.ahead: rollout_mesh.RunAhead[tuple[Batch, dict[str, float]]] | None = \
-        rollout_mesh.RunAhead() if on_own_mesh and self.rl.rl_weight_sync_interval > 1 else None
+        rollout_mesh.RunAhead(clock=self.clock) if on_own_mesh and self.rl.rl_weight_sync_interval > 1 else None
     # Made ahead, not trained on yet (step -> completions, sampler log-probs, policy lag): a checkpoint keeps
     # them, since the weight copy they sampled from is not in it; `_replay` holds those a resume read back.
     self._made: dict[int, tuple[list[list[int]], list[list[float]], float]] = {}
@@ -170,6 +172,11 @@ class RolloutBatches:
 
   # ---------------------------------------------------------------- the data-iterator surface
   def next_for(self, state: TrainState) -> tuple[Batch, dict[str, float]]:
+    started = time.perf_counter()
+    batch, scalars = self._next_batch(state)
+    return batch, {**scalars, **self.clock.handed(time.perf_counter() - started)}
+
+  def _next_batch(self, state: TrainState) -> tuple[Batch, dict[str, float]]:
     step = int(state.step)
     if self._primed is not None and self._primed[0] == step:
       _, batch, scalars = self._primed
@@ -177,7 +184,9 @@ class RolloutBatches:
       return batch, scalars
     if self.ahead is not None:
       return self._from_ahead(state.params, step, health.unguarded)
-    return self._rollout(state.params, step, health.unguarded)
+    batch, scalars = self._rollout(state.params, step, health.unguarded)
+    self.clock.add(scalars.get("rollout_s", 0.0) + scalars.get("reward_s", 0.0))
+    return batch, scalars
 
   def prime(self, state: TrainState, guard: health.Guard | None = None) -> None:
     """Samples the first batch now, so a reward function that fails or a prompt the engine refuses
