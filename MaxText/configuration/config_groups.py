@@ -22,6 +22,7 @@ from MaxText.errors import ConfigError
 from MaxText.platform.mesh_axes import MESH_AXES, Group, MeshAxis
 from MaxText.configuration.data_config import DataConfig
 from MaxText.configuration.distill_config import DistillConfig
+from MaxText.configuration import elastic_config
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.configuration import rl_config
 from MaxText.configuration.rl_config import RLConfig
@@ -79,6 +80,7 @@ class MeshConfig:
   dcn_expert_parallelism: int = key()
   dcn_autoregressive_parallelism: int = key()
   num_slices: int = key()  # -1 resolved from the devices
+  elastic_min_slices: int = key()  # 0 = not elastic; configuration/elastic_config.py
   logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...] = key()
   data_sharding: tuple[str, ...] = key()
   sharding_tolerance: float = key()
@@ -461,6 +463,7 @@ def build_groups(values: Mapping[str, Any], target: DeviceTarget, reads_data: bo
            f"num_experts ({num_experts}) must be a multiple of the expert parallelism "
            f"(ici_expert_parallelism * dcn_expert_parallelism = {expert_degree})")
   data = DataConfig.from_values(values, target, mesh, reads_data)
+  elastic_config.check(values, mesh, target.num_devices, data.global_batch_size)
   rl = RLConfig.from_values(values if reads_data else {**values, "objective": "lm"})
   _require(not (data.objective == "grpo" and reads_data) or data.global_batch_size % rl.num_generations == 0,
            f"the global batch of {data.global_batch_size} completions (per_device_batch_size x devices) does not "

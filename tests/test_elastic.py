@@ -1,0 +1,159 @@
+"""Elastic training: its configuration checks, the resize arithmetic, and the proof that a run that
+continues on fewer slices with more gradient accumulation trains like one that never lost a slice."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText.configuration import elastic_config
+from MaxText.configuration.config import Config
+from MaxText.configuration.elastic_config import SliceLayout
+from MaxText.errors import ConfigError
+from MaxText.platform.accelerators import DeviceTarget
+from MaxText.run_dir.checkpointing import RunCheckpoints
+from MaxText.training import metrics as metrics_lib
+from MaxText.training.run_assembly import build_run
+
+
+# ----------------------------------------------------------------------------------- configuration
+def test_a_minimum_above_the_starting_slice_count_is_one_line():
+  with pytest.raises(ConfigError, match=r"^elastic_min_slices=3 is above the run's 2 slice\(s\) \(num_slices\); "
+                                        r"set it to at most 2$"):
+    Config.for_testing(num_slices=2, elastic_min_slices=3)
+
+
+def test_a_minimum_whose_accumulation_cannot_keep_the_global_batch_is_one_line():
+  # 4 slices of 2 devices, 1 row per device: global batch 8; on 3 slices a micro-batch takes 6 rows.
+  with pytest.raises(ConfigError) as error:
+    Config.for_testing(num_slices=4, elastic_min_slices=3, per_device_batch_size=1)
+  assert str(error.value) == ("elastic_min_slices=3 cannot keep the global batch with gradient accumulation: the "
+                              "global batch 8 is not divisible by 3 slice(s) x 2 batch shards x 1 row(s) per "
+                              "micro-batch; slice counts that keep it: 1, 2, 4")
+
+
+def test_an_elastic_run_spreads_only_data_parallelism_across_slices():
+  with pytest.raises(ConfigError, match="set dcn_fsdp_parallelism=2 to 1 or elastic_min_slices=0"):
+    Config.for_testing(num_slices=2, elastic_min_slices=1, dcn_fsdp_parallelism=2, dcn_data_parallelism=1)
+
+
+def test_a_valid_elastic_config_and_the_default_are_accepted():
+  assert Config.for_testing(num_slices=2, elastic_min_slices=1).mesh.elastic_min_slices == 1
+  assert Config.for_testing().mesh.elastic_min_slices == 0
+  with pytest.raises(ConfigError, match="elastic_min_slices must be a whole number >= 0"):
+    Config.for_testing(elastic_min_slices=-1)
+
+
+# ------------------------------------------------------------------------------------- arithmetic
+def _layout(slices: int = 4, accumulation: int = 1, min_slices: int = 1) -> SliceLayout:
+  # 4 devices per slice, the batch split over all of them, 2 rows per device per micro-batch.
+  return SliceLayout(num_slices=slices, devices_per_slice=4, batch_shards_per_slice=4,
+                     global_batch_size=2 * 4 * slices * accumulation, gradient_accumulation_steps=accumulation,
+                     min_slices=min_slices)
+
+
+@pytest.mark.parametrize("accumulation", [1, 3])
+@pytest.mark.parametrize("slices", [1, 2, 4])
+def test_a_resize_keeps_the_global_batch_and_the_micro_batch(slices, accumulation):
+  layout = _layout(accumulation=accumulation)
+  resized = elastic_config.resize(layout, slices)
+  devices = slices * layout.devices_per_slice
+  assert resized.per_device_batch_size * devices == layout.global_batch_size
+  assert Fraction(layout.global_batch_size, devices * resized.gradient_accumulation_steps) == layout.micro_rows == 2
+  assert resized.gradient_accumulation_steps == accumulation * 4 // slices
+  assert resized.overrides() == [f"num_slices={slices}", f"dcn_data_parallelism={slices}",
+                                 f"per_device_batch_size={resized.per_device_batch_size}",
+                                 f"gradient_accumulation_steps={resized.gradient_accumulation_steps}"]
+
+
+def test_a_resize_that_cannot_keep_the_global_batch_says_which_counts_can():
+  with pytest.raises(ConfigError, match=r"^elastic resize to 3 slice\(s\) cannot keep the global batch: the global "
+                                        r"batch 32 is not divisible by 3 slice\(s\) x 4 batch shards x 2 row\(s\) per "
+                                        r"micro-batch; slice counts that keep it: 1, 2, 4$"):
+    elastic_config.resize(_layout(), 3)
+  # With 3 micro-batches per step, 3 slices of 4 can take the 96 rows as 4 micro-batches each.
+  assert elastic_config.resize(_layout(accumulation=3), 3).gradient_accumulation_steps == 4
+
+
+def test_the_survivors_continue_on_the_most_slices_that_keep_the_batch():
+  assert elastic_config.usable_slices(_layout(), 3) == 2
+  assert elastic_config.usable_slices(_layout(), 4) == 4
+  assert elastic_config.usable_slices(_layout(min_slices=2), 1) is None
+  assert elastic_config.usable_slices(_layout(min_slices=3), 3) is None  # 3 cannot keep it, 2 is below the minimum
+
+
+def test_a_fractional_per_device_batch_is_written_so_the_config_parses_it():
+  layout = SliceLayout(num_slices=2, devices_per_slice=4, batch_shards_per_slice=4, global_batch_size=4,
+                       gradient_accumulation_steps=1, min_slices=1)
+  assert layout.micro_rows == Fraction(1, 2)
+  assert "per_device_batch_size=0.5" in elastic_config.resize(layout, 2).overrides()
+  assert "per_device_batch_size=1" in elastic_config.resize(layout, 1).overrides()
+
+
+# ------------------------------------------------------------------------------ same training, CPU
+class _Part:
+  """One phase of a run on `devices` with the batch settings of `resized`."""
+
+  def __init__(self, settings: dict, devices: list, data_parallel: int, resized: elastic_config.Resize):
+    target = DeviceTarget(platform="cpu", device_kind=devices[0].device_kind, num_devices=len(devices))
+    # One process holds every device, so the slices are stood in for by the ici data axis: the
+    # batch's rows and the replicas are split over it exactly as dcn_data_parallelism splits them.
+    self.config = Config.for_testing(target=target, **settings, ici_data_parallelism=data_parallel,
+                                     ici_fsdp_parallelism=-1, per_device_batch_size=str(resized.per_device_batch_size),
+                                     gradient_accumulation_steps=resized.gradient_accumulation_steps)
+    self.run = build_run(self.config, devices=devices)
+    self.data = self.run.data_iterator()
+
+  def train(self, state, steps: int) -> tuple[object, list[dict[str, float]]]:
+    rng = jax.random.key(self.config.run.init_weights_seed)
+    history = []
+    for _ in range(steps):
+      state, metrics = self.run.train_step(state, next(self.data), rng)
+      history.append(metrics_lib.host_scalars(jax.device_get(metrics)))
+    return state, history
+
+
+@pytest.mark.slow  # two programs compile: about a minute on a loaded 2-core machine
+def test_training_continued_on_fewer_slices_with_more_accumulation_matches_an_uninterrupted_run(tmp_path,
+                                                                                               tiny_overrides):
+  """2 slices of 4 devices for 2 steps -> checkpoint -> 1 slice (doubled accumulation) for 2 steps
+  -> checkpoint -> both slices again for 2 steps, against 6 uninterrupted steps on 2 slices."""
+  settings = {k: v for k, v in tiny_overrides.items() if k != "per_device_batch_size"}
+  settings.update(dataset_type="synthetic", enable_checkpointing=False, steps=6, base_num_decoder_layers=1)
+  layout = SliceLayout(num_slices=2, devices_per_slice=4, batch_shards_per_slice=4, global_batch_size=8,
+                       gradient_accumulation_steps=1, min_slices=1)
+  devices = jax.devices()
+  both, one = elastic_config.resize(layout, 2), elastic_config.resize(layout, 1)
+  assert (one.per_device_batch_size, one.gradient_accumulation_steps) == (2, 2)
+
+  checkpoints = RunCheckpoints(str(tmp_path / "checkpoints"))
+  whole = _Part(settings, devices, 2, both)
+  state, reference = whole.train(whole.run.init_state(), 2)
+  checkpoints.save(2, state, whole.data.get_state(), {})
+  _, rest = whole.train(state, 4)  # the uninterrupted run goes on from the saved state
+  reference += rest
+
+  shrunk = _Part(settings, devices[:4], 1, one)  # the surviving slice's devices only
+  restored = checkpoints.restore_latest(shrunk.run.setup.abstract_state, shrunk.run.setup.state_shardings)
+  assert restored is not None and restored.step == 2 and restored.data_state == {"step": 2}
+  shrunk.data.set_state(restored.data_state)
+  state, history = shrunk.train(restored.state, 2)
+  checkpoints.save(4, state, shrunk.data.get_state(), {})
+
+  grown = whole.run  # the slice is back: the original program, mesh and batch settings
+  restored = checkpoints.restore_latest(grown.setup.abstract_state, grown.setup.state_shardings)
+  assert restored is not None and restored.step == 4 and restored.data_state == {"step": 4}
+  whole.data = grown.data_iterator()
+  whole.data.set_state(restored.data_state)
+  _, more = whole.train(restored.state, 2)
+  history = reference[:2] + history + more
+  checkpoints.close()
+
+  # The same examples reach the same update; what differs is the order of the float32 sums (the
+  # micro-batches' gradients are added one after the other instead of in one all-reduce), so the
+  # losses agree to float32 rounding, as for any other change of mesh (tests/test_multiprocess.py).
+  for key in ("loss", "grad_norm", "num_tokens"):
+    np.testing.assert_allclose([h[key] for h in history], [h[key] for h in reference], rtol=2e-5, err_msg=key)
