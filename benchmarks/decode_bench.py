@@ -2,7 +2,8 @@
 
     python3 benchmarks/decode_bench.py [max_prefill_predict_length=128] [steps=32] [slots=1,8]
         [layouts=unrolled,scanned] [repeats=3] [quantize_kvcache=true] [caches=dense,paged]
-        [kv_page_size=16] [pool_multiples=1,4,16] [speculative_tokens=4 draft=small] [response_format=json_schema]
+        [kv_page_size=16] [pool_multiples=1,4,16] [speculative_tokens=4 draft=small]
+        [quantize_weights=none,int8,fp8] [quality=true] [response_format=json_schema]
 
 Prefill: one pass over a full prompt of max_prefill_predict_length tokens (batch 1); latency is the median of
 repeats runs after a compiling one. Generate: steps jitted steps advancing every slot by one
@@ -24,6 +25,16 @@ draft's acceptance (with tied embeddings both random models mostly repeat their 
 even a small random draft is accepted nearly always): the figure is the cost of a round at the
 acceptance measured. draft=small: a 2-layer, width-256 model of the same vocabulary;
 draft=self: the target as its own draft (everything accepted, the draft as expensive as the target).
+quantize_weights: each listed mode (none = float kernels, int8, fp8) timed in turn, the generate line
+also giving the parameters' bytes as the engine holds them (`weight_mib`: the decoder kernels 8-bit
+with their scales, the embedding and norms float).
+quality=true prints only the quality table of quantize_weights instead (`RESULT quality ...`): a small
+random-init model (emb 256, 4 layers, vocab 512) computing in bfloat16 from float32 weights, each
+mode against the unquantized engine: the mean KL(float || quantized) of the next-token distributions
+and the share of positions whose most probable token agrees, over 32 random sequences of 64 tokens
+(the same context for both), and the share of greedy tokens equal to the float engine's over 16
+prompts x 32 new tokens (free-running: a sequence counts as equal up to its first difference); and
+the same figures for float32 compute against bfloat16, the scale of bfloat16's own rounding.
 response_format=json_schema also times constrained decoding (inference/grammar.py) as the server's
 scheduler runs it: each step the host writes every slot's token bitmask from its JSON schema
 (llguidance, over a byte-level BPE tokenizer trained here to the model's 32000 tokens), the step
@@ -71,6 +82,9 @@ def main() -> None:
   parser.add_argument("--speculative_tokens", type=int, default=0, help="draft tokens per round (0: not timed)")
   parser.add_argument("--draft", default="small", choices=("small", "self"),
                       help="the draft model: a small random one, or the target itself")
+  parser.add_argument("--quantize_weights", default="none",
+                      help="comma-separated quantize_weights modes to time: none (float kernels), int8, fp8")
+  parser.add_argument("--quality", action="store_true", help="only the quantize_weights quality table")
   parser.add_argument("--response_format", default="none", choices=("none", "json_schema"),
                       help="json_schema: also time decoding under a JSON schema (constrained decoding)")
   args = tool_args.parse_args(parser, None, renamed=RENAMED)
@@ -80,6 +94,9 @@ def main() -> None:
 
   from MaxText.configuration.config import Config
 
+  if args.quality:
+    quality()
+    return
   prompt = list(np.random.default_rng(0).integers(1, MODEL["vocab_size"], args.max_prefill_predict_length))
   if "paged" in args.caches:
     memory(args)
@@ -88,14 +105,62 @@ def main() -> None:
       max_length = args.max_prefill_predict_length + (args.steps + 1) * (args.speculative_tokens + 1) + 2
       for num_slots in (int(s) for s in args.slots.split(",")):
         for multiple in ([int(m) for m in args.pool_multiples.split(",")] if cache == "paged" else [0]):
-          pages = multiple * num_slots * -(-max_length // args.kv_page_size)
-          overrides = dict(MODEL, scan_layers=layout == "scanned",
-                           max_prefill_predict_length=args.max_prefill_predict_length, max_target_length=max_length,
-                           per_device_batch_size=1, quantize_kvcache=args.quantize_kvcache,
-                           print_config=False, kv_cache_layout=cache, kv_page_size=args.kv_page_size,
-                           kv_num_pages=pages)
-          label = f"{layout} cache={cache}" + (f" pool={multiple}x pages={pages}" if cache == "paged" else "")
-          run(overrides, label, num_slots, prompt, args)
+          for weights in args.quantize_weights.split(","):
+            pages = multiple * num_slots * -(-max_length // args.kv_page_size)
+            overrides = dict(MODEL, scan_layers=layout == "scanned",
+                             max_prefill_predict_length=args.max_prefill_predict_length,
+                             max_target_length=max_length, per_device_batch_size=1,
+                             quantize_kvcache=args.quantize_kvcache, print_config=False, kv_cache_layout=cache,
+                             kv_page_size=args.kv_page_size, kv_num_pages=pages,
+                             quantize_weights="" if weights == "none" else weights)
+            label = f"{layout} cache={cache}" + (f" pool={multiple}x pages={pages}" if cache == "paged" else "")
+            label += f" weights={weights}" if args.quantize_weights != "none" else ""
+            run(overrides, label, num_slots, prompt, args)
+
+
+QUALITY_MODEL: dict[str, Any] = dict(
+    base_emb_dim=256, base_num_query_heads=4, base_num_kv_heads=4, head_dim=64, base_mlp_dim=512, base_num_decoder_layers=4,
+    vocab_size=512, dtype="bfloat16", weight_dtype="float32", max_target_length=64, max_prefill_predict_length=16,
+    per_device_batch_size=1, print_config=False)
+
+
+def quality() -> None:
+  """quantize_weights against the float engine: logit KL, top-1 agreement, greedy tokens equal."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from MaxText.configuration.config import Config
+  from MaxText.inference import quantized_weights
+  from MaxText.inference.engine import Engine, Request, serve
+  from MaxText.platform import sharding
+
+  vocab = QUALITY_MODEL["vocab_size"]
+  tokens = jax.random.randint(jax.random.key(0), (32, 64), 0, vocab)
+  positions = jnp.broadcast_to(jnp.arange(64), tokens.shape)
+  prompts = [list(map(int, p)) for p in np.random.default_rng(1).integers(0, vocab, (16, 12))]
+
+  def outputs(engine: Any, params: Any) -> tuple[Any, list[list[int]]]:
+    apply = jax.jit(sharding.unsharded()(engine.spec.apply))
+    logits = apply(params, tokens, positions, jnp.ones_like(tokens))
+    served = serve(engine, params, [Request(list(p), 32) for p in prompts])
+    return jax.nn.log_softmax(logits.astype(jnp.float32), -1), [r.output for r in served]
+
+  reference = Engine(Config.for_testing(**QUALITY_MODEL), num_slots=16)
+  float_params = reference.load_params(seed=0)
+  log_p, greedy = outputs(reference, float_params)
+  print(f"RESULT quality weights=none dtype=bfloat16 weight_mib={quantized_weights.weight_bytes(float_params) / 2**20:.2f}")
+  # The last row puts the others in scale: bfloat16's own rounding, float32 compute against bfloat16.
+  for mode, dtype in (("int8", "bfloat16"), ("fp8", "bfloat16"), ("", "float32")):
+    engine = Engine(Config.for_testing(**dict(QUALITY_MODEL, dtype=dtype), quantize_weights=mode), num_slots=16)
+    params = engine.prepare_params(float_params)
+    log_q, tokens_q = outputs(engine, params)
+    kl = float(jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), -1)))
+    top1 = float(jnp.mean(jnp.argmax(log_p, -1) == jnp.argmax(log_q, -1)))
+    equal = [next((i for i, (a, b) in enumerate(zip(f, q)) if a != b), len(f)) for f, q in zip(greedy, tokens_q)]
+    print(f"RESULT quality weights={mode or 'none'} dtype={dtype} "
+          f"weight_mib={quantized_weights.weight_bytes(params) / 2**20:.2f} kl={kl:.2e} top1_agreement={top1:.4f} "
+          f"greedy_equal={sum(equal) / (32 * len(prompts)):.4f}")
 
 
 def memory(args: argparse.Namespace) -> None:
@@ -120,12 +185,14 @@ def run(overrides: dict[str, Any], layout: str, num_slots: int, prompt: list[int
   import jax
 
   from MaxText.configuration.config import Config
+  from MaxText.inference import quantized_weights
   from MaxText.inference.engine import Engine
 
   config = Config.for_testing(**overrides)
   engine = Engine(config, num_slots=num_slots)
   params = engine.load_params()
-  num_params = sum(x.size for x in jax.tree.leaves(params))
+  num_params = sum(x.size for x in jax.tree.leaves(engine.spec.abstract_params))
+  weight_mib = quantized_weights.weight_bytes(params) / 2**20
   times = []
   for i in range(args.repeats + 1):
     start = time.perf_counter()
@@ -150,7 +217,7 @@ def run(overrides: dict[str, Any], layout: str, num_slots: int, prompt: list[int
   step_s = (time.perf_counter() - start) / args.steps
   assert engine.metrics()["step_compilations"] == 1
   print(f"RESULT generate layout={layout} slots={num_slots} per_token_ms={step_s * 1e3:.2f} "
-        f"tokens_per_s={num_slots / step_s:.1f} "
+        f"tokens_per_s={num_slots / step_s:.1f} weight_mib={weight_mib:.1f} "
         f"(context {args.max_prefill_predict_length}..{args.max_prefill_predict_length + args.steps})")
   if args.speculative_tokens > 0:
     speculate(overrides, engine, params, layout, num_slots, prompt, args)

@@ -31,6 +31,7 @@ from MaxText.configuration.model_checks import one_of as _one_of, positive as _p
 
 SAMPLING_STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
 KV_CACHE_LAYOUTS = ("dense", "paged")
+WEIGHT_QUANTIZATION_MODES = ("", "int8", "fp8")  # quantize_weights: layers/weight_quantization.py stores each
 # Keys that once were booleans and now take auto | true | false (auto: where it applies); an old
 # config's True / False reads as true / false.
 AUTO_SWITCHES = ("prefix_caching",)
@@ -321,6 +322,8 @@ class DecodeConfig:
   decode_sampling_top_k: int = key()
   decode_sampling_seed: int = key()
   quantize_kvcache: bool = key()
+  quantize_weights: str = key()  # "" | int8 | fp8: the decoder stack's kernels stored 8-bit (inference/quantized_weights.py)
+  quantize_weights_block: int = key()  # input rows per scale; 0: one scale per output channel
   host: str = key()  # MaxText.serve: the address the HTTP server binds
   port: int = key()
   serve_model_name: str = key()  # the model id clients name; "" = model_name
@@ -352,6 +355,9 @@ class DecodeConfig:
   def from_values(cls, v: Mapping[str, Any]) -> "DecodeConfig":
     _one_of(v, "decode_sampling_strategy", SAMPLING_STRATEGIES)
     _one_of(v, "kv_cache_layout", KV_CACHE_LAYOUTS)
+    _one_of(v, "quantize_weights", WEIGHT_QUANTIZATION_MODES)
+    _require(v["quantize_weights_block"] >= 0, f"quantize_weights_block must be >= 0 (0: one scale per output "
+             f"channel), got {v['quantize_weights_block']}")
     _require(v["kv_page_size"] >= 1, f"kv_page_size must be >= 1, got {v['kv_page_size']}")
     _require(v["kv_num_pages"] >= 0, f"kv_num_pages must be >= 0 (0: enough for every slot at max_target_length), "
              f"got {v['kv_num_pages']}")

@@ -48,7 +48,7 @@ from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.errors import UserError
-from MaxText.inference import image_prompts, page_prefill, paged_cache, sampling
+from MaxText.inference import image_prompts, page_prefill, paged_cache, quantized_weights, sampling
 from MaxText.inference.decode_state import (DecodeState, Prefix, RowSampling, pad_prompts, row_sampling, sample,
                                             seeded, with_prompt)
 from MaxText.inference import decode_block
@@ -93,7 +93,9 @@ class Engine:
                       "the cache needs room for generated tokens")
     self.model = model_assembly.build_model(config, mesh=mesh, model=self.cfg)
     self.mesh, self.rules, self.spec = self.model.mesh, self.model.rules, self.model.spec
-    self.param_shardings = self.model.param_shardings
+    self.param_shardings = self.model.param_shardings  # of the float parameters prepare_params takes
+    self.weight_quantizer = quantized_weights.for_engine(self.spec, self.decode_cfg.quantize_weights,
+                                                         self.decode_cfg.quantize_weights_block)
     self.sampling = sampling.SamplingParams(
         self.decode_cfg.decode_sampling_strategy, self.decode_cfg.decode_sampling_temperature,
         self.decode_cfg.decode_sampling_top_p, self.decode_cfg.decode_sampling_top_k)
@@ -128,7 +130,15 @@ class Engine:
   def load_params(self, path: str | None = None, seed: int = 0) -> Params:
     """Parameters from a checkpoint (params-only, step directory or checkpoints root), sharded for
     this mesh; with no path, freshly initialised ones (for tests and benchmarks)."""
-    return self.model.params(path or "", seed)
+    return self.prepare_params(self.model.params(path or "", seed), donate=True)
+
+  def prepare_params(self, params: Params, donate: bool = False) -> Params:
+    """Float parameters laid out as `param_shardings` as this engine decodes from them: with
+    quantize_weights, the decoder kernels in 8-bit storage (quantized_weights.py); `donate`: the
+    float kernels' buffers may be reused."""
+    if self.weight_quantizer is None:
+      return params
+    return self.weight_quantizer(params, self.param_shardings, donate)
 
   def init_decode_state(self, seed: int = 0) -> DecodeState:
     """Empty caches for every slot, born sharded (paged: every page free again)."""
@@ -278,6 +288,8 @@ class Engine:
                          self.state_shardings)
     table = self.cache.abstract_table(sharding.replicated(self.mesh))
     with sharding.activation_sharding(self.mesh, self.rules):
+      if self.weight_quantizer is not None:
+        abstract_params = self.weight_quantizer.abstract(abstract_params)
       return self._generate.lower(abstract_params, state, table).compile()
 
   @property
@@ -380,7 +392,10 @@ def load_engine(config: Config, num_slots: int, fresh_note: str, mesh: Mesh | No
   engine = Engine(config, num_slots=num_slots, mesh=mesh)
   if not path:
     distributed.log(fresh_note)
-  return engine, engine.load_params(path)
+  params = engine.load_params(path)
+  if engine.weight_quantizer is not None:
+    distributed.log(engine.weight_quantizer.describe(engine.spec.abstract_params, params))
+  return engine, params
 
 
 def serve(engine: Engine, params: Params, requests: Sequence[Request], eos_id: int | None = None,

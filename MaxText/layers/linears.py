@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.layers import lora_rows, quantization
+from MaxText.layers import lora_rows, quantization, weight_quantization
+from MaxText.layers.weight_quantization import QuantizedWeight
 
 
 class DenseGeneral(nnx.Module):
@@ -62,8 +63,12 @@ class DenseGeneral(nnx.Module):
     num_in = len(self.in_shape)
     contract = (tuple(range(x.ndim - num_in, x.ndim)), tuple(range(num_in)))
     mode = quantization.current_quantization() if self.quantize else ""
-    y = quantization.quantized_dot_general(mode, x.astype(self.dtype), self.kernel[...].astype(self.dtype),
-                                           (contract, ((), ())))
+    stored = self.kernel.get_raw_value()
+    if isinstance(stored, QuantizedWeight):  # quantize_weights: decoding from 8-bit storage
+      y = weight_quantization.dense_dot(x, stored, num_in, self.dtype, mode)
+    else:
+      y = quantization.quantized_dot_general(mode, x.astype(self.dtype), self.kernel[...].astype(self.dtype),
+                                             (contract, ((), ())))
     if self.lora_rank > 0 and lora_rows.is_table(self.lora_a[...], num_in):  # serving many adapters
       rows_delta = lora_rows.delta(x, self.lora_a[...], self.lora_b[...], num_in, self.dtype)
       if rows_delta is not None:

@@ -1,0 +1,180 @@
+"""quantize_weights: 8-bit kernel storage for decoding (layers/weight_quantization.py,
+inference/quantized_weights.py): the matmul against float within the quantization step, a tiny
+model's logits and greedy tokens against its float engine, the bytes, the weight copy of GRPO
+rollouts, and the refused values."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from MaxText.configuration.config import Config
+from MaxText.errors import ConfigError, UserError
+from MaxText.inference import quantized_weights
+from MaxText.inference.engine import Engine
+from MaxText.layers import quantization
+from MaxText.layers.weight_quantization import QuantizedWeight, dense_dot, quantize_weight
+from MaxText.platform import sharding
+from MaxText.rl import rollout_mesh
+from decode_test_utils import engine_tokens, one_device_mesh, uncached_greedy
+
+TINY = dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16, base_mlp_dim=128,
+            base_num_decoder_layers=2, vocab_size=128, max_target_length=24, max_prefill_predict_length=8,
+            per_device_batch_size=1, print_config=False, dtype="float32")
+E4M3_HALF_ULP = 2.0**-4  # e4m3 keeps 3 mantissa bits: rounding to nearest errs by at most 2**-4 relative
+E4M3_SUBNORMAL_HALF_STEP = 2.0**-10  # below 2**-6 the step is 2**-9 (times the scale)
+
+
+def _x_w(k: int = 64, n: int = 24, m: int = 6, seed: int = 0) -> tuple[jax.Array, jax.Array]:
+  kx, kw = jax.random.split(jax.random.key(seed))
+  x = jax.random.normal(kx, (m, k), jnp.float32) * jnp.linspace(0.2, 3.0, m)[:, None]
+  w = jax.random.normal(kw, (k, n), jnp.float32) * jnp.linspace(0.1, 2.0, n)[None, :] / np.sqrt(k)
+  return x, w
+
+
+def _bound(x: np.ndarray, w_error: np.ndarray) -> np.ndarray:
+  """|x · w - x · w_q| <= |x| · |w - w_q| (float32 accumulation adds a little: 1e-5 relative)."""
+  return np.abs(x) @ w_error + 1e-5 * (np.abs(x) @ np.abs(w_error)).max() + 1e-6
+
+
+@pytest.mark.parametrize("block", [0, 16])
+def test_weight_only_int8_and_fp8_matmul_within_the_quantization_step(block):
+  x, w = _x_w()
+  xn, wn = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  for mode in ("int8", "fp8"):
+    q = quantize_weight(w, mode, (0,), block)
+    assert q.values.dtype == (jnp.int8 if mode == "int8" else jnp.float8_e4m3fn)
+    assert q.scale.shape == ((1 if block == 0 else 64 // block), 24)
+    scale = np.repeat(np.asarray(q.scale, np.float64), 64 // q.scale.shape[0], axis=0)
+    if mode == "int8":  # half a step of each weight's row (block)
+      step = scale / 2
+    else:
+      step = E4M3_HALF_ULP * np.abs(wn) + E4M3_SUBNORMAL_HALF_STEP * scale
+    assert np.all(np.abs(np.asarray(q.dequantize(jnp.float32), np.float64) - wn) <= step * (1 + 1e-6))
+    y = np.asarray(dense_dot(x, q, 1, jnp.float32, ""), np.float64)
+    assert np.all(np.abs(y - xn @ wn) <= _bound(xn, step)), mode
+
+
+def test_weight_and_activation_int8_and_fp8_matmul_within_both_steps():
+  x, w = _x_w(seed=1)
+  xn, wn = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  q = quantize_weight(w, "int8", (0,))
+  y = np.asarray(dense_dot(x, q, 1, jnp.float32, "int8"), np.float64)
+  w_step = np.asarray(q.scale, np.float64) / 2 * np.ones_like(wn)
+  x_step = np.abs(xn).max(axis=1, keepdims=True) / 127 / 2 * np.ones_like(xn)  # per token
+  bound = _bound(xn, w_step) + x_step @ (np.abs(wn) + w_step)
+  assert np.all(np.abs(y - xn @ wn) <= bound)
+  hlo = jax.jit(lambda a: dense_dot(a, q, 1, jnp.float32, "int8")).lower(x).as_text()
+  assert "xi8>" in hlo and "-> tensor<6x24xi32>" in hlo  # an int8 x int8 -> int32 dot
+  q8 = quantize_weight(w, "fp8", (0,))
+  y8 = np.asarray(dense_dot(x, q8, 1, jnp.float32, "fp8"), np.float64)
+  scale = np.asarray(q8.scale, np.float64)
+  w_step = E4M3_HALF_ULP * np.abs(wn) + E4M3_SUBNORMAL_HALF_STEP * scale
+  x_scale = np.abs(xn).max() / 448
+  x_step = E4M3_HALF_ULP * np.abs(xn) + E4M3_SUBNORMAL_HALF_STEP * x_scale  # per tensor
+  assert np.all(np.abs(y8 - xn @ wn) <= _bound(xn, w_step) + x_step @ (np.abs(wn) + w_step))
+  # Blocked scales under an activation mode: the active mode's matmul on the dequantized kernel.
+  blocked = quantize_weight(w, "int8", (0,), 16)
+  np.testing.assert_allclose(dense_dot(x, blocked, 1, jnp.float32, "int8"),
+                             quantization.quantized_dot_general("int8", x, blocked.dequantize(jnp.float32),
+                                                                (((1,), (0,)), ((), ()))), rtol=1e-6, atol=1e-6)
+
+
+def test_several_input_axes_and_a_stacked_kernel():
+  """Attention's out projection: [heads, head_dim, embed] contracting two axes, stacked over layers."""
+  kernel = jax.random.normal(jax.random.key(2), (3, 4, 8, 16), jnp.float32)
+  q = quantize_weight(kernel, "int8", (1, 2))
+  assert q.scale.shape == (3, 1, 1, 16)
+  x = jax.random.normal(jax.random.key(3), (2, 5, 4, 8), jnp.float32)
+  layer = QuantizedWeight(q.values[1], q.scale[1], q.dtype)
+  y = dense_dot(x, layer, 2, jnp.float32, "")
+  np.testing.assert_allclose(y, jnp.einsum("blhd,hde->ble", x, layer.dequantize(jnp.float32)), rtol=1e-5, atol=1e-5)
+  assert layer[...].shape == (4, 8, 16)  # what `param[...]` reads: the float kernel
+
+
+def _logits(engine: Engine, params, tokens: jax.Array) -> jax.Array:
+  apply = jax.jit(sharding.unsharded()(engine.spec.apply))
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  return apply(params, tokens, positions, jnp.ones_like(tokens))
+
+
+def _agreement_and_kl(reference: jax.Array, quantized: jax.Array) -> tuple[float, float]:
+  """The share of positions whose argmax agrees, and the mean KL(reference || quantized) in nats."""
+  log_p, log_q = jax.nn.log_softmax(reference, -1), jax.nn.log_softmax(quantized, -1)
+  kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), -1)
+  return float(jnp.mean(jnp.argmax(reference, -1) == jnp.argmax(quantized, -1))), float(jnp.mean(kl))
+
+
+# Bounds on the random tiny model (flat logits: near ties make argmax flips likelier than on a
+# trained model). The measured figures are in getting_started/Serving.md.
+BOUNDS = {"int8": (0.95, 1e-4), "fp8": (0.90, 3e-3)}
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_quantized_engine_against_its_float_engine(mode):
+  reference = Engine(Config.for_testing(**TINY), num_slots=2, mesh=one_device_mesh())
+  float_params = reference.load_params(seed=1)
+  engine = Engine(Config.for_testing(**TINY, quantize_weights=mode), num_slots=2, mesh=one_device_mesh())
+  params = engine.prepare_params(float_params)
+  # Every projection of the stack converted; the embedding, the head and the norms kept.
+  converted = {path for path, leaf in _leaves(params) if isinstance(leaf, QuantizedWeight)}
+  assert converted == {("layers", "self_attention", p, "kernel") for p in ("query", "key", "value", "out")} | \
+      {("layers", "mlp", p, "kernel") for p in ("wi_0", "wi_1", "wo")}
+  kernel_bytes = sum(_get(float_params, p).nbytes for p in converted)
+  scale_bytes = sum(_get(params, p).scale.nbytes for p in converted)
+  before, after = quantized_weights.weight_bytes(float_params), quantized_weights.weight_bytes(params)
+  assert after == before - kernel_bytes + kernel_bytes // 4 + scale_bytes  # float32 -> 1 byte each
+  tokens = jax.random.randint(jax.random.key(0), (16, 24), 0, 128)
+  agreement, kl = _agreement_and_kl(_logits(reference, float_params, tokens), _logits(engine, params, tokens))
+  least, most = BOUNDS[mode]
+  assert agreement >= least and kl <= most, (agreement, kl)
+  # The engine decodes the converted weights as the model's full forward pass does.
+  prompts = [[3, 9, 27], [1, 2, 3, 4, 5]]
+  assert engine_tokens(engine, params, prompts, 8) == [uncached_greedy(engine.spec, params, p, 8, 24) for p in prompts]
+
+
+def _leaves(tree, path=()):
+  if isinstance(tree, dict):
+    for key, value in tree.items():
+      yield from _leaves(value, path + (key,))
+  else:
+    yield path, tree
+
+
+def _get(tree, path):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def test_refused_values():
+  with pytest.raises(ConfigError, match="quantize_weights must be one of"):
+    Config.for_testing(**TINY, quantize_weights="int4")
+  with pytest.raises(ConfigError, match="quantize_weights_block must be >= 0"):
+    Config.for_testing(**TINY, quantize_weights="int8", quantize_weights_block=-1)
+  with pytest.raises(UserError, match="quantize_weights_block=24 does not divide the input axis of 64"):
+    Engine(Config.for_testing(**TINY, quantize_weights="fp8", quantize_weights_block=24), mesh=one_device_mesh())
+  with pytest.raises(ValueError, match="quantize_weights must be one of"):
+    quantize_weight(jnp.ones((4, 4)), "int4", (0,))
+
+
+def test_rollout_weight_copies_are_converted_once_each():
+  """GRPO: without a rollout mesh every step's policy is converted; on one, each copy once it is made."""
+  config = Config.for_testing(**TINY, quantize_weights="int8")
+  engine = Engine(config, num_slots=2, mesh=one_device_mesh())
+  float_params = Engine(Config.for_testing(**TINY), mesh=one_device_mesh()).load_params(seed=1)
+  same_mesh = rollout_mesh.WeightSync(None, 1, prepare=engine.prepare_params)
+  params, scalars = same_mesh.for_step(float_params, 0)
+  assert scalars == {} and isinstance(params["layers"]["mlp"]["wo"]["kernel"], QuantizedWeight)
+  assert not isinstance(float_params["layers"]["mlp"]["wo"]["kernel"], QuantizedWeight)  # the policy is untouched
+  other = Engine(config, num_slots=2, mesh=Mesh(np.asarray(jax.devices()[4:5]).reshape(one_device_mesh().devices.shape),
+                                                one_device_mesh().axis_names))
+  sync = rollout_mesh.WeightSync(other.param_shardings, 2, prepare=other.prepare_params)
+  copy, scalars = sync.for_step(float_params, 0)
+  assert scalars["weight_sync_bytes"] == quantized_weights.weight_bytes(float_params)  # what was copied
+  kernel = copy["layers"]["self_attention"]["query"]["kernel"]
+  assert isinstance(kernel, QuantizedWeight) and kernel.values.devices() == {jax.devices()[4]}
+  assert sync.for_step(float_params, 1)[0] is copy  # between copies: the converted copy again
