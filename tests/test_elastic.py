@@ -3,12 +3,15 @@ continues on fewer slices with more gradient accumulation trains like one that n
 
 from __future__ import annotations
 
+import json
+import signal
 from fractions import Fraction
 
 import jax
 import numpy as np
 import pytest
 
+from MaxText import elastic
 from MaxText.configuration import elastic_config
 from MaxText.configuration.config import Config
 from MaxText.configuration.elastic_config import SliceLayout
@@ -157,3 +160,121 @@ def test_training_continued_on_fewer_slices_with_more_accumulation_matches_an_un
   # losses agree to float32 rounding, as for any other change of mesh (tests/test_multiprocess.py).
   for key in ("loss", "grad_norm", "num_tokens"):
     np.testing.assert_allclose([h[key] for h in history], [h[key] for h in reference], rtol=2e-5, err_msg=key)
+
+
+# ------------------------------------------------------------------------------- the supervisor
+class _FakeGeneration:
+  """Processes that follow a script: codes[i] is None while process i runs."""
+
+  def __init__(self, slices: list[int], processes_per_slice: int = 1):
+    self.owner = [s for s in slices for _ in range(processes_per_slice)]
+    self.codes: list[int | None] = [None] * len(self.owner)
+    self.signals: list[int] = []
+
+  def exits(self) -> list[elastic.Exit]:
+    return [elastic.Exit(s, i, c) for i, (s, c) in enumerate(zip(self.owner, self.codes)) if c is not None]
+
+  def running(self) -> int:
+    return sum(c is None for c in self.codes)
+
+  def signal_all(self, signum: int) -> None:
+    self.signals.append(signum)
+    # SIGTERM: every process saves at the step boundary and exits 143; SIGKILL ends the rest.
+    self.codes = [c if c is not None else (143 if signum == signal.SIGTERM else -signum) for c in self.codes]
+
+
+class _FakeLauncher:
+  def __init__(self, num_slices: int, script):
+    self.up = set(range(num_slices))
+    self.starts: list[tuple[list[int], list[str]]] = []
+    self.generations: list[_FakeGeneration] = []
+    self.script = script  # (launcher, generation index) -> None, called once per poll
+
+  def start(self, slices, overrides):
+    self.starts.append((list(slices), list(overrides)))
+    self.generations.append(_FakeGeneration(list(slices)))
+    return _Polled(self, len(self.generations) - 1)
+
+  def available(self):
+    return set(self.up)
+
+  def mark_lost(self, slice_id):
+    self.up.discard(slice_id)
+
+
+class _Polled:
+  """Runs the test's script before each look at the generation."""
+
+  def __init__(self, launcher: _FakeLauncher, index: int):
+    self.launcher, self.index = launcher, index
+    self.generation = launcher.generations[index]
+
+  def exits(self):
+    self.launcher.script(self.launcher, self.index)
+    return self.generation.exits()
+
+  def running(self):
+    return self.generation.running()
+
+  def signal_all(self, signum):
+    self.generation.signal_all(signum)
+
+
+def _supervisor(launcher, run_dir, min_slices=1) -> elastic.Supervisor:
+  layout = SliceLayout(num_slices=4, devices_per_slice=2, batch_shards_per_slice=2, global_batch_size=8,
+                       gradient_accumulation_steps=1, min_slices=min_slices)
+  return elastic.Supervisor(layout, launcher, run_dir, poll_s=0, stop_grace_s=0.5, log=lambda message: None)
+
+
+def test_a_lost_slice_shrinks_the_run_and_its_return_grows_it_back(tmp_path):
+  def script(launcher, index):
+    generation = launcher.generations[index]
+    if index == 0 and generation.running() == 4:  # slice 2's process is killed; JAX aborts one peer
+      generation.codes[2], generation.codes[0] = -signal.SIGKILL, -signal.SIGABRT
+      (tmp_path / "metrics.jsonl").write_text('{"step": 7}\n')
+      (tmp_path / "checkpoints" / "5").mkdir(parents=True)
+    elif index == 1 and generation.running() == 2:
+      (tmp_path / "metrics.jsonl").write_text('{"step": 9}\n')  # the shrunk run trains past step 5 ...
+      launcher.up.add(2)  # ... and the slice returns
+    elif index == 2:
+      generation.codes = [0] * 4
+
+  launcher = _FakeLauncher(4, script)
+  supervisor = _supervisor(launcher, tmp_path)
+  assert supervisor.run() == 0
+  # 3 slices up cannot keep the batch of 8 (3 x 2 devices), so the run continues on 2, then grows back to 4.
+  assert [s for s, _ in launcher.starts] == [[0, 1, 2, 3], [0, 1], [0, 1, 2, 3]]
+  assert launcher.starts[1][1] == ["num_slices=2", "dcn_data_parallelism=2", "per_device_batch_size=2",
+                                   "gradient_accumulation_steps=2"]
+  assert launcher.starts[2][1][-1] == "gradient_accumulation_steps=1"
+  assert launcher.generations[1].signals == [signal.SIGTERM]  # grow-back stops at a step boundary
+  lost, grown = supervisor.resizes
+  assert (lost.cause, lost.from_slices, lost.to_slices, lost.step_reached, lost.resumed_from) == \
+      ("process 2 (slice 2) was killed by signal 9", 4, 2, 7, 5)
+  assert lost.seconds_to_resume is not None and lost.seconds_to_resume >= 0
+  assert (grown.cause, grown.from_slices, grown.to_slices) == ("slice(s) 2 returned", 2, 4)
+  records = [json.loads(line) for line in (tmp_path / elastic.EVENTS_FILE).read_text().splitlines()]
+  assert [r["to_slices"] for r in records] == [2, 4]
+  assert "elastic: process 2 (slice 2) was killed by signal 9: 4 -> 2 slice(s) at step 7, resumed from step 5 " \
+         "(2 step(s) redone)" in lost.line()
+
+
+def test_the_runs_own_error_stops_the_job_without_a_resize(tmp_path):
+  def script(launcher, index):
+    launcher.generations[index].codes[1] = 3  # too many non-finite steps: exit status 3
+
+  launcher = _FakeLauncher(4, script)
+  supervisor = _supervisor(launcher, tmp_path)
+  assert supervisor.run() == 3
+  assert len(launcher.starts) == 1 and not supervisor.resizes
+  assert launcher.generations[0].signals == [signal.SIGTERM]
+
+
+def test_below_the_minimum_the_run_stops_with_one_line(tmp_path):
+  def script(launcher, index):
+    launcher.generations[index].codes[3] = -signal.SIGKILL
+
+  with pytest.raises(elastic.UserError, match=r"^elastic: 3 slice\(s\) up after process 3 \(slice 3\) was killed by "
+                                              r"signal 9, fewer than elastic_min_slices=4 can carry the global batch "
+                                              r"of 8; the run stops"):
+    _supervisor(_FakeLauncher(4, script), tmp_path, min_slices=4).run()

@@ -86,7 +86,7 @@ FOLDER_ORDER: tuple[tuple[str, ...], ...] = (
     # entry points (the converters and prepare_data.py live inside their packages)
     ("MaxText.train_compile", "MaxText.train", "MaxText.plan", "MaxText.decode", "MaxText.serve",
      "MaxText.generate_param_only_checkpoint", "MaxText.logit_checker", "MaxText.train_tokenizer",
-     "MaxText.multihost_runner", "MaxText.multihost_job"),
+     "MaxText.multihost_runner", "MaxText.multihost_job", "MaxText.elastic"),
 )
 # (importer, imported) -> why this import climbs back up the order.
 CLIMBS_ALLOWED: dict[tuple[str, str], str] = {}

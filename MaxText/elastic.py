@@ -1,0 +1,274 @@
+"""Elastic training's supervisor: keeps a multi-slice run going when a slice is lost, and grows it
+back when the slice returns.
+
+JAX's multi-controller runtime cannot drop a process from a running computation, so elasticity
+lives outside it: this supervisor starts the job's processes (one generation), watches them, and
+when a process dies stops the rest (a survivor blocked in a collective with the dead one is ended
+by JAX's heartbeat abort or the hang watchdog, else by SIGTERM and then SIGKILL), and relaunches
+the same command on the surviving slices with the overrides of `elastic_config.resize`: fewer
+slices, the same global batch through more gradient accumulation. The relaunched run resumes
+from its newest checkpoint, so its data position is the checkpoint's. When a lost slice is up
+again the supervisor sends SIGTERM (the run saves at the next step boundary and exits) and
+relaunches on all slices. Every resize is one line and one record of `<run_dir>/elastic.jsonl`:
+cause, slices before and after, the step reached, the step resumed from, seconds to resume.
+
+Launchers: `LoopbackLauncher` (CPU processes on 127.0.0.1 joined by jax.distributed, each slice
+a group of processes; a slice is "down" while its marker file exists). TPU VMs (multihost_runner)
+and GKE are still to build; see getting_started/Fault_tolerance.md, "Elastic training".
+No JAX here: the supervisor never starts a backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Mapping, Protocol, Sequence
+
+from MaxText.configuration import elastic_config
+from MaxText.configuration.elastic_config import SliceLayout
+from MaxText.errors import UserError
+
+EVENTS_FILE = "elastic.jsonl"
+WATCHDOG_EXIT = 4  # training/health.py's StepWatchdog: no step finished in step_timeout_seconds
+SIGTERM_EXIT = 128 + signal.SIGTERM  # train.py after saving at a SIGTERM step boundary
+_PEER_FAILURES = (-signal.SIGABRT, 128 + signal.SIGABRT, WATCHDOG_EXIT)  # ends caused by another process
+
+
+@dataclasses.dataclass(frozen=True)
+class Exit:
+  """A process of the current generation that has ended."""
+
+  slice_id: int
+  process: int  # its process index in the generation
+  code: int  # negative: killed by that signal
+
+  @property
+  def infrastructure(self) -> bool:
+    """Lost to its host or a peer (a signal, JAX's abort, the hang watchdog), not the run's own error."""
+    return self.code < 0 or self.code in _PEER_FAILURES
+
+  def describe(self) -> str:
+    how = f"was killed by signal {-self.code}" if self.code < 0 else f"exited with status {self.code}"
+    return f"process {self.process} (slice {self.slice_id}) {how}"
+
+
+class Generation(Protocol):
+  """One launch of the job's processes."""
+
+  def exits(self) -> list[Exit]:
+    """Every process that has ended so far."""
+    ...
+
+  def running(self) -> int:
+    ...
+
+  def signal_all(self, signum: int) -> None:
+    ...
+
+
+class Launcher(Protocol):
+  def start(self, slices: Sequence[int], overrides: Sequence[str]) -> Generation:
+    ...
+
+  def available(self) -> set[int]:
+    """The slices that are up now."""
+    ...
+
+  def mark_lost(self, slice_id: int) -> None:
+    ...
+
+
+@dataclasses.dataclass
+class Resize:
+  """One record of elastic.jsonl."""
+
+  cause: str
+  from_slices: int
+  to_slices: int
+  step_reached: int  # the newest step the run had logged when it stopped
+  resumed_from: int  # the checkpoint step the relaunched run starts after (0: the beginning)
+  detected: float  # unix time the supervisor saw the cause
+  seconds_to_resume: float | None = None  # until the relaunched run logged a step past resumed_from
+
+  def line(self) -> str:
+    resumed = f"{self.seconds_to_resume:.1f} s" if self.seconds_to_resume is not None else "not yet"
+    return (f"elastic: {self.cause}: {self.from_slices} -> {self.to_slices} slice(s) at step {self.step_reached}, "
+            f"resumed from step {self.resumed_from} ({self.step_reached - self.resumed_from} step(s) redone), "
+            f"{resumed} to resume")
+
+
+def logged_step(run_dir: Path) -> int:
+  """The newest step in <run_dir>/metrics.jsonl (0: none)."""
+  path = run_dir / "metrics.jsonl"
+  if not path.exists():
+    return 0
+  steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip().startswith("{")]
+  return max(steps, default=0)
+
+
+def checkpoint_step(run_dir: Path) -> int:
+  """The newest whole step in <run_dir>/checkpoints (0: none)."""
+  folder = run_dir / "checkpoints"
+  steps = [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []
+  return max(steps, default=0)
+
+
+class Supervisor:
+  def __init__(self, layout: SliceLayout, launcher: Launcher, run_dir: Path, *, poll_s: float = 0.5,
+               stop_grace_s: float = 60.0, log: Callable[[str], None] | None = None):
+    self.layout, self.launcher, self.run_dir = layout, launcher, run_dir
+    self.poll_s, self.stop_grace_s = poll_s, stop_grace_s
+    self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+    self.resizes: list[Resize] = []
+    self.lost: set[int] = set()  # slices whose process died, until they are up again
+
+  def run(self) -> int:
+    """Runs the job to its end; returns its exit status (0: finished)."""
+    slices = self._usable(self.launcher.available(), "at the start")
+    pending: Resize | None = None
+    while True:
+      overrides = elastic_config.resize(self.layout, len(slices)).overrides()
+      self.log(f"elastic: starting on slice(s) {', '.join(map(str, slices))}: {' '.join(overrides)}")
+      generation = self.launcher.start(slices, overrides)
+      outcome = self._watch(generation, slices, pending)
+      pending = None
+      if isinstance(outcome, int):
+        return outcome
+      cause, up = outcome
+      new = self._usable(up, f"after {cause}")
+      pending = Resize(cause, len(slices), len(new), logged_step(self.run_dir), checkpoint_step(self.run_dir),
+                       time.time())
+      self.resizes.append(pending)
+      self.log(pending.line())
+      slices = new
+
+  def _usable(self, up: set[int], when: str) -> list[int]:
+    count = elastic_config.usable_slices(self.layout, len(up))
+    if count is None:
+      raise UserError(f"elastic: {len(up)} slice(s) up {when}, fewer than elastic_min_slices="
+                      f"{self.layout.min_slices} can carry the global batch of {self.layout.global_batch_size}; "
+                      f"the run stops (its checkpoints are kept: relaunch when the slices are back)")
+    return sorted(up)[:count]
+
+  def _watch(self, generation: Generation, slices: list[int], pending: Resize | None) -> int | tuple[str, set[int]]:
+    """Until the generation ends: its exit status, or (cause, the slices up) for a resize."""
+    while True:
+      time.sleep(self.poll_s)
+      if pending is not None and pending.seconds_to_resume is None and logged_step(self.run_dir) > pending.resumed_from:
+        pending.seconds_to_resume = time.time() - pending.detected
+        self.log(pending.line())
+        self._record(pending)
+      exits = generation.exits()
+      failed = [e for e in exits if e.code not in (0, SIGTERM_EXIT)]
+      if failed:
+        culprit = next((e for e in failed if e.code not in _PEER_FAILURES), failed[0])
+        self._stop(generation)
+        if not culprit.infrastructure:
+          self.log(f"elastic: {culprit.describe()}: the run's own error, not a lost slice; stopping")
+          return culprit.code
+        self.launcher.mark_lost(culprit.slice_id)
+        self.lost.add(culprit.slice_id)
+        return culprit.describe(), self.launcher.available()
+      if generation.running() == 0:
+        if pending is not None and pending.seconds_to_resume is None:
+          self._record(pending)
+        return next((e.code for e in exits if e.code != 0), 0)
+      up = self.launcher.available()
+      if len(slices) < self.layout.num_slices and len(up) > len(slices):
+        grown = elastic_config.usable_slices(self.layout, len(up))
+        if grown is not None and grown > len(slices):
+          returned = ", ".join(map(str, sorted(self.lost & up))) or ", ".join(map(str, sorted(up - set(slices))))
+          self.lost -= up
+          self.log(f"elastic: slice(s) {returned} up again; stopping at the next step boundary to grow back")
+          self._stop(generation, first=signal.SIGTERM)
+          return f"slice(s) {returned} returned", up
+
+  def _stop(self, generation: Generation, first: int = signal.SIGTERM) -> None:
+    """Ends every process: `first` (SIGTERM saves at the next step boundary), SIGKILL after the grace."""
+    generation.signal_all(first)
+    deadline = time.monotonic() + self.stop_grace_s
+    while generation.running() and time.monotonic() < deadline:
+      time.sleep(0.2)
+    if generation.running():
+      generation.signal_all(signal.SIGKILL)
+      while generation.running():
+        time.sleep(0.1)
+
+  def _record(self, resize: Resize) -> None:
+    with open(self.run_dir / EVENTS_FILE, "a", encoding="utf-8") as f:
+      f.write(json.dumps(dataclasses.asdict(resize)) + "\n")
+
+
+# ----------------------------------------------------------------------------- CPU loopback launcher
+class _ProcessGeneration:
+  def __init__(self, procs: list[tuple[int, subprocess.Popen[bytes]]]):
+    self.procs = procs
+
+  def exits(self) -> list[Exit]:
+    return [Exit(slice_id, i, code) for i, (slice_id, p) in enumerate(self.procs)
+            if (code := p.poll()) is not None]
+
+  def running(self) -> int:
+    return sum(p.poll() is None for _, p in self.procs)
+
+  def signal_all(self, signum: int) -> None:
+    for _, p in self.procs:
+      if p.poll() is None:
+        p.send_signal(signum)
+
+
+class LoopbackLauncher:
+  """The job's processes on this machine (CPU): `processes_per_slice` per slice, each with
+  `devices_per_process` simulated devices, joined on 127.0.0.1. A slice is down while
+  `<state_dir>/slice_<i>.down` exists (the supervisor writes it when the slice's process dies;
+  deleting it brings the slice back)."""
+
+  def __init__(self, command: Sequence[str], num_slices: int, processes_per_slice: int, devices_per_process: int,
+               state_dir: Path, env: Mapping[str, str], log_dir: Path):
+    self.command, self.num_slices = list(command), num_slices
+    self.processes_per_slice, self.devices_per_process = processes_per_slice, devices_per_process
+    self.state_dir, self.env, self.log_dir = state_dir, dict(env), log_dir
+    self.generations = 0
+    state_dir.mkdir(parents=True, exist_ok=True)
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+  def marker(self, slice_id: int) -> Path:
+    return self.state_dir / f"slice_{slice_id}.down"
+
+  def available(self) -> set[int]:
+    return {s for s in range(self.num_slices) if not self.marker(s).exists()}
+
+  def mark_lost(self, slice_id: int) -> None:
+    self.marker(slice_id).write_text("lost\n")
+
+  def start(self, slices: Sequence[int], overrides: Sequence[str]) -> _ProcessGeneration:
+    self.generations += 1
+    count = len(slices) * self.processes_per_slice
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      address = f"127.0.0.1:{s.getsockname()[1]}"
+    flags = f"--xla_force_host_platform_device_count={self.devices_per_process}"
+    procs = []
+    for index in range(count):
+      env = {**self.env, "XLA_FLAGS": f"{flags} {self.env.get('XLA_FLAGS', '')}".strip(), "JAX_PLATFORMS": "cpu"}
+      if count > 1:
+        env.update(JAX_COORDINATOR_ADDRESS=address, JAX_PROCESS_COUNT=str(count), JAX_PROCESS_ID=str(index))
+      log = open(self.log_dir / f"generation_{self.generations}_process_{index}.log", "wb")  # noqa: SIM115
+      procs.append((slices[index // self.processes_per_slice],
+                    subprocess.Popen([*self.command, *overrides], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)))
+      log.close()  # the child holds its own descriptor
+    return _ProcessGeneration(procs)
+
+
+def loopback_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+  """This process's environment without the multi-process variables (each process gets its own)."""
+  drop = ("JAX_COORDINATOR_ADDRESS", "JAX_PROCESS_COUNT", "JAX_PROCESS_ID", "XLA_FLAGS")
+  return {**{k: v for k, v in os.environ.items() if k not in drop}, **(extra or {})}
