@@ -67,10 +67,10 @@ PY
 
 DATA="$OUT/data"
 MODEL=(base_emb_dim=128 base_num_query_heads=4 base_num_kv_heads=2 head_dim=32 base_mlp_dim=384
-       base_num_decoder_layers=2 vocab_size=512 max_target_length=96 print_config=False cpu_peak_tflops=0.1
+       base_num_decoder_layers=2 vocab_size=512 max_target_length=128 print_config=False cpu_peak_tflops=0.1
        tokenizer_type=huggingface tokenizer_path="$OUT/tokenizer" base_output_directory="$OUT/runs"
        enable_tensorboard=False)
-GRPO=("${MODEL[@]}" max_prefill_predict_length=72 max_completion_length=25 rl_environment=calculator rl_max_turns=2
+GRPO=("${MODEL[@]}" max_prefill_predict_length=96 max_completion_length=32 rl_environment=calculator rl_max_turns=2
       reward_functions=[])
 export JAX_PLATFORMS=cpu
 run() {  # run NAME CONFIG KEY=VALUE... : trains, keeps stdout, shows the last step lines
