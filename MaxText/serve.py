@@ -24,6 +24,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Awaitable, Callable
@@ -111,6 +112,32 @@ def _codec(config: config_lib.Config) -> tuple[api.Codec, int | None]:
   return api.Codec(encode, tokenizer.decode, chat, chat_images, chat_tools, grammars, tool_format), tokenizer.eos_id
 
 
+def _emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[sched.Event]) -> Callable[[sched.Event], None]:
+  """A job's `emit` (called on the scheduler thread): events gather in a list that one callback on
+  the event loop moves into `queue`, so a call's several tokens wake the loop once, not once each."""
+  pending: list[sched.Event] = []
+  lock = threading.Lock()
+
+  def move() -> None:
+    with lock:
+      events = list(pending)
+      pending.clear()
+    for event in events:
+      queue.put_nowait(event)
+
+  def emit(event: sched.Event) -> None:
+    with lock:
+      pending.append(event)
+      if len(pending) > 1:  # a move is already on its way
+        return
+    try:
+      loop.call_soon_threadsafe(move)
+    except RuntimeError:  # the event loop is closed: the server is stopping
+      pass
+
+  return emit
+
+
 class Server:
   """The engine's scheduler and what the routes need to turn requests into jobs and answers."""
 
@@ -139,12 +166,7 @@ class Server:
     """Queues the request's choices as jobs whose events arrive on the returned queue (503 when
     full, 400 when a choice needs more KV pages than the whole pool)."""
     loop, queue = asyncio.get_running_loop(), asyncio.Queue[sched.Event]()
-
-    def emit(event: sched.Event) -> None:
-      try:
-        loop.call_soon_threadsafe(queue.put_nowait, event)
-      except RuntimeError:  # the event loop is closed: the server is stopping
-        pass
+    emit = _emitter(loop, queue)
 
     if self.adapters is not None and request.model not in ("", self.limits.model_name):
       return self._submit_to_adapter(request, score_prompt, emit), queue

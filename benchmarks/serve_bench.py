@@ -5,6 +5,7 @@ inter-token latency (ITL) p50/p99 against the number of concurrent clients, and 
         [max_tokens=32] [serve_max_slots=16] [base_emb_dim=256] [base_num_decoder_layers=4]
         [caches=dense,paged] [kv_page_size=16] [kv_num_pages=0] [prefill_chunk_sizes=0,64] [long_prompt=0]
         [shared_prefix=0] [prefix_caching=true,false] [speculative_tokens=0,4] [draft=small|self]
+        [decode_steps_per_call=1,8] [step_reference=true]
 
 A small random-init model (greedy, no end-of-sequence token, so every request makes max_tokens
 tokens) is served in this process on 127.0.0.1 through the real app (uvicorn, the scheduler
@@ -22,6 +23,12 @@ per round); draft=small is a 1-layer model of half the width, draft=self the tar
 architecture, whose random initialisation is the target's (an acceptance-rate-1 upper bound on
 what a perfect draft could give, paying for a full-size draft). With random weights a small
 draft's acceptance rate says nothing about a trained one; the line after each table prints it.
+decode_steps_per_call=1,8 serves each layout with each value (decode steps per device call).
+ITL mean is each request's (last token - first token) / (tokens - 1), averaged: with several steps
+per call a call's tokens arrive together, so the median gap says little. step_reference=true also
+times the same model's jitted decode step alone (1 slot, one call per step, the host reading the
+tokens only at the end, as decode.py does) and prints `RESULT host ...`: the 1-client mean ITL over
+that step time, and the most clients' output tokens/s over 1 client's.
 Prints a Markdown table (getting_started/Serving.md holds the measured one).
 """
 
@@ -84,6 +91,8 @@ async def _one(client, url: str, prompt: list[int], max_tokens: int, times: dict
         stamps.extend([time.perf_counter()] * len((chunk["choices"][0].get("logprobs") or {}).get("tokens", [])))
   times["ttft"].append(stamps[0] - start)
   times["itl"].extend(b - a for a, b in zip(stamps, stamps[1:]))
+  if len(stamps) > 1:
+    times.setdefault("itl_mean", []).append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
   times["tokens"] += len(stamps)
 
 
@@ -161,7 +170,8 @@ def _draft_keys(args, speculative: int) -> dict[str, Any]:
 
 
 def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int, tokenizer: Path,
-                  chunk: int = 0, prefix_caching: bool = False, speculative: int = 0) -> None:
+                  chunk: int = 0, prefix_caching: bool = False, speculative: int = 0, steps_per_call: int = 1
+                  ) -> None:
   """The table for one KV cache layout, then its memory: what the cache allocates and, paged, the
   most pages in use at once (polled while the clients run)."""
   import jax
@@ -180,7 +190,7 @@ def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int,
       serve_max_slots=args.serve_max_slots, serve_max_queue=1024, serve_max_tokens=args.max_tokens,
       serve_model_name="bench", kv_cache_layout=layout, kv_page_size=args.kv_page_size,
       kv_num_pages=args.kv_num_pages if layout == "paged" else 0,
-      **_draft_keys(args, speculative))
+      **_draft_keys(args, speculative), **({"decode_steps_per_call": steps_per_call} if steps_per_call > 1 else {}))
   server, uv, thread, url = start_server(config)
   engine = server.scheduler.engine
   # Compiles every step (its prompts have no shared prefix: nothing of the measured load is cached yet).
@@ -204,13 +214,17 @@ def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int,
   mixed += shared
   if speculative:
     mixed += f"; speculative_tokens={speculative}, draft {args.draft}"
+  if steps_per_call > 1:
+    mixed += f"; decode_steps_per_call={steps_per_call}"
   before = server.scheduler.load()
   print(f"\n{layout} KV cache, prefill_chunk_size={chunk}{', prefix_caching' if prefix_caching else ''}; "
         f"model: emb {args.base_emb_dim}, {args.base_num_decoder_layers} layers, vocab "
         f"{args.vocab_size}; {args.serve_max_slots} slots; prompts of {args.prompt_lengths} tokens; {args.max_tokens} new tokens "
         f"each{mixed}; {jax.devices()[0].platform}")
-  print("| clients | requests | output tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) |")
-  print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+  print("| clients | requests | output tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) | "
+        "ITL mean (ms) |")
+  print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+  rates: dict[int, float] = {}
   for concurrency in [int(c) for c in args.concurrency.split(",")]:
     n = concurrency * args.requests_per_client
     t = asyncio.run(_round(url, concurrency, n, args.max_tokens, prompt_lengths, args.vocab_size, args.long_prompt,
@@ -218,7 +232,11 @@ def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int,
     assert t["tokens"] == n * args.max_tokens, (t["tokens"], n * args.max_tokens)
     print(f"| {concurrency} | {n} | {t['tokens'] / t['wall']:.0f} | {_percentile(t['ttft'], 50) * 1e3:.1f} | "
           f"{_percentile(t['ttft'], 99) * 1e3:.1f} | {_percentile(t['itl'], 50) * 1e3:.1f} | "
-          f"{_percentile(t['itl'], 99) * 1e3:.1f} |", flush=True)
+          f"{_percentile(t['itl'], 99) * 1e3:.1f} | {float(np.mean(t.get('itl_mean', [np.nan]))) * 1e3:.2f} |",
+          flush=True)
+    rates[concurrency] = t["tokens"] / t["wall"]
+    if concurrency == 1:
+      one_client_itl = float(np.mean(t.get("itl_mean", [np.nan])))
   polling.set()
   poller.join()
   if speculative:
@@ -241,6 +259,39 @@ def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int,
   uv.should_exit = True
   thread.join(30)
   server.scheduler.stop()
+  if args.step_reference and 1 in rates:
+    step_ms = _step_ms(config)
+    most = max(rates)
+    print(f"RESULT host layout={layout} decode_steps_per_call={steps_per_call} itl_mean_ms={one_client_itl * 1e3:.3f} "
+          f"step_ms={step_ms:.3f} itl_over_step={one_client_itl * 1e3 / step_ms:.2f} "
+          f"clients={most} tokens_per_s_over_1_client={rates[most] / rates[1]:.2f}", flush=True)
+
+
+def _step_ms(config: Any) -> float:
+  """ms per token of the served model's jitted decode step alone: 1 slot, one call per step, the
+  tokens read back once at the end (decode.py's generate loop)."""
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh
+
+  from MaxText.configuration.config_groups import MESH_AXES
+  from MaxText.inference.engine import Engine
+
+  engine = Engine(config, num_slots=1, mesh=Mesh(np.asarray(jax.devices()[:1]).reshape((1,) * len(MESH_AXES)),
+                                                 MESH_AXES))
+  params = engine.load_params()
+  state = engine.insert(engine.prefill(params, [[5, 6, 7]]), engine.init_decode_state(), 0)
+  steps = config.model.max_target_length - 8
+  best = float("inf")
+  for _ in range(3):  # the first round compiles
+    state = engine.insert(engine.prefill(params, [[5, 6, 7]]), state, 0)
+    start, tokens = time.perf_counter(), []
+    for _ in range(steps):
+      state, tokens_T = engine.generate(params, state)
+      tokens.append(tokens_T)
+    jax.block_until_ready(tokens)
+    best = min(best, (time.perf_counter() - start) / steps * 1e3)
+  return best
 
 
 def main() -> None:
@@ -262,7 +313,10 @@ def main() -> None:
   parser.add_argument("--prefix_caching", default="false", help="paged: prefix_caching values to serve with")
   parser.add_argument("--speculative_tokens", default="0", help="speculative_tokens values to serve with (0: off)")
   parser.add_argument("--draft", default="small", choices=("small", "self"), help="the speculative draft")
+  parser.add_argument("--decode_steps_per_call", default="1", help="decode_steps_per_call values to serve with")
+  parser.add_argument("--step_reference", default="false", help="true: also time the jitted step alone (RESULT host)")
   args = tool_args.parse_args(parser, None, renamed=RENAMED)
+  args.step_reference = str(args.step_reference).strip().lower() == "true"
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   prompt_lengths = [int(x) for x in args.prompt_lengths.split(",")]
   max_target = max([n + args.shared_prefix for n in prompt_lengths] + [args.long_prompt]) + args.max_tokens
@@ -272,7 +326,9 @@ def main() -> None:
       for caching in [v.strip().lower() == "true" for v in args.prefix_caching.split(",")] if layout == "paged" \
           else [False]:
         for speculative in [int(k) for k in args.speculative_tokens.split(",")]:
-          _serve_layout(args, layout, prompt_lengths, max_target, tokenizer, chunk, caching, speculative)
+          for steps_per_call in [int(k) for k in args.decode_steps_per_call.split(",")]:
+            _serve_layout(args, layout, prompt_lengths, max_target, tokenizer, chunk, caching, speculative,
+                          steps_per_call)
 
 
 if __name__ == "__main__":

@@ -179,15 +179,23 @@ class Engine:
     state, (tokens_B, _) = self._step(params, state)
     return state, tokens_B
 
-  def _step(self, params: Params, state: DecodeState, mask: np.ndarray | None = None
+  def _step(self, params: Params, state: DecodeState, mask: np.ndarray | None = None, ends_T: np.ndarray | None = None
             ) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
     """`generate` that also returns what each new token scored (the same compiled program; with a
-    token `mask` [T, W], a second one that samples each slot among the tokens its mask allows)."""
-    table = self.cache.step_table()
+    token `mask` [T, W], a second one that samples each slot among the tokens its mask allows).
+    `ends_T` (StepLimits.ends): a slot at its end takes no new page (its token is the caller's to drop)."""
+    table = self.cache.step_table(1, ends_T)
     with sharding.activation_sharding(self.mesh, self.rules):
       out = self._generate(params, state, table, None if mask is None else jnp.asarray(mask))
-    self.cache.advance()
+    self.cache.advance(1 if ends_T is None else self._steps_left(ends_T, 1))
     return out
+
+  def _steps_left(self, ends_T: np.ndarray, k: int) -> int | np.ndarray:
+    """Paged: how far each slot's host-side position moves in a call of k steps (a slot stops k steps
+    on or at its end; one stopped by an end-of-sequence token never steps again: its position no
+    longer matters)."""
+    pages = self.cache.pages
+    return k if pages is None else np.clip(ends_T - 1 - pages.positions, 0, k)
 
   def begin_prompt(self, slot: int, prompt: Sequence[int], images: image_prompts.PromptImages | None = None) -> int:
     """Paged: the pages of `prompt` for `slot`, which generate steps skip until the last
@@ -250,11 +258,13 @@ class Engine:
   def decode_step(self, params: Params, state: DecodeState, active: Sequence[bool] | np.ndarray | None = None,
                   mask: np.ndarray | None = None, limits: StepLimits | None = None) -> tuple[DecodeState, Emitted]:
     """`step` as engine_api.Emitted (one token per slot; `active` is not needed; `mask` as `_step`'s).
-    With `limits` or decode_steps_per_call > 1, and no `mask` (a constrained slot's mask depends on
-    its previous token: one step per call), up to decode_steps_per_call steps in one call, each slot
-    stopping on the device (Emitted with counts; nothing here waits for the device)."""
-    if mask is not None or (limits is None and self.steps_per_call == 1):
-      state, (tokens_B, logprobs) = self._step(params, state, mask)
+    With decode_steps_per_call > 1 and no `mask` (a constrained slot's mask depends on its previous
+    token: one step per call), up to decode_steps_per_call steps in one call, each slot stopping on
+    the device at its `limits` (Emitted with counts; nothing here waits for the device). One step
+    per call: `limits` only keep a slot at its end from taking pages; every slot gets a token."""
+    if mask is not None or self.steps_per_call == 1:
+      ends_T = None if limits is None else np.asarray(limits.ends, np.int64)
+      state, (tokens_B, logprobs) = self._step(params, state, mask, ends_T)
       return state, Emitted(tokens_B, logprobs)
     return self._steps(params, state, limits)
 
@@ -267,9 +277,7 @@ class Engine:
     with sharding.activation_sharding(self.mesh, self.rules):
       state, (tokens_TK, counts_T, logprobs) = self._block(params, state, table, jnp.asarray(ends_T, jnp.int32),
                                                            jnp.asarray(stop_E))
-    pages = self.cache.pages
-    if pages is not None:  # a slot still stepping moved k on; one that stopped never steps again
-      self.cache.advance(np.clip(ends_T - 1 - pages.positions, 0, k))
+    self.cache.advance(self._steps_left(ends_T, k))
     return state, Emitted(tokens_TK, logprobs, counts_T)
 
   def slot(self, slot: int) -> SlotInfo:

@@ -146,8 +146,9 @@ class DecodeEngine(Protocol):
                   mask: np.ndarray | None = None, limits: StepLimits | None = None) -> tuple[EngineState, Emitted]:
     """Every slot's next token(s); `active` names the slots holding a request (for the engine's metrics);
     `mask` [T, W] the slots' token bitmasks for one step (a speculative engine's constrained slot emits one token).
-    With `limits` (or decode_steps_per_call > 1) counts are given and slots stop on the device; a
-    speculative engine ignores them (its caller cuts a round's tokens)."""
+    With decode_steps_per_call > 1 counts are given and slots stop on the device at their `limits`;
+    with one step per call every slot gets a token and `limits` only keep a slot at its end from
+    taking pages; a speculative engine ignores them. Callers drop tokens past a request's end."""
 
   def release(self, slot: int) -> None: ...
 

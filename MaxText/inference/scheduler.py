@@ -362,11 +362,18 @@ class Scheduler:
 
   def _deliver_call(self, emitted: Emitted, jobs: dict[int, Job]) -> None:
     out: Emitted = jax.device_get(emitted)
+    # Python values in one conversion each (indexing numpy per token costs more than the rest of a delivery).
+    tokens, chosen = np.asarray(out.tokens).tolist(), np.asarray(out.logprobs.chosen_B).tolist()
+    ids, top = np.asarray(out.logprobs.top_ids_Bk).tolist(), np.asarray(out.logprobs.top_logprobs_Bk).tolist()
+    counts = None if out.counts is None else np.asarray(out.counts).tolist()
     for slot, job in jobs.items():
-      for i in range(out.count(slot)):
+      for i in range(1 if counts is None else counts[slot]):
         if self._active.get(slot) is not job:  # it ended (a stop string, a cancel) or the slot has a new job
           break
-        self._deliver(slot, job, out.token(slot, i), *out.scores(slot, i))
+        if counts is None:
+          self._deliver(slot, job, tokens[slot], chosen[slot], list(zip(ids[slot], top[slot])))
+        else:
+          self._deliver(slot, job, tokens[slot][i], chosen[slot][i], list(zip(ids[slot][i], top[slot][i])))
 
   def _step(self) -> None:
     """One step: each active slot's tokens in order (1, or 1..k + 1 for a speculative round) until
