@@ -104,10 +104,11 @@ class Resize:
             f"{resumed} to resume")
 
 
-def logged_step(run_dir: Path) -> int:
-  """The newest step in <run_dir>/metrics.jsonl (0: none)."""
+def logged_step(run_dir: Path, since: float | None = None) -> int:
+  """The newest step in <run_dir>/metrics.jsonl (0: none; also 0 when the file was not written at or
+  after `since`: a relaunched run rewrites it from the step it resumed from)."""
   path = run_dir / "metrics.jsonl"
-  if not path.exists():
+  if not path.exists() or (since is not None and path.stat().st_mtime < since):
     return 0
   steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip().startswith("{")]
   return max(steps, default=0)
@@ -136,8 +137,9 @@ class Supervisor:
     while True:
       overrides = elastic_config.resize(self.layout, len(slices)).overrides()
       self.log(f"elastic: starting on slice(s) {', '.join(map(str, slices))}: {' '.join(overrides)}")
+      launched = time.time()  # the previous generation has ended: later writes are the new one's
       generation = self.launcher.start(slices, overrides)
-      outcome = self._watch(generation, slices, pending)
+      outcome = self._watch(generation, slices, pending, launched)
       pending = None
       if isinstance(outcome, int):
         return outcome
@@ -157,11 +159,13 @@ class Supervisor:
                       f"the run stops (its checkpoints are kept: relaunch when the slices are back)")
     return sorted(up)[:count]
 
-  def _watch(self, generation: Generation, slices: list[int], pending: Resize | None) -> int | tuple[str, set[int]]:
+  def _watch(self, generation: Generation, slices: list[int], pending: Resize | None, launched: float
+             ) -> int | tuple[str, set[int]]:
     """Until the generation ends: its exit status, or (cause, the slices up) for a resize."""
     while True:
       time.sleep(self.poll_s)
-      if pending is not None and pending.seconds_to_resume is None and logged_step(self.run_dir) > pending.resumed_from:
+      if pending is not None and pending.seconds_to_resume is None and \
+          logged_step(self.run_dir, since=launched) > pending.resumed_from:
         pending.seconds_to_resume = time.time() - pending.detected
         self.log(pending.line())
         self._record(pending)
@@ -236,6 +240,7 @@ class LoopbackLauncher:
     self.processes_per_slice, self.devices_per_process = processes_per_slice, devices_per_process
     self.state_dir, self.env, self.log_dir = state_dir, dict(env), log_dir
     self.generations = 0
+    self.current: _ProcessGeneration | None = None  # the processes running now (a fault test kills one)
     state_dir.mkdir(parents=True, exist_ok=True)
     log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -265,7 +270,8 @@ class LoopbackLauncher:
                     subprocess.Popen([*self.command, *overrides], env=env, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)))
       log.close()  # the child holds its own descriptor
-    return _ProcessGeneration(procs)
+    self.current = _ProcessGeneration(procs)
+    return self.current
 
 
 def loopback_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
+import threading
+import time
 from fractions import Fraction
 
 import jax
@@ -233,9 +236,10 @@ def test_a_lost_slice_shrinks_the_run_and_its_return_grows_it_back(tmp_path):
       generation.codes[2], generation.codes[0] = -signal.SIGKILL, -signal.SIGABRT
       (tmp_path / "metrics.jsonl").write_text('{"step": 7}\n')
       (tmp_path / "checkpoints" / "5").mkdir(parents=True)
-    elif index == 1 and generation.running() == 2:
+    elif index == 1 and "9" not in (tmp_path / "metrics.jsonl").read_text():
       (tmp_path / "metrics.jsonl").write_text('{"step": 9}\n')  # the shrunk run trains past step 5 ...
-      launcher.up.add(2)  # ... and the slice returns
+    elif index == 1 and generation.running() == 2:
+      launcher.up.add(2)  # ... then the slice returns
     elif index == 2:
       generation.codes = [0] * 4
 
@@ -278,3 +282,72 @@ def test_below_the_minimum_the_run_stops_with_one_line(tmp_path):
                                               r"signal 9, fewer than elastic_min_slices=4 can carry the global batch "
                                               r"of 8; the run stops"):
     _supervisor(_FakeLauncher(4, script), tmp_path, min_slices=4).run()
+
+
+# --------------------------------------------------------------- real processes on 127.0.0.1
+_LOOPBACK_MODEL = ["base_emb_dim=64", "base_num_decoder_layers=1", "base_mlp_dim=128", "head_dim=16",
+                   "max_target_length=32", "print_config=False", "cpu_peak_tflops=0.1", "learning_rate_schedule_steps=12",
+                   "checkpoint_period=2", "async_checkpointing=False", "distributed_heartbeat_timeout_seconds=10",
+                   "distributed_init_timeout_seconds=180", "per_device_batch_size=1", "log_period=1", "steps=12",
+                   "dataset_type=synthetic"]
+
+
+def _logged(run_dir) -> dict[int, float]:
+  path = run_dir / "metrics.jsonl"
+  if not path.exists():
+    return {}
+  records = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+  return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def _wait_for(condition, what: str, timeout: float = 900) -> None:
+  deadline = time.monotonic() + timeout
+  while not condition():
+    assert time.monotonic() < deadline, f"timed out waiting for {what}"
+    time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_a_killed_process_shrinks_the_loopback_job_and_its_return_grows_it_back(tmp_path):
+  """4 processes as 4 slices of 2 CPU devices; one is SIGKILLed after step 4: the job goes on on 2
+  slices (3 cannot keep the batch of 8) with doubled accumulation, grows back to 4 when the slice's
+  marker is removed, and its losses equal one process's uninterrupted run."""
+  from tests.compile_settings import FAST_COMPILE_FLAG, jax_cache_env
+  from tests.conftest import REPO_ROOT
+
+  env = elastic.loopback_env({"PYTHONPATH": str(REPO_ROOT), "XLA_FLAGS": FAST_COMPILE_FLAG, **jax_cache_env()})
+  command = [sys.executable, "-m", "MaxText.train", "configs/base.yml", f"base_output_directory={tmp_path}",
+             *_LOOPBACK_MODEL]
+  reference = elastic.LoopbackLauncher([*command, "run_name=reference"], 1, 1, 8, tmp_path / "ref_state", env,
+                                       tmp_path / "reference_logs")
+  ((_, proc),) = reference.start([0], []).procs
+  assert proc.wait(timeout=900) == 0
+  want = _logged(tmp_path / "reference")
+
+  run_dir = tmp_path / "elastic"
+  launcher = elastic.LoopbackLauncher([*command, "run_name=elastic", "elastic_min_slices=1"], 4, 1, 2,
+                                      tmp_path / "state", env, tmp_path / "logs")
+  layout = SliceLayout(num_slices=4, devices_per_slice=2, batch_shards_per_slice=2, global_batch_size=8,
+                       gradient_accumulation_steps=1, min_slices=1)
+  supervisor = elastic.Supervisor(layout, launcher, run_dir, stop_grace_s=60)
+  outcome: list[object] = []
+  thread = threading.Thread(target=lambda: outcome.append(supervisor.run()), daemon=True)
+  thread.start()
+  _wait_for(lambda: max(_logged(run_dir), default=0) >= 4, "step 4 on 4 slices")
+  assert launcher.current is not None
+  launcher.current.procs[2][1].kill()
+  _wait_for(lambda: launcher.generations == 2 and max(_logged(run_dir), default=0) >= 7, "step 7 on 2 slices")
+  launcher.marker(2).unlink()  # the slice is back
+  thread.join(timeout=1200)
+  assert outcome == [0], f"the supervisor ended with {outcome}; logs in {tmp_path / 'logs'}"
+
+  lost, grown = supervisor.resizes
+  assert (lost.cause, lost.from_slices, lost.to_slices) == ("process 2 (slice 2) was killed by signal 9", 4, 2)
+  assert (grown.cause, grown.from_slices, grown.to_slices) == ("slice(s) 2 returned", 2, 4)
+  # Each relaunch starts Python, joins the job, restores and compiles before its first new step.
+  assert lost.seconds_to_resume is not None and lost.seconds_to_resume > 1
+  assert grown.seconds_to_resume is not None and grown.seconds_to_resume > 1
+  print(f"seconds to resume: after the loss {lost.seconds_to_resume:.1f}, after the return {grown.seconds_to_resume:.1f}")
+  got = _logged(run_dir)
+  assert sorted(got) == sorted(want) == list(range(1, 13))
+  np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=2e-5)
