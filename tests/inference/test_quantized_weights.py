@@ -180,3 +180,63 @@ def test_rollout_weight_copies_are_converted_once_each():
   kernel = copy["layers"]["self_attention"]["query"]["kernel"]
   assert isinstance(kernel, QuantizedWeight) and kernel.values.devices() == {jax.devices()[4]}
   assert sync.for_step(float_params, 1)[0] is copy  # between copies: the converted copy again
+
+
+# MLA with routed and shared experts after a dense first layer: the dense_layers and layers stacks,
+# the expert kernels (read dequantized) and MLA's kv_b (read whole by the absorbed decode).
+MLA_MOE = dict(TINY, decoder_block="deepseek3", base_num_query_heads=4, base_num_kv_heads=4, head_dim=12,
+               base_mlp_dim=32, attention_type="mla", q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+               qk_rope_head_dim=4, v_head_dim=6, num_experts=4, num_experts_per_tok=2, shared_experts=1,
+               first_dense_layers=1, dense_mlp_dim=48)
+
+
+@pytest.mark.slow
+def test_mla_and_experts_convert_and_decode_like_their_forward_pass():
+  reference = Engine(Config.for_testing(**MLA_MOE), num_slots=2, mesh=one_device_mesh())
+  float_params = reference.load_params(seed=3)
+  engine = Engine(Config.for_testing(**MLA_MOE, quantize_weights="int8"), num_slots=2, mesh=one_device_mesh())
+  params = engine.prepare_params(float_params)
+  converted = {"/".join(path) for path, leaf in _leaves(params) if isinstance(leaf, QuantizedWeight)}
+  assert {"dense_layers/mlp/wo/kernel", "layers/mlp/wi_0/kernel", "layers/mlp/shared_mlp/wo/kernel",
+          "layers/self_attention/wkv_b/kernel"} <= converted
+  assert "layers/mlp/gate/kernel" not in converted  # the router stays float
+  tokens = jax.random.randint(jax.random.key(1), (16, 24), 0, 128)
+  agreement, kl = _agreement_and_kl(_logits(reference, float_params, tokens), _logits(engine, params, tokens))
+  # Looser KL than the dense model's: a token whose top-2 experts are near a tie may route differently.
+  assert agreement >= BOUNDS["int8"][0] and kl <= 1e-3, (agreement, kl)
+  prompts = [[3, 9, 27], [1, 2, 3, 4, 5]]
+  assert engine_tokens(engine, params, prompts, 6) == [uncached_greedy(engine.spec, params, p, 6, 24) for p in prompts]
+
+
+@pytest.mark.slow
+def test_sharded_conversion_decodes_like_one_device_and_compiles_ahead_of_time():
+  """tensor=2 x fsdp=4: each converted kernel's values sharded as the kernel, its scales unsplit on the
+  input axes; the decode step compiles for the float layout (what train_compile's rollout check passes)."""
+  config = Config.for_testing(**TINY, quantize_weights="int8", ici_tensor_parallelism=2, ici_fsdp_parallelism=4)
+  single = Engine(config, num_slots=4, mesh=one_device_mesh())
+  float_params = Engine(Config.for_testing(**TINY), mesh=one_device_mesh()).load_params(seed=2)
+  sharded = Engine(config, num_slots=4)
+  params = sharded.prepare_params(jax.device_put(float_params, sharded.param_shardings))
+  query = params["layers"]["self_attention"]["query"]["kernel"]
+  kernel_spec = sharded.param_shardings["layers"]["self_attention"]["query"]["kernel"].spec
+  assert query.values.sharding.spec == kernel_spec and query.scale.sharding.spec[1] is None
+  prompts = [[3, 9, 27], [1, 2, 3, 4, 5, 6, 7, 8], [100], [50, 60, 70, 80, 90]]
+  assert engine_tokens(sharded, params, prompts, 8) == engine_tokens(single, single.prepare_params(float_params),
+                                                                      prompts, 8)
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), float_params,
+                          sharded.param_shardings)
+  compiled = sharded.compile_step(abstract)
+  quantized_args = [a for a in jax.tree.leaves(compiled.args_info) if a.dtype == jnp.int8]  # type: ignore[attr-defined]
+  assert len(quantized_args) == 7
+
+
+def test_weight_and_activation_int8_engine_agrees_with_float():
+  """quantization=int8 beside quantize_weights=int8: int8 x int8 dots on the stored values."""
+  reference = Engine(Config.for_testing(**TINY), num_slots=2, mesh=one_device_mesh())
+  float_params = reference.load_params(seed=1)
+  engine = Engine(Config.for_testing(**TINY, quantize_weights="int8", quantization="int8"), num_slots=2,
+                  mesh=one_device_mesh())
+  tokens = jax.random.randint(jax.random.key(0), (16, 24), 0, 128)
+  agreement, kl = _agreement_and_kl(_logits(reference, float_params, tokens),
+                                    _logits(engine, engine.prepare_params(float_params), tokens))
+  assert agreement >= 0.9 and kl <= 1e-3, (agreement, kl)
