@@ -40,7 +40,7 @@ from MaxText.aot.step_time import report as step_report
 from MaxText.aot.step_time import saved as saved_step
 from MaxText.aot.memory_report import (GIB, MemoryReport, Offload, buffer_assignment_dump_options,
                                        does_not_fit_message, format_bytes, host_overflow_message, parse_xla_oom,
-                                       read_buffer_assignment)
+                                       describe_state, read_buffer_assignment, state_bytes_per_chip)
 from MaxText.aot.plan_model import offloaded_activations
 from MaxText.errors import UserError, run_cli
 from MaxText.layers import pipeline
@@ -107,7 +107,9 @@ def compile_or_explain(step_fn: Any, inputs: run_assembly.StepInputs, topology: 
     # XLA's figure is its whole device heap, arguments included, even where it says "HLO
     # temporaries" (getting_started/AOT.md shows the heaps it extrapolates from).
     raise UserError(does_not_fit_message(oom.needed, topology.generation.name, topology.generation.hbm_gib,
-                                         f"XLA: {first_line}")) from None
+                                         "; ".join(filter(None, (f"XLA: {first_line}",
+                                                                 describe_state(state_bytes_per_chip(inputs.state))))))
+                    ) from None
 
 
 def _host_message(needed: float, gen: accelerators.TpuGeneration, offload: Offload | None, detail: str,
@@ -237,6 +239,10 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
   target = step_target(config, topology, run) if topology is not None else None
   memory = report(config, topology, compiled, report_dir, run.objective.passes_per_row, target,
                   run.objective.forward_only_models)
+  parts = state_bytes_per_chip(inputs.state)
+  state_parts = describe_state(parts)
+  if any(name not in ("parameters", "optimizer state") for name, _ in parts):  # the objective's own (a teacher)
+    print(f"  {state_parts}")
   stem = saved_step.save_requested()
   if stem and target is not None:
     saved_step.save_step(stem, compiled.as_text(), target, {"memory_total": memory.total})
@@ -244,7 +250,7 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
   if topology is not None:
     gen = topology.generation
     if memory.total > gen.hbm_gib * GIB:
-      raise UserError(does_not_fit_message(memory.total, gen.name, gen.hbm_gib, memory.source))
+      raise UserError(does_not_fit_message(memory.total, gen.name, gen.hbm_gib, f"{memory.source}; {state_parts}"))
     host = memory.host
     if gen.host_gib is not None and host > gen.host_gib * GIB:  # XLA accepts it; the host VM has less
       raise UserError(_host_message(host, gen, offload_of(config), "XLA buffer assignment, host memory space"))

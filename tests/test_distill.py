@@ -16,6 +16,7 @@ import optax
 import pytest
 
 from MaxText import models
+from MaxText.aot import memory_report
 from MaxText.configuration import run_record
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError, UserError
@@ -214,6 +215,18 @@ def test_the_teacher_forward_counts_in_the_step_flops(tiny_overrides, teacher_pa
   kernels = sum(x.size for path, x in jax.tree_util.tree_flatten_with_path(
       models.build_model_spec(teacher_cfg).abstract_params)[0] if "kernel" in jax.tree_util.keystr(path))
   assert weights == 2 * kernels * length
+
+
+def test_the_teacher_is_a_part_of_the_state_the_memory_report_names(tiny_overrides, teacher_path):
+  """train_compile prints (and its "does not fit" line names) the state's parts per chip: the
+  student's parameters and optimizer state, and the teacher beside them."""
+  run = build_run(_distill_config(tiny_overrides, teacher_path), devices=jax.devices()[:1])
+  parts = dict(memory_report.state_bytes_per_chip(run.abstract_inputs().state))
+  assert set(parts) == {"parameters", "optimizer state", "teacher"}
+  teacher_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(run.objective.teacher.abstract_params))  # type: ignore[attr-defined]
+  student_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(run.setup.abstract_state.params))
+  assert parts["teacher"] == teacher_bytes > parts["parameters"] == student_bytes
+  assert memory_report.describe_state(list(parts.items())).startswith("train state per chip: parameters ")
 
 
 def test_bad_input_is_one_line(tiny_overrides, teacher_path, tmp_path):

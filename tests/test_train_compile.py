@@ -355,6 +355,8 @@ def _raising(message: str):
       raise jax.errors.JaxRuntimeError(message)
 
   class Inputs:
+    state = None  # no train state: the message names no parts
+
     def as_args(self):
       return ()
   return Step(), Inputs()

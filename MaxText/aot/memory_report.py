@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import Any
 
 import jax
 
@@ -118,6 +119,32 @@ def read_buffer_assignment(dump_dir: str | None) -> tuple[int, tuple[tuple[str, 
     elif name not in _SCRATCH_SPACES and int(size) >= 2**20:
       others.append(("host" if int(color) == _HOST_COLOR else name, int(size)))
   return (heap, tuple(others)) if heap else None
+
+
+# What each train-state field holds, for the "state per chip" line (other fields: their own name).
+_STATE_PART_NAMES = {"params": "parameters", "opt_state": "optimizer state", "reference": "reference model",
+                     "teacher": "teacher"}
+
+
+def state_bytes_per_chip(state: Any) -> list[tuple[str, int]]:
+  """(part, bytes one chip holds) for each field of a train state of sharded ShapeDtypeStructs
+  (run_assembly.StepInputs.state): the parameters, the optimizer state and what the objective keeps
+  beside them (DPO's reference, a distillation teacher); scalars left out."""
+  parts: list[tuple[str, int]] = []
+  for field in dataclasses.fields(state) if dataclasses.is_dataclass(state) else ():
+    leaves = [leaf for leaf in jax.tree.leaves(getattr(state, field.name)) if leaf.ndim]  # not the step counter
+    total = 0
+    for leaf in leaves:
+      shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+      total += math.prod(shape) * leaf.dtype.itemsize
+    if leaves:
+      parts.append((_STATE_PART_NAMES.get(field.name, field.name), total))
+  return parts
+
+
+def describe_state(parts: list[tuple[str, int]]) -> str:
+  """'train state per chip: parameters 1.0 GiB, optimizer state 2.0 GiB, teacher 3.0 GiB'."""
+  return "train state per chip: " + ", ".join(f"{name} {format_bytes(size)}" for name, size in parts) if parts else ""
 
 
 def buffer_assignment_dump_options(dump_dir: str) -> dict[str, str]:
