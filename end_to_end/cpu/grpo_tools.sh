@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 # Knobs (environment): SFT_STEPS, GRPO_STEPS, MARGIN (the least rise of the held-out reward).
-: "${SFT_STEPS:=1000}" "${GRPO_STEPS:=120}" "${MARGIN:=0.1}"
+: "${SFT_STEPS:=1000}" "${GRPO_STEPS:=120}" "${MARGIN:=0.3}"
 OUT="${1:-$(mktemp -d)}"
 mkdir -p "$OUT"
 
