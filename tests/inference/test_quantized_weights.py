@@ -20,6 +20,7 @@ from MaxText.layers.weight_quantization import QuantizedWeight, dense_dot, quant
 from MaxText.platform import sharding
 from MaxText.rl import rollout_mesh
 from decode_test_utils import engine_tokens, one_device_mesh, uncached_greedy
+from tests.test_grpo_run import _metrics, _train, workdir  # noqa: F401 (workdir: the fixture)
 
 TINY = dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16, base_mlp_dim=128,
             base_num_decoder_layers=2, vocab_size=128, max_target_length=24, max_prefill_predict_length=8,
@@ -240,3 +241,16 @@ def test_weight_and_activation_int8_engine_agrees_with_float():
   agreement, kl = _agreement_and_kl(_logits(reference, float_params, tokens),
                                     _logits(engine, engine.prepare_params(float_params), tokens))
   assert agreement >= 0.9 and kl <= 1e-3, (agreement, kl)
+
+
+@pytest.mark.slow  # two training processes
+def test_grpo_rollouts_from_int8_weights_on_a_rollout_mesh_equal_the_same_mesh_run(workdir, tmp_path):  # noqa: F811
+  """The same-mesh run converts the policy before every rollout, the split run each weight copy on the
+  rollout devices: the same int8 weights, so the same completions and rewards."""
+  same = _train(workdir, tmp_path / "same", "steps=3", "quantize_weights=int8", devices=2)
+  split = _train(workdir, tmp_path / "split", "steps=3", "quantize_weights=int8", "rl_rollout_devices=2",
+                 "rl_rollout_ici_tensor_parallelism=2", devices=4)
+  assert same.returncode == 0 and split.returncode == 0, (same.stderr + split.stderr)[-3000:]
+  ours, theirs = _metrics(tmp_path / "split"), _metrics(tmp_path / "same")
+  assert [r["reward"] for r in ours] == [r["reward"] for r in theirs]
+  assert [r["completions/mean_length"] for r in ours] == [r["completions/mean_length"] for r in theirs]
