@@ -100,7 +100,8 @@ KEY = "lora-key"
 SERVE_MODEL = dict(base_emb_dim=32, base_num_query_heads=4, base_num_kv_heads=2, head_dim=8, base_mlp_dim=64,
                    base_num_decoder_layers=2, vocab_size=272, max_target_length=32, max_prefill_predict_length=16,
                    dtype="float32", print_config=False, tokenizer_type="huggingface", add_bos=False,
-                   serve_max_slots=4, serve_max_tokens=6, serve_model_name="tiny")
+                   serve_max_slots=4, serve_max_tokens=6, serve_model_name="tiny",
+                   scan_layers=False)  # unrolled layers here; the engine test above runs the scanned stack
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +175,10 @@ def test_server_picks_adapters_by_model_name_and_adds_and_removes_them_without_r
   gone = complete("kappa", ids[0])
   assert gone.status_code == 404 and "'kappa'" in gone.json()["error"]["message"]
   assert client.delete("/v1/admin/lora_adapters/kappa").status_code == 404
+  srv.adapters.acquire("alpha")  # a request in flight holds its adapter
+  busy = client.delete("/v1/admin/lora_adapters/alpha")
+  assert busy.status_code == 409 and "1 requests in flight" in busy.json()["error"]["message"]
+  srv.adapters.release("alpha")
 
 
 def httpx_post_without_key(client, body):
