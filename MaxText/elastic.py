@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -72,6 +73,10 @@ class Generation(Protocol):
   def signal_all(self, signum: int) -> None:
     ...
 
+  def resumed_from(self) -> tuple[int, str] | None:
+    """The step the run resumed from and where it came from, once the run has said (None before)."""
+    ...
+
 
 class Launcher(Protocol):
   def start(self, slices: Sequence[int], overrides: Sequence[str]) -> Generation:
@@ -96,11 +101,13 @@ class Resize:
   resumed_from: int  # the checkpoint step the relaunched run starts after (0: the beginning)
   detected: float  # unix time the supervisor saw the cause
   seconds_to_resume: float | None = None  # until the relaunched run logged a step past resumed_from
+  resumed_source: str = ""  # the run's own word for it: the persistent or the local tier, or the seed
 
   def line(self) -> str:
     resumed = f"{self.seconds_to_resume:.1f} s" if self.seconds_to_resume is not None else "not yet"
+    source = f" of {self.resumed_source}" if self.resumed_source else ""
     return (f"elastic: {self.cause}: {self.from_slices} -> {self.to_slices} slice(s) at step {self.step_reached}, "
-            f"resumed from step {self.resumed_from} ({self.step_reached - self.resumed_from} step(s) redone), "
+            f"resumed from step {self.resumed_from}{source} ({self.step_reached - self.resumed_from} step(s) redone), "
             f"{resumed} to resume")
 
 
@@ -164,6 +171,9 @@ class Supervisor:
     """Until the generation ends: its exit status, or (cause, the slices up) for a resize."""
     while True:
       time.sleep(self.poll_s)
+      said = generation.resumed_from() if pending is not None else None
+      if pending is not None and said is not None:  # newer than the persistent tier's when the local tier had it
+        pending.resumed_from, pending.resumed_source = said
       if pending is not None and pending.seconds_to_resume is None and \
           logged_step(self.run_dir, since=launched) > pending.resumed_from:
         pending.seconds_to_resume = time.time() - pending.detected
@@ -211,9 +221,20 @@ class Supervisor:
 
 
 # ----------------------------------------------------------------------------- CPU loopback launcher
+_RESUMED = re.compile(r"^state: resumed from step (\d+) of (.+)$", re.M)
+
+
 class _ProcessGeneration:
-  def __init__(self, procs: list[tuple[int, subprocess.Popen[bytes]]]):
-    self.procs = procs
+  def __init__(self, procs: list[tuple[int, subprocess.Popen[bytes]]], first_log: Path):
+    self.procs, self.first_log = procs, first_log
+
+  def resumed_from(self) -> tuple[int, str] | None:
+    """From process 0's `state:` line (train.py)."""
+    text = self.first_log.read_text(errors="replace") if self.first_log.exists() else ""
+    if "state: initialised from seed" in text:
+      return 0, "a fresh start"
+    found = _RESUMED.search(text)
+    return (int(found.group(1)), found.group(2)) if found else None
 
   def exits(self) -> list[Exit]:
     return [Exit(slice_id, i, code) for i, (slice_id, p) in enumerate(self.procs)
@@ -261,16 +282,17 @@ class LoopbackLauncher:
       address = f"127.0.0.1:{s.getsockname()[1]}"
     flags = f"--xla_force_host_platform_device_count={self.devices_per_process}"
     procs = []
+    logs = [self.log_dir / f"generation_{self.generations}_process_{index}.log" for index in range(count)]
     for index in range(count):
       env = {**self.env, "XLA_FLAGS": f"{flags} {self.env.get('XLA_FLAGS', '')}".strip(), "JAX_PLATFORMS": "cpu"}
       if count > 1:
         env.update(JAX_COORDINATOR_ADDRESS=address, JAX_PROCESS_COUNT=str(count), JAX_PROCESS_ID=str(index))
-      log = open(self.log_dir / f"generation_{self.generations}_process_{index}.log", "wb")  # noqa: SIM115
+      log = open(logs[index], "wb")  # noqa: SIM115
       procs.append((slices[index // self.processes_per_slice],
                     subprocess.Popen([*self.command, *overrides], env=env, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)))
       log.close()  # the child holds its own descriptor
-    self.current = _ProcessGeneration(procs)
+    self.current = _ProcessGeneration(procs, logs[0])
     return self.current
 
 

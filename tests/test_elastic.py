@@ -180,6 +180,9 @@ class _FakeGeneration:
   def running(self) -> int:
     return sum(c is None for c in self.codes)
 
+  def resumed_from(self):
+    return None  # the run did not say: the supervisor keeps the persistent tier's newest step
+
   def signal_all(self, signum: int) -> None:
     self.signals.append(signum)
     # SIGTERM: every process saves at the step boundary and exits 143; SIGKILL ends the rest.
@@ -221,6 +224,9 @@ class _Polled:
 
   def signal_all(self, signum):
     self.generation.signal_all(signum)
+
+  def resumed_from(self):
+    return self.generation.resumed_from()
 
 
 def _supervisor(launcher, run_dir, min_slices=1) -> elastic.Supervisor:
@@ -325,7 +331,10 @@ def test_a_killed_process_shrinks_the_loopback_job_and_its_return_grows_it_back(
   want = _logged(tmp_path / "reference")
 
   run_dir = tmp_path / "elastic"
-  launcher = elastic.LoopbackLauncher([*command, "run_name=elastic", "elastic_min_slices=1"], 4, 1, 2,
+  # The persistent tier saves at step 6 and 12 only; the local tier every step.
+  tiers = ["checkpoint_period=6", "enable_emergency_checkpoint=True", f"local_checkpoint_directory={tmp_path / 'local'}",
+           "local_checkpoint_period=1"]
+  launcher = elastic.LoopbackLauncher([*command, "run_name=elastic", "elastic_min_slices=1", *tiers], 4, 1, 2,
                                       tmp_path / "state", env, tmp_path / "logs")
   layout = SliceLayout(num_slices=4, devices_per_slice=2, batch_shards_per_slice=2, global_batch_size=8,
                        gradient_accumulation_steps=1, min_slices=1)
@@ -343,11 +352,40 @@ def test_a_killed_process_shrinks_the_loopback_job_and_its_return_grows_it_back(
 
   lost, grown = supervisor.resizes
   assert (lost.cause, lost.from_slices, lost.to_slices) == ("process 2 (slice 2) was killed by signal 9", 4, 2)
+  # The survivors restored their own local steps (the persistent tier had none yet), so at most
+  # the step in flight was redone.
+  assert lost.resumed_source.startswith("the local tier") and lost.resumed_from >= 3, lost
   assert (grown.cause, grown.from_slices, grown.to_slices) == ("slice(s) 2 returned", 2, 4)
   # Each relaunch starts Python, joins the job, restores and compiles before its first new step.
   assert lost.seconds_to_resume is not None and lost.seconds_to_resume > 1
   assert grown.seconds_to_resume is not None and grown.seconds_to_resume > 1
-  print(f"seconds to resume: after the loss {lost.seconds_to_resume:.1f}, after the return {grown.seconds_to_resume:.1f}")
+  print(f"{lost.line()}\n{grown.line()}")
   got = _logged(run_dir)
   assert sorted(got) == sorted(want) == list(range(1, 13))
   np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=2e-5)
+
+
+def test_the_local_tier_restores_for_fewer_processes_that_keep_their_regions(tmp_path):
+  """A step saved while the job had 4 processes restores on a process whose regions are the saved
+  ones (an elastic run's surviving slice); before, any other process count fell back to the
+  persistent tier."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  from MaxText.run_dir.local_checkpoints import MANIFEST, LocalTier
+
+  mesh = Mesh(np.asarray(jax.devices()[:4]), ("fsdp",))
+  sharding = NamedSharding(mesh, PartitionSpec("fsdp"))
+  state = {"w": jax.device_put(np.arange(16, dtype=np.float32), sharding)}
+  tier = LocalTier(str(tmp_path), period=1, max_to_keep=2)
+  tier.save(3, state, {"step": 3}, {})
+  tier.wait()
+  manifest_path = tmp_path / "process_0" / "3" / MANIFEST
+  manifest = json.loads(manifest_path.read_text())
+  manifest_path.write_text(json.dumps({**manifest, "process_count": 4}))
+  abstract = {"w": jax.ShapeDtypeStruct((16,), np.float32)}
+  assert tier.agreed_step({"w": sharding}, abstract) == 3
+  restored, data, _ = tier.restore(3, abstract, {"w": sharding})
+  np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(16))
+  assert data == {"step": 3}
+  other = NamedSharding(Mesh(np.asarray(jax.devices()[:2]), ("fsdp",)), PartitionSpec("fsdp"))
+  assert tier.agreed_step({"w": other}, abstract) is None  # other regions: the persistent tier's turn

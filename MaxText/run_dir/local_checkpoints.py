@@ -7,10 +7,11 @@ Layout (`local_checkpoint_directory/run_name/process_<i>/<step>/`):
 A step is written into `<step>.partial-<pid>/` and renamed when complete: a directory named by
 a bare number is always whole.
 
-Restore needs every process to hold the same step with the same shard layout (same mesh);
-the processes agree on the newest such step with one all-gather. A host whose local disk
-was lost (a replaced VM), or a changed mesh, makes that step unusable and the run restores
-from the persistent tier instead.
+Restore needs every process to hold the same step with the regions of each leaf that the
+current mesh gives it; the processes agree on the newest such step with one all-gather. A host
+whose local disk was lost (a replaced VM), or a mesh that gives a process other regions, makes
+that step unusable and the run restores from the persistent tier instead. Fewer processes that
+keep their regions (an elastic run on fewer slices) restore from it.
 
 Why not Orbax here: its emergency checkpoint manager (orbax.checkpoint.experimental.emergency)
 is marked experimental and needs a multi-slice replica layout, and its standard handlers
@@ -167,8 +168,8 @@ class LocalTier:
       manifest = self._manifest(step)
     except (OSError, json.JSONDecodeError):
       return False
-    if manifest.get("process_count") != jax.process_count():
-      return False
+    # The process count may differ: an elastic run relaunched on fewer slices (each slice a whole
+    # replica, laid out within it as before) asks each survivor for the regions it saved itself.
     flat = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
     flat_shardings = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
     if len(flat) != len(manifest["leaves"]) or len(flat_shardings) != len(flat):
