@@ -101,7 +101,7 @@ def main() -> None:
   config = Config.for_testing(**keys, serve_max_slots=args.serve_max_slots,
                               serve_lora_adapters=",".join(f"a{i}={p}" for i, p in enumerate(paths)))
   engine, registry = lora_adapters.load_engine(config, args.serve_max_slots, "", "base")
-  plain = Engine(Config.for_testing(**keys), num_slots=args.serve_max_slots, mesh=engine.mesh)
+  plain = Engine(Config.for_testing(**keys), num_slots=args.serve_max_slots)
   plain_params = lora.split(registry.params)[1]
   n = args.requests
   rows = [("plain engine (no adapter tables)", plain, plain_params, [0] * n, 0),

@@ -17,11 +17,11 @@ from MaxText.inference import engine_api, kv_layout
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CALLERS = ("MaxText/serve.py", "MaxText/decode.py", "MaxText/rl/rollouts.py", "MaxText/rl/evaluate.py",
            "MaxText/inference/scheduler.py", "MaxText/inference/serve_routes.py", "benchmarks/decode_bench.py",
-           "benchmarks/serve_bench.py", "benchmarks/gpu_suite.py", "MaxText/train_compile.py")
+           "benchmarks/serve_bench.py", "benchmarks/gpu_suite.py", "MaxText/train_compile.py", "benchmarks/lora_bench.py")
 # Building an engine is not driving one: parameters come with it.
 CONSTRUCTION = {"load_params", "compile_step"}
 ENGINE_MODULES = ("engine.py", "speculative.py", "speculative_engine.py", "mtp_draft.py", "page_prefill.py",
-                  "decode_state.py")
+                  "decode_state.py", "lora_adapters.py")
 # The engine's own side: its modules, the protocol and the parts it composes.
 ENGINE_SIDE = {f"MaxText/inference/{name}" for name in ENGINE_MODULES + ("engine_api.py", "kv_layout.py")}
 
