@@ -24,11 +24,11 @@ architecture, whose random initialisation is the target's (an acceptance-rate-1 
 what a perfect draft could give, paying for a full-size draft). With random weights a small
 draft's acceptance rate says nothing about a trained one; the line after each table prints it.
 decode_steps_per_call=1,8 serves each layout with each value (decode steps per device call).
-ITL mean is each request's (last token - first token) / (tokens - 1), averaged: with several steps
-per call a call's tokens arrive together, so the median gap says little. step_reference=true also
-times the same model's jitted decode step alone (1 slot, one call per step, the host reading the
-tokens only at the end, as decode.py does) and prints `RESULT host ...`: the 1-client mean ITL over
-that step time, and the most clients' output tokens/s over 1 client's.
+With step_reference=true the table gains ITL mean: each request's (last token - first token) /
+(tokens - 1), averaged (with several steps per call a call's tokens arrive together, so the median
+gap says little); it also times the same model's jitted decode step alone (1 slot, one call per
+step, the host reading the tokens only at the end, as decode.py does) and prints `RESULT host ...`:
+the 1-client mean ITL over that step time, and the most clients' output tokens/s over 1 client's.
 Prints a Markdown table (getting_started/Serving.md holds the measured one).
 """
 
@@ -221,9 +221,10 @@ def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int,
         f"model: emb {args.base_emb_dim}, {args.base_num_decoder_layers} layers, vocab "
         f"{args.vocab_size}; {args.serve_max_slots} slots; prompts of {args.prompt_lengths} tokens; {args.max_tokens} new tokens "
         f"each{mixed}; {jax.devices()[0].platform}")
-  print("| clients | requests | output tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) | "
-        "ITL mean (ms) |")
-  print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+  mean_column = args.step_reference  # the tables quoted without it keep their columns
+  print("| clients | requests | output tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) |"
+        + (" ITL mean (ms) |" if mean_column else ""))
+  print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if mean_column else ""))
   rates: dict[int, float] = {}
   for concurrency in [int(c) for c in args.concurrency.split(",")]:
     n = concurrency * args.requests_per_client
@@ -232,8 +233,8 @@ def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int,
     assert t["tokens"] == n * args.max_tokens, (t["tokens"], n * args.max_tokens)
     print(f"| {concurrency} | {n} | {t['tokens'] / t['wall']:.0f} | {_percentile(t['ttft'], 50) * 1e3:.1f} | "
           f"{_percentile(t['ttft'], 99) * 1e3:.1f} | {_percentile(t['itl'], 50) * 1e3:.1f} | "
-          f"{_percentile(t['itl'], 99) * 1e3:.1f} | {float(np.mean(t.get('itl_mean', [np.nan]))) * 1e3:.2f} |",
-          flush=True)
+          f"{_percentile(t['itl'], 99) * 1e3:.1f} |"
+          + (f" {float(np.mean(t.get('itl_mean', [np.nan]))) * 1e3:.2f} |" if mean_column else ""), flush=True)
     rates[concurrency] = t["tokens"] / t["wall"]
     if concurrency == 1:
       one_client_itl = float(np.mean(t.get("itl_mean", [np.nan])))
