@@ -95,6 +95,33 @@ def test_a_mixed_batch_gives_each_request_its_merged_adapters_tokens(served):
   assert merged_tokens(config, registry, ours, None, [PROMPTS[0]])[0] != mixed[0]
 
 
+
+@pytest.mark.slow  # a second table engine (paged, chunked prefill): about 30 s on a loaded CPU
+def test_chunked_prefill_into_pages_carries_each_slots_adapter(served):
+  """Prompts prefilled into pages chunk by chunk (page_prefill.py) decode with their slot's adapter too."""
+  config, engine, registry, _, root = served
+  picks = ["gamma", None, "alpha", "beta"]
+  rows = [RowParams(adapter=0 if p is None else registry.acquire(p)) for p in picks]
+  paged_config = Config.for_testing(**TINY, serve_lora_adapters=",".join(f"{n}={root / n}" for n, *_ in ADAPTERS[:3]),
+                                    serve_lora_slots=4, kv_cache_layout="paged", kv_page_size=4, prefill_chunk_size=2,
+                                    prefix_caching="false")
+  paged, paged_registry = lora_adapters.load_engine(paged_config, 4, "fresh", "base", one_device_mesh(),
+                                                    base_params=lora.split(jax.device_get(registry.params))[1])
+  assert [a.row for a in paged_registry.adapters()] == [a.row for a in registry.adapters()]
+  state = paged.init_decode_state()
+  out = []
+  for slot, (prompt, row) in enumerate(zip(PROMPTS, rows)):
+    start, first = paged.begin_prompt(slot, prompt), None
+    while first is None:
+      state, start, first = paged.prefill_chunk(paged_registry.params, state, slot, prompt, start, row)
+    out.append([int(jax.device_get(first[0])[0])])
+  for _ in range(5):
+    state, tokens = paged.generate(paged_registry.params, state)
+    for slot in range(4):
+      out[slot].append(int(tokens[slot]))
+  assert out == greedy(engine, registry.params, PROMPTS[:4], rows)
+
+
 # ---------------------------------------------------------------- the server: model names, admin routes
 KEY = "lora-key"
 SERVE_MODEL = dict(base_emb_dim=32, base_num_query_heads=4, base_num_kv_heads=2, head_dim=8, base_mlp_dim=64,
