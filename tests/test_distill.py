@@ -199,6 +199,24 @@ def test_a_short_run_from_a_tiny_teacher_lowers_the_loss_and_leaves_the_teacher_
   assert set(scalars) == {"eval_loss", "eval_distill_kl", "eval_xent", "eval_perplexity"} and "| kl " in line
 
 
+def test_on_eight_devices_the_teacher_is_sharded_by_the_students_rules(tiny_overrides, teacher_path):
+  """The teacher's parameters take the shardings the run's logical rules give its own tree on the
+  student's mesh (FSDP over the 8 simulated devices here), and a step runs."""
+  values = dict(tiny_overrides, objective="distill", distill_teacher_path=teacher_path,
+                distill_teacher_model_name="default", distill_teacher_overrides=_teacher_overrides(), distill_top_k=4)
+  config = Config.for_testing(**values)
+  run = build_run(config)
+  assert run.mesh.devices.size == 8
+  expected = models.shard_params_like(run.objective.teacher, run.mesh, config.mesh.logical_axis_rules)  # type: ignore[attr-defined]
+  state = run.init_state()
+  assert isinstance(state, DistillState)
+  specs = [x.sharding.spec for x in jax.tree.leaves(state.teacher)]
+  assert specs == [s.spec for s in jax.tree.leaves(expected)]
+  assert any(any(axis is not None for axis in spec) for spec in specs)  # sharded, not replicated
+  state, step_metrics = run.train_step(state, next(run.data_iterator()), jax.random.key(0))
+  assert np.isfinite(float(step_metrics["loss"])) and float(step_metrics["distill_kl"]) > 0
+
+
 def test_the_teacher_forward_counts_in_the_step_flops(tiny_overrides, teacher_path):
   config = _distill_config(tiny_overrides, teacher_path)
   run = build_run(config, devices=jax.devices()[:1])
