@@ -184,7 +184,8 @@ class Registry:
     self.swap = swap  # callable(new params) -> None, e.g. setting the scheduler's parameters
     self._by_name: dict[str, LoadedAdapter] = {}
     self._in_flight: dict[str, int] = {}
-    self._lock = threading.Lock()
+    self._lock = threading.Lock()  # names and in-flight counts: held briefly, requests take it
+    self._changing = threading.Lock()  # an add or remove in progress
 
   def names(self) -> list[str]:
     with self._lock:
@@ -195,15 +196,17 @@ class Registry:
       return [self._by_name[n] for n in sorted(self._by_name)]
 
   def add(self, name: str, path: str) -> LoadedAdapter:
-    """Loads the PEFT adapter in `path` as `name`; UserError (with no change) when it cannot be served."""
+    """Loads the PEFT adapter in `path` as `name`; UserError (with no change) when it cannot be served.
+    Reading it happens outside the lock that requests take, so serving goes on meanwhile."""
     if not name or name != name.strip() or len(name) > 200:
       raise UserError(f"a LoRA adapter's name must be 1 to 200 characters without surrounding spaces, got {name!r}")
-    with self._lock:
-      if name == self.base_name:
-        raise UserError(f"LoRA adapter name {name!r} is the base model's name; choose another")
-      if name in self._by_name:
-        raise UserError(f"a LoRA adapter named {name!r} is already loaded; remove it first or choose another name")
-      free = sorted(set(range(1, self.table.capacity + 1)) - {a.row for a in self._by_name.values()})
+    with self._changing:  # one change of the tables at a time: the free row stays free
+      with self._lock:
+        if name == self.base_name:
+          raise UserError(f"LoRA adapter name {name!r} is the base model's name; choose another")
+        if name in self._by_name:
+          raise UserError(f"a LoRA adapter named {name!r} is already loaded; remove it first or choose another name")
+        free = sorted(set(range(1, self.table.capacity + 1)) - {a.row for a in self._by_name.values()})
       if not free:
         raise UserError(f"all serve_lora_slots={self.table.capacity} adapter rows are taken; remove an adapter first")
       rank, targets, _ = peft_adapters.read_config(path)
@@ -211,18 +214,23 @@ class Registry:
       adapter = peft_adapters.load(path, self.table.engine.cfg, self.table.engine.spec.abstract_params)
       self.table.check(adapter.rank, adapter.targets, name)  # the targets its tensors name
       loaded = LoadedAdapter(name, free[0], adapter.rank, adapter.alpha, adapter.targets)
-      self._set_params(self.table.set_row(self.params, loaded.row, adapter))
-      self._by_name[name], self._in_flight[name] = loaded, 0
+      self._set_params(self.table.set_row(self.params, loaded.row, adapter))  # before the name is usable
+      with self._lock:
+        self._by_name[name], self._in_flight[name] = loaded, 0
       return loaded
 
   def remove(self, name: str) -> LoadedAdapter:
-    with self._lock:
-      if name not in self._by_name:
-        raise UnknownAdapter(name)
-      if self._in_flight[name]:
-        raise AdapterBusy(f"LoRA adapter {name!r} has {self._in_flight[name]} requests in flight; retry when they end")
-      loaded = self._by_name.pop(name)
-      del self._in_flight[name]
+    """Unloads `name` (UnknownAdapter; AdapterBusy while requests decode with it); its row is zeroed after
+    the name is gone, so no new request can reach it."""
+    with self._changing:
+      with self._lock:
+        if name not in self._by_name:
+          raise UnknownAdapter(name)
+        if self._in_flight[name]:
+          raise AdapterBusy(f"LoRA adapter {name!r} has {self._in_flight[name]} requests in flight; retry when they "
+                            "end")
+        loaded = self._by_name.pop(name)
+        del self._in_flight[name]
       self._set_params(self.table.set_row(self.params, loaded.row, None))
       return loaded
 
