@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -32,9 +33,11 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Protocol, Sequence
 
+from MaxText import multihost_runner
 from MaxText.configuration import elastic_config
 from MaxText.configuration.elastic_config import SliceLayout
 from MaxText.errors import UserError
+from MaxText.platform.tpu_launch import Gcloud
 
 EVENTS_FILE = "elastic.jsonl"
 WATCHDOG_EXIT = 4  # training/health.py's StepWatchdog: no step finished in step_timeout_seconds
@@ -52,8 +55,9 @@ class Exit:
 
   @property
   def infrastructure(self) -> bool:
-    """Lost to its host or a peer (a signal, JAX's abort, the hang watchdog), not the run's own error."""
-    return self.code < 0 or self.code in _PEER_FAILURES
+    """Lost to its host or a peer (a signal, JAX's abort, the hang watchdog, ssh's lost connection),
+    not the run's own error. Over ssh a signal reads as status 128 + the signal."""
+    return self.code < 0 or self.code > 128 or self.code in _PEER_FAILURES
 
   def describe(self) -> str:
     how = f"was killed by signal {-self.code}" if self.code < 0 else f"exited with status {self.code}"
@@ -194,8 +198,8 @@ class Supervisor:
         if pending is not None and pending.seconds_to_resume is None:
           self._record(pending)
         return next((e.code for e in exits if e.code != 0), 0)
-      up = self.launcher.available()
-      if len(slices) < self.layout.num_slices and len(up) > len(slices):
+      up = self.launcher.available() if len(slices) < self.layout.num_slices else set(slices)
+      if len(up) > len(slices):
         grown = elastic_config.usable_slices(self.layout, len(up))
         if grown is not None and grown > len(slices):
           returned = ", ".join(map(str, sorted(self.lost & up))) or ", ".join(map(str, sorted(up - set(slices))))
@@ -300,3 +304,90 @@ def loopback_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
   """This process's environment without the multi-process variables (each process gets its own)."""
   drop = ("JAX_COORDINATOR_ADDRESS", "JAX_PROCESS_COUNT", "JAX_PROCESS_ID", "XLA_FLAGS")
   return {**{k: v for k, v in os.environ.items() if k not in drop}, **(extra or {})}
+
+
+# ------------------------------------------------------------------------------ TPU VM launcher
+class _SshGeneration:
+  """The command on every worker of the chosen slices, one local `gcloud ... ssh` each."""
+
+  def __init__(self, hosts: list[multihost_runner.HostProcess], slice_of: dict[str, int], signal_commands:
+               Callable[[int], list[list[str]]]):
+    self.hosts, self.slice_of, self.signal_commands = hosts, slice_of, signal_commands
+
+  def exits(self) -> list[Exit]:
+    ended = [(i, h, code) for i, h in enumerate(self.hosts) if (code := h.proc.poll()) is not None]
+    for _, host, _ in ended:
+      host.close()
+    return [Exit(self.slice_of[h.worker.slice_name], i, code) for i, h, code in ended]
+
+  def running(self) -> int:
+    return sum(h.proc.poll() is None for h in self.hosts)
+
+  def signal_all(self, signum: int) -> None:
+    try:
+      multihost_runner.run_parallel(self.signal_commands(signum), f"sending signal {signum} to the workers")
+    except UserError as e:
+      print(f"warning: {e}", file=sys.stderr, flush=True)
+    if signum == signal.SIGKILL:  # the remote groups are gone: end the local ssh processes too
+      for host in self.hosts:
+        if host.proc.poll() is None:
+          os.killpg(host.proc.pid, signal.SIGKILL)
+
+  def resumed_from(self) -> tuple[int, str] | None:
+    return _ProcessGeneration([], self.hosts[0].log_path).resumed_from() if self.hosts else None
+
+
+def signal_script(run_name: str, signum: int) -> str:
+  """Sends `signum` to the process group multihost_runner's remote script recorded (SIGKILL: its kill script)."""
+  if signum == signal.SIGKILL:
+    return multihost_runner.kill_script(run_name)
+  pid_file = f'"$HOME"/{run_name}/{multihost_runner.PID_FILE}'
+  return f"if [ -s {pid_file} ]; then kill -{signum} -- -$(cat {pid_file}) 2>/dev/null; fi; true"
+
+
+class TpuVmLauncher:
+  """Slices of TPU VMs named like multihost_runner's (PREFIX-0 .. PREFIX-(N-1)), each worker reached
+  over `gcloud compute tpus tpu-vm ssh` running `command` in its existing ~/RUN_NAME folder. A
+  slice is up while its TPU is READY; the chosen slices are renumbered 0.. for the multislice
+  variables, with slice 0 worker 0 the coordinator."""
+
+  def __init__(self, gcloud: Gcloud, names: Sequence[str], command: str, run_name: str, log_dir: Path,
+               internal_ip: bool = False, megascale_port: int = 8080):
+    self.gcloud, self.names, self.command, self.run_name = gcloud, list(names), command, run_name
+    self.log_dir, self.internal_ip, self.port = log_dir, internal_ip, megascale_port
+    self.generations = 0
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+  def available(self) -> set[int]:
+    up = set()
+    for i, name in enumerate(self.names):
+      try:
+        multihost_runner.describe_slice(self.gcloud, name, i)
+        up.add(i)
+      except UserError:
+        pass  # not READY (preempted, repairing) or not listed: down
+    return up
+
+  def mark_lost(self, slice_id: int) -> None:
+    pass  # the TPU's own state says when it is back
+
+  def start(self, slices: Sequence[int], overrides: Sequence[str]) -> _SshGeneration:
+    self.generations += 1
+    workers = [dataclasses.replace(w, slice_id=new) for new, s in enumerate(slices)
+               for w in multihost_runner.describe_slice(self.gcloud, self.names[s], s)]
+    command = " ".join([self.command, *map(shlex.quote, overrides)])
+    folder = self.log_dir / f"generation_{self.generations}"
+    folder.mkdir(parents=True, exist_ok=True)
+    hosts = []
+    for i, worker in enumerate(workers):
+      env = multihost_runner.worker_env(worker, workers[0].ip, len(slices), self.port)
+      script = multihost_runner.remote_script(self.run_name, command, env, unpack=False)
+      argv = multihost_runner.ssh_command(self.gcloud, worker.slice_name, str(worker.index), script, self.internal_ip)
+      hosts.append(multihost_runner.start_host(argv, worker, folder, stream=False))
+    chosen = [self.names[s] for s in slices]
+
+    def signal_commands(signum: int) -> list[list[str]]:
+      return [multihost_runner.ssh_command(self.gcloud, name, "all", signal_script(self.run_name, signum),
+                                           self.internal_ip) for name in chosen]
+
+    return _SshGeneration(hosts, {self.names[s]: s for s in slices}, signal_commands)

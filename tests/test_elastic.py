@@ -389,3 +389,69 @@ def test_the_local_tier_restores_for_fewer_processes_that_keep_their_regions(tmp
   assert data == {"step": 3}
   other = NamedSharding(Mesh(np.asarray(jax.devices()[:2]), ("fsdp",)), PartitionSpec("fsdp"))
   assert tier.agreed_step({"w": other}, abstract) is None  # other regions: the persistent tier's turn
+
+
+_TPU_WORKER = """
+import os, pathlib, signal, sys, time
+shared, me = pathlib.Path(sys.argv[1]), os.environ["FAKE_SLICE"]
+print("state: resumed from step 3 of the persistent tier" if (shared / "resumed").exists() else
+      "state: initialised from seed 0", flush=True)
+(shared / f"args_{me}").open("a").write(" ".join(sys.argv[2:]) + "\\n")
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # train.py: saved at the step boundary
+while True:
+  if (shared / f"kill_{me}").exists():
+    (shared / f"kill_{me}").unlink()
+    os.kill(os.getpid(), signal.SIGKILL)
+  if (shared / "finish").exists():
+    sys.exit(0)
+  time.sleep(0.1)
+"""
+
+
+def test_the_tpu_vm_launcher_shrinks_to_the_ready_slices_and_grows_back(tmp_path, monkeypatch):
+  """Two one-worker slices behind the fake gcloud: slice 1's worker is killed and its TPU is
+  repairing -> the job goes on on slice 0 alone; the TPU is READY again -> SIGTERM, both slices."""
+  from MaxText.platform.tpu_launch import Gcloud
+  from tests.fake_gcloud import FakeCloud
+
+  cloud = FakeCloud(tmp_path / "cloud", {"job-0": 1, "job-1": 1})
+  monkeypatch.setenv("FAKE_GCLOUD_DIR", str(cloud.root))
+  shared = tmp_path / "shared"
+  shared.mkdir()
+  for name in ("job-0", "job-1"):
+    (cloud.home(name, 0) / "run").mkdir(parents=True)
+    (cloud.home(name, 0) / "run" / "worker.py").write_text(_TPU_WORKER)
+  gcloud = Gcloud(project="p", zone="z", dry_run=False, executable=str(cloud.root / "bin" / "gcloud"))
+  launcher = elastic.TpuVmLauncher(gcloud, ["job-0", "job-1"], f"{sys.executable} worker.py {shared}", "run",
+                                   tmp_path / "logs")
+  run_dir = tmp_path / "run_dir"
+  run_dir.mkdir()
+  layout = SliceLayout(num_slices=2, devices_per_slice=4, batch_shards_per_slice=4, global_batch_size=8,
+                       gradient_accumulation_steps=1, min_slices=1)
+  supervisor = elastic.Supervisor(layout, launcher, run_dir, poll_s=0.2, stop_grace_s=20, log=lambda message: None)
+  outcome: list[object] = []
+  thread = threading.Thread(target=lambda: outcome.append(supervisor.run()), daemon=True)
+  thread.start()
+
+  _wait_for(lambda: (shared / "args_job-1").exists(), "both workers", timeout=120)
+  (shared / "resumed").write_text("")
+  cloud.configure(tpus={"job-0": {"workers": 1, "state": "READY"}, "job-1": {"workers": 1, "state": "REPAIRING"}})
+  (shared / "kill_job-1").write_text("")
+  _wait_for(lambda: len((shared / "args_job-0").read_text().splitlines()) == 2, "the relaunch on slice 0", timeout=120)
+  assert (shared / "args_job-0").read_text().splitlines()[1] == \
+      "num_slices=1 dcn_data_parallelism=1 per_device_batch_size=2 gradient_accumulation_steps=2"
+  (run_dir / "metrics.jsonl").write_text('{"step": 4}\n')  # the shrunk run logs a step past 3
+  _wait_for(lambda: supervisor.resizes[0].seconds_to_resume is not None, "the resume", timeout=60)
+  cloud.configure(tpus={"job-0": {"workers": 1, "state": "READY"}, "job-1": {"workers": 1, "state": "READY"}})
+  _wait_for(lambda: len((shared / "args_job-1").read_text().splitlines()) == 2, "the grow-back", timeout=120)
+  (shared / "finish").write_text("")
+  thread.join(timeout=120)
+  assert outcome == [0]
+  lost, grown = supervisor.resizes
+  assert (lost.from_slices, lost.to_slices, lost.resumed_from, lost.resumed_source) == \
+      (2, 1, 3, "the persistent tier")
+  assert lost.cause.startswith("process 1 (slice 1) ")  # killed: a signal, whatever way ssh reports it
+  assert (grown.cause, grown.from_slices, grown.to_slices) == ("slice(s) 1 returned", 1, 2)
+  assert (shared / "args_job-1").read_text().splitlines()[1].endswith("gradient_accumulation_steps=1")
+  multislice = [c for c in cloud.calls() if c[:4] == ["compute", "tpus", "tpu-vm", "ssh"] and "MEGASCALE" in str(c)]
+  assert multislice and "MEGASCALE_NUM_SLICES=2" in str(multislice[-1])
