@@ -276,3 +276,49 @@ def test_a_mixed_batch_gives_what_peft_generates_for_each_adapter(tmp_path):
   rows = [RowParams(adapter=0 if p is None else registry.acquire(p)) for p in picks]
   assert greedy(engine, registry.params, prompts, rows, new_tokens) == expected
   assert expected[0] != greedy(engine, registry.params, prompts[:1], [RowParams()], new_tokens)[0]
+
+
+def test_admin_routes_are_off_without_an_api_key_and_echo_scores_only_the_base_model(server):
+  import httpx
+  from tests.uvicorn_thread import UvicornThread
+  from MaxText.serve import build_app
+
+  _, srv, client, _, root = server
+  open_app = UvicornThread(build_app(srv, api_key=""))
+  try:
+    response = httpx.post(f"{open_app.url}/v1/admin/lora_adapters", json={"name": "x", "path": str(root / "kappa")},
+                          timeout=60)
+    assert response.status_code == 403 and "MAXTEXT_API_KEY" in response.json()["error"]["message"]
+  finally:
+    open_app.close()
+  echo = client.post("/v1/completions", json={"model": "alpha", "prompt": [5, 6], "max_tokens": 0, "echo": True,
+                                              "logprobs": 0})
+  assert echo.status_code == 400 and "base model only" in echo.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("keys, words", [
+    (dict(serve_lora_adapters="nameless"), "serve_lora_adapters items are name=path"),
+    (dict(serve_lora_adapters="a=/x", speculative_tokens=2), "do not combine with speculative_tokens"),
+    (dict(serve_lora_adapters="a=/x", lora_rank=4), "beside a base model with lora_rank=0"),
+    (dict(serve_lora_adapters="a={root}/head"), "LoRA adapters target ['lm_head'], which this model cannot serve"),
+    (dict(serve_lora_adapters="a={root}/nothing"), "is not a PEFT LoRA adapter"),
+])
+def test_start_up_refusals_are_one_line(tmp_path, keys, words):
+  import json
+
+  (tmp_path / "head").mkdir()
+  (tmp_path / "head" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2,
+                                                                      "target_modules": ["lm_head"]}))
+  (tmp_path / "head" / "adapter_model.safetensors").write_bytes(b"")
+  keys = {k: v.replace("{root}", str(tmp_path)) if isinstance(v, str) else v for k, v in keys.items()}
+  config = Config.for_testing(**TINY, **keys)
+  with pytest.raises(UserError) as e:
+    lora_adapters.load_engine(config, 2, "", "base", one_device_mesh())
+  assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_negative_table_sizes_are_config_errors():
+  from MaxText.errors import ConfigError
+
+  with pytest.raises(ConfigError, match="serve_lora_slots and serve_lora_max_rank must be >= 0"):
+    Config.for_testing(**TINY, serve_lora_slots=-1)
