@@ -30,6 +30,7 @@ from MaxText.configuration import config as config_lib
 from MaxText.errors import UserError, run_cli
 from MaxText.inference import image_chat, speculative_engine
 from MaxText.inference.engine import load_engine
+from MaxText.inference.engine_api import Emitted
 from MaxText.inference.image_prompts import PromptImages
 from MaxText.input_pipeline import image_text
 from MaxText.input_pipeline.tokenizer import DocumentEncoder, Tokenizer, load_tokenizer
@@ -118,22 +119,28 @@ def decode(config: config_lib.Config) -> list[int]:
 
   state = engine.insert(prefix, engine.init_decode_state(seed), slot=0)
   generated = [int(prefix.first_tokens_B[0])]
-  state, emitted = engine.decode_step(params, state)  # compile + first step, outside the timing
-  generated.append(emitted.token(0))
+  state, emitted = engine.decode_step(params, state)  # compile + first call, outside the timing
+  generated += _slot0(jax.device_get(emitted))
   start = time.perf_counter()
-  step_tokens = []
-  for _ in range(num_new - 2):
+  calls = []
+  for _ in range(-(-max(num_new - len(generated), 0) // engine.steps_per_call)):
     state, emitted = engine.decode_step(params, state)
-    step_tokens.append(emitted.tokens)  # read back after the loop: the host never waits inside it
-  generated += [int(t[0]) for t in jax.device_get(step_tokens)]
+    calls.append(emitted)  # read back after the loop: the host never waits inside it
+  new = [_slot0(e) for e in jax.device_get(calls)]
+  steps = sum(len(tokens) for tokens in new)
+  generated = (generated + [t for tokens in new for t in tokens])[:num_new]
   generate_s = time.perf_counter() - start
 
   generated = report(ids, generated, tokenizer, prefill_s, limit)
-  steps = max(num_new - 2, 0)
   if steps:
     log(f"generate: {steps} steps in {generate_s * 1e3:.1f} ms ({generate_s / steps * 1e3:.2f} ms/token, "
         f"{steps / generate_s:.1f} tokens/s)")
   return generated
+
+
+def _slot0(emitted: Emitted) -> list[int]:
+  """Slot 0's tokens of one decode_step (1, or up to decode_steps_per_call)."""
+  return [emitted.token(0, i) for i in range(emitted.count(0))]
 
 
 def decode_speculative(config: config_lib.Config, ids: list[int], tokenizer: Tokenizer | None) -> list[int]:

@@ -48,9 +48,10 @@ def printed_ids(stdout: str) -> list[int]:
   return ast.literal_eval(line.removeprefix("generated ids: "))
 
 
-def test_cli_prints_ids_equal_to_in_process_greedy(checkpoint):
+@pytest.mark.parametrize("steps_per_call", [1, 5])  # 5: the cache's end falls inside the last call
+def test_cli_prints_ids_equal_to_in_process_greedy(checkpoint, steps_per_call):
   result = run_decode(f"load_parameters_path={checkpoint}", "prompt_token_ids=5,17,42",
-                      *(f"{k}={v}" for k, v in RUN.items()))
+                      *(f"{k}={v}" for k, v in RUN.items()), f"decode_steps_per_call={steps_per_call}")
   assert result.returncode == 0, result.stderr[-2000:]
   ids = printed_ids(result.stdout)
   assert len(ids) == RUN["max_target_length"] - 3 + 1 and all(0 <= t < MODEL["vocab_size"] for t in ids)
