@@ -264,6 +264,8 @@ def test_bad_input_is_one_line(tiny_overrides, teacher_path, tmp_path):
   with pytest.raises(ConfigError, match="objective=distill: no model_config.yml or run config.yml is saved with "
                      "distill_teacher_path=.*; set distill_teacher_model_name="):
     build_run(_distill_config(tiny_overrides, teacher_path, distill_teacher_model_name=""), devices=jax.devices()[:1])
+  with pytest.raises(UserError, match="objective=distill trains the next-token head only; set mtp_num_layers=0"):
+    build_run(_distill_config(tiny_overrides, teacher_path, mtp_num_layers=1), devices=jax.devices()[:1])
   # A teacher run trained with another tokenizer.
   run_dir = tmp_path / "teacher_run"
   teacher_run = Config.for_testing(**TEACHER_MODEL, tokenizer_path="other_tokenizer", print_config=False)
