@@ -217,6 +217,20 @@ def test_on_eight_devices_the_teacher_is_sharded_by_the_students_rules(tiny_over
   assert np.isfinite(float(step_metrics["loss"])) and float(step_metrics["distill_kl"]) > 0
 
 
+def test_micro_batches_give_the_loss_and_gradients_of_the_whole_batch(tiny_overrides, teacher_path):
+  """With gradient accumulation the teacher runs inside each micro-batch's loss: the step's metrics
+  equal those of the whole batch at once."""
+  first = {}
+  for micro in (1, 2):
+    config = _distill_config(tiny_overrides, teacher_path, per_device_batch_size=2, gradient_accumulation_steps=micro,
+                             distill_top_k=8, distill_alpha=0.5)
+    run = build_run(config, devices=jax.devices()[:1])
+    _, step_metrics = run.train_step(run.init_state(), next(run.data_iterator()), jax.random.key(0))
+    first[micro] = {k: float(step_metrics[k]) for k in ("loss", "distill_kl", "xent", "grad_norm")}
+  for name, value in first[1].items():
+    assert first[2][name] == pytest.approx(value, rel=1e-5), name
+
+
 def test_the_teacher_forward_counts_in_the_step_flops(tiny_overrides, teacher_path):
   config = _distill_config(tiny_overrides, teacher_path)
   run = build_run(config, devices=jax.devices()[:1])
