@@ -130,6 +130,7 @@ def quality() -> None:
   import jax.numpy as jnp
   import numpy as np
 
+  from MaxText import models
   from MaxText.configuration.config import Config
   from MaxText.inference import quantized_weights
   from MaxText.inference.engine import Engine, Request, serve
@@ -140,21 +141,23 @@ def quality() -> None:
   positions = jnp.broadcast_to(jnp.arange(64), tokens.shape)
   prompts = [list(map(int, p)) for p in np.random.default_rng(1).integers(0, vocab, (16, 12))]
 
-  def outputs(engine: Any, params: Any) -> tuple[Any, list[list[int]]]:
-    apply = jax.jit(sharding.unsharded()(engine.spec.apply))
+  def outputs(config: Any, engine: Any, params: Any) -> tuple[Any, list[list[int]]]:
+    apply = jax.jit(sharding.unsharded()(models.build_model_spec(config.model).apply))
     logits = apply(params, tokens, positions, jnp.ones_like(tokens))
     served = serve(engine, params, [Request(list(p), 32) for p in prompts])
     return jax.nn.log_softmax(logits.astype(jnp.float32), -1), [r.output for r in served]
 
-  reference = Engine(Config.for_testing(**QUALITY_MODEL), num_slots=16)
+  config = Config.for_testing(**QUALITY_MODEL)
+  reference = Engine(config, num_slots=16)
   float_params = reference.load_params(seed=0)
-  log_p, greedy = outputs(reference, float_params)
+  log_p, greedy = outputs(config, reference, float_params)
   print(f"RESULT quality weights=none dtype=bfloat16 weight_mib={quantized_weights.weight_bytes(float_params) / 2**20:.2f}")
   # The last row puts the others in scale: bfloat16's own rounding, float32 compute against bfloat16.
   for mode, dtype in (("int8", "bfloat16"), ("fp8", "bfloat16"), ("", "float32")):
-    engine = Engine(Config.for_testing(**dict(QUALITY_MODEL, dtype=dtype), quantize_weights=mode), num_slots=16)
-    params = engine.prepare_params(float_params)
-    log_q, tokens_q = outputs(engine, params)
+    config = Config.for_testing(**dict(QUALITY_MODEL, dtype=dtype), quantize_weights=mode)
+    engine = Engine(config, num_slots=16)
+    params = engine.load_params(seed=0)  # the reference's weights, converted as the engine takes them
+    log_q, tokens_q = outputs(config, engine, params)
     kl = float(jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), -1)))
     top1 = float(jnp.mean(jnp.argmax(log_p, -1) == jnp.argmax(log_q, -1)))
     equal = [next((i for i, (a, b) in enumerate(zip(f, q)) if a != b), len(f)) for f, q in zip(greedy, tokens_q)]
@@ -191,7 +194,7 @@ def run(overrides: dict[str, Any], layout: str, num_slots: int, prompt: list[int
   config = Config.for_testing(**overrides)
   engine = Engine(config, num_slots=num_slots)
   params = engine.load_params()
-  num_params = sum(x.size for x in jax.tree.leaves(engine.spec.abstract_params))
+  num_params = quantized_weights.parameter_count(params)
   weight_mib = quantized_weights.weight_bytes(params) / 2**20
   times = []
   for i in range(args.repeats + 1):

@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from MaxText.configuration.config import Config
 from MaxText.errors import UserError
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.moe import ExpertKernel
 from MaxText.layers.weight_quantization import QuantizedWeight, quantize_weight
-from MaxText.models import LAYER_STACKS, ModelSpec, Params, stacked_layer_key
+from MaxText.models import LAYER_STACKS, ModelSpec, Params, build_model_spec, stacked_layer_key
 
 Path = tuple[str, ...]
 
@@ -146,6 +147,23 @@ def weight_bytes(params: Params) -> int:
   return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(params))
 
 
+def parameter_count(params: Params) -> int:
+  """Parameters in the tree, a converted kernel counted once (its values; not its scales)."""
+  leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+  return sum(int(x.values.size if isinstance(x, QuantizedWeight) else x.size) for x in leaves)
+
+
 def for_engine(spec: ModelSpec, mode: str, block: int) -> WeightQuantizer | None:
   """The converter an engine applies to the parameters it takes; None when quantize_weights is ""."""
   return WeightQuantizer.for_model(spec, mode, block) if mode else None
+
+
+def rollout_preparer(config: Config, shardings: Params) -> Callable[[Params, bool], Params] | None:
+  """GRPO's weight sync's `prepare` (rl/rollout_mesh.WeightSync): the policy's parameters converted as
+  the rollout engine's (laid out as `shardings`, its param_shardings) are; None without quantize_weights."""
+  decode = config.decode
+  if not decode.quantize_weights:
+    return None
+  quantizer = WeightQuantizer.for_model(build_model_spec(config.model), decode.quantize_weights,
+                                        decode.quantize_weights_block)
+  return lambda params, donate: quantizer(params, shardings, donate)

@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from MaxText.configuration.config import Config
 from MaxText.errors import UserError
-from MaxText.inference import sampling
+from MaxText.inference import quantized_weights, sampling
 from MaxText.inference.engine import Engine
 from MaxText.inference.engine_api import DecodeEngine
 from MaxText.input_pipeline import chat
@@ -159,7 +159,7 @@ class RolloutBatches:
                          mesh=rollout_mesh.rollout_mesh(config, rollout_devices) if on_own_mesh else mesh)
     self.weights = rollout_mesh.WeightSync(self.engine.param_shardings if on_own_mesh else None,
                                            self.rl.rl_weight_sync_interval,
-                                           prepare=self.engine.prepare_params if self.engine.weight_quantizer else None)
+                                           prepare=quantized_weights.rollout_preparer(config, self.engine.param_shardings))
     self._primed: tuple[int, Batch, dict[str, float]] | None = None
     self.clock = rollout_mesh.IdleClock()  # each side's idle share, a metric of every step
     # rl_weight_sync_interval > 1 on a rollout mesh: each copy's batches are made ahead (rollout_mesh.py)

@@ -169,7 +169,8 @@ def test_rollout_weight_copies_are_converted_once_each():
   config = Config.for_testing(**TINY, quantize_weights="int8")
   engine = Engine(config, num_slots=2, mesh=one_device_mesh())
   float_params = Engine(Config.for_testing(**TINY), mesh=one_device_mesh()).load_params(seed=1)
-  same_mesh = rollout_mesh.WeightSync(None, 1, prepare=engine.prepare_params)
+  assert quantized_weights.rollout_preparer(Config.for_testing(**TINY), engine.param_shardings) is None
+  same_mesh = rollout_mesh.WeightSync(None, 1, prepare=quantized_weights.rollout_preparer(config, engine.param_shardings))
   params, scalars = same_mesh.for_step(float_params, 0)
   assert scalars == {} and isinstance(params["layers"]["mlp"]["wo"]["kernel"], QuantizedWeight)
   assert not isinstance(float_params["layers"]["mlp"]["wo"]["kernel"], QuantizedWeight)  # the policy is untouched
