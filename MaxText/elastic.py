@@ -21,6 +21,7 @@ No JAX here: the supervisor never starts a backend.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -145,14 +146,19 @@ class Supervisor:
     """Runs the job to its end; returns its exit status (0: finished)."""
     slices = self._usable(self.launcher.available(), "at the start")
     pending: Resize | None = None
-    while True:
+    began = time.time()
+    for number in itertools.count(1):
       overrides = elastic_config.resize(self.layout, len(slices)).overrides()
       self.log(f"elastic: starting on slice(s) {', '.join(map(str, slices))}: {' '.join(overrides)}")
       launched = time.time()  # the previous generation has ended: later writes are the new one's
       generation = self.launcher.start(slices, overrides)
       outcome = self._watch(generation, slices, pending, launched)
       pending = None
+      # Each generation's wall time, which goodput.json misses for a start killed between its writes.
+      self._record({"generation": number, "slices": slices, "launched": launched, "ended": time.time(),
+                    "exit": outcome if isinstance(outcome, int) else outcome[0]})
       if isinstance(outcome, int):
+        self.log(self.summary(number, time.time() - began))
         return outcome
       cause, up = outcome
       new = self._usable(up, f"after {cause}")
@@ -161,6 +167,13 @@ class Supervisor:
       self.resizes.append(pending)
       self.log(pending.line())
       slices = new
+    raise AssertionError("unreachable")
+
+  def summary(self, generations: int, wall_s: float) -> str:
+    resumed = [r.seconds_to_resume for r in self.resizes if r.seconds_to_resume is not None]
+    redone = sum(max(0, r.step_reached - r.resumed_from) for r in self.resizes)
+    return (f"elastic: {generations} generation(s), {len(self.resizes)} resize(s) in {wall_s:.0f} s; "
+            f"{sum(resumed):.0f} s from the resizes' causes to the resumed runs, {redone} step(s) redone")
 
   def _usable(self, up: set[int], when: str) -> list[int]:
     count = elastic_config.usable_slices(self.layout, len(up))
@@ -182,7 +195,7 @@ class Supervisor:
           logged_step(self.run_dir, since=launched) > pending.resumed_from:
         pending.seconds_to_resume = time.time() - pending.detected
         self.log(pending.line())
-        self._record(pending)
+        self._record(dataclasses.asdict(pending))
       exits = generation.exits()
       failed = [e for e in exits if e.code not in (0, SIGTERM_EXIT)]
       if failed:
@@ -196,7 +209,7 @@ class Supervisor:
         return culprit.describe(), self.launcher.available()
       if generation.running() == 0:
         if pending is not None and pending.seconds_to_resume is None:
-          self._record(pending)
+          self._record(dataclasses.asdict(pending))
         return next((e.code for e in exits if e.code != 0), 0)
       up = self.launcher.available() if len(slices) < self.layout.num_slices else set(slices)
       if len(up) > len(slices):
@@ -219,9 +232,10 @@ class Supervisor:
       while generation.running():
         time.sleep(0.1)
 
-  def _record(self, resize: Resize) -> None:
+  def _record(self, record: Mapping[str, object]) -> None:
+    """One line of elastic.jsonl: a resize (it has a cause) or a generation's wall time."""
     with open(self.run_dir / EVENTS_FILE, "a", encoding="utf-8") as f:
-      f.write(json.dumps(dataclasses.asdict(resize)) + "\n")
+      f.write(json.dumps(record) + "\n")
 
 
 # ----------------------------------------------------------------------------- CPU loopback launcher

@@ -264,7 +264,14 @@ def test_a_lost_slice_shrinks_the_run_and_its_return_grows_it_back(tmp_path):
   assert lost.seconds_to_resume is not None and lost.seconds_to_resume >= 0
   assert (grown.cause, grown.from_slices, grown.to_slices) == ("slice(s) 2 returned", 2, 4)
   records = [json.loads(line) for line in (tmp_path / elastic.EVENTS_FILE).read_text().splitlines()]
-  assert [r["to_slices"] for r in records] == [2, 4]
+  assert [r["to_slices"] for r in records if "cause" in r] == [2, 4]
+  generations = [r for r in records if "generation" in r]
+  assert [(r["slices"], r["exit"]) for r in generations] == \
+      [([0, 1, 2, 3], lost.cause), ([0, 1], "slice(s) 2 returned"), ([0, 1, 2, 3], 0)]
+  assert all(r["ended"] >= r["launched"] for r in generations)
+  assert supervisor.summary(3, 10.0).startswith("elastic: 3 generation(s), 2 resize(s) in 10 s; ")
+  # 7 - 5 after the loss, 9 - 5 after the return (the fake saves nothing at the grow-back's SIGTERM).
+  assert supervisor.summary(3, 10.0).endswith(" 6 step(s) redone")
   assert "elastic: process 2 (slice 2) was killed by signal 9: 4 -> 2 slice(s) at step 7, resumed from step 5 " \
          "(2 step(s) redone)" in lost.line()
 
