@@ -53,7 +53,8 @@ class Objective(abc.ABC):
   def extra_state(self, params: T, copy: Callable[[T], T]) -> dict[str, T]:
     """The state's fields beyond step, params and opt_state, from the starting parameters (e.g. a
     frozen reference: `copy(params)`). Called on arrays, on their shapes and on their shardings,
-    so it only arranges what `copy` gives."""
+    so it only arranges what `copy` gives, or, for a model of its own (a distillation teacher), its
+    shardings where given shardings and placeholders elsewhere, which `load_extra_state` fills."""
     return {}
 
   def load_extra_state(self, state: TrainState) -> TrainState:
