@@ -26,16 +26,19 @@ e4m3 keeps 3 mantissa bits, a relative error up to 2**-4 of each weight.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from MaxText.layers import quantization
+from MaxText.platform.sharding import trace_platform
 
 INT8_MAX = 127.0
 E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
 STORAGE_DTYPES: dict[str, Any] = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+CPU_CHUNK_ELEMENTS = 2**18  # input rows converted at a time on CPU: about 1 MiB of float32 kernel
 
 
 @jax.tree_util.register_dataclass
@@ -123,5 +126,36 @@ def dense_dot(x: jax.Array, weight: QuantizedWeight, num_in: int, dtype: Any, mo
     return (acc * (x_scale * scale_out)).astype(dtype)
   if mode:  # a mode of another kind (mxfp8, or int8 beside fp8 weights): as it runs on the float kernel
     return quantization.quantized_dot_general(mode, x.astype(dtype), weight.dequantize(dtype), dims)
-  acc = jax.lax.dot_general(x.astype(dtype), weight.values.astype(dtype), dims, preferred_element_type=jnp.float32)
+  if trace_platform() == "cpu":
+    acc = _dot_by_row_blocks(x.astype(dtype), weight.values, num_in, dtype)
+  else:
+    acc = jax.lax.dot_general(x.astype(dtype), weight.values.astype(dtype), dims, preferred_element_type=jnp.float32)
   return (acc * scale_out).astype(dtype)
+
+
+def _dot_by_row_blocks(x: jax.Array, values: jax.Array, num_in: int, dtype: Any) -> jax.Array:
+  """x · values (float32) converting a block of the kernel's input rows at a time inside a loop. XLA's
+  CPU backend does not fuse the conversion into its matmul: converted whole, every matmul of every
+  step writes a fresh float copy of its kernel, which costs several times the matmul; a loop reuses
+  one small buffer."""
+  out_shape = values.shape[num_in:]
+  k, n = math.prod(values.shape[:num_in]), math.prod(out_shape)
+  rows = max(d for d in range(1, k + 1) if k % d == 0 and (d * n <= CPU_CHUNK_ELEMENTS or d == 1))
+  lead = x.shape[:x.ndim - num_in]
+  x_lk = x.reshape(lead + (k,))
+  v_kn = values.reshape(k, n)
+  if rows == k:
+    acc = jax.lax.dot_general(x_lk, v_kn.astype(dtype), (((x_lk.ndim - 1,), (0,)), ((), ())),
+                              preferred_element_type=jnp.float32)
+    return acc.reshape(lead + out_shape)
+  x_blocks = jnp.moveaxis(x_lk.reshape(lead + (k // rows, rows)), -2, 0)
+  v_blocks = v_kn.reshape(k // rows, rows, n)
+
+  def add_block(acc: jax.Array, block: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
+    x_block, v_block = block
+    part = jax.lax.dot_general(x_block, v_block.astype(dtype), (((x_block.ndim - 1,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+    return acc + part, None
+
+  acc, _ = jax.lax.scan(add_block, jnp.zeros(lead + (n,), jnp.float32), (x_blocks, v_blocks))
+  return acc.reshape(lead + out_shape)

@@ -255,3 +255,17 @@ def test_grpo_rollouts_from_int8_weights_on_a_rollout_mesh_equal_the_same_mesh_r
   ours, theirs = _metrics(tmp_path / "split"), _metrics(tmp_path / "same")
   assert [r["reward"] for r in ours] == [r["reward"] for r in theirs]
   assert [r["completions/mean_length"] for r in ours] == [r["completions/mean_length"] for r in theirs]
+
+
+def test_the_cpu_matmul_by_blocks_of_input_rows_equals_one_dot(monkeypatch):
+  """On CPU the weight-only matmul converts the kernel a block of input rows at a time in a loop."""
+  from MaxText.layers import weight_quantization
+  kernel = jax.random.normal(jax.random.key(4), (4, 8, 6), jnp.float32)  # in (4, 8), out 6
+  q = quantize_weight(kernel, "int8", (0, 1))
+  x = jax.random.normal(jax.random.key(5), (2, 3, 4, 8), jnp.float32)
+  whole = dense_dot(x, q, 2, jnp.float32, "")
+  monkeypatch.setattr(weight_quantization, "CPU_CHUNK_ELEMENTS", 30)  # blocks of 4 rows: 8 loop steps
+  hlo = jax.jit(lambda a: dense_dot(a, q, 2, jnp.float32, "")).lower(x).as_text()
+  assert "stablehlo.while" in hlo
+  np.testing.assert_allclose(dense_dot(x, q, 2, jnp.float32, ""), whole, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(whole, jnp.einsum("blhd,hde->ble", x, q.dequantize(jnp.float32)), rtol=1e-5, atol=1e-5)
