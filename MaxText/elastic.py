@@ -109,7 +109,10 @@ class Resize:
   resumed_source: str = ""  # the run's own word for it: the persistent or the local tier, or the seed
 
   def line(self) -> str:
-    resumed = f"{self.seconds_to_resume:.1f} s" if self.seconds_to_resume is not None else "not yet"
+    if self.seconds_to_resume is None:  # where the relaunched run resumes from is known once it says
+      return (f"elastic: {self.cause}: {self.from_slices} -> {self.to_slices} slice(s) at step {self.step_reached}; "
+              "relaunching")
+    resumed = f"{self.seconds_to_resume:.1f} s"
     source = f" of {self.resumed_source}" if self.resumed_source else ""
     return (f"elastic: {self.cause}: {self.from_slices} -> {self.to_slices} slice(s) at step {self.step_reached}, "
             f"resumed from step {self.resumed_from}{source} ({self.step_reached - self.resumed_from} step(s) redone), "

@@ -366,10 +366,21 @@ def test_a_killed_process_shrinks_the_loopback_job_and_its_return_grows_it_back(
   # Each relaunch starts Python, joins the job, restores and compiles before its first new step.
   assert lost.seconds_to_resume is not None and lost.seconds_to_resume > 1
   assert grown.seconds_to_resume is not None and grown.seconds_to_resume > 1
-  print(f"{lost.line()}\n{grown.line()}")
   got = _logged(run_dir)
   assert sorted(got) == sorted(want) == list(range(1, 13))
   np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=2e-5)
+
+  # Against a full restart of all 4 processes from the persistent tier (step 12), on the same machine.
+  restart = elastic.LoopbackLauncher([*command, "run_name=elastic", "steps=13", "checkpoint_period=6"], 4, 1, 2,
+                                     tmp_path / "restart_state", env, tmp_path / "restart_logs")
+  started = time.time()
+  generation = restart.start([0, 1, 2, 3], elastic_config.resize(layout, 4).overrides())
+  _wait_for(lambda: max(_logged(run_dir), default=0) >= 13, "step 13 after a full restart")
+  full_restart_s = time.time() - started
+  assert [p.wait(timeout=300) for _, p in generation.procs] == [0] * 4
+  assert generation.resumed_from() == (12, str(run_dir / "checkpoints"))
+  print(f"{lost.line()}\n{grown.line()}\nfull restart of 4 processes from the persistent tier: {full_restart_s:.1f} s "
+        "to the first new step")
 
 
 def test_the_local_tier_restores_for_fewer_processes_that_keep_their_regions(tmp_path):
