@@ -46,6 +46,13 @@ def test_an_elastic_run_spreads_only_data_parallelism_across_slices():
     Config.for_testing(num_slices=2, elastic_min_slices=1, dcn_fsdp_parallelism=2, dcn_data_parallelism=1)
 
 
+def test_an_elastic_run_reads_only_data_whose_position_survives_a_resize():
+  with pytest.raises(ConfigError, match=r"^elastic_min_slices=1: dataset_type=hf keeps its data position per data "
+                                        r"shard .* elastic training supports dataset_type=synthetic so far"):
+    elastic_config.check({"elastic_min_slices": 1, "dataset_type": "hf", "gradient_accumulation_steps": 1},
+                         Config.for_testing(num_slices=2).mesh, num_devices=8, global_batch_size=64)
+
+
 def test_a_valid_elastic_config_and_the_default_are_accepted():
   assert Config.for_testing(num_slices=2, elastic_min_slices=1).mesh.elastic_min_slices == 1
   assert Config.for_testing().mesh.elastic_min_slices == 0

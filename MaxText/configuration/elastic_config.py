@@ -120,6 +120,11 @@ def check(values: Mapping[str, object], mesh: MeshLike, num_devices: int, global
   if min_slices > mesh.num_slices:
     raise ConfigError(f"elastic_min_slices={min_slices} is above the run's {mesh.num_slices} slice(s) (num_slices); "
                       f"set it to at most {mesh.num_slices}")
+  if values["dataset_type"] != "synthetic":
+    raise ConfigError(f"elastic_min_slices={min_slices}: dataset_type={values['dataset_type']} keeps its data position "
+                      "per data shard (one per process) and a resize changes the number of processes, so the "
+                      "relaunched run could not read on exactly; elastic training supports dataset_type=synthetic "
+                      "so far (set elastic_min_slices=0)")
   others = [f"dcn_{axis}_parallelism={d}" for axis, d in mesh.degrees("dcn") if axis != "data" and d != 1]
   if others:
     raise ConfigError(f"an elastic run spreads only data parallelism across slices, so a slice can be dropped; "
