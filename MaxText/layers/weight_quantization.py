@@ -10,7 +10,8 @@ each output channel (per-block, as DeepSeek-V3 ships its fp8 weights).
 `dense_dot` is DenseGeneral's matmul on such a kernel:
 - weight-only, per-channel: x · values in the activation dtype (int8 and e4m3 values are exact in
   bfloat16), float32 accumulation, then the output channels times their scale, so the conversion
-  and the scale are elementwise ops next to the dot that XLA fuses instead of a float kernel;
+  and the scale are elementwise ops next to the dot that XLA fuses instead of a float kernel (the CPU
+  backend fuses neither: there the kernel is converted a block of input rows at a time in a loop);
 - weight and activation, when `quantization` (the training matmul mode, layers/quantization.py) is
   int8 or fp8 beside per-channel weights of the same kind: the activations are quantized as that
   mode does (int8: per token; fp8: per tensor) and the dot runs on the 8-bit values of both;
