@@ -19,7 +19,6 @@ answers the model, as the calculator does.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import threading
 import time
@@ -27,6 +26,7 @@ from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar
 
 from MaxText.errors import ConfigError, UserError
 from MaxText.inference import tool_calls
+from MaxText.rl import rewards
 
 T = TypeVar("T")
 Message = dict[str, Any]
@@ -62,19 +62,7 @@ def model_turn(text: str, ended: bool, turn: int) -> ModelTurn:
 
 def load(path: str) -> Callable[..., Any]:
   """The episode factory a `package.module:Name` path names (the built-ins are episodes.py's)."""
-  module_name, sep, attribute = path.partition(":")
-  if not sep or not module_name or not attribute:
-    raise ConfigError(f"rl_environment={path!r} is neither a built-in ({', '.join(BUILTINS)}) nor a "
-                      "package.module:Name path")
-  try:
-    module = importlib.import_module(module_name)
-  except Exception as e:  # noqa: BLE001 - any failure to import is the user's to fix
-    raise ConfigError(f"rl_environment {path}: cannot import {module_name} ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0] if str(e) else ''}); is it on PYTHONPATH?") from None
-  factory = getattr(module, attribute, None)
-  if not callable(factory):
-    raise ConfigError(f"rl_environment {path}: {module_name} has no callable {attribute!r}")
-  return factory
+  return rewards.load_dotted(path, "rl_environment", BUILTINS, "Name", is_key=True)
 
 
 class _Call(Generic[T]):

@@ -135,21 +135,28 @@ def _builtin(name: str, rl: RLConfig, eos_id: int | None) -> RewardFn:
   return LengthPenalty(rl.max_completion_length, rl.rl_length_penalty_window, eos_id)
 
 
-def load_function(path: str) -> RewardFn:
-  """`package.module:function` imported; a clear ConfigError when it is not importable or callable."""
+def load_dotted(path: str, what: str, builtins: Sequence[str], kind: str,
+                *, is_key: bool = False) -> Callable[..., Any]:
+  """The callable `package.module:<kind>` imported for a user's hook (a reward function, an environment),
+  or one ConfigError line starting with `what` (a config key's name when `is_key`)."""
   module_name, sep, attribute = path.partition(":")
   if not sep or not module_name or not attribute:
-    raise ConfigError(f"reward function {path!r} is neither a built-in ({', '.join(BUILTINS)}) nor a "
-                      "package.module:function path")
+    named = f"{what}={path!r}" if is_key else f"{what} {path!r}"
+    raise ConfigError(f"{named} is neither a built-in ({', '.join(builtins)}) nor a package.module:{kind} path")
   try:
     module = importlib.import_module(module_name)
   except Exception as e:  # noqa: BLE001 - any failure to import is the user's to fix
-    raise ConfigError(f"reward function {path}: cannot import {module_name} ({type(e).__name__}: "
+    raise ConfigError(f"{what} {path}: cannot import {module_name} ({type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''}); is it on PYTHONPATH?") from None
-  fn = getattr(module, attribute, None)
-  if not callable(fn):
-    raise ConfigError(f"reward function {path}: {module_name} has no callable {attribute!r}")
-  return fn
+  found = getattr(module, attribute, None)
+  if not callable(found):
+    raise ConfigError(f"{what} {path}: {module_name} has no callable {attribute!r}")
+  return found
+
+
+def load_function(path: str) -> RewardFn:
+  """`package.module:function` imported; a clear ConfigError when it is not importable or callable."""
+  return load_dotted(path, "reward function", BUILTINS, "function")
 
 
 @dataclasses.dataclass
