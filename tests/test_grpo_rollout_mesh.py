@@ -280,3 +280,22 @@ def test_the_training_chips_of_a_pod_split_by_host_get_a_mesh(tiny_overrides):
   assert len(train) == 24 and [d.process_index for d in rollout] == list(range(8))
   mesh = sharding.create_mesh(config.mesh, train)
   assert dict(mesh.shape)["data"] == 3 and dict(mesh.shape)["fsdp"] == 8 and list(mesh.devices.flat) == train
+
+
+@pytest.mark.slow  # two compiles for a 32-chip topology
+def test_train_compile_compiles_both_sides_on_a_pod_of_several_hosts(tiny_overrides, monkeypatch, capsys):
+  """v5p-64 (8 hosts): 24 training chips (data 3 x fsdp 8), one rollout chip per host, and the
+  training chips' transient for a copy across hosts (was refused: a topology of several hosts)."""
+  from MaxText import startup, train_compile
+  from MaxText.platform import accelerators
+  topology = accelerators.tpu_topology("v5p-64")
+  config = Config.for_testing(target=topology.target(), **{**tiny_overrides, **GRPO, "run_name": "split",
+                                                            "per_device_batch_size": 2, "rl_rollout_devices": 8,
+                                                            "ici_data_parallelism": 3, "ici_fsdp_parallelism": 8})
+  devices = startup.describe_topology(topology, 1)
+  monkeypatch.setattr(train_compile, "load_target_config", lambda argv: (config, devices, topology))
+  assert train_compile.main(["train_compile"]) == 0
+  out = capsys.readouterr().out
+  assert "32 devices, TPU v5; 24 train, the last 8 roll out" in out and "mesh: data=3, fsdp=8" in out
+  assert "rollout mesh: 8 devices, data 8 x tensor 1" in out and "rollout side fits: " in out
+  assert "across 8 hosts: each sync first reshards on the training chips to the rollout layout" in out
