@@ -123,7 +123,7 @@ def decode(config: config_lib.Config) -> list[int]:
   generated += _slot0(jax.device_get(emitted))
   start = time.perf_counter()
   calls = []
-  for _ in range(-(-max(num_new - len(generated), 0) // engine.steps_per_call)):
+  for _ in range(-(-max(num_new - len(generated), 0) // config.decode.decode_steps_per_call)):
     state, emitted = engine.decode_step(params, state)
     calls.append(emitted)  # read back after the loop: the host never waits inside it
   new = [_slot0(e) for e in jax.device_get(calls)]

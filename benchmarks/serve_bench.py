@@ -179,7 +179,7 @@ def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int,
 
   from MaxText.configuration.config import Config
 
-  config = Config.for_testing(
+  keys = dict(
       base_emb_dim=args.base_emb_dim, base_num_query_heads=4, base_num_kv_heads=4, head_dim=args.base_emb_dim // 4,
       base_mlp_dim=4 * args.base_emb_dim, base_num_decoder_layers=args.base_num_decoder_layers,
       vocab_size=args.vocab_size,
@@ -190,7 +190,8 @@ def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int,
       serve_max_slots=args.serve_max_slots, serve_max_queue=1024, serve_max_tokens=args.max_tokens,
       serve_model_name="bench", kv_cache_layout=layout, kv_page_size=args.kv_page_size,
       kv_num_pages=args.kv_num_pages if layout == "paged" else 0,
-      **_draft_keys(args, speculative), **({"decode_steps_per_call": steps_per_call} if steps_per_call > 1 else {}))
+      **_draft_keys(args, speculative))
+  config = Config.for_testing(**keys, **({"decode_steps_per_call": steps_per_call} if steps_per_call > 1 else {}))
   server, uv, thread, url = start_server(config)
   engine = server.scheduler.engine
   # Compiles every step (its prompts have no shared prefix: nothing of the measured load is cached yet).
@@ -261,7 +262,8 @@ def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int,
   thread.join(30)
   server.scheduler.stop()
   if args.step_reference and 1 in rates:
-    step_ms = _step_ms(config)
+    step_ms = _step_ms(Config.for_testing(**{k: v for k, v in keys.items() if not k.startswith(("speculative",
+                                                                                                   "draft_"))}))
     most = max(rates)
     print(f"RESULT host layout={layout} decode_steps_per_call={steps_per_call} itl_mean_ms={one_client_itl * 1e3:.3f} "
           f"step_ms={step_ms:.3f} itl_over_step={one_client_itl * 1e3 / step_ms:.2f} "
@@ -269,7 +271,7 @@ def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int,
 
 
 def _step_ms(config: Any) -> float:
-  """ms per token of the served model's jitted decode step alone: 1 slot, one call per step, the
+  """ms per token of `config`'s (one step per call, no draft) jitted decode step alone: 1 slot, the
   tokens read back once at the end (decode.py's generate loop)."""
   import jax
   import numpy as np
@@ -288,8 +290,8 @@ def _step_ms(config: Any) -> float:
     state = engine.insert(engine.prefill(params, [[5, 6, 7]]), state, 0)
     start, tokens = time.perf_counter(), []
     for _ in range(steps):
-      state, tokens_T = engine.generate(params, state)
-      tokens.append(tokens_T)
+      state, emitted = engine.decode_step(params, state)
+      tokens.append(emitted.tokens)
     jax.block_until_ready(tokens)
     best = min(best, (time.perf_counter() - start) / steps * 1e3)
   return best

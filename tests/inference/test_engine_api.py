@@ -21,7 +21,7 @@ CALLERS = ("MaxText/serve.py", "MaxText/decode.py", "MaxText/rl/rollouts.py", "M
 # Building an engine is not driving one: parameters come with it.
 CONSTRUCTION = {"load_params", "compile_step"}
 ENGINE_MODULES = ("engine.py", "speculative.py", "speculative_engine.py", "mtp_draft.py", "page_prefill.py",
-                  "decode_state.py", "lora_adapters.py")
+                  "decode_state.py", "decode_block.py", "lora_adapters.py")
 # The engine's own side: its modules, the protocol and the parts it composes.
 ENGINE_SIDE = {f"MaxText/inference/{name}" for name in ENGINE_MODULES + ("engine_api.py", "kv_layout.py")}
 
