@@ -238,10 +238,9 @@ SCHEMA = {"type": "object", "properties": {
 
 
 def bench_tokenizer(vocab_size: int) -> Any:
-  """A Hugging Face fast tokenizer of `vocab_size` tokens: byte-level BPE trained on random words."""
+  """A `tokenizers` tokenizer of `vocab_size` tokens: byte-level BPE trained on random words."""
   import numpy as np
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-  from transformers import PreTrainedTokenizerFast
 
   rng = np.random.default_rng(0)
   letters = list("abcdefghijklmnopqrstuvwxyz")
@@ -252,7 +251,7 @@ def bench_tokenizer(vocab_size: int) -> Any:
   tokenizer.train_from_iterator([" ".join(words[i:i + 50]) for i in range(0, len(words), 50)] * 2,
                                 trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["</s>"], show_progress=False,
                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-  return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="</s>")
+  return tokenizer
 
 
 def constrained(engine: Any, params: Any, prefix: Any, layout: str, num_slots: int, args: argparse.Namespace) -> None:

@@ -115,3 +115,21 @@ def test_a_hidden_error_is_found(text, hidden):
 ])
 def test_a_fixed_port_is_found(text, fixed):
   assert bool(shell_text.fixed_ports(text)) == fixed, shell_text.fixed_ports(text)
+
+
+def test_the_entry_points_import_without_the_hf_extras():
+  """The static check reads our own imports; a runtime package can pull an extra in by its own (llguidance.hf
+  imports transformers), so the entry points are imported here with the hf extras' packages made unimportable."""
+  import subprocess
+  import sys
+
+  script = ("import sys\n"
+            "class Refuse:\n"
+            "  def find_spec(self, name, path=None, target=None):\n"
+            "    if name.split('.')[0] in ('transformers', 'torch'):\n"
+            "      raise ImportError(f'{name} is an extra (EXTRAS=hf), not in the plain install')\n"
+            "sys.meta_path.insert(0, Refuse())\n"
+            "import MaxText.train, MaxText.train_compile, MaxText.decode, MaxText.serve, MaxText.plan\n")
+  result = subprocess.run([sys.executable, "-c", script], cwd=doc_blocks.REPO_ROOT, capture_output=True, text=True,
+                          check=False, timeout=300)
+  assert result.returncode == 0, result.stderr.strip().splitlines()[-1:]

@@ -18,12 +18,12 @@ tokens on blank space inside a value.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from typing import Any, Sequence
 
 import llguidance
-import llguidance.hf
 import numpy as np
 
 from MaxText.inference import sampling, tool_calls
@@ -89,9 +89,17 @@ class Compiler:
   """Grammars for one tokenizer (built once: it reads the whole vocabulary)."""
 
   def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]):
+    """`hf_tokenizer`: a Hugging Face fast tokenizer (transformers') or its `tokenizers.Tokenizer`. Read
+    here rather than through llguidance.hf, which imports transformers: the plain install has none."""
     self.vocab_size = vocab_size
-    self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
-                                                  eos_token=list(eos_ids) or None)
+    backend = getattr(hf_tokenizer, "backend_tokenizer", hf_tokenizer)
+    if not hasattr(backend, "to_str"):
+      raise ValueError(f"{type(hf_tokenizer).__name__} is not a fast (Rust `tokenizers`) tokenizer")
+    backend = copy.copy(backend)  # the JSON llguidance reads must not pad or truncate
+    backend.no_padding()
+    backend.no_truncation()
+    eos = list(eos_ids) or getattr(hf_tokenizer, "eos_token_id", None)
+    self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
 
   def compile(self, text: str) -> Grammar:
     """`text` (an llguidance grammar) checked against the tokenizer; GrammarError says why it does not compile."""
