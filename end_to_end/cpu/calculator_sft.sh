@@ -49,15 +49,18 @@ tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, specia
 directory = out / "tokenizer"
 directory.mkdir(exist_ok=True)
 tokenizer.save(str(directory / "tokenizer.json"))
-# ChatML; OpenAI `tools` become a system turn naming them, and an assistant turn's `tool_calls` the
-# <tool_call> tags the episodes teach (so a served conversation renders as the training ones did).
-template = ("{%- if tools %}{{ '<|im_start|>system\\ntools: ' + (tools | map(attribute='function.name') | join(', ')) + "
-            "'<|im_end|>\\n' }}{%- endif %}"
-            "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
-            "{%- for tool_call in message.get('tool_calls') or [] %}{{ '<tool_call>{\"name\": \"' + "
-            "tool_call['function']['name'] + '\", \"arguments\": ' + (tool_call['function']['arguments'] | tojson) + "
-            "'}</tool_call>' }}{%- endfor %}{{ '<|im_end|>\\n' }}{%- endfor %}"
-            "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+template = ("{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+            "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+if offer_tools:  # ChatML, with OpenAI `tools` as the system turn naming them and an assistant turn's
+  # `tool_calls` as the <tool_call> tags the episodes teach: a served conversation renders as the
+  # training ones did. (Without OFFER_TOOLS the template ignores tools, as GRPO's episodes were trained.)
+  template = ("{%- if tools %}{{ '<|im_start|>system\\ntools: ' + (tools | map(attribute='function.name') | join(', ')) + "
+              "'<|im_end|>\\n' }}{%- endif %}"
+              "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+              "{%- for tool_call in message.get('tool_calls') or [] %}{{ '<tool_call>{\"name\": \"' + "
+              "tool_call['function']['name'] + '\", \"arguments\": ' + (tool_call['function']['arguments'] | tojson) + "
+              "'}</tool_call>' }}{%- endfor %}{{ '<|im_end|>\\n' }}{%- endfor %}"
+              "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
 (directory / "tokenizer_config.json").write_text(json.dumps(
     {"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>", "chat_template": template}))
 print(f"data: {len(train)} training and {len(heldout)} held-out pairs; tokenizer vocab {tokenizer.get_vocab_size()}")

@@ -19,6 +19,7 @@ mkdir -p "$OUT"
 OFFER_TOOLS=1
 source end_to_end/cpu/calculator_sft.sh
 
+: > "$OUT/serve.log"  # there before the loop below reads it, whenever the server starts writing
 python3 -m MaxText.serve configs/base.yml "${MODEL[@]}" load_parameters_path="$OUT/sft" add_bos=False \
   max_prefill_predict_length=96 port="$PORT" >"$OUT/serve.log" 2>&1 &
 SERVER=$!
