@@ -1,6 +1,6 @@
 """end_to_end/cpu/serve_tools.sh, shortened: a tiny model taught by SFT to call a calculator, served,
 and driven through the official openai client's tool-calling flow (tools -> tool_calls -> a tool
-message -> the final answer), whole and streamed. Getting_started/Serving.md runs the full script."""
+message -> the final answer), whole and streamed; getting_started/Serving.md runs the full script."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_the_openai_clients_tool_calling_flow_against_a_served_sft_tool_caller(tmp_path):
+def test_the_openai_clients_tool_calling_flow_against_a_served_sft_tool_caller(tmp_path: Path) -> None:
   # One device (not conftest's 8 simulated ones), as a reader runs it.
   env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", str(tmp_path)), "SFT_STEPS": "400", "N": "8"}
   done = subprocess.run(["bash", str(REPO / "end_to_end/cpu/serve_tools.sh"), str(tmp_path / "out")], env=env,
