@@ -112,6 +112,7 @@ print(f"transformers loads the export: {type(model).__name__}; greedy answer {to
 PY
 
 # 4. Serve the export with the HF tokenizer, and score the task through lm-eval's own client.
+: > "$OUT/serve.log"  # there before the loop below reads it, whenever the server starts writing
 python3 -m MaxText.serve configs/base.yml load_parameters_path="$OUT/sft-params" tokenizer_type=huggingface add_bos=False \
   tokenizer_path="$OUT/Qwen3-tiny" max_prefill_predict_length=96 max_target_length=128 port="$PORT" >"$OUT/serve.log" 2>&1 &
 SERVER=$!
