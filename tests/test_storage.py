@@ -22,6 +22,8 @@ ALLOWED = {
     "MaxText/platform/tpu_launch.py": "packs the user's local script folder into a tarball for gcloud scp",
     "MaxText/plan.py": "a planner on the user's workstation: its compile cache and the recipe it writes (run from a "
                        "local checkout, relative to configs/recipe_lib.sh) are local files; a URL is refused",
+    "MaxText/elastic.py": "the elastic supervisor, a launcher: its processes' logs and elastic.jsonl in the local "
+                          "run folder it watches (a gs:// run folder is not supported by it yet)",
     "MaxText/aot/plan_recipe.py": "the planner's recipe file (plan.py's, split out): a local script beside the "
                                   "checkout's configs/recipe_lib.sh, which it sources by a relative path",
 }
