@@ -17,7 +17,7 @@ import pytest
 openai = pytest.importorskip("openai", reason="needs openai (EXTRAS=test bash setup.sh)")
 pytest.importorskip("uvicorn", reason="needs uvicorn (pip install -r requirements.txt)")
 pytest.importorskip("llguidance", reason="needs llguidance (pip install -r requirements.txt)")
-jsonschema = pytest.importorskip("jsonschema", reason="needs jsonschema (EXTRAS=test bash setup.sh)")
+import jsonschema  # noqa: E402 - requirements-test.txt
 
 from MaxText.configuration.config import Config  # noqa: E402
 from MaxText.serve import build_app, build_server  # noqa: E402
