@@ -84,7 +84,8 @@ class Generation(Protocol):
 
 
 class Launcher(Protocol):
-  def start(self, slices: Sequence[int], overrides: Sequence[str]) -> Generation:
+  def start(self, slices: Sequence[int], overrides: Sequence[str], env: Mapping[str, str]) -> Generation:
+    """The job's processes on `slices`, with `overrides` after the command's arguments and `env` added."""
     ...
 
   def available(self) -> set[int]:
@@ -154,7 +155,9 @@ class Supervisor:
       overrides = elastic_config.resize(self.layout, len(slices)).overrides()
       self.log(f"elastic: starting on slice(s) {', '.join(map(str, slices))}: {' '.join(overrides)}")
       launched = time.time()  # the previous generation has ended: later writes are the new one's
-      generation = self.launcher.start(slices, overrides)
+      # A relaunch tells the run when its resize began: its goodput counts the time since as the resize's.
+      env = {elastic_config.RESIZE_ENV: repr(pending.detected)} if pending is not None else {}
+      generation = self.launcher.start(slices, overrides, env)
       outcome = self._watch(generation, slices, pending, launched)
       pending = None
       # Each generation's wall time, which goodput.json misses for a start killed between its writes.
@@ -295,7 +298,8 @@ class LoopbackLauncher:
   def mark_lost(self, slice_id: int) -> None:
     self.marker(slice_id).write_text("lost\n")
 
-  def start(self, slices: Sequence[int], overrides: Sequence[str]) -> _ProcessGeneration:
+  def start(self, slices: Sequence[int], overrides: Sequence[str], env: Mapping[str, str] | None = None
+            ) -> _ProcessGeneration:
     self.generations += 1
     count = len(slices) * self.processes_per_slice
     with socket.socket() as s:
@@ -305,12 +309,13 @@ class LoopbackLauncher:
     procs = []
     logs = [self.log_dir / f"generation_{self.generations}_process_{index}.log" for index in range(count)]
     for index in range(count):
-      env = {**self.env, "XLA_FLAGS": f"{flags} {self.env.get('XLA_FLAGS', '')}".strip(), "JAX_PLATFORMS": "cpu"}
+      environ = {**self.env, **(env or {}), "JAX_PLATFORMS": "cpu",
+                 "XLA_FLAGS": f"{flags} {self.env.get('XLA_FLAGS', '')}".strip()}
       if count > 1:
-        env.update(JAX_COORDINATOR_ADDRESS=address, JAX_PROCESS_COUNT=str(count), JAX_PROCESS_ID=str(index))
+        environ.update(JAX_COORDINATOR_ADDRESS=address, JAX_PROCESS_COUNT=str(count), JAX_PROCESS_ID=str(index))
       log = open(logs[index], "wb")  # noqa: SIM115
       procs.append((slices[index // self.processes_per_slice],
-                    subprocess.Popen([*self.command, *overrides], env=env, stdout=log, stderr=subprocess.STDOUT,
+                    subprocess.Popen([*self.command, *overrides], env=environ, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)))
       log.close()  # the child holds its own descriptor
     self.current = _ProcessGeneration(procs, logs[0])
@@ -388,7 +393,8 @@ class TpuVmLauncher:
   def mark_lost(self, slice_id: int) -> None:
     pass  # the TPU's own state says when it is back
 
-  def start(self, slices: Sequence[int], overrides: Sequence[str]) -> _SshGeneration:
+  def start(self, slices: Sequence[int], overrides: Sequence[str], env: Mapping[str, str] | None = None
+            ) -> _SshGeneration:
     self.generations += 1
     workers = [dataclasses.replace(w, slice_id=new) for new, s in enumerate(slices)
                for w in multihost_runner.describe_slice(self.gcloud, self.names[s], s)]
@@ -397,8 +403,8 @@ class TpuVmLauncher:
     folder.mkdir(parents=True, exist_ok=True)
     hosts = []
     for i, worker in enumerate(workers):
-      env = multihost_runner.worker_env(worker, workers[0].ip, len(slices), self.port)
-      script = multihost_runner.remote_script(self.run_name, command, env, unpack=False)
+      exports = {**multihost_runner.worker_env(worker, workers[0].ip, len(slices), self.port), **(env or {})}
+      script = multihost_runner.remote_script(self.run_name, command, exports, unpack=False)
       argv = multihost_runner.ssh_command(self.gcloud, worker.slice_name, str(worker.index), script, self.internal_ip)
       hosts.append(multihost_runner.start_host(argv, worker, folder, stream=False))
     chosen = [self.names[s] for s in slices]

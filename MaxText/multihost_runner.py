@@ -130,13 +130,19 @@ def remote_script(run_name: str, command: str, env: dict[str, str], unpack: bool
   """The shell text one worker runs over ssh."""
   folder = f'"$HOME"/{run_name}'  # run names are [-a-z0-9] only, so no further quoting is needed
   if unpack:
-    prepare = f"mkdir -p {folder} && tar -xzf {folder}.tar.gz -C {folder} && rm -f {folder}.tar.gz"
+    prepare = unpack_script(run_name)
   else:
     prepare = f"test -d {folder} || {{ echo \"error: $(hostname) has no folder ~/{run_name}\" >&2; exit 2; }}"
   exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in env.items())
   # `echo $$` in the new session leader records the process-group id for the kill command.
   inner = f"echo $$ > {PID_FILE}; {exports}exec bash -c {shlex.quote(command)}"
   return f"{prepare} && cd {folder} && exec setsid -w bash -c {shlex.quote(inner)}"
+
+
+def unpack_script(run_name: str) -> str:
+  """Unpacks the code `copy_commands` put beside the worker's ~/RUN_NAME folder into it."""
+  folder = f'"$HOME"/{run_name}'
+  return f"mkdir -p {folder} && tar -xzf {folder}.tar.gz -C {folder} && rm -f {folder}.tar.gz"
 
 
 def kill_script(run_name: str) -> str:

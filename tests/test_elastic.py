@@ -200,11 +200,13 @@ class _FakeLauncher:
   def __init__(self, num_slices: int, script):
     self.up = set(range(num_slices))
     self.starts: list[tuple[list[int], list[str]]] = []
+    self.envs: list[dict[str, str]] = []
     self.generations: list[_FakeGeneration] = []
     self.script = script  # (launcher, generation index) -> None, called once per poll
 
-  def start(self, slices, overrides):
+  def start(self, slices, overrides, env):
     self.starts.append((list(slices), list(overrides)))
+    self.envs.append(dict(env))
     self.generations.append(_FakeGeneration(list(slices)))
     return _Polled(self, len(self.generations) - 1)
 
@@ -265,6 +267,9 @@ def test_a_lost_slice_shrinks_the_run_and_its_return_grows_it_back(tmp_path):
                                    "gradient_accumulation_steps=2"]
   assert launcher.starts[2][1][-1] == "gradient_accumulation_steps=1"
   assert launcher.generations[1].signals == [signal.SIGTERM]  # grow-back stops at a step boundary
+  # Each relaunch is told when its resize was detected (its goodput counts the seconds since as the resize's).
+  assert [float(e[elastic_config.RESIZE_ENV]) for e in launcher.envs[1:]] == [r.detected for r in supervisor.resizes]
+  assert elastic_config.RESIZE_ENV not in launcher.envs[0]
   lost, grown = supervisor.resizes
   assert (lost.cause, lost.from_slices, lost.to_slices, lost.step_reached, lost.resumed_from) == \
       ("process 2 (slice 2) was killed by signal 9", 4, 2, 7, 5)

@@ -88,6 +88,31 @@ def test_goodput_counts_each_step_once_and_names_what_was_lost():
   assert t["redone_s"] == 16.0 and t["productive_s"] == 10 * 4.0 + 10 * 5.0
   assert (t["startup_s"], t["compile_s"], t["data_wait_s"]) == (35.0, 18.0, 3.0)
   assert t["other_s"] == 180.0 - (90.0 + 35.0 + 18.0 + 3.0 + 16.0) and t["goodput"] == 90.0 / 180.0
+  assert "resize_s" not in t  # no elastic resize: the summary and the line are as before
+
+
+def test_goodput_counts_an_elastic_resize_from_its_detection_to_the_first_new_step():
+  from MaxText.training.health import StartRecord, _resizes, summarize
+
+  # A slice is lost at t=95 (the run had logged its last step at t=90 and was killed); the survivors'
+  # processes start at t=110 and take 15 s to start up and 8 s to compile.
+  killed = StartRecord(started=0.0, wall_s=90.0, startup_s=20.0, compile_s=10.0, data_wait_s=2.0, first_step=1,
+                       last_step=14, median_step_s=4.0)
+  shrunk = StartRecord(started=110.0, wall_s=80.0, startup_s=15.0, compile_s=8.0, data_wait_s=1.0, first_step=15,
+                       last_step=24, median_step_s=5.0, resize_detected=95.0)
+  t = summarize([killed, shrunk])
+  # 15 s between the detection and the new processes (outside both starts' wall time) + 15 + 8.
+  assert (t["resize_s"], t["resizes"]) == (38.0, 1.0)
+  assert (t["startup_s"], t["compile_s"], t["wall_s"]) == (20.0, 10.0, 185.0)
+  assert t["other_s"] == 185.0 - (14 * 4.0 + 10 * 5.0 + 20.0 + 10.0 + 3.0 + 38.0)
+  assert _resizes(t) == "elastic resizes 38 s (1), "
+  # A grow-back: the old start saved and stopped for 6 s after the SIGTERM, inside its own wall time.
+  stopped = StartRecord(started=0.0, wall_s=101.0, startup_s=20.0, compile_s=10.0, data_wait_s=0.0, first_step=1,
+                        last_step=14, median_step_s=4.0)
+  grown = StartRecord(started=104.0, wall_s=50.0, startup_s=10.0, compile_s=5.0, data_wait_s=0.0, first_step=15,
+                      last_step=20, median_step_s=4.0, resize_detected=95.0)
+  t = summarize([stopped, grown])
+  assert (t["resize_s"], t["wall_s"]) == (6.0 + 3.0 + 10.0 + 5.0, 154.0)
 
 
 SLOW_STEPS = textwrap.dedent("""

@@ -19,6 +19,19 @@ from typing import Mapping, Protocol, Sequence
 from MaxText.errors import ConfigError
 from MaxText.platform.mesh_axes import Group
 
+# Set by the supervisor on the processes it relaunches for a resize: the unix time it saw the cause,
+# so the run's goodput counts the seconds from there to its first new step as the resize's.
+RESIZE_ENV = "MAXTEXT_ELASTIC_RESIZE_DETECTED"
+
+
+def resize_detected(environ: Mapping[str, str]) -> float | None:
+  """The detection time the supervisor handed this process (None: not relaunched for a resize)."""
+  text = environ.get(RESIZE_ENV, "")
+  try:
+    return float(text) if text else None
+  except ValueError:
+    raise ConfigError(f"{RESIZE_ENV}={text!r} is not a unix time; it is set by MaxText/elastic.py, unset it") from None
+
 
 class MeshLike(Protocol):
   """What the arithmetic reads from MeshConfig (kept structural: config_groups imports this module)."""

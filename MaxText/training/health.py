@@ -24,6 +24,7 @@ import numpy as np
 
 from MaxText.training import metrics as metrics_lib
 from MaxText.paths import storage
+from MaxText.configuration import elastic_config
 from MaxText.configuration.config_groups import RunConfig
 from MaxText.training.trainer import StepRecord, Trainer
 from MaxText.training.train_state import TrainState
@@ -90,12 +91,31 @@ class StartRecord:
   first_step: int  # 1-based steps it ran
   last_step: int
   median_step_s: float  # a typical step, input wait excluded
+  # Unix time an elastic supervisor saw the loss or return of a slice that this start was launched for
+  # (elastic_config.RESIZE_ENV); None for any other start.
+  resize_detected: float | None = None
+
+
+def _resize_s(previous: StartRecord | None, start: StartRecord) -> tuple[float, float]:
+  """(the seconds a resize lost before `start`'s first new step, of which outside every start's wall
+  time): the stop of the previous start after the detection, the gap until this process started, and
+  this start's start-up and compilation."""
+  assert start.resize_detected is not None
+  previous_end = previous.started + previous.wall_s if previous is not None else start.resize_detected
+  stopping = max(0.0, min(previous_end, start.started) - start.resize_detected)
+  gap = max(0.0, start.started - max(previous_end, start.resize_detected))
+  return stopping + gap + start.startup_s + start.compile_s, gap
 
 
 def summarize(starts: list[StartRecord]) -> dict[str, float]:
   """Productive time against wall time over all starts. A step counts once: the steps a start ran
-  beyond the checkpoint the next start resumed from were redone, and are lost time."""
+  beyond the checkpoint the next start resumed from were redone, and are lost time. A start an
+  elastic resize launched counts its start-up and compilation, and the time from the resize's
+  detection to its process start, as the resize's (`resize_s`, `resizes`)."""
   totals = dict.fromkeys(("wall_s", "productive_s", "startup_s", "compile_s", "data_wait_s", "redone_s"), 0.0)
+  resizes = [k for k, start in enumerate(starts) if start.resize_detected is not None]
+  if resizes:
+    totals.update(resize_s=0.0, resizes=float(len(resizes)))
   for k, start in enumerate(starts):
     resumed_at = starts[k + 1].first_step - 1 if k + 1 < len(starts) else start.last_step
     redone = max(0, start.last_step - resumed_at)
@@ -103,9 +123,16 @@ def summarize(starts: list[StartRecord]) -> dict[str, float]:
     totals["wall_s"] += start.wall_s
     totals["productive_s"] += (steps - redone) * start.median_step_s
     totals["redone_s"] += redone * start.median_step_s
-    for name in ("startup_s", "compile_s", "data_wait_s"):
-      totals[name] += getattr(start, name)
-  accounted = sum(totals[n] for n in ("productive_s", "startup_s", "compile_s", "data_wait_s", "redone_s"))
+    totals["data_wait_s"] += start.data_wait_s
+    if start.resize_detected is None:
+      totals["startup_s"] += start.startup_s
+      totals["compile_s"] += start.compile_s
+      continue
+    lost, gap = _resize_s(starts[k - 1] if k > 0 else None, start)
+    totals["resize_s"] += lost
+    totals["wall_s"] += gap
+  accounted = sum(totals.get(n, 0.0) for n in ("productive_s", "startup_s", "compile_s", "data_wait_s", "redone_s",
+                                                "resize_s"))
   totals["other_s"] = max(0.0, totals["wall_s"] - accounted)  # checkpoint blocking, evaluation, logging
   totals["goodput"] = totals["productive_s"] / totals["wall_s"] if totals["wall_s"] > 0 else 0.0
   return totals
@@ -118,8 +145,9 @@ class GoodputHook:
   prints the run's goodput. Add with every=1, on process 0."""
 
   def __init__(self, run_dir: str, process_started: float, start_step: int,
-               writer: metrics_lib.MetricWriter | None, write_every: int = 20):
+               writer: metrics_lib.MetricWriter | None, write_every: int = 20, resize_detected: float | None = None):
     self.path = storage.join(run_dir, GOODPUT_FILE)
+    self.resize_detected = resize_detected
     self.started, self.start_step, self.writer, self.write_every = process_started, start_step, writer, write_every
     self.earlier = [StartRecord(**r) for r in json.loads(storage.read_text(self.path))["starts"]] \
         if storage.exists(self.path) else []
@@ -145,7 +173,7 @@ class GoodputHook:
     return StartRecord(started=self.started, wall_s=time.time() - self.started,
                        startup_s=self.first_dispatch - self.started, compile_s=max(0.0, self.step_s[0] - median),
                        data_wait_s=self.data_wait_s, first_step=self.start_step + 1, last_step=self.last_step,
-                       median_step_s=median)
+                       median_step_s=median, resize_detected=self.resize_detected)
 
   def _write(self, final: bool = False) -> tuple[list[StartRecord], dict[str, float] | None]:
     """Writes every start so far and, at the end, their summary (the run's goodput)."""
@@ -164,10 +192,17 @@ class GoodputHook:
       return
     print(f"goodput: {t['goodput']:.1%} of {t['wall_s']:,.0f} s over {len(starts)} start(s): productive "
           f"{t['productive_s']:,.0f} s; lost: start-up {t['startup_s']:,.0f} s, compilation {t['compile_s']:,.0f} s, "
-          f"data wait {t['data_wait_s']:,.0f} s, redone steps {t['redone_s']:,.0f} s, other (checkpoints, "
+          f"{_resizes(t)}data wait {t['data_wait_s']:,.0f} s, redone steps {t['redone_s']:,.0f} s, other (checkpoints, "
           f"evaluation, logging) {t['other_s']:,.0f} s", flush=True)
     if self.writer is not None:
       self.writer.write_summary(self.last_step, {f"goodput/{name}": value for name, value in t.items()})
+
+
+def _resizes(totals: dict[str, float]) -> str:
+  """The goodput line's resize part, in elastic runs that resized only."""
+  if "resize_s" not in totals:
+    return ""
+  return f"elastic resizes {totals['resize_s']:,.0f} s ({totals['resizes']:.0f}), "
 
 
 class _StepBoard:
@@ -373,4 +408,5 @@ def add_health_hooks(trainer: Trainer, settings: RunConfig, writer: metrics_lib.
   if settings.step_timeout_seconds > 0:
     trainer.add_hook(watchdog or StepWatchdog(settings.step_timeout_seconds), every=0)
   if is_primary:
-    trainer.add_hook(GoodputHook(settings.run_dir, process_started, start_step, writer), every=1)
+    trainer.add_hook(GoodputHook(settings.run_dir, process_started, start_step, writer,
+                                 resize_detected=elastic_config.resize_detected(os.environ)), every=1)
