@@ -17,6 +17,7 @@ GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo")  # objectives/grpo_loss.py
 REWARD_SCALINGS = ("group", "batch", "none")
 # objectives/rollout_correction.py's MODES (the names of TRL's vllm_importance_sampling_mode)
 IMPORTANCE_SAMPLING_MODES = ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+OLD_LOGPS_SOURCES = ("auto", "trainer", "sampler")  # grpo_old_logps: where the ratio's π_old comes from
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,6 +39,7 @@ class RLConfig:
   grpo_num_iterations: int = key()  # optimizer updates per rollout batch (μ)
   grpo_loss_type: str = key()
   grpo_scale_rewards: str = key()
+  grpo_old_logps: str = key()  # an OLD_LOGPS_SOURCES entry (old_logps_from_sampler)
   rl_importance_sampling: str = key()  # off or a rollout_correction.MODES entry
   rl_importance_sampling_cap: float = key()  # C_max: the weight's ceiling (truncate) or rejection bound (mask)
   rl_importance_sampling_floor: float = key()  # C_min: the same below (0 = none)
@@ -49,6 +51,8 @@ class RLConfig:
   rl_environment_timeout_seconds: float = key()  # the most one call of the environment may take
   rl_max_turns: int = key()  # model turns per episode
   rl_max_episode_tokens: int = key()  # prompt + every turn; 0 = max_target_length + 1
+  rl_teacher_kl_weight: float = key()  # λ: on-policy distillation from the distill_teacher_* teacher (0 = none)
+  rl_reward_advantage_weight: float = key()  # w_r: the reward's advantage in each token's (0 = the teacher's alone)
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any]) -> "RLConfig":
@@ -90,6 +94,8 @@ class RLConfig:
              f"grpo_scale_rewards must be one of {', '.join(REWARD_SCALINGS)}; got {rl.grpo_scale_rewards!r}")
     _require(rl.rl_length_penalty_window >= 0, "rl_length_penalty_window must be >= 0")
     _check_importance_sampling(rl)
+    _check_teacher(v, rl)
+    _check_old_logps(rl)
     _require(rl.rl_weight_sync_interval >= 1, f"rl_weight_sync_interval must be >= 1 (copy the weights to the rollout "
              f"mesh every this many updates), got {rl.rl_weight_sync_interval}")
     _check_staleness(rl)
@@ -120,6 +126,39 @@ def _check_importance_sampling(rl: RLConfig) -> None:
            "log-probability, both of the model's own distribution (temperature 1, every token allowed), but the "
            f"rollouts sample with rl_sampling_temperature={sampled[0]}, rl_sampling_top_p={sampled[1]}, "
            f"rl_sampling_top_k={sampled[2]}; set them to 1, 1, 0 or rl_importance_sampling=off")
+
+
+def old_logps_from_sampler(rl: RLConfig) -> bool:
+  """Whether the ratio's π_old is the engine's log-prob of each sampled token (the policy that sampled
+  the batch, which a batch made ahead lags by up to rl_max_staleness updates) instead of the trainer's
+  at the step. auto: the engine's when batches may be stale and no importance weights correct them."""
+  if rl.grpo_old_logps == "auto":
+    return rl.rl_max_staleness > 0 and rl.rl_importance_sampling == "off"
+  return rl.grpo_old_logps == "sampler"
+
+
+def _check_old_logps(rl: RLConfig) -> None:
+  source = rl.grpo_old_logps
+  _require(source in OLD_LOGPS_SOURCES, f"grpo_old_logps must be one of {', '.join(OLD_LOGPS_SOURCES)}; got {source!r}")
+  _require(source != "sampler" or rl.rl_importance_sampling == "off", "grpo_old_logps=sampler makes the engine's "
+           f"log-probs the ratio's old policy, which rl_importance_sampling={rl.rl_importance_sampling} would weigh by "
+           "the trainer's once more; set grpo_old_logps=trainer (importance weights) or rl_importance_sampling=off")
+
+
+def _check_teacher(v: Mapping[str, Any], rl: RLConfig) -> None:
+  """On-policy distillation (objectives/teacher_advantage.py): a teacher exactly when λ > 0."""
+  weight, reward_weight = rl.rl_teacher_kl_weight, rl.rl_reward_advantage_weight
+  _require(math.isfinite(weight) and weight >= 0, f"rl_teacher_kl_weight must be a finite number >= 0 (0 = no "
+           f"teacher), got {weight}")
+  _require(math.isfinite(reward_weight) and reward_weight >= 0, "rl_reward_advantage_weight must be a finite number "
+           f">= 0 (0 = the teacher's advantage alone), got {reward_weight}")
+  teacher = v["distill_teacher_path"]
+  _require(weight == 0 or bool(teacher), f"rl_teacher_kl_weight={weight} distils from a teacher on the rollouts: set "
+           "distill_teacher_path to its checkpoint (and distill_teacher_model_name if no model keys are saved with it)")
+  _require(weight > 0 or not teacher, f"objective=grpo with distill_teacher_path={teacher} but rl_teacher_kl_weight=0:"
+           " the teacher would be loaded and never used; set rl_teacher_kl_weight > 0 (e.g. 1) or drop the teacher")
+  _require(weight > 0 or reward_weight > 0, "rl_reward_advantage_weight=0 and rl_teacher_kl_weight=0 leave every "
+           "advantage 0 and train nothing; set one of them > 0")
 
 
 def _check_grpo_run(v: Mapping[str, Any], rl: RLConfig) -> None:

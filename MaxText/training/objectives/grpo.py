@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxText.configuration.config import Config
+from MaxText.configuration import rl_config
 from MaxText.configuration.rl_config import RLConfig
 from MaxText.input_pipeline import document_encoder
 from MaxText.input_pipeline.batch_spec import ADVANTAGES, GRPO_FIELDS, SAMPLER_LOGPS
@@ -29,7 +30,10 @@ class Grpo(Objective):
   current ones, so the ratio is 1 and only its gradient counts) and, with grpo_beta > 0, the
   frozen reference's. The reference is a copy of the starting weights in the state or, under
   LoRA, the base with the adapters off (as DPO does). With rl_importance_sampling on, it also
-  weighs each token by the trainer's over the engine's probability (rollout_correction.py)."""
+  weighs each token by the trainer's over the engine's probability (rollout_correction.py). With
+  grpo_old_logps resolving to the sampler (auto: batches made ahead, no importance sampling), π_old is
+  the engine's log-prob of each token instead: the policy that made the batch, up to
+  rl_max_staleness updates old, so the clip bounds the update against it as PPO's ratio does."""
 
   batch_fields = GRPO_FIELDS
   needs_loaded_params = ("objective=grpo samples from the starting policy: set load_parameters_path to its weights (a "
@@ -42,6 +46,7 @@ class Grpo(Objective):
     self.load_balance_loss_weight, self.num_micro = load_balance_loss_weight, num_micro
     self.updates_per_batch = rl.grpo_num_iterations
     self.corrects = rl.rl_importance_sampling != "off"
+    self.old_from_sampler = rl_config.old_logps_from_sampler(rl)
     self.uses_reference = rl.grpo_beta > 0
     self.keeps_copy = self.uses_reference and not partition.frozen_gives_base_model
     self.state_class = PreferenceState if self.keeps_copy else TrainState
@@ -92,6 +97,8 @@ class Grpo(Objective):
     rl = self.rl
     logps_BL, entropy_BL, aux = grpo_loss.token_logps(self.model, params, batch, dropout_rng)
     old_BL = batch[grpo_loss.OLD_LOGPS] if grpo_loss.OLD_LOGPS in batch else jax.lax.stop_gradient(logps_BL)
+    if self.old_from_sampler:  # the behaviour policy; a token it did not score (NaN) keeps the trainer's
+      old_BL = jnp.where(jnp.isnan(batch[SAMPLER_LOGPS]), old_BL, batch[SAMPLER_LOGPS])
     sums = grpo_loss.loss_sums(logps_BL, old_BL, batch.get(grpo_loss.REF_LOGPS), batch[ADVANTAGES],
                                grpo_loss.completion_mask(batch), entropy_BL, loss_type=rl.grpo_loss_type,
                                epsilon_low=rl.grpo_epsilon_low, epsilon_high=rl.grpo_epsilon_high,
