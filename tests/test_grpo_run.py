@@ -1,5 +1,6 @@
 """GRPO through train.py: bad input stops in one line before anything is written; a run raises its
-reward, and a killed run resumes bitwise; two processes train exactly like one."""
+reward, and a killed run resumes bitwise (also with an environment's multi-turn episodes); two
+processes train exactly like one."""
 
 from __future__ import annotations
 
@@ -29,6 +30,19 @@ MODEL = dict(base_emb_dim=64, base_num_decoder_layers=2, base_mlp_dim=128, head_
 # scores about one half; GRPO should move it up quickly.
 REWARDS = "def low_ids(completion_ids, **_):\n  return [sum(t < 160 for t in c) / max(len(c), 1) for c in completion_ids]\n"
 
+# Multi-turn: a tool message after the first turn, whose text depends on the turn; done after the second.
+TWO_TURNS = """
+class TwoTurns:
+  def __init__(self, prompt, answer, **columns):
+    self.prompt, self.answer = prompt, answer
+  def start(self):
+    return [{"role": "user", "content": self.answer}]  # short: two turns fit max_prefill_predict_length
+  def step(self, turn):
+    if turn.turn == 1:
+      return ([{"role": "tool", "content": str(len(turn.text) % 7)}], 0.25 * (len(turn.text) % 2), False)
+    return ([], 0.0, True)
+"""
+
 
 def prepare(directory: Path) -> None:
   """The tokenizer, prompts and starting parameters these runs train from (the GRPO fault campaign's too)."""
@@ -49,6 +63,7 @@ def workdir(tmp_path_factory) -> Path:
   directory = tmp_path_factory.mktemp("grpo")
   prepare(directory)
   (directory / "task_rewards.py").write_text(REWARDS)
+  (directory / "task_envs.py").write_text(TWO_TURNS)
   return directory
 
 
@@ -110,6 +125,25 @@ def test_the_reward_rises_and_a_killed_run_resumes_bitwise(workdir, tmp_path):
   resumed = _metrics(tmp_path / "halves")
   keys = ("reward", "loss", "grad_norm", "entropy", "completions/mean_length")
   assert [[r[k] for k in keys] for r in resumed if r["step"] > 12] == [[r[k] for k in keys] for r in records[12:]]
+
+
+@pytest.mark.slow  # three training processes per environment
+@pytest.mark.parametrize("environment", ["calculator", "task_envs:TwoTurns"])
+def test_a_killed_run_with_an_environment_resumes_bitwise(workdir, tmp_path, environment):
+  """Episodes hold nothing across steps and every turn's seeds come from the step, the row and the
+  turn: a run stopped at its checkpoint and rerun trains exactly like the uninterrupted one."""
+  extra = (f"rl_environment={environment}", "rl_max_turns=2", "checkpoint_period=3")
+  whole = _train(workdir, tmp_path / "whole", "steps=6", *extra)
+  assert whole.returncode == 0, whole.stderr[-3000:]
+  first = _train(workdir, tmp_path / "halves", "steps=3", *extra)
+  second = _train(workdir, tmp_path / "halves", "steps=6", *extra)
+  assert first.returncode == 0 and second.returncode == 0, (first.stderr + second.stderr)[-3000:]
+  assert "state: resumed from step 3" in second.stdout
+  keys = ("reward", "rewards/environment/mean", "rewards/low_ids/mean", "loss", "grad_norm", "entropy",
+          "completions/mean_length", "episodes/mean_turns", "episodes/model_token_share")
+  records, resumed = _metrics(tmp_path / "whole"), _metrics(tmp_path / "halves")
+  assert len(records) == 6 and records[0]["episodes/mean_turns"] == (1.0 if environment == "calculator" else 2.0), records[0]
+  assert [[r[k] for k in keys] for r in resumed if r["step"] > 3] == [[r[k] for k in keys] for r in records[3:]]
 
 
 @pytest.mark.slow  # two jax.distributed processes and a one-process reference

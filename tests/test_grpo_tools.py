@@ -344,7 +344,8 @@ class TwoTurns:
 
 
 @pytest.mark.parametrize("layout, train", [("same_mesh", False), pytest.param("same_mesh", True, marks=pytest.mark.slow),
-                                           pytest.param("rollout_mesh", True, marks=pytest.mark.slow)])
+                                           pytest.param("rollout_mesh", True, marks=pytest.mark.slow),
+                                           pytest.param("paged", True, marks=pytest.mark.slow)])
 def test_a_two_turn_episode_on_a_random_model(tiny_overrides, tmp_path, monkeypatch, layout, train):
   """The rollout (default suite); with `train`, the step on its batch, where the trainer's log-probs of
   the sampled tokens must be the engine's: the recorded layout is the rollout's context."""
@@ -354,7 +355,8 @@ def test_a_two_turn_episode_on_a_random_model(tiny_overrides, tmp_path, monkeypa
                                                   for w in ("the quick", "brown fox")))
   (tmp_path / "two_turns.py").write_text(TWO_TURNS)
   monkeypatch.syspath_prepend(str(tmp_path))
-  extra = dict(rl_rollout_devices=4) if layout == "rollout_mesh" else {}
+  # paged: the interleaved episodes' slots continue their contexts (rl/interleaved_episodes.py)
+  extra = {"rollout_mesh": dict(rl_rollout_devices=4), "paged": dict(kv_cache_layout="paged")}.get(layout, {})
   config = Config.for_testing(**{
       **tiny_overrides, **GRPO, "vocab_size": 256, "tokenizer_path": str(tmp_path / "tokenizer"),
       "hf_data_files": str(tmp_path / "prompts.jsonl"), "reward_functions": "[]", "rl_environment": "two_turns:TwoTurns",

@@ -51,6 +51,7 @@ class RLConfig:
   rl_environment_timeout_seconds: float = key()  # the most one call of the environment may take
   rl_max_turns: int = key()  # model turns per episode
   rl_max_episode_tokens: int = key()  # prompt + every turn; 0 = max_target_length + 1
+  rl_interleave_episodes: bool = key()  # episodes keep their slots while their environment runs (rl/interleaved_episodes.py)
   rl_teacher_kl_weight: float = key()  # λ: on-policy distillation from the distill_teacher_* teacher (0 = none)
   rl_reward_advantage_weight: float = key()  # w_r: the reward's advantage in each token's (0 = the teacher's alone)
 

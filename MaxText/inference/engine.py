@@ -219,6 +219,33 @@ class Engine:
     token's bitmask (constrained decoding)."""
     return self.page_prefill.chunk(params, state, slot, prompt, start, row_params, seed, images, mask)
 
+  @property
+  def continues_slots(self) -> bool:
+    """Whether `hold` and `continue_prompt` can append tokens to a slot's context: the paged layout, for
+    a model without recurrent layers (their states would need the snapshots prefix caching keeps)."""
+    return self.cache.pages is not None and not has_recurrent_state(self.cfg)
+
+  def hold(self, slot: int) -> None:
+    """The slot keeps what it cached but stops generating (no page written or taken) until
+    `continue_prompt`; a multi-turn episode's slot while its environment answers (rl/interleaved_episodes.py)."""
+    self._check_slot(slot)
+    pages = self.cache.pages
+    if not self.continues_slots or pages is None or not pages.active[slot]:
+      raise ValueError(f"slot {slot} cannot be held (continues_slots={self.continues_slots})")
+    pages.active[slot] = False
+
+  def continue_prompt(self, slot: int, context: Sequence[int]) -> int:
+    """A held slot takes `context`, what it holds followed by new tokens: its pages grow to hold them and
+    `prefill_chunk` (from the returned start, the position of the slot's last sampled token, until it
+    returns the first new token) prefills only what it does not hold."""
+    self._check_slot(slot)
+    if not self.continues_slots or self.cache.pages is None:
+      raise ValueError("continue_prompt needs continues_slots (the paged layout, no recurrent layers)")
+    if len(context) > self.cfg.max_target_length - 1:
+      raise UserError(f"a context of {len(context)} tokens does not fit max_target_length={self.cfg.max_target_length} "
+                      "with room to generate")
+    return self.cache.pages.extend(slot, len(context))
+
   def release(self, slot: int) -> None:
     """The slot's request is done: paged, its pages go back to the pool (the slot keeps stepping
     in the batch with nothing cached until the next insert); dense, nothing to do."""

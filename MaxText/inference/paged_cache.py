@@ -115,6 +115,22 @@ class PageAllocator:
     self.positions[slot], self.active[slot] = prompt_length, active
     return len(shared) * self.page_size
 
+  def extend(self, slot: int, length: int) -> int:
+    """A slot that stopped generating (`active` False) grows to hold `length` tokens: its pages stay and
+    new ones are taken for the rest. Returns where prefilling the new tokens starts: the position of
+    its pending token (sampled, not yet cached); `activate` once they are cached."""
+    start = int(self.positions[slot])
+    if self.active[slot] or not start < length <= self.max_length:
+      raise ValueError(f"slot {slot} (active={bool(self.active[slot])}, at {start}) cannot be extended to {length}")
+    missing = [index for index in range(self.pages_for(length)) if self.table[slot, index] < 0]
+    if len(missing) > self.available():
+      raise OutOfPages(f"out of KV pages: {length} tokens need {len(missing)} more pages of {self.page_size} tokens, "
+                       f"{self.available()} are free of kv_num_pages={self.num_pages}; raise kv_num_pages")
+    for index in missing:
+      self._hold(slot, index, self._take())
+    self.positions[slot] = length
+    return start
+
   def activate(self, slot: int, prompt: Sequence[int] | None = None, salts: Mapping[int, bytes] | None = None) -> None:
     """The slot's prompt is cached: it generates from the next step on, and with prefix caching
     its full pages are indexed for the requests after it."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import queue
 import threading
 import time
 from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar
@@ -66,10 +67,11 @@ def load(path: str) -> Callable[..., Any]:
 
 
 class _Call(Generic[T]):
-  """One call on a daemon thread of its own: one that never returns is left behind, not joined."""
+  """One call on a daemon thread of its own: one that never returns is left behind, not joined.
+  `finished` (a queue) is told `key` when the call returns or raises."""
 
-  def __init__(self, fn: Callable[[], T]):
-    self.fn = fn
+  def __init__(self, fn: Callable[[], T], finished: queue.SimpleQueue[Any] | None = None, key: Any = None):
+    self.fn, self.finished, self.key = fn, finished, key
     self.value: T | None = None
     self.error: BaseException | None = None
     self.thread = threading.Thread(target=self._run, name="rl-environment", daemon=True)
@@ -80,6 +82,29 @@ class _Call(Generic[T]):
       self.value = self.fn()
     except BaseException as e:  # noqa: BLE001 - the user's code (an exit too): reported by the caller
       self.error = e
+    if self.finished is not None:
+      self.finished.put(self.key)
+
+
+class PendingStep:
+  """One episode's `step` running on its thread while the caller does other work (episodes interleaved
+  in the engine, rl/interleaved_episodes.py): `result()` once it has finished or its time is up."""
+
+  def __init__(self, guarded: "Guarded", episode: Any, turn: ModelTurn, index: int,
+               finished: queue.SimpleQueue[Any], key: Any):
+    fn = _method(episode, "step")
+    self.guarded, self.index = guarded, index
+    self.deadline = time.monotonic() + guarded.timeout_s
+    self.call: _Call[Any] = _Call(lambda: fn(turn), finished, key)
+
+  def ready(self) -> bool:
+    """It returned, raised, or ran past rl_environment_timeout_seconds."""
+    return not self.call.thread.is_alive() or time.monotonic() >= self.deadline
+
+  def result(self) -> Step:
+    """The checked Step; a call that raised, is still running or returned anything else raises one line."""
+    self.guarded.check(self.call, "step", self.index)
+    return self.guarded._step(self.call.value, self.index)
 
 
 class Guarded:
@@ -96,16 +121,20 @@ class Guarded:
     for call in running:
       call.thread.join(max(0.0, deadline - time.monotonic()))
     for call, record in zip(running, records):
-      where = f"(in {method}, prompt record {record})"
-      if call.thread.is_alive():
-        raise UserError(f"environment {self.name} did not return within rl_environment_timeout_seconds="
-                        f"{self.timeout_s:g} {where}; make it faster or raise the limit")
-      if call.error is not None:
-        if isinstance(call.error, UserError):
-          raise UserError(f"environment {self.name} {where}: {call.error}") from None
-        text = str(call.error).splitlines()[0] if str(call.error) else ""
-        raise UserError(f"environment {self.name} raised {type(call.error).__name__}: {text} {where}") from None
+      self.check(call, method, record)
     return [call.value for call in running]  # type: ignore[misc]
+
+  def check(self, call: _Call[Any], method: str, record: int) -> None:
+    """One line for a call still running (past its time) or one that raised."""
+    where = f"(in {method}, prompt record {record})"
+    if call.thread.is_alive():
+      raise UserError(f"environment {self.name} did not return within rl_environment_timeout_seconds="
+                      f"{self.timeout_s:g} {where}; make it faster or raise the limit")
+    if call.error is not None:
+      if isinstance(call.error, UserError):
+        raise UserError(f"environment {self.name} {where}: {call.error}") from None
+      text = str(call.error).splitlines()[0] if str(call.error) else ""
+      raise UserError(f"environment {self.name} raised {type(call.error).__name__}: {text} {where}") from None
 
   def episodes(self, records: Sequence[Mapping[str, Any]], indices: Sequence[int]) -> list[Any]:
     """One episode object per record (the factory called with the record's fields as keywords)."""
@@ -123,6 +152,11 @@ class Guarded:
       return lambda: fn(turn)
     values = self.call_all("step", [call(e, t) for e, t in zip(episodes, turns)], indices)
     return [self._step(v, i) for v, i in zip(values, indices)]
+
+  def step_later(self, episode: Any, turn: ModelTurn, index: int, finished: queue.SimpleQueue[Any], key: Any
+                 ) -> PendingStep:
+    """`step` of one episode started on its thread; `finished` is told `key` when it returns."""
+    return PendingStep(self, episode, turn, index, finished, key)
 
   def tools(self, episode: Any, index: int) -> list[dict[str, Any]] | None:
     tools = getattr(episode, "tools", None)
@@ -181,4 +215,4 @@ def _method(episode: Any, name: str) -> Callable[..., Any]:
   return fn
 
 
-__all__ = ["BUILTINS", "Guarded", "Message", "ModelTurn", "ROLES", "Step", "load", "model_turn"]
+__all__ = ["BUILTINS", "Guarded", "Message", "ModelTurn", "PendingStep", "ROLES", "Step", "load", "model_turn"]

@@ -117,17 +117,14 @@ class Renderer:
 @dataclasses.dataclass
 class Timing:
   generate_s: float = 0.0
-  environment_s: float = 0.0
+  environment_s: float = 0.0  # waiting for the environment with nothing to decode
+  decode_steps: int = 0  # the engine's decode calls
+  overlapped_steps: int = 0  # of which taken while an environment call ran (interleaved episodes)
 
 
-def run(env: environments.Guarded, tokenizer: chat.ChatTokenizer, eos_id: int | None,
-        records: Sequence[tuple[int, Any, Mapping[str, Any]]], generate: Generate,
-        row_params: Callable[[int], list[sampling.RowParams]], limits: Limits,
-        timing: Timing | None = None) -> list[Episode]:
-  """One episode per record (index, prompt, other columns). `row_params(turn)` gives every record's
-  sampling parameters for that turn (0 for the first)."""
-  timing = timing or Timing()
-  renderer = Renderer(tokenizer, eos_id)
+def open_episodes(env: environments.Guarded, renderer: Renderer, records: Sequence[tuple[int, Any, Mapping[str, Any]]],
+                  limits: Limits, timing: Timing) -> tuple[list[Any], list[Episode]]:
+  """Each record's episode object (the environment's) and its Episode, opened by `start`'s messages."""
   indices = [index for index, _, _ in records]
   started = time.perf_counter()
   objects = env.episodes([{"prompt": prompt, **columns} for _, prompt, columns in records], indices)
@@ -141,37 +138,59 @@ def run(env: environments.Guarded, tokenizer: chat.ChatTokenizer, eos_id: int | 
       raise UserError(f"prompt record {index}: the environment's opening messages are {len(ids)} tokens; an episode "
                       f"must start with 1 to max_prefill_predict_length={limits.max_context} (raise it or shorten them)")
     episodes.append(Episode(index, ids, opening, tools))
+  return objects, episodes
+
+
+def turn_budget(episode: Episode, limits: Limits) -> int:
+  """The most tokens the episode's next model turn may sample."""
+  return min(limits.max_turn_tokens, limits.max_episode_tokens - len(episode.prompt_ids) - len(episode.tokens))
+
+
+def record_turn(episode: Episode, out: Sequence[int], logps: Sequence[float], tokenizer: chat.ChatTokenizer,
+                eos_id: int | None) -> ModelTurn:
+  """The episode grown by a model turn's sampled tokens (each with the engine's log-prob); the turn
+  as its environment's `step` gets it."""
+  ended = bool(out) and out[-1] == eos_id
+  episode.tokens += out
+  episode.model_mask += [True] * len(out)
+  episode.logps += [float(p) for p in logps[:len(out)]]
+  episode.last_ids = list(out)
+  episode.last_text = tokenizer.decode(list(out[:-1]) if ended else list(out), skip_special_tokens=True)
+  episode.turns += 1
+  episode.last_ended = ended
+  return environments.model_turn(episode.last_text, ended, episode.turns)
+
+
+def run(env: environments.Guarded, tokenizer: chat.ChatTokenizer, eos_id: int | None,
+        records: Sequence[tuple[int, Any, Mapping[str, Any]]], generate: Generate,
+        row_params: Callable[[int], list[sampling.RowParams]], limits: Limits,
+        timing: Timing | None = None) -> list[Episode]:
+  """One episode per record (index, prompt, other columns), in batch by turn. `row_params(turn)` gives
+  every record's sampling parameters for that turn (0 for the first)."""
+  timing = timing or Timing()
+  renderer = Renderer(tokenizer, eos_id)
+  objects, episodes = open_episodes(env, renderer, records, limits, timing)
   for turn in range(limits.max_turns):
     live = [i for i, e in enumerate(episodes) if not e.end]
     if not live:
       break
     contexts = [episodes[i].prompt_ids + episodes[i].tokens for i in live]
-    budgets = [min(limits.max_turn_tokens, limits.max_episode_tokens - len(c)) for c in contexts]
+    budgets = [turn_budget(episodes[i], limits) for i in live]
     turn_params = row_params(turn)
     started = time.perf_counter()
     outputs, logps = generate(contexts, [turn_params[i] for i in live], max(budgets))
     timing.generate_s += time.perf_counter() - started
-    turns = []
-    for i, out, lps, budget in zip(live, outputs, logps, budgets):
-      out = out[:budget]
-      episode, ended = episodes[i], bool(out) and out[-1] == eos_id
-      episode.tokens += out
-      episode.model_mask += [True] * len(out)
-      episode.logps += [float(p) for p in lps[:len(out)]]
-      episode.last_ids = list(out)
-      episode.last_text = tokenizer.decode(out[:-1] if ended else out, skip_special_tokens=True)
-      episode.turns = turn + 1
-      episode.last_ended = ended
-      turns.append(environments.model_turn(episode.last_text, ended, turn + 1))
+    turns = [record_turn(episodes[i], out[:budget], lps, tokenizer, eos_id)
+             for i, out, lps, budget in zip(live, outputs, logps, budgets)]
     started = time.perf_counter()
     steps = env.step([objects[i] for i in live], turns, [episodes[i].index for i in live])
     timing.environment_s += time.perf_counter() - started
     for i, model, step in zip(live, turns, steps):
-      _advance(episodes[i], model, step, renderer, limits)
+      advance(episodes[i], model, step, renderer, limits)
   return episodes
 
 
-def _advance(episode: Episode, model: ModelTurn, step: environments.Step, renderer: Renderer, limits: Limits) -> None:
+def advance(episode: Episode, model: ModelTurn, step: environments.Step, renderer: Renderer, limits: Limits) -> None:
   """The episode after its environment's answer: ended, or grown by the answer's tokens."""
   episode.reward += step.reward
   episode.messages = episode.messages + [{"role": "assistant", "content": model.text}]
@@ -199,9 +218,11 @@ def metrics(episodes: Sequence[Episode], timing: Timing) -> dict[str, float]:
   total = sum(len(e.tokens) for e in episodes)
   out = {"episodes/mean_turns": sum(e.turns for e in episodes) / count,
          "episodes/model_token_share": model / max(total, 1),
-         "episodes/environment_s": timing.environment_s}
+         "episodes/environment_s": timing.environment_s,
+         "episodes/overlapped_step_share": timing.overlapped_steps / max(timing.decode_steps, 1)}
   out.update({f"episodes/{ending}_ratio": sum(e.end == ending for e in episodes) / count for ending in ENDINGS})
   return out
 
 
-__all__ = ["ENDINGS", "Episode", "Generate", "Limits", "Renderer", "Timing", "environment_for", "metrics", "run"]
+__all__ = ["ENDINGS", "Episode", "Generate", "Limits", "Renderer", "Timing", "advance", "environment_for", "metrics",
+           "open_episodes", "record_turn", "run", "turn_budget"]

@@ -39,6 +39,7 @@ from MaxText.input_pipeline import chat
 from MaxText.input_pipeline.batch_spec import ADVANTAGES, FIELDS, SAMPLER_LOGPS
 from MaxText.platform import sharding
 from MaxText.rl import episodes as episodes_lib
+from MaxText.rl import interleaved_episodes
 from MaxText.rl import prompts as prompts_lib
 from MaxText.rl import rewards as rewards_lib
 from MaxText.rl import rollout_mesh
@@ -301,11 +302,15 @@ class RolloutBatches:
     (and the reward functions, which see each episode's last model turn as its completion)."""
     assert self.environment is not None
     timing = episodes_lib.Timing()
+    records = [(p.index, p.prompt, p.columns) for p in row_prompts]
     with guard("the first rollout's environment"):
-      episodes = episodes_lib.run(self.environment, self.tokenizer, self.eos_id,
-                                  [(p.index, p.prompt, p.columns) for p in row_prompts],
-                                  padded_generate(self.engine, params, self.eos_id),
-                                  functools.partial(self._row_params, step), self.limits, timing)
+      if self.rl.rl_interleave_episodes:
+        episodes = interleaved_episodes.run(self.environment, self.tokenizer, self.eos_id, records, self.engine,
+                                            params, functools.partial(self._row_params, step), self.limits, timing)
+      else:
+        episodes = episodes_lib.run(self.environment, self.tokenizer, self.eos_id, records,
+                                    padded_generate(self.engine, params, self.eos_id),
+                                    functools.partial(self._row_params, step), self.limits, timing)
     rollout_s = time.perf_counter() - started
     rows = training_rows([e.prompt_ids for e in episodes], [e.tokens for e in episodes],
                          self.config.data.max_target_length, [e.logps for e in episodes],

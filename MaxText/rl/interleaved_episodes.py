@@ -1,0 +1,182 @@
+"""Multi-turn episodes interleaved in the engine (rl_interleave_episodes): each episode holds one slot
+for its whole life; when its model turn ends, its environment's `step` runs on a thread of its own
+while the other slots keep decoding, and when the answer comes the appended tokens (the tool's
+message, the next generation prompt) go into that slot and it decodes again.
+
+    all episodes' prompts ─► one prefill + insert per slot ─┐
+      ┌─► decode steps of every slot still in its turn ◄──────┘◄── the slot continues: only the new tokens
+      │     a slot's turn ends (its end token or budget) ─► hold the slot; step() on a thread   prefilled
+      └── an environment answered ─► advance the episode (episodes.advance) ─► ended: release the slot
+
+- **Only the new tokens are prefilled** where the engine `continues_slots` (the paged layout): the slot
+  keeps its pages while held and `continue_prompt` + `prefill_chunk` write the appended tokens after
+  the ones it holds. Elsewhere (the dense cache) the slot's whole context is prefilled again.
+- **Timing does not change the result.** A slot's tokens depend on its own context and seeds only:
+  each turn's first token is drawn with the row's seed for that turn (`row_params(turn)`, as the
+  turn-batched path draws it), the decode step treats every slot apart, and every continuation is
+  prefilled alone. So a resumed run samples as the uninterrupted one, and greedy episodes equal the
+  turn-batched path's (episodes.run) token for token.
+- The episode records, limits and token layout are episodes.py's: the rows weigh only sampled tokens.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from MaxText.inference import sampling
+from MaxText.inference.engine import Engine
+from MaxText.inference.engine_api import StepLimits
+from MaxText.input_pipeline import chat
+from MaxText.rl import environments
+from MaxText.rl.episodes import Episode, Limits, Renderer, Timing, advance, open_episodes, record_turn, turn_budget
+
+
+class _Slots:
+  """The host side of one rollout: which slot decodes which episode's turn, and what it sampled."""
+
+  def __init__(self, engine: Engine, params: Any, eos_id: int | None, timing: Timing):
+    self.engine, self.params, self.eos_id, self.timing = engine, params, eos_id, timing
+    self.tokens: dict[int, list[int]] = {}  # slot -> the current turn's sampled tokens
+    self.logps: dict[int, list[float]] = {}
+    self.ends = np.zeros(engine.num_slots, np.int64)  # StepLimits.ends: 0 for a slot not in a turn
+    self.budgets: dict[int, int] = {}
+
+  def start_turn(self, slot: int, context_length: int, budget: int, token: int, logp: float) -> None:
+    self.tokens[slot], self.logps[slot], self.budgets[slot] = [token], [logp], budget
+    self.ends[slot] = context_length + budget
+
+  def turn_over(self, slot: int) -> bool:
+    out = self.tokens[slot]
+    return len(out) >= self.budgets[slot] or out[-1] == self.eos_id
+
+  def end_turn(self, slot: int) -> tuple[list[int], list[float]]:
+    self.ends[slot] = 0
+    del self.budgets[slot]
+    return self.tokens.pop(slot), self.logps.pop(slot)
+
+  def step(self, state: Any) -> tuple[Any, list[int]]:
+    """One decode call for every slot in its turn; the slots whose turn it ended."""
+    state, emitted = self.engine.decode_step(self.params, state, limits=StepLimits(self.ends.copy(),
+                                                                                    _stops(self.eos_id)))
+    tokens, chosen = np.asarray(jax.device_get(emitted.tokens)), np.asarray(jax.device_get(emitted.logprobs.chosen_B))
+    counts = None if emitted.counts is None else np.asarray(jax.device_get(emitted.counts))
+    ended = []
+    for slot in sorted(self.tokens):
+      for i in range(1 if counts is None else int(counts[slot])):
+        if self.turn_over(slot):
+          break
+        self.tokens[slot].append(int(tokens[slot] if counts is None else tokens[slot, i]))
+        self.logps[slot].append(float(chosen[slot] if counts is None else chosen[slot, i]))
+      if self.turn_over(slot):
+        ended.append(slot)
+    return state, ended
+
+
+def _stops(eos_id: int | None) -> tuple[int, ...]:
+  return () if eos_id is None else (eos_id,)
+
+
+def run(env: environments.Guarded, tokenizer: chat.ChatTokenizer, eos_id: int | None,
+        records: Sequence[tuple[int, Any, Mapping[str, Any]]], engine: Engine, params: Any,
+        row_params: Callable[[int], list[sampling.RowParams]], limits: Limits,
+        timing: Timing | None = None) -> list[Episode]:
+  """episodes.run's episodes (one per record, `row_params(turn)` every record's sampler for that turn),
+  each in slot i of `engine` (which has a slot for every record), interleaved."""
+  timing = timing or Timing()
+  renderer = Renderer(tokenizer, eos_id)
+  objects, episodes = open_episodes(env, renderer, records, limits, timing)
+  if len(episodes) > engine.num_slots:
+    raise ValueError(f"{len(episodes)} episodes for {engine.num_slots} slots")
+  seeds: dict[int, list[sampling.RowParams]] = {}
+
+  def params_of(turn: int) -> list[sampling.RowParams]:
+    if turn not in seeds:
+      seeds[turn] = row_params(turn)
+    return seeds[turn]
+
+  started = time.perf_counter()
+  slots = _Slots(engine, params, eos_id, timing)
+  finished: queue.SimpleQueue[int] = queue.SimpleQueue()  # told when an environment call returns
+  waiting: dict[int, environments.PendingStep] = {}
+  turns: dict[int, environments.ModelTurn] = {}
+
+  def end_turn(slot: int) -> None:
+    out, logps = slots.end_turn(slot)
+    turns[slot] = record_turn(episodes[slot], out, logps, tokenizer, eos_id)
+    if engine.continues_slots:
+      engine.hold(slot)
+    waiting[slot] = env.step_later(objects[slot], turns[slot], episodes[slot].index, finished, slot)
+
+  # The first turn: every prompt in one prefill, padded to every slot (the turn-batched path's program).
+  first = params_of(0)
+  contexts = [e.prompt_ids for e in episodes]
+  pad = engine.num_slots - len(contexts)
+  prefix = engine.prefill(params, contexts + [contexts[0]] * pad, row_params=first + [first[0]] * pad)
+  state = engine.init_decode_state(first[0].seed if first else 0)
+  tokens = np.asarray(jax.device_get(prefix.first_tokens_B))
+  chosen = np.asarray(jax.device_get(prefix.first_logprobs.chosen_B))
+  for slot, episode in enumerate(episodes):
+    state = engine.insert(prefix, state, slot=slot, row=slot)
+    slots.start_turn(slot, len(episode.prompt_ids), turn_budget(episode, limits), int(tokens[slot]),
+                     float(chosen[slot]))
+  for slot in range(len(episodes)):
+    if slots.turn_over(slot):
+      end_turn(slot)
+  while slots.tokens or waiting:
+    if slots.tokens:
+      running = any(not w.ready() for w in waiting.values())
+      state, ended = slots.step(state)
+      timing.decode_steps += 1
+      timing.overlapped_steps += int(running)
+      for slot in ended:
+        end_turn(slot)
+    else:  # nothing to decode: sleep until an environment call returns (or the first one's time runs out)
+      blocked = time.perf_counter()
+      try:
+        finished.get(timeout=max(0.0, min(w.deadline for w in waiting.values()) - time.monotonic()))
+      except queue.Empty:
+        pass
+      timing.environment_s += time.perf_counter() - blocked
+    # The queue only wakes the loop: which calls are done is read from the calls themselves.
+    for slot in sorted(slot for slot, w in waiting.items() if w.ready()):  # past its time too: result() raises
+      state = _answered(engine, params, state, slots, episodes[slot], slot, turns.pop(slot),
+                        waiting.pop(slot).result(), renderer, limits, params_of)
+      if slot in slots.tokens and slots.turn_over(slot):
+        end_turn(slot)
+  timing.generate_s += time.perf_counter() - started - timing.environment_s
+  return episodes
+
+
+def _answered(engine: Engine, params: Any, state: Any, slots: _Slots, episode: Episode, slot: int,
+              model: environments.ModelTurn, step: environments.Step, renderer: Renderer, limits: Limits,
+              params_of: Callable[[int], list[sampling.RowParams]]) -> Any:
+  """The decode state once the episode in `slot` took its environment's answer: the slot released if
+  the episode ended, else holding the grown context with its next turn's first token sampled."""
+  advance(episode, model, step, renderer, limits)
+  if episode.end:
+    engine.release(slot)
+    return state
+  context = episode.prompt_ids + episode.tokens
+  row = params_of(episode.turns)[slot]
+  if engine.continues_slots:
+    start = engine.continue_prompt(slot, context)
+    first = None
+    while first is None:
+      state, start, first = engine.prefill_chunk(params, state, slot, context, start, row_params=row)
+    token, logprobs = first
+    slots.start_turn(slot, len(context), turn_budget(episode, limits), int(np.asarray(token)[0]),
+                     float(np.asarray(logprobs.chosen_B)[0]))
+    return state
+  prefix = engine.prefill(params, [context], row_params=[row])
+  state = engine.insert(prefix, state, slot=slot)
+  slots.start_turn(slot, len(context), turn_budget(episode, limits), int(np.asarray(prefix.first_tokens_B)[0]),
+                   float(np.asarray(prefix.first_logprobs.chosen_B)[0]))
+  return state
+
+
+__all__ = ["run"]
