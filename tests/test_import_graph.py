@@ -12,6 +12,7 @@ FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
        "libraries (tensorflow-datasets, datasets, grain, tokenizers) only when that source is configured"
        for m in ("files", "tokenizer", "chat", "image_sft", "tfds", "hf", "grain", "pipeline", "preference",
                  "mixture", "streaming")},
+    ("MaxText.input_pipeline", "MaxText.input_pipeline.teacher_top_k"): "read only when distill_top_k_path is set",
     ("MaxText.input_pipeline", "MaxText.paths.storage"): "the package's import stays free of etils for the readers",
     ("MaxText.input_pipeline", "MaxText.errors"): "imported with the readers it serves",
     ("MaxText.input_pipeline.hf", "MaxText.input_pipeline.json_records"): "read only after a failed JSON parse",
@@ -85,7 +86,8 @@ FOLDER_ORDER: tuple[tuple[str, ...], ...] = (
     ("MaxText.rl",),
     # entry points (the converters and prepare_data.py live inside their packages)
     ("MaxText.train_compile", "MaxText.train", "MaxText.plan", "MaxText.decode", "MaxText.serve",
-     "MaxText.generate_param_only_checkpoint", "MaxText.logit_checker", "MaxText.train_tokenizer",
+     "MaxText.generate_param_only_checkpoint", "MaxText.generate_teacher_top_k", "MaxText.logit_checker",
+     "MaxText.train_tokenizer",
      "MaxText.multihost_runner", "MaxText.multihost_job", "MaxText.elastic"),
 )
 # (importer, imported) -> why this import climbs back up the order.

@@ -22,14 +22,22 @@ class DistillConfig:
   distill_alpha: float = key()  # weight of the distillation term; 1 - alpha weighs the hard-label loss
   distill_temperature: float = key()  # both distributions are softened by it; the KL term is scaled by its square
   distill_top_k: int = key()  # 0: the full vocabulary; k: the teacher's k most likely tokens per position
+  # generate_teacher_top_k.py's output: the teacher's top k read beside the batches instead of running it
+  distill_top_k_path: str = key()
+
+  @property
+  def top_k_from_files(self) -> int:
+    """k when the teacher's top k come with the batches (distill_top_k_path), else 0."""
+    return self.distill_top_k if self.distill_top_k_path else 0
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any]) -> "DistillConfig":
     distill = cls(**read_keys(cls, v))
     if v["objective"] != "distill":
       return distill
-    _require(bool(distill.distill_teacher_path), "objective=distill needs a teacher: set distill_teacher_path to its "
-             "checkpoint (a parameters-only checkpoint or another run's checkpoints)")
+    _require(bool(distill.distill_teacher_path or distill.distill_top_k_path), "objective=distill needs a teacher: set "
+             "distill_teacher_path to its checkpoint (a parameters-only checkpoint or another run's checkpoints), or "
+             "distill_top_k_path to its precomputed top k")
     _require(distill.distill_loss in DISTILL_LOSSES,
              f"distill_loss must be one of {', '.join(DISTILL_LOSSES)}, got {distill.distill_loss!r}")
     _require(0.0 <= distill.distill_alpha <= 1.0,
@@ -39,4 +47,7 @@ class DistillConfig:
     _require(0 <= distill.distill_top_k <= v["vocab_size"],
              f"distill_top_k={distill.distill_top_k} must be in [0, vocab_size={v['vocab_size']}] (0 = the full "
              "vocabulary)")
+    _require(not distill.distill_top_k_path or distill.distill_top_k > 0,
+             f"distill_top_k_path={distill.distill_top_k_path} holds the teacher's top k only; set distill_top_k to "
+             "k (the KL over the full vocabulary needs the teacher beside the student)")
     return distill

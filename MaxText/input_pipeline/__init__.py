@@ -9,7 +9,7 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from MaxText.configuration import objective_registry
 from MaxText.configuration.data_mixture import MixtureSource
@@ -205,21 +205,32 @@ def _record_locator(cfg: DataConfig, train: bool) -> Callable[[int], str] | None
 
 def create_data_iterator(config: Config, mesh: Mesh, start_step: int = 0) -> BatchIterator:
   """The training iterator for `config.data`, producing batches sharded by `data_sharding`."""
-  if config.data.dataset_type != "synthetic":
-    return _real_data_iterator(config, mesh, train=True)
   sharding = batch_sharding(mesh, config.mesh.data_sharding)
-  return SyntheticIterator(config.data, sharding, start_step=start_step)
+  if config.data.dataset_type != "synthetic":
+    return _with_teacher_top_k(config, _real_data_iterator(config, mesh, train=True), sharding, train=True)
+  return _with_teacher_top_k(config, SyntheticIterator(config.data, sharding, start_step=start_step), sharding,
+                             train=True)
 
 
 def create_eval_iterator(config: Config, mesh: Mesh) -> BatchIterator | None:
   """Eval batches (with `reset()`); real data is read from the eval split in order, and once it
   runs out the remaining batches are padding, which adds nothing to the eval loss."""
+  sharding = batch_sharding(mesh, config.mesh.data_sharding)
   if config.data.dataset_type != "synthetic":
     if not config.data.has_eval_source:
       return None
-    return _real_data_iterator(config, mesh, train=False)
-  sharding = batch_sharding(mesh, config.mesh.data_sharding)
-  return SyntheticIterator(config.data, sharding, seed_offset=_EVAL_SEED_OFFSET)
+    return _with_teacher_top_k(config, _real_data_iterator(config, mesh, train=False), sharding, train=False)
+  return _with_teacher_top_k(config, SyntheticIterator(config.data, sharding, seed_offset=_EVAL_SEED_OFFSET),
+                             sharding, train=False)
+
+
+def _with_teacher_top_k(config: Config, batches: BatchIterator, sharding: NamedSharding, train: bool) -> BatchIterator:
+  """With distill_top_k_path, the batches carry the teacher's precomputed top k (teacher_top_k.py)."""
+  if not config.distill.top_k_from_files or config.data.objective != "distill":
+    return batches
+  from MaxText.input_pipeline import teacher_top_k
+
+  return teacher_top_k.open_batches(config, batches, sharding, train)
 
 
 __all__ = ["Batch", "BatchIterator", "Encoded", "conversation_encoder", "create_data_iterator", "create_eval_iterator",

@@ -6,7 +6,8 @@ one prompt + completion per row, the completion's targets weighted, plus each ro
 `advantages` [global_batch] and float32 `sampler_logps` [global_batch, max_target_length], the
 engine's log-probability of each completion target token (0 elsewhere); with max_images_per_row > 0,
 multimodal SFT's float32 `pixel_values` [global_batch, max_images_per_row, 3, image_size,
-image_size]: each row's images in token order, zeros after them, which the model ignores). The synthetic
+image_size]: each row's images in token order, zeros after them, which the model ignores; with
+objective=distill reading distill_top_k_path, the teacher's top k per position). The synthetic
 generator and the real-data pipelines build exactly these, and AOT compiles the train step for
 them without running either."""
 
@@ -30,7 +31,10 @@ GRPO_FIELDS = FIELDS + (ADVANTAGES, SAMPLER_LOGPS)
 PIXEL_VALUES = "pixel_values"  # float32 [global_batch, max_images_per_row, 3, R, R] (packing.py)
 IMAGE_FIELDS = FIELDS + (PIXEL_VALUES,)
 NUM_CHANNELS = 3
-FLOAT_FIELDS = (ADVANTAGES, SAMPLER_LOGPS, PIXEL_VALUES)
+# objective=distill with distill_top_k_path: the teacher's top k per position, read from files
+# (teacher_top_k.py): int32 token ids and float32 log-probs [global_batch, max_target_length, k].
+TEACHER_TOP_K_INDICES, TEACHER_TOP_K_LOGPS = "teacher_top_k_indices", "teacher_top_k_logps"
+FLOAT_FIELDS = (ADVANTAGES, SAMPLER_LOGPS, PIXEL_VALUES, TEACHER_TOP_K_LOGPS)
 
 
 def fields(cfg: DataConfig) -> tuple[str, ...]:
@@ -40,7 +44,9 @@ def fields(cfg: DataConfig) -> tuple[str, ...]:
   return objective_registry.record(cfg.objective).batch_fields
 
 
-def _shape(cfg: DataConfig, name: str) -> tuple[int, ...]:
+def _shape(cfg: DataConfig, name: str, teacher_top_k: int) -> tuple[int, ...]:
+  if name in (TEACHER_TOP_K_INDICES, TEACHER_TOP_K_LOGPS):
+    return (cfg.global_batch_size, cfg.max_target_length, teacher_top_k)
   if name == ADVANTAGES:
     return (cfg.global_batch_size,)
   if name == PIXEL_VALUES:
@@ -48,7 +54,9 @@ def _shape(cfg: DataConfig, name: str) -> tuple[int, ...]:
   return (cfg.global_batch_size, cfg.max_target_length)
 
 
-def batch_spec(cfg: DataConfig) -> dict[str, jax.ShapeDtypeStruct]:
-  """Name -> global shape and dtype of one batch for the data config `cfg` (config.data)."""
-  return {name: jax.ShapeDtypeStruct(_shape(cfg, name), jnp.float32 if name in FLOAT_FIELDS else DTYPE)
-          for name in fields(cfg)}
+def batch_spec(cfg: DataConfig, teacher_top_k: int = 0) -> dict[str, jax.ShapeDtypeStruct]:
+  """Name -> global shape and dtype of one batch for the data config `cfg` (config.data);
+  `teacher_top_k` > 0 adds a precomputed teacher's top k (config.distill.top_k_from_files)."""
+  names = fields(cfg) + ((TEACHER_TOP_K_INDICES, TEACHER_TOP_K_LOGPS) if teacher_top_k else ())
+  return {name: jax.ShapeDtypeStruct(_shape(cfg, name, teacher_top_k), jnp.float32 if name in FLOAT_FIELDS else DTYPE)
+          for name in names}

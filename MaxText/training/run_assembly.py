@@ -87,7 +87,7 @@ def abstract_inputs(config: Config, setup: train_state.StateSetup, batch_shardin
   """
   state = sharding.with_shardings(setup.abstract_state, setup.state_shardings)
   batch = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.for_rank(batch_sharding, x.ndim))
-           for name, x in batch_spec(config.data).items()}
+           for name, x in batch_spec(config.data, config.distill.top_k_from_files).items()}
   key = jax.eval_shape(lambda: jax.random.key(0))
   rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(setup.on_mesh.mesh))
   limit = (jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding.replicated(setup.on_mesh.mesh))

@@ -152,7 +152,8 @@ def make_train_step(setup: StateSetup, objective: Objective, config: Config
 
 def _field_shardings(config: Config, batch_sharding: NamedSharding) -> dict[str, NamedSharding]:
   """Each batch field's sharding: rows split like `batch_sharding` whatever the field's rank."""
-  return {name: sharding.for_rank(batch_sharding, x.ndim) for name, x in batch_spec(config.data).items()}
+  spec = batch_spec(config.data, config.distill.top_k_from_files)
+  return {name: sharding.for_rank(batch_sharding, x.ndim) for name, x in spec.items()}
 
 
 def jit_train_step(setup: StateSetup, objective: Objective, config: Config, batch_sharding: NamedSharding

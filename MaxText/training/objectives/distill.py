@@ -28,7 +28,7 @@ from MaxText.configuration.config import Config
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.errors import UserError
 from MaxText.input_pipeline import document_encoder
-from MaxText.input_pipeline.batch_spec import FIELDS
+from MaxText.input_pipeline.batch_spec import FIELDS, TEACHER_TOP_K_INDICES, TEACHER_TOP_K_LOGPS
 from MaxText.layers.moe import ROUTING_STATS
 from MaxText.models import ModelSpec, token_loss_sums
 from MaxText.paths import storage
@@ -82,8 +82,8 @@ class Distill(Objective):
   moe_lb_loss_sum, weight_sum}. The teacher's forward runs inside each micro-batch's loss (its
   top k taken there), so only one micro-batch's teacher logits are ever live."""
 
-  batch_fields = FIELDS
-  state_class = DistillState
+  batch_fields: tuple[str, ...] = FIELDS
+  state_class: type[TrainState] = DistillState
 
   def __init__(self, model: ModelSpec, teacher: ModelSpec, teacher_path: str, rules: tuple[tuple[str, tuple[str, ...]], ...],
                kind: str, alpha: float, temperature: float, top_k: int, z_loss_multiplier: float = 0.0,
@@ -119,11 +119,8 @@ class Distill(Objective):
 
   def loss_sums(self, params: Params, context: Params | None, batch: Batch,
                 dropout_rng: jax.Array | None) -> tuple[jax.Array, Sums]:
-    assert context is not None, "the step hands distillation its teacher (context)"
-    teacher = jax.lax.stop_gradient(context)
     inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
-    teacher_logits_BLV = self.teacher.apply(teacher, *inputs)
-    targets = distill_loss.teacher_targets(teacher_logits_BLV, self.temperature, self.top_k)
+    targets = self.teacher_targets(context, batch)
     logits_BLV, aux = self.model.apply_with_aux(params, *inputs, dropout_rng)
     weights_BL = (batch["targets_segmentation"] != 0).astype(jnp.float32)
     _, sums = token_loss_sums(logits_BLV, batch["targets"], weights_BL, self.z_loss_multiplier)
@@ -135,6 +132,13 @@ class Distill(Objective):
     stats = {name: aux[name] for name in ROUTING_STATS if name in aux}
     return total, {"loss_sum": loss_sum, "distill_kl_sum": kl_sum, "xent_sum": sums["xent_sum"],
                    "z_loss_sum": sums["z_loss_sum"], "moe_lb_loss_sum": lb_sum, "weight_sum": weight_sum, **stats}
+
+  def teacher_targets(self, context: Params | None, batch: Batch) -> distill_loss.TeacherTargets:
+    """The teacher's distribution at every position of the (micro-)batch: its forward pass here."""
+    assert context is not None, "the step hands distillation its teacher (context)"
+    inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+    teacher_logits_BLV = self.teacher.apply(jax.lax.stop_gradient(context), *inputs)
+    return distill_loss.teacher_targets(teacher_logits_BLV, self.temperature, self.top_k)
 
   def eval_sums(self, params: Params, context: Params | None, batch: Batch) -> Sums:
     return self.loss_sums(params, context, batch, None)[1]
@@ -158,6 +162,35 @@ class Distill(Objective):
             f"loss {loss:8.4f} | xent {xent:8.4f} | kl {kl:.4f} | perplexity {perplexity:.3f}")
 
 
+class DistillFromFiles(Distill):
+  """distill_top_k_path: the teacher's top k come with each batch, read from the files
+  generate_teacher_top_k.py wrote (input_pipeline/teacher_top_k.py), so no teacher sits in the state
+  or runs in the step. Its log-probs are at temperature 1; divided by τ and renormalised over the k
+  (distill_loss.token_kl does that) they are the teacher's distribution at τ over its top k."""
+
+  batch_fields = FIELDS + (TEACHER_TOP_K_INDICES, TEACHER_TOP_K_LOGPS)
+  state_class = TrainState
+
+  def __init__(self, model: ModelSpec, kind: str, alpha: float, temperature: float, top_k: int,
+               z_loss_multiplier: float = 0.0, load_balance_loss_weight: float = 0.0):
+    # Distill's loss without its teacher model: nothing of a teacher to build, hold or count.
+    self.model, self.kind, self.alpha, self.temperature, self.top_k = model, kind, alpha, temperature, top_k
+    self.z_loss_multiplier, self.load_balance_loss_weight = z_loss_multiplier, load_balance_loss_weight
+    self.forward_only_models = ()
+
+  def extra_state(self, params: T, copy: Callable[[T], T]) -> dict[str, T]:
+    return {}
+
+  def load_extra_state(self, state: TrainState) -> TrainState:
+    return state
+
+  def context(self, state: TrainState) -> Params | None:
+    return None
+
+  def teacher_targets(self, context: Params | None, batch: Batch) -> distill_loss.TeacherTargets:
+    return distill_loss.TeacherTargets(batch[TEACHER_TOP_K_LOGPS] / self.temperature, batch[TEACHER_TOP_K_INDICES])
+
+
 def _build(config: Config, model: ModelSpec, partition: Partition) -> Objective:
   cfg = config.model
   if cfg.pipeline.num_pipeline_stages > 1 and cfg.pipeline.pipeline_schedule == "1f1b":
@@ -166,6 +199,9 @@ def _build(config: Config, model: ModelSpec, partition: Partition) -> Objective:
   if cfg.mtp.mtp_num_layers > 0:
     raise UserError("objective=distill trains the next-token head only; set mtp_num_layers=0")
   d = config.distill
+  if d.distill_top_k_path:  # the teacher's top k come with the batches: distill_teacher_path is not read
+    return DistillFromFiles(model, d.distill_loss, d.distill_alpha, d.distill_temperature, d.distill_top_k,
+                            config.optim.z_loss_multiplier, cfg.moe.load_balance_loss_weight)
   teacher = models.build_model_spec(teacher_config(config).model)
   return Distill(model, teacher, d.distill_teacher_path, config.mesh.logical_axis_rules, d.distill_loss,
                  d.distill_alpha, d.distill_temperature, d.distill_top_k, config.optim.z_loss_multiplier,
