@@ -3,7 +3,7 @@ what a rollout mesh of its own and asynchronous rollouts change.
 
     python3 benchmarks/rl_bench.py [steps=12] [devices=4] [max_completion_length=32] [num_generations=8]
         [rows=32] [base_emb_dim=256] [base_num_decoder_layers=4] [platform=cpu|gpu]
-        [modes=same] [rl_rollout_devices=2]
+        [modes=same] [rl_rollout_devices=2] [tool_latency_s=0]
 
 Runs `python3 -m MaxText.train configs/grpo.yml` on a generated prompt set (a byte-level BPE
 tokenizer, random starting weights, a reward on token ids, so completions run to
@@ -18,8 +18,10 @@ padding included, per second of update). On GPU (platform=gpu) the same run uses
 split (the last rl_rollout_devices devices roll out, weights copied every update), async1 and
 async2 (split, rl_max_staleness 1 and 2 with a weight copy every 2 and 3 updates: the batches
 up to the next copy are generated while the training runs), and tools (the same mesh, multi-turn
-episodes: an environment answers each of 3 model turns with a tool message of about 16 tokens;
-rl/episodes.py). Each prints steps/s (timed steps over their wall time) and the weight copies'
+episodes: an environment answers each of 3 model turns with a tool message of about 16 tokens,
+after sleeping 0 to tool_latency_s seconds; episodes interleaved in the engine,
+rl/interleaved_episodes.py), tools_by_turn (the same in batch by turn, rl/episodes.py) and
+tools_paged (interleaved on the paged cache: each turn prefills only the appended tokens). Each prints steps/s (timed steps over their wall time) and the weight copies'
 median seconds and bytes; tools also episodes/s (episodes over rollout seconds), turns per episode
 and the model's share of the episodes' tokens after the prompt (the rest is tool output, in the
 context but not trained on). The global batch is `rows` in every mode. The last line of each mode
@@ -43,15 +45,20 @@ sys.path.insert(0, str(REPO))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
 
 REWARD = "def low_ids(completion_ids, **_):\n  return [sum(t < 200 for t in c) / max(len(c), 1) for c in completion_ids]\n"
-# The tools mode's environment: a tool message after each model turn, the episode ends after the third.
+# The tools modes' environment: a tool message after each model turn, the episode ends after the third.
+# Each call first sleeps LATENCY x (prompt length mod 4) / 3 seconds: tools that answer at different speeds.
 ENVIRONMENT = """
+import time
+LATENCY = {latency!r}
+
 class ThreeTurns:
   def __init__(self, prompt, **columns):
     self.prompt = prompt
   def start(self):
-    return [{"role": "user", "content": self.prompt}]
+    return [{{"role": "user", "content": self.prompt}}]
   def step(self, turn):
-    return ([{"role": "tool", "content": "alpha beta gamma delta epsilon zeta"}], 0.0, turn.turn >= 3)
+    time.sleep(LATENCY * (len(self.prompt) % 4) / 3)
+    return ([{{"role": "tool", "content": "alpha beta gamma delta epsilon zeta"}}], 0.0, turn.turn >= 3)
 """
 TOOL_TURNS = 3
 
@@ -61,7 +68,7 @@ RENAMED = {"completion": "max_completion_length", "generations": "num_generation
            "layers": "base_num_decoder_layers"}
 
 
-def _prepare(directory: Path, model: dict[str, int]) -> None:
+def _prepare(directory: Path, model: dict[str, int], tool_latency_s: float = 0.0) -> None:
   """A tokenizer with a ChatML template, 512 prompts, random starting weights, the reward module."""
   script = f"""
 import json, random, sys
@@ -93,7 +100,7 @@ params_io.save_params(str(d / "start"), jax.jit(maxtext_models.build_model_spec(
 """
   subprocess.run([sys.executable, "-c", script], check=True, cwd=REPO, capture_output=True, text=True)
   (directory / "bench_rewards.py").write_text(REWARD)
-  (directory / "bench_environment.py").write_text(ENVIRONMENT)
+  (directory / "bench_environment.py").write_text(ENVIRONMENT.format(latency=tool_latency_s))
 
 
 def main() -> int:
@@ -106,7 +113,10 @@ def main() -> int:
   parser.add_argument("--base_emb_dim", type=int, default=256)
   parser.add_argument("--base_num_decoder_layers", type=int, default=4)
   parser.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
-  parser.add_argument("--modes", default="same", help="comma-separated: same, split, async1, async2, tools")
+  parser.add_argument("--modes", default="same",
+                      help="comma-separated: same, split, async1, async2, tools, tools_by_turn, tools_paged")
+  parser.add_argument("--tool_latency_s", type=float, default=0.0,
+                      help="tools modes: each environment call sleeps 0 to this many seconds (by its prompt)")
   parser.add_argument("--rl_rollout_devices", type=int, default=2, help="devices of the rollout mesh (split, async*)")
   args = tool_args.parse_args(parser, None, renamed=RENAMED)
   devices = args.devices if args.platform == "cpu" else 1
@@ -123,15 +133,16 @@ def main() -> int:
   print(f"model: emb {args.base_emb_dim}, {args.base_num_decoder_layers} layers; {args.rows} completions x "
         f"<= {args.max_completion_length} tokens per step "
         f"({args.num_generations} per prompt), prompts of ~40 tokens, {devices} {args.platform} device(s)")
-  print(f"{'mode':>7} {'steps/s':>8} {'rollout s':>10} {'update s':>10} {'rollout share':>14} {'rollout tok/s':>14} "
+  print(f"{'mode':>13} {'steps/s':>8} {'rollout s':>10} {'update s':>10} {'rollout share':>14} {'rollout tok/s':>14} "
         f"{'update tok/s':>13} {'sync s':>8} {'sync MB':>8} {'idle train':>10} {'idle roll':>9}")
   with tempfile.TemporaryDirectory(prefix="rl-bench-") as tmp:
     directory = Path(tmp)
-    _prepare(directory, model)
+    _prepare(directory, model, args.tool_latency_s)
     for mode in modes:
-      rollout_devices = 0 if mode in ("same", "tools") else args.rl_rollout_devices
+      tools = mode.startswith("tools")
+      rollout_devices = 0 if mode == "same" or tools else args.rl_rollout_devices
       # tools: every turn's context fits the prefill (the prompt, earlier turns and tool messages)
-      mode_prefill = prefill + (TOOL_TURNS - 1) * (args.max_completion_length + 32) if mode == "tools" else prefill
+      mode_prefill = prefill + (TOOL_TURNS - 1) * (args.max_completion_length + 32) if tools else prefill
       keys = {**model, "max_target_length": mode_prefill + args.max_completion_length}
       command = [sys.executable, "-m", "MaxText.train", "configs/grpo.yml", f"run_name={mode}",
                  f"base_output_directory={directory / 'out'}", f"tokenizer_path={directory / 'tokenizer'}",
@@ -161,6 +172,10 @@ MODES: dict[str, Callable[[int], list[str]]] = {
     "async1": lambda r: [f"rl_rollout_devices={r}", "rl_max_staleness=1", "rl_weight_sync_interval=2"],
     "async2": lambda r: [f"rl_rollout_devices={r}", "rl_max_staleness=2", "rl_weight_sync_interval=3"],
     "tools": lambda r: ["rl_environment=bench_environment:ThreeTurns", f"rl_max_turns={TOOL_TURNS}"],
+    "tools_by_turn": lambda r: ["rl_environment=bench_environment:ThreeTurns", f"rl_max_turns={TOOL_TURNS}",
+                                "rl_interleave_episodes=false"],
+    "tools_paged": lambda r: ["rl_environment=bench_environment:ThreeTurns", f"rl_max_turns={TOOL_TURNS}",
+                              "kv_cache_layout=paged"],
 }
 
 
@@ -180,7 +195,7 @@ def _report(mode: str, records: list[dict[str, Any]], args: argparse.Namespace, 
   wall = sum(r["step_seconds"] for r in timed)
   idle_train, idle_roll = (sum(r.get(key, 0.0) * r["step_seconds"] for r in timed) / wall
                            for key in ("trainer_idle_share", "rollout_idle_share"))
-  print(f"{mode:>7} {steps_per_s:8.3f} {rollout:10.3f} {update:10.3f} {share:13.0%} {sampled:14.1f} {update_tps:13.1f} "
+  print(f"{mode:>13} {steps_per_s:8.3f} {rollout:10.3f} {update:10.3f} {share:13.0%} {sampled:14.1f} {update_tps:13.1f} "
         f"{sync_s:8.4f} {sync_mb:8.2f} {idle_train:10.0%} {idle_roll:9.0%}")
   print(f"RESULT rl mode={mode} platform={args.platform} steps_per_s={steps_per_s:.4f} rollout_s={rollout:.4f} "
         f"update_s={update:.4f} rollout_share={share:.3f} rollout_tokens_per_s={sampled:.1f} "
@@ -196,8 +211,11 @@ def _episodes(timed: list[dict[str, Any]], rows: int) -> str:
   per_s = statistics.median(rows / r["rollout_s"] for r in timed)
   share = statistics.median(r["episodes/model_token_share"] for r in timed)
   turns = statistics.median(r["episodes/mean_turns"] for r in timed)
-  print(f"  tools: {per_s:.2f} episodes/s, {turns:.2f} model turns per episode, model-token share {share:.1%}")
-  return f" episodes_per_s={per_s:.3f} mean_turns={turns:.2f} model_token_share={share:.4f}"
+  overlap = statistics.median(r.get("episodes/overlapped_step_share", 0.0) for r in timed)
+  print(f"  tools: {per_s:.2f} episodes/s, {turns:.2f} model turns per episode, model-token share {share:.1%}, "
+        f"{overlap:.0%} of decode steps while an environment ran")
+  return (f" episodes_per_s={per_s:.3f} mean_turns={turns:.2f} model_token_share={share:.4f} "
+          f"overlapped_step_share={overlap:.3f}")
 
 if __name__ == "__main__":
   sys.exit(main())

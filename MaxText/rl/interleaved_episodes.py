@@ -15,7 +15,8 @@ message, the next generation prompt) go into that slot and it decodes again.
   each turn's first token is drawn with the row's seed for that turn (`row_params(turn)`, as the
   turn-batched path draws it), the decode step treats every slot apart, and every continuation is
   prefilled alone. So a resumed run samples as the uninterrupted one, and greedy episodes equal the
-  turn-batched path's (episodes.run) token for token.
+  turn-batched path's (episodes.run) token for token. With several processes (each runs every
+  episode), a slot takes its answer once it came on every process, so all make the same calls.
 - The episode records, limits and token layout are episodes.py's: the rows weigh only sampled tokens.
 """
 
@@ -27,6 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from MaxText.inference import sampling
 from MaxText.inference.engine import Engine
@@ -77,6 +79,18 @@ class _Slots:
     return state, ended
 
 
+def _agreed(num_slots: int, ready: list[int]) -> list[int]:
+  """The slots whose environment answered (or ran past its time: result() raises), in order; with
+  several processes, those that answered on every one, so all issue the same engine calls in the
+  same order whatever their threads' timing."""
+  if jax.process_count() == 1:
+    return sorted(ready)
+  mask = np.zeros(num_slots, bool)
+  mask[ready] = True
+  return [int(s) for s in np.flatnonzero(np.asarray(multihost_utils.process_allgather(mask)).reshape(-1, num_slots)
+                                        .all(axis=0))]
+
+
 def _stops(eos_id: int | None) -> tuple[int, ...]:
   return () if eos_id is None else (eos_id,)
 
@@ -99,7 +113,7 @@ def run(env: environments.Guarded, tokenizer: chat.ChatTokenizer, eos_id: int | 
       seeds[turn] = row_params(turn)
     return seeds[turn]
 
-  started = time.perf_counter()
+  started, opened = time.perf_counter(), timing.environment_s
   slots = _Slots(engine, params, eos_id, timing)
   finished: queue.SimpleQueue[int] = queue.SimpleQueue()  # told when an environment call returns
   waiting: dict[int, environments.PendingStep] = {}
@@ -137,18 +151,21 @@ def run(env: environments.Guarded, tokenizer: chat.ChatTokenizer, eos_id: int | 
         end_turn(slot)
     else:  # nothing to decode: sleep until an environment call returns (or the first one's time runs out)
       blocked = time.perf_counter()
-      try:
-        finished.get(timeout=max(0.0, min(w.deadline for w in waiting.values()) - time.monotonic()))
-      except queue.Empty:
-        pass
+      if any(w.ready() for w in waiting.values()):  # answered here, not yet on another process
+        time.sleep(1e-3)
+      else:
+        try:
+          finished.get(timeout=max(0.0, min(w.deadline for w in waiting.values()) - time.monotonic()))
+        except queue.Empty:
+          pass
       timing.environment_s += time.perf_counter() - blocked
     # The queue only wakes the loop: which calls are done is read from the calls themselves.
-    for slot in sorted(slot for slot, w in waiting.items() if w.ready()):  # past its time too: result() raises
+    for slot in _agreed(engine.num_slots, [slot for slot, w in waiting.items() if w.ready()]):
       state = _answered(engine, params, state, slots, episodes[slot], slot, turns.pop(slot),
                         waiting.pop(slot).result(), renderer, limits, params_of)
       if slot in slots.tokens and slots.turn_over(slot):
         end_turn(slot)
-  timing.generate_s += time.perf_counter() - started - timing.environment_s
+  timing.generate_s += time.perf_counter() - started - (timing.environment_s - opened)
   return episodes
 
 
