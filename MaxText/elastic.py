@@ -13,9 +13,17 @@ relaunches on all slices. Every resize is one line and one record of `<run_dir>/
 cause, slices before and after, the step reached, the step resumed from, seconds to resume.
 
 Launchers: `LoopbackLauncher` (CPU processes on 127.0.0.1 joined by jax.distributed, each slice
-a group of processes; a slice is "down" while its marker file exists). TPU VMs (multihost_runner)
-and GKE are still to build; see getting_started/Fault_tolerance.md, "Elastic training".
-No JAX here: the supervisor never starts a backend.
+a group of processes; a slice is "down" while its marker file exists) and `TpuVmLauncher`
+(multihost_runner's slices over ssh; a slice is up while its TPU is READY). GKE is still to build;
+see getting_started/Fault_tolerance.md, "Elastic training". The command line (`main`) takes the
+run's own arguments and builds the layout from its config:
+
+  python3 -m MaxText.elastic configs/base.yml run_name=r num_slices=4 elastic_min_slices=1 \
+      devices_per_process=2                                    # CPU processes on this machine
+  python3 -m MaxText.elastic configs/base.yml run_name=r num_slices=2 elastic_min_slices=1 \
+      tpu_prefix=my-v5e tpu_type=v5litepod-16                 # TPU VMs, as multihost_runner names them
+
+No JAX backend here: the supervisor only builds the config (for the layout) and starts processes.
 """
 
 from __future__ import annotations
@@ -34,10 +42,13 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Protocol, Sequence
 
-from MaxText import multihost_runner
-from MaxText.configuration import elastic_config
+from MaxText import multihost_runner, startup
+from MaxText.configuration import config as config_lib, elastic_config, tool_args
 from MaxText.configuration.elastic_config import SliceLayout
-from MaxText.errors import UserError
+from MaxText.errors import UserError, run_cli
+from MaxText.paths import storage
+from MaxText.platform import accelerators, tpu_launch
+from MaxText.platform.accelerators import DeviceTarget
 from MaxText.platform.tpu_launch import Gcloud
 
 EVENTS_FILE = "elastic.jsonl"
@@ -145,6 +156,12 @@ class Supervisor:
     self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     self.resizes: list[Resize] = []
     self.lost: set[int] = set()  # slices whose process died, until they are up again
+    self.current: Generation | None = None
+
+  def interrupt(self) -> None:
+    """Ends the running generation (Ctrl-C, the scheduler's SIGTERM): the run saves at its step boundary."""
+    if self.current is not None and self.current.running():
+      self._stop(self.current)
 
   def run(self) -> int:
     """Runs the job to its end; returns its exit status (0: finished)."""
@@ -157,7 +174,7 @@ class Supervisor:
       launched = time.time()  # the previous generation has ended: later writes are the new one's
       # A relaunch tells the run when its resize began: its goodput counts the time since as the resize's.
       env = {elastic_config.RESIZE_ENV: repr(pending.detected)} if pending is not None else {}
-      generation = self.launcher.start(slices, overrides, env)
+      generation = self.current = self.launcher.start(slices, overrides, env)
       outcome = self._watch(generation, slices, pending, launched)
       pending = None
       # Each generation's wall time, which goodput.json misses for a start killed between its writes.
@@ -166,10 +183,10 @@ class Supervisor:
       if isinstance(outcome, int):
         self.log(self.summary(number, time.time() - began))
         return outcome
-      cause, up = outcome
+      cause, up, detected = outcome
       new = self._usable(up, f"after {cause}")
       pending = Resize(cause, len(slices), len(new), logged_step(self.run_dir), checkpoint_step(self.run_dir),
-                       time.time())
+                       detected)
       self.resizes.append(pending)
       self.log(pending.line())
       slices = new
@@ -190,8 +207,9 @@ class Supervisor:
     return sorted(up)[:count]
 
   def _watch(self, generation: Generation, slices: list[int], pending: Resize | None, launched: float
-             ) -> int | tuple[str, set[int]]:
-    """Until the generation ends: its exit status, or (cause, the slices up) for a resize."""
+             ) -> int | tuple[str, set[int], float]:
+    """Until the generation ends: its exit status, or (cause, the slices up, when the cause was seen) for a
+    resize. The generation is stopped before this returns."""
     while True:
       time.sleep(self.poll_s)
       said = generation.resumed_from() if pending is not None else None
@@ -205,6 +223,7 @@ class Supervisor:
       exits = generation.exits()
       failed = [e for e in exits if e.code not in (0, SIGTERM_EXIT)]
       if failed:
+        seen = time.time()
         culprit = next((e for e in failed if e.code not in _PEER_FAILURES), failed[0])
         self._stop(generation)
         if not culprit.infrastructure:
@@ -212,7 +231,7 @@ class Supervisor:
           return culprit.code
         self.launcher.mark_lost(culprit.slice_id)
         self.lost.add(culprit.slice_id)
-        return culprit.describe(), self.launcher.available()
+        return culprit.describe(), self.launcher.available(), seen
       if generation.running() == 0:
         if pending is not None and pending.seconds_to_resume is None:
           self._record(dataclasses.asdict(pending))
@@ -223,9 +242,10 @@ class Supervisor:
         if grown is not None and grown > len(slices):
           returned = ", ".join(map(str, sorted(self.lost & up))) or ", ".join(map(str, sorted(up - set(slices))))
           self.lost -= up
+          seen = time.time()
           self.log(f"elastic: slice(s) {returned} up again; stopping at the next step boundary to grow back")
           self._stop(generation, first=signal.SIGTERM)
-          return f"slice(s) {returned} returned", up
+          return f"slice(s) {returned} returned", up, seen
 
   def _stop(self, generation: Generation, first: int = signal.SIGTERM) -> None:
     """Ends every process: `first` (SIGTERM saves at the next step boundary), SIGKILL after the grace."""
@@ -414,3 +434,132 @@ class TpuVmLauncher:
                                            self.internal_ip) for name in chosen]
 
     return _SshGeneration(hosts, {self.names[s]: s for s in slices}, signal_commands)
+
+
+# ----------------------------------------------------------------------------------- command line
+@dataclasses.dataclass
+class ElasticArgs:
+  """The supervisor's own key=value arguments; every other argument is the run's (MaxText.train's)."""
+
+  processes_per_slice: int = 1  # CPU loopback: processes per slice on this machine
+  devices_per_process: int = 1  # CPU loopback: simulated devices per process
+  tpu_prefix: str = ""  # TPU VMs named as multihost_runner names them; empty: CPU loopback
+  tpu_type: str = ""  # each slice's accelerator type, as multihost_job names it (v5litepod-16)
+  project: str = ""
+  zone: str = ""
+  script_dir: str = ""  # copied to every worker once (default: the current directory)
+  use_existing_folder: bool = False  # run in the workers' existing ~/RUN_NAME instead
+  internal_ip: bool = False
+  megascale_port: int = 8080
+  log_dir: str = ""  # every process's log (and, on loopback, the slices' down markers)
+  dry_run: bool = False  # print the slice counts, their overrides and the command; start nothing
+
+
+TOOL_KEYS = tuple(f.name for f in dataclasses.fields(ElasticArgs))
+_TPU_ONLY = ("tpu_type", "project", "zone", "script_dir", "use_existing_folder", "internal_ip")
+
+
+def tpu_target(tpu_type: str, num_slices: int) -> DeviceTarget:
+  """The devices of `num_slices` slices of gcloud's accelerator type `tpu_type`."""
+  try:
+    return accelerators.tpu_topology(re.sub(r"^v5litepod-", "v5e-", tpu_type)).target(num_slices)
+  except UserError:
+    raise UserError(f"tpu_type={tpu_type!r} is not a TPU type; give each slice's accelerator type as gcloud names "
+                    "it, e.g. v5litepod-16, v6e-8, v5p-128, v4-16") from None
+
+
+def plan_lines(layout: SliceLayout) -> list[str]:
+  """The slice counts the run can continue on, each with the overrides it is relaunched with."""
+  usable = [c for c in elastic_config.keeping_counts(layout) if c >= layout.min_slices][::-1]
+  return [f"elastic: the global batch of {layout.global_batch_size} is kept on {', '.join(map(str, usable))} "
+          f"slice(s) (elastic_min_slices={layout.min_slices}):",
+          *(f"  {c} slice(s): {' '.join(elastic_config.resize(layout, c).overrides())}" for c in usable)]
+
+
+def main(argv: list[str]) -> int:
+  startup.start(startup.Tool("elastic", builds_config=False), argv)
+  args, run_args = tool_args.parse_tool_record(ElasticArgs, argv[1:])
+  on_tpu = bool(args.tpu_prefix)
+  if not on_tpu and (misplaced := [k for k in _TPU_ONLY if getattr(args, k) != getattr(ElasticArgs(), k)]):
+    raise UserError(f"{', '.join(misplaced)} {'apply' if len(misplaced) > 1 else 'applies'} to TPU VMs only: add "
+                    "tpu_prefix=NAME, or leave them out for CPU loopback")
+  if on_tpu and not args.tpu_type:
+    raise UserError("tpu_prefix needs tpu_type=TYPE (each slice's accelerator type, e.g. v5litepod-16): the "
+                    "supervisor computes each slice count's batch settings from it")
+  overrides = config_lib.parse_overrides(run_args, environ={})
+  if not overrides.peek("run_name"):
+    raise UserError("set run_name=NAME: every generation of the job resumes the same run")
+  num_slices = int(overrides.peek("num_slices"))
+  if on_tpu:
+    target = tpu_target(args.tpu_type, num_slices)
+  else:
+    if min(args.processes_per_slice, args.devices_per_process) < 1:
+      raise UserError("processes_per_slice and devices_per_process must be at least 1")
+    processes = num_slices * args.processes_per_slice
+    target = DeviceTarget(platform="cpu", device_kind="cpu", num_devices=processes * args.devices_per_process,
+                          num_processes=processes, num_slices=num_slices)
+  config = config_lib.build_config(overrides, target)
+  min_slices = config.mesh.elastic_min_slices
+  if min_slices < 1:
+    raise UserError("python3 -m MaxText.elastic supervises an elastic run: set elastic_min_slices=N, the fewest "
+                    f"slices it may continue on (1..num_slices={num_slices})")
+  run_dir = config.run.run_dir
+  if storage.is_remote(run_dir):
+    raise UserError(f"base_output_directory: the supervisor reads {run_dir} from this machine, and a gs:// run "
+                    "folder is not supported yet; give a folder the workers and this machine share (an NFS or "
+                    "gcsfuse mount)")
+  layout = elastic_config.layout_of(config.mesh, target.num_devices, config.data.global_batch_size,
+                                    config["gradient_accumulation_steps"], min_slices)
+  run_name = str(config["run_name"])
+  log_dir = Path(args.log_dir or Path(os.environ.get("TMPDIR", "/tmp"), "elastic", run_name))
+  train = ["python3", "-m", "MaxText.train", *run_args]
+  first = " ".join(elastic_config.resize(layout, num_slices).overrides())
+  if args.dry_run:
+    print("\n".join(plan_lines(layout)))
+    where = (f"every worker of {', '.join(tpu_launch.slice_names(args.tpu_prefix, num_slices))} in ~/{run_name}"
+             if on_tpu else f"{target.num_processes} process(es) on 127.0.0.1, {args.devices_per_process} "
+             "device(s) each")
+    print(f"elastic: generation 1 runs on {where}: {tpu_launch.quote(train)} {first}")
+    return 0
+  launcher: Launcher
+  if on_tpu:
+    gcloud = Gcloud(args.project or None, args.zone or None, dry_run=False)
+    names = tpu_launch.slice_names(args.tpu_prefix, num_slices)
+    if not args.use_existing_folder:
+      _copy_code(gcloud, names, Path(args.script_dir or os.getcwd()), run_name, log_dir, args.internal_ip)
+    launcher = TpuVmLauncher(gcloud, names, tpu_launch.quote(train), run_name, log_dir, args.internal_ip,
+                             args.megascale_port)
+  else:
+    # Each process gets its own simulated device count; the user's other XLA flags stay.
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")).strip()
+    launcher = LoopbackLauncher([sys.executable, *train[1:]], num_slices, args.processes_per_slice,
+                                args.devices_per_process, log_dir, loopback_env({"XLA_FLAGS": flags} if flags else None),
+                                log_dir)
+  Path(run_dir).mkdir(parents=True, exist_ok=True)
+  supervisor = Supervisor(layout, launcher, Path(run_dir))
+  supervisor.log(f"elastic: run {run_dir}, logs in {log_dir}")
+  with multihost_runner.sigterm_as_interrupt():
+    try:
+      return supervisor.run()
+    except KeyboardInterrupt:
+      supervisor.interrupt()
+      supervisor.log("elastic: interrupted; the running generation was stopped at a step boundary")
+      return 130
+
+
+def _copy_code(gcloud: Gcloud, names: list[str], script_dir: Path, run_name: str, log_dir: Path,
+               internal_ip: bool) -> None:
+  """Copies script_dir to every worker's ~/RUN_NAME once; each generation runs there."""
+  if not script_dir.is_dir():
+    raise UserError(f"script_dir {script_dir} is not a directory")
+  log_dir.mkdir(parents=True, exist_ok=True)
+  tarball = log_dir / "code.tar.gz"
+  tpu_launch.package_directory(str(script_dir), tarball)
+  multihost_runner.run_parallel(multihost_runner.copy_commands(gcloud, names, tarball, run_name, internal_ip),
+                                "copying the code to the workers")
+  multihost_runner.run_parallel([multihost_runner.ssh_command(gcloud, n, "all", multihost_runner.unpack_script(
+      run_name), internal_ip) for n in names], "unpacking the code on the workers")
+
+
+if __name__ == "__main__":
+  run_cli(main)

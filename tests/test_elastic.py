@@ -332,11 +332,26 @@ def _wait_for(condition, what: str, timeout: float = 900) -> None:
     time.sleep(0.5)
 
 
+def _child_with(pid: int, variable: str) -> int:
+  """The child process of `pid` whose environment holds `variable` (NAME=value)."""
+  from pathlib import Path
+
+  for task in Path(f"/proc/{pid}/task").iterdir():
+    for child in (task / "children").read_text().split():
+      if variable.encode() in Path(f"/proc/{child}/environ").read_bytes().split(b"\0"):
+        return int(child)
+  raise AssertionError(f"no child of {pid} has {variable}")
+
+
 @pytest.mark.slow
 def test_a_killed_process_shrinks_the_loopback_job_and_its_return_grows_it_back(tmp_path):
-  """4 processes as 4 slices of 2 CPU devices; one is SIGKILLed after step 4: the job goes on on 2
-  slices (3 cannot keep the batch of 8) with doubled accumulation, grows back to 4 when the slice's
-  marker is removed, and its losses equal one process's uninterrupted run."""
+  """`python3 -m MaxText.elastic`: 4 processes as 4 slices of 2 CPU devices; one is SIGKILLed after
+  step 4: the job goes on on 2 slices (3 cannot keep the batch of 8) with doubled accumulation,
+  grows back to 4 when the slice's marker is removed, and its losses equal one process's
+  uninterrupted run; the run's goodput counts both resizes."""
+  import os
+  import subprocess
+
   from tests.compile_settings import FAST_COMPILE_FLAG, jax_cache_env
   from tests.conftest import REPO_ROOT
 
@@ -349,50 +364,59 @@ def test_a_killed_process_shrinks_the_loopback_job_and_its_return_grows_it_back(
   assert proc.wait(timeout=900) == 0
   want = _logged(tmp_path / "reference")
 
-  run_dir = tmp_path / "elastic"
+  run_dir, logs = tmp_path / "elastic", tmp_path / "logs"
   # The persistent tier saves at step 6 and 12 only; the local tier every step.
   tiers = ["checkpoint_period=6", "enable_emergency_checkpoint=True", f"local_checkpoint_directory={tmp_path / 'local'}",
            "local_checkpoint_period=1"]
-  launcher = elastic.LoopbackLauncher([*command, "run_name=elastic", "elastic_min_slices=1", *tiers], 4, 1, 2,
-                                      tmp_path / "state", env, tmp_path / "logs")
-  layout = SliceLayout(num_slices=4, devices_per_slice=2, batch_shards_per_slice=2, global_batch_size=8,
-                       gradient_accumulation_steps=1, min_slices=1)
-  supervisor = elastic.Supervisor(layout, launcher, run_dir, stop_grace_s=60)
-  outcome: list[object] = []
-  thread = threading.Thread(target=lambda: outcome.append(supervisor.run()), daemon=True)
-  thread.start()
-  _wait_for(lambda: max(_logged(run_dir), default=0) >= 4, "step 4 on 4 slices")
-  assert launcher.current is not None
-  launcher.current.procs[2][1].kill()
-  _wait_for(lambda: launcher.generations == 2 and max(_logged(run_dir), default=0) >= 7, "step 7 on 2 slices")
-  launcher.marker(2).unlink()  # the slice is back
-  thread.join(timeout=1200)
-  assert outcome == [0], f"the supervisor ended with {outcome}; logs in {tmp_path / 'logs'}"
+  cli = subprocess.Popen([sys.executable, "-m", "MaxText.elastic", *command[3:], "run_name=elastic", "num_slices=4",
+                          "elastic_min_slices=1", *tiers, "devices_per_process=2", f"log_dir={logs}"],
+                         cwd=REPO_ROOT, env={**env, "XLA_FLAGS": f"{FAST_COMPILE_FLAG} "
+                                             "--xla_force_host_platform_device_count=8"},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    _wait_for(lambda: max(_logged(run_dir), default=0) >= 4, "step 4 on 4 slices")
+    os.kill(_child_with(cli.pid, "JAX_PROCESS_ID=2"), signal.SIGKILL)
+    _wait_for(lambda: (logs / "generation_2_process_0.log").exists() and max(_logged(run_dir), default=0) >= 7,
+              "step 7 on 2 slices")
+    (logs / "slice_2.down").unlink()  # the slice is back
+    out, _ = cli.communicate(timeout=1200)
+  finally:
+    if cli.poll() is None:
+      cli.kill()
+  assert cli.returncode == 0, f"the supervisor ended with {cli.returncode}: {out[-3000:]}; logs in {logs}"
 
-  lost, grown = supervisor.resizes
-  assert (lost.cause, lost.from_slices, lost.to_slices) == ("process 2 (slice 2) was killed by signal 9", 4, 2)
+  records = [json.loads(line) for line in (run_dir / elastic.EVENTS_FILE).read_text().splitlines()]
+  lost, grown = [r for r in records if "seconds_to_resume" in r]
+  assert (lost["cause"], lost["from_slices"], lost["to_slices"]) == ("process 2 (slice 2) was killed by signal 9", 4, 2)
   # The survivors restored their own local steps (the persistent tier had none yet), so at most
   # the step in flight was redone.
-  assert lost.resumed_source.startswith("the local tier") and lost.resumed_from >= 3, lost
-  assert (grown.cause, grown.from_slices, grown.to_slices) == ("slice(s) 2 returned", 2, 4)
+  assert lost["resumed_source"].startswith("the local tier") and lost["resumed_from"] >= 3, lost
+  assert (grown["cause"], grown["from_slices"], grown["to_slices"]) == ("slice(s) 2 returned", 2, 4)
   # Each relaunch starts Python, joins the job, restores and compiles before its first new step.
-  assert lost.seconds_to_resume is not None and lost.seconds_to_resume > 1
-  assert grown.seconds_to_resume is not None and grown.seconds_to_resume > 1
+  assert lost["seconds_to_resume"] > 1 and grown["seconds_to_resume"] > 1
   got = _logged(run_dir)
   assert sorted(got) == sorted(want) == list(range(1, 13))
   np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=2e-5)
+  # Both relaunched starts were told their resize's detection: the goodput line counts the resizes.
+  summary = json.loads((run_dir / "goodput.json").read_text())["summary"]
+  assert summary["resizes"] == 2 and summary["resize_s"] > 1, summary
+  line = next(l for l in (logs / "generation_3_process_0.log").read_text().splitlines() if l.startswith("goodput:"))
+  assert " elastic resizes " in line and " (2), " in line, line
 
   # Against a full restart of all 4 processes from the persistent tier (step 12), on the same machine.
   restart = elastic.LoopbackLauncher([*command, "run_name=elastic", "steps=13", "checkpoint_period=6"], 4, 1, 2,
                                      tmp_path / "restart_state", env, tmp_path / "restart_logs")
+  layout = SliceLayout(num_slices=4, devices_per_slice=2, batch_shards_per_slice=2, global_batch_size=8,
+                       gradient_accumulation_steps=1, min_slices=1)
   started = time.time()
   generation = restart.start([0, 1, 2, 3], elastic_config.resize(layout, 4).overrides())
   _wait_for(lambda: max(_logged(run_dir), default=0) >= 13, "step 13 after a full restart")
   full_restart_s = time.time() - started
   assert [p.wait(timeout=300) for _, p in generation.procs] == [0] * 4
   assert generation.resumed_from() == (12, str(run_dir / "checkpoints"))
-  print(f"{lost.line()}\n{grown.line()}\nfull restart of 4 processes from the persistent tier: {full_restart_s:.1f} s "
-        "to the first new step")
+  print(f"loss of a process: {lost['seconds_to_resume']:.1f} s to the first new step; the slice's return: "
+        f"{grown['seconds_to_resume']:.1f} s; full restart of 4 processes from the persistent tier: "
+        f"{full_restart_s:.1f} s; goodput: {line}")
 
 
 def test_the_local_tier_restores_for_fewer_processes_that_keep_their_regions(tmp_path):
@@ -485,3 +509,103 @@ def test_the_tpu_vm_launcher_shrinks_to_the_ready_slices_and_grows_back(tmp_path
   assert (shared / "args_job-1").read_text().splitlines()[1].endswith("gradient_accumulation_steps=1")
   multislice = [c for c in cloud.calls() if c[:4] == ["compute", "tpus", "tpu-vm", "ssh"] and "MEGASCALE" in str(c)]
   assert multislice and "MEGASCALE_NUM_SLICES=2" in str(multislice[-1])
+
+
+# ------------------------------------------------------------------------------- the command line
+_RUN = ["configs/base.yml", "run_name=el", "num_slices=4", "elastic_min_slices=1", "per_device_batch_size=1",
+        "dataset_type=synthetic"]
+
+
+def test_the_command_line_builds_the_layout_from_the_runs_config_and_prints_its_plan(capsys, tmp_path):
+  assert elastic.main(["elastic", *_RUN, f"base_output_directory={tmp_path}", "devices_per_process=2",
+                       "dry_run=true"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[:4] == [
+      "elastic: the global batch of 8 is kept on 4, 2, 1 slice(s) (elastic_min_slices=1):",
+      "  4 slice(s): num_slices=4 dcn_data_parallelism=4 per_device_batch_size=1 gradient_accumulation_steps=1",
+      "  2 slice(s): num_slices=2 dcn_data_parallelism=2 per_device_batch_size=2 gradient_accumulation_steps=2",
+      "  1 slice(s): num_slices=1 dcn_data_parallelism=1 per_device_batch_size=4 gradient_accumulation_steps=4"]
+  assert lines[4].startswith("elastic: generation 1 runs on 4 process(es) on 127.0.0.1, 2 device(s) each: "
+                             "python3 -m MaxText.train configs/base.yml run_name=el ")
+  # On TPU VMs the slice's devices come from its type: 2 slices of v5litepod-16 hold 32 devices.
+  assert elastic.main(["elastic", *_RUN[:2], "num_slices=2", *_RUN[3:], "tpu_prefix=pod", "tpu_type=v5litepod-16",
+                       "dry_run=true"]) == 0
+  out = capsys.readouterr().out
+  assert "  1 slice(s): num_slices=1 dcn_data_parallelism=1 per_device_batch_size=2 gradient_accumulation_steps=2" \
+      in out and "runs on every worker of pod-0, pod-1 in ~/el: " in out
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["elastic_min_slices=0"], r"^python3 -m MaxText.elastic supervises an elastic run: set elastic_min_slices=N"),
+    (["run_name="], r"^set run_name=NAME: every generation of the job resumes the same run$"),
+    (["zone=z"], r"^zone applies to TPU VMs only: add tpu_prefix=NAME"),
+    (["tpu_prefix=pod"], r"^tpu_prefix needs tpu_type=TYPE"),
+    (["tpu_prefix=pod", "tpu_type=v5litepod-12"], r"^tpu_type='v5litepod-12' is not a TPU type"),
+    (["base_output_directory=gs://bucket/runs"], r"^base_output_directory: the supervisor reads gs://bucket/runs/el "),
+])
+def test_the_command_lines_mistakes_are_one_line_each(extra, message):
+  with pytest.raises(elastic.UserError, match=message):
+    elastic.main(["elastic", *_RUN, *extra, "dry_run=true"])
+
+
+_FAKE_TRAIN = """
+import os, pathlib, signal, sys, time
+shared, me = pathlib.Path(os.environ["FAKE_SHARED"]), os.environ["FAKE_SLICE"]
+print("state: initialised from seed 0", flush=True)
+(shared / f"args_{me}").open("a").write(" ".join(sys.argv[1:]) + "\\n")
+(shared / f"env_{me}").open("a").write(os.environ.get("MAXTEXT_ELASTIC_RESIZE_DETECTED", "-") + "\\n")
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+while True:
+  if (shared / f"kill_{me}").exists():
+    (shared / f"kill_{me}").unlink()
+    os.kill(os.getpid(), signal.SIGKILL)
+  if (shared / "finish").exists():
+    sys.exit(0)
+  time.sleep(0.1)
+"""
+
+
+@pytest.mark.slow  # about 12 s: every fake gcloud call is a Python process
+def test_the_command_line_copies_the_code_once_and_shrinks_a_tpu_vm_job(tmp_path):
+  """`tpu_prefix=` runs the job on the fake gcloud's slices from code copied once; a lost slice
+  relaunches `python3 -m MaxText.train` with the run's arguments and the resize's on the other."""
+  import subprocess
+
+  from tests.conftest import REPO_ROOT
+  from tests.fake_gcloud import FakeCloud
+
+  cloud = FakeCloud(tmp_path / "cloud", {"job-0": 1, "job-1": 1})
+  code, shared, runs = tmp_path / "code", tmp_path / "shared", tmp_path / "runs"
+  (code / "MaxText").mkdir(parents=True)
+  (code / "MaxText" / "__init__.py").write_text("")
+  (code / "MaxText" / "train.py").write_text(_FAKE_TRAIN)  # stands in for training on the workers
+  shared.mkdir()
+  command = [sys.executable, "-m", "MaxText.elastic", *_RUN[:2], "num_slices=2", *_RUN[3:],
+             f"base_output_directory={runs}", "tpu_prefix=job", "tpu_type=v5litepod-8", f"script_dir={code}",
+             f"log_dir={tmp_path / 'logs'}", "project=p", "zone=z"]
+  supervisor = subprocess.Popen(command, cwd=REPO_ROOT, env={**cloud.env, "FAKE_SHARED": str(shared)},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    _wait_for(lambda: (shared / "args_job-1").exists() and (shared / "args_job-0").exists(), "both workers", 120)
+    cloud.configure(tpus={"job-0": {"workers": 1, "state": "READY"}, "job-1": {"workers": 1, "state": "PREEMPTED"}})
+    (shared / "kill_job-1").write_text("")
+    _wait_for(lambda: len((shared / "args_job-0").read_text().splitlines()) == 2, "the relaunch on slice 0", 120)
+    (runs / "el" / "metrics.jsonl").write_text('{"step": 1}\n')  # the shrunk run's first new step
+    _wait_for(lambda: "seconds_to_resume" in (runs / "el" / elastic.EVENTS_FILE).read_text(), "the resume", 60)
+    (shared / "finish").write_text("")
+    out, _ = supervisor.communicate(timeout=120)
+  finally:
+    if supervisor.poll() is None:
+      supervisor.kill()
+  assert supervisor.returncode == 0, out
+  first, second = (shared / "args_job-0").read_text().splitlines()
+  assert first.startswith("configs/base.yml run_name=el num_slices=2 ") and first.endswith(
+      "num_slices=2 dcn_data_parallelism=2 per_device_batch_size=1 gradient_accumulation_steps=1")
+  # v5litepod-8: 8 chips a slice, 16 rows a step; one slice takes them as 2 micro-batches of 8.
+  assert second.endswith("num_slices=1 dcn_data_parallelism=1 per_device_batch_size=2 gradient_accumulation_steps=2")
+  (resize,) = [json.loads(line) for line in (runs / "el" / elastic.EVENTS_FILE).read_text().splitlines()
+               if "seconds_to_resume" in line]
+  assert resize["to_slices"] == 1 and resize["cause"].startswith("process 1 (slice 1) ")
+  assert (shared / "env_job-0").read_text().splitlines() == ["-", repr(resize["detected"])]
+  scp = [c for c in cloud.calls() if c[:4] == ["compute", "tpus", "tpu-vm", "scp"]]
+  assert len(scp) == 2, scp  # once per slice, not once per generation
