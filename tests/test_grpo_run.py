@@ -31,13 +31,17 @@ MODEL = dict(base_emb_dim=64, base_num_decoder_layers=2, base_mlp_dim=128, head_
 REWARDS = "def low_ids(completion_ids, **_):\n  return [sum(t < 160 for t in c) / max(len(c), 1) for c in completion_ids]\n"
 
 # Multi-turn: a tool message after the first turn, whose text depends on the turn; done after the second.
+# Each step sleeps at random (unseeded): which episode answers first must change nothing.
 TWO_TURNS = """
+import random, time
+
 class TwoTurns:
   def __init__(self, prompt, answer, **columns):
     self.prompt, self.answer = prompt, answer
   def start(self):
     return [{"role": "user", "content": self.answer}]  # short: two turns fit max_prefill_predict_length
   def step(self, turn):
+    time.sleep(random.random() * 0.02)
     if turn.turn == 1:
       return ([{"role": "tool", "content": str(len(turn.text) % 7)}], 0.25 * (len(turn.text) % 2), False)
     return ([], 0.0, True)
@@ -147,8 +151,10 @@ def test_a_killed_run_with_an_environment_resumes_bitwise(workdir, tmp_path, env
 
 
 @pytest.mark.slow  # two jax.distributed processes and a one-process reference
-def test_two_processes_sample_and_train_like_one(workdir, tmp_path):
-  one = _train(workdir, tmp_path / "one", "steps=3", "checkpoint_period=3", devices=4)
+@pytest.mark.parametrize("extra", [(), ("rl_environment=task_envs:TwoTurns", "rl_max_turns=2")],
+                         ids=["single_turn", "interleaved_episodes"])
+def test_two_processes_sample_and_train_like_one(workdir, tmp_path, extra):
+  one = _train(workdir, tmp_path / "one", "steps=3", "checkpoint_period=3", *extra, devices=4)
   assert one.returncode == 0, one.stderr[-3000:]
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -158,7 +164,7 @@ def test_two_processes_sample_and_train_like_one(workdir, tmp_path):
     env = {**_env(workdir, 2), "JAX_COORDINATOR_ADDRESS": address, "JAX_PROCESS_COUNT": "2",
            "JAX_PROCESS_ID": str(index)}
     procs.append(subprocess.Popen(_command(workdir, tmp_path / "two", "steps=3", "checkpoint_period=3",
-                                           "dcn_data_parallelism=2", "distributed_init_timeout_seconds=120"),
+                                           "dcn_data_parallelism=2", "distributed_init_timeout_seconds=120", *extra),
                                   cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
   outs = [p.communicate(timeout=600) for p in procs]
   assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]

@@ -113,8 +113,11 @@ def test_other_slots_decode_while_an_environment_sleeps_and_greedy_equals_turn_b
 
 
 @pytest.mark.slow  # two more rollouts' compilations
-def test_sampled_episodes_do_not_depend_on_which_environment_is_slow(tiny_overrides, tokenizer):
-  engine, params = _engine(tiny_overrides, kv_cache_layout="paged", kv_page_size=8)
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_sampled_episodes_do_not_depend_on_which_environment_is_slow(tiny_overrides, tokenizer, layout):
+  """Dense: the grown contexts answered together are prefilled in one call, whose rows must not change
+  each other's numbers."""
+  engine, params = _engine(tiny_overrides, kv_cache_layout=layout, kv_page_size=8)
   first, _ = _run(engine, params, tokenizer, interleaved=True, temperature=1.0, slow=0, seconds=0.5)
   second, timing = _run(engine, params, tokenizer, interleaved=True, temperature=1.0, slow=3, seconds=0.5)
   assert timing.overlapped_steps > 0 and len({len(e.tokens) for e in first}) > 1  # the slots' turns differ

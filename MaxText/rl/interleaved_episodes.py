@@ -10,11 +10,13 @@ message, the next generation prompt) go into that slot and it decodes again.
 
 - **Only the new tokens are prefilled** where the engine `continues_slots` (the paged layout): the slot
   keeps its pages while held and `continue_prompt` + `prefill_chunk` write the appended tokens after
-  the ones it holds. Elsewhere (the dense cache) the slot's whole context is prefilled again.
+  the ones it holds. Elsewhere (the dense cache) the slot's whole context is prefilled again, with
+  those of every other slot answered at the same time, in the program the first turn runs.
 - **Timing does not change the result.** A slot's tokens depend on its own context and seeds only:
   each turn's first token is drawn with the row's seed for that turn (`row_params(turn)`, as the
-  turn-batched path draws it), the decode step treats every slot apart, and every continuation is
-  prefilled alone. So a resumed run samples as the uninterrupted one, and greedy episodes equal the
+  turn-batched path draws it), the decode step treats every slot apart, and every prefill is a
+  program of fixed shape (a continuation alone; whole contexts padded to every slot), whose rows
+  do not change each other's numbers. So a resumed run samples as the uninterrupted one, and greedy episodes equal the
   turn-batched path's (episodes.run) token for token. With several processes (each runs every
   episode), a slot takes its answer once it came on every process, so all make the same calls.
 - The episode records, limits and token layout are episodes.py's: the rows weigh only sampled tokens.
@@ -126,18 +128,10 @@ def run(env: environments.Guarded, tokenizer: chat.ChatTokenizer, eos_id: int | 
       engine.hold(slot)
     waiting[slot] = env.step_later(objects[slot], turns[slot], episodes[slot].index, finished, slot)
 
-  # The first turn: every prompt in one prefill, padded to every slot (the turn-batched path's program).
+  # The first turn: every prompt in one prefill (the turn-batched path's program).
   first = params_of(0)
-  contexts = [e.prompt_ids for e in episodes]
-  pad = engine.num_slots - len(contexts)
-  prefix = engine.prefill(params, contexts + [contexts[0]] * pad, row_params=first + [first[0]] * pad)
   state = engine.init_decode_state(first[0].seed if first else 0)
-  tokens = np.asarray(jax.device_get(prefix.first_tokens_B))
-  chosen = np.asarray(jax.device_get(prefix.first_logprobs.chosen_B))
-  for slot, episode in enumerate(episodes):
-    state = engine.insert(prefix, state, slot=slot, row=slot)
-    slots.start_turn(slot, len(episode.prompt_ids), turn_budget(episode, limits), int(tokens[slot]),
-                     float(chosen[slot]))
+  state = _prefill_slots(engine, params, state, slots, episodes, list(range(len(episodes))), first, limits)
   for slot in range(len(episodes)):
     if slots.turn_over(slot):
       end_turn(slot)
@@ -160,39 +154,55 @@ def run(env: environments.Guarded, tokenizer: chat.ChatTokenizer, eos_id: int | 
           pass
       timing.environment_s += time.perf_counter() - blocked
     # The queue only wakes the loop: which calls are done is read from the calls themselves.
-    for slot in _agreed(engine.num_slots, [slot for slot, w in waiting.items() if w.ready()]):
-      state = _answered(engine, params, state, slots, episodes[slot], slot, turns.pop(slot),
-                        waiting.pop(slot).result(), renderer, limits, params_of)
+    answered = _agreed(engine.num_slots, [slot for slot, w in waiting.items() if w.ready()])
+    again = []  # the dense cache: slots whose grown context is prefilled whole, together
+    for slot in answered:
+      episode = episodes[slot]
+      advance(episode, turns.pop(slot), waiting.pop(slot).result(), renderer, limits)
+      if episode.end:
+        engine.release(slot)
+      elif engine.continues_slots:
+        state = _continue(engine, params, state, slots, episode, slot, params_of(episode.turns)[slot], limits)
+      else:
+        again.append(slot)
+    if again:
+      turn_params = [params_of(episodes[slot].turns)[slot] for slot in again]
+      state = _prefill_slots(engine, params, state, slots, episodes, again, turn_params, limits)
+    for slot in answered:
       if slot in slots.tokens and slots.turn_over(slot):
         end_turn(slot)
   timing.generate_s += time.perf_counter() - started - (timing.environment_s - opened)
   return episodes
 
 
-def _answered(engine: Engine, params: Any, state: Any, slots: _Slots, episode: Episode, slot: int,
-              model: environments.ModelTurn, step: environments.Step, renderer: Renderer, limits: Limits,
-              params_of: Callable[[int], list[sampling.RowParams]]) -> Any:
-  """The decode state once the episode in `slot` took its environment's answer: the slot released if
-  the episode ended, else holding the grown context with its next turn's first token sampled."""
-  advance(episode, model, step, renderer, limits)
-  if episode.end:
-    engine.release(slot)
-    return state
+def _prefill_slots(engine: Engine, params: Any, state: Any, slots: _Slots, episodes: list[Episode],
+                   chosen_slots: list[int], row_params: list[sampling.RowParams], limits: Limits) -> Any:
+  """The episodes of `chosen_slots` (each with its row's sampler for its turn) prefilled whole, in one
+  program of every slot's rows whichever they are (copies of the first pad it): a row's numbers do
+  not depend on which others share the call. Inserted into their slots, each starting its turn."""
+  contexts = [episodes[slot].prompt_ids + episodes[slot].tokens for slot in chosen_slots]
+  pad = engine.num_slots - len(contexts)
+  prefix = engine.prefill(params, contexts + [contexts[0]] * pad, row_params=row_params + [row_params[0]] * pad)
+  tokens = np.asarray(jax.device_get(prefix.first_tokens_B))
+  chosen = np.asarray(jax.device_get(prefix.first_logprobs.chosen_B))
+  for row, (slot, context) in enumerate(zip(chosen_slots, contexts)):
+    state = engine.insert(prefix, state, slot=slot, row=row)
+    slots.start_turn(slot, len(context), turn_budget(episodes[slot], limits), int(tokens[row]), float(chosen[row]))
+  return state
+
+
+def _continue(engine: Engine, params: Any, state: Any, slots: _Slots, episode: Episode, slot: int,
+              row: sampling.RowParams, limits: Limits) -> Any:
+  """The held slot grown by what the episode appended after its tokens: only those prefilled, after
+  the pages it holds; it starts its next turn."""
   context = episode.prompt_ids + episode.tokens
-  row = params_of(episode.turns)[slot]
-  if engine.continues_slots:
-    start = engine.continue_prompt(slot, context)
-    first = None
-    while first is None:
-      state, start, first = engine.prefill_chunk(params, state, slot, context, start, row_params=row)
-    token, logprobs = first
-    slots.start_turn(slot, len(context), turn_budget(episode, limits), int(np.asarray(token)[0]),
-                     float(np.asarray(logprobs.chosen_B)[0]))
-    return state
-  prefix = engine.prefill(params, [context], row_params=[row])
-  state = engine.insert(prefix, state, slot=slot)
-  slots.start_turn(slot, len(context), turn_budget(episode, limits), int(np.asarray(prefix.first_tokens_B)[0]),
-                   float(np.asarray(prefix.first_logprobs.chosen_B)[0]))
+  start = engine.continue_prompt(slot, context)
+  first = None
+  while first is None:
+    state, start, first = engine.prefill_chunk(params, state, slot, context, start, row_params=row)
+  token, logprobs = first
+  slots.start_turn(slot, len(context), turn_budget(episode, limits), int(np.asarray(token)[0]),
+                   float(np.asarray(logprobs.chosen_B)[0]))
   return state
 
 
