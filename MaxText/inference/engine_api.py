@@ -150,6 +150,17 @@ class DecodeEngine(Protocol):
     with one step per call every slot gets a token and `limits` only keep a slot at its end from
     taking pages; a speculative engine ignores them. Callers drop tokens past a request's end."""
 
+  @property
+  def continues_slots(self) -> bool:
+    """Whether `hold` and `continue_prompt` append tokens to a slot's context (a multi-turn episode's
+    next turn, rl/interleaved_episodes.py) instead of the whole context being prefilled again."""
+
+  def hold(self, slot: int) -> None:
+    """The slot keeps what it cached but generates nothing (no page written or taken) until `continue_prompt`."""
+
+  def continue_prompt(self, slot: int, context: Sequence[int]) -> int:
+    """A held slot takes `context` (what it holds, then new tokens); returns where `prefill_chunk` starts."""
+
   def release(self, slot: int) -> None: ...
 
   def score(self, params: EngineParams, prompt: Sequence[int], images: image_prompts.PromptImages | None = None

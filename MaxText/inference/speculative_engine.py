@@ -170,6 +170,15 @@ class SpeculativeEngine:
     self._draft_done.pop(slot, None)
     self.decoder.release(slot)
 
+  # A draft model's cache and the target's would both have to grow: the rollouts prefill contexts whole.
+  continues_slots = False
+
+  def hold(self, slot: int) -> None:
+    raise ValueError("a speculative engine does not hold slots (continues_slots is False)")
+
+  def continue_prompt(self, slot: int, context: Sequence[int]) -> int:
+    raise ValueError("a speculative engine does not continue slots (continues_slots is False)")
+
 
 def _text_only(images: Sequence[image_prompts.PromptImages | None] | None) -> None:
   """check_draft refuses a vision-language model, so images never reach a speculative engine."""

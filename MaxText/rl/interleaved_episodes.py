@@ -33,8 +33,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from MaxText.inference import sampling
-from MaxText.inference.engine import Engine
-from MaxText.inference.engine_api import StepLimits
+from MaxText.inference.engine_api import DecodeEngine, StepLimits
 from MaxText.input_pipeline import chat
 from MaxText.rl import environments
 from MaxText.rl.episodes import Episode, Limits, Renderer, Timing, advance, open_episodes, record_turn, turn_budget
@@ -43,7 +42,7 @@ from MaxText.rl.episodes import Episode, Limits, Renderer, Timing, advance, open
 class _Slots:
   """The host side of one rollout: which slot decodes which episode's turn, and what it sampled."""
 
-  def __init__(self, engine: Engine, params: Any, eos_id: int | None, timing: Timing):
+  def __init__(self, engine: DecodeEngine, params: Any, eos_id: int | None, timing: Timing):
     self.engine, self.params, self.eos_id, self.timing = engine, params, eos_id, timing
     self.tokens: dict[int, list[int]] = {}  # slot -> the current turn's sampled tokens
     self.logps: dict[int, list[float]] = {}
@@ -98,7 +97,7 @@ def _stops(eos_id: int | None) -> tuple[int, ...]:
 
 
 def run(env: environments.Guarded, tokenizer: chat.ChatTokenizer, eos_id: int | None,
-        records: Sequence[tuple[int, Any, Mapping[str, Any]]], engine: Engine, params: Any,
+        records: Sequence[tuple[int, Any, Mapping[str, Any]]], engine: DecodeEngine, params: Any,
         row_params: Callable[[int], list[sampling.RowParams]], limits: Limits,
         timing: Timing | None = None) -> list[Episode]:
   """episodes.run's episodes (one per record, `row_params(turn)` every record's sampler for that turn),
@@ -175,7 +174,7 @@ def run(env: environments.Guarded, tokenizer: chat.ChatTokenizer, eos_id: int | 
   return episodes
 
 
-def _prefill_slots(engine: Engine, params: Any, state: Any, slots: _Slots, episodes: list[Episode],
+def _prefill_slots(engine: DecodeEngine, params: Any, state: Any, slots: _Slots, episodes: list[Episode],
                    chosen_slots: list[int], row_params: list[sampling.RowParams], limits: Limits) -> Any:
   """The episodes of `chosen_slots` (each with its row's sampler for its turn) prefilled whole, in one
   program of every slot's rows whichever they are (copies of the first pad it): a row's numbers do
@@ -191,7 +190,7 @@ def _prefill_slots(engine: Engine, params: Any, state: Any, slots: _Slots, episo
   return state
 
 
-def _continue(engine: Engine, params: Any, state: Any, slots: _Slots, episode: Episode, slot: int,
+def _continue(engine: DecodeEngine, params: Any, state: Any, slots: _Slots, episode: Episode, slot: int,
               row: sampling.RowParams, limits: Limits) -> Any:
   """The held slot grown by what the episode appended after its tokens: only those prefilled, after
   the pages it holds; it starts its next turn."""

@@ -15,7 +15,8 @@ from MaxText.errors import ConfigError, UserError
 from MaxText.inference import engine_api, kv_layout
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-CALLERS = ("MaxText/serve.py", "MaxText/decode.py", "MaxText/rl/rollouts.py", "MaxText/rl/evaluate.py",
+CALLERS = ("MaxText/serve.py", "MaxText/decode.py", "MaxText/rl/rollouts.py", "MaxText/rl/interleaved_episodes.py",
+           "MaxText/rl/evaluate.py",
            "MaxText/inference/scheduler.py", "MaxText/inference/serve_routes.py", "benchmarks/decode_bench.py",
            "benchmarks/serve_bench.py", "benchmarks/gpu_suite.py", "MaxText/train_compile.py", "benchmarks/lora_bench.py")
 # Building an engine is not driving one: parameters come with it.
