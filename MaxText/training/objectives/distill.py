@@ -27,7 +27,7 @@ from MaxText.configuration import run_record
 from MaxText.configuration.config import Config
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.errors import UserError
-from MaxText.input_pipeline import document_encoder
+from MaxText.input_pipeline import conversation_encoder, document_encoder
 from MaxText.input_pipeline.batch_spec import FIELDS, TEACHER_TOP_K_INDICES, TEACHER_TOP_K_LOGPS
 from MaxText.layers.moe import ROUTING_STATS
 from MaxText.models import ModelSpec, token_loss_sums
@@ -49,16 +49,17 @@ class DistillState(TrainState):
   teacher: Params | None = None
 
 
-def teacher_config(config: Config) -> Config:
+def teacher_config(config: Config, use: str = "objective=distill") -> Config:
   """The teacher's configuration: its model keys, every other key the student's (mesh, rules, dtype,
-  max_target_length); a UserError when it is missing or reads another vocabulary or tokenizer."""
+  max_target_length); a UserError when it is missing or reads another vocabulary or tokenizer.
+  `use`: what needs the teacher, for the messages (objective=grpo reads one for on-policy distillation)."""
   d = config.distill
   path = d.distill_teacher_path
   if not storage.exists(path):
     raise UserError(f"distill_teacher_path {path} does not exist; point it at the teacher's checkpoint (a "
                     "parameters-only checkpoint or another run's checkpoints)")
   teacher = config_lib.companion_config(config, "teacher", d.distill_teacher_model_name, path,
-                                        d.distill_teacher_overrides, TEACHER_KEYS, "objective=distill",
+                                        d.distill_teacher_overrides, TEACHER_KEYS, use,
                                         objective="lm", lora_rank=0)
   student_vocab, teacher_vocab = config.model.vocab_size, teacher.model.vocab_size
   if student_vocab != teacher_vocab:
@@ -75,6 +76,24 @@ def teacher_config(config: Config) -> Config:
                       f"{ours[1]} ({ours[0]}): distillation needs the same tokenizer; set tokenizer_path and "
                       "tokenizer_type to the teacher's")
   return teacher
+
+
+def teacher_field(teacher: ModelSpec, rules: tuple[tuple[str, tuple[str, ...]], ...], params: T) -> T:
+  """The state's `teacher` field in the form of `params` (the student's): on shardings, the teacher's
+  (the same rules on the same mesh); on arrays or their shapes, zeros that `load_teacher` replaces."""
+  leaf = jax.tree.leaves(params)[0]
+  if isinstance(leaf, NamedSharding):
+    assert isinstance(leaf.mesh, jax.sharding.Mesh), "the state is sharded on a concrete mesh"
+    return cast(T, models.shard_params_like(teacher, leaf.mesh, rules))
+  return cast(T, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), teacher.abstract_params))
+
+
+def load_teacher(teacher: ModelSpec, path: str, placeholder: Params) -> Params:
+  """The teacher's weights read from `path` into the shardings of `placeholder` (`teacher_field`'s
+  zeros), which is freed first."""
+  shardings = jax.tree.map(lambda x: x.sharding, placeholder)
+  jax.tree.map(lambda x: x.delete(), placeholder)  # the placeholder goes before the teacher comes
+  return params_io.load_params(path, teacher.abstract_params, shardings)
 
 
 class Distill(Objective):
@@ -94,24 +113,12 @@ class Distill(Objective):
     # The student's forward and backward per row; the teacher's forward is counted on its own model.
     self.forward_only_models: tuple[ModelConfig, ...] = (teacher.cfg,)
 
-  def _teacher_shardings(self, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> Params:
-    assert isinstance(mesh, jax.sharding.Mesh), "the state is sharded on a concrete mesh"
-    return models.shard_params_like(self.teacher, mesh, self.rules)
-
   def extra_state(self, params: T, copy: Callable[[T], T]) -> dict[str, T]:
-    # Called on the parameters' shardings (the teacher's: the same rules on the same mesh) and on
-    # arrays or their shapes (zeros: `load_extra_state` reads the teacher into them).
-    leaf = jax.tree.leaves(params)[0]
-    if isinstance(leaf, NamedSharding):
-      return {"teacher": cast(T, self._teacher_shardings(leaf.mesh))}
-    return {"teacher": cast(T, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self.teacher.abstract_params))}
+    return {"teacher": teacher_field(self.teacher, self.rules, params)}
 
   def load_extra_state(self, state: TrainState) -> TrainState:
     assert isinstance(state, DistillState) and state.teacher is not None
-    shardings = jax.tree.map(lambda x: x.sharding, state.teacher)
-    jax.tree.map(lambda x: x.delete(), state.teacher)  # the placeholder goes before the teacher comes
-    teacher = params_io.load_params(self.teacher_path, self.teacher.abstract_params, shardings)
-    return dataclasses.replace(state, teacher=teacher)
+    return dataclasses.replace(state, teacher=load_teacher(self.teacher, self.teacher_path, state.teacher))
 
   def context(self, state: TrainState) -> Params | None:
     assert isinstance(state, DistillState), type(state)
@@ -210,3 +217,6 @@ def _build(config: Config, model: ModelSpec, partition: Partition) -> Objective:
 
 # objective=distill: documents, their text column tokenized, as objective=lm reads them.
 DOCUMENTS = ObjectiveRecord(_build, FIELDS, document_encoder, whole_records=False, chat_template=None)
+# objective=distill_sft: conversations rendered with the chat template, as objective=sft reads them; the
+# prompt's targets carry no weight (targets_segmentation 0), so the KL and the labels count the completion only.
+CONVERSATIONS = ObjectiveRecord(_build, FIELDS, conversation_encoder, whole_records=True, chat_template=True)

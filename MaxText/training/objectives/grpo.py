@@ -1,25 +1,50 @@
 """Reinforcement learning from rewards (GRPO; the loss is grpo_loss.py's): rows are the run's own
-sampled completions (rl/rollouts.py), each with its group-normalised advantage."""
+sampled completions (rl/rollouts.py), each with its group-normalised advantage. With a teacher
+(rl_teacher_kl_weight > 0, named by the distill_teacher_* keys) it is on-policy distillation: each
+completion token's advantage also holds the teacher's log-prob of it (teacher_advantage.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from MaxText.configuration.config import Config
 from MaxText.configuration import rl_config
 from MaxText.configuration.rl_config import RLConfig
 from MaxText.input_pipeline import document_encoder
 from MaxText.input_pipeline.batch_spec import ADVANTAGES, GRPO_FIELDS, SAMPLER_LOGPS
+from MaxText import models
 from MaxText.models import ModelSpec
 from MaxText.layers.moe import ROUTING_STATS
-from MaxText.training.objectives import grpo_loss, rollout_correction
+from MaxText.training.objectives import distill, grpo_loss, rollout_correction, teacher_advantage
 from MaxText.training.objectives.base import Batch, Metrics, Objective, ObjectiveRecord, Params, Sums, T
 from MaxText.training.objectives.language_model import routing_metrics
 from MaxText.training.optimizers import Partition
 from MaxText.training.train_state import PreferenceState, TrainState, reference_of
+
+Rules = tuple[tuple[str, tuple[str, ...]], ...]
+
+
+@struct.dataclass
+class TeacherRLState(PreferenceState):
+  """The train state of on-policy distillation: also the frozen teacher, sharded by the run's rules
+  (no gradient, no optimizer state; saved with the run, as objective=distill keeps its teacher).
+  `reference` is the frozen reference with grpo_beta > 0 (kept as a copy), else None."""
+
+  teacher: Params | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Teacher:
+  """The teacher of on-policy distillation: its model, where its weights are, the run's rules."""
+
+  model: ModelSpec
+  path: str
+  rules: Rules
 
 
 class Grpo(Objective):
@@ -33,7 +58,10 @@ class Grpo(Objective):
   weighs each token by the trainer's over the engine's probability (rollout_correction.py). With
   grpo_old_logps resolving to the sampler (auto: batches made ahead, no importance sampling), π_old is
   the engine's log-prob of each token instead: the policy that made the batch, up to
-  rl_max_staleness updates old, so the clip bounds the update against it as PPO's ratio does."""
+  rl_max_staleness updates old, so the clip bounds the update against it as PPO's ratio does.
+
+  With a teacher, `prepare_batch` also scores the completions with it (forward-only, on the training
+  mesh), and the loss gives each completion token its own advantage (teacher_advantage.py)."""
 
   batch_fields = GRPO_FIELDS
   needs_loaded_params = ("objective=grpo samples from the starting policy: set load_parameters_path to its weights (a "
@@ -41,24 +69,35 @@ class Grpo(Objective):
   uses_rollouts = True
 
   def __init__(self, model: ModelSpec, partition: Partition, rl: RLConfig, load_balance_loss_weight: float = 0.0,
-               num_micro: int = 1):
-    self.model, self.partition, self.rl = model, partition, rl
+               num_micro: int = 1, teacher: Teacher | None = None):
+    self.model, self.partition, self.rl, self.teacher = model, partition, rl, teacher
     self.load_balance_loss_weight, self.num_micro = load_balance_loss_weight, num_micro
     self.updates_per_batch = rl.grpo_num_iterations
     self.corrects = rl.rl_importance_sampling != "off"
     self.old_from_sampler = rl_config.old_logps_from_sampler(rl)
     self.uses_reference = rl.grpo_beta > 0
     self.keeps_copy = self.uses_reference and not partition.frozen_gives_base_model
-    self.state_class = PreferenceState if self.keeps_copy else TrainState
+    self.state_class = TeacherRLState if teacher else PreferenceState if self.keeps_copy else TrainState
+    # The teacher's forward, once per rollout batch, counts on its own model.
+    self.forward_only_models = (teacher.model.cfg,) if teacher else ()
     # Per row: the update's forward and backward (3 passes) each iteration; once per rollout
     # batch the old policy's forward (when iterated) and the reference's.
     fixed_passes = int(self.updates_per_batch > 1 or self.corrects) + int(self.uses_reference)
     self.passes_per_row = 3 * self.updates_per_batch + fixed_passes
 
   def extra_state(self, params: T, copy: Callable[[T], T]) -> dict[str, T]:
-    return {"reference": copy(params)} if self.keeps_copy else {}
+    extra = {"reference": copy(params)} if self.keeps_copy else {}
+    if self.teacher:
+      extra["teacher"] = distill.teacher_field(self.teacher.model, self.teacher.rules, params)
+    return extra
 
-  def context(self, state: TrainState) -> Params | None:
+  def load_extra_state(self, state: TrainState) -> TrainState:
+    if not self.teacher:
+      return state
+    assert isinstance(state, TeacherRLState) and state.teacher is not None
+    return dataclasses.replace(state, teacher=distill.load_teacher(self.teacher.model, self.teacher.path, state.teacher))
+
+  def _reference(self, state: TrainState) -> Params | None:
     if not self.uses_reference:
       return None
     if self.keeps_copy:
@@ -66,9 +105,21 @@ class Grpo(Objective):
       return reference
     return self.partition.base_model(state.params)
 
+  def context(self, state: TrainState) -> Params | None:
+    """The frozen reference (grpo_beta > 0); with a teacher, {"reference": it or None, "teacher": ...}."""
+    if not self.teacher:
+      return self._reference(state)
+    assert isinstance(state, TeacherRLState), type(state)
+    return {"reference": self._reference(state), "teacher": state.teacher}
+
   def prepare_batch(self, params: Params, context: Params | None, batch: Batch) -> Batch:
     """The batch with the log-probs that stay fixed over the updates (no dropout, no gradient)."""
     extra = {}
+    if self.teacher:
+      assert context is not None, "the step hands on-policy distillation its teacher (context)"
+      extra[teacher_advantage.TEACHER_LOGPS] = grpo_loss.token_logps(self.teacher.model, context["teacher"], batch,
+                                                                     None, with_entropy=False)[0]
+      context = context["reference"]
     if self.updates_per_batch > 1:
       extra[grpo_loss.OLD_LOGPS] = grpo_loss.token_logps(self.model, params, batch, None, with_entropy=False)[0]
     if context is not None:
@@ -99,11 +150,18 @@ class Grpo(Objective):
     old_BL = batch[grpo_loss.OLD_LOGPS] if grpo_loss.OLD_LOGPS in batch else jax.lax.stop_gradient(logps_BL)
     if self.old_from_sampler:  # the behaviour policy; a token it did not score (NaN) keeps the trainer's
       old_BL = jnp.where(jnp.isnan(batch[SAMPLER_LOGPS]), old_BL, batch[SAMPLER_LOGPS])
-    sums = grpo_loss.loss_sums(logps_BL, old_BL, batch.get(grpo_loss.REF_LOGPS), batch[ADVANTAGES],
-                               grpo_loss.completion_mask(batch), entropy_BL, loss_type=rl.grpo_loss_type,
+    mask_BL, advantages = grpo_loss.completion_mask(batch), batch[ADVANTAGES]
+    teacher_BL = batch.get(teacher_advantage.TEACHER_LOGPS)
+    if teacher_BL is not None:  # on-policy distillation: one advantage per token
+      advantages = teacher_advantage.token_advantages(advantages, old_BL, teacher_BL, mask_BL,
+                                                      rl.rl_reward_advantage_weight, rl.rl_teacher_kl_weight)
+    sums = grpo_loss.loss_sums(logps_BL, old_BL, batch.get(grpo_loss.REF_LOGPS), advantages,
+                               mask_BL, entropy_BL, loss_type=rl.grpo_loss_type,
                                epsilon_low=rl.grpo_epsilon_low, epsilon_high=rl.grpo_epsilon_high,
                                beta=rl.grpo_beta, max_completion_length=rl.max_completion_length,
                                importance_weights_BL=batch.get(rollout_correction.WEIGHTS))
+    if teacher_BL is not None:
+      sums["teacher_kl_sum"] = teacher_advantage.reverse_kl_sum(old_BL, teacher_BL, mask_BL)
     total = sums["loss_sum"]
     if "moe_lb_loss" in aux:  # a per-batch mean: weighted by what the loss is divided by
       lb_sum = aux["moe_lb_loss"] * grpo_loss.divisor(sums, rl.grpo_loss_type)
@@ -123,6 +181,8 @@ class Grpo(Objective):
 
   def train_metrics(self, sums: Sums) -> Metrics:
     metrics = grpo_loss.metrics(sums, self.rl.grpo_loss_type)
+    if "teacher_kl_sum" in sums:  # per completion token, as `kl` (to the reference) is
+      metrics["teacher_kl"] = sums["teacher_kl_sum"] / jnp.maximum(sums["weight_sum"], 1.0)
     metrics.update({name[len(rollout_correction.METRIC_PREFIX):]: value for name, value in sums.items()
                     if name.startswith(rollout_correction.METRIC_PREFIX)})
     if "moe_lb_loss_sum" in sums:
@@ -136,8 +196,12 @@ class Grpo(Objective):
 
 
 def _build(config: Config, model: ModelSpec, partition: Partition) -> Objective:
+  teacher = None
+  if config.rl.rl_teacher_kl_weight > 0:
+    teacher_model = models.build_model_spec(distill.teacher_config(config, "rl_teacher_kl_weight > 0").model)
+    teacher = Teacher(teacher_model, config.distill.distill_teacher_path, config.mesh.logical_axis_rules)
   return Grpo(model, partition, config.rl, config.model.moe.load_balance_loss_weight,
-              config.optim.gradient_accumulation_steps)
+              config.optim.gradient_accumulation_steps, teacher)
 
 
 # objective=grpo: its train batches are rollouts (uses_rollouts) of the prompts rl/prompts.py reads.

@@ -2,7 +2,8 @@
 metrics users read, from per-token log-probabilities.
 
 A GRPO batch holds one prompt + completion per row; `targets_segmentation` is 1 on the targets
-that are completion tokens (the loss mask m), and each row has one advantage A (rl/advantages.py).
+that are completion tokens (the loss mask m), and each row has one advantage A (rl/rewards.py), or
+each token its own A_t (on-policy distillation, objectives/teacher_advantage.py).
 With r = exp(log π - log π_old) per completion token:
 
     l = -min(r·A, clip(r, 1 - ε_low, 1 + ε_high)·A) + β·(exp(log π_ref - log π) - (log π_ref - log π) - 1)
@@ -53,9 +54,10 @@ def loss_sums(logps_BL: jax.Array, old_logps_BL: jax.Array, ref_logps_BL: jax.Ar
               epsilon_high: float, beta: float, max_completion_length: int,
               importance_weights_BL: jax.Array | None = None) -> Sums:
   """The SUM_KEYS sums of one batch; `loss_sum` / `sequence_count` (grpo, dr_grpo) or / `weight_sum`
-  (dapo) is the loss. `importance_weights_BL` (rollout_correction.py, fixed) scale each token's
-  policy-gradient term, not the KL term, as TRL applies its vLLM importance weights."""
-  advantages_B1 = advantages_B[:, None]
+  (dapo) is the loss. `advantages_B`: one per row [B], or one per token [B, L]. `importance_weights_BL`
+  (rollout_correction.py, fixed) scale each token's policy-gradient term, not the KL term, as TRL
+  applies its vLLM importance weights."""
+  advantages_B1 = advantages_B if advantages_B.ndim == 2 else advantages_B[:, None]  # [B, L] or [B, 1]
   ratio_BL = jnp.exp(logps_BL - old_logps_BL)
   clipped_BL = jnp.clip(ratio_BL, 1.0 - epsilon_low, 1.0 + epsilon_high)
   per_token_BL = -jnp.minimum(ratio_BL * advantages_B1, clipped_BL * advantages_B1)
