@@ -131,27 +131,36 @@ class Resize:
             f"{resumed} to resume")
 
 
-def logged_step(run_dir: Path, since: float | None = None) -> int:
-  """The newest step in <run_dir>/metrics.jsonl (0: none; also 0 when the file was not written at or
-  after `since`: a relaunched run rewrites it from the step it resumed from)."""
-  path = run_dir / "metrics.jsonl"
-  if not path.exists() or (since is not None and path.stat().st_mtime < since):
+def metrics_text(run_dir: str | Path) -> str:
+  """<run_dir>/metrics.jsonl as it reads now, local or gs:// ("" before the run writes it)."""
+  path = storage.join(str(run_dir), "metrics.jsonl")
+  storage.forget_listings(path)
+  return storage.read_text(path) if storage.exists(path) else ""
+
+
+def logged_step(run_dir: str | Path, stale: str | None = None) -> int:
+  """The newest step in <run_dir>/metrics.jsonl (0: none; also 0 while the file still reads `stale`,
+  as it did when the generation was launched: a relaunched run rewrites it from the step it resumed from)."""
+  text = metrics_text(run_dir)
+  if stale is not None and text == stale:
     return 0
-  steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip().startswith("{")]
+  steps = [json.loads(line).get("step", 0) for line in text.splitlines() if line.strip().startswith("{")]
   return max(steps, default=0)
 
 
-def checkpoint_step(run_dir: Path) -> int:
+def checkpoint_step(run_dir: str | Path) -> int:
   """The newest whole step in <run_dir>/checkpoints (0: none)."""
-  folder = run_dir / "checkpoints"
-  steps = [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []
+  folder = storage.join(str(run_dir), "checkpoints")
+  storage.forget_listings(folder)
+  steps = [int(name) for name in storage.listdir(folder) if name.isdigit()] if storage.is_dir(folder) else []
   return max(steps, default=0)
 
 
 class Supervisor:
-  def __init__(self, layout: SliceLayout, launcher: Launcher, run_dir: Path, *, poll_s: float = 0.5,
+  def __init__(self, layout: SliceLayout, launcher: Launcher, run_dir: str | Path, *, poll_s: float = 0.5,
                stop_grace_s: float = 60.0, log: Callable[[str], None] | None = None):
-    self.layout, self.launcher, self.run_dir = layout, launcher, run_dir
+    """`run_dir`: the run's folder, local or gs:// (there the run's metrics reach it every upload)."""
+    self.layout, self.launcher, self.run_dir = layout, launcher, str(run_dir)
     self.poll_s, self.stop_grace_s = poll_s, stop_grace_s
     self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     self.resizes: list[Resize] = []
@@ -171,11 +180,15 @@ class Supervisor:
     for number in itertools.count(1):
       overrides = elastic_config.resize(self.layout, len(slices)).overrides()
       self.log(f"elastic: starting on slice(s) {', '.join(map(str, slices))}: {' '.join(overrides)}")
-      launched = time.time()  # the previous generation has ended: later writes are the new one's
+      launched = time.time()
+      stale = metrics_text(self.run_dir)  # the previous generation has ended: a change is the new one's
       # A relaunch tells the run when its resize began: its goodput counts the time since as the resize's.
       env = {elastic_config.RESIZE_ENV: repr(pending.detected)} if pending is not None else {}
       generation = self.current = self.launcher.start(slices, overrides, env)
-      outcome = self._watch(generation, slices, pending, launched)
+      outcome = self._watch(generation, slices, pending, stale)
+      if pending is not None and pending.seconds_to_resume is None:  # ended (or lost) before a new step
+        self.log(f"elastic: the generation after '{pending.cause}' ended before its first new step")
+        self._record(dataclasses.asdict(pending))
       pending = None
       # Each generation's wall time, which goodput.json misses for a start killed between its writes.
       self._record({"generation": number, "slices": slices, "launched": launched, "ended": time.time(),
@@ -206,7 +219,7 @@ class Supervisor:
                       f"the run stops (its checkpoints are kept: relaunch when the slices are back)")
     return sorted(up)[:count]
 
-  def _watch(self, generation: Generation, slices: list[int], pending: Resize | None, launched: float
+  def _watch(self, generation: Generation, slices: list[int], pending: Resize | None, stale: str
              ) -> int | tuple[str, set[int], float]:
     """Until the generation ends: its exit status, or (cause, the slices up, when the cause was seen) for a
     resize. The generation is stopped before this returns."""
@@ -216,7 +229,7 @@ class Supervisor:
       if pending is not None and said is not None:  # newer than the persistent tier's when the local tier had it
         pending.resumed_from, pending.resumed_source = said
       if pending is not None and pending.seconds_to_resume is None and \
-          logged_step(self.run_dir, since=launched) > pending.resumed_from:
+          logged_step(self.run_dir, stale) > pending.resumed_from:
         pending.seconds_to_resume = time.time() - pending.detected
         self.log(pending.line())
         self._record(dataclasses.asdict(pending))
@@ -233,8 +246,6 @@ class Supervisor:
         self.lost.add(culprit.slice_id)
         return culprit.describe(), self.launcher.available(), seen
       if generation.running() == 0:
-        if pending is not None and pending.seconds_to_resume is None:
-          self._record(dataclasses.asdict(pending))
         return next((e.code for e in exits if e.code != 0), 0)
       up = self.launcher.available() if len(slices) < self.layout.num_slices else set(slices)
       if len(up) > len(slices):
@@ -260,8 +271,13 @@ class Supervisor:
 
   def _record(self, record: Mapping[str, object]) -> None:
     """One line of elastic.jsonl: a resize (it has a cause) or a generation's wall time."""
-    with open(self.run_dir / EVENTS_FILE, "a", encoding="utf-8") as f:
-      f.write(json.dumps(record) + "\n")
+    path = storage.join(self.run_dir, EVENTS_FILE)
+    line = json.dumps(record) + "\n"
+    if storage.is_remote(path):  # objects cannot be appended to; the file stays small (a line per event)
+      storage.write_text(path, (storage.read_text(path) if storage.exists(path) else "") + line)
+      return
+    with open(path, "a", encoding="utf-8") as f:
+      f.write(line)
 
 
 # ----------------------------------------------------------------------------- CPU loopback launcher
@@ -504,10 +520,6 @@ def main(argv: list[str]) -> int:
     raise UserError("python3 -m MaxText.elastic supervises an elastic run: set elastic_min_slices=N, the fewest "
                     f"slices it may continue on (1..num_slices={num_slices})")
   run_dir = config.run.run_dir
-  if storage.is_remote(run_dir):
-    raise UserError(f"base_output_directory: the supervisor reads {run_dir} from this machine, and a gs:// run "
-                    "folder is not supported yet; give a folder the workers and this machine share (an NFS or "
-                    "gcsfuse mount)")
   layout = elastic_config.layout_of(config.mesh, target.num_devices, config.data.global_batch_size,
                                     config["gradient_accumulation_steps"], min_slices)
   run_name = str(config["run_name"])
@@ -535,8 +547,8 @@ def main(argv: list[str]) -> int:
     launcher = LoopbackLauncher([sys.executable, *train[1:]], num_slices, args.processes_per_slice,
                                 args.devices_per_process, log_dir, loopback_env({"XLA_FLAGS": flags} if flags else None),
                                 log_dir)
-  Path(run_dir).mkdir(parents=True, exist_ok=True)
-  supervisor = Supervisor(layout, launcher, Path(run_dir))
+  storage.makedirs(run_dir)
+  supervisor = Supervisor(layout, launcher, run_dir)
   supervisor.log(f"elastic: run {run_dir}, logs in {log_dir}")
   with multihost_runner.sigterm_as_interrupt():
     try:

@@ -288,6 +288,50 @@ def test_a_lost_slice_shrinks_the_run_and_its_return_grows_it_back(tmp_path):
          "(2 step(s) redone)" in lost.line()
 
 
+def test_the_supervisor_follows_a_run_on_gs_through_other_processes_writes(gcs):
+  """A gs:// run folder: the run's metrics and checkpoints, written by other processes, are seen
+  (gcsfs's cached listings are dropped before each look), and elastic.jsonl is kept there."""
+  import urllib.parse
+  import urllib.request
+
+  from MaxText.paths import storage
+
+  bucket = gcs.create_bucket()
+  run_dir = f"gs://{bucket}/el"
+
+  def elsewhere(path: str, text: str) -> None:  # past this process's gcsfs, as the run's processes write
+    name = urllib.parse.quote(f"el/{path}", safe="")
+    request = urllib.request.Request(f"{gcs.url}/upload/storage/v1/b/{bucket}/o?uploadType=media&name={name}",
+                                     data=text.encode(), method="POST")
+    urllib.request.urlopen(request, timeout=30).read()
+
+  def script(launcher, index):
+    generation = launcher.generations[index]
+    if index == 0 and generation.running() == 4:
+      elsewhere("metrics.jsonl", '{"step": 7}\n')
+      elsewhere("checkpoints/6/commit_success.txt", "")
+      generation.codes[1] = -signal.SIGKILL
+    elif index == 1 and elastic.logged_step(run_dir) < 8:
+      elsewhere("metrics.jsonl", '{"step": 8}\n')
+    elif index == 1:
+      generation.codes = [0] * len(generation.codes)
+
+  # gcsfs keeps the listings this process made: without dropping them, neither new step would be seen.
+  assert elastic.logged_step(run_dir) == 0
+  elsewhere("metrics.jsonl", '{"step": 3}\n')
+  assert elastic.logged_step(run_dir) == 3
+  elsewhere("checkpoints/2/commit_success.txt", "")
+  assert elastic.checkpoint_step(run_dir) == 2
+  elsewhere("checkpoints/4/commit_success.txt", "")
+  assert elastic.checkpoint_step(run_dir) == 4
+  supervisor = _supervisor(_FakeLauncher(4, script), run_dir)
+  assert supervisor.run() == 0
+  (lost,) = supervisor.resizes
+  assert (lost.step_reached, lost.resumed_from, lost.to_slices) == (7, 6, 2) and lost.seconds_to_resume is not None
+  records = [json.loads(line) for line in storage.read_text(f"{run_dir}/{elastic.EVENTS_FILE}").splitlines()]
+  assert [r["exit"] for r in records if "generation" in r] == [lost.cause, 0]
+
+
 def test_the_runs_own_error_stops_the_job_without_a_resize(tmp_path):
   def script(launcher, index):
     launcher.generations[index].codes[1] = 3  # too many non-finite steps: exit status 3
@@ -541,7 +585,6 @@ def test_the_command_line_builds_the_layout_from_the_runs_config_and_prints_its_
     (["zone=z"], r"^zone applies to TPU VMs only: add tpu_prefix=NAME"),
     (["tpu_prefix=pod"], r"^tpu_prefix needs tpu_type=TYPE"),
     (["tpu_prefix=pod", "tpu_type=v5litepod-12"], r"^tpu_type='v5litepod-12' is not a TPU type"),
-    (["base_output_directory=gs://bucket/runs"], r"^base_output_directory: the supervisor reads gs://bucket/runs/el "),
 ])
 def test_the_command_lines_mistakes_are_one_line_each(extra, message):
   with pytest.raises(elastic.UserError, match=message):

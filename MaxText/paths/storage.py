@@ -163,6 +163,15 @@ def glob(pattern: str) -> list[str]:
   return sorted(m for m in matches if fnmatch.fnmatch(m, pattern) and is_file(m))
 
 
+def forget_listings(path: str) -> None:
+  """Drops what this process cached of the gs:// listings of `path` and its parents (gcsfs keeps them),
+  so its next exists/is_dir/listdir sees what other processes wrote since (a supervisor polling a run)."""
+  if is_remote(path):
+    import fsspec  # etils.epath's gs:// filesystem: fsspec hands back the same cached instance
+
+    fsspec.filesystem("gcs", finalize_on_close=True).invalidate_cache(resolve(path))
+
+
 def remove_tree(path: str) -> None:
   p = as_path(path)
 
