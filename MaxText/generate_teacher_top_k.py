@@ -40,12 +40,10 @@ from MaxText.training.objectives.distill import teacher_config
 
 def _check(config: Config) -> None:
   d = config.distill
-  if config.data.objective != "distill":
-    raise ConfigError(f"generate_teacher_top_k writes the batches of an objective=distill run; set objective=distill "
-                      f"(got {config.data.objective})")
-  if not (d.distill_teacher_path and d.distill_top_k_path and d.distill_top_k > 0):
-    raise ConfigError("generate_teacher_top_k needs distill_teacher_path (the teacher), distill_top_k > 0 (k) and "
-                      "distill_top_k_path (the directory to write)")
+  if not (d.distill_teacher_path and d.top_k_from_files):
+    raise ConfigError("generate_teacher_top_k writes the teacher's top k on a distillation run's batches: it needs "
+                      "objective=distill (or distill_sft), distill_teacher_path (the teacher), distill_top_k > 0 (k) "
+                      "and distill_top_k_path (the directory to write)")
   if storage.exists(d.distill_top_k_path):
     raise UserError(f"{d.distill_top_k_path} already exists; choose a new distill_top_k_path or remove it first")
   if storage.is_remote(d.distill_top_k_path):

@@ -176,7 +176,8 @@ def test_a_damaged_or_foreign_shard_is_one_line(top_k_dir, tmp_path):
 def test_the_tool_refuses_what_it_cannot_write(teacher_path, top_k_dir):  # noqa: F811
   with pytest.raises(UserError, match="already exists; choose a new distill_top_k_path"):
     generate_teacher_top_k.generate(_config(teacher_path, distill_top_k_path=top_k_dir), jax.devices()[:1])
-  with pytest.raises(ConfigError, match="generate_teacher_top_k needs distill_teacher_path"):
+  with pytest.raises(ConfigError, match="generate_teacher_top_k writes the teacher's top k on a distillation run's "
+                     "batches: it needs objective=distill"):
     generate_teacher_top_k.generate(_config("", distill_top_k_path="/nonexistent/top_k"), jax.devices()[:1])
 
 

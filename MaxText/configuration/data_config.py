@@ -16,7 +16,7 @@ from MaxText.configuration.config_fields import DATA_POSITION, derived, key, rea
 from MaxText.configuration.config_fields import require as _require
 from MaxText.configuration.data_mixture import MixtureSource, MixtureStage, parse_schedule, parse_sources
 from MaxText.configuration.model_checks import one_of as _one_of, positive as _positive
-from MaxText.configuration.objective_registry import OBJECTIVES
+from MaxText.configuration.objective_registry import CHAT_OBJECTIVES, OBJECTIVES
 
 if TYPE_CHECKING:
   from MaxText.configuration.config_groups import MeshConfig
@@ -88,11 +88,13 @@ class DataConfig:
     _one_of(v, "dataset_type", DATASET_TYPES)
     _one_of(v, "objective", tuple(OBJECTIVES))
     _positive(v, "per_device_batch_size", "synthetic_max_stride", "eval_steps")
-    if v["objective"] == "sft" and reads_data:
-      _require(v["dataset_type"] in ("hf", "grain"), f"objective=sft reads conversation records with dataset_type=hf "
-               f"(JSON/JSONL/Parquet files) or grain (JSON records); got dataset_type={v['dataset_type']}")
-      _require(v["tokenizer_type"] == "huggingface", "objective=sft renders the model's chat template, which lives "
-               f"in its Hugging Face tokenizer files: set tokenizer_type=huggingface (got {v['tokenizer_type']})")
+    if v["objective"] in CHAT_OBJECTIVES and reads_data:
+      objective = v["objective"]
+      _require(v["dataset_type"] in ("hf", "grain"), f"objective={objective} reads conversation records with "
+               "dataset_type=hf (JSON/JSONL/Parquet files) or grain (JSON records); got "
+               f"dataset_type={v['dataset_type']}")
+      _require(v["tokenizer_type"] == "huggingface", f"objective={objective} renders the model's chat template, which "
+               f"lives in its Hugging Face tokenizer files: set tokenizer_type=huggingface (got {v['tokenizer_type']})")
     _check_images(v)
     if v["objective"] == "dpo" and reads_data:
       _check_dpo(v, pipelined=dict(mesh.shape)["stage"] > 1)

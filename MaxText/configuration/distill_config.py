@@ -11,6 +11,7 @@ from MaxText.configuration.config_fields import key, read_keys
 from MaxText.configuration.config_fields import require as _require
 
 DISTILL_LOSSES = ("forward_kl", "reverse_kl")  # KL(teacher || student), KL(student || teacher)
+DISTILL_OBJECTIVES = ("distill", "distill_sft")  # on documents, on conversations (the completion's tokens)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,12 +33,12 @@ class DistillConfig:
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any]) -> "DistillConfig":
+    if v["objective"] not in DISTILL_OBJECTIVES:  # the teacher's files are read by distillation only
+      return cls(**read_keys(cls, v, distill_top_k_path=""))
     distill = cls(**read_keys(cls, v))
-    if v["objective"] != "distill":
-      return distill
-    _require(bool(distill.distill_teacher_path or distill.distill_top_k_path), "objective=distill needs a teacher: set "
-             "distill_teacher_path to its checkpoint (a parameters-only checkpoint or another run's checkpoints), or "
-             "distill_top_k_path to its precomputed top k")
+    _require(bool(distill.distill_teacher_path or distill.distill_top_k_path),
+             f"objective={v['objective']} needs a teacher: set distill_teacher_path to its checkpoint (a "
+             "parameters-only checkpoint or another run's checkpoints), or distill_top_k_path to its precomputed top k")
     _require(distill.distill_loss in DISTILL_LOSSES,
              f"distill_loss must be one of {', '.join(DISTILL_LOSSES)}, got {distill.distill_loss!r}")
     _require(0.0 <= distill.distill_alpha <= 1.0,

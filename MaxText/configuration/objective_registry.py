@@ -26,7 +26,11 @@ OBJECTIVES: dict[str, str] = {
     "dpo": "MaxText.training.objectives.preference.PREFERENCE_PAIRS",
     "grpo": "MaxText.training.objectives.grpo.ROLLOUTS",
     "distill": "MaxText.training.objectives.distill.DOCUMENTS",  # a frozen teacher's distributions + the labels
+    "distill_sft": "MaxText.training.objectives.distill.CONVERSATIONS",  # the same on chat-rendered records
 }
+# The objectives that read conversations through the chat template (the data checks' hf/grain and
+# huggingface-tokenizer rules apply to them).
+CHAT_OBJECTIVES = ("sft", "distill_sft")
 
 
 def record(name: str) -> ObjectiveRecord:

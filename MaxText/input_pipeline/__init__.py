@@ -226,7 +226,7 @@ def create_eval_iterator(config: Config, mesh: Mesh) -> BatchIterator | None:
 
 def _with_teacher_top_k(config: Config, batches: BatchIterator, sharding: NamedSharding, train: bool) -> BatchIterator:
   """With distill_top_k_path, the batches carry the teacher's precomputed top k (teacher_top_k.py)."""
-  if not config.distill.top_k_from_files or config.data.objective != "distill":
+  if not config.distill.top_k_from_files:
     return batches
   from MaxText.input_pipeline import teacher_top_k
 
