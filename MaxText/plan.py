@@ -309,10 +309,18 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
   # (-tokens/s, accumulation steps, bytes per chip, the candidate's keys, its estimate)
   ranked: list[tuple[float, int, float, dict[str, Any], plan_model.Estimate]] = []
   host_reason = ""  # why a candidate that fits HBM overflows the host's memory (offloaded state)
-  for settings in plan_search.candidates(model, topology, num_slices, fixed, global_batch, seq_len,
-                                          config.mesh.data_sharding):
-    estimate = plan_model.estimate(model, settings, topology, num_slices, seq_len, rules, kernel)
-    if estimate.total <= limit and estimate.unsharded <= config.mesh.sharding_tolerance:
+  fill = plan_search.PlacementFill(model, seq_len)
+  for base in plan_search.candidates(model, topology, num_slices, fixed, global_batch, seq_len,
+                                      config.mesh.data_sharding):
+    estimate = plan_model.estimate(model, base, topology, num_slices, seq_len, rules, kernel)
+    if estimate.total > limit or estimate.unsharded > config.mesh.sharding_tolerance:
+      continue
+    # A full-remat candidate that fits also stands for the placements that fill its free memory.
+    for settings in (base, *fill.variants(base, estimate, topology, limit, fixed)):
+      if settings is not base:
+        estimate = plan_model.estimate(model, settings, topology, num_slices, seq_len, rules, kernel)
+        if estimate.total > limit:
+          continue
       overflow = plan_model.host_overflow(estimate, topology.generation)
       if overflow:
         host_reason = host_reason or f"{plan_search.describe(settings)}: {overflow}"

@@ -71,6 +71,8 @@ def test_a_key_no_layer_produces_is_accepted_with_one_warning(capsys):
 
 
 def test_every_preset_but_none_is_a_placement():
+  from MaxText.aot import plan_model
+  cfg = Config.for_testing(**_TINY).model
   assert set(remat_policies.PRESET_PLACEMENTS) == set(remat_policies.NAMES) - {"none", "custom"}
   for name, placements in remat_policies.PRESET_PLACEMENTS.items():
     assert set(placements) == set(remat_policies.TENSORS) and placements["decoder_layer_input"] == "device", name
@@ -79,7 +81,7 @@ def test_every_preset_but_none_is_a_placement():
     # The same tensors in the same places, and the planner's same memory and recompute figures.
     assert (set(policy.device), set(policy.offload)) == (set(preset.device), set(preset.offload)), name
     assert (policy.saved_on_device, policy.saved_on_host) == (preset.saved_on_device, preset.saved_on_host), name
-    assert policy.recompute == preset.recompute, name
+    assert plan_model.rerun_flops(cfg, policy, 32) == plan_model.rerun_flops(cfg, preset, 32), name
 
 
 @pytest.mark.parametrize("name", [
@@ -201,3 +203,120 @@ def test_an_offloaded_placement_is_host_memory_and_host_transfers_in_the_tpu_com
   counted = plan_model.offloaded_activations(model, model.remat, 4 * 512)
   assert counted == 8 * 4 * 512 * 3 * 128 * 2
   assert counted <= float(host.group(1)) * 2**20 <= 2 * counted, out
+
+
+def _fill_setup(model_overrides: dict, settings: dict, topology_name: str = "v5e-4"):
+  """(the model's shape, the fill generator, the full-remat candidate, its estimate, the v5e-4 topology)."""
+  from MaxText.aot import plan_model, plan_search
+  from MaxText.layers.attention import select_kernel
+  from MaxText.platform import accelerators
+  config = Config.for_testing(**model_overrides)
+  model = plan_model.ModelShape.of(config.model, config.optim)
+  topology = accelerators.tpu_topology(topology_name)
+  seq_len = config.data.max_target_length
+  base = dict(settings, remat_policy="full")
+  estimate = plan_model.estimate(model, base, topology, 1, seq_len, config.mesh.logical_axis_rules,
+                                 select_kernel(config.model.attn.attention, "tpu", config.model))
+  return model, plan_search.PlacementFill(model, seq_len), base, estimate, topology
+
+
+_FILL_SETTINGS = dict(ici_fsdp_parallelism=4, per_device_batch_size=2, gradient_accumulation_steps=1,
+                      optimizer_memory_host_offload=False)
+
+
+def _room_for(names, model_overrides: dict, settings: dict) -> float:
+  """The bytes per chip `names` take in HBM for `settings` (bf16, every layer)."""
+  from MaxText.aot import plan_model
+  widths = plan_model.tensor_widths(Config.for_testing(**model_overrides).model)
+  tokens = settings["per_device_batch_size"] * model_overrides["max_target_length"]
+  return sum(widths[n] for n in names) * tokens * 2 * model_overrides["base_num_decoder_layers"]
+
+
+def _limit(estimate, room: float) -> float:
+  """The HBM limit that leaves `room` bytes beside what the full-remat candidate holds."""
+  return estimate.total - max(estimate.gradients, estimate.activations) + estimate.activations + room + 1.0
+
+
+def test_the_planner_fills_free_memory_with_the_tensors_that_spare_the_most_recompute():
+  """Device-only placements between the presets' steps: from the full-remat candidate, the tensors with the
+  most re-run FLOPs per byte, as many as the free HBM holds; none without room; offloaded ones only where the
+  host link beats the recompute."""
+  model, fill, base, estimate, topology = _fill_setup(_PLAN_MODEL, _FILL_SETTINGS)
+  per_byte = [spared / width for _, width, spared in fill.order]
+  assert per_byte == sorted(per_byte, reverse=True)
+  # The MLP's output projection spares nothing: no backward op needs it (the residual add passes gradients on).
+  assert "mlpwo" not in [name for name, _, _ in fill.order]
+  assert fill.variants(base, estimate, topology, _limit(estimate, 0.0), {}) == []
+  first, second = (name for name, _, _ in fill.order[:2])
+  room = _room_for((first, second), _PLAN_MODEL, _FILL_SETTINGS)
+  (placed,) = fill.variants(base, estimate, topology, _limit(estimate, room), {})
+  keys = {k: v for k, v in placed.items() if k in remat_policies.TENSORS}
+  assert keys == {first: "device", second: "device"} and placed["remat_policy"] == "custom"
+  # Priced by the same model: more kept, less recompute, more HBM, nothing on the host.
+  custom = _estimate(remat_policy="custom", **keys)
+  assert custom.recompute_flops < estimate.recompute_flops and custom.host_activations == 0 == custom.host_s
+  assert custom.activations - estimate.activations == pytest.approx(room)
+  assert fill.variants(base, estimate, topology, _limit(estimate, room), {"remat_policy": "full"}) == []
+
+
+def test_a_fast_host_link_adds_a_mixed_placement(monkeypatch):
+  from MaxText.aot import plan_model
+  model, fill, base, estimate, topology = _fill_setup(_PLAN_MODEL, _FILL_SETTINGS)
+  first = fill.order[0][0]
+  room = _room_for((first,), _PLAN_MODEL, _FILL_SETTINGS)
+  assert len(fill.variants(base, estimate, topology, _limit(estimate, room), {})) == 1  # v5e's link: never pays
+  fast = plan_model.Links(ici=plan_model.LINKS["v5e"].ici, dcn=plan_model.LINKS["v5e"].dcn, host=1e18)
+  monkeypatch.setitem(plan_model.LINKS, "v5e", fast)
+  device, mixed = fill.variants(base, estimate, topology, _limit(estimate, room), {})
+  assert {k: v for k, v in device.items() if k in remat_policies.TENSORS} == {first: "device"}
+  assert {k: v for k, v in mixed.items() if k in remat_policies.TENSORS} == {
+      first: "device", **{name: "offload" for name, _, _ in fill.order[1:]}}
+
+
+# A model whose matmuls decide the compiled FLOPs; unscanned, so the cost analysis counts every layer.
+_FLOPS_MODEL = dict(base_emb_dim=256, base_num_query_heads=4, base_num_kv_heads=4, head_dim=64, base_mlp_dim=1024,
+                    base_num_decoder_layers=2, vocab_size=128, max_target_length=128, print_config=False,
+                    scan_layers=False, attention="dot_product")
+
+
+@pytest.mark.slow  # three CPU compiles and two v5e-4 AOT compiles: about a minute on a loaded 2-core machine
+def test_a_filled_placement_is_priced_like_its_compile():
+  """The generator's placement with room for every projection: the re-run FLOPs it spares are what the
+  compiled step drops (CPU cost analysis), and its memory is within the planner's tolerance of the
+  v5e-4 compile's heap (on test_plan's model, whose heap activations decide), with nothing on the host."""
+  from MaxText import plan
+  from MaxText.aot import plan_model
+  from test_plan import MEMORY_TOLERANCE, SMALL, analytic, argv
+  settings = dict(_FILL_SETTINGS, per_device_batch_size=1)
+  model, fill, base, estimate, topology = _fill_setup(_FLOPS_MODEL, settings)
+  projections = [n for n, _, _ in fill.order if n != "context"]
+  room = _room_for(projections, _FLOPS_MODEL, settings)
+  (placed,) = fill.variants(base, estimate, topology, _limit(estimate, room), {})
+  keys = {k: v for k, v in placed.items() if k in remat_policies.TENSORS}
+  assert set(keys) == {"query_proj", "key_proj", "value_proj", "out_proj", "mlpwi_0", "mlpwi_1"}
+
+  def compiled_flops(**overrides) -> float:
+    run = Run(Config.for_testing(**_FLOPS_MODEL, per_device_batch_size=1, **overrides))
+    cost = run.step_fn.lower(run.init(), next(run.data), run.rng).compile().cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+  full, filled, none = (compiled_flops(remat_policy="full"), compiled_flops(remat_policy="custom", **keys),
+                        compiled_flops(remat_policy="none"))
+  cfg = Config.for_testing(**_FLOPS_MODEL).model
+  rerun = lambda policy: plan_model.rerun_flops(cfg, policy, 128)  # noqa: E731  (one sequence per device)
+  spared = rerun(remat_policies.by_name("full")) - rerun(remat_policies.custom(keys))
+  assert full - filled == pytest.approx(spared, rel=0.03)
+  assert filled > none  # the scores and the attention output are still re-run
+
+  # The memory on test_plan's model whose heap its activations decide, with that model's fill.
+  settings = dict(_FILL_SETTINGS, per_device_batch_size=4)
+  model, fill, base, estimate, topology = _fill_setup(SMALL, settings)
+  room = _room_for([n for n, _, _ in fill.order if n != "context"], SMALL, settings)
+  (placed,) = fill.variants(base, estimate, topology, _limit(estimate, room), {})
+  keys = {k: v for k, v in placed.items() if k in remat_policies.TENSORS}
+  assert set(keys) == {"query_proj", "key_proj", "value_proj", "out_proj", "mlpwi_0", "mlpwi_1"}
+  overrides = dict(SMALL, remat_policy="custom", per_device_batch_size=4, **keys)
+  priced = analytic("v5e-4", **overrides)
+  heap = plan.compile_figures(argv(compile_topology="v5e-4", **overrides))
+  assert heap["status"] == "compiled" and heap["host_bytes"] == 0 == priced.host_activations
+  low, high = MEMORY_TOLERANCE
+  assert low * heap["total"] <= priced.total <= high * heap["total"]

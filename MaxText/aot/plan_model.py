@@ -87,6 +87,7 @@ class Estimate:
   unsharded: float  # fraction of parameter bytes not split over every non-data axis
   host_activations: float = 0.0  # in the host's pinned memory: what an *_offloaded remat policy keeps
   host_optimizer: float = 0.0  # in the host's pinned memory: the optimizer state, when offloaded
+  recompute_flops: float = 0.0  # per chip per step: the forward FLOPs the backward pass re-runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,13 +165,50 @@ def tensor_widths(cfg: ModelConfig) -> dict[str, float]:
   dense = cfg.mlp_dim * max(cfg.moe.shared_experts, 1) if not moe or cfg.moe.shared_experts else 0
   rope = cfg.mla.qk_rope_head_dim
   gated = len(cfg.mlp_activations) > 1  # two input projections (layers/mlp.py names them mlpwi_0, mlpwi_1)
-  return {"decoder_layer_input": d, "query_proj": n * h, "key_proj": k * h, "value_proj": k * h, "context": n * h,
-          "attention_out": n * h, "out_proj": d, "query_wa_proj": cfg.mla.q_lora_rank,
-          "kv_wa_proj": cfg.mla.kv_lora_rank + rope if cfg.attn.attention_type == "mla" else 0,
-          "mla_q": cfg.mla.q_lora_rank, "mla_kv": cfg.mla.kv_lora_rank if cfg.attn.attention_type == "mla" else 0,
+  mla = cfg.attn.attention_type == "mla"  # whose attention output is `attention_out`; the others' is `context`
+  return {"decoder_layer_input": d, "query_proj": n * h, "key_proj": k * h, "value_proj": k * h,
+          "context": 0 if mla else n * h, "attention_out": n * h if mla else 0, "out_proj": d, "query_wa_proj": cfg.mla.q_lora_rank,
+          "kv_wa_proj": cfg.mla.kv_lora_rank + rope if mla else 0,
+          "mla_q": cfg.mla.q_lora_rank, "mla_kv": cfg.mla.kv_lora_rank if mla else 0,
           "mlpwi": 0 if gated else dense, "mlpwi_0": dense if gated else 0, "mlpwi_1": dense if gated else 0,
           "mlpwo": d if dense else 0, "moe_mlpwi_0": routed, "moe_mlpwi_1": routed if gated else 0,
           "moe_mlpwo": d if routed else 0}
+
+
+def recompute_flops(cfg: ModelConfig) -> dict[str, float]:
+  """Per token and layer, the forward FLOPs the backward pass re-runs when a named tensor is not kept:
+  the matmul that makes it. The MLP output projections' results feed only the residual add, which no
+  backward op needs, so dropping them costs nothing; a norm's output costs no matmul; the attention
+  output (`context`, MLA's `attention_out`) is priced per sequence (rerun_flops), as it grows with
+  the length. Additive over the tensors, as compiled FLOPs show (tests/test_remat_custom.py)."""
+  widths = tensor_widths(cfg)
+  d = cfg.emb_dim
+  mla = cfg.attn.attention_type == "mla"
+  value_dim = cfg.mla.v_head_dim if mla else cfg.head_dim
+  # What each projection reads per token: the layer's (normalised) input, MLA's latents for its up-projections.
+  reads = {name: d for name in widths}
+  reads.update(decoder_layer_input=0, mla_q=0, mla_kv=0, mlpwo=0, moe_mlpwo=0, context=0, attention_out=0)
+  if mla:
+    reads.update(query_proj=cfg.mla.q_lora_rank or d, key_proj=cfg.mla.kv_lora_rank, value_proj=cfg.mla.kv_lora_rank)
+  flops = {name: 2 * reads[name] * width for name, width in widths.items()}
+  flops["out_proj"] = 2 * cfg.num_query_heads * value_dim * d
+  return flops
+
+
+def rerun_flops(cfg: ModelConfig, policy: remat_policies.RematPolicy, seq_len: int) -> float:
+  """Forward FLOPs per sequence that `policy`'s backward pass re-runs over every layer: the matmuls
+  of the tensors it does not keep, the attention scores (re-run whatever is kept: the softmax's
+  backward needs them), and the probabilities-times-values product unless the attention output is kept."""
+  if policy.keeps == "everything":
+    return 0.0
+  kept = set(policy.names)
+  projections = sum(f for name, f in recompute_flops(cfg).items() if name not in kept)
+  value_dim = cfg.mla.v_head_dim if cfg.attn.attention_type == "mla" else cfg.head_dim
+  pairs = metrics.attended_pairs(cfg, seq_len, causal=True)
+  attention = 2 * cfg.num_query_heads * cfg.head_dim * pairs
+  if not kept & {"context", "attention_out"}:
+    attention += 2 * cfg.num_query_heads * value_dim * pairs
+  return seq_len * cfg.num_decoder_layers * projections + attention
 
 
 def kept_width(cfg: ModelConfig, policy: remat_policies.RematPolicy, on_host: bool) -> float:
@@ -252,6 +290,7 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   pipe = pipeline_shape(candidate, stages)
 
   params, unsharded = param_layout(model, mesh_shape, rules)
+  global_batch = pdb * chips
   optimizer = params * model.opt_multiple
   gradients = params  # gradients in the parameter dtype, sharded like the parameters
   # Activations per chip for one microbatch: the batch is split over every device, the
@@ -279,11 +318,11 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   device_optimizer = optimizer * OFFLOADED_OPTIMIZER_ON_DEVICE if offload_opt else optimizer
   total = params + device_optimizer + max(gradients, activations) + accumulated
 
-  global_batch = pdb * chips
   flops = metrics.training_tflops_per_step(cfg, max(1, round(global_batch)), seq_len)
   flops_per_chip = flops.total_tflops * 1e12 / chips
-  # Rematerialisation re-runs the forward matmuls it did not save.
-  compute_s = flops_per_chip * (1 + policy.recompute + pipe.extra_compute) / (gen.peak_tflops * 1e12) / (1 - pipe.bubble)
+  # Rematerialisation re-runs the forward matmuls whose results it did not keep.
+  recompute = rerun_flops(cfg, policy, seq_len) * global_batch / chips
+  compute_s = (flops_per_chip * (1 + pipe.extra_compute) + recompute) / (gen.peak_tflops * 1e12) / (1 - pipe.bubble)
 
   # Collectives per chip per step (ring algorithms: (g-1)/g of the buffer crosses the links).
   def ring(nbytes: float, group: int) -> float:
@@ -340,7 +379,7 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   return Estimate(params, device_optimizer, gradients, activations, total, flops_per_chip,
                   compute_s, ici_s + exposed_s, dcn_s, host_s, step_s, mfu, global_batch * seq_len / chips / step_s, tuple(caveats),
                   unsharded, offloaded_activations(cfg, policy, tokens) * pipe.live_share,
-                  optimizer if offload_opt else 0.0)
+                  optimizer if offload_opt else 0.0, recompute)
 
 
 @dataclasses.dataclass(frozen=True)

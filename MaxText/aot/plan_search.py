@@ -13,6 +13,7 @@ import itertools
 import math
 from typing import Any, Iterator, Mapping, Sequence
 
+from MaxText.aot import plan_model
 from MaxText.aot.plan_model import GIB, Estimate, ModelShape, estimate, mesh_of
 from MaxText.configuration import remat_policies
 from MaxText.configuration.model_config import ModelConfig
@@ -140,6 +141,65 @@ def _with_placements(candidate: dict[str, Any], fixed: Mapping[str, Any]) -> dic
   elif policy == "custom":
     candidate.update({n: fixed[n] for n in remat_policies.TENSORS if n in fixed})
   return candidate
+
+
+class PlacementFill:
+  """remat_policy=custom placements chosen per candidate by the memory model, between the presets' steps:
+  from a full-remat candidate, the tensors that spare the most re-run FLOPs per byte kept in HBM, as many
+  as fit beside what the candidate holds (device-only); then, of the rest, those whose host transfers
+  the analytical model prices below their recompute, as far as the host's memory goes (mixed). Priced
+  per tensor like any placement (plan_model.estimate)."""
+
+  def __init__(self, model: ModelShape, seq_len: int):
+    cfg = model.cfg
+    self.cfg, self.seq_len = cfg, seq_len
+    full = remat_policies.by_name("full")
+    rerun = plan_model.rerun_flops(cfg, full, seq_len)
+    per_token_layer = seq_len * max(1, cfg.num_decoder_layers)
+    widths = plan_model.tensor_widths(cfg)
+    # (name, elements per token and layer, re-run FLOPs it spares per token and layer), most FLOPs per byte first.
+    spared = [(name, widths[name], (rerun - plan_model.rerun_flops(cfg, remat_policies.custom({name: "device"}),
+                                                                      seq_len)) / per_token_layer)
+              for name in remat_policies.PRODUCED if name not in remat_policies.NOT_RECOMPUTABLE and widths[name] > 0]
+    self.order = sorted((t for t in spared if t[2] > 0), key=lambda t: (-t[2] / t[1], -t[1]))
+    # What each searched preset keeps of this model's tensors, and where.
+    self.presets = [{**{n: "device" for n in policy.device if widths.get(n, 0) > 0},
+                     **{n: "offload" for n in policy.offload if widths.get(n, 0) > 0}}
+                    for policy in map(remat_policies.by_name, SEARCHED_POLICIES)]
+
+  def variants(self, settings: Mapping[str, Any], base: Estimate, topology: accelerators.TpuTopology,
+               limit: float, fixed: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The device-only and the mixed placement for the full-remat candidate `settings` (estimated as
+    `base`), each as a candidate, when it keeps something no searched preset spells; none when the
+    user fixed the remat policy."""
+    if "remat_policy" in fixed or settings.get("remat_policy") != "full" or not self.order:
+      return []
+    gen = topology.generation
+    pipe = plan_model.pipeline_shape(settings, plan_model.mesh_of(settings)["stage"])
+    tokens = float(settings["per_device_batch_size"]) / int(settings.get("gradient_accumulation_steps", 1)) * self.seq_len
+    per_element = tokens * 2 * self.cfg.num_decoder_layers  # bf16 bytes per element per token and layer
+    room = limit - (base.total - max(base.gradients, base.activations)) - base.activations
+    device: list[str] = []
+    for name, width, _ in self.order:
+      if width * per_element * pipe.live_share <= room:
+        device.append(name)
+        room -= width * per_element * pipe.live_share
+    # Offloading pays where sending a tensor out and back takes less than re-running its matmul.
+    links = plan_model.LINKS.get(gen.name, plan_model.LINKS["v5e"])
+    host_room = min(plan_model.XLA_HOST_TEMPORARIES - base.host_activations,
+                    (gen.host_gib * GIB if gen.host_gib is not None else math.inf) - base.host_activations
+                    - base.host_optimizer)
+    offload: list[str] = []
+    for name, width, spared in self.order:
+      held = width * per_element * pipe.live_share
+      if name not in device and 2 * 2 * width / links.host < spared / (gen.peak_tflops * 1e12) and held <= host_room:
+        offload.append(name)
+        host_room -= held
+    found: list[dict[str, str]] = []
+    for placed in ({n: "device" for n in device}, {**{n: "device" for n in device}, **{n: "offload" for n in offload}}):
+      if placed and placed not in self.presets and placed not in found:
+        found.append(placed)
+    return [{**settings, "remat_policy": "custom", **placed} for placed in found]
 
 
 def _batch_divides(candidate: Mapping[str, Any], chips: int, seq_len: int, data_sharding: Sequence[str]) -> bool:

@@ -75,10 +75,9 @@ class RematPolicy:
   keeps: Keeps
   device: tuple[str, ...] = ()  # named tensors kept in HBM (keeps="names"; with "dots": what the dots amount to)
   offload: tuple[str, ...] = ()  # named tensors kept in pinned host memory, back for the backward pass
-  # What the planner counts as kept per token and layer besides the layer input, and the share of
-  # the forward's matmul FLOPs the backward re-runs.
+  # What the planner counts as kept per token and layer besides the layer input (what the backward
+  # re-runs it counts from the tensors kept: plan_model.rerun_flops).
   saved: tuple[Width, ...] = ()
-  recompute: float = 0.0
   searched_by_planner: bool = True
 
   @property
@@ -120,12 +119,12 @@ _ATTENTION: tuple[Width, ...] = ("qkv", "out")
 
 # In the order the planner searches them (it breaks ties between equal estimates by this order).
 REMAT_POLICIES: tuple[RematPolicy, ...] = (
-    RematPolicy("full", "nothing", recompute=1 / 3),
-    RematPolicy("save_qkv_proj", "names", QKV_PROJ, saved=("qkv",), recompute=0.22),
-    RematPolicy("save_dot_except_mlp", "names", ATTENTION_PROJ, saved=_ATTENTION, recompute=0.2),
-    RematPolicy("minimal", "dots", PROJECTIONS, saved=_MINIMAL, recompute=0.02),
-    RematPolicy("minimal_offloaded", "dots", offload=PROJECTIONS, saved=_MINIMAL, recompute=0.02),
-    RematPolicy("save_dot_except_mlp_offloaded", "names", offload=ATTENTION_PROJ, saved=_ATTENTION, recompute=0.2),
+    RematPolicy("full", "nothing"),
+    RematPolicy("save_qkv_proj", "names", QKV_PROJ, saved=("qkv",)),
+    RematPolicy("save_dot_except_mlp", "names", ATTENTION_PROJ, saved=_ATTENTION),
+    RematPolicy("minimal", "dots", PROJECTIONS, saved=_MINIMAL),
+    RematPolicy("minimal_offloaded", "dots", offload=PROJECTIONS, saved=_MINIMAL),
+    RematPolicy("save_dot_except_mlp_offloaded", "names", offload=ATTENTION_PROJ, saved=_ATTENTION),
     RematPolicy("none", "everything", saved=_MINIMAL + ("attn", "norms", "mlp_act"), searched_by_planner=False),
     RematPolicy("custom", "names", searched_by_planner=False),  # its tensors from the placement keys (custom())
 )
@@ -166,16 +165,11 @@ def placement_label(placements: Mapping[str, object]) -> str:
 
 def custom(placements: Mapping[str, str]) -> RematPolicy:
   """The policy `remat_policy=custom` runs for `placements` (tensor key -> remat | device | offload;
-  keys left out are recomputed). The planner's recompute share is that of the lightest preset
-  keeping at least the widths it keeps (full remat's when it keeps none)."""
+  keys left out are recomputed)."""
   # The layer input is jax.checkpoint's own argument: kept without a name unless it is offloaded.
   device = tuple(n for n in PRODUCED if placements.get(n) == "device" and n not in NOT_RECOMPUTABLE)
   offload = tuple(n for n in PRODUCED if placements.get(n) == "offload")
-  keeps_widths = set(_widths_of(device + offload))
-  shares = [p.recompute for p in REMAT_POLICIES if p.name in PRESET_PLACEMENTS and keeps_widths <= set(p.saved)]
-  recompute = max(shares) if shares else min(p.recompute for p in REMAT_POLICIES if p.name in PRESET_PLACEMENTS)
-  return RematPolicy("custom", "names", device, offload, saved=_widths_of(device + offload), recompute=recompute,
-                     searched_by_planner=False)
+  return RematPolicy("custom", "names", device, offload, saved=_widths_of(device + offload), searched_by_planner=False)
 
 
 def check_placements(placements: Mapping[str, object]) -> list[str]:
