@@ -24,7 +24,7 @@ from MaxText.input_pipeline import chat  # noqa: E402
 from MaxText.rl import environments, episodes, interleaved_episodes, rollouts  # noqa: E402
 
 ROWS = 4
-LIMITS = episodes.Limits(max_turns=3, max_turn_tokens=5, max_context=112, max_episode_tokens=128)
+LIMITS = episodes.Limits(max_turns=3, max_turn_tokens=5, max_context=88, max_episode_tokens=96)
 
 
 class Sleepy:
@@ -61,8 +61,8 @@ def tokenizer(tmp_path_factory) -> chat.ChatTokenizer:
 
 
 def _engine(tiny_overrides: dict, **extra) -> tuple[Engine, object]:
-  config = Config.for_testing(**{**tiny_overrides, "vocab_size": 256, "max_target_length": 128,
-                                 "max_prefill_predict_length": 112, "dtype": "float32", **extra})
+  config = Config.for_testing(**{**tiny_overrides, "vocab_size": 256, "max_target_length": 96,
+                                 "max_prefill_predict_length": 88, "dtype": "float32", **extra})
   engine = Engine(config, num_slots=ROWS)
   return engine, engine.load_params()
 
