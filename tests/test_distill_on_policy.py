@@ -220,3 +220,33 @@ def test_a_teacher_of_another_vocabulary_or_tokenizer_is_one_line(tiny_overrides
                           str(run_dir))
   with pytest.raises(UserError, match="was trained with tokenizer other_tokenizer .* the student reads tokenizer"):
     build_run(_config(tiny_overrides, str(run_dir), distill_teacher_model_name=""), devices=jax.devices()[:1])
+
+
+# ---- resume -----------------------------------------------------------------------------------------
+
+@pytest.mark.slow  # three training processes
+def test_a_distillation_run_stopped_and_rerun_trains_bitwise_like_the_whole_run(tmp_path):
+  """The teacher is saved with the run's checkpoints, the rollouts are seeded by the step: a run
+  stopped at its checkpoint and rerun logs exactly the uninterrupted run's steps."""
+  from tests.test_grpo_run import MODEL, REWARDS, _metrics, _train, prepare
+
+  prepare(tmp_path)
+  (tmp_path / "task_rewards.py").write_text(REWARDS)
+  teacher_model = {**MODEL, "base_num_decoder_layers": 3}
+  config = Config.for_testing(**teacher_model)
+  params_io.save_params(str(tmp_path / "teacher"),
+                        jax.jit(models.build_model_spec(config.model).init_params)(jax.random.key(5)))
+  overrides = ",".join(f"{k}={v}" for k, v in teacher_model.items() if k != "max_target_length")
+  extra = (f"distill_teacher_path={tmp_path / 'teacher'}", "distill_teacher_model_name=default",
+           f"distill_teacher_overrides={overrides}", "rl_teacher_kl_weight=1", "rl_reward_advantage_weight=0.5",
+           "checkpoint_period=3")
+  whole = _train(tmp_path, tmp_path / "whole", "steps=6", *extra)
+  assert whole.returncode == 0, whole.stderr[-3000:]
+  first = _train(tmp_path, tmp_path / "halves", "steps=3", *extra)
+  second = _train(tmp_path, tmp_path / "halves", "steps=6", *extra)
+  assert first.returncode == 0 and second.returncode == 0, (first.stderr + second.stderr)[-3000:]
+  assert "state: resumed from step 3" in second.stdout
+  keys = ("reward", "loss", "grad_norm", "teacher_kl", "entropy")
+  records, resumed = _metrics(tmp_path / "whole"), _metrics(tmp_path / "halves")
+  assert all(r["teacher_kl"] > 0 for r in records)  # a random teacher: far from the student
+  assert [[r[k] for k in keys] for r in resumed if r["step"] > 3] == [[r[k] for k in keys] for r in records[3:]]
