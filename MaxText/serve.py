@@ -112,30 +112,42 @@ def _codec(config: config_lib.Config) -> tuple[api.Codec, int | None]:
   return api.Codec(encode, tokenizer.decode, chat, chat_images, chat_tools, grammars, tool_format), tokenizer.eos_id
 
 
-def _emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[sched.Event]) -> Callable[[sched.Event], None]:
-  """A job's `emit` (called on the scheduler thread): events gather in a list that one callback on
-  the event loop moves into `queue`, so a call's several tokens wake the loop once, not once each."""
-  pending: list[sched.Event] = []
-  lock = threading.Lock()
+class _Mailbox:
+  """Carries the scheduler thread's events to one event loop: they gather by their job's queue, and
+  one callback on the loop moves each queue's events in as one list, so a call's tokens for every
+  job wake the loop once (and a stream sends them as one chunk)."""
 
-  def move() -> None:
-    with lock:
-      events = list(pending)
-      pending.clear()
-    for event in events:
-      queue.put_nowait(event)
+  def __init__(self, loop: asyncio.AbstractEventLoop):
+    self.loop = loop
+    self._lock = threading.Lock()
+    self._pending: dict[asyncio.Queue[list[sched.Event]], list[sched.Event]] = {}
 
-  def emit(event: sched.Event) -> None:
-    with lock:
-      pending.append(event)
-      if len(pending) > 1:  # a move is already on its way
+  def emitter(self, queue: asyncio.Queue[list[sched.Event]]) -> Callable[[sched.Event], None]:
+    """A job's `emit` (called on the scheduler thread) whose events arrive on `queue`."""
+
+    def emit(event: sched.Event) -> None:
+      with self._lock:
+        moving = bool(self._pending)  # a move is already on its way
+        self._pending.setdefault(queue, []).append(event)
+      if moving:
         return
-    try:
-      loop.call_soon_threadsafe(move)
-    except RuntimeError:  # the event loop is closed: the server is stopping
-      pass
+      try:
+        self.loop.call_soon_threadsafe(self._move)
+      except RuntimeError:  # the event loop is closed: the server is stopping
+        pass
 
-  return emit
+    return emit
+
+  def _move(self) -> None:
+    with self._lock:
+      pending, self._pending = self._pending, {}
+    for queue, events in pending.items():
+      queue.put_nowait(events)
+
+
+def _with_target(params: EngineParams, target: EngineParams) -> EngineParams:
+  """`params` with the target model's replaced: a speculative engine's are (target's, draft's)."""
+  return (target, params[1]) if isinstance(params, tuple) else target
 
 
 class Server:
@@ -153,20 +165,25 @@ class Server:
                              adapters.names if adapters is not None else tuple)
     self.scheduler = sched.Scheduler(engine, params, d.serve_max_queue, [] if eos_id is None else [eos_id]).start()
     if adapters is not None:  # an adapter added or removed: the scheduler's next engine call takes the new tables
-      adapters.swap = lambda new: setattr(self.scheduler, "params", new)
+      adapters.swap = lambda new: setattr(self.scheduler, "params", _with_target(self.scheduler.params, new))
     self.metrics = serve_metrics.ServeMetrics(self.scheduler.load)
     self._token_text: dict[int, str] = {}
+    self._mailbox: _Mailbox | None = None  # of the event loop that submitted last
 
   def token_text(self, token: int) -> str:
     if token not in self._token_text:
       self._token_text[token] = self.codec.decode([token])
     return self._token_text[token]
 
-  def submit(self, request: api.Request, score_prompt: bool) -> tuple[list[sched.Job], asyncio.Queue[sched.Event]]:
-    """Queues the request's choices as jobs whose events arrive on the returned queue (503 when
-    full, 400 when a choice needs more KV pages than the whole pool)."""
-    loop, queue = asyncio.get_running_loop(), asyncio.Queue[sched.Event]()
-    emit = _emitter(loop, queue)
+  def submit(self, request: api.Request, score_prompt: bool
+             ) -> tuple[list[sched.Job], asyncio.Queue[list[sched.Event]]]:
+    """Queues the request's choices as jobs whose events arrive on the returned queue, in lists
+    (503 when full, 400 when a choice needs more KV pages than the whole pool)."""
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue[list[sched.Event]]()
+    mailbox = self._mailbox
+    if mailbox is None or mailbox.loop is not loop:
+      mailbox = self._mailbox = _Mailbox(loop)
+    emit = mailbox.emitter(queue)
 
     if self.adapters is not None and request.model not in ("", self.limits.model_name):
       return self._submit_to_adapter(request, score_prompt, emit), queue
@@ -189,6 +206,7 @@ class Server:
     for c in request.choices:
       try:
         row = adapters.acquire(name)
+        key = adapters.cache_key(name)  # held by the request: it stays until release
       except lora_adapters.UnknownAdapter:  # removed since the request was read
         for _ in jobs:
           adapters.release(name)
@@ -201,7 +219,8 @@ class Server:
 
       jobs.append(sched.Job(c.index, c.prompt, c.max_tokens, dataclasses.replace(c.row, adapter=row), emit_releasing,
                             score_prompt, images=c.images,
-                            constraint=None if request.grammar is None else request.grammar.constraint()))
+                            constraint=None if request.grammar is None else request.grammar.constraint(),
+                            cache_key=key))
     try:
       self._submit(jobs)
     except api.ApiError:
@@ -219,11 +238,11 @@ class Server:
     except sched.TooLarge as e:
       raise api.ApiError(400, f"{e} (kv_num_pages)", "max_tokens", "context_length_exceeded") from None
 
-  async def events(self, jobs: list[sched.Job], queue: asyncio.Queue[sched.Event],
+  async def events(self, jobs: list[sched.Job], queue: asyncio.Queue[list[sched.Event]],
                    is_disconnected: Callable[[], Awaitable[bool]], route: str = ""
-                   ) -> AsyncGenerator[sched.Event, None]:
-    """The jobs' events until each is done; every unfinished job is cancelled when the consumer
-    stops early (client gone, deadline) or the deadline passes (504). The first token or prompt
+                   ) -> AsyncGenerator[list[sched.Event], None]:
+    """The jobs' events, in the lists they arrived in, until each is done; every unfinished job is
+    cancelled when the consumer stops early (client gone, deadline) or the deadline passes (504). The first token or prompt
     score is timed for /metrics under `route`."""
     timeout = self.decode_cfg.serve_request_timeout_seconds
     deadline = time.monotonic() + timeout
@@ -234,17 +253,17 @@ class Server:
           raise api.ApiError(504, f"the request took longer than serve_request_timeout_seconds={timeout}",
                              code="timeout")
         try:
-          event = await asyncio.wait_for(queue.get(), timeout=min(1.0, max(deadline - time.monotonic(), 0.001)))
+          events = await asyncio.wait_for(queue.get(), timeout=min(1.0, max(deadline - time.monotonic(), 0.001)))
         except asyncio.TimeoutError:
           if await is_disconnected():
             return
           continue
-        if isinstance(event, sched.Done):
-          remaining -= 1
-        elif first:
+        done = sum(isinstance(event, sched.Done) for event in events)
+        remaining -= done
+        if first and done < len(events):
           first = False
           self.metrics.observe_first_token(route, jobs[0].submitted)
-        yield event
+        yield events
     finally:
       for job in jobs:
         job.cancel()
@@ -373,6 +392,11 @@ def build_server(config: config_lib.Config, mesh: Mesh | None = None) -> Server:
   if d.serve_lora_adapters or d.serve_lora_slots:  # LoRA adapters beside the model, in adapter tables
     table_engine, adapters = lora_adapters.load_engine(config, d.serve_max_slots, fresh, d.serve_model_name or
                                                        config["model_name"], mesh)
+    if d.speculative_tokens:  # the named draft proposes without adapters; the target verifies with each slot's
+      speculative_engine.check_draft(config)
+      rounds, draft_params = speculative_engine.with_named_draft(speculative_engine.named_draft_config(config),
+                                                                 table_engine, d.speculative_tokens)
+      return Server(config, rounds, (adapters.params, draft_params), codec, eos_id, adapters)
     return Server(config, table_engine, adapters.params, codec, eos_id, adapters)
   engine, params = speculative_engine.load(config, d.serve_max_slots, fresh, mesh)
   return Server(config, engine, params, codec, eos_id)

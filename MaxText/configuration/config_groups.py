@@ -358,9 +358,6 @@ class DecodeConfig:
     _one_of(v, "quantize_weights", WEIGHT_QUANTIZATION_MODES)
     _require(v["quantize_weights_block"] >= 0, f"quantize_weights_block must be >= 0 (0: one scale per output "
              f"channel), got {v['quantize_weights_block']}")
-    _require(not (v["quantize_weights"] and v["serve_lora_adapters"]),
-             f"quantize_weights={v['quantize_weights']} does not combine with serve_lora_adapters yet (the adapter "
-             "tables' server reads the base weights itself, unconverted); set quantize_weights=\"\" or serve no adapters")
     _require(v["kv_page_size"] >= 1, f"kv_page_size must be >= 1, got {v['kv_page_size']}")
     _require(v["kv_num_pages"] >= 0, f"kv_num_pages must be >= 0 (0: enough for every slot at max_target_length), "
              f"got {v['kv_num_pages']}")

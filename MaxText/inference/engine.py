@@ -197,11 +197,13 @@ class Engine:
     pages = self.cache.pages
     return k if pages is None else np.clip(ends_T - 1 - pages.positions, 0, k)
 
-  def begin_prompt(self, slot: int, prompt: Sequence[int], images: image_prompts.PromptImages | None = None) -> int:
+  def begin_prompt(self, slot: int, prompt: Sequence[int], images: image_prompts.PromptImages | None = None,
+                   cache_key: bytes = b"") -> int:
     """Paged: the pages of `prompt` for `slot`, which generate steps skip until the last
-    `prefill_chunk` has run; where prefilling starts (page_prefill.PagePrefill.begin)."""
+    `prefill_chunk` has run; where prefilling starts (page_prefill.PagePrefill.begin). Prefix
+    caching shares pages only between prompts of the same `cache_key` (a LoRA adapter's)."""
     self._check_slot(slot)
-    start = self.page_prefill.begin(slot, prompt, images)
+    start = self.page_prefill.begin(slot, prompt, images, cache_key)
     self._busy[slot] = True
     return start
 

@@ -133,8 +133,10 @@ class DecodeEngine(Protocol):
   def insert(self, prefix: Any, state: EngineState, slot: int, row: int = 0) -> EngineState:
     """`state` with prompt `row` of `prefix` (what this engine's `prefill` returned) in slot `slot`."""
 
-  def begin_prompt(self, slot: int, prompt: Sequence[int], images: image_prompts.PromptImages | None = None) -> int:
-    """The slot's pages for `prompt`; returns how many leading tokens are already cached."""
+  def begin_prompt(self, slot: int, prompt: Sequence[int], images: image_prompts.PromptImages | None = None,
+                   cache_key: bytes = b"") -> int:
+    """The slot's pages for `prompt`; returns how many leading tokens are already cached (under the
+    same `cache_key`: what the cached keys and values depend on beyond the tokens, a LoRA adapter)."""
 
   def prefill_chunk(self, params: EngineParams, state: EngineState, slot: int, prompt: Sequence[int], start: int,
                     row_params: sampling.RowParams | None = None, seed: int = 0,

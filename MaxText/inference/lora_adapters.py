@@ -184,6 +184,9 @@ class Registry:
     self.swap = swap  # callable(new params) -> None, e.g. setting the scheduler's parameters
     self._by_name: dict[str, LoadedAdapter] = {}
     self._in_flight: dict[str, int] = {}
+    # Each load's own prefix-cache key: pages an adapter cached are never reused by another loaded in its row later.
+    self._cache_keys: dict[str, bytes] = {}
+    self._loads = 0
     self._lock = threading.Lock()  # names and in-flight counts: held briefly, requests take it
     self._changing = threading.Lock()  # an add or remove in progress
 
@@ -217,6 +220,8 @@ class Registry:
       self._set_params(self.table.set_row(self.params, loaded.row, adapter))  # before the name is usable
       with self._lock:
         self._by_name[name], self._in_flight[name] = loaded, 0
+        self._loads += 1
+        self._cache_keys[name] = f"lora-adapter {self._loads}\0".encode()
       return loaded
 
   def remove(self, name: str) -> LoadedAdapter:
@@ -230,7 +235,7 @@ class Registry:
           raise AdapterBusy(f"LoRA adapter {name!r} has {self._in_flight[name]} requests in flight; retry when they "
                             "end")
         loaded = self._by_name.pop(name)
-        del self._in_flight[name]
+        del self._in_flight[name], self._cache_keys[name]
       self._set_params(self.table.set_row(self.params, loaded.row, None))
       return loaded
 
@@ -243,6 +248,16 @@ class Registry:
         raise UnknownAdapter(name)
       self._in_flight[name] += 1
       return self._by_name[name].row
+
+  def cache_key(self, name: str) -> bytes:
+    """What the KV pages of `name`'s prompts are cached under (engine begin_prompt's cache_key; b"" for the
+    base model): prefix caching never hands one adapter's pages to another or to the base model."""
+    if name == self.base_name:
+      return b""
+    with self._lock:
+      if name not in self._cache_keys:
+        raise UnknownAdapter(name)
+      return self._cache_keys[name]
 
   def release(self, name: str) -> None:
     with self._lock:
@@ -273,9 +288,11 @@ def load_engine(config: Config, num_slots: int, fresh_note: str, base_name: str,
   target of the model when none is given), their rows serve_lora_slots (0: the start-up adapters').
   The base model's parameters: `base_params` when given, else load_parameters_path's (else fresh ones)."""
   d = config.decode
-  if d.speculative_tokens or d.quantize_weights:
-    raise UserError("LoRA adapter tables (serve_lora_adapters / serve_lora_slots) do not combine with "
-                    "speculative_tokens or quantize_weights yet; set those to their defaults")
+  if d.speculative_tokens and not (d.draft_model_name or d.draft_load_parameters_path):  # MTP heads draft inside
+    # the target's own call, which applies no adapter rows
+    raise UserError(f"LoRA adapter tables with speculative_tokens={d.speculative_tokens} need a named draft model "
+                    "(draft_model_name / draft_load_parameters_path), not the MTP heads; name one or set "
+                    "speculative_tokens=0")
   if config.model.lora.lora_rank:
     raise UserError("serve LoRA adapters beside a base model with lora_rank=0 (a LoRA checkpoint: export it merged "
                     "with MaxText.generate_param_only_checkpoint, or its adapters with lora_peft_export_path)")
@@ -290,15 +307,13 @@ def load_engine(config: Config, num_slots: int, fresh_note: str, base_name: str,
   table_cfg = table_config(config, rank, targets)
   path = model_assembly.parameters_path(config)
   engine = Engine(table_cfg, num_slots=num_slots, mesh=mesh)
-  if engine.cache.prefix_caching:
-    raise UserError("LoRA adapter tables do not combine with prefix caching yet (cached prompt pages are not keyed by "
-                    "adapter); set prefix_caching=false")
   if base_params is None and not path:
     distributed.log(fresh_note)
   if base_params is None:  # read as a server without adapters reads them
     base_params = model_assembly.build_model(config, mesh=engine.mesh).params(path)
   table = AdapterTable(engine, d.serve_lora_slots or len(named))
   params = table.with_tables(lora.combine(lora.split(dict(engine.spec.abstract_params))[0], base_params))
+  params = engine.prepare_params(params)  # quantize_weights: the base kernels 8-bit; the tables stay float
   registry = Registry(table, base_name, params)
   for name, adapter_path in named:
     registry.add(name, adapter_path)

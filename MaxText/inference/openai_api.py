@@ -510,10 +510,27 @@ class ChoiceText:
     if found:
       self.text, self.stopped = self.text[:min(found)], True
       return self.flush()
+    return self._send_to(self._safe_end())
+
+  def add_many(self, tokens: Sequence[int]) -> tuple[str, int]:
+    """`add` for several tokens: (the text now safe to send, how many of them it took: all, or those
+    up to the one that completed a stop sequence). Without stop sequences the tokens are decoded once."""
+    if self.stops:
+      deltas: list[str] = []
+      for taken, token in enumerate(tokens):
+        if self.stopped:
+          return "".join(deltas), taken
+        deltas.append(self.add(token))
+      return "".join(deltas), len(tokens)
+    self.tokens.extend(tokens)
+    self.text = self.decode(self.tokens)
+    return self._send_to(self._safe_end()), len(tokens)
+
+  def _safe_end(self) -> int:
     safe = len(self.text) - self._hold
     while safe > self.sent and self.text[safe - 1] == "\ufffd":  # an incomplete UTF-8 sequence so far
       safe -= 1
-    return self._send_to(safe)
+    return safe
 
   def flush(self) -> str:
     return self._send_to(len(self.text))

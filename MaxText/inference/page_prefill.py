@@ -72,6 +72,7 @@ class PagePrefill:
     self.cfg, self.decode, self.cache, self.model = cfg, decode, cache, model
     self.traces, self.default_sampling = traces, default_sampling
     self.snapshots: state_snapshots.RecurrentSnapshots | None = None
+    self._keys: dict[int, bytes] = {}  # slot -> its prompt's cache_key (begin)
     if snapshot_capacity:
       self.snapshots = state_snapshots.RecurrentSnapshots(
           snapshot_capacity, cache.prompt_pages, jax.eval_shape(cache.empty_caches), cfg.scan_layers, state_shardings)
@@ -84,28 +85,43 @@ class PagePrefill:
 
   def reset(self) -> None:
     """A new decode state."""
+    self._keys.clear()
     if self.snapshots is not None:
       self.snapshots.reset()
 
   def release(self, slot: int) -> None:
+    self._keys.pop(slot, None)
     if self.snapshots is not None:
       self.snapshots.forget(slot)
 
-  def begin(self, slot: int, prompt: Sequence[int], images: image_prompts.PromptImages | None = None) -> int:
+  def begin(self, slot: int, prompt: Sequence[int], images: image_prompts.PromptImages | None = None,
+            cache_key: bytes = b"") -> int:
     """The pages of `prompt` for `slot`, which generate steps skip until the last chunk has run
     (raises OutOfPages, nothing changed, when they are not free). Returns where prefilling starts:
     after the prompt's leading pages another request already cached (prefix caching; with
-    `images`, pages keyed by their content too, and never inside an image's run), else 0."""
+    `images`, pages keyed by their content too, and never inside an image's run; with a
+    `cache_key`, only pages cached under the same key), else 0."""
     pages = self.cache.prompt_pages()
     limit = self.cfg.max_target_length
     if not 1 <= len(prompt) <= limit - 1:
       raise UserError(f"a prompt of {len(prompt)} tokens does not fit max_target_length={limit} with room to generate")
     runs = image_prompts.image_runs(prompt, self.cfg.vision, images)
-    salts = image_prompts.page_salts(runs, images, pages.page_size)
+    self._keys[slot] = cache_key
+    salts = self._salts(slot, runs, images, pages.page_size)
     start = pages.assign(slot, len(prompt), active=False, prompt=prompt, salts=salts, runs=runs)
     if self.snapshots is not None:  # assign shared pages only up to a boundary with a snapshot
       self.snapshots.begin(slot, prompt, start, salts)
     return start
+
+  def _salts(self, slot: int, runs: Sequence[image_prompts.Run], images: image_prompts.PromptImages | None,
+             page_size: int) -> dict[int, bytes]:
+    """The pages' salts (image_prompts.page_salts) with the slot's cache_key folded into page 0's: the
+    chain hash carries it into every later page, so prompts under different keys share none."""
+    salts = image_prompts.page_salts(runs, images, page_size)
+    key = self._keys.get(slot, b"")
+    if key:
+      salts[0] = key + salts.get(0, b"")
+    return salts
 
   def chunk(self, params: Params, state: DecodeState, slot: int, prompt: Sequence[int], start: int,
             row_params: sampling.RowParams | None = None, seed: int = 0,
@@ -130,7 +146,7 @@ class PagePrefill:
                                   jnp.int32(slot), jnp.asarray(pages.table[slot][None]), rows,
                                   None if pixels is None else jnp.asarray(pixels),
                                   None if mask is None else jnp.asarray(mask))
-    salts = image_prompts.page_salts(runs, images, pages.page_size)
+    salts = self._salts(slot, runs, images, pages.page_size)
     if self.snapshots is not None:
       self.snapshots.after_chunk(state.caches, slot, prompt, end, salts)
     if end < len(prompt):

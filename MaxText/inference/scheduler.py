@@ -117,6 +117,7 @@ class Job:
   on_cancel: Callable[[], None] | None = None  # set by submit: wakes the scheduler
   images: PromptImages | None = None  # a vision-language prompt's images, one per placeholder run
   constraint: TokenConstraint | None = None  # constrained decoding: the tokens it may get
+  cache_key: bytes = b""  # what its prompt's cached pages depend on beyond the tokens (its LoRA adapter)
 
   def cancel(self) -> None:
     if not self.cancelled:
@@ -132,6 +133,10 @@ _COUNTS = ("admitted", "released", "steps", "loops", "length", "stop", "cancelle
 def _images(job: Job) -> dict[str, Any]:
   """A text job calls the engine as before images existed (engines that take none stay usable)."""
   return {} if job.images is None else {"images": job.images}
+
+
+def _cache_key(job: Job) -> dict[str, Any]:
+  return {"cache_key": job.cache_key} if job.cache_key else {}
 
 
 def _masks(jobs: dict[int, Job], rows: int, name: str) -> dict[str, Any]:
@@ -244,8 +249,9 @@ class Scheduler:
 
   def _fits(self, job: Job) -> bool:
     need = self.pages_needed(job)
-    return not need or self.engine.admission_pages(self._reserved, job.prompt, need, job.images is None) \
-        <= self._pages_total
+    # Pages a keyed or image prompt will share are not predicted: it counts whole.
+    text_only = job.images is None and not job.cache_key
+    return not need or self.engine.admission_pages(self._reserved, job.prompt, need, text_only) <= self._pages_total
 
   def _loop(self) -> None:
     while True:
@@ -308,7 +314,7 @@ class Scheduler:
       self._finish(job, None, "length")
       return
     if self._into_pages:
-      cached = self.engine.begin_prompt(slot, job.prompt, **_images(job))
+      cached = self.engine.begin_prompt(slot, job.prompt, **_images(job), **_cache_key(job))
       self.counts["prefix_cached_tokens"] += cached
       with self._wake:
         self._prefilling[slot] = (job, cached)

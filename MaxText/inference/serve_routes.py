@@ -37,21 +37,44 @@ def _choices(server: "Server", request: api.Request) -> dict[int, _Choice]:
   return {c.index: _Choice(api.ChoiceText(server.codec.decode, request.stop), c.prompt) for c in request.choices}
 
 
-def _apply(event: sched.Event, choice: _Choice, job: sched.Job) -> str:
-  """Folds one event into its choice; returns the new text that is safe to send."""
-  if isinstance(event, sched.PromptScores):
-    choice.prompt_scores = event
+Unit = list[sched.Token] | sched.PromptScores | sched.Done  # what one chunk of a stream answers
+
+
+def _units(events: list[sched.Event]) -> list[Unit]:
+  """`events` with each run of one choice's consecutive tokens gathered: their text goes out in one
+  chunk (a call of several decode steps gives a slot several tokens at once)."""
+  units: list[Unit] = []
+  for event in events:
+    if not isinstance(event, sched.Token):
+      units.append(event)
+    elif units and isinstance(units[-1], list) and units[-1][0].index == event.index:
+      units[-1].append(event)
+    else:
+      units.append([event])
+  return units
+
+
+def _index(unit: Unit) -> int:
+  return unit[0].index if isinstance(unit, list) else unit.index
+
+
+def _apply(unit: Unit, choice: _Choice, job: sched.Job) -> str:
+  """Folds one unit into its choice; returns the new text that is safe to send."""
+  if isinstance(unit, sched.PromptScores):
+    choice.prompt_scores = unit
     return ""
-  if isinstance(event, sched.Token):
+  if isinstance(unit, list):
     if choice.text.stopped:
       return ""  # tokens the slot made before the scheduler saw the cancellation
-    choice.tokens.append(event.token)
-    choice.logprobs.append(event.logprob)
-    choice.tops.append(event.top)
-    delta = choice.text.add(event.token)
+    delta, taken = choice.text.add_many([token.token for token in unit])
+    for token in unit[:taken]:
+      choice.tokens.append(token.token)
+      choice.logprobs.append(token.logprob)
+      choice.tops.append(token.top)
     if choice.text.stopped:
       job.cancel()
     return delta
+  event = unit
   if event.reason == "error":
     raise api.ApiError(500, f"generation failed: {event.message}", code="generation_failed")
   choice.finish_reason = "stop" if choice.text.stopped or event.reason == "stop" else "length"
@@ -98,8 +121,9 @@ def add_routes(app: FastAPI, server: "Server", json_response: Any, streaming_res
                                 media_type="text/event-stream")
     choices = _choices(server, request)
     async with contextlib.aclosing(events):
-      async for event in events:
-        _apply(event, choices[event.index], jobs[event.index])
+      async for batch in events:
+        for unit in _units(batch):
+          _apply(unit, choices[_index(unit)], jobs[_index(unit)])
     return choices
 
   @app.get("/v1/models")
@@ -171,11 +195,11 @@ def _tool_chunks(index: int, splitter: tool_calls.ContentSplitter, finish_reason
 
 
 async def _stream(server: "Server", request: api.Request, jobs: list[sched.Job],
-                  events: AsyncGenerator[sched.Event, None], sse: Callable[[Any], str],
+                  events: AsyncGenerator[list[sched.Event], None], sse: Callable[[Any], str],
                   chat: bool) -> AsyncIterator[str]:
-  """Server-sent events: a chunk per piece of text (per token with logprobs), a last chunk per
-  choice with its finish_reason, the usage when stream_options asks for it, then [DONE]. An error
-  mid-stream is sent as an error event."""
+  """Server-sent events: a chunk per piece of text (the tokens of a choice that arrived together,
+  with their logprobs, one entry per token), a last chunk per choice with its finish_reason, the
+  usage when stream_options asks for it, then [DONE]. An error mid-stream is sent as an error event."""
   kind, prefix = ("chat.completion.chunk", "chatcmpl") if chat else ("text_completion", "cmpl")
   head: dict[str, Any] = {"id": _new_id(prefix), "object": kind, "created": int(time.time()),
                           "model": request.model or server.limits.model_name}
@@ -198,39 +222,46 @@ async def _stream(server: "Server", request: api.Request, jobs: list[sched.Job],
                                       "logprobs": None, "finish_reason": None}]})
     elif request.echo and request.logprobs is None:
       yield chunk(index, server.codec.decode(choice.prompt), None)
+  def answer(unit: Unit) -> list[str]:
+    """The chunks for one unit (none while its text is held back)."""
+    index = _index(unit)
+    choice = choices[index]
+    had = len(choice.tokens)
+    delta = _apply(unit, choice, jobs[index])
+    logprobs = None
+    if request.logprobs is not None and not chat:
+      if isinstance(unit, sched.PromptScores) and request.echo:
+        logprobs = _logprobs(server, choice, request.logprobs, echo=True, tokens=[])
+        delta = server.codec.decode(choice.prompt)
+      elif len(choice.tokens) > had:
+        logprobs = api.completion_logprobs(choice.tokens[had:], choice.logprobs[had:], list(choice.tops[had:]),
+                                           request.logprobs, server.token_text)
+    if index in splitters:
+      delta = splitters[index].add(delta)
+    out = []
+    if isinstance(unit, sched.Done) and index in splitters:
+      if delta:
+        out.append(chunk(index, delta, None))
+      bodies, finish_reason = _tool_chunks(index, splitters[index], choice.finish_reason)
+      out += [sse({**head, "choices": [body]}) for body in bodies]
+      out.append(chunk(index, None, finish_reason))
+    elif isinstance(unit, sched.Done):
+      out.append(chunk(index, delta or None, choice.finish_reason))
+    elif index in splitters:  # a call whose closing tag just arrived goes out now
+      if delta:
+        out.append(chunk(index, delta, None))
+      first = splitters[index].calls_sent
+      out += [sse({**head, "choices": [body]}) for body in _call_chunks(index, splitters[index].new_calls(), first)]
+    elif delta or logprobs is not None:
+      out.append(chunk(index, delta, None, logprobs))
+    return out
+
   try:
     async with contextlib.aclosing(events):  # closing it cancels the jobs (a client that went away)
-      async for event in events:
-        choice = choices[event.index]
-        had = len(choice.tokens)
-        delta = _apply(event, choice, jobs[event.index])
-        logprobs = None
-        if request.logprobs is not None and not chat:
-          if isinstance(event, sched.PromptScores) and request.echo:
-            logprobs = _logprobs(server, choice, request.logprobs, echo=True, tokens=[])
-            delta = server.codec.decode(choice.prompt)
-          elif len(choice.tokens) > had:
-            logprobs = api.completion_logprobs(choice.tokens[had:], choice.logprobs[had:], list(choice.tops[had:]),
-                                               request.logprobs, server.token_text)
-        if event.index in splitters:
-          delta = splitters[event.index].add(delta)
-        if isinstance(event, sched.Done) and event.index in splitters:
-          if delta:
-            yield chunk(event.index, delta, None)
-          bodies, finish_reason = _tool_chunks(event.index, splitters[event.index], choice.finish_reason)
-          for body in bodies:
-            yield sse({**head, "choices": [body]})
-          yield chunk(event.index, None, finish_reason)
-        elif isinstance(event, sched.Done):
-          yield chunk(event.index, delta or None, choice.finish_reason)
-        elif event.index in splitters:  # a call whose closing tag just arrived goes out now
-          if delta:
-            yield chunk(event.index, delta, None)
-          first = splitters[event.index].calls_sent
-          for body in _call_chunks(event.index, splitters[event.index].new_calls(), first):
-            yield sse({**head, "choices": [body]})
-        elif delta or logprobs is not None:
-          yield chunk(event.index, delta, None, logprobs)
+      async for batch in events:
+        for unit in _units(batch):
+          for line in answer(unit):
+            yield line
   except api.ApiError as e:
     yield sse(e.body())
   else:

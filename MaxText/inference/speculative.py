@@ -59,6 +59,7 @@ from MaxText.inference.decode_state import Caches, DecodeState, Prefix
 from MaxText.inference.engine import Engine
 from MaxText.inference.engine_api import TokenLogprobs
 from MaxText.inference.state_snapshots import has_recurrent_state
+from MaxText.layers import lora_rows
 from MaxText.layers.gated_deltanet import LinearState
 from MaxText.platform import sharding
 from MaxText.training.model_assembly import Params
@@ -210,11 +211,14 @@ class SpeculativeDecoder:
     positions_TK = positions_T[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
     target_caches = self.target.cache.with_table(state.target.caches, target_table_TM)
     target_before = target_caches
-    logits_TKV, target_caches = self.target.spec.apply_decode(target_params, tokens_TK, positions_TK, target_caches)
+    # The target verifies with each slot's LoRA adapter (its table row, lora_adapters.py); the draft has none.
+    with lora_rows.use_rows(rows.adapter_B):
+      logits_TKV, target_caches = self.target.spec.apply_decode(target_params, tokens_TK, positions_TK, target_caches)
     out_TK, num_accepted_T, last_T, logprobs = verify(logits_TKV, q_TkV, proposals_Tk, rows, draw_keys_TX, mask_TW)
     if self.replays[0]:
-      target_caches = roll_back_recurrent(self.target, target_params, tokens_TK, positions_TK, target_before,
-                                          target_caches, num_accepted_T, k)
+      with lora_rows.use_rows(rows.adapter_B):
+        target_caches = roll_back_recurrent(self.target, target_params, tokens_TK, positions_TK, target_before,
+                                            target_caches, num_accepted_T, k)
     if self.replays[1]:
       draft_caches = roll_back_recurrent(self.draft, draft_params, tokens_TK, positions_TK, draft_before, draft_caches,
                                          num_accepted_T, k)

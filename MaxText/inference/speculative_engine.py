@@ -123,13 +123,14 @@ class SpeculativeEngine:
   def insert(self, prefix: SpeculativePrefix, state: Any, slot: int, row: int = 0) -> Any:
     return self.decoder.insert((prefix.target, prefix.draft), state, slot, row)
 
-  def begin_prompt(self, slot: int, prompt: Sequence[int], images: image_prompts.PromptImages | None = None) -> int:
+  def begin_prompt(self, slot: int, prompt: Sequence[int], images: image_prompts.PromptImages | None = None,
+                   cache_key: bytes = b"") -> int:
     """Both engines' pages for the prompt; where the target's prefill starts (the draft keeps its own)."""
     _text_only([images])
-    start = self.target.begin_prompt(slot, prompt)
+    start = self.target.begin_prompt(slot, prompt, cache_key=cache_key)
     assert self.draft is not None  # prefills_into_pages
     try:
-      self._draft_done[slot] = self.draft.begin_prompt(slot, prompt)
+      self._draft_done[slot] = self.draft.begin_prompt(slot, prompt, cache_key=cache_key)
     except Exception:
       self.target.release(slot)
       raise
@@ -220,13 +221,25 @@ def load(config: Config, num_slots: int, fresh_note: str, mesh: Mesh | None = No
     target, target_params = load_engine(config, num_slots, fresh_note, mesh)
     return SpeculativeEngine(mtp_draft.MtpSpeculativeDecoder(target, config.decode.speculative_tokens)), \
         (target_params, None)
-  draft_cfg = draft_config(config)  # every mistake in the draft's keys before anything loads
+  draft_cfg = named_draft_config(config)
+  target, target_params = load_engine(config, num_slots, fresh_note, mesh)
+  engine, draft_params = with_named_draft(draft_cfg, target, config.decode.speculative_tokens)
+  return engine, (target_params, draft_params)
+
+
+def named_draft_config(config: Config) -> Config:
+  """The named draft's config (every mistake in its keys found before anything loads)."""
+  draft_cfg = draft_config(config)
   if draft_cfg.model.vocab_size != config.model.vocab_size:
     raise UserError(f"the draft model's vocab_size ({draft_cfg.model.vocab_size}) differs from the target's "
                     f"({config.model.vocab_size}): speculative decoding needs a draft with the target's tokenizer")
-  target, target_params = load_engine(config, num_slots, fresh_note, mesh)
-  draft, draft_params = load_engine(draft_cfg, num_slots,
+  return draft_cfg
+
+
+def with_named_draft(draft_cfg: Config, target: Engine, k: int) -> tuple[SpeculativeEngine, Params]:
+  """A SpeculativeEngine over `target` (a plain or an adapter-table engine) and the draft of `draft_cfg`
+  (its parameters loaded on the target's mesh), and the draft's parameters."""
+  draft, draft_params = load_engine(draft_cfg, target.num_slots,
                                     "speculative: no draft_load_parameters_path given; the draft has randomly "
                                     "initialised parameters", target.mesh)
-  decoder = speculative.SpeculativeDecoder(target, draft, config.decode.speculative_tokens)
-  return SpeculativeEngine(decoder), (target_params, draft_params)
+  return SpeculativeEngine(speculative.SpeculativeDecoder(target, draft, k)), draft_params

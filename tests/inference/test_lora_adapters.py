@@ -122,6 +122,103 @@ def test_chunked_prefill_into_pages_carries_each_slots_adapter(served):
   assert out == greedy(engine, registry.params, PROMPTS[:4], rows)
 
 
+@pytest.mark.slow  # a second table engine (paged, prefix caching): about 20 s on a loaded CPU
+def test_prefix_caching_shares_pages_only_under_the_same_adapter(served):
+  """A prompt cached under one adapter is reused by that adapter alone (not by another, nor by the base
+  model), and every request's tokens equal the uncached dense engine's."""
+  config, engine, registry, _, root = served
+  cached_config = Config.for_testing(**TINY, serve_lora_adapters=",".join(f"{n}={root / n}" for n, *_ in ADAPTERS[:3]),
+                                     serve_lora_slots=4, kv_cache_layout="paged", kv_page_size=2,
+                                     prefix_caching="true")
+  paged, paged_registry = lora_adapters.load_engine(cached_config, 4, "fresh", "base", one_device_mesh(),
+                                                    base_params=lora.split(jax.device_get(registry.params))[1])
+  prompt = [3, 1, 4, 1, 5, 9, 2, 6]  # three full pages can be shared (the last token is always prefilled)
+  picks = ["alpha", None, "beta", "alpha"]
+  rows = [RowParams(adapter=0 if p is None else paged_registry.acquire(p)) for p in picks]
+  assert [a.row for a in paged_registry.adapters()] == [a.row for a in registry.adapters()]
+  state, out, cached = paged.init_decode_state(), [], []
+  for slot, (pick, row) in enumerate(zip(picks, rows)):
+    key = paged_registry.cache_key(pick or "base")
+    start = paged.begin_prompt(slot, prompt, cache_key=key)
+    cached.append(start)
+    first = None
+    while first is None:
+      state, start, first = paged.prefill_chunk(paged_registry.params, state, slot, prompt, start, row)
+    out.append([int(jax.device_get(first[0])[0])])
+  assert cached == [0, 0, 0, 6]
+  for _ in range(5):
+    state, tokens = paged.generate(paged_registry.params, state)
+    for slot in range(4):
+      out[slot].append(int(tokens[slot]))
+  assert out == greedy(engine, registry.params, [prompt] * 4, rows)
+  assert len({tuple(o) for o in out}) == 3  # the adapters change the tokens (else equality proves nothing)
+  # A key belongs to one load: an adapter loaded again, in the same row, caches under a new key.
+  key = paged_registry.cache_key("beta")
+  paged_registry.release("beta")
+  paged_registry.remove("beta")
+  again = paged_registry.add("beta", str(root / "beta"))
+  assert paged_registry.cache_key("beta") not in (key, b"") and paged_registry.cache_key("base") == b""
+  assert again.row == rows[2].adapter
+
+
+@pytest.mark.slow  # a table engine and three reference engines: about a minute on a loaded CPU
+def test_quantized_weights_serve_each_adapter_as_an_engine_of_that_adapter_alone(served):
+  """quantize_weights=int8 with adapter tables: the base kernels 8-bit, the tables float; each row of a
+  mixed batch gives the tokens of an int8 engine holding only its adapter (unmerged, as GRPO's rollouts)."""
+  from MaxText.layers.weight_quantization import QuantizedWeight
+
+  config, _, registry, ours, root = served
+  base = lora.split(jax.device_get(registry.params))[1]
+  q_config = Config.for_testing(**TINY, serve_lora_adapters=",".join(f"{n}={root / n}" for n, *_ in ADAPTERS[:3]),
+                                serve_lora_slots=4, quantize_weights="int8")
+  engine, q_registry = lora_adapters.load_engine(q_config, 4, "fresh", "base", one_device_mesh(), base_params=base)
+  kernels = [x for x in jax.tree.leaves(q_registry.params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+             if isinstance(x, QuantizedWeight)]
+  assert kernels  # the base kernels are stored 8-bit
+  picks = ["alpha", None, "beta"]
+  rows = [RowParams(adapter=0 if p is None else q_registry.acquire(p)) for p in picks]
+  mixed = greedy(engine, q_registry.params, PROMPTS[:3], rows)
+  for slot, pick in enumerate(picks):
+    keys: dict = {}
+    params = base
+    if pick is not None:
+      _, rank, alpha, targets = next(a for a in ADAPTERS if a[0] == pick)
+      keys = dict(lora_rank=rank, lora_alpha=alpha, lora_target_modules=",".join(targets))
+      params = lora.combine(ours[pick], base)
+    alone = Engine(Config.for_testing(**TINY, **keys, quantize_weights="int8"), num_slots=1, mesh=one_device_mesh())
+    assert mixed[slot] == greedy(alone, alone.prepare_params(params), [PROMPTS[slot]], [RowParams()])[0], pick
+
+
+@pytest.mark.slow  # a table engine and a draft: about a minute on a loaded CPU
+def test_a_draft_without_adapters_proposes_and_the_target_verifies_with_each_slots_adapter(served):
+  """speculative_tokens with adapter tables: a small draft (no adapters) proposes, the table target verifies
+  with each slot's row; greedy rounds give each request the tokens plain decoding with its adapter gives."""
+  from MaxText.inference import speculative_engine
+
+  config, engine, registry, _, root = served
+  spec_config = Config.for_testing(**TINY, serve_lora_adapters=",".join(f"{n}={root / n}" for n, *_ in ADAPTERS[:3]),
+                                   serve_lora_slots=4, speculative_tokens=3, draft_model_name="default",
+                                   draft_overrides="base_emb_dim=16,base_num_query_heads=2,base_num_kv_heads=2,"
+                                                   "head_dim=8,base_mlp_dim=32,base_num_decoder_layers=1,vocab_size=64")
+  target, spec_registry = lora_adapters.load_engine(spec_config, 4, "fresh", "base", one_device_mesh(),
+                                                    base_params=lora.split(jax.device_get(registry.params))[1])
+  rounds, draft_params = speculative_engine.with_named_draft(speculative_engine.named_draft_config(spec_config),
+                                                             target, 3)
+  params = (spec_registry.params, draft_params)
+  picks = ["alpha", None, "beta", "gamma"]
+  rows = [RowParams(adapter=0 if p is None else spec_registry.acquire(p)) for p in picks]
+  state, out = rounds.init_decode_state(), []
+  for slot, (prompt, row) in enumerate(zip(PROMPTS, rows)):
+    prefix = rounds.prefill(params, [prompt], row_params=[row])
+    state = rounds.insert(prefix, state, slot)
+    out.append([int(jax.device_get(prefix.first_tokens_B)[0])])
+  while min(len(o) for o in out) < 6:
+    state, emitted = rounds.decode_step(params, state)
+    for slot in range(4):
+      out[slot] += [int(t) for t in np.asarray(emitted.tokens)[slot, :int(np.asarray(emitted.counts)[slot])]]
+  assert [o[:6] for o in out] == greedy(engine, registry.params, PROMPTS[:4], rows)
+
+
 # ---------------------------------------------------------------- the server: model names, admin routes
 KEY = "lora-key"
 SERVE_MODEL = dict(base_emb_dim=32, base_num_query_heads=4, base_num_kv_heads=2, head_dim=8, base_mlp_dim=64,
@@ -298,7 +395,7 @@ def test_admin_routes_are_off_without_an_api_key_and_echo_scores_only_the_base_m
 
 @pytest.mark.parametrize("keys, words", [
     (dict(serve_lora_adapters="nameless"), "serve_lora_adapters items are name=path"),
-    (dict(serve_lora_adapters="a=/x", speculative_tokens=2), "do not combine with speculative_tokens"),
+    (dict(serve_lora_adapters="a=/x", speculative_tokens=2), "need a named draft model"),
     (dict(serve_lora_adapters="a=/x", lora_rank=4), "beside a base model with lora_rank=0"),
     (dict(serve_lora_adapters="a={root}/head"), "LoRA adapters target ['lm_head'], which this model cannot serve"),
     (dict(serve_lora_adapters="a={root}/nothing"), "is not a PEFT LoRA adapter"),
@@ -322,3 +419,10 @@ def test_negative_table_sizes_are_config_errors():
 
   with pytest.raises(ConfigError, match="serve_lora_slots and serve_lora_max_rank must be >= 0"):
     Config.for_testing(**TINY, serve_lora_slots=-1)
+
+
+def test_an_adapter_swap_keeps_a_speculative_engines_draft_parameters():
+  from MaxText import serve
+
+  assert serve._with_target(("target", "draft"), "new") == ("new", "draft")
+  assert serve._with_target("target", "new") == "new"

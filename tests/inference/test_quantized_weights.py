@@ -156,8 +156,6 @@ def test_refused_values():
     Config.for_testing(**TINY, quantize_weights="int4")
   with pytest.raises(ConfigError, match="quantize_weights_block must be >= 0"):
     Config.for_testing(**TINY, quantize_weights="int8", quantize_weights_block=-1)
-  with pytest.raises(ConfigError, match="quantize_weights=int8 does not combine with serve_lora_adapters"):
-    Config.for_testing(**TINY, quantize_weights="int8", serve_lora_adapters=["a=/nowhere"])
   with pytest.raises(UserError, match="quantize_weights_block=24 does not divide the input axis of 64"):
     Engine(Config.for_testing(**TINY, quantize_weights="fp8", quantize_weights_block=24), mesh=one_device_mesh())
   with pytest.raises(ValueError, match="quantize_weights must be one of"):

@@ -102,8 +102,8 @@ def _streamed(text: str) -> list[dict]:
 
   async def events():
     for ch in text:
-      yield sched.Token(0, ord(ch), 0.0, [])
-    yield sched.Done(0, "stop")
+      yield [sched.Token(0, ord(ch), 0.0, [])]
+    yield [sched.Done(0, "stop")]
 
   async def collect():
     return [line async for line in serve_routes._stream(_Server(), request, [_Job()], events(),  # type: ignore[arg-type]

@@ -1,0 +1,119 @@
+"""A stream sends the tokens that reach it together (a call of several decode steps) as one chunk:
+the text and the per-token logprobs equal those of one chunk per token, stop sequences cut at the
+same place, and the scheduler thread's events wake the event loop once for every job (serve._Mailbox)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+from MaxText import serve
+from MaxText.inference import openai_api as api
+from MaxText.inference import scheduler as sched
+from MaxText.inference import serve_routes
+from MaxText.inference.sampling import RowParams
+
+TEXT = "hello, streaming world"
+
+
+class _Job:
+  cancelled = False
+
+  def cancel(self) -> None:
+    self.cancelled = True
+
+
+class _Server:
+  class limits:
+    model_name = "tiny"
+
+  codec = api.Codec(encode=lambda t: [5], decode=lambda ids: "".join(chr(i) for i in ids), chat=lambda m: [5])
+
+  @staticmethod
+  def token_text(token: int) -> str:
+    return chr(token)
+
+
+def _tokens(text: str) -> list[sched.Token]:
+  return [sched.Token(0, ord(ch), -0.5 - i, [(ord(ch), -0.5 - i)]) for i, ch in enumerate(text)]
+
+
+def _chunks(batches: list[list[sched.Event]], stop: list[str], chat: bool = False) -> tuple[list[dict], _Job]:
+  request = api.Request([api.Completion(0, [5], 99, RowParams())], stream=True, stop=stop,
+                        logprobs=None if chat else 1)
+  job = _Job()
+
+  async def events():
+    for batch in batches:
+      yield batch
+
+  async def collect():
+    return [line async for line in serve_routes._stream(_Server(), request, [job], events(),  # type: ignore[arg-type]
+                                                         lambda obj: json.dumps(obj), chat=chat)]
+
+  return [json.loads(c) for c in asyncio.run(collect()) if c.startswith("{")], job
+
+
+def _text_and_logprobs(chunks: list[dict]) -> tuple[str, list[str], list[float]]:
+  choices = [c["choices"][0] for c in chunks]
+  tokens = [t for c in choices if c.get("logprobs") for t in c["logprobs"]["tokens"]]
+  logprobs = [lp for c in choices if c.get("logprobs") for lp in c["logprobs"]["token_logprobs"]]
+  return "".join(c.get("text") or "" for c in choices), tokens, logprobs
+
+
+def test_tokens_that_arrive_together_go_out_as_one_chunk_with_a_logprob_per_token():
+  tokens = _tokens(TEXT)
+  one_each, _ = _chunks([[t] for t in tokens] + [[sched.Done(0, "length")]], stop=[])
+  together, _ = _chunks([tokens[:8], tokens[8:] + [sched.Done(0, "length")]], stop=[])
+  assert _text_and_logprobs(together) == _text_and_logprobs(one_each) == (TEXT, list(TEXT),
+                                                                          [-0.5 - i for i in range(len(TEXT))])
+  assert len(one_each) == len(TEXT) + 1 and len(together) == 3  # two calls' chunks, then the finish_reason
+  first = together[0]["choices"][0]
+  assert first["text"] == TEXT[:8] and first["logprobs"]["text_offset"] == list(range(8))
+  assert together[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_stop_sequence_inside_a_call_cuts_where_it_does_token_by_token():
+  tokens = _tokens(TEXT)
+  for stop in (["streaming"], [", s", "o"], ["zzz"]):
+    one_each, job_each = _chunks([[t] for t in tokens] + [[sched.Done(0, "cancelled")]], stop=stop)
+    together, job_together = _chunks([tokens, [sched.Done(0, "cancelled")]], stop=stop)
+    assert _text_and_logprobs(together) == _text_and_logprobs(one_each), stop
+    assert job_together.cancelled == job_each.cancelled == (stop != ["zzz"])
+  assert _text_and_logprobs(together)[0] == TEXT  # no stop found: all of it
+  text, got, _ = _text_and_logprobs(_chunks([tokens, [sched.Done(0, "cancelled")]], stop=[", s", "o"])[0])
+  assert text == "hell" and got == list("hello")  # the token that completed the stop is counted, as before
+
+
+def test_a_chat_stream_joins_a_calls_tokens_into_one_delta():
+  chunks, _ = _chunks([_tokens(TEXT), [sched.Done(0, "length")]], stop=[], chat=True)
+  deltas = [c["choices"][0]["delta"] for c in chunks]
+  assert deltas == [{"role": "assistant", "content": ""}, {"content": TEXT}, {}]
+
+
+def test_the_mailbox_wakes_the_loop_once_for_every_job_and_keeps_each_jobs_order():
+  async def main() -> list[list[list[int]]]:
+    loop = asyncio.get_running_loop()
+    mailbox = serve._Mailbox(loop)
+    queues = [asyncio.Queue[list[sched.Event]]() for _ in range(3)]
+    emits = [mailbox.emitter(q) for q in queues]
+    moves = []
+    original = mailbox._move
+    mailbox._move = lambda: (moves.append(1), original())  # type: ignore[method-assign]
+
+    def scheduler_thread() -> None:  # one call's tokens for three jobs, delivered before the loop runs
+      for step in range(4):
+        for job, emit in enumerate(emits):
+          emit(sched.Token(job, 10 * job + step, 0.0, []))
+
+    thread = threading.Thread(target=scheduler_thread)
+    thread.start()
+    thread.join()
+    got = [[[e.token for e in await q.get() if isinstance(e, sched.Token)]] for q in queues]
+    assert len(moves) == 1 and all(q.empty() for q in queues)
+    emits[1](sched.Done(1, "length"))  # the next event schedules the next move
+    assert [e.reason for e in await asyncio.wait_for(queues[1].get(), 5) if isinstance(e, sched.Done)] == ["length"]
+    return got
+
+  assert asyncio.run(main()) == [[[0, 1, 2, 3]], [[10, 11, 12, 13]], [[20, 21, 22, 23]]]
