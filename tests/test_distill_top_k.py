@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from MaxText import generate_teacher_top_k
+from MaxText.configuration import run_record
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError, UserError
 from MaxText.input_pipeline import teacher_top_k
@@ -117,6 +118,15 @@ def test_the_position_resumes_at_the_same_record(top_k_dir):
     assert all(np.array_equal(got[name], want[name]) for name in want)
   with pytest.raises(ConfigError, match="saved by a run that did not read distill_top_k_path"):
     run.data_iterator().set_state({"step": 1})
+
+
+def test_a_resume_may_not_switch_between_the_teacher_and_its_files(teacher_path, top_k_dir, tmp_path):  # noqa: F811
+  """The state holds the teacher in one case and not in the other: a checkpoint of one would not
+  restore as the other (it would be set aside as damaged), so the resume check refuses the switch."""
+  run_dir = str(tmp_path / "run")
+  run_record.record_start(_config(teacher_path), run_dir)
+  with pytest.raises(ConfigError, match=r"distill_top_k_path: '' -> '.*teacher_top_k'"):
+    run_record.check_resume(_config(teacher_path, distill_top_k_path=top_k_dir), run_dir, "checkpoint step 2")
 
 
 def _read_all(directory: str, **overrides: object) -> None:

@@ -145,7 +145,7 @@ def test_agreeing_old_and_new_objective_spellings_are_fine():
 
 
 def test_an_unknown_objective_lists_the_choices():
-  with pytest.raises(ConfigError, match=r"^objective must be one of lm, sft, dpo, grpo, distill; got 'rlhf'$"):
+  with pytest.raises(ConfigError, match=r"^objective must be one of lm, sft, dpo, grpo, distill, distill_sft; got 'rlhf'$"):
     config_lib.Config.for_testing(objective="rlhf")
 
 

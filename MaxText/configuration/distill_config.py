@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from MaxText.configuration.config_fields import key, read_keys
+from MaxText.configuration.config_fields import LAYOUT, key, read_keys
 from MaxText.configuration.config_fields import require as _require
 
 DISTILL_LOSSES = ("forward_kl", "reverse_kl")  # KL(teacher || student), KL(student || teacher)
@@ -23,8 +23,9 @@ class DistillConfig:
   distill_alpha: float = key()  # weight of the distillation term; 1 - alpha weighs the hard-label loss
   distill_temperature: float = key()  # both distributions are softened by it; the KL term is scaled by its square
   distill_top_k: int = key()  # 0: the full vocabulary; k: the teacher's k most likely tokens per position
-  # generate_teacher_top_k.py's output: the teacher's top k read beside the batches instead of running it
-  distill_top_k_path: str = key()
+  # generate_teacher_top_k.py's output: the teacher's top k read beside the batches instead of running it.
+  # Fixed on resume: with it the state holds no teacher, and the data position counts the files' batches.
+  distill_top_k_path: str = key(fixed_on_resume=LAYOUT)
 
   @property
   def top_k_from_files(self) -> int:
