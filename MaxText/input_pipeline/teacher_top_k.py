@@ -20,6 +20,7 @@ data stop the run in one line, however they came to differ.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -195,8 +196,18 @@ class TopKFiles:
         raise _refuse(directory, f"{path} holds {data.shape[0]} records of {data.dtype}, not {records} of "
                       f"{dtype}; write the files again")
       self._parts.append(data)
+    self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="teacher-top-k")
+    self._ahead: tuple[int, concurrent.futures.Future[np.ndarray]] | None = None
 
   def batch(self, number: int) -> np.ndarray:
+    """Batch `number`'s records; the next batch's are read ahead on a thread meanwhile."""
+    ahead, self._ahead = self._ahead, None
+    records = ahead[1].result() if ahead is not None and ahead[0] == number else self._read(number)
+    if number + 1 < self.num_batches:
+      self._ahead = (number + 1, self._reader.submit(self._read, number + 1))
+    return records
+
+  def _read(self, number: int) -> np.ndarray:
     if number >= self.num_batches:
       raise _refuse(self.directory, f"holds {self.num_batches} {self.split} batches; the run asks for batch "
                     f"{number + 1}: write them again with more steps")
