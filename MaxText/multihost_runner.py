@@ -9,7 +9,9 @@ tarball, starts the command on all of them at once over `gcloud compute tpus tpu
 slice 0 worker 0's output as it comes and keeps every worker's output in LOG_DIR. The exit code is
 0 only when every worker succeeded. Ctrl-C (or SIGTERM) stops the command on every worker: the
 remote command runs in its own process group whose id is kept in a file, so it can be killed even
-after the ssh session that started it is gone. Production jobs: see multihost_job.py.
+after the ssh session that started it is gone. Production jobs: see multihost_job.py. An elastic
+run (a lost slice shrinks the job, its return grows it back) is started by MaxText/elastic.py with
+these keys' names (tpu_prefix, num_slices, project, zone, ...).
 """
 
 from __future__ import annotations
