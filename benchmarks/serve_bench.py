@@ -10,8 +10,9 @@ inter-token latency (ITL) p50/p99 against the number of concurrent clients, and 
 A small random-init model (greedy, no end-of-sequence token, so every request makes max_tokens
 tokens) is served in this process on 127.0.0.1 through the real app (uvicorn, the scheduler
 thread); asyncio clients stream `/v1/completions` with token-id prompts of mixed lengths and
-`logprobs: 0`, which makes one server-sent event per token: TTFT is send → first token's event,
-ITL the gaps between a request's later events. Compilation happens in a warm-up round, untimed.
+`logprobs: 0`, which lists each token of a server-sent event (the tokens that reached the stream
+together share one), stamped at its event's arrival: TTFT is send → first token, ITL the gaps
+between a request's later tokens. Compilation happens in a warm-up round, untimed.
 long_prompt=N adds a mixed load: while the clients stream, one more client sends prompts of N
 tokens (one new token each) back to back; the table then reports the short streams' latencies,
 which a long prefill stalls unless it is chunked (prefill_chunk_sizes, paged layout only).

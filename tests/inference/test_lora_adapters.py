@@ -305,6 +305,44 @@ def test_server_picks_adapters_by_model_name_and_adds_and_removes_them_without_r
   srv.adapters.release("alpha")
 
 
+@pytest.mark.slow  # a second server (paged, a draft): about a minute on a loaded CPU
+def test_a_server_with_a_draft_and_prefix_caching_gives_each_adapter_its_own_tokens(server):
+  """serve_lora_adapters beside speculative_tokens (a named draft) and prefix caching: each request gets
+  its adapter's greedy text, and a cached prompt is reused by the same adapter only."""
+  import httpx
+  from tests.uvicorn_thread import UvicornThread
+  from MaxText.serve import build_app, build_server
+
+  config, _, _, ours, root = server
+  draft = "base_emb_dim=16,base_num_query_heads=2,base_num_kv_heads=2,head_dim=8,base_mlp_dim=32," \
+          "base_num_decoder_layers=1,vocab_size=272"
+  spec_config = Config.for_testing(**SERVE_MODEL, tokenizer_path=config.data.tokenizer_path, serve_lora_slots=3,
+                                   serve_lora_max_rank=4,
+                                   serve_lora_adapters=",".join(f"{n}={root / n}" for n, *_ in ADAPTERS[:2]),
+                                   kv_cache_layout="paged", kv_page_size=2, prefix_caching="true",
+                                   speculative_tokens=2, draft_model_name="default", draft_overrides=draft)
+  srv = build_server(spec_config, mesh=one_device_mesh())
+  http = UvicornThread(build_app(srv, api_key=KEY))
+  try:
+    client = httpx.Client(base_url=http.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    prompt = [5, 9, 2, 40, 7, 1, 3, 3, 8]
+    cached = []
+    for pick in ["alpha", "tiny", "beta", "alpha"]:
+      before = srv.scheduler.load()["prefix_cached_tokens"]
+      response = client.post("/v1/completions", json={"model": pick, "prompt": prompt, "max_tokens": 6,
+                                                       "temperature": 0})
+      assert response.status_code == 200, response.text
+      out = _expected(config, srv, ours, pick, prompt)
+      expected = srv.codec.decode(out[:out.index(2) + 1] if 2 in out else out)  # 2: "</s>"
+      assert response.json()["choices"][0]["text"] == expected, pick
+      cached.append(srv.scheduler.load()["prefix_cached_tokens"] - before)
+    assert cached == [0, 0, 0, 8]
+    client.close()
+  finally:
+    http.close()
+    srv.scheduler.stop()
+
+
 def httpx_post_without_key(client, body):
   import httpx
 
