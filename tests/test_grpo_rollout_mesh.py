@@ -133,6 +133,21 @@ def test_rollouts_made_ahead_stay_within_the_staleness_bound_and_resume_bitwise(
 
 
 @pytest.mark.slow  # two training processes
+def test_batches_made_ahead_are_the_batches_of_their_steps(workdir, tmp_path):  # noqa: F811
+  # With weights that do not move (a learning rate far below their float32 spacing), every copy is
+  # the current policy, so a run with batches made ahead (lags 0, 1, 2) trains exactly as the
+  # synchronous split run: each stale batch has its own step's prompts, seeds and advantages.
+  common = ("steps=6", "learning_rate=1e-12", "rl_rollout_devices=2", "grpo_old_logps=trainer")
+  split = _train(workdir, tmp_path / "split", *common, devices=4)
+  ahead = _train(workdir, tmp_path / "ahead", *common, "rl_weight_sync_interval=3", "rl_max_staleness=2", devices=4)
+  assert split.returncode == 0 and ahead.returncode == 0, (split.stderr + ahead.stderr)[-3000:]
+  keys = ("reward", "completions/mean_length", "loss", "grad_norm", "entropy")
+  ours, theirs = _metrics(tmp_path / "ahead"), _metrics(tmp_path / "split")
+  assert [r["policy_lag"] for r in ours] == [0.0, 1.0, 2.0, 0.0, 1.0, 2.0]
+  assert [[r[k] for k in keys] for r in ours] == [[r[k] for k in keys] for r in theirs]
+
+
+@pytest.mark.slow  # two training processes
 def test_a_run_stopped_with_rollouts_in_flight_resumes_bitwise(workdir, tmp_path):  # noqa: F811
   # Saved at step 3 with the batch of step 3 made ahead from step 2's weights, which the checkpoint
   # does not hold: the checkpoint keeps that batch's completions, and the rerun trains on them.

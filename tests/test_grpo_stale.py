@@ -5,6 +5,9 @@ training the stale batch as if the current policy had sampled it (ratio 1, nothi
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,3 +77,43 @@ def test_a_stale_batch_is_clipped_against_the_policy_that_sampled_it(tiny_overri
   expected = -np.asarray([[0.0, 1.1, 1.0, 0.0], [0.0, -0.9, -1.0, 0.0]])  # of the loss's sum (dapo)
   np.testing.assert_allclose(gradient(), expected, rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(gradient(grpo_old_logps="trainer"), -advantages[:, None] * mask, rtol=1e-6)
+
+
+@pytest.mark.slow  # builds a run and two rollout engines
+def test_episodes_made_ahead_are_kept_by_a_checkpoint_and_trained_as_they_were(tiny_overrides, tmp_path, monkeypatch):
+  """With an environment and rl_weight_sync_interval=2, step 1's episodes are made ahead from step 0's
+  weight copy; the data state saved while they are in flight holds them (JSON), and a fresh
+  RolloutBatches given that state hands step 1 the same batch instead of sampling new episodes."""
+  from MaxText.rl import rollout_mesh, rollouts  # noqa: PLC0415
+  from MaxText.training import run_assembly  # noqa: PLC0415 - heavy, this test only
+  from tests.test_grpo_tools import TWO_TURNS, CHATML, without_markers, write_tokenizer  # noqa: PLC0415
+  write_tokenizer(tmp_path / "tokenizer", without_markers(CHATML))
+  (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": w}) + "\n"
+                                                  for w in ("the quick", "brown fox", "jumps over", "a lazy dog")))
+  (tmp_path / "two_turns.py").write_text(TWO_TURNS)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  config = Config.for_testing(**{
+      **tiny_overrides, **GRPO, **ASYNC, "vocab_size": 256, "tokenizer_path": str(tmp_path / "tokenizer"),
+      "hf_data_files": str(tmp_path / "prompts.jsonl"), "reward_functions": "[]", "rl_environment": "two_turns:TwoTurns",
+      "max_prefill_predict_length": 64, "max_completion_length": 6, "max_target_length": 72, "steps": 4})
+  run = run_assembly.build_run(config, devices=rollout_mesh.training_devices(config))
+  state = run.init_state()
+  data = rollouts.RolloutBatches(config, run.mesh, run.batch_sharding)
+  data.next_for(state)  # step 0: the copy, and step 1's episodes queued from it
+  saved = json.loads(json.dumps(data.get_state()))
+  assert list(saved["queued"]) == ["1"] and len(saved["queued"]["1"]["episodes"]) == config.data.global_batch_size
+  # Step 1's weights differ from the copy's: only episodes kept from that copy give step 1 its batch.
+  moved = jax.tree.map(lambda x: x * 2.0, state.params)
+  later = dataclasses.replace(state, step=jnp.asarray(1, jnp.int32), params=moved)
+  ours, ours_scalars = data.next_for(later)
+  again = rollouts.RolloutBatches(config, run.mesh, run.batch_sharding)
+  again.set_state(saved)
+  theirs, theirs_scalars = again.next_for(later)
+  for name in ours:
+    np.testing.assert_array_equal(np.asarray(theirs[name]), np.asarray(ours[name]), err_msg=name)
+  assert theirs_scalars["policy_lag"] == ours_scalars["policy_lag"] == 1.0
+  assert theirs_scalars["reward"] == ours_scalars["reward"]
+  forgot = rollouts.RolloutBatches(config, run.mesh, run.batch_sharding)
+  forgot.set_state({k: v for k, v in saved.items() if k != "queued"})  # what a checkpoint without them gave
+  fresh, _ = forgot.next_for(later)  # sampled again, from step 1's weights
+  assert not np.array_equal(np.asarray(fresh["targets"]), np.asarray(ours["targets"]))

@@ -238,8 +238,6 @@ def test_an_environment_that_cannot_load_is_a_config_error(hostile, path, messag
     (dict(rl_max_turns=0), "rl_max_turns must be >= 1"),
     (dict(rl_environment_timeout_seconds=0), "rl_environment_timeout_seconds must be > 0"),
     (dict(rl_max_episode_tokens=40), "rl_max_episode_tokens=40 must be in [0, max_target_length + 1 = 17]"),
-    (dict(rl_rollout_devices=4, rl_weight_sync_interval=2, rl_max_staleness=1),
-     "rl_environment with rl_weight_sync_interval=2: episodes are not generated ahead"),
 ])
 def test_environment_configuration_errors(tiny_overrides, overrides, message):
   with pytest.raises(ConfigError) as error:

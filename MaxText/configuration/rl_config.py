@@ -226,9 +226,6 @@ def _check_environment(rl: RLConfig, max_target_length: int) -> None:
   _require(0 <= rl.rl_max_episode_tokens <= max_target_length + 1, f"rl_max_episode_tokens={rl.rl_max_episode_tokens}"
            f" must be in [0, max_target_length + 1 = {max_target_length + 1}] (an episode is one training sequence; "
            "0 = that bound)")
-  _require(rl.rl_weight_sync_interval == 1, f"rl_environment with rl_weight_sync_interval="
-           f"{rl.rl_weight_sync_interval}: episodes are not generated ahead of the training (a checkpoint could not "
-           "keep them); set rl_weight_sync_interval=1")
 
 
 def _check_staleness(rl: RLConfig) -> None:

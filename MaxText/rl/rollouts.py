@@ -146,7 +146,7 @@ class RolloutBatches:
     self.tokenizer = chat.load_chat_tokenizer(config.data.tokenizer_path, require_template=False)
     self.eos_id = self.tokenizer.eos_token_id
     self.rewards = rewards_lib.RewardSet(self.rl, self.eos_id)
-    # Multi-turn episodes (rl/episodes.py) with rl_environment; rl_config refuses them with batches made ahead.
+    # Multi-turn episodes (rl/episodes.py) with rl_environment.
     self.environment = episodes_lib.environment_for(self.rl) if self.rl.rl_environment else None
     if self.environment is not None and not self.tokenizer.chat_template:
       raise chat.no_template(config.data.tokenizer_path, f"rl_environment={self.rl.rl_environment}")
@@ -166,10 +166,11 @@ class RolloutBatches:
     # rl_weight_sync_interval > 1 on a rollout mesh: each copy's batches are made ahead (rollout_mesh.py)
     self.ahead: rollout_mesh.RunAhead[tuple[Batch, dict[str, float]]] | None = \
         rollout_mesh.RunAhead(clock=self.clock) if on_own_mesh and self.rl.rl_weight_sync_interval > 1 else None
-    # Made ahead, not trained on yet (step -> completions, sampler log-probs, policy lag): a checkpoint keeps
-    # them, since the weight copy they sampled from is not in it; `_replay` holds those a resume read back.
-    self._made: dict[int, tuple[list[list[int]], list[list[float]], float]] = {}
-    self._replay: dict[int, tuple[list[list[int]], list[list[float]], float]] = {}
+    # Made ahead, not trained on yet (step -> {"completions", "sampler_logps"} or, with an environment,
+    # {"episodes"}, and "policy_lag"): a checkpoint keeps them (JSON), since the weight copy they sampled
+    # from is not in it; `_replay` holds those a resume read back.
+    self._made: dict[int, dict[str, Any]] = {}
+    self._replay: dict[int, dict[str, Any]] = {}
 
   # ---------------------------------------------------------------- the data-iterator surface
   def next_for(self, state: TrainState) -> tuple[Batch, dict[str, float]]:
@@ -207,8 +208,7 @@ class RolloutBatches:
     if self.ahead is not None:  # ... and trains on these completions: their weight copy is gone
       for future in list(self.ahead.pending.values()):
         future.exception()  # made to the end (a failure is raised when its step takes it)
-      state["queued"] = {str(t): {"completions": c, "sampler_logps": logps, "policy_lag": lag}
-                         for t, (c, logps, lag) in sorted(self._made.items())}
+      state["queued"] = {str(t): made for t, made in sorted(self._made.items())}
     return state
 
   def set_state(self, state: Mapping[str, Any]) -> None:
@@ -217,8 +217,7 @@ class RolloutBatches:
     if self.ahead is not None:
       self.ahead.clear()
       self._made.clear()
-    self._replay = {int(t): (q["completions"], q["sampler_logps"], float(q["policy_lag"]))
-                    for t, q in state.get("queued", {}).items()}
+    self._replay = {int(t): dict(q) for t, q in state.get("queued", {}).items()}
 
   def _from_ahead(self, params: Any, step: int, guard: health.Guard) -> tuple[Batch, dict[str, float]]:
     """The batch of `step` from the worker. At a copy step (or a process's first rollout) the copy is
@@ -226,10 +225,10 @@ class RolloutBatches:
     assert self.ahead is not None
     if not self.ahead.has(step) and step in self._replay:  # a resume's queued batches, as they were made
       for t in sorted(t for t in self._replay if t >= step):
-        completions, logps, lag = self._replay.pop(t)
+        made = self._replay.pop(t)
         self.ahead.submit(t, functools.partial(self._rollout, None, t, guard if t == step else health.unguarded,
                                                self.prompts.take(self.num_rows // self.group),
-                                               {**rollout_mesh.NO_COPY, "policy_lag": lag}, (completions, logps)))
+                                               {**rollout_mesh.NO_COPY, "policy_lag": float(made["policy_lag"])}, made))
     if not self.ahead.has(step):
       interval = self.rl.rl_weight_sync_interval
       if step % interval:
@@ -242,9 +241,9 @@ class RolloutBatches:
         scalars = synced if t == step else {**rollout_mesh.NO_COPY, "policy_lag": float(t - step)}
         self.ahead.submit(t, functools.partial(self._rollout, copy, t, guard if t == step else health.unguarded,
                                                group, scalars))
-    made = self.ahead.result(step)
+    batch = self.ahead.result(step)
     self._made.pop(step, None)
-    return made
+    return batch
 
   # ---------------------------------------------------------------- one rollout
   def _row_params(self, step: int, turn: int = 0) -> list[sampling.RowParams]:
@@ -257,7 +256,7 @@ class RolloutBatches:
 
   def _rollout(self, params: Any, step: int, guard: health.Guard, group: list[prompts_lib.Prompt] | None = None,
                sync_scalars: dict[str, float] | None = None,
-               replay: tuple[list[list[int]], list[list[float]]] | None = None) -> tuple[Batch, dict[str, float]]:
+               replay: dict[str, Any] | None = None) -> tuple[Batch, dict[str, float]]:
     jax.block_until_ready(params)  # the previous step's update is not the rollout's time
     if sync_scalars is None:  # else `params` is the rollout mesh's copy, made by _from_ahead
       params, sync_scalars = self.weights.for_step(params, step)
@@ -265,14 +264,15 @@ class RolloutBatches:
     group = self.prompts.take(self.num_rows // self.group) if group is None else group
     row_prompts = [p for p in group for _ in range(self.group)]
     if self.environment is not None:
-      return self._episodes(params, step, guard, group, row_prompts, sync_scalars, started)
+      return self._episodes(params, step, guard, group, row_prompts, sync_scalars, started, replay)
     if replay is None:
       completions, sampler_logps = generate_scored(self.engine, params, [p.ids for p in row_prompts],
                                                    self._row_params(step), self.rl.max_completion_length, self.eos_id)
     else:  # made before a resume, from a weight copy the checkpoint does not hold
-      completions, sampler_logps = replay
+      completions, sampler_logps = replay["completions"], replay["sampler_logps"]
     if self.ahead is not None:
-      self._made[step] = (completions, sampler_logps, sync_scalars.get("policy_lag", 0.0))
+      self._made[step] = {"completions": completions, "sampler_logps": sampler_logps,
+                          "policy_lag": sync_scalars.get("policy_lag", 0.0)}
     rollout_s = time.perf_counter() - started
     texts = [self.tokenizer.decode(c[:-1] if c and c[-1] == self.eos_id else c, skip_special_tokens=True)
              for c in completions]
@@ -296,15 +296,17 @@ class RolloutBatches:
     return batch, scalars
 
   def _episodes(self, params: Any, step: int, guard: health.Guard, group: list[prompts_lib.Prompt],
-                row_prompts: list[prompts_lib.Prompt], sync_scalars: dict[str, float], started: float
-                ) -> tuple[Batch, dict[str, float]]:
+                row_prompts: list[prompts_lib.Prompt], sync_scalars: dict[str, float], started: float,
+                replay: dict[str, Any] | None = None) -> tuple[Batch, dict[str, float]]:
     """`_rollout` with an environment: one multi-turn episode per row, rewarded by the environment
     (and the reward functions, which see each episode's last model turn as its completion)."""
     assert self.environment is not None
     timing = episodes_lib.Timing()
     records = [(p.index, p.prompt, p.columns) for p in row_prompts]
     with guard("the first rollout's environment"):
-      if self.rl.rl_interleave_episodes:
+      if replay is not None:  # made before a resume, from a weight copy the checkpoint does not hold
+        episodes = [episodes_lib.Episode(**e) for e in replay["episodes"]]
+      elif self.rl.rl_interleave_episodes:
         episodes = interleaved_episodes.run(self.environment, self.tokenizer, self.eos_id, records, self.engine,
                                             params, functools.partial(self._row_params, step), self.limits, timing)
       else:
@@ -312,6 +314,9 @@ class RolloutBatches:
                                     padded_generate(self.engine, params, self.eos_id),
                                     functools.partial(self._row_params, step), self.limits, timing)
     rollout_s = time.perf_counter() - started
+    if self.ahead is not None:
+      self._made[step] = {"episodes": [dataclasses.asdict(e) for e in episodes],
+                          "policy_lag": sync_scalars.get("policy_lag", 0.0)}
     rows = training_rows([e.prompt_ids for e in episodes], [e.tokens for e in episodes],
                          self.config.data.max_target_length, [e.logps for e in episodes],
                          [e.model_mask for e in episodes])

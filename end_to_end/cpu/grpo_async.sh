@@ -9,7 +9,9 @@
 # steps its parameters are scored on the held-out prompts. Prints one line per checkpoint:
 #   curve MODE STEP WALL_S REWARD
 # WALL_S: the run's step seconds summed up to STEP (rollouts, copies and updates; compilation in the
-# first steps included, process start-up not).
+# first steps included, process start-up not). Then the proof the script asserts (when the curve
+# holds same and an async mode): the target is same's held-out reward at its last step less MARGIN
+# (default 0.03); an async mode must reach it at a checkpoint of fewer seconds than same needed to.
 #   bash end_to_end/cpu/grpo_async.sh [OUTPUT_DIR]   (runs grpo.sh there first unless its sft/ exists)
 # Needs the hf extra (EXTRAS=hf bash setup.sh): the chat template is rendered by transformers.
 set -euo pipefail
@@ -53,3 +55,30 @@ for mode in $MODES; do
     echo "curve $mode $step $wall $reward" | tee -a "$OUT/curve.txt"
   done
 done
+
+python3 - "$OUT/curve.txt" "${MARGIN:-0.03}" <<'EOF'
+import sys
+curves = {}  # mode -> {step: (wall, reward)}; a later line (a rerun of the mode) replaces an earlier one
+for line in open(sys.argv[1]):
+  _, mode, step, wall, reward = line.split()
+  curves.setdefault(mode, {})[int(step)] = (float(wall), float(reward))
+margin, ahead = float(sys.argv[2]), [m for m in ("async1", "async2") if m in curves]
+if "same" not in curves or not ahead:
+  print("proof: needs same and async1 or async2 in the curve; not checked")
+  sys.exit(0)
+target = curves["same"][max(curves["same"])][1] - margin
+
+
+def reached(mode):  # (seconds, step) of the mode's first checkpoint at the target, else (inf, None)
+  return next(((w, s) for s, (w, r) in sorted(curves[mode].items()) if r >= target), (float("inf"), None))
+
+
+for mode in curves:
+  seconds, step = reached(mode)
+  print(f"proof: {mode} reaches {target:.3f} (same's last reward - {margin})",
+        "never" if step is None else f"at step {step}, {seconds:.1f} s")
+if not any(reached(m)[0] < reached("same")[0] for m in ahead):
+  print(f"error: no asynchronous mode reached held-out reward {target:.3f} in fewer seconds than same",
+        file=sys.stderr)
+  sys.exit(1)
+EOF
