@@ -507,6 +507,7 @@ def main(argv: list[str]) -> int:
     raise UserError("set run_name=NAME: every generation of the job resumes the same run")
   num_slices = int(overrides.peek("num_slices"))
   if on_tpu:
+    tpu_launch.check_run_name(str(overrides.peek("run_name")))  # it names the workers' folder
     target = tpu_target(args.tpu_type, num_slices)
   else:
     if min(args.processes_per_slice, args.devices_per_process) < 1:

@@ -49,6 +49,7 @@ def test_the_command_line_builds_the_layout_from_the_runs_config_and_prints_its_
     (["zone=z"], r"^zone applies to TPU VMs only: add tpu_prefix=NAME"),
     (["tpu_prefix=pod"], r"^tpu_prefix needs tpu_type=TYPE"),
     (["tpu_prefix=pod", "tpu_type=v5litepod-12"], r"^tpu_type='v5litepod-12' is not a TPU type"),
+    (["tpu_prefix=pod", "tpu_type=v5litepod-8", "run_name=My_run"], r"^run_name 'My_run' must be lower-case "),
 ])
 def test_the_command_lines_mistakes_are_one_line_each(extra, message):
   with pytest.raises(elastic.UserError, match=message):

@@ -96,9 +96,13 @@ def check_common_arguments(args: argparse.Namespace) -> None:
   if not args.command.strip():
     raise UserError("command is empty")
   args.run_name = args.run_name or default_run_name()
-  if not _RUN_NAME.match(args.run_name):
+  check_run_name(args.run_name)
+
+
+def check_run_name(run_name: str) -> None:
+  if not _RUN_NAME.match(run_name):
     # Queued-resource and node names, and folder names on the workers, must all accept it.
-    raise UserError(f"run_name '{args.run_name}' must be lower-case letters, digits and '-', "
+    raise UserError(f"run_name '{run_name}' must be lower-case letters, digits and '-', "
                     "starting with a letter and not ending with '-'")
 
 
