@@ -30,6 +30,7 @@ from MaxText.inference.sampling import RowParams
 from MaxText.input_pipeline import chat
 from MaxText.platform.distributed import log
 from MaxText.rl import episodes as episodes_lib
+from MaxText.rl import interleaved_episodes
 from MaxText.rl import prompts as prompts_lib
 from MaxText.rl import rewards as rewards_lib
 from MaxText.rl.rollouts import generate, padded_generate
@@ -80,7 +81,8 @@ def evaluate(config: config_lib.Config, show: int = 4) -> dict[str, float]:
 def _evaluate_episodes(config: config_lib.Config, environment: Any, tokenizer: chat.ChatTokenizer, engine: Any,
                        params: Any, prompts: list[prompts_lib.Prompt], seeds: np.ndarray, slots: int,
                        reward_set: rewards_lib.RewardSet, show: int) -> dict[str, float]:
-  """`evaluate` with rl_environment: each prompt's episodes, as a GRPO rollout runs them (rl/episodes.py)."""
+  """`evaluate` with rl_environment: each prompt's episodes, as a GRPO rollout runs them (rl/episodes.py;
+  interleaved in the engine with rl_interleave_episodes, rl/interleaved_episodes.py)."""
   rl, eos_id = config.rl, tokenizer.eos_token_id
   limits = episodes_lib.Limits.of(rl, config.decode.max_prefill_predict_length, config.data.max_target_length)
   episodes: list[episodes_lib.Episode] = []
@@ -92,8 +94,12 @@ def _evaluate_episodes(config: config_lib.Config, environment: Any, tokenizer: c
           [config.decode.decode_sampling_seed, 1 << 20, turn]).generate_state(len(prompts))
       return [RowParams(rl.rl_sampling_temperature, rl.rl_sampling_top_p, rl.rl_sampling_top_k, int(seed))
               for seed in turn_seeds[start:start + count]]
-    episodes += episodes_lib.run(environment, tokenizer, eos_id, [(p.index, p.prompt, p.columns) for p in chunk],
-                                 padded_generate(engine, params, eos_id), row_params, limits)
+    records = [(p.index, p.prompt, p.columns) for p in chunk]
+    if rl.rl_interleave_episodes:
+      episodes += interleaved_episodes.run(environment, tokenizer, eos_id, records, engine, params, row_params, limits)
+    else:
+      episodes += episodes_lib.run(environment, tokenizer, eos_id, records, padded_generate(engine, params, eos_id),
+                                   row_params, limits)
   total = np.asarray([e.reward for e in episodes], np.float64)
   means = {"environment": float(total.mean())}
   if reward_set.names:
