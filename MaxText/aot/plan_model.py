@@ -167,7 +167,8 @@ def tensor_widths(cfg: ModelConfig) -> dict[str, float]:
   gated = len(cfg.mlp_activations) > 1  # two input projections (layers/mlp.py names them mlpwi_0, mlpwi_1)
   mla = cfg.attn.attention_type == "mla"  # whose attention output is `attention_out`; the others' is `context`
   return {"decoder_layer_input": d, "query_proj": n * h, "key_proj": k * h, "value_proj": k * h,
-          "context": 0 if mla else n * h, "attention_out": n * h if mla else 0, "out_proj": d, "query_wa_proj": cfg.mla.q_lora_rank,
+          "context": 0 if mla else n * h, "attention_out": n * h if mla else 0, "out_proj": d,
+          "query_wa_proj": cfg.mla.q_lora_rank,
           "kv_wa_proj": cfg.mla.kv_lora_rank + rope if mla else 0,
           "mla_q": cfg.mla.q_lora_rank, "mla_kv": cfg.mla.kv_lora_rank if mla else 0,
           "mlpwi": 0 if gated else dense, "mlpwi_0": dense if gated else 0, "mlpwi_1": dense if gated else 0,

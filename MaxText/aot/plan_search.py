@@ -176,8 +176,8 @@ class PlacementFill:
       return []
     gen = topology.generation
     pipe = plan_model.pipeline_shape(settings, plan_model.mesh_of(settings)["stage"])
-    tokens = float(settings["per_device_batch_size"]) / int(settings.get("gradient_accumulation_steps", 1)) * self.seq_len
-    per_element = tokens * 2 * self.cfg.num_decoder_layers  # bf16 bytes per element per token and layer
+    micro = float(settings["per_device_batch_size"]) / int(settings.get("gradient_accumulation_steps", 1))
+    per_element = micro * self.seq_len * 2 * self.cfg.num_decoder_layers  # bf16 bytes of one element of width
     room = limit - (base.total - max(base.gradients, base.activations)) - base.activations
     device: list[str] = []
     for name, width, _ in self.order:
