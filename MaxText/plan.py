@@ -48,6 +48,7 @@ from MaxText.aot.plan_recipe import compile_flags, write_recipe
 from MaxText.aot.step_time import report as step_report
 from MaxText.aot.step_time.saved import StepTarget
 from MaxText.training import compiled_step
+from MaxText.training.objectives import distill
 from MaxText.platform import accelerators, tpu_launch
 from MaxText.configuration import config as config_lib, remat_policies, tool_args
 from MaxText.errors import ConfigError, UserError, run_cli
@@ -278,6 +279,14 @@ def _read_cache(path: Path) -> dict[str, Any] | None:
     return None
 
 
+def model_shape(config: config_lib.Config) -> plan_model.ModelShape:
+  """The trained model's shape, with the teacher its objective runs beside it (none, or a distillation
+  teacher configured as the objective reads it)."""
+  teachers = tuple(plan_model.Teacher(plan_model.ModelShape.of(run.cfg, None), run.held_bytes_per_token,
+                                      run.per_micro_batch) for run in distill.teacher_runs(config))
+  return plan_model.ModelShape.of(config.model, config.optim, teachers)
+
+
 def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_lib.Config,
               topology: accelerators.TpuTopology, num_slices: int) -> tuple[list[Planned], int, plan_model.ModelShape]:
   """The best `max_candidates` candidates by analytical step time among those estimated to fit
@@ -294,7 +303,7 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
       raise ConfigError(f"global_batch_tokens={args.global_batch_tokens} is not a whole number of "
                         f"{seq_len}-token sequences (max_target_length)")
     global_batch = args.global_batch_tokens // seq_len
-  model = plan_model.ModelShape.of(config.model, config.optim)
+  model = model_shape(config)
   rules = config.mesh.logical_axis_rules
   kernel = select_kernel(config.model.attn.attention, "tpu", config.model)
   hbm = topology.generation.hbm_gib * GIB
@@ -411,7 +420,8 @@ def main(argv: list[str]) -> int:
   planned, counted, model = shortlist(args, overrides, config, topology, num_slices)
   variants = sum(1 for p in planned if "sa_block_q" in p.settings)
   gen = topology.generation
-  print(f"plan for {config['model_name']} ({model.num_params / 1e9:.2f} B parameters) on {num_slices} x {topology.name}: "
+  teacher = "".join(f", a teacher of {t.shape.num_params / 1e9:.2f} B" for t in model.teachers)
+  print(f"plan for {config['model_name']} ({model.num_params / 1e9:.2f} B parameters{teacher}) on {num_slices} x {topology.name}: "
         f"{counted:,} candidates estimated to fit in {gen.hbm_gib:g} GiB with {args.headroom:.0%} headroom, ranked in "
         f"{time.perf_counter() - started:.1f} s; short list: the best {len(planned) - variants}"
         + (f", and the first with splash blocks of {', '.join(str(p.settings['sa_block_q']) for p in planned[-variants:])}"

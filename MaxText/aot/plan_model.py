@@ -88,6 +88,7 @@ class Estimate:
   host_activations: float = 0.0  # in the host's pinned memory: what an *_offloaded remat policy keeps
   host_optimizer: float = 0.0  # in the host's pinned memory: the optimizer state, when offloaded
   recompute_flops: float = 0.0  # per chip per step: the forward FLOPs the backward pass re-runs
+  teacher: float = 0.0  # a distillation teacher's parameters (in `total`, not in `params`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,23 +100,41 @@ class ModelShape:
   opt_multiple: float  # optimizer-state bytes per parameter byte (AdamW: mu and nu)
   num_params: int
   layer_params: int  # in one decoder layer (what FSDP gathers per layer)
+  teachers: tuple["Teacher", ...] = ()  # models the objective runs forward-only beside this one
 
   @classmethod
-  def of(cls, cfg: ModelConfig, optim_cfg: OptimConfig) -> "ModelShape":
+  def of(cls, cfg: ModelConfig, optim_cfg: OptimConfig | None, teachers: tuple["Teacher", ...] = ()) -> "ModelShape":
+    """The shape of `cfg`'s model, trained with `optim_cfg` (None: frozen, no optimizer state)."""
     from MaxText import models  # noqa: PLC0415  (flax; only the planner needs it here)
     spec = models.build_model_spec(cfg)
     params, names = spec.abstract_params, spec.logical_names
     flat = jax.tree.leaves(params)
     flat_names = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple))
     leaves = tuple((tuple(p.shape), p.dtype.itemsize, tuple(n)) for p, n in zip(flat, flat_names))
-    optimizer = optimizers.create_optimizer(optim_cfg, names)
-    opt_state = jax.eval_shape(optimizer.init, params)
-    param_bytes = sum(p.size * p.dtype.itemsize for p in flat)
-    opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(opt_state))
+    opt_multiple = 0.0
+    if optim_cfg is not None:
+      opt_state = jax.eval_shape(optimizers.create_optimizer(optim_cfg, names).init, params)
+      param_bytes = sum(p.size * p.dtype.itemsize for p in flat)
+      opt_multiple = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(opt_state)) / max(1, param_bytes)
     num_params = sum(p.size for p in flat)
     stacked = sum(p.size for p, n in zip(flat, flat_names) if "layers" in n)
     layer_params = stacked // max(1, cfg.num_decoder_layers)
-    return cls(cfg, leaves, opt_bytes / max(1, param_bytes), num_params, layer_params)
+    return cls(cfg, leaves, opt_multiple, num_params, layer_params, teachers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Teacher:
+  """A model the objective runs forward-only beside the trained one (a distillation teacher): its
+  parameters sharded by the same rules in its own dtype, no gradient, no optimizer state
+  (objectives/distill.teacher_runs says which objective runs one, and how)."""
+
+  shape: ModelShape
+  held_bytes_per_token: float  # what its output keeps through the student's forward and backward
+  per_micro_batch: bool  # its forward runs in every micro-batch's loss (else once per step)
+
+  def gathered_bytes(self, mesh_shape: Mapping[str, int]) -> float:
+    """Its bf16 weights one FSDP gather of the whole model moves, per tensor/expert/stage shard."""
+    return self.shape.num_params * 2 / max(1, mesh_shape["tensor"] * mesh_shape["expert"] * mesh_shape["stage"])
 
 
 def mesh_of(candidate: Mapping[str, Any]) -> dict[str, int]:
@@ -317,9 +336,19 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   # of the two, plus the running sum when it accumulates microbatches.
   accumulated = gradients if accumulation > 1 else 0.0
   device_optimizer = optimizer * OFFLOADED_OPTIMIZER_ON_DEVICE if offload_opt else optimizer
-  total = params + device_optimizer + max(gradients, activations) + accumulated
+  # A teacher's weights stay beside the student's; its output (log-probs) lives through the student's
+  # step; its forward runs before the student's, its one layer and logits live only then.
+  teacher_params = sum(param_layout(t.shape, mesh_shape, rules)[0] for t in model.teachers)
+  activations += sum(t.held_bytes_per_token for t in model.teachers) * tokens
+  for t in model.teachers:
+    t_cfg, t_tokens = t.shape.cfg, tokens if t.per_micro_batch else tokens * accumulation
+    t_gathered = t.shape.layer_params * 2 * 2 / max(1, mesh_shape["tensor"] * mesh_shape["expert"])
+    t_working = t_tokens * (act_bytes * (2 * t_cfg.emb_dim + _widths(t_cfg)["qkv"]) + t_cfg.vocab_size * 4 * 2)
+    activations = max(activations, t_working + (t_gathered if shard_group > 1 else 0.0))
+  total = params + teacher_params + device_optimizer + max(gradients, activations) + accumulated
 
-  flops = metrics.training_tflops_per_step(cfg, max(1, round(global_batch)), seq_len)
+  flops = metrics.training_tflops_per_step(cfg, max(1, round(global_batch)), seq_len,
+                                           forward_only=tuple(t.shape.cfg for t in model.teachers))
   flops_per_chip = flops.total_tflops * 1e12 / chips
   # Rematerialisation re-runs the forward matmuls whose results it did not keep.
   recompute = rerun_flops(cfg, policy, seq_len) * global_batch / chips
@@ -334,6 +363,9 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   gathers = 3 if policy.keeps == "nothing" else 2  # full remat gathers the weights again for the recompute
   ici_fsdp = min(fsdp_group, topology.chips)
   ici_bytes = accumulation * gathers * ring(full_params_bytes, ici_fsdp) + ring(full_params_bytes * 2, ici_fsdp)
+  # A teacher's weights are gathered for each of its forwards; nothing of it is reduced.
+  teacher_gathers = [(accumulation if t.per_micro_batch else 1, t.gathered_bytes(mesh_shape)) for t in model.teachers]
+  ici_bytes += sum(n * ring(nbytes, ici_fsdp) for n, nbytes in teacher_gathers)
   ici_data = mesh_shape["data"] // max(1, num_slices if candidate.get(MeshAxis.DATA.dcn_key, 1) != 1 else 1)
   ici_bytes += 2 * ring(params * 2, ici_data)
   tensor, seq = mesh_shape["tensor"], mesh_shape["sequence"]
@@ -360,6 +392,7 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
     dcn_fsdp = int(candidate.get(MeshAxis.FSDP.dcn_key, 1))
     dcn_bytes += 2 * ring(params * 2, int(candidate.get(MeshAxis.DATA.dcn_key, 1)))  # gradient all-reduce
     dcn_bytes += accumulation * gathers * ring(full_params_bytes / ici_fsdp, dcn_fsdp)
+    dcn_bytes += sum(n * ring(nbytes / ici_fsdp, dcn_fsdp) for n, nbytes in teacher_gathers)
   dcn_s = dcn_bytes / links.dcn
   exposed_s += dcn_exposed / links.dcn
   host_bytes = 2 * optimizer if offload_opt else 0.0
@@ -380,7 +413,7 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   return Estimate(params, device_optimizer, gradients, activations, total, flops_per_chip,
                   compute_s, ici_s + exposed_s, dcn_s, host_s, step_s, mfu, global_batch * seq_len / chips / step_s, tuple(caveats),
                   unsharded, offloaded_activations(cfg, policy, tokens) * pipe.live_share,
-                  optimizer if offload_opt else 0.0, recompute)
+                  optimizer if offload_opt else 0.0, recompute, teacher_params)
 
 
 @dataclasses.dataclass(frozen=True)

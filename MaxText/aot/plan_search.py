@@ -310,7 +310,8 @@ def fits_nowhere(bound: Bound, topology: accelerators.TpuTopology, num_slices: i
   else:
     e, settings = found
     need = (f"its leanest setting ({describe(settings, shown=('remat_policy', 'optimizer_memory_host_offload'))}) "
-            f"needs {e.total / GIB:.1f} GiB per chip (parameters {e.params / GIB:.1f} + optimizer "
+            f"needs {e.total / GIB:.1f} GiB per chip (parameters {e.params / GIB:.1f} + "
+            + (f"the teacher's parameters {e.teacher / GIB:.1f} + " if e.teacher else "") + "optimizer "
             f"{e.optimizer / GIB:.1f} + the larger of gradients {e.gradients / GIB:.1f} and activations "
             f"{e.activations / GIB:.1f})")
   have = f"a {gen.name} chip holds {gen.hbm_gib:g} GiB ({limit / GIB:.1f} with headroom={headroom:g})"

@@ -96,6 +96,29 @@ def load_teacher(teacher: ModelSpec, path: str, placeholder: Params) -> Params:
   return params_io.load_params(path, teacher.abstract_params, shardings)
 
 
+@dataclasses.dataclass(frozen=True)
+class TeacherRun:
+  """How an objective runs its teacher, for the planner's analytical model (aot/plan_model.Teacher)."""
+
+  cfg: ModelConfig
+  held_bytes_per_token: int  # its output kept through the student's forward and backward
+  per_micro_batch: bool  # its forward runs in every micro-batch's loss (else once per step's batch)
+
+
+def teacher_runs(config: Config) -> tuple[TeacherRun, ...]:
+  """The teacher `config`'s objective runs beside the student, configured as the objective's build
+  reads it: objective=distill's in each micro-batch's loss, its float32 log-probs (all, or the top k
+  with their indices) live until the student's backward; on-policy distillation's (objective=grpo,
+  rl_teacher_kl_weight > 0) once per rollout batch, one log-prob per token kept; none otherwise."""
+  d = config.distill
+  if config.data.objective in ("distill", "distill_sft") and not d.distill_top_k_path:
+    held = 8 * d.distill_top_k if d.distill_top_k else 4 * config.model.vocab_size
+    return (TeacherRun(teacher_config(config).model, held, per_micro_batch=True),)
+  if config.data.objective == "grpo" and config.rl.rl_teacher_kl_weight > 0:
+    return (TeacherRun(teacher_config(config, "rl_teacher_kl_weight > 0").model, 4, per_micro_batch=False),)
+  return ()
+
+
 class Distill(Objective):
   """The loss is a mean per target token: sums {loss_sum, distill_kl_sum, xent_sum, z_loss_sum,
   moe_lb_loss_sum, weight_sum}. The teacher's forward runs inside each micro-batch's loss (its
