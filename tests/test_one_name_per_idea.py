@@ -34,6 +34,7 @@ CONFIG_KEYS = frozenset(config_lib.read_yaml(config_lib.BASE_CONFIG_PATH))
 CONFIG_TOOLS = {
     "MaxText.train": [], "MaxText.train_compile": [], "MaxText.decode": [], "MaxText.serve": [],
     "MaxText.rl.evaluate": [], "MaxText.generate_param_only_checkpoint": [],
+    "MaxText.generate_teacher_top_k": [],
     "MaxText.plan": ["compile_topology=v5e-8", "max_candidates=2"],
     "MaxText.logit_checker": ["hf_model_path=/nowhere", "atol=0.5"],
     "MaxText.convert.hf_to_maxtext": ["hf_model_path=/nowhere", "output_path=/nowhere/out"],
