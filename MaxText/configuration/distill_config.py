@@ -14,6 +14,20 @@ DISTILL_LOSSES = ("forward_kl", "reverse_kl")  # KL(teacher || student), KL(stud
 DISTILL_OBJECTIVES = ("distill", "distill_sft")  # on documents, on conversations (the completion's tokens)
 
 
+TEACHER_PER_MICRO_BATCH, TEACHER_PER_ROLLOUT_BATCH = "micro_batch", "rollout_batch"
+
+
+def live_teacher(objective: str, distill: "DistillConfig", rl_teacher_kl_weight: float) -> str:
+  """Where a run's teacher runs beside the student: in every micro-batch's loss (distillation without
+  top-k files), once per rollout batch (on-policy distillation: objective=grpo, rl_teacher_kl_weight > 0),
+  or "" (no teacher in the run)."""
+  if objective in DISTILL_OBJECTIVES and not distill.distill_top_k_path:
+    return TEACHER_PER_MICRO_BATCH
+  if objective == "grpo" and rl_teacher_kl_weight > 0:
+    return TEACHER_PER_ROLLOUT_BATCH
+  return ""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DistillConfig:
   distill_teacher_path: str = key()  # the teacher's weights: a parameters-only checkpoint or another run's checkpoints

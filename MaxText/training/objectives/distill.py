@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 
 from MaxText import models
 from MaxText.configuration import config as config_lib
+from MaxText.configuration import distill_config
 from MaxText.configuration import run_record
 from MaxText.configuration.config import Config
 from MaxText.configuration.model_config import ModelConfig
@@ -111,10 +112,11 @@ def teacher_runs(config: Config) -> tuple[TeacherRun, ...]:
   with their indices) live until the student's backward; on-policy distillation's (objective=grpo,
   rl_teacher_kl_weight > 0) once per rollout batch, one log-prob per token kept; none otherwise."""
   d = config.distill
-  if config.data.objective in ("distill", "distill_sft") and not d.distill_top_k_path:
+  where = distill_config.live_teacher(config.data.objective, d, config.rl.rl_teacher_kl_weight)
+  if where == distill_config.TEACHER_PER_MICRO_BATCH:
     held = 8 * d.distill_top_k if d.distill_top_k else 4 * config.model.vocab_size
     return (TeacherRun(teacher_config(config).model, held, per_micro_batch=True),)
-  if config.data.objective == "grpo" and config.rl.rl_teacher_kl_weight > 0:
+  if where == distill_config.TEACHER_PER_ROLLOUT_BATCH:
     return (TeacherRun(teacher_config(config, "rl_teacher_kl_weight > 0").model, 4, per_micro_batch=False),)
   return ()
 
