@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence, TypeVar
 
 import jax
 import numpy as np
-from jax.experimental import mesh_utils
+from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxText.platform import accelerators
@@ -119,6 +119,13 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def with_shardings(abstract: Tree, shardings: Tree) -> Tree:
   """ShapeDtypeStructs that carry the target shardings (what Orbax restores into, what AOT lowers for)."""
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+def on_host(x: jax.Array | np.ndarray) -> np.ndarray:
+  """A global array's values on every process (one sharded across processes is gathered)."""
+  if isinstance(x, np.ndarray) or x.is_fully_addressable or x.is_fully_replicated:
+    return np.asarray(x)
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def batch_sharding(mesh: Mesh, data_axes: Sequence[str]) -> NamedSharding:

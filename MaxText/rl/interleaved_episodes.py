@@ -34,6 +34,7 @@ from jax.experimental import multihost_utils
 
 from MaxText.inference import sampling
 from MaxText.inference.engine_api import DecodeEngine, StepLimits
+from MaxText.platform import sharding
 from MaxText.input_pipeline import chat
 from MaxText.rl import environments
 from MaxText.rl.episodes import Episode, Limits, Renderer, Timing, advance, open_episodes, record_turn, turn_budget
@@ -66,8 +67,8 @@ class _Slots:
     """One decode call for every slot in its turn; the slots whose turn it ended."""
     state, emitted = self.engine.decode_step(self.params, state, limits=StepLimits(self.ends.copy(),
                                                                                     _stops(self.eos_id)))
-    tokens, chosen = _on_host(emitted.tokens), _on_host(emitted.logprobs.chosen_B)
-    counts = None if emitted.counts is None else _on_host(emitted.counts)
+    tokens, chosen = sharding.on_host(emitted.tokens), sharding.on_host(emitted.logprobs.chosen_B)
+    counts = None if emitted.counts is None else sharding.on_host(emitted.counts)
     ended = []
     for slot in sorted(self.tokens):
       for i in range(1 if counts is None else int(counts[slot])):
@@ -78,13 +79,6 @@ class _Slots:
       if self.turn_over(slot):
         ended.append(slot)
     return state, ended
-
-
-def _on_host(x: Any) -> np.ndarray:
-  """A global array's values on every process (one sharded across processes is gathered)."""
-  if isinstance(x, np.ndarray) or x.is_fully_addressable or x.is_fully_replicated:
-    return np.asarray(x)
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 GRACE_S = 2e-3  # how long the calls a decode step started get to answer in the same pass
@@ -201,7 +195,7 @@ def _prefill_slots(engine: DecodeEngine, params: Any, state: Any, slots: _Slots,
   contexts = [episodes[slot].prompt_ids + episodes[slot].tokens for slot in chosen_slots]
   pad = engine.num_slots - len(contexts)
   prefix = engine.prefill(params, contexts + [contexts[0]] * pad, row_params=row_params + [row_params[0]] * pad)
-  tokens, chosen = _on_host(prefix.first_tokens_B), _on_host(prefix.first_logprobs.chosen_B)
+  tokens, chosen = sharding.on_host(prefix.first_tokens_B), sharding.on_host(prefix.first_logprobs.chosen_B)
   for row, (slot, context) in enumerate(zip(chosen_slots, contexts)):
     state = engine.insert(prefix, state, slot=slot, row=row)
     slots.start_turn(slot, len(context), turn_budget(episodes[slot], limits), int(tokens[row]), float(chosen[row]))
@@ -218,8 +212,8 @@ def _continue(engine: DecodeEngine, params: Any, state: Any, slots: _Slots, epis
   while first is None:
     state, start, first = engine.prefill_chunk(params, state, slot, context, start, row_params=row)
   token, logprobs = first
-  slots.start_turn(slot, len(context), turn_budget(episode, limits), int(_on_host(token)[0]),
-                   float(_on_host(logprobs.chosen_B)[0]))
+  slots.start_turn(slot, len(context), turn_budget(episode, limits), int(sharding.on_host(token)[0]),
+                   float(sharding.on_host(logprobs.chosen_B)[0]))
   return state
 
 

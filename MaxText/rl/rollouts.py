@@ -27,7 +27,6 @@ from typing import Any, Mapping
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from MaxText.configuration.config import Config
@@ -47,13 +46,6 @@ from MaxText.training import health
 from MaxText.training.train_state import TrainState
 
 Batch = dict[str, jax.Array]
-
-
-def _on_host(x: jax.Array | np.ndarray) -> np.ndarray:
-  """A global array's values on every process (a row-sharded one is gathered across processes)."""
-  if isinstance(x, np.ndarray) or x.is_fully_addressable or x.is_fully_replicated:
-    return np.asarray(x)
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _global(value: np.ndarray, where: NamedSharding) -> jax.Array:
@@ -76,14 +68,14 @@ def generate_scored(engine: DecodeEngine, params: Any, rows: list[list[int]], ro
   state = engine.init_decode_state(row_params[0].seed if row_params else 0)
   for row in range(len(rows)):
     state = engine.insert(prefix, state, slot=row, row=row)
-  outputs = [[int(t)] for t in _on_host(prefix.first_tokens_B)]
-  logps = [[float(p)] for p in _on_host(prefix.first_logprobs.chosen_B)]
+  outputs = [[int(t)] for t in sharding.on_host(prefix.first_tokens_B)]
+  logps = [[float(p)] for p in sharding.on_host(prefix.first_logprobs.chosen_B)]
   done = [max_new_tokens <= 1 or out[-1] == eos_id for out in outputs]
   while not all(done):
     state, emitted = engine.decode_step(params, state)
-    emitted = dataclasses.replace(emitted, tokens=_on_host(emitted.tokens),
-                                  counts=None if emitted.counts is None else _on_host(emitted.counts))
-    chosen = _on_host(emitted.logprobs.chosen_B)
+    emitted = dataclasses.replace(emitted, tokens=sharding.on_host(emitted.tokens),
+                                  counts=None if emitted.counts is None else sharding.on_host(emitted.counts))
+    chosen = sharding.on_host(emitted.logprobs.chosen_B)
     for row, out in enumerate(outputs):
       for i in range(emitted.count(row)):
         if done[row]:
