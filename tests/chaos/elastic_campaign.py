@@ -58,7 +58,7 @@ class Trial:
   fault: str
   victim: int  # kill_in_step/save: the slice whose process dies; kill_in_resize: the grown job's process
   after_step: int  # the fault comes after this step (kill_in_resize: the slice returns after it)
-  delay: float  # seconds after that
+  delay: float  # after that: kill_in_resize, seconds; the others, half-steps (this machine's step time)
   checkpoint_period: int  # the persistent tier's; the local tier saves every step
 
 
@@ -156,8 +156,12 @@ class Campaign:
     def reached(step: int) -> bool:
       return elastic.logged_step(run_dir) >= step
 
+    if not _wait(lambda: reached(trial.after_step - 1), 600):
+      raise TimeoutError(f"step {trial.after_step - 1} never came")
+    before = time.monotonic()
     if not _wait(lambda: reached(trial.after_step), 600):
       raise TimeoutError(f"step {trial.after_step} never came")
+    step_s = time.monotonic() - before
     if trial.fault == "kill_in_resize":
       launcher.marker(1).unlink()  # the slice returns: the supervisor stops the job and grows it back
       if not _wait(lambda: launcher.generations == 2, 300):
@@ -168,12 +172,16 @@ class Campaign:
       outcome.landed = supervisor.resizes[-1].seconds_to_resume is None
       _kill(launcher, trial.victim)
       return
-    time.sleep(trial.delay)
+    # A moment within the next step or two, whatever this machine's step time: a fixed delay let a
+    # fast machine finish the job before the kill.
+    time.sleep(trial.delay / 2 * step_s)
     if trial.fault == "kill_in_save":
       _wait(lambda: saving_in_progress(str(run_dir)) or elastic.logged_step(run_dir) >= STEPS, 600, poll_s=0.002)
       outcome.landed = saving_in_progress(str(run_dir))
     outcome.saved_before = max(committed_steps(str(run_dir)), default=0)
-    _kill(launcher, trial.victim)
+    if not _kill(launcher, trial.victim):
+      outcome.problems.append(f"the job ended before the kill (step {elastic.logged_step(run_dir)} of {STEPS} "
+                              f"logged); the kill came {trial.delay / 2 * step_s:.2f} s after step {trial.after_step}")
 
   def _check(self, outcome: Outcome, run_dir: Path, expected: dict[int, float]) -> None:
     try:
@@ -209,11 +217,14 @@ def _outcome(supervisor: elastic.Supervisor) -> object:
     return f"{type(e).__name__}: {e}"
 
 
-def _kill(launcher: elastic.LoopbackLauncher, index: int) -> None:
+def _kill(launcher: elastic.LoopbackLauncher, index: int) -> bool:
+  """False: the process had already ended."""
   generation = launcher.current
   assert generation is not None
   _, proc = generation.procs[min(index, len(generation.procs) - 1)]
+  alive = proc.poll() is None
   proc.kill()
+  return alive
 
 
 def summarize(outcomes: list[Outcome], seconds: float) -> dict[str, Any]:
