@@ -47,10 +47,17 @@ def test_an_elastic_run_spreads_only_data_parallelism_across_slices():
 
 
 def test_an_elastic_run_reads_only_data_whose_position_survives_a_resize():
-  with pytest.raises(ConfigError, match=r"^elastic_min_slices=1: dataset_type=hf keeps its data position per data "
-                                        r"shard .* elastic training supports dataset_type=synthetic so far"):
-    elastic_config.check({"elastic_min_slices": 1, "dataset_type": "hf", "gradient_accumulation_steps": 1},
-                         Config.for_testing(num_slices=2).mesh, num_devices=8, global_batch_size=64)
+  mesh = Config.for_testing(num_slices=2).mesh
+  base = {"elastic_min_slices": 1, "dataset_type": "hf", "gradient_accumulation_steps": 1}
+  for kind in ("synthetic", "tfds", "hf", "grain", "stream"):  # virtual data shards (input_pipeline/pipeline.py)
+    elastic_config.check({**base, "dataset_type": kind}, mesh, num_devices=8, global_batch_size=64)
+  for extra, culprit in [({"data_mixture": [{"name": "a"}]}, "data_mixture"),
+                         ({"distill_top_k_path": "/top_k"}, "distill_top_k_path=/top_k"),
+                         ({"objective": "grpo"}, r"objective=grpo \(its prompts\)")]:
+    with pytest.raises(ConfigError, match=rf"^elastic_min_slices=1: {culprit} keeps its data position per process, "
+                                          r".* an elastic run reads one source of dataset_type tfds, hf, grain or "
+                                          r"stream \(or synthetic\); set elastic_min_slices=0$"):
+      elastic_config.check({**base, **extra}, mesh, num_devices=8, global_batch_size=64)
 
 
 def test_a_valid_elastic_config_and_the_default_are_accepted():

@@ -5,8 +5,8 @@ An elastic run (elastic_min_slices > 0) spreads only data parallelism across sli
 replica of the state and any subset of slices can carry the run on. On fewer slices the global
 batch is kept by more gradient-accumulation micro-batches of the same size per device: the
 optimizer sees the same batch at the same step, and the data position (global step -> the batch's
-examples) is unchanged. Pure: no JAX, no I/O; the launcher (MaxText/elastic.py) turns a `Resize`
-into command-line overrides.
+examples) is unchanged (file readers keep it per virtual data shard: input_pipeline/pipeline.data_shards).
+Pure: no JAX, no I/O; the launcher (MaxText/elastic.py) turns a `Resize` into command-line overrides.
 """
 
 from __future__ import annotations
@@ -133,11 +133,11 @@ def check(values: Mapping[str, object], mesh: MeshLike, num_devices: int, global
   if min_slices > mesh.num_slices:
     raise ConfigError(f"elastic_min_slices={min_slices} is above the run's {mesh.num_slices} slice(s) (num_slices); "
                       f"set it to at most {mesh.num_slices}")
-  if values["dataset_type"] != "synthetic":
-    raise ConfigError(f"elastic_min_slices={min_slices}: dataset_type={values['dataset_type']} keeps its data position "
-                      "per data shard (one per process) and a resize changes the number of processes, so the "
-                      "relaunched run could not read on exactly; elastic training supports dataset_type=synthetic "
-                      "so far (set elastic_min_slices=0)")
+  uncovered = _data_without_virtual_shards(values)
+  if uncovered:
+    raise ConfigError(f"elastic_min_slices={min_slices}: {uncovered} keeps its data position per process, which a "
+                      "resize changes, so the relaunched run could not read on exactly; an elastic run reads one "
+                      "source of dataset_type tfds, hf, grain or stream (or synthetic); set elastic_min_slices=0")
   others = [f"dcn_{axis}_parallelism={d}" for axis, d in mesh.degrees("dcn") if axis != "data" and d != 1]
   if others:
     raise ConfigError(f"an elastic run spreads only data parallelism across slices, so a slice can be dropped; "
@@ -149,6 +149,20 @@ def check(values: Mapping[str, object], mesh: MeshLike, num_devices: int, global
   if reason is not None:
     raise ConfigError(f"elastic_min_slices={min_slices} cannot keep the global batch with gradient accumulation: "
                       f"{reason}; slice counts that keep it: {_listing(keeping_counts(layout))}")
+
+
+def _data_without_virtual_shards(values: Mapping[str, object]) -> str | None:
+  """The data settings whose reader has no virtual data shards (input_pipeline/pipeline.data_shards),
+  so its position does not survive a change of process count; None when the run's data does."""
+  if values["dataset_type"] == "synthetic":  # a batch is a function of the step alone
+    return None
+  if values.get("data_mixture"):
+    return "data_mixture"
+  if values.get("distill_top_k_path"):
+    return f"distill_top_k_path={values['distill_top_k_path']}"
+  if values.get("objective") == "grpo":
+    return "objective=grpo (its prompts)"
+  return None
 
 
 def _rows(rows: Fraction) -> str:

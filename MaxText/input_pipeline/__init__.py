@@ -145,52 +145,66 @@ def _encoder(config: Config) -> Encoded:
   return objective_registry.record(config.data.objective).encoder(config)
 
 
-def _open_source(cfg: DataConfig, shard: pipeline.HostShard, encoder: Callable[[Any], Any], train: bool, what: str,
-                 name: str = "") -> tuple[mixture.OpenedSource, Callable[[int], str] | None]:
-  """One source's documents for this shard, and how to name a document index (streams)."""
+def _open_sources(cfg: DataConfig, shards: Sequence[pipeline.HostShard], encoder: Callable[[Any], Any], train: bool,
+                  what: str, name: str = "") -> list[tuple[mixture.OpenedSource, Callable[[int], str] | None]]:
+  """One source's documents for each of `shards` (the records opened once), and how to name a
+  document index (streams)."""
   from MaxText.input_pipeline import mixture, pipeline, streaming
 
   seed = cfg.data_shuffle_seed if (train and cfg.enable_data_shuffling) else None
   column = None if objective_registry.record(cfg.objective).whole_records else cfg.text_column
+  opened: list[tuple[mixture.OpenedSource, Callable[[int], str] | None]] = []
   if cfg.dataset_type == "stream":
     key, value = ("stream_train_files", cfg.stream_train_files) if train else \
         ("stream_eval_files", cfg.stream_eval_files)
     describe = f"stream {value}"
-    stream = streaming.ShardStream(key, value, shard, encoder, column, seed, repeat=train,
-                                   what=what.format(describe=describe))
-    # An endless run of unusable documents would hang the packer; with no length known up front,
-    # a fixed count of them in a row is the error.
-    return (mixture.OpenedSource(name, stream.read_from, 1 << 16, describe),
-            functools.partial(streaming.describe_position, stream=stream))
+    for shard in shards:
+      stream = streaming.ShardStream(key, value, shard, encoder, column, seed, repeat=train,
+                                     what=what.format(describe=describe))
+      # An endless run of unusable documents would hang the packer; with no length known up front,
+      # a fixed count of them in a row is the error.
+      opened.append((mixture.OpenedSource(name, stream.read_from, 1 << 16, describe),
+                     functools.partial(streaming.describe_position, stream=stream)))
+    return opened
   source, describe = open_records(cfg, train)
-  dataset = pipeline.document_dataset(source, shard, encoder, column, seed, repeat=train,
-                                      what=what.format(describe=describe), locate=_record_locator(cfg, train))
-  # An endless run of unusable documents would hang the packer; one epoch of them is an error.
-  max_empty_run = max(len(source) // shard.count, 1)
-  return mixture.OpenedSource(name, pipeline.reader(dataset, cfg.grain_worker_count), max_empty_run, describe), None
+  locate = _record_locator(cfg, train)
+  for shard in shards:
+    dataset = pipeline.document_dataset(source, shard, encoder, column, seed, repeat=train,
+                                        what=what.format(describe=describe), locate=locate)
+    # An endless run of unusable documents would hang the packer; one epoch of them is an error.
+    max_empty_run = max(len(source) // shard.count, 1)
+    opened.append((mixture.OpenedSource(name, pipeline.reader(dataset, cfg.grain_worker_count), max_empty_run,
+                                        describe), None))
+  return opened
 
 
-def _real_data_iterator(config: Config, mesh: Mesh, train: bool) -> BatchIterator:
+def real_data_iterator(config: Config, mesh: Mesh, train: bool, shard: pipeline.HostShard | None = None
+                       ) -> BatchIterator:
+  """A real dataset's batches; `shard`: the rows of another process than this one (tests simulate
+  several processes with it and read their rows with `next_host_rows`)."""
   from MaxText.input_pipeline import mixture, pipeline
 
   cfg = config.data
   sharding = batch_sharding(mesh, config.mesh.data_sharding)
-  shard = pipeline.host_shard(sharding, cfg.global_batch_size, cfg.max_target_length)
+  shard = shard or pipeline.host_shard(sharding, cfg.global_batch_size, cfg.max_target_length)
   encoder, pack = _encoder(config)
   explain_empty = getattr(encoder, "explain_empty", None)
   if train and cfg.data_mixture:
-    sources = [_open_source(source_config(cfg, s), shard, encoder, True,
-                            f"data_mixture source {s.name!r} ({{describe}})", s.name)[0] for s in cfg.data_mixture]
+    sources = [_open_sources(source_config(cfg, s), [shard], encoder, True,
+                             f"data_mixture source {s.name!r} ({{describe}})", s.name)[0][0] for s in cfg.data_mixture]
     return mixture.MixtureBatchIterator(sources, [s.weight for s in cfg.data_mixture], cfg.data_mixture_schedule,
                                         cfg.data_shuffle_seed, shard, sharding, cfg.global_batch_size,
                                         cfg.max_target_length, cfg.packing, cfg.data_prefetch_batches,
                                         explain_empty=explain_empty, **pack)
-  opened, describe_index = _open_source(cfg, shard, encoder, train, f"the {'train' if train else 'eval'} data "
-                                        "({describe})")
-  return pipeline.PackedBatchIterator(opened.read_from, shard, sharding, cfg.global_batch_size, cfg.max_target_length,
-                                      cfg.packing, cfg.data_prefetch_batches, max_empty_run=opened.max_empty_run,
-                                      describe=opened.describe, explain_empty=explain_empty,
-                                      describe_index=describe_index, **pack)
+  # An elastic run reads virtual data shards whose count no resize changes (pipeline.data_shards).
+  shards = pipeline.data_shards(shard, config.optim.gradient_accumulation_steps if config.mesh.elastic_min_slices
+                                else 1)
+  opened = _open_sources(cfg, shards, encoder, train, f"the {'train' if train else 'eval'} data ({{describe}})")
+  return pipeline.PackedBatchIterator([o.read_from for o, _ in opened], shard, sharding, cfg.global_batch_size,
+                                      cfg.max_target_length, cfg.packing, cfg.data_prefetch_batches,
+                                      max_empty_run=opened[0][0].max_empty_run, describe=opened[0][0].describe,
+                                      explain_empty=explain_empty, describe_index=[d for _, d in opened],
+                                      data_shards=shards, **pack)
 
 
 def _record_locator(cfg: DataConfig, train: bool) -> Callable[[int], str] | None:
@@ -207,7 +221,7 @@ def create_data_iterator(config: Config, mesh: Mesh, start_step: int = 0) -> Bat
   """The training iterator for `config.data`, producing batches sharded by `data_sharding`."""
   sharding = batch_sharding(mesh, config.mesh.data_sharding)
   if config.data.dataset_type != "synthetic":
-    return _with_teacher_top_k(config, _real_data_iterator(config, mesh, train=True), sharding, train=True)
+    return _with_teacher_top_k(config, real_data_iterator(config, mesh, train=True), sharding, train=True)
   return _with_teacher_top_k(config, SyntheticIterator(config.data, sharding, start_step=start_step), sharding,
                              train=True)
 
@@ -219,7 +233,7 @@ def create_eval_iterator(config: Config, mesh: Mesh) -> BatchIterator | None:
   if config.data.dataset_type != "synthetic":
     if not config.data.has_eval_source:
       return None
-    return _with_teacher_top_k(config, _real_data_iterator(config, mesh, train=False), sharding, train=False)
+    return _with_teacher_top_k(config, real_data_iterator(config, mesh, train=False), sharding, train=False)
   return _with_teacher_top_k(config, SyntheticIterator(config.data, sharding, seed_offset=_EVAL_SEED_OFFSET),
                              sharding, train=False)
 
@@ -234,4 +248,4 @@ def _with_teacher_top_k(config: Config, batches: BatchIterator, sharding: NamedS
 
 
 __all__ = ["Batch", "BatchIterator", "Encoded", "conversation_encoder", "create_data_iterator", "create_eval_iterator",
-           "document_encoder", "open_records", "preference_encoder"]
+           "document_encoder", "open_records", "preference_encoder", "real_data_iterator"]

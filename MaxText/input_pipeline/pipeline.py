@@ -67,6 +67,22 @@ def host_shard(sharding: NamedSharding, global_batch: int, length: int, process_
   return HostShard(index=start // rows, count=global_batch // rows, rows=rows)
 
 
+def data_shards(shard: HostShard, per_process: int) -> list[HostShard]:
+  """The data shards this process reads, in the order of its rows: its own, or for an elastic run
+  `per_process` (its gradient-accumulation steps) virtual shards of one micro-batch's rows each.
+  Virtual shards are numbered over the whole job and their count (processes x micro-batches) is
+  the same on every slice count, so a resize hands each one's records and position on unchanged
+  and the global batch is the same array (row r: shard r // rows, that shard's row r % rows)."""
+  if per_process == 1:
+    return [shard]
+  if shard.rows % per_process:
+    raise ConfigError(f"process {shard.index} holds {shard.rows} rows of the global batch, which gradient_accumulation_"
+                      f"steps={per_process} does not split into micro-batches of whole rows; set per_device_batch_size "
+                      "so each process's rows are a multiple of it")
+  rows = shard.rows // per_process
+  return [HostShard(shard.index * per_process + k, shard.count * per_process, rows) for k in range(per_process)]
+
+
 BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark: part of the file, never of the text
 
 
@@ -235,11 +251,15 @@ class BatchIterator:
   trainer, the checkpoint hook and the eval hook expect. A subclass makes this host's rows and
   says what its position is: a list of ints per data shard (gathered from every process) and
   its JSON form. Host-side values a subclass adds to a batch under names starting with `_` are
-  kept aside as `extras` of the batch last handed out."""
+  kept aside as `extras` of the batch last handed out.
+
+  `data_shards` (default: `shard` alone) are the shards whose positions this process keeps; a
+  subclass that reads several (data_shards()) splits its position into theirs (`_split`/`_join`)."""
 
   def __init__(self, shard: HostShard, sharding: NamedSharding, global_batch: int, length: int, packing: bool,
-               prefetch: int, describe: str, position: Any):
+               prefetch: int, describe: str, position: Any, data_shards: Sequence[HostShard] | None = None):
     self.shard, self.sharding, self.describe = shard, sharding, describe
+    self.data_shards = list(data_shards or [shard])
     self.global_shape = (global_batch, length)
     self._length, self._packing, self._prefetch_depth = length, packing, prefetch
     self._position = position  # where the next handed-out batch starts
@@ -266,6 +286,13 @@ class BatchIterator:
   def _position_of(self, shard_json: dict[str, Any]) -> Any:
     raise NotImplementedError
 
+  def _split(self, position: Any) -> list[Any]:
+    """The position of each of `data_shards`."""
+    return [position]
+
+  def _join(self, positions: list[Any]) -> Any:
+    return positions[0]
+
   def __iter__(self) -> "BatchIterator":
     return self
 
@@ -285,11 +312,16 @@ class BatchIterator:
     if self._peeked is None:
       self._peeked = self._next_host_batch()
 
-  def __next__(self) -> dict[str, jax.Array]:
+  def next_host_rows(self) -> dict[str, np.ndarray]:
+    """This process's rows of the next batch, handed out (the position moves past them)."""
     host_batch, position = self._next_host_batch()
     self._position = position
     self.extras = {name: host_batch.pop(name) for name in [n for n in host_batch if n.startswith("_")]}
     self.rows_with_data = int(self.extras["_num_real"])
+    return host_batch
+
+  def __next__(self) -> dict[str, jax.Array]:
+    host_batch = self.next_host_rows()
     # Rows split like `sharding` whatever a field's rank (pixel_values: [B, M, 3, R, R]).
     return {name: jax.make_array_from_process_local_data(
         for_rank(self.sharding, rows.ndim), rows, self.global_shape[:1] + rows.shape[1:])
@@ -316,13 +348,14 @@ class BatchIterator:
 
     With several processes this gathers every process's position, so every process must call it
     at the same step (the checkpoint hook does)."""
-    mine = np.array([self.shard.index, *self._position_ints(self._position)], np.int64)
+    mine = np.array([x for shard, position in zip(self.data_shards, self._split(self._position))
+                     for x in (shard.index, *self._position_ints(position))], np.int64)
+    width = len(mine) // len(self.data_shards)  # a shard's index and its position's ints
     if jax.process_count() > 1:
-      rows = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(mine))
-    else:
-      rows = mine[None]
+      mine = np.asarray(multihost_utils.process_allgather(mine))
+    rows = mine.reshape(-1, width)
     shards = {str(int(row[0])): self._shard_json([int(x) for x in row[1:]]) for row in rows}
-    return {"format": STATE_FORMAT, "source": self.describe, "num_shards": self.shard.count,
+    return {"format": STATE_FORMAT, "source": self.describe, "num_shards": self.data_shards[0].count,
             "global_batch_size": self.global_shape[0], "max_target_length": self._length, "shards": shards}
 
   def set_state(self, state: dict[str, Any]) -> None:
@@ -331,47 +364,86 @@ class BatchIterator:
       raise ConfigError(f"the checkpoint's data state {state} was written by another dataset_type; "
                         f"it cannot position {self.describe}")
     saved = (state.get("global_batch_size"), state.get("max_target_length"), state.get("num_shards"))
-    wanted = (self.global_shape[0], self._length, self.shard.count)
+    count = self.data_shards[0].count
+    wanted = (self.global_shape[0], self._length, count)
     if saved != wanted:
+      virtual = (f" ({count // len(self.data_shards)} process(es) x {len(self.data_shards)} micro-batches: an elastic "
+                 "run's virtual data shards)" if len(self.data_shards) > 1 else "")
       raise ConfigError(f"the checkpoint's data position is for global batch {saved[0]} x max_target_length "
                         f"{saved[1]} over {saved[2]} data shard(s); this run has {wanted[0]} x {wanted[1]} over "
-                        f"{wanted[2]}: the same position would not give the same batches")
+                        f"{wanted[2]}{virtual}: the same position would not give the same batches")
     if state.get("source") != self.describe:
       print(f"warning: the checkpoint's data position was saved for {state.get('source')}, "
             f"now reading {self.describe}", flush=True)
-    self._seek(self._position_of(state["shards"][str(self.shard.index)]))
+    shards = state["shards"]
+    if not isinstance(shards, dict) or sorted(shards, key=str) != sorted(map(str, range(count))):
+      had = ", ".join(sorted(map(str, shards), key=lambda k: (len(k), k))) if isinstance(shards, dict) else repr(shards)
+      raise ConfigError(f"the checkpoint's data position is damaged: it holds data shard(s) [{had}] instead of 0.."
+                        f"{count - 1}; resume from another checkpoint step or delete this one")
+    positions = []
+    for shard in self.data_shards:
+      try:
+        positions.append(self._position_of(shards[str(shard.index)]))
+      except (KeyError, TypeError, ValueError, AttributeError):
+        raise ConfigError(f"the checkpoint's data position of data shard {shard.index} is damaged "
+                          f"({shards[str(shard.index)]!r}); resume from another checkpoint step or delete this one") from None
+    self._seek(self._join(positions))
 
 
 class PackedBatchIterator(BatchIterator):
-  """One source: a document cursor packed into rows by `pack` (packing.pack_batch;
-  preference.pack_preference_batch for DPO's pairs). Its position is the cursor's."""
+  """Document cursors packed into rows by `pack` (packing.pack_batch; preference.pack_preference_batch
+  for DPO's pairs): one per data shard this process reads (`read_from`, in the order of
+  `data_shards`), each filling its shard's rows. Its position is the cursors'."""
 
-  def __init__(self, read_from: Callable[[int], Iterator[Any]], shard: HostShard, sharding: NamedSharding,
+  def __init__(self, read_from: Sequence[Callable[[int], Iterator[Any]]], shard: HostShard, sharding: NamedSharding,
                global_batch: int, length: int, packing: bool, prefetch: int, max_empty_run: int, describe: str,
                pack: Callable[..., tuple[dict[str, np.ndarray], int]] = pack_batch,
                explain_empty: Callable[[], str | None] | None = None,
-               describe_index: Callable[[int], str] | None = None):
-    super().__init__(shard, sharding, global_batch, length, packing, prefetch, describe, Position())
-    self._pack, self._describe_index = pack, describe_index
-    self._cursor = DocumentCursor(read_from, max_empty_run, explain_empty=explain_empty)
+               describe_index: Sequence[Callable[[int], str] | None] | None = None,
+               data_shards: Sequence[HostShard] | None = None):
+    shards = list(data_shards or [shard])
+    if len(read_from) != len(shards):
+      raise ValueError(f"{len(read_from)} readers for {len(shards)} data shards")
+    super().__init__(shard, sharding, global_batch, length, packing, prefetch, describe, self._start(len(shards)),
+                     shards)
+    self._pack = pack
+    self._describe_index = list(describe_index or [None] * len(shards))
+    self._cursors = [DocumentCursor(r, max_empty_run, explain_empty=explain_empty) for r in read_from]
 
-  def _produce(self) -> tuple[dict[str, np.ndarray], Position]:
-    batch, num_real = self._pack(self._cursor, self.shard.rows, self._length, self._packing)
-    self._cursor.settle()
-    return {**batch, "_num_real": np.asarray(num_real)}, self._cursor.position
+  @staticmethod
+  def _start(count: int) -> tuple[Position, ...]:
+    return tuple(Position() for _ in range(count))
+
+  def _produce(self) -> tuple[dict[str, np.ndarray], tuple[Position, ...]]:
+    parts, num_real = [], 0
+    for shard, cursor in zip(self.data_shards, self._cursors):
+      part, real = self._pack(cursor, shard.rows, self._length, self._packing)
+      cursor.settle()
+      parts.append(part)
+      num_real += real
+    batch = parts[0] if len(parts) == 1 else {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+    return {**batch, "_num_real": np.asarray(num_real)}, tuple(c.position for c in self._cursors)
 
   def describe_next_position(self) -> str:
-    """Where the next batch starts in this host's shard (a skipped batch is named by it)."""
-    position = self._position
-    where = (self._describe_index(position.index) if self._describe_index is not None
-             else f"document {position.index}")
-    return f"data shard {self.shard.index} of {self.shard.count}, from {where}, token pair {position.offset}"
+    """Where the next batch starts in this host's shard(s) (a skipped batch is named by it)."""
+    wheres = []
+    for shard, describe_index, position in zip(self.data_shards, self._describe_index, self._position):
+      where = describe_index(position.index) if describe_index is not None else f"document {position.index}"
+      wheres.append(f"data shard {shard.index} of {shard.count}, from {where}, token pair {position.offset}")
+    return "; ".join(wheres)
 
-  def _restart(self, position: Position | None) -> None:
-    self._cursor.seek(position or Position())
+  def _restart(self, position: tuple[Position, ...] | None) -> None:
+    for cursor, at in zip(self._cursors, position or self._start(len(self._cursors))):
+      cursor.seek(at)
 
-  def _seek(self, position: Position | None) -> None:
-    super()._seek(position or Position())
+  def _seek(self, position: tuple[Position, ...] | None) -> None:
+    super()._seek(position or self._start(len(self._cursors)))
+
+  def _split(self, position: tuple[Position, ...]) -> list[Position]:
+    return list(position)
+
+  def _join(self, positions: list[Position]) -> tuple[Position, ...]:
+    return tuple(positions)
 
   def _position_ints(self, position: Position) -> list[int]:
     return [position.index, position.offset]
@@ -380,7 +452,10 @@ class PackedBatchIterator(BatchIterator):
     return {"index": ints[0], "offset": ints[1]}
 
   def _position_of(self, shard_json: dict[str, Any]) -> Position:
-    if "index" not in shard_json:
+    if "index" not in shard_json and "sources" in shard_json:
       raise ConfigError(f"the checkpoint's data position is a mixture's ({', '.join(shard_json.get('sources', {}))}); "
                         "this run reads one source: resume with the data_mixture it was saved with")
-    return Position(int(shard_json["index"]), int(shard_json["offset"]))
+    index, offset = shard_json["index"], shard_json["offset"]
+    if not (isinstance(index, (int, np.integer)) and isinstance(offset, (int, np.integer)) and min(index, offset) >= 0):
+      raise ValueError("not two whole numbers >= 0")
+    return Position(int(index), int(offset))
