@@ -313,7 +313,8 @@ class LoopbackLauncher:
   """The job's processes on this machine (CPU): `processes_per_slice` per slice, each with
   `devices_per_process` simulated devices, joined on 127.0.0.1. A slice is down while
   `<state_dir>/slice_<i>.down` exists (the supervisor writes it when the slice's process dies;
-  deleting it brings the slice back)."""
+  deleting it brings the slice back). Each simulated host keeps its own local checkpoint folder
+  (`host_local_directory`), whatever process index a generation gives it."""
 
   def __init__(self, command: Sequence[str], num_slices: int, processes_per_slice: int, devices_per_process: int,
                state_dir: Path, env: Mapping[str, str], log_dir: Path):
@@ -350,12 +351,21 @@ class LoopbackLauncher:
       if count > 1:
         environ.update(JAX_COORDINATOR_ADDRESS=address, JAX_PROCESS_COUNT=str(count), JAX_PROCESS_ID=str(index))
       log = open(logs[index], "wb")  # noqa: SIM115
-      procs.append((slices[index // self.processes_per_slice],
-                    subprocess.Popen([*self.command, *overrides], env=environ, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)))
+      slice_id = slices[index // self.processes_per_slice]
+      argv = host_local_directory([*self.command, *overrides], slice_id, index % self.processes_per_slice)
+      procs.append((slice_id, subprocess.Popen(argv, env=environ, stdout=log, stderr=subprocess.STDOUT,
+                                               stdin=subprocess.DEVNULL)))
       log.close()  # the child holds its own descriptor
     self.current = _ProcessGeneration(procs, logs[0])
     return self.current
+
+
+def host_local_directory(argv: Sequence[str], slice_id: int, host: int) -> list[str]:
+  """`argv` with local_checkpoint_directory=D as D/slice_<s>_host_<k>: on one machine, each host's
+  own disk, which stays with the host when a resize renumbers the processes."""
+  key = "local_checkpoint_directory="
+  return [f"{key}{os.path.join(a[len(key):], f'slice_{slice_id}_host_{host}')}" if a.startswith(key) and a != key
+          else a for a in argv]
 
 
 def loopback_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -21,13 +21,14 @@ import time
 from typing import Any, Generic, TypeVar
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from MaxText.paths import storage, storage_retry
 from MaxText.configuration.config_groups import CheckpointConfig
 from MaxText.errors import TrainingError, UserError, quiet_logger
+from MaxText.run_dir import peer_handover
 from MaxText.run_dir.local_checkpoints import LocalTier
 from MaxText.platform.sharding import with_shardings
 
@@ -232,23 +233,37 @@ class RunCheckpoints:
 
   def _restore_local(self, abstract_state: State, shardings: State, persistent_step: int | None
                      ) -> Restored[State] | None:
-    """The local tier's newest step if every process holds it and it is newer than the
-    persistent tier's (all processes decide together)."""
+    """The local tier's newest step that every process can restore, if newer than the persistent
+    tier's: from its own disk, or handed over by the processes that hold it (all decide together)."""
     assert self.local is not None
-    step = self.local.agreed_step(shardings, abstract_state)
-    if step is None or (persistent_step is not None and step <= persistent_step):
+    plan, passed_over = peer_handover.plan(self.local, abstract_state, shardings, persistent_step)
+    if passed_over:
+      log(f"{passed_over}; using {f'local step {plan.step}' if plan else 'the persistent tier'}")
+    if plan is None:
       return None
+    source = f"the local tier ({self.local.directory})"
+    if plan.lackers:
+      try:
+        state, data_state, meta = peer_handover.restore(self.local, plan, abstract_state, shardings)
+      except peer_handover.HandoverFailed as e:
+        if not e.said_here:  # a process that could not read its copy has said why in its own line
+          log(f"warning: {e}; using the persistent tier")
+        return None
+      return Restored(state, data_state, meta, plan.step, f"{source[:-1]}; {plan.describe()})")
     try:
-      state, data_state, meta = self.local.restore(step, abstract_state, shardings)
+      state, data_state, meta = self.local.restore(plan.step, abstract_state, shardings)
       ok = True
     except Exception as e:  # noqa: BLE001 - a damaged local copy: the persistent tier is the fallback
-      log(f"warning: local checkpoint step {step} in {self.local.root} is unreadable ({first_line(e)}); "
-           "using the persistent tier")
+      print(f"warning: local checkpoint step {plan.step} in {self.local.directory} is unreadable on process "
+            f"{jax.process_index()} ({first_line(e)}); using the persistent tier", flush=True)
       ok = False
-    everyone_ok = bool(multihost_utils.process_allgather(jnp.asarray(ok, jnp.int32)).min())
-    if not everyone_ok:
+    failed = np.flatnonzero(np.asarray(multihost_utils.process_allgather(np.int32(not ok))).reshape(-1))
+    if len(failed):
+      if ok:  # a process that could not read its copy has said why in its own line
+        log(f"warning: local checkpoint step {plan.step} is unreadable on process(es) "
+            f"{', '.join(map(str, failed.tolist()))}; using the persistent tier")
       return None
-    return Restored(state, data_state, meta, step, f"the local tier ({self.local.root})")
+    return Restored(state, data_state, meta, plan.step, source)
 
   def restore_step(self, step: int, abstract_state: State, shardings: State) -> Restored[State]:
     args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(with_shardings(abstract_state, shardings)),

@@ -7,11 +7,16 @@ Layout (`local_checkpoint_directory/run_name/process_<i>/<step>/`):
 A step is written into `<step>.partial-<pid>/` and renamed when complete: a directory named by
 a bare number is always whole.
 
+A process writes under its own index but reads from every `process_<j>` folder on its disk: the
+manifest says which regions a step holds, so a host whose process index changed (the survivors
+of an elastic run renumbered) still finds the steps it saved under its old index.
+
 Restore needs every process to hold the same step with the regions of each leaf that the
-current mesh gives it; the processes agree on the newest such step with one all-gather. A host
-whose local disk was lost (a replaced VM), or a mesh that gives a process other regions, makes
-that step unusable and the run restores from the persistent tier instead. Fewer processes that
-keep their regions (an elastic run on fewer slices) restore from it.
+current mesh gives it; the processes agree on the newest such step with one all-gather. Where
+some processes lack it (a replaced host, a slice that returns) the others hand their regions
+over (`peer_handover.py`); where no process holds a region that is needed, the run restores
+from the persistent tier. Fewer processes that keep their regions (an elastic run on fewer
+slices) restore from it.
 
 Why not Orbax here: its emergency checkpoint manager (orbax.checkpoint.experimental.emergency)
 is marked experimental and needs a multi-slice replica layout, and its standard handlers
@@ -37,7 +42,7 @@ from MaxText.errors import TrainingError
 State = TypeVar("State")  # the run's state tree; its abstract twin and shardings share its type
 
 MANIFEST = "manifest.json"
-_MAX_STEPS_COMPARED = 16  # newest local steps each process reports when the processes agree on one
+MAX_STEPS_COMPARED = 16  # newest local steps each process reports when the processes agree on one
 
 
 # A leaf's path in the state tree, as tree_flatten_with_path gives it.
@@ -57,6 +62,7 @@ class LocalTier:
   """Saves and restores this process's shards of the train state on its own disk."""
 
   def __init__(self, directory: str, period: int, max_to_keep: int):
+    self.directory = directory
     self.root = os.path.join(directory, f"process_{jax.process_index()}")
     self.period, self.max_to_keep = period, max_to_keep
     os.makedirs(self.root, exist_ok=True)
@@ -67,10 +73,16 @@ class LocalTier:
     self._error: BaseException | None = None
     self.last_saved_step: int | None = None
 
+  def folders(self) -> list[str]:
+    """Every process folder on this disk, this process's own first (a renumbered host's earlier
+    index is among the others)."""
+    others = sorted(os.path.join(self.directory, e) for e in os.listdir(self.directory)
+                    if e.startswith("process_") and os.path.join(self.directory, e) != self.root)
+    return [self.root, *others]
+
   def steps(self) -> list[int]:
-    """Complete local steps, oldest first."""
-    return sorted(int(e) for e in os.listdir(self.root) if e.isdigit() and
-                  os.path.isfile(os.path.join(self.root, e, MANIFEST)))
+    """Complete local steps in any process folder on this disk, oldest first."""
+    return sorted({s for folder in self.folders() for s in _steps_in(folder)})
 
   # ------------------------------------------------------------------ save
 
@@ -112,8 +124,11 @@ class LocalTier:
       if os.path.exists(final):
         shutil.rmtree(final)
       os.rename(partial, final)
-      for old in self.steps()[:-self.max_to_keep]:
-        shutil.rmtree(os.path.join(self.root, str(old)), ignore_errors=True)
+      kept = _steps_in(self.root)[-self.max_to_keep:]
+      for folder in self.folders():  # a renumbered host's older folders keep no newer steps
+        for old in _steps_in(folder):
+          if old < kept[0] or (folder == self.root and old not in kept):
+            shutil.rmtree(os.path.join(folder, str(old)), ignore_errors=True)
     except BaseException as e:  # noqa: BLE001 - reported by wait() on the training thread
       self._error = e
       shutil.rmtree(partial, ignore_errors=True)
@@ -135,8 +150,8 @@ class LocalTier:
 
   def agreed_step(self, shardings: object, abstract_state: object) -> int | None:
     """The newest step every process holds whole, with this mesh's shard layout (collective)."""
-    mine = [s for s in self.steps() if self._layout_matches(s, abstract_state, shardings)][-_MAX_STEPS_COMPARED:]
-    padded = np.full(_MAX_STEPS_COMPARED, -1, np.int64)
+    mine = self.held_steps(shardings, abstract_state)
+    padded = np.full(MAX_STEPS_COMPARED, -1, np.int64)
     padded[:len(mine)] = mine
     everyone = np.asarray(multihost_utils.process_allgather(padded)).reshape(jax.process_count(), -1)
     common = set(everyone[0].tolist())
@@ -145,47 +160,45 @@ class LocalTier:
     common.discard(-1)
     return max(common) if common else None
 
-  def _manifest(self, step: int) -> dict[str, Any]:
-    with open(os.path.join(self.root, str(step), MANIFEST), encoding="utf-8") as f:
-      return json.load(f)
+  def held_steps(self, shardings: object, abstract_state: object) -> list[int]:
+    """The newest steps this host holds whole with this mesh's shard layout, oldest first."""
+    return [s for s in self.steps() if self.locate(s, abstract_state, shardings)][-MAX_STEPS_COMPARED:]
+
+  def locate(self, step: int, abstract_state: object, shardings: object) -> str | None:
+    """The folder of `step` whose regions are this process's under `shardings` (None: none)."""
+    for folder in self.folders():
+      directory = os.path.join(folder, str(step))
+      if os.path.isdir(directory) and _layout_matches(directory, abstract_state, shardings):
+        return directory
+    return None
 
   def meta(self, step: int) -> dict[str, Any] | None:
     """The run's meta saved with `step` on this host, or None when it is unreadable."""
-    try:
-      return self._manifest(step).get("meta") or {}
-    except (OSError, ValueError):
-      return None
+    for folder in self.folders():
+      try:
+        return _manifest(os.path.join(folder, str(step))).get("meta") or {}
+      except (OSError, ValueError):
+        continue
+    return None
 
   def set_aside(self, step: int, name: str) -> str:
-    """Renames this host's copy of `step` to `name` (never deleted); returns the new path."""
+    """Renames every copy of `step` on this disk to `name` (never deleted); returns the first new path."""
     self.wait()
-    target = os.path.join(self.root, name)
-    os.rename(os.path.join(self.root, str(step)), target)
-    return target
-
-  def _layout_matches(self, step: int, abstract_state: object, shardings: object) -> bool:
-    try:
-      manifest = self._manifest(step)
-    except (OSError, json.JSONDecodeError):
-      return False
-    # The process count may differ: an elastic run relaunched on fewer slices (each slice a whole
-    # replica, laid out within it as before) asks each survivor for the regions it saved itself.
-    flat = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
-    flat_shardings = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-    if len(flat) != len(manifest["leaves"]) or len(flat_shardings) != len(flat):
-      return False
-    for (path, leaf), sharding, saved in zip(flat, flat_shardings, manifest["leaves"]):
-      if saved["name"] != _leaf_name(path) or saved["shape"] != list(leaf.shape) or saved["dtype"] != str(leaf.dtype):
-        return False
-      wanted = {json.dumps(_index_key(i)) for i in _local_indices(sharding, leaf.shape)}
-      if wanted != {json.dumps(e["index"]) for e in saved["shards"]}:
-        return False
-    return True
+    moved = []
+    for folder in self.folders():
+      try:
+        os.rename(os.path.join(folder, str(step)), os.path.join(folder, name))
+        moved.append(os.path.join(folder, name))
+      except FileNotFoundError:  # not in this folder, or another process on a shared disk moved it first
+        continue
+    return moved[0] if moved else os.path.join(self.root, name)
 
   def restore(self, step: int, abstract_state: State, shardings: State) -> tuple[State, Any, dict[str, Any]]:
-    """(state, data state, meta) of `step`, built from this process's files into `shardings`."""
-    manifest = self._manifest(step)
-    directory = os.path.join(self.root, str(step))
+    """(state, data state, meta) of `step`, built from this host's files into `shardings`."""
+    directory = self.locate(step, abstract_state, shardings)
+    if directory is None:
+      raise FileNotFoundError(f"no folder under {self.directory} holds step {step} with this process's regions")
+    manifest = _manifest(directory)
     flat, treedef = jax.tree.flatten(abstract_state)
     flat_shardings = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
     arrays = []
@@ -200,6 +213,64 @@ class LocalTier:
         pieces.append(jax.device_put(raw.view(dtype).reshape(shape), device))
       arrays.append(jax.make_array_from_single_device_arrays(leaf.shape, sharding, pieces))
     return jax.tree.unflatten(treedef, arrays), manifest.get("data"), manifest.get("meta") or {}
+
+  def read_regions(self, step: int, abstract_state: object, shardings: object
+                   ) -> tuple[list[dict[str, np.ndarray]], Any, dict[str, Any]]:
+    """Every region this process holds of `step` in host memory (per leaf: region key -> array),
+    with the step's data state and meta; raises when a file is missing or has the wrong size."""
+    directory = self.locate(step, abstract_state, shardings)
+    if directory is None:
+      raise FileNotFoundError(f"no folder under {self.directory} holds step {step} with this process's regions")
+    manifest = _manifest(directory)
+    regions: list[dict[str, np.ndarray]] = []
+    for leaf, saved in zip(jax.tree.leaves(abstract_state), manifest["leaves"]):
+      dtype, out = np.dtype(leaf.dtype), {}
+      for entry in saved["shards"]:
+        shape = tuple(stop - start for start, stop in entry["index"])
+        raw = np.load(os.path.join(directory, entry["file"]), allow_pickle=False)
+        if raw.size != int(np.prod(shape)) * dtype.itemsize:
+          raise ValueError(f"{entry['file']} holds {raw.size} bytes, its region needs {int(np.prod(shape)) * dtype.itemsize}")
+        out[json.dumps(entry["index"])] = raw.view(dtype).reshape(shape)
+      regions.append(out)
+    return regions, manifest.get("data"), manifest.get("meta") or {}
+
+
+def _steps_in(folder: str) -> list[int]:
+  """The complete steps in one process folder, oldest first."""
+  if not os.path.isdir(folder):
+    return []
+  return sorted(int(e) for e in os.listdir(folder) if e.isdigit() and os.path.isfile(os.path.join(folder, e, MANIFEST)))
+
+
+def _manifest(directory: str) -> dict[str, Any]:
+  with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
+    manifest: dict[str, Any] = json.load(f)
+  return manifest
+
+
+def _layout_matches(directory: str, abstract_state: object, shardings: object) -> bool:
+  try:
+    manifest = _manifest(directory)
+  except (OSError, json.JSONDecodeError):
+    return False
+  # The process count may differ: an elastic run relaunched on fewer slices (each slice a whole
+  # replica, laid out within it as before) asks each survivor for the regions it saved itself.
+  flat = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
+  flat_shardings = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+  if len(flat) != len(manifest["leaves"]) or len(flat_shardings) != len(flat):
+    return False
+  for (path, leaf), sharding, saved in zip(flat, flat_shardings, manifest["leaves"]):
+    if saved["name"] != _leaf_name(path) or saved["shape"] != list(leaf.shape) or saved["dtype"] != str(leaf.dtype):
+      return False
+    wanted = {json.dumps(_index_key(i)) for i in _local_indices(sharding, leaf.shape)}
+    if wanted != {json.dumps(e["index"]) for e in saved["shards"]}:
+      return False
+  return True
+
+
+def region_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> str:
+  """A region's name in manifests and plans: json of [[start, stop], ...] with explicit bounds."""
+  return json.dumps(_index_key(_normalise(index, shape)))
 
 
 def _normalise(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
