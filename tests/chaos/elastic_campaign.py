@@ -40,7 +40,7 @@ from tests.chaos.training_campaign import REPO_ROOT, committed_steps, losses, sa
 from tests.compile_settings import FAST_COMPILE_FLAG, jax_cache_env
 
 FAULTS = ("kill_in_step", "kill_in_save", "kill_in_resize")
-STEPS = 8
+STEPS = 12  # room after a return at step 4: the stopped job may log a few more steps first
 MODEL = ["base_emb_dim=64", "base_num_decoder_layers=1", "base_mlp_dim=128", "head_dim=16", "max_target_length=32",
          "print_config=False", "cpu_peak_tflops=0.1", f"steps={STEPS}", f"learning_rate_schedule_steps={STEPS}",
          "async_checkpointing=False", "distributed_heartbeat_timeout_seconds=10",
