@@ -392,10 +392,9 @@ def build_server(config: config_lib.Config, mesh: Mesh | None = None) -> Server:
   if d.serve_lora_adapters or d.serve_lora_slots:  # LoRA adapters beside the model, in adapter tables
     table_engine, adapters = lora_adapters.load_engine(config, d.serve_max_slots, fresh, d.serve_model_name or
                                                        config["model_name"], mesh)
-    if d.speculative_tokens:  # the named draft proposes without adapters; the target verifies with each slot's
-      speculative_engine.check_draft(config)
-      rounds, draft_params = speculative_engine.with_named_draft(speculative_engine.named_draft_config(config),
-                                                                 table_engine, d.speculative_tokens)
+    if d.speculative_tokens:  # the draft (a named model, or the base's MTP heads on the adapted hidden states)
+      # proposes without adapters; the target verifies with each slot's
+      rounds, draft_params = speculative_engine.with_draft(config, table_engine)
       return Server(config, rounds, (adapters.params, draft_params), codec, eos_id, adapters)
     return Server(config, table_engine, adapters.params, codec, eos_id, adapters)
   engine, params = speculative_engine.load(config, d.serve_max_slots, fresh, mesh)

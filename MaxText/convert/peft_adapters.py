@@ -46,12 +46,19 @@ def _index_order(to_hf: Callable[[tuple[np.ndarray, ...], ModelConfig], np.ndarr
   return order.astype(np.int64)
 
 
+def _hf_layers(cfg: ModelConfig, maps: list[Any]) -> int:
+  """The HF model's layers an adapter can name: the decoder's, plus the MTP modules where the family's
+  checkpoint layout stores them after those (elsewhere a model's MTP modules have no HF name)."""
+  has_mtp_layout = any(m.stack == "mtp" for m in maps)
+  return cfg.num_decoder_layers + (cfg.mtp.mtp_num_layers if has_mtp_layout else 0)
+
+
 def adapter_tensors(params: dict[str, Any], cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
   """(PEFT tensor name, array) for every adapter in `params` (scanned or unrolled; the adapter
   leaves are enough: lora.split(params)[0])."""
   family = families.family_for_decoder_block(cfg.decoder_block)
   maps = family.tensors(cfg)
-  num_layers = engine._num_hf_layers(cfg, maps, family.name)
+  num_layers = _hf_layers(cfg, maps)
   for m in maps:
     if len(m.ours) != 1 or not m.ours[0].endswith("/kernel") or m.per_expert:
       continue
@@ -131,7 +138,7 @@ def load(path: str, cfg: ModelConfig, abstract_params: dict[str, Any]) -> PeftAd
   for m in maps:
     if len(m.ours) != 1 or not m.ours[0].endswith("/kernel") or m.per_expert:
       continue
-    for layer in (range(engine._num_hf_layers(cfg, maps, family.name)) if m.per_layer else [None]):
+    for layer in (range(_hf_layers(cfg, maps)) if m.per_layer else [None]):
       if not engine._applies(cfg, m, layer):
         continue
       name = m.hf.format(i=layer).removesuffix(".weight")

@@ -30,6 +30,7 @@ from MaxText.configuration.config import Config
 from MaxText.configuration.model_checks import MLP_LORA_TARGETS, lora_targets
 from MaxText.convert import peft_adapters
 from MaxText.errors import UserError
+from MaxText.inference import speculative_engine
 from MaxText.inference.engine import Engine
 from MaxText.models import LAYER_STACKS
 from MaxText.platform import distributed
@@ -288,11 +289,8 @@ def load_engine(config: Config, num_slots: int, fresh_note: str, base_name: str,
   target of the model when none is given), their rows serve_lora_slots (0: the start-up adapters').
   The base model's parameters: `base_params` when given, else load_parameters_path's (else fresh ones)."""
   d = config.decode
-  if d.speculative_tokens and not (d.draft_model_name or d.draft_load_parameters_path):  # MTP heads draft inside
-    # the target's own call, which applies no adapter rows
-    raise UserError(f"LoRA adapter tables with speculative_tokens={d.speculative_tokens} need a named draft model "
-                    "(draft_model_name / draft_load_parameters_path), not the MTP heads; name one or set "
-                    "speculative_tokens=0")
+  if d.speculative_tokens:  # a draft's mistakes before anything loads (speculative_engine.with_draft builds it)
+    speculative_engine.check_draft(config)
   if config.model.lora.lora_rank:
     raise UserError("serve LoRA adapters beside a base model with lora_rank=0 (a LoRA checkpoint: export it merged "
                     "with MaxText.generate_param_only_checkpoint, or its adapters with lora_peft_export_path)")

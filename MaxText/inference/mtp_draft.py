@@ -23,6 +23,11 @@ each round's last pass rewrites every position the chained proposals wrote, and 
 positions <= x only, all written this round or accepted before (the stale-entry argument of
 speculative.py). Prefill runs the module over the whole prompt, so prompts are prefilled whole
 (no chunked prefill; a paged target's prefix caching is not used).
+
+With LoRA adapter tables (lora_adapters.py) the target's calls run with each slot's adapter row, so
+its hidden states and verifying logits are the adapted model's; the MTP module is the base's (PEFT
+adapters have no MTP weights, so its table rows stay zero and it runs outside lora_rows.use_rows) and
+proposes from the adapted hidden states. Greedy output is still each slot's adapted plain greedy output.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from MaxText.inference import paged_cache, sampling, speculative
 from MaxText.inference.decode_state import DecodeState, Prefix, RowSampling, pad_prompts, row_sampling, sample, seeded
 from MaxText.inference.engine import Engine, refuse_mtp_speculative
 from MaxText.inference.engine_api import TokenLogprobs
-from MaxText.layers import kv_cache
+from MaxText.layers import kv_cache, lora_rows
 from MaxText.training.model_assembly import Params
 from MaxText.platform import sharding
 
@@ -156,9 +161,10 @@ class MtpSpeculativeDecoder:
     batch, length = tokens_BL.shape
     caches = kv_cache.model_caches(cfg, batch, length, self.target.decode_cfg.quantize_kvcache)
     positions_BL = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens_BL.shape)
-    h_BLD, caches = spec.apply_decode_hidden(params, tokens_BL, positions_BL, caches)
     last_B11 = (lengths_B - 1)[:, None, None]
-    logits_BV = spec.apply_logits(params, jnp.take_along_axis(h_BLD, last_B11, axis=1))[:, 0]
+    with lora_rows.use_rows(rows.adapter_B):  # the target with each row's adapter; the MTP module without
+      h_BLD, caches = spec.apply_decode_hidden(params, tokens_BL, positions_BL, caches)
+      logits_BV = spec.apply_logits(params, jnp.take_along_axis(h_BLD, last_B11, axis=1))[:, 0]
     first_B, rows, logprobs = sample(logits_BV, rows, masks_BW)
     # The token after each position: the prompt's next one, the first sampled token after its last.
     next_BL = jnp.pad(tokens_BL[:, 1:], ((0, 0), (0, 1)))
@@ -206,8 +212,9 @@ class MtpSpeculativeDecoder:
     tokens_TK = jnp.concatenate([pending_T[:, None], proposals_Tk], axis=1)
     positions_TK = positions_T[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
     caches = self.target.cache.with_table(state.target.caches, table_TM)
-    h_TKD, caches = spec.apply_decode_hidden(params, tokens_TK, positions_TK, caches)
-    logits_TKV = spec.apply_logits(params, h_TKD)
+    with lora_rows.use_rows(rows.adapter_B):  # the target verifies with each slot's adapter
+      h_TKD, caches = spec.apply_decode_hidden(params, tokens_TK, positions_TK, caches)
+      logits_TKV = spec.apply_logits(params, h_TKD)
     out_TK, num_accepted_T, last_T, logprobs = speculative.verify(logits_TKV, q_TkV, proposals_Tk, rows, draw_keys_TX,
                                                                   mask_TW)
 

@@ -236,6 +236,16 @@ def named_draft_config(config: Config) -> Config:
   return draft_cfg
 
 
+def with_draft(config: Config, target: Engine) -> tuple[SpeculativeEngine, Params | None]:
+  """A SpeculativeEngine over `target` (a plain or an adapter-table engine) and its draft: the named draft
+  model, else the target's MTP heads (draft parameters None: they are the target's); the draft's parameters."""
+  check_draft(config)
+  k = config.decode.speculative_tokens
+  if config.decode.draft_model_name or config.decode.draft_load_parameters_path:
+    return with_named_draft(named_draft_config(config), target, k)
+  return SpeculativeEngine(mtp_draft.MtpSpeculativeDecoder(target, k)), None
+
+
 def with_named_draft(draft_cfg: Config, target: Engine, k: int) -> tuple[SpeculativeEngine, Params]:
   """A SpeculativeEngine over `target` (a plain or an adapter-table engine) and the draft of `draft_cfg`
   (its parameters loaded on the target's mesh), and the draft's parameters."""

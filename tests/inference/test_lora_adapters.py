@@ -219,6 +219,38 @@ def test_a_draft_without_adapters_proposes_and_the_target_verifies_with_each_slo
   assert [o[:6] for o in out] == greedy(engine, registry.params, PROMPTS[:4], rows)
 
 
+
+@pytest.mark.slow  # a table engine with an MTP module and its rounds: about 10 s on an idle CPU
+def test_mtp_heads_draft_for_adapters_and_each_slot_gets_its_adapters_greedy_tokens(served):
+  """speculative_tokens with adapter tables and no named draft: the base's MTP head proposes from the adapted
+  hidden states, the table target verifies with each slot's row; a mixed batch's greedy rounds give each
+  request the tokens plain decoding with its adapter gives (as the served tables' own test, merged)."""
+  from MaxText.inference import speculative_engine
+
+  _, _, _, _, root = served
+  keys = dict(TINY, mtp_num_layers=1, serve_lora_slots=4,
+              serve_lora_adapters=",".join(f"{n}={root / n}" for n, *_ in ADAPTERS[:3]))
+  target, registry = lora_adapters.load_engine(Config.for_testing(**keys, speculative_tokens=3), 4, "fresh", "base",
+                                               one_device_mesh())
+  rounds, draft_params = speculative_engine.with_draft(Config.for_testing(**keys, speculative_tokens=3), target)
+  assert draft_params is None and rounds.draft is None  # the MTP heads: the target's own parameters
+  picks = ["beta", "alpha", None, "gamma"]
+  rows = [RowParams(adapter=0 if p is None else registry.acquire(p)) for p in picks]
+  params = (registry.params, None)
+  state, out = rounds.init_decode_state(), []
+  prefix = rounds.prefill(params, PROMPTS[:4], row_params=rows)
+  for slot in range(4):
+    state = rounds.insert(prefix, state, slot, row=slot)
+    out.append([int(jax.device_get(prefix.first_tokens_B)[slot])])
+  while min(len(o) for o in out) < 8:
+    state, emitted = rounds.decode_step(params, state)
+    for slot in range(4):
+      out[slot] += [int(t) for t in np.asarray(emitted.tokens)[slot, :int(np.asarray(emitted.counts)[slot])]]
+  expected = greedy(target, registry.params, PROMPTS[:4], rows, new_tokens=8)
+  assert [o[:8] for o in out] == expected
+  assert expected[0] != greedy(target, registry.params, PROMPTS[:1], [RowParams()], new_tokens=8)[0]  # adapters count
+
+
 # ---------------------------------------------------------------- the server: model names, admin routes
 KEY = "lora-key"
 SERVE_MODEL = dict(base_emb_dim=32, base_num_query_heads=4, base_num_kv_heads=2, head_dim=8, base_mlp_dim=64,
@@ -433,7 +465,7 @@ def test_admin_routes_are_off_without_an_api_key_and_echo_scores_only_the_base_m
 
 @pytest.mark.parametrize("keys, words", [
     (dict(serve_lora_adapters="nameless"), "serve_lora_adapters items are name=path"),
-    (dict(serve_lora_adapters="a=/x", speculative_tokens=2), "need a named draft model"),
+    (dict(serve_lora_adapters="a=/x", speculative_tokens=2), "speculative_tokens=2 needs a draft model"),
     (dict(serve_lora_adapters="a=/x", lora_rank=4), "beside a base model with lora_rank=0"),
     (dict(serve_lora_adapters="a={root}/head"), "LoRA adapters target ['lm_head'], which this model cannot serve"),
     (dict(serve_lora_adapters="a={root}/nothing"), "is not a PEFT LoRA adapter"),
