@@ -14,14 +14,18 @@ cause, slices before and after, the step reached, the step resumed from, seconds
 
 Launchers: `LoopbackLauncher` (CPU processes on 127.0.0.1 joined by jax.distributed, each slice
 a group of processes; a slice is "down" while its marker file exists) and `TpuVmLauncher`
-(multihost_runner's slices over ssh; a slice is up while its TPU is READY). GKE is still to build;
-see getting_started/Fault_tolerance.md, "Elastic training". The command line (`main`) takes the
-run's own arguments and builds the layout from its config:
+(multihost_runner's slices over ssh; a slice is up while its TPU is READY; with `version=` the
+slices come from queued resources, platform/queued_slices.py) and platform/gke_launch.py's
+`GkeLauncher` (a JobSet per generation on a GKE cluster's node pools). See
+getting_started/Fault_tolerance.md, "Elastic training". The command line (`main`) takes the run's
+own arguments and builds the layout from its config:
 
   python3 -m MaxText.elastic configs/base.yml run_name=r num_slices=4 elastic_min_slices=1 \
       devices_per_process=2                                    # CPU processes on this machine
   python3 -m MaxText.elastic configs/base.yml run_name=r num_slices=2 elastic_min_slices=1 \
       tpu_prefix=my-v5e tpu_type=v5litepod-16                 # TPU VMs, as multihost_runner names them
+  ... tpu_prefix=r tpu_type=v5litepod-16 version=v2-alpha-tpuv5-lite   # slices from queued resources
+  ... cluster=my-cluster tpu_type=v5litepod-16 docker_image=IMAGE      # GKE (XPK's node pools)
 
 No JAX backend here: the supervisor only builds the config (for the layout) and starts processes.
 """
@@ -40,71 +44,20 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Callable, Mapping, Sequence
 
 from MaxText import multihost_runner, startup
 from MaxText.configuration import config as config_lib, elastic_config, tool_args
 from MaxText.configuration.elastic_config import SliceLayout
 from MaxText.errors import UserError, run_cli
 from MaxText.paths import storage
-from MaxText.platform import accelerators, tpu_launch
+from MaxText.platform import accelerators, gke_launch, tpu_launch
 from MaxText.platform.accelerators import DeviceTarget
+from MaxText.platform.generations import PEER_FAILURES, SIGTERM_EXIT, Exit, Generation, Launcher
+from MaxText.platform.queued_slices import QueuedResourceLauncher, QueuedSlices
 from MaxText.platform.tpu_launch import Gcloud
 
 EVENTS_FILE = "elastic.jsonl"
-WATCHDOG_EXIT = 4  # training/health.py's StepWatchdog: no step finished in step_timeout_seconds
-SIGTERM_EXIT = 128 + signal.SIGTERM  # train.py after saving at a SIGTERM step boundary
-_PEER_FAILURES = (-signal.SIGABRT, 128 + signal.SIGABRT, WATCHDOG_EXIT)  # ends caused by another process
-
-
-@dataclasses.dataclass(frozen=True)
-class Exit:
-  """A process of the current generation that has ended."""
-
-  slice_id: int
-  process: int  # its process index in the generation
-  code: int  # negative: killed by that signal
-
-  @property
-  def infrastructure(self) -> bool:
-    """Lost to its host or a peer (a signal, JAX's abort, the hang watchdog, ssh's lost connection),
-    not the run's own error. Over ssh a signal reads as status 128 + the signal."""
-    return self.code < 0 or self.code > 128 or self.code in _PEER_FAILURES
-
-  def describe(self) -> str:
-    how = f"was killed by signal {-self.code}" if self.code < 0 else f"exited with status {self.code}"
-    return f"process {self.process} (slice {self.slice_id}) {how}"
-
-
-class Generation(Protocol):
-  """One launch of the job's processes."""
-
-  def exits(self) -> list[Exit]:
-    """Every process that has ended so far."""
-    ...
-
-  def running(self) -> int:
-    ...
-
-  def signal_all(self, signum: int) -> None:
-    ...
-
-  def resumed_from(self) -> tuple[int, str] | None:
-    """The step the run resumed from and where it came from, once the run has said (None before)."""
-    ...
-
-
-class Launcher(Protocol):
-  def start(self, slices: Sequence[int], overrides: Sequence[str], env: Mapping[str, str]) -> Generation:
-    """The job's processes on `slices`, with `overrides` after the command's arguments and `env` added."""
-    ...
-
-  def available(self) -> set[int]:
-    """The slices that are up now."""
-    ...
-
-  def mark_lost(self, slice_id: int) -> None:
-    ...
 
 
 @dataclasses.dataclass
@@ -237,7 +190,7 @@ class Supervisor:
       failed = [e for e in exits if e.code not in (0, SIGTERM_EXIT)]
       if failed:
         seen = time.time()
-        culprit = next((e for e in failed if e.code not in _PEER_FAILURES), failed[0])
+        culprit = next((e for e in failed if e.code not in PEER_FAILURES), failed[0])
         self._stop(generation)
         if not culprit.infrastructure:
           self.log(f"elastic: {culprit.describe()}: the run's own error, not a lost slice; stopping")
@@ -479,16 +432,27 @@ class ElasticArgs:
   megascale_port: int = 8080
   log_dir: str = ""  # every process's log (and, on loopback, the slices' down markers)
   dry_run: bool = False  # print the slice counts, their overrides and the command; start nothing
+  version: str = ""  # TPU VMs: ask for the slices as queued resource TPU_PREFIX with this runtime version
+  cqr_extra_args: str = ""  # with version: more queued-resources create flags (--spot, --reserved)
+  setup_command: str = "bash setup.sh"  # with version: runs once on every new slice after the code's copy
+  cluster: str = ""  # GKE: the slices are the cluster's node pools CLUSTER-np-0.. (as XPK names them)
+  docker_image: str = ""  # GKE: the image every pod runs, holding the code (XPK's --docker-image)
 
 
 TOOL_KEYS = tuple(f.name for f in dataclasses.fields(ElasticArgs))
-_TPU_ONLY = ("tpu_type", "project", "zone", "script_dir", "use_existing_folder", "internal_ip")
+_QUEUED_ONLY = ("version", "cqr_extra_args", "setup_command")
+_TPU_ONLY = ("project", "zone", "script_dir", "use_existing_folder", "internal_ip", *_QUEUED_ONLY)
+_GKE_ONLY = ("docker_image",)
 
 
 def tpu_target(tpu_type: str, num_slices: int) -> DeviceTarget:
   """The devices of `num_slices` slices of gcloud's accelerator type `tpu_type`."""
+  return _topology(tpu_type).target(num_slices)
+
+
+def _topology(tpu_type: str) -> accelerators.TpuTopology:
   try:
-    return accelerators.tpu_topology(re.sub(r"^v5litepod-", "v5e-", tpu_type)).target(num_slices)
+    return accelerators.tpu_topology(re.sub(r"^v5litepod-", "v5e-", tpu_type))
   except UserError:
     raise UserError(f"tpu_type={tpu_type!r} is not a TPU type; give each slice's accelerator type as gcloud names "
                     "it, e.g. v5litepod-16, v6e-8, v5p-128, v4-16") from None
@@ -502,22 +466,52 @@ def plan_lines(layout: SliceLayout) -> list[str]:
           *(f"  {c} slice(s): {' '.join(elastic_config.resize(layout, c).overrides())}" for c in usable)]
 
 
+def _check_keys(args: ElasticArgs, on_tpu: bool, on_gke: bool) -> None:
+  """One line for a key that does not belong to the chosen launcher, or one it lacks."""
+  def given(keys: Sequence[str]) -> list[str]:
+    return [k for k in keys if getattr(args, k) != getattr(ElasticArgs(), k)]
+
+  def apply(keys: list[str]) -> str:
+    return f"{', '.join(keys)} {'apply' if len(keys) > 1 else 'applies'}"
+
+  if on_tpu and on_gke:
+    raise UserError("tpu_prefix (TPU VMs) and cluster (GKE) choose different launchers: give one of them")
+  if not on_tpu and (misplaced := given(_TPU_ONLY)):
+    raise UserError(f"{apply(misplaced)} to TPU VMs only: add tpu_prefix=NAME, or leave them out for CPU loopback")
+  if not on_gke and (misplaced := given(_GKE_ONLY)):
+    raise UserError(f"{apply(misplaced)} to GKE only: add cluster=NAME")
+  if not args.version and (misplaced := given(_QUEUED_ONLY)):
+    raise UserError(f"{apply(misplaced)} to queued resources only: add version=RUNTIME_VERSION")
+  if args.version and args.use_existing_folder:
+    raise UserError("use_existing_folder applies to existing slices: a queued resource's new slices get the code "
+                    "copied (leave it out, or leave out version= to use slices that exist)")
+  if (on_tpu or on_gke) and not args.tpu_type:
+    raise UserError(f"{'tpu_prefix' if on_tpu else 'cluster'} needs tpu_type=TYPE (each slice's accelerator type, "
+                    "e.g. v5litepod-16): the supervisor computes each slice count's batch settings from it")
+  if not (on_tpu or on_gke) and args.tpu_type:
+    raise UserError("tpu_type applies to TPU VMs and GKE only: add tpu_prefix=NAME or cluster=NAME")
+  if on_gke and not args.docker_image:
+    raise UserError("cluster needs docker_image=IMAGE: the image every pod runs, holding the code (see "
+                    "getting_started/Run_on_GKE_XPK.md)")
+
+
+def _gke_job(args: ElasticArgs, run_name: str, train: list[str]) -> gke_launch.GkeJob:
+  topology = _topology(args.tpu_type)
+  return gke_launch.GkeJob(args.cluster, run_name, args.docker_image, tuple(train), topology.hosts,
+                           topology.chips_per_host, args.megascale_port)
+
+
 def main(argv: list[str]) -> int:
   startup.start(startup.Tool("elastic", builds_config=False), argv)
   args, run_args = tool_args.parse_tool_record(ElasticArgs, argv[1:])
-  on_tpu = bool(args.tpu_prefix)
-  if not on_tpu and (misplaced := [k for k in _TPU_ONLY if getattr(args, k) != getattr(ElasticArgs(), k)]):
-    raise UserError(f"{', '.join(misplaced)} {'apply' if len(misplaced) > 1 else 'applies'} to TPU VMs only: add "
-                    "tpu_prefix=NAME, or leave them out for CPU loopback")
-  if on_tpu and not args.tpu_type:
-    raise UserError("tpu_prefix needs tpu_type=TYPE (each slice's accelerator type, e.g. v5litepod-16): the "
-                    "supervisor computes each slice count's batch settings from it")
+  on_tpu, on_gke = bool(args.tpu_prefix), bool(args.cluster)
+  _check_keys(args, on_tpu, on_gke)
   overrides = config_lib.parse_overrides(run_args, environ={})
   if not overrides.peek("run_name"):
     raise UserError("set run_name=NAME: every generation of the job resumes the same run")
   num_slices = int(overrides.peek("num_slices"))
-  if on_tpu:
-    tpu_launch.check_run_name(str(overrides.peek("run_name")))  # it names the workers' folder
+  if on_tpu or on_gke:
+    tpu_launch.check_run_name(str(overrides.peek("run_name")))  # it names the workers' folder, the JobSets
     target = tpu_target(args.tpu_type, num_slices)
   else:
     if min(args.processes_per_slice, args.devices_per_process) < 1:
@@ -539,19 +533,42 @@ def main(argv: list[str]) -> int:
   first = " ".join(elastic_config.resize(layout, num_slices).overrides())
   if args.dry_run:
     print("\n".join(plan_lines(layout)))
+    if on_gke:
+      job, name = _gke_job(args, run_name, train), f"{run_name}-g1"
+      print(f"elastic: generation 1 is the JobSet {name} on the node pools {job.node_pool(0)} .. "
+            f"{job.node_pool(num_slices - 1)}, created with `kubectl apply -f -` from:")
+      overrides_1 = elastic_config.resize(layout, num_slices).overrides()
+      print(gke_launch.manifest_text(job.manifest(name, list(range(num_slices)), overrides_1, {})), end="")
+      return 0
+    if args.version:
+      gcloud = Gcloud(args.project or None, args.zone or None, dry_run=True)
+      print("elastic: the slices are asked for with: " + tpu_launch.quote(tpu_launch.queued_resource_create(
+          gcloud, args.tpu_prefix, args.tpu_type, args.version, num_slices, shlex.split(args.cqr_extra_args))))
     where = (f"every worker of {', '.join(tpu_launch.slice_names(args.tpu_prefix, num_slices))} in ~/{run_name}"
              if on_tpu else f"{target.num_processes} process(es) on 127.0.0.1, {args.devices_per_process} "
              "device(s) each")
     print(f"elastic: generation 1 runs on {where}: {tpu_launch.quote(train)} {first}")
     return 0
   launcher: Launcher
-  if on_tpu:
+  poll_s, queued = 0.5, None
+  if on_gke:
+    gke = gke_launch.GkeLauncher(gke_launch.Kubectl(), _gke_job(args, run_name, train), num_slices)
+    gke.check_cluster()
+    launcher, poll_s = gke, 5.0  # each look is a kubectl call to the cluster's API server
+  elif on_tpu:
     gcloud = Gcloud(args.project or None, args.zone or None, dry_run=False)
     names = tpu_launch.slice_names(args.tpu_prefix, num_slices)
-    if not args.use_existing_folder:
-      _copy_code(gcloud, names, Path(args.script_dir or os.getcwd()), run_name, log_dir, args.internal_ip)
+    script_dir = Path(args.script_dir or os.getcwd())
     launcher = TpuVmLauncher(gcloud, names, tpu_launch.quote(train), run_name, log_dir, args.internal_ip,
                              args.megascale_port)
+    if args.version:
+      queued = QueuedSlices(gcloud, args.tpu_prefix, num_slices, args.tpu_type, args.version,
+                            shlex.split(args.cqr_extra_args), lambda name: multihost_runner.copy_code(
+                                gcloud, [name], script_dir, run_name, log_dir, args.internal_ip, args.setup_command))
+      queued.request_all()
+      launcher, poll_s = QueuedResourceLauncher(launcher, queued), 5.0  # each look describes every slice
+    elif not args.use_existing_folder:
+      multihost_runner.copy_code(gcloud, names, script_dir, run_name, log_dir, args.internal_ip)
   else:
     # Each process gets its own simulated device count; the user's other XLA flags stay.
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")).strip()
@@ -559,7 +576,7 @@ def main(argv: list[str]) -> int:
                                 args.devices_per_process, log_dir, loopback_env({"XLA_FLAGS": flags} if flags else None),
                                 log_dir)
   storage.makedirs(run_dir)
-  supervisor = Supervisor(layout, launcher, run_dir)
+  supervisor = Supervisor(layout, launcher, run_dir, poll_s=poll_s)
   supervisor.log(f"elastic: run {run_dir}, logs in {log_dir}")
   with multihost_runner.sigterm_as_interrupt():
     try:
@@ -568,20 +585,9 @@ def main(argv: list[str]) -> int:
       supervisor.interrupt()
       supervisor.log("elastic: interrupted; the running generation was stopped at a step boundary")
       return 130
-
-
-def _copy_code(gcloud: Gcloud, names: list[str], script_dir: Path, run_name: str, log_dir: Path,
-               internal_ip: bool) -> None:
-  """Copies script_dir to every worker's ~/RUN_NAME once; each generation runs there."""
-  if not script_dir.is_dir():
-    raise UserError(f"script_dir {script_dir} is not a directory")
-  log_dir.mkdir(parents=True, exist_ok=True)
-  tarball = log_dir / "code.tar.gz"
-  tpu_launch.package_directory(str(script_dir), tarball)
-  multihost_runner.run_parallel(multihost_runner.copy_commands(gcloud, names, tarball, run_name, internal_ip),
-                                "copying the code to the workers")
-  multihost_runner.run_parallel([multihost_runner.ssh_command(gcloud, n, "all", multihost_runner.unpack_script(
-      run_name), internal_ip) for n in names], "unpacking the code on the workers")
+    finally:
+      if queued is not None:
+        supervisor.log("elastic: the queued resources are billed until deleted: " + "; ".join(queued.delete_commands()))
 
 
 if __name__ == "__main__":

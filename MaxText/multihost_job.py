@@ -30,7 +30,7 @@ from MaxText.configuration import tool_args
 from MaxText.errors import UserError, run_cli
 from MaxText.platform.tpu_launch import Gcloud
 
-QUEUED_RESOURCES = ("alpha", "compute", "tpus", "queued-resources")
+QUEUED_RESOURCES = tpu_launch.QUEUED_RESOURCES
 
 STARTUP_TEMPLATE = """#!/bin/bash
 # Startup script of job {run_name}, written by MaxText/multihost_job.py. Runs as root on every
@@ -107,14 +107,9 @@ def startup_script(args: argparse.Namespace) -> str:
 
 
 def create_command(gcloud: Gcloud, args: argparse.Namespace, script_path: Path) -> list[str]:
-  if args.num_slices == 1:
-    nodes = [f"--node-id={args.run_name}"]
-  else:  # the slices are named RUN_NAME-0 .. RUN_NAME-(N-1), as multihost_runner expects too
-    nodes = [f"--node-count={args.num_slices}", f"--node-prefix={args.run_name}"]
-  return gcloud.command(*QUEUED_RESOURCES, "create", args.run_name, f"--accelerator-type={args.tpu_type}",
-                        f"--runtime-version={args.version}", *nodes,
-                        f"--metadata-from-file=startup-script={script_path}",
-                        *shlex.split(args.cqr_extra_args))
+  return tpu_launch.queued_resource_create(gcloud, args.run_name, args.tpu_type, args.version, args.num_slices,
+                                           [f"--metadata-from-file=startup-script={script_path}",
+                                            *shlex.split(args.cqr_extra_args)])
 
 
 def follow_up(gcloud: Gcloud, args: argparse.Namespace) -> str:

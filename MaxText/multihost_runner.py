@@ -167,6 +167,24 @@ def copy_commands(gcloud: Gcloud, names: list[str], tarball: Path, run_name: str
                          *(["--internal-ip"] if internal_ip else [])) for name in names]
 
 
+def copy_code(gcloud: Gcloud, names: list[str], script_dir: Path, run_name: str, log_dir: Path,
+               internal_ip: bool, setup_command: str = "") -> None:
+  """Copies script_dir to every worker's ~/RUN_NAME (then runs `setup_command` there): the elastic
+  supervisor copies once, and each generation runs there."""
+  if not script_dir.is_dir():
+    raise UserError(f"script_dir {script_dir} is not a directory")
+  log_dir.mkdir(parents=True, exist_ok=True)
+  tarball = log_dir / "code.tar.gz"
+  tpu_launch.package_directory(str(script_dir), tarball)
+  run_parallel(copy_commands(gcloud, names, tarball, run_name, internal_ip), "copying the code to the workers")
+  run_parallel([ssh_command(gcloud, n, "all", unpack_script(run_name), internal_ip) for n in names],
+               "unpacking the code on the workers")
+  if setup_command.strip():
+    setup = f'cd "$HOME"/{run_name} && {setup_command}'
+    run_parallel([ssh_command(gcloud, n, "all", setup, internal_ip) for n in names],
+                 f"running {setup_command!r} on the workers")
+
+
 # ------------------------------------------------------------------------------- local processes
 @dataclasses.dataclass
 class HostProcess:

@@ -2,7 +2,9 @@
 
 State lives in $FAKE_GCLOUD_DIR:
   config.json  {"tpus": {NAME: {"workers": N, "state": "READY"}}, "ssh_exit": {"NAME:W": CODE},
-                "create_exit": CODE}
+                "create_exit": CODE, "qr_workers": N, "qr_state": STATE}
+               with qr_workers, `queued-resources create` adds its nodes to tpus (in qr_state, READY
+               unless set), as the TPU service does once the capacity is granted
   calls.jsonl  one JSON list (argv without "gcloud") per call, appended
   homes/NAME/W the "home folder" of worker W of TPU NAME: scp copies into it, and ssh runs the
                command there for real with HOME pointing at it (and FAKE_SLICE / FAKE_WORKER set),
@@ -136,6 +138,20 @@ def storage_cp(source: str, target: str) -> int:
   return 0
 
 
+def create_queued_resource(argv: list[str]) -> int:
+  settings = config()
+  code = int(settings.get("create_exit", 0))
+  if code or "qr_workers" not in settings:
+    return code
+  single = flag(argv, "node-id")
+  prefix, count = flag(argv, "node-prefix"), int(flag(argv, "node-count", "1") or 1)
+  names = [single] if single else [f"{prefix}-{i}" for i in range(count)]
+  node = {"workers": settings["qr_workers"], "state": settings.get("qr_state", "READY")}
+  path = state() / "config.json"
+  path.write_text(json.dumps({**settings, "tpus": {**settings.get("tpus", {}), **{n: dict(node) for n in names}}}))
+  return 0
+
+
 def main(argv: list[str]) -> int:
   record(argv)
   words = positional(argv)
@@ -151,7 +167,7 @@ def main(argv: list[str]) -> int:
   if words[:2] == ["storage", "cp"]:
     return storage_cp(*words[2:4])
   if words[:5] == ["alpha", "compute", "tpus", "queued-resources", "create"]:
-    return int(config().get("create_exit", 0))
+    return create_queued_resource(argv)
   print(f"fake gcloud: unsupported command {argv}", file=sys.stderr)
   return 2
 

@@ -111,6 +111,18 @@ def default_run_name() -> str:
   return f"{user}-{datetime.datetime.now().strftime('%Y-%m-%d-%H-%M-%S')}"
 
 
+QUEUED_RESOURCES = ("alpha", "compute", "tpus", "queued-resources")
+
+
+def queued_resource_create(gcloud: Gcloud, name: str, tpu_type: str, version: str, num_slices: int,
+                           extra: Sequence[str] = ()) -> list[str]:
+  """The request for `num_slices` slices as queued resource `name`: one slice's node is NAME, several
+  are NAME-0 .. NAME-(N-1) (--node-prefix), as multihost_runner and the elastic supervisor expect."""
+  nodes = [f"--node-id={name}"] if num_slices == 1 else [f"--node-count={num_slices}", f"--node-prefix={name}"]
+  return gcloud.command(*QUEUED_RESOURCES, "create", name, f"--accelerator-type={tpu_type}",
+                        f"--runtime-version={version}", *nodes, *extra)
+
+
 def slice_names(tpu_prefix: str, num_slices: int) -> list[str]:
   """One slice is named TPU_PREFIX; several are TPU_PREFIX-0, -1, ... as queued resources
   created with --node-prefix name them."""

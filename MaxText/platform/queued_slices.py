@@ -1,0 +1,123 @@
+"""Elastic training on queued resources: the slices are asked for as multihost_job asks for them, and a
+slice that is lost for good is replaced by a queued resource of its own.
+
+The first request is one queued resource PREFIX for every slice (nodes PREFIX-0 .. PREFIX-(N-1)).
+A slice whose node is gone (PREEMPTED, TERMINATED, or no longer listed) is replaced by the queued
+resource PREFIX-<slice>-r<k> with one node of that name; once the node is READY, `prepare` readies
+it (the code copied, the setup run) and the slice is up again, so the supervisor grows the job
+back at the next step boundary. A node that repairs itself (REPAIRING, then READY) comes back as
+it is. The job's processes run as on TPU VMs: `QueuedResourceLauncher` wraps the TPU VM
+launcher, whose slice names it updates when a replacement takes a slice's place.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Callable, Mapping, Protocol, Sequence
+
+from MaxText.errors import UserError
+from MaxText.platform import tpu_launch
+from MaxText.platform.generations import Generation
+from MaxText.platform.tpu_launch import Gcloud
+
+GONE = frozenset({"PREEMPTED", "TERMINATED", "NOT_FOUND"})  # a node that will not come back by itself
+
+
+class NamedLauncher(Protocol):
+  """A launcher whose slice i runs on the TPU named names[i] (elastic.TpuVmLauncher)."""
+
+  names: list[str]
+
+  def start(self, slices: Sequence[int], overrides: Sequence[str], env: Mapping[str, str]) -> Generation:
+    ...
+
+
+class QueuedSlices:
+  def __init__(self, gcloud: Gcloud, prefix: str, num_slices: int, tpu_type: str, version: str,
+               extra_args: Sequence[str], prepare: Callable[[str], None],
+               log: Callable[[str], None] | None = None):
+    self.gcloud, self.prefix, self.num_slices = gcloud, prefix, num_slices
+    self.tpu_type, self.version, self.extra_args = tpu_type, version, list(extra_args)
+    self.prepare = prepare
+    self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+    self.names = tpu_launch.slice_names(prefix, num_slices)
+    self.requested = [prefix]  # every queued resource this run asked for (each is billed until deleted)
+    self.replacing: dict[int, str] = {}  # slice -> its replacement's name while it is not READY
+
+  def request(self, name: str, num_slices: int) -> list[str]:
+    return tpu_launch.queued_resource_create(self.gcloud, name, self.tpu_type, self.version, num_slices,
+                                             self.extra_args)
+
+  def state(self, name: str) -> str:
+    """The node's state, NOT_FOUND when it is not listed."""
+    argv = self.gcloud.command("compute", "tpus", "tpu-vm", "describe", name, "--format=json")
+    try:
+      return str(json.loads(self.gcloud.read(argv, f"describing TPU '{name}'")).get("state", "UNKNOWN"))
+    except UserError as e:
+      if "NOT_FOUND" in str(e) or "not found" in str(e).lower():
+        return "NOT_FOUND"
+      raise
+    except json.JSONDecodeError:
+      return "UNKNOWN"
+
+  def request_all(self, poll_s: float = 30.0) -> None:
+    """Asks for every slice and waits until all are READY, then readies each."""
+    self.gcloud.act(self.request(self.prefix, self.num_slices), "creating the queued resource")
+    self.log(f"elastic: queued resource {self.prefix} requested ({self.num_slices} x {self.tpu_type}); waiting for "
+             "its slices")
+    last = 0.0
+    while (states := [self.state(n) for n in self.names]) != ["READY"] * self.num_slices:
+      if time.monotonic() - last > 60:
+        last = time.monotonic()
+        self.log("elastic: waiting for " + ", ".join(f"{n} ({s})" for n, s in zip(self.names, states) if s != "READY"))
+      time.sleep(poll_s)
+    for name in self.names:
+      self.prepare(name)
+
+  def available(self) -> set[int]:
+    up = set()
+    for s, name in enumerate(self.names):
+      replacement = self.replacing.get(s)
+      if replacement is not None and self.state(replacement) == "READY":
+        self.prepare(replacement)
+        self.names[s] = replacement
+        del self.replacing[s]
+        self.log(f"elastic: slice {s} runs on {replacement} from now on")
+        name = replacement
+      state = self.state(name)
+      if state == "READY":
+        up.add(s)
+      elif state in GONE and s not in self.replacing:
+        self._replace(s, name, state)
+    return up
+
+  def _replace(self, s: int, name: str, state: str) -> None:
+    replacement = f"{self.prefix}-{s}-r{len(self.requested)}"
+    self.gcloud.act(self.request(replacement, 1), f"creating the replacement queued resource {replacement}")
+    self.requested.append(replacement)
+    self.replacing[s] = replacement
+    self.log(f"elastic: slice {s}'s node {name} is {state}: queued resource {replacement} requested to replace it")
+
+  def delete_commands(self) -> list[str]:
+    """What deletes every queued resource this run asked for (they are billed until then)."""
+    return [tpu_launch.quote(self.gcloud.command(*tpu_launch.QUEUED_RESOURCES, "delete", name, "--force", "--async"))
+            for name in self.requested]
+
+
+class QueuedResourceLauncher:
+  """The TPU VM launcher on slices that queued resources bring (and bring back)."""
+
+  def __init__(self, inner: NamedLauncher, slices: QueuedSlices):
+    self.inner, self.slices = inner, slices
+
+  def start(self, slices: Sequence[int], overrides: Sequence[str], env: Mapping[str, str]) -> Generation:
+    self.inner.names[:] = self.slices.names
+    return self.inner.start(slices, overrides, env)
+
+  def available(self) -> set[int]:
+    return self.slices.available()
+
+  def mark_lost(self, slice_id: int) -> None:
+    pass  # its node's state says whether it comes back or is replaced
