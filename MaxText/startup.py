@@ -164,6 +164,8 @@ def read_overrides(argv: list[str], extra_paths: Mapping[str, str] | None = None
   anything compiles."""
   overrides = config_lib.parse_overrides(argv)
   paths = {key: str(overrides.peek(key)) for key in config_lib.PATH_KEYS}
+  if overrides.peek("dataset_type") == "synthetic":  # only tfds reads it; upstream's synthetic recipes name a bucket
+    paths.pop("dataset_path")
   storage_retry.configure(float(overrides.peek("storage_retry_seconds")))
   storage.check_buckets({**paths, **(extra_paths or {})}, float(overrides.peek("storage_timeout_seconds")))
   return overrides

@@ -157,7 +157,31 @@ def open_data(run: run_assembly.Run, start: run_start.Start, watchdog: health.St
   elif hasattr(data, "peek"):
     with guard("reading the first batch"):
       data.peek()
+  if run.config.data.reuse_example_batch:
+    assert not isinstance(data, OnPolicyBatches)  # the data group refuses it with objective=grpo
+    return ReusedBatch(data)
   return data
+
+
+class ReusedBatch:
+  """reuse_example_batch: the first batch, read once and handed to every step (a benchmark of the
+  step without data loading). Its saved position is the one before that batch, so a resumed run
+  trains on the same batch, and one resumed without the key reads on from it."""
+
+  def __init__(self, data: BatchIterator):
+    self._data, self._position = data, data.get_state()  # on every process at once: it may gather
+    self._batch: Any = None
+
+  def __iter__(self) -> "ReusedBatch":
+    return self
+
+  def __next__(self) -> Any:
+    if self._batch is None:
+      self._batch = next(self._data)
+    return self._batch
+
+  def get_state(self) -> dict[str, Any]:
+    return self._position
 
 
 def add_hooks(trainer: Trainer, run: run_assembly.Run, checkpoints: checkpointing.RunCheckpoints | None,

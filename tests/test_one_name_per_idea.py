@@ -68,6 +68,10 @@ SYNONYMS: list[tuple[Name, ...]] = [
     (_n("rope_proportional_rotated_fraction"), _n("rope_partial_rotary_factor")),
     # RoPE's theta, *_max_timescale as for the text layers
     (_n("vision_rope_max_timescale"), _n("vision_rope_theta")),
+    # upstream MaxText's names for settings of its recipes (spellings.RENAMED_KEYS)
+    (_n("enable_jsonl_metrics"), _n("gcs_metrics")),
+    (_n("profile_start_step"), _n("skip_first_n_steps_for_profiler")),
+    (_n("profile_steps"), _n("profiler_steps")),
     # what a run trains: one key, the old flags are value aliases (spellings.VALUE_ALIASES)
     (_n("objective"), _n("use_sft"), _n("use_dpo"), _n("use_grpo")),
     # an HF model directory (hf_path in base.yml is the HF dataset)

@@ -18,7 +18,8 @@ from MaxText.errors import ConfigError
 SCHEMA = config_lib.read_yaml(config_lib.BASE_CONFIG_PATH)
 # A valid value for each renamed key, other than its default (so the test sees it arrive).
 SAMPLE_VALUE = {"decode_sampling_top_p": 0.5, "rl_sampling_temperature": 0.7, "rl_sampling_top_p": 0.8,
-                "rl_sampling_top_k": 5, "rope_proportional_rotated_fraction": 0.25, "vision_rope_max_timescale": 500.0}
+                "rl_sampling_top_k": 5, "rope_proportional_rotated_fraction": 0.25, "vision_rope_max_timescale": 500.0,
+                "enable_jsonl_metrics": False, "profile_start_step": 7, "profile_steps": 2}
 
 
 @pytest.fixture(autouse=True)

@@ -60,6 +60,7 @@ class DataConfig:
   packing: bool = key(fixed_on_resume=DATA_POSITION)
   enable_data_shuffling: bool = key(fixed_on_resume=DATA_POSITION)
   data_prefetch_batches: int = key()
+  reuse_example_batch: bool = key()  # every step trains on the first batch read (train.py's ReusedBatch)
   # Supervised fine-tuning on conversations / prompt-completion pairs (input_pipeline/chat.py).
   # What the run trains: a name in objective_registry.OBJECTIVES (lm, sft, dpo, grpo); the old
   # use_sft/use_dpo/use_grpo flags are aliases (spellings.VALUE_ALIASES).
@@ -98,6 +99,8 @@ class DataConfig:
     _check_images(v)
     if v["objective"] == "dpo" and reads_data:
       _check_dpo(v, pipelined=dict(mesh.shape)["stage"] > 1)
+    _require(not (v["reuse_example_batch"] and v["objective"] == "grpo"), "reuse_example_batch repeats the first "
+             "batch read, but objective=grpo samples each step's batch from the state being trained; drop reuse_example_batch")
     mixture = parse_sources(v["data_mixture"], v)
     schedule = parse_schedule(v["data_mixture_schedule"], mixture)
     if mixture and reads_data:

@@ -65,12 +65,14 @@ class AttentionBlocks:
   sa_block_kv_dkv_compute: int = key()
   sa_block_q_dq: int = key()
   sa_block_kv_dq: int = key()
+  sa_use_fused_bwd_kernel: bool = key()  # splash's backward as one kernel (dQ with dK/dV): sa_block_*_dq unused
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any]) -> "AttentionBlocks":
     blocks = read_keys(cls, v)
-    positive(blocks, *blocks)
-    for name in blocks:
+    sizes = [name for name in blocks if "_block_" in name]
+    positive(blocks, *sizes)
+    for name in sizes:
       if name.startswith("sa_"):  # splash tiles are laid over the TPU's 128-lane vector registers
         _require(v[name] % 128 == 0, f"{name} must be a multiple of 128 (TPU lanes), got {v[name]}")
     for compute, block in (("sa_block_kv_compute", "sa_block_kv"), ("sa_block_kv_dkv_compute", "sa_block_kv_dkv")):
@@ -260,6 +262,7 @@ class ModelConfig:
   dtype: str = key()
   dropout_rate: float = key()
   logits_dot_in_fp32: bool = key()
+  use_iota_embed: bool = key()  # the token lookup as a one-hot matmul (layers/embeddings.py)
   remat_policy: str = key()
   remat_placements: Any = record(RematPlacements)  # remat_policy=custom's placement keys
   max_target_length: int = key(fixed_on_resume=DATA_POSITION)

@@ -30,6 +30,12 @@ RENAMED_KEYS: dict[str, str] = {
     "rope_partial_rotary_factor": "rope_proportional_rotated_fraction",
     # RoPE's theta is rope_max_timescale (and rope_local_max_timescale) for the text layers
     "vision_rope_theta": "vision_rope_max_timescale",
+    # upstream MaxText's names, so that its recipes' tuning blocks run as written:
+    # its per-step metrics file in the run folder (gs:// when base_output_directory is) is metrics.jsonl
+    "gcs_metrics": "enable_jsonl_metrics",
+    # the trace's first step and length; a step count of the run, not since a restart
+    "skip_first_n_steps_for_profiler": "profile_start_step",
+    "profiler_steps": "profile_steps",
 }
 
 # old boolean key -> (the key it chose a value of, the value True means)

@@ -24,13 +24,22 @@ class Embed(nnx.Module):
   """
 
   def __init__(self, vocab_size: int, dim: int, *, dtype: jnp.dtype, weight_dtype: jnp.dtype, rngs: nnx.Rngs,
-               names: tuple[str | None, str] = ("vocab", "embed"), stddev: float = 1.0):
+               names: tuple[str | None, str] = ("vocab", "embed"), stddev: float = 1.0, one_hot: bool = False):
     table = nnx.initializers.normal(stddev=stddev)(rngs.params(), (vocab_size, dim), weight_dtype)
     self.embedding = nnx.Param(table, out_sharding=names)
     self.dtype = dtype
+    self.one_hot = one_hot
 
   def __call__(self, tokens_BL: jax.Array) -> jax.Array:
-    return jnp.take(self.embedding[...], tokens_BL, axis=0).astype(self.dtype)
+    """The tokens' rows; `one_hot` (use_iota_embed): as a matmul of one-hot rows with the table, which
+    the partitioner shards like any matmul over a vocabulary-sharded table, where a gather needs the
+    rows brought together first. Each output sums one row times 1 and zeros, so both give the same values."""
+    if not self.one_hot:
+      return jnp.take(self.embedding[...], tokens_BL, axis=0).astype(self.dtype)
+    table_VD = self.embedding[...].astype(self.dtype)
+    vocab_V = jax.lax.iota(tokens_BL.dtype, table_VD.shape[0])
+    one_hot_BLV = (tokens_BL[..., None] == vocab_V[None, None, :]).astype(self.dtype)
+    return jnp.einsum("blv,vd->bld", one_hot_BLV, table_VD, precision=jax.lax.Precision.HIGHEST)
 
   def attend(self, x_BLD: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return jnp.einsum("bld,vd->blv", x_BLD.astype(dtype), self.embedding[...].astype(dtype))

@@ -20,17 +20,19 @@ from MaxText.layers import masks
 
 
 def block_sizes(blocks: AttentionBlocks, length: int) -> splash.BlockSizes:
-  """The configured tiles, shrunk to the sequence for short sequences."""
+  """The configured tiles, shrunk to the sequence for short sequences. With sa_use_fused_bwd_kernel
+  the dK/dV pass also yields dQ, so the dQ pass and its tiles are not used."""
   fit = lambda size: min(size, length)  # noqa: E731
   sizes = dict(block_q=fit(blocks.sa_block_q), block_kv=fit(blocks.sa_block_kv),
                block_kv_compute=fit(blocks.sa_block_kv_compute), block_q_dkv=fit(blocks.sa_block_q_dkv),
-               block_kv_dkv=fit(blocks.sa_block_kv_dkv), block_kv_dkv_compute=fit(blocks.sa_block_kv_dkv_compute),
-               block_q_dq=fit(blocks.sa_block_q_dq), block_kv_dq=fit(blocks.sa_block_kv_dq))
+               block_kv_dkv=fit(blocks.sa_block_kv_dkv), block_kv_dkv_compute=fit(blocks.sa_block_kv_dkv_compute))
+  if not blocks.sa_use_fused_bwd_kernel:
+    sizes.update(block_q_dq=fit(blocks.sa_block_q_dq), block_kv_dq=fit(blocks.sa_block_kv_dq))
   for name, size in sizes.items():
     if length % size or size % 128:
       raise ConfigError(f"attention=flash on TPU (splash) needs max_target_length ({length}) to be a multiple of "
                         f"sa_{name} ({size}) and every block a multiple of 128; adjust the sa_* block sizes")
-  return splash.BlockSizes(**sizes)
+  return splash.BlockSizes(**sizes, use_fused_bwd_kernel=blocks.sa_use_fused_bwd_kernel)
 
 
 def tiles(blocks: AttentionBlocks, length: int) -> bool:

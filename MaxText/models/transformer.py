@@ -40,7 +40,7 @@ class Transformer(nnx.Module):
     dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
     self.cfg = cfg
     self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, dtype=dtype, weight_dtype=weight_dtype, rngs=rngs,
-                                stddev=cfg.emb_dim**-0.5 if cfg.logits_via_embedding else 1.0)
+                                stddev=cfg.emb_dim**-0.5 if cfg.logits_via_embedding else 1.0, one_hot=cfg.use_iota_embed)
     family = families.family_for_decoder_block(cfg.decoder_block)
     layer_class = family.layer or DecoderLayer
     # DeepSeek's dense-MLP prefix, Llama 4 Maverick's dense layers between the MoE ones, or

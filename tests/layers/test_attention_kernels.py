@@ -120,6 +120,22 @@ def test_splash_kernel_interpreted_equals_dot_product(window, soft_cap):
   np.testing.assert_allclose(grad, ref_grad, rtol=1e-4, atol=1e-4)
 
 
+def test_splash_fused_backward_reaches_the_kernel_and_keeps_the_gradients():
+  """sa_use_fused_bwd_kernel: splash's one backward kernel (dQ beside dK/dV), its dQ tiles dropped."""
+  sizes = splash_attention.block_sizes(_blocks(128, sa_use_fused_bwd_kernel=True), 256)
+  assert sizes.use_fused_bwd_kernel and (sizes.block_q_dq, sizes.block_kv_dq) == (None, None)
+  assert not splash_attention.block_sizes(_blocks(128), 256).use_fused_bwd_kernel
+  q, k, v = _inputs(batch=1, length=256, num_q=4, num_kv=2, head_dim=128)
+  seg = jnp.asarray(np.repeat([[1, 2]], [100, 156], axis=1), jnp.int32)
+  kernel = functools.partial(splash_attention.splash_attention, blocks=_blocks(128, sa_use_fused_bwd_kernel=True),
+                             interpret=True)
+  grads = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(kernel(q, k, v, seg, None, 0.0))), argnums=(0, 1, 2))(q, k, v)
+  ref = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(dot_product_attention(q, k, v, seg, None, 0.0))),
+                 argnums=(0, 1, 2))(q, k, v)
+  for g, r in zip(grads, ref):
+    np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
+
+
 def test_splash_block_sizes_must_tile_the_sequence():
   with pytest.raises(ConfigError, match=r"max_target_length \(320\) to be a multiple of sa_block_q \(256\)"):
     splash_attention.block_sizes(_blocks(512, sa_block_q=256), 320)
@@ -221,7 +237,7 @@ def test_config_validates_block_sizes():
   assert _tiny(attention="flash", flash_block_q=64).model.attn.attention_blocks.flash_block_q == 64
 
 
-def _blocks(size: int, **overrides: int) -> AttentionBlocks:
+def _blocks(size: int, **overrides: int | bool) -> AttentionBlocks:
   """Every tile `size`, some overridden (the group's fields are its config keys, all required)."""
-  names = [f.name for f in dataclasses.fields(AttentionBlocks)]
-  return AttentionBlocks(**{**dict.fromkeys(names, size), **overrides})
+  names = [f.name for f in dataclasses.fields(AttentionBlocks) if "_block_" in f.name]
+  return AttentionBlocks(**{**dict.fromkeys(names, size), "sa_use_fused_bwd_kernel": False, **overrides})

@@ -1,0 +1,159 @@
+"""Upstream MaxText's recipe keys that are not remat placements: use_iota_embed (the token lookup as
+a one-hot matmul), sa_use_fused_bwd_kernel (splash's fused backward: tests/layers/test_attention_kernels.py),
+reuse_example_batch (every step on the first batch), gcs_metrics and the profiler's step keys (upstream's
+names of enable_jsonl_metrics, profile_start_step, profile_steps), and two of upstream's tuning blocks
+typed out as they are written there, each key checked for its effect."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from MaxText import startup, train
+from MaxText.configuration.config import Config
+from MaxText.errors import ConfigError
+from MaxText.input_pipeline import create_data_iterator
+from MaxText.layers.embeddings import Embed
+from MaxText.platform import sharding
+from tests.conftest import REPO_ROOT
+from train_utils import Run
+
+# benchmarks/maxtext_trillium_model_configs.py (AI-Hypercomputer/maxtext, 2026-08-22), the tuning_params of
+# llama2-7b-4096 (v6e) and llama3_1-8b-8192 (v6e), keys and values as written there.
+V6E_LLAMA2_7B_4096 = {
+    "per_device_batch_size": 12, "ici_fsdp_parallelism": -1, "remat_policy": "full", "max_target_length": 4096,
+    "attention": "flash", "gcs_metrics": True, "use_iota_embed": True, "dataset_path": "gs://max-datasets-rogue",
+    "dataset_type": "synthetic", "reuse_example_batch": 1, "enable_checkpointing": False, "profiler": "xplane",
+    "sa_block_q": 1024, "sa_block_q_dkv": 2048, "sa_block_q_dq": 2048,
+}
+V6E_LLAMA3_1_8B_8192 = {
+    "per_device_batch_size": 4, "ici_fsdp_parallelism": -1, "remat_policy": "custom", "decoder_layer_input": "offload",
+    "out_proj": "offload", "query_proj": "offload", "key_proj": "offload", "value_proj": "offload",
+    "max_target_length": 8192, "attention": "flash", "use_iota_embed": True, "dataset_path": "gs://max-datasets-rogue",
+    "dataset_type": "synthetic", "enable_checkpointing": False, "sa_block_q": 2048, "sa_block_kv": 2048,
+    "sa_block_kv_compute": 2048, "sa_block_q_dkv": 2048, "sa_block_kv_dkv": 2048, "sa_block_kv_dkv_compute": 2048,
+    "sa_block_q_dq": 2048, "sa_block_kv_dq": 2048, "sa_use_fused_bwd_kernel": True, "profiler": "xplane",
+    "skip_first_n_steps_for_profiler": 10, "profiler_steps": 5,
+}
+_TINY = dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16, base_mlp_dim=128,
+             base_num_decoder_layers=2, vocab_size=128, max_target_length=32, per_device_batch_size=1, print_config=False)
+
+
+# ---------------------------------------------------------------- use_iota_embed
+
+def test_the_one_hot_lookup_gives_the_gathers_values_and_gradients():
+  tokens = jnp.asarray([[0, 5, 5, 127], [3, 3, 3, 1]], jnp.int32)  # repeats: their gradients add up
+  with nnx.use_eager_sharding(False):
+    gather, one_hot = (Embed(128, 16, dtype=jnp.float32, weight_dtype=jnp.float32, rngs=nnx.Rngs(0), one_hot=flag)
+                       for flag in (False, True))
+
+  def value_and_grad(embed):
+    graph, params = nnx.split(embed)
+    grads = jax.grad(lambda p: jnp.sum(jnp.sin(nnx.merge(graph, p)(tokens)) * jnp.arange(16.0)[None, None, :]))(params)
+    return embed(tokens), grads["embedding"][...]
+
+  (out, grad), (ref, ref_grad) = value_and_grad(one_hot), value_and_grad(gather)
+  np.testing.assert_array_equal(out, ref)
+  np.testing.assert_allclose(grad, ref_grad, rtol=1e-6, atol=1e-7)
+  primitives = str(jax.make_jaxpr(one_hot)(tokens))
+  assert "dot_general" in primitives and "gather" not in primitives  # a matmul, not a lookup
+
+
+@pytest.mark.slow  # two compiles of a train step
+def test_a_train_step_with_the_one_hot_lookup_equals_the_gathers():
+  def step(use_iota_embed):
+    run = Run(Config.for_testing(**_TINY, dtype="float32", use_iota_embed=use_iota_embed))
+    state, history = run.train(run.init(), 1)
+    return history[0], state.params["token_embedder"]["embedding"]
+
+  (metrics, table), (ref_metrics, ref_table) = step(True), step(False)
+  np.testing.assert_allclose([metrics["loss"], metrics["grad_norm"]], [ref_metrics["loss"], ref_metrics["grad_norm"]],
+                             rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(table), np.asarray(ref_table), rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------- reuse_example_batch
+
+def test_the_reused_batch_is_read_once_and_saves_the_position_before_it():
+  config = Config.for_testing(**_TINY, reuse_example_batch=1)
+  assert config.data.reuse_example_batch is True
+  data = create_data_iterator(config, sharding.create_mesh(config.mesh))
+  data.set_state({"step": 5})  # a resumed run's position
+  reused = train.ReusedBatch(data)
+  first = next(reused)
+  assert all(next(reused) is first for _ in range(3))
+  assert data.get_state() == {"step": 6}  # one batch read from the source, at the position
+  assert reused.get_state() == {"step": 5}  # a checkpoint resumes at the same batch
+  fresh = create_data_iterator(config, sharding.create_mesh(config.mesh))
+  fresh.set_state({"step": 5})
+  np.testing.assert_array_equal(np.asarray(first["inputs"]), np.asarray(next(fresh)["inputs"]))
+
+
+def test_reusing_a_batch_is_refused_where_each_batch_comes_from_the_state():
+  with pytest.raises(ConfigError, match=r"^reuse_example_batch repeats the first batch read, but objective=grpo "
+                                        r"samples each step's batch from the state being trained; drop reuse_example_batch$"):
+    Config.for_testing(**_TINY, reuse_example_batch=True, objective="grpo")
+
+
+@pytest.mark.slow  # three short training runs
+def test_a_run_on_one_batch_resumes_on_the_same_batch(tmp_path):
+  def run(name, steps):
+    args = {**_TINY, "run_name": name, "base_output_directory": tmp_path, "steps": steps, "reuse_example_batch": 1,
+            "checkpoint_period": 2, "async_checkpointing": False, "cpu_peak_tflops": 0.1,
+            "learning_rate_schedule_steps": 4}  # one schedule for the 2- and 4-step runs
+    assert train.main(["train", str(REPO_ROOT / "configs" / "base.yml")] + [f"{k}={v}" for k, v in args.items()]) == 0
+    lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if "loss" in r}
+
+  whole = run("whole", 4)
+  assert whole[4]["loss"] < whole[1]["loss"] and whole[4]["input_wait_s"] < 0.05  # the same batch, learnt
+  run("resumed", 2)
+  resumed = run("resumed", 4)
+  assert [resumed[s]["loss"] for s in (3, 4)] == [whole[s]["loss"] for s in (3, 4)]
+
+
+# ---------------------------------------------------------------- upstream's tuning blocks
+
+def test_a_synthetic_run_does_not_probe_the_dataset_path_only_tfds_reads(monkeypatch):
+  probed = []
+  monkeypatch.setattr(startup.storage, "check_buckets", lambda paths, timeout: probed.append(dict(paths)))
+  startup.read_overrides(["prog", "dataset_path=gs://max-datasets-rogue"])
+  startup.read_overrides(["prog", "dataset_path=gs://max-datasets-rogue", "dataset_type=tfds"])
+  assert "dataset_path" not in probed[0] and probed[1]["dataset_path"] == "gs://max-datasets-rogue"
+
+
+@pytest.mark.parametrize("model_name, block", [("llama2-7b", V6E_LLAMA2_7B_4096), ("llama3.1-8b", V6E_LLAMA3_1_8B_8192)],
+                         ids=["v6e llama2-7b-4096", "v6e llama3_1-8b-8192"])
+def test_an_upstream_tuning_block_loads_as_written_and_each_key_takes_effect(model_name, block):
+  config = Config.for_testing(model_name=model_name, **block)
+  model, data, run = config.model, config.data, config.run
+  assert (data.per_device_batch_size, data.max_target_length, data.dataset_type) == (
+      block["per_device_batch_size"], block["max_target_length"], "synthetic")
+  assert dict(config.mesh.shape)["fsdp"] == config.target.num_devices  # -1: every device
+  assert model.remat_policy == block["remat_policy"] and model.attn.attention == "flash"
+  blocks = model.attn.attention_blocks
+  assert {k: getattr(blocks, k) for k in block if k.startswith("sa_")} == {k: v for k, v in block.items()
+                                                                          if k.startswith("sa_")}
+  assert model.use_iota_embed and data.reuse_example_batch == bool(block.get("reuse_example_batch"))
+  assert run.enable_jsonl_metrics and run.profiler == "xplane" and not config.checkpoint.enable_checkpointing
+  assert (run.profile_start_step, run.profile_steps) == (block.get("skip_first_n_steps_for_profiler", 3),
+                                                         block.get("profiler_steps", 5))
+  if model.remat_policy == "custom":
+    assert set(model.remat.offload) == {"decoder_layer_input", "query_proj", "key_proj", "value_proj", "out_proj"}
+
+
+@pytest.mark.slow  # a training run
+def test_an_upstream_tuning_block_trains_on_cpu_as_written(tmp_path):
+  """The v6e Llama 2 7B block, only the model's shape and batch made small: one batch read, the
+  one-hot lookup, metrics.jsonl (gcs_metrics), and its dataset_path bucket never opened (synthetic)."""
+  small = {**V6E_LLAMA2_7B_4096, **_TINY, "run_name": "recipe", "base_output_directory": tmp_path, "steps": 2,
+           "cpu_peak_tflops": 0.1}
+  assert train.main(["train", str(REPO_ROOT / "configs" / "base.yml")] + [f"{k}={v}" for k, v in small.items()]) == 0
+  records = [json.loads(line) for line in (tmp_path / "recipe" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records if "loss" in r] == [1, 2]
+  assert not (tmp_path / "recipe" / "checkpoints").exists()
