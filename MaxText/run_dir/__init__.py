@@ -1,1 +1,1 @@
-"""The run directory: one writer at a time (run_lease), the Orbax checkpoints and their per-host local tier (checkpointing, local_checkpoints), and SIGTERM as a checkpoint request (preemption)."""
+"""The run directory: one writer at a time (run_lease), the Orbax checkpoints and their per-host local tier (checkpointing, local_checkpoints; peer_handover: a local step sent to the processes that lack it), and SIGTERM as a checkpoint request (preemption)."""

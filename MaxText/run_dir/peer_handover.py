@@ -192,7 +192,7 @@ def _broadcast_bytes(payload: bytes, is_source: bool, size: int | None = None) -
   """`payload` of the source process on every process, as uint32 words (bit-exact); `size`, when
   every process knows it, saves broadcasting the length first."""
   if size is None:
-    size = int(multihost_utils.broadcast_one_to_all(np.asarray([len(payload)], np.int64), is_source=is_source)[0])
+    size = int(multihost_utils.broadcast_one_to_all(np.asarray([len(payload)], np.int32), is_source=is_source)[0])
   words = np.zeros((size + 3) // 4, np.uint32)
   if is_source:
     words.view(np.uint8)[:size] = np.frombuffer(payload, np.uint8)
