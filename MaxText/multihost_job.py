@@ -11,6 +11,9 @@ startup script, and asks for the slices with `gcloud alpha compute tpus queued-r
 provides). When the capacity arrives, every worker runs the startup script: it fetches the code,
 runs SETUP_COMMAND and COMMAND, and uploads its log to .../logs/<hostname>.log every
 LOG_UPLOAD_SECONDS and at the end. `dry_run=true` prints the commands and the startup script.
+An elastic run on queued resources (the job goes on without a lost slice, a replacement queued
+resource brings one back) is supervised by MaxText/elastic.py with `version=`, which asks for the
+slices with the same request (tpu_launch.queued_resource_create).
 """
 
 from __future__ import annotations
