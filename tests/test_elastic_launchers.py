@@ -145,6 +145,10 @@ def test_a_pod_that_stays_unschedulable_or_disappears_ends_as_a_lost_process():
   assert unscheduled.infrastructure and generation.running() == 3
   answers["pods"] = {"items": [pending]}
   assert generation.exits()[-1].describe() == "process 1 (slice 0) was removed with its pod g-slice-0-0-1-x"
+  oom = {**running, "status": {"phase": "Failed", "containerStatuses": [
+      {"state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]}}
+  (killed,) = PodGeneration(_Listed({"pods": {"items": [oom]}}), "g", [0, 1], 2, unschedulable_s=0).exits()
+  assert killed.describe() == "process 1 (slice 0) exited with status 137 (OOMKilled)" and killed.infrastructure
   patient = PodGeneration(_Listed({"pods": {"items": [pending]}}), "g", [0, 1], 2, unschedulable_s=600)
   assert patient.exits() == []  # the scheduler may still place it (a node being added)
 

@@ -196,8 +196,10 @@ class PodGeneration:
     status = pod.get("status", {})
     for container in status.get("containerStatuses") or []:
       terminated = container.get("state", {}).get("terminated")
-      if terminated is not None:
-        return Exit(slice_id, process, int(terminated.get("exitCode", LOST_EXIT)))
+      if terminated is not None:  # Kubernetes' word for it when it is more than the status (OOMKilled)
+        code, why = int(terminated.get("exitCode", LOST_EXIT)), terminated.get("reason", "")
+        return Exit(slice_id, process, code, f"exited with status {code} ({why})" if why not in ("", "Error",
+                                                                                              "Completed") else "")
     if status.get("phase") == "Failed":  # no status of its own: evicted, or its node was lost
       return Exit(slice_id, process, LOST_EXIT, f"was lost with its pod ({status.get('reason', 'Failed')})")
     blocked = [c for c in status.get("conditions") or []
