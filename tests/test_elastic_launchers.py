@@ -302,3 +302,78 @@ def test_stopping_a_gke_generation_deletes_its_jobset_and_sigkill_its_pods():
                    ["delete", "pods", "-l", f"{gke_launch.JOBSET_LABEL}=g", "--grace-period=0", "--force",
                     "--wait=false"]]
   assert generation.running() == 0
+
+
+_FAKE_TRAIN = """
+import os, pathlib, sys, time
+shared, me = pathlib.Path(os.environ["FAKE_SHARED"]), os.environ["FAKE_SLICE"]
+print("state: initialised from seed 0", flush=True)
+(shared / f"args_{me}").write_text(" ".join(sys.argv[1:]))
+while not (shared / "finish").exists():
+  time.sleep(0.1)
+"""
+
+
+@pytest.mark.slow  # about 15 s: the supervisor's 5 s looks, and every fake gcloud call is a Python process
+def test_the_command_line_asks_for_queued_slices_readies_each_and_runs_the_job(tmp_path):
+  """`version=`: one queued resource for both slices, the code copied and `setup_command` run on
+  each once READY, the job on both; the last line lists the queued resources to delete."""
+  import subprocess
+
+  from tests.conftest import REPO_ROOT
+  from tests.fake_gcloud import FakeCloud
+
+  cloud = FakeCloud(tmp_path / "cloud", {}, qr_workers=1)
+  code, shared = tmp_path / "code", tmp_path / "shared"
+  (code / "MaxText").mkdir(parents=True)
+  (code / "MaxText" / "__init__.py").write_text("")
+  (code / "MaxText" / "train.py").write_text(_FAKE_TRAIN)
+  (code / "setup.sh").write_text("touch set_up\n")
+  shared.mkdir()
+  command = [sys.executable, "-m", "MaxText.elastic", "configs/base.yml", "run_name=qr", "num_slices=2",
+             "elastic_min_slices=1", "dataset_type=synthetic", f"base_output_directory={tmp_path / 'runs'}",
+             "tpu_prefix=qr", "tpu_type=v5litepod-8", "version=v2-alpha-tpuv5-lite", f"script_dir={code}",
+             f"log_dir={tmp_path / 'logs'}", "zone=z"]
+  supervisor = subprocess.Popen(command, cwd=REPO_ROOT, env={**cloud.env, "FAKE_SHARED": str(shared)},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    _wait_for(lambda: (shared / "args_qr-0").exists() and (shared / "args_qr-1").exists(), "both workers", 120)
+    (shared / "finish").write_text("")
+    out, _ = supervisor.communicate(timeout=120)
+  finally:
+    if supervisor.poll() is None:
+      supervisor.kill()
+  assert supervisor.returncode == 0, out
+  (create,) = [c for c in cloud.calls() if c[:5] == ["alpha", "compute", "tpus", "queued-resources", "create"]]
+  assert create[5] == "qr" and "--node-count=2" in create and "--node-prefix=qr" in create
+  assert all((cloud.home(name, 0) / "qr" / "set_up").exists() for name in ("qr-0", "qr-1"))
+  assert (shared / "args_qr-1").read_text().endswith("num_slices=2 dcn_data_parallelism=2 per_device_batch_size=12 "
+                                                      "gradient_accumulation_steps=1")
+  assert "elastic: the queued resources are billed until deleted: gcloud alpha compute tpus queued-resources " \
+         "delete qr --force --async --zone=z" in out
+
+
+@pytest.mark.slow  # about 10 s: the supervisor's 5 s looks, and every fake kubectl call is a Python process
+def test_the_command_line_runs_a_gke_job_to_its_end(tmp_path):
+  """`cluster=`: the node pools checked, the first JobSet applied with the run's command, and the job
+  over once every pod succeeded."""
+  import os
+  import subprocess
+
+  from tests.conftest import REPO_ROOT
+
+  cluster = FakeCluster(tmp_path / "cluster", {"c-np-0": 4, "c-np-1": 4})
+  env = {**os.environ, "PATH": f"{cluster.bin}{os.pathsep}{os.environ['PATH']}", "FAKE_KUBECTL_DIR": str(cluster.root)}
+  supervisor = subprocess.Popen([sys.executable, "-m", "MaxText.elastic", *_GKE_RUN,
+                                 f"base_output_directory={tmp_path / 'runs'}", f"log_dir={tmp_path / 'logs'}"],
+                                cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    _wait_for(lambda: len(cluster.pods("el-g1")) == 8, "the first JobSet's pods", 120)
+    cluster.end_pods("el-g1", 0)
+    out, _ = supervisor.communicate(timeout=120)
+  finally:
+    if supervisor.poll() is None:
+      supervisor.kill()
+  assert supervisor.returncode == 0, out
+  assert _command(cluster.state()["jobsets"]["el-g1"])[:4] == ["python3", "-m", "MaxText.train", "configs/base.yml"]
+  assert "elastic: 1 generation(s), 0 resize(s)" in out
