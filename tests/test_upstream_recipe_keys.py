@@ -77,6 +77,27 @@ def test_a_train_step_with_the_one_hot_lookup_equals_the_gathers():
   np.testing.assert_allclose(np.asarray(table), np.asarray(ref_table), rtol=1e-6, atol=1e-7)
 
 
+# ---------------------------------------------------------------- sa_use_fused_bwd_kernel
+
+@pytest.mark.slow  # two AOT compiles for a TPU slice
+def test_the_fused_backward_leaves_the_dq_kernel_out_of_the_tpu_program(capsys):
+  """Compiled for v5e-4 (libtpu on CPU), one layer: four Pallas calls per step with splash's separate
+  dQ kernel, three with the fused backward, which computes dQ inside the dK/dV kernel."""
+  from MaxText import train_compile
+
+  def pallas_calls(fused):
+    tiles = {f"sa_block_{b}": 128 for b in ("q", "kv", "kv_compute", "q_dkv", "kv_dkv", "kv_dkv_compute", "q_dq",
+                                            "kv_dq")}
+    args = {**_TINY, "base_emb_dim": 256, "head_dim": 128, "base_num_decoder_layers": 1, "max_target_length": 256,
+            "compile_topology": "v5e-4", "attention": "flash", "sa_use_fused_bwd_kernel": fused, **tiles}
+    assert train_compile.main(["train_compile", str(REPO_ROOT / "configs" / "base.yml")]
+                              + [f"{k}={v}" for k, v in args.items()]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if "Pallas kernel calls per step" in line)
+    return int(line.split("not in it: ")[1].split()[0])
+
+  assert (pallas_calls(False), pallas_calls(True)) == (4, 3)
+
+
 # ---------------------------------------------------------------- reuse_example_batch
 
 def test_the_reused_batch_is_read_once_and_saves_the_position_before_it():
