@@ -386,7 +386,8 @@ class BatchIterator:
         positions.append(self._position_of(shards[str(shard.index)]))
       except (KeyError, TypeError, ValueError, AttributeError):
         raise ConfigError(f"the checkpoint's data position of data shard {shard.index} is damaged "
-                          f"({shards[str(shard.index)]!r}); resume from another checkpoint step or delete this one") from None
+                          f"({shards[str(shard.index)]!r}); resume from another checkpoint step or delete this "
+                          "one") from None
     self._seek(self._join(positions))
 
 

@@ -140,3 +140,65 @@ def test_a_damaged_or_mismatched_data_position_is_one_line(spm_model, prepared):
                                         r"micro-batches: an elastic run's virtual data shards\): the same position"):
     iterator.set_state({**state, "num_shards": 1, "shards": {"0": state["shards"]["0"]}})
   iterator.set_state(state)  # the saved position itself is taken
+
+
+@pytest.mark.slow  # a reference run and three generations of a 4-process job compile: minutes on a 2-core machine
+def test_a_loopback_job_on_a_text_file_shrinks_and_grows_on_the_uninterrupted_runs_batches(tmp_path, spm_model):
+  """`python3 -m MaxText.elastic` on tinyshakespeare (dataset_type=hf): 4 processes as 4 slices of 2
+  CPU devices, one SIGKILLed after step 4 (the job goes on on 2 slices), its slice back after the
+  shrunk job's first step. Its losses equal those of one uninterrupted process that reads the same
+  4 virtual data shards (one slice's devices, 4 micro-batches), and its last saved data position is that run's."""
+  import os
+  import signal
+  import subprocess
+  import sys
+
+  from MaxText import elastic
+  from MaxText.configuration import elastic_config
+  from MaxText.configuration.elastic_config import SliceLayout
+  from tests.compile_settings import FAST_COMPILE_FLAG, jax_cache_env
+  from tests.conftest import REPO_ROOT, SHAKESPEARE
+  from tests.test_elastic import _LOOPBACK_MODEL, _LOOPBACK_STEPS, _child_with, _events, _logged, _wait_for
+
+  env = elastic.loopback_env({"PYTHONPATH": str(REPO_ROOT), "XLA_FLAGS": FAST_COMPILE_FLAG,
+                              "HF_DATASETS_CACHE": str(tmp_path / "hf_cache"), **jax_cache_env()})
+  data = ["dataset_type=hf", f"hf_data_files={SHAKESPEARE}", f"tokenizer_path={spm_model}", "vocab_size=512",
+          "elastic_min_slices=1"]
+  model = [a for a in _LOOPBACK_MODEL if not a.startswith("dataset_type=")]
+  command = [sys.executable, "-m", "MaxText.train", "configs/base.yml", f"base_output_directory={tmp_path}", *model,
+             *data]
+  layout = SliceLayout(num_slices=4, devices_per_slice=2, batch_shards_per_slice=2, global_batch_size=8,
+                       gradient_accumulation_steps=1, min_slices=1)
+  reference = elastic.LoopbackLauncher([*command, "run_name=reference"], 1, 1, 2, tmp_path / "ref_state", env,
+                                       tmp_path / "reference_logs")
+  ((_, proc),) = reference.start([0], elastic_config.resize(layout, 1).overrides()).procs
+  assert proc.wait(timeout=900) == 0, [p.read_text()[-3000:] for p in (tmp_path / "reference_logs").iterdir()]
+  want = _logged(tmp_path / "reference")
+
+  run_dir, logs = tmp_path / "elastic", tmp_path / "logs"
+  tiers = ["checkpoint_period=6", "enable_emergency_checkpoint=True", "local_checkpoint_period=1",
+           f"local_checkpoint_directory={tmp_path / 'local'}"]
+  cli = subprocess.Popen([sys.executable, "-m", "MaxText.elastic", *command[3:], "run_name=elastic", "num_slices=4",
+                          *tiers, "devices_per_process=2", f"log_dir={logs}"], cwd=REPO_ROOT,
+                         env={**env, "XLA_FLAGS": f"{FAST_COMPILE_FLAG} --xla_force_host_platform_device_count=8"},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    _wait_for(lambda: max(_logged(run_dir), default=0) >= 4, "step 4 on 4 slices")
+    os.kill(_child_with(cli.pid, "JAX_PROCESS_ID=2"), signal.SIGKILL)
+    _wait_for(lambda: any("seconds_to_resume" in line for line in _events(run_dir)), "a step on 2 slices")
+    (logs / "slice_2.down").unlink()
+    out, _ = cli.communicate(timeout=1200)
+  finally:
+    if cli.poll() is None:
+      cli.kill()
+  assert cli.returncode == 0, f"the supervisor ended with {cli.returncode}: {out[-3000:]}; logs in {logs}"
+
+  records = [json.loads(line) for line in (run_dir / elastic.EVENTS_FILE).read_text().splitlines()]
+  assert [(r["from_slices"], r["to_slices"]) for r in records if "seconds_to_resume" in r] == [(4, 2), (2, 4)]
+  got = _logged(run_dir)
+  assert sorted(got) == sorted(want) == list(range(1, _LOOPBACK_STEPS + 1))
+  # The order of the float32 gradient sums differs (4 micro-batches against 1), as for synthetic data.
+  np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=2e-5)
+  saved = [json.loads((d / "checkpoints" / str(_LOOPBACK_STEPS) / "data" / "metadata").read_text())
+           for d in (tmp_path / "reference", run_dir)]
+  assert saved[0] == saved[1] and saved[0]["num_shards"] == 4, saved
