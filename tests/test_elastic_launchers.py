@@ -377,3 +377,22 @@ def test_the_command_line_runs_a_gke_job_to_its_end(tmp_path):
   assert supervisor.returncode == 0, out
   assert _command(cluster.state()["jobsets"]["el-g1"])[:4] == ["python3", "-m", "MaxText.train", "configs/base.yml"]
   assert "elastic: 1 generation(s), 0 resize(s)" in out
+
+
+def test_a_failed_look_at_the_cluster_or_a_tpu_is_tried_again_not_a_lost_slice(tmp_path):
+  """kubectl's reads are tried again (an API server restart must not end the supervision); a
+  gcloud describe that fails for another reason than NOT_FOUND reads as UNKNOWN (down, not replaced)."""
+  from MaxText.platform.tpu_launch import Gcloud
+
+  flaky = tmp_path / "kubectl"
+  flaky.write_text(f'#!/bin/sh\nif [ -e {tmp_path}/once ]; then echo \'{{"items": []}}\'; exit 0; fi\n'
+                   f'touch {tmp_path}/once; echo "error: the server is currently unable" >&2; exit 1\n')
+  flaky.chmod(0o755)
+  assert Kubectl(str(flaky), retry_s=0).json(["get", "nodes"], "listing") == {"items": []}
+  failing = tmp_path / "gcloud"
+  failing.write_text('#!/bin/sh\necho "ERROR: (gcloud) UNAVAILABLE: try again" >&2\nexit 1\n')
+  failing.chmod(0o755)
+  warnings: list[str] = []
+  queued = QueuedSlices(Gcloud(None, None, False, str(failing)), "job", 2, "v5litepod-8", "v", [], print,
+                        log=warnings.append)
+  assert queued.available() == set() and not queued.replacing and "UNAVAILABLE" in warnings[0]

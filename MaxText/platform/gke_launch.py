@@ -46,6 +46,7 @@ class Kubectl:
   """Runs kubectl against its current context (what `gcloud container clusters get-credentials` set)."""
 
   executable: str = "kubectl"
+  retry_s: float = 2.0  # before a failed read is tried again
 
   def run(self, args: Sequence[str], what: str, stdin: str | None = None) -> str:
     argv = [self.executable, *args]
@@ -61,8 +62,16 @@ class Kubectl:
       raise UserError(f"{what} failed (exit {done.returncode}): {last}; command: {quote(argv)}")
     return done.stdout
 
-  def json(self, args: Sequence[str], what: str) -> Any:
-    text = self.run([*args, "-o", "json"], what)
+  def json(self, args: Sequence[str], what: str, attempts: int = 3) -> Any:
+    """A read: tried again after a failure (the API server restarting must not end the supervision)."""
+    for attempt in range(attempts):
+      try:
+        text = self.run([*args, "-o", "json"], what)
+        break
+      except UserError as e:
+        if "not found on PATH" in str(e) or attempt == attempts - 1:
+          raise
+        time.sleep(self.retry_s)
     try:
       return json.loads(text)
     except json.JSONDecodeError as e:

@@ -56,9 +56,12 @@ class QueuedSlices:
     try:
       return str(json.loads(self.gcloud.read(argv, f"describing TPU '{name}'")).get("state", "UNKNOWN"))
     except UserError as e:
-      if "NOT_FOUND" in str(e) or "not found" in str(e).lower():
+      if "on PATH" in str(e):  # no gcloud at all
+        raise
+      if "NOT_FOUND" in str(e) or "was not found" in str(e):
         return "NOT_FOUND"
-      raise
+      self.log(f"warning: {e}")
+      return "UNKNOWN"  # a failed look is not a lost slice: down until the next look
     except json.JSONDecodeError:
       return "UNKNOWN"
 
@@ -81,7 +84,11 @@ class QueuedSlices:
     for s, name in enumerate(self.names):
       replacement = self.replacing.get(s)
       if replacement is not None and self.state(replacement) == "READY":
-        self.prepare(replacement)
+        try:
+          self.prepare(replacement)
+        except UserError as e:
+          self.log(f"warning: readying {replacement} failed, trying again at the next look: {e}")
+          continue
         self.names[s] = replacement
         del self.replacing[s]
         self.log(f"elastic: slice {s} runs on {replacement} from now on")
