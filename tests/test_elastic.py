@@ -404,8 +404,9 @@ def _child_with(pid: int, variable: str) -> int:
 
 @pytest.mark.slow
 def test_a_killed_process_shrinks_the_loopback_job_and_its_return_grows_it_back(tmp_path):
-  """`python3 -m MaxText.elastic`: 4 processes as 4 slices of 2 CPU devices; one is SIGKILLed after
-  step 4: the job goes on on 2 slices (3 cannot keep the batch of 8) with doubled accumulation,
+  """`python3 -m MaxText.elastic`: 4 processes as 4 slices of 2 CPU devices; slice 1's is SIGKILLed
+  after step 4: the job goes on on slices 0 and 2 (3 cannot keep the batch of 8) with doubled
+  accumulation, slice 2's process renumbered 1 and reading the local steps it saved as process 2,
   grows back to 4 when the slice's marker is removed, and its losses equal one process's
   uninterrupted run; the run's goodput counts both resizes."""
   import os
@@ -434,11 +435,11 @@ def test_a_killed_process_shrinks_the_loopback_job_and_its_return_grows_it_back(
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
     _wait_for(lambda: max(_logged(run_dir), default=0) >= 4, "step 4 on 4 slices")
-    os.kill(_child_with(cli.pid, "JAX_PROCESS_ID=2"), signal.SIGKILL)
+    os.kill(_child_with(cli.pid, "JAX_PROCESS_ID=1"), signal.SIGKILL)
     # The slice returns once the shrunk job has logged its first new step (the supervisor then
     # records how long the shrink took to resume), so both resizes meet a job that is training.
     _wait_for(lambda: any("seconds_to_resume" in line for line in _events(run_dir)), "a step on 2 slices")
-    (logs / "slice_2.down").unlink()
+    (logs / "slice_1.down").unlink()
     out, _ = cli.communicate(timeout=1200)
   finally:
     if cli.poll() is None:
@@ -447,11 +448,12 @@ def test_a_killed_process_shrinks_the_loopback_job_and_its_return_grows_it_back(
 
   records = [json.loads(line) for line in (run_dir / elastic.EVENTS_FILE).read_text().splitlines()]
   lost, grown = [r for r in records if "seconds_to_resume" in r]
-  assert (lost["cause"], lost["from_slices"], lost["to_slices"]) == ("process 2 (slice 2) was killed by signal 9", 4, 2)
-  # The survivors restored their own local steps (the persistent tier had none yet), so at most
+  assert (lost["cause"], lost["from_slices"], lost["to_slices"]) == ("process 1 (slice 1) was killed by signal 9", 4, 2)
+  # The survivors restored their own local steps (the persistent tier had none yet), slice 2's from
+  # the folder it wrote as process 2 (each simulated host has its own local folder), so at most
   # the step in flight was redone.
   assert lost["resumed_source"].startswith("the local tier") and lost["resumed_from"] >= 3, lost
-  assert (grown["cause"], grown["from_slices"], grown["to_slices"]) == ("slice(s) 2 returned", 2, 4)
+  assert (grown["cause"], grown["from_slices"], grown["to_slices"]) == ("slice(s) 1 returned", 2, 4)
   # Each relaunch starts Python, joins the job, restores and compiles before its first new step.
   assert lost["seconds_to_resume"] > 1 and grown["seconds_to_resume"] > 1
   got = _logged(run_dir)
