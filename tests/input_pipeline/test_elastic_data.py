@@ -69,7 +69,9 @@ def stream_prepared(prepared: Path) -> Path:
   return prepared
 
 
-@pytest.mark.parametrize("kind, accumulation", [("grain", 1), ("hf", 2), ("stream", 1)])
+# hf opens its files once per simulated process (14 times): seconds, so it runs with the slow tests.
+@pytest.mark.parametrize("kind, accumulation", [("grain", 2), ("stream", 1),
+                                                pytest.param("hf", 1, marks=pytest.mark.slow)])
 def test_a_resize_4_2_4_feeds_the_global_batches_of_an_unresized_run(spm_model, stream_prepared, kind, accumulation):
   # 4 processes with `accumulation` micro-batches; shrunk to 2 the accumulation doubles (elastic_config.resize).
   full, half = (_config(spm_model, stream_prepared, kind, a, per_device=4) for a in (accumulation, 2 * accumulation))
@@ -105,6 +107,10 @@ def test_an_elastic_run_at_full_size_reads_what_a_plain_run_reads(spm_model, pre
     np.testing.assert_array_equal(jax.device_get(a["inputs"]), jax.device_get(b["inputs"]))
   assert plain.get_state() == elastic.get_state()
   assert pipeline.data_shards(pipeline.HostShard(1, 4, 2), 1) == [pipeline.HostShard(1, 4, 2)]
+  assert pipeline.data_shards(pipeline.HostShard(1, 2, 4), 2) == [pipeline.HostShard(2, 4, 2), pipeline.HostShard(3, 4, 2)]
+  with pytest.raises(ConfigError, match=r"^process 1 holds 3 rows of the global batch, which gradient_accumulation_"
+                                        r"steps=2 does not split into micro-batches of whole rows; set "):
+    pipeline.data_shards(pipeline.HostShard(1, 2, 3), 2)
 
 
 def test_one_process_with_accumulation_reads_the_virtual_shards_of_the_whole_job(spm_model, prepared):
