@@ -31,7 +31,7 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from MaxText import startup
 from MaxText.training import compiled_step
-from MaxText.training import metrics, run_assembly
+from MaxText.training import lora, metrics, run_assembly
 from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib
 from MaxText.configuration.model_config import ModelConfig
@@ -302,8 +302,10 @@ def _compile_rollout_mesh(config: config_lib.Config, devices: Sequence[Any], tra
                         engine.param_shardings)
   compiled = engine.compile_step(params)
   total = _print_rollout(config, "rollout step on the rollout mesh", compiled, start)
+  adapters = f", then {format_bytes(rollout_mesh.tree_bytes(lora.split(train_params)[0]))} per sync: the LoRA " \
+      "adapters alone (the base stays on the rollout mesh)" if config.model.lora.lora_rank else ""
   print(f"weight copy to the rollout mesh: {format_bytes(rollout_mesh.tree_bytes(train_params))} per sync "
-        f"(every rl_weight_sync_interval={config.rl.rl_weight_sync_interval} updates)")
+        f"(every rl_weight_sync_interval={config.rl.rl_weight_sync_interval} updates){adapters}")
   if len({d.process_index for d in devices}) > 1:  # rollout_mesh.copy_across_processes: resharded on the trainers
     staged = sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
                  for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(engine.param_shardings)))

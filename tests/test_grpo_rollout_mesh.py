@@ -8,6 +8,7 @@ import socket
 import subprocess
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -99,6 +100,101 @@ def test_the_rollout_mesh_samples_what_the_training_mesh_samples(tiny_overrides,
   assert ours == theirs
 
 
+LORA = dict(lora_rank=4, lora_target_modules="q_proj,v_proj", dtype="float32")
+
+
+def _trained(params):
+  """`params` after a LoRA update: every adapter leaf moved (lora_b away from zero), the base as it was."""
+  from MaxText.training import lora
+
+  step = jax.jit(lambda tree: jax.tree_util.tree_map_with_path(
+      lambda path, x: x + 0.3 * jnp.sin(jnp.arange(x.size, dtype=x.dtype).reshape(x.shape) + 1) if lora.is_adapter(path)
+      else x, tree))
+  adapters, base = lora.split(step(params))
+  return lora.combine(adapters, lora.split(params)[1])  # the base leaves themselves, as a LoRA step leaves them
+
+
+def _lora_copies(tiny_overrides):
+  """A LoRA run split 4 + 4: its engine on the rollout mesh, the first and a later copy (after an update)."""
+  from MaxText.inference.engine import Engine
+  from MaxText.training import lora
+
+  config = _config(tiny_overrides, per_device_batch_size=2, rl_rollout_devices=4, **LORA)
+  train, rollout = rollout_mesh.split_devices(config)
+  run = run_assembly.build_run(config, devices=train)
+  params = run.init_state().params
+  engine = Engine(config, num_slots=8, mesh=rollout_mesh.rollout_mesh(config, rollout))
+  sync = rollout_mesh.WeightSync(engine.param_shardings, 1, frozen=lora.AdapterPartition())
+  first, first_scalars = sync.for_step(params, 0)
+  trained = _trained(params)
+  copy, scalars = sync.for_step(trained, 1)
+  return config, run, engine, params, trained, (first, first_scalars), (copy, scalars)
+
+
+def test_with_lora_a_copy_after_the_first_moves_the_adapters_alone(tiny_overrides):
+  """The base model stays on the rollout devices: the second copy moves only the adapters' bytes, its base
+  leaves are the first copy's, and it holds what a copy of every weight holds."""
+  from MaxText.training import lora
+
+  _, _, engine, params, trained, (first, first_scalars), (copy, scalars) = _lora_copies(tiny_overrides)
+  assert first_scalars["weight_sync_bytes"] == rollout_mesh.tree_bytes(params)
+  adapters, base = lora.split(trained)
+  assert scalars["weight_sync_bytes"] == rollout_mesh.tree_bytes(adapters) < rollout_mesh.tree_bytes(base) / 10
+  assert all(ours is theirs for ours, theirs in zip(jax.tree.leaves(lora.split(copy)[1]),
+                                                    jax.tree.leaves(lora.split(first)[1])))
+  whole, _ = rollout_mesh.WeightSync(engine.param_shardings, 1).for_step(trained, 1)  # every weight, as before
+  for ours, theirs in zip(jax.tree.leaves(copy), jax.tree.leaves(whole)):
+    assert ours.sharding == theirs.sharding
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+@pytest.mark.slow  # a LoRA engine and a merged one, each compiled: about 25 s on a loaded CPU
+def test_with_lora_rollouts_from_an_adapters_only_copy_equal_the_merged_models(tiny_overrides):
+  """Greedy rollouts from a copy that moved the adapters alone equal an engine of the model with the adapters
+  merged into its kernels (and differ from the base model's: the adapters count)."""
+  from MaxText.inference.engine import Engine
+  from MaxText.inference.sampling import RowParams
+  from MaxText.rl import rollouts
+  from MaxText.training import lora
+
+  config, run, engine, _, trained, _, (copy, _) = _lora_copies(tiny_overrides)
+  rows, greedy = [[1, 2, 3, 4 + i % 3] for i in range(8)], [RowParams() for _ in range(8)]
+  ours = rollouts.generate(engine, copy, rows, greedy, max_new_tokens=6, eos_id=None)
+  plain = Config.for_testing(**{**tiny_overrides, **GRPO, "per_device_batch_size": 2, "dtype": "float32"})
+  merged_engine = Engine(plain, num_slots=8, mesh=run.mesh)
+  merged = jax.device_put(lora.merge(jax.device_get(trained), config.model.lora.lora_alpha / config.model.lora.lora_rank),
+                          merged_engine.param_shardings)
+  assert ours == rollouts.generate(merged_engine, merged, rows, greedy, 6, None)
+  assert ours != rollouts.generate(engine, lora.adapters_off(copy), rows, greedy, 6, None)
+
+
+def test_with_lora_on_the_training_mesh_quantized_base_kernels_are_converted_once(tiny_overrides):
+  """quantize_weights on the training mesh: the frozen base kernels are converted at the first rollout only; later
+  rollouts read the adapters (and every unconverted weight) from the current parameters: bitwise the
+  parameters a conversion at every rollout gives."""
+  from MaxText.inference import quantized_weights
+  from MaxText.inference.engine import Engine
+  from MaxText.training import lora
+
+  config = _config(tiny_overrides, per_device_batch_size=1, quantize_weights="int8", **LORA)
+  run = run_assembly.build_run(config)
+  params = run.init_state().params
+  engine = Engine(config, num_slots=8, mesh=run.mesh)
+  prepare = quantized_weights.rollout_preparer(config, engine.param_shardings)
+  assert prepare is not None
+  calls: list[bool] = []
+  sync = rollout_mesh.WeightSync(None, 1, prepare=lambda p, donate: calls.append(donate) or prepare(p, donate),
+                                 frozen=lora.AdapterPartition())
+  sync.for_step(params, 0)
+  trained = _trained(params)
+  ours, scalars = sync.for_step(trained, 1)
+  assert calls == [False] and scalars == {}
+  theirs, _ = rollout_mesh.WeightSync(None, 1, prepare=prepare).for_step(trained, 1)  # converted at every rollout
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert lora.split(ours)[0] == lora.split(trained)[0]  # the adapters are the current ones, not copied
+
+
 @pytest.mark.slow  # two training processes
 def test_a_split_mesh_run_equals_the_same_mesh_run_step_for_step(workdir, tmp_path):  # noqa: F811
   same = _train(workdir, tmp_path / "same", "steps=4", devices=2)
@@ -164,6 +260,33 @@ def test_a_run_stopped_with_rollouts_in_flight_resumes_bitwise(workdir, tmp_path
   assert [[r[k] for k in keys] for r in ours if r["step"] > 3] == [[r[k] for k in keys] for r in theirs[3:]]
 
 
+
+@pytest.mark.slow  # four training processes
+def test_a_lora_run_on_a_rollout_mesh_trains_as_on_the_same_mesh_and_resumes_bitwise(workdir, tmp_path):  # noqa: F811
+  """LoRA with a rollout mesh: every copy after a process's first moves the adapters alone, the run trains as
+  the same-mesh run does, and a run resumed from a checkpoint (its first copy moves every weight again)
+  trains as the uninterrupted one."""
+  lora_keys = ("lora_rank=4", "lora_target_modules=q_proj,v_proj")
+  split = ("rl_rollout_devices=2", "rl_rollout_ici_tensor_parallelism=2", "checkpoint_period=2")
+  same = _train(workdir, tmp_path / "same", "steps=4", *lora_keys, devices=2)
+  whole = _train(workdir, tmp_path / "whole", "steps=4", *lora_keys, *split, devices=4)
+  assert same.returncode == 0 and whole.returncode == 0, (same.stderr + whole.stderr)[-3000:]
+  ours, theirs = _metrics(tmp_path / "whole"), _metrics(tmp_path / "same")
+  assert [r["reward"] for r in ours] == [r["reward"] for r in theirs]
+  for key in ("loss", "grad_norm", "entropy"):
+    np.testing.assert_allclose([r[key] for r in ours], [r[key] for r in theirs], rtol=1e-5, atol=1e-6)
+  copied = [r["weight_sync_bytes"] for r in ours]
+  assert copied[0] > 10 * copied[1] and len(set(copied[1:])) == 1, copied  # the base once, then the adapters
+  shutil.copytree(tmp_path / "whole", tmp_path / "again")
+  shutil.rmtree(tmp_path / "again" / "grpo" / "checkpoints" / "4")
+  again = _train(workdir, tmp_path / "again", "steps=4", *lora_keys, *split, devices=4)
+  assert again.returncode == 0 and "state: resumed from step 2" in again.stdout, again.stderr[-3000:]
+  keys = ("reward", "loss", "grad_norm", "entropy", "completions/mean_length")
+  resumed = [r for r in _metrics(tmp_path / "again") if r["step"] > 2]
+  assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in ours[2:]]
+  assert resumed[0]["weight_sync_bytes"] == copied[0]  # a new process: the first copy moves every weight
+
+
 def _train_compile_v5e_4(tiny_overrides, monkeypatch, capsys, **extra) -> str:
   from MaxText import startup, train_compile
   from MaxText.platform import accelerators
@@ -185,6 +308,14 @@ def test_train_compile_compiles_both_sides_of_a_split_run_for_a_topology(tiny_ov
   assert "rollout step on the rollout mesh (4 completions, one token each" in out and "rollout side fits: " in out
   assert "weight copy to the rollout mesh: " in out and "per sync (every rl_weight_sync_interval=1 updates)" in out
 
+
+
+@pytest.mark.slow  # a second compile of both sides
+def test_train_compile_gives_a_lora_runs_copy_of_the_adapters_alone(tiny_overrides, monkeypatch, capsys):
+  out = _train_compile_v5e_4(tiny_overrides, monkeypatch, capsys, per_device_batch_size=2, rl_rollout_devices=2,
+                             rl_rollout_ici_tensor_parallelism=2, lora_rank=4, lora_target_modules="q_proj,v_proj")
+  assert "per sync (every rl_weight_sync_interval=1 updates), then " in out
+  assert "per sync: the LoRA adapters alone (the base stays on the rollout mesh)" in out
 
 def test_train_compile_compiles_the_same_mesh_rollout_beside_the_train_step(tiny_overrides, monkeypatch, capsys):
   out = _train_compile_v5e_4(tiny_overrides, monkeypatch, capsys)

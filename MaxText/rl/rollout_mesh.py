@@ -15,6 +15,11 @@ made at every multiple of the interval and at the first rollout of a process: a 
 multiple samples exactly as the uninterrupted one did (its checkpointed weights are the copy's).
 A checkpoint between two copies holds the completions made ahead (rollouts.py's data state), since
 their copy is not in it, and the rerun trains on them as they were.
+
+With LoRA (`frozen`: the run's partition, whose frozen part, the base model, never changes) only the
+first copy of a process moves every weight; each later one moves the adapters alone and reuses the
+base already on the rollout devices (converted once with quantize_weights). On the training mesh
+with quantize_weights the base kernels are likewise converted once, not before every rollout.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from MaxText.configuration import rl_config
 from MaxText.configuration.config import Config
 from MaxText.platform.mesh_axes import MESH_AXES
+from MaxText.training.optimizers import Partition
 
 T = TypeVar("T")
 NO_COPY = {"weight_sync_bytes": 0.0, "weight_sync_s": 0.0}  # a step's metrics when it made no copy
@@ -117,26 +123,36 @@ class WeightSync:
   rollout at `step` samples from and the copy's metrics (weight_sync_bytes, weight_sync_s; 0 at a
   step that reuses the last copy). Without a rollout mesh (`shardings` None) it is `params`.
   `prepare(params, donate)`: the engine's conversion of the weights it decodes from (quantize_weights),
-  applied to each copy once it is made (donated), or without a rollout mesh to `params` at every step."""
+  applied to each copy once it is made (donated), or without a rollout mesh to `params` at every step.
+  `frozen`: a partition whose frozen part stays as it is for the whole run (LoRA's base model): it is
+  copied and prepared once, and later copies move only the trained part."""
 
   def __init__(self, shardings: Any | None, interval: int, across_processes: bool | None = None,
-               prepare: Callable[[Any, bool], Any] | None = None):
-    self.shardings, self.interval, self.prepare = shardings, interval, prepare
+               prepare: Callable[[Any, bool], Any] | None = None, frozen: Partition | None = None):
+    self.shardings, self.interval, self.prepare, self.frozen = shardings, interval, prepare, frozen
     self.across_processes = jax.process_count() > 1 if across_processes is None else across_processes
     self.copy: Any | None = None
     self.copied_at: int | None = None  # the step (= updates applied) of the policy in `copy`
+    # Without a rollout mesh: the frozen leaves `prepare` converted (the rest is read from `params`, whose
+    # buffers each train step donates, so none of them is kept).
+    self._converted: dict[tuple[str, ...], Any] | None = None
 
   def for_step(self, params: Any, step: int) -> tuple[Any, dict[str, float]]:
     if self.shardings is None:
-      return (params if self.prepare is None else self.prepare(params, False)), {}
+      return self._on_training_mesh(params), {}
     if self.copy is not None and step % self.interval != 0:
       return self.copy, {**NO_COPY, "policy_lag": float(step - (self.copied_at or 0))}
     started = time.perf_counter()
     move = copy_across_processes if self.across_processes else jax.device_put
-    self.copy = jax.block_until_ready(move(params, self.shardings))
-    copied = tree_bytes(self.copy)
-    if self.prepare is not None:
-      self.copy = jax.block_until_ready(self.prepare(self.copy, True))
+    if self.frozen is not None and self.copy is not None:  # the base is on the rollout devices: the adapters alone
+      trained = jax.block_until_ready(move(self.frozen.split(params)[0], self.frozen.split(self.shardings)[0]))
+      copied = tree_bytes(trained)
+      self.copy = self.frozen.combine(trained, self.frozen.split(self.copy)[1])
+    else:
+      self.copy = jax.block_until_ready(move(params, self.shardings))
+      copied = tree_bytes(self.copy)
+      if self.prepare is not None:
+        self.copy = jax.block_until_ready(self.prepare(self.copy, True))
     self.copied_at = step
     seconds = time.perf_counter() - started
     return self.copy, {"weight_sync_bytes": float(copied), "weight_sync_s": seconds, "policy_lag": 0.0}
@@ -144,6 +160,44 @@ class WeightSync:
   def next_copy(self, step: int) -> int:
     """The step of the copy after `step`'s."""
     return (step // self.interval + 1) * self.interval
+
+  def _on_training_mesh(self, params: Any) -> Any:
+    if self.prepare is None:
+      return params
+    if self.frozen is None:
+      return self.prepare(params, False)
+    if self._converted is None:
+      converted = _new_leaves(params, self.prepare(params, False))
+      frozen = _new_leaves({}, self.frozen.split(params)[1])
+      assert set(converted) <= set(frozen), "prepare converted a trained leaf"
+      self._converted = converted
+    return _with_leaves(params, self._converted)
+
+
+def _new_leaves(before: Any, after: Any, path: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+  """The leaves of the nested dict `after` that are not (the same objects as) `before`'s, by path."""
+  out: dict[tuple[str, ...], Any] = {}
+  for key, value in after.items():
+    old = before.get(key) if isinstance(before, dict) else None
+    if isinstance(value, dict):
+      out.update(_new_leaves(old if isinstance(old, dict) else {}, value, path + (key,)))
+    elif value is not old:
+      out[path + (key,)] = value
+  return out
+
+
+def _with_leaves(tree: Any, leaves: dict[tuple[str, ...], Any]) -> Any:
+  """A copy of the nested dict `tree` with `leaves` put at their paths (the other leaves shared)."""
+  out = dict(tree)
+  children: dict[str, dict[tuple[str, ...], Any]] = {}
+  for path, value in leaves.items():
+    if len(path) == 1:
+      out[path[0]] = value
+    else:
+      children.setdefault(path[0], {})[path[1:]] = value
+  for key, sub in children.items():
+    out[key] = _with_leaves(tree[key], sub)
+  return out
 
 
 class IdleClock:

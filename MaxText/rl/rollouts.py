@@ -42,7 +42,7 @@ from MaxText.rl import interleaved_episodes
 from MaxText.rl import prompts as prompts_lib
 from MaxText.rl import rewards as rewards_lib
 from MaxText.rl import rollout_mesh
-from MaxText.training import health
+from MaxText.training import health, lora
 from MaxText.training.train_state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -150,9 +150,11 @@ class RolloutBatches:
     on_own_mesh = bool(rollout_devices)
     self.engine = Engine(config, num_slots=self.num_rows,
                          mesh=rollout_mesh.rollout_mesh(config, rollout_devices) if on_own_mesh else mesh)
+    # LoRA: the base model never changes, so it moves (and is converted) once; the adapters at every copy.
     self.weights = rollout_mesh.WeightSync(self.engine.param_shardings if on_own_mesh else None,
                                            self.rl.rl_weight_sync_interval,
-                                           prepare=quantized_weights.rollout_preparer(config, self.engine.param_shardings))
+                                           prepare=quantized_weights.rollout_preparer(config, self.engine.param_shardings),
+                                           frozen=lora.AdapterPartition() if config.model.lora.lora_rank else None)
     self._primed: tuple[int, Batch, dict[str, float]] | None = None
     self.clock = rollout_mesh.IdleClock()  # each side's idle share, a metric of every step
     # rl_weight_sync_interval > 1 on a rollout mesh: each copy's batches are made ahead (rollout_mesh.py)
