@@ -12,7 +12,8 @@ The plan needs no exchange of manifests: a process holds a step "whole" only whe
 exactly the regions the current mesh gives it (`LocalTier.locate`), so every process can work
 out from the shardings alone which regions each holder can send. The bytes travel as unsigned
 integers (bit patterns, so -0.0 and NaN payloads arrive unchanged), one broadcast per sending
-process in chunks of bounded size.
+process in chunks of bounded size. Every process receives every broadcast (it is an all-reduce),
+so a handover costs about one all-reduce of the regions sent: a resize's price, not a step's.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class Plan:
     if not self.lackers:
       return ""
     senders = sorted({source for _, _, source in self.transfers})
-    return (f"handed over to process(es) {_names(self.lackers)} by process(es) {_names(senders)}")
+    return f"handed over to process(es) {_names(self.lackers)} by process(es) {_names(senders)}"
 
 
 class HandoverFailed(Exception):
@@ -145,8 +146,8 @@ def restore(tier: LocalTier, chosen: Plan, abstract_state: State, shardings: Sta
   error = ""
   if me in chosen.holders:
     try:
-      regions, *rest = tier.read_regions(chosen.step, abstract_state, shardings)
-      extra = (rest[0], rest[1])
+      regions, data_state, meta = tier.read_regions(chosen.step, abstract_state, shardings)
+      extra = (data_state, meta)
     except Exception as e:  # noqa: BLE001 - a damaged copy: every process falls back together
       error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:300]
       print(f"warning: local checkpoint step {chosen.step} on process {me} is unreadable ({error}); using the "
