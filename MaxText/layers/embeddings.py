@@ -32,8 +32,11 @@ class Embed(nnx.Module):
 
   def __call__(self, tokens_BL: jax.Array) -> jax.Array:
     """The tokens' rows; `one_hot` (use_iota_embed): as a matmul of one-hot rows with the table, which
-    the partitioner shards like any matmul over a vocabulary-sharded table, where a gather needs the
-    rows brought together first. Each output sums one row times 1 and zeros, so both give the same values."""
+    the partitioner shards like any matmul over a vocabulary-sharded table, where a gather from it is
+    often partitioned by gathering the table first. Each output sums one row times 1 and zeros, so both
+    give the same values;
+    the table's gradient comes out of the transposed matmul in the activation dtype (in bfloat16 rounded
+    once, where the gather's adds up in the table's float32)."""
     if not self.one_hot:
       return jnp.take(self.embedding[...], tokens_BL, axis=0).astype(self.dtype)
     table_VD = self.embedding[...].astype(self.dtype)
