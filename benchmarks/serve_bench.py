@@ -9,7 +9,8 @@ inter-token latency (ITL) p50/p99 against the number of concurrent clients, and 
 
 A small random-init model (greedy, no end-of-sequence token, so every request makes max_tokens
 tokens) is served in this process on 127.0.0.1 through the real app (uvicorn, the scheduler
-thread); asyncio clients stream `/v1/completions` with token-id prompts of mixed lengths and
+thread); asyncio clients, in a process of their own (their CPU is not the server's), stream
+`/v1/completions` with token-id prompts of mixed lengths and
 `logprobs: 0`, which lists each token of a server-sent event (the tokens that reached the stream
 together share one), stamped at its event's arrival: TTFT is send → first token, ITL the gaps
 between a request's later tokens. Compilation happens in a warm-up round, untimed.
@@ -37,7 +38,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import socket
 import sys
@@ -134,6 +137,24 @@ async def _round(url: str, concurrency: int, num_requests: int, max_tokens: int,
   return times
 
 
+def _round_here(*args: Any) -> dict:
+  return asyncio.run(_round(*args))
+
+
+class Clients:
+  """The clients' rounds run in one spawned process (started once, nothing of the server's imported there)."""
+
+  def __init__(self) -> None:
+    self._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+
+  def round(self, *args: Any) -> dict:
+    """`_round`'s times for these arguments, measured in the clients' process."""
+    return self._pool.submit(_round_here, *args).result()
+
+  def close(self) -> None:
+    self._pool.shutdown()
+
+
 def start_server(config: Any) -> tuple[Any, Any, threading.Thread, str]:
   """MaxText.serve's app for `config` on one device under uvicorn on a free 127.0.0.1 port, no API key:
   (server, uvicorn server, its thread, the completions URL). Stop: uv.should_exit, join, scheduler.stop()."""
@@ -170,7 +191,7 @@ def _draft_keys(args, speculative: int) -> dict[str, Any]:
                               f"vocab_size={args.vocab_size}")
 
 
-def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int, tokenizer: Path,
+def _serve_layout(args, clients: Clients, layout: str, prompt_lengths: list[int], max_target: int, tokenizer: Path,
                   chunk: int = 0, prefix_caching: bool = False, speculative: int = 0, steps_per_call: int = 1
                   ) -> None:
   """The table for one KV cache layout, then its memory: what the cache allocates and, paged, the
@@ -195,13 +216,15 @@ def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int,
   config = Config.for_testing(**keys, **({"decode_steps_per_call": steps_per_call} if steps_per_call > 1 else {}))
   server, uv, thread, url = start_server(config)
   engine = server.scheduler.engine
-  # Compiles every step (its prompts have no shared prefix: nothing of the measured load is cached yet).
-  asyncio.run(_round(url, 2, 2, 4, prompt_lengths, args.vocab_size, args.long_prompt))
+  # Compiles every step (its prompts have no shared prefix: nothing of the measured load is cached yet),
+  # and the prefills of as many requests admitted at once as the most clients make.
+  for warm in sorted({2, max(int(c) for c in args.concurrency.split(","))}):
+    clients.round(url, warm, warm, 4, prompt_lengths, args.vocab_size, args.long_prompt)
   if args.shared_prefix:  # the measured load once, untimed: its prefill shapes compile, and the steady
     # state of a shared system prompt (already cached, with prefix caching) is what gets measured
     for concurrency in [int(c) for c in args.concurrency.split(",")]:
-      asyncio.run(_round(url, concurrency, concurrency * args.requests_per_client, args.max_tokens, prompt_lengths,
-                         args.vocab_size, args.long_prompt, args.shared_prefix))
+      clients.round(url, concurrency, concurrency * args.requests_per_client, args.max_tokens, prompt_lengths,
+                    args.vocab_size, args.long_prompt, args.shared_prefix)
   peak = {"pages": 0}
   polling = threading.Event()
 
@@ -230,8 +253,8 @@ def _serve_layout(args, layout: str, prompt_lengths: list[int], max_target: int,
   rates: dict[int, float] = {}
   for concurrency in [int(c) for c in args.concurrency.split(",")]:
     n = concurrency * args.requests_per_client
-    t = asyncio.run(_round(url, concurrency, n, args.max_tokens, prompt_lengths, args.vocab_size, args.long_prompt,
-                           args.shared_prefix))
+    t = clients.round(url, concurrency, n, args.max_tokens, prompt_lengths, args.vocab_size, args.long_prompt,
+                      args.shared_prefix)
     assert t["tokens"] == n * args.max_tokens, (t["tokens"], n * args.max_tokens)
     print(f"| {concurrency} | {n} | {t['tokens'] / t['wall']:.0f} | {_percentile(t['ttft'], 50) * 1e3:.1f} | "
           f"{_percentile(t['ttft'], 99) * 1e3:.1f} | {_percentile(t['itl'], 50) * 1e3:.1f} | "
@@ -325,14 +348,22 @@ def main() -> None:
   prompt_lengths = [int(x) for x in args.prompt_lengths.split(",")]
   max_target = max([n + args.shared_prefix for n in prompt_lengths] + [args.long_prompt]) + args.max_tokens
   tokenizer = _tokenizer(Path(tempfile.mkdtemp()) / "tok", args.vocab_size)
+  clients = Clients()
+  try:
+    _serve_layouts(args, clients, prompt_lengths, max_target, tokenizer)
+  finally:
+    clients.close()
+
+
+def _serve_layouts(args, clients: Clients, prompt_lengths: list[int], max_target: int, tokenizer: Path) -> None:
   for layout in args.caches.split(","):
     for chunk in [int(c) for c in args.prefill_chunk_sizes.split(",")] if layout == "paged" else [0]:
       for caching in [v.strip().lower() == "true" for v in args.prefix_caching.split(",")] if layout == "paged" \
           else [False]:
         for speculative in [int(k) for k in args.speculative_tokens.split(",")]:
           for steps_per_call in [int(k) for k in args.decode_steps_per_call.split(",")]:
-            _serve_layout(args, layout, prompt_lengths, max_target, tokenizer, chunk, caching, speculative,
-                          steps_per_call)
+            _serve_layout(args, clients, layout, prompt_lengths, max_target, tokenizer, chunk, caching,
+                          speculative, steps_per_call)
 
 
 if __name__ == "__main__":

@@ -221,6 +221,16 @@ class Engine:
     token's bitmask (constrained decoding)."""
     return self.page_prefill.chunk(params, state, slot, prompt, start, row_params, seed, images, mask)
 
+  def prefill_rests(self, params: Params, state: DecodeState, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+                    starts: Sequence[int], row_params: Sequence[sampling.RowParams], masks: np.ndarray | None = None
+                    ) -> tuple[DecodeState, list[page_prefill.FirstToken]]:
+    """Paged, unchunked: the rest of each text prompt begun in `slots` (from `starts`, what
+    begin_prompt returned) prefilled into its pages, in one call where they fit one prefill
+    (page_prefill.PagePrefill.rests); each prompt's (first tokens, their scores, its row)."""
+    for slot in slots:
+      self._check_slot(slot)
+    return self.page_prefill.rests(params, state, slots, prompts, starts, row_params, masks)
+
   @property
   def continues_slots(self) -> bool:
     """Whether `hold` and `continue_prompt` can append tokens to a slot's context: the paged layout, for

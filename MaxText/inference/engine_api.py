@@ -7,7 +7,9 @@ alternatives reported per token.
 
 A request's life: `prefill` + `insert` put a prompt into a free slot (or, where the engine
 `prefills_into_pages`, `begin_prompt` then `prefill_chunk` until it returns the first token);
-every `decode_step` gives each slot 0..K tokens (`Emitted`); `release` frees the slot. The
+every `decode_step` gives each slot 0..K tokens (`Emitted`); `release` frees the slot. Several
+prompts go in together as `prefill`'s rows (then an `insert` per row) or, into pages and unchunked,
+through `PrefillsRestsTogether.prefill_rests` where the engine offers it. The
 decode state is the engine's own and opaque to callers: they pass it back as they got it.
 Constrained decoding: `prefill`'s `masks`, `prefill_chunk`'s and `decode_step`'s `mask` are int32 token
 bitmasks per row / slot ([B or T, W], sampling.apply_token_mask), computed on the host from the
@@ -19,7 +21,7 @@ Implementations: engine.Engine (dense or paged KV cache), speculative_engine.Spe
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import jax
 import numpy as np
@@ -180,3 +182,14 @@ class DecodeEngine(Protocol):
 
   def metrics(self) -> dict[str, float]:
     """The engine's counters: step_compilations; a speculative engine's acceptance counts."""
+
+
+@runtime_checkable
+class PrefillsRestsTogether(Protocol):
+  """An engine that prefills into pages and can prefill several begun prompts' rests in one call
+  (engine.Engine.prefill_rests): what the scheduler calls, with prefill_chunk_size 0, for the text
+  prompts admitted in one loop."""
+
+  def prefill_rests(self, params: EngineParams, state: EngineState, slots: Sequence[int],
+                    prompts: Sequence[Sequence[int]], starts: Sequence[int], row_params: Sequence[sampling.RowParams],
+                    masks: np.ndarray | None = None) -> tuple[EngineState, list[tuple[Any, TokenLogprobs, int]]]: ...

@@ -37,6 +37,8 @@ from MaxText.training.model_assembly import ModelOnMesh, Params
 
 # A chunk's result: (state, where the next chunk starts, after the last chunk (first token [1], its scores) else None).
 ChunkResult = tuple[DecodeState, int, tuple[jax.Array, TokenLogprobs] | None]
+# A prompt's first token among a prefill's rows: (first tokens [B], their scores, the prompt's row).
+FirstToken = tuple[jax.Array, TokenLogprobs, int]
 
 
 def layout(cfg: ModelConfig, decode: DecodeConfig, num_slots: int) -> tuple[kv_layout.KVLayout, int]:
@@ -82,6 +84,9 @@ class PagePrefill:
     self._extend = jax.jit(self._extend_fn, donate_argnums=(1,),
                            out_shardings=(state_shardings, (replicated, TokenLogprobs(replicated, replicated,
                                                                                        replicated))))
+    self._extend_rows = jax.jit(self._extend_rows_fn, donate_argnums=(1,),
+                                out_shardings=(state_shardings, (replicated, TokenLogprobs(replicated, replicated,
+                                                                                            replicated))))
 
   def reset(self) -> None:
     """A new decode state."""
@@ -178,3 +183,70 @@ class PagePrefill:
     tokens_1, rows, logprobs = sample(logits_11V[:, 0], rows, mask_1W)
     prefix = Prefix(None, (start + length)[None], tokens_1, rows, logprobs)
     return with_prompt(state, caches, prefix, slot, jnp.int32(0)), (tokens_1, logprobs)
+
+  def rests(self, params: Params, state: DecodeState, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+            starts: Sequence[int], row_params: Sequence[sampling.RowParams],
+            masks: np.ndarray | None = None) -> tuple[DecodeState, list[FirstToken]]:
+    """The rest of each text prompt of `slots` (from its start: after the pages a cached prefix holds)
+    prefilled into its pages, each slot then generating; `masks` [B, W]: the first tokens' bitmasks.
+    Two or more rests that fit max_prefill_predict_length go in one call, padded to it and to a power
+    of two rows (at most the slots' number); the others, and a recurrent model's (their snapshots
+    are taken per slot), `chunk` by `chunk` as one prompt alone."""
+    pages = self.cache.prompt_pages()
+    longest = self.decode.max_prefill_predict_length
+    together = [i for i, (prompt, start) in enumerate(zip(prompts, starts))
+                if self.snapshots is None and not state_snapshots.has_recurrent_state(self.cfg)
+                and len(prompt) - start <= longest]
+    if len(together) < 2:  # one prompt alone: its own program, as before
+      together = []
+    firsts: dict[int, FirstToken] = {}
+    for i in sorted(set(range(len(prompts))) - set(together)):
+      start, first = starts[i], None
+      mask = None if masks is None else masks[i:i + 1]
+      while first is None:
+        state, start, first = self.chunk(params, state, slots[i], prompts[i], start, row_params[i], mask=mask)
+      firsts[i] = (*first, 0)
+    if together:
+      rows = min(1 << (len(together) - 1).bit_length(), max(self.cache.num_slots, len(together)))
+      tokens_BC = np.zeros((rows, longest), np.int32)  # padded as a prefill's rows: one program per row count
+      starts_B, lengths_B = np.zeros(rows, np.int32), np.ones(rows, np.int32)
+      slots_B = np.full(rows, self.cache.num_slots, np.int32)  # a padding row's updates are dropped
+      table_BM = np.full((rows, pages.table.shape[1]), -1, np.int32)  # and its tokens written nowhere
+      for row, i in enumerate(together):
+        rest = prompts[i][starts[i]:]
+        tokens_BC[row, :len(rest)] = rest
+        starts_B[row], lengths_B[row], slots_B[row] = starts[i], len(rest), slots[i]
+        table_BM[row] = pages.table[slots[i]]
+      padded = [row_params[i] for i in together] + [sampling.RowParams()] * (rows - len(together))
+      masks_BW = None
+      if masks is not None:
+        masks_BW = np.concatenate([masks[together], np.repeat(masks[together[:1]], rows - len(together), 0)])
+      with sharding.activation_sharding(self.model.mesh, self.model.rules):
+        state, (tokens_B, logprobs) = self._extend_rows(
+            params, state, jnp.asarray(tokens_BC), jnp.asarray(starts_B), jnp.asarray(lengths_B),
+            jnp.asarray(slots_B), jnp.asarray(table_BM), row_sampling(padded),
+            None if masks_BW is None else jnp.asarray(masks_BW))
+      for row, i in enumerate(together):
+        runs = image_prompts.image_runs(prompts[i], self.cfg.vision, None)
+        pages.activate(slots[i], prompts[i], self._salts(slots[i], runs, None, pages.page_size))
+        firsts[i] = (tokens_B, logprobs, row)
+    return state, [firsts[i] for i in range(len(prompts))]
+
+  def _extend_rows_fn(self, params: Params, state: DecodeState, tokens_BC: jax.Array, starts_B: jax.Array,
+                      lengths_B: jax.Array, slots_B: jax.Array, table_BM: jax.Array, rows: RowSampling,
+                      masks_BW: jax.Array | None) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
+    """`_extend_fn` for B slots at once (a model without slot states): row b's tokens at positions
+    starts[b].. through its pages; a row whose slot is out of range changes nothing."""
+    self.traces["extend"] += 1
+    rows = seeded(rows)
+    stored_tables = jax.tree.map(lambda c: c.block_table_BM if paged_cache.is_pool(c) else c, state.caches,
+                                 is_leaf=paged_cache.is_pool)
+    caches = paged_cache.with_block_table(state.caches, table_BM)
+    positions_BC = starts_B[:, None] + jnp.arange(tokens_BC.shape[1], dtype=jnp.int32)[None]
+    with lora_rows.use_rows(rows.adapter_B):
+      logits_B1V, caches = self.model.spec.apply_decode(params, tokens_BC, positions_BC, caches, lengths_B - 1, None)
+    caches = jax.tree.map(lambda c, t: dataclasses.replace(c, block_table_BM=t) if paged_cache.is_pool(c) else c,
+                          caches, stored_tables, is_leaf=paged_cache.is_pool)
+    tokens_B, rows, logprobs = sample(logits_B1V[:, 0], rows, masks_BW)
+    prefix = Prefix(None, starts_B + lengths_B, tokens_B, rows, logprobs)
+    return with_prompt(state, caches, prefix, slots_B, jnp.arange(tokens_BC.shape[0])), (tokens_B, logprobs)

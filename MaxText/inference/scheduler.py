@@ -10,6 +10,10 @@ token, or when its handler cancels it (a stop sequence found, a client gone, a t
 slot is handed back with `engine.release`. Text (detokenising, stop strings) is the handlers'
 business: the scheduler deals in token ids only.
 
+The jobs admitted in one loop are prefilled in one engine call: their prompts as the rows of one
+`prefill` (padded to a power of two rows, so a few programs compile), then an insert each; into
+pages without chunks, their text prompts' rests in one `prefill_rests` (engine_api.PrefillsRestsTogether).
+
 With prefill_chunk_size > 0 (paged), an admitted prompt is prefilled one chunk per loop, between
 the running jobs' generate steps, so a long prompt delays each of their tokens by one chunk's
 time instead of its whole prefill; the job joins the generate steps after its last chunk.
@@ -51,8 +55,8 @@ from typing import Any, Callable, Protocol, Sequence
 import jax
 import numpy as np
 
-from MaxText.inference.engine_api import (Admitted, DecodeEngine, Emitted, EngineParams, EngineState, StepLimits,
-                                          TokenLogprobs)
+from MaxText.inference.engine_api import (Admitted, DecodeEngine, Emitted, EngineParams, EngineState,
+                                          PrefillsRestsTogether, StepLimits, TokenLogprobs)
 from MaxText.inference.image_prompts import PromptImages
 from MaxText.inference.sampling import ALL_TOKENS, RowParams
 
@@ -126,8 +130,8 @@ class Job:
         self.on_cancel()
 
 
-_COUNTS = ("admitted", "released", "steps", "loops", "length", "stop", "cancelled", "error", "prefix_cached_tokens",
-           "speculative_proposed", "speculative_accepted")
+_COUNTS = ("admitted", "prefills", "released", "steps", "loops", "length", "stop", "cancelled", "error",
+           "prefix_cached_tokens", "speculative_proposed", "speculative_accepted")
 
 
 def _images(job: Job) -> dict[str, Any]:
@@ -149,6 +153,11 @@ def _masks(jobs: dict[int, Job], rows: int, name: str) -> dict[str, Any]:
   for row, constraint in constrained.items():
     constraint.fill(mask[row])
   return {name: mask}
+
+
+def _bucket(rows: int, slots: int) -> int:
+  """Rows a prefill of `rows` prompts is padded to: the next power of two, at most the slots' number."""
+  return max(rows, min(1 << (rows - 1).bit_length(), slots))
 
 
 def _top(ids_k: np.ndarray, logprobs_k: np.ndarray) -> list[tuple[int, float]]:
@@ -279,32 +288,49 @@ class Scheduler:
 
   def _admit(self) -> None:
     """Fills free slots from the head of the waiting list (in order: a job that does not fit yet
-    keeps its place): optional prompt scoring, then prefill + insert."""
+    keeps its place): optional prompt scoring, then, for every job admitted in this loop, one
+    prefill of all their prompts and an insert each (or, into pages, begin_prompt)."""
+    batch: list[tuple[Job, int]] = []  # (job, slot) waiting for this loop's prefill
     for slot in range(self.engine.num_slots):
-      while slot not in self._active and slot not in self._prefilling:
+      while slot not in self._active and slot not in self._prefilling and all(s != slot for _, s in batch):
         with self._wake:
           if not self._waiting or not self._fits(self._waiting[0]):
-            return
+            break
           job = self._waiting.popleft()
           need = self.pages_needed(job)
           if need:
             self._reserved[slot] = need
         self.counts["admitted"] += 1
         try:
-          self._start(job, slot)
+          if self._start(job, slot):
+            batch.append((job, slot))
         except Exception as e:  # noqa: BLE001 - this job fails alone; the others go on
-          traceback.print_exc()
-          with self._wake:
-            self._active.pop(slot, None)
-            self._prefilling.pop(slot, None)
-          self.engine.release(slot)  # pages an insert may have handed out before the failure
-          self._finish(job, None, "error", f"{type(e).__name__}: {e}")
+          self._fail_start([(job, slot)], e)
         finally:
-          if slot not in self._active and slot not in self._prefilling:  # scoring-only, or failed: holds nothing
-            with self._wake:
+          if slot not in self._active and slot not in self._prefilling and all(s != slot for _, s in batch):
+            with self._wake:  # scoring-only, or failed: holds nothing
               self._reserved.pop(slot, None)
+      else:
+        continue
+      break  # the head of the waiting list does not fit (or there is none)
+    if batch:
+      try:
+        self._prefill_together(batch)
+      except Exception as e:  # noqa: BLE001 - these jobs fail; the running ones go on
+        self._fail_start(batch, e)
 
-  def _start(self, job: Job, slot: int) -> None:
+  def _fail_start(self, batch: Sequence[tuple[Job, int]], e: Exception) -> None:
+    traceback.print_exc()
+    for job, slot in batch:
+      with self._wake:
+        self._active.pop(slot, None)
+        self._prefilling.pop(slot, None)
+        self._reserved.pop(slot, None)
+      self.engine.release(slot)  # pages an insert may have handed out before the failure
+      self._finish(job, None, "error", f"{type(e).__name__}: {e}")
+
+  def _start(self, job: Job, slot: int) -> bool:
+    """Scores the prompt if asked and begins the job; True when it waits for this loop's prefill."""
     if job.score_prompt:
       scores = jax.device_get(self.engine.score(self.params, job.prompt, **_images(job)))
       n = len(job.prompt)
@@ -312,26 +338,41 @@ class Scheduler:
                             [_top(i, lp) for i, lp in zip(scores.top_ids_Bk[:n], scores.top_logprobs_Bk[:n])]))
     if job.max_tokens == 0:
       self._finish(job, None, "length")
-      return
+      return False
     if self._into_pages:
       cached = self.engine.begin_prompt(slot, job.prompt, **_images(job), **_cache_key(job))
       self.counts["prefix_cached_tokens"] += cached
       with self._wake:
         self._prefilling[slot] = (job, cached)
-      return
-    rows: dict[str, Any] = {} if job.images is None else {"images": [job.images]}
-    prefix: Admitted = self.engine.prefill(self.params, [job.prompt], row_params=[job.row], **rows,
-                                           **_masks({0: job}, 1, "masks"))
-    self._state = self.engine.insert(prefix, self._state, slot)
+      return False
+    return True
+
+  def _prefill_together(self, batch: Sequence[tuple[Job, int]]) -> None:
+    """One prefill call for the prompts of `batch`, padded to a power of two rows (repeating the
+    first; a few compiled programs in all), then an insert per job and one read of their first tokens."""
+    jobs = [job for job, _ in batch] + [batch[0][0]] * (_bucket(len(batch), self.engine.num_slots) - len(batch))
+    rows: dict[str, Any] = {}
+    if any(job.images is not None for job in jobs):
+      rows["images"] = [job.images for job in jobs]
+    prefix: Admitted = self.engine.prefill(self.params, [job.prompt for job in jobs],
+                                           row_params=[job.row for job in jobs], **rows,
+                                           **_masks(dict(enumerate(jobs)), len(jobs), "masks"))
+    self.counts["prefills"] += 1
+    for row, (job, slot) in enumerate(batch):
+      self._state = self.engine.insert(prefix, self._state, slot, row)
     first, logprobs = jax.device_get((prefix.first_tokens_B, prefix.first_logprobs))
     with self._wake:
-      self._active[slot] = job
-    self._deliver(slot, job, int(first[0]), *_scores(logprobs, 0))
+      self._active.update({slot: job for job, slot in batch})
+    for row, (job, slot) in enumerate(batch):
+      if self._active.get(slot) is job:
+        self._deliver(slot, job, int(first[row]), *_scores(logprobs, row))
 
   def _prefill_chunk(self) -> None:
     """With prefill_chunk_size, one chunk of the longest-waiting prompt being prefilled (the
     per-step prefill budget); without it (prefix caching alone), every admitted prompt whole, as
-    the unchunked path prefills them all before the next step."""
+    the unchunked path prefills them all before the next step: the text ones in one call."""
+    if not self.engine.prefill_chunk_size and isinstance(self.engine, PrefillsRestsTogether):
+      self._prefill_rests(self.engine)
     for slot, (job, start) in list(self._prefilling.items()):
       self._state, end, first = self.engine.prefill_chunk(self.params, self._state, slot, job.prompt, start, job.row,
                                                           **_images(job), **_masks({0: job}, 1, "mask"))
@@ -346,6 +387,26 @@ class Scheduler:
       self._deliver(slot, job, int(tokens_1[0]), *_scores(logprobs, 0))
       if self.engine.prefill_chunk_size:
         return
+
+  def _prefill_rests(self, engine: PrefillsRestsTogether) -> None:
+    """Every text prompt being prefilled, whole, in one engine call (image prompts go on one by one)."""
+    batch = [(slot, job, start) for slot, (job, start) in self._prefilling.items() if job.images is None]
+    if not batch:
+      return
+    jobs = {row: job for row, (_, job, _) in enumerate(batch)}
+    self._state, firsts = engine.prefill_rests(self.params, self._state, [slot for slot, _, _ in batch],
+                                               [job.prompt for job in jobs.values()],
+                                               [start for _, _, start in batch], [job.row for job in jobs.values()],
+                                               **_masks(jobs, len(batch), "masks"))
+    self.counts["prefills"] += 1
+    firsts = jax.device_get(firsts)
+    with self._wake:
+      for slot, job, _ in batch:
+        del self._prefilling[slot]
+        self._active[slot] = job
+    for (slot, job, _), (tokens_B, logprobs, row) in zip(batch, firsts):
+      if self._active.get(slot) is job:
+        self._deliver(slot, job, int(tokens_B[row]), *_scores(logprobs, row))
 
   def _one_call_at_a_time(self) -> bool:
     return bool(self.speculative_tokens) or any(getattr(job, "constraint", None) is not None

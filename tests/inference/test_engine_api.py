@@ -28,7 +28,9 @@ ENGINE_SIDE = {f"MaxText/inference/{name}" for name in ENGINE_MODULES + ("engine
 
 
 def protocol_members() -> set[str]:
-  return {name for name in vars(engine_api.DecodeEngine) if not name.startswith("_")}
+  """DecodeEngine's members and those of the optional protocols an engine may also offer."""
+  protocols = (engine_api.DecodeEngine, engine_api.PrefillsRestsTogether)
+  return {name for protocol in protocols for name in vars(protocol) if not name.startswith("_")}
 
 
 def engine_attributes(path: pathlib.Path) -> list[tuple[int, str]]:

@@ -52,13 +52,12 @@ class FakeEngine:
   def prefill(self, params, prompts, row_params=None):
     if self.fail_prefill:
       raise RuntimeError("prefill failed on purpose")
-    prompt = prompts[0]
-    return SimpleNamespace(first_tokens_B=np.asarray([prompt[-1] + 1]), first_logprobs=self._logprobs(1),
-                           length=len(prompt))
+    return SimpleNamespace(first_tokens_B=np.asarray([p[-1] + 1 for p in prompts]),
+                           first_logprobs=self._logprobs(len(prompts)), lengths=[len(p) for p in prompts])
 
-  def insert(self, prefix, state, slot):
-    self.pages.assign(slot, prefix.length)
-    self.last[slot] = prefix.first_tokens_B[0]
+  def insert(self, prefix, state, slot, row=0):
+    self.pages.assign(slot, prefix.lengths[row])
+    self.last[slot] = prefix.first_tokens_B[row]
     return state
 
   speculative_tokens = prefill_chunk_size = 0

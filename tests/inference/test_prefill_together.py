@@ -1,0 +1,68 @@
+"""The requests the scheduler admits in one loop are prefilled in one engine call (dense and paged:
+prefill + insert; paged with prefix caching: their prompts' rests into pages), and each gets the
+tokens it gets when it is served alone."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from MaxText.configuration.config import Config
+from MaxText.inference import scheduler as sched
+from MaxText.inference.engine import Engine
+from MaxText.inference.sampling import RowParams
+from decode_test_utils import one_device_mesh
+
+TINY = dict(base_emb_dim=32, base_num_query_heads=2, base_num_kv_heads=2, head_dim=16, base_mlp_dim=64,
+            base_num_decoder_layers=1, vocab_size=64, max_target_length=32, max_prefill_predict_length=8,
+            per_device_batch_size=1, print_config=False, dtype="float32")
+PROMPTS = [[5, 9, 2], [7, 1, 3, 3, 8, 4, 4, 1], [11, 4], [2, 2, 6, 1, 9]]
+ROWS = [RowParams(seed=0), RowParams(seed=1), RowParams(temperature=1.0, seed=7), RowParams(seed=3)]
+LAYOUTS = {"dense": {}, "paged": dict(kv_cache_layout="paged", kv_page_size=4, prefix_caching="false"),
+           "prefix-cached": dict(kv_cache_layout="paged", kv_page_size=4, prefix_caching="true")}
+
+
+def served(eng: Engine, params, indices: list[int], max_new: int = 5) -> dict[int, list[int]]:
+  """Each job's tokens, every job submitted before the scheduler's first loop."""
+  tokens: dict[int, list[int]] = {i: [] for i in indices}
+  done = threading.Semaphore(0)
+
+  def sink(i):
+    def emit(event):
+      if isinstance(event, sched.Token):
+        tokens[i].append(event.token)
+      elif isinstance(event, sched.Done):
+        assert event.reason == "length", event
+        done.release()
+    return emit
+
+  s = sched.Scheduler(eng, params, max_queue=8)
+  s.submit([sched.Job(0, PROMPTS[i], max_new, ROWS[i], sink(i)) for i in indices])
+  s.start()
+  try:
+    for _ in indices:
+      assert done.acquire(timeout=120)
+  finally:
+    s.stop()
+  return tokens
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
+def test_jobs_admitted_together_share_one_prefill_and_get_their_own_tokens(layout):
+  eng = Engine(Config.for_testing(**TINY, **LAYOUTS[layout]), num_slots=4, mesh=one_device_mesh())
+  params = eng.load_params()
+  calls = {"prefills": 0}
+  owner = eng.page_prefill if eng.prefills_into_pages else eng
+  for name in ("_prefill", "_extend", "_extend_rows"):  # every jitted prefill the engine may call
+    jitted = getattr(owner, name, None)
+    if jitted is not None:
+      def counted(*args, _jitted=jitted, **kwargs):
+        calls["prefills"] += 1
+        return _jitted(*args, **kwargs)
+      setattr(owner, name, counted)
+  alone = {i: served(eng, params, [i])[i] for i in range(len(PROMPTS))}
+  calls["prefills"] = 0
+  together = served(eng, params, list(range(len(PROMPTS))))
+  assert together == alone
+  assert calls["prefills"] == 1
