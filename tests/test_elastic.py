@@ -51,12 +51,12 @@ def test_an_elastic_run_reads_only_data_whose_position_survives_a_resize():
   base = {"elastic_min_slices": 1, "dataset_type": "hf", "gradient_accumulation_steps": 1}
   for kind in ("synthetic", "tfds", "hf", "grain", "stream"):  # virtual data shards (input_pipeline/pipeline.py)
     elastic_config.check({**base, "dataset_type": kind}, mesh, num_devices=8, global_batch_size=64)
-  for extra, culprit in [({"data_mixture": [{"name": "a"}]}, "data_mixture"),
-                         ({"distill_top_k_path": "/top_k"}, "distill_top_k_path=/top_k"),
+  elastic_config.check({**base, "data_mixture": [{"name": "a"}]}, mesh, num_devices=8, global_batch_size=64)
+  for extra, culprit in [({"distill_top_k_path": "/top_k"}, "distill_top_k_path=/top_k"),
                          ({"objective": "grpo"}, r"objective=grpo \(its prompts\)")]:
     with pytest.raises(ConfigError, match=rf"^elastic_min_slices=1: {culprit} keeps its data position per process, "
-                                          r".* an elastic run reads one source of dataset_type tfds, hf, grain or "
-                                          r"stream \(or synthetic\); set elastic_min_slices=0$"):
+                                          r".* an elastic run reads dataset_type tfds, hf, grain or stream \(or a "
+                                          r"data_mixture of them, or synthetic\); set elastic_min_slices=0$"):
       elastic_config.check({**base, **extra}, mesh, num_devices=8, global_batch_size=64)
 
 

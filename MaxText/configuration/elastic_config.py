@@ -136,8 +136,9 @@ def check(values: Mapping[str, object], mesh: MeshLike, num_devices: int, global
   uncovered = _data_without_virtual_shards(values)
   if uncovered:
     raise ConfigError(f"elastic_min_slices={min_slices}: {uncovered} keeps its data position per process, which a "
-                      "resize changes, so the relaunched run could not read on exactly; an elastic run reads one "
-                      "source of dataset_type tfds, hf, grain or stream (or synthetic); set elastic_min_slices=0")
+                      "resize changes, so the relaunched run could not read on exactly; an elastic run reads "
+                      "dataset_type tfds, hf, grain or stream (or a data_mixture of them, or synthetic); set "
+                      "elastic_min_slices=0")
   others = [f"dcn_{axis}_parallelism={d}" for axis, d in mesh.degrees("dcn") if axis != "data" and d != 1]
   if others:
     raise ConfigError(f"an elastic run spreads only data parallelism across slices, so a slice can be dropped; "
@@ -156,8 +157,6 @@ def _data_without_virtual_shards(values: Mapping[str, object]) -> str | None:
   so its position does not survive a change of process count; None when the run's data does."""
   if values["dataset_type"] == "synthetic":  # a batch is a function of the step alone
     return None
-  if values.get("data_mixture"):
-    return "data_mixture"
   if values.get("distill_top_k_path"):
     return f"distill_top_k_path={values['distill_top_k_path']}"
   if values.get("objective") == "grpo":

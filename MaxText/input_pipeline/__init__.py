@@ -189,16 +189,17 @@ def real_data_iterator(config: Config, mesh: Mesh, train: bool, shard: pipeline.
   shard = shard or pipeline.host_shard(sharding, cfg.global_batch_size, cfg.max_target_length)
   encoder, pack = _encoder(config)
   explain_empty = getattr(encoder, "explain_empty", None)
-  if train and cfg.data_mixture:
-    sources = [_open_sources(source_config(cfg, s), [shard], encoder, True,
-                             f"data_mixture source {s.name!r} ({{describe}})", s.name)[0][0] for s in cfg.data_mixture]
-    return mixture.MixtureBatchIterator(sources, [s.weight for s in cfg.data_mixture], cfg.data_mixture_schedule,
-                                        cfg.data_shuffle_seed, shard, sharding, cfg.global_batch_size,
-                                        cfg.max_target_length, cfg.packing, cfg.data_prefetch_batches,
-                                        explain_empty=explain_empty, **pack)
   # An elastic run reads virtual data shards whose count no resize changes (pipeline.data_shards).
   shards = pipeline.data_shards(shard, config.optim.gradient_accumulation_steps if config.mesh.elastic_min_slices
                                 else 1)
+  if train and cfg.data_mixture:
+    by_source = [_open_sources(source_config(cfg, s), shards, encoder, True,
+                               f"data_mixture source {s.name!r} ({{describe}})", s.name) for s in cfg.data_mixture]
+    by_shard = [(data_shard, [opened[k][0] for opened in by_source]) for k, data_shard in enumerate(shards)]
+    return mixture.MixtureBatchIterator(by_shard[0][1], [s.weight for s in cfg.data_mixture], cfg.data_mixture_schedule,
+                                        cfg.data_shuffle_seed, shard, sharding, cfg.global_batch_size,
+                                        cfg.max_target_length, cfg.packing, cfg.data_prefetch_batches,
+                                        explain_empty=explain_empty, shard_sources=by_shard, **pack)
   opened = _open_sources(cfg, shards, encoder, train, f"the {'train' if train else 'eval'} data ({{describe}})")
   return pipeline.PackedBatchIterator([o.read_from for o, _ in opened], shard, sharding, cfg.global_batch_size,
                                       cfg.max_target_length, cfg.packing, cfg.data_prefetch_batches,

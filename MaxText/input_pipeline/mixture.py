@@ -59,42 +59,57 @@ def draw_sources(seed: int, batch: int, num_rows: int, probabilities: np.ndarray
 
 class MixtureBatchIterator(BatchIterator):
   """Global batches whose rows come from `sources` with `weights` (changed by `stages` from their
-  steps on). `host_metrics()` gives target tokens per source, over all processes, for the step's metrics."""
+  steps on). `host_metrics()` gives target tokens per source, over all processes, for the step's metrics.
+
+  `shard_sources`: an elastic run's virtual data shards (pipeline.data_shards), each with its own
+  opening of every source (in the order of `sources`), filling that shard's rows; by default this
+  process's shard alone reads `sources`."""
 
   def __init__(self, sources: Sequence[OpenedSource], weights: Sequence[float], stages: Sequence[MixtureStage],
                seed: int, shard: HostShard, sharding: NamedSharding, global_batch: int, length: int, packing: bool,
                prefetch: int, pack: Callable[..., tuple[dict[str, np.ndarray], int]] = pack_batch,
-               explain_empty: Callable[[], str | None] | None = None):
+               explain_empty: Callable[[], str | None] | None = None,
+               shard_sources: Sequence[tuple[HostShard, Sequence[OpenedSource]]] | None = None):
     describe = "mixture of " + ", ".join(f"{s.name} ({s.describe})" for s in sources)
-    start = MixturePosition(0, tuple(Position() for _ in sources))
-    super().__init__(shard, sharding, global_batch, length, packing, prefetch, describe, start)
+    shard_sources = list(shard_sources or [(shard, sources)])
     self.names = [s.name for s in sources]
+    super().__init__(shard, sharding, global_batch, length, packing, prefetch, describe,
+                     self._start(len(shard_sources)), [data_shard for data_shard, _ in shard_sources])
     self._weights, self._stages, self._seed, self._pack = tuple(weights), tuple(stages), seed, pack
-    self._cursors = [DocumentCursor(s.read_from, s.max_empty_run, explain_empty=explain_empty) for s in sources]
+    self._cursors = [[DocumentCursor(s.read_from, s.max_empty_run, explain_empty=explain_empty) for s in opened]
+                     for _, opened in shard_sources]
     self._batches = 0  # the next batch the producer makes
     self.total_tokens = dict.fromkeys(self.names, 0)  # target tokens per source handed out over the run
     self.last_tokens = dict.fromkeys(self.names, 0)
 
-  def _produce(self) -> tuple[dict[str, np.ndarray], MixturePosition]:
+  def _start(self, count: int) -> tuple[MixturePosition, ...]:
+    return tuple(MixturePosition(0, tuple(Position() for _ in self.names)) for _ in range(count))
+
+  def _produce(self) -> tuple[dict[str, np.ndarray], tuple[MixturePosition, ...]]:
     probabilities = weights_at(self._batches, self._weights, self._stages)
     drawn = draw_sources(self._seed, self._batches, self.global_shape[0], probabilities)
-    mine = drawn[self.shard.index * self.shard.rows:(self.shard.index + 1) * self.shard.rows]
-    rows: dict[str, np.ndarray] = {}
-    tokens = np.zeros(len(self._cursors), np.int64)
-    for k, cursor in enumerate(self._cursors):
-      picked = np.flatnonzero(mine == k)
-      if not picked.size:
-        continue
-      part, _ = self._pack(cursor, picked.size, self._length, self._packing)
-      cursor.settle()
-      for name, values in part.items():
-        if name not in rows:
-          rows[name] = np.zeros((self.shard.rows, *values.shape[1:]), values.dtype)
-        rows[name][picked] = values
-      tokens[k] = int(np.count_nonzero(part["targets_segmentation"]))
+    parts: list[dict[str, np.ndarray]] = []
+    tokens = np.zeros(len(self.names), np.int64)
+    for data_shard, cursors in zip(self.data_shards, self._cursors):
+      mine = drawn[data_shard.index * data_shard.rows:(data_shard.index + 1) * data_shard.rows]
+      rows: dict[str, np.ndarray] = {}
+      for k, cursor in enumerate(cursors):
+        picked = np.flatnonzero(mine == k)
+        if not picked.size:
+          continue
+        part, _ = self._pack(cursor, picked.size, self._length, self._packing)
+        cursor.settle()
+        for name, values in part.items():
+          if name not in rows:
+            rows[name] = np.zeros((data_shard.rows, *values.shape[1:]), values.dtype)
+          rows[name][picked] = values
+        tokens[k] += int(np.count_nonzero(part["targets_segmentation"]))
+      parts.append(rows)
     self._batches += 1
-    position = MixturePosition(self._batches, tuple(c.position for c in self._cursors))
-    return {**rows, "_num_real": np.asarray(self.shard.rows), "_tokens": tokens, "_source_of_row": mine}, position
+    position = tuple(MixturePosition(self._batches, tuple(c.position for c in cursors)) for cursors in self._cursors)
+    batch = parts[0] if len(parts) == 1 else {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+    mine = drawn[self.shard.index * self.shard.rows:(self.shard.index + 1) * self.shard.rows]
+    return {**batch, "_num_real": np.asarray(self.shard.rows), "_tokens": tokens, "_source_of_row": mine}, position
 
   def __next__(self) -> dict[str, jax.Array]:
     batch = super().__next__()
@@ -127,15 +142,31 @@ class MixtureBatchIterator(BatchIterator):
     self.total_tokens = {name: int(saved.get(name, 0)) for name in self.names}
 
   def describe_next_position(self) -> str:
-    position = self._position
-    where = ", ".join(f"{name} document {p.index} pair {p.offset}" for name, p in zip(self.names, position.sources))
-    return f"data shard {self.shard.index} of {self.shard.count}, batch {position.batches} ({where})"
+    wheres = []
+    for data_shard, position in zip(self.data_shards, self._position):
+      where = ", ".join(f"{name} document {p.index} pair {p.offset}" for name, p in zip(self.names, position.sources))
+      wheres.append(f"data shard {data_shard.index} of {data_shard.count}, batch {position.batches} ({where})")
+    return "; ".join(wheres)
 
-  def _restart(self, position: MixturePosition | None) -> None:
-    position = position or MixturePosition(0, tuple(Position() for _ in self._cursors))
-    self._batches = position.batches
-    for cursor, at in zip(self._cursors, position.sources):
-      cursor.seek(at)
+  def _restart(self, position: tuple[MixturePosition, ...] | None) -> None:
+    position = position or self._start(len(self._cursors))
+    self._batches = position[0].batches
+    for cursors, shard_position in zip(self._cursors, position):
+      for cursor, at in zip(cursors, shard_position.sources):
+        cursor.seek(at)
+
+  def _seek(self, position: tuple[MixturePosition, ...] | None) -> None:
+    super()._seek(position or self._start(len(self._cursors)))
+
+  def _split(self, position: tuple[MixturePosition, ...]) -> list[MixturePosition]:
+    return list(position)
+
+  def _join(self, positions: list[MixturePosition]) -> tuple[MixturePosition, ...]:
+    if len({p.batches for p in positions}) > 1:
+      raise ConfigError(f"the checkpoint's data position is damaged: data shards {[s.index for s in self.data_shards]} "
+                        f"are at different batches {[p.batches for p in positions]}; resume from another checkpoint "
+                        "step")
+    return tuple(positions)
 
   def _position_ints(self, position: MixturePosition) -> list[int]:
     return [position.batches, *(x for p in position.sources for x in (p.index, p.offset))]

@@ -24,8 +24,13 @@ def _config(spm_model: str, prepared: Path, kind: str, accumulation: int, elasti
   device's rows split into whole micro-batches)."""
   files = {"grain": dict(grain_train_files=str(prepared / "arrayrecord" / "train.array_record")),
            "hf": dict(hf_data_files=str(prepared / "jsonl" / "train.jsonl")),
-           "stream": dict(stream_train_files=str(prepared / "shards" / "*.jsonl"))}[kind]
-  return Config.for_testing(dataset_type=kind, tokenizer_path=spm_model, vocab_size=512, max_target_length=LENGTH,
+           "stream": dict(stream_train_files=str(prepared / "shards" / "*.jsonl")),
+           "mixture": dict(data_mixture=[
+               dict(name="web", weight=1, dataset_type="grain",
+                    grain_train_files=str(prepared / "arrayrecord" / "train.array_record")),
+               dict(name="code", weight=1, dataset_type="stream", stream_train_files=str(prepared / "shards" / "*.jsonl"))
+           ])}[kind]
+  return Config.for_testing(dataset_type="grain" if kind == "mixture" else kind, tokenizer_path=spm_model, vocab_size=512, max_target_length=LENGTH,
                             per_device_batch_size=per_device, print_config=False, data_prefetch_batches=0,
                             gradient_accumulation_steps=accumulation, elastic_min_slices=int(elastic), **files)
 
@@ -70,7 +75,7 @@ def stream_prepared(prepared: Path) -> Path:
 
 
 # hf opens its files once per simulated process (14 times): seconds, so it runs with the slow tests.
-@pytest.mark.parametrize("kind, accumulation", [("grain", 2), ("stream", 1),
+@pytest.mark.parametrize("kind, accumulation", [("grain", 2), ("stream", 1), ("mixture", 1),
                                                 pytest.param("hf", 1, marks=pytest.mark.slow)])
 def test_a_resize_4_2_4_feeds_the_global_batches_of_an_unresized_run(spm_model, stream_prepared, kind, accumulation):
   # 4 processes with `accumulation` micro-batches; shrunk to 2 the accumulation doubles (elastic_config.resize).
@@ -146,6 +151,18 @@ def test_a_damaged_or_mismatched_data_position_is_one_line(spm_model, prepared):
                                         r"micro-batches: an elastic run's virtual data shards\): the same position"):
     iterator.set_state({**state, "num_shards": 1, "shards": {"0": state["shards"]["0"]}})
   iterator.set_state(state)  # the saved position itself is taken
+
+
+def test_a_mixtures_virtual_shards_at_different_batches_are_one_line(spm_model, stream_prepared):
+  config = _config(spm_model, stream_prepared, "mixture", 2)
+  iterator = create_data_iterator(config, sharding.create_mesh(config.mesh))
+  next(iterator)
+  state = iterator.get_state()
+  assert sorted(state["shards"]) == ["0", "1"] and state["shards"]["1"]["batches"] == 1
+  state["shards"]["1"]["batches"] = 2
+  with pytest.raises(ConfigError, match=r"^the checkpoint's data position is damaged: data shards \[0, 1\] are at "
+                                        r"different batches \[1, 2\]; resume from another checkpoint step$"):
+    iterator.set_state(state)
 
 
 @pytest.mark.slow  # a reference run and three generations of a 4-process job compile: minutes on a 2-core machine
