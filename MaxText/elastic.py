@@ -8,8 +8,8 @@ by JAX's heartbeat abort or the hang watchdog, else by SIGTERM and then SIGKILL)
 the same command on the surviving slices with the overrides of `elastic_config.resize`: fewer
 slices, the same global batch through more gradient accumulation. The relaunched run resumes
 from its newest checkpoint, so its data position is the checkpoint's. When a lost slice is up
-again the supervisor sends SIGTERM (the run saves at the next step boundary and exits) and
-relaunches on all slices. Every resize is one line and one record of `<run_dir>/elastic.jsonl`:
+again the supervisor sends SIGTERM (the run saves at the next step boundary, to its local tier
+when it has one, and exits) and relaunches on all slices. Every resize is one line and one record of `<run_dir>/elastic.jsonl`:
 cause, slices before and after, the step reached, the step resumed from, seconds to resume.
 
 Launchers: `LoopbackLauncher` (CPU processes on 127.0.0.1 joined by jax.distributed, each slice
@@ -56,6 +56,7 @@ from MaxText.platform.accelerators import DeviceTarget
 from MaxText.platform.generations import PEER_FAILURES, SIGTERM_EXIT, Exit, Generation, Launcher
 from MaxText.platform.queued_slices import QueuedResourceLauncher, QueuedSlices
 from MaxText.platform.tpu_launch import Gcloud
+from MaxText.run_dir.preemption import GROW_BACK_MARKER
 
 EVENTS_FILE = "elastic.jsonl"
 
@@ -135,6 +136,7 @@ class Supervisor:
       self.log(f"elastic: starting on slice(s) {', '.join(map(str, slices))}: {' '.join(overrides)}")
       launched = time.time()
       stale = metrics_text(self.run_dir)  # the previous generation has ended: a change is the new one's
+      storage.remove_tree(storage.join(self.run_dir, GROW_BACK_MARKER))  # a grow-back stop's, for its generation only
       # A relaunch tells the run when its resize began: its goodput counts the time since as the resize's.
       env = {elastic_config.RESIZE_ENV: repr(pending.detected)} if pending is not None else {}
       generation = self.current = self.launcher.start(slices, overrides, env)
@@ -208,6 +210,9 @@ class Supervisor:
           self.lost -= up
           seen = time.time()
           self.log(f"elastic: slice(s) {returned} up again; stopping at the next step boundary to grow back")
+          # The run then saves that step to its local tier only (when it has one): the processes that stay
+          # hand it to the returning ones, so the slower persistent save of a preemption is skipped.
+          storage.write_text(storage.join(self.run_dir, GROW_BACK_MARKER), f"{seen}\n")
           self._stop(generation, first=signal.SIGTERM)
           return f"slice(s) {returned} returned", up, seen
 

@@ -222,8 +222,12 @@ def add_hooks(trainer: Trainer, run: run_assembly.Run, checkpoints: checkpointin
     meta: dict[str, Any] = {checkpointing.RESUME_KEYS: run_record.resume_keys(config)}
     if config.checkpoint.resume_from_step >= 0:
       meta[checkpointing.REWIND_KEY] = config.checkpoint.resume_from_step
+    # An elastic run's grow-back stop saves to the local tier only: its peers hand the step over.
+    grow_back = ((lambda: preemption.is_grow_back(settings.run_dir))
+                 if config.mesh.elastic_min_slices > 0 and checkpoints.local is not None else None)
     trainer.add_hook(CheckpointHook(checkpoints, config.checkpoint.checkpoint_period, settings.steps,
-                                    preemption.PreemptionWatcher(), rng, before_save=before_save, meta=meta),
+                                    preemption.PreemptionWatcher(), rng, before_save=before_save, meta=meta,
+                                    grow_back=grow_back),
                      every=0, needs_state=True)
   if settings.profiler:
     trainer.add_hook(ProfilerHook(storage.join(settings.run_dir, "profile"), settings.profile_start_step,

@@ -407,8 +407,9 @@ def test_a_killed_process_shrinks_the_loopback_job_and_its_return_grows_it_back(
   """`python3 -m MaxText.elastic`: 4 processes as 4 slices of 2 CPU devices; slice 1's is SIGKILLed
   after step 4: the job goes on on slices 0 and 2 (3 cannot keep the batch of 8) with doubled
   accumulation, slice 2's process renumbered 1 and reading the local steps it saved as process 2,
-  grows back to 4 when the slice's marker is removed, and its losses equal one process's
-  uninterrupted run; the run's goodput counts both resizes."""
+  grows back to 4 when the slice's marker is removed (the stop's step handed from the local tier of
+  slices 0 and 2 to slices 1 and 3), and its losses equal one process's uninterrupted run; the
+  run's goodput counts both resizes."""
   import os
   import subprocess
 
@@ -454,6 +455,11 @@ def test_a_killed_process_shrinks_the_loopback_job_and_its_return_grows_it_back(
   # the step in flight was redone.
   assert lost["resumed_source"].startswith("the local tier") and lost["resumed_from"] >= 3, lost
   assert (grown["cause"], grown["from_slices"], grown["to_slices"]) == ("slice(s) 1 returned", 2, 4)
+  # The grow-back stop saved its step to the local tier only. Slices 0 and 2 held it (slice 2 in the
+  # folder it wrote as process 1 of the shrunk job) and handed it to slices 1 and 3: nothing redone.
+  assert grown["resumed_source"] == (f"the local tier ({tmp_path / 'local' / 'slice_0_host_0' / 'elastic'}; handed "
+                                     "over to process(es) 1, 3 by process(es) 0)"), grown
+  assert grown["resumed_from"] == grown["step_reached"], grown
   # Each relaunch starts Python, joins the job, restores and compiles before its first new step.
   assert lost["seconds_to_resume"] > 1 and grown["seconds_to_resume"] > 1
   got = _logged(run_dir)

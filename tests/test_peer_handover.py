@@ -110,3 +110,64 @@ def test_two_processes_hand_over_rename_and_fall_back(tmp_path):
   assert results["missing"] == ["2", "bitwise=True", str(tmp_path / "missing" / "persistent")]
   assert "local checkpoint step 5 is held by process(es) 0 only, which do not hold the regions process(es) 1 need; " \
          "using the persistent tier" in outs[0]
+
+
+class _Preempted:
+  """SIGTERM seen at step 3."""
+
+  def reached(self, step):
+    return step == 3
+
+  def close(self):
+    pass
+
+
+class _Tiers:
+  directory, local, last_saved_step = "checkpoints", object(), None
+
+  def __init__(self):
+    self.saved, self.saved_local = [], []
+
+  def local_due(self, step):
+    return False
+
+  def save_local(self, step, state, data_state, meta):
+    self.saved_local.append(step)
+
+  def wait_local(self):
+    pass
+
+  def save(self, step, state, data_state, meta):
+    self.saved.append(step)
+    self.last_saved_step = step
+
+  def wait(self, step=None):
+    pass
+
+
+@pytest.mark.parametrize("grow_back", [True, False])
+def test_the_supervisors_grow_back_stop_saves_to_the_local_tier_only(grow_back):
+  """A preemption's SIGTERM saves to the persistent tier; the elastic supervisor's grow-back stop
+  (its marker in the run folder) saves the step to the local tier, which the returning processes
+  are handed."""
+  from types import SimpleNamespace
+
+  from MaxText.training.trainer import CheckpointHook, StepRecord
+
+  tiers = _Tiers()
+  hook = CheckpointHook(tiers, 5, 10, _Preempted(), jax.random.key(0), grow_back=lambda: grow_back)
+  trainer = SimpleNamespace(stop_reason=None, data=SimpleNamespace(get_state=lambda: {"step": 3}))
+  for step in (1, 2, 3):
+    if hook.due(step):
+      hook.on_step(trainer, StepRecord(step, 0.0, {}), "state")
+  assert (tiers.saved_local, tiers.saved) == (([3], []) if grow_back else ([], [3]))
+  assert trainer.stop_reason == ("SIGTERM to grow the elastic job back: saved step 3 to the local tier, which the "
+                                 "returning processes are handed" if grow_back else "SIGTERM: saved step 3 to checkpoints")
+
+
+def test_the_grow_back_marker_is_read_from_the_run_folder(tmp_path):
+  from MaxText.run_dir import preemption
+
+  assert not preemption.is_grow_back(str(tmp_path))
+  (tmp_path / preemption.GROW_BACK_MARKER).write_text("1\n")
+  assert preemption.is_grow_back(str(tmp_path))

@@ -122,6 +122,11 @@ class RunCheckpoints:
     assert self.local is not None
     self.local.save(step, state, data_state, meta)
 
+  def wait_local(self) -> None:
+    """Blocks until the pending local-tier save is on disk; raises TrainingError if it failed."""
+    if self.local is not None:
+      self.local.wait()
+
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
 

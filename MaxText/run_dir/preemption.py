@@ -1,4 +1,5 @@
-"""SIGTERM, what TPU/GKE preemption sends, as "checkpoint at the next step boundary"."""
+"""SIGTERM, what TPU/GKE preemption sends, as "checkpoint at the next step boundary"; and the
+elastic supervisor's SIGTERM that grows a job back, whose step goes to the local tier only."""
 
 from __future__ import annotations
 
@@ -6,7 +7,24 @@ import signal
 import types
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
+
+from MaxText.paths import storage
+
+# In the run folder while MaxText/elastic.py stops the job to grow it back: the processes that
+# stay hold the stop's step on their local disks and hand it to the returning ones, so the slow
+# persistent save of a preemption is not needed.
+GROW_BACK_MARKER = "elastic_grow_back"
+
+
+def is_grow_back(run_dir: str) -> bool:
+  """Whether the SIGTERM being handled is the elastic supervisor's grow-back stop; every process
+  gets process 0's answer (collective: call it at the same step everywhere)."""
+  seen = np.int32(jax.process_index() == 0 and storage.exists(storage.join(run_dir, GROW_BACK_MARKER)))
+  if jax.process_count() == 1:
+    return bool(seen)
+  return bool(multihost_utils.broadcast_one_to_all(seen))
 
 
 class PreemptionWatcher:

@@ -394,12 +394,15 @@ class CheckpointHook:
   waits for the next finite step."""
 
   def __init__(self, checkpoints: RunCheckpoints, period: int, last_step: int, preemption: PreemptionWatcher, rng: jax.Array,
-               before_save: Callable[[], None] = lambda: None, meta: dict[str, Any] | None = None):
+               before_save: Callable[[], None] = lambda: None, meta: dict[str, Any] | None = None,
+               grow_back: Callable[[], bool] | None = None):
     """`before_save` runs before every save (the metric writer's sync: a resumed run keeps
     the metric lines up to its checkpoint, so they must be durable first); `meta` is saved
-    with every step (the run's resume keys)."""
+    with every step (the run's resume keys); `grow_back` (an elastic run with a local tier) says
+    whether a SIGTERM is the supervisor's grow-back stop, whose step then goes to the local tier
+    only (collective)."""
     self.checkpoints, self.period, self.last_step, self.preemption = checkpoints, period, last_step, preemption
-    self.before_save = before_save
+    self.before_save, self.grow_back = before_save, grow_back
     self.meta = {**(meta or {}), "rng_key_data": np.asarray(jax.random.key_data(rng)).tolist()}
     self._preempted_at: int | None = None
     self._deferred = False  # a periodic save skipped at a non-finite step, made at the next finite one
@@ -423,6 +426,12 @@ class CheckpointHook:
     self._deferred = False
     meta = {**self.meta, "step": record.step}
     self.before_save()
+    if self._preempted_at == record.step and self._stop_to_local_tier(record.step):
+      self.checkpoints.save_local(record.step, state, trainer.data.get_state(), meta)
+      self.checkpoints.wait_local()
+      trainer.stop_reason = (f"SIGTERM to grow the elastic job back: saved step {record.step} to the local tier, "
+                             "which the returning processes are handed")
+      return
     if not persistent:  # a local-tier step only
       self.checkpoints.save_local(record.step, state, trainer.data.get_state(), meta)
       return
@@ -431,6 +440,11 @@ class CheckpointHook:
     if self._preempted_at == record.step:
       self.checkpoints.wait(record.step)
       trainer.stop_reason = f"SIGTERM: saved step {record.step} to {self.checkpoints.directory}"
+
+  def _stop_to_local_tier(self, step: int) -> bool:
+    """A grow-back stop at a step no period saves persistently (the same answer on every process)."""
+    regular = step % self.period == 0 or step == self.last_step
+    return self.grow_back is not None and self.checkpoints.local is not None and not regular and self.grow_back()
 
   def _skip_nonfinite(self, trainer: Trainer, step: int, persistent: bool) -> None:
     if not persistent:
