@@ -75,9 +75,12 @@ def run_case(name: str, root: str, me: int, spread: bool, host: int, damage) -> 
       (name, restored.data_state, restored.meta)
   bitwise = same_bits(restored.state, restored.step)
   everyone = np.asarray(multihost_utils.process_allgather(np.int32(bitwise))).reshape(-1)
-  checkpoints.close()
+  checkpoints.close()  # waits for the local copy a process that was handed the step writes
+  kept = os.path.isdir(os.path.join(root, name, f"host{host}", "run", f"process_{me}", str(restored.step)))
+  on_disk = ",".join(map(str, np.asarray(multihost_utils.process_allgather(np.int32(kept))).reshape(-1).tolist()))
   if me == 0:
-    print(f"RESULT {name} {restored.step} bitwise={bool(everyone.all())} {restored.source}", flush=True)
+    print(f"RESULT {name} {restored.step} bitwise={bool(everyone.all())} on_disk={on_disk} {restored.source}",
+          flush=True)
 
 
 def main() -> None:

@@ -91,23 +91,24 @@ def test_two_processes_hand_over_rename_and_fall_back(tmp_path):
                             stderr=subprocess.STDOUT, text=True) for i in range(2)]
   outs = [p.communicate(timeout=600)[0] for p in procs]
   assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-  results = {line.split()[1]: line.split(maxsplit=4)[2:] for line in outs[0].splitlines()
+  results = {line.split()[1]: line.split(maxsplit=5)[2:] for line in outs[0].splitlines()
              if line.startswith("RESULT ")}
   local = str(tmp_path / "{}" / "host{}" / "run")
-  # Process 1 lost step 5: process 0 hands its replica over, bit for bit (-0.0 and a NaN payload too).
-  assert results["handover"] == ["5", "bitwise=True",
+  # Process 1 lost step 5: process 0 hands its replica over, bit for bit (-0.0 and a NaN payload too),
+  # and process 1 writes it to its own disk.
+  assert results["handover"] == ["5", "bitwise=True", "on_disk=1,1",
                                  f"the local tier ({local.format('handover', 0)}; handed over to process(es) 1 by "
                                  "process(es) 0)"]
   # The processes swapped hosts: each finds the other index's folder on its disk; nothing moves.
-  assert results["renumbered"] == ["5", "bitwise=True", f"the local tier ({local.format('renumbered', 1)})"]
+  assert results["renumbered"] == ["5", "bitwise=True", "on_disk=0,0", f"the local tier ({local.format('renumbered', 1)})"]
   # The holder's copy is damaged: one line on it, and everyone reads the persistent tier.
-  assert results["corrupt"] == ["2", "bitwise=True", str(tmp_path / "corrupt" / "persistent")]
+  assert results["corrupt"] == ["2", "bitwise=True", "on_disk=0,0", str(tmp_path / "corrupt" / "persistent")]
   damaged = [line for line in outs[0].splitlines() if line.startswith("warning: local checkpoint")]
   assert len(damaged) == 1 and damaged[0].startswith("warning: local checkpoint step 5 on process 0 is unreadable ("), \
       outs[0]
   assert damaged[0].endswith("); using the persistent tier")
   # Process 1 needs regions that only it held: one line, then the persistent tier.
-  assert results["missing"] == ["2", "bitwise=True", str(tmp_path / "missing" / "persistent")]
+  assert results["missing"] == ["2", "bitwise=True", "on_disk=0,0", str(tmp_path / "missing" / "persistent")]
   assert "local checkpoint step 5 is held by process(es) 0 only, which do not hold the regions process(es) 1 need; " \
          "using the persistent tier" in outs[0]
 

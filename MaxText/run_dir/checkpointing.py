@@ -254,6 +254,8 @@ class RunCheckpoints:
         if not e.said_here:  # a process that could not read its copy has said why in its own line
           log(f"warning: {e}; using the persistent tier")
         return None
+      if jax.process_index() in plan.lackers:  # kept on this host too: a next loss may leave it the only holder
+        self.local.save(plan.step, state, data_state, meta)
       return Restored(state, data_state, meta, plan.step, f"{source[:-1]}; {plan.describe()})")
     try:
       state, data_state, meta = self.local.restore(plan.step, abstract_state, shardings)
