@@ -17,7 +17,9 @@ padding included, per second of update). On GPU (platform=gpu) the same run uses
 `modes` (comma-separated) picks the layouts, each one run: same (rollouts on the training mesh),
 split (the last rl_rollout_devices devices roll out, weights copied every update), async1 and
 async2 (split, rl_max_staleness 1 and 2 with a weight copy every 2 and 3 updates: the batches
-up to the next copy are generated while the training runs), and tools (the same mesh, multi-turn
+up to the next copy are generated while the training runs), lora and lora_split (same and split with
+LoRA adapters of rank 8 on the attention projections: after a process's first copy only the adapters
+move), and tools (the same mesh, multi-turn
 episodes: an environment answers each of 3 model turns with a tool message of about 16 tokens,
 after sleeping 0 to tool_latency_s seconds; episodes interleaved in the engine,
 rl/interleaved_episodes.py), tools_by_turn (the same in batch by turn, rl/episodes.py) and
@@ -114,7 +116,8 @@ def main() -> int:
   parser.add_argument("--base_num_decoder_layers", type=int, default=4)
   parser.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
   parser.add_argument("--modes", default="same",
-                      help="comma-separated: same, split, async1, async2, tools, tools_by_turn, tools_paged")
+                      help="comma-separated: same, split, async1, async2, lora, lora_split, tools, tools_by_turn, "
+                           "tools_paged")
   parser.add_argument("--tool_latency_s", type=float, default=0.0,
                       help="tools modes: each environment call sleeps 0 to this many seconds (by its prompt)")
   parser.add_argument("--rl_rollout_devices", type=int, default=2, help="devices of the rollout mesh (split, async*)")
@@ -140,7 +143,7 @@ def main() -> int:
     _prepare(directory, model, args.tool_latency_s)
     for mode in modes:
       tools = mode.startswith("tools")
-      rollout_devices = 0 if mode == "same" or tools else args.rl_rollout_devices
+      rollout_devices = 0 if mode in ("same", "lora") or tools else args.rl_rollout_devices
       # tools: every turn's context fits the prefill (the prompt, earlier turns and tool messages)
       mode_prefill = prefill + (TOOL_TURNS - 1) * (args.max_completion_length + 32) if tools else prefill
       keys = {**model, "max_target_length": mode_prefill + args.max_completion_length}
@@ -165,6 +168,7 @@ def main() -> int:
   return 0
 
 
+LORA = ("lora_rank=8", "lora_alpha=16", "lora_target_modules=q_proj,k_proj,v_proj,o_proj")
 # Each mode's extra keys, given the rollout mesh's devices.
 MODES: dict[str, Callable[[int], list[str]]] = {
     "same": lambda r: [],
@@ -176,6 +180,8 @@ MODES: dict[str, Callable[[int], list[str]]] = {
                                 "rl_interleave_episodes=false"],
     "tools_paged": lambda r: ["rl_environment=bench_environment:ThreeTurns", f"rl_max_turns={TOOL_TURNS}",
                               "kv_cache_layout=paged"],
+    "lora": lambda r: list(LORA),
+    "lora_split": lambda r: [f"rl_rollout_devices={r}", *LORA],
 }
 
 
@@ -191,6 +197,7 @@ def _report(mode: str, records: list[dict[str, Any]], args: argparse.Namespace, 
       [r for r in records if r.get("weight_sync_bytes", 0) > 0]  # past the first copy where there are more
   sync_s = statistics.median(r["weight_sync_s"] for r in copies) if copies else 0.0
   sync_mb = copies[0]["weight_sync_bytes"] / 2**20 if copies else 0.0
+  first = next((r["weight_sync_bytes"] for r in records if r.get("weight_sync_bytes", 0) > 0), 0.0)  # every weight
   # Each side's idle share of the timed wall time (rl/rollout_mesh.py's IdleClock, per step's cycle).
   wall = sum(r["step_seconds"] for r in timed)
   idle_train, idle_roll = (sum(r.get(key, 0.0) * r["step_seconds"] for r in timed) / wall
@@ -200,6 +207,7 @@ def _report(mode: str, records: list[dict[str, Any]], args: argparse.Namespace, 
   print(f"RESULT rl mode={mode} platform={args.platform} steps_per_s={steps_per_s:.4f} rollout_s={rollout:.4f} "
         f"update_s={update:.4f} rollout_share={share:.3f} rollout_tokens_per_s={sampled:.1f} "
         f"update_tokens_per_s={update_tps:.1f} weight_sync_s={sync_s:.5f} weight_sync_bytes={sync_mb * 2**20:.0f} "
+        f"first_sync_bytes={first:.0f} "
         f"trainer_idle_share={idle_train:.3f} rollout_idle_share={idle_roll:.3f}"
         + _episodes(timed, args.rows))
 
