@@ -168,6 +168,34 @@ def test_with_lora_rollouts_from_an_adapters_only_copy_equal_the_merged_models(t
   assert ours != rollouts.generate(engine, lora.adapters_off(copy), rows, greedy, 6, None)
 
 
+
+@pytest.mark.slow  # the quantized copy; the default tests cover the copy without quantize_weights
+def test_with_lora_and_quantized_weights_a_later_copy_keeps_the_converted_base(tiny_overrides):
+  """quantize_weights with a rollout mesh: the first copy's base kernels are converted (donated), a later copy
+  moves the adapters and keeps those converted kernels: bitwise what converting a copy of every weight gives."""
+  from MaxText.inference import quantized_weights
+  from MaxText.inference.engine import Engine
+  from MaxText.layers.weight_quantization import QuantizedWeight
+  from MaxText.training import lora
+
+  config = _config(tiny_overrides, per_device_batch_size=2, rl_rollout_devices=4, quantize_weights="int8", **LORA)
+  train, rollout = rollout_mesh.split_devices(config)
+  params = run_assembly.build_run(config, devices=train).init_state().params
+  engine = Engine(config, num_slots=8, mesh=rollout_mesh.rollout_mesh(config, rollout))
+  prepare = quantized_weights.rollout_preparer(config, engine.param_shardings)
+  sync = rollout_mesh.WeightSync(engine.param_shardings, 1, prepare=prepare, frozen=lora.AdapterPartition())
+  first, _ = sync.for_step(params, 0)
+  trained = _trained(params)
+  copy, scalars = sync.for_step(trained, 1)
+  assert scalars["weight_sync_bytes"] == rollout_mesh.tree_bytes(lora.split(trained)[0])
+  is_converted = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
+  kernels = [x for x in jax.tree.leaves(copy, is_leaf=is_converted) if is_converted(x)]
+  assert kernels and all(any(k is f for f in jax.tree.leaves(first, is_leaf=is_converted)) for k in kernels)
+  whole, _ = rollout_mesh.WeightSync(engine.param_shardings, 1, prepare=prepare).for_step(trained, 1)
+  for ours, theirs in zip(jax.tree.leaves(copy), jax.tree.leaves(whole)):
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
 def test_with_lora_on_the_training_mesh_quantized_base_kernels_are_converted_once(tiny_overrides):
   """quantize_weights on the training mesh: the frozen base kernels are converted at the first rollout only; later
   rollouts read the adapters (and every unconverted weight) from the current parameters: bitwise the
