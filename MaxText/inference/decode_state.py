@@ -71,12 +71,13 @@ def pad_prompts(prompts: Sequence[Sequence[int]], length: int) -> tuple[np.ndarr
 
 
 def row_sampling(rows: Sequence[sampling.RowParams]) -> RowSampling:
-  """The rows' parameters as arrays; `keys_B` holds their seeds, which `seeded` turns into keys inside jit."""
-  return RowSampling(jnp.asarray([r.temperature for r in rows], jnp.float32),
-                     jnp.asarray([r.top_p for r in rows], jnp.float32),
-                     jnp.asarray([r.top_k for r in rows], jnp.int32),
-                     jnp.asarray([r.seed % 2**32 for r in rows], jnp.uint32),
-                     jnp.asarray([r.adapter for r in rows], jnp.int32))
+  """The rows' parameters as host arrays (a jitted call takes them as they are); `keys_B` holds their
+  seeds, which `seeded` turns into keys inside jit."""
+  return RowSampling(np.asarray([r.temperature for r in rows], np.float32),
+                     np.asarray([r.top_p for r in rows], np.float32),
+                     np.asarray([r.top_k for r in rows], np.int32),
+                     np.asarray([r.seed % 2**32 for r in rows], np.uint32),
+                     np.asarray([r.adapter for r in rows], np.int32))
 
 
 def seeded(rows: RowSampling) -> RowSampling:

@@ -162,14 +162,14 @@ class Engine:
     if len(row_params) != len(prompts):
       raise ValueError(f"{len(row_params)} row_params for {len(prompts)} prompts")
     with sharding.activation_sharding(self.mesh, self.rules):
-      return self._prefill(params, jnp.asarray(tokens_BL), jnp.asarray(lengths_B), row_sampling(row_params), pixels,
+      return self._prefill(params, tokens_BL, lengths_B, row_sampling(row_params), pixels,
                            None if masks is None else jnp.asarray(masks))
 
   def insert(self, prefix: Prefix, state: DecodeState, slot: int, row: int = 0) -> DecodeState:
     """`state` with prompt `row` of `prefix` in slot `slot` (slot and row are traced: no recompiles)."""
     self._check_slot(slot)
-    admitted = self.cache.admit(slot, prefix.next_positions_B[row])
-    state = self._insert(prefix, state, jnp.int32(slot), jnp.int32(row), admitted)
+    admitted = self.cache.admit(slot, prefix.next_positions_B, row)
+    state = self._insert(prefix, state, np.int32(slot), np.int32(row), admitted)
     self._busy[slot] = True
     return state
 
@@ -314,8 +314,7 @@ class Engine:
     stop_E = np.asarray((limits.stop_ids if limits is not None else ()) or (-1,), np.int32)
     table = self.cache.step_table(k, ends_T)
     with sharding.activation_sharding(self.mesh, self.rules):
-      state, (tokens_TK, counts_T, logprobs) = self._block(params, state, table, jnp.asarray(ends_T, jnp.int32),
-                                                           jnp.asarray(stop_E))
+      state, (tokens_TK, counts_T, logprobs) = self._block(params, state, table, ends_T.astype(np.int32), stop_E)
     self.cache.advance(self._steps_left(ends_T, k))
     return state, Emitted(tokens_TK, logprobs, counts_T)
 

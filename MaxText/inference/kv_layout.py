@@ -47,15 +47,16 @@ class KVLayout(abc.ABC):
     """A new decode state: nothing held."""
 
   @abc.abstractmethod
-  def admit(self, slot: int, prompt_length: int | jax.Array) -> jax.Array | None:
-    """Before an insert of a prompt of `prompt_length` tokens into `slot`: the insert's extra argument."""
+  def admit(self, slot: int, lengths_B: jax.Array | np.ndarray, row: int) -> np.ndarray | None:
+    """Before an insert of prompt `row` (of a prefill's rows of `lengths_B` tokens) into `slot`: the
+    insert's extra argument (host values: a jitted call takes them without a dispatch of their own)."""
 
   @abc.abstractmethod
   def abstract_table(self, sharding: jax.sharding.Sharding) -> jax.ShapeDtypeStruct | None:
     """step_table's block table as a shape laid out by `sharding` (None: none), for an ahead-of-time compile."""
 
   @abc.abstractmethod
-  def step_table(self, ahead: int = 1, ends: np.ndarray | None = None) -> jax.Array | None:
+  def step_table(self, ahead: int = 1, ends: np.ndarray | None = None) -> np.ndarray | None:
     """Before a step writing each active slot's next `ahead` positions (with `ends` [T]: short of
     position ends[t] - 1, where a request stops): the block table it takes."""
 
@@ -128,13 +129,13 @@ class DenseLayout(KVLayout):
   def reset(self) -> None:
     pass
 
-  def admit(self, slot: int, prompt_length: int | jax.Array) -> jax.Array | None:
-    return None
+  def admit(self, slot: int, lengths_B: jax.Array | np.ndarray, row: int) -> np.ndarray | None:
+    return None  # nothing to read: the lengths stay on the device
 
   def abstract_table(self, sharding: jax.sharding.Sharding) -> jax.ShapeDtypeStruct | None:
     return None
 
-  def step_table(self, ahead: int = 1, ends: np.ndarray | None = None) -> jax.Array | None:
+  def step_table(self, ahead: int = 1, ends: np.ndarray | None = None) -> np.ndarray | None:
     return None
 
   def advance(self, steps: int | np.ndarray = 1) -> None:
@@ -223,16 +224,17 @@ class PagedLayout(KVLayout):
   def reset(self) -> None:
     self._pages = self._new_allocator()
 
-  def admit(self, slot: int, prompt_length: int | jax.Array) -> jax.Array | None:
-    self._pages.assign(slot, int(prompt_length))  # OutOfPages leaves everything as it was
-    return jnp.asarray(self._pages.table[slot])
+  def admit(self, slot: int, lengths_B: jax.Array | np.ndarray, row: int) -> np.ndarray | None:
+    # One read of the lengths for all rows (jax keeps an array's host copy), no slicing op on the device.
+    self._pages.assign(slot, int(np.asarray(lengths_B)[row]))  # OutOfPages leaves everything as it was
+    return self._pages.table[slot].copy()
 
   def abstract_table(self, sharding: jax.sharding.Sharding) -> jax.ShapeDtypeStruct | None:
     return jax.ShapeDtypeStruct(self._pages.table.shape, jnp.int32, sharding=sharding)
 
-  def step_table(self, ahead: int = 1, ends: np.ndarray | None = None) -> jax.Array | None:
+  def step_table(self, ahead: int = 1, ends: np.ndarray | None = None) -> np.ndarray | None:
     self._pages.grow(ahead, ends)
-    return jnp.asarray(self._pages.generate_table())
+    return self._pages.generate_table()
 
   def advance(self, steps: int | np.ndarray = 1) -> None:
     self._pages.advance(steps)

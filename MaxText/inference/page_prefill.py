@@ -147,9 +147,9 @@ class PagePrefill:
     tokens_1C = np.zeros((1, chunk), np.int32)
     tokens_1C[0, :len(tokens)] = tokens
     with sharding.activation_sharding(self.model.mesh, self.model.rules):
-      state, first = self._extend(params, state, jnp.asarray(tokens_1C), jnp.int32(start), jnp.int32(len(tokens)),
-                                  jnp.int32(slot), jnp.asarray(pages.table[slot][None]), rows,
-                                  None if pixels is None else jnp.asarray(pixels),
+      # Host arrays of their own (the allocator's table changes after the call): no dispatch each.
+      state, first = self._extend(params, state, tokens_1C, np.int32(start), np.int32(len(tokens)), np.int32(slot),
+                                  pages.table[slot][None].copy(), rows, None if pixels is None else jnp.asarray(pixels),
                                   None if mask is None else jnp.asarray(mask))
     salts = self._salts(slot, runs, images, pages.page_size)
     if self.snapshots is not None:
@@ -222,10 +222,9 @@ class PagePrefill:
       if masks is not None:
         masks_BW = np.concatenate([masks[together], np.repeat(masks[together[:1]], rows - len(together), 0)])
       with sharding.activation_sharding(self.model.mesh, self.model.rules):
-        state, (tokens_B, logprobs) = self._extend_rows(
-            params, state, jnp.asarray(tokens_BC), jnp.asarray(starts_B), jnp.asarray(lengths_B),
-            jnp.asarray(slots_B), jnp.asarray(table_BM), row_sampling(padded),
-            None if masks_BW is None else jnp.asarray(masks_BW))
+        state, (tokens_B, logprobs) = self._extend_rows(params, state, tokens_BC, starts_B, lengths_B, slots_B,
+                                                        table_BM, row_sampling(padded),
+                                                        None if masks_BW is None else jnp.asarray(masks_BW))
       for row, i in enumerate(together):
         runs = image_prompts.image_runs(prompts[i], self.cfg.vision, None)
         pages.activate(slots[i], prompts[i], self._salts(slots[i], runs, None, pages.page_size))
