@@ -8,7 +8,9 @@ float: the embedding, the output head, norms, biases, the MoE router, the MTP he
 tower. Each kernel becomes a `layers.weight_quantization.QuantizedWeight` at the same place in the
 parameter tree: its values keep the kernel's sharding, its scales the kernel's with the contracting
 axes unsplit (they have one entry per block there). Each kernel is converted by its own jitted call,
-so the float tree and one converted kernel is the most memory a conversion holds at once.
+so the float tree and one converted kernel is the most memory a conversion holds at once. The jitted
+converters are kept per (mode, axes, block, shardings, donation), so a later conversion of same-shaped
+weights (each GRPO rollout's policy) runs the programs the first one compiled.
 """
 
 from __future__ import annotations
@@ -74,6 +76,22 @@ def kernel_contract_axes(spec: ModelSpec) -> dict[Path, tuple[int, ...]]:
   return found
 
 
+@functools.lru_cache(maxsize=None)
+def _quantize_fn(mode: str, contract_axes: tuple[int, ...], block: int) -> Callable[[jax.Array], QuantizedWeight]:
+  """One function object per static arguments: jax caches traces by the function's identity."""
+  return functools.partial(quantize_weight, mode=mode, contract_axes=contract_axes, block=block)
+
+
+# Bounded: every entry holds its compiled programs, and tests build engines on many meshes.
+@functools.lru_cache(maxsize=256)
+def _jitted_converter(mode: str, contract_axes: tuple[int, ...], block: int, values: Any, scale: Any, dtype: Any,
+                      donate: bool) -> Callable[[jax.Array], QuantizedWeight]:
+  """The jitted conversion of one kernel into `values`/`scale` shardings; one per key, so its
+  compile cache outlives the call that made it."""
+  return jax.jit(_quantize_fn(mode, contract_axes, block), out_shardings=QuantizedWeight(values, scale, dtype),
+                 donate_argnums=(0,) if donate else ())
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightQuantizer:
   """Converts a parameter tree of `spec`'s model to `mode` storage (blocks of `block` input rows, 0:
@@ -96,9 +114,8 @@ class WeightQuantizer:
                           "(one scale per output channel)")
     return cls(mode, block, axes)
 
-  def _convert(self, path: Path) -> Any:
-    return functools.partial(quantize_weight, mode=self.mode, contract_axes=self.contract_axes[path],
-                             block=self.block)
+  def _convert(self, path: Path) -> Callable[[jax.Array], QuantizedWeight]:
+    return _quantize_fn(self.mode, self.contract_axes[path], self.block)
 
   def shardings(self, abstract: Any, sharding: Any, path: Path) -> QuantizedWeight:
     """Where a converted kernel lives: values like the kernel, scales unsplit on contracting axes."""
@@ -118,7 +135,8 @@ class WeightQuantizer:
       if isinstance(kernel, QuantizedWeight):
         continue  # already converted
       out = self.shardings(kernel, sharding, path)
-      convert = jax.jit(self._convert(path), out_shardings=out, donate_argnums=(0,) if donate else ())
+      convert = _jitted_converter(self.mode, self.contract_axes[path], self.block, out.values, out.scale, out.dtype,
+                                  donate)
       updates[path] = convert(kernel)
     return _replace(params, updates)
 

@@ -5,6 +5,8 @@ rollouts, and the refused values."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -180,6 +182,37 @@ def test_rollout_weight_copies_are_converted_once_each():
   kernel = copy["layers"]["self_attention"]["query"]["kernel"]
   assert isinstance(kernel, QuantizedWeight) and kernel.values.devices() == {jax.devices()[4]}
   assert sync.for_step(float_params, 1)[0] is copy  # between copies: the converted copy again
+
+
+def test_a_later_conversion_compiles_nothing_and_equals_a_fresh_program():
+  """Each GRPO rollout converts the policy again, and a served engine its checkpoint: both reuse the
+  programs of the first conversion of same-shaped weights, and give what a fresh program gives."""
+  config = Config.for_testing(**TINY, quantize_weights="int8")
+  engine = Engine(config, num_slots=2, mesh=one_device_mesh())
+  float_params = Engine(Config.for_testing(**TINY), mesh=one_device_mesh()).load_params(seed=1)
+  prepare = quantized_weights.rollout_preparer(config, engine.param_shardings)
+  first = prepare(float_params, False)
+  policy = jax.block_until_ready(jax.tree.map(jnp.copy, float_params))  # the next step's arrays
+  compiles = []
+
+  def on_event(event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(duration)
+
+  jax.monitoring.register_event_duration_secs_listener(on_event)
+  try:
+    later, served = prepare(policy, False), engine.prepare_params(float_params)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(on_event)
+  assert compiles == []
+  axes = engine.weight_quantizer.contract_axes
+  assert len(axes) == 7
+  for path, contract in axes.items():
+    fresh = jax.jit(functools.partial(quantize_weight, mode="int8", contract_axes=contract))(_get(float_params, path))
+    for params in (first, later, served):
+      got = _get(params, path)
+      assert got.values.dtype == jnp.int8 and np.array_equal(got.values, fresh.values), path
+      assert np.array_equal(got.scale, fresh.scale), path
 
 
 # MLA with routed and shared experts after a dense first layer: the dense_layers and layers stacks,
