@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import hmac
 import json
 import os
@@ -434,6 +435,9 @@ def main(argv: list[str]) -> int:
   sock = listen(d.host, d.port)
   server = build_server(config)
   app = build_app(server, max_body_bytes=d.serve_max_body_bytes)
+  # What serving needs lives as long as the process: kept out of the collector's full passes, each of
+  # which would otherwise stop every stream for as long as it takes to scan it all.
+  gc.freeze()
   if d.host not in ("127.0.0.1", "localhost", "::1") and not os.environ.get(API_KEY_ENV):
     distributed.log(f"serve: warning: binding {d.host} with no {API_KEY_ENV}: anyone who reaches it can use the model")
   distributed.log(f"serve: model {server.limits.model_name!r} on {address(d.host, sock)}/v1 "

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import gc
 import json
 import multiprocessing
 import os
@@ -155,6 +156,27 @@ class Clients:
     self._pool.shutdown()
 
 
+def _compile_prefills(scheduler: Any, vocab: int, prompt_length: int) -> None:
+  """Compiles the prefill of each number of requests the scheduler may admit in one loop (a power of
+  two up to the slots): that many jobs submitted at once, waited for."""
+  import numpy as np
+
+  from MaxText.inference import scheduler as sched
+  from MaxText.inference.sampling import RowParams
+
+  rng, rows = np.random.default_rng(7), 1
+  while True:
+    done = threading.Semaphore(0)
+    scheduler.submit([sched.Job(0, [int(t) for t in rng.integers(3, vocab, prompt_length)], 2, RowParams(),
+                                lambda event: done.release() if isinstance(event, sched.Done) else None)
+                      for _ in range(rows)])
+    for _ in range(rows):
+      done.acquire()
+    if rows >= scheduler.engine.num_slots:
+      return
+    rows = min(2 * rows, scheduler.engine.num_slots)
+
+
 def start_server(config: Any) -> tuple[Any, Any, threading.Thread, str]:
   """MaxText.serve's app for `config` on one device under uvicorn on a free 127.0.0.1 port, no API key:
   (server, uvicorn server, its thread, the completions URL). Stop: uv.should_exit, join, scheduler.stop()."""
@@ -216,10 +238,12 @@ def _serve_layout(args, clients: Clients, layout: str, prompt_lengths: list[int]
   config = Config.for_testing(**keys, **({"decode_steps_per_call": steps_per_call} if steps_per_call > 1 else {}))
   server, uv, thread, url = start_server(config)
   engine = server.scheduler.engine
-  # Compiles every step (its prompts have no shared prefix: nothing of the measured load is cached yet),
-  # and the prefills of as many requests admitted at once as the most clients make.
-  for warm in sorted({2, max(int(c) for c in args.concurrency.split(","))}):
-    clients.round(url, warm, warm, 4, prompt_lengths, args.vocab_size, args.long_prompt)
+  # Compiles every step (its prompts have no shared prefix: nothing of the measured load is cached yet).
+  clients.round(url, 2, 2, 4, prompt_lengths, args.vocab_size, args.long_prompt)
+  _compile_prefills(server.scheduler, args.vocab_size, max(prompt_lengths))
+  most = max(int(c) for c in args.concurrency.split(","))  # and a first round at the most clients, untimed
+  clients.round(url, most, most, 4, prompt_lengths, args.vocab_size, args.long_prompt)
+  gc.freeze()  # as MaxText.serve does once the server is built (unfrozen when this layout's server stops)
   if args.shared_prefix:  # the measured load once, untimed: its prefill shapes compile, and the steady
     # state of a shared system prompt (already cached, with prefix caching) is what gets measured
     for concurrency in [int(c) for c in args.concurrency.split(",")]:
@@ -285,6 +309,7 @@ def _serve_layout(args, clients: Clients, layout: str, prompt_lengths: list[int]
   uv.should_exit = True
   thread.join(30)
   server.scheduler.stop()
+  gc.unfreeze()
   if args.step_reference and 1 in rates:
     step_ms = _step_ms(Config.for_testing(**{k: v for k, v in keys.items() if not k.startswith(("speculative",
                                                                                                    "draft_"))}))
