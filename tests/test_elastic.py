@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from fractions import Fraction
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -393,13 +394,44 @@ def _wait_for(condition, what: str, timeout: float = 900) -> None:
 
 def _child_with(pid: int, variable: str) -> int:
   """The child process of `pid` whose environment holds `variable` (NAME=value)."""
-  from pathlib import Path
-
   for task in Path(f"/proc/{pid}/task").iterdir():
     for child in (task / "children").read_text().split():
       if variable.encode() in Path(f"/proc/{child}/environ").read_bytes().split(b"\0"):
         return int(child)
   raise AssertionError(f"no child of {pid} has {variable}")
+
+
+def shrink_and_grow_back(command: list[str], tmp_path: Path, env: dict[str, str], victim: int):
+  """Runs `command` (MaxText.train's) as `python3 -m MaxText.elastic` on 4 slices of 2 CPU devices
+  (run folder tmp_path/elastic, logs in tmp_path/logs, the persistent tier every 6 steps, the local
+  tier every step); SIGKILLs process `victim` after step 4 and brings its slice back once the
+  shrunk job has logged its first new step (the supervisor then records how long the shrink took
+  to resume), so both resizes meet a job that is training. Returns the supervisor's CompletedProcess."""
+  import os
+  import subprocess
+
+  from tests.compile_settings import FAST_COMPILE_FLAG
+  from tests.conftest import REPO_ROOT
+
+  run_dir, logs = tmp_path / "elastic", tmp_path / "logs"
+  tiers = ["checkpoint_period=6", "enable_emergency_checkpoint=True", f"local_checkpoint_directory={tmp_path / 'local'}",
+           "local_checkpoint_period=1"]
+  args = [sys.executable, "-m", "MaxText.elastic", *command[3:], "run_name=elastic", "num_slices=4", *tiers,
+          "devices_per_process=2", f"log_dir={logs}"]
+  if not any(a.startswith("elastic_min_slices=") for a in args):
+    args.append("elastic_min_slices=1")
+  cli = subprocess.Popen(args, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env={**env, "XLA_FLAGS": f"{FAST_COMPILE_FLAG} --xla_force_host_platform_device_count=8"})
+  try:
+    _wait_for(lambda: max(_logged(run_dir), default=0) >= 4, "step 4 on 4 slices")
+    os.kill(_child_with(cli.pid, f"JAX_PROCESS_ID={victim}"), signal.SIGKILL)
+    _wait_for(lambda: any("seconds_to_resume" in line for line in _events(run_dir)), "a step on 2 slices")
+    (logs / f"slice_{victim}.down").unlink()
+    out, _ = cli.communicate(timeout=1200)
+  finally:
+    if cli.poll() is None:
+      cli.kill()
+  return subprocess.CompletedProcess(args, cli.returncode, out)
 
 
 @pytest.mark.slow
@@ -410,9 +442,6 @@ def test_a_killed_process_shrinks_the_loopback_job_and_its_return_grows_it_back(
   grows back to 4 when the slice's marker is removed (the stop's step handed from the local tier of
   slices 0 and 2 to slices 1 and 3), and its losses equal one process's uninterrupted run; the
   run's goodput counts both resizes."""
-  import os
-  import subprocess
-
   from tests.compile_settings import FAST_COMPILE_FLAG, jax_cache_env
   from tests.conftest import REPO_ROOT
 
@@ -426,26 +455,8 @@ def test_a_killed_process_shrinks_the_loopback_job_and_its_return_grows_it_back(
   want = _logged(tmp_path / "reference")
 
   run_dir, logs = tmp_path / "elastic", tmp_path / "logs"
-  # The persistent tier saves at steps 6, 12 and 18 only; the local tier every step.
-  tiers = ["checkpoint_period=6", "enable_emergency_checkpoint=True", f"local_checkpoint_directory={tmp_path / 'local'}",
-           "local_checkpoint_period=1"]
-  cli = subprocess.Popen([sys.executable, "-m", "MaxText.elastic", *command[3:], "run_name=elastic", "num_slices=4",
-                          "elastic_min_slices=1", *tiers, "devices_per_process=2", f"log_dir={logs}"],
-                         cwd=REPO_ROOT, env={**env, "XLA_FLAGS": f"{FAST_COMPILE_FLAG} "
-                                             "--xla_force_host_platform_device_count=8"},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  try:
-    _wait_for(lambda: max(_logged(run_dir), default=0) >= 4, "step 4 on 4 slices")
-    os.kill(_child_with(cli.pid, "JAX_PROCESS_ID=1"), signal.SIGKILL)
-    # The slice returns once the shrunk job has logged its first new step (the supervisor then
-    # records how long the shrink took to resume), so both resizes meet a job that is training.
-    _wait_for(lambda: any("seconds_to_resume" in line for line in _events(run_dir)), "a step on 2 slices")
-    (logs / "slice_1.down").unlink()
-    out, _ = cli.communicate(timeout=1200)
-  finally:
-    if cli.poll() is None:
-      cli.kill()
-  assert cli.returncode == 0, f"the supervisor ended with {cli.returncode}: {out[-3000:]}; logs in {logs}"
+  out = shrink_and_grow_back(command, tmp_path, env, victim=1)
+  assert out.returncode == 0, f"the supervisor ended with {out.returncode}: {out.stdout[-3000:]}; logs in {logs}"
 
   records = [json.loads(line) for line in (run_dir / elastic.EVENTS_FILE).read_text().splitlines()]
   lost, grown = [r for r in records if "seconds_to_resume" in r]
@@ -514,21 +525,7 @@ def test_the_local_tier_restores_for_fewer_processes_that_keep_their_regions(tmp
   assert tier.agreed_step({"w": other}, abstract) is None  # other regions: the persistent tier's turn
 
 
-_TPU_WORKER = """
-import os, pathlib, signal, sys, time
-shared, me = pathlib.Path(sys.argv[1]), os.environ["FAKE_SLICE"]
-print("state: resumed from step 3 of the persistent tier" if (shared / "resumed").exists() else
-      "state: initialised from seed 0", flush=True)
-(shared / f"args_{me}").open("a").write(" ".join(sys.argv[2:]) + "\\n")
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # train.py: saved at the step boundary
-while True:
-  if (shared / f"kill_{me}").exists():
-    (shared / f"kill_{me}").unlink()
-    os.kill(os.getpid(), signal.SIGKILL)
-  if (shared / "finish").exists():
-    sys.exit(0)
-  time.sleep(0.1)
-"""
+_TPU_WORKER = (Path(__file__).parent / "fake_elastic_worker.py").read_text()  # tests/fake_elastic_worker.py
 
 
 def test_the_tpu_vm_launcher_shrinks_to_the_ready_slices_and_grows_back(tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -56,21 +57,7 @@ def test_the_command_lines_mistakes_are_one_line_each(extra, message):
     elastic.main(["elastic", *_RUN, *extra, "dry_run=true"])
 
 
-_FAKE_TRAIN = """
-import os, pathlib, signal, sys, time
-shared, me = pathlib.Path(os.environ["FAKE_SHARED"]), os.environ["FAKE_SLICE"]
-print("state: initialised from seed 0", flush=True)
-(shared / f"args_{me}").open("a").write(" ".join(sys.argv[1:]) + "\\n")
-(shared / f"env_{me}").open("a").write(os.environ.get("MAXTEXT_ELASTIC_RESIZE_DETECTED", "-") + "\\n")
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-while True:
-  if (shared / f"kill_{me}").exists():
-    (shared / f"kill_{me}").unlink()
-    os.kill(os.getpid(), signal.SIGKILL)
-  if (shared / "finish").exists():
-    sys.exit(0)
-  time.sleep(0.1)
-"""
+_FAKE_TRAIN = (Path(__file__).parent / "fake_elastic_worker.py").read_text()  # tests/fake_elastic_worker.py
 
 
 @pytest.mark.slow  # about 12 s: every fake gcloud call is a Python process

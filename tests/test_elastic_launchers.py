@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -206,20 +207,7 @@ def test_the_launcher_keys_mistakes_are_one_line_each(extra, message):
 
 
 # ---------------------------------------------------------------------------- queued resources
-_WORKER = """
-import os, pathlib, signal, sys, time
-shared, me = pathlib.Path(sys.argv[1]), os.environ["FAKE_SLICE"]
-print("state: initialised from seed 0", flush=True)
-(shared / f"args_{me}").open("a").write(" ".join(sys.argv[2:]) + "\\n")
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-while True:
-  if (shared / f"kill_{me}").exists():
-    (shared / f"kill_{me}").unlink()
-    os.kill(os.getpid(), signal.SIGKILL)
-  if (shared / "finish").exists():
-    sys.exit(0)
-  time.sleep(0.1)
-"""
+_WORKER = (Path(__file__).parent / "fake_elastic_worker.py").read_text()  # tests/fake_elastic_worker.py
 
 
 @pytest.mark.slow  # about 7 s: every fake gcloud call (and the ssh it stands for) is a Python process

@@ -171,9 +171,6 @@ def test_a_loopback_job_on_a_text_file_shrinks_and_grows_on_the_uninterrupted_ru
   CPU devices, one SIGKILLed after step 4 (the job goes on on 2 slices), its slice back after the
   shrunk job's first step. Its losses equal those of one uninterrupted process that reads the same
   4 virtual data shards (one slice's devices, 4 micro-batches), and its last saved data position is that run's."""
-  import os
-  import signal
-  import subprocess
   import sys
 
   from MaxText import elastic
@@ -181,7 +178,7 @@ def test_a_loopback_job_on_a_text_file_shrinks_and_grows_on_the_uninterrupted_ru
   from MaxText.configuration.elastic_config import SliceLayout
   from tests.compile_settings import FAST_COMPILE_FLAG, jax_cache_env
   from tests.conftest import REPO_ROOT, SHAKESPEARE
-  from tests.test_elastic import _LOOPBACK_MODEL, _LOOPBACK_STEPS, _child_with, _events, _logged, _wait_for
+  from tests.test_elastic import _LOOPBACK_MODEL, _LOOPBACK_STEPS, _logged, shrink_and_grow_back
 
   env = elastic.loopback_env({"PYTHONPATH": str(REPO_ROOT), "XLA_FLAGS": FAST_COMPILE_FLAG,
                               "HF_DATASETS_CACHE": str(tmp_path / "hf_cache"), **jax_cache_env()})
@@ -199,22 +196,8 @@ def test_a_loopback_job_on_a_text_file_shrinks_and_grows_on_the_uninterrupted_ru
   want = _logged(tmp_path / "reference")
 
   run_dir, logs = tmp_path / "elastic", tmp_path / "logs"
-  tiers = ["checkpoint_period=6", "enable_emergency_checkpoint=True", "local_checkpoint_period=1",
-           f"local_checkpoint_directory={tmp_path / 'local'}"]
-  cli = subprocess.Popen([sys.executable, "-m", "MaxText.elastic", *command[3:], "run_name=elastic", "num_slices=4",
-                          *tiers, "devices_per_process=2", f"log_dir={logs}"], cwd=REPO_ROOT,
-                         env={**env, "XLA_FLAGS": f"{FAST_COMPILE_FLAG} --xla_force_host_platform_device_count=8"},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  try:
-    _wait_for(lambda: max(_logged(run_dir), default=0) >= 4, "step 4 on 4 slices")
-    os.kill(_child_with(cli.pid, "JAX_PROCESS_ID=2"), signal.SIGKILL)
-    _wait_for(lambda: any("seconds_to_resume" in line for line in _events(run_dir)), "a step on 2 slices")
-    (logs / "slice_2.down").unlink()
-    out, _ = cli.communicate(timeout=1200)
-  finally:
-    if cli.poll() is None:
-      cli.kill()
-  assert cli.returncode == 0, f"the supervisor ended with {cli.returncode}: {out[-3000:]}; logs in {logs}"
+  out = shrink_and_grow_back(command, tmp_path, env, victim=2)
+  assert out.returncode == 0, f"the supervisor ended with {out.returncode}: {out.stdout[-3000:]}; logs in {logs}"
 
   records = [json.loads(line) for line in (run_dir / elastic.EVENTS_FILE).read_text().splitlines()]
   assert [(r["from_slices"], r["to_slices"]) for r in records if "seconds_to_resume" in r] == [(4, 2), (2, 4)]
