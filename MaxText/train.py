@@ -157,8 +157,7 @@ def open_data(run: run_assembly.Run, start: run_start.Start, watchdog: health.St
   elif hasattr(data, "peek"):
     with guard("reading the first batch"):
       data.peek()
-  if run.config.data.reuse_example_batch:
-    assert not isinstance(data, OnPolicyBatches)  # the data group refuses it with objective=grpo
+  if not isinstance(data, RolloutBatches) and run.config.data.reuse_example_batch:  # refused with rollouts
     return ReusedBatch(data)
   return data
 
