@@ -43,7 +43,7 @@ def _get(tree: Params, path: Path) -> Any:
   return tree
 
 
-def _replace(tree: Params, updates: dict[Path, Any]) -> Params:
+def replace_leaves(tree: Params, updates: dict[Path, Any]) -> Params:
   """A copy of the nested dict `tree` with the leaves at `updates`' paths replaced (others shared)."""
   out = dict(tree)
   children: dict[str, dict[Path, Any]] = {}
@@ -53,7 +53,7 @@ def _replace(tree: Params, updates: dict[Path, Any]) -> Params:
     else:
       children.setdefault(path[0], {})[path[1:]] = value
   for key, sub in children.items():
-    out[key] = _replace(tree[key], sub)
+    out[key] = replace_leaves(tree[key], sub)
   return out
 
 
@@ -138,7 +138,7 @@ class WeightQuantizer:
       convert = _jitted_converter(self.mode, self.contract_axes[path], self.block, out.values, out.scale, out.dtype,
                                   donate)
       updates[path] = convert(kernel)
-    return _replace(params, updates)
+    return replace_leaves(params, updates)
 
   def describe(self, abstract_params: Params, params: Params) -> str:
     """One line on what the conversion saved: the parameters' bytes now and as float."""
@@ -157,7 +157,7 @@ class WeightQuantizer:
       updates[path] = QuantizedWeight(jax.ShapeDtypeStruct(out.values.shape, out.values.dtype, sharding=where.values),
                                       jax.ShapeDtypeStruct(out.scale.shape, out.scale.dtype, sharding=where.scale),
                                       out.dtype)
-    return _replace(abstract_params, updates)
+    return replace_leaves(abstract_params, updates)
 
 
 def weight_bytes(params: Params) -> int:

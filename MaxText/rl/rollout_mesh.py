@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from MaxText.configuration import rl_config
 from MaxText.configuration.config import Config
+from MaxText.inference.quantized_weights import replace_leaves
 from MaxText.platform.mesh_axes import MESH_AXES
 from MaxText.training.optimizers import Partition
 
@@ -171,7 +172,7 @@ class WeightSync:
       frozen = _new_leaves({}, self.frozen.split(params)[1])
       assert set(converted) <= set(frozen), "prepare converted a trained leaf"
       self._converted = converted
-    return _with_leaves(params, self._converted)
+    return replace_leaves(params, self._converted)
 
 
 def _new_leaves(before: Any, after: Any, path: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
@@ -183,20 +184,6 @@ def _new_leaves(before: Any, after: Any, path: tuple[str, ...] = ()) -> dict[tup
       out.update(_new_leaves(old if isinstance(old, dict) else {}, value, path + (key,)))
     elif value is not old:
       out[path + (key,)] = value
-  return out
-
-
-def _with_leaves(tree: Any, leaves: dict[tuple[str, ...], Any]) -> Any:
-  """A copy of the nested dict `tree` with `leaves` put at their paths (the other leaves shared)."""
-  out = dict(tree)
-  children: dict[str, dict[tuple[str, ...], Any]] = {}
-  for path, value in leaves.items():
-    if len(path) == 1:
-      out[path[0]] = value
-    else:
-      children.setdefault(path[0], {})[path[1:]] = value
-  for key, sub in children.items():
-    out[key] = _with_leaves(tree[key], sub)
   return out
 
 
