@@ -426,3 +426,19 @@ def test_compiled_candidates_are_ranked_by_the_step_time_model():
   first.estimate = dataclasses.replace(first.estimate, caveats=())
   _, best = plan_ranking.rank_compiled([first, second], hbm, chips, seq_len, peak)
   assert best is not None and best[0] is first and best[1].caveats == ()
+
+
+def test_the_kernels_own_reruns_are_priced_the_fused_splash_backward_two_matmuls_fewer():
+  """Splash's separate backward kernels re-run QK^T twice and dO·V^T once beyond the model's FLOPs, the fused one
+  (sa_use_fused_bwd_kernel) QK^T once; use_iota_embed's one-hot lookup is a matmul with the table, forward and
+  for its gradient. Neither is a model FLOP, here as upstream: MFU's numerator stays."""
+  length, chips, peak = 2048, 4, accelerators.TPU_GENERATIONS["v5e"].peak_tflops * 1e12
+  base = dict(TINY, attention="flash", max_target_length=length, per_device_batch_size=2, remat_policy="full")
+  separate, fused, one_hot = (analytic("v5e-4", **base, **extra) for extra in (
+      {}, {"sa_use_fused_bwd_kernel": True}, {"use_iota_embed": True}))
+  sequences_per_chip = 2
+  matmul = 2 * TINY["base_num_query_heads"] * TINY["head_dim"] * length * length / 2 * sequences_per_chip / peak
+  assert separate.compute_s - fused.compute_s == pytest.approx(2 * matmul)
+  lookup = 4 * length * TINY["vocab_size"] * TINY["base_emb_dim"] * sequences_per_chip / peak
+  assert one_hot.compute_s - separate.compute_s == pytest.approx(lookup)
+  assert separate.flops == fused.flops == one_hot.flops

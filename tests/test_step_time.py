@@ -293,6 +293,32 @@ def test_splash_attention_is_priced_from_its_causal_matmuls_with_or_without_a_ba
   assert predict(body, ring()).seconds["kernel"] == pytest.approx(flops / PEAK)
 
 
+@pytest.mark.parametrize("batch", [None, 2])
+def test_the_fused_splash_backward_is_priced_two_matmuls_under_the_separate_dq_and_dkv_kernels(batch):
+  """Splash's backward: the dK/dV kernel runs 4 matmuls per pair, the dQ kernel 3 (both re-run QK^T, dQ also
+  dO·V^T); the fused kernel (sa_use_fused_bwd_kernel) 5, told apart by its result dQ's partial sums per key block."""
+  heads, length, width, blocks = 8, 4096, 128, 2
+  lead, layout = (f"{batch},", "{3,2,1,0}") if batch else ("", "{2,1,0}")
+  qkv = f"bf16[{lead}{heads},{length},{width}]{layout}"
+  operands = "\n".join(["  %mask = s8[1,32,32]{2,1,0} parameter(1)"] + [
+      f"  %{name} = {qkv} parameter({k})" for k, name in enumerate(("q", "k", "v", "do"), start=2)])
+
+  def kernel(name: str, results: list[str]) -> str:
+    return (f"  %{name} = ({', '.join(results)}) custom-call(%mask, %q, %k, %v, %do), "
+            'custom_call_target="tpu_custom_call"')
+
+  scratch = "f32[128,128]{1,0}"
+  dq_partial = f"bf16[{lead}{blocks},{heads},{length},{width}]" + ("{4,3,2,1,0}" if batch else "{3,2,1,0}")
+  separate = "\n".join([operands, kernel("splash_mha_dkv_no_residuals.1", [scratch, qkv, qkv]),
+                        kernel("splash_mha_dq_no_residuals.1", [scratch, qkv]),
+                        "  ROOT %t = () tuple()"])
+  fused = "\n".join([operands, kernel("splash_mha_dkv_no_residuals.1", [scratch, dq_partial, qkv, qkv]),
+                     "  ROOT %t = () tuple()"])
+  matmul = 2 * (batch or 1) * heads * length * length * width * 0.5 / PEAK  # one causal [L, L] x [L, width]
+  assert predict(separate, ring()).seconds["kernel"] == pytest.approx((4 + 3) * matmul)
+  assert predict(fused, ring()).seconds["kernel"] == pytest.approx(5 * matmul)
+
+
 def test_an_unrolled_loop_counts_its_counter_step():
   text = UNROLLED_LOOP
   ops = program.build_program(text, ring())

@@ -231,6 +231,22 @@ def rerun_flops(cfg: ModelConfig, policy: remat_policies.RematPolicy, seq_len: i
   return seq_len * cfg.num_decoder_layers * projections + attention
 
 
+def kernel_rerun_flops(cfg: ModelConfig, seq_len: int, attention_kernel: str) -> float:
+  """FLOPs per sequence a training step runs beyond the model's and remat's: splash's backward
+  re-runs QK^T for the probabilities in each of its kernels and dO·V^T for their gradient in the dQ
+  kernel (aot/step_time/program.splash_matmuls), where the model's count has neither; its fused
+  backward (sa_use_fused_bwd_kernel) re-runs QK^T once. use_iota_embed's one-hot lookup is a matmul
+  with the table, forward and for the table's gradient, which the model's count (like upstream's)
+  leaves out as a lookup."""
+  flops = 4.0 * seq_len * cfg.vocab_size * cfg.emb_dim if cfg.use_iota_embed else 0.0
+  if attention_kernel != "flash":
+    return flops
+  value_dim = cfg.mla.v_head_dim if cfg.attn.attention_type == "mla" else cfg.head_dim
+  pairs = metrics.attended_pairs(cfg, seq_len, causal=True)
+  scores, scores_grad = 2 * cfg.num_query_heads * cfg.head_dim * pairs, 2 * cfg.num_query_heads * value_dim * pairs
+  return flops + (scores if cfg.attn.attention_blocks.sa_use_fused_bwd_kernel else 2 * scores + scores_grad)
+
+
 def kept_width(cfg: ModelConfig, policy: remat_policies.RematPolicy, on_host: bool) -> float:
   """Elements per token and layer `policy` keeps on the host, or in HBM besides the layer input:
   a custom placement per tensor, a fixed policy by its preset widths."""
@@ -352,7 +368,9 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   flops_per_chip = flops.total_tflops * 1e12 / chips
   # Rematerialisation re-runs the forward matmuls whose results it did not keep.
   recompute = rerun_flops(cfg, policy, seq_len) * global_batch / chips
-  compute_s = (flops_per_chip * (1 + pipe.extra_compute) + recompute) / (gen.peak_tflops * 1e12) / (1 - pipe.bubble)
+  executed = flops_per_chip * (1 + pipe.extra_compute) + recompute + kernel_rerun_flops(
+      cfg, seq_len, attention_kernel) * global_batch / chips
+  compute_s = executed / (gen.peak_tflops * 1e12) / (1 - pipe.bubble)
 
   # Collectives per chip per step (ring algorithms: (g-1)/g of the buffer crosses the links).
   def ring(nbytes: float, group: int) -> float:

@@ -256,19 +256,20 @@ class _Builder:
 
   def _kernel(self, inst: hlo.Instruction) -> Op:
     """A Pallas kernel priced from its shapes: splash attention's matmuls (4-D q and k operands,
-    causal, forward 2 matmuls, dq 3, dkv 4) at the chip's peak, the kernel efficiency applied
-    in `simulate`; megablox's grouped matmuls from their FLOPs; any other kernel reads and writes
-    its operands once at HBM speed."""
+    causal) at the chip's peak, the kernel efficiency applied in `simulate`; megablox's grouped
+    matmuls from their FLOPs; any other kernel reads and writes its operands once at HBM speed.
+    Splash's matmuls per query-key pair (splash_matmuls): forward 2, dq 3, dkv 4, the fused
+    backward 5."""
     shapes = [self.module.by_name[o].arrays[0] for o in inst.operands
               if o in self.module.by_name and self.module.by_name[o].arrays]
     # q and k: [batch, heads, length, head dim], or without the batch where a chip holds one sequence
     # (its block masks are integer arrays, never these).
-    heads_length_dim = [a.dims[-3:] + (math.prod(a.dims[:-3]),) for a in shapes
-                        if len(a.dims) in (3, 4) and a.dtype in ("bf16", "f16", "f32")]
+    qk = [a for a in shapes if len(a.dims) in (3, 4) and a.dtype in ("bf16", "f16", "f32")]
+    heads_length_dim = [a.dims[-3:] + (math.prod(a.dims[:-3]),) for a in qk]
     name = inst.name.lower()
     if len(heads_length_dim) >= 2 and ("mha" in name or "attention" in name or "splash" in name or "flash" in name):
       (heads, q_length, head_dim, batch), k_length = heads_length_dim[0], heads_length_dim[1][1]
-      matmuls = 4 if "dkv" in name else 3 if "dq" in name else 2
+      matmuls = splash_matmuls(name, qk[0], inst.arrays)
       flops = matmuls * 2 * batch * heads * q_length * k_length * head_dim * 0.5
       return Op("compute", inst.name, inst.source, work=Transfer("kernel", flops / self.peak), category="kernel")
     grouped = _grouped_matmul_flops(name, shapes, inst.arrays)
@@ -277,6 +278,19 @@ class _Builder:
                 flops=grouped)
     moved = sum(a.bytes for a in shapes) + inst.result_bytes
     return Op("compute", inst.name, inst.source, seconds=moved / self.net.hbm_per_device, category="kernel")
+
+
+def splash_matmuls(name: str, q: hlo.Array, result: tuple[hlo.Array, ...]) -> int:
+  """Matmuls a splash kernel runs per block of query-key pairs. Forward: QK^T and PV. The dQ
+  kernel re-runs QK^T and dO·V^T for the probabilities and their gradient, then dS·K. The dK/dV
+  kernel re-runs QK^T, then P^T·dO, dO·V^T and dS^T·Q. The fused backward (sa_use_fused_bwd_kernel)
+  is the dK/dV kernel with dS·K added: 5 where the two kernels run 7. It is told apart by its
+  extra result, dQ's partial sums over the key blocks: q's shape with one more leading dimension."""
+  if "dkv" not in name:
+    return 3 if "dq" in name else 2
+  fused = any(len(a.dims) == len(q.dims) + 1 and a.dims[-3:] == q.dims[-3:] for a in result)
+  return 5 if fused else 4
+
 
 def _grouped_matmul_flops(name: str, operands: list[hlo.Array], result: tuple[hlo.Array, ...]) -> float:
   """FLOPs of a megablox kernel: `gmm` multiplies each of M rows [M, K] by its group's [K, N] of a
