@@ -148,6 +148,24 @@ def check_context_parallel(v: Mapping[str, Any], degree: int, num_q: int, num_kv
            "use context_parallel_strategy=all_gather without load balancing")
 
 
+def check_vocab_tiling(v: Mapping[str, Any], context_degree: int, pipelined: bool) -> None:
+  """num_vocab_tiling: a whole number of tiles of each device's positions, on the objectives that run it."""
+  tiles = v["num_vocab_tiling"]
+  _require(isinstance(tiles, int) and tiles >= 1, f"num_vocab_tiling must be a whole number >= 1 (1 = off), got {tiles!r}")
+  if tiles == 1:
+    return
+  length = v["max_target_length"]
+  _require(length % (context_degree * tiles) == 0,
+           f"num_vocab_tiling={tiles} must divide the {length / context_degree:g} positions each device holds "
+           f"(max_target_length={length} / sequence parallelism {context_degree}); use a divisor of it")
+  # The other objectives read the logits whole (log-probs, a teacher's KL), and 1F1B runs the head
+  # inside its own schedule.
+  _require(v["objective"] in ("lm", "sft"), f"num_vocab_tiling={tiles} is built for objective=lm and sft only, not "
+           f"objective={v['objective']}; set num_vocab_tiling=1")
+  _require(not (pipelined and v["pipeline_schedule"] == "1f1b"), f"num_vocab_tiling={tiles} is not built for "
+           "pipeline_schedule=1f1b (its loss head runs inside the schedule); use gpipe or circular, or num_vocab_tiling=1")
+
+
 def check_quantization(v: Mapping[str, Any]) -> None:
   mode = v["quantization"]
   _require(mode in QUANTIZATION_MODES,

@@ -262,6 +262,7 @@ class ModelConfig:
   dtype: str = key()
   dropout_rate: float = key()
   logits_dot_in_fp32: bool = key()
+  num_vocab_tiling: int = key()  # the output head and loss in this many tiles (models/outputs.py)
   use_iota_embed: bool = key()  # the token lookup as a one-hot matmul (layers/embeddings.py)
   remat_policy: str = key()
   remat_placements: Any = record(RematPlacements)  # remat_policy=custom's placement keys
@@ -347,6 +348,7 @@ class ModelConfig:
     stages, micro = checks.check_pipeline(v, mesh, global_batch, layers)
     context = dict(mesh.shape)["sequence"]
     checks.check_context_parallel(v, context, num_q, num_kv)
+    checks.check_vocab_tiling(v, context, pipelined)
     vision = VisionConfig.from_values(v, pipelined=pipelined, context_parallel=context > 1)
     attn = AttentionConfig(**read_keys(AttentionConfig, v), context_parallel_degree=context,
                            rows_hold_one_document=(v["dataset_type"] == "synthetic" and not v["data_mixture"]

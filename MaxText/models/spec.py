@@ -76,6 +76,16 @@ class ModelSpec:
     model = nnx.merge(self.graphdef, params)
     return model.logits_and_aux(tokens_BL, positions_BL, segment_ids_BL, dropout_rng, mtp_targets, pixel_values)
 
+  def apply_loss_sums(self, params: Params, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
+                      targets_BL: jax.Array, weights_BL: jax.Array, z_loss_multiplier: float,
+                      dropout_rng: jax.Array | None = None, mtp_targets: tuple[jax.Array, jax.Array] | None = None,
+                      pixel_values: jax.Array | None = None) -> tuple[dict[str, jax.Array], AuxLosses]:
+    """({xent_sum, z_loss_sum} of the next-token loss, auxiliary losses): `apply_with_aux` with the
+    loss taken in place of the logits, so num_vocab_tiling can keep them from existing whole."""
+    model = nnx.merge(self.graphdef, params)
+    return model.loss_sums_and_aux(tokens_BL, positions_BL, segment_ids_BL, targets_BL, weights_BL, z_loss_multiplier,
+                                   dropout_rng, mtp_targets, pixel_values)
+
   def apply_decode(self, params: Params, tokens_BL: jax.Array, positions_BL: jax.Array, caches: Any,
                    logits_index_B: jax.Array | None = None, pixel_values: jax.Array | None = None
                    ) -> tuple[jax.Array, Any]:

@@ -23,8 +23,7 @@ from MaxText.layers.kv_cache import KVCache
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.moe import ROUTING_STATS
 from MaxText.layers.normalizations import make_norm
-from MaxText.models.outputs import (AuxLosses, output_logits, over_layers, sum_sown_losses, token_loss_sums,
-                                    unrolled_aux)
+from MaxText.models.outputs import AuxLosses, head_loss_sums, output_logits, over_layers, sum_sown_losses, unrolled_aux
 from MaxText.platform import sharding
 
 
@@ -364,6 +363,24 @@ class Transformer(nnx.Module):
     `mtp_targets` (targets, their weights) and mtp_num_layers > 0, also the multi-token-prediction
     sums `mtp_xent_sum` and `mtp_weight_sum` over every depth (layers/mtp.py). `pixel_values`
     [B, M, 3, R, R]: a multimodal model's images (`_multimodal_input`)."""
+    x_BLD, aux = self.hidden_and_aux(tokens_BL, positions_BL, segment_ids_BL, dropout_rng, mtp_targets, pixel_values)
+    return self._logits(x_BLD), aux
+
+  def loss_sums_and_aux(self, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
+                        targets_BL: jax.Array, weights_BL: jax.Array, z_loss_multiplier: float,
+                        dropout_rng: jax.Array | None = None, mtp_targets: tuple[jax.Array, jax.Array] | None = None,
+                        pixel_values: jax.Array | None = None) -> tuple[dict[str, jax.Array], AuxLosses]:
+    """`logits_and_aux` with the logits' `token_loss_sums` ({xent_sum, z_loss_sum}) in their place:
+    the head and loss in num_vocab_tiling tiles (models/outputs.head_loss_sums)."""
+    x_BLD, aux = self.hidden_and_aux(tokens_BL, positions_BL, segment_ids_BL, dropout_rng, mtp_targets, pixel_values)
+    _, sums = head_loss_sums(self.cfg, self.decoder_norm, self._output_module(), x_BLD, targets_BL, weights_BL,
+                             z_loss_multiplier)
+    return sums, aux
+
+  def hidden_and_aux(self, tokens_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
+                     dropout_rng: jax.Array | None = None, mtp_targets: tuple[jax.Array, jax.Array] | None = None,
+                     pixel_values: jax.Array | None = None) -> tuple[jax.Array, AuxLosses]:
+    """`logits_and_aux` up to the stack's output [B, L, D] (before the final norm)."""
     x_BLD, image_blocks_BL = self._multimodal_input(self._embed(tokens_BL, positions_BL), tokens_BL, pixel_values)
     x_BLD = sharding.constrain(x_BLD, ACTIVATION_NAMES)
     per_layer_BLMP = self._per_layer_inputs(tokens_BL, x_BLD)
@@ -378,7 +395,7 @@ class Transformer(nnx.Module):
     if mtp_targets is not None and self.cfg.mtp.mtp_num_layers > 0:
       aux.update(self._mtp_sums(x_BLD, tokens_BL, positions_BL, segment_ids_BL, *mtp_targets,
                                 mtp_rng))
-    return self._logits(x_BLD), aux
+    return x_BLD, aux
 
   def _per_layer_inputs(self, tokens_BL: jax.Array, x_BLD: jax.Array) -> jax.Array | None:
     """Each layer's own input [B, L, M, P] (per_layer_input_dim > 0: the family's per_layer_inputs), else None."""
@@ -397,10 +414,9 @@ class Transformer(nnx.Module):
       with quantization.use_quantization(cfg.quantization):
         h_BLD = mtp.run_layer(module, h_BLD, positions_BL, segment_ids_BL, layer_rng, cfg.num_decoder_layers + depth,
                               remat_policy(cfg))
-      logits_BLV = output_logits(cfg, module.final_norm, self._output_module(), h_BLD)
       same_document = mtp.ahead(segment_ids_BL, k) == segment_ids_BL
       w_BL = mtp.ahead(weights_BL, k) * same_document
-      _, sums = token_loss_sums(logits_BLV, mtp.ahead(targets_BL, k), w_BL, 0.0)
+      _, sums = head_loss_sums(cfg, module.final_norm, self._output_module(), h_BLD, mtp.ahead(targets_BL, k), w_BL, 0.0)
       xent_sum, weight_sum = xent_sum + sums["xent_sum"], weight_sum + jnp.sum(w_BL)
     return {"mtp_xent_sum": xent_sum, "mtp_weight_sum": weight_sum}
 

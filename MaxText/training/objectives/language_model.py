@@ -68,10 +68,9 @@ class LanguageModel(Objective):
     cfg = self.model.cfg
     weights_BL = (batch["targets_segmentation"] != 0).astype(jnp.float32)
     mtp_targets = (batch["targets"], weights_BL) if with_mtp else None
-    logits_BLV, aux = self.model.apply_with_aux(params, batch["inputs"], batch["inputs_position"],
-                                                batch["inputs_segmentation"], dropout_rng, mtp_targets,
-                                                batch.get(PIXEL_VALUES))
-    _, sums = token_loss_sums(logits_BLV, batch["targets"], weights_BL, self.z_loss_multiplier)
+    sums, aux = self.model.apply_loss_sums(params, batch["inputs"], batch["inputs_position"],
+                                           batch["inputs_segmentation"], batch["targets"], weights_BL,
+                                           self.z_loss_multiplier, dropout_rng, mtp_targets, batch.get(PIXEL_VALUES))
     xent_sum, z_sum = sums["xent_sum"], sums["z_loss_sum"]
     weight_sum = jnp.sum(weights_BL)
     lb_sum = aux.get("moe_lb_loss", jnp.zeros((), jnp.float32)) * weight_sum
