@@ -84,7 +84,11 @@ DEFAULT_CONFIGS = [("1b", "bf16", 4096), ("1b", "fp8", 4096), ("3b", "bf16", 409
                    ("1b", "bf16", 8192), ("3b", "bf16", 8192), ("8b", "bf16", 4096)]
 FULL_EXTRA = [("1b", "fp8", 8192), ("3b", "fp8", 8192)]
 COLUMNS = ["section", "impl", "model", "params", "quant", "batch", "seq", "step ms", "tokens/s", "TFLOP/s/dev",
-           "MFU", "ours/upstream", "note"]
+           "MFU", "ours/upstream", "compile s", "step / roofline", "note"]
+# The second table: where the roofline of each training row's compiled step puts its time.
+ROOFLINE_COLUMNS = ["impl", "model", "quant", "seq", "setting", "roofline ms", "gemm ms", "attention ms",
+                    "elementwise ms", "copy ms", "kernels", "HBM GB", "measured ms", "step / roofline"]
+DRY_CHIP = "NVIDIA H200"  # a dry run's CPU has no published figures: its HLO is priced as if on this GPU
 
 
 # ---- the children: each prints one SUITE_JSON line
@@ -211,7 +215,7 @@ def run_child(cmd: list[str], env: dict[str, str], cwd: str,
   return None, classify(proc.returncode, out, False, timeout_s), out
 
 
-def parse_upstream_log(text: str, skip: int = 3) -> dict[str, float] | None:
+def parse_upstream_log(text: str, skip: int = 3) -> dict[str, Any] | None:
   """Upstream's per-step log lines: median step seconds, TFLOP/s/device and tokens/s/device over the
   steps after the first `skip` (compilation and the first steps' dispatch), and its parameter count."""
   steps = [tuple(float(x) for x in m.groups()) for m in re.finditer(
@@ -220,7 +224,9 @@ def parse_upstream_log(text: str, skip: int = 3) -> dict[str, float] | None:
   if not timed:
     return None
   params = re.search(r"number parameters: ([\d.]+) billion", text)
+  first = [s[1] for s in steps if s[0] == 0]  # its step 0: compilation and the first step, as ours is timed
   return dict(step_s=statistics.median(s[1] for s in timed), tflops=statistics.median(s[2] for s in timed),
+              compile_s=first[0] if first else None,
               tokens_per_s_per_device=statistics.median(s[3] for s in timed), steps=len(timed),
               # logged in billions to 3 decimals: a tiny model's reads 0
               params_m=float(params.group(1)) * 1e3 if params and float(params.group(1)) else float("nan"))
@@ -243,13 +249,46 @@ def upstream_command(site: str, python: str, model: dict[str, Any], quant: str, 
           *_kv(keys)]
 
 
-def _dump_env(env: dict[str, str], dump_dir: str, row: str) -> dict[str, str]:
-  """`env` with XLA dumping the train step's HLO (text, before and after optimisation) to DIR/row."""
-  if not dump_dir:
-    return env
+def _dump_env(env: dict[str, str], dump_dir: str, row: str, xla_flags: str = "") -> dict[str, str]:
+  """`env` with XLA dumping the train step's HLO (text, before and after optimisation) to DIR/row,
+  and a row's own extra XLA flags."""
   flags = (f"--xla_dump_to={Path(dump_dir) / row} --xla_dump_hlo_as_text "
-           "--xla_dump_hlo_module_re=.*train_step.*")
-  return dict(env, XLA_FLAGS=(env.get("XLA_FLAGS", "") + " " + flags).strip())
+           "--xla_dump_hlo_module_re=.*train_step.*") if dump_dir else ""
+  merged = " ".join(f for f in (env.get("XLA_FLAGS", ""), flags, xla_flags) if f)
+  return dict(env, XLA_FLAGS=merged) if merged else env
+
+
+def price_dump(dump_dir: Path, device_kind: str, measured_s: float | None) -> dict[str, float] | None:
+  """The roofline of the largest optimised train-step module XLA dumped into `dump_dir`
+  (MaxText/aot/step_time/gpu.py), or None where nothing was dumped or the GPU is not known."""
+  from MaxText.aot.step_time import gpu  # noqa: E402  (pure text parsing; never starts a backend)
+  from MaxText.errors import UserError
+
+  dumps = sorted(dump_dir.glob("*after_optimizations.txt"), key=lambda f: f.stat().st_size)
+  if not dumps:
+    return None
+  try:
+    return gpu.summary(gpu.estimate(dumps[-1].read_text(), device_kind), measured_s)
+  except UserError:
+    return None
+
+
+def _ms(value: float) -> str:
+  """One decimal for a real step; three significant digits for a dry run's microseconds."""
+  return f"{value:.1f}" if value >= 10 else f"{value:.3g}"
+
+
+def roofline_row(row: dict[str, str], setting: str, roofline: dict[str, float] | None,
+                 measured_s: float | None) -> dict[str, str]:
+  out = dict(impl=row["impl"], model=row["model"], quant=row["quant"], seq=row["seq"], setting=setting)
+  if roofline:
+    out.update({"roofline ms": _ms(roofline["model_ms"]), "gemm ms": _ms(roofline["gemm_ms"]),
+                "attention ms": _ms(roofline["attention_ms"]), "elementwise ms": _ms(roofline["elementwise_ms"]),
+                "copy ms": _ms(roofline["copy_ms"]), "kernels": f"{roofline['kernels']:.0f}",
+                "HBM GB": f"{roofline['hbm_gb']:.3g}"})
+    if measured_s:
+      out.update({"measured ms": f"{measured_s * 1e3:.1f}", "step / roofline": f"{roofline['measured_over_model']:.2f}"})
+  return out
 
 
 def _env(dry: bool, pythonpath: str) -> dict[str, str]:
@@ -317,29 +356,30 @@ def train_row(impl: str, model: str, quant: str, batch: int, seq: int, r: dict[s
     row.update({"params": _params(r["params_m"]), "step ms": _fmt(r["step_s"] * 1e3, ".1f"),
                 "tokens/s": _fmt(r["tokens_per_s"], ".0f"), "TFLOP/s/dev": _fmt(tflops, ".1f"),
                 "MFU": f"{100 * mfu:.1f}%" if mfu is not None and mfu == mfu else "",
+                "compile s": _fmt(r.get("compile_s"), ".1f"),
                 "note": "ok" if status == "ok" else status})
   return row
 
 
-def print_table(header: list[str], rows: list[dict[str, str]]) -> None:
+def print_table(header: list[str], rows: list[dict[str, str]], columns: list[str] = COLUMNS) -> None:
   for line in header:
     print(line)
   print()
-  print("| " + " | ".join(COLUMNS) + " |")
-  text_columns = ("section", "impl", "model", "quant", "note")
-  print("| " + " | ".join("---" if c in text_columns else "---:" for c in COLUMNS) + " |")
+  print("| " + " | ".join(columns) + " |")
+  text_columns = ("section", "impl", "model", "quant", "note", "setting")
+  print("| " + " | ".join("---" if c in text_columns else "---:" for c in columns) + " |")
   for row in rows:
-    print("| " + " | ".join(row.get(c, "") for c in COLUMNS) + " |")
+    print("| " + " | ".join(row.get(c, "") for c in columns) + " |")
   sys.stdout.flush()
 
 
-def plan_configs(args: argparse.Namespace, fp8: bool) -> list[tuple[str, str, int, str]]:
-  """(model, quant, seq, why skipped or '') in the order they run."""
+def plan_configs(args: argparse.Namespace, fp8: bool) -> list[tuple[str, str, int, str, dict[str, Any]]]:
+  """(model, quant, seq, why skipped or '', no extra settings) in the order they run."""
   if args.dry_run:
-    return [("tiny", "bf16", 64, ""), ("tiny", "fp8", 64, "" if fp8 else NO_FP8)]
+    return [("tiny", "bf16", 64, "", {}), ("tiny", "fp8", 64, "" if fp8 else NO_FP8, {})]
   wanted = set(args.rows.split(",")) if args.rows else set(MODELS)
   quants = set(args.quants.split(",")) if args.quants else {"bf16", "fp8"}
-  out = []
+  out: list[tuple[str, str, int, str, dict[str, Any]]] = []
   for model, quant, seq in DEFAULT_CONFIGS + FULL_EXTRA:
     if model not in wanted or quant not in quants:
       continue
@@ -348,8 +388,33 @@ def plan_configs(args: argparse.Namespace, fp8: bool) -> list[tuple[str, str, in
       why = NO_FP8
     elif (model, quant, seq) in FULL_EXTRA and not args.full:
       why = "skipped: only with full=true"
-    out.append((model, quant, seq, why))
+    out.append((model, quant, seq, why, {}))
   return out
+
+
+def plan_extra(spec: str, dry: bool) -> list[tuple[str, str, int, str, dict[str, Any]]]:
+  """`extra=MODEL,QUANT,SEQ[,KEY=VALUE...][;...]`: rows of this project alone with its own settings
+  (config keys, or `xla_flags=...` added to XLA_FLAGS), e.g. a remat placement or a compiler flag."""
+  planned = []
+  for item in filter(None, (part.strip() for part in spec.split(";"))):
+    fields = [f.strip() for f in item.split(",")]
+    if len(fields) < 3 or fields[0] not in MODELS or fields[1] not in ("bf16", "fp8") or not fields[2].isdigit():
+      raise SystemExit(f"error: extra row {item!r}: expected MODEL,QUANT,SEQ[,KEY=VALUE...] with MODEL one of "
+                       f"{', '.join(MODELS)}, QUANT bf16 or fp8, SEQ a number")
+    settings: dict[str, Any] = {}
+    for field in fields[3:]:
+      key, eq, value = field.partition("=")
+      if not eq:
+        raise SystemExit(f"error: extra row {item!r}: {field!r} is not KEY=VALUE")
+      settings[key] = value
+    model, quant, seq = fields[0], fields[1], int(fields[2])
+    if dry:
+      model, seq = "tiny", 64
+    elif (model, seq) not in BATCH:
+      raise SystemExit(f"error: extra row {item!r}: no batch size for {model} at {seq} (known: "
+                       f"{', '.join(f'{m} at {s}' for m, s in BATCH)})")
+    planned.append((model, quant, seq, "", settings))
+  return planned
 
 
 def _supports_fp8(probe: dict[str, Any] | None) -> bool:
@@ -381,18 +446,23 @@ def run_suite(args: argparse.Namespace, runner: Callable[..., tuple[dict[str, An
   else:
     header.append(f"upstream: not available ({missing or 'no upstream_site given'})")
   rows: list[dict[str, str]] = []
+  roofline_rows: list[dict[str, str]] = []
   gpu = bool(probe and probe.get("platform") == "gpu")
+  chip = probe["device_kind"] if gpu and probe else DRY_CHIP
+  dump_root = args.dump_hlo or tempfile.mkdtemp(prefix="suite-hlo-")
   reserve = DRY_SERVE_RESERVE_S if dry else SERVE_RESERVE_S
   peak = None
-  for model, quant, seq, why in plan_configs(args, _supports_fp8(probe)):
+  for model, quant, seq, why, extra in plan_configs(args, _supports_fp8(probe)) + plan_extra(args.extra, dry):
     batch = 1 if dry else BATCH[(model, seq)]
+    setting = ", ".join(f"{k}={v}" for k, v in extra.items()) or "suite default"
     if why:
       rows.append(train_row("ours", model, quant, batch, seq, None, why))
       continue
-    impls = ["ours"] + (["upstream"] if args.upstream_site else [])
+    # Upstream runs beside the plain rows; an extra row's setting is this project's own.
+    impls = ["ours"] + (["upstream"] if args.upstream_site and not extra else [])
     results: dict[str, dict[str, Any] | None] = {}
     for impl in impls:
-      row_id = f"{impl}-{model}-{quant}-{seq}"
+      row_id = f"{impl}-{model}-{quant}-{seq}" + (f"-x{len(rows)}" if extra else "")
       left = args.budget_s - reserve - (time.monotonic() - start)
       if left < 10:
         rows.append(train_row(impl, model, quant, batch, seq, None, f"skipped: budget ({args.budget_s:.0f} s) spent"))
@@ -401,9 +471,10 @@ def run_suite(args: argparse.Namespace, runner: Callable[..., tuple[dict[str, An
       timeout = min(args.row_timeout_s, left)
       if impl == "ours":
         overrides = _our_train_overrides(model, quant, seq, batch, dry, gpu)
+        overrides.update({k: v for k, v in extra.items() if k != "xla_flags"})
         spec = json.dumps(dict(overrides=overrides, steps=2 if dry else args.steps))
-        r, status, _ = runner(me + ["_child=train", spec], _dump_env(env, args.dump_hlo, row_id),
-                                  str(REPO), timeout)
+        r, status, _ = runner(me + ["_child=train", spec],
+                              _dump_env(env, dump_root, row_id, str(extra.get("xla_flags", ""))), str(REPO), timeout)
         if r:
           peak = r["peak"]
       else:
@@ -412,14 +483,22 @@ def run_suite(args: argparse.Namespace, runner: Callable[..., tuple[dict[str, An
           cmd = upstream_command(args.upstream_site, args.upstream_python or sys.executable, shapes, quant, batch,
                                  seq, 4 if dry else args.steps + 3, "cudnn_flash_jax" if gpu else "dot_product",
                                  "gpu" if gpu else "cpu", cwd)
-          _, status, out = runner(cmd, _dump_env(upstream_env, args.dump_hlo, row_id), cwd, timeout)
+          _, status, out = runner(cmd, _dump_env(upstream_env, dump_root, row_id), cwd, timeout)
         r = parse_upstream_log(out, skip=2 if dry else 3)
         if r:
           devices = probe["count"] if probe else 1
           r["tokens_per_s"] = r["tokens_per_s_per_device"] * devices
           status = "ok"
       results[impl] = r
-      rows.append(train_row(impl, model, quant, batch, seq, r, status, peak))
+      row = train_row(impl, model, quant, batch, seq, r, status, peak)
+      measured = r["step_s"] if r else None
+      roofline = price_dump(Path(dump_root) / row_id, chip, measured)
+      if roofline and measured:
+        row["step / roofline"] = f"{roofline['measured_over_model']:.2f}"
+      if extra:
+        row["note"] = f"{row['note']}; {setting}"
+      rows.append(row)
+      roofline_rows.append(roofline_row(row, setting if impl == "ours" else "upstream's", roofline, measured))
     ours, theirs = results.get("ours"), results.get("upstream")
     if ours and theirs and theirs["tokens_per_s"] > 0:
       rows[-2]["ours/upstream"] = f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}"
@@ -428,6 +507,10 @@ def run_suite(args: argparse.Namespace, runner: Callable[..., tuple[dict[str, An
                      note=f"upstream: not available ({missing or 'no upstream_site given'})"))
   rows.extend(_serving_rows(args, me, env, start, dry))
   print_table(header, rows)
+  print()
+  print(f"Roofline of each compiled train step on {chip} (MaxText/aot/step_time/gpu.py: every kernel at the "
+        "longer of its FLOPs at the dense peak and its bytes at the HBM bandwidth):")
+  print_table([], roofline_rows, ROOFLINE_COLUMNS)
   return rows
 
 
@@ -495,6 +578,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, str]] | None:
   parser.add_argument("--dump_hlo", default="", help="a folder: each training child dumps its train step's HLO "
                       "to FOLDER/<impl>-<model>-<quant>-<seq> (to compare the two projects' compiled steps)")
   parser.add_argument("--full", action="store_true", help="also fp8 at 8192 (past the default budget)")
+  parser.add_argument("--extra", default="", help="rows of this project alone with settings of their own: "
+                      "MODEL,QUANT,SEQ[,KEY=VALUE...][;...], e.g. 8b,bf16,4096,remat_policy=save_dot_except_mlp or "
+                      "1b,fp8,4096,xla_flags=--xla_gpu_enable_triton_gemm=false")
   parser.add_argument("--serve", action="store_false", help="false: leave out the serving rows")
   parser.add_argument("--dry_run", action="store_true", help="tiny shapes on CPU: checks every code path")
   parser.add_argument("--_child", default="", help=argparse.SUPPRESS)

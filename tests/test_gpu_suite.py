@@ -21,9 +21,21 @@ def _load_suite():
   return module
 
 
+def _tables(out: str) -> list[list[list[str]]]:
+  """Each Markdown table printed, as rows of cells (its header first)."""
+  tables: list[list[list[str]]] = []
+  previous = ""
+  for line in out.splitlines():
+    if line.startswith("| "):
+      if not previous.startswith("| "):
+        tables.append([])
+      tables[-1].append([cell.strip() for cell in line.strip("|").split("|")])
+    previous = line
+  return tables
+
+
 def _table(out: str) -> list[list[str]]:
-  lines = [line for line in out.splitlines() if line.startswith("| ")]
-  return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+  return _tables(out)[0]
 
 
 def test_dry_run_prints_header_and_every_section(capsys):
@@ -47,11 +59,18 @@ def test_dry_run_prints_header_and_every_section(capsys):
   assert [r["batch"] for r in by_section["serve"]] == ["1", "8", "32"]
   assert all(float(r["tokens/s"]) > 0 for r in by_section["serve"])
   assert len(table) == 2 + len(rows)
+  assert float(ours["compile s"]) > 0 and float(ours["step / roofline"]) > 0
+  # The second table: the roofline of the compiled step (priced as on an H200: a CPU has no figures).
+  roofline = _tables(out)[1]
+  assert roofline[0] == suite.ROOFLINE_COLUMNS and "on NVIDIA H200" in out
+  cells = dict(zip(roofline[0], roofline[2]))
+  assert cells["impl"] == "ours" and float(cells["roofline ms"]) > 0 and int(cells["kernels"]) > 0
+  assert float(cells["gemm ms"]) > 0 and float(cells["measured ms"]) == pytest.approx(float(ours["step ms"]), abs=0.1)
 
 
 def _args(**kw):
   base = dict(dry_run=False, budget_s=480.0, row_timeout_s=180.0, steps=5, upstream_site="", upstream_python="",
-              rows="", quants="", dump_hlo="", full=False, serve=False)
+              rows="", quants="", dump_hlo="", full=False, serve=False, extra="")
   return argparse.Namespace(**dict(base, **kw))
 
 
@@ -102,6 +121,32 @@ def test_planned_rows_with_fake_children(capsys, tmp_path):
   assert [c for c in calls if "_child=probe" not in c] == []
   assert all("budget" in r["note"] or "only with full=true" in r["note"] or "no upstream_site" in r["note"]
              for r in rows if r["section"] == "train")
+
+
+def test_extra_rows_carry_their_settings_and_run_without_upstream(tmp_path):
+  suite = _load_suite()
+  seen = []
+
+  def runner(cmd, env, cwd, timeout):
+    if "_child=probe" in cmd:
+      return PROBE, "ok", ""
+    seen.append((cmd, env.get("XLA_FLAGS", "")))
+    return dict(step_s=0.25, tokens_per_s=65536.0, tflops=400.0, mfu=0.4, params_m=1235.8, peak=989.0,
+                compile_s=20), "ok", ""
+
+  (tmp_path / "maxtext").mkdir()
+  extra = "8b,bf16,4096,remat_policy=save_dot_except_mlp;1b,fp8,4096,xla_flags=--xla_gpu_enable_triton_gemm=false"
+  rows = suite.run_suite(_args(upstream_site=str(tmp_path), rows="none", extra=extra), runner)
+  assert [(r["model"], r["quant"], r["note"]) for r in rows if r["section"] == "train"] == [
+      ("8b", "bf16", "ok; remat_policy=save_dot_except_mlp"),
+      ("1b", "fp8", "ok; xla_flags=--xla_gpu_enable_triton_gemm=false")]
+  assert all(cmd[1] != "-m" for cmd, _ in seen)  # no upstream twin for a setting of this project's own
+  assert '"remat_policy": "save_dot_except_mlp"' in seen[0][0][-1]
+  assert seen[1][1].endswith("--xla_gpu_enable_triton_gemm=false") and "xla_flags" not in seen[1][0][-1]
+  with pytest.raises(SystemExit, match="extra row '9b,bf16,4096'"):
+    suite.plan_extra("9b,bf16,4096", dry=False)
+  with pytest.raises(SystemExit, match="no batch size for 8b at 2048"):
+    suite.plan_extra("8b,bf16,2048", dry=False)
 
 
 def test_classify_and_upstream_log():
