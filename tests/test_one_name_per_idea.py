@@ -72,6 +72,7 @@ SYNONYMS: list[tuple[Name, ...]] = [
     (_n("enable_jsonl_metrics"), _n("gcs_metrics")),
     (_n("profile_start_step"), _n("skip_first_n_steps_for_profiler")),
     (_n("profile_steps"), _n("profiler_steps")),
+    (_n("moe_grouped_matmul"), _n("megablox")),  # spellings.SWITCHES: true is megablox, false ragged_dot
     # what a run trains: one key, the old flags are value aliases (spellings.VALUE_ALIASES)
     (_n("objective"), _n("use_sft"), _n("use_dpo"), _n("use_grpo")),
     # an HF model directory (hf_path in base.yml is the HF dataset)

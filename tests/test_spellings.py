@@ -93,6 +93,37 @@ def test_a_saved_record_under_an_old_name_reads_as_the_new_one_without_a_warning
   assert not _deprecations(capsys.readouterr().err)
 
 
+# ---------------------------------------------------------------- upstream's megablox switch
+
+@pytest.mark.parametrize("given, chosen", [("true", "megablox"), ("False", "ragged_dot"), ("1", "megablox")])
+def test_upstreams_megablox_switch_chooses_the_grouped_matmul_kernel(given, chosen, tmp_path, capsys):
+  assert "megablox" not in SCHEMA
+  assert config_lib.parse_overrides(["prog", f"megablox={given}"], environ={}).argv_values == {
+      "moe_grouped_matmul": chosen}
+  assert config_lib.parse_overrides(["prog"], environ={"M_MEGABLOX": given}).env_values == {
+      "moe_grouped_matmul": chosen}
+  recipe = tmp_path / "recipe.yml"
+  recipe.write_text(f"base_config: {config_lib.BASE_CONFIG_PATH}\nmegablox: {given}\n")
+  assert config_lib.parse_overrides(["prog", str(recipe)], environ={}).file_values == {"moe_grouped_matmul": chosen}
+  assert _deprecations(capsys.readouterr().err) == ["warning: 'megablox' is deprecated; use 'moe_grouped_matmul'"]
+  assert config_lib.Config.for_testing(megablox=chosen == "megablox", sparse_matmul=True)["moe_grouped_matmul"] == chosen
+
+
+def test_megablox_and_moe_grouped_matmul_disagreeing_is_one_error_line():
+  assert config_lib.parse_overrides(["prog", "megablox=false", "moe_grouped_matmul=ragged_dot"],
+                                    environ={}).argv_values == {"moe_grouped_matmul": "ragged_dot"}
+  for argv in (["megablox=true", "moe_grouped_matmul=ragged_dot"], ["moe_grouped_matmul=ragged_dot", "megablox=true"]):
+    with pytest.raises(ConfigError, match=r"^'megablox' \(deprecated\) chooses moe_grouped_matmul='megablox' but the "
+                       r"command line also gives moe_grouped_matmul='ragged_dot'; keep only 'moe_grouped_matmul'$"):
+      config_lib.parse_overrides(["prog", *argv], environ={})
+  with pytest.raises(ConfigError, match=r"^megablox \(the command line\) must be true or false, got 'tpu'; it is "
+                     r"deprecated: set moe_grouped_matmul=megablox \(true\) or moe_grouped_matmul=ragged_dot \(false\)$"):
+    config_lib.parse_overrides(["prog", "megablox=tpu"], environ={})
+  with pytest.raises(ConfigError, match=r"^'megablox' \(deprecated\) chooses moe_grouped_matmul='ragged_dot' but "
+                     r"Config.for_testing also gives moe_grouped_matmul='megablox'"):
+    config_lib.Config.for_testing(megablox=False, moe_grouped_matmul="megablox")
+
+
 # ---------------------------------------------------------------- objective: the old use_sft/use_dpo/use_grpo
 
 @pytest.mark.parametrize("flag, objective", sorted((k, v) for k, (_, v) in spellings.VALUE_ALIASES.items()))

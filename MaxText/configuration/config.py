@@ -242,8 +242,8 @@ def parse_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -
     key = spellings.rename(given)
     if key not in schema:
       raise _unknown_key_error(given, schema, "the command line")
-    _set_once(argv_values, spelled, key, given, coerce(key, _parse_cli_value(text, schema[key]), schema[key]),
-              "the command line")
+    value = spellings.switch_value(given, _parse_cli_value(text, schema[key]), "the command line")
+    _set_once(argv_values, spelled, key, given, coerce(key, value, schema[key]), "the command line")
 
   argv_values = spellings.fold_value_aliases(argv_values, flags, "the command line")
   negated = spellings.negations(flags, argv_values, "the command line")
@@ -260,8 +260,9 @@ def parse_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -
     key = spellings.rename(given)
     if key not in schema:
       raise _unknown_key_error(given, schema, f"environment variable {name}")
-    _set_once(env_values, env_spelled, key, given, coerce(key, _parse_cli_value(text, schema[key]), schema[key]),
-              "the environment", prefix=ENV_PREFIX)
+    value = spellings.switch_value(given, _parse_cli_value(text, schema[key]), f"environment variable {name}")
+    _set_once(env_values, env_spelled, key, given, coerce(key, value, schema[key]), "the environment",
+              prefix=ENV_PREFIX)
     if key in argv_values:
       print(f"config: {key} is set by both {name} and the command line; the command line wins")
 
@@ -472,12 +473,13 @@ def companion_config(config: Config, role: str, model_name: str, path: str, mode
     argv["model_name"] = model_name
   for item in model_overrides:
     key, _, text = str(item).partition("=")
-    key = spellings.rename(key.strip())
+    given, key = key.strip(), spellings.rename(key.strip())
     if key not in schema:
       raise _unknown_key_error(key, schema, names[2])
     if key in _TARGET_ONLY_KEYS:
       raise ConfigError(f"{names[2]} cannot set {key}: name the {role} with {names[0]} and {names[1]}")
-    argv[key] = coerce(key, _parse_cli_value(text.strip(), schema[key]), schema[key])
+    argv[key] = coerce(key, spellings.switch_value(given, _parse_cli_value(text.strip(), schema[key]), names[2]),
+                       schema[key])
   argv.update(fixed)
   overrides = Overrides(BASE_CONFIG_PATH, {}, argv, {}, schema)
   return build_config(overrides, config.target, default_run_name=str(config["run_name"]), reads_data=False)

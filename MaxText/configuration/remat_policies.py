@@ -114,6 +114,8 @@ def _widths_of(names: tuple[str, ...]) -> tuple[Width, ...]:
   return tuple(dict.fromkeys(w for w in _TENSOR_WIDTHS.values() if w in found))
 
 
+# The projections upstream's qkv_proj_offloaded and save_dot_except_mlpwi name (not MLA's down-projections).
+_UPSTREAM_QKV = ("query_proj", "key_proj", "value_proj")
 _MINIMAL: tuple[Width, ...] = ("qkv", "out", "mlp_in", "mlp_out")
 _ATTENTION: tuple[Width, ...] = ("qkv", "out")
 
@@ -126,6 +128,11 @@ REMAT_POLICIES: tuple[RematPolicy, ...] = (
     RematPolicy("minimal_offloaded", "dots", offload=PROJECTIONS, saved=_MINIMAL),
     RematPolicy("save_dot_except_mlp_offloaded", "names", offload=ATTENTION_PROJ, saved=_ATTENTION),
     RematPolicy("none", "everything", saved=_MINIMAL + ("attn", "norms", "mlp_act"), searched_by_planner=False),
+    # upstream MaxText's presets, with exactly its names: the planner searches the placements between
+    # its steps instead (SEARCHED_PLACEMENTS)
+    RematPolicy("qkv_proj_offloaded", "names", offload=_UPSTREAM_QKV, saved=("qkv",), searched_by_planner=False),
+    RematPolicy("save_dot_except_mlpwi", "names", _UPSTREAM_QKV + ("out_proj", "mlpwo"),
+                saved=("qkv", "out", "mlp_out"), searched_by_planner=False),
     RematPolicy("custom", "names", searched_by_planner=False),  # its tensors from the placement keys (custom())
 )
 BY_NAME: dict[str, RematPolicy] = {policy.name: policy for policy in REMAT_POLICIES}

@@ -8,7 +8,9 @@ config.yml, a checkpoint's model_config.yml) written before a rename are read th
 parsers and report them through `warn_deprecated` (configuration/tool_args.py).
 
 `VALUE_ALIASES` holds old boolean keys that each chose one value of a newer key (`use_sft=True`
-is `objective=sft`); `False` only asserts that the newer key is not that value.
+is `objective=sft`); `False` only asserts that the newer key is not that value. `SWITCHES` holds
+boolean keys whose True and False each choose a value of a newer key (`megablox=False` is
+`moe_grouped_matmul=ragged_dot`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ VALUE_ALIASES: dict[str, tuple[str, str]] = {
     "use_dpo": ("objective", "dpo"),
     "use_grpo": ("objective", "grpo"),
 }
+# upstream MaxText's boolean keys that chose between two values of a key of ours:
+# old key -> (the key, the value True means, the value False means)
+SWITCHES: dict[str, tuple[str, str, str]] = {
+    # the grouped matmul of sparse_matmul: the Pallas TPU kernel, else jax.lax.ragged_dot
+    "megablox": ("moe_grouped_matmul", "megablox", "ragged_dot"),
+}
 # what a saved record meant when it held the flags of a key and none of them was True
 VALUE_ALIAS_NONE: dict[str, str] = {"objective": "lm"}
 
@@ -59,6 +67,9 @@ def warn_deprecated(old: str, new: str) -> None:
 
 
 def clash_error(old: str, new: str, old_value: object, new_value: object, source: str) -> ConfigError:
+  if old in SWITCHES:  # old_value is already the value it chose
+    return ConfigError(f"'{old}' (deprecated) chooses {new}={old_value!r} but {source} also gives {new}={new_value!r}; "
+                       f"keep only '{new}'")
   return ConfigError(f"'{old}' (deprecated) and '{new}' name the same setting but {source} gives them different "
                      f"values ({old_value!r} and {new_value!r}); keep only '{new}'")
 
@@ -73,8 +84,20 @@ def _flag(key: str, value: object, source: str) -> bool:
   text = str(value).strip().lower()
   if text in ("true", "1", "yes", "on", "false", "0", "no", "off"):
     return text in ("true", "1", "yes", "on")
+  if key in SWITCHES:
+    new, on, off = SWITCHES[key]
+    raise ConfigError(f"{key} ({source}) must be true or false, got {value!r}; it is deprecated: set {new}={on} "
+                      f"(true) or {new}={off} (false)")
   new, chosen = VALUE_ALIASES[key]
   raise ConfigError(f"{key} ({source}) must be true or false, got {value!r}; it is deprecated: set {new}={chosen}")
+
+
+def switch_value(key: str, value: object, source: str) -> object:
+  """The value of the new key that `key`=`value` spells: a SWITCHES key's choice, else `value`."""
+  if key not in SWITCHES:
+    return value
+  _, on, off = SWITCHES[key]
+  return on if _flag(key, value, source) else off
 
 
 def fold_value_aliases(values: Mapping[str, Any], flags: Mapping[str, Any], source: str,
@@ -130,15 +153,16 @@ def canonical(values: Mapping[str, Any], source: str, renamed: Mapping[str, str]
     return fold_value_aliases(rest, flags, source, warn)
   out: dict[str, Any] = {}
   for key, value in values.items():
-    new = renamed.get(key)
+    new = SWITCHES[key][0] if key in SWITCHES else renamed.get(key)
     if new is None:
       if key in out and not same_value(out[key], value):  # the old spelling came first
-        old = next(o for o, n in renamed.items() if n == key and o in values)
+        old = next(o for o in values if o != key and (SWITCHES[o][0] if o in SWITCHES else renamed.get(o)) == key)
         raise clash_error(old, key, out[key], value, source)
       out[key] = value
       continue
     if warn:
       warn_deprecated(key, new)
+    value = switch_value(key, value, source)
     if new in out and not same_value(out[new], value):
       raise clash_error(key, new, value, out[new], source)
     out[new] = value
@@ -164,7 +188,7 @@ def upgrade(values: Mapping[str, Any]) -> dict[str, Any]:
 
 def rename(key: str, renamed: Mapping[str, str] = RENAMED_KEYS) -> str:
   """The canonical name of one given key, warning when it is an old spelling."""
-  new = renamed.get(key)
+  new = SWITCHES[key][0] if key in SWITCHES else renamed.get(key)
   if new is None:
     return key
   warn_deprecated(key, new)
