@@ -83,6 +83,37 @@ def test_with_mtp_the_tiled_sums_equal_untiled(tiny_overrides):
   _assert_close(got_grads, want_grads)
 
 
+def _sharded_sums_and_grads(config: Config, params: dict, batch: dict) -> tuple[dict, dict]:
+  run = build_run(config)
+
+  def grads(p: dict, b: dict) -> tuple:
+    with sharding.activation_sharding(run.mesh, config.mesh.logical_axis_rules):
+      return train_step._grads_and_sums(run.setup, run.objective, config, p, None, b, None)
+
+  got = jax.jit(grads)(jax.device_put(params, run.setup.state_shardings.params), jax.device_put(batch, run.batch_sharding))
+  return jax.device_get(got[1]), jax.device_get(got[0])
+
+
+@pytest.mark.slow  # ~30 s: four sharded gradient steps compiled
+@pytest.mark.parametrize("mesh", [
+    # The tiles split each device's share of the sequence (sequence parallelism) and the vocabulary
+    # stays split over tensor; and the stack's output leaving a GPipe pipeline.
+    {"ici_sequence_parallelism": 2, "ici_tensor_parallelism": 2, "ici_fsdp_parallelism": 2},
+    {"ici_pipeline_parallelism": 2, "ici_data_parallelism": 4, "ici_fsdp_parallelism": 1},
+], ids=["sequence-tensor", "gpipe"])
+def test_sharded_tiled_sums_and_gradients_equal_untiled(tiny_overrides, mesh):
+  base = {**tiny_overrides, **_family_keys("gemma2"), "base_num_decoder_layers": 2, "max_target_length": 32,
+          "z_loss_multiplier": 1e-2, **mesh}
+  untiled, tiled = _config(base), _config(base, num_vocab_tiling=4)
+  params = jax.device_get(build_run(untiled).init_state(0).params)
+  batch = _batch(untiled.data.global_batch_size, 32, untiled.model.vocab_size)
+  want_sums, want_grads = _sharded_sums_and_grads(untiled, params, batch)
+  got_sums, got_grads = _sharded_sums_and_grads(tiled, params, batch)
+  for key in ("xent_sum", "z_loss_sum"):
+    np.testing.assert_allclose(got_sums[key], want_sums[key], rtol=1e-6, err_msg=key)
+  _assert_close(got_grads, want_grads)
+
+
 def _compiled_temp_bytes(config: Config) -> int:
   """Temporary bytes per device of the compiled gradient step under the run's mesh."""
   run = build_run(config)
