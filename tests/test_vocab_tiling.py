@@ -11,10 +11,11 @@ import pytest
 
 import hf_families as H
 from test_pipeline_parallel import _packed_batch
+from test_plan import TINY, analytic
 from MaxText import families, models
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
-from MaxText.platform import sharding
+from MaxText.platform import accelerators, sharding
 from MaxText.training import train_step
 from MaxText.training.objectives.language_model import LanguageModel
 from MaxText.training.run_assembly import build_run
@@ -153,3 +154,16 @@ def test_bad_values_are_refused_in_one_line(tiny_overrides, overrides, message):
   with pytest.raises(ConfigError) as error:
     Config.for_testing(**{**tiny_overrides, "dataset_type": "synthetic", **overrides})
   assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_planner_prices_one_tile_of_logits_and_the_heads_rerun():
+  """plan_model.estimate: the logits' float32 bytes divided by num_vocab_tiling, and the head's forward
+  matmul once more (the backward re-runs each tile's)."""
+  length, tiles, sequences_per_chip = 2048, 4, 2
+  base = dict(TINY, vocab_size=32768, max_target_length=length, per_device_batch_size=sequences_per_chip)
+  untiled, tiled = analytic("v5e-4", **base), analytic("v5e-4", **base, num_vocab_tiling=tiles)
+  logits = sequences_per_chip * length * base["vocab_size"] * 4
+  assert untiled.activations - tiled.activations == pytest.approx(logits * (1 - 1 / tiles))
+  peak = accelerators.TPU_GENERATIONS["v5e"].peak_tflops * 1e12
+  head = 2 * length * base["vocab_size"] * base["base_emb_dim"] * sequences_per_chip / peak
+  assert tiled.compute_s - untiled.compute_s == pytest.approx(head)

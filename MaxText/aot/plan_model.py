@@ -237,8 +237,10 @@ def kernel_rerun_flops(cfg: ModelConfig, seq_len: int, attention_kernel: str) ->
   kernel (aot/step_time/program.splash_matmuls), where the model's count has neither; its fused
   backward (sa_use_fused_bwd_kernel) re-runs QK^T once. use_iota_embed's one-hot lookup is a matmul
   with the table, forward and for the table's gradient, which the model's count (like upstream's)
-  leaves out as a lookup."""
+  leaves out as a lookup. num_vocab_tiling > 1 re-runs the output head's forward matmul in the backward."""
   flops = 4.0 * seq_len * cfg.vocab_size * cfg.emb_dim if cfg.use_iota_embed else 0.0
+  if cfg.num_vocab_tiling > 1:
+    flops += 2.0 * seq_len * cfg.vocab_size * cfg.emb_dim
   if attention_kernel != "flash":
     return flops
   value_dim = cfg.mla.v_head_dim if cfg.attn.attention_type == "mla" else cfg.head_dim
@@ -342,7 +344,8 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   working = working_tokens * act_bytes * (2 * cfg.emb_dim + widths["qkv"])  # one layer's recompute and backward
   if attention_kernel == "dot_product":  # the [heads, L, L] scores of one layer in float32, forward and backward
     working += working_tokens / seq_len * cfg.num_query_heads * seq_len * seq_len * 4 * 2
-  logits = tokens * cfg.vocab_size * 4  # float32 logits (their gradient reuses the buffer)
+  # Float32 logits (their gradient reuses the buffer); num_vocab_tiling keeps one tile's at a time.
+  logits = tokens * cfg.vocab_size * 4 / cfg.num_vocab_tiling
   shard_group = chips // (mesh_shape["data"] * mesh_shape["stage"])
   gathered = model.layer_params * 2 * 2 / max(1, mesh_shape["tensor"] * mesh_shape["expert"])  # two layers in flight
   gathered = gathered if shard_group > 1 else 0.0
