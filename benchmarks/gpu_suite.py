@@ -18,8 +18,13 @@ Prints a header (date, device, driver, JAX/CUDA/Python versions) and ONE Markdow
   lines (`completed step: N, seconds: S, TFLOP/s/device: T, Tokens/s/device: K`): the median of
   the steps after the first three. The ratio column is ours / upstream tokens/s (the same model
   and tokens per step; the two projects count FLOPs their own way, tokens are not in dispute).
-- serving rows (1B, random bfloat16 weights): engine decode tokens/s with 1 and 8 slots, then the
-  OpenAI-compatible server's output tokens/s at 1, 8 and 32 concurrent streaming clients.
+- serving rows (1B, random bfloat16 weights; benchmarks/gpu_serving.py): the engine's decode step at
+  1, 8 and 32 slots with 8 steps per call (8 slots also with 1, and with int8 and fp8 weights) against
+  the weight-read bound; the OpenAI-compatible server's output tokens/s at 1, 8, 32 and 64 concurrent
+  streaming clients; the scheduler with 4 LoRA adapters loaded (base only, one adapter, 4 mixed).
+- a second table: the roofline of each training row's compiled step (MaxText/aot/step_time/gpu.py),
+  by kernel category, against the measured step. `extra=` adds rows of this project alone with
+  settings of their own (a remat placement, an XLA flag).
 
 Every row runs in its own subprocess (this process never starts a JAX backend, so no child finds
 the GPU memory taken), with a per-row timeout, inside one overall budget_s: a row that would
@@ -120,69 +125,11 @@ def child_train(spec: dict[str, Any]) -> None:
              mfu=r["mfu"], params_m=r["params_m"], peak=r["peak"], compile_s=r["compile_s"]))
 
 
-def _decode(overrides: dict[str, Any], slots: int, prompt_len: int, steps: int) -> dict[str, Any]:
-  import jax
-  import numpy as np
-
-  from MaxText.configuration.config import Config
-  from MaxText.inference.engine import Engine
-
-  config = Config.for_testing(**dict(overrides, max_prefill_predict_length=prompt_len,
-                                     max_target_length=prompt_len + steps + 2, per_device_batch_size=1))
-  engine = Engine(config, num_slots=slots)
-  params = engine.load_params()
-  prompt = [int(t) for t in np.random.default_rng(0).integers(3, config.model.vocab_size, prompt_len)]
-  prefix = engine.prefill(params, [prompt])
-  state = engine.init_decode_state()
-  for slot in range(slots):
-    state = engine.insert(prefix, state, slot)
-  state, emitted = engine.decode_step(params, state)  # compiles
-  emitted.tokens.block_until_ready()
-  start = time.perf_counter()
-  for _ in range(steps):
-    state, emitted = engine.decode_step(params, state)
-  emitted.tokens.block_until_ready()
-  step_s = (time.perf_counter() - start) / steps
-  return dict(step_s=step_s, tokens_per_s=slots / step_s,
-              params_m=sum(x.size for x in jax.tree.leaves(params)) / 1e6)
-
-
-def _serve(overrides: dict[str, Any], concurrencies: list[int], max_tokens: int, prompt_lengths: list[int],
-           requests_per_client: int) -> list[dict[str, Any]]:
-  import asyncio
-
-  sys.path.insert(0, str(REPO / "benchmarks"))
-  import serve_bench  # noqa: E402  (its tokenizer, in-process server and streaming clients)
-
-  from MaxText.configuration.config import Config
-
-  prompt_vocab = 512  # the tokenizer's; the model's own vocabulary may be larger
-  tokenizer = serve_bench._tokenizer(Path(tempfile.mkdtemp()) / "tok", prompt_vocab)
-  config = Config.for_testing(**dict(
-      overrides, max_target_length=max(prompt_lengths) + max_tokens, max_prefill_predict_length=max(prompt_lengths),
-      tokenizer_type="huggingface", tokenizer_path=str(tokenizer), add_bos=False, print_config=False,
-      serve_max_slots=max(concurrencies), serve_max_queue=1024, serve_max_tokens=max_tokens,
-      serve_model_name="bench"))
-  server, uv, thread, url = serve_bench.start_server(config)
-  asyncio.run(serve_bench._round(url, 2, 2, 4, prompt_lengths, prompt_vocab))  # compiles, untimed
-  rows = []
-  for concurrency in concurrencies:
-    n = concurrency * requests_per_client
-    t = asyncio.run(serve_bench._round(url, concurrency, n, max_tokens, prompt_lengths, prompt_vocab))
-    rows.append(dict(concurrency=concurrency, requests=n, tokens_per_s=t["tokens"] / t["wall"],
-                     ttft_p50_ms=1e3 * statistics.median(t["ttft"]), tokens=t["tokens"]))
-  uv.should_exit = True
-  thread.join(30)
-  server.scheduler.stop()
-  return rows
-
-
 def child_serve(spec: dict[str, Any]) -> None:
-  decode = [dict(slots=s, **_decode(spec["overrides"], s, spec["prompt_len"], spec["decode_steps"]))
-            for s in spec["slots"]]
-  serve = _serve(spec["overrides"], spec["concurrency"], spec["max_tokens"], spec["prompt_lengths"],
-                 spec["requests_per_client"])
-  _emit(dict(decode=decode, serve=serve))
+  sys.path.insert(0, str(REPO / "benchmarks"))
+  import gpu_serving  # noqa: E402  (a sibling script, not a package)
+
+  gpu_serving.child(spec, _emit)
 
 
 # ---- the parent: plans rows, runs children, prints the table
@@ -505,7 +452,7 @@ def run_suite(args: argparse.Namespace, runner: Callable[..., tuple[dict[str, An
   if not args.upstream_site:
     rows.append(dict(section="train", impl="upstream",
                      note=f"upstream: not available ({missing or 'no upstream_site given'})"))
-  rows.extend(_serving_rows(args, me, env, start, dry))
+  rows.extend(_serving_rows(args, me, env, start, dry, chip))
   print_table(header, rows)
   print()
   print(f"Roofline of each compiled train step on {chip} (MaxText/aot/step_time/gpu.py: every kernel at the "
@@ -529,41 +476,19 @@ def _our_train_overrides(model: str, quant: str, seq: int, batch: int, dry: bool
               hardware="gpu" if gpu else "auto")
 
 
-def _serving_rows(args: argparse.Namespace, me: list[str], env: dict[str, str], start: float,
-                  dry: bool) -> list[dict[str, str]]:
-  if dry:
-    # One decode batch: the code path is the same for every slot count, and each costs a compile.
-    spec = dict(overrides=dict(TINY, vocab_size=1024, dtype="float32", scan_layers=False), slots=[8],
-                prompt_len=16, decode_steps=4, concurrency=[1, 8, 32], max_tokens=4, prompt_lengths=[8, 16],
-                requests_per_client=1)
-    label = "tiny"
-  else:
-    spec = dict(overrides=dict(model_name=MODELS["1b"][0], dtype="bfloat16", weight_dtype="bfloat16"),
-                slots=[1, 8], prompt_len=128, decode_steps=64, concurrency=[1, 8, 32], max_tokens=64,
-                prompt_lengths=[64, 128], requests_per_client=2)
-    label = "1b"
+def _serving_rows(args: argparse.Namespace, me: list[str], env: dict[str, str], start: float, dry: bool,
+                  chip: str) -> list[dict[str, str]]:
+  sys.path.insert(0, str(REPO / "benchmarks"))
+  import gpu_serving  # noqa: E402  (a sibling script, not a package)
+  from MaxText.aot.step_time import gpu  # noqa: E402  (published figures only; never starts a backend)
+
+  spec, label = gpu_serving.spec_for(dry, MODELS["1b"][0])
   left = args.budget_s - (time.monotonic() - start)
-  names = [("decode", f"slots {s}") for s in spec["slots"]] + [("serve", f"clients {c}") for c in spec["concurrency"]]
   if left < 10:
-    return [dict(section=s, impl="ours", model=label, note=f"skipped: budget ({args.budget_s:.0f} s) spent; {n}")
-            for s, n in names]
+    return gpu_serving.table_rows(spec, label, None, f"skipped: budget ({args.budget_s:.0f} s) spent", None, dry)
   r, status, _ = run_child(me + ["_child=serve", json.dumps(spec)], env, str(REPO), left) \
       if args.serve else (None, "skipped: serve=false", "")
-  if not r:
-    return [dict(section=s, impl="ours", model=label, note=f"{status}; {n}") for s, n in names]
-  rows = []
-  quant = "f32" if dry else "bf16"
-  for d in r["decode"]:
-    rows.append({"section": "decode", "impl": "ours", "model": label, "params": _params(d["params_m"]),
-                 "quant": quant, "batch": str(d["slots"]), "seq": str(spec["prompt_len"]),
-                 "step ms": f"{d['step_s'] * 1e3:.2f}", "tokens/s": f"{d['tokens_per_s']:.0f}",
-                 "note": f"engine, {spec['decode_steps']} steps after a {spec['prompt_len']}-token prompt"})
-  for s in r["serve"]:
-    rows.append({"section": "serve", "impl": "ours", "model": label, "quant": quant, "batch": str(s["concurrency"]),
-                 "seq": "/".join(map(str, spec["prompt_lengths"])), "tokens/s": f"{s['tokens_per_s']:.0f}",
-                 "note": f"{s['concurrency']} clients, {s['requests']} requests x {spec['max_tokens']} tokens, "
-                         f"TTFT p50 {s['ttft_p50_ms']:.0f} ms"})
-  return rows
+  return gpu_serving.table_rows(spec, label, r, status, gpu.chip_for(chip).hbm, dry)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, str]] | None:
