@@ -34,7 +34,7 @@ Sizing: short runs are dominated by process start-up and compilation, so a train
 about the same whatever its steps (getting_started/GPU.md records what a row took on an H200).
 The default set is 7 training configurations (1B and 3B bf16 and fp8 at 4096, 1B and 3B bf16 at
 8192, 8B bf16 at 4096, which needs 16 bytes per parameter of float32 weights and AdamW state)
-times two implementations, ordered so the most informative come first, plus about 90 s of
+times two implementations, ordered so the most informative come first, plus up to 240 s of
 serving; what does not fit the budget is printed as skipped. full=true adds fp8 at 8192.
 """
 
