@@ -283,10 +283,10 @@ def _sse(obj: object) -> str:
 def build_app(server: Server, api_key: str | None = None, max_body_bytes: int = 1 << 20) -> Any:
   """The FastAPI app; `api_key` (else MAXTEXT_API_KEY) guards every route but OPEN_ROUTES."""
   from fastapi import FastAPI, Request
-  from fastapi.responses import JSONResponse, StreamingResponse
+  from fastapi.responses import JSONResponse
   from starlette.exceptions import HTTPException as StarletteHTTPException
 
-  from MaxText.inference.serve_routes import add_routes
+  from MaxText.inference.serve_routes import SseResponse, add_routes
 
   key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
   app = FastAPI(title="MaxText", docs_url=None, redoc_url=None, openapi_url=None)
@@ -299,7 +299,7 @@ def build_app(server: Server, api_key: str | None = None, max_body_bytes: int = 
   async def api_error(_: Request, e: api.ApiError) -> JSONResponse:
     return _error(e)
 
-  add_routes(app, server, JSONResponse, StreamingResponse, _sse)
+  add_routes(app, server, JSONResponse, SseResponse, _sse)
   if server.adapters is not None:
     from MaxText.inference import lora_routes
 

@@ -9,8 +9,9 @@ inter-token latency (ITL) p50/p99 against the number of concurrent clients, and 
 
 A small random-init model (greedy, no end-of-sequence token, so every request makes max_tokens
 tokens) is served in this process on 127.0.0.1 through the real app (uvicorn, the scheduler
-thread); asyncio clients, in a process of their own (their CPU is not the server's), stream
-`/v1/completions` with token-id prompts of mixed lengths and
+thread); asyncio clients, in a process of their own (their CPU is not the server's), each on one
+keep-alive connection read by a few lines of asyncio (an HTTP library's per-chunk work would take
+the server's CPU on a small machine), stream `/v1/completions` with token-id prompts of mixed lengths and
 `logprobs: 0`, which lists each token of a server-sent event (the tokens that reached the stream
 together share one), stamped at its event's arrival: TTFT is send → first token, ITL the gaps
 between a request's later tokens. Compilation happens in a warm-up round, untimed.
@@ -49,7 +50,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
@@ -83,17 +84,58 @@ def _percentile(values: list[float], q: float) -> float:
   return float(np.percentile(values, q)) if values else float("nan")
 
 
-async def _one(client, url: str, prompt: list[int], max_tokens: int, times: dict) -> None:
+class _Connection:
+  """One keep-alive HTTP/1.1 connection of a client: a POST whose answer (chunked, as the server
+  streams) is read line by line. A few lines over asyncio's streams: the clients' process shares
+  the machine with the server, and an HTTP library's own per-chunk work would be measured as the
+  server's lost CPU."""
+
+  def __init__(self, url: str):
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    self.host, self.port, self.path = parts.hostname, parts.port, parts.path
+    self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+  async def post_lines(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+    """The answer's body lines (bytes, without their line ends) as they arrive."""
+    if self._streams is None:
+      self._streams = await asyncio.open_connection(self.host, self.port)
+    reader, writer = self._streams
+    payload = json.dumps(body).encode()
+    writer.write(f"POST {self.path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    status = await reader.readline()
+    headers = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+      name, _, value = line.decode("latin-1").partition(":")
+      headers[name.strip().lower()] = value.strip()
+    assert status.split()[1:2] == [b"200"], (status, headers)
+    assert headers.get("transfer-encoding") == "chunked", headers
+    pending = b""
+    while size := int((await reader.readline()).split(b";")[0], 16):
+      pending += (await reader.readexactly(size + 2))[:-2]
+      *lines, pending = pending.split(b"\n")
+      for line in lines:
+        yield line
+    await reader.readline()  # the empty trailer
+    if pending:
+      yield pending
+
+  def close(self) -> None:
+    if self._streams is not None:
+      self._streams[1].close()
+
+
+async def _one(connection: _Connection, prompt: list[int], max_tokens: int, times: dict) -> None:
   body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
           "logprobs": 0}
   start = time.perf_counter()
-  stamps = []
-  async with client.stream("POST", url, json=body) as response:
-    assert response.status_code == 200, await response.aread()
-    async for line in response.aiter_lines():
-      if line.startswith("data: ") and line != "data: [DONE]":
-        chunk = json.loads(line[len("data: "):])
-        stamps.extend([time.perf_counter()] * len((chunk["choices"][0].get("logprobs") or {}).get("tokens", [])))
+  stamps: list[float] = []
+  async for line in connection.post_lines(body):
+    if line.startswith(b"data: ") and line != b"data: [DONE]":
+      chunk = json.loads(line[len(b"data: "):])
+      stamps.extend([time.perf_counter()] * len((chunk["choices"][0].get("logprobs") or {}).get("tokens", [])))
   times["ttft"].append(stamps[0] - start)
   times["itl"].extend(b - a for a, b in zip(stamps, stamps[1:]))
   if len(stamps) > 1:
@@ -103,10 +145,6 @@ async def _one(client, url: str, prompt: list[int], max_tokens: int, times: dict
 
 async def _round(url: str, concurrency: int, num_requests: int, max_tokens: int, prompt_lengths: list[int],
                  vocab: int, long_prompt: int = 0, shared_prefix: int = 0) -> dict:
-  try:
-    import httpx2 as httpx
-  except ImportError:
-    import httpx
   import numpy as np
 
   rng = np.random.default_rng(concurrency)
@@ -114,27 +152,28 @@ async def _round(url: str, concurrency: int, num_requests: int, max_tokens: int,
   prompts = [prefix + [int(t) for t in rng.integers(3, vocab, prompt_lengths[i % len(prompt_lengths)])]
              for i in range(num_requests)]
   times: dict = {"ttft": [], "itl": [], "tokens": 0}
-  gate = asyncio.Semaphore(concurrency)
-  async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+  connections = [_Connection(url) for _ in range(concurrency + 1)]
+  queue = list(reversed(prompts))
+  finished = asyncio.Event()
 
-    async def guarded(prompt):
-      async with gate:
-        await _one(client, url, prompt, max_tokens, times)
+  async def client(connection: _Connection) -> None:  # one request at a time, as many clients as `concurrency`
+    while queue:
+      await _one(connection, queue.pop(), max_tokens, times)
 
-    finished = asyncio.Event()
+  async def long_prompts(connection: _Connection) -> None:  # their own times are not counted
+    other: dict = {"ttft": [], "itl": [], "tokens": 0}
+    while not finished.is_set():
+      await _one(connection, [int(t) for t in rng.integers(3, vocab, long_prompt)], 1, other)
 
-    async def long_prompts() -> None:  # their own times are not counted
-      other: dict = {"ttft": [], "itl": [], "tokens": 0}
-      while not finished.is_set():
-        await _one(client, url, [int(t) for t in rng.integers(3, vocab, long_prompt)], 1, other)
+  async def short_ones() -> None:
+    await asyncio.gather(*[client(c) for c in connections[:concurrency]])
+    finished.set()
 
-    async def short_ones() -> None:
-      await asyncio.gather(*[guarded(p) for p in prompts])
-      finished.set()
-
-    start = time.perf_counter()
-    await asyncio.gather(short_ones(), *([long_prompts()] if long_prompt else []))
-    times["wall"] = time.perf_counter() - start
+  start = time.perf_counter()
+  await asyncio.gather(short_ones(), *([long_prompts(connections[-1])] if long_prompt else []))
+  times["wall"] = time.perf_counter() - start
+  for connection in connections:
+    connection.close()
   return times
 
 

@@ -10,7 +10,8 @@ import time
 from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request  # at module level: FastAPI resolves the handlers' annotations here
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Send
 
 from MaxText.inference import openai_api as api
 from MaxText.inference import scheduler as sched
@@ -256,18 +257,42 @@ async def _stream(server: "Server", request: api.Request, jobs: list[sched.Job],
       out.append(chunk(index, delta, None, logprobs))
     return out
 
+  # The chunks of the events that arrived together go out in one write; those of the last (every choice
+  # finished) with the usage and [DONE], which SseResponse sends with the end of the answer.
+  lines: list[str] = []
   try:
     async with contextlib.aclosing(events):  # closing it cancels the jobs (a client that went away)
       async for batch in events:
         for unit in _units(batch):
-          for line in answer(unit):
-            yield line
+          lines += answer(unit)
+        if lines and any(choice.finish_reason is None for choice in choices.values()):
+          yield "".join(lines)
+          lines = []
   except api.ApiError as e:
-    yield sse(e.body())
+    lines.append(sse(e.body()))
   else:
     if request.include_usage:
-      yield sse({**head, "choices": [], "usage": _usage(request, choices)})
-  yield "data: [DONE]\n\n"
+      lines.append(sse({**head, "choices": [], "usage": _usage(request, choices)}))
+  lines.append(STREAM_END)
+  yield "".join(lines)
+
+
+STREAM_END = "data: [DONE]\n\n"  # a stream's last event
+
+
+class SseResponse(StreamingResponse):
+  """A stream of server-sent events whose last piece (ending with STREAM_END) also ends the answer:
+  one write less per request than StreamingResponse's separate empty end."""
+
+  async def stream_response(self, send: Send) -> None:
+    await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+    ended = False
+    async for piece in self.body_iterator:
+      data = piece if isinstance(piece, (bytes, memoryview)) else piece.encode(self.charset)
+      ended = bytes(data[-len(STREAM_END):]) == STREAM_END.encode()
+      await send({"type": "http.response.body", "body": data, "more_body": not ended})
+    if not ended:
+      await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _new_id(prefix: str) -> str:

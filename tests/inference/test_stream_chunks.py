@@ -43,16 +43,21 @@ def _chunks(batches: list[list[sched.Event]], stop: list[str], chat: bool = Fals
   request = api.Request([api.Completion(0, [5], 99, RowParams())], stream=True, stop=stop,
                         logprobs=None if chat else 1)
   job = _Job()
+  return [json.loads(e[len("data: "):]) for piece in _pieces(batches, request, job, chat)
+          for e in piece.split("\n\n") if e.startswith("data: {")], job
 
+
+def _pieces(batches: list[list[sched.Event]], request: api.Request, job: _Job, chat: bool) -> list[str]:
+  """What the stream yields: each piece is one write of the answer."""
   async def events():
     for batch in batches:
       yield batch
 
   async def collect():
-    return [line async for line in serve_routes._stream(_Server(), request, [job], events(),  # type: ignore[arg-type]
-                                                         lambda obj: json.dumps(obj), chat=chat)]
+    return [piece async for piece in serve_routes._stream(_Server(), request, [job], events(),  # type: ignore[arg-type]
+                                                          serve._sse, chat=chat)]
 
-  return [json.loads(c) for c in asyncio.run(collect()) if c.startswith("{")], job
+  return asyncio.run(collect())
 
 
 def _text_and_logprobs(chunks: list[dict]) -> tuple[str, list[str], list[float]]:
@@ -117,3 +122,31 @@ def test_the_mailbox_wakes_the_loop_once_for_every_job_and_keeps_each_jobs_order
     return got
 
   assert asyncio.run(main()) == [[[0, 1, 2, 3]], [[10, 11, 12, 13]], [[20, 21, 22, 23]]]
+
+
+def test_the_events_that_arrive_together_go_out_in_one_write_and_the_last_with_the_end_of_the_stream():
+  tokens = _tokens(TEXT)
+  request = api.Request([api.Completion(0, [5], 99, RowParams())], stream=True, stop=[], logprobs=1,
+                        include_usage=True)
+  pieces = _pieces([tokens[:8], tokens[8:] + [sched.Done(0, "length")]], request, _Job(), chat=False)
+  assert len(pieces) == 2  # a call's tokens; then the last call's with its finish_reason, the usage and [DONE]
+  assert pieces[0].count("data: ") == 1 and pieces[1].count("data: ") == 4
+  assert pieces[1].endswith(serve_routes.STREAM_END)
+
+  async def answer() -> list[dict]:
+    async def body():
+      for piece in pieces:
+        yield piece
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+      sent.append(message)
+
+    await serve_routes.SseResponse(body(), media_type="text/event-stream").stream_response(send)
+    return sent
+
+  sent = asyncio.run(answer())
+  assert [m["type"] for m in sent] == ["http.response.start", "http.response.body", "http.response.body"]
+  assert [m["more_body"] for m in sent[1:]] == [True, False]  # no separate empty write ends the answer
+  assert b"".join(m["body"] for m in sent[1:]).decode() == "".join(pieces)
