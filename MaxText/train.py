@@ -230,8 +230,9 @@ def add_hooks(trainer: Trainer, run: run_assembly.Run, checkpoints: checkpointin
                      every=0, needs_state=True)
   if settings.profiler:
     trainer.add_hook(ProfilerHook(storage.join(settings.run_dir, "profile"), settings.profile_start_step,
-                                  settings.profile_steps, active=is_primary or settings.profile_all_processes),
-                     every=0, needs_state=True)
+                                  settings.profile_steps, active=is_primary or settings.profile_all_processes,
+                                  clean=settings.profile_cleanly),
+                     every=0, needs_state=settings.profile_cleanly)
 
 
 if __name__ == "__main__":

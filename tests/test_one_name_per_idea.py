@@ -103,7 +103,8 @@ SYNONYMS: list[tuple[Name, ...]] = [
     (_n("num_generations"), _n("generations")),
     (_n("num_pipeline_microbatches"), _n("micro")),
     (_n("ici_pipeline_parallelism"), _n("stages")),
-    (_n("ici_sequence_parallelism"), _n("shards")),
+    (_n("ici_sequence_parallelism"), _n("shards"), _n("ici_context_parallelism")),  # upstream's context axis
+    (_n("dcn_sequence_parallelism"), _n("dcn_context_parallelism")),
     (_n("ici_expert_parallelism"), _n("expert")),
     (_n("num_experts"), _n("experts")),
     (_n("moe_ragged_buffer_factor"), _n("buffer_factor"), _n("buffer-factor")),

@@ -19,7 +19,8 @@ SCHEMA = config_lib.read_yaml(config_lib.BASE_CONFIG_PATH)
 # A valid value for each renamed key, other than its default (so the test sees it arrive).
 SAMPLE_VALUE = {"decode_sampling_top_p": 0.5, "rl_sampling_temperature": 0.7, "rl_sampling_top_p": 0.8,
                 "rl_sampling_top_k": 5, "rope_proportional_rotated_fraction": 0.25, "vision_rope_max_timescale": 500.0,
-                "enable_jsonl_metrics": False, "profile_start_step": 7, "profile_steps": 2}
+                "enable_jsonl_metrics": False, "profile_start_step": 7, "profile_steps": 2,
+                "ici_sequence_parallelism": 2, "dcn_sequence_parallelism": 2}
 
 
 @pytest.fixture(autouse=True)

@@ -138,6 +138,119 @@ def test_a_run_on_one_batch_resumes_on_the_same_batch(tmp_path):
   assert [resumed[s]["loss"] for s in (3, 4)] == [whole[s]["loss"] for s in (3, 4)]
 
 
+# ---------------------------------------------------------------- enable_dropout, profile_cleanly, enable_checkpoint_cloud_logger
+
+def test_enable_dropout_false_turns_dropout_off_whatever_the_rate():
+  assert Config.for_testing(**_TINY, dropout_rate=0.25).model.dropout_rate == 0.25
+  assert Config.for_testing(**_TINY, dropout_rate=0.25, enable_dropout=False).model.dropout_rate == 0.0
+
+
+class _CountingStep:
+  def __init__(self):
+    self.calls = 0
+
+  def __call__(self, state, batch, rng):
+    self.calls += 1
+    return state, {"loss": jnp.asarray(1.0), "grad_norm": jnp.asarray(1.0), "num_tokens": jnp.asarray(8.0)}
+
+
+@pytest.mark.parametrize("clean", [True, False])
+def test_profile_cleanly_waits_for_the_step_at_both_ends_of_the_trace(clean, tmp_path, monkeypatch):
+  """Clean: the trace starts after step 2 and stops after step 4 with no later step dispatched. Not
+  clean: each end comes while the next step is already dispatched, and the loop did not wait."""
+  from MaxText.training import metrics
+  from MaxText.training.trainer import ProfilerHook, Trainer
+
+  config = Config.for_testing(**_TINY, steps=7, profile_cleanly=clean)
+  assert config.run.profile_cleanly is clean
+  step, ends = _CountingStep(), []
+  monkeypatch.setattr(jax.profiler, "start_trace", lambda directory: ends.append(("start", step.calls)))
+  monkeypatch.setattr(jax.profiler, "stop_trace", lambda: ends.append(("stop", step.calls)))
+  trainer = Trainer(config, step, iter(range(100)), jax.random.key(0),
+                    metrics.training_tflops_per_step(config.model, 8, 32), 1.0)
+  hook = ProfilerHook(str(tmp_path), 2, 2, active=True, clean=config.run.profile_cleanly)
+  trainer.add_hook(hook, every=0, needs_state=hook.clean)
+  trainer.run(state=None)
+  assert ends == ([("start", 2), ("stop", 4)] if clean else [("start", 3), ("stop", 5)])
+
+
+def test_checkpoint_events_go_to_the_run_folder_with_one_line_saying_so(tmp_path, capsys):
+  from MaxText.run_dir.checkpointing import RunCheckpoints
+
+  config = Config.for_testing(**_TINY, base_output_directory=str(tmp_path), run_name="events",
+                              enable_checkpoint_cloud_logger=True)
+  assert config.checkpoint.events_path == str(tmp_path / "events" / "checkpoint_events.jsonl")
+  assert Config.for_testing(**_TINY).checkpoint.events_path == ""
+  checkpoints = RunCheckpoints.for_run(config.checkpoint)
+  for step in (1, 2):
+    checkpoints.save(step, {"w": jnp.arange(4.0)}, {}, {})
+  checkpoints.close()
+  events = [json.loads(line) for line in (tmp_path / "events" / "checkpoint_events.jsonl").read_text().splitlines()]
+  assert [(e["event_type"], e["step"]) for e in events] == [("save", 1), ("save", 2)]
+  assert capsys.readouterr().out.count("checkpoint_events.jsonl") == 1
+
+
+# ---------------------------------------------------------------- allow_split_physical_axes, custom_mesh
+
+def _v6e_256_mesh(slices=1, **degrees):
+  from MaxText.platform import accelerators
+
+  topology = accelerators.tpu_topology("v6e-256")
+  config = Config.for_testing(target=topology.target(slices), run_name="mesh", num_slices=slices, **degrees)
+  return sharding.create_mesh(config.mesh, startup.describe_topology(topology, slices))
+
+
+@pytest.mark.parametrize("slices, degrees", [
+    (1, dict(custom_mesh="hybrid_ring_64x4", ici_fsdp_parallelism=64, ici_tensor_parallelism=4)),
+    (1, dict(custom_mesh="hybrid_ring_32x8", ici_fsdp_parallelism=8, ici_sequence_parallelism=32)),  # ring axis first
+    (2, dict(custom_mesh="hybrid_ring_64x4", ici_fsdp_parallelism=64, ici_tensor_parallelism=4, dcn_data_parallelism=1,
+             dcn_fsdp_parallelism=2, allow_split_physical_axes=False)),
+], ids=["64x4", "32x8", "64x4 on two slices"])
+def test_a_hybrid_ring_mesh_puts_rings_of_neighbouring_chips_on_one_axis(slices, degrees):
+  """Compile-only v6e-256 devices (libtpu): each group along the ring's axis is a closed loop of
+  chips one hop apart in one slice; the dcn axis spans the slices, as jax's hybrid meshes do."""
+  mesh = _v6e_256_mesh(slices, **degrees)
+  size = 4 if degrees["custom_mesh"].endswith("x4") else 8
+  axis = next(i for i, name in enumerate(mesh.axis_names) if mesh.shape[name] == size)
+  rings = np.moveaxis(mesh.devices, axis, -1).reshape(-1, size)
+  assert len({d.id for d in mesh.devices.flat}) == 256 * slices
+  hops = {sum(abs(a - b) for a, b in zip(ring[i].coords, ring[(i + 1) % size].coords)) for ring in rings for i in range(size)}
+  assert hops == {1} and all(len({getattr(d, "slice_index", None) for d in ring}) == 1 for ring in rings)
+  if slices == 2:
+    fsdp = np.moveaxis(mesh.devices, mesh.axis_names.index("fsdp"), 0).reshape(128, -1)[:, 0]
+    assert [d.slice_index for d in fsdp[[0, 63, 64, 127]]] == [0, 0, 1, 1]
+
+
+def test_an_axis_wider_than_a_physical_one_needs_split_physical_axes():
+  assert dict(_v6e_256_mesh(ici_fsdp_parallelism=8, ici_tensor_parallelism=32).shape)["tensor"] == 32
+  with pytest.raises(ConfigError, match=r"^cannot lay out mesh ici=\[1, 1, 8, 1, 1, 32, 1, 1\] .* on 256 devices without "
+                                        r"splitting a physical axis \(allow_split_physical_axes=False; True allows it\): "):
+    _v6e_256_mesh(ici_fsdp_parallelism=8, ici_tensor_parallelism=32, allow_split_physical_axes=False)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(custom_mesh="hybrid_ring_16x16"), r"^custom_mesh='hybrid_ring_16x16' is not a device order here; known: "
+                                            r"hybrid_ring_64x4, hybrid_ring_32x8 \('' for jax's own\)$"),
+    (dict(custom_mesh="hybrid_ring_64x4"), r"^custom_mesh=hybrid_ring_64x4 lays out the 256 chips of a v6e-256 slice; "
+                                           r"this target has 8 devices per slice; drop custom_mesh$"),
+])
+def test_a_custom_mesh_this_target_cannot_take_is_one_line(overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    Config.for_testing(**_TINY, **overrides)
+
+
+def test_a_hybrid_ring_needs_its_two_degrees_and_on_one_slice_split_axes():
+  from MaxText.platform import accelerators
+
+  target = accelerators.tpu_topology("v6e-256").target()
+  with pytest.raises(ConfigError, match=r"^custom_mesh=hybrid_ring_32x8 needs two ici axes of degrees 32 and 8 \(the "
+                                        r"rest 1\), got ici_fsdp_parallelism=256$"):
+    Config.for_testing(target=target, run_name="r", custom_mesh="hybrid_ring_32x8")
+  with pytest.raises(ConfigError, match=r"^custom_mesh=hybrid_ring_64x4 on one slice needs allow_split_physical_axes=True"):
+    Config.for_testing(target=target, run_name="r", custom_mesh="hybrid_ring_64x4", ici_fsdp_parallelism=64,
+                       ici_tensor_parallelism=4, allow_split_physical_axes=False)
+
+
 # ---------------------------------------------------------------- upstream's tuning blocks
 
 def test_a_synthetic_run_does_not_probe_the_dataset_path_only_tfds_reads(monkeypatch):

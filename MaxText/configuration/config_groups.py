@@ -19,7 +19,7 @@ from MaxText.platform.accelerators import DeviceTarget
 from MaxText.configuration.config_fields import OPTIMIZER, derived, key, read_keys
 from MaxText.configuration.config_fields import require as _require
 from MaxText.errors import ConfigError
-from MaxText.platform.mesh_axes import MESH_AXES, Group, MeshAxis
+from MaxText.platform.mesh_axes import HYBRID_RING_SLICE, HYBRID_RINGS, MESH_AXES, Group, MeshAxis
 from MaxText.configuration.data_config import DataConfig
 from MaxText.configuration.distill_config import DistillConfig
 from MaxText.configuration import elastic_config
@@ -38,6 +38,8 @@ AUTO_SWITCHES = ("prefix_caching",)
 AUTO_SWITCH_VALUES = ("auto", "true", "false")
 METRIC_TRACKERS = ("wandb", "vertex_tensorboard")  # training/trackers.py: one class per name
 WANDB_MODES = ("", "online", "offline", "disabled")
+# Orbax's checkpoint events with enable_checkpoint_cloud_logger (upstream: Google Cloud Logging), in the run folder.
+EVENTS_FILE = "checkpoint_events.jsonl"
 
 
 def _fill_auto_axis(degrees: dict[MeshAxis, int], total: int, group: Group) -> dict[MeshAxis, int]:
@@ -81,6 +83,8 @@ class MeshConfig:
   dcn_expert_parallelism: int = key()
   dcn_autoregressive_parallelism: int = key()
   num_slices: int = key()  # -1 resolved from the devices
+  allow_split_physical_axes: bool = key()  # a mesh axis may take part of a physical torus axis
+  custom_mesh: str = key()  # "" (jax's device order) or a mesh_axes.HYBRID_RINGS name
   elastic_min_slices: int = key()  # 0 = not elastic; configuration/elastic_config.py
   logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...] = key()
   data_sharding: tuple[str, ...] = key()
@@ -127,7 +131,26 @@ class MeshConfig:
       _require(axis in MESH_AXES, f"data_sharding names unknown mesh axis {axis!r}")
     _require(0.0 <= v["sharding_tolerance"] <= 1.0,
              f"sharding_tolerance must be in [0, 1], got {v['sharding_tolerance']}")
+    _check_custom_mesh(v, resolved, target.num_devices // num_slices)
     return cls(**read_keys(cls, v, logical_axis_rules=tuple(rules), **resolved))
+
+
+def _check_custom_mesh(v: Mapping[str, Any], resolved: Mapping[str, Any], per_slice: int) -> None:
+  name = v["custom_mesh"]
+  if not name:
+    return
+  _require(name in HYBRID_RINGS, f"custom_mesh={name!r} is not a device order here; known: "
+           f"{', '.join(HYBRID_RINGS)} ('' for jax's own)")
+  rings, size = HYBRID_RINGS[name]
+  chips = math.prod(HYBRID_RING_SLICE)
+  _require(per_slice == chips, f"custom_mesh={name} lays out the {chips} chips of a v6e-256 slice; this target has "
+           f"{per_slice} devices per slice; drop custom_mesh")
+  split = {a.ici_key: resolved[a.ici_key] for a in MeshAxis if resolved[a.ici_key] > 1}
+  _require(sorted(split.values()) == sorted((rings, size)), f"custom_mesh={name} needs two ici axes of degrees "
+           f"{rings} and {size} (the rest 1), got {', '.join(f'{k}={d}' for k, d in split.items()) or 'none'}")
+  _require(v["allow_split_physical_axes"] or resolved["num_slices"] > 1,
+           f"custom_mesh={name} on one slice needs allow_split_physical_axes=True (upstream MaxText ignores it "
+           "otherwise); set it, or drop custom_mesh")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -209,6 +232,7 @@ class RunConfig:
   profiler: str = key()  # "" (off) or "xplane"
   profile_start_step: int = key()
   profile_steps: int = key()
+  profile_cleanly: bool = key()  # the loop waits for the step at both ends of the trace
   profile_all_processes: bool = key()
   collect_stack_trace: bool = key()
   stack_trace_to_cloud: bool = key()
@@ -271,7 +295,9 @@ class CheckpointConfig:
   local_checkpoint_directory: str = key()
   local_checkpoint_period: int = key()
   local_checkpoint_max_to_keep: int = key()
+  enable_checkpoint_cloud_logger: bool = key()  # Orbax's checkpoint events to events_path
   directory: str = derived()  # run_dir/checkpoints
+  events_path: str = derived()  # run_dir/checkpoint_events.jsonl with enable_checkpoint_cloud_logger, else ""
   local_directory: str = derived()  # local_checkpoint_directory/run_name, absolute ("" = no local tier)
 
   @property
@@ -305,8 +331,9 @@ class CheckpointConfig:
              "(the persistent tier)")
     _require(v["local_checkpoint_max_to_keep"] >= 1, "local_checkpoint_max_to_keep must be >= 1")
     local_directory = storage.join(storage.resolve(v["local_checkpoint_directory"]), run.run_name) if local else ""
+    events_path = storage.join(run.run_dir, EVENTS_FILE) if v["enable_checkpoint_cloud_logger"] else ""
     return cls(**read_keys(cls, v), directory=storage.join(run.run_dir, "checkpoints"),
-               local_directory=local_directory)
+               local_directory=local_directory, events_path=events_path)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

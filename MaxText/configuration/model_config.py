@@ -260,7 +260,8 @@ class ModelConfig:
   weight_dtype: str = key(fixed_on_resume=LAYOUT)
   # How it runs.
   dtype: str = key()
-  dropout_rate: float = key()
+  dropout_rate: float = key()  # the rate the layers apply: 0 with enable_dropout=False
+  enable_dropout: bool = key()
   logits_dot_in_fp32: bool = key()
   num_vocab_tiling: int = key()  # the output head and loss in this many tiles (models/outputs.py)
   use_iota_embed: bool = key()  # the token lookup as a one-hot matmul (layers/embeddings.py)
@@ -359,7 +360,8 @@ class ModelConfig:
     layer_shapes = LayerShapesConfig.from_values(v, num_layers=layers, pipelined=pipelined)
     # A stack of differing layers (Gemma 4) is never scanned: each layer has its own shapes.
     scan_layers = v["scan_layers"] and not layer_shapes.active
-    return cls(**read_keys(cls, v, scan_layers=scan_layers), rope=RopeConfig(**read_keys(RopeConfig, v)), attn=attn,
+    dropout_rate = v["dropout_rate"] if v["enable_dropout"] else 0.0
+    return cls(**read_keys(cls, v, scan_layers=scan_layers, dropout_rate=dropout_rate), rope=RopeConfig(**read_keys(RopeConfig, v)), attn=attn,
                mla=MlaConfig(**read_keys(MlaConfig, v)),
                linear_attn=LinearAttentionConfig(**read_keys(LinearAttentionConfig, v)), moe=MoeConfig(**read_keys(MoeConfig, v)),
                mtp=MtpConfig(**read_keys(MtpConfig, v)), vision=vision,

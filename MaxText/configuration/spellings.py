@@ -38,6 +38,11 @@ RENAMED_KEYS: dict[str, str] = {
     # the trace's first step and length; a step count of the run, not since a restart
     "skip_first_n_steps_for_profiler": "profile_start_step",
     "profiler_steps": "profile_steps",
+    # its `context` mesh axis is our `sequence` axis: the activations split along the sequence, the
+    # attention by context_parallel_strategy, the weights sharded over it as over fsdp (its own
+    # ici_sequence_parallelism names an axis its mesh no longer has)
+    "ici_context_parallelism": "ici_sequence_parallelism",
+    "dcn_context_parallelism": "dcn_sequence_parallelism",
 }
 
 # old boolean key -> (the key it chose a value of, the value True means)

@@ -57,3 +57,8 @@ MESH_AXES: tuple[str, ...] = tuple(axis.value for axis in MeshAxis)
 # pure data parallelism; the pipeline stages, which split only the layer stack; autoregressive,
 # which splits only the decode KV cache.
 REPLICATED_PARAMETER_AXES: tuple[MeshAxis, ...] = (MeshAxis.DATA, MeshAxis.STAGE, MeshAxis.AUTOREGRESSIVE)
+
+# custom_mesh (upstream MaxText's names): a v6e-256 slice's 16 x 16 chips as (rings, chips per ring),
+# each ring a closed loop of neighbouring chips (a 2 x 2 or 2 x 4 block), over two ici axes of those degrees.
+HYBRID_RINGS: dict[str, tuple[int, int]] = {"hybrid_ring_64x4": (64, 4), "hybrid_ring_32x8": (32, 8)}
+HYBRID_RING_SLICE = (16, 16)

@@ -17,7 +17,7 @@ from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxText.platform import accelerators
-from MaxText.platform.mesh_axes import MESH_AXES, REPLICATED_PARAMETER_AXES
+from MaxText.platform.mesh_axes import HYBRID_RING_SLICE, HYBRID_RINGS, MESH_AXES, REPLICATED_PARAMETER_AXES
 from MaxText.errors import ConfigError
 
 if TYPE_CHECKING:  # the mesh keys' group: configuration builds on this package, not the other way
@@ -37,18 +37,53 @@ def device_array(mesh_config: MeshConfig, devices: Sequence[Any]) -> np.ndarray:
   """
   ici = [degree for _, degree in mesh_config.ici]
   dcn = [degree for _, degree in mesh_config.dcn]
+  split = mesh_config.allow_split_physical_axes
   try:
+    if mesh_config.custom_mesh:
+      return _hybrid_rings(mesh_config.custom_mesh, ici, dcn, devices)
     if math.prod(dcn) > 1:
       on_tpu = accelerators.device_family(devices[0]) == "tpu"
       return mesh_utils.create_hybrid_device_mesh(
-          ici, dcn, devices, process_is_granule=not on_tpu, allow_split_physical_axes=True)
-    return mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
+          ici, dcn, devices, process_is_granule=not on_tpu, allow_split_physical_axes=split)
+    return mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=split)
   except (AssertionError, ValueError, NotImplementedError) as e:
     if math.prod(dcn) == 1 and not _whole_block(devices):
       # Part of a slice that is no physical block (a GRPO run's training chips beside its rollout
       # chips on every host): there is no torus to follow, so the devices go in the order given.
       return np.asarray(devices, dtype=object).reshape(ici)
-    raise ConfigError(f"cannot lay out mesh ici={ici} dcn={dcn} on {len(devices)} devices: {e}") from None
+    unsplit = "" if split else " without splitting a physical axis (allow_split_physical_axes=False; True allows it)"
+    raise ConfigError(f"cannot lay out mesh ici={ici} dcn={dcn} on {len(devices)} devices{unsplit}: {e}") from None
+
+
+def ring_order(grid: np.ndarray, ring: int) -> np.ndarray:
+  """A 2-D grid of chips (rows of even count) as rows of `ring` chips: each a closed loop over a
+  2 x ring/2 block of neighbours, along the block's top row and back along its bottom row."""
+  width = ring // 2
+  down = np.repeat([0, 1], width)
+  across = np.concatenate([np.arange(width), np.arange(width)[::-1]])
+  rows = 2 * np.arange(grid.shape[0] // 2)[:, None, None] + down
+  cols = width * np.arange(grid.shape[1] // width)[None, :, None] + across
+  return grid[rows, cols].reshape(-1, ring)
+
+
+def _hybrid_rings(name: str, ici: list[int], dcn: list[int], devices: Sequence[Any]) -> np.ndarray:
+  """custom_mesh=`name`: in each slice, its chips' 16 x 16 grid as rings of neighbours, the ring on the
+  ici axis of the ring's degree and the rings along the other; the slices over the dcn degrees."""
+  rings, size = HYBRID_RINGS[name]
+  by_slice: dict[int, list[Any]] = {}
+  for device in devices:
+    by_slice.setdefault(getattr(device, "slice_index", None) or 0, []).append(device)
+  if len(by_slice) != math.prod(dcn):
+    raise ValueError(f"{len(by_slice)} slices for dcn degrees {dcn}")
+  laid_out = []
+  for index in sorted(by_slice):
+    grid = mesh_utils.create_device_mesh(list(HYBRID_RING_SLICE), by_slice[index], allow_split_physical_axes=False)
+    ordered = ring_order(grid, size)  # (rings, size)
+    laid_out.append((ordered if ici.index(rings) < ici.index(size) else ordered.T).reshape(ici))
+  # As jax's hybrid meshes: axis k of the result is dcn[k] blocks of ici[k].
+  stacked = np.asarray(laid_out, dtype=object).reshape(dcn + ici)
+  interleaved = stacked.transpose([i for k in range(len(ici)) for i in (k, len(ici) + k)])
+  return interleaved.reshape([d * i for d, i in zip(dcn, ici)])
 
 
 def _whole_block(devices: Sequence[Any]) -> bool:

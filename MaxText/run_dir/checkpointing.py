@@ -83,11 +83,25 @@ class Restored(Generic[State]):
   source: str = ""  # where it came from, for the log
 
 
+class EventLog(ocp.logging.AbstractLogger):  # type: ignore[misc]
+  """Orbax's checkpoint events (each save's and restore's statistics) as JSON lines in `path`, written
+  by process 0: where upstream's enable_checkpoint_cloud_logger sends them to Google Cloud Logging."""
+
+  def __init__(self, path: str):
+    self.path, self._lines = path, storage.read_text(path).splitlines() if storage.exists(path) else []
+
+  def log_entry(self, entry: Any, *args: Any, **kwargs: Any) -> None:
+    if jax.process_index() != 0:
+      return
+    self._lines.append(json.dumps(entry, default=str, sort_keys=True))
+    storage.write_text(self.path, "\n".join(self._lines) + "\n")  # whole: a gs:// object cannot be appended to
+
+
 class RunCheckpoints:
   """The run's CheckpointManager: periodic (async) saves, resume with fallback, clear failures."""
 
   def __init__(self, directory: str, *, max_to_keep: int | None = None, async_save: bool = False,
-               local: LocalTier | None = None):
+               local: LocalTier | None = None, events_path: str = ""):
     """The checkpoints under `directory`; with the defaults (synchronous, every step kept, no
     local tier) this is how another run's checkpoints are opened for reading."""
     self.directory = storage.resolve(directory)
@@ -95,7 +109,8 @@ class RunCheckpoints:
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True)
 
     def open_manager() -> ocp.CheckpointManager:
-      return ocp.CheckpointManager(storage.as_path(self.directory), item_names=(STATE, DATA, META), options=options)
+      return ocp.CheckpointManager(storage.as_path(self.directory), item_names=(STATE, DATA, META), options=options,
+                                   logger=EventLog(events_path) if events_path else None)
 
     try:
       self._manager = storage_retry.call("listing checkpoints", self.directory, open_manager)
@@ -111,7 +126,11 @@ class RunCheckpoints:
   def for_run(cls, cfg: CheckpointConfig) -> "RunCheckpoints":
     """This run's checkpoints as `cfg` configures them (both tiers)."""
     local = LocalTier(cfg.local_directory, cfg.local_checkpoint_period, cfg.local_checkpoint_max_to_keep) if cfg.local_directory else None
-    checkpoints = cls(cfg.directory, max_to_keep=cfg.max_to_keep, async_save=cfg.async_checkpointing, local=local)
+    if cfg.events_path:
+      log(f"checkpoint: enable_checkpoint_cloud_logger: each save's and restore's events go to {cfg.events_path} "
+          "(JSON lines; this project does not use Google Cloud Logging)")
+    checkpoints = cls(cfg.directory, max_to_keep=cfg.max_to_keep, async_save=cfg.async_checkpointing, local=local,
+                      events_path=cfg.events_path)
     storage_retry.note_saved(checkpoints.directory, checkpoints.last_saved_step)
     return checkpoints
 

@@ -467,11 +467,14 @@ class CheckpointHook:
 
 
 class ProfilerHook:
-  """Captures a jax.profiler (xplane) trace of steps first+1 .. first+num_steps into `directory`;
-  the loop waits at both ends so the trace holds exactly those steps."""
+  """Captures a jax.profiler (xplane) trace of steps first+1 .. first+num_steps into `directory`.
+  `clean` (profile_cleanly): add it with needs_state=True, so the loop waits for the step at both
+  ends and the trace holds exactly those steps; otherwise the trace starts and stops when the loop
+  reads those steps' metrics, while the next step is already running, and the loop never waits."""
 
-  def __init__(self, directory: str, first: int, num_steps: int, active: bool):
+  def __init__(self, directory: str, first: int, num_steps: int, active: bool, clean: bool = True):
     self.directory, self.first, self.last, self.active = directory, first, first + num_steps, active
+    self.clean = clean
     self.tracing = False
     self._staging: tempfile.TemporaryDirectory[str] | None = None
     if active and first == 0:
@@ -492,8 +495,10 @@ class ProfilerHook:
       storage.copy_tree(self._staging.name, self.directory)
       self._staging.cleanup()
       self._staging = None
-    print(f"profile: steps {self.first + 1}..{self.last} traced into {self.directory} "
-          "(open with TensorBoard's profile plugin or Perfetto)", flush=True)
+    steps = (f"steps {self.first + 1}..{self.last}" if self.clean else
+             f"part of step {self.first + 1} to part of step {self.last + 1} (profile_cleanly=False)")
+    print(f"profile: {steps} traced into {self.directory} (open with TensorBoard's profile plugin or Perfetto)",
+          flush=True)
 
   def due(self, step: int) -> bool:
     return self.active and step in (self.first, self.last)
