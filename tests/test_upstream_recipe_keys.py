@@ -1,8 +1,10 @@
 """Upstream MaxText's recipe keys that are not remat placements: use_iota_embed (the token lookup as
 a one-hot matmul), sa_use_fused_bwd_kernel (splash's fused backward: tests/layers/test_attention_kernels.py),
 reuse_example_batch (every step on the first batch), gcs_metrics and the profiler's step keys (upstream's
-names of enable_jsonl_metrics, profile_start_step, profile_steps), and two of upstream's tuning blocks
-typed out as they are written there, each key checked for its effect."""
+names of enable_jsonl_metrics, profile_start_step, profile_steps), enable_dropout, profile_cleanly,
+enable_checkpoint_cloud_logger, use_qwix_quantization, allow_split_physical_axes and custom_mesh (megablox
+and ici_context_parallelism: tests/test_spellings.py), and three of upstream's tuning blocks typed out as
+they are written there, each key checked for its effect."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from tests.conftest import REPO_ROOT
 from train_utils import Run
 
 # benchmarks/maxtext_trillium_model_configs.py (AI-Hypercomputer/maxtext, 2026-08-22), the tuning_params of
-# llama2-7b-4096 (v6e) and llama3_1-8b-8192 (v6e), keys and values as written there.
+# llama2-7b-4096 (v6e), llama3_1-8b-8192 (v6e) and mixtral_8x7b_dropless (v6e), keys and values as written there.
 V6E_LLAMA2_7B_4096 = {
     "per_device_batch_size": 12, "ici_fsdp_parallelism": -1, "remat_policy": "full", "max_target_length": 4096,
     "attention": "flash", "gcs_metrics": True, "use_iota_embed": True, "dataset_path": "gs://max-datasets-rogue",
@@ -39,6 +41,12 @@ V6E_LLAMA3_1_8B_8192 = {
     "sa_block_kv_compute": 2048, "sa_block_q_dkv": 2048, "sa_block_kv_dkv": 2048, "sa_block_kv_dkv_compute": 2048,
     "sa_block_q_dq": 2048, "sa_block_kv_dq": 2048, "sa_use_fused_bwd_kernel": True, "profiler": "xplane",
     "skip_first_n_steps_for_profiler": 10, "profiler_steps": 5,
+}
+V6E_MIXTRAL_8X7B_DROPLESS = {  # mixtral_8x7b_dropless (v6e)
+    "per_device_batch_size": 12, "ici_fsdp_parallelism": -1, "max_target_length": 4096, "remat_policy": "full",
+    "attention": "flash", "gcs_metrics": True, "use_iota_embed": True, "dataset_path": "gs://max-datasets-rogue",
+    "dataset_type": "synthetic", "reuse_example_batch": 1, "enable_checkpointing": False, "profiler": "xplane",
+    "sa_block_q": 2048, "sa_block_q_dkv": 2048, "sa_block_q_dq": 2048, "megablox": True, "sparse_matmul": True,
 }
 _TINY = dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16, base_mlp_dim=128,
              base_num_decoder_layers=2, vocab_size=128, max_target_length=32, per_device_batch_size=1, print_config=False)
@@ -190,6 +198,34 @@ def test_checkpoint_events_go_to_the_run_folder_with_one_line_saying_so(tmp_path
   assert capsys.readouterr().out.count("checkpoint_events.jsonl") == 1
 
 
+# ---------------------------------------------------------------- ici_context_parallelism
+
+def test_upstreams_context_axis_is_the_sequence_axis_and_one_block_cannot_set_two_degrees():
+  mesh = dict(Config.for_testing(**_TINY, ici_context_parallelism=2, context_parallel_strategy="ring").mesh.shape)
+  assert (mesh["sequence"], mesh["fsdp"]) == (2, 4)
+  with pytest.raises(ConfigError, match=r"^'ici_context_parallelism' \(deprecated\) and 'ici_sequence_parallelism' "
+                                        r"name the same setting but Config.for_testing gives them different values "
+                                        r"\(2 and 4\); keep only 'ici_sequence_parallelism'$"):
+    Config.for_testing(**_TINY, ici_context_parallelism=2, ici_sequence_parallelism=4)
+
+
+# ---------------------------------------------------------------- use_qwix_quantization
+
+def test_use_qwix_quantization_is_accepted_and_warns_once_where_it_would_pick_qwixs_backward(monkeypatch, capsys):
+  from MaxText.configuration import model_config
+
+  monkeypatch.setattr(model_config, "_WARNED_QWIX", set())
+  plain = Config.for_testing(**_TINY, quantization="int8").model
+  for _ in range(2):
+    assert Config.for_testing(**_TINY, use_qwix_quantization=True, quantization="int8").model.quantization == "int8"
+  Config.for_testing(**_TINY, use_qwix_quantization=True)  # no quantization: nothing to choose, as upstream
+  assert plain.use_qwix_quantization is False
+  assert [line for line in capsys.readouterr().err.splitlines() if "qwix" in line.lower()] == [
+      "warning: use_qwix_quantization=True: quantization=int8 runs this project's own implementation (backward: "
+      "straight-through in dtype), not Qwix's, which quantizes the backward matmuls to the forward's type; see "
+      "getting_started/Low_precision.md"]
+
+
 # ---------------------------------------------------------------- allow_split_physical_axes, custom_mesh
 
 def _v6e_256_mesh(slices=1, **degrees):
@@ -261,8 +297,9 @@ def test_a_synthetic_run_does_not_probe_the_dataset_path_only_tfds_reads(monkeyp
   assert "dataset_path" not in probed[0] and probed[1]["dataset_path"] == "gs://max-datasets-rogue"
 
 
-@pytest.mark.parametrize("model_name, block", [("llama2-7b", V6E_LLAMA2_7B_4096), ("llama3.1-8b", V6E_LLAMA3_1_8B_8192)],
-                         ids=["v6e llama2-7b-4096", "v6e llama3_1-8b-8192"])
+@pytest.mark.parametrize("model_name, block", [("llama2-7b", V6E_LLAMA2_7B_4096), ("llama3.1-8b", V6E_LLAMA3_1_8B_8192),
+                                               ("mixtral-8x7b", V6E_MIXTRAL_8X7B_DROPLESS)],
+                         ids=["v6e llama2-7b-4096", "v6e llama3_1-8b-8192", "v6e mixtral_8x7b_dropless"])
 def test_an_upstream_tuning_block_loads_as_written_and_each_key_takes_effect(model_name, block):
   config = Config.for_testing(model_name=model_name, **block)
   model, data, run = config.model, config.data, config.run
@@ -279,6 +316,8 @@ def test_an_upstream_tuning_block_loads_as_written_and_each_key_takes_effect(mod
                                                          block.get("profiler_steps", 5))
   if model.remat_policy == "custom":
     assert set(model.remat.offload) == {"decoder_layer_input", "query_proj", "key_proj", "value_proj", "out_proj"}
+  if "megablox" in block:  # the Pallas grouped matmul for the dropless experts
+    assert model.moe.sparse_matmul and model.moe.moe_grouped_matmul == "megablox"
 
 
 @pytest.mark.slow  # a training run

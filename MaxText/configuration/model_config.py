@@ -50,6 +50,21 @@ def remat_placements_from_values(v: Mapping[str, Any]) -> Any:
 
 
 _WARNED_UNPRODUCED: set[str] = set()
+_WARNED_QWIX: set[str] = set()
+
+
+def _note_qwix(v: Mapping[str, Any]) -> None:
+  """Upstream's use_qwix_quantization picks the library behind its `quantization`; here `quantization` has
+  one implementation, whose backward differs from Qwix's (which quantizes the gradients' matmuls too)."""
+  mode = v["quantization"]
+  if not (v["use_qwix_quantization"] and mode) or mode in _WARNED_QWIX:
+    return
+  _WARNED_QWIX.add(mode)
+  backward = ("straight-through in dtype" if mode == "int8" else "e5m2 gradients, per-tensor scales" if mode == "fp8"
+              else "MXFP8 gradients")
+  print(f"warning: use_qwix_quantization=True: quantization={mode} runs this project's own implementation (backward: "
+        f"{backward}), not Qwix's, which quantizes the backward matmuls to the forward's type; see "
+        "getting_started/Low_precision.md", file=sys.stderr, flush=True)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -269,6 +284,7 @@ class ModelConfig:
   remat_placements: Any = record(RematPlacements)  # remat_policy=custom's placement keys
   max_target_length: int = key(fixed_on_resume=DATA_POSITION)
   quantization: str = key()  # "" | int8 | fp8 | mxfp8: the decoder stack's matmuls (layers/quantization.py)
+  use_qwix_quantization: bool = key()  # upstream's choice between its AQT and Qwix; one implementation here
   pipeline: PipelineConfig = record(PipelineConfig)
   lora: LoraConfig = record(LoraConfig)
   # Derived: sizes after global_parameter_scale.
@@ -342,6 +358,7 @@ class ModelConfig:
     checks.check_mla(v)
     checks.check_linear_attention(v)
     checks.check_quantization(v)
+    _note_qwix(v)
     checks.check_lora(v)
     layers = v["base_num_decoder_layers"] * s["layers"]
     pipelined = dict(mesh.shape)["stage"] > 1
