@@ -248,14 +248,23 @@ class Server:
     timeout = self.decode_cfg.serve_request_timeout_seconds
     deadline = time.monotonic() + timeout
     remaining, first = len(jobs), True
+    # A tick (an empty list) on the queue at most every second wakes the loop below to check the deadline
+    # and the client: one timer per second, not a timed wait per list of events.
+    loop = asyncio.get_running_loop()
+    ticking: list[asyncio.TimerHandle] = []
+
+    def tick() -> None:
+      queue.put_nowait([])
+      ticking[0] = loop.call_later(min(1.0, max(deadline - time.monotonic(), 0.001)), tick)
+
+    ticking.append(loop.call_later(min(1.0, timeout), tick))
     try:
       while remaining:
         if time.monotonic() >= deadline:
           raise api.ApiError(504, f"the request took longer than serve_request_timeout_seconds={timeout}",
                              code="timeout")
-        try:
-          events = await asyncio.wait_for(queue.get(), timeout=min(1.0, max(deadline - time.monotonic(), 0.001)))
-        except asyncio.TimeoutError:
+        events = await queue.get()
+        if not events:
           if await is_disconnected():
             return
           continue
@@ -266,6 +275,7 @@ class Server:
           self.metrics.observe_first_token(route, jobs[0].submitted)
         yield events
     finally:
+      ticking[0].cancel()
       for job in jobs:
         job.cancel()
 
