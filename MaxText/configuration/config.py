@@ -101,8 +101,11 @@ def read_descriptions(path: Path = BASE_CONFIG_PATH) -> dict[str, str]:
   return descriptions
 
 
+_TYPE_NAMES = {bool: "boolean (true or false)", int: "whole number", float: "number", str: "string", list: "list"}
+
+
 def _type_name(value: object) -> str:
-  return type(value).__name__
+  return _TYPE_NAMES.get(type(value), type(value).__name__)
 
 
 def coerce(key: str, value: Any, default: Any) -> Any:
@@ -143,7 +146,7 @@ def coerce(key: str, value: Any, default: Any) -> Any:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
       return [value]  # `prompt_token_ids=5`: YAML read the one-item list as a number
   raise ConfigError(
-      f"{key} must be a {_type_name(default)} (like its default {default!r}), got {value!r}"
+      f"{key} must be a {_type_name(default)} like its default {default!r}, got {value!r}"
   )
 
 
