@@ -253,6 +253,26 @@ def test_a_stream_with_include_usage_ends_with_the_usage(served):
   assert completion[-1].choices == [] and completion[-1].usage == whole.usage
 
 
+@pytest.mark.slow  # a second server
+def test_four_steps_per_call_stream_chunks_of_several_tokens_with_the_whole_text_and_usage(tmp_path):
+  """decode_steps_per_call=4: a call's tokens reach a stream together and go out as one chunk, a logprob entry per
+  token; the chunks join to the unstreamed text (the uncached greedy decode) and count its usage."""
+  served = Served(tmp_path, dict(MODEL, decode_steps_per_call=4))
+  try:
+    prompt = PROMPTS[1]
+    expected = served.greedy(served.ids(prompt), 12)
+    assert len(expected) >= 6  # several calls' worth
+    whole = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, logprobs=0)
+    chunks = list(served.client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                                   logprobs=0, stream=True, stream_options={"include_usage": True}))
+    per_chunk = [len(c.choices[0].logprobs.tokens) for c in chunks[:-1] if c.choices[0].logprobs]
+    assert sum(per_chunk) == whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == len(expected)
+    assert len(per_chunk) < sum(per_chunk)  # some chunk holds several tokens
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == whole.choices[0].text == served.text(expected)
+  finally:
+    served.close()
+
+
 def test_seeded_sampling_repeats_and_n_choices_differ(served):
   args = dict(model="tiny", prompt=PROMPTS[1], max_tokens=10, temperature=1.5, top_p=0.95, seed=7, n=3)
   first = served.client.completions.create(**args)
