@@ -108,6 +108,18 @@ class MeshConfig:
     dcn = dict(self.dcn)
     return tuple((axis, degree * dcn[axis]) for axis, degree in self.ici)
 
+  def batch_axes(self, rows: int, micro_batches: int = 1) -> tuple[str, ...]:
+    """The data_sharding axes a batch of `rows` rows, taken in `micro_batches` micro-batches, is split
+    over: all of them when their devices divide each micro-batch; else only those the model splits
+    rows over ("activation_batch" rules' axes, and the pipeline stage), the others (by default
+    sequence and tensor, which split within a row) holding the same rows, as upstream MaxText does
+    for a per_device_batch_size under 1. The caller checks that the axes returned divide the rows."""
+    shape = dict(self.shape)
+    if rows % (math.prod(shape[a] for a in self.data_sharding) * micro_batches) == 0:
+      return self.data_sharding
+    splitting = {a for name, axes in self.logical_axis_rules if name == "activation_batch" for a in axes}
+    return tuple(a for a in self.data_sharding if a in splitting or a == "stage")
+
   @classmethod
   def from_values(cls, v: Mapping[str, Any], target: DeviceTarget) -> "MeshConfig":
     num_slices = v["num_slices"] if v["num_slices"] != -1 else target.num_slices
@@ -153,6 +165,9 @@ def _check_custom_mesh(v: Mapping[str, Any], resolved: Mapping[str, Any], per_sl
            "otherwise); set it, or drop custom_mesh")
 
 
+OPT_TYPES = ("adamw", "muon", "sgd", "adam_pax")  # training/optimizers.create_optimizer
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimConfig:
   opt_type: str = key(fixed_on_resume=OPTIMIZER)
@@ -181,7 +196,7 @@ class OptimConfig:
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any]) -> "OptimConfig":
-    _require(v["opt_type"] in ("adamw", "muon"), f"opt_type must be 'adamw' or 'muon', got {v['opt_type']!r}")
+    _require(v["opt_type"] in OPT_TYPES, f"opt_type must be one of {', '.join(OPT_TYPES)}, got {v['opt_type']!r}")
     _require(0.0 < v["muon_beta"] < 1.0 and v["muon_ns_steps"] >= 1 and v["muon_consistent_rms"] >= 0.0,
              f"Muon needs 0 < muon_beta < 1, muon_ns_steps >= 1 and muon_consistent_rms >= 0; got {v['muon_beta']}, "
              f"{v['muon_ns_steps']}, {v['muon_consistent_rms']}")

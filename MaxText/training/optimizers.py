@@ -35,12 +35,50 @@ def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
   return optax.join_schedules([warmup, cosine], [cfg.warmup_steps])
 
 
+def scale_by_pax_adam(b1: float, b2: float, eps: float, eps_root: float) -> optax.GradientTransformation:
+  """Adam's direction m / (sqrt(v + eps_root) + eps), Pax's way (upstream's opt_type=adam_pax): each moment
+  is kept already bias-corrected, updated with the decay b (1 - b^(t-1)) / (1 - b^t) at step t, instead of
+  raw moments divided by (1 - b^t) when read. The moments take the gradients' dtype."""
+
+  def corrected(decay: float, count: jax.Array) -> jax.Array:
+    t = count.astype(jnp.float32) + 1.0  # in float32 even for bfloat16 moments: decay^t must not round to 1
+    return decay * (1.0 - decay ** (t - 1.0)) / (1.0 - decay ** t)
+
+  def init(params: Params) -> optax.ScaleByAdamState:
+    return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(jnp.zeros_like, params),
+                                  nu=jax.tree.map(jnp.zeros_like, params))
+
+  def update(grads: Params, state: optax.ScaleByAdamState, params: Params | None = None
+             ) -> tuple[Params, optax.ScaleByAdamState]:
+    del params
+    d1, d2 = corrected(b1, state.count), corrected(b2, state.count)
+
+    def moment(decay: jax.Array, g: jax.Array, m: jax.Array) -> jax.Array:
+      decay = decay.astype(g.dtype)
+      return (1.0 - decay) * g + decay * m
+
+    mu = jax.tree.map(lambda g, m: moment(d1, g, m), grads, state.mu)
+    nu = jax.tree.map(lambda g, v: moment(d2, g * g, v), grads, state.nu)
+    direction = jax.tree.map(lambda m, v: m / (jnp.sqrt(v + eps_root) + eps), mu, nu)
+    return direction, optax.ScaleByAdamState(count=state.count + 1, mu=mu, nu=nu)
+
+  return optax.GradientTransformation(init, update)
+
+
 def create_optimizer(cfg: OptimConfig, logical_names: Params | None = None) -> optax.GradientTransformation:
-  """AdamW, or (opt_type=muon) Muon on the weight matrices and AdamW on the rest, which needs the model's
-  parameter `logical_names` (ModelSpec.logical_names) to tell them apart."""
+  """AdamW; plain SGD (opt_type=sgd); Pax-style Adam (adam_pax); or (muon) Muon on the weight matrices and
+  AdamW on the rest, which needs the model's parameter `logical_names` (ModelSpec.logical_names) to tell them
+  apart. All under the same schedule and clipping."""
   schedule = learning_rate_schedule(cfg)
-  optimizer = optax.adamw(schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps, eps_root=cfg.adam_eps_root,
-                          weight_decay=cfg.adam_weight_decay)
+  optimizer: optax.GradientTransformation
+  if cfg.opt_type == "sgd":  # upstream's: no momentum, no weight decay, no state
+    optimizer = optax.sgd(schedule)
+  elif cfg.opt_type == "adam_pax":  # decay added to the direction, then both scaled by the learning rate
+    optimizer = optax.chain(scale_by_pax_adam(cfg.adam_b1, cfg.adam_b2, cfg.adam_eps, cfg.adam_eps_root),
+                            optax.add_decayed_weights(cfg.adam_weight_decay), optax.scale_by_learning_rate(schedule))
+  else:
+    optimizer = optax.adamw(schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps, eps_root=cfg.adam_eps_root,
+                            weight_decay=cfg.adam_weight_decay)
   if cfg.opt_type == "muon":
     if logical_names is None:
       raise ValueError("opt_type=muon needs the parameters' logical names")

@@ -1,0 +1,76 @@
+"""Upstream MaxText's opt_type=sgd and opt_type=adam_pax (training/optimizers.py): a few updates of each equal a
+NumPy reference of its formulas under the run's learning-rate schedule; an unknown opt_type is one error line."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from MaxText.configuration.config import Config
+from MaxText.errors import ConfigError
+from MaxText.training import optimizers
+
+STEPS = 10  # the cosine schedule's length; no warmup
+
+
+def _cfg(opt_type: str, **kw: object) -> object:
+  return Config.for_testing(opt_type=opt_type, steps=STEPS, learning_rate=0.1, warmup_steps_fraction=0.0,
+                            gradient_clipping_threshold=0.0, print_config=False, **kw).optim
+
+
+def _lr(t: int, peak: float = 0.1, final: float = 0.1) -> float:
+  """The schedule at update t (0-based): cosine from the peak to `final` of it over STEPS."""
+  return peak * (final + (1 - final) * 0.5 * (1 + math.cos(math.pi * t / STEPS)))
+
+
+def _run(opt_type: str, steps: int, **kw: object) -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]],
+                                                        dict[str, np.ndarray]]:
+  rng = np.random.default_rng(0)
+  params = {"w": rng.normal(size=(3, 5)).astype(np.float32), "b": rng.normal(size=(5,)).astype(np.float32)}
+  grads = [{k: rng.normal(size=v.shape).astype(np.float32) for k, v in params.items()} for _ in range(steps)]
+  optimizer = optimizers.create_optimizer(_cfg(opt_type, **kw))
+  state, current = optimizer.init(params), dict(params)
+  for g in grads:
+    updates, state = optimizer.update(g, state, current)
+    current = {k: np.asarray(current[k] + updates[k]) for k in current}
+  return params, grads, current
+
+
+def test_sgd_is_plain_gradient_descent_under_the_schedule():
+  """No momentum and no weight decay, whatever adam_weight_decay says (as upstream's optax.sgd)."""
+  params, grads, got = _run("sgd", 3, adam_weight_decay=0.1)
+  for k in params:
+    expected = params[k].astype(np.float64) - sum(_lr(t) * g[k] for t, g in enumerate(grads))
+    np.testing.assert_allclose(got[k], expected, rtol=1e-6, atol=1e-6, err_msg=k)
+
+
+def test_adam_pax_equals_bias_corrected_adam_with_decay_added_before_the_learning_rate():
+  """Adam's m̂ / (sqrt(v̂ + eps_root) + eps), plus weight decay times the parameter, times the learning rate;
+  eps and eps_root are large here so that where each goes shows."""
+  b1, b2, eps, eps_root, wd = 0.9, 0.95, 1e-2, 1e-3, 0.1
+  params, grads, got = _run("adam_pax", 4, adam_b1=b1, adam_b2=b2, adam_eps=eps, adam_eps_root=eps_root,
+                            adam_weight_decay=wd)
+  for k in params:
+    p, m, v = params[k].astype(np.float64), 0.0, 0.0
+    for t, g in enumerate(grads, start=1):
+      m = b1 * m + (1 - b1) * g[k]
+      v = b2 * v + (1 - b2) * g[k] ** 2
+      direction = (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t) + eps_root) + eps)
+      p = p - _lr(t - 1) * (direction + wd * p)
+    np.testing.assert_allclose(got[k], p, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_adam_pax_keeps_its_moments_bias_corrected():
+  """Its state after one update is the gradient itself (m̂ = g, v̂ = g²), where AdamW's raw moments are (1 - b) g."""
+  g = {"w": np.linspace(-1.0, 1.0, 6, dtype=np.float32)}
+  optimizer = optimizers.create_optimizer(_cfg("adam_pax"))
+  _, state = optimizer.update(g, optimizer.init(g), g)
+  np.testing.assert_allclose(state[0].mu["w"], g["w"], rtol=1e-6)
+  np.testing.assert_allclose(state[0].nu["w"], g["w"] ** 2, rtol=1e-5)
+
+
+def test_an_unknown_opt_type_is_one_line():
+  with pytest.raises(ConfigError, match=r"opt_type must be one of adamw, muon, sgd, adam_pax, got 'lion'"):
+    Config.for_testing(opt_type="lion")
