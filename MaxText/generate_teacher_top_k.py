@@ -74,7 +74,7 @@ def generate(config: Config, devices: Sequence[jax.Device] | None = None) -> str
   _check(config)
   d, data = config.distill, config.data
   on_mesh, params = model_assembly.assemble_model(teacher_config(config), d.distill_teacher_path, devices=devices)
-  batch_sharding = sharding.batch_sharding(on_mesh.mesh, config.mesh.data_sharding)
+  batch_sharding = sharding.batch_sharding(on_mesh.mesh, config.data.batch_axes)
   shard = host_shard(batch_sharding, data.global_batch_size, data.max_target_length)
   # The replica of a data shard with the lowest process index writes it.
   writes = all(host_shard(batch_sharding, data.global_batch_size, data.max_target_length, p).index != shard.index

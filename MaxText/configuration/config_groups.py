@@ -108,6 +108,18 @@ class MeshConfig:
     dcn = dict(self.dcn)
     return tuple((axis, degree * dcn[axis]) for axis, degree in self.ici)
 
+  def batch_axes(self, rows: int, micro_batches: int = 1) -> tuple[str, ...]:
+    """The data_sharding axes a batch of `rows` rows, taken in `micro_batches` micro-batches, is split
+    over: all of them when their devices divide each micro-batch; else only those the model splits
+    rows over ("activation_batch" rules' axes, and the pipeline stage), the others (by default
+    sequence and tensor, which split within a row) holding the same rows, as upstream MaxText does
+    for a per_device_batch_size under 1. The caller checks that the axes returned divide the rows."""
+    shape = dict(self.shape)
+    if rows % (math.prod(shape[a] for a in self.data_sharding) * micro_batches) == 0:
+      return self.data_sharding
+    splitting = {a for name, axes in self.logical_axis_rules if name == "activation_batch" for a in axes}
+    return tuple(a for a in self.data_sharding if a in splitting or a == "stage")
+
   @classmethod
   def from_values(cls, v: Mapping[str, Any], target: DeviceTarget) -> "MeshConfig":
     num_slices = v["num_slices"] if v["num_slices"] != -1 else target.num_slices

@@ -17,6 +17,7 @@ from MaxText.configuration.config_fields import require as _require
 from MaxText.configuration.data_mixture import MixtureSource, MixtureStage, parse_schedule, parse_sources
 from MaxText.configuration.model_checks import one_of as _one_of, positive as _positive
 from MaxText.configuration.objective_registry import CHAT_OBJECTIVES, OBJECTIVES
+from MaxText.errors import ConfigError
 
 if TYPE_CHECKING:
   from MaxText.configuration.config_groups import MeshConfig
@@ -70,6 +71,9 @@ class DataConfig:
   max_images_per_row: int = key(fixed_on_resume=DATA_POSITION)
   # A new mesh may change per_device_batch_size or the device count, not their product.
   global_batch_size: int = derived(fixed_on_resume=DATA_POSITION)
+  # The data_sharding axes the batch's rows are split over (MeshConfig.batch_axes); on the others
+  # every device holds the same rows.
+  batch_axes: tuple[str, ...] = derived()
   image_size: int = derived(0)  # pixel_values' side (the vision tower's) when max_images_per_row > 0
 
   @property
@@ -111,14 +115,28 @@ class DataConfig:
     _require(float(global_batch).is_integer(), f"per_device_batch_size {v['per_device_batch_size']} x "
              f"{target.num_devices} devices = {global_batch} is not a whole number of sequences")
     global_batch = int(global_batch)
-    shape = dict(mesh.shape)
-    batch_shards = math.prod(shape[a] for a in mesh.data_sharding)
     accum = v["gradient_accumulation_steps"]
-    _require(global_batch % (batch_shards * accum) == 0,
-             f"global batch {global_batch} must split evenly into gradient_accumulation_steps={accum} "
-             f"micro-batches over the {batch_shards} devices of data_sharding; raise per_device_batch_size")
+    batch_axes = mesh.batch_axes(global_batch, accum)
+    _check_batch_split(v["per_device_batch_size"], target.num_devices, global_batch, accum, mesh, batch_axes)
     return cls(**read_keys(cls, v, data_mixture=mixture, data_mixture_schedule=schedule), global_batch_size=global_batch,
-               image_size=v["vision_image_size"] if v["max_images_per_row"] else 0)
+               batch_axes=batch_axes, image_size=v["vision_image_size"] if v["max_images_per_row"] else 0)
+
+
+def _check_batch_split(per_device: float, devices: int, global_batch: int, accum: int, mesh: "MeshConfig",
+                       batch_axes: tuple[str, ...]) -> None:
+  """Each micro-batch splits into whole rows over the devices of `batch_axes`."""
+  shape = dict(mesh.shape)
+  shards = math.prod(shape[a] for a in batch_axes)
+  if global_batch % (shards * accum) == 0:
+    return
+  named = lambda axes: ", ".join(f"{a}={shape[a]}" for a in axes if shape[a] > 1) or "none"
+  same_rows = [a for a in mesh.data_sharding if a not in batch_axes and shape[a] > 1]
+  over = (f"the {shards} devices that split rows ({named(batch_axes)}; rows repeated over {named(same_rows)})"
+          if same_rows else f"the {shards} devices of data_sharding ({named(batch_axes)})")
+  raise ConfigError(f"global batch {global_batch} (per_device_batch_size {per_device:g} x {devices} devices) must "
+                    f"split evenly into gradient_accumulation_steps={accum} micro-batches over {over}; set "
+                    f"per_device_batch_size to a multiple of {shards * accum / devices:g}, or move parallelism from "
+                    "those axes to tensor or sequence")
 
 
 def _check_images(v: Mapping[str, Any]) -> None:

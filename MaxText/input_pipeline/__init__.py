@@ -185,7 +185,7 @@ def real_data_iterator(config: Config, mesh: Mesh, train: bool, shard: pipeline.
   from MaxText.input_pipeline import mixture, pipeline
 
   cfg = config.data
-  sharding = batch_sharding(mesh, config.mesh.data_sharding)
+  sharding = batch_sharding(mesh, config.data.batch_axes)
   shard = shard or pipeline.host_shard(sharding, cfg.global_batch_size, cfg.max_target_length)
   encoder, pack = _encoder(config)
   explain_empty = getattr(encoder, "explain_empty", None)
@@ -219,8 +219,8 @@ def _record_locator(cfg: DataConfig, train: bool) -> Callable[[int], str] | None
 
 
 def create_data_iterator(config: Config, mesh: Mesh, start_step: int = 0) -> BatchIterator:
-  """The training iterator for `config.data`, producing batches sharded by `data_sharding`."""
-  sharding = batch_sharding(mesh, config.mesh.data_sharding)
+  """The training iterator for `config.data`, producing batches split over `config.data.batch_axes`."""
+  sharding = batch_sharding(mesh, config.data.batch_axes)
   if config.data.dataset_type != "synthetic":
     return _with_teacher_top_k(config, real_data_iterator(config, mesh, train=True), sharding, train=True)
   return _with_teacher_top_k(config, SyntheticIterator(config.data, sharding, start_step=start_step), sharding,
@@ -230,7 +230,7 @@ def create_data_iterator(config: Config, mesh: Mesh, start_step: int = 0) -> Bat
 def create_eval_iterator(config: Config, mesh: Mesh) -> BatchIterator | None:
   """Eval batches (with `reset()`); real data is read from the eval split in order, and once it
   runs out the remaining batches are padding, which adds nothing to the eval loss."""
-  sharding = batch_sharding(mesh, config.mesh.data_sharding)
+  sharding = batch_sharding(mesh, config.data.batch_axes)
   if config.data.dataset_type != "synthetic":
     if not config.data.has_eval_source:
       return None

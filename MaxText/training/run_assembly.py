@@ -115,7 +115,7 @@ def build_run(config: Config, *, devices: Sequence[Any] | None = None, compiled_
   partition = lora.partition_for(config.model)  # which parameters train: the optimizer's business
   objective = objective_for(config, on_mesh.spec, partition)
   setup = train_state.build_state_setup(config, on_mesh, partition, objective)
-  batch_sharding = sharding.batch_sharding(mesh, config.mesh.data_sharding)
+  batch_sharding = sharding.batch_sharding(mesh, config.data.batch_axes)
   step: Callable[..., tuple[train_state.TrainState, Metrics]]
   if compiled_step and config.startup.compiled_trainstep_file:
     step = _load_train_step(config, abstract_inputs(config, setup, batch_sharding))

@@ -1,0 +1,82 @@
+"""A per_device_batch_size under 1: the rows split over the axes the model splits rows over, the
+other data_sharding axes (tensor, sequence) holding the same rows, as upstream MaxText's recipes
+(v5p/v5e gpt-3-175b at 0.5 with tensor parallelism, v6e llama3.1-70b at 0.125 with context
+parallelism) expect."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+from MaxText.configuration.config import Config
+from MaxText.errors import ConfigError
+from MaxText.input_pipeline import create_data_iterator
+from MaxText.platform import sharding
+from MaxText.platform.accelerators import DeviceTarget
+from MaxText.training.run_assembly import build_run
+
+# 4 sequences on 8 devices: fsdp=4 splits them, tensor=2 repeats each.
+HALF_WITH_TENSOR = dict(per_device_batch_size=0.5, ici_fsdp_parallelism=4, ici_tensor_parallelism=2)
+
+
+def test_rows_split_over_fsdp_and_repeat_over_tensor(tiny_overrides):
+  config = Config.for_testing(**{**tiny_overrides, **HALF_WITH_TENSOR})
+  assert config.data.global_batch_size == 4
+  assert config.data.batch_axes == ("data", "stage", "fsdp", "fsdp_transpose", "expert", "autoregressive")
+  mesh = sharding.create_mesh(config.mesh)
+  batch = next(create_data_iterator(config, mesh))
+  # Upstream's input sharding for this mesh: rows over fsdp, none over tensor.
+  assert {name: x.sharding.spec for name, x in batch.items()} == {name: PartitionSpec("fsdp", None) for name in batch}
+  rows = batch["inputs"]
+  fsdp = {d: int(np.argwhere(mesh.devices == d)[0][mesh.axis_names.index("fsdp")]) for d in mesh.devices.flat}
+  for shard in rows.addressable_shards:
+    assert shard.data.shape == (1, 32)
+    np.testing.assert_array_equal(shard.data, np.asarray(rows)[fsdp[shard.device]:fsdp[shard.device] + 1])
+  # The activations' rows split the same way, so the step moves no rows between devices.
+  activation = sharding.logical_to_mesh_spec(("activation_batch", "activation_length", "activation_embed"),
+                                             config.mesh.logical_axis_rules, mesh, (4, 32, 64))
+  assert activation[0] == "fsdp"
+
+
+def test_a_batch_that_divides_every_device_keeps_its_split(tiny_overrides):
+  config = Config.for_testing(**{**tiny_overrides, **HALF_WITH_TENSOR, "per_device_batch_size": 1})
+  assert config.data.batch_axes == config.mesh.data_sharding
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(HALF_WITH_TENSOR, per_device_batch_size=0.25),
+     "global batch 2 (per_device_batch_size 0.25 x 8 devices) must split evenly into gradient_accumulation_steps=1 "
+     "micro-batches over the 4 devices that split rows (fsdp=4; rows repeated over tensor=2); set "
+     "per_device_batch_size to a multiple of 0.5, or move parallelism from those axes to tensor or sequence"),
+    (dict(per_device_batch_size=0.5, ici_fsdp_parallelism=8),
+     "global batch 4 (per_device_batch_size 0.5 x 8 devices) must split evenly into gradient_accumulation_steps=1 "
+     "micro-batches over the 8 devices of data_sharding (fsdp=8); set per_device_batch_size to a multiple of 1"),
+], ids=["rows_repeated_over_tensor", "no_axis_to_repeat_over"])
+def test_a_batch_that_cannot_split_is_one_line_naming_the_numbers(tiny_overrides, overrides, message):
+  with pytest.raises(ConfigError) as raised:
+    Config.for_testing(**{**tiny_overrides, **overrides})
+  assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def _train(config: Config, devices: list, steps: int) -> tuple[list[float], dict]:
+  run = build_run(config, devices=devices)
+  data, state, rng = run.data_iterator(), run.init_state(), jax.random.key(config.run.init_weights_seed)
+  losses = []
+  for _ in range(steps):
+    state, metrics = run.train_step(state, next(data), rng)
+    losses.append(float(jax.device_get(metrics["loss"])))
+  return losses, jax.device_get(state.params)
+
+
+@pytest.mark.slow
+def test_half_a_sequence_per_device_trains_like_the_same_batch_without_tensor_parallelism(tiny_overrides):
+  """4 sequences on 8 devices with tensor=2 against the same 4 on 4 devices, one each."""
+  devices = jax.devices()
+  fractional = Config.for_testing(**{**tiny_overrides, **HALF_WITH_TENSOR})
+  four = DeviceTarget(platform="cpu", device_kind=devices[0].device_kind, num_devices=4)
+  whole = Config.for_testing(**{**tiny_overrides, "per_device_batch_size": 1, "ici_fsdp_parallelism": 4},
+                             target=four)
+  losses, params = _train(fractional, devices, 3)
+  reference_losses, reference_params = _train(whole, devices[:4], 3)
+  np.testing.assert_allclose(losses, reference_losses, rtol=2e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), params, reference_params)
