@@ -30,7 +30,7 @@ PUBLISHED = {
     "llama3.1-8b": 8.03e9, "llama3.1-70b": 70.55e9, "llama3.1-405b": 405.85e9,
     # Llama 3.2 model cards: tied embeddings, counted once.
     "llama3.2-1b": 1.24e9, "llama3.2-3b": 3.21e9,
-    "mistral-7b": 7.24e9, "mixtral-8x7b": 46.7e9,
+    "mistral-7b": 7.24e9, "mixtral-8x7b": 46.7e9, "mixtral-8x22b": 141e9,
     "gemma-2b": 2.51e9, "gemma-7b": 8.54e9,
     "gemma2-2b": 2.61e9, "gemma2-9b": 9.24e9, "gemma2-27b": 27.23e9,
     "gpt3-6b": 6.7e9, "gpt3-175b": 175.0e9, "gpt3-52k": 52e3,

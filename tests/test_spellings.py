@@ -319,3 +319,18 @@ def test_the_planners_and_checkers_own_arguments_are_typed_by_tool_args(capsys):
     logit_checker.split_checker_args(["hf_model_path=hf", "batch_size=two"])
   with pytest.raises(ConfigError, match="^budget_minutes must be a float, got 'soon'$"):
     plan.PlanArgs.parse(["plan", "budget_minutes=soon"])
+
+
+# ---------------------------------------------------------------- upstream's model names
+
+def test_upstreams_model_names_read_our_files_with_one_warning_line(capsys):
+  """Each of upstream MaxText's other names reads the same configs/models file as ours, saying so once;
+  every name it maps to is a file here, and none is a file of its own (one file per model)."""
+  for upstream, ours in spellings.MODEL_NAMES.items():
+    assert config_lib.MODELS_DIR.joinpath(f"{ours}.yml").is_file()
+    assert not config_lib.MODELS_DIR.joinpath(f"{upstream}.yml").exists()
+  model = config_lib.Config.for_testing(model_name="llama4-17b-16e", print_config=False).model
+  assert model == config_lib.Config.for_testing(model_name="llama4-scout-17b-16e", print_config=False).model
+  config_lib.Config.for_testing(model_name="llama4-17b-16e", print_config=False)
+  warned = [line for line in capsys.readouterr().err.splitlines() if "model_name" in line]
+  assert warned == ["warning: model_name 'llama4-17b-16e' is upstream MaxText's name; here it is 'llama4-scout-17b-16e'"]

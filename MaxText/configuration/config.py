@@ -276,8 +276,13 @@ def parse_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -
   return Overrides(yaml_path, file_values, argv_values, env_values, schema, negated)
 
 
+def model_path(model_name: str) -> Path:
+  """configs/models/<model_name>.yml, upstream MaxText's names read as ours (spellings.MODEL_NAMES)."""
+  return MODELS_DIR / f"{spellings.model_name(model_name)}.yml"
+
+
 def _model_values(model_name: str, schema: Mapping[str, Any]) -> dict[str, Any]:
-  path = MODELS_DIR / f"{model_name}.yml"
+  path = model_path(model_name)
   if not path.is_file():
     known = sorted(p.stem for p in MODELS_DIR.glob("*.yml"))
     raise ConfigError(f"unknown model_name {model_name!r}; known models: {', '.join(known)}")

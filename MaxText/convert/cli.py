@@ -80,7 +80,7 @@ class CheckpointModelKeys:
     if saved is not None:
       model_keys = saved[0]
     elif "model_name" in overrides.explicit_keys():
-      named = config_lib.MODELS_DIR / f"{overrides.peek('model_name')}.yml"
+      named = config_lib.model_path(str(overrides.peek('model_name')))
       model_keys = config_lib.read_yaml(named) if named.is_file() else {}
     else:
       raise UserError(f"{self.checkpoint} has no {config_lib.MODEL_CONFIG_FILE} and is not in a run directory with a "
