@@ -69,14 +69,18 @@ def _train(config: Config, devices: list, steps: int) -> tuple[list[float], dict
 
 
 @pytest.mark.slow
-def test_half_a_sequence_per_device_trains_like_the_same_batch_without_tensor_parallelism(tiny_overrides):
-  """4 sequences on 8 devices with tensor=2 against the same 4 on 4 devices, one each."""
+def test_half_a_sequence_per_device_trains_like_the_same_batch_on_fewer_devices(tiny_overrides):
+  """4 sequences on 8 devices, each repeated over tensor=2 or sequence=2, against the same 4 on
+  4 devices, one each: the same losses and parameters."""
   devices = jax.devices()
-  fractional = Config.for_testing(**{**tiny_overrides, **HALF_WITH_TENSOR})
   four = DeviceTarget(platform="cpu", device_kind=devices[0].device_kind, num_devices=4)
   whole = Config.for_testing(**{**tiny_overrides, "per_device_batch_size": 1, "ici_fsdp_parallelism": 4},
                              target=four)
-  losses, params = _train(fractional, devices, 3)
   reference_losses, reference_params = _train(whole, devices[:4], 3)
-  np.testing.assert_allclose(losses, reference_losses, rtol=2e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), params, reference_params)
+  for repeated in ("ici_tensor_parallelism", "ici_sequence_parallelism"):
+    fractional = Config.for_testing(**{**tiny_overrides, "per_device_batch_size": 0.5, "ici_fsdp_parallelism": 4,
+                                       repeated: 2})
+    losses, params = _train(fractional, devices, 3)
+    np.testing.assert_allclose(losses, reference_losses, rtol=2e-6, err_msg=repeated)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=repeated), params,
+                 reference_params)
