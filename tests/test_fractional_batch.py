@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
 from MaxText.input_pipeline import create_data_iterator
+from MaxText.input_pipeline.pipeline import HostShard, host_shard
 from MaxText.platform import sharding
 from MaxText.platform.accelerators import DeviceTarget
 from MaxText.training.run_assembly import build_run
@@ -32,6 +33,9 @@ def test_rows_split_over_fsdp_and_repeat_over_tensor(tiny_overrides):
   for shard in rows.addressable_shards:
     assert shard.data.shape == (1, 32)
     np.testing.assert_array_equal(shard.data, np.asarray(rows)[fsdp[shard.device]:fsdp[shard.device] + 1])
+  # Two simulated hosts (devices 0-3, 4-7) each build their own 2 rows, repeated on their devices.
+  on_host = lambda device: int(device.id >= 4)  # noqa: E731
+  assert [host_shard(rows.sharding, 4, 32, p, on_host) for p in (0, 1)] == [HostShard(0, 2, 2), HostShard(1, 2, 2)]
   # The activations' rows split the same way, so the step moves no rows between devices.
   activation = sharding.logical_to_mesh_spec(("activation_batch", "activation_length", "activation_embed"),
                                              config.mesh.logical_axis_rules, mesh, (4, 32, 64))
