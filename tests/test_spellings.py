@@ -12,7 +12,7 @@ import yaml
 
 from MaxText import errors
 from MaxText.configuration import config as config_lib
-from MaxText.configuration import run_record, spellings
+from MaxText.configuration import model_checks, run_record, spellings
 from MaxText.errors import ConfigError
 
 SCHEMA = config_lib.read_yaml(config_lib.BASE_CONFIG_PATH)
@@ -326,7 +326,9 @@ def test_the_planners_and_checkers_own_arguments_are_typed_by_tool_args(capsys):
 def test_upstreams_model_names_read_our_files_with_one_warning_line(capsys):
   """Each of upstream MaxText's other names reads the same configs/models file as ours, saying so once;
   every name it maps to is a file here, and none is a file of its own (one file per model)."""
-  for upstream, ours in spellings.MODEL_NAMES.items():
+  names = {k: v for family in model_checks.families().values() for k, v in family.upstream_model_names.items()}
+  assert names
+  for upstream, ours in names.items():
     assert config_lib.MODELS_DIR.joinpath(f"{ours}.yml").is_file()
     assert not config_lib.MODELS_DIR.joinpath(f"{upstream}.yml").exists()
   model = config_lib.Config.for_testing(model_name="llama4-17b-16e", print_config=False).model

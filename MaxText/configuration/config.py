@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from MaxText.configuration import config_groups, data_config, spellings
+from MaxText.configuration import config_groups, data_config, model_checks, spellings
 from MaxText.platform import accelerators
 from MaxText.configuration import run_record
 from MaxText.paths import storage
@@ -277,8 +277,17 @@ def parse_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -
 
 
 def model_path(model_name: str) -> Path:
-  """configs/models/<model_name>.yml, upstream MaxText's names read as ours (spellings.MODEL_NAMES)."""
-  return MODELS_DIR / f"{spellings.model_name(model_name)}.yml"
+  """configs/models/<model_name>.yml; a name of upstream MaxText's for one of them (a family's
+  upstream_model_names) reads that file, with one warning line."""
+  path = MODELS_DIR / f"{model_name}.yml"
+  if path.is_file():
+    return path
+  for family in model_checks.families().values():
+    ours = family.upstream_model_names.get(model_name)
+    if ours is not None:
+      spellings.warn_model_name(model_name, ours)
+      return MODELS_DIR / f"{ours}.yml"
+  return path
 
 
 def _model_values(model_name: str, schema: Mapping[str, Any]) -> dict[str, Any]:

@@ -57,12 +57,6 @@ SWITCHES: dict[str, tuple[str, str, str]] = {
     # the grouped matmul of sparse_matmul: the Pallas TPU kernel, else jax.lax.ragged_dot
     "megablox": ("moe_grouped_matmul", "megablox", "ragged_dot"),
 }
-# upstream MaxText's model names that name a configs/models file of another name here (its recipes
-# give them as model_type): its name -> ours; one warning line says which file is read
-MODEL_NAMES: dict[str, str] = {
-    "llama4-17b-16e": "llama4-scout-17b-16e",
-    "llama4-17b-128e": "llama4-maverick-17b-128e",
-}
 # what a saved record meant when it held the flags of a key and none of them was True
 VALUE_ALIAS_NONE: dict[str, str] = {"objective": "lm"}
 
@@ -77,15 +71,11 @@ def warn_deprecated(old: str, new: str) -> None:
   print(f"warning: '{old}' is deprecated; use '{new}'", file=sys.stderr, flush=True)
 
 
-def model_name(name: str) -> str:
-  """The configs/models name that `name` spells (itself unless upstream MaxText calls it otherwise)."""
-  ours = MODEL_NAMES.get(name)
-  if ours is None:
-    return name
+def warn_model_name(name: str, ours: str) -> None:
+  """One warning line per process that upstream MaxText's model name `name` reads `ours` here."""
   if name not in _warned:
     _warned.add(name)
     print(f"warning: model_name '{name}' is upstream MaxText's name; here it is '{ours}'", file=sys.stderr, flush=True)
-  return ours
 
 
 def clash_error(old: str, new: str, old_value: object, new_value: object, source: str) -> ConfigError:

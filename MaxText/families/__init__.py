@@ -76,6 +76,8 @@ class Family:
   # HF model_type -> (its transformers model, token ids [B, L], pixel values [I, 3, R, R] or None) -> logits
   hf_image_text_logits: Mapping[str, Callable[[Any, "np.ndarray", "np.ndarray | None"], "np.ndarray"]] = (
       dataclasses.field(default_factory=dict))
+  # upstream MaxText's model names (its recipes' model_type) -> this family's configs/models name for them
+  upstream_model_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
   @property
   def per_layer_shapes(self) -> bool:

@@ -271,6 +271,8 @@ _TINY_TEXT = dict(**{**TINY_SHAPES, "num_hidden_layers": 4, "intermediate_size":
 
 register_family(Family("llama4", ("llama4_text", "llama4"), ("llama4",), llama4_any_model_keys, llama4_any_hf_config,
                        llama4_any_tensors,
+                       upstream_model_names={"llama4-17b-16e": "llama4-scout-17b-16e",
+                                             "llama4-17b-128e": "llama4-maverick-17b-128e"},
                        vision=VisionTower(llama4_vision.Llama4VisionEncoder, llama4_vision.Llama4Projector,
                                           bidirectional_images=False, check_keys=llama4_vision.check_vision_keys),
                        image_format=llama4_images.IMAGE_FORMAT,
