@@ -2,8 +2,8 @@
 a one-hot matmul), sa_use_fused_bwd_kernel (splash's fused backward: tests/layers/test_attention_kernels.py),
 reuse_example_batch (every step on the first batch), gcs_metrics and the profiler's step keys (upstream's
 names of enable_jsonl_metrics, profile_start_step, profile_steps), enable_dropout, profile_cleanly,
-enable_checkpoint_cloud_logger, use_qwix_quantization, allow_split_physical_axes and custom_mesh (megablox
-and ici_context_parallelism: tests/test_spellings.py), and three of upstream's tuning blocks typed out as
+enable_checkpoint_cloud_logger, use_qwix_quantization, allow_split_physical_axes, custom_mesh, fused_qkv and
+fused_mlp (megablox and ici_context_parallelism: tests/test_spellings.py), and three of upstream's tuning blocks typed out as
 they are written there, each key checked for its effect."""
 
 from __future__ import annotations
@@ -83,6 +83,62 @@ def test_a_train_step_with_the_one_hot_lookup_equals_the_gathers():
   np.testing.assert_allclose([metrics["loss"], metrics["grad_norm"]], [ref_metrics["loss"], ref_metrics["grad_norm"]],
                              rtol=1e-6)
   np.testing.assert_allclose(np.asarray(table), np.asarray(ref_table), rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------- fused_qkv and fused_mlp
+
+def _values_grads_dots(layer: nnx.Module, *args: jax.Array) -> tuple[jax.Array, object, int]:
+  """The layer's output, its gradients for the parameters and first input, and the dot_generals its
+  gradient computation traces."""
+  graph, params = nnx.split(layer, nnx.Param)
+  loss = lambda p, x: jnp.sum(jnp.sin(nnx.merge(graph, p)(x, *args[1:])))
+  with sharding.unsharded():
+    grads = jax.grad(loss, argnums=(0, 1))(params, args[0])
+    dots = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, args[0])).count("dot_general")
+    return layer(*args), grads, dots
+
+
+@pytest.mark.parametrize("which", ["fused_qkv", "fused_mlp"])
+def test_a_fused_projection_computes_the_three_or_two_in_one_matmul_with_the_same_values(which):
+  """fused_qkv: q, k and v from one matmul, and one each for the input's and the kernels' gradients (6 fewer
+  than three apart); fused_mlp: wi_0 and wi_1 likewise (3 fewer). The same parameters, values and gradients."""
+  from MaxText.layers.attention import Attention
+  from MaxText.layers.mlp import MlpBlock
+
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, 64)), jnp.float32)
+  got = []
+  for fused in (False, True):
+    cfg = Config.for_testing(**{**_TINY, "base_num_kv_heads": 4}, dtype="float32", attention="dot_product",
+                             **{which: fused}).model
+    with nnx.use_eager_sharding(False):
+      if which == "fused_qkv":
+        layer = Attention(cfg, rngs=nnx.Rngs(0))
+        args = (x, jnp.broadcast_to(jnp.arange(8), (2, 8)), jnp.ones((2, 8), jnp.int32))
+      else:
+        layer, args = MlpBlock(cfg, rngs=nnx.Rngs(0)), (x,)
+    got.append(_values_grads_dots(layer, *args))
+  (ref, ref_grads, ref_dots), (out, grads, dots) = got
+  np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads, ref_grads)
+  assert ref_dots - dots == (6 if which == "fused_qkv" else 3), (ref_dots, dots)
+
+
+@pytest.mark.slow  # two compiles of a train step
+def test_a_train_step_with_fused_projections_equals_the_unfused_one():
+  def step(fused):
+    run = Run(Config.for_testing(**{**_TINY, "base_num_kv_heads": 4}, dtype="float32", fused_qkv=fused,
+                                 fused_mlp=fused))
+    return run.train(run.init(), 2)[1]
+
+  fused, ref = step(True), step(False)
+  for key in ("loss", "grad_norm"):
+    np.testing.assert_allclose([h[key] for h in fused], [h[key] for h in ref], rtol=1e-5, err_msg=key)
+
+
+def test_fused_qkv_needs_multi_head_attention():
+  with pytest.raises(ConfigError, match=r"^fused_qkv=True needs multi-head attention \(num_kv_heads == "
+                     r"num_query_heads, not attention_type=mla\); got 4 query and 2 key/value heads"):
+    Config.for_testing(**_TINY, fused_qkv=True)
 
 
 # ---------------------------------------------------------------- sa_use_fused_bwd_kernel

@@ -84,6 +84,10 @@ def check_core(v: Mapping[str, Any]) -> None:
   num_q, num_kv = v["base_num_query_heads"] * heads, v["base_num_kv_heads"] * heads
   _require(num_q % num_kv == 0,
            f"num_query_heads ({num_q}) must be a multiple of num_kv_heads ({num_kv}) for grouped-query attention")
+  if v["fused_qkv"]:
+    _require(num_q == num_kv and v["attention_type"] != "mla", f"fused_qkv=True needs multi-head attention "
+             f"(num_kv_heads == num_query_heads, not attention_type=mla); got {num_q} query and {num_kv} key/value "
+             f"heads, attention_type={v['attention_type']}; set fused_qkv=False")
   one_of(v, "remat_policy", REMAT_POLICY_NAMES)
   one_of(v, "attention", ATTENTION_KINDS)
   for name in ("dtype", "weight_dtype"):

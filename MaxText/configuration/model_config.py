@@ -198,6 +198,7 @@ class MoeConfig:
   moe_all_to_all: str = key()  # auto | ragged | padded
   moe_ragged_buffer_factor: float = key()  # <= 0: worst-case receive buffer (dropless)
   moe_grouped_matmul: str = key()  # auto | ragged_dot | megablox (layers/grouped_matmul.py)
+  use_custom_sort_vjp: bool = key()  # sparse_matmul: the sorts' gradients gathered back (experts.permute_rows)
   moe_bias_update_rate: float = key()  # the correction bias's step per train step (0 = fixed)
 
 
@@ -280,6 +281,8 @@ class ModelConfig:
   logits_dot_in_fp32: bool = key()
   num_vocab_tiling: int = key()  # the output head and loss in this many tiles (models/outputs.py)
   use_iota_embed: bool = key()  # the token lookup as a one-hot matmul (layers/embeddings.py)
+  fused_qkv: bool = key()  # q, k, v from one matmul over their stacked kernels (linears.fused_outputs)
+  fused_mlp: bool = key()  # the MLP's input projections from one matmul, likewise
   remat_policy: str = key()
   remat_placements: Any = record(RematPlacements)  # remat_policy=custom's placement keys
   max_target_length: int = key(fixed_on_resume=DATA_POSITION)

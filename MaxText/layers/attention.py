@@ -30,7 +30,7 @@ from MaxText.layers import attention_kernels, context_parallel, ring_attention
 from MaxText.layers.attention_kernels import AttentionKernel, dot_product_attention
 from MaxText.layers import kv_cache, masks
 from MaxText.layers.embeddings import apply_rope, rope_attention_scale, rope_inverse_frequencies
-from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.linears import DenseGeneral, fused_outputs
 from MaxText.layers.normalizations import RMSNorm
 
 Array = jax.Array
@@ -279,7 +279,10 @@ class Attention(nnx.Module):
     cfg = self.cfg
     heads_names = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
     kv_names = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
-    q_BLNH, k_BSKH = self.query(x_BLD), self.key(x_BLD)
+    if cfg.fused_qkv:  # one matmul for the three projections
+      q_BLNH, k_BSKH, v_BSKH = fused_outputs([self.query, self.key, self.value], x_BLD)
+    else:
+      q_BLNH, k_BSKH, v_BSKH = self.query(x_BLD), self.key(x_BLD), self.value(x_BLD)
     if cfg.attn.use_qk_norm:
       q_BLNH, k_BSKH = _qk_norm(self.query_norm, q_BLNH, cfg), _qk_norm(self.key_norm, k_BSKH, cfg)
     q_BLNH, k_BSKH = self._rope(q_BLNH, positions_BL, layer_index), self._rope(k_BSKH, positions_BL, layer_index)
@@ -290,7 +293,7 @@ class Attention(nnx.Module):
       q_BLNH = _on_layers(is_nope, tune, q_BLNH)
     q_BLNH = sharding.constrain(q_BLNH * jnp.asarray(self.query_scale, q_BLNH.dtype), heads_names)
     k_BSKH = sharding.constrain(k_BSKH, kv_names)
-    v_BSKH = sharding.constrain(self.value(x_BLD), kv_names)
+    v_BSKH = sharding.constrain(v_BSKH, kv_names)
     sinks = {"sinks_N": self.sinks[...]} if cfg.attn.attention_sinks else {}
     if cache is not None:
       cache = kv_cache.write(cache, k_BSKH, v_BSKH, positions_BL)

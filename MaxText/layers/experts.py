@@ -116,14 +116,40 @@ def dense_experts(x_EBCD: jax.Array, kernels: Sequence[jax.Array], biases: Seque
 # ---------------------------------------------------------------- sorted rows
 
 
-def sort_by_expert(x_BLD: jax.Array, experts_BLk: jax.Array, num_experts: int
+@jax.custom_vjp
+def permute_rows(x_ND: jax.Array, perm_N: jax.Array, inverse_N: jax.Array) -> jax.Array:
+  """x[perm] for a permutation `perm` whose inverse is `inverse`, with the gradient gathered back by
+  the inverse (g[inverse]) where autodiff would scatter-add it (use_custom_sort_vjp)."""
+  return x_ND[perm_N]
+
+
+def _permute_rows_fwd(x_ND: jax.Array, perm_N: jax.Array, inverse_N: jax.Array
+                      ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+  return x_ND[perm_N], (perm_N, inverse_N)
+
+
+def _permute_rows_bwd(residuals: tuple[jax.Array, jax.Array], g_ND: jax.Array) -> tuple[jax.Array, None, None]:
+  _, inverse_N = residuals
+  return g_ND[inverse_N], None, None
+
+
+permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
+def sort_by_expert(x_BLD: jax.Array, experts_BLk: jax.Array, num_experts: int, custom_vjp: bool = False
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The B·L·k assignments' rows sorted by expert (stable: token order within an expert):
-  (rows [A, D], the sort order [A] over token-major assignments, rows per expert [E] int32)."""
+  (rows [A, D], the sort order [A] over token-major assignments, rows per expert [E] int32).
+  `custom_vjp`: each token's row is repeated k times and permuted (`permute_rows`), so the backward
+  gathers and sums the k copies instead of scatter-adding."""
   top_k = experts_BLk.shape[-1]
   expert_A = experts_BLk.reshape(-1)  # token-major: assignment a is token a // k
   order_A = jnp.argsort(expert_A, stable=True)
-  x_AD = x_BLD.reshape(-1, x_BLD.shape[-1])[order_A // top_k]
+  x_ND = x_BLD.reshape(-1, x_BLD.shape[-1])
+  if custom_vjp:
+    x_AD = permute_rows(jnp.repeat(x_ND, top_k, axis=0), order_A, jnp.argsort(order_A))
+  else:
+    x_AD = x_ND[order_A // top_k]
   sizes_E = jnp.bincount(expert_A, length=num_experts).astype(jnp.int32)
   return x_AD, order_A, sizes_E
 
@@ -146,11 +172,15 @@ def grouped_mlp(rows_MD: jax.Array, kernels: Sequence[jax.Array], biases: Sequen
   return _gated_mlp(rows_MD, project, activations)
 
 
-def combine_sorted(out_AD: jax.Array, order_A: jax.Array, weights_BLk: jax.Array) -> jax.Array:
+def combine_sorted(out_AD: jax.Array, order_A: jax.Array, weights_BLk: jax.Array, custom_vjp: bool = False
+                   ) -> jax.Array:
   """Expert outputs in sorted order -> each token's weighted sum of its k choices [B, L, D]."""
   batch, length, top_k = weights_BLk.shape
-  # Unsort with the inverse permutation (a gather, whose gradient is a scatter-add).
-  out_BLkD = out_AD[jnp.argsort(order_A)].reshape(batch, length, top_k, out_AD.shape[-1])
+  # Unsort with the inverse permutation: a gather, whose gradient is a scatter-add, or with
+  # `custom_vjp` a gather by `order_A` itself.
+  unsort_A = jnp.argsort(order_A)
+  unsorted_AD = permute_rows(out_AD, unsort_A, order_A) if custom_vjp else out_AD[unsort_A]
+  out_BLkD = unsorted_AD.reshape(batch, length, top_k, out_AD.shape[-1])
   out_BLkD = out_BLkD * weights_BLk[..., None].astype(out_BLkD.dtype)
   out_BLD = out_BLkD[:, :, 0]  # choice by choice, in the slot path's order, so all paths round alike
   for choice in range(1, top_k):

@@ -77,10 +77,37 @@ class DenseGeneral(nnx.Module):
       x_r = jax.lax.dot_general(x.astype(self.dtype), self.lora_a[...].astype(self.dtype), (contract, ((), ())))
       delta = jax.lax.dot_general(x_r, self.lora_b[...].astype(self.dtype), (((x_r.ndim - 1,), (0,)), ((), ())))
       y = y + (delta * jnp.asarray(self.lora_scale, delta.dtype)).astype(y.dtype)
+    return self.finish(y)
+
+  def finish(self, y: jax.Array) -> jax.Array:
+    """The bias and the remat name on the matmul's output `y`."""
     if self.use_bias:
       bias = self.bias[...].astype(self.dtype)
       y = y + jnp.expand_dims(bias, tuple(range(y.ndim - bias.ndim)))  # explicit: no implicit rank promotion
     return checkpoint_name(y, self.tag) if self.tag else y
+
+  def fusable_with(self, other: "DenseGeneral") -> bool:
+    """Whether one matmul over both kernels stacked computes both outputs: the same shapes and
+    dtypes, no adapter, float storage, and no quantization mode at trace time."""
+    plain = lambda d: d.lora_rank == 0 and not isinstance(d.kernel.get_raw_value(), QuantizedWeight)
+    mode = quantization.current_quantization() if self.quantize or other.quantize else ""
+    return (plain(self) and plain(other) and not mode and self.dtype == other.dtype
+            and (self.in_shape, self.out_shape) == (other.in_shape, other.out_shape))
+
+
+def fused_outputs(layers: Sequence[DenseGeneral], x: jax.Array) -> list[jax.Array]:
+  """Each layer's output on the same input, from one matmul over their kernels stacked on an axis after
+  the input dims (fused_qkv, fused_mlp): the parameters stay apart, as a checkpoint holds them. Layers
+  that cannot share one (DenseGeneral.fusable_with) each run their own."""
+  first = layers[0]
+  if not all(first.fusable_with(layer) for layer in layers[1:]):
+    return [layer(x) for layer in layers]
+  num_in = len(first.in_shape)
+  kernel = jnp.stack([layer.kernel[...].astype(first.dtype) for layer in layers], axis=num_in)
+  contract = (tuple(range(x.ndim - num_in, x.ndim)), tuple(range(num_in)))
+  y = quantization.quantized_dot_general("", x.astype(first.dtype), kernel, (contract, ((), ())))
+  axis = x.ndim - num_in  # the stacked axis in the output
+  return [layer.finish(jax.lax.index_in_dim(y, i, axis, keepdims=False)) for i, layer in enumerate(layers)]
 
 
 def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:

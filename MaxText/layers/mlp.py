@@ -16,7 +16,7 @@ from flax import nnx
 
 from MaxText.platform import sharding
 from MaxText.configuration.model_config import ModelConfig
-from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.linears import DenseGeneral, fused_outputs
 
 ACTIVATION_FNS = {
     "silu": jax.nn.silu,
@@ -65,11 +65,14 @@ class MlpBlock(nnx.Module):
                                             **cfg.lora.adapter(target)))
     self.wo = DenseGeneral((mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), tag="mlpwo", **dense, **cfg.lora.adapter("down_proj"))
     self.activations = activation_fns(cfg)
+    self.fused = cfg.fused_mlp and len(self.activations) > 1
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
+    inputs = [getattr(self, f"wi_{i}") for i in range(len(self.activations))]
+    projected = fused_outputs(inputs, x_BLD) if self.fused else [wi(x_BLD) for wi in inputs]
     hidden_BLF: jax.Array | None = None
-    for i, activation in enumerate(self.activations):
-      h = activation(getattr(self, f"wi_{i}")(x_BLD))
+    for activation, y in zip(self.activations, projected):
+      h = activation(y)
       hidden_BLF = h if hidden_BLF is None else hidden_BLF * h
     assert hidden_BLF is not None  # config validation requires at least one activation
     hidden_BLF = sharding.constrain(hidden_BLF, ("activation_batch", "activation_length", "activation_mlp"))

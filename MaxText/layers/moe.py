@@ -193,7 +193,7 @@ def load_balance_loss(probs_BLE: jax.Array, experts_BLk: jax.Array, routed_E: ja
 
 def _grouped_experts(x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.Array, *params: jax.Array,
                      activations: Sequence[Activation], num_experts: int, matmul: GroupedMatmul,
-                     expert_axis: str | None = None) -> jax.Array:
+                     expert_axis: str | None = None, custom_sort_vjp: bool = False) -> jax.Array:
   """Sort the B·L·k assignments by expert, grouped matmul per projection, unsort, combine.
   `params` are the kernels (wi_0, ..., wo), then their biases if any.
 
@@ -201,7 +201,7 @@ def _grouped_experts(x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.
   E/shards experts: it computes only the rows of its experts and the expert shards' outputs are summed.
   """
   kernels, biases = params[:len(activations) + 1], params[len(activations) + 1:]
-  x_AD, order_A, group_sizes_E = experts.sort_by_expert(x_BLD, experts_BLk, num_experts)
+  x_AD, order_A, group_sizes_E = experts.sort_by_expert(x_BLD, experts_BLk, num_experts, custom_sort_vjp)
   offset: int | jax.Array = 0
   if expert_axis is not None:
     # This shard's experts own a contiguous run of the sorted rows: rotate it to the front;
@@ -214,7 +214,7 @@ def _grouped_experts(x_BLD: jax.Array, experts_BLk: jax.Array, weights_BLk: jax.
   out_AD = experts.grouped_mlp(x_AD, kernels, biases, group_sizes_E, activations, matmul)
   if expert_axis is not None:
     out_AD = jax.lax.psum(jnp.roll(out_AD, offset, axis=0), expert_axis)
-  return experts.combine_sorted(out_AD, order_A, weights_BLk)
+  return experts.combine_sorted(out_AD, order_A, weights_BLk, custom_sort_vjp)
 
 
 def routing_health(probs_BLE: jax.Array, routed_E: jax.Array, dropped_fraction: jax.Array) -> dict[str, jax.Array]:
@@ -281,7 +281,7 @@ class MoeBlock(nnx.Module):
     kernels = self._kernels() + self._biases()
     matmul = self._matmul()
     grouped = functools.partial(_grouped_experts, activations=self.activations, num_experts=moe.num_experts,
-                                matmul=matmul)
+                                matmul=matmul, custom_sort_vjp=moe.use_custom_sort_vjp)
     # The mesh and rules `sharding.constrain` uses (sharding.py has no public getter for them).
     context = sharding.current_activation_context()
     if context is None:
@@ -328,7 +328,7 @@ class MoeBlock(nnx.Module):
     if moe.sparse_matmul:
       body = functools.partial(moe_dispatch.grouped_body, expert_axes=layout.expert_axes,
                                num_experts=moe.num_experts, activations=self.activations, matmul=matmul,
-                               buffer_factor=moe.moe_ragged_buffer_factor,
+                               buffer_factor=moe.moe_ragged_buffer_factor, custom_sort_vjp=moe.use_custom_sort_vjp,
                                exchange=moe_dispatch.select_exchange(moe.moe_all_to_all, trace_platform()))
     else:
       body = functools.partial(moe_dispatch.capacity_body, expert_axes=layout.expert_axes,

@@ -203,7 +203,8 @@ def _exchange(kind: str) -> Callable[..., jax.Array]:
 def grouped_body(x_bLD: jax.Array, experts_bLk: jax.Array, weights_bLk: jax.Array, kernels: Sequence[jax.Array],
                  biases: Sequence[jax.Array], *, expert_axes: Axes, num_experts: int,
                  activations: Sequence[Activation], matmul: GroupedMatmul,
-                 exchange: str, buffer_factor: float = -1.0) -> tuple[jax.Array, jax.Array]:
+                 exchange: str, buffer_factor: float = -1.0, custom_sort_vjp: bool = False
+                 ) -> tuple[jax.Array, jax.Array]:
   """One device's grouped exchange (module docstring); also the number of its assignments that
   did not fit the receive buffers."""
   batch, length, dim = x_bLD.shape
@@ -214,7 +215,7 @@ def grouped_body(x_bLD: jax.Array, experts_bLk: jax.Array, weights_bLk: jax.Arra
   send_rows = functools.partial(_exchange(exchange), axis_name=expert_axes)
 
   # Sort this device's assignments by expert: the rows for shard j are then contiguous.
-  x_AD, order_A, sizes_E = experts.sort_by_expert(x_bLD, experts_bLk, num_experts)
+  x_AD, order_A, sizes_E = experts.sort_by_expert(x_bLD, experts_bLk, num_experts, custom_sort_vjp)
   # Everyone's per-expert counts: who sends what to whom, and where it lands.
   sizes_XE = jax.lax.all_gather(sizes_E, expert_axes)  # [source, E]
   rows_XX = jnp.sum(sizes_XE.reshape(degree, degree, local), axis=-1)  # [source, destination]
@@ -234,12 +235,18 @@ def grouped_body(x_bLD: jax.Array, experts_bLk: jax.Array, weights_bLk: jax.Arra
   segment_R = jnp.searchsorted(ends, jnp.arange(recv_capacity), side="right")
   local_expert_R = jnp.where(segment_R < degree * local, segment_R % local, local)  # padding sorts last
   by_expert_R = jnp.argsort(local_expert_R, stable=True)
+  arrival_R = jnp.argsort(by_expert_R)
   group_sizes = jnp.sum(counts_XEl, axis=0)
-  out_RD = experts.grouped_mlp(received_RD[by_expert_R], kernels, biases, group_sizes, activations, matmul)
-  out_RD = out_RD[jnp.argsort(by_expert_R)]  # arrival order again
+  if custom_sort_vjp:
+    grouped_RD = experts.permute_rows(received_RD, by_expert_R, arrival_R)
+  else:
+    grouped_RD = received_RD[by_expert_R]
+  out_RD = experts.grouped_mlp(grouped_RD, kernels, biases, group_sizes, activations, matmul)
+  # arrival order again
+  out_RD = experts.permute_rows(out_RD, arrival_R, by_expert_R) if custom_sort_vjp else out_RD[arrival_R]
 
   # Send every row back to the slot it left from.
   home_offsets_X = _exclusive_cumsum(rows_XX, axis=1)[:, me]  # where each source's rows to me started
   out_AD = send_rows(out_RD, jnp.zeros_like(x_AD), _exclusive_cumsum(recv_X), recv_X, home_offsets_X, send_X)
-  out_bLD = experts.combine_sorted(out_AD, order_A, weights_bLk)
+  out_bLD = experts.combine_sorted(out_AD, order_A, weights_bLk, custom_sort_vjp)
   return out_bLD, jnp.sum(rows_XX[me] - send_X).astype(jnp.float32)

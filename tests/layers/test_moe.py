@@ -373,3 +373,45 @@ def test_grouped_path_trains_like_padded_under_expert_parallelism(mesh):
   for key in ("loss", "grad_norm", "moe_lb_loss"):
     np.testing.assert_allclose([h[key] for h in histories[1]], [h[key] for h in histories[0]], rtol=2e-5,
                                err_msg=key)
+
+
+# ---------------------------------------------------------------- use_custom_sort_vjp
+
+def _grouped_grads(block: moe.MoeBlock, x_BLD: np.ndarray) -> tuple[tuple, str]:
+  """(gradients of sum(sin(out)) for the parameters and the input, the lowered gradient's text)."""
+  graph, params, rest = nnx.split(block, nnx.Param, ...)
+
+  def loss(p, x):
+    return jnp.sum(jnp.sin(nnx.capture(nnx.merge(graph, p, rest), nnx.Intermediate)(x)[0]))
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  with sharding.unsharded():
+    return grad(params, jnp.asarray(x_BLD)), grad.lower(params, jnp.asarray(x_BLD)).as_text()
+
+
+def test_custom_sort_vjp_gathers_the_sorts_gradients_back_with_the_same_result():
+  """use_custom_sort_vjp: the sort's and unsort's gradients are gathers by the inverse permutations, where
+  autodiff scatter-adds; the gradients are the same up to summation order."""
+  x_BLD, gate_DE = _skewed_router()
+  (auto, auto_text), (custom, custom_text) = (
+      _grouped_grads(_block(tiny_mixtral(sparse_matmul=True, use_custom_sort_vjp=c), gate_DE), x_BLD)
+      for c in (False, True))
+  row_scatters = [text.count("stablehlo.scatter<update_window_dims = [1]") for text in (auto_text, custom_text)]
+  assert row_scatters == [2, 0], row_scatters  # the sort's and the unsort's (bincount's and others' stay)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-6),
+               custom, auto)
+
+
+@pytest.mark.slow  # two short training runs on the 8 devices
+def test_custom_sort_vjp_trains_like_autodiffs_under_expert_parallelism():
+  """The all-to-all path (its regrouping by local expert too) with experts on 2 devices: the same losses and
+  gradient norms step by step."""
+  base = dict(ici_expert_parallelism=2, ici_fsdp_parallelism=-1, max_target_length=16, vocab_size=64,
+              learning_rate=3e-3, capacity_factor=-1.0, sparse_matmul=True)
+  histories = []
+  for custom in (False, True):
+    run = Run(tiny_mixtral(**base, use_custom_sort_vjp=custom))
+    histories.append(run.train(run.init(), 3)[1])
+  for key in ("loss", "grad_norm"):
+    np.testing.assert_allclose([h[key] for h in histories[1]], [h[key] for h in histories[0]], rtol=1e-5,
+                               err_msg=key)
