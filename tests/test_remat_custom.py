@@ -87,11 +87,15 @@ def test_every_preset_but_none_is_a_placement():
 
 def test_upstreams_presets_keep_exactly_upstreams_names():
   """qkv_proj_offloaded offloads the query, key and value projections; save_dot_except_mlpwi keeps them
-  with out_proj and mlpwo in HBM (upstream's kv_proj and qkv_proj: no fused projection here)."""
+  with out_proj and mlpwo in HBM, save_dot_with_context_except_mlp with the attention's output (context) and
+  out_proj (upstream's kv_proj and qkv_proj: no layer here names them)."""
   assert _spelling("qkv_proj_offloaded") == dict(query_proj="offload", key_proj="offload", value_proj="offload")
   assert _spelling("save_dot_except_mlpwi") == dict(query_proj="device", key_proj="device", value_proj="device",
                                                     out_proj="device", mlpwo="device")
-  for name in ("qkv_proj_offloaded", "save_dot_except_mlpwi"):
+  assert _spelling("save_dot_with_context_except_mlp") == dict(query_proj="device", key_proj="device",
+                                                               value_proj="device", context="device",
+                                                               out_proj="device")
+  for name in ("qkv_proj_offloaded", "save_dot_except_mlpwi", "save_dot_with_context_except_mlp"):
     spelled = Config.for_testing(**_TINY, remat_policy="custom", **_spelling(name)).model.remat
     assert Config.for_testing(**_TINY, remat_policy=name).model.remat == dataclasses.replace(spelled, name=name)
 
@@ -100,7 +104,8 @@ def test_upstreams_presets_keep_exactly_upstreams_names():
     "minimal",  # jax's dots policy against named tensors: the one whose spelling is not the same code path
     *[pytest.param(n, marks=pytest.mark.slow) for n in ("full", "save_qkv_proj", "save_dot_except_mlp",
                                                         "minimal_offloaded", "save_dot_except_mlp_offloaded",
-                                                        "qkv_proj_offloaded", "save_dot_except_mlpwi")]])
+                                                        "qkv_proj_offloaded", "save_dot_except_mlpwi",
+                                                        "save_dot_with_context_except_mlp")]])
 def test_preset_lowers_to_the_same_program_as_its_custom_spelling(name):
   assert _lowered_text(remat_policy=name) == _lowered_text(remat_policy="custom", **_spelling(name))
 

@@ -133,6 +133,8 @@ REMAT_POLICIES: tuple[RematPolicy, ...] = (
     RematPolicy("qkv_proj_offloaded", "names", offload=_UPSTREAM_QKV, saved=("qkv",), searched_by_planner=False),
     RematPolicy("save_dot_except_mlpwi", "names", _UPSTREAM_QKV + ("out_proj", "mlpwo"),
                 saved=("qkv", "out", "mlp_out"), searched_by_planner=False),
+    RematPolicy("save_dot_with_context_except_mlp", "names", _UPSTREAM_QKV + ("context", "out_proj"),
+                saved=("qkv", "out", "attn"), searched_by_planner=False),
     RematPolicy("custom", "names", searched_by_planner=False),  # its tensors from the placement keys (custom())
 )
 BY_NAME: dict[str, RematPolicy] = {policy.name: policy for policy in REMAT_POLICIES}
