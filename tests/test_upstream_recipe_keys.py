@@ -384,6 +384,27 @@ def test_an_upstream_tuning_block_loads_as_written_and_each_key_takes_effect(mod
     assert model.moe.sparse_matmul and model.moe.moe_grouped_matmul == "megablox"
 
 
+# maxtext_v5e_model_configs.py (same snapshot), default-128b-v5e-256: the fused projections, upstream's remat preset
+V5E_DEFAULT_128B = {
+    "ici_fsdp_parallelism": -1, "ici_tensor_parallelism": 16, "per_device_batch_size": 1,
+    "remat_policy": "qkv_proj_offloaded", "global_parameter_scale": 128, "max_target_length": 2048,
+    "attention": "flash", "use_iota_embed": True, "fused_qkv": True, "fused_mlp": True,
+    "dataset_path": "gs://max-datasets-rogue", "dataset_type": "synthetic", "reuse_example_batch": 1,
+    "enable_checkpointing": False, "profiler": "xplane", "use_qwix_quantization": True,
+}
+
+
+def test_upstreams_v5e_128b_block_loads_with_its_fused_projections():
+  from MaxText.platform.accelerators import DeviceTarget
+
+  v5e_256 = DeviceTarget(platform="tpu", device_kind="TPU v5 lite", num_devices=256)
+  config = Config.for_testing(target=v5e_256, model_name="default", print_config=False, **V5E_DEFAULT_128B)
+  model = config.model
+  assert model.fused_qkv and model.fused_mlp and model.num_query_heads == model.num_kv_heads
+  assert dict(config.mesh.shape)["tensor"] == 16 and dict(config.mesh.shape)["fsdp"] == 16
+  assert set(model.remat.offload) == {"query_proj", "key_proj", "value_proj"}
+
+
 @pytest.mark.slow  # a training run
 def test_an_upstream_tuning_block_trains_on_cpu_as_written(tmp_path):
   """The v6e Llama 2 7B block, only the model's shape and batch made small: one batch read, the
