@@ -17,7 +17,6 @@ import asyncio
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,6 +27,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 def decode_row(overrides: dict[str, Any], slots: int, steps_per_call: int, quant: str, prompt_len: int,
                steps: int) -> dict[str, Any]:
+  import decode_bench  # noqa: E402  (its timed decode calls)
   import jax
   import numpy as np
 
@@ -43,16 +43,7 @@ def decode_row(overrides: dict[str, Any], slots: int, steps_per_call: int, quant
   params = engine.load_params()
   prompt = [int(t) for t in np.random.default_rng(0).integers(3, config.model.vocab_size, prompt_len)]
   prefix = engine.prefill(params, [prompt])
-  state = engine.init_decode_state()
-  for slot in range(slots):
-    state = engine.insert(prefix, state, slot)
-  state, emitted = engine.decode_step(params, state)  # compiles
-  emitted.tokens.block_until_ready()
-  start = time.perf_counter()
-  for _ in range(calls):
-    state, emitted = engine.decode_step(params, state)
-  emitted.tokens.block_until_ready()
-  step_s = (time.perf_counter() - start) / (calls * steps_per_call)
+  step_s = decode_bench.time_decode_calls(engine, params, prefix, slots, calls) / steps_per_call
   return dict(slots=slots, steps_per_call=steps_per_call, quant=quant or "bf16", step_s=step_s,
               tokens_per_s=slots / step_s, weight_bytes=quantized_weights.weight_bytes(params),
               params_m=sum(x.size for x in jax.tree.leaves(params)) / 1e6, device_kind=jax.devices()[0].device_kind)

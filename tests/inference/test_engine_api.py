@@ -18,7 +18,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 CALLERS = ("MaxText/serve.py", "MaxText/decode.py", "MaxText/rl/rollouts.py", "MaxText/rl/interleaved_episodes.py",
            "MaxText/rl/evaluate.py",
            "MaxText/inference/scheduler.py", "MaxText/inference/serve_routes.py", "benchmarks/decode_bench.py",
-           "benchmarks/serve_bench.py", "benchmarks/gpu_suite.py", "MaxText/train_compile.py", "benchmarks/lora_bench.py")
+           "benchmarks/serve_bench.py", "benchmarks/gpu_suite.py", "benchmarks/gpu_serving.py", "MaxText/train_compile.py",
+           "benchmarks/lora_bench.py")
 # Building an engine is not driving one: parameters come with it.
 CONSTRUCTION = {"load_params", "compile_step"}
 ENGINE_MODULES = ("engine.py", "speculative.py", "speculative_engine.py", "mtp_draft.py", "page_prefill.py",
