@@ -254,9 +254,10 @@ def test_a_stream_with_include_usage_ends_with_the_usage(served):
 
 
 @pytest.mark.slow  # a second server
-def test_four_steps_per_call_stream_chunks_of_several_tokens_with_the_whole_text_and_usage(tmp_path):
+def test_four_steps_per_call_stream_chunks_of_several_tokens_with_the_whole_text_and_usage(tmp_path, monkeypatch):
   """decode_steps_per_call=4: a call's tokens reach a stream together and go out as one chunk, a logprob entry per
-  token; the chunks join to the unstreamed text (the uncached greedy decode) and count its usage."""
+  token; the chunks join to the unstreamed text (the uncached greedy decode) and count its usage; a client gone
+  mid-stream has its job cancelled."""
   served = Served(tmp_path, dict(MODEL, decode_steps_per_call=4))
   try:
     prompt = PROMPTS[1]
@@ -269,8 +270,38 @@ def test_four_steps_per_call_stream_chunks_of_several_tokens_with_the_whole_text
     assert sum(per_chunk) == whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == len(expected)
     assert len(per_chunk) < sum(per_chunk)  # some chunk holds several tokens
     assert "".join(c.choices[0].text for c in chunks[:-1]) == whole.choices[0].text == served.text(expected)
+    _a_stream_dropped_after_two_chunks_is_cancelled(served, monkeypatch, max_tokens=12)
   finally:
     served.close()
+
+
+def _a_stream_dropped_after_two_chunks_is_cancelled(served, monkeypatch, max_tokens: int) -> None:
+  """A client reads two chunks of a stream and hangs up: the server notices (its once-a-second check), cancels the
+  job before it ends on its own (each engine call is slowed so it cannot) and frees the slot."""
+  scheduler = served.server.scheduler
+  step = scheduler.engine.decode_step
+
+  def slow_step(*args, **kwargs):
+    time.sleep(0.25)
+    return step(*args, **kwargs)
+
+  monkeypatch.setattr(scheduler.engine, "decode_step", slow_step)
+  before = dict(scheduler.load())
+  with httpx.stream("POST", f"{served.url}/v1/completions", headers={"authorization": f"Bearer {KEY}"},
+                    json={"model": "tiny", "prompt": "to be", "max_tokens": max_tokens, "temperature": 0.0,
+                          "stream": True}) as stream:
+    lines = stream.iter_lines()
+    next(lines), next(lines)
+  deadline = time.monotonic() + 30
+  while scheduler.load()["cancelled"] == before["cancelled"] or scheduler.load()["active"]:
+    assert time.monotonic() < deadline, scheduler.load()
+    time.sleep(0.05)
+  after = scheduler.load()
+  assert after["released"] == before["released"] + 1 and after["length"] == before["length"]
+
+
+def test_a_client_gone_mid_stream_has_its_job_cancelled_and_its_slot_freed(served, monkeypatch):
+  _a_stream_dropped_after_two_chunks_is_cancelled(served, monkeypatch, max_tokens=16)
 
 
 def test_seeded_sampling_repeats_and_n_choices_differ(served):

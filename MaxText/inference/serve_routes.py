@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request  # at module level: FastAPI resolves the handlers' annotations here
 from fastapi.responses import Response, StreamingResponse
-from starlette.types import Send
+from starlette.types import Receive, Scope, Send
 
 from MaxText.inference import openai_api as api
 from MaxText.inference import scheduler as sched
@@ -282,7 +282,15 @@ STREAM_END = "data: [DONE]\n\n"  # a stream's last event
 
 class SseResponse(StreamingResponse):
   """A stream of server-sent events whose last piece (ending with STREAM_END) also ends the answer:
-  one write less per request than StreamingResponse's separate empty end."""
+  one write less per request than StreamingResponse's separate empty end. No task listens for the
+  client's disconnect beside the stream (StreamingResponse starts one per request under uvicorn's
+  ASGI 2.3): `serve.Server.events` asks once a second whether the client is still there and, when it
+  is gone, ends the stream and cancels its jobs."""
+
+  async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    await self.stream_response(send)
+    if self.background is not None:
+      await self.background()
 
   async def stream_response(self, send: Send) -> None:
     await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})

@@ -150,3 +150,30 @@ def test_the_events_that_arrive_together_go_out_in_one_write_and_the_last_with_t
   assert [m["type"] for m in sent] == ["http.response.start", "http.response.body", "http.response.body"]
   assert [m["more_body"] for m in sent[1:]] == [True, False]  # no separate empty write ends the answer
   assert b"".join(m["body"] for m in sent[1:]).decode() == "".join(pieces)
+
+
+def test_a_stream_starts_no_task_listening_for_the_clients_disconnect():
+  """Under uvicorn's ASGI 2.3 StreamingResponse reads `receive` in a task beside the stream to notice a client gone;
+  SseResponse leaves that to serve.Server.events' once-a-second check, so the stream alone runs."""
+  async def answer() -> tuple[list[dict], int]:
+    async def body():
+      yield "data: {}\n\n" + serve_routes.STREAM_END
+
+    sent: list[dict] = []
+    reads = 0
+
+    async def receive() -> dict:
+      nonlocal reads
+      reads += 1
+      await asyncio.sleep(3600)
+      return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+      sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
+    await serve_routes.SseResponse(body(), media_type="text/event-stream")(scope, receive, send)
+    return sent, reads
+
+  sent, reads = asyncio.run(answer())
+  assert reads == 0 and [m.get("more_body") for m in sent] == [None, False]
