@@ -270,19 +270,20 @@ def test_four_steps_per_call_stream_chunks_of_several_tokens_with_the_whole_text
     assert sum(per_chunk) == whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == len(expected)
     assert len(per_chunk) < sum(per_chunk)  # some chunk holds several tokens
     assert "".join(c.choices[0].text for c in chunks[:-1]) == whole.choices[0].text == served.text(expected)
-    _a_stream_dropped_after_two_chunks_is_cancelled(served, monkeypatch, max_tokens=12)
+    _a_stream_dropped_after_two_chunks_is_cancelled(served, monkeypatch, max_tokens=12, call_seconds=1.0)
   finally:
     served.close()
 
 
-def _a_stream_dropped_after_two_chunks_is_cancelled(served, monkeypatch, max_tokens: int) -> None:
+def _a_stream_dropped_after_two_chunks_is_cancelled(served, monkeypatch, max_tokens: int, call_seconds: float) -> None:
   """A client reads two chunks of a stream and hangs up: the server notices (its once-a-second check), cancels the
-  job before it ends on its own (each engine call is slowed so it cannot) and frees the slot."""
+  job before it ends on its own (each engine call is slowed to `call_seconds`, the request's calls to seconds) and
+  frees the slot."""
   scheduler = served.server.scheduler
   step = scheduler.engine.decode_step
 
   def slow_step(*args, **kwargs):
-    time.sleep(0.25)
+    time.sleep(call_seconds)
     return step(*args, **kwargs)
 
   monkeypatch.setattr(scheduler.engine, "decode_step", slow_step)
@@ -301,7 +302,7 @@ def _a_stream_dropped_after_two_chunks_is_cancelled(served, monkeypatch, max_tok
 
 
 def test_a_client_gone_mid_stream_has_its_job_cancelled_and_its_slot_freed(served, monkeypatch):
-  _a_stream_dropped_after_two_chunks_is_cancelled(served, monkeypatch, max_tokens=16)
+  _a_stream_dropped_after_two_chunks_is_cancelled(served, monkeypatch, max_tokens=16, call_seconds=0.25)
 
 
 def test_seeded_sampling_repeats_and_n_choices_differ(served):

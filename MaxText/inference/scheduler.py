@@ -33,7 +33,10 @@ An engine that emits one token per call otherwise is driven a call ahead: each `
 token or max_tokens: engine_api.StepLimits) is dispatched before the previous call's tokens are
 read, so the device computes the next tokens while the host delivers the last ones. A call's
 tokens go to the job that held the slot when it was dispatched, and only while it still does. A
-speculative engine and a constrained job (its mask depends on the token before) take one call at
+job whose max_tokens the calls in flight reach (each gives every running slot its steps' tokens)
+is known to end there: its slot is released as that call is dispatched, so a waiting job can take
+it in the next call, and the job itself gets those calls' tokens and its end when they are read.
+A speculative engine and a constrained job (its mask depends on the token before) take one call at
 a time.
 
 Paged cache: a job is admitted only when the pages it will hold at its end fit beside what the
@@ -193,6 +196,7 @@ class Scheduler:
     self._stop_ids = tuple(sorted(self.eos_ids))
     # The call dispatched and not yet read: its Emitted and the jobs that held its slots.
     self._ahead: tuple[Emitted, dict[int, Job]] | None = None
+    self._retiring: set[Job] = set()  # jobs whose slot was released before the call that ends them is read
     self._thread = threading.Thread(target=self._loop, name="maxtext-scheduler", daemon=True)
 
   def start(self) -> "Scheduler":
@@ -424,8 +428,33 @@ class Scheduler:
                                                      limits=StepLimits(ends, self._stop_ids))
       self._ahead = (emitted, dict(self._active))
       self.counts["steps"] += 1
+      self._retire_ending(emitted, previous)
     if previous is not None:
       self._deliver_call(*previous)
+
+  def _retire_ending(self, emitted: Emitted, previous: tuple[Emitted, dict[int, Job]] | None) -> None:
+    """Releases the slot of each job the calls in flight take to its max_tokens: a job not ended by
+    an end-of-sequence token gets each call's steps' tokens, so the count is known before any is read."""
+    per_call = 1 if emitted.counts is None else int(np.shape(emitted.tokens)[1])
+    for slot, job in list(self._active.items()):
+      calls = 1 + (previous is not None and previous[1].get(slot) is job)
+      if job.generated + per_call * calls >= job.max_tokens:
+        with self._wake:
+          del self._active[slot]
+          self._reserved.pop(slot, None)
+          self._retiring.add(job)
+        self.engine.release(slot)
+        self.counts["released"] += 1
+
+  def _takes(self, slot: int, job: Job) -> bool:
+    """Whether `job` still takes the tokens of `slot`; a retiring job cancelled (a stop string, a client
+    gone) ends here."""
+    if job not in self._retiring:
+      return self._active.get(slot) is job
+    if job.cancelled:
+      self._finish(job, None, "cancelled")
+      return False
+    return True
 
   def _deliver_call(self, emitted: Emitted, jobs: dict[int, Job]) -> None:
     out: Emitted = jax.device_get(emitted)
@@ -435,7 +464,7 @@ class Scheduler:
     counts = None if out.counts is None else np.asarray(out.counts).tolist()
     for slot, job in jobs.items():
       for i in range(1 if counts is None else counts[slot]):
-        if self._active.get(slot) is not job:  # it ended (a stop string, a cancel) or the slot has a new job
+        if not self._takes(slot, job):  # it ended (a stop string, a cancel) or the slot has a new job
           break
         if counts is None:
           self._deliver(slot, job, tokens[slot], chosen[slot], list(zip(ids[slot], top[slot])))
@@ -492,6 +521,9 @@ class Scheduler:
       self._finish(job, None, "cancelled")
 
   def _finish(self, job: Job, slot: int | None, reason: str, message: str = "") -> None:
+    if job in self._retiring:  # its slot was released when its last call was dispatched
+      self._retiring.discard(job)
+      slot = None
     if slot is not None:
       with self._wake:
         self._active.pop(slot, None)
@@ -503,6 +535,8 @@ class Scheduler:
     job.emit(Done(job.index, reason, message))
 
   def _fail_all(self, message: str, waiting_too: bool = True) -> None:
+    for job in list(self._retiring):
+      self._finish(job, None, "error", message)
     for slot, job in [*self._active.items(), *((slot, job) for slot, (job, _) in self._prefilling.items())]:
       self._finish(job, slot, "error", message)
     while waiting_too:

@@ -515,6 +515,10 @@ def test_admission_counts_a_shared_prefix_page_once():
 
 
 def test_admission_still_waits_when_the_shared_pages_do_not_make_room():
-  """The same two requests in a pool of 7: 8 pages even counted once, so the second waits."""
-  events = _two_sharing_requests(7)[0]
-  assert events.index((0, "Done")) < events.index((1, "Token")), events
+  """The same two requests in a pool of 7: 8 pages even counted once, so the second waits until the first gives its
+  pages back, when its last call is dispatched (before that call's token is read), and gets the same tokens though
+  that call still writes the first's last entry into a page the second may take."""
+  events, load, engine, tokens = _two_sharing_requests(7)
+  assert events[:events.index((1, "Token"))].count((0, "Token")) == 3, events
+  assert tokens == _two_sharing_requests(24, prefix_caching=False)[3]
+  assert load["pages_reserved"] == 0 and load["pages_free"] == 7 and not engine.pages.refs.any(), load

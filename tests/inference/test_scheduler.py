@@ -232,3 +232,37 @@ def test_an_idle_scheduler_sleeps(scheduler):
   loops, cpu = scheduler.counts["loops"], _thread_cpu_seconds(scheduler)
   time.sleep(0.5)
   assert scheduler.counts["loops"] == loops and _thread_cpu_seconds(scheduler) - cpu < 0.05
+
+
+def test_a_slot_whose_job_the_calls_in_flight_end_takes_the_next_job_in_the_next_call():
+  """Driven a call ahead, a job's max_tokens is reached in a call dispatched before the previous call is read: its
+  slot goes to the next waiting job at once instead of stepping for nothing in one more call. Each job still gets
+  its tokens and its end (an end-of-sequence token, a cancel on a token of the last calls) as before."""
+  engine = FakeEngine(num_slots=1)
+  s = sched.Scheduler(engine, None, max_queue=8, eos_ids=[EOS])
+  plain, plain_sink = job(4, 4)
+  eos, eos_sink = job(4, 3, first=EOS - 2)  # EOS at its second token, inside the calls that end it
+  cancelled, cancelled_sink = job(4, 3, first=10)
+
+  def cancel_on_second_token(event: sched.Event) -> None:
+    cancelled_sink(event)
+    if sum(isinstance(e, sched.Token) for e in cancelled_sink.events) == 2:
+      cancelled.cancel()  # as a handler does on a stop string
+
+  cancelled.emit = cancel_on_second_token
+  last, last_sink = job(4, 4, first=20)
+  s.submit([plain, eos, cancelled, last])
+  s.start()
+  try:
+    assert [plain_sink.reason(), eos_sink.reason(), cancelled_sink.reason(), last_sink.reason()] == [
+        "length", "stop", "cancelled", "length"]
+    tokens = [[e.token for e in sink.events if isinstance(e, sched.Token)]
+              for sink in (plain_sink, eos_sink, cancelled_sink, last_sink)]
+    assert tokens == [[2, 3, 4, 5], [EOS - 1, EOS], [11, 12], [21, 22, 23, 24]]
+    # One token per call: a job of n tokens takes n - 1 calls after its prefill (before: one more each, but for a
+    # job ended by a token read after its last call was dispatched).
+    assert s.load()["steps"] == 3 + 2 + 2 + 3
+    _assert_nothing_held(s, engine)
+    assert s.load()["released"] == 4
+  finally:
+    s.stop(5)
