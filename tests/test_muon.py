@@ -94,8 +94,8 @@ def test_sharded_muon_training_equals_one_device():
 
 
 def test_bad_muon_keys_are_one_line_errors():
-  with pytest.raises(ConfigError, match="opt_type must be 'adamw' or 'muon', got 'sgd'"):
-    Config.for_testing(**{**TINY, "opt_type": "sgd"})
+  with pytest.raises(ConfigError, match="opt_type must be one of adamw, muon, sgd, adam_pax, got 'rmsprop'"):
+    Config.for_testing(**{**TINY, "opt_type": "rmsprop"})
   with pytest.raises(ConfigError, match="Muon needs 0 < muon_beta < 1"):
     Config.for_testing(**TINY, muon_beta=1.0)
 

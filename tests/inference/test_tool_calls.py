@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from MaxText import serve
 from MaxText.inference import openai_api as api
 from MaxText.inference import scheduler as sched
 from MaxText.inference import serve_routes, tool_calls
@@ -106,10 +107,12 @@ def _streamed(text: str) -> list[dict]:
     yield [sched.Done(0, "stop")]
 
   async def collect():
-    return [line async for line in serve_routes._stream(_Server(), request, [_Job()], events(),  # type: ignore[arg-type]
-                                                         lambda obj: json.dumps(obj), chat=True)]
+    return [piece async for piece in serve_routes._stream(_Server(), request, [_Job()], events(),  # type: ignore[arg-type]
+                                                          serve._sse, chat=True)]
 
-  return [json.loads(c) for c in asyncio.run(collect()) if c.startswith("{")]
+  # A piece is one write of the answer: the events that reached the stream together, each "data: ...".
+  return [json.loads(event[len("data: "):]) for piece in asyncio.run(collect()) for event in piece.split("\n\n")
+          if event.startswith("data: {")]
 
 
 def test_a_stream_sends_the_content_then_one_delta_per_call():
