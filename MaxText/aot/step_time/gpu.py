@@ -78,6 +78,15 @@ class GpuEstimate:
   def step_s(self) -> float:
     return sum(self.seconds.values())
 
+  def absorb(self, other: "GpuEstimate", times: int) -> None:
+    """Adds `other` run `times` times (a conditional's chosen branch)."""
+    for category, seconds in other.seconds.items():
+      self.seconds[category] += seconds * times
+    self.flops += other.flops * times
+    self.hbm_bytes += other.hbm_bytes * times
+    self.kernels += other.kernels * times
+    self.collectives += other.collectives * times
+
   def add(self, category: str, seconds: float, flops: float, moved: float, times: int) -> None:
     self.seconds[category] += seconds * times
     self.flops += flops * times
@@ -148,12 +157,7 @@ class _Pricer:
       if best is None or sub.estimate.step_s > best.step_s:
         best = sub.estimate
     if best is not None:
-      for category, seconds in best.seconds.items():
-        self.estimate.seconds[category] += seconds * times
-      self.estimate.flops += best.flops * times
-      self.estimate.hbm_bytes += best.hbm_bytes * times
-      self.estimate.kernels += best.kernels * times
-      self.estimate.collectives += best.collectives * times
+      self.estimate.absorb(best, times)
 
   def _kernel(self, inst: hlo.Instruction, times: int) -> None:
     by_name = self.module.by_name
@@ -195,8 +199,9 @@ class _Pricer:
     by_name = self.module.by_name
     operands = [by_name[o] for o in inst.operands if o in by_name]
     read = [float(sum(a.bytes for a in o.arrays)) for o in operands]
-    written = float(sum(a.bytes for a in inst.arrays if a.dtype not in ("u8", "s8") or len(a.dims) > 1 or
-                        inst.opcode != "custom-call"))
+    # A library call's 1-D byte buffer result is its scratch workspace, not an output.
+    workspace = inst.opcode == "custom-call"
+    written = float(sum(a.bytes for a in inst.arrays if not (workspace and a.dtype in ("u8", "s8") and len(a.dims) == 1)))
     body = self.module.computations.get(inst.attr("calls") or "", []) if inst.opcode == "fusion" else []
     if inst.opcode in ("dynamic-slice", "slice") and read:
       read[0] = written
