@@ -88,13 +88,15 @@ class EventLog(ocp.logging.AbstractLogger):  # type: ignore[misc]
   by process 0: where upstream's enable_checkpoint_cloud_logger sends them to Google Cloud Logging."""
 
   def __init__(self, path: str):
-    self.path, self._lines = path, storage.read_text(path).splitlines() if storage.exists(path) else []
+    self._log: storage.LineLog | None = None
+    if jax.process_index() == 0:  # a resumed run's file keeps its earlier events
+      earlier = storage.read_text(path).splitlines(keepends=True) if storage.exists(path) else []
+      # Each event written out at once: a gs:// object is rewritten whole, and saves are few.
+      self._log = storage.LineLog(path, earlier, upload_interval_seconds=0.0)
 
   def log_entry(self, entry: Any, *args: Any, **kwargs: Any) -> None:
-    if jax.process_index() != 0:
-      return
-    self._lines.append(json.dumps(entry, default=str, sort_keys=True))
-    storage.write_text(self.path, "\n".join(self._lines) + "\n")  # whole: a gs:// object cannot be appended to
+    if self._log is not None:
+      self._log.write_line(json.dumps(entry, default=str, sort_keys=True))
 
 
 class RunCheckpoints:
