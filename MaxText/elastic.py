@@ -531,7 +531,7 @@ def main(argv: list[str]) -> int:
                     f"slices it may continue on (1..num_slices={num_slices})")
   run_dir = config.run.run_dir
   layout = elastic_config.layout_of(config.mesh, target.num_devices, config.data.global_batch_size,
-                                    config["gradient_accumulation_steps"], min_slices)
+                                    config["gradient_accumulation_steps"], min_slices, config.data.batch_axes)
   run_name = str(config["run_name"])
   log_dir = Path(args.log_dir or Path(os.environ.get("TMPDIR", "/tmp"), "elastic", run_name))
   train = ["python3", "-m", "MaxText.train", *run_args]

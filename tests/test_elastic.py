@@ -42,6 +42,20 @@ def test_a_minimum_whose_accumulation_cannot_keep_the_global_batch_is_one_line()
                               "micro-batch; slice counts that keep it: 1, 2, 4")
 
 
+def test_an_elastic_run_with_rows_repeated_over_tensor_counts_the_devices_that_split_rows():
+  # 4 slices of 2 devices, tensor=2: 4 sequences, one per slice, each repeated on its slice's 2 devices.
+  config = Config.for_testing(num_slices=4, elastic_min_slices=1, per_device_batch_size=0.5, ici_tensor_parallelism=2)
+  layout = elastic_config.layout_of(config.mesh, 8, 4, 1, 1, config.data.batch_axes)
+  assert (layout.batch_shards_per_slice, layout.micro_rows) == (1, 1)
+  assert elastic_config.resize(layout, 2).overrides() == ["num_slices=2", "dcn_data_parallelism=2",
+                                                          "per_device_batch_size=1", "gradient_accumulation_steps=2"]
+  with pytest.raises(ConfigError) as error:
+    Config.for_testing(num_slices=4, elastic_min_slices=3, per_device_batch_size=0.5, ici_tensor_parallelism=2)
+  assert str(error.value) == ("elastic_min_slices=3 cannot keep the global batch with gradient accumulation: the "
+                              "global batch 4 is not divisible by 3 slice(s) x 1 batch shards x 1 row(s) per "
+                              "micro-batch; slice counts that keep it: 1, 2, 4")
+
+
 def test_an_elastic_run_spreads_only_data_parallelism_across_slices():
   with pytest.raises(ConfigError, match="set dcn_fsdp_parallelism=2 to 1 or elastic_min_slices=0"):
     Config.for_testing(num_slices=2, elastic_min_slices=1, dcn_fsdp_parallelism=2, dcn_data_parallelism=1)
@@ -51,14 +65,17 @@ def test_an_elastic_run_reads_only_data_whose_position_survives_a_resize():
   mesh = Config.for_testing(num_slices=2).mesh
   base = {"elastic_min_slices": 1, "dataset_type": "hf", "gradient_accumulation_steps": 1}
   for kind in ("synthetic", "tfds", "hf", "grain", "stream"):  # virtual data shards (input_pipeline/pipeline.py)
-    elastic_config.check({**base, "dataset_type": kind}, mesh, num_devices=8, global_batch_size=64)
-  elastic_config.check({**base, "data_mixture": [{"name": "a"}]}, mesh, num_devices=8, global_batch_size=64)
+    elastic_config.check({**base, "dataset_type": kind}, mesh, num_devices=8, global_batch_size=64,
+                         batch_axes=mesh.data_sharding)
+  elastic_config.check({**base, "data_mixture": [{"name": "a"}]}, mesh, num_devices=8, global_batch_size=64,
+                       batch_axes=mesh.data_sharding)
   for extra, culprit in [({"distill_top_k_path": "/top_k"}, "distill_top_k_path=/top_k"),
                          ({"objective": "grpo"}, r"objective=grpo \(its prompts\)")]:
     with pytest.raises(ConfigError, match=rf"^elastic_min_slices=1: {culprit} keeps its data position per process, "
                                           r".* an elastic run reads dataset_type tfds, hf, grain or stream \(or a "
                                           r"data_mixture of them, or synthetic\); set elastic_min_slices=0$"):
-      elastic_config.check({**base, **extra}, mesh, num_devices=8, global_batch_size=64)
+      elastic_config.check({**base, **extra}, mesh, num_devices=8, global_batch_size=64,
+                           batch_axes=mesh.data_sharding)
 
 
 def test_a_valid_elastic_config_and_the_default_are_accepted():

@@ -62,6 +62,26 @@ def test_a_batch_that_cannot_split_is_one_line_naming_the_numbers(tiny_overrides
   assert message in str(raised.value) and "\n" not in str(raised.value)
 
 
+# 8 sequences, 2 pipeline stages of 4 devices on tensor: each microbatch's 2 rows repeated over tensor.
+PIPELINED_OVER_TENSOR = dict(ici_pipeline_parallelism=2, ici_tensor_parallelism=4, num_pipeline_microbatches=4)
+
+
+def test_pipeline_microbatches_split_over_the_axes_that_split_rows(tiny_overrides):
+  config = Config.for_testing(**{**tiny_overrides, **PIPELINED_OVER_TENSOR})
+  assert config.data.batch_axes == ("data", "stage", "fsdp", "fsdp_transpose", "expert", "autoregressive")
+  assert config.model.pipeline.num_pipeline_microbatches == 4
+
+
+def test_pipeline_microbatches_that_cannot_split_are_one_line_naming_the_numbers(tiny_overrides):
+  with pytest.raises(ConfigError) as raised:
+    Config.for_testing(**{**tiny_overrides, "per_device_batch_size": 0.5, "ici_pipeline_parallelism": 2,
+                          "ici_fsdp_parallelism": 2, "ici_tensor_parallelism": 2, "num_pipeline_microbatches": 4})
+  assert str(raised.value) == (
+      "the batch of 4 sequences per gradient-accumulation step must split into num_pipeline_microbatches=4 "
+      "microbatches, each split over the 2 devices that split rows (fsdp=2; rows repeated over tensor=2); make the "
+      "global batch 4 (per_device_batch_size x devices) a multiple of 8, or change num_pipeline_microbatches")
+
+
 def _train(config: Config, devices: list, steps: int) -> tuple[list[float], dict]:
   run = build_run(config, devices=devices)
   data, state, rng = run.data_iterator(), run.init_state(), jax.random.key(config.run.init_weights_seed)
@@ -88,3 +108,15 @@ def test_half_a_sequence_per_device_trains_like_the_same_batch_on_fewer_devices(
     np.testing.assert_allclose(losses, reference_losses, rtol=2e-6, err_msg=repeated)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=repeated), params,
                  reference_params)
+
+
+@pytest.mark.slow
+def test_pipeline_microbatches_repeated_over_tensor_train_like_the_same_batch_unpipelined(tiny_overrides):
+  """8 sequences in 4 microbatches through 2 stages, each microbatch on 4 devices of tensor, against
+  the same 8 on 8 devices of fsdp: the same losses."""
+  whole = Config.for_testing(**{**tiny_overrides, "ici_fsdp_parallelism": 8})
+  reference_losses, _ = _train(whole, jax.devices(), 2)
+  # tensor=4 leaves the tiny model's norms whole: allowed, the batch is the point here.
+  pipelined = Config.for_testing(**{**tiny_overrides, **PIPELINED_OVER_TENSOR, "sharding_tolerance": 1.0})
+  losses, _ = _train(pipelined, jax.devices(), 2)
+  np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)

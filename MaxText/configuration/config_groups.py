@@ -22,7 +22,7 @@ from MaxText.errors import ConfigError
 from MaxText.platform.mesh_axes import HYBRID_RING_SLICE, HYBRID_RINGS, MESH_AXES, Group, MeshAxis
 from MaxText.configuration.data_config import DataConfig
 from MaxText.configuration.distill_config import DistillConfig
-from MaxText.configuration import elastic_config
+from MaxText.configuration import batch_split, elastic_config
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.configuration import rl_config
 from MaxText.configuration.rl_config import RLConfig
@@ -108,17 +108,14 @@ class MeshConfig:
     dcn = dict(self.dcn)
     return tuple((axis, degree * dcn[axis]) for axis, degree in self.ici)
 
-  def batch_axes(self, rows: int, micro_batches: int = 1) -> tuple[str, ...]:
-    """The data_sharding axes a batch of `rows` rows, taken in `micro_batches` micro-batches, is split
-    over: all of them when their devices divide each micro-batch; else only those the model splits
-    rows over ("activation_batch" rules' axes, and the pipeline stage), the others (by default
-    sequence and tensor, which split within a row) holding the same rows, as upstream MaxText does
-    for a per_device_batch_size under 1. The caller checks that the axes returned divide the rows."""
-    shape = dict(self.shape)
-    if rows % (math.prod(shape[a] for a in self.data_sharding) * micro_batches) == 0:
-      return self.data_sharding
-    splitting = {a for name, axes in self.logical_axis_rules if name == "activation_batch" for a in axes}
-    return tuple(a for a in self.data_sharding if a in splitting or a == "stage")
+  def batch_axes(self, rows: int, micro_batches: int = 1, pipeline_micro: int = 1) -> tuple[str, ...]:
+    """The data_sharding axes a batch of `rows` rows, taken in `micro_batches` micro-batches of
+    `pipeline_micro` pipeline microbatches each, is split over (batch_split.batch_axes): all of them
+    when their devices divide it; else only those the model splits rows over, the others (by default
+    sequence and tensor) holding the same rows, as upstream MaxText does for a per_device_batch_size
+    under 1. The caller checks that the axes returned divide the rows (batch_split.splits)."""
+    return batch_split.batch_axes(dict(self.shape), self.data_sharding, self.logical_axis_rules, rows, micro_batches,
+                                  pipeline_micro)
 
   @classmethod
   def from_values(cls, v: Mapping[str, Any], target: DeviceTarget) -> "MeshConfig":
@@ -378,6 +375,7 @@ class DecodeConfig:
   serve_max_image_bytes: int = key()  # one image's encoded size
   serve_max_image_pixels: int = key()  # one image's width x height
   serve_request_timeout_seconds: float = key()
+  serve_http_processes: int = key()  # 0: HTTP in the engine's process; N: N front-end processes (serve_processes.py)
   serve_lora_adapters: tuple[str, ...] = key()  # name=path PEFT LoRA adapters served beside the base model
   serve_lora_slots: int = key()  # adapters held at once (admin routes add more); 0: as many as serve_lora_adapters
   serve_lora_max_rank: int = key()  # the adapter tables' rank; 0: the largest serve_lora_adapters rank
@@ -453,6 +451,8 @@ class DecodeConfig:
              f"serve_lora_slots and serve_lora_max_rank must be >= 0, got {v['serve_lora_slots']} and "
              f"{v['serve_lora_max_rank']}")
     _require(v["serve_max_images"] >= 0, f"serve_max_images must be >= 0 (0: no images), got {v['serve_max_images']}")
+    _require(v["serve_http_processes"] >= 0, f"serve_http_processes must be >= 0 (0: HTTP in the engine's process), "
+             f"got {v['serve_http_processes']}")
     _require(v["serve_request_timeout_seconds"] > 0,
              f"serve_request_timeout_seconds must be > 0, got {v['serve_request_timeout_seconds']}")
     return cls(**read_keys(cls, v, prompt_token_ids=ids))
@@ -511,7 +511,7 @@ def build_groups(values: Mapping[str, Any], target: DeviceTarget, reads_data: bo
            f"num_experts ({num_experts}) must be a multiple of the expert parallelism "
            f"(ici_expert_parallelism * dcn_expert_parallelism = {expert_degree})")
   data = DataConfig.from_values(values, target, mesh, reads_data)
-  elastic_config.check(values, mesh, target.num_devices, data.global_batch_size)
+  elastic_config.check(values, mesh, target.num_devices, data.global_batch_size, data.batch_axes)
   rl = RLConfig.from_values(values if reads_data else {**values, "objective": "lm"})
   _require(not (data.objective == "grpo" and reads_data) or data.global_batch_size % rl.num_generations == 0,
            f"the global batch of {data.global_batch_size} completions (per_device_batch_size x devices) does not "

@@ -7,11 +7,10 @@ The objective lives here because it chooses the batch's fields and the records a
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import TYPE_CHECKING, Any, Mapping
 
 from MaxText.paths import storage
-from MaxText.platform.accelerators import DeviceTarget
+from MaxText.configuration import batch_split
 from MaxText.configuration.config_fields import DATA_POSITION, derived, key, read_keys
 from MaxText.configuration.config_fields import require as _require
 from MaxText.configuration.data_mixture import MixtureSource, MixtureStage, parse_schedule, parse_sources
@@ -21,6 +20,7 @@ from MaxText.errors import ConfigError
 
 if TYPE_CHECKING:
   from MaxText.configuration.config_groups import MeshConfig
+  from MaxText.platform.accelerators import DeviceTarget  # JAX: not at import (the server's HTTP processes read TOKENIZER_TYPES)
 
 DATASET_TYPES = ("synthetic", "tfds", "hf", "grain", "stream")
 TOKENIZER_TYPES = ("sentencepiece", "tiktoken", "huggingface")  # input_pipeline/tokenizer.py reads each
@@ -116,7 +116,9 @@ class DataConfig:
              f"{target.num_devices} devices = {global_batch} is not a whole number of sequences")
     global_batch = int(global_batch)
     accum = v["gradient_accumulation_steps"]
-    batch_axes = mesh.batch_axes(global_batch, accum)
+    shape = dict(mesh.shape)
+    pipeline_micro = batch_split.pipeline_microbatches(shape, v["num_pipeline_microbatches"])
+    batch_axes = mesh.batch_axes(global_batch, accum, pipeline_micro)
     _check_batch_split(v["per_device_batch_size"], target.num_devices, global_batch, accum, mesh, batch_axes)
     return cls(**read_keys(cls, v, data_mixture=mixture, data_mixture_schedule=schedule), global_batch_size=global_batch,
                batch_axes=batch_axes, image_size=v["vision_image_size"] if v["max_images_per_row"] else 0)
@@ -124,17 +126,15 @@ class DataConfig:
 
 def _check_batch_split(per_device: float, devices: int, global_batch: int, accum: int, mesh: "MeshConfig",
                        batch_axes: tuple[str, ...]) -> None:
-  """Each micro-batch splits into whole rows over the devices of `batch_axes`."""
+  """Each micro-batch splits into whole rows over the devices of `batch_axes` (the pipeline's
+  microbatches are checked by model_checks.check_pipeline, with the keys they come from)."""
   shape = dict(mesh.shape)
-  shards = math.prod(shape[a] for a in batch_axes)
-  if global_batch % (shards * accum) == 0:
+  if batch_split.splits(shape, batch_axes, global_batch, accum):
     return
-  named = lambda axes: ", ".join(f"{a}={shape[a]}" for a in axes if shape[a] > 1) or "none"
-  same_rows = [a for a in mesh.data_sharding if a not in batch_axes and shape[a] > 1]
-  over = (f"the {shards} devices that split rows ({named(batch_axes)}; rows repeated over {named(same_rows)})"
-          if same_rows else f"the {shards} devices of data_sharding ({named(batch_axes)})")
+  shards = batch_split.row_devices(shape, batch_axes)
   raise ConfigError(f"global batch {global_batch} (per_device_batch_size {per_device:g} x {devices} devices) must "
-                    f"split evenly into gradient_accumulation_steps={accum} micro-batches over {over}; set "
+                    f"split evenly into gradient_accumulation_steps={accum} micro-batches over "
+                    f"{batch_split.over(shape, mesh.data_sharding, batch_axes)}; set "
                     f"per_device_batch_size to a multiple of {shards * accum / devices:g}, or move parallelism from "
                     "those axes to tensor or sequence")
 

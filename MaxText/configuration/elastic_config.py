@@ -12,10 +12,10 @@ Pure: no JAX, no I/O; the launcher (MaxText/elastic.py) turns a `Resize` into co
 from __future__ import annotations
 
 import dataclasses
-import math
 from fractions import Fraction
 from typing import Mapping, Protocol, Sequence
 
+from MaxText.configuration import batch_split
 from MaxText.errors import ConfigError
 from MaxText.platform.mesh_axes import Group
 
@@ -39,9 +39,6 @@ class MeshLike(Protocol):
   @property
   def num_slices(self) -> int: ...
 
-  @property
-  def data_sharding(self) -> tuple[str, ...]: ...
-
   def degrees(self, group: Group) -> tuple[tuple[str, int], ...]: ...
 
 
@@ -51,7 +48,9 @@ class SliceLayout:
 
   num_slices: int
   devices_per_slice: int
-  batch_shards_per_slice: int  # devices of one slice that the batch's rows are split over (data_sharding)
+  # Devices of one slice that hold different rows of the batch (the data group's batch_axes: with fewer
+  # rows than data_sharding devices, those on tensor or sequence repeat them).
+  batch_shards_per_slice: int
   global_batch_size: int
   gradient_accumulation_steps: int
   min_slices: int
@@ -80,11 +79,12 @@ class Resize:
 
 
 def layout_of(mesh: MeshLike, num_devices: int, global_batch_size: int, gradient_accumulation_steps: int,
-              min_slices: int) -> SliceLayout:
-  """The layout of a validated mesh (its -1 degrees resolved)."""
+              min_slices: int, batch_axes: Sequence[str]) -> SliceLayout:
+  """The layout of a validated mesh (its -1 degrees resolved) whose batch splits over `batch_axes`
+  (DataConfig.batch_axes)."""
   ici = dict(mesh.degrees("ici"))
   return SliceLayout(num_slices=mesh.num_slices, devices_per_slice=num_devices // mesh.num_slices,
-                     batch_shards_per_slice=math.prod(ici[axis] for axis in mesh.data_sharding),
+                     batch_shards_per_slice=batch_split.row_devices(ici, batch_axes),
                      global_batch_size=global_batch_size, gradient_accumulation_steps=gradient_accumulation_steps,
                      min_slices=min_slices)
 
@@ -123,8 +123,10 @@ def usable_slices(layout: SliceLayout, available: int) -> int | None:
   return max(fits) if fits else None
 
 
-def check(values: Mapping[str, object], mesh: MeshLike, num_devices: int, global_batch_size: int) -> None:
-  """The elastic keys against the mesh and batch (config build time); one line per mistake."""
+def check(values: Mapping[str, object], mesh: MeshLike, num_devices: int, global_batch_size: int,
+          batch_axes: Sequence[str]) -> None:
+  """The elastic keys against the mesh and the batch split over `batch_axes` (config build time); one
+  line per mistake."""
   min_slices = values["elastic_min_slices"]
   if not isinstance(min_slices, int) or min_slices < 0:
     raise ConfigError(f"elastic_min_slices must be a whole number >= 0 (0 = not elastic), got {min_slices!r}")
@@ -145,7 +147,7 @@ def check(values: Mapping[str, object], mesh: MeshLike, num_devices: int, global
                       f"set {', '.join(others)} to 1 or elastic_min_slices=0")
   accumulation = values["gradient_accumulation_steps"]
   assert isinstance(accumulation, int)
-  layout = layout_of(mesh, num_devices, global_batch_size, accumulation, min_slices)
+  layout = layout_of(mesh, num_devices, global_batch_size, accumulation, min_slices, batch_axes)
   reason = why_not(layout, min_slices)
   if reason is not None:
     raise ConfigError(f"elastic_min_slices={min_slices} cannot keep the global batch with gradient accumulation: "

@@ -10,6 +10,7 @@ import importlib
 import math
 from typing import TYPE_CHECKING, Any, Mapping
 
+from MaxText.configuration import batch_split
 from MaxText.configuration.config_fields import require as _require
 from MaxText.configuration.remat_policies import NAMES as REMAT_POLICY_NAMES
 
@@ -416,9 +417,12 @@ def check_pipeline(v: Mapping[str, Any], mesh: "MeshConfig", global_batch: int, 
   accum = v["gradient_accumulation_steps"]
   rows = global_batch // accum
   shape = dict(mesh.shape)
-  row_shards = math.prod(shape[a] for a in mesh.data_sharding if a != "stage")
+  # The rows split as the data group's batch_axes (the same rule), each microbatch's less the stage.
+  row_axes = [a for a in mesh.batch_axes(global_batch, accum, micro) if a != "stage"]
+  row_shards = batch_split.row_devices(shape, row_axes)
   _require(rows % (micro * row_shards) == 0,
            f"the batch of {rows} sequences per gradient-accumulation step must split into num_pipeline_microbatches="
-           f"{micro} microbatches, each divisible by the {row_shards} non-stage data_sharding devices; raise "
-           "per_device_batch_size or change num_pipeline_microbatches")
+           f"{micro} microbatches, each split over {batch_split.over(shape, mesh.data_sharding, row_axes)}; "
+           f"make the global batch {global_batch} (per_device_batch_size x devices) a multiple of "
+           f"{micro * row_shards * accum}, or change num_pipeline_microbatches")
   return stages, micro
