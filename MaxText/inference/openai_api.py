@@ -506,11 +506,7 @@ class ChoiceText:
       return ""
     self.tokens.append(token)
     self.text = self.decode(self.tokens)
-    found = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
-    if found:
-      self.text, self.stopped = self.text[:min(found)], True
-      return self.flush()
-    return self._send_to(self._safe_end())
+    return self._advance(self._settled_end())
 
   def add_many(self, tokens: Sequence[int]) -> tuple[str, int]:
     """`add` for several tokens: (the text now safe to send, how many of them it took: all, or those
@@ -524,16 +520,30 @@ class ChoiceText:
       return "".join(deltas), len(tokens)
     self.tokens.extend(tokens)
     self.text = self.decode(self.tokens)
-    return self._send_to(self._safe_end()), len(tokens)
+    return self._advance(self._settled_end()), len(tokens)
 
-  def _safe_end(self) -> int:
-    safe = len(self.text) - self._hold
-    while safe > self.sent and self.text[safe - 1] == "\ufffd":  # an incomplete UTF-8 sequence so far
-      safe -= 1
-    return safe
+  def _settled_end(self) -> int:
+    """Where the characters no later token can change end: a trailing U+FFFD may be an incomplete UTF-8
+    sequence that the next token completes (it then decodes to another character, or to fewer)."""
+    end = len(self.text)
+    while end > 0 and self.text[end - 1] == "\ufffd":
+      end -= 1
+    return end
+
+  def _advance(self, settled: int) -> str:
+    """Ends the text at the first stop sequence within its first `settled` characters, else sends
+    those that no stop sequence can still claim."""
+    found = [i for i in (self.text.find(s, 0, settled) for s in self.stops) if i >= 0]
+    if found:
+      self.text, self.stopped = self.text[:min(found)], True
+      return self._send_to(len(self.text))
+    return self._send_to(settled - self._hold)
 
   def flush(self) -> str:
-    return self._send_to(len(self.text))
+    """The rest of the text at the choice's end, where every character is final (a stop sequence may
+    still end it)."""
+    delta = "" if self.stopped else self._advance(len(self.text))
+    return delta + self._send_to(len(self.text))
 
   def _send_to(self, end: int) -> str:
     if end <= self.sent:

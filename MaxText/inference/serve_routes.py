@@ -78,8 +78,9 @@ def _apply(unit: Unit, choice: _Choice, job: sched.Job) -> str:
   event = unit
   if event.reason == "error":
     raise api.ApiError(500, f"generation failed: {event.message}", code="generation_failed")
+  delta = choice.text.flush()  # may find a stop sequence in the last characters
   choice.finish_reason = "stop" if choice.text.stopped or event.reason == "stop" else "length"
-  return choice.text.flush()
+  return delta
 
 
 def _logprobs(server: "Server", choice: _Choice, how_many: int, echo: bool, tokens: list[int] | None = None,

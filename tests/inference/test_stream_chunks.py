@@ -8,6 +8,8 @@ import asyncio
 import json
 import threading
 
+import numpy as np
+
 from MaxText import serve
 from MaxText.inference import openai_api as api
 from MaxText.inference import scheduler as sched
@@ -177,3 +179,57 @@ def test_a_stream_starts_no_task_listening_for_the_clients_disconnect():
 
   sent, reads = asyncio.run(answer())
   assert reads == 0 and [m.get("more_body") for m in sent] == [None, False]
+
+
+def _bytes_text(ids: list[int]) -> str:
+  """A byte-level tokenizer's decode: a token is one byte; an incomplete or invalid UTF-8 sequence is U+FFFD."""
+  return bytes(ids).decode("utf-8", errors="replace")
+
+
+def _streamed(tokens: list[int], stops: list[str], per_call: int) -> tuple[str, api.ChoiceText]:
+  """The deltas a stream sends (`per_call` tokens arrive together) joined, and the choice's text."""
+  text, deltas = api.ChoiceText(_bytes_text, stops), []
+  for at in range(0, len(tokens), per_call):
+    deltas.append(text.add_many(tokens[at:at + per_call])[0] if per_call > 1 else text.add(tokens[at]))
+    if text.stopped:
+      break
+  deltas.append(text.flush())
+  return "".join(deltas), text
+
+
+def test_characters_split_across_tokens_stream_the_unstreamed_text_and_stop_where_it_does():
+  """Multi-byte characters split across tokens, beside invalid bytes (the model's own U+FFFD): an incomplete character's
+  U+FFFD neither goes out nor matches a stop sequence before the token that completes it; the streamed deltas join to
+  the choice's text, which is the whole decode cut before a stop sequence that it holds."""
+  rare = "\U00018dcf".encode()  # four bytes
+  tokens = list(b"i\x80") + list(rare) + list("é".encode())
+  # A stop that starts before an incomplete character (was: "i" sent, then the text cut to "").
+  streamed, text = _streamed(tokens, ["i\ufffd\U00018dcf"], 1)
+  assert streamed == text.text == "" and text.stopped
+  # A stop of U+FFFD is not found in a character still being completed, only in the model's invalid byte (was: "").
+  streamed, text = _streamed(list("é".encode()) + [0x80], ["\ufffd"], 1)
+  assert streamed == text.text == "é" and text.stopped
+  rng = np.random.default_rng(0)
+  pieces = [b"a", b"\x80", "é".encode(), "日".encode(), rare, b"\xf0\x9f"]  # the last: cut short
+  for _ in range(200):
+    ids = [b for i in rng.integers(0, len(pieces), 8) for b in pieces[i]]
+    whole = _bytes_text(ids)
+    at = int(rng.integers(0, len(whole)))
+    stops = [whole[at:at + int(rng.integers(1, 4))]] if rng.random() < 0.8 else []
+    for per_call in (1, 8):
+      streamed, text = _streamed(ids, stops, per_call)
+      assert streamed == text.text, (ids, stops, per_call)
+      if text.stopped:
+        assert any(whole.startswith(text.text + s) for s in stops), (ids, stops)
+      else:
+        assert text.text == whole and not any(s in whole for s in stops), (ids, stops)
+
+
+def test_a_stop_sequence_in_the_last_characters_ends_the_choice_with_stop():
+  """A stop sequence that only the end of the choice settles (its last character U+FFFD) is cut there: finish_reason
+  "stop", as it would be found mid-stream."""
+  choice = serve_routes._Choice(api.ChoiceText(_bytes_text, ["\ufffd"]), [5])
+  job = _Job()
+  assert serve_routes._apply([sched.Token(0, t, 0.0, []) for t in b"ab\x80"], choice, job) == "ab"  # type: ignore[arg-type]
+  assert serve_routes._apply(sched.Done(0, "length"), choice, job) == ""  # type: ignore[arg-type]
+  assert choice.text.text == "ab" and choice.finish_reason == "stop"
