@@ -1,5 +1,6 @@
 """Upstream MaxText's opt_type=sgd and opt_type=adam_pax (training/optimizers.py): a few updates of each equal a
-NumPy reference of its formulas under the run's learning-rate schedule; an unknown opt_type is one error line."""
+NumPy reference of its formulas under the run's learning-rate schedule; an unknown opt_type, and an optimizer number
+that would train on NaN or with the wrong sign, is one error line."""
 
 from __future__ import annotations
 
@@ -74,3 +75,19 @@ def test_adam_pax_keeps_its_moments_bias_corrected():
 def test_an_unknown_opt_type_is_one_line():
   with pytest.raises(ConfigError, match=r"opt_type must be one of adamw, muon, sgd, adam_pax, got 'lion'"):
     Config.for_testing(opt_type="lion")
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("learning_rate", math.inf, "learning_rate must be a finite number > 0, got inf"),
+    ("adam_eps", -1e-8, "adam_eps must be a finite number >= 0, got -1e-08"),
+    ("adam_eps_root", math.nan, "adam_eps_root must be a finite number >= 0, got nan"),
+    ("adam_weight_decay", -0.1, "adam_weight_decay must be a finite number >= 0, got -0.1"),
+    ("z_loss_multiplier", math.inf, "z_loss_multiplier must be a finite number >= 0, got inf"),
+    ("cosine_learning_rate_final_fraction", -1.0, r"cosine_learning_rate_final_fraction \(the schedule's last "
+     r"learning rate over its peak\) must be in \[0, 1\], got -1.0"),
+])
+def test_an_optimizer_number_that_would_train_on_nan_or_backwards_is_one_line(key, value, message):
+  """Each was accepted and trained: NaN parameters, or a decay, epsilon, z-loss or final learning rate of the
+  wrong sign (a silently different optimizer)."""
+  with pytest.raises(ConfigError, match=f"^{message}$"):
+    Config.for_testing(opt_type="adam_pax", **{key: value})

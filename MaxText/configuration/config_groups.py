@@ -198,6 +198,15 @@ class OptimConfig:
              f"Muon needs 0 < muon_beta < 1, muon_ns_steps >= 1 and muon_consistent_rms >= 0; got {v['muon_beta']}, "
              f"{v['muon_ns_steps']}, {v['muon_consistent_rms']}")
     _positive(v, "learning_rate", "gradient_accumulation_steps")
+    # An infinite learning rate passes `> 0` and trains on NaN.
+    _require(math.isfinite(v["learning_rate"]), f"learning_rate must be a finite number > 0, got {v['learning_rate']}")
+    for name in ("adam_eps", "adam_eps_root", "adam_weight_decay", "z_loss_multiplier"):
+      # A negative value flips what the term does (a weight growth, a reward for large logits, a
+      # denominator through zero), a silently different optimizer.
+      _require(math.isfinite(v[name]) and v[name] >= 0, f"{name} must be a finite number >= 0, got {v[name]}")
+    final = v["cosine_learning_rate_final_fraction"]
+    _require(0.0 <= final <= 1.0, "cosine_learning_rate_final_fraction (the schedule's last learning rate over its "
+             f"peak) must be in [0, 1], got {final}")
     _require(0.0 <= v["warmup_steps_fraction"] <= 1.0,
              f"warmup_steps_fraction must be in [0, 1], got {v['warmup_steps_fraction']}")
     schedule_steps = v["learning_rate_schedule_steps"]
