@@ -222,14 +222,27 @@ class Engine:
     return self.page_prefill.chunk(params, state, slot, prompt, start, row_params, seed, images, mask)
 
   def prefill_rests(self, params: Params, state: DecodeState, slots: Sequence[int], prompts: Sequence[Sequence[int]],
-                    starts: Sequence[int], row_params: Sequence[sampling.RowParams], masks: np.ndarray | None = None
+                    starts: Sequence[int], row_params: Sequence[sampling.RowParams],
+                    images: Sequence[image_prompts.PromptImages | None] | None = None, masks: np.ndarray | None = None
                     ) -> tuple[DecodeState, list[page_prefill.FirstToken]]:
-    """Paged, unchunked: the rest of each text prompt begun in `slots` (from `starts`, what
-    begin_prompt returned) prefilled into its pages, in one call where they fit one prefill
-    (page_prefill.PagePrefill.rests); each prompt's (first tokens, their scores, its row)."""
+    """Paged, unchunked: the rest of each prompt begun in `slots` (from `starts`, what begin_prompt
+    returned; `images`, those given to it) prefilled into its pages, as the rows of one call per
+    piece (page_prefill.PagePrefill.rests); each prompt's (first tokens, their scores, its row)."""
     for slot in slots:
       self._check_slot(slot)
-    return self.page_prefill.rests(params, state, slots, prompts, starts, row_params, masks)
+    return self.page_prefill.rests(params, state, slots, prompts, starts, row_params, images, masks)
+
+  def prefill_chunks(self, params: Params, state: DecodeState, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+                     starts: Sequence[int], row_params: Sequence[sampling.RowParams],
+                     images: Sequence[image_prompts.PromptImages | None] | None = None,
+                     masks: np.ndarray | None = None
+                     ) -> tuple[DecodeState, list[tuple[int, page_prefill.FirstToken | None]]]:
+    """Paged, chunked: one call's prefill_chunk_size prompt tokens spent on the next chunks of the
+    prompts begun in `slots`, first come first (page_prefill.PagePrefill.chunks); each prompt's
+    (where its next chunk starts, after its last chunk its first token as prefill_rests gives it)."""
+    for slot in slots:
+      self._check_slot(slot)
+    return self.page_prefill.chunks(params, state, slots, prompts, starts, row_params, images, masks)
 
   @property
   def continues_slots(self) -> bool:

@@ -8,8 +8,9 @@ alternatives reported per token.
 A request's life: `prefill` + `insert` put a prompt into a free slot (or, where the engine
 `prefills_into_pages`, `begin_prompt` then `prefill_chunk` until it returns the first token);
 every `decode_step` gives each slot 0..K tokens (`Emitted`); `release` frees the slot. Several
-prompts go in together as `prefill`'s rows (then an `insert` per row) or, into pages and unchunked,
-through `PrefillsRestsTogether.prefill_rests` where the engine offers it. The
+prompts go in together as `prefill`'s rows (then an `insert` per row) or, into pages, as the rows of
+`PrefillsRestsTogether.prefill_rests` (unchunked) or `PrefillsChunksTogether.prefill_chunks` (one
+chunk budget shared by several prompts) where the engine offers them. The
 decode state is the engine's own and opaque to callers: they pass it back as they got it.
 Constrained decoding: `prefill`'s `masks`, `prefill_chunk`'s and `decode_step`'s `mask` are int32 token
 bitmasks per row / slot ([B or T, W], sampling.apply_token_mask), computed on the host from the
@@ -184,12 +185,31 @@ class DecodeEngine(Protocol):
     """The engine's counters: step_compilations; a speculative engine's acceptance counts."""
 
 
+# A prompt's first token among the rows of a call: (first tokens [B], their TokenLogprobs, the prompt's row).
+FirstToken = tuple[Any, TokenLogprobs, int]
+
+
 @runtime_checkable
 class PrefillsRestsTogether(Protocol):
-  """An engine that prefills into pages and can prefill several begun prompts' rests in one call
-  (engine.Engine.prefill_rests): what the scheduler calls, with prefill_chunk_size 0, for the text
-  prompts admitted in one loop."""
+  """An engine that prefills into pages and can prefill several begun prompts' rests as the rows of
+  one call per piece (engine.Engine.prefill_rests): what the scheduler calls, with prefill_chunk_size 0,
+  for the prompts admitted in one loop (with images or not; a recurrent model's too)."""
 
   def prefill_rests(self, params: EngineParams, state: EngineState, slots: Sequence[int],
                     prompts: Sequence[Sequence[int]], starts: Sequence[int], row_params: Sequence[sampling.RowParams],
-                    masks: np.ndarray | None = None) -> tuple[EngineState, list[tuple[Any, TokenLogprobs, int]]]: ...
+                    images: Sequence[image_prompts.PromptImages | None] | None = None,
+                    masks: np.ndarray | None = None) -> tuple[EngineState, list[FirstToken]]: ...
+
+
+@runtime_checkable
+class PrefillsChunksTogether(Protocol):
+  """An engine with chunked prefill (prefill_chunk_size > 0) that spends one call's chunk budget,
+  prefill_chunk_size prompt tokens, on the next chunks of several begun prompts, first come first, as
+  the rows of one call (engine.Engine.prefill_chunks; vLLM's chunked prefill likewise fills a step's
+  token budget from several requests). Returns each prompt's (where its next chunk starts, after its
+  last chunk its FirstToken else None); a prompt the budget did not reach keeps its start."""
+
+  def prefill_chunks(self, params: EngineParams, state: EngineState, slots: Sequence[int],
+                     prompts: Sequence[Sequence[int]], starts: Sequence[int], row_params: Sequence[sampling.RowParams],
+                     images: Sequence[image_prompts.PromptImages | None] | None = None,
+                     masks: np.ndarray | None = None) -> tuple[EngineState, list[tuple[int, FirstToken | None]]]: ...

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxText.configuration.config_groups import DecodeConfig
 from MaxText.configuration.model_config import ModelConfig
+from MaxText.configuration.vision_config import VisionConfig
 from MaxText.errors import UserError
 from MaxText.inference import image_prompts, kv_layout, paged_cache, sampling, state_snapshots
 from MaxText.inference.decode_state import DecodeState, Prefix, RowSampling, row_sampling, sample, seeded, \
@@ -186,66 +187,164 @@ class PagePrefill:
 
   def rests(self, params: Params, state: DecodeState, slots: Sequence[int], prompts: Sequence[Sequence[int]],
             starts: Sequence[int], row_params: Sequence[sampling.RowParams],
+            images: Sequence[image_prompts.PromptImages | None] | None = None,
             masks: np.ndarray | None = None) -> tuple[DecodeState, list[FirstToken]]:
-    """The rest of each text prompt of `slots` (from its start: after the pages a cached prefix holds)
+    """The rest of each prompt of `slots` (from its start: after the pages a cached prefix holds)
     prefilled into its pages, each slot then generating; `masks` [B, W]: the first tokens' bitmasks.
-    Two or more rests that fit max_prefill_predict_length go in one call, padded to it and to a power
-    of two rows (at most the slots' number); the others, and a recurrent model's (their snapshots
-    are taken per slot), `chunk` by `chunk` as one prompt alone."""
-    pages = self.cache.prompt_pages()
-    longest = self.decode.max_prefill_predict_length
-    together = [i for i, (prompt, start) in enumerate(zip(prompts, starts))
-                if self.snapshots is None and not state_snapshots.has_recurrent_state(self.cfg)
-                and len(prompt) - start <= longest]
-    if len(together) < 2:  # one prompt alone: its own program, as before
-      together = []
-    firsts: dict[int, FirstToken] = {}
-    for i in sorted(set(range(len(prompts))) - set(together)):
-      start, first = starts[i], None
-      mask = None if masks is None else masks[i:i + 1]
+    Two or more prompts go in as the rows of one call per piece (`_rows`: each piece at most
+    max_prefill_predict_length tokens, ending before an image run it would split and, for a
+    recurrent model, at a page boundary its states are kept at), so N rests take as many calls as
+    the one of them that needs most; a prompt alone, `chunk` by `chunk` as before."""
+    if len(prompts) == 1:
+      start, first = starts[0], None
       while first is None:
-        state, start, first = self.chunk(params, state, slots[i], prompts[i], start, row_params[i], mask=mask)
-      firsts[i] = (*first, 0)
-    if together:
-      rows = min(1 << (len(together) - 1).bit_length(), max(self.cache.num_slots, len(together)))
-      tokens_BC = np.zeros((rows, longest), np.int32)  # padded as a prefill's rows: one program per row count
-      starts_B, lengths_B = np.zeros(rows, np.int32), np.ones(rows, np.int32)
-      slots_B = np.full(rows, self.cache.num_slots, np.int32)  # a padding row's updates are dropped
-      table_BM = np.full((rows, pages.table.shape[1]), -1, np.int32)  # and its tokens written nowhere
-      for row, i in enumerate(together):
-        rest = prompts[i][starts[i]:]
-        tokens_BC[row, :len(rest)] = rest
-        starts_B[row], lengths_B[row], slots_B[row] = starts[i], len(rest), slots[i]
-        table_BM[row] = pages.table[slots[i]]
-      padded = [row_params[i] for i in together] + [sampling.RowParams()] * (rows - len(together))
-      masks_BW = None
-      if masks is not None:
-        masks_BW = np.concatenate([masks[together], np.repeat(masks[together[:1]], rows - len(together), 0)])
-      with sharding.activation_sharding(self.model.mesh, self.model.rules):
-        state, (tokens_B, logprobs) = self._extend_rows(params, state, tokens_BC, starts_B, lengths_B, slots_B,
-                                                        table_BM, row_sampling(padded),
-                                                        None if masks_BW is None else jnp.asarray(masks_BW))
-      for row, i in enumerate(together):
-        runs = image_prompts.image_runs(prompts[i], self.cfg.vision, None)
-        pages.activate(slots[i], prompts[i], self._salts(slots[i], runs, None, pages.page_size))
-        firsts[i] = (tokens_B, logprobs, row)
+        state, start, first = self.chunk(params, state, slots[0], prompts[0], start, row_params[0],
+                                          images=None if images is None else images[0], mask=masks)
+      return state, [(*first, 0)]
+    plans = _Plans(slots, prompts, starts, row_params, images, masks, self.cfg.vision)
+    longest = self.decode.max_prefill_predict_length
+    firsts: dict[int, FirstToken] = {}
+    while len(firsts) < len(prompts):
+      pieces = [(i, self._piece_end(plans, i, min(plans.starts[i] + longest, len(prompts[i]))))
+                for i in range(len(prompts)) if i not in firsts]
+      pieces = [(i, end) for i, end in pieces if end > plans.starts[i]]
+      if not pieces:
+        raise UserError(f"an image run does not fit max_prefill_predict_length={longest}; raise it")
+      state, done = self._rows(params, state, plans, pieces, longest)
+      firsts.update(done)
     return state, [firsts[i] for i in range(len(prompts))]
+
+  def chunks(self, params: Params, state: DecodeState, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+             starts: Sequence[int], row_params: Sequence[sampling.RowParams],
+             images: Sequence[image_prompts.PromptImages | None] | None = None,
+             masks: np.ndarray | None = None) -> tuple[DecodeState, list[tuple[int, FirstToken | None]]]:
+    """One call's budget of prefill_chunk_size prompt tokens spent on the next chunks of the prompts of
+    `slots`, in the order given: each takes what is left of the budget, up to its prompt's end (less
+    where a chunk must end before an image run or at a recurrent model's snapshot boundary; nothing
+    when an image run that starts there does not fit what is left). The chunks go in as the rows of
+    one call (a chunk alone: `chunk`, as before). Returns each prompt's (where its next chunk starts,
+    after its last chunk (first tokens [B], their scores, its row) else None)."""
+    plans = _Plans(slots, prompts, starts, row_params, images, masks, self.cfg.vision)
+    budget = self.decode.prefill_chunk_size
+    pieces: list[tuple[int, int]] = []
+    for i, prompt in enumerate(prompts):
+      if budget <= 0:
+        break
+      end = self._piece_end(plans, i, min(starts[i] + budget, len(prompt)))
+      if end > starts[i]:
+        pieces.append((i, end))
+        budget -= end - starts[i]
+    if len(pieces) == 1:  # one chunk: the program of one slot, as without batching
+      i = pieces[0][0]
+      state, end, first = self.chunk(params, state, slots[i], prompts[i], starts[i], row_params[i],
+                                     images=plans.images[i], mask=plans.mask(i))
+      return state, [(end, None if first is None else (*first, 0)) if j == i else (starts[j], None)
+                     for j in range(len(prompts))]
+    state, firsts = self._rows(params, state, plans, pieces, self.decode.prefill_chunk_size)
+    ends = dict(pieces)
+    return state, [(ends.get(i, starts[i]), firsts.get(i)) for i in range(len(prompts))]
+
+  def _piece_end(self, plans: "_Plans", i: int, limit: int) -> int:
+    """Where a call over prompt i from its start, up to `limit`, ends (as `chunk` ends its chunks; its
+    start when an image run starting there would be split)."""
+    start, runs = plans.starts[i], plans.runs[i]
+    end = image_prompts.chunk_end(start, limit, runs)
+    if any(run_start == start and end < run_end for run_start, run_end in runs):
+      return start
+    if self.snapshots is not None:
+      end = self.snapshots.chunk_end(plans.prompts[i], start, end, runs)
+    return end
+
+  def _rows(self, params: Params, state: DecodeState, plans: "_Plans", pieces: Sequence[tuple[int, int]], width: int
+            ) -> tuple[DecodeState, dict[int, FirstToken]]:
+    """prompt i[start:end] for each (i, end) of `pieces` as the rows of one call, padded to `width` tokens
+    and a power of two rows (at most the slots' number: one program per row count); each slot's
+    recurrent states are restored from a snapshot before and kept at a page boundary after, as `chunk`
+    does. Returns the first token of each prompt the call finishes; the others' starts move on."""
+    pages = self.cache.prompt_pages()
+    rows = min(1 << (len(pieces) - 1).bit_length(), max(self.cache.num_slots, len(pieces)))
+    tokens_BC = np.zeros((rows, width), np.int32)
+    starts_B, lengths_B = np.zeros(rows, np.int32), np.ones(rows, np.int32)
+    slots_B = np.full(rows, self.cache.num_slots, np.int32)  # a padding row's updates are dropped
+    table_BM = np.full((rows, pages.table.shape[1]), -1, np.int32)  # and its tokens written nowhere
+    pixels: list[np.ndarray | None] = [None] * rows
+    for row, (i, end) in enumerate(pieces):
+      slot, prompt, start = plans.slots[i], plans.prompts[i], plans.starts[i]
+      if self.snapshots is not None:  # the shared prefix's recurrent states, not zeros
+        state, _ = self.snapshots.before_chunk(state, slot, prompt, start, end, plans.runs[i])
+      tokens_BC[row, :end - start] = prompt[start:end]
+      starts_B[row], lengths_B[row], slots_B[row] = start, end - start, slot
+      table_BM[row] = pages.table[slot]
+      pixels[row] = image_prompts.images_within(plans.images[i], plans.runs[i], start, end)
+    padded = [plans.row_params[i] for i, _ in pieces] + [sampling.RowParams()] * (rows - len(pieces))
+    masks_BW = None
+    if plans.masks is not None:
+      chosen = [i for i, _ in pieces]
+      masks_BW = np.concatenate([plans.masks[chosen], np.repeat(plans.masks[chosen[:1]], rows - len(pieces), 0)])
+    with sharding.activation_sharding(self.model.mesh, self.model.rules):
+      state, (tokens_B, logprobs) = self._extend_rows(params, state, tokens_BC, starts_B, lengths_B, slots_B, table_BM,
+                                                      row_sampling(padded), _pixel_rows(pixels),
+                                                      None if masks_BW is None else jnp.asarray(masks_BW))
+    firsts: dict[int, FirstToken] = {}
+    for row, (i, end) in enumerate(pieces):
+      slot, prompt = plans.slots[i], plans.prompts[i]
+      salts = self._salts(slot, plans.runs[i], plans.images[i], pages.page_size)
+      if self.snapshots is not None:
+        self.snapshots.after_chunk(state.caches, slot, prompt, end, salts)
+      plans.starts[i] = end
+      if end == len(prompt):
+        pages.activate(slot, prompt, salts)
+        firsts[i] = (tokens_B, logprobs, row)
+    return state, firsts
 
   def _extend_rows_fn(self, params: Params, state: DecodeState, tokens_BC: jax.Array, starts_B: jax.Array,
                       lengths_B: jax.Array, slots_B: jax.Array, table_BM: jax.Array, rows: RowSampling,
-                      masks_BW: jax.Array | None) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
-    """`_extend_fn` for B slots at once (a model without slot states): row b's tokens at positions
-    starts[b].. through its pages; a row whose slot is out of range changes nothing."""
+                      pixels: jax.Array | None, masks_BW: jax.Array | None
+                      ) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
+    """`_extend_fn` for B slots at once: row b's tokens at positions starts[b].. through its pages and
+    from its slot's recurrent states; a row whose slot is out of range changes nothing."""
     self.traces["extend"] += 1
     rows = seeded(rows)
+    stacked = self.cfg.scan_layers
     stored_tables = jax.tree.map(lambda c: c.block_table_BM if paged_cache.is_pool(c) else c, state.caches,
                                  is_leaf=paged_cache.is_pool)
-    caches = paged_cache.with_block_table(state.caches, table_BM)
+    caches = paged_cache.with_block_table(paged_cache.rows_states(state.caches, slots_B, stacked), table_BM)
     positions_BC = starts_B[:, None] + jnp.arange(tokens_BC.shape[1], dtype=jnp.int32)[None]
     with lora_rows.use_rows(rows.adapter_B):
-      logits_B1V, caches = self.model.spec.apply_decode(params, tokens_BC, positions_BC, caches, lengths_B - 1, None)
+      logits_B1V, caches = self.model.spec.apply_decode(params, tokens_BC, positions_BC, caches, lengths_B - 1, pixels)
     caches = jax.tree.map(lambda c, t: dataclasses.replace(c, block_table_BM=t) if paged_cache.is_pool(c) else c,
                           caches, stored_tables, is_leaf=paged_cache.is_pool)
+    caches = paged_cache.with_rows_states(state.caches, caches, slots_B, stacked)
     tokens_B, rows, logprobs = sample(logits_B1V[:, 0], rows, masks_BW)
     prefix = Prefix(None, starts_B + lengths_B, tokens_B, rows, logprobs)
     return with_prompt(state, caches, prefix, slots_B, jnp.arange(tokens_BC.shape[0])), (tokens_B, logprobs)
+
+
+class _Plans:
+  """The prompts of one `rests` / `chunks` call, their image runs, and where each goes on from."""
+
+  def __init__(self, slots: Sequence[int], prompts: Sequence[Sequence[int]], starts: Sequence[int],
+               row_params: Sequence[sampling.RowParams], images: Sequence[image_prompts.PromptImages | None] | None,
+               masks: np.ndarray | None, vision: VisionConfig):
+    count = len(prompts)
+    if not len(slots) == len(starts) == len(row_params) == count or (images is not None and len(images) != count):
+      raise ValueError(f"{count} prompts need as many slots, starts, row_params and image rows")
+    self.slots, self.prompts, self.starts, self.row_params = slots, prompts, list(starts), row_params
+    self.images = list(images) if images is not None else [None] * count
+    self.masks = masks
+    self.runs = [image_prompts.image_runs(p, vision, i) for p, i in zip(prompts, self.images)]
+
+  def mask(self, i: int) -> np.ndarray | None:
+    return None if self.masks is None else self.masks[i:i + 1]
+
+
+def _pixel_rows(rows: Sequence[np.ndarray | None]) -> jax.Array | None:
+  """Each row's images ([1, M_b, 3, R, R] or None) as one [B, M, 3, R, R] array, zero-padded to the most."""
+  given = [r for r in rows if r is not None]
+  if not given:
+    return None
+  out = np.zeros((len(rows), max(r.shape[1] for r in given)) + given[0].shape[2:], np.float32)
+  for b, r in enumerate(rows):
+    if r is not None:
+      out[b, :r.shape[1]] = r[0]
+  return jnp.asarray(out)

@@ -294,6 +294,24 @@ def with_slot_states(caches: Caches, one_slot: Caches, slot: jax.Array, stacked:
                       is_leaf=is_pool)
 
 
+def rows_states(caches: Caches, slots_B: jax.Array, stacked: bool) -> Caches:
+  """`caches` with each slot-state array cut to the slots of `slots_B` (batch B; a slot out of range reads
+  the last one, its row's updates dropped by `with_rows_states`); pools as they are."""
+  return jax.tree.map(lambda c: c if is_pool(c) else jnp.take(c, slots_B, axis=1 if stacked else 0, mode="clip"),
+                      caches, is_leaf=is_pool)
+
+
+def with_rows_states(caches: Caches, rows: Caches, slots_B: jax.Array, stacked: bool) -> Caches:
+  """`caches` (all slots) with `rows_states`' rows put back into their slots (rows of slots out of range
+  dropped); pools from `rows`."""
+  def put(big: Any, new: Any) -> Any:
+    if is_pool(new):
+      return new
+    index = (slice(None), slots_B) if stacked else (slots_B,)
+    return big.at[index].set(new.astype(big.dtype), mode="drop")
+  return jax.tree.map(put, caches, rows, is_leaf=is_pool)
+
+
 def keep_inactive_states(new: Caches, old: Caches, active_T: jax.Array, stacked: bool) -> Caches:
   """`new` caches with each slot-state array's inactive slots (no pages in the step's table: free, or a
   prompt still being prefilled in chunks) kept as in `old`: a generate step advances every slot."""

@@ -12,11 +12,14 @@ business: the scheduler deals in token ids only.
 
 The jobs admitted in one loop are prefilled in one engine call: their prompts as the rows of one
 `prefill` (padded to a power of two rows, so a few programs compile), then an insert each; into
-pages without chunks, their text prompts' rests in one `prefill_rests` (engine_api.PrefillsRestsTogether).
+pages without chunks, their prompts' rests as the rows of one `prefill_rests` call per piece
+(engine_api.PrefillsRestsTogether).
 
-With prefill_chunk_size > 0 (paged), an admitted prompt is prefilled one chunk per loop, between
-the running jobs' generate steps, so a long prompt delays each of their tokens by one chunk's
-time instead of its whole prefill; the job joins the generate steps after its last chunk.
+With prefill_chunk_size > 0 (paged), the prompts being prefilled share a budget of one chunk
+(prefill_chunk_size tokens) per loop, between the running jobs' generate steps, longest-waiting
+first and in one `prefill_chunks` call (engine_api.PrefillsChunksTogether), so a long prompt delays
+each of their tokens by one chunk's time instead of its whole prefill; a job joins the generate
+steps after its last chunk.
 
 With a speculative engine (speculative_engine.SpeculativeEngine, speculative_tokens > 0) a step is
 a round that gives each slot 1 to k + 1 tokens, delivered in order until its job ends; the rest of
@@ -59,42 +62,13 @@ import jax
 import numpy as np
 
 from MaxText.inference.engine_api import (Admitted, DecodeEngine, Emitted, EngineParams, EngineState,
-                                          PrefillsRestsTogether, StepLimits, TokenLogprobs)
+                                          PrefillsChunksTogether, PrefillsRestsTogether, StepLimits,
+                                          TokenLogprobs)
 from MaxText.inference.image_prompts import PromptImages
+# The events and refusals, kept where the HTTP front ends read them without JAX, and named here as before.
+from MaxText.inference.job_events import (Done as Done, Event as Event, PromptScores as PromptScores,
+                                          QueueFull as QueueFull, Token as Token, TooLarge as TooLarge)
 from MaxText.inference.sampling import ALL_TOKENS, RowParams
-
-
-class QueueFull(Exception):
-  """More jobs than free slots plus serve_max_queue: the caller answers 503 with Retry-After."""
-
-
-class TooLarge(Exception):
-  """A job that needs more KV pages than the whole pool: it could never be admitted (a 400)."""
-
-
-@dataclasses.dataclass
-class Token:
-  index: int  # the job's choice index
-  token: int
-  logprob: float
-  top: list[tuple[int, float]]  # the most probable alternatives at this position, best first
-
-
-@dataclasses.dataclass
-class PromptScores:
-  index: int
-  logprobs: list[float]  # of prompt token i given tokens < i; entry 0 has no context (reported as None)
-  top: list[list[tuple[int, float]]]
-
-
-@dataclasses.dataclass
-class Done:
-  index: int
-  reason: str  # "length" | "stop" (an end-of-sequence token) | "cancelled" | "error"
-  message: str = ""
-
-
-Event = Token | PromptScores | Done
 
 
 class TokenConstraint(Protocol):
@@ -372,11 +346,17 @@ class Scheduler:
         self._deliver(slot, job, int(first[row]), *_scores(logprobs, row))
 
   def _prefill_chunk(self) -> None:
-    """With prefill_chunk_size, one chunk of the longest-waiting prompt being prefilled (the
-    per-step prefill budget); without it (prefix caching alone), every admitted prompt whole, as
-    the unchunked path prefills them all before the next step: the text ones in one call."""
-    if not self.engine.prefill_chunk_size and isinstance(self.engine, PrefillsRestsTogether):
+    """With prefill_chunk_size, one chunk budget of the prompts being prefilled, longest-waiting first
+    (the per-loop prefill budget: in one call where the engine shares it, PrefillsChunksTogether, else
+    one chunk of the first); without it (prefix caching alone), every admitted prompt whole, as the
+    unchunked path prefills them all before the next step: in one call per piece where the engine can."""
+    chunked = bool(self.engine.prefill_chunk_size)
+    if chunked and isinstance(self.engine, PrefillsChunksTogether):
+      self._prefill_chunks(self.engine)
+      return
+    if not chunked and isinstance(self.engine, PrefillsRestsTogether):
       self._prefill_rests(self.engine)
+      return
     for slot, (job, start) in list(self._prefilling.items()):
       self._state, end, first = self.engine.prefill_chunk(self.params, self._state, slot, job.prompt, start, job.row,
                                                           **_images(job), **_masks({0: job}, 1, "mask"))
@@ -385,30 +365,58 @@ class Scheduler:
           self._prefilling[slot] = (job, end)
         return  # the chunk budget of this loop is spent
       tokens_1, logprobs = jax.device_get(first)
-      with self._wake:
-        del self._prefilling[slot]
-        self._active[slot] = job
-      self._deliver(slot, job, int(tokens_1[0]), *_scores(logprobs, 0))
-      if self.engine.prefill_chunk_size:
+      self._activate([(slot, job, (tokens_1, logprobs, 0))])
+      if chunked:
         return
 
+  def _together(self) -> tuple[list[tuple[int, Job, int]], dict[int, Job], dict[str, Any]]:
+    """The prompts being prefilled in admission order as (slot, job, start), the jobs by row, and the
+    keyword arguments of a call with them as rows (their images, masks)."""
+    batch = [(slot, job, start) for slot, (job, start) in self._prefilling.items()]
+    jobs = {row: job for row, (_, job, _) in enumerate(batch)}
+    rows: dict[str, Any] = _masks(jobs, len(batch), "masks")
+    if any(job.images is not None for job in jobs.values()):
+      rows["images"] = [job.images for job in jobs.values()]
+    return batch, jobs, rows
+
   def _prefill_rests(self, engine: PrefillsRestsTogether) -> None:
-    """Every text prompt being prefilled, whole, in one engine call (image prompts go on one by one)."""
-    batch = [(slot, job, start) for slot, (job, start) in self._prefilling.items() if job.images is None]
+    """Every prompt being prefilled, whole, in one engine call per piece."""
+    batch, jobs, rows = self._together()
     if not batch:
       return
-    jobs = {row: job for row, (_, job, _) in enumerate(batch)}
     self._state, firsts = engine.prefill_rests(self.params, self._state, [slot for slot, _, _ in batch],
                                                [job.prompt for job in jobs.values()],
                                                [start for _, _, start in batch], [job.row for job in jobs.values()],
-                                               **_masks(jobs, len(batch), "masks"))
+                                               **rows)
     self.counts["prefills"] += 1
-    firsts = jax.device_get(firsts)
+    self._activate([(slot, job, first) for (slot, job, _), first in zip(batch, jax.device_get(firsts))])
+
+  def _prefill_chunks(self, engine: PrefillsChunksTogether) -> None:
+    """One chunk budget spent on the prompts being prefilled, longest-waiting first, in one engine call."""
+    batch, jobs, rows = self._together()
+    if not batch:
+      return
+    self._state, results = engine.prefill_chunks(self.params, self._state, [slot for slot, _, _ in batch],
+                                                 [job.prompt for job in jobs.values()],
+                                                 [start for _, _, start in batch], [job.row for job in jobs.values()],
+                                                 **rows)
+    self.counts["prefills"] += 1
     with self._wake:
-      for slot, job, _ in batch:
+      for (slot, job, _), (end, _) in zip(batch, results):
+        self._prefilling[slot] = (job, end)
+    finished = [(slot, job, first) for (slot, job, _), (_, first) in zip(batch, results) if first is not None]
+    if finished:
+      self._activate([(slot, job, first) for (slot, job, _), first in
+                      zip(finished, jax.device_get([first for _, _, first in finished]))])
+
+  def _activate(self, finished: Sequence[tuple[int, Job, tuple[Any, TokenLogprobs, int]]]) -> None:
+    """Jobs whose prompts are prefilled join the generate steps with their first tokens ((first tokens
+    [B], their scores, the job's row), read from the device)."""
+    with self._wake:
+      for slot, job, _ in finished:
         del self._prefilling[slot]
         self._active[slot] = job
-    for (slot, job, _), (tokens_B, logprobs, row) in zip(batch, firsts):
+    for slot, job, (tokens_B, logprobs, row) in finished:
       if self._active.get(slot) is job:
         self._deliver(slot, job, int(tokens_B[row]), *_scores(logprobs, row))
 

@@ -166,11 +166,15 @@ class RecurrentSnapshots:
     if waiting is not None and waiting[0] == start:
       state = self._restore(state, self._pool, jnp.int32(slot), jnp.int32(waiting[1]))
     self.forget(slot)
+    return state, self.chunk_end(prompt, start, end, runs)
+
+  def chunk_end(self, prompt: Sequence[int], start: int, end: int, runs: Sequence[tuple[int, int]]) -> int:
+    """Where a chunk over prompt[start:end] ends: at the prompt's last page boundary when it crosses it."""
     page_size = self._pages().page_size
     boundary = len(prompt) // page_size * page_size
     if start < boundary < end and image_prompts.chunk_end(start, boundary, runs) > start:
-      end = image_prompts.chunk_end(start, boundary, runs)
-    return state, end
+      return image_prompts.chunk_end(start, boundary, runs)
+    return end
 
   def after_chunk(self, caches: Caches, slot: int, prompt: Sequence[int], end: int,
                   salts: Mapping[int, bytes] | None) -> None:
