@@ -127,10 +127,8 @@ def load(path: str, cfg: ModelConfig, abstract_params: dict[str, Any]) -> PeftAd
   """The adapter in `path` (adapter_config.json + adapter_model.safetensors) placed onto the kernels of
   a model whose parameters are shaped like `abstract_params` (each adapted kernel's lora_a there gives
   its input dims); raises UserError naming what does not fit."""
-  from safetensors.numpy import load as safetensors_load
-
   rank, _, alpha = read_config(path)
-  tensors = safetensors_load(storage.read_bytes(storage.join(path, WEIGHTS_FILE)))
+  tensors = _read_tensors(path)
   unused = set(tensors)
   family = families.family_for_decoder_block(cfg.decoder_block)
   maps = family.tensors(cfg)
@@ -177,21 +175,55 @@ def load(path: str, cfg: ModelConfig, abstract_params: dict[str, Any]) -> PeftAd
   return PeftAdapter(rank, alpha, targets, leaves)
 
 
+def _read_tensors(path: str) -> dict[str, np.ndarray]:
+  """The tensors of `path`'s WEIGHTS_FILE in float32 (stored as float32, float16 or bfloat16); UserError for a
+  file safetensors cannot read, a tensor of another dtype or one holding NaN or infinity."""
+  import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16", which safetensors reads bf16 tensors as)
+  from safetensors import SafetensorError, safe_open
+
+  file = storage.join(path, WEIGHTS_FILE)
+  try:
+    with storage.local_copy(file) as local, safe_open(local, framework="numpy") as f:
+      stored = {name: f.get_tensor(name) for name in f.keys()}
+  except (SafetensorError, OSError, TypeError, ValueError) as e:
+    raise UserError(f"{file} is not a readable safetensors file ({type(e).__name__}: {str(e)[:200]})") from None
+  tensors = {}
+  for name, array in stored.items():
+    if array.dtype not in (np.float32, np.float16, ml_dtypes.bfloat16, np.float64):
+      raise UserError(f"{file}: {name} has dtype {array.dtype}; LoRA weights are float32, float16 or bfloat16")
+    tensors[name] = np.asarray(array, np.float32)
+    if not np.isfinite(tensors[name]).all():
+      raise UserError(f"{file}: {name} holds NaN or infinite values")
+  return tensors
+
+
 def read_config(path: str) -> tuple[int, tuple[str, ...], float]:
   """(rank, target modules, lora_alpha) of the PEFT LoRA adapter in `path`; UserError for anything else."""
   if not storage.exists(storage.join(path, CONFIG_FILE)) or not storage.exists(storage.join(path, WEIGHTS_FILE)):
     raise UserError(f"{path} is not a PEFT LoRA adapter: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
   try:
     config = json.loads(storage.read_text(storage.join(path, CONFIG_FILE)))
-  except ValueError as e:
-    raise UserError(f"{path}/{CONFIG_FILE} is not valid JSON: {e}") from None
-  if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA" or not isinstance(config.get("r"), int):
+  except (ValueError, RecursionError) as e:
+    raise UserError(f"{path}/{CONFIG_FILE} is not valid JSON: {str(e)[:200]}") from None
+  except OSError as e:
+    raise UserError(f"cannot read {path}/{CONFIG_FILE}: {e.strerror or e}") from None
+  rank = config.get("r") if isinstance(config, dict) else None
+  if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA" or not isinstance(rank, int) \
+      or isinstance(rank, bool):
     raise UserError(f"{path}/{CONFIG_FILE} does not describe a LoRA adapter (peft_type LORA with an integer r)")
+  if rank < 1:
+    raise UserError(f"{path}/{CONFIG_FILE}: r={rank}; a LoRA adapter's rank is >= 1")
+  alpha = config.get("lora_alpha")
+  if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not abs(alpha) < 1e30):
+    raise UserError(f"{path}/{CONFIG_FILE}: lora_alpha={str(alpha)[:40]} is not a finite number")
+  targets = config.get("target_modules") or []
+  if not isinstance(targets, (str, list)) or not all(isinstance(t, str) for t in targets):
+    raise UserError(f"{path}/{CONFIG_FILE}: target_modules must be a module name or a list of them, got "
+                    f"{str(targets)[:80]}")
   for name, plain in (("use_rslora", False), ("use_dora", False), ("fan_in_fan_out", False)):
     if config.get(name, plain) != plain:
       raise UserError(f"{path}: {name}={config[name]} is not supported; plain LoRA adapters only")
   if config.get("rank_pattern") or config.get("alpha_pattern"):
     raise UserError(f"{path}: rank_pattern / alpha_pattern (a rank per module) is not supported")
-  targets = config.get("target_modules") or []
   targets = [targets] if isinstance(targets, str) else list(targets)
-  return int(config["r"]), tuple(sorted(str(t) for t in targets)), float(config.get("lora_alpha") or config["r"])
+  return rank, tuple(sorted(targets)), float(alpha or rank)

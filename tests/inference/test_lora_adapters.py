@@ -484,6 +484,104 @@ def test_start_up_refusals_are_one_line(tmp_path, keys, words):
   assert words in str(e.value) and "\n" not in str(e.value)
 
 
+def _safetensors(tensors: dict, dtype: str) -> bytes:
+  """A safetensors file of `tensors` stored as `dtype` (its name in the format: F32, BF16, I32, ...)."""
+  import json
+  import struct
+
+  header, data = {}, b""
+  for name, array in tensors.items():
+    raw = np.ascontiguousarray(array).tobytes()
+    header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [len(data), len(data) + len(raw)]}
+    data += raw
+  head = json.dumps(header).encode()
+  head += b" " * (-len(head) % 8)
+  return struct.pack("<Q", len(head)) + head + data
+
+
+@pytest.fixture(scope="module")
+def one_adapter(tmp_path_factory):
+  """A rank-2 q_proj adapter of the tiny model, its tensors as PEFT names them, and the model it fits."""
+  from MaxText import models
+  from safetensors.numpy import load
+
+  root = tmp_path_factory.mktemp("one_adapter")
+  write_adapter(root / "good", 2, 4.0, ("q_proj",), seed=5)
+  tensors = load((root / "good" / peft_adapters.WEIGHTS_FILE).read_bytes())
+  config = Config.for_testing(**TINY, lora_rank=2, lora_alpha=4.0, lora_target_modules="q_proj")
+  return root, tensors, config.model, models.build_model_spec(config.model).abstract_params
+
+
+def _config_text(root) -> str:
+  return (root / "good" / peft_adapters.CONFIG_FILE).read_text()
+
+
+@pytest.mark.parametrize("config, weights, words", [
+    ({"lora_alpha": [1]}, None, "lora_alpha=[1] is not a finite number"),
+    ({"lora_alpha": "8"}, None, "lora_alpha=8 is not a finite number"),
+    ("NaN", None, "lora_alpha=nan is not a finite number"),
+    ({"target_modules": 5}, None, "target_modules must be a module name or a list of them"),
+    ({"r": 0}, None, "r=0; a LoRA adapter's rank is >= 1"),
+    ({"r": True}, None, "peft_type LORA with an integer r"),
+    ("directory", None, "cannot read"),
+    (None, b"\x00\x01 not safetensors", "is not a readable safetensors file"),
+    (None, b"", "is not a readable safetensors file"),
+    (None, "I32", "has dtype int32; LoRA weights are float32, float16 or bfloat16"),
+    (None, "NaN", "holds NaN or infinite values"),
+], ids=["alpha-list", "alpha-string", "alpha-nan", "targets-int", "rank-0", "rank-bool", "config-dir", "garbage",
+        "empty", "int32", "nan-weights"])
+def test_a_malformed_adapter_is_one_line_naming_what_is_wrong(one_adapter, tmp_path, config, weights, words):
+  """What the admin route and serve_lora_adapters read: each is a UserError (a 400, an `error:` line), not a traceback
+  or an adapter of NaNs that answers garbage (was: TypeError / ValueError / SafetensorError, NaN weights served)."""
+  import json
+
+  root, tensors, model, abstract = one_adapter
+  bad = tmp_path / "bad"
+  bad.mkdir()
+  text = _config_text(root)
+  if config == "NaN":
+    text = json.dumps({**json.loads(text), "lora_alpha": "X"}).replace('"X"', "NaN")
+  elif config == "directory":
+    (bad / peft_adapters.CONFIG_FILE).mkdir()
+  elif config is not None:
+    text = json.dumps({**json.loads(text), **config})
+  if config != "directory":
+    (bad / peft_adapters.CONFIG_FILE).write_text(text)
+  blob = (root / "good" / peft_adapters.WEIGHTS_FILE).read_bytes()
+  if weights == "I32":
+    blob = _safetensors({k: v.astype(np.int32) for k, v in tensors.items()}, "I32")
+  elif weights == "NaN":
+    blob = _safetensors({k: np.where(v > 0, np.nan, v).astype(np.float32) for k, v in tensors.items()}, "F32")
+  elif weights is not None:
+    blob = weights
+  (bad / peft_adapters.WEIGHTS_FILE).write_bytes(blob)
+  with pytest.raises(UserError) as e:
+    peft_adapters.read_config(str(bad))
+    peft_adapters.load(str(bad), model, abstract)
+  assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_bfloat16_adapter_loads_as_its_float32_values(one_adapter, tmp_path):
+  """PEFT saves an adapter in its weights' dtype, often bfloat16 (was: KeyError 'BF16', a 500 from the admin route)."""
+  import ml_dtypes
+
+  root, tensors, model, abstract = one_adapter
+  (tmp_path / "bf16").mkdir()
+  (tmp_path / "bf16" / peft_adapters.CONFIG_FILE).write_text(_config_text(root))
+  rounded = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
+  (tmp_path / "bf16" / peft_adapters.WEIGHTS_FILE).write_bytes(_safetensors(rounded, "BF16"))
+  (tmp_path / "f32").mkdir()
+  (tmp_path / "f32" / peft_adapters.CONFIG_FILE).write_text(_config_text(root))
+  (tmp_path / "f32" / peft_adapters.WEIGHTS_FILE).write_bytes(
+      _safetensors({k: v.astype(np.float32) for k, v in rounded.items()}, "F32"))
+  bf16 = peft_adapters.load(str(tmp_path / "bf16"), model, abstract)
+  f32 = peft_adapters.load(str(tmp_path / "f32"), model, abstract)
+  assert bf16.leaves.keys() == f32.leaves.keys() and bf16.leaves
+  for key in f32.leaves:
+    for ours, theirs in zip(bf16.leaves[key], f32.leaves[key]):
+      np.testing.assert_array_equal(ours, theirs)
+
+
 def test_negative_table_sizes_are_config_errors():
   from MaxText.errors import ConfigError
 
