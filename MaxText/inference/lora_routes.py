@@ -53,7 +53,7 @@ def add_routes(app: FastAPI, registry: lora_adapters.Registry, admin_allowed: bo
       raise api.ApiError(400, str(e), "path", "invalid_adapter") from None
     return _describe(loaded)
 
-  @app.delete(ROUTE + "/{name}")
+  @app.delete(ROUTE + "/{name:path}")  # a name may hold "/" (Hugging Face's org/adapter); %2F for it works too
   async def remove_adapter(name: str) -> dict[str, Any]:
     allowed()
     try:

@@ -396,6 +396,20 @@ def test_admin_refusals_are_one_line(server, body, status, words):
   assert words in response.json()["error"]["message"] and "\n" not in response.json()["error"]["message"]
 
 
+def test_an_adapter_named_like_a_hub_repo_is_served_and_removed(server):
+  """A name with "/" (org/adapter) is added, picked by `model` and removed by DELETE, its slash raw or %2F (was: a 404
+  from DELETE, the adapter holding its row until a restart)."""
+  _, srv, client, _, root = server
+  for name, url in (("org/kappa", "org/kappa"), ("org/kappa2", "org%2Fkappa2")):
+    added = client.post("/v1/admin/lora_adapters", json={"name": name, "path": str(root / "kappa")})
+    assert added.status_code == 200, added.text
+    used = client.post("/v1/completions", json={"model": name, "prompt": [5, 6], "max_tokens": 1})
+    assert used.status_code == 200 and used.json()["model"] == name, used.text
+    removed = client.delete(f"/v1/admin/lora_adapters/{url}")
+    assert removed.status_code == 200 and removed.json()["name"] == name, removed.text
+  assert "org/kappa" not in srv.adapters.names() and "org/kappa2" not in srv.adapters.names()
+
+
 def test_unknown_model_names_the_adapter_and_the_served_ones(server):
   _, _, client, _, _ = server
   response = client.post("/v1/completions", json={"model": "delta", "prompt": [5, 6], "max_tokens": 2})
