@@ -37,8 +37,8 @@ from MaxText.rl import rollout_mesh
 from MaxText.rl.rollouts import RolloutBatches
 from MaxText.layers import pipeline
 from MaxText.layers.attention import select_kernel
-from MaxText.training.trainer import (CheckpointHook, EvalHook, LeaseHook, LoggingHook, OnPolicyBatches, ProfilerHook,
-                                     RouterHealthHook, Trainer)
+from MaxText.training.trainer import (CheckpointHook, EvalHook, LeaseHook, LoggingHook, OnPolicyBatches,
+                                     RouterHealthHook, Trainer, profile_hook)
 
 
 def check_resume(config: config_lib.Config, checkpoints: checkpointing.RunCheckpoints | None) -> None:
@@ -228,11 +228,11 @@ def add_hooks(trainer: Trainer, run: run_assembly.Run, checkpoints: checkpointin
                                     preemption.PreemptionWatcher(), rng, before_save=before_save, meta=meta,
                                     grow_back=grow_back),
                      every=0, needs_state=True)
-  if settings.profiler:
-    trainer.add_hook(ProfilerHook(storage.join(settings.run_dir, "profile"), settings.profile_start_step,
-                                  settings.profile_steps, active=is_primary or settings.profile_all_processes,
-                                  clean=settings.profile_cleanly),
-                     every=0, needs_state=settings.profile_cleanly)
+  profiler = profile_hook(storage.join(settings.run_dir, "profile"), settings.profile_start_step, settings.profile_steps,
+                          settings.steps, active=is_primary or settings.profile_all_processes,
+                          clean=settings.profile_cleanly) if settings.profiler else None
+  if profiler is not None:
+    trainer.add_hook(profiler, every=0, needs_state=settings.profile_cleanly)
 
 
 if __name__ == "__main__":

@@ -246,6 +246,30 @@ def test_profile_cleanly_waits_for_the_step_at_both_ends_of_the_trace(clean, tmp
   assert ends == ([("start", 2), ("stop", 4)] if clean else [("start", 3), ("stop", 5)])
 
 
+def test_a_trace_past_the_runs_end_stops_at_its_last_step_and_one_that_never_starts_says_so(tmp_path, monkeypatch,
+                                                                                          capsys):
+  """profile_steps reaching past steps: the trace stops after the last step and its line names the steps
+  traced (it named steps the run never took); a start at or past steps is one warning line, no trace."""
+  from MaxText.training import metrics
+  from MaxText.training.trainer import Trainer, profile_hook
+
+  config = Config.for_testing(**_TINY, steps=4)
+  step, ends = _CountingStep(), []
+  monkeypatch.setattr(jax.profiler, "start_trace", lambda directory: ends.append(("start", step.calls)))
+  monkeypatch.setattr(jax.profiler, "stop_trace", lambda: ends.append(("stop", step.calls)))
+  trainer = Trainer(config, step, iter(range(100)), jax.random.key(0),
+                    metrics.training_tflops_per_step(config.model, 8, 32), 1.0)
+  hook = profile_hook(str(tmp_path), 2, 5, 4, active=True, clean=True)
+  assert hook is not None
+  trainer.add_hook(hook, every=0, needs_state=True)
+  trainer.run(state=None)
+  assert ends == [("start", 2), ("stop", 4)]
+  assert f"profile: steps 3..4 traced into {tmp_path} " in capsys.readouterr().out
+  assert profile_hook(str(tmp_path), 4, 5, 4, active=True, clean=True) is None
+  assert capsys.readouterr().err == ("warning: profile_start_step=4 is not before steps=4: no step is traced; set "
+                                     "profile_start_step below 4\n")
+
+
 def test_checkpoint_events_go_to_the_run_folder_with_one_line_saying_so(tmp_path, capsys):
   from MaxText.run_dir.checkpointing import RunCheckpoints
 

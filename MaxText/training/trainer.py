@@ -512,3 +512,14 @@ class ProfilerHook:
   def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
     if self.tracing:
       self._stop()
+
+
+def profile_hook(directory: str, first: int, num_steps: int, run_steps: int, active: bool, clean: bool
+                 ) -> ProfilerHook | None:
+  """The run's ProfilerHook with its trace cut at the run's last step `run_steps`, so its line names the
+  steps traced; None, with a warning line, when the run ends before the trace would start."""
+  if first >= run_steps:
+    print(f"warning: profile_start_step={first} is not before steps={run_steps}: no step is traced; set "
+          f"profile_start_step below {run_steps}", file=sys.stderr, flush=True)
+    return None
+  return ProfilerHook(directory, first, min(num_steps, run_steps - first), active, clean)
