@@ -3,7 +3,7 @@ the tiny random model of tests/hf_families.py converted through the tensor table
 the dense engine equal the no-cache forward pass and HF `generate`; the paged cache, chunked
 prefill (chunks end before an image they cannot hold) and prefix caching (pages keyed by the
 image's content) give the same tokens; two prompts with the same text and different images share
-no page and answer differently."""
+no page and answer differently; prompts with images admitted together share prefill calls."""
 
 from __future__ import annotations
 
@@ -128,6 +128,30 @@ def _scheduled_jobs(engine, params, prompts, images, loads=None):
     return _scheduled_outputs(engine, params, prompts, [NEW_TOKENS] * len(prompts), loads=loads)
   finally:
     sched.Job.__init__ = original  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("overrides,together_calls,one_each_calls", [
+    (dict(prefix_caching=True), 1, 2),
+    # A budget of 40: the first prompt's 24 tokens and the second's 3 before its first image (16 more
+    # would split it), then the second's other 40.
+    pytest.param(dict(prefix_caching=False, prefill_chunk_size=40), 2, 3, marks=pytest.mark.slow)],
+    ids=["prefix-cached", "chunked"])
+def test_image_prompts_admitted_together_share_prefill_calls(hf, reference, overrides, together_calls, one_each_calls):
+  """Prompts with different numbers of images are prefilled into pages as the rows of one call
+  (their images padded to the most of a row), each getting the tokens it gets alone."""
+  model, params = reference
+  engine = Engine(config_for(hf, model, kv_cache_layout="paged", kv_page_size=4, **overrides), num_slots=2,
+                  mesh=one_device_mesh())
+  calls = {"prefills": 0}
+  for name in ("_extend", "_extend_rows"):
+    def counted(*args, _jitted=getattr(engine.page_prefill, name), **kwargs):
+      calls["prefills"] += 1
+      return _jitted(*args, **kwargs)
+    setattr(engine.page_prefill, name, counted)
+  alone = [_scheduled_jobs(engine, params, [prompt], [images])[0] for prompt, images in zip(PROMPTS, IMAGES)]
+  alone_calls, calls["prefills"] = calls["prefills"], 0
+  assert _scheduled_jobs(engine, params, PROMPTS, IMAGES) == alone
+  assert (calls["prefills"], alone_calls) == (together_calls, one_each_calls)
 
 
 def test_prefix_caching_keys_image_pages_by_the_image(hf, reference):
