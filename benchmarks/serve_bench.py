@@ -5,7 +5,7 @@ inter-token latency (ITL) p50/p99 against the number of concurrent clients, and 
         [max_tokens=32] [serve_max_slots=16] [base_emb_dim=256] [base_num_decoder_layers=4]
         [caches=dense,paged] [kv_page_size=16] [kv_num_pages=0] [prefill_chunk_sizes=0,64] [long_prompt=0]
         [shared_prefix=0] [prefix_caching=true,false] [speculative_tokens=0,4] [draft=small|self]
-        [decode_steps_per_call=1,8] [step_reference=true]
+        [decode_steps_per_call=1,8] [step_reference=true] [serve_http_processes=0,1]
 
 A small random-init model (greedy, no end-of-sequence token, so every request makes max_tokens
 tokens) is served in this process on 127.0.0.1 through the real app (uvicorn, the scheduler
@@ -32,6 +32,8 @@ With step_reference=true the table gains ITL mean: each request's (last token - 
 gap says little); it also times the same model's jitted decode step alone (1 slot, one call per
 step, the host reading the tokens only at the end, as decode.py does) and prints `RESULT host ...`:
 the 1-client mean ITL over that step time, and the most clients' output tokens/s over 1 client's.
+serve_http_processes=0,1 serves each configuration with HTTP in the engine's process (0) and in that
+many front-end processes of its own (inference/serve_processes.py), in turn.
 Prints a Markdown table (getting_started/Serving.md holds the measured one).
 """
 
@@ -229,6 +231,8 @@ def start_server(config: Any) -> tuple[Any, Any, threading.Thread, str]:
 
   mesh = Mesh(np.asarray(jax.devices()[:1]).reshape((1,) * len(MESH_AXES)), MESH_AXES)
   server = build_server(config, mesh=mesh)
+  if config.decode.serve_http_processes:
+    return _start_front_ends(config, server)
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -238,6 +242,41 @@ def start_server(config: Any) -> tuple[Any, Any, threading.Thread, str]:
   while not uv.started:
     time.sleep(0.05)
   return server, uv, thread, f"http://127.0.0.1:{port}/v1/completions"
+
+
+class _FrontEndsRunning:
+  """Stands in for start_server's uvicorn server and thread when HTTP runs in front-end processes."""
+
+  def __init__(self, front_ends: Any):
+    self.front_ends, self.should_exit = front_ends, False
+
+  def join(self, timeout: float) -> None:
+    self.front_ends.stop()
+
+
+def _start_front_ends(config: Any, server: Any) -> tuple[Any, Any, Any, str]:
+  """start_server's answer with config.decode.serve_http_processes front-end processes on a free port."""
+  import httpx
+
+  from MaxText import serve
+  from MaxText.inference import serve_frontend, serve_processes
+
+  d = config.decode
+  sock = serve.listen("127.0.0.1", 0)
+  spec = serve_frontend.FrontSpec(serve.codec_spec(config), server.limits, d.serve_request_timeout_seconds,
+                                  d.serve_max_body_bytes)
+  running = _FrontEndsRunning(serve_processes.FrontEnds(server.scheduler, server.codec.grammars, sock, spec,
+                                                        d.serve_http_processes))
+  url = serve.address("127.0.0.1", sock)
+  deadline = time.monotonic() + 120
+  while True:
+    try:
+      if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+        break
+    except httpx.TransportError:
+      assert time.monotonic() < deadline, "the front-end processes did not start"
+      time.sleep(0.1)
+  return server, running, running, f"{url}/v1/completions"
 
 
 def _draft_keys(args, speculative: int) -> dict[str, Any]:
@@ -253,8 +292,8 @@ def _draft_keys(args, speculative: int) -> dict[str, Any]:
 
 
 def _serve_layout(args, clients: Clients, layout: str, prompt_lengths: list[int], max_target: int, tokenizer: Path,
-                  chunk: int = 0, prefix_caching: bool = False, speculative: int = 0, steps_per_call: int = 1
-                  ) -> None:
+                  chunk: int = 0, prefix_caching: bool = False, speculative: int = 0, steps_per_call: int = 1,
+                  http_processes: int = 0) -> None:
   """The table for one KV cache layout, then its memory: what the cache allocates and, paged, the
   most pages in use at once (polled while the clients run)."""
   import jax
@@ -274,7 +313,8 @@ def _serve_layout(args, clients: Clients, layout: str, prompt_lengths: list[int]
       serve_model_name="bench", kv_cache_layout=layout, kv_page_size=args.kv_page_size,
       kv_num_pages=args.kv_num_pages if layout == "paged" else 0,
       **_draft_keys(args, speculative))
-  config = Config.for_testing(**keys, **({"decode_steps_per_call": steps_per_call} if steps_per_call > 1 else {}))
+  config = Config.for_testing(**keys, **({"decode_steps_per_call": steps_per_call} if steps_per_call > 1 else {}),
+                              **({"serve_http_processes": http_processes} if http_processes else {}))
   server, uv, thread, url = start_server(config)
   engine = server.scheduler.engine
   # Compiles every step (its prompts have no shared prefix: nothing of the measured load is cached yet).
@@ -304,6 +344,8 @@ def _serve_layout(args, clients: Clients, layout: str, prompt_lengths: list[int]
     mixed += f"; speculative_tokens={speculative}, draft {args.draft}"
   if steps_per_call > 1:
     mixed += f"; decode_steps_per_call={steps_per_call}"
+  if http_processes:
+    mixed += f"; serve_http_processes={http_processes}"
   before = server.scheduler.load()
   print(f"\n{layout} KV cache, prefill_chunk_size={chunk}{', prefix_caching' if prefix_caching else ''}; "
         f"model: emb {args.base_emb_dim}, {args.base_num_decoder_layers} layers, vocab "
@@ -353,9 +395,11 @@ def _serve_layout(args, clients: Clients, layout: str, prompt_lengths: list[int]
     step_ms = _step_ms(Config.for_testing(**{k: v for k, v in keys.items() if not k.startswith(("speculative",
                                                                                                    "draft_"))}))
     most = max(rates)
-    print(f"RESULT host layout={layout} decode_steps_per_call={steps_per_call} itl_mean_ms={one_client_itl * 1e3:.3f} "
-          f"step_ms={step_ms:.3f} itl_over_step={one_client_itl * 1e3 / step_ms:.2f} "
-          f"clients={most} tokens_per_s_over_1_client={rates[most] / rates[1]:.2f}", flush=True)
+    split = f" serve_http_processes={http_processes}" if http_processes else ""
+    print(f"RESULT host layout={layout} decode_steps_per_call={steps_per_call}{split} "
+          f"itl_mean_ms={one_client_itl * 1e3:.3f} step_ms={step_ms:.3f} "
+          f"itl_over_step={one_client_itl * 1e3 / step_ms:.2f} clients={most} "
+          f"tokens_per_s_over_1_client={rates[most] / rates[1]:.2f}", flush=True)
 
 
 def _step_ms(config: Any) -> float:
@@ -405,6 +449,7 @@ def main() -> None:
   parser.add_argument("--speculative_tokens", default="0", help="speculative_tokens values to serve with (0: off)")
   parser.add_argument("--draft", default="small", choices=("small", "self"), help="the speculative draft")
   parser.add_argument("--decode_steps_per_call", default="1", help="decode_steps_per_call values to serve with")
+  parser.add_argument("--serve_http_processes", default="0", help="serve_http_processes values to serve with")
   parser.add_argument("--step_reference", default="false", help="true: also time the jitted step alone (RESULT host)")
   args = tool_args.parse_args(parser, None, renamed=RENAMED)
   args.step_reference = str(args.step_reference).strip().lower() == "true"
@@ -426,8 +471,9 @@ def _serve_layouts(args, clients: Clients, prompt_lengths: list[int], max_target
           else [False]:
         for speculative in [int(k) for k in args.speculative_tokens.split(",")]:
           for steps_per_call in [int(k) for k in args.decode_steps_per_call.split(",")]:
-            _serve_layout(args, clients, layout, prompt_lengths, max_target, tokenizer, chunk, caching,
-                          speculative, steps_per_call)
+            for http_processes in [int(n) for n in args.serve_http_processes.split(",")]:
+              _serve_layout(args, clients, layout, prompt_lengths, max_target, tokenizer, chunk, caching,
+                            speculative, steps_per_call, http_processes)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,12 @@ FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
     ("MaxText.input_pipeline.prepare_data", "MaxText.input_pipeline.tfds_builder"): "tensorflow-datasets' builder, "
     "only for the tfds preparation",
     ("MaxText.decode", "MaxText.input_pipeline.chat"): "the chat template's tokenizer stack, only for chat prompts",
-    ("MaxText.serve", "MaxText.input_pipeline.tokenizer"): "the tokenizer libraries load after the CLI is parsed",
-    ("MaxText.serve", "MaxText.errors"): "imported with the chat template it checks",
-    ("MaxText.serve", "MaxText.input_pipeline.chat"): "the chat template's tokenizer stack, only when serving chat",
-    ("MaxText.serve", "MaxText.inference.serve_routes"): "FastAPI loads only when the server starts",
-    ("MaxText.serve", "MaxText.inference.lora_routes"): "FastAPI loads only when the server starts",
+    **{("MaxText.input_pipeline", m): "the package's import stays free of JAX: the server's HTTP front-end "
+       "processes (inference/serve_frontend.py) read the tokenizer through it"
+       for m in ("MaxText.platform.sharding", "MaxText.input_pipeline.synthetic", "MaxText.input_pipeline.packing")},
+    ("MaxText.inference.serve_app", "MaxText.inference.serve_routes"): "FastAPI loads only when the server starts",
+    ("MaxText.inference.serve_app", "MaxText.inference.lora_routes"): "FastAPI and the LoRA tables load only when "
+    "the server starts with adapters",
     ("MaxText.training.metrics", "MaxText.layers.moe"): "flax and the layers load only for a MoE model's FLOPs",
     ("MaxText.plan", "MaxText.training.run_assembly"): "JAX's backend must start after the planner sets the XLA flags",
     ("MaxText.plan", "MaxText.train_compile"): "JAX's backend must start after the planner sets the XLA flags",

@@ -384,6 +384,7 @@ class DecodeConfig:
   serve_max_image_bytes: int = key()  # one image's encoded size
   serve_max_image_pixels: int = key()  # one image's width x height
   serve_request_timeout_seconds: float = key()
+  serve_http_processes: int = key()  # 0: HTTP in the engine's process; N: N front-end processes (serve_processes.py)
   serve_lora_adapters: tuple[str, ...] = key()  # name=path PEFT LoRA adapters served beside the base model
   serve_lora_slots: int = key()  # adapters held at once (admin routes add more); 0: as many as serve_lora_adapters
   serve_lora_max_rank: int = key()  # the adapter tables' rank; 0: the largest serve_lora_adapters rank
@@ -459,6 +460,8 @@ class DecodeConfig:
              f"serve_lora_slots and serve_lora_max_rank must be >= 0, got {v['serve_lora_slots']} and "
              f"{v['serve_lora_max_rank']}")
     _require(v["serve_max_images"] >= 0, f"serve_max_images must be >= 0 (0: no images), got {v['serve_max_images']}")
+    _require(v["serve_http_processes"] >= 0, f"serve_http_processes must be >= 0 (0: HTTP in the engine's process), "
+             f"got {v['serve_http_processes']}")
     _require(v["serve_request_timeout_seconds"] > 0,
              f"serve_request_timeout_seconds must be > 0, got {v['serve_request_timeout_seconds']}")
     return cls(**read_keys(cls, v, prompt_token_ids=ids))

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import llguidance
 import numpy as np
 
-from MaxText.inference import sampling, tool_calls
+from MaxText.inference import row_params, tool_calls
 
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
@@ -42,7 +42,7 @@ class Grammar:
 
   text: str  # llguidance's grammar (JSON with the schema, regex or Lark inside)
   tokenizer: Any  # llguidance.LLTokenizer
-  vocab_size: int  # the model's (the bitmask's width: sampling.mask_words)
+  vocab_size: int  # the model's (the bitmask's width: row_params.mask_words)
 
   def constraint(self) -> Constraint:
     return Constraint(self)
@@ -54,7 +54,7 @@ class Constraint:
   def __init__(self, grammar: Grammar):
     self._matcher = llguidance.LLMatcher(grammar.tokenizer, grammar.text, log_level=0)
     self._tokenizer_words = (grammar.tokenizer.vocab_size + 31) // 32  # what llguidance writes
-    self.words = sampling.mask_words(grammar.vocab_size)
+    self.words = row_params.mask_words(grammar.vocab_size)
 
   def fill(self, row: np.ndarray) -> None:
     """The allowed tokens' bits into `row` (int32 [words], C-contiguous); the bits past the tokenizer's

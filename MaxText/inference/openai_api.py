@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 from MaxText.errors import UserError
 from MaxText.inference import grammar as grammar_lib
 from MaxText.inference.image_prompts import PromptImages
-from MaxText.inference.sampling import NUM_TOP_LOGPROBS, RowParams
+from MaxText.inference.row_params import NUM_TOP_LOGPROBS, RowParams
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 

@@ -8,20 +8,13 @@ Every strategy is a pure function of (logits, key), so a fixed seed gives the sa
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
-STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-  strategy: str = "greedy"  # one of STRATEGIES
-  temperature: float = 1.0  # logits are divided by this before weighted / nucleus / top-k sampling
-  top_p: float = 0.9  # nucleus: smallest set of tokens whose probability mass reaches this
-  top_k: int = 40  # topk: sample among the k most probable tokens
+# The parameters, kept where the HTTP front ends read them without JAX, and named here as before.
+from MaxText.inference.row_params import (ALL_TOKENS as ALL_TOKENS, NUM_TOP_LOGPROBS as NUM_TOP_LOGPROBS,
+                                          STRATEGIES as STRATEGIES, RowParams as RowParams,
+                                          SamplingParams as SamplingParams, mask_words as mask_words)
 
 
 def greedy(logits_BV: jax.Array) -> jax.Array:
@@ -66,30 +59,7 @@ def sample(logits_BV: jax.Array, key: jax.Array, params: SamplingParams) -> jax.
   raise ValueError(f"unknown sampling strategy {params.strategy!r}; expected one of {', '.join(STRATEGIES)}")
 
 
-# ---------------------------------------------------------------- per-row parameters (serving)
-# Each decode slot carries its own request's temperature, top-p, top-k and PRNG key as arrays, so
-# one compiled step samples every slot by its own rules. temperature 0 is greedy; top_k 0 and
-# top_p 1 keep every token.
-NUM_TOP_LOGPROBS = 5  # alternatives reported per position (OpenAI's completions allow at most 5)
-
-
-@dataclasses.dataclass(frozen=True)
-class RowParams:
-  """One request's sampling: what the OpenAI API calls temperature, top_p, top_k and seed."""
-  temperature: float = 0.0
-  top_p: float = 1.0
-  top_k: int = 0
-  seed: int = 0
-  adapter: int = 0  # the LoRA adapter's row in the engine's adapter table (inference/lora_adapters.py); 0: none
-
-  @classmethod
-  def from_strategy(cls, params: SamplingParams, seed: int) -> "RowParams":
-    """The per-row form of a decode_sampling_strategy (what decode.py's keys ask for)."""
-    if params.strategy == "greedy":
-      return cls(0.0, 1.0, 0, seed)
-    top_p = params.top_p if params.strategy == "nucleus" else 1.0
-    top_k = params.top_k if params.strategy == "topk" else 0
-    return cls(params.temperature, top_p, top_k, seed)
+# ---------------------------------------------------------------- per-row parameters (serving): row_params.RowParams
 
 
 def masked_logits(logits_BV: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array, top_k_B: jax.Array
@@ -137,16 +107,7 @@ def row_probs(logits_BV: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array
 
 
 # ---------------------------------------------------------------- token masks (constrained decoding)
-# A mask is a bitmask per row, int32 [B, W] with W * 32 > V: bit v of word v // 32 set = token v allowed.
-# The host computes it (inference/grammar.py) and the device expands it here; a row of all ones (-1)
-# is unconstrained. A constrained row always has a bit past the vocabulary clear (W * 32 > V), so
-# `constrained_rows` tells it apart even when every real token is allowed.
-ALL_TOKENS = -1  # a mask word with every bit set
-
-
-def mask_words(vocab_size: int) -> int:
-  """W: mask words per row, with at least one bit past the vocabulary."""
-  return vocab_size // 32 + 1
+# (row_params.py: the bitmask layout, ALL_TOKENS and mask_words)
 
 
 def allowed_tokens(mask_BW: jax.Array, vocab_size: int) -> jax.Array:

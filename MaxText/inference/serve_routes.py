@@ -7,19 +7,19 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request  # at module level: FastAPI resolves the handlers' annotations here
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from MaxText.inference import openai_api as api
-from MaxText.inference import scheduler as sched
+from MaxText.inference import job_events
 from MaxText.inference import serve_metrics
 from MaxText.inference import tool_calls
 
 if TYPE_CHECKING:
-  from MaxText.serve import Server
+  from MaxText.inference.serve_app import HttpServer as Server
 
 
 @dataclasses.dataclass
@@ -30,7 +30,7 @@ class _Choice:
   tokens: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
   tops: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
-  prompt_scores: sched.PromptScores | None = None
+  prompt_scores: job_events.PromptScores | None = None
   finish_reason: str | None = None
 
 
@@ -38,15 +38,15 @@ def _choices(server: "Server", request: api.Request) -> dict[int, _Choice]:
   return {c.index: _Choice(api.ChoiceText(server.codec.decode, request.stop), c.prompt) for c in request.choices}
 
 
-Unit = list[sched.Token] | sched.PromptScores | sched.Done  # what one chunk of a stream answers
+Unit = list[job_events.Token] | job_events.PromptScores | job_events.Done  # what one chunk of a stream answers
 
 
-def _units(events: list[sched.Event]) -> list[Unit]:
+def _units(events: list[job_events.Event]) -> list[Unit]:
   """`events` with each run of one choice's consecutive tokens gathered: their text goes out in one
   chunk (a call of several decode steps gives a slot several tokens at once)."""
   units: list[Unit] = []
   for event in events:
-    if not isinstance(event, sched.Token):
+    if not isinstance(event, job_events.Token):
       units.append(event)
     elif units and isinstance(units[-1], list) and units[-1][0].index == event.index:
       units[-1].append(event)
@@ -59,9 +59,9 @@ def _index(unit: Unit) -> int:
   return unit[0].index if isinstance(unit, list) else unit.index
 
 
-def _apply(unit: Unit, choice: _Choice, job: sched.Job) -> str:
+def _apply(unit: Unit, choice: _Choice, job: job_events.JobHandle) -> str:
   """Folds one unit into its choice; returns the new text that is safe to send."""
-  if isinstance(unit, sched.PromptScores):
+  if isinstance(unit, job_events.PromptScores):
     choice.prompt_scores = unit
     return ""
   if isinstance(unit, list):
@@ -107,16 +107,18 @@ def add_routes(app: FastAPI, server: "Server", json_response: Any, streaming_res
 
   @app.get("/health")
   async def health() -> dict[str, Any]:
+    await server.refresh()
     return server.metrics.health()
 
   @app.get("/metrics")
   async def metrics() -> Response:
+    await server.refresh()
     return Response(server.metrics.exposition(), media_type=serve_metrics.CONTENT_TYPE)
 
   async def _run(http: Request, request: api.Request, score_prompt: bool, chat: bool) -> Any:
     """Submits the request's jobs; a streaming request gets its response, any other the
     finished choices by index."""
-    jobs, queue = server.submit(request, score_prompt=score_prompt)
+    jobs, queue = await server.admit(request, score_prompt=score_prompt)
     events = server.events(jobs, queue, http.is_disconnected, route=http.url.path)
     if request.stream:
       return streaming_response(_stream(server, request, jobs, events, sse, chat=chat),
@@ -196,8 +198,8 @@ def _tool_chunks(index: int, splitter: tool_calls.ContentSplitter, finish_reason
   return bodies, "tool_calls" if parsed.calls else finish_reason
 
 
-async def _stream(server: "Server", request: api.Request, jobs: list[sched.Job],
-                  events: AsyncGenerator[list[sched.Event], None], sse: Callable[[Any], str],
+async def _stream(server: "Server", request: api.Request, jobs: Sequence[job_events.JobHandle],
+                  events: AsyncGenerator[list[job_events.Event], None], sse: Callable[[Any], str],
                   chat: bool) -> AsyncIterator[str]:
   """Server-sent events: a chunk per piece of text (the tokens of a choice that arrived together,
   with their logprobs, one entry per token), a last chunk per choice with its finish_reason, the
@@ -232,7 +234,7 @@ async def _stream(server: "Server", request: api.Request, jobs: list[sched.Job],
     delta = _apply(unit, choice, jobs[index])
     logprobs = None
     if request.logprobs is not None and not chat:
-      if isinstance(unit, sched.PromptScores) and request.echo:
+      if isinstance(unit, job_events.PromptScores) and request.echo:
         logprobs = _logprobs(server, choice, request.logprobs, echo=True, tokens=[])
         delta = server.codec.decode(choice.prompt)
       elif len(choice.tokens) > had:
@@ -241,13 +243,13 @@ async def _stream(server: "Server", request: api.Request, jobs: list[sched.Job],
     if index in splitters:
       delta = splitters[index].add(delta)
     out = []
-    if isinstance(unit, sched.Done) and index in splitters:
+    if isinstance(unit, job_events.Done) and index in splitters:
       if delta:
         out.append(chunk(index, delta, None))
       bodies, finish_reason = _tool_chunks(index, splitters[index], choice.finish_reason)
       out += [sse({**head, "choices": [body]}) for body in bodies]
       out.append(chunk(index, None, finish_reason))
-    elif isinstance(unit, sched.Done):
+    elif isinstance(unit, job_events.Done):
       out.append(chunk(index, delta or None, choice.finish_reason))
     elif index in splitters:  # a call whose closing tag just arrived goes out now
       if delta:
@@ -285,7 +287,7 @@ class SseResponse(StreamingResponse):
   """A stream of server-sent events whose last piece (ending with STREAM_END) also ends the answer:
   one write less per request than StreamingResponse's separate empty end. No task listens for the
   client's disconnect beside the stream (StreamingResponse starts one per request under uvicorn's
-  ASGI 2.3): `serve.Server.events` asks once a second whether the client is still there and, when it
+  ASGI 2.3): `serve_app.HttpServer.events` asks once a second whether the client is still there and, when it
   is gone, ends the stream and cancels its jobs."""
 
   async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

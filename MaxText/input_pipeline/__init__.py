@@ -9,15 +9,13 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
-from jax.sharding import Mesh, NamedSharding
-
 from MaxText.configuration import objective_registry
 from MaxText.configuration.data_mixture import MixtureSource
-from MaxText.input_pipeline import packing
-from MaxText.input_pipeline.synthetic import Batch, SyntheticIterator
-from MaxText.platform.sharding import batch_sharding
 
 if TYPE_CHECKING:
+  from jax.sharding import Mesh, NamedSharding
+
+  from MaxText.input_pipeline.synthetic import Batch
   from MaxText.input_pipeline import mixture, pipeline
   from MaxText.configuration.config import Config
   from MaxText.configuration.data_config import DataConfig
@@ -126,6 +124,8 @@ def conversation_encoder(config: Config) -> Encoded:
                                       config.startup.model_name or "the model")
   if not cfg.max_images_per_row:
     return encoder, {}
+  from MaxText.input_pipeline import packing
+
   return encoder, {"pack": functools.partial(packing.pack_batch,
                                              images=packing.ImageSlots(cfg.max_images_per_row, cfg.image_size))}
 
@@ -183,6 +183,7 @@ def real_data_iterator(config: Config, mesh: Mesh, train: bool, shard: pipeline.
   """A real dataset's batches; `shard`: the rows of another process than this one (tests simulate
   several processes with it and read their rows with `next_host_rows`)."""
   from MaxText.input_pipeline import mixture, pipeline
+  from MaxText.platform.sharding import batch_sharding
 
   cfg = config.data
   sharding = batch_sharding(mesh, config.data.batch_axes)
@@ -220,6 +221,9 @@ def _record_locator(cfg: DataConfig, train: bool) -> Callable[[int], str] | None
 
 def create_data_iterator(config: Config, mesh: Mesh, start_step: int = 0) -> BatchIterator:
   """The training iterator for `config.data`, producing batches split over `config.data.batch_axes`."""
+  from MaxText.input_pipeline.synthetic import SyntheticIterator
+  from MaxText.platform.sharding import batch_sharding
+
   sharding = batch_sharding(mesh, config.data.batch_axes)
   if config.data.dataset_type != "synthetic":
     return _with_teacher_top_k(config, real_data_iterator(config, mesh, train=True), sharding, train=True)
@@ -230,6 +234,9 @@ def create_data_iterator(config: Config, mesh: Mesh, start_step: int = 0) -> Bat
 def create_eval_iterator(config: Config, mesh: Mesh) -> BatchIterator | None:
   """Eval batches (with `reset()`); real data is read from the eval split in order, and once it
   runs out the remaining batches are padding, which adds nothing to the eval loss."""
+  from MaxText.input_pipeline.synthetic import SyntheticIterator
+  from MaxText.platform.sharding import batch_sharding
+
   sharding = batch_sharding(mesh, config.data.batch_axes)
   if config.data.dataset_type != "synthetic":
     if not config.data.has_eval_source:
@@ -248,5 +255,5 @@ def _with_teacher_top_k(config: Config, batches: BatchIterator, sharding: NamedS
   return teacher_top_k.open_batches(config, batches, sharding, train)
 
 
-__all__ = ["Batch", "BatchIterator", "Encoded", "conversation_encoder", "create_data_iterator", "create_eval_iterator",
+__all__ = ["BatchIterator", "Encoded", "conversation_encoder", "create_data_iterator", "create_eval_iterator",
            "document_encoder", "open_records", "preference_encoder", "real_data_iterator"]

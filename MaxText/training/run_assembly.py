@@ -18,7 +18,8 @@ from MaxText.training import compiled_step as compiled_step_file
 from MaxText.training import model_assembly
 from MaxText.training import lora, train_state, train_step
 from MaxText.platform import sharding
-from MaxText.input_pipeline import Batch, BatchIterator, create_data_iterator, create_eval_iterator
+from MaxText.input_pipeline import BatchIterator, create_data_iterator, create_eval_iterator
+from MaxText.input_pipeline.synthetic import Batch
 from MaxText.input_pipeline.batch_spec import batch_spec
 from MaxText.training.objectives import Objective, objective_for
 from MaxText.training.train_step import Metrics

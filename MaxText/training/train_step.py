@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from MaxText.configuration.config import Config
 from MaxText.training import optimizers
 from MaxText.platform import sharding
-from MaxText.input_pipeline import Batch
+from MaxText.input_pipeline.synthetic import Batch
 from MaxText.input_pipeline.batch_spec import batch_spec
 from MaxText.layers import context_parallel
 from MaxText.training.objectives import Objective

@@ -1,0 +1,51 @@
+"""What the scheduler (scheduler.py) tells a job's handler, without JAX: a token, a prompt's scores,
+the end; and why it refuses jobs. The HTTP routes read these in the engine's process and in the
+front-end processes (serve_frontend.py), which receive them pickled from the engine's."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+
+class QueueFull(Exception):
+  """More jobs than free slots plus serve_max_queue: the caller answers 503 with Retry-After."""
+
+
+class TooLarge(Exception):
+  """A job that needs more KV pages than the whole pool: it could never be admitted (a 400)."""
+
+
+@dataclasses.dataclass
+class Token:
+  index: int  # the job's choice index
+  token: int
+  logprob: float
+  top: list[tuple[int, float]]  # the most probable alternatives at this position, best first
+
+
+@dataclasses.dataclass
+class PromptScores:
+  index: int
+  logprobs: list[float]  # of prompt token i given tokens < i; entry 0 has no context (reported as None)
+  top: list[list[tuple[int, float]]]
+
+
+@dataclasses.dataclass
+class Done:
+  index: int
+  reason: str  # "length" | "stop" (an end-of-sequence token) | "cancelled" | "error"
+  message: str = ""
+
+
+Event = Token | PromptScores | Done
+
+
+class JobHandle(Protocol):
+  """What a request's handler holds of each of its jobs: a scheduler.Job in the engine's process, a
+  serve_frontend proxy in a front end."""
+
+  submitted: float  # time.monotonic() at submit (in the handler's process)
+
+  def cancel(self) -> None:
+    """Asks the scheduler to end the job (a stop sequence found, a client gone, a deadline)."""

@@ -1,0 +1,215 @@
+"""The server's HTTP side, without JAX: the FastAPI app (serve_routes.py's routes behind the API key
+and body-size guard) and `HttpServer`, what those routes ask of a server: the codec, the limits, the
+metrics, and a request's jobs and their events with the deadline and the client's disconnect watched.
+`serve.Server` is one in the engine's process (its scheduler thread beside the event loop);
+`serve_frontend.FrontendServer` is one in an HTTP front-end process, whose jobs live in the engine's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import os
+import time
+from typing import Any, AsyncGenerator, Awaitable, Callable, Sequence
+
+from MaxText.inference import job_events
+from MaxText.inference import openai_api as api
+from MaxText.inference import serve_metrics
+
+API_KEY_ENV = "MAXTEXT_API_KEY"  # an environment variable, never a config key: configs are saved with runs
+RETRY_AFTER_SECONDS = "1"
+OPEN_ROUTES = ("/health", "/metrics")  # no API key needed: probes and scrapers; figures only
+
+
+def refusal(e: job_events.QueueFull | job_events.TooLarge) -> api.ApiError:
+  """The HTTP answer to the scheduler refusing a request's jobs."""
+  if isinstance(e, job_events.QueueFull):
+    return api.ApiError(503, f"the server is busy ({e}); retry later", code="queue_full",
+                        headers={"Retry-After": RETRY_AFTER_SECONDS})
+  return api.ApiError(400, f"{e} (kv_num_pages)", "max_tokens", "context_length_exceeded")
+
+
+class HttpServer:
+  """What the routes need of a server; `submit` (and `admit`, its form the routes await) is the
+  subclass's. `adapters` is the LoRA adapter registry whose admin routes the app adds (None: none)."""
+
+  adapters: Any = None
+
+  def __init__(self, codec: api.Codec, limits: api.Limits, metrics: serve_metrics.ServeMetrics):
+    self.codec, self.limits, self.metrics = codec, limits, metrics
+    self._token_text: dict[int, str] = {}
+
+  @property
+  def request_timeout_seconds(self) -> float:
+    """serve_request_timeout_seconds."""
+    raise NotImplementedError
+
+  def token_text(self, token: int) -> str:
+    if token not in self._token_text:
+      self._token_text[token] = self.codec.decode([token])
+    return self._token_text[token]
+
+  async def admit(self, request: api.Request, score_prompt: bool
+                  ) -> tuple[Sequence[job_events.JobHandle], asyncio.Queue[list[job_events.Event]]]:
+    """Queues the request's choices as jobs whose events arrive on the returned queue, in lists
+    (an ApiError: 503 when full, 400 when a choice needs more KV pages than the whole pool)."""
+    raise NotImplementedError
+
+  async def refresh(self) -> None:
+    """Brings the scheduler's figures /health and /metrics read up to date (they are read in place
+    where the scheduler lives in this process)."""
+
+  async def events(self, jobs: Sequence[job_events.JobHandle], queue: asyncio.Queue[list[job_events.Event]],
+                   is_disconnected: Callable[[], Awaitable[bool]], route: str = ""
+                   ) -> AsyncGenerator[list[job_events.Event], None]:
+    """The jobs' events, in the lists they arrived in, until each is done; every unfinished job is
+    cancelled when the consumer stops early (client gone, deadline) or the deadline passes (504). The first token or prompt
+    score is timed for /metrics under `route`."""
+    timeout = self.request_timeout_seconds
+    deadline = time.monotonic() + timeout
+    remaining, first = len(jobs), True
+    # A tick (an empty list) on the queue at most every second wakes the loop below to check the deadline
+    # and the client: one timer per second, not a timed wait per list of events.
+    loop = asyncio.get_running_loop()
+    ticking: list[asyncio.TimerHandle] = []
+
+    def tick() -> None:
+      queue.put_nowait([])
+      ticking[0] = loop.call_later(min(1.0, max(deadline - time.monotonic(), 0.001)), tick)
+
+    ticking.append(loop.call_later(min(1.0, timeout), tick))
+    try:
+      while remaining:
+        if time.monotonic() >= deadline:
+          raise api.ApiError(504, f"the request took longer than serve_request_timeout_seconds={timeout}",
+                             code="timeout")
+        events = await queue.get()
+        if not events:
+          if await is_disconnected():
+            return
+          continue
+        done = sum(isinstance(event, job_events.Done) for event in events)
+        remaining -= done
+        if first and done < len(events):
+          first = False
+          self.metrics.observe_first_token(route, jobs[0].submitted)
+        yield events
+    finally:
+      ticking[0].cancel()
+      for job in jobs:
+        job.cancel()
+
+
+def error_response(e: api.ApiError) -> Any:
+  from fastapi.responses import JSONResponse
+
+  return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def sse(obj: object) -> str:
+  return f"data: {json.dumps(obj)}\n\n"
+
+
+def build_app(server: HttpServer, api_key: str | None = None, max_body_bytes: int = 1 << 20) -> Any:
+  """The FastAPI app; `api_key` (else MAXTEXT_API_KEY) guards every route but OPEN_ROUTES."""
+  from fastapi import FastAPI, Request
+  from fastapi.responses import JSONResponse
+  from starlette.exceptions import HTTPException as StarletteHTTPException
+
+  from MaxText.inference.serve_routes import SseResponse, add_routes
+
+  key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+  app = FastAPI(title="MaxText", docs_url=None, redoc_url=None, openapi_url=None)
+
+  @app.exception_handler(StarletteHTTPException)
+  async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    return error_response(api.ApiError(e.status_code, str(e.detail)))
+
+  @app.exception_handler(api.ApiError)
+  async def api_error(_: Request, e: api.ApiError) -> JSONResponse:
+    return error_response(e)
+
+  add_routes(app, server, JSONResponse, SseResponse, sse)
+  if server.adapters is not None:
+    from MaxText.inference import lora_routes
+
+    lora_routes.add_routes(app, server.adapters, admin_allowed=bool(key))
+  return _Guard(app, key, max_body_bytes, server.metrics)
+
+
+def bearer_token(authorization: str) -> str:
+  """The credentials of an `Authorization: Bearer <token>` header ("" for any other scheme): the
+  scheme is case-insensitive (RFC 7235) and may be followed by several spaces."""
+  scheme, _, token = authorization.strip().partition(" ")
+  return token.strip() if scheme.lower() == "bearer" else ""
+
+
+class _Guard:
+  """ASGI middleware in front of the app: the API key, then the body-size limit (the body is read
+  here, at most max_body_bytes + 1 of it, and replayed to the app); every answer is counted and
+  timed for /metrics."""
+
+  def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, metrics: serve_metrics.ServeMetrics):
+    self.app, self.api_key, self.max_body_bytes, self.metrics = app, api_key, max_body_bytes, metrics
+
+  async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
+                     send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    start, status = time.monotonic(), "disconnected"  # what is counted when no answer starts
+
+    async def counted_send(message: dict[str, Any]) -> None:
+      nonlocal status
+      if message["type"] == "http.response.start":
+        status = str(message["status"])
+      await send(message)
+
+    try:
+      await self._guarded(scope, receive, counted_send)
+    except Exception:  # not a cancellation (a client gone): that stays "disconnected"
+      if status == "disconnected":
+        status = "500"  # uvicorn answers an exception that escapes the app with a 500
+      raise
+    finally:
+      self.metrics.observe_request(scope["path"], status, time.monotonic() - start)
+    return None
+
+  async def _guarded(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
+                     send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+    if self.api_key and scope["path"] not in OPEN_ROUTES:
+      headers = dict(scope["headers"])
+      token = bearer_token(headers.get(b"authorization", b"").decode("latin-1"))
+      if not hmac.compare_digest(token.encode("latin-1"), self.api_key.encode()):
+        return await _send_error(send, api.ApiError(401, "a valid API key is required (Authorization: Bearer <key>)",
+                                                    code="invalid_api_key"))
+    body, more = b"", True
+    while more:
+      message = await receive()
+      if message["type"] == "http.disconnect":
+        return None
+      body += message.get("body", b"")
+      more = message.get("more_body", False)
+      if len(body) > self.max_body_bytes:
+        return await _send_error(send, api.ApiError(413, f"the request body is larger than {self.max_body_bytes} "
+                                                    "bytes (serve_max_body_bytes)", code="body_too_large"))
+    replayed = False
+
+    async def replay() -> dict[str, Any]:
+      nonlocal replayed
+      if not replayed:
+        replayed = True
+        return {"type": "http.request", "body": body, "more_body": False}
+      return await receive()  # after the body: the client's disconnect
+
+    return await self.app(scope, replay, send)
+
+
+async def _send_error(send: Callable[[dict[str, Any]], Awaitable[None]], e: api.ApiError) -> None:
+  payload = json.dumps(e.body()).encode()
+  headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+  if e.status == 401:
+    headers.append((b"www-authenticate", b"Bearer"))
+  await send({"type": "http.response.start", "status": e.status, "headers": headers})
+  await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,84 @@
+"""The tokenizer as the server uses it (openai_api.Codec), built from plain values and without JAX, so
+the engine's process (serve.py) and each HTTP front-end process (serve_frontend.py) build the same one."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from MaxText.errors import ConfigError, UserError
+from MaxText.inference import grammar, tool_calls
+from MaxText.inference import openai_api as api
+from MaxText.input_pipeline import chat as chat_lib
+from MaxText.input_pipeline.tokenizer import DocumentEncoder, load_tokenizer
+
+# (the chat template's tokenizer, messages with image parts) -> (ids, image_prompts.PromptImages)
+ImageChat = Callable[[Any, list[dict[str, Any]]], tuple[list[int], Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecSpec:
+  """The config keys the codec reads (picklable: the engine sends it to its front ends)."""
+  tokenizer_type: str
+  tokenizer_path: str
+  add_bos: bool
+  vocab_size: int  # the model's
+
+
+def build(spec: CodecSpec, chat_images: ImageChat | None = None) -> tuple[api.Codec, int | None]:
+  """The codec and the tokenizer's end-of-sequence id; `chat_images` renders chats with images."""
+  if not spec.tokenizer_path:
+    raise UserError("MaxText.serve needs tokenizer_path=... (clients send and receive text)")
+  tokenizer = load_tokenizer(spec.tokenizer_type, spec.tokenizer_path)
+  if tokenizer.vocab_size > spec.vocab_size:
+    raise UserError(f"the tokenizer {spec.tokenizer_path} has {tokenizer.vocab_size} tokens but the model's "
+                    f"vocab_size is {spec.vocab_size}: this tokenizer does not belong to this checkpoint")
+  encode = DocumentEncoder(tokenizer, spec.add_bos, add_eos=False)
+  chat_tokenizer: list[Any] = []
+
+  def template_tokenizer() -> Any:
+    try:
+      if not chat_tokenizer:
+        chat_tokenizer.append(chat_lib.load_chat_tokenizer(spec.tokenizer_path))
+    except ConfigError as e:
+      raise api.ApiError(400, f"chat completions need a chat template: {e}") from None
+    return chat_tokenizer[0]
+
+  def chat(messages: list[dict[str, Any]]) -> list[int]:
+    text = template_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(template_tokenizer()(text, add_special_tokens=False)["input_ids"])
+
+  def chat_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
+    template = template_tokenizer().chat_template
+    if not isinstance(template, str) or "tools" not in template:  # it would drop them without a word
+      raise api.ApiError(400, f"tools: the chat template of {spec.tokenizer_path} does not render tools; serve a "
+                         "tokenizer whose template does", "tools", "unsupported_parameter")
+    text = template_tokenizer().apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    return list(template_tokenizer()(text, add_special_tokens=False)["input_ids"])
+
+  images = None
+  if chat_images is not None:
+    render = chat_images
+
+    def images_of(messages: list[dict[str, Any]]) -> tuple[list[int], Any]:
+      return render(template_tokenizer(), messages)
+
+    images = images_of
+
+  compilers: list[grammar.Compiler] = []
+
+  def grammars() -> grammar.Compiler:
+    """Built at the first constrained request: it reads the whole vocabulary."""
+    if not compilers:
+      try:
+        eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+        compilers.append(grammar.Compiler(template_tokenizer(), spec.vocab_size, eos))
+      except ValueError as e:  # llguidance reads Hugging Face fast tokenizers only
+        raise api.ApiError(400, f"response_format and forced tool calls need a Hugging Face fast tokenizer: {e}",
+                           "response_format", "unsupported_parameter") from None
+    return compilers[0]
+
+  def tool_format() -> str:
+    return tool_calls.template_format(template_tokenizer().chat_template)
+
+  return api.Codec(encode, tokenizer.decode, chat, images, chat_tools, grammars, tool_format), tokenizer.eos_id

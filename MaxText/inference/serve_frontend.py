@@ -1,0 +1,242 @@
+"""An HTTP front-end process of the server (serve_http_processes >= 1; the engine's side is
+serve_processes.py): the FastAPI app under uvicorn on the listening socket the engine's process bound,
+parsing and validating requests, tokenising prompts, detokenising and streaming, without JAX. Its
+`FrontendServer` stands in for serve.Server: a request's jobs live in the engine's process, reached
+over one Unix socket to it:
+
+    front end ── ("submit", request id, choices, grammar) ──► engine: sched.Jobs, scheduler.submit
+              ◄── [("admit", id, refusal), ("event", id, event), ...] ── one message per flush of events
+              ── ("cancel", id, index) / ("load",) ──►          ◄── [("load", scheduler.load())]
+
+Messages are pickled, each after its length (4 bytes). The process ends when the engine's does (the
+socket's end of file): its requests end with an error and uvicorn stops.
+
+    python3 -m MaxText.inference.serve_frontend LISTEN_FD CHANNEL_FD INDEX   (started by serve_processes)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import os
+import pickle
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Sequence
+
+from MaxText.inference import job_events, serve_app, serve_codec, serve_metrics
+from MaxText.inference import openai_api as api
+
+_LENGTH_BYTES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontSpec:
+  """What a front end needs of the engine's config (the first message on its channel)."""
+  codec: serve_codec.CodecSpec
+  limits: api.Limits
+  request_timeout_seconds: float
+  max_body_bytes: int
+  index: int = 0
+
+
+def frame(message: Any) -> bytes:
+  data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+  return len(data).to_bytes(_LENGTH_BYTES, "big") + data
+
+
+def read_frame(sock: socket.socket) -> Any:
+  """The next message on a blocking socket; EOFError at its end."""
+  length = int.from_bytes(_read_exactly(sock, _LENGTH_BYTES), "big")
+  return pickle.loads(_read_exactly(sock, length))
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+  data = bytearray()
+  while len(data) < n:
+    chunk = sock.recv(n - len(data))
+    if not chunk:
+      raise EOFError("the other process closed the channel")
+    data += chunk
+  return bytes(data)
+
+
+class RemoteJob:
+  """A job in the engine's process, as the routes hold it (job_events.JobHandle)."""
+
+  def __init__(self, link: FrontendServer, request_id: int, index: int):
+    self.link, self.request_id, self.index = link, request_id, index
+    self.submitted = time.monotonic()
+    self.finished = False  # its Done arrived (or it was cancelled): nothing more to send
+
+  def cancel(self) -> None:
+    if not self.finished:
+      self.finished = True
+      self.link.send(("cancel", self.request_id, self.index))
+
+
+@dataclasses.dataclass
+class _Request:
+  jobs: list[RemoteJob]
+  queue: asyncio.Queue[list[job_events.Event]]
+  admitted: asyncio.Future[tuple[str, str] | None]
+  open: int  # jobs without their Done yet
+
+
+class FrontendServer(serve_app.HttpServer):
+  """serve_app.HttpServer whose jobs run in the engine's process, reached over `channel`."""
+
+  def __init__(self, spec: FrontSpec, codec: api.Codec):
+    self._load: dict[str, Any] = {}
+    self.spec = spec
+    super().__init__(codec, spec.limits, serve_metrics.ServeMetrics(lambda: self._load))
+    self._requests: dict[int, _Request] = {}
+    self._next_id = 0
+    self._writer: asyncio.StreamWriter | None = None
+    self._loading: asyncio.Future[None] | None = None
+    self.engine_gone = asyncio.Event()
+
+  @property
+  def request_timeout_seconds(self) -> float:
+    return self.spec.request_timeout_seconds
+
+  def send(self, message: Any) -> None:
+    if self._writer is not None and not self.engine_gone.is_set():
+      self._writer.write(frame(message))
+
+  async def admit(self, request: api.Request, score_prompt: bool
+                  ) -> tuple[Sequence[job_events.JobHandle], asyncio.Queue[list[job_events.Event]]]:
+    if self.engine_gone.is_set():
+      raise api.ApiError(503, "the server is stopping", code="engine_gone")
+    request_id, self._next_id = self._next_id, self._next_id + 1
+    jobs = [RemoteJob(self, request_id, c.index) for c in request.choices]
+    pending = _Request(jobs, asyncio.Queue(), asyncio.get_running_loop().create_future(), len(jobs))
+    self._requests[request_id] = pending
+    choices = [(c.index, c.prompt, c.max_tokens, c.row, c.images) for c in request.choices]
+    self.send(("submit", request_id, choices, score_prompt, None if request.grammar is None else request.grammar.text))
+    try:
+      refused = await pending.admitted
+    except asyncio.CancelledError:  # the client went away while the engine admitted its jobs
+      for job in jobs:
+        job.cancel()
+      self._requests.pop(request_id, None)
+      raise
+    if refused is not None:
+      kind, message = refused
+      raise serve_app.refusal(job_events.QueueFull(message) if kind == "full" else job_events.TooLarge(message))
+    return jobs, pending.queue
+
+  async def refresh(self) -> None:
+    """The scheduler's figures, asked of the engine's process (one question for every caller waiting)."""
+    if self.engine_gone.is_set():
+      raise api.ApiError(503, "the server is stopping", code="engine_gone")
+    if self._loading is None:
+      self._loading = asyncio.get_running_loop().create_future()
+      self.send(("load",))
+    await asyncio.shield(self._loading)
+
+  async def read(self, reader: asyncio.StreamReader) -> None:
+    """Delivers the engine's messages until its end of file: each message's events go to each
+    request's queue as one list (one wake-up of its stream per message)."""
+    try:
+      while True:
+        length = int.from_bytes(await reader.readexactly(_LENGTH_BYTES), "big")
+        self._deliver(pickle.loads(await reader.readexactly(length)))
+    except (asyncio.IncompleteReadError, ConnectionError):
+      pass
+    self._engine_gone()
+
+  def _deliver(self, items: list[tuple[Any, ...]]) -> None:
+    batches: dict[int, list[job_events.Event]] = {}
+    for item in items:
+      if item[0] == "event":
+        batches.setdefault(item[1], []).append(item[2])
+      elif item[0] == "admit":  # may follow some of the request's events, even its last
+        pending = self._requests.get(item[1])
+        if pending is not None and not pending.admitted.done():
+          pending.admitted.set_result(item[2])
+          if pending.open <= 0 or item[2] is not None:
+            del self._requests[item[1]]
+      elif item[0] == "load":
+        self._load = item[1]
+        if self._loading is not None:
+          self._loading.set_result(None)
+          self._loading = None
+    for request_id, events in batches.items():
+      pending = self._requests.get(request_id)
+      if pending is None:
+        continue
+      for event in events:
+        if isinstance(event, job_events.Done):
+          pending.jobs[event.index].finished = True
+          pending.open -= 1
+      if pending.open <= 0 and pending.admitted.done():
+        del self._requests[request_id]
+      pending.queue.put_nowait(events)
+
+  def _engine_gone(self) -> None:
+    """Every request still open ends with an error; new ones get 503 while uvicorn stops."""
+    self.engine_gone.set()
+    for pending in self._requests.values():
+      if not pending.admitted.done():
+        pending.admitted.set_result(("full", "the engine's process is gone"))
+      open_jobs = [job for job in pending.jobs if not job.finished]
+      for job in open_jobs:
+        job.finished = True
+      pending.queue.put_nowait([job_events.Done(job.index, "error", "the engine's process is gone")
+                                for job in open_jobs])
+    self._requests.clear()
+    if self._loading is not None:
+      self._loading.set_result(None)
+      self._loading = None
+
+  async def connect(self, channel: socket.socket) -> asyncio.StreamReader:
+    reader, self._writer = await asyncio.open_unix_connection(sock=channel)
+    return reader
+
+
+def _log(index: int, message: str) -> None:
+  print(f"serve: HTTP front end {index}: {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str]) -> int:
+  import uvicorn
+
+  listen_fd, channel_fd, index = (int(a) for a in argv)
+  channel = socket.socket(fileno=channel_fd)
+  spec: FrontSpec = read_frame(channel)
+  codec, _ = serve_codec.build(spec.codec)  # no images: serve_processes.check refuses a vision model
+  server = FrontendServer(spec, codec)
+  app = serve_app.build_app(server, max_body_bytes=spec.max_body_bytes)
+  uv_config = uvicorn.Config(app, log_level="warning")
+  uv = uvicorn.Server(uv_config)
+  gc.freeze()  # as serve.main: what serving needs lives as long as the process
+
+  async def serve() -> None:
+    reader = await server.connect(channel)
+
+    async def follow_engine() -> None:
+      try:
+        await server.read(reader)
+      except Exception:  # a bug here would leave every request waiting: stop the process (the engine's stops too)
+        traceback.print_exc()
+        os._exit(1)
+      if not uv.should_exit:
+        _log(index, "the engine's process is gone; stopping")
+        uv.should_exit = True
+        asyncio.get_running_loop().call_later(3.0, lambda: setattr(uv, "force_exit", True))
+
+    following = asyncio.create_task(follow_engine())
+    await uv.serve(sockets=[socket.socket(fileno=listen_fd)])
+    following.cancel()
+
+  with asyncio.Runner(loop_factory=uv_config.get_loop_factory()) as runner:
+    runner.run(serve())
+  return 1 if server.engine_gone.is_set() else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

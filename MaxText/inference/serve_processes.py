@@ -1,0 +1,213 @@
+"""The server split over processes (serve_http_processes = N >= 1), the engine's side: this process
+keeps JAX, the parameters, the scheduler thread and the grammar compiler, and starts N HTTP front-end
+processes (serve_frontend.py, without JAX) that all serve the listening socket it bound. HTTP, JSON,
+tokenising and detokenising then run beside the scheduler instead of sharing its interpreter lock.
+
+Per front end, over one Unix socket pair: a reader thread turns its submits into `sched.Job`s (a
+grammar's constraint built here) and its cancels into `Job.cancel`; the jobs' events, the admissions
+and the load figures gather in an outbox that a writer thread sends as one message per wake-up, so
+the events one scheduler loop emits travel together (as serve._Mailbox gathers them for one loop).
+
+Lifecycle: a front end that exits while the server is not stopping stops the server with one line
+and a non-zero exit; the front ends stop at the end of file of their channel when this process ends
+(however it ends); SIGINT or SIGTERM here stops them first (they run in their own session, so a
+terminal's Ctrl-C reaches this process only), then the scheduler.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from MaxText.errors import UserError
+from MaxText.inference import grammar
+from MaxText.inference import scheduler as sched
+from MaxText.inference.serve_frontend import FrontSpec, frame, read_frame
+
+_STOP_SECONDS = 10.0  # a front end's graceful stop before it is killed
+_REPO = str(Path(__file__).resolve().parents[2])
+
+
+def check(processes: int, lora: bool, images: bool) -> None:
+  """What the front-end processes do not serve yet: refused at start-up, before the model loads."""
+  if processes and lora:
+    raise UserError(f"serve_http_processes={processes} does not serve LoRA adapters yet (serve_lora_adapters, "
+                    "serve_lora_slots): set serve_http_processes=0")
+  if processes and images:
+    raise UserError(f"serve_http_processes={processes} does not serve a vision-language model yet (its images "
+                    "are read where JAX is): set serve_http_processes=0")
+
+
+class _Link:
+  """One front end's channel, on the engine's side."""
+
+  def __init__(self, index: int, channel: socket.socket, scheduler: sched.Scheduler,
+               grammars: Callable[[], grammar.Compiler] | None, lost: threading.Event):
+    self.index, self.channel, self.scheduler, self.grammars, self.lost = index, channel, scheduler, grammars, lost
+    self._outbox: list[tuple[Any, ...]] = []
+    self._wake = threading.Condition()
+    self._closed = False
+    self._jobs: dict[int, list[sched.Job]] = {}  # request id -> its jobs until every one is done
+    self._open: dict[int, int] = {}
+    self._threads = [threading.Thread(target=self._read, name=f"maxtext-frontend-{index}-read", daemon=True),
+                     threading.Thread(target=self._write, name=f"maxtext-frontend-{index}-write", daemon=True)]
+
+  def start(self) -> _Link:
+    for thread in self._threads:
+      thread.start()
+    return self
+
+  def put(self, item: tuple[Any, ...]) -> None:
+    with self._wake:
+      self._outbox.append(item)
+      if len(self._outbox) == 1:
+        self._wake.notify()
+
+  def close(self) -> None:
+    with self._wake:
+      self._closed = True
+      self._wake.notify()
+    try:
+      self.channel.shutdown(socket.SHUT_RDWR)
+    except OSError:
+      pass
+    self.channel.close()
+
+  def _write(self) -> None:
+    while True:
+      with self._wake:
+        while not self._outbox and not self._closed:
+          self._wake.wait()
+        if self._closed:
+          return
+        items, self._outbox = self._outbox, []
+      try:
+        self.channel.sendall(frame(items))
+      except OSError:  # the front end is gone: its reader sees the end of file
+        return
+
+  def _read(self) -> None:
+    try:
+      while True:
+        message = read_frame(self.channel)
+        if message[0] == "submit":
+          self._submit(*message[1:])
+        elif message[0] == "cancel":
+          with self._wake:
+            jobs = self._jobs.get(message[1])
+          if jobs is not None:
+            jobs[message[2]].cancel()
+        elif message[0] == "load":
+          self.put(("load", self.scheduler.load()))
+    except (EOFError, OSError):
+      pass
+    with self._wake:
+      jobs = [job for request in self._jobs.values() for job in request]
+    for job in jobs:
+      job.cancel()
+    self.lost.set()
+
+  def _submit(self, request_id: int, choices: list[tuple[Any, ...]], score_prompt: bool, grammar_text: str | None
+              ) -> None:
+    def emit(event: sched.Event) -> None:
+      if isinstance(event, sched.Done):
+        with self._wake:
+          self._open[request_id] -= 1
+          if not self._open[request_id]:
+            del self._open[request_id], self._jobs[request_id]
+      self.put(("event", request_id, event))
+
+    compiler = self.grammars() if grammar_text is not None and self.grammars is not None else None
+    jobs = []
+    for index, prompt, max_tokens, row, images in choices:
+      constraint = None
+      if compiler is not None and grammar_text is not None:
+        constraint = grammar.Grammar(grammar_text, compiler.tokenizer, compiler.vocab_size).constraint()
+      jobs.append(sched.Job(index, prompt, max_tokens, row, emit, score_prompt, images=images, constraint=constraint))
+    with self._wake:
+      self._jobs[request_id], self._open[request_id] = jobs, len(jobs)
+    try:
+      self.scheduler.submit(jobs)
+    except (sched.QueueFull, sched.TooLarge) as e:
+      with self._wake:
+        del self._jobs[request_id], self._open[request_id]
+      self.put(("admit", request_id, ("full" if isinstance(e, sched.QueueFull) else "large", str(e))))
+      return
+    self.put(("admit", request_id, None))
+
+
+class FrontEnds:
+  """N front-end processes on `sock` (bound and listening), their jobs submitted to `scheduler`."""
+
+  def __init__(self, scheduler: sched.Scheduler, grammars: Callable[[], grammar.Compiler] | None,
+               sock: socket.socket, spec: FrontSpec, processes: int):
+    self.lost = threading.Event()  # a channel ended: its front end is gone
+    self.stopping = False
+    self.processes: list[subprocess.Popen[bytes]] = []
+    self.links: list[_Link] = []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH", "")) if p)}
+    for index in range(processes):
+      ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+      process = subprocess.Popen([sys.executable, "-m", "MaxText.inference.serve_frontend", str(sock.fileno()),
+                                  str(theirs.fileno()), str(index)], pass_fds=(sock.fileno(), theirs.fileno()),
+                                 env=env, start_new_session=True)
+      theirs.close()
+      ours.sendall(frame(FrontSpec(spec.codec, spec.limits, spec.request_timeout_seconds, spec.max_body_bytes, index)))
+      self.processes.append(process)
+      self.links.append(_Link(index, ours, scheduler, grammars, self.lost).start())
+
+  def wait(self, stop: threading.Event) -> int:
+    """Until `stop` is set (0) or a front end exits on its own (1, after one line naming it)."""
+    while not stop.is_set():
+      if self.lost.wait(0.2) or any(p.poll() is not None for p in self.processes):
+        if stop.is_set() or self.stopping:
+          break
+        for index, process in enumerate(self.processes):
+          try:
+            code = process.wait(2.0)
+          except subprocess.TimeoutExpired:
+            continue
+          print(f"serve: error: HTTP front-end process {index} (pid {process.pid}) exited with code {code}; "
+                "stopping the server", file=sys.stderr, flush=True)
+          return 1
+        print("serve: error: an HTTP front-end process closed its channel; stopping the server", file=sys.stderr,
+              flush=True)
+        return 1
+    return 0
+
+  def stop(self) -> None:
+    """Front ends first (a graceful stop, then killed), then their channels."""
+    self.stopping = True
+    for process in self.processes:
+      if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + _STOP_SECONDS
+    for process in self.processes:
+      try:
+        process.wait(max(deadline - time.monotonic(), 0.1))
+      except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    for link in self.links:
+      link.close()
+
+
+def serve(scheduler: sched.Scheduler, grammars: Callable[[], grammar.Compiler] | None, sock: socket.socket,
+          spec: FrontSpec, processes: int) -> int:
+  """Runs the front ends until SIGINT / SIGTERM (0) or one of them exits on its own (1)."""
+  stop = threading.Event()
+  previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+  front_ends = FrontEnds(scheduler, grammars, sock, spec, processes)
+  try:
+    return front_ends.wait(stop)
+  finally:
+    front_ends.stop()
+    for s, handler in previous.items():
+      signal.signal(s, handler)

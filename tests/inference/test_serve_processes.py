@@ -1,0 +1,207 @@
+"""The server with its HTTP in processes of its own (serve_http_processes >= 1, inference/serve_processes.py
+and serve_frontend.py): `python3 -m MaxText.serve` started as a subprocess on 127.0.0.1 with a tiny random
+model, driven by the official `openai` client. The front end loads no JAX; completions, streams and chats are
+answered; greedy text equals the one-process server's; a client gone mid-stream gives its slot back; a full
+queue is a 503; a front end killed stops the engine's process with one line and a non-zero exit; SIGTERM stops
+every process."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="needs openai (EXTRAS=test bash setup.sh)")
+pytest.importorskip("uvicorn", reason="needs uvicorn (pip install -r requirements.txt)")
+pytest.importorskip("transformers", reason="chat templates need transformers (EXTRAS=test bash setup.sh)")
+try:  # the openai client's own HTTP library (httpx2 in openai 3.x, httpx before)
+  import httpx2 as httpx
+except ImportError:
+  httpx = pytest.importorskip("httpx")
+
+from MaxText.configuration.config import Config  # noqa: E402
+from MaxText.errors import ConfigError, UserError  # noqa: E402
+from MaxText.inference import serve_processes  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "input_pipeline"))
+from sft_fixtures import CHATML, write_tokenizer, without_markers  # noqa: E402
+from tests.compile_settings import cpu_xla_flags  # noqa: E402
+from tests.test_serve import MODEL  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+KEY = "split-key"
+PROMPTS = ["the quick brown fox", "to be or not", "a lazy dog"]
+# The tiny model of test_serve.py, dense (a long-running request needs no pages), with room for long streams.
+KEYS = {**MODEL, "kv_cache_layout": "dense", "kv_num_pages": 0, "max_target_length": 48, "serve_max_tokens": 16,
+        "serve_max_slots": 2, "serve_model_name": "tiny"}
+
+
+def _children(pid: int) -> list[int]:
+  out = []
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        stat = Path(f"/proc/{entry}/stat").read_text()
+      except OSError:
+        continue
+      if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+        out.append(int(entry))
+  return out
+
+
+class CliServer:
+  """`python3 -m MaxText.serve` on a free port with the test model; `lines` is what it printed."""
+
+  def __init__(self, tokenizer: Path, processes: int, **keys: object):
+    args = [f"{k}={v}" for k, v in {**KEYS, **keys}.items()]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(1), "MAXTEXT_API_KEY": KEY}
+    self.process = subprocess.Popen([sys.executable, "-m", "MaxText.serve", "configs/base.yml", *args,
+                                     f"tokenizer_path={tokenizer}", "port=0", f"serve_http_processes={processes}"],
+                                    cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    self.lines: list[str] = []
+    threading.Thread(target=self._read, daemon=True).start()
+    deadline, self.url = time.monotonic() + 240, ""
+    while not self.url:
+      assert self.process.poll() is None and time.monotonic() < deadline, "\n".join(self.lines)
+      found = [re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line) for line in self.lines]
+      self.url = next((m.group(1) for m in found if m), "")
+      time.sleep(0.1)
+    while True:  # the front ends answer once they are up
+      try:
+        if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+          break
+      except httpx.TransportError:
+        assert self.process.poll() is None and time.monotonic() < deadline, "\n".join(self.lines)
+        time.sleep(0.2)
+    self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+  def _read(self) -> None:
+    assert self.process.stdout is not None
+    for line in self.process.stdout:
+      self.lines.append(line.rstrip())
+
+  def front_ends(self) -> list[int]:
+    return _children(self.process.pid)
+
+  def stop(self) -> int:
+    """SIGTERM; the exit code, once every front end is gone too."""
+    front_ends = self.front_ends()
+    if self.process.poll() is None:
+      self.process.send_signal(signal.SIGTERM)
+    code = self.process.wait(60)
+    for pid in front_ends:
+      assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2], pid
+    return code
+
+
+def _cancelled(server: CliServer) -> float:
+  text = httpx.get(f"{server.url}/metrics", timeout=10).text
+  found = re.search(r'^maxtext_serve_completions_finished_total\{reason="cancelled"\} (\S+)$', text, re.M)
+  assert found, text
+  return float(found.group(1))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Path:
+  return write_tokenizer(tmp_path_factory.mktemp("split") / "tok", without_markers(CHATML))
+
+
+def test_the_front_end_loads_no_jax_and_refusals_are_one_line(tokenizer):
+  """What a front end imports and builds (the routes, the codec with its chat template and grammar compiler)
+  leaves JAX out; a negative key and the combinations not served yet are refused by name."""
+  script = ("import sys\nfrom MaxText.inference import serve_frontend, serve_routes, serve_app\n"
+            "from MaxText.inference.serve_codec import CodecSpec, build\n"
+            f"codec, _ = build(CodecSpec('huggingface', {str(tokenizer)!r}, False, 272))\n"
+            "codec.chat([{'role': 'user', 'content': 'to be'}]); codec.grammars().json_schema({'type': 'object'})\n"
+            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'jaxlib', 'flax'))))\n")
+  out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.strip() == "[]"
+  with pytest.raises(ConfigError, match="serve_http_processes must be >= 0"):
+    Config.for_testing(**MODEL, serve_http_processes=-1)
+  with pytest.raises(UserError, match="serve_http_processes=2 does not serve LoRA adapters.*serve_http_processes=0"):
+    serve_processes.check(2, lora=True, images=False)
+  with pytest.raises(UserError, match="serve_http_processes=1 does not serve a vision-language model"):
+    serve_processes.check(1, lora=False, images=True)
+  serve_processes.check(0, lora=True, images=True)
+
+
+def test_a_front_end_process_serves_and_its_death_stops_the_server(tokenizer):
+  """One front end: a completion, a stream joining to the same text, a chat and /health; the front end has
+  no JAX mapped; killed, it takes the engine's process down with one line and a non-zero exit."""
+  server = CliServer(tokenizer, 1)
+  try:
+    [front_end] = server.front_ends()
+    whole = server.client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    assert whole.usage.completion_tokens == 8
+    streamed = server.client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                                stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == whole.choices[0].text
+    chat = server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "to be"}],
+                                                 max_tokens=4, temperature=0)
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 4
+    health = httpx.get(f"{server.url}/health", timeout=10).json()
+    assert health["slots_total"] == 2 and health["slots_in_use"] == 0
+    assert "jaxlib" not in Path(f"/proc/{front_end}/maps").read_text()
+    os.kill(front_end, signal.SIGKILL)
+    code = server.process.wait(60)
+    time.sleep(0.2)  # the reader thread's last lines
+    assert code != 0
+    errors = [line for line in server.lines if "error" in line]
+    assert len(errors) == 1 and "HTTP front-end process 0" in errors[0] and "exited" in errors[0], server.lines
+  finally:
+    if server.process.poll() is None:
+      server.process.kill()
+
+
+@pytest.mark.slow  # three servers (JAX start-up and compiles each)
+def test_greedy_text_equals_the_one_process_servers_and_sigterm_stops_every_process(tokenizer):
+  answers = {}
+  for processes in (0, 1, 2):
+    server = CliServer(tokenizer, processes)
+    try:
+      if processes == 2:
+        assert len(server.front_ends()) == 2
+      texts = [server.client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0).choices[0].text
+               for p in PROMPTS]
+      streamed = ["".join(c.choices[0].text for c in server.client.completions.create(
+          model="tiny", prompt=p, max_tokens=12, temperature=0, stream=True)) for p in PROMPTS]
+      chat = server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "to be"}],
+                                                   max_tokens=6, temperature=0).choices[0].message.content
+      answers[processes] = (texts, streamed, chat)
+    finally:
+      assert server.stop() == 0
+  assert answers[0][0] == answers[0][1]
+  assert answers[1] == answers[0] and answers[2] == answers[0]
+
+
+@pytest.mark.slow  # a server with room for long streams
+def test_a_dropped_stream_frees_its_slot_and_a_full_queue_is_a_503(tokenizer):
+  server = CliServer(tokenizer, 1, max_target_length=4096, max_prefill_predict_length=32, serve_max_tokens=4000,
+                     serve_max_slots=1, serve_max_queue=0)
+  try:
+    with httpx.Client(timeout=60) as http:
+      body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4000, "stream": True}
+      with http.stream("POST", f"{server.url}/v1/completions", json=body,
+                       headers={"Authorization": f"Bearer {KEY}"}) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")
+        busy = http.post(f"{server.url}/v1/completions", json={**body, "stream": False, "max_tokens": 2},
+                         headers={"Authorization": f"Bearer {KEY}"})
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "1", busy.text
+        assert busy.json()["error"]["code"] == "queue_full"
+      deadline = time.monotonic() + 20  # the stream is closed: noticed within a second or so, its job cancelled
+      while _cancelled(server) < 1 or httpx.get(f"{server.url}/health", timeout=10).json()["slots_in_use"]:
+        assert time.monotonic() < deadline, "the dropped stream's job is not cancelled or still holds its slot"
+        time.sleep(0.2)
+    out = server.client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=3, temperature=0)
+    assert out.usage.completion_tokens == 3
+  finally:
+    assert server.stop() == 0
