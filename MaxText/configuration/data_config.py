@@ -21,7 +21,6 @@ from MaxText.errors import ConfigError
 if TYPE_CHECKING:
   from MaxText.configuration.config_groups import MeshConfig
   from MaxText.platform.accelerators import DeviceTarget  # JAX: not at import (the server's HTTP processes read TOKENIZER_TYPES)
-  from MaxText.platform.accelerators import DeviceTarget  # JAX: not at import (the server's HTTP processes read TOKENIZER_TYPES)
 
 DATASET_TYPES = ("synthetic", "tfds", "hf", "grain", "stream")
 TOKENIZER_TYPES = ("sentencepiece", "tiktoken", "huggingface")  # input_pipeline/tokenizer.py reads each

@@ -68,9 +68,6 @@ from MaxText.inference.image_prompts import PromptImages
 # The events and refusals, kept where the HTTP front ends read them without JAX, and named here as before.
 from MaxText.inference.job_events import (Done as Done, Event as Event, PromptScores as PromptScores,
                                           QueueFull as QueueFull, Token as Token, TooLarge as TooLarge)
-# The events and refusals, kept where the HTTP front ends read them without JAX, and named here as before.
-from MaxText.inference.job_events import (Done as Done, Event as Event, PromptScores as PromptScores,
-                                          QueueFull as QueueFull, Token as Token, TooLarge as TooLarge)
 from MaxText.inference.sampling import ALL_TOKENS, RowParams
 
 
