@@ -149,8 +149,8 @@ def test_a_sparse_attention_model_is_served_like_its_uncached_decode(tmp_path):
                          shared_expert_gate=True))], ids=["qwen3_next", "qwen3_5_moe"])
 def test_a_qwen3_next_model_is_served_like_its_uncached_decode(tmp_path, decoder_block, mlp):
   """Qwen3-Next's (and Qwen3.5's) Gated DeltaNet states as slot state beside the full-attention layers' pages; its
-  prompts prefilled 5 tokens per scheduler step (the state carried from chunk to chunk, kept while other slots
-  generate); prefix caching off (refused for a recurrent state). Concurrent requests share the batch."""
+  prompts prefilled 5 tokens per scheduler step, shared by the prompts waiting (the state carried from chunk to
+  chunk, kept while other slots generate); prefix caching off (refused for a recurrent state). Concurrent requests share the batch."""
   qwen3_next = dict(MODEL, **mlp, decoder_block=decoder_block, base_num_decoder_layers=4, full_attention_interval=2,
                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
                     linear_conv_kernel_dim=4, linear_attention_chunk_size=4, attention_output_gate=True,
@@ -164,7 +164,8 @@ def test_a_qwen3_next_model_is_served_like_its_uncached_decode(tmp_path, decoder
     with ThreadPoolExecutor(3) as pool:
       answers = dict(zip(expected, pool.map(ask, expected)))
     assert answers == expected
-    assert served.engine.traces["extend"] == 1 and max(len(served.ids(p)) for p in expected) > 5  # chunked
+    # chunked: one program per row count of a call sharing the chunk budget (1, 2 or 4 rows of 5 tokens)
+    assert 1 <= served.engine.traces["extend"] <= 3 and max(len(served.ids(p)) for p in expected) > 5
   finally:
     served.close()
 
