@@ -84,6 +84,13 @@ class Constraint:
   def error(self) -> str:
     return str(self._matcher.get_error())
 
+  def failure(self) -> str:
+    """One line on the dead end the tokens so far reached (no token continues them and they do not complete
+    the grammar: an unsatisfiable schema, a parser limit), "" when there is none."""
+    if not self._matcher.is_error():
+      return ""
+    return "the constrained reply cannot be continued: " + " ".join(self.error.split("<state>")[0].split())[:200]
+
 
 class Compiler:
   """Grammars for one tokenizer (built once: it reads the whole vocabulary)."""
@@ -106,7 +113,12 @@ class Compiler:
     message = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
     if message and not message.startswith("WARNING"):
       raise GrammarError(" ".join(message.split())[:300])
-    return Grammar(text, self.tokenizer, self.vocab_size)
+    grammar = Grammar(text, self.tokenizer, self.vocab_size)
+    start = grammar.constraint()
+    start.mask()  # a grammar no text satisfies fails here, before any token
+    if start.failure():
+      raise GrammarError(f"no text satisfies it ({' '.join(start.error.split('<state>')[0].split())[:200]})")
+    return grammar
 
   def json_schema(self, schema: dict[str, Any]) -> Grammar:
     try:

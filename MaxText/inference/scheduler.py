@@ -83,6 +83,9 @@ class TokenConstraint(Protocol):
   def advance(self, token: int) -> bool:
     """Takes the job's next token; True when the job must end there (its grammar is complete)."""
 
+  def failure(self) -> str:
+    """Why no token can continue the job's text, which its grammar does not complete ("" while one can)."""
+
 
 @dataclasses.dataclass(eq=False)
 class Job:
@@ -509,7 +512,8 @@ class Scheduler:
     job.generated += 1
     job.emit(Token(job.index, token, logprob, top))
     if token in self.eos_ids or (job.constraint is not None and job.constraint.advance(token)):
-      self._finish(job, slot, "stop")
+      failure = "" if job.constraint is None else job.constraint.failure()  # a dead end is no complete reply
+      self._finish(job, slot, "error" if failure else "stop", failure)
     elif job.generated >= job.max_tokens:
       self._finish(job, slot, "length")
 

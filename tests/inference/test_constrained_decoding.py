@@ -75,6 +75,9 @@ class Pattern:
     self.got.append(token)
     return len(self.got) >= self.length
 
+  def failure(self) -> str:
+    return ""
+
 
 PROMPTS = [[3, 9, 27], [100, 5, 6, 7, 8, 1], [1, 2, 3, 4, 5, 6, 7, 8]]
 

@@ -95,6 +95,32 @@ def test_what_does_not_compile_is_one_line(compiler):
     assert str(raised.value) and "\n" not in str(raised.value)
 
 
+def test_a_grammar_no_text_satisfies_is_refused_and_a_dead_end_is_a_failure(compiler):
+  """A schema or regex that admits no text is a GrammarError when compiled (was: compiled, and the reply was "" with
+  finish_reason "stop"); a schema whose every instance is infinitely nested dead-ends mid-reply, which the constraint
+  reports as a failure, not as a complete reply (was: "{" and "stop")."""
+  compiler, tokenizer = compiler
+  for bad in (lambda: compiler.json_schema({"$ref": "#"}), lambda: compiler.regex("[^\\x00-\\U0010ffff]")):
+    with pytest.raises(grammar.GrammarError, match="no text satisfies it") as raised:
+      bad()
+    assert "\n" not in str(raised.value)
+  endless = compiler.json_schema({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]})
+  constraint = endless.constraint()
+  assert constraint.failure() == ""
+  for token in tokenizer('{"a":', add_special_tokens=False)["input_ids"]:  # the scheduler's order: a mask, a token
+    constraint.mask()
+    if constraint.advance(token):
+      break
+  else:
+    raise AssertionError("no dead end")
+  assert not constraint.accepting
+  assert constraint.failure().startswith("the constrained reply cannot be continued: ") and "\n" not in \
+      constraint.failure()
+  complete = compiler.regex("ab").constraint()
+  assert [complete.advance(t) for t in tokenizer("ab", add_special_tokens=False)["input_ids"]][-1]
+  assert complete.accepting and complete.failure() == ""
+
+
 def test_a_mask_row_has_the_devices_width(compiler):
   compiler, _ = compiler
   constraint = compiler.regex("a+").constraint()

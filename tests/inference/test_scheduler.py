@@ -266,3 +266,51 @@ def test_a_slot_whose_job_the_calls_in_flight_end_takes_the_next_job_in_the_next
     assert s.load()["released"] == 4
   finally:
     s.stop(5)
+
+
+
+class _MaskedEngine(FakeEngine):
+  """FakeEngine taking constrained jobs' token masks (it ignores them: the constraint below allows every token)."""
+
+  def prefill(self, params, prompts, row_params=None, masks=None):
+    return super().prefill(params, prompts, row_params)
+
+  def decode_step(self, params, state, active=None, limits=None, mask=None):
+    return super().decode_step(params, state, active, limits)
+
+
+class _DeadEnd:
+  """A grammar (scheduler.TokenConstraint) with no way on after the job's `at`-th token; complete there when `ok`."""
+
+  words = 1
+
+  def __init__(self, at: int, ok: bool):
+    self.at, self.ok, self.got = at, ok, 0
+
+  def fill(self, row: np.ndarray) -> None:
+    row[:] = -1
+
+  def advance(self, token: int) -> bool:
+    self.got += 1
+    return self.got >= self.at
+
+  def failure(self) -> str:
+    return "" if self.ok or self.got < self.at else "no way on"
+
+
+def test_a_constrained_job_at_a_dead_end_ends_with_an_error_not_stop():
+  """A reply its grammar cannot continue nor complete is an error with the grammar's reason (was: "stop", as if it were
+  a complete reply); a complete one still ends with "stop"; the scheduler thread goes on."""
+  engine = _MaskedEngine()
+  s = sched.Scheduler(engine, None, max_queue=16, eos_ids=[EOS]).start()
+  try:
+    sinks = [Sink(), Sink()]
+    s.submit([sched.Job(0, [1, 2], 8, RowParams(), sinks[0], constraint=_DeadEnd(3, ok=False)),
+              sched.Job(1, [1, 2], 8, RowParams(), sinks[1], constraint=_DeadEnd(3, ok=True))])
+    assert [sink.reason() for sink in sinks] == ["error", "stop"]
+    assert sinks[0].events[-1].message == "no way on"
+    assert sum(isinstance(e, sched.Token) for e in sinks[0].events) == 3
+    _assert_nothing_held(s, engine)
+    assert s._thread.is_alive()
+  finally:
+    s.stop(5)
