@@ -117,6 +117,11 @@ def test_megablox_and_moe_grouped_matmul_disagreeing_is_one_error_line():
     with pytest.raises(ConfigError, match=r"^'megablox' \(deprecated\) chooses moe_grouped_matmul='megablox' but the "
                        r"command line also gives moe_grouped_matmul='ragged_dot'; keep only 'moe_grouped_matmul'$"):
       config_lib.parse_overrides(["prog", *argv], environ={})
+  # From the environment: the variables as spelled, and megablox's choice as the switch's (it read as
+  # M_MEGABLOX='megablox', a value the variable was not given).
+  with pytest.raises(ConfigError, match=r"^'M_MEGABLOX' \(deprecated\) chooses M_MOE_GROUPED_MATMUL='megablox' but the "
+                     r"environment also gives M_MOE_GROUPED_MATMUL='ragged_dot'; keep only 'M_MOE_GROUPED_MATMUL'$"):
+    config_lib.parse_overrides(["prog"], environ={"M_MEGABLOX": "true", "M_MOE_GROUPED_MATMUL": "ragged_dot"})
   with pytest.raises(ConfigError, match=r"^megablox \(the command line\) must be true or false, got 'tpu'; it is "
                      r"deprecated: set moe_grouped_matmul=megablox \(true\) or moe_grouped_matmul=ragged_dot \(false\)$"):
     config_lib.parse_overrides(["prog", "megablox=tpu"], environ={})

@@ -212,9 +212,8 @@ def _set_once(values: dict[str, Any], spelled: dict[str, str], key: str, given: 
   if earlier is not None and earlier != given and not spellings.same_value(values[key], value):
     old, new = (given, earlier) if given != key else (earlier, given)
     old_value, new_value = (value, values[key]) if given != key else (values[key], value)
-    if prefix:
-      old, new = prefix + old.upper(), prefix + new.upper()
-    raise spellings.clash_error(old, new, old_value, new_value, source)
+    shown = (prefix + old.upper(), prefix + new.upper()) if prefix else None
+    raise spellings.clash_error(old, new, old_value, new_value, source, shown)
   values[key], spelled[key] = value, given
 
 

@@ -78,12 +78,15 @@ def warn_model_name(name: str, ours: str) -> None:
     print(f"warning: model_name '{name}' is upstream MaxText's name; here it is '{ours}'", file=sys.stderr, flush=True)
 
 
-def clash_error(old: str, new: str, old_value: object, new_value: object, source: str) -> ConfigError:
+def clash_error(old: str, new: str, old_value: object, new_value: object, source: str,
+                shown: tuple[str, str] | None = None) -> ConfigError:
+  """`shown`: the two keys as the user spelled them, when not as config keys (M_<KEY> variables)."""
+  old_name, new_name = shown or (old, new)
   if old in SWITCHES:  # old_value is already the value it chose
-    return ConfigError(f"'{old}' (deprecated) chooses {new}={old_value!r} but {source} also gives {new}={new_value!r}; "
-                       f"keep only '{new}'")
-  return ConfigError(f"'{old}' (deprecated) and '{new}' name the same setting but {source} gives them different "
-                     f"values ({old_value!r} and {new_value!r}); keep only '{new}'")
+    return ConfigError(f"'{old_name}' (deprecated) chooses {new_name}={old_value!r} but {source} also gives "
+                       f"{new_name}={new_value!r}; keep only '{new_name}'")
+  return ConfigError(f"'{old_name}' (deprecated) and '{new_name}' name the same setting but {source} gives them "
+                     f"different values ({old_value!r} and {new_value!r}); keep only '{new_name}'")
 
 
 def same_value(a: object, b: object) -> bool:
