@@ -345,6 +345,19 @@ def test_a_hybrid_ring_mesh_puts_rings_of_neighbouring_chips_on_one_axis(slices,
     assert [d.slice_index for d in fsdp[[0, 63, 64, 127]]] == [0, 0, 1, 1]
 
 
+def test_a_hybrid_ring_on_a_slice_of_256_chips_that_is_no_16_by_16_grid_names_custom_mesh():
+  """v5p-512's 256 chips are 4 x 8 x 8: the line names custom_mesh (it was jax's layout error advising
+  allow_split_physical_axes=True, which cannot help: the rings need the 16 x 16 grid)."""
+  from MaxText.platform import accelerators
+
+  topology = accelerators.tpu_topology("v5p-512")
+  config = Config.for_testing(**_TINY, target=topology.target(1), run_name="mesh", custom_mesh="hybrid_ring_64x4",
+                              ici_fsdp_parallelism=64, ici_tensor_parallelism=4)
+  with pytest.raises(ConfigError, match=r"^custom_mesh=hybrid_ring_64x4 lays out a slice of 16 x 16 chips \(v6e-256\); "
+                                        r"this slice's chips are 4 x 8 x 8; drop custom_mesh$"):
+    sharding.create_mesh(config.mesh, startup.describe_topology(topology, 1))
+
+
 def test_an_axis_wider_than_a_physical_one_needs_split_physical_axes():
   assert dict(_v6e_256_mesh(ici_fsdp_parallelism=8, ici_tensor_parallelism=32).shape)["tensor"] == 32
   with pytest.raises(ConfigError, match=r"^cannot lay out mesh ici=\[1, 1, 8, 1, 1, 32, 1, 1\] .* on 256 devices without "

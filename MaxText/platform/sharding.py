@@ -77,6 +77,12 @@ def _hybrid_rings(name: str, ici: list[int], dcn: list[int], devices: Sequence[A
     raise ValueError(f"{len(by_slice)} slices for dcn degrees {dcn}")
   laid_out = []
   for index in sorted(by_slice):
+    # The rings follow a 16 x 16 grid of chips; another slice of 256 (v5p's 4 x 8 x 8) fails in jax with advice
+    # (allow_split_physical_axes=True) that cannot help here.
+    box = _chip_box(by_slice[index])
+    if box is not None and tuple(d for d in box if d > 1) != HYBRID_RING_SLICE:
+      raise ConfigError(f"custom_mesh={name} lays out a slice of {' x '.join(map(str, HYBRID_RING_SLICE))} chips "
+                        f"(v6e-256); this slice's chips are {' x '.join(map(str, box))}; drop custom_mesh")
     grid = mesh_utils.create_device_mesh(list(HYBRID_RING_SLICE), by_slice[index], allow_split_physical_axes=False)
     ordered = ring_order(grid, size)  # (rings, size)
     laid_out.append((ordered if ici.index(rings) < ici.index(size) else ordered.T).reshape(ici))
@@ -86,13 +92,18 @@ def _hybrid_rings(name: str, ici: list[int], dcn: list[int], devices: Sequence[A
   return interleaved.reshape([d * i for d, i in zip(dcn, ici)])
 
 
-def _whole_block(devices: Sequence[Any]) -> bool:
-  """Whether TPU devices fill the box of their chip coordinates (True for devices without them)."""
+def _chip_box(devices: Sequence[Any]) -> tuple[int, ...] | None:
+  """The extent of the TPU devices' chip coordinates along each physical axis; None for devices without them."""
   coords = {tuple(getattr(d, "coords", ())) for d in devices}
   if not all(coords) or len(coords) < 1:
-    return True
-  box = math.prod(max(c[i] for c in coords) - min(c[i] for c in coords) + 1 for i in range(len(next(iter(coords)))))
-  return box == len(coords)
+    return None
+  return tuple(max(c[i] for c in coords) - min(c[i] for c in coords) + 1 for i in range(len(next(iter(coords)))))
+
+
+def _whole_block(devices: Sequence[Any]) -> bool:
+  """Whether TPU devices fill the box of their chip coordinates (True for devices without them)."""
+  box = _chip_box(devices)
+  return box is None or math.prod(box) == len({tuple(d.coords) for d in devices})
 
 
 def create_mesh(mesh_config: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh:
