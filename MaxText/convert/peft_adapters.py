@@ -197,6 +197,21 @@ def _read_tensors(path: str) -> dict[str, np.ndarray]:
   return tensors
 
 
+def stored_rank(path: str) -> int:
+  """The rank the lora_A tensors of `path`'s adapter have (their largest first dim; read from the file's header
+  alone), so that a server sizes its adapter tables by what an adapter holds rather than by what its config
+  claims; UserError for a file safetensors cannot read."""
+  from safetensors import SafetensorError, safe_open
+
+  file = storage.join(path, WEIGHTS_FILE)
+  try:
+    with storage.local_copy(file) as local, safe_open(local, framework="numpy") as f:
+      shapes = [f.get_slice(name).get_shape() for name in f.keys() if name.endswith(".lora_A.weight")]
+  except (SafetensorError, OSError, TypeError, ValueError) as e:
+    raise UserError(f"{file} is not a readable safetensors file ({type(e).__name__}: {str(e)[:200]})") from None
+  return max((int(shape[0]) for shape in shapes if shape), default=0)
+
+
 def read_config(path: str) -> tuple[int, tuple[str, ...], float]:
   """(rank, target modules, lora_alpha) of the PEFT LoRA adapter in `path`; UserError for anything else."""
   if not storage.exists(storage.join(path, CONFIG_FILE)) or not storage.exists(storage.join(path, WEIGHTS_FILE)):

@@ -302,6 +302,11 @@ def load_engine(config: Config, num_slots: int, fresh_note: str, base_name: str,
   if unknown:
     raise UserError(f"LoRA adapters target {unknown}, which this model cannot serve from adapter tables "
                     f"(it can: {list(table_targets(config))})")
+  for (name, adapter_path), (claimed, _) in zip(named, peeks):  # before tables of that rank are allocated
+    stored = peft_adapters.stored_rank(adapter_path)
+    if stored != claimed:
+      raise UserError(f"LoRA adapter {name!r} ({adapter_path}): its config says r={claimed} but its lora_A tensors "
+                      f"have rank {stored}; fix adapter_config.json")
   table_cfg = table_config(config, rank, targets)
   path = model_assembly.parameters_path(config)
   engine = Engine(table_cfg, num_slots=num_slots, mesh=mesh)

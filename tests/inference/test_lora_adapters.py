@@ -483,10 +483,16 @@ def test_admin_routes_are_off_without_an_api_key_and_echo_scores_only_the_base_m
     (dict(serve_lora_adapters="a=/x", lora_rank=4), "beside a base model with lora_rank=0"),
     (dict(serve_lora_adapters="a={root}/head"), "LoRA adapters target ['lm_head'], which this model cannot serve"),
     (dict(serve_lora_adapters="a={root}/nothing"), "is not a PEFT LoRA adapter"),
+    (dict(serve_lora_adapters="a={root}/liar"), "its config says r=1000000000000 but its lora_A tensors have rank 2"),
 ])
 def test_start_up_refusals_are_one_line(tmp_path, keys, words):
+  """liar: a config whose r is far beyond its tensors' is refused before tables of that rank are allocated (was: an
+  out-of-memory traceback at start)."""
   import json
 
+  write_adapter(tmp_path / "liar", 2, 4.0, ("q_proj",), seed=1)
+  liar = json.loads((tmp_path / "liar" / peft_adapters.CONFIG_FILE).read_text())
+  (tmp_path / "liar" / peft_adapters.CONFIG_FILE).write_text(json.dumps({**liar, "r": 10**12}))
   (tmp_path / "head").mkdir()
   (tmp_path / "head" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2,
                                                                       "target_modules": ["lm_head"]}))
