@@ -1,5 +1,6 @@
 """Prompts prefilled straight into a slot's pages: chunked prefill (prefill_chunk_size tokens a call)
-and prefix caching's prefill of what follows the pages a cached prefix already holds.
+and prefix caching's prefill of what follows the pages a cached prefix already holds; one prompt a
+call (`chunk`) or several as the rows of one call (`rests`, `chunks`: one chunk budget shared).
 
 A part the engine composes with its cache layout (kv_layout.py): it takes a prompt's pages from
 the layout's `prompt_pages`, which only the paged layout has; with the dense layout every call
@@ -234,6 +235,8 @@ class PagePrefill:
       if end > starts[i]:
         pieces.append((i, end))
         budget -= end - starts[i]
+    if not pieces:
+      return state, [(start, None) for start in starts]
     if len(pieces) == 1:  # one chunk: the program of one slot, as without batching
       i = pieces[0][0]
       state, end, first = self.chunk(params, state, slots[i], prompts[i], starts[i], row_params[i],

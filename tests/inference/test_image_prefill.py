@@ -191,6 +191,21 @@ def test_whole_runs_start_and_chunk_end_never_split_an_image():
   assert sorted(salts) == [1, 2, 3] and len(salts[2]) == 64  # page 2 holds tokens of both images
 
 
+def test_a_chunk_sharing_the_budget_never_splits_an_image():
+  """A prompt's chunk in a call whose budget other prompts share ends before an image run it would split;
+  an image run starting where the prompt goes on gets nothing until the budget left holds it."""
+  import types
+
+  from MaxText.inference.page_prefill import PagePrefill, _Plans
+
+  plans = object.__new__(_Plans)
+  plans.prompts, plans.starts, plans.runs = [[0] * 16] * 2, [0, 5], [[(5, 9), (10, 14)]] * 2
+  engine_side = types.SimpleNamespace(snapshots=None)
+  assert PagePrefill._piece_end(engine_side, plans, 0, 7) == 5  # before the run
+  assert PagePrefill._piece_end(engine_side, plans, 1, 8) == 5  # the run at its start does not fit: nothing
+  assert PagePrefill._piece_end(engine_side, plans, 1, 12) == 10  # the run whole, not the next
+
+
 def test_decode_py_with_image_path_equals_hf_generate(hf, tmp_path):
   """MaxText.decode on a converted checkpoint, prompt_token_ids holding one image's run and
   image_path a PNG: the greedy ids equal HF generate on the same pixel values."""

@@ -34,6 +34,7 @@ LAYOUTS = {"dense": ({}, 1, 4), "paged": (dict(PAGED, prefix_caching="false"), 1
            "prefix-cached": (dict(PAGED, prefix_caching="true"), 1, 4),
            "chunked": (dict(PAGED, prefix_caching="false", prefill_chunk_size=16), 2, 4),
            "chunked-split": (dict(PAGED, prefix_caching="true", prefill_chunk_size=6), 3, 5),
+           "recurrent-dense": (RECURRENT, 1, 4),
            "recurrent-prefix-cached": (dict(PAGED, **RECURRENT, prefix_caching="true"), 2, 5),
            "recurrent-chunked": (dict(PAGED, **RECURRENT, prefix_caching="true", prefill_chunk_size=16), 3, 5)}
 
