@@ -44,17 +44,27 @@ def build(spec: CodecSpec, chat_images: ImageChat | None = None) -> tuple[api.Co
       raise api.ApiError(400, f"chat completions need a chat template: {e}") from None
     return chat_tokenizer[0]
 
-  def chat(messages: list[dict[str, Any]]) -> list[int]:
-    text = template_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+  def rendered(messages: list[dict[str, Any]], **tools: Any) -> list[int]:
+    """The conversation's ids; the template's own refusal (raise_exception: roles that do not alternate, a role
+    it does not know) is the client's 400."""
+    from jinja2 import TemplateError  # transformers' chat templates are jinja2
+
+    try:
+      text = template_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **tools)
+    except TemplateError as e:
+      raise api.ApiError(400, f"messages: the chat template of {spec.tokenizer_path} refuses them: "
+                         f"{' '.join(str(e).split())[:300]}", "messages") from None
     return list(template_tokenizer()(text, add_special_tokens=False)["input_ids"])
+
+  def chat(messages: list[dict[str, Any]]) -> list[int]:
+    return rendered(messages)
 
   def chat_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
     template = template_tokenizer().chat_template
     if not isinstance(template, str) or "tools" not in template:  # it would drop them without a word
       raise api.ApiError(400, f"tools: the chat template of {spec.tokenizer_path} does not render tools; serve a "
                          "tokenizer whose template does", "tools", "unsupported_parameter")
-    text = template_tokenizer().apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
-    return list(template_tokenizer()(text, add_special_tokens=False)["input_ids"])
+    return rendered(messages, tools=tools)
 
   images = None
   if chat_images is not None:

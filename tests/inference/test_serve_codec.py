@@ -1,0 +1,44 @@
+"""The server's tokenizer (inference/serve_codec.py) against chat templates that refuse a conversation: the template's
+own error is a 400 naming `messages`, as any other bad request (not a 500 with a traceback)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="chat templates need transformers (EXTRAS=test bash setup.sh)")
+
+from MaxText.inference import openai_api as api  # noqa: E402
+from MaxText.inference import serve_codec  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "input_pipeline"))
+from sft_fixtures import write_tokenizer  # noqa: E402
+
+# As many published templates do: roles must alternate user/assistant (raise_exception), tools rendered by name.
+STRICT = ("{%- for tool in tools or [] %}{{ tool.function.name }}{%- endfor %}"
+          "{%- for message in messages %}"
+          "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+          "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif %}"
+          "{{ '<|im_start|>' + message['content'] + '<|im_end|>' }}{%- endfor %}"
+          "{%- if add_generation_prompt %}{{ '<|im_start|>' }}{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def codec(tmp_path_factory):
+  directory = write_tokenizer(tmp_path_factory.mktemp("strict"), STRICT)
+  return serve_codec.build(serve_codec.CodecSpec("huggingface", str(directory), False, 272))[0]
+
+
+@pytest.mark.parametrize("tools", [False, True], ids=["chat", "chat-tools"])
+def test_a_conversation_the_template_refuses_is_a_400_naming_messages(codec, tools):
+  good = [{"role": "user", "content": "hi"}]
+  bad = [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}]
+  tool = [{"type": "function", "function": {"name": "now"}}]
+  render = (lambda m: codec.chat_tools(m, tool)) if tools else codec.chat
+  assert render(good)
+  with pytest.raises(api.ApiError) as raised:
+    render(bad)
+  assert raised.value.status == 400 and raised.value.param == "messages"
+  assert "Conversation roles must alternate" in raised.value.message and "\n" not in raised.value.message
