@@ -174,6 +174,10 @@ class AdapterBusy(Exception):
   """An adapter that requests in flight still decode with."""
 
 
+class NameTaken(UserError):
+  """An adapter name that is the base model's or a loaded adapter's."""
+
+
 class Registry:
   """The served adapters by name: `add` / `remove` change the engine's parameters through `swap`
   (called with the new parameters before a new name is usable, after an old one is gone);
@@ -207,9 +211,9 @@ class Registry:
     with self._changing:  # one change of the tables at a time: the free row stays free
       with self._lock:
         if name == self.base_name:
-          raise UserError(f"LoRA adapter name {name!r} is the base model's name; choose another")
+          raise NameTaken(f"LoRA adapter name {name!r} is the base model's name; choose another")
         if name in self._by_name:
-          raise UserError(f"a LoRA adapter named {name!r} is already loaded; remove it first or choose another name")
+          raise NameTaken(f"a LoRA adapter named {name!r} is already loaded; remove it first or choose another name")
         free = sorted(set(range(1, self.table.capacity + 1)) - {a.row for a in self._by_name.values()})
       if not free:
         raise UserError(f"all serve_lora_slots={self.table.capacity} adapter rows are taken; remove an adapter first")

@@ -49,6 +49,8 @@ def add_routes(app: FastAPI, registry: lora_adapters.Registry, admin_allowed: bo
                          "choose another", "name", "name_taken")
     try:  # reading the weights and writing the tables: not on the event loop other requests share
       loaded = await asyncio.to_thread(registry.add, body["name"], body["path"])
+    except lora_adapters.NameTaken as e:  # loaded by a request that raced this one past the check above
+      raise api.ApiError(409, str(e), "name", "name_taken") from None
     except UserError as e:
       raise api.ApiError(400, str(e), "path", "invalid_adapter") from None
     return _describe(loaded)

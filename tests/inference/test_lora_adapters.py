@@ -410,6 +410,16 @@ def test_an_adapter_named_like_a_hub_repo_is_served_and_removed(server):
   assert "org/kappa" not in srv.adapters.names() and "org/kappa2" not in srv.adapters.names()
 
 
+def test_a_name_taken_by_a_racing_add_is_a_409_as_the_route_check_gives(server, monkeypatch):
+  """Two adds of one name at once both pass the route's check; the second is refused by the registry, as 409
+  name_taken like the check's own answer (was: a 400 invalid_adapter)."""
+  _, srv, client, _, root = server
+  monkeypatch.setattr(srv.adapters, "names", lambda: [])  # as if "alpha" were loaded after the route looked
+  response = client.post("/v1/admin/lora_adapters", json={"name": "alpha", "path": str(root / "alpha")})
+  assert response.status_code == 409 and response.json()["error"]["code"] == "name_taken", response.text
+  assert "already loaded" in response.json()["error"]["message"]
+
+
 def test_unknown_model_names_the_adapter_and_the_served_ones(server):
   _, _, client, _, _ = server
   response = client.post("/v1/completions", json={"model": "delta", "prompt": [5, 6], "max_tokens": 2})
