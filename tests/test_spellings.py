@@ -110,6 +110,25 @@ def test_upstreams_megablox_switch_chooses_the_grouped_matmul_kernel(given, chos
   assert config_lib.Config.for_testing(megablox=chosen == "megablox", sparse_matmul=True)["moe_grouped_matmul"] == chosen
 
 
+def test_megablox_without_sparse_matmul_says_in_one_line_that_its_kernel_does_not_run(monkeypatch, capsys):
+  """Upstream's sparse_matmul defaults to True, ours to False: a block that sets only megablox=true would run
+  padded dense experts without a word."""
+  from MaxText.configuration import model_config
+
+  monkeypatch.setattr(model_config, "_WARNED_UNUSED_KERNEL", set())
+  moe = dict(num_experts=4, num_experts_per_tok=2)
+  config_lib.Config.for_testing(megablox=True)  # a dense model: no experts to run
+  config_lib.Config.for_testing(**moe, megablox=True, sparse_matmul=True)
+  config_lib.Config.for_testing(**moe, megablox=False)
+  assert "sparse_matmul" not in capsys.readouterr().err
+  for _ in range(2):
+    assert config_lib.Config.for_testing(**moe, megablox=True)["moe_grouped_matmul"] == "megablox"
+  assert [line for line in capsys.readouterr().err.splitlines() if "sparse_matmul" in line] == [
+      "warning: moe_grouped_matmul=megablox (upstream's megablox=true) is the kernel of sparse_matmul, which is False "
+      "(upstream's default is True): the experts run as padded dense matmuls; set sparse_matmul=True to run the "
+      "grouped matmuls"]
+
+
 def test_megablox_and_moe_grouped_matmul_disagreeing_is_one_error_line():
   assert config_lib.parse_overrides(["prog", "megablox=false", "moe_grouped_matmul=ragged_dot"],
                                     environ={}).argv_values == {"moe_grouped_matmul": "ragged_dot"}

@@ -51,6 +51,18 @@ def remat_placements_from_values(v: Mapping[str, Any]) -> Any:
 
 _WARNED_UNPRODUCED: set[str] = set()
 _WARNED_QWIX: set[str] = set()
+_WARNED_UNUSED_KERNEL: set[str] = set()
+
+
+def _note_unused_grouped_matmul(v: Mapping[str, Any]) -> None:
+  """moe_grouped_matmul=megablox (upstream's megablox=true) picks the kernel of sparse_matmul, whose default here
+  is False where upstream's is True: a recipe that sets only megablox runs padded dense experts, not that kernel."""
+  if v["num_experts"] <= 1 or v["sparse_matmul"] or v["moe_grouped_matmul"] != "megablox" or _WARNED_UNUSED_KERNEL:
+    return
+  _WARNED_UNUSED_KERNEL.add("megablox")
+  print("warning: moe_grouped_matmul=megablox (upstream's megablox=true) is the kernel of sparse_matmul, which is False "
+        "(upstream's default is True): the experts run as padded dense matmuls; set sparse_matmul=True to run the "
+        "grouped matmuls", file=sys.stderr, flush=True)
 
 
 def _note_qwix(v: Mapping[str, Any]) -> None:
@@ -362,6 +374,7 @@ class ModelConfig:
     checks.check_linear_attention(v)
     checks.check_quantization(v)
     _note_qwix(v)
+    _note_unused_grouped_matmul(v)
     checks.check_lora(v)
     layers = v["base_num_decoder_layers"] * s["layers"]
     pipelined = dict(mesh.shape)["stage"] > 1
