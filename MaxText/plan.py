@@ -320,7 +320,7 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
   host_reason = ""  # why a candidate that fits HBM overflows the host's memory (offloaded state)
   fill = plan_search.PlacementFill(model, seq_len)
   for base in plan_search.candidates(model, topology, num_slices, fixed, global_batch, seq_len,
-                                      config.mesh.data_sharding):
+                                      config.mesh.data_sharding, rules=rules):
     estimate = plan_model.estimate(model, base, topology, num_slices, seq_len, rules, kernel)
     if estimate.total > limit or estimate.unsharded > config.mesh.sharding_tolerance:
       continue

@@ -49,6 +49,8 @@ def analytic(topology_name: str, **overrides) -> plan_model.Estimate:
     pytest.param(dict(per_device_batch_size=8, remat_policy="save_qkv_proj"), marks=pytest.mark.slow),
     pytest.param(dict(per_device_batch_size=4, remat_policy="full", ici_tensor_parallelism=2), marks=pytest.mark.slow),
     pytest.param(dict(per_device_batch_size=2, remat_policy="full", ici_data_parallelism=2), marks=pytest.mark.slow),
+    # 2 sequences on 4 chips: one per fsdp shard, repeated over tensor (the planner prices a chip's share alike).
+    pytest.param(dict(per_device_batch_size=0.5, remat_policy="full", ici_tensor_parallelism=2), marks=pytest.mark.slow),
 ], ids=lambda s: "-".join(f"{v}" for v in s.values()))
 def test_analytical_memory_against_the_compiled_heap(settings):
   overrides = dict(SMALL, **settings)
@@ -56,7 +58,8 @@ def test_analytical_memory_against_the_compiled_heap(settings):
   compiled = plan.compile_figures(argv(compile_topology="v5e-4", **overrides))
   assert compiled["status"] == "compiled" and compiled["source"] == "XLA buffer assignment"
   # Parameters and AdamW state per chip are exact: XLA's argument size less the batch and rng.
-  batch_bytes = settings["per_device_batch_size"] * SMALL["max_target_length"] * 4 * 4  # 4 int32 arrays per row
+  # 4 int32 arrays per row; a chip holds whole rows (here, with fewer rows than chips, one).
+  batch_bytes = max(1, settings["per_device_batch_size"]) * SMALL["max_target_length"] * 4 * 4
   assert estimate.params + estimate.optimizer == pytest.approx(compiled["arguments"] - batch_bytes, rel=0.01)
   low, high = MEMORY_TOLERANCE
   assert low * compiled["total"] <= estimate.total <= high * compiled["total"]
@@ -84,7 +87,8 @@ def test_candidates_respect_fixed_keys_and_fill_the_slice():
   model = plan_model.ModelShape.of(config.model, config.optim)
   topology = accelerators.tpu_topology("v5e-8")
   fixed = {"remat_policy": "full", "ici_tensor_parallelism": 2}
-  found = list(plan_search.candidates(model, topology, 1, fixed, global_batch=16, seq_len=64))
+  found = list(plan_search.candidates(model, topology, 1, fixed, global_batch=16, seq_len=64,
+                                     rules=config.mesh.logical_axis_rules))
   assert found
   for c in found:
     assert c["remat_policy"] == "full" and c["ici_tensor_parallelism"] == 2
@@ -99,7 +103,7 @@ def test_pipeline_candidates_are_valid_configs_and_their_schedules_trade_bubble_
   config = config_lib.Config.for_testing(target=topology.target(2), run_name="t", **shape)
   model = plan_model.ModelShape.of(config.model, config.optim)
   found = list(plan_search.candidates(model, topology, 2, {"remat_policy": "full"}, global_batch=64, seq_len=64,
-                                     data_sharding=config.mesh.data_sharding))
+                                     data_sharding=config.mesh.data_sharding, rules=config.mesh.logical_axis_rules))
   piped = [c for c in found if plan_model.mesh_of(c)["stage"] > 1]
   assert {c["pipeline_schedule"] for c in piped} == {"gpipe", "circular", "1f1b"}
   assert any(c.get("dcn_pipeline_parallelism", 1) == 2 for c in piped)
@@ -110,7 +114,7 @@ def test_pipeline_candidates_are_valid_configs_and_their_schedules_trade_bubble_
     built = config_lib.build_config(overrides, topology.target(2), default_run_name="plan")
     assert dict(built.mesh.shape)["stage"] == plan_model.mesh_of(c)["stage"]
   fixed = list(plan_search.candidates(model, topology, 2, {"pipeline_schedule": "1f1b"}, global_batch=64, seq_len=64,
-                                     data_sharding=config.mesh.data_sharding))
+                                     data_sharding=config.mesh.data_sharding, rules=config.mesh.logical_axis_rules))
   assert all(c["pipeline_schedule"] == "1f1b" for c in fixed if plan_model.mesh_of(c)["stage"] > 1)
   # More microbatches and circular repeats shrink the bubble; 1F1B holds fewer microbatches' activations.
   base = {"ici_pipeline_parallelism": 4, "pipeline_schedule": "gpipe", "num_pipeline_repeats": 1}
@@ -176,7 +180,7 @@ def test_moe_experts_may_span_slices(monkeypatch):
                                          num_experts_per_tok=2, **TINY)
   model = plan_model.ModelShape.of(config.model, config.optim)
   found = list(plan_search.candidates(model, topology, 2, {"remat_policy": "full"}, global_batch=32, seq_len=64,
-                                     data_sharding=config.mesh.data_sharding))
+                                     data_sharding=config.mesh.data_sharding, rules=config.mesh.logical_axis_rules))
   across = [c for c in found if c.get("dcn_expert_parallelism") == 2]
   assert across and all(plan_model.mesh_of(c)["expert"] >= 2 for c in across)
   rules = config.mesh.logical_axis_rules
@@ -346,7 +350,7 @@ def test_the_bound_is_below_every_ranked_candidate():
   bound = plan_search.Bound(model, 64, rules, kernel, {}, None, config.mesh.data_sharding)
   least = bound.leanest(topology, 1)[0].total
   totals = [plan_model.estimate(model, c, topology, 1, 64, rules, kernel).total
-            for c in plan_search.candidates(model, topology, 1, {}, None, 64, config.mesh.data_sharding)]
+            for c in plan_search.candidates(model, topology, 1, {}, None, 64, config.mesh.data_sharding, rules=rules)]
   assert totals and least <= min(totals)
 
 
@@ -442,3 +446,61 @@ def test_the_kernels_own_reruns_are_priced_the_fused_splash_backward_two_matmuls
   lookup = 4 * length * TINY["vocab_size"] * TINY["base_emb_dim"] * sequences_per_chip / peak
   assert one_hot.compute_s - separate.compute_s == pytest.approx(lookup)
   assert separate.flops == fused.flops == one_hot.flops
+
+
+
+def _fractional_search(whole_batches: bool = True):
+  """The candidates for 4 sequences on a v5e-8 (fewer sequences than chips), full remat."""
+  topology = accelerators.tpu_topology("v5e-8")
+  config = config_lib.Config.for_testing(target=topology.target(), run_name="t", **TINY)
+  model = plan_model.ModelShape.of(config.model, config.optim)
+  return list(plan_search.candidates(model, topology, 1, {"remat_policy": "full"}, global_batch=4, seq_len=64,
+                                     data_sharding=config.mesh.data_sharding, whole_batches=whole_batches,
+                                     rules=config.mesh.logical_axis_rules))
+
+
+def _accepted(candidate: dict) -> bool:
+  overrides = startup.read_overrides(argv(compile_topology="v5e-8", **TINY, **candidate))
+  try:
+    config_lib.build_config(overrides, accelerators.tpu_topology("v5e-8").target(), default_run_name="plan")
+  except ConfigError:
+    return False
+  return True
+
+
+def test_fewer_sequences_than_chips_are_searched_as_config_validation_splits_them():
+  """4 sequences on 8 chips: the rows split over the axes the layers split rows over and repeat over
+  tensor or sequence (config validation's rule, configuration/batch_split.py); the planner kept none before."""
+  found = _fractional_search()
+  assert found and all(c["per_device_batch_size"] == 0.5 for c in found)
+  assert all(plan_model.mesh_of(c)["tensor"] * plan_model.mesh_of(c)["sequence"] >= 2 for c in found)
+  assert {c["ici_tensor_parallelism"] for c in found} > {1} and {c["ici_sequence_parallelism"] for c in found} > {1}
+  for c in found[::max(1, len(found) // 4)]:  # what the search keeps, config validation accepts
+    assert _accepted(c), plan_search.describe(c)
+  kept = {tuple(sorted(c.items())) for c in found}
+  dropped = [c for c in _fractional_search(whole_batches=False) if tuple(sorted(c.items())) not in kept]
+  for c in dropped[::max(1, len(dropped) // 4)]:  # and what it drops, config validation refuses
+    assert not _accepted(c), plan_search.describe(c)
+
+
+@pytest.mark.slow
+def test_the_planner_proposes_fewer_sequences_than_chips_and_the_proposal_trains_on_cpu():
+  """4 sequences on a v5e-8: the planner's best layout repeats rows over tensor or sequence (before,
+  it answered that no setting fits); the same keys validate, compile and train a step on CPU's 8 devices."""
+  import jax
+  import numpy as np
+
+  from MaxText.training.run_assembly import build_run
+
+  topology = accelerators.tpu_topology("v5e-8")
+  args, rest = plan.PlanArgs.parse(argv(compile_topology="v5e-8", max_candidates=1, remat_policy="full",
+                                        global_batch_tokens=4 * 64, **TINY))
+  overrides = startup.read_overrides(rest)
+  config = config_lib.build_config(overrides, topology.target(), default_run_name="plan")
+  best = plan.shortlist(args, overrides, config, topology, 1)[0][0]
+  assert best.config.data.global_batch_size == 4
+  assert best.config.data.batch_axes != best.config.mesh.data_sharding, plan_search.describe(best.settings)
+  on_cpu = config_lib.Config.for_testing(**TINY, remat_policy="full", **best.settings)
+  run = build_run(on_cpu)
+  state, metrics = run.train_step(run.init_state(), next(run.data_iterator()), jax.random.key(0))
+  assert np.isfinite(float(jax.device_get(metrics["loss"])))

@@ -190,11 +190,12 @@ def test_planner_searches_placements_beside_the_presets():
                                            "ici_sequence_parallelism": 1, "ici_fsdp_transpose_parallelism": 1,
                                            "ici_expert_parallelism": 1, "ici_pipeline_parallelism": 1,
                                            "optimizer_memory_host_offload": False, "gradient_accumulation_steps": 1},
-                                           8, 32) for w in policy_words(c)}
+                                           8, 32, rules=config.mesh.logical_axis_rules) for w in policy_words(c)}
   assert {"custom:attn_hbm_mlp_host", "custom:qkv_host", "custom:minimal_input_host", "full", "minimal"} <= found
   # A custom policy the user fixed keeps the user's placements.
   fixed = {"remat_policy": "custom", "query_proj": "offload", "ici_tensor_parallelism": 1}
-  labels = {w for c in plan_search.candidates(model, accelerators.tpu_topology("v5e-4"), 1, fixed, 8, 32)
+  labels = {w for c in plan_search.candidates(model, accelerators.tpu_topology("v5e-4"), 1, fixed, 8, 32,
+                                              rules=config.mesh.logical_axis_rules)
             for w in policy_words(c)}
   assert labels == {"custom:query_proj=offload"}
 

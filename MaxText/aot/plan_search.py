@@ -15,7 +15,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from MaxText.aot import plan_model
 from MaxText.aot.plan_model import GIB, Estimate, ModelShape, estimate, mesh_of
-from MaxText.configuration import remat_policies
+from MaxText.configuration import batch_split, remat_policies
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.platform import accelerators, sharding
 from MaxText.platform.mesh_axes import MESH_AXES, MeshAxis
@@ -57,12 +57,14 @@ def powers_of_two(limit: int) -> list[int]:
 
 def candidates(model: ModelShape, topology: accelerators.TpuTopology, num_slices: int, fixed: Mapping[str, Any],
                global_batch: int | None, seq_len: int, data_sharding: Sequence[str] = MESH_AXES,
-               whole_batches: bool = True) -> Iterator[dict[str, Any]]:
+               whole_batches: bool = True, *, rules: sharding.Rules) -> Iterator[dict[str, Any]]:
   """Every candidate in the search space that respects the user's `fixed` keys: degrees per
   mesh axis within a slice and across slices (pipeline stages with their schedules and
   microbatch counts among them), remat policy, optimizer offload, batch and gradient
-  accumulation. Degrees are powers of two whose product is the device count. Without
-  `whole_batches`, batches that do not split into whole rows are kept (for a lower bound)."""
+  accumulation. Degrees are powers of two whose product is the device count. A batch smaller than
+  the data_sharding devices splits over the axes the logical axis `rules` split rows over (as config
+  validation has it). Without `whole_batches`, batches that do not split into whole rows are kept
+  (for a lower bound)."""
   cfg = model.cfg
   per_slice = topology.chips
   layers = cfg.num_decoder_layers
@@ -117,8 +119,10 @@ def candidates(model: ModelShape, topology: accelerators.TpuTopology, num_slices
     else:
       candidate[MeshAxis.DATA.dcn_key] = 1
     stages = mesh_of(candidate)["stage"]
+    if layers % stages:
+      continue  # stages within and across slices together split the layers (config validation)
     fixed_pipeline = {k: fixed[k] for k in PIPELINE_KEYS if k in fixed}
-    divides = lambda c: not whole_batches or _batch_divides(c, per_slice * num_slices, seq_len, data_sharding)
+    divides = lambda c: not whole_batches or _batch_divides(c, per_slice * num_slices, seq_len, data_sharding, rules)
     if stages == 1:
       if divides(candidate):
         yield candidate
@@ -202,16 +206,19 @@ class PlacementFill:
     return [{**settings, "remat_policy": "custom", **placed} for placed in found]
 
 
-def _batch_divides(candidate: Mapping[str, Any], chips: int, seq_len: int, data_sharding: Sequence[str]) -> bool:
-  """The global (micro)batch splits into whole rows over the data_sharding axes (as config
-  validation requires), each pipeline microbatch over the non-stage ones; the length over sequence."""
+def _batch_divides(candidate: Mapping[str, Any], chips: int, seq_len: int, data_sharding: Sequence[str],
+                   rules: sharding.Rules) -> bool:
+  """The global batch splits into whole rows as config validation requires (batch_split: over the
+  data_sharding axes, or with fewer rows than their devices over the axes the layers split rows
+  over, each micro-batch and pipeline microbatch too); the length over sequence."""
   mesh = mesh_of(candidate)
   global_batch = float(candidate["per_device_batch_size"]) * chips
-  micro = global_batch / int(candidate.get("gradient_accumulation_steps", 1))
-  rows = math.prod(mesh[a] for a in data_sharding)
-  if mesh["stage"] > 1:
-    rows = math.prod(mesh[a] for a in data_sharding if a != "stage") * int(candidate["num_pipeline_microbatches"])
-  return micro.is_integer() and global_batch.is_integer() and int(micro) % rows == 0 and seq_len % mesh["sequence"] == 0
+  if not global_batch.is_integer() or seq_len % mesh["sequence"]:
+    return False
+  rows, accum = int(global_batch), int(candidate.get("gradient_accumulation_steps", 1))
+  pipeline_micro = batch_split.pipeline_microbatches(mesh, int(candidate.get("num_pipeline_microbatches", -1)))
+  axes = batch_split.batch_axes(mesh, data_sharding, rules, rows, accum, pipeline_micro)
+  return batch_split.splits(mesh, axes, rows, accum, pipeline_micro)
 
 
 # The fewest bytes per chip: whatever the mesh, these settings only lower a candidate's estimate.
@@ -243,7 +250,7 @@ class Bound:
       lean.update(per_device_batch_size=1 / (topology.chips * num_slices), gradient_accumulation_steps=1)
     best = None
     for candidate in candidates(self.model, topology, num_slices, {**lean, **fixed}, self.global_batch, self.seq_len,
-                                self.data_sharding, whole_batches=False):
+                                self.data_sharding, whole_batches=False, rules=self.rules):
       found = estimate(self.model, candidate, topology, num_slices, self.seq_len, self.rules, self.attention_kernel)
       if best is None or found.total < best[0].total:
         best = (found, candidate)
