@@ -331,8 +331,9 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   global_batch = pdb * chips
   optimizer = params * model.opt_multiple
   gradients = params  # gradients in the parameter dtype, sharded like the parameters
-  # Activations per chip for one microbatch: the batch is split over every device, the
-  # sequence and tensor axes splitting length and width instead of rows.
+  # Activations per chip for one microbatch: a chip's rows (configuration/batch_split) over the
+  # sequence degree in length and the tensor degree in width, which is per_device_batch_size
+  # sequences' worth whether the rows split over sequence and tensor too or repeat there.
   tokens = pdb / accumulation * seq_len
   widths = _widths(cfg)
   layers = cfg.num_decoder_layers
