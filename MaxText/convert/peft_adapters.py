@@ -197,23 +197,29 @@ def _read_tensors(path: str) -> dict[str, np.ndarray]:
   return tensors
 
 
-def stored_rank(path: str) -> int:
-  """The rank the lora_A tensors of `path`'s adapter have (their largest first dim; read from the file's header
-  alone), so that a server sizes its adapter tables by what an adapter holds rather than by what its config
-  claims; UserError for a file safetensors cannot read."""
+def _stored_shapes(path: str) -> dict[str, list[int]]:
+  """Each tensor's shape in `path`'s WEIGHTS_FILE, read from its header alone; UserError for a file safetensors
+  cannot read."""
   from safetensors import SafetensorError, safe_open
 
   file = storage.join(path, WEIGHTS_FILE)
   try:
     with storage.local_copy(file) as local, safe_open(local, framework="numpy") as f:
-      shapes = [f.get_slice(name).get_shape() for name in f.keys() if name.endswith(".lora_A.weight")]
+      return {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
   except (SafetensorError, OSError, TypeError, ValueError) as e:
     raise UserError(f"{file} is not a readable safetensors file ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def stored_rank(path: str) -> int:
+  """The rank the lora_A tensors of `path`'s adapter have (their largest first dim), so that a server sizes its
+  adapter tables by what an adapter holds rather than by what its config claims."""
+  shapes = [shape for name, shape in _stored_shapes(path).items() if name.endswith(".lora_A.weight")]
   return max((int(shape[0]) for shape in shapes if shape), default=0)
 
 
 def read_config(path: str) -> tuple[int, tuple[str, ...], float]:
-  """(rank, target modules, lora_alpha) of the PEFT LoRA adapter in `path`; UserError for anything else."""
+  """(rank, the modules its tensors adapt, lora_alpha) of the PEFT LoRA adapter in `path`; UserError for anything
+  else."""
   if not storage.exists(storage.join(path, CONFIG_FILE)) or not storage.exists(storage.join(path, WEIGHTS_FILE)):
     raise UserError(f"{path} is not a PEFT LoRA adapter: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
   try:
@@ -240,5 +246,6 @@ def read_config(path: str) -> tuple[int, tuple[str, ...], float]:
       raise UserError(f"{path}: {name}={config[name]} is not supported; plain LoRA adapters only")
   if config.get("rank_pattern") or config.get("alpha_pattern"):
     raise UserError(f"{path}: rank_pattern / alpha_pattern (a rank per module) is not supported")
-  targets = [targets] if isinstance(targets, str) else list(targets)
-  return rank, tuple(sorted(targets)), float(alpha or rank)
+  # The modules its tensors adapt: target_modules may also be a regex or PEFT's "all-linear", which name none.
+  stored = {name.split(".")[-3] for name in _stored_shapes(path) if name.endswith((".lora_A.weight", ".lora_B.weight"))}
+  return rank, tuple(sorted(stored)), float(alpha or rank)

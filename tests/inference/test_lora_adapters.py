@@ -506,7 +506,9 @@ def test_start_up_refusals_are_one_line(tmp_path, keys, words):
   (tmp_path / "head").mkdir()
   (tmp_path / "head" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2,
                                                                       "target_modules": ["lm_head"]}))
-  (tmp_path / "head" / "adapter_model.safetensors").write_bytes(b"")
+  (tmp_path / "head" / "adapter_model.safetensors").write_bytes(_safetensors(
+      {"base_model.model.lm_head.lora_A.weight": np.zeros((2, 32), np.float32),
+       "base_model.model.lm_head.lora_B.weight": np.zeros((64, 2), np.float32)}, "F32"))
   keys = {k: v.replace("{root}", str(tmp_path)) if isinstance(v, str) else v for k, v in keys.items()}
   config = Config.for_testing(**TINY, **keys)
   with pytest.raises(UserError) as e:
@@ -589,6 +591,25 @@ def test_a_malformed_adapter_is_one_line_naming_what_is_wrong(one_adapter, tmp_p
     peft_adapters.read_config(str(bad))
     peft_adapters.load(str(bad), model, abstract)
   assert words in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ".*q_proj", ["self_attn.q_proj"]])
+def test_an_adapter_whose_config_names_its_targets_by_pattern_is_served(one_adapter, tmp_path, targets):
+  """PEFT's target_modules may be "all-linear", a regex or module-path suffixes: the targets a server checks and sizes
+  its tables by are those its tensors adapt (was: "LoRA adapters target ['all-linear'], which this model cannot serve"
+  at start, a 400 from the admin route)."""
+  import json
+
+  root, _, _, _ = one_adapter
+  (tmp_path / "a").mkdir()
+  config = json.loads(_config_text(root))
+  (tmp_path / "a" / peft_adapters.CONFIG_FILE).write_text(json.dumps({**config, "target_modules": targets}))
+  (tmp_path / "a" / peft_adapters.WEIGHTS_FILE).write_bytes((root / "good" / peft_adapters.WEIGHTS_FILE).read_bytes())
+  assert peft_adapters.read_config(str(tmp_path / "a")) == (2, ("q_proj",), 4.0)
+  if targets == "all-linear":  # the server's own path, once
+    _, registry = lora_adapters.load_engine(Config.for_testing(**TINY, serve_lora_adapters=f"a={tmp_path / 'a'}"), 1,
+                                            "", "base", one_device_mesh())
+    assert registry.names() == ["a"] and registry.adapters()[0].targets == ("q_proj",)
 
 
 def test_a_bfloat16_adapter_loads_as_its_float32_values(one_adapter, tmp_path):
