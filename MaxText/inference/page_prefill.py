@@ -219,31 +219,39 @@ class PagePrefill:
              starts: Sequence[int], row_params: Sequence[sampling.RowParams],
              images: Sequence[image_prompts.PromptImages | None] | None = None,
              masks: np.ndarray | None = None) -> tuple[DecodeState, list[tuple[int, FirstToken | None]]]:
-    """One call's budget of prefill_chunk_size prompt tokens spent on the next chunks of the prompts of
-    `slots`, in the order given: each takes what is left of the budget, up to its prompt's end (less
-    where a chunk must end before an image run or at a recurrent model's snapshot boundary; nothing
-    when an image run that starts there does not fit what is left). The chunks go in as the rows of
-    one call (a chunk alone: `chunk`, as before). Returns each prompt's (where its next chunk starts,
-    after its last chunk (first tokens [B], their scores, its row) else None)."""
+    """One call's budget of prefill_chunk_size (C) prompt tokens spent on the next chunks of the prompts
+    of `slots`, in the order given, as the rows of one call of R rows of C // R tokens (R a power of two,
+    at most the slots' number): the padded tokens of a call stay one chunk's, one program per R. Each of
+    the first R prompts that can go on takes up to C // R tokens (less where its chunk must end before
+    an image run or at a recurrent model's snapshot boundary; nothing when an image run that starts
+    there does not fit), and the R that prefills the most tokens is taken (the fewest rows of a tie;
+    R = 1: `chunk`, as without batching). Returns each prompt's (where its next chunk starts, after its
+    last chunk (first tokens [B], their scores, its row) else None)."""
     plans = _Plans(slots, prompts, starts, row_params, images, masks, self.cfg.vision)
     budget = self.decode.prefill_chunk_size
-    pieces: list[tuple[int, int]] = []
-    for i, prompt in enumerate(prompts):
-      if budget <= 0:
-        break
-      end = self._piece_end(plans, i, min(starts[i] + budget, len(prompt)))
-      if end > starts[i]:
-        pieces.append((i, end))
-        budget -= end - starts[i]
+    rows, pieces, most = 1, [], 0
+    candidate = 1
+    while candidate <= min(self.cache.num_slots, budget) and (candidate == 1 or candidate // 2 < len(prompts)):
+      chosen: list[tuple[int, int]] = []
+      for i, prompt in enumerate(prompts):
+        end = self._piece_end(plans, i, min(starts[i] + budget // candidate, len(prompt)))
+        if end > starts[i]:
+          chosen.append((i, end))
+        if len(chosen) == candidate:
+          break
+      tokens = sum(end - starts[i] for i, end in chosen)
+      if tokens > most:
+        rows, pieces, most = candidate, chosen, tokens
+      candidate *= 2
     if not pieces:
       return state, [(start, None) for start in starts]
-    if len(pieces) == 1:  # one chunk: the program of one slot, as without batching
+    if rows == 1:  # one chunk: the program of one slot, as without batching
       i = pieces[0][0]
       state, end, first = self.chunk(params, state, slots[i], prompts[i], starts[i], row_params[i],
                                      images=plans.images[i], mask=plans.mask(i))
       return state, [(end, None if first is None else (*first, 0)) if j == i else (starts[j], None)
                      for j in range(len(prompts))]
-    state, firsts = self._rows(params, state, plans, pieces, self.decode.prefill_chunk_size)
+    state, firsts = self._rows(params, state, plans, pieces, budget // rows, rows)
     ends = dict(pieces)
     return state, [(ends.get(i, starts[i]), firsts.get(i)) for i in range(len(prompts))]
 
@@ -258,14 +266,14 @@ class PagePrefill:
       end = self.snapshots.chunk_end(plans.prompts[i], start, end, runs)
     return end
 
-  def _rows(self, params: Params, state: DecodeState, plans: "_Plans", pieces: Sequence[tuple[int, int]], width: int
-            ) -> tuple[DecodeState, dict[int, FirstToken]]:
+  def _rows(self, params: Params, state: DecodeState, plans: "_Plans", pieces: Sequence[tuple[int, int]], width: int,
+            rows: int = 0) -> tuple[DecodeState, dict[int, FirstToken]]:
     """prompt i[start:end] for each (i, end) of `pieces` as the rows of one call, padded to `width` tokens
-    and a power of two rows (at most the slots' number: one program per row count); each slot's
-    recurrent states are restored from a snapshot before and kept at a page boundary after, as `chunk`
-    does. Returns the first token of each prompt the call finishes; the others' starts move on."""
+    and `rows` rows (0: a power of two, at most the slots' number: one program per row count); each
+    slot's recurrent states are restored from a snapshot before and kept at a page boundary after, as
+    `chunk` does. Returns the first token of each prompt the call finishes; the others' starts move on."""
     pages = self.cache.prompt_pages()
-    rows = min(1 << (len(pieces) - 1).bit_length(), max(self.cache.num_slots, len(pieces)))
+    rows = rows or min(1 << (len(pieces) - 1).bit_length(), max(self.cache.num_slots, len(pieces)))
     tokens_BC = np.zeros((rows, width), np.int32)
     starts_B, lengths_B = np.zeros(rows, np.int32), np.ones(rows, np.int32)
     slots_B = np.full(rows, self.cache.num_slots, np.int32)  # a padding row's updates are dropped

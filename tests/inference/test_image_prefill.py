@@ -132,9 +132,8 @@ def _scheduled_jobs(engine, params, prompts, images, loads=None):
 
 @pytest.mark.parametrize("overrides,together_calls,one_each_calls", [
     (dict(prefix_caching=True), 1, 2),
-    # A budget of 40: the first prompt's 24 tokens and the second's 3 before its first image (16 more
-    # would split it), then the second's other 40.
-    pytest.param(dict(prefix_caching=False, prefill_chunk_size=40), 2, 3, marks=pytest.mark.slow)],
+    # A budget of 96: two rows of 48 tokens, which hold each prompt whole (24 and 43 tokens).
+    pytest.param(dict(prefix_caching=False, prefill_chunk_size=96), 1, 2, marks=pytest.mark.slow)],
     ids=["prefix-cached", "chunked"])
 def test_image_prompts_admitted_together_share_prefill_calls(hf, reference, overrides, together_calls, one_each_calls):
   """Prompts with different numbers of images are prefilled into pages as the rows of one call

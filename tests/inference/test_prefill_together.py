@@ -27,16 +27,17 @@ RECURRENT = dict(decoder_block="qwen3_next", base_num_decoder_layers=2, full_att
                  linear_conv_kernel_dim=4, linear_attention_chunk_size=4, attention_output_gate=True, use_qk_norm=True,
                  partial_rotary_factor=0.5, normalization_type="rms_plus_one")
 # layout -> (its keys, prefill calls for the four prompts submitted together, as many as one call each took before).
-# One chunk per call took a call per chunk: a budget of 16 holds all 18 prompt tokens but the last 2, of 6 they
-# take three calls. A recurrent model's prompt ends a piece at its last page boundary (its states kept there): the
-# 5-token one takes [0, 4) and [4, 5) alone, and with a budget of 16 [0, 3), [3, 4) and [4, 5).
+# A chunk budget C goes to R rows of C // R tokens, R the power of two that prefills most: of 16, the prompts' first
+# 3, 4, 2, 4 tokens, then 4 and 1; of 6, calls of 3 + 3, 5, 2 + 3 and 2 tokens (one chunk per call took 5 calls).
+# A recurrent model's prompt ends a piece at its last page boundary (its states kept there): the 5-token one takes
+# [0, 4) and [4, 5), alone and prefilled whole together with the others.
 LAYOUTS = {"dense": ({}, 1, 4), "paged": (dict(PAGED, prefix_caching="false"), 1, 4),
            "prefix-cached": (dict(PAGED, prefix_caching="true"), 1, 4),
            "chunked": (dict(PAGED, prefix_caching="false", prefill_chunk_size=16), 2, 4),
-           "chunked-split": (dict(PAGED, prefix_caching="true", prefill_chunk_size=6), 3, 5),
+           "chunked-split": (dict(PAGED, prefix_caching="true", prefill_chunk_size=6), 4, 5),
            "recurrent-dense": (RECURRENT, 1, 4),
            "recurrent-prefix-cached": (dict(PAGED, **RECURRENT, prefix_caching="true"), 2, 5),
-           "recurrent-chunked": (dict(PAGED, **RECURRENT, prefix_caching="true", prefill_chunk_size=16), 3, 5)}
+           "recurrent-chunked": (dict(PAGED, **RECURRENT, prefix_caching="true", prefill_chunk_size=16), 2, 5)}
 
 
 def served(eng: Engine, params, indices: list[int], max_new: int = 5) -> dict[int, list[int]]:
