@@ -347,7 +347,8 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
     change = f"drop or change the fixed keys {', '.join(sorted(fixed))}" if fixed else \
         "use a larger slice or a shorter max_target_length"
     raise UserError(f"{config['model_name']} does not fit {num_slices} x {topology.name} at any setting the planner "
-                    f"searches: only less than a sequence per data shard, or more unsharded parameters than "
+                    f"searches: only a batch that does not split into whole rows over the devices that split rows "
+                    f"(configuration/batch_split.py), or more unsharded parameters than "
                     f"sharding_tolerance, would ({figure}of {topology.generation.hbm_gib:g} GiB); {change}")
   ranked.sort(key=lambda r: r[:3])  # fastest, then fewer microbatches, then less memory
   planned: list[Planned] = []
