@@ -475,11 +475,11 @@ def test_fewer_sequences_than_chips_are_searched_as_config_validation_splits_the
   assert found and all(c["per_device_batch_size"] == 0.5 for c in found)
   assert all(plan_model.mesh_of(c)["tensor"] * plan_model.mesh_of(c)["sequence"] >= 2 for c in found)
   assert {c["ici_tensor_parallelism"] for c in found} > {1} and {c["ici_sequence_parallelism"] for c in found} > {1}
-  for c in found[::max(1, len(found) // 4)]:  # what the search keeps, config validation accepts
+  for c in found[::max(1, len(found) // 3)][:3]:  # what the search keeps, config validation accepts
     assert _accepted(c), plan_search.describe(c)
   kept = {tuple(sorted(c.items())) for c in found}
   dropped = [c for c in _fractional_search(whole_batches=False) if tuple(sorted(c.items())) not in kept]
-  for c in dropped[::max(1, len(dropped) // 4)]:  # and what it drops, config validation refuses
+  for c in dropped[::max(1, len(dropped) // 3)][:3]:  # and what it drops, config validation refuses
     assert not _accepted(c), plan_search.describe(c)
 
 
