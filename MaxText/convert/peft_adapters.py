@@ -26,6 +26,7 @@ from MaxText.errors import UserError
 from MaxText.configuration.model_config import ModelConfig
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+PEFT_DEFAULT_ALPHA = 8  # peft.LoraConfig's lora_alpha when a config has none
 
 
 def _index_order(to_hf: Callable[[tuple[np.ndarray, ...], ModelConfig], np.ndarray], cfg: ModelConfig, kernel_shape: tuple[int, ...], num_in: int, side: str) -> np.ndarray:
@@ -235,7 +236,8 @@ def read_config(path: str) -> tuple[int, tuple[str, ...], float]:
   if rank < 1:
     raise UserError(f"{path}/{CONFIG_FILE}: r={rank}; a LoRA adapter's rank is >= 1")
   alpha = config.get("lora_alpha")
-  if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not abs(alpha) < 1e30):
+  alpha = PEFT_DEFAULT_ALPHA if alpha is None else alpha  # as peft.LoraConfig reads a config without one
+  if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not abs(alpha) < 1e30:
     raise UserError(f"{path}/{CONFIG_FILE}: lora_alpha={str(alpha)[:40]} is not a finite number")
   targets = config.get("target_modules") or []
   if not isinstance(targets, (str, list)) or not all(isinstance(t, str) for t in targets):
@@ -248,4 +250,4 @@ def read_config(path: str) -> tuple[int, tuple[str, ...], float]:
     raise UserError(f"{path}: rank_pattern / alpha_pattern (a rank per module) is not supported")
   # The modules its tensors adapt: target_modules may also be a regex or PEFT's "all-linear", which name none.
   stored = {name.split(".")[-3] for name in _stored_shapes(path) if name.endswith((".lora_A.weight", ".lora_B.weight"))}
-  return rank, tuple(sorted(stored)), float(alpha or rank)
+  return rank, tuple(sorted(stored)), float(alpha)

@@ -612,6 +612,21 @@ def test_an_adapter_whose_config_names_its_targets_by_pattern_is_served(one_adap
     assert registry.names() == ["a"] and registry.adapters()[0].targets == ("q_proj",)
 
 
+@pytest.mark.parametrize("alpha, scale", [(None, 8.0), (0, 0.0), (0.5, 0.5)], ids=["missing", "zero", "half"])
+def test_lora_alpha_reads_as_peft_reads_it(one_adapter, tmp_path, alpha, scale):
+  """A config without lora_alpha has PEFT's default 8 and lora_alpha 0 scales the adapter by 0, as PEFT loads them
+  (was: both read as the rank, an adapter applied at another strength than PEFT's)."""
+  import json
+
+  root, _, _, _ = one_adapter
+  (tmp_path / "a").mkdir()
+  config = {k: v for k, v in json.loads(_config_text(root)).items() if k != "lora_alpha"}
+  (tmp_path / "a" / peft_adapters.CONFIG_FILE).write_text(json.dumps(config if alpha is None else
+                                                                      {**config, "lora_alpha": alpha}))
+  (tmp_path / "a" / peft_adapters.WEIGHTS_FILE).write_bytes((root / "good" / peft_adapters.WEIGHTS_FILE).read_bytes())
+  assert peft_adapters.read_config(str(tmp_path / "a"))[2] == scale
+
+
 def test_a_bfloat16_adapter_loads_as_its_float32_values(one_adapter, tmp_path):
   """PEFT saves an adapter in its weights' dtype, often bfloat16 (was: KeyError 'BF16', a 500 from the admin route)."""
   import ml_dtypes
