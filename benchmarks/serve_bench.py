@@ -33,7 +33,10 @@ gap says little); it also times the same model's jitted decode step alone (1 slo
 step, the host reading the tokens only at the end, as decode.py does) and prints `RESULT host ...`:
 the 1-client mean ITL over that step time, and the most clients' output tokens/s over 1 client's.
 serve_http_processes=0,1 serves each configuration with HTTP in the engine's process (0) and in that
-many front-end processes of its own (inference/serve_processes.py), in turn.
+many front-end processes of its own (inference/serve_processes.py), in turn. After each table a line
+gives the CPU time per output token over its timed rounds of the server's process (the engine, and
+with serve_http_processes=0 the HTTP too) and of the front-end processes together (less noisy than
+the rates on a loaded machine).
 Prints a Markdown table (getting_started/Serving.md holds the measured one).
 """
 
@@ -356,6 +359,8 @@ def _serve_layout(args, clients: Clients, layout: str, prompt_lengths: list[int]
         + (" ITL mean (ms) |" if mean_column else ""))
   print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if mean_column else ""))
   rates: dict[int, float] = {}
+  front_ends = [p.pid for p in uv.front_ends.processes] if http_processes else []
+  cpu_before, timed_tokens = _cpu_seconds(front_ends), 0
   for concurrency in [int(c) for c in args.concurrency.split(",")]:
     n = concurrency * args.requests_per_client
     t = clients.round(url, concurrency, n, args.max_tokens, prompt_lengths, args.vocab_size, args.long_prompt,
@@ -366,8 +371,13 @@ def _serve_layout(args, clients: Clients, layout: str, prompt_lengths: list[int]
           f"{_percentile(t['itl'], 99) * 1e3:.1f} |"
           + (f" {float(np.mean(t.get('itl_mean', [np.nan]))) * 1e3:.2f} |" if mean_column else ""), flush=True)
     rates[concurrency] = t["tokens"] / t["wall"]
+    timed_tokens += t["tokens"]
     if concurrency == 1:
       one_client_itl = float(np.mean(t.get("itl_mean", [np.nan])))
+  cpu_after = _cpu_seconds(front_ends)
+  print(f"CPU per token over the timed rounds' {timed_tokens} tokens: server process "
+        f"{(cpu_after[0] - cpu_before[0]) / timed_tokens * 1e3:.4f} ms"
+        + (f", front-end processes {(cpu_after[1] - cpu_before[1]) / timed_tokens * 1e3:.4f} ms" if front_ends else ""))
   polling.set()
   poller.join()
   if speculative:
@@ -400,6 +410,17 @@ def _serve_layout(args, clients: Clients, layout: str, prompt_lengths: list[int]
           f"itl_mean_ms={one_client_itl * 1e3:.3f} step_ms={step_ms:.3f} "
           f"itl_over_step={one_client_itl * 1e3 / step_ms:.2f} clients={most} "
           f"tokens_per_s_over_1_client={rates[most] / rates[1]:.2f}", flush=True)
+
+
+def _cpu_seconds(pids: list[int]) -> tuple[float, float]:
+  """CPU seconds (user + system) of this process (the server's engine, its threads) and of `pids` together."""
+  tick = os.sysconf("SC_CLK_TCK")
+  others = 0.0
+  for pid in pids:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    others += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+  own = os.times()
+  return own.user + own.system, others
 
 
 def _step_ms(config: Any) -> float:

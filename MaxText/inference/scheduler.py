@@ -174,6 +174,9 @@ class Scheduler:
     # The call dispatched and not yet read: its Emitted and the jobs that held its slots.
     self._ahead: tuple[Emitted, dict[int, Job]] | None = None
     self._retiring: set[Job] = set()  # jobs whose slot was released before the call that ends them is read
+    # Called on this thread after every loop (and after the jobs failed at stop): what gathers the
+    # loop's events sends them on together (serve_processes: one message per front end).
+    self.after_loop: list[Callable[[], None]] = []
     self._thread = threading.Thread(target=self._loop, name="maxtext-scheduler", daemon=True)
 
   def start(self) -> "Scheduler":
@@ -265,7 +268,11 @@ class Scheduler:
         self._state = self.engine.init_decode_state()  # the failed step may have consumed the donated state
         with self._wake:
           self._reserved.clear()  # every page is free again in the new state
+      for hook in self.after_loop:
+        hook()
     self._fail_all("the server is shutting down")
+    for hook in self.after_loop:
+      hook()
 
   def _admit(self) -> None:
     """Fills free slots from the head of the waiting list (in order: a job that does not fit yet

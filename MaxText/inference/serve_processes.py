@@ -4,9 +4,9 @@ processes (serve_frontend.py, without JAX) that all serve the listening socket i
 tokenising and detokenising then run beside the scheduler instead of sharing its interpreter lock.
 
 Per front end, over one Unix socket pair: a reader thread turns its submits into `sched.Job`s (a
-grammar's constraint built here) and its cancels into `Job.cancel`; the jobs' events, the admissions
-and the load figures gather in an outbox that a writer thread sends as one message per wake-up, so
-the events one scheduler loop emits travel together (as serve._Mailbox gathers them for one loop).
+grammar's constraint built here) and its cancels into `Job.cancel`; the jobs' events gather during a
+scheduler loop and, at its end (`Scheduler.after_loop`), go to a writer thread as one message, which
+it sends (with the admissions and load figures the reader answers) without holding up the scheduler.
 
 Lifecycle: a front end that exits while the server is not stopping stops the server with one line
 and a non-zero exit; the front ends stop at the end of file of their channel when this process ends
@@ -17,6 +17,7 @@ terminal's Ctrl-C reaches this process only), then the scheduler.
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -51,9 +52,9 @@ class _Link:
   def __init__(self, index: int, channel: socket.socket, scheduler: sched.Scheduler,
                grammars: Callable[[], grammar.Compiler] | None, lost: threading.Event):
     self.index, self.channel, self.scheduler, self.grammars, self.lost = index, channel, scheduler, grammars, lost
-    self._outbox: list[tuple[Any, ...]] = []
-    self._wake = threading.Condition()
-    self._closed = False
+    self._events: list[tuple[Any, ...]] = []  # this scheduler loop's, gathered on the scheduler thread
+    self._lock = threading.Lock()  # guards _events, _jobs and _open
+    self._sending: queue.SimpleQueue[list[tuple[Any, ...]] | None] = queue.SimpleQueue()  # None: stop
     self._jobs: dict[int, list[sched.Job]] = {}  # request id -> its jobs until every one is done
     self._open: dict[int, int] = {}
     self._threads = [threading.Thread(target=self._read, name=f"maxtext-frontend-{index}-read", daemon=True),
@@ -64,16 +65,15 @@ class _Link:
       thread.start()
     return self
 
-  def put(self, item: tuple[Any, ...]) -> None:
-    with self._wake:
-      self._outbox.append(item)
-      if len(self._outbox) == 1:
-        self._wake.notify()
+  def flush(self) -> None:
+    """The loop's events to the writer, as one message (a Scheduler.after_loop hook)."""
+    if self._events:
+      with self._lock:
+        events, self._events = self._events, []
+      self._sending.put(events)
 
   def close(self) -> None:
-    with self._wake:
-      self._closed = True
-      self._wake.notify()
+    self._sending.put(None)
     try:
       self.channel.shutdown(socket.SHUT_RDWR)
     except OSError:
@@ -82,12 +82,12 @@ class _Link:
 
   def _write(self) -> None:
     while True:
-      with self._wake:
-        while not self._outbox and not self._closed:
-          self._wake.wait()
-        if self._closed:
-          return
-        items, self._outbox = self._outbox, []
+      items = self._sending.get()
+      while items is not None and not self._sending.empty():  # what queued meanwhile goes in the same message
+        more = self._sending.get()
+        items = None if more is None else items + more
+      if items is None:
+        return
       try:
         self.channel.sendall(frame(items))
       except OSError:  # the front end is gone: its reader sees the end of file
@@ -100,15 +100,15 @@ class _Link:
         if message[0] == "submit":
           self._submit(*message[1:])
         elif message[0] == "cancel":
-          with self._wake:
+          with self._lock:
             jobs = self._jobs.get(message[1])
           if jobs is not None:
             jobs[message[2]].cancel()
         elif message[0] == "load":
-          self.put(("load", self.scheduler.load()))
+          self._sending.put([("load", self.scheduler.load())])
     except (EOFError, OSError):
       pass
-    with self._wake:
+    with self._lock:
       jobs = [job for request in self._jobs.values() for job in request]
     for job in jobs:
       job.cancel()
@@ -116,13 +116,13 @@ class _Link:
 
   def _submit(self, request_id: int, choices: list[tuple[Any, ...]], score_prompt: bool, grammar_text: str | None
               ) -> None:
-    def emit(event: sched.Event) -> None:
-      if isinstance(event, sched.Done):
-        with self._wake:
+    def emit(event: sched.Event) -> None:  # on the scheduler thread; sent at the end of its loop
+      with self._lock:
+        self._events.append(("event", request_id, event))
+        if isinstance(event, sched.Done):
           self._open[request_id] -= 1
           if not self._open[request_id]:
             del self._open[request_id], self._jobs[request_id]
-      self.put(("event", request_id, event))
 
     compiler = self.grammars() if grammar_text is not None and self.grammars is not None else None
     jobs = []
@@ -131,16 +131,16 @@ class _Link:
       if compiler is not None and grammar_text is not None:
         constraint = grammar.Grammar(grammar_text, compiler.tokenizer, compiler.vocab_size).constraint()
       jobs.append(sched.Job(index, prompt, max_tokens, row, emit, score_prompt, images=images, constraint=constraint))
-    with self._wake:
+    with self._lock:
       self._jobs[request_id], self._open[request_id] = jobs, len(jobs)
     try:
       self.scheduler.submit(jobs)
     except (sched.QueueFull, sched.TooLarge) as e:
-      with self._wake:
+      with self._lock:
         del self._jobs[request_id], self._open[request_id]
-      self.put(("admit", request_id, ("full" if isinstance(e, sched.QueueFull) else "large", str(e))))
+      self._sending.put([("admit", request_id, ("full" if isinstance(e, sched.QueueFull) else "large", str(e)))])
       return
-    self.put(("admit", request_id, None))
+    self._sending.put([("admit", request_id, None)])
 
 
 class FrontEnds:
@@ -162,6 +162,8 @@ class FrontEnds:
       ours.sendall(frame(FrontSpec(spec.codec, spec.limits, spec.request_timeout_seconds, spec.max_body_bytes, index)))
       self.processes.append(process)
       self.links.append(_Link(index, ours, scheduler, grammars, self.lost).start())
+      scheduler.after_loop.append(self.links[-1].flush)
+    self.scheduler = scheduler
 
   def wait(self, stop: threading.Event) -> int:
     """Until `stop` is set (0) or a front end exits on its own (1, after one line naming it)."""
@@ -196,6 +198,7 @@ class FrontEnds:
         process.kill()
         process.wait()
     for link in self.links:
+      self.scheduler.after_loop.remove(link.flush)
       link.close()
 
 
