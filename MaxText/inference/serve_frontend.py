@@ -126,6 +126,8 @@ class FrontendServer(serve_app.HttpServer):
       raise
     if refused is not None:
       kind, message = refused
+      if kind == "error":
+        raise api.ApiError(500, f"generation failed: {message}", code="generation_failed")
       raise serve_app.refusal(job_events.QueueFull(message) if kind == "full" else job_events.TooLarge(message))
     return jobs, pending.queue
 

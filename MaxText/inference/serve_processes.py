@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -124,13 +125,19 @@ class _Link:
           if not self._open[request_id]:
             del self._open[request_id], self._jobs[request_id]
 
-    compiler = self.grammars() if grammar_text is not None and self.grammars is not None else None
-    jobs = []
-    for index, prompt, max_tokens, row, images in choices:
-      constraint = None
-      if compiler is not None and grammar_text is not None:
-        constraint = grammar.Grammar(grammar_text, compiler.tokenizer, compiler.vocab_size).constraint()
-      jobs.append(sched.Job(index, prompt, max_tokens, row, emit, score_prompt, images=images, constraint=constraint))
+    try:
+      compiler = self.grammars() if grammar_text is not None and self.grammars is not None else None
+      jobs = []
+      for index, prompt, max_tokens, row, images in choices:
+        constraint = None
+        if compiler is not None and grammar_text is not None:
+          constraint = grammar.Grammar(grammar_text, compiler.tokenizer, compiler.vocab_size).constraint()
+        jobs.append(sched.Job(index, prompt, max_tokens, row, emit, score_prompt, images=images,
+                              constraint=constraint))
+    except Exception as e:  # noqa: BLE001 - the request fails (a 500), not the front end's channel
+      traceback.print_exc()
+      self._sending.put([("admit", request_id, ("error", f"{type(e).__name__}: {e}"))])
+      return
     with self._lock:
       self._jobs[request_id], self._open[request_id] = jobs, len(jobs)
     try:

@@ -214,3 +214,27 @@ def test_a_dropped_stream_frees_its_slot_a_full_queue_is_a_503_and_the_front_end
   finally:
     if server.process.poll() is None:
       server.process.kill()
+
+
+def test_a_submit_the_engine_cannot_build_is_answered_and_a_closed_channel_is_noticed():
+  """The engine's side of one front end's channel, on a socket pair with a stand-in scheduler: a submit whose
+  jobs cannot be built is answered with an error (the front end's request gets a 500, not a wait for ever), a
+  cancel of an unknown request is ignored, the load figures are answered, and the channel's end is noticed."""
+  import socket
+  import types
+
+  from MaxText.inference import serve_frontend
+
+  ours, theirs = socket.socketpair()
+  theirs.settimeout(10)  # an answer that never comes fails the test
+  lost = threading.Event()
+  scheduler = types.SimpleNamespace(load=lambda: {"slots": 3})
+  serve_processes._Link(0, ours, scheduler, None, lost).start()
+  theirs.sendall(serve_frontend.frame(("submit", 7, [("not", "a", "choice")], False, None)))
+  theirs.sendall(serve_frontend.frame(("cancel", 8, 0)))
+  theirs.sendall(serve_frontend.frame(("load",)))
+  [(kind, request, (error, message))] = serve_frontend.read_frame(theirs)
+  assert (kind, request, error) == ("admit", 7, "error") and "ValueError" in message
+  assert serve_frontend.read_frame(theirs) == [("load", {"slots": 3})]
+  theirs.close()
+  assert lost.wait(10)
