@@ -5,6 +5,7 @@ import dataclasses
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -43,7 +44,8 @@ def test_recipe_block_reads_as_written():
   policy = Config.for_testing(**_TINY, **RECIPE_BLOCK).model.remat
   assert policy.name == "custom" and policy.keeps == "names"
   assert policy.device == ("out_proj", "mlpwi_0", "mlpwi_1")
-  assert policy.offload == ("query_proj", "key_proj", "value_proj")  # qkv_proj: no fused projection here
+  # qkv_proj names fused_qkv's matmul: in the policy, in no layer of this unfused model (a warning says so)
+  assert policy.offload == ("query_proj", "key_proj", "value_proj", "qkv_proj")
   assert policy.saved_on_device == ("out", "mlp_in") and policy.saved_on_host == ("qkv",)
 
 
@@ -86,15 +88,16 @@ def test_every_preset_but_none_is_a_placement():
 
 
 def test_upstreams_presets_keep_exactly_upstreams_names():
-  """qkv_proj_offloaded offloads the query, key and value projections; save_dot_except_mlpwi keeps them
-  with out_proj and mlpwo in HBM, save_dot_with_context_except_mlp with the attention's output (context) and
-  out_proj (upstream's kv_proj and qkv_proj: no layer here names them)."""
+  """qkv_proj_offloaded offloads the query, key and value projections (not fused_qkv's qkv_proj, as
+  upstream); save_dot_except_mlpwi keeps them and qkv_proj with out_proj and mlpwo in HBM,
+  save_dot_with_context_except_mlp with the attention's output (context) and out_proj (upstream's
+  kv_proj: no layer here names it). Upstream: src/maxtext/layers/decoders.py, get_remat_policy."""
   assert _spelling("qkv_proj_offloaded") == dict(query_proj="offload", key_proj="offload", value_proj="offload")
   assert _spelling("save_dot_except_mlpwi") == dict(query_proj="device", key_proj="device", value_proj="device",
-                                                    out_proj="device", mlpwo="device")
+                                                    qkv_proj="device", out_proj="device", mlpwo="device")
   assert _spelling("save_dot_with_context_except_mlp") == dict(query_proj="device", key_proj="device",
-                                                               value_proj="device", context="device",
-                                                               out_proj="device")
+                                                               value_proj="device", qkv_proj="device",
+                                                               context="device", out_proj="device")
   for name in ("qkv_proj_offloaded", "save_dot_except_mlpwi", "save_dot_with_context_except_mlp"):
     spelled = Config.for_testing(**_TINY, remat_policy="custom", **_spelling(name)).model.remat
     assert Config.for_testing(**_TINY, remat_policy=name).model.remat == dataclasses.replace(spelled, name=name)
@@ -139,8 +142,75 @@ def test_named_tensors_are_in_the_step(overrides):
 def test_every_produced_name_is_tagged_by_some_reference_model():
   covered = {"decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi_0",
              "mlpwi_1", "mlpwo", "query_wa_proj", "mla_q", "kv_wa_proj", "mla_kv", "attention_out", "moe_mlpwi_0",
-             "moe_mlpwi_1", "moe_mlpwo", "mlpwi"}
+             "moe_mlpwi_1", "moe_mlpwo", "mlpwi", "qkv_proj"}  # qkv_proj: fused_qkv (test_fused_qkv_...)
   assert covered == set(remat_policies.PRODUCED)
+
+
+def _saved_names(layer_name: str, **overrides) -> list[str]:
+  """The named tensors one layer (attention, MoE or MLP) of a tiny model keeps for its backward pass under
+  the config's remat policy, in jax's words (print_saved_residuals)."""
+  import contextlib
+  import io
+
+  from flax import nnx
+
+  from MaxText.layers import attention, mlp, moe, remat
+  from MaxText.platform import sharding
+  cfg = Config.for_testing(**{**_TINY, "base_num_kv_heads": 4}, dtype="float32", attention="dot_product",
+                           **overrides).model
+  with nnx.use_eager_sharding(False):
+    layer = {"attention": attention.Attention, "moe": moe.MoeBlock, "mlp": mlp.MlpBlock}[layer_name](
+        cfg, rngs=nnx.Rngs(0))
+  graph, state = nnx.split(layer)
+  positions, segments = jnp.broadcast_to(jnp.arange(8), (2, 8)), jnp.ones((2, 8), jnp.int32)
+
+  def loss(x):
+    module = nnx.merge(graph, state)
+    return (module(x, positions, segments) if layer_name == "attention" else module(x)).sum()
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed), sharding.unsharded():
+    jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(loss, policy=remat.checkpoint_policy(cfg.remat)),
+                                            jnp.ones((2, 8, 64), jnp.float32))
+  return re.findall(r"\[([\d,]+)\] named '(\w+)'", printed.getvalue())
+
+
+def test_fused_qkv_proj_places_the_one_matmuls_output(capsys):
+  """Upstream names fused_qkv's matmul output qkv_proj (src/maxtext/layers/attentions.py, qkv_projection):
+  [B, L, 3, N, H] kept by qkv_proj=device; unfused, the key places nothing and a warning says why."""
+  assert _saved_names("attention", fused_qkv=True, remat_policy="custom", qkv_proj="device") == [
+      ("2,8,3,4,16", "qkv_proj")]
+  from MaxText.configuration import model_config
+  model_config._WARNED_UNPRODUCED.discard("qkv_proj")
+  assert _saved_names("attention", fused_qkv=False, remat_policy="custom", qkv_proj="device") == []
+  assert "warning: qkv_proj=device places nothing: no layer here produces 'qkv_proj' (fused_qkv=False)" in (
+      capsys.readouterr().err)
+
+
+def test_fused_mlp_names_its_one_matmuls_output_mlpwi():
+  """Upstream's fused_mlp names the stacked [B, L, 2, F] output mlpwi and the two parts nothing
+  (src/maxtext/layers/linears.py, MlpBlock)."""
+  assert _saved_names("mlp", fused_mlp=True, remat_policy="custom", mlpwi="device") == [("2,8,2,128", "mlpwi")]
+  assert _saved_names("mlp", fused_mlp=True, remat_policy="custom", mlpwi_0="device", mlpwi_1="device") == []
+  assert [n for _, n in _saved_names("mlp", remat_policy="custom", mlpwi_0="device")] == ["mlpwi_0"]
+
+
+_MOE = dict(num_experts=4, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["capacity", "sparse_matmul"])
+@pytest.mark.parametrize("overrides, kept, kept_sparse", [
+    # upstream's moe.py names each expert output both ways (wi_1 on its sparse_matmul path only moe_mlpwi_1),
+    # so its presets that keep mlpwi_0/mlpwi_1/mlpwo keep the experts' too
+    (dict(remat_policy="save_dot_except_mlpwi"), ["mlpwo"], ["mlpwo"]),
+    (dict(remat_policy="minimal"), ["mlpwi_0", "mlpwi_1", "mlpwo"], ["mlpwi_0", "mlpwo"]),
+    (dict(remat_policy="save_dot_except_mlp"), [], []),
+    (dict(remat_policy="custom", mlpwi_1="device"), ["mlpwi_1"], []),
+    (dict(remat_policy="custom", moe_mlpwi_1="device", mlpwo="device"), ["moe_mlpwi_1", "mlpwo"],
+     ["moe_mlpwi_1", "mlpwo"]),
+], ids=["save_dot_except_mlpwi", "minimal", "save_dot_except_mlp", "mlpwi_1", "moe_mlpwi_1+mlpwo"])
+def test_moe_presets_and_keys_keep_the_expert_tensors_upstreams_do(sparse, overrides, kept, kept_sparse):
+  names = [name for _, name in _saved_names("moe", sparse_matmul=sparse, **_MOE, **overrides)]
+  assert names == (kept_sparse if sparse else kept)
 
 
 # ------------------------------------------------------------------ the planner prices placements

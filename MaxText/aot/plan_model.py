@@ -184,15 +184,25 @@ def tensor_widths(cfg: ModelConfig) -> dict[str, float]:
   dense = cfg.mlp_dim * max(cfg.moe.shared_experts, 1) if not moe or cfg.moe.shared_experts else 0
   rope = cfg.mla.qk_rope_head_dim
   gated = len(cfg.mlp_activations) > 1  # two input projections (layers/mlp.py names them mlpwi_0, mlpwi_1)
+  fused_mlp = gated and cfg.fused_mlp  # their one matmul's output is mlpwi, the parts unnamed (as upstream)
   mla = cfg.attn.attention_type == "mla"  # whose attention output is `attention_out`; the others' is `context`
   return {"decoder_layer_input": d, "query_proj": n * h, "key_proj": k * h, "value_proj": k * h,
+          "qkv_proj": (n + 2 * k) * h if cfg.fused_qkv else 0,
           "context": 0 if mla else n * h, "attention_out": n * h if mla else 0, "out_proj": d,
           "query_wa_proj": cfg.mla.q_lora_rank,
           "kv_wa_proj": cfg.mla.kv_lora_rank + rope if mla else 0,
           "mla_q": cfg.mla.q_lora_rank, "mla_kv": cfg.mla.kv_lora_rank if mla else 0,
-          "mlpwi": 0 if gated else dense, "mlpwi_0": dense if gated else 0, "mlpwi_1": dense if gated else 0,
+          "mlpwi": dense * len(cfg.mlp_activations) if fused_mlp or not gated else 0,
+          "mlpwi_0": dense if gated and not fused_mlp else 0, "mlpwi_1": dense if gated and not fused_mlp else 0,
           "mlpwo": d if dense else 0, "moe_mlpwi_0": routed, "moe_mlpwi_1": routed if gated else 0,
           "moe_mlpwo": d if routed else 0}
+
+
+def placed_tensors(cfg: ModelConfig, policy: remat_policies.RematPolicy) -> dict[str, str]:
+  """Each tensor `policy` names, placed (device | offload), and the routed experts' tensors the
+  MLP names reach (remat_policies.expert_placements)."""
+  placed = {**{n: "device" for n in policy.device}, **{n: "offload" for n in policy.offload}}
+  return {**placed, **remat_policies.expert_placements(placed, cfg.moe.sparse_matmul)}
 
 
 def recompute_flops(cfg: ModelConfig) -> dict[str, float]:
@@ -208,6 +218,7 @@ def recompute_flops(cfg: ModelConfig) -> dict[str, float]:
   # What each projection reads per token: the layer's (normalised) input, MLA's latents for its up-projections.
   reads = {name: d for name in widths}
   reads.update(decoder_layer_input=0, mla_q=0, mla_kv=0, mlpwo=0, moe_mlpwo=0, context=0, attention_out=0)
+  reads["qkv_proj"] = 0  # fused_qkv's matmul is counted once, as its query, key and value parts
   if mla:
     reads.update(query_proj=cfg.mla.q_lora_rank or d, key_proj=cfg.mla.kv_lora_rank, value_proj=cfg.mla.kv_lora_rank)
   flops = {name: 2 * reads[name] * width for name, width in widths.items()}
@@ -221,7 +232,7 @@ def rerun_flops(cfg: ModelConfig, policy: remat_policies.RematPolicy, seq_len: i
   backward needs them), and the probabilities-times-values product unless the attention output is kept."""
   if policy.keeps == "everything":
     return 0.0
-  kept = set(policy.names)
+  kept = {name for name, placed in placed_tensors(cfg, policy).items() if placed != "remat"}
   projections = sum(f for name, f in recompute_flops(cfg).items() if name not in kept)
   value_dim = cfg.mla.v_head_dim if cfg.attn.attention_type == "mla" else cfg.head_dim
   pairs = metrics.attended_pairs(cfg, seq_len, causal=True)
@@ -254,7 +265,8 @@ def kept_width(cfg: ModelConfig, policy: remat_policies.RematPolicy, on_host: bo
   a custom placement per tensor, a fixed policy by its preset widths."""
   if policy.name == "custom":
     widths = tensor_widths(cfg)
-    return sum(widths[n] for n in (policy.offload if on_host else policy.device))
+    where = "offload" if on_host else "device"
+    return sum(widths[n] for n, placed in placed_tensors(cfg, policy).items() if placed == where)
   preset = _widths(cfg)
   return sum(preset[w] for w in (policy.saved_on_host if on_host else policy.saved_on_device))
 

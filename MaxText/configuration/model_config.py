@@ -41,11 +41,14 @@ def remat_placements_from_values(v: Mapping[str, Any]) -> Any:
     _require(not moved, f"{', '.join(moved)} place activations only with remat_policy=custom (it is "
              f"{v['remat_policy']!r}); add remat_policy=custom, or drop them")
   else:
-    for name in sorted(n for n, p in placements.items() if p != "remat" and n not in remat_policies.PRODUCED):
+    off = {n: k for n, k in remat_policies.PRODUCED_WITH.items() if not v[k]}  # e.g. qkv_proj without fused_qkv
+    for name in sorted(n for n, p in placements.items()
+                       if p != "remat" and (n not in remat_policies.PRODUCED or n in off)):
       if name not in _WARNED_UNPRODUCED:  # once per process: a planner builds many configs
         _WARNED_UNPRODUCED.add(name)
-        print(f"warning: {name}={placements[name]} places nothing: no layer here produces {name!r} (the key is "
-              "accepted so that upstream recipes run as written)", file=sys.stderr, flush=True)
+        why = f"{off[name]}=False" if name in off else "the key is accepted so that upstream recipes run as written"
+        print(f"warning: {name}={placements[name]} places nothing: no layer here produces {name!r} ({why})",
+              file=sys.stderr, flush=True)
   return RematPlacements(**placements)
 
 

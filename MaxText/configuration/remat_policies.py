@@ -31,6 +31,7 @@ TENSORS: dict[str, str] = {
     "query_proj": "the query projection (MLA: its up-projection from the query latent)",
     "key_proj": "the key projection (MLA: the keys' no-position part from the key/value latent)",
     "value_proj": "the value projection (MLA: the values from the key/value latent)",
+    "qkv_proj": "fused_qkv's one query/key/value matmul, before the split",
     "context": "the attention kernel's output before the output projection (grouped-query attention)",
     "attention_out": "the attention kernel's output before the output projection (MLA)",
     "out_proj": "the attention output projection",
@@ -42,28 +43,37 @@ TENSORS: dict[str, str] = {
     "mlpwi_0": "a gated MLP's first input projection (the activation's input)",
     "mlpwi_1": "a gated MLP's second input projection (the linear one)",
     "mlpwo": "the MLP output projection",
-    "moe_mlpwi_0": "the routed experts' first input projection",
-    "moe_mlpwi_1": "the routed experts' second input projection",
-    "moe_mlpwo": "the routed experts' output projection",
-    "qkv_proj": "",  # a fused query/key/value projection: none here
+    "moe_mlpwi_0": "the routed experts' first input projection (also named mlpwi_0)",
+    "moe_mlpwi_1": "the routed experts' second input projection (also named mlpwi_1, not with sparse_matmul)",
+    "moe_mlpwo": "the routed experts' output projection (also named mlpwo)",
     "kv_proj": "",  # a fused key/value projection: none here
     "indexer_cutoff_threshold": "",  # the sparse-attention indexer keeps its own selection (layers/sparse_attention.py)
     "engram": "",  # no engram memory here
 }
 PRODUCED: tuple[str, ...] = tuple(name for name, what in TENSORS.items() if what)
+# Produced only under a config key (model_config warns when a placement names one that is off).
+PRODUCED_WITH: dict[str, str] = {"qkv_proj": "fused_qkv"}
+# As upstream's moe.py, a routed expert's projection carries the dense MLP's name inside its own, so
+# a placement of mlpwi_0 or mlpwo (and the presets that keep them) reaches the experts too, and
+# the moe_* key, when not remat, wins. Upstream's sparse_matmul path names wi_1 moe_mlpwi_1 only.
+EXPERT_ALSO_NAMED: dict[str, str] = {"moe_mlpwi_0": "mlpwi_0", "moe_mlpwi_1": "mlpwi_1", "moe_mlpwo": "mlpwo"}
+SPARSE_MATMUL_ONLY_MOE = ("moe_mlpwi_1",)
 # A layer's input is what every recompute starts from: it can be kept in HBM or offloaded, not recomputed.
 NOT_RECOMPUTABLE = ("decoder_layer_input",)
 
 # The attention projections' checkpoint names (layers/linears.DenseGeneral's `tag`), MLA's down-projections included.
-QKV_PROJ = ("query_proj", "key_proj", "value_proj", "query_wa_proj", "kv_wa_proj")
+QKV_PROJ = ("query_proj", "key_proj", "value_proj", "qkv_proj", "query_wa_proj", "kv_wa_proj")
 ATTENTION_PROJ = QKV_PROJ + ("out_proj",)
 # Every projection's output: what jax's dots-without-batch-dimensions policy keeps of the named tensors.
 PROJECTIONS = ATTENTION_PROJ + ("mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo", "moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo")
+# What minimal and minimal_offloaded keep: the dots without batch dimensions and, as upstream's
+# minimal names them, the MLP projections, which reach the routed experts (EXPERT_ALSO_NAMED).
+_MINIMAL_NAMES = ATTENTION_PROJ + ("mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo")
 
 # The preset widths (plan_model._widths) each produced tensor belongs to, for comparing a placement
 # with the presets; the planner prices a custom placement per tensor (plan_model.tensor_widths).
 _TENSOR_WIDTHS: dict[str, Width] = {
-    "query_proj": "qkv", "key_proj": "qkv", "value_proj": "qkv", "out_proj": "out", "context": "attn",
+    "query_proj": "qkv", "key_proj": "qkv", "value_proj": "qkv", "qkv_proj": "qkv", "out_proj": "out", "context": "attn",
     "attention_out": "attn", "mlpwi": "mlp_in", "mlpwi_0": "mlp_in", "mlpwi_1": "mlp_in", "mlpwo": "mlp_out",
     "moe_mlpwi_0": "mlp_in", "moe_mlpwi_1": "mlp_in", "moe_mlpwo": "mlp_out",
 }
@@ -73,7 +83,7 @@ _TENSOR_WIDTHS: dict[str, Width] = {
 class RematPolicy:
   name: str
   keeps: Keeps
-  device: tuple[str, ...] = ()  # named tensors kept in HBM (keeps="names"; with "dots": what the dots amount to)
+  device: tuple[str, ...] = ()  # named tensors kept in HBM (keeps="dots": kept too, beside the dots)
   offload: tuple[str, ...] = ()  # named tensors kept in pinned host memory, back for the backward pass
   # What the planner counts as kept per token and layer besides the layer input (what the backward
   # re-runs it counts from the tensors kept: plan_model.rerun_flops).
@@ -114,8 +124,10 @@ def _widths_of(names: tuple[str, ...]) -> tuple[Width, ...]:
   return tuple(dict.fromkeys(w for w in _TENSOR_WIDTHS.values() if w in found))
 
 
-# The projections upstream's qkv_proj_offloaded and save_dot_except_mlpwi name (not MLA's down-projections).
+# The projections upstream's qkv_proj_offloaded names (not MLA's down-projections, not the fused one),
+# and those its save_dot_except_mlpwi and save_dot_with_context_except_mlp name.
 _UPSTREAM_QKV = ("query_proj", "key_proj", "value_proj")
+_UPSTREAM_QKV_FUSED = _UPSTREAM_QKV + ("qkv_proj",)
 _MINIMAL: tuple[Width, ...] = ("qkv", "out", "mlp_in", "mlp_out")
 _ATTENTION: tuple[Width, ...] = ("qkv", "out")
 
@@ -124,16 +136,16 @@ REMAT_POLICIES: tuple[RematPolicy, ...] = (
     RematPolicy("full", "nothing"),
     RematPolicy("save_qkv_proj", "names", QKV_PROJ, saved=("qkv",)),
     RematPolicy("save_dot_except_mlp", "names", ATTENTION_PROJ, saved=_ATTENTION),
-    RematPolicy("minimal", "dots", PROJECTIONS, saved=_MINIMAL),
-    RematPolicy("minimal_offloaded", "dots", offload=PROJECTIONS, saved=_MINIMAL),
+    RematPolicy("minimal", "dots", _MINIMAL_NAMES, saved=_MINIMAL),
+    RematPolicy("minimal_offloaded", "dots", offload=_MINIMAL_NAMES, saved=_MINIMAL),
     RematPolicy("save_dot_except_mlp_offloaded", "names", offload=ATTENTION_PROJ, saved=_ATTENTION),
     RematPolicy("none", "everything", saved=_MINIMAL + ("attn", "norms", "mlp_act"), searched_by_planner=False),
     # upstream MaxText's presets, with exactly its names: the planner searches the placements between
     # its steps instead (SEARCHED_PLACEMENTS)
     RematPolicy("qkv_proj_offloaded", "names", offload=_UPSTREAM_QKV, saved=("qkv",), searched_by_planner=False),
-    RematPolicy("save_dot_except_mlpwi", "names", _UPSTREAM_QKV + ("out_proj", "mlpwo"),
+    RematPolicy("save_dot_except_mlpwi", "names", _UPSTREAM_QKV_FUSED + ("out_proj", "mlpwo"),
                 saved=("qkv", "out", "mlp_out"), searched_by_planner=False),
-    RematPolicy("save_dot_with_context_except_mlp", "names", _UPSTREAM_QKV + ("context", "out_proj"),
+    RematPolicy("save_dot_with_context_except_mlp", "names", _UPSTREAM_QKV_FUSED + ("context", "out_proj"),
                 saved=("qkv", "out", "attn"), searched_by_planner=False),
     RematPolicy("custom", "names", searched_by_planner=False),  # its tensors from the placement keys (custom())
 )
@@ -157,6 +169,17 @@ SEARCHED_PLACEMENTS: dict[str, dict[str, Placement]] = {
     "qkv_host": {n: "offload" for n in QKV_PROJ},
     "minimal_input_host": {**{n: "device" for n in PROJECTIONS}, "decoder_layer_input": "offload"},
 }
+
+
+def expert_placements(placements: Mapping[str, str], sparse_matmul: bool) -> dict[str, str]:
+  """Each moe_* tensor's placement in effect: its own key unless remat, else its dense MLP name's
+  (EXPERT_ALSO_NAMED; sparse_matmul's wi_1 carries no dense name)."""
+  out = {}
+  for moe, dense in EXPERT_ALSO_NAMED.items():
+    own = placements.get(moe, "remat")
+    shared = "remat" if sparse_matmul and moe in SPARSE_MATMUL_ONLY_MOE else placements.get(dense, "remat")
+    out[moe] = own if own != "remat" else shared
+  return out
 
 
 def by_name(name: str) -> RematPolicy:

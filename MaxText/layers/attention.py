@@ -280,7 +280,7 @@ class Attention(nnx.Module):
     heads_names = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
     kv_names = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
     if cfg.fused_qkv:  # one matmul for the three projections
-      q_BLNH, k_BSKH, v_BSKH = fused_outputs([self.query, self.key, self.value], x_BLD)
+      q_BLNH, k_BSKH, v_BSKH = fused_outputs([self.query, self.key, self.value], x_BLD, "qkv_proj")
     else:
       q_BLNH, k_BSKH, v_BSKH = self.query(x_BLD), self.key(x_BLD), self.value(x_BLD)
     if cfg.attn.use_qk_norm:

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from MaxText.configuration import remat_policies
 from MaxText.layers import quantization
 from MaxText.layers.grouped_matmul import GroupedMatmul
 from MaxText.layers.mlp import Activation
@@ -34,16 +35,25 @@ from MaxText.layers.mlp import Activation
 _EXPERT_DIMS = (((3,), (1,)), ((0,), (0,)))
 
 
+def _named(x: jax.Array, moe_name: str, grouped: bool) -> jax.Array:
+  """`x` named for remat policies as upstream's moe.py names it: the dense MLP's name inside the
+  expert's own (remat_policies.EXPERT_ALSO_NAMED), so a preset keeping mlpwi_0 or mlpwo keeps the
+  experts' too; on the grouped (sparse_matmul) path, as there, wi_1 carries only its moe_ name."""
+  if not (grouped and moe_name in remat_policies.SPARSE_MATMUL_ONLY_MOE):
+    x = checkpoint_name(x, remat_policies.EXPERT_ALSO_NAMED[moe_name])
+  return checkpoint_name(x, moe_name)
+
+
 def _gated_mlp(x: jax.Array, project: Callable[[jax.Array, int], jax.Array],
-               activations: Sequence[Activation]) -> jax.Array:
+               activations: Sequence[Activation], grouped: bool) -> jax.Array:
   """The gated MLP with `project(x, i)` as projection i: the product of the activated input
   projections, then the output projection (named for rematerialisation policies)."""
   hidden: jax.Array | None = None
   for i, activation in enumerate(activations):
-    h = activation(checkpoint_name(project(x, i), f"moe_mlpwi_{i}"))
+    h = activation(_named(project(x, i), f"moe_mlpwi_{i}", grouped))
     hidden = h if hidden is None else hidden * h
   assert hidden is not None  # mlp_activations is non-empty (config)
-  return checkpoint_name(project(hidden, len(activations)), "moe_mlpwo")
+  return _named(project(hidden, len(activations)), "moe_mlpwo", grouped)
 
 
 # ---------------------------------------------------------------- capacity slots
@@ -110,7 +120,7 @@ def dense_experts(x_EBCD: jax.Array, kernels: Sequence[jax.Array], biases: Seque
     y = quantization.dot_general(x, kernels[i], _EXPERT_DIMS)
     return y + biases[i][:, None, None, :].astype(y.dtype) if biases else y
 
-  return _gated_mlp(x_EBCD, project, activations)
+  return _gated_mlp(x_EBCD, project, activations, grouped=False)
 
 
 # ---------------------------------------------------------------- sorted rows
@@ -169,7 +179,7 @@ def grouped_mlp(rows_MD: jax.Array, kernels: Sequence[jax.Array], biases: Sequen
     bias = jnp.concatenate([biases[i], jnp.zeros((1, biases[i].shape[-1]), biases[i].dtype)])
     return y + bias[group_M].astype(y.dtype)
 
-  return _gated_mlp(rows_MD, project, activations)
+  return _gated_mlp(rows_MD, project, activations, grouped=True)
 
 
 def combine_sorted(out_AD: jax.Array, order_A: jax.Array, weights_BLk: jax.Array, custom_vjp: bool = False

@@ -79,12 +79,12 @@ class DenseGeneral(nnx.Module):
       y = y + (delta * jnp.asarray(self.lora_scale, delta.dtype)).astype(y.dtype)
     return self.finish(y)
 
-  def finish(self, y: jax.Array) -> jax.Array:
-    """The bias and the remat name on the matmul's output `y`."""
+  def finish(self, y: jax.Array, tagged: bool = True) -> jax.Array:
+    """The bias and (when `tagged`) the remat name on the matmul's output `y`."""
     if self.use_bias:
       bias = self.bias[...].astype(self.dtype)
       y = y + jnp.expand_dims(bias, tuple(range(y.ndim - bias.ndim)))  # explicit: no implicit rank promotion
-    return checkpoint_name(y, self.tag) if self.tag else y
+    return checkpoint_name(y, self.tag) if self.tag and tagged else y
 
   def fusable_with(self, other: "DenseGeneral") -> bool:
     """Whether one matmul over both kernels stacked computes both outputs: the same shapes and
@@ -95,19 +95,21 @@ class DenseGeneral(nnx.Module):
             and (self.in_shape, self.out_shape) == (other.in_shape, other.out_shape))
 
 
-def fused_outputs(layers: Sequence[DenseGeneral], x: jax.Array) -> list[jax.Array]:
+def fused_outputs(layers: Sequence[DenseGeneral], x: jax.Array, tag: str, part_tags: bool = True) -> list[jax.Array]:
   """Each layer's output on the same input, from one matmul over their kernels stacked on an axis after
   the input dims (fused_qkv, fused_mlp): the parameters stay apart, as a checkpoint holds them. Layers
-  that cannot share one (DenseGeneral.fusable_with) each run their own."""
+  that cannot share one (DenseGeneral.fusable_with) each run their own. The stacked output is named
+  `tag` for remat policies (upstream's qkv_proj, fused mlpwi); the parts keep their layers' names
+  unless `part_tags` is False."""
   first = layers[0]
   if not all(first.fusable_with(layer) for layer in layers[1:]):
     return [layer(x) for layer in layers]
   num_in = len(first.in_shape)
   kernel = jnp.stack([layer.kernel[...].astype(first.dtype) for layer in layers], axis=num_in)
   contract = (tuple(range(x.ndim - num_in, x.ndim)), tuple(range(num_in)))
-  y = quantization.quantized_dot_general("", x.astype(first.dtype), kernel, (contract, ((), ())))
+  y = checkpoint_name(quantization.quantized_dot_general("", x.astype(first.dtype), kernel, (contract, ((), ()))), tag)
   axis = x.ndim - num_in  # the stacked axis in the output
-  return [layer.finish(jax.lax.index_in_dim(y, i, axis, keepdims=False)) for i, layer in enumerate(layers)]
+  return [layer.finish(jax.lax.index_in_dim(y, i, axis, keepdims=False), part_tags) for i, layer in enumerate(layers)]
 
 
 def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:

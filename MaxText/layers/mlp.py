@@ -69,7 +69,7 @@ class MlpBlock(nnx.Module):
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
     inputs = [getattr(self, f"wi_{i}") for i in range(len(self.activations))]
-    projected = fused_outputs(inputs, x_BLD) if self.fused else [wi(x_BLD) for wi in inputs]
+    projected = fused_outputs(inputs, x_BLD, "mlpwi", part_tags=False) if self.fused else [wi(x_BLD) for wi in inputs]
     hidden_BLF: jax.Array | None = None
     for activation, y in zip(self.activations, projected):
       h = activation(y)

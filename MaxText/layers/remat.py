@@ -3,7 +3,7 @@ ModelConfig.remat resolves `remat_policy` and, for `custom`, its placement keys)
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 
@@ -24,12 +24,22 @@ def checkpoint_policy(policy: remat_policies.RematPolicy | str) -> CheckpointPol
     return "none"
   if policy.keeps == "nothing":
     return policies.nothing_saveable
-  if policy.keeps == "dots":
+  if policy.keeps == "dots":  # the dots without batch dimensions, and the named tensors beside them
+    dots = policies.checkpoint_dots_with_no_batch_dims
     if policy.offloaded:
-      return policies.offload_dot_with_no_batch_dims("device", "pinned_host")
-    return policies.checkpoint_dots_with_no_batch_dims
+      offload_dots = policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+      offload_names = _names_policy(policy)
+
+      def either(prim: Any, *args: Any, **params: Any) -> Any:
+        return (offload_dots if dots(prim, *args, **params) else offload_names)(prim, *args, **params)
+      return either
+    return policies.save_from_both_policies(dots, policies.save_only_these_names(*policy.device))
   if policy.offloaded:
-    return policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=list(policy.device), names_which_can_be_offloaded=list(policy.offload),
-        offload_src="device", offload_dst="pinned_host")
+    return _names_policy(policy)
   return policies.save_only_these_names(*policy.device)
+
+
+def _names_policy(policy: remat_policies.RematPolicy) -> Callable[..., Any]:
+  return jax.checkpoint_policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=list(policy.device), names_which_can_be_offloaded=list(policy.offload),
+      offload_src="device", offload_dst="pinned_host")
