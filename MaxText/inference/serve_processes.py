@@ -35,6 +35,9 @@ from MaxText.inference.serve_frontend import FrontSpec, frame, read_frame
 
 _STOP_SECONDS = 10.0  # a front end's graceful stop before it is killed
 _REPO = str(Path(__file__).resolve().parents[2])
+# The grammar compiler is built lazily (serve_codec.grammars, importing transformers' tokenizer) and not
+# thread-safe: the reader threads of several front ends take it one at a time.
+_GRAMMARS_LOCK = threading.Lock()
 
 
 def check(processes: int, lora: bool, images: bool) -> None:
@@ -126,7 +129,10 @@ class _Link:
             del self._open[request_id], self._jobs[request_id]
 
     try:
-      compiler = self.grammars() if grammar_text is not None and self.grammars is not None else None
+      compiler = None
+      if grammar_text is not None and self.grammars is not None:
+        with _GRAMMARS_LOCK:
+          compiler = self.grammars()
       jobs = []
       for index, prompt, max_tokens, row, images in choices:
         constraint = None

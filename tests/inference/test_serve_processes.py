@@ -239,3 +239,36 @@ def test_a_submit_the_engine_cannot_build_is_answered_and_a_closed_channel_is_no
   assert serve_frontend.read_frame(theirs) == [("load", {"slots": 3})]
   theirs.close()
   assert lost.wait(10)
+
+
+def test_the_front_ends_reader_threads_build_the_grammar_compiler_one_at_a_time():
+  """The grammar compiler is built lazily and not thread-safe (two front ends' first constrained requests at once
+  failed one of them with a 500: transformers imported on two threads). A stand-in builder that fails when entered
+  twice at once is entered by one reader thread at a time; its error is each request's answer."""
+  import socket
+  import types
+
+  from MaxText.inference import serve_frontend
+
+  inside, most = [0], [0]
+
+  def grammars():
+    inside[0] += 1
+    most[0] = max(most[0], inside[0])
+    time.sleep(0.3)
+    inside[0] -= 1
+    raise RuntimeError("stand-in compiler")
+
+  theirs = []
+  for index in range(2):
+    ours, other = socket.socketpair()
+    other.settimeout(10)
+    serve_processes._Link(index, ours, types.SimpleNamespace(), grammars, threading.Event()).start()
+    theirs.append(other)
+  for other in theirs:
+    other.sendall(serve_frontend.frame(("submit", 1, [(0, [1, 2], 2, 0, None)], False, '{"type": "object"}')))
+  for other in theirs:
+    [(kind, request, (error, message))] = serve_frontend.read_frame(other)
+    assert (kind, request, error) == ("admit", 1, "error") and "stand-in compiler" in message
+    other.close()
+  assert most[0] == 1
