@@ -50,8 +50,13 @@ def frame(message: Any) -> bytes:
 
 def read_frame(sock: socket.socket) -> Any:
   """The next message on a blocking socket; EOFError at its end."""
+  return pickle.loads(read_payload(sock))
+
+
+def read_payload(sock: socket.socket) -> bytes:
+  """The next message's pickled bytes (the framing survives a message that does not unpickle)."""
   length = int.from_bytes(_read_exactly(sock, _LENGTH_BYTES), "big")
-  return pickle.loads(_read_exactly(sock, length))
+  return _read_exactly(sock, length)
 
 
 def _read_exactly(sock: socket.socket, n: int) -> bytes:

@@ -17,6 +17,7 @@ terminal's Ctrl-C reaches this process only), then the scheduler.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -31,7 +32,7 @@ from typing import Any, Callable
 from MaxText.errors import UserError
 from MaxText.inference import grammar
 from MaxText.inference import scheduler as sched
-from MaxText.inference.serve_frontend import FrontSpec, frame, read_frame
+from MaxText.inference.serve_frontend import FrontSpec, frame, read_payload
 
 _STOP_SECONDS = 10.0  # a front end's graceful stop before it is killed
 _REPO = str(Path(__file__).resolve().parents[2])
@@ -100,16 +101,15 @@ class _Link:
   def _read(self) -> None:
     try:
       while True:
-        message = read_frame(self.channel)
-        if message[0] == "submit":
-          self._submit(*message[1:])
-        elif message[0] == "cancel":
-          with self._lock:
-            jobs = self._jobs.get(message[1])
-          if jobs is not None:
-            jobs[message[2]].cancel()
-        elif message[0] == "load":
-          self._sending.put([("load", self.scheduler.load())])
+        payload, message = read_payload(self.channel), None
+        try:
+          message = pickle.loads(payload)
+          self._handle(message)
+        except Exception as e:  # noqa: BLE001 - one message is lost, not the channel (its requests would hang)
+          print(f"serve: error: a message from HTTP front-end process {self.index} failed here "
+                f"({type(e).__name__}: {e}); ignored", file=sys.stderr, flush=True)
+          if isinstance(message, tuple) and len(message) > 1 and message[0] == "submit":  # its request fails
+            self._sending.put([("admit", message[1], ("error", f"{type(e).__name__}: {e}"))])
     except (EOFError, OSError):
       pass
     with self._lock:
@@ -117,6 +117,19 @@ class _Link:
     for job in jobs:
       job.cancel()
     self.lost.set()
+
+  def _handle(self, message: tuple[Any, ...]) -> None:
+    if message[0] == "submit":
+      self._submit(*message[1:])
+    elif message[0] == "cancel":
+      with self._lock:
+        jobs = self._jobs.get(message[1])
+      if jobs is not None:
+        jobs[message[2]].cancel()
+    elif message[0] == "load":
+      self._sending.put([("load", self.scheduler.load())])
+    else:
+      raise ValueError(f"unknown message {message[0]!r}")
 
   def _submit(self, request_id: int, choices: list[tuple[Any, ...]], score_prompt: bool, grammar_text: str | None
               ) -> None:
@@ -148,10 +161,11 @@ class _Link:
       self._jobs[request_id], self._open[request_id] = jobs, len(jobs)
     try:
       self.scheduler.submit(jobs)
-    except (sched.QueueFull, sched.TooLarge) as e:
+    except Exception as e:  # noqa: BLE001 - QueueFull and TooLarge are the client's answers, others a 500
       with self._lock:
         del self._jobs[request_id], self._open[request_id]
-      self._sending.put([("admit", request_id, ("full" if isinstance(e, sched.QueueFull) else "large", str(e)))])
+      kind = "full" if isinstance(e, sched.QueueFull) else "large" if isinstance(e, sched.TooLarge) else "error"
+      self._sending.put([("admit", request_id, (kind, str(e) if kind != "error" else f"{type(e).__name__}: {e}"))])
       return
     self._sending.put([("admit", request_id, None)])
 

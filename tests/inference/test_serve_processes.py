@@ -272,3 +272,40 @@ def test_the_front_ends_reader_threads_build_the_grammar_compiler_one_at_a_time(
     assert (kind, request, error) == ("admit", 1, "error") and "stand-in compiler" in message
     other.close()
   assert most[0] == 1
+
+
+def test_a_message_the_engine_cannot_read_or_handle_is_one_line_and_the_channel_serves_on(capfd):
+  """A message that does not unpickle, one of an unknown kind, a cancel of a choice the request lacks and a submit
+  the scheduler fails on each print one line (the submit's request gets an error); the reader thread goes on
+  (it died, and every later request of that front end waited for ever)."""
+  import socket
+  import types
+
+  from MaxText.inference import serve_frontend
+
+  def submit(jobs):
+    if jobs[0].max_tokens == 99:
+      raise RuntimeError("stand-in scheduler")
+
+  ours, theirs = socket.socketpair()
+  theirs.settimeout(10)
+  scheduler = types.SimpleNamespace(load=lambda: {"slots": 3}, submit=submit)
+  serve_processes._Link(0, ours, scheduler, None, threading.Event()).start()
+  garbage = b"\x80\x05not a pickle"  # a pickle's protocol header, no valid body
+  theirs.sendall(len(garbage).to_bytes(4, "big") + garbage)
+  theirs.sendall(serve_frontend.frame(("hello",)))
+  theirs.sendall(serve_frontend.frame(("submit", 1, [(0, [1, 2], 2, 0, None)], False, None)))
+  assert serve_frontend.read_frame(theirs) == [("admit", 1, None)]
+  theirs.sendall(serve_frontend.frame(("cancel", 1, 5)))
+  theirs.sendall(serve_frontend.frame(("submit", 2, [(0, [1, 2], 99, 0, None)], False, None)))
+  [(kind, request, (error, message))] = serve_frontend.read_frame(theirs)
+  assert (kind, request, error) == ("admit", 2, "error") and "stand-in scheduler" in message
+  theirs.sendall(serve_frontend.frame(("submit", 3)))
+  [(kind, request, (error, message))] = serve_frontend.read_frame(theirs)
+  assert (kind, request, error) == ("admit", 3, "error")
+  theirs.sendall(serve_frontend.frame(("load",)))
+  assert serve_frontend.read_frame(theirs) == [("load", {"slots": 3})]
+  theirs.close()
+  lines = [line for line in capfd.readouterr().err.splitlines() if "HTTP front-end process 0" in line]
+  assert len(lines) == 4 and all(line.startswith("serve: error: a message from") for line in lines), lines
+  assert "UnpicklingError" in lines[0] and "unknown message 'hello'" in lines[1] and "IndexError" in lines[2]
