@@ -147,26 +147,27 @@ def test_every_produced_name_is_tagged_by_some_reference_model():
 
 
 def _saved_names(layer_name: str, **overrides) -> list[str]:
-  """The named tensors one layer (attention, MoE or MLP) of a tiny model keeps for its backward pass under
-  the config's remat policy, in jax's words (print_saved_residuals)."""
+  """The named tensors one layer (attention, MLA, MoE or MLP) of a tiny model keeps for its backward pass under
+  the config's remat policy, in jax's words (print_saved_residuals); the weights are constants here, so
+  a tensor only a weight's gradient would need is not kept."""
   import contextlib
   import io
 
   from flax import nnx
 
-  from MaxText.layers import attention, mlp, moe, remat
+  from MaxText.layers import attention, mla, mlp, moe, remat
   from MaxText.platform import sharding
-  cfg = Config.for_testing(**{**_TINY, "base_num_kv_heads": 4}, dtype="float32", attention="dot_product",
-                           **overrides).model
+  cfg = Config.for_testing(**{**_TINY, "base_num_kv_heads": 4, **overrides}, dtype="float32",
+                           attention="dot_product").model
   with nnx.use_eager_sharding(False):
-    layer = {"attention": attention.Attention, "moe": moe.MoeBlock, "mlp": mlp.MlpBlock}[layer_name](
-        cfg, rngs=nnx.Rngs(0))
+    layer = {"attention": attention.Attention, "mla": mla.MultiHeadLatentAttention, "moe": moe.MoeBlock,
+             "mlp": mlp.MlpBlock}[layer_name](cfg, rngs=nnx.Rngs(0))
   graph, state = nnx.split(layer)
   positions, segments = jnp.broadcast_to(jnp.arange(8), (2, 8)), jnp.ones((2, 8), jnp.int32)
 
   def loss(x):
     module = nnx.merge(graph, state)
-    return (module(x, positions, segments) if layer_name == "attention" else module(x)).sum()
+    return (module(x, positions, segments) if layer_name in ("attention", "mla") else module(x)).sum()
   printed = io.StringIO()
   with contextlib.redirect_stdout(printed), sharding.unsharded():
     jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(loss, policy=remat.checkpoint_policy(cfg.remat)),
@@ -192,6 +193,14 @@ def test_fused_mlp_names_its_one_matmuls_output_mlpwi():
   assert _saved_names("mlp", fused_mlp=True, remat_policy="custom", mlpwi="device") == [("2,8,2,128", "mlpwi")]
   assert _saved_names("mlp", fused_mlp=True, remat_policy="custom", mlpwi_0="device", mlpwi_1="device") == []
   assert [n for _, n in _saved_names("mlp", remat_policy="custom", mlpwi_0="device")] == ["mlpwi_0"]
+
+
+def test_mla_key_proj_is_each_heads_whole_key():
+  """Upstream's attention_mla.py names each head's whole key key_proj: its no-position part and the
+  shared rotated one (8 + 4 wide here; was the 8-wide no-position part alone)."""
+  mla_only = {k: v for k, v in _MLA_MOE.items() if k not in ("num_experts", "num_experts_per_tok")}
+  assert _saved_names("mla", **mla_only, remat_policy="custom", key_proj="device", value_proj="device") == [
+      ("2,8,4,6", "value_proj"), ("2,8,4,12", "key_proj")]
 
 
 _MOE = dict(num_experts=4, num_experts_per_tok=2)

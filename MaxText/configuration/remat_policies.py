@@ -29,7 +29,7 @@ PLACEMENTS: tuple[Placement, ...] = ("remat", "device", "offload")
 TENSORS: dict[str, str] = {
     "decoder_layer_input": "a decoder layer's input, the residual stream entering it",
     "query_proj": "the query projection (MLA: its up-projection from the query latent)",
-    "key_proj": "the key projection (MLA: the keys' no-position part from the key/value latent)",
+    "key_proj": "the key projection (MLA: each head's whole key, its no-position part and the shared rotated one)",
     "value_proj": "the value projection (MLA: the values from the key/value latent)",
     "qkv_proj": "fused_qkv's one query/key/value matmul, before the split",
     "context": "the attention kernel's output before the output projection (grouped-query attention)",

@@ -49,6 +49,13 @@ from MaxText.configuration.model_config import ModelConfig
 _HEADS = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 
 
+
+def _full_key(k_nope_BLNC: jax.Array, k_rope_BL1P: jax.Array, rope_shape: tuple[int, ...]) -> jax.Array:
+  """Each head's key: its own no-position part and the shared rotated part, named key_proj as
+  upstream's attention_mla.py names the whole key (not only the no-position part)."""
+  rope_BLNP = jnp.broadcast_to(k_rope_BL1P, rope_shape).astype(k_nope_BLNC.dtype)
+  return checkpoint_name(jnp.concatenate([k_nope_BLNC, rope_BLNP], axis=-1), "key_proj")
+
 class MultiHeadLatentAttention(nnx.Module):
   """Same call as attention.Attention: x [B, L, D] → [B, L, D]; with a decode cache, (output, cache)."""
 
@@ -120,10 +127,9 @@ class MultiHeadLatentAttention(nnx.Module):
     if index is not None and not cfg.mla.indexer_warmup:
       return self._sparse(q_nope_BLNC, q_rope_BLNP, latent_BLR, k_rope_BL1P, segment_ids_BL, index)
     kv_BLNX = self.wkv_b(latent_BLR)
-    k_nope_BLNC = checkpoint_name(kv_BLNX[..., :cfg.mla.qk_nope_head_dim], "key_proj")
+    k_nope_BLNC = kv_BLNX[..., :cfg.mla.qk_nope_head_dim]
     v_BLNV = checkpoint_name(kv_BLNX[..., cfg.mla.qk_nope_head_dim:], "value_proj")
-    k_BLNH = jnp.concatenate([k_nope_BLNC, jnp.broadcast_to(k_rope_BL1P, q_rope_BLNP.shape).astype(k_nope_BLNC.dtype)],
-                             axis=-1)
+    k_BLNH = _full_key(k_nope_BLNC, k_rope_BL1P, q_rope_BLNP.shape)
     q_BLNH = jnp.concatenate([q_nope_BLNC, q_rope_BLNP.astype(q_nope_BLNC.dtype)], axis=-1)
     k_BLNH, v_BLNV = sharding.constrain(k_BLNH, _HEADS), sharding.constrain(v_BLNV, _HEADS)
     width = v_BLNV.shape[-1]
@@ -159,10 +165,8 @@ class MultiHeadLatentAttention(nnx.Module):
     if attention_kernels.sparse_kernel(length, topk) == "masked":
       kv_BLNX = self.wkv_b(latent_BLR)
       nope = cfg.mla.qk_nope_head_dim
-      k_nope_BLNC, v_BLNV = checkpoint_name(kv_BLNX[..., :nope], "key_proj"), checkpoint_name(kv_BLNX[..., nope:],
-                                                                                                "value_proj")
-      k_BLNH = jnp.concatenate([k_nope_BLNC, jnp.broadcast_to(k_rope_BL1P, q_rope_BLNP.shape).astype(
-          kv_BLNX.dtype)], axis=-1)
+      v_BLNV = checkpoint_name(kv_BLNX[..., nope:], "value_proj")
+      k_BLNH = _full_key(kv_BLNX[..., :nope], k_rope_BL1P, q_rope_BLNP.shape)
       q_BLNH = jnp.concatenate([q_nope_BLNC, q_rope_BLNP.astype(q_nope_BLNC.dtype)], axis=-1)
       args = (sharding.constrain(q_BLNH, _HEADS), sharding.constrain(k_BLNH, _HEADS),
               sharding.constrain(v_BLNV, _HEADS), masks.self_mask(segment_ids_BL), *index, topk,
