@@ -122,12 +122,15 @@ class FrontendServer(serve_app.HttpServer):
     self._requests[request_id] = pending
     choices = [(c.index, c.prompt, c.max_tokens, c.row, c.images) for c in request.choices]
     self.send(("submit", request_id, choices, score_prompt, None if request.grammar is None else request.grammar.text))
-    try:
-      refused = await pending.admitted
-    except asyncio.CancelledError:  # the client went away while the engine admitted its jobs
+    try:  # an answer that never comes (a submit lost in the engine's process) is the request's deadline
+      refused = await asyncio.wait_for(asyncio.shield(pending.admitted), self.request_timeout_seconds)
+    except (asyncio.CancelledError, asyncio.TimeoutError) as e:  # or the client went away meanwhile
       for job in jobs:
         job.cancel()
       self._requests.pop(request_id, None)
+      if isinstance(e, asyncio.TimeoutError):
+        raise api.ApiError(504, "the engine's process did not admit the request within "
+                           f"serve_request_timeout_seconds={self.request_timeout_seconds}", code="timeout") from None
       raise
     if refused is not None:
       kind, message = refused

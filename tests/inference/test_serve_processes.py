@@ -309,3 +309,32 @@ def test_a_message_the_engine_cannot_read_or_handle_is_one_line_and_the_channel_
   lines = [line for line in capfd.readouterr().err.splitlines() if "HTTP front-end process 0" in line]
   assert len(lines) == 4 and all(line.startswith("serve: error: a message from") for line in lines), lines
   assert "UnpicklingError" in lines[0] and "unknown message 'hello'" in lines[1] and "IndexError" in lines[2]
+
+
+def test_a_submit_the_engine_never_answers_is_a_504_at_the_requests_deadline():
+  """A front end whose submit gets no answer (lost in the engine's process) answers 504 at
+  serve_request_timeout_seconds and cancels its jobs there, where the request waited for ever."""
+  import asyncio
+  import socket
+  import types
+
+  from MaxText.inference import openai_api as api
+  from MaxText.inference import serve_frontend
+
+  ours, theirs = socket.socketpair()
+  theirs.settimeout(10)
+  spec = types.SimpleNamespace(limits=None, request_timeout_seconds=0.5)
+  server = serve_frontend.FrontendServer(spec, types.SimpleNamespace())
+  request = types.SimpleNamespace(choices=[types.SimpleNamespace(index=0, prompt=[1], max_tokens=2, row=0,
+                                                                 images=None)], grammar=None)
+
+  async def ask() -> api.ApiError:
+    await server.connect(ours)
+    with pytest.raises(api.ApiError) as e:
+      await asyncio.wait_for(server.admit(request, False), 10)
+    await asyncio.sleep(0.1)  # the cancel is written
+    return e.value
+
+  error = asyncio.run(ask())
+  assert error.status == 504 and "serve_request_timeout_seconds=0.5" in str(error.body())
+  assert serve_frontend.read_frame(theirs)[0] == "submit" and serve_frontend.read_frame(theirs) == ("cancel", 0, 0)
