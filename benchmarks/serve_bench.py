@@ -5,7 +5,7 @@ inter-token latency (ITL) p50/p99 against the number of concurrent clients, and 
         [max_tokens=32] [serve_max_slots=16] [base_emb_dim=256] [base_num_decoder_layers=4]
         [caches=dense,paged] [kv_page_size=16] [kv_num_pages=0] [prefill_chunk_sizes=0,64] [long_prompt=0]
         [shared_prefix=0] [prefix_caching=true,false] [speculative_tokens=0,4] [draft=small|self]
-        [decode_steps_per_call=1,8] [step_reference=true] [serve_http_processes=0,1]
+        [decode_steps_per_call=1,8] [step_reference=true] [serve_http_processes=0,1] [scheduler_alone=true]
 
 A small random-init model (greedy, no end-of-sequence token, so every request makes max_tokens
 tokens) is served in this process on 127.0.0.1 through the real app (uvicorn, the scheduler
@@ -37,6 +37,9 @@ many front-end processes of its own (inference/serve_processes.py), in turn. Aft
 gives the CPU time per output token over its timed rounds of the server's process (the engine, and
 with serve_http_processes=0 the HTTP too) and of the front-end processes together (less noisy than
 the rates on a loaded machine).
+scheduler_alone=true measures the scheduler without HTTP instead: requests_per_client x 8 jobs submitted
+1 and then 8 at a time, tokens/s and the CPU per token of the scheduler thread (from its schedstat)
+and of the whole process (that thread, XLA's threads, the submitting one), per configuration.
 Prints a Markdown table (getting_started/Serving.md holds the measured one).
 """
 
@@ -318,6 +321,9 @@ def _serve_layout(args, clients: Clients, layout: str, prompt_lengths: list[int]
       **_draft_keys(args, speculative))
   config = Config.for_testing(**keys, **({"decode_steps_per_call": steps_per_call} if steps_per_call > 1 else {}),
                               **({"serve_http_processes": http_processes} if http_processes else {}))
+  if args.scheduler_alone:
+    _scheduler_alone(args, config, prompt_lengths)
+    return
   server, uv, thread, url = start_server(config)
   engine = server.scheduler.engine
   # Compiles every step (its prompts have no shared prefix: nothing of the measured load is cached yet).
@@ -412,6 +418,61 @@ def _serve_layout(args, clients: Clients, layout: str, prompt_lengths: list[int]
           f"tokens_per_s_over_1_client={rates[most] / rates[1]:.2f}", flush=True)
 
 
+def _scheduler_alone(args: Any, config: Any, prompt_lengths: list[int]) -> None:
+  """The scheduler without HTTP: requests_per_client x 8 jobs (greedy, max_tokens each), submitted
+  1 and then 8 at a time, each its own submit; prints tokens/s and the CPU per token of the scheduler
+  thread and of the whole process (the thread, XLA's threads, this one waiting)."""
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh
+
+  from MaxText.configuration.config_groups import MESH_AXES
+  from MaxText.inference import scheduler as sched
+  from MaxText.inference.sampling import RowParams
+  from MaxText.serve import build_server
+
+  server = build_server(config, mesh=Mesh(np.asarray(jax.devices()[:1]).reshape((1,) * len(MESH_AXES)), MESH_AXES))
+  scheduler, rng = server.scheduler, np.random.default_rng(3)
+  tid = scheduler._thread.native_id  # noqa: SLF001 - the thread whose CPU is measured
+
+  def thread_cpu() -> float:  # schedstat's first field: ns on a CPU (stat's ticks are 10 ms)
+    return int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0]) / 1e9
+
+  def run(together: int, jobs: int) -> tuple[float, float, float, int]:
+    done, tokens = threading.Semaphore(0), [0]
+
+    def emit(event: Any) -> None:
+      if isinstance(event, sched.Done):
+        done.release()
+      else:
+        tokens[0] += 1
+
+    wall, own, thread = time.perf_counter(), os.times(), thread_cpu()
+    for start in range(0, jobs, together):
+      for i in range(start, min(start + together, jobs)):
+        prompt = [int(t) for t in rng.integers(3, args.vocab_size, prompt_lengths[i % len(prompt_lengths)])]
+        scheduler.submit([sched.Job(0, prompt, args.max_tokens, RowParams(), emit)])
+      for _ in range(start, min(start + together, jobs)):
+        done.acquire()
+    end = os.times()
+    return (time.perf_counter() - wall, thread_cpu() - thread, end.user + end.system - own.user - own.system,
+            tokens[0])
+
+  _compile_prefills(scheduler, args.vocab_size, max(prompt_lengths))
+  run(1, 2 * len(prompt_lengths))  # compiles every prompt length's prefill and the steps
+  run(8, 16)
+  jobs = 8 * args.requests_per_client
+  print(f"\nscheduler alone: {jobs} jobs of {args.max_tokens} tokens, {args.serve_max_slots} slots, "
+        f"decode_steps_per_call={config.decode.decode_steps_per_call}")
+  print("| jobs at a time | tokens/s | scheduler thread CPU / token (ms) | process CPU / token (ms) |")
+  print("| ---: | ---: | ---: | ---: |")
+  for together in (1, 8):
+    wall, thread, process, tokens = run(together, jobs)
+    print(f"| {together} | {tokens / wall:.0f} | {thread / tokens * 1e3:.4f} | {process / tokens * 1e3:.4f} |",
+          flush=True)
+  scheduler.stop()
+
+
 def _cpu_seconds(pids: list[int]) -> tuple[float, float]:
   """CPU seconds (user + system) of this process (the server's engine, its threads) and of `pids` together."""
   tick = os.sysconf("SC_CLK_TCK")
@@ -472,7 +533,10 @@ def main() -> None:
   parser.add_argument("--decode_steps_per_call", default="1", help="decode_steps_per_call values to serve with")
   parser.add_argument("--serve_http_processes", default="0", help="serve_http_processes values to serve with")
   parser.add_argument("--step_reference", default="false", help="true: also time the jitted step alone (RESULT host)")
+  parser.add_argument("--scheduler_alone", default="false", help="true: the scheduler without HTTP (1 and 8 jobs "
+                      "at a time, requests_per_client x 8 jobs), its thread's and the process's CPU per token")
   args = tool_args.parse_args(parser, None, renamed=RENAMED)
+  args.scheduler_alone = str(args.scheduler_alone).strip().lower() == "true"
   args.step_reference = str(args.step_reference).strip().lower() == "true"
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   prompt_lengths = [int(x) for x in args.prompt_lengths.split(",")]
