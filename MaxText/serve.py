@@ -135,7 +135,8 @@ class Server(serve_app.HttpServer):
     if self.adapters is not None and request.model not in ("", self.limits.model_name):
       return self._submit_to_adapter(request, score_prompt, emit), queue
     jobs = [sched.Job(c.index, c.prompt, c.max_tokens, c.row, emit, score_prompt, images=c.images,
-                      constraint=None if request.grammar is None else request.grammar.constraint())
+                      constraint=None if request.grammar is None else request.grammar.constraint(),
+                      top_logprobs=bool(request.logprobs))
             for c in request.choices]
     self._submit(jobs)
     return jobs, queue
@@ -167,7 +168,7 @@ class Server(serve_app.HttpServer):
       jobs.append(sched.Job(c.index, c.prompt, c.max_tokens, dataclasses.replace(c.row, adapter=row), emit_releasing,
                             score_prompt, images=c.images,
                             constraint=None if request.grammar is None else request.grammar.constraint(),
-                            cache_key=key))
+                            cache_key=key, top_logprobs=bool(request.logprobs)))
     try:
       self._submit(jobs)
     except api.ApiError:

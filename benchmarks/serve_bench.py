@@ -451,7 +451,8 @@ def _scheduler_alone(args: Any, config: Any, prompt_lengths: list[int]) -> None:
     for start in range(0, jobs, together):
       for i in range(start, min(start + together, jobs)):
         prompt = [int(t) for t in rng.integers(3, args.vocab_size, prompt_lengths[i % len(prompt_lengths)])]
-        scheduler.submit([sched.Job(0, prompt, args.max_tokens, RowParams(), emit)])
+        # No top alternatives, as the HTTP rounds' requests (logprobs: 0).
+        scheduler.submit([sched.Job(0, prompt, args.max_tokens, RowParams(), emit, top_logprobs=False)])
       for _ in range(start, min(start + together, jobs)):
         done.acquire()
     end = os.times()

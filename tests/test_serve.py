@@ -592,6 +592,21 @@ def test_echo_logprobs_equal_the_model_log_softmax(served):
              for top, lp in zip(logprobs["top_logprobs"][1:], logprobs["token_logprobs"][1:]))
 
 
+def test_generated_tokens_carry_their_top_alternatives_only_when_asked(served):
+  """logprobs=2: each generated token lists its best alternatives (the greedy token's log-probability the
+  highest); logprobs=0: the same tokens and log-probabilities, an empty object of alternatives each (the
+  scheduler reads none for such a request)."""
+  ids = served.ids(PROMPTS[1])
+  body = f'{{"model": "tiny", "prompt": {ids}, "max_tokens": 5, "temperature": 0, "logprobs": '
+  two = _post(served, "/v1/completions", body + "2}").json()["choices"][0]["logprobs"]
+  zero = _post(served, "/v1/completions", body + "0}").json()["choices"][0]["logprobs"]
+  assert zero["tokens"] == two["tokens"] and len(two["tokens"]) == 5
+  np.testing.assert_allclose(zero["token_logprobs"], two["token_logprobs"], atol=1e-6)
+  assert all(1 <= len(top) <= 2 and max(top.values()) == pytest.approx(lp, abs=1e-5)
+             for top, lp in zip(two["top_logprobs"], two["token_logprobs"]))
+  assert zero["top_logprobs"] == [{}] * 5
+
+
 def _direct_logprobs(served, ids: list[int]) -> np.ndarray:
   """log p(token i | tokens < i) from one full forward pass of the model, outside the server."""
   tokens = jnp.asarray([ids])

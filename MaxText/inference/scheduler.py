@@ -102,6 +102,9 @@ class Job:
   images: PromptImages | None = None  # a vision-language prompt's images, one per placeholder run
   constraint: TokenConstraint | None = None  # constrained decoding: the tokens it may get
   cache_key: bytes = b""  # what its prompt's cached pages depend on beyond the tokens (its LoRA adapter)
+  # Whether its tokens carry their top alternatives (a completions request with logprobs >= 1);
+  # False: each Token's `top` is [], and a call whose jobs all say so reads none from the device.
+  top_logprobs: bool = True
 
   def cancel(self) -> None:
     if not self.cancelled:
@@ -475,19 +478,24 @@ class Scheduler:
     return True
 
   def _deliver_call(self, emitted: Emitted, jobs: dict[int, Job]) -> None:
-    out: Emitted = jax.device_get(emitted)
+    lp = emitted.logprobs
+    # The top alternatives are read (a host copy each) and listed only when a job of the call wants them.
+    tops = (lp.top_ids_Bk, lp.top_logprobs_Bk) if any(job.top_logprobs for job in jobs.values()) else ()
+    out = jax.device_get((emitted.tokens, lp.chosen_B, emitted.counts, *tops))
     # Python values in one conversion each (indexing numpy per token costs more than the rest of a delivery).
-    tokens, chosen = np.asarray(out.tokens).tolist(), np.asarray(out.logprobs.chosen_B).tolist()
-    ids, top = np.asarray(out.logprobs.top_ids_Bk).tolist(), np.asarray(out.logprobs.top_logprobs_Bk).tolist()
-    counts = None if out.counts is None else np.asarray(out.counts).tolist()
+    tokens, chosen = np.asarray(out[0]).tolist(), np.asarray(out[1]).tolist()
+    counts = None if out[2] is None else np.asarray(out[2]).tolist()
+    ids, top = (np.asarray(out[3]).tolist(), np.asarray(out[4]).tolist()) if tops else ([], [])
     for slot, job in jobs.items():
+      wants = job.top_logprobs
       for i in range(1 if counts is None else counts[slot]):
         if not self._takes(slot, job):  # it ended (a stop string, a cancel) or the slot has a new job
           break
         if counts is None:
-          self._deliver(slot, job, tokens[slot], chosen[slot], list(zip(ids[slot], top[slot])))
+          self._deliver(slot, job, tokens[slot], chosen[slot], list(zip(ids[slot], top[slot])) if wants else [])
         else:
-          self._deliver(slot, job, tokens[slot][i], chosen[slot][i], list(zip(ids[slot][i], top[slot][i])))
+          self._deliver(slot, job, tokens[slot][i], chosen[slot][i],
+                        list(zip(ids[slot][i], top[slot][i])) if wants else [])
 
   def _step(self) -> None:
     """One step: each active slot's tokens in order (1, or 1..k + 1 for a speculative round) until
@@ -517,7 +525,7 @@ class Scheduler:
 
   def _deliver(self, slot: int, job: Job, token: int, logprob: float, top: list[tuple[int, float]]) -> None:
     job.generated += 1
-    job.emit(Token(job.index, token, logprob, top))
+    job.emit(Token(job.index, token, logprob, top if job.top_logprobs else []))
     if token in self.eos_ids or (job.constraint is not None and job.constraint.advance(token)):
       failure = "" if job.constraint is None else job.constraint.failure()  # a dead end is no complete reply
       self._finish(job, slot, "error" if failure else "stop", failure)

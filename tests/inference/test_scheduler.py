@@ -314,3 +314,53 @@ def test_a_constrained_job_at_a_dead_end_ends_with_an_error_not_stop():
     assert s._thread.is_alive()
   finally:
     s.stop(5)
+
+
+class _Counted:
+  """A device array stand-in that counts how often it is read to the host (jax.device_get calls __array__)."""
+
+  reads = 0
+
+  def __init__(self, value: np.ndarray):
+    self.value = value
+
+  def __array__(self, dtype=None, copy=None) -> np.ndarray:
+    _Counted.reads += 1
+    return self.value
+
+
+class _CountingTopEngine(FakeEngine):
+  def decode_step(self, params, state, active=None, limits=None):
+    state, out = super().decode_step(params, state, active, limits)
+    lp = out.logprobs
+    return state, Emitted(out.tokens, TokenLogprobs(lp.chosen_B, _Counted(lp.top_ids_Bk), _Counted(lp.top_logprobs_Bk)),
+                          out.counts)
+
+
+def test_the_top_alternatives_are_read_and_listed_only_for_jobs_that_ask():
+  """A job with top_logprobs=False gets tokens with an empty `top`, and a call whose jobs all say so reads no
+  alternatives from the device; a job that asks gets them beside such a job, the same tokens either way."""
+  engine = _CountingTopEngine(num_slots=2)
+  s = sched.Scheduler(engine, None, max_queue=8, eos_ids=[EOS]).start()
+  try:
+    _Counted.reads = 0
+    plain = [job(4, 5, first=10 * (i + 1)) for i in range(2)]
+    for j, _ in plain:
+      j.top_logprobs = False
+    s.submit([j for j, _ in plain])
+    assert [sink.reason() for _, sink in plain] == ["length", "length"]
+    assert _Counted.reads == 0
+    tokens = [[e.token for e in sink.events if isinstance(e, sched.Token)] for _, sink in plain]
+    assert tokens == [[11, 12, 13, 14, 15], [21, 22, 23, 24, 25]]
+    assert all(e.top == [] for _, sink in plain for e in sink.events if isinstance(e, sched.Token))
+    asks, asks_sink = job(4, 5, first=30)
+    quiet, quiet_sink = job(4, 5, first=40)
+    quiet.top_logprobs = False
+    s.submit([asks, quiet])
+    assert [asks_sink.reason(), quiet_sink.reason()] == ["length", "length"]
+    assert _Counted.reads > 0
+    asked = [e for e in asks_sink.events if isinstance(e, sched.Token)]
+    assert [e.token for e in asked] == [31, 32, 33, 34, 35] and all(e.top == [(0, 0.0), (0, 0.0)] for e in asked)
+    assert all(e.top == [] for e in quiet_sink.events if isinstance(e, sched.Token))
+  finally:
+    s.stop(5)
