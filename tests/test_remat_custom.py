@@ -203,6 +203,15 @@ def test_mla_key_proj_is_each_heads_whole_key():
       ("2,8,4,6", "value_proj"), ("2,8,4,12", "key_proj")]
 
 
+def test_mla_presets_recompute_the_down_projections_as_upstreams():
+  """Upstream's save_qkv_proj and save_dot_except_mlp name the query, key and value (and the fused qkv_proj,
+  kv_proj), not MLA's query_wa_proj and kv_wa_proj: the down-projections are recomputed (were kept here)."""
+  mla_only = {k: v for k, v in _MLA_MOE.items() if k not in ("num_experts", "num_experts_per_tok")}
+  for name in ("save_qkv_proj", "save_dot_except_mlp"):
+    assert sorted(n for _, n in _saved_names("mla", **mla_only, remat_policy=name)) == [
+        "key_proj", "query_proj", "value_proj"], name
+
+
 _MOE = dict(num_experts=4, num_experts_per_tok=2)
 
 

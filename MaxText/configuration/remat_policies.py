@@ -61,14 +61,18 @@ SPARSE_MATMUL_ONLY_MOE = ("moe_mlpwi_1",)
 # A layer's input is what every recompute starts from: it can be kept in HBM or offloaded, not recomputed.
 NOT_RECOMPUTABLE = ("decoder_layer_input",)
 
-# The attention projections' checkpoint names (layers/linears.DenseGeneral's `tag`), MLA's down-projections included.
-QKV_PROJ = ("query_proj", "key_proj", "value_proj", "qkv_proj", "query_wa_proj", "kv_wa_proj")
+# The attention projections' checkpoint names that upstream's save_qkv_proj, save_dot_except_mlp and
+# minimal keep (src/maxtext/layers/decoders.py; its kv_proj no layer here produces). Not MLA's
+# down-projections, which those presets recompute there.
+QKV_PROJ = ("query_proj", "key_proj", "value_proj", "qkv_proj")
 ATTENTION_PROJ = QKV_PROJ + ("out_proj",)
+MLA_DOWN_PROJ = ("query_wa_proj", "kv_wa_proj")
 # Every projection's output: what jax's dots-without-batch-dimensions policy keeps of the named tensors.
-PROJECTIONS = ATTENTION_PROJ + ("mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo", "moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo")
+PROJECTIONS = ATTENTION_PROJ + MLA_DOWN_PROJ + ("mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo", "moe_mlpwi_0", "moe_mlpwi_1",
+                                                "moe_mlpwo")
 # What minimal and minimal_offloaded keep: the dots without batch dimensions and, as upstream's
 # minimal names them, the MLP projections, which reach the routed experts (EXPERT_ALSO_NAMED).
-_MINIMAL_NAMES = ATTENTION_PROJ + ("mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo")
+_MINIMAL_NAMES = ATTENTION_PROJ + MLA_DOWN_PROJ + ("mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo")
 
 # The preset widths (plan_model._widths) each produced tensor belongs to, for comparing a placement
 # with the presets; the planner prices a custom placement per tensor (plan_model.tensor_widths).
