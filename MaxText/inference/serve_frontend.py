@@ -121,7 +121,8 @@ class FrontendServer(serve_app.HttpServer):
     pending = _Request(jobs, asyncio.Queue(), asyncio.get_running_loop().create_future(), len(jobs))
     self._requests[request_id] = pending
     choices = [(c.index, c.prompt, c.max_tokens, c.row, c.images) for c in request.choices]
-    self.send(("submit", request_id, choices, score_prompt, None if request.grammar is None else request.grammar.text))
+    self.send(("submit", request_id, choices, score_prompt, None if request.grammar is None else request.grammar.text,
+               bool(request.logprobs)))
     try:  # an answer that never comes (a submit lost in the engine's process) is the request's deadline
       refused = await asyncio.wait_for(asyncio.shield(pending.admitted), self.request_timeout_seconds)
     except (asyncio.CancelledError, asyncio.TimeoutError) as e:  # or the client went away meanwhile
@@ -136,8 +137,6 @@ class FrontendServer(serve_app.HttpServer):
       kind, message = refused
       if kind == "error":
         raise api.ApiError(500, f"generation failed: {message}", code="generation_failed")
-      if kind == "gone":
-        raise api.ApiError(503, "the server is stopping", code="engine_gone")
       raise serve_app.refusal(job_events.QueueFull(message) if kind == "full" else job_events.TooLarge(message))
     return jobs, pending.queue
 
@@ -194,7 +193,7 @@ class FrontendServer(serve_app.HttpServer):
     self.engine_gone.set()
     for pending in self._requests.values():
       if not pending.admitted.done():
-        pending.admitted.set_result(("gone", "the engine's process is gone"))
+        pending.admitted.set_result(("full", "the engine's process is gone"))
       open_jobs = [job for job in pending.jobs if not job.finished]
       for job in open_jobs:
         job.finished = True

@@ -131,8 +131,8 @@ class _Link:
     else:
       raise ValueError(f"unknown message {message[0]!r}")
 
-  def _submit(self, request_id: int, choices: list[tuple[Any, ...]], score_prompt: bool, grammar_text: str | None
-              ) -> None:
+  def _submit(self, request_id: int, choices: list[tuple[Any, ...]], score_prompt: bool, grammar_text: str | None,
+              top_logprobs: bool = True) -> None:
     def emit(event: sched.Event) -> None:  # on the scheduler thread; sent at the end of its loop
       with self._lock:
         self._events.append(("event", request_id, event))
@@ -152,7 +152,7 @@ class _Link:
         if compiler is not None and grammar_text is not None:
           constraint = grammar.Grammar(grammar_text, compiler.tokenizer, compiler.vocab_size).constraint()
         jobs.append(sched.Job(index, prompt, max_tokens, row, emit, score_prompt, images=images,
-                              constraint=constraint))
+                              constraint=constraint, top_logprobs=top_logprobs))
     except Exception as e:  # noqa: BLE001 - the request fails (a 500), not the front end's channel
       traceback.print_exc()
       self._sending.put([("admit", request_id, ("error", f"{type(e).__name__}: {e}"))])

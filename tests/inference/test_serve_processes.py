@@ -326,7 +326,7 @@ def test_a_submit_the_engine_never_answers_is_a_504_at_the_requests_deadline():
   spec = types.SimpleNamespace(limits=None, request_timeout_seconds=0.5)
   server = serve_frontend.FrontendServer(spec, types.SimpleNamespace())
   request = types.SimpleNamespace(choices=[types.SimpleNamespace(index=0, prompt=[1], max_tokens=2, row=0,
-                                                                 images=None)], grammar=None)
+                                                                 images=None)], grammar=None, logprobs=None)
 
   async def ask() -> api.ApiError:
     await server.connect(ours)
@@ -340,36 +340,43 @@ def test_a_submit_the_engine_never_answers_is_a_504_at_the_requests_deadline():
   assert serve_frontend.read_frame(theirs)[0] == "submit" and serve_frontend.read_frame(theirs) == ("cancel", 0, 0)
 
 
-def test_a_request_waiting_for_its_admission_when_the_engine_goes_is_a_503_server_stopping():
-  """The engine's process gone before it admitted a request: 503 engine_gone ("the server is stopping"), as a
-  request arriving after; it was a 503 queue_full, "the server is busy (the engine's process is gone); retry
-  later"."""
-  import asyncio
+def test_a_submit_says_whether_its_jobs_tokens_carry_their_top_alternatives():
+  """The front end sends whether the request asked for logprobs >= 1; the engine's jobs carry it
+  (Job.top_logprobs: without, the scheduler neither reads nor sends the alternatives), a submit without
+  the flag keeps them."""
   import socket
   import types
 
-  from MaxText.inference import openai_api as api
   from MaxText.inference import serve_frontend
 
+  submitted: list = []
   ours, theirs = socket.socketpair()
-  spec = types.SimpleNamespace(limits=None, request_timeout_seconds=10)
-  server = serve_frontend.FrontendServer(spec, types.SimpleNamespace())
-  request = types.SimpleNamespace(choices=[types.SimpleNamespace(index=0, prompt=[1], max_tokens=2, row=0,
-                                                                 images=None)], grammar=None, logprobs=0)
+  theirs.settimeout(10)
+  scheduler = types.SimpleNamespace(load=lambda: {}, submit=submitted.extend)
+  serve_processes._Link(0, ours, scheduler, None, threading.Event()).start()
+  for request_id, flag in enumerate(((False,), (True,), ())):
+    theirs.sendall(serve_frontend.frame(("submit", request_id, [(0, [1, 2], 2, 0, None)], False, None, *flag)))
+    assert serve_frontend.read_frame(theirs) == [("admit", request_id, None)]
+  assert [job.top_logprobs for job in submitted] == [False, True, True]
+  theirs.close()
 
-  async def ask() -> list[api.ApiError]:
-    reader = await server.connect(ours)
-    following = asyncio.create_task(server.read(reader))
-    admitting = asyncio.create_task(server.admit(request, False))
-    await asyncio.sleep(0.1)
-    theirs.close()
-    errors = []
-    for admission in (admitting, server.admit(request, False)):
-      with pytest.raises(api.ApiError) as e:
-        await asyncio.wait_for(admission, 5)
-      errors.append(e.value)
-    await following
-    return errors
+  import asyncio
 
-  for error in asyncio.run(ask()):
-    assert error.status == 503 and error.body()["error"]["code"] == "engine_gone", error.body()
+  from MaxText.inference import openai_api as api
+
+  ours, theirs = socket.socketpair()
+  theirs.settimeout(10)
+  server = serve_frontend.FrontendServer(types.SimpleNamespace(limits=None, request_timeout_seconds=0.2),
+                                         types.SimpleNamespace())
+  choice = types.SimpleNamespace(index=0, prompt=[1], max_tokens=2, row=0, images=None)
+
+  async def ask() -> None:
+    await server.connect(ours)
+    for logprobs in (None, 0, 2):
+      with pytest.raises(api.ApiError):  # no engine answers here: the request's deadline
+        await server.admit(types.SimpleNamespace(choices=[choice], grammar=None, logprobs=logprobs), False)
+    await asyncio.sleep(0.1)  # the cancels are written
+
+  asyncio.run(ask())
+  sent = [serve_frontend.read_frame(theirs) for _ in range(6)]
+  assert [m[5] for m in sent if m[0] == "submit"] == [False, False, True]
