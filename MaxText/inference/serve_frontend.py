@@ -137,6 +137,8 @@ class FrontendServer(serve_app.HttpServer):
       kind, message = refused
       if kind == "error":
         raise api.ApiError(500, f"generation failed: {message}", code="generation_failed")
+      if kind == "gone":
+        raise api.ApiError(503, "the server is stopping", code="engine_gone")
       raise serve_app.refusal(job_events.QueueFull(message) if kind == "full" else job_events.TooLarge(message))
     return jobs, pending.queue
 
@@ -193,7 +195,7 @@ class FrontendServer(serve_app.HttpServer):
     self.engine_gone.set()
     for pending in self._requests.values():
       if not pending.admitted.done():
-        pending.admitted.set_result(("full", "the engine's process is gone"))
+        pending.admitted.set_result(("gone", "the engine's process is gone"))
       open_jobs = [job for job in pending.jobs if not job.finished]
       for job in open_jobs:
         job.finished = True

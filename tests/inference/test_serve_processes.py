@@ -340,6 +340,41 @@ def test_a_submit_the_engine_never_answers_is_a_504_at_the_requests_deadline():
   assert serve_frontend.read_frame(theirs)[0] == "submit" and serve_frontend.read_frame(theirs) == ("cancel", 0, 0)
 
 
+def test_a_request_waiting_for_its_admission_when_the_engine_goes_is_a_503_server_stopping():
+  """The engine's process gone before it admitted a request: 503 engine_gone ("the server is stopping"), as a
+  request arriving after; it was a 503 queue_full, "the server is busy (the engine's process is gone); retry
+  later"."""
+  import asyncio
+  import socket
+  import types
+
+  from MaxText.inference import openai_api as api
+  from MaxText.inference import serve_frontend
+
+  ours, theirs = socket.socketpair()
+  spec = types.SimpleNamespace(limits=None, request_timeout_seconds=10)
+  server = serve_frontend.FrontendServer(spec, types.SimpleNamespace())
+  request = types.SimpleNamespace(choices=[types.SimpleNamespace(index=0, prompt=[1], max_tokens=2, row=0,
+                                                                 images=None)], grammar=None, logprobs=0)
+
+  async def ask() -> list[api.ApiError]:
+    reader = await server.connect(ours)
+    following = asyncio.create_task(server.read(reader))
+    admitting = asyncio.create_task(server.admit(request, False))
+    await asyncio.sleep(0.1)
+    theirs.close()
+    errors = []
+    for admission in (admitting, server.admit(request, False)):
+      with pytest.raises(api.ApiError) as e:
+        await asyncio.wait_for(admission, 5)
+      errors.append(e.value)
+    await following
+    return errors
+
+  for error in asyncio.run(ask()):
+    assert error.status == 503 and error.body()["error"]["code"] == "engine_gone", error.body()
+
+
 def test_a_submit_says_whether_its_jobs_tokens_carry_their_top_alternatives():
   """The front end sends whether the request asked for logprobs >= 1; the engine's jobs carry it
   (Job.top_logprobs: without, the scheduler neither reads nor sends the alternatives), a submit without
