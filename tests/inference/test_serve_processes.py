@@ -234,9 +234,12 @@ def test_a_submit_the_engine_cannot_build_is_answered_and_a_closed_channel_is_no
   theirs.sendall(serve_frontend.frame(("submit", 7, [("not", "a", "choice")], False, None)))
   theirs.sendall(serve_frontend.frame(("cancel", 8, 0)))
   theirs.sendall(serve_frontend.frame(("load",)))
-  [(kind, request, (error, message))] = serve_frontend.read_frame(theirs)
+  items = serve_frontend.read_frame(theirs)
+  if len(items) == 1:  # the writer sends what queued meanwhile as one message: the two answers, or one each
+    items += serve_frontend.read_frame(theirs)
+  [(kind, request, (error, message)), load] = items
   assert (kind, request, error) == ("admit", 7, "error") and "ValueError" in message
-  assert serve_frontend.read_frame(theirs) == [("load", {"slots": 3})]
+  assert load == ("load", {"slots": 3})
   theirs.close()
   assert lost.wait(10)
 
