@@ -31,6 +31,7 @@ from MaxText.inference import job_events, serve_app, serve_codec, serve_metrics
 from MaxText.inference import openai_api as api
 
 _LENGTH_BYTES = 4
+_LOAD_SECONDS = 10.0  # the most /health and /metrics wait for the engine's figures
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +150,14 @@ class FrontendServer(serve_app.HttpServer):
     if self._loading is None:
       self._loading = asyncio.get_running_loop().create_future()
       self.send(("load",))
-    await asyncio.shield(self._loading)
+    loading = self._loading
+    try:
+      await asyncio.wait_for(asyncio.shield(loading), _LOAD_SECONDS)
+    except asyncio.TimeoutError:  # a question lost or held up there: the next caller asks again
+      if self._loading is loading:
+        self._loading = None
+      raise api.ApiError(503, f"the engine's process did not answer for its load figures within {_LOAD_SECONDS} s",
+                         code="engine_busy") from None
 
   async def read(self, reader: asyncio.StreamReader) -> None:
     """Delivers the engine's messages until its end of file: each message's events go to each

@@ -418,3 +418,33 @@ def test_a_submit_says_whether_its_jobs_tokens_carry_their_top_alternatives():
   asyncio.run(ask())
   sent = [serve_frontend.read_frame(theirs) for _ in range(6)]
   assert [m[5] for m in sent if m[0] == "submit"] == [False, False, True]
+
+
+def test_load_figures_the_engine_never_sends_are_a_503_and_the_next_caller_asks_again(monkeypatch):
+  """/health and /metrics of a front end whose question for the load figures gets no answer: a 503 after a bound,
+  and the next call asks again (they waited for ever, and so did every later one: the question stayed pending)."""
+  import asyncio
+  import socket
+  import types
+
+  from MaxText.inference import openai_api as api
+  from MaxText.inference import serve_frontend
+
+  monkeypatch.setattr(serve_frontend, "_LOAD_SECONDS", 0.3)
+  ours, theirs = socket.socketpair()
+  theirs.settimeout(10)
+  server = serve_frontend.FrontendServer(types.SimpleNamespace(limits=None, request_timeout_seconds=10),
+                                         types.SimpleNamespace())
+
+  async def ask() -> list[api.ApiError]:
+    await server.connect(ours)
+    errors = []
+    for _ in range(2):
+      with pytest.raises(api.ApiError) as e:
+        await asyncio.wait_for(server.refresh(), 5)
+      errors.append(e.value)
+    return errors
+
+  for error in asyncio.run(ask()):
+    assert error.status == 503 and error.body()["error"]["code"] == "engine_busy"
+  assert [serve_frontend.read_frame(theirs) for _ in range(2)] == [("load",), ("load",)]
