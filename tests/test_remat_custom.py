@@ -195,6 +195,19 @@ def test_fused_mlp_names_its_one_matmuls_output_mlpwi():
   assert [n for _, n in _saved_names("mlp", remat_policy="custom", mlpwi_0="device")] == ["mlpwi_0"]
 
 
+@pytest.mark.slow  # four train-step compiles of a tiny MoE model
+def test_moe_presets_that_keep_expert_tensors_train_like_full_remat():
+  """The experts' tensors kept in HBM or offloaded (minimal_offloaded's jax policy: dots or names) change
+  memory, not arithmetic."""
+  def losses(**overrides):
+    run = Run(Config.for_testing(**_TINY, **_MOE, sparse_matmul=True, capacity_factor=-1.0, **overrides))
+    _, history = run.train(run.init(), 2)
+    return [h["loss"] for h in history]
+  reference = losses(remat_policy="full")
+  for name in ("minimal", "minimal_offloaded", "save_dot_except_mlpwi"):
+    np.testing.assert_allclose(losses(remat_policy=name), reference, rtol=1e-6, err_msg=name)
+
+
 def test_mla_key_proj_is_each_heads_whole_key():
   """Upstream's attention_mla.py names each head's whole key key_proj: its no-position part and the
   shared rotated one (8 + 4 wide here; was the 8-wide no-position part alone)."""
