@@ -187,11 +187,15 @@ def test_fused_qkv_proj_places_the_one_matmuls_output(capsys):
       capsys.readouterr().err)
 
 
-def test_fused_mlp_names_its_one_matmuls_output_mlpwi():
+def test_fused_mlp_names_its_one_matmuls_output_mlpwi(capsys):
   """Upstream's fused_mlp names the stacked [B, L, 2, F] output mlpwi and the two parts nothing
-  (src/maxtext/layers/linears.py, MlpBlock)."""
+  (src/maxtext/layers/linears.py, MlpBlock); a placement of a part then places nothing, with a warning."""
   assert _saved_names("mlp", fused_mlp=True, remat_policy="custom", mlpwi="device") == [("2,8,2,128", "mlpwi")]
+  from MaxText.configuration import model_config
+  model_config._WARNED_UNPRODUCED.difference_update({"mlpwi_0", "mlpwi_1"})
   assert _saved_names("mlp", fused_mlp=True, remat_policy="custom", mlpwi_0="device", mlpwi_1="device") == []
+  assert ("warning: mlpwi_0=device places nothing: no layer here produces 'mlpwi_0' (fused_mlp=True names its "
+          "one matmul mlpwi)") in capsys.readouterr().err
   assert [n for _, n in _saved_names("mlp", remat_policy="custom", mlpwi_0="device")] == ["mlpwi_0"]
 
 
