@@ -371,11 +371,12 @@ def _post(served, path: str, body: bytes | str, key: str | None = KEY) -> httpx.
     ('{"model": "tiny", "prompt": "the", "n": HUGE}', KEY, 400, "serve_max_n"),
     ('{"model": "tiny", "prompt": "the", "logprobs": HUGE}', KEY, 400, "logprobs must be in [0, 5]"),
     ('{"model": "tiny", "prompt": [HUGE]}', KEY, 400, "outside the vocabulary"),
+    ('{"model": "tiny", "prompt": "the", "seed": HUGE}', KEY, 400, "seed must be in [0, 2**32)"),
     ('{"model": "tiny", "prompt": "the", "temperature": 1e400}', KEY, 400, "temperature must be in [0, 2]"),
     ("[" * 3000, KEY, 400, "nested too deeply"),
 ], ids=["invalid-json", "unknown-model", "prompt-too-long", "negative-max-tokens", "max-tokens-over-limit",
         "n-over-limit", "oversized-body", "missing-key", "wrong-key", "huge-temperature", "huge-top-p",
-        "huge-max-tokens", "huge-n", "huge-logprobs", "huge-token-id", "infinite-temperature", "deep-nesting"])
+        "huge-max-tokens", "huge-n", "huge-logprobs", "huge-token-id", "huge-seed", "infinite-temperature", "deep-nesting"])
 def test_bad_requests_get_json_errors(served, body, key, status, message):
   response = _post(served, "/v1/completions", body.replace("HUGE", HUGE), key)
   assert response.status_code == status, response.text
@@ -387,8 +388,8 @@ HUGE = "1" + "0" * 400  # 10**400: a valid JSON number, beyond a float's range
 
 
 def test_huge_integers_with_a_meaning_are_served(served):
-  """top_k beyond the vocabulary keeps every token (as 0 does); any integer is a seed."""
-  body = f'{{"model": "tiny", "prompt": "the", "max_tokens": 4, "temperature": 0, "top_k": {HUGE}, "seed": {HUGE}}}'
+  """top_k beyond the vocabulary keeps every token (as 0 does)."""
+  body = f'{{"model": "tiny", "prompt": "the", "max_tokens": 4, "temperature": 0, "top_k": {HUGE}}}'
   response = _post(served, "/v1/completions", body)
   assert response.status_code == 200, response.text
   assert response.json()["choices"][0]["text"] == served.text(served.greedy(served.ids("the"), 4))

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 from MaxText.errors import UserError
 from MaxText.inference import grammar as grammar_lib
 from MaxText.inference.image_prompts import PromptImages
-from MaxText.inference.row_params import NUM_TOP_LOGPROBS, RowParams
+from MaxText.inference.row_params import NUM_TOP_LOGPROBS, SEED_LIMIT, RowParams
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 
@@ -232,6 +232,8 @@ def _sampling(body: dict[str, Any], vocab_size: int) -> tuple[float, float, int,
     raise ApiError(400, f"top_k must be >= 0 (0 = all tokens), got {top_k}", "top_k")
   if n < 1:
     raise ApiError(400, f"n must be >= 1, got {n}", "n")
+  if seed is not None and not 0 <= seed < SEED_LIMIT:  # folding it in would make it repeat another seed
+    raise ApiError(400, f"seed must be in [0, 2**32), got {str(seed)[:40]}", "seed")
   # top_k >= the vocabulary keeps every token, as 0 does; the cap keeps it an int32 on the device.
   return temperature, top_p, min(top_k, vocab_size), seed, n
 
@@ -279,7 +281,7 @@ def _choices(prompts: list[list[int]], body: dict[str, Any], name: str, limits: 
     max_tokens = _max_tokens(body.get(name), name, len(ids), limits, minimum)
     for j in range(n):
       index = p * n + j
-      row_seed = secrets.randbits(32) if seed is None else seed + index
+      row_seed = secrets.randbits(32) if seed is None else (seed + index) % SEED_LIMIT
       out.append(Completion(index, ids, max_tokens, RowParams(temperature, top_p, top_k, row_seed), images))
   return out
 

@@ -22,6 +22,9 @@ class SamplingParams:
 # one compiled step samples every slot by its own rules. temperature 0 is greedy; top_k 0 and
 # top_p 1 keep every token.
 NUM_TOP_LOGPROBS = 5  # alternatives reported per position (OpenAI's completions allow at most 5)
+# A row's seed becomes its PRNG key as a uint32 (decode_state.row_sampling): a request's seed must be in
+# [0, SEED_LIMIT), where distinct seeds give distinct keys.
+SEED_LIMIT = 2**32
 
 
 @dataclasses.dataclass(frozen=True)

@@ -124,3 +124,16 @@ def test_serving_md_names_every_field_each_route_reads():
   named = set(re.findall(r"`([a-z_]+)`", text))
   missing = (api.COMPLETION_FIELDS | api.CHAT_FIELDS | api.IGNORED_FIELDS) - named
   assert not missing, f"Serving.md does not name {sorted(missing)}"
+
+
+def test_a_seed_the_sampler_cannot_tell_apart_is_a_400_naming_seed():
+  """Seeds are 32-bit PRNG seeds: 2**32 would repeat 0 and -1 would repeat 2**32 - 1, so both are refused."""
+  for seed in (0, 2**32 - 1):
+    api.parse_completion({"prompt": "the", "seed": seed}, LIMITS, CODEC)
+  rows = api.parse_completion({"prompt": "the", "seed": 2**32 - 1, "n": 2}, LIMITS, CODEC).choices
+  assert [c.row.seed for c in rows] == [2**32 - 1, 0]  # each choice its own seed, within the sampler's range
+  for seed in (2**32, -1, 10**400):
+    for parse, base in ((api.parse_completion, {"prompt": "the"}), (api.parse_chat, ROUTES["chat"][3])):
+      with pytest.raises(api.ApiError, match=re.escape("seed must be in [0, 2**32)")) as raised:
+        parse({**base, "seed": seed}, LIMITS, CODEC)
+      assert raised.value.status == 400 and raised.value.param == "seed"
