@@ -69,6 +69,9 @@ class Codec:
   # tool-call format its chat template teaches (tool_calls.FORMATS). None: no constrained decoding.
   grammars: Callable[[], grammar_lib.Compiler] | None = None
   tool_format: Callable[[], str] | None = None
+  # The ids `decode` reads are [0, token_limit) (the tokenizer's vocabulary, at most the model's); None: the
+  # model's vocab_size. A prompt of ids beyond it would be answered with text the tokenizer cannot write.
+  token_limit: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,15 +241,17 @@ def _sampling(body: dict[str, Any], vocab_size: int) -> tuple[float, float, int,
   return temperature, top_p, min(top_k, vocab_size), seed, n
 
 
-def _check_prompt(ids: list[int], limits: Limits, has_images: bool = False) -> None:
+def _check_prompt(ids: list[int], limits: Limits, token_limit: int | None, has_images: bool = False) -> None:
   if not ids:
     raise ApiError(400, "the prompt is empty (it must have at least one token)", "prompt")
   if len(ids) > limits.max_prompt_tokens:
     raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most {limits.max_prompt_tokens} "
                    "(max_prefill_predict_length)", "prompt", "context_length_exceeded")
-  bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+  limit = limits.vocab_size if token_limit is None else min(token_limit, limits.vocab_size)
+  bad = [t for t in ids if not 0 <= t < limit]
   if bad:
-    raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})", "prompt")
+    whose = "" if limit == limits.vocab_size else f" of the tokenizer (the model's is [0, {limits.vocab_size}))"
+    raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {limit}){whose}", "prompt")
   if not has_images and limits.image_token_id is not None and limits.image_token_id in ids:
     raise ApiError(400, f"the prompt holds the image placeholder token {limits.image_token_id} but no image; send "
                    "images as image_url content parts of /v1/chat/completions", "prompt")
@@ -270,14 +275,14 @@ def _max_tokens(value: Any, name: str, prompt_len: int, limits: Limits, minimum:
 
 
 def _choices(prompts: list[list[int]], body: dict[str, Any], name: str, limits: Limits, minimum: int,
-             images: PromptImages | None = None) -> list[Completion]:
+             images: PromptImages | None = None, token_limit: int | None = None) -> list[Completion]:
   temperature, top_p, top_k, seed, n = _sampling(body, limits.vocab_size)
   if len(prompts) * n > limits.max_choices:
     raise ApiError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} completions; this server allows at "
                    f"most {limits.max_choices} per request (serve_max_n)", "n")
   out = []
   for p, ids in enumerate(prompts):
-    _check_prompt(ids, limits, images is not None)
+    _check_prompt(ids, limits, token_limit, images is not None)
     max_tokens = _max_tokens(body.get(name), name, len(ids), limits, minimum)
     for j in range(n):
       index = p * n + j
@@ -317,7 +322,8 @@ def parse_completion(body: Any, limits: Limits, codec: Codec) -> Request:
   logprobs = _get(body, "logprobs", int, None)
   if logprobs is not None and not 0 <= logprobs <= NUM_TOP_LOGPROBS:
     raise ApiError(400, f"logprobs must be in [0, {NUM_TOP_LOGPROBS}], got {logprobs}", "logprobs")
-  choices = _choices(prompts, body, "max_tokens", limits, minimum=0 if echo else 1)
+  # Ids the client typed are checked against the tokenizer; ids the server encoded come from it.
+  choices = _choices(prompts, body, "max_tokens", limits, minimum=0 if echo else 1, token_limit=codec.token_limit)
   return Request(choices, bool(_get(body, "stream", bool, False)), _stop(body), echo, logprobs,
                  _include_usage(body), model=_model(body))
 

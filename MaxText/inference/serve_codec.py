@@ -91,4 +91,5 @@ def build(spec: CodecSpec, chat_images: ImageChat | None = None) -> tuple[api.Co
   def tool_format() -> str:
     return tool_calls.template_format(template_tokenizer().chat_template)
 
-  return api.Codec(encode, tokenizer.decode, chat, images, chat_tools, grammars, tool_format), tokenizer.eos_id
+  return (api.Codec(encode, tokenizer.decode, chat, images, chat_tools, grammars, tool_format, tokenizer.vocab_size),
+          tokenizer.eos_id)

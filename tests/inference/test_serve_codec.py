@@ -42,3 +42,18 @@ def test_a_conversation_the_template_refuses_is_a_400_naming_messages(codec, too
     render(bad)
   assert raised.value.status == 400 and raised.value.param == "messages"
   assert "Conversation roles must alternate" in raised.value.message and "\n" not in raised.value.message
+
+
+def test_prompt_ids_the_tokenizer_cannot_decode_are_a_400_naming_prompt(codec):
+  """The tokenizer has fewer ids than the model's vocab_size: ids between the two are refused as ids past
+  the model's are, since the answer's text could not be written."""
+  assert codec.token_limit is not None and codec.token_limit < 272
+  limits = api.Limits("tiny", 272, 32, 48, 16, 4)
+  last = codec.token_limit - 1
+  assert api.parse_completion({"prompt": [5, last], "max_tokens": 1}, limits, codec).choices[0].prompt == [5, last]
+  for token, bound in ((codec.token_limit, f"[0, {codec.token_limit}) of the tokenizer"), (271, "of the tokenizer"),
+                       (272, "[0, 272)"), (-1, "outside the vocabulary")):
+    with pytest.raises(api.ApiError) as raised:
+      api.parse_completion({"prompt": [[5], [5, token]]}, limits, codec)
+    assert raised.value.status == 400 and raised.value.param == "prompt", raised.value.message
+    assert f"token id {token} is outside the vocabulary" in raised.value.message and bound in raised.value.message
