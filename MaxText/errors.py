@@ -6,7 +6,7 @@ import contextlib
 import logging
 import os
 import sys
-from typing import Callable, Iterator, NoReturn
+from typing import Callable, Iterable, Iterator, NoReturn
 
 
 class UserError(Exception):
@@ -23,6 +23,11 @@ class TrainingError(UserError):
   """The run itself went wrong in a way the user must act on (e.g. a NaN loss)."""
 
   exit_code = 3
+
+
+def choices(allowed: Iterable[str], empty: str = "off") -> str:
+  """A message's list of allowed values: the empty value is written `"" (<empty>)`, not as nothing."""
+  return ", ".join(f'"" ({empty})' if a == "" else a for a in allowed)
 
 
 # "process i/n" once a multi-process job is joined, so each process's errors say which it is.

@@ -283,7 +283,7 @@ class RunConfig:
     _require(v["profiler"] in ("", "xplane"), f"profiler must be '' (off) or 'xplane', got {v['profiler']!r}")
     _require(v["profile_start_step"] >= 0, f"profile_start_step must be >= 0, got {v['profile_start_step']}")
     values = read_keys(cls, v, metric_trackers=_metric_trackers(v))
-    _one_of(v, "wandb_mode", WANDB_MODES)
+    _one_of(v, "wandb_mode", WANDB_MODES, empty="wandb's own choice")
     _require("wandb" not in values["metric_trackers"] or bool(v["wandb_project"]),
              "metric_trackers names wandb but wandb_project is empty; set wandb_project=<your W&B project>")
     return cls(**values, run_dir=storage.join(v["base_output_directory"], run_name))

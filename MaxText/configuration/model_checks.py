@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from MaxText.configuration import batch_split
 from MaxText.configuration.config_fields import require as _require
 from MaxText.configuration.remat_policies import NAMES as REMAT_POLICY_NAMES
+from MaxText.errors import choices
 
 if TYPE_CHECKING:
   from MaxText.configuration.config_groups import MeshConfig
@@ -56,8 +57,9 @@ def positive(values: Mapping[str, Any], *keys: str) -> None:
     _require(values[name] > 0, f"{name} must be > 0, got {values[name]}")
 
 
-def one_of(v: Mapping[str, Any], name: str, allowed: tuple[str, ...]) -> None:
-  _require(v[name] in allowed, f"{name} must be one of {', '.join(allowed)}; got {v[name]!r}")
+def one_of(v: Mapping[str, Any], name: str, allowed: tuple[str, ...], empty: str = "off") -> None:
+  """`empty`: what "" means, where `allowed` holds it."""
+  _require(v[name] in allowed, f"{name} must be one of {choices(allowed, empty)}; got {v[name]!r}")
 
 
 def parameter_scales(global_parameter_scale: int) -> dict[str, int]:

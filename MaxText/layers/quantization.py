@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxText.configuration.model_checks import QUANTIZATION_MODES
+from MaxText.errors import choices
 from MaxText.layers.mxfp8 import mxfp8_dot_general
 
 DotDims = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
@@ -58,7 +59,7 @@ _MODE: contextvars.ContextVar[str] = contextvars.ContextVar("maxtext_quantizatio
 def use_quantization(mode: str) -> Iterator[None]:
   """Matmuls traced inside this block (DenseGeneral, MoE experts) run in `mode` ("" = float)."""
   if mode not in QUANTIZATION_MODES:
-    raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}; got {mode!r}")
+    raise ValueError(f"quantization must be one of {choices(QUANTIZATION_MODES, 'float')}; got {mode!r}")
   token = _MODE.set(mode)
   try:
     yield
@@ -210,7 +211,7 @@ def quantized_dot_general(mode: str, lhs: jax.Array, rhs: jax.Array, dims: DotDi
     return fp8_dot_general(lhs, rhs, dims)
   if mode == "mxfp8":
     return mxfp8_dot_general(lhs, rhs, dims)
-  raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}; got {mode!r}")
+  raise ValueError(f"quantization must be one of {choices(QUANTIZATION_MODES, 'float')}; got {mode!r}")
 
 
 def dot_general(lhs: jax.Array, rhs: jax.Array, dims: DotDims) -> jax.Array:

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
+from MaxText.errors import choices
 from MaxText.layers import quantization
 from MaxText.platform.sharding import trace_platform
 
@@ -78,7 +79,7 @@ def quantize_weight(kernel: jax.Array, mode: str, contract_axes: Sequence[int], 
   """`kernel` as `mode` ("int8" or "fp8") values with absmax scales over `contract_axes`, one per output
   channel (`block` 0) or per `block` rows of each (every contracting axis must divide into them)."""
   if mode not in STORAGE_DTYPES:
-    raise ValueError(f"quantize_weights must be one of {('',) + tuple(STORAGE_DTYPES)}; got {mode!r}")
+    raise ValueError(f"quantize_weights must be one of {choices(('',) + tuple(STORAGE_DTYPES))}; got {mode!r}")
   x32 = kernel.astype(jnp.float32)
   blocked_shape: list[int] = []
   reduce_axes: list[int] = []

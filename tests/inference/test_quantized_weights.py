@@ -6,6 +6,7 @@ rollouts, and the refused values."""
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -154,13 +155,13 @@ def _get(tree, path):
 
 
 def test_refused_values():
-  with pytest.raises(ConfigError, match="quantize_weights must be one of"):
+  with pytest.raises(ConfigError, match=re.escape('quantize_weights must be one of "" (off), int8, fp8; got \'int4\'')):
     Config.for_testing(**TINY, quantize_weights="int4")
   with pytest.raises(ConfigError, match="quantize_weights_block must be >= 0"):
     Config.for_testing(**TINY, quantize_weights="int8", quantize_weights_block=-1)
   with pytest.raises(UserError, match="quantize_weights_block=24 does not divide the input axis of 64"):
     Engine(Config.for_testing(**TINY, quantize_weights="fp8", quantize_weights_block=24), mesh=one_device_mesh())
-  with pytest.raises(ValueError, match="quantize_weights must be one of"):
+  with pytest.raises(ValueError, match=re.escape('quantize_weights must be one of "" (off), int8, fp8;')):
     quantize_weight(jnp.ones((4, 4)), "int4", (0,))
 
 
@@ -300,3 +301,12 @@ def test_the_cpu_matmul_by_blocks_of_input_rows_equals_one_dot(monkeypatch):
   assert "stablehlo.while" in hlo
   np.testing.assert_allclose(dense_dot(x, q, 2, jnp.float32, ""), whole, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(whole, jnp.einsum("blhd,hde->ble", x, q.dequantize(jnp.float32)), rtol=1e-5, atol=1e-5)
+
+
+def test_a_list_of_choices_writes_the_empty_value():
+  """The empty value is written `""` with its meaning, never as nothing between commas."""
+  with pytest.raises(ConfigError, match=re.escape('wandb_mode must be one of "" (wandb\'s own choice), online,')):
+    Config.for_testing(**TINY, wandb_mode="cloud")
+  with pytest.raises(ValueError, match=re.escape('quantization must be one of "" (float), int8, fp8, mxfp8;')):
+    with quantization.use_quantization("int4"):
+      pass
