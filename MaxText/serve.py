@@ -132,8 +132,9 @@ class Server(serve_app.HttpServer):
       mailbox = self._mailbox = _Mailbox(loop)
     emit = mailbox.emitter(queue)
 
-    if self.adapters is not None and request.model not in ("", self.limits.model_name):
-      return self._submit_to_adapter(request, score_prompt, emit), queue
+    adapter = None if self.adapters is None else serve_app.adapter_of(request, self.limits, score_prompt)
+    if adapter is not None:
+      return self._submit_to_adapter(request, score_prompt, emit, adapter), queue
     jobs = [sched.Job(c.index, c.prompt, c.max_tokens, c.row, emit, score_prompt, images=c.images,
                       constraint=None if request.grammar is None else request.grammar.constraint(),
                       top_logprobs=bool(request.logprobs))
@@ -141,34 +142,21 @@ class Server(serve_app.HttpServer):
     self._submit(jobs)
     return jobs, queue
 
-  def _submit_to_adapter(self, request: api.Request, score_prompt: bool, emit: Callable[[sched.Event], None]
-                         ) -> list[sched.Job]:
+  def _submit_to_adapter(self, request: api.Request, score_prompt: bool, emit: Callable[[sched.Event], None],
+                         name: str) -> list[sched.Job]:
     """The jobs of a request naming a LoRA adapter: each decodes with the adapter's table row and holds
     the adapter (it cannot be removed) until its Done event."""
     assert self.adapters is not None
-    if score_prompt:
-      raise api.ApiError(400, "echo with logprobs scores the prompt under the base model only; not with a LoRA "
-                         "adapter", "echo", "unsupported_parameter")
-    adapters, name = self.adapters, request.model
-    jobs: list[sched.Job] = []
-    for c in request.choices:
-      try:
-        row = adapters.acquire(name)
-        key = adapters.cache_key(name)  # held by the request: it stays until release
-      except lora_adapters.UnknownAdapter:  # removed since the request was read
-        for _ in jobs:
-          adapters.release(name)
-        raise api.ApiError(404, f"the model {name!r} does not exist", "model", "model_not_found") from None
-
-      def emit_releasing(event: sched.Event) -> None:
-        if isinstance(event, sched.Done):
-          adapters.release(name)
-        emit(event)
-
-      jobs.append(sched.Job(c.index, c.prompt, c.max_tokens, dataclasses.replace(c.row, adapter=row), emit_releasing,
-                            score_prompt, images=c.images,
-                            constraint=None if request.grammar is None else request.grammar.constraint(),
-                            cache_key=key, top_logprobs=bool(request.logprobs)))
+    adapters = self.adapters
+    try:
+      row, key = adapters.hold(name, len(request.choices))  # the cache key too: it stays until release
+    except lora_adapters.UnknownAdapter:  # removed since the request was read
+      raise serve_app.unknown_adapter(name) from None
+    jobs = [sched.Job(c.index, c.prompt, c.max_tokens, dataclasses.replace(c.row, adapter=row),
+                      adapters.releasing(name, emit), score_prompt, images=c.images,
+                      constraint=None if request.grammar is None else request.grammar.constraint(),
+                      cache_key=key, top_logprobs=bool(request.logprobs))
+            for c in request.choices]
     try:
       self._submit(jobs)
     except api.ApiError:
@@ -245,8 +233,7 @@ def main(argv: list[str]) -> int:
 
   config = startup.start(TOOL, argv).config
   d = config.decode
-  serve_processes.check(d.serve_http_processes, bool(d.serve_lora_adapters or d.serve_lora_slots),
-                        config.model.vision.use_multimodal)
+  serve_processes.check(d.serve_http_processes, config.model.vision.use_multimodal)
   sock = listen(d.host, d.port)
   server = build_server(config)
   app: Any = None if d.serve_http_processes else build_app(server, max_body_bytes=d.serve_max_body_bytes)
@@ -259,9 +246,11 @@ def main(argv: list[str]) -> int:
   distributed.log(f"serve: model {server.limits.model_name!r} on {address(d.host, sock)}/v1 "
               f"({d.serve_max_slots} slots, {d.serve_max_queue} waiting at most{front_ends})")
   if d.serve_http_processes:  # HTTP in processes of its own (inference/serve_processes.py)
-    spec = serve_frontend.FrontSpec(codec_spec(config), server.limits, d.serve_request_timeout_seconds,
-                                    d.serve_max_body_bytes)
-    code = serve_processes.serve(server.scheduler, server.codec.grammars, sock, spec, d.serve_http_processes)
+    # The adapter names travel as a list (FrontSpec.adapter_names), not as the registry's method.
+    spec = serve_frontend.FrontSpec(codec_spec(config), dataclasses.replace(server.limits, adapter_names=tuple),
+                                    d.serve_request_timeout_seconds, d.serve_max_body_bytes)
+    code = serve_processes.serve(server.scheduler, server.codec.grammars, sock, spec, d.serve_http_processes,
+                                 server.adapters)
   else:
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     code = 0

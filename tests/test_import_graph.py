@@ -23,8 +23,8 @@ FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
        "processes (inference/serve_frontend.py) read the tokenizer through it"
        for m in ("MaxText.platform.sharding", "MaxText.input_pipeline.synthetic", "MaxText.input_pipeline.packing")},
     ("MaxText.inference.serve_app", "MaxText.inference.serve_routes"): "FastAPI loads only when the server starts",
-    ("MaxText.inference.serve_app", "MaxText.inference.lora_routes"): "FastAPI and the LoRA tables load only when "
-    "the server starts with adapters",
+    ("MaxText.inference.serve_app", "MaxText.inference.lora_routes"): "FastAPI loads only when the server "
+    "starts with adapters",
     ("MaxText.training.metrics", "MaxText.layers.moe"): "flax and the layers load only for a MoE model's FLOPs",
     ("MaxText.plan", "MaxText.training.run_assembly"): "JAX's backend must start after the planner sets the XLA flags",
     ("MaxText.plan", "MaxText.train_compile"): "JAX's backend must start after the planner sets the XLA flags",

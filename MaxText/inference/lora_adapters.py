@@ -17,9 +17,8 @@ server maps OpenAI `model` names to rows (`Registry`); its admin routes are in l
 
 from __future__ import annotations
 
-import dataclasses
 import threading
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +29,9 @@ from MaxText.configuration.config import Config
 from MaxText.configuration.model_checks import MLP_LORA_TARGETS, lora_targets
 from MaxText.convert import peft_adapters
 from MaxText.errors import UserError
-from MaxText.inference import speculative_engine
+from MaxText.inference import job_events, speculative_engine
+from MaxText.inference.lora_admin import (AdapterBusy as AdapterBusy, LoadedAdapter as LoadedAdapter,  # JAX-free
+                                          NameTaken as NameTaken, UnknownAdapter as UnknownAdapter)
 from MaxText.inference.engine import Engine
 from MaxText.models import LAYER_STACKS
 from MaxText.platform import distributed
@@ -55,15 +56,6 @@ def table_config(config: Config, rank: int, targets: Sequence[str]) -> Config:
     raise UserError(f"serve_lora_max_rank must be >= 1 to hold LoRA adapters, got {rank}")
   values = {**config.values, "lora_rank": rank, "lora_alpha": float(rank), "lora_target_modules": tuple(targets)}
   return Config(values, config.target, reads_data=False)
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadedAdapter:
-  name: str
-  row: int
-  rank: int
-  alpha: float
-  targets: tuple[str, ...]
 
 
 def _path_keys(path: tuple[Any, ...]) -> tuple[str, ...]:
@@ -166,18 +158,6 @@ def _copy_dicts(params: Any) -> Any:
   return {k: _copy_dicts(v) for k, v in params.items()} if isinstance(params, dict) else params
 
 
-class UnknownAdapter(KeyError):
-  """A `model` name that is neither the base model nor a loaded adapter."""
-
-
-class AdapterBusy(Exception):
-  """An adapter that requests in flight still decode with."""
-
-
-class NameTaken(UserError):
-  """An adapter name that is the base model's or a loaded adapter's."""
-
-
 class Registry:
   """The served adapters by name: `add` / `remove` change the engine's parameters through `swap`
   (called with the new parameters before a new name is usable, after an old one is gone);
@@ -253,6 +233,25 @@ class Registry:
         raise UnknownAdapter(name)
       self._in_flight[name] += 1
       return self._by_name[name].row
+
+  def hold(self, name: str, count: int) -> tuple[int, bytes]:
+    """The table row and prefix-cache key (cache_key) of `name` for `count` more requests in flight, each
+    released once; UnknownAdapter (nothing held) when it is not loaded."""
+    if name == self.base_name:
+      return BASE_ROW, b""
+    with self._lock:
+      if name not in self._by_name:
+        raise UnknownAdapter(name)
+      self._in_flight[name] += count
+      return self._by_name[name].row, self._cache_keys[name]
+
+  def releasing(self, name: str, emit: Callable[[job_events.Event], None]) -> Callable[[job_events.Event], None]:
+    """A job's `emit` that releases `name` at the job's Done."""
+    def emit_releasing(event: job_events.Event) -> None:
+      if isinstance(event, job_events.Done):
+        self.release(name)
+      emit(event)
+    return emit_releasing
 
   def cache_key(self, name: str) -> bytes:
     """What the KV pages of `name`'s prompts are cached under (engine begin_prompt's cache_key; b"" for the

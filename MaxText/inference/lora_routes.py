@@ -1,4 +1,5 @@
-"""The server's admin routes for LoRA adapters (inference/lora_adapters.py), behind its API key:
+"""The server's admin routes for LoRA adapters (inference/lora_adapters.py, reached through
+lora_admin.py: in this process or the engine's), behind its API key:
 
     GET    /v1/admin/lora_adapters         the loaded adapters (name, table row, rank, alpha, targets)
     POST   /v1/admin/lora_adapters         {"name": ..., "path": PEFT adapter directory}: load one, no restart
@@ -10,24 +11,23 @@ otherwise); the server's guard answers 401 to a request without the key.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from typing import Any
 
 from fastapi import FastAPI, Request  # at module level: FastAPI resolves the handlers' annotations here
 
 from MaxText.errors import UserError
-from MaxText.inference import lora_adapters
+from MaxText.inference import lora_admin
 from MaxText.inference import openai_api as api
 
 ROUTE = "/v1/admin/lora_adapters"
 
 
-def _describe(adapter: lora_adapters.LoadedAdapter) -> dict[str, Any]:
+def _describe(adapter: lora_admin.LoadedAdapter) -> dict[str, Any]:
   return {**dataclasses.asdict(adapter), "targets": list(adapter.targets)}
 
 
-def add_routes(app: FastAPI, registry: lora_adapters.Registry, admin_allowed: bool) -> None:
+def add_routes(app: FastAPI, registry: lora_admin.Admin, admin_allowed: bool) -> None:
   def allowed() -> None:
     if not admin_allowed:
       raise api.ApiError(403, "the LoRA admin routes need the server started with MAXTEXT_API_KEY set",
@@ -36,7 +36,7 @@ def add_routes(app: FastAPI, registry: lora_adapters.Registry, admin_allowed: bo
   @app.get(ROUTE)
   async def list_adapters() -> dict[str, Any]:
     allowed()
-    return {"object": "list", "data": [_describe(a) for a in registry.adapters()]}
+    return {"object": "list", "data": [_describe(a) for a in await registry.adapters()]}
 
   @app.post(ROUTE)
   async def add_adapter(http: Request) -> dict[str, Any]:
@@ -47,9 +47,9 @@ def add_routes(app: FastAPI, registry: lora_adapters.Registry, admin_allowed: bo
     if body["name"] in registry.names() or body["name"] == registry.base_name:
       raise api.ApiError(409, f"the model name {body['name']!r} is taken (the base model's or a loaded adapter's); "
                          "choose another", "name", "name_taken")
-    try:  # reading the weights and writing the tables: not on the event loop other requests share
-      loaded = await asyncio.to_thread(registry.add, body["name"], body["path"])
-    except lora_adapters.NameTaken as e:  # loaded by a request that raced this one past the check above
+    try:
+      loaded = await registry.add(body["name"], body["path"])
+    except lora_admin.NameTaken as e:  # loaded by a request that raced this one past the check above
       raise api.ApiError(409, str(e), "name", "name_taken") from None
     except UserError as e:
       raise api.ApiError(400, str(e), "path", "invalid_adapter") from None
@@ -59,9 +59,9 @@ def add_routes(app: FastAPI, registry: lora_adapters.Registry, admin_allowed: bo
   async def remove_adapter(name: str) -> dict[str, Any]:
     allowed()
     try:
-      removed = await asyncio.to_thread(registry.remove, name)
-    except lora_adapters.UnknownAdapter:
+      removed = await registry.remove(name)
+    except lora_admin.UnknownAdapter:
       raise api.ApiError(404, f"no LoRA adapter named {name!r} is loaded", "name", "model_not_found") from None
-    except lora_adapters.AdapterBusy as e:
+    except lora_admin.AdapterBusy as e:
       raise api.ApiError(409, str(e), "name", "adapter_busy") from None
     return {**_describe(removed), "deleted": True}

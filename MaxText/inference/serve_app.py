@@ -14,7 +14,7 @@ import os
 import time
 from typing import Any, AsyncGenerator, Awaitable, Callable, Sequence
 
-from MaxText.inference import job_events
+from MaxText.inference import job_events, lora_admin
 from MaxText.inference import openai_api as api
 from MaxText.inference import serve_metrics
 
@@ -31,6 +31,22 @@ def refusal(e: job_events.QueueFull | job_events.TooLarge) -> api.ApiError:
   return api.ApiError(400, f"{e} (kv_num_pages)", "max_tokens", "context_length_exceeded")
 
 
+def adapter_of(request: api.Request, limits: api.Limits, score_prompt: bool) -> str | None:
+  """The LoRA adapter a request names by `model` (None: the base model); echo with logprobs scores the
+  prompt under the base model only (a 400 with an adapter)."""
+  if request.model in ("", limits.model_name):
+    return None
+  if score_prompt:
+    raise api.ApiError(400, "echo with logprobs scores the prompt under the base model only; not with a LoRA "
+                       "adapter", "echo", "unsupported_parameter")
+  return request.model
+
+
+def unknown_adapter(name: str) -> api.ApiError:
+  """The answer to a request whose adapter was removed after the request was read."""
+  return api.ApiError(404, f"the model {name!r} does not exist", "model", "model_not_found")
+
+
 class HttpServer:
   """What the routes need of a server; `submit` (and `admit`, its form the routes await) is the
   subclass's. `adapters` is the LoRA adapter registry whose admin routes the app adds (None: none)."""
@@ -40,6 +56,10 @@ class HttpServer:
   def __init__(self, codec: api.Codec, limits: api.Limits, metrics: serve_metrics.ServeMetrics):
     self.codec, self.limits, self.metrics = codec, limits, metrics
     self._token_text: dict[int, str] = {}
+
+  def adapter_admin(self) -> lora_admin.Admin | None:
+    """What the LoRA admin routes reach the adapters through (None: no adapters served)."""
+    return None if self.adapters is None else lora_admin.LocalAdmin(self.adapters)
 
   @property
   def request_timeout_seconds(self) -> float:
@@ -132,10 +152,11 @@ def build_app(server: HttpServer, api_key: str | None = None, max_body_bytes: in
     return error_response(e)
 
   add_routes(app, server, JSONResponse, SseResponse, sse)
-  if server.adapters is not None:
+  admin = server.adapter_admin()
+  if admin is not None:
     from MaxText.inference import lora_routes
 
-    lora_routes.add_routes(app, server.adapters, admin_allowed=bool(key))
+    lora_routes.add_routes(app, admin, admin_allowed=bool(key))
   return _Guard(app, key, max_body_bytes, server.metrics)
 
 

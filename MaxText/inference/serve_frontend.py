@@ -4,9 +4,11 @@ parsing and validating requests, tokenising prompts, detokenising and streaming,
 `FrontendServer` stands in for serve.Server: a request's jobs live in the engine's process, reached
 over one Unix socket to it:
 
-    front end ── ("submit", request id, choices, grammar) ──► engine: sched.Jobs, scheduler.submit
+    front end ── ("submit", request id, choices, grammar, logprobs, adapter) ──► engine: sched.Jobs, submit
               ◄── [("admit", id, refusal), ("event", id, event), ...] ── one message per flush of events
               ── ("cancel", id, index) / ("load",) ──►          ◄── [("load", scheduler.load())]
+              ── ("adapters", ask id, "add" | "remove" | "list", args) ──►
+              ◄── [("adapter_names", names)] to every front end, then [("adapters", ask id, answer)]
 
 Messages are pickled, each after its length (4 bytes). The process ends when the engine's does (the
 socket's end of file): its requests end with an error and uvicorn stops.
@@ -27,7 +29,8 @@ import time
 import traceback
 from typing import Any, Sequence
 
-from MaxText.inference import job_events, serve_app, serve_codec, serve_metrics
+from MaxText.errors import UserError
+from MaxText.inference import job_events, lora_admin, serve_app, serve_codec, serve_metrics
 from MaxText.inference import openai_api as api
 
 _LENGTH_BYTES = 4
@@ -42,6 +45,7 @@ class FrontSpec:
   request_timeout_seconds: float
   max_body_bytes: int
   index: int = 0
+  adapter_names: tuple[str, ...] | None = None  # the LoRA adapters loaded at start (None: none served)
 
 
 def frame(message: Any) -> bytes:
@@ -84,6 +88,57 @@ class RemoteJob:
       self.link.send(("cancel", self.request_id, self.index))
 
 
+class RemoteAdmin(lora_admin.Admin):
+  """The engine's LoRA adapter registry, asked over the channel; its name list as last sent here."""
+
+  def __init__(self, link: FrontendServer, names: tuple[str, ...]):
+    self.link, self.base_name, self.known = link, link.limits.model_name, names
+    self._asks: dict[int, asyncio.Future[Any]] = {}
+    self._next_id = 0
+
+  def names(self) -> tuple[str, ...]:
+    return self.known
+
+  async def _ask(self, op: str, *args: str) -> Any:
+    if self.link.engine_gone.is_set():
+      raise api.ApiError(503, "the server is stopping", code="engine_gone")
+    ask_id, self._next_id = self._next_id, self._next_id + 1
+    self._asks[ask_id] = asyncio.get_running_loop().create_future()
+    self.link.send(("adapters", ask_id, op, args))
+    try:
+      answer = await self._asks[ask_id]
+    finally:
+      del self._asks[ask_id]
+    if isinstance(answer, (UserError, lora_admin.UnknownAdapter, lora_admin.AdapterBusy, api.ApiError)):
+      raise answer
+    if isinstance(answer, Exception):
+      raise api.ApiError(500, f"the LoRA adapter change failed in the engine's process: {answer}",
+                         code="adapter_failed")
+    return answer
+
+  async def adapters(self) -> list[lora_admin.LoadedAdapter]:
+    answer: list[lora_admin.LoadedAdapter] = await self._ask("list")
+    return answer
+
+  async def add(self, name: str, path: str) -> lora_admin.LoadedAdapter:
+    answer: lora_admin.LoadedAdapter = await self._ask("add", name, path)
+    return answer
+
+  async def remove(self, name: str) -> lora_admin.LoadedAdapter:
+    answer: lora_admin.LoadedAdapter = await self._ask("remove", name)
+    return answer
+
+  def answer(self, ask_id: int, answer: Any) -> None:
+    asking = self._asks.get(ask_id)
+    if asking is not None and not asking.done():
+      asking.set_result(answer)
+
+  def engine_gone(self) -> None:
+    for asking in self._asks.values():
+      if not asking.done():
+        asking.set_result(api.ApiError(503, "the server is stopping", code="engine_gone"))
+
+
 @dataclasses.dataclass
 class _Request:
   jobs: list[RemoteJob]
@@ -104,6 +159,17 @@ class FrontendServer(serve_app.HttpServer):
     self._writer: asyncio.StreamWriter | None = None
     self._loading: asyncio.Future[None] | None = None
     self.engine_gone = asyncio.Event()
+    self._admin: RemoteAdmin | None = None
+
+  def serve_adapters(self, names: tuple[str, ...]) -> None:
+    """Serves the engine's LoRA adapters (`names` loaded at start): requests by `model`, the admin
+    routes, /v1/models; before build_app."""
+    self._admin = RemoteAdmin(self, names)
+    admin = self._admin
+    self.limits = dataclasses.replace(self.limits, adapter_names=lambda: admin.known)
+
+  def adapter_admin(self) -> lora_admin.Admin | None:
+    return self._admin
 
   @property
   def request_timeout_seconds(self) -> float:
@@ -117,13 +183,14 @@ class FrontendServer(serve_app.HttpServer):
                   ) -> tuple[Sequence[job_events.JobHandle], asyncio.Queue[list[job_events.Event]]]:
     if self.engine_gone.is_set():
       raise api.ApiError(503, "the server is stopping", code="engine_gone")
+    adapter = None if self._admin is None else serve_app.adapter_of(request, self.limits, score_prompt)
     request_id, self._next_id = self._next_id, self._next_id + 1
     jobs = [RemoteJob(self, request_id, c.index) for c in request.choices]
     pending = _Request(jobs, asyncio.Queue(), asyncio.get_running_loop().create_future(), len(jobs))
     self._requests[request_id] = pending
     choices = [(c.index, c.prompt, c.max_tokens, c.row, c.images) for c in request.choices]
     self.send(("submit", request_id, choices, score_prompt, None if request.grammar is None else request.grammar.text,
-               bool(request.logprobs)))
+               bool(request.logprobs), adapter))
     try:  # an answer that never comes (a submit lost in the engine's process) is the request's deadline
       refused = await asyncio.wait_for(asyncio.shield(pending.admitted), self.request_timeout_seconds)
     except (asyncio.CancelledError, asyncio.TimeoutError) as e:  # or the client went away meanwhile
@@ -140,6 +207,8 @@ class FrontendServer(serve_app.HttpServer):
         raise api.ApiError(500, f"generation failed: {message}", code="generation_failed")
       if kind == "gone":
         raise api.ApiError(503, "the server is stopping", code="engine_gone")
+      if kind == "unknown":  # removed since the request was read here
+        raise serve_app.unknown_adapter(message)
       raise serve_app.refusal(job_events.QueueFull(message) if kind == "full" else job_events.TooLarge(message))
     return jobs, pending.queue
 
@@ -181,6 +250,10 @@ class FrontendServer(serve_app.HttpServer):
           pending.admitted.set_result(item[2])
           if pending.open <= 0 or item[2] is not None:
             del self._requests[item[1]]
+      elif item[0] == "adapter_names" and self._admin is not None:
+        self._admin.known = tuple(item[1])
+      elif item[0] == "adapters" and self._admin is not None:
+        self._admin.answer(item[1], item[2])
       elif item[0] == "load":
         self._load = item[1]
         if self._loading is not None:
@@ -210,6 +283,8 @@ class FrontendServer(serve_app.HttpServer):
       pending.queue.put_nowait([job_events.Done(job.index, "error", "the engine's process is gone")
                                 for job in open_jobs])
     self._requests.clear()
+    if self._admin is not None:
+      self._admin.engine_gone()
     if self._loading is not None:
       self._loading.set_result(None)
       self._loading = None
@@ -231,6 +306,8 @@ def main(argv: list[str]) -> int:
   spec: FrontSpec = read_frame(channel)
   codec, _ = serve_codec.build(spec.codec)  # no images: serve_processes.check refuses a vision model
   server = FrontendServer(spec, codec)
+  if spec.adapter_names is not None:
+    server.serve_adapters(spec.adapter_names)
   app = serve_app.build_app(server, max_body_bytes=spec.max_body_bytes)
   uv_config = uvicorn.Config(app, log_level="warning")
   uv = uvicorn.Server(uv_config)

@@ -8,6 +8,10 @@ grammar's constraint built here) and its cancels into `Job.cancel`; the jobs' ev
 scheduler loop and, at its end (`Scheduler.after_loop`), go to a writer thread as one message, which
 it sends (with the admissions and load figures the reader answers) without holding up the scheduler.
 
+LoRA adapters (lora_adapters.Registry): a submit naming one holds it, as serve.Server does, until each
+job's Done; an add or remove asked by any front end runs on a thread of its own, and the new name list
+goes to every front end before the answer goes to the one that asked.
+
 Lifecycle: a front end that exits while the server is not stopping stops the server with one line
 and a non-zero exit; the front ends stop at the end of file of their channel when this process ends
 (however it ends); SIGINT or SIGTERM here stops them first (they run in their own session, so a
@@ -16,6 +20,7 @@ terminal's Ctrl-C reaches this process only), then the scheduler.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import queue
@@ -27,12 +32,15 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from MaxText.errors import UserError
-from MaxText.inference import grammar
+from MaxText.inference import grammar, lora_admin
 from MaxText.inference import scheduler as sched
 from MaxText.inference.serve_frontend import FrontSpec, frame, read_payload
+
+if TYPE_CHECKING:
+  from MaxText.inference.lora_adapters import Registry
 
 _STOP_SECONDS = 10.0  # a front end's graceful stop before it is killed
 _REPO = str(Path(__file__).resolve().parents[2])
@@ -41,22 +49,61 @@ _REPO = str(Path(__file__).resolve().parents[2])
 _GRAMMARS_LOCK = threading.Lock()
 
 
-def check(processes: int, lora: bool, images: bool) -> None:
+def check(processes: int, images: bool) -> None:
   """What the front-end processes do not serve yet: refused at start-up, before the model loads."""
-  if processes and lora:
-    raise UserError(f"serve_http_processes={processes} does not serve LoRA adapters yet (serve_lora_adapters, "
-                    "serve_lora_slots): set serve_http_processes=0")
   if processes and images:
     raise UserError(f"serve_http_processes={processes} does not serve a vision-language model yet (its images "
                     "are read where JAX is): set serve_http_processes=0")
+
+
+def _portable(e: Exception) -> Exception:
+  """`e` as a front end unpickles it (it has no JAX): the registry's refusals as they are, any other
+  UserError as one, the rest as a RuntimeError naming its type."""
+  if isinstance(e, (lora_admin.NameTaken, lora_admin.UnknownAdapter, lora_admin.AdapterBusy)):
+    return e
+  if isinstance(e, UserError):
+    return UserError(str(e))
+  return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+class _Adapters:
+  """The LoRA adapter registry as every front end reaches it."""
+
+  def __init__(self, registry: Registry):
+    self.registry = registry
+    self.links: list[_Link] = []
+    self._announcing = threading.Lock()  # name lists reach each front end in the order they were read
+
+  def ask(self, link: _Link, ask_id: int, op: str, args: tuple[Any, ...]) -> None:
+    """Runs `op` on a thread of its own (an add reads weights and writes the tables: the reader goes on)."""
+    threading.Thread(target=self._run, args=(link, ask_id, op, args), name="maxtext-lora-admin", daemon=True).start()
+
+  def _run(self, link: _Link, ask_id: int, op: str, args: tuple[Any, ...]) -> None:
+    answer: Any
+    try:
+      if op == "list":
+        answer = self.registry.adapters()
+      elif op in ("add", "remove"):
+        answer = self.registry.add(*args) if op == "add" else self.registry.remove(*args)
+        with self._announcing:
+          names = ("adapter_names", tuple(self.registry.names()))
+          for other in self.links:
+            other.send([names])
+      else:
+        raise ValueError(f"unknown adapter operation {op!r}")
+    except Exception as e:  # noqa: BLE001 - the answer of the route that asked
+      answer = _portable(e)
+    link.send([("adapters", ask_id, answer)])
 
 
 class _Link:
   """One front end's channel, on the engine's side."""
 
   def __init__(self, index: int, channel: socket.socket, scheduler: sched.Scheduler,
-               grammars: Callable[[], grammar.Compiler] | None, lost: threading.Event):
+               grammars: Callable[[], grammar.Compiler] | None, lost: threading.Event,
+               adapters: _Adapters | None = None):
     self.index, self.channel, self.scheduler, self.grammars, self.lost = index, channel, scheduler, grammars, lost
+    self.adapters = adapters
     self._events: list[tuple[Any, ...]] = []  # this scheduler loop's, gathered on the scheduler thread
     self._lock = threading.Lock()  # guards _events, _jobs and _open
     self._sending: queue.SimpleQueue[list[tuple[Any, ...]] | None] = queue.SimpleQueue()  # None: stop
@@ -76,6 +123,10 @@ class _Link:
       with self._lock:
         events, self._events = self._events, []
       self._sending.put(events)
+
+  def send(self, items: list[tuple[Any, ...]]) -> None:
+    """`items` to the front end as (part of) one message, after what was queued before."""
+    self._sending.put(items)
 
   def close(self) -> None:
     self._sending.put(None)
@@ -128,11 +179,16 @@ class _Link:
         jobs[message[2]].cancel()
     elif message[0] == "load":
       self._sending.put([("load", self.scheduler.load())])
+    elif message[0] == "adapters":
+      if self.adapters is None:
+        raise ValueError("this server serves no LoRA adapters")
+      self.adapters.ask(self, message[1], message[2], tuple(message[3]))
     else:
       raise ValueError(f"unknown message {message[0]!r}")
 
   def _submit(self, request_id: int, choices: list[tuple[Any, ...]], score_prompt: bool, grammar_text: str | None,
-              top_logprobs: bool = True) -> None:
+              top_logprobs: bool = True, adapter: str | None = None) -> None:
+    """`adapter`: the LoRA adapter the request names, held (as serve.Server holds it) until each job's Done."""
     def emit(event: sched.Event) -> None:  # on the scheduler thread; sent at the end of its loop
       with self._lock:
         self._events.append(("event", request_id, event))
@@ -140,6 +196,24 @@ class _Link:
           self._open[request_id] -= 1
           if not self._open[request_id]:
             del self._open[request_id], self._jobs[request_id]
+
+    registry, row_of, key = None, 0, b""
+    if adapter is not None:
+      try:
+        if self.adapters is None:
+          raise ValueError("this server serves no LoRA adapters")
+        registry = self.adapters.registry
+        row_of, key = registry.hold(adapter, len(choices))
+      except Exception as e:  # noqa: BLE001 - the request's answer: an adapter removed since it was read is a 404
+        refusal = ("unknown", adapter) if isinstance(e, lora_admin.UnknownAdapter) else (
+            "error", f"{type(e).__name__}: {e}")
+        self._sending.put([("admit", request_id, refusal)])
+        return
+
+    def release() -> None:
+      if registry is not None and adapter is not None:
+        for _ in choices:
+          registry.release(adapter)
 
     try:
       compiler = None
@@ -151,9 +225,15 @@ class _Link:
         constraint = None
         if compiler is not None and grammar_text is not None:
           constraint = grammar.Grammar(grammar_text, compiler.tokenizer, compiler.vocab_size).constraint()
-        jobs.append(sched.Job(index, prompt, max_tokens, row, emit, score_prompt, images=images,
-                              constraint=constraint, top_logprobs=top_logprobs))
+        if registry is None or adapter is None:
+          jobs.append(sched.Job(index, prompt, max_tokens, row, emit, score_prompt, images=images,
+                                constraint=constraint, top_logprobs=top_logprobs))
+        else:
+          jobs.append(sched.Job(index, prompt, max_tokens, dataclasses.replace(row, adapter=row_of),
+                                registry.releasing(adapter, emit), score_prompt, images=images,
+                                constraint=constraint, cache_key=key, top_logprobs=top_logprobs))
     except Exception as e:  # noqa: BLE001 - the request fails (a 500), not the front end's channel
+      release()
       traceback.print_exc()
       self._sending.put([("admit", request_id, ("error", f"{type(e).__name__}: {e}"))])
       return
@@ -164,6 +244,7 @@ class _Link:
     except Exception as e:  # noqa: BLE001 - QueueFull and TooLarge are the client's answers, others a 500
       with self._lock:
         del self._jobs[request_id], self._open[request_id]
+      release()
       kind = "full" if isinstance(e, sched.QueueFull) else "large" if isinstance(e, sched.TooLarge) else "error"
       self._sending.put([("admit", request_id, (kind, str(e) if kind != "error" else f"{type(e).__name__}: {e}"))])
       return
@@ -174,11 +255,14 @@ class FrontEnds:
   """N front-end processes on `sock` (bound and listening), their jobs submitted to `scheduler`."""
 
   def __init__(self, scheduler: sched.Scheduler, grammars: Callable[[], grammar.Compiler] | None,
-               sock: socket.socket, spec: FrontSpec, processes: int):
+               sock: socket.socket, spec: FrontSpec, processes: int, registry: Registry | None = None):
     self.lost = threading.Event()  # a channel ended: its front end is gone
     self.stopping = False
     self.processes: list[subprocess.Popen[bytes]] = []
     self.links: list[_Link] = []
+    adapters = None if registry is None else _Adapters(registry)
+    if adapters is not None:  # read before any front end can ask for a change: their threads start below
+      spec = dataclasses.replace(spec, adapter_names=tuple(adapters.registry.names()))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH", "")) if p)}
     for index in range(processes):
       ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -186,10 +270,14 @@ class FrontEnds:
                                   str(theirs.fileno()), str(index)], pass_fds=(sock.fileno(), theirs.fileno()),
                                  env=env, start_new_session=True)
       theirs.close()
-      ours.sendall(frame(FrontSpec(spec.codec, spec.limits, spec.request_timeout_seconds, spec.max_body_bytes, index)))
+      ours.sendall(frame(dataclasses.replace(spec, index=index)))
       self.processes.append(process)
-      self.links.append(_Link(index, ours, scheduler, grammars, self.lost).start())
+      self.links.append(_Link(index, ours, scheduler, grammars, self.lost, adapters))
       scheduler.after_loop.append(self.links[-1].flush)
+    if adapters is not None:
+      adapters.links = list(self.links)
+    for link in self.links:
+      link.start()
     self.scheduler = scheduler
 
   def wait(self, stop: threading.Event) -> int:
@@ -230,11 +318,11 @@ class FrontEnds:
 
 
 def serve(scheduler: sched.Scheduler, grammars: Callable[[], grammar.Compiler] | None, sock: socket.socket,
-          spec: FrontSpec, processes: int) -> int:
+          spec: FrontSpec, processes: int, registry: Registry | None = None) -> int:
   """Runs the front ends until SIGINT / SIGTERM (0) or one of them exits on its own (1)."""
   stop = threading.Event()
   previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
-  front_ends = FrontEnds(scheduler, grammars, sock, spec, processes)
+  front_ends = FrontEnds(scheduler, grammars, sock, spec, processes, registry)
   try:
     return front_ends.wait(stop)
   finally:

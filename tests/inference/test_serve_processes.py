@@ -28,7 +28,7 @@ except ImportError:
 
 from MaxText.configuration.config import Config  # noqa: E402
 from MaxText.errors import ConfigError, UserError  # noqa: E402
-from MaxText.inference import serve_processes  # noqa: E402
+from MaxText.inference import lora_admin, serve_processes  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "input_pipeline"))
 from sft_fixtures import CHATML, write_tokenizer, without_markers  # noqa: E402
@@ -116,7 +116,7 @@ def tokenizer(tmp_path_factory) -> Path:
 def test_the_front_end_loads_no_jax_and_refusals_are_one_line(tokenizer):
   """What a front end imports and builds (the routes, the codec with its chat template and grammar compiler)
   leaves JAX out; a negative key and the combinations not served yet are refused by name."""
-  script = ("import sys\nfrom MaxText.inference import serve_frontend, serve_routes, serve_app\n"
+  script = ("import sys\nfrom MaxText.inference import serve_frontend, serve_routes, serve_app, lora_routes\n"
             "from MaxText.inference.serve_codec import CodecSpec, build\n"
             f"codec, _ = build(CodecSpec('huggingface', {str(tokenizer)!r}, False, 272))\n"
             "codec.chat([{'role': 'user', 'content': 'to be'}]); codec.grammars().json_schema({'type': 'object'})\n"
@@ -126,11 +126,10 @@ def test_the_front_end_loads_no_jax_and_refusals_are_one_line(tokenizer):
   assert out.stdout.strip() == "[]"
   with pytest.raises(ConfigError, match="serve_http_processes must be >= 0"):
     Config.for_testing(**MODEL, serve_http_processes=-1)
-  with pytest.raises(UserError, match="serve_http_processes=2 does not serve LoRA adapters.*serve_http_processes=0"):
-    serve_processes.check(2, lora=True, images=False)
   with pytest.raises(UserError, match="serve_http_processes=1 does not serve a vision-language model"):
-    serve_processes.check(1, lora=False, images=True)
-  serve_processes.check(0, lora=True, images=True)
+    serve_processes.check(1, images=True)
+  serve_processes.check(0, images=True)
+  serve_processes.check(2, images=False)  # LoRA adapters are served (they were refused)
 
 
 def test_a_front_end_process_serves_and_its_death_stops_the_server(tokenizer):
@@ -448,3 +447,77 @@ def test_load_figures_the_engine_never_sends_are_a_503_and_the_next_caller_asks_
   for error in asyncio.run(ask()):
     assert error.status == 503 and error.body()["error"]["code"] == "engine_busy"
   assert [serve_frontend.read_frame(theirs) for _ in range(2)] == [("load",), ("load",)]
+
+
+def _items(sock, until) -> list:
+  """The items of the messages on `sock` until `until(items)` (the writer sends what queued meanwhile as one)."""
+  from MaxText.inference import serve_frontend
+
+  items: list = []
+  while not until(items):
+    items += serve_frontend.read_frame(sock)
+  return items
+
+
+def test_the_engine_side_serves_lora_adapters_to_every_front_end():
+  """Two front ends' channels on socket pairs, one registry (its weights stood in for): an add through one
+  front end sends the new name list to both, then its answer; a submit naming the adapter through the other
+  gets the adapter's table row and cache key and holds it (a remove is refused as busy) until its Done; a
+  removed name's submit is refused as unknown (the front end's 404); a taken name is NameTaken (the route's 409).
+  Before, the engine side knew no "adapters" message nor a submit's adapter."""
+  import socket
+  import types
+
+  from MaxText.inference import lora_adapters, serve_frontend
+  from MaxText.inference import scheduler as sched
+  from MaxText.inference.sampling import RowParams
+
+  class Registry(lora_adapters.Registry):  # the name bookkeeping as it is; adding writes no weights
+    def add(self, name, path):
+      if name in self._by_name:
+        raise lora_adapters.NameTaken(f"a LoRA adapter named {name!r} is already loaded")
+      loaded = lora_adapters.LoadedAdapter(name, len(self._by_name) + 1, 2, 4.0, ("q_proj",))
+      self._by_name[name], self._in_flight[name], self._cache_keys[name] = loaded, 0, name.encode()
+      return loaded
+
+  table = types.SimpleNamespace(capacity=3, set_row=lambda params, row, adapter: params)
+  registry = Registry(table, "tiny", {})
+  registry.add("alpha", "")
+  submitted: list = []
+  scheduler = types.SimpleNamespace(load=lambda: {}, submit=submitted.extend)
+  adapters = serve_processes._Adapters(registry)
+  theirs = []
+  for index in range(2):
+    ours, other = socket.socketpair()
+    other.settimeout(10)
+    adapters.links.append(serve_processes._Link(index, ours, scheduler, None, threading.Event(), adapters))
+    theirs.append(other)
+  for link in adapters.links:
+    link.start()
+
+  def answer(items) -> bool:
+    return any(item[0] in ("adapters", "admit") for item in items)
+
+  theirs[0].sendall(serve_frontend.frame(("adapters", 1, "add", ("kappa", "/adapters/kappa"))))
+  assert _items(theirs[0], answer) == [("adapter_names", ("alpha", "kappa")),
+                                       ("adapters", 1, lora_adapters.LoadedAdapter("kappa", 2, 2, 4.0, ("q_proj",)))]
+  assert _items(theirs[1], bool) == [("adapter_names", ("alpha", "kappa"))]
+  theirs[1].sendall(serve_frontend.frame(("submit", 5, [(0, [1, 2], 2, RowParams(), None)], False, None, False,
+                                          "kappa")))
+  assert _items(theirs[1], answer) == [("admit", 5, None)]
+  [job] = submitted
+  assert (job.row.adapter, job.cache_key) == (2, b"kappa")
+  theirs[0].sendall(serve_frontend.frame(("adapters", 2, "remove", ("kappa",))))
+  [(kind, ask, busy)] = _items(theirs[0], answer)
+  assert (kind, ask) == ("adapters", 2) and isinstance(busy, lora_admin.AdapterBusy), busy
+  job.emit(sched.Done(0, "length"))  # the job's end releases the adapter
+  theirs[0].sendall(serve_frontend.frame(("adapters", 3, "remove", ("kappa",))))
+  assert _items(theirs[0], answer)[-1] == ("adapters", 3, lora_adapters.LoadedAdapter("kappa", 2, 2, 4.0, ("q_proj",)))
+  theirs[1].sendall(serve_frontend.frame(("submit", 6, [(0, [1, 2], 2, RowParams(), None)], False, None, False,
+                                          "kappa")))
+  assert _items(theirs[1], answer)[-1] == ("admit", 6, ("unknown", "kappa"))
+  theirs[1].sendall(serve_frontend.frame(("adapters", 4, "add", ("alpha", "/adapters/alpha"))))
+  [(kind, ask, taken)] = _items(theirs[1], answer)
+  assert (kind, ask) == ("adapters", 4) and isinstance(taken, lora_admin.NameTaken) and "already loaded" in str(taken)
+  for other in theirs:
+    other.close()

@@ -1,0 +1,88 @@
+"""What the LoRA admin routes (lora_routes.py) ask of a server's adapters, without JAX: an HTTP
+front-end process (serve_frontend.py) holds no registry and reaches the engine's (lora_adapters.Registry)
+over its channel, the one-process server calls its registry here. The answers and refusals are the
+same types either way, so the routes answer alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Protocol, Sequence
+
+from MaxText.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedAdapter:
+  name: str
+  row: int
+  rank: int
+  alpha: float
+  targets: tuple[str, ...]
+
+
+class UnknownAdapter(KeyError):
+  """A `model` name that is neither the base model nor a loaded adapter."""
+
+
+class AdapterBusy(Exception):
+  """An adapter that requests in flight still decode with."""
+
+
+class NameTaken(UserError):
+  """An adapter name that is the base model's or a loaded adapter's."""
+
+
+class Admin:
+  """The adapters as the admin routes see them: `names` as last known here (a quick check before
+  an add; the registry refuses a taken name again), the rest answered by the registry."""
+
+  base_name: str
+
+  def names(self) -> Sequence[str]:
+    raise NotImplementedError
+
+  async def adapters(self) -> list[LoadedAdapter]:
+    raise NotImplementedError
+
+  async def add(self, name: str, path: str) -> LoadedAdapter:
+    """NameTaken, or UserError when the adapter cannot be served."""
+    raise NotImplementedError
+
+  async def remove(self, name: str) -> LoadedAdapter:
+    """UnknownAdapter; AdapterBusy while requests decode with it."""
+    raise NotImplementedError
+
+
+class _Registry(Protocol):  # lora_adapters.Registry, not imported here: it loads JAX
+  base_name: str
+
+  def names(self) -> list[str]: ...
+
+  def adapters(self) -> list[LoadedAdapter]: ...
+
+  def add(self, name: str, path: str) -> LoadedAdapter: ...
+
+  def remove(self, name: str) -> LoadedAdapter: ...
+
+
+class LocalAdmin(Admin):
+  """The registry in this process; adding and removing (reading weights, writing the tables) run off
+  the event loop other requests share."""
+
+  def __init__(self, registry: _Registry):
+    self.registry = registry
+    self.base_name = registry.base_name
+
+  def names(self) -> Sequence[str]:
+    return self.registry.names()
+
+  async def adapters(self) -> list[LoadedAdapter]:
+    return self.registry.adapters()
+
+  async def add(self, name: str, path: str) -> LoadedAdapter:
+    return await asyncio.to_thread(self.registry.add, name, path)
+
+  async def remove(self, name: str) -> LoadedAdapter:
+    return await asyncio.to_thread(self.registry.remove, name)
