@@ -2,7 +2,7 @@
 and serve_frontend.py): `python3 -m MaxText.serve` started as a subprocess on 127.0.0.1 with a tiny random
 model, driven by the official `openai` client. The front end loads no JAX; completions, streams and chats are
 answered; greedy text equals the one-process server's; a client gone mid-stream gives its slot back; a full
-queue is a 503; a front end killed stops the engine's process with one line and a non-zero exit; SIGTERM stops
+queue is a 503; LoRA adapters answer as in one process, their admin routes on any front end; a front end killed stops the engine's process with one line and a non-zero exit; SIGTERM stops
 every process; a front end ends when the engine's process is killed."""
 
 from __future__ import annotations
@@ -521,3 +521,126 @@ def test_the_engine_side_serves_lora_adapters_to_every_front_end():
   assert (kind, ask) == ("adapters", 4) and isinstance(taken, lora_admin.NameTaken) and "already loaded" in str(taken)
   for other in theirs:
     other.close()
+
+
+def test_a_front_end_sends_the_adapter_and_maps_the_engines_adapter_answers():
+  """A front end serving adapters: a request naming one sends its name with the submit, and an adapter removed
+  meanwhile ("unknown") is the 404 model_not_found; echo with logprobs under it is the one-process 400; the name
+  list follows the engine's; an admin answer's refusal is raised as the registry's own, and an add waiting when
+  the engine goes is a 503."""
+  import asyncio
+  import socket
+  import types
+
+  from MaxText.inference import openai_api as api
+  from MaxText.inference import serve_frontend
+
+  ours, theirs = socket.socketpair()
+  theirs.settimeout(10)
+  spec = types.SimpleNamespace(limits=api.Limits("tiny", 272, 16, 32, 8, 2), request_timeout_seconds=5)
+  server = serve_frontend.FrontendServer(spec, types.SimpleNamespace())
+  server.serve_adapters(("alpha",))
+  admin = server.adapter_admin()
+  choice = types.SimpleNamespace(index=0, prompt=[1], max_tokens=2, row=0, images=None)
+  request = types.SimpleNamespace(model="alpha", choices=[choice], grammar=None, logprobs=None)
+
+  async def ask() -> list:
+    reader = await server.connect(ours)
+    following = asyncio.create_task(server.read(reader))
+    with pytest.raises(api.ApiError) as echo:
+      await server.admit(request, True)
+    admitting = asyncio.create_task(server.admit(request, False))
+    await asyncio.sleep(0.1)
+    submit = serve_frontend.read_frame(theirs)
+    theirs.sendall(serve_frontend.frame([("adapter_names", ("alpha", "kappa")), ("admit", submit[1], ("unknown",
+                                                                                                      "alpha"))]))
+    with pytest.raises(api.ApiError) as unknown:
+      await asyncio.wait_for(admitting, 5)
+    adding = asyncio.create_task(admin.add("alpha", "/x"))
+    await asyncio.sleep(0.1)
+    add = serve_frontend.read_frame(theirs)
+    theirs.sendall(serve_frontend.frame([("adapters", add[1], lora_admin.NameTaken("taken"))]))
+    with pytest.raises(lora_admin.NameTaken):
+      await asyncio.wait_for(adding, 5)
+    adding = asyncio.create_task(admin.add("beta", "/x"))
+    await asyncio.sleep(0.1)
+    theirs.close()
+    with pytest.raises(api.ApiError) as gone:
+      await asyncio.wait_for(adding, 5)
+    await following
+    return [submit, echo.value, unknown.value, add, gone.value]
+
+  submit, echo, unknown, add, gone = asyncio.run(ask())
+  assert submit[0] == "submit" and submit[6] == "alpha"
+  assert echo.status == 400 and "base model only" in str(echo.body())
+  assert unknown.status == 404 and unknown.body()["error"]["code"] == "model_not_found"
+  assert list(server.limits.adapter_names()) == ["alpha", "kappa"] and admin.names() == ("alpha", "kappa")
+  assert add == ("adapters", 0, "add", ("alpha", "/x"))
+  assert gone.status == 503 and gone.body()["error"]["code"] == "engine_gone"
+
+
+@pytest.mark.slow  # two servers with LoRA adapter tables (JAX start-up and compiles each)
+def test_lora_adapters_through_two_front_ends_answer_as_the_one_process_server(tokenizer, tmp_path):
+  """Two front ends: a request per adapter (the start-up ones and one added while serving) gets the one-process
+  server's greedy text; an adapter added through one front end is listed and usable through the other (the
+  other stopped with SIGSTOP while one answers: both accept on the one socket), 409 to remove while a stream
+  decodes with it, removable after, then 404; an unknown model is the one-process 404; 401 without the key."""
+  from tests.inference.test_lora_adapters import ADAPTERS, write_adapter
+
+  model = {k: v for k, v in KEYS.items() if not k.startswith(("serve_", "kv_"))}
+  for i, (name, rank, alpha, targets) in enumerate(ADAPTERS):
+    write_adapter(tmp_path / name, rank, alpha, targets, seed=30 + i, **model)
+  # A long dense cache: a stream far longer than the test holds its adapter (slower steps too).
+  keys = dict(serve_lora_adapters=",".join(f"{n}={tmp_path / n}" for n, *_ in ADAPTERS[:2]), serve_lora_slots=3,
+              serve_lora_max_rank=4, max_target_length=32768, serve_max_tokens=32000)
+  auth = {"Authorization": f"Bearer {KEY}"}
+  kappa = {"name": "kappa", "path": str(tmp_path / "kappa")}
+
+  def post(server, route, body, **kw):  # a new connection each time: it reaches whichever front end runs
+    return httpx.post(f"{server.url}{route}", json=body, timeout=120, **{"headers": auth, **kw})
+
+  def texts(server) -> list[str]:
+    return [post(server, "/v1/completions", {"model": pick, "prompt": p, "max_tokens": 8, "temperature": 0}
+                 ).json()["choices"][0]["text"] for pick in ("tiny", "alpha", "beta", "kappa") for p in PROMPTS[:2]]
+
+  one = CliServer(tokenizer, 0, **keys)
+  try:
+    assert post(one, "/v1/admin/lora_adapters", kappa).status_code == 200
+    expected = texts(one)
+    unknown = post(one, "/v1/completions", {"model": "delta", "prompt": "to be", "max_tokens": 2}).json()
+  finally:
+    one.stop()
+  assert len(set(expected)) > 2  # the adapters change the text
+
+  server = CliServer(tokenizer, 2, **keys)
+  first, second = server.front_ends()
+  try:
+    models = httpx.get(f"{server.url}/v1/models", headers=auth, timeout=60).json()["data"]
+    assert [m["id"] for m in models] == ["tiny", "alpha", "beta"]
+    assert post(server, "/v1/admin/lora_adapters", kappa, headers={}).status_code == 401
+    os.kill(second, signal.SIGSTOP)
+    added = post(server, "/v1/admin/lora_adapters", kappa)  # through the first front end
+    assert added.status_code == 200 and added.json()["row"] == 3, added.text
+    os.kill(second, signal.SIGCONT)
+    os.kill(first, signal.SIGSTOP)  # from here on, the second answers
+    models = httpx.get(f"{server.url}/v1/models", headers=auth, timeout=60).json()["data"]
+    assert [m["id"] for m in models] == ["tiny", "alpha", "beta", "kappa"]
+    assert texts(server) == expected
+    assert post(server, "/v1/completions", {"model": "delta", "prompt": "to be", "max_tokens": 2}).json() == unknown
+    body = {"model": "kappa", "prompt": PROMPTS[0], "max_tokens": 32000, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=auth, timeout=60) as stream:
+      assert next(stream.iter_lines()).startswith("data: ")
+      busy = httpx.delete(f"{server.url}/v1/admin/lora_adapters/kappa", headers=auth, timeout=60)
+      assert busy.status_code == 409 and busy.json()["error"]["code"] == "adapter_busy", busy.text
+    deadline = time.monotonic() + 20  # the stream's job is cancelled within a second or so: the adapter is free
+    while (removed := httpx.delete(f"{server.url}/v1/admin/lora_adapters/kappa", headers=auth,
+                                   timeout=60)).status_code == 409:
+      assert time.monotonic() < deadline, removed.text
+      time.sleep(0.2)
+    assert removed.status_code == 200 and removed.json()["deleted"], removed.text
+    gone = post(server, "/v1/completions", {"model": "kappa", "prompt": "to be", "max_tokens": 2})
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found", gone.text
+  finally:
+    for pid in (first, second):
+      os.kill(pid, signal.SIGCONT)
+    assert server.stop() == 0
