@@ -504,3 +504,21 @@ def test_the_planner_proposes_fewer_sequences_than_chips_and_the_proposal_trains
   run = build_run(on_cpu)
   state, metrics = run.train_step(run.init_state(), next(run.data_iterator()), jax.random.key(0))
   assert np.isfinite(float(jax.device_get(metrics["loss"])))
+
+
+def test_without_a_global_batch_the_search_tries_the_fractions_upstream_recipes_run():
+  """0.25 and 0.125 sequences per chip (upstream's v6e llama3_1-70b-129024 runs 0.125) are searched where the
+  chips hold a whole global batch; the smallest searched before was 0.5."""
+  def batches(name: str) -> dict[float, dict]:
+    topology = accelerators.tpu_topology(name)
+    config = config_lib.Config.for_testing(target=topology.target(), run_name="t", **TINY)
+    model = plan_model.ModelShape.of(config.model, config.optim)
+    found = plan_search.candidates(model, topology, 1, {"remat_policy": "full", "optimizer_memory_host_offload": False},
+                                   global_batch=None, seq_len=64, data_sharding=config.mesh.data_sharding,
+                                   rules=config.mesh.logical_axis_rules)
+    return {c["per_device_batch_size"]: c for c in found}
+
+  eight, four = batches("v5e-8"), batches("v5e-4")
+  assert {0.125, 0.25, 0.5} <= eight.keys() and min(eight) == 0.125
+  assert min(four) == 0.25  # 0.125 x 4 chips is half a sequence
+  assert _accepted(eight[0.125]), plan_search.describe(eight[0.125])

@@ -31,6 +31,11 @@ MAX_ICI_STAGES = 4
 ICI_AXES = (MeshAxis.DATA, MeshAxis.FSDP, MeshAxis.FSDP_TRANSPOSE, MeshAxis.SEQUENCE, MeshAxis.TENSOR,
             MeshAxis.EXPERT, MeshAxis.STAGE)
 DCN_AXES = (MeshAxis.DATA, MeshAxis.FSDP, MeshAxis.STAGE, MeshAxis.EXPERT)
+# per_device_batch_size choices without a global batch: sequences per chip, and fewer sequences than
+# chips down to the smallest fraction upstream recipes run (a smaller one grows the search for layouts
+# that rarely pay), each tried only where the chips hold a whole global batch.
+WHOLE_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+FRACTIONAL_BATCHES = (0.125, 0.25, 0.5)
 
 
 def pipeline_variants(stages: int, layers: int) -> list[dict[str, Any]]:
@@ -90,7 +95,8 @@ def candidates(model: ModelShape, topology: accelerators.TpuTopology, num_slices
   if global_batch is not None:
     batches: list[float] = [global_batch / (per_slice * num_slices)]
   else:
-    batches = [0.5, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+    chips = per_slice * num_slices
+    batches = [f for f in FRACTIONAL_BATCHES if (f * chips).is_integer()] + list(WHOLE_BATCHES)
   choices["per_device_batch_size"] = batches
   for key in list(choices):
     if key in fixed:
