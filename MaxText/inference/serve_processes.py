@@ -161,6 +161,8 @@ class _Link:
                 f"({type(e).__name__}: {e}); ignored", file=sys.stderr, flush=True)
           if isinstance(message, tuple) and len(message) > 1 and message[0] == "submit":  # its request fails
             self._sending.put([("admit", message[1], ("error", f"{type(e).__name__}: {e}"))])
+          elif isinstance(message, tuple) and len(message) > 1 and message[0] == "adapters":  # so does its route
+            self._sending.put([("adapters", message[1], _portable(e))])
     except (EOFError, OSError):
       pass
     with self._lock:

@@ -519,6 +519,9 @@ def test_the_engine_side_serves_lora_adapters_to_every_front_end():
   theirs[1].sendall(serve_frontend.frame(("adapters", 4, "add", ("alpha", "/adapters/alpha"))))
   [(kind, ask, taken)] = _items(theirs[1], answer)
   assert (kind, ask) == ("adapters", 4) and isinstance(taken, lora_admin.NameTaken) and "already loaded" in str(taken)
+  theirs[1].sendall(serve_frontend.frame(("adapters", 5, "add")))  # a malformed ask is answered, not left waiting
+  [(kind, ask, failed)] = _items(theirs[1], answer)
+  assert (kind, ask) == ("adapters", 5) and isinstance(failed, RuntimeError), failed
   for other in theirs:
     other.close()
 
