@@ -2,6 +2,7 @@
 by its own key (upstream MaxText's names), the fixed policies as placements of the same tensors."""
 
 import dataclasses
+import math
 import re
 
 import jax
@@ -246,6 +247,21 @@ _MOE = dict(num_experts=4, num_experts_per_tok=2)
 def test_moe_presets_and_keys_keep_the_expert_tensors_upstreams_do(sparse, overrides, kept, kept_sparse):
   names = [name for _, name in _saved_names("moe", sparse_matmul=sparse, **_MOE, **overrides)]
   assert names == (kept_sparse if sparse else kept)
+
+
+def test_planner_keeps_of_a_sparse_matmul_moe_what_minimal_keeps():
+  """Under minimal (and minimal_offloaded, on the host), the experts' input projections the planner counts
+  per token and layer are those print_saved_residuals shows: sparse_matmul's wi_1, named only moe_mlpwi_1,
+  is recomputed (the planner counted it kept)."""
+  from MaxText.aot import plan_model
+  saved = _saved_names("moe", sparse_matmul=True, **_MOE, remat_policy="minimal")
+  tokens = 2 * 8
+  kept_in = sum(math.prod(int(d) for d in shape.split(",")) for shape, name in saved if name.startswith("mlpwi"))
+  cfg = Config.for_testing(**{**_TINY, "base_num_kv_heads": 4}, sparse_matmul=True, **_MOE).model
+  attention = plan_model.kept_width(cfg, remat_policies.by_name("save_dot_except_mlp"), on_host=False)
+  minimal = plan_model.kept_width(cfg, remat_policies.by_name("minimal"), on_host=False)
+  assert minimal - attention - cfg.emb_dim == kept_in / tokens == 2 * 128  # wi_0 of the 2 chosen experts
+  assert plan_model.kept_width(cfg, remat_policies.by_name("minimal_offloaded"), on_host=True) == minimal
 
 
 # ------------------------------------------------------------------ the planner prices placements

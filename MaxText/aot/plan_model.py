@@ -268,7 +268,13 @@ def kept_width(cfg: ModelConfig, policy: remat_policies.RematPolicy, on_host: bo
     where = "offload" if on_host else "device"
     return sum(widths[n] for n, placed in placed_tensors(cfg, policy).items() if placed == where)
   preset = _widths(cfg)
-  return sum(preset[w] for w in (policy.saved_on_host if on_host else policy.saved_on_device))
+  saved = policy.saved_on_host if on_host else policy.saved_on_device
+  if "mlp_in" in saved and cfg.moe.num_experts > 1 and policy.names:
+    # The routed experts' input projections a preset keeps by name: sparse_matmul's wi_1 carries only
+    # moe_mlpwi_1, which no preset names (remat_policies.expert_placements).
+    where, widths, placed = "offload" if on_host else "device", tensor_widths(cfg), placed_tensors(cfg, policy)
+    preset["mlp_in"] = sum(widths[n] for n in ("moe_mlpwi_0", "moe_mlpwi_1") if placed.get(n) == where)
+  return sum(preset[w] for w in saved)
 
 
 def stream_width(cfg: ModelConfig, policy: remat_policies.RematPolicy) -> float:
