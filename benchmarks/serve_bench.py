@@ -80,6 +80,9 @@ def _tokenizer(directory: Path, vocab_size: int) -> Path:
   tokenizer.train_from_iterator([" ".join(words[i:] + words[:i]) for i in range(len(words))] * 8,
                                 trainers.BpeTrainer(vocab_size=vocab_size,
                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  # The corpus runs out of merges before vocab_size: filler tokens make every id the clients draw,
+  # [3, vocab_size), one the tokenizer has (the server refuses prompt ids past the tokenizer's vocabulary).
+  tokenizer.add_tokens([f"<fill{i}>" for i in range(vocab_size - tokenizer.get_vocab_size())])
   directory.mkdir(parents=True, exist_ok=True)
   tokenizer.save(str(directory / "tokenizer.json"))
   (directory / "tokenizer_config.json").write_text("{}")
