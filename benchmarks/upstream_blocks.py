@@ -27,6 +27,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from MaxText.configuration import tool_args  # noqa: E402
+from MaxText.errors import UserError, run_cli  # noqa: E402
 
 # upstream's recipe file -> the slice a block runs on when its name gives none
 FILES = {"maxtext_trillium_model_configs.py": "v6e-256", "maxtext_v5p_model_configs.py": "v5p-128",
@@ -115,8 +116,15 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--upstream", required=True, help="a MaxText checkout, or its bare git directory")
   parser.add_argument("--files", default=",".join(FILES), help="recipe files under upstream's benchmarks/, comma-separated")
   args = tool_args.parse_args(parser, argv)
-  for name in str(args.files).split(","):
-    source = read_recipe_file(Path(args.upstream).expanduser(), name)
+  upstream = Path(args.upstream).expanduser()
+  names = [n.strip() for n in str(args.files).split(",") if n.strip()]
+  if not names:
+    raise UserError(f"files={args.files} names no recipe file; leave it out for {','.join(FILES)}")
+  sources = {name: read_recipe_file(upstream, name) for name in names}
+  if not any(source is not None for source in sources.values()):
+    found = "does not exist" if not upstream.exists() else f"holds no benchmarks/{{{','.join(names)}}}"
+    raise UserError(f"upstream={args.upstream} {found}: name a MaxText checkout, or its bare git directory")
+  for name, source in sources.items():
     if source is None:
       print(f"{name}: not in {args.upstream}")
       continue
@@ -131,4 +139,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  run_cli(lambda argv: main(argv[1:]))
