@@ -10,6 +10,7 @@ header before any pixel is decoded (a small file can hold a huge image: a bomb).
 from __future__ import annotations
 
 import io
+import re
 import warnings
 
 from PIL import Image
@@ -44,7 +45,9 @@ def decode(data: bytes, name: str, max_pixels: int = MAX_IMAGE_PIXELS, limit_key
     except (Image.DecompressionBombWarning, Image.DecompressionBombError):  # Pillow's guard, in Image.open
       raise UserError(f"image {name}: larger than {limit}; resize it first") from None
     except (OSError, ValueError, SyntaxError) as e:  # Pillow's ways of saying "not an image I can read"
-      raise UserError(f"image {name}: cannot be decoded as an image ({e}); give a PNG, JPEG, WEBP, GIF or BMP "
+      # Pillow names the buffer by its repr (an address): dropped, so the same bytes get the same line.
+      reason = re.sub(r" <[^<>]* at 0x[0-9a-fA-F]+>", "", str(e))
+      raise UserError(f"image {name}: cannot be decoded as an image ({reason}); give a PNG, JPEG, WEBP, GIF or BMP "
                       "file") from None
   return image
 
