@@ -48,18 +48,15 @@ API_KEY_ENV = serve_app.API_KEY_ENV
 
 def _codec(config: config_lib.Config) -> tuple[api.Codec, int | None]:
   """The tokenizer as the server uses it, and its end-of-sequence id."""
-  d = config.decode
-  limits = image_chat.ImageLimits(d.serve_max_images, d.serve_max_image_bytes, d.serve_max_image_pixels)
-
-  def chat_images(template_tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[list[int], Any]:
-    return image_chat.conversation_ids(template_tokenizer, messages, config.model, files=False, limits=limits)
-
-  return serve_codec.build(codec_spec(config), chat_images)
+  return serve_codec.build(codec_spec(config))
 
 
 def codec_spec(config: config_lib.Config) -> serve_codec.CodecSpec:
-  data = config.data
-  return serve_codec.CodecSpec(data.tokenizer_type, data.tokenizer_path, data.add_bos, config.model.vocab_size)
+  """What the codec reads of `config`, the same in one process and in each HTTP front end."""
+  data, d = config.data, config.decode
+  limits = image_chat.ImageLimits(d.serve_max_images, d.serve_max_image_bytes, d.serve_max_image_pixels)
+  return serve_codec.CodecSpec(data.tokenizer_type, data.tokenizer_path, data.add_bos, config.model.vocab_size,
+                               image_chat.ImageChat.of(config.model, limits))
 
 
 class _Mailbox:
@@ -233,7 +230,6 @@ def main(argv: list[str]) -> int:
 
   config = startup.start(TOOL, argv).config
   d = config.decode
-  serve_processes.check(d.serve_http_processes, config.model.vision.use_multimodal)
   sock = listen(d.host, d.port)
   server = build_server(config)
   app: Any = None if d.serve_http_processes else build_app(server, max_body_bytes=d.serve_max_body_bytes)

@@ -166,13 +166,13 @@ def test_images_are_decoded_off_the_event_loop(served, monkeypatch):
     import httpx
 
   health_answered = threading.Event()
-  original = image_chat.conversation_ids
+  original = image_chat.ImageChat.ids
 
   def slow(*args, **kwargs):
     assert health_answered.wait(30), "/health did not answer while an image was being decoded"
     return original(*args, **kwargs)
 
-  monkeypatch.setattr(image_chat, "conversation_ids", slow)
+  monkeypatch.setattr(image_chat.ImageChat, "ids", slow)
   result: list = []
   worker = threading.Thread(target=lambda: result.append(served.client.chat.completions.create(
       model="tiny-vlm", messages=image_message("what", png_url(1)), max_tokens=2, temperature=0)))

@@ -17,9 +17,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from MaxText.configuration.model_config import ModelConfig
+from MaxText.configuration.vision_config import VisionConfig
 from MaxText.errors import UserError
 from MaxText.inference.image_prompts import PromptImages
-from MaxText.families.image_format import PreparedImage
+from MaxText.families.image_format import ImageFormat, PreparedImage
 from MaxText.input_pipeline import image_text
 from MaxText.input_pipeline.chat import ChatTokenizer
 
@@ -45,6 +46,45 @@ def _read(ref: str, files: bool, limits: ImageLimits | None) -> Any:
   return image_text.read_image(ref, files=files, max_pixels=limits.max_pixels, limit_key="serve_max_image_pixels")
 
 
+@dataclasses.dataclass(frozen=True)
+class ImageChat:
+  """What rendering a chat with images reads of a model's config, as plain picklable values: the
+  engine's process resolves the family's image format (the family registry imports JAX) and sends
+  this to its HTTP front ends (serve_frontend.FrontSpec), whose image code is PIL and numpy only."""
+  vision: VisionConfig
+  decoder_block: str
+  fmt: ImageFormat | None  # the family's format; None for a text-only model (its images are refused first)
+  limits: ImageLimits | None = None
+
+  @classmethod
+  def of(cls, cfg: ModelConfig, limits: ImageLimits | None = None) -> "ImageChat":
+    fmt = image_text.image_format(cfg.decoder_block) if cfg.vision.use_multimodal else None
+    return cls(cfg.vision, cfg.decoder_block, fmt, limits)
+
+  def ids(self, tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]], *, files: bool = False,
+          add_generation_prompt: bool = True) -> tuple[list[int], PromptImages | None]:
+    """conversation_ids with this config (the server's path, data: URLs only unless `files`)."""
+    vision, limits = self.vision, self.limits
+    templated, slots = image_text.split_images(messages, "the messages")
+    image_text.refuse_images_without_vision(slots, vision)
+    if limits is not None and len(slots) > limits.max_images:
+      raise UserError(f"{len(slots)} images in one request; this server takes at most serve_max_images="
+                      f"{limits.max_images}")
+    if not vision.use_multimodal:
+      templated = image_text.flat_text(templated)
+    prepared = image_text.prepare_images([slot.ref for slot in slots], vision, self.decoder_block, files=files,
+                                         read=lambda ref: _read(ref, files, limits), fmt=self.fmt)
+    text = tokenizer.apply_chat_template(templated, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return self.encode(tokenizer, text, prepared)
+
+  def encode(self, tokenizer: ChatTokenizer, text: str, prepared: Sequence[PreparedImage]
+             ) -> tuple[list[int], PromptImages | None]:
+    if self.vision.use_multimodal:
+      text = image_text.expand_image_markers(text, tokenizer, self.vision, self.decoder_block, prepared, self.fmt)
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ids, PromptImages.of(np.concatenate([p.pixels for p in prepared])) if prepared else None
+
+
 def conversation_ids(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]], cfg: ModelConfig, *, files: bool,
                      limits: ImageLimits | None = None, add_generation_prompt: bool = True
                      ) -> tuple[list[int], PromptImages | None]:
@@ -53,28 +93,14 @@ def conversation_ids(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, A
   only data: URLs (the server). A text-only model refuses images; a multimodal one refuses an
   image marker typed without its image. `limits` count images as sent (a Llama 4 image is then
   up to image_max_tiles + 1 tiles, a Gemma 3 one 1 + image_pan_and_scan_max_num_crops views)."""
-  vision = cfg.vision
-  templated, slots = image_text.split_images(messages, "the messages")
-  image_text.refuse_images_without_vision(slots, vision)
-  if limits is not None and len(slots) > limits.max_images:
-    raise UserError(f"{len(slots)} images in one request; this server takes at most serve_max_images="
-                    f"{limits.max_images}")
-  if not vision.use_multimodal:
-    templated = image_text.flat_text(templated)
-  prepared = image_text.prepare_images([slot.ref for slot in slots], vision, cfg.decoder_block, files=files,
-                                       read=lambda ref: _read(ref, files, limits))
-  text = tokenizer.apply_chat_template(templated, tokenize=False, add_generation_prompt=add_generation_prompt)
-  return encode_with_images(tokenizer, text, cfg, prepared)
+  return ImageChat.of(cfg, limits).ids(tokenizer, messages, files=files, add_generation_prompt=add_generation_prompt)
 
 
 def encode_with_images(tokenizer: ChatTokenizer, text: str, cfg: ModelConfig, prepared: Sequence[PreparedImage]
                        ) -> tuple[list[int], PromptImages | None]:
   """`text` (holding one image marker per entry of `prepared`) as ids with the markers expanded,
   and every image's views in order."""
-  if cfg.vision.use_multimodal:
-    text = image_text.expand_image_markers(text, tokenizer, cfg.vision, cfg.decoder_block, prepared)
-  ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-  return ids, PromptImages.of(np.concatenate([p.pixels for p in prepared])) if prepared else None
+  return ImageChat.of(cfg).encode(tokenizer, text, prepared)
 
 
 def image_marker(tokenizer: ChatTokenizer, cfg: ModelConfig) -> str:

@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any, Callable
 
 from MaxText.errors import ConfigError, UserError
-from MaxText.inference import grammar, tool_calls
+from MaxText.inference import grammar, image_chat, tool_calls
 from MaxText.inference import openai_api as api
 from MaxText.input_pipeline import chat as chat_lib
 from MaxText.input_pipeline.tokenizer import DocumentEncoder, load_tokenizer
@@ -23,10 +23,14 @@ class CodecSpec:
   tokenizer_path: str
   add_bos: bool
   vocab_size: int  # the model's
+  # Chats with images (the model's vision config and image format, the server's image limits); None: no images.
+  # A front end decodes and cuts the images itself and sends their pixel values with the submit: the
+  # engine's process then only unpickles an array, its scheduler thread's interpreter lock left alone.
+  images: image_chat.ImageChat | None = None
 
 
 def build(spec: CodecSpec, chat_images: ImageChat | None = None) -> tuple[api.Codec, int | None]:
-  """The codec and the tokenizer's end-of-sequence id; `chat_images` renders chats with images."""
+  """The codec and the tokenizer's end-of-sequence id; `chat_images` (else `spec.images`) renders chats with images."""
   if not spec.tokenizer_path:
     raise UserError("MaxText.serve needs tokenizer_path=... (clients send and receive text)")
   tokenizer = load_tokenizer(spec.tokenizer_type, spec.tokenizer_path)
@@ -67,6 +71,8 @@ def build(spec: CodecSpec, chat_images: ImageChat | None = None) -> tuple[api.Co
     return rendered(messages, tools=tools)
 
   images = None
+  if chat_images is None and spec.images is not None:
+    chat_images = spec.images.ids
   if chat_images is not None:
     render = chat_images
 

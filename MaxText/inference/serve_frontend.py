@@ -7,6 +7,7 @@ over one Unix socket to it:
     front end ── ("submit", request id, choices, grammar, logprobs, adapter) ──► engine: sched.Jobs, submit
               ◄── [("admit", id, refusal), ("event", id, event), ...] ── one message per flush of events
               ── ("cancel", id, index) / ("load",) ──►          ◄── [("load", scheduler.load())]
+              ── ("observe", [metrics observations]) ──►   ◄── [("observe", [...])] to every other front end
               ── ("adapters", ask id, "add" | "remove" | "list", args) ──►
               ◄── [("adapter_names", names)] to every front end, then [("adapters", ask id, answer)]
 
@@ -46,6 +47,7 @@ class FrontSpec:
   max_body_bytes: int
   index: int = 0
   adapter_names: tuple[str, ...] | None = None  # the LoRA adapters loaded at start (None: none served)
+  front_ends: int = 1  # how many front ends serve the socket (more than 1: their /metrics counts are shared)
 
 
 def frame(message: Any) -> bytes:
@@ -160,6 +162,22 @@ class FrontendServer(serve_app.HttpServer):
     self._loading: asyncio.Future[None] | None = None
     self.engine_gone = asyncio.Event()
     self._admin: RemoteAdmin | None = None
+    self._observed: list[serve_metrics.Observation] = []  # this loop turn's, not sent yet
+
+  def share_metrics(self) -> None:
+    """Sends this front end's request counts and latencies to the engine's process, which passes them
+    to the other front ends; theirs come back the same way (`_deliver`), so /metrics on any front end
+    shows the whole server's. The engine's process only forwards them: its own counts stay unused."""
+    self.metrics.share = self._share
+
+  def _share(self, observation: serve_metrics.Observation) -> None:
+    if not self._observed:  # what this turn of the event loop observes goes as one message
+      asyncio.get_running_loop().call_soon(self._send_observed)
+    self._observed.append(observation)
+
+  def _send_observed(self) -> None:
+    observed, self._observed = self._observed, []
+    self.send(("observe", observed))
 
   def serve_adapters(self, names: tuple[str, ...]) -> None:
     """Serves the engine's LoRA adapters (`names` loaded at start): requests by `model`, the admin
@@ -254,6 +272,8 @@ class FrontendServer(serve_app.HttpServer):
         self._admin.known = tuple(item[1])
       elif item[0] == "adapters" and self._admin is not None:
         self._admin.answer(item[1], item[2])
+      elif item[0] == "observe":
+        self.metrics.apply(item[1])
       elif item[0] == "load":
         self._load = item[1]
         if self._loading is not None:
@@ -304,10 +324,12 @@ def main(argv: list[str]) -> int:
   listen_fd, channel_fd, index = (int(a) for a in argv)
   channel = socket.socket(fileno=channel_fd)
   spec: FrontSpec = read_frame(channel)
-  codec, _ = serve_codec.build(spec.codec)  # no images: serve_processes.check refuses a vision model
+  codec, _ = serve_codec.build(spec.codec)  # with images where spec.codec.images says
   server = FrontendServer(spec, codec)
   if spec.adapter_names is not None:
     server.serve_adapters(spec.adapter_names)
+  if spec.front_ends > 1:
+    server.share_metrics()
   app = serve_app.build_app(server, max_body_bytes=spec.max_body_bytes)
   uv_config = uvicorn.Config(app, log_level="warning")
   uv = uvicorn.Server(uv_config)

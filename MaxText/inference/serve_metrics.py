@@ -84,11 +84,19 @@ class _SchedulerCollector(Collector):
     yield finished
 
 
-class ServeMetrics:
-  """One server's registry: the scheduler's figures plus request counts and latencies."""
+# One HTTP-side observation, as front ends share them: ("request", route, status, seconds) or
+# ("first_token", route, "", seconds).
+Observation = tuple[str, str, str, float]
 
-  def __init__(self, load: Callable[[], dict[str, Any]]):
+
+class ServeMetrics:
+  """One server's registry: the scheduler's figures plus request counts and latencies. `share`, where
+  given, also gets each observation made here (an HTTP front end sends them to the others, which
+  `apply` them, so each front end's counts are the whole server's)."""
+
+  def __init__(self, load: Callable[[], dict[str, Any]], share: Callable[[Observation], None] | None = None):
     self.load = load
+    self.share = share
     self.registry = CollectorRegistry()
     self.registry.register(_SchedulerCollector(load))
     self.requests = Counter("maxtext_serve_requests", "HTTP requests answered, by route and status code",
@@ -106,9 +114,23 @@ class ServeMetrics:
     return generate_latest(self.registry)
 
   def observe_request(self, path: str, status: str, seconds: float) -> None:
-    route = route_label(path)
-    self.requests.labels(route, status).inc()
-    self.latency.labels(route).observe(seconds)
+    self._observe(("request", route_label(path), status, seconds))
 
   def observe_first_token(self, path: str, since: float) -> None:
-    self.first_token.labels(route_label(path)).observe(time.monotonic() - since)
+    self._observe(("first_token", route_label(path), "", time.monotonic() - since))
+
+  def _observe(self, observation: Observation) -> None:
+    self.apply([observation])
+    if self.share is not None:
+      self.share(observation)
+
+  def apply(self, observations: list[Observation]) -> None:
+    """Counts observations (made here or shared by another front end)."""
+    for kind, route, status, seconds in observations:
+      if kind == "request":
+        self.requests.labels(route, status).inc()
+        self.latency.labels(route).observe(seconds)
+      elif kind == "first_token":
+        self.first_token.labels(route).observe(seconds)
+      else:
+        raise ValueError(f"unknown metrics observation {kind!r}")

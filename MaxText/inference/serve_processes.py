@@ -8,6 +8,9 @@ grammar's constraint built here) and its cancels into `Job.cancel`; the jobs' ev
 scheduler loop and, at its end (`Scheduler.after_loop`), go to a writer thread as one message, which
 it sends (with the admissions and load figures the reader answers) without holding up the scheduler.
 
+/metrics: each front end counts the requests it answers and sends what it observes here, from where it
+goes on to every other front end (nothing is counted here), so each front end's counts are the whole server's.
+
 LoRA adapters (lora_adapters.Registry): a submit naming one holds it, as serve.Server does, until each
 job's Done; an add or remove asked by any front end runs on a thread of its own, and the new name list
 goes to every front end before the answer goes to the one that asked.
@@ -47,13 +50,6 @@ _REPO = str(Path(__file__).resolve().parents[2])
 # The grammar compiler is built lazily (serve_codec.grammars, importing transformers' tokenizer) and not
 # thread-safe: the reader threads of several front ends take it one at a time.
 _GRAMMARS_LOCK = threading.Lock()
-
-
-def check(processes: int, images: bool) -> None:
-  """What the front-end processes do not serve yet: refused at start-up, before the model loads."""
-  if processes and images:
-    raise UserError(f"serve_http_processes={processes} does not serve a vision-language model yet (its images "
-                    "are read where JAX is): set serve_http_processes=0")
 
 
 def _portable(e: Exception) -> Exception:
@@ -104,6 +100,7 @@ class _Link:
                adapters: _Adapters | None = None):
     self.index, self.channel, self.scheduler, self.grammars, self.lost = index, channel, scheduler, grammars, lost
     self.adapters = adapters
+    self.peers: list[_Link] = []  # the other front ends' links (their /metrics observations are shared)
     self._events: list[tuple[Any, ...]] = []  # this scheduler loop's, gathered on the scheduler thread
     self._lock = threading.Lock()  # guards _events, _jobs and _open
     self._sending: queue.SimpleQueue[list[tuple[Any, ...]] | None] = queue.SimpleQueue()  # None: stop
@@ -181,6 +178,9 @@ class _Link:
         jobs[message[2]].cancel()
     elif message[0] == "load":
       self._sending.put([("load", self.scheduler.load())])
+    elif message[0] == "observe":  # passed on as it came: the front ends count, not this process
+      for peer in self.peers:
+        peer.send([("observe", message[1])])
     elif message[0] == "adapters":
       if self.adapters is None:
         raise ValueError("this server serves no LoRA adapters")
@@ -272,13 +272,14 @@ class FrontEnds:
                                   str(theirs.fileno()), str(index)], pass_fds=(sock.fileno(), theirs.fileno()),
                                  env=env, start_new_session=True)
       theirs.close()
-      ours.sendall(frame(dataclasses.replace(spec, index=index)))
+      ours.sendall(frame(dataclasses.replace(spec, index=index, front_ends=processes)))
       self.processes.append(process)
       self.links.append(_Link(index, ours, scheduler, grammars, self.lost, adapters))
       scheduler.after_loop.append(self.links[-1].flush)
     if adapters is not None:
       adapters.links = list(self.links)
     for link in self.links:
+      link.peers = [other for other in self.links if other is not link]
       link.start()
     self.scheduler = scheduler
 

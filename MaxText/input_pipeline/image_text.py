@@ -119,11 +119,11 @@ def image_format(decoder_block: str) -> ImageFormat:
 
 
 def expand_image_markers(text: str, tokenizer: Any, vision: VisionConfig, decoder_block: str,
-                         prepared: Sequence[PreparedImage]) -> str:
+                         prepared: Sequence[PreparedImage], fmt: ImageFormat | None = None) -> str:
   """`text` with its i-th image marker replaced by image i's run (its family's format, given the
-  views it was cut into). A marker count that differs from the image
+  views it was cut into; `fmt`, where given, is that format without the family lookup). A marker count that differs from the image
   count is one error line (a marker typed without an image, or an image the template did not place)."""
-  family_format = image_format(decoder_block)
+  family_format = fmt or image_format(decoder_block)
   marker = family_format.marker(tokenizer, vision)
   pieces = text.split(marker)
   if len(pieces) - 1 != len(prepared):
@@ -137,9 +137,11 @@ def expand_image_markers(text: str, tokenizer: Any, vision: VisionConfig, decode
 
 
 def prepare_images(refs: Sequence[str], vision: VisionConfig, decoder_block: str, *, files: bool,
-                   read: Callable[[str], Image.Image] | None = None) -> list[PreparedImage]:
-  """Each image read (`read`, else read_image) and cut into its family's views."""
-  prepare = image_format(decoder_block).prepare
+                   read: Callable[[str], Image.Image] | None = None, fmt: ImageFormat | None = None
+                   ) -> list[PreparedImage]:
+  """Each image read (`read`, else read_image) and cut into its family's views (`fmt`, else the
+  family's format looked up, which imports every family and so JAX)."""
+  prepare = (fmt or image_format(decoder_block)).prepare
   return [prepare((read or (lambda r: read_image(r, files=files)))(ref), vision) for ref in refs]
 
 

@@ -27,7 +27,7 @@ except ImportError:
   httpx = pytest.importorskip("httpx")
 
 from MaxText.configuration.config import Config  # noqa: E402
-from MaxText.errors import ConfigError, UserError  # noqa: E402
+from MaxText.errors import ConfigError  # noqa: E402
 from MaxText.inference import lora_admin, serve_processes  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "input_pipeline"))
@@ -115,7 +115,7 @@ def tokenizer(tmp_path_factory) -> Path:
 
 def test_the_front_end_loads_no_jax_and_refusals_are_one_line(tokenizer):
   """What a front end imports and builds (the routes, the codec with its chat template and grammar compiler)
-  leaves JAX out; a negative key and the combinations not served yet are refused by name."""
+  leaves JAX out (its image code: test_serve_processes_shared.py); a negative key is refused by name."""
   script = ("import sys\nfrom MaxText.inference import serve_frontend, serve_routes, serve_app, lora_routes\n"
             "from MaxText.inference.serve_codec import CodecSpec, build\n"
             f"codec, _ = build(CodecSpec('huggingface', {str(tokenizer)!r}, False, 272))\n"
@@ -126,10 +126,6 @@ def test_the_front_end_loads_no_jax_and_refusals_are_one_line(tokenizer):
   assert out.stdout.strip() == "[]"
   with pytest.raises(ConfigError, match="serve_http_processes must be >= 0"):
     Config.for_testing(**MODEL, serve_http_processes=-1)
-  with pytest.raises(UserError, match="serve_http_processes=1 does not serve a vision-language model"):
-    serve_processes.check(1, images=True)
-  serve_processes.check(0, images=True)
-  serve_processes.check(2, images=False)  # LoRA adapters are served (they were refused)
 
 
 def test_a_front_end_process_serves_and_its_death_stops_the_server(tokenizer):

@@ -1,0 +1,172 @@
+"""What the HTTP front-end processes (serve_http_processes >= 1) serve beyond text: chats with images (a front
+end decodes and cuts them, without JAX, and sends their pixel values with the submit) answered as the
+one-process server answers them, bad images the same 400s; and /metrics on any of several front ends counting
+the whole server's requests, in the one-process server's metric names."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import pickle
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import types
+from pathlib import Path
+
+import pytest
+
+from tests.inference.test_serve_processes import KEY, REPO, CliServer, httpx
+
+from MaxText.inference import serve_frontend, serve_processes  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "input_pipeline"))
+from sft_fixtures import GEMMA3, IMAGE_SPECIAL, write_tokenizer  # noqa: E402
+
+LOAD = {"slots": 2, "active": 0, "waiting": 0, "pages_total": 0, "pages_free": 0, "pages_cached": 0,
+        "pages_reserved": 0, "oldest_age_s": 0.0}
+
+
+def _count(text: str, name: str, labels: str) -> float:
+  found = re.search(rf"^{name}\{{{re.escape(labels)}\}} (\S+)$", text, re.M)
+  return float(found.group(1)) if found else 0.0
+
+
+def test_every_front_ends_metrics_count_the_whole_servers_requests():
+  """Two front ends on socket pairs to the engine's side (a stand-in scheduler): what each observes (requests,
+  latencies, times to first token) goes through the engine's process to the other, so /metrics on either
+  counts all of them. Before, each counted only its own."""
+  links, fronts = [], []
+  scheduler = types.SimpleNamespace(load=lambda: dict(LOAD))
+  for index in range(2):
+    ours, theirs = socket.socketpair()
+    links.append(serve_processes._Link(index, ours, scheduler, None, threading.Event()))
+    fronts.append((serve_frontend.FrontendServer(types.SimpleNamespace(limits=None, request_timeout_seconds=10),
+                                                 types.SimpleNamespace()), theirs))
+  for link in links:
+    link.peers = [other for other in links if other is not link]
+    link.start()
+
+  async def scrape() -> list[str]:
+    readers = []
+    for server, channel in fronts:
+      server.share_metrics()
+      readers.append(asyncio.create_task(server.read(await server.connect(channel))))
+    (first, _), (second, _) = fronts
+    for status in ("200", "200", "400"):
+      first.metrics.observe_request("/v1/chat/completions", status, 0.2)
+    first.metrics.observe_first_token("/v1/chat/completions", 0.0)
+    await asyncio.sleep(0)  # this turn's observations go as one message
+    # A channel's messages are handled in order: once a front end's own load answer is back, the engine has
+    # passed its observations on, ahead of any later answer to the other.
+    await asyncio.wait_for(first.refresh(), 10)
+    second.metrics.observe_request("/v1/completions", "200", 0.1)
+    await asyncio.sleep(0)
+    await asyncio.wait_for(second.refresh(), 10)
+    await asyncio.wait_for(first.refresh(), 10)
+    texts = [server.metrics.exposition().decode() for server, _ in fronts]
+    for link in links:
+      link.close()
+    await asyncio.wait_for(asyncio.gather(*readers), 10)
+    return texts
+
+  for text in asyncio.run(scrape()):
+    assert _count(text, "maxtext_serve_requests_total", 'route="/v1/chat/completions",status="200"') == 2, text
+    assert _count(text, "maxtext_serve_requests_total", 'route="/v1/chat/completions",status="400"') == 1
+    assert _count(text, "maxtext_serve_requests_total", 'route="/v1/completions",status="200"') == 1
+    assert _count(text, "maxtext_serve_request_seconds_count", 'route="/v1/chat/completions"') == 3
+    assert _count(text, "maxtext_serve_time_to_first_token_seconds_count", 'route="/v1/chat/completions"') == 1
+    assert "\nmaxtext_serve_slots_total 2.0\n" in text
+
+
+def test_the_front_ends_image_code_loads_no_jax(tmp_path):
+  """The codec spec a vision model's front end gets (its image format resolved in the engine's process) renders a
+  chat with an image in a process that never imports JAX."""
+  from MaxText.configuration.config import Config
+  from MaxText.serve import codec_spec
+  from tests.test_serve_images import MODEL, SERVING, image_message, png_url
+
+  tokenizer = write_tokenizer(tmp_path / "tok", GEMMA3, IMAGE_SPECIAL)
+  spec = codec_spec(Config.for_testing(**MODEL, **SERVING, tokenizer_path=str(tokenizer)))
+  (tmp_path / "spec.pkl").write_bytes(pickle.dumps(spec))
+  (tmp_path / "messages.pkl").write_bytes(pickle.dumps(image_message("what is this", png_url(1))))
+  script = ("import pickle, sys\nfrom MaxText.inference import serve_codec\n"
+            f"spec = pickle.loads(open({str(tmp_path / 'spec.pkl')!r}, 'rb').read())\n"
+            "codec, _ = serve_codec.build(spec)\n"
+            f"ids, images = codec.chat_images(pickle.loads(open({str(tmp_path / 'messages.pkl')!r}, 'rb').read()))\n"
+            "print(ids.count(12), images.pixels_MCRR.shape)\n"
+            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'jaxlib', 'flax'))))\n")
+  out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.split("\n")[:2] == ["4 (1, 3, 16, 16)", "[]"], out.stdout
+
+
+@pytest.mark.slow  # two servers of a vision model (JAX start-up and compiles each)
+def test_image_chats_and_metrics_through_two_front_ends_answer_as_the_one_process_server(tmp_path):
+  """A tiny Gemma 3 served in one process, then with two front ends: the same image chats get the same greedy
+  text and bad images the same 400 bodies, through either front end (the other stopped with SIGSTOP: both accept
+  on the one socket); the front ends map no jaxlib; /metrics through either counts every request of both, with
+  the one-process server's metric names."""
+  from tests.test_serve_images import MODEL, SERVING, image_message, png_url
+
+  tokenizer = write_tokenizer(tmp_path / "tok", GEMMA3, IMAGE_SPECIAL)
+  keys = {**MODEL, **SERVING}
+  auth = {"Authorization": f"Bearer {KEY}"}
+  chats = [image_message("what is this", png_url(1)), image_message("compare", png_url(2), png_url(3)),
+           image_message("what is this", png_url(4, noise=True))]
+  bad = [image_message("hi", png_url(1), png_url(2), png_url(3)),  # more than serve_max_images
+         image_message("hi", png_url(6, size=64)),  # more pixels than serve_max_image_pixels
+         image_message("hi", png_url(5, size=40, noise=True)),  # more bytes than serve_max_image_bytes
+         image_message("hi", "data:image/png;base64," + base64.b64encode(b"not an image").decode()),
+         image_message("hi", "data:text/plain;base64,aGk="),
+         image_message("hi", "https://example.com/cat.png"),
+         [{"role": "user", "content": "look <start_of_image> here"}]]
+
+  def ask(server: CliServer, messages: list) -> tuple[int, bytes | str]:
+    answer = httpx.post(f"{server.url}/v1/chat/completions", headers=auth, timeout=120,
+                        json={"model": "tiny-vlm", "messages": messages, "max_tokens": 6, "temperature": 0})
+    if answer.status_code != 200:
+      return answer.status_code, answer.content
+    return 200, answer.json()["choices"][0]["message"]["content"]
+
+  def names(text: str) -> list[str]:
+    return re.findall(r"^# TYPE (\S+)", text, re.M)
+
+  one = CliServer(tokenizer, 0, **keys)
+  try:
+    expected = [ask(one, m) for m in chats + bad]
+    one_names = names(httpx.get(f"{one.url}/metrics", timeout=10).text)
+  finally:
+    one.stop()
+  assert [code for code, _ in expected] == [200] * len(chats) + [400] * len(bad), expected
+  assert len({text for _, text in expected[:len(chats)]}) > 1
+
+  server = CliServer(tokenizer, 2, **keys)
+  first, second = server.front_ends()
+  try:
+    os.kill(second, signal.SIGSTOP)  # the first answers
+    got = [ask(server, m) for m in chats[:2] + bad[:4]]
+    os.kill(second, signal.SIGCONT)
+    os.kill(first, signal.SIGSTOP)  # the second answers
+    got += [ask(server, m) for m in chats[2:] + bad[4:]]
+    assert got == [expected[i] for i in (0, 1, 3, 4, 5, 6, 2, 7, 8, 9)]
+    for pid in (first, second):
+      assert "jaxlib" not in Path(f"/proc/{pid}/maps").read_text()
+    scrapes = [httpx.get(f"{server.url}/metrics", timeout=10).text]  # through the second
+    os.kill(first, signal.SIGCONT)
+    os.kill(second, signal.SIGSTOP)
+    scrapes.append(httpx.get(f"{server.url}/metrics", timeout=10).text)  # through the first
+    os.kill(second, signal.SIGCONT)
+    for text in scrapes:
+      assert names(text) == one_names
+      route = 'route="/v1/chat/completions",status='
+      assert _count(text, "maxtext_serve_requests_total", route + '"200"') == len(chats), text
+      assert _count(text, "maxtext_serve_requests_total", route + '"400"') == len(bad), text
+  finally:
+    for pid in (first, second):
+      os.kill(pid, signal.SIGCONT)
+    assert server.stop() == 0
