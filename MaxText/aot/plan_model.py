@@ -186,7 +186,9 @@ def tensor_widths(cfg: ModelConfig) -> dict[str, float]:
   gated = len(cfg.mlp_activations) > 1  # two input projections (layers/mlp.py names them mlpwi_0, mlpwi_1)
   fused_mlp = gated and cfg.fused_mlp  # their one matmul's output is mlpwi, the parts unnamed (as upstream)
   mla = cfg.attn.attention_type == "mla"  # whose attention output is `attention_out`; the others' is `context`
-  return {"decoder_layer_input": d, "query_proj": n * h, "key_proj": k * h, "value_proj": k * h,
+  # MLA's key_proj and value_proj are per query head, its values v_head_dim wide (layers/mla.py).
+  key, value = (n * h, n * cfg.mla.v_head_dim) if mla else (k * h, k * h)
+  return {"decoder_layer_input": d, "query_proj": n * h, "key_proj": key, "value_proj": value,
           "qkv_proj": (n + 2 * k) * h if cfg.fused_qkv else 0,
           "context": 0 if mla else n * h, "attention_out": n * h if mla else 0, "out_proj": d,
           "query_wa_proj": cfg.mla.q_lora_rank,
@@ -203,6 +205,22 @@ def placed_tensors(cfg: ModelConfig, policy: remat_policies.RematPolicy) -> dict
   MLP names reach (remat_policies.expert_placements)."""
   placed = {**{n: "device" for n in policy.device}, **{n: "offload" for n in policy.offload}}
   return {**placed, **remat_policies.expert_placements(placed, cfg.moe.sparse_matmul)}
+
+
+def backward_dots(cfg: ModelConfig) -> dict[str, float]:
+  """Per token and layer, projection outputs the backward pass needs that no name covers. query_proj and
+  key_proj name the kernel's inputs (after the QK-norm, as upstream), so with use_qk_norm, use_qk_l2_norm
+  (computed on every layer of a mixed rope pattern) or Gemma 4's norms, the norms' gradients need the raw
+  query and key; the output gate is unnamed, as upstream's. A policy that keeps the dots keeps these
+  (kept_width); any other re-runs their matmuls (rerun_flops), whether query_proj and key_proj are kept or not."""
+  n, k, h = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
+  out: dict[str, float] = {}
+  if cfg.attn.attention_type != "mla" and (cfg.attn.use_qk_norm or cfg.attn.use_qk_l2_norm
+                                           or cfg.decoder_block == "gemma4"):
+    out.update(query_proj=n * h, key_proj=k * h)
+  if cfg.attn.attention_output_gate:
+    out["output_gate"] = n * h
+  return out
 
 
 def recompute_flops(cfg: ModelConfig) -> dict[str, float]:
@@ -223,6 +241,8 @@ def recompute_flops(cfg: ModelConfig) -> dict[str, float]:
     reads.update(query_proj=cfg.mla.q_lora_rank or d, key_proj=cfg.mla.kv_lora_rank, value_proj=cfg.mla.kv_lora_rank)
   flops = {name: 2 * reads[name] * width for name, width in widths.items()}
   flops["out_proj"] = 2 * cfg.num_query_heads * value_dim * d
+  # A normed query or key kept spares no matmul: the norm's gradient re-runs it anyway (backward_dots).
+  flops.update({name: 0.0 for name in backward_dots(cfg) if name in flops})
   return flops
 
 
@@ -234,6 +254,8 @@ def rerun_flops(cfg: ModelConfig, policy: remat_policies.RematPolicy, seq_len: i
     return 0.0
   kept = {name for name, placed in placed_tensors(cfg, policy).items() if placed != "remat"}
   projections = sum(f for name, f in recompute_flops(cfg).items() if name not in kept)
+  if policy.keeps != "dots":
+    projections += sum(2 * cfg.emb_dim * width for width in backward_dots(cfg).values())
   value_dim = cfg.mla.v_head_dim if cfg.attn.attention_type == "mla" else cfg.head_dim
   pairs = metrics.attended_pairs(cfg, seq_len, causal=True)
   attention = 2 * cfg.num_query_heads * cfg.head_dim * pairs
@@ -269,12 +291,14 @@ def kept_width(cfg: ModelConfig, policy: remat_policies.RematPolicy, on_host: bo
     return sum(widths[n] for n, placed in placed_tensors(cfg, policy).items() if placed == where)
   preset = _widths(cfg)
   saved = policy.saved_on_host if on_host else policy.saved_on_device
+  # The dots policies keep the projection outputs no name covers too, where they keep the dots.
+  unnamed = sum(backward_dots(cfg).values()) if policy.keeps == "dots" and on_host == policy.offloaded else 0.0
   if "mlp_in" in saved and cfg.moe.num_experts > 1 and policy.names:
     # The routed experts' input projections a preset keeps by name: sparse_matmul's wi_1 carries only
     # moe_mlpwi_1, which no preset names (remat_policies.expert_placements).
     where, widths, placed = "offload" if on_host else "device", tensor_widths(cfg), placed_tensors(cfg, policy)
     preset["mlp_in"] = sum(widths[n] for n in ("moe_mlpwi_0", "moe_mlpwi_1") if placed.get(n) == where)
-  return sum(preset[w] for w in saved)
+  return sum(preset[w] for w in saved) + unnamed
 
 
 def stream_width(cfg: ModelConfig, policy: remat_policies.RematPolicy) -> float:

@@ -60,13 +60,13 @@ class Gemma4Attention(Attention):
                               rngs=rngs, use_bias=cfg.use_bias)
     norm = functools.partial(RMSNorm, epsilon=cfg.normalization_layer_epsilon, dtype=jnp.dtype(cfg.dtype),
                              weight_dtype=jnp.dtype(cfg.weight_dtype))
-    self.query = dense((d,), (n, h), ("embed", "heads", "kv"), tag="query_proj", **cfg.lora.adapter("q_proj"))
+    self.query = dense((d,), (n, h), ("embed", "heads", "kv"), **cfg.lora.adapter("q_proj"))
     self.query_norm = norm(h)
     if owns_kv:
-      self.key = dense((d,), (k, h), ("embed", "kv_heads", "kv"), tag="key_proj", **cfg.lora.adapter("k_proj"))
+      self.key = dense((d,), (k, h), ("embed", "kv_heads", "kv"), **cfg.lora.adapter("k_proj"))
       self.key_norm = norm(h)
       if not k_eq_v:
-        self.value = dense((d,), (k, h), ("embed", "kv_heads", "kv"), tag="value_proj", **cfg.lora.adapter("v_proj"))
+        self.value = dense((d,), (k, h), ("embed", "kv_heads", "kv"), **cfg.lora.adapter("v_proj"))
     self.out = dense((n, h), (d,), ("heads", "kv", "embed"), tag="out_proj", **cfg.lora.adapter("o_proj"))
     self.cfg, self.owns_kv, self.k_eq_v = cfg, owns_kv, k_eq_v
     self.chunked = False
@@ -80,7 +80,9 @@ class Gemma4Attention(Attention):
     k_BSKH = self._rope(self.key_norm(k_BSKH), positions_BL, 0)
     if cfg.layer_shapes.use_v_norm:
       v_BSKH = scale_free_rms(v_BSKH, cfg.normalization_layer_epsilon)
-    return sharding.constrain(k_BSKH, KV_NAMES), sharding.constrain(v_BSKH, KV_NAMES)
+    # key_proj and value_proj on the normed, rotated key and the (normed) value, as named_qkv
+    return checkpoint_name(sharding.constrain(k_BSKH, KV_NAMES), "key_proj"), checkpoint_name(
+        sharding.constrain(v_BSKH, KV_NAMES), "value_proj")
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,  # type: ignore[override]
                layer_index: int | jax.Array = 0, cache: LayerCache | None = None,
@@ -91,7 +93,7 @@ class Gemma4Attention(Attention):
     cfg = self.cfg
     window = layer_window_size(cfg.attn, 0)
     q_BLNH = self._rope(self.query_norm(self.query(x_BLD)), positions_BL, 0)
-    q_BLNH = sharding.constrain(q_BLNH, HEADS_NAMES)
+    q_BLNH = checkpoint_name(sharding.constrain(q_BLNH, HEADS_NAMES), "query_proj")  # after norm and RoPE
     if isinstance(cache, layer_shapes.SharedKV):
       if self.owns_kv:
         cache = layer_shapes.SharedKV(*self._keys_values(x_BLD, positions_BL))

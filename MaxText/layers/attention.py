@@ -225,17 +225,26 @@ def _qk_norm(norm: RMSNorm, x_BLNH: jax.Array, cfg: ModelConfig) -> jax.Array:
   return norm(x_BLNH.reshape(b, l, n * h)).reshape(b, l, n, h)
 
 
+def named_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The remat names query_proj, key_proj, value_proj on the kernel's inputs: after QK-norm, RoPE, L2-norm,
+  temperature tuning and the query scale, where upstream's attentions.py names them, so a placement keeps
+  the tensor upstream's recipe keeps. A norm's gradient still needs the raw projection (plan_model.backward_dots)."""
+  return checkpoint_name(q, "query_proj"), checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
+
+
 class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, n, k, h = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
     dense = functools.partial(DenseGeneral, dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype),
                               rngs=rngs, use_bias=cfg.use_bias)
-    self.query = dense((d,), (n, h), ("embed", "heads", "kv"), tag="query_proj", **cfg.lora.adapter("q_proj"))
-    self.key = dense((d,), (k, h), ("embed", "kv_heads", "kv"), tag="key_proj", **cfg.lora.adapter("k_proj"))
-    self.value = dense((d,), (k, h), ("embed", "kv_heads", "kv"), tag="value_proj", **cfg.lora.adapter("v_proj"))
+    # query_proj, key_proj and value_proj name what the kernel receives (named_qkv), not these outputs.
+    self.query = dense((d,), (n, h), ("embed", "heads", "kv"), **cfg.lora.adapter("q_proj"))
+    self.key = dense((d,), (k, h), ("embed", "kv_heads", "kv"), **cfg.lora.adapter("k_proj"))
+    self.value = dense((d,), (k, h), ("embed", "kv_heads", "kv"), **cfg.lora.adapter("v_proj"))
     self.out = dense((n, h), (d,), ("heads", "kv", "embed"), tag="out_proj", **cfg.lora.adapter("o_proj"))
     if cfg.attn.attention_output_gate:  # Qwen3-Next: sigmoid(x W_gate) scales each head's output
-      self.output_gate = dense((d,), (n, h), ("embed", "heads", "kv"), tag="query_proj")
+      # Unnamed, as upstream's gate (the unnamed half of its query projection): recomputed under remat.
+      self.output_gate = dense((d,), (n, h), ("embed", "heads", "kv"))
     if cfg.attn.use_qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's vector (OLMo: over all heads), before RoPE
       norm = functools.partial(RMSNorm, epsilon=cfg.normalization_layer_epsilon, dtype=jnp.dtype(cfg.dtype),
                                weight_dtype=jnp.dtype(cfg.weight_dtype),
@@ -280,7 +289,7 @@ class Attention(nnx.Module):
     heads_names = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
     kv_names = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
     if cfg.fused_qkv:  # one matmul for the three projections
-      q_BLNH, k_BSKH, v_BSKH = fused_outputs([self.query, self.key, self.value], x_BLD, "qkv_proj")
+      q_BLNH, k_BSKH, v_BSKH = fused_outputs([self.query, self.key, self.value], x_BLD, "qkv_proj", part_tags=False)
     else:
       q_BLNH, k_BSKH, v_BSKH = self.query(x_BLD), self.key(x_BLD), self.value(x_BLD)
     if cfg.attn.use_qk_norm:
@@ -291,9 +300,9 @@ class Attention(nnx.Module):
       is_nope = (not is_rope) if isinstance(is_rope, bool) else jnp.logical_not(is_rope)
       tune = lambda q: (q * temperature_scale(cfg.attn, positions_BL)[:, :, None, None]).astype(q.dtype)
       q_BLNH = _on_layers(is_nope, tune, q_BLNH)
-    q_BLNH = sharding.constrain(q_BLNH * jnp.asarray(self.query_scale, q_BLNH.dtype), heads_names)
-    k_BSKH = sharding.constrain(k_BSKH, kv_names)
-    v_BSKH = sharding.constrain(v_BSKH, kv_names)
+    q_BLNH, k_BSKH, v_BSKH = named_qkv(sharding.constrain(q_BLNH * jnp.asarray(self.query_scale, q_BLNH.dtype),
+                                                          heads_names),
+                                       sharding.constrain(k_BSKH, kv_names), sharding.constrain(v_BSKH, kv_names))
     sinks = {"sinks_N": self.sinks[...]} if cfg.attn.attention_sinks else {}
     if cache is not None:
       cache = kv_cache.write(cache, k_BSKH, v_BSKH, positions_BL)

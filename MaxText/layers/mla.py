@@ -56,6 +56,13 @@ def _full_key(k_nope_BLNC: jax.Array, k_rope_BL1P: jax.Array, rope_shape: tuple[
   rope_BLNP = jnp.broadcast_to(k_rope_BL1P, rope_shape).astype(k_nope_BLNC.dtype)
   return checkpoint_name(jnp.concatenate([k_nope_BLNC, rope_BLNP], axis=-1), "key_proj")
 
+
+def _full_query(q_nope_BLNC: jax.Array, q_rope_BLNP: jax.Array) -> jax.Array:
+  """Each head's scaled query, its no-position part and its rotated part, named query_proj as upstream's
+  attention_mla.py names the query it hands the attention (not the up-projection's output)."""
+  return checkpoint_name(jnp.concatenate([q_nope_BLNC, q_rope_BLNP.astype(q_nope_BLNC.dtype)], axis=-1), "query_proj")
+
+
 class MultiHeadLatentAttention(nnx.Module):
   """Same call as attention.Attention: x [B, L, D] → [B, L, D]; with a decode cache, (output, cache)."""
 
@@ -72,14 +79,14 @@ class MultiHeadLatentAttention(nnx.Module):
       self.wq_a = dense((d,), (cfg.mla.q_lora_rank,), ("embed", None), tag="query_wa_proj",
                         **cfg.lora.adapter("q_a_proj"))
       self.q_norm = norm(cfg.mla.q_lora_rank)
-      self.wq_b = dense((cfg.mla.q_lora_rank,), (n, qk), ("embed", "heads", "kv"), tag="query_proj",
-                        **cfg.lora.adapter("q_b_proj"))
+      self.wq_b = dense((cfg.mla.q_lora_rank,), (n, qk), ("embed", "heads", "kv"), **cfg.lora.adapter("q_b_proj"))
     else:
-      self.query = dense((d,), (n, qk), ("embed", "heads", "kv"), tag="query_proj", **cfg.lora.adapter("q_proj"))
+      self.query = dense((d,), (n, qk), ("embed", "heads", "kv"), **cfg.lora.adapter("q_proj"))
     self.wkv_a = dense((d,), (cfg.mla.kv_lora_rank + rope,), ("embed", None), tag="kv_wa_proj",
                        **cfg.lora.adapter("kv_a_proj_with_mqa"))
     self.kv_norm = norm(cfg.mla.kv_lora_rank)
-    # Its keys and values are named after the split (key_proj, value_proj), as remat placements.
+    # Its keys and values are named after the split (key_proj, value_proj), and the queries after RoPE and
+    # the scale (query_proj, _full_query), as remat placements.
     self.wkv_b = dense((cfg.mla.kv_lora_rank,), (n, cfg.mla.qk_nope_head_dim + v), ("embed", "heads", "kv"),
                        **cfg.lora.adapter("kv_b_proj"))
     self.out = dense((n, v), (d,), ("heads", "kv", "embed"), tag="out_proj", **cfg.lora.adapter("o_proj"))
@@ -130,7 +137,7 @@ class MultiHeadLatentAttention(nnx.Module):
     k_nope_BLNC = kv_BLNX[..., :cfg.mla.qk_nope_head_dim]
     v_BLNV = checkpoint_name(kv_BLNX[..., cfg.mla.qk_nope_head_dim:], "value_proj")
     k_BLNH = _full_key(k_nope_BLNC, k_rope_BL1P, q_rope_BLNP.shape)
-    q_BLNH = jnp.concatenate([q_nope_BLNC, q_rope_BLNP.astype(q_nope_BLNC.dtype)], axis=-1)
+    q_BLNH = _full_query(q_nope_BLNC, q_rope_BLNP)
     k_BLNH, v_BLNV = sharding.constrain(k_BLNH, _HEADS), sharding.constrain(v_BLNV, _HEADS)
     width = v_BLNV.shape[-1]
     if self.kernel_name != "dot_product" and width != q_BLNH.shape[-1]:  # fused kernels: one head width
@@ -167,7 +174,7 @@ class MultiHeadLatentAttention(nnx.Module):
       nope = cfg.mla.qk_nope_head_dim
       v_BLNV = checkpoint_name(kv_BLNX[..., nope:], "value_proj")
       k_BLNH = _full_key(kv_BLNX[..., :nope], k_rope_BL1P, q_rope_BLNP.shape)
-      q_BLNH = jnp.concatenate([q_nope_BLNC, q_rope_BLNP.astype(q_nope_BLNC.dtype)], axis=-1)
+      q_BLNH = _full_query(q_nope_BLNC, q_rope_BLNP)
       args = (sharding.constrain(q_BLNH, _HEADS), sharding.constrain(k_BLNH, _HEADS),
               sharding.constrain(v_BLNV, _HEADS), masks.self_mask(segment_ids_BL), *index, topk,
               cfg.attn.attn_logits_soft_cap)
@@ -177,7 +184,9 @@ class MultiHeadLatentAttention(nnx.Module):
       else:
         out_BLNV = sparse_attention.masked_attention(*args)
       return self.out(checkpoint_name(sharding.constrain(out_BLNV, _HEADS), "attention_out"))
-    q_BLNX, w_v_RNV = self._absorbed(q_nope_BLNC, q_rope_BLNP)
+    q_BLNH = _full_query(q_nope_BLNC, q_rope_BLNP)  # named as on the other paths, then split again
+    nope = cfg.mla.qk_nope_head_dim
+    q_BLNX, w_v_RNV = self._absorbed(q_BLNH[..., :nope], q_BLNH[..., nope:])
     keys_BLX = jnp.concatenate([latent_BLR, k_rope_BL1P[:, :, 0].astype(latent_BLR.dtype)], axis=-1)
     positions_1L = jnp.arange(length)[None]
     gathered_args = (q_BLNX, keys_BLX, latent_BLR, positions_1L, positions_1L, segment_ids_BL, segment_ids_BL,
