@@ -5,7 +5,8 @@ T slots of the batched decode state, S max_target_length (cache length), V vocab
 
 - `prefill` runs right-padded prompts [B, L] in one pass and returns a `Prefix`: their caches
   (length L), true lengths and first sampled tokens.
-- `insert` copies one prefix row into slot i of a `DecodeState` (caches of length S for T slots).
+- `insert` copies one prefix row into slot i of a `DecodeState` (caches of length S for T slots);
+  `insert_rows` several rows into their slots in one call.
 - `generate` advances every slot by one token: one jitted, shape-stable step (it compiles once);
   `decode_step` is the same program, also returning the tokens' log-probabilities. With
   decode_steps_per_call > 1 or `StepLimits`, `decode_step` runs up to that many steps in one
@@ -117,6 +118,7 @@ class Engine:
     self._init_state = jax.jit(self._init_state_fn, out_shardings=self.state_shardings)
     self._prefill = jax.jit(self._prefill_fn)
     self._insert = jax.jit(self._insert_fn, donate_argnums=(1,), out_shardings=self.state_shardings)
+    self._insert_rows = jax.jit(self._insert_rows_fn, donate_argnums=(1,), out_shardings=self.state_shardings)
     self._generate = jax.jit(self._generate_fn, donate_argnums=(1,),
                              out_shardings=(self.state_shardings, (replicated, TokenLogprobs(replicated, replicated,
                                                                                              replicated))))
@@ -171,6 +173,33 @@ class Engine:
     admitted = self.cache.admit(slot, prefix.next_positions_B, row)
     state = self._insert(prefix, state, np.int32(slot), np.int32(row), admitted)
     self._busy[slot] = True
+    return state
+
+  def insert_rows(self, prefix: Prefix, state: DecodeState, slots: Sequence[int], rows: Sequence[int]) -> DecodeState:
+    """`state` with prompt rows[i] of `prefix` in slots[i] for every i, in one call: what an `insert`
+    each gives (engine_api.InsertsRowsTogether). The call always holds as many pairs as `prefix` has
+    rows (the first pair repeated: writing it again changes nothing), so one program compiles per
+    prefill batch size, as `insert`'s does. Paged: OutOfPages leaves every slot as it was."""
+    batch = int(np.shape(prefix.next_positions_B)[0])
+    if len(slots) != len(rows) or not 1 <= len(slots) <= batch or len(set(slots)) != len(slots):
+      raise ValueError(f"insert_rows takes 1 to {batch} distinct slots, one row each; got slots {list(slots)}, "
+                       f"rows {list(rows)}")
+    for slot in slots:
+      self._check_slot(slot)
+    admitted: list[np.ndarray | None] = []
+    try:
+      for slot, row in zip(slots, rows):
+        admitted.append(self.cache.admit(slot, prefix.next_positions_B, row))
+    except Exception:
+      for slot in slots[:len(admitted)]:  # the pages of those admitted before the failure go back
+        self.cache.release(slot)
+      raise
+    pad = batch - len(slots)
+    slots_R = np.asarray(list(slots) + [slots[0]] * pad, np.int32)
+    rows_R = np.asarray(list(rows) + [rows[0]] * pad, np.int32)
+    table_RM = None if admitted[0] is None else np.stack([a for a in admitted if a is not None] + [admitted[0]] * pad)
+    state = self._insert_rows(prefix, state, slots_R, rows_R, table_RM)
+    self._busy[list(slots)] = True
     return state
 
   def generate(self, params: Params, state: DecodeState) -> tuple[DecodeState, jax.Array]:
@@ -406,6 +435,17 @@ class Engine:
     self.traces["insert"] += 1
     caches = self.cache.insert(state.caches, prefix.caches, slot, row, admitted)
     return with_prompt(state, caches, prefix, slot, row)
+
+  def _insert_rows_fn(self, prefix: Prefix, state: DecodeState, slots_R: jax.Array, rows_R: jax.Array,
+                      admitted_RM: jax.Array | None) -> DecodeState:
+    self.traces["insert"] += 1
+
+    def one(i: jax.Array, state: DecodeState) -> DecodeState:  # the pairs in order, as inserts one by one
+      table_M = None if admitted_RM is None else admitted_RM[i]
+      caches = self.cache.insert(state.caches, prefix.caches, slots_R[i], rows_R[i], table_M)
+      return with_prompt(state, caches, prefix, slots_R[i], rows_R[i])
+
+    return jax.lax.fori_loop(0, slots_R.shape[0], one, state)
 
   def _generate_fn(self, params: Params, state: DecodeState, table_TM: jax.Array | None,
                    mask_TW: jax.Array | None = None) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:

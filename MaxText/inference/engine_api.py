@@ -8,7 +8,8 @@ alternatives reported per token.
 A request's life: `prefill` + `insert` put a prompt into a free slot (or, where the engine
 `prefills_into_pages`, `begin_prompt` then `prefill_chunk` until it returns the first token);
 every `decode_step` gives each slot 0..K tokens (`Emitted`); `release` frees the slot. Several
-prompts go in together as `prefill`'s rows (then an `insert` per row) or, into pages, as the rows of
+prompts go in together as `prefill`'s rows (then an `insert` per row, or one `InsertsRowsTogether.insert_rows`
+for them all where the engine offers it) or, into pages, as the rows of
 `PrefillsRestsTogether.prefill_rests` (unchunked) or `PrefillsChunksTogether.prefill_chunks` (one
 chunk budget shared by several prompts) where the engine offers them. The
 decode state is the engine's own and opaque to callers: they pass it back as they got it.
@@ -187,6 +188,14 @@ class DecodeEngine(Protocol):
 
 # A prompt's first token among the rows of a call: (first tokens [B], their TokenLogprobs, the prompt's row).
 FirstToken = tuple[Any, TokenLogprobs, int]
+
+
+@runtime_checkable
+class InsertsRowsTogether(Protocol):
+  """An engine that puts several rows of one `prefill` into their slots in one call (engine.Engine.insert_rows):
+  what the scheduler calls for the prompts admitted in one loop, where it made an `insert` each."""
+
+  def insert_rows(self, prefix: Any, state: EngineState, slots: Sequence[int], rows: Sequence[int]) -> EngineState: ...
 
 
 @runtime_checkable

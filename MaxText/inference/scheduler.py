@@ -11,7 +11,8 @@ slot is handed back with `engine.release`. Text (detokenising, stop strings) is 
 business: the scheduler deals in token ids only.
 
 The jobs admitted in one loop are prefilled in one engine call: their prompts as the rows of one
-`prefill` (padded to a power of two rows, so a few programs compile), then an insert each; into
+`prefill` (padded to a power of two rows, so a few programs compile), then one `insert_rows` for them
+all (engine_api.InsertsRowsTogether; an insert each where the engine has no such call); into
 pages without chunks, their prompts' rests as the rows of one `prefill_rests` call per piece
 (engine_api.PrefillsRestsTogether).
 
@@ -62,8 +63,8 @@ import jax
 import numpy as np
 
 from MaxText.inference.engine_api import (Admitted, DecodeEngine, Emitted, EngineParams, EngineState,
-                                          PrefillsChunksTogether, PrefillsRestsTogether, StepLimits,
-                                          TokenLogprobs)
+                                          InsertsRowsTogether, PrefillsChunksTogether, PrefillsRestsTogether,
+                                          StepLimits, TokenLogprobs)
 from MaxText.inference.image_prompts import PromptImages
 # The events and refusals, kept where the HTTP front ends read them without JAX, and named here as before.
 from MaxText.inference.job_events import (Done as Done, Event as Event, PromptScores as PromptScores,
@@ -340,7 +341,8 @@ class Scheduler:
 
   def _prefill_together(self, batch: Sequence[tuple[Job, int]]) -> None:
     """One prefill call for the prompts of `batch`, padded to a power of two rows (repeating the
-    first; a few compiled programs in all), then an insert per job and one read of their first tokens."""
+    first; a few compiled programs in all), then one insert of them all (an insert each where the engine
+    cannot) and one read of their first tokens."""
     jobs = [job for job, _ in batch] + [batch[0][0]] * (_bucket(len(batch), self.engine.num_slots) - len(batch))
     rows: dict[str, Any] = {}
     if any(job.images is not None for job in jobs):
@@ -349,8 +351,11 @@ class Scheduler:
                                            row_params=[job.row for job in jobs], **rows,
                                            **_masks(dict(enumerate(jobs)), len(jobs), "masks"))
     self.counts["prefills"] += 1
-    for row, (job, slot) in enumerate(batch):
-      self._state = self.engine.insert(prefix, self._state, slot, row)
+    if isinstance(self.engine, InsertsRowsTogether):
+      self._state = self.engine.insert_rows(prefix, self._state, [slot for _, slot in batch], list(range(len(batch))))
+    else:
+      for row, (job, slot) in enumerate(batch):
+        self._state = self.engine.insert(prefix, self._state, slot, row)
     first, logprobs = jax.device_get((prefix.first_tokens_B, prefix.first_logprobs))
     with self._wake:
       self._active.update({slot: job for job, slot in batch})
