@@ -28,9 +28,10 @@ PLACEMENTS: tuple[Placement, ...] = ("remat", "device", "offload")
 # an upstream recipe runs as written, and places nothing.
 TENSORS: dict[str, str] = {
     "decoder_layer_input": "a decoder layer's input, the residual stream entering it",
-    "query_proj": "the query projection (MLA: its up-projection from the query latent)",
-    "key_proj": "the key projection (MLA: each head's whole key, its no-position part and the shared rotated one)",
-    "value_proj": "the value projection (MLA: the values from the key/value latent)",
+    # upstream's names for the attention kernel's inputs (layers/attention.named_qkv), not the raw projections
+    "query_proj": "the query the attention kernel receives: after QK-norm, RoPE, L2-norm and the query scale",
+    "key_proj": "the key the attention kernel receives (MLA: each head's no-position part and the shared rotated one)",
+    "value_proj": "the value the attention kernel receives (MLA: the values from the key/value latent)",
     "qkv_proj": "fused_qkv's one query/key/value matmul, before the split",
     "context": "the attention kernel's output before the output projection (grouped-query attention)",
     "attention_out": "the attention kernel's output before the output projection (MLA)",
