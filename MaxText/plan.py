@@ -273,10 +273,44 @@ def _write_cache(path: Path, result: Mapping[str, Any]) -> None:
 
 
 def _read_cache(path: Path) -> dict[str, Any] | None:
+  """A cached result, or None (compiled again) for one absent, unreadable or not as _compile_all writes it."""
   try:
-    return json.loads(path.read_text())
+    result = json.loads(path.read_text())
   except (OSError, ValueError):
     return None
+  if not (isinstance(result, dict) and isinstance(result.get("status"), str)
+          and isinstance(result.get("compile_s"), (int, float))
+          and (result["status"] != "compiled" or isinstance(result.get("total"), (int, float)))):
+    return None
+  return result
+
+
+def _unwritable(directory: Path) -> str:
+  """Why `directory` (made with its parents) cannot take a new file, or ""."""
+  try:
+    if directory.exists() and not directory.is_dir():
+      return "it is a file"
+    directory.mkdir(parents=True, exist_ok=True)
+    tempfile.TemporaryFile(dir=directory).close()
+  except OSError as e:
+    return f"{e.strerror or e}: {e.filename}" if e.filename else str(e.strerror or e)
+  return ""
+
+
+def usable_paths(args: PlanArgs) -> Path:
+  """The cache directory, made; checked with write_recipe's directory before anything is ranked or compiled, so
+  a path the planner cannot write is one line now rather than a traceback at the end."""
+  cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+  problem = _unwritable(cache_dir)
+  if problem:
+    raise ConfigError(f"cache_dir={cache_dir} cannot hold the compile cache ({problem}); name a directory the "
+                      "planner can write")
+  recipe = Path(args.write_recipe)
+  problem = args.write_recipe and ("it is a directory" if recipe.is_dir() else _unwritable(recipe.resolve().parent))
+  if problem:
+    raise ConfigError(f"write_recipe={args.write_recipe} cannot be written ({problem}); name a file path the planner "
+                      "can write")
+  return cache_dir
 
 
 def model_shape(config: config_lib.Config) -> plan_model.ModelShape:
@@ -414,6 +448,7 @@ TOOL = startup.Tool("plan", compiles_for="slice figures")
 
 def main(argv: list[str]) -> int:
   args, config_argv = PlanArgs.parse(argv)
+  cache_dir = usable_paths(args)
   start_up = startup.start(TOOL, config_argv)
   overrides, config, topology, num_slices = start_up.overrides, start_up.config, start_up.topology, start_up.num_slices
   assert topology is not None  # a slice-figures tool always names one
@@ -427,8 +462,6 @@ def main(argv: list[str]) -> int:
         f"{time.perf_counter() - started:.1f} s; short list: the best {len(planned) - variants}"
         + (f", and the first with splash blocks of {', '.join(str(p.settings['sa_block_q']) for p in planned[-variants:])}"
            if variants else ""), flush=True)
-  cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
-  cache_dir.mkdir(parents=True, exist_ok=True)
   for p in planned:
     p.result = _read_cache(cache_dir / f"{p.key}.json")
     p.cached = p.result is not None

@@ -3,6 +3,7 @@ small v5e compiles, the compile cache key, a whole plan on a tiny model (a secon
 nothing, the recipe it writes dry-runs), and the one-line answers to impossible or bad input."""
 
 import dataclasses
+import json
 import re
 import subprocess
 
@@ -372,6 +373,32 @@ def test_bad_planner_arguments_are_one_line_errors():
   with pytest.raises(ConfigError, match="attention_blocks=1000 must be comma-separated multiples of 128"):
     plan.main(argv(compile_topology="v5e-4", attention_blocks=1000, **TINY))
 
+
+
+def test_paths_the_planner_cannot_write_are_one_line_before_any_ranking(tmp_path, monkeypatch, capsys):
+  no_compile(monkeypatch)
+  a_file, a_dir = tmp_path / "a_file", tmp_path / "a_dir"
+  a_file.write_text("")
+  a_dir.mkdir()
+  for paths, message in [
+      (dict(cache_dir=a_file), r"^cache_dir=\S+a_file cannot hold the compile cache \(it is a file\); name a directory"),
+      (dict(cache_dir=a_file / "sub"), r"^cache_dir=\S+sub cannot hold the compile cache \(Not a directory: "),
+      (dict(cache_dir=a_dir, write_recipe=a_dir), r"^write_recipe=\S+a_dir cannot be written \(it is a directory\)"),
+      (dict(cache_dir=a_dir, write_recipe=a_file / "r.sh"), r"^write_recipe=\S+r.sh cannot be written \(it is a file\)"),
+  ]:
+    with pytest.raises(ConfigError, match=message):
+      plan.main(argv(compile_topology="v5e-4", **paths, **TINY))
+  assert "ranking" not in capsys.readouterr().out
+
+
+def test_a_cache_file_not_as_the_planner_writes_it_is_compiled_again(tmp_path):
+  good = {"status": "compiled", "compile_s": 1.5, "total": 2.0}
+  for text, expected in [(json.dumps(good), good), ('{"status": "comp', None), ("[1, 2]", None), ("null", None),
+                         ('{"status": "compiled", "compile_s": 1.0}', None), ('{"compile_s": 1.0}', None),
+                         (json.dumps({"status": "invalid", "compile_s": 0.5}), {"status": "invalid", "compile_s": 0.5})]:
+    (tmp_path / "k.json").write_text(text)
+    assert plan._read_cache(tmp_path / "k.json") == expected, text
+  assert plan._read_cache(tmp_path / "absent.json") is None
 
 def test_the_best_candidate_is_also_compiled_with_other_splash_blocks():
   topology = accelerators.tpu_topology("v5e-4")
