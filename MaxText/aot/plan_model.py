@@ -16,6 +16,7 @@ what the compile measures; plan.py prints the error of every estimate against it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Mapping
 
@@ -168,19 +169,66 @@ def param_layout(model: ModelShape, mesh_shape: Mapping[str, int], rules: shardi
 
 def _widths(cfg: ModelConfig) -> dict[remat_policies.Width, float]:
   """Per token and layer, what each width a remat policy keeps (bf16) holds:
-  qkv = (N + 2K)·H, out = D (attention output projection), mlp_in = gated·F, mlp_out = D."""
+  qkv = (N + 2K)·H, out = D (attention output projection), mlp_in = gated·F, mlp_out = D where the
+  backward pass reads it (mlp_output_read)."""
   heads = (cfg.num_query_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
   mlp = cfg.mlp_dim * (cfg.moe.num_experts_per_tok if cfg.moe.num_experts > 1 else 1)
-  return {"qkv": heads, "out": cfg.emb_dim, "mlp_in": mlp * len(cfg.mlp_activations), "mlp_out": cfg.emb_dim,
+  return {"qkv": heads, "out": cfg.emb_dim, "mlp_in": mlp * len(cfg.mlp_activations),
+          "mlp_out": cfg.emb_dim if mlp_output_read(cfg) else 0,
           "attn": cfg.num_query_heads * cfg.head_dim, "norms": 2 * cfg.emb_dim, "mlp_act": mlp}
 
 
-def tensor_widths(cfg: ModelConfig) -> dict[str, float]:
+def mlp_output_read(cfg: ModelConfig) -> bool:
+  """Whether the backward pass reads a dense MLP's output projection (mlpwo), so that a policy keeping it
+  keeps it. The shared pre-norm layer only adds it to the residual stream (a MoE layer's shared experts to
+  the routed output), whose gradient does not need it, so jax saves none of it; a layer that normalises its
+  block outputs, a family's own layer, or a gate on the shared experts reads it."""
+  return _layer_reads_mlp_output(cfg.decoder_block) or (cfg.moe.num_experts > 1 and cfg.moe.shared_expert_gate)
+
+
+@functools.cache
+def _layer_reads_mlp_output(decoder_block: str) -> bool:
+  from MaxText import families  # noqa: PLC0415  (flax; only the planner needs it here)
+  from MaxText.layers import decoders  # noqa: PLC0415
+  layer = families.family_for_decoder_block(decoder_block).layer
+  if layer is None:
+    return False
+  own_call = getattr(layer, "__call__", None) is not decoders.DecoderLayer.__call__
+  return own_call or bool(getattr(layer, "normalize_block_outputs", True))
+
+
+def expert_rows(cfg: ModelConfig, experts: int = 1) -> float:
+  """Rows per token of the routed experts' projections as the MoE path that runs lays them out
+  (layers/moe.py, moe_dispatch.py), at `experts` expert-parallel degree: the capacity slots [E, B, C, ·],
+  E·C per sequence of L tokens (C = L when dropless); sparse_matmul's sorted rows, one per chosen expert;
+  under expert parallelism its all-to-all receive buffer (moe_exchange_rows), or with moe_dispatch=gather
+  the rows of the whole expert group's tokens on every device."""
+  moe = cfg.moe
+  if moe.num_experts <= 1:
+    return 0.0
+  if not moe.sparse_matmul:
+    length = cfg.max_target_length
+    return moe.num_experts * _expert_capacity(moe, length) / length
+  if experts <= 1:
+    return float(moe.num_experts_per_tok)
+  if moe.moe_dispatch == "all_to_all":
+    return moe_exchange_rows(cfg, experts, 1.0)[0]
+  return float(experts * moe.num_experts_per_tok)
+
+
+def _expert_capacity(moe: Any, length: int) -> int:
+  from MaxText.layers.moe import expert_capacity  # noqa: PLC0415  (flax; only MoE models need it)
+  return expert_capacity(moe, length)
+
+
+def tensor_widths(cfg: ModelConfig, experts: int = 1) -> dict[str, float]:
   """Per token and layer, the elements of each named activation a remat_policy=custom key places
-  (remat_policies.TENSORS); a routed expert's rows count once per chosen expert."""
+  (remat_policies.TENSORS); a routed expert's tensors count `expert_rows` rows per token (at `experts`
+  expert-parallel degree)."""
   n, k, h, d = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.emb_dim
   moe = cfg.moe.num_experts > 1
-  routed = cfg.mlp_dim * cfg.moe.num_experts_per_tok if moe else 0
+  rows = expert_rows(cfg, experts)
+  routed = cfg.mlp_dim * rows
   dense = cfg.mlp_dim * max(cfg.moe.shared_experts, 1) if not moe or cfg.moe.shared_experts else 0
   rope = cfg.mla.qk_rope_head_dim
   gated = len(cfg.mlp_activations) > 1  # two input projections (layers/mlp.py names them mlpwi_0, mlpwi_1)
@@ -196,8 +244,8 @@ def tensor_widths(cfg: ModelConfig) -> dict[str, float]:
           "mla_q": cfg.mla.q_lora_rank, "mla_kv": cfg.mla.kv_lora_rank if mla else 0,
           "mlpwi": dense * len(cfg.mlp_activations) if fused_mlp or not gated else 0,
           "mlpwi_0": dense if gated and not fused_mlp else 0, "mlpwi_1": dense if gated and not fused_mlp else 0,
-          "mlpwo": d if dense else 0, "moe_mlpwi_0": routed, "moe_mlpwi_1": routed if gated else 0,
-          "moe_mlpwo": d if routed else 0}
+          "mlpwo": d if dense and mlp_output_read(cfg) else 0, "moe_mlpwi_0": routed, "moe_mlpwi_1": routed if gated else 0,
+          "moe_mlpwo": d * rows}
 
 
 def placed_tensors(cfg: ModelConfig, policy: remat_policies.RematPolicy) -> dict[str, str]:
@@ -282,23 +330,34 @@ def kernel_rerun_flops(cfg: ModelConfig, seq_len: int, attention_kernel: str) ->
   return flops + (scores if cfg.attn.attention_blocks.sa_use_fused_bwd_kernel else 2 * scores + scores_grad)
 
 
-def kept_width(cfg: ModelConfig, policy: remat_policies.RematPolicy, on_host: bool) -> float:
+# The MLP tensors behind each preset width (remat_policies' mapping), which a MoE layer prices per tensor.
+_MLP_TENSORS: dict[remat_policies.Width, tuple[str, ...]] = {
+    "mlp_in": ("mlpwi", "mlpwi_0", "mlpwi_1", "moe_mlpwi_0", "moe_mlpwi_1"), "mlp_out": ("mlpwo", "moe_mlpwo")}
+
+
+def kept_width(cfg: ModelConfig, policy: remat_policies.RematPolicy, on_host: bool, experts: int = 1) -> float:
   """Elements per token and layer `policy` keeps on the host, or in HBM besides the layer input:
-  a custom placement per tensor, a fixed policy by its preset widths."""
+  a custom placement per tensor, a fixed policy by its preset widths (a MoE layer's MLP per tensor, as
+  its path lays the experts' rows out: expert_rows, at `experts` expert-parallel degree)."""
+  where = "offload" if on_host else "device"
   if policy.name == "custom":
-    widths = tensor_widths(cfg)
-    where = "offload" if on_host else "device"
+    widths = tensor_widths(cfg, experts)
     return sum(widths[n] for n, placed in placed_tensors(cfg, policy).items() if placed == where)
   preset = _widths(cfg)
   saved = policy.saved_on_host if on_host else policy.saved_on_device
   # The dots policies keep the projection outputs no name covers too, where they keep the dots.
   unnamed = sum(backward_dots(cfg).values()) if policy.keeps == "dots" and on_host == policy.offloaded else 0.0
-  if "mlp_in" in saved and cfg.moe.num_experts > 1 and policy.names:
-    # The routed experts' input projections a preset keeps by name: sparse_matmul's wi_1 carries only
-    # moe_mlpwi_1, which no preset names (remat_policies.expert_placements).
-    where, widths, placed = "offload" if on_host else "device", tensor_widths(cfg), placed_tensors(cfg, policy)
-    preset["mlp_in"] = sum(widths[n] for n in ("moe_mlpwi_0", "moe_mlpwi_1") if placed.get(n) == where)
-  return sum(preset[w] for w in saved) + unnamed
+  if cfg.moe.num_experts > 1:
+    # Only the MLP tensors a preset's names reach (sparse_matmul's wi_1 carries only moe_mlpwi_1, which no
+    # preset names: remat_policies.expert_placements), the shared experts' too; "none" keeps them all.
+    widths, placed = tensor_widths(cfg, experts), placed_tensors(cfg, policy)
+    for width, names in _MLP_TENSORS.items():
+      preset[width] = sum(widths[n] for n in names if policy.keeps == "everything" or placed.get(n) == where)
+  kept = sum(preset[w] for w in saved)
+  if policy.keeps == "dots" and cfg.moe.num_experts > 1 and on_host == policy.offloaded:
+    # The router's logits (and the shared experts' gate) are dots without batch dimensions.
+    kept += cfg.moe.num_experts + (1 if cfg.moe.shared_expert_gate else 0)
+  return kept + unnamed
 
 
 def stream_width(cfg: ModelConfig, policy: remat_policies.RematPolicy) -> float:
@@ -313,9 +372,11 @@ def policy_of(candidate: Mapping[str, Any]) -> remat_policies.RematPolicy:
   return remat_policies.by_name(str(candidate["remat_policy"]))
 
 
-def offloaded_activations(cfg: ModelConfig, policy: remat_policies.RematPolicy, tokens: float) -> float:
-  """Bytes (bf16) that `policy` keeps in host memory for `tokens` tokens on a chip, over every layer."""
-  return tokens * 2 * cfg.num_decoder_layers * kept_width(cfg, policy, on_host=True)
+def offloaded_activations(cfg: ModelConfig, policy: remat_policies.RematPolicy, tokens: float,
+                          experts: int = 1) -> float:
+  """Bytes (bf16) that `policy` keeps in host memory for `tokens` tokens on a chip, over every layer
+  (`experts`: the expert-parallel degree, which sizes a sparse_matmul MoE's rows: expert_rows)."""
+  return tokens * 2 * cfg.num_decoder_layers * kept_width(cfg, policy, on_host=True, experts=experts)
 
 
 def host_overflow(e: Estimate, generation: accelerators.TpuGeneration) -> str | None:
@@ -346,8 +407,8 @@ def moe_exchange_rows(cfg: ModelConfig, experts: int, tokens: float) -> tuple[fl
   if moe.num_experts <= 1 or experts <= 1 or moe.moe_dispatch != "all_to_all":
     return 0.0, 0.0
   routed = tokens * moe.num_experts_per_tok
-  if not moe.sparse_matmul:  # capacity slots, sent and received whole: C = capacity_factor·L·k / E per expert, or L
-    slots = routed * moe.capacity_factor if moe.capacity_factor > 0 else tokens * moe.num_experts
+  if not moe.sparse_matmul:  # capacity slots, sent and received whole: E·C per sequence (expert_rows)
+    slots = tokens * expert_rows(cfg)
     return slots, slots
   if moe.moe_ragged_buffer_factor > 0:
     return moe.moe_ragged_buffer_factor * routed, routed
@@ -380,7 +441,8 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   widths = _widths(cfg)
   layers = cfg.num_decoder_layers
   act_bytes = 2  # bf16
-  saved = tokens * act_bytes * layers * (stream_width(cfg, policy) + kept_width(cfg, policy, on_host=False))
+  saved = tokens * act_bytes * layers * (stream_width(cfg, policy)
+                                         + kept_width(cfg, policy, on_host=False, experts=mesh_shape["expert"]))
   saved *= pipe.live_share
   # A stage works on one pipeline microbatch at a time: its share of the stage's rows.
   working_tokens = tokens * stages / pipe.microbatches if stages > 1 else tokens
@@ -461,7 +523,8 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   exposed_s += dcn_exposed / links.dcn
   host_bytes = 2 * optimizer if offload_opt else 0.0
   if policy.offloaded:
-    host_bytes += 2 * tokens * accumulation * act_bytes * layers * kept_width(cfg, policy, on_host=True)
+    host_bytes += 2 * tokens * accumulation * act_bytes * layers * kept_width(cfg, policy, on_host=True,
+                                                                              experts=mesh_shape["expert"])
   host_s = host_bytes / links.host
   # Weight gathers, gradient reductions and DCN overlap with compute; activation exchanges and
   # host transfers (offloaded state and activations) are counted in full.
@@ -476,7 +539,7 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
     caveats.append("attention loop uncounted")
   return Estimate(params, device_optimizer, gradients, activations, total, flops_per_chip,
                   compute_s, ici_s + exposed_s, dcn_s, host_s, step_s, mfu, global_batch * seq_len / chips / step_s, tuple(caveats),
-                  unsharded, offloaded_activations(cfg, policy, tokens) * pipe.live_share,
+                  unsharded, offloaded_activations(cfg, policy, tokens, mesh_shape["expert"]) * pipe.live_share,
                   optimizer if offload_opt else 0.0, recompute, teacher_params)
 
 
