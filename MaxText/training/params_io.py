@@ -58,6 +58,11 @@ def load_params(path: str, abstract_params: models.Params, shardings: models.Par
   if _stored_has_adapters(directory) and not lora.has_adapters(abstract_params):
     raise UserError(f"{path} ({kind} checkpoint) holds LoRA adapters that this model has no place for; export it "
                     "with MaxText.generate_param_only_checkpoint (which merges them into the base weights) and load that")
+  converted = _stored_8bit_kernel(directory)
+  if converted:
+    raise UserError(f"{path} ({kind} checkpoint) holds 8-bit kernels (values and scales, as quantize_weights stores "
+                    f"them in memory) at {converted}; load the float checkpoint they were converted from "
+                    "(quantize_weights=int8 or fp8 converts it at load)")
   stored_scanned = _stored_layout_is_scanned(directory)
   wanted_scanned = "layers" in abstract_params
   convert = stored_scanned is not None and stored_scanned != wanted_scanned
@@ -68,7 +73,7 @@ def load_params(path: str, abstract_params: models.Params, shardings: models.Par
     restored = ocp.PyTreeCheckpointer().restore(
         storage.as_path(directory), args=ocp.args.PyTreeRestore(
             item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
-  except (ValueError, KeyError, FileNotFoundError) as e:
+  except (ValueError, KeyError, FileNotFoundError, TypeError) as e:  # TypeError: a subtree where an array is due
     raise UserError(f"cannot load parameters from {path} ({kind} checkpoint): {first_line(e)}; "
                     "check that the model config matches the one that wrote it") from None
   params = restored[PARAMS]
@@ -88,6 +93,20 @@ def _stored_has_adapters(directory: str) -> bool:
   except Exception:  # noqa: BLE001 - unreadable metadata: let the restore report the problem
     return False
   return lora.has_adapters(stored)
+
+
+def _stored_8bit_kernel(directory: str) -> str:
+  """The path of a stored kernel that is a converted QuantizedWeight ({values, scale}), "" when none."""
+  try:
+    with quiet_absl():
+      stored = ocp.PyTreeCheckpointer().metadata(storage.as_path(directory)).item_metadata[PARAMS]
+  except Exception:  # noqa: BLE001 - unreadable metadata: let the restore report the problem
+    return ""
+  for path, _ in jax.tree_util.tree_flatten_with_path(stored)[0]:
+    keys = [str(getattr(k, "key", k)) for k in path]
+    if keys[-1:] == ["scale"] and keys[-2:-1] == ["kernel"]:
+      return "/".join(keys[:-1])
+  return ""
 
 
 def _stored_layout_is_scanned(directory: str) -> bool | None:

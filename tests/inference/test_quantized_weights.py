@@ -310,3 +310,23 @@ def test_a_list_of_choices_writes_the_empty_value():
   with pytest.raises(ValueError, match=re.escape('quantization must be one of "" (float), int8, fp8, mxfp8;')):
     with quantization.use_quantization("int4"):
       pass
+
+
+def test_a_checkpoint_of_converted_kernels_is_one_line_naming_one(tmp_path):
+  """An engine's converted parameters saved as a checkpoint: loading it (with or without quantize_weights)
+  names an 8-bit kernel and asks for the float checkpoint; a kernel stored as any other subtree is the
+  loader's one line too (both were an Orbax TypeError traceback)."""
+  from MaxText.training import params_io
+
+  engine = Engine(Config.for_testing(**TINY, quantize_weights="int8"), mesh=one_device_mesh())
+  params = engine.load_params()
+  params_io.save_params(str(tmp_path / "converted"), params)
+  for keys in ({}, dict(quantize_weights="int8")):
+    reader = Engine(Config.for_testing(**TINY, **keys), mesh=one_device_mesh())
+    with pytest.raises(UserError, match=r"holds 8-bit kernels .* at layers/\S+/kernel; load the float checkpoint"):
+      reader.load_params(str(tmp_path / "converted"))
+  odd = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), engine.spec.abstract_params)
+  odd["layers"]["mlp"]["wo"]["kernel"] = {"w": odd["layers"]["mlp"]["wo"]["kernel"]}
+  params_io.save_params(str(tmp_path / "odd"), odd)
+  with pytest.raises(UserError, match=r"cannot load parameters .* TypeError: Type mismatch at key path"):
+    reader.load_params(str(tmp_path / "odd"))
