@@ -249,7 +249,10 @@ def with_draft(config: Config, target: Engine) -> tuple[SpeculativeEngine, Param
 def with_named_draft(draft_cfg: Config, target: Engine, k: int) -> tuple[SpeculativeEngine, Params]:
   """A SpeculativeEngine over `target` (a plain or an adapter-table engine) and the draft of `draft_cfg`
   (its parameters loaded on the target's mesh), and the draft's parameters."""
-  draft, draft_params = load_engine(draft_cfg, target.num_slots,
-                                    "speculative: no draft_load_parameters_path given; the draft has randomly "
-                                    "initialised parameters", target.mesh)
+  try:
+    draft, draft_params = load_engine(draft_cfg, target.num_slots,
+                                      "speculative: no draft_load_parameters_path given; the draft has randomly "
+                                      "initialised parameters", target.mesh)
+  except UserError as e:  # the target's keys (quantize_weights_block, ...) apply to the draft too: say whose model
+    raise UserError(f"the draft model (draft_model_name / draft_load_parameters_path): {e}") from None
   return SpeculativeEngine(speculative.SpeculativeDecoder(target, draft, k)), draft_params

@@ -158,6 +158,11 @@ def test_the_draft_config_keeps_the_targets_keys_but_its_own_model():
      "unknown config key 'bogus_key' from draft_overrides"),
     (dict(speculative_tokens=2, draft_model_name="default", draft_overrides="vocab_size"), ConfigError,
      "draft_overrides items are key=value"),
+    # The target's quantize_weights_block divides its own kernels, not the draft's width (24): the draft's culprit.
+    (dict(speculative_tokens=2, draft_model_name="default", quantize_weights="fp8", quantize_weights_block=16,
+          draft_overrides="base_emb_dim=24,base_num_decoder_layers=1,vocab_size=128"), UserError,
+     r"^the draft model \(draft_model_name / draft_load_parameters_path\): quantize_weights_block=16 does not divide "
+     "the input axis of 24"),
 ])
 def test_each_bad_draft_is_one_clear_error(overrides, error, message):
   with pytest.raises(error, match=message) as raised:
