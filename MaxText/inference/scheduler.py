@@ -164,6 +164,8 @@ class Scheduler:
     self._active: dict[int, Job] = {}
     self._prefilling: dict[int, tuple[Job, int]] = {}  # slot -> (job, prompt tokens cached so far), in admission order
     self._into_pages = engine.prefills_into_pages
+    # A Protocol's isinstance is slow: asked once.
+    self._row_inserter = engine if isinstance(engine, InsertsRowsTogether) else None
     # k > 0: a speculative engine, whose steps (rounds) emit 1..k + 1 tokens per slot.
     self.speculative_tokens = engine.speculative_tokens
     self._wake = threading.Condition()  # guards _waiting, _active, _reserved
@@ -351,17 +353,23 @@ class Scheduler:
                                            row_params=[job.row for job in jobs], **rows,
                                            **_masks(dict(enumerate(jobs)), len(jobs), "masks"))
     self.counts["prefills"] += 1
-    if isinstance(self.engine, InsertsRowsTogether):
-      self._state = self.engine.insert_rows(prefix, self._state, [slot for _, slot in batch], list(range(len(batch))))
+    if self._row_inserter is not None:
+      self._state = self._row_inserter.insert_rows(prefix, self._state, [slot for _, slot in batch],
+                                                   list(range(len(batch))))
     else:
       for row, (job, slot) in enumerate(batch):
         self._state = self.engine.insert(prefix, self._state, slot, row)
-    first, logprobs = jax.device_get((prefix.first_tokens_B, prefix.first_logprobs))
+    lp = prefix.first_logprobs
+    # The top alternatives are read only when a job wants them (a host copy each), as for a call's tokens.
+    tops = any(job.top_logprobs for job, _ in batch)
+    out = jax.device_get((prefix.first_tokens_B, lp.chosen_B, *((lp.top_ids_Bk, lp.top_logprobs_Bk) if tops else ())))
+    first, chosen = np.asarray(out[0]).tolist(), np.asarray(out[1]).tolist()
     with self._wake:
       self._active.update({slot: job for job, slot in batch})
     for row, (job, slot) in enumerate(batch):
       if self._active.get(slot) is job:
-        self._deliver(slot, job, int(first[row]), *_scores(logprobs, row))
+        top = _top(out[2][row], out[3][row]) if tops and job.top_logprobs else []
+        self._deliver(slot, job, first[row], chosen[row], top)
 
   def _prefill_chunk(self) -> None:
     """With prefill_chunk_size, one chunk budget of the prompts being prefilled, longest-waiting first

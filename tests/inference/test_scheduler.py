@@ -330,6 +330,12 @@ class _Counted:
 
 
 class _CountingTopEngine(FakeEngine):
+  def prefill(self, params, prompts, row_params=None):
+    prefix = super().prefill(params, prompts, row_params)
+    lp = prefix.first_logprobs
+    prefix.first_logprobs = TokenLogprobs(lp.chosen_B, _Counted(lp.top_ids_Bk), _Counted(lp.top_logprobs_Bk))
+    return prefix
+
   def decode_step(self, params, state, active=None, limits=None):
     state, out = super().decode_step(params, state, active, limits)
     lp = out.logprobs
@@ -338,8 +344,8 @@ class _CountingTopEngine(FakeEngine):
 
 
 def test_the_top_alternatives_are_read_and_listed_only_for_jobs_that_ask():
-  """A job with top_logprobs=False gets tokens with an empty `top`, and a call whose jobs all say so reads no
-  alternatives from the device; a job that asks gets them beside such a job, the same tokens either way."""
+  """A job with top_logprobs=False gets tokens with an empty `top`, and a call or a prefill whose jobs all say so
+  reads no alternatives from the device; a job that asks gets them beside such a job, the same tokens either way."""
   engine = _CountingTopEngine(num_slots=2)
   s = sched.Scheduler(engine, None, max_queue=8, eos_ids=[EOS]).start()
   try:
