@@ -320,6 +320,9 @@ def load_engine(config: Config, num_slots: int, fresh_note: str, base_name: str,
   table = AdapterTable(engine, d.serve_lora_slots or len(named))
   params = table.with_tables(lora.combine(lora.split(dict(engine.spec.abstract_params))[0], base_params))
   params = engine.prepare_params(params)  # quantize_weights: the base kernels 8-bit; the tables stay float
+  if engine.weight_quantizer is not None:  # the line a server without adapters prints: the base model's bytes
+    distributed.log(engine.weight_quantizer.describe(lora.split(dict(engine.spec.abstract_params))[1],
+                                                     lora.split(params)[1]))
   registry = Registry(table, base_name, params)
   for name, adapter_path in named:
     registry.add(name, adapter_path)

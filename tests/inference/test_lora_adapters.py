@@ -660,3 +660,18 @@ def test_an_adapter_swap_keeps_a_speculative_engines_draft_parameters():
 
   assert serve._with_target(("target", "draft"), "new") == ("new", "draft")
   assert serve._with_target("target", "new") == "new"
+
+
+def test_quantized_base_weights_are_announced_as_without_adapters(tmp_path, capsys):
+  """quantize_weights with adapter tables prints the line a server without adapters prints (the base model's
+  kernels and bytes, the tables left out); it printed nothing."""
+  from MaxText.inference import engine as engine_lib
+
+  write_adapter(tmp_path / "a", 2, 4.0, ("q_proj",), seed=1)
+  config = Config.for_testing(**TINY, quantize_weights="int8")
+  engine_lib.load_engine(config, 2, "", one_device_mesh())
+  plain = [line for line in capsys.readouterr().out.splitlines() if line.startswith("quantize_weights=int8:")]
+  assert len(plain) == 1 and "kernel arrays of the decoder stored 8-bit" in plain[0]
+  tables = Config.for_testing(**TINY, quantize_weights="int8", serve_lora_adapters=f"a={tmp_path / 'a'}")
+  lora_adapters.load_engine(tables, 2, "", "base", one_device_mesh())
+  assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("quantize_weights=")] == plain
