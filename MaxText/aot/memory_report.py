@@ -96,12 +96,20 @@ class MemoryReport:
 
 
 # Memory spaces of XLA's TPU buffer assignment that are not the device heap and too small to
-# matter (vector/scalar scratch memories, semaphores).
+# matter (vector/scalar scratch memories, semaphores); XLA's memory-space assignment may hold
+# whole activations in VMEM too, which only a small model notices (getting_started/Planner.md).
 _SCRATCH_SPACES = {"vmem", "smem", "sflag"}
 # Colour 5 is the host's pinned memory (layouts' S(5), which XLA's out-of-memory messages call
 # "host"); this libtpu's memory-usage report labels it "cmem".
 _HOST_COLOR = 5
 _SPACE = re.compile(r"^Memory Space: (\S+) \(color=(\d+)\)\s*\nTotal bytes: (\d+)", re.MULTILINE)
+
+
+def memory_spaces(dump_dir: str) -> dict[str, int]:
+  """Bytes of every memory space (default, vmem, host, ...) in the train step's memory-usage report
+  under `dump_dir` (see `buffer_assignment_dump_options`); empty if absent."""
+  reports = storage.glob(storage.join(dump_dir, "*jit_train_step*memory-usage-report.txt"))
+  return {name: int(size) for name, _, size in _SPACE.findall(storage.read_text(reports[-1]))} if reports else {}
 
 
 def read_buffer_assignment(dump_dir: str | None) -> tuple[int, tuple[tuple[str, int], ...]] | None:
