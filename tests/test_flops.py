@@ -71,6 +71,30 @@ def test_chunked_layers_count_a_causal_triangle_per_chunk():
   assert ours == 2 * (2 * 48**2 / 2 + 32**2 / 2) + LENGTH**2 / 2
 
 
+
+class _CountedPattern(tuple):
+  """An attention_layer_pattern that counts its item reads."""
+  reads = 0
+
+  def __getitem__(self, index):
+    _CountedPattern.reads += 1
+    return super().__getitem__(index)
+
+
+def test_a_deep_stack_costs_one_count_per_pattern_position_not_per_layer():
+  """The planner prices a model of any depth thousands of times over (the fits-nowhere bound over every
+  topology): per-layer counting made a 100000-layer model's plan run for minutes before its one-line answer."""
+  import dataclasses
+  cfg = _windowed().model
+  _CountedPattern.reads = 0
+  layers = 10**6 + 1  # local, global, ..., local: one more local than global layer
+  pattern = _CountedPattern(("local", "global"))
+  deep = dataclasses.replace(cfg, num_decoder_layers=layers, attn=dataclasses.replace(cfg.attn,
+                                                                                     attention_layer_pattern=pattern))
+  assert metrics.attended_pairs(deep, LENGTH) == (layers // 2 + 1) * (WINDOW * LENGTH - WINDOW**2 / 2) + (
+      layers // 2) * LENGTH**2 / 2
+  assert _CountedPattern.reads <= len(pattern)
+
 DSA = dict(decoder_block="deepseek32", attention_type="mla", base_emb_dim=64, base_num_query_heads=4,
            base_num_kv_heads=4, head_dim=24, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
            qk_rope_head_dim=8, v_head_dim=16, index_n_heads=2, index_head_dim=8, base_num_decoder_layers=2,

@@ -64,21 +64,24 @@ def attended_pairs(cfg: ModelConfig, length: int, causal: bool = True) -> float:
   """Query-key pairs of one sequence summed over the layers, the MTP modules' layers included (see
   the module docstring)."""
   pattern = cfg.attn.attention_layer_pattern
+  layers = cfg.num_decoder_layers + cfg.mtp.mtp_num_layers
   total = 0.0
-  for layer in range(cfg.num_decoder_layers + cfg.mtp.mtp_num_layers):
-    kind = pattern[layer % len(pattern)]
+  # Per position in the pattern, times the layers at it: the planner prices models of any depth many times over.
+  for position, kind in enumerate(pattern):
+    count = layers // len(pattern) + (1 if position < layers % len(pattern) else 0)
     window = cfg.attn.sliding_window_size if kind == "local" else None
     chunk = cfg.attn.attention_chunk_size
     if not causal:
-      total += length * length
+      pairs: float = length * length
     elif kind == "chunked" and chunk < length:
-      total += (length // chunk) * chunk * chunk / 2 + (length % chunk) ** 2 / 2
+      pairs = (length // chunk) * chunk * chunk / 2 + (length % chunk) ** 2 / 2
     elif window is not None and window < length:
-      total += window * length - window * window / 2
+      pairs = window * length - window * window / 2
     elif 0 < cfg.mla.index_topk < length and not cfg.mla.indexer_warmup:
-      total += cfg.mla.index_topk * length - cfg.mla.index_topk ** 2 / 2
+      pairs = cfg.mla.index_topk * length - cfg.mla.index_topk ** 2 / 2
     else:
-      total += length * length / 2
+      pairs = length * length / 2
+    total += count * pairs
   return total
 
 
