@@ -407,6 +407,9 @@ class DecodeConfig:
     _one_of(v, "quantize_weights", WEIGHT_QUANTIZATION_MODES)
     _require(v["quantize_weights_block"] >= 0, f"quantize_weights_block must be >= 0 (0: one scale per output "
              f"channel), got {v['quantize_weights_block']}")
+    _require(v["quantize_weights_block"] == 0 or v["quantize_weights"] != "",
+             f"quantize_weights_block={v['quantize_weights_block']} needs quantize_weights=int8 or fp8 (it sizes their "
+             "scales' blocks); set quantize_weights or quantize_weights_block=0")
     _require(v["kv_page_size"] >= 1, f"kv_page_size must be >= 1, got {v['kv_page_size']}")
     _require(v["kv_num_pages"] >= 0, f"kv_num_pages must be >= 0 (0: enough for every slot at max_target_length), "
              f"got {v['kv_num_pages']}")

@@ -159,6 +159,9 @@ def test_refused_values():
     Config.for_testing(**TINY, quantize_weights="int4")
   with pytest.raises(ConfigError, match="quantize_weights_block must be >= 0"):
     Config.for_testing(**TINY, quantize_weights="int8", quantize_weights_block=-1)
+  # A block without a mode converted nothing, silently: the float kernels were served.
+  with pytest.raises(ConfigError, match=re.escape("quantize_weights_block=128 needs quantize_weights=int8 or fp8")):
+    Config.for_testing(**TINY, quantize_weights_block=128)
   with pytest.raises(UserError, match="quantize_weights_block=24 does not divide the input axis of 64"):
     Engine(Config.for_testing(**TINY, quantize_weights="fp8", quantize_weights_block=24), mesh=one_device_mesh())
   with pytest.raises(ValueError, match=re.escape('quantize_weights must be one of "" (off), int8, fp8;')):
