@@ -100,7 +100,7 @@ class PlanArgs:
     args.block_sizes()
     if args.max_candidates < 1:
       raise ConfigError(f"max_candidates must be >= 1, got {args.max_candidates}")
-    if args.budget_minutes <= 0:
+    if not args.budget_minutes > 0:  # nan too: its deadline never comes
       raise ConfigError(f"budget_minutes must be > 0, got {args.budget_minutes:g}")
     if not 0 <= args.headroom < 1:
       raise ConfigError(f"headroom must be in [0, 1), got {args.headroom:g}")

@@ -390,6 +390,8 @@ def test_bad_planner_arguments_are_one_line_errors():
     plan.main(argv(**TINY))
   with pytest.raises(ConfigError, match="max_candidates must be >= 1"):
     plan.main(argv(compile_topology="v5e-4", max_candidates=0, **TINY))
+  with pytest.raises(ConfigError, match="budget_minutes must be > 0, got nan"):
+    plan.main(argv(compile_topology="v5e-4", budget_minutes="nan", **TINY))
   with pytest.raises(ConfigError, match="budget_minutes must be a float"):
     plan.main(argv(compile_topology="v5e-4", budget_minutes="soon", **TINY))
   with pytest.raises(ConfigError, match=r"headroom must be in \[0, 1\), got 1.5"):
