@@ -751,3 +751,18 @@ def test_cancelled_job_frees_its_slot_and_a_deadline_is_a_504(served, monkeypatc
                       dataclasses.replace(served.server.decode_cfg, serve_request_timeout_seconds=1e-3))
   response = _post(served, "/v1/completions", '{"model": "tiny", "prompt": "the", "max_tokens": 16}')
   assert response.status_code == 504 and "serve_request_timeout_seconds" in response.json()["error"]["message"]
+
+
+def test_lora_admin_routes_of_a_server_without_adapter_tables_say_how_to_get_them(served):
+  """A server started without serve_lora_adapters / serve_lora_slots answers its admin routes with one line naming
+  serve_lora_slots (was a bare 404 "Not Found", as for a wrong address); the key is still checked first."""
+  route = f"{served.url}/v1/admin/lora_adapters"
+  auth = {"authorization": f"Bearer {KEY}"}
+  answers = [httpx.get(route, headers=auth, timeout=60),
+             httpx.post(route, json={"name": "a", "path": "/tmp/a"}, headers=auth, timeout=60),
+             httpx.delete(f"{route}/org/a", headers=auth, timeout=60)]
+  for answer in answers:
+    assert answer.status_code == 404, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "lora_disabled" and "start it with serve_lora_slots=N" in error["message"]
+  assert httpx.get(route, timeout=60).status_code == 401

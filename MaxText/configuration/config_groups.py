@@ -462,6 +462,10 @@ class DecodeConfig:
     _require(v["serve_lora_slots"] >= 0 and v["serve_lora_max_rank"] >= 0,
              f"serve_lora_slots and serve_lora_max_rank must be >= 0, got {v['serve_lora_slots']} and "
              f"{v['serve_lora_max_rank']}")
+    _require(v["serve_lora_max_rank"] == 0 or bool(v["serve_lora_adapters"]) or v["serve_lora_slots"] > 0,
+             f"serve_lora_max_rank={v['serve_lora_max_rank']} sizes LoRA adapter tables, which a server has only with "
+             "serve_lora_adapters or serve_lora_slots >= 1; set serve_lora_slots=N to add adapters later through the "
+             "admin routes, or serve_lora_max_rank=0")
     _require(v["serve_max_images"] >= 0, f"serve_max_images must be >= 0 (0: no images), got {v['serve_max_images']}")
     _require(v["serve_http_processes"] >= 0, f"serve_http_processes must be >= 0 (0: HTTP in the engine's process), "
              f"got {v['serve_http_processes']}")

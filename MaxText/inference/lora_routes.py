@@ -65,3 +65,20 @@ def add_routes(app: FastAPI, registry: lora_admin.Admin, admin_allowed: bool) ->
     except lora_admin.AdapterBusy as e:
       raise api.ApiError(409, str(e), "name", "adapter_busy") from None
     return {**_describe(removed), "deleted": True}
+
+
+def add_absent_routes(app: FastAPI) -> None:
+  """The admin routes of a server without adapter tables: one line on how to start one with them (a bare
+  404 "Not Found" reads as a wrong address)."""
+  def absent() -> None:
+    raise api.ApiError(404, "this server holds no LoRA adapter tables: start it with serve_lora_slots=N (and "
+                       "serve_lora_max_rank=R, the largest rank to be added) to add adapters through these routes",
+                       code="lora_disabled")
+
+  @app.api_route(ROUTE, methods=["GET", "POST"])
+  async def no_adapters() -> None:
+    absent()
+
+  @app.api_route(ROUTE + "/{name:path}", methods=["DELETE"])
+  async def no_adapter(name: str) -> None:
+    absent()

@@ -152,11 +152,13 @@ def build_app(server: HttpServer, api_key: str | None = None, max_body_bytes: in
     return error_response(e)
 
   add_routes(app, server, JSONResponse, SseResponse, sse)
+  from MaxText.inference import lora_routes
+
   admin = server.adapter_admin()
   if admin is not None:
-    from MaxText.inference import lora_routes
-
     lora_routes.add_routes(app, admin, admin_allowed=bool(key))
+  else:
+    lora_routes.add_absent_routes(app)
   return _Guard(app, key, max_body_bytes, server.metrics)
 
 

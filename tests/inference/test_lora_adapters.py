@@ -653,6 +653,10 @@ def test_negative_table_sizes_are_config_errors():
 
   with pytest.raises(ConfigError, match="serve_lora_slots and serve_lora_max_rank must be >= 0"):
     Config.for_testing(**TINY, serve_lora_slots=-1)
+  # A rank without adapters or slots built no tables: the server had no admin routes, silently.
+  with pytest.raises(ConfigError, match="serve_lora_max_rank=8 sizes LoRA adapter tables, which a server has only"):
+    Config.for_testing(**TINY, serve_lora_max_rank=8)
+  assert Config.for_testing(**TINY, serve_lora_max_rank=8, serve_lora_slots=2).decode.serve_lora_max_rank == 8
 
 
 def test_an_adapter_swap_keeps_a_speculative_engines_draft_parameters():
