@@ -78,7 +78,7 @@ def offload_of(config: config_lib.Config) -> Offload:
   policy = config.model.remat
   tokens = pdb / accumulation * config.data.max_target_length
   return Offload(policy.name, pdb, accumulation, config.optim.optimizer_memory_host_offload,
-                 offloaded_activations(config.model, policy, tokens, dict(config.mesh.shape)["expert"]), policy)
+                 offloaded_activations(config.model, policy, tokens, dict(config.mesh.shape)), policy)
 
 
 def compile_or_explain(step_fn: Any, inputs: run_assembly.StepInputs, topology: accelerators.TpuTopology | None,

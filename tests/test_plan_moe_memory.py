@@ -110,3 +110,41 @@ def test_expert_rows_per_token_on_each_path():
   assert rows(2, **_PATHS["capacity"]) == 4 * 20 / 32  # the slots move between devices, their number does not
   assert plan_model.expert_rows(Config.for_testing(**dict(_MOE, num_experts=1, num_experts_per_tok=1)).model) == 0
   assert remat_policies.SPARSE_MATMUL_ONLY_MOE == ("moe_mlpwi_1",)
+
+
+@pytest.mark.parametrize("path", ["sparse_matmul", "capacity"])
+@pytest.mark.parametrize("mesh", [
+    dict(ici_fsdp_parallelism=8),
+    dict(ici_fsdp_parallelism=4, ici_tensor_parallelism=2),
+    dict(ici_fsdp_parallelism=4, ici_sequence_parallelism=2),
+    dict(ici_fsdp_parallelism=2, ici_expert_parallelism=2, ici_tensor_parallelism=2),
+    dict(ici_fsdp_parallelism=2, ici_expert_parallelism=2, ici_sequence_parallelism=2),
+], ids=["fsdp", "tensor", "sequence", "expert_tensor", "expert_sequence"])
+def test_planner_counts_the_expert_rows_each_chip_keeps(path, mesh):
+  """Per chip on 8 devices: the expert bodies run per batch shard, so their kept rows repeat over tensor and
+  sequence (the all-to-all bodies split the input projections' width over tensor, the capacity path's
+  sharding the output projection's); the planner counted one chip's share of the tokens."""
+  from flax import nnx
+
+  from MaxText.layers import moe, remat
+  from MaxText.platform import sharding
+  config = Config.for_testing(**dict(_MOE, **_PATHS[path], remat_policy="minimal", **mesh))
+  cfg, mesh_ = config.model, sharding.create_mesh(config.mesh)
+  with nnx.use_eager_sharding(False):
+    layer = moe.MoeBlock(cfg, rngs=nnx.Rngs(0))
+  graph, state = nnx.split(layer)
+
+  def loss(x):
+    return nnx.merge(graph, state)(x).astype(jnp.float32).sum()
+  batch = 8
+  with sharding.activation_sharding(mesh_, config.mesh.logical_axis_rules):
+    x = jax.device_put(jnp.ones((batch, _LENGTH, _EMB), jnp.bfloat16),
+                       jax.sharding.NamedSharding(mesh_, jax.sharding.PartitionSpec(("fsdp", "expert"))))
+    _, backward = jax.jit(lambda x: jax.vjp(jax.checkpoint(loss, policy=remat.checkpoint_policy(cfg.remat)), x))(x)
+  # The experts' residuals: bf16 and not token-shaped [B, L, ·] (the input and the router's logits are).
+  kept = sum(math.prod(r.sharding.shard_shape(r.shape)) * 2 for r in jax.tree.leaves(backward)
+             if getattr(r, "dtype", None) == jnp.bfloat16 and r.shape[:2] != (batch, _LENGTH))
+  widths = plan_model.tensor_widths(cfg, dict(config.mesh.shape))
+  names = ("moe_mlpwi_0", "moe_mlpwo") if cfg.moe.sparse_matmul else ("moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo")
+  tokens_per_chip = batch * _LENGTH / 8
+  assert kept == tokens_per_chip * 2 * sum(widths[n] for n in names)

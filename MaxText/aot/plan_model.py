@@ -221,14 +221,28 @@ def _expert_capacity(moe: Any, length: int) -> int:
   return expert_capacity(moe, length)
 
 
-def tensor_widths(cfg: ModelConfig, experts: int = 1) -> dict[str, float]:
+def expert_replication(cfg: ModelConfig, mesh: Mapping[str, int] | None) -> tuple[float, float]:
+  """(input projections', output projection's) factor on a routed expert tensor's rows per chip over the
+  per-chip tokens. The expert bodies run per batch shard (layers/moe.py, moe_dispatch.py), so their rows
+  repeat over the mesh axes that do not split rows (tensor, sequence); the all-to-all bodies split the input
+  projections' width over tensor, the capacity path's sharding splits the output projection's."""
+  if mesh is None or cfg.moe.num_experts <= 1:
+    return 1.0, 1.0
+  tensor, seq = mesh["tensor"], mesh["sequence"]
+  if mesh["expert"] > 1 and cfg.moe.moe_dispatch == "all_to_all":
+    return seq, tensor * seq
+  return tensor * seq, (tensor * seq if cfg.moe.sparse_matmul else seq)
+
+
+def tensor_widths(cfg: ModelConfig, mesh: Mapping[str, int] | None = None) -> dict[str, float]:
   """Per token and layer, the elements of each named activation a remat_policy=custom key places
-  (remat_policies.TENSORS); a routed expert's tensors count `expert_rows` rows per token (at `experts`
-  expert-parallel degree)."""
+  (remat_policies.TENSORS); a routed expert's tensors count `expert_rows` rows per token, times their
+  repeats over the candidate's `mesh` (expert_replication; None: one chip)."""
   n, k, h, d = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.emb_dim
   moe = cfg.moe.num_experts > 1
-  rows = expert_rows(cfg, experts)
-  routed = cfg.mlp_dim * rows
+  rows = expert_rows(cfg, mesh["expert"] if mesh else 1)
+  repeat_in, repeat_out = expert_replication(cfg, mesh)
+  routed = cfg.mlp_dim * rows * repeat_in
   dense = cfg.mlp_dim * max(cfg.moe.shared_experts, 1) if not moe or cfg.moe.shared_experts else 0
   rope = cfg.mla.qk_rope_head_dim
   gated = len(cfg.mlp_activations) > 1  # two input projections (layers/mlp.py names them mlpwi_0, mlpwi_1)
@@ -245,7 +259,7 @@ def tensor_widths(cfg: ModelConfig, experts: int = 1) -> dict[str, float]:
           "mlpwi": dense * len(cfg.mlp_activations) if fused_mlp or not gated else 0,
           "mlpwi_0": dense if gated and not fused_mlp else 0, "mlpwi_1": dense if gated and not fused_mlp else 0,
           "mlpwo": d if dense and mlp_output_read(cfg) else 0, "moe_mlpwi_0": routed, "moe_mlpwi_1": routed if gated else 0,
-          "moe_mlpwo": d * rows}
+          "moe_mlpwo": d * rows * repeat_out}
 
 
 def placed_tensors(cfg: ModelConfig, policy: remat_policies.RematPolicy) -> dict[str, str]:
@@ -335,13 +349,14 @@ _MLP_TENSORS: dict[remat_policies.Width, tuple[str, ...]] = {
     "mlp_in": ("mlpwi", "mlpwi_0", "mlpwi_1", "moe_mlpwi_0", "moe_mlpwi_1"), "mlp_out": ("mlpwo", "moe_mlpwo")}
 
 
-def kept_width(cfg: ModelConfig, policy: remat_policies.RematPolicy, on_host: bool, experts: int = 1) -> float:
+def kept_width(cfg: ModelConfig, policy: remat_policies.RematPolicy, on_host: bool,
+               mesh: Mapping[str, int] | None = None) -> float:
   """Elements per token and layer `policy` keeps on the host, or in HBM besides the layer input:
   a custom placement per tensor, a fixed policy by its preset widths (a MoE layer's MLP per tensor, as
-  its path lays the experts' rows out: expert_rows, at `experts` expert-parallel degree)."""
+  its path lays the experts' rows out on the candidate's `mesh`: tensor_widths)."""
   where = "offload" if on_host else "device"
   if policy.name == "custom":
-    widths = tensor_widths(cfg, experts)
+    widths = tensor_widths(cfg, mesh)
     return sum(widths[n] for n, placed in placed_tensors(cfg, policy).items() if placed == where)
   preset = _widths(cfg)
   saved = policy.saved_on_host if on_host else policy.saved_on_device
@@ -350,7 +365,7 @@ def kept_width(cfg: ModelConfig, policy: remat_policies.RematPolicy, on_host: bo
   if cfg.moe.num_experts > 1:
     # Only the MLP tensors a preset's names reach (sparse_matmul's wi_1 carries only moe_mlpwi_1, which no
     # preset names: remat_policies.expert_placements), the shared experts' too; "none" keeps them all.
-    widths, placed = tensor_widths(cfg, experts), placed_tensors(cfg, policy)
+    widths, placed = tensor_widths(cfg, mesh), placed_tensors(cfg, policy)
     for width, names in _MLP_TENSORS.items():
       preset[width] = sum(widths[n] for n in names if policy.keeps == "everything" or placed.get(n) == where)
   kept = sum(preset[w] for w in saved)
@@ -373,10 +388,10 @@ def policy_of(candidate: Mapping[str, Any]) -> remat_policies.RematPolicy:
 
 
 def offloaded_activations(cfg: ModelConfig, policy: remat_policies.RematPolicy, tokens: float,
-                          experts: int = 1) -> float:
+                          mesh: Mapping[str, int] | None = None) -> float:
   """Bytes (bf16) that `policy` keeps in host memory for `tokens` tokens on a chip, over every layer
-  (`experts`: the expert-parallel degree, which sizes a sparse_matmul MoE's rows: expert_rows)."""
-  return tokens * 2 * cfg.num_decoder_layers * kept_width(cfg, policy, on_host=True, experts=experts)
+  (`mesh`: the candidate's degrees, which size a MoE layer's expert rows per chip: tensor_widths)."""
+  return tokens * 2 * cfg.num_decoder_layers * kept_width(cfg, policy, on_host=True, mesh=mesh)
 
 
 def host_overflow(e: Estimate, generation: accelerators.TpuGeneration) -> str | None:
@@ -442,7 +457,7 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   layers = cfg.num_decoder_layers
   act_bytes = 2  # bf16
   saved = tokens * act_bytes * layers * (stream_width(cfg, policy)
-                                         + kept_width(cfg, policy, on_host=False, experts=mesh_shape["expert"]))
+                                         + kept_width(cfg, policy, on_host=False, mesh=mesh_shape))
   saved *= pipe.live_share
   # A stage works on one pipeline microbatch at a time: its share of the stage's rows.
   working_tokens = tokens * stages / pipe.microbatches if stages > 1 else tokens
@@ -524,7 +539,7 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   host_bytes = 2 * optimizer if offload_opt else 0.0
   if policy.offloaded:
     host_bytes += 2 * tokens * accumulation * act_bytes * layers * kept_width(cfg, policy, on_host=True,
-                                                                              experts=mesh_shape["expert"])
+                                                                              mesh=mesh_shape)
   host_s = host_bytes / links.host
   # Weight gathers, gradient reductions and DCN overlap with compute; activation exchanges and
   # host transfers (offloaded state and activations) are counted in full.
@@ -539,7 +554,7 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
     caveats.append("attention loop uncounted")
   return Estimate(params, device_optimizer, gradients, activations, total, flops_per_chip,
                   compute_s, ici_s + exposed_s, dcn_s, host_s, step_s, mfu, global_batch * seq_len / chips / step_s, tuple(caveats),
-                  unsharded, offloaded_activations(cfg, policy, tokens, mesh_shape["expert"]) * pipe.live_share,
+                  unsharded, offloaded_activations(cfg, policy, tokens, mesh_shape) * pipe.live_share,
                   optimizer if offload_opt else 0.0, recompute, teacher_params)
 
 
