@@ -32,12 +32,16 @@ _BYTES = {"bf16": 2, "f32": 4, "i32": 4}
 def _saved_bytes(overrides: dict) -> tuple[int, int]:
   """(device bytes, host bytes) of what one decoder layer keeps for its backward pass under the config's
   remat policy, its input included; the weights are constants here and left out."""
+  return _layer_saved_bytes(Config.for_testing(**overrides).model)
+
+
+def _layer_saved_bytes(cfg) -> tuple[int, int]:
+  """_saved_bytes of one layer built with the model config `cfg`."""
   from flax import nnx
 
   from MaxText import families
   from MaxText.layers import decoders, remat
   from MaxText.platform import sharding
-  cfg = Config.for_testing(**overrides).model
   with nnx.use_eager_sharding(False):
     layer = (families.family_for_decoder_block(cfg.decoder_block).layer or decoders.DecoderLayer)(cfg, rngs=nnx.Rngs(0))
   graph, state = nnx.split(layer)
@@ -95,6 +99,19 @@ def test_a_dense_mlps_output_is_kept_only_where_the_backward_reads_it(overrides)
   keeps none of it whatever the policy names (the planner counted it, D per token)."""
   overrides = dict(_MOE, num_experts=1, num_experts_per_tok=1, **overrides)
   assert _planned_bytes(overrides) == _saved_bytes(overrides)
+
+
+@pytest.mark.parametrize("overrides", [dict(first_dense_layers=1), dict(moe_layer_interval=2)],
+                         ids=["dense_prefix", "interleaved"])
+def test_a_moe_models_dense_layers_keep_their_own_mlps(overrides):
+  """DeepSeek's leading dense layers and Llama 4's interleaved ones keep a dense MLP's tensors (dense_mlp_dim
+  wide), not the experts': the planner's per-layer count is the two stacks' average."""
+  cfg = Config.for_testing(**dict(_MOE, **_PATHS["sparse_matmul"], remat_policy="minimal", dense_mlp_dim=80,
+                                  **overrides)).model
+  assert cfg.num_dense_layers == 1 and cfg.num_decoder_layers == 2
+  saved = _layer_saved_bytes(cfg)[0] + _layer_saved_bytes(cfg.dense_prefix_config())[0]
+  per_layer = plan_model.stream_width(cfg, cfg.remat) + plan_model.kept_width(cfg, cfg.remat, on_host=False)
+  assert 2 * _BATCH * _LENGTH * 2 * per_layer == saved
 
 
 def test_expert_rows_per_token_on_each_path():

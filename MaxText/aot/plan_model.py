@@ -351,9 +351,23 @@ _MLP_TENSORS: dict[remat_policies.Width, tuple[str, ...]] = {
 
 def kept_width(cfg: ModelConfig, policy: remat_policies.RematPolicy, on_host: bool,
                mesh: Mapping[str, int] | None = None) -> float:
-  """Elements per token and layer `policy` keeps on the host, or in HBM besides the layer input:
-  a custom placement per tensor, a fixed policy by its preset widths (a MoE layer's MLP per tensor, as
-  its path lays the experts' rows out on the candidate's `mesh`: tensor_widths)."""
+  """Elements per token and layer `policy` keeps on the host, or in HBM besides the layer input, averaged
+  over the layers: a MoE model's dense-MLP layers (DeepSeek's first_dense_layers, Llama 4's interleaved
+  ones) keep their own MLP's (layer_kept_width). A hybrid stack's Gated DeltaNet layers are counted as
+  the others."""
+  layers, dense = cfg.num_decoder_layers, cfg.num_dense_layers
+  kept = layer_kept_width(cfg, policy, on_host, mesh)
+  if dense <= 0 or cfg.linear_attn.full_attention_interval > 1 or layers <= 0:
+    return kept
+  dense_kept = layer_kept_width(cfg.dense_prefix_config(), policy, on_host, mesh)
+  return ((layers - dense) * kept + dense * dense_kept) / layers
+
+
+def layer_kept_width(cfg: ModelConfig, policy: remat_policies.RematPolicy, on_host: bool,
+                     mesh: Mapping[str, int] | None = None) -> float:
+  """Elements per token one layer of `cfg` keeps (kept_width): a custom placement per tensor, a fixed
+  policy by its preset widths (a MoE layer's MLP per tensor, as its path lays the experts' rows out on
+  the candidate's `mesh`: tensor_widths)."""
   where = "offload" if on_host else "device"
   if policy.name == "custom":
     widths = tensor_widths(cfg, mesh)
