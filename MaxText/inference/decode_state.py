@@ -86,15 +86,15 @@ def seeded(rows: RowSampling) -> RowSampling:
   return dataclasses.replace(rows, keys_B=seeds_to_keys(rows.keys_B))
 
 
-def sample(logits_BV: jax.Array, rows: RowSampling, mask_BW: jax.Array | None = None
+def sample(logits_BV: jax.Array, rows: RowSampling, mask_BW: jax.Array | None = None, top: bool = True
            ) -> tuple[jax.Array, RowSampling, TokenLogprobs]:
   """Each row's next token by its own parameters (among the tokens `mask_BW` allows: constrained
   decoding, sampling.apply_token_mask), the rows with their keys advanced, the tokens' scores under the
-  model's own distribution."""
+  model's own distribution (`top` False: without the top alternatives, sampling.token_logprobs)."""
   keys_B, draw_keys_B = sampling.split_rows(rows.keys_B)
   tokens_B = sampling.sample_rows(sampling.apply_token_mask(logits_BV, mask_BW), draw_keys_B, rows.temperature_B, rows.top_p_B, rows.top_k_B)
   return tokens_B, dataclasses.replace(rows, keys_B=keys_B), TokenLogprobs(*sampling.token_logprobs(logits_BV,
-                                                                                                    tokens_B))
+                                                                                                    tokens_B, top))
 
 
 def with_prompt(state: DecodeState, caches: Caches, prefix: Prefix, slot: jax.Array, row: jax.Array) -> DecodeState:

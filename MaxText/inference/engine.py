@@ -119,12 +119,13 @@ class Engine:
     self._prefill = jax.jit(self._prefill_fn)
     self._insert = jax.jit(self._insert_fn, donate_argnums=(1,), out_shardings=self.state_shardings)
     self._insert_rows = jax.jit(self._insert_rows_fn, donate_argnums=(1,), out_shardings=self.state_shardings)
-    self._generate = jax.jit(self._generate_fn, donate_argnums=(1,),
+    self._generate = jax.jit(self._generate_fn, donate_argnums=(1,), static_argnames=("top",),
                              out_shardings=(self.state_shardings, (replicated, TokenLogprobs(replicated, replicated,
                                                                                              replicated))))
     self._score = jax.jit(self._score_fn)
     self.steps_per_call = self.decode_cfg.decode_steps_per_call
-    self._block = jax.jit(self._block_fn, donate_argnums=(1,), out_shardings=(self.state_shardings, replicated))
+    self._block = jax.jit(self._block_fn, donate_argnums=(1,), static_argnames=("top",),
+                          out_shardings=(self.state_shardings, replicated))
     self.page_prefill = page_prefill.PagePrefill(self.cfg, self.decode_cfg, self.cache, self.model,
                                                  self.state_shardings, self.traces, self.sampling, snapshot_capacity)
 
@@ -208,14 +209,16 @@ class Engine:
     state, (tokens_B, _) = self._step(params, state)
     return state, tokens_B
 
-  def _step(self, params: Params, state: DecodeState, mask: np.ndarray | None = None, ends_T: np.ndarray | None = None
-            ) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
+  def _step(self, params: Params, state: DecodeState, mask: np.ndarray | None = None, ends_T: np.ndarray | None = None,
+            top: bool = True) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
     """`generate` that also returns what each new token scored (the same compiled program; with a
-    token `mask` [T, W], a second one that samples each slot among the tokens its mask allows).
+    token `mask` [T, W], a second one that samples each slot among the tokens its mask allows; `top`
+    False, another without the top alternatives: StepLimits.top_logprobs).
     `ends_T` (StepLimits.ends): a slot at its end takes no new page (its token is the caller's to drop)."""
     table = self.cache.step_table(1, ends_T)
     with sharding.activation_sharding(self.mesh, self.rules):
-      out = self._generate(params, state, table, None if mask is None else jnp.asarray(mask))
+      out = self._generate(params, state, table, None if mask is None else jnp.asarray(mask),
+                           **({} if top else {"top": False}))
     self.cache.advance(1 if ends_T is None else self._steps_left(ends_T, 1))
     return out
 
@@ -342,10 +345,11 @@ class Engine:
     With decode_steps_per_call > 1 and no `mask` (a constrained slot's mask depends on its previous
     token: one step per call), up to decode_steps_per_call steps in one call, each slot stopping on
     the device at its `limits` (Emitted with counts; nothing here waits for the device). One step
-    per call: `limits` only keep a slot at its end from taking pages; every slot gets a token."""
+    per call: `limits` only keep a slot at its end from taking pages; every slot gets a token. Either
+    way, `limits.top_logprobs` False gives zeros for the top alternatives (a program of its own)."""
     if mask is not None or self.steps_per_call == 1:
       ends_T = None if limits is None else np.asarray(limits.ends, np.int64)
-      state, (tokens_B, logprobs) = self._step(params, state, mask, ends_T)
+      state, (tokens_B, logprobs) = self._step(params, state, mask, ends_T, limits is None or limits.top_logprobs)
       return state, Emitted(tokens_B, logprobs)
     return self._steps(params, state, limits)
 
@@ -356,7 +360,9 @@ class Engine:
     stop_E = np.asarray((limits.stop_ids if limits is not None else ()) or (-1,), np.int32)
     table = self.cache.step_table(k, ends_T)
     with sharding.activation_sharding(self.mesh, self.rules):
-      state, (tokens_TK, counts_T, logprobs) = self._block(params, state, table, ends_T.astype(np.int32), stop_E)
+      state, (tokens_TK, counts_T, logprobs) = self._block(params, state, table, ends_T.astype(np.int32), stop_E,
+                                                           **({} if limits is None or limits.top_logprobs else
+                                                              {"top": False}))
     self.cache.advance(self._steps_left(ends_T, k))
     return state, Emitted(tokens_TK, logprobs, counts_T)
 
@@ -448,18 +454,19 @@ class Engine:
     return jax.lax.fori_loop(0, slots_R.shape[0], one, state)
 
   def _generate_fn(self, params: Params, state: DecodeState, table_TM: jax.Array | None,
-                   mask_TW: jax.Array | None = None) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
+                   mask_TW: jax.Array | None = None, top: bool = True
+                   ) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
     self.traces["generate"] += 1  # Python side effect: runs once per trace, never per executed step
     caches = self.cache.with_table(state.caches, table_TM)
     with lora_rows.use_rows(state.sampling.adapter_B):
       logits_B1V, caches = self.spec.apply_decode(params, state.tokens_B[:, None], state.next_positions_B[:, None],
                                                   caches)
     caches = self.cache.keep_inactive(caches, state.caches, table_TM)
-    tokens_B, rows, logprobs = sample(logits_B1V[:, 0], state.sampling, mask_TW)
+    tokens_B, rows, logprobs = sample(logits_B1V[:, 0], state.sampling, mask_TW, top)
     return DecodeState(caches, state.next_positions_B + 1, tokens_B, rows), (tokens_B, logprobs)
 
   def _block_fn(self, params: Params, state: DecodeState, table_TM: jax.Array | None, ends_T: jax.Array,
-                stop_E: jax.Array) -> tuple[DecodeState, tuple[jax.Array, jax.Array, TokenLogprobs]]:
+                stop_E: jax.Array, top: bool = True) -> tuple[DecodeState, tuple[jax.Array, jax.Array, TokenLogprobs]]:
     self.traces["generate"] += 1  # once per trace
 
     def step(state: DecodeState, live_T: jax.Array) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
@@ -470,7 +477,7 @@ class Engine:
       caches = self.cache.keep_inactive(caches, old, table_TM)
       if has_recurrent_state(self.cfg):  # a stopped slot's recurrent state stays where it stopped
         caches = paged_cache.keep_inactive_states(caches, old, live_T, self.cfg.scan_layers)
-      tokens_B, rows, logprobs = sample(logits_B1V[:, 0], state.sampling)
+      tokens_B, rows, logprobs = sample(logits_B1V[:, 0], state.sampling, top=top)
       return DecodeState(caches, state.next_positions_B + 1, tokens_B, rows), (tokens_B, logprobs)
 
     return decode_block.run(step, state, self.steps_per_call, ends_T, stop_E)

@@ -458,8 +458,10 @@ class Scheduler:
       ends = np.zeros(self.engine.num_slots, np.int64)
       for slot, job in self._active.items():
         ends[slot] = len(job.prompt) + job.max_tokens
+      # Without a job that reads them, the engine need not compute the tokens' top alternatives.
+      top = any(job.top_logprobs for job in self._active.values())
       self._state, emitted = self.engine.decode_step(self.params, self._state, ends > 0,
-                                                     limits=StepLimits(ends, self._stop_ids))
+                                                     limits=StepLimits(ends, self._stop_ids, top))
       self._ahead = (emitted, dict(self._active))
       self.counts["steps"] += 1
       self._retire_ending(emitted, previous)
