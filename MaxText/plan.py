@@ -393,6 +393,7 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
   def kind(settings: Mapping[str, Any]) -> tuple[Any, ...]:
     return tuple(settings.get(k) for k in ("remat_policy", *remat_policies.TENSORS, "optimizer_memory_host_offload",
                                            MeshAxis.TENSOR.ici_key, MeshAxis.SEQUENCE.ici_key, "pipeline_schedule"))
+  unproduced = remat_policies.not_produced(config.values)
   seen: set[tuple[Any, ...]] = set()
   firsts: list[tuple[float, int, float, dict[str, Any], plan_model.Estimate]] = []
   rest: list[tuple[float, int, float, dict[str, Any], plan_model.Estimate]] = []
@@ -403,8 +404,9 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
   for _, _, _, settings, estimate in ordered:
     if len(planned) == args.max_candidates:
       break
-    # Only what differs from the config as given: the command line stays short, the config the same.
-    chosen = {k: v for k, v in settings.items() if k not in explicit and v != config[k]}
+    # Only what differs from the config as given: the command line stays short, the config the same. A searched
+    # placement's names this model does not produce place nothing: left out, not warned about.
+    chosen = {k: v for k, v in settings.items() if k not in explicit and v != config[k] and k not in unproduced}
     try:
       candidate_config = config_lib.build_config(overrides.below_argv(chosen, "the planner"), config.target,
                                                  default_run_name="plan")

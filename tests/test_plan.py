@@ -432,6 +432,27 @@ def test_a_cache_file_not_as_the_planner_writes_it_is_compiled_again(tmp_path):
     assert plan._read_cache(tmp_path / "k.json") == expected, text
   assert plan._read_cache(tmp_path / "absent.json") is None
 
+
+def test_a_searched_placement_leaves_out_the_names_the_model_does_not_produce(monkeypatch, capsys):
+  """attn_hbm_mlp_host names the experts', the fused and the ungated MLP's tensors too: on a dense gated unfused
+  model those keys place nothing, so the short list's configs, command lines and recipes leave them out (they
+  were passed, and each warned as placing nothing)."""
+  from MaxText.configuration import model_config, remat_policies
+  monkeypatch.setattr(plan_search, "SEARCHED_REMAT", ("custom:attn_hbm_mlp_host",))
+  model_config._WARNED_UNPRODUCED.clear()
+  topology = accelerators.tpu_topology("v5e-4")
+  args, rest = plan.PlanArgs.parse(argv(compile_topology="v5e-4", max_candidates=2, **TINY))
+  overrides = startup.read_overrides(rest)
+  config = config_lib.build_config(overrides, topology.target(), default_run_name="plan")
+  planned = plan.shortlist(args, overrides, config, topology, 1)[0]
+  assert planned
+  for p in planned:
+    placed = {k: v for k, v in p.settings.items() if k in remat_policies.TENSORS}
+    assert placed == dict(query_proj="device", key_proj="device", value_proj="device", out_proj="device",
+                          mlpwi_0="offload", mlpwi_1="offload", mlpwo="offload")
+    assert "custom:attn_hbm_mlp_host" in plan_search.describe(p.settings)
+  assert "warning:" not in capsys.readouterr().err
+
 def test_the_best_candidate_is_also_compiled_with_other_splash_blocks():
   topology = accelerators.tpu_topology("v5e-4")
   shape = dict(TINY, max_target_length=1024)

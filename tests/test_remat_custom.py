@@ -74,6 +74,40 @@ def test_a_key_no_layer_produces_is_accepted_with_one_warning(capsys):
       "recipes run as written)"]
 
 
+@pytest.mark.parametrize("overrides, line", [
+    (dict(query_wa_proj="offload"), "query_wa_proj=offload places nothing: no layer here produces 'query_wa_proj' "
+     "(attention_type=gqa: only MLA names it)"),
+    (dict(moe_mlpwo="device"), "moe_mlpwo=device places nothing: no layer here produces 'moe_mlpwo' (num_experts=1: no "
+     "routed experts)"),
+    (dict(mlpwi="offload"), "mlpwi=offload places nothing: no layer here produces 'mlpwi' (mlp_activations=['silu', "
+     "'linear']: the gated MLP's input projections are mlpwi_0 and mlpwi_1)"),
+    (dict(_UNGATED, mlpwi_1="device"), "mlpwi_1=device places nothing: no layer here produces 'mlpwi_1' "
+     "(mlp_activations=['gelu']: the ungated MLP names its input projection mlpwi)"),
+    (dict(_MLA_MOE, context="device"), "context=device places nothing: no layer here produces 'context' "
+     "(attention_type=mla names the attention kernel's output attention_out)"),
+    (dict(_MLA_MOE, q_lora_rank=0, mla_q="offload"), "mla_q=offload places nothing: no layer here produces 'mla_q' "
+     "(q_lora_rank=0: MLA's query has no down-projection)"),
+], ids=["mla_on_gqa", "experts_on_dense", "mlpwi_gated", "mlpwi_1_ungated", "context_on_mla", "mla_q_without_rank"])
+def test_a_name_the_model_does_not_produce_is_one_warning(capsys, overrides, line):
+  """A placement of a tensor this model has no layer for (MLA's on a GQA model, the experts' on a dense one)
+  places nothing: a warning says which key turns it off (was silent)."""
+  from MaxText.configuration import model_config
+  model_config._WARNED_UNPRODUCED.clear()
+  Config.for_testing(**{**_TINY, **overrides, "remat_policy": "custom"})
+  assert [l for l in capsys.readouterr().err.splitlines() if l.startswith("warning:")] == [f"warning: {line}"]
+
+
+def test_the_names_a_model_produces_are_not_warned_about(capsys):
+  from MaxText.configuration import model_config
+  model_config._WARNED_UNPRODUCED.clear()
+  Config.for_testing(**_MLA_MOE, remat_policy="custom", query_wa_proj="offload", mla_q="device", kv_wa_proj="device",
+                     mla_kv="device", attention_out="offload", moe_mlpwi_0="device", moe_mlpwi_1="offload",
+                     moe_mlpwo="device", mlpwi_0="device", mlpwi_1="device", mlpwo="offload")
+  Config.for_testing(**_TINY, remat_policy="custom", context="device", mlpwi_0="offload", mlpwi_1="device")
+  Config.for_testing(**_UNGATED, remat_policy="custom", mlpwi="offload")
+  assert "warning:" not in capsys.readouterr().err
+
+
 def test_every_preset_but_none_is_a_placement():
   from MaxText.aot import plan_model
   cfg = Config.for_testing(**_TINY).model
@@ -138,6 +172,11 @@ def test_named_tensors_are_in_the_step(overrides):
   tagged = set(re.findall(r"\bname\[name=(\w+)\]", jaxpr)) | set(re.findall(r"name=(\w+)\s", jaxpr))
   assert names[key] <= tagged, sorted(names[key] - tagged)
   assert tagged & set(remat_policies.TENSORS) <= set(remat_policies.PRODUCED)
+  # What config validation warns places nothing is what the step does not tag (all of it on the dense models)
+  unproduced = set(remat_policies.not_produced(run.config.values))
+  assert unproduced <= set(remat_policies.PRODUCED) - tagged, sorted(unproduced & tagged)
+  if key != "mla_moe":
+    assert unproduced == set(remat_policies.PRODUCED) - tagged, sorted(set(remat_policies.PRODUCED) - tagged - unproduced)
 
 
 def test_every_produced_name_is_tagged_by_some_reference_model():

@@ -41,9 +41,7 @@ def remat_placements_from_values(v: Mapping[str, Any]) -> Any:
     _require(not moved, f"{', '.join(moved)} place activations only with remat_policy=custom (it is "
              f"{v['remat_policy']!r}); add remat_policy=custom, or drop them")
   else:
-    off = {n: f"{k}=False" for n, k in remat_policies.PRODUCED_WITH.items() if not v[k]}  # qkv_proj unfused
-    if v["fused_mlp"] and v["num_experts"] <= 1:  # one matmul, named mlpwi as upstream; no experts carry the parts
-      off.update({n: "fused_mlp=True names its one matmul mlpwi" for n in ("mlpwi_0", "mlpwi_1")})
+    off = remat_policies.not_produced(v)
     for name in sorted(n for n, p in placements.items()
                        if p != "remat" and (n not in remat_policies.PRODUCED or n in off)):
       if name not in _WARNED_UNPRODUCED:  # once per process: a planner builds many configs

@@ -12,7 +12,7 @@ written. The fixed policies are named placements of the same tensors (PRESET_PLA
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Mapping
+from typing import Any, Literal, Mapping
 
 # What the backward pass finds saved rather than recomputing: nothing, the matmuls without batch
 # dimensions (weights × activations), the tensors named by `checkpoint_name` in `device` and
@@ -54,6 +54,7 @@ TENSORS: dict[str, str] = {
 PRODUCED: tuple[str, ...] = tuple(name for name, what in TENSORS.items() if what)
 # Produced only under a config key (model_config warns when a placement names one that is off).
 PRODUCED_WITH: dict[str, str] = {"qkv_proj": "fused_qkv"}
+MLA_ONLY = ("query_wa_proj", "kv_wa_proj", "mla_q", "mla_kv", "attention_out")
 # As upstream's moe.py, a routed expert's projection carries the dense MLP's name inside its own, so
 # a placement of mlpwi_0 or mlpwo (and the presets that keep them) reaches the experts too, and
 # the moe_* key, when not remat, wins. Upstream's sparse_matmul path names wi_1 moe_mlpwi_1 only.
@@ -187,15 +188,43 @@ def expert_placements(placements: Mapping[str, str], sparse_matmul: bool) -> dic
   return out
 
 
+def not_produced(values: Mapping[str, Any]) -> dict[str, str]:
+  """The PRODUCED names no layer of the model `values` (config keys) configures produces, each with the keys
+  that say why: a placement of one places nothing (model_config warns)."""
+  out = {n: f"{k}=False" for n, k in PRODUCED_WITH.items() if not values[k]}  # qkv_proj unfused
+  activations = list(values["mlp_activations"])
+  if values["num_experts"] <= 1:  # no expert carries the dense MLP's names
+    out.update({n: f"num_experts={values['num_experts']}: no routed experts" for n in EXPERT_ALSO_NAMED})
+    if len(activations) == 1:
+      out.update({n: f"mlp_activations={activations}: the ungated MLP names its input projection mlpwi"
+                  for n in ("mlpwi_0", "mlpwi_1")})
+    elif values["fused_mlp"]:  # one matmul, named mlpwi as upstream
+      out.update({n: "fused_mlp=True names its one matmul mlpwi" for n in ("mlpwi_0", "mlpwi_1")})
+    else:
+      out["mlpwi"] = f"mlp_activations={activations}: the gated MLP's input projections are mlpwi_0 and mlpwi_1"
+  if values["attention_type"] == "mla":
+    out["context"] = "attention_type=mla names the attention kernel's output attention_out"
+    if values["q_lora_rank"] <= 0:
+      out.update({n: "q_lora_rank=0: MLA's query has no down-projection" for n in ("query_wa_proj", "mla_q")})
+  else:
+    out.update({n: f"attention_type={values['attention_type']}: only MLA names it" for n in MLA_ONLY})
+  return out
+
+
 def by_name(name: str) -> RematPolicy:
   return BY_NAME[name]
 
 
+# The names some models do not produce (not_produced): the planner leaves them out of a searched placement.
+CONDITIONAL = frozenset(("qkv_proj", "context", "mlpwi", "mlpwi_0", "mlpwi_1", *MLA_ONLY, *EXPERT_ALSO_NAMED))
+
+
 def placement_label(placements: Mapping[str, object]) -> str:
-  """A searched placement's name, or the non-default keys, for a table label."""
+  """A searched placement's name (less the names the model does not produce), or the non-default keys, for a
+  table label."""
   moved = {n: p for n, p in placements.items() if n in TENSORS and p != BY_NAME["full"].placements()[n]}
   for name, searched in SEARCHED_PLACEMENTS.items():
-    if moved == searched:
+    if moved and moved == {n: p for n, p in searched.items() if n in moved or n not in CONDITIONAL}:
       return name
   return ",".join(f"{n}={p}" for n, p in moved.items()) or "full"
 
