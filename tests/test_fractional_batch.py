@@ -3,6 +3,8 @@ other data_sharding axes (tensor, sequence) holding the same rows, as upstream M
 (v5p/v5e gpt-3-175b at 0.5 with tensor parallelism, v6e llama3.1-70b at 0.125 with context
 parallelism) expect."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -55,11 +57,20 @@ def test_a_batch_that_divides_every_device_keeps_its_split(tiny_overrides):
     (dict(per_device_batch_size=0.5, ici_fsdp_parallelism=8),
      "global batch 4 (per_device_batch_size 0.5 x 8 devices) must split evenly into gradient_accumulation_steps=1 "
      "micro-batches over the 8 devices of data_sharding (fsdp=8); set per_device_batch_size to a multiple of 1"),
-], ids=["rows_repeated_over_tensor", "no_axis_to_repeat_over"])
+    # The advice also splits each step into the pipeline's 4 microbatches over fsdp=4 (16 rows, not 8: its
+    # "multiple of 1" met the pipeline check next)
+    (dict(per_device_batch_size=0.5, ici_pipeline_parallelism=2, ici_fsdp_parallelism=4, num_pipeline_microbatches=4),
+     "over the 8 devices of data_sharding (stage=2, fsdp=4); set per_device_batch_size to a multiple of 2, or move"),
+    (dict(per_device_batch_size=1.5, ici_pipeline_parallelism=2, ici_fsdp_parallelism=4, num_pipeline_microbatches=4,
+          gradient_accumulation_steps=3), "set per_device_batch_size to a multiple of 6, or move"),
+], ids=["rows_repeated_over_tensor", "no_axis_to_repeat_over", "pipeline_microbatches", "pipeline_and_accumulation"])
 def test_a_batch_that_cannot_split_is_one_line_naming_the_numbers(tiny_overrides, overrides, message):
   with pytest.raises(ConfigError) as raised:
     Config.for_testing(**{**tiny_overrides, **overrides})
   assert message in str(raised.value) and "\n" not in str(raised.value)
+  advised = re.search(r"a multiple of ([\d.]+)", str(raised.value))
+  if advised:  # following the advice gives a batch that loads
+    Config.for_testing(**{**tiny_overrides, **overrides, "per_device_batch_size": float(advised.group(1))})
 
 
 # 8 sequences, 2 pipeline stages of 4 devices on tensor: each microbatch's 2 rows repeated over tensor.

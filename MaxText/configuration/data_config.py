@@ -7,6 +7,7 @@ The objective lives here because it chooses the batch's fields and the records a
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any, Mapping
 
 from MaxText.paths import storage
@@ -119,23 +120,27 @@ class DataConfig:
     shape = dict(mesh.shape)
     pipeline_micro = batch_split.pipeline_microbatches(shape, v["num_pipeline_microbatches"])
     batch_axes = mesh.batch_axes(global_batch, accum, pipeline_micro)
-    _check_batch_split(v["per_device_batch_size"], target.num_devices, global_batch, accum, mesh, batch_axes)
+    _check_batch_split(v["per_device_batch_size"], target.num_devices, global_batch, accum, mesh, batch_axes,
+                       pipeline_micro)
     return cls(**read_keys(cls, v, data_mixture=mixture, data_mixture_schedule=schedule), global_batch_size=global_batch,
                batch_axes=batch_axes, image_size=v["vision_image_size"] if v["max_images_per_row"] else 0)
 
 
 def _check_batch_split(per_device: float, devices: int, global_batch: int, accum: int, mesh: "MeshConfig",
-                       batch_axes: tuple[str, ...]) -> None:
+                       batch_axes: tuple[str, ...], pipeline_micro: int = 1) -> None:
   """Each micro-batch splits into whole rows over the devices of `batch_axes` (the pipeline's
-  microbatches are checked by model_checks.check_pipeline, with the keys they come from)."""
+  microbatches are checked by model_checks.check_pipeline, with the keys they come from; the batch
+  this message advises splits into them too, so that following it does not meet that check)."""
   shape = dict(mesh.shape)
   if batch_split.splits(shape, batch_axes, global_batch, accum):
     return
   shards = batch_split.row_devices(shape, batch_axes)
+  unstaged = batch_split.row_devices(shape, [a for a in batch_axes if a != "stage"])
+  rows = math.lcm(shards * accum, unstaged * accum * pipeline_micro)
   raise ConfigError(f"global batch {global_batch} (per_device_batch_size {per_device:g} x {devices} devices) must "
                     f"split evenly into gradient_accumulation_steps={accum} micro-batches over "
                     f"{batch_split.over(shape, mesh.data_sharding, batch_axes)}; set "
-                    f"per_device_batch_size to a multiple of {shards * accum / devices:g}, or move parallelism from "
+                    f"per_device_batch_size to a multiple of {rows / devices:g}, or move parallelism from "
                     "those axes to tensor or sequence")
 
 
