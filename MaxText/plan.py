@@ -353,8 +353,10 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
   ranked: list[tuple[float, int, float, dict[str, Any], plan_model.Estimate]] = []
   host_reason = ""  # why a candidate that fits HBM overflows the host's memory (offloaded state)
   fill = plan_search.PlacementFill(model, seq_len)
+  searched = 0  # candidates whose batch splits into whole rows
   for base in plan_search.candidates(model, topology, num_slices, fixed, global_batch, seq_len,
                                       config.mesh.data_sharding, rules=rules):
+    searched += 1
     estimate = plan_model.estimate(model, base, topology, num_slices, seq_len, rules, kernel)
     if estimate.total > limit or estimate.unsharded > config.mesh.sharding_tolerance:
       continue
@@ -375,6 +377,12 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
     raise UserError(f"{config['model_name']} does not fit {num_slices} x {topology.name}: every setting that fits "
                     f"HBM overflows the host's memory with what it offloads, e.g. {host_reason}; offload less "
                     "(another remat_policy, optimizer_memory_host_offload=false), or fewer sequences per chip")
+  if not searched and global_batch is not None:  # the batch, not the memory: a larger slice makes it worse
+    fixed_too = f", or drop the fixed keys {', '.join(sorted(fixed))}" if fixed else ""
+    raise UserError(f"global_batch_tokens={args.global_batch_tokens} is {global_batch} sequence(s) of {seq_len} "
+                    f"tokens, which split into whole rows over no layout of {num_slices} x {topology.name} the planner "
+                    f"searches (configuration/batch_split.py); raise global_batch_tokens, or plan for a smaller "
+                    f"slice{fixed_too}")
   if not ranked:  # the bound fits, but only with a batch or a layout the planner cannot run
     leanest = bound.leanest(topology, num_slices)
     figure = f"{leanest[0].total / GIB:.1f} GiB per chip, " if leanest else ""

@@ -453,6 +453,16 @@ def test_a_searched_placement_leaves_out_the_names_the_model_does_not_produce(mo
     assert "custom:attn_hbm_mlp_host" in plan_search.describe(p.settings)
   assert "warning:" not in capsys.readouterr().err
 
+
+def test_a_global_batch_too_small_to_split_names_global_batch_tokens(tmp_path, monkeypatch):
+  """One sequence for 256 chips splits over no layout (a row repeats over tensor and sequence only): the answer
+  names global_batch_tokens; it said the model does not fit and to use a larger slice."""
+  no_compile(monkeypatch)
+  with pytest.raises(UserError, match=r"^global_batch_tokens=64 is 1 sequence\(s\) of 64 tokens, which split into "
+                                      r"whole rows over no layout of 1 x v5e-256 the planner searches .*; raise "
+                                      r"global_batch_tokens, or plan for a smaller slice$"):
+    plan.main(argv(compile_topology="v5e-256", global_batch_tokens=64, cache_dir=tmp_path, **TINY))
+
 def test_the_best_candidate_is_also_compiled_with_other_splash_blocks():
   topology = accelerators.tpu_topology("v5e-4")
   shape = dict(TINY, max_target_length=1024)
