@@ -387,6 +387,10 @@ def httpx_post_without_key(client, body):
     ({"name": "w", "path": "{root}/wide"}, 400, "rank 8, more than this server's serve_lora_max_rank=4"),
     ({"name": "g", "path": "{root}/gamma"}, 400, "targets ['gate_proj', 'up_proj'], which this server's adapter"),
     ({"name": "n", "path": "{root}/nowhere"}, 400, "is not a PEFT LoRA adapter"),
+    # Names DELETE cannot reach (added, they held their row until a restart): a dot segment, a control character.
+    ({"name": "..", "path": "{root}/alpha"}, 400, "may hold neither control characters nor '.' or '..' between"),
+    ({"name": "org/./a", "path": "{root}/alpha"}, 400, "DELETE /v1/admin/lora_adapters/NAME could not name it"),
+    ({"name": "a\nb", "path": "{root}/alpha"}, 400, "got 'a\\nb'"),
 ])
 def test_admin_refusals_are_one_line(server, body, status, words):
   _, _, client, _, root = server
