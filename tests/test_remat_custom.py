@@ -186,7 +186,7 @@ def test_every_produced_name_is_tagged_by_some_reference_model():
   assert covered == set(remat_policies.PRODUCED)
 
 
-def _saved_names(layer_name: str, **overrides) -> list[str]:
+def _saved_names(layer_name: str, all_residuals: bool = False, **overrides) -> list[str]:
   """The named tensors one layer (attention, MLA, MoE or MLP) of a tiny model keeps for its backward pass under
   the config's remat policy, in jax's words (print_saved_residuals); the weights are constants here, so
   a tensor only a weight's gradient would need is not kept."""
@@ -212,6 +212,8 @@ def _saved_names(layer_name: str, **overrides) -> list[str]:
   with contextlib.redirect_stdout(printed), sharding.unsharded():
     jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(loss, policy=remat.checkpoint_policy(cfg.remat)),
                                             jnp.ones((2, 8, 64), jnp.float32))
+  if all_residuals:  # every saved residual but the layer's input: (shape, what jax says it is)
+    return sorted(re.findall(r"\[([\d,]+)\] (output of \w+|named '\w+')", printed.getvalue()))
   return re.findall(r"\[([\d,]+)\] named '(\w+)'", printed.getvalue())
 
 
@@ -270,6 +272,22 @@ def test_mla_presets_recompute_the_down_projections_as_upstreams():
 
 
 _MOE = dict(num_experts=4, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("layer, overrides, extra", [
+    ("moe", _MOE, [("2,8,4", "output of dot_general")]),  # the router's logits
+    ("moe", dict(_MOE, sparse_matmul=True), [("2,8,4", "output of dot_general")]),
+    ("mla", {k: v for k, v in _MLA_MOE.items() if k not in _MOE}, []),
+], ids=["moe_capacity", "moe_sparse_matmul", "mla"])
+def test_minimal_keeps_beside_its_spelling_only_the_unnamed_weight_matmuls(layer, overrides, extra):
+  """minimal runs jax's dots policy besides the names, so it also keeps a weight matmul no key names: of a MoE
+  layer the router's logits [B, L, experts], which its custom spelling recomputes; of an MLA layer nothing more
+  (the other presets lower to their spellings' programs on these models too: Remat.md)."""
+  preset = _saved_names(layer, all_residuals=True, **overrides, remat_policy="minimal")
+  spelled = _saved_names(layer, all_residuals=True, **overrides, remat_policy="custom", **_spelling("minimal"))
+  for kept in extra:
+    preset.remove(kept)
+  assert preset == spelled
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["capacity", "sparse_matmul"])
