@@ -18,7 +18,6 @@ server maps OpenAI `model` names to rows (`Registry`); its admin routes are in l
 from __future__ import annotations
 
 import threading
-import unicodedata
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -30,7 +29,7 @@ from MaxText.configuration.config import Config
 from MaxText.configuration.model_checks import MLP_LORA_TARGETS, lora_targets
 from MaxText.convert import peft_adapters
 from MaxText.errors import UserError
-from MaxText.inference import job_events, speculative_engine
+from MaxText.inference import job_events, lora_admin, speculative_engine
 from MaxText.inference.lora_admin import (AdapterBusy as AdapterBusy, LoadedAdapter as LoadedAdapter,  # JAX-free
                                           NameTaken as NameTaken, UnknownAdapter as UnknownAdapter)
 from MaxText.inference.engine import Engine
@@ -187,13 +186,7 @@ class Registry:
   def add(self, name: str, path: str) -> LoadedAdapter:
     """Loads the PEFT adapter in `path` as `name`; UserError (with no change) when it cannot be served.
     Reading it happens outside the lock that requests take, so serving goes on meanwhile."""
-    if not name or name != name.strip() or len(name) > 200:
-      raise UserError(f"a LoRA adapter's name must be 1 to 200 characters without surrounding spaces, got {name!r}")
-    # The DELETE route takes the name in its URL path: clients and the router drop "." and ".." segments, and
-    # the route does not match a control character, so such an adapter could never be removed.
-    if any(unicodedata.category(c) == "Cc" for c in name) or {".", ".."} & set(name.split("/")):
-      raise UserError(f"a LoRA adapter's name may hold neither control characters nor '.' or '..' between slashes "
-                      f"(DELETE /v1/admin/lora_adapters/NAME could not name it), got {name!r}")
+    lora_admin.check_name(name)
     with self._changing:  # one change of the tables at a time: the free row stays free
       with self._lock:
         if name == self.base_name:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import unicodedata
 from typing import Protocol, Sequence
 
 from MaxText.errors import UserError
@@ -32,6 +33,17 @@ class AdapterBusy(Exception):
 
 class NameTaken(UserError):
   """An adapter name that is the base model's or a loaded adapter's."""
+
+
+def check_name(name: str) -> None:
+  """UserError for a name no adapter may have."""
+  if not name or name != name.strip() or len(name) > 200:
+    raise UserError(f"a LoRA adapter's name must be 1 to 200 characters without surrounding spaces, got {name!r}")
+  # The DELETE route takes the name in its URL path: clients and the router drop "." and ".." segments, and
+  # the route does not match a control character, so such an adapter could never be removed.
+  if any(unicodedata.category(c) == "Cc" for c in name) or {".", ".."} & set(name.split("/")):
+    raise UserError(f"a LoRA adapter's name may hold neither control characters nor '.' or '..' between slashes "
+                    f"(DELETE /v1/admin/lora_adapters/NAME could not name it), got {name!r}")
 
 
 class Admin:

@@ -44,6 +44,10 @@ def add_routes(app: FastAPI, registry: lora_admin.Admin, admin_allowed: bool) ->
     body = api.parse_json(await http.body())
     if not isinstance(body, dict) or not isinstance(body.get("name"), str) or not isinstance(body.get("path"), str):
       raise api.ApiError(400, "the body must be a JSON object with a string name and path (a PEFT adapter directory)")
+    try:
+      lora_admin.check_name(body["name"])
+    except UserError as e:
+      raise api.ApiError(400, str(e), "name", "invalid_name") from None
     if body["name"] in registry.names() or body["name"] == registry.base_name:
       raise api.ApiError(409, f"the model name {body['name']!r} is taken (the base model's or a loaded adapter's); "
                          "choose another", "name", "name_taken")
