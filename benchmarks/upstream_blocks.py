@@ -128,8 +128,13 @@ def main(argv: list[str]) -> int:
     if source is None:
       print(f"{name}: not in {args.upstream}")
       continue
+    try:
+      blocks = blocks_of(source)
+    except Exception as e:  # upstream's file, run as data: one that needs more than the stand-ins is reported
+      print(f"{name}: cannot be read here ({type(e).__name__}: {e})".splitlines()[0])
+      continue
     results = []
-    for block_name, model_type, params in blocks_of(source):
+    for block_name, model_type, params in blocks:
       topology, slices = slice_of(block_name, FILES.get(name, "v6e-256"), params)
       results.append(try_block(model_type, params, topology, slices))
       where = topology if slices == 1 else f"{slices} x {topology}"

@@ -46,3 +46,11 @@ def test_a_checkouts_blocks_are_tried(tmp_path, capsys):
   assert any(line.startswith("maxtext_v5e_model_configs.py wrong-v5e-8 (llama2-7b, v5e-8): error: query_proj='hbm'")
              for line in out)
   assert "maxtext_v5e_model_configs.py: 1 of 2 blocks load" in out
+
+
+def test_a_recipe_file_that_cannot_be_read_is_one_line(tmp_path, capsys):
+  (tmp_path / "benchmarks").mkdir()
+  (tmp_path / "benchmarks" / "maxtext_v5e_model_configs.py").write_text("import a_module_upstream_has_and_we_do_not\n")
+  assert upstream_blocks.main([f"upstream={tmp_path}", "files=maxtext_v5e_model_configs.py"]) == 0
+  assert capsys.readouterr().out == ("maxtext_v5e_model_configs.py: cannot be read here (ModuleNotFoundError: No module "
+                                     "named 'a_module_upstream_has_and_we_do_not')\n")
