@@ -87,7 +87,17 @@ def test_a_key_no_layer_produces_is_accepted_with_one_warning(capsys):
      "(attention_type=mla names the attention kernel's output attention_out)"),
     (dict(_MLA_MOE, q_lora_rank=0, mla_q="offload"), "mla_q=offload places nothing: no layer here produces 'mla_q' "
      "(q_lora_rank=0: MLA's query has no down-projection)"),
-], ids=["mla_on_gqa", "experts_on_dense", "mlpwi_gated", "mlpwi_1_ungated", "context_on_mla", "mla_q_without_rank"])
+    # a quantized matmul or an adapter keeps the fused projections apart (linears.fused_outputs), each named
+    (dict(fused_mlp=True, quantization="int8", mlpwi="device"), "mlpwi=device places nothing: no layer here produces "
+     "'mlpwi' (quantization=int8: fused_mlp's projections run apart, named mlpwi_0 and mlpwi_1)"),
+    (dict(fused_mlp=True, lora_rank=4, lora_target_modules=["up_proj", "o_proj"], mlpwi="offload"),
+     "mlpwi=offload places nothing: no layer here produces 'mlpwi' (LoRA on up_proj: fused_mlp's projections run "
+     "apart, named mlpwi_0 and mlpwi_1)"),
+    (dict(base_num_kv_heads=4, fused_qkv=True, quantization="int8", qkv_proj="offload"), "qkv_proj=offload places "
+     "nothing: no layer here produces 'qkv_proj' (quantization=int8: fused_qkv's projections run apart, named "
+     "query_proj, key_proj, value_proj)"),
+], ids=["mla_on_gqa", "experts_on_dense", "mlpwi_gated", "mlpwi_1_ungated", "context_on_mla", "mla_q_without_rank",
+        "fused_mlp_quantized", "fused_mlp_lora", "fused_qkv_quantized"])
 def test_a_name_the_model_does_not_produce_is_one_warning(capsys, overrides, line):
   """A placement of a tensor this model has no layer for (MLA's on a GQA model, the experts' on a dense one)
   places nothing: a warning says which key turns it off (was silent)."""
@@ -105,7 +115,21 @@ def test_the_names_a_model_produces_are_not_warned_about(capsys):
                      moe_mlpwo="device", mlpwi_0="device", mlpwi_1="device", mlpwo="offload")
   Config.for_testing(**_TINY, remat_policy="custom", context="device", mlpwi_0="offload", mlpwi_1="device")
   Config.for_testing(**_UNGATED, remat_policy="custom", mlpwi="offload")
+  Config.for_testing(**_TINY, fused_mlp=True, quantization="int8", remat_policy="custom", mlpwi_0="device")
+  Config.for_testing(**_TINY, fused_mlp=True, lora_rank=4, lora_target_modules=["gate_proj"], remat_policy="custom",
+                     mlpwi_1="offload")
   assert "warning:" not in capsys.readouterr().err
+
+
+def test_a_quantized_or_adapted_fused_mlp_keeps_its_parts_names():
+  """What the warnings above rest on: quantized, or with an adapter, fused_mlp runs its two matmuls apart and
+  mlpwi_0 is kept (the warning said it placed nothing), mlpwi nothing."""
+  from MaxText.layers import quantization
+  with quantization.use_quantization("int8"):
+    assert _saved_names("mlp", fused_mlp=True, quantization="int8", remat_policy="custom", mlpwi_0="device",
+                        mlpwi="device") == [("2,8,128", "mlpwi_0")]
+  assert _saved_names("mlp", fused_mlp=True, lora_rank=4, lora_target_modules=["gate_proj", "up_proj"],
+                      remat_policy="custom", mlpwi_0="device", mlpwi="device") == [("2,8,128", "mlpwi_0")]
 
 
 def test_every_preset_but_none_is_a_placement():

@@ -192,14 +192,24 @@ def not_produced(values: Mapping[str, Any]) -> dict[str, str]:
   """The PRODUCED names no layer of the model `values` (config keys) configures produces, each with the keys
   that say why: a placement of one places nothing (model_config warns)."""
   out = {n: f"{k}=False" for n, k in PRODUCED_WITH.items() if not values[k]}  # qkv_proj unfused
+  # A quantized matmul or a LoRA adapter keeps fused_qkv's and fused_mlp's projections apart, each with its own
+  # name (linears.fused_outputs: DenseGeneral.fusable_with).
+  adapted = set(values["lora_target_modules"]) if values["lora_rank"] > 0 else set()
+  apart = {fused: (f"quantization={values['quantization']}" if values["quantization"] else
+                   f"LoRA on {', '.join(sorted(adapted & set(targets)))}" if adapted & set(targets) else "")
+           for fused, targets in (("fused_qkv", ("q_proj", "k_proj", "v_proj")), ("fused_mlp", ("gate_proj", "up_proj")))}
+  if values["fused_qkv"] and apart["fused_qkv"]:
+    out["qkv_proj"] = f"{apart['fused_qkv']}: fused_qkv's projections run apart, named query_proj, key_proj, value_proj"
   activations = list(values["mlp_activations"])
   if values["num_experts"] <= 1:  # no expert carries the dense MLP's names
     out.update({n: f"num_experts={values['num_experts']}: no routed experts" for n in EXPERT_ALSO_NAMED})
     if len(activations) == 1:
       out.update({n: f"mlp_activations={activations}: the ungated MLP names its input projection mlpwi"
                   for n in ("mlpwi_0", "mlpwi_1")})
-    elif values["fused_mlp"]:  # one matmul, named mlpwi as upstream
+    elif values["fused_mlp"] and not apart["fused_mlp"]:  # one matmul, named mlpwi as upstream
       out.update({n: "fused_mlp=True names its one matmul mlpwi" for n in ("mlpwi_0", "mlpwi_1")})
+    elif values["fused_mlp"]:
+      out["mlpwi"] = f"{apart['fused_mlp']}: fused_mlp's projections run apart, named mlpwi_0 and mlpwi_1"
     else:
       out["mlpwi"] = f"mlp_activations={activations}: the gated MLP's input projections are mlpwi_0 and mlpwi_1"
   if values["attention_type"] == "mla":
