@@ -99,6 +99,9 @@ def prompt_with_images(config: config_lib.Config) -> tuple[list[int], Tokenizer 
 
 def decode(config: config_lib.Config) -> list[int]:
   """Runs one prompt (with image_path's images); returns the generated ids (also printed)."""
+  if config.decode.serve_lora_adapters:  # else the base model's tokens, silently
+    raise UserError("decode.py reads no LoRA adapters (serve_lora_adapters is MaxText.serve's): serve them and name "
+                    "one as a request's model, or decode a checkpoint with the adapter merged in")
   ids, tokenizer, prompt_images = prompt_with_images(config)
   rows = [prompt_images]
   limit = config.decode.max_prefill_predict_length

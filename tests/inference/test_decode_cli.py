@@ -121,3 +121,13 @@ def test_decode_keys_are_validated(overrides, message):
   with pytest.raises(ConfigError, match=None) as error:
     Config.for_testing(**MODEL, **{**RUN, **overrides})
   assert message in str(error.value)
+
+
+def test_lora_adapters_are_refused_rather_than_decoded_without(tmp_path):
+  """serve_lora_adapters given to decode.py: one line, where it decoded the base model as if not asked."""
+  from MaxText import decode
+  from MaxText.errors import UserError
+
+  config = Config.for_testing(**MODEL, **RUN, prompt_token_ids="1,2", serve_lora_adapters=f"a={tmp_path}")
+  with pytest.raises(UserError, match="decode.py reads no LoRA adapters"):
+    decode.decode(config)
