@@ -248,6 +248,14 @@ def read_config(path: str) -> tuple[int, tuple[str, ...], float]:
       raise UserError(f"{path}: {name}={config[name]} is not supported; plain LoRA adapters only")
   if config.get("rank_pattern") or config.get("alpha_pattern"):
     raise UserError(f"{path}: rank_pattern / alpha_pattern (a rank per module) is not supported")
+  if config.get("modules_to_save"):
+    raise UserError(f"{path}: modules_to_save={str(config['modules_to_save'])[:80]} (whole modules trained beside the "
+                    "adapter) is not supported; plain LoRA adapters only")
+  shapes = _stored_shapes(path)
+  biases = sorted(name for name in shapes if name.endswith(".bias"))
+  if biases:  # PEFT's bias="all" / "lora_only": trained biases of the base model's projections
+    raise UserError(f"{path}: holds {len(biases)} trained bias tensors (bias={config.get('bias')!r}), e.g. "
+                    f"{biases[0]}; plain LoRA adapters only (bias=\"none\")")
   # The modules its tensors adapt: target_modules may also be a regex or PEFT's "all-linear", which name none.
-  stored = {name.split(".")[-3] for name in _stored_shapes(path) if name.endswith((".lora_A.weight", ".lora_B.weight"))}
+  stored = {name.split(".")[-3] for name in shapes if name.endswith((".lora_A.weight", ".lora_B.weight"))}
   return rank, tuple(sorted(stored)), float(alpha)

@@ -566,8 +566,11 @@ def _config_text(root) -> str:
     (None, b"", "is not a readable safetensors file"),
     (None, "I32", "has dtype int32; LoRA weights are float32, float16 or bfloat16"),
     (None, "NaN", "holds NaN or infinite values"),
+    # Both were "tensors name no projection of this model ... (an adapter of another model family or depth?)".
+    ({"bias": "all"}, "bias", "holds 1 trained bias tensors (bias='all'), e.g. base_model.model.model.layers.0."),
+    ({"modules_to_save": ["lm_head"]}, None, "modules_to_save=['lm_head'] (whole modules trained beside the adapter)"),
 ], ids=["alpha-list", "alpha-string", "alpha-nan", "targets-int", "rank-0", "rank-bool", "config-dir", "garbage",
-        "empty", "int32", "nan-weights"])
+        "empty", "int32", "nan-weights", "bias", "modules-to-save"])
 def test_a_malformed_adapter_is_one_line_naming_what_is_wrong(one_adapter, tmp_path, config, weights, words):
   """What the admin route and serve_lora_adapters read: each is a UserError (a 400, an `error:` line), not a traceback
   or an adapter of NaNs that answers garbage (was: TypeError / ValueError / SafetensorError, NaN weights served)."""
@@ -590,6 +593,9 @@ def test_a_malformed_adapter_is_one_line_naming_what_is_wrong(one_adapter, tmp_p
     blob = _safetensors({k: v.astype(np.int32) for k, v in tensors.items()}, "I32")
   elif weights == "NaN":
     blob = _safetensors({k: np.where(v > 0, np.nan, v).astype(np.float32) for k, v in tensors.items()}, "F32")
+  elif weights == "bias":
+    bias = next(k for k in tensors if k.endswith(".lora_A.weight")).replace("lora_A.weight", "bias")
+    blob = _safetensors({**tensors, bias: np.zeros(8, np.float32)}, "F32")
   elif weights is not None:
     blob = weights
   (bad / peft_adapters.WEIGHTS_FILE).write_bytes(blob)
