@@ -73,6 +73,16 @@ def test_a_batch_that_cannot_split_is_one_line_naming_the_numbers(tiny_overrides
     Config.for_testing(**{**tiny_overrides, **overrides, "per_device_batch_size": float(advised.group(1))})
 
 
+def test_a_batch_of_2_31_tokens_or_more_is_one_line(tiny_overrides):
+  """1e20 sequences per device passed validation and failed in the first step's data with a traceback."""
+  with pytest.raises(ConfigError, match=r"^per_device_batch_size 1e\+20 x 8 devices x max_target_length 32 = 2.56e\+22 "
+                                        r"tokens per step, over the 2\*\*31 this project accepts: lower per_device_batch_size$"):
+    Config.for_testing(**{**tiny_overrides, "per_device_batch_size": 1e20})
+  with pytest.raises(ConfigError, match=r"= 2.15e\+09 tokens per step"):
+    Config.for_testing(**{**tiny_overrides, "per_device_batch_size": 2**23, "max_target_length": 32})
+  Config.for_testing(**{**tiny_overrides, "per_device_batch_size": 2**23 - 1, "max_target_length": 32})
+
+
 # 8 sequences, 2 pipeline stages of 4 devices on tensor: each microbatch's 2 rows repeated over tensor.
 PIPELINED_OVER_TENSOR = dict(ici_pipeline_parallelism=2, ici_tensor_parallelism=4, num_pipeline_microbatches=4)
 

@@ -116,6 +116,11 @@ class DataConfig:
     _require(float(global_batch).is_integer(), f"per_device_batch_size {v['per_device_batch_size']} x "
              f"{target.num_devices} devices = {global_batch} is not a whole number of sequences")
     global_batch = int(global_batch)
+    # Far above any real step (millions of tokens): a mistyped batch is this line, not a failure in the step's data.
+    tokens = global_batch * v["max_target_length"]
+    _require(tokens < 2**31, f"per_device_batch_size {v['per_device_batch_size']:g} x {target.num_devices} devices x "
+             f"max_target_length {v['max_target_length']} = {tokens:.3g} tokens per step, over the 2**31 this project "
+             "accepts: lower per_device_batch_size")
     accum = v["gradient_accumulation_steps"]
     shape = dict(mesh.shape)
     pipeline_micro = batch_split.pipeline_microbatches(shape, v["num_pipeline_microbatches"])
