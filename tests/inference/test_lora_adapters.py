@@ -567,7 +567,7 @@ def _config_text(root) -> str:
     (None, "I32", "has dtype int32; LoRA weights are float32, float16 or bfloat16"),
     (None, "NaN", "holds NaN or infinite values"),
     # Both were "tensors name no projection of this model ... (an adapter of another model family or depth?)".
-    ({"bias": "all"}, "bias", "holds 1 trained bias tensors (bias='all'), e.g. base_model.model.model.layers.0."),
+    ({"bias": "all"}, "bias", "holds 1 trained bias tensors (bias='all'), e.g. base_model.model.model.layers."),
     ({"modules_to_save": ["lm_head"]}, None, "modules_to_save=['lm_head'] (whole modules trained beside the adapter)"),
 ], ids=["alpha-list", "alpha-string", "alpha-nan", "targets-int", "rank-0", "rank-bool", "config-dir", "garbage",
         "empty", "int32", "nan-weights", "bias", "modules-to-save"])
