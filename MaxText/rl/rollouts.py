@@ -33,7 +33,7 @@ from MaxText.configuration.config import Config
 from MaxText.errors import UserError
 from MaxText.inference import quantized_weights, sampling
 from MaxText.inference.engine import Engine
-from MaxText.inference.engine_api import DecodeEngine
+from MaxText.inference.engine_api import DecodeEngine, InsertsRowsTogether
 from MaxText.input_pipeline import chat
 from MaxText.input_pipeline.batch_spec import ADVANTAGES, FIELDS, SAMPLER_LOGPS
 from MaxText.platform import sharding
@@ -66,8 +66,11 @@ def generate_scored(engine: DecodeEngine, params: Any, rows: list[list[int]], ro
   it). All rows share one decode state (one slot per row) and stop together when every row is done."""
   prefix = engine.prefill(params, rows, row_params=row_params)
   state = engine.init_decode_state(row_params[0].seed if row_params else 0)
-  for row in range(len(rows)):
-    state = engine.insert(prefix, state, slot=row, row=row)
+  if isinstance(engine, InsertsRowsTogether):  # every row into its slot in one call
+    state = engine.insert_rows(prefix, state, list(range(len(rows))), list(range(len(rows))))
+  else:
+    for row in range(len(rows)):
+      state = engine.insert(prefix, state, slot=row, row=row)
   outputs = [[int(t)] for t in sharding.on_host(prefix.first_tokens_B)]
   logps = [[float(p)] for p in sharding.on_host(prefix.first_logprobs.chosen_B)]
   done = [max_new_tokens <= 1 or out[-1] == eos_id for out in outputs]
