@@ -357,6 +357,8 @@ def _post(served, path: str, body: bytes | str, key: str | None = KEY) -> httpx.
 @pytest.mark.parametrize("body,key,status,message", [
     ('{"prompt": "the", ', KEY, 400, "not valid JSON"),
     ('{"model": "/etc/passwd", "prompt": "the"}', KEY, 404, "does not exist"),
+    ('{"model": ["tiny"], "prompt": "the"}', KEY, 400, "model must be a string, got list"),  # was a 404
+    ('{"model": 5, "prompt": "the"}', KEY, 400, "model must be a string, got int"),
     ('{"model": "tiny", "prompt": "' + "the quick brown fox " * 10 + '"}', KEY, 400, "at most 32"),
     ('{"model": "tiny", "prompt": "the", "max_tokens": -1}', KEY, 400, "max_tokens must be >= 1"),
     ('{"model": "tiny", "prompt": "the", "max_tokens": 17}', KEY, 400, "serve_max_tokens"),
@@ -374,7 +376,7 @@ def _post(served, path: str, body: bytes | str, key: str | None = KEY) -> httpx.
     ('{"model": "tiny", "prompt": "the", "seed": HUGE}', KEY, 400, "seed must be in [0, 2**32)"),
     ('{"model": "tiny", "prompt": "the", "temperature": 1e400}', KEY, 400, "temperature must be in [0, 2]"),
     ("[" * 3000, KEY, 400, "nested too deeply"),
-], ids=["invalid-json", "unknown-model", "prompt-too-long", "negative-max-tokens", "max-tokens-over-limit",
+], ids=["invalid-json", "unknown-model", "model-list", "model-int", "prompt-too-long", "negative-max-tokens", "max-tokens-over-limit",
         "n-over-limit", "oversized-body", "missing-key", "wrong-key", "huge-temperature", "huge-top-p",
         "huge-max-tokens", "huge-n", "huge-logprobs", "huge-token-id", "huge-seed", "infinite-temperature", "deep-nesting"])
 def test_bad_requests_get_json_errors(served, body, key, status, message):

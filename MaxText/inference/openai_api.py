@@ -124,6 +124,8 @@ def _names(kinds: type | tuple[type, ...]) -> str:
 
 def _check_model(body: dict[str, Any], limits: Limits) -> None:
   model = body.get("model")
+  if model is not None and not isinstance(model, str):  # a name never matches: it is a malformed request
+    raise ApiError(400, f"model must be a string, got {type(model).__name__}", "model")
   if model is not None and model != limits.model_name and model not in limits.adapter_names():
     adapters = limits.adapter_names()
     also = f" and the LoRA adapters {', '.join(repr(a) for a in adapters)}" if adapters else ""
