@@ -8,7 +8,7 @@ from MaxText.inference.engine import Engine
 from MaxText.inference.engine_api import InsertsRowsTogether
 from MaxText.inference.sampling import RowParams
 from MaxText.rl import rollouts
-from tests.inference.decode_test_utils import one_device_mesh
+from tests.inference.decode_test_utils import count_calls, one_device_mesh
 
 TINY = dict(base_emb_dim=32, base_num_query_heads=2, base_num_kv_heads=2, head_dim=16, base_mlp_dim=64,
             base_num_decoder_layers=1, vocab_size=64, max_target_length=32, max_prefill_predict_length=8,
@@ -32,12 +32,7 @@ class _OneByOne:
 def test_a_rollout_inserts_its_prompts_in_one_call_with_the_same_completions():
   engine = Engine(Config.for_testing(**TINY), num_slots=4, mesh=one_device_mesh())
   params = engine.load_params()
-  calls = {"insert": 0, "insert_rows": 0}
-  for name in calls:
-    def counted(*args, _method=getattr(engine, name), _name=name, **kwargs):
-      calls[_name] += 1
-      return _method(*args, **kwargs)
-    setattr(engine, name, counted)
+  calls = count_calls(engine, ["insert", "insert_rows"])
   plain = _OneByOne(engine)
   assert not isinstance(plain, InsertsRowsTogether)
   expected = rollouts.generate_scored(plain, params, PROMPTS, ROWS, max_new_tokens=7, eos_id=None)

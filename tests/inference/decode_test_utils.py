@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +13,7 @@ from jax.sharding import Mesh
 
 from MaxText.platform import sharding
 from MaxText.configuration.config_groups import MESH_AXES
+from MaxText.inference import scheduler as sched
 from MaxText.inference.engine import Engine
 
 _APPLY: dict[int, tuple] = {}
@@ -57,3 +61,41 @@ def uncached_greedy(spec, params, prompt: list[int], num_new: int, length: int) 
     if last + 1 < length:
       buffer[0, last + 1] = token
   return out
+
+
+def count_calls(owner: Any, names: list[str]) -> dict[str, int]:
+  """Wraps each named method of `owner` to count its calls; returns the live counts."""
+  calls = {name: 0 for name in names}
+  for name in names:
+    def counted(*args, _method=getattr(owner, name), _name=name, **kwargs):
+      calls[_name] += 1
+      return _method(*args, **kwargs)
+    setattr(owner, name, counted)
+  return calls
+
+
+def served(engine: Engine, params, prompts: list[list[int]], rows: list, indices: list[int],
+           max_new: int) -> dict[int, list[int]]:
+  """Each job's tokens through a scheduler, every job submitted before its first loop (so admitted together);
+  each must end by length."""
+  tokens: dict[int, list[int]] = {i: [] for i in indices}
+  done = threading.Semaphore(0)
+
+  def sink(i):
+    def emit(event):
+      if isinstance(event, sched.Token):
+        tokens[i].append(event.token)
+      elif isinstance(event, sched.Done):
+        assert event.reason == "length", event
+        done.release()
+    return emit
+
+  s = sched.Scheduler(engine, params, max_queue=8)
+  s.submit([sched.Job(0, prompts[i], max_new, rows[i], sink(i)) for i in indices])
+  s.start()
+  try:
+    for _ in indices:
+      assert done.acquire(timeout=120)
+  finally:
+    s.stop()
+  return tokens

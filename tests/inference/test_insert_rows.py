@@ -4,18 +4,15 @@ the scheduler makes that one call for the jobs it admits together where it made 
 
 from __future__ import annotations
 
-import threading
-
 import jax
 import numpy as np
 import pytest
 
 from MaxText.configuration.config import Config
-from MaxText.inference import scheduler as sched
 from MaxText.inference.engine import Engine
 from MaxText.inference.engine_api import StepLimits
 from MaxText.inference.sampling import RowParams
-from decode_test_utils import one_device_mesh
+from decode_test_utils import count_calls, one_device_mesh, served
 
 TINY = dict(base_emb_dim=32, base_num_query_heads=2, base_num_kv_heads=2, head_dim=16, base_mlp_dim=64,
             base_num_decoder_layers=1, vocab_size=64, max_target_length=32, max_prefill_predict_length=8,
@@ -71,35 +68,10 @@ def test_insert_rows_refuses_a_slot_twice_in_one_line():
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_scheduler_inserts_the_jobs_admitted_together_in_one_call(layout):
   eng, params = _engine(layout, decode_steps_per_call=4)
-  calls = {"insert": 0, "insert_rows": 0}
-  for name in calls:
-    def counted(*args, _method=getattr(eng, name), _name=name, **kwargs):
-      calls[_name] += 1
-      return _method(*args, **kwargs)
-    setattr(eng, name, counted)
+  calls = count_calls(eng, ["insert", "insert_rows"])
 
   def serve(indices: list[int]) -> dict[int, list[int]]:
-    tokens: dict[int, list[int]] = {i: [] for i in indices}
-    done = threading.Semaphore(0)
-
-    def sink(i):
-      def emit(event):
-        if isinstance(event, sched.Token):
-          tokens[i].append(event.token)
-        elif isinstance(event, sched.Done):
-          assert event.reason == "length", event
-          done.release()
-      return emit
-
-    s = sched.Scheduler(eng, params, max_queue=8)
-    s.submit([sched.Job(0, PROMPTS[i], 6, ROWS[i], sink(i)) for i in indices])
-    s.start()
-    try:
-      for _ in indices:
-        assert done.acquire(timeout=120)
-    finally:
-      s.stop()
-    return tokens
+    return served(eng, params, PROMPTS, ROWS, indices, max_new=6)
 
   alone = {i: serve([i])[i] for i in range(len(PROMPTS))}
   calls.update(insert=0, insert_rows=0)

@@ -5,15 +5,12 @@ a recurrent model's prompts too (their states gathered by slot and snapshotted f
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from MaxText.configuration.config import Config
-from MaxText.inference import scheduler as sched
 from MaxText.inference.engine import Engine
 from MaxText.inference.sampling import RowParams
-from decode_test_utils import one_device_mesh
+from decode_test_utils import one_device_mesh, served
 
 TINY = dict(base_emb_dim=32, base_num_query_heads=2, base_num_kv_heads=2, head_dim=16, base_mlp_dim=64,
             base_num_decoder_layers=1, vocab_size=64, max_target_length=32, max_prefill_predict_length=8,
@@ -40,29 +37,8 @@ LAYOUTS = {"dense": ({}, 1, 4), "paged": (dict(PAGED, prefix_caching="false"), 1
            "recurrent-chunked": (dict(PAGED, **RECURRENT, prefix_caching="true", prefill_chunk_size=16), 2, 5)}
 
 
-def served(eng: Engine, params, indices: list[int], max_new: int = 5) -> dict[int, list[int]]:
-  """Each job's tokens, every job submitted before the scheduler's first loop."""
-  tokens: dict[int, list[int]] = {i: [] for i in indices}
-  done = threading.Semaphore(0)
-
-  def sink(i):
-    def emit(event):
-      if isinstance(event, sched.Token):
-        tokens[i].append(event.token)
-      elif isinstance(event, sched.Done):
-        assert event.reason == "length", event
-        done.release()
-    return emit
-
-  s = sched.Scheduler(eng, params, max_queue=8)
-  s.submit([sched.Job(0, PROMPTS[i], max_new, ROWS[i], sink(i)) for i in indices])
-  s.start()
-  try:
-    for _ in indices:
-      assert done.acquire(timeout=120)
-  finally:
-    s.stop()
-  return tokens
+def _served(eng: Engine, params, indices: list[int]) -> dict[int, list[int]]:
+  return served(eng, params, PROMPTS, ROWS, indices, max_new=5)
 
 
 @pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.slow) if name.startswith("recurrent") else name
@@ -82,8 +58,8 @@ def test_jobs_admitted_together_share_one_prefill_and_get_their_own_tokens(layou
       setattr(owner, name, counted)
   alone = {}
   for i in range(len(PROMPTS)):
-    alone[i] = served(eng, params, [i])[i]
+    alone[i] = _served(eng, params, [i])[i]
   alone_calls, calls["prefills"] = calls["prefills"], 0
-  together = served(eng, params, list(range(len(PROMPTS))))
+  together = _served(eng, params, list(range(len(PROMPTS))))
   assert together == alone
   assert (calls["prefills"], alone_calls) == (together_calls, one_each_calls)
