@@ -24,7 +24,7 @@ import jax
 from jax.sharding import AbstractMesh
 
 from MaxText.training import metrics, optimizers
-from MaxText.aot.step_time.network import NETWORKS, Network
+from MaxText.aot.step_time.network import NETWORKS, Network, mesh_axis_bandwidth
 from MaxText.platform import accelerators, sharding
 from MaxText.configuration import remat_policies
 from MaxText.configuration.config_groups import OptimConfig
@@ -65,6 +65,15 @@ MOE_EXCHANGE_COPIES = 12
 # XLA's TPU compiler refuses more than this many bytes of offloaded temporaries (activations) in host
 # memory per chip, on every generation here; offloaded arguments (optimizer state) are outside it.
 XLA_HOST_TEMPORARIES = 128 * GIB
+# Ring passes of a layer's [tokens, emb_dim] activations over the tensor axis, each (g-1)/g of it, as a
+# compiled step runs them (counted in a v5e-8 compile, getting_started/Planner.md): forward, an all-gather
+# before and an all-reduce after attention and the MLP (6); backward, two all-gathers and an all-reduce
+# each (8); full remat adds 5 (the forward's re-run up to the MLP's input, 4, and one all-gather more).
+# Outside the layers: the embedding's and the logits' exchanges, once per microbatch. The norms' small
+# float32 gathers are left out.
+TENSOR_LAYER_PASSES = 14
+TENSOR_RECOMPUTE_PASSES = 5
+TENSOR_OUTSIDE_PASSES = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -524,19 +533,24 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   ici_data = mesh_shape["data"] // max(1, num_slices if candidate.get(MeshAxis.DATA.dcn_key, 1) != 1 else 1)
   ici_bytes += 2 * ring(params * 2, ici_data)
   tensor, seq = mesh_shape["tensor"], mesh_shape["sequence"]
-  # Tensor and sequence parallelism exchange activations inside each layer, on the critical path.
-  critical = accumulation * layers * 6 * ring(tokens * tensor * cfg.emb_dim * act_bytes, tensor)
-  critical += accumulation * layers * 3 * ring(tokens * seq * 2 * cfg.num_kv_heads * cfg.head_dim * act_bytes, seq)
-  # Expert parallelism's dispatch and combine all-to-alls, forward and backward, wait for their rows.
+  # Tensor and sequence parallelism exchange activations inside each layer, on the critical path, over
+  # the links one group of their mesh axis has (in_layer_bandwidth), not all of a chip's.
+  passes = layers * (TENSOR_LAYER_PASSES + (TENSOR_RECOMPUTE_PASSES if policy.keeps == "nothing" else 0))
+  critical_s = accumulation * (passes + TENSOR_OUTSIDE_PASSES) * ring(
+      tokens * tensor * cfg.emb_dim * act_bytes, tensor) / in_layer_bandwidth(topology, candidate, "tensor", links)
+  critical_s += accumulation * layers * 3 * ring(tokens * seq * 2 * cfg.num_kv_heads * cfg.head_dim * act_bytes,
+                                                 seq) / in_layer_bandwidth(topology, candidate, "sequence", links)
+  # Expert parallelism's dispatch and combine all-to-alls, forward and backward, wait for their rows
+  # (bisection-bound on a ring, as the step-time model prices an all-to-all).
   ici_experts = int(candidate.get(MeshAxis.EXPERT.ici_key, 1))
-  critical += accumulation * expert_layers(cfg) * 4 * ring(routed_rows * cfg.emb_dim * act_bytes, ici_experts) * max(
-      1.0, ici_experts / 4)  # bisection-bound on a ring, as the step-time model prices an all-to-all
+  critical_s += accumulation * expert_layers(cfg) * 4 * ring(routed_rows * cfg.emb_dim * act_bytes, ici_experts) * max(
+      1.0, ici_experts / 4) / in_layer_bandwidth(topology, candidate, "expert", links)
   # Stage boundaries pass each microbatch's activations forward and their gradients back.
   stage_bytes = 2 * pdb * seq_len * stages * cfg.emb_dim * act_bytes * pipe.repeats if stages > 1 else 0.0
   dcn_stages = int(candidate.get(MeshAxis.STAGE.dcn_key, 1))
-  critical += 0.0 if dcn_stages > 1 else stage_bytes
+  critical_s += 0.0 if dcn_stages > 1 else stage_bytes / links.ici
   ici_s = ici_bytes / links.ici
-  exposed_s = critical / links.ici
+  exposed_s = critical_s
   dcn_bytes = 0.0
   dcn_exposed = stage_bytes if dcn_stages > 1 else 0.0
   dcn_experts = int(candidate.get(MeshAxis.EXPERT.dcn_key, 1))
@@ -570,6 +584,19 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
                   compute_s, ici_s + exposed_s, dcn_s, host_s, step_s, mfu, global_batch * seq_len / chips / step_s, tuple(caveats),
                   unsharded, offloaded_activations(cfg, policy, tokens, mesh_shape) * pipe.live_share,
                   optimizer if offload_opt else 0.0, recompute, teacher_params)
+
+
+def in_layer_bandwidth(topology: accelerators.TpuTopology, candidate: Mapping[str, Any], axis: str,
+                       links: Links) -> float:
+  """One-way bandwidth per chip of the ring one in-slice group of mesh `axis` runs its exchanges on, as
+  the step-time model prices the compiled collective (network.mesh_axis_bandwidth: one link per torus
+  axis the group spans in part, two per whole wrapped ring); a generation without its network figures
+  (v4) gets all of a chip's links (links.ici)."""
+  net = NETWORKS.get(topology.generation.name)
+  if net is None:
+    return links.ici
+  degrees = {a: int(candidate.get(MeshAxis(a).ici_key, 1)) for a in MESH_AXES}
+  return mesh_axis_bandwidth(net, topology.shape, topology.wrap, degrees, axis, topology.generation.devices_per_chip)
 
 
 @dataclasses.dataclass(frozen=True)

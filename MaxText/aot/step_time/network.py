@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Sequence
+import itertools
+import math
+from typing import Mapping, Sequence
 
 from MaxText.aot.step_time.saved import StepTarget
 
@@ -127,16 +129,67 @@ def _unravel(flat: int, sizes: list[int]) -> list[int]:
 def _ring_bandwidth(group: Sequence[int], target: StepTarget, net: Network) -> tuple[float, int, str]:
   """(one-way link bandwidth the group's ring uses per chip, ring steps, the torus axes it uses)."""
   coords = [target.coords[d] for d in group]
-  bandwidth, steps, used = 0.0, 0, ""
-  for axis in range(len(target.shape)):
-    size = len({c[axis] for c in coords})
-    if size < 2:
+  extents = [len({c[axis] for c in coords}) for axis in range(len(target.shape))]
+  steps = sum(size - 1 for size in extents if size > 1)
+  used = "".join("xyz"[axis] for axis, size in enumerate(extents) if size > 1)
+  return torus_ring_bandwidth(extents, target.shape, target.wrap, net), steps, used
+
+
+def torus_ring_bandwidth(extents: Sequence[int], shape: Sequence[int], wrap: Sequence[bool], net: Network) -> float:
+  """One-way link bandwidth per chip of a ring over a group that spans `extents[a]` chips along torus
+  axis a: two links for each axis it spans as a whole wrapped ring, one for each it spans in part."""
+  return sum(net.link_one_way * (2 if wrap[axis] and size == shape[axis] else 1)
+             for axis, size in enumerate(extents) if size > 1)
+
+
+def mesh_axis_extents(shape: Sequence[int], degrees: Mapping[str, int], axis: str) -> tuple[int, ...]:
+  """The chips a group of mesh axis `axis` spans along each physical axis of a slice of `shape`, given
+  every mesh axis's in-slice degree in mesh order (`degrees`). As jax's mesh_utils lays a mesh out:
+  the innermost mesh axis first, each on as many whole physical axes as multiply to its degree.
+  Where no such axes remain (jax then splits a physical axis), the group takes its degree from the
+  largest axis left, spilling onto the next. The 4- and 8-chip slices' own ring orders are not modelled."""
+  free = list(shape)  # 0: taken by an inner mesh axis
+  for name in reversed(list(degrees)):
+    degree = degrees[name]
+    if degree <= 1:  # jax leaves it on no physical axis
+      if name == axis:
+        return (1,) * len(free)
       continue
-    whole_ring = target.wrap[axis] and size == target.shape[axis]
-    bandwidth += net.link_one_way * (2 if whole_ring else 1)
-    steps += size - 1
-    used += "xyz"[axis]
-  return bandwidth, steps, used
+    whole = None
+    for count in range(len(free), 0, -1):
+      whole = next((c for c in itertools.combinations(range(len(free)), count)
+                    if all(free[i] for i in c) and math.prod(free[i] for i in c) == degree), None)
+      if whole is not None:
+        break
+    if whole is None:
+      return _spill([size or 1 for size in free], degrees[axis])
+    if name == axis:
+      return tuple(free[i] if i in whole else 1 for i in range(len(free)))
+    free = [0 if i in whole else size for i, size in enumerate(free)]
+  return (1,) * len(shape)
+
+
+def _spill(free: Sequence[int], degree: int) -> tuple[int, ...]:
+  extents, rest = [1] * len(free), degree
+  for i in sorted(range(len(free)), key=lambda i: -free[i]):
+    if rest > 1 and free[i] > 1:
+      extents[i] = min(free[i], rest)
+      rest = -(-rest // extents[i])
+  return tuple(extents)
+
+
+def mesh_axis_bandwidth(net: Network, shape: Sequence[int], wrap: Sequence[bool], degrees: Mapping[str, int],
+                        axis: str, devices_per_chip: int = 1) -> float:
+  """One-way bandwidth per device of a ring over one group of mesh axis `axis` in a slice, as
+  `collective_transfer` prices it from the compiled groups' coordinates (so the analytical model and
+  the step-time model price one network). `degrees` are the in-slice degrees in mesh order, counted in
+  devices; a chip's devices (tpu7x's TensorCores) are its innermost physical axis and share its links."""
+  physical = tuple(shape) + ((devices_per_chip,) if devices_per_chip > 1 else ())
+  extents = mesh_axis_extents(physical, degrees, axis)
+  chips, sharing = extents[:len(shape)], (extents[-1] if devices_per_chip > 1 else 1)
+  if math.prod(chips) == 1:
+    return net.hbm_per_device if sharing > 1 else math.inf
+  return torus_ring_bandwidth(chips, shape, wrap, net) / sharing
 
 
 def _permute_link(pair: Sequence[int], target: StepTarget) -> str:
