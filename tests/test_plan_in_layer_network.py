@@ -73,3 +73,16 @@ def test_tensor_exchanges_cost_the_bytes_over_one_link_of_one_torus_axis(monkeyp
   passes = layers * plan_model.TENSOR_LAYER_PASSES + plan_model.TENSOR_OUTSIDE_PASSES
   assert slower.ici_s - first.ici_s == pytest.approx(passes * exchanged / net.link_one_way)
   assert slower.step_s - first.step_s == pytest.approx(passes * exchanged / net.link_one_way)
+
+
+def test_sequence_exchanges_cost_four_passes_of_the_keys_and_values_over_one_link(monkeypatch):
+  """sequence=2 on a 4x4x4 v5p slice: the all_gather strategy's 4 passes a layer, over one link."""
+  settings = dict(SMALL, per_device_batch_size=4, remat_policy="minimal", ici_sequence_parallelism=2,
+                  ici_fsdp_parallelism=32)
+  first = analytic("v5p-128", **settings)
+  net = network.NETWORKS["v5p"]
+  monkeypatch.setitem(network.NETWORKS, "v5p", dataclasses.replace(net, ici_links=2 * net.ici_links))
+  slower = analytic("v5p-128", **settings)
+  tokens_per_chip, seq, kv_width, layers = 4 * 256, 2, 4 * 128, 4
+  exchanged = tokens_per_chip * seq * 2 * kv_width * 2 * (seq - 1) / seq
+  assert slower.step_s - first.step_s == pytest.approx(layers * 4 * exchanged / net.link_one_way)

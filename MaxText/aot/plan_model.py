@@ -74,6 +74,9 @@ XLA_HOST_TEMPORARIES = 128 * GIB
 TENSOR_LAYER_PASSES = 14
 TENSOR_RECOMPUTE_PASSES = 5
 TENSOR_OUTSIDE_PASSES = 6
+# Ring passes of a layer's keys and values over the sequence axis (all_gather context parallelism), counted
+# alike: the forward's all-gather (1), the backward's re-gather (1) and the gradients' all-reduce (2).
+SEQUENCE_LAYER_PASSES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -538,8 +541,9 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   passes = layers * (TENSOR_LAYER_PASSES + (TENSOR_RECOMPUTE_PASSES if policy.keeps == "nothing" else 0))
   critical_s = accumulation * (passes + TENSOR_OUTSIDE_PASSES) * ring(
       tokens * tensor * cfg.emb_dim * act_bytes, tensor) / in_layer_bandwidth(topology, candidate, "tensor", links)
-  critical_s += accumulation * layers * 3 * ring(tokens * seq * 2 * cfg.num_kv_heads * cfg.head_dim * act_bytes,
-                                                 seq) / in_layer_bandwidth(topology, candidate, "sequence", links)
+  kv_bytes = tokens * seq * 2 * cfg.num_kv_heads * cfg.head_dim * act_bytes
+  critical_s += accumulation * layers * SEQUENCE_LAYER_PASSES * ring(kv_bytes, seq) / in_layer_bandwidth(
+      topology, candidate, "sequence", links)
   # Expert parallelism's dispatch and combine all-to-alls, forward and backward, wait for their rows
   # (bisection-bound on a ring, as the step-time model prices an all-to-all).
   ici_experts = int(candidate.get(MeshAxis.EXPERT.ici_key, 1))
