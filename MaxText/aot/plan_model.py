@@ -9,7 +9,7 @@ Parameter and optimizer bytes are exact per chip: the abstract parameter tree
 (models.build_model_spec) sharded by logical_axis_rules over the candidate's mesh shape, as
 train_state shards it. Activations are a per-token count of what each remat policy saves; the
 collectives are ring all-gathers / reduce-scatters / all-reduces at the bandwidths in
-`LINKS`. What the model leaves out (XLA's fusion choices, buffer reuse, collective overlap) is
+`LINKS`, the in-layer exchanges at the links one group of their mesh axis has (in_layer_bandwidth). What the model leaves out (XLA's fusion choices, buffer reuse, collective overlap) is
 what the compile measures; plan.py prints the error of every estimate against its compile.
 """
 
