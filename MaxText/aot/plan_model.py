@@ -209,6 +209,13 @@ def _layer_reads_mlp_output(decoder_block: str) -> bool:
   return own_call or bool(getattr(layer, "normalize_block_outputs", True))
 
 
+@functools.cache
+def _layer_norms_query_and_key(decoder_block: str) -> bool:
+  """Whether the family's own layer normalises the query and key whatever use_qk_norm says (its record's layer)."""
+  from MaxText import families  # noqa: PLC0415  (flax; only the planner needs it here)
+  return bool(getattr(families.family_for_decoder_block(decoder_block).layer, "norms_query_and_key", False))
+
+
 def expert_rows(cfg: ModelConfig, experts: int = 1) -> float:
   """Rows per token of the routed experts' projections as the MoE path that runs lays them out
   (layers/moe.py, moe_dispatch.py), at `experts` expert-parallel degree: the capacity slots [E, B, C, ·],
@@ -290,7 +297,7 @@ def backward_dots(cfg: ModelConfig) -> dict[str, float]:
   n, k, h = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
   out: dict[str, float] = {}
   if cfg.attn.attention_type != "mla" and (cfg.attn.use_qk_norm or cfg.attn.use_qk_l2_norm
-                                           or cfg.decoder_block == "gemma4"):
+                                           or _layer_norms_query_and_key(cfg.decoder_block)):
     out.update(query_proj=n * h, key_proj=k * h)
   if cfg.attn.attention_output_gate:
     out["output_gate"] = n * h

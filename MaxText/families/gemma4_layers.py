@@ -116,6 +116,9 @@ class Gemma4DecoderLayer(nnx.Module):
   per-layer input's gated residual, all times layer_scalar. Built unrolled, one configuration per layer."""
 
   per_layer_shapes = True  # the model builds each unrolled layer with its index
+  # Its attention always normalises the query and key before the names query_proj/key_proj (whatever
+  # use_qk_norm says), so their matmuls' raw outputs are what the norms' gradients read (aot/plan_model).
+  norms_query_and_key = True
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer_index: int = 0):
     own = layer_shapes.layer_config(cfg, layer_index)
