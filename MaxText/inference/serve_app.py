@@ -181,12 +181,22 @@ class _Guard:
                      send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
     if scope["type"] != "http":
       return await self.app(scope, receive, send)
-    start, status = time.monotonic(), "disconnected"  # what is counted when no answer starts
+    start, status, counted = time.monotonic(), "disconnected", False  # status: counted when no answer starts
+
+    def count() -> None:
+      nonlocal counted
+      if not counted:
+        counted = True
+        self.metrics.observe_request(scope["path"], status, time.monotonic() - start)
 
     async def counted_send(message: dict[str, Any]) -> None:
       nonlocal status
       if message["type"] == "http.response.start":
         status = str(message["status"])
+      elif message["type"] == "http.response.body" and not message.get("more_body", False):
+        # counted (and, by a front end, sent to the others) before the client can have the answer, so a
+        # scrape it makes next, through any front end, counts this request
+        count()
       await send(message)
 
     try:
@@ -196,7 +206,7 @@ class _Guard:
         status = "500"  # uvicorn answers an exception that escapes the app with a 500
       raise
     finally:
-      self.metrics.observe_request(scope["path"], status, time.monotonic() - start)
+      count()
     return None
 
   async def _guarded(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],

@@ -171,13 +171,16 @@ class FrontendServer(serve_app.HttpServer):
     self.metrics.share = self._share
 
   def _share(self, observation: serve_metrics.Observation) -> None:
-    if not self._observed:  # what this turn of the event loop observes goes as one message
+    if not self._observed and observation[0] != "request":  # this loop turn's go as one message
       asyncio.get_running_loop().call_soon(self._send_observed)
     self._observed.append(observation)
+    if observation[0] == "request":  # now, not next turn: it is counted as its answer goes out (serve_app._Guard)
+      self._send_observed()
 
   def _send_observed(self) -> None:
     observed, self._observed = self._observed, []
-    self.send(("observe", observed))
+    if observed:
+      self.send(("observe", observed))
 
   def serve_adapters(self, names: tuple[str, ...]) -> None:
     """Serves the engine's LoRA adapters (`names` loaded at start): requests by `model`, the admin

@@ -15,14 +15,16 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.inference.test_serve_processes import KEY, REPO, CliServer, httpx
 
-from MaxText.inference import serve_frontend, serve_processes  # noqa: E402
+from MaxText.inference import serve_app, serve_frontend, serve_processes  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "input_pipeline"))
 from sft_fixtures import GEMMA3, IMAGE_SPECIAL, write_tokenizer  # noqa: E402
@@ -81,6 +83,38 @@ def test_every_front_ends_metrics_count_the_whole_servers_requests():
     assert _count(text, "maxtext_serve_request_seconds_count", 'route="/v1/chat/completions"') == 3
     assert _count(text, "maxtext_serve_time_to_first_token_seconds_count", 'route="/v1/chat/completions"') == 1
     assert "\nmaxtext_serve_slots_total 2.0\n" in text
+
+
+def test_a_front_end_sends_a_requests_count_before_its_answer_goes_out() -> None:
+  """A request's count leaves the front end (toward the others) before the last of its answer is sent, so a client
+  that has the answer and then scrapes /metrics through another front end finds it counted (were it sent after,
+  or on a later turn of the loop, a front end stopped or slow in between would leave it out)."""
+  spec: Any = types.SimpleNamespace(limits=None, request_timeout_seconds=10)
+  server = serve_frontend.FrontendServer(spec, types.SimpleNamespace())  # type: ignore[arg-type]
+  server.share_metrics()
+  sent: list[Any] = []
+  server.send = sent.append  # type: ignore[method-assign,assignment]
+
+  async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    await receive()
+    await send({"type": "http.response.start", "status": 400, "headers": []})
+    await send({"type": "http.response.body", "body": b"{}", "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+
+  seen_at_send: list[list[Any]] = []
+
+  async def send(message: dict[str, Any]) -> None:
+    seen_at_send.append(list(sent))
+
+  async def receive() -> dict[str, Any]:
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+  scope = {"type": "http", "path": "/v1/chat/completions", "headers": []}
+  asyncio.run(serve_app._Guard(app, None, 1000, server.metrics)(scope, receive, send))
+  assert seen_at_send[:2] == [[], []]  # not before the answer's end
+  [(kind, observed)] = seen_at_send[2]
+  assert kind == "observe" and [o[:3] for o in observed] == [("request", "/v1/chat/completions", "400")]
+  assert len(sent) == 1  # counted once
 
 
 def test_the_front_ends_image_code_loads_no_jax(tmp_path):
@@ -156,14 +190,27 @@ def test_image_chats_and_metrics_through_two_front_ends_answer_as_the_one_proces
     assert got == [expected[i] for i in (0, 1, 3, 4, 5, 6, 2, 7, 8, 9)]
     for pid in (first, second):
       assert "jaxlib" not in Path(f"/proc/{pid}/maps").read_text()
-    scrapes = [httpx.get(f"{server.url}/metrics", timeout=10).text]  # through the second
+    route = 'route="/v1/chat/completions",status='
+
+    def scrape() -> str:
+      """/metrics, asked again (for a while) until it counts every request: a front end sends each count before
+      its answer, but the engine's process reads each front end's channel on a thread of its own, so another
+      front end's scrape may overtake a count on its way. A count held in a stopped front end never arrives."""
+      deadline = time.monotonic() + 30
+      while True:
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        counts = [_count(text, "maxtext_serve_requests_total", route + f'"{code}"') for code in ("200", "400")]
+        if counts == [len(chats), len(bad)] or time.monotonic() > deadline:
+          return text
+        time.sleep(0.05)
+
+    scrapes = [scrape()]  # through the second (the first still stopped)
     os.kill(first, signal.SIGCONT)
     os.kill(second, signal.SIGSTOP)
-    scrapes.append(httpx.get(f"{server.url}/metrics", timeout=10).text)  # through the first
+    scrapes.append(scrape())  # through the first
     os.kill(second, signal.SIGCONT)
     for text in scrapes:
       assert names(text) == one_names
-      route = 'route="/v1/chat/completions",status='
       assert _count(text, "maxtext_serve_requests_total", route + '"200"') == len(chats), text
       assert _count(text, "maxtext_serve_requests_total", route + '"400"') == len(bad), text
   finally:
