@@ -70,6 +70,13 @@ def pad_prompts(prompts: Sequence[Sequence[int]], length: int) -> tuple[np.ndarr
   return tokens, np.asarray([len(p) for p in prompts], np.int32)
 
 
+def padded_pairs(slots: Sequence[int], rows: Sequence[int], batch: int) -> tuple[np.ndarray, np.ndarray]:
+  """An insert_rows call's (slots, rows), `batch` pairs: the given ones, then the first repeated (writing it
+  again changes nothing), so one program compiles per prefill batch size."""
+  pad = batch - len(slots)
+  return (np.asarray(list(slots) + [slots[0]] * pad, np.int32), np.asarray(list(rows) + [rows[0]] * pad, np.int32))
+
+
 def row_sampling(rows: Sequence[sampling.RowParams]) -> RowSampling:
   """The rows' parameters as host arrays (a jitted call takes them as they are); `keys_B` holds their
   seeds, which `seeded` turns into keys inside jit."""

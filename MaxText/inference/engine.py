@@ -50,8 +50,8 @@ from MaxText.configuration.config import Config
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.errors import UserError
 from MaxText.inference import image_prompts, page_prefill, paged_cache, quantized_weights, sampling
-from MaxText.inference.decode_state import (DecodeState, Prefix, RowSampling, pad_prompts, row_sampling, sample,
-                                            seeded, with_prompt)
+from MaxText.inference.decode_state import (DecodeState, Prefix, RowSampling, pad_prompts, padded_pairs, row_sampling,
+                                            sample, seeded, with_prompt)
 from MaxText.inference import decode_block
 from MaxText.inference.engine_api import Emitted, SlotInfo, StepLimits, TokenLogprobs
 from MaxText.inference.state_snapshots import has_recurrent_state
@@ -181,7 +181,17 @@ class Engine:
     each gives (engine_api.InsertsRowsTogether). The call always holds as many pairs as `prefix` has
     rows (the first pair repeated: writing it again changes nothing), so one program compiles per
     prefill batch size, as `insert`'s does. Paged: OutOfPages leaves every slot as it was."""
-    batch = int(np.shape(prefix.next_positions_B)[0])
+    slots_R, rows_R, table_RM = self.admit_rows(prefix.next_positions_B, slots, rows)
+    state = self._insert_rows(prefix, state, slots_R, rows_R, table_RM)
+    self._busy[list(slots)] = True
+    return state
+
+  def admit_rows(self, lengths_B: jax.Array | np.ndarray, slots: Sequence[int], rows: Sequence[int]
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The host side of `insert_rows` for a prefill of prompts `lengths_B` long: the slots checked and
+    admitted (paged: their pages taken, all or none), and the call's (slots, rows, block tables), padded to
+    as many pairs as the prefill has rows by repeating the first pair (writing it again changes nothing)."""
+    batch = int(np.shape(lengths_B)[0])
     if len(slots) != len(rows) or not 1 <= len(slots) <= batch or len(set(slots)) != len(slots):
       raise ValueError(f"insert_rows takes 1 to {batch} distinct slots, one row each; got slots {list(slots)}, "
                        f"rows {list(rows)}")
@@ -190,18 +200,14 @@ class Engine:
     admitted: list[np.ndarray | None] = []
     try:
       for slot, row in zip(slots, rows):
-        admitted.append(self.cache.admit(slot, prefix.next_positions_B, row))
+        admitted.append(self.cache.admit(slot, lengths_B, row))
     except Exception:
       for slot in slots[:len(admitted)]:  # the pages of those admitted before the failure go back
         self.cache.release(slot)
       raise
-    pad = batch - len(slots)
-    slots_R = np.asarray(list(slots) + [slots[0]] * pad, np.int32)
-    rows_R = np.asarray(list(rows) + [rows[0]] * pad, np.int32)
-    table_RM = None if admitted[0] is None else np.stack([a for a in admitted if a is not None] + [admitted[0]] * pad)
-    state = self._insert_rows(prefix, state, slots_R, rows_R, table_RM)
-    self._busy[list(slots)] = True
-    return state
+    table_RM = None if admitted[0] is None else np.stack([a for a in admitted if a is not None] +
+                                                         [admitted[0]] * (batch - len(slots)))
+    return (*padded_pairs(slots, rows, batch), table_RM)
 
   def generate(self, params: Params, state: DecodeState) -> tuple[DecodeState, jax.Array]:
     """Every slot's next token [T]; the state moves on by one position per slot. Paged: raises

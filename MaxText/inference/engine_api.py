@@ -195,7 +195,8 @@ FirstToken = tuple[Any, TokenLogprobs, int]
 
 @runtime_checkable
 class InsertsRowsTogether(Protocol):
-  """An engine that puts several rows of one `prefill` into their slots in one call (engine.Engine.insert_rows):
+  """An engine that puts several rows of one `prefill` into their slots in one call (engine.Engine.insert_rows;
+  speculative_engine.SpeculativeEngine.insert_rows, one call per model):
   what the scheduler calls for the prompts admitted in one loop, where it made an `insert` each."""
 
   def insert_rows(self, prefix: Any, state: EngineState, slots: Sequence[int], rows: Sequence[int]) -> EngineState: ...

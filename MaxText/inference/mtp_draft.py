@@ -43,7 +43,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxText.errors import UserError
 from MaxText.inference import paged_cache, sampling, speculative
-from MaxText.inference.decode_state import DecodeState, Prefix, RowSampling, pad_prompts, row_sampling, sample, seeded
+from MaxText.inference.decode_state import (DecodeState, Prefix, RowSampling, pad_prompts, padded_pairs, row_sampling,
+                                            sample, seeded)
 from MaxText.inference.engine import Engine, refuse_mtp_speculative
 from MaxText.inference.engine_api import TokenLogprobs
 from MaxText.layers import kv_cache, lora_rows
@@ -98,6 +99,7 @@ class MtpSpeculativeDecoder:
     self._init = jax.jit(self._init_fn, out_shardings=self.state_shardings.draft)
     self._prefill = jax.jit(self._prefill_fn)
     self._insert = jax.jit(self._insert_fn, donate_argnums=(1,), out_shardings=self.state_shardings.draft)
+    self._insert_rows = jax.jit(self._insert_rows_fn, donate_argnums=(1,), out_shardings=self.state_shardings.draft)
     self._round = jax.jit(self._round_fn, donate_argnums=(1,),
                           out_shardings=(self.state_shardings, replicated, replicated,
                                          TokenLogprobs(replicated, replicated, replicated)))
@@ -121,6 +123,13 @@ class MtpSpeculativeDecoder:
   def insert(self, prefixes: tuple[Prefix, MtpDraft], state: MtpState, slot: int, row: int = 0) -> MtpState:
     target = self.target.insert(prefixes[0], state.target, slot, row)
     return MtpState(target, self._insert(prefixes[1], state.draft, jnp.int32(slot), jnp.int32(row)))
+
+  def insert_rows(self, prefixes: tuple[Prefix, MtpDraft], state: MtpState, slots: Sequence[int],
+                  rows: Sequence[int]) -> MtpState:
+    """Rows[i] of the prefill in slots[i]: the target's Engine.insert_rows, then one call for the module's rows."""
+    target = self.target.insert_rows(prefixes[0], state.target, slots, rows)
+    slots_R, rows_R = padded_pairs(slots, rows, int(np.shape(prefixes[0].next_positions_B)[0]))
+    return MtpState(target, self._insert_rows(prefixes[1], state.draft, slots_R, rows_R))
 
   def release(self, slot: int) -> None:
     self.target.release(slot)
@@ -179,6 +188,13 @@ class MtpSpeculativeDecoder:
     def put(big: jax.Array, small: jax.Array) -> jax.Array:
       one_row = jax.lax.dynamic_slice_in_dim(small, row, 1, axis=0)
       return jax.lax.dynamic_update_slice(big, one_row.astype(big.dtype), (slot,) + (0,) * (big.ndim - 1))
+
+    return jax.tree.map(put, state, prefix)
+
+  def _insert_rows_fn(self, prefix: MtpDraft, state: MtpDraft, slots_R: jax.Array, rows_R: jax.Array) -> MtpDraft:
+    def put(big: jax.Array, small: jax.Array) -> jax.Array:  # a prompt's L cache positions: the first of S
+      # A repeated pair writes the same row again: the scatter's order does not matter.
+      return big.at[(slots_R,) + tuple(slice(0, n) for n in small.shape[1:])].set(small[rows_R].astype(big.dtype))
 
     return jax.tree.map(put, state, prefix)
 

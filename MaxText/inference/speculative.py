@@ -144,6 +144,12 @@ class SpeculativeDecoder:
     target = self.target.insert(prefixes[0], state.target, slot, row)
     return SpeculativeState(target, self.draft.insert(prefixes[1], state.draft, slot, row))
 
+  def insert_rows(self, prefixes: tuple[Prefix, Prefix], state: SpeculativeState, slots: Sequence[int],
+                  rows: Sequence[int]) -> SpeculativeState:
+    """Rows[i] of both prefills in slots[i], one Engine.insert_rows call per model."""
+    target = self.target.insert_rows(prefixes[0], state.target, slots, rows)
+    return SpeculativeState(target, self.draft.insert_rows(prefixes[1], state.draft, slots, rows))
+
   def release(self, slot: int) -> None:
     self.target.release(slot)
     self.draft.release(slot)

@@ -123,6 +123,10 @@ class SpeculativeEngine:
   def insert(self, prefix: SpeculativePrefix, state: Any, slot: int, row: int = 0) -> Any:
     return self.decoder.insert((prefix.target, prefix.draft), state, slot, row)
 
+  def insert_rows(self, prefix: SpeculativePrefix, state: Any, slots: Sequence[int], rows: Sequence[int]) -> Any:
+    """engine_api.InsertsRowsTogether: rows[i] of both models' prefills in slots[i], one call per model."""
+    return self.decoder.insert_rows((prefix.target, prefix.draft), state, slots, rows)
+
   def begin_prompt(self, slot: int, prompt: Sequence[int], images: image_prompts.PromptImages | None = None,
                    cache_key: bytes = b"") -> int:
     """Both engines' pages for the prompt; where the target's prefill starts (the draft keeps its own)."""
