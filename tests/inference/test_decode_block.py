@@ -170,6 +170,9 @@ def test_steps_per_call_is_checked():
     Config.for_testing(**TINY, decode_steps_per_call=0)
   with pytest.raises(ConfigError, match="decode_steps_per_call=2 does not combine with speculative_tokens=2"):
     Config.for_testing(**TINY, decode_steps_per_call=2, speculative_tokens=2)
+  # A huge value sized [slots, k] token buffers before any check: the process was killed for memory.
+  with pytest.raises(ConfigError, match=r"decode_steps_per_call=1000000000 is more than max_target_length=\d+"):
+    Config.for_testing(**TINY, decode_steps_per_call=10**9)
 
 
 def scheduled(eng: Engine, prompts, max_new, stop=()):
