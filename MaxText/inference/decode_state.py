@@ -20,7 +20,7 @@ from flax import struct
 
 from MaxText.errors import UserError
 from MaxText.inference import sampling
-from MaxText.inference.engine_api import TokenLogprobs
+from MaxText.inference.engine_api import Prefilled, TokenLogprobs
 
 # Every layer's decode cache: a pytree of kv_cache.KVCache, paged_cache pools and recurrent-layer states (the
 # same structure also carries their shardings).
@@ -46,6 +46,9 @@ class Prefix:
   first_tokens_B: jax.Array  # token sampled from each prompt's last position
   sampling: RowSampling  # each row's parameters, keys already advanced past the first draw
   first_logprobs: TokenLogprobs
+
+  def prefilled(self) -> Prefilled:
+    return Prefilled(self.first_tokens_B, self.first_logprobs)
 
 
 @struct.dataclass

@@ -53,7 +53,7 @@ from MaxText.inference import image_prompts, page_prefill, paged_cache, quantize
 from MaxText.inference.decode_state import (DecodeState, Prefix, RowSampling, pad_prompts, padded_pairs, row_sampling,
                                             sample, seeded, with_prompt)
 from MaxText.inference import decode_block
-from MaxText.inference.engine_api import Emitted, SlotInfo, StepLimits, TokenLogprobs
+from MaxText.inference.engine_api import Emitted, Prefilled, SlotInfo, StepLimits, TokenLogprobs
 from MaxText.inference.state_snapshots import has_recurrent_state
 from MaxText.layers import kv_cache, lora_rows
 from MaxText.training.model_assembly import Params
@@ -119,6 +119,8 @@ class Engine:
     self._prefill = jax.jit(self._prefill_fn)
     self._insert = jax.jit(self._insert_fn, donate_argnums=(1,), out_shardings=self.state_shardings)
     self._insert_rows = jax.jit(self._insert_rows_fn, donate_argnums=(1,), out_shardings=self.state_shardings)
+    self._prefill_insert = jax.jit(self._prefill_insert_fn, donate_argnums=(1,), out_shardings=(
+        self.state_shardings, Prefilled(replicated, TokenLogprobs(replicated, replicated, replicated))))
     self._generate = jax.jit(self._generate_fn, donate_argnums=(1,), static_argnames=("top",),
                              out_shardings=(self.state_shardings, (replicated, TokenLogprobs(replicated, replicated,
                                                                                              replicated))))
@@ -160,13 +162,34 @@ class Engine:
     `masks`: int32 [B, W] token bitmasks of the first tokens (constrained decoding; sampling.apply_token_mask)."""
     tokens_BL, lengths_B = pad_prompts(prompts, self.decode_cfg.max_prefill_predict_length)
     pixels = self._pixels(prompts, images)
+    with sharding.activation_sharding(self.mesh, self.rules):
+      return self._prefill(params, tokens_BL, lengths_B, self.row_sampling(prompts, seed, row_params), pixels,
+                           None if masks is None else jnp.asarray(masks))
+
+  def prefill_insert(self, params: Params, state: DecodeState, prompts: Sequence[Sequence[int]], slots: Sequence[int],
+                     seed: int = 0, row_params: Sequence[sampling.RowParams] | None = None,
+                     images: Sequence[image_prompts.PromptImages | None] | None = None,
+                     masks: np.ndarray | None = None) -> tuple[DecodeState, Prefilled]:
+    """`prefill` of the prompts, then prompt i into slots[i] (the prompts past len(slots) are padding rows) as
+    `insert_rows` does, in one jitted call that takes `state` (donated) and never returns the prompts' caches
+    (engine_api.PrefillsIntoSlots)."""
+    tokens_BL, lengths_B = pad_prompts(prompts, self.decode_cfg.max_prefill_predict_length)
+    pixels = self._pixels(prompts, images)
+    rows = self.row_sampling(prompts, seed, row_params)
+    slots_R, rows_R, table_RM = self.admit_rows(lengths_B, slots, range(len(slots)))
+    with sharding.activation_sharding(self.mesh, self.rules):
+      return self._prefill_insert(params, state, tokens_BL, lengths_B, rows, pixels,
+                                  None if masks is None else jnp.asarray(masks), slots_R, rows_R, table_RM)
+
+  def row_sampling(self, prompts: Sequence[Sequence[int]], seed: int,
+                   row_params: Sequence[sampling.RowParams] | None) -> RowSampling:
+    """A prefill's rows' sampling (host arrays): `row_params`, else the decode_sampling_* keys, row i seeded
+    seed + i."""
     if row_params is None:
       row_params = [sampling.RowParams.from_strategy(self.sampling, seed + i) for i in range(len(prompts))]
     if len(row_params) != len(prompts):
       raise ValueError(f"{len(row_params)} row_params for {len(prompts)} prompts")
-    with sharding.activation_sharding(self.mesh, self.rules):
-      return self._prefill(params, tokens_BL, lengths_B, row_sampling(row_params), pixels,
-                           None if masks is None else jnp.asarray(masks))
+    return row_sampling(row_params)
 
   def insert(self, prefix: Prefix, state: DecodeState, slot: int, row: int = 0) -> DecodeState:
     """`state` with prompt `row` of `prefix` in slot `slot` (slot and row are traced: no recompiles)."""
@@ -181,15 +204,12 @@ class Engine:
     each gives (engine_api.InsertsRowsTogether). The call always holds as many pairs as `prefix` has
     rows (the first pair repeated: writing it again changes nothing), so one program compiles per
     prefill batch size, as `insert`'s does. Paged: OutOfPages leaves every slot as it was."""
-    slots_R, rows_R, table_RM = self.admit_rows(prefix.next_positions_B, slots, rows)
-    state = self._insert_rows(prefix, state, slots_R, rows_R, table_RM)
-    self._busy[list(slots)] = True
-    return state
+    return self._insert_rows(prefix, state, *self.admit_rows(prefix.next_positions_B, slots, rows))
 
   def admit_rows(self, lengths_B: jax.Array | np.ndarray, slots: Sequence[int], rows: Sequence[int]
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The host side of `insert_rows` for a prefill of prompts `lengths_B` long: the slots checked and
-    admitted (paged: their pages taken, all or none), and the call's (slots, rows, block tables), padded to
+    admitted (busy; paged: their pages taken, all or none), and the call's (slots, rows, block tables), padded to
     as many pairs as the prefill has rows by repeating the first pair (writing it again changes nothing)."""
     batch = int(np.shape(lengths_B)[0])
     if len(slots) != len(rows) or not 1 <= len(slots) <= batch or len(set(slots)) != len(slots):
@@ -207,6 +227,7 @@ class Engine:
       raise
     table_RM = None if admitted[0] is None else np.stack([a for a in admitted if a is not None] +
                                                          [admitted[0]] * (batch - len(slots)))
+    self._busy[list(slots)] = True
     return (*padded_pairs(slots, rows, batch), table_RM)
 
   def generate(self, params: Params, state: DecodeState) -> tuple[DecodeState, jax.Array]:
@@ -458,6 +479,12 @@ class Engine:
       return with_prompt(state, caches, prefix, slots_R[i], rows_R[i])
 
     return jax.lax.fori_loop(0, slots_R.shape[0], one, state)
+
+  def _prefill_insert_fn(self, params: Params, state: DecodeState, tokens_BL: jax.Array, lengths_B: jax.Array,
+                         rows: RowSampling, pixels: jax.Array | None, masks_BW: jax.Array | None, slots_R: jax.Array,
+                         rows_R: jax.Array, admitted_RM: jax.Array | None) -> tuple[DecodeState, Prefilled]:
+    prefix = self._prefill_fn(params, tokens_BL, lengths_B, rows, pixels, masks_BW)
+    return self._insert_rows_fn(prefix, state, slots_R, rows_R, admitted_RM), prefix.prefilled()
 
   def _generate_fn(self, params: Params, state: DecodeState, table_TM: jax.Array | None,
                    mask_TW: jax.Array | None = None, top: bool = True

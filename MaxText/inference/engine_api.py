@@ -72,6 +72,14 @@ class Emitted:
                                                                          np.asarray(lp.top_logprobs_Bk[index]))]
 
 
+@struct.dataclass
+class Prefilled:
+  """What a caller reads of a prefill that went straight into slots (PrefillsIntoSlots): an engine_api.Admitted."""
+
+  first_tokens_B: Any  # [B] the token sampled from each prompt's last position
+  first_logprobs: TokenLogprobs
+
+
 @dataclasses.dataclass(frozen=True)
 class StepLimits:
   """Where each slot stops inside a `decode_step` call (checked on the device, after every step):
@@ -226,3 +234,16 @@ class PrefillsChunksTogether(Protocol):
                      prompts: Sequence[Sequence[int]], starts: Sequence[int], row_params: Sequence[sampling.RowParams],
                      images: Sequence[image_prompts.PromptImages | None] | None = None,
                      masks: np.ndarray | None = None) -> tuple[EngineState, list[tuple[int, FirstToken | None]]]: ...
+
+
+@runtime_checkable
+class PrefillsIntoSlots(Protocol):
+  """An engine that prefills prompts and puts prompt i into slots[i] in one device call that takes the decode
+  state (engine.Engine.prefill_insert): what the scheduler calls for the prompts it admits in one loop where it
+  made a `prefill` and an `insert_rows` (two calls, the prompts' caches returned in between). The prompts past
+  len(slots) are padding rows."""
+
+  def prefill_insert(self, params: EngineParams, state: EngineState, prompts: Sequence[Sequence[int]],
+                     slots: Sequence[int], seed: int = 0, row_params: Sequence[sampling.RowParams] | None = None,
+                     images: Sequence[image_prompts.PromptImages | None] | None = None,
+                     masks: np.ndarray | None = None) -> tuple[EngineState, Admitted]: ...

@@ -46,7 +46,7 @@ from MaxText.inference import paged_cache, sampling, speculative
 from MaxText.inference.decode_state import (DecodeState, Prefix, RowSampling, pad_prompts, padded_pairs, row_sampling,
                                             sample, seeded)
 from MaxText.inference.engine import Engine, refuse_mtp_speculative
-from MaxText.inference.engine_api import TokenLogprobs
+from MaxText.inference.engine_api import Prefilled, TokenLogprobs
 from MaxText.layers import kv_cache, lora_rows
 from MaxText.training.model_assembly import Params
 from MaxText.platform import sharding
@@ -100,6 +100,8 @@ class MtpSpeculativeDecoder:
     self._prefill = jax.jit(self._prefill_fn)
     self._insert = jax.jit(self._insert_fn, donate_argnums=(1,), out_shardings=self.state_shardings.draft)
     self._insert_rows = jax.jit(self._insert_rows_fn, donate_argnums=(1,), out_shardings=self.state_shardings.draft)
+    self._prefill_insert = jax.jit(self._prefill_insert_fn, donate_argnums=(1,), out_shardings=(
+        self.state_shardings, Prefilled(replicated, TokenLogprobs(replicated, replicated, replicated))))
     self._round = jax.jit(self._round_fn, donate_argnums=(1,),
                           out_shardings=(self.state_shardings, replicated, replicated,
                                          TokenLogprobs(replicated, replicated, replicated)))
@@ -130,6 +132,18 @@ class MtpSpeculativeDecoder:
     target = self.target.insert_rows(prefixes[0], state.target, slots, rows)
     slots_R, rows_R = padded_pairs(slots, rows, int(np.shape(prefixes[0].next_positions_B)[0]))
     return MtpState(target, self._insert_rows(prefixes[1], state.draft, slots_R, rows_R))
+
+  def prefill_insert(self, target_params: Params, draft_params: Params, state: MtpState,
+                     prompts: Sequence[Sequence[int]], slots: Sequence[int], seed: int = 0,
+                     row_params: Sequence[sampling.RowParams] | None = None, masks: np.ndarray | None = None
+                     ) -> tuple[MtpState, Prefilled]:
+    """`prefill` and `insert_rows` (prompt i into slots[i]) in one jitted call (Engine.prefill_insert)."""
+    tokens_BL, lengths_B = pad_prompts(prompts, self.target.decode_cfg.max_prefill_predict_length)
+    rows = self.target.row_sampling(prompts, seed, row_params)
+    pairs = self.target.admit_rows(lengths_B, slots, range(len(slots)))
+    with sharding.activation_sharding(self.target.mesh, self.target.rules):
+      return self._prefill_insert(target_params, state, tokens_BL, lengths_B, rows,
+                                  None if masks is None else jnp.asarray(masks), pairs)
 
   def release(self, slot: int) -> None:
     self.target.release(slot)
@@ -197,6 +211,13 @@ class MtpSpeculativeDecoder:
       return big.at[(slots_R,) + tuple(slice(0, n) for n in small.shape[1:])].set(small[rows_R].astype(big.dtype))
 
     return jax.tree.map(put, state, prefix)
+
+  def _prefill_insert_fn(self, params: Params, state: MtpState, tokens_BL: jax.Array, lengths_B: jax.Array,
+                         rows: RowSampling, masks_BW: jax.Array | None,
+                         pairs: tuple[jax.Array, jax.Array, jax.Array | None]) -> tuple[MtpState, Prefilled]:
+    prefix, draft = self._prefill_fn(params, tokens_BL, lengths_B, rows, masks_BW)
+    target = self.target._insert_rows_fn(prefix, state.target, *pairs)
+    return MtpState(target, self._insert_rows_fn(draft, state.draft, pairs[0], pairs[1])), prefix.prefilled()
 
   def _round_fn(self, params: Params, state: MtpState, table_TM: jax.Array | None, mask_TW: jax.Array | None = None
                 ) -> tuple[MtpState, jax.Array, jax.Array, TokenLogprobs]:

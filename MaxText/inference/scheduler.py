@@ -11,8 +11,9 @@ slot is handed back with `engine.release`. Text (detokenising, stop strings) is 
 business: the scheduler deals in token ids only.
 
 The jobs admitted in one loop are prefilled in one engine call: their prompts as the rows of one
-`prefill` (padded to a power of two rows, so a few programs compile), then one `insert_rows` for them
-all (engine_api.InsertsRowsTogether; an insert each where the engine has no such call); into
+`prefill_insert` that also puts them into their slots (engine_api.PrefillsIntoSlots; padded to a power
+of two rows, so a few programs compile), where the engine has none a `prefill` then one `insert_rows` for
+them all (engine_api.InsertsRowsTogether; an insert each where the engine has no such call); into
 pages without chunks, their prompts' rests as the rows of one `prefill_rests` call per piece
 (engine_api.PrefillsRestsTogether).
 
@@ -63,7 +64,8 @@ import jax
 import numpy as np
 
 from MaxText.inference.engine_api import (Admitted, DecodeEngine, Emitted, EngineParams, EngineState,
-                                          InsertsRowsTogether, PrefillsChunksTogether, PrefillsRestsTogether,
+                                          InsertsRowsTogether, PrefillsChunksTogether, PrefillsIntoSlots,
+                                          PrefillsRestsTogether,
                                           StepLimits, TokenLogprobs)
 from MaxText.inference.image_prompts import PromptImages
 # The events and refusals, kept where the HTTP front ends read them without JAX, and named here as before.
@@ -166,6 +168,7 @@ class Scheduler:
     self._into_pages = engine.prefills_into_pages
     # A Protocol's isinstance is slow: asked once.
     self._row_inserter = engine if isinstance(engine, InsertsRowsTogether) else None
+    self._slot_prefiller = engine if isinstance(engine, PrefillsIntoSlots) else None
     # k > 0: a speculative engine, whose steps (rounds) emit 1..k + 1 tokens per slot.
     self.speculative_tokens = engine.speculative_tokens
     self._wake = threading.Condition()  # guards _waiting, _active, _reserved
@@ -342,23 +345,29 @@ class Scheduler:
     return True
 
   def _prefill_together(self, batch: Sequence[tuple[Job, int]]) -> None:
-    """One prefill call for the prompts of `batch`, padded to a power of two rows (repeating the
-    first; a few compiled programs in all), then one insert of them all (an insert each where the engine
-    cannot) and one read of their first tokens."""
+    """One call that prefills the prompts of `batch`, padded to a power of two rows (repeating the
+    first; a few compiled programs in all), and puts them into their slots (where the engine cannot: a
+    prefill, then one insert of them all, or an insert each), and one read of their first tokens."""
     jobs = [job for job, _ in batch] + [batch[0][0]] * (_bucket(len(batch), self.engine.num_slots) - len(batch))
     rows: dict[str, Any] = {}
     if any(job.images is not None for job in jobs):
       rows["images"] = [job.images for job in jobs]
-    prefix: Admitted = self.engine.prefill(self.params, [job.prompt for job in jobs],
-                                           row_params=[job.row for job in jobs], **rows,
-                                           **_masks(dict(enumerate(jobs)), len(jobs), "masks"))
+    rows.update(_masks(dict(enumerate(jobs)), len(jobs), "masks"))
+    prompts, row_params = [job.prompt for job in jobs], [job.row for job in jobs]
     self.counts["prefills"] += 1
-    if self._row_inserter is not None:
-      self._state = self._row_inserter.insert_rows(prefix, self._state, [slot for _, slot in batch],
-                                                   list(range(len(batch))))
+    prefix: Admitted
+    if self._slot_prefiller is not None:  # one device call, the prompts' caches never returned
+      self._state, prefix = self._slot_prefiller.prefill_insert(self.params, self._state, prompts,
+                                                                [slot for _, slot in batch], row_params=row_params,
+                                                                **rows)
     else:
-      for row, (job, slot) in enumerate(batch):
-        self._state = self.engine.insert(prefix, self._state, slot, row)
+      prefix = self.engine.prefill(self.params, prompts, row_params=row_params, **rows)
+      if self._row_inserter is not None:
+        self._state = self._row_inserter.insert_rows(prefix, self._state, [slot for _, slot in batch],
+                                                     list(range(len(batch))))
+      else:
+        for row, (job, slot) in enumerate(batch):
+          self._state = self.engine.insert(prefix, self._state, slot, row)
     lp = prefix.first_logprobs
     # The top alternatives are read only when a job wants them (a host copy each), as for a call's tokens.
     tops = any(job.top_logprobs for job, _ in batch)

@@ -55,9 +55,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxText.errors import UserError
 from MaxText.inference import sampling
-from MaxText.inference.decode_state import Caches, DecodeState, Prefix
+from MaxText.inference.decode_state import Caches, DecodeState, Prefix, pad_prompts
 from MaxText.inference.engine import Engine
-from MaxText.inference.engine_api import TokenLogprobs
+from MaxText.inference.engine_api import Prefilled, TokenLogprobs
 from MaxText.inference.state_snapshots import has_recurrent_state
 from MaxText.layers import lora_rows
 from MaxText.layers.gated_deltanet import LinearState
@@ -123,6 +123,8 @@ class SpeculativeDecoder:
     self.traces = {"round": 0}
     replicated = NamedSharding(target.mesh, PartitionSpec())
     self.state_shardings = SpeculativeState(target.state_shardings, draft.state_shardings)
+    self._prefill_insert = jax.jit(self._prefill_insert_fn, donate_argnums=(2,), out_shardings=(
+        self.state_shardings, Prefilled(replicated, TokenLogprobs(replicated, replicated, replicated))))
     self._round = jax.jit(self._round_fn, donate_argnums=(2,),
                           out_shardings=(self.state_shardings, replicated, replicated,
                                          TokenLogprobs(replicated, replicated, replicated)))
@@ -149,6 +151,24 @@ class SpeculativeDecoder:
     """Rows[i] of both prefills in slots[i], one Engine.insert_rows call per model."""
     target = self.target.insert_rows(prefixes[0], state.target, slots, rows)
     return SpeculativeState(target, self.draft.insert_rows(prefixes[1], state.draft, slots, rows))
+
+  def prefill_insert(self, target_params: Params, draft_params: Params, state: SpeculativeState,
+                     prompts: Sequence[Sequence[int]], slots: Sequence[int], seed: int = 0,
+                     row_params: Sequence[sampling.RowParams] | None = None, masks: np.ndarray | None = None
+                     ) -> tuple[SpeculativeState, Prefilled]:
+    """`prefill` and `insert_rows` (prompt i into slots[i]) of both models in one jitted call (Engine.prefill_insert)."""
+    tokens_BL, lengths_B = pad_prompts(prompts, self.target.decode_cfg.max_prefill_predict_length)
+    rows = self.target.row_sampling(prompts, seed, row_params)
+    target_pairs = self.target.admit_rows(lengths_B, slots, range(len(slots)))
+    try:
+      draft_pairs = self.draft.admit_rows(lengths_B, slots, range(len(slots)))
+    except Exception:
+      for slot in slots:
+        self.target.release(slot)
+      raise
+    with sharding.activation_sharding(self.target.mesh, self.target.rules):
+      return self._prefill_insert(target_params, draft_params, state, tokens_BL, lengths_B, rows,
+                                  None if masks is None else jnp.asarray(masks), target_pairs, draft_pairs[2])
 
   def release(self, slot: int) -> None:
     self.target.release(slot)
@@ -184,7 +204,19 @@ class SpeculativeDecoder:
   def metrics(self) -> dict[str, float]:
     return self.acceptance.metrics()
 
-  # ---------------------------------------------------------------- the jitted round
+  # ---------------------------------------------------------------- the jitted calls
+  def _prefill_insert_fn(self, target_params: Params, draft_params: Params, state: SpeculativeState,
+                         tokens_BL: jax.Array, lengths_B: jax.Array, rows: Any, masks_BW: jax.Array | None,
+                         target_pairs: tuple[jax.Array, jax.Array, jax.Array | None], draft_table_RM: jax.Array | None
+                         ) -> tuple[SpeculativeState, Prefilled]:
+    target = self.target._prefill_fn(target_params, tokens_BL, lengths_B, rows, None, masks_BW)
+    draft = self.draft._prefill_fn(draft_params, tokens_BL, lengths_B, rows, None)
+    draft = dataclasses.replace(draft, first_tokens_B=target.first_tokens_B)  # the slot's pending token: the target's
+    slots_R, rows_R, target_table_RM = target_pairs
+    return SpeculativeState(self.target._insert_rows_fn(target, state.target, slots_R, rows_R, target_table_RM),
+                            self.draft._insert_rows_fn(draft, state.draft, slots_R, rows_R, draft_table_RM)
+                            ), target.prefilled()
+
   def _round_fn(self, target_params: Params, draft_params: Params, state: SpeculativeState,
                 target_table_TM: jax.Array | None, draft_table_TM: jax.Array | None, mask_TW: jax.Array | None = None
                 ) -> tuple[SpeculativeState, jax.Array, jax.Array, TokenLogprobs]:

@@ -32,7 +32,7 @@ from MaxText.inference import image_prompts, mtp_draft, sampling, speculative
 from MaxText.inference.decode_state import Prefix
 from MaxText.training.model_assembly import Params
 from MaxText.inference.engine import Engine, load_engine, refuse_mtp_speculative
-from MaxText.inference.engine_api import DecodeEngine, Emitted, SlotInfo, StepLimits, TokenLogprobs
+from MaxText.inference.engine_api import DecodeEngine, Emitted, Prefilled, SlotInfo, StepLimits, TokenLogprobs
 from MaxText.paths import storage
 from MaxText.platform import distributed
 
@@ -126,6 +126,14 @@ class SpeculativeEngine:
   def insert_rows(self, prefix: SpeculativePrefix, state: Any, slots: Sequence[int], rows: Sequence[int]) -> Any:
     """engine_api.InsertsRowsTogether: rows[i] of both models' prefills in slots[i], one call per model."""
     return self.decoder.insert_rows((prefix.target, prefix.draft), state, slots, rows)
+
+  def prefill_insert(self, params: tuple[Params, Params], state: Any, prompts: Sequence[Sequence[int]],
+                     slots: Sequence[int], seed: int = 0, row_params: Sequence[sampling.RowParams] | None = None,
+                     images: Sequence[image_prompts.PromptImages | None] | None = None,
+                     masks: np.ndarray | None = None) -> tuple[Any, Prefilled]:
+    """engine_api.PrefillsIntoSlots: both models' prefills into slots[i] in one call."""
+    _text_only(images)
+    return self.decoder.prefill_insert(params[0], params[1], state, prompts, slots, seed, row_params, masks)
 
   def begin_prompt(self, slot: int, prompt: Sequence[int], images: image_prompts.PromptImages | None = None,
                    cache_key: bytes = b"") -> int:

@@ -74,6 +74,18 @@ def count_calls(owner: Any, names: list[str]) -> dict[str, int]:
   return calls
 
 
+class Hiding:
+  """`engine` without the named attributes: an engine that lacks an optional engine_api protocol."""
+
+  def __init__(self, engine: Any, *names: str):
+    self._engine, self._names = engine, names
+
+  def __getattr__(self, name: str) -> Any:
+    if name in self._names:
+      raise AttributeError(name)
+    return getattr(self._engine, name)
+
+
 def served(engine: Engine, params, prompts: list[list[int]], rows: list, indices: list[int],
            max_new: int) -> dict[int, list[int]]:
   """Each job's tokens through a scheduler, every job submitted before its first loop (so admitted together);

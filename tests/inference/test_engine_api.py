@@ -31,7 +31,7 @@ ENGINE_SIDE = {f"MaxText/inference/{name}" for name in ENGINE_MODULES + ("engine
 def protocol_members() -> set[str]:
   """DecodeEngine's members and those of the optional protocols an engine may also offer."""
   protocols = (engine_api.DecodeEngine, engine_api.PrefillsRestsTogether, engine_api.PrefillsChunksTogether,
-               engine_api.InsertsRowsTogether)
+               engine_api.InsertsRowsTogether, engine_api.PrefillsIntoSlots)
   return {name for protocol in protocols for name in vars(protocol) if not name.startswith("_")}
 
 

@@ -1,6 +1,7 @@
 """Engine.insert_rows puts several rows of one prefill into their slots in one call, as an insert
 each does one after the other (dense and paged: the same decode state, the same tokens after), and
-the scheduler makes that one call for the jobs it admits together where it made an insert each."""
+the scheduler of an engine without prefill_insert (test_prefill_insert.py) makes that one call for the
+jobs it admits together where it made an insert each."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from MaxText.configuration.config import Config
 from MaxText.inference.engine import Engine
 from MaxText.inference.engine_api import StepLimits
 from MaxText.inference.sampling import RowParams
-from decode_test_utils import count_calls, one_device_mesh, served
+from decode_test_utils import Hiding, count_calls, one_device_mesh, served
 
 TINY = dict(base_emb_dim=32, base_num_query_heads=2, base_num_kv_heads=2, head_dim=16, base_mlp_dim=64,
             base_num_decoder_layers=1, vocab_size=64, max_target_length=32, max_prefill_predict_length=8,
@@ -71,7 +72,7 @@ def test_scheduler_inserts_the_jobs_admitted_together_in_one_call(layout):
   calls = count_calls(eng, ["insert", "insert_rows"])
 
   def serve(indices: list[int]) -> dict[int, list[int]]:
-    return served(eng, params, PROMPTS, ROWS, indices, max_new=6)
+    return served(Hiding(eng, "prefill_insert"), params, PROMPTS, ROWS, indices, max_new=6)
 
   alone = {i: serve([i])[i] for i in range(len(PROMPTS))}
   calls.update(insert=0, insert_rows=0)

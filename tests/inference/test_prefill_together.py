@@ -49,7 +49,7 @@ def test_jobs_admitted_together_share_one_prefill_and_get_their_own_tokens(layou
   params = eng.load_params()
   calls = {"prefills": 0}
   owner = eng.page_prefill if eng.prefills_into_pages else eng
-  for name in ("_prefill", "_extend", "_extend_rows"):  # every jitted prefill the engine may call
+  for name in ("_prefill", "_prefill_insert", "_extend", "_extend_rows"):  # every jitted prefill the engine may call
     jitted = getattr(owner, name, None)
     if jitted is not None:
       def counted(*args, _jitted=jitted, **kwargs):

@@ -1,7 +1,8 @@
 """A speculative engine puts several rows of one prefill into their slots in one call per model
 (SpeculativeEngine.insert_rows, engine_api.InsertsRowsTogether), as an insert each does one after the
 other: the same target and draft states (draft model: dense and paged; MTP heads: dense) and the same
-greedy rounds after; the scheduler makes that one call for the jobs it admits together."""
+greedy rounds after; the scheduler of such an engine without prefill_insert (test_prefill_insert.py) makes
+that one call for the jobs it admits together."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from MaxText.inference.engine import Engine
 from MaxText.inference.engine_api import InsertsRowsTogether
 from MaxText.inference.sampling import RowParams
 from MaxText.inference.speculative_engine import SpeculativeEngine
-from decode_test_utils import count_calls, one_device_mesh, served
+from decode_test_utils import Hiding, count_calls, one_device_mesh, served
 
 BASE = dict(base_emb_dim=32, base_num_query_heads=2, base_num_kv_heads=2, head_dim=16, base_mlp_dim=64,
             base_num_decoder_layers=1, vocab_size=64, max_target_length=32, max_prefill_predict_length=8,
@@ -81,7 +82,7 @@ def test_scheduler_inserts_the_jobs_admitted_together_in_one_call_per_model(case
   rows = [RowParams(seed=i) for i in range(len(PROMPTS))]  # greedy: the tokens do not depend on the slot
 
   def serve(indices: list[int]) -> dict[int, list[int]]:
-    return served(eng, params, PROMPTS, rows, indices, max_new=6)
+    return served(Hiding(eng, "prefill_insert"), params, PROMPTS, rows, indices, max_new=6)
 
   alone = {i: serve([i])[i] for i in range(len(PROMPTS))}
   models = [eng.decoder.target] + ([] if eng.draft is None else [eng.draft])
