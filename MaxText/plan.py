@@ -42,7 +42,7 @@ if __package__ in (None, ""):  # `python3 MaxText/plan.py`: import the package, 
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from MaxText import startup
-from MaxText.aot import plan_model, plan_progress, plan_ranking, plan_recipe, plan_search
+from MaxText.aot import plan_model, plan_progress, plan_ranking, plan_recipe, plan_remat, plan_search
 from MaxText.aot.plan_ranking import Planned, format_table, rank_compiled
 from MaxText.aot.plan_recipe import compile_flags, write_recipe
 from MaxText.aot.step_time import report as step_report
@@ -117,7 +117,7 @@ def _source_digest() -> str:
   """The code that builds and compiles the step: every module but the planner's own."""
   digest = hashlib.sha256()
   planner = {Path(f).resolve() for f in (__file__, plan_model.__file__, plan_progress.__file__, plan_search.__file__,
-                                               plan_ranking.__file__, plan_recipe.__file__)}
+                                               plan_ranking.__file__, plan_recipe.__file__, plan_remat.__file__)}
   for path in sorted(p for p in (REPO / "MaxText").rglob("*.py") if p.resolve() not in planner):
     digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
   return digest.hexdigest()

@@ -41,7 +41,7 @@ from MaxText.aot.step_time import saved as saved_step
 from MaxText.aot.memory_report import (GIB, MemoryReport, Offload, buffer_assignment_dump_options,
                                        does_not_fit_message, format_bytes, host_overflow_message, parse_xla_oom,
                                        describe_state, read_buffer_assignment, state_bytes_per_chip)
-from MaxText.aot.plan_model import offloaded_activations
+from MaxText.aot.plan_remat import offloaded_activations
 from MaxText.errors import UserError, run_cli
 from MaxText.layers import pipeline
 from MaxText.rl import rollout_mesh

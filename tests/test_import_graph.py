@@ -32,9 +32,9 @@ FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
     ("MaxText.plan", "MaxText.aot.memory_report"): "JAX's backend must start after the planner sets the XLA flags",
     ("MaxText.plan", "MaxText.layers.attention"): "flax and the layers load only for the kernel choice",
     ("MaxText.aot.plan_model", "MaxText.models"): "flax and the model load only for the planner's parameter count",
-    ("MaxText.aot.plan_model", "MaxText.families"): "flax: the family's layer is read only when a plan prices it",
-    ("MaxText.aot.plan_model", "MaxText.layers.decoders"): "flax: the shared layer is read only when a plan prices it",
-    ("MaxText.aot.plan_model", "MaxText.layers.moe"): "flax: the expert capacity rule loads only for MoE models",
+    ("MaxText.aot.plan_remat", "MaxText.families"): "flax: the family's layer is read only when a plan prices it",
+    ("MaxText.aot.plan_remat", "MaxText.layers.decoders"): "flax: the shared layer is read only when a plan prices it",
+    ("MaxText.aot.plan_remat", "MaxText.layers.moe"): "flax: the expert capacity rule loads only for MoE models",
 }
 
 

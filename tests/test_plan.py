@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from MaxText import plan, startup
-from MaxText.aot import plan_model, plan_ranking, plan_search
+from MaxText.aot import plan_model, plan_ranking, plan_remat, plan_search
 from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib
 from MaxText.configuration.config import BASE_CONFIG_PATH
@@ -181,12 +181,12 @@ def test_expert_exchange_rows_are_the_worst_case_or_the_bounded_share():
   """Per device and layer: a dropless receive buffer holds every peer's tokens, each at most once per local expert;
   moe_ragged_buffer_factor holds that many even shares; one device (no expert axis) exchanges nothing."""
   config = config_lib.Config.for_testing(**{k: v for k, v in MOE.items() if k != "ici_expert_parallelism"})
-  assert plan_model.moe_exchange_rows(config.model, 4, 2048) == (4 * 2048 * 4, 2048 * 4)  # min(k=4, 16/4 experts)
-  assert plan_model.moe_exchange_rows(config.model, 8, 2048) == (8 * 2048 * 2, 2048 * 4)  # 2 local experts
-  assert plan_model.moe_exchange_rows(config.model, 1, 2048) == (0.0, 0.0)
+  assert plan_remat.moe_exchange_rows(config.model, 4, 2048) == (4 * 2048 * 4, 2048 * 4)  # min(k=4, 16/4 experts)
+  assert plan_remat.moe_exchange_rows(config.model, 8, 2048) == (8 * 2048 * 2, 2048 * 4)  # 2 local experts
+  assert plan_remat.moe_exchange_rows(config.model, 1, 2048) == (0.0, 0.0)
   bounded = config_lib.Config.for_testing(**{**{k: v for k, v in MOE.items() if k != "ici_expert_parallelism"},
                                              "moe_ragged_buffer_factor": 2.0})
-  assert plan_model.moe_exchange_rows(bounded.model, 8, 2048) == (2 * 2048 * 4, 2048 * 4)
+  assert plan_remat.moe_exchange_rows(bounded.model, 8, 2048) == (2 * 2048 * 4, 2048 * 4)
 
 
 @pytest.mark.slow
@@ -317,7 +317,7 @@ def test_the_host_memory_an_offloading_candidate_needs_is_counted():
   gib, v5e = plan_model.GIB, accelerators.TPU_GENERATIONS["v5e"]
   offloaded = analytic("v5e-4", remat_policy="minimal_offloaded", **HOST_HEAVY)
   # Per token and layer: q, k, v (384), the attention output (256), both MLP inputs (1024); not the MLP output,
-  # which only the residual add reads (plan_model.mlp_output_read).
+  # which only the residual add reads (plan_remat.mlp_output_read).
   assert offloaded.host_activations == 32 * 8192 * 2 * 64 * (384 + 256 + 1024)
   assert offloaded.total < 14.4 * gib < offloaded.host_activations  # HBM would hold it; the host would not
   assert plan_model.host_overflow(offloaded, v5e) == (

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from MaxText.aot import plan_model
+from MaxText.aot import plan_remat
 from MaxText.configuration import remat_policies
 from MaxText.configuration.config import Config
 
@@ -70,8 +70,8 @@ def _planned_bytes(overrides: dict) -> tuple[float, float]:
   """(device bytes, host bytes) the planner counts kept per layer for the same tokens (input included)."""
   cfg = Config.for_testing(**overrides).model
   tokens = _BATCH * _LENGTH * 2  # bf16
-  device = plan_model.stream_width(cfg, cfg.remat) + plan_model.kept_width(cfg, cfg.remat, on_host=False)
-  return tokens * device, tokens * plan_model.kept_width(cfg, cfg.remat, on_host=True)
+  device = plan_remat.stream_width(cfg, cfg.remat) + plan_remat.kept_width(cfg, cfg.remat, on_host=False)
+  return tokens * device, tokens * plan_remat.kept_width(cfg, cfg.remat, on_host=True)
 
 
 @pytest.mark.parametrize("policy", _POLICIES)
@@ -110,7 +110,7 @@ def test_a_moe_models_dense_layers_keep_their_own_mlps(overrides):
                                   **overrides)).model
   assert cfg.num_dense_layers == 1 and cfg.num_decoder_layers == 2
   saved = _layer_saved_bytes(cfg)[0] + _layer_saved_bytes(cfg.dense_prefix_config())[0]
-  per_layer = plan_model.stream_width(cfg, cfg.remat) + plan_model.kept_width(cfg, cfg.remat, on_host=False)
+  per_layer = plan_remat.stream_width(cfg, cfg.remat) + plan_remat.kept_width(cfg, cfg.remat, on_host=False)
   assert 2 * _BATCH * _LENGTH * 2 * per_layer == saved
 
 
@@ -118,14 +118,14 @@ def test_expert_rows_per_token_on_each_path():
   """Rows per token of the experts' tensors: k chosen experts; E·C/L capacity slots; under expert parallelism
   the all-to-all receive buffer (every peer's tokens, each once per local expert) or the gathered group's."""
   def rows(experts=1, **overrides):
-    return plan_model.expert_rows(Config.for_testing(**dict(_MOE, **overrides)).model, experts)
+    return plan_remat.expert_rows(Config.for_testing(**dict(_MOE, **overrides)).model, experts)
   assert rows(**_PATHS["sparse_matmul"]) == 2
   assert rows(**_PATHS["capacity"]) == 4 * 20 / 32
   assert rows(**_PATHS["dense_dropless"]) == 4
   assert rows(2, **_PATHS["sparse_matmul"]) == 2 * min(2, 4 // 2)
   assert rows(2, **_PATHS["sparse_matmul"], moe_dispatch="gather") == 2 * 2
   assert rows(2, **_PATHS["capacity"]) == 4 * 20 / 32  # the slots move between devices, their number does not
-  assert plan_model.expert_rows(Config.for_testing(**dict(_MOE, num_experts=1, num_experts_per_tok=1)).model) == 0
+  assert plan_remat.expert_rows(Config.for_testing(**dict(_MOE, num_experts=1, num_experts_per_tok=1)).model) == 0
   assert remat_policies.SPARSE_MATMUL_ONLY_MOE == ("moe_mlpwi_1",)
 
 
@@ -161,7 +161,7 @@ def test_planner_counts_the_expert_rows_each_chip_keeps(path, mesh):
   # The experts' residuals: bf16 and not token-shaped [B, L, ·] (the input and the router's logits are).
   kept = sum(math.prod(r.sharding.shard_shape(r.shape)) * 2 for r in jax.tree.leaves(backward)
              if getattr(r, "dtype", None) == jnp.bfloat16 and r.shape[:2] != (batch, _LENGTH))
-  widths = plan_model.tensor_widths(cfg, dict(config.mesh.shape))
+  widths = plan_remat.tensor_widths(cfg, dict(config.mesh.shape))
   names = ("moe_mlpwi_0", "moe_mlpwo") if cfg.moe.sparse_matmul else ("moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo")
   tokens_per_chip = batch * _LENGTH / 8
   assert kept == tokens_per_chip * 2 * sum(widths[n] for n in names)

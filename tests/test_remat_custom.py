@@ -134,7 +134,7 @@ def test_a_quantized_or_adapted_fused_mlp_keeps_its_parts_names():
 
 
 def test_every_preset_but_none_is_a_placement():
-  from MaxText.aot import plan_model
+  from MaxText.aot import plan_remat
   cfg = Config.for_testing(**_TINY).model
   assert set(remat_policies.PRESET_PLACEMENTS) == set(remat_policies.NAMES) - {"none", "custom"}
   for name, placements in remat_policies.PRESET_PLACEMENTS.items():
@@ -144,7 +144,7 @@ def test_every_preset_but_none_is_a_placement():
     # The same tensors in the same places, and the planner's same memory and recompute figures.
     assert (set(policy.device), set(policy.offload)) == (set(preset.device), set(preset.offload)), name
     assert (policy.saved_on_device, policy.saved_on_host) == (preset.saved_on_device, preset.saved_on_host), name
-    assert plan_model.rerun_flops(cfg, policy, 32) == plan_model.rerun_flops(cfg, preset, 32), name
+    assert plan_remat.rerun_flops(cfg, policy, 32) == plan_remat.rerun_flops(cfg, preset, 32), name
 
 
 def test_upstreams_presets_keep_exactly_upstreams_names():
@@ -335,16 +335,16 @@ def test_planner_keeps_of_a_sparse_matmul_moe_what_minimal_keeps():
   """Under minimal (and minimal_offloaded, on the host), the experts' input projections the planner counts
   per token and layer are those print_saved_residuals shows: sparse_matmul's wi_1, named only moe_mlpwi_1,
   is recomputed (the planner counted it kept)."""
-  from MaxText.aot import plan_model
+  from MaxText.aot import plan_remat
   saved = _saved_names("moe", sparse_matmul=True, **_MOE, remat_policy="minimal")
   tokens = 2 * 8
   kept_in = sum(math.prod(int(d) for d in shape.split(",")) for shape, name in saved if name.startswith("mlpwi"))
   cfg = Config.for_testing(**{**_TINY, "base_num_kv_heads": 4}, sparse_matmul=True, **_MOE).model
-  attention = plan_model.kept_width(cfg, remat_policies.by_name("save_dot_except_mlp"), on_host=False)
-  minimal = plan_model.kept_width(cfg, remat_policies.by_name("minimal"), on_host=False)
+  attention = plan_remat.kept_width(cfg, remat_policies.by_name("save_dot_except_mlp"), on_host=False)
+  minimal = plan_remat.kept_width(cfg, remat_policies.by_name("minimal"), on_host=False)
   # besides wi_0 of the 2 chosen experts: their wo rows (2 x emb) and the router's logits (a dot, 4 experts)
   assert minimal - attention - 2 * cfg.emb_dim - 4 == kept_in / tokens == 2 * 128
-  assert plan_model.kept_width(cfg, remat_policies.by_name("minimal_offloaded"), on_host=True) == minimal
+  assert plan_remat.kept_width(cfg, remat_policies.by_name("minimal_offloaded"), on_host=True) == minimal
 
 
 # ------------------------------------------------------------------ the planner prices placements
@@ -410,7 +410,7 @@ def test_an_offloaded_placement_is_host_memory_and_host_transfers_in_the_tpu_com
   (8 layers x 4 sequences x 512 tokens x q, k and v of 128 each, in bf16), and the step-time model
   prices its transfers."""
   from MaxText import train_compile
-  from MaxText.aot import plan_model
+  from MaxText.aot import plan_remat
   from MaxText.configuration.config import BASE_CONFIG_PATH
   overrides = dict(base_emb_dim=256, base_num_query_heads=2, base_num_kv_heads=2, head_dim=64, base_mlp_dim=512,
                    base_num_decoder_layers=8, vocab_size=256, max_target_length=512, per_device_batch_size=4,
@@ -423,7 +423,7 @@ def test_an_offloaded_placement_is_host_memory_and_host_transfers_in_the_tpu_com
   transfers = re.search(r"host transfers ([\d.]+) ms", out)
   assert host and transfers and float(transfers.group(1)) > 0, out
   model = Config.for_testing(**overrides).model
-  counted = plan_model.offloaded_activations(model, model.remat, 4 * 512)
+  counted = plan_remat.offloaded_activations(model, model.remat, 4 * 512)
   assert counted == 8 * 4 * 512 * 3 * 128 * 2
   assert counted <= float(host.group(1)) * 2**20 <= 2 * counted, out
 
@@ -449,8 +449,8 @@ _FILL_SETTINGS = dict(ici_fsdp_parallelism=4, per_device_batch_size=2, gradient_
 
 def _room_for(names, model_overrides: dict, settings: dict) -> float:
   """The bytes per chip `names` take in HBM for `settings` (bf16, every layer)."""
-  from MaxText.aot import plan_model
-  widths = plan_model.tensor_widths(Config.for_testing(**model_overrides).model)
+  from MaxText.aot import plan_remat
+  widths = plan_remat.tensor_widths(Config.for_testing(**model_overrides).model)
   tokens = settings["per_device_batch_size"] * model_overrides["max_target_length"]
   return sum(widths[n] for n in names) * tokens * 2 * model_overrides["base_num_decoder_layers"]
 
@@ -526,7 +526,7 @@ def test_a_filled_placement_is_priced_like_its_compile():
   the compiled step drops (CPU cost analysis), and its memory is within the planner's tolerance of the
   v5e-4 compile's heap (on test_plan's model, whose heap activations decide), with nothing on the host."""
   from MaxText import plan
-  from MaxText.aot import plan_model
+  from MaxText.aot import plan_remat
   from test_plan import MEMORY_TOLERANCE, SMALL, analytic, argv
   settings = dict(_FILL_SETTINGS, per_device_batch_size=1)
   model, fill, base, estimate, topology = _fill_setup(_FLOPS_MODEL, settings)
@@ -539,7 +539,7 @@ def test_a_filled_placement_is_priced_like_its_compile():
   full, filled, none = (compiled_flops(remat_policy="full"), compiled_flops(remat_policy="custom", **keys),
                         compiled_flops(remat_policy="none"))
   cfg = Config.for_testing(**_FLOPS_MODEL).model
-  rerun = lambda policy: plan_model.rerun_flops(cfg, policy, 128)  # noqa: E731  (one sequence per device)
+  rerun = lambda policy: plan_remat.rerun_flops(cfg, policy, 128)  # noqa: E731  (one sequence per device)
   spared = rerun(remat_policies.by_name("full")) - rerun(remat_policies.custom(keys))
   # With query_proj and key_proj both kept (the kernel's inputs), the backward's QK^T of this unscanned
   # dot_product model has the forward's operands, and XLA computes it once: [L, L] scores per head and layer.

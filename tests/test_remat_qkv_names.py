@@ -147,15 +147,15 @@ def _saved(overrides: dict, **policy) -> list[tuple[int, str]]:
 
 def test_a_kept_normed_query_and_key_keep_their_projections_too_under_minimal():
   """Under the dots policies the QK-norm's input (the raw projections, which its gradient needs) is kept
-  beside the named kernel inputs, and the planner counts both (plan_model.backward_dots)."""
-  from MaxText.aot import plan_model
+  beside the named kernel inputs, and the planner counts both (plan_remat.backward_dots)."""
+  from MaxText.aot import plan_remat
   plain = _saved({"base_num_kv_heads": 4}, remat_policy="minimal")
   normed = _saved({"base_num_kv_heads": 4, "use_qk_norm": True}, remat_policy="minimal")
   assert sorted(what for _, what in plain) == ["named key_proj", "named query_proj", "named value_proj"]
   assert sorted(what for _, what in normed) == ["named key_proj", "named query_proj", "named value_proj",
                                                 "output of dot_general", "output of dot_general"]
   minimal = remat_policies.by_name("minimal")
-  planned = {name: plan_model.kept_width(Config.for_testing(**{**_TINY, "base_num_kv_heads": 4}, use_qk_norm=qk).model,
+  planned = {name: plan_remat.kept_width(Config.for_testing(**{**_TINY, "base_num_kv_heads": 4}, use_qk_norm=qk).model,
                                          minimal, on_host=False) for name, qk in (("plain", False), ("normed", True))}
   assert planned["normed"] - planned["plain"] == sum(n for n, _ in normed) - sum(n for n, _ in plain) == 2 * 4 * 16
 
@@ -163,9 +163,9 @@ def test_a_kept_normed_query_and_key_keep_their_projections_too_under_minimal():
 def test_mla_names_are_priced_at_their_kept_widths():
   """The planner's query_proj, key_proj and value_proj widths for MLA are those the layer keeps: each head's
   whole query and key (nope + rope) and its v_head_dim-wide value (the planner counted k·head_dim)."""
-  from MaxText.aot import plan_model
+  from MaxText.aot import plan_remat
   saved = _saved(_MLA, remat_policy="custom", **{name: "device" for name in _QKV})
-  widths = plan_model.tensor_widths(Config.for_testing(**_MLA).model)
+  widths = plan_remat.tensor_widths(Config.for_testing(**_MLA).model)
   assert sorted(saved, key=lambda t: t[1]) == [(widths["key_proj"], "named key_proj"),
                                                (widths["query_proj"], "named query_proj"),
                                                (widths["value_proj"], "named value_proj")]
@@ -191,13 +191,13 @@ def _compiled_flops(overrides: dict, **policy) -> float:
 def test_a_kept_normed_query_and_key_spare_no_matmul_as_the_planner_prices():
   """With QK-norm the norm's gradient needs the raw query and key, so keeping query_proj and key_proj (after
   the norm) spares only the value projection's re-run, in the compiled backward and in the planner."""
-  from MaxText.aot import plan_model
+  from MaxText.aot import plan_remat
   overrides = {"base_num_kv_heads": 4, "use_qk_norm": True}
   kept = {name: "device" for name in _QKV}
   measured = _compiled_flops(overrides, remat_policy="full") - _compiled_flops(overrides, remat_policy="custom", **kept)
   cfg = Config.for_testing(**{**_TINY, **overrides}).model
-  planned = (plan_model.rerun_flops(cfg, remat_policies.by_name("full"), 8)
-             - plan_model.rerun_flops(cfg, remat_policies.custom(kept), 8)) / cfg.num_decoder_layers * 2
+  planned = (plan_remat.rerun_flops(cfg, remat_policies.by_name("full"), 8)
+             - plan_remat.rerun_flops(cfg, remat_policies.custom(kept), 8)) / cfg.num_decoder_layers * 2
   value_projection = 2 * 2 * 8 * 64 * 4 * 16  # 2 flops x 16 tokens x d x k·h
   assert planned == value_projection
   # Beside the value's matmul the kept tensors spare the norm's and RoPE's elementwise re-run (a few

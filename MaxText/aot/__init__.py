@@ -1,1 +1,1 @@
-"""Ahead-of-time compilation and planning: per-chip memory and the compiler's cycle estimate of a compile (memory_report, hlo_cycles), and the planner's analytical model and progress lines (plan_model, plan_progress)."""
+"""Ahead-of-time compilation and planning: per-chip memory and the compiler's cycle estimate of a compile (memory_report, hlo_cycles), and the planner's analytical model, its per-tensor remat pricing and progress lines (plan_model, plan_remat, plan_progress)."""

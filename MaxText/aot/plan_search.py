@@ -13,7 +13,7 @@ import itertools
 import math
 from typing import Any, Iterator, Mapping, Sequence
 
-from MaxText.aot import plan_model
+from MaxText.aot import plan_model, plan_remat
 from MaxText.aot.plan_model import GIB, Estimate, ModelShape, estimate, mesh_of
 from MaxText.configuration import batch_split, remat_policies
 from MaxText.configuration.model_config import ModelConfig
@@ -164,11 +164,11 @@ class PlacementFill:
     cfg = model.cfg
     self.cfg, self.seq_len = cfg, seq_len
     full = remat_policies.by_name("full")
-    rerun = plan_model.rerun_flops(cfg, full, seq_len)
+    rerun = plan_remat.rerun_flops(cfg, full, seq_len)
     per_token_layer = seq_len * max(1, cfg.num_decoder_layers)
-    widths = plan_model.tensor_widths(cfg)
+    widths = plan_remat.tensor_widths(cfg)
     # (name, elements per token and layer, re-run FLOPs it spares per token and layer), most FLOPs per byte first.
-    spared = [(name, widths[name], (rerun - plan_model.rerun_flops(cfg, remat_policies.custom({name: "device"}),
+    spared = [(name, widths[name], (rerun - plan_remat.rerun_flops(cfg, remat_policies.custom({name: "device"}),
                                                                       seq_len)) / per_token_layer)
               for name in remat_policies.PRODUCED if name not in remat_policies.NOT_RECOMPUTABLE and widths[name] > 0]
     self.order = sorted((t for t in spared if t[2] > 0), key=lambda t: (-t[2] / t[1], -t[1]))

@@ -18,7 +18,7 @@ from typing import Any, Literal, Mapping
 # dimensions (weights × activations), the tensors named by `checkpoint_name` in `device` and
 # `offload`, or everything (no rematerialisation at all).
 Keeps = Literal["nothing", "dots", "names", "everything"]
-# The widths the planner counts per token and layer, as plan_model._widths names them.
+# The widths the planner counts per token and layer, as plan_remat.preset_widths names them.
 Width = Literal["qkv", "out", "mlp_in", "mlp_out", "attn", "norms", "mlp_act"]
 Placement = Literal["remat", "device", "offload"]
 PLACEMENTS: tuple[Placement, ...] = ("remat", "device", "offload")
@@ -76,8 +76,8 @@ PROJECTIONS = ATTENTION_PROJ + MLA_DOWN_PROJ + ("mlpwi", "mlpwi_0", "mlpwi_1", "
 # minimal names them, the MLP projections, which reach the routed experts (EXPERT_ALSO_NAMED).
 _MINIMAL_NAMES = ATTENTION_PROJ + MLA_DOWN_PROJ + ("mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo")
 
-# The preset widths (plan_model._widths) each produced tensor belongs to, for comparing a placement
-# with the presets; the planner prices a custom placement per tensor (plan_model.tensor_widths).
+# The preset widths (plan_remat.preset_widths) each produced tensor belongs to, for comparing a placement
+# with the presets; the planner prices a custom placement per tensor (plan_remat.tensor_widths).
 _TENSOR_WIDTHS: dict[str, Width] = {
     "query_proj": "qkv", "key_proj": "qkv", "value_proj": "qkv", "qkv_proj": "qkv", "out_proj": "out", "context": "attn",
     "attention_out": "attn", "mlpwi": "mlp_in", "mlpwi_0": "mlp_in", "mlpwi_1": "mlp_in", "mlpwo": "mlp_out",
@@ -92,7 +92,7 @@ class RematPolicy:
   device: tuple[str, ...] = ()  # named tensors kept in HBM (keeps="dots": kept too, beside the dots)
   offload: tuple[str, ...] = ()  # named tensors kept in pinned host memory, back for the backward pass
   # What the planner counts as kept per token and layer besides the layer input (what the backward
-  # re-runs it counts from the tensors kept: plan_model.rerun_flops).
+  # re-runs it counts from the tensors kept: plan_remat.rerun_flops).
   saved: tuple[Width, ...] = ()
   searched_by_planner: bool = True
 

@@ -228,7 +228,7 @@ def _qk_norm(norm: RMSNorm, x_BLNH: jax.Array, cfg: ModelConfig) -> jax.Array:
 def named_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The remat names query_proj, key_proj, value_proj on the kernel's inputs: after QK-norm, RoPE, L2-norm,
   temperature tuning and the query scale, where upstream's attentions.py names them, so a placement keeps
-  the tensor upstream's recipe keeps. A norm's gradient still needs the raw projection (plan_model.backward_dots)."""
+  the tensor upstream's recipe keeps. A norm's gradient still needs the raw projection (plan_remat.backward_dots)."""
   return checkpoint_name(q, "query_proj"), checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
 
 

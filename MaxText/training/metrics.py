@@ -35,7 +35,7 @@ attention kernel executes for every layer, masked or not. Embedding lookups, nor
 softmax and the optimizer are not counted; for realistic widths they are <1%. The lookup stays
 uncounted when use_iota_embed runs it as a one-hot matmul with the table (2·D·V per token forward,
 as much for the table's gradient), as in upstream MaxText's count; the step-time models price that
-matmul as work the step runs (aot/plan_model.kernel_rerun_flops, and the compiled HLO's dots).
+matmul as work the step runs (aot/plan_remat.kernel_rerun_flops, and the compiled HLO's dots).
 Rematerialisation is also not counted: MFU measures useful model FLOPs.
 """
 

@@ -1,0 +1,284 @@
+"""The planner's per-tensor activation pricing (plan_model.estimate uses it): for a remat policy, a
+preset or a custom placement, the elements per token and layer each named activation holds on the device or in
+host memory, the projection outputs the backward pass needs, and the forward FLOPs the backward re-runs
+(the policy's, and the kernels' own beyond the model's count); a MoE layer's expert rows as its dispatch
+path lays them out per chip."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Mapping
+
+from MaxText.configuration import remat_policies
+from MaxText.configuration.model_config import ModelConfig
+from MaxText.training import metrics
+
+def preset_widths(cfg: ModelConfig) -> dict[remat_policies.Width, float]:
+  """Per token and layer, what each width a remat policy keeps (bf16) holds:
+  qkv = (N + 2K)·H, out = D (attention output projection), mlp_in = gated·F, mlp_out = D where the
+  backward pass reads it (mlp_output_read)."""
+  heads = (cfg.num_query_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+  mlp = cfg.mlp_dim * (cfg.moe.num_experts_per_tok if cfg.moe.num_experts > 1 else 1)
+  return {"qkv": heads, "out": cfg.emb_dim, "mlp_in": mlp * len(cfg.mlp_activations),
+          "mlp_out": cfg.emb_dim if mlp_output_read(cfg) else 0,
+          "attn": cfg.num_query_heads * cfg.head_dim, "norms": 2 * cfg.emb_dim, "mlp_act": mlp}
+
+
+def mlp_output_read(cfg: ModelConfig) -> bool:
+  """Whether the backward pass reads a dense MLP's output projection (mlpwo), so that a policy keeping it
+  keeps it. The shared pre-norm layer only adds it to the residual stream (a MoE layer's shared experts to
+  the routed output), whose gradient does not need it, so jax saves none of it; a layer that normalises its
+  block outputs, a family's own layer, or a gate on the shared experts reads it."""
+  return _layer_reads_mlp_output(cfg.decoder_block) or (cfg.moe.num_experts > 1 and cfg.moe.shared_expert_gate)
+
+
+@functools.cache
+def _layer_reads_mlp_output(decoder_block: str) -> bool:
+  from MaxText import families  # noqa: PLC0415  (flax; only the planner needs it here)
+  from MaxText.layers import decoders  # noqa: PLC0415
+  layer = families.family_for_decoder_block(decoder_block).layer
+  if layer is None:
+    return False
+  own_call = getattr(layer, "__call__", None) is not decoders.DecoderLayer.__call__
+  return own_call or bool(getattr(layer, "normalize_block_outputs", True))
+
+
+@functools.cache
+def _layer_norms_query_and_key(decoder_block: str) -> bool:
+  """Whether the family's own layer normalises the query and key whatever use_qk_norm says (its record's layer)."""
+  from MaxText import families  # noqa: PLC0415  (flax; only the planner needs it here)
+  return bool(getattr(families.family_for_decoder_block(decoder_block).layer, "norms_query_and_key", False))
+
+
+def expert_rows(cfg: ModelConfig, experts: int = 1) -> float:
+  """Rows per token of the routed experts' projections as the MoE path that runs lays them out
+  (layers/moe.py, moe_dispatch.py), at `experts` expert-parallel degree: the capacity slots [E, B, C, ·],
+  E·C per sequence of L tokens (C = L when dropless); sparse_matmul's sorted rows, one per chosen expert;
+  under expert parallelism its all-to-all receive buffer (moe_exchange_rows), or with moe_dispatch=gather
+  the rows of the whole expert group's tokens on every device."""
+  moe = cfg.moe
+  if moe.num_experts <= 1:
+    return 0.0
+  if not moe.sparse_matmul:
+    length = cfg.max_target_length
+    return moe.num_experts * _expert_capacity(moe, length) / length
+  if experts <= 1:
+    return float(moe.num_experts_per_tok)
+  if moe.moe_dispatch == "all_to_all":
+    return moe_exchange_rows(cfg, experts, 1.0)[0]
+  return float(experts * moe.num_experts_per_tok)
+
+
+def _expert_capacity(moe: Any, length: int) -> int:
+  from MaxText.layers.moe import expert_capacity  # noqa: PLC0415  (flax; only MoE models need it)
+  return expert_capacity(moe, length)
+
+
+def expert_replication(cfg: ModelConfig, mesh: Mapping[str, int] | None) -> tuple[float, float]:
+  """(input projections', output projection's) factor on a routed expert tensor's rows per chip over the
+  per-chip tokens. The expert bodies run per batch shard (layers/moe.py, moe_dispatch.py), so their rows
+  repeat over the mesh axes that do not split rows (tensor, sequence); the all-to-all bodies split the input
+  projections' width over tensor, the capacity path's sharding splits the output projection's."""
+  if mesh is None or cfg.moe.num_experts <= 1:
+    return 1.0, 1.0
+  tensor, seq = mesh["tensor"], mesh["sequence"]
+  if mesh["expert"] > 1 and cfg.moe.moe_dispatch == "all_to_all":
+    return seq, tensor * seq
+  return tensor * seq, (tensor * seq if cfg.moe.sparse_matmul else seq)
+
+
+def tensor_widths(cfg: ModelConfig, mesh: Mapping[str, int] | None = None) -> dict[str, float]:
+  """Per token and layer, the elements of each named activation a remat_policy=custom key places
+  (remat_policies.TENSORS); a routed expert's tensors count `expert_rows` rows per token, times their
+  repeats over the candidate's `mesh` (expert_replication; None: one chip)."""
+  n, k, h, d = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.emb_dim
+  moe = cfg.moe.num_experts > 1
+  rows = expert_rows(cfg, mesh["expert"] if mesh else 1)
+  repeat_in, repeat_out = expert_replication(cfg, mesh)
+  routed = cfg.mlp_dim * rows * repeat_in
+  dense = cfg.mlp_dim * max(cfg.moe.shared_experts, 1) if not moe or cfg.moe.shared_experts else 0
+  rope = cfg.mla.qk_rope_head_dim
+  gated = len(cfg.mlp_activations) > 1  # two input projections (layers/mlp.py names them mlpwi_0, mlpwi_1)
+  fused_mlp = gated and cfg.fused_mlp  # their one matmul's output is mlpwi, the parts unnamed (as upstream)
+  mla = cfg.attn.attention_type == "mla"  # whose attention output is `attention_out`; the others' is `context`
+  # MLA's key_proj and value_proj are per query head, its values v_head_dim wide (layers/mla.py).
+  key, value = (n * h, n * cfg.mla.v_head_dim) if mla else (k * h, k * h)
+  return {"decoder_layer_input": d, "query_proj": n * h, "key_proj": key, "value_proj": value,
+          "qkv_proj": (n + 2 * k) * h if cfg.fused_qkv else 0,
+          "context": 0 if mla else n * h, "attention_out": n * h if mla else 0, "out_proj": d,
+          "query_wa_proj": cfg.mla.q_lora_rank,
+          "kv_wa_proj": cfg.mla.kv_lora_rank + rope if mla else 0,
+          "mla_q": cfg.mla.q_lora_rank, "mla_kv": cfg.mla.kv_lora_rank if mla else 0,
+          "mlpwi": dense * len(cfg.mlp_activations) if fused_mlp or not gated else 0,
+          "mlpwi_0": dense if gated and not fused_mlp else 0, "mlpwi_1": dense if gated and not fused_mlp else 0,
+          "mlpwo": d if dense and mlp_output_read(cfg) else 0, "moe_mlpwi_0": routed, "moe_mlpwi_1": routed if gated else 0,
+          "moe_mlpwo": d * rows * repeat_out}
+
+
+def placed_tensors(cfg: ModelConfig, policy: remat_policies.RematPolicy) -> dict[str, str]:
+  """Each tensor `policy` names, placed (device | offload), and the routed experts' tensors the
+  MLP names reach (remat_policies.expert_placements)."""
+  placed = {**{n: "device" for n in policy.device}, **{n: "offload" for n in policy.offload}}
+  return {**placed, **remat_policies.expert_placements(placed, cfg.moe.sparse_matmul)}
+
+
+def backward_dots(cfg: ModelConfig) -> dict[str, float]:
+  """Per token and layer, projection outputs the backward pass needs that no name covers. query_proj and
+  key_proj name the kernel's inputs (after the QK-norm, as upstream), so with use_qk_norm, use_qk_l2_norm
+  (computed on every layer of a mixed rope pattern) or Gemma 4's norms, the norms' gradients need the raw
+  query and key; the output gate is unnamed, as upstream's. A policy that keeps the dots keeps these
+  (kept_width); any other re-runs their matmuls (rerun_flops), whether query_proj and key_proj are kept or not."""
+  n, k, h = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
+  out: dict[str, float] = {}
+  if cfg.attn.attention_type != "mla" and (cfg.attn.use_qk_norm or cfg.attn.use_qk_l2_norm
+                                           or _layer_norms_query_and_key(cfg.decoder_block)):
+    out.update(query_proj=n * h, key_proj=k * h)
+  if cfg.attn.attention_output_gate:
+    out["output_gate"] = n * h
+  return out
+
+
+def recompute_flops(cfg: ModelConfig) -> dict[str, float]:
+  """Per token and layer, the forward FLOPs the backward pass re-runs when a named tensor is not kept:
+  the matmul that makes it. The MLP output projections' results feed only the residual add, which no
+  backward op needs, so dropping them costs nothing; a norm's output costs no matmul; the attention
+  output (`context`, MLA's `attention_out`) is priced per sequence (rerun_flops), as it grows with
+  the length. Additive over the tensors, as compiled FLOPs show (tests/test_remat_custom.py)."""
+  widths = tensor_widths(cfg)
+  d = cfg.emb_dim
+  mla = cfg.attn.attention_type == "mla"
+  value_dim = cfg.mla.v_head_dim if mla else cfg.head_dim
+  # What each projection reads per token: the layer's (normalised) input, MLA's latents for its up-projections.
+  reads = {name: d for name in widths}
+  reads.update(decoder_layer_input=0, mla_q=0, mla_kv=0, mlpwo=0, moe_mlpwo=0, context=0, attention_out=0)
+  reads["qkv_proj"] = 0  # fused_qkv's matmul is counted once, as its query, key and value parts
+  if mla:
+    reads.update(query_proj=cfg.mla.q_lora_rank or d, key_proj=cfg.mla.kv_lora_rank, value_proj=cfg.mla.kv_lora_rank)
+  flops = {name: 2 * reads[name] * width for name, width in widths.items()}
+  flops["out_proj"] = 2 * cfg.num_query_heads * value_dim * d
+  # A normed query or key kept spares no matmul: the norm's gradient re-runs it anyway (backward_dots).
+  flops.update({name: 0.0 for name in backward_dots(cfg) if name in flops})
+  return flops
+
+
+def rerun_flops(cfg: ModelConfig, policy: remat_policies.RematPolicy, seq_len: int) -> float:
+  """Forward FLOPs per sequence that `policy`'s backward pass re-runs over every layer: the matmuls
+  of the tensors it does not keep, the attention scores (re-run whatever is kept: the softmax's
+  backward needs them), and the probabilities-times-values product unless the attention output is kept."""
+  if policy.keeps == "everything":
+    return 0.0
+  kept = {name for name, placed in placed_tensors(cfg, policy).items() if placed != "remat"}
+  projections = sum(f for name, f in recompute_flops(cfg).items() if name not in kept)
+  if policy.keeps != "dots":
+    projections += sum(2 * cfg.emb_dim * width for width in backward_dots(cfg).values())
+  value_dim = cfg.mla.v_head_dim if cfg.attn.attention_type == "mla" else cfg.head_dim
+  pairs = metrics.attended_pairs(cfg, seq_len, causal=True)
+  attention = 2 * cfg.num_query_heads * cfg.head_dim * pairs
+  if not kept & {"context", "attention_out"}:
+    attention += 2 * cfg.num_query_heads * value_dim * pairs
+  return seq_len * cfg.num_decoder_layers * projections + attention
+
+
+def kernel_rerun_flops(cfg: ModelConfig, seq_len: int, attention_kernel: str) -> float:
+  """FLOPs per sequence a training step runs beyond the model's and remat's: splash's backward
+  re-runs QK^T for the probabilities in each of its kernels and dO·V^T for their gradient in the dQ
+  kernel (aot/step_time/program.splash_matmuls), where the model's count has neither; its fused
+  backward (sa_use_fused_bwd_kernel) re-runs QK^T once. use_iota_embed's one-hot lookup is a matmul
+  with the table, forward and for the table's gradient, which the model's count (like upstream's)
+  leaves out as a lookup. num_vocab_tiling > 1 re-runs the output head's forward matmul in the backward."""
+  flops = 4.0 * seq_len * cfg.vocab_size * cfg.emb_dim if cfg.use_iota_embed else 0.0
+  if cfg.num_vocab_tiling > 1:
+    flops += 2.0 * seq_len * cfg.vocab_size * cfg.emb_dim
+  if attention_kernel != "flash":
+    return flops
+  value_dim = cfg.mla.v_head_dim if cfg.attn.attention_type == "mla" else cfg.head_dim
+  pairs = metrics.attended_pairs(cfg, seq_len, causal=True)
+  scores, scores_grad = 2 * cfg.num_query_heads * cfg.head_dim * pairs, 2 * cfg.num_query_heads * value_dim * pairs
+  return flops + (scores if cfg.attn.attention_blocks.sa_use_fused_bwd_kernel else 2 * scores + scores_grad)
+
+
+# The MLP tensors behind each preset width (remat_policies' mapping), which a MoE layer prices per tensor.
+_MLP_TENSORS: dict[remat_policies.Width, tuple[str, ...]] = {
+    "mlp_in": ("mlpwi", "mlpwi_0", "mlpwi_1", "moe_mlpwi_0", "moe_mlpwi_1"), "mlp_out": ("mlpwo", "moe_mlpwo")}
+
+
+def kept_width(cfg: ModelConfig, policy: remat_policies.RematPolicy, on_host: bool,
+               mesh: Mapping[str, int] | None = None) -> float:
+  """Elements per token and layer `policy` keeps on the host, or in HBM besides the layer input, averaged
+  over the layers: a MoE model's dense-MLP layers (DeepSeek's first_dense_layers, Llama 4's interleaved
+  ones) keep their own MLP's (layer_kept_width). A hybrid stack's Gated DeltaNet layers are counted as
+  the others."""
+  layers, dense = cfg.num_decoder_layers, cfg.num_dense_layers
+  kept = layer_kept_width(cfg, policy, on_host, mesh)
+  if dense <= 0 or cfg.linear_attn.full_attention_interval > 1 or layers <= 0:
+    return kept
+  dense_kept = layer_kept_width(cfg.dense_prefix_config(), policy, on_host, mesh)
+  return ((layers - dense) * kept + dense * dense_kept) / layers
+
+
+def layer_kept_width(cfg: ModelConfig, policy: remat_policies.RematPolicy, on_host: bool,
+                     mesh: Mapping[str, int] | None = None) -> float:
+  """Elements per token one layer of `cfg` keeps (kept_width): a custom placement per tensor, a fixed
+  policy by its preset widths (a MoE layer's MLP per tensor, as its path lays the experts' rows out on
+  the candidate's `mesh`: tensor_widths)."""
+  where = "offload" if on_host else "device"
+  if policy.name == "custom":
+    widths = tensor_widths(cfg, mesh)
+    return sum(widths[n] for n, placed in placed_tensors(cfg, policy).items() if placed == where)
+  preset = preset_widths(cfg)
+  saved = policy.saved_on_host if on_host else policy.saved_on_device
+  # The dots policies keep the projection outputs no name covers too, where they keep the dots.
+  unnamed = sum(backward_dots(cfg).values()) if policy.keeps == "dots" and on_host == policy.offloaded else 0.0
+  if cfg.moe.num_experts > 1:
+    # Only the MLP tensors a preset's names reach (sparse_matmul's wi_1 carries only moe_mlpwi_1, which no
+    # preset names: remat_policies.expert_placements), the shared experts' too; "none" keeps them all.
+    widths, placed = tensor_widths(cfg, mesh), placed_tensors(cfg, policy)
+    for width, names in _MLP_TENSORS.items():
+      preset[width] = sum(widths[n] for n in names if policy.keeps == "everything" or placed.get(n) == where)
+  kept = sum(preset[w] for w in saved)
+  if policy.keeps == "dots" and cfg.moe.num_experts > 1 and on_host == policy.offloaded:
+    # The router's logits (and the shared experts' gate) are dots without batch dimensions.
+    kept += cfg.moe.num_experts + (1 if cfg.moe.shared_expert_gate else 0)
+  return kept + unnamed
+
+
+def stream_width(cfg: ModelConfig, policy: remat_policies.RematPolicy) -> float:
+  """The layer input's elements per token and layer in HBM: none when it is offloaded."""
+  return 0 if "decoder_layer_input" in policy.offload else cfg.emb_dim
+
+
+def policy_of(candidate: Mapping[str, Any]) -> remat_policies.RematPolicy:
+  """A candidate's remat policy: remat_policy's record, or custom's from its placement keys."""
+  if candidate["remat_policy"] == "custom":
+    return remat_policies.custom({n: str(candidate[n]) for n in remat_policies.TENSORS if n in candidate})
+  return remat_policies.by_name(str(candidate["remat_policy"]))
+
+
+def offloaded_activations(cfg: ModelConfig, policy: remat_policies.RematPolicy, tokens: float,
+                          mesh: Mapping[str, int] | None = None) -> float:
+  """Bytes (bf16) that `policy` keeps in host memory for `tokens` tokens on a chip, over every layer
+  (`mesh`: the candidate's degrees, which size a MoE layer's expert rows per chip: tensor_widths)."""
+  return tokens * 2 * cfg.num_decoder_layers * kept_width(cfg, policy, on_host=True, mesh=mesh)
+
+
+def expert_layers(cfg: ModelConfig) -> int:
+  """Decoder layers with routed experts (a hybrid stack's Gated DeltaNet layers have them too)."""
+  if cfg.moe.num_experts <= 1:
+    return 0
+  return cfg.num_decoder_layers if cfg.linear_attn.full_attention_interval > 1 else cfg.num_moe_stack_layers
+
+
+def moe_exchange_rows(cfg: ModelConfig, experts: int, tokens: float) -> tuple[float, float]:
+  """(rows of one device's receive buffer, rows it sends) per layer under expert parallelism's all-to-all
+  dispatch (layers/moe_dispatch.py), for `tokens` tokens on the device; (0, 0) without it."""
+  moe = cfg.moe
+  if moe.num_experts <= 1 or experts <= 1 or moe.moe_dispatch != "all_to_all":
+    return 0.0, 0.0
+  routed = tokens * moe.num_experts_per_tok
+  if not moe.sparse_matmul:  # capacity slots, sent and received whole: E·C per sequence (expert_rows)
+    slots = tokens * expert_rows(cfg)
+    return slots, slots
+  if moe.moe_ragged_buffer_factor > 0:
+    return moe.moe_ragged_buffer_factor * routed, routed
+  # Dropless: sized for every peer's tokens landing here, each at most once per local expert.
+  return experts * tokens * min(moe.num_experts_per_tok, max(1, moe.num_experts // experts)), routed
