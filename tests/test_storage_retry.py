@@ -64,6 +64,20 @@ def test_failing_for_the_budget_gives_up_with_one_line_naming_the_bucket_then_ev
   assert time.monotonic() - started < 0.5
 
 
+def test_giving_up_inside_one_request_fails_that_call_only(budget):
+  """A server reading a path one request names (a LoRA adapter's): a dead bucket fails that read with one line,
+  and later storage calls of the process still run. Before, the server gave up on all gs:// storage for good."""
+  def refused() -> None:
+    raise ConnectionRefusedError(111, "Connection refused")
+
+  with storage_retry.one_request(), pytest.raises(StorageUnavailable) as caught:
+    storage_retry.call("checking adapters/a/adapter_config.json", "gs://dead/adapters/a/adapter_config.json", refused)
+  assert str(caught.value).startswith("gs://dead: checking adapters/a/adapter_config.json failed for 1 s "
+                                      "(connection refused)") and str(caught.value).endswith("try again once it is back")
+  assert not storage_retry.is_down()
+  assert storage_retry.call("reading b", "gs://live/b", lambda: "read") == "read"
+
+
 def test_a_hung_operation_on_a_silent_bucket_gives_up_within_the_budget(budget):
   budget["error"] = TimeoutError("no answer within 1 s")
   release = threading.Event()

@@ -34,6 +34,7 @@ from MaxText.inference.lora_admin import (AdapterBusy as AdapterBusy, LoadedAdap
                                           NameTaken as NameTaken, UnknownAdapter as UnknownAdapter)
 from MaxText.inference.engine import Engine
 from MaxText.models import LAYER_STACKS
+from MaxText.paths import storage_retry
 from MaxText.platform import distributed
 from MaxText.training import lora, model_assembly
 from MaxText.training.model_assembly import Params
@@ -196,9 +197,10 @@ class Registry:
         free = sorted(set(range(1, self.table.capacity + 1)) - {a.row for a in self._by_name.values()})
       if not free:
         raise UserError(f"all serve_lora_slots={self.table.capacity} adapter rows are taken; remove an adapter first")
-      rank, targets, _ = peft_adapters.read_config(path)
-      self.table.check(rank, targets, name)
-      adapter = peft_adapters.load(path, self.table.engine.cfg, self.table.engine.spec.abstract_params)
+      with storage_retry.one_request():  # a dead bucket fails this add, not the server's later gs:// reads
+        rank, targets, _ = peft_adapters.read_config(path)
+        self.table.check(rank, targets, name)
+        adapter = peft_adapters.load(path, self.table.engine.cfg, self.table.engine.spec.abstract_params)
       self.table.check(adapter.rank, adapter.targets, name)  # the targets its tensors name
       loaded = LoadedAdapter(name, free[0], adapter.rank, adapter.alpha, adapter.targets)
       self._set_params(self.table.set_row(self.params, loaded.row, adapter))  # before the name is usable

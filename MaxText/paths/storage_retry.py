@@ -12,7 +12,8 @@ a checkpoint save or restore. `call` runs one in a worker thread and watches it:
 - once the operation has been failing, or the bucket silent, for B seconds, the run gives up:
   `StorageUnavailable`, one line naming the bucket, what failed, why and which checkpoint a
   rerun resumes from. Every later storage call of the process fails at once (`raise_if_down`),
-  so the loop's end hooks and the lease release do not each wait another B.
+  so the loop's end hooks and the lease release do not each wait another B. Inside `one_request()`
+  (a server reading a path one request names) giving up fails that request only.
 
 Errors that retrying cannot fix (403, 404, a damaged object) are raised at once, unchanged.
 Libraries with their own retries get settings derived from B, so that they too keep trying that
@@ -23,11 +24,12 @@ retry decorator.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 from MaxText.errors import TrainingError
 
@@ -52,6 +54,19 @@ class _State:
 
 _state = _State()
 _inside = threading.local()  # a call running inside another call is bounded by the outer one
+
+
+@contextlib.contextmanager
+def one_request() -> Iterator[None]:
+  """Storage calls on this thread that give up fail alone, leaving the process's storage usable: a
+  long-lived server reading what one request names (a LoRA adapter's path) must not stop every later
+  read over one dead bucket, as a run that gave up does."""
+  previous = getattr(_inside, "one_request", False)
+  _inside.one_request = True
+  try:
+    yield
+  finally:
+    _inside.one_request = previous
 
 
 def configure(budget_seconds: float) -> None:
@@ -308,6 +323,9 @@ def call(what: str, path: str, fn: Callable[[], _T], *, retry: bool = True) -> _
 
 
 def _give_up(what: str, path: str, seconds: float, error: BaseException | None) -> None:
+  if getattr(_inside, "one_request", False):
+    raise StorageUnavailable(f"{bucket_of(path)}: {what} failed for {seconds:.0f} s ({reason(error)}); the storage "
+                             f"is unreachable (storage_retry_seconds={_state.budget:g}): try again once it is back")
   saved = f"; {_state.saved}" if _state.saved else ""
   _state.down = (f"{bucket_of(path)}: {what} failed for {seconds:.0f} s ({reason(error)}); the storage is unreachable "
                  f"(storage_retry_seconds={_state.budget:g}): rerun the same command once it is back{saved}")

@@ -660,6 +660,29 @@ def test_a_bfloat16_adapter_loads_as_its_float32_values(one_adapter, tmp_path):
       np.testing.assert_array_equal(ours, theirs)
 
 
+def test_an_adapter_add_from_a_dead_bucket_fails_alone(monkeypatch):
+  """POST /v1/admin/lora_adapters naming a gs:// path whose bucket does not answer: that add is one line, and the
+  server's later gs:// reads are tried again. Before, the add marked the whole process's storage down: every later
+  gs:// adapter failed at once with the first one's message, however the storage came back."""
+  import types
+
+  from MaxText.paths import storage, storage_retry
+
+  monkeypatch.setattr(storage_retry, "_state", storage_retry._State(budget=0.5))
+  monkeypatch.setattr(storage_retry, "_probe", lambda bucket, timeout: None)
+
+  class Refused:
+    def exists(self):
+      raise ConnectionRefusedError(111, "Connection refused")
+
+  monkeypatch.setattr(storage, "as_path", lambda path: Refused())
+  registry = lora_adapters.Registry(types.SimpleNamespace(capacity=2), "tiny", {})
+  with pytest.raises(UserError, match=r"^gs://dead: checking .*adapter_config.json failed for \d+ s \(connection "
+                                      r"refused\); .* try again once it is back$"):
+    registry.add("remote", "gs://dead/adapters/remote")
+  assert not storage_retry.is_down() and registry.names() == []
+
+
 def test_negative_table_sizes_are_config_errors():
   from MaxText.errors import ConfigError
 
