@@ -34,15 +34,20 @@ _FAMILIES = {
     "mla": _MLA,
     "mla_no_q_lora": dict(_MLA, q_lora_rank=0),
 }
+# Gemma 4's attention: its own query and key norms, and its value norm (use_v_norm), before the names.
+_GEMMA4 = dict(decoder_block="gemma4", base_num_kv_heads=4, use_v_norm=True)
 _QKV = ("query_proj", "key_proj", "value_proj")
 _POSITIONS, _SEGMENTS = jnp.broadcast_to(jnp.arange(8), (2, 8)), jnp.ones((2, 8), jnp.int32)
 
 
 def _layer(overrides: dict, **extra):
+  from MaxText.families import gemma4_layers
   from MaxText.layers import attention, mla
   cfg = Config.for_testing(**{**_TINY, **overrides, **extra}).model
-  cls = mla.MultiHeadLatentAttention if cfg.attn.attention_type == "mla" else attention.Attention
   with nnx.use_eager_sharding(False):
+    if cfg.decoder_block == "gemma4":  # a local layer with its own keys and values
+      return cfg, gemma4_layers.Gemma4Attention(cfg, rngs=nnx.Rngs(0), owns_kv=True, k_eq_v=False)
+    cls = mla.MultiHeadLatentAttention if cfg.attn.attention_type == "mla" else attention.Attention
     return cfg, cls(cfg, rngs=nnx.Rngs(0))
 
 
@@ -203,3 +208,55 @@ def test_a_kept_normed_query_and_key_spare_no_matmul_as_the_planner_prices():
   # Beside the value's matmul the kept tensors spare the norm's and RoPE's elementwise re-run (a few
   # FLOPs per element); keeping all three matmuls' worth would be 3x the value's.
   assert value_projection <= measured < 1.25 * value_projection
+
+
+def _planned_spared(overrides: dict, kept: dict[str, str]) -> float:
+  """The re-run FLOPs the planner says `kept` spares against full remat, for this layer's 2 x 8 tokens."""
+  from MaxText.aot import plan_remat
+  cfg = Config.for_testing(**{**_TINY, **overrides}).model
+  return (plan_remat.rerun_flops(cfg, remat_policies.by_name("full"), 8)
+          - plan_remat.rerun_flops(cfg, remat_policies.custom(kept), 8)) / cfg.num_decoder_layers * 2
+
+
+@pytest.mark.parametrize("v_norm", [True, False], ids=["value_norm", "no_value_norm"])
+def test_gemma4s_normed_value_spares_no_matmul_as_the_planner_prices(v_norm):
+  """Gemma 4 names its value after its value norm, whose gradient needs the raw value: keeping value_proj (with
+  query_proj and key_proj, after their norms) spares no matmul, in the compiled backward and in the planner
+  (which priced the value projection spared); without the value norm it spares the value projection."""
+  overrides = dict(_GEMMA4, use_v_norm=v_norm)
+  kept = {name: "device" for name in _QKV}
+  measured = _compiled_flops(overrides, remat_policy="full") - _compiled_flops(overrides, remat_policy="custom", **kept)
+  value_projection = 2 * 2 * 8 * 64 * 4 * 16  # 2 flops x 16 tokens x d x k·h
+  assert _planned_spared(overrides, kept) == (0 if v_norm else value_projection)
+  # Beside any matmul: the norms' and RoPE's elementwise re-run, and one [8, 8] QK^T per head that this CPU
+  # compile of one layer runs once for the forward and the backward (Remat.md; a TPU compile runs it twice).
+  spared = 0 if v_norm else value_projection
+  assert spared <= measured < spared + 0.25 * value_projection
+
+
+def test_gemma4s_value_norm_keeps_the_raw_value_under_minimal():
+  """Under the dots policies the value norm's input (the value projection's raw output) is kept beside the
+  named kernel inputs, as the query and key norms' are, and the planner counts it (plan_remat.backward_dots)."""
+  from MaxText.aot import plan_remat
+  plain = _saved(dict(_GEMMA4, use_v_norm=False), remat_policy="minimal")
+  normed = _saved(_GEMMA4, remat_policy="minimal")
+  assert sorted(what for _, what in normed) == sorted(what for _, what in plain) + ["output of dot_general"]
+  assert [what for _, what in plain].count("output of dot_general") == 2  # the raw query and key
+  minimal = remat_policies.by_name("minimal")
+  planned = [plan_remat.kept_width(Config.for_testing(**{**_TINY, **_GEMMA4, "use_v_norm": v}).model, minimal,
+                                   on_host=False) for v in (False, True)]
+  assert planned[1] - planned[0] == sum(n for n, _ in normed) - sum(n for n, _ in plain) == 4 * 16
+
+
+def test_mlas_key_and_value_share_one_up_projection_as_the_planner_prices():
+  """MLA makes each head's no-position key and its value with one up-projection from the latent: keeping key_proj
+  or value_proj alone spares no matmul, both spare that one (its no-position and value columns), in the compiled
+  backward and in the planner (which priced each alone as a matmul of its own, the key's rotated part included)."""
+  full = _compiled_flops(_MLA, remat_policy="full")
+  up_projection = 2 * 2 * 8 * 16 * 4 * (8 + 6)  # 2 flops x 16 tokens x kv_lora_rank x heads x (nope + v_head_dim)
+  for keep, spared in ((("key_proj",), 0), (("value_proj",), 0), (("key_proj", "value_proj"), up_projection)):
+    kept = {name: "device" for name in keep}
+    measured = full - _compiled_flops(_MLA, remat_policy="custom", **kept)
+    assert _planned_spared(_MLA, kept) == spared, keep
+    # within a few hundred FLOPs of slicing and concatenation either way
+    assert abs(measured - spared) < 0.05 * up_projection, (keep, measured)

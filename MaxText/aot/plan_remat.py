@@ -126,13 +126,17 @@ def backward_dots(cfg: ModelConfig) -> dict[str, float]:
   """Per token and layer, projection outputs the backward pass needs that no name covers. query_proj and
   key_proj name the kernel's inputs (after the QK-norm, as upstream), so with use_qk_norm, use_qk_l2_norm
   (computed on every layer of a mixed rope pattern) or Gemma 4's norms, the norms' gradients need the raw
-  query and key; the output gate is unnamed, as upstream's. A policy that keeps the dots keeps these
-  (kept_width); any other re-runs their matmuls (rerun_flops), whether query_proj and key_proj are kept or not."""
+  query and key; value_proj is named after Gemma 4's value norm (use_v_norm), whose gradient needs the raw
+  value; the output gate is unnamed, as upstream's. A policy that keeps the dots keeps these (kept_width);
+  any other re-runs their matmuls (rerun_flops), whether the names are kept or not. Per-layer shapes are not
+  modelled: a k_eq_v global layer's raw value is its raw key."""
   n, k, h = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
   out: dict[str, float] = {}
-  if cfg.attn.attention_type != "mla" and (cfg.attn.use_qk_norm or cfg.attn.use_qk_l2_norm
-                                           or _layer_norms_query_and_key(cfg.decoder_block)):
+  mla = cfg.attn.attention_type == "mla"
+  if not mla and (cfg.attn.use_qk_norm or cfg.attn.use_qk_l2_norm or _layer_norms_query_and_key(cfg.decoder_block)):
     out.update(query_proj=n * h, key_proj=k * h)
+  if not mla and cfg.layer_shapes.use_v_norm:
+    out["value_proj"] = k * h
   if cfg.attn.attention_output_gate:
     out["output_gate"] = n * h
   return out
@@ -143,7 +147,8 @@ def recompute_flops(cfg: ModelConfig) -> dict[str, float]:
   the matmul that makes it. The MLP output projections' results feed only the residual add, which no
   backward op needs, so dropping them costs nothing; a norm's output costs no matmul; the attention
   output (`context`, MLA's `attention_out`) is priced per sequence (rerun_flops), as it grows with
-  the length. Additive over the tensors, as compiled FLOPs show (tests/test_remat_custom.py)."""
+  the length. Additive over the tensors, as compiled FLOPs show (tests/test_remat_custom.py), but for a
+  matmul whose output several names split (shared_matmuls), priced in rerun_flops."""
   widths = tensor_widths(cfg)
   d = cfg.emb_dim
   mla = cfg.attn.attention_type == "mla"
@@ -152,23 +157,35 @@ def recompute_flops(cfg: ModelConfig) -> dict[str, float]:
   reads = {name: d for name in widths}
   reads.update(decoder_layer_input=0, mla_q=0, mla_kv=0, mlpwo=0, moe_mlpwo=0, context=0, attention_out=0)
   reads["qkv_proj"] = 0  # fused_qkv's matmul is counted once, as its query, key and value parts
-  if mla:
-    reads.update(query_proj=cfg.mla.q_lora_rank or d, key_proj=cfg.mla.kv_lora_rank, value_proj=cfg.mla.kv_lora_rank)
+  if mla:  # its key_proj and value_proj share one up-projection (shared_matmuls)
+    reads.update(query_proj=cfg.mla.q_lora_rank or d, key_proj=0, value_proj=0)
   flops = {name: 2 * reads[name] * width for name, width in widths.items()}
   flops["out_proj"] = 2 * cfg.num_query_heads * value_dim * d
-  # A normed query or key kept spares no matmul: the norm's gradient re-runs it anyway (backward_dots).
+  # A normed query, key or value kept spares no matmul: the norm's gradient re-runs it anyway (backward_dots).
   flops.update({name: 0.0 for name in backward_dots(cfg) if name in flops})
   return flops
 
 
+def shared_matmuls(cfg: ModelConfig) -> list[tuple[frozenset[str], float]]:
+  """Per token and layer, each matmul whose one output several names split, with those names: the backward
+  re-runs it unless every one of them is kept. MLA's key/value up-projection makes each head's no-position
+  key (in key_proj, beside the rotated part kv_wa_proj makes) and its value (value_proj) from the latent."""
+  if cfg.attn.attention_type != "mla":
+    return []
+  m = cfg.mla
+  return [(frozenset({"key_proj", "value_proj"}), 2.0 * m.kv_lora_rank * cfg.num_query_heads
+           * (m.qk_nope_head_dim + m.v_head_dim))]
+
+
 def rerun_flops(cfg: ModelConfig, policy: remat_policies.RematPolicy, seq_len: int) -> float:
   """Forward FLOPs per sequence that `policy`'s backward pass re-runs over every layer: the matmuls
-  of the tensors it does not keep, the attention scores (re-run whatever is kept: the softmax's
+  of the tensors it does not keep (a shared matmul unless all its names are kept), the attention scores (re-run whatever is kept: the softmax's
   backward needs them), and the probabilities-times-values product unless the attention output is kept."""
   if policy.keeps == "everything":
     return 0.0
   kept = {name for name, placed in placed_tensors(cfg, policy).items() if placed != "remat"}
   projections = sum(f for name, f in recompute_flops(cfg).items() if name not in kept)
+  projections += sum(f for names, f in shared_matmuls(cfg) if not names <= kept)
   if policy.keeps != "dots":
     projections += sum(2 * cfg.emb_dim * width for width in backward_dots(cfg).values())
   value_dim = cfg.mla.v_head_dim if cfg.attn.attention_type == "mla" else cfg.head_dim
