@@ -519,6 +519,35 @@ def _filled_but_last(fill: Any, base: Any, estimate: Any, topology: Any, model_o
   return keys
 
 
+@pytest.mark.slow  # two v5e-4 AOT compiles of a tiny unscanned model: a minute or two on a loaded 2-core machine
+def test_a_tpu_compile_reruns_the_scores_with_query_and_key_kept():
+  """Where a CPU compile of an unscanned dot_product model computes QK^T once for the forward and the backward
+  with query_proj and key_proj kept (test_a_filled_placement_is_priced_like_its_compile), the v5e-4 compile
+  computes it twice: with the QK-norm, keeping them drops only the norms' and RoPE's elementwise re-run, as
+  the planner prices (no matmul spared, the scores re-run whatever is kept)."""
+  from MaxText import train_compile
+  from MaxText.aot import plan_remat
+  from MaxText.configuration.config import BASE_CONFIG_PATH
+  from MaxText.training import run_assembly
+  model = dict(base_emb_dim=256, base_num_query_heads=4, base_num_kv_heads=4, head_dim=64, base_mlp_dim=512,
+               base_num_decoder_layers=2, vocab_size=256, max_target_length=256, per_device_batch_size=1,
+               print_config=False, scan_layers=False, attention="dot_product", use_qk_norm=True)
+  kept = dict(query_proj="device", key_proj="device")
+
+  def tpu_flops(**policy) -> float:
+    argv = [f"{k}={v}" for k, v in dict(model, compile_topology="v5e-4", **policy).items()]
+    config, devices, _ = train_compile.load_target_config(["train_compile", str(BASE_CONFIG_PATH), *argv])
+    run = run_assembly.build_run(config, devices=devices, compiled_step=False)
+    cost = run.train_step.lower(*run.abstract_inputs().as_args()).compile().cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+  dropped = tpu_flops(remat_policy="full") - tpu_flops(remat_policy="custom", **kept)
+  scores = 2 * 4 * 64 * 256 * 256 * 2  # one [L, L] QK^T per head and layer, one sequence per chip
+  assert 0 < dropped < 0.1 * scores
+  cfg = Config.for_testing(**model).model
+  assert plan_remat.rerun_flops(cfg, remat_policies.by_name("full"), 256) == plan_remat.rerun_flops(
+      cfg, remat_policies.custom(kept), 256)
+
+
 @pytest.mark.slow  # three CPU compiles and two v5e-4 AOT compiles: about a minute on a loaded 2-core machine
 def test_a_filled_placement_is_priced_like_its_compile():
   """The generator's placement with room for every projection but the last it orders (room for all of
@@ -542,7 +571,8 @@ def test_a_filled_placement_is_priced_like_its_compile():
   rerun = lambda policy: plan_remat.rerun_flops(cfg, policy, 128)  # noqa: E731  (one sequence per device)
   spared = rerun(remat_policies.by_name("full")) - rerun(remat_policies.custom(keys))
   # With query_proj and key_proj both kept (the kernel's inputs), the backward's QK^T of this unscanned
-  # dot_product model has the forward's operands, and XLA computes it once: [L, L] scores per head and layer.
+  # dot_product model has the forward's operands, and XLA's CPU compile computes it once: [L, L] scores per head
+  # and layer. The TPU compile the planner prices does not (test_a_tpu_compile_reruns_the_scores_...).
   merged_scores = 2 * cfg.num_query_heads * cfg.head_dim * 128 * 128 * cfg.num_decoder_layers
   assert full - filled == pytest.approx(spared + merged_scores, rel=0.03)
   assert filled > none  # the scores and the attention output are still re-run
