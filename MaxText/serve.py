@@ -230,6 +230,8 @@ def main(argv: list[str]) -> int:
 
   config = startup.start(TOOL, argv).config
   d = config.decode
+  if d.serve_http_processes:  # before the model loads
+    serve_processes.check_count(d.serve_http_processes)
   sock = listen(d.host, d.port)
   server = build_server(config)
   app: Any = None if d.serve_http_processes else build_app(server, max_body_bytes=d.serve_max_body_bytes)

@@ -253,6 +253,15 @@ class _Link:
     self._sending.put([("admit", request_id, None)])
 
 
+def check_count(processes: int) -> None:
+  """UserError for more front ends than the cores this process may run on: each is a Python process of its own,
+  and past the cores they only wait for one (a count far past them would use up the machine's memory)."""
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+  if processes > cores:
+    raise UserError(f"serve_http_processes={processes} is more than the {cores} CPU cores this server may use, and "
+                    f"each HTTP front end is a process of its own: set serve_http_processes to at most {cores}")
+
+
 class FrontEnds:
   """N front-end processes on `sock` (bound and listening), their jobs submitted to `scheduler`."""
 

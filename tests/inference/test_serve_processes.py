@@ -27,7 +27,7 @@ except ImportError:
   httpx = pytest.importorskip("httpx")
 
 from MaxText.configuration.config import Config  # noqa: E402
-from MaxText.errors import ConfigError  # noqa: E402
+from MaxText.errors import ConfigError, UserError  # noqa: E402
 from MaxText.inference import lora_admin, serve_processes  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "input_pipeline"))
@@ -126,6 +126,19 @@ def test_the_front_end_loads_no_jax_and_refusals_are_one_line(tokenizer):
   assert out.stdout.strip() == "[]"
   with pytest.raises(ConfigError, match="serve_http_processes must be >= 0"):
     Config.for_testing(**MODEL, serve_http_processes=-1)
+
+
+def test_more_front_ends_than_cores_is_one_line_before_the_model_loads(monkeypatch):
+  """serve_http_processes=100000: one line naming the cores. Before, the server loaded the model and then started
+  that many Python processes, until the machine's memory ran out."""
+  from MaxText import serve
+
+  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+  monkeypatch.setattr(serve, "build_server", lambda config: pytest.fail("the model was loaded"))
+  with pytest.raises(UserError, match=r"^serve_http_processes=100000 is more than the 2 CPU cores this server may "
+                                      r"use, .*: set serve_http_processes to at most 2$"):
+    serve.main(["serve", "configs/base.yml", *(f"{k}={v}" for k, v in MODEL.items()), "port=0",
+                "serve_http_processes=100000"])
 
 
 def test_a_front_end_process_serves_and_its_death_stops_the_server(tokenizer):
