@@ -151,7 +151,7 @@ def build_app(server: HttpServer, api_key: str | None = None, max_body_bytes: in
   async def api_error(_: Request, e: api.ApiError) -> JSONResponse:
     return error_response(e)
 
-  add_routes(app, server, JSONResponse, SseResponse, sse)
+  posts = add_routes(app, server, JSONResponse, SseResponse, sse)
   from MaxText.inference import lora_routes
 
   admin = server.adapter_admin()
@@ -159,7 +159,7 @@ def build_app(server: HttpServer, api_key: str | None = None, max_body_bytes: in
     lora_routes.add_routes(app, admin, admin_allowed=bool(key))
   else:
     lora_routes.add_absent_routes(app)
-  return _Guard(app, key, max_body_bytes, server.metrics)
+  return _Guard(app, key, max_body_bytes, server.metrics, posts)
 
 
 def bearer_token(authorization: str) -> str:
@@ -172,10 +172,13 @@ def bearer_token(authorization: str) -> str:
 class _Guard:
   """ASGI middleware in front of the app: the API key, then the body-size limit (the body is read
   here, at most max_body_bytes + 1 of it, and replayed to the app); every answer is counted and
-  timed for /metrics."""
+  timed for /metrics. A POST to one of `posts`' paths is answered here by its route function, as
+  the app would (an ApiError as its JSON error, a dict as JSON), without the app's routing and middleware."""
 
-  def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, metrics: serve_metrics.ServeMetrics):
+  def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, metrics: serve_metrics.ServeMetrics,
+               posts: dict[str, Any] | None = None):
     self.app, self.api_key, self.max_body_bytes, self.metrics = app, api_key, max_body_bytes, metrics
+    self.posts = posts or {}
 
   async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
                      send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
@@ -236,7 +239,28 @@ class _Guard:
         return {"type": "http.request", "body": body, "more_body": False}
       return await receive()  # after the body: the client's disconnect
 
+    handler = self.posts.get(scope["path"]) if scope["method"] == "POST" and not scope.get("root_path") else None
+    if handler is not None:
+      return await _answer(handler, scope, replay, send)
     return await self.app(scope, replay, send)
+
+
+async def _answer(handler: Callable[[Any], Awaitable[Any]], scope: dict[str, Any],
+                  receive: Callable[[], Awaitable[dict[str, Any]]], send: Callable[[dict[str, Any]], Awaitable[None]]
+                  ) -> None:
+  """What the app answers a POST to `handler`'s route: its Response, or its dict as JSON (FastAPI's
+  encoding), or an ApiError's JSON error. Any other exception reaches uvicorn, which answers 500."""
+  from fastapi.encoders import jsonable_encoder
+  from fastapi.responses import JSONResponse, Response
+  from starlette.requests import Request
+
+  try:
+    result = await handler(Request(scope, receive))
+  except api.ApiError as e:
+    response = error_response(e)
+  else:
+    response = result if isinstance(result, Response) else JSONResponse(jsonable_encoder(result))
+  await response(scope, receive, send)
 
 
 async def _send_error(send: Callable[[dict[str, Any]], Awaitable[None]], e: api.ApiError) -> None:

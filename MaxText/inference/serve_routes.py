@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 
 from fastapi import FastAPI, Request  # at module level: FastAPI resolves the handlers' annotations here
 from fastapi.responses import Response, StreamingResponse
@@ -100,8 +100,14 @@ def _usage(request: api.Request, choices: dict[int, _Choice]) -> dict[str, int]:
   return api.usage(sum(prompts.values()), sum(len(c.tokens) for c in choices.values()))
 
 
+Handler = Callable[[Request], Awaitable[Any]]  # a POST route's function: a Response, or a dict to answer as JSON
+
+
 def add_routes(app: FastAPI, server: "Server", json_response: Any, streaming_response: Any,
-               sse: Callable[[Any], str]) -> None:
+               sse: Callable[[Any], str]) -> dict[str, Handler]:
+  """The routes on `app`; returns the generation routes' functions by path, which serve_app's guard
+  calls itself for a POST (FastAPI's routing and middleware cost more per request than the answer
+  around a short completion); `app` keeps them for every other method (a 405)."""
   async def read_json(request: Request) -> Any:
     return api.parse_json(await request.body())
 
@@ -119,7 +125,7 @@ def add_routes(app: FastAPI, server: "Server", json_response: Any, streaming_res
     """Submits the request's jobs; a streaming request gets its response, any other the
     finished choices by index."""
     jobs, queue = await server.admit(request, score_prompt=score_prompt)
-    events = server.events(jobs, queue, http.is_disconnected, route=http.url.path)
+    events = server.events(jobs, queue, http.is_disconnected, route=http.scope["path"])
     if request.stream:
       return streaming_response(_stream(server, request, jobs, events, sse, chat=chat),
                                 media_type="text/event-stream")
@@ -168,6 +174,8 @@ def add_routes(app: FastAPI, server: "Server", json_response: Any, streaming_res
            for index, choice in sorted(choices.items())]
     return {"id": _new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
             "model": request.model or server.limits.model_name, "choices": out, "usage": _usage(request, choices)}
+
+  return {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
 
 
 def chat_choice(index: int, text: str, finish_reason: str | None, tools: bool) -> dict[str, Any]:

@@ -1,0 +1,138 @@
+"""serve_app's guard answers a POST to /v1/completions or /v1/chat/completions with the route's own
+function, without FastAPI's routing and middleware: the same status, headers and body as the app
+gives (a stream, a whole answer, a 400, a 503 with Retry-After), and the app still answers every
+other method there. No model: a fake server whose jobs' events are ready at submit."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from MaxText.inference import job_events, serve_app, serve_metrics, serve_routes  # noqa: E402
+from MaxText.inference import openai_api as api  # noqa: E402
+
+CODEC = api.Codec(encode=lambda text: [ord(c) for c in text], decode=lambda ids: "".join(chr(i) for i in ids),
+                  chat=lambda messages: [ord("h")])
+
+
+class _Job:
+  submitted = 0.0
+
+  def cancel(self) -> None:
+    pass
+
+
+class _Server(serve_app.HttpServer):
+  """Each choice answers "abc" (one token, then two together), then ends; `full` refuses every submit."""
+
+  full = False
+
+  @property
+  def request_timeout_seconds(self) -> float:
+    return 60.0
+
+  async def admit(self, request: api.Request, score_prompt: bool) -> Any:
+    if self.full:
+      raise serve_app.refusal(job_events.QueueFull("8 waiting"))
+    queue: asyncio.Queue[list[job_events.Event]] = asyncio.Queue()
+    for c in request.choices:
+      queue.put_nowait([job_events.Token(c.index, ord("a"), -0.5, [])])
+      queue.put_nowait([job_events.Token(c.index, ord("b"), -0.25, []), job_events.Token(c.index, ord("c"), -1.0, []),
+                        job_events.Done(c.index, "length")])
+    return [_Job() for _ in request.choices], queue
+
+
+def _app(full: bool = False) -> Any:
+  server = _Server(CODEC, api.Limits("tiny", 256, 32, 64, 16, 4), serve_metrics.ServeMetrics(lambda: {}))
+  server.full = full
+  return serve_app.build_app(server, api_key="")
+
+
+def _call(app: Any, method: str, path: str, body: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+  payload = json.dumps(body).encode() if body is not None else b""
+  scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+           "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+           "root_path": "", "headers": [(b"host", b"test"), (b"content-type", b"application/json")],
+           "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "state": {}}
+  sent: list[dict[str, Any]] = []
+  delivered = False
+
+  async def receive() -> dict[str, Any]:
+    nonlocal delivered
+    if not delivered:
+      delivered = True
+      return {"type": "http.request", "body": payload, "more_body": False}
+    await asyncio.sleep(3600)  # the client stays
+    return {"type": "http.disconnect"}
+
+  async def send(message: dict[str, Any]) -> None:
+    sent.append(message)
+
+  asyncio.run(app(scope, receive, send))
+  return sent
+
+
+def _answer(messages: list[dict[str, Any]]) -> tuple[int, dict[bytes, bytes], bytes]:
+  start = messages[0]
+  body = b"".join(m.get("body", b"") for m in messages[1:])
+  return start["status"], dict(start["headers"]), body
+
+
+def _through_the_app(app: Any) -> Any:
+  """The same guard with no POST answered by itself (every request through FastAPI, as before)."""
+  return serve_app._Guard(app.app, app.api_key, app.max_body_bytes, app.metrics)  # noqa: SLF001
+
+
+class _Recording:
+  def __init__(self, app: Any):
+    self.app, self.paths = app, list[tuple[str, str]]()
+
+  async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    self.paths.append((scope["method"], scope["path"]))
+    await self.app(scope, receive, send)
+
+
+def test_a_completions_post_skips_the_app_and_other_methods_reach_it() -> None:
+  app = _app()
+  recording = _Recording(app.app)
+  app.app = recording
+  status, _, body = _answer(_call(app, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 3, "stream": True}))
+  assert status == 200 and body.endswith(serve_routes.STREAM_END.encode())
+  status, _, _ = _answer(_call(app, "POST", "/v1/chat/completions",
+                               {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}))
+  assert status == 200
+  assert recording.paths == []
+  status, _, _ = _answer(_call(app, "GET", "/v1/completions"))
+  assert status == 405 and recording.paths == [("GET", "/v1/completions")]
+
+
+CASES = {
+    "stream": ("/v1/completions", {"prompt": "x", "max_tokens": 3, "stream": True, "logprobs": 0,
+                                   "stream_options": {"include_usage": True}}, False),
+    "whole": ("/v1/completions", {"prompt": "x", "max_tokens": 3, "n": 2, "logprobs": 1, "echo": True}, False),
+    "chat stream": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                             "stream": True}, False),
+    "chat whole": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}, False),
+    "400": ("/v1/completions", {"prompt": "x", "max_tokens": 3, "best_of": 2}, False),
+    "bad json": ("/v1/completions", None, False),
+    "503": ("/v1/completions", {"prompt": "x", "max_tokens": 3}, True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_guard_answers_as_the_app_does(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+  monkeypatch.setattr(serve_routes, "_new_id", lambda prefix: f"{prefix}-1")
+  monkeypatch.setattr("time.time", lambda: 1700000000.0)  # the answers' "created"
+  path, body, full = CASES[case]
+  fast = _answer(_call(_app(full), "POST", path, body))
+  slow = _answer(_call(_through_the_app(_app(full)), "POST", path, body))
+  assert fast == slow
+  status, headers, payload = fast
+  assert status == {"400": 400, "bad json": 400, "503": 503}.get(case, 200)
+  if case == "503":
+    assert headers[b"retry-after"] == b"1" and json.loads(payload)["error"]["code"] == "queue_full"
