@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from MaxText.configuration.config import Config
-from MaxText.inference import mtp_draft, speculative
+from MaxText.inference import image_prompts, mtp_draft, speculative
 from MaxText.inference.engine import Engine
 from MaxText.inference.engine_api import PrefillsIntoSlots, StepLimits
 from MaxText.inference.sampling import RowParams
@@ -100,3 +100,25 @@ def test_the_scheduler_admits_the_jobs_of_one_loop_in_one_device_call(case):
   assert serve(list(range(len(PROMPTS)))) == alone
   made = {name: n for counts in calls for name, n in counts.items() if n}
   assert made == {"_prefill_insert": 1}  # four jobs in one loop; was a prefill and an insert_rows per model
+
+
+def test_prompts_with_images_go_in_as_with_prefill_then_insert_rows():
+  """A vision-language model's rows (tiny Gemma 3; one prompt with two images, one with none) through
+  prefill_insert: the state and first tokens of prefill + insert_rows."""
+  from tests.test_serve_images import MODEL  # 4 placeholders (id 12) an image, between ids 10 and 11
+
+  eng = Engine(Config.for_testing(**MODEL), num_slots=2, mesh=one_device_mesh())
+  params = eng.load_params(seed=1)
+  run = [10] + [12] * MODEL["mm_tokens_per_image"] + [11]
+  prompts = [[3, 4] + run + [5] + run + [6], [7, 8, 9]]
+  images = [image_prompts.PromptImages.of(np.random.default_rng(0).uniform(-1, 1, (2, 3, 16, 16))), None]
+  prefix = eng.prefill(params, prompts, row_params=ROWS[:2], images=images)
+  separate = jax.device_get((eng.insert_rows(prefix, eng.init_decode_state(), [1, 0], [0, 1]), prefix.first_tokens_B))
+  state, admitted = eng.prefill_insert(params, eng.init_decode_state(), prompts, [1, 0], row_params=ROWS[:2],
+                                       images=images)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get((state, admitted.first_tokens_B)), separate)
+  other = [image_prompts.PromptImages.of(np.random.default_rng(1).uniform(-1, 1, (2, 3, 16, 16))), None]
+  elsewhere, _ = eng.prefill_insert(params, eng.init_decode_state(), prompts, [1, 0], row_params=ROWS[:2],
+                                    images=other)
+  caches = [jax.tree.leaves(jax.device_get(s.caches)) for s in (state, elsewhere)]
+  assert any(not np.array_equal(a, b) for a, b in zip(*caches))  # the images reached the call
