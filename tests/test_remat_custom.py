@@ -468,9 +468,9 @@ def test_the_planner_fills_free_memory_with_the_tensors_that_spare_the_most_reco
   per_byte = [spared / width for _, width, spared in fill.order]
   assert per_byte == sorted(per_byte, reverse=True)
   # The MLP's output projection spares nothing: no backward op needs it (the residual add passes gradients on).
-  assert "mlpwo" not in [name for name, _, _ in fill.order]
+  assert "mlpwo" not in [name for names, _, _ in fill.order for name in names]
   assert fill.variants(base, estimate, topology, _limit(estimate, 0.0), {}) == []
-  first, second = (name for name, _, _ in fill.order[:2])
+  (first,), (second,) = (names for names, _, _ in fill.order[:2])
   room = _room_for((first, second), _PLAN_MODEL, _FILL_SETTINGS)
   (placed,) = fill.variants(base, estimate, topology, _limit(estimate, room), {})
   keys = {k: v for k, v in placed.items() if k in remat_policies.TENSORS}
@@ -485,7 +485,7 @@ def test_the_planner_fills_free_memory_with_the_tensors_that_spare_the_most_reco
 def test_a_fast_host_link_adds_a_mixed_placement(monkeypatch):
   from MaxText.aot import plan_model
   model, fill, base, estimate, topology = _fill_setup(_PLAN_MODEL, _FILL_SETTINGS)
-  first = fill.order[0][0]
+  (first,) = fill.order[0][0]
   room = _room_for((first,), _PLAN_MODEL, _FILL_SETTINGS)
   assert len(fill.variants(base, estimate, topology, _limit(estimate, room), {})) == 1  # v5e's link: never pays
   fast = plan_model.Links(ici=plan_model.LINKS["v5e"].ici, dcn=plan_model.LINKS["v5e"].dcn, host=1e18)
@@ -493,7 +493,26 @@ def test_a_fast_host_link_adds_a_mixed_placement(monkeypatch):
   device, mixed = fill.variants(base, estimate, topology, _limit(estimate, room), {})
   assert {k: v for k, v in device.items() if k in remat_policies.TENSORS} == {first: "device"}
   assert {k: v for k, v in mixed.items() if k in remat_policies.TENSORS} == {
-      first: "device", **{name: "offload" for name, _, _ in fill.order[1:]}}
+      first: "device", **{name: "offload" for names, _, _ in fill.order[1:] for name in names}}
+
+
+def test_the_fill_keeps_mlas_key_and_value_together():
+  """MLA's key_proj and value_proj split one up-projection, which neither spares alone: the fill orders them as
+  one unit and keeps both or neither (alone they spare nothing, so the fill kept neither)."""
+  mla = dict(_PLAN_MODEL, decoder_block="deepseek3", base_num_kv_heads=8, head_dim=192, attention_type="mla",
+             q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+  _, fill, base, estimate, topology = _fill_setup(mla, _FILL_SETTINGS)
+  units = [names for names, _, _ in fill.order]
+  assert ("key_proj", "value_proj") in units and ("key_proj",) not in units and ("value_proj",) not in units
+  before = units[:units.index(("key_proj", "value_proj")) + 1]
+  placed = [{k for k, v in c.items() if k in remat_policies.TENSORS and v == "device"} for c in fill.variants(
+      base, estimate, topology, _limit(estimate, _room_for([n for u in before for n in u], mla, _FILL_SETTINGS)), {})]
+  assert {"key_proj", "value_proj"} <= placed[0]
+  # with room for one of them only, the pair is left out
+  room = _room_for([n for u in before[:-1] for n in u] + ["key_proj"], mla, _FILL_SETTINGS)
+  placed = [{k for k, v in c.items() if k in remat_policies.TENSORS and v == "device"} for c in fill.variants(
+      base, estimate, topology, _limit(estimate, room), {})]
+  assert placed and all(not {"key_proj", "value_proj"} & p for p in placed)
 
 
 # A model whose matmuls decide the compiled FLOPs; unscanned, so the cost analysis counts every layer.
@@ -507,7 +526,7 @@ def _filled_but_last(fill: Any, base: Any, estimate: Any, topology: Any, model_o
   """The one placement the generator gives with room for every projection but out_proj (its last, at the
   same FLOPs per byte as the attention projections); with room for all six it gives none, as that is
   what minimal keeps (mlpwo places nothing in this pre-norm layer: only the residual add reads it)."""
-  projections = [n for n, _, _ in fill.order if n != "context"]
+  projections = [n for names, _, _ in fill.order for n in names if n != "context"]
   assert projections[-1] == "out_proj"
   assert {n: "device" for n in projections} in fill.presets
   assert fill.variants(base, estimate, topology, _limit(estimate, _room_for(projections, model_overrides,

@@ -179,8 +179,10 @@ def shared_matmuls(cfg: ModelConfig) -> list[tuple[frozenset[str], float]]:
 
 def rerun_flops(cfg: ModelConfig, policy: remat_policies.RematPolicy, seq_len: int) -> float:
   """Forward FLOPs per sequence that `policy`'s backward pass re-runs over every layer: the matmuls
-  of the tensors it does not keep (a shared matmul unless all its names are kept), the attention scores (re-run whatever is kept: the softmax's
-  backward needs them), and the probabilities-times-values product unless the attention output is kept."""
+  of the tensors it does not keep (a shared matmul unless all its names are kept), the attention scores
+  (re-run whatever is kept: the softmax's backward needs them; a CPU compile of an unscanned dot_product
+  model runs them once with query_proj and key_proj kept, a TPU compile twice: Remat.md), and the
+  probabilities-times-values product unless the attention output is kept."""
   if policy.keeps == "everything":
     return 0.0
   kept = {name for name, placed in placed_tensors(cfg, policy).items() if placed != "remat"}

@@ -167,10 +167,15 @@ class PlacementFill:
     rerun = plan_remat.rerun_flops(cfg, full, seq_len)
     per_token_layer = seq_len * max(1, cfg.num_decoder_layers)
     widths = plan_remat.tensor_widths(cfg)
-    # (name, elements per token and layer, re-run FLOPs it spares per token and layer), most FLOPs per byte first.
-    spared = [(name, widths[name], (rerun - plan_remat.rerun_flops(cfg, remat_policies.custom({name: "device"}),
-                                                                      seq_len)) / per_token_layer)
-              for name in remat_policies.PRODUCED if name not in remat_policies.NOT_RECOMPUTABLE and widths[name] > 0]
+    # (names, elements per token and layer, re-run FLOPs they spare per token and layer), most FLOPs per byte
+    # first: each tensor alone, and the names a shared matmul's output splits together (MLA's key and value),
+    # as it is spared only when all of them are kept (plan_remat.shared_matmuls).
+    units: list[tuple[str, ...]] = [(name,) for name in remat_policies.PRODUCED
+                                    if name not in remat_policies.NOT_RECOMPUTABLE and widths[name] > 0]
+    units += [tuple(sorted(names)) for names, _ in plan_remat.shared_matmuls(cfg) if all(widths[n] > 0 for n in names)]
+    spared = [(unit, sum(widths[n] for n in unit),
+               (rerun - plan_remat.rerun_flops(cfg, remat_policies.custom(dict.fromkeys(unit, "device")), seq_len))
+               / per_token_layer) for unit in units]
     self.order = sorted((t for t in spared if t[2] > 0), key=lambda t: (-t[2] / t[1], -t[1]))
     # What each searched preset keeps of this model's tensors, and where.
     self.presets = [{**{n: "device" for n in policy.device if widths.get(n, 0) > 0},
@@ -190,9 +195,9 @@ class PlacementFill:
     per_element = micro * self.seq_len * 2 * self.cfg.num_decoder_layers  # bf16 bytes of one element of width
     room = limit - (base.total - max(base.gradients, base.activations)) - base.activations
     device: list[str] = []
-    for name, width, _ in self.order:
-      if width * per_element * pipe.live_share <= room:
-        device.append(name)
+    for names, width, _ in self.order:
+      if width * per_element * pipe.live_share <= room and not set(names) & set(device):
+        device.extend(names)
         room -= width * per_element * pipe.live_share
     # Offloading pays where sending a tensor out and back takes less than re-running its matmul.
     links = plan_model.LINKS.get(gen.name, plan_model.LINKS["v5e"])
@@ -200,10 +205,11 @@ class PlacementFill:
                     (gen.host_gib * GIB if gen.host_gib is not None else math.inf) - base.host_activations
                     - base.host_optimizer)
     offload: list[str] = []
-    for name, width, spared in self.order:
+    for names, width, spared in self.order:
       held = width * per_element * pipe.live_share
-      if name not in device and 2 * 2 * width / links.host < spared / (gen.peak_tflops * 1e12) and held <= host_room:
-        offload.append(name)
+      if (not set(names) & {*device, *offload} and 2 * 2 * width / links.host < spared / (gen.peak_tflops * 1e12)
+              and held <= host_room):
+        offload.extend(names)
         host_room -= held
     found: list[dict[str, str]] = []
     for placed in ({n: "device" for n in device}, {**{n: "device" for n in device}, **{n: "offload" for n in offload}}):
