@@ -100,11 +100,34 @@ def parse_json(raw: bytes) -> Any:
   """A request body as JSON, or a 400: beside syntax errors, json raises ValueError for an integer
   of more digits than Python converts and RecursionError for nesting deeper than the stack."""
   try:
-    return json.loads(raw)
+    body = json.loads(raw)
   except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
     raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
   except RecursionError:
     raise ApiError(400, "the request body is not valid JSON: it is nested too deeply", code="invalid_json") from None
+  # json decodes an unpaired \ud800-\udfff escape into a str no tokenizer encodes (a 500 there). Only an escape
+  # (or a UTF-16/32 body) can hold one: UTF-8 text refuses surrogates.
+  if (b"\\u" in raw or json.detect_encoding(raw) not in ("utf-8", "utf-8-sig")) and _lone_surrogate(body):
+    raise ApiError(400, "the request body is not valid JSON text: it holds an unpaired UTF-16 surrogate escape "
+                   "(\\ud800 to \\udfff without its pair)", code="invalid_json")
+  return body
+
+
+def _lone_surrogate(value: Any) -> bool:
+  pending = [value]
+  while pending:
+    item = pending.pop()
+    if isinstance(item, dict):
+      pending.extend(item)
+      pending.extend(item.values())
+    elif isinstance(item, list):
+      pending.extend(item)
+    elif isinstance(item, str):
+      try:
+        item.encode("utf-8")
+      except UnicodeEncodeError:
+        return True
+  return False
 
 
 def _get(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any) -> Any:

@@ -137,3 +137,16 @@ def test_a_seed_the_sampler_cannot_tell_apart_is_a_400_naming_seed():
       with pytest.raises(api.ApiError, match=re.escape("seed must be in [0, 2**32)")) as raised:
         parse({**base, "seed": seed}, LIMITS, CODEC)
       assert raised.value.status == 400 and raised.value.param == "seed"
+
+
+@pytest.mark.parametrize("body", [rb'{"prompt": "a\ud800b"}', rb'{"stop": ["\uDFFF"]}', rb'{"\ud83d": 1}',
+                                  '{"prompt": "\\ud800"}'.encode("utf-16")])
+def test_an_unpaired_surrogate_escape_is_a_400(body):
+  """A prompt (or any string) holding an unpaired surrogate escape reached the tokenizer, which raised: a 500."""
+  with pytest.raises(api.ApiError, match="unpaired UTF-16 surrogate escape") as refused:
+    api.parse_json(body)
+  assert refused.value.status == 400
+
+
+def test_a_surrogate_pair_escape_is_its_character():
+  assert api.parse_json(rb'{"prompt": "\ud83d\ude00 ok"}') == {"prompt": "\U0001F600 ok"}
