@@ -6,7 +6,8 @@ T slots of the batched decode state, S max_target_length (cache length), V vocab
 - `prefill` runs right-padded prompts [B, L] in one pass and returns a `Prefix`: their caches
   (length L), true lengths and first sampled tokens.
 - `insert` copies one prefix row into slot i of a `DecodeState` (caches of length S for T slots);
-  `insert_rows` several rows into their slots in one call.
+  `insert_rows` several rows into their slots in one call; `prefill_insert` is `prefill` and
+  `insert_rows` in one call that takes the decode state (the prompts' caches never returned).
 - `generate` advances every slot by one token: one jitted, shape-stable step (it compiles once);
   `decode_step` is the same program, also returning the tokens' log-probabilities. With
   decode_steps_per_call > 1 or `StepLimits`, `decode_step` runs up to that many steps in one
