@@ -7,7 +7,7 @@ path lays them out per chip."""
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from MaxText.configuration import remat_policies
 from MaxText.configuration.model_config import ModelConfig
@@ -87,6 +87,14 @@ def expert_replication(cfg: ModelConfig, mesh: Mapping[str, int] | None) -> tupl
   return tensor * seq, (tensor * seq if cfg.moe.sparse_matmul else seq)
 
 
+def fuses_qkv(cfg: ModelConfig) -> bool:
+  """Whether the attention's query, key and value come from one matmul named qkv_proj (fused_qkv): a quantized
+  matmul or a LoRA adapter on any of them keeps them apart (linears.fused_outputs), priced then as unfused."""
+  lora = cfg.lora
+  adapted = lora.lora_rank > 0 and bool({"q_proj", "k_proj", "v_proj"} & set(lora.lora_target_modules))
+  return cfg.fused_qkv and cfg.attn.attention_type != "mla" and not cfg.quantization and not adapted
+
+
 def tensor_widths(cfg: ModelConfig, mesh: Mapping[str, int] | None = None) -> dict[str, float]:
   """Per token and layer, the elements of each named activation a remat_policy=custom key places
   (remat_policies.TENSORS); a routed expert's tensors count `expert_rows` rows per token, times their
@@ -104,7 +112,7 @@ def tensor_widths(cfg: ModelConfig, mesh: Mapping[str, int] | None = None) -> di
   # MLA's key_proj and value_proj are per query head, its values v_head_dim wide (layers/mla.py).
   key, value = (n * h, n * cfg.mla.v_head_dim) if mla else (k * h, k * h)
   return {"decoder_layer_input": d, "query_proj": n * h, "key_proj": key, "value_proj": value,
-          "qkv_proj": (n + 2 * k) * h if cfg.fused_qkv else 0,
+          "qkv_proj": (n + 2 * k) * h if fuses_qkv(cfg) else 0,
           "context": 0 if mla else n * h, "attention_out": n * h if mla else 0, "out_proj": d,
           "query_wa_proj": cfg.mla.q_lora_rank,
           "kv_wa_proj": cfg.mla.kv_lora_rank + rope if mla else 0,
@@ -122,21 +130,31 @@ def placed_tensors(cfg: ModelConfig, policy: remat_policies.RematPolicy) -> dict
   return {**placed, **remat_policies.expert_placements(placed, cfg.moe.sparse_matmul)}
 
 
-def backward_dots(cfg: ModelConfig) -> dict[str, float]:
-  """Per token and layer, projection outputs the backward pass needs that no name covers. query_proj and
-  key_proj name the kernel's inputs (after the QK-norm, as upstream), so with use_qk_norm, use_qk_l2_norm
-  (computed on every layer of a mixed rope pattern) or Gemma 4's norms, the norms' gradients need the raw
-  query and key; value_proj is named after Gemma 4's value norm (use_v_norm), whose gradient needs the raw
-  value; the output gate is unnamed, as upstream's. A policy that keeps the dots keeps these (kept_width);
-  any other re-runs their matmuls (rerun_flops), whether the names are kept or not. Per-layer shapes are not
-  modelled: a k_eq_v global layer's raw value is its raw key."""
+def normed_projections(cfg: ModelConfig) -> dict[str, float]:
+  """Per token and layer, the raw projections a norm's gradient reads, by the name on its normed output.
+  query_proj and key_proj name the kernel's inputs (after the QK-norm, as upstream), so with use_qk_norm,
+  use_qk_l2_norm (computed on every layer of a mixed rope pattern) or Gemma 4's norms, the norms' gradients
+  need the raw query and key; value_proj is named after Gemma 4's value norm (use_v_norm), whose gradient
+  needs the raw value. Per-layer shapes are not modelled: a k_eq_v global layer's raw value is its raw key."""
   n, k, h = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
   out: dict[str, float] = {}
-  mla = cfg.attn.attention_type == "mla"
-  if not mla and (cfg.attn.use_qk_norm or cfg.attn.use_qk_l2_norm or _layer_norms_query_and_key(cfg.decoder_block)):
+  if cfg.attn.attention_type == "mla":
+    return out
+  if cfg.attn.use_qk_norm or cfg.attn.use_qk_l2_norm or _layer_norms_query_and_key(cfg.decoder_block):
     out.update(query_proj=n * h, key_proj=k * h)
-  if not mla and cfg.layer_shapes.use_v_norm:
+  if cfg.layer_shapes.use_v_norm:
     out["value_proj"] = k * h
+  return out
+
+
+def backward_dots(cfg: ModelConfig) -> dict[str, float]:
+  """Per token and layer, projection outputs the backward pass needs that no name covers: the raw
+  projections under a norm (normed_projections; with fused_qkv they are parts of qkv_proj, a name: its
+  matmul is priced in shared_matmuls) and the output gate, unnamed as upstream's. A policy that keeps the
+  dots keeps these (kept_width); any other re-runs their matmuls (rerun_flops), whether the names are kept
+  or not."""
+  n, h = cfg.num_query_heads, cfg.head_dim
+  out = {} if fuses_qkv(cfg) else normed_projections(cfg)
   if cfg.attn.attention_output_gate:
     out["output_gate"] = n * h
   return out
@@ -156,7 +174,9 @@ def recompute_flops(cfg: ModelConfig) -> dict[str, float]:
   # What each projection reads per token: the layer's (normalised) input, MLA's latents for its up-projections.
   reads = {name: d for name in widths}
   reads.update(decoder_layer_input=0, mla_q=0, mla_kv=0, mlpwo=0, moe_mlpwo=0, context=0, attention_out=0)
-  reads["qkv_proj"] = 0  # fused_qkv's matmul is counted once, as its query, key and value parts
+  if fuses_qkv(cfg):  # the one matmul makes all three (shared_matmuls)
+    reads.update(query_proj=0, key_proj=0, value_proj=0)
+  reads["qkv_proj"] = 0
   if mla:  # its key_proj and value_proj share one up-projection (shared_matmuls)
     reads.update(query_proj=cfg.mla.q_lora_rank or d, key_proj=0, value_proj=0)
   flops = {name: 2 * reads[name] * width for name, width in widths.items()}
@@ -166,15 +186,28 @@ def recompute_flops(cfg: ModelConfig) -> dict[str, float]:
   return flops
 
 
-def shared_matmuls(cfg: ModelConfig) -> list[tuple[frozenset[str], float]]:
-  """Per token and layer, each matmul whose one output several names split, with those names: the backward
-  re-runs it unless every one of them is kept. MLA's key/value up-projection makes each head's no-position
-  key (in key_proj, beside the rotated part kv_wa_proj makes) and its value (value_proj) from the latent."""
+def shared_matmuls(cfg: ModelConfig) -> list[tuple[tuple[frozenset[str], ...], float]]:
+  """Per token and layer, each matmul whose one output several names carry, with the sets of names any one
+  of which, all kept, spares its re-run (the narrowest first). MLA's key/value up-projection makes each
+  head's no-position key (in key_proj, beside the rotated part kv_wa_proj makes) and its value
+  (value_proj) from the latent: both kept. fused_qkv's matmul: qkv_proj kept, or the query, key and value
+  (named after RoPE and the norms) all kept where no norm's gradient reads the raw parts (normed_projections):
+  one of them alone spares only elementwise work."""
+  if fuses_qkv(cfg):
+    qkv = frozenset({"query_proj", "key_proj", "value_proj"})
+    spare = (frozenset({"qkv_proj"}),) + (() if normed_projections(cfg) else (qkv,))
+    return [(spare, 2.0 * cfg.emb_dim * (cfg.num_query_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)]
   if cfg.attn.attention_type != "mla":
     return []
   m = cfg.mla
-  return [(frozenset({"key_proj", "value_proj"}), 2.0 * m.kv_lora_rank * cfg.num_query_heads
+  return [((frozenset({"key_proj", "value_proj"}),), 2.0 * m.kv_lora_rank * cfg.num_query_heads
            * (m.qk_nope_head_dim + m.v_head_dim))]
+
+
+def qkv_proj_read(cfg: ModelConfig, kept: Collection[str]) -> bool:
+  """Whether the backward reads fused_qkv's qkv_proj when the names `kept` are kept, so that keeping it holds
+  memory: a norm reads its raw parts, or a query, key or value not kept is re-made from it."""
+  return fuses_qkv(cfg) and (bool(normed_projections(cfg)) or not {"query_proj", "key_proj", "value_proj"} <= set(kept))
 
 
 def rerun_flops(cfg: ModelConfig, policy: remat_policies.RematPolicy, seq_len: int) -> float:
@@ -187,8 +220,8 @@ def rerun_flops(cfg: ModelConfig, policy: remat_policies.RematPolicy, seq_len: i
     return 0.0
   kept = {name for name, placed in placed_tensors(cfg, policy).items() if placed != "remat"}
   projections = sum(f for name, f in recompute_flops(cfg).items() if name not in kept)
-  projections += sum(f for names, f in shared_matmuls(cfg) if not names <= kept)
-  if policy.keeps != "dots":
+  if policy.keeps != "dots":  # which keep every matmul's output
+    projections += sum(f for spare, f in shared_matmuls(cfg) if not any(names <= kept for names in spare))
     projections += sum(2 * cfg.emb_dim * width for width in backward_dots(cfg).values())
   value_dim = cfg.mla.v_head_dim if cfg.attn.attention_type == "mla" else cfg.head_dim
   pairs = metrics.attended_pairs(cfg, seq_len, causal=True)
@@ -241,9 +274,13 @@ def layer_kept_width(cfg: ModelConfig, policy: remat_policies.RematPolicy, on_ho
   policy by its preset widths (a MoE layer's MLP per tensor, as its path lays the experts' rows out on
   the candidate's `mesh`: tensor_widths)."""
   where = "offload" if on_host else "device"
+  placed = placed_tensors(cfg, policy)
+  widths = tensor_widths(cfg, mesh)
+  # fused_qkv's qkv_proj is held only where the backward reads it (qkv_proj_read); presets count it beside "qkv"
+  kept_names = [n for n, at in placed.items() if at != "remat"]
+  fused = widths["qkv_proj"] if placed.get("qkv_proj") == where and qkv_proj_read(cfg, kept_names) else 0.0
   if policy.name == "custom":
-    widths = tensor_widths(cfg, mesh)
-    return sum(widths[n] for n, placed in placed_tensors(cfg, policy).items() if placed == where)
+    return fused + sum(widths[n] for n, at in placed.items() if at == where and n != "qkv_proj")
   preset = preset_widths(cfg)
   saved = policy.saved_on_host if on_host else policy.saved_on_device
   # The dots policies keep the projection outputs no name covers too, where they keep the dots.
@@ -251,14 +288,13 @@ def layer_kept_width(cfg: ModelConfig, policy: remat_policies.RematPolicy, on_ho
   if cfg.moe.num_experts > 1:
     # Only the MLP tensors a preset's names reach (sparse_matmul's wi_1 carries only moe_mlpwi_1, which no
     # preset names: remat_policies.expert_placements), the shared experts' too; "none" keeps them all.
-    widths, placed = tensor_widths(cfg, mesh), placed_tensors(cfg, policy)
     for width, names in _MLP_TENSORS.items():
       preset[width] = sum(widths[n] for n in names if policy.keeps == "everything" or placed.get(n) == where)
   kept = sum(preset[w] for w in saved)
   if policy.keeps == "dots" and cfg.moe.num_experts > 1 and on_host == policy.offloaded:
     # The router's logits (and the shared experts' gate) are dots without batch dimensions.
     kept += cfg.moe.num_experts + (1 if cfg.moe.shared_expert_gate else 0)
-  return kept + unnamed
+  return kept + unnamed + fused
 
 
 def stream_width(cfg: ModelConfig, policy: remat_policies.RematPolicy) -> float:

@@ -169,10 +169,14 @@ class PlacementFill:
     widths = plan_remat.tensor_widths(cfg)
     # (names, elements per token and layer, re-run FLOPs they spare per token and layer), most FLOPs per byte
     # first: each tensor alone, and the names a shared matmul's output splits together (MLA's key and value),
-    # as it is spared only when all of them are kept (plan_remat.shared_matmuls).
+    # as it is spared only when all of them are kept (plan_remat.shared_matmuls): its narrowest such set
+    # only, as a second one would spare the same matmul again (fused_qkv: qkv_proj, not query, key and value).
     units: list[tuple[str, ...]] = [(name,) for name in remat_policies.PRODUCED
                                     if name not in remat_policies.NOT_RECOMPUTABLE and widths[name] > 0]
-    units += [tuple(sorted(names)) for names, _ in plan_remat.shared_matmuls(cfg) if all(widths[n] > 0 for n in names)]
+    for spare, _ in plan_remat.shared_matmuls(cfg):
+      unit = tuple(sorted(min(spare, key=lambda names: sum(widths[n] for n in names))))
+      if all(widths[n] > 0 for n in unit) and unit not in units:
+        units.append(unit)
     spared = [(unit, sum(widths[n] for n in unit),
                (rerun - plan_remat.rerun_flops(cfg, remat_policies.custom(dict.fromkeys(unit, "device")), seq_len))
                / per_token_layer) for unit in units]
