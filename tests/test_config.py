@@ -36,6 +36,16 @@ def test_precedence_base_model_env_argv(tmp_path):
   assert config["steps"] == 7 and config["learning_rate"] == 3e-3
 
 
+def test_a_config_file_setting_a_key_twice_is_one_line(tmp_path):
+  """An upstream tuning block pasted with a placement typed twice ran with whichever came second, silently."""
+  recipe = tmp_path / "recipe.yml"
+  recipe.write_text("remat_policy: custom\nquery_proj: device\nsteps: 7\nquery_proj: offload\n")
+  with pytest.raises(ConfigError, match=r"recipe.yml': it sets query_proj twice \(lines 2 and 4\); keep one$"):
+    load_config(["train.py", str(recipe)], environ={}, target=CPU8)
+  recipe.write_text("shared: &s {steps: 3}\nkeys:\n  <<: *s\n  steps: 4\n")  # a merge key may be set again
+  assert read_yaml(recipe)["keys"] == {"steps": 4}
+
+
 def test_types_are_coerced_to_the_default_type():
   config = load("scan_layers=false", "steps=12", "learning_rate=1e-4", "mlp_activations=gelu,linear",
                 "per_device_batch_size=2", "run_name=123")

@@ -66,6 +66,25 @@ _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
 
+class _OnceLoader(yaml.SafeLoader):
+  """yaml.safe_load's loader, refusing a mapping that sets a key twice (PyYAML keeps the last silently, so a
+  recipe's remat placement or batch size typed twice ran with whichever came second)."""
+
+  def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    lines: dict[Any, int] = {}
+    for key_node, _ in node.value:
+      if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be set again
+        continue
+      key = self.construct_object(key_node, deep=deep)
+      if isinstance(key, str) and key in lines:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"it sets {key} twice (lines {lines[key]} and {key_node.start_mark.line + 1}); keep one",
+            key_node.start_mark)
+      if isinstance(key, str):
+        lines[key] = key_node.start_mark.line + 1
+    return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: Path | str, stop_at: Path | None = None) -> dict[str, Any]:
   """Reads one YAML mapping (a local or gs:// file), following `base_config: parent.yml`
   (relative to the file).
@@ -78,7 +97,9 @@ def read_yaml(path: Path | str, stop_at: Path | None = None) -> dict[str, Any]:
   if not storage.is_file(path):
     raise ConfigError(f"config file {path!r} does not exist")
   try:
-    data = yaml.safe_load(storage.read_bytes(path)) or {}
+    data = yaml.load(storage.read_bytes(path), Loader=_OnceLoader) or {}  # noqa: S506 - a SafeLoader
+  except yaml.constructor.ConstructorError as e:
+    raise ConfigError(f"cannot use {str(path)!r}: {e.problem}") from None
   except yaml.YAMLError as e:
     raise ConfigError(f"cannot parse {str(path)!r}: {str(e).splitlines()[0]}") from None
   if not isinstance(data, dict):
