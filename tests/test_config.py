@@ -77,6 +77,10 @@ def test_types_are_coerced_to_the_default_type():
          "pipeline parallelism needs scan_layers=True"),
     (["per_device_batch_size=0.5", "gradient_accumulation_steps=2"], {}, "must split evenly"),
     (["steps"], {}, "expected key=value, got 'steps'"),
+    # Past an int32 step counter: a JAX OverflowError traceback at the first step before.
+    (["steps=99999999999999999999999"], {}, "steps=99999999999999999999999 is 99999999999999999999999 optimizer "
+                                            "updates, more than the 2**31 - 1"),
+    (["learning_rate_schedule_steps=3000000000"], {}, "learning_rate_schedule_steps=3000000000 is 3000000000"),
 ])
 def test_user_errors_are_one_clear_line(args, env, message):
   with pytest.raises(ConfigError) as info:

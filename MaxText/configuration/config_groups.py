@@ -214,6 +214,11 @@ class OptimConfig:
     updates_per_step = v["grpo_num_iterations"] if v["objective"] == "grpo" else 1
     schedule_steps = v["steps"] * updates_per_step if schedule_steps == -1 else schedule_steps
     _require(schedule_steps > 0, f"learning_rate_schedule_steps must be > 0 or -1, got {schedule_steps}")
+    # The step counter and the schedule's step are int32 on the device.
+    named = (f"learning_rate_schedule_steps={schedule_steps}" if v["learning_rate_schedule_steps"] != -1 else
+             f"steps={v['steps']}" + (f" x grpo_num_iterations={updates_per_step}" if updates_per_step > 1 else ""))
+    _require(schedule_steps < 2**31, f"{named} is {schedule_steps} optimizer updates, more than the 2**31 - 1 the "
+             "device's int32 step counter holds; lower it")
     for name in ("adam_b1", "adam_b2"):
       _require(0.0 <= v[name] < 1.0, f"{name} must be in [0, 1), got {v[name]}")
     _require(v["gradient_clipping_threshold"] >= 0, "gradient_clipping_threshold must be >= 0 (0 = off)")
