@@ -118,11 +118,12 @@ def test_the_presets_keep_qkv_proj_as_compiled(name, qk_norm):
     assert residuals[True][host] - residuals[False][host] == (0 if host else added), host
 
 
-@pytest.mark.parametrize("apart", [dict(quantization="int8"), dict(lora_rank=4, lora_target_modules=["k_proj"])],
-                         ids=["int8", "lora"])
+@pytest.mark.parametrize("apart", [dict(quantization="int8"), dict(lora_rank=4, lora_target_modules=["k_proj"]),
+                                   dict(decoder_block="gemma4")], ids=["int8", "lora", "gemma4"])
 def test_a_quantized_or_adapted_fused_qkv_is_priced_unfused(apart):
-  """A quantized matmul or an adapter on a part runs the projections apart (linears.fused_outputs): qkv_proj
-  holds and spares nothing, each part spares its own matmul, as unfused (the planner priced it fused)."""
+  """A quantized matmul or an adapter on a part runs the projections apart (linears.fused_outputs), and Gemma 4's
+  own attention never fuses them: qkv_proj holds and spares nothing, each part spares its own matmul, as
+  unfused (the planner priced it fused)."""
   from MaxText.aot import plan_remat
   fused = Config.for_testing(**{**_TINY, **_FUSED, **apart}).model
   unfused = Config.for_testing(**{**_TINY, **_FUSED, **apart, "fused_qkv": False}).model

@@ -89,10 +89,12 @@ def expert_replication(cfg: ModelConfig, mesh: Mapping[str, int] | None) -> tupl
 
 def fuses_qkv(cfg: ModelConfig) -> bool:
   """Whether the attention's query, key and value come from one matmul named qkv_proj (fused_qkv): a quantized
-  matmul or a LoRA adapter on any of them keeps them apart (linears.fused_outputs), priced then as unfused."""
+  matmul or a LoRA adapter on any of them keeps them apart (linears.fused_outputs), priced then as unfused, as
+  is Gemma 4, whose own attention (the family layer that norms the query and key itself) never fuses them."""
   lora = cfg.lora
   adapted = lora.lora_rank > 0 and bool({"q_proj", "k_proj", "v_proj"} & set(lora.lora_target_modules))
-  return cfg.fused_qkv and cfg.attn.attention_type != "mla" and not cfg.quantization and not adapted
+  return (cfg.fused_qkv and cfg.attn.attention_type != "mla" and not cfg.quantization and not adapted
+          and not _layer_norms_query_and_key(cfg.decoder_block))
 
 
 def tensor_widths(cfg: ModelConfig, mesh: Mapping[str, int] | None = None) -> dict[str, float]:
