@@ -416,6 +416,13 @@ class DecodeConfig:
              f"quantize_weights_block={v['quantize_weights_block']} needs quantize_weights=int8 or fp8 (it sizes their "
              "scales' blocks); set quantize_weights or quantize_weights_block=0")
     _require(v["kv_page_size"] >= 1, f"kv_page_size must be >= 1, got {v['kv_page_size']}")
+    # The cache's positions and pages are int32 indices on the device (and a host page table per slot).
+    positions = v["serve_max_slots"] * v["max_target_length"]
+    _require(positions < 2**31, f"serve_max_slots {v['serve_max_slots']} x max_target_length {v['max_target_length']} "
+             f"= {positions:.3g} cache positions, over the 2**31 this project accepts: lower serve_max_slots")
+    _require(v["kv_num_pages"] * v["kv_page_size"] < 2**31, f"kv_num_pages {v['kv_num_pages']} x kv_page_size "
+             f"{v['kv_page_size']} = {v['kv_num_pages'] * v['kv_page_size']:.3g} cache positions, over the 2**31 this "
+             "project accepts: lower kv_num_pages")
     _require(v["kv_num_pages"] >= 0, f"kv_num_pages must be >= 0 (0: enough for every slot at max_target_length), "
              f"got {v['kv_num_pages']}")
     _require(v["prefix_state_snapshots"] >= -1, f"prefix_state_snapshots must be >= -1 (-1: 2 per slot, 0: none), "

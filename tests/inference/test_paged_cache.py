@@ -244,6 +244,10 @@ def test_paged_memory_grows_with_cached_tokens_not_slots_times_length():
     (dict(kv_cache_layout="ragged"), "kv_cache_layout must be one of dense, paged; got 'ragged'"),
     (dict(kv_page_size=0), "kv_page_size must be >= 1, got 0"),
     (dict(kv_num_pages=-1), "kv_num_pages must be >= 0"),
+    # Past int32 cache indices: serve sized a [slots, pages] host table first (a numpy MemoryError traceback).
+    (dict(serve_max_slots=10**9), r"serve_max_slots 1000000000 x max_target_length \d+ = .* cache positions, over the "
+                                  r"2\*\*31 this project accepts: lower serve_max_slots"),
+    (dict(kv_num_pages=10**14), r"kv_num_pages 100000000000000 x kv_page_size \d+ = .* over the 2\*\*31"),
 ])
 def test_bad_paged_keys_are_config_errors(overrides, message):
   with pytest.raises(ConfigError, match=message):
