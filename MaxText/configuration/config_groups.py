@@ -441,9 +441,9 @@ class DecodeConfig:
     _require(v["decode_steps_per_call"] >= 1, f"decode_steps_per_call must be >= 1 (1: one token per call), got "
              f"{v['decode_steps_per_call']}")
     # A slot runs at most max_target_length steps; more would only size the call's token buffers (memory).
-    _require(v["decode_steps_per_call"] <= v["max_target_length"],
-             f"decode_steps_per_call={v['decode_steps_per_call']} is more than max_target_length="
-             f"{v['max_target_length']} (no slot runs that many steps); set it to at most {v['max_target_length']}")
+    for name in ("decode_steps_per_call", "speculative_tokens"):
+      _require(v[name] <= v["max_target_length"], f"{name}={v[name]} is more than max_target_length="
+               f"{v['max_target_length']} (no slot runs that many steps); set it to at most {v['max_target_length']}")
     _require(v["decode_steps_per_call"] == 1 or v["speculative_tokens"] == 0,
              f"decode_steps_per_call={v['decode_steps_per_call']} does not combine with speculative_tokens="
              f"{v['speculative_tokens']} (a speculative round already emits several tokens per call); set one of "

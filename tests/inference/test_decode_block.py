@@ -173,6 +173,8 @@ def test_steps_per_call_is_checked():
   # A huge value sized [slots, k] token buffers before any check: the process was killed for memory.
   with pytest.raises(ConfigError, match=r"decode_steps_per_call=1000000000 is more than max_target_length=\d+"):
     Config.for_testing(**TINY, decode_steps_per_call=10**9)
+  with pytest.raises(ConfigError, match=r"speculative_tokens=1000000000 is more than max_target_length=\d+"):
+    Config.for_testing(**TINY, speculative_tokens=10**9)
 
 
 def scheduled(eng: Engine, prompts, max_new, stop=()):
