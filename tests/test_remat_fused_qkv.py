@@ -146,3 +146,18 @@ def test_the_fill_keeps_qkv_proj():
   (placed, *_) = fill.variants(base, estimate, topology,
                                _limit(estimate, _room_for([n for u in before for n in u], model, _FILL_SETTINGS)), {})
   assert placed["qkv_proj"] == "device" and not set(_QKV) & set(placed)
+
+
+@pytest.mark.parametrize("apart", [dict(quantization="int8"), dict(lora_rank=4, lora_target_modules=["up_proj"])],
+                         ids=["int8", "lora"])
+def test_a_quantized_or_adapted_fused_mlp_is_priced_unfused(apart):
+  """Likewise fused_mlp's two input projections run apart, named mlpwi_0 and mlpwi_1 (test_remat_custom's
+  test_a_quantized_or_adapted_fused_mlp_keeps_its_parts_names): the planner priced mlpwi, the parts at nothing."""
+  from MaxText.aot import plan_remat
+  fused = Config.for_testing(**{**_TINY, "fused_mlp": True, **apart}).model
+  unfused = Config.for_testing(**{**_TINY, **apart}).model
+  assert plan_remat.tensor_widths(fused) == plan_remat.tensor_widths(unfused)
+  for keep in (("mlpwi",), ("mlpwi_0",), ("mlpwi_0", "mlpwi_1")):
+    policy = remat_policies.custom(dict.fromkeys(keep, "device"))
+    assert plan_remat.rerun_flops(fused, policy, 8) == plan_remat.rerun_flops(unfused, policy, 8), keep
+    assert plan_remat.kept_width(fused, policy, False) == plan_remat.kept_width(unfused, policy, False), keep

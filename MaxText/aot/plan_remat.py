@@ -91,10 +91,14 @@ def fuses_qkv(cfg: ModelConfig) -> bool:
   """Whether the attention's query, key and value come from one matmul named qkv_proj (fused_qkv): a quantized
   matmul or a LoRA adapter on any of them keeps them apart (linears.fused_outputs), priced then as unfused, as
   is Gemma 4, whose own attention (the family layer that norms the query and key itself) never fuses them."""
-  lora = cfg.lora
-  adapted = lora.lora_rank > 0 and bool({"q_proj", "k_proj", "v_proj"} & set(lora.lora_target_modules))
-  return (cfg.fused_qkv and cfg.attn.attention_type != "mla" and not cfg.quantization and not adapted
+  return (cfg.fused_qkv and cfg.attn.attention_type != "mla" and not _runs_apart(cfg, ("q_proj", "k_proj", "v_proj"))
           and not _layer_norms_query_and_key(cfg.decoder_block))
+
+
+def _runs_apart(cfg: ModelConfig, targets: tuple[str, ...]) -> bool:
+  """Whether quantization or a LoRA adapter on one of `targets` keeps a fused matmul's parts apart."""
+  lora = cfg.lora
+  return bool(cfg.quantization) or (lora.lora_rank > 0 and bool(set(targets) & set(lora.lora_target_modules)))
 
 
 def tensor_widths(cfg: ModelConfig, mesh: Mapping[str, int] | None = None) -> dict[str, float]:
@@ -109,7 +113,8 @@ def tensor_widths(cfg: ModelConfig, mesh: Mapping[str, int] | None = None) -> di
   dense = cfg.mlp_dim * max(cfg.moe.shared_experts, 1) if not moe or cfg.moe.shared_experts else 0
   rope = cfg.mla.qk_rope_head_dim
   gated = len(cfg.mlp_activations) > 1  # two input projections (layers/mlp.py names them mlpwi_0, mlpwi_1)
-  fused_mlp = gated and cfg.fused_mlp  # their one matmul's output is mlpwi, the parts unnamed (as upstream)
+  # their one matmul's output is mlpwi, the parts unnamed (as upstream), unless they run apart (_runs_apart)
+  fused_mlp = gated and cfg.fused_mlp and not _runs_apart(cfg, ("gate_proj", "up_proj"))
   mla = cfg.attn.attention_type == "mla"  # whose attention output is `attention_out`; the others' is `context`
   # MLA's key_proj and value_proj are per query head, its values v_head_dim wide (layers/mla.py).
   key, value = (n * h, n * cfg.mla.v_head_dim) if mla else (k * h, k * h)
