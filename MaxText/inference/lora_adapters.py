@@ -98,7 +98,16 @@ class AdapterTable:
       shape, lead, dtype = self._places[(keys[:-1], keys[-1])]
       return jax.device_put(jnp.zeros(shape[:lead] + (self.capacity + 1,) + shape[lead:], dtype),
                             self._shardings[(keys[:-1], keys[-1])])
-    return jax.tree_util.tree_map_with_path(table, params)
+    try:
+      return jax.tree_util.tree_map_with_path(table, params)
+    except jax.errors.JaxRuntimeError as e:  # serve_lora_slots or serve_lora_max_rank far too large
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      size = sum(int(np.prod(shape)) * (self.capacity + 1) * np.dtype(dtype).itemsize
+                 for shape, _, dtype in self._places.values())
+      raise UserError(f"the LoRA adapter tables ({self.capacity} adapter rows and the base model's, rank {self.rank}) "
+                      f"need {size / 2**30:.3g} GiB, more than the devices could allocate: lower serve_lora_slots or "
+                      "serve_lora_max_rank") from None
 
   def check(self, rank: int, targets: Sequence[str], name: str) -> None:
     """UserError when an adapter of `rank` on `targets` does not fit the tables."""

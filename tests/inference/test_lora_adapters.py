@@ -683,6 +683,23 @@ def test_an_adapter_add_from_a_dead_bucket_fails_alone(monkeypatch):
   assert not storage_retry.is_down() and registry.names() == []
 
 
+def test_adapter_tables_too_large_to_allocate_are_one_line(monkeypatch):
+  """serve_lora_slots=1000000000 (or a rank of that size): the tables' allocation failed in a JAX RESOURCE_EXHAUSTED
+  traceback. The failure stands in for a real one (allocating terabytes may succeed lazily and get the process killed)."""
+  table = object.__new__(lora_adapters.AdapterTable)
+  table.capacity, table.rank = 10**9, 4
+  table._places = {(("layers", "q_proj"), "lora_a"): ((32, 4), 0, np.dtype("float32"))}
+  table._shardings = {(("layers", "q_proj"), "lora_a"): None}
+
+  def exhausted(*args, **kwargs):
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 512000000512 bytes.")
+
+  monkeypatch.setattr(lora_adapters.jnp, "zeros", exhausted)
+  with pytest.raises(UserError, match=r"^the LoRA adapter tables \(1000000000 adapter rows and the base model's, rank "
+                                      r"4\) need 477 GiB, .*: lower serve_lora_slots or serve_lora_max_rank$"):
+    table.with_tables({"layers": {"q_proj": {"lora_a": np.zeros((32, 4), np.float32)}}})
+
+
 def test_negative_table_sizes_are_config_errors():
   from MaxText.errors import ConfigError
 
