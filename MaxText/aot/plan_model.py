@@ -266,7 +266,12 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   fsdp_group = mesh_shape["fsdp"] * mesh_shape["fsdp_transpose"] * mesh_shape["sequence"]
   gathers = 3 if policy.keeps == "nothing" else 2  # full remat gathers the weights again for the recompute
   ici_fsdp = min(fsdp_group, topology.chips)
-  ici_bytes = accumulation * gathers * ring(full_params_bytes, ici_fsdp) + ring(full_params_bytes * 2, ici_fsdp)
+  # Each microbatch reduces its own gradients over the fsdp group inside the backward loop (Planner.md,
+  # *Gradient accumulation's reductions*). One reduction stays under compute as before; each further
+  # microbatch's is counted in full, since the compiled v5e-256 step all-reduces them synchronously.
+  reduction = ring(full_params_bytes * 2, ici_fsdp)
+  ici_bytes = accumulation * gathers * ring(full_params_bytes, ici_fsdp) + reduction
+  gradient_sync_s = (accumulation - 1) * reduction / links.ici
   # A teacher's weights are gathered for each of its forwards; nothing of it is reduced.
   teacher_gathers = [(accumulation if t.per_micro_batch else 1, t.gathered_bytes(mesh_shape)) for t in model.teachers]
   ici_bytes += sum(n * ring(nbytes, ici_fsdp) for n, nbytes in teacher_gathers)
@@ -292,7 +297,7 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   dcn_stages = int(candidate.get(MeshAxis.STAGE.dcn_key, 1))
   critical_s += 0.0 if dcn_stages > 1 else stage_bytes / links.ici
   ici_s = ici_bytes / links.ici
-  exposed_s = critical_s
+  exposed_s = critical_s + gradient_sync_s
   dcn_bytes = 0.0
   dcn_exposed = stage_bytes if dcn_stages > 1 else 0.0
   dcn_experts = int(candidate.get(MeshAxis.EXPERT.dcn_key, 1))
@@ -311,8 +316,8 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
     host_bytes += 2 * tokens * accumulation * act_bytes * layers * plan_remat.kept_width(
         cfg, policy, on_host=True, mesh=mesh_shape)
   host_s = host_bytes / links.host
-  # Weight gathers, gradient reductions and DCN overlap with compute; activation exchanges and
-  # host transfers (offloaded state and activations) are counted in full.
+  # Weight gathers, one gradient reduction and DCN overlap with compute; activation exchanges, the further
+  # microbatches' gradient reductions and host transfers (offloaded state and activations) are counted in full.
   step_s = max(compute_s, ici_s, dcn_s) + exposed_s + host_s
   mfu = flops_per_chip / step_s / (gen.peak_tflops * 1e12)
   caveats = []
