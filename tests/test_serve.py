@@ -389,6 +389,19 @@ def test_bad_requests_get_json_errors(served, body, key, status, message):
 HUGE = "1" + "0" * 400  # 10**400: a valid JSON number, beyond a float's range
 
 
+def test_a_body_declared_too_large_is_refused_before_it_is_sent(served):
+  """Content-Length over serve_max_body_bytes with only a little sent: a 413 at once. Before, the server waited for
+  the whole declared body, for as long as the client kept the connection open."""
+  import socket
+
+  host, port = served.url.split("//")[1].rsplit(":", 1)
+  with socket.create_connection((host, int(port)), timeout=30) as conn:
+    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                 b"\r\nContent-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n{}")
+    answer = conn.recv(4096)  # socket.timeout (the test fails) when no answer comes
+  assert answer.startswith(b"HTTP/1.1 413 ") and b"serve_max_body_bytes" in answer, answer
+
+
 def test_huge_integers_with_a_meaning_are_served(served):
   """top_k beyond the vocabulary keeps every token (as 0 does)."""
   body = f'{{"model": "tiny", "prompt": "the", "max_tokens": 4, "temperature": 0, "top_k": {HUGE}}}'

@@ -220,6 +220,10 @@ class _Guard:
       if not hmac.compare_digest(token.encode("latin-1"), self.api_key.encode()):
         return await _send_error(send, api.ApiError(401, "a valid API key is required (Authorization: Bearer <key>)",
                                                     code="invalid_api_key"))
+    for name, value in scope["headers"]:  # a body declared too large is refused before it is read (or waited for)
+      if name == b"content-length" and value.isdigit() and int(value) > self.max_body_bytes:
+        return await _send_error(send, api.ApiError(413, f"the request body is larger than {self.max_body_bytes} "
+                                                    "bytes (serve_max_body_bytes)", code="body_too_large"))
     body, more = b"", True
     while more:
       message = await receive()
