@@ -429,6 +429,10 @@ class DecodeConfig:
              f"got {v['prefix_state_snapshots']}")
     _require(v["prefill_chunk_size"] >= 0, f"prefill_chunk_size must be >= 0 (0: no chunking), got "
              f"{v['prefill_chunk_size']}")
+    # One call's chunk budget is shared by the slots' prompts: more than they can all hold is never spent, and
+    # would only size the call's host buffers.
+    _require(v["prefill_chunk_size"] <= positions, f"prefill_chunk_size={v['prefill_chunk_size']} is more than the "
+             f"{positions} prompt tokens serve_max_slots x max_target_length can hold: lower prefill_chunk_size")
     _require(v["prefill_chunk_size"] == 0 or v["kv_cache_layout"] == "paged",
              f"prefill_chunk_size={v['prefill_chunk_size']} needs kv_cache_layout=paged (chunks are prefilled "
              "straight into the slot's pages); set kv_cache_layout=paged or prefill_chunk_size=0")

@@ -48,7 +48,8 @@ def _image_ref(part: Mapping[str, Any], where: str) -> str:
   else:
     ref = next((part[k] for k in ("image", "path", "url") if isinstance(part.get(k), str)), None)
   if not isinstance(ref, str) or not ref:
-    raise UserError(f"{where}: an {kind} part needs its image as a string (a data: URL, a path or a gs:// object), "
+    raise UserError(f"{where}: an {kind} part needs its image as a string (a data:image/...;base64, URL; "
+                    "a path or gs:// object too where files are read, as decode.py and datasets do), "
                     f"got {str(part)[:80]!r}")
   return ref
 

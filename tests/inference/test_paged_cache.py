@@ -248,6 +248,9 @@ def test_paged_memory_grows_with_cached_tokens_not_slots_times_length():
     (dict(serve_max_slots=10**9), r"serve_max_slots 1000000000 x max_target_length \d+ = .* cache positions, over the "
                                   r"2\*\*31 this project accepts: lower serve_max_slots"),
     (dict(kv_num_pages=10**14), r"kv_num_pages 100000000000000 x kv_page_size \d+ = .* over the 2\*\*31"),
+    # A chunk budget past every slot's tokens sized a [1, chunk] host array at the first chunked prefill.
+    (dict(kv_cache_layout="paged", prefill_chunk_size=10**12),
+     r"prefill_chunk_size=1000000000000 is more than the \d+ prompt tokens serve_max_slots x max_target_length"),
 ])
 def test_bad_paged_keys_are_config_errors(overrides, message):
   with pytest.raises(ConfigError, match=message):
