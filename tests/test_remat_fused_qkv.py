@@ -2,19 +2,16 @@
 and the norms) priced by the planner as the compiled backward re-runs and keeps it (plan_remat.shared_matmuls,
 qkv_proj_read), with and without the QK-norm, whose gradient reads the raw query and key."""
 
-import contextlib
-import io
 import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 
 from MaxText.configuration import remat_policies
 from MaxText.configuration.config import Config
-from test_remat_qkv_names import _POSITIONS, _SEGMENTS, _TINY, _layer, _planned_spared, _x
+from test_remat_qkv_names import _POSITIONS, _SEGMENTS, _TINY, _layer, _planned_spared, _x, residuals
 
 _FUSED = dict(base_num_kv_heads=4, fused_qkv=True)
 # Wider, so that the matmuls' FLOPs dwarf the elementwise work a placement also changes.
@@ -60,24 +57,10 @@ def test_the_fused_matmul_is_spared_as_compiled(qk_norm):
 
 
 def _saved(overrides: dict, **policy) -> dict[bool, float]:
-  """Elements per token one attention layer keeps for its backward pass, in HBM and on the host (True): jax's
-  print_saved_residuals (which marks an offloaded one <host>), less the constants and the layer input."""
-  from MaxText.layers import remat
-  from MaxText.platform import sharding
-  cfg, layer = _layer(overrides, **policy)
-  graph, state = nnx.split(layer)
-
-  def loss(x):
-    return nnx.merge(graph, state)(x, _POSITIONS, _SEGMENTS).sum()
-  printed = io.StringIO()
-  with contextlib.redirect_stdout(printed), sharding.unsharded():
-    jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(loss, policy=remat.checkpoint_policy(cfg.remat)), _x())
+  """Elements per token one attention layer keeps for its backward pass, in HBM and on the host (True)."""
   saved = {False: 0.0, True: 0.0}
-  for host, shape, what in re.findall(r"^\w+(<host>)?\[([\d,]*)\] (.*)$", printed.getvalue(), re.M):
-    if not what.startswith(("from a constant", "from the argument")):
-      dims = [int(d) for d in shape.split(",")]
-      assert dims[:2] == [2, 8], (shape, what)
-      saved[bool(host)] += float(np.prod(dims[2:]))
+  for host, n, _ in residuals(overrides, **policy):
+    saved[host] += n
   return saved
 
 

@@ -126,9 +126,10 @@ def test_kept_or_offloaded_qkv_give_full_remats_loss_and_gradients(family):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), got, reference)
 
 
-def _saved(overrides: dict, **policy) -> list[tuple[int, str]]:
-  """(elements per token, what) of each activation one attention layer keeps for its backward pass:
-  jax's print_saved_residuals, less the weights and positions (constants here) and the layer input."""
+def residuals(overrides: dict, **policy) -> list[tuple[bool, int, str]]:
+  """(on the host, elements per token, what) of each activation one attention layer keeps for its backward
+  pass: jax's print_saved_residuals (which marks an offloaded one <host>), less the weights and positions
+  (constants here) and the layer input."""
   from MaxText.layers import remat
   from MaxText.platform import sharding
   cfg, layer = _layer(overrides, **policy)
@@ -139,15 +140,20 @@ def _saved(overrides: dict, **policy) -> list[tuple[int, str]]:
   printed = io.StringIO()
   with contextlib.redirect_stdout(printed), sharding.unsharded():
     jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(loss, policy=remat.checkpoint_policy(cfg.remat)), _x())
-  saved = []
-  for shape, what in re.findall(r"^\w+\[([\d,]*)\] (.*)$", printed.getvalue(), re.M):
+  out = []
+  for host, shape, what in re.findall(r"^\w+(<host>)?\[([\d,]*)\] (.*)$", printed.getvalue(), re.M):
     dims = [int(d) for d in shape.split(",") if d]
     if what.startswith(("from a constant", "from the argument")):
       continue
     assert dims[:2] == [2, 8], (shape, what)
-    saved.append((int(np.prod(dims[2:])), "named " + re.search(r"named '(\w+)'", what)[1] if "named" in what
-                  else what.split(" from ")[0]))
-  return saved
+    out.append((bool(host), int(np.prod(dims[2:])), what))
+  return out
+
+
+def _saved(overrides: dict, **policy) -> list[tuple[int, str]]:
+  """(elements per token, what) of each activation one attention layer keeps (residuals)."""
+  return [(n, "named " + re.search(r"named '(\w+)'", what)[1] if "named" in what else what.split(" from ")[0])
+          for _, n, what in residuals(overrides, **policy)]
 
 
 def test_a_kept_normed_query_and_key_keep_their_projections_too_under_minimal():

@@ -15,6 +15,7 @@ from MaxText.platform import sharding
 from MaxText.configuration.config_groups import MESH_AXES
 from MaxText.inference import scheduler as sched
 from MaxText.inference.engine import Engine
+from MaxText.inference.sampling import RowParams
 
 _APPLY: dict[int, tuple] = {}
 
@@ -111,3 +112,13 @@ def served(engine: Engine, params, prompts: list[list[int]], rows: list, indices
   finally:
     s.stop()
   return tokens
+
+
+# A tiny engine, four prompts and their rows' sampling, as the insert tests use them (test_speculative_inserts,
+# test_prefill_insert).
+INSERT_BASE = dict(base_emb_dim=32, base_num_query_heads=2, base_num_kv_heads=2, head_dim=16, base_mlp_dim=64,
+                   base_num_decoder_layers=1, vocab_size=64, max_target_length=32, max_prefill_predict_length=8,
+                   per_device_batch_size=1, print_config=False, dtype="float32")
+INSERT_PROMPTS = [[5, 9, 2], [7, 1, 3, 3, 8, 4, 4, 1], [11, 4], [2, 2, 6, 1, 9]]
+INSERT_ROWS = [RowParams(seed=0), RowParams(seed=1), RowParams(temperature=1.0, seed=7), RowParams(seed=3)]
+INSERT_PAGED = dict(kv_cache_layout="paged", kv_page_size=4, prefix_caching="false")

@@ -6,14 +6,12 @@ values with the submit; the answers are the one-process server's, greedy, and ba
 from __future__ import annotations
 
 import base64
-import os
-import signal
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.inference.test_serve_processes import KEY, CliServer, httpx
+from tests.inference.test_serve_processes_shared import answered_alike
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "input_pipeline"))
 from sft_fixtures import LLAMA4, LLAMA4_IMAGE_SPECIAL, write_tokenizer  # noqa: E402
@@ -25,7 +23,6 @@ def test_llama4_image_chats_through_two_front_ends_answer_as_the_one_process_ser
 
   tokenizer = write_tokenizer(tmp_path / "tok", LLAMA4, LLAMA4_IMAGE_SPECIAL)
   keys = {**llama4_model_keys(), **LLAMA4_SERVING}
-  auth = {"Authorization": f"Bearer {KEY}"}
   wide = png_url(8, size=20, width=44, noise=True)  # a 1 x 2 tile grid and its thumbnail: 3 tiles
   chats = [image_message("what is this", wide), image_message("compare", png_url(2), wide),
            image_message("what is this", png_url(4, noise=True))]
@@ -37,33 +34,5 @@ def test_llama4_image_chats_through_two_front_ends_answer_as_the_one_process_ser
          [{"role": "user", "content": "look <|image|> here"}],  # the image marker typed, no image
          [{"role": "user", "content": "look <|patch|> here"}]]  # a placeholder typed, no image
 
-  def ask(server: CliServer, messages: list) -> tuple[int, bytes | str]:
-    answer = httpx.post(f"{server.url}/v1/chat/completions", headers=auth, timeout=180,
-                        json={"model": "tiny-vlm", "messages": messages, "max_tokens": 6, "temperature": 0})
-    if answer.status_code != 200:
-      return answer.status_code, answer.content
-    return 200, answer.json()["choices"][0]["message"]["content"]
-
-  one = CliServer(tokenizer, 0, **keys)
-  try:
-    expected = [ask(one, m) for m in chats + bad]
-  finally:
-    one.stop()
-  assert [code for code, _ in expected] == [200] * len(chats) + [400] * len(bad), expected
-  assert len({text for _, text in expected[:len(chats)]}) == len(chats)  # the images change the answer
-
-  server = CliServer(tokenizer, 2, **keys)
-  first, second = server.front_ends()
-  try:
-    os.kill(second, signal.SIGSTOP)  # the first answers
-    got = [ask(server, m) for m in chats[:2] + bad[:4]]
-    os.kill(second, signal.SIGCONT)
-    os.kill(first, signal.SIGSTOP)  # the second answers
-    got += [ask(server, m) for m in chats[2:] + bad[4:]]
-    assert got == [expected[i] for i in (0, 1, 3, 4, 5, 6, 2, 7, 8, 9)]
-    for pid in (first, second):
-      assert "jaxlib" not in Path(f"/proc/{pid}/maps").read_text()
-  finally:
-    for pid in (first, second):
-      os.kill(pid, signal.SIGCONT)
-    assert server.stop() == 0
+  with answered_alike(tokenizer, keys, chats, bad) as (_, _, expected):
+    assert len({text for _, text in expected[:len(chats)]}) == len(chats)  # the images change the answer

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 import pickle
 import re
@@ -18,7 +19,7 @@ import threading
 import time
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -31,6 +32,49 @@ from sft_fixtures import GEMMA3, IMAGE_SPECIAL, write_tokenizer  # noqa: E402
 
 LOAD = {"slots": 2, "active": 0, "waiting": 0, "pages_total": 0, "pages_free": 0, "pages_cached": 0,
         "pages_reserved": 0, "oldest_age_s": 0.0}
+
+
+@contextlib.contextmanager
+def answered_alike(tokenizer: Path, keys: dict[str, Any], chats: list, bad: list,
+                   on_one: Callable[[CliServer], object] = lambda _: None
+                   ) -> Iterator[tuple[CliServer, tuple[int, int], list[tuple[int, bytes | str]]]]:
+  """Asks `chats` (answered 200) and `bad` (answered 400) of a one-process server (`on_one` runs before it
+  stops), then of one with two front ends, each front end answering about half in turn (the other stopped with
+  SIGSTOP: both accept on the one socket): the same greedy text and the same 400 bodies; neither front end
+  maps jaxlib. Yields (that server, its front ends' pids, the one-process answers) with the first front end
+  still stopped; stops the server after."""
+  def ask(server: CliServer, messages: list) -> tuple[int, bytes | str]:
+    answer = httpx.post(f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                        timeout=180, json={"model": "tiny-vlm", "messages": messages, "max_tokens": 6,
+                                           "temperature": 0})
+    if answer.status_code != 200:
+      return answer.status_code, answer.content
+    return 200, answer.json()["choices"][0]["message"]["content"]
+
+  one = CliServer(tokenizer, 0, **keys)
+  try:
+    expected = [ask(one, m) for m in chats + bad]
+    on_one(one)
+  finally:
+    one.stop()
+  assert [code for code, _ in expected] == [200] * len(chats) + [400] * len(bad), expected
+  server = CliServer(tokenizer, 2, **keys)
+  first, second = server.front_ends()
+  try:
+    os.kill(second, signal.SIGSTOP)  # the first answers
+    got = [ask(server, m) for m in chats[:2] + bad[:4]]
+    os.kill(second, signal.SIGCONT)
+    os.kill(first, signal.SIGSTOP)  # the second answers
+    got += [ask(server, m) for m in chats[2:] + bad[4:]]
+    assert got == [expected[i] for i in [0, 1, *range(len(chats), len(chats) + 4), *range(2, len(chats)),
+                                         *range(len(chats) + 4, len(chats) + len(bad))]]
+    for pid in (first, second):
+      assert "jaxlib" not in Path(f"/proc/{pid}/maps").read_text()
+    yield server, (first, second), expected
+  finally:
+    for pid in (first, second):
+      os.kill(pid, signal.SIGCONT)
+    assert server.stop() == 0
 
 
 def _count(text: str, name: str, labels: str) -> float:
@@ -149,7 +193,6 @@ def test_image_chats_and_metrics_through_two_front_ends_answer_as_the_one_proces
 
   tokenizer = write_tokenizer(tmp_path / "tok", GEMMA3, IMAGE_SPECIAL)
   keys = {**MODEL, **SERVING}
-  auth = {"Authorization": f"Bearer {KEY}"}
   chats = [image_message("what is this", png_url(1)), image_message("compare", png_url(2), png_url(3)),
            image_message("what is this", png_url(4, noise=True))]
   bad = [image_message("hi", png_url(1), png_url(2), png_url(3)),  # more than serve_max_images
@@ -160,36 +203,13 @@ def test_image_chats_and_metrics_through_two_front_ends_answer_as_the_one_proces
          image_message("hi", "https://example.com/cat.png"),
          [{"role": "user", "content": "look <start_of_image> here"}]]
 
-  def ask(server: CliServer, messages: list) -> tuple[int, bytes | str]:
-    answer = httpx.post(f"{server.url}/v1/chat/completions", headers=auth, timeout=120,
-                        json={"model": "tiny-vlm", "messages": messages, "max_tokens": 6, "temperature": 0})
-    if answer.status_code != 200:
-      return answer.status_code, answer.content
-    return 200, answer.json()["choices"][0]["message"]["content"]
-
   def names(text: str) -> list[str]:
     return re.findall(r"^# TYPE (\S+)", text, re.M)
 
-  one = CliServer(tokenizer, 0, **keys)
-  try:
-    expected = [ask(one, m) for m in chats + bad]
-    one_names = names(httpx.get(f"{one.url}/metrics", timeout=10).text)
-  finally:
-    one.stop()
-  assert [code for code, _ in expected] == [200] * len(chats) + [400] * len(bad), expected
-  assert len({text for _, text in expected[:len(chats)]}) > 1
-
-  server = CliServer(tokenizer, 2, **keys)
-  first, second = server.front_ends()
-  try:
-    os.kill(second, signal.SIGSTOP)  # the first answers
-    got = [ask(server, m) for m in chats[:2] + bad[:4]]
-    os.kill(second, signal.SIGCONT)
-    os.kill(first, signal.SIGSTOP)  # the second answers
-    got += [ask(server, m) for m in chats[2:] + bad[4:]]
-    assert got == [expected[i] for i in (0, 1, 3, 4, 5, 6, 2, 7, 8, 9)]
-    for pid in (first, second):
-      assert "jaxlib" not in Path(f"/proc/{pid}/maps").read_text()
+  one_names: list[str] = []
+  with answered_alike(tokenizer, keys, chats, bad, lambda one: one_names.extend(
+      names(httpx.get(f"{one.url}/metrics", timeout=10).text))) as (server, (first, second), expected):
+    assert len({text for _, text in expected[:len(chats)]}) > 1
     route = 'route="/v1/chat/completions",status='
 
     def scrape() -> str:
@@ -213,7 +233,3 @@ def test_image_chats_and_metrics_through_two_front_ends_answer_as_the_one_proces
       assert names(text) == one_names
       assert _count(text, "maxtext_serve_requests_total", route + '"200"') == len(chats), text
       assert _count(text, "maxtext_serve_requests_total", route + '"400"') == len(bad), text
-  finally:
-    for pid in (first, second):
-      os.kill(pid, signal.SIGCONT)
-    assert server.stop() == 0

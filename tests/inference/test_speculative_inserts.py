@@ -16,14 +16,9 @@ from MaxText.inference.engine import Engine
 from MaxText.inference.engine_api import InsertsRowsTogether
 from MaxText.inference.sampling import RowParams
 from MaxText.inference.speculative_engine import SpeculativeEngine
-from decode_test_utils import Hiding, count_calls, one_device_mesh, served
+from decode_test_utils import (Hiding, INSERT_BASE as BASE, INSERT_PAGED as PAGED, INSERT_PROMPTS as PROMPTS,
+                              INSERT_ROWS as ROWS, count_calls, one_device_mesh, served)
 
-BASE = dict(base_emb_dim=32, base_num_query_heads=2, base_num_kv_heads=2, head_dim=16, base_mlp_dim=64,
-            base_num_decoder_layers=1, vocab_size=64, max_target_length=32, max_prefill_predict_length=8,
-            per_device_batch_size=1, print_config=False, dtype="float32")
-PROMPTS = [[5, 9, 2], [7, 1, 3, 3, 8, 4, 4, 1], [11, 4], [2, 2, 6, 1, 9]]
-ROWS = [RowParams(seed=0), RowParams(seed=1), RowParams(temperature=1.0, seed=7), RowParams(seed=3)]
-PAGED = dict(kv_cache_layout="paged", kv_page_size=4, prefix_caching="false")
 CASES = {"draft_dense": ({}, "draft"), "draft_paged": (PAGED, "draft"), "mtp_dense": ({}, "mtp")}
 
 
