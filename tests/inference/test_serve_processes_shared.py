@@ -153,7 +153,7 @@ def test_a_front_end_sends_a_requests_count_before_its_answer_goes_out() -> None
   async def receive() -> dict[str, Any]:
     return {"type": "http.request", "body": b"", "more_body": False}
 
-  scope = {"type": "http", "path": "/v1/chat/completions", "headers": []}
+  scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
   asyncio.run(serve_app._Guard(app, None, 1000, server.metrics)(scope, receive, send))
   assert seen_at_send[:2] == [[], []]  # not before the answer's end
   [(kind, observed)] = seen_at_send[2]
