@@ -515,6 +515,9 @@ def main(argv: list[str]) -> int:
   if not overrides.peek("run_name"):
     raise UserError("set run_name=NAME: every generation of the job resumes the same run")
   num_slices = int(overrides.peek("num_slices"))
+  if num_slices < 1:  # the default -1 (the devices' own count) means nothing before any slice is up
+    raise UserError(f"python3 -m MaxText.elastic needs num_slices=N >= 1, the slices the run starts on (got "
+                    f"num_slices={num_slices})")
   if on_tpu or on_gke:
     tpu_launch.check_run_name(str(overrides.peek("run_name")))  # it names the workers' folder, the JobSets
     target = tpu_target(args.tpu_type, num_slices)

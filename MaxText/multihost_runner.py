@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -71,6 +72,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--num_workers", type=int, default=1,
                       help="with dry_run=true only: workers per slice to print commands for (a real run asks gcloud)")
   args = tool_args.parse_args(parser, argv)
+  if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", args.tpu_prefix):  # '' made `gcloud ... ssh ''`
+    raise UserError(f"tpu_prefix {args.tpu_prefix!r} must be a TPU VM's name: lower-case letters, digits and '-', "
+                    "starting with a letter (the slice is TPU_PREFIX; with num_slices=N, TPU_PREFIX-0 .. -(N-1))")
   if args.use_existing_folder and not args.run_name:
     raise UserError("use_existing_folder=true needs run_name=NAME: the folder ~/NAME on the workers is reused")
   tpu_launch.check_common_arguments(args)

@@ -38,7 +38,7 @@ class FakeCloud:
   def configure(self, **settings: object) -> None:
     path = self.root / "config.json"
     current = json.loads(path.read_text()) if path.exists() else {}
-    path.write_text(json.dumps({**current, **settings}))
+    write_config(path, {**current, **settings})
 
   def calls(self) -> list[list[str]]:
     path = self.root / "calls.jsonl"
@@ -50,6 +50,13 @@ class FakeCloud:
 
 def state() -> Path:
   return Path(os.environ["FAKE_GCLOUD_DIR"])
+
+
+def write_config(path: Path, settings: dict) -> None:
+  """Whole or not at all: a gcloud call reading it mid-write saw an empty file and every TPU as down."""
+  partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+  partial.write_text(json.dumps(settings))
+  os.replace(partial, path)
 
 
 def config() -> dict:
@@ -147,8 +154,7 @@ def create_queued_resource(argv: list[str]) -> int:
   prefix, count = flag(argv, "node-prefix"), int(flag(argv, "node-count", "1") or 1)
   names = [single] if single else [f"{prefix}-{i}" for i in range(count)]
   node = {"workers": settings["qr_workers"], "state": settings.get("qr_state", "READY")}
-  path = state() / "config.json"
-  path.write_text(json.dumps({**settings, "tpus": {**settings.get("tpus", {}), **{n: dict(node) for n in names}}}))
+  write_config(state() / "config.json", {**settings, "tpus": {**settings.get("tpus", {}), **{n: dict(node) for n in names}}})
   return 0
 
 

@@ -418,12 +418,17 @@ def _child_with(pid: int, variable: str) -> int:
   raise AssertionError(f"no child of {pid} has {variable}")
 
 
+def _children(pid: int) -> list[int]:
+  return [int(child) for task in Path(f"/proc/{pid}/task").iterdir() for child in (task / "children").read_text().split()]
+
+
 def shrink_and_grow_back(command: list[str], tmp_path: Path, env: dict[str, str], victim: int):
   """Runs `command` (MaxText.train's) as `python3 -m MaxText.elastic` on 4 slices of 2 CPU devices
   (run folder tmp_path/elastic, logs in tmp_path/logs, the persistent tier every 6 steps, the local
   tier every step); SIGKILLs process `victim` after step 4 and brings its slice back once the
   shrunk job has logged its first new step (the supervisor then records how long the shrink took
-  to resume), so both resizes meet a job that is training. Returns the supervisor's CompletedProcess."""
+  to resume), pausing that job until the supervisor has seen the slice back, so both resizes meet
+  a job that is training. Returns the supervisor's CompletedProcess."""
   import os
   import subprocess
 
@@ -443,7 +448,17 @@ def shrink_and_grow_back(command: list[str], tmp_path: Path, env: dict[str, str]
     _wait_for(lambda: max(_logged(run_dir), default=0) >= 4, "step 4 on 4 slices")
     os.kill(_child_with(cli.pid, f"JAX_PROCESS_ID={victim}"), signal.SIGKILL)
     _wait_for(lambda: any("seconds_to_resume" in line for line in _events(run_dir)), "a step on 2 slices")
-    (logs / f"slice_{victim}.down").unlink()
+    # The shrunk job is paused until the supervisor has decided to grow back: on a loaded machine it
+    # could otherwise finish its last steps first, and the grow-back would then meet a finished run.
+    shrunk = _children(cli.pid)
+    for pid in shrunk:
+      os.kill(pid, signal.SIGSTOP)
+    try:
+      (logs / f"slice_{victim}.down").unlink()
+      _wait_for(lambda: (run_dir / elastic.GROW_BACK_MARKER).exists(), "the supervisor's grow-back stop", timeout=120)
+    finally:
+      for pid in shrunk:
+        os.kill(pid, signal.SIGCONT)
     out, _ = cli.communicate(timeout=1200)
   finally:
     if cli.poll() is None:
@@ -570,7 +585,7 @@ def test_the_tpu_vm_launcher_shrinks_to_the_ready_slices_and_grows_back(tmp_path
   thread = threading.Thread(target=lambda: outcome.append(supervisor.run()), daemon=True)
   thread.start()
 
-  _wait_for(lambda: (shared / "args_job-1").exists(), "both workers", timeout=120)
+  _wait_for(lambda: (shared / "args_job-0").exists() and (shared / "args_job-1").exists(), "both workers", timeout=120)
   (shared / "resumed").write_text("")
   cloud.configure(tpus={"job-0": {"workers": 1, "state": "READY"}, "job-1": {"workers": 1, "state": "REPAIRING"}})
   (shared / "kill_job-1").write_text("")

@@ -47,6 +47,10 @@ def test_the_command_line_builds_the_layout_from_the_runs_config_and_prints_its_
 @pytest.mark.parametrize("extra,message", [
     (["elastic_min_slices=0"], r"^python3 -m MaxText.elastic supervises an elastic run: set elastic_min_slices=N"),
     (["run_name="], r"^set run_name=NAME: every generation of the job resumes the same run$"),
+    # num_slices left at its default, 0 or negative (was: "num_slices=-1 does not divide the -8 devices")
+    (["num_slices=-1"], r"^python3 -m MaxText.elastic needs num_slices=N >= 1, the slices the run starts on \(got "
+                        r"num_slices=-1\)$"),
+    (["num_slices=0", "tpu_prefix=pod", "tpu_type=v5litepod-8"], r"needs num_slices=N >= 1, .* \(got num_slices=0\)$"),
     (["zone=z"], r"^zone applies to TPU VMs only: add tpu_prefix=NAME"),
     (["tpu_prefix=pod"], r"^tpu_prefix needs tpu_type=TYPE"),
     (["tpu_prefix=pod", "tpu_type=v5litepod-12"], r"^tpu_type='v5litepod-12' is not a TPU type"),

@@ -201,7 +201,10 @@ def test_fail_fast_stops_the_others(tmp_path, project):
 def test_bad_arguments_are_one_line_errors(tmp_path, project):
   cloud = FakeCloud(tmp_path / "cloud", {})
   for extra, message in [(["run_name=Bad_Name"], "run_name 'Bad_Name' must be"),
-                         (["num_slices=0"], "num_slices must be at least 1")]:
+                         (["num_slices=0"], "num_slices must be at least 1"),
+                         # '' and ' v5e' went on to `gcloud compute tpus tpu-vm ssh ''`
+                         (["tpu_prefix="], "tpu_prefix '' must be a TPU VM's name"),
+                         (["tpu_prefix= v5e"], "tpu_prefix ' v5e' must be a TPU VM's name")]:
     result = run(cloud, project, tmp_path, "tpu_prefix=v5e", "command=true", *extra)
     assert result.returncode == 2 and result.stderr.startswith(f"error: {message}"), result.stderr
   result = subprocess.run([sys.executable, "-m", "MaxText.multihost_runner", "tpu_prefix=v5e", "command=true",

@@ -36,7 +36,9 @@ def _env(num_devices: int, **extra: str) -> dict:
           "PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "PYTHONPATH": str(REPO_ROOT), **jax_cache_env(), **extra}
 
 
-def _launch(out: Path, run_name: str, num_processes: int, *args: str) -> list[subprocess.Popen]:
+def _launch(out: Path, run_name: str, num_processes: int, *args: str,
+            per_process: list[list[str]] | None = None) -> list[subprocess.Popen]:
+  """`per_process[i]`: process i's own further arguments."""
   command = [sys.executable, "-m", "MaxText.train", "configs/base.yml", f"run_name={run_name}",
              f"base_output_directory={out}", *MODEL, *args]
   devices = TOTAL_DEVICES // num_processes
@@ -44,7 +46,8 @@ def _launch(out: Path, run_name: str, num_processes: int, *args: str) -> list[su
     return [subprocess.Popen(command, cwd=REPO_ROOT, env=_env(devices), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)]
   address = f"127.0.0.1:{_free_port()}"
-  return [subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+  return [subprocess.Popen(command + (per_process[i] if per_process else []), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True,
                            env=_env(devices, JAX_COORDINATOR_ADDRESS=address, JAX_PROCESS_COUNT=str(num_processes),
                                     JAX_PROCESS_ID=str(i)))
           for i in range(num_processes)]
@@ -128,3 +131,19 @@ def test_a_killed_process_fails_the_others_fast_and_the_job_resumes(tmp_path):
 
   outs = _wait(_launch(tmp_path, "crash", 2, *args))
   assert f"state: resumed from step {saved[-1]}" in outs[0]
+
+
+def test_processes_started_with_different_configs_each_stop_with_one_line(tmp_path):
+  """One host given another override: gloo aborted both with a C++ stack (a collective of another size);
+  on TPU it can wait for good. Now every process names the key, before anything is written."""
+  procs = _launch(tmp_path, "mixed", 2, "steps=6", per_process=[[], ["base_emb_dim=128"]])
+  for i, proc in enumerate(procs):
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err[-3000:]
+    here, there = ("64", "128") if i == 0 else ("128", "64")
+    errors = [line for line in err.splitlines() if line.startswith("error")]
+    assert errors == [f"error [process {i}/2]: the processes of this job were started with different configurations: "
+                      f"process(es) 1 differ from process 0 (base_emb_dim: {there} on process {1 - i}, {here} here); "
+                      "start every process with the same command, config file and M_* variables"], err[-3000:]
+    assert "Traceback" not in err
+  assert not (tmp_path / "mixed").exists()
