@@ -154,7 +154,8 @@ def compile_figures(argv: list[str]) -> dict[str, Any]:
   from MaxText import train_compile
   from MaxText.training import run_assembly  # noqa: PLC0415  (after the flags are set)
   from MaxText.aot.hlo_cycles import estimated_cycles  # noqa: PLC0415
-  from MaxText.aot.memory_report import MemoryReport, buffer_assignment_dump_options, read_buffer_assignment  # noqa: PLC0415
+  from MaxText.aot.memory_report import (MemoryReport, buffer_assignment_dump_options, memory_spaces,  # noqa: PLC0415
+                                         read_buffer_assignment)
   start = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix="plan_") as report_dir:
     try:
@@ -174,10 +175,13 @@ def compile_figures(argv: list[str]) -> dict[str, Any]:
       return {"status": status, "message": message, "compile_s": time.perf_counter() - start, "total": figure}
     compile_s = time.perf_counter() - start
     memory = MemoryReport.from_compiled(compiled, read_buffer_assignment(report_dir))
+    vmem = memory_spaces(report_dir).get("vmem", 0)
   hlo_text = compiled.as_text()
   cycles = estimated_cycles(hlo_text)
   figures = {"status": "compiled", "compile_s": compile_s, "total": memory.total, "arguments": memory.arguments,
              "source": memory.source, "host_bytes": memory.host,
+             # What XLA's memory-space assignment holds in VMEM beside the heap (a small model's temporaries).
+             "vmem": vmem,
              "step_s": cycles / (topology.generation.clock_ghz * 1e9) if cycles and topology else None}
   if topology is not None:
     figures.update(model_figures(hlo_text, train_compile.step_target(config, topology, run), topology))
@@ -401,7 +405,7 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
   def kind(settings: Mapping[str, Any]) -> tuple[Any, ...]:
     return tuple(settings.get(k) for k in ("remat_policy", *remat_policies.TENSORS, "optimizer_memory_host_offload",
                                            MeshAxis.TENSOR.ici_key, MeshAxis.SEQUENCE.ici_key, "pipeline_schedule"))
-  unproduced = remat_policies.not_produced(config.values)
+  unproduced = {**remat_policies.not_produced(config.values), **plan_remat.layer_unproduced(config.model.decoder_block)}
   seen: set[tuple[Any, ...]] = set()
   firsts: list[tuple[float, int, float, dict[str, Any], plan_model.Estimate]] = []
   rest: list[tuple[float, int, float, dict[str, Any], plan_model.Estimate]] = []

@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+from MaxText.errors import UserError, run_cli  # noqa: E402
 
 import estimator_table  # noqa: E402  (the recipe compile and its MFU, shared)
 
@@ -36,9 +37,11 @@ RUN_ONLY_KEYS = ("steps", "enable_checkpointing", "dataset_type")
 
 def read_recipe(path: Path) -> tuple[str, list[str]]:
   text = path.read_text()
-  topology = re.search(r"^RECIPE_TOPOLOGY=(\S+)", text, re.M).group(1)
-  args = shlex.split(re.search(r"^RECIPE_ARGS=\((.*)\)", text, re.M).group(1))
-  return topology, args
+  topology = re.search(r"^RECIPE_TOPOLOGY=(\S+)", text, re.M)
+  args = re.search(r"^RECIPE_ARGS=\((.*)\)", text, re.M)
+  if topology is None or args is None:
+    raise UserError(f"{path}: no RECIPE_TOPOLOGY=... and RECIPE_ARGS=(...) lines, as configs/v5e/*.sh have")
+  return topology.group(1), shlex.split(args.group(1))
 
 
 def plan_command(topology: str, args: list[str], max_candidates: int, workers: int, cache_dir: str) -> list[str]:
@@ -53,7 +56,29 @@ def plan_command(topology: str, args: list[str], max_candidates: int, workers: i
           f"cache_dir={cache_dir}", "budget_minutes=120"]
 
 
-def main() -> int:
+def recipe_names(given: str) -> list[str]:
+  """The recipes `given` names (comma-separated gen/name; "" = every v5e and v5p recipe); a name with no
+  configs/<name>.sh is one line listing those there are (it was a FileNotFoundError traceback)."""
+  known = sorted(f"{p.parent.name}/{p.stem}" for gen in ("v5e", "v5p") for p in (REPO / "configs" / gen).glob("*.sh"))
+  names = [n.strip().removesuffix(".sh") for n in given.split(",") if n.strip()]
+  if given and not names:  # an empty shell variable: not every recipe (hours of plans)
+    raise UserError(f"recipes={given!r} names no recipe; leave it out for every v5e and v5p recipe")
+  names = names or known
+  unknown = [n for n in names if not (REPO / "configs" / f"{n}.sh").is_file()]
+  if unknown:
+    raise UserError(f"recipes={given}: no recipe {', '.join(unknown)}; known: {', '.join(known)}")
+  return names
+
+
+def check_output_path(path: str) -> None:
+  """Before any plan runs (each may take its budget_minutes): the rows go to a local file, appended."""
+  if not path.strip() or "://" in path or path.lower().startswith("gs:"):
+    raise UserError(f"output_path={path!r}: name a local .jsonl file (the rows are appended to it)")
+  if Path(path).is_dir():
+    raise UserError(f"output_path={path} is a directory; name a .jsonl file in it")
+
+
+def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--recipes", default="", help="comma-separated gen/name (default: every v5e and v5p recipe)")
   parser.add_argument("--max_candidates", type=int, default=2)
@@ -62,9 +87,9 @@ def main() -> int:
   parser.add_argument("--output_path", default="outputs/plan_recipes.jsonl")
   parser.add_argument("--no_recipe_compile", action="store_true")
   parser.add_argument("--plan_args", default="", help="more planner arguments, e.g. attention_blocks=none")
-  opts = tool_args.parse_args(parser, None, renamed={"out": "output_path"})
-  names = [n for n in opts.recipes.split(",") if n] or sorted(
-      f"{p.parent.name}/{p.stem}" for gen in ("v5e", "v5p") for p in (REPO / "configs" / gen).glob("*.sh"))
+  opts = tool_args.parse_args(parser, argv[1:], renamed={"out": "output_path"})
+  names = recipe_names(opts.recipes)
+  check_output_path(opts.output_path)
   Path(opts.output_path).parent.mkdir(parents=True, exist_ok=True)
   for name in names:
     topology, args = read_recipe(REPO / "configs" / f"{name}.sh")
@@ -92,4 +117,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  run_cli(main)

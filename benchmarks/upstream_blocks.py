@@ -39,10 +39,13 @@ def read_recipe_file(upstream: Path, name: str) -> str | None:
   """The text of benchmarks/<name> in a checkout or a bare git directory (HEAD); None if absent."""
   path = upstream / "benchmarks" / name
   if path.is_file():
-    return path.read_text()
+    try:  # bytes that are not UTF-8 are left for the compile to report, with the other blocks' files read
+      return path.read_bytes().decode("utf-8", errors="replace")
+    except OSError as e:
+      raise UserError(f"cannot read {path}: {e.strerror or e}") from None
   shown = subprocess.run(["git", f"--git-dir={upstream}", "show", f"HEAD:benchmarks/{name}"], capture_output=True,
-                         text=True, check=False)
-  return shown.stdout if shown.returncode == 0 else None
+                         check=False)
+  return shown.stdout.decode("utf-8", errors="replace") if shown.returncode == 0 else None
 
 
 class _NoFlags(str):
@@ -92,21 +95,25 @@ def slice_of(block_name: str, default: str, params: dict[str, Any]) -> tuple[str
   """The topology a block runs on and its number of slices (the product of its dcn degrees, -1 as 1)."""
   match = _SLICE_IN_NAME.search(block_name)
   topology = f"{match.group(1)}-{match.group(2)}" if match else default
-  dcn = [int(v) for k, v in params.items() if k.startswith("dcn_") and k.endswith("_parallelism") and int(v) > 0]
+  degrees = {k: v for k, v in params.items() if k.startswith("dcn_") and k.endswith("_parallelism")}
+  bad = [f"{k}={v!r}" for k, v in degrees.items()
+         if isinstance(v, bool) or not (isinstance(v, int) or re.fullmatch(r"\s*[+-]?\d+\s*", str(v)))]
+  if bad:
+    raise UserError(f"{bad[0]} is not a whole number of slices")
+  dcn = [int(v) for v in degrees.values() if int(v) > 0]
   return topology, math.prod(dcn) if dcn else 1
 
 
 def try_block(model_type: str, params: dict[str, Any], topology: str, num_slices: int) -> str:
   """`loads`, or the one line that stops the block."""
   from MaxText.configuration.config import Config
-  from MaxText.errors import ConfigError
   from MaxText.platform import accelerators
 
-  target = accelerators.tpu_topology(topology).target(num_slices)
-  try:
+  try:  # a block's own slice too: its name may give one that does not exist
+    target = accelerators.tpu_topology(topology).target(num_slices)
     Config.for_testing(target=target, run_name="upstream_block", model_name=model_type, num_slices=num_slices,
                        **params)
-  except ConfigError as e:
+  except UserError as e:
     return f"error: {e}"
   return "loads"
 
@@ -130,12 +137,17 @@ def main(argv: list[str]) -> int:
       continue
     try:
       blocks = blocks_of(source)
-    except Exception as e:  # upstream's file, run as data: one that needs more than the stand-ins is reported
+    except (Exception, SystemExit) as e:  # upstream's file run as data: one that needs more than the stand-ins
       print(f"{name}: cannot be read here ({type(e).__name__}: {e})".splitlines()[0])
       continue
     results = []
     for block_name, model_type, params in blocks:
-      topology, slices = slice_of(block_name, FILES.get(name, "v6e-256"), params)
+      try:
+        topology, slices = slice_of(block_name, FILES.get(name, "v6e-256"), params)
+      except UserError as e:
+        results.append(f"error: {e}")
+        print(f"{name} {block_name} ({model_type}): {results[-1]}", flush=True)
+        continue
       results.append(try_block(model_type, params, topology, slices))
       where = topology if slices == 1 else f"{slices} x {topology}"
       print(f"{name} {block_name} ({model_type}, {where}): {results[-1]}", flush=True)

@@ -188,3 +188,30 @@ def test_padded_dropless_moe_flops_match_xla_cost_analysis(shared_experts):
   assert ours <= xla_flops <= 1.06 * ours, (ours, xla_flops)
   grouped = Config.for_testing(**MOE, max_target_length=32, capacity_factor=-1.0, sparse_matmul=True)
   assert metrics.forward_flops_per_sequence(grouped.model, 32)[0] < weights
+
+
+# Gemma 4's per-layer shapes: four layers, local and global in turn, global heads twice as wide with one key/value
+# head whose values are its keys, the last two layers reading the first two's keys and values with twice-wide MLPs.
+GEMMA4 = dict(decoder_block="gemma4", base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16,
+              base_mlp_dim=128, base_num_decoder_layers=4, vocab_size=128, scan_layers=False, print_config=False,
+              dtype="float32", ici_data_parallelism=8, ici_fsdp_parallelism=1, use_qk_norm=True,
+              attention_layer_pattern=["local", "global"], sliding_window_size=8, mlp_activations=["gelu", "linear"],
+              global_head_dim=32, global_num_kv_heads=1, attention_k_eq_v=True, use_v_norm=True,
+              num_kv_shared_layers=2, kv_shared_double_mlp=True)
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(per_layer_input_dim=8),
+                                       dict(moe_beside_mlp=True, num_experts=4, num_experts_per_tok=2,
+                                            dense_mlp_dim=96, capacity_factor=-1.0)],
+                         ids=["shapes", "per_layer_inputs", "experts_beside"])
+def test_gemma4_formula_counts_each_layers_own_shape(overrides):
+  """The formula equals every matmul of a Gemma 4 model's jaxpr (attention unmasked): each layer at its own head
+  shape and MLP width, no key/value projections on the KV-sharing layers, no value projection where the values are
+  the keys, the per-layer inputs' projections, the dense MLP beside the experts (it counted every layer at the local
+  layers' shape with its own keys and values, and no dense MLP beside experts)."""
+  config = Config.for_testing(**GEMMA4, **overrides, max_target_length=32)
+  spec = models.build_model_spec(config.model)
+  tokens = jax.ShapeDtypeStruct((BATCH, 32), jnp.int32)
+  jaxpr = jax.make_jaxpr(sharding.unsharded()(spec.apply))(spec.abstract_params, tokens, tokens, tokens).jaxpr
+  weights, attention_flops = metrics.forward_flops_per_sequence(config.model, 32, causal=False)
+  assert _jaxpr_matmul_flops(jaxpr) == BATCH * (weights + attention_flops)

@@ -4,8 +4,10 @@ nothing, the recipe it writes dry-runs), and the one-line answers to impossible 
 
 import dataclasses
 import json
+import math
 import re
 import subprocess
+from typing import Any
 
 import pytest
 
@@ -22,9 +24,17 @@ SMALL = dict(base_emb_dim=512, base_num_query_heads=4, base_num_kv_heads=4, head
              base_num_decoder_layers=4, vocab_size=2048, max_target_length=256, print_config=False)
 TINY = dict(base_emb_dim=256, base_num_query_heads=2, base_num_kv_heads=2, head_dim=64, base_mlp_dim=512,
             base_num_decoder_layers=1, vocab_size=256, max_target_length=64, print_config=False)
-# The analytical total per chip against XLA's device heap, on the configurations below
-# (getting_started/Planner.md lists the errors): it over-estimates what XLA overlaps.
-MEMORY_TOLERANCE = (0.9, 2.0)
+# The analytical total per chip against XLA's device heap (plus code) on the configurations below
+# (getting_started/Planner.md, *Accuracy of the analytical model*, lists the errors): at least 0.9x the heap,
+# and at most the heap plus what XLA's memory-space assignment holds in VMEM, which the heap does not count.
+# On this small model VMEM holds most temporaries (the scanned stack's float32 gradients, its bf16 weights,
+# the saved activations), so the estimate reads about twice the heap though it counts no buffer the compile lacks.
+MEMORY_LOW = 0.9
+
+
+def assert_in_heap_or_vmem(estimate_total: float, compiled: dict[str, Any]) -> None:
+  heap, vmem = compiled["total"], compiled["vmem"]
+  assert MEMORY_LOW * heap <= estimate_total <= heap + vmem, (estimate_total, heap, vmem)
 
 
 def argv(**overrides) -> list[str]:
@@ -62,8 +72,7 @@ def test_analytical_memory_against_the_compiled_heap(settings):
   # 4 int32 arrays per row; a chip holds whole rows (here, with fewer rows than chips, one).
   batch_bytes = max(1, settings["per_device_batch_size"]) * SMALL["max_target_length"] * 4 * 4
   assert estimate.params + estimate.optimizer == pytest.approx(compiled["arguments"] - batch_bytes, rel=0.01)
-  low, high = MEMORY_TOLERANCE
-  assert low * compiled["total"] <= estimate.total <= high * compiled["total"]
+  assert_in_heap_or_vmem(estimate.total, compiled)
   assert compiled["step_s"] > 0 and estimate.step_s > 0
 
 
@@ -173,6 +182,10 @@ def test_sequence_parallel_candidates_on_the_chunked_kernel_are_flagged():
                                                context_parallel_load_balance=True)).caveats  # the whole 256
 
 
+# With expert parallelism the estimate is 1.31x the heap dropless and 1.24x bounded, over the heap plus VMEM
+# (47 MiB here) too: its exchange buffers and expert gradients add up to more than the compile holds at once
+# (Planner.md, *Accuracy of the analytical model*).
+MOE_MEMORY_TOLERANCE = (0.9, 1.4)
 MOE = dict(SMALL, num_experts=16, num_experts_per_tok=4, sparse_matmul=True, capacity_factor=-1.0, base_mlp_dim=512,
            per_device_batch_size=8, remat_policy="full", ici_expert_parallelism=4)
 
@@ -198,7 +211,7 @@ def test_analytical_memory_counts_the_expert_exchange_buffers(buffer_factor, mon
   overrides = dict(MOE, moe_ragged_buffer_factor=buffer_factor)
   compiled = plan.compile_figures(argv(compile_topology="v5p-8", **overrides))
   assert compiled["status"] == "compiled"
-  low, high = MEMORY_TOLERANCE
+  low, high = MOE_MEMORY_TOLERANCE
   assert low * compiled["total"] <= analytic("v5p-8", **overrides).total <= high * compiled["total"]
   monkeypatch.setattr(plan_model, "MOE_EXCHANGE_COPIES", 0)
   assert analytic("v5p-8", **overrides).total < low * compiled["total"]
@@ -279,9 +292,11 @@ def no_compile(monkeypatch):
 def test_a_model_too_large_for_any_setting_names_the_smallest_topology(tmp_path, monkeypatch, capsys):
   no_compile(monkeypatch)
   with pytest.raises(UserError, match=r"^llama2-7b does not fit 1 x v5e-4 at any setting the planner searches: its "
-                                      r"leanest setting \(full opt_offload ici_fsdp=4\) needs [\d.]+ GiB per chip "
-                                      r"\(parameters [\d.]+ \+ optimizer [\d.]+ \+ the larger of gradients [\d.]+ and "
-                                      r"activations [\d.]+\), a v5e chip holds 16 GiB \(14.4 with headroom=0.1\); it "
+                                      r"leanest setting \([^)]*(?:full|minimal_offloaded) opt_offload[^)]*\) "
+                                      r"needs [\d.]+ GiB per chip \(parameters [\d.]+ \+ optimizer [\d.]+ "
+                                      r"\+ gradients [\d.]+ \+ activations "
+                                      r"[\d.]+ \+ the weights' [\d.]+ in the compute dtype\), a v5e chip holds 16 GiB "
+                                      r"\(14.4 with headroom=0.1\); it "
                                       r"would fit \(analytical model\) on v5e-8, or .*v5p-8"):
     plan.main(argv(model_name="llama2-7b", compile_topology="v5e-4", max_target_length=2048, cache_dir=tmp_path))
   assert not list(tmp_path.glob("*"))  # answered by the analytical model: nothing compiled
@@ -299,7 +314,22 @@ def test_a_model_no_slice_holds_is_answered_at_once_with_more_slices(tmp_path, m
                             "setting ("), message
   needed = float(re.search(r"needs ([\d.]+) GiB per chip", message).group(1))
   assert 14.4 < needed < 64 and "2 x v5e-256 (compile_topology_num_slices=2)" in message, message
+  assert "or v5p-256," in message, message  # the bound needs 93.7 GiB per chip on v5p-128, 47.6 on v5p-256
   assert "ranking" not in capsys.readouterr().out
+
+
+def test_the_smallest_slice_is_found_past_slices_whose_degrees_factor_worse(monkeypatch: pytest.MonkeyPatch) -> None:
+  """llama3.1-405b's bound fits v5p-256 (128 chips) but not v5p-384 (192: fsdp=3 beside sequence=8), nor
+  v5p-640 or v5p-896; a binary search over every slice took those for the boundary and named v5p-3584."""
+  def fits(self: plan_search.Bound, topology: accelerators.TpuTopology, num_slices: int, limit_share: float,
+           fixed: object = None) -> bool:
+    chips = topology.chips
+    return chips >= 1024 or (chips >= 128 and chips & (chips - 1) == 0)
+  monkeypatch.setattr(plan_search.Bound, "fits", fits)
+  bound = plan_search.Bound.__new__(plan_search.Bound)
+  v5p = accelerators.TPU_GENERATIONS["v5p"]
+  assert bound.smallest_slice(v5p, 1, 0, 0.9, {}) == "v5p-256"
+  assert bound.smallest_slice(v5p, 1, 128, 0.9, {}) == "v5p-512"
 
 
 def test_fixed_keys_that_keep_a_model_out_are_named(tmp_path, monkeypatch):
@@ -612,3 +642,23 @@ def test_without_a_global_batch_the_search_tries_the_fractions_upstream_recipes_
   assert {0.125, 0.25, 0.5} <= eight.keys() and min(eight) == 0.125
   assert min(four) == 0.25  # 0.125 x 4 chips is half a sequence
   assert _accepted(eight[0.125]), plan_search.describe(eight[0.125])
+
+
+def test_a_degree_fixed_to_minus_one_fills_what_the_others_leave():
+  """ici_data_parallelism=-1 beside ici_fsdp_parallelism=2 (and dcn_data_parallelism=-1 on two slices): data takes
+  what the others leave, as config resolution has it. The -1 was taken as a degree: no candidate, and plan said
+  that no mesh layout respects the fixed degrees."""
+  topology = accelerators.tpu_topology("v5e-8")
+  config = config_lib.Config.for_testing(target=topology.target(), run_name="t", **TINY)
+  model = plan_model.ModelShape.of(config.model, config.optim)
+  for slices, fixed in ((1, {"ici_data_parallelism": -1, "ici_fsdp_parallelism": 2}),
+                        (2, {"ici_data_parallelism": -1, "dcn_data_parallelism": -1})):
+    found = list(plan_search.candidates(model, topology, slices, {"remat_policy": "full", **fixed},
+                                        global_batch=16 * slices, seq_len=64, rules=config.mesh.logical_axis_rules))
+    assert found, fixed
+    for c in found:
+      mesh = plan_model.mesh_of(c)
+      assert c["ici_fsdp_parallelism"] == 2 or slices == 2
+      assert c["ici_data_parallelism"] >= 1 and c.get("dcn_data_parallelism", 1) >= 1
+      assert math.prod(mesh.values()) == 8 * slices, c
+    assert any(c["ici_data_parallelism"] == 4 for c in found)

@@ -44,7 +44,7 @@ def jax_layout(topology: accelerators.TpuTopology, degrees: dict[str, int]) -> t
     ("v5e-256", dict(tensor=16, fsdp=16)), ("v5e-32", dict(tensor=4, fsdp=8)), ("v5e-32", dict(expert=8, fsdp=4)),
     ("v5p-64", dict(tensor=4, fsdp=8)), ("v5p-256", dict(tensor=2, fsdp=64)), ("v5p-128", dict(tensor=8, fsdp=8)),
 ])
-def test_a_mesh_axis_group_gets_the_links_of_the_group_jax_lays_out(name, mesh):
+def test_a_mesh_axis_group_gets_the_links_of_the_group_jax_lays_out(name: str, mesh: dict[str, int]) -> None:
   topology = accelerators.tpu_topology(name)
   degrees = {a: mesh.get(a, 1) for a in MESH_AXES}
   grid, target = jax_layout(topology, degrees)
@@ -59,10 +59,11 @@ def test_a_mesh_axis_group_gets_the_links_of_the_group_jax_lays_out(name, mesh):
     assert network.mesh_axis_bandwidth(net, topology.shape, topology.wrap, degrees, axis) == compiled, axis
 
 
-def test_tensor_exchanges_cost_the_bytes_over_one_link_of_one_torus_axis(monkeypatch):
-  """tensor=2 on a 4x4x4 v5p slice spans part of one torus axis: one link one way, not the chip's six."""
+def test_tensor_exchanges_cost_the_bytes_over_one_link_of_one_torus_axis(monkeypatch: pytest.MonkeyPatch) -> None:
+  """tensor=2 on a 4x4x4 v5p slice spans part of one torus axis: one link one way, not the chip's six. data=2
+  keeps the FSDP group at 16 chips, whose reductions overlap compute (test_plan_fsdp_sync)."""
   settings = dict(SMALL, per_device_batch_size=4, remat_policy="minimal", ici_tensor_parallelism=2,
-                  ici_fsdp_parallelism=32)
+                  ici_fsdp_parallelism=16, ici_data_parallelism=2)
   first = analytic("v5p-128", **settings)
   net = network.NETWORKS["v5p"]
   # Halving the per-link figure (the same chip total over twice the links) moves only the in-layer exchanges.
@@ -75,10 +76,11 @@ def test_tensor_exchanges_cost_the_bytes_over_one_link_of_one_torus_axis(monkeyp
   assert slower.step_s - first.step_s == pytest.approx(passes * exchanged / net.link_one_way)
 
 
-def test_sequence_exchanges_cost_four_passes_of_the_keys_and_values_over_one_link(monkeypatch):
-  """sequence=2 on a 4x4x4 v5p slice: the all_gather strategy's 4 passes a layer, over one link."""
+def test_sequence_exchanges_cost_four_passes_of_the_keys_and_values_over_one_link(monkeypatch: pytest.MonkeyPatch) -> None:
+  """sequence=2 on a 4x4x4 v5p slice: the all_gather strategy's 4 passes a layer, over one link. data=4 keeps
+  the FSDP group (fsdp x sequence) at 16 chips, whose reductions overlap compute (test_plan_fsdp_sync)."""
   settings = dict(SMALL, per_device_batch_size=4, remat_policy="minimal", ici_sequence_parallelism=2,
-                  ici_fsdp_parallelism=32)
+                  ici_fsdp_parallelism=8, ici_data_parallelism=4)
   first = analytic("v5p-128", **settings)
   net = network.NETWORKS["v5p"]
   monkeypatch.setitem(network.NETWORKS, "v5p", dataclasses.replace(net, ici_links=2 * net.ici_links))

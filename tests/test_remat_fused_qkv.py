@@ -144,3 +144,20 @@ def test_a_quantized_or_adapted_fused_mlp_is_priced_unfused(apart):
     policy = remat_policies.custom(dict.fromkeys(keep, "device"))
     assert plan_remat.rerun_flops(fused, policy, 8) == plan_remat.rerun_flops(unfused, policy, 8), keep
     assert plan_remat.kept_width(fused, policy, False) == plan_remat.kept_width(unfused, policy, False), keep
+
+
+def test_a_qkv_proj_placement_on_gemma4_is_one_warning_naming_the_model(capsys):
+  """Gemma 4's attention never fuses its query, key and value, so with fused_qkv=True a qkv_proj placement places
+  nothing: building the model says so in one line naming the key and the model (was silent: config validation
+  reads only the keys, which say fused), once per process; a model whose layer fuses them is not warned about."""
+  from MaxText.configuration import model_config
+  from MaxText.models.transformer import Transformer
+  model_config._WARNED_UNPRODUCED.discard("qkv_proj")
+  for block in ("llama2", "gemma4", "gemma4"):
+    cfg = Config.for_testing(**{**_TINY, **_FUSED, "decoder_block": block, "remat_policy": "custom",
+                                "qkv_proj": "offload"}).model
+    with nnx.use_eager_sharding(False):
+      Transformer(cfg, rngs=nnx.Rngs(0))
+  assert [line for line in capsys.readouterr().err.splitlines() if "qkv_proj" in line] == [
+      "warning: qkv_proj=offload places nothing: no layer of gemma4 produces 'qkv_proj' (its attention projects the "
+      "query, key and value apart whatever fused_qkv says)"]

@@ -3,6 +3,7 @@ not a line per file and success; a checkout's blocks are read and tried."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +55,26 @@ def test_a_recipe_file_that_cannot_be_read_is_one_line(tmp_path, capsys):
   assert upstream_blocks.main([f"upstream={tmp_path}", "files=maxtext_v5e_model_configs.py"]) == 0
   assert capsys.readouterr().out == ("maxtext_v5e_model_configs.py: cannot be read here (ModuleNotFoundError: No module "
                                      "named 'a_module_upstream_has_and_we_do_not')\n")
+
+
+def test_a_block_on_a_slice_that_does_not_exist_or_with_a_dcn_degree_not_a_number_is_its_own_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+  """Each is an error line of its own and the other blocks are still tried (was: `v5e-3` in a block's name stopped the
+  whole command with "unknown compile_topology"; dcn_data_parallelism="auto" with a ValueError traceback), as is a
+  file that is not UTF-8 or that calls exit()."""
+  recipe = _RECIPE + '''
+odd = MaxTextModel(model_name="odd_v5e-3", model_type="llama2-7b", tuning_params={"per_device_batch_size": 1})
+auto = MaxTextModel(model_name="auto-v5e-8", model_type="llama2-7b", tuning_params={"dcn_data_parallelism": "auto"})
+'''
+  (tmp_path / "benchmarks").mkdir()
+  (tmp_path / "benchmarks" / "maxtext_v5e_model_configs.py").write_text(recipe)
+  (tmp_path / "benchmarks" / "maxtext_v5p_model_configs.py").write_bytes(b"# caf\xe9\nimport sys\nsys.exit(3)\n")
+  files = "files=maxtext_v5p_model_configs.py,maxtext_v5e_model_configs.py"
+  assert upstream_blocks.main([f"upstream={tmp_path}", files]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[0] == "maxtext_v5p_model_configs.py: cannot be read here (SystemExit: 3)"
+  assert any(line.startswith("maxtext_v5e_model_configs.py odd_v5e-3 (llama2-7b, v5e-3): error: unknown "
+                             "compile_topology 'v5e-3'") for line in out), out
+  assert ("maxtext_v5e_model_configs.py auto-v5e-8 (llama2-7b): error: dcn_data_parallelism='auto' is not a whole "
+          "number of slices") in out
+  assert out[-1] == "maxtext_v5e_model_configs.py: 1 of 4 blocks load"

@@ -17,7 +17,10 @@ remat policy keeps and re-runs per tensor is plan_remat.py's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import os
+import re
 from typing import Any, Mapping
 
 import jax
@@ -25,8 +28,11 @@ from jax.sharding import AbstractMesh
 
 from MaxText.aot import plan_remat
 from MaxText.training import metrics, optimizers
-from MaxText.aot.step_time.network import NETWORKS, Network, mesh_axis_bandwidth
+from MaxText.aot.step_time.network import NETWORKS, Network, mesh_axis_bandwidth, mesh_axis_extents, torus_ring_bandwidth
+from MaxText.aot.step_time.report import FITTED
+from MaxText.aot.plan_recipe import compile_flags
 from MaxText.platform import accelerators, sharding
+from MaxText.configuration import remat_policies
 from MaxText.configuration.config_groups import OptimConfig
 from MaxText.platform.mesh_axes import MESH_AXES, REPLICATED_PARAMETER_AXES, MeshAxis
 from MaxText.layers import splash_attention
@@ -77,6 +83,21 @@ TENSOR_OUTSIDE_PASSES = 6
 # Ring passes of a layer's keys and values over the sequence axis (all_gather context parallelism), counted
 # alike: the forward's all-gather (1), the backward's re-gather (1) and the gradients' all-reduce (2).
 SEQUENCE_LAYER_PASSES = 4
+# FSDP's collectives in the compiled steps looked at (getting_started/Planner.md, *FSDP groups of more than 16
+# chips*): over 16 chips or fewer (v5e-8, v5e-16, v5p-256 beside tensor=8) the gradient reductions run as windowed
+# matmuls beside the compute; over more, the backward loop waits for them: over a whole slice each layer's
+# gradients are all-reduced whole (v5e-256, v5p-128 to v5p-2048), beside data or tensor parallelism they are
+# reduce-scattered (v5p-256 data=2, v5e-256 tensor=2). The weight gathers stay asynchronous, except where the
+# compile flags turn all-gather fusion off (v5p's recipes) and no data parallelism sits beside FSDP in the slice
+# (a whole slice, or beside tensor alone): there the TensorCore gathers them itself, twice a layer per microbatch,
+# full remat included; beside data parallelism the v5p compiles ran them on the SparseCores.
+WINDOWED_FSDP_GROUP = 16
+# Beside data or tensor parallelism, groups of up to this many chips reduce-scattered every layer gradient in the
+# compiles read (v5p, 32 to 512 chips); larger ones all-reduced them whole like a whole slice (1,536 chips: all
+# seven; 768 and 1,024: four of seven), with or without gradient accumulation (Planner.md, *FSDP groups of more
+# than 16 chips*).
+REDUCE_SCATTER_FSDP_GROUP = 512
+FUSED_ALL_GATHER_FLAG = "--xla_tpu_enable_async_collective_fusion_fuse_all_gather"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +123,8 @@ class Estimate:
   host_optimizer: float = 0.0  # in the host's pinned memory: the optimizer state, when offloaded
   recompute_flops: float = 0.0  # per chip per step: the forward FLOPs the backward pass re-runs
   teacher: float = 0.0  # a distillation teacher's parameters (in `total`, not in `params`)
+  gradients_beside: bool = False  # gradients held whole beside the activations (a scanned stack), else the larger
+  weights_copy: float = 0.0  # the stacked weights cast to the compute dtype (in `total`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +137,7 @@ class ModelShape:
   num_params: int
   layer_params: int  # in one decoder layer (what FSDP gathers per layer)
   teachers: tuple["Teacher", ...] = ()  # models the objective runs forward-only beside this one
+  layer_tensors: int = 1  # weight arrays of one decoder layer: FSDP gathers and reduces each on its own
 
   @classmethod
   def of(cls, cfg: ModelConfig, optim_cfg: OptimConfig | None, teachers: tuple["Teacher", ...] = ()) -> "ModelShape":
@@ -132,7 +156,27 @@ class ModelShape:
     num_params = sum(p.size for p in flat)
     stacked = sum(p.size for p, n in zip(flat, flat_names) if "layers" in n)
     layer_params = stacked // max(1, cfg.num_decoder_layers)
-    return cls(cfg, leaves, opt_multiple, num_params, layer_params, teachers)
+    layer_tensors = max(1, sum(1 for n in flat_names if "layers" in n))
+    unrolled = _unrolled_layers(params)
+    if not stacked and unrolled:  # an unrolled stack (scan_layers=False, Gemma 4's): the largest layer is gathered
+      layer_params = max(size for size, _ in unrolled.values())
+      layer_tensors = max(1, round(sum(count for _, count in unrolled.values()) / len(unrolled)))
+    return cls(cfg, leaves, opt_multiple, num_params, layer_params, teachers, layer_tensors)
+
+
+_UNROLLED_LAYER = re.compile(r"layers_(\d+)$")
+
+
+def _unrolled_layers(params: Any) -> dict[int, tuple[int, int]]:
+  """(parameters, arrays) of each decoder layer an unrolled stack holds apart (its `layers_<i>` subtree)."""
+  found: dict[int, tuple[int, int]] = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    index = next((int(m.group(1)) for key in path
+                  if (m := _UNROLLED_LAYER.match(str(getattr(key, "key", getattr(key, "name", "")))))), None)
+    if index is not None:
+      size, count = found.get(index, (0, 0))
+      found[index] = (size + math.prod(leaf.shape), count + 1)
+  return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +259,6 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   # sequence degree in length and the tensor degree in width, which is per_device_batch_size
   # sequences' worth whether the rows split over sequence and tensor too or repeat there.
   tokens = pdb / accumulation * seq_len
-  widths = plan_remat.preset_widths(cfg)
   layers = cfg.num_decoder_layers
   act_bytes = 2  # bf16
   saved = tokens * act_bytes * layers * (plan_remat.stream_width(cfg, policy)
@@ -223,7 +266,13 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   saved *= pipe.live_share
   # A stage works on one pipeline microbatch at a time: its share of the stage's rows.
   working_tokens = tokens * stages / pipe.microbatches if stages > 1 else tokens
-  working = working_tokens * act_bytes * (2 * cfg.emb_dim + widths["qkv"])  # one layer's recompute and backward
+  # One layer's recompute and backward, the widest layer's (Gemma 4's global layers: metrics.layer_groups): its
+  # input, that input's gradient and its q/k/v. Full remat re-runs the layer from its input, which tensor
+  # parallelism gathers to full width for the re-run's matmuls and again for the backward's: both are held for
+  # `tensor` chips' rows (full_remat_gathered_inputs).
+  working = working_tokens * act_bytes * max(2 * cfg.emb_dim * full_remat_gathered_inputs(policy, mesh_shape)
+                                             + plan_remat.preset_widths(group.cfg)["qkv"]
+                                             for group in metrics.layer_groups(cfg))
   if attention_kernel == "dot_product":  # the [heads, L, L] scores of one layer in float32, forward and backward
     working += working_tokens / seq_len * cfg.num_query_heads * seq_len * seq_len * 4 * 2
   # Float32 logits (their gradient reuses the buffer); num_vocab_tiling keeps one tile's at a time.
@@ -234,8 +283,10 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   exchange_rows, routed_rows = plan_remat.moe_exchange_rows(cfg, mesh_shape["expert"], working_tokens)
   activations = saved + working + logits + gathered + exchange_rows * cfg.emb_dim * act_bytes * MOE_EXCHANGE_COPIES
   # Gradients arrive layer by layer as the saved activations are freed: the step needs the larger
-  # of the two, plus the running sum when it accumulates microbatches.
+  # of the two, plus the running sum when it accumulates microbatches. A scanned stack holds both, and
+  # a copy of its weights in the compute dtype (stacked_layer_buffers).
   accumulated = gradients if accumulation > 1 else 0.0
+  gradients_beside, weights_copy = stacked_layer_buffers(model, params)
   device_optimizer = optimizer * OFFLOADED_OPTIMIZER_ON_DEVICE if offload_opt else optimizer
   # A teacher's weights stay beside the student's; its output (log-probs) lives through the student's
   # step; its forward runs before the student's, its one layer and logits live only then.
@@ -247,7 +298,8 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
     t_qkv = plan_remat.preset_widths(t_cfg)["qkv"]
     t_working = t_tokens * (act_bytes * (2 * t_cfg.emb_dim + t_qkv) + t_cfg.vocab_size * 4 * 2)
     activations = max(activations, t_working + (t_gathered if shard_group > 1 else 0.0))
-  total = params + teacher_params + device_optimizer + max(gradients, activations) + accumulated
+  held = gradients + activations if gradients_beside else max(gradients, activations)
+  total = params + teacher_params + device_optimizer + held + weights_copy + accumulated
 
   flops = metrics.training_tflops_per_step(cfg, max(1, round(global_batch)), seq_len,
                                            forward_only=tuple(t.shape.cfg for t in model.teachers))
@@ -272,6 +324,15 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   reduction = ring(full_params_bytes * 2, ici_fsdp)
   ici_bytes = accumulation * gathers * ring(full_params_bytes, ici_fsdp) + reduction
   gradient_sync_s = (accumulation - 1) * reduction / links.ici
+  waits = synchronous_fsdp(topology, candidate)
+  if waits is not None:  # priced as the step-time model prices the compiled synchronous collectives
+    per_pass = ring(full_params_bytes, ici_fsdp) / waits.bandwidth / FITTED.ici_efficiency
+    per_pass += waits.steps * FITTED.ici_hop_latency_s * model.layer_tensors * layers
+    gradient_sync_s = accumulation * (2 if waits.all_reduced else 1) * per_pass
+    ici_bytes -= reduction
+    if int(candidate.get(MeshAxis.DATA.ici_key, 1)) == 1 and not gathers_fused(gen.name):
+      gradient_sync_s += accumulation * 2 * per_pass
+      ici_bytes -= accumulation * gathers * ring(full_params_bytes, ici_fsdp)
   # A teacher's weights are gathered for each of its forwards; nothing of it is reduced.
   teacher_gathers = [(accumulation if t.per_micro_batch else 1, t.gathered_bytes(mesh_shape)) for t in model.teachers]
   ici_bytes += sum(n * ring(nbytes, ici_fsdp) for n, nbytes in teacher_gathers)
@@ -330,7 +391,75 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   return Estimate(params, device_optimizer, gradients, activations, total, flops_per_chip,
                   compute_s, ici_s + exposed_s, dcn_s, host_s, step_s, mfu, global_batch * seq_len / chips / step_s, tuple(caveats),
                   unsharded, plan_remat.offloaded_activations(cfg, policy, tokens, mesh_shape) * pipe.live_share,
-                  optimizer if offload_opt else 0.0, recompute, teacher_params)
+                  optimizer if offload_opt else 0.0, recompute, teacher_params, gradients_beside, weights_copy)
+
+
+def full_remat_gathered_inputs(policy: remat_policies.RematPolicy, mesh_shape: Mapping[str, int]) -> int:
+  """How many chips' rows of the working set's two layer-sized activations one chip holds in a layer's backward:
+  under full remat beside tensor parallelism the re-run forward all-gathers the layer input over `tensor` to full
+  width for its matmuls, and the backward all-gathers one again for its own; both are live together at the peak
+  (XLA's buffer assignment of the v5p 512B and 1024B recipes' compiles, getting_started/Planner.md, *The buffers
+  the estimate misses*). A policy that keeps matmul outputs reads them instead of re-running from the input."""
+  return mesh_shape["tensor"] if policy.keeps == "nothing" else 1
+
+
+def stacked_layer_buffers(model: ModelShape, params: float) -> tuple[bool, float]:
+  """(whether the gradients are held whole beside every saved activation, the bytes of the weights' copy in
+  the compute dtype) per chip, for `params` parameter bytes a chip holds. A scanned stack's backward loop
+  writes its layers' gradients into stacked arrays allocated whole when it starts, and the forward casts the
+  stacked weights to the compute dtype once, a copy the backward reads too (XLA's buffer assignment of v5p-128
+  32B compiles, getting_started/Planner.md, *The v5p 32B recipe*). Unscanned layers free both layer by layer."""
+  cfg = model.cfg
+  if not cfg.scan_layers:
+    return False, 0.0
+  compute_size = jax.numpy.dtype(cfg.dtype).itemsize
+  total = sum(math.prod(shape) * size for shape, size, _ in model.leaves)
+  cast = sum(math.prod(shape) * compute_size for shape, size, names in model.leaves
+             if "layers" in names and size > compute_size)
+  return True, params * cast / total if total else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpRing:
+  bandwidth: float  # one way, per chip, over the torus links the group's chips span
+  steps: int  # ring steps: a hop of latency each
+  whole_slice: bool  # the group is every chip of the slice
+  all_reduced: bool  # its gradients are all-reduced whole (two passes), not reduce-scattered (one)
+
+
+def synchronous_fsdp(topology: accelerators.TpuTopology, candidate: Mapping[str, Any]) -> FsdpRing | None:
+  """The ring of the in-slice FSDP group (fsdp, fsdp_transpose and sequence) where the compile waits for its
+  gradient reductions (a group of more than WINDOWED_FSDP_GROUP chips), else None; as the step-time model
+  prices a compiled collective (network.torus_ring_bandwidth; one hop of latency per ring step)."""
+  net = NETWORKS.get(topology.generation.name)
+  degrees = {a: int(candidate.get(MeshAxis(a).ici_key, 1)) for a in MESH_AXES}
+  group = degrees["fsdp"] * degrees["fsdp_transpose"] * degrees["sequence"]
+  if net is None or group <= WINDOWED_FSDP_GROUP:
+    return None
+  per_chip = topology.generation.devices_per_chip
+  physical = tuple(topology.shape) + ((per_chip,) if per_chip > 1 else ())
+  # The three axes are adjacent in mesh order: their group is laid out as one axis of their product. Multiplying
+  # each axis's own extents counted a physical axis twice where two of them split it (fsdp=32 x sequence=8 on
+  # a 16 x 16 slice spanned 128 x 2 chips).
+  merged = {**degrees, "fsdp": group, "fsdp_transpose": 1, "sequence": 1}
+  extents = list(mesh_axis_extents(physical, merged, "fsdp"))
+  chips = extents[:len(topology.shape)]
+  sharing = extents[-1] if per_chip > 1 else 1
+  whole_slice = group == math.prod(degrees.values())
+  return FsdpRing(torus_ring_bandwidth(chips, topology.shape, topology.wrap, net) / sharing,
+                  sum(e - 1 for e in chips if e > 1), whole_slice, whole_slice or group > REDUCE_SCATTER_FSDP_GROUP)
+
+
+def gathers_fused(generation: str) -> bool:
+  """Whether the compiles fuse FSDP's all-gathers with compute (asynchronous), by the flags they run with
+  (plan_recipe.compile_flags): v5p's recipes turn that off, and its compiles then wait for each gather."""
+  return _gathers_fused(generation, os.environ.get("LIBTPU_INIT_ARGS", ""))
+
+
+@functools.lru_cache(maxsize=None)
+def _gathers_fused(generation: str, user_flags: str) -> bool:  # user_flags: a key of the cache only
+  found = re.findall(rf"{FUSED_ALL_GATHER_FLAG}=(\w+)", compile_flags(generation))
+  return not found or found[-1].lower() not in ("false", "0")
 
 
 def in_layer_bandwidth(topology: accelerators.TpuTopology, candidate: Mapping[str, Any], axis: str,

@@ -6,6 +6,7 @@ path lays them out per chip."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Collection, Mapping
 
@@ -41,6 +42,14 @@ def _layer_reads_mlp_output(decoder_block: str) -> bool:
     return False
   own_call = getattr(layer, "__call__", None) is not decoders.DecoderLayer.__call__
   return own_call or bool(getattr(layer, "normalize_block_outputs", True))
+
+
+@functools.cache
+def layer_unproduced(decoder_block: str) -> dict[str, str]:
+  """The activation names the shared layers produce that the family's own layer never does, with why
+  (its `unproduced_names`): a placement of one places nothing."""
+  from MaxText import families  # noqa: PLC0415  (flax; only the planner needs it here)
+  return dict(getattr(families.family_for_decoder_block(decoder_block).layer, "unproduced_names", {}))
 
 
 @functools.cache
@@ -90,9 +99,9 @@ def expert_replication(cfg: ModelConfig, mesh: Mapping[str, int] | None) -> tupl
 def fuses_qkv(cfg: ModelConfig) -> bool:
   """Whether the attention's query, key and value come from one matmul named qkv_proj (fused_qkv): a quantized
   matmul or a LoRA adapter on any of them keeps them apart (linears.fused_outputs), priced then as unfused, as
-  is Gemma 4, whose own attention (the family layer that norms the query and key itself) never fuses them."""
+  is a family's own layer that never makes qkv_proj (Gemma 4's: layer_unproduced)."""
   return (cfg.fused_qkv and cfg.attn.attention_type != "mla" and not _runs_apart(cfg, ("q_proj", "k_proj", "v_proj"))
-          and not _layer_norms_query_and_key(cfg.decoder_block))
+          and "qkv_proj" not in layer_unproduced(cfg.decoder_block))
 
 
 def _runs_apart(cfg: ModelConfig, targets: tuple[str, ...]) -> bool:
@@ -111,6 +120,8 @@ def tensor_widths(cfg: ModelConfig, mesh: Mapping[str, int] | None = None) -> di
   repeat_in, repeat_out = expert_replication(cfg, mesh)
   routed = cfg.mlp_dim * rows * repeat_in
   dense = cfg.mlp_dim * max(cfg.moe.shared_experts, 1) if not moe or cfg.moe.shared_experts else 0
+  if cfg.layer_shapes.moe_beside_mlp:  # Gemma 4's dense MLP beside the experts
+    dense = cfg.moe.dense_mlp_dim or cfg.mlp_dim
   rope = cfg.mla.qk_rope_head_dim
   gated = len(cfg.mlp_activations) > 1  # two input projections (layers/mlp.py names them mlpwi_0, mlpwi_1)
   # their one matmul's output is mlpwi, the parts unnamed (as upstream), unless they run apart (_runs_apart)
@@ -130,6 +141,17 @@ def tensor_widths(cfg: ModelConfig, mesh: Mapping[str, int] | None = None) -> di
           "moe_mlpwo": d * rows * repeat_out}
 
 
+def stack_tensor_widths(cfg: ModelConfig) -> dict[str, float]:
+  """tensor_widths averaged over the stack's layers, each at its own shape (metrics.layer_groups: Gemma 4's
+  differ), on one chip."""
+  groups = metrics.layer_groups(cfg)
+  if len(groups) == 1:
+    return tensor_widths(cfg)
+  total = sum(group.count for group in groups)
+  per_group = [(group.count, tensor_widths(group.cfg)) for group in groups]
+  return {name: sum(count * widths[name] for count, widths in per_group) / total for name in per_group[0][1]}
+
+
 def placed_tensors(cfg: ModelConfig, policy: remat_policies.RematPolicy) -> dict[str, str]:
   """Each tensor `policy` names, placed (device | offload), and the routed experts' tensors the
   MLP names reach (remat_policies.expert_placements)."""
@@ -142,14 +164,14 @@ def normed_projections(cfg: ModelConfig) -> dict[str, float]:
   query_proj and key_proj name the kernel's inputs (after the QK-norm, as upstream), so with use_qk_norm,
   use_qk_l2_norm (computed on every layer of a mixed rope pattern) or Gemma 4's norms, the norms' gradients
   need the raw query and key; value_proj is named after Gemma 4's value norm (use_v_norm), whose gradient
-  needs the raw value. Per-layer shapes are not modelled: a k_eq_v global layer's raw value is its raw key."""
+  needs the raw value, but where the values are the keys (attention_k_eq_v): the raw key is that."""
   n, k, h = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
   out: dict[str, float] = {}
   if cfg.attn.attention_type == "mla":
     return out
   if cfg.attn.use_qk_norm or cfg.attn.use_qk_l2_norm or _layer_norms_query_and_key(cfg.decoder_block):
     out.update(query_proj=n * h, key_proj=k * h)
-  if cfg.layer_shapes.use_v_norm:
+  if cfg.layer_shapes.use_v_norm and not cfg.layer_shapes.attention_k_eq_v:
     out["value_proj"] = k * h
   return out
 
@@ -186,6 +208,8 @@ def recompute_flops(cfg: ModelConfig) -> dict[str, float]:
   reads["qkv_proj"] = 0
   if mla:  # its key_proj and value_proj share one up-projection (shared_matmuls)
     reads.update(query_proj=cfg.mla.q_lora_rank or d, key_proj=0, value_proj=0)
+  if cfg.layer_shapes.attention_k_eq_v:  # the values are the keys' matmul: none of their own
+    reads["value_proj"] = 0
   flops = {name: 2 * reads[name] * width for name, width in widths.items()}
   flops["out_proj"] = 2 * cfg.num_query_heads * value_dim * d
   # A normed query, key or value kept spares no matmul: the norm's gradient re-runs it anyway (backward_dots).
@@ -225,17 +249,26 @@ def rerun_flops(cfg: ModelConfig, policy: remat_policies.RematPolicy, seq_len: i
   probabilities-times-values product unless the attention output is kept."""
   if policy.keeps == "everything":
     return 0.0
+  if not cfg.layer_shapes.active:
+    return _rerun(cfg, policy, seq_len, cfg.num_decoder_layers, metrics.attended_pairs(cfg, seq_len, causal=True))
+  # each layer shape with its own layers' pairs (a layer's pattern is its one kind)
+  return sum(group.count * _rerun(group.cfg, policy, seq_len, 1, metrics.attended_pairs(
+      dataclasses.replace(group.cfg, num_decoder_layers=1, mtp=dataclasses.replace(group.cfg.mtp, mtp_num_layers=0)),
+      seq_len, causal=True)) for group in metrics.layer_groups(cfg))
+
+
+def _rerun(cfg: ModelConfig, policy: remat_policies.RematPolicy, seq_len: int, layers: int, pairs: float) -> float:
+  """rerun_flops of `layers` layers of `cfg`'s shape attending `pairs` query-key pairs in all."""
   kept = {name for name, placed in placed_tensors(cfg, policy).items() if placed != "remat"}
   projections = sum(f for name, f in recompute_flops(cfg).items() if name not in kept)
   if policy.keeps != "dots":  # which keep every matmul's output
     projections += sum(f for spare, f in shared_matmuls(cfg) if not any(names <= kept for names in spare))
     projections += sum(2 * cfg.emb_dim * width for width in backward_dots(cfg).values())
   value_dim = cfg.mla.v_head_dim if cfg.attn.attention_type == "mla" else cfg.head_dim
-  pairs = metrics.attended_pairs(cfg, seq_len, causal=True)
   attention = 2 * cfg.num_query_heads * cfg.head_dim * pairs
   if not kept & {"context", "attention_out"}:
     attention += 2 * cfg.num_query_heads * value_dim * pairs
-  return seq_len * cfg.num_decoder_layers * projections + attention
+  return seq_len * layers * projections + attention
 
 
 def kernel_rerun_flops(cfg: ModelConfig, seq_len: int, attention_kernel: str) -> float:
@@ -268,11 +301,24 @@ def kept_width(cfg: ModelConfig, policy: remat_policies.RematPolicy, on_host: bo
   ones) keep their own MLP's (layer_kept_width). A hybrid stack's Gated DeltaNet layers are counted as
   the others."""
   layers, dense = cfg.num_decoder_layers, cfg.num_dense_layers
+  if cfg.layer_shapes.active and layers > 0:
+    return sum(group.count * (layer_kept_width(group.cfg, policy, on_host, mesh)
+                              + (0.0 if on_host or not group.kv_source else _held_keys_values(group.cfg, policy)))
+               for group in metrics.layer_groups(cfg)) / layers
   kept = layer_kept_width(cfg, policy, on_host, mesh)
   if dense <= 0 or cfg.linear_attn.full_attention_interval > 1 or layers <= 0:
     return kept
   dense_kept = layer_kept_width(cfg.dense_prefix_config(), policy, on_host, mesh)
   return ((layers - dense) * kept + dense * dense_kept) / layers
+
+
+def _held_keys_values(cfg: ModelConfig, policy: remat_policies.RematPolicy) -> float:
+  """Elements per token a KV source layer's keys and values hold in HBM for the layers that read them, beyond
+  what `policy` keeps there: they are those layers' inputs, saved whatever the policy (an offloaded copy
+  leaves them in HBM too)."""
+  widths = tensor_widths(cfg)
+  return sum(widths[name] for name in ("key_proj", "value_proj")
+             if not (policy.keeps == "everything" or name in policy.device))
 
 
 def layer_kept_width(cfg: ModelConfig, policy: remat_policies.RematPolicy, on_host: bool,

@@ -101,24 +101,39 @@ def candidates(model: ModelShape, topology: accelerators.TpuTopology, num_slices
   for key in list(choices):
     if key in fixed:
       choices[key] = [fixed[key]]
+  fsdp_key = MeshAxis.FSDP.ici_key
+  # The axis that fills the slice: ici_fsdp_parallelism, unless the user fixed another to -1; FSDP is then
+  # searched (or kept at the user's degree) like the others. A fixed -1 was taken as a degree: no layout.
+  fill = next((a for a in ICI_AXES if a is not MeshAxis.FSDP and _fills(fixed.get(a.ici_key))), MeshAxis.FSDP)
+  if fill is not MeshAxis.FSDP:
+    choices[fill.ici_key] = [1]  # set below
+    fsdp_fixed = fsdp_key in fixed and not _fills(fixed[fsdp_key])
+    choices[fsdp_key] = [int(fixed[fsdp_key])] if fsdp_fixed else powers_of_two(per_slice)
+  dcn_fill = next((a for a in DCN_AXES if _fills(fixed.get(a.dcn_key))), None) if num_slices > 1 else None
+  if dcn_fill is not None:
+    choices[dcn_fill.dcn_key] = [1]  # set below
   keys = list(choices)
   for values in itertools.product(*(choices[k] for k in keys)):
     candidate = _with_placements(dict(zip(keys, values)), fixed)
-    # ici_fsdp_parallelism fills the slice.
-    ici = {a: int(candidate[a.ici_key]) for a in ICI_AXES if a is not MeshAxis.FSDP}
-    if ici[MeshAxis.STAGE] > 1 and (ici[MeshAxis.SEQUENCE] > 1 or ici[MeshAxis.FSDP_TRANSPOSE] > 1):
-      continue  # stages within a slice only beside the common axes: keeps the space small
+    ici = {a: int(candidate[a.ici_key]) for a in ICI_AXES if a is not fill}
     rest = math.prod(ici.values())
-    fsdp_key = MeshAxis.FSDP.ici_key
-    if fsdp_key in fixed and int(fixed[fsdp_key]) != -1:
+    if fill is MeshAxis.FSDP and fsdp_key in fixed and int(fixed[fsdp_key]) != -1:
       if rest * int(fixed[fsdp_key]) != per_slice:
         continue
       candidate[fsdp_key] = int(fixed[fsdp_key])
     else:
       if per_slice % rest:
         continue
-      candidate[fsdp_key] = per_slice // rest
+      candidate[fill.ici_key] = per_slice // rest
+    ici = {a: int(candidate[a.ici_key]) for a in ICI_AXES}
+    if ici[MeshAxis.STAGE] > 1 and (ici[MeshAxis.SEQUENCE] > 1 or ici[MeshAxis.FSDP_TRANSPOSE] > 1):
+      continue  # stages within a slice only beside the common axes: keeps the space small
     if num_slices > 1:
+      if dcn_fill is not None:
+        others = math.prod(int(candidate.get(a.dcn_key, 1)) for a in DCN_AXES if a is not dcn_fill)
+        if num_slices % others:
+          continue
+        candidate[dcn_fill.dcn_key] = num_slices // others
       dcn = math.prod(int(candidate.get(a.dcn_key, 1)) for a in DCN_AXES)
       if dcn != num_slices:
         continue
@@ -139,6 +154,14 @@ def candidates(model: ModelShape, topology: accelerators.TpuTopology, num_slices
       piped = {**candidate, **variant}
       if divides(piped):
         yield piped
+
+
+def _fills(value: Any) -> bool:
+  """Whether a fixed degree is -1: the axis takes what the others leave."""
+  try:
+    return value is not None and int(value) == -1
+  except (TypeError, ValueError):
+    return False
 
 
 def _with_placements(candidate: dict[str, Any], fixed: Mapping[str, Any]) -> dict[str, Any]:
@@ -166,8 +189,8 @@ class PlacementFill:
     full = remat_policies.by_name("full")
     rerun = plan_remat.rerun_flops(cfg, full, seq_len)
     per_token_layer = seq_len * max(1, cfg.num_decoder_layers)
-    widths = plan_remat.tensor_widths(cfg)
-    # (names, elements per token and layer, re-run FLOPs they spare per token and layer), most FLOPs per byte
+    widths = plan_remat.stack_tensor_widths(cfg)
+    # (names, elements per token and layer (averaged over differing layers), re-run FLOPs they spare per token and layer), most FLOPs per byte
     # first: each tensor alone, and the names a shared matmul's output splits together (MLA's key and value),
     # as it is spared only when all of them are kept (plan_remat.shared_matmuls): its narrowest such set
     # only, as a second one would spare the same matmul again (fused_qkv: qkv_proj, not query, key and value).
@@ -197,7 +220,8 @@ class PlacementFill:
     pipe = plan_model.pipeline_shape(settings, plan_model.mesh_of(settings)["stage"])
     micro = float(settings["per_device_batch_size"]) / int(settings.get("gradient_accumulation_steps", 1))
     per_element = micro * self.seq_len * 2 * self.cfg.num_decoder_layers  # bf16 bytes of one element of width
-    room = limit - (base.total - max(base.gradients, base.activations)) - base.activations
+    # Activations grow into what the gradients alone hold, unless both are held whole (a scanned stack).
+    room = limit - base.total + (0.0 if base.gradients_beside else max(0.0, base.gradients - base.activations))
     device: list[str] = []
     for names, width, _ in self.order:
       if width * per_element * pipe.live_share <= room and not set(names) & set(device):
@@ -239,6 +263,10 @@ def _batch_divides(candidate: Mapping[str, Any], chips: int, seq_len: int, data_
 
 # The fewest bytes per chip: whatever the mesh, these settings only lower a candidate's estimate.
 LEAN = {"remat_policy": "full", "optimizer_memory_host_offload": True}
+# Beside tensor parallelism full remat's backward holds its re-run inputs gathered to full width
+# (plan_model.full_remat_gathered_inputs), so a policy that keeps every matmul output in host memory can need
+# less on the device; the bound takes the lesser of the two.
+LEAN_POLICIES = ("full", "minimal_offloaded")
 MAX_SUGGESTED_SLICES = 64
 
 
@@ -257,19 +285,23 @@ class Bound:
 
   def leanest(self, topology: accelerators.TpuTopology, num_slices: int,
               fixed: Mapping[str, Any] | None = None) -> tuple[Estimate, dict[str, Any]] | None:
-    """The candidate of least estimated memory over every mesh layout, with full remat, the
-    optimizer offloaded and, unless the batch is fixed, one sequence per step (not a valid batch
-    for most layouts: only a bound); None when the fixed keys leave no layout."""
+    """The candidate of least estimated memory over every mesh layout, with full remat or every matmul output
+    offloaded (LEAN_POLICIES), the optimizer offloaded and, unless the batch is fixed, one sequence per step (not
+    a valid batch for most layouts: only a bound); None when the fixed keys leave no layout."""
     fixed = self.fixed if fixed is None else fixed
     lean: dict[str, Any] = dict(LEAN)
     if self.global_batch is None and "per_device_batch_size" not in fixed:
       lean.update(per_device_batch_size=1 / (topology.chips * num_slices), gradient_accumulation_steps=1)
     best = None
-    for candidate in candidates(self.model, topology, num_slices, {**lean, **fixed}, self.global_batch, self.seq_len,
-                                self.data_sharding, whole_batches=False, rules=self.rules):
-      found = estimate(self.model, candidate, topology, num_slices, self.seq_len, self.rules, self.attention_kernel)
-      if best is None or found.total < best[0].total:
-        best = (found, candidate)
+    for policy in LEAN_POLICIES:
+      for candidate in candidates(self.model, topology, num_slices, {**lean, "remat_policy": policy, **fixed},
+                                  self.global_batch, self.seq_len, self.data_sharding, whole_batches=False,
+                                  rules=self.rules):
+        found = estimate(self.model, candidate, topology, num_slices, self.seq_len, self.rules, self.attention_kernel)
+        if best is None or found.total < best[0].total:
+          best = (found, candidate)
+      if "remat_policy" in fixed:
+        break
     return best
 
   def fits(self, topology: accelerators.TpuTopology, num_slices: int, limit_share: float,
@@ -279,17 +311,22 @@ class Bound:
 
   def smallest_slice(self, generation: accelerators.TpuGeneration, num_slices: int, above_chips: int,
                      limit_share: float, fixed: Mapping[str, Any]) -> str | None:
-    """The smallest slice of `generation` with more than `above_chips` chips where the bound fits
-    (a binary search: more chips never need more memory per chip), or None."""
+    """The smallest slice of `generation` with more than `above_chips` chips where the bound fits, or None:
+    a binary search over the slices of a power of two chips (more of them never need more memory per chip),
+    then the slices between the last that does not fit and the first that does, in turn (a slice of 192
+    chips may need more than one of 128: its degrees factor worse)."""
     sizes = [n for n in generation.sizes if n // generation.cores_per_chip > above_chips]
     fitting = lambda n: self.fits(accelerators.tpu_topology(f"{generation.name}-{n}"), num_slices, limit_share, fixed)
     if not sizes or not fitting(sizes[-1]):
       return None
-    low, high = 0, len(sizes) - 1  # sizes[high] fits
+    chips = lambda n: n // generation.cores_per_chip
+    powers = [n for n in sizes[:-1] if chips(n) & (chips(n) - 1) == 0] + [sizes[-1]]
+    low, high = 0, len(powers) - 1  # powers[high] fits
     while low < high:
       mid = (low + high) // 2
-      low, high = (low, mid) if fitting(sizes[mid]) else (mid + 1, high)
-    return f"{generation.name}-{sizes[high]}"
+      low, high = (low, mid) if fitting(powers[mid]) else (mid + 1, high)
+    below = powers[high - 1] if high > 0 else 0
+    return f"{generation.name}-{next(n for n in sizes if below < n <= powers[high] and (n == powers[high] or fitting(n)))}"
 
 
 def where_it_fits(bound: Bound, topology: accelerators.TpuTopology, num_slices: int, limit_share: float) -> str:
@@ -335,8 +372,11 @@ def fits_nowhere(bound: Bound, topology: accelerators.TpuTopology, num_slices: i
     need = (f"its leanest setting ({describe(settings, shown=('remat_policy', 'optimizer_memory_host_offload'))}) "
             f"needs {e.total / GIB:.1f} GiB per chip (parameters {e.params / GIB:.1f} + "
             + (f"the teacher's parameters {e.teacher / GIB:.1f} + " if e.teacher else "") + "optimizer "
-            f"{e.optimizer / GIB:.1f} + the larger of gradients {e.gradients / GIB:.1f} and activations "
-            f"{e.activations / GIB:.1f})")
+            f"{e.optimizer / GIB:.1f} + " + (
+                f"gradients {e.gradients / GIB:.1f} + activations {e.activations / GIB:.1f}"
+                + (f" + the weights' {e.weights_copy / GIB:.1f} in the compute dtype" if e.weights_copy else "")
+                if e.gradients_beside else
+                f"the larger of gradients {e.gradients / GIB:.1f} and activations {e.activations / GIB:.1f}") + ")")
   have = f"a {gen.name} chip holds {gen.hbm_gib:g} GiB ({limit / GIB:.1f} with headroom={headroom:g})"
   if bound.fixed and bound.fits(topology, num_slices, limit_share, fixed={}):
     return f"{need}, {have}; drop or change the fixed keys {', '.join(sorted(bound.fixed))}"

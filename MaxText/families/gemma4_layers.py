@@ -98,7 +98,8 @@ class Gemma4Attention(Attention):
       if self.owns_kv:
         cache = layer_shapes.SharedKV(*self._keys_values(x_BLD, positions_BL))
       out_BLNH = self.kernel(q_BLNH, cache.key_BSKH, cache.value_BSKH, segment_ids_BL, window, 0.0)
-      return self.out(sharding.constrain(out_BLNH, HEADS_NAMES)), cache
+      # named as the unshared path's: training runs every source and sharing layer here
+      return self.out(checkpoint_name(sharding.constrain(out_BLNH, HEADS_NAMES), "context")), cache
     if cache is not None:
       if self.owns_kv:
         cache = kv_cache.write(cache, *self._keys_values(x_BLD, positions_BL), positions_BL)
@@ -119,6 +120,9 @@ class Gemma4DecoderLayer(nnx.Module):
   # Its attention always normalises the query and key before the names query_proj/key_proj (whatever
   # use_qk_norm says), so their matmuls' raw outputs are what the norms' gradients read (aot/plan_model).
   norms_query_and_key = True
+  # Activation names the shared layers produce that this one never does, with why: a remat_policy=custom
+  # placement of one places nothing (models/transformer.py warns; aot/plan_remat.py prices it so).
+  unproduced_names = {"qkv_proj": "its attention projects the query, key and value apart whatever fused_qkv says"}
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer_index: int = 0):
     own = layer_shapes.layer_config(cfg, layer_index)
