@@ -94,7 +94,10 @@ def prompt_with_images(config: config_lib.Config) -> tuple[list[int], Tokenizer 
   prepared = image_text.prepare_images(paths, cfg.vision, cfg.decoder_block, files=True)
   expanded = image_text.expand_image_markers(text, hf_tokenizer, cfg.vision, cfg.decoder_block, prepared)
   prompt_images = PromptImages.of(np.concatenate([p.pixels for p in prepared]))
-  return DocumentEncoder(tokenizer, data.add_bos, add_eos=False)(expanded), tokenizer, prompt_images
+  # The expanded markers are control tokens, which DocumentEncoder writes as text: the template tokenizer's ids.
+  ids = DocumentEncoder(tokenizer, data.add_bos, add_eos=False)("") + list(
+      hf_tokenizer(expanded, add_special_tokens=False)["input_ids"])
+  return ids, tokenizer, prompt_images
 
 
 def decode(config: config_lib.Config) -> list[int]:

@@ -234,7 +234,8 @@ def main(argv: list[str]) -> int:
     serve_processes.check_count(d.serve_http_processes)
   sock = listen(d.host, d.port)
   server = build_server(config)
-  app: Any = None if d.serve_http_processes else build_app(server, max_body_bytes=d.serve_max_body_bytes)
+  app: Any = None if d.serve_http_processes else build_app(server, max_body_bytes=d.serve_max_body_bytes,
+                                                          read_timeout_seconds=d.serve_read_timeout_seconds)
   # What serving needs lives as long as the process: kept out of the collector's full passes, each of
   # which would otherwise stop every stream for as long as it takes to scan it all.
   gc.freeze()
@@ -246,11 +247,12 @@ def main(argv: list[str]) -> int:
   if d.serve_http_processes:  # HTTP in processes of its own (inference/serve_processes.py)
     # The adapter names travel as a list (FrontSpec.adapter_names), not as the registry's method.
     spec = serve_frontend.FrontSpec(codec_spec(config), dataclasses.replace(server.limits, adapter_names=tuple),
-                                    d.serve_request_timeout_seconds, d.serve_max_body_bytes)
+                                    d.serve_request_timeout_seconds, d.serve_max_body_bytes,
+                                    read_timeout_seconds=d.serve_read_timeout_seconds)
     code = serve_processes.serve(server.scheduler, server.codec.grammars, sock, spec, d.serve_http_processes,
                                  server.adapters)
   else:
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    uvicorn.Server(serve_app.uvicorn_config(app, d.serve_read_timeout_seconds)).run(sockets=[sock])
     code = 0
   server.scheduler.stop()
   return code

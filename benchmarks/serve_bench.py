@@ -447,8 +447,8 @@ def _scheduler_alone(args: Any, config: Any, prompt_lengths: list[int]) -> None:
     def emit(event: Any) -> None:
       if isinstance(event, sched.Done):
         done.release()
-      else:
-        tokens[0] += 1
+      elif isinstance(event, sched.Tokens):
+        tokens[0] += len(event.tokens)
 
     wall, own, thread = time.perf_counter(), os.times(), thread_cpu()
     for start in range(0, jobs, together):

@@ -750,7 +750,7 @@ def test_cancelled_job_frees_its_slot_and_a_deadline_is_a_504(served, monkeypatc
 
   def emit(event):  # cancels after the first token, as a handler does for a gone client
     events.append(event)
-    if isinstance(event, sched.Token):
+    if isinstance(event, sched.Tokens):
       job.cancel()
     if isinstance(event, sched.Done):
       done.set()

@@ -25,7 +25,7 @@ from MaxText.serve import build_app, build_server  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent / "inference"))
 sys.path.insert(0, str(Path(__file__).parent / "input_pipeline"))
 from decode_test_utils import one_device_mesh  # noqa: E402
-from tests.uvicorn_thread import UvicornThread  # noqa: E402
+from tests.uvicorn_thread import UvicornThread, answers_health_while_held  # noqa: E402
 from sft_fixtures import write_tokenizer  # noqa: E402
 
 # A compact ChatML that renders the tools' names (no tag in it: the tag format is forced).
@@ -164,3 +164,15 @@ def test_bad_constraints_are_a_400_naming_the_part(client, fields, param, words)
   body = raised.value.body
   assert raised.value.status_code == 400 and body["param"] == param and words in body["message"], body
   assert "\n" not in body["message"]
+
+
+def test_a_grammar_is_compiled_off_the_event_loop(client, monkeypatch):
+  """While one request's schema is being compiled (held until /health has answered), the server keeps
+  answering other requests."""
+  from MaxText.inference import grammar
+
+  answer = answers_health_while_held(
+      str(client.base_url).removesuffix("/v1/"), monkeypatch, grammar.Compiler, "json_schema",
+      lambda: client.chat.completions.create(model="tiny", messages=MESSAGES, response_format=json_schema("nested"),
+                                             temperature=0, max_tokens=96))
+  assert json.loads(answer.choices[0].message.content) is not None

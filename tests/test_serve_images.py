@@ -3,17 +3,15 @@ Gemma-3-style tokenizer; a tiny Llama 4 with Llama 4's tile prompts), driven by 
 `openai` client on 127.0.0.1: a chat request with an image_url content part gets the greedy
 answer of the engine alone on the same conversation (Llama 4: chunks that cut between tiles,
 prefix pages keyed by the tiles' pixels);
-an http(s) URL, too many or too large images, an undecodable or unsupported image, a marker
-typed without its image, and images sent to a text-only model each get a 400 JSON error; images
-are decoded off the event loop."""
+an http(s) URL, too many or too large images, an undecodable or unsupported image, and images sent
+to a text-only model each get a 400 JSON error (a marker typed in text is text: test_image_text.py);
+images are decoded off the event loop."""
 
 from __future__ import annotations
 
 import base64
 import io
 import sys
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +31,7 @@ from MaxText.serve import _codec, build_app, build_server  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent / "inference"))
 sys.path.insert(0, str(Path(__file__).parent / "input_pipeline"))
 from decode_test_utils import one_device_mesh  # noqa: E402
-from tests.uvicorn_thread import UvicornThread  # noqa: E402
+from tests.uvicorn_thread import UvicornThread, answers_health_while_held  # noqa: E402
 from sft_fixtures import GEMMA3, IMAGE_SPECIAL, LLAMA4, LLAMA4_IMAGE_IDS, LLAMA4_IMAGE_SPECIAL, write_tokenizer  # noqa: E402
 
 # The fixture tokenizer's ids: <start_of_image> 10, <end_of_image> 11, <image_soft_token> 12.
@@ -116,8 +114,7 @@ def test_an_image_chat_gets_the_engines_greedy_answer(served):
      "cannot be decoded as an image"),
     (image_message("hi", png_url(7, kind="TIFF")), "TIFF"),
     (image_message("hi", "data:text/plain;base64,aGk="), "a data URL must read data:image/"),
-    ([{"role": "user", "content": "look <start_of_image> here"}], "1 image marker(s)"),
-], ids=["http", "too-many", "bytes", "pixels", "undecodable", "unsupported", "not-an-image-url", "marker"])
+], ids=["http", "too-many", "bytes", "pixels", "undecodable", "unsupported", "not-an-image-url"])
 def test_bad_images_get_400_json_errors(served, messages, message):
   with pytest.raises(openai.BadRequestError) as raised:
     served.client.chat.completions.create(model="tiny-vlm", messages=messages, max_tokens=4)
@@ -139,6 +136,19 @@ def test_a_text_only_model_refuses_images(served, tmp_path):
   assert raised.value.status == 400
 
 
+def test_an_image_chat_the_template_refuses_is_a_400(tmp_path):
+  """The template's raise_exception (roles that do not alternate) on an image chat was a TemplateError: a 500."""
+  refusing = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+  config = Config.for_testing(**MODEL, tokenizer_path=str(write_tokenizer(tmp_path / "tok", refusing, IMAGE_SPECIAL)))
+  codec, _ = _codec(config)
+  with pytest.raises(openai_api.ApiError) as raised:
+    openai_api.parse_chat({"messages": image_message("hi", png_url(1))}, openai_api.Limits("tiny", 272, 48, 64, 8, 1),
+                          codec)
+  assert raised.value.status == 400 and "\n" not in raised.value.message
+  assert raised.value.message.startswith("the chat template cannot render the messages: TemplateError: Conversation "
+                                         "roles must alternate"), raised.value.message
+
+
 def test_a_decompression_bomb_is_refused_before_decoding(tmp_path):
   """A 9400x9400 PNG of one colour (a few hundred KB as a data URL, 265 MB decoded) under
   serve_max_image_bytes: the request gets its 400 from the image's header, fast and without the
@@ -158,30 +168,12 @@ def test_a_decompression_bomb_is_refused_before_decoding(tmp_path):
 
 
 def test_images_are_decoded_off_the_event_loop(served, monkeypatch):
-  """While one request's images are being read (held here until /health has answered), the
-  server keeps answering other requests."""
-  try:  # the openai client's own HTTP library (httpx2 in openai 3.x, httpx before)
-    import httpx2 as httpx
-  except ImportError:
-    import httpx
-
-  health_answered = threading.Event()
-  original = image_chat.ImageChat.ids
-
-  def slow(*args, **kwargs):
-    assert health_answered.wait(30), "/health did not answer while an image was being decoded"
-    return original(*args, **kwargs)
-
-  monkeypatch.setattr(image_chat.ImageChat, "ids", slow)
-  result: list = []
-  worker = threading.Thread(target=lambda: result.append(served.client.chat.completions.create(
-      model="tiny-vlm", messages=image_message("what", png_url(1)), max_tokens=2, temperature=0)))
-  worker.start()
-  time.sleep(0.5)
-  assert httpx.get(f"{served.url}/health", timeout=10).status_code == 200
-  health_answered.set()
-  worker.join(120)
-  assert result and result[0].choices[0].message.content is not None
+  """While one request's images are being read (held until /health has answered), the server keeps
+  answering other requests."""
+  answer = answers_health_while_held(served.url, monkeypatch, image_chat.ImageChat, "ids", lambda: served.client.chat
+                                     .completions.create(model="tiny-vlm", messages=image_message("what", png_url(1)),
+                                                         max_tokens=2, temperature=0))
+  assert answer.choices[0].message.content is not None
 
 
 # ---- Llama 4: a tiny random model (families/llama4.py's reference) with the fixture tokenizer's

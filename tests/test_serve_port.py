@@ -26,7 +26,7 @@ def _main_with(monkeypatch, port: int, loaded: list[str], served: list[socket.so
                                  scheduler=types.SimpleNamespace(stop=lambda: None))
 
   monkeypatch.setattr(serve, "build_server", build_server)
-  monkeypatch.setattr(serve, "build_app", lambda server, max_body_bytes: object())
+  monkeypatch.setattr(serve, "build_app", lambda server, max_body_bytes, read_timeout_seconds: object())
   import uvicorn
 
   class Server:  # uvicorn's real Config would set up its loggers on pytest's captured streams

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from MaxText.configuration.model_config import ModelConfig
 from MaxText.errors import UserError
 from MaxText.inference import sampling
 from MaxText.inference.engine_api import Prefilled, TokenLogprobs
@@ -61,12 +62,34 @@ class DecodeState:
   sampling: Any  # RowSampling of the slots (a free slot keeps its last request's values, unused)
 
 
-def pad_prompts(prompts: Sequence[Sequence[int]], length: int) -> tuple[np.ndarray, np.ndarray]:
-  """Right-pads token lists to [B, length] (pad id 0); returns (tokens, true lengths)."""
+def check_token_ids(prompts: Sequence[Sequence[int]], cfg: ModelConfig) -> None:
+  """UserError naming the first id of `prompts` outside the model's vocabulary (a vision model's image_token_id
+  placeholders aside): an embedding gather would read past the table without a word."""
+  vocab = cfg.vocab_size
+  image = cfg.vision.image_token_id if cfg.vision.use_multimodal else None
+  for i, prompt in enumerate(prompts):
+    ids = np.asarray(prompt)
+    if ids.size == 0:
+      continue
+    if ids.dtype.kind not in "iu":
+      raise UserError(f"prompt {i} holds {ids.dtype} values; token ids are integers in [0, vocab_size={vocab})")
+    bad = (ids < 0) | (ids >= vocab)
+    if image is not None:
+      bad &= ids != image
+    if bad.any():
+      at = int(np.flatnonzero(bad)[0])
+      raise UserError(f"prompt {i} holds token id {int(ids[at])} (position {at}), outside the model's vocabulary "
+                      f"[0, vocab_size={vocab}): ids from a tokenizer this model was not trained with?")
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], length: int, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pads token lists to [B, length] (pad id 0), their ids checked against `cfg`'s vocabulary; returns
+  (tokens, true lengths)."""
   for i, prompt in enumerate(prompts):
     if not 1 <= len(prompt) <= length:
       raise UserError(f"prompt {i} has {len(prompt)} tokens; it must have 1 to max_prefill_predict_length="
                       f"{length} tokens (raise max_prefill_predict_length or shorten the prompt)")
+  check_token_ids(prompts, cfg)
   tokens = np.zeros((len(prompts), length), np.int32)
   for i, prompt in enumerate(prompts):
     tokens[i, :len(prompt)] = prompt
@@ -96,13 +119,14 @@ def seeded(rows: RowSampling) -> RowSampling:
   return dataclasses.replace(rows, keys_B=seeds_to_keys(rows.keys_B))
 
 
-def sample(logits_BV: jax.Array, rows: RowSampling, mask_BW: jax.Array | None = None, top: bool = True
-           ) -> tuple[jax.Array, RowSampling, TokenLogprobs]:
+def sample(logits_BV: jax.Array, rows: RowSampling, mask_BW: jax.Array | None = None, top: bool = True,
+           live_B: jax.Array | None = None) -> tuple[jax.Array, RowSampling, TokenLogprobs]:
   """Each row's next token by its own parameters (among the tokens `mask_BW` allows: constrained
-  decoding, sampling.apply_token_mask), the rows with their keys advanced, the tokens' scores under the
-  model's own distribution (`top` False: without the top alternatives, sampling.token_logprobs)."""
-  keys_B, draw_keys_B = sampling.split_rows(rows.keys_B)
-  tokens_B = sampling.sample_rows(sampling.apply_token_mask(logits_BV, mask_BW), draw_keys_B, rows.temperature_B, rows.top_p_B, rows.top_k_B)
+  decoding, sampling.apply_token_mask), the rows with their keys advanced (when some row samples:
+  sampling.next_tokens; `live_B`: the rows whose results count), the tokens' scores under the model's
+  own distribution (`top` False: without the top alternatives, sampling.token_logprobs)."""
+  tokens_B, keys_B = sampling.next_tokens(sampling.apply_token_mask(logits_BV, mask_BW), rows.keys_B,
+                                          rows.temperature_B, rows.top_p_B, rows.top_k_B, live_B)
   return tokens_B, dataclasses.replace(rows, keys_B=keys_B), TokenLogprobs(*sampling.token_logprobs(logits_BV,
                                                                                                     tokens_B, top))
 

@@ -51,8 +51,8 @@ from MaxText.configuration.config import Config
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.errors import UserError
 from MaxText.inference import image_prompts, page_prefill, paged_cache, quantized_weights, sampling
-from MaxText.inference.decode_state import (DecodeState, Prefix, RowSampling, pad_prompts, padded_pairs, row_sampling,
-                                            sample, seeded, with_prompt)
+from MaxText.inference.decode_state import (DecodeState, Prefix, RowSampling, check_token_ids, pad_prompts,
+                                            padded_pairs, row_sampling, sample, seeded, with_prompt)
 from MaxText.inference import decode_block
 from MaxText.inference.engine_api import Emitted, Prefilled, SlotInfo, StepLimits, TokenLogprobs
 from MaxText.inference.state_snapshots import has_recurrent_state
@@ -83,6 +83,9 @@ class Engine:
 
   def __init__(self, config: Config, num_slots: int = 1, mesh: Mesh | None = None):
     self.config, self.cfg, self.decode_cfg = config, config.model, config.decode
+    if self.cfg.pipeline.num_pipeline_stages > 1:  # here, not at the first prefill's trace (a traceback)
+      raise UserError(f"decoding does not support pipeline parallelism ({self.cfg.pipeline.num_pipeline_stages} "
+                      "stages); set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
     if self.cfg.moe.num_experts > 1 and self.cfg.moe.capacity_factor > 0:
       # Expert capacity is counted per call (a prompt, then one token), so which tokens are dropped
       # would depend on how the text is split into calls: decode dropless, the exact routing.
@@ -129,6 +132,7 @@ class Engine:
     self.steps_per_call = self.decode_cfg.decode_steps_per_call
     self._block = jax.jit(self._block_fn, donate_argnums=(1,), static_argnames=("top",),
                           out_shardings=(self.state_shardings, replicated))
+    self._unlimited: tuple[jax.Array, jax.Array] | None = None  # `_steps` without limits: its ends_T, stop_E
     self.page_prefill = page_prefill.PagePrefill(self.cfg, self.decode_cfg, self.cache, self.model,
                                                  self.state_shardings, self.traces, self.sampling, snapshot_capacity)
 
@@ -151,7 +155,14 @@ class Engine:
     self.cache.reset()
     self.page_prefill.reset()
     self._busy[:] = False
-    return self._init_state(jnp.uint32(seed))
+    try:
+      return self._init_state(jnp.uint32(seed))
+    except jax.errors.JaxRuntimeError as e:  # a cache the keys size far past the devices' memory
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      keys = "kv_num_pages or kv_page_size" if self.cache.name == "paged" else "serve_max_slots or max_target_length"
+      raise UserError(f"the {self.cache.name} KV cache of {self.num_slots} slots needs {self._cache_bytes / 2**30:.3g} "
+                      f"GiB, more than the devices could allocate: lower {keys}") from None
 
   def prefill(self, params: Params, prompts: Sequence[Sequence[int]], seed: int = 0,
               row_params: Sequence[sampling.RowParams] | None = None,
@@ -161,11 +172,11 @@ class Engine:
     Each row samples by its `row_params` (default: the decode_sampling_* keys, row i seeded
     with seed + i). `images`: each prompt's images (None: none), one per placeholder run.
     `masks`: int32 [B, W] token bitmasks of the first tokens (constrained decoding; sampling.apply_token_mask)."""
-    tokens_BL, lengths_B = pad_prompts(prompts, self.decode_cfg.max_prefill_predict_length)
+    tokens_BL, lengths_B = pad_prompts(prompts, self.decode_cfg.max_prefill_predict_length, self.cfg)
     pixels = self._pixels(prompts, images)
     with sharding.activation_sharding(self.mesh, self.rules):
       return self._prefill(params, tokens_BL, lengths_B, self.row_sampling(prompts, seed, row_params), pixels,
-                           None if masks is None else jnp.asarray(masks))
+                           None if masks is None else np.asarray(masks))
 
   def prefill_insert(self, params: Params, state: DecodeState, prompts: Sequence[Sequence[int]], slots: Sequence[int],
                      seed: int = 0, row_params: Sequence[sampling.RowParams] | None = None,
@@ -174,13 +185,13 @@ class Engine:
     """`prefill` of the prompts, then prompt i into slots[i] (the prompts past len(slots) are padding rows) as
     `insert_rows` does, in one jitted call that takes `state` (donated) and never returns the prompts' caches
     (engine_api.PrefillsIntoSlots)."""
-    tokens_BL, lengths_B = pad_prompts(prompts, self.decode_cfg.max_prefill_predict_length)
+    tokens_BL, lengths_B = pad_prompts(prompts, self.decode_cfg.max_prefill_predict_length, self.cfg)
     pixels = self._pixels(prompts, images)
     rows = self.row_sampling(prompts, seed, row_params)
     slots_R, rows_R, table_RM = self.admit_rows(lengths_B, slots, range(len(slots)))
     with sharding.activation_sharding(self.mesh, self.rules):
       return self._prefill_insert(params, state, tokens_BL, lengths_B, rows, pixels,
-                                  None if masks is None else jnp.asarray(masks), slots_R, rows_R, table_RM)
+                                  None if masks is None else np.asarray(masks), slots_R, rows_R, table_RM)
 
   def row_sampling(self, prompts: Sequence[Sequence[int]], seed: int,
                    row_params: Sequence[sampling.RowParams] | None) -> RowSampling:
@@ -245,7 +256,8 @@ class Engine:
     `ends_T` (StepLimits.ends): a slot at its end takes no new page (its token is the caller's to drop)."""
     table = self.cache.step_table(1, ends_T)
     with sharding.activation_sharding(self.mesh, self.rules):
-      out = self._generate(params, state, table, None if mask is None else jnp.asarray(mask),
+      # The mask as a host array: jit copies it within the call, where jnp.asarray was a dispatch of its own.
+      out = self._generate(params, state, table, None if mask is None else np.asarray(mask),
                            **({} if top else {"top": False}))
     self.cache.advance(1 if ends_T is None else self._steps_left(ends_T, 1))
     return out
@@ -329,6 +341,7 @@ class Engine:
     if len(context) > self.cfg.max_target_length - 1:
       raise UserError(f"a context of {len(context)} tokens does not fit max_target_length={self.cfg.max_target_length} "
                       "with room to generate")
+    check_token_ids([context], self.cfg)
     return self.cache.pages.extend(slot, len(context))
 
   def release(self, slot: int) -> None:
@@ -358,7 +371,7 @@ class Engine:
             ) -> TokenLogprobs:
     """Log-probabilities of each prompt token given the ones before it ([L], row 0 meaningless)
     and the most probable alternatives at each position, from one full forward pass."""
-    tokens_BL, _ = pad_prompts([prompt], self.decode_cfg.max_prefill_predict_length)
+    tokens_BL, _ = pad_prompts([prompt], self.decode_cfg.max_prefill_predict_length, self.cfg)
     pixels = self._pixels([prompt], [images])
     with sharding.activation_sharding(self.mesh, self.rules):
       return self._score(params, jnp.asarray(tokens_BL), pixels)
@@ -385,10 +398,17 @@ class Engine:
     k, length = self.steps_per_call, self.cfg.max_target_length
     ends_T = np.full(self.num_slots, length + 1, np.int64) if limits is None else \
         np.minimum(np.asarray(limits.ends, np.int64), length + 1)
-    stop_E = np.asarray((limits.stop_ids if limits is not None else ()) or (-1,), np.int32)
     table = self.cache.step_table(k, ends_T)
+    if limits is None:  # the same two arrays every call (rollouts, decode.py): made on the device once
+      if self._unlimited is None:  # every slot ends with its cache; no stop token
+        self._unlimited = jax.jit(lambda: (jnp.full((self.num_slots,), length + 1, jnp.int32),
+                                           jnp.full((1,), -1, jnp.int32)),
+                                  out_shardings=(self.state_shardings.tokens_B,) * 2)()
+      ends, stop = self._unlimited
+    else:  # a host array argument is a copy to the device in every call
+      ends, stop = ends_T.astype(np.int32), np.asarray(limits.stop_ids or (-1,), np.int32)
     with sharding.activation_sharding(self.mesh, self.rules):
-      state, (tokens_TK, counts_T, logprobs) = self._block(params, state, table, ends_T.astype(np.int32), stop_E,
+      state, (tokens_TK, counts_T, logprobs) = self._block(params, state, table, ends, stop,
                                                            **({} if limits is None or limits.top_logprobs else
                                                               {"top": False}))
     self.cache.advance(self._steps_left(ends_T, k))
@@ -511,7 +531,8 @@ class Engine:
       caches = self.cache.keep_inactive(caches, old, table_TM)
       if has_recurrent_state(self.cfg):  # a stopped slot's recurrent state stays where it stopped
         caches = paged_cache.keep_inactive_states(caches, old, live_T, self.cfg.scan_layers)
-      tokens_B, rows, logprobs = sample(logits_B1V[:, 0], state.sampling, top=top)
+      # A stopped slot's results are dropped (decode_block.run): only live slots decide whether any row samples.
+      tokens_B, rows, logprobs = sample(logits_B1V[:, 0], state.sampling, top=top, live_B=live_T)
       return DecodeState(caches, state.next_positions_B + 1, tokens_B, rows), (tokens_B, logprobs)
 
     return decode_block.run(step, state, self.steps_per_call, ends_T, stop_E)
@@ -547,6 +568,8 @@ def serve(engine: Engine, params: Params, requests: Sequence[Request], eos_id: i
   outputs filled in (the first token comes from prefill)."""
   limit = engine.cfg.max_target_length
   for i, request in enumerate(requests):
+    if request.max_new_tokens < 1:  # prefill gives the first token whatever the budget
+      raise UserError(f"request {i}: max_new_tokens={request.max_new_tokens}; it must be at least 1")
     if len(request.prompt) + request.max_new_tokens > limit + 1:
       raise UserError(f"request {i}: {len(request.prompt)} prompt + {request.max_new_tokens} new tokens exceed "
                       f"max_target_length={limit} (+1: the last token needs no cache entry)")

@@ -9,7 +9,8 @@ A request's life: `prefill` + `insert` put a prompt into a free slot (or, where 
 `prefills_into_pages`, `begin_prompt` then `prefill_chunk` until it returns the first token);
 every `decode_step` gives each slot 0..K tokens (`Emitted`); `release` frees the slot. Several
 prompts go in together as `prefill`'s rows (then an `insert` per row, or one `InsertsRowsTogether.insert_rows`
-for them all where the engine offers it) or, into pages, as the rows of
+for them all where the engine offers it; or prefill and insert in one `PrefillsIntoSlots.prefill_insert` call,
+which `prefill_into_slots` picks where offered) or, into pages, as the rows of
 `PrefillsRestsTogether.prefill_rests` (unchunked) or `PrefillsChunksTogether.prefill_chunks` (one
 chunk budget shared by several prompts) where the engine offers them. The
 decode state is the engine's own and opaque to callers: they pass it back as they got it.
@@ -23,13 +24,16 @@ Implementations: engine.Engine (dense or paged KV cache), speculative_engine.Spe
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import jax
 import numpy as np
 from flax import struct
 
 from MaxText.inference import image_prompts, sampling
+
+if TYPE_CHECKING:
+  from MaxText.configuration.model_config import ModelConfig
 
 # What a caller holds for an engine without looking inside: its parameters (a model's tree, or a
 # speculative engine's (target's, draft's)) and its decode state. Each implementation names its own.
@@ -119,6 +123,10 @@ class DecodeEngine(Protocol):
 
   @property
   def num_slots(self) -> int: ...
+
+  @property
+  def cfg(self) -> ModelConfig:
+    """The model's config: max_target_length is each slot's cache length."""
 
   @property
   def speculative_tokens(self) -> int:
@@ -247,3 +255,19 @@ class PrefillsIntoSlots(Protocol):
                      slots: Sequence[int], seed: int = 0, row_params: Sequence[sampling.RowParams] | None = None,
                      images: Sequence[image_prompts.PromptImages | None] | None = None,
                      masks: np.ndarray | None = None) -> tuple[EngineState, Admitted]: ...
+
+
+def prefill_into_slots(engine: DecodeEngine, params: EngineParams, state: EngineState,
+                       prompts: Sequence[Sequence[int]], slots: Sequence[int],
+                       row_params: Sequence[sampling.RowParams]) -> tuple[EngineState, Admitted]:
+  """Prompt i into slots[i] (the prompts past len(slots) pad the call), as the rollouts admit their rows:
+  one PrefillsIntoSlots call where the engine offers it, else a `prefill` and then one `insert_rows`
+  (InsertsRowsTogether) or an `insert` per prompt. The slots' tokens are the same either way."""
+  if isinstance(engine, PrefillsIntoSlots):
+    return engine.prefill_insert(params, state, prompts, slots, row_params=row_params)
+  prefix = engine.prefill(params, prompts, row_params=row_params)
+  if isinstance(engine, InsertsRowsTogether):
+    return engine.insert_rows(prefix, state, slots, list(range(len(slots)))), prefix
+  for row, slot in enumerate(slots):
+    state = engine.insert(prefix, state, slot=slot, row=row)
+  return state, prefix

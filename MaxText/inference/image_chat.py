@@ -22,6 +22,7 @@ from MaxText.errors import UserError
 from MaxText.inference.image_prompts import PromptImages
 from MaxText.families.image_format import ImageFormat, PreparedImage
 from MaxText.input_pipeline import image_text
+from MaxText.input_pipeline import chat
 from MaxText.input_pipeline.chat import ChatTokenizer
 
 BASE64_BYTES_PER_CHAR = 3 / 4
@@ -74,14 +75,15 @@ class ImageChat:
       templated = image_text.flat_text(templated)
     prepared = image_text.prepare_images([slot.ref for slot in slots], vision, self.decoder_block, files=files,
                                          read=lambda ref: _read(ref, files, limits), fmt=self.fmt)
-    text = tokenizer.apply_chat_template(templated, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return self.encode(tokenizer, text, prepared)
+    guard = chat.ContentGuard(tokenizer, templated)  # a typed marker or "<|im_end|>" stays text
+    text = chat.render(tokenizer, guard.hide(templated), add_generation_prompt, what="the messages")
+    return self.encode(tokenizer, text, prepared, guard)
 
-  def encode(self, tokenizer: ChatTokenizer, text: str, prepared: Sequence[PreparedImage]
-             ) -> tuple[list[int], PromptImages | None]:
+  def encode(self, tokenizer: ChatTokenizer, text: str, prepared: Sequence[PreparedImage],
+             guard: chat.ContentGuard | None = None) -> tuple[list[int], PromptImages | None]:
     if self.vision.use_multimodal:
       text = image_text.expand_image_markers(text, tokenizer, self.vision, self.decoder_block, prepared, self.fmt)
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids = guard.encode(tokenizer, text)[0] if guard else list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return ids, PromptImages.of(np.concatenate([p.pixels for p in prepared])) if prepared else None
 
 

@@ -1,4 +1,4 @@
-"""What the scheduler (scheduler.py) tells a job's handler, without JAX: a token, a prompt's scores,
+"""What the scheduler (scheduler.py) tells a job's handler, without JAX: its new tokens, a prompt's scores,
 the end; and why it refuses jobs. The HTTP routes read these in the engine's process and in the
 front-end processes (serve_frontend.py), which receive them pickled from the engine's."""
 
@@ -17,11 +17,15 @@ class TooLarge(Exception):
 
 
 @dataclasses.dataclass
-class Token:
+class Tokens:
+  """A run of one job's new tokens, in order: what one engine call gave it (one event per job and
+  call, not per token: each event costs the scheduler thread, the event loop and, in a front end,
+  a pickle)."""
+
   index: int  # the job's choice index
-  token: int
-  logprob: float
-  top: list[tuple[int, float]]  # the most probable alternatives at this position, best first
+  tokens: list[int]
+  logprobs: list[float]  # each token's log-probability
+  tops: list[list[tuple[int, float]]]  # each token's most probable alternatives, best first ([] when not asked)
 
 
 @dataclasses.dataclass
@@ -38,7 +42,7 @@ class Done:
   message: str = ""
 
 
-Event = Token | PromptScores | Done
+Event = Tokens | PromptScores | Done
 
 
 class JobHandle(Protocol):

@@ -121,6 +121,11 @@ class AdapterTable:
 
   def row_values(self, adapter: peft_adapters.PeftAdapter | None) -> dict[tuple[tuple[str, ...], str], np.ndarray]:
     """Each table leaf's row for `adapter` (None: zeros), rank-padded, its scale folded into lora_b."""
+    if adapter is not None:  # one loaded outside `Registry.add` has not met `check`: numpy would fail or drop leaves
+      outside = [t for t in adapter.targets if t not in self.targets]
+      if adapter.rank > self.rank or outside:
+        raise UserError(f"a LoRA adapter of rank {adapter.rank} on {list(adapter.targets)} does not fit adapter tables "
+                        f"of rank {self.rank} (serve_lora_max_rank) on {list(self.targets)}")
     out = {}
     for (dense, key), (shape, lead, dtype) in self._places.items():
       value = np.zeros(shape, np.float32)
@@ -208,6 +213,7 @@ class Registry:
         raise UserError(f"all serve_lora_slots={self.table.capacity} adapter rows are taken; remove an adapter first")
       with storage_retry.one_request():  # a dead bucket fails this add, not the server's later gs:// reads
         rank, targets, _ = peft_adapters.read_config(path)
+        check_stored_rank(name, path, rank)
         self.table.check(rank, targets, name)
         adapter = peft_adapters.load(path, self.table.engine.cfg, self.table.engine.spec.abstract_params)
       self.table.check(adapter.rank, adapter.targets, name)  # the targets its tensors name
@@ -284,6 +290,15 @@ class Registry:
       self.swap(params)
 
 
+def check_stored_rank(name: str, path: str, claimed: int) -> None:
+  """UserError when the lora_A tensors of `path` have another rank than its config's r (`claimed`): PEFT refuses
+  such an adapter, and the tables' rank check must see the rank the tensors have."""
+  stored = peft_adapters.stored_rank(path)
+  if stored != claimed:
+    raise UserError(f"LoRA adapter {name!r} ({path}): its config says r={claimed} but its lora_A tensors have rank "
+                    f"{stored}; fix adapter_config.json")
+
+
 def parse_adapters(items: Sequence[str]) -> list[tuple[str, str]]:
   """serve_lora_adapters' name=path items."""
   out = []
@@ -316,10 +331,7 @@ def load_engine(config: Config, num_slots: int, fresh_note: str, base_name: str,
     raise UserError(f"LoRA adapters target {unknown}, which this model cannot serve from adapter tables "
                     f"(it can: {list(table_targets(config))})")
   for (name, adapter_path), (claimed, _) in zip(named, peeks):  # before tables of that rank are allocated
-    stored = peft_adapters.stored_rank(adapter_path)
-    if stored != claimed:
-      raise UserError(f"LoRA adapter {name!r} ({adapter_path}): its config says r={claimed} but its lora_A tensors "
-                      f"have rank {stored}; fix adapter_config.json")
+    check_stored_rank(name, adapter_path, claimed)
   table_cfg = table_config(config, rank, targets)
   path = model_assembly.parameters_path(config)
   engine = Engine(table_cfg, num_slots=num_slots, mesh=mesh)

@@ -38,7 +38,8 @@ class NameTaken(UserError):
 def check_name(name: str) -> None:
   """UserError for a name no adapter may have."""
   if not name or name != name.strip() or len(name) > 200:
-    raise UserError(f"a LoRA adapter's name must be 1 to 200 characters without surrounding spaces, got {name!r}")
+    shown = repr(name) if len(name) <= 200 else f"{len(name)} characters, {name[:40]!r}..."  # one readable line
+    raise UserError(f"a LoRA adapter's name must be 1 to 200 characters without surrounding spaces, got {shown}")
   # The DELETE route takes the name in its URL path: clients and the router drop "." and ".." segments, and
   # the route does not match a control character, so such an adapter could never be removed.
   if any(unicodedata.category(c) == "Cc" for c in name) or {".", ".."} & set(name.split("/")):

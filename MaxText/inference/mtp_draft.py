@@ -115,12 +115,12 @@ class MtpSpeculativeDecoder:
               ) -> tuple[Prefix, MtpDraft]:
     """The target's prefill (its first tokens; `masks`: their token bitmasks) and the MTP module's pass over the
     prompts."""
-    tokens_BL, lengths_B = pad_prompts(prompts, self.target.decode_cfg.max_prefill_predict_length)
+    tokens_BL, lengths_B = pad_prompts(prompts, self.target.decode_cfg.max_prefill_predict_length, self.target.cfg)
     if row_params is None:
       row_params = [sampling.RowParams.from_strategy(self.target.sampling, seed + i) for i in range(len(prompts))]
     with sharding.activation_sharding(self.target.mesh, self.target.rules):
-      return self._prefill(target_params, jnp.asarray(tokens_BL), jnp.asarray(lengths_B), row_sampling(row_params),
-                           None if masks is None else jnp.asarray(masks))
+      return self._prefill(target_params, tokens_BL, lengths_B, row_sampling(row_params),
+                           None if masks is None else np.asarray(masks))
 
   def insert(self, prefixes: tuple[Prefix, MtpDraft], state: MtpState, slot: int, row: int = 0) -> MtpState:
     target = self.target.insert(prefixes[0], state.target, slot, row)
@@ -138,12 +138,12 @@ class MtpSpeculativeDecoder:
                      row_params: Sequence[sampling.RowParams] | None = None, masks: np.ndarray | None = None
                      ) -> tuple[MtpState, Prefilled]:
     """`prefill` and `insert_rows` (prompt i into slots[i]) in one jitted call (Engine.prefill_insert)."""
-    tokens_BL, lengths_B = pad_prompts(prompts, self.target.decode_cfg.max_prefill_predict_length)
+    tokens_BL, lengths_B = pad_prompts(prompts, self.target.decode_cfg.max_prefill_predict_length, self.target.cfg)
     rows = self.target.row_sampling(prompts, seed, row_params)
     pairs = self.target.admit_rows(lengths_B, slots, range(len(slots)))
     with sharding.activation_sharding(self.target.mesh, self.target.rules):
       return self._prefill_insert(target_params, state, tokens_BL, lengths_B, rows,
-                                  None if masks is None else jnp.asarray(masks), pairs)
+                                  None if masks is None else np.asarray(masks), pairs)
 
   def release(self, slot: int) -> None:
     self.target.release(slot)
@@ -155,7 +155,7 @@ class MtpSpeculativeDecoder:
     table = self.target.cache.step_table(self.k + 1)
     with sharding.activation_sharding(self.target.mesh, self.target.rules):
       state, tokens_TK, counts_T, logprobs = self._round(target_params, state, table,
-                                                         None if mask is None else jnp.asarray(mask))
+                                                         None if mask is None else np.asarray(mask))  # as engine._step
     tokens, counts, logprobs = jax.device_get((tokens_TK, counts_T, logprobs))
     self.target.cache.advance(counts)
     self.acceptance.record(self.target, counts, active)

@@ -20,8 +20,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import secrets
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
+from MaxText import json_text
 from MaxText.errors import UserError
 from MaxText.inference import grammar as grammar_lib
 from MaxText.inference.image_prompts import PromptImages
@@ -72,6 +73,13 @@ class Codec:
   # The ids `decode` reads are [0, token_limit) (the tokenizer's vocabulary, at most the model's); None: the
   # model's vocab_size. A prompt of ids beyond it would be answered with text the tokenizer cannot write.
   token_limit: int | None = None
+  # A stop sequence spelled as a special token (Qwen's "<|im_end|>") -> its id, else None: decode writes no
+  # special token, so the text would never hold it. None: every stop sequence is matched in the text.
+  stop_token: Callable[[str], int | None] | None = None
+
+  def stop_ids(self, stops: Sequence[str]) -> frozenset[int]:
+    found = [self.stop_token(s) for s in stops] if self.stop_token is not None else []
+    return frozenset(t for t in found if t is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,27 +115,10 @@ def parse_json(raw: bytes) -> Any:
     raise ApiError(400, "the request body is not valid JSON: it is nested too deeply", code="invalid_json") from None
   # json decodes an unpaired \ud800-\udfff escape into a str no tokenizer encodes (a 500 there). Only an escape
   # (or a UTF-16/32 body) can hold one: UTF-8 text refuses surrogates.
-  if (b"\\u" in raw or json.detect_encoding(raw) not in ("utf-8", "utf-8-sig")) and _lone_surrogate(body):
+  if (b"\\u" in raw or json.detect_encoding(raw) not in ("utf-8", "utf-8-sig")) and json_text.has_unpaired_surrogate(body):
     raise ApiError(400, "the request body is not valid JSON text: it holds an unpaired UTF-16 surrogate escape "
                    "(\\ud800 to \\udfff without its pair)", code="invalid_json")
   return body
-
-
-def _lone_surrogate(value: Any) -> bool:
-  pending = [value]
-  while pending:
-    item = pending.pop()
-    if isinstance(item, dict):
-      pending.extend(item)
-      pending.extend(item.values())
-    elif isinstance(item, list):
-      pending.extend(item)
-    elif isinstance(item, str):
-      try:
-        item.encode("utf-8")
-      except UnicodeEncodeError:
-        return True
-  return False
 
 
 def _get(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any) -> Any:
@@ -311,7 +302,8 @@ def _choices(prompts: list[list[int]], body: dict[str, Any], name: str, limits: 
     max_tokens = _max_tokens(body.get(name), name, len(ids), limits, minimum)
     for j in range(n):
       index = p * n + j
-      row_seed = secrets.randbits(32) if seed is None else (seed + index) % SEED_LIMIT
+      # A greedy row never draws: no random seed (a system call on the event loop) for it.
+      row_seed = (secrets.randbits(32) if temperature > 0 else 0) if seed is None else (seed + index) % SEED_LIMIT
       out.append(Completion(index, ids, max_tokens, RowParams(temperature, top_p, top_k, row_seed), images))
   return out
 
@@ -461,6 +453,13 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, A
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict) \
         or not isinstance(function.get("name"), str):
       raise ApiError(400, f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}', "tools")
+  seen: set[str] = set()
+  for tool in tools:  # a call of a name given twice could not say which tool (nor which parameters) it means
+    name = tool["function"]["name"]
+    if name in seen:
+      raise ApiError(400, f"tools name the function {name[:100]!r} more than once; give each tool its own name",
+                     "tools")
+    seen.add(name)
   choice = body.get("tool_choice")
   if choice is None:
     choice = "auto"
@@ -502,7 +501,7 @@ def _tool_fields(message: dict[str, Any], i: int) -> dict[str, Any]:
     arguments = function.get("arguments", "{}")
     try:
       arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than json's stack
       raise ApiError(400, f"messages[{i}].tool_calls: arguments of {function['name'][:100]!r} are not JSON",
                      "messages") from None
     out["tool_calls"].append({"id": call.get("id"), "type": "function",
@@ -511,6 +510,15 @@ def _tool_fields(message: dict[str, Any], i: int) -> dict[str, Any]:
 
 
 IMAGE_PART_TYPES = ("image_url", "image")
+
+
+def has_grammar(body: Any) -> bool:
+  """Whether a chat body asks for constrained decoding (response_format other than text, or a forced tool call):
+  compiling its grammar can take long enough to stall the event loop other requests share."""
+  if not isinstance(body, dict):
+    return False
+  fmt, choice = body.get("response_format"), body.get("tool_choice")
+  return (isinstance(fmt, dict) and fmt.get("type") != "text") or choice == "required" or isinstance(choice, dict)
 
 
 def has_images(body: Any) -> bool:
@@ -524,10 +532,10 @@ def has_images(body: Any) -> bool:
 class ChoiceText:
   """One choice's tokens -> text: `add(token)` returns the text now safe to send (none that a
   stop sequence could still claim, no half of a multi-byte character); a stop sequence ends the
-  text before it."""
+  text before it, as does a token of `stop_ids` (a stop sequence that is a special token decode does not write)."""
 
-  def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str]):
-    self.decode, self.stops = decode, list(stops)
+  def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str], stop_ids: Collection[int] = ()):
+    self.decode, self.stops, self.stop_ids = decode, list(stops), frozenset(stop_ids)
     self.tokens: list[int] = []
     self.text = ""
     self.sent = 0
@@ -539,6 +547,10 @@ class ChoiceText:
       return ""
     self.tokens.append(token)
     self.text = self.decode(self.tokens)
+    if token in self.stop_ids:  # the text before it is final; a stop sequence in it may still end it sooner
+      delta = self.flush()
+      self.stopped = True
+      return delta
     return self._advance(self._settled_end())
 
   def add_many(self, tokens: Sequence[int]) -> tuple[str, int]:

@@ -30,8 +30,8 @@ from MaxText.configuration.model_config import ModelConfig
 from MaxText.configuration.vision_config import VisionConfig
 from MaxText.errors import UserError
 from MaxText.inference import image_prompts, kv_layout, paged_cache, sampling, state_snapshots
-from MaxText.inference.decode_state import DecodeState, Prefix, RowSampling, row_sampling, sample, seeded, \
-    with_prompt
+from MaxText.inference.decode_state import DecodeState, Prefix, RowSampling, check_token_ids, row_sampling, sample, \
+    seeded, with_prompt
 from MaxText.inference.engine_api import TokenLogprobs
 from MaxText.layers import lora_rows
 from MaxText.platform import sharding
@@ -112,6 +112,7 @@ class PagePrefill:
     limit = self.cfg.max_target_length
     if not 1 <= len(prompt) <= limit - 1:
       raise UserError(f"a prompt of {len(prompt)} tokens does not fit max_target_length={limit} with room to generate")
+    check_token_ids([prompt], self.cfg)
     runs = image_prompts.image_runs(prompt, self.cfg.vision, images)
     self._keys[slot] = cache_key
     salts = self._salts(slot, runs, images, pages.page_size)
@@ -152,7 +153,7 @@ class PagePrefill:
       # Host arrays of their own (the allocator's table changes after the call): no dispatch each.
       state, first = self._extend(params, state, tokens_1C, np.int32(start), np.int32(len(tokens)), np.int32(slot),
                                   pages.table[slot][None].copy(), rows, None if pixels is None else jnp.asarray(pixels),
-                                  None if mask is None else jnp.asarray(mask))
+                                  None if mask is None else np.asarray(mask))
     salts = self._salts(slot, runs, images, pages.page_size)
     if self.snapshots is not None:
       self.snapshots.after_chunk(state.caches, slot, prompt, end, salts)
@@ -295,7 +296,7 @@ class PagePrefill:
     with sharding.activation_sharding(self.model.mesh, self.model.rules):
       state, (tokens_B, logprobs) = self._extend_rows(params, state, tokens_BC, starts_B, lengths_B, slots_B, table_BM,
                                                       row_sampling(padded), _pixel_rows(pixels),
-                                                      None if masks_BW is None else jnp.asarray(masks_BW))
+                                                      None if masks_BW is None else np.asarray(masks_BW))
     firsts: dict[int, FirstToken] = {}
     for row, (i, end) in enumerate(pieces):
       slot, prompt = plans.slots[i], plans.prompts[i]

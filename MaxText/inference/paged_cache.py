@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,40 @@ def pages_per_slot(max_length: int, page_size: int) -> int:
   return math.ceil(max_length / page_size)
 
 
+class _FreePages:
+  """The free list: the pages handed back (the last one first), then the never-used ones lowest first, as a
+  list of every page reversed would pop them; the never-used ones are a count, not a list (kv_num_pages=10**9
+  made a Python list the host could not hold, and the process was killed)."""
+
+  def __init__(self, num_pages: int):
+    self._returned: list[int] = []
+    self._next, self._end = 0, num_pages
+
+  def __len__(self) -> int:
+    return len(self._returned) + self._end - self._next
+
+  def __iter__(self) -> Iterator[int]:  # the list's order: the never-used pages highest first, then those handed back
+    yield from range(self._end - 1, self._next - 1, -1)
+    yield from self._returned
+
+  def __getitem__(self, index: slice) -> list[int]:
+    return list(self)[index]
+
+  def __eq__(self, other: object) -> bool:
+    return list(self) == (list(other) if isinstance(other, (list, _FreePages)) else other)
+
+  def append(self, page: int) -> None:
+    self._returned.append(page)
+
+  def pop(self) -> int:
+    if self._returned:
+      return self._returned.pop()
+    if self._next >= self._end:
+      raise IndexError("pop from an empty free list")
+    self._next += 1
+    return self._next - 1
+
+
 class PageAllocator:
   """Free list and block table of one decode state's page pool (host side, numpy); with
   `prefix_caching`, full prompt pages are shared between slots by reference count
@@ -48,7 +82,7 @@ class PageAllocator:
   def __init__(self, num_pages: int, page_size: int, num_slots: int, max_length: int, prefix_caching: bool = False):
     self.num_pages, self.page_size, self.max_length = num_pages, page_size, max_length
     self.table = np.full((num_slots, pages_per_slot(max_length, page_size)), -1, np.int32)
-    self.free = list(range(num_pages - 1, -1, -1))  # pop() hands out the lowest page first
+    self.free = _FreePages(num_pages)
     self.refs = np.zeros(num_pages, np.int32)  # slots whose table names the page
     self.index = prefix_cache.PrefixIndex(page_size) if prefix_caching else None
     self.positions = np.zeros(num_slots, np.int64)  # where each slot's pending token is written
@@ -254,16 +288,16 @@ def insert_prefix(pools: Caches, prefix_caches: Caches, row: jax.Array, slot: ja
   A Gated DeltaNet layer's state (slot state, no pages) is copied from `row` into `slot`."""
 
   def one_layer(pool: paged_kv.PagedKVCache, cache: kv_cache.KVCache) -> paged_kv.PagedKVCache:
-    length = cache.key_BSKH.shape[1]
+    length = cache.length
     page_1L, offset_1L = paged_kv.page_addresses(table_row_M[None], jnp.arange(length)[None],
                                                  pool.key_KPZH.shape[1], pool.page_size)
 
-    def put(pool_leaf: jax.Array, cache_leaf: jax.Array) -> jax.Array:
+    def put(pool_leaf: jax.Array, cache_leaf: jax.Array) -> jax.Array:  # the prompt's tokens [1, L, K, X]
       return paged_kv.scatter(pool_leaf, jax.lax.dynamic_slice_in_dim(cache_leaf, row, 1, axis=0), page_1L,
                               offset_1L)
 
-    return dataclasses.replace(pool, **{name: put(getattr(pool, name), getattr(cache, dense_name))
-                           for name, dense_name in _FIELDS if getattr(pool, name) is not None})
+    return dataclasses.replace(pool, **{name: put(getattr(pool, name), dense)
+                           for name, dense in zip(_FIELDS, cache.tokens()) if dense is not None})
 
   layer = jax.vmap(one_layer) if stacked else one_layer
   batch_axis = 1 if stacked else 0
@@ -324,8 +358,7 @@ def keep_inactive_states(new: Caches, old: Caches, active_T: jax.Array, stacked:
   return jax.tree.map(keep, new, old, is_leaf=is_pool)
 
 
-_FIELDS = (("key_KPZH", "key_BSKH"), ("value_KPZH", "value_BSKH"), ("key_scale_KPZ1", "key_scale_BSK1"),
-           ("value_scale_KPZ1", "value_scale_BSK1"))
+_FIELDS = ("key_KPZH", "value_KPZH", "key_scale_KPZ1", "value_scale_KPZ1")  # in KVCache.tokens' order
 
 
 def cache_bytes(caches: Caches) -> int:

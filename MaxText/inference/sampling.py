@@ -18,7 +18,13 @@ from MaxText.inference.row_params import (ALL_TOKENS as ALL_TOKENS, NUM_TOP_LOGP
 
 
 def greedy(logits_BV: jax.Array) -> jax.Array:
-  return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  """int32 argmax over the last axis, the first of equal maxima, a NaN counting as the largest (jnp.argmax's
+  tokens). Written as a max and a min: XLA's CPU backend runs argmax's (value, index) reduction one
+  element at a time, a large part of a small model's decode step."""
+  top = jnp.max(logits_BV, axis=-1, keepdims=True)  # NaN when the row has one
+  hit = (logits_BV == top) | jnp.isnan(logits_BV)
+  index = jax.lax.broadcasted_iota(jnp.int32, logits_BV.shape, logits_BV.ndim - 1)
+  return jnp.min(jnp.where(hit, index, logits_BV.shape[-1]), axis=-1)
 
 
 def weighted(logits_BV: jax.Array, key: jax.Array, temperature: float) -> jax.Array:
@@ -66,9 +72,23 @@ def masked_logits(logits_BV: jax.Array, temperature_B: jax.Array, top_p_B: jax.A
                   ) -> jax.Array:
   """Each row's logits divided by its temperature, -inf outside its top-k and then its top-p
   (over the top-k survivors, renormalised; the crossing token kept, so at least one survives):
-  the distribution a sampled row draws from is softmax of this."""
+  the distribution a sampled row draws from is softmax of this. A greedy row's (temperature 0) is
+  never read. When no sampled row cuts (top_p >= 1 and top_k 0 or at least the vocabulary), nothing
+  is sorted: every token is kept (with the sort, a top_p of 1 also cut the tokens whose mass before
+  them, summed in float32, rounded up to 1)."""
   vocab = logits_BV.shape[-1]
   scaled_BV = logits_BV.astype(jnp.float32) / jnp.maximum(temperature_B, 1e-6)[:, None]
+  cuts_B = (top_p_B < 1) | ((top_k_B > 0) & (top_k_B < vocab))
+
+  def cut() -> jax.Array:  # a row that does not cut keeps every token, whoever shares its batch
+    return jnp.where(cuts_B[:, None], _cut(scaled_BV, top_p_B, top_k_B), scaled_BV)
+
+  return jax.lax.cond(jnp.any((temperature_B > 0) & cuts_B), cut, lambda: scaled_BV)
+
+
+def _cut(scaled_BV: jax.Array, top_p_B: jax.Array, top_k_B: jax.Array) -> jax.Array:
+  """masked_logits' top-k and top-p over the sorted scaled logits."""
+  vocab = scaled_BV.shape[-1]
   sorted_BV = jnp.sort(scaled_BV, axis=-1)[:, ::-1]
   rank_V = jnp.arange(vocab)
   k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, vocab), vocab)
@@ -88,9 +108,28 @@ def sample_rows(logits_BV: jax.Array, keys_B: jax.Array, temperature_B: jax.Arra
   def sampled() -> jax.Array:
     masked_BV = masked_logits(logits_BV, temperature_B, top_p_B, top_k_B)
     draw = jax.vmap(lambda key, row: jax.random.categorical(jax.random.wrap_key_data(key), row))
-    return jnp.where(temperature_B > 0, draw(keys_B, masked_BV), jnp.argmax(logits_BV, axis=-1)).astype(jnp.int32)
+    return jnp.where(temperature_B > 0, draw(keys_B, masked_BV), greedy(logits_BV)).astype(jnp.int32)
 
   return jax.lax.cond(jnp.all(temperature_B <= 0), lambda: greedy(logits_BV), sampled)
+
+
+def draws(temperature_B: jax.Array, live_B: jax.Array | None = None) -> jax.Array:
+  """bool []: whether any row (of the `live_B` ones) samples rather than takes the argmax."""
+  sampled_B = temperature_B > 0
+  return jnp.any(sampled_B if live_B is None else sampled_B & live_B)
+
+
+def next_tokens(logits_BV: jax.Array, keys_B: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array,
+                top_k_B: jax.Array, live_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """(next token ids [B] int32 as `sample_rows` draws them, the rows' next keys). The keys are split
+  (split_rows) only when some row samples: when none does (rows outside `live_B`, whose results the
+  caller drops, do not count), the argmax alone runs and the keys stay as they are, which no greedy
+  row ever draws with (a row keeps its temperature for its request's life)."""
+  def sampled(keys_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+    next_B, draw_B = split_rows(keys_B)
+    return sample_rows(logits_BV, draw_B, temperature_B, top_p_B, top_k_B), next_B
+
+  return jax.lax.cond(draws(temperature_B, live_B), sampled, lambda keys_B: (greedy(logits_BV), keys_B), keys_B)
 
 
 def row_probs(logits_BV: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array, top_k_B: jax.Array) -> jax.Array:

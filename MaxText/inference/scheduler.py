@@ -2,7 +2,7 @@
 
     HTTP handlers (asyncio) ─ submit(jobs) ─► bounded waiting list ─► free slot: [score] prefill insert
                   ▲                                                         │
-                  └── events (token, scores, done) through each job's sink ◄── generate step (all slots)
+                  └── events (tokens, scores, done) through each job's sink ◄── generate step (all slots)
 
 A job is one completion: a prompt, how many tokens, its sampling parameters. Each engine step
 serves every active slot; a job leaves its slot when it reaches max_tokens or an end-of-sequence
@@ -70,7 +70,7 @@ from MaxText.inference.engine_api import (Admitted, DecodeEngine, Emitted, Engin
 from MaxText.inference.image_prompts import PromptImages
 # The events and refusals, kept where the HTTP front ends read them without JAX, and named here as before.
 from MaxText.inference.job_events import (Done as Done, Event as Event, PromptScores as PromptScores,
-                                          QueueFull as QueueFull, Token as Token, TooLarge as TooLarge)
+                                          QueueFull as QueueFull, Tokens as Tokens, TooLarge as TooLarge)
 from MaxText.inference.sampling import ALL_TOKENS, RowParams
 
 
@@ -146,6 +146,16 @@ def _bucket(rows: int, slots: int) -> int:
   return max(rows, min(1 << (rows - 1).bit_length(), slots))
 
 
+def _host(*arrays: Any) -> list[Any]:
+  """The arrays' values as numpy arrays (None stays None), every device copy started before the first is
+  waited for: what jax.device_get gives a tuple of them, without its per-leaf tree and context handling (about
+  half the cost of a call's read on the CPU backend)."""
+  for array in arrays:
+    if isinstance(array, jax.Array):
+      array.copy_to_host_async()
+  return [None if array is None else np.asarray(array) for array in arrays]
+
+
 def _top(ids_k: np.ndarray, logprobs_k: np.ndarray) -> list[tuple[int, float]]:
   return [(int(i), float(lp)) for i, lp in zip(ids_k, logprobs_k)]
 
@@ -182,6 +192,10 @@ class Scheduler:
     self._stop_ids = tuple(sorted(self.eos_ids))
     # The call dispatched and not yet read: its Emitted and the jobs that held its slots.
     self._ahead: tuple[Emitted, dict[int, Job]] | None = None
+    # Prefills dispatched whose first tokens are not read yet, as (read and deliver them, their jobs):
+    # read once the next call is dispatched, so the device runs that call while the host hands the
+    # tokens on instead of idling between the prefill and the call.
+    self._firsts: list[tuple[Callable[[], None], list[Job]]] = []
     self._retiring: set[Job] = set()  # jobs whose slot was released before the call that ends them is read
     # Called on this thread after every loop (and after the jobs failed at stop): what gathers the
     # loop's events sends them on together (serve_processes: one message per front end).
@@ -272,7 +286,7 @@ class Scheduler:
           self._step()
       except Exception as e:  # noqa: BLE001 - a failed step must fail its jobs, not kill the server
         traceback.print_exc()
-        self._ahead = None
+        self._ahead, self._firsts = None, []
         self._fail_all(f"{type(e).__name__}: {e}", waiting_too=False)
         self._state = self.engine.init_decode_state()  # the failed step may have consumed the donated state
         with self._wake:
@@ -368,17 +382,34 @@ class Scheduler:
       else:
         for row, (job, slot) in enumerate(batch):
           self._state = self.engine.insert(prefix, self._state, slot, row)
+    with self._wake:
+      self._active.update({slot: job for job, slot in batch})
+    self._read_firsts_later([job for job, _ in batch], lambda: self._deliver_firsts(prefix, batch))
+
+  def _read_firsts_later(self, jobs: list[Job], read: Callable[[], None]) -> None:
+    """`read` (the first tokens of `jobs`, now active) runs after the next call is dispatched, or now
+    when that call needs them: a constrained job's token mask, a speculative round's draft."""
+    if self._one_call_at_a_time():
+      read()
+    else:
+      self._firsts.append((read, jobs))
+
+  def _read_firsts(self) -> None:
+    firsts, self._firsts = self._firsts, []
+    for read, _ in firsts:
+      read()
+
+  def _deliver_firsts(self, prefix: Admitted, batch: Sequence[tuple[Job, int]]) -> None:
+    """One read of a prefill's first tokens, each handed to its job."""
     lp = prefix.first_logprobs
     # The top alternatives are read only when a job wants them (a host copy each), as for a call's tokens.
     tops = any(job.top_logprobs for job, _ in batch)
-    out = jax.device_get((prefix.first_tokens_B, lp.chosen_B, *((lp.top_ids_Bk, lp.top_logprobs_Bk) if tops else ())))
+    out = _host(prefix.first_tokens_B, lp.chosen_B, *((lp.top_ids_Bk, lp.top_logprobs_Bk) if tops else ()))
     first, chosen = np.asarray(out[0]).tolist(), np.asarray(out[1]).tolist()
-    with self._wake:
-      self._active.update({slot: job for job, slot in batch})
     for row, (job, slot) in enumerate(batch):
-      if self._active.get(slot) is job:
-        top = _top(out[2][row], out[3][row]) if tops and job.top_logprobs else []
-        self._deliver(slot, job, first[row], chosen[row], top)
+      if self._takes(slot, job):
+        self._deliver(slot, job, [first[row]], [chosen[row]],
+                      [_top(out[2][row], out[3][row])] if tops and job.top_logprobs else None)
 
   def _prefill_chunk(self) -> None:
     """With prefill_chunk_size, one chunk budget of the prompts being prefilled, longest-waiting first
@@ -399,8 +430,7 @@ class Scheduler:
         with self._wake:
           self._prefilling[slot] = (job, end)
         return  # the chunk budget of this loop is spent
-      tokens_1, logprobs = jax.device_get(first)
-      self._activate([(slot, job, (tokens_1, logprobs, 0))])
+      self._activate([(slot, job, (*first, 0))])
       if chunked:
         return
 
@@ -424,7 +454,7 @@ class Scheduler:
                                                [start for _, _, start in batch], [job.row for job in jobs.values()],
                                                **rows)
     self.counts["prefills"] += 1
-    self._activate([(slot, job, first) for (slot, job, _), first in zip(batch, jax.device_get(firsts))])
+    self._activate([(slot, job, first) for (slot, job, _), first in zip(batch, firsts)])
 
   def _prefill_chunks(self, engine: PrefillsChunksTogether) -> None:
     """One chunk budget spent on the prompts being prefilled, longest-waiting first, in one engine call."""
@@ -441,19 +471,23 @@ class Scheduler:
         self._prefilling[slot] = (job, end)
     finished = [(slot, job, first) for (slot, job, _), (_, first) in zip(batch, results) if first is not None]
     if finished:
-      self._activate([(slot, job, first) for (slot, job, _), first in
-                      zip(finished, jax.device_get([first for _, _, first in finished]))])
+      self._activate(finished)
 
   def _activate(self, finished: Sequence[tuple[int, Job, tuple[Any, TokenLogprobs, int]]]) -> None:
     """Jobs whose prompts are prefilled join the generate steps with their first tokens ((first tokens
-    [B], their scores, the job's row), read from the device)."""
+    [B], their scores, the job's row), on the device: read in one copy, after the next call's dispatch)."""
     with self._wake:
       for slot, job, _ in finished:
         del self._prefilling[slot]
         self._active[slot] = job
-    for slot, job, (tokens_B, logprobs, row) in finished:
-      if self._active.get(slot) is job:
-        self._deliver(slot, job, int(tokens_B[row]), *_scores(logprobs, row))
+
+    def read() -> None:
+      for (slot, job, _), (tokens_B, logprobs, row) in zip(finished, jax.device_get([f for _, _, f in finished])):
+        if self._takes(slot, job):
+          logprob, top = _scores(logprobs, row)
+          self._deliver(slot, job, [int(tokens_B[row])], [logprob], [top])
+
+    self._read_firsts_later([job for _, job, _ in finished], read)
 
   def _one_call_at_a_time(self) -> bool:
     return bool(self.speculative_tokens) or any(getattr(job, "constraint", None) is not None
@@ -474,6 +508,7 @@ class Scheduler:
       self._ahead = (emitted, dict(self._active))
       self.counts["steps"] += 1
       self._retire_ending(emitted, previous)
+    self._read_firsts()  # before the previous call's tokens, as when they were read at their prefill
     if previous is not None:
       self._deliver_call(*previous)
 
@@ -481,9 +516,10 @@ class Scheduler:
     """Releases the slot of each job the calls in flight take to its max_tokens: a job not ended by
     an end-of-sequence token gets each call's steps' tokens, so the count is known before any is read."""
     per_call = 1 if emitted.counts is None else int(np.shape(emitted.tokens)[1])
+    unread = {id(job) for _, jobs in self._firsts for job in jobs}  # a first token each, not read yet
     for slot, job in list(self._active.items()):
       calls = 1 + (previous is not None and previous[1].get(slot) is job)
-      if job.generated + per_call * calls >= job.max_tokens:
+      if job.generated + (id(job) in unread) + per_call * calls >= job.max_tokens:
         with self._wake:
           del self._active[slot]
           self._reserved.pop(slot, None)
@@ -505,21 +541,21 @@ class Scheduler:
     lp = emitted.logprobs
     # The top alternatives are read (a host copy each) and listed only when a job of the call wants them.
     tops = (lp.top_ids_Bk, lp.top_logprobs_Bk) if any(job.top_logprobs for job in jobs.values()) else ()
-    out = jax.device_get((emitted.tokens, lp.chosen_B, emitted.counts, *tops))
+    out = _host(emitted.tokens, lp.chosen_B, emitted.counts, *tops)
     # Python values in one conversion each (indexing numpy per token costs more than the rest of a delivery).
     tokens, chosen = np.asarray(out[0]).tolist(), np.asarray(out[1]).tolist()
     counts = None if out[2] is None else np.asarray(out[2]).tolist()
     ids, top = (np.asarray(out[3]).tolist(), np.asarray(out[4]).tolist()) if tops else ([], [])
     for slot, job in jobs.items():
-      wants = job.top_logprobs
-      for i in range(1 if counts is None else counts[slot]):
-        if not self._takes(slot, job):  # it ended (a stop string, a cancel) or the slot has a new job
-          break
-        if counts is None:
-          self._deliver(slot, job, tokens[slot], chosen[slot], list(zip(ids[slot], top[slot])) if wants else [])
-        else:
-          self._deliver(slot, job, tokens[slot][i], chosen[slot][i],
-                        list(zip(ids[slot][i], top[slot][i])) if wants else [])
+      n = 1 if counts is None else counts[slot]
+      if not n or not self._takes(slot, job):  # it ended (a stop string, a cancel) or the slot has a new job
+        continue
+      wants = bool(tops) and job.top_logprobs
+      if counts is None:
+        self._deliver(slot, job, [tokens[slot]], [chosen[slot]], [list(zip(ids[slot], top[slot]))] if wants else None)
+      else:
+        self._deliver(slot, job, tokens[slot][:n], chosen[slot][:n],
+                      [list(zip(a, b)) for a, b in zip(ids[slot][:n], top[slot][:n])] if wants else None)
 
   def _step(self) -> None:
     """One step: each active slot's tokens in order (1, or 1..k + 1 for a speculative round) until
@@ -530,8 +566,9 @@ class Scheduler:
     if self._ahead is not None:  # a constrained job arrived: the call in flight is read first
       self._deliver_call(*self._ahead)
       self._ahead = None
-      if not self._active:
-        return
+    self._read_firsts()
+    if not self._active:
+      return
     active = np.zeros(self.engine.num_slots, bool)
     active[list(self._active)] = True
     self._state, emitted = self.engine.decode_step(self.params, self._state, active,
@@ -542,17 +579,33 @@ class Scheduler:
       self.counts["speculative_proposed"] += self.speculative_tokens * int(active.sum())
       self.counts["speculative_accepted"] += sum([out.count(int(slot)) - 1 for slot in np.flatnonzero(active)])
     for slot, job in list(self._active.items()):
-      for i in range(out.count(slot)):
-        self._deliver(slot, job, out.token(slot, i), *out.scores(slot, i))
-        if slot not in self._active:
-          break
+      n = out.count(slot)
+      scores = [out.scores(slot, i) for i in range(n)]
+      if n:
+        self._deliver(slot, job, [out.token(slot, i) for i in range(n)], [lp for lp, _ in scores],
+                      [top for _, top in scores])
 
-  def _deliver(self, slot: int, job: Job, token: int, logprob: float, top: list[tuple[int, float]]) -> None:
-    job.generated += 1
-    job.emit(Token(job.index, token, logprob, top if job.top_logprobs else []))
-    if token in self.eos_ids or (job.constraint is not None and job.constraint.advance(token)):
-      failure = "" if job.constraint is None else job.constraint.failure()  # a dead end is no complete reply
-      self._finish(job, slot, "error" if failure else "stop", failure)
+  def _deliver(self, slot: int, job: Job, tokens: list[int], logprobs: list[float],
+               tops: list[list[tuple[int, float]]] | None) -> None:
+    """Gives `job` a run of its new tokens (with their log-probabilities and, `tops` not None, top
+    alternatives) as one event, cut after the token that ends it: an end-of-sequence token, its
+    grammar complete (or at a dead end), its max_tokens."""
+    n, reason, failure = min(len(tokens), job.max_tokens - job.generated), "", ""
+    if job.constraint is not None:  # its grammar takes every token up to its end
+      for i in range(n):
+        if tokens[i] in self.eos_ids or job.constraint.advance(tokens[i]):
+          n, failure = i + 1, job.constraint.failure()  # a dead end is no complete reply
+          reason = "error" if failure else "stop"
+          break
+    elif self.eos_ids and not self.eos_ids.isdisjoint(tokens[:n]):
+      n, reason = next(i for i in range(n) if tokens[i] in self.eos_ids) + 1, "stop"
+    if n <= 0:
+      return
+    job.generated += n
+    job.emit(Tokens(job.index, tokens[:n], logprobs[:n], tops[:n] if tops is not None and job.top_logprobs
+                    else [[] for _ in range(n)]))
+    if reason:
+      self._finish(job, slot, reason, failure)
     elif job.generated >= job.max_tokens:
       self._finish(job, slot, "length")
 

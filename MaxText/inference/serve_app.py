@@ -20,6 +20,7 @@ from MaxText.inference import serve_metrics
 
 API_KEY_ENV = "MAXTEXT_API_KEY"  # an environment variable, never a config key: configs are saved with runs
 RETRY_AFTER_SECONDS = "1"
+READ_TIMEOUT_SECONDS = 60.0  # serve_read_timeout_seconds' default, for apps built without a config
 OPEN_ROUTES = ("/health", "/metrics")  # no API key needed: probes and scrapers; figures only
 
 
@@ -132,8 +133,10 @@ def sse(obj: object) -> str:
   return f"data: {json.dumps(obj)}\n\n"
 
 
-def build_app(server: HttpServer, api_key: str | None = None, max_body_bytes: int = 1 << 20) -> Any:
-  """The FastAPI app; `api_key` (else MAXTEXT_API_KEY) guards every route but OPEN_ROUTES."""
+def build_app(server: HttpServer, api_key: str | None = None, max_body_bytes: int = 1 << 20,
+              read_timeout_seconds: float = READ_TIMEOUT_SECONDS) -> Any:
+  """The FastAPI app; `api_key` (else MAXTEXT_API_KEY) guards every route but OPEN_ROUTES; a body not
+  received within read_timeout_seconds of the request's head is a 408 (serve_read_timeout_seconds)."""
   from fastapi import FastAPI, Request
   from fastapi.responses import JSONResponse
   from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -159,7 +162,7 @@ def build_app(server: HttpServer, api_key: str | None = None, max_body_bytes: in
     lora_routes.add_routes(app, admin, admin_allowed=bool(key))
   else:
     lora_routes.add_absent_routes(app)
-  return _Guard(app, key, max_body_bytes, server.metrics, posts)
+  return _Guard(app, key, max_body_bytes, server.metrics, posts, read_timeout_seconds)
 
 
 def bearer_token(authorization: str) -> str:
@@ -169,16 +172,102 @@ def bearer_token(authorization: str) -> str:
   return token.strip() if scheme.lower() == "bearer" else ""
 
 
+def read_timeout(seconds: float, what: str) -> api.ApiError:
+  """The 408 of a request whose `what` (head or body) did not arrive in time; the connection is closed after it."""
+  return api.ApiError(408, f"the request {what} did not arrive within serve_read_timeout_seconds={seconds:g}",
+                      code="request_timeout", headers={"connection": "close"})
+
+
+def uvicorn_config(app: Any, read_timeout_seconds: float, **kwargs: Any) -> Any:
+  """uvicorn's Config for the server's `app` (kwargs: host, port, ...), whose HTTP protocol gives a request's head
+  read_timeout_seconds from the connection's start (or the next request's first byte) to arrive, else a 408 and
+  the connection closed. uvicorn bounds only the wait between a keep-alive connection's requests
+  (timeout_keep_alive), which a client's first byte ends: without this, a client sending a head a few bytes a
+  minute holds its connection for ever. Such a 408 is counted in the metrics of `app` (a _Guard, as build_app
+  makes) as _Guard counts every answer, by the route its head named so far ("other" when none)."""
+  import uvicorn
+
+  metrics = app.metrics if isinstance(app, _Guard) else None
+  return uvicorn.Config(app, http=_head_timeout_protocol(read_timeout_seconds, metrics), log_level="warning", **kwargs)
+
+
+def _head_timeout_protocol(seconds: float, metrics: serve_metrics.ServeMetrics | None = None) -> type[Any] | str:
+  """uvicorn's httptools protocol (its parser, which requirements.txt installs) with a head deadline, its 408s
+  counted in `metrics`; without httptools, uvicorn's own choice (h11), whose heads are not bounded here (bodies
+  still are, by _Guard)."""
+  try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+  except ImportError:
+    return "auto"
+
+  error = read_timeout(seconds, "head")
+  payload = json.dumps(error.body()).encode()
+  answer = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+
+  class HeadDeadline(HttpToolsProtocol):
+    _head_timer: asyncio.TimerHandle | None = None
+    _head_since = 0.0
+
+    def connection_made(self, transport: Any) -> None:
+      super().connection_made(transport)
+      self._arm()
+
+    def on_message_begin(self) -> None:
+      super().on_message_begin()
+      if self._head_timer is None:  # the next request on a kept-alive connection: its own deadline
+        self._arm()
+
+    def on_headers_complete(self) -> None:
+      self._disarm()  # the body's deadline is the app's (_Guard)
+      super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+      self._disarm()
+      super().connection_lost(exc)
+
+    def _arm(self, since: float | None = None) -> None:
+      self._disarm()
+      self._head_since = time.monotonic() if since is None else since
+      self._head_timer = self.loop.call_later(seconds, self._head_timed_out)
+
+    def _disarm(self) -> None:
+      if self._head_timer is not None:
+        self._head_timer.cancel()
+        self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+      self._head_timer = None
+      if self.transport.is_closing():
+        return
+      if self.cycle is not None and not self.cycle.response_complete:
+        # A pipelined head, behind an answer still being sent (a stream may outlast the deadline): that answer
+        # is not cut; the head is timed out once it has gone.
+        self._arm(self._head_since)
+        return
+      self.transport.write(answer)
+      self.transport.close()
+      if metrics is not None:
+        # uvicorn's parser gathers the request line's target in self.url, from b"" at a request's first byte
+        # (absent before any); a part of a route's path counts as "other", as any unknown path.
+        url = getattr(self, "url", b"")
+        path = url.split(b"?", 1)[0].decode("latin-1") if isinstance(url, bytes) else ""
+        metrics.observe_request(path, "408", time.monotonic() - self._head_since)
+
+  return HeadDeadline
+
+
 class _Guard:
-  """ASGI middleware in front of the app: the API key, then the body-size limit (the body is read
-  here, at most max_body_bytes + 1 of it, and replayed to the app); every answer is counted and
+  """ASGI middleware in front of the app: the API key, then the body-size limit and read deadline (the body is
+  read here, at most max_body_bytes + 1 of it, within read_timeout_seconds, and replayed to the app); every answer is counted and
   timed for /metrics. A POST to one of `posts`' paths is answered here by its route function, as
   the app would (an ApiError as its JSON error, a dict as JSON), without the app's routing and middleware."""
 
   def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, metrics: serve_metrics.ServeMetrics,
-               posts: dict[str, Any] | None = None):
+               posts: dict[str, Any] | None = None, read_timeout_seconds: float = READ_TIMEOUT_SECONDS):
     self.app, self.api_key, self.max_body_bytes, self.metrics = app, api_key, max_body_bytes, metrics
     self.posts = posts or {}
+    self.read_timeout_seconds = read_timeout_seconds
 
   async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
                      send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
@@ -224,16 +313,30 @@ class _Guard:
       if name == b"content-length" and value.isdigit() and int(value) > self.max_body_bytes:
         return await _send_error(send, api.ApiError(413, f"the request body is larger than {self.max_body_bytes} "
                                                     "bytes (serve_max_body_bytes)", code="body_too_large"))
-    body, more = b"", True
-    while more:
-      message = await receive()
-      if message["type"] == "http.disconnect":
-        return None
-      body += message.get("body", b"")
-      more = message.get("more_body", False)
-      if len(body) > self.max_body_bytes:
-        return await _send_error(send, api.ApiError(413, f"the request body is larger than {self.max_body_bytes} "
-                                                    "bytes (serve_max_body_bytes)", code="body_too_large"))
+      # A compressed body read as JSON was a 400 about an undecodable byte (RFC 7694: 415 names the coding).
+      if name == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
+        return await _send_error(send, api.ApiError(
+            415, f"the request body has Content-Encoding: {value.decode('latin-1').strip()}; this server reads "
+            "uncompressed bodies only: send it without Content-Encoding", code="unsupported_content_encoding",
+            headers={"Accept-Encoding": "identity"}))
+    body, more, refused = b"", True, None
+    try:
+      # A client sending its body a few bytes a minute would hold this task and its connection for ever.
+      async with asyncio.timeout(self.read_timeout_seconds):
+        while more:
+          message = await receive()
+          if message["type"] == "http.disconnect":
+            return None
+          body += message.get("body", b"")
+          more = message.get("more_body", False)
+          if len(body) > self.max_body_bytes:
+            refused = api.ApiError(413, f"the request body is larger than {self.max_body_bytes} bytes "
+                                   "(serve_max_body_bytes)", code="body_too_large")
+            break
+    except TimeoutError:
+      refused = read_timeout(self.read_timeout_seconds, "body")
+    if refused is not None:
+      return await _send_error(send, refused)
     replayed = False
 
     async def replay() -> dict[str, Any]:
@@ -272,5 +375,6 @@ async def _send_error(send: Callable[[dict[str, Any]], Awaitable[None]], e: api.
   headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
   if e.status == 401:
     headers.append((b"www-authenticate", b"Bearer"))
+  headers += [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in e.headers.items()]
   await send({"type": "http.response.start", "status": e.status, "headers": headers})
   await send({"type": "http.response.body", "body": payload})

@@ -43,22 +43,27 @@ def build(spec: CodecSpec, chat_images: ImageChat | None = None) -> tuple[api.Co
   def template_tokenizer() -> Any:
     try:
       if not chat_tokenizer:
-        chat_tokenizer.append(chat_lib.load_chat_tokenizer(spec.tokenizer_path))
+        chat_tokenizer.append(chat_lib.load_chat_tokenizer(spec.tokenizer_path, needs="/v1/chat/completions"))
     except ConfigError as e:
-      raise api.ApiError(400, f"chat completions need a chat template: {e}") from None
+      raise api.ApiError(400, str(e)) from None
     return chat_tokenizer[0]
 
   def rendered(messages: list[dict[str, Any]], **tools: Any) -> list[int]:
     """The conversation's ids; the template's own refusal (raise_exception: roles that do not alternate, a role
-    it does not know) is the client's 400."""
-    from jinja2 import TemplateError  # transformers' chat templates are jinja2
-
+    it does not know) or failure on what the client sent (a past call's arguments nested past the stack's depth,
+    a TypeError on a field's type) is the client's 400."""
+    chat_tokenizer = template_tokenizer()  # its own 400 when the tokenizer has no template
     try:
-      text = template_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **tools)
-    except TemplateError as e:
+      guard = chat_lib.ContentGuard(chat_tokenizer, messages, tools)  # a typed "<|im_end|>" stays text
+    except UserError as e:
+      raise api.ApiError(400, f"messages: {e}", "messages") from None
+    try:
+      text = chat_tokenizer.apply_chat_template(guard.hide(messages), tokenize=False, add_generation_prompt=True,
+                                                **guard.hide(tools))
+    except Exception as e:  # noqa: BLE001 - jinja's TemplateError, or the template's code failing on the input
       raise api.ApiError(400, f"messages: the chat template of {spec.tokenizer_path} refuses them: "
-                         f"{' '.join(str(e).split())[:300]}", "messages") from None
-    return list(template_tokenizer()(text, add_special_tokens=False)["input_ids"])
+                         f"{' '.join(str(e).split())[:300] or type(e).__name__}", "messages") from None
+    return guard.encode(chat_tokenizer, text)[0]
 
   def chat(messages: list[dict[str, Any]]) -> list[int]:
     return rendered(messages)
@@ -97,5 +102,5 @@ def build(spec: CodecSpec, chat_images: ImageChat | None = None) -> tuple[api.Co
   def tool_format() -> str:
     return tool_calls.template_format(template_tokenizer().chat_template)
 
-  return (api.Codec(encode, tokenizer.decode, chat, images, chat_tools, grammars, tool_format, tokenizer.vocab_size),
-          tokenizer.eos_id)
+  return (api.Codec(encode, tokenizer.decode, chat, images, chat_tools, grammars, tool_format, tokenizer.vocab_size,
+                    getattr(tokenizer, "special_id", None)), tokenizer.eos_id)

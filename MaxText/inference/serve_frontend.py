@@ -48,6 +48,7 @@ class FrontSpec:
   index: int = 0
   adapter_names: tuple[str, ...] | None = None  # the LoRA adapters loaded at start (None: none served)
   front_ends: int = 1  # how many front ends serve the socket (more than 1: their /metrics counts are shared)
+  read_timeout_seconds: float = 60.0  # serve_read_timeout_seconds
 
 
 def frame(message: Any) -> bytes:
@@ -333,8 +334,8 @@ def main(argv: list[str]) -> int:
     server.serve_adapters(spec.adapter_names)
   if spec.front_ends > 1:
     server.share_metrics()
-  app = serve_app.build_app(server, max_body_bytes=spec.max_body_bytes)
-  uv_config = uvicorn.Config(app, log_level="warning")
+  app = serve_app.build_app(server, max_body_bytes=spec.max_body_bytes, read_timeout_seconds=spec.read_timeout_seconds)
+  uv_config = serve_app.uvicorn_config(app, spec.read_timeout_seconds)
   uv = uvicorn.Server(uv_config)
   gc.freeze()  # as serve.main: what serving needs lives as long as the process
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
+import os
 import time
 from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 
@@ -35,28 +37,30 @@ class _Choice:
 
 
 def _choices(server: "Server", request: api.Request) -> dict[int, _Choice]:
-  return {c.index: _Choice(api.ChoiceText(server.codec.decode, request.stop), c.prompt) for c in request.choices}
+  stop_ids = server.codec.stop_ids(request.stop)
+  return {c.index: _Choice(api.ChoiceText(server.codec.decode, request.stop, stop_ids), c.prompt)
+          for c in request.choices}
 
 
-Unit = list[job_events.Token] | job_events.PromptScores | job_events.Done  # what one chunk of a stream answers
+Unit = job_events.Event  # what one chunk of a stream answers
 
 
 def _units(events: list[job_events.Event]) -> list[Unit]:
-  """`events` with each run of one choice's consecutive tokens gathered: their text goes out in one
-  chunk (a call of several decode steps gives a slot several tokens at once)."""
+  """`events` with one choice's consecutive runs of tokens merged into one: their text goes out in one
+  chunk (the events that reached the stream together)."""
   units: list[Unit] = []
   for event in events:
-    if not isinstance(event, job_events.Token):
-      units.append(event)
-    elif units and isinstance(units[-1], list) and units[-1][0].index == event.index:
-      units[-1].append(event)
+    last = units[-1] if units else None
+    if isinstance(event, job_events.Tokens) and isinstance(last, job_events.Tokens) and last.index == event.index:
+      units[-1] = job_events.Tokens(event.index, last.tokens + event.tokens, last.logprobs + event.logprobs,
+                                    last.tops + event.tops)
     else:
-      units.append([event])
+      units.append(event)
   return units
 
 
 def _index(unit: Unit) -> int:
-  return unit[0].index if isinstance(unit, list) else unit.index
+  return unit.index
 
 
 def _apply(unit: Unit, choice: _Choice, job: job_events.JobHandle) -> str:
@@ -64,14 +68,13 @@ def _apply(unit: Unit, choice: _Choice, job: job_events.JobHandle) -> str:
   if isinstance(unit, job_events.PromptScores):
     choice.prompt_scores = unit
     return ""
-  if isinstance(unit, list):
+  if isinstance(unit, job_events.Tokens):
     if choice.text.stopped:
       return ""  # tokens the slot made before the scheduler saw the cancellation
-    delta, taken = choice.text.add_many([token.token for token in unit])
-    for token in unit[:taken]:
-      choice.tokens.append(token.token)
-      choice.logprobs.append(token.logprob)
-      choice.tops.append(token.top)
+    delta, taken = choice.text.add_many(unit.tokens)
+    choice.tokens += unit.tokens[:taken]
+    choice.logprobs += unit.logprobs[:taken]
+    choice.tops += unit.tops[:taken]
     if choice.text.stopped:
       job.cancel()
     return delta
@@ -163,7 +166,8 @@ def add_routes(app: FastAPI, server: "Server", json_response: Any, streaming_res
   @app.post("/v1/chat/completions")
   async def chat_completions(http: Request) -> Any:
     body = await read_json(http)
-    if api.has_images(body):  # decoding and resizing images: not on the event loop other requests share
+    # Decoding and resizing images, compiling a grammar: not on the event loop other requests share.
+    if api.has_images(body) or api.has_grammar(body):
       request = await asyncio.to_thread(api.parse_chat, body, server.limits, server.codec)
     else:
       request = api.parse_chat(body, server.limits, server.codec)
@@ -219,6 +223,7 @@ async def _stream(server: "Server", request: api.Request, jobs: Sequence[job_eve
     head["usage"] = None  # every chunk but the last, which has the usage and no choices
   choices = _choices(server, request)
   splitters = {index: tool_calls.ContentSplitter() for index in choices} if chat and request.tools else {}
+  offsets = dict.fromkeys(choices, 0)  # text_offset counts from the choice's start, as unstreamed, not a chunk's
 
   def chunk(index: int, text: str | None, finish_reason: str | None, logprobs: Any = None) -> str:
     if chat:
@@ -247,7 +252,9 @@ async def _stream(server: "Server", request: api.Request, jobs: Sequence[job_eve
         delta = server.codec.decode(choice.prompt)
       elif len(choice.tokens) > had:
         logprobs = api.completion_logprobs(choice.tokens[had:], choice.logprobs[had:], list(choice.tops[had:]),
-                                           request.logprobs, server.token_text)
+                                           request.logprobs, server.token_text, offsets[index])
+      if logprobs is not None:
+        offsets[index] += sum(len(text) for text in logprobs["tokens"])
     if index in splitters:
       delta = splitters[index].add(delta)
     out = []
@@ -314,7 +321,23 @@ class SseResponse(StreamingResponse):
       await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def _new_id(prefix: str) -> str:
-  import uuid
+class _Ids:
+  """Response ids: a random part drawn once per process (again in a forked child), then a count; a
+  uuid4 per request was a getrandom system call and a few objects on the event loop for every answer."""
 
-  return f"{prefix}-{uuid.uuid4().hex[:24]}"
+  def __init__(self) -> None:
+    self.reset()
+    os.register_at_fork(after_in_child=self.reset)
+
+  def reset(self) -> None:
+    self.random, self.count = os.urandom(6).hex(), itertools.count()
+
+  def new(self, prefix: str) -> str:
+    return f"{prefix}-{self.random}{next(self.count):012x}"
+
+
+_IDS = _Ids()
+
+
+def _new_id(prefix: str) -> str:
+  return _IDS.new(prefix)

@@ -157,7 +157,7 @@ class SpeculativeDecoder:
                      row_params: Sequence[sampling.RowParams] | None = None, masks: np.ndarray | None = None
                      ) -> tuple[SpeculativeState, Prefilled]:
     """`prefill` and `insert_rows` (prompt i into slots[i]) of both models in one jitted call (Engine.prefill_insert)."""
-    tokens_BL, lengths_B = pad_prompts(prompts, self.target.decode_cfg.max_prefill_predict_length)
+    tokens_BL, lengths_B = pad_prompts(prompts, self.target.decode_cfg.max_prefill_predict_length, self.target.cfg)
     rows = self.target.row_sampling(prompts, seed, row_params)
     target_pairs = self.target.admit_rows(lengths_B, slots, range(len(slots)))
     try:
@@ -168,7 +168,7 @@ class SpeculativeDecoder:
       raise
     with sharding.activation_sharding(self.target.mesh, self.target.rules):
       return self._prefill_insert(target_params, draft_params, state, tokens_BL, lengths_B, rows,
-                                  None if masks is None else jnp.asarray(masks), target_pairs, draft_pairs[2])
+                                  None if masks is None else np.asarray(masks), target_pairs, draft_pairs[2])
 
   def release(self, slot: int) -> None:
     self.target.release(slot)
@@ -194,7 +194,7 @@ class SpeculativeDecoder:
     tables = [engine.cache.step_table(self.k + 1) for engine in (self.target, self.draft)]
     with sharding.activation_sharding(self.target.mesh, self.target.rules):
       state, tokens_TK, counts_T, logprobs = self._round(target_params, draft_params, state, tables[0], tables[1],
-                                                         None if mask is None else jnp.asarray(mask))
+                                                         None if mask is None else np.asarray(mask))  # as engine._step
     tokens, counts, logprobs = jax.device_get((tokens_TK, counts_T, logprobs))
     for engine in (self.target, self.draft):
       engine.cache.advance(counts)

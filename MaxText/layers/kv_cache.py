@@ -3,6 +3,11 @@
 Shape legend: B batch (decode slots), L new tokens this call (the padded prompt in prefill,
 1 in generate), S cache length, N query heads, K key/value heads, G = N / K, H head dim.
 
+Storage: keys [B, K, S, H], values [B, K, H, S] (int8 scales [B, K, S, 1] and [B, K, 1, S]): the
+layouts attention's two dots read their cache operand in (masks.cache_attention), so a decode step
+reads the cache in place; stored [B, S, K, H], each step copied the whole cache of every layer into
+those layouts first. `KVCache.tokens` gives the token-major [B, S, K, X] view (MLA, page inserts).
+
 Layout rule: the token at absolute position p lives at cache index p. Prompts are right-padded,
 so a row's padding sits after its last real token and is overwritten by the tokens generated
 there; a query at position p sees only cache indices s <= p (and, in a sliding-window layer,
@@ -21,7 +26,8 @@ is a fixed-size gated_deltanet.LinearState per row, in the same place in the tre
 
 from __future__ import annotations
 
-from typing import Any, Callable, overload
+import dataclasses
+from typing import Any, Callable, TypeVar, overload
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +38,11 @@ from MaxText.platform import sharding
 from MaxText.layers import attention_kernels, gated_deltanet, layer_shapes, masks, paged_kv
 from MaxText.configuration.model_config import ModelConfig
 
-CACHE_NAMES = ("cache_batch", "cache_sequence", "cache_kv_heads", "cache_kv")
-SCALE_NAMES = ("cache_batch", "cache_sequence", "cache_kv_heads", None)
+KEY_NAMES = ("cache_batch", "cache_kv_heads", "cache_sequence", "cache_kv")
+VALUE_NAMES = ("cache_batch", "cache_kv_heads", "cache_kv", "cache_sequence")
+KEY_SCALE_NAMES = ("cache_batch", "cache_kv_heads", "cache_sequence", None)
+VALUE_SCALE_NAMES = ("cache_batch", "cache_kv_heads", None, "cache_sequence")
+Tree = TypeVar("Tree")  # a tree of caches (stacked per layer, or a list of layers)
 
 
 @struct.dataclass
@@ -42,39 +51,92 @@ class KVCache:
 
   Fields hold arrays; the same structure also carries their logical axis names or shardings
   (`cache_logical_names`), hence the loose field types.
+
+  With `layer` set (a traced index), the arrays are every layer's, stacked ([layers, B, ...]), and
+  this call reads and writes that layer's: the scanned stack carries the whole cache through its
+  scan and writes it in place, where scanning over it would slice each layer out and stack it back
+  (copies of the cache every step), as paged_kv.PagedKVCache does with its pools.
   """
 
-  key_BSKH: Any
-  value_BSKH: Any
-  key_scale_BSK1: Any = None
-  value_scale_BSK1: Any = None
+  key_BKSH: Any
+  value_BKHS: Any
+  key_scale_BKS1: Any = None
+  value_scale_BK1S: Any = None
+  layer: Any = None
 
   @property
   def quantized(self) -> bool:
-    return self.key_scale_BSK1 is not None
+    return self.key_scale_BKS1 is not None
+
+  @property
+  def length(self) -> int:
+    return int(self.key_BKSH.shape[-2])
+
+  def this_layer(self) -> KVCache:
+    """The unstacked view of `layer`'s arrays (itself when `layer` is None), read only."""
+    if self.layer is None:
+      return self
+    take = lambda leaf: None if leaf is None else leaf[self.layer]  # noqa: E731
+    return KVCache(take(self.key_BKSH), take(self.value_BKHS), take(self.key_scale_BKS1), take(self.value_scale_BK1S))
 
   def read(self, dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
-    """Keys and values in `dtype`, dequantized if stored as int8."""
-    if not self.quantized:
-      return self.key_BSKH.astype(dtype), self.value_BSKH.astype(dtype)
-    return ((self.key_BSKH * self.key_scale_BSK1).astype(dtype),
-            (self.value_BSKH * self.value_scale_BSK1).astype(dtype))
+    """Keys [B, K, S, H] and values [B, K, H, S] in `dtype`, dequantized if stored as int8."""
+    view = self.this_layer()
+    if not view.quantized:
+      return view.key_BKSH.astype(dtype), view.value_BKHS.astype(dtype)
+    return ((view.key_BKSH * view.key_scale_BKS1).astype(dtype),
+            (view.value_BKHS * view.value_scale_BK1S).astype(dtype))
+
+  def tokens(self) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+    """The stored arrays token-major, as written: key and value [B, S, K, X], scales [B, S, K, 1]
+    (None unless quantized). A view for XLA to fuse into its reader, not a copy of its own."""
+    view = self.this_layer()
+    if not view.quantized:
+      return jnp.swapaxes(view.key_BKSH, 1, 2), jnp.moveaxis(view.value_BKHS, 3, 1), None, None
+    return (jnp.swapaxes(view.key_BKSH, 1, 2), jnp.moveaxis(view.value_BKHS, 3, 1),
+            jnp.swapaxes(view.key_scale_BKS1, 1, 2), jnp.moveaxis(view.value_scale_BK1S, 3, 1))
+
+  def read_tokens(self, dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
+    """Keys and values [B, S, K, X] in `dtype`, dequantized if stored as int8."""
+    key, value, key_scale, value_scale = self.tokens()
+    if key_scale is None or value_scale is None:
+      return key.astype(dtype), value.astype(dtype)
+    return (key * key_scale).astype(dtype), (value * value_scale).astype(dtype)
 
 
 def empty_cache(batch: int, length: int, num_kv_heads: int, head_dim: int, dtype: DTypeLike,
                 quantized: bool = False) -> KVCache:
-  shape = (batch, length, num_kv_heads, head_dim)
+  key, value = (batch, num_kv_heads, length, head_dim), (batch, num_kv_heads, head_dim, length)
   if not quantized:
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-  scale = jnp.zeros(shape[:3] + (1,), jnp.float32)
-  return KVCache(jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8), scale, scale)
+    return KVCache(jnp.zeros(key, dtype), jnp.zeros(value, dtype))
+  return KVCache(jnp.zeros(key, jnp.int8), jnp.zeros(value, jnp.int8), jnp.zeros(key[:3] + (1,), jnp.float32),
+                 jnp.zeros((batch, num_kv_heads, 1, length), jnp.float32))
 
 
 def cache_logical_names(cache: KVCache, stacked: bool) -> KVCache:
   """Logical axis names of each leaf (a leading unsharded layer dim when stacked for scan)."""
   prefix = ("cache_layers",) if stacked else ()
-  scale_names = None if not cache.quantized else prefix + SCALE_NAMES
-  return KVCache(prefix + CACHE_NAMES, prefix + CACHE_NAMES, scale_names, scale_names)
+  layer = None if cache.layer is None else ()
+  if not cache.quantized:
+    return KVCache(prefix + KEY_NAMES, prefix + VALUE_NAMES, layer=layer)
+  return KVCache(prefix + KEY_NAMES, prefix + VALUE_NAMES, prefix + KEY_SCALE_NAMES, prefix + VALUE_SCALE_NAMES,
+                 layer)
+
+
+def with_layer(caches: Tree, layer: jax.Array | None) -> Tree:
+  """`caches` (stacked over layers) with every KVCache and page pool in it set to read and write
+  `layer` (None: the whole stack again, as a scan carries it)."""
+  return jax.tree.map(lambda c: dataclasses.replace(c, layer=layer) if _is_layer_cache(c) else c, caches,
+                      is_leaf=_is_layer_cache)
+
+
+def holds_layer_caches(caches: object) -> bool:
+  """Whether `caches` holds a KVCache or a page pool (not only recurrent states)."""
+  return any(_is_layer_cache(c) for c in jax.tree.leaves(caches, is_leaf=_is_layer_cache))
+
+
+def _is_layer_cache(c: object) -> bool:
+  return isinstance(c, (KVCache, paged_kv.PagedKVCache))
 
 
 def quantize_int8(x_BLKH: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -85,10 +147,17 @@ def quantize_int8(x_BLKH: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jnp.clip(jnp.round(x / safe), -127, 127).astype(jnp.int8), scale
 
 
-def _scatter(buffer_BS: jax.Array, update_BL: jax.Array, positions_BL: jax.Array) -> jax.Array:
-  """buffer[b, positions[b, l]] = update[b, l]; positions past the end are dropped."""
-  rows_BL = jnp.broadcast_to(jnp.arange(buffer_BS.shape[0])[:, None], positions_BL.shape)
-  return buffer_BS.at[rows_BL, positions_BL].set(update_BL.astype(buffer_BS.dtype), mode="drop")
+def _scatter(buffer: jax.Array, update_BLKX: jax.Array, positions_BL: jax.Array, sequence_axis: int,
+             layer: jax.Array | None) -> jax.Array:
+  """buffer [B, K, S, X] or [B, K, X, S] (`sequence_axis` 2 or 3; with `layer`, stacked over layers
+  and that layer's written) with update[b, l] stored at sequence index positions[b, l]; positions
+  past the end are dropped."""
+  rows_BL = jnp.broadcast_to(jnp.arange(positions_BL.shape[0])[:, None], positions_BL.shape)
+  # The advanced indices are split by slices, so numpy's rule puts their [B, L] dims first: the
+  # update is [B, L, K, X] as given, for either layout.
+  lead = (rows_BL,) if layer is None else (layer, rows_BL)
+  index = lead + (slice(None),) * (sequence_axis - 1) + (positions_BL,)
+  return buffer.at[index].set(update_BLKX.astype(buffer.dtype), mode="drop")
 
 
 @overload
@@ -107,12 +176,20 @@ def write(cache: KVCache | paged_kv.PagedKVCache, k_BLKH: jax.Array, v_BLKH: jax
     return paged_kv.store(cache, k_q, v_q, k_scale, v_scale, positions_BL)
   if cache.quantized:
     (k_q, k_scale), (v_q, v_scale) = quantize_int8(k_BLKH), quantize_int8(v_BLKH)
-    new = KVCache(_scatter(cache.key_BSKH, k_q, positions_BL), _scatter(cache.value_BSKH, v_q, positions_BL),
-                  _scatter(cache.key_scale_BSK1, k_scale, positions_BL),
-                  _scatter(cache.value_scale_BSK1, v_scale, positions_BL))
+    updates: tuple[jax.Array | None, ...] = (k_q, v_q, k_scale, v_scale)
   else:
-    new = KVCache(_scatter(cache.key_BSKH, k_BLKH, positions_BL), _scatter(cache.value_BSKH, v_BLKH, positions_BL))
-  return jax.tree.map(sharding.constrain, new, cache_logical_names(new, stacked=False))
+    updates = (k_BLKH, v_BLKH, None, None)
+  fields = dict(zip(_ARRAY_FIELDS, updates))
+  names = cache_logical_names(cache, stacked=cache.layer is not None)
+  return dataclasses.replace(cache, **{
+      field: sharding.constrain(
+          _scatter(getattr(cache, field), update, positions_BL, _SEQUENCE_AXIS[field], cache.layer),
+          getattr(names, field))
+      for field, update in fields.items() if update is not None})
+
+
+_ARRAY_FIELDS = ("key_BKSH", "value_BKHS", "key_scale_BKS1", "value_scale_BK1S")
+_SEQUENCE_AXIS = {"key_BKSH": 2, "value_BKHS": 3, "key_scale_BKS1": 2, "value_scale_BK1S": 3}
 
 
 def cached_attention(q_BLNH: jax.Array, cache: KVCache | paged_kv.PagedKVCache, positions_BL: jax.Array,
@@ -127,20 +204,20 @@ def cached_attention(q_BLNH: jax.Array, cache: KVCache | paged_kv.PagedKVCache, 
       return paged_kv.gathered_attention(q_BLNH, cache, positions_BL, window_size, soft_cap, chunk_size, sinks_N,
                                          image_blocks_BL)
     return attention_kernels.paged_attention(q_BLNH, cache, positions_BL, window_size, soft_cap, chunk_size, sinks_N)
-  k_BSKH, v_BSKH = cache.read(q_BLNH.dtype)
-  mask_BLS = masks.cache_mask(positions_BL, k_BSKH.shape[1], window_size, chunk_size, image_blocks_BL)
-  return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS, soft_cap, sinks_N)
+  k_BKSH, v_BKHS = cache.read(q_BLNH.dtype)
+  mask_BLS = masks.cache_mask(positions_BL, cache.length, window_size, chunk_size, image_blocks_BL)
+  return masks.cache_attention(q_BLNH, k_BKSH, v_BKHS, mask_BLS, soft_cap, sinks_N)
 
 
 def layer_cache(cfg: ModelConfig, batch: int, length: int, quantized: bool = False) -> KVCache:
   """One layer's empty cache. attention_type=mla caches its compressed form instead of keys and
-  values (layers/mla.py): key_BSKH holds the latents [B, S, 1, kv_lora_rank], value_BSKH the
-  rotated rope keys [B, S, 1, qk_rope_head_dim] (then the indexer's keys: `mla_row_width`)."""
+  values (layers/mla.py): the key array holds the latents (K = 1, X = kv_lora_rank), the value
+  array the rotated rope keys (X = qk_rope_head_dim, then the indexer's keys: `mla_row_width`)."""
   if cfg.attn.attention_type != "mla":
     return empty_cache(batch, length, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype), quantized)
   latent = empty_cache(batch, length, 1, cfg.mla.kv_lora_rank, jnp.dtype(cfg.dtype), quantized)
   rope = empty_cache(batch, length, 1, mla_row_width(cfg), jnp.dtype(cfg.dtype), quantized)
-  return KVCache(latent.key_BSKH, rope.key_BSKH, latent.key_scale_BSK1, rope.key_scale_BSK1)
+  return KVCache(latent.key_BKSH, rope.value_BKHS, latent.key_scale_BKS1, rope.value_scale_BK1S)
 
 
 def mla_row_width(cfg: ModelConfig) -> int:

@@ -70,15 +70,24 @@ class PagedKVCache:
                         take(self.key_scale_KPZ1), take(self.value_scale_KPZ1))
 
   def read(self, dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
-    """Each slot's keys and values gathered into dense [B, M * Z, K, H] (index = position),
-    dequantized if stored as int8: the reference path, any platform."""
+    """Each slot's keys [B, K, M * Z, H] and values [B, K, H, M * Z] gathered (index = position)
+    in the layouts of kv_cache.KVCache.read, dequantized if stored as int8: the reference path,
+    any platform. The gather writes them so; no copy of them follows."""
+    return self._read(dtype, gather_keys, gather_values)
+
+  def read_tokens(self, dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
+    """Each slot's keys and values gathered into [B, M * Z, K, X] (index = position), dequantized if
+    stored as int8 (kv_cache.KVCache.read_tokens)."""
+    return self._read(dtype, gather, gather)
+
+  def _read(self, dtype: DTypeLike, keys: Any, values: Any) -> tuple[jax.Array, jax.Array]:
     view = self.this_layer()
     table = view.block_table_BM
-    key, value = gather(view.key_KPZH, table), gather(view.value_KPZH, table)
+    key, value = keys(view.key_KPZH, table), values(view.value_KPZH, table)
     if not view.quantized:
       return key.astype(dtype), value.astype(dtype)
-    return ((key * gather(view.key_scale_KPZ1, table)).astype(dtype),
-            (value * gather(view.value_scale_KPZ1, table)).astype(dtype))
+    return ((key * keys(view.key_scale_KPZ1, table)).astype(dtype),
+            (value * values(view.value_scale_KPZ1, table)).astype(dtype))
 
 
 def empty_pool(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: DTypeLike, num_slots: int,
@@ -115,6 +124,20 @@ def gather(pool_KPZX: jax.Array, table_BM: jax.Array) -> jax.Array:
   pages_KBMZX = pool_KPZX[:, jnp.maximum(table_BM, 0)]
   num_kv, batch, pages, page_size, width = pages_KBMZX.shape
   return pages_KBMZX.transpose(1, 2, 3, 0, 4).reshape(batch, pages * page_size, num_kv, width)
+
+
+def gather_keys(pool_KPZX: jax.Array, table_BM: jax.Array) -> jax.Array:
+  """[B, K, M * Z, X]: each slot's pages in position order, kv heads before positions."""
+  pages_BKMZX = jnp.swapaxes(pool_KPZX[:, jnp.maximum(table_BM, 0)], 0, 1)
+  batch, num_kv, pages, page_size, width = pages_BKMZX.shape
+  return pages_BKMZX.reshape(batch, num_kv, pages * page_size, width)
+
+
+def gather_values(pool_KPZX: jax.Array, table_BM: jax.Array) -> jax.Array:
+  """[B, K, X, M * Z]: each slot's pages in position order, positions last."""
+  pages_BKXMZ = pool_KPZX[:, jnp.maximum(table_BM, 0)].transpose(1, 0, 4, 2, 3)
+  batch, num_kv, width, pages, page_size = pages_BKXMZ.shape
+  return pages_BKXMZ.reshape(batch, num_kv, width, pages * page_size)
 
 
 def page_addresses(table_BM: jax.Array, positions_BL: jax.Array, num_pages: int,
@@ -220,6 +243,6 @@ def gathered_attention(q_BLNH: jax.Array, cache: PagedKVCache, positions_BL: jax
                        sinks_N: jax.Array | None = None, image_blocks_BL: jax.Array | None = None) -> jax.Array:
   """kv_cache.cached_attention over pages, the reference on any platform: every slot's pages
   gathered into position order, then the dense cache's masked attention."""
-  k_BSKH, v_BSKH = cache.read(q_BLNH.dtype)
-  mask_BLS = masks.cache_mask(positions_BL, k_BSKH.shape[1], window_size, chunk_size, image_blocks_BL)
-  return masks.dense_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS, soft_cap, sinks_N)
+  k_BKSH, v_BKHS = cache.read(q_BLNH.dtype)
+  mask_BLS = masks.cache_mask(positions_BL, k_BKSH.shape[2], window_size, chunk_size, image_blocks_BL)
+  return masks.cache_attention(q_BLNH, k_BKSH, v_BKHS, mask_BLS, soft_cap, sinks_N)

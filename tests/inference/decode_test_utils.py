@@ -96,8 +96,8 @@ def served(engine: Engine, params, prompts: list[list[int]], rows: list, indices
 
   def sink(i):
     def emit(event):
-      if isinstance(event, sched.Token):
-        tokens[i].append(event.token)
+      if isinstance(event, sched.Tokens):
+        tokens[i] += event.tokens
       elif isinstance(event, sched.Done):
         assert event.reason == "length", event
         done.release()

@@ -3,9 +3,11 @@ every engine: a masked greedy row equals the unmasked one where the mask allows 
 row never leaves its mask, and jobs with token constraints get only allowed tokens, the first (sampled
 after the prompt) included, with the dense cache, the paged cache with prefix caching and chunked prefill,
 and speculative decoding (a constrained slot takes no draft token), while an unconstrained job beside
-them gets its plain greedy tokens."""
+them gets its plain greedy tokens. A step's or round's masks reach the decode call as the host array they are."""
 
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -13,13 +15,13 @@ import numpy as np
 import pytest
 
 from MaxText.configuration.config import Config
-from MaxText.inference import decode_state, sampling
+from MaxText.inference import decode_state, mtp_draft, sampling, speculative_engine
 from MaxText.inference import scheduler as sched
 from MaxText.inference.decode_state import RowSampling
 from MaxText.inference.engine import Engine
 from MaxText.inference.sampling import RowParams
 from decode_test_utils import one_device_mesh
-from test_speculative import TARGET
+from test_speculative import DRAFT, TARGET
 from test_speculative_serving import CASES, PAGED, Sink, build
 
 VOCAB = TARGET["vocab_size"]
@@ -124,3 +126,113 @@ def test_constrained_jobs_get_only_allowed_tokens(layout):
 def test_speculative_constrained_slots_take_no_draft_and_stay_in_their_mask(case):
   target, target_params, spec, params = build(*CASES[case])
   check_masks(spec, params)
+
+
+TINY_TARGET: dict[str, Any] = dict(TARGET)  # typed for Config.for_testing
+VOCAB_SIZE = int(TINY_TARGET["vocab_size"])
+
+
+def test_a_constrained_step_hands_its_mask_to_the_call_as_a_host_array() -> None:
+  """A step's masks change every step: the decode call copies a host array within itself, where a jnp.asarray
+  before it was a device copy of its own on the calling thread (issue 58). The tokens keep to the mask."""
+  engine = Engine(Config.for_testing(**TINY_TARGET), num_slots=2, mesh=one_device_mesh())
+  params = engine.load_params(seed=1)
+  state = engine.insert_rows(engine.prefill(params, PROMPTS[:2]), engine.init_decode_state(), [0, 1], [0, 1])
+  mask = np.stack([bits(np.arange(VOCAB_SIZE) % 3 == 0), bits(np.ones(VOCAB_SIZE, bool))])
+  generate, kinds = engine._generate, []
+
+  def recording(*args: Any, **kwargs: Any) -> Any:
+    kinds.append(type(args[3]).__name__)  # params, state, block table, mask
+    return generate(*args, **kwargs)
+
+  setattr(engine, "_generate", recording)
+  for _ in range(3):
+    state, emitted = engine.decode_step(params, state, mask=mask)
+    assert int(np.asarray(emitted.tokens)[0]) % 3 == 0
+  assert kinds == ["ndarray"] * 3
+
+
+@pytest.mark.parametrize("drafter", ["draft_model", "mtp"])
+def test_a_speculative_round_hands_its_mask_to_the_call_as_a_host_array(drafter: str) -> None:
+  """The same for a speculative round, with a draft model and with the model's MTP head."""
+  params: tuple[Any, Any]  # the target's and the draft's (None: the MTP head is the target's)
+  if drafter == "mtp":
+    target = Engine(Config.for_testing(**TINY_TARGET, mtp_num_layers=1), num_slots=2, mesh=one_device_mesh())
+    spec = speculative_engine.SpeculativeEngine(mtp_draft.MtpSpeculativeDecoder(target, 2))
+    params = (target.load_params(seed=1), None)
+  else:
+    _, _, spec, params = build(TARGET, DRAFT, k=2, num_slots=2)
+  state, _ = spec.prefill_insert(params, spec.init_decode_state(), PROMPTS[:2], [0, 1])
+  mask = np.stack([bits(np.arange(VOCAB_SIZE) % 3 == 0), bits(np.ones(VOCAB_SIZE, bool))])
+  decoder = spec.decoder
+  round_, kinds = decoder._round, []
+
+  def recording(*args: Any, **kwargs: Any) -> Any:
+    kinds.append(type(args[-1]).__name__)  # the mask is the round's last argument
+    return round_(*args, **kwargs)
+
+  setattr(decoder, "_round", recording)
+  for _ in range(3):
+    state, emitted = spec.decode_step(params, state, mask=mask)
+    assert int(np.asarray(emitted.tokens)[0, 0]) % 3 == 0 and int(np.asarray(emitted.counts)[0]) == 1
+  assert kinds == ["ndarray"] * 3
+
+
+ROW = bits(np.arange(VOCAB_SIZE) % 3 == 0)  # a mask row no other argument holds
+
+
+def mask_arguments(owners: list[Any], admit: Any) -> dict[str, int]:
+  """How many of the jitted calls' argument leaves while `admit()` runs hold ROW as a host / a device array."""
+  found = {"host": 0, "device": 0}
+  for owner in owners:
+    for name, call in list(vars(owner).items()):
+      if hasattr(call, "lower"):  # a jitted function
+
+        def recording(*args: Any, _call: Any = call, **kwargs: Any) -> Any:
+          for leaf in jax.tree_util.tree_leaves((args, kwargs)):
+            if np.ndim(leaf) == 2 and np.shape(leaf)[-1] == ROW.size and leaf.dtype == np.int32 and \
+                (np.asarray(leaf) == ROW).all(-1).any():
+              found["host" if isinstance(leaf, np.ndarray) else "device"] += 1
+          return _call(*args, **kwargs)
+
+        setattr(owner, name, recording)
+  admit()
+  return found
+
+
+@pytest.mark.parametrize("path", ["prefill", "prefill_insert", "prefill_chunk", "prefill_rests", "draft_model", "mtp",
+                                  "mtp_prefill"])
+def test_an_admission_hands_its_masks_to_the_call_as_a_host_array(path: str) -> None:
+  """The first tokens' masks of every admission path as well (one device copy less per constrained admission)."""
+  masks = np.stack([ROW, bits(np.ones(VOCAB_SIZE, bool))])
+  prompts = [list(p) for p in PROMPTS[:2]]
+  admit: Callable[[], object]
+  if path in ("draft_model", "mtp", "mtp_prefill"):
+    params: tuple[Any, Any]
+    if path == "draft_model":
+      _, _, spec, params = build(TARGET, DRAFT, k=2, num_slots=2)
+    else:
+      target = Engine(Config.for_testing(**TINY_TARGET, mtp_num_layers=1), num_slots=2, mesh=one_device_mesh())
+      spec = speculative_engine.SpeculativeEngine(mtp_draft.MtpSpeculativeDecoder(target, 2))
+      params = (target.load_params(seed=1), None)
+    owners: list[Any] = [spec.decoder, spec.target]
+    if path == "mtp_prefill":
+      admit = lambda: spec.prefill(params, prompts, masks=masks)  # noqa: E731
+    else:
+      admit = lambda: spec.prefill_insert(params, spec.init_decode_state(), prompts, [0, 1], masks=masks)  # noqa: E731
+  else:
+    keys = {} if path in ("prefill", "prefill_insert") else dict(
+        PAGED, **({"prefill_chunk_size": 4} if path == "prefill_chunk" else {"prefix_caching": True}))
+    engine = Engine(Config.for_testing(**TINY_TARGET, **keys), num_slots=2, mesh=one_device_mesh())
+    plain_params = engine.load_params(seed=1)
+    owners = [engine, engine.page_prefill]
+    state = engine.init_decode_state()
+    starts = [engine.begin_prompt(slot, prompt) for slot, prompt in enumerate(prompts)] if keys else []
+    admit = {"prefill": lambda: engine.prefill(plain_params, prompts, masks=masks),
+             "prefill_insert": lambda: engine.prefill_insert(plain_params, state, prompts, [0, 1], masks=masks),
+             "prefill_chunk": lambda: engine.prefill_chunk(plain_params, state, 0, prompts[0], starts[0],
+                                                           mask=masks[:1]),
+             "prefill_rests": lambda: engine.prefill_rests(plain_params, state, [0, 1], prompts, starts,
+                                                           [RowParams()] * 2, masks=masks)}[path]
+  found = mask_arguments(owners, admit)
+  assert found["device"] == 0 and found["host"] >= 1, found

@@ -5,6 +5,7 @@ or length, also when that falls inside a call."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import jax
 import numpy as np
@@ -165,6 +166,35 @@ def test_without_limits_every_slot_steps_k_times():
   assert np.asarray(emitted.tokens).shape == (2, 3) and np.asarray(emitted.counts).tolist() == [3, 3]
 
 
+def test_a_call_without_limits_takes_no_host_array() -> None:
+  """Without limits (rollouts, decode.py) where each slot ends and what stops it never change: those arrays
+  stay on the device (a host array is copied to it in every call), with the tokens of the same limits given."""
+  eng = engine(3, 2)
+  params = eng.load_params()
+  block, kinds = eng._block, []
+
+  def recording(*args: Any, **kwargs: Any) -> Any:
+    kinds.append({type(leaf).__name__ for leaf in jax.tree_util.tree_leaves(args[2:])})  # past params, state
+    return block(*args, **kwargs)
+
+  runs = []
+  setattr(eng, "_block", recording)
+  try:
+    for limits in (None, StepLimits(np.full(2, eng.cfg.max_target_length + 1, np.int64), ())):
+      state = eng.init_decode_state()
+      for slot, prompt in enumerate(PROMPTS[:2]):
+        state, _, _ = admit(eng, params, state, slot, prompt, RowParams(seed=slot))
+      tokens = []
+      for _ in range(4):
+        state, emitted = eng.decode_step(params, state, limits=limits)
+        tokens.append(np.asarray(emitted.tokens).tolist())
+      runs.append(tokens)
+  finally:
+    setattr(eng, "_block", block)
+  assert runs[0] == runs[1]
+  assert kinds[:4] == [{"ArrayImpl"}] * 4 and kinds[4] == {"ndarray"}, kinds
+
+
 def test_steps_per_call_is_checked():
   with pytest.raises(ConfigError, match="decode_steps_per_call must be >= 1"):
     Config.for_testing(**TINY, decode_steps_per_call=0)
@@ -198,7 +228,8 @@ def scheduled(eng: Engine, prompts, max_new, stop=()):
       assert done.acquire(timeout=120)
   finally:
     s.stop()
-  return [([e.token for e in ev if isinstance(e, sched.Token)], [e.logprob for e in ev if isinstance(e, sched.Token)],
+  return [([t for e in ev if isinstance(e, sched.Tokens) for t in e.tokens],
+           [lp for e in ev if isinstance(e, sched.Tokens) for lp in e.logprobs],
            ev[-1].reason) for ev in events.values()]
 
 
@@ -212,3 +243,45 @@ def test_the_scheduler_serves_todays_tokens(layout):
   check_same(reference, ([t for t, _, _ in got], [lp for _, lp, _ in got]))
   reasons = [r for _, _, r in got]
   assert reasons == ["stop" if t[-1] == stop else "length" for t in reference[0]] and "stop" in reasons
+
+
+@pytest.mark.parametrize("keys", [{}, PAGED, dict(PAGED, prefix_caching=True), dict(PAGED, prefill_chunk_size=3)],
+                         ids=["dense", "paged", "prefix_cached", "chunked"])
+def test_the_scheduler_dispatches_the_next_call_before_reading_a_prefills_first_tokens(keys, monkeypatch):
+  """The first tokens of the prompts a loop prefills are read once that loop's decode call is dispatched (was:
+  right after the prefill, the device idle while the host read them and dispatched the call), on every admission
+  path (one prefill_insert, prefix-cached rests, prefill chunks); each job's tokens are still today's, with a
+  one-token job and a stop inside a call."""
+  from MaxText.inference import scheduler as sched
+
+  prompts = [[5, 9, 2, 7, 1, 3], [5, 9, 2, 7, 8], [11, 4], [5, 9, 2, 7, 1, 3, 4], [2, 2, 6, 1]]
+  max_new = [10, 1, 9, 7, 8]
+  stop = one_per_call(engine(1, 5, **keys), prompts, max_new)[0][2][3]
+  reference = one_per_call(engine(1, 5, **keys), prompts, max_new, stop=(stop,))
+  eng, log = engine(4, 3, **keys), []
+
+  def logged(what: str, fn: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+      log.append(what)
+      return fn(*args, **kwargs)
+    return call
+
+  for name in ("prefill_insert", "prefill_rests", "prefill_chunks", "prefill_chunk", "prefill"):
+    monkeypatch.setattr(eng, name, logged("prefill", getattr(eng, name)))
+  monkeypatch.setattr(eng, "decode_step", logged("call", eng.decode_step))
+  monkeypatch.setattr(sched, "_host", logged("read", sched._host))
+  device_get = jax.device_get
+
+  def read(*args: Any, **kwargs: Any) -> Any:
+    import sys
+    if sys._getframe(1).f_globals["__name__"] == sched.__name__:  # the scheduler's reads, not the engine's own
+      log.append("read")
+    return device_get(*args, **kwargs)
+
+  monkeypatch.setattr(sched.jax, "device_get", read)
+  got = scheduled(eng, prompts, max_new, stop=(stop,))
+  check_same(reference, ([t for t, _, _ in got], [lp for _, lp, _ in got]))
+  assert [r for _, _, r in got] == ["stop" if t[-1] == stop else "length" for t in reference[0]]
+  assert "stop" in [r for _, _, r in got]
+  pairs = list(zip(log, log[1:]))
+  assert ("prefill", "call") in pairs and ("prefill", "read") not in pairs, log

@@ -10,6 +10,7 @@ import pytest
 
 from MaxText.platform import sharding
 from MaxText.configuration.config import Config
+from MaxText.errors import UserError
 from MaxText.inference.engine import Engine, Request, serve
 from MaxText.layers import kv_cache
 from decode_test_utils import engine_tokens, one_device_mesh, uncached_greedy
@@ -39,6 +40,8 @@ def test_serve_reuses_slots_and_compiles_each_step_once():
     stop = before.output.index(eos) + 1 if eos in before.output else len(before.output)
     assert after.output == before.output[:stop]
   assert engine.traces == {"prefill": 1, "insert": 1, "generate": 1, "score": 0, "extend": 0}
+  with pytest.raises(UserError, match="request 1: max_new_tokens=0; it must be at least 1"):
+    serve(engine, params, [Request([1], 2), Request([1], 0)])  # prefill would give it one token anyway
 
 
 def test_sharded_decode_equals_one_device():
@@ -51,8 +54,8 @@ def test_sharded_decode_equals_one_device():
   sharded = Engine(config, num_slots=4)
   sharded_params = jax.device_put(params, sharded.param_shardings)
   assert engine_tokens(sharded, sharded_params, prompts, 12) == expected
-  cache_spec = sharded.state_shardings.caches.key_BSKH.spec  # [layers, slots, length, kv heads, head dim]
-  assert cache_spec[1] == "fsdp" and cache_spec[3] == "tensor"
+  cache_spec = sharded.state_shardings.caches.key_BKSH.spec  # [layers, slots, kv heads, length, head dim]
+  assert cache_spec[1] == "fsdp" and cache_spec[2] == "tensor"
 
 
 def test_autoregressive_axis_splits_the_cache_heads_and_decodes_like_one_device():
@@ -66,7 +69,7 @@ def test_autoregressive_axis_splits_the_cache_heads_and_decodes_like_one_device(
   assert dict(sharded.mesh.shape)["autoregressive"] == 2
   assert engine_tokens(sharded, jax.device_put(params, sharded.param_shardings), prompts, 10) == \
       engine_tokens(single, params, prompts, 10)
-  assert sharded.state_shardings.caches.key_BSKH.spec[3] == ("autoregressive", "tensor")
+  assert sharded.state_shardings.caches.key_BKSH.spec[2] == ("autoregressive", "tensor")
 
 
 def decode_logits(engine: Engine, params, prompt: list[int], num_steps: int, dtype) -> np.ndarray:
@@ -102,7 +105,7 @@ def test_int8_cache_error_is_close_to_the_bfloat16_cache_error():
                     mesh=one_device_mesh())
     errors[quantize] = float(np.sqrt(np.mean((decode_logits(engine, params, prompt, 10, jnp.bfloat16) - expected) ** 2)))
   int8_cache = kv_cache.model_caches(engine.cfg, 1, 24, quantized=True)
-  assert int8_cache.key_BSKH.dtype == jnp.int8
+  assert int8_cache.key_BKSH.dtype == jnp.int8
   assert 0 < errors[False] and errors[True] < 2 * errors[False], errors
 
 
@@ -125,6 +128,40 @@ def test_prompt_longer_than_prefill_is_a_clear_error():
   engine = Engine(Config.for_testing(**TINY), num_slots=1)
   with pytest.raises(Exception, match="prompt 0 has 9 tokens; it must have 1 to max_prefill_predict_length=8"):
     engine.prefill(None, [list(range(9))])
+
+
+def test_a_pipelined_config_is_one_line_when_the_engine_is_built():
+  """Decoding has no pipelined form; a pipelined config failed at the first prefill's trace (a traceback)."""
+  config = Config.for_testing(**TINY, ici_pipeline_parallelism=2)
+  with pytest.raises(UserError, match=r"decoding does not support pipeline parallelism \(2 stages\); set "
+                                      "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1"):
+    Engine(config, num_slots=1)
+
+
+def test_a_token_id_outside_the_vocabulary_is_one_line_at_every_way_in() -> None:
+  """An id >= vocab_size (or < 0) given to the engine directly (a rollout's or script's tokenizer larger than the
+  model's) names the id and the vocabulary before anything runs; before, the embedding gather read past its table
+  without a word."""
+  from MaxText.errors import UserError
+
+  engine = Engine(Config.for_testing(**TINY), num_slots=2, mesh=one_device_mesh())
+  paged = Engine(Config.for_testing(**TINY, kv_cache_layout="paged", kv_page_size=4), num_slots=2,
+                 mesh=one_device_mesh())
+  calls = {
+      "prefill": lambda: engine.prefill(None, [[3, 4], [5, 128, 6]]),
+      "prefill_insert": lambda: engine.prefill_insert(None, None, [[3, 4], [5, 128, 6]], [0, 1]),
+      "score": lambda: engine.score(None, [5, 128, 6]),
+      "begin_prompt": lambda: paged.begin_prompt(0, [5, 128, 6]),
+      "continue_prompt": lambda: paged.continue_prompt(0, [5, 128, 6]),
+  }
+  for name, call in calls.items():
+    with pytest.raises(UserError) as e:
+      call()
+    assert "token id 128 (position 1), outside the model's vocabulary [0, vocab_size=128)" in str(e.value), name
+  with pytest.raises(UserError, match="token id -1 "):
+    engine.prefill(None, [[3, -1]])
+  stats = paged.cache_stats()
+  assert stats["pages_free"] == stats["pages_total"]  # refused before taking pages
 
 
 @pytest.mark.slow  # ~20 s on 2 shared cores; dropless MoE decoding is in the default run via test_kv_cache_decode

@@ -3,6 +3,7 @@ model gives each request the tokens of an engine with only its adapter merged in
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -94,6 +95,18 @@ def test_a_mixed_batch_gives_each_request_its_merged_adapters_tokens(served):
   # the adapters change the tokens (else the comparison proves nothing)
   assert merged_tokens(config, registry, ours, None, [PROMPTS[0]])[0] != mixed[0]
 
+
+
+def test_an_adapter_loaded_outside_the_registry_must_fit_the_tables(served: tuple, tmp_path: Path) -> None:
+  """AdapterTable.set_row given an adapter of a rank above the tables' is one line naming both ranks (was: numpy's
+  "could not broadcast input array from shape (32,8) into shape (32,4)"); the registry's add says the same earlier."""
+  _, engine, registry, _, _ = served
+  write_adapter(tmp_path / "wide", 8, 8.0, ("q_proj",), seed=5)
+  wide = peft_adapters.load(str(tmp_path / "wide"), engine.cfg, engine.spec.abstract_params)
+  with pytest.raises(UserError) as e:
+    registry.table.set_row(registry.params, 1, wide)
+  assert str(e.value) == ("a LoRA adapter of rank 8 on ['q_proj'] does not fit adapter tables of rank 4 "
+                          f"(serve_lora_max_rank) on {list(registry.table.targets)}")
 
 
 @pytest.mark.slow  # a second table engine (paged, chunked prefill): about 30 s on a loaded CPU
@@ -273,6 +286,10 @@ def server(tmp_path_factory):
   ours = {name: write_adapter(root / name, rank, alpha, targets, seed=20 + i, **SERVE_MODEL)
           for i, (name, rank, alpha, targets) in enumerate(ADAPTERS)}
   write_adapter(root / "wide", 8, 8.0, ("q_proj",), seed=3, **SERVE_MODEL)  # rank 8 > the tables' 4
+  for liar, rank, claimed in (("wide_liar", 8, 4), ("narrow_liar", 2, 4)):  # configs whose r is not their tensors'
+    write_adapter(root / liar, rank, 8.0, ("q_proj",), seed=4, **SERVE_MODEL)
+    written = json.loads((root / liar / peft_adapters.CONFIG_FILE).read_text())
+    (root / liar / peft_adapters.CONFIG_FILE).write_text(json.dumps({**written, "r": claimed}))
   tok = write_tokenizer(root / "tok", without_markers(CHATML))
   config = Config.for_testing(**SERVE_MODEL, tokenizer_path=str(tok), serve_lora_slots=3, serve_lora_max_rank=4,
                               serve_lora_adapters=",".join(f"{n}={root / n}" for n, *_ in ADAPTERS[:2]))
@@ -385,6 +402,9 @@ def httpx_post_without_key(client, body):
     ({"name": "tiny", "path": "x"}, 409, "'tiny' is taken"),
     ({"name": "alpha", "path": "x"}, 409, "'alpha' is taken"),
     ({"name": "w", "path": "{root}/wide"}, 400, "rank 8, more than this server's serve_lora_max_rank=4"),
+    # r=4 fits the tables, the tensors' rank 8 does not (was: "this model needs [4, 32] ... another base model?")
+    ({"name": "w", "path": "{root}/wide_liar"}, 400, "its config says r=4 but its lora_A tensors have rank 8"),
+    ({"name": "w", "path": "{root}/narrow_liar"}, 400, "its config says r=4 but its lora_A tensors have rank 2"),
     ({"name": "g", "path": "{root}/gamma"}, 400, "targets ['gate_proj', 'up_proj'], which this server's adapter"),
     ({"name": "n", "path": "{root}/nowhere"}, 400, "is not a PEFT LoRA adapter"),
     # Names DELETE cannot reach (added, they held their row until a restart): a dot segment, a control character.
@@ -400,6 +420,15 @@ def test_admin_refusals_are_one_line(server, body, status, words):
   assert words in response.json()["error"]["message"] and "\n" not in response.json()["error"]["message"]
   if body["path"].endswith("/alpha"):  # a loadable adapter: the name is the culprit, not the path
     assert response.json()["error"]["param"] == "name", response.text
+
+
+def test_a_name_too_long_is_refused_without_echoing_it():
+  """A 10 KB name was echoed whole into the 400's message."""
+  from MaxText.inference import lora_admin
+
+  with pytest.raises(UserError) as error:
+    lora_admin.check_name("n" * 10_000)
+  assert str(error.value).endswith(f"got 10000 characters, {'n' * 40!r}...") and len(str(error.value)) < 200
 
 
 def test_an_adapter_named_like_a_hub_repo_is_served_and_removed(server):
@@ -569,8 +598,13 @@ def _config_text(root) -> str:
     # Both were "tensors name no projection of this model ... (an adapter of another model family or depth?)".
     ({"bias": "all"}, "bias", "holds 1 trained bias tensors (bias='all'), e.g. base_model.model.model.layers."),
     ({"modules_to_save": ["lm_head"]}, None, "modules_to_save=['lm_head'] (whole modules trained beside the adapter)"),
+    # A rank per module without rank_pattern: was "this model needs [2, 32] ... (an adapter of another base model?)".
+    (None, "rank-1-layer", "model.layers.1.self_attn.q_proj's adapter has rank 1 (lora_A [1, 32], lora_B [32, 1]) "
+                           "where adapter_config.json says r=2; one rank for every module is supported"),
+    (None, "rank-1-b", "model.layers.1.self_attn.q_proj's adapter is lora_A [2, 32], lora_B [32, 1]; this model needs "
+                       "[2, 32] and [32, 2]"),
 ], ids=["alpha-list", "alpha-string", "alpha-nan", "targets-int", "rank-0", "rank-bool", "config-dir", "garbage",
-        "empty", "int32", "nan-weights", "bias", "modules-to-save"])
+        "empty", "int32", "nan-weights", "bias", "modules-to-save", "rank-per-module", "ranks-a-and-b"])
 def test_a_malformed_adapter_is_one_line_naming_what_is_wrong(one_adapter, tmp_path, config, weights, words):
   """What the admin route and serve_lora_adapters read: each is a UserError (a 400, an `error:` line), not a traceback
   or an adapter of NaNs that answers garbage (was: TypeError / ValueError / SafetensorError, NaN weights served)."""
@@ -596,6 +630,11 @@ def test_a_malformed_adapter_is_one_line_naming_what_is_wrong(one_adapter, tmp_p
   elif weights == "bias":
     bias = next(k for k in tensors if k.endswith(".lora_A.weight")).replace("lora_A.weight", "bias")
     blob = _safetensors({**tensors, bias: np.zeros(8, np.float32)}, "F32")
+  elif weights == "rank-1-layer":
+    blob = _safetensors({k: (v[:1] if "lora_A" in k else v[:, :1]) if ".layers.1." in k else v
+                         for k, v in tensors.items()}, "F32")
+  elif weights == "rank-1-b":
+    blob = _safetensors({k: v[:, :1] if ".layers.1." in k and "lora_B" in k else v for k, v in tensors.items()}, "F32")
   elif weights is not None:
     blob = weights
   (bad / peft_adapters.WEIGHTS_FILE).write_bytes(blob)

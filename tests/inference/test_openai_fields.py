@@ -150,3 +150,16 @@ def test_an_unpaired_surrogate_escape_is_a_400(body):
 
 def test_a_surrogate_pair_escape_is_its_character():
   assert api.parse_json(rb'{"prompt": "\ud83d\ude00 ok"}') == {"prompt": "\U0001F600 ok"}
+
+
+def test_a_greedy_choice_without_a_seed_draws_no_random_seed(monkeypatch: pytest.MonkeyPatch):
+  """temperature 0 never samples, so its choices take no random seed (was: secrets.randbits, an os.urandom call per
+  choice on the event loop); a sampled choice without a seed still gets a random one of its own."""
+  import secrets
+
+  drawn = iter(range(7, 100))
+  monkeypatch.setattr(secrets, "randbits", lambda bits: next(drawn))
+  greedy = api.parse_completion({"prompt": "the", "temperature": 0, "n": 2}, LIMITS, CODEC).choices
+  assert [c.row.seed for c in greedy] == [0, 0] and next(drawn) == 7
+  sampled = api.parse_completion({"prompt": "the", "temperature": 0.5, "n": 2}, LIMITS, CODEC).choices
+  assert [c.row.seed for c in sampled] == [8, 9]

@@ -251,6 +251,11 @@ def test_paged_memory_grows_with_cached_tokens_not_slots_times_length():
     # A chunk budget past every slot's tokens sized a [1, chunk] host array at the first chunked prefill.
     (dict(kv_cache_layout="paged", prefill_chunk_size=10**12),
      r"prefill_chunk_size=1000000000000 is more than the \d+ prompt tokens serve_max_slots x max_target_length"),
+    # kv_num_pages=0 (the dense capacity) is a page a slot at least: decode died in a RESOURCE_EXHAUSTED traceback.
+    (dict(kv_cache_layout="paged", kv_page_size=2**30),
+     r"kv_page_size=1073741824 makes the paged cache \d+ pages x 1073741824 = .* over the 2\*\*31 .* lower kv_page_size$"),
+    # A negative slot count passed the products and blamed prefill_chunk_size=0.
+    (dict(serve_max_slots=-1), r"^serve_max_slots must be >= 1, got -1$"),
 ])
 def test_bad_paged_keys_are_config_errors(overrides, message):
   with pytest.raises(ConfigError, match=message):
@@ -261,6 +266,45 @@ def test_too_few_pages_for_one_request_is_a_clear_error():
   config = Config.for_testing(**TINY, kv_cache_layout="paged", kv_page_size=4, kv_num_pages=5)
   with pytest.raises(UserError, match=r"kv_num_pages=5 cannot hold one request at max_target_length=24 \(6 pages"):
     Engine(config, num_slots=2, mesh=one_device_mesh())
+
+
+def test_a_large_page_pool_costs_the_host_no_list_of_its_pages():
+  """kv_num_pages=10**9 made the allocator a Python list of every page number (tens of GiB): the process was killed
+  before its cache was allocated. The free list still hands the pages out in that list's order."""
+  import tracemalloc
+
+  tracemalloc.start()
+  try:
+    big = paged_cache.PageAllocator(num_pages=10**7, page_size=2, num_slots=2, max_length=8)
+    _, peak = tracemalloc.get_traced_memory()
+  finally:
+    tracemalloc.stop()
+  assert peak < 10**8  # its reference counts, 40 MB; the list took 360 MB more
+  assert len(big.free) == 10**7 and big.available() == 10**7
+  small, listed = (paged_cache.PageAllocator(num_pages=6, page_size=2, num_slots=2, max_length=8) for _ in range(2))
+  listed.free = list(range(5, -1, -1))  # as it was
+  for pages in (small, listed):
+    pages.assign(0, 5), pages.assign(1, 3)
+    pages.release(0)
+    pages.assign(0, 6)
+    pages.grow()  # position 6 starts a fourth page
+  assert small.table.tolist() == listed.table.tolist() == [[0, 1, 2, 5], [3, 4, -1, -1]]
+  assert list(small.free) == listed.free == [] and small.available() == 0
+
+
+def test_a_kv_cache_too_large_to_allocate_is_one_line(monkeypatch):
+  """kv_num_pages=1000000000 (kv_page_size=2, under the int32 bound): decode died in a RESOURCE_EXHAUSTED traceback.
+  The allocation failure stands in for a real one (a large one may succeed lazily and get the process killed)."""
+  for layout, keys in (("paged", "kv_num_pages or kv_page_size"), ("dense", "serve_max_slots or max_target_length")):
+    engine = Engine(Config.for_testing(**TINY, kv_cache_layout=layout), num_slots=2, mesh=one_device_mesh())
+
+    def exhausted(*args, **kwargs):
+      raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 255999999488 bytes.")
+
+    monkeypatch.setattr(engine, "_init_state", exhausted)
+    with pytest.raises(UserError, match=rf"^the {layout} KV cache of 2 slots needs [\d.e-]+ GiB, more than the devices "
+                                        rf"could allocate: lower {keys}$"):
+      engine.init_decode_state()
 
 
 def test_dense_release_is_a_no_op_and_reports_no_pages():
@@ -341,8 +385,8 @@ def _scheduled_outputs(engine: Engine, params, prompts, new_tokens, cancel_secon
       self.tokens, self.done = [], threading.Event()
 
     def __call__(self, event):
-      if isinstance(event, sched.Token):
-        self.tokens.append(event.token)
+      if isinstance(event, sched.Tokens):
+        self.tokens += event.tokens
       elif isinstance(event, sched.Done):
         self.done.set()
 
@@ -493,8 +537,8 @@ def _two_sharing_requests(num_pages: int, prefix_caching: bool = True):
     def emit(event):
       with lock:
         events.append((i, type(event).__name__))
-      if isinstance(event, sched.Token):
-        tokens[i].append(event.token)
+      if isinstance(event, sched.Tokens):
+        tokens[i].extend(event.tokens)
       if isinstance(event, sched.Done):
         done[i].set()
     return emit
@@ -516,7 +560,7 @@ def test_admission_counts_a_shared_prefix_page_once():
   expected = _two_sharing_requests(24, prefix_caching=False)[3]
   events, load, engine, tokens = _two_sharing_requests(9)
   assert tokens == expected
-  assert events.index((1, "Token")) < events.index((0, "Done")), events  # admitted beside the first
+  assert events.index((1, "Tokens")) < events.index((0, "Done")), events  # admitted beside the first
   assert load["pages_reserved"] == 0 and load["pages_free"] == 9 and not engine.pages.refs.any(), load
   assert load["pages_cached"] == 4
 
@@ -526,6 +570,6 @@ def test_admission_still_waits_when_the_shared_pages_do_not_make_room():
   pages back, when its last call is dispatched (before that call's token is read), and gets the same tokens though
   that call still writes the first's last entry into a page the second may take."""
   events, load, engine, tokens = _two_sharing_requests(7)
-  assert events[:events.index((1, "Token"))].count((0, "Token")) == 3, events
+  assert events[:events.index((1, "Tokens"))].count((0, "Tokens")) == 3, events
   assert tokens == _two_sharing_requests(24, prefix_caching=False)[3]
   assert load["pages_reserved"] == 0 and load["pages_free"] == 7 and not engine.pages.refs.any(), load

@@ -99,6 +99,12 @@ class Sink:
     if isinstance(event, sched.Done):
       self.done.set()
 
+  def tokens(self) -> list[int]:
+    return [t for e in self.events if isinstance(e, sched.Tokens) for t in e.tokens]
+
+  def tops(self) -> list[list[tuple[int, float]]]:
+    return [top for e in self.events if isinstance(e, sched.Tokens) for top in e.tops]
+
   def reason(self, timeout: float = 10.0) -> str:
     assert self.done.wait(timeout), f"the job did not end within {timeout} s: {self.events[-3:]}"
     return self.events[-1].reason
@@ -246,7 +252,7 @@ def test_a_slot_whose_job_the_calls_in_flight_end_takes_the_next_job_in_the_next
 
   def cancel_on_second_token(event: sched.Event) -> None:
     cancelled_sink(event)
-    if sum(isinstance(e, sched.Token) for e in cancelled_sink.events) == 2:
+    if len(cancelled_sink.tokens()) == 2:
       cancelled.cancel()  # as a handler does on a stop string
 
   cancelled.emit = cancel_on_second_token
@@ -256,8 +262,7 @@ def test_a_slot_whose_job_the_calls_in_flight_end_takes_the_next_job_in_the_next
   try:
     assert [plain_sink.reason(), eos_sink.reason(), cancelled_sink.reason(), last_sink.reason()] == [
         "length", "stop", "cancelled", "length"]
-    tokens = [[e.token for e in sink.events if isinstance(e, sched.Token)]
-              for sink in (plain_sink, eos_sink, cancelled_sink, last_sink)]
+    tokens = [sink.tokens() for sink in (plain_sink, eos_sink, cancelled_sink, last_sink)]
     assert tokens == [[2, 3, 4, 5], [EOS - 1, EOS], [11, 12], [21, 22, 23, 24]]
     # One token per call: a job of n tokens takes n - 1 calls after its prefill (before: one more each, but for a
     # job ended by a token read after its last call was dispatched).
@@ -267,6 +272,78 @@ def test_a_slot_whose_job_the_calls_in_flight_end_takes_the_next_job_in_the_next
   finally:
     s.stop(5)
 
+
+
+class _BlockEngine(FakeEngine):
+  """FakeEngine whose call with StepLimits takes K steps, each slot stopping at its end or an end-of-sequence
+  token as the engine's device loop does (engine_api.Emitted with counts)."""
+
+  K = 4
+
+  def decode_step(self, params, state, active=None, limits=None):
+    if limits is None:
+      return super().decode_step(params, state, active, limits)
+    calls = [super(_BlockEngine, self).decode_step(params, state, active, limits)[1] for _ in range(self.K)]
+    lps = [c.logprobs for c in calls]
+    return self.last, Emitted(np.concatenate([c.tokens for c in calls], axis=1),
+                              TokenLogprobs(*(np.concatenate([getattr(lp, name) for lp in lps], axis=1)
+                                              for name in ("chosen_B", "top_ids_Bk", "top_logprobs_Bk"))),
+                              sum(c.counts for c in calls))
+
+
+def test_a_call_of_several_steps_gives_each_job_one_event_of_its_tokens():
+  """A call of K steps gives each job its tokens as one Tokens event (was: an event per token), cut after an
+  end-of-sequence token inside the call; the first token (the prefill's) is an event of its own."""
+  engine = _BlockEngine(num_slots=2)
+  s = sched.Scheduler(engine, None, max_queue=8, eos_ids=[EOS]).start()
+  try:
+    long, long_sink = job(4, 9, first=10)
+    eos, eos_sink = job(4, 5, first=EOS - 3)
+    s.submit([long, eos])
+    assert [long_sink.reason(), eos_sink.reason()] == ["length", "stop"]
+    runs = [[e.tokens for e in sink.events if isinstance(e, sched.Tokens)] for sink in (long_sink, eos_sink)]
+    assert runs == [[[11], [12, 13, 14, 15], [16, 17, 18, 19]], [[EOS - 2], [EOS - 1, EOS]]]
+    assert [len(e.logprobs) for e in long_sink.events[:-1]] == [1, 4, 4]
+    assert [e.tops for e in long_sink.events[:-1]] == [[[(0, 0.0)] * 2], [[(0, 0.0)] * 2] * 4, [[(0, 0.0)] * 2] * 4]
+    _assert_nothing_held(s, engine)
+  finally:
+    s.stop(5)
+
+
+def test_a_calls_tokens_and_a_prefills_first_tokens_are_read_without_jax_device_get(monkeypatch: pytest.MonkeyPatch):
+  """The reads of every loop (a call's tokens, a prefill's first tokens) copy their arrays themselves (was:
+  jax.device_get, whose per-leaf tree and context handling cost about as much as the copies on the CPU backend);
+  the tokens are the same."""
+  def refuse(*args, **kwargs):
+    raise AssertionError("jax.device_get on the scheduler's hot path")
+
+  monkeypatch.setattr(sched.jax, "device_get", refuse)
+  engine = _BlockEngine(num_slots=2)
+  s = sched.Scheduler(engine, None, max_queue=8, eos_ids=[EOS]).start()
+  try:
+    jobs = [job(4, 6, first=10), job(3, 5, first=30)]
+    s.submit([j for j, _ in jobs])
+    assert [sink.reason() for _, sink in jobs] == ["length", "length"]
+    assert [sink.tokens() for _, sink in jobs] == [[11, 12, 13, 14, 15, 16], [31, 32, 33, 34, 35]]
+  finally:
+    s.stop(5)
+
+
+@pytest.mark.parametrize("engine_type", [FakeEngine, _BlockEngine], ids=["one-step", "four-steps"])
+def test_a_job_ended_by_its_first_token_read_after_the_next_call_frees_its_slot(engine_type):
+  """A prefill's first tokens are read after the next call is dispatched: a job whose first token is an
+  end-of-sequence token, or whose max_tokens is 1, still gets exactly that token and its end, and the job after it
+  in the same slot its own tokens (the call that held the ended job's slot gives it nothing)."""
+  engine = engine_type(num_slots=1)
+  s = sched.Scheduler(engine, None, max_queue=8, eos_ids=[EOS]).start()
+  try:
+    jobs = [job(4, 5, first=EOS - 1), job(3, 1, first=40), job(4, 4, first=20), job(2, 6, first=EOS - 3)]
+    s.submit([j for j, _ in jobs])
+    assert [sink.reason() for _, sink in jobs] == ["stop", "length", "length", "stop"]
+    assert [sink.tokens() for _, sink in jobs] == [[EOS], [41], [21, 22, 23, 24], [EOS - 2, EOS - 1, EOS]]
+    _assert_nothing_held(s, engine)
+  finally:
+    s.stop(5)
 
 
 class _MaskedEngine(FakeEngine):
@@ -309,7 +386,7 @@ def test_a_constrained_job_at_a_dead_end_ends_with_an_error_not_stop():
               sched.Job(1, [1, 2], 8, RowParams(), sinks[1], constraint=_DeadEnd(3, ok=True))])
     assert [sink.reason() for sink in sinks] == ["error", "stop"]
     assert sinks[0].events[-1].message == "no way on"
-    assert sum(isinstance(e, sched.Token) for e in sinks[0].events) == 3
+    assert len(sinks[0].tokens()) == 3
     _assert_nothing_held(s, engine)
     assert s._thread.is_alive()
   finally:
@@ -356,17 +433,16 @@ def test_the_top_alternatives_are_read_and_listed_only_for_jobs_that_ask():
     s.submit([j for j, _ in plain])
     assert [sink.reason() for _, sink in plain] == ["length", "length"]
     assert _Counted.reads == 0
-    tokens = [[e.token for e in sink.events if isinstance(e, sched.Token)] for _, sink in plain]
+    tokens = [sink.tokens() for _, sink in plain]
     assert tokens == [[11, 12, 13, 14, 15], [21, 22, 23, 24, 25]]
-    assert all(e.top == [] for _, sink in plain for e in sink.events if isinstance(e, sched.Token))
+    assert all(top == [] for _, sink in plain for top in sink.tops())
     asks, asks_sink = job(4, 5, first=30)
     quiet, quiet_sink = job(4, 5, first=40)
     quiet.top_logprobs = False
     s.submit([asks, quiet])
     assert [asks_sink.reason(), quiet_sink.reason()] == ["length", "length"]
     assert _Counted.reads > 0
-    asked = [e for e in asks_sink.events if isinstance(e, sched.Token)]
-    assert [e.token for e in asked] == [31, 32, 33, 34, 35] and all(e.top == [(0, 0.0), (0, 0.0)] for e in asked)
-    assert all(e.top == [] for e in quiet_sink.events if isinstance(e, sched.Token))
+    assert asks_sink.tokens() == [31, 32, 33, 34, 35] and asks_sink.tops() == [[(0, 0.0), (0, 0.0)]] * 5
+    assert quiet_sink.tops() == [[]] * 5
   finally:
     s.stop(5)

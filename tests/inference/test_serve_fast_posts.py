@@ -41,8 +41,8 @@ class _Server(serve_app.HttpServer):
       raise serve_app.refusal(job_events.QueueFull("8 waiting"))
     queue: asyncio.Queue[list[job_events.Event]] = asyncio.Queue()
     for c in request.choices:
-      queue.put_nowait([job_events.Token(c.index, ord("a"), -0.5, [])])
-      queue.put_nowait([job_events.Token(c.index, ord("b"), -0.25, []), job_events.Token(c.index, ord("c"), -1.0, []),
+      queue.put_nowait([job_events.Tokens(c.index, [ord("a")], [-0.5], [[]])])
+      queue.put_nowait([job_events.Tokens(c.index, [ord("b")], [-0.25], [[]]), job_events.Tokens(c.index, [ord("c")], [-1.0], [[]]),
                         job_events.Done(c.index, "length")])
     return [_Job() for _ in request.choices], queue
 
@@ -53,11 +53,12 @@ def _app(full: bool = False) -> Any:
   return serve_app.build_app(server, api_key="")
 
 
-def _call(app: Any, method: str, path: str, body: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-  payload = json.dumps(body).encode() if body is not None else b""
+def _call(app: Any, method: str, path: str, body: dict[str, Any] | bytes | None = None,
+          headers: tuple[tuple[bytes, bytes], ...] = ()) -> list[dict[str, Any]]:
+  payload = body if isinstance(body, bytes) else json.dumps(body).encode() if body is not None else b""
   scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
            "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-           "root_path": "", "headers": [(b"host", b"test"), (b"content-type", b"application/json")],
+           "root_path": "", "headers": [(b"host", b"test"), (b"content-type", b"application/json"), *headers],
            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "state": {}}
   sent: list[dict[str, Any]] = []
   delivered = False
@@ -136,3 +137,18 @@ def test_the_guard_answers_as_the_app_does(case: str, monkeypatch: pytest.Monkey
   assert status == {"400": 400, "bad json": 400, "503": 503}.get(case, 200)
   if case == "503":
     assert headers[b"retry-after"] == b"1" and json.loads(payload)["error"]["code"] == "queue_full"
+
+
+def test_a_compressed_body_is_a_415_naming_its_coding():
+  """Content-Encoding: gzip was read as JSON: a 400 about byte 0x8b. The app's own routes get the same answer."""
+  import gzip
+
+  body = gzip.compress(json.dumps({"prompt": "x", "max_tokens": 3}).encode())
+  for path in ("/v1/completions", "/v1/chat/completions", "/v1/models"):
+    status, headers, payload = _answer(_call(_app(), "POST", path, body, ((b"content-encoding", b"gzip"),)))
+    assert status == 415 and headers[b"accept-encoding"] == b"identity"
+    assert json.loads(payload)["error"]["message"] == ("the request body has Content-Encoding: gzip; this server reads "
+                                                       "uncompressed bodies only: send it without Content-Encoding")
+  status, _, _ = _answer(_call(_app(), "POST", "/v1/completions", {"prompt": "x", "max_tokens": 3},
+                               ((b"content-encoding", b"identity"),)))
+  assert status == 200

@@ -207,7 +207,9 @@ def test_a_dropped_stream_frees_its_slot_a_full_queue_is_a_503_and_the_front_end
                          headers={"Authorization": f"Bearer {KEY}"})
         assert busy.status_code == 503 and busy.headers["retry-after"] == "1", busy.text
         assert busy.json()["error"]["code"] == "queue_full"
-      deadline = time.monotonic() + 20  # the stream is closed: noticed within a second or so, its job cancelled
+      # The stream is closed: noticed within a second or so when idle, its job cancelled; the bound is loose
+      # because on a loaded 2-core machine (beside a full test run) it once took more than 20 s.
+      deadline = time.monotonic() + 90
       while _cancelled(server) < 1 or httpx.get(f"{server.url}/health", timeout=10).json()["slots_in_use"]:
         assert time.monotonic() < deadline, "the dropped stream's job is not cancelled or still holds its slot"
         time.sleep(0.2)

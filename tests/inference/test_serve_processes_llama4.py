@@ -26,13 +26,13 @@ def test_llama4_image_chats_through_two_front_ends_answer_as_the_one_process_ser
   wide = png_url(8, size=20, width=44, noise=True)  # a 1 x 2 tile grid and its thumbnail: 3 tiles
   chats = [image_message("what is this", wide), image_message("compare", png_url(2), wide),
            image_message("what is this", png_url(4, noise=True))]
+  typed = [[{"role": "user", "content": "look <|image|> here"}],  # the image marker typed: text (test_image_text.py)
+           [{"role": "user", "content": "look <|patch|> here"}]]  # a placeholder typed: text too
   bad = [image_message("hi", png_url(1), png_url(2), png_url(3)),  # more than serve_max_images
          image_message("hi", png_url(6, size=64)),  # more pixels than serve_max_image_pixels
          image_message("hi", png_url(5, size=40, noise=True)),  # more bytes than serve_max_image_bytes
          image_message("hi", "data:image/png;base64," + base64.b64encode(b"not an image").decode()),
-         image_message("hi", "https://example.com/cat.png"),
-         [{"role": "user", "content": "look <|image|> here"}],  # the image marker typed, no image
-         [{"role": "user", "content": "look <|patch|> here"}]]  # a placeholder typed, no image
+         image_message("hi", "https://example.com/cat.png")]
 
-  with answered_alike(tokenizer, keys, chats, bad) as (_, _, expected):
+  with answered_alike(tokenizer, keys, chats + typed, bad) as (_, _, expected):
     assert len({text for _, text in expected[:len(chats)]}) == len(chats)  # the images change the answer

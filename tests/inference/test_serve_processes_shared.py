@@ -185,8 +185,8 @@ def test_the_front_ends_image_code_loads_no_jax(tmp_path):
 
 @pytest.mark.slow  # two servers of a vision model (JAX start-up and compiles each)
 def test_image_chats_and_metrics_through_two_front_ends_answer_as_the_one_process_server(tmp_path):
-  """A tiny Gemma 3 served in one process, then with two front ends: the same image chats get the same greedy
-  text and bad images the same 400 bodies, through either front end (the other stopped with SIGSTOP: both accept
+  """A tiny Gemma 3 served in one process, then with two front ends: the same image chats (and a chat with a
+  typed image marker, which is text) get the same greedy text and bad images the same 400 bodies, through either front end (the other stopped with SIGSTOP: both accept
   on the one socket); the front ends map no jaxlib; /metrics through either counts every request of both, with
   the one-process server's metric names."""
   from tests.test_serve_images import MODEL, SERVING, image_message, png_url
@@ -194,14 +194,14 @@ def test_image_chats_and_metrics_through_two_front_ends_answer_as_the_one_proces
   tokenizer = write_tokenizer(tmp_path / "tok", GEMMA3, IMAGE_SPECIAL)
   keys = {**MODEL, **SERVING}
   chats = [image_message("what is this", png_url(1)), image_message("compare", png_url(2), png_url(3)),
-           image_message("what is this", png_url(4, noise=True))]
+           image_message("what is this", png_url(4, noise=True)),
+           [{"role": "user", "content": "look <start_of_image> here"}]]  # a typed marker is text (test_image_text.py)
   bad = [image_message("hi", png_url(1), png_url(2), png_url(3)),  # more than serve_max_images
          image_message("hi", png_url(6, size=64)),  # more pixels than serve_max_image_pixels
          image_message("hi", png_url(5, size=40, noise=True)),  # more bytes than serve_max_image_bytes
          image_message("hi", "data:image/png;base64," + base64.b64encode(b"not an image").decode()),
          image_message("hi", "data:text/plain;base64,aGk="),
-         image_message("hi", "https://example.com/cat.png"),
-         [{"role": "user", "content": "look <start_of_image> here"}]]
+         image_message("hi", "https://example.com/cat.png")]
 
   def names(text: str) -> list[str]:
     return re.findall(r"^# TYPE (\S+)", text, re.M)

@@ -137,6 +137,19 @@ def test_sampled_first_tokens_follow_the_target_distribution():
   assert 0.5 * np.abs(counts / counts.sum() - p).sum() < 0.08
 
 
+def test_a_draft_config_error_names_the_draft():
+  """A draft whose model keys do not fit the target's other keys: the line says it is the draft's (it named a
+  max_position_embeddings the target does not have, as if the target's)."""
+  from MaxText.configuration.config import draft_config
+
+  config = Config.for_testing(**TARGET, speculative_tokens=2, draft_model_name="default",
+                              draft_overrides="position_embedding=learned,max_position_embeddings=8")
+  with pytest.raises(ConfigError) as error:
+    draft_config(config)
+  assert str(error.value).startswith("speculative decoding with a draft model: the draft (draft_model_name=default) "
+                                     "with this run's other keys: max_target_length"), str(error.value)
+
+
 def test_bad_input_is_refused():
   with pytest.raises(ConfigError, match="speculative_tokens must be >= 0"):
     Config.for_testing(**TARGET, speculative_tokens=-1)

@@ -37,10 +37,10 @@ class Sink:
     self.done = threading.Event()
 
   def __call__(self, event: sched.Event) -> None:
-    if isinstance(event, sched.Token):
-      self.tokens.append(event.token)
-      self.logprobs.append(event.logprob)
-      self.tops.append(event.top)
+    if isinstance(event, sched.Tokens):
+      self.tokens += event.tokens
+      self.logprobs += event.logprobs
+      self.tops += event.tops
     elif isinstance(event, sched.Done):
       self.reason = event.reason + event.message
       self.done.set()

@@ -9,6 +9,7 @@ import json
 import threading
 
 import numpy as np
+import pytest
 
 from MaxText import serve
 from MaxText.inference import openai_api as api
@@ -37,8 +38,8 @@ class _Server:
     return chr(token)
 
 
-def _tokens(text: str) -> list[sched.Token]:
-  return [sched.Token(0, ord(ch), -0.5 - i, [(ord(ch), -0.5 - i)]) for i, ch in enumerate(text)]
+def _tokens(text: str) -> list[sched.Tokens]:
+  return [sched.Tokens(0, [ord(ch)], [-0.5 - i], [[(ord(ch), -0.5 - i)]]) for i, ch in enumerate(text)]
 
 
 def _chunks(batches: list[list[sched.Event]], stop: list[str], chat: bool = False) -> tuple[list[dict], _Job]:
@@ -112,12 +113,12 @@ def test_the_mailbox_wakes_the_loop_once_for_every_job_and_keeps_each_jobs_order
     def scheduler_thread() -> None:  # one call's tokens for three jobs, delivered before the loop runs
       for step in range(4):
         for job, emit in enumerate(emits):
-          emit(sched.Token(job, 10 * job + step, 0.0, []))
+          emit(sched.Tokens(job, [10 * job + step], [0.0], [[]]))
 
     thread = threading.Thread(target=scheduler_thread)
     thread.start()
     thread.join()
-    got = [[[e.token for e in await q.get() if isinstance(e, sched.Token)]] for q in queues]
+    got = [[[t for e in await q.get() if isinstance(e, sched.Tokens) for t in e.tokens]] for q in queues]
     assert len(moves) == 1 and all(q.empty() for q in queues)
     emits[1](sched.Done(1, "length"))  # the next event schedules the next move
     assert [e.reason for e in await asyncio.wait_for(queues[1].get(), 5) if isinstance(e, sched.Done)] == ["length"]
@@ -230,6 +231,43 @@ def test_a_stop_sequence_in_the_last_characters_ends_the_choice_with_stop():
   "stop", as it would be found mid-stream."""
   choice = serve_routes._Choice(api.ChoiceText(_bytes_text, ["\ufffd"]), [5])
   job = _Job()
-  assert serve_routes._apply([sched.Token(0, t, 0.0, []) for t in b"ab\x80"], choice, job) == "ab"  # type: ignore[arg-type]
+  assert serve_routes._apply(sched.Tokens(0, list(b"ab\x80"), [0.0] * 3, [[]] * 3), choice, job) == "ab"  # type: ignore[arg-type]
   assert serve_routes._apply(sched.Done(0, "length"), choice, job) == ""  # type: ignore[arg-type]
   assert choice.text.text == "ab" and choice.finish_reason == "stop"
+
+
+def test_response_ids_are_unique_without_a_random_draw_per_response(monkeypatch: pytest.MonkeyPatch):
+  """Each answer's id is its own (24 hex digits after its prefix, as before) with no system call for randomness per
+  answer (was: a uuid4 each, an os.urandom call on the event loop); a forked child draws its own random part."""
+  import os
+  import re
+
+  monkeypatch.setattr(os, "urandom", lambda n: (_ for _ in ()).throw(AssertionError("os.urandom per id")))
+  ids = [serve_routes._new_id("cmpl") for _ in range(1000)]
+  assert len(set(ids)) == 1000 and all(re.fullmatch(r"cmpl-[0-9a-f]{24}", i) for i in ids)
+  monkeypatch.undo()
+  read, write = os.pipe()
+  pid = os.fork()
+  if pid == 0:  # the child: its first id, then out without pytest's teardown
+    os.write(write, serve_routes._new_id("cmpl").encode())
+    os._exit(0)
+  os.waitpid(pid, 0)
+  child = os.read(read, 64).decode()
+  assert child[5:17] != serve_routes._new_id("cmpl")[5:17]
+
+
+def test_streamed_text_offsets_count_from_the_choices_start_as_unstreamed():
+  """Each token's text_offset is its place in the choice's text (after the echoed prompt), whatever the chunks: a call
+  per token gave every token offset 0, and each chunk started again at 0."""
+  tokens = _tokens(TEXT)
+  for batches in ([[t] for t in tokens], [tokens[:3], tokens[3:10], tokens[10:]]):
+    chunks, _ = _chunks(batches + [[sched.Done(0, "length")]], stop=[])
+    offsets = [o for c in chunks if c["choices"][0]["logprobs"] for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == list(range(len(TEXT))), offsets
+  prompt = [ord(ch) for ch in "say:"]
+  request = api.Request([api.Completion(0, prompt, 99, RowParams())], stream=True, stop=[], logprobs=0, echo=True)
+  scores = sched.PromptScores(0, [0.0, -1.0, -1.0, -1.0], [[]] * 4)
+  pieces = _pieces([[scores], tokens[:5], tokens[5:] + [sched.Done(0, "length")]], request, _Job(), chat=False)
+  chunks = [json.loads(e[len("data: "):]) for piece in pieces for e in piece.split("\n\n") if e.startswith("data: {")]
+  offsets = [o for c in chunks if c["choices"][0]["logprobs"] for o in c["choices"][0]["logprobs"]["text_offset"]]
+  assert offsets == list(range(len("say:") + len(TEXT))), offsets

@@ -103,7 +103,7 @@ def _streamed(text: str) -> list[dict]:
 
   async def events():
     for ch in text:
-      yield [sched.Token(0, ord(ch), 0.0, [])]
+      yield [sched.Tokens(0, [ord(ch)], [0.0], [[]])]
     yield [sched.Done(0, "stop")]
 
   async def collect():
@@ -155,12 +155,23 @@ def test_tools_and_tool_messages_reach_the_template():
     ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "add"}}}, "needs constrained decoding"),
     ({"tools": [TOOL], "tool_choice": "sometimes"}, 'tool_choice must be "auto"'),
     ({"tools": [{"type": "function"}]}, r"tools\[0\] must be"),
+    ({"tools": [TOOL, {"type": "function", "function": {"name": "add"}}]}, "'add' more than once"),
 ])
 def test_refusals_name_the_field(fields, message):
   with pytest.raises(api.ApiError, match=message) as raised:
     api.parse_chat({"messages": [{"role": "user", "content": "hi"}], **fields}, LIMITS, _codec([]))
   assert raised.value.status == 400 and raised.value.param in ("tool_choice", "tools")
   assert "\n" not in raised.value.message
+
+
+@pytest.mark.parametrize("arguments", ["[" * 100000, '{"a": ' * 100000 + "1" + "}" * 100000], ids=["array", "object"])
+def test_arguments_nested_deeper_than_json_reads_are_a_400(arguments):
+  """A past call's arguments nested past json's recursion limit name the message (was: RecursionError, a 500)."""
+  messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+      {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": arguments}}]}]
+  with pytest.raises(api.ApiError, match=r"messages\[1\].tool_calls: arguments of 'add' are not JSON") as raised:
+    api.parse_chat({"messages": messages, "tools": [TOOL]}, LIMITS, _codec([]))
+  assert raised.value.status == 400 and raised.value.param == "messages"
 
 
 def test_a_codec_without_tools_refuses_them():

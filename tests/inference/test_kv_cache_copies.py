@@ -1,0 +1,67 @@
+"""The compiled decode step reads the KV cache where it is stored: no copy or transpose of a cache
+(kv_cache.py's layouts: keys [B, K, S, H], values [B, K, H, S], the ones attention's dots read;
+stored [B, S, K, H], every step copied every layer's cache into them, and a scanned stack sliced
+each layer's cache out and stacked it back), for the dense and paged layouts, scanned and unrolled
+layers, float and int8 caches, one and several steps per call."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText.configuration.config import Config
+from MaxText.inference.engine import Engine
+from MaxText.platform import sharding
+from decode_test_utils import one_device_mesh
+
+SLOTS, LENGTH, KV_HEADS, HEAD_DIM = 4, 64, 2, 16
+GQA: dict[str, Any] = dict(base_emb_dim=64, base_num_query_heads=8, base_num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                           base_mlp_dim=128, base_num_decoder_layers=2, vocab_size=128, max_target_length=LENGTH,
+                           max_prefill_predict_length=8, per_device_batch_size=1, print_config=False, dtype="float32")
+PAGED = dict(kv_cache_layout="paged", kv_page_size=8)
+_OP = re.compile(r"^\s*(?:ROOT )?%\S+ = \w+\[([\d,]*)\]\{[^}]*\} (copy|transpose)\(")
+
+
+def cache_sized_copies(hlo: str) -> list[str]:
+  """The copy and transpose instructions (fused or not) whose result holds at least one layer's
+  cache, outside the computations that gather pages (the paged reference path reads each slot's
+  pages into a dense array once per layer: that gather writes the layout the dots read)."""
+  one_layer = SLOTS * LENGTH * KV_HEADS * HEAD_DIM
+  found = []
+  for computation in re.split(r"\n(?=\S)", hlo):
+    if " gather(" in computation:
+      continue
+    for line in computation.splitlines():
+      match = _OP.match(line)
+      if match and int(np.prod([int(d) for d in match.group(1).split(",") if d] or [1])) >= one_layer:
+        found.append(line.strip()[:160])
+  return found
+
+
+def decode_program(steps: int, **keys: Any) -> str:
+  engine = Engine(Config.for_testing(**GQA, **keys, decode_steps_per_call=steps), num_slots=SLOTS,
+                  mesh=one_device_mesh())
+  params = sharding.with_shardings(engine.spec.abstract_params, engine.param_shardings)
+  if steps == 1:
+    return str(engine.compile_step(params).as_text())
+  state = jax.eval_shape(engine.init_decode_state)
+  ends = np.full(SLOTS, LENGTH, np.int32)
+  table = engine.cache.step_table(steps, ends.astype(np.int64))
+  with sharding.activation_sharding(engine.mesh, engine.rules):
+    return str(engine._block.lower(params, state, table, ends, np.asarray([-1], np.int32)).compile().as_text())
+
+
+@pytest.mark.parametrize("layout", [{}, PAGED], ids=["dense", "paged"])
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+def test_a_decode_step_copies_no_cache(layout: dict[str, Any], scan_layers: bool) -> None:
+  assert cache_sized_copies(decode_program(1, scan_layers=scan_layers, **layout)) == []
+
+
+@pytest.mark.parametrize("layout", [{}, PAGED], ids=["dense", "paged"])
+def test_several_steps_per_call_and_an_int8_cache_copy_no_cache(layout: dict[str, Any]) -> None:
+  assert cache_sized_copies(decode_program(4, **layout)) == []
+  assert cache_sized_copies(decode_program(1, quantize_kvcache=True, **layout)) == []
