@@ -74,9 +74,69 @@ def test_truncated_latest_checkpoint_falls_back_to_the_previous_one(trained, cap
   assert restored.step == 2 and int(restored.state.step) == 2
   out = capsys.readouterr().out
   assert "checkpoint step 4" in out and "falling back" in out
+  # TensorStore's own line (the array and the file), not Orbax's wrapper ending in a repr of the store's spec.
+  assert "in OCDBT database at local file" in out and "TensorStore({" not in out, out
   aside = [p.name for p in Path(config.checkpoint.directory).iterdir() if p.name.startswith("4.corrupt-")]
   assert aside, "the damaged step is kept (renamed), not deleted"
   assert checkpoints.all_steps() == [2]
+
+
+def test_a_step_saved_with_another_optimizer_layout_is_named_so_and_kept(trained, tiny_overrides, tmp_path):
+  """gradient_clipping_threshold 1 -> 0 drops the clipping's place in the optimizer state; the refusal
+  said "another model config" and asked for the model keys, which had not changed."""
+  config, _, checkpoints, _ = trained
+  checkpoints.close()
+  unclipped = _config(tiny_overrides, tmp_path, gradient_clipping_threshold=0.0)
+  with pytest.raises(UserError, match=r"step 4 .* was written by another optimizer configuration: opt_state/.*"
+                                      r"Rerun with the optimizer keys that wrote it \(gradient_clipping_threshold"):
+    _restore(unclipped, Run(unclipped))
+  assert sorted(p.name for p in Path(config.checkpoint.directory).iterdir()) == ["2", "4"]
+
+
+def _truncate_largest(step_dir: Path) -> None:
+  files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
+  largest = max(files, key=lambda p: p.stat().st_size)
+  largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
+
+
+def test_load_full_state_path_falls_back_past_a_damaged_step_without_renaming_it(trained, capsys):
+  """The reading run renamed another run's damaged step to .corrupt-* in that run's directory."""
+  config, run, checkpoints, _ = trained
+  checkpoints.close()
+  directory = Path(config.checkpoint.directory)
+  _truncate_largest(directory / "4")
+  restored = run_start.restore_full_state(str(directory), run.setup.abstract_state, run.setup.state_shardings)
+  assert restored.step == 2
+  assert "step 4" in capsys.readouterr().out
+  assert sorted(p.name for p in directory.iterdir()) == ["2", "4"]
+
+
+def test_when_no_step_restores_none_is_set_aside_and_the_run_does_not_start_over(trained):
+  """Every step was renamed .corrupt-* one after the other and the run started again from step 0,
+  also when the cause was common to all of them (memory, permissions)."""
+  config, run, checkpoints, _ = trained
+  checkpoints.close()
+  directory = Path(config.checkpoint.directory)
+  for step in ("2", "4"):
+    _truncate_largest(directory / step)
+  with pytest.raises(TrainingError, match=r"^no checkpoint in .* restores \(step 4: .*; and 1 older step\(s\)\); "
+                                          r"nothing was moved aside\. .*resume_from_step=0"):
+    _restore(config, Run(config))
+  assert sorted(p.name for p in directory.iterdir()) == ["2", "4"]
+
+
+def test_a_restore_that_runs_out_of_memory_sets_nothing_aside(trained, monkeypatch):
+  config, run, checkpoints, _ = trained
+  checkpoints.close()
+
+  def out_of_memory(*args, **kwargs):
+    raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB")
+
+  monkeypatch.setattr(checkpointing.RunCheckpoints, "restore_step", out_of_memory)
+  with pytest.raises(TrainingError, match=r"^cannot restore checkpoint step 4 of .*: RuntimeError: RESOURCE_EXHAUSTED"
+                                          r".*not damage to the step, so nothing was moved aside"):
+    _restore(config, Run(config))
+  assert sorted(p.name for p in Path(config.checkpoint.directory).iterdir()) == ["2", "4"]
 
 
 def test_failed_save_is_reported_and_keeps_older_checkpoints(trained):
@@ -141,6 +201,17 @@ def test_loading_errors_are_one_line_user_errors(trained, tiny_overrides, tmp_pa
   (tmp_path / "empty").mkdir()
   with pytest.raises(UserError, match="is not a checkpoint"):
     params_io.load_params(str(tmp_path / "empty"), abstract, shardings)
+  # A file was a NotADirectoryError traceback; a run directory (the parent of checkpoints/) was
+  # "not a checkpoint" (load_full_state_path: "holds no complete checkpoint") without the way out.
+  (tmp_path / "a_file").write_text("x")
+  run_dir = Path(config.checkpoint.directory).parent
+  with pytest.raises(UserError, match="a_file is a file, not a checkpoint directory"):
+    params_io.load_params(str(tmp_path / "a_file"), abstract, shardings)
+  with pytest.raises(UserError, match=f"is a run directory, not a checkpoint: give .*{config.checkpoint.directory}"):
+    params_io.load_params(str(run_dir), abstract, shardings)
+  for path, why in ((tmp_path / "a_file", "is a file"), (run_dir, "is a run directory")):
+    with pytest.raises(UserError, match=f"load_full_state_path .* {why}"):
+      run_start.restore_full_state(str(path), run.setup.abstract_state, run.setup.state_shardings)
   bigger = _config(tiny_overrides, tmp_path, base_emb_dim=128)
   big_spec = models.build_model_spec(bigger.model)
   with pytest.raises(UserError, match="cannot load parameters"):

@@ -121,6 +121,37 @@ def test_checkpointing_disabled_writes_nothing(tmp_path):
   assert not (tmp_path / "off" / "checkpoints").exists()
 
 
+def test_checkpointing_disabled_in_a_run_with_checkpoints_is_refused(tmp_path, tiny_overrides):
+  """It started the run over from step 0 and rewrote its metrics.jsonl (the checkpoints stayed)."""
+  from MaxText import train
+  from MaxText.configuration.config import Config
+  from MaxText.errors import ConfigError
+
+  config = Config.for_testing(**tiny_overrides, base_output_directory=str(tmp_path), run_name="r",
+                              enable_checkpointing=False)
+  train.check_resume(config, None)  # no checkpoints: nothing to lose
+  (tmp_path / "r" / "checkpoints" / "4" / "state").mkdir(parents=True)
+  with pytest.raises(ConfigError, match=r"^enable_checkpointing=False would start run .*/r over from step 0 and "
+                                        r"rewrite its metrics.jsonl, but it holds checkpoints \(newest step 4\)"):
+    train.check_resume(config, None)
+  loading = Config.for_testing(**tiny_overrides, base_output_directory=str(tmp_path), run_name="r",
+                               enable_checkpointing=False, load_full_state_path=str(tmp_path / "r" / "checkpoints"))
+  train.check_resume(loading, None)  # continues from that state: nothing starts over
+
+
+def test_a_failed_save_exits_with_its_line_instead_of_waiting_for_orbax_threads(tmp_path):
+  """checkpoints/ a file: the save failed and printed its line, then the exit waited for ever on
+  Orbax's save threads (not daemons), which waited for signals the failed save never sent."""
+  (tmp_path / "stuck").mkdir()
+  (tmp_path / "stuck" / "checkpoints").write_text("not a folder")
+  proc = subprocess.run(_command(tmp_path, "stuck", "steps=4", "checkpoint_period=2"), cwd=REPO_ROOT, env=_env(),
+                        capture_output=True, text=True, timeout=180)
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+  assert proc.returncode == 3 and len(errors) == 1, proc.stderr[-3000:]
+  assert errors[0].startswith(f"error: saving checkpoint of step 2 to {tmp_path / 'stuck' / 'checkpoints'} failed: ")
+  assert not (tmp_path / "stuck" / "lease.json").exists()  # released before the exit
+
+
 # ---------------------------------------------------------------- non-finite losses
 
 DIVERGING = [*MODEL[:-1], "steps=12", "learning_rate_schedule_steps=12", "checkpoint_period=1",
@@ -254,6 +285,11 @@ def test_the_stop_names_the_last_good_step_and_a_command_with_a_lower_learning_r
   advise = run_start.nonfinite_advice(config, _RecordingCheckpoints([2, 4, 5]), argv)
   assert "resume_from_step=2 " in advise(6) and "resume_from_step=5 " in advise(7)
   assert "from the beginning" in advise(2) and "resume_from_step=0 " in advise(2)
+  # Clipping is on by default: the advice said to enable it all the same.
+  assert advise(6).endswith("(or check the data)") and "gradient_clipping_threshold" not in advise(6)
+  config, _ = _trainer(tiny_overrides, bad=set(), gradient_clipping_threshold=0.0)
+  assert run_start.nonfinite_advice(config, None, argv)(6).endswith(", or enable gradient_clipping_threshold, or "
+                                                                     "check the data")
   # Without checkpoints there is nothing to go back to: lower the learning rate.
   config, trainer = _trainer(tiny_overrides, bad={3}, skip_nonfinite_steps=False)
   trainer.advise_nonfinite = run_start.nonfinite_advice(config, None, argv)

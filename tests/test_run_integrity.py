@@ -342,6 +342,33 @@ def test_a_kill_mid_write_leaves_one_partial_line_which_the_resume_drops(tmp_pat
   assert metrics._lines_up_to(str(path), 3) == ['{"step": 1, "loss": 2.0}\n', '{"step": 2, "loss": 1.5}\n']
   path.write_text('{"step": 1, "loss": 2.0}\n39464}\n7\n')  # fragments that are, or almost are, JSON
   assert metrics._lines_up_to(str(path), 5) == ['{"step": 1, "loss": 2.0}\n']
+  # Bytes that are not UTF-8 (a damaged disk) were a UnicodeDecodeError traceback at the resume.
+  path.write_bytes(b'{"step": 1, "loss": 2.0}\n\xff\xfe{"step": 2}\n{"step": 2, "loss": 1.5}\n')
+  assert metrics._lines_up_to(str(path), 5) == ['{"step": 1, "loss": 2.0}\n', '{"step": 2, "loss": 1.5}\n']
+
+
+@pytest.mark.parametrize("damage, why", [(b"\xff\xfe\x00", "not UTF-8 text"), (b"steps: [3", "while parsing")])
+def test_a_damaged_config_record_is_one_line_naming_it(tmp_path, damage, why):
+  """config.yml holding bytes that are not UTF-8 was a UnicodeDecodeError traceback at the resume."""
+  from MaxText.configuration import run_record
+  from MaxText.errors import UserError
+
+  (tmp_path / "config.yml").write_bytes(damage)
+  with pytest.raises(UserError, match=f"^{tmp_path / 'config.yml'} is not readable YAML \\({why}.*\\); restore it"):
+    run_record.read_saved(str(tmp_path))
+
+
+@pytest.mark.parametrize("text, why", [("- a\n", "it holds a list, not key: value lines"), ("a: [1", "not readable YAML"),
+                                       ("llama2-7b\n", "it holds a str")])
+def test_a_damaged_model_config_beside_a_checkpoint_is_one_line_naming_it(tmp_path, text, why):
+  """A parameters-only checkpoint's model_config.yml that is not a mapping was an AttributeError traceback."""
+  from MaxText.configuration import run_record
+  from MaxText.errors import UserError
+
+  (tmp_path / "model_config.yml").write_text(text)
+  with pytest.raises(UserError, match=f"^{tmp_path / 'model_config.yml'} does not hold the checkpoint's model keys "
+                                      f"\\({why}.*delete it and give the model keys"):
+    run_record.saved_model_keys(str(tmp_path))
 
 
 def test_fixed_and_allowed_keys_on_resume():

@@ -3,11 +3,13 @@ JSON API on 127.0.0.1), and a scan that keeps every other module off os.path/pat
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 
 import pytest
 
+from MaxText.errors import UserError
 from MaxText.paths import cloud_env, storage
 from tests.conftest import REPO_ROOT
 
@@ -98,6 +100,37 @@ def test_the_same_calls_work_locally_and_on_gcs(root):
     pathlib.Path(local).mkdir(parents=True)
     (pathlib.Path(local) / "f.bin").write_bytes(b"x")
   assert storage.read_bytes(storage.join(root, "out", "f.bin")) == b"x"
+
+
+def test_a_local_write_that_cannot_happen_is_one_line_and_leaves_nothing(tmp_path):
+  (tmp_path / "corpus.txt").write_text("x")
+  (tmp_path / "out").mkdir()
+  cases = {str(tmp_path / "out"): "it is a folder; name a file there instead",
+           str(tmp_path / "corpus.txt" / "a" / "tok.model"): f"{tmp_path / 'corpus.txt'} is a file, not a folder"}
+  for path, why in cases.items():
+    with pytest.raises(UserError) as raised:
+      storage.write_bytes(path, b"model")
+    assert str(raised.value) == f"cannot write {path}: {why}"
+  os.chmod(tmp_path / "out", 0o500)
+  try:
+    if not os.access(tmp_path / "out", os.W_OK):  # root writes a read-only folder anyway
+      with pytest.raises(UserError, match="cannot write .*tok.model: Permission denied"):
+        storage.write_text(str(tmp_path / "out" / "tok.model"), "model")
+  finally:
+    os.chmod(tmp_path / "out", 0o700)
+  assert sorted(p.name for p in tmp_path.rglob("*")) == ["corpus.txt", "out"]
+
+
+def test_a_local_folder_that_cannot_be_made_is_one_line(tmp_path):
+  """base_output_directory under a file was a NotADirectoryError traceback from the run lease's makedirs."""
+  (tmp_path / "corpus.txt").write_text("x")
+  for path in (tmp_path / "corpus.txt", tmp_path / "corpus.txt" / "a" / "run"):
+    with pytest.raises(UserError) as raised:
+      storage.makedirs(str(path))
+    assert str(raised.value) == f"cannot create folder {path}: {tmp_path / 'corpus.txt'} is a file, not a folder"
+  storage.makedirs(str(tmp_path / "a" / "b"))
+  storage.makedirs(str(tmp_path / "a" / "b"))  # already there: nothing to do
+  assert (tmp_path / "a" / "b").is_dir()
 
 
 def test_line_log_keeps_every_line_across_syncs_and_a_reopen(root):

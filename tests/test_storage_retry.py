@@ -159,6 +159,23 @@ def test_tensorstore_keeps_retrying_for_the_budget_and_orbax_uses_it(library_set
   assert spec["gcs_request_retries"]["max_delay"] == wanted["max_delay"]
 
 
+def test_a_budget_of_days_or_never_is_counted_at_once(library_settings):
+  """A day (86400) overflowed 2.0 ** attempts in gcsfs's count at every start-up, and 10**13 made both
+  counts loop for hours; each is now the capped delay's share of the rest, the same count as the loop's."""
+  for seconds in (0.5, 10.0, 300.0, 3600.0, 86400.0, 1e6, 1e13):
+    retries = storage_retry.tensorstore_retries(seconds)
+    initial, maximum = float(retries["initial_delay"][:-1]), float(retries["max_delay"][:-1])
+    doublings = next(i for i in range(64) if initial * 2 ** i >= maximum)  # delays before the cap
+    capped = retries["max_retries"] - doublings
+    total = sum(initial * 2 ** i for i in range(doublings)) + capped * maximum
+    assert seconds <= total < seconds + maximum
+    attempts = storage_retry.gcsfs_retries(seconds)
+    waits = sum(2.0 ** i for i in range(min(attempts - 1, 6))) + max(0, attempts - 7) * 32.0
+    assert attempts == 6 or seconds <= waits < seconds + 32
+  storage_retry.configure(86400)
+  storage_retry.configure(10**13)
+
+
 def test_gcsfs_keeps_retrying_for_the_budget(library_settings, monkeypatch):
   """gcsfs fixes its retry count when its class is defined; configure() sets it from the budget."""
   import logging

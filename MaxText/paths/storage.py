@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import functools
 import os
 import posixpath
+import re
 import shutil
 import tempfile
 import time
@@ -25,7 +25,7 @@ from typing import IO, Any, Callable, Iterator, TypeVar
 
 from etils import epath
 
-from MaxText.paths import storage_retry
+from MaxText.paths import gcs_auth, storage_retry
 from MaxText.errors import TrainingError, UserError
 
 _T = TypeVar("_T")
@@ -36,9 +36,34 @@ def is_remote(path: str) -> bool:
   return "://" in str(path)
 
 
+# etils.epath's schemes (gpath._URI_PREFIXES); any other `x://` is a KeyError traceback inside it.
+SCHEMES = ("gs", "s3", "az", "hf")
+_GS_TYPO = re.compile(r"\s*gs:(?!//)", re.IGNORECASE)  # gs:/b/x, gs:b/x: else a local directory named `gs:`
+_GS_NO_COLON = re.compile(r"\s*gs//", re.IGNORECASE)  # gs//b/x: else local directories gs/b
+
+
+def check_form(path: str, key: str = "") -> None:
+  """A path that cannot mean what its user wrote is one UserError naming it (and the config `key` that gave
+  it): an unknown or miscased scheme (`GS://`, ` gs://`, `gcs://`) or gs: without its two slashes, which
+  would be read from (and written to) a local directory named `gs:`."""
+  text = str(path)
+  named = f"{key}={text}" if key else text
+  if is_remote(text):
+    scheme = text.split("://", 1)[0]
+    if scheme not in SCHEMES:
+      fix = ("write gs:// in lowercase, with nothing before it" if scheme.strip().lower() == "gs" else
+             "a path is local or gs://BUCKET/OBJECT")
+      raise UserError(f"{named}: unknown scheme {scheme!r}; {fix}")
+  elif _GS_TYPO.match(text):
+    raise UserError(f"{named}: gs: needs two slashes; write gs://BUCKET/OBJECT")
+  elif _GS_NO_COLON.match(text):
+    raise UserError(f"{named}: gs// has no colon; write gs://BUCKET/OBJECT")
+
+
 def resolve(path: str) -> str:
   """Local paths become absolute (with `~` expanded); URLs are kept, without a trailing slash."""
   path = str(path)
+  check_form(path)
   if is_remote(path):
     return path.rstrip("/") if not path.endswith("://") else path
   return os.path.abspath(os.path.expanduser(path))
@@ -72,20 +97,33 @@ def same_file(a: str, b: str) -> bool:
     return resolve(a) == resolve(b)
 
 
+# Who gs:// requests are made as (gcs_auth): reads go anonymous without credentials, writes are refused.
+credentials_problem = gcs_auth.credentials_problem
+require_credentials = gcs_auth.require_credentials
+
+
 def as_path(path: str) -> epath.Path:
   """An `epath.Path` for libraries that take one (Orbax). Once the run gave up on an unreachable
-  storage, a remote path fails at once (storage_retry)."""
+  storage, a remote path fails at once (storage_retry). Without credentials a gs:// path is read
+  anonymously (gcs_auth.prepare_read); the operations that write ask for credentials first."""
   if is_remote(path):
     storage_retry.raise_if_down()
+    gcs_auth.prepare_read(path, timeout_seconds=storage_retry.probe_seconds())
   return epath.Path(resolve(path))
 
 
 def _bounded(verb: str, path: str, fn: Callable[[], _T]) -> _T:
-  """A remote operation runs within storage_retry_seconds (retried while it fails transiently)."""
+  """A remote operation runs within storage_retry_seconds (retried while it fails transiently); without
+  credentials, a read an object's own permissions refuse is the one line (gcs_auth)."""
   if not is_remote(path):
     return fn()
   key = str(path).split("://", 1)[1].partition("/")[2]
-  return storage_retry.call(f"{verb} {key or path}", path, fn)
+  try:
+    return storage_retry.call(f"{verb} {key or path}", path, fn)
+  except Exception as e:
+    gcs_auth.raise_if_credentials_refused(path, e)
+    gcs_auth.raise_if_refused(path, e)  # only reads get here without credentials: writes asked for them first
+    raise
 
 
 def exists(path: str) -> bool:
@@ -103,7 +141,18 @@ def is_file(path: str) -> bool:
 
 def makedirs(path: str) -> None:
   """Creates a directory and its parents (on an object store: nothing to create)."""
-  _bounded("creating", path, lambda: as_path(path).mkdir(parents=True, exist_ok=True))
+  require_credentials(path)
+  if is_remote(path):
+    _bounded("creating", path, lambda: as_path(path).mkdir(parents=True, exist_ok=True))
+    return
+  path = resolve(path)
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:  # a parent that is a file, no permission, a read-only disk: the path, not a traceback
+    if isinstance(e, (FileExistsError, NotADirectoryError)):
+      culprit = path if os.path.lexists(path) else _file_among_parents(path)
+      raise UserError(f"cannot create folder {path}: {culprit} is a file, not a folder") from None
+    raise UserError(f"cannot create folder {path}: {e.strerror or type(e).__name__}") from None
 
 
 def listdir(path: str) -> list[str]:
@@ -127,18 +176,37 @@ def write_text(path: str, text: str) -> None:
 
 def write_bytes(path: str, data: bytes) -> None:
   if is_remote(path):
+    require_credentials(path)
     _bounded("writing", path, lambda: as_path(path).write_bytes(data))
     return
   path = resolve(path)
-  os.makedirs(os.path.dirname(path), exist_ok=True)
+  if os.path.isdir(path):
+    raise UserError(f"cannot write {path}: it is a folder; name a file there instead")
   partial = f"{path}.partial-{os.getpid()}"
-  with open(partial, "wb") as f:
-    f.write(data)
-  os.replace(partial, path)
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(partial, "wb") as f:
+      f.write(data)
+    os.replace(partial, path)
+  except OSError as e:  # a folder that is a file, no permission, a full disk: the path, not a traceback
+    with contextlib.suppress(OSError):
+      os.remove(partial)
+    if isinstance(e, (FileExistsError, NotADirectoryError)):
+      raise UserError(f"cannot write {path}: {_file_among_parents(path)} is a file, not a folder") from None
+    raise UserError(f"cannot write {path}: {e.strerror or type(e).__name__}") from None
+
+
+def _file_among_parents(path: str) -> str:
+  parent = os.path.dirname(path)
+  while parent and not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  return parent
 
 
 def open_file(path: str, mode: str = "r") -> IO[Any]:
   """A file object for streaming reads or writes (an object is uploaded when it is closed)."""
+  if "r" not in mode:
+    require_credentials(path)
   return as_path(path).open(mode)
 
 
@@ -173,6 +241,7 @@ def forget_listings(path: str) -> None:
 
 
 def remove_tree(path: str) -> None:
+  require_credentials(path)
   p = as_path(path)
 
   def remove() -> None:
@@ -205,6 +274,7 @@ def copy_tree(source: str, target: str) -> None:
   if not is_dir(source):
     makedirs(parent(target))
     if is_remote(source) and is_remote(target):  # the store copies it; no bytes through this host
+      require_credentials(target)
       _bounded("copying", source, lambda: src.copy(as_path(target), overwrite=True))
     elif is_remote(source) or is_remote(target):
       write_bytes(target, read_bytes(source))
@@ -301,6 +371,7 @@ def _gcs_blob(path: str, existing: bool = False) -> Any:
   """A google-cloud-storage Blob (the client honours STORAGE_EMULATOR_HOST); with `existing`,
   the blob with its metadata loaded, or None when there is none."""
   storage_retry.raise_if_down()
+  require_credentials(path)
   try:
     client = storage_retry.gcs_client()
   except Exception as e:  # noqa: BLE001 - google.auth's DefaultCredentialsError and kin
@@ -418,12 +489,20 @@ def _with_deadline(fn: Callable[[], _T], seconds: float, what: str) -> _T:
   return value  # type: ignore[return-value]  # finished without an error: fn's value
 
 
-def check_reachable(path: str, key: str, timeout_seconds: float) -> None:
+def check_reachable(path: str, key: str, timeout_seconds: float, written: bool = True) -> None:
   """For a remote path: its bucket exists and answers within `timeout_seconds`, else one
-  UserError naming the bucket. Local paths are not checked here (they are created on use)."""
+  UserError naming the bucket. Local paths are not checked here (they are created on use). A path
+  that is `written` needs credentials; one only read goes without them (gcs_auth.prepare_read)."""
   if not is_remote(path):
     return
   bucket = bucket_of(path)
+  if written:
+    _with_deadline(lambda: require_credentials(path, key), timeout_seconds, f"{key}={path}")
+  else:
+    _with_deadline(gcs_auth.credentials_problem, timeout_seconds, f"{key}={path}")  # google-auth's look-up
+    gcs_auth.prepare_read(path, key, timeout_seconds)
+    if gcs_auth.anonymous() and path.startswith("gs://"):
+      return  # its anonymous request stood for the probe: a public bucket seldom lets anyone ask for itself
 
   def probe() -> bool:
     return epath.Path(bucket + "/").exists() or epath.Path(bucket).is_dir()
@@ -433,6 +512,7 @@ def check_reachable(path: str, key: str, timeout_seconds: float) -> None:
   except UserError:
     raise
   except Exception as e:  # noqa: BLE001 - auth and transport errors of any client library
+    gcs_auth.raise_if_credentials_refused(path, e, key)
     text = str(e).strip().splitlines()
     raise UserError(f"{key}={path}: cannot reach bucket {bucket}: {type(e).__name__}: "
                     f"{text[0] if text else ''}"[:400] + "; check the credentials and STORAGE_EMULATOR_HOST") from None
@@ -441,11 +521,22 @@ def check_reachable(path: str, key: str, timeout_seconds: float) -> None:
                     "create it or fix the path")
 
 
-def check_buckets(paths: dict[str, str], timeout_seconds: float) -> None:
-  """`check_reachable` once per bucket among `paths` ({key or flag: path or comma-separated paths})."""
+# Path keys a tool writes under (train_compile writes compiled_trainstep_file; the converters their
+# output_path): they need credentials, where the others are read anonymously without them.
+WRITTEN_PATH_KEYS = frozenset({"base_output_directory", "compiled_trainstep_file", "output_path"})
+
+
+def check_buckets(paths: dict[str, str], timeout_seconds: float, written: frozenset[str] = WRITTEN_PATH_KEYS) -> None:
+  """`check_reachable` once per bucket among `paths` ({key or flag: path or comma-separated paths});
+  the paths of the `written` keys first, each (a bucket read anonymously still needs credentials there)."""
+  each = [(key, p.strip()) for key, value in paths.items() for p in str(value).split(",")]
+  for key, path in each:
+    check_form(path, key)
+  for key, path in each:
+    if key in written and path.startswith("gs://"):
+      _with_deadline(lambda: require_credentials(path, key), timeout_seconds, f"{key}={path}")  # noqa: B023 - run here
   seen: set[str] = set()
-  for key, value in paths.items():
-    for path in (p.strip() for p in str(value).split(",")):
-      if is_remote(path) and bucket_of(path) not in seen:
-        seen.add(bucket_of(path))
-        check_reachable(path, key, timeout_seconds)
+  for key, path in each:
+    if is_remote(path) and bucket_of(path) not in seen:
+      seen.add(bucket_of(path))
+      check_reachable(path, key, timeout_seconds, written=key in written)

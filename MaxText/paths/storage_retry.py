@@ -27,11 +27,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import threading
 import time
 from typing import Any, Callable, Iterator, TypeVar
 
 from MaxText.errors import TrainingError
+from MaxText.paths import gcs_auth
 
 _T = TypeVar("_T")
 DEFAULT_SECONDS = 300.0
@@ -99,8 +101,10 @@ def tensorstore_retries(budget_seconds: float) -> dict[str, Any]:
   initial = min(1.0, budget_seconds / 10)
   maximum = min(32.0, max(initial, budget_seconds / 8))
   retries, total, delay = 0, 0.0, initial
-  while total < budget_seconds:
+  while total < budget_seconds and delay < maximum:
     total, delay, retries = total + delay, min(delay * 2, maximum), retries + 1
+  if total < budget_seconds:  # the rest at the capped delay, counted at once (a long budget made this loop hang)
+    retries += math.ceil((budget_seconds - total) / maximum)
   return {"max_retries": retries, "initial_delay": f"{initial:g}s", "max_delay": f"{maximum:g}s"}
 
 
@@ -119,8 +123,10 @@ def gcsfs_retries(budget_seconds: float) -> int:
   """Attempts of gcsfs's own backoff (1, 2, 4, ... capped at 32 s between them) that add up to at
   least B, and never fewer than its default 6."""
   attempts, total = 1, 0.0
-  while total < budget_seconds:
-    total, attempts = total + min(2.0 ** (attempts - 1), 32.0), attempts + 1
+  while total < budget_seconds and attempts <= 6:  # 1 + 2 + ... + 32: past that every wait is 32 s
+    total, attempts = total + 2.0 ** (attempts - 1), attempts + 1
+  if total < budget_seconds:
+    attempts += math.ceil((budget_seconds - total) / 32.0)
   return max(6, attempts)
 
 
@@ -133,6 +139,14 @@ def _configure_gcsfs(budget_seconds: float) -> None:
     from gcsfs import core, retry  # noqa: PLC0415
   except ImportError:
     return
+  if not getattr(retry.is_retriable, "skips_refused_credentials", False):
+    library_predicate = retry.is_retriable  # retry_request reads this module global at each failure
+
+    def is_retriable(error: BaseException) -> bool:
+      return gcs_auth.credentials_refused(error) is None and bool(library_predicate(error))
+
+    is_retriable.skips_refused_credentials = True  # type: ignore[attr-defined]
+    retry.is_retriable = is_retriable
   for name in ("_request", "_get_file_request", "_get_file_concurrent"):
     method = getattr(core.GCSFileSystem, name, None)
     undecorated = getattr(method, "__wrapped__", None)
@@ -157,7 +171,10 @@ _TRANSIENT_TEXT = ("retry attempts failed", "CURL error", "UNAVAILABLE:", "DEADL
 
 
 def is_transient(error: BaseException) -> bool:
-  """Whether retrying may help: the libraries' own predicates, plus TensorStore's status text."""
+  """Whether retrying may help: the libraries' own predicates, plus TensorStore's status text; never credentials
+  that Google refused (gcs_auth.credentials_refused), which gcsfs's predicate takes for transient."""
+  if gcs_auth.credentials_refused(error) is not None:
+    return False
   predicates = _library_predicates()
   return any(isinstance(e, (ConnectionError, TimeoutError)) or any(p(e) for p in predicates)
              or any(text in str(e) for text in _TRANSIENT_TEXT)  # TensorStore's status, through Orbax's wrappers
@@ -228,12 +245,22 @@ def within(seconds: float, fn: Callable[[], _T], name: str) -> tuple[bool, _T | 
   return not thread.is_alive(), outcome.get("value"), outcome.get("error")
 
 
-@functools.cache
 def gcs_client() -> Any:
-  """The one google-cloud-storage client (it honours STORAGE_EMULATOR_HOST)."""
+  """The one google-cloud-storage client (it honours STORAGE_EMULATOR_HOST); an anonymous one without
+  credentials (gcs_auth), which a bucket probe needs as much as the reads it watches."""
+  return _gcs_client(gcs_auth.anonymous())
+
+
+@functools.cache
+def _gcs_client(anonymous: bool) -> Any:
   from google.cloud import storage as gcs  # noqa: PLC0415
 
-  return gcs.Client()
+  return gcs.Client.create_anonymous_client() if anonymous else gcs.Client()
+
+
+def probe_seconds() -> float:
+  """How long one request that asks whether a bucket answers may take."""
+  return min(10.0, max(1.0, _state.budget / 5))
 
 
 def _probe(bucket: str, timeout: float) -> BaseException | None:
@@ -301,7 +328,7 @@ def call(what: str, path: str, fn: Callable[[], _T], *, retry: bool = True) -> _
   worker = threading.Thread(target=work, daemon=True, name=f"storage {what}"[:60])
   worker.start()
   tick = min(5.0, max(0.2, budget_s / 20))
-  probe_timeout = min(10.0, max(1.0, budget_s / 5))
+  probe_timeout = probe_seconds()
   silent_since: float | None = None  # the first failed probe of a series
   probe_error: BaseException | None = None
   while not attempts.done.wait(tick):
@@ -310,6 +337,9 @@ def call(what: str, path: str, fn: Callable[[], _T], *, retry: bool = True) -> _
       raise StorageUnavailable(_state.down)
     asked = time.monotonic()
     probe_error = _probe(bucket_of(path), probe_timeout)
+    if probe_error is not None and gcs_auth.credentials_refused(probe_error) is not None:
+      attempts.stop.set()  # no later attempt can succeed: the line names the credentials, not the network
+      gcs_auth.raise_if_credentials_refused(path, probe_error)
     silent_since = (silent_since or asked) if probe_error is not None else None
     failing = [t for t in (attempts.failing_since, silent_since) if t is not None]
     if failing and time.monotonic() - min(failing) >= budget_s and not attempts.done.is_set():

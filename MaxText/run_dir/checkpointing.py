@@ -50,9 +50,32 @@ def is_step_dir(path: str) -> bool:
   return storage.is_dir(storage.join(path, STATE))
 
 
+def not_a_checkpoint(path: str, root: str) -> str | None:
+  """Why `path` (resolved: `root`) holds no checkpoint when it is a file or a run directory (one
+  holding checkpoints/, not a checkpoint itself); None for anything else."""
+  if not storage.is_dir(root):
+    return f"{path} is a file, not a checkpoint directory"
+  inner = storage.join(root, "checkpoints")
+  if storage.is_dir(inner):
+    return f"{path} is a run directory, not a checkpoint: give its checkpoints directory {inner} (its newest step)"
+  return None
+
+
+def _not_damage(error: BaseException) -> bool:
+  """A restore that failed for want of memory or permission: the step itself may well be whole."""
+  text = str(error)
+  return isinstance(error, (MemoryError, PermissionError)) or "RESOURCE_EXHAUSTED" in text \
+      or "PERMISSION_DENIED" in text
+
+
 def first_line(error: BaseException) -> str:
+  # Orbax wraps TensorStore's read error (which names the array and the file) in a line that names
+  # neither and ends in a repr of the whole TensorStore spec.
+  if error.__cause__ is not None and str(error).startswith("Encountered error while reading"):
+    error = error.__cause__
   text = str(error).strip().splitlines()
-  return f"{type(error).__name__}: {text[0] if text else ''}"[:400]
+  line = text[0].split(" [tensorstore_spec", 1)[0] if text else ""  # TensorStore's JSON spec follows
+  return f"{type(error).__name__}: {line}"[:400]
 
 
 def quiet_absl() -> contextlib.AbstractContextManager[None]:
@@ -72,6 +95,13 @@ def _shapes_by_path(tree: object) -> dict[str, tuple[int, ...]]:
 
   leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
   return {"/".join(key_name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves if hasattr(leaf, "shape")}
+
+
+class SaveFailed(TrainingError):
+  """A checkpoint save that failed. Orbax's save threads may still wait for signals the failed save
+  will never send, and they are not daemons: a normal exit would wait for them for ever."""
+
+  exit_at_once = True
 
 
 @dataclasses.dataclass
@@ -121,6 +151,7 @@ class RunCheckpoints:
     self.last_saved_step: int | None = self._manager.latest_step()
     self._durable_step = self.last_saved_step  # the newest step known complete (for storage_retry's message)
     self._saved_here = False  # this process saved (the run's own checkpoints, not another run's being read)
+    self._own = False  # this run's own checkpoints (for_run): a damaged step may be set aside; another run's stay
     # Multi-tier: the fast per-host tier beside this (persistent) one.
     self.local = local
 
@@ -134,6 +165,7 @@ class RunCheckpoints:
     checkpoints = cls(cfg.directory, max_to_keep=cfg.max_to_keep, async_save=cfg.async_checkpointing, local=local,
                       events_path=cfg.events_path)
     storage_retry.note_saved(checkpoints.directory, checkpoints.last_saved_step)
+    checkpoints._own = True
     return checkpoints
 
   def local_due(self, step: int) -> bool:
@@ -177,7 +209,7 @@ class RunCheckpoints:
   def _save_error(self, step: int, error: BaseException) -> TrainingError:
     older = [s for s in self.all_steps() if s != step]
     kept = f"older checkpoints are untouched ({', '.join(map(str, older[-3:]))})" if older else "no older checkpoint"
-    return TrainingError(f"saving checkpoint of step {step} to {self.directory} failed: {first_line(error)}; "
+    return SaveFailed(f"saving checkpoint of step {step} to {self.directory} failed: {first_line(error)}; "
                          f"{kept}; free space or fix permissions, then rerun the same command to resume")
 
   def _raise_if_failed(self, step: int) -> None:
@@ -219,16 +251,37 @@ class RunCheckpoints:
       restored = self._restore_local(abstract_state, shardings, persistent[-1] if persistent else None)
       if restored is not None:
         return restored
+    # A step that fails is set aside only once an older one restores: when none does, the cause is
+    # common to all of them (memory, permissions, the environment), and renaming every step would
+    # have started the run over from step 0.
+    failed: list[tuple[int, str]] = []
     for step in reversed(persistent):
       self._check_stored_shapes(step, abstract_state)
       try:
-        return self.restore_step(step, abstract_state, shardings)
+        restored = self.restore_step(step, abstract_state, shardings)
       except storage_retry.StorageUnavailable:
         raise  # unreachable is not damaged: the step stays where it is
       except Exception as e:  # noqa: BLE001 - any damage means: fall back to the previous step
-        moved = self._set_aside(step)
-        log(f"warning: checkpoint step {step} in {self.directory} is incomplete or corrupt "
-             f"({first_line(e)}); moved it to {moved} and falling back to the previous one")
+        if _not_damage(e):
+          raise TrainingError(f"cannot restore checkpoint step {step} of {self.directory}: {first_line(e)}; that "
+                              "is not damage to the step, so nothing was moved aside: fix it and rerun") from None
+        failed.append((step, first_line(e)))
+        continue
+      for bad, why in failed:
+        if not self._own:  # another run's directory (load_full_state_path): read, never rearranged
+          log(f"warning: checkpoint step {bad} in {self.directory} is incomplete or corrupt ({why}); left in place "
+              "(another run's) and falling back to the previous one")
+          continue
+        moved = self._set_aside(bad)
+        log(f"warning: checkpoint step {bad} in {self.directory} is incomplete or corrupt ({why}); moved it to "
+            f"{moved} and falling back to the previous one")
+      return restored
+    if failed:
+      raise TrainingError(
+          f"no checkpoint in {self.directory} restores (step {failed[0][0]}: {failed[0][1]}"
+          f"{f'; and {len(failed) - 1} older step(s)' if len(failed) > 1 else ''}); nothing was moved aside. If the "
+          "steps are damaged, move them aside (a run's own: rerun with resume_from_step=0, which sets them aside and "
+          "starts from the beginning)")
     return None
 
   def _check_stored_shapes(self, step: int, abstract_state: object) -> None:
@@ -253,8 +306,14 @@ class RunCheckpoints:
     differences.sort(key=lambda text: not text.startswith("params/"))  # the model's own arrays first
     parts = differences[:3] + [f"{p} is not stored" for p in missing[:2]] + [f"{p} is stored but not built"
                                                                               for p in extra[:2]]
-    raise UserError(f"checkpoint step {step} in {self.directory} was written by another model config: "
-                    f"{'; '.join(parts)}. Rerun with the model keys that wrote it, choose a new run_name, or start "
+    # Only the optimizer's state differs: an optimizer key the resume check does not compare changed
+    # its layout (gradient_clipping_threshold from > 0 to 0 drops the clipping's place in it).
+    optimizer_only = all(p.startswith("opt_state/") for p in (*differences, *missing, *extra))
+    what, keys = (("another optimizer configuration", "the optimizer keys that wrote it (gradient_clipping_threshold "
+                   "0 and > 0 keep differently laid-out states; the run's config.yml has the saved values)")
+                  if optimizer_only else ("another model config", "the model keys that wrote it"))
+    raise UserError(f"checkpoint step {step} in {self.directory} was written by {what}: "
+                    f"{'; '.join(parts)}. Rerun with {keys}, choose a new run_name, or start "
                     f"a new run from its weights with load_parameters_path={self.directory}")
 
   def _restore_local(self, abstract_state: State, shardings: State, persistent_step: int | None
