@@ -14,6 +14,7 @@ and the checks the student makes against it.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -49,10 +50,25 @@ def _check(config: Config) -> None:
   if storage.is_remote(d.distill_top_k_path):
     raise ConfigError(f"distill_top_k_path={d.distill_top_k_path}: write the files to a local (or gcsfuse-mounted) "
                       "directory; runs memory-map them")
+  problem = _unwritable_parent(d.distill_top_k_path)
+  if problem:  # now, not at the first batch after the teacher has loaded
+    raise UserError(f"distill_top_k_path={d.distill_top_k_path} cannot be written: {problem}; choose a directory "
+                    "this process can create")
   attn = config.model.attn
   if attn.context_parallel_load_balance and attn.context_parallel_degree > 1:
     raise ConfigError("generate_teacher_top_k runs the teacher on rows in their own order; set "
                       "context_parallel_load_balance=False for it (the student may keep it)")
+
+
+def _unwritable_parent(path: str) -> str:
+  """Why no directory can be made at `path` (its parent made, a file written there), or ""."""
+  probe = storage.join(storage.parent(storage.resolve(path)), f".write-probe-{os.getpid()}")
+  try:
+    storage.write_bytes(probe, b"")  # makes the parent too
+  except UserError as e:
+    return str(e).split(": ", 1)[-1]
+  storage.remove_tree(probe)
+  return ""
 
 
 def _write_split(name: str, batches: Any, num_batches: int, top_k: Callable[..., Any], params: Any, directory: str,
@@ -63,10 +79,16 @@ def _write_split(name: str, batches: Any, num_batches: int, top_k: Callable[...,
     batch = next(batches)
     logps, indices = top_k(params, batch)
     mine = {field: teacher_top_k.host_rows(batch[field], shard) for field in FIELDS}
-    writer.add(mine, teacher_top_k.host_rows(indices, shard), teacher_top_k.host_rows(logps, shard))
+    try:
+      writer.add(mine, teacher_top_k.host_rows(indices, shard), teacher_top_k.host_rows(logps, shard))
+      if number + 1 == num_batches:
+        writer.close()
+    except OSError as e:  # a full disk, a quota: the files so far are of no use without the manifest
+      raise UserError(f"cannot write the teacher's top k to {directory} ({e.strerror or e}) at {name} batch "
+                      f"{number + 1} of {num_batches}; free space there (or choose another distill_top_k_path), "
+                      "remove it and run again") from None
     if (number + 1) % 100 == 0 or number + 1 == num_batches:
       log(f"{name}: {number + 1} of {num_batches} batches")
-  writer.close()
 
 
 def generate(config: Config, devices: Sequence[jax.Device] | None = None) -> str:

@@ -54,15 +54,34 @@ def iterate_lines(paths: list[str], text_column: str, max_lines: int) -> Iterato
   count = 0
   for path in paths:
     is_json = path.endswith((".json", ".jsonl"))
-    with storage.open_file(path, "rb") as raw, io.TextIOWrapper(raw, encoding="utf-8", errors="replace") as f:
-      for line in f:
-        text = json.loads(line).get(text_column, "") if is_json and line.strip() else line.rstrip("\n")
+    # utf-8-sig: a byte order mark is the file's, not the first line's text (nor JSON).
+    with storage.open_file(path, "rb") as raw, io.TextIOWrapper(raw, encoding="utf-8-sig", errors="replace") as f:
+      for number, line in enumerate(f, 1):
+        text = _json_text(path, number, line, text_column) if is_json and line.strip() else line.rstrip("\n")
         if not text.strip():
           continue
         yield text
         count += 1
         if count >= max_lines:
           return
+
+
+def _json_text(path: str, number: int, line: str, column: str) -> str:
+  """The `column` text of one JSON line ("" without it); one line naming the file and line for a line
+  that is not a JSON object (a JSON array file, a line cut short) or a column that is not text."""
+  try:
+    record = json.loads(line)
+  except (ValueError, RecursionError) as e:
+    why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+    raise UserError(f"{path} line {number} is not a JSON record ({why}); .json and .jsonl files are read as one JSON "
+                    "object per line") from None
+  if not isinstance(record, dict):
+    raise UserError(f"{path} line {number} is a JSON {type(record).__name__}, not an object; .json and .jsonl files "
+                    "are read as one JSON object per line")
+  text = record.get(column, "")
+  if not isinstance(text, str):
+    raise UserError(f"{path} line {number}: field {column!r} is a {type(text).__name__}, not text")
+  return text
 
 
 def train(paths: list[str], vocab_size: int, output: str, model_type: str = "bpe", text_column: str = "text",

@@ -10,6 +10,7 @@ from MaxText import families
 from MaxText.configuration import run_record, tool_args
 from MaxText.configuration import config as config_lib
 from MaxText.convert import engine, hf_io
+from MaxText.families import mxfp4
 from MaxText.errors import ConfigError, UserError
 
 
@@ -49,7 +50,21 @@ class HfModelKeys:
     self.hf_config = hf_io.read_hf_config(self.hf_path)
     family = families.family_for_hf_config(self.hf_config)
     schema = config_lib.read_yaml(config_lib.BASE_CONFIG_PATH)
-    self._inferred = engine.full_model_keys(schema, family.model_keys(self.hf_config))
+    try:
+      hf_keys = family.model_keys(self.hf_config)
+    except KeyError as e:  # a key the family's config always has, left out (a hand-written or cut config.json)
+      raise ConfigError(f"{self.hf_path}/config.json has no {e.args[0]!r}, which a {self.hf_config.get('model_type')} "
+                        "config always has; use the checkpoint's own config.json") from None
+    except (TypeError, AttributeError, ValueError) as e:  # a value of another type than the family's ("yes" for a dict)
+      raise ConfigError(f"{self.hf_path}/config.json has a value the {family.name} converter cannot read "
+                        f"({type(e).__name__}: {' '.join(str(e).split())[:150]}); use the checkpoint's own "
+                        "config.json") from None
+    self._inferred = engine.full_model_keys(schema, hf_keys)
+    method = mxfp4.quant_method(self.hf_config)
+    if method not in (None, "mxfp4"):  # its weights are integer or float8 codes with scales beside them
+      raise ConfigError(f"{self.hf_path}/config.json: this checkpoint is quantised with quant_method={method!r}; "
+                        "only unquantised weights and MXFP4 experts (quant_method 'mxfp4') can be read: dequantise "
+                        "it to bfloat16 first")
     self._named = "model_name" in overrides.explicit_keys()
     implied = _length_for(self._inferred, overrides)
     if not self._named and not _saved_model_keys(overrides):

@@ -147,9 +147,17 @@ def stage_hf_tensors(tensors: Iterable[tuple[str, np.ndarray]], family: families
     if not _applies(cfg, tensor_map, layer):
       raise ConfigError(f"HF tensor {name} belongs to the {tensor_map.stack} stack, but layer {layer} is not in it "
                         f"(first_dense_layers={cfg.moe.first_dense_layers})")
+    if tensor_map.ours and array.dtype.kind in "biu":  # (ml_dtypes' bfloat16 is kind "V")
+      raise ConfigError(f"HF tensor {name} has dtype {array.dtype}, not floating point: the checkpoint is quantised "
+                        "(or damaged); dequantise it to bfloat16 or float32 first")
     prefix, index = _layer_key(cfg, layer, tensor_map.stack)
     index = index + ((expert,) if expert is not None else ())
-    for path, value in zip(tensor_map.ours, tensor_map.to_ours(array, cfg)):
+    try:
+      values = tensor_map.to_ours(array, cfg)
+    except ValueError as e:  # a reshape or split the tensor's shape does not allow
+      raise ConfigError(f"HF tensor {name} has shape {tuple(array.shape)}, which does not fit the model config "
+                        f"({' '.join(str(e).split())[:150]}); does config.json belong to these weights?") from None
+    for path, value in zip(tensor_map.ours, values):
       staged.put(prefix + tuple(path.split("/")), index, value, name)
   if unknown:
     raise ConfigError(f"{len(unknown)} HF tensor(s) have no mapping in the {family.name} converter, e.g. "

@@ -19,13 +19,14 @@ from typing import IO, Any, Iterator
 
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from MaxText.paths import storage
 from MaxText.errors import UserError
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
+BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 
 
 def read_hf_config(hf_path: str) -> dict[str, Any]:
@@ -33,14 +34,60 @@ def read_hf_config(hf_path: str) -> dict[str, Any]:
   if not storage.is_file(path):
     raise UserError(f"{hf_path} is not a Hugging Face model directory: {CONFIG_FILE} is missing")
   try:
-    return json.loads(storage.read_bytes(path))
-  except json.JSONDecodeError as e:
+    config = json.loads(storage.read_bytes(path))
+  except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
     raise UserError(f"cannot parse {path}: {e}") from None
+  if not isinstance(config, dict):
+    raise UserError(f"{path} holds a JSON {type(config).__name__}, not the object of a model's config")
+  _index_shards(hf_path)  # a missing shard is named before anything else is read
+  return config
+
+
+def _weight_map(path: str) -> dict[str, str]:
+  """A shard index's weight_map (tensor name -> shard file), or one line saying the index is not one."""
+  try:
+    weight_map = json.loads(storage.read_bytes(path)).get("weight_map")
+  except (ValueError, RecursionError, AttributeError):
+    weight_map = None
+  if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+    raise UserError(f"cannot parse {path}: it needs a weight_map of tensor names to shard files")
+  return weight_map
+
+
+def _index_shards(hf_path: str, name: str = INDEX_FILE) -> list[str] | None:
+  """The shard files the index `name` names (None: no such index). Each must be there: one missing (a
+  download cut short) would otherwise surface as parameters the checkpoint does not fill."""
+  path = storage.join(hf_path, name)
+  if not storage.is_file(path):
+    return None
+  shards = sorted(set(_weight_map(path).values()))
+  missing = [f for f in shards if not storage.is_file(storage.join(hf_path, f))]
+  if missing:
+    raise UserError(f"{path} names {len(missing)} shard(s) that are not in {hf_path}, e.g. {', '.join(missing[:3])}; "
+                    "download the missing shards")
+  return [storage.join(hf_path, f) for f in shards]
 
 
 def checkpoint_files(hf_path: str) -> list[str]:
-  """safetensors shards if any (HF prefers them when both exist), else .bin shards."""
-  files = storage.glob(storage.join(hf_path, "*.safetensors")) or storage.glob(storage.join(hf_path, "*.bin"))
+  """The files transformers loads: the shards model.safetensors.index.json names, else model.safetensors,
+  else every safetensors file (HF prefers them when both exist), else the .bin shards. A repository may
+  hold other weights beside them (Mistral's consolidated.safetensors, in its own tensor names)."""
+  shards = _index_shards(hf_path)
+  if shards is not None:
+    return shards
+  single = storage.join(hf_path, "model.safetensors")
+  if storage.is_file(single):
+    return [single]
+  files = storage.glob(storage.join(hf_path, "*.safetensors"))
+  if files:
+    return files
+  shards = _index_shards(hf_path, BIN_INDEX_FILE)  # (training_args.bin beside them: the trainer's settings, a pickle)
+  if shards is not None:
+    return shards
+  bin_single = storage.join(hf_path, "pytorch_model.bin")
+  if storage.is_file(bin_single):
+    return [bin_single]
+  files = storage.glob(storage.join(hf_path, "*.bin"))
   if not files:
     raise UserError(f"{hf_path} holds no *.safetensors or *.bin weights")
   return files
@@ -80,15 +127,35 @@ def iter_hf_tensors(hf_path: str) -> Iterator[tuple[str, np.ndarray]]:
                         "(pip install torch), or convert it to safetensors first") from None
     with storage.local_copy(path) as local:  # a download of one shard when remote, removed after
       if path.endswith(".safetensors"):
-        with safe_open(local, framework="numpy") as f:
-          for name in f.keys():
-            yield name, f.get_tensor(name)
+        yield from _safetensors_tensors(path, local)
         continue
       # mmap keeps the shard on disk; each tensor is copied out only when it is converted.
-      state = torch.load(local, map_location="cpu", mmap=True, weights_only=True)
+      try:
+        state = torch.load(local, map_location="cpu", mmap=True, weights_only=True)
+      except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, EOFError, UnpicklingError, ... for a bad file
+        raise UserError(f"cannot read {path}: {type(e).__name__}: {' '.join(str(e).split())[:200]}; the file is "
+                        "damaged, incomplete or not a torch checkpoint (download it again)") from None
       for name in list(state):
         yield name, _torch_to_numpy(state.pop(name))
       del state
+
+
+def _safetensors_tensors(path: str, local: str) -> Iterator[tuple[str, np.ndarray]]:
+  """The tensors of one safetensors file; one line naming the file for a damaged one (cut short,
+  not safetensors) and the tensor for a dtype numpy cannot hold (float8: a quantised checkpoint)."""
+  try:
+    with safe_open(local, framework="numpy") as f:
+      for name in f.keys():
+        try:
+          array = f.get_tensor(name)
+        except (AttributeError, TypeError) as e:  # safetensors names a numpy dtype that does not exist
+          dtype = f.get_slice(name).get_dtype()
+          raise UserError(f"tensor {name} of {path} has dtype {dtype}, which the converter cannot read "
+                          f"({type(e).__name__}); dequantise the checkpoint to bfloat16 or float32 first") from None
+        yield name, array
+  except SafetensorError as e:
+    raise UserError(f"cannot read {path}: {' '.join(str(e).split())[:200]}; the file is damaged or incomplete "
+                    "(download it again)") from None
 
 
 # safetensors dtype names (https://github.com/huggingface/safetensors format description)

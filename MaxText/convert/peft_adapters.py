@@ -155,6 +155,11 @@ def load(path: str, cfg: ModelConfig, abstract_params: dict[str, Any]) -> PeftAd
       a_hf, b_hf = np.asarray(tensors[a_name], np.float32), np.asarray(tensors[b_name], np.float32)
       in_size, out_size = int(np.prod(kernel_shape[:num_in])), int(np.prod(kernel_shape[num_in:]))
       if a_hf.shape != (rank, in_size) or b_hf.shape != (out_size, rank):
+        if a_hf.ndim == b_hf.ndim == 2 and (a_hf.shape[1], b_hf.shape[0]) == (in_size, out_size) \
+            and a_hf.shape[0] == b_hf.shape[1]:
+          raise UserError(f"{path}: {name}'s adapter has rank {a_hf.shape[0]} (lora_A {list(a_hf.shape)}, lora_B "
+                          f"{list(b_hf.shape)}) where {CONFIG_FILE} says r={rank}; one rank for every module is "
+                          "supported: fix r or the tensors")
         raise UserError(f"{path}: {name}'s adapter is lora_A {list(a_hf.shape)}, lora_B {list(b_hf.shape)}; this "
                         f"model needs [{rank}, {in_size}] and [{out_size}, {rank}] (an adapter of another base model?)")
       try:

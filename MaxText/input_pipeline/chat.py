@@ -21,14 +21,19 @@ target is dropped, counted, and reported.
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 import threading
+import weakref
 from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
 from MaxText.paths import storage
 from MaxText.errors import ConfigError, UserError
+from MaxText import json_text
+from MaxText.input_pipeline.tokenizer import read_tokenizer_config
 
 PAIR_FIELDS = ("prompt", "completion")
 # (rendered text, trained character spans) -> the same, rewritten.
@@ -47,7 +52,10 @@ def _transformers() -> Any:
 def _chat_template(tokenizer_dir: str, config: Mapping[str, Any]) -> str | None:
   template = config.get("chat_template")
   if isinstance(template, list):  # named templates: the default one
-    template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
+  if template is not None and not isinstance(template, str):
+    raise ConfigError(f"{storage.join(tokenizer_dir, 'tokenizer_config.json')}: chat_template is a "
+                      f"{type(template).__name__}, not a template's text")
   jinja_file = storage.join(tokenizer_dir, "chat_template.jinja")  # transformers >= 4.50 writes it apart
   if not template and storage.is_file(jinja_file):
     template = storage.read_text(jinja_file)
@@ -77,22 +85,177 @@ class ChatTokenizer(Protocol):
   def decode(self, ids: list[int], *, skip_special_tokens: bool) -> str: ...
 
 
-def load_chat_tokenizer(tokenizer_path: str, require_template: bool = True) -> ChatTokenizer:
+# Unicode's private-use characters (the BMP's block, planes 15 and 16): placeholders no template or token spells.
+_PRIVATE_USE = (range(0xE000, 0xF900), range(0xF0000, 0xFFFFE), range(0x100000, 0x10FFFE))
+
+
+class _Specials:
+  """A tokenizer's special tokens: their spellings by id, how to find them in text, and copies of its backend
+  that read those spellings as plain text."""
+
+  def __init__(self, tokenizer: Any):
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    self.spelled = {i: token.content for i, token in added.items() if token.special and token.content}
+    spellings = sorted(set(self.spelled.values()), key=len, reverse=True)
+    # Found by their first characters and then a set look-up per length: one regex alternation of thousands
+    # of spellings (Gemma's unused tokens) tries each at every '<' of the text.
+    self.spellings = set(spellings)
+    self.lengths = sorted({len(t) for t in spellings}, reverse=True)  # longest first, as the tokenizer matches
+    self.starts = re.compile("[" + "".join(sorted({re.escape(t[0]) for t in spellings})) + "]") if spellings else None
+    self.plain: Any = None
+    self.plain_inner: Any = None  # for text after a special token
+    if self.starts is not None:
+      from tokenizers import Tokenizer
+
+      spec = json.loads(tokenizer.backend_tokenizer.to_str())
+      self.plain = self.plain_inner = Tokenizer.from_str(json.dumps(spec))
+      # Metaspace's prepend_scheme "first" adds its space only at the start of the whole text, not after a
+      # special token: a piece encoded on its own would gain one.
+      if _never_prepend(spec.get("pre_tokenizer")):
+        self.plain_inner = Tokenizer.from_str(json.dumps(spec))
+      for plain in (self.plain, self.plain_inner):
+        plain.encode_special_tokens = True  # copies: the shared tokenizer keeps matching them
+
+  def find(self, text: str) -> list[tuple[int, int]]:
+    """The (start, end) of each special-token spelling in `text`, left to right, the longest at each place."""
+    found: list[tuple[int, int]] = []
+    if self.starts is None:
+      return found
+    end = 0
+    for start in self.starts.finditer(text):
+      at = start.start()
+      if at < end:
+        continue
+      length = next((n for n in self.lengths if at + n <= len(text) and text[at:at + n] in self.spellings), 0)
+      if length:
+        found.append((at, at + length))
+        end = at + length
+    return found
+
+
+def _never_prepend(pre_tokenizer: Any) -> bool:
+  """Sets every Metaspace prepend_scheme "first" in a pre_tokenizer's JSON to "never"; whether there was one."""
+  if not isinstance(pre_tokenizer, dict):
+    return False
+  changed = False
+  if pre_tokenizer.get("type") == "Metaspace" and pre_tokenizer.get("prepend_scheme") == "first":
+    pre_tokenizer["prepend_scheme"], changed = "never", True
+  for inner in pre_tokenizer.get("pretokenizers") or []:
+    changed = _never_prepend(inner) or changed
+  return changed
+
+
+_SPECIALS: "weakref.WeakKeyDictionary[Any, _Specials]" = weakref.WeakKeyDictionary()
+_SPECIALS_LOCK = threading.Lock()
+
+
+def _strings(value: object) -> list[str]:
+  if isinstance(value, str):
+    return [value]
+  if isinstance(value, Mapping):
+    return [s for v in value.values() for s in _strings(v)]
+  if isinstance(value, (list, tuple)):
+    return [s for v in value for s in _strings(v)]
+  return []
+
+
+class ContentGuard:
+  """Keeps the spelling of a special token inside what a user wrote (a message, a tool result, a tool's
+  description, a prompt) plain text: a user's "<|im_end|>" must not close the turn, as it does through
+  transformers' apply_chat_template(tokenize=True). `hide` swaps each such spelling for a private-use
+  placeholder of the same length before the template renders; `encode` tokenizes the rendered text with
+  the template's own special tokens as control tokens and the placeholders' spellings as plain text.
+  Character offsets are the rendered text's (the placeholders keep every length)."""
+
+  def __init__(self, tokenizer: Any, *values: object):
+    with _SPECIALS_LOCK:
+      specials = _SPECIALS.get(tokenizer)
+      if specials is None:
+        specials = _SPECIALS[tokenizer] = _Specials(tokenizer)
+    self.specials = specials
+    texts = [s for v in values for s in _strings(v)]
+    found = sorted({t[a:b] for t in texts for a, b in specials.find(t)})
+    self.placeholder: dict[str, str] = {}
+    self.spelling: dict[str, str] = {}
+    if found:
+      taken = set("".join(texts)) | set(getattr(tokenizer, "chat_template", None) or "")
+      free = list(itertools.islice((chr(c) for c in itertools.chain(*_PRIVATE_USE) if chr(c) not in taken),
+                                   len(found) + 1))
+      if len(free) <= len(found):
+        raise UserError("the messages use nearly every Unicode private-use character together with special-token "
+                        "spellings; remove one or the other")
+      for head, spelling in zip(free[1:], found):
+        self.placeholder[spelling] = placeholder = head + free[0] * (len(spelling) - 1)
+        self.spelling[placeholder] = spelling
+      self._placeholders = re.compile("|".join(map(re.escape, sorted(self.spelling, key=len, reverse=True))))
+
+  def hide(self, value: Any) -> Any:
+    """`value` (messages, tools, a string) with every special-token spelling in its strings swapped."""
+    if not self.placeholder:
+      return value
+    if isinstance(value, str):
+      pieces, last = [], 0
+      for a, b in self.specials.find(value):
+        pieces += [value[last:a], self.placeholder[value[a:b]]]
+        last = b
+      return "".join(pieces) + value[last:]
+    if isinstance(value, Mapping):
+      return {k: self.hide(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+      return [self.hide(v) for v in value]
+    return value
+
+  def encode(self, tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """(ids, character offsets) of rendered text."""
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(encoding["input_ids"]), [tuple(o) for o in encoding["offset_mapping"]]
+    if not self.placeholder:
+      return ids, offsets
+    out_ids: list[int] = []
+    out_offsets: list[tuple[int, int]] = []
+    start, first = 0, 0  # the text and tokens since the last special token the template wrote
+
+    def flush(end: int, last: int) -> None:
+      piece = text[start:end]
+      if self._placeholders.search(piece) is None:
+        out_ids.extend(ids[first:last])
+        out_offsets.extend(offsets[first:last])
+        return
+      # Tokenizers split text at special tokens first, so a piece between two encodes on its own.
+      encoder = self.specials.plain if start == 0 else self.specials.plain_inner
+      plain = encoder.encode(self._placeholders.sub(lambda m: self.spelling[m.group()], piece), add_special_tokens=False)
+      out_ids.extend(plain.ids)
+      out_offsets.extend((a + start, b + start) for a, b in plain.offsets)
+
+    for i, (token, (a, b)) in enumerate(zip(ids, offsets)):
+      # Written by the template: its spelling, with the whitespace an lstrip/rstrip token takes (an unknown
+      # character's unk is not).
+      if self.specials.spelled.get(token) in (text[a:b], text[a:b].strip()):
+        flush(a, i)
+        out_ids.append(token)
+        out_offsets.append((a, b))
+        start, first = b, i + 1
+    flush(len(text), len(ids))
+    return out_ids, out_offsets
+
+
+def load_chat_tokenizer(tokenizer_path: str, require_template: bool = True,
+                        needs: str = "objective=sft with conversations") -> ChatTokenizer:
   """A transformers fast tokenizer with its chat template, from a (local or gs://) directory holding
   tokenizer.json and tokenizer_config.json. Without `require_template` a tokenizer with no template
   loads too (its chat_template is None): plain-text records do not need one."""
   transformers = _transformers()
   directory = tokenizer_path if storage.is_dir(tokenizer_path) else storage.parent(tokenizer_path)
   config_file = storage.join(directory, "tokenizer_config.json")
-  config = json.loads(storage.read_text(config_file)) if storage.is_file(config_file) else {}
+  config = read_tokenizer_config(config_file)
   template = _chat_template(directory, config)
   if template is None and require_template:
-    raise no_template(directory, "objective=sft with conversations")
+    raise no_template(directory, needs)
   from tokenizers import Tokenizer
 
   tokenizer_file = storage.join(directory, "tokenizer.json")
   if not storage.is_file(tokenizer_file):
-    raise ConfigError(f"objective=sft needs a Hugging Face tokenizer directory; {tokenizer_file} does not exist")
+    raise ConfigError(f"{needs} needs a Hugging Face tokenizer directory; {tokenizer_file} does not exist")
   special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
   tokenizer = transformers.PreTrainedTokenizerFast(
       tokenizer_object=Tokenizer.from_str(storage.read_text(tokenizer_file)),
@@ -101,11 +264,26 @@ def load_chat_tokenizer(tokenizer_path: str, require_template: bool = True) -> C
   return tokenizer
 
 
+def render(tokenizer: ChatTokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
+           tools: list[dict[str, Any]] | None = None, what: str = "this conversation") -> str:
+  """The chat template's text of `messages`; one UserError line when the template refuses them (its
+  raise_exception: a role it does not know, turns that do not alternate) or fails on them (a
+  content that is not a string, a field it needs missing)."""
+  try:
+    if tools is None:
+      return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         tools=tools)
+  except Exception as e:  # noqa: BLE001 - the template is user code (jinja), the messages the user's data
+    raise UserError(f"the chat template cannot render {what}: {type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}") from None
+
+
 def chat_prompt_ids(tokenizer: ChatTokenizer, prompt: str) -> list[int]:
   """`prompt` as one user turn followed by the assistant's generation prompt, as token ids."""
-  text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                       add_generation_prompt=True)
-  return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+  guard = ContentGuard(tokenizer, prompt)
+  text = render(tokenizer, [{"role": "user", "content": guard.hide(prompt)}], True, what="a prompt as one user turn")
+  return guard.encode(tokenizer, text)[0]
 
 
 def _token_text(value: object) -> str | None:
@@ -153,6 +331,9 @@ class SftEncoder:
     # template writes its own.
     self.bos = (tokenizer.bos_token or "") if add_bos else ""
     self.eos_id = tokenizer.eos_token_id if add_eos else None
+    # Refused at the first plain-text pair (a conversation's template writes its own end): its completion would
+    # never learn to stop. A missing bos is left out (Qwen's tokenizers have none).
+    self._no_eos = add_eos and tokenizer.eos_token_id is None
     self.dropped = DroppedSamples()
 
   def __call__(self, record: object) -> np.ndarray:
@@ -173,50 +354,52 @@ class SftEncoder:
   def tokens_and_weights(self, record: Mapping[str, Any], rewrite: Rewrite | None = None) -> tuple[list[int], list[int]]:
     """The whole sample's tokens and 0/1 target weights, before truncation. `rewrite` changes the
     rendered text and moves the trained spans with it (image_sft.py expands image markers)."""
-    text, spans, plain = self.render(record)
+    guard = ContentGuard(self.tokenizer, record)
+    text, spans, plain = self.render(guard.hide(record))
     if rewrite is not None:
       text, spans = rewrite(text, spans)
-    encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    tokens = list(encoding["input_ids"])
-    weights = [int(not self.completion_only or _overlaps(offset, spans)) for offset in encoding["offset_mapping"]]
+    tokens, offsets = guard.encode(self.tokenizer, text)
+    weights = [int(not self.completion_only or _overlaps(offset, spans)) for offset in offsets]
     if plain and self.eos_id is not None:
       tokens, weights = tokens + [self.eos_id], weights + [1]  # the completion learns to stop
     return tokens, weights
 
   def render(self, record: Mapping[str, Any]) -> tuple[str, list[tuple[int, int]], bool]:
     """(text, character spans of the trained parts, whether it is a plain-text pair)."""
-    if "messages" in record:
+    # A table reader (datasets' JSON/Parquet) gives every record every field some record has, None where it
+    # has none: a file mixing conversations and pairs has messages=None on its pairs.
+    present = [str(field) for field, value in record.items() if value is not None]
+    if "messages" in present:
       return (*self._conversation(as_messages(record["messages"], "messages"), first_trained=0), False)
-    if all(field in record for field in PAIR_FIELDS):
+    if all(field in present for field in PAIR_FIELDS):
       prompt, completion = record["prompt"], record["completion"]
       if isinstance(prompt, str) and isinstance(completion, str):
+        if self._no_eos:
+          raise ConfigError("plain-text prompt/completion pairs: add_eos=True but the tokenizer names no eos_token in "
+                            "tokenizer_config.json; name it there (or set add_eos=False)")
         start = len(self.bos) + len(prompt)
         return self.bos + prompt + completion, [(start, start + len(completion))], True
+      if isinstance(prompt, str) or isinstance(completion, str):
+        raise UserError(f"an sft record's 'prompt' and 'completion' must both be strings or both be lists of "
+                        f"messages; got {type(prompt).__name__} and {type(completion).__name__}")
       prompt_messages = as_messages(prompt, "prompt")
       return (*self._conversation(prompt_messages + as_messages(completion, "completion"),
                                   first_trained=len(prompt_messages)), False)
     raise UserError(f"an sft record needs a 'messages' list or 'prompt' and 'completion' fields; it has "
-                    f"{', '.join(map(str, record)) or 'no fields'}")
+                    f"{', '.join(present) or 'no fields'}")
 
   def _conversation(self, messages: list[dict[str, Any]], first_trained: int) -> tuple[str, list[tuple[int, int]]]:
     if not messages:
       raise UserError("an sft conversation is empty (no messages); give it a user and an assistant turn, or remove it")
 
-    def render(turns: list[dict[str, Any]], prompt: bool = False) -> str:
-      try:
-        return self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=prompt)
-      except Exception as e:  # noqa: BLE001 - a record the template cannot take (a jinja error, a bad field)
-        raise UserError(f"the chat template cannot render this conversation: {type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''}") from None
-
-    text = render(messages)
+    text = render(self.tokenizer, messages, False)
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first_trained]
     if not turns:
       raise UserError(f"an sft conversation has no assistant turn to train on (roles: "
-                      f"{', '.join(m['role'] for m in messages)})")
+                      f"{', '.join(map(str, (m['role'] for m in messages)))})")
     spans = []
     for i in turns:
-      before, through = render(messages[:i], prompt=True), render(messages[:i + 1])
+      before, through = render(self.tokenizer, messages[:i], True), render(self.tokenizer, messages[:i + 1], False)
       if not (through.startswith(before) and text.startswith(through)):
         raise ConfigError("the chat template does not render a conversation as a prefix of its continuation, so "
                           "the assistant's tokens cannot be found; set sft_train_on_completion_only=False or use "
@@ -227,8 +410,17 @@ class SftEncoder:
 
 
 def as_mapping(record: object, what: str = "sft") -> Mapping[str, Any]:
-  if isinstance(record, (bytes, bytearray)):
-    record = json.loads(bytes(record).decode("utf-8"))
+  if isinstance(record, (bytes, bytearray)):  # an ArrayRecord record: JSON text, or something else
+    try:
+      parsed = json.loads(bytes(record).decode("utf-8"))
+    except UnicodeDecodeError as e:
+      raise UserError(f"{what} records must be JSON objects; this one is not UTF-8 text (byte {e.start + 1})") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than json reads
+      reason = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+      raise UserError(f"{what} records must be JSON objects; this one is not valid JSON ({reason})") from None
+    if b"\\u" in record and json_text.has_unpaired_surrogate(parsed):
+      raise UserError(f"the {what} record {json_text.UNPAIRED_SURROGATE}; fix or remove it")
+    record = parsed
   if not isinstance(record, Mapping):
     raise UserError(f"{what} records must be JSON objects, got {type(record).__name__}")
   return record

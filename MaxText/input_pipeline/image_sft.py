@@ -32,11 +32,11 @@ from MaxText.input_pipeline.packing import ImageDocument, image_units
 
 def split_record(record: Mapping[str, Any]) -> tuple[dict[str, Any], list[image_text.ImageSlot]]:
   """(the record with template parts for image parts, its images in the order rendered)."""
-  if "messages" in record:
+  if record.get("messages") is not None:  # None: a table reader's filler (SftEncoder.render)
     messages, slots = image_text.split_images(as_messages(record["messages"], "messages"))
     return {**record, "messages": messages}, slots
   out, slots = dict(record), []
-  if all(field in record for field in PAIR_FIELDS):
+  if all(record.get(field) is not None for field in PAIR_FIELDS):
     for field in PAIR_FIELDS:  # rendered prompt first, then completion
       if isinstance(record[field], list):
         out[field], more = image_text.split_images(as_messages(record[field], field), f"the {field}")

@@ -36,14 +36,14 @@ def first_problem(path: str) -> str | None:
   if _starts_with_array(path):
     try:
       records = json.loads(storage.read_bytes(path))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
       return "is " + _describe(e)
     bad = next((i for i, r in enumerate(records) if not isinstance(r, dict)), None)
     return None if bad is None else f"record {bad + 1} of its array is a JSON {_kind(records[bad])}, not an object"
   for number, line in _lines(path):
     try:
       record = json.loads(line.rstrip())  # the newline would move the error to line 2
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
       return f"line {number}: {_describe(e, on_line=True)}"
     if not isinstance(record, dict):
       return f"line {number}: a JSON {_kind(record)}, not an object (one record per line)"
@@ -70,6 +70,8 @@ def locate(paths: list[str], index: int) -> str | None:
 def _describe(error: Exception, on_line: bool = False) -> str:
   if isinstance(error, UnicodeDecodeError):
     return f"not UTF-8 text (byte {error.start + 1})"
+  if isinstance(error, RecursionError):
+    return "not readable JSON (nested deeper than JSON can be read)"
   assert isinstance(error, json.JSONDecodeError)
   where = f"column {error.colno}" if on_line else f"line {error.lineno}, column {error.colno}"
   return f"not valid JSON ({error.msg} at {where})"

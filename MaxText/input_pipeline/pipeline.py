@@ -29,6 +29,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from MaxText.errors import ConfigError, UserError
+from MaxText import json_text
 from MaxText.input_pipeline.packing import DocumentCursor, Position, pack_batch
 from MaxText.platform.sharding import for_rank
 
@@ -95,8 +96,10 @@ def record_text(record: object, column: str) -> str:
     if text[:1] in ('{', '"'):
       try:
         record = json.loads(text)
-      except json.JSONDecodeError:
+      except (json.JSONDecodeError, RecursionError):  # raw text that starts like JSON (or nests past its limit)
         return text
+      if "\\u" in text and json_text.has_unpaired_surrogate(record):
+        raise UserError(f"the record {json_text.UNPAIRED_SURROGATE}; fix or remove it")
       if isinstance(record, str):
         return record
     else:

@@ -9,8 +9,8 @@ sequence's target weights are 1 on its completion only (chat.py finds the assist
 A pair is never packed with another: DPO compares whole-sequence log-probabilities, so each
 row holds one example (chosen in the usual batch fields, rejected in the `rejected_` ones)
 padded to max_target_length. A sequence longer than max_target_length + 1 tokens is truncated
-at its end; a pair left without a completion token on either side is dropped, counted and
-reported.
+at its end; a pair left without a completion token on either side, or whose two sides are the
+same tokens (it prefers nothing), is dropped, counted and reported.
 """
 
 from __future__ import annotations
@@ -58,6 +58,12 @@ class PreferenceEncoder:
     if any(side is None for side in sides):
       self.dropped.add(f"no completion token within max_target_length + 1 = {self.max_tokens} tokens")
       return np.zeros((4, 0), np.int32)
+    if sides[0] == sides[1]:
+      # Their log-ratios are equal at every step: the loss is log 2 with a zero gradient, and the pair
+      # would only shrink the others' share of the mean.
+      self.dropped.add(f"chosen and rejected are the same tokens within max_target_length + 1 = {self.max_tokens} "
+                       "tokens: the pair prefers nothing")
+      return np.zeros((4, 0), np.int32)
     length = max(len(tokens) for tokens, _ in sides)  # type: ignore[misc]
     encoded = np.zeros((4, length), np.int32)
     encoded[0::2] = _PAD
@@ -100,7 +106,8 @@ def pack_preference_batch(cursor: DocumentCursor, num_rows: int, length: int,
       empty_run += 1
       if empty_run > cursor.max_empty_run:
         raise UserError(f"{empty_run} dpo records in a row were dropped (no completion token within "
-                        "max_target_length + 1 tokens); raise max_target_length or shorten the prompts")
+                        "max_target_length + 1 tokens, or chosen the same as rejected: the warnings above say which); "
+                        "raise max_target_length or shorten the prompts, or check the records")
       continue
     empty_run = 0
     for prefix, tokens, weights in (("", encoded[0], encoded[1]), (REJECTED_PREFIX, encoded[2], encoded[3])):

@@ -35,6 +35,17 @@ SPLITS = ("train", "validation")
 FORMATS = ("jsonl", "arrayrecord", "tfds")
 
 
+def read_corpus(path: str) -> str:
+  """A data file's text: UTF-8, its byte order mark (if any) not part of the first document."""
+  data = storage.read_bytes(path)
+  try:
+    return data.decode("utf-8-sig")
+  except UnicodeDecodeError as e:
+    line = data[:e.start].count(b"\n") + 1
+    raise UserError(f"data_files: {path} is not UTF-8 text (byte {e.start + 1}, line {line}); convert it to UTF-8 "
+                    "first (e.g. iconv -f latin1 -t utf-8)") from None
+
+
 def split_documents(text: str, split_by: str) -> list[str]:
   pieces = re.split(r"\n\s*\n", text) if split_by == "paragraph" else text.splitlines()
   return [p.strip() for p in pieces if p.strip()]
@@ -103,8 +114,7 @@ def main(argv: list[str]) -> int:
   for path in sources:
     if not storage.is_file(path):
       raise UserError(f"data_files: {path} is not a file")
-  documents = [doc for path in sources
-               for doc in split_documents(storage.read_bytes(path).decode("utf-8"), args.split_by)]
+  documents = [doc for path in sources for doc in split_documents(read_corpus(path), args.split_by)]
   splits = train_eval_split(documents, args.eval_fraction)
   source = sources[0] if len(sources) == 1 else f"{len(sources)} files ({sources[0]}, ...)"
   with storage.local_output(out_dir) as out:  # uploaded at the end when out_dir is gs://

@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from MaxText.errors import ConfigError, UserError
+from MaxText import json_text
 from MaxText.input_pipeline.files import expand_files
 from MaxText.input_pipeline.packing import Located
 from MaxText.input_pipeline.pipeline import BOM, HostShard, Unreadable, json_kind, record_text
@@ -69,6 +70,9 @@ def _json_shard(path: str, data: bytes, stack: contextlib.ExitStack) -> _Shard:
       where = f"line {e.lineno}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else f"byte {e.start + 1}"
       raise UserError(f"{path} is a JSON array (it starts with '[') but not valid JSON ({_reason(e)} at {where}); "
                       "fix it, or write one JSON record per line") from None
+    except RecursionError:
+      raise UserError(f"{path} is a JSON array (it starts with '[') nested deeper than JSON can be read; fix it, or "
+                      "write one JSON record per line") from None
     return _Shard(path, values, stack, json=True)
   records, lines = [], []
   for number, line in enumerate(data.split(b"\n"), 1):
@@ -87,7 +91,16 @@ def _parquet_rows(path: str, data: bytes) -> list[Any]:
 
 
 def _open_shard(path: str) -> _Shard:
-  """Fetches one shard (the read-ahead thread runs this for the next one)."""
+  """Fetches one shard (the read-ahead thread runs this for the next one). A file listed at start-up
+  and gone (or unreadable) when its turn comes is one line: the run cannot go on without it."""
+  try:
+    return _fetch_shard(path)
+  except OSError as e:
+    raise UserError(f"{path} cannot be read ({type(e).__name__}: {e.strerror or e}); it was one of the shard files "
+                    "when the run started: restore it and resume from the last checkpoint") from None
+
+
+def _fetch_shard(path: str) -> _Shard:
   stack = contextlib.ExitStack()
   kind = file_format("stream files", path)
   if kind == "parquet":
@@ -117,6 +130,7 @@ def _reason(error: Exception) -> str:
 def _json_record(record: object) -> object:
   """A JSONL line (bytes) or an element of a JSON array as the record it must be: an object, or a
   string holding the text itself."""
+  escaped = not isinstance(record, bytes) or b"\\u" in record  # (an array's elements: their text is gone)
   if isinstance(record, bytes):
     try:
       record = json.loads(record)  # surrounding whitespace (an indented record, a CR) is allowed
@@ -124,9 +138,13 @@ def _json_record(record: object) -> object:
       raise UserError(f"not valid JSON ({e.msg} at column {e.colno}); fix or remove that record") from None
     except UnicodeDecodeError as e:
       raise UserError(f"not valid JSON (not UTF-8 text at byte {e.start + 1}); fix or remove that record") from None
+    except RecursionError:
+      raise UserError("not readable JSON (nested deeper than JSON can be read); fix or remove that record") from None
   if not isinstance(record, (dict, str)):
     raise UserError(f"{json_kind(record)}, not an object (one record per line, or an array of objects); "
                     "fix or remove that record")
+  if escaped and json_text.has_unpaired_surrogate(record):
+    raise UserError(f"{json_text.UNPAIRED_SURROGATE}; fix or remove that record")
   return record
 
 

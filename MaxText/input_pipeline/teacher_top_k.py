@@ -144,11 +144,34 @@ def read_manifest(directory: str) -> dict[str, Any]:
     raise _refuse(directory, f"has no {MANIFEST}; write it with python3 -m MaxText.generate_teacher_top_k")
   try:
     manifest: dict[str, Any] = json.loads(storage.read_text(path))
-  except json.JSONDecodeError as e:
-    raise _refuse(directory, f"{MANIFEST} is not JSON ({e.msg}); write the files again") from None
+  except (ValueError, RecursionError) as e:  # JSONDecodeError; UnicodeDecodeError: bytes that are not text
+    reason = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8 text" \
+        if isinstance(e, UnicodeDecodeError) else "nested too deeply"
+    raise _refuse(directory, f"{MANIFEST} is not JSON ({reason}); write the files again") from None
+  if not isinstance(manifest, dict):
+    raise _refuse(directory, f"{MANIFEST} holds a JSON {type(manifest).__name__}, not this writer's object; write the "
+                  "files again")
   if manifest.get("format") != FORMAT:
     raise _refuse(directory, f"{MANIFEST} has format {manifest.get('format')}, this reader {FORMAT}; write them again")
+  for name, problem in _manifest_problems(manifest):
+    raise _refuse(directory, f"{MANIFEST} has {name}={manifest.get(name)!r}, {problem}; write the files again")
   return manifest
+
+
+def _whole(value: object, least: int) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _manifest_problems(manifest: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+  """The fields the reader uses that are absent or not what the writer writes (an edited or foreign file)."""
+  for name in ("top_k", "num_data_shards", "batches_per_part"):
+    if not _whole(manifest.get(name), 1):
+      yield name, "not a whole number >= 1"
+  if not isinstance(manifest.get("data"), dict):
+    yield "data", "not an object of data keys"
+  batches = manifest.get("batches")
+  if not isinstance(batches, dict) or not all(_whole(count, 0) for count in batches.values()):
+    yield "batches", "not an object of batch counts per split"
 
 
 def check_manifest(directory: str, manifest: Mapping[str, Any], data: DataConfig, k: int,

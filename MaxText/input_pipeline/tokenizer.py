@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from MaxText.paths import storage
 from MaxText.configuration.data_config import TOKENIZER_TYPES
@@ -55,6 +55,12 @@ class SentencePieceTokenizer:
 
   def decode(self, ids: list[int]) -> str:
     return self._sp.DecodeIds(list(ids))
+
+  def special_id(self, text: str) -> int | None:
+    """The id of the control token spelled `text` (decode writes none of them), else None."""
+    piece = self._sp.PieceToId(text)
+    return piece if 0 <= piece < self.vocab_size and self._sp.IdToPiece(piece) == text and (
+        self._sp.IsControl(piece)) else None
 
 
 def _read_ranks(path: str) -> dict[bytes, int]:
@@ -105,12 +111,25 @@ class HuggingFaceTokenizer:
     from tokenizers import Tokenizer as HFTokenizer
 
     file = storage.join(path, "tokenizer.json") if storage.is_dir(path) else path
+    if file != path and not storage.is_file(file):
+      model = storage.join(path, "tokenizer.model")  # a repository with only the slow tokenizer's file
+      hint = (f"; it holds {model}: tokenizer_type=sentencepiece tokenizer_path={model}" if storage.is_file(model)
+              else "; point tokenizer_path at the folder with the model's tokenizer.json")
+      raise ConfigError(f"tokenizer_path {path} has no tokenizer.json{hint}")
     try:
       self._tok = HFTokenizer.from_str(storage.read_bytes(file).decode("utf-8"))
     except Exception as e:  # noqa: BLE001 - the library raises its own untyped exception
       raise ConfigError(f"tokenizer_path {path}: cannot read {file} as a Hugging Face tokenizer ({e})") from None
+    # A special token's spelling in a document or a prompt ("</s>" in web text) is data, as in the other two
+    # kinds; text that needs control tokens (a chat template's) goes through input_pipeline/chat.py.
+    self._tok.encode_special_tokens = True
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-    bos, eos = _special_tokens(storage.join(storage.parent(file), "tokenizer_config.json"))
+    config = storage.join(storage.parent(file), "tokenizer_config.json")
+    bos, eos = _special_tokens(config)
+    for name, token in (("bos_token", bos), ("eos_token", eos)):
+      if token and self._tok.token_to_id(token) is None:  # else the run would go on without it, silently
+        raise ConfigError(f"{config} names {name} {token!r}, which {file} does not hold: the two files are from "
+                          "different tokenizers; use the model's own pair")
     self.bos_id = self._tok.token_to_id(bos) if bos else None
     self.eos_id = self._tok.token_to_id(eos) if eos else None
 
@@ -121,12 +140,29 @@ class HuggingFaceTokenizer:
   def decode(self, ids: list[int]) -> str:
     return self._tok.decode(list(ids))
 
+  def special_id(self, text: str) -> int | None:
+    """The id of the special token spelled `text` (decode skips them), else None."""
+    token = self._tok.token_to_id(text)
+    return token if token is not None and text and not self._tok.decode([token]) else None
+
+
+def read_tokenizer_config(config_path: str) -> dict[str, Any]:
+  """A tokenizer_config.json ({} when there is none); one ConfigError line when it is not a JSON object."""
+  if not storage.is_file(config_path):
+    return {}
+  try:
+    config = json.loads(storage.read_bytes(config_path))
+  except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError; nested past json's limit
+    raise ConfigError(f"{config_path} is not valid JSON ({' '.join(str(e).split())[:120] or type(e).__name__}); "
+                      "replace it with the model's own tokenizer_config.json") from None
+  if not isinstance(config, dict):
+    raise ConfigError(f"{config_path} holds a JSON {type(config).__name__}, not the object of a tokenizer's config")
+  return config
+
 
 def _special_tokens(config_path: str) -> tuple[str | None, str | None]:
   """bos/eos token strings from a tokenizer_config.json (plain strings or {"content": ...})."""
-  if not storage.is_file(config_path):
-    return None, None
-  config = json.loads(storage.read_bytes(config_path))
+  config = read_tokenizer_config(config_path)
 
   def text(value: object) -> str | None:
     return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None

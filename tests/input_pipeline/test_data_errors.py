@@ -150,3 +150,30 @@ def test_a_damaged_tfds_file_is_named(spm_model, prepared, tmp_path, damaged):
     next(_open(_grain(spm_model, prepared, dataset_type="tfds", dataset_path=str(tmp_path / "tfds"),
                       dataset_name="local_text/corpus")))
   assert str(path) in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_prepare_data_reads_a_bom_as_the_files_and_names_bytes_that_are_not_utf8(tmp_path):
+  """Was: the BOM kept at the start of the first document, and a UnicodeDecodeError traceback."""
+  from MaxText.input_pipeline import prepare_data
+
+  (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbffirst\n\nsecond\n")
+  assert prepare_data.split_documents(prepare_data.read_corpus(str(tmp_path / "bom.txt")), "paragraph") == \
+      ["first", "second"]
+  (tmp_path / "latin1.txt").write_bytes("one\ntwo caf\xe9\n".encode("latin-1"))
+  with pytest.raises(UserError) as raised:
+    prepare_data.read_corpus(str(tmp_path / "latin1.txt"))
+  assert str(raised.value).startswith(f"data_files: {tmp_path / 'latin1.txt'} is not UTF-8 text (byte 12, line 2)")
+
+
+@pytest.mark.parametrize("name, content, problem", [
+    ("deep.jsonl", '{"text": "a"}\n' + "[" * 100000 + "\n", "deep.jsonl line 2: not readable JSON (nested deeper"),
+    ("deep.json", "[" * 100000, "deep.json is not readable JSON (nested deeper"),
+], ids=["jsonl", "json-array"])
+def test_hf_json_nested_past_the_parsers_limit_is_named(tmp_path, name, content, problem):
+  """datasets refuses it; finding the line to name then raised RecursionError (a traceback)."""
+  from MaxText.input_pipeline import hf
+
+  (tmp_path / name).write_text(content)
+  with pytest.raises(ConfigError) as error:
+    hf.open_split("", str(tmp_path / name), "train", "hf_data_files")
+  assert f"hf_data_files: {tmp_path}/{problem}" in str(error.value) and "\n" not in str(error.value), str(error.value)

@@ -98,6 +98,11 @@ def test_record_text_reads_json_objects_strings_and_raw_bytes():
   assert pipeline.record_text(b"plain words", "text") == "plain words"
   assert pipeline.record_text({"body": b"bytes"}, "body") == "bytes"
   assert pipeline.record_text(b'\xef\xbb\xbf{"text": "after a BOM"}', "text") == "after a BOM"
+  deep = b'{"a": ' * 100000  # JSON-like text nested past json's limit is raw text, as other non-JSON (was RecursionError)
+  assert pipeline.record_text(deep, "text") == deep.decode()
+  with pytest.raises(UserError, match="holds an unpaired UTF-16 surrogate escape"):  # was the tokenizer's TypeError
+    pipeline.record_text(b'{"text": "a \\udc80 b"}', "text")
+  assert pipeline.record_text(b'{"text": "a \\ud83d\\ude00 b"}', "text") == "a \U0001f600 b"  # a pair is text
 
 
 @pytest.mark.parametrize("value, what", [(None, "is null"), (3, "is a JSON number"), (["a"], "is a JSON array"),

@@ -90,6 +90,15 @@ def test_truncation_keeps_trained_tokens_or_drops_and_counts(tmp_path, capsys):
      "an sft conversation has no assistant turn to train on (roles: user)"),
     ({"messages": "hi"}, UserError, "sft field 'messages' must be a list of"),
     ({"messages": []}, UserError, "an sft conversation is empty (no messages)"),
+    ({"messages": None, "prompt": "hi", "completion": None}, UserError, "'completion' fields; it has prompt"),
+    ({"prompt": "hi", "completion": [{"role": "assistant", "content": "x"}]}, UserError,
+     "an sft record's 'prompt' and 'completion' must both be strings or both be lists of messages; got str and list"),
+    # An ArrayRecord record (bytes) that is not JSON (was: JSONDecodeError, UnicodeDecodeError, RecursionError).
+    (b"plain text", UserError, "sft records must be JSON objects; this one is not valid JSON (Expecting value at "
+                               "column 1)"),
+    (b"\xff\xfe", UserError, "sft records must be JSON objects; this one is not UTF-8 text (byte 1)"),
+    pytest.param(b"[" * 100000, UserError, "this one is not valid JSON (nested too deeply)", id="deep"),
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', UserError, "the sft record holds an unpaired UTF-16"),
 ])
 def test_bad_records_fail_in_one_line(record, error, message, tmp_path):
   with pytest.raises(error) as raised:
@@ -134,6 +143,12 @@ def first_batch(tmp_path, lines: list[str], name: str = "train.jsonl", **overrid
   for _ in range(4):  # the global batch is one row per device: enough rows to reach every record
     next(iterator)
   return data
+
+
+def test_a_file_mixing_conversations_and_pairs_trains(tmp_path):
+  """datasets gives the pairs messages=None and the conversations prompt=completion=None; the pair was refused with
+  "sft field 'messages' must be a list of ... messages, got 'None'"."""
+  first_batch(tmp_path, [json.dumps(GOOD), json.dumps({"prompt": "to be", "completion": " or not"})])
 
 
 def test_an_empty_conversation_is_named_by_file_and_line(tmp_path):

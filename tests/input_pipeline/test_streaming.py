@@ -106,7 +106,8 @@ def test_one_shard_is_read_at_a_time_with_the_next_read_ahead(spm_model, shards,
 
 
 @pytest.mark.parametrize("suffix", SUFFIXES)
-def test_a_restart_mid_shard_opens_only_that_shard_and_continues_exactly(spm_model, shards, opened, suffix):
+def test_a_restart_mid_shard_opens_only_that_shard_and_continues_exactly(spm_model, shards, opened, suffix,
+                                                                         monkeypatch):
   values = _values(spm_model, stream_train_files=str(shards / f"*.{suffix}"), data_prefetch_batches=2)
   data = _iterator(values)
   while (data.get_state()["shards"]["0"]["index"] >> streaming.ROW_BITS) < 2:  # into the third file visited
@@ -118,11 +119,22 @@ def test_a_restart_mid_shard_opens_only_that_shard_and_continues_exactly(spm_mod
   assert 0 < row < PER_SHARD or state["shards"]["0"]["offset"] > 0, state  # mid-shard
   stream = streaming.ShardStream("k", str(shards / f"*.{suffix}"), data.shard, str, "text", 0, True, "w")
   unfinished = storage.name(stream.file_of_visit(visit) or "")
-  opened.clear()
+  # The resumed stream's own fetches: the closed one's read-ahead may still land (beside the full test run it did,
+  # on the file the resumed stream opens first).
+  threads_before = {t.ident for t in threading.enumerate()}
+  fetched: list[str] = []
+  recording = streaming._open_shard
+
+  def resumed_fetch(path: str):
+    if threading.get_ident() not in threads_before:
+      fetched.append(storage.name(path))
+    return recording(path)
+
+  monkeypatch.setattr(streaming, "_open_shard", resumed_fetch)
   resumed = _iterator(values)
   resumed.set_state(state)
   first = _take(resumed, 1)
-  assert opened[0] == unfinished and len(set(opened[:2])) == len(opened[:2])
+  assert fetched[0] == unfinished and len(set(fetched[:2])) == len(fetched[:2]), fetched
   _assert_same(first + _take(resumed, 19), expected)
   resumed.close()
 
@@ -224,7 +236,9 @@ def test_every_line_of_a_json_shard_is_a_json_record(tmp_path):
       ("truncated.jsonl", b'{"text": "fine"}\n{"text": "cut her', "line 2: not valid JSON"),
       ("binary.jsonl", b'{"text": "fine"}\n\xff\xfe\x00garbage\n', "line 2: not"),
       ("null.jsonl", b'{"text": "fine"}\n{"text": null}\n', "line 2: column 'text' is null"),
-      ("list.jsonl", b'{"text": ["a", "b"]}\n', "line 1: column 'text' is a JSON array, not text")]:
+      ("list.jsonl", b'{"text": ["a", "b"]}\n', "line 1: column 'text' is a JSON array, not text"),
+      # json decodes it into a str no tokenizer takes (was a RuntimeError / TypeError from the tokenizer)
+      ("surrogate.jsonl", b'{"text": "fine"}\n{"text": "a \\ud800 b"}\n', "line 2: holds an unpaired UTF-16 surrogate")]:
     (tmp_path / name).write_bytes(lines)
     assert problem in _one_line_error(tmp_path / name), name
 
@@ -254,3 +268,34 @@ def test_a_damaged_arrayrecord_shard_is_one_line_naming_it(tmp_path, shards):
   bad = tmp_path / "bad.array_record"
   bad.write_bytes((shards / "shard-000.array_record").read_bytes()[:-100])
   assert "is not a readable ArrayRecord file" in _one_line_error(bad)
+
+
+def test_json_nested_past_the_parsers_limit_is_one_line_naming_the_record(tmp_path):
+  """Was: RecursionError with a traceback, from a JSONL line and from a JSON array shard."""
+  (tmp_path / "deep.jsonl").write_text('{"text": "fine"}\n' + '{"text": ' + "[" * 100000 + "\n")
+  assert "line 2: not readable JSON (nested deeper than JSON can be read)" in _one_line_error(tmp_path / "deep.jsonl")
+  (tmp_path / "deep.json").write_text("[" * 100000)
+  assert "nested deeper than JSON can be read" in _one_line_error(tmp_path / "deep.json")
+
+
+def test_a_shard_file_gone_when_its_turn_comes_is_one_line_naming_it(tmp_path):
+  """A file listed at start-up and deleted (or replaced by a folder) before the stream reached it was a
+  FileNotFoundError / IsADirectoryError traceback from the read-ahead thread."""
+  for gone in ("deleted", "a folder"):
+    directory = tmp_path / gone
+    directory.mkdir()
+    for i in range(3):
+      (directory / f"s{i}.jsonl").write_text("".join(json.dumps({"text": f"doc {i} {j}"}) + "\n" for j in range(3)))
+    stream = streaming.ShardStream("stream_train_files", str(directory / "*.jsonl"), HostShard(0, 1, 1), lambda d: d,
+                                   "text", None, True, "the train data")
+    documents = stream.read_from(0)
+    assert next(documents).document == "doc 0 0"  # s1 is read ahead now; s2 is opened when s1 is reached
+    (directory / "s2.jsonl").unlink()
+    if gone == "a folder":
+      (directory / "s2.jsonl").mkdir()
+    with pytest.raises(UserError) as error:
+      for _ in range(9):
+        next(documents)
+    message = str(error.value)
+    assert message.startswith(f"{directory / 's2.jsonl'} cannot be read (") and "restore it" in message \
+        and "\n" not in message, message

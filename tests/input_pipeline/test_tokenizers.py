@@ -75,3 +75,45 @@ def test_train_tokenizer_command_line(tmp_path):
   bad = subprocess.run(command[:3] + [f"data_files={tmp_path / 'none*.txt'}"] + command[4:], cwd=REPO_ROOT,
                        capture_output=True, text=True, timeout=120)
   assert bad.returncode == 2 and bad.stderr.strip().startswith("error: data_files: no file matches")
+
+
+@pytest.mark.parametrize("config, problem", [
+    (b'{"bos_token": "<s>",', "is not valid JSON"), (b"\xff\xfe", "is not valid JSON"),
+    (b'["<s>"]', "holds a JSON list, not the object of a tokenizer's config"),
+    (b'{"chat_template": 5}', "chat_template is a int, not a template's text"),
+], ids=["cut", "not-utf8", "a-list", "template-a-number"])
+def test_a_damaged_tokenizer_config_is_one_line_naming_it(tmp_path, config, problem):
+  """Was: JSONDecodeError / UnicodeDecodeError / AttributeError tracebacks from the tokenizer's loading."""
+  from MaxText.input_pipeline import chat
+  from tests.input_pipeline.sft_fixtures import write_tokenizer
+
+  directory = write_tokenizer(tmp_path / "tok", None)
+  (directory / "tokenizer_config.json").write_bytes(config)
+  loads = [lambda: chat.load_chat_tokenizer(str(directory))]
+  if problem != "chat_template is a int, not a template's text":  # only the chat paths read the template
+    loads.append(lambda: load_tokenizer("huggingface", str(directory)))
+  for load in loads:
+    with pytest.raises(ConfigError) as raised:
+      load()
+    assert f"{directory / 'tokenizer_config.json'}" in str(raised.value) and problem in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+def test_train_tokenizer_reads_json_lines_or_names_the_line_it_cannot(tmp_path):
+  """A BOM before the first JSON line is the file's (was: JSONDecodeError "Unexpected UTF-8 BOM"); a pretty-printed
+  JSON array, a cut line, a string record or a non-text field is one line naming file and line (were tracebacks)."""
+  from MaxText import train_tokenizer
+  from MaxText.errors import UserError
+
+  good = tmp_path / "good.jsonl"
+  good.write_bytes(b'\xef\xbb\xbf{"text": "first"}\n\n{"text": "second", "id": 2}\n{"id": 3}\n')
+  assert list(train_tokenizer.iterate_lines([str(good)], "text", 100)) == ["first", "second"]
+  for name, content, problem in [
+      ("array.json", '[\n  {"text": "a"}\n]\n', "line 1 is not a JSON record (Expecting value at column 1)"),
+      ("cut.jsonl", '{"text": "a"}\n{"text": "b', "line 2 is not a JSON record (Unterminated string"),
+      ("string.jsonl", '"just text"\n', "line 1 is a JSON str, not an object"),
+      ("number.jsonl", '{"text": 5}\n', "line 1: field 'text' is a int, not text")]:
+    (tmp_path / name).write_text(content)
+    with pytest.raises(UserError) as raised:
+      list(train_tokenizer.iterate_lines([str(tmp_path / name)], "text", 100))
+    assert str(raised.value).startswith(f"{tmp_path / name} {problem}"), str(raised.value)
