@@ -206,6 +206,16 @@ def test_no_advantage_at_all_is_refused(tiny_overrides):
     _config(tiny_overrides, "", rl_teacher_kl_weight=0.0)
 
 
+def test_a_teacher_shorter_than_the_students_context_is_one_line_naming_the_teacher(tiny_overrides, tmp_path):
+  """The teacher runs on the student's rows (max_target_length 16): a learned position table of 8 rows cannot. The
+  line named max_position_embeddings alone, which the student (rope) does not have."""
+  short = _teacher_overrides(position_embedding="learned", max_position_embeddings=8)
+  with pytest.raises(ConfigError) as error:
+    build_run(_config(tiny_overrides, str(tmp_path), distill_teacher_overrides=short), devices=jax.devices()[:1])
+  assert str(error.value).startswith(f"rl_teacher_kl_weight > 0: the teacher (distill_teacher_path={tmp_path}) with "
+                                     "this run's other keys: max_target_length (16) exceeds max_position_embeddings (8)")
+
+
 def test_a_teacher_of_another_vocabulary_or_tokenizer_is_one_line(tiny_overrides, teacher_path, tmp_path):
   with pytest.raises(UserError, match="the teacher .* has vocab_size=256, the student 128: .* same tokenizer"):
     build_run(_config(tiny_overrides, teacher_path, distill_teacher_overrides=_teacher_overrides(vocab_size=256)),

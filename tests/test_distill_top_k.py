@@ -183,9 +183,24 @@ def test_a_damaged_or_foreign_shard_is_one_line(top_k_dir, tmp_path):
     _read_all(foreign)
 
 
-def test_the_tool_refuses_what_it_cannot_write(teacher_path, top_k_dir):  # noqa: F811
+def test_the_tool_refuses_what_it_cannot_write(teacher_path, top_k_dir, tmp_path):  # noqa: F811
   with pytest.raises(UserError, match="already exists; choose a new distill_top_k_path"):
     generate_teacher_top_k.generate(_config(teacher_path, distill_top_k_path=top_k_dir), jax.devices()[:1])
+  # Under a file: was a NotADirectoryError traceback at the first batch, after the teacher had loaded and run.
+  (tmp_path / "a_file").write_text("")
+  blocked = str(tmp_path / "a_file" / "top_k")
+  with pytest.raises(UserError, match=f"distill_top_k_path={blocked} cannot be written: .*a_file is a file, not a folder; choose"):
+    generate_teacher_top_k.generate(_config(teacher_path, distill_top_k_path=blocked), jax.devices()[:1])
+  # A full disk at the first part: was an OSError traceback.
+  def full(*args, **kwargs):
+    raise OSError(28, "No space left on device", args[0])
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(np.lib.format, "open_memmap", full)
+    with pytest.raises(UserError, match=r"cannot write the teacher's top k to .*full \(No space left on device\) at "
+                       r"train batch 1 of 4; free space there"):
+      generate_teacher_top_k.generate(_config(teacher_path, distill_top_k_path=str(tmp_path / "full")),
+                                      jax.devices()[:1])
   with pytest.raises(ConfigError, match="generate_teacher_top_k writes the teacher's top k on a distillation run's "
                      "batches: it needs objective=distill"):
     generate_teacher_top_k.generate(_config("", distill_top_k_path="/nonexistent/top_k"), jax.devices()[:1])
@@ -227,3 +242,22 @@ def test_a_killed_run_from_files_rerun_is_bitwise_equal(tmp_path, teacher_path):
   rerun = _run(command)
   assert f"state: resumed from step {latest}" in rerun.stdout
   assert _losses(run_dir) == uninterrupted
+
+
+@pytest.mark.parametrize("content, problem", [(b"\xff\xfe{", "manifest.json is not JSON (not UTF-8 text)"),
+                                              (b"[1, 2]", "manifest.json holds a JSON list, not this writer's object"),
+                                              (b'{"format": 1}', "manifest.json has top_k=None, not a whole number >= 1"),
+                                              (b'{"format": 1, "top_k": 8, "num_data_shards": 1, "batches_per_part": 64, '
+                                               b'"data": {}, "batches": ["train"]}',
+                                               "manifest.json has batches=['train'], not an object of batch counts per "
+                                               "split")],
+                         ids=["not-utf8", "a-list", "no-fields", "batches-a-list"])
+def test_a_damaged_manifest_is_one_line(tmp_path, content, problem):
+  """Was: a UnicodeDecodeError / AttributeError traceback (a manifest that is not JSON was one line already); a
+  manifest without the writer's fields (or with them of another type) a KeyError / AttributeError traceback."""
+  from MaxText.input_pipeline import teacher_top_k
+
+  (tmp_path / "manifest.json").write_bytes(content)
+  with pytest.raises(UserError) as raised:
+    teacher_top_k.read_manifest(str(tmp_path))
+  assert str(raised.value) == f"distill_top_k_path {tmp_path}: {problem}; write the files again", str(raised.value)

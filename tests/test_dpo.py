@@ -183,6 +183,23 @@ def test_a_pair_truncated_to_no_completion_is_dropped_and_counted(tokenizer_dir,
          "1 dropped so far" in capsys.readouterr().out
 
 
+def test_a_pair_whose_sides_are_the_same_tokens_is_dropped_and_counted(tokenizer_dir, capsys):
+  """Such a pair has a log 2 loss and a zero gradient at every step; it was trained on, silently, only shrinking
+  the other pairs' share of the mean. Two completions that differ only past max_target_length are such a pair."""
+  encoder = _encoder(tokenizer_dir, max_target_length=40)
+  prompt = [{"role": "user", "content": "to be"}]
+  same = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "or not"}],
+          "rejected": [{"role": "assistant", "content": "or not"}]}
+  cut = {"prompt": prompt, "chosen": [{"role": "assistant", "content": " ".join(WORDS) + " yes"}],
+         "rejected": [{"role": "assistant", "content": " ".join(WORDS) + " no"}]}
+  real = {**same, "rejected": [{"role": "assistant", "content": "not or"}]}
+  batch, num_real = _batch(encoder, [same, cut, real], rows=1, length=40)
+  assert num_real == 1 and _completion_text(encoder, batch, "rejected_", 0) == "not or<|im_end|>"
+  out = capsys.readouterr().out
+  assert "warning: dpo: dropped a sample (chosen and rejected are the same tokens within max_target_length + 1 = " \
+         "41 tokens: the pair prefers nothing); 2 dropped so far" in out
+
+
 @pytest.mark.parametrize("record, error, message", [
     ({"prompt": "to be", "chosen": " or not"}, UserError,
      "a dpo record needs 'prompt', 'chosen' and 'rejected' fields; it lacks 'rejected' (it has prompt, chosen)"),
@@ -221,7 +238,9 @@ DPO_DATA = dict(objective="dpo", dataset_type="hf", hf_data_files="train.jsonl",
     (dict(tokenizer_type="sentencepiece"), "set tokenizer_type=huggingface"),
     (dict(load_full_state_path="/somewhere"), "objective=dpo starts from load_parameters_path"),
     (dict(dpo_label_smoothing=0.5), "dpo_label_smoothing (the probability a preference label is flipped) must be"),
-    (dict(dpo_beta=0.0), "dpo_beta must be > 0"),
+    (dict(dpo_beta=0.0), "dpo_beta must be a finite float32 number > 0, got 0.0"),
+    (dict(dpo_beta=math.inf), "dpo_beta must be a finite float32 number > 0, got inf"),  # NaN: inf * 0 at step 1
+    (dict(dpo_beta=1e39), "dpo_beta must be a finite float32 number > 0, got 1e+39"),  # inf on the device
 ])
 def test_configuration_errors(tiny_overrides, overrides, message):
   with pytest.raises(ConfigError, match=None) as raised:

@@ -87,6 +87,10 @@ def test_a_reward_function_that_exits_is_an_error_naming_it(tiny_overrides, tmp_
     ("return None", "returned a scalar for 2 completions"),
     ("return {'a': 1}", "returned dict, not a list of floats"),
     ("return [Exits(), Exits()]", "raised SystemExit: 3"),  # the exit comes while the values are read
+    # Was "returned nan for completion 1": numpy reads None as nan.
+    ("return [1.0, None]", "returned None for completion 1 (prompt record 7); rewards must be finite numbers"),
+    # Was taken: float64 dropped the imaginary parts (with only a ComplexWarning).
+    ("import numpy; return numpy.array([1 + 2j, 0j])", "returned complex numbers (complex128)"),
 ])
 def test_a_reward_function_that_returns_the_wrong_thing_is_an_error_naming_it(tiny_overrides, tmp_path, monkeypatch,
                                                                                body, message):
@@ -180,6 +184,21 @@ def test_message_prompts_without_a_chat_template_are_one_error(tiny_overrides, t
   assert len(_prompt_set(tiny_overrides, tmp_path / "with", records, without_markers(CHATML)).prompts) == 2
 
 
+@pytest.mark.parametrize("prompt, template, problem", [
+    ([{"role": "user", "content": None}], None, "the prompt's messages: UndefinedError"),  # (datasets drops None)
+    ("the quick fox", "{{ raise_exception('no system turn') }}", "TemplateError: no system turn"),
+], ids=["content-none", "template-raises"])
+def test_a_prompt_the_chat_template_fails_on_is_one_error_naming_the_record(tiny_overrides, tmp_path, prompt,
+                                                                             template, problem):
+  """Was: the template's TypeError / TemplateError as a traceback (SFT's records already said it in one line)."""
+  records = [{"prompt": "the lazy dog"}, {"prompt": prompt}] if template is None else [{"prompt": prompt}]
+  with pytest.raises(UserError) as error:
+    _prompt_set(tiny_overrides, tmp_path, records, template or without_markers(CHATML))
+  message = str(error.value)
+  assert message.startswith(f"prompt record {len(records) - 1} of ") and "the chat template cannot render" in message \
+      and problem in message and "\n" not in message, message
+
+
 @pytest.mark.parametrize("column", ["completions", "prompts", "completion_ids"])
 def test_a_column_named_like_a_reward_argument_is_one_error_naming_it(tiny_overrides, tmp_path, column):
   records = [{"prompt": "the quick fox", "answer": "dog"}, {"prompt": "the lazy dog", column: [1, 2]}]
@@ -253,7 +272,8 @@ def test_the_run_guards_its_first_batch_with_the_watchdog(monkeypatch, capsys):
   exits: list[int] = []
   watchdog = StepWatchdog(0.5, exit=exits.append)
   start = SimpleNamespace(data_state=None, state=None)
-  reader = SimpleNamespace(objective=SimpleNamespace(uses_rollouts=False), data_iterator=_SlowFirstBatch)
+  reader = SimpleNamespace(objective=SimpleNamespace(uses_rollouts=False), data_iterator=_SlowFirstBatch,
+                           config=SimpleNamespace(data=SimpleNamespace(reuse_example_batch=False)))  # read once the batch ends
   threading.Thread(target=train.open_data, args=(reader, start, watchdog), daemon=True).start()
   for _ in range(100):
     if exits:

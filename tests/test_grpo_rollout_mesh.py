@@ -27,6 +27,11 @@ def _config(tiny_overrides, **extra) -> Config:
 @pytest.mark.parametrize("overrides, message", [
     (dict(rl_rollout_devices=8), "rl_rollout_devices=8 leaves no device to train of the 8 devices"),
     (dict(rl_rollout_devices=12), "rl_rollout_devices=12 leaves no device to train of the 8 devices"),
+    # was: "ici_fsdp_parallelism = 8 does not divide 4 devices per slice", the 8 devices the user counted
+    (dict(rl_rollout_devices=4, ici_fsdp_parallelism=8), "ici_fsdp_parallelism = 8 does not divide 4 devices per slice "
+     "(the training mesh has 4 of the 8 devices: rl_rollout_devices=4 roll out)"),
+    (dict(rl_rollout_devices=-1), "rl_rollout_devices must be >= 0 (the last devices that roll out on a mesh of their "
+     "own; 0 = roll out on the training mesh), got -1"),  # was: "-1 leaves no device to train"
     (dict(rl_rollout_devices=4, rl_rollout_ici_tensor_parallelism=3),
      "rl_rollout_ici_tensor_parallelism=3 does not divide the rl_rollout_devices=4"),
     (dict(rl_rollout_devices=6, rl_rollout_ici_tensor_parallelism=6, per_device_batch_size=2),

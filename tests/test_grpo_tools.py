@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -148,6 +149,17 @@ def test_limits_end_episodes(tokenizer):
   assert all(all(e.model_mask) for e in short)  # the tool's answer would pass max_context: not appended
 
 
+def test_an_opening_that_leaves_no_token_within_the_episode_limit_is_one_line(tokenizer):
+  """rl_max_episode_tokens below the opening's length left a negative budget: the turn-batched path trained on
+  an empty turn, the interleaved one on a token past the limit; now one line naming the limit."""
+  env = environments.Guarded("calculator", calculator.factory("answer"), 5.0)
+  records = [(5, "what is 123 * 45?", {"answer": "5535"})] * 2
+  with pytest.raises(UserError) as error:
+    episodes.run(env, tokenizer, tokenizer.eos_token_id, records, _scripted(tokenizer, [CALL] * 4, []), _params,
+                 _limits(max_episode_tokens=8))
+  assert "prompt record 5" in str(error.value) and "rl_max_episode_tokens=8" in str(error.value)
+
+
 # ---- environments that misbehave: one line each -----------------------------------------------------
 
 HOSTILE = '''
@@ -190,6 +202,34 @@ class BadStart(Base):
 class BadInit:
   def __init__(self, prompt, **columns):
     raise KeyError("answer")
+
+class NotText(Base):
+  def step(self, turn):
+    return ([{"role": "tool", "content": b"\\xff".decode("utf-8", "surrogateescape")}], 0.0, False)
+
+class ToolReply(Base):
+  def step(self, turn):
+    return ([{"role": "tool", "content": "4"}], 0.0, False)
+
+class NotJson(Base):
+  def step(self, turn):
+    return ([{"role": "tool", "content": "4", "meta": {1, 2}}], 0.0, False)
+
+
+class ToolsNotJson(Base):
+  tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": int}}}]
+
+  def step(self, turn):
+    return ([], 0.0, True)
+
+
+class ToolsRaise(Base):
+  @property
+  def tools(self):
+    raise RuntimeError("the schema registry is down")
+
+  def step(self, turn):
+    return ([], 0.0, True)
 '''
 
 
@@ -211,8 +251,18 @@ def hostile(tmp_path, monkeypatch) -> str:
                  "Step (messages, reward, done) or such a tuple"),
     ("BadReward", "error: environment hostile_envs:BadReward: step returned the reward nan for prompt record 7"),
     ("BadStart", "error: environment hostile_envs:BadStart: start returned str for prompt record 7"),
+    ("NotText", "error: environment hostile_envs:NotText: step returned a content that is not text in message 0 (it "
+                "holds an unpaired surrogate, which no tokenizer takes) for prompt record 7"),
     ("BadInit", "error: environment hostile_envs:BadInit raised KeyError: 'answer' (in creating the episode, prompt "
                 "record 7)"),
+    # an extra key JSON cannot hold: was taken, and a checkpoint of episodes made ahead failed on it (a traceback)
+    ("NotJson", "error: environment hostile_envs:NotJson: step returned a message JSON cannot hold (TypeError: Object "
+                "of type set is not JSON serializable) as message 0 for prompt record 7"),
+    ("ToolsNotJson", "error: environment hostile_envs:ToolsNotJson: the episode's tools are not JSON (TypeError: "
+                     "Object of type type is not JSON serializable) for prompt record 7; give JSON schemas"),
+    # a tools property that raises was read outside the guard: a RuntimeError traceback
+    ("ToolsRaise", "error: environment hostile_envs:ToolsRaise raised RuntimeError: the schema registry is down (in "
+                   "tools, prompt record 7)"),
 ])
 def test_an_environment_that_misbehaves_stops_in_one_line(tokenizer, hostile, name, message):
   path = f"{hostile}:{name}"
@@ -221,6 +271,43 @@ def test_an_environment_that_misbehaves_stops_in_one_line(tokenizer, hostile, na
     episodes.run(env, tokenizer, tokenizer.eos_token_id, [(7, "p", {}), (8, "q", {})],
                  _scripted(tokenizer, ["hi"] * 4, []), _params, _limits())
   assert f"error: {error.value}".startswith(message) and "\n" not in str(error.value)
+
+
+def test_numpy_scalars_are_a_steps_reward_and_done():
+  """An environment scoring with numpy (np.float32, np.int64, np.bool_) was refused: 'the reward 0.5 ... must be a
+  finite number'; a numpy nan is still refused."""
+  class Episode:
+    def __init__(self, reward, done):
+      self.answer = ([{"role": "tool", "content": "ok"}], reward, done)
+
+    def step(self, turn):
+      return self.answer
+
+  env = environments.Guarded("numpy_env", lambda **_: None, 5.0)
+  turn = environments.model_turn("hi", True, 1)
+  steps = env.step([Episode(np.float32(0.5), np.bool_(True)), Episode(np.int64(2), np.bool_(False))], [turn] * 2,
+                   [7, 8])
+  assert [(s.reward, s.done) for s in steps] == [(0.5, True), (2.0, False)]
+  assert all(type(s.reward) is float and type(s.done) is bool for s in steps)
+  with pytest.raises(UserError, match=r"step returned the reward np.float32\(nan\) for prompt record 7"):
+    env.step([Episode(np.float32("nan"), True)], [turn], [7])
+  with pytest.raises(UserError, match=r"step returned the reward np.True_ for prompt record 7"):
+    env.step([Episode(np.bool_(True), True)], [turn], [7])
+
+
+def test_a_chat_template_that_refuses_the_environments_messages_stops_in_one_line(hostile, tmp_path):
+  """A template without a tool role (it raises, as Llama 2's and Mistral's do) was a TemplateError traceback."""
+  refusing = ("{%- for m in messages %}{%- if m['role'] == 'tool' %}{{ raise_exception('no tool role') }}{%- endif %}"
+              "{{ m['role'] + ': ' + m['content'] + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}assistant: "
+              "{%- endif %}")
+  refuses = chat.load_chat_tokenizer(str(write_tokenizer(tmp_path / "refusing", refusing)))
+  path = f"{hostile}:ToolReply"
+  env = environments.Guarded(path, environments.load(path), 5.0)
+  with pytest.raises(UserError) as error:
+    episodes.run(env, refuses, refuses.eos_token_id, [(7, "p", {})], _scripted(refuses, ["hi"] * 4, []), _params,
+                 _limits())
+  assert str(error.value).startswith("the chat template cannot render an episode's messages (roles user, assistant, "
+                                     "tool): TemplateError: no tool role") and "\n" not in str(error.value), error.value
 
 
 @pytest.mark.parametrize("path, message", [
@@ -237,6 +324,8 @@ def test_an_environment_that_cannot_load_is_a_config_error(hostile, path, messag
 @pytest.mark.parametrize("overrides, message", [
     (dict(rl_max_turns=0), "rl_max_turns must be >= 1"),
     (dict(rl_environment_timeout_seconds=0), "rl_environment_timeout_seconds must be > 0"),
+    (dict(rl_environment_timeout_seconds=float("inf")), "rl_environment_timeout_seconds must be > 0 and at most "
+     f"{threading.TIMEOUT_MAX:.0f} (the most one call of the environment may take; a thread waits no longer), got inf"),
     (dict(rl_max_episode_tokens=40), "rl_max_episode_tokens=40 must be in [0, max_target_length + 1 = 17]"),
 ])
 def test_environment_configuration_errors(tiny_overrides, overrides, message):

@@ -187,10 +187,11 @@ def test_the_engine_records_the_trainers_log_probs_and_equal_ones_leave_the_step
   (off_state, off), (on_state, on) = results["off"], results["token_mask"]
   for name in ("loss", "grad_norm", "kl", "entropy"):
     np.testing.assert_allclose(float(on[name]), float(off[name]), rtol=1e-5, atol=1e-6, err_msg=name)
-  # The weights are 1 to float rounding (two compiled forwards); Adam (lr 1e-2) scales a near-zero
-  # gradient's rounding up to the step size, so the parameters agree to 1e-5, not bitwise.
+  # The weights are 1 to float rounding (two compiled forwards). Adam (lr 1e-2) steps each parameter by
+  # about lr whatever its gradient's size, so a gradient that nearly cancels, with a relative rounding of
+  # 1e-3, moves by 1e-5 (1.2e-5 seen): 1e-4 is 1% of a step; a weight that is not 1 moves whole steps.
   for a, b in zip(jax.tree.leaves(on_state.params), jax.tree.leaves(off_state.params)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
   assert float(on["sampling/importance_sampling_corrected"]) == 0
   assert float(on["sampling/importance_sampling_ratio/max"]) == pytest.approx(1.0, abs=1e-5)
   assert float(on["sampling/kl"]) == pytest.approx(0.0, abs=1e-6)

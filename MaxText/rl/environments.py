@@ -19,14 +19,19 @@ answers the model, as the calculator does.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import numbers
 import queue
 import threading
 import time
 from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar
 
+import numpy as np
+
 from MaxText.errors import ConfigError, UserError
 from MaxText.inference import tool_calls
+from MaxText import json_text
 from MaxText.rl import rewards
 
 T = TypeVar("T")
@@ -159,12 +164,18 @@ class Guarded:
     return PendingStep(self, episode, turn, index, finished, key)
 
   def tools(self, episode: Any, index: int) -> list[dict[str, Any]] | None:
-    tools = getattr(episode, "tools", None)
+    # Guarded as the methods are: `tools` may be a property, the user's code.
+    tools = self.call_all("tools", [lambda: getattr(episode, "tools", None)], [index])[0]
     if tools is None:
       return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
       raise UserError(f"environment {self.name}: the episode's tools is {type(tools).__name__} for prompt record "
                       f"{index}; it must be a list of JSON schemas (dicts), or absent")
+    try:  # as a message: a checkpoint holds the episodes made ahead as JSON
+      json.dumps(tools)
+    except (TypeError, ValueError, RecursionError) as e:
+      raise UserError(f"environment {self.name}: the episode's tools are not JSON ({type(e).__name__}: "
+                      f"{str(e)[:100]}) for prompt record {index}; give JSON schemas") from None
     return tools
 
   def _step(self, value: object, index: int) -> Step:
@@ -173,14 +184,14 @@ class Guarded:
     if not isinstance(value, Step):
       raise UserError(f"environment {self.name}: step returned {type(value).__name__} for prompt record {index}; it "
                       "must return a Step (messages, reward, done) or such a tuple")
-    reward = value.reward
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+    reward = value.reward  # numpy's scalars (np.float32, np.int64) are numbers.Real too; bools are not rewards
+    if isinstance(reward, (bool, np.bool_)) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
       raise UserError(f"environment {self.name}: step returned the reward {reward!r} for prompt record {index}; it "
                       "must be a finite number")
-    if not isinstance(value.done, bool):
+    if not isinstance(value.done, (bool, np.bool_)):
       raise UserError(f"environment {self.name}: step returned done={value.done!r} for prompt record {index}; it must "
                       "be True or False")
-    return Step(self.messages(value.messages, "step", index), float(reward), value.done)
+    return Step(self.messages(value.messages, "step", index), float(reward), bool(value.done))
 
   def messages(self, value: object, method: str, index: int, allow_assistant: bool = False) -> list[Message]:
     roles = ROLES + (("assistant",) if allow_assistant else ())
@@ -204,6 +215,12 @@ def _message_problem(value: object, roles: Sequence[str], empty_ok: bool) -> str
       return f"the role {message.get('role')!r} in message {i}"
     if not isinstance(message.get("content"), str):
       return f"a {type(message.get('content')).__name__} content in message {i}"
+    if json_text.has_unpaired_surrogate(message["content"]):  # e.g. a tool's output decoded with surrogateescape
+      return f"a content that is not text in message {i} (it holds an unpaired surrogate, which no tokenizer takes)"
+    try:  # a checkpoint holds the episodes made ahead as JSON (rollouts.py)
+      json.dumps(message)
+    except (TypeError, ValueError, RecursionError) as e:
+      return f"a message JSON cannot hold ({type(e).__name__}: {str(e)[:100]}) as message {i}"
   return None
 
 

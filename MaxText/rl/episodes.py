@@ -85,11 +85,17 @@ class Renderer:
     self.tokenizer = tokenizer
     self.eos_text = tokenizer.decode([eos_id], skip_special_tokens=False) if eos_id is not None else ""
 
-  def text(self, messages: list[Message], tools: list[dict[str, Any]] | None, generation_prompt: bool) -> str:
-    return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                              tools=tools)
+  def text(self, messages: list[Message], tools: list[dict[str, Any]] | None, generation_prompt: bool,
+           guard: chat.ContentGuard | None = None) -> str:
+    """`guard` (chat.ContentGuard): a special token's spelling in a message (a tool's output) stays text."""
+    what = f"an episode's messages (roles {', '.join(str(m.get('role')) for m in messages)})"
+    if guard is not None:
+      messages, tools = guard.hide(messages), guard.hide(tools)
+    return chat.render(self.tokenizer, messages, generation_prompt, tools, what=what)
 
-  def ids(self, text: str) -> list[int]:
+  def ids(self, text: str, guard: chat.ContentGuard | None = None) -> list[int]:
+    if guard is not None:
+      return guard.encode(self.tokenizer, text)[0]
     return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
   def continuation(self, messages: list[Message], new: list[Message], tools: list[dict[str, Any]] | None,
@@ -97,13 +103,14 @@ class Renderer:
     """The tokens after the model's last one: the rest of its turn as the template closes it (from its
     end token on when the model did not write it, `ended` False), the new messages and the next
     generation prompt."""
-    before = self.text(messages, tools, False)
-    after = self.text(messages + new, tools, True)
+    guard = chat.ContentGuard(self.tokenizer, messages, new, tools)
+    before = self.text(messages, tools, False, guard)
+    after = self.text(messages + new, tools, True, guard)
     if not after.startswith(before):
       raise UserError(f"prompt record {index}: the chat template renders the episode differently once the "
                       "environment's messages are appended (the earlier text changes), so the model's context "
                       "cannot grow turn by turn; use a template that renders each message on its own")
-    prefix, reply = self.text(messages[:-1], tools, True), messages[-1]["content"]
+    prefix, reply = self.text(messages[:-1], tools, True, guard), guard.hide(messages[-1]["content"])
     if before.startswith(prefix + reply):
       closing = before[len(prefix + reply):]
     else:  # the template rewrites the reply (trims it): its turn closes at its last end token
@@ -111,7 +118,7 @@ class Renderer:
       closing = before[at:] if at >= 0 else ""
     if ended and self.eos_text and closing.startswith(self.eos_text):
       closing = closing[len(self.eos_text):]  # the model wrote it: it is in the context already
-    return self.ids(closing + after[len(before):])
+    return self.ids(closing + after[len(before):], guard)
 
 
 @dataclasses.dataclass
@@ -133,10 +140,15 @@ def open_episodes(env: environments.Guarded, renderer: Renderer, records: Sequen
   episodes = []
   for obj, opening, index in zip(objects, openings, indices):
     tools = env.tools(obj, index)
-    ids = renderer.ids(renderer.text(opening, tools, True))
+    guard = chat.ContentGuard(renderer.tokenizer, opening, tools)
+    ids = renderer.ids(renderer.text(opening, tools, True, guard), guard)
     if not 1 <= len(ids) <= limits.max_context:
       raise UserError(f"prompt record {index}: the environment's opening messages are {len(ids)} tokens; an episode "
                       f"must start with 1 to max_prefill_predict_length={limits.max_context} (raise it or shorten them)")
+    if len(ids) >= limits.max_episode_tokens:  # else the first turn's budget (turn_budget) is not positive
+      raise UserError(f"prompt record {index}: the environment's opening messages are {len(ids)} tokens, which leaves "
+                      f"the model no token within rl_max_episode_tokens={limits.max_episode_tokens}; raise it above "
+                      f"{len(ids)} (0 = max_target_length + 1) or shorten the opening")
     episodes.append(Episode(index, ids, opening, tools))
   return objects, episodes
 

@@ -3,7 +3,7 @@ for its whole life; when its model turn ends, its environment's `step` runs on a
 while the other slots keep decoding, and when the answer comes the appended tokens (the tool's
 message, the next generation prompt) go into that slot and it decodes again.
 
-    all episodes' prompts ─► one prefill + insert per slot ─┐
+    all episodes' prompts ─► one prefill_insert of every slot ┐
       ┌─► decode steps of every slot still in its turn ◄──────┘◄── the slot continues: only the new tokens
       │     a slot's turn ends (its end token or budget) ─► hold the slot; step() on a thread   prefilled
       └── an environment answered ─► advance the episode (episodes.advance) ─► ended: release the slot
@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from MaxText.inference import sampling
+from MaxText.inference import engine_api, sampling
 from MaxText.inference.engine_api import DecodeEngine, StepLimits
 from MaxText.platform import sharding
 from MaxText.input_pipeline import chat
@@ -191,13 +191,14 @@ def _prefill_slots(engine: DecodeEngine, params: Any, state: Any, slots: _Slots,
                    chosen_slots: list[int], row_params: list[sampling.RowParams], limits: Limits) -> Any:
   """The episodes of `chosen_slots` (each with its row's sampler for its turn) prefilled whole, in one
   program of every slot's rows whichever they are (copies of the first pad it): a row's numbers do
-  not depend on which others share the call. Inserted into their slots, each starting its turn."""
+  not depend on which others share the call. Put into their slots in the same call where the engine
+  can (engine_api.prefill_into_slots), each starting its turn."""
   contexts = [episodes[slot].prompt_ids + episodes[slot].tokens for slot in chosen_slots]
   pad = engine.num_slots - len(contexts)
-  prefix = engine.prefill(params, contexts + [contexts[0]] * pad, row_params=row_params + [row_params[0]] * pad)
+  state, prefix = engine_api.prefill_into_slots(engine, params, state, contexts + [contexts[0]] * pad, chosen_slots,
+                                                row_params + [row_params[0]] * pad)
   tokens, chosen = sharding.on_host(prefix.first_tokens_B), sharding.on_host(prefix.first_logprobs.chosen_B)
   for row, (slot, context) in enumerate(zip(chosen_slots, contexts)):
-    state = engine.insert(prefix, state, slot=slot, row=row)
     slots.start_turn(slot, len(context), turn_budget(episodes[slot], limits), int(tokens[row]), float(chosen[row]))
   return state
 

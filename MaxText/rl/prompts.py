@@ -37,14 +37,15 @@ def encode_prompt(tokenizer: chat.ChatTokenizer, value: object, add_bos: bool, t
     messages = chat.as_messages(value, "prompt")
     if not tokenizer.chat_template:
       raise chat.no_template(tokenizer_path, "objective=grpo with message-list prompts (or give prompts as plain strings)")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    guard = chat.ContentGuard(tokenizer, messages)  # a typed "<|im_end|>" stays text
+    return guard.encode(tokenizer, chat.render(tokenizer, guard.hide(messages), True, what="the prompt's messages"))[0]
   if not isinstance(value, str):
     raise UserError(f"a prompt must be a string or a list of messages, got {type(value).__name__}")
   if tokenizer.chat_template:
     return chat.chat_prompt_ids(tokenizer, value)
   bos = [tokenizer.bos_token_id] if add_bos and tokenizer.bos_token_id is not None else []
-  return bos + list(tokenizer(value, add_special_tokens=False)["input_ids"])
+  guard = chat.ContentGuard(tokenizer, value)
+  return bos + guard.encode(tokenizer, guard.hide(value))[0]
 
 
 class PromptSet:
@@ -57,7 +58,10 @@ class PromptSet:
     limit = config.decode.max_prefill_predict_length
     self.prompts: list[Prompt] = []
     for index in range(len(records)):
-      record = chat.as_mapping(records[index], "grpo")
+      try:
+        record = chat.as_mapping(records[index], "grpo")
+      except UserError as e:
+        raise type(e)(f"prompt record {index} of {describe}: {e}") from None
       if column not in record:
         raise UserError(f"prompt record {index} of {describe} has no {column!r} field (rl_prompt_column); its "
                         f"fields: {', '.join(map(str, record)) or 'none'}")

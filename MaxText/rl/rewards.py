@@ -192,6 +192,11 @@ class RewardSet:
       except BaseException as e:  # noqa: BLE001 - the user's code (an exit too): name it and stop
         raise UserError(f"reward function {name} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                         f" (on the completions of prompt records {_records(prompt_indices)})") from None
+      if isinstance(values, (list, tuple)) and any(v is None for v in values):  # numpy reads None as nan
+        i = next(k for k, v in enumerate(values) if v is None)
+        raise UserError(f"reward function {name} returned None for completion {i} (prompt record "
+                        f"{prompt_indices[i] if i < len(prompt_indices) else '?'}); rewards must be finite numbers: "
+                        "score a completion the function does not apply to with 0, or leave the function out")
       per_function[name] = self._checked(name, array, len(completions), prompt_indices)
     with np.errstate(over="ignore", invalid="ignore"):
       total = np.asarray(sum(w * v for w, v in zip(self.weights, per_function.values())), np.float64)
@@ -206,6 +211,8 @@ class RewardSet:
 
   @staticmethod
   def _floats(name: str, values: object) -> np.ndarray:
+    if isinstance(values, np.ndarray) and np.iscomplexobj(values):  # float64 would drop the imaginary parts
+      raise UserError(f"reward function {name} returned complex numbers ({values.dtype}); rewards must be real")
     try:
       return np.asarray(values, np.float64)
     except (TypeError, ValueError):

@@ -5,7 +5,7 @@ devices laid out (data, tensor) by rl_rollout_ici_tensor_parallelism, while the 
     train devices [0, n - r) ── update ──► params (train layout: fsdp/tensor of the run's mesh)
                                               │ jax.device_put to the engine's NamedShardings,
                                               ▼ every rl_weight_sync_interval updates
-    rollout devices [n - r, n) ◄── weights (rollout layout) ── Engine.prefill / decode_step
+    rollout devices [n - r, n) ◄── weights (rollout layout) ── Engine.prefill_insert / decode_step
 
 The copy goes device to device (no host round trip); each one's bytes and seconds are metrics.
 The batch of step t samples from the copy made at step t - t % interval (at most interval - 1

@@ -1,7 +1,7 @@
 """On-policy batches for GRPO: each step's prompts, completions sampled from the current
 parameters by the project's decode engine, their rewards and group-normalised advantages.
 
-    prompts (rl/prompts.py) ─► Engine.prefill + insert + generate, on the run's mesh, from
+    prompts (rl/prompts.py) ─► Engine.prefill_insert + generate, on the run's mesh, from
     state.params (no copy, no host round trip) ─► completions ─► rewards (rl/rewards.py) ─►
     advantages ─► rows [prompt + completion] with the completion's targets weighted
 
@@ -31,9 +31,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from MaxText.configuration.config import Config
 from MaxText.errors import UserError
-from MaxText.inference import quantized_weights, sampling
+from MaxText.inference import engine_api, quantized_weights, sampling
 from MaxText.inference.engine import Engine
-from MaxText.inference.engine_api import DecodeEngine, InsertsRowsTogether
+from MaxText.inference.engine_api import DecodeEngine
 from MaxText.input_pipeline import chat
 from MaxText.input_pipeline.batch_spec import ADVANTAGES, FIELDS, SAMPLER_LOGPS
 from MaxText.platform import sharding
@@ -63,17 +63,18 @@ def generate_scored(engine: DecodeEngine, params: Any, rows: list[list[int]], ro
                     max_new_tokens: int, eos_id: int | None) -> tuple[list[list[int]], list[list[float]]]:
   """(each row's completion as `generate` gives it, the engine's log-probability of each of its
   tokens: TokenLogprobs.chosen_B, the model's distribution at temperature 1 as the engine computes
-  it). All rows share one decode state (one slot per row) and stop together when every row is done."""
-  prefix = engine.prefill(params, rows, row_params=row_params)
+  it). All rows share one decode state (one slot per row) and stop together when every row is done; a
+  row whose cache fills first ends there, with fewer than max_new_tokens."""
+  # A row ends where its slot's cache does (max_target_length + 1 tokens: the last needs no entry), as a
+  # served request ends by length: a slot whose cache is full emits nothing more, so waiting for it would
+  # never end (several steps per call), or would read tokens past its cache (one step per call).
+  caps = [min(max_new_tokens, engine.cfg.max_target_length + 1 - len(prompt)) for prompt in rows]
   state = engine.init_decode_state(row_params[0].seed if row_params else 0)
-  if isinstance(engine, InsertsRowsTogether):  # every row into its slot in one call
-    state = engine.insert_rows(prefix, state, list(range(len(rows))), list(range(len(rows))))
-  else:
-    for row in range(len(rows)):
-      state = engine.insert(prefix, state, slot=row, row=row)
+  # Row i into slot i: one device call where the engine prefills into slots, else prefill then insert.
+  state, prefix = engine_api.prefill_into_slots(engine, params, state, rows, list(range(len(rows))), row_params)
   outputs = [[int(t)] for t in sharding.on_host(prefix.first_tokens_B)]
   logps = [[float(p)] for p in sharding.on_host(prefix.first_logprobs.chosen_B)]
-  done = [max_new_tokens <= 1 or out[-1] == eos_id for out in outputs]
+  done = [cap <= 1 or out[-1] == eos_id for cap, out in zip(caps, outputs)]
   while not all(done):
     state, emitted = engine.decode_step(params, state)
     emitted = dataclasses.replace(emitted, tokens=sharding.on_host(emitted.tokens),
@@ -85,7 +86,7 @@ def generate_scored(engine: DecodeEngine, params: Any, rows: list[list[int]], ro
           break
         out.append(emitted.token(row, i))
         logps[row].append(float(chosen[row] if emitted.counts is None else chosen[row, i]))
-        done[row] = len(out) >= max_new_tokens or out[-1] == eos_id
+        done[row] = len(out) >= caps[row] or out[-1] == eos_id
   return outputs, logps
 
 
