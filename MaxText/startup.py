@@ -134,6 +134,9 @@ def start(tool: Tool, argv: Sequence[str], *, paths: Mapping[str, str] | None = 
                                    reads_data=tool.reads_data)
   if model_keys is not None:
     model_keys.check(config)
+  if tool.joins_job:  # the local tier's directory is each host's own disk (elastic gives each its own)
+    distributed.check_same_config(config.values, per_host=("local_checkpoint_directory",),
+                                  timeout_s=int(overrides.peek("distributed_init_timeout_seconds")))
   started = Started(tool, built_config=config, read_overrides=overrides, topology=topology, num_slices=num_slices,
                     devices=devices)
   with contextlib.ExitStack() as held:

@@ -31,7 +31,7 @@ from MaxText.configuration import run_record
 from MaxText.platform import distributed
 from MaxText.paths import storage
 from MaxText.platform.distributed import log
-from MaxText.errors import run_cli
+from MaxText.errors import ConfigError, run_cli
 from MaxText.input_pipeline import check_sources
 from MaxText.rl import rollout_mesh
 from MaxText.rl.rollouts import RolloutBatches
@@ -46,6 +46,7 @@ def check_resume(config: config_lib.Config, checkpoints: checkpointing.RunCheckp
   against every record the run has (run_record.check_resume) and the keys saved with the step."""
   def check() -> None:
     if checkpoints is None:
+      _refuse_to_start_over(config)
       return
     rewind_to = config.checkpoint.resume_from_step
     if rewind_to >= 0 and checkpoints.rewind_plan(rewind_to):
@@ -66,6 +67,22 @@ def check_resume(config: config_lib.Config, checkpoints: checkpointing.RunCheckp
       log(f"resume check of checkpoint step {step}: against {' and '.join(records)}")
 
   distributed.on_process_0("checking the saved configuration", check)
+
+
+def _refuse_to_start_over(config: config_lib.Config) -> None:
+  """enable_checkpointing=False in a run directory that holds a run's checkpoints started that run
+  over from step 0, rewriting its metrics.jsonl and config.yml (the checkpoints stayed)."""
+  directory = storage.join(config.run.run_dir, "checkpoints")
+  if config.checkpoint.load_full_state_path or not storage.is_dir(directory):
+    return
+  steps = sorted(int(n) for n in storage.listdir(directory) if n.isdigit() and checkpointing.is_step_dir(
+      storage.join(directory, n)))
+  if steps:
+    raise ConfigError(
+        f"enable_checkpointing=False would start run {config.run.run_dir} over from step 0 and rewrite its "
+        f"metrics.jsonl, but it holds checkpoints (newest step {steps[-1]}); drop enable_checkpointing=False to "
+        "resume it, or choose a new run_name (load_full_state_path or load_parameters_path can start it from "
+        f"{directory})")
 
 
 def record_start(config: config_lib.Config) -> None:

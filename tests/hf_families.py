@@ -36,12 +36,14 @@ MESH_HANGS: dict[str, str] = {}
 # (FP32_ATOL elsewhere: a missing feature moves the logits by >= 0.3). The DeltaNet families: a chunk's
 # triangular inverse has entries in the hundreds and carries rounding into the logits (2.4e-5 seen on the
 # 8-device mesh; 2.2e-5 for Qwen3.5's MoE on one device with the tests' unoptimised CPU code,
-# tests/compile_settings.py). Gemma 4's logit check on the mesh: logits soft-capped at 30 round to 2.3e-5 at
-# one position of 32 with that code, under 2e-5 with optimised code.
+# tests/compile_settings.py). Qwen3.5's MoE through the checker on the 8-device mesh: one position of 64 at
+# 6.3e-5 (the rest under 2e-5, KL 1e-10 there, the same with optimised code), 3.3e-5 on one device: the
+# sharded experts' sums in another order, amplified as above. Gemma 4's logit check on the mesh: logits
+# soft-capped at 30 round to 2.3e-5 at one position of 32 with that code, under 2e-5 with optimised code.
 FP32_ATOL = 2e-5
 DELTANET_FP32_ATOL = 5e-5
 CHECKER_FP32_ATOL = {"qwen3_next": DELTANET_FP32_ATOL, "qwen3_5": DELTANET_FP32_ATOL,
-                     "qwen3_5_moe": DELTANET_FP32_ATOL, "gemma4": 3e-5}
+                     "qwen3_5_moe": 1e-4, "gemma4": 3e-5}
 
 
 def checker_atol(family: str) -> str:

@@ -46,6 +46,39 @@ def test_a_config_file_setting_a_key_twice_is_one_line(tmp_path):
   assert read_yaml(recipe)["keys"] == {"steps": 4}
 
 
+def test_a_config_path_that_is_a_directory_says_so(tmp_path):
+  """`train.py configs ...` (the folder for the file) said the folder does not exist."""
+  with pytest.raises(ConfigError, match=r"^config file '.*' is a directory; name a .yml file in it$"):
+    load_config(["train.py", str(tmp_path)], environ={}, target=CPU8)
+
+
+def test_a_base_config_chain_that_comes_back_is_one_line(tmp_path):
+  """A user's own base.yml naming `base_config: base.yml` (meaning the repo's) named itself: a RecursionError
+  traceback before."""
+  own = tmp_path / "base.yml"
+  own.write_text("base_config: base.yml\nsteps: 3\n")
+  with pytest.raises(ConfigError, match=r"^base_config goes round in a circle \('.*base.yml' -> '.*base.yml'\)"):
+    load_config(["train.py", str(own)], environ={}, target=CPU8)
+  (tmp_path / "a.yml").write_text("base_config: b.yml\n")
+  (tmp_path / "b.yml").write_text("base_config: ./a.yml\n")
+  with pytest.raises(ConfigError, match=r"a.yml' -> '.*b.yml' -> '.*a.yml'\)"):
+    read_yaml(tmp_path / "a.yml")
+
+
+def test_a_config_file_key_the_model_file_sets_otherwise_is_one_line(tmp_path):
+  """The model file is read after the user's YAML: `base_emb_dim: 512` beside `model_name: llama2-7b` in a recipe trained
+  at 4096, silently. The same value, or the key on the command line (which wins), is fine."""
+  recipe = tmp_path / "recipe.yml"
+  recipe.write_text(f"base_config: {BASE_CONFIG_PATH}\nmodel_name: llama2-7b\nbase_emb_dim: 512\nsteps: 3\n")
+  with pytest.raises(ConfigError, match=r"recipe.yml' sets base_emb_dim: 512, which model_name=llama2-7b \(llama2-7b.yml\) "
+                                        r"sets otherwise \(base_emb_dim=4096\) and wins; drop it from the file, or give "
+                                        r"it on the command line, which wins over the model$"):
+    load_config(["train.py", str(recipe)], environ={}, target=CPU8)
+  assert load_config(["train.py", str(recipe), "base_emb_dim=512"], environ={}, target=CPU8).model.emb_dim == 512
+  recipe.write_text("base_emb_dim: 4096\nsteps: 3\n")
+  assert load_config(["train.py", str(recipe), "model_name=llama2-7b"], environ={}, target=CPU8).model.emb_dim == 4096
+
+
 def test_types_are_coerced_to_the_default_type():
   config = load("scan_layers=false", "steps=12", "learning_rate=1e-4", "mlp_activations=gelu,linear",
                 "per_device_batch_size=2", "run_name=123")
@@ -69,6 +102,10 @@ def test_types_are_coerced_to_the_default_type():
      "ici_fsdp_parallelism * ici_tensor_parallelism = 6 does not divide 8 devices per slice"),
     (["ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"], {}, "uses only 4 of 8 devices per slice"),
     (["ici_fsdp_parallelism=-1", "ici_tensor_parallelism=-1"], {}, "at most one ici_*_parallelism may be -1"),
+    # base.yml's ici_fsdp_parallelism: -1 is named: the user set only tensor's
+    (["ici_tensor_parallelism=-1"], {}, "at most one ici_*_parallelism may be -1, got ici_fsdp_parallelism, "
+     "ici_tensor_parallelism (ici_fsdp_parallelism is -1 in base.yml: set it to a degree, e.g. ici_fsdp_parallelism=1, "
+     "for another to take the rest)"),
     (["model_name=llama9"], {}, "unknown model_name 'llama9'; known models:"),
     (["remat_policy=some"], {}, "remat_policy must be one of full, save_qkv_proj"),
     (["global_parameter_scale=3"], {}, "global_parameter_scale must be a power of two"),
@@ -81,6 +118,10 @@ def test_types_are_coerced_to_the_default_type():
     (["steps=99999999999999999999999"], {}, "steps=99999999999999999999999 is 99999999999999999999999 optimizer "
                                             "updates, more than the 2**31 - 1"),
     (["learning_rate_schedule_steps=3000000000"], {}, "learning_rate_schedule_steps=3000000000 is 3000000000"),
+    # '..' wrote the run (config.yml, checkpoints) into base_output_directory's parent; '.' into it.
+    (["run_name=.."], {}, "run_name must be a directory name of its own (not '.' or '..', no control characters), got '..'"),
+    (["run_name=."], {}, "run_name must be a directory name of its own"),
+    (["run_name=a\tb"], {}, "no control characters), got 'a\\tb'"),
 ])
 def test_user_errors_are_one_clear_line(args, env, message):
   with pytest.raises(ConfigError) as info:

@@ -91,6 +91,16 @@ def test_goodput_counts_each_step_once_and_names_what_was_lost():
   assert "resize_s" not in t  # no elastic resize: the summary and the line are as before
 
 
+@pytest.mark.parametrize("damage", [b'{"starts": [{"started": 1.0, ', b"\xff\xfe", b"[]", b'{"starts": [1]}'])
+def test_an_unreadable_goodput_file_is_one_warning_not_the_end_of_the_run(tmp_path, capsys, damage):
+  """A goodput.json cut short by a copy or edited by hand stopped the resumed run with a traceback."""
+  from MaxText.training.health import GoodputHook
+
+  (tmp_path / "goodput.json").write_bytes(damage)
+  assert GoodputHook(str(tmp_path), process_started=0.0, start_step=4, writer=None).earlier == []
+  assert f"warning: {tmp_path / 'goodput.json'} is unreadable (" in capsys.readouterr().out
+
+
 def test_goodput_counts_an_elastic_resize_from_its_detection_to_the_first_new_step():
   from MaxText.training.health import StartRecord, _resizes, summarize
 
@@ -275,3 +285,33 @@ def test_a_hung_process_is_named_both_exit_and_a_relaunch_resumes(tmp_path):
   outs = [p.communicate(timeout=300) for p in relaunched]
   assert [p.returncode for p in relaunched] == [0, 0], [o[1][-2000:] for o in outs]
   assert "state: resumed from step 4" in outs[0][0], outs[0][0][-2000:]  # step 4 was saved before the hang
+
+
+@pytest.mark.parametrize("value", [10**12, -1])
+def test_a_step_timeout_beyond_what_a_thread_can_wait_is_a_config_error(value):
+  """A value past threading.TIMEOUT_MAX (10**12 for "never") was taken: the watchdog thread's first wait raised
+  OverflowError and the run went on unwatched."""
+  import threading
+
+  from MaxText.configuration.config import Config
+  from MaxText.errors import ConfigError
+
+  with pytest.raises(ConfigError) as error:
+    Config.for_testing(step_timeout_seconds=value)
+  assert str(error.value) == (f"step_timeout_seconds must be >= 0 (0 = off) and at most {threading.TIMEOUT_MAX:.0f}, "
+                              f"got {value}")
+
+
+@pytest.mark.parametrize("name", ["run_lease_timeout_seconds", "stack_trace_interval_seconds",
+                                  "storage_timeout_seconds", "storage_retry_seconds"])
+def test_a_wait_beyond_what_a_thread_can_wait_is_a_config_error(name):
+  """10**13 ("never") was taken: the lease's refresh thread (a sixth of it) and the stack-trace thread died with
+  OverflowError at their first wait, and a storage call's bounded wait raised it."""
+  import threading
+
+  from MaxText.configuration.config import Config
+  from MaxText.errors import ConfigError
+
+  with pytest.raises(ConfigError) as error:
+    Config.for_testing(**{name: 10**13})
+  assert str(error.value) == f"{name} must be at most {threading.TIMEOUT_MAX:.0f} (the longest a thread can wait), got {10**13}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -168,7 +169,10 @@ def test_only_adapters_train_and_are_sharded_like_their_base_weights(tiny_overri
           qk_rope_head_dim=8, v_head_dim=16, base_num_kv_heads=4), "valid names: q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj"),
     (dict(lora_target_modules="q_proj,up_proj", num_experts=4, num_experts_per_tok=2),
      "LoRA on mixture-of-experts MLPs is not supported"),
-    (dict(lora_alpha=0.0), "lora_alpha must be > 0"),
+    (dict(lora_alpha=0.0), "lora_alpha must be a finite float32 number > 0 (the adapters' scale is lora_alpha / "
+     "lora_rank), got 0.0"),
+    (dict(lora_alpha=float("inf")), "lora_alpha must be a finite float32 number > 0"),  # inf * 0: NaN at step 1
+    (dict(lora_alpha=1e39), "lora_alpha must be a finite float32 number > 0"),  # inf gradients at step 1
     (dict(lora_rank=0, lora_peft_export_path="adapter"), "lora_peft_export_path exports LoRA adapters; the model has"),
 ])
 def test_bad_lora_keys_are_config_errors(tiny_overrides, overrides, message):
@@ -248,9 +252,14 @@ def test_resume_and_merged_params_only_export(tiny_overrides, tmp_path):
   np.testing.assert_allclose(merged_logits, hf.our_logits(config, checkpointed, tokens), atol=1e-4, rtol=1e-4)
 
   # The run's own checkpoints hold adapters: loading them as parameters is refused (export them first).
-  with pytest.raises(UserError, match="holds LoRA adapters that this model has no place for; export it"):
+  with pytest.raises(UserError, match="holds LoRA adapters, and this run reads base weights only"):
     params_io.load_params(str(tmp_path / "run" / "checkpoints"), plain_spec.abstract_params,
                           models.shard_params_like(plain_spec, run.mesh, plain_config.mesh.logical_axis_rules))
+
+  # So are they for a LoRA run (it would start fresh adapters and take the adapters-off model as its start).
+  again = Config.for_testing(**{**values, "run_name": "again", "load_parameters_path": str(tmp_path / "run" / "checkpoints")})
+  with pytest.raises(UserError, match="a LoRA run starts fresh adapters on them.*resume their run"):
+    run_start.initial_state(again, Run(again).setup, None, lambda: None)
 
   tuned = Config.for_testing(**{**values, "run_name": "tuned", "load_parameters_path": export})
   tuned_run = Run(tuned)
@@ -398,3 +407,22 @@ def test_gradient_accumulation_of_adapters_equals_one_big_batch(tiny_overrides):
   base = dict(tiny_overrides, **_lora_keys(), per_device_batch_size=2, ici_fsdp_parallelism=-1, sharding_tolerance=0.5,
               dataset_type="synthetic", learning_rate=1e-2)
   assert_accumulation_equals_one_big_batch(base, 2)
+
+
+def test_a_checkpoint_of_another_lora_rank_is_one_line_naming_both(tmp_path: Path) -> None:
+  """decode/serve/GRPO given a LoRA checkpoint and a lora_rank other than its adapters' (was: Orbax's "Requested
+  shape (2, 32, 4) is not compatible with the stored shape (2, 32, 8) ... set `strict=False`")."""
+  from MaxText.errors import UserError
+  from MaxText.training import params_io
+
+  tiny = dict(base_emb_dim=32, base_num_query_heads=2, base_num_kv_heads=2, head_dim=16, base_mlp_dim=64,
+              base_num_decoder_layers=2, vocab_size=64, max_target_length=16, lora_target_modules="q_proj")
+  specs = {r: models.build_model_spec(Config.for_testing(**tiny, lora_rank=r, lora_alpha=8.0).model) for r in (8, 4)}
+  params_io.save_params(str(tmp_path / "ckpt"), jax.tree.map(lambda x: np.zeros(x.shape, x.dtype),
+                                                             specs[8].abstract_params))
+  abstract = specs[4].abstract_params
+  shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract)
+  with pytest.raises(UserError) as e:
+    params_io.load_params(str(tmp_path / "ckpt"), abstract, shardings)
+  assert str(e.value) == (f"{tmp_path / 'ckpt'} (parameters-only checkpoint) holds LoRA adapters of rank 8, this "
+                          "model's places are of rank 4: set lora_rank=8")

@@ -72,6 +72,13 @@ def test_mtp_learns_to_predict_further_ahead(tiny_overrides):
   assert np.mean([h["mtp_loss"] for h in history[-5:]]) < np.mean([h["mtp_loss"] for h in history[:3]]) - 0.5
 
 
+def test_an_mtp_weight_that_is_not_finite_is_one_line():
+  """inf passed `>= 0`: the gradients were NaN from the first step."""
+  with pytest.raises(ConfigError, match=r"^mtp_num_layers must be >= 0 and mtp_loss_scaling_factor a finite float32 "
+                                        r"number >= 0, got 1 and inf$"):
+    Config.for_testing(mtp_num_layers=1, mtp_loss_scaling_factor=float("inf"))
+
+
 def test_mtp_with_pipeline_stages_is_refused():
   with pytest.raises(ConfigError, match="mtp_num_layers > 0 is not supported with pipeline parallelism"):
     Config.for_testing(mtp_num_layers=1, ici_pipeline_parallelism=2, ici_fsdp_parallelism=-1,

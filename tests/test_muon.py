@@ -37,6 +37,34 @@ def test_matrices_take_muon_with_their_input_axes_and_the_rest_adamw():
   assert experts and all(got[name] == dims((2,), (3,)) for name in experts)  # [layers, exp, mlp, embed]
 
 
+def test_position_tables_multi_head_biases_and_depthwise_convs_take_adamw():
+  """Parameters with two non-batch axes that are no projection's matrix took Muon's orthogonalised update: a
+  learned position table ([positions, embed], no `vocab` axis: an input embedding like the token table), a
+  multi-head projection's bias ([heads, kv]; GPT-3, gpt-oss, the vision towers) and a gated DeltaNet layer's
+  depthwise convolution ([taps, heads, kv], a filter per channel; Qwen3-Next, Qwen3.5). AdamW's first update is
+  the learning rate times the gradient's sign; a kernel beside them keeps Muon's."""
+  cfg = Config.for_testing(**TINY, position_embedding="learned", adam_weight_decay=0.0,
+                           gradient_clipping_threshold=0.0)
+  assert models.build_model_spec(cfg.model).logical_names["position_embedder"]["embedding"] == (None, "embed")
+  logical = {"position_embedder": {"embedding": (None, "embed")},
+             "attention": {"query": {"bias": ("layers", "heads", "kv"), "kernel": ("layers", "embed", "heads", "kv")},
+                           "query_conv": ("layers", None, "heads", "kv")}}
+  rng = np.random.default_rng(0)
+  grads = jax.tree.map(lambda shape: rng.normal(size=shape).astype(np.float32), {
+      "position_embedder": {"embedding": (8, 6)},
+      "attention": {"query": {"bias": (2, 3, 4), "kernel": (2, 6, 3, 4)}, "query_conv": (2, 4, 3, 4)}},
+      is_leaf=lambda x: isinstance(x, tuple))
+  optimizer = optimizers.create_optimizer(cfg.optim, logical)
+  params = jax.tree.map(np.zeros_like, grads)
+  updates, _ = optimizer.update(grads, optimizer.init(params), params)
+  for got, g in ((updates["position_embedder"]["embedding"], grads["position_embedder"]["embedding"]),
+                 (updates["attention"]["query"]["bias"], grads["attention"]["query"]["bias"]),
+                 (updates["attention"]["query_conv"], grads["attention"]["query_conv"])):
+    np.testing.assert_allclose(np.asarray(got), -1e-2 * np.sign(g), rtol=1e-5)
+  kernel = updates["attention"]["query"]["kernel"]
+  assert not np.allclose(np.asarray(kernel), -1e-2 * np.sign(grads["attention"]["query"]["kernel"]), rtol=1e-2)
+
+
 def _orthogonalise(x: np.ndarray) -> np.ndarray:
   """The published Newton-Schulz quintic on one matrix, in float64."""
   transposed = x.shape[0] > x.shape[1]
@@ -57,14 +85,16 @@ def test_the_update_equals_a_numpy_reference_of_the_algorithm():
   rng = np.random.default_rng(0)
   params = {"w": rng.normal(size=(2, 6, 10)).astype(np.float32), "o": rng.normal(size=(2, 3, 4, 6)).astype(np.float32)}
   grads = [{k: rng.normal(size=v.shape).astype(np.float32) for k, v in params.items()} for _ in range(2)]
-  optimizer = optimizers.create_optimizer(cfg, names)
-  state, current = optimizer.init(params), dict(params)
+  # Each a projection's `kernel`, the leaves Muon takes.
+  optimizer = optimizers.create_optimizer(cfg, {k: {"kernel": v} for k, v in names.items()})
+  kernels = lambda tree: {k: {"kernel": v} for k, v in tree.items()}  # noqa: E731
+  state, current = optimizer.init(kernels(params)), dict(params)
   lr, beta = cfg.learning_rate, cfg.muon_beta
   expected = {k: v.astype(np.float64) for k, v in params.items()}
   momentum = {k: np.zeros_like(v, np.float64) for k, v in params.items()}
   for t, g in enumerate(grads, start=1):
-    updates, state = optimizer.update(g, state, current)
-    current = {k: np.asarray(current[k] + updates[k]) for k in current}
+    updates, state = optimizer.update(kernels(g), state, kernels(current))
+    current = {k: np.asarray(current[k] + updates[k]["kernel"]) for k in current}
     for k in params:
       momentum[k] = beta * momentum[k] + (1 - beta) * g[k]
       nesterov = beta * momentum[k] / (1 - beta ** (t + 1)) + (1 - beta) * g[k] / (1 - beta ** t)
@@ -98,6 +128,15 @@ def test_bad_muon_keys_are_one_line_errors():
     Config.for_testing(**{**TINY, "opt_type": "rmsprop"})
   with pytest.raises(ConfigError, match="Muon needs 0 < muon_beta < 1"):
     Config.for_testing(**TINY, muon_beta=1.0)
+  # An infinite scale passed `>= 0` and made every matrix's update infinite: NaN parameters.
+  with pytest.raises(ConfigError, match="muon_consistent_rms a finite float32 number >= 0; got 0.95, 5, inf"):
+    Config.for_testing(**TINY, muon_consistent_rms=float("inf"))
+  # 0.99999999 is 1.0 in float32: the momentum's bias correction 1 - beta^t was 0.
+  with pytest.raises(ConfigError, match=r"Muon needs 0 < muon_beta < 1 \(in float32\).* got 0.99999999, 5, 0.2"):
+    Config.for_testing(**TINY, muon_beta=0.99999999)
+  # Optax unrolls the Newton-Schulz loop: 100000 was accepted and the compile grew with the count.
+  with pytest.raises(ConfigError, match=r"muon_ns_steps must be at most 100 \(each iteration is unrolled"):
+    Config.for_testing(**TINY, muon_ns_steps=100000)
 
 
 @pytest.mark.slow  # two training processes

@@ -53,7 +53,17 @@ def test_too_much_replication_fails_loudly(tiny_overrides):
   # kv_heads=2 cannot be split 8 ways over tensor; with a zero tolerance the run must refuse.
   config = Config.for_testing(**{**tiny_overrides, "ici_fsdp_parallelism": 1, "ici_tensor_parallelism": 8,
                                  "sharding_tolerance": 0.0})
-  with pytest.raises(ConfigError, match="not fully sharded"):
+  with pytest.raises(ConfigError, match=r"not fully sharded .*largest: layers/self_attention/out/kernel \[2, 4, 16, "
+                                        r"64\] 9.1%, layers/self_attention/query/kernel"):
+    Run(config)
+
+
+def test_lora_adapters_far_above_the_model_widths_are_named_in_the_replication_error(tiny_overrides):
+  """lora_rank=1000 on a width-64 model made the adapters a third of the bytes, whole on every device; the
+  error blamed the parallelism degrees, and no change to them helps (the rank axis is never split)."""
+  config = Config.for_testing(**tiny_overrides, lora_rank=1000, lora_target_modules="q_proj")
+  with pytest.raises(ConfigError, match=r"largest: layers/self_attention/query/lora_b \[2, 1000, 4, 16\] 36.9%.*"
+                                        r"LoRA adapters \(lora_a, lora_b\) are among them.*: lower lora_rank"):
     Run(config)
 
 

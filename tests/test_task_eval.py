@@ -229,3 +229,37 @@ def test_train_logs_task_scores_that_the_served_export_reproduces(tmp_path, monk
     thread.join(30)
     server.scheduler.stop()
   assert task_eval.task_scalars(served) == pytest.approx(final)
+
+
+def test_scorer_edge_requests(setup):
+  """No requests; a context and continuation both empty (the row's padding was summed as its score); an
+  empty continuation; a context past max_target_length (its last tokens kept); a generation from an empty
+  context (conditioned on eot, as lm-eval's log-likelihoods are; it read a padding position)."""
+  run, tokenizer, hook, params = setup
+  hook.scorer.params = params
+  length = MODEL["max_target_length"]
+  assert hook.scorer.loglikelihoods([]) == [] and hook.lm.generate_until([]) == []
+  ids = tokenizer.encode(" ".join(["to be or not"] * length))
+  assert len(ids) > length + 4
+  got = hook.scorer.loglikelihoods([([], []), (ids[:3], []), (ids[:-2], ids[-2:])])
+  assert got[:2] == [(0.0, True), (0.0, True)]
+  whole = ids[-(length + 1):]
+  logp = jax.nn.log_softmax(jnp.asarray(_padded_logits(run, params, whole[:-1]), jnp.float32), axis=-1)
+  assert got[2][0] == pytest.approx(float(logp[-2, whole[-2]] + logp[-1, whole[-1]]), abs=1e-4)
+  from lm_eval.api.instance import Instance
+
+  empty = hook.lm.generate_until([Instance("generate_until", {}, ("", {"until": ["zzz"], "max_gen_toks": 3}), 0)])
+  eot = hook.lm.eot_token_id
+  assert empty == hook.scorer.generate([([eot], ["zzz"], 3)], tokenizer.decode, tokenizer.eos_id)
+
+
+def test_a_stop_string_spelled_as_a_special_token_ends_a_generation(setup):
+  """until=["<|im_end|>"]: decode writes no special token, so generation ran on to its budget. Here the
+  tokenizer's special_id names the third greedy token as one."""
+  run, tokenizer, hook, params = setup
+  hook.scorer.params = params
+  context = tokenizer.encode("to be or not")
+  greedy = _direct_greedy(run, params, context, 4)
+  stop_token = {"STOP": greedy[2]}.get
+  got = hook.scorer.generate([(context, ["STOP"], 4), (context, [], 4)], tokenizer.decode, None, stop_token)
+  assert got == [tokenizer.decode(greedy[:2]), tokenizer.decode(greedy)]

@@ -16,7 +16,8 @@ from MaxText.training import metrics
 from MaxText.platform import sharding
 from MaxText.configuration.config import Config
 from MaxText.errors import TrainingError
-from MaxText.training.trainer import Trainer
+from MaxText.training.objectives import LanguageModel
+from MaxText.training.trainer import EvalHook, StepRecord, Trainer
 from tests.compile_settings import cpu_xla_flags, jax_cache_env
 from train_utils import Run, assert_accumulation_equals_one_big_batch
 
@@ -173,6 +174,34 @@ def test_the_spike_limit_is_mean_plus_k_std_of_the_applied_window_and_spikes_in_
     trainer.run(state=None)
 
 
+class _TokenlessStep(_LimitRecordingStep):
+  """A fake step whose batch at the calls in `empty` has no target tokens (its loss reported as 0)."""
+
+  def __init__(self, losses: list[float], empty: set[int]):
+    super().__init__(losses)
+    self.empty = empty
+
+  def __call__(self, state, batch, rng, loss_limit):
+    state, metrics = super().__call__(state, batch, rng, loss_limit)
+    tokens = 0.0 if len(self.limits) in self.empty else 8.0
+    return state, dict(metrics, num_tokens=jnp.asarray(tokens))
+
+
+def test_a_step_without_target_tokens_is_one_warning_and_stays_out_of_the_spike_window(tiny_overrides, capsys):
+  """Its loss 0 (a mean over no tokens) entered the window and loosened the limit (a stable loss of 2 and a 0:
+  mean + 1 std = 2.28), so the spike after it was applied; and nothing said the 0 was no measurement."""
+  config = Config.for_testing(**tiny_overrides, steps=6, loss_spike_threshold=1, loss_spike_window=3)
+  flops = metrics.training_tflops_per_step(config.model, 8, 32)
+  step = _TokenlessStep([2.0, 2.0, 0.0, 2.0, 2.0, 2.2], empty={3})
+  trainer = Trainer(config, step, iter(range(100)), jax.random.key(0), flops, 1.0)
+  trainer.run(state=None)
+  assert step.limits[5] == 2.0  # the window is 2, 2, 2: the tokenless step's 0 is left out
+  assert trainer.skipped_steps == [6]
+  err = capsys.readouterr().err
+  assert "warning: step 3's batch has no target tokens (every target weight is 0" in err
+  assert err.count("no target tokens") == 1 and "step 6 was a loss spike" in err
+
+
 class _SkippingStep:
   def __init__(self, bad: set[int]):
     self.calls, self.bad = 0, bad
@@ -293,3 +322,50 @@ def test_ctrl_c_stops_cleanly(tmp_path):
   assert "stopped by Ctrl-C after step" in out and "Traceback" not in err
   assert (tmp_path / "int" / "metrics.jsonl").read_text().strip()  # what was logged is kept
 
+
+
+class _Writer:
+  def __init__(self):
+    self.lines = []
+
+  def write(self, step, scalars):
+    self.lines.append((step, scalars))
+
+
+class _Batches:
+  def reset(self):
+    return iter(range(100))
+
+
+def test_an_evaluation_without_target_tokens_reports_nothing_and_says_so(tiny_overrides, capsys):
+  """Over no target tokens the mean loss read 0 and the perplexity 1, a perfect score written as a result."""
+  config = Config.for_testing(**tiny_overrides)
+  objective = LanguageModel(models.build_model_spec(config.model), 0.0)
+
+  def sums(tokens):
+    return lambda state, batch: {"xent_sum": np.float32(3.0 * tokens), "z_loss_sum": np.float32(0.0),
+                                 "moe_lb_loss_sum": np.float32(0.0), "weight_sum": np.float32(tokens)}
+
+  writer = _Writer()
+  EvalHook(sums(0.0), _Batches(), 2, writer, True, objective.eval_metrics).on_step(None, StepRecord(5, 1.0, {}), {})
+  assert writer.lines == []
+  assert "warning: the evaluation at step 5 had no target tokens in its 2 batches" in capsys.readouterr().err
+  EvalHook(sums(4.0), _Batches(), 2, writer, True, objective.eval_metrics).on_step(None, StepRecord(6, 1.0, {}), {})
+  assert writer.lines[0][0] == 6 and writer.lines[0][1]["eval_loss"] == 3.0
+
+
+def test_the_logged_learning_rate_is_the_one_the_update_used_after_a_skipped_step(tiny_overrides):
+  """A skipped step keeps the optimizer's count, which drives the schedule; the metric read the schedule at the
+  step counter, one ahead after each skip: the logged rate was not the one applied."""
+  from MaxText.training import optimizers
+
+  config = Config.for_testing(**tiny_overrides, steps=4, warmup_steps_fraction=0.0, loss_spike_threshold=1)
+  run = Run(config)
+  schedule = optimizers.learning_rate_schedule(config.optim)
+  state, batch = run.init(), next(run.data)
+  state, skipped = run.step_fn(state, batch, run.rng, np.float32(0.0))  # every loss is above 0: not applied
+  state, applied = run.step_fn(state, batch, run.rng, np.float32(np.inf))
+  assert float(skipped["skipped"]) == 1.0 and float(applied["skipped"]) == 0.0
+  assert float(skipped["learning_rate"]) == float(applied["learning_rate"]) == float(schedule(0))
+  state, third = run.step_fn(state, batch, run.rng, np.float32(np.inf))
+  assert float(third["learning_rate"]) == float(schedule(1)) != float(schedule(0))

@@ -5,7 +5,7 @@ Sources, lowest to highest precedence:
   2. `configs/cpu_defaults.yml` when the backend is CPU and `cpu_defaults` is True,
   3. the YAML given as the first argument, if it is not base.yml (it may name a parent
      through `base_config: base.yml`),
-  4. `configs/models/<model_name>.yml`,
+  4. `configs/models/<model_name>.yml` (a key the YAML of 3. sets otherwise is an error),
   5. `M_<UPPERCASE_KEY>` environment variables,
   6. `key=value` command-line arguments (argv wins over the environment, as in MaxText;
      a key set in both is reported).
@@ -85,17 +85,23 @@ class _OnceLoader(yaml.SafeLoader):
     return super().construct_mapping(node, deep)
 
 
-def read_yaml(path: Path | str, stop_at: Path | None = None) -> dict[str, Any]:
+def read_yaml(path: Path | str, stop_at: Path | None = None, _below: tuple[str, ...] = ()) -> dict[str, Any]:
   """Reads one YAML mapping (a local or gs:// file), following `base_config: parent.yml`
   (relative to the file).
 
-  The chain stops before `stop_at` (used to keep base.yml out of a recipe's own values).
+  The chain stops before `stop_at` (used to keep base.yml out of a recipe's own values). `_below`: the
+  files that named this one as their base (a chain that comes back to one of them is an error).
   """
   path = str(path)
   if stop_at is not None and storage.same_file(path, str(stop_at)):
     return {}
+  for child in _below:  # a user's own base.yml naming `base_config: base.yml` names itself
+    if storage.same_file(path, child):
+      chain = " -> ".join(repr(p) for p in (*_below, path))
+      raise ConfigError(f"base_config goes round in a circle ({chain}); point one of them at another file")
   if not storage.is_file(path):
-    raise ConfigError(f"config file {path!r} does not exist")
+    raise ConfigError(f"config file {path!r} is a directory; name a .yml file in it" if storage.is_dir(path)
+                      else f"config file {path!r} does not exist")
   try:
     data = yaml.load(storage.read_bytes(path), Loader=_OnceLoader) or {}  # noqa: S506 - a SafeLoader
   except yaml.constructor.ConstructorError as e:
@@ -109,7 +115,7 @@ def read_yaml(path: Path | str, stop_at: Path | None = None) -> dict[str, Any]:
     return data
   # join keeps an absolute parent as it is; a gs:// parent is taken whole
   parent_path = str(parent) if storage.is_remote(str(parent)) else storage.join(storage.parent(path), str(parent))
-  return {**read_yaml(parent_path, stop_at), **data}
+  return {**read_yaml(parent_path, stop_at, (*_below, path)), **data}
 
 
 def read_descriptions(path: Path = BASE_CONFIG_PATH) -> dict[str, str]:
@@ -374,6 +380,23 @@ def _model_layer(overrides: Overrides, schema: Mapping[str, Any], reads_run: boo
   return {**model_values, **saved}
 
 
+def _refuse_dropped_file_values(overrides: Overrides, model: Mapping[str, Any]) -> None:
+  """The model layer is read after the user's YAML: a key the file sets and the model sets otherwise would be dropped
+  unseen (a recipe's `base_num_decoder_layers: 4` beside `model_name: llama2-7b` trained 32 layers). The command line
+  and M_* variables still win over both."""
+  dropped = sorted(k for k, v in overrides.file_values.items()
+                   if k in model and model[k] != v and k not in overrides.explicit_keys())
+  if not dropped:
+    return
+  named = "model_name" in overrides.file_values or "model_name" in overrides.explicit_keys()
+  source = (f"model_name={overrides.peek('model_name')} ({model_path(str(overrides.peek('model_name'))).name})"
+            if named else "the model keys saved with the checkpoint it reads")
+  keys = ", ".join(f"{k}: {overrides.file_values[k]!r}" for k in dropped)
+  shown = ", ".join(f"{k}={model[k]!r}" for k in dropped)
+  raise ConfigError(f"{str(overrides.yaml_path)!r} sets {keys}, which {source} sets otherwise ({shown}) and wins; drop "
+                    "it from the file, or give it on the command line, which wins over the model")
+
+
 def resolve_values(overrides: Overrides, platform: str, reads_run: bool = False) -> dict[str, Any]:
   """Merges every layer into one flat dict of typed values. `reads_run`: a tool reading a run
   or checkpoint (export, conversion, decode, AOT compile), which takes the model keys saved
@@ -383,7 +406,9 @@ def resolve_values(overrides: Overrides, platform: str, reads_run: bool = False)
   if platform == "cpu" and overrides.peek("cpu_defaults"):
     values.update({k: coerce(k, v, schema[k]) for k, v in read_yaml(CPU_DEFAULTS_PATH).items()})
   values.update(overrides.file_values)
-  values.update(_model_layer(overrides, schema, reads_run))
+  model = _model_layer(overrides, schema, reads_run)
+  _refuse_dropped_file_values(overrides, model)
+  values.update(model)
   values.update(overrides.env_values)
   values.update(overrides.argv_values)
   for old, (key, value, source) in overrides.negated.items():
@@ -519,4 +544,8 @@ def companion_config(config: Config, role: str, model_name: str, path: str, mode
                        schema[key])
   argv.update(fixed)
   overrides = Overrides(BASE_CONFIG_PATH, {}, argv, {}, schema)
-  return build_config(overrides, config.target, default_run_name=str(config["run_name"]), reads_data=False)
+  try:
+    return build_config(overrides, config.target, default_run_name=str(config["run_name"]), reads_data=False)
+  except ConfigError as e:  # the companion's model keys with the run's others (e.g. its max_target_length)
+    named = f"{names[1]}={path}" if path else f"{names[0]}={model_name}"
+    raise ConfigError(f"{use}: the {role} ({named}) with this run's other keys: {e}") from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from typing import Any, Mapping
 
 from MaxText.paths import storage
@@ -27,7 +28,7 @@ from MaxText.configuration.model_config import ModelConfig
 from MaxText.configuration import rl_config
 from MaxText.configuration.rl_config import RLConfig
 from MaxText.configuration.task_eval_config import TaskEvalConfig
-from MaxText.configuration.model_checks import one_of as _one_of, positive as _positive
+from MaxText.configuration.model_checks import FLOAT32_MAX, one_of as _one_of, positive as _positive
 
 SAMPLING_STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
 KV_CACHE_LAYOUTS = ("dense", "paged")
@@ -49,7 +50,11 @@ def _fill_auto_axis(degrees: dict[MeshAxis, int], total: int, group: Group) -> d
 
   unit = "devices per slice" if group == "ici" else "slices"
   auto = [axis for axis, d in degrees.items() if d == -1]
-  _require(len(auto) <= 1, f"at most one {group}_*_parallelism may be -1, got {', '.join(map(name_of, auto))}")
+  # base.yml's own -1 (FSDP within a slice, data across): a user who sets another axis to -1 never wrote it.
+  default = "ici_fsdp_parallelism" if group == "ici" else "dcn_data_parallelism"
+  hint = (f" ({default} is -1 in base.yml: set it to a degree, e.g. {default}=1, for another to take the rest)"
+          if default in map(name_of, auto) else "")
+  _require(len(auto) <= 1, f"at most one {group}_*_parallelism may be -1, got {', '.join(map(name_of, auto))}{hint}")
   for axis, d in degrees.items():
     _require(d == -1 or d >= 1, f"{name_of(axis)} must be >= 1 or -1, got {d}")
   fixed = {a: d for a, d in degrees.items() if d != -1}
@@ -163,6 +168,11 @@ def _check_custom_mesh(v: Mapping[str, Any], resolved: Mapping[str, Any], per_sl
 
 
 OPT_TYPES = ("adamw", "muon", "sgd", "adam_pax")  # training/optimizers.create_optimizer
+FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
+FLOAT32_BELOW_ONE = 1.0 - 2.0**-24  # float32's largest number below 1; a decay above it is 1.0 on the device
+# Each state dtype's largest number below 1: the moments are kept in weight_dtype, where a larger decay is 1.0.
+BELOW_ONE = {"float32": FLOAT32_BELOW_ONE, "bfloat16": 1.0 - 2.0**-8, "float16": 1.0 - 2.0**-11}
+MAX_MUON_NS_STEPS = 100
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -194,16 +204,28 @@ class OptimConfig:
   @classmethod
   def from_values(cls, v: Mapping[str, Any]) -> "OptimConfig":
     _require(v["opt_type"] in OPT_TYPES, f"opt_type must be one of {', '.join(OPT_TYPES)}, got {v['opt_type']!r}")
-    _require(0.0 < v["muon_beta"] < 1.0 and v["muon_ns_steps"] >= 1 and v["muon_consistent_rms"] >= 0.0,
-             f"Muon needs 0 < muon_beta < 1, muon_ns_steps >= 1 and muon_consistent_rms >= 0; got {v['muon_beta']}, "
-             f"{v['muon_ns_steps']}, {v['muon_consistent_rms']}")
+    _require(0.0 < v["muon_beta"] <= FLOAT32_BELOW_ONE and v["muon_ns_steps"] >= 1
+             and 0.0 <= v["muon_consistent_rms"] <= FLOAT32_MAX,
+             f"Muon needs 0 < muon_beta < 1 (in float32), muon_ns_steps >= 1 and muon_consistent_rms a finite float32 "
+             f"number >= 0; got {v['muon_beta']}, {v['muon_ns_steps']}, {v['muon_consistent_rms']}")
+    # Optax unrolls the iterations into the compiled step, whose compile time grows with their number.
+    _require(v["muon_ns_steps"] <= MAX_MUON_NS_STEPS, f"muon_ns_steps must be at most {MAX_MUON_NS_STEPS} (each "
+             f"iteration is unrolled into the compiled step; 5 is the published setting), got {v['muon_ns_steps']}")
     _positive(v, "learning_rate", "gradient_accumulation_steps")
-    # An infinite learning rate passes `> 0` and trains on NaN.
-    _require(math.isfinite(v["learning_rate"]), f"learning_rate must be a finite number > 0, got {v['learning_rate']}")
+    # An infinite learning rate (or one past float32's range, inf on the device) passes `> 0` and trains on NaN.
+    _require(v["learning_rate"] <= FLOAT32_MAX, f"learning_rate must be a finite float32 number > 0, got "
+             f"{v['learning_rate']}")
     for name in ("adam_eps", "adam_eps_root", "adam_weight_decay", "z_loss_multiplier"):
       # A negative value flips what the term does (a weight growth, a reward for large logits, a
       # denominator through zero), a silently different optimizer.
-      _require(math.isfinite(v[name]) and v[name] >= 0, f"{name} must be a finite number >= 0, got {v[name]}")
+      _require(0 <= v[name] <= FLOAT32_MAX, f"{name} must be a finite float32 number >= 0, got {v[name]}")
+    # Adam divides by sqrt(v + eps_root) + eps: a parameter whose gradient is 0 (an embedding row no batch
+    # uses, a LoRA adapter at its start) is 0/0 = NaN on the first update. Below float32's smallest normal
+    # an epsilon may be flushed to 0.
+    _require(v["opt_type"] == "sgd" or max(v["adam_eps"], v["adam_eps_root"]) >= FLOAT32_TINY,
+             f"adam_eps={v['adam_eps']} and adam_eps_root={v['adam_eps_root']}: Adam's update m / (sqrt(v + "
+             "adam_eps_root) + adam_eps) is 0/0 = NaN for a parameter whose gradients are 0 (an unused embedding row, "
+             f"a LoRA adapter at its start); set adam_eps > 0 (at least {FLOAT32_TINY:.3g}; 1e-8 is usual)")
     final = v["cosine_learning_rate_final_fraction"]
     _require(0.0 <= final <= 1.0, "cosine_learning_rate_final_fraction (the schedule's last learning rate over its "
              f"peak) must be in [0, 1], got {final}")
@@ -220,13 +242,31 @@ class OptimConfig:
     _require(schedule_steps < 2**31, f"{named} is {schedule_steps} optimizer updates, more than the 2**31 - 1 the "
              "device's int32 step counter holds; lower it")
     for name in ("adam_b1", "adam_b2"):
-      _require(0.0 <= v[name] < 1.0, f"{name} must be in [0, 1), got {v[name]}")
+      # Above FLOAT32_BELOW_ONE a decay is 1.0 on the device: the bias correction 1 - b^t is 0 (b1: inf updates).
+      _require(0.0 <= v[name] <= FLOAT32_BELOW_ONE, f"{name} must be in [0, 1) and below 1 in float32 (at most "
+               f"{FLOAT32_BELOW_ONE:.8f}), got {v[name]}")
+    # Optax keeps the moments (Muon its momentum) in the parameters' dtype and decays them there: with
+    # bfloat16 weights a b2 of 0.999 is 1.0, and the second moment only ever grew.
+    state_dtype = v["weight_dtype"]
+    below = BELOW_ONE.get(state_dtype, FLOAT32_BELOW_ONE)
+    decays = {"sgd": (), "muon": ("adam_b1", "adam_b2", "muon_beta")}.get(v["opt_type"], ("adam_b1", "adam_b2"))
+    for name in decays:
+      _require(v[name] <= below, f"{name}={v[name]} is 1.0 in {state_dtype}, the dtype the optimizer keeps its moments "
+               f"in (weight_dtype={state_dtype}): they would never decay; set {name} <= {below:.8g} or "
+               "weight_dtype=float32")
     _require(v["gradient_clipping_threshold"] >= 0, "gradient_clipping_threshold must be >= 0 (0 = off)")
-    _require(v["dpo_beta"] > 0, f"dpo_beta must be > 0, got {v['dpo_beta']}")
+    # inf passed `> 0`: the first step's log-ratio difference is 0 (the policy starts as the reference), inf * 0 = NaN.
+    _require(0 < v["dpo_beta"] <= FLOAT32_MAX, f"dpo_beta must be a finite float32 number > 0, got {v['dpo_beta']}")
     _require(0.0 <= v["dpo_label_smoothing"] < 0.5, f"dpo_label_smoothing (the probability a preference label is "
              f"flipped) must be in [0, 0.5), got {v['dpo_label_smoothing']}")
-    return cls(**read_keys(cls, v, learning_rate_schedule_steps=schedule_steps),
-               warmup_steps=int(v["warmup_steps_fraction"] * schedule_steps))
+    warmup_steps = int(v["warmup_steps_fraction"] * schedule_steps)
+    # The warmup starts at 0: a run of one update, all of it warmup, trained nothing (an explicit longer
+    # learning_rate_schedule_steps is a run continued later, whose first update may well be 0).
+    _require(not (v["learning_rate_schedule_steps"] == -1 and schedule_steps == 1 and warmup_steps == 1),
+             f"warmup_steps_fraction={v['warmup_steps_fraction']} of {named} (1 optimizer update) warms up over that "
+             "update, whose learning rate is then 0 (the warmup starts at 0): the run would train nothing; set "
+             "warmup_steps_fraction < 1 or raise steps")
+    return cls(**read_keys(cls, v, learning_rate_schedule_steps=schedule_steps), warmup_steps=warmup_steps)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -278,13 +318,24 @@ class RunConfig:
     _require(v["loss_spike_threshold"] >= 0 and v["loss_spike_window"] >= 2,
              f"loss_spike_threshold must be >= 0 (0 = off) and loss_spike_window >= 2, got "
              f"{v['loss_spike_threshold']} and {v['loss_spike_window']}")
-    _require(v["step_timeout_seconds"] >= 0, f"step_timeout_seconds must be >= 0 (0 = off), got {v['step_timeout_seconds']}")
+    # inf or past threading.TIMEOUT_MAX: the watchdog thread's first wait raised OverflowError and the run went unwatched
+    _require(0 <= v["step_timeout_seconds"] <= threading.TIMEOUT_MAX, f"step_timeout_seconds must be >= 0 (0 = off) "
+             f"and at most {threading.TIMEOUT_MAX:.0f}, got {v['step_timeout_seconds']}")
+    # A thread waits each of these (or a part of it); past threading.TIMEOUT_MAX (10**13 for "never") its
+    # wait raised OverflowError: the lease refresh and the stack-trace thread died, storage calls failed.
+    for name in ("run_lease_timeout_seconds", "stack_trace_interval_seconds", "storage_timeout_seconds",
+                 "storage_retry_seconds"):
+      _require(v[name] <= threading.TIMEOUT_MAX, f"{name} must be at most {threading.TIMEOUT_MAX:.0f} (the longest a "
+               f"thread can wait), got {v[name]}")
     _require(0 < v["router_collapse_fraction"] <= 1,
              f"router_collapse_fraction must be in (0, 1], got {v['router_collapse_fraction']}")
     _require(v["eval_interval"] == -1 or v["eval_interval"] > 0, "eval_interval must be > 0 or -1 (never)")
     run_name = v["run_name"]
     _require(bool(run_name), "run_name is empty; set run_name=NAME")
     _require("/" not in run_name, f"run_name must not contain '/', got {run_name!r}")
+    # "." or ".." made base_output_directory itself, or its parent, the run directory (another run's, maybe).
+    _require(run_name not in (".", "..") and run_name.isprintable(),
+             f"run_name must be a directory name of its own (not '.' or '..', no control characters), got {run_name!r}")
     _require(v["profiler"] in ("", "xplane"), f"profiler must be '' (off) or 'xplane', got {v['profiler']!r}")
     _require(v["profile_start_step"] >= 0, f"profile_start_step must be >= 0, got {v['profile_start_step']}")
     values = read_keys(cls, v, metric_trackers=_metric_trackers(v))
@@ -389,6 +440,7 @@ class DecodeConfig:
   serve_max_image_bytes: int = key()  # one image's encoded size
   serve_max_image_pixels: int = key()  # one image's width x height
   serve_request_timeout_seconds: float = key()
+  serve_read_timeout_seconds: float = key()  # a request's head, then its body, must arrive within this (else 408)
   serve_http_processes: int = key()  # 0: HTTP in the engine's process; N: N front-end processes (serve_processes.py)
   serve_lora_adapters: tuple[str, ...] = key()  # name=path PEFT LoRA adapters served beside the base model
   serve_lora_slots: int = key()  # adapters held at once (admin routes add more); 0: as many as serve_lora_adapters
@@ -416,6 +468,8 @@ class DecodeConfig:
              f"quantize_weights_block={v['quantize_weights_block']} needs quantize_weights=int8 or fp8 (it sizes their "
              "scales' blocks); set quantize_weights or quantize_weights_block=0")
     _require(v["kv_page_size"] >= 1, f"kv_page_size must be >= 1, got {v['kv_page_size']}")
+    # Before the products below, which a negative count would pass (and blame another key for).
+    _require(v["serve_max_slots"] >= 1, f"serve_max_slots must be >= 1, got {v['serve_max_slots']}")
     # The cache's positions and pages are int32 indices on the device (and a host page table per slot).
     positions = v["serve_max_slots"] * v["max_target_length"]
     _require(positions < 2**31, f"serve_max_slots {v['serve_max_slots']} x max_target_length {v['max_target_length']} "
@@ -423,6 +477,13 @@ class DecodeConfig:
     _require(v["kv_num_pages"] * v["kv_page_size"] < 2**31, f"kv_num_pages {v['kv_num_pages']} x kv_page_size "
              f"{v['kv_page_size']} = {v['kv_num_pages'] * v['kv_page_size']:.3g} cache positions, over the 2**31 this "
              "project accepts: lower kv_num_pages")
+    # kv_num_pages=0 is the dense capacity in whole pages: one page of kv_page_size positions a slot at least.
+    pages = v["serve_max_slots"] * -(-max(v["max_target_length"], 1) // v["kv_page_size"])
+    _require(v["kv_num_pages"] or v["kv_cache_layout"] != "paged" or pages * v["kv_page_size"] < 2**31,
+             f"kv_page_size={v['kv_page_size']} makes the paged cache {pages} pages x "
+             f"{v['kv_page_size']} = {pages * v['kv_page_size']:.3g} cache positions (kv_num_pages=0: a slot's "
+             f"max_target_length={v['max_target_length']} in whole pages), over the 2**31 this project accepts: "
+             "lower kv_page_size")
     _require(v["kv_num_pages"] >= 0, f"kv_num_pages must be >= 0 (0: enough for every slot at max_target_length), "
              f"got {v['kv_num_pages']}")
     _require(v["prefix_state_snapshots"] >= -1, f"prefix_state_snapshots must be >= -1 (-1: 2 per slot, 0: none), "
@@ -475,7 +536,7 @@ class DecodeConfig:
              f"{prefill}; raise max_prefill_predict_length or shorten the prompt")
     _require(bool(str(v["host"]).strip()), "host must name an address to bind, e.g. 127.0.0.1")
     _require(0 <= v["port"] <= 65535, f"port must be in [0, 65535] (0 = any free port), got {v['port']}")
-    for name in ("serve_max_slots", "serve_max_tokens", "serve_max_n", "serve_max_body_bytes", "serve_max_image_bytes",
+    for name in ("serve_max_tokens", "serve_max_n", "serve_max_body_bytes", "serve_max_image_bytes",
                  "serve_max_image_pixels"):
       _require(v[name] >= 1, f"{name} must be >= 1, got {v[name]}")
     _require(v["serve_max_queue"] >= 0, f"serve_max_queue must be >= 0, got {v['serve_max_queue']}")
@@ -489,8 +550,8 @@ class DecodeConfig:
     _require(v["serve_max_images"] >= 0, f"serve_max_images must be >= 0 (0: no images), got {v['serve_max_images']}")
     _require(v["serve_http_processes"] >= 0, f"serve_http_processes must be >= 0 (0: HTTP in the engine's process), "
              f"got {v['serve_http_processes']}")
-    _require(v["serve_request_timeout_seconds"] > 0,
-             f"serve_request_timeout_seconds must be > 0, got {v['serve_request_timeout_seconds']}")
+    for name in ("serve_request_timeout_seconds", "serve_read_timeout_seconds"):
+      _require(v[name] > 0, f"{name} must be > 0, got {v[name]}")
     return cls(**read_keys(cls, v, prompt_token_ids=ids))
 
 
@@ -536,10 +597,17 @@ class Groups:
 def build_groups(values: Mapping[str, Any], target: DeviceTarget, reads_data: bool = True) -> Groups:
   """`reads_data`: False for a tool that reads no training data (startup.Tool): neither the data
   sources nor GRPO's prompts, rewards and groups are checked."""
+  all_devices = target.num_devices
   if reads_data:  # a rollout mesh of its own (rl_rollout_devices) leaves the rest to train
     target = dataclasses.replace(target, num_devices=rl_config.training_devices(values, target.num_devices,
                                                                                 target.num_processes))
-  mesh = MeshConfig.from_values(values, target)
+  try:
+    mesh = MeshConfig.from_values(values, target)
+  except ConfigError as e:  # the degrees were likely written for every device
+    if target.num_devices == all_devices:
+      raise
+    raise ConfigError(f"{e} (the training mesh has {target.num_devices} of the {all_devices} devices: "
+                      f"rl_rollout_devices={all_devices - target.num_devices} roll out)") from None
   run = RunConfig.from_values(values)
   num_experts, expert_degree = values["num_experts"], dict(mesh.shape)["expert"]
   # Experts are split evenly over the expert axis; a dense model may use that axis as extra FSDP.

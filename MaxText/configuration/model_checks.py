@@ -27,6 +27,7 @@ ALL_TO_ALL_KINDS = ("auto", "ragged", "padded")
 GROUPED_MATMUL_KINDS = ("auto", "ragged_dot", "megablox")
 ACTIVATIONS = ("silu", "gelu", "relu", "linear", "tanh", "clamped_swish", "clamped_plus_one")
 DTYPES = ("float32", "bfloat16", "float16")
+FLOAT32_MAX = 3.4028234663852886e38  # a larger number is inf on the device (1e39 passes math.isfinite)
 NORMALIZATION_TYPES = ("rms", "rms_plus_one", "layer")
 POSITION_EMBEDDINGS = ("rope", "learned", "sinusoidal")
 ROPE_TYPES = ("default", "llama3", "linear", "yarn", "proportional")
@@ -118,11 +119,15 @@ def check_layer_layout(v: Mapping[str, Any], layers: int, pipelined: bool) -> No
            "moe_layer_interval > 1 is not supported with pipeline parallelism (the stages split one homogeneous stack)")
   _require(not pipelined or v["first_dense_layers"] == 0,
            "first_dense_layers > 0 is not supported with pipeline parallelism (the stages split one homogeneous stack)")
+  _require(not pipelined or v["full_attention_interval"] <= 1,
+           f"full_attention_interval={v['full_attention_interval']} (Gated DeltaNet layers between full-attention "
+           "layers) is not supported with pipeline parallelism (the stages split one homogeneous stack); set "
+           "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
   _require(not pipelined or v["moe_bias_update_rate"] == 0,
            "moe_bias_update_rate > 0 is not supported with pipeline parallelism (the pipelines report no expert load)")
-  _require(v["mtp_num_layers"] >= 0 and v["mtp_loss_scaling_factor"] >= 0,
-           f"mtp_num_layers and mtp_loss_scaling_factor must be >= 0, got {v['mtp_num_layers']} and "
-           f"{v['mtp_loss_scaling_factor']}")
+  _require(v["mtp_num_layers"] >= 0 and 0 <= v["mtp_loss_scaling_factor"] <= FLOAT32_MAX,
+           f"mtp_num_layers must be >= 0 and mtp_loss_scaling_factor a finite float32 number >= 0, got "
+           f"{v['mtp_num_layers']} and {v['mtp_loss_scaling_factor']}")
   _require(not pipelined or v["mtp_num_layers"] == 0,
            "mtp_num_layers > 0 is not supported with pipeline parallelism (the last stage would run the MTP modules)")
 
@@ -205,8 +210,9 @@ def check_lora(v: Mapping[str, Any]) -> None:
   _require(isinstance(rank, int) and rank >= 0, f"lora_rank must be an integer >= 0 (0 = no adapters), got {rank!r}")
   if rank == 0:
     return
-  _require(v["lora_alpha"] > 0, f"lora_alpha must be > 0 (the adapters' scale is lora_alpha / lora_rank), "
-           f"got {v['lora_alpha']}")
+  # inf passed (a fresh adapter's output inf * 0 = NaN), and so did 1e39 (inf gradients from the first step).
+  _require(0 < v["lora_alpha"] <= FLOAT32_MAX, f"lora_alpha must be a finite float32 number > 0 (the "
+           f"adapters' scale is lora_alpha / lora_rank), got {v['lora_alpha']}")
   valid = lora_targets(v)
   unknown = [t for t in targets if t not in valid]
   _require(bool(targets) and not unknown,
@@ -225,8 +231,9 @@ def check_positions_and_attention(v: Mapping[str, Any]) -> None:
   one_of(v, "normalization_type", NORMALIZATION_TYPES)
   one_of(v, "position_embedding", POSITION_EMBEDDINGS)
   one_of(v, "rope_type", ROPE_TYPES)
-  if v["position_embedding"] == "rope":
-    _require(v["head_dim"] % 2 == 0, f"head_dim must be even for rotary embeddings, got {v['head_dim']}")
+  if v["position_embedding"] == "rope":  # MLA rotates qk_rope_head_dim only (check_mla)
+    _require(v["head_dim"] % 2 == 0 or v["attention_type"] == "mla",
+             f"head_dim must be even for rotary embeddings, got {v['head_dim']}")
   else:
     _require(not v["rope_interleaved"] and v["rope_type"] == "default",
              f"rope_interleaved and rope_type apply only with position_embedding=rope, "
@@ -290,8 +297,9 @@ def check_moe(v: Mapping[str, Any]) -> None:
   _require(num_experts >= 1, f"num_experts must be >= 1 (1 = dense MLP), got {num_experts}")
   _require(1 <= top_k <= num_experts,
            f"num_experts_per_tok must be between 1 and num_experts ({num_experts}), got {top_k}")
-  _require(v["load_balance_loss_weight"] >= 0,
-           f"load_balance_loss_weight must be >= 0, got {v['load_balance_loss_weight']}")
+  # inf passed `>= 0`: an MoE model's gradients were NaN from the first step.
+  _require(0 <= v["load_balance_loss_weight"] <= FLOAT32_MAX,
+           f"load_balance_loss_weight must be a finite float32 number >= 0, got {v['load_balance_loss_weight']}")
   _require(isinstance(v["sparse_matmul"], bool), f"sparse_matmul must be True or False, got {v['sparse_matmul']!r}")
   _require(v["shared_experts"] >= 0, f"shared_experts must be >= 0 (0 = none), got {v['shared_experts']}")
   _require(not v["moe_router_scales_input"] or top_k == 1,
@@ -335,7 +343,7 @@ def check_linear_attention(v: Mapping[str, Any]) -> None:
              f"full_attention_interval={interval} needs attention_type=gqa, moe_layer_interval=1, first_dense_layers=0 "
              f"and a layer count ({layers}) that is a multiple of it")
   fraction = v["partial_rotary_factor"]
-  _require(0 < fraction <= 1 and (v["head_dim"] * fraction) % 2 == 0,
+  _require(0 < fraction <= 1 and (v["attention_type"] == "mla" or (v["head_dim"] * fraction) % 2 == 0),
            f"partial_rotary_factor must be in (0, 1] and rotate an even number of head_dim={v['head_dim']} "
            f"features, got {fraction}")
 
@@ -361,7 +369,8 @@ def check_mla(v: Mapping[str, Any]) -> None:
 def _check_indexer(v: Mapping[str, Any]) -> None:
   _require(v["index_topk"] >= 0, f"index_topk must be >= 0 (0 = dense MLA), got {v['index_topk']}")
   scale = v["indexer_loss_scaling_factor"]
-  _require(scale >= 0, f"indexer_loss_scaling_factor must be >= 0 (0 = the indexer does not train), got {scale}")
+  _require(0 <= scale <= FLOAT32_MAX, f"indexer_loss_scaling_factor must be a finite float32 number >= 0 (0 = the "
+           f"indexer does not train), got {scale}")
   if v["index_topk"] == 0:
     _require(scale == 0 and not v["indexer_warmup"],
              "indexer_loss_scaling_factor and indexer_warmup train DeepSeek Sparse Attention's indexer: they need "

@@ -42,17 +42,30 @@ def remat_placements_from_values(v: Mapping[str, Any]) -> Any:
              f"{v['remat_policy']!r}); add remat_policy=custom, or drop them")
   else:
     off = remat_policies.not_produced(v)
+    named = v.get("model_name", "default")
+    model = v["decoder_block"] if named == "default" else f"{named} ({v['decoder_block']})"
     for name in sorted(n for n, p in placements.items()
                        if p != "remat" and (n not in remat_policies.PRODUCED or n in off)):
-      if name not in _WARNED_UNPRODUCED:  # once per process: a planner builds many configs
-        _WARNED_UNPRODUCED.add(name)
-        why = off[name] if name in off else "the key is accepted so that upstream recipes run as written"
-        print(f"warning: {name}={placements[name]} places nothing: no layer here produces {name!r} ({why})",
-              file=sys.stderr, flush=True)
+      if name in off:
+        warn_unproduced(name, placements[name], model, off[name])
+      else:
+        warn_unproduced(name, placements[name], None, "the key is accepted so that upstream recipes run as written")
   return RematPlacements(**placements)
 
 
 _WARNED_UNPRODUCED: set[str] = set()
+
+
+def warn_unproduced(name: str, placement: str, model: str | None, why: str) -> None:
+  """One warning line, once per process per name (a planner builds many configs and models), that the
+  placement `name`=`placement` places nothing: no layer of `model` (None: of any model here) produces it."""
+  if name in _WARNED_UNPRODUCED:
+    return
+  _WARNED_UNPRODUCED.add(name)
+  where = f"no layer of {model} produces {name!r}" if model else f"no layer here produces {name!r}"
+  print(f"warning: {name}={placement} places nothing: {where} ({why})", file=sys.stderr, flush=True)
+
+
 _WARNED_QWIX: set[str] = set()
 _WARNED_UNUSED_KERNEL: set[str] = set()
 

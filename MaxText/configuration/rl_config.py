@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from typing import Any, Mapping
 
 from MaxText.configuration.config_fields import DATA_POSITION, key, read_keys
@@ -190,7 +191,9 @@ def training_devices(v: Mapping[str, Any], num_devices: int, num_processes: int)
   rollout = v["rl_rollout_devices"] if v["objective"] == "grpo" else 0
   if rollout == 0:
     return num_devices
-  _require(0 < rollout < num_devices, f"rl_rollout_devices={rollout} leaves no device to train of the {num_devices} "
+  _require(rollout > 0, f"rl_rollout_devices must be >= 0 (the last devices that roll out on a mesh of their own; 0 = "
+           f"roll out on the training mesh), got {rollout}")
+  _require(rollout < num_devices, f"rl_rollout_devices={rollout} leaves no device to train of the {num_devices} "
            f"devices; give the rollouts at most {num_devices - 1} (0 = roll out on the training mesh)")
   # Several processes: each gives its last rl_rollout_devices / processes devices to the rollouts
   # (rl/rollout_mesh.py), and the weight copy needs as many training devices per rollout device on each.
@@ -221,8 +224,10 @@ def _check_environment(rl: RLConfig, max_target_length: int) -> None:
   if not rl.rl_environment:
     return
   _require(rl.rl_max_turns >= 1, f"rl_max_turns must be >= 1 (model turns per episode), got {rl.rl_max_turns}")
-  _require(rl.rl_environment_timeout_seconds > 0, "rl_environment_timeout_seconds must be > 0 (the most one call "
-           f"of the environment may take), got {rl.rl_environment_timeout_seconds}")
+  # inf or past threading.TIMEOUT_MAX: the guard's first wait raised OverflowError
+  _require(0 < rl.rl_environment_timeout_seconds <= threading.TIMEOUT_MAX, "rl_environment_timeout_seconds must be "
+           f"> 0 and at most {threading.TIMEOUT_MAX:.0f} (the most one call of the environment may take; a thread "
+           f"waits no longer), got {rl.rl_environment_timeout_seconds}")
   _require(0 <= rl.rl_max_episode_tokens <= max_target_length + 1, f"rl_max_episode_tokens={rl.rl_max_episode_tokens}"
            f" must be in [0, max_target_length + 1 = {max_target_length + 1}] (an episode is one training sequence; "
            "0 = that bound)")

@@ -45,8 +45,9 @@ def _read_record(path: str, run_dir: str) -> dict[str, Any]:
   """The flat values of a saved configuration (config.yml or a config_history entry)."""
   try:
     data = yaml.safe_load(storage.read_text(path)) or {}
-  except yaml.YAMLError as e:
-    raise UserError(f"{path} is not readable YAML ({str(e).splitlines()[0]}); restore it from "
+  except (yaml.YAMLError, UnicodeDecodeError) as e:  # not even text: damaged on disk or by a copy
+    why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else str(e).splitlines()[0]
+    raise UserError(f"{path} is not readable YAML ({why}); restore it from "
                     f"{storage.join(run_dir, HISTORY_DIR)}, or move it away: the resume is then checked against "
                     "the run's other records (config_history/, the checkpoint's saved keys)") from None
   if not isinstance(data, dict):
@@ -182,7 +183,14 @@ def saved_model_keys(checkpoint_path: str) -> tuple[dict[str, Any], str] | None:
   its LoRA keys: that run's checkpoints hold its adapters)."""
   beside = storage.join(checkpoint_path, MODEL_CONFIG_FILE)
   if storage.is_file(beside):
-    values = yaml.safe_load(storage.read_text(beside)) or {}
+    try:
+      values = yaml.safe_load(storage.read_text(beside)) or {}
+      why = "" if isinstance(values, dict) else f"it holds a {type(values).__name__}, not key: value lines"
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+      why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else f"not readable YAML: {str(e).splitlines()[0]}"
+    if why:
+      raise UserError(f"{beside} does not hold the checkpoint's model keys ({why}); restore it from where the "
+                      "checkpoint came from, or delete it and give the model keys (model_name=...) yourself")
     return spellings.upgrade(values), beside
   run_dir = run_dir_of(checkpoint_path)
   if run_dir is None:

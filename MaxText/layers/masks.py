@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 # A window: None (no window), a Python int, or a traced int32 scalar (mixed local/global scanned stack).
 Window = int | jax.Array | None
@@ -147,17 +148,35 @@ def dense_attention(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, all
   num_kv = k_BSKH.shape[2]
   q_BLKGH = group_queries(q_BLNH, num_kv)
   logits_BKGLS = jnp.einsum("blkgh,bskh->bkgls", q_BLKGH, k_BSKH, preferred_element_type=jnp.float32)
+  probs_BKGLS = _probabilities(logits_BKGLS, allowed_BLS, soft_cap, sinks_N, v_BSKH.dtype)
+  return merge_groups(jnp.einsum("bkgls,bskh->blkgh", probs_BKGLS, v_BSKH))
+
+
+def cache_attention(q_BLNH: jax.Array, k_BKSH: jax.Array, v_BKHS: jax.Array, allowed_BLS: jax.Array,
+                    soft_cap: float = 0.0, sinks_N: jax.Array | None = None) -> jax.Array:
+  """`dense_attention` over keys [B, K, S, H] and values [B, K, H, S]: the layouts its two dots
+  read their cache operand in (batch and kv head leading, the contracted axis last), so a KV cache
+  stored so (layers/kv_cache.py) is read in place, where [B, S, K, H] is transposed first. Same
+  dots, so the same results bit for bit."""
+  num_kv = k_BKSH.shape[1]
+  q_BLKGH = group_queries(q_BLNH, num_kv)
+  logits_BKGLS = jnp.einsum("blkgh,bksh->bkgls", q_BLKGH, k_BKSH, preferred_element_type=jnp.float32)
+  probs_BKGLS = _probabilities(logits_BKGLS, allowed_BLS, soft_cap, sinks_N, v_BKHS.dtype)
+  return merge_groups(jnp.einsum("bkgls,bkhs->blkgh", probs_BKGLS, v_BKHS))
+
+
+def _probabilities(logits_BKGLS: jax.Array, allowed_BLS: jax.Array, soft_cap: float, sinks_N: jax.Array | None,
+                   dtype: DTypeLike) -> jax.Array:
+  """The attention weights of float32 scores: soft cap, mask, softmax (with sinks), in `dtype`."""
   if soft_cap > 0:
     logits_BKGLS = soft_cap * jnp.tanh(logits_BKGLS / soft_cap)
   logits_BKGLS = jnp.where(allowed_BLS[:, None, None], logits_BKGLS, MASK_VALUE)
   if sinks_N is None:
-    probs_BKGLS = jax.nn.softmax(logits_BKGLS, axis=-1).astype(v_BSKH.dtype)
-  else:
-    sink_BKGL1 = jnp.broadcast_to(sinks_N.astype(jnp.float32).reshape(1, num_kv, -1, 1, 1),
-                                  logits_BKGLS.shape[:-1] + (1,))
-    probs_BKGLS = jax.nn.softmax(jnp.concatenate([logits_BKGLS, sink_BKGL1], axis=-1), axis=-1)[..., :-1]
-    probs_BKGLS = probs_BKGLS.astype(v_BSKH.dtype)
-  return merge_groups(jnp.einsum("bkgls,bskh->blkgh", probs_BKGLS, v_BSKH))
+    return jax.nn.softmax(logits_BKGLS, axis=-1).astype(dtype)
+  num_kv = logits_BKGLS.shape[1]
+  sink_BKGL1 = jnp.broadcast_to(sinks_N.astype(jnp.float32).reshape(1, num_kv, -1, 1, 1),
+                                logits_BKGLS.shape[:-1] + (1,))
+  return jax.nn.softmax(jnp.concatenate([logits_BKGLS, sink_BKGL1], axis=-1), axis=-1)[..., :-1].astype(dtype)
 
 
 def top_k_keys(scores_BLS: jax.Array, allowed_BLS: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

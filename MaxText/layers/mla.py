@@ -21,7 +21,7 @@ expanded per head.
 With index_topk > 0 (DeepSeek-V3.2's sparse attention) a lightning indexer (layers/indexer.py)
 picks each query's index_topk keys and the attention sees only those (layers/sparse_attention.py,
 its form from attention_kernels.sparse_kernel); decoding caches the indexer's key beside the
-rope key (value_BSKH holds [rope key | indexer key]). Training the indexer
+rope key (the cache's value array holds [rope key | indexer key]). Training the indexer
 (indexer_loss_scaling_factor > 0, indexer.py's "Training the indexer") sows its KL loss as
 `indexer_kl_sum` and `indexer_queries` (the objective takes their ratio); with indexer_warmup the
 attention stays dense and the KL covers every allowed key.
@@ -202,14 +202,14 @@ class MultiHeadLatentAttention(nnx.Module):
   def _decode(self, q_nope_BLNC: jax.Array, q_rope_BLNP: jax.Array, latent_BLR: jax.Array, k_rope_BL1P: jax.Array,
               positions_BL: jax.Array, layer_index: int | jax.Array, cache: kv_cache.KVCache,
               index: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> tuple[jax.Array, kv_cache.KVCache]:
-    """Absorbed attention over the compressed cache (key_BSKH: latents [B, S, 1, R], value_BSKH:
+    """Absorbed attention over the compressed cache (read token-major: latents [B, S, 1, R], then
     rotated rope keys [B, S, 1, P], followed by the indexer's keys [J] with index_topk > 0)."""
     cfg = self.cfg
     rope = cfg.mla.qk_rope_head_dim
     cached_BL1Y = k_rope_BL1P if index is None else jnp.concatenate(
         [k_rope_BL1P, index[2][:, :, None, :].astype(k_rope_BL1P.dtype)], axis=-1)
     cache = kv_cache.write(cache, latent_BLR[:, :, None, :], cached_BL1Y, positions_BL)
-    latent_BS1R, rows_BS1Y = cache.read(q_nope_BLNC.dtype)
+    latent_BS1R, rows_BS1Y = cache.read_tokens(q_nope_BLNC.dtype)
     q_BLNX, w_v_RNV = self._absorbed(q_nope_BLNC, q_rope_BLNP)
     k_BS1X = jnp.concatenate([latent_BS1R, rows_BS1Y[..., :rope]], axis=-1)
     window = layer_window_size(cfg.attn, layer_index)

@@ -120,6 +120,9 @@ def moe_all_to_all(layout: ExpertLayout, x_BLD: jax.Array, experts_BLk: jax.Arra
   how their outputs vary over the mesh (JAX's megablox Pallas call); the exchange is the same either way."""
   tokens = PartitionSpec(layout.token_axes or None)
   expert, mlp = layout.expert_axes or None, layout.mlp_axes or None
+  # Under the pipeline's vmap over stages (spmd_axis_name="stage") JAX's batching of a vma-checked shard_map
+  # leaves `stage` out of the out_specs it checks the outputs against, and refuses them; unchecked, the same.
+  check_vma = check_vma and dict(layout.mesh.shape).get("stage", 1) == 1
   kernel_specs = tuple(PartitionSpec(expert, None, mlp) for _ in kernels[:-1]) + (PartitionSpec(expert, mlp, None),)
   bias_specs = tuple(PartitionSpec(expert, mlp) for _ in biases[:-1]) + (PartitionSpec(expert, None),) * bool(biases)
 

@@ -55,6 +55,7 @@ from typing import Any, Callable, TypeVar
 import jax
 import jax.numpy as jnp
 
+from MaxText.errors import UserError
 from MaxText.platform import sharding
 from MaxText.configuration.model_config import PipelineConfig
 from MaxText.layers import pipeline_timetable
@@ -99,6 +100,9 @@ def describe(pipe: PipelineConfig) -> str:
 
 def _split_micro(x: jax.Array, num_micro: int) -> jax.Array:
   """[B, ...] → [M, B/M, ...], microbatch i taking rows i, M + i, 2M + i, ... (as train_step does)."""
+  if x.shape[0] % num_micro:  # train and eval batches are checked with the config; a direct forward is not
+    raise UserError(f"a pipelined forward pass of {x.shape[0]} row(s) cannot split into num_pipeline_microbatches="
+                    f"{num_micro}; give it a multiple of {num_micro} rows, or run it with ici_pipeline_parallelism=1")
   return jnp.swapaxes(x.reshape((x.shape[0] // num_micro, num_micro) + x.shape[1:]), 0, 1)
 
 

@@ -14,9 +14,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from MaxText import families
+from MaxText.configuration import model_config
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.errors import ConfigError
-from MaxText.layers import layer_shapes, masks, mtp, paged_kv, pipeline, quantization, remat, vision_tower
+from MaxText.layers import kv_cache, layer_shapes, masks, mtp, paged_kv, pipeline, quantization, remat, vision_tower
 from MaxText.layers.decoders import ACTIVATION_NAMES, DecoderLayer
 from MaxText.layers.embeddings import Embed, sinusoidal_positions
 from MaxText.layers.kv_cache import KVCache
@@ -33,6 +34,17 @@ def remat_policy(cfg: ModelConfig) -> remat.CheckpointPolicy:
   return remat.checkpoint_policy(cfg.remat)
 
 
+def _warn_unproduced_placements(cfg: ModelConfig, layer_class: Any) -> None:
+  """A remat_policy=custom placement of a name the family's own layer never produces (its
+  `unproduced_names`) places nothing: one warning line, as config validation gives for the names the
+  keys turn off (the family's layer is known only here, where flax is loaded)."""
+  if cfg.remat.name != "custom":
+    return
+  placed = cfg.remat.placements()
+  for name, why in sorted(getattr(layer_class, "unproduced_names", {}).items()):
+    if placed.get(name, "remat") != "remat":
+      model_config.warn_unproduced(name, placed[name], cfg.decoder_block, why)
+
 
 class Transformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -42,6 +54,7 @@ class Transformer(nnx.Module):
                                 stddev=cfg.emb_dim**-0.5 if cfg.logits_via_embedding else 1.0, one_hot=cfg.use_iota_embed)
     family = families.family_for_decoder_block(cfg.decoder_block)
     layer_class = family.layer or DecoderLayer
+    _warn_unproduced_placements(cfg, layer_class)
     # DeepSeek's dense-MLP prefix, Llama 4 Maverick's dense layers between the MoE ones, or
     # Qwen3-Next's Gated DeltaNet layers between the full-attention ones: a second stack.
     if cfg.num_dense_layers > 0:
@@ -137,9 +150,10 @@ class Transformer(nnx.Module):
     layer_rngs = jax.random.split(dropout_rng, num_layers) if dropout_rng is not None else None
     one_layer = self._layer_fn(positions_BL, segment_ids_BL, decoding=caches is not None,
                                image_blocks_BL=image_blocks_BL)
-    if cfg.scan_layers and paged_kv.holds_pages(caches):
-      # Page pools ride in the carry, each layer writing its own in place (paged_kv.PagedKVCache.layer):
-      # as scanned inputs and outputs they would be sliced and restacked, a copy of the pool per step.
+    if cfg.scan_layers and kv_cache.holds_layer_caches(caches):
+      # KV caches and page pools ride in the carry, each layer writing its own in place (KVCache.layer,
+      # PagedKVCache.layer): as scanned inputs and outputs they would be sliced and restacked, copies
+      # of the whole cache every step.
       graphdef, stacked_state = nnx.split(getattr(self, name))
 
       def carried(carry: tuple[jax.Array, Any], per_layer: tuple[Any, ...]
@@ -147,8 +161,8 @@ class Transformer(nnx.Module):
         x, pools = carry
         state, rng, index = per_layer
         x, layer_aux, pools = one_layer(graphdef, x, state, rng, first_index + index,
-                                        paged_kv.with_layer(pools, index))
-        return (x, paged_kv.with_layer(pools, None)), layer_aux
+                                        kv_cache.with_layer(pools, index))
+        return (x, kv_cache.with_layer(pools, None)), layer_aux
 
       (x_BLD, caches), aux_per_layer = jax.lax.scan(
           carried, (x_BLD, caches), (stacked_state, layer_rngs, jnp.arange(num_layers)))

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import os
 import socket
 import time
-from typing import Callable, Iterator, Mapping, TypeVar
+from typing import Callable, Iterator, Mapping, Sequence, TypeVar
 
 import jax
 import numpy as np
@@ -138,6 +140,47 @@ def on_process_0(what: str, action: Callable[[], _T]) -> _T | None:
   if failure is not None:
     raise failure
   return result
+
+
+CONFIG_KEY = "maxtext_config/"  # + process index: that process's configuration, in the coordination service
+
+
+def _digest(text: str) -> np.ndarray:
+  return np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint32)
+
+
+def check_same_config(values: Mapping[str, object], per_host: Sequence[str] = (), timeout_s: int = 120) -> None:
+  """Every process of the job must have built the same configuration (but for the `per_host` keys): one
+  started with another override or M_* variable ran into a collective of another shape, which gloo
+  aborts on and a TPU may wait on for good. Raises UserError on every process, naming the keys."""
+  if jax.process_count() <= 1:
+    return
+  from jax._src import distributed as jax_distributed  # the coordination client has no public accessor
+
+  mine = json.dumps({k: repr(v) for k, v in values.items() if k not in per_host}, sort_keys=True)
+  me = jax.process_index()
+  client = jax_distributed.global_state.client
+  assert client is not None  # jax.distributed joined: process_count() > 1
+  client.key_value_set(f"{CONFIG_KEY}{me}", mine, allow_overwrite=True)
+  # A fixed-size collective: its shape does not depend on the configuration being compared.
+  digests = np.asarray(multihost_utils.process_allgather(_digest(mine))).reshape(jax.process_count(), -1)
+  differ = [p for p in range(jax.process_count()) if not np.array_equal(digests[p], digests[0])]
+  if not differ:
+    return
+  other = differ[0] if me == 0 else 0
+  try:
+    theirs = json.loads(client.blocking_key_value_get(f"{CONFIG_KEY}{other}", timeout_s * 1000))
+  except Exception:  # noqa: BLE001 - that process is gone already: the keys cannot be named, the stop stands
+    theirs = None
+  shown = ""
+  if theirs is not None:
+    ours = json.loads(mine)
+    keys = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+    shown = " (" + "; ".join(f"{k}: {theirs.get(k, '(none)')} on process {other}, {ours.get(k, '(none)')} here"
+                             for k in keys[:4]) + (f"; and {len(keys) - 4} more" if len(keys) > 4 else "") + ")"
+  raise UserError(f"the processes of this job were started with different configurations: process(es) "
+                  f"{', '.join(map(str, differ))} differ from process 0{shown}; start every process with "
+                  "the same command, config file and M_* variables")
 
 
 def log(message: str) -> None:

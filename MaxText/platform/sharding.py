@@ -185,31 +185,47 @@ def for_rank(batch: NamedSharding, rank: int) -> NamedSharding:
   return NamedSharding(batch.mesh, PartitionSpec(*tuple(batch.spec)[:1], *([None] * (rank - 1))))
 
 
-def unsharded_fraction(abstract_tree: object, shardings: object, mesh: Mesh) -> float:
-  """Fraction of bytes not split over every non-data mesh axis (pure data parallelism
-  replicates parameters by design, so the data axis does not count; nor does the pipeline
-  `stage` axis, over which only the layer stack is split and embeddings are replicated by design,
-  nor `autoregressive`, which splits only the decode KV cache)."""
+def _unsharded_leaves(abstract_tree: object, shardings: object, mesh: Mesh) -> tuple[int, list[tuple[int, str]]]:
+  """(total bytes, [(bytes, "path [shape]")] of each leaf not split over every non-data mesh axis)."""
   ignored = REPLICATED_PARAMETER_AXES
   target = math.prod(size for axis, size in mesh.shape.items() if axis not in ignored)
-  total = unsharded = 0
-  for x, sharding in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings)):
+  total, unsharded = 0, []
+  leaves = jax.tree_util.tree_flatten_with_path(abstract_tree)[0]
+  for (path, x), sharding in zip(leaves, jax.tree.leaves(shardings)):
     nbytes = math.prod(x.shape) * np.dtype(x.dtype).itemsize
     shards = math.prod(mesh.shape[a] for entry in sharding.spec if entry
                        for a in ((entry,) if isinstance(entry, str) else entry) if a not in ignored)
     total += nbytes
     if shards < target:
-      unsharded += nbytes
-  return unsharded / total if total else 0.0
+      name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+      unsharded.append((nbytes, f"{name} {list(x.shape)}"))
+  return total, unsharded
+
+
+def unsharded_fraction(abstract_tree: object, shardings: object, mesh: Mesh) -> float:
+  """Fraction of bytes not split over every non-data mesh axis (pure data parallelism
+  replicates parameters by design, so the data axis does not count; nor does the pipeline
+  `stage` axis, over which only the layer stack is split and embeddings are replicated by design,
+  nor `autoregressive`, which splits only the decode KV cache)."""
+  total, unsharded = _unsharded_leaves(abstract_tree, shardings, mesh)
+  return sum(n for n, _ in unsharded) / total if total else 0.0
 
 
 def check_sharding_tolerance(abstract_tree: object, shardings: object, mesh: Mesh, tolerance: float) -> float:
-  fraction = unsharded_fraction(abstract_tree, shardings, mesh)
+  total, unsharded = _unsharded_leaves(abstract_tree, shardings, mesh)
+  fraction = sum(n for n, _ in unsharded) / total if total else 0.0
   if fraction > tolerance:
+    # The largest culprits, so that a user sees what to change (e.g. LoRA adapters of a rank far above the
+    # model's widths, whose rank axis no mesh axis splits).
+    largest = sorted(unsharded, key=lambda item: (-item[0], item[1]))[:3]
+    named = ", ".join(f"{what} {n / total:.1%}" for n, what in largest)
+    lora = ("; LoRA adapters (lora_a, lora_b) are among them: their rank axis is never split, so a lora_rank near or "
+            "above the model's widths leaves them whole on every device: lower lora_rank"
+            if any(what.split(" ")[0].rsplit("/", 1)[-1] in ("lora_a", "lora_b") for _, what in largest) else "")
     raise ConfigError(
         f"{fraction:.1%} of parameter bytes are not fully sharded over mesh {dict(mesh.shape)} "
-        f"(sharding_tolerance={tolerance}); adjust the parallelism degrees so they divide the model "
-        "dimensions, or raise sharding_tolerance")
+        f"(sharding_tolerance={tolerance}; largest: {named}){lora}; adjust the parallelism degrees so they divide "
+        "the model dimensions, or raise sharding_tolerance")
   return fraction
 
 

@@ -149,12 +149,21 @@ class GoodputHook:
     self.path = storage.join(run_dir, GOODPUT_FILE)
     self.resize_detected = resize_detected
     self.started, self.start_step, self.writer, self.write_every = process_started, start_step, writer, write_every
-    self.earlier = [StartRecord(**r) for r in json.loads(storage.read_text(self.path))["starts"]] \
-        if storage.exists(self.path) else []
+    self.earlier = self._read_earlier() if storage.exists(self.path) else []
     self.first_dispatch: float | None = None
     self.step_s: list[float] = []  # each step's time, input wait excluded
     self.data_wait_s = 0.0
     self.last_step = start_step
+
+  def _read_earlier(self) -> list[StartRecord]:
+    """The earlier starts' records; a file this program did not write whole (its writes are atomic: a
+    copy cut short, an edit) costs them, not the run."""
+    try:
+      return [StartRecord(**r) for r in json.loads(storage.read_bytes(self.path).decode("utf-8"))["starts"]]
+    except (ValueError, KeyError, TypeError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+      print(f"warning: {self.path} is unreadable ({type(e).__name__}: {str(e)[:200]}); the goodput figures leave "
+            "the earlier starts out and the file is rewritten with this start's", flush=True)
+      return []
 
   def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
     wait = record.scalars.get("input_wait_s", 0.0)

@@ -23,6 +23,11 @@ multiply-add counts 2):
 
   tflops_per_step = 3 · (B·L · per_token · num_layers (+ logits) + B · attention) / 1e12
 
+A stack of differing layers (Gemma 4's per-layer shapes) is counted layer by layer, each at its own
+head width, key/value heads and MLP width (layer_groups): a KV-sharing layer projects no keys or values,
+a layer whose values are its keys (attention_k_eq_v) no values; plus per-layer inputs' projections
+and a dense MLP beside the experts (moe_beside_mlp).
+
 MoE expert rows per sequence: the padded path (sparse_matmul=False) runs every expert
 over its C slots, E·C rows (dropless: C = L, E/k times the routed work; capacity_factor 1:
 E·C = k·L); the grouped path (sparse_matmul=True) runs the k·L routed rows only, which is
@@ -42,6 +47,7 @@ Rematerialisation is also not counted: MFU measures useful model FLOPs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -105,11 +111,47 @@ def moe_expert_rows(cfg: ModelConfig, length: int) -> float:
   return float(cfg.moe.num_experts * expert_capacity(cfg.moe, length))
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerGroup:
+  """`count` decoder layers of one shape (`cfg`); `kv_source`: later layers read its keys and values."""
+  count: int
+  cfg: ModelConfig
+  kv_source: bool = False
+
+
+@functools.cache
+def layer_groups(cfg: ModelConfig) -> tuple[LayerGroup, ...]:
+  """The stack's layers by shape: one group, but for a stack of differing layers (layer_shapes: Gemma 4) each
+  layer's own head width and key/value heads (layers/layer_shapes.layer_config), attention_k_eq_v only where
+  it runs (the global layers), no key/value heads where a layer reads another's (it projects queries only),
+  and the sharing layers' MLP width (the experts' stays mlp_dim beside moe_beside_mlp's dense MLP)."""
+  if not cfg.layer_shapes.active:
+    return (LayerGroup(cfg.num_decoder_layers, cfg),)
+  from MaxText.layers import layer_shapes  # noqa: PLC0415  (flax; only a stack of differing layers needs it)
+  sources = layer_shapes.kv_sources(cfg)
+  shapes = cfg.layer_shapes
+  groups: list[LayerGroup] = []
+  for i in range(cfg.num_decoder_layers):
+    own = layer_shapes.layer_config(cfg, i)
+    is_global = own.attn.attention_layer_pattern[0] == "global"
+    own = dataclasses.replace(
+        own, num_kv_heads=0 if i in sources else own.num_kv_heads,
+        mlp_dim=cfg.mlp_dim if shapes.moe_beside_mlp else own.mlp_dim,
+        layer_shapes=dataclasses.replace(shapes, attention_k_eq_v=shapes.attention_k_eq_v and is_global))
+    source = i in sources.values()
+    same = next((n for n, g in enumerate(groups) if g.cfg == own and g.kv_source == source), None)
+    if same is None:
+      groups.append(LayerGroup(1, own, source))
+    else:
+      groups[same] = dataclasses.replace(groups[same], count=groups[same].count + 1)
+  return tuple(groups)
+
+
 def attention_projection_flops(cfg: ModelConfig) -> float:
   """Weight-matmul FLOPs of one layer's attention projections per token."""
   d, n, k, h = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
-  if cfg.attn.attention_type != "mla":
-    return 2 * d * h * (n + 2 * k) + 2 * n * h * d
+  if cfg.attn.attention_type != "mla":  # values made from the keys' matmul (attention_k_eq_v): none of their own
+    return 2 * d * h * (n + k + (0 if cfg.layer_shapes.attention_k_eq_v else k)) + 2 * n * h * d
   query = 2 * d * n * h if cfg.mla.q_lora_rank <= 0 else 2 * d * cfg.mla.q_lora_rank + 2 * cfg.mla.q_lora_rank * n * h
   latent = 2 * d * (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
   expand = 2 * cfg.mla.kv_lora_rank * n * (cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim)
@@ -136,7 +178,29 @@ def forward_flops_per_sequence(cfg: ModelConfig, length: int, causal: bool = Tru
              + length * 2 * d * v * (1 + mtp) + length * 2 * (2 * d) * d * mtp)
   value_dim = cfg.mla.v_head_dim if cfg.attn.attention_type == "mla" else h  # QK^T over head_dim, AV over the value width
   scores = 2 * n * (h + value_dim) * attended_pairs(cfg, length, causal)
+  if cfg.layer_shapes.active:  # each layer at its own shape (layer_groups), beside the stack's common parts
+    weights, scores = _differing_layers_flops(cfg, length, causal, mlp_per_sequence)
   return float(weights), float(scores)
+
+
+def _differing_layers_flops(cfg: ModelConfig, length: int, causal: bool, experts: float) -> tuple[float, float]:
+  """forward_flops_per_sequence of a stack of differing layers (layer_groups; no MTP, no dense-layer stack):
+  each layer's attention and MLP at its own shape, the routed `experts` (FLOPs per sequence and layer) beside
+  moe_beside_mlp's dense MLP, the per-layer inputs' projections (2·D·M·P per token, and per layer its gate
+  2·D·P and projection 2·P·D), the output head."""
+  d, gated = cfg.emb_dim, len(cfg.mlp_activations)
+  p = cfg.layer_shapes.per_layer_input_dim
+  weights = float(length * (2 * d * cfg.vocab_size + 2 * d * cfg.num_decoder_layers * p))
+  scores = 0.0
+  for group in layer_groups(cfg):
+    own = group.cfg
+    dense_f = (cfg.moe.dense_mlp_dim or own.mlp_dim) if cfg.layer_shapes.moe_beside_mlp else own.mlp_dim
+    layer = length * (attention_projection_flops(own) + 2 * d * dense_f * gated + 2 * dense_f * d + 4 * d * p)
+    layer += experts if cfg.moe.num_experts > 1 else 0.0
+    one = dataclasses.replace(own, num_decoder_layers=1, mtp=dataclasses.replace(own.mtp, mtp_num_layers=0))
+    weights += group.count * layer
+    scores += group.count * 2 * own.num_query_heads * 2 * own.head_dim * attended_pairs(one, length, causal)
+  return weights, scores
 
 
 def training_tflops_per_step(cfg: ModelConfig, global_batch: int, length: int, passes: int = 3,
@@ -180,7 +244,9 @@ def format_step_line(step: int, loss: float, seconds: float, t: Throughput) -> s
 def _lines_up_to(jsonl_path: str, step: int) -> list[str]:
   if not storage.exists(jsonl_path):
     return []
-  lines = [line + "\n" for line in storage.read_text(jsonl_path).splitlines() if line.strip()]
+  # Bytes that are not UTF-8 (a disk's damage, never this writer's) fail to parse below, like a cut line.
+  text = storage.read_bytes(jsonl_path).decode("utf-8", errors="replace")
+  lines = [line + "\n" for line in text.splitlines() if line.strip()]
   kept = []
   for line in lines:
     try:

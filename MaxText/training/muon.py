@@ -2,9 +2,11 @@
 
 Which parameters are matrices, and which axes are a matrix's rows and columns, follows from their logical axis
 names: the stacked axes (`layers`, `exp`) are batch axes, each slice orthogonalised on its own; a parameter with a
-`vocab` axis (the token table, the output head), or with fewer than two other axes (norm scales, biases), takes
-AdamW, as the reference implementations do. Of the other axes a kernel reads its input on its leading ones: an
-output projection ([heads, kv, embed]) reduces over all but its last axis, every other kernel over its first.
+`vocab` axis (the token table, the output head), a parameter with fewer than two other axes (norm scales, biases),
+and any that is not a projection's kernel or LoRA adapter (learned position tables, multi-head biases, depthwise
+convolutions) take AdamW, as the reference implementations do. Of the other axes a kernel reads its input on its
+leading ones: an output projection ([heads, kv, embed]) reduces over all but its last axis, every other kernel over
+its first.
 
 The orthogonalisation is optax's (`optax.contrib.muon`); the AdamW branch is the run's own AdamW
 (`optimizers.create_optimizer`), so opt_type=muon changes nothing for the non-matrix parameters. Under jit the
@@ -25,6 +27,7 @@ from MaxText.configuration.config_groups import OptimConfig
 Params = dict[str, Any]  # nested dict of arrays (masked leaves where a partition leaves them out)
 
 BATCH_AXES = frozenset({"layers", "exp"})  # stacked copies of one matrix: scanned layers, experts
+MATRIX_LEAVES = frozenset({"kernel", "lora_a", "lora_b"})  # a DenseGeneral's weights and its LoRA adapter
 ADAM, MUON = "adam", "muon"
 
 
@@ -38,11 +41,17 @@ def dimension_numbers(names: Sequence[str | None]) -> contrib.MuonDimensionNumbe
   return contrib.MuonDimensionNumbers(reduction_axis=(axes[0],), output_axis=tuple(axes[1:]))
 
 
-def _names_at(logical_names: dict[str, Any], path: tuple[Any, ...]) -> Sequence[str | None]:
+def _dims_at(logical_names: dict[str, Any], path: tuple[Any, ...]) -> contrib.MuonDimensionNumbers | None:
+  """`dimension_numbers` of the parameter at `path`, which only a projection's weights (MATRIX_LEAVES) can take.
+  Others with two non-batch axes are no matrix: a table read by index (an Embed's `embedding`, a learned position
+  table's rows being positions, not `vocab`), a multi-head projection's bias [heads, kv], a linear-attention
+  layer's short depthwise convolution [taps, heads, kv] (a filter per channel)."""
+  if not path or getattr(path[-1], "key", None) not in MATRIX_LEAVES:
+    return None
   node: Any = logical_names
   for entry in path:
     node = node[entry.key]
-  return tuple(node)
+  return dimension_numbers(tuple(node))
 
 
 def muon(cfg: OptimConfig, schedule: optax.Schedule, adamw: optax.GradientTransformation,
@@ -50,11 +59,11 @@ def muon(cfg: OptimConfig, schedule: optax.Schedule, adamw: optax.GradientTransf
   """Muon on the matrices, `adamw` on the rest; `logical_names`: the model's parameter names (ModelSpec)."""
 
   def dims(params: Params) -> Params:  # params may be masked (LoRA, frozen parts): the names follow their paths
-    return jax.tree_util.tree_map_with_path(lambda path, _: dimension_numbers(_names_at(logical_names, path)), params)
+    return jax.tree_util.tree_map_with_path(lambda path, _: _dims_at(logical_names, path), params)
 
   def labels(params: Params) -> Params:
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: ADAM if dimension_numbers(_names_at(logical_names, path)) is None else MUON, params)
+        lambda path, _: ADAM if _dims_at(logical_names, path) is None else MUON, params)
 
   orthogonalised = contrib.muon(
       schedule, ns_steps=cfg.muon_ns_steps, beta=cfg.muon_beta, weight_decay=cfg.adam_weight_decay,

@@ -7,6 +7,8 @@ Reads are sharded: arrays go straight into the shardings of the current mesh.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
@@ -14,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 from MaxText import models
 from MaxText.training import lora
 from MaxText.paths import storage
-from MaxText.run_dir.checkpointing import STATE, first_line, is_step_dir, log, quiet_absl
+from MaxText.run_dir.checkpointing import STATE, first_line, is_step_dir, log, not_a_checkpoint, quiet_absl
 from MaxText.errors import UserError
 from MaxText.platform.sharding import with_shardings
 
@@ -38,6 +40,8 @@ def params_directory(path: str) -> tuple[str, str]:
     raise UserError(f"checkpoint {path} does not exist")
   if is_step_dir(root):
     return storage.join(root, STATE), "full-state step"
+  if (why := not_a_checkpoint(path, root)) is not None:
+    raise UserError(why)
   steps = sorted((int(n) for n in storage.listdir(root) if n.isdigit() and is_step_dir(storage.join(root, n))),
                  reverse=True)
   if steps:
@@ -55,9 +59,18 @@ def load_params(path: str, abstract_params: models.Params, shardings: models.Par
   read in its own layout and converted, so scan_layers may differ between writer and reader.
   """
   directory, kind = params_directory(path)
-  if _stored_has_adapters(directory) and not lora.has_adapters(abstract_params):
-    raise UserError(f"{path} ({kind} checkpoint) holds LoRA adapters that this model has no place for; export it "
-                    "with MaxText.generate_param_only_checkpoint (which merges them into the base weights) and load that")
+  stored_rank = _stored_adapter_rank(directory)
+  if stored_rank and not lora.has_adapters(abstract_params):
+    # A LoRA run reads only the base weights here: it starts fresh adapters, and its objectives take the
+    # adapters-off model as the starting one, which must then be the checkpoint's whole function.
+    raise UserError(f"{path} ({kind} checkpoint) holds LoRA adapters, and this run reads base weights only (a LoRA "
+                    "run starts fresh adapters on them); merge them in with MaxText.generate_param_only_checkpoint "
+                    "and load that, or, to go on training these adapters, resume their run (its run_name, or "
+                    "load_full_state_path)")
+  wanted_rank = _adapter_rank(abstract_params)
+  if stored_rank and wanted_rank and stored_rank != wanted_rank:  # Orbax's own line suggests padding them
+    raise UserError(f"{path} ({kind} checkpoint) holds LoRA adapters of rank {stored_rank}, this model's places are of "
+                    f"rank {wanted_rank}: set lora_rank={stored_rank}")
   converted = _stored_8bit_kernel(directory)
   if converted:
     raise UserError(f"{path} ({kind} checkpoint) holds 8-bit kernels (values and scales, as quantize_weights stores "
@@ -86,13 +99,23 @@ def load_params(path: str, abstract_params: models.Params, shardings: models.Par
   return params
 
 
-def _stored_has_adapters(directory: str) -> bool:
+def _stored_adapter_rank(directory: str) -> int:
+  """The rank of the stored LoRA adapters (0: none, or unreadable metadata: the restore reports that)."""
   try:
     with quiet_absl():
       stored = ocp.PyTreeCheckpointer().metadata(storage.as_path(directory)).item_metadata[PARAMS]
   except Exception:  # noqa: BLE001 - unreadable metadata: let the restore report the problem
-    return False
-  return lora.has_adapters(stored)
+    return 0
+  return _adapter_rank(stored) if lora.has_adapters(stored) else 0
+
+
+def _adapter_rank(params: Any) -> int:
+  """The last dim of the first lora_a leaf (arrays, abstract arrays or checkpoint metadata; 0: none or no shape)."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if str(getattr(path[-1], "key", "")) == "lora_a":
+      shape = getattr(leaf, "shape", None)
+      return int(shape[-1]) if shape else 0
+  return 0
 
 
 def _stored_8bit_kernel(directory: str) -> str:

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import jax
 
 from MaxText.paths import storage
-from MaxText.run_dir.checkpointing import Restored, RunCheckpoints, first_line, is_step_dir, log
+from MaxText.run_dir.checkpointing import Restored, RunCheckpoints, first_line, is_step_dir, log, not_a_checkpoint
 from MaxText.configuration.config import Config
 from MaxText.configuration.config_groups import CheckpointConfig
 from MaxText.errors import UserError
@@ -36,7 +36,7 @@ def _state_from_params(setup: StateSetup, params: Params) -> TrainState:
 def _load_params(config: Config, setup: StateSetup, path: str) -> Params:
   """The parameters of `path`; when the optimizer trains only part of them (LoRA), the frozen
   part from `path` and the trained part freshly initialised (LoRA's lora_b zero: the loaded
-  model's function), whether or not the checkpoint holds adapters."""
+  model's function). A checkpoint holding adapters is refused there (params_io.load_params)."""
   shardings = setup.state_shardings.params
   partition = setup.updater.partition
   if not partition.frozen_gives_base_model:  # every parameter is in the checkpoint
@@ -92,10 +92,13 @@ def nonfinite_advice(config: Config, checkpoints: RunCheckpoints | None,
   """What to do once non-finite steps stopped the run, given the first of them: go back to the
   newest checkpoint whose parameters gave a finite loss after it, with a lower learning rate."""
   lower = f"learning_rate={config.optim.learning_rate / 10:g}"
+  # Clipping already on (base.yml's default) is no remedy to offer.
+  rest = "check the data" if config.optim.gradient_clipping_threshold > 0 else \
+      "enable gradient_clipping_threshold, or check the data"
 
   def advise(first_bad: int) -> str:
     if checkpoints is None:
-      return f"lower learning_rate (e.g. {lower}), enable gradient_clipping_threshold, or check the data"
+      return f"lower learning_rate (e.g. {lower}), or {rest}"
     saved = set(checkpoints.all_steps())
     if checkpoints.last_saved_step is not None:  # a save still in flight counts: the stop waits for it
       saved.add(checkpoints.last_saved_step)
@@ -112,7 +115,7 @@ def nonfinite_advice(config: Config, checkpoints: RunCheckpoints | None,
     command = shlex.join(["python3", "-m", "MaxText.train", *args, f"resume_from_step={back}", lower])
     start = f"from step {back}, the last one known good," if back else "from the beginning (no checkpoint is known good)"
     return (f"resume {start} with a lower learning rate (later checkpoints are moved aside, not deleted): {command} "
-            "(or enable gradient_clipping_threshold, or check the data)")
+            f"(or {rest})")
 
   return advise
 
@@ -127,6 +130,8 @@ def restore_full_state(path: str, abstract_state: TrainState, shardings: TrainSt
     directory, steps = storage.parent(root), [int(step_name)] if step_name.isdigit() else []
     if not steps:
       raise UserError(f"load_full_state_path {path}: a step directory must be named by its step number")
+  elif (why := not_a_checkpoint(path, root)) is not None:
+    raise UserError(f"load_full_state_path {why}")
   else:
     directory, steps = root, None
   checkpoints = RunCheckpoints(directory)

@@ -100,17 +100,19 @@ class Scorer:
       picked, greedy = jax.device_get(self._logprobs(self.params, self._global(tokens), self._global(targets),
                                                      self._global(segments)))
       for i, ((_, cont), whole) in enumerate(zip(chunk, wholes)):
-        end = len(whole) - 1
+        end = max(len(whole) - 1, 0)  # an empty pair has no target: its score is 0, not the row's padding
         span = slice(end - min(len(cont), end), end)
         out.append((float(np.sum(picked[i, span], dtype=np.float64)), bool(np.all(greedy[i, span]))))
     return out
 
   def generate(self, requests: Sequence[GenerationRequest], decode: Callable[[list[int]], str],
-               eos_id: int | None) -> list[str]:
-    """Greedy continuations, each cut before its first stop string, at eos, or after its token budget."""
+               eos_id: int | None, stop_token: Callable[[str], int | None] | None = None) -> list[str]:
+    """Greedy continuations, each cut before its first stop string, at eos, or after its token budget.
+    `stop_token`: a stop string's id when it is a special token, which `decode` does not write."""
     out: list[str] = []
     for start in range(0, len(requests), self.rows):
       chunk = requests[start:start + self.rows]
+      stop_ids = [{t for t in map(stop_token, stops) if t is not None} if stop_token else set() for _, stops, _ in chunk]
       budgets = [max(1, min(most, self.length - 1)) for _, _, most in chunk]
       seqs = [ctx[-(self.length - budget):] for (ctx, _, _), budget in zip(chunk, budgets)]
       new: list[list[int]] = [[] for _ in chunk]
@@ -125,7 +127,7 @@ class Scorer:
           if done[i]:
             continue
           token = int(picked[i])
-          if token == eos_id:
+          if token == eos_id or token in stop_ids[i]:
             done[i] = True
             continue
           new[i].append(token)
@@ -177,9 +179,10 @@ def model_lm(scorer: Scorer, tokenizer: Tokenizer) -> Any:
       for request in requests:
         context, kwargs = request.args
         until = kwargs.get("until") or []
-        asks.append((self.tok_encode(context), [until] if isinstance(until, str) else list(until),
+        # An empty context is conditioned on eot, as lm-eval's log-likelihoods are (no row reads a padding position).
+        asks.append((self.tok_encode(context) or [eot_id], [until] if isinstance(until, str) else list(until),
                      int(kwargs.get("max_gen_toks", 256))))
-      return scorer.generate(asks, tokenizer.decode, tokenizer.eos_id)
+      return scorer.generate(asks, tokenizer.decode, tokenizer.eos_id, getattr(tokenizer, "special_id", None))
 
   del lm_eval
   return ModelLM()

@@ -75,6 +75,14 @@ def _grads_and_sums(setup: StateSetup, objective: Objective, config: Config, par
   return grads, sums
 
 
+def _updates_done(opt_state: optax.OptState, otherwise: jax.Array) -> jax.Array:
+  """The optimizer's own update count, which its schedule reads (the step's first update runs at it): a
+  skipped step keeps the old state, so after one it is behind the step counter. `otherwise` for a state
+  without one."""
+  counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+  return counts[0][1] if counts else otherwise
+
+
 def make_train_step(setup: StateSetup, objective: Objective, config: Config
                     ) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, Metrics]]:
   """The pure step (state, batch, rng) -> (new state, metrics); jit it with `jit_train_step`."""
@@ -137,7 +145,7 @@ def make_train_step(setup: StateSetup, objective: Objective, config: Config
         **loss_metrics,
         "grad_norm": grad_norm,
         "param_norm": optax.tree.norm(params),
-        "learning_rate": schedule(state.step * objective.updates_per_batch),  # at the step's first update
+        "learning_rate": schedule(_updates_done(old_opt_state, state.step * objective.updates_per_batch)),
         "num_tokens": num_tokens,
     }
     if guarded:

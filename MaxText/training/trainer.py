@@ -208,7 +208,15 @@ class Trainer:
                             f"{self.advise_nonfinite(step)}")
       self.skipped_in_a_row = 0
       self.nonfinite_since = None
-      if self.spike_limit is not None:
+      if scalars.get("num_tokens", 1.0) == 0:
+        # The loss is a mean over no tokens: reported as 0, it is no measurement, and in the spike window it
+        # would move the limit (a stable loss then reads as a spike).
+        where = f" ({batch_start})" if batch_start else ""
+        print(f"warning: step {step}'s batch{where} has no target tokens (every target weight is 0: rows of padding, "
+              "or SFT rows with no assistant token): its loss 0 is not a measurement and its gradient was 0 (the "
+              "weights moved by the optimizer's momentum and weight decay alone); check the data if this repeats",
+              file=sys.stderr, flush=True)
+      elif self.spike_limit is not None:
         self.spike_limit.add(loss)
       return False
     self.skipped_in_a_row += 1
@@ -374,6 +382,13 @@ class EvalHook:
       for name, value in sums.items():
         if np.ndim(value) == 0:
           totals[name] = totals.get(name, 0.0) + float(value)
+    if totals.get("weight_sum", 1.0) == 0:
+      # Every objective's means divide by at least 1: over no tokens they read as a perfect score (loss 0).
+      if self.is_primary:
+        print(f"warning: the evaluation at step {record.step} had no target tokens in its {self.eval_steps} batches "
+              "(every target weight 0); it reports nothing: check the eval data",
+              file=sys.stderr, flush=True)
+      return
     scalars, line = self.summarise(totals)
     if self.is_primary:
       print(f"eval   {record.step:>6d} | {line}", flush=True)

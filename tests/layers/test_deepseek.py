@@ -62,8 +62,8 @@ def test_the_decode_cache_holds_the_latent_and_rope_key_only(scan_layers):
   assert set(caches) == {"dense_layers", "layers"}
   main = caches["layers"] if scan_layers else caches["layers"][0]
   lead = (cfg.num_moe_stack_layers,) if scan_layers else ()
-  assert main.key_BSKH.shape == (*lead, 2, 32, 1, cfg.mla.kv_lora_rank)
-  assert main.value_BSKH.shape == (*lead, 2, 32, 1, cfg.mla.qk_rope_head_dim)
+  assert main.key_BKSH.shape == (*lead, 2, 1, 32, cfg.mla.kv_lora_rank)
+  assert main.value_BKHS.shape == (*lead, 2, 1, cfg.mla.qk_rope_head_dim, 32)
   names = kv_cache.model_cache_names(cfg)
   assert jax.tree.structure(names, is_leaf=lambda x: isinstance(x, tuple)) == \
       jax.tree.structure(jax.tree.map(lambda x: (), caches), is_leaf=lambda x: isinstance(x, tuple))

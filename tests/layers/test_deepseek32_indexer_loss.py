@@ -183,8 +183,10 @@ def test_indexer_keys_need_an_indexer(keys, match):
 def test_bad_indexer_key_values_are_one_line_errors():
   with pytest.raises(ConfigError, match="indexer_warmup=True trains only the indexer, by its KL loss"):
     _config("deepseek32", indexer_warmup=True)
-  with pytest.raises(ConfigError, match="indexer_loss_scaling_factor must be >= 0"):
+  with pytest.raises(ConfigError, match="indexer_loss_scaling_factor must be a finite float32 number >= 0"):
     _config("deepseek32", indexer_loss_scaling_factor=-1.0)
+  with pytest.raises(ConfigError, match="indexer_loss_scaling_factor must be a finite float32 number >= 0"):
+    _config("deepseek32", indexer_loss_scaling_factor=float("inf"))
   with pytest.raises(ConfigError, match="indexer_loss_scaling_factor > 0 is not built for pipeline_schedule=1f1b"):
     _config("deepseek32", ici_fsdp_parallelism=1, ici_pipeline_parallelism=2, ici_data_parallelism=-1,
             pipeline_schedule="1f1b", indexer_loss_scaling_factor=1.0, first_dense_layers=0)

@@ -255,7 +255,9 @@ def test_layer_sows_its_loss_and_models_average_it():
 @pytest.mark.parametrize("overrides, message", [
     (dict(num_experts=0), "num_experts must be >= 1 (1 = dense MLP), got 0"),
     (dict(num_experts=4, num_experts_per_tok=5), "num_experts_per_tok must be between 1 and num_experts (4), got 5"),
-    (dict(load_balance_loss_weight=-0.1), "load_balance_loss_weight must be >= 0, got -0.1"),
+    (dict(load_balance_loss_weight=-0.1), "load_balance_loss_weight must be a finite float32 number >= 0, got -0.1"),
+    # inf passed `>= 0`: an MoE model's gradients were NaN from the first step.
+    (dict(load_balance_loss_weight=float("inf")), "load_balance_loss_weight must be a finite float32 number >= 0"),
     (dict(num_experts=3, num_experts_per_tok=1, ici_expert_parallelism=2),
      "num_experts (3) must be a multiple of the expert parallelism"),
     (dict(sparse_matmul=True, capacity_factor=1.25),

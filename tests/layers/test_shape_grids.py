@@ -7,11 +7,11 @@ that no mechanism is held to HF on its family's one reference shape only (tests/
 - sliding windows from 1 token to past the sequence, sequences longer than the window;
 - partial rotary embeddings (the rotated fraction of each head);
 - expert routing: one expert a token, every expert, other expert counts (Mixtral, DeepSeek-V3);
-- multi-head latent attention's KV rank and rotated width (DeepSeek-V3).
+- multi-head latent attention's KV rank, unrotated and rotated widths (DeepSeek-V3).
 
 Each point converts a tiny random HF model and runs one forward pass on one device. The default run
-keeps two points: the DSA shape whose exact-zero index scores tie at the top-k boundary
-(masks.top_k_keys), and one GQA ratio; the rest are `slow`.
+keeps three points: the DSA shape whose exact-zero index scores tie at the top-k boundary
+(masks.top_k_keys), one GQA ratio and MLA with an odd head_dim; the rest are `slow`.
 """
 
 from __future__ import annotations
@@ -106,10 +106,11 @@ def test_expert_routing_matches_hf_over_expert_counts(family, experts, per_token
   _parity(family, tmp_path, num_experts_per_tok=per_token, **count)
 
 
-# (kv_lora_rank, qk_rope_head_dim) of DeepSeek-V3's multi-head latent attention (reference 16, 4).
-MLA_GRID = [_case(v) for v in ((8, 4), (32, 8), (16, 2))]
+# (kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim) of DeepSeek-V3's multi-head latent attention (reference
+# 16, 8, 4). An odd unrotated width makes head_dim odd; only the rotated width need be even (it was refused).
+MLA_GRID = [_case((16, 7, 4), default=True)] + [_case(v) for v in ((8, 8, 4), (32, 8, 8), (16, 8, 2))]
 
 
-@pytest.mark.parametrize("rank, rope_dim", MLA_GRID)
-def test_latent_attention_matches_hf_over_ranks(rank, rope_dim, tmp_path):
-  _parity("deepseek3", tmp_path, kv_lora_rank=rank, qk_rope_head_dim=rope_dim)
+@pytest.mark.parametrize("rank, nope_dim, rope_dim", MLA_GRID)
+def test_latent_attention_matches_hf_over_ranks(rank, nope_dim, rope_dim, tmp_path):
+  _parity("deepseek3", tmp_path, kv_lora_rank=rank, qk_nope_head_dim=nope_dim, qk_rope_head_dim=rope_dim)
