@@ -72,25 +72,18 @@ def checkpoint_files(hf_path: str) -> list[str]:
   """The files transformers loads: the shards model.safetensors.index.json names, else model.safetensors,
   else every safetensors file (HF prefers them when both exist), else the .bin shards. A repository may
   hold other weights beside them (Mistral's consolidated.safetensors, in its own tensor names)."""
-  shards = _index_shards(hf_path)
-  if shards is not None:
-    return shards
-  single = storage.join(hf_path, "model.safetensors")
-  if storage.is_file(single):
-    return [single]
-  files = storage.glob(storage.join(hf_path, "*.safetensors"))
-  if files:
-    return files
-  shards = _index_shards(hf_path, BIN_INDEX_FILE)  # (training_args.bin beside them: the trainer's settings, a pickle)
-  if shards is not None:
-    return shards
-  bin_single = storage.join(hf_path, "pytorch_model.bin")
-  if storage.is_file(bin_single):
-    return [bin_single]
-  files = storage.glob(storage.join(hf_path, "*.bin"))
-  if not files:
-    raise UserError(f"{hf_path} holds no *.safetensors or *.bin weights")
-  return files
+  # (training_args.bin beside .bin shards is the trainer's settings, a pickle: never globbed when an index names them)
+  for index, single, pattern in ((INDEX_FILE, "model.safetensors", "*.safetensors"),
+                                 (BIN_INDEX_FILE, "pytorch_model.bin", "*.bin")):
+    shards = _index_shards(hf_path, index)
+    if shards is not None:
+      return shards
+    if storage.is_file(storage.join(hf_path, single)):
+      return [storage.join(hf_path, single)]
+    files = storage.glob(storage.join(hf_path, pattern))
+    if files:
+      return files
+  raise UserError(f"{hf_path} holds no *.safetensors or *.bin weights")
 
 
 @contextlib.contextmanager

@@ -146,7 +146,7 @@ def credentials_refused(error: BaseException) -> str | None:
   hiccup) is not this and is retried."""
   from google.auth import exceptions  # noqa: PLC0415 - only for gs:// paths
 
-  for current in _chain(error):
+  for current in error_chain(error):
     if isinstance(current, exceptions.RefreshError) and not current.retryable and len(current.args) > 1 and \
         isinstance(current.args[1], dict) and "error" in current.args[1]:
       return _why_unusable(current)
@@ -162,7 +162,8 @@ def raise_if_credentials_refused(path: str, error: BaseException, key: str = "")
     raise UserError(f"{_named(path, key)}: Google refused {whose} ({why}); {WHAT_TO_DO}") from None
 
 
-def _chain(error: BaseException) -> list[BaseException]:
+def error_chain(error: BaseException) -> list[BaseException]:
+  """`error` and every error it was raised from or during, each once (a cycle ends the walk)."""
   seen: list[BaseException] = []
   current: BaseException | None = error
   while current is not None and current not in seen:
@@ -174,7 +175,7 @@ def _chain(error: BaseException) -> list[BaseException]:
 def refusal_code(error: BaseException) -> int | None:
   """401 or 403 when `error` (or one it came from) is an authorization refusal, as gcsfs, the Google
   client or TensorStore report one."""
-  for current in _chain(error):
+  for current in error_chain(error):
     code = getattr(current, "code", None)
     if code in (401, 403):
       return int(code)

@@ -157,15 +157,6 @@ def _configure_gcsfs(budget_seconds: float) -> None:
 # ------------------------------------------------------------------ what a failure is
 
 
-def _chain(error: BaseException) -> list[BaseException]:
-  seen: list[BaseException] = []
-  current: BaseException | None = error
-  while current is not None and current not in seen:
-    seen.append(current)
-    current = current.__cause__ or current.__context__
-  return seen
-
-
 _TRANSIENT_TEXT = ("retry attempts failed", "CURL error", "UNAVAILABLE:", "DEADLINE_EXCEEDED:", "Connection refused",
                    "Connection reset")
 
@@ -178,7 +169,7 @@ def is_transient(error: BaseException) -> bool:
   predicates = _library_predicates()
   return any(isinstance(e, (ConnectionError, TimeoutError)) or any(p(e) for p in predicates)
              or any(text in str(e) for text in _TRANSIENT_TEXT)  # TensorStore's status, through Orbax's wrappers
-             for e in _chain(error))
+             for e in gcs_auth.error_chain(error))
 
 
 @functools.cache
@@ -203,7 +194,7 @@ def reason(error: BaseException | None) -> str:
   """A few words for the message: 'connection refused', 'HTTP 503', ..., or the error's first line."""
   if error is None:
     return "no answer"
-  chain = _chain(error)
+  chain = gcs_auth.error_chain(error)
   text = " ".join(f"{type(e).__name__}: {e}" for e in chain)
   if any(isinstance(e, ConnectionRefusedError) for e in chain) or \
       any(t in text for t in ("Connection refused", "Connect call failed", "Could not connect")):
