@@ -84,6 +84,7 @@ def reference(gcs, tmp_path_factory) -> tuple[str, dict[int, float]]:
   return bucket, losses(f"{bucket}/runs/ref")
 
 
+@pytest.mark.slow
 def test_two_processes_share_one_gcs_run_directory(gcs, reference):
   bucket, ref = reference
   assert sorted(ref) == list(range(1, STEPS + 1))
@@ -124,6 +125,7 @@ def _kill_after_local_step(gcs, out: str, run_name: str, local_root: Path, persi
   return max(common)
 
 
+@pytest.mark.slow
 def test_killed_after_a_local_only_step_resumes_from_the_local_tier(gcs, gcs_bucket, reference, tmp_path):
   _, ref = reference
   out, local_root = f"{gcs_bucket}/runs", tmp_path / "local"

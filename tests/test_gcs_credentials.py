@@ -118,6 +118,7 @@ def test_a_public_bucket_is_read_without_credentials(tmp_path, fake_gcs):
   assert fake_gcs.requests and not any(authorized for _, _, authorized in fake_gcs.requests)
 
 
+@pytest.mark.slow
 def test_a_public_dataset_trains_without_credentials(tmp_path, fake_gcs):
   """train.py with hf_data_files in a public bucket (datasets reads it through gcsfs, anonymously)."""
   tokenizer = write_tokenizer(tmp_path / "tok", None)

@@ -80,6 +80,7 @@ def _tensorboard_scalars(data: bytes) -> set[str]:
   return tags
 
 
+@pytest.mark.slow
 def test_sigkill_on_gcs_resumes_bitwise_like_an_uninterrupted_local_run(gcs, gcs_bucket, local_reference):
   out = f"{gcs_bucket}/runs"
   run_dir = f"{out}/killed"
@@ -116,6 +117,7 @@ def test_sigterm_on_gcs_saves_then_resumes(gcs, gcs_bucket, local_reference):
   assert losses(f"{out}/preempted") == local_reference
 
 
+@pytest.mark.slow
 def test_a_damaged_step_on_gcs_is_set_aside_and_the_previous_one_restores(gcs, gcs_bucket, local_reference):
   out = f"{gcs_bucket}/runs"
   run_dir = f"{out}/damaged"
@@ -166,6 +168,7 @@ def test_missing_credentials_fail_with_one_line_within_the_timeout(tmp_path):
   assert "Traceback" not in proc.stderr and "mesh:" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_writes_refused_mid_run_stop_it_with_one_line_and_older_steps_still_restore(gcs, gcs_bucket,
                                                                                    local_reference):
   from tests.chaos.fault_proxy import FaultProxy

@@ -142,7 +142,7 @@ def test_training_rows_weigh_only_the_completion():
 @pytest.mark.parametrize("family", [
     # MoE and MLA rollouts are the decode engine's (tested per family there): slow here.
     {}, pytest.param(MOE, marks=pytest.mark.slow), pytest.param(MLA, marks=pytest.mark.slow),
-    dict(lora_rank=4, lora_target_modules="q_proj,v_proj", grpo_beta=0.1),
+    pytest.param(dict(lora_rank=4, lora_target_modules="q_proj,v_proj", grpo_beta=0.1), marks=pytest.mark.slow),
     dict(grpo_num_iterations=3, grpo_beta=0.05, grpo_loss_type="grpo"),
 ], ids=["dense", "moe", "mla", "lora_kl", "iterations_kl"])
 def test_rollouts_sample_from_the_train_state_and_the_step_learns_from_them(tiny_overrides, family):

@@ -96,8 +96,9 @@ def _metrics(out: Path) -> list[dict]:
 
 @pytest.mark.parametrize("extra, message", [
     (["reward_functions=task_rewards_missing:low_ids"], "reward function task_rewards_missing:low_ids: cannot import"),
-    (["reward_functions=task_rewards:low_ids,exact_match", "rl_answer_column=solution"],
-     "reward exact_match reads the column rl_answer_column='solution', which the prompt records do not have"),
+    pytest.param(["reward_functions=task_rewards:low_ids,exact_match", "rl_answer_column=solution"],
+                 "reward exact_match reads the column rl_answer_column='solution', which the prompt records do not have",
+                 marks=pytest.mark.slow),
     (["max_prefill_predict_length=16", "max_target_length=24"], "prompt record 0 of hf json files"),
 ])
 def test_bad_input_stops_in_one_line_before_anything_is_written(workdir, tmp_path, extra, message):

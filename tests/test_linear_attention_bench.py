@@ -11,6 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_linear_attention_bench_runs_both_layers_and_both_phases():
   proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "linear_attention_bench.py"), "lengths=128",
                          "decode_steps=2"], capture_output=True, text=True, timeout=600, cwd=REPO)

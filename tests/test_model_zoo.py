@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from pathlib import Path
@@ -88,6 +89,7 @@ UNPUBLISHED = {"default"}
 MODEL_NAMES = sorted(p.stem for p in MODELS_DIR.glob("*.yml"))
 
 
+@functools.cache  # the table's check reuses the counts the per-model tests made (the same worker runs this module)
 def parameter_count(model_name: str) -> tuple[Config, int]:
   config = Config.for_testing(target=TPU256, model_name=model_name, print_config=False)
   spec = models.build_model_spec(config.model)  # jax.eval_shape underneath: no parameter memory

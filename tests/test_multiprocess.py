@@ -108,6 +108,7 @@ def test_more_process_layouts_match_one_process(tmp_path, reference, num_process
   _assert_close(_losses(tmp_path / "run"), reference)
 
 
+@pytest.mark.slow
 def test_a_killed_process_fails_the_others_fast_and_the_job_resumes(tmp_path):
   args = ["steps=30", "dcn_data_parallelism=2"]
   procs = _launch(tmp_path, "crash", 2, *args)

@@ -106,6 +106,7 @@ def test_the_update_equals_a_numpy_reference_of_the_algorithm():
     np.testing.assert_allclose(current[k], expected[k], rtol=2e-4, atol=2e-6, err_msg=k)
 
 
+@pytest.mark.slow
 def test_sharded_muon_training_equals_one_device():
   """fsdp=4 x tensor=2 over the 8 CPU devices gives the single device's losses and weights after 3 steps: the
   orthogonalisation runs on sharded momentum."""

@@ -102,7 +102,8 @@ def test_describe_interleaved():
 
 @pytest.mark.parametrize("repeats, expected", [
     (1, "pipeline: 1f1b schedule, 2 stages, 4 microbatches, 2 layers per stage; 5 iterations"),
-    (2, "pipeline: interleaved 1f1b schedule, 2 stages, 4 microbatches, 1 layers per stage x 2 repeats; 9 iterations"),
+    pytest.param(2, "pipeline: interleaved 1f1b schedule, 2 stages, 4 microbatches, 1 layers per stage x 2 repeats; 9 iterations",
+                 marks=pytest.mark.slow),
 ])
 def test_compiles_for_a_v5p_topology(capsys, repeats, expected):
   argv = ["train_compile", str(BASE_CONFIG_PATH), "compile_topology=v5p-8", "ici_pipeline_parallelism=2",

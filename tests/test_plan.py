@@ -136,6 +136,7 @@ def test_candidates_respect_fixed_keys_and_fill_the_slice():
     assert mesh["data"] * mesh["fsdp"] * mesh["fsdp_transpose"] * mesh["sequence"] * mesh["tensor"] * mesh["expert"] == 8
 
 
+@pytest.mark.slow
 def test_pipeline_candidates_are_valid_configs_and_their_schedules_trade_bubble_for_memory():
   topology = accelerators.tpu_topology("v5e-8")
   shape = dict(TINY, base_num_decoder_layers=4)
@@ -303,6 +304,7 @@ def test_a_model_too_large_for_any_setting_names_the_smallest_topology(tmp_path,
   assert "ranking" not in capsys.readouterr().out  # nor ranked: the bound alone answers
 
 
+@pytest.mark.slow
 def test_a_model_no_slice_holds_is_answered_at_once_with_more_slices(tmp_path, monkeypatch, capsys):
   """The case that took minutes: every candidate of a 256-chip slice ranked before the answer.
   The lower bound's leanest setting may use tensor parallelism (it spreads the gathered layer)."""
@@ -402,6 +404,7 @@ def test_a_compiled_candidate_over_the_host_memory_does_not_fit():
   assert plan_ranking.rank_compiled([only], 16 * 2**30, 4, 64, 197.0)[1] is not None  # without a host figure it fits
 
 
+@pytest.mark.slow
 def test_the_bound_is_below_every_ranked_candidate():
   """fits_nowhere may answer before ranking only because no candidate can need less than the bound."""
   topology = accelerators.tpu_topology("v5e-8")
@@ -493,6 +496,7 @@ def test_a_global_batch_too_small_to_split_names_global_batch_tokens(tmp_path, m
                                       r"global_batch_tokens, or plan for a smaller slice$"):
     plan.main(argv(compile_topology="v5e-256", global_batch_tokens=64, cache_dir=tmp_path, **TINY))
 
+@pytest.mark.slow
 def test_the_best_candidate_is_also_compiled_with_other_splash_blocks():
   topology = accelerators.tpu_topology("v5e-4")
   shape = dict(TINY, max_target_length=1024)

@@ -17,6 +17,7 @@ def test_an_unrolled_stack_holds_the_gathered_layer_a_scanned_one_does() -> None
   assert unrolled.activations == pytest.approx(scanned.activations)
 
 
+@pytest.mark.slow
 def test_gemma4_gathers_and_works_on_its_global_layer() -> None:
   """gemma4-31b: 60 layers, a global one (32 query heads and 4 key heads of 512, values its keys) every sixth
   beside local ones (16 key/value heads of 256); the global layer is the larger in parameters and in width."""

@@ -85,7 +85,8 @@ def _compiled_flops(**overrides) -> float:
   return float((cost[0] if isinstance(cost, list) else cost)["flops"])
 
 
-@pytest.mark.parametrize("keep", [("context", "out_proj", "mlpwi_0", "mlpwi_1"), ("value_proj", "mlpwi_0")],
+@pytest.mark.parametrize("keep", [pytest.param(("context", "out_proj", "mlpwi_0", "mlpwi_1"), marks=pytest.mark.slow),
+                                  ("value_proj", "mlpwi_0")],
                          ids=["context_out_mlp", "value_mlp"])
 def test_the_planner_prices_a_gemma4_stacks_rerun_as_compiled(keep):
   """What a placement spares against full remat (CPU cost analysis) is what the planner prices per layer: the

@@ -109,6 +109,7 @@ def test_sigterm_saves_at_the_next_step_and_the_rerun_continues(tmp_path, uninte
   assert _losses(run_dir) == uninterrupted
 
 
+@pytest.mark.slow
 def test_finished_run_rerun_does_nothing(tmp_path):
   command = _command(tmp_path, "done", "steps=3")
   _run(command)
@@ -116,6 +117,7 @@ def test_finished_run_rerun_does_nothing(tmp_path):
   assert "already at step 3 of steps=3" in rerun.stdout
 
 
+@pytest.mark.slow
 def test_checkpointing_disabled_writes_nothing(tmp_path):
   _run(_command(tmp_path, "off", "steps=2", "enable_checkpointing=False"))
   assert not (tmp_path / "off" / "checkpoints").exists()
@@ -158,6 +160,7 @@ DIVERGING = [*MODEL[:-1], "steps=12", "learning_rate_schedule_steps=12", "checkp
              "max_consecutive_skipped_steps=3", "learning_rate=100"]  # this model's loss goes non-finite at 100
 
 
+@pytest.mark.slow
 def test_a_diverged_run_saves_no_non_finite_state_and_its_printed_command_resumes_and_trains(tmp_path):
   """A real divergence (learning rate far too high). The state after a non-finite step is never
   saved; the stop names the last checkpoint whose parameters still gave a finite loss and prints

@@ -51,7 +51,7 @@ def with_adapters(params: Any) -> Any:
       if getattr(path[-1], "key", None) in ("lora_a", "lora_b") else x, params)
 
 
-@pytest.mark.parametrize("case", ["dense", "paged", "lora"])
+@pytest.mark.parametrize("case", ["dense", "paged", pytest.param("lora", marks=pytest.mark.slow)])
 def test_a_rollout_admits_its_prompts_in_one_device_call_with_the_same_completions(case):
   keys = {"dense": {}, "paged": dict(kv_cache_layout="paged", kv_page_size=4, prefix_caching="false"),
           "lora": LORA}[case]

@@ -113,6 +113,7 @@ def test_a_resume_with_a_changed_shape_exits_2_naming_the_key_and_changes_nothin
                                                      if "corrupt" in n]
 
 
+@pytest.mark.slow
 def test_a_second_run_in_a_busy_run_directory_exits_2_and_the_first_is_untouched(where, lone_run):
   out, gcs = where
   cmd = command(out, "dup", f"steps={STEPS}", "checkpoint_period=5", f"learning_rate_schedule_steps={STEPS}")
@@ -163,6 +164,7 @@ def test_a_dead_runs_lease_is_taken_over_after_the_timeout_and_the_run_resumes(t
   assert losses(run_dir) == lone_run
 
 
+@pytest.mark.slow
 def test_allowed_changes_resume_normally(tmp_path):
   out = str(tmp_path)
   run(command(out, "grow", "steps=4", "checkpoint_period=2"), env(None))

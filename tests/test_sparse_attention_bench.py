@@ -18,6 +18,7 @@ def _rows(stdout: str, forms: tuple[str, ...]) -> list[list[str]]:
           if line.startswith(tuple(f"| {form} " for form in forms))]
 
 
+@pytest.mark.slow
 def test_its_cpu_table_times_every_form():
   proc = subprocess.run([sys.executable, BENCH, "lengths=512", "index_topk=64"], capture_output=True, text=True,
                         timeout=600, cwd=REPO)

@@ -323,6 +323,7 @@ def test_decode_from_a_gs_checkpoint_with_a_gs_tokenizer(gcs, ckpt_remote, small
   assert all(0 <= t < 128 for t in _printed_ids(proc.stdout))
 
 
+@pytest.mark.slow
 def test_param_only_checkpoint_from_a_gs_run_to_gs_then_decode(bucket, capsys):
   run_args = [f"{k}={v}" for k, v in {**CPU_TINY, "steps": 2, "checkpoint_period": 2, "enable_tensorboard": False,
                                        "cpu_peak_tflops": 1.0, "base_output_directory": f"{bucket}/runs",

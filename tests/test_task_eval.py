@@ -136,6 +136,7 @@ def test_lm_eval_scores_equal_the_model_logits(setup):
   assert hook.evaluate(params) == scalars  # the hook's own call: the same numbers without the samples
 
 
+@pytest.mark.slow
 def test_unknown_tasks_and_a_missing_cadence_are_one_line_errors(setup, tmp_path):
   run, tokenizer, _, _ = setup
   config = Config.for_testing(**MODEL, eval_tasks="no_such_task", eval_tasks_path=str(tmp_path),

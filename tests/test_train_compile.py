@@ -135,6 +135,7 @@ def test_cli_reports_the_device_heap_from_xla_buffer_assignment():
   assert "xla_dump_to" not in result.stdout  # train_compile's own flags are not shown as the user's
 
 
+@pytest.mark.slow
 def test_compiles_and_saves_for_two_v5e_256_slices(tmp_path, capsys, monkeypatch):
   path = tmp_path / "step.aot"
   monkeypatch.setenv(saved.SAVE_ENV, str(tmp_path / "hlo"))  # the step-time model's copy of the compiled step
@@ -259,6 +260,7 @@ def test_saved_step_trains_like_a_jitted_one_on_cpu(tmp_path, cpu_step_file, cap
   assert len(loaded) == 3 and loaded == jitted  # the same program on the same inputs: bitwise equal
 
 
+@pytest.mark.slow
 def test_a_step_with_loss_spike_detection_saves_loads_and_trains_like_a_jitted_one(tmp_path, capsys):
   path = tmp_path / "spike_step.aot"
   spiky = dict(CPU_TINY, loss_spike_threshold=4.0, loss_spike_window=2)

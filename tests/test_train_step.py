@@ -279,7 +279,8 @@ def test_the_tensorboard_writer_leaves_torch_unimported_and_importable(tmp_path)
   assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
-@pytest.mark.parametrize("entry", [["-m", "MaxText.train"], ["MaxText/train.py"]], ids=["module", "script"])
+@pytest.mark.parametrize("entry", [pytest.param(["-m", "MaxText.train"], marks=pytest.mark.slow), ["MaxText/train.py"]],
+                         ids=["module", "script"])
 def test_train_cli_end_to_end(tmp_path, entry):
   args = ["configs/base.yml", "run_name=e2e", f"base_output_directory={tmp_path}", "steps=3", "base_emb_dim=64",
           "base_num_decoder_layers=1", "base_mlp_dim=128", "head_dim=16", "max_target_length=32", "eval_interval=3",

@@ -66,9 +66,10 @@ _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
 
-class _OnceLoader(yaml.SafeLoader):
+class _OnceLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
   """yaml.safe_load's loader, refusing a mapping that sets a key twice (PyYAML keeps the last silently, so a
-  recipe's remat placement or batch size typed twice ran with whichever came second)."""
+  recipe's remat placement or batch size typed twice ran with whichever came second). On libyaml's parser where
+  PyYAML has it: the pure-Python one spent most of a config's construction reading base.yml."""
 
   def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
     lines: dict[Any, int] = {}

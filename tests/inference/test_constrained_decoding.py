@@ -115,14 +115,14 @@ def check_masks(engine, params) -> None:
   assert len(got[4].tokens) == 3 and got[4].reason == "stop"
 
 
-@pytest.mark.parametrize("layout", ["dense", "paged_prefix_chunked"])
+@pytest.mark.parametrize("layout", ["dense", pytest.param("paged_prefix_chunked", marks=pytest.mark.slow)])
 def test_constrained_jobs_get_only_allowed_tokens(layout):
   overrides = TARGET if layout == "dense" else dict(TARGET, **PAGED, prefill_chunk_size=4, prefix_caching=True)
   engine = Engine(Config.for_testing(**overrides), num_slots=3, mesh=one_device_mesh())
   check_masks(engine, engine.load_params(seed=1))
 
 
-@pytest.mark.parametrize("case", ["llama_dense", "llama_paged_chunked_prefix"])
+@pytest.mark.parametrize("case", [pytest.param("llama_dense", marks=pytest.mark.slow), "llama_paged_chunked_prefix"])
 def test_speculative_constrained_slots_take_no_draft_and_stay_in_their_mask(case):
   target, target_params, spec, params = build(*CASES[case])
   check_masks(spec, params)

@@ -233,7 +233,7 @@ def scheduled(eng: Engine, prompts, max_new, stop=()):
            ev[-1].reason) for ev in events.values()]
 
 
-@pytest.mark.parametrize("layout", [{}, PAGED], ids=["dense", "paged"])
+@pytest.mark.parametrize("layout", [{}, pytest.param(PAGED, marks=pytest.mark.slow)], ids=["dense", "paged"])
 def test_the_scheduler_serves_todays_tokens(layout):
   prompts = PROMPTS + [[9, 9, 1], [3, 14, 15, 9, 2, 6]]
   max_new = [6, 13, 1, 9, 10, 7]

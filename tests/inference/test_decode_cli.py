@@ -48,7 +48,8 @@ def printed_ids(stdout: str) -> list[int]:
   return ast.literal_eval(line.removeprefix("generated ids: "))
 
 
-@pytest.mark.parametrize("steps_per_call", [1, 5])  # 5: the cache's end falls inside the last call
+# 5: the cache's end falls inside the last call (1, the plain loop, is decoded by the other tests here)
+@pytest.mark.parametrize("steps_per_call", [pytest.param(1, marks=pytest.mark.slow), 5])
 def test_cli_prints_ids_equal_to_in_process_greedy(checkpoint, steps_per_call):
   result = run_decode(f"load_parameters_path={checkpoint}", "prompt_token_ids=5,17,42",
                       *(f"{k}={v}" for k, v in RUN.items()), f"decode_steps_per_call={steps_per_call}")

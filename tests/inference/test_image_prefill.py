@@ -100,7 +100,8 @@ def test_dense_greedy_with_images_equals_no_cache_and_hf(hf, reference):
 
 @pytest.mark.parametrize("overrides", [
     dict(kv_cache_layout="paged", kv_page_size=4, prefix_caching=False),
-    dict(kv_cache_layout="paged", kv_page_size=4, prefix_caching=False, prefill_chunk_size=PER_IMAGE + 2),
+    pytest.param(dict(kv_cache_layout="paged", kv_page_size=4, prefix_caching=False, prefill_chunk_size=PER_IMAGE + 2),
+                 marks=pytest.mark.slow),
     dict(kv_cache_layout="paged", kv_page_size=4, prefix_caching=True),
 ], ids=["paged", "chunked", "prefix-cached"])
 def test_paged_chunked_and_prefix_cached_prefill_give_the_dense_tokens(hf, reference, overrides):

@@ -51,6 +51,7 @@ def test_greedy_equals_plain_greedy(family, layout, k):
     assert target.cache_stats()["pages_used"] == 0
 
 
+@pytest.mark.slow
 def test_carried_mtp_logits_equal_the_uncached_module_over_the_text():
   """After prefill and four rounds, each slot's carried logits (the next d1's distribution) are the
   MTP module's over the whole text run without a cache: position p - 1 combines the stack's

@@ -154,7 +154,7 @@ def test_paged_serve_equals_dense_with_windows_slot_reuse_and_waiting_for_pages(
     pytest.param(CHUNKED, True, marks=pytest.mark.slow),
     pytest.param(MIXED, True, marks=pytest.mark.slow),
     pytest.param(INTERLEAVED, True, marks=pytest.mark.slow),
-    (OLMO3, False),
+    pytest.param(OLMO3, False, marks=pytest.mark.slow),
     pytest.param(GEMMA4, False, marks=pytest.mark.slow),
     pytest.param(QWEN3_NEXT, True, id="qwen3_next-True", marks=pytest.mark.slow),
     pytest.param(QWEN3_NEXT, False, id="qwen3_next-False", marks=pytest.mark.slow),
@@ -410,7 +410,7 @@ def _scheduled_outputs(engine: Engine, params, prompts, new_tokens, cancel_secon
 
 @pytest.mark.parametrize("overrides,scan_layers", [
     (MIXED, True), pytest.param(MLA, False, marks=pytest.mark.slow), pytest.param(DSA, True, marks=pytest.mark.slow),
-    pytest.param(CHUNKED, True, marks=pytest.mark.slow), pytest.param(QWEN3_NEXT, True, id="qwen3_next-True")])
+    pytest.param(CHUNKED, True, marks=pytest.mark.slow), pytest.param(QWEN3_NEXT, True, id="qwen3_next-True", marks=pytest.mark.slow)])
 def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(overrides, scan_layers):
   """Prompts prefilled 3 tokens per scheduler loop straight into their pages, between the other
   slots' generate steps, give the same greedy tokens as whole-prompt prefills; every page comes
@@ -488,7 +488,8 @@ def test_state_snapshots_reuse_the_least_recently_used_row_but_never_a_pinned_on
 
 
 @pytest.mark.parametrize("family,scan_layers,num_pages", [
-    ("mixed", True, 24), pytest.param("mixed", False, 12, marks=pytest.mark.slow), ("qwen3_next", True, 24),
+    ("mixed", True, 24), pytest.param("mixed", False, 12, marks=pytest.mark.slow),
+    pytest.param("qwen3_next", True, 24, marks=pytest.mark.slow),
     pytest.param("qwen3_next_chunked", False, 24, marks=pytest.mark.slow)])
 def test_prefix_caching_gives_the_same_tokens_and_shares_the_prefix_pages(family, scan_layers, num_pages):
   """Requests sharing a 12-token prefix (4 pages of 3) with different tails: identical greedy

@@ -51,7 +51,7 @@ def _tokens(eng, params, state, steps: int = 3) -> list[tuple[np.ndarray, np.nda
   return out
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "mtp_dense" else c for c in CASES])
 def test_prefill_insert_equals_prefill_then_insert_rows(case):
   eng, params, engines = _engine(case)
   assert isinstance(eng, PrefillsIntoSlots)

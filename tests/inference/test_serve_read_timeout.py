@@ -160,7 +160,7 @@ def test_the_timeouts_take_fractions_of_a_second_and_must_be_positive():
       Config.for_testing(print_config=False, serve_read_timeout_seconds=value)
 
 
-@pytest.mark.parametrize("processes", [0, 1], ids=["one_process", "front_end_process"])
+@pytest.mark.parametrize("processes", [0, pytest.param(1, marks=pytest.mark.slow)], ids=["one_process", "front_end_process"])
 def test_python_m_maxtext_serve_bounds_slow_clients(tmp_path, processes):
   """The server as started from the command line, HTTP in its process or in a front end (serve_http_processes):
   a half-sent body and a half-sent head each get the 408 and a closed connection."""

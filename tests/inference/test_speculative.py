@@ -59,7 +59,7 @@ def check_greedy(layout: str, scan_layers: bool, k: int) -> None:
     assert target.cache_stats()["pages_used"] == 0 and draft.cache_stats()["pages_used"] == 0
 
 
-@pytest.mark.parametrize("layout,scan_layers,k", [("dense", True, 3), ("paged", False, 1)])
+@pytest.mark.parametrize("layout,scan_layers,k", [("dense", True, 3), pytest.param("paged", False, 1, marks=pytest.mark.slow)])
 def test_greedy_equals_plain_greedy(layout, scan_layers, k):
   check_greedy(layout, scan_layers, k)
 

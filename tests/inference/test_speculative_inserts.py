@@ -71,7 +71,7 @@ def test_insert_rows_equals_an_insert_each(case, used):
       np.testing.assert_array_equal(tokens[slot, :counts[slot]], want_tokens[slot, :want_counts[slot]])
 
 
-@pytest.mark.parametrize("case", ["draft_paged", "mtp_dense"])
+@pytest.mark.parametrize("case", [pytest.param("draft_paged", marks=pytest.mark.slow), "mtp_dense"])
 def test_scheduler_inserts_the_jobs_admitted_together_in_one_call_per_model(case):
   eng, params = _engine(case)
   rows = [RowParams(seed=i) for i in range(len(PROMPTS))]  # greedy: the tokens do not depend on the slot

@@ -112,7 +112,8 @@ def check_equal_to_plain(case: str) -> None:
   print(f"{case}: acceptance {load['speculative_accepted'] / load['speculative_proposed']:.2f}")
 
 
-@pytest.mark.parametrize("case", ["llama_dense", "llama_paged_chunked_prefix", "qwen3_next_paged_chunked"])
+@pytest.mark.parametrize("case", ["llama_dense", "llama_paged_chunked_prefix",
+                                  pytest.param("qwen3_next_paged_chunked", marks=pytest.mark.slow)])
 def test_greedy_jobs_get_the_plain_schedulers_tokens_and_scores(case):
   check_equal_to_plain(case)
 

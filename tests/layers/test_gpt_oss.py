@@ -162,6 +162,7 @@ def test_megablox_adds_the_same_biases(monkeypatch):
     pytest.param("expert4_tensor2", DROPPING, marks=pytest.mark.slow),
     pytest.param("expert4_tensor2", DROPLESS_GROUPED, marks=pytest.mark.slow),
 ])
+@pytest.mark.slow
 def test_all_to_all_trains_like_gather_with_biases_and_clamp(mesh, mode):
   """Two steps (the zero-initialised biases move in the first): the same losses, gradients and
   parameters, biases included; with `tensor` the output bias is added once across hidden shards."""

@@ -290,6 +290,7 @@ def test_expert_weights_live_on_the_expert_axis():
   assert setup.param_unsharded_fraction <= config.mesh.sharding_tolerance
 
 
+@pytest.mark.slow
 def test_training_with_expert_parallelism_lowers_the_loss():
   config = tiny_mixtral(ici_expert_parallelism=2, ici_fsdp_parallelism=-1, max_target_length=32, vocab_size=64,
                         learning_rate=3e-3, steps=25, capacity_factor=1.5, remat_policy="full")

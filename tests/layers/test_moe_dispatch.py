@@ -66,7 +66,7 @@ CASES = [
     # very case (its buffer factor 2.0 is the worst-case buffer, the same as the default) against the gather path.
     pytest.param("expert2_fsdp4", DROPLESS_GROUPED, 0, marks=pytest.mark.slow),
     ("expert4_tensor2", DROPPING, 1),
-    ("expert8", DROPLESS_GROUPED, 1),
+    pytest.param("expert8", DROPLESS_GROUPED, 1, marks=pytest.mark.slow),
     pytest.param("expert2_fsdp2_tensor2", DROPLESS_PADDED, 0, marks=pytest.mark.slow),
     pytest.param("expert4_tensor2", DROPLESS_GROUPED, 1, marks=pytest.mark.slow),
     pytest.param("expert8", DROPPING, 0, marks=pytest.mark.slow),
@@ -93,6 +93,7 @@ INPUT_SCALED = dict(num_experts_per_tok=1, moe_router_scales_input=True, shared_
 
 
 @pytest.mark.parametrize("mode", [DROPLESS_GROUPED, pytest.param(DROPPING, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_input_scaled_routing_trains_alike_on_both_dispatches(mode):
   """The input scaling happens before dispatch, so all_to_all must still equal gather."""
   overrides = dict(MESHES["expert2_fsdp4"], **mode, **INPUT_SCALED)
@@ -162,7 +163,7 @@ def _collectives(**overrides) -> tuple[int, list[str]]:
   return all_to_all, token_gathers
 
 
-@pytest.mark.parametrize("mode", [DROPLESS_GROUPED, DROPPING])
+@pytest.mark.parametrize("mode", [pytest.param(DROPLESS_GROUPED, marks=pytest.mark.slow), DROPPING])
 def test_expert_parallel_step_uses_all_to_all_and_gathers_no_tokens(mode):
   mesh = dict(ici_expert_parallelism=4, ici_fsdp_parallelism=-1)
   all_to_all, token_gathers = _collectives(**mesh, **mode, moe_dispatch="all_to_all")
@@ -322,6 +323,7 @@ def _train_cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
                         timeout=600)
 
 
+@pytest.mark.slow
 def test_train_cli_writes_per_layer_routing_health(tmp_path):
   proc = _train_cli(tmp_path, "steps=3", "sparse_matmul=True")
   assert proc.returncode == 0, proc.stderr[-3000:]

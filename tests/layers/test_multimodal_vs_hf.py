@@ -136,7 +136,8 @@ def test_vision_parameters_carry_logical_names(reference):
   assert names["multimodal_projector"]["input_projection"]["kernel"] == (None, "embed")
 
 
-@pytest.mark.parametrize("frozen", [(), ("vision_encoder", "multimodal_projector")], ids=["trains", "frozen"])
+@pytest.mark.parametrize("frozen", [(), pytest.param(("vision_encoder", "multimodal_projector"), marks=pytest.mark.slow)],
+                         ids=["trains", "frozen"])
 def test_a_multimodal_model_trains_sharded_on_text(tmp_path, frozen):
   """build_run on the 8-device mesh: the tower's parameters shard by their logical names (the
   replication check passes) and text-only batches train. Frozen (freeze_vision_encoder,

@@ -55,7 +55,7 @@ def test_splash_pair_equals_chunked_pair(window, traced):
 
 
 @pytest.mark.parametrize("strategy, balanced, window", [
-    ("ring", True, None), ("ring", True, 40), ("all_gather", True, 40),
+    pytest.param("ring", True, None, marks=pytest.mark.slow), ("ring", True, 40), ("all_gather", True, 40),
     ("all_gather", False, None)])
 def test_splash_pairs_equal_dense(strategy, balanced, window, monkeypatch):
   """The ring and all_gather over 2 sequence shards (chunks of 128 balanced) with splash per pair,
