@@ -86,7 +86,8 @@ def test_without_a_prefix_the_tree_has_one_stack(tiny_overrides):
   assert "layers" in params and not any(k.startswith("dense_layers") for k in params)
 
 
-@pytest.mark.parametrize("rate", [pytest.param(0.0, marks=pytest.mark.slow), 1e-3])
+@pytest.mark.slow
+@pytest.mark.parametrize("rate", [0.0, 1e-3])
 def test_the_bias_moves_only_by_the_expert_load(rate):
   """With rate 0 the bias stays bitwise (no weight decay, no gradient); otherwise each step adds
   rate · sign(mean load - load): up for the underloaded experts."""

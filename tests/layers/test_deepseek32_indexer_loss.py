@@ -94,6 +94,7 @@ def _indexer_config(**keys: object) -> Config:
                  indexer_loss_scaling_factor=1.0, **keys)
 
 
+@pytest.mark.slow
 def test_warmup_trains_only_the_indexer_and_its_loss_falls():
   run = train_utils.Run(_indexer_config(indexer_warmup=True))
   start = run.init()

@@ -129,6 +129,7 @@ def test_unchecked_shard_map_gives_the_same_gradients(monkeypatch):
   _assert_same_training(_two_steps(**overrides), want)
 
 
+@pytest.mark.slow
 def test_megablox_kernel_trains_like_ragged_dot(monkeypatch):
   """The Pallas kernel, run by the Pallas interpreter on CPU, inside the all-to-all dispatch."""
   overrides = dict(MESHES["expert2_fsdp4"], **DROPLESS_GROUPED, moe_dispatch="all_to_all")
