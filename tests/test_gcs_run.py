@@ -80,7 +80,7 @@ def _tensorboard_scalars(data: bytes) -> set[str]:
   return tags
 
 
-@pytest.mark.slow
+# The default run's one training run on gs:// (with a resume); the chaos campaign has the rest.
 def test_sigkill_on_gcs_resumes_bitwise_like_an_uninterrupted_local_run(gcs, gcs_bucket, local_reference):
   out = f"{gcs_bucket}/runs"
   run_dir = f"{out}/killed"
