@@ -65,7 +65,6 @@ def test_packed_documents_give_the_sums_of_each_document_alone(tiny_overrides):
   assert packed[1] == first[1] + second[1] == (11 - 2 + 11 - 3) + (9 - 2 + 9 - 3)
 
 
-@pytest.mark.slow
 def test_mtp_learns_to_predict_further_ahead(tiny_overrides):
   run = Run(_mtp(tiny_overrides, mtp_num_layers=1, mtp_loss_scaling_factor=1.0, vocab_size=64, learning_rate=3e-3,
                  steps=40))

@@ -159,8 +159,8 @@ def test_megablox_adds_the_same_biases(monkeypatch):
 
 @pytest.mark.parametrize("mesh, mode", [
     ("expert2_fsdp4", DROPLESS_GROUPED),
-    pytest.param("expert4_tensor2", DROPPING, marks=pytest.mark.slow),
-    pytest.param("expert4_tensor2", DROPLESS_GROUPED, marks=pytest.mark.slow),
+    ("expert4_tensor2", DROPPING),
+    ("expert4_tensor2", DROPLESS_GROUPED),
 ])
 @pytest.mark.slow
 def test_all_to_all_trains_like_gather_with_biases_and_clamp(mesh, mode):

@@ -92,7 +92,7 @@ def test_all_to_all_trains_exactly_like_the_gather_path(mesh, mode, shared):
 INPUT_SCALED = dict(num_experts_per_tok=1, moe_router_scales_input=True, shared_experts=1)
 
 
-@pytest.mark.parametrize("mode", [DROPLESS_GROUPED, pytest.param(DROPPING, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", [DROPLESS_GROUPED, DROPPING])
 @pytest.mark.slow
 def test_input_scaled_routing_trains_alike_on_both_dispatches(mode):
   """The input scaling happens before dispatch, so all_to_all must still equal gather."""
