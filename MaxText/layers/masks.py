@@ -165,6 +165,20 @@ def cache_attention(q_BLNH: jax.Array, k_BKSH: jax.Array, v_BKHS: jax.Array, all
   return merge_groups(jnp.einsum("bkgls,bkhs->blkgh", probs_BKGLS, v_BKHS))
 
 
+def latent_cache_attention(q_BLNX: jax.Array, latent_BKSR: jax.Array, rope_BKPS: jax.Array, allowed_BLS: jax.Array,
+                           soft_cap: float = 0.0) -> jax.Array:
+  """MLA's absorbed attention over its compressed cache read in place (K = 1): queries [B, L, N, R + P]
+  score the latents [B, K, S, R] and the rotated rope keys [B, K, P, S] in two dots summed in float32,
+  and the latents are the values. Concatenating the two into [S, R + P] keys first would copy the
+  layer's whole cache every step."""
+  rank = latent_BKSR.shape[-1]
+  q_BLKGX = group_queries(q_BLNX, latent_BKSR.shape[1])
+  logits_BKGLS = (jnp.einsum("blkgr,bksr->bkgls", q_BLKGX[..., :rank], latent_BKSR, preferred_element_type=jnp.float32)
+                  + jnp.einsum("blkgp,bkps->bkgls", q_BLKGX[..., rank:], rope_BKPS, preferred_element_type=jnp.float32))
+  probs_BKGLS = _probabilities(logits_BKGLS, allowed_BLS, soft_cap, None, latent_BKSR.dtype)
+  return merge_groups(jnp.einsum("bkgls,bksr->blkgr", probs_BKGLS, latent_BKSR))
+
+
 def _probabilities(logits_BKGLS: jax.Array, allowed_BLS: jax.Array, soft_cap: float, sinks_N: jax.Array | None,
                    dtype: DTypeLike) -> jax.Array:
   """The attention weights of float32 scores: soft cap, mask, softmax (with sinks), in `dtype`."""

@@ -202,21 +202,24 @@ class MultiHeadLatentAttention(nnx.Module):
   def _decode(self, q_nope_BLNC: jax.Array, q_rope_BLNP: jax.Array, latent_BLR: jax.Array, k_rope_BL1P: jax.Array,
               positions_BL: jax.Array, layer_index: int | jax.Array, cache: kv_cache.KVCache,
               index: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> tuple[jax.Array, kv_cache.KVCache]:
-    """Absorbed attention over the compressed cache (read token-major: latents [B, S, 1, R], then
-    rotated rope keys [B, S, 1, P], followed by the indexer's keys [J] with index_topk > 0)."""
+    """Absorbed attention over the compressed cache: latents as its keys, then the rotated rope keys [P]
+    as its values, followed by the indexer's keys [J] with index_topk > 0 (the sparse kernels read
+    them token-major)."""
     cfg = self.cfg
     rope = cfg.mla.qk_rope_head_dim
     cached_BL1Y = k_rope_BL1P if index is None else jnp.concatenate(
         [k_rope_BL1P, index[2][:, :, None, :].astype(k_rope_BL1P.dtype)], axis=-1)
     cache = kv_cache.write(cache, latent_BLR[:, :, None, :], cached_BL1Y, positions_BL)
-    latent_BS1R, rows_BS1Y = cache.read_tokens(q_nope_BLNC.dtype)
     q_BLNX, w_v_RNV = self._absorbed(q_nope_BLNC, q_rope_BLNP)
-    k_BS1X = jnp.concatenate([latent_BS1R, rows_BS1Y[..., :rope]], axis=-1)
     window = layer_window_size(cfg.attn, layer_index)
-    if index is None:
-      mask_BLS = masks.cache_mask(positions_BL, k_BS1X.shape[1], window)
-      out_latent_BLNR = masks.dense_attention(q_BLNX, k_BS1X, latent_BS1R, mask_BLS, cfg.attn.attn_logits_soft_cap)
+    if index is None:  # the cache read in its stored layouts, latents [B, 1, S, R] and rope keys [B, 1, P, S]
+      latent_B1SR, rows_B1YS = cache.read(q_nope_BLNC.dtype)
+      mask_BLS = masks.cache_mask(positions_BL, latent_B1SR.shape[2], window)
+      out_latent_BLNR = masks.latent_cache_attention(q_BLNX, latent_B1SR, rows_B1YS[:, :, :rope], mask_BLS,
+                                                     cfg.attn.attn_logits_soft_cap)
     else:
+      latent_BS1R, rows_BS1Y = cache.read_tokens(q_nope_BLNC.dtype)
+      k_BS1X = jnp.concatenate([latent_BS1R, rows_BS1Y[..., :rope]], axis=-1)
       q_index_BLIJ, w_BLI, _ = index
       index_keys_BSJ = rows_BS1Y[:, :, 0, rope:]
       length, topk = k_BS1X.shape[1], cfg.mla.index_topk

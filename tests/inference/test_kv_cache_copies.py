@@ -2,7 +2,8 @@
 (kv_cache.py's layouts: keys [B, K, S, H], values [B, K, H, S], the ones attention's dots read;
 stored [B, S, K, H], every step copied every layer's cache into them, and a scanned stack sliced
 each layer's cache out and stacked it back), for the dense and paged layouts, scanned and unrolled
-layers, float and int8 caches, one and several steps per call."""
+layers, float and int8 caches, one and several steps per call; and MLA's compressed cache, whose
+latents and rope keys are scored by two dots, not concatenated into one key every step."""
 
 from __future__ import annotations
 
@@ -23,14 +24,20 @@ GQA: dict[str, Any] = dict(base_emb_dim=64, base_num_query_heads=8, base_num_kv_
                            base_mlp_dim=128, base_num_decoder_layers=2, vocab_size=128, max_target_length=LENGTH,
                            max_prefill_predict_length=8, per_device_batch_size=1, print_config=False, dtype="float32")
 PAGED = dict(kv_cache_layout="paged", kv_page_size=8)
-_OP = re.compile(r"^\s*(?:ROOT )?%\S+ = \w+\[([\d,]*)\]\{[^}]*\} (copy|transpose)\(")
+# A tiny DeepSeek-V3-shaped MLA model: its cache holds latents [R] and rope keys [P] per token.
+KV_LORA_RANK, ROPE_DIM = 16, 4
+MLA: dict[str, Any] = dict(GQA, decoder_block="deepseek3", attention_type="mla", base_num_query_heads=4,
+                           base_num_kv_heads=4, head_dim=12, q_lora_rank=24, kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=8,
+                           qk_rope_head_dim=ROPE_DIM, v_head_dim=6, first_dense_layers=1, dense_mlp_dim=48,
+                           num_experts=4, num_experts_per_tok=2)
+_OP = re.compile(r"^\s*(?:ROOT )?%\S+ = \w+\[([\d,]*)\]\{[^}]*\} (copy|transpose|concatenate)\(")
 
 
-def cache_sized_copies(hlo: str) -> list[str]:
-  """The copy and transpose instructions (fused or not) whose result holds at least one layer's
-  cache, outside the computations that gather pages (the paged reference path reads each slot's
-  pages into a dense array once per layer: that gather writes the layout the dots read)."""
-  one_layer = SLOTS * LENGTH * KV_HEADS * HEAD_DIM
+def cache_sized_copies(hlo: str, one_layer: int = SLOTS * LENGTH * KV_HEADS * HEAD_DIM) -> list[str]:
+  """The copy, transpose and concatenate instructions (fused or not) whose result holds at least
+  `one_layer` elements (one layer's cache), outside the computations that gather pages (the paged
+  reference path reads each slot's pages into a dense array once per layer: that gather writes
+  the layout the dots read)."""
   found = []
   for computation in re.split(r"\n(?=\S)", hlo):
     if " gather(" in computation:
@@ -42,8 +49,8 @@ def cache_sized_copies(hlo: str) -> list[str]:
   return found
 
 
-def decode_program(steps: int, **keys: Any) -> str:
-  engine = Engine(Config.for_testing(**GQA, **keys, decode_steps_per_call=steps), num_slots=SLOTS,
+def decode_program(steps: int, model: dict[str, Any] = GQA, **keys: Any) -> str:
+  engine = Engine(Config.for_testing(**{**model, **keys}, decode_steps_per_call=steps), num_slots=SLOTS,
                   mesh=one_device_mesh())
   params = sharding.with_shardings(engine.spec.abstract_params, engine.param_shardings)
   if steps == 1:
@@ -65,3 +72,11 @@ def test_a_decode_step_copies_no_cache(layout: dict[str, Any], scan_layers: bool
 def test_several_steps_per_call_and_an_int8_cache_copy_no_cache(layout: dict[str, Any]) -> None:
   assert cache_sized_copies(decode_program(4, **layout)) == []
   assert cache_sized_copies(decode_program(1, quantize_kvcache=True, **layout)) == []
+
+
+def test_mla_scores_its_latent_cache_without_concatenating_it() -> None:
+  # The latents are also the values, whose dot contracts the cache's length: on CPU, XLA lays that
+  # operand out length-last with a transpose, which this test does not count.
+  one_layer = SLOTS * LENGTH * KV_LORA_RANK  # the latents alone: a [S, R + P] key built each step is larger
+  copies = cache_sized_copies(decode_program(1, MLA, scan_layers=False), one_layer)
+  assert [line for line in copies if " concatenate(" in line] == []
