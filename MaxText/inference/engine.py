@@ -387,7 +387,7 @@ class Engine:
     token: one step per call), up to decode_steps_per_call steps in one call, each slot stopping on
     the device at its `limits` (Emitted with counts; nothing here waits for the device). One step
     per call: `limits` only keep a slot at its end from taking pages; every slot gets a token. Either
-    way, `limits.top_logprobs` False gives zeros for the top alternatives (a program of its own)."""
+    way, `limits.top_logprobs` False gives no top alternatives (fields [T, 0] / [T, K, 0]; a program of its own)."""
     if mask is not None or self.steps_per_call == 1:
       ends_T = None if limits is None else np.asarray(limits.ends, np.int64)
       state, (tokens_B, logprobs) = self._step(params, state, mask, ends_T, limits is None or limits.top_logprobs)

@@ -94,8 +94,8 @@ class StepLimits:
 
   ends: np.ndarray  # [T] int: prompt length + max new tokens of the slot's request; 0: the slot does not step
   stop_ids: tuple[int, ...] = ()  # end-of-sequence tokens
-  # False: no request of the call reads the tokens' top alternatives; the engine may give zeros there
-  # instead of computing them (engine.Engine does: a top-k per step is a large part of a small model's step).
+  # False: no request of the call reads the tokens' top alternatives; the engine may give none (empty
+  # arrays) instead of computing them (engine.Engine does: a top-k per step is a large part of a small model's step).
   top_logprobs: bool = True
 
 

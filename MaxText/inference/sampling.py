@@ -181,13 +181,14 @@ def token_logprobs(logits_BV: jax.Array, tokens_B: jax.Array, top: bool = True
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(log-probability of each chosen token [B], the NUM_TOP_LOGPROBS most probable ids [B, k] and
   their log-probabilities [B, k]) under the model's own distribution (temperature 1). `top` False
-  (static): the alternatives are zeros of the same shapes, and no top-k runs (on CPU it sorts)."""
+  (static): no top-k runs (on CPU it sorts) and the alternatives are empty, [B, 0], so a call of
+  several steps writes and returns no buffer for them."""
   logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
   k = min(NUM_TOP_LOGPROBS, logits_BV.shape[-1])
   if top:
     top_logprobs_Bk, top_ids_Bk = jax.lax.top_k(logprobs_BV, k)
   else:
-    top_logprobs_Bk, top_ids_Bk = jnp.zeros((logits_BV.shape[0], k), jnp.float32), jnp.zeros((logits_BV.shape[0], k),
+    top_logprobs_Bk, top_ids_Bk = jnp.zeros((logits_BV.shape[0], 0), jnp.float32), jnp.zeros((logits_BV.shape[0], 0),
                                                                                               jnp.int32)
   chosen_B = jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=-1)[:, 0]
   return chosen_B, top_ids_Bk.astype(jnp.int32), top_logprobs_Bk
