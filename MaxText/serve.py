@@ -149,15 +149,16 @@ class Server(serve_app.HttpServer):
       row, key = adapters.hold(name, len(request.choices))  # the cache key too: it stays until release
     except lora_adapters.UnknownAdapter:  # removed since the request was read
       raise serve_app.unknown_adapter(name) from None
-    jobs = [sched.Job(c.index, c.prompt, c.max_tokens, dataclasses.replace(c.row, adapter=row),
-                      adapters.releasing(name, emit), score_prompt, images=c.images,
-                      constraint=None if request.grammar is None else request.grammar.constraint(),
-                      cache_key=key, top_logprobs=bool(request.logprobs))
-            for c in request.choices]
-    try:
+    try:  # held from here: anything that stops the jobs from reaching the scheduler gives the holds back, else the
+      # adapter stays "in flight" for ever and DELETE answers 409 until a restart
+      jobs = [sched.Job(c.index, c.prompt, c.max_tokens, dataclasses.replace(c.row, adapter=row),
+                        adapters.releasing(name, emit), score_prompt, images=c.images,
+                        constraint=None if request.grammar is None else request.grammar.constraint(),
+                        cache_key=key, top_logprobs=bool(request.logprobs))
+              for c in request.choices]
       self._submit(jobs)
-    except api.ApiError:
-      for _ in jobs:
+    except BaseException:
+      for _ in request.choices:
         adapters.release(name)
       raise
     return jobs

@@ -190,7 +190,13 @@ def _read_tensors(path: str) -> dict[str, np.ndarray]:
   file = storage.join(path, WEIGHTS_FILE)
   try:
     with storage.local_copy(file) as local, safe_open(local, framework="numpy") as f:
-      stored = {name: f.get_tensor(name) for name in f.keys()}
+      stored = {}
+      for name in f.keys():
+        try:
+          stored[name] = f.get_tensor(name)
+        except (AttributeError, KeyError):  # a dtype numpy has no type for (F8_E4M3: no numpy.float8_e4m3fn)
+          raise UserError(f"{file}: {name} has dtype {f.get_slice(name).get_dtype()}; LoRA weights are float32, "
+                          "float16 or bfloat16") from None
   except (SafetensorError, OSError, TypeError, ValueError) as e:
     raise UserError(f"{file} is not a readable safetensors file ({type(e).__name__}: {str(e)[:200]})") from None
   tensors = {}
@@ -261,6 +267,19 @@ def read_config(path: str) -> tuple[int, tuple[str, ...], float]:
   if biases:  # PEFT's bias="all" / "lora_only": trained biases of the base model's projections
     raise UserError(f"{path}: holds {len(biases)} trained bias tensors (bias={config.get('bias')!r}), e.g. "
                     f"{biases[0]}; plain LoRA adapters only (bias=\"none\")")
+  # Every adapted module needs both halves. Checked here, before the rank checks: a missing lora_A read as rank 0
+  # blamed the config's r ("fix adapter_config.json"), a missing lora_B as a projection this model lacks.
+  pairs = sorted(name for name in shapes if name.endswith((".lora_A.weight", ".lora_B.weight")))
+  if not pairs:
+    found = f"; it holds e.g. {sorted(shapes)[0][:120]}" if shapes else "; it holds no tensors"
+    raise UserError(f"{path}/{WEIGHTS_FILE} holds no LoRA tensors (PEFT names them base_model.model.<module>.lora_A"
+                    f".weight and .lora_B.weight){found}")
+  for name in pairs:
+    half = name[-len("A.weight")]  # "A" or "B"
+    other = name[:-len("A.weight")] + ("B" if half == "A" else "A") + ".weight"
+    if other not in shapes:
+      raise UserError(f"{path}: {name} has no lora_{'B' if half == 'A' else 'A'}.weight beside it; each adapted "
+                      f"module needs both lora_A and lora_B (an incomplete {WEIGHTS_FILE}?)")
   # The modules its tensors adapt: target_modules may also be a regex or PEFT's "all-linear", which name none.
-  stored = {name.split(".")[-3] for name in shapes if name.endswith((".lora_A.weight", ".lora_B.weight"))}
+  stored = {name.split(".")[-3] for name in pairs}
   return rank, tuple(sorted(stored)), float(alpha)

@@ -31,7 +31,8 @@ from MaxText.convert import peft_adapters
 from MaxText.errors import UserError
 from MaxText.inference import job_events, lora_admin, speculative_engine
 from MaxText.inference.lora_admin import (AdapterBusy as AdapterBusy, LoadedAdapter as LoadedAdapter,  # JAX-free
-                                          NameTaken as NameTaken, UnknownAdapter as UnknownAdapter)
+                                          NameTaken as NameTaken, SlotsFull as SlotsFull,
+                                          UnknownAdapter as UnknownAdapter)
 from MaxText.inference.engine import Engine
 from MaxText.models import LAYER_STACKS
 from MaxText.paths import storage_retry
@@ -210,7 +211,7 @@ class Registry:
           raise NameTaken(f"a LoRA adapter named {name!r} is already loaded; remove it first or choose another name")
         free = sorted(set(range(1, self.table.capacity + 1)) - {a.row for a in self._by_name.values()})
       if not free:
-        raise UserError(f"all serve_lora_slots={self.table.capacity} adapter rows are taken; remove an adapter first")
+        raise SlotsFull(f"all serve_lora_slots={self.table.capacity} adapter rows are taken; remove an adapter first")
       with storage_retry.one_request():  # a dead bucket fails this add, not the server's later gs:// reads
         rank, targets, _ = peft_adapters.read_config(path)
         check_stored_rank(name, path, rank)
@@ -310,6 +311,24 @@ def parse_adapters(items: Sequence[str]) -> list[tuple[str, str]]:
   return out
 
 
+def check_start_names(named: Sequence[tuple[str, str]], base_name: str, slots: int) -> None:
+  """UserError for serve_lora_adapters' names that cannot all be served, found before anything loads: Registry.add
+  finds the same only after the engine and the base model's weights (minutes for a real model), and with the
+  admin route's advice ("remove it first")."""
+  seen: set[str] = set()
+  for name, _ in named:
+    lora_admin.check_name(name)
+    if name == base_name:
+      raise UserError(f"serve_lora_adapters names an adapter {name!r}, the base model's own name: choose another "
+                      "(or another serve_model_name)")
+    if name in seen:
+      raise UserError(f"serve_lora_adapters names {name!r} twice; each adapter needs a name of its own")
+    seen.add(name)
+  if slots and slots < len(named):
+    raise UserError(f"serve_lora_slots={slots} holds fewer adapters than the {len(named)} serve_lora_adapters names; "
+                    f"set serve_lora_slots >= {len(named)} (or 0: as many as serve_lora_adapters)")
+
+
 def load_engine(config: Config, num_slots: int, fresh_note: str, base_name: str,
                 mesh: Any = None, base_params: Params | None = None) -> tuple[Engine, Registry]:
   """An engine with adapter tables and a registry holding serve_lora_adapters: the tables' rank is
@@ -323,6 +342,7 @@ def load_engine(config: Config, num_slots: int, fresh_note: str, base_name: str,
     raise UserError("serve LoRA adapters beside a base model with lora_rank=0 (a LoRA checkpoint: export it merged "
                     "with MaxText.generate_param_only_checkpoint, or its adapters with lora_peft_export_path)")
   named = parse_adapters(d.serve_lora_adapters)
+  check_start_names(named, base_name, d.serve_lora_slots)
   peeks = [peft_adapters.read_config(path)[:2] for _, path in named]
   rank = d.serve_lora_max_rank or max((r for r, _ in peeks), default=0)
   targets = sorted({t for _, ts in peeks for t in ts}) or list(table_targets(config))
@@ -332,6 +352,9 @@ def load_engine(config: Config, num_slots: int, fresh_note: str, base_name: str,
                     f"(it can: {list(table_targets(config))})")
   for (name, adapter_path), (claimed, _) in zip(named, peeks):  # before tables of that rank are allocated
     check_stored_rank(name, adapter_path, claimed)
+    if claimed > rank:  # Registry.add would refuse it only after the engine and the weights load
+      raise UserError(f"LoRA adapter {name!r} ({adapter_path}) has rank {claimed}, more than serve_lora_max_rank="
+                      f"{rank}; set serve_lora_max_rank >= {claimed} (or 0: the largest start-up adapter's)")
   table_cfg = table_config(config, rank, targets)
   path = model_assembly.parameters_path(config)
   engine = Engine(table_cfg, num_slots=num_slots, mesh=mesh)

@@ -35,6 +35,10 @@ class NameTaken(UserError):
   """An adapter name that is the base model's or a loaded adapter's."""
 
 
+class SlotsFull(UserError):
+  """Every adapter row of the tables is taken (serve_lora_slots): the server's state, not the adapter, refuses."""
+
+
 def check_name(name: str) -> None:
   """UserError for a name no adapter may have."""
   if not name or name != name.strip() or len(name) > 200:

@@ -44,6 +44,9 @@ def add_routes(app: FastAPI, registry: lora_admin.Admin, admin_allowed: bool) ->
     body = api.parse_json(await http.body())
     if not isinstance(body, dict) or not isinstance(body.get("name"), str) or not isinstance(body.get("path"), str):
       raise api.ApiError(400, "the body must be a JSON object with a string name and path (a PEFT adapter directory)")
+    if not body["path"].strip():  # else the refusal reads " is not a PEFT LoRA adapter", naming no path
+      raise api.ApiError(400, "path is empty; give the PEFT adapter directory on the server to load", "path",
+                         "invalid_adapter")
     try:
       lora_admin.check_name(body["name"])
     except UserError as e:
@@ -55,6 +58,8 @@ def add_routes(app: FastAPI, registry: lora_admin.Admin, admin_allowed: bool) ->
       loaded = await registry.add(body["name"], body["path"])
     except lora_admin.NameTaken as e:  # loaded by a request that raced this one past the check above
       raise api.ApiError(409, str(e), "name", "name_taken") from None
+    except lora_admin.SlotsFull as e:  # the server's state refuses, not this adapter: was a 400 naming the path
+      raise api.ApiError(409, str(e), None, "adapter_slots_full") from None
     except UserError as e:
       raise api.ApiError(400, str(e), "path", "invalid_adapter") from None
     return _describe(loaded)

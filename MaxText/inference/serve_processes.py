@@ -55,7 +55,7 @@ _GRAMMARS_LOCK = threading.Lock()
 def _portable(e: Exception) -> Exception:
   """`e` as a front end unpickles it (it has no JAX): the registry's refusals as they are, any other
   UserError as one, the rest as a RuntimeError naming its type."""
-  if isinstance(e, (lora_admin.NameTaken, lora_admin.UnknownAdapter, lora_admin.AdapterBusy)):
+  if isinstance(e, (lora_admin.NameTaken, lora_admin.SlotsFull, lora_admin.UnknownAdapter, lora_admin.AdapterBusy)):
     return e
   if isinstance(e, UserError):
     return UserError(str(e))

@@ -411,6 +411,7 @@ def httpx_post_without_key(client, body):
     ({"name": "..", "path": "{root}/alpha"}, 400, "may hold neither control characters nor '.' or '..' between"),
     ({"name": "org/./a", "path": "{root}/alpha"}, 400, "DELETE /v1/admin/lora_adapters/NAME could not name it"),
     ({"name": "a\nb", "path": "{root}/alpha"}, 400, "could not name it), got 'a\\nb'"),
+    ({"name": "w", "path": ""}, 400, "path is empty"),  # was " is not a PEFT LoRA adapter", naming no path
 ])
 def test_admin_refusals_are_one_line(server, body, status, words):
   _, _, client, _, root = server
@@ -420,6 +421,39 @@ def test_admin_refusals_are_one_line(server, body, status, words):
   assert words in response.json()["error"]["message"] and "\n" not in response.json()["error"]["message"]
   if body["path"].endswith("/alpha"):  # a loadable adapter: the name is the culprit, not the path
     assert response.json()["error"]["param"] == "name", response.text
+
+
+def test_an_add_with_every_row_taken_is_a_409_naming_the_slots(server):
+  """All serve_lora_slots rows taken: a 409 adapter_slots_full, the adapter untouched (was: 400 invalid_adapter with
+  param "path", as if the adapter were at fault); the add succeeds once a row is free."""
+  _, srv, client, _, root = server
+  assert client.post("/v1/admin/lora_adapters", json={"name": "fill", "path": str(root / "kappa")}).status_code == 200
+  try:
+    full = client.post("/v1/admin/lora_adapters", json={"name": "more", "path": str(root / "kappa")})
+    assert full.status_code == 409, full.text
+    assert full.json()["error"]["code"] == "adapter_slots_full" and full.json()["error"]["param"] is None
+    assert full.json()["error"]["message"] == "all serve_lora_slots=3 adapter rows are taken; remove an adapter first"
+  finally:
+    assert client.delete("/v1/admin/lora_adapters/fill").status_code == 200
+  assert "more" not in srv.adapters.names()
+
+
+def test_a_request_that_fails_before_the_scheduler_gives_its_adapter_back(server):
+  """A request's jobs failing to build after its adapter was held (its grammar's matcher raising) left the adapter
+  "in flight" for ever: DELETE answered 409 until a restart."""
+  import types
+
+  _, srv, _, _, _ = server
+
+  class Broken:
+    def constraint(self):
+      raise RuntimeError("the matcher failed")
+
+  choices = [types.SimpleNamespace(index=i, prompt=[5, 6], max_tokens=2, row=RowParams(), images=None) for i in (0, 1)]
+  request = types.SimpleNamespace(choices=choices, grammar=Broken(), logprobs=None)  # n=2: two holds
+  with pytest.raises(RuntimeError, match="the matcher failed"):
+    srv._submit_to_adapter(request, False, lambda event: None, "alpha")
+  assert srv.adapters._in_flight["alpha"] == 0
 
 
 def test_a_name_too_long_is_refused_without_echoing_it():
@@ -529,13 +563,27 @@ def test_admin_routes_are_off_without_an_api_key_and_echo_scores_only_the_base_m
     (dict(serve_lora_adapters="a={root}/head"), "LoRA adapters target ['lm_head'], which this model cannot serve"),
     (dict(serve_lora_adapters="a={root}/nothing"), "is not a PEFT LoRA adapter"),
     (dict(serve_lora_adapters="a={root}/liar"), "its config says r=1000000000000 but its lora_A tensors have rank 2"),
+    # These four were refused only by Registry.add, after the engine and the base weights loaded, and with the admin
+    # route's advice: "already loaded; remove it first", "all serve_lora_slots=1 adapter rows are taken; remove an
+    # adapter first", "restart with serve_lora_max_rank >= 2".
+    (dict(serve_lora_adapters="x={root}/ok,x={root}/ok"), "serve_lora_adapters names 'x' twice"),
+    (dict(serve_lora_adapters="base={root}/ok"), "serve_lora_adapters names an adapter 'base', the base model's own"),
+    (dict(serve_lora_adapters="x={root}/ok,y={root}/ok", serve_lora_slots=1),
+     "serve_lora_slots=1 holds fewer adapters than the 2 serve_lora_adapters names; set serve_lora_slots >= 2"),
+    (dict(serve_lora_adapters="x={root}/ok", serve_lora_max_rank=1, serve_lora_slots=1),
+     "has rank 2, more than serve_lora_max_rank=1; set serve_lora_max_rank >= 2"),
 ])
-def test_start_up_refusals_are_one_line(tmp_path, keys, words):
+def test_start_up_refusals_are_one_line(tmp_path, monkeypatch, keys, words):
   """liar: a config whose r is far beyond its tensors' is refused before tables of that rank are allocated (was: an
-  out-of-memory traceback at start)."""
+  out-of-memory traceback at start). Every refusal comes before the engine is built (minutes for a real model)."""
   import json
 
+  def no_engine(*args, **kwargs):
+    raise AssertionError("the engine was built before the refusal")
+
+  monkeypatch.setattr(lora_adapters, "Engine", no_engine)
   write_adapter(tmp_path / "liar", 2, 4.0, ("q_proj",), seed=1)
+  write_adapter(tmp_path / "ok", 2, 4.0, ("q_proj",), seed=2)
   liar = json.loads((tmp_path / "liar" / peft_adapters.CONFIG_FILE).read_text())
   (tmp_path / "liar" / peft_adapters.CONFIG_FILE).write_text(json.dumps({**liar, "r": 10**12}))
   (tmp_path / "head").mkdir()
@@ -603,8 +651,18 @@ def _config_text(root) -> str:
                            "where adapter_config.json says r=2; one rank for every module is supported"),
     (None, "rank-1-b", "model.layers.1.self_attn.q_proj's adapter is lora_A [2, 32], lora_B [32, 1]; this model needs "
                        "[2, 32] and [32, 2]"),
+    # numpy has no float8 type: was AttributeError "module 'numpy' has no attribute 'float8_e4m3fn'" (a 500).
+    (None, "F8_E4M3", "lora_A.weight has dtype F8_E4M3; LoRA weights are float32, float16 or bfloat16"),
+    # One half of a pair missing: was "has no place in this model (its projection takes no adapter here)", and
+    # "tensors name no projection of this model" for a lora_B without its lora_A.
+    (None, "no-B", "layers.1.self_attn.q_proj.lora_A.weight has no lora_B.weight beside it; each adapted module needs"),
+    (None, "no-A", "layers.1.self_attn.q_proj.lora_B.weight has no lora_A.weight beside it; each adapted module needs"),
+    # Tensors named with PEFT's adapter name inside (lora_A.default.weight): was "tensors name no projection".
+    (None, "default", "holds no LoRA tensors (PEFT names them base_model.model.<module>.lora_A.weight and "
+                      ".lora_B.weight); it holds e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.default"),
 ], ids=["alpha-list", "alpha-string", "alpha-nan", "targets-int", "rank-0", "rank-bool", "config-dir", "garbage",
-        "empty", "int32", "nan-weights", "bias", "modules-to-save", "rank-per-module", "ranks-a-and-b"])
+        "empty", "int32", "nan-weights", "bias", "modules-to-save", "rank-per-module", "ranks-a-and-b", "float8",
+        "lora-b-missing", "lora-a-missing", "adapter-name-in-tensor-names"])
 def test_a_malformed_adapter_is_one_line_naming_what_is_wrong(one_adapter, tmp_path, config, weights, words):
   """What the admin route and serve_lora_adapters read: each is a UserError (a 400, an `error:` line), not a traceback
   or an adapter of NaNs that answers garbage (was: TypeError / ValueError / SafetensorError, NaN weights served)."""
@@ -635,6 +693,13 @@ def test_a_malformed_adapter_is_one_line_naming_what_is_wrong(one_adapter, tmp_p
                          for k, v in tensors.items()}, "F32")
   elif weights == "rank-1-b":
     blob = _safetensors({k: v[:, :1] if ".layers.1." in k and "lora_B" in k else v for k, v in tensors.items()}, "F32")
+  elif weights == "F8_E4M3":
+    blob = _safetensors({k: np.zeros(v.shape, np.uint8) for k, v in tensors.items()}, "F8_E4M3")
+  elif weights in ("no-A", "no-B"):
+    blob = _safetensors({k: v for k, v in tensors.items() if not (".layers.1." in k and f"lora_{weights[-1]}" in k)},
+                        "F32")
+  elif weights == "default":
+    blob = _safetensors({k.replace(".weight", ".default.weight"): v for k, v in tensors.items()}, "F32")
   elif weights is not None:
     blob = weights
   (bad / peft_adapters.WEIGHTS_FILE).write_bytes(blob)

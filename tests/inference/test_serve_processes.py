@@ -537,6 +537,13 @@ def test_the_engine_side_serves_lora_adapters_to_every_front_end():
     other.close()
 
 
+def test_a_full_adapter_table_reaches_the_front_end_as_itself():
+  """Registry.add's SlotsFull crosses the channel as itself, so a front end's admin route answers the one-process 409
+  adapter_slots_full (as a plain UserError it would be the route's 400 invalid_adapter)."""
+  crossed = serve_processes._portable(lora_admin.SlotsFull("all serve_lora_slots=3 adapter rows are taken"))
+  assert type(crossed) is lora_admin.SlotsFull and str(crossed) == "all serve_lora_slots=3 adapter rows are taken"
+
+
 def test_a_front_end_sends_the_adapter_and_maps_the_engines_adapter_answers():
   """A front end serving adapters: a request naming one sends its name with the submit, and an adapter removed
   meanwhile ("unknown") is the 404 model_not_found; echo with logprobs under it is the one-process 400; the name
