@@ -20,6 +20,7 @@ import functools
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -27,7 +28,7 @@ from MaxText.configuration.config import Config
 from MaxText.errors import UserError
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.moe import ExpertKernel
-from MaxText.layers.weight_quantization import QuantizedWeight, quantize_weight
+from MaxText.layers.weight_quantization import QuantizedWeight, block_widths, quantize_weight
 from MaxText.models import LAYER_STACKS, ModelSpec, Params, build_model_spec, stacked_layer_key
 
 Path = tuple[str, ...]
@@ -82,13 +83,23 @@ def _quantize_fn(mode: str, contract_axes: tuple[int, ...], block: int) -> Calla
   return functools.partial(quantize_weight, mode=mode, contract_axes=contract_axes, block=block)
 
 
+def _convert_and_check(kernel: jax.Array, mode: str, contract_axes: tuple[int, ...],
+                       block: int) -> tuple[QuantizedWeight, jax.Array]:
+  """The converted kernel and whether it is finite: a NaN or inf weight makes its block's scale NaN,
+  so the scales (a few per output channel) answer for the whole kernel."""
+  converted = quantize_weight(kernel, mode, contract_axes, block)
+  return converted, jnp.all(jnp.isfinite(converted.scale))
+
+
 # Bounded: every entry holds its compiled programs, and tests build engines on many meshes.
 @functools.lru_cache(maxsize=256)
 def _jitted_converter(mode: str, contract_axes: tuple[int, ...], block: int, values: Any, scale: Any, dtype: Any,
-                      donate: bool) -> Callable[[jax.Array], QuantizedWeight]:
-  """The jitted conversion of one kernel into `values`/`scale` shardings; one per key, so its
-  compile cache outlives the call that made it."""
-  return jax.jit(_quantize_fn(mode, contract_axes, block), out_shardings=QuantizedWeight(values, scale, dtype),
+                      donate: bool) -> Callable[[jax.Array], tuple[QuantizedWeight, jax.Array]]:
+  """The jitted conversion of one kernel into `values`/`scale` shardings (and its finiteness flag,
+  replicated); one per key, so its compile cache outlives the call that made it."""
+  flag = NamedSharding(values.mesh, PartitionSpec()) if isinstance(values, NamedSharding) else values
+  convert = functools.partial(_convert_and_check, mode=mode, contract_axes=contract_axes, block=block)
+  return jax.jit(convert, out_shardings=(QuantizedWeight(values, scale, dtype), flag),
                  donate_argnums=(0,) if donate else ())
 
 
@@ -104,14 +115,12 @@ class WeightQuantizer:
   @classmethod
   def for_model(cls, spec: ModelSpec, mode: str, block: int) -> "WeightQuantizer":
     axes = kernel_contract_axes(spec)
-    if block > 0:
-      for path, contract in axes.items():
-        shape = _get(spec.abstract_params, path).shape
-        bad = [shape[a] for a in contract if shape[a] % min(block, shape[a])]
-        if bad:
-          raise UserError(f"quantize_weights_block={block} does not divide the input axis of {bad[0]} of "
-                          f"{'/'.join(path)}; choose a block that divides every kernel's input axes, or 0 "
-                          "(one scale per output channel)")
+    for path, contract in axes.items():
+      try:
+        block_widths(_get(spec.abstract_params, path).shape, contract, block)
+      except ValueError as e:
+        raise UserError(f"quantize_weights_block={block} {e} of {'/'.join(path)}; choose a "
+                        "block that divides every kernel's input axes, or 0 (one scale per output channel)") from None
     return cls(mode, block, axes)
 
   def _convert(self, path: Path) -> Callable[[jax.Array], QuantizedWeight]:
@@ -130,6 +139,7 @@ class WeightQuantizer:
     """`params` (laid out as `shardings`) with every converted kernel in 8-bit storage; `donate`:
     the float kernels' buffers may be reused (the caller holds no other reference to them)."""
     updates: dict[Path, Any] = {}
+    finite: dict[Path, jax.Array] = {}
     for path in self.contract_axes:
       kernel, sharding = _get(params, path), _get(shardings, path)
       if isinstance(kernel, QuantizedWeight):
@@ -137,7 +147,14 @@ class WeightQuantizer:
       out = self.shardings(kernel, sharding, path)
       convert = _jitted_converter(self.mode, self.contract_axes[path], self.block, out.values, out.scale, out.dtype,
                                   donate)
-      updates[path] = convert(kernel)
+      updates[path], finite[path] = convert(kernel)
+    # One read of the flags once every kernel is dispatched. A NaN or inf weight (a corrupt checkpoint, a
+    # diverged policy) would decode as NaN logits, i.e. arbitrary tokens with no sign of why: say where it is.
+    bad = [path for path, ok in zip(finite, jax.device_get(list(finite.values()))) if not ok]
+    if bad:
+      raise UserError(f"quantize_weights={self.mode}: the parameters hold NaN or inf weights in {len(bad)} of the "
+                      f"{len(finite)} kernels converted, first {'/'.join(bad[0])}; load a checkpoint whose weights are "
+                      "finite (the float model would decode them as NaN logits too)")
     return replace_leaves(params, updates)
 
   def describe(self, abstract_params: Params, params: Params) -> str:
@@ -185,3 +202,15 @@ def rollout_preparer(config: Config, shardings: Params) -> Callable[[Params, boo
   quantizer = WeightQuantizer.for_model(build_model_spec(config.model), decode.quantize_weights,
                                         decode.quantize_weights_block)
   return lambda params, donate: quantizer(params, shardings, donate)
+
+
+def training_note(config: Config, uses_rollouts: bool) -> str | None:
+  """train.py's line for quantize_weights in a run that decodes nothing (`uses_rollouts` False: no GRPO
+  rollouts): the key only sets how an engine stores the weights it decodes from, so such a run trains
+  and saves float weights as before; said once, since the 8-bit training matmuls are `quantization`."""
+  mode = config.decode.quantize_weights
+  if not mode or uses_rollouts:
+    return None
+  return (f"note: quantize_weights={mode} stores the weights decode, serve and GRPO rollouts decode from; "
+          f"objective={config.data.objective} decodes nothing, so it is ignored here and the weights train in float "
+          f"(for {mode} training matmuls set quantization={mode})")

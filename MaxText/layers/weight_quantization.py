@@ -5,7 +5,8 @@ values with float32 scales, and the matmul that reads it.
 parameter tree, so checkpoints, shardings and the layer stacks' scans see ordinary leaves; the
 layer code needs no new attributes. Scales are symmetric absmax over the kernel's contracting
 (input) axes: one per output channel (`block` 0), or one per `block` consecutive input rows of
-each output channel (per-block, as DeepSeek-V3 ships its fp8 weights).
+each output channel, rows counted over the contracting axes flattened (`block_widths`; per-block, as
+DeepSeek-V3 ships its fp8 weights).
 
 `dense_dot` is DenseGeneral's matmul on such a kernel:
 - weight-only, per-channel: x · values in the activation dtype (int8 and e4m3 values are exact in
@@ -75,19 +76,50 @@ class QuantizedWeight:
     return self.dequantize()[index]
 
 
+def block_widths(shape: Sequence[int], contract_axes: Sequence[int], block: int) -> dict[int, int]:
+  """Each contracting axis's width in one block of `block` consecutive input rows, the rows numbered
+  row-major over the contracting axes (the kernel flattened to [in, out], as attention's out projection
+  [heads, head_dim, embed] is [heads x head_dim, embed] in a checkpoint): the last axes whole, a divisor
+  of the one before, 1 on the rest. Fewer input rows than `block` (or `block` 0): one block. Raises
+  ValueError where a block would straddle an axis (a block neither divides it nor holds it whole)."""
+  widths = {axis: shape[axis] for axis in contract_axes}
+  if block <= 0 or math.prod(widths.values()) <= block:
+    return widths
+  # Blocking each axis by `block` separately made an out projection's block heads x head_dim rows (one
+  # scale per output channel), not the `block` rows the key promises.
+  axes = sorted(contract_axes)
+  if len(axes) == 1:
+    problem = f"does not divide the input axis of {shape[axes[0]]}"
+  else:
+    problem = (f"does not tile the input axes {' x '.join(str(shape[a]) for a in axes)} (a block is a divisor of the "
+               "last, or whole rows of it that divide the axes before)")
+  rows = block
+  for axis in reversed(axes):
+    size = shape[axis]
+    if rows >= size and rows % size == 0:
+      rows //= size
+    elif rows < size and size % rows == 0:
+      widths[axis], rows = rows, 1
+    else:
+      raise ValueError(problem)
+  return widths
+
+
 def quantize_weight(kernel: jax.Array, mode: str, contract_axes: Sequence[int], block: int = 0) -> QuantizedWeight:
   """`kernel` as `mode` ("int8" or "fp8") values with absmax scales over `contract_axes`, one per output
-  channel (`block` 0) or per `block` rows of each (every contracting axis must divide into them)."""
+  channel (`block` 0) or per `block` consecutive input rows of each (`block_widths`)."""
   if mode not in STORAGE_DTYPES:
     raise ValueError(f"quantize_weights must be one of {choices(('',) + tuple(STORAGE_DTYPES))}; got {mode!r}")
   x32 = kernel.astype(jnp.float32)
+  try:
+    widths = block_widths(x32.shape, contract_axes, block)
+  except ValueError as e:
+    raise ValueError(f"quantize_weights_block={block} {e}") from None
   blocked_shape: list[int] = []
   reduce_axes: list[int] = []
   for axis, size in enumerate(x32.shape):
     if axis in contract_axes:
-      width = size if block <= 0 else min(block, size)
-      if size % width:
-        raise ValueError(f"a contracting axis of {size} does not divide into blocks of {block}")
+      width = widths[axis]
       blocked_shape += [size // width, width]
       reduce_axes.append(len(blocked_shape) - 1)
     else:
@@ -95,7 +127,14 @@ def quantize_weight(kernel: jax.Array, mode: str, contract_axes: Sequence[int], 
   blocked = x32.reshape(blocked_shape)
   amax = jnp.max(jnp.abs(blocked), axis=tuple(reduce_axes), keepdims=True)
   limit = INT8_MAX if mode == "int8" else E4M3_MAX
-  scale = jnp.where(amax > 0, amax / limit, 1.0)
+  # At least the smallest normal float32: for a block of tiny weights amax / limit is subnormal, which
+  # CPUs and TPUs flush to 0, and 0 / 0 made NaN values (fp8 kept them).
+  scale = jnp.maximum(amax / limit, jnp.finfo(jnp.float32).tiny)
+  # A NaN or inf weight makes its block's scale NaN, as the float matmul's result would be, never a finite
+  # scale hiding it (int8 turned such a channel to zeros). Said explicitly: whether max keeps a NaN is
+  # the backend's choice (XLA:CPU's fused reduction drops it).
+  finite = jnp.all(jnp.isfinite(blocked), axis=tuple(reduce_axes), keepdims=True)
+  scale = jnp.where(finite, scale, jnp.nan)
   scaled = jnp.clip(blocked / scale, -limit, limit)
   values = (jnp.round(scaled) if mode == "int8" else scaled).astype(STORAGE_DTYPES[mode]).reshape(x32.shape)
   scale_shape = [s for i, s in enumerate(blocked_shape) if i not in reduce_axes]  # 1 per axis without blocks

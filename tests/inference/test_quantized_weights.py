@@ -99,6 +99,65 @@ def test_several_input_axes_and_a_stacked_kernel():
   assert layer[...].shape == (4, 8, 16)  # what `param[...]` reads: the float kernel
 
 
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_a_channel_of_zeros_or_tiny_weights_converts_without_nan(mode):
+  """A channel (block) of zeros, or of weights so small that amax / limit is subnormal: CPUs and TPUs flush
+  that scale to 0, and 0 / 0 gave NaN values (fp8 stored them: NaN logits)."""
+  w = np.array(_x_w()[1])
+  w[:, 0] = 0.0
+  w[:, 1] = 2e-38  # normal, but / 127 or / 448 subnormal
+  w[::2, 1] = -6e-39  # itself subnormal: flushed to 0 on CPU
+  w[:, 2] = 1e-37
+  for block in (0, 16):
+    q = quantize_weight(jnp.asarray(w), mode, (0,), block)
+    assert np.all(np.isfinite(np.asarray(q.values, np.float32))) and np.all(np.asarray(q.scale) > 0)
+    deq = np.asarray(q.dequantize(jnp.float32))
+    assert np.all(deq[:, 0] == 0) and np.all(np.abs(deq[:, 1:3] - w[:, 1:3]) <= 2e-38)
+    np.testing.assert_allclose(deq[:, 3:], w[:, 3:], atol=float(np.abs(w).max()) / 16)
+    y = dense_dot(jnp.ones((2, 64), jnp.float32), q, 1, jnp.float32, mode)
+    assert np.all(np.isfinite(np.asarray(y)))
+
+
+def test_nan_or_inf_weights_are_one_line_naming_the_kernel():
+  """A NaN or inf in a kernel: before, int8 gave that channel a scale of 1 (its other weights rounded to 0,
+  the NaN to 0) and decoding went on with a silently different model; now the scale carries it, and the
+  engine's conversion stops with one line naming the kernel."""
+  w = np.array(_x_w()[1])
+  for bad in (np.nan, np.inf, -np.inf):
+    w_bad = w.copy()
+    w_bad[5, 3] = bad
+    for mode in ("int8", "fp8"):
+      q = quantize_weight(jnp.asarray(w_bad), mode, (0,))
+      assert not np.isfinite(np.asarray(q.scale)[0, 3]) and np.all(np.isfinite(np.asarray(q.scale)[0, :3]))
+  engine = Engine(Config.for_testing(**TINY, quantize_weights="int8"), num_slots=1, mesh=one_device_mesh())
+  params = Engine(Config.for_testing(**TINY), mesh=one_device_mesh()).load_params(seed=1)
+  params["layers"]["mlp"]["wo"]["kernel"] = params["layers"]["mlp"]["wo"]["kernel"].at[1, 7, 3].set(jnp.nan)
+  with pytest.raises(UserError, match=r"^quantize_weights=int8: the parameters hold NaN or inf weights in 1 of the 7 "
+                     r"kernels converted, first layers/mlp/wo/kernel; load a checkpoint"):
+    engine.prepare_params(params)
+
+
+def test_blocks_of_a_kernel_with_several_input_axes_are_consecutive_input_rows():
+  """Attention's out projection [heads, head_dim, embed] with quantize_weights_block=B: one scale per B rows
+  of [heads x head_dim, embed] (DeepSeek-V3's layout). Each axis was blocked by B on its own, which made a
+  block heads x head_dim rows: one scale per output channel, so a head of small weights rounded to zeros."""
+  kernel = np.array(jax.random.normal(jax.random.key(6), (4, 16, 8), jnp.float32))
+  kernel[3] *= 1e-3  # one head's weights far below the others'
+  for block, scale_shape in ((16, (4, 1, 8)), (8, (4, 2, 8)), (32, (2, 1, 8)), (64, (1, 1, 8)), (128, (1, 1, 8))):
+    q = quantize_weight(jnp.asarray(kernel), "int8", (0, 1), block)
+    assert q.scale.shape == scale_shape, block
+    rows = np.asarray(q.dequantize(jnp.float32)).reshape(64, 8)
+    for start in range(0, 64, min(block, 64)):  # each block within half a step of its own amax
+      part = kernel.reshape(64, 8)[start:start + block]
+      assert np.all(np.abs(rows[start:start + block] - part) <= np.abs(part).max(0) / 254 * (1 + 1e-5))
+  with pytest.raises(ValueError, match=re.escape("quantize_weights_block=24 does not tile the input axes 4 x 16")):
+    quantize_weight(jnp.asarray(kernel), "int8", (0, 1), 24)
+  with pytest.raises(UserError, match=r"quantize_weights_block=32 does not tile the input axes 4 x 12 .* of "
+                     r"layers/self_attention/out/kernel"):
+    Engine(Config.for_testing(**dict(TINY, head_dim=12, base_mlp_dim=96), quantize_weights="fp8",
+                              quantize_weights_block=32), mesh=one_device_mesh())
+
+
 def _logits(engine: Engine, params, tokens: jax.Array) -> jax.Array:
   apply = jax.jit(sharding.unsharded()(engine.spec.apply))
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
@@ -166,6 +225,18 @@ def test_refused_values():
     Engine(Config.for_testing(**TINY, quantize_weights="fp8", quantize_weights_block=24), mesh=one_device_mesh())
   with pytest.raises(ValueError, match=re.escape('quantize_weights must be one of "" (off), int8, fp8;')):
     quantize_weight(jnp.ones((4, 4)), "int4", (0,))
+
+
+def test_quantize_weights_in_a_run_that_decodes_nothing_is_a_note():
+  """train.py with quantize_weights and an objective without rollouts trained float weights without a word
+  (a hurried user may have meant quantization=int8): now one note line; GRPO (rollouts) and "" say nothing."""
+  config = Config.for_testing(**TINY, quantize_weights="int8")
+  assert quantized_weights.training_note(config, uses_rollouts=False) == (
+      "note: quantize_weights=int8 stores the weights decode, serve and GRPO rollouts decode from; objective=lm "
+      "decodes nothing, so it is ignored here and the weights train in float (for int8 training matmuls set "
+      "quantization=int8)")
+  assert quantized_weights.training_note(config, uses_rollouts=True) is None
+  assert quantized_weights.training_note(Config.for_testing(**TINY), uses_rollouts=False) is None
 
 
 def test_rollout_weight_copies_are_converted_once_each():
