@@ -502,8 +502,10 @@ def main(argv: list[str]) -> int:
     raise UserError(f"the budget of {args.budget_minutes:g} min ran out before a candidate that fits compiled; "
                     f"raise budget_minutes (finished compiles are cached in {cache_dir})")
   if best is None:
-    raise UserError(f"none of the {len(planned)} compiled candidates fits {gen.hbm_gib:g} GiB per {gen.name} chip"
-                    + (f" and its host's {gen.host_gib:.1f} GiB per chip" if gen.host_gib else "") + "; "
+    # per device: a tpu7x TensorCore's half of its chip (TpuGeneration.device_unit)
+    raise UserError(f"none of the {len(planned)} compiled candidates fits {gen.hbm_gib:g} GiB per {gen.name} "
+                    f"{gen.device_unit}" + (f" and its host's {gen.host_gib:.1f} GiB per {gen.device_unit}"
+                                            if gen.host_gib else "") + "; "
                     "raise max_candidates, or fix a smaller per_device_batch_size or a remat_policy")
   chosen, standing = best
   user_args = config_argv[2:] if len(config_argv) > 1 and "=" not in config_argv[1] else config_argv[1:]

@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 import types
-from typing import Any, Callable, Literal, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterator, Literal, Mapping, Protocol, Sequence
 
 import jax
 from jax.experimental import topologies
@@ -205,20 +205,43 @@ def _compile_topology(tool: Tool, overrides: config_lib.Overrides) -> tuple[acce
 
 def describe_topology(topology: accelerators.TpuTopology, num_slices: int) -> Sequence[jax.Device]:
   """Compile-only devices of `num_slices` slices of `topology`, described by libtpu."""
+  accelerator_type = None
   if not accelerators.has_tpu():
     # Off a TPU VM libtpu cannot discover its workers and logs a multi-line error about it;
     # naming this host as the only worker silences that without changing the compile.
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     # libtpu's lock file guards TPU chips; with none attached, several compiles may run at once.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # Loading, libtpu looks up the host's accelerator type and, finding none, prints "Failed to find host
+    # bounds ... please set env var TPU_ACCELERATOR_TYPE" on stderr: a second line before every compile's
+    # report and before its one `error:` line. The slice being described is the true answer. Only for this
+    # call: has_tpu() reads the same variable, and no TPU is attached.
+    accelerator_type = topology.name
   try:
-    description = topologies.get_topology_desc(
-        topology_name=topology.topology_name, platform="tpu", chip_config_name=topology.generation.chip_config,
-        chips_per_host_bounds=topology.host_bounds, num_slices=num_slices, wrap=topology.wrap)
+    with _environ_set("TPU_ACCELERATOR_TYPE", accelerator_type):
+      description = topologies.get_topology_desc(
+          topology_name=topology.topology_name, platform="tpu", chip_config_name=topology.generation.chip_config,
+          chips_per_host_bounds=topology.host_bounds, num_slices=num_slices, wrap=topology.wrap)
   except RuntimeError as e:  # a libtpu too old for the generation, or none (JaxRuntimeError is one)
     raise ConfigError(accelerators.cannot_describe_message(topology, str(e))) from None
   devices: Sequence[jax.Device] = description.devices
   return devices
+
+
+@contextlib.contextmanager
+def _environ_set(name: str, value: str | None) -> Iterator[None]:
+  """os.environ[name] = value inside the block (None: unchanged), as it was after."""
+  before = os.environ.get(name)
+  if value is not None:
+    os.environ[name] = value
+  try:
+    yield
+  finally:
+    if value is not None:
+      if before is None:
+        os.environ.pop(name, None)
+      else:
+        os.environ[name] = before
 
 
 # ------------------------------------------------------------------ the process, before anything else

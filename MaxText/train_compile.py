@@ -108,7 +108,8 @@ def compile_or_explain(step_fn: Any, inputs: run_assembly.StepInputs, topology: 
     # temporaries" (getting_started/AOT.md shows the heaps it extrapolates from).
     raise UserError(does_not_fit_message(oom.needed, topology.generation.name, topology.generation.hbm_gib,
                                          "; ".join(filter(None, (f"XLA: {first_line}",
-                                                                 describe_state(state_bytes_per_chip(inputs.state))))))
+                                                                 describe_state(state_bytes_per_chip(inputs.state))))),
+                                         topology.generation.device_unit)
                     ) from None
 
 
@@ -250,7 +251,8 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
   if topology is not None:
     gen = topology.generation
     if memory.total > gen.hbm_gib * GIB:
-      raise UserError(does_not_fit_message(memory.total, gen.name, gen.hbm_gib, f"{memory.source}; {state_parts}"))
+      raise UserError(does_not_fit_message(memory.total, gen.name, gen.hbm_gib, f"{memory.source}; {state_parts}",
+                                           gen.device_unit))
     host = memory.host
     if gen.host_gib is not None and host > gen.host_gib * GIB:  # XLA accepts it; the host VM has less
       raise UserError(_host_message(host, gen, offload_of(config), "XLA buffer assignment, host memory space"))
@@ -314,7 +316,8 @@ def _compile_rollout_mesh(config: config_lib.Config, devices: Sequence[Any], tra
   if topology is not None:
     gen = topology.generation
     if total > gen.hbm_gib * GIB:
-      raise UserError(does_not_fit_message(total, gen.name, gen.hbm_gib, "XLA memory analysis of the rollout step"))
+      raise UserError(does_not_fit_message(total, gen.name, gen.hbm_gib, "XLA memory analysis of the rollout step",
+                                           gen.device_unit))
     print(f"rollout side fits: {format_bytes(total)} of {gen.hbm_gib:g} GiB per {gen.name} {gen.device_unit}")
 
 

@@ -63,6 +63,19 @@ def test_wrong_placements_are_one_line_errors(overrides, message):
     Config.for_testing(**_TINY, **overrides)
 
 
+@pytest.mark.parametrize("written, got", [("off", "False"), ("yes", "True"), ("true", "True")])
+def test_a_yaml_boolean_placement_is_named_as_yaml_read_it(tmp_path, written, got):
+  """A recipe's `query_proj: off` reaches the config as False: the line says YAML read it so (it said only
+  "got False", a value the user never typed)."""
+  from MaxText.configuration.config import BASE_CONFIG_PATH, parse_overrides
+  recipe = tmp_path / "recipe.yml"
+  recipe.write_text(f"base_config: {BASE_CONFIG_PATH}\nremat_policy: custom\nquery_proj: {written}\n")
+  with pytest.raises(ConfigError) as refused:
+    parse_overrides(["train", str(recipe)])
+  assert str(refused.value) == (f"query_proj must be a string like its default 'remat', got {got} (YAML reads an "
+                                "unquoted true/false, yes/no or on/off as a boolean: quote it to mean the word)")
+
+
 def test_a_key_no_layer_produces_is_accepted_with_one_warning(capsys):
   from MaxText.configuration import model_config
   model_config._WARNED_UNPRODUCED.discard("engram")

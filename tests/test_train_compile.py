@@ -85,6 +85,58 @@ def test_unknown_or_missing_topology_is_a_one_line_error():
     train_compile.main(argv(compile_topology="v5e-256", compile_topology_num_slices=0))
 
 
+@pytest.mark.parametrize("typed, named", [("V6E-8", "v6e-8"), (" v6e-256 ", "v6e-256"), ("v6e-08", "v6e-8"),
+                                          ("tpu7x-8", "tpu7x-8"), ("tpu7x-2", "tpu7x-2")])
+def test_a_topology_name_is_read_as_its_one_spelling(typed, named):
+  """"v6e-08" was kept as typed, so the report and a saved step's header named a slice "v6e-08"."""
+  assert accelerators.tpu_topology(typed).name == named
+
+
+@pytest.mark.parametrize("typed, hint", [
+    ("v7x-8", " (did you mean 'tpu7x-8'? Cloud TPU names this generation tpu7x)"),
+    ("v5litepod-16", " (did you mean 'v5e-16'? Cloud TPU names this generation v5e)"),
+    ("tpu7x-2x2x1", " (did you mean 'tpu7x-8'? a slice type is named by its count of TensorCores, not its 2x2x1 "
+                    "shape)"),
+    ("tpu7x-4x4x4", " (did you mean 'tpu7x-128'? a slice type is named by its count of TensorCores, not its 4x4x4 "
+                    "shape)"),
+    ("v6e:2x4", " (did you mean 'v6e-8'? a slice type is named by its count of chips, not its 2x4 shape)"),
+    ("v6e-7", ""), ("v6e-0", ""), ("v6e--8", ""), ("tpu7x-3", ""), ("v6e-" + "9" * 30, ""),
+    ("v6e-\u00b2", ""),  # a superscript two: str.isdigit() passes it, int() raised a ValueError traceback
+])
+def test_a_wrong_topology_name_is_one_line_naming_what_was_meant(typed, hint):
+  """GKE's and libtpu's shape names and other spellings of a generation got only the list of every name."""
+  with pytest.raises(ConfigError) as refused:
+    accelerators.tpu_topology(typed)
+  message = str(refused.value)
+  assert message.startswith(f"unknown compile_topology {typed!r}{hint}; valid names: v4-8, ") and "\n" not in message
+  # the sizes under the multiples of 128 are each named (they read "v5p-8 ... v5p-12288" before)
+  assert "v5p-8, v5p-16, v5p-32, v5p-64, then every multiple of 128 from v5p-128 to v5p-12288" in message
+  assert message.endswith("tpu7x-2, tpu7x-8, tpu7x-16, tpu7x-32, tpu7x-64, then every multiple of 128 from "
+                          "tpu7x-128 to tpu7x-18432")
+
+
+def test_a_topology_compile_writes_only_its_error_line():
+  """libtpu, describing a slice off a TPU VM, printed "Failed to find host bounds for accelerator type: WARNING:
+  could not determine TPU accelerator type, please set env var `TPU_ACCELERATOR_TYPE` ..." on stderr before every
+  compile's report and before its one `error:` line (here a mesh that does not divide the slice)."""
+  result = run_cli("MaxText.train_compile", *argv(compile_topology="v6e-8", ici_tensor_parallelism=3, **TPU_TINY)[1:],
+                   timeout=300)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert result.stderr == "error: ici_tensor_parallelism = 3 does not divide 8 devices per slice\n"
+  # The variable is set only while libtpu describes the slice: has_tpu() reads it and must still say no.
+  before = os.environ.get("TPU_ACCELERATOR_TYPE")
+  from MaxText import startup
+  assert len(startup.describe_topology(accelerators.tpu_topology("v6e-4"), 1)) == 4
+  assert os.environ.get("TPU_ACCELERATOR_TYPE") == before
+
+
+def test_a_tpu7x_that_does_not_fit_counts_per_tensorcore():
+  """XLA's figure and the 96 GiB are a TensorCore's (a JAX device's); "per chip, tpu7x has 96 GiB" halved the chip."""
+  with pytest.raises(UserError, match=r"^does not fit: needs 120.0 GiB per TensorCore, tpu7x has 96 GiB \(XLA: "):
+    train_compile.compile_or_explain(*_raising("RESOURCE_EXHAUSTED: Used 120.0G of 96.0G hbm"),
+                                     accelerators.tpu_topology("tpu7x-8"))
+
+
 def test_compiles_for_one_v5e_256_slice(capsys):
   assert train_compile.main(argv(compile_topology="v5e-256", **TPU_TINY)) == 0
   out = capsys.readouterr().out

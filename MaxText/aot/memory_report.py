@@ -178,8 +178,10 @@ def oom_bytes_from_xla(message: str) -> int | None:
   return int(max(amounts)) if amounts else None
 
 
-def does_not_fit_message(needed_bytes: float, generation: str, hbm_gib: float, detail: str) -> str:
-  return f"does not fit: needs {needed_bytes / GIB:.1f} GiB per chip, {generation} has {hbm_gib:g} GiB ({detail})"
+def does_not_fit_message(needed_bytes: float, generation: str, hbm_gib: float, detail: str, unit: str = "chip") -> str:
+  """`unit`: what one device is (TpuGeneration.device_unit): XLA's figure and `hbm_gib` are per device, so on tpu7x
+  per TensorCore; "per chip, tpu7x has 96 GiB" would halve a 192 GiB chip."""
+  return f"does not fit: needs {needed_bytes / GIB:.1f} GiB per {unit}, {generation} has {hbm_gib:g} GiB ({detail})"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -173,8 +173,12 @@ def coerce(key: str, value: Any, default: Any) -> Any:
       return [item.strip() for item in value.split(",") if item.strip()]
     if isinstance(value, (int, float)) and not isinstance(value, bool):
       return [value]  # `prompt_token_ids=5`: YAML read the one-item list as a number
+  # A recipe's `query_proj: off` or `run_name: yes` reaches here as False or True (YAML 1.1's booleans): the
+  # line says so, else "got False" names a value the user never typed.
+  yaml_bool = (" (YAML reads an unquoted true/false, yes/no or on/off as a boolean: quote it to mean the word)"
+               if isinstance(value, bool) and isinstance(default, str) else "")
   raise ConfigError(
-      f"{key} must be a {_type_name(default)} like its default {default!r}, got {value!r}"
+      f"{key} must be a {_type_name(default)} like its default {default!r}, got {value!r}{yaml_bool}"
   )
 
 

@@ -288,28 +288,62 @@ def known_topology_names() -> list[str]:
 
 
 def _abbreviated_names() -> str:
-  """The valid names per generation, as first...last plus the count (v5p has 100 sizes)."""
+  """The valid names per generation; the long runs (v5p and tpu7x: every multiple of 128) as first...last, the
+  sizes below them each named (a reader of `v5p-8 ... v5p-12288` could not tell that v5p-16 is one)."""
   parts = []
   for g in TPU_GENERATIONS.values():
-    listed = ", ".join(f"{g.name}-{n}" for n in g.sizes) if len(g.sizes) <= 12 else \
-        f"{g.name}-{g.sizes[0]} ... {g.name}-{g.sizes[-1]} (every multiple of 128 from {g.name}-128)"
-    parts.append(listed)
+    if len(g.sizes) <= 12:
+      parts.append(", ".join(f"{g.name}-{n}" for n in g.sizes))
+    else:
+      small = ", ".join(f"{g.name}-{n}" for n in g.sizes if n < 128)
+      parts.append(f"{small}, then every multiple of 128 from {g.name}-128 to {g.name}-{g.sizes[-1]}")
   return "; ".join(parts)
+
+
+# What users type for a generation that Cloud TPU names otherwise (Ray's and GKE's labels, gcloud's v5e
+# accelerator type, the chips' own names): suggested in the error, not accepted, so one name means one slice.
+_OTHER_SPELLINGS = {"v7x": "tpu7x", "v7": "tpu7x", "tpu7": "tpu7x", "ironwood": "tpu7x", "v6": "v6e",
+                    "trillium": "v6e", "v5litepod": "v5e", "v5lite": "v5e"}
+
+
+def _slice_shape(generation: TpuGeneration, chips: int) -> tuple[int, ...]:
+  if generation.torus_dims == 2:
+    return _TORUS_2D[chips]
+  return _SMALL_3D[chips] if chips < 64 else _cube_shape(chips)
+
+
+def _near_name(gen_name: str, size_text: str) -> str:
+  """The valid name a wrong one most likely meant, as ` (did you mean ...?)`, or "": another spelling of a
+  generation (`v7x-8`), or a slice given by its shape as GKE and libtpu write it (`tpu7x-2x2x1`, `v6e:2x4`)."""
+  named = _OTHER_SPELLINGS.get(gen_name, gen_name)
+  generation = TPU_GENERATIONS.get(named) or next(
+      (g for g in TPU_GENERATIONS.values() if g.topology_prefix == gen_name), None)  # libtpu's "v5" is v5p
+  if generation is None:
+    return ""
+  if size_text.isascii() and size_text.isdigit() and int(size_text) in generation.sizes:
+    return f" (did you mean '{generation.name}-{int(size_text)}'? Cloud TPU names this generation {generation.name})"
+  dims = size_text.split("x")
+  if len(dims) in (2, 3) and all(d.isascii() and d.isdigit() for d in dims):
+    wanted = sorted(int(d) for d in dims if int(d) != 1)  # 2x2x1 and 2x2 are the same chips
+    for size in generation.sizes:
+      if sorted(d for d in _slice_shape(generation, size // generation.cores_per_chip) if d != 1) == wanted:
+        return (f" (did you mean '{generation.name}-{size}'? a slice type is named by its count of "
+                f"{'TensorCores' if generation.cores_per_chip > 1 else 'chips'}, not its {size_text} shape)")
+  return ""
 
 
 def tpu_topology(name: str) -> TpuTopology:
   """`v5e-256` -> its TpuTopology; an unknown name is a ConfigError listing the valid ones."""
-  gen_name, _, size_text = name.strip().lower().partition("-")
+  gen_name, _, size_text = name.strip().lower().replace(":", "-").partition("-")
   generation = TPU_GENERATIONS.get(gen_name)
-  if generation is None or not size_text.isdigit() or int(size_text) not in generation.sizes:
-    raise ConfigError(f"unknown compile_topology {name!r}; valid names: {_abbreviated_names()}")
-  chips = int(size_text) // generation.cores_per_chip
-  if generation.torus_dims == 2:
-    shape: tuple[int, ...] = _TORUS_2D[chips]
-  else:
-    shape = _SMALL_3D[chips] if chips < 64 else _cube_shape(chips)
-  return TpuTopology(name=f"{generation.name}-{size_text}", generation=generation, chips=chips,
-                     chips_per_host=1 if chips == 1 else 4, shape=shape)
+  # ASCII digits only: str.isdigit() also passes "²", which int() refuses (a traceback, not a line)
+  if generation is None or not (size_text.isascii() and size_text.isdigit()) or int(size_text) not in generation.sizes:
+    raise ConfigError(f"unknown compile_topology {name.strip()!r}{_near_name(gen_name, size_text)}; "
+                      f"valid names: {_abbreviated_names()}")
+  size = int(size_text)  # "v6e-08" is v6e-8: the name the report and a saved step's header carry
+  chips = size // generation.cores_per_chip
+  return TpuTopology(name=f"{generation.name}-{size}", generation=generation, chips=chips,
+                     chips_per_host=1 if chips == 1 else 4, shape=_slice_shape(generation, chips))
 
 
 def libtpu_version() -> str:
