@@ -157,13 +157,37 @@ def test_a_forced_tool_call_is_a_well_formed_call_of_a_tool(client, choice):
      "'mul', which is not among tools"),
     (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "tool_choice",
      "both constrain"),
-], ids=["uncompilable-schema", "unknown-type", "schema-not-an-object", "unknown-function", "both"])
+    # Every instance nests without end: was compiled, and every reply dead-ended at its first token (a 500).
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}), "response_format",
+     "no text satisfies it"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": '{"type": "object"}'}}),
+     "response_format", "json_schema.schema is a str"),
+    (dict(tools=[{"type": "function", "function": {"name": "my tool"}}], tool_choice="required"), "tools",
+     "'my tool' must be 1 to 64 of a-z"),
+], ids=["uncompilable-schema", "unknown-type", "schema-not-an-object", "unknown-function", "both", "endless-schema",
+        "schema-as-json-text", "tool-name-with-a-space"])
 def test_bad_constraints_are_a_400_naming_the_part(client, fields, param, words):
   with pytest.raises(openai.BadRequestError) as raised:
     client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, **fields)
   body = raised.value.body
   assert raised.value.status_code == 400 and body["param"] == param and words in body["message"], body
   assert "\n" not in body["message"]
+  # ... and the server goes on serving constrained requests.
+  answer = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, temperature=0,
+                                          response_format={"type": "json_object"})
+  assert answer.choices[0].message.content.startswith("{")
+
+
+def test_parallel_tool_calls_false_forces_one_call(client):
+  """parallel_tool_calls false holds a forced reply to one call (was: ignored; this seed's first choice wrote a call,
+  then a second one that max_tokens cut, which came back as content beside the call)."""
+  answer = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                          parallel_tool_calls=False, temperature=1.0, seed=3, n=2, max_tokens=96)
+  for choice in answer.choices:
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    assert len(choice.message.tool_calls) == 1, choice
+    call_of(choice.message.tool_calls[0].function.name, choice.message.tool_calls[0].function.arguments)
 
 
 def test_a_grammar_is_compiled_off_the_event_loop(client, monkeypatch):

@@ -75,6 +75,10 @@ class Constraint:
     token the mask did not allow, broken: it can only end)."""
     return not self._matcher.consume_token(token) or self._matcher.is_stopped()
 
+  def forced(self) -> list[int]:
+    """The tokens the grammar forces next, whatever the model prefers (may be none)."""
+    return list(self._matcher.compute_ff_tokens())
+
   @property
   def accepting(self) -> bool:
     """Whether the tokens so far are a complete sentence of the grammar."""
@@ -116,6 +120,12 @@ class Compiler:
     grammar = Grammar(text, self.tokenizer, self.vocab_size)
     start = grammar.constraint()
     start.mask()  # a grammar no text satisfies fails here, before any token
+    forced = [] if start.failure() else start.forced()
+    if forced:
+      # Every reply starts with these tokens; a grammar whose forced opening never ends (a schema whose instances
+      # nest without end: {"properties": {"a": {"$ref": "#"}}, "required": ["a"]}) dead-ends at the first of them,
+      # on every request and whatever the model: found here it is the client's 400, not a failed generation (500).
+      start.advance(forced[0])
     if start.failure():
       raise GrammarError(f"no text satisfies it ({' '.join(start.error.split('<state>')[0].split())[:200]})")
     return grammar
@@ -133,11 +143,12 @@ class Compiler:
   def lark(self, grammar: str) -> Grammar:
     return self.compile(llguidance.LLMatcher.grammar_from_lark(grammar))
 
-  def tool_call(self, tools: list[dict[str, Any]], fmt: str) -> Grammar:
-    """One or more well-formed calls of `tools` (OpenAI's function tools) in the chat template's format
-    (tool_calls.FORMATS: "tag" `<tool_call>{"name": .., "arguments": {..}}</tool_call>`, "json" Llama 3.1's
-    whole-reply `{"name": .., "parameters": {..}}`), each call's arguments matching its tool's parameters."""
-    return self.lark(tool_call_lark(tools, fmt))
+  def tool_call(self, tools: list[dict[str, Any]], fmt: str, parallel: bool = True) -> Grammar:
+    """One or more (`parallel` False: exactly one) well-formed calls of `tools` (OpenAI's function tools) in the chat
+    template's format (tool_calls.FORMATS: "tag" `<tool_call>{"name": .., "arguments": {..}}</tool_call>`, "json"
+    Llama 3.1's whole-reply `{"name": .., "parameters": {..}}`), each call's arguments matching its tool's
+    parameters."""
+    return self.lark(tool_call_lark(tools, fmt, parallel))
 
 
 def call_schema(tools: list[dict[str, Any]], arguments_key: str) -> dict[str, Any]:
@@ -149,11 +160,12 @@ def call_schema(tools: list[dict[str, Any]], arguments_key: str) -> dict[str, An
   return {**schema, "x-guidance": JSON_OPTIONS}
 
 
-def tool_call_lark(tools: list[dict[str, Any]], fmt: str) -> str:
-  """The Lark grammar of tool_call's calls."""
+def tool_call_lark(tools: list[dict[str, Any]], fmt: str, parallel: bool = True) -> str:
+  """The Lark grammar of tool_call's calls (the json format is always one call: the whole reply)."""
   if fmt == "json":
     return f"start: call\ncall: %json {json.dumps(call_schema(tools, 'parameters'))}\n"
   if fmt != "tag":
     raise GrammarError(f"unknown tool-call format {fmt!r}; expected one of {', '.join(tool_calls.FORMATS)}")
-  return (f"start: tagged (\"\\n\" tagged)*\ntagged: {json.dumps(tool_calls.TAG_OPEN)} call "
+  more = "(\"\\n\" tagged)*" if parallel else ""
+  return (f"start: tagged {more}\ntagged: {json.dumps(tool_calls.TAG_OPEN)} call "
           f"{json.dumps(tool_calls.TAG_CLOSE)}\ncall: %json {json.dumps(call_schema(tools, 'arguments'))}\n")

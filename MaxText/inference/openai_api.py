@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import secrets
 from typing import Any, Callable, Collection, Sequence
 
@@ -113,11 +114,14 @@ def parse_json(raw: bytes) -> Any:
     raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
   except RecursionError:
     raise ApiError(400, "the request body is not valid JSON: it is nested too deeply", code="invalid_json") from None
-  # json decodes an unpaired \ud800-\udfff escape into a str no tokenizer encodes (a 500 there). Only an escape
-  # (or a UTF-16/32 body) can hold one: UTF-8 text refuses surrogates.
-  if (b"\\u" in raw or json.detect_encoding(raw) not in ("utf-8", "utf-8-sig")) and json_text.has_unpaired_surrogate(body):
+  # json decodes an unpaired \ud800-\udfff escape into a str no tokenizer encodes (a 500 there). Only an escape,
+  # a UTF-16/32 body or a surrogate's own UTF-8 bytes (ED A0..BF ..: json decodes bytes with "surrogatepass") can
+  # hold one.
+  if (b"\\u" in raw or b"\xed" in raw or json.detect_encoding(raw) not in ("utf-8", "utf-8-sig")) \
+      and json_text.has_unpaired_surrogate(body):
     raise ApiError(400, "the request body is not valid JSON text: it holds an unpaired UTF-16 surrogate escape "
-                   "(\\ud800 to \\udfff without its pair)", code="invalid_json")
+                   "(\\ud800 to \\udfff without its pair) or such a surrogate's UTF-8 bytes; send text",
+                   code="invalid_json")
   return body
 
 
@@ -161,7 +165,7 @@ CHAT_FIELDS = frozenset(_SAMPLING_FIELDS + ("messages", "max_completion_tokens",
                                             "response_format", "tools", "tool_choice", "functions", "function_call",
                                             "modalities"))
 # Read and ignored on both routes: they ask nothing of the answer (who asks, bookkeeping, billing and
-# caching hints; parallel_tool_calls without tools).
+# caching hints; parallel_tool_calls, which the chat route reads itself: false holds a forced call to one).
 IGNORED_FIELDS = frozenset(("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
                             "prompt_cache_retention", "prompt_cache_options", "parallel_tool_calls"))
 # Fields read only at the values that ask for nothing (their defaults), and why others are refused.
@@ -355,7 +359,9 @@ def parse_chat(body: Any, limits: Limits, codec: Codec) -> Request:
       raise ApiError(400, f"messages[{i}] must be an object with a role and a content", "messages")
   name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
   tools, forced = _tools(body)
-  grammar = _grammar(body, codec, forced)
+  # false: at most one call. Held for a forced call (its grammar takes one); with "auto" the model may write more.
+  parallel = _get(body, "parallel_tool_calls", bool, True)
+  grammar = _grammar(body, codec, forced, parallel)
   if has_images(body) or (codec.chat_images is not None and limits.image_token_id is not None):
     if codec.chat_images is None:
       raise ApiError(400, "this server takes no images", "messages")
@@ -396,7 +402,8 @@ def parse_chat(body: Any, limits: Limits, codec: Codec) -> Request:
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "grammar")
 
 
-def _grammar(body: dict[str, Any], codec: Codec, forced: list[dict[str, Any]] | None) -> grammar_lib.Grammar | None:
+def _grammar(body: dict[str, Any], codec: Codec, forced: list[dict[str, Any]] | None,
+             parallel: bool = True) -> grammar_lib.Grammar | None:
   """What response_format or a forced tool call (tool_choice "required" or a named function) constrains the
   reply to, compiled for the tokenizer; None: the reply is free."""
   fmt = body.get("response_format")
@@ -418,7 +425,7 @@ def _grammar(body: dict[str, Any], codec: Codec, forced: list[dict[str, Any]] | 
   compiler = codec.grammars()
   try:
     if forced is not None:
-      return compiler.tool_call(forced, codec.tool_format() if codec.tool_format else "tag")
+      return compiler.tool_call(forced, codec.tool_format() if codec.tool_format else "tag", parallel)
     assert fmt is not None
     return _response_format(compiler, fmt, kind)
   except grammar_lib.GrammarError as e:
@@ -434,14 +441,23 @@ def _response_format(compiler: grammar_lib.Compiler, fmt: dict[str, Any], kind: 
     spec = fmt.get("json_schema")
     schema = spec.get("schema", {}) if isinstance(spec, dict) else None
     if not isinstance(schema, dict):
+      # What came instead, so a schema sent as its JSON text (a str) says so.
+      got = f"json_schema.schema is a {type(schema).__name__}" if isinstance(spec, dict) else \
+          f"json_schema is {'missing' if spec is None else 'a ' + type(spec).__name__}"
       raise ApiError(400, 'response_format json_schema must be {"type": "json_schema", "json_schema": {"name": ..., '
-                     '"schema": {...}}}', "response_format")
+                     f'"schema": {{...}}}}}} with the schema as a JSON object; {got}', "response_format")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+      raise ApiError(400, f"response_format json_schema.strict must be true or false, got {spec['strict']!r:.40}",
+                     "response_format")
     return compiler.json_schema(schema)
   text = fmt.get(kind)
   if not isinstance(text, str) or not text:
     raise ApiError(400, f'response_format {kind} needs {{"type": "{kind}", "{kind}": "..."}} (a non-empty string)',
                    "response_format")
   return compiler.regex(text) if kind == "regex" else compiler.lark(text)
+
+
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
@@ -453,6 +469,18 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, A
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict) \
         or not isinstance(function.get("name"), str):
       raise ApiError(400, f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}', "tools")
+    # OpenAI's rule for a name. Others ("", "a b", "</tool_call>") can break the template's text or the call's tag,
+    # and a forced call of one would come back as content, not as a call.
+    if not TOOL_NAME.fullmatch(function["name"]):
+      raise ApiError(400, f"tools[{i}].function.name {function['name'][:100]!r} must be 1 to 64 of a-z, A-Z, 0-9, "
+                     "_ and -", "tools")
+    parameters = function.get("parameters")
+    # A call's arguments are a JSON object (tool_calls.parse reads nothing else): a schema of another type made a
+    # forced call's reply unparseable, sent back as content with no tool_calls.
+    if parameters is not None and (not isinstance(parameters, dict) or parameters.get("type", "object") != "object"):
+      got = parameters.get("type") if isinstance(parameters, dict) else type(parameters).__name__
+      raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema object of \"type\": \"object\" (a "
+                     f"call's arguments are an object), got {str(got)[:40]}", "tools")
   seen: set[str] = set()
   for tool in tools:  # a call of a name given twice could not say which tool (nor which parameters) it means
     name = tool["function"]["name"]
@@ -488,6 +516,11 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, A
 def _tool_fields(message: dict[str, Any], i: int) -> dict[str, Any]:
   """A message's tool_calls (arguments as objects, as templates render them), tool_call_id and name."""
   out: dict[str, Any] = {k: message[k] for k in ("tool_call_id", "name") if isinstance(message.get(k), str)}
+  # The call a tool's result answers (OpenAI requires it; templates that pair results with calls read it): a missing
+  # or non-string id was dropped without a word.
+  if message.get("role") == "tool" and not out.get("tool_call_id"):
+    raise ApiError(400, f"messages[{i}] (role tool) needs tool_call_id: the id of the assistant's call it answers",
+                   "messages")
   calls = message.get("tool_calls")
   if not calls:
     return out
@@ -504,6 +537,9 @@ def _tool_fields(message: dict[str, Any], i: int) -> dict[str, Any]:
     except (ValueError, RecursionError):  # RecursionError: nested deeper than json's stack
       raise ApiError(400, f"messages[{i}].tool_calls: arguments of {function['name'][:100]!r} are not JSON",
                      "messages") from None
+    if not isinstance(arguments, dict):  # a number or a list reached the template as if it were a call's arguments
+      raise ApiError(400, f"messages[{i}].tool_calls: arguments of {function['name'][:100]!r} must be a JSON object "
+                     f"as text (as the reply gave them), got {type(arguments).__name__}", "messages")
     out["tool_calls"].append({"id": call.get("id"), "type": "function",
                               "function": {"name": function["name"], "arguments": arguments}})
   return out

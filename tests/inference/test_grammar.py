@@ -80,6 +80,16 @@ def test_forced_tool_calls_parse_in_the_templates_format(compiler, fmt):
         assert call.name == "add" and isinstance(call.arguments, dict)
 
 
+def test_parallel_tool_calls_false_forces_exactly_one_call(compiler):
+  """parallel_tool_calls false: the tag format's grammar takes one call and ends (was: one or more)."""
+  compiler, tokenizer = compiler
+  for seed in range(4):
+    text = walk(compiler.tool_call(TOOLS, "tag", parallel=False), tokenizer, seed, limit=400)
+    assert len(tool_calls.parse(text).calls) == 1 and text.endswith(tool_calls.TAG_CLOSE), text
+  assert "tagged (" not in grammar.tool_call_lark(TOOLS, "tag", parallel=False)
+  assert "tagged (" in grammar.tool_call_lark(TOOLS, "tag")
+
+
 def test_the_template_names_its_format():
   assert tool_calls.template_format("{{ '<tool_call>' }}...") == "tag"
   assert tool_calls.template_format('{"name": function name, "parameters": ...}<|python_tag|>') == "json"
@@ -97,22 +107,23 @@ def test_what_does_not_compile_is_one_line(compiler):
 
 def test_a_grammar_no_text_satisfies_is_refused_and_a_dead_end_is_a_failure(compiler):
   """A schema or regex that admits no text is a GrammarError when compiled (was: compiled, and the reply was "" with
-  finish_reason "stop"); a schema whose every instance is infinitely nested dead-ends mid-reply, which the constraint
-  reports as a failure, not as a complete reply (was: "{" and "stop")."""
+  finish_reason "stop"), and so is one whose every instance nests without end (was: compiled, and every reply
+  dead-ended at its first token: a 500 generation_failed); a token that leaves the grammar is reported as a failure,
+  not as a complete reply."""
   compiler, tokenizer = compiler
-  for bad in (lambda: compiler.json_schema({"$ref": "#"}), lambda: compiler.regex("[^\\x00-\\U0010ffff]")):
+  endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+  for bad in (lambda: compiler.json_schema({"$ref": "#"}), lambda: compiler.regex("[^\\x00-\\U0010ffff]"),
+              lambda: compiler.json_schema(endless), lambda: compiler.lark('start: a\na: "x" a')):
     with pytest.raises(grammar.GrammarError, match="no text satisfies it") as raised:
       bad()
     assert "\n" not in str(raised.value)
-  endless = compiler.json_schema({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]})
-  constraint = endless.constraint()
+  # Recursion a reply can end (an optional property, or an array that may close) compiles.
+  compiler.json_schema({"type": "object", "properties": {"a": {"$ref": "#"}}})
+  compiler.json_schema({"type": "array", "items": endless})
+  constraint = compiler.regex("ab").constraint()
   assert constraint.failure() == ""
-  for token in tokenizer('{"a":', add_special_tokens=False)["input_ids"]:  # the scheduler's order: a mask, a token
-    constraint.mask()
-    if constraint.advance(token):
-      break
-  else:
-    raise AssertionError("no dead end")
+  constraint.mask()
+  assert constraint.advance(tokenizer("b", add_special_tokens=False)["input_ids"][0])  # not allowed: it must end
   assert not constraint.accepting
   assert constraint.failure().startswith("the constrained reply cannot be continued: ") and "\n" not in \
       constraint.failure()

@@ -140,9 +140,11 @@ def test_a_seed_the_sampler_cannot_tell_apart_is_a_400_naming_seed():
 
 
 @pytest.mark.parametrize("body", [rb'{"prompt": "a\ud800b"}', rb'{"stop": ["\uDFFF"]}', rb'{"\ud83d": 1}',
-                                  '{"prompt": "\\ud800"}'.encode("utf-16")])
+                                  '{"prompt": "\\ud800"}'.encode("utf-16"), b'{"prompt": "a\xed\xa0\x80b"}',
+                                  b'{"messages": [{"role": "user", "content": "\xed\xbf\xbf"}]}'])
 def test_an_unpaired_surrogate_escape_is_a_400(body):
-  """A prompt (or any string) holding an unpaired surrogate escape reached the tokenizer, which raised: a 500."""
+  """A prompt (or any string) holding an unpaired surrogate escape reached the tokenizer, which raised: a 500. So did a
+  surrogate sent as its own (ill-formed) UTF-8 bytes, which json decodes with "surrogatepass"."""
   with pytest.raises(api.ApiError, match="unpaired UTF-16 surrogate escape") as refused:
     api.parse_json(body)
   assert refused.value.status == 400

@@ -70,7 +70,8 @@ TOOL_CALLS = ("{%- for message in messages %}{{ message['role'] + ': ' + message
 def test_a_past_call_the_template_fails_on_is_a_400_naming_messages(tmp_path, arguments):
   """Arguments json reads but the template's code cannot take: "x" + 1 raises TypeError inside the template, which
   jinja does not wrap (was a 500 with a traceback, as a RecursionError from arguments nested past the stack was); a
-  list where it calls .items() is jinja's UndefinedError, a 400 before too."""
+  list where it calls .items() was jinja's UndefinedError, a 400 before too, and is now refused before the template
+  (a call's arguments are an object)."""
   codec = serve_codec.build(serve_codec.CodecSpec("huggingface", str(write_tokenizer(tmp_path, TOOL_CALLS)), False,
                                                   272))[0]
   messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
@@ -78,7 +79,9 @@ def test_a_past_call_the_template_fails_on_is_a_400_naming_messages(tmp_path, ar
   with pytest.raises(api.ApiError) as raised:
     api.parse_chat({"messages": messages}, api.Limits("tiny", 272, 32, 48, 16, 4), codec)
   assert raised.value.status == 400 and raised.value.param == "messages" and "\n" not in raised.value.message
-  assert raised.value.message.startswith(f"messages: the chat template of {tmp_path} refuses them: ")
+  assert raised.value.message.startswith(f"messages: the chat template of {tmp_path} refuses them: " if
+                                         arguments.startswith("{") else "messages[1].tool_calls: arguments of 'add' "
+                                         "must be a JSON object")
 
 
 def test_a_typed_special_token_in_a_message_or_tool_result_is_text_not_control(tmp_path):

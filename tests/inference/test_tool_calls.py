@@ -156,6 +156,17 @@ def test_tools_and_tool_messages_reach_the_template():
     ({"tools": [TOOL], "tool_choice": "sometimes"}, 'tool_choice must be "auto"'),
     ({"tools": [{"type": "function"}]}, r"tools\[0\] must be"),
     ({"tools": [TOOL, {"type": "function", "function": {"name": "add"}}]}, "'add' more than once"),
+    # Names OpenAI refuses (was: served; a forced call of "</tool_call>" came back as content, not a call).
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, r"tools\[0\].function.name '' must be 1 to 64"),
+    ({"tools": [{"type": "function", "function": {"name": "my func"}}]}, "'my func' must be 1 to 64 of a-z"),
+    ({"tools": [{"type": "function", "function": {"name": "h\u00e9llo"}}]}, "must be 1 to 64 of a-z"),
+    ({"tools": [{"type": "function", "function": {"name": "</tool_call>"}}]}, "must be 1 to 64 of a-z"),
+    ({"tools": [{"type": "function", "function": {"name": "f" * 65}}]}, "must be 1 to 64 of a-z"),
+    # Parameters that are no object's schema (was: rendered, or forced into calls tool_calls.parse does not read).
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "object"}}]},
+     r"tools\[0\].function.parameters must be a JSON schema object .*got str"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     r"parameters must be a JSON schema object .*got string"),
 ])
 def test_refusals_name_the_field(fields, message):
   with pytest.raises(api.ApiError, match=message) as raised:
@@ -172,6 +183,39 @@ def test_arguments_nested_deeper_than_json_reads_are_a_400(arguments):
   with pytest.raises(api.ApiError, match=r"messages\[1\].tool_calls: arguments of 'add' are not JSON") as raised:
     api.parse_chat({"messages": messages, "tools": [TOOL]}, LIMITS, _codec([]))
   assert raised.value.status == 400 and raised.value.param == "messages"
+
+
+ADD_CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+
+
+@pytest.mark.parametrize("message, words", [
+    ({"role": "tool", "content": "3"}, r"messages\[2\] \(role tool\) needs tool_call_id"),
+    ({"role": "tool", "tool_call_id": 5, "content": "3"}, "needs tool_call_id"),  # was dropped without a word
+    ({"role": "assistant", "content": None, "tool_calls": [
+        {**ADD_CALL, "function": {"name": "add", "arguments": "[1]"}}]},
+     r"messages\[2\].tool_calls: arguments of 'add' must be a JSON object as text .*got list"),
+    ({"role": "assistant", "content": None, "tool_calls": [
+        {**ADD_CALL, "function": {"name": "add", "arguments": 5}}]},
+     "arguments of 'add' must be a JSON object as text .*got int"),
+], ids=["tool-without-id", "tool-id-not-a-string", "arguments-a-list", "arguments-a-number"])
+def test_tool_turns_the_template_cannot_read_are_a_400_naming_the_message(message, words):
+  """Was: rendered as they came (a tool result answering no call; a list or a number as a call's arguments)."""
+  messages = [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": None, "tool_calls": [ADD_CALL]},
+              message]
+  with pytest.raises(api.ApiError, match=words) as raised:
+    api.parse_chat({"messages": messages, "tools": [TOOL]}, LIMITS, _codec([]))
+  assert raised.value.status == 400 and raised.value.param == "messages" and "\n" not in raised.value.message
+
+
+def test_parallel_tool_calls_must_be_a_bool():
+  """Was: any value accepted and ignored ("no" read as nothing)."""
+  with pytest.raises(api.ApiError, match="parallel_tool_calls must be a bool") as raised:
+    api.parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": [TOOL], "parallel_tool_calls": "no"},
+                   LIMITS, _codec([]))
+  assert raised.value.status == 400 and raised.value.param == "parallel_tool_calls"
+  for value in (True, False, None):
+    api.parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": [TOOL], "parallel_tool_calls": value},
+                   LIMITS, _codec([]))
 
 
 def test_a_codec_without_tools_refuses_them():
