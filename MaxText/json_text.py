@@ -10,8 +10,9 @@ UNPAIRED_SURROGATE = ("holds an unpaired UTF-16 surrogate escape (\\ud800 to \\u
 
 def has_unpaired_surrogate(value: object) -> bool:
   """Whether a parsed JSON value holds a string with a lone surrogate: json decodes such an escape
-  (\\ud800) into a str no tokenizer takes. Only an escape makes one (UTF-8 bytes cannot), so callers
-  look only when the raw text holds `\\u`."""
+  (\\ud800) into a str no tokenizer takes. In text decoded strictly only an escape makes one, so callers
+  look only when the raw text holds `\\u`; json.loads given bytes decodes them with "surrogatepass", so
+  a surrogate's own UTF-8 bytes make one too (the server's parser looks for those as well)."""
   pending = [value]
   while pending:
     item = pending.pop()
