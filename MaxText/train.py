@@ -19,9 +19,11 @@ if __package__ in (None, ""):  # `python3 MaxText/train.py`: import the package,
 import jax
 
 from MaxText.training import metrics
+from MaxText.aot import memory_report
 from MaxText.run_dir import checkpointing
 from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib
+from MaxText.configuration import distill_config
 from MaxText import startup
 from MaxText.training import health, run_assembly, run_start, task_eval, trackers
 from MaxText.input_pipeline import BatchIterator
@@ -31,7 +33,7 @@ from MaxText.configuration import run_record
 from MaxText.platform import distributed
 from MaxText.paths import storage
 from MaxText.platform.distributed import log
-from MaxText.errors import ConfigError, run_cli
+from MaxText.errors import ConfigError, UserError, run_cli
 from MaxText.input_pipeline import check_sources
 from MaxText.inference import quantized_weights
 from MaxText.rl import rollout_mesh
@@ -117,7 +119,12 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None, argv:
   if config.model.pipeline.num_pipeline_stages > 1:
     log(pipeline.describe(config.model.pipeline))
   setup = run.setup
-  start = run_start.initial_state(config, setup, checkpoints, run.init_state)
+  try:
+    start = run_start.initial_state(config, setup, checkpoints, run.init_state)
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    raise _state_does_not_fit(run, e) from None
   log(f"state: {start.description}")
   watchdog = health.StepWatchdog(config.run.step_timeout_seconds) if config.run.step_timeout_seconds > 0 else None
   data = open_data(run, start, watchdog) if int(start.state.step) < config.run.steps else None
@@ -160,6 +167,25 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None, argv:
     log(f"done: steps {start_step + 1}..{loop.last.step}, loss {first:.4f} -> {last:.4f}; "
         f"metrics in {run_dir}")
   return 0
+
+
+def _state_does_not_fit(run: run_assembly.Run, error: jax.errors.JaxRuntimeError) -> UserError:
+  """The devices' out-of-memory error while the state is made or read (parameters, optimizer state and
+  what the objective holds beside them: a teacher, a reference) as one line naming those parts per
+  chip, so a teacher far larger than its student reads as such (it was XLA's traceback)."""
+  parts = memory_report.state_bytes_per_chip(run.abstract_inputs().state)
+  advice = ("measure the step first with python3 -m MaxText.train_compile (or search settings with MaxText.plan); "
+            "shard the state over more devices or offload the optimizer state (optimizer_memory_host_offload)")
+  config = run.config
+  teacher = distill_config.live_teacher(config.data.objective, config.distill, config.rl.rl_teacher_kl_weight)
+  if teacher == distill_config.TEACHER_PER_MICRO_BATCH:
+    advice += ("; a teacher too large to sit beside the student: precompute its top k once (python3 -m "
+               "MaxText.generate_teacher_top_k, then distill_top_k_path) or pick a smaller teacher")
+  elif teacher:
+    advice += "; the teacher sits beside the student on the training devices: pick a smaller teacher"
+  first_line = str(error).strip().splitlines()[0]
+  return UserError(f"the train state does not fit in the devices' memory ({memory_report.describe_state(parts)}; "
+                   f"XLA: {first_line}): {advice}")
 
 
 def open_data(run: run_assembly.Run, start: run_start.Start, watchdog: health.StepWatchdog | None = None) -> Any:

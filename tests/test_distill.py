@@ -288,6 +288,69 @@ def test_bad_input_is_one_line(tiny_overrides, teacher_path, tmp_path):
     build_run(_distill_config(tiny_overrides, str(run_dir), distill_teacher_model_name=""), devices=jax.devices()[:1])
 
 
+def test_loss_keys_a_run_cannot_use_are_one_line(tiny_overrides, teacher_path):
+  """Was: distill_temperature=inf or 1e30 passed "> 0" and every step's loss was NaN (skipped as
+  non-finite, exit 0); 1e3 and up trains on rounding noise; a near-miss loss name had no suggestion."""
+  for temperature in (float("inf"), 1e30, 1e3):
+    with pytest.raises(ConfigError, match=r"distill_temperature must be > 0 and <= 100 .*got "):
+      _distill_config(tiny_overrides, teacher_path, distill_temperature=temperature)
+  assert _distill_config(tiny_overrides, teacher_path, distill_temperature=100.0).distill.distill_temperature == 100.0
+  for given, meant in (("forward", "forward_kl"), ("reverse-kl", "reverse_kl"), ("FORWARD_KL", "forward_kl")):
+    with pytest.raises(ConfigError, match=rf"got '{given}' \(did you mean '{meant}'\?\)$"):
+      _distill_config(tiny_overrides, teacher_path, distill_loss=given)
+
+
+def test_a_teacher_for_an_objective_that_reads_none_is_one_line(tiny_overrides, teacher_path):
+  """Was: objective=lm with distill_teacher_path (objective=distill forgotten) trained on the labels
+  alone, exit 0, the teacher silently unread; the same with distill_top_k_path."""
+  one_device = dataclasses.replace(accelerators.local_target(), num_devices=1)
+  with pytest.raises(ConfigError, match=f"distill_teacher_path={teacher_path} names a teacher, but objective=lm reads "
+                     "none: set objective=distill"):
+    Config.for_testing(one_device, **tiny_overrides, distill_teacher_path=teacher_path)
+  with pytest.raises(ConfigError, match="distill_top_k_path=/top_k holds a teacher's top k, but objective=lm reads "
+                     "none"):
+    Config.for_testing(one_device, **tiny_overrides, distill_top_k_path="/top_k")
+  # The teacher's own configuration inherits the student's keys as objective=lm: not a forgotten objective.
+  config = _distill_config(tiny_overrides, teacher_path)
+  teacher = build_run(config, devices=jax.devices()[:1]).objective.teacher  # type: ignore[attr-defined]
+  assert teacher.cfg.num_decoder_layers == 4
+
+
+def test_a_teacher_checkpoint_of_another_shape_is_one_line_naming_the_teacher_keys(tiny_overrides, teacher_path):
+  """Was: "cannot load parameters from ... check that the model config matches", with nothing saying
+  that it was the teacher, nor which keys give its model config."""
+  run = build_run(_distill_config(tiny_overrides, teacher_path, distill_teacher_overrides=_teacher_overrides(
+      base_emb_dim=128)), devices=jax.devices()[:1])
+  with pytest.raises(UserError) as raised:
+    run.init_state()
+  message = str(raised.value)
+  assert message.startswith(f"distill_teacher_path: cannot load parameters from {teacher_path}") and "\n" not in message
+  assert message.endswith("(the teacher's model keys: distill_teacher_model_name and distill_teacher_overrides, else "
+                          "those saved with its checkpoint)")
+
+
+def test_a_teacher_too_large_for_the_devices_is_one_line_naming_it(tiny_overrides, teacher_path, tmp_path,
+                                                                   monkeypatch):
+  """Was: XLA's RESOURCE_EXHAUSTED traceback from the state's init. The error is the one XLA raises
+  when an allocation fails (here raised directly: no device of this machine is to be filled)."""
+  from MaxText import train
+
+  config = Config.for_testing(**tiny_overrides, objective="distill", distill_teacher_path=teacher_path,
+                              distill_teacher_model_name="default", distill_teacher_overrides=_teacher_overrides(),
+                              base_output_directory=str(tmp_path), run_name="big", steps=1)  # train's 8 devices
+
+  def out_of_memory(*args: object, **kwargs: object) -> None:
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 68719476736 bytes.")
+
+  monkeypatch.setattr(train.run_start, "initial_state", out_of_memory)
+  with pytest.raises(UserError) as raised:
+    train.train(config)
+  message = str(raised.value)
+  assert message.startswith("the train state does not fit in the devices' memory (train state per chip: parameters ")
+  assert ", teacher " in message and "XLA: RESOURCE_EXHAUSTED: Out of memory allocating 68719476736 bytes." in message
+  assert "precompute its top k once (python3 -m MaxText.generate_teacher_top_k, then distill_top_k_path)" in message
+
+
 # ---- resume -----------------------------------------------------------------------------------------
 
 STEPS = 8

@@ -183,6 +183,50 @@ def test_a_damaged_or_foreign_shard_is_one_line(top_k_dir, tmp_path):
     _read_all(foreign)
 
 
+def test_an_empty_part_file_is_one_line(top_k_dir, tmp_path):
+  """Was: numpy's EOFError traceback (a file of no bytes has no header to read)."""
+  empty = _copy(top_k_dir, tmp_path / "empty")
+  open(os.path.join(empty, "train", "shard-0", "part-00000.npy"), "wb").close()
+  with pytest.raises(UserError, match=r"part-00000.npy is truncated or damaged \(No data left in file\); write the "
+                     "files again"):
+    _read_all(empty)
+
+
+def _edited(directory: str, to: Path, edit) -> str:
+  copy = _copy(directory, to)
+  part = np.load(os.path.join(copy, "train", "shard-0", "part-00000.npy"), mmap_mode="r+")
+  edit(part)
+  part.flush()
+  del part
+  return copy
+
+
+def test_teacher_ids_outside_the_vocabulary_or_log_probs_not_finite_are_one_line(top_k_dir, tmp_path):
+  """The row hash covers the student's tokens only. Was: an id >= vocab_size made the loss NaN (the
+  step skipped, exit 0), a negative one picked a token counted from the vocabulary's end, silently;
+  a NaN log-prob made the loss NaN."""
+  def set_value(field: str, value: float):
+    def edit(part: np.ndarray) -> None:
+      part[field][ROWS + 2, 5, 0] = value  # batch 2, row 2, position 5
+
+    return edit
+
+  cases = [("indices", 128, r"token id 128 outside the vocabulary \[0, 128\)"),
+           ("indices", -1, r"token id -1 outside the vocabulary \[0, 128\)"),
+           ("logps", np.nan, "log-prob nan"), ("logps", np.inf, "log-prob inf")]
+  for number, (field, value, what) in enumerate(cases):
+    damaged = _edited(top_k_dir, tmp_path / f"case{number}", set_value(field, value))
+    with pytest.raises(UserError, match=rf"train batch 2, row 2, position 5: {what} is not a teacher's top k; the "
+                       "files are damaged or not this writer's, write them again"):
+      _read_all(damaged)
+
+  def shift(part: np.ndarray) -> None:
+    part["logps"] += 3.0
+
+  # Finite log-probs that are not normalised (shifted, or raw logits) are read: the loss renormalises them over the k.
+  _read_all(_edited(top_k_dir, tmp_path / "shifted", shift))
+
+
 def test_the_tool_refuses_what_it_cannot_write(teacher_path, top_k_dir, tmp_path):  # noqa: F811
   with pytest.raises(UserError, match="already exists; choose a new distill_top_k_path"):
     generate_teacher_top_k.generate(_config(teacher_path, distill_top_k_path=top_k_dir), jax.devices()[:1])

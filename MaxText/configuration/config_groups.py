@@ -626,4 +626,4 @@ def build_groups(values: Mapping[str, Any], target: DeviceTarget, reads_data: bo
                 optim=OptimConfig.from_values(values), data=data, run=run,
                 checkpoint=CheckpointConfig.from_values(values, run), decode=DecodeConfig.from_values(values),
                 startup=StartupConfig.from_values(values), rl=rl, tasks=TaskEvalConfig.from_values(values),
-                distill=DistillConfig.from_values(values))
+                distill=DistillConfig.from_values(values, reads_data))

@@ -212,9 +212,9 @@ class TopKFiles:
         raise _refuse(directory, f"{path} is missing; write the files again")
       try:
         data = np.load(path, mmap_mode="r")
-      except (ValueError, OSError) as e:
-        raise _refuse(directory, f"{path} is truncated or damaged ({str(e).splitlines()[0]}); write the files "
-                      "again") from None
+      except (ValueError, OSError, EOFError) as e:  # EOFError: an empty file (numpy finds no header)
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise _refuse(directory, f"{path} is truncated or damaged ({reason}); write the files again") from None
       if data.dtype != dtype or data.shape != (records,):
         raise _refuse(directory, f"{path} holds {data.shape[0]} records of {data.dtype}, not {records} of "
                       f"{dtype}; write the files again")
@@ -249,6 +249,7 @@ class TopKBatches:
   files: TopKFiles
   sharding: NamedSharding
   k: int
+  vocab_size: int
   batches: int = 0
 
   def __iter__(self) -> Iterator[dict[str, jax.Array]]:
@@ -264,10 +265,28 @@ class TopKBatches:
       raise _refuse(self.files.directory, f"{self.files.split} batch {self.batches + 1}, row {row}: the tokens "
                     "differ from those the teacher's top k were computed on (other data files, shuffling or "
                     "tokenizer); write the files again from this run's data")
+    indices, logps = records["indices"][..., :self.k], records["logps"][..., :self.k]
+    self._check_values(indices, logps)
     self.batches += 1
     shape, rank3 = (*batch["inputs"].shape, self.k), for_rank(self.sharding, 3)
-    return {**batch, **{name: jax.make_array_from_process_local_data(rank3, records[field][..., :self.k], shape)
-                        for name, field in ((TEACHER_TOP_K_INDICES, "indices"), (TEACHER_TOP_K_LOGPS, "logps"))}}
+    return {**batch, **{name: jax.make_array_from_process_local_data(rank3, values, shape)
+                        for name, values in ((TEACHER_TOP_K_INDICES, indices), (TEACHER_TOP_K_LOGPS, logps))}}
+
+  def _check_values(self, indices: np.ndarray, logps: np.ndarray) -> None:
+    """The row hash covers the student's tokens, not the teacher's side: an id outside the vocabulary
+    made the loss NaN (the step skipped as non-finite) or, negative, silently picked a token counted
+    from the end; a non-finite log-prob made the loss NaN. (Any finite ones are fine: the loss
+    renormalises them over the k.)"""
+    bad = (indices < 0) | (indices >= self.vocab_size) | ~np.isfinite(logps)
+    if bad.any():
+      row, position, rank = (int(i) for i in np.argwhere(bad)[0])
+      what = (f"token id {int(indices[row, position, rank])} outside the vocabulary [0, {self.vocab_size})"
+              if not 0 <= indices[row, position, rank] < self.vocab_size
+              else f"log-prob {float(logps[row, position, rank])}")
+      row += self.files.shard.index * self.files.shard.rows
+      raise _refuse(self.files.directory, f"{self.files.split} batch {self.batches + 1}, row {row}, position "
+                    f"{position}: {what} is not a teacher's top k; the files are damaged or not this writer's, write "
+                    "them again")
 
   def reset(self) -> "TopKBatches":
     self.inner.reset()
@@ -312,4 +331,4 @@ def open_batches(config: Config, inner: Any, sharding: NamedSharding, train: boo
   split, needed = (TRAIN, config.run.steps) if train else (EVAL, cfg.eval_steps)
   check_manifest(directory, manifest, cfg, config.distill.distill_top_k, shard.count, split, needed)
   files = TopKFiles(directory, manifest, split, shard, cfg.max_target_length)
-  return TopKBatches(inner, files, sharding, config.distill.distill_top_k)
+  return TopKBatches(inner, files, sharding, config.distill.distill_top_k, config.model.vocab_size)

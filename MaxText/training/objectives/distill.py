@@ -7,7 +7,8 @@ saved with its checkpoint, plus distill_teacher_overrides; configuration/config.
 speculative draft is named). It runs forward-only on the student's mesh, its parameters sharded by the
 same logical rules, with no optimizer state and no gradient: it lives in the train state
 (`DistillState.teacher`), so it is born sharded, counted by the AOT memory report and saved with the
-run's checkpoints (a resumed run needs no teacher path to be readable again, and is bitwise equal).
+run's checkpoints (a resumed run reads it from there, not from distill_teacher_path, and is bitwise
+equal; the path must still exist: the teacher's model keys and tokenizer are checked against it).
 """
 
 from __future__ import annotations
@@ -94,7 +95,13 @@ def load_teacher(teacher: ModelSpec, path: str, placeholder: Params) -> Params:
   zeros), which is freed first."""
   shardings = jax.tree.map(lambda x: x.sharding, placeholder)
   jax.tree.map(lambda x: x.delete(), placeholder)  # the placeholder goes before the teacher comes
-  return params_io.load_params(path, teacher.abstract_params, shardings)
+  try:
+    return params_io.load_params(path, teacher.abstract_params, shardings)
+  except UserError as e:  # its lines name a path and "the model config": say they are the teacher's, and whose keys
+    keys = (" (the teacher's model keys: distill_teacher_model_name and distill_teacher_overrides, else those saved "
+            "with its checkpoint)") if "the model config" in str(e) else ""
+    e.args = (f"distill_teacher_path: {e}{keys}",)
+    raise  # the same kind of error (its exit code, a storage failure's exit at once)
 
 
 @dataclasses.dataclass(frozen=True)
