@@ -40,7 +40,8 @@ from MaxText.aot.step_time import report as step_report
 from MaxText.aot.step_time import saved as saved_step
 from MaxText.aot.memory_report import (GIB, MemoryReport, Offload, buffer_assignment_dump_options,
                                        does_not_fit_message, format_bytes, host_overflow_message, parse_xla_oom,
-                                       describe_state, read_buffer_assignment, state_bytes_per_chip)
+                                       describe_state, read_buffer_assignment, state_bytes_per_chip,
+                                       vmem_overflow_message)
 from MaxText.aot.plan_remat import offloaded_activations
 from MaxText.errors import UserError, run_cli
 from MaxText.layers import pipeline
@@ -98,9 +99,8 @@ def compile_or_explain(step_fn: Any, inputs: run_assembly.StepInputs, topology: 
                       "attention=flash the splash mask metadata grows with (sequence / sa_block)^2: raise the "
                       f"sa_block_* sizes or split the sequence more (context_parallel_strategy=ring) (XLA: {first_line})"
                       ) from None
-    if oom.space == "vmem":  # a kernel's tiles, not HBM
-      raise UserError("does not fit: a Pallas kernel's tiles overflow its vector memory (VMEM), not HBM; with "
-                      f"attention=flash use smaller sa_block_* sizes (XLA: {first_line})") from None
+    if oom.space == "vmem":  # a kernel's tiles, not HBM; the kernel and its sizes are past the first line
+      raise UserError(vmem_overflow_message(message)) from None
     if oom.space == "host":  # offloaded activations in the host's pinned memory
       raise UserError(_host_message(oom.needed, topology.generation, offload, f"XLA: {first_line}", oom.buffer,
                                     oom.available)) from None

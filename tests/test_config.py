@@ -198,6 +198,17 @@ def test_xla_flags_never_clobber_user_flags():
   assert env == {"XLA_FLAGS": "--xla_a=1 --xla_b=3", "LIBTPU_INIT_ARGS": "--tpu_x=true"}
 
 
+def test_libtpu_compiler_flags_go_to_libtpu_not_to_xla_flags():
+  """Upstream's recipes pass their TPU compiler flags in LIBTPU_INIT_ARGS: the libtpu_init_args key gets them there;
+  in xla_flags jaxlib would abort the process on them (`Unknown flag in XLA_FLAGS`), so that is one error line."""
+  env: dict[str, str] = {}
+  xla_flags.export_flags("--xla_tpu_scoped_vmem_limit_kib=98304 --xla_enable_async_all_gather=true", "", env)
+  assert env == {"LIBTPU_INIT_ARGS": "--xla_tpu_scoped_vmem_limit_kib=98304 --xla_enable_async_all_gather=true"}
+  with pytest.raises(ConfigError, match=r"^xla_flags has libtpu's TPU compiler flag --xla_tpu_scoped_vmem_limit_kib="
+                                        r"98304, which XLA_FLAGS aborts on; pass TPU flags in libtpu_init_args"):
+    xla_flags.export_flags("", "--xla_dump_to=/tmp/d --xla_tpu_scoped_vmem_limit_kib=98304", {})
+
+
 @pytest.mark.parametrize("args, message", [
     (["embd_dim=3"], "error: unknown config key 'embd_dim'"),
     (["per_device_batch_size=-2"], "error: per_device_batch_size must be > 0, got -2"),

@@ -270,8 +270,74 @@ def test_a_kernel_scalar_memory_overflow_is_named_as_such():
     def compile(self, compiler_options=None):
       raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:")
 
-  with pytest.raises(UserError, match=r"vector memory \(VMEM\), not HBM.*smaller sa_block_\* sizes"):
+  with pytest.raises(UserError, match=r"vector memory \(VMEM\), not HBM; raise the limit with libtpu_init_args="
+                                     r"--xla_tpu_scoped_vmem_limit_kib=98304 .*sa_block_\* sizes"):
     train_compile.compile_or_explain(VmemStep(), Inputs(), accelerators.tpu_topology("v5p-8"))
+
+
+# libtpu 0.0.42.1's whole message for upstream's v6e llama3_1-8b-8192 block without its flags (4 sequences of 8192
+# tokens per chip; operand lists shortened): the kernel, its block sizes and the figures come after the first line.
+XLA_SPLASH_VMEM = (
+    "RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:\n"
+    "Ran out of memory in memory space vmem while allocating on stack for %splash_mha_dkv_segmented_no_residuals.1 = "
+    "(f32[4,2048,128]{2,1,0:T(8,128)}, f32[4,2048,128]{2,1,0:T(8,128)}, "
+    "bf16[4,4,32,8192,128]{4,3,2,1,0:T(8,128)(2,1)}, ...) custom-call(%copy-done.133, ...), "
+    "custom_call_target=\"tpu_custom_call\", frontend_attributes={kernel_metadata={\n"
+    '"xprof_metadata":"{\\"block_q_dkv\\": 2048, \\"block_kv_dkv\\": 2048, \\"block_kv_dkv_compute\\": 2048, '
+    '\\"q_layout\\": 1, \\"k_layout\\": 1, \\"v_layout\\": 1}"\n'
+    "}}, metadata={op_name=\"jit(train_step)/transpose(jvp())/while/body/closed_call/checkpoint/shard_map/"
+    "vmap(static_sparsity_splash)/jit(_splash_attention)/splash_mha_dkv_segmented_no_residuals/pallas_call\"}. "
+    "Scoped allocation with size 36.09M and limit 32.00M exceeded scoped vmem limit by 4.09M. It should not be "
+    "possible to run out of scoped vmem - \nSee https://openxla.org/xla/errors/error_1001 for more details.")
+
+
+def test_a_splash_vmem_overflow_names_its_kernel_its_blocks_and_the_flag():
+  """XLA's first line says only `CompileTimeScopedVmemOom`; the line names the splash pass, the sa_block_* keys that
+  size it, the need against XLA's scoped limit, and the libtpu flag upstream's recipe passes for it."""
+  line = ("does not fit: splash attention's dK/dV backward kernel splash_mha_dkv_segmented_no_residuals "
+          "(sa_block_q_dkv=2048, sa_block_kv_dkv=2048, sa_block_kv_dkv_compute=2048) needs 36.09 MiB of vector memory "
+          "(VMEM), over XLA's scoped VMEM limit of 32.00 MiB, not HBM; raise the limit with "
+          "libtpu_init_args=--xla_tpu_scoped_vmem_limit_kib=98304 (what upstream's v6e recipes pass; this kernel needs "
+          "at least 37888) or use smaller sa_block_q_dkv/sa_block_kv_dkv/sa_block_kv_dkv_compute (XLA: "
+          "RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom: Scoped allocation with size 36.09M and limit 32.00M)")
+  assert memory_report.vmem_overflow_message(XLA_SPLASH_VMEM) == line
+
+  class Step:
+    def lower(self, *args):
+      return self
+
+    def compile(self, compiler_options=None):
+      raise jax.errors.JaxRuntimeError(XLA_SPLASH_VMEM)
+
+  class Inputs:
+    def as_args(self):
+      return ()
+
+  with pytest.raises(UserError) as raised:
+    train_compile.compile_or_explain(Step(), Inputs(), accelerators.tpu_topology("v6e-8"))
+  assert str(raised.value) == line
+  # Past upstream's 96 MiB (the flag already set) the line asks for the kernel's own need instead.
+  bigger = memory_report.vmem_overflow_message(XLA_SPLASH_VMEM.replace("36.09M and limit 32.00M",
+                                                                       "100.50M and limit 96.00M"))
+  assert "--xla_tpu_scoped_vmem_limit_kib=103424 (this kernel's need, if the chip's VMEM holds it)" in bigger
+  forward = memory_report.vmem_overflow_message(XLA_SPLASH_VMEM.replace("_dkv_segmented_no_residuals.1",
+                                                                        "_fwd_segmented_residuals.3"))
+  assert "forward kernel splash_mha_fwd_segmented_residuals" in forward and "smaller sa_block_q/sa_block_kv/" in forward
+
+
+def test_the_libtpu_init_args_key_reaches_libtpus_vmem_limit():
+  """A recipe's libtpu flag given as the config key reaches the compiler: a 2 MiB scoped VMEM limit (not the
+  default 32) stops the tiny step's splash forward kernel, with the one line naming it and the flag."""
+  result = run_cli("MaxText.train_compile", *argv(compile_topology="v6e-4", **dict(TPU_TINY, head_dim=128,
+                                                                                   max_target_length=1024),
+                                                  attention="flash",
+                                                  libtpu_init_args="--xla_tpu_scoped_vmem_limit_kib=2048")[1:],
+                   timeout=300)
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert errors[0].startswith("error: does not fit: splash attention's forward kernel splash_mha_fwd_segmented_")
+  assert "over XLA's scoped VMEM limit of 2.00 MiB" in errors[0]
+  assert "libtpu_init_args=--xla_tpu_scoped_vmem_limit_kib=98304" in errors[0] and "smaller sa_block_q/" in errors[0]
 
 
 def test_aot_compile_honours_libtpu_flags():

@@ -231,6 +231,61 @@ def parse_xla_oom(message: str) -> XlaOom:
   return XlaOom("hbm" if "hbm" in line.lower() else "", oom_bytes_from_xla(line) or 0, 0)
 
 
+# The TPU compiler's VMEM overflow names the kernel and its sizes only after its first line (libtpu 0.0.42.1):
+#   E1001: CompileTimeScopedVmemOom:
+#   Ran out of memory in memory space vmem while allocating on stack for
+#   %splash_mha_dkv_segmented_no_residuals.1 = (...)
+#   custom-call(...), ... kernel_metadata={"xprof_metadata":"{\"block_q_dkv\": 2048, ...}"} ...
+#   Scoped allocation with size 36.09M and limit 32.00M exceeded scoped vmem limit by 4.09M. ...
+_VMEM_KERNEL = re.compile(r"allocating on stack for %([\w.-]+) = ")
+_VMEM_SIZES = re.compile(r"Scoped allocation with size ([\d.]+)([KMG]) and limit ([\d.]+)([KMG])")
+_KERNEL_BLOCK = re.compile(r'\\?"(block_\w+)\\?":\s*(\d+)')
+_SPLASH_PASS = re.compile(r"^splash_m[hq]a_(fwd|dkv|dq)")
+# The sa_block_* keys that size each splash pass (the forward kernel's metadata lists all eight).
+_SPLASH_PASS_KEYS = {"fwd": ("forward", ("block_q", "block_kv", "block_kv_compute")),
+                     "dkv": ("dK/dV backward", ("block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute")),
+                     "dq": ("dQ backward", ("block_q_dq", "block_kv_dq"))}
+UPSTREAM_VMEM_LIMIT_KIB = 98304  # upstream MaxText's v6e dense recipes (xla_flags_library.DENSE_VMEM_LIMIT_FLAG)
+
+
+def vmem_overflow_message(xla_message: str) -> str:
+  """The one line for a Pallas kernel needing more vector memory (VMEM) than XLA's scoped limit: the kernel,
+  its sa_block_* sizes when it is splash, need against limit, and the two ways out (a higher limit through
+  libtpu_init_args, or smaller tiles). Upstream's v6e recipes raise the limit with that flag, so their splash
+  tiles of 2048 overflow without it (getting_started/AOT.md)."""
+  lines = xla_message.strip().splitlines()
+  first = lines[0] if lines else ""
+  named = _VMEM_KERNEL.search(xla_message)
+  kernel = re.sub(r"\.\d+$", "", named.group(1)) if named else ""
+  splash = _SPLASH_PASS.match(kernel)
+  if splash:
+    what, keys = _SPLASH_PASS_KEYS[splash.group(1)]
+    blocks = dict(_KERNEL_BLOCK.findall(xla_message))
+    sizes = ", ".join(f"sa_{k}={blocks[k]}" for k in keys if k in blocks)
+    culprit = f"splash attention's {what} kernel {kernel}" + (f" ({sizes})" if sizes else "")
+    smaller = "smaller " + "/".join(f"sa_{k}" for k in keys)
+  elif kernel:
+    culprit, smaller = f"the Pallas kernel {kernel}", "smaller tiles for that kernel"
+  else:
+    culprit, smaller = "a Pallas kernel", "smaller kernel tiles, e.g. attention=flash's sa_block_* sizes"
+  amounts = _VMEM_SIZES.search(xla_message)
+  limit_kib, why = UPSTREAM_VMEM_LIMIT_KIB, "what upstream's v6e recipes pass"
+  if amounts:
+    need, limit = float(amounts.group(1)) * _UNIT[amounts.group(2)], float(amounts.group(3)) * _UNIT[amounts.group(4)]
+    over = (f" needs {need / 2**20:.2f} MiB of vector memory (VMEM), over XLA's scoped VMEM limit of "
+            f"{limit / 2**20:.2f} MiB, not HBM")
+    need_kib = math.ceil(need / 2**20) * 1024  # XLA rounds its figure: the next whole MiB
+    if need_kib > limit_kib:  # more than upstream's value (already set, or a larger kernel)
+      limit_kib, why = need_kib, "this kernel's need, if the chip's VMEM holds it"
+    else:
+      why += f"; this kernel needs at least {need_kib}"
+    xla = f"{first} {amounts.group(0)}"
+  else:
+    over, xla = " overflows its vector memory (VMEM), not HBM", first
+  return (f"does not fit: {culprit}{over}; raise the limit with libtpu_init_args="
+          f"--xla_tpu_scoped_vmem_limit_kib={limit_kib} ({why}) or use {smaller} (XLA: {xla})")
+
+
 @dataclasses.dataclass(frozen=True)
 class Offload:
   """The run's settings that decide its host-memory use, for what the message suggests;
