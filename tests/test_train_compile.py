@@ -325,6 +325,7 @@ def test_a_splash_vmem_overflow_names_its_kernel_its_blocks_and_the_flag():
   assert "forward kernel splash_mha_fwd_segmented_residuals" in forward and "smaller sa_block_q/sa_block_kv/" in forward
 
 
+@pytest.mark.slow  # a v6e compile; the message itself is checked by the default run
 def test_the_libtpu_init_args_key_reaches_libtpus_vmem_limit():
   """A recipe's libtpu flag given as the config key reaches the compiler: a 2 MiB scoped VMEM limit (not the
   default 32) stops the tiny step's splash forward kernel, with the one line naming it and the flag."""
