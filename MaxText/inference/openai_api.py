@@ -446,8 +446,9 @@ def _response_format(compiler: grammar_lib.Compiler, fmt: dict[str, Any], kind: 
           f"json_schema is {'missing' if spec is None else 'a ' + type(spec).__name__}"
       raise ApiError(400, 'response_format json_schema must be {"type": "json_schema", "json_schema": {"name": ..., '
                      f'"schema": {{...}}}}}} with the schema as a JSON object; {got}', "response_format")
-    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-      raise ApiError(400, f"response_format json_schema.strict must be true or false, got {spec['strict']!r:.40}",
+    strict = spec.get("strict") if isinstance(spec, dict) else None  # a dict here: schema came from it
+    if strict is not None and not isinstance(strict, bool):
+      raise ApiError(400, f"response_format json_schema.strict must be true or false, got {strict!r:.40}",
                      "response_format")
     return compiler.json_schema(schema)
   text = fmt.get(kind)

@@ -165,3 +165,17 @@ def test_a_greedy_choice_without_a_seed_draws_no_random_seed(monkeypatch: pytest
   assert [c.row.seed for c in greedy] == [0, 0] and next(drawn) == 7
   sampled = api.parse_completion({"prompt": "the", "temperature": 0.5, "n": 2}, LIMITS, CODEC).choices
   assert [c.row.seed for c in sampled] == [8, 9]
+
+
+class _AnySchema:
+  def json_schema(self, schema):
+    return schema
+
+
+@pytest.mark.parametrize("spec, refusal", [({"schema": {}, "strict": "yes"}, "strict must be true or false"),
+                                           ("{}", "json_schema is a str"),
+                                           ({"schema": '{"type": "object"}'}, "json_schema.schema is a str")])
+def test_a_json_schema_response_format_of_the_wrong_types_is_a_400_naming_the_part(spec, refusal):
+  with pytest.raises(api.ApiError, match=refusal):
+    api._response_format(_AnySchema(), {"json_schema": spec}, "json_schema")
+  assert api._response_format(_AnySchema(), {"json_schema": {"schema": {}, "strict": True}}, "json_schema") == {}
