@@ -302,19 +302,8 @@ def test_a_splash_vmem_overflow_names_its_kernel_its_blocks_and_the_flag():
           "RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom: Scoped allocation with size 36.09M and limit 32.00M)")
   assert memory_report.vmem_overflow_message(XLA_SPLASH_VMEM) == line
 
-  class Step:
-    def lower(self, *args):
-      return self
-
-    def compile(self, compiler_options=None):
-      raise jax.errors.JaxRuntimeError(XLA_SPLASH_VMEM)
-
-  class Inputs:
-    def as_args(self):
-      return ()
-
   with pytest.raises(UserError) as raised:
-    train_compile.compile_or_explain(Step(), Inputs(), accelerators.tpu_topology("v6e-8"))
+    train_compile.compile_or_explain(*_raising(XLA_SPLASH_VMEM), accelerators.tpu_topology("v6e-8"))
   assert str(raised.value) == line
   # Past upstream's 96 MiB (the flag already set) the line asks for the kernel's own need instead.
   bigger = memory_report.vmem_overflow_message(XLA_SPLASH_VMEM.replace("36.09M and limit 32.00M",
