@@ -189,7 +189,7 @@ def chat_choice(index: int, text: str, finish_reason: str | None, tools: bool) -
   if parsed is not None and parsed.calls:
     message = {"role": "assistant", "content": parsed.content or None,
                "tool_calls": [call.openai() for call in parsed.calls]}
-    finish_reason = "tool_calls"
+    finish_reason = _with_calls(finish_reason)
   return {"index": index, "message": message, "logprobs": None, "finish_reason": finish_reason}
 
 
@@ -207,7 +207,13 @@ def _tool_chunks(index: int, splitter: tool_calls.ContentSplitter, finish_reason
   bodies: list[dict[str, Any]] = [{"index": index, "delta": {"content": rest}, "logprobs": None,
                                    "finish_reason": None}] if rest else []
   bodies += _call_chunks(index, parsed.calls[splitter.calls_sent:], splitter.calls_sent)
-  return bodies, "tool_calls" if parsed.calls else finish_reason
+  return bodies, _with_calls(finish_reason) if parsed.calls else finish_reason
+
+
+def _with_calls(finish_reason: str | None) -> str | None:
+  """A reply with calls ends in "tool_calls", unless the token limit cut it: then "length", so that a
+  client knows a call after the parsed ones may be missing (its cut tag stays in the content)."""
+  return finish_reason if finish_reason == "length" else "tool_calls"
 
 
 async def _stream(server: "Server", request: api.Request, jobs: Sequence[job_events.JobHandle],

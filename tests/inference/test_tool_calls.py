@@ -97,14 +97,15 @@ class _Server:
   codec = api.Codec(encode=lambda t: [5], decode=lambda ids: "".join(chr(i) for i in ids), chat=lambda m: [5])
 
 
-def _streamed(text: str) -> list[dict]:
-  """The chat stream's chunks for a choice that generates `text` (one character per token)."""
+def _streamed(text: str, reason: str = "stop") -> list[dict]:
+  """The chat stream's chunks for a choice that generates `text` (one character per token) and ends for
+  `reason`."""
   request = api.Request([api.Completion(0, [5], 99, None)], stream=True, stop=[], tools=True)  # type: ignore[arg-type]
 
   async def events():
     for ch in text:
       yield [sched.Tokens(0, [ord(ch)], [0.0], [[]])]
-    yield [sched.Done(0, "stop")]
+    yield [sched.Done(0, reason)]
 
   async def collect():
     return [piece async for piece in serve_routes._stream(_Server(), request, [_Job()], events(),  # type: ignore[arg-type]
@@ -122,6 +123,18 @@ def test_a_stream_sends_the_content_then_one_delta_per_call():
   calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
   assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "add"), (1, "now")]
   assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_reply_cut_by_the_token_limit_ends_in_length_with_the_calls_before_the_cut():
+  cut = TWO_CALLS + '<tool_call>{"name": "add", "argu'
+  choice = serve_routes.chat_choice(0, cut, "length", tools=True)
+  assert choice["finish_reason"] == "length"
+  assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["add", "now"]
+  assert choice["message"]["content"].endswith('<tool_call>{"name": "add", "argu')
+  chunks = _streamed(cut, "length")
+  assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+  assert [d["tool_calls"][0]["function"]["name"] for d in (c["choices"][0]["delta"] for c in chunks)
+          if "tool_calls" in d] == ["add", "now"]
 
 
 def _codec(seen: list):
