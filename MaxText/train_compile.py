@@ -133,7 +133,7 @@ def report(config: config_lib.Config, topology: accelerators.TpuTopology | None,
   `forward_only`: the objective's other models run forward (a distillation teacher)."""
   memory = MemoryReport.from_compiled(compiled, read_buffer_assignment(report_dir))
   print("memory per device (XLA memory analysis of the compiled step):")
-  print("\n".join(memory.lines()))
+  print("\n".join(memory.lines(topology.generation.device_unit if topology is not None else "chip")))
   if topology is not None:
     gen = topology.generation
     print(f"  HBM per {gen.name} {gen.device_unit} {gen.hbm_gib:g} GiB: {memory.total / (gen.hbm_gib * GIB):.1%} used")

@@ -165,6 +165,7 @@ def test_compiles_for_tpu7x_8_with_two_devices_per_chip(capsys):
   assert "1 x tpu7x-8 (tpu7x:2x2x1, 1 hosts of 4 chips per slice, 2 devices per chip): 8 devices, TPU7x" in out
   assert "mesh: fsdp=8" in out and "step-time model (not a measurement): step" in out and "of 1153.5 TFLOP/s" in out
   assert "fits:" in out and "of 96 GiB per tpu7x TensorCore" in out
+  assert "(device memory per TensorCore, from the" in out and "per chip, from the" not in out
 
 
 def test_a_topology_libtpu_cannot_describe_is_one_line(monkeypatch):
@@ -541,7 +542,8 @@ def test_memory_total_is_xla_peak_when_reported_else_the_upper_bound():
   assert any(line.strip().startswith("peak live") for line in tpu.lines())
   cpu = memory_report.MemoryReport(arguments=100, outputs=40, aliased=30, temporaries=7, generated_code=0)
   assert cpu.total == cpu.upper_bound == 117
-  assert "upper bound" in cpu.lines()[-1]
+  assert "upper bound" in cpu.lines()[-1] and "per chip," in cpu.lines()[-1]
+  assert "(device memory per TensorCore, from the" in cpu.lines("TensorCore")[-1]
   # A peak that counts host-offloaded buffers (v5e/128b: 47.5 GiB) is capped by the upper bound.
   offloaded = dataclasses.replace(tpu, peak=int(47.5 * gib), temporaries=int(12.1 * gib))
   assert offloaded.total == offloaded.upper_bound < int(47.5 * gib)

@@ -77,7 +77,8 @@ class MemoryReport:
                m.temp_size_in_bytes, m.generated_code_size_in_bytes,
                int(getattr(m, "peak_memory_in_bytes", 0) or 0), heap, others)
 
-  def lines(self) -> list[str]:
+  def lines(self, unit: str = "chip") -> list[str]:
+    """The report's lines; `unit`: what one device is (TpuGeneration.device_unit: a TensorCore on tpu7x)."""
     lines = [f"  arguments       {format_bytes(self.arguments):>12}  (train state shard + batch + rng)",
              f"  outputs         {format_bytes(self.outputs):>12}  ({format_bytes(self.aliased)} reuse donated argument buffers)",
              f"  temporaries     {format_bytes(self.temporaries):>12}  (activations, gradients, collective buffers; "
@@ -91,7 +92,7 @@ class MemoryReport:
       what = "the host's pinned memory: offloaded activations and optimizer state" if space == "host" else \
           "not device HBM"
       lines.append(f"  {space + ' memory':<15} {format_bytes(size):>12}  ({what})")
-    lines.append(f"  total           {format_bytes(self.total):>12}  (device memory per chip, from the {self.source})")
+    lines.append(f"  total           {format_bytes(self.total):>12}  (device memory per {unit}, from the {self.source})")
     return lines
 
 
