@@ -1,6 +1,7 @@
 """Config loading: precedence, type parsing, user errors, derived values."""
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -207,6 +208,19 @@ def test_libtpu_compiler_flags_go_to_libtpu_not_to_xla_flags():
   with pytest.raises(ConfigError, match=r"^xla_flags has libtpu's TPU compiler flag --xla_tpu_scoped_vmem_limit_kib="
                                         r"98304, which XLA_FLAGS aborts on; pass TPU flags in libtpu_init_args"):
     xla_flags.export_flags("", "--xla_dump_to=/tmp/d --xla_tpu_scoped_vmem_limit_kib=98304", {})
+
+
+def test_jaxlibs_own_xla_tpu_flags_stay_in_xla_flags():
+  """--xla_tpu_detect_nan / --xla_tpu_detect_inf are DebugOptions of jaxlib's own XLA: XLA_FLAGS takes them (the
+  process starts), so xla_flags may carry them (they were refused as libtpu-only by their prefix)."""
+  flags = "--xla_tpu_detect_nan=true --xla_tpu_detect_inf=true"
+  env: dict[str, str] = {}
+  xla_flags.export_flags("", flags, env)
+  assert env == {"XLA_FLAGS": flags}
+  started = subprocess.run([sys.executable, "-c", "import jax; print(jax.numpy.ones(2).sum())"], capture_output=True,
+                           text=True, timeout=120, env={**os.environ, "XLA_FLAGS": flags,
+                                                         "JAX_PLATFORMS": "cpu"})
+  assert started.returncode == 0 and started.stdout.strip() == "2.0", started.stderr[-2000:]
 
 
 @pytest.mark.parametrize("args, message", [

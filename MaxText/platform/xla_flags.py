@@ -15,6 +15,8 @@ from MaxText.errors import ConfigError
 # Flags of libtpu's TPU compiler (upstream's recipes pass them in LIBTPU_INIT_ARGS): jaxlib's XLA does not
 # know them, and one in XLA_FLAGS aborts the process at backend start ("Unknown flag in XLA_FLAGS").
 _LIBTPU_ONLY = ("--xla_tpu_", "--xla_sc_", "--xla_jf_")
+# ... except DebugOptions of jaxlib's own XLA that share the prefix: XLA_FLAGS takes these.
+_JAXLIB_FLAGS = frozenset(("--xla_tpu_detect_nan", "--xla_tpu_detect_inf"))
 
 
 def _flag_name(flag: str) -> str:
@@ -31,7 +33,7 @@ def merge_flags(existing: str, extra: str) -> str:
 def export_flags(libtpu_init_args: str, xla_flags: str, environ: MutableMapping[str, str] | None = None) -> None:
   """Sets LIBTPU_INIT_ARGS and XLA_FLAGS; call before anything initialises a JAX backend."""
   environ = os.environ if environ is None else environ
-  misplaced = [f for f in shlex.split(xla_flags) if f.startswith(_LIBTPU_ONLY)]
+  misplaced = [f for f in shlex.split(xla_flags) if f.startswith(_LIBTPU_ONLY) and _flag_name(f) not in _JAXLIB_FLAGS]
   if misplaced:
     raise ConfigError(f"xla_flags has libtpu's TPU compiler flag {misplaced[0]}, which XLA_FLAGS aborts on; pass TPU "
                       f"flags in libtpu_init_args (LIBTPU_INIT_ARGS), e.g. libtpu_init_args={misplaced[0]}")
