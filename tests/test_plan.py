@@ -363,6 +363,11 @@ def test_the_host_memory_an_offloading_candidate_needs_is_counted():
   assert plan_model.host_overflow(dataclasses.replace(offloaded, host_activations=130 * gib), v6e) == (
       "its offloaded activations need 130.0 GiB of host memory per chip, over the 128 GiB XLA allows")
   assert plan_model.host_overflow(offloaded, v6e) is None
+  # tpu7x's figures are a TensorCore's (a JAX device's), and its host's memory is halved to match.
+  tpu7x = accelerators.TPU_GENERATIONS["tpu7x"]
+  assert plan_model.host_overflow(dataclasses.replace(offloaded, host_activations=120 * gib), tpu7x) == (
+      "it needs 120.0 GiB of host memory per TensorCore (offloaded activations 120.0 + optimizer 0.0), a tpu7x host "
+      f"has {tpu7x.host_gib:.1f} GiB per TensorCore")
 
 
 def test_an_offloading_preset_that_overflows_the_host_is_not_proposed(tmp_path, monkeypatch):

@@ -225,15 +225,16 @@ def param_layout(model: ModelShape, mesh_shape: Mapping[str, int], rules: shardi
 
 def host_overflow(e: Estimate, generation: accelerators.TpuGeneration) -> str | None:
   """Why a candidate's host-memory side does not fit (what XLA refuses, or more than the host VM
-  has per chip), or None."""
+  has per device), or None. The figures are per JAX device: a TensorCore on tpu7x."""
+  unit = generation.device_unit
   if e.host_activations > XLA_HOST_TEMPORARIES:
-    return (f"its offloaded activations need {e.host_activations / GIB:.1f} GiB of host memory per chip, over the "
-            f"{XLA_HOST_TEMPORARIES / GIB:g} GiB XLA allows")
+    return (f"its offloaded activations need {e.host_activations / GIB:.1f} GiB of host memory per {unit}, over "
+            f"the {XLA_HOST_TEMPORARIES / GIB:g} GiB XLA allows")
   host = e.host_activations + e.host_optimizer
   if generation.host_gib is not None and host > generation.host_gib * GIB:
-    return (f"it needs {host / GIB:.1f} GiB of host memory per chip (offloaded activations "
+    return (f"it needs {host / GIB:.1f} GiB of host memory per {unit} (offloaded activations "
             f"{e.host_activations / GIB:.1f} + optimizer {e.host_optimizer / GIB:.1f}), a {generation.name} host "
-            f"has {generation.host_gib:.1f} GiB per chip")
+            f"has {generation.host_gib:.1f} GiB per {unit}")
   return None
 
 
