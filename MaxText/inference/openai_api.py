@@ -439,7 +439,9 @@ def _response_format(compiler: grammar_lib.Compiler, fmt: dict[str, Any], kind: 
     return compiler.json_schema(grammar_lib.ANY_JSON_OBJECT)
   if kind == "json_schema":
     spec = fmt.get("json_schema")
-    schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if isinstance(spec, dict) and schema is None:  # absent, or null (which counts as absent): any JSON
+      schema = {}
     if not isinstance(schema, dict):
       # What came instead, so a schema sent as its JSON text (a str) says so.
       got = f"json_schema.schema is a {type(schema).__name__}" if isinstance(spec, dict) else \

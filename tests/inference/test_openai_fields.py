@@ -179,3 +179,6 @@ def test_a_json_schema_response_format_of_the_wrong_types_is_a_400_naming_the_pa
   with pytest.raises(api.ApiError, match=refusal):
     api._response_format(_AnySchema(), {"json_schema": spec}, "json_schema")
   assert api._response_format(_AnySchema(), {"json_schema": {"schema": {}, "strict": True}}, "json_schema") == {}
+  # A schema sent as null counts as absent, as every null field does: any JSON.
+  assert api._response_format(_AnySchema(), {"json_schema": {"name": "x", "schema": None}}, "json_schema") == {}
+  assert api._response_format(_AnySchema(), {"json_schema": {"name": "x"}}, "json_schema") == {}
