@@ -155,7 +155,7 @@ def compile_figures(argv: list[str]) -> dict[str, Any]:
   from MaxText.training import run_assembly  # noqa: PLC0415  (after the flags are set)
   from MaxText.aot.hlo_cycles import estimated_cycles  # noqa: PLC0415
   from MaxText.aot.memory_report import (MemoryReport, buffer_assignment_dump_options, memory_spaces,  # noqa: PLC0415
-                                         read_buffer_assignment)
+                                         offload_of, read_buffer_assignment)
   start = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix="plan_") as report_dir:
     try:
@@ -163,7 +163,7 @@ def compile_figures(argv: list[str]) -> dict[str, Any]:
       run = run_assembly.build_run(config, devices=devices, compiled_step=False)
       compiled = train_compile.compile_or_explain(run.train_step, run.abstract_inputs(), topology,
                                                   buffer_assignment_dump_options(report_dir),
-                                                  train_compile.offload_of(config))
+                                                  offload_of(config))
     except UserError as e:
       message = str(e)
       status = "does not fit" if message.startswith("does not fit") else "invalid"

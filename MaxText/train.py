@@ -158,7 +158,12 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None, argv:
   trainer = Trainer(config, run.train_step, data, rng, flops, peak)
   trainer.advise_nonfinite = run_start.nonfinite_advice(config, checkpoints, argv if argv is not None else sys.argv)
   add_hooks(trainer, run, checkpoints, rng, start_step, lease, watchdog)
-  loop = trainer.run(start.state, start_step)
+  try:
+    loop = trainer.run(start.state, start_step)
+  except jax.errors.JaxRuntimeError as e:
+    if trainer.steps_finished or not memory_report.is_xla_oom(str(e)):
+      raise
+    raise _step_does_not_fit(run, e, start_step + 1) from None
   if trainer.stop_reason is not None:  # on every process: each host's log says why it exited 143
     print(f"stopped: {trainer.stop_reason}; rerun the same command to resume", flush=True)
     return 128 + signal.SIGTERM
@@ -176,16 +181,54 @@ def _state_does_not_fit(run: run_assembly.Run, error: jax.errors.JaxRuntimeError
   parts = memory_report.state_bytes_per_chip(run.abstract_inputs().state)
   advice = ("measure the step first with python3 -m MaxText.train_compile (or search settings with MaxText.plan); "
             "shard the state over more devices or offload the optimizer state (optimizer_memory_host_offload)")
-  config = run.config
-  teacher = distill_config.live_teacher(config.data.objective, config.distill, config.rl.rl_teacher_kl_weight)
-  if teacher == distill_config.TEACHER_PER_MICRO_BATCH:
-    advice += ("; a teacher too large to sit beside the student: precompute its top k once (python3 -m "
-               "MaxText.generate_teacher_top_k, then distill_top_k_path) or pick a smaller teacher")
-  elif teacher:
-    advice += "; the teacher sits beside the student on the training devices: pick a smaller teacher"
   first_line = str(error).strip().splitlines()[0]
   return UserError(f"the train state does not fit in the devices' memory ({memory_report.describe_state(parts)}; "
-                   f"XLA: {first_line}): {advice}")
+                   f"XLA: {first_line}): {advice}{_teacher_advice(run.config)}")
+
+
+def _teacher_advice(config: config_lib.Config) -> str:
+  """What to do about a teacher that sits beside the student on the training devices ("" without one)."""
+  teacher = distill_config.live_teacher(config.data.objective, config.distill, config.rl.rl_teacher_kl_weight)
+  if teacher == distill_config.TEACHER_PER_MICRO_BATCH:
+    return ("; a teacher too large to sit beside the student: precompute its top k once (python3 -m "
+            "MaxText.generate_teacher_top_k, then distill_top_k_path) or pick a smaller teacher")
+  return "; the teacher sits beside the student on the training devices: pick a smaller teacher" if teacher else ""
+
+
+def _step_does_not_fit(run: run_assembly.Run, error: jax.errors.JaxRuntimeError, step: int) -> UserError:
+  """XLA's out-of-memory error while the train step compiled or ran its first `step` (it was XLA's
+  traceback), as one line: how much against how much per device where XLA says, the state's parts,
+  and what uses less. Nothing was saved since the run started: its checkpoints are as they were."""
+  config, message = run.config, str(error)
+  first_line = message.strip().splitlines()[0]
+  oom = memory_report.parse_xla_oom(first_line)
+  generation = accelerators.tpu_generation_of(config.target.device_kind)
+  offload = memory_report.offload_of(config) if oom.space == "host" else None
+  off_heap = memory_report.off_heap_message(message, oom, generation, offload)
+  if off_heap:
+    return UserError(off_heap)
+  unit = generation.device_unit if generation is not None else "device"
+  sizes = memory_report.oom_sizes(oom, unit, _device_bytes())
+  state = memory_report.describe_state(memory_report.state_bytes_per_chip(run.abstract_inputs().state))
+  ways = [f"a smaller per_device_batch_size (now {config.data.per_device_batch_size:g})"]
+  if config.model.remat.name != "full":
+    ways.append(f"a remat_policy that saves less (remat_policy=full; now {config.model.remat.name})")
+  ways.append(f"more fsdp sharding (ici_fsdp_parallelism; now fsdp={run.mesh.shape.get('fsdp', 1)})")
+  if not config.optim.optimizer_memory_host_offload:
+    ways.append("the optimizer state in host memory (optimizer_memory_host_offload=true)")
+  return UserError(f"the train step does not fit in the devices' memory (compiling or running step {step}): {sizes} "
+                   f"({'; '.join(filter(None, (state, f'XLA: {first_line}')))}); use less per {unit}: "
+                   f"{', '.join(ways)}{_teacher_advice(config)}; python3 -m MaxText.train_compile with the same "
+                   "overrides and compile_topology=local (or the slice's, e.g. v5e-256) prints the step's memory report")
+
+
+def _device_bytes() -> int:
+  """What a device's allocator may use (TPU and GPU say; 0 where the backend does not)."""
+  try:
+    stats = jax.local_devices()[0].memory_stats()
+  except RuntimeError:  # a backend without memory statistics (UNIMPLEMENTED)
+    return 0
+  return int(stats.get("bytes_limit", 0)) if stats else 0
 
 
 def open_data(run: run_assembly.Run, start: run_start.Start, watchdog: health.StepWatchdog | None = None) -> Any:

@@ -39,10 +39,9 @@ from MaxText.aot.hlo_cycles import estimated_cycles, uncosted_kernel_calls
 from MaxText.aot.step_time import report as step_report
 from MaxText.aot.step_time import saved as saved_step
 from MaxText.aot.memory_report import (GIB, MemoryReport, Offload, buffer_assignment_dump_options,
-                                       does_not_fit_message, format_bytes, host_overflow_message, parse_xla_oom,
-                                       describe_state, read_buffer_assignment, state_bytes_per_chip,
-                                       vmem_overflow_message)
-from MaxText.aot.plan_remat import offloaded_activations
+                                       does_not_fit_message, format_bytes, host_memory_message, off_heap_message,
+                                       offload_of, parse_xla_oom, describe_state, read_buffer_assignment,
+                                       state_bytes_per_chip)
 from MaxText.errors import UserError, run_cli
 from MaxText.layers import pipeline
 from MaxText.rl import rollout_mesh
@@ -73,15 +72,6 @@ def _buffer_report_dir() -> Iterator[str | None]:
     yield report_dir
 
 
-def offload_of(config: config_lib.Config) -> Offload:
-  """What decides the run's host-memory use, with the planner's count of its offloaded activations."""
-  pdb, accumulation = config.data.per_device_batch_size, config.optim.gradient_accumulation_steps
-  policy = config.model.remat
-  tokens = pdb / accumulation * config.data.max_target_length
-  return Offload(policy.name, pdb, accumulation, config.optim.optimizer_memory_host_offload,
-                 offloaded_activations(config.model, policy, tokens, dict(config.mesh.shape)), policy)
-
-
 def compile_or_explain(step_fn: Any, inputs: run_assembly.StepInputs, topology: accelerators.TpuTopology | None,
                        compiler_options: dict[str, str] | None = None, offload: Offload | None = None) -> Any:
   """Lowers and compiles; XLA's out-of-memory error becomes a one-line 'does not fit' naming the
@@ -94,16 +84,9 @@ def compile_or_explain(step_fn: Any, inputs: run_assembly.StepInputs, topology: 
       raise
     first_line = message.strip().splitlines()[0]
     oom = parse_xla_oom(first_line)
-    if oom.space == "smem":  # a kernel's scalar memory, not HBM: splash's block-mask metadata
-      raise UserError("does not fit: a Pallas kernel's scalar memory (SMEM) overflows, not HBM; with "
-                      "attention=flash the splash mask metadata grows with (sequence / sa_block)^2: raise the "
-                      f"sa_block_* sizes or split the sequence more (context_parallel_strategy=ring) (XLA: {first_line})"
-                      ) from None
-    if oom.space == "vmem":  # a kernel's tiles, not HBM; the kernel and its sizes are past the first line
-      raise UserError(vmem_overflow_message(message)) from None
-    if oom.space == "host":  # offloaded activations in the host's pinned memory
-      raise UserError(_host_message(oom.needed, topology.generation, offload, f"XLA: {first_line}", oom.buffer,
-                                    oom.available)) from None
+    off_heap = off_heap_message(message, oom, topology.generation, offload)
+    if off_heap:
+      raise UserError(off_heap) from None
     # XLA's figure is its whole device heap, arguments included, even where it says "HLO
     # temporaries" (getting_started/AOT.md shows the heaps it extrapolates from).
     raise UserError(does_not_fit_message(oom.needed, topology.generation.name, topology.generation.hbm_gib,
@@ -111,18 +94,6 @@ def compile_or_explain(step_fn: Any, inputs: run_assembly.StepInputs, topology: 
                                                                  describe_state(state_bytes_per_chip(inputs.state))))),
                                          topology.generation.device_unit)
                     ) from None
-
-
-def _host_message(needed: float, gen: accelerators.TpuGeneration, offload: Offload | None, detail: str,
-                  one_buffer: str = "", xla_limit: float = 0.0) -> str:
-  """Host memory ran out: against what XLA allows offloaded buffers (`xla_limit`, from its message)
-  and what the generation's host VM has per chip, whichever is less."""
-  limits = [f"XLA allows {xla_limit / GIB:g} GiB of offloaded buffers per chip"] if xla_limit else []
-  if gen.host_gib is not None:
-    limits.append(f"a {gen.name} host has {gen.host_gib:.1f} GiB per {gen.device_unit}")
-  caps = ([xla_limit] if xla_limit else []) + ([gen.host_gib * GIB] if gen.host_gib is not None else [])
-  return host_overflow_message(needed, " and ".join(limits) or "more than there is",
-                               offload or Offload("", 0, 1, False), detail, one_buffer, min(caps, default=0.0))
 
 
 def report(config: config_lib.Config, topology: accelerators.TpuTopology | None, compiled: Any,
@@ -255,7 +226,7 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
                                            gen.device_unit))
     host = memory.host
     if gen.host_gib is not None and host > gen.host_gib * GIB:  # XLA accepts it; the host VM has less
-      raise UserError(_host_message(host, gen, offload_of(config), "XLA buffer assignment, host memory space"))
+      raise UserError(host_memory_message(host, gen, offload_of(config), "XLA buffer assignment, host memory space"))
     print(f"fits: {format_bytes(memory.total)} of {gen.hbm_gib:g} GiB per {gen.name} {gen.device_unit}" +
           (f"; {format_bytes(host)} of host memory per {gen.device_unit} ({gen.host_gib:.1f} GiB)"
            if host and gen.host_gib else ""))

@@ -12,8 +12,11 @@ from typing import Any
 
 import jax
 
+from MaxText.aot.plan_remat import offloaded_activations
+from MaxText.configuration import config as config_lib
 from MaxText.configuration import remat_policies
 from MaxText.paths import storage
+from MaxText.platform import accelerators
 
 GIB = 1024**3
 
@@ -166,6 +169,7 @@ def format_bytes(n: float) -> str:
 
 
 _XLA_AMOUNT = re.compile(r"([\d.]+)\s*([KMGT])i?B?\b")
+_XLA_BYTES = re.compile(r"\b(\d+) ?(?:bytes\b|B\b)")  # "4770354232 bytes", "(33554432B)"
 _UNIT = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 
 
@@ -173,10 +177,17 @@ def oom_bytes_from_xla(message: str) -> int | None:
   """The largest amount XLA's out-of-memory message names (its required size), in bytes.
 
   TPU messages read e.g. "... memory required for HLO temporaries (19.70G) exceeds available
-  HBM (15.75G)" or "Used 20.5G of 15.75G hbm"; XLA's G is GiB.
+  HBM (15.75G)" or "Used 20.5G of 15.75G hbm"; XLA's G is GiB. GPU ones may count bytes.
   """
   amounts = [float(v) * _UNIT[u] for v, u in _XLA_AMOUNT.findall(message)]
+  amounts += [float(v) for v in _XLA_BYTES.findall(message)]
   return int(max(amounts)) if amounts else None
+
+
+def is_xla_oom(message: str) -> bool:
+  """Whether an XLA error says a device (or the host's pinned memory) ran out of memory: TPU's
+  RESOURCE_EXHAUSTED, or a GPU allocator's "Out of memory"."""
+  return "RESOURCE_EXHAUSTED" in message or "out of memory" in message.lower()
 
 
 def does_not_fit_message(needed_bytes: float, generation: str, hbm_gib: float, detail: str, unit: str = "chip") -> str:
@@ -189,12 +200,15 @@ def does_not_fit_message(needed_bytes: float, generation: str, hbm_gib: float, d
 class XlaOom:
   """What an XLA out-of-memory message says: the memory space that ran out ("hbm", "host",
   "vmem", "smem"; "" when it names none), the bytes needed and available per chip (0 where it
-  gives none) and, when one allocation alone is larger than the space, that buffer's shape."""
+  gives none) and, when one allocation alone is larger than the space, that buffer's shape.
+  `one_allocation`: a running program's allocation failed (TPU, GPU at run time): `needed` is that
+  allocation alone, `available` what was free then, not the whole memory."""
 
   space: str
   needed: int
   available: int
   buffer: str = ""
+  one_allocation: bool = False
 
 
 # The TPU compiler's messages (first lines, this libtpu), e.g.:
@@ -208,6 +222,12 @@ _ALLOCATION = re.compile(r"Allocation \(size=(\d+)\) would exceed memory \(size=
 _OPERAND_SPACE = re.compile(r"inlined_call_operand\.(\w+)|space=(\w+)|memory space (\w+)")
 _SHAPE = re.compile(r"shape(?::| =) '?(\w+\[[\d,]*\])")
 _EXCEEDS = re.compile(r"\(([\d.]+)([KMGT])\) exceeds available (\w+) \(([\d.]+)([KMGT])\)")
+# A running program's allocation failing (first lines):
+#   TPU: Error allocating device buffer: Attempting to allocate 4.39G. That was not possible. There are 2.30G free.;
+#     (0x0x0_HBM0)
+#   GPU: Out of memory while trying to allocate 4770354232 bytes.  /  ... to allocate 12.34GiB.
+#   GPU: Failed to allocate request for 32.00MiB (33554432B) on device ordinal 0
+_ATTEMPT = re.compile(r"Attempting to (?:allocate|reserve) ([\d.]+)([KMGT])i?B?\b.*?There are ([\d.]+)([KMGT])i?B? free")
 
 
 def parse_xla_oom(message: str) -> XlaOom:
@@ -229,7 +249,12 @@ def parse_xla_oom(message: str) -> XlaOom:
   if exceeds:
     return XlaOom(exceeds.group(3).lower(), int(float(exceeds.group(1)) * _UNIT[exceeds.group(2)]),
                   int(float(exceeds.group(4)) * _UNIT[exceeds.group(5)]))
-  return XlaOom("hbm" if "hbm" in line.lower() else "", oom_bytes_from_xla(line) or 0, 0)
+  space = "hbm" if "hbm" in line.lower() else ""
+  attempt = _ATTEMPT.search(line)
+  if attempt:
+    return XlaOom(space, int(float(attempt.group(1)) * _UNIT[attempt.group(2)]),
+                  int(float(attempt.group(3)) * _UNIT[attempt.group(4)]), one_allocation=True)
+  return XlaOom(space, oom_bytes_from_xla(line) or 0, 0, one_allocation="allocat" in line.lower())
 
 
 # The TPU compiler's VMEM overflow names the kernel and its sizes only after its first line (libtpu 0.0.42.1):
@@ -352,3 +377,56 @@ def _fewer_sequences(pdb: float, accumulation: int, factor: float) -> str:
   split = 2 ** math.ceil(math.log2(1 / target))  # chips sharing each sequence
   return (f"under one sequence per chip, so per_device_batch_size={accumulation / split:g} with each sequence split "
           f"over {split} chips (ici_tensor_parallelism={split} or ici_sequence_parallelism={split})")
+
+
+def offload_of(config: config_lib.Config) -> Offload:
+  """What decides the run's host-memory use, with the planner's count of its offloaded activations."""
+  pdb, accumulation = config.data.per_device_batch_size, config.optim.gradient_accumulation_steps
+  policy = config.model.remat
+  tokens = pdb / accumulation * config.data.max_target_length
+  return Offload(policy.name, pdb, accumulation, config.optim.optimizer_memory_host_offload,
+                 offloaded_activations(config.model, policy, tokens, dict(config.mesh.shape)), policy)
+
+
+def host_memory_message(needed: float, gen: accelerators.TpuGeneration | None, offload: Offload | None, detail: str,
+                        one_buffer: str = "", xla_limit: float = 0.0) -> str:
+  """Host memory ran out: against what XLA allows offloaded buffers (`xla_limit`, from its message)
+  and what the generation's host VM has per chip, whichever is less."""
+  limits = [f"XLA allows {xla_limit / GIB:g} GiB of offloaded buffers per chip"] if xla_limit else []
+  host_gib = gen.host_gib if gen is not None else None
+  if gen is not None and host_gib is not None:
+    limits.append(f"a {gen.name} host has {host_gib:.1f} GiB per {gen.device_unit}")
+  caps = ([xla_limit] if xla_limit else []) + ([host_gib * GIB] if host_gib is not None else [])
+  return host_overflow_message(needed, " and ".join(limits) or "more than there is",
+                               offload or Offload("", 0, 1, False), detail, one_buffer, min(caps, default=0.0))
+
+
+def off_heap_message(message: str, oom: XlaOom, gen: accelerators.TpuGeneration | None,
+                     offload: Offload | None) -> str | None:
+  """The one line for XLA's out-of-memory error (`message`, read as `oom`) when what ran out is not the
+  device heap: a Pallas kernel's scalar (SMEM) or vector (VMEM) memory, or the host's pinned memory
+  (offloaded activations; `offload`: the run's settings, for what to change); None for device memory."""
+  first_line = message.strip().splitlines()[0] if message.strip() else ""
+  if oom.space == "smem":  # a kernel's scalar memory, not HBM: splash's block-mask metadata
+    return ("does not fit: a Pallas kernel's scalar memory (SMEM) overflows, not HBM; with attention=flash the "
+            "splash mask metadata grows with (sequence / sa_block)^2: raise the sa_block_* sizes or split the "
+            f"sequence more (context_parallel_strategy=ring) (XLA: {first_line})")
+  if oom.space == "vmem":  # a kernel's tiles, not HBM; the kernel and its sizes are past the first line
+    return vmem_overflow_message(message)
+  if oom.space == "host":  # offloaded activations in the host's pinned memory
+    return host_memory_message(oom.needed, gen, offload, f"XLA: {first_line}", oom.buffer, oom.available)
+  return None
+
+
+def oom_sizes(oom: XlaOom, unit: str, device_bytes: int = 0) -> str:
+  """What XLA's out-of-memory message says was needed against what there was, per device (`unit`: what one
+  is); `device_bytes`: the device's memory, said where the message names none (0: not known)."""
+  holds = f", a {unit} holds {format_bytes(device_bytes)}" if device_bytes else ""
+  if oom.one_allocation and oom.needed:
+    free = f" with {format_bytes(oom.available)} free" if oom.available else holds
+    return f"allocating {format_bytes(oom.needed)} more per {unit} failed{free}"
+  if oom.needed and oom.available:
+    return f"needs {format_bytes(oom.needed)} per {unit}, {format_bytes(oom.available)} available"
+  if oom.needed:
+    return f"needs {format_bytes(oom.needed)} per {unit}{holds}"
+  return f"XLA names no sizes{holds}"

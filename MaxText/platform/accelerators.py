@@ -219,6 +219,14 @@ TPU_GENERATIONS: dict[str, TpuGeneration] = {
                            peak_fp8_tflops=4614.0 / 2),
 }
 
+
+def tpu_generation_of(device_kind: str) -> TpuGeneration | None:
+  """The TPU generation of a device as JAX names its kind ("TPU v5 lite": v5e, "TPU v5": v5p); None for another."""
+  kind = device_kind.lower()
+  matches = [g for g in TPU_GENERATIONS.values() if kind.startswith(g.device_kind.lower())]
+  return max(matches, key=lambda g: len(g.device_kind), default=None)  # "tpu v5 lite" before "tpu v5"
+
+
 # 2D (v5e/v6e) slice shapes; a side of 16 is a full ring and wraps around.
 _TORUS_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}
 _SMALL_3D = {1: (1, 1, 1), 4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4)}  # below one 4x4x4 cube

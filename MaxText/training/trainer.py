@@ -160,6 +160,8 @@ class Trainer:
     self.spike_limit = LossSpikeLimit(run.loss_spike_threshold, run.loss_spike_window) \
         if run.loss_spike_threshold > 0 else None
     self._batch_starts: dict[int, str] = {}  # step index -> where its batch starts in the data (for messages)
+    # Steps of this start whose metrics were read: 0 while the first is compiled, dispatched or running.
+    self.steps_finished = 0
 
   def add_hook(self, hook: Hook, every: int = 1, needs_state: bool = False) -> None:
     """Runs `hook.on_step` after every `every`-th step; every=0: at the steps `hook.due` names."""
@@ -179,6 +181,7 @@ class Trainer:
     index, device_metrics, due = loop.pending
     loop.pending = None
     scalars = metrics_lib.host_scalars(jax.device_get(device_metrics))
+    self.steps_finished += 1  # before the hooks: an eval step's failure is not the train step's
     now = time.perf_counter()
     seconds, loop.last_done = now - loop.last_done, now
     nonfinite = self._check_step(index + 1, scalars, self._batch_starts.pop(index, ""))
