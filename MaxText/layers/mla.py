@@ -202,9 +202,9 @@ class MultiHeadLatentAttention(nnx.Module):
   def _decode(self, q_nope_BLNC: jax.Array, q_rope_BLNP: jax.Array, latent_BLR: jax.Array, k_rope_BL1P: jax.Array,
               positions_BL: jax.Array, layer_index: int | jax.Array, cache: kv_cache.KVCache,
               index: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> tuple[jax.Array, kv_cache.KVCache]:
-    """Absorbed attention over the compressed cache: latents as its keys, then the rotated rope keys [P]
-    as its values, followed by the indexer's keys [J] with index_topk > 0 (the sparse kernels read
-    them token-major)."""
+    """Absorbed attention over the compressed cache read in its stored layouts: latents [B, 1, S, R] as
+    its keys, then [B, 1, Y, S] holding the rotated rope keys [P], followed by the indexer's keys [J]
+    with index_topk > 0. The latents and rope keys are scored by two dots, never concatenated."""
     cfg = self.cfg
     rope = cfg.mla.qk_rope_head_dim
     cached_BL1Y = k_rope_BL1P if index is None else jnp.concatenate(
@@ -212,24 +212,23 @@ class MultiHeadLatentAttention(nnx.Module):
     cache = kv_cache.write(cache, latent_BLR[:, :, None, :], cached_BL1Y, positions_BL)
     q_BLNX, w_v_RNV = self._absorbed(q_nope_BLNC, q_rope_BLNP)
     window = layer_window_size(cfg.attn, layer_index)
-    if index is None:  # the cache read in its stored layouts, latents [B, 1, S, R] and rope keys [B, 1, P, S]
-      latent_B1SR, rows_B1YS = cache.read(q_nope_BLNC.dtype)
-      mask_BLS = masks.cache_mask(positions_BL, latent_B1SR.shape[2], window)
-      out_latent_BLNR = masks.latent_cache_attention(q_BLNX, latent_B1SR, rows_B1YS[:, :, :rope], mask_BLS,
-                                                     cfg.attn.attn_logits_soft_cap)
+    latent_B1SR, rows_B1YS = cache.read(q_nope_BLNC.dtype)
+    rope_B1PS, length = rows_B1YS[:, :, :rope], latent_B1SR.shape[2]
+    soft_cap = cfg.attn.attn_logits_soft_cap
+    if index is None:
+      out_latent_BLNR = masks.latent_cache_attention(q_BLNX, latent_B1SR, rope_B1PS,
+                                                     masks.cache_mask(positions_BL, length, window), soft_cap)
     else:
-      latent_BS1R, rows_BS1Y = cache.read_tokens(q_nope_BLNC.dtype)
-      k_BS1X = jnp.concatenate([latent_BS1R, rows_BS1Y[..., :rope]], axis=-1)
       q_index_BLIJ, w_BLI, _ = index
-      index_keys_BSJ = rows_BS1Y[:, :, 0, rope:]
-      length, topk = k_BS1X.shape[1], cfg.mla.index_topk
+      index_keys_BSJ = jnp.swapaxes(rows_B1YS[:, 0, rope:], 1, 2)  # a view: the indexer's dot reads [J, S] in place
+      topk = cfg.mla.index_topk
       if attention_kernels.sparse_kernel(length, topk) == "masked":
-        out_latent_BLNR = sparse_attention.masked_attention(
-            q_BLNX, k_BS1X, latent_BS1R, masks.cache_mask(positions_BL, length, window), q_index_BLIJ, w_BLI,
-            index_keys_BSJ, topk, cfg.attn.attn_logits_soft_cap)
+        out_latent_BLNR = sparse_attention.masked_cache_attention(
+            q_BLNX, latent_B1SR, rope_B1PS, masks.cache_mask(positions_BL, length, window), q_index_BLIJ, w_BLI,
+            index_keys_BSJ, topk, soft_cap)
       else:
-        out_latent_BLNR = sparse_attention.gathered_attention(
-            q_BLNX, k_BS1X[:, :, 0], latent_BS1R[:, :, 0], positions_BL, jnp.arange(length)[None], None, None,
-            q_index_BLIJ, w_BLI, index_keys_BSJ, topk, cfg.attn.attn_logits_soft_cap)
+        out_latent_BLNR = sparse_attention.gathered_cache_attention(
+            q_BLNX, latent_B1SR[:, 0], rope_B1PS[:, 0], positions_BL, q_index_BLIJ, w_BLI, index_keys_BSJ, topk,
+            soft_cap)
     out_BLNV = jnp.einsum("blnr,rnv->blnv", out_latent_BLNR, w_v_RNV)
     return self.out(sharding.constrain(out_BLNV, _HEADS)), cache

@@ -16,6 +16,12 @@ query's top-k keys (its heads' probabilities averaged) to the indexer's softmax 
 and the number of queries. The gathered form takes the target from the probabilities the block
 already holds ([B, Lb, N, T]); the masked form recomputes its scores one head at a time.
 
+Decoding has a `_cache` variant of each form over MLA's compressed cache read where it is stored
+(layers/kv_cache.py: latents [B, 1, S, R], rope keys [B, 1, P, S]): the latents and the rope keys
+are scored in two dots summed in float32 (masks.latent_cache_attention), the gathered form gathering
+only each query's top-k of both. Concatenating them into [S, R + P] keys first would copy the
+layer's whole cache every step.
+
 Shape legend (extends layers/mla.py and indexer.py): X = R + P (an absorbed query or key row),
 T index_topk, Lb a block of queries.
 """
@@ -54,16 +60,23 @@ def masked_attention_kl(q_BLNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array,
   return out, kl_sum, count
 
 
-def _gathered_block(q_BLNX: jax.Array, keys_BSX: jax.Array, values_BSR: jax.Array, allowed_BLS: jax.Array,
-                    q_index_BLIJ: jax.Array, w_BLI: jax.Array, index_keys_BSJ: jax.Array, topk: int,
-                    soft_cap: float, kl: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _gathered_block(q_BLNX: jax.Array, keys_BSX: jax.Array, values_BSR: jax.Array, rope_BPS: jax.Array | None,
+                    allowed_BLS: jax.Array, q_index_BLIJ: jax.Array, w_BLI: jax.Array, index_keys_BSJ: jax.Array,
+                    topk: int, soft_cap: float, kl: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
   scores_BLS = index_scores(q_index_BLIJ, w_BLI, index_keys_BSJ)
   indices_BLT, valid_BLT = masks.top_k_keys(scores_BLS, allowed_BLS, topk)
   indices_BLT = checkpoint_name(indices_BLT, TOPK_NAME)
   valid_BLT = checkpoint_name(valid_BLT, TOPK_NAME)
   take = jax.vmap(lambda rows_SX, idx_LT: rows_SX[idx_LT])  # per batch row: [S, X], [L, T] -> [L, T, X]
   keys_BLTX, values_BLTR = take(keys_BSX, indices_BLT), take(values_BSR, indices_BLT)
-  logits_BLNT = jnp.einsum("blnx,bltx->blnt", q_BLNX, keys_BLTX, preferred_element_type=jnp.float32)
+  if rope_BPS is None:
+    logits_BLNT = jnp.einsum("blnx,bltx->blnt", q_BLNX, keys_BLTX, preferred_element_type=jnp.float32)
+  else:  # only the chosen columns of the rope keys, scored by a second dot: no [S, R + P] key is built
+    width = keys_BSX.shape[-1]
+    rope_BPLT = jax.vmap(lambda columns_PS, idx_LT: columns_PS[:, idx_LT])(rope_BPS, indices_BLT)
+    logits_BLNT = (jnp.einsum("blnr,bltr->blnt", q_BLNX[..., :width], keys_BLTX, preferred_element_type=jnp.float32)
+                   + jnp.einsum("blnp,bplt->blnt", q_BLNX[..., width:], rope_BPLT,
+                                preferred_element_type=jnp.float32))
   if soft_cap > 0:
     logits_BLNT = soft_cap * jnp.tanh(logits_BLNT / soft_cap)
   logits_BLNT = jnp.where(valid_BLT[:, :, None, :], logits_BLNT, masks.MASK_VALUE)
@@ -85,7 +98,7 @@ def gathered_attention(q_BLNX: jax.Array, keys_BSX: jax.Array, values_BSR: jax.A
                        soft_cap: float = 0.0) -> jax.Array:
   """[B, L, N, R]: absorbed attention of pre-scaled queries over each one's top-k of the shared
   key rows (allowed: masks.allowed of the positions and segment ids), values the latents."""
-  return _gathered(q_BLNX, keys_BSX, values_BSR, q_pos_BL, k_pos_BS, q_seg_BL, k_seg_BS, q_index_BLIJ, w_BLI,
+  return _gathered(q_BLNX, keys_BSX, values_BSR, None, q_pos_BL, k_pos_BS, q_seg_BL, k_seg_BS, q_index_BLIJ, w_BLI,
                    index_keys_BSJ, topk, soft_cap, False)[0]
 
 
@@ -94,22 +107,44 @@ def gathered_attention_kl(q_BLNX: jax.Array, keys_BSX: jax.Array, values_BSR: ja
                           q_index_BLIJ: jax.Array, w_BLI: jax.Array, index_keys_BSJ: jax.Array, topk: int,
                           soft_cap: float = 0.0) -> tuple[jax.Array, jax.Array, jax.Array]:
   """`gathered_attention` and the indexer's KL sum and query count over the top-k sets."""
-  return _gathered(q_BLNX, keys_BSX, values_BSR, q_pos_BL, k_pos_BS, q_seg_BL, k_seg_BS, q_index_BLIJ, w_BLI,
+  return _gathered(q_BLNX, keys_BSX, values_BSR, None, q_pos_BL, k_pos_BS, q_seg_BL, k_seg_BS, q_index_BLIJ, w_BLI,
                    index_keys_BSJ, topk, soft_cap, True)
 
 
-def _gathered(q_BLNX: jax.Array, keys_BSX: jax.Array, values_BSR: jax.Array, q_pos_BL: jax.Array,
-              k_pos_BS: jax.Array, q_seg_BL: jax.Array | None, k_seg_BS: jax.Array | None,
+def masked_cache_attention(q_BLNX: jax.Array, latent_BKSR: jax.Array, rope_BKPS: jax.Array, allowed_BLS: jax.Array,
+                           q_index_BLIJ: jax.Array, w_BLI: jax.Array, index_keys_BSJ: jax.Array, topk: int,
+                           soft_cap: float = 0.0) -> jax.Array:
+  """`masked_attention` over MLA's compressed decode cache read in its stored layouts (K = 1): latents
+  [B, K, S, R] and rope keys [B, K, P, S] scored as masks.latent_cache_attention does."""
+  chosen_BLS = masks.top_k_mask(index_scores(q_index_BLIJ, w_BLI, index_keys_BSJ), allowed_BLS, topk)
+  return masks.latent_cache_attention(q_BLNX, latent_BKSR, rope_BKPS, chosen_BLS, soft_cap)
+
+
+def gathered_cache_attention(q_BLNX: jax.Array, latent_BSR: jax.Array, rope_BPS: jax.Array, q_pos_BL: jax.Array,
+                             q_index_BLIJ: jax.Array, w_BLI: jax.Array, index_keys_BSJ: jax.Array, topk: int,
+                             soft_cap: float = 0.0) -> jax.Array:
+  """`gathered_attention` over MLA's compressed decode cache (index = position) in its stored layouts:
+  latents [B, S, R] (the keys' first R features and the values) and rope keys [B, P, S]. Each query
+  gathers only its top-k latents and rope keys and scores the two in separate dots, summed in float32."""
+  k_pos_1S = jnp.arange(latent_BSR.shape[1])[None]
+  return _gathered(q_BLNX, latent_BSR, latent_BSR, rope_BPS, q_pos_BL, k_pos_1S, None, None, q_index_BLIJ, w_BLI,
+                   index_keys_BSJ, topk, soft_cap, False)[0]
+
+
+def _gathered(q_BLNX: jax.Array, keys_BSX: jax.Array, values_BSR: jax.Array, rope_BPS: jax.Array | None,
+              q_pos_BL: jax.Array, k_pos_BS: jax.Array, q_seg_BL: jax.Array | None, k_seg_BS: jax.Array | None,
               q_index_BLIJ: jax.Array, w_BLI: jax.Array, index_keys_BSJ: jax.Array, topk: int,
               soft_cap: float, kl: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The gathered form, keys_BSX whole [S, X] rows, or with rope_BPS (decoding) the first features of
+  each key, the rest stored position-last in rope_BPS and scored by a second dot."""
   length = q_BLNX.shape[1]
   block = QUERY_BLOCK if length > QUERY_BLOCK and length % QUERY_BLOCK == 0 else length
 
   def one_block(args: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
     q_BLNX, q_pos_BL, q_seg_BL, q_index_BLIJ, w_BLI = args
     allowed_BLS = masks.allowed(q_pos_BL, k_pos_BS, q_seg_BL if k_seg_BS is not None else None, k_seg_BS)
-    return _gathered_block(q_BLNX, keys_BSX, values_BSR, allowed_BLS, q_index_BLIJ, w_BLI, index_keys_BSJ, topk,
-                           soft_cap, kl)
+    return _gathered_block(q_BLNX, keys_BSX, values_BSR, rope_BPS, allowed_BLS, q_index_BLIJ, w_BLI, index_keys_BSJ,
+                           topk, soft_cap, kl)
 
   q_seg = q_seg_BL if q_seg_BL is not None else jnp.zeros(q_pos_BL.shape, jnp.int32)
   q_pos = jnp.broadcast_to(q_pos_BL, q_BLNX.shape[:2])
