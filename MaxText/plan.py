@@ -484,7 +484,7 @@ def main(argv: list[str]) -> int:
     finished = _compile_all(planned, config_argv, compile_flags(gen.name), cache_dir, args)
   except KeyboardInterrupt:
     interrupted, finished = True, False
-  chips, seq_len, hbm = topology.chips * num_slices, config.data.max_target_length, gen.hbm_gib * GIB
+  chips, seq_len, hbm = topology.devices * num_slices, config.data.max_target_length, gen.hbm_gib * GIB
   host = gen.host_gib * GIB if gen.host_gib is not None else math.inf
   rows, best = rank_compiled(planned, hbm, chips, seq_len, gen.peak_tflops, host)
   print(format_table(rows))

@@ -396,6 +396,31 @@ def test_an_offloading_preset_that_overflows_the_host_is_not_proposed(tmp_path, 
                  for p in shortlisted())
 
 
+def test_tpu7x_candidates_fill_its_tensorcores_and_are_valid_configs():
+  """tpu7x-8 is 4 chips of 2 TensorCores, 8 JAX devices. The degrees were searched over the 4 chips: config
+  validation refused every candidate ("ici_fsdp_parallelism = 4 uses only 4 of 8 devices per slice"), the
+  short list was empty and the plan ended "none of the 0 compiled candidates fits ... raise max_candidates"."""
+  topology = accelerators.tpu_topology("tpu7x-8")
+  args, rest = plan.PlanArgs.parse(argv(compile_topology="tpu7x-8", max_candidates=2, global_batch_tokens=16 * 64,
+                                        **TINY))
+  overrides = startup.read_overrides(rest)
+  config = config_lib.build_config(overrides, topology.target(), default_run_name="plan")
+  planned = plan.shortlist(args, overrides, config, topology, 1)[0]
+  assert planned
+  for p in planned:
+    assert math.prod(degree for _, degree in p.config.mesh.ici) == 8, p.config.mesh.ici
+    assert p.config["per_device_batch_size"] * 8 == 16  # 16 sequences over the 8 devices
+
+
+def test_tpu7x_tensorcores_share_their_chips_host_link():
+  """The analytical model counts tpu7x's TensorCores as its devices, each with half its chip's links: the
+  offloaded optimizer's transfers per device take twice what a whole chip's host link would give them."""
+  from MaxText.aot.step_time.network import NETWORKS
+  e = analytic("tpu7x-8", remat_policy="full", optimizer_memory_host_offload=True, **TINY)
+  assert e.host_optimizer > 0
+  assert e.host_s == pytest.approx(2 * e.host_optimizer / (NETWORKS["tpu7x"].host_link / 2))
+
+
 def test_a_compiled_candidate_over_the_host_memory_does_not_fit():
   topology = accelerators.tpu_topology("v5e-4")
   args, rest = plan.PlanArgs.parse(argv(compile_topology="v5e-4", max_candidates=1, **TINY))

@@ -54,6 +54,12 @@ def _from_network(network: Network) -> Links:
   return Links(ici=network.ici_bidirectional / 2, dcn=network.dcn_per_chip, host=network.host_link)
 
 
+def per_device_links(links: Links, devices_per_chip: int) -> Links:
+  """A chip's links, DCN share and host link as one JAX device sees them: a tpu7x chip's two
+  TensorCores share its own (the step-time model's network.py shares them the same way)."""
+  return Links(links.ici / devices_per_chip, links.dcn / devices_per_chip, links.host / devices_per_chip)
+
+
 # The generations the step-time model has published figures for take them from its table
 # (aot/step_time/network.py, sources in AOT.md), so the two models price one network.
 LINKS: dict[str, Links] = {
@@ -242,8 +248,8 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
              seq_len: int, rules: sharding.Rules, attention_kernel: str) -> Estimate:
   """The analytical estimate of one candidate (its keys resolved: every degree, batch, policy)."""
   cfg, gen = model.cfg, topology.generation
-  links = LINKS.get(gen.name, LINKS["v5e"])
-  chips = topology.chips * num_slices
+  links = per_device_links(LINKS.get(gen.name, LINKS["v5e"]), gen.devices_per_chip)
+  chips = topology.devices * num_slices  # devices: the figures (HBM, peak) are per device
   mesh_shape = mesh_of(candidate)
   pdb = float(candidate["per_device_batch_size"])
   accumulation = int(candidate.get("gradient_accumulation_steps", 1))
@@ -318,7 +324,7 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   full_params_bytes = model.num_params * 2 / max(1, mesh_shape["tensor"] * mesh_shape["expert"] * mesh_shape["stage"])
   fsdp_group = mesh_shape["fsdp"] * mesh_shape["fsdp_transpose"] * mesh_shape["sequence"]
   gathers = 3 if policy.keeps == "nothing" else 2  # full remat gathers the weights again for the recompute
-  ici_fsdp = min(fsdp_group, topology.chips)
+  ici_fsdp = min(fsdp_group, topology.devices)
   # Each microbatch reduces its own gradients over the fsdp group inside the backward loop (Planner.md,
   # *Gradient accumulation's reductions*). One reduction stays under compute as before; each further
   # microbatch's is counted in full, since the compiled v5e-256 step all-reduces them synchronously.

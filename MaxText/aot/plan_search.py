@@ -71,7 +71,7 @@ def candidates(model: ModelShape, topology: accelerators.TpuTopology, num_slices
   validation has it). Without `whole_batches`, batches that do not split into whole rows are kept
   (for a lower bound)."""
   cfg = model.cfg
-  per_slice = topology.chips
+  per_slice = topology.devices  # mesh degrees count JAX devices (two per tpu7x chip)
   layers = cfg.num_decoder_layers
   pipelined = can_pipeline(cfg)
   stage_choices = [p for p in powers_of_two(min(per_slice, MAX_ICI_STAGES)) if layers % p == 0] if pipelined else [1]
@@ -228,7 +228,7 @@ class PlacementFill:
         device.extend(names)
         room -= width * per_element * pipe.live_share
     # Offloading pays where sending a tensor out and back takes less than re-running its matmul.
-    links = plan_model.LINKS.get(gen.name, plan_model.LINKS["v5e"])
+    links = plan_model.per_device_links(plan_model.LINKS.get(gen.name, plan_model.LINKS["v5e"]), gen.devices_per_chip)
     host_room = min(plan_model.XLA_HOST_TEMPORARIES - base.host_activations,
                     (gen.host_gib * GIB if gen.host_gib is not None else math.inf) - base.host_activations
                     - base.host_optimizer)
@@ -291,7 +291,7 @@ class Bound:
     fixed = self.fixed if fixed is None else fixed
     lean: dict[str, Any] = dict(LEAN)
     if self.global_batch is None and "per_device_batch_size" not in fixed:
-      lean.update(per_device_batch_size=1 / (topology.chips * num_slices), gradient_accumulation_steps=1)
+      lean.update(per_device_batch_size=1 / (topology.devices * num_slices), gradient_accumulation_steps=1)
     best = None
     for policy in LEAN_POLICIES:
       for candidate in candidates(self.model, topology, num_slices, {**lean, "remat_policy": policy, **fixed},
