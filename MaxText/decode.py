@@ -35,6 +35,7 @@ from MaxText.inference.image_prompts import PromptImages
 from MaxText.input_pipeline import image_text
 from MaxText.input_pipeline.tokenizer import DocumentEncoder, Tokenizer, load_tokenizer
 from MaxText import startup
+from MaxText.training import params_io
 from MaxText.platform.distributed import log
 
 
@@ -52,7 +53,8 @@ def prompt_ids(config: config_lib.Config) -> tuple[list[int], Tokenizer | None]:
   if config.decode.prompt_chat_template:
     from MaxText.input_pipeline import chat
 
-    return chat.chat_prompt_ids(chat.load_chat_tokenizer(data.tokenizer_path), config.decode.prompt), tokenizer
+    hf_tokenizer = chat.load_chat_tokenizer(data.tokenizer_path, needs=CHAT_TEMPLATE_NEEDS)
+    return chat.chat_prompt_ids(hf_tokenizer, config.decode.prompt), tokenizer
   return DocumentEncoder(tokenizer, data.add_bos, add_eos=False)(config.decode.prompt), tokenizer
 
 
@@ -81,7 +83,8 @@ def prompt_with_images(config: config_lib.Config) -> tuple[list[int], Tokenizer 
   if not data.tokenizer_path:
     raise UserError("set tokenizer_path=... to encode prompt with its images")
   tokenizer = load_tokenizer(data.tokenizer_type, data.tokenizer_path)
-  hf_tokenizer = chat.load_chat_tokenizer(data.tokenizer_path, require_template=config.decode.prompt_chat_template)
+  hf_tokenizer = chat.load_chat_tokenizer(data.tokenizer_path, require_template=config.decode.prompt_chat_template,
+                                         needs=CHAT_TEMPLATE_NEEDS)
   if config.decode.prompt_chat_template:
     parts = [{"type": "image", "image": p} for p in paths] + [{"type": "text", "text": config.decode.prompt}]
     ids, prompt_images = image_chat.conversation_ids(hf_tokenizer, [{"role": "user", "content": parts}], cfg,
@@ -105,9 +108,14 @@ def decode(config: config_lib.Config) -> list[int]:
   if config.decode.serve_lora_adapters:  # else the base model's tokens, silently
     raise UserError("decode.py reads no LoRA adapters (serve_lora_adapters is MaxText.serve's): serve them and name "
                     "one as a request's model, or decode a checkpoint with the adapter merged in")
+  if config.checkpoint.load_parameters_path:  # before the tokenizer is held against a model it may not describe
+    params_io.params_directory(config.checkpoint.load_parameters_path)
   ids, tokenizer, prompt_images = prompt_with_images(config)
   rows = [prompt_images]
   limit = config.decode.max_prefill_predict_length
+  if not ids:
+    raise UserError("the prompt is empty (no tokens, and add_bos=False adds none); give a prompt, or set add_bos=True "
+                    "to start from the beginning-of-sequence token alone")
   if len(ids) > limit:
     raise UserError(f"the prompt has {len(ids)} tokens, more than max_prefill_predict_length={limit}; "
                     "raise max_prefill_predict_length or shorten the prompt")
@@ -198,6 +206,7 @@ def report(ids: list[int], generated: list[int], tokenizer: Tokenizer | None, pr
 
 
 FRESH_NOTE = "decode: no load_parameters_path given; using randomly initialised parameters"
+CHAT_TEMPLATE_NEEDS = "decode with prompt_chat_template=True"  # what the tokenizer's chat template is for, in errors
 TOOL = startup.Tool("decode", reads_run=True, joins_job=True, reads_data=False)
 
 main = startup.config_main(TOOL, decode)

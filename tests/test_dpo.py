@@ -210,11 +210,30 @@ def test_a_pair_whose_sides_are_the_same_tokens_is_dropped_and_counted(tokenizer
      "a dpo record's 'chosen' must be a list of messages with an assistant turn"),
     ({"prompt": "to be", "chosen": [{"role": "assistant", "content": "or not"}], "rejected": "not or"}, UserError,
      "must all be strings or all be lists of messages; got str, list, str"),
+    # Named as the record names them (were: "sft field 'prompt' ...", "sft field 'completion' ...").
+    ({"prompt": 3, "chosen": [{"role": "assistant", "content": "or not"}], "rejected": "not or"}, UserError,
+     "a dpo record's 'prompt' must be a string or a list of {'role': ..., 'content': ...} messages, got int '3'"),
+    ({"prompt": [{"role": "user", "content": "to be"}], "chosen": [{"role": "assistant", "content": "or not"}, "and"],
+      "rejected": [{"role": "assistant", "content": "not or"}]}, UserError,
+     "dpo field 'chosen' must be a list of {'role': ..., 'content': ...} messages, got"),
 ])
 def test_bad_records_are_named(tokenizer_dir, record, error, message):
   with pytest.raises(error, match=None) as raised:
     _encoder(tokenizer_dir)(record)
   assert message in str(raised.value)
+
+
+def test_a_completion_with_no_token_to_train_on_is_refused(tokenizer_dir):
+  """An empty completion without add_eos: the pair was dropped as if truncated ("no completion token within
+  max_target_length + 1 = 129 tokens"), and a file of them ended "raise max_target_length or shorten the prompts"."""
+  encoder = preference.PreferenceEncoder(chat.load_chat_tokenizer(str(tokenizer_dir)), str(tokenizer_dir), 128,
+                                         add_bos=True, add_eos=False)
+  with pytest.raises(UserError) as raised:
+    encoder({"prompt": "to be", "chosen": " or not", "rejected": ""})
+  assert str(raised.value) == ("a dpo record's 'rejected' has no token to train on: it is empty (and add_eos=False adds "
+                               "no end-of-sequence token after a plain-text one); give it a completion or remove the "
+                               "record"), str(raised.value)
+  assert encoder({"prompt": "to be", "chosen": " or not", "rejected": " not or"}).shape[1] > 0
 
 
 def test_message_lists_need_a_chat_template(tmp_path):

@@ -519,8 +519,13 @@ class DecodeConfig:
     # Checked against max_target_length by the decode engine only: training runs never read it.
     prefill = v["max_prefill_predict_length"]
     _require(prefill > 0, f"max_prefill_predict_length must be > 0, got {prefill}")
-    _require(v["decode_sampling_temperature"] > 0,
-             f"decode_sampling_temperature must be > 0, got {v['decode_sampling_temperature']}")
+    # inf (or past float32's largest, inf on the device) would sample every token alike, whatever the model says.
+    _require(0 < v["decode_sampling_temperature"] <= FLOAT32_MAX,
+             "decode_sampling_temperature must be > 0 and a finite float32 number, got "
+             f"{v['decode_sampling_temperature']}")
+    # The engine's sampler keys are uint32 seeds (a negative or larger one stopped decode with a traceback).
+    _require(0 <= v["decode_sampling_seed"] < 2**32,
+             f"decode_sampling_seed must be in [0, 2**32) (an unsigned 32-bit seed), got {v['decode_sampling_seed']}")
     _require(0 < v["decode_sampling_top_p"] <= 1,
              f"decode_sampling_top_p must be in (0, 1], got {v['decode_sampling_top_p']}")
     _require(1 <= v["decode_sampling_top_k"] <= v["vocab_size"],

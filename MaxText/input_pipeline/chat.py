@@ -338,6 +338,9 @@ class SftEncoder:
 
   def __call__(self, record: object) -> np.ndarray:
     tokens, weights = self.tokens_and_weights(as_mapping(record))
+    if self.completion_only and not any(weights[1:]):  # at any max_target_length: refused, not trained as 0 tokens
+      raise UserError(f"an sft record has no token to train on: its completion is empty{self.no_eos_note()}; give it "
+                      "a completion or remove the record")
     if len(tokens) > self.max_tokens:
       if not any(weights[1:self.max_tokens]):
         # Token i is a target once max_target_length >= i: the first trained one says what would keep it.
@@ -350,6 +353,10 @@ class SftEncoder:
 
   def explain_empty(self) -> str | None:
     return self.dropped.explain_all_dropped(self.max_tokens - 1)
+
+  def no_eos_note(self) -> str:
+    """Why an empty plain-text completion trains nothing: no end-of-sequence token follows it."""
+    return "" if self.eos_id is not None else " (and add_eos=False adds no end-of-sequence token after a plain-text one)"
 
   def tokens_and_weights(self, record: Mapping[str, Any], rewrite: Rewrite | None = None) -> tuple[list[int], list[int]]:
     """The whole sample's tokens and 0/1 target weights, before truncation. `rewrite` changes the
@@ -426,10 +433,10 @@ def as_mapping(record: object, what: str = "sft") -> Mapping[str, Any]:
   return record
 
 
-def as_messages(value: object, field: str) -> list[dict[str, Any]]:
+def as_messages(value: object, field: str, what: str = "sft") -> list[dict[str, Any]]:
   if not isinstance(value, list) or not all(isinstance(m, Mapping) and "role" in m and "content" in m
                                             for m in value):
-    raise UserError(f"sft field {field!r} must be a list of {{'role': ..., 'content': ...}} messages, got "
+    raise UserError(f"{what} field {field!r} must be a list of {{'role': ..., 'content': ...}} messages, got "
                     f"{str(value)[:80]!r}")
   return [dict(m) for m in value]
 

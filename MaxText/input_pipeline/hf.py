@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from typing import Any, Callable, Iterator
 
 from MaxText.paths import storage
@@ -69,6 +70,38 @@ def _blank(path: str) -> bool:
         return False
       first = False
   return True
+
+
+def _no_records(path: str, builder: str) -> bool:
+  """Whether a file holds no records: nothing but whitespace, a JSON file's empty array `[]`, or a
+  parquet file of no rows (datasets fails on each in its own way)."""
+  if builder == "parquet":
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+      with storage.open_file(path, "rb") as f:
+        return pq.read_metadata(f).num_rows == 0
+    except (pa.ArrowException, OSError):
+      return False  # not readable: _bad_parquet names it
+  if _blank(path):
+    return True
+  if builder != "json":
+    return False
+  with storage.open_file(path, "rb") as f:
+    head = f.read(1 << 16)
+  return re.fullmatch(rb"(\xef\xbb\xbf)?\s*\[\s*\]\s*", head) is not None
+
+
+def _refuse_a_leading_null(files_key: str, files: list[str]) -> None:
+  """pyarrow's JSON reader (under datasets) ends the process with a segmentation fault when the first
+  value it reads is null: a file whose first record is `null` is refused before datasets opens it."""
+  from MaxText.input_pipeline import json_records
+
+  for path in files:
+    if json_records.first_record_is_null(path):
+      problem = json_records.first_problem(path) or "starts with a JSON null, not an object"
+      raise ConfigError(f"{files_key}: {path} {problem}; fix or remove that record")
 
 
 def _bad_parquet(files: list[str]) -> str | None:
@@ -144,14 +177,20 @@ def open_split(hf_path: str, data_files: str, split: str, files_key: str) -> tup
       describe = f"hf {builder} files {data_files}"
       # utf-8-sig: a text file's byte order mark is not part of its first line
       options = {"encoding": "utf-8-sig"} if builder == "text" else {}
+      if builder == "json":
+        _refuse_a_leading_null(files_key, files)
       with _remote_files_allowed(datasets, builder, files), _quiet_loaders():
         try:
           dataset = datasets.load_dataset(builder, data_files={split: files}, split=split, **options)
         except (datasets.exceptions.DatasetGenerationError, StopIteration, ValueError) as e:
           # datasets fails on files with no records in its own ways (StopIteration from the JSON
-          # builder, "corresponds to no data"): they are an empty split, which the callers name.
-          if builder in ("json", "text", "csv") and all(_blank(f) for f in files):
+          # builder, "corresponds to no data", a parquet reader's batch size of 0): they are an empty
+          # split, which the callers name.
+          if builder in ("json", "text", "csv", "parquet") and all(_no_records(f, builder) for f in files):
             return datasets.Dataset.from_dict({}), describe
+          if builder == "json" and "corresponds to no data" in str(e):  # records, none with a field
+            raise ConfigError(f"{files_key} {data_files}: every record is an empty JSON object ({{}}): there is no "
+                              "field to read; give each record its fields") from None
           if isinstance(e, ValueError) and builder != "parquet":
             raise  # an argument datasets refuses: worded below
           raise ConfigError(_unreadable(files_key, data_files, builder, files, e)) from None

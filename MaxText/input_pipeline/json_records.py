@@ -1,6 +1,7 @@
 """Where a JSON / JSONL record lives in the user's files, for error messages only: the first line
 `datasets` could not parse, and the file and line of the n-th record. Never on the happy path:
-the files are read again here only after something failed.
+the files are read again here only after something failed (but for the look at each file's first
+record that first_record_is_null takes).
 
 A file whose first character is `[` holds one JSON array of records (as `datasets` reads a .json
 file); any other holds one record per non-blank line (blank lines are skipped, as `datasets` does).
@@ -9,6 +10,7 @@ file); any other holds one record per non-blank line (blank lines are skipped, a
 from __future__ import annotations
 
 import json
+import re
 from typing import Iterator
 
 from MaxText.paths import storage
@@ -21,6 +23,23 @@ def _starts_with_array(path: str) -> bool:
       if stripped:
         return stripped.startswith(b"[")
   return False
+
+
+_LEADING_NULL = re.compile(rb"\[?\s*null(?![A-Za-z0-9_])")
+
+
+def first_record_is_null(path: str) -> bool:
+  """Whether the first record of `path` (its first value, or its array's first element) is a JSON null;
+  reads only the whitespace before it and a few bytes more."""
+  head = b""
+  with storage.open_file(path, "rb") as f:
+    while chunk := f.read(1 << 12):
+      head = (head + chunk).removeprefix(b"\xef\xbb\xbf").lstrip()
+      if head.startswith(b"["):
+        head = b"[" + head[1:].lstrip()
+      if len(head) >= 6:  # "[null," decides it
+        break
+  return _LEADING_NULL.match(head) is not None
 
 
 def _lines(path: str) -> Iterator[tuple[int, bytes]]:

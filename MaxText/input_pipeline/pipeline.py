@@ -138,7 +138,9 @@ class _Numbered:
   def __getitem__(self, index: int) -> tuple[int, Any]:
     try:
       return index, self.source[index]
-    except (RuntimeError, UserError) as e:  # RuntimeError: the ArrayRecord reader's, on a damaged chunk
+    # RuntimeError: the ArrayRecord reader's, on a damaged chunk; UnicodeDecodeError: a string of a JSON file that
+    # is not UTF-8 (datasets' JSON reader stores its bytes unchecked; they are decoded when the record is read).
+    except (RuntimeError, UnicodeDecodeError, UserError) as e:
       return index, Unreadable(e)
 
 
@@ -151,6 +153,10 @@ class Unreadable:
   def error(self) -> UserError:
     if isinstance(self._error, UserError):
       return self._error
+    if isinstance(self._error, UnicodeDecodeError):
+      byte = bytes(self._error.object[self._error.start:self._error.start + 1]).hex()
+      return UserError(f"holds text that is not UTF-8 (a byte 0x{byte} in one of its strings); save the file as UTF-8 "
+                       "or remove that record")
     reason = (str(self._error).splitlines() or [""])[0] or type(self._error).__name__
     return UserError(f"cannot be read ({reason}); the file holding it is damaged: replace or remove it")
 

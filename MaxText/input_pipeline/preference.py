@@ -21,7 +21,7 @@ import numpy as np
 
 from MaxText.errors import ConfigError, UserError
 from MaxText.input_pipeline.batch_spec import DPO_FIELDS, FIELDS, REJECTED_PREFIX
-from MaxText.input_pipeline.chat import ChatTokenizer, DroppedSamples, SftEncoder, as_mapping
+from MaxText.input_pipeline.chat import ChatTokenizer, DroppedSamples, SftEncoder, as_mapping, as_messages
 from MaxText.input_pipeline.packing import DocumentCursor
 
 RECORD_FIELDS = ("prompt", "chosen", "rejected")
@@ -54,7 +54,7 @@ class PreferenceEncoder:
     elif not (isinstance(record["chosen"], str) and isinstance(record["rejected"], str)):
       raise UserError("a dpo record's 'prompt', 'chosen' and 'rejected' must all be strings or all be lists of "
                       f"messages; got {', '.join(type(record[f]).__name__ for f in RECORD_FIELDS)}")
-    sides = [self._truncated(prompt, record[f]) for f in ("chosen", "rejected")]
+    sides = [self._truncated(prompt, record[f], f) for f in ("chosen", "rejected")]
     if any(side is None for side in sides):
       self.dropped.add(f"no completion token within max_target_length + 1 = {self.max_tokens} tokens")
       return np.zeros((4, 0), np.int32)
@@ -72,6 +72,9 @@ class PreferenceEncoder:
     return encoded
 
   def _check_conversation(self, record: Mapping[str, Any]) -> None:
+    if not isinstance(record["prompt"], list):
+      raise UserError(f"a dpo record's 'prompt' must be a string or a list of {{'role': ..., 'content': ...}} messages, "
+                      f"got {type(record['prompt']).__name__} {str(record['prompt'])[:80]!r}")
     if self.sequences.tokenizer.chat_template is None:
       raise ConfigError(f"dpo records with message lists are rendered with the chat template, and the tokenizer in "
                         f"{self.tokenizer_path} has none (no chat_template in tokenizer_config.json and no "
@@ -82,9 +85,14 @@ class PreferenceEncoder:
                                               for m in value)):
         raise UserError(f"a dpo record's {field!r} must be a list of messages with an assistant turn (the completion "
                         f"to prefer or reject), got {str(value)[:80]!r}")
+    for field in RECORD_FIELDS:  # named as the record names them (SftEncoder would say the sft 'completion')
+      as_messages(record[field], field, "dpo")
 
-  def _truncated(self, prompt: object, completion: object) -> tuple[list[int], list[int]] | None:
+  def _truncated(self, prompt: object, completion: object, field: str) -> tuple[list[int], list[int]] | None:
     tokens, weights = self.sequences.tokens_and_weights({"prompt": prompt, "completion": completion})
+    if not any(weights[1:]):  # at any max_target_length: refused, not dropped as if truncated
+      raise UserError(f"a dpo record's {field!r} has no token to train on: it is empty"
+                      f"{self.sequences.no_eos_note()}; give it a completion or remove the record")
     tokens, weights = tokens[:self.max_tokens], weights[:self.max_tokens]
     return (tokens, weights) if any(weights[1:]) else None
 

@@ -54,13 +54,20 @@ class SentencePieceTokenizer:
     return self._sp.EncodeAsIds(text)
 
   def decode(self, ids: list[int]) -> str:
-    return self._sp.DecodeIds(list(ids))
+    return self._sp.DecodeIds(_in_vocabulary(ids, self.vocab_size))
 
   def special_id(self, text: str) -> int | None:
     """The id of the control token spelled `text` (decode writes none of them), else None."""
     piece = self._sp.PieceToId(text)
     return piece if 0 <= piece < self.vocab_size and self._sp.IdToPiece(piece) == text and (
         self._sp.IsControl(piece)) else None
+
+
+def _in_vocabulary(ids: list[int], vocab_size: int) -> list[int]:
+  """`ids` without those past the tokenizer's vocabulary, which have no text: a model's vocab_size is often
+  padded beyond its tokenizer's, and it may sample a padding id (the library raised on it, after a whole
+  decode). Hugging Face tokenizers leave such ids out of the text the same way."""
+  return [i for i in ids if 0 <= i < vocab_size]
 
 
 def _read_ranks(path: str) -> dict[bytes, int]:
@@ -103,7 +110,7 @@ class TiktokenTokenizer:
     return self._enc.encode(text, disallowed_special=())
 
   def decode(self, ids: list[int]) -> str:
-    return self._enc.decode(list(ids))
+    return self._enc.decode(_in_vocabulary(ids, self.vocab_size))
 
 
 class HuggingFaceTokenizer:

@@ -116,6 +116,12 @@ def test_tokenizer_larger_than_vocab_is_an_error(tmp_path):
     (dict(prompt_token_ids="5,x"), "prompt_token_ids must be comma-separated integers"),
     (dict(prompt_token_ids="5,64"), "prompt_token_ids must lie in [0, vocab_size=64)"),
     (dict(max_prefill_predict_length=0), "max_prefill_predict_length must be > 0"),
+    # Were accepted: inf (and 1e39, inf in float32) sampled every token alike; a seed outside uint32 stopped
+    # decode with an OverflowError traceback after the prefill.
+    (dict(decode_sampling_temperature=float("inf")), "decode_sampling_temperature must be > 0 and a finite float32"),
+    (dict(decode_sampling_temperature=1e39), "decode_sampling_temperature must be > 0 and a finite float32"),
+    (dict(decode_sampling_seed=-1), "decode_sampling_seed must be in [0, 2**32) (an unsigned 32-bit seed), got -1"),
+    (dict(decode_sampling_seed=2**32), "decode_sampling_seed must be in [0, 2**32)"),
 ])
 def test_decode_keys_are_validated(overrides, message):
   from MaxText.errors import ConfigError
@@ -132,3 +138,35 @@ def test_lora_adapters_are_refused_rather_than_decoded_without(tmp_path):
   config = Config.for_testing(**MODEL, **RUN, prompt_token_ids="1,2", serve_lora_adapters=f"a={tmp_path}")
   with pytest.raises(UserError, match="decode.py reads no LoRA adapters"):
     decode.decode(config)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tmp_path_factory) -> Path:
+  """A Hugging Face tokenizer of about 260 tokens (more than MODEL's vocab_size) without a chat template."""
+  from tests.input_pipeline.sft_fixtures import write_tokenizer
+
+  return write_tokenizer(tmp_path_factory.mktemp("tok") / "plain", None)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # Was: "the tokenizer ... has 264 tokens but the model's vocab_size is 256: this tokenizer does not belong to this
+    # checkpoint" (no model_config.yml read from a path that is not there: the default model's vocabulary).
+    (dict(load_parameters_path="/nonexistent/ckpt"), "checkpoint /nonexistent/ckpt does not exist"),
+    # Was: "prompt 0 has 0 tokens; ... (raise max_prefill_predict_length or shorten the prompt)".
+    (dict(prompt="", add_bos=False, vocab_size=512), "the prompt is empty (no tokens, and add_bos=False adds none)"),
+    # Was: "... objective=sft with conversations needs the model's own template".
+    (dict(prompt="hi", prompt_chat_template=True, vocab_size=512),
+     "has no chat template (no chat_template in tokenizer_config.json and no chat_template.jinja); decode with "
+     "prompt_chat_template=True needs the model's own template"),
+])
+def test_prompt_and_checkpoint_errors_name_their_culprit(hf_tokenizer, overrides, message):
+  from MaxText import decode
+  from MaxText.errors import UserError
+
+  values = {**MODEL, **RUN, "tokenizer_type": "huggingface", "tokenizer_path": str(hf_tokenizer), "prompt": "hi",
+            **overrides}
+  if "load_parameters_path" in overrides:
+    values.pop("vocab_size")  # as on the command line without model_name: the keys saved beside the checkpoint
+  with pytest.raises(UserError) as raised:
+    decode.decode(Config.for_testing(**values))
+  assert message in str(raised.value) and "\n" not in str(raised.value), str(raised.value)

@@ -96,12 +96,69 @@ def test_hub_dataset_is_never_downloaded(spm_model, prepared):
 
 
 @pytest.mark.parametrize("name, content", [("empty.jsonl", ""), ("empty.json", ""), ("blank.jsonl", "\n \n"),
-                                           ("empty.txt", "")])
+                                           ("empty.txt", ""),
+                                           # were: 'hf dataset ...: Instruction "train" corresponds to no data!'
+                                           ("empty_array.json", "[]"), ("empty_array_lines.json", "\ufeff[\n ]\n"),
+                                           ("no_rows.parquet", None)])
 def test_an_empty_hf_file_is_named_as_empty(spm_model, prepared, tmp_path, name, content):
-  (tmp_path / name).write_text(content)
+  if content is None:  # a parquet file of no rows (was: "datasets cannot read them as parquet (ArrowInvalid: ...")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), str(tmp_path / name))
+  else:
+    (tmp_path / name).write_text(content)
   with pytest.raises(ConfigError) as error:
     _open(_grain(spm_model, prepared, dataset_type="hf", hf_data_files=str(tmp_path / name)))
   assert f"{tmp_path / name}) is empty" in str(error.value), str(error.value)
+
+
+def test_hf_json_records_that_are_all_empty_objects_are_named(tmp_path):
+  """Was: 'hf dataset ...: Instruction "train" corresponds to no data!' for a file of 3 records."""
+  from MaxText.input_pipeline import hf
+
+  (tmp_path / "objects.jsonl").write_text("{}\n{}\n{}\n")
+  with pytest.raises(ConfigError) as error:
+    hf.open_split("", str(tmp_path / "objects.jsonl"), "train", "hf_data_files")
+  assert str(error.value) == (f"hf_data_files {tmp_path / 'objects.jsonl'}: every record is an empty JSON object "
+                              "({}): there is no field to read; give each record its fields"), str(error.value)
+
+
+@pytest.mark.parametrize("name, content, problem", [
+    ("nulls.jsonl", 'null\n{"text": "a"}\n', "nulls.jsonl line 1: a JSON null, not an object (one record per line)"),
+    ("spaced.jsonl", '\n  null  \n{"text": "a"}\n', "spaced.jsonl line 2: a JSON null, not an object"),
+    ("bom.jsonl", '\ufeffnull\n', "bom.jsonl line 1: a JSON null, not an object"),
+    ("nulls.json", '[null, {"text": "a"}]', "nulls.json record 1 of its array is a JSON null, not an object"),
+], ids=["first-line", "after-blank-lines", "after-a-bom", "json-array"])
+def test_a_json_file_whose_first_record_is_null_is_named(tmp_path, name, content, problem):
+  """pyarrow's JSON reader, under datasets, ended the process with a segmentation fault (exit 139, no line). Run
+  in a process of its own, so that a return of the crash fails this test, not the session."""
+  import subprocess
+  import sys
+
+  (tmp_path / name).write_text(content)
+  code = ("import sys\nfrom MaxText.errors import ConfigError\nfrom MaxText.input_pipeline import hf\n"
+          "try:\n  hf.open_split('', sys.argv[1], 'train', 'hf_data_files')\n"
+          "except ConfigError as e:\n  print(e)\n  sys.exit(2)\n")
+  proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / name)], cwd=Path(__file__).resolve().parents[2],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+  assert proc.stdout.startswith(f"hf_data_files: {tmp_path}/{problem}") and "; fix or remove that record" in \
+      proc.stdout, proc.stdout
+
+
+def test_a_json_string_that_is_not_utf8_is_named_by_file_and_line(spm_model, prepared, tmp_path):
+  """datasets' JSON reader keeps a string's bytes unchecked; reading the record raised UnicodeDecodeError as a
+  traceback."""
+  lines = [b'{"text": "first record"}', b'{"text": "caf\xe9"}', b'{"text": "third record"}']
+  (tmp_path / "latin1.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+  with pytest.raises(UserError) as error:
+    iterator = _open(_grain(spm_model, prepared, dataset_type="hf", hf_data_files=str(tmp_path / "latin1.jsonl"),
+                            enable_data_shuffling=False, data_prefetch_batches=0))
+    for _ in range(3):
+      next(iterator)
+  assert str(error.value) == (f"{tmp_path / 'latin1.jsonl'} line 2: holds text that is not UTF-8 (a byte 0xe9 in one "
+                              "of its strings); save the file as UTF-8 or remove that record"), str(error.value)
 
 
 def test_an_empty_grpo_prompt_file_is_named_as_empty(tiny_overrides, tmp_path):

@@ -106,6 +106,24 @@ def test_bad_records_fail_in_one_line(record, error, message, tmp_path):
   assert message in str(raised.value) and "\n" not in str(raised.value)
 
 
+def test_a_record_with_no_token_to_train_on_is_refused(tmp_path):
+  """An empty plain-text completion without add_eos trains nothing at any length: it was packed with every weight 0,
+  and a file of them ran its steps at loss 0 (a warning each step, exit 0)."""
+  directory = write_tokenizer(tmp_path / "tok", without_markers(TEMPLATES["chatml"]))
+  no_eos = chat.SftEncoder(chat.load_chat_tokenizer(str(directory)), 512, True, True, add_eos=False)
+  with pytest.raises(UserError) as raised:
+    no_eos({"prompt": "to be", "completion": ""})
+  assert str(raised.value) == ("an sft record has no token to train on: its completion is empty (and add_eos=False adds "
+                               "no end-of-sequence token after a plain-text one); give it a completion or remove the "
+                               "record"), str(raised.value)
+  assert no_eos({"prompt": "to be", "completion": " or not"})[1].any()
+  # With add_eos the end of sequence is the completion's one token; an empty assistant turn trains its end of turn.
+  with_eos = encoder(tmp_path, TEMPLATES["chatml"])
+  tokens, weights = with_eos({"prompt": "to be", "completion": ""})
+  assert tokens[weights != 0].tolist() == [with_eos.tokenizer.eos_token_id]
+  assert no_eos({"messages": [{"role": "user", "content": "to be"}, {"role": "assistant", "content": ""}]})[1].any()
+
+
 def test_a_tokenizer_without_a_chat_template_is_refused(tmp_path):
   directory = write_tokenizer(tmp_path / "plain", None)
   with pytest.raises(ConfigError, match="has no chat template"):

@@ -51,6 +51,18 @@ def test_tiktoken_ranks_file_in_llama3_layout(tmp_path):
   assert tokenizer.decode(ids) == TEXT + " <|begin_of_text|>"
 
 
+def test_ids_past_the_vocabulary_decode_to_no_text(tmp_path, spm_model):
+  """A model's vocab_size is often padded past its tokenizer's, and decode.py prints what it sampled: SentencePiece
+  raised IndexError (OUT_OF_RANGE) and tiktoken KeyError on such an id, a traceback after the whole decode. They
+  have no text, as Hugging Face tokenizers already wrote them."""
+  path = tmp_path / "bytes.tiktoken"
+  path.write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
+  for tokenizer in (load_tokenizer("sentencepiece", spm_model), load_tokenizer("tiktoken", str(path))):
+    ids = tokenizer.encode(TEXT)
+    past = [tokenizer.vocab_size, tokenizer.vocab_size + 100, -1]
+    assert tokenizer.decode(ids[:3] + past + ids[3:]) == tokenizer.decode(ids) == TEXT
+
+
 def test_tokenizer_errors(tmp_path, spm_model):
   with pytest.raises(ConfigError, match="tokenizer_type must be one of"):
     load_tokenizer("bytes", spm_model)
