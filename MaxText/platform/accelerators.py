@@ -114,15 +114,13 @@ def local_target() -> DeviceTarget:
 
 def known_peak_tflops(device_kind: str) -> float | None:
   """Published peak bf16 TFLOP/s for a device kind, or None if unknown."""
-  peaks = dict(GPU_PEAK_TFLOPS)
-  for generation in TPU_GENERATIONS.values():
-    # What the chip reports ("tpu v5 lite") and its slice name ("tpu v5e").
-    peaks[generation.device_kind.lower()] = peaks[f"tpu {generation.name}"] = generation.peak_tflops
+  generation = tpu_generation_of(device_kind)
+  if generation is not None:
+    return generation.peak_tflops
   kind = device_kind.lower()
-  # Longest prefix first: "tpu v5 lite" (v5e) before "tpu v5" (v5p).
-  for prefix in sorted(peaks, key=len, reverse=True):
+  for prefix in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):  # the longest name that matches
     if kind.startswith(prefix):
-      return peaks[prefix]
+      return GPU_PEAK_TFLOPS[prefix]
   return None
 
 
@@ -221,10 +219,12 @@ TPU_GENERATIONS: dict[str, TpuGeneration] = {
 
 
 def tpu_generation_of(device_kind: str) -> TpuGeneration | None:
-  """The TPU generation of a device as JAX names its kind ("TPU v5 lite": v5e, "TPU v5": v5p); None for another."""
+  """The TPU generation of a device as JAX names its kind ("TPU v5 lite": v5e, "TPU v5": v5p) or by its
+  slice name ("TPU v5e"); None for another."""
   kind = device_kind.lower()
-  matches = [g for g in TPU_GENERATIONS.values() if kind.startswith(g.device_kind.lower())]
-  return max(matches, key=lambda g: len(g.device_kind), default=None)  # "tpu v5 lite" before "tpu v5"
+  names = [(name, g) for g in TPU_GENERATIONS.values() for name in (g.device_kind.lower(), f"tpu {g.name}")]
+  matches = [(name, g) for name, g in names if kind.startswith(name)]
+  return max(matches, key=lambda m: len(m[0]), default=(None, None))[1]  # "tpu v5 lite" before "tpu v5"
 
 
 # 2D (v5e/v6e) slice shapes; a side of 16 is a full ring and wraps around.
