@@ -33,7 +33,7 @@ from MaxText.configuration import run_record
 from MaxText.platform import distributed
 from MaxText.paths import storage
 from MaxText.platform.distributed import log
-from MaxText.errors import ConfigError, UserError, run_cli
+from MaxText.errors import ConfigError, TrainingError, UserError, run_cli
 from MaxText.input_pipeline import check_sources
 from MaxText.inference import quantized_weights
 from MaxText.rl import rollout_mesh
@@ -161,9 +161,11 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None, argv:
   try:
     loop = trainer.run(start.state, start_step)
   except jax.errors.JaxRuntimeError as e:
-    if trainer.steps_finished or not memory_report.is_xla_oom(str(e)):
+    if not memory_report.is_xla_oom(str(e)):
       raise
-    raise _step_does_not_fit(run, e, start_step + 1) from None
+    if not trainer.steps_finished:
+      raise _step_does_not_fit(run, e, start_step + 1) from None
+    raise _ran_out_later(run, e, trainer, start_step, checkpoints) from None
   if trainer.stop_reason is not None:  # on every process: each host's log says why it exited 143
     print(f"stopped: {trainer.stop_reason}; rerun the same command to resume", flush=True)
     return 128 + signal.SIGTERM
@@ -207,19 +209,57 @@ def _step_does_not_fit(run: run_assembly.Run, error: jax.errors.JaxRuntimeError,
   off_heap = memory_report.off_heap_message(message, oom, generation, offload)
   if off_heap:
     return UserError(off_heap)
-  unit = generation.device_unit if generation is not None else "device"
+  unit = _device_unit(config)
   sizes = memory_report.oom_sizes(oom, unit, _device_bytes())
   state = memory_report.describe_state(memory_report.state_bytes_per_chip(run.abstract_inputs().state))
+  return UserError(f"the train step does not fit in the devices' memory (compiling or running step {step}): {sizes} "
+                   f"({'; '.join(filter(None, (state, f'XLA: {first_line}')))}); use less per {unit}: "
+                   f"{', '.join(_ways_to_use_less(run))}{_teacher_advice(config)}; python3 -m MaxText.train_compile "
+                   "with the same overrides and compile_topology=local (or the slice's, e.g. v5e-256) prints the step's "
+                   "memory report")
+
+
+def _device_unit(config: config_lib.Config) -> str:
+  generation = accelerators.tpu_generation_of(config.target.device_kind)
+  return generation.device_unit if generation is not None else "device"
+
+
+def _ways_to_use_less(run: run_assembly.Run) -> list[str]:
+  """The keys that make the train step use less memory per device, with their values now."""
+  config = run.config
   ways = [f"a smaller per_device_batch_size (now {config.data.per_device_batch_size:g})"]
   if config.model.remat.name != "full":
     ways.append(f"a remat_policy that saves less (remat_policy=full; now {config.model.remat.name})")
   ways.append(f"more fsdp sharding (ici_fsdp_parallelism; now fsdp={run.mesh.shape.get('fsdp', 1)})")
   if not config.optim.optimizer_memory_host_offload:
     ways.append("the optimizer state in host memory (optimizer_memory_host_offload=true)")
-  return UserError(f"the train step does not fit in the devices' memory (compiling or running step {step}): {sizes} "
-                   f"({'; '.join(filter(None, (state, f'XLA: {first_line}')))}); use less per {unit}: "
-                   f"{', '.join(ways)}{_teacher_advice(config)}; python3 -m MaxText.train_compile with the same "
-                   "overrides and compile_topology=local (or the slice's, e.g. v5e-256) prints the step's memory report")
+  return ways
+
+
+def _ran_out_later(run: run_assembly.Run, error: jax.errors.JaxRuntimeError, trainer: Trainer, start_step: int,
+                   checkpoints: checkpointing.RunCheckpoints | None) -> TrainingError:
+  """XLA's out-of-memory error after steps of this start ran (it was XLA's traceback), as one line: where
+  (a hook such as the evaluation, or the steps), that one step alone fit, and the checkpoint a rerun resumes
+  from. The trainer's hooks have ended, so a save in flight is complete or reported."""
+  last = start_step + trainer.steps_finished
+  if trainer.activity == "the train step":
+    where, why = f"the train step after step {last}", ("so one step alone fits: memory held beside the step grew, "
+                                                       "or the device allocator fragmented")
+  else:
+    where, why = trainer.activity, "so the train step fits; this needs more beside the train state"
+  first_line = str(error).strip().splitlines()[0]
+  newest = checkpoints.newest_step() if checkpoints is not None else None
+  if checkpoints is None:
+    resume = "checkpointing is off, so a rerun starts over"
+  elif newest is None:
+    resume = "no checkpoint is saved yet, so a rerun starts over"
+  else:
+    resume = f"the newest checkpoint is step {newest}: rerun the same command to resume from it"
+  unit = _device_unit(run.config)
+  return TrainingError(
+      f"the devices ran out of memory in {where} (steps {start_step + 1}..{last} of this start ran, {why}; "
+      f"XLA: {first_line}); {resume}; "
+      f"to leave more room per {unit}: {', '.join(_ways_to_use_less(run))}")
 
 
 def _device_bytes() -> int:

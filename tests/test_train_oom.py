@@ -1,6 +1,7 @@
 """train.py when the train step does not fit: XLA's out-of-memory error while the step compiles or
 first runs is one `error:` line (how much against how much per device, what uses less), exit code 2,
-and a resumed run's checkpoint stays as it was. No device of this machine is to be filled: the
+and a resumed run's checkpoint stays as it was; one after steps ran (a hook's, or the step's beside
+memory that grew) is one line too, exit code 3, naming the checkpoint a rerun resumes from. No device of this machine is to be filled: the
 jitted step is replaced by one that raises the error XLA raises (its real texts, GPU and TPU)."""
 
 from __future__ import annotations
@@ -146,11 +147,46 @@ def _train_raises(tmp_path: Path, run_name: str) -> None:
   train.main(["train", str(BASE_CONFIG_PATH)] + [f"{k}={v}" for k, v in args.items()])
 
 
-def test_other_xla_errors_and_an_out_of_memory_after_the_first_step_keep_their_traceback(tmp_path, monkeypatch):
+def test_other_xla_errors_keep_their_traceback(tmp_path, monkeypatch):
   _failing_step(monkeypatch, "INTERNAL: Failed to execute XLA Runtime executable: run time error.")
   with pytest.raises(jax.errors.JaxRuntimeError, match="^INTERNAL: Failed to execute"):
     _train_raises(tmp_path, "internal")
-  # Step 1 finished (its metrics read while step 3 is dispatched): not the step's size, left as XLA raised it.
-  _failing_step(monkeypatch, TPU_RUN, after=2)
-  with pytest.raises(jax.errors.JaxRuntimeError, match="^RESOURCE_EXHAUSTED: Error allocating device buffer"):
-    _train_raises(tmp_path, "later")
+
+
+@pytest.mark.parametrize("when", ["call", "read"])
+def test_an_out_of_memory_after_steps_ran_is_one_line_naming_the_checkpoint_to_resume(tmp_path, capsys, monkeypatch,
+                                                                                      when):
+  """Was XLA's traceback: steps 1 and 2 ran and saved, step 3's allocation failed (at its dispatch, or when its
+  metrics were read). The saved checkpoint is left as it was and the line says a rerun resumes from it."""
+  _failing_step(monkeypatch, TPU_RUN, when, after=2)
+  code, stderr = _cli(tmp_path, capsys, steps=4, checkpoint_period=2)
+  assert code == 3
+  line = _error_line(stderr)
+  assert line.startswith("error: the devices ran out of memory in the train step after step 2 (steps 1..2 of this "
+                         "start ran, so one step alone fits: memory held beside the step grew, or the device "
+                         "allocator fragmented; XLA: RESOURCE_EXHAUSTED: Error allocating device buffer: "), line
+  assert "; the newest checkpoint is step 2: rerun the same command to resume from it; to leave more room per " \
+         "device: a smaller per_device_batch_size (now 1), " in line, line
+  checkpoints = tmp_path / "oom" / "checkpoints"
+  assert {p.name for p in checkpoints.iterdir() if p.name.isdigit()} == {"2"}
+
+  monkeypatch.undo()
+  code, stderr = _cli(tmp_path, capsys, steps=4, checkpoint_period=2)
+  assert code == 0, stderr[-3000:]
+  assert "4" in {p.name for p in checkpoints.iterdir()}
+
+
+def test_an_out_of_memory_in_the_evaluation_names_it(tmp_path, capsys, monkeypatch):
+  from MaxText.training import trainer
+
+  def on_step(self, trainer_, record, state):
+    raise jax.errors.JaxRuntimeError(GPU_BFC)
+
+  monkeypatch.setattr(trainer.EvalHook, "on_step", on_step)
+  code, stderr = _cli(tmp_path, capsys, steps=3, eval_interval=2, enable_checkpointing=False)
+  assert code == 3
+  line = _error_line(stderr)
+  assert line.startswith("error: the devices ran out of memory in the evaluation at step 2 (steps 1..2 of this start "
+                         "ran, so the train step fits; this needs more beside the train state; XLA: RESOURCE_EXHAUSTED: Failed to "
+                         "allocate request for 32.00MiB"), line
+  assert "; checkpointing is off, so a rerun starts over; " in line, line

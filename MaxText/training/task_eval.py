@@ -206,6 +206,8 @@ def task_scalars(results: Mapping[str, Any]) -> dict[str, float]:
 class TaskEvalHook:
   """Runs the `eval_tasks` through lm-eval at each due step with the state's parameters."""
 
+  activity = "the eval_tasks scoring"
+
   def __init__(self, run: "Run", tokenizer: Tokenizer, writer: "metrics_lib.MetricWriter | None", is_primary: bool):
     settings = run.config.tasks
     self.lm_eval = _lm_eval()

@@ -162,6 +162,8 @@ class Trainer:
     self._batch_starts: dict[int, str] = {}  # step index -> where its batch starts in the data (for messages)
     # Steps of this start whose metrics were read: 0 while the first is compiled, dispatched or running.
     self.steps_finished = 0
+    # What the loop is doing (still named after it failed): a message's "in ..." for an error from the devices.
+    self.activity = "the train step"
 
   def add_hook(self, hook: Hook, every: int = 1, needs_state: bool = False) -> None:
     """Runs `hook.on_step` after every `every`-th step; every=0: at the steps `hook.due` names."""
@@ -194,7 +196,9 @@ class Trainer:
     record = StepRecord(index + 1, seconds, scalars, nonfinite)
     loop.first, loop.last = loop.first or record, record
     for entry in due:
+      self.activity = f"{getattr(entry.hook, 'activity', type(entry.hook).__name__)} at step {record.step}"
       entry.hook.on_step(self, record, state if entry.needs_state else None)
+    self.activity = "the train step"
 
   def _check_step(self, step: int, scalars: dict[str, float], batch_start: str) -> bool:
     """A skipped step (non-finite with skip_nonfinite_steps, or a loss spike) was not applied: say
@@ -252,7 +256,9 @@ class Trainer:
         waited_from = time.perf_counter()
         self._note_batch_start(loop.next_step)
         if isinstance(self.data, OnPolicyBatches):
+          self.activity = f"the rollout for step {loop.next_step + 1}"
           batch, host_scalars = self.data.next_for(loop.state)
+          self.activity = "the train step"
         else:
           batch = next(self.data)
           host_scalars = self.data.host_metrics() if isinstance(self.data, ReportsDataMetrics) else {}
@@ -368,6 +374,8 @@ class EvalHook:
   """The objective's eval metrics (e.g. mean loss and perplexity; DPO's loss and rewards per
   preference pair) over `eval_steps` eval batches at each due step (needs the state)."""
 
+  activity = "the evaluation"
+
   def __init__(self, eval_step: Callable[..., Any], eval_data: RestartableBatches, eval_steps: int,
                writer: metrics_lib.MetricWriter | None, is_primary: bool,
                summarise: Callable[[Mapping[str, float]], tuple[dict[str, float], str]]):
@@ -410,6 +418,8 @@ class CheckpointHook:
   The state after a non-finite step is never saved: its parameters have just given NaN/inf, and
   a rerun would resume them and stop again whatever the learning rate. A periodic save due then
   waits for the next finite step."""
+
+  activity = "the checkpoint save"
 
   def __init__(self, checkpoints: RunCheckpoints, period: int, last_step: int, preemption: PreemptionWatcher, rng: jax.Array,
                before_save: Callable[[], None] = lambda: None, meta: dict[str, Any] | None = None,
