@@ -26,7 +26,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 def decode_row(overrides: dict[str, Any], slots: int, steps_per_call: int, quant: str, prompt_len: int,
-               steps: int) -> dict[str, Any]:
+               steps: int, layers: str = "") -> dict[str, Any]:
+  """The engine's decode step time; `layers` "unrolled" sets scan_layers=False (a scanned stack may read
+  each layer's weights out of the stacked arrays as a copy per step, as XLA's CPU backend does)."""
   import decode_bench  # noqa: E402  (its timed decode calls)
   import jax
   import numpy as np
@@ -38,13 +40,15 @@ def decode_row(overrides: dict[str, Any], slots: int, steps_per_call: int, quant
   calls = max(1, steps // steps_per_call)
   config = Config.for_testing(**dict(
       overrides, max_prefill_predict_length=prompt_len, max_target_length=prompt_len + (calls + 1) * steps_per_call + 2,
-      per_device_batch_size=1, decode_steps_per_call=steps_per_call, quantize_weights=quant))
+      per_device_batch_size=1, decode_steps_per_call=steps_per_call, quantize_weights=quant,
+      **({"scan_layers": False} if layers == "unrolled" else {})))
   engine = Engine(config, num_slots=slots)
   params = engine.load_params()
   prompt = [int(t) for t in np.random.default_rng(0).integers(3, config.model.vocab_size, prompt_len)]
   prefix = engine.prefill(params, [prompt])
   step_s = decode_bench.time_decode_calls(engine, params, prefix, slots, calls) / steps_per_call
   return dict(slots=slots, steps_per_call=steps_per_call, quant=quant or "bf16", step_s=step_s,
+              layers="scanned" if config.model.scan_layers else "unrolled",
               tokens_per_s=slots / step_s, weight_bytes=quantized_weights.weight_bytes(params),
               params_m=sum(x.size for x in jax.tree.leaves(params)) / 1e6, device_kind=jax.devices()[0].device_kind)
 
@@ -125,8 +129,8 @@ def lora_rows(overrides: dict[str, Any], slots: int, requests: int, count: int, 
 
 
 def child(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> None:
-  decode = [decode_row(spec["overrides"], slots, k, quant, spec["prompt_len"], spec["decode_steps"])
-            for slots, k, quant in spec["decode"]]
+  decode = [decode_row(spec["overrides"], slots, k, quant, spec["prompt_len"], spec["decode_steps"], *layers)
+            for slots, k, quant, *layers in spec["decode"]]
   serve = serve_rows(dict(spec["overrides"], decode_steps_per_call=spec["serve_steps_per_call"]),
                      spec["concurrency"], spec["max_tokens"], spec["prompt_lengths"], spec["requests_per_client"])
   lora = lora_rows(spec["overrides"], **spec["lora"]) if spec.get("lora") else []
@@ -139,10 +143,12 @@ def spec_for(dry: bool, model_name: str) -> tuple[dict[str, Any], str]:
     tiny = dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16, base_mlp_dim=128,
                 base_num_decoder_layers=2, vocab_size=1024, dtype="float32", scan_layers=False)
     # One decode engine covers both new paths (several steps per call, int8 weights); each costs a compile.
-    return dict(overrides=tiny, decode=[(8, 4, "int8")], prompt_len=16, decode_steps=8, concurrency=[1, 8, 32],
+    return dict(overrides=tiny, decode=[(8, 4, "int8", "unrolled")], prompt_len=16, decode_steps=8, concurrency=[1, 8, 32],
                 max_tokens=4, prompt_lengths=[8, 16], requests_per_client=1, serve_steps_per_call=4,
                 lora=dict(slots=4, requests=4, count=2, rank=4, prompt_len=8, max_tokens=4)), "tiny"
-  decode = [(1, 8, ""), (8, 8, ""), (32, 8, ""), (8, 1, ""), (8, 8, "int8"), (8, 8, "fp8")]
+  # (slots, steps per call, quantize_weights[, "unrolled"]): the unrolled row tells whether a scanned stack's step
+  # copies each layer's weights on this backend.
+  decode = [(1, 8, ""), (8, 8, ""), (32, 8, ""), (8, 1, ""), (8, 8, "int8"), (8, 8, "fp8"), (8, 8, "", "unrolled")]
   return dict(overrides=dict(model_name=model_name, dtype="bfloat16", weight_dtype="bfloat16"), decode=decode,
               prompt_len=128, decode_steps=64, concurrency=[1, 8, 32, 64], max_tokens=64, prompt_lengths=[64, 128],
               requests_per_client=2, serve_steps_per_call=8,
@@ -152,7 +158,8 @@ def spec_for(dry: bool, model_name: str) -> tuple[dict[str, Any], str]:
 def table_rows(spec: dict[str, Any], label: str, r: dict[str, Any] | None, status: str, hbm: float | None,
                dry: bool) -> list[dict[str, str]]:
   """The table's decode, serve and lora rows (each a failure note where the child gave nothing)."""
-  names = [("decode", f"slots {s}, {k} steps per call, {q or 'bf16'} weights") for s, k, q in spec["decode"]] + \
+  names = [("decode", f"slots {s}, {k} steps per call, {q or 'bf16'} weights{', unrolled layers' if rest else ''}")
+           for s, k, q, *rest in spec["decode"]] + \
       [("serve", f"clients {c}") for c in spec["concurrency"]] + ([("lora", "adapters")] if spec.get("lora") else [])
   if not r:
     return [dict(section=s, impl="ours", model=label, note=f"{status}; {n}") for s, n in names]
@@ -164,8 +171,8 @@ def table_rows(spec: dict[str, Any], label: str, r: dict[str, Any] | None, statu
                  "quant": d["quant"] if not dry or d["quant"] != "bf16" else "f32", "batch": str(d["slots"]),
                  "seq": str(spec["prompt_len"]), "step ms": f"{d['step_s'] * 1e3:.3f}",
                  "tokens/s": f"{d['tokens_per_s']:.0f}",
-                 "note": f"engine, {d['steps_per_call']} steps per call, {spec['decode_steps']} steps after a "
-                         f"{spec['prompt_len']}-token prompt{over}"})
+                 "note": f"engine, {d['steps_per_call']} steps per call, {d['layers']} layers, {spec['decode_steps']} "
+                         f"steps after a {spec['prompt_len']}-token prompt{over}"})
   quant = "f32" if dry else "bf16"
   for s in r["serve"]:
     rows.append({"section": "serve", "impl": "ours", "model": label, "quant": quant, "batch": str(s["concurrency"]),
