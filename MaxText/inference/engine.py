@@ -546,11 +546,33 @@ class Request:
   images: image_prompts.PromptImages | None = None
 
 
+def layer_layout_note(config: Config) -> str | None:
+  """decode and serve on CPU with a scanned layer stack: XLA's CPU backend copies each layer's weights out of
+  the stacked arrays at every step (getting_started/Decode.md), so unrolled layers decode the same checkpoint
+  several times faster. Rollouts decode in the training run's layout and are not told."""
+  if config.target.platform != "cpu" or not config.model.scan_layers:
+    return None
+  return ("note: on CPU, scanned layers (scan_layers=True) decode several times slower than unrolled ones: XLA's CPU "
+          "backend copies each layer's weights out of the stacked arrays at every step; scan_layers=False decodes the "
+          "same checkpoint")
+
+
+_LAYOUT_NOTED: list[bool] = []  # said once a process (a speculative server loads two models)
+
+
+def note_layer_layout(config: Config) -> None:
+  note = layer_layout_note(config)
+  if note and not _LAYOUT_NOTED:
+    _LAYOUT_NOTED.append(True)
+    distributed.log(note)
+
+
 def load_engine(config: Config, num_slots: int, fresh_note: str, mesh: Mesh | None = None) -> tuple[Engine, Params]:
   """An engine and its parameters: load_parameters_path's (checked before anything is built),
   else fresh ones, announced with `fresh_note`."""
   path = model_assembly.parameters_path(config)
   engine = Engine(config, num_slots=num_slots, mesh=mesh)
+  note_layer_layout(config)
   if not path:
     distributed.log(fresh_note)
   params = engine.load_params(path)

@@ -33,7 +33,7 @@ from MaxText.inference import job_events, lora_admin, speculative_engine
 from MaxText.inference.lora_admin import (AdapterBusy as AdapterBusy, LoadedAdapter as LoadedAdapter,  # JAX-free
                                           NameTaken as NameTaken, SlotsFull as SlotsFull,
                                           UnknownAdapter as UnknownAdapter)
-from MaxText.inference.engine import Engine
+from MaxText.inference.engine import Engine, note_layer_layout
 from MaxText.models import LAYER_STACKS
 from MaxText.paths import storage_retry
 from MaxText.platform import distributed
@@ -358,6 +358,7 @@ def load_engine(config: Config, num_slots: int, fresh_note: str, base_name: str,
   table_cfg = table_config(config, rank, targets)
   path = model_assembly.parameters_path(config)
   engine = Engine(table_cfg, num_slots=num_slots, mesh=mesh)
+  note_layer_layout(config)
   if base_params is None and not path:
     distributed.log(fresh_note)
   if base_params is None:  # read as a server without adapters reads them

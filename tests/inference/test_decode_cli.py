@@ -57,6 +57,9 @@ def test_cli_prints_ids_equal_to_in_process_greedy(checkpoint, steps_per_call):
   ids = printed_ids(result.stdout)
   assert len(ids) == RUN["max_target_length"] - 3 + 1 and all(0 <= t < MODEL["vocab_size"] for t in ids)
   assert "prefill:" in result.stdout and "tokens/s" in result.stdout.split("generate:")[1]
+  # The defaults scan the layers, which XLA's CPU backend decodes slowly: one note says so.
+  assert sum("note: on CPU, scanned layers (scan_layers=True) decode several times slower" in line
+             for line in result.stdout.splitlines()) == 1, result.stdout
   # The same tokens as greedy decoding without a cache, on the checkpoint read back in process.
   config = Config.for_testing(**MODEL, **RUN)
   spec = models.build_model_spec(config.model)
@@ -170,3 +173,10 @@ def test_prompt_and_checkpoint_errors_name_their_culprit(hf_tokenizer, overrides
   with pytest.raises(UserError) as raised:
     decode.decode(Config.for_testing(**values))
   assert message in str(raised.value) and "\n" not in str(raised.value), str(raised.value)
+
+
+def test_the_scanned_layers_note_is_for_cpu_and_scanned_stacks_only():
+  from MaxText.inference import engine
+
+  assert engine.layer_layout_note(Config.for_testing(**MODEL, **RUN)).startswith("note: on CPU, scanned layers")
+  assert engine.layer_layout_note(Config.for_testing(**MODEL, **RUN, scan_layers=False)) is None
