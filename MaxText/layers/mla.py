@@ -204,7 +204,8 @@ class MultiHeadLatentAttention(nnx.Module):
               index: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> tuple[jax.Array, kv_cache.KVCache]:
     """Absorbed attention over the compressed cache read in its stored layouts: latents [B, 1, S, R] as
     its keys, then [B, 1, Y, S] holding the rotated rope keys [P], followed by the indexer's keys [J]
-    with index_topk > 0. The latents and rope keys are scored by two dots, never concatenated."""
+    with index_topk > 0 (cached under indexer_warmup too, whose attention is dense). The latents and rope keys
+    are scored by two dots, never concatenated."""
     cfg = self.cfg
     rope = cfg.mla.qk_rope_head_dim
     cached_BL1Y = k_rope_BL1P if index is None else jnp.concatenate(
@@ -215,7 +216,7 @@ class MultiHeadLatentAttention(nnx.Module):
     latent_B1SR, rows_B1YS = cache.read(q_nope_BLNC.dtype)
     rope_B1PS, length = rows_B1YS[:, :, :rope], latent_B1SR.shape[2]
     soft_cap = cfg.attn.attn_logits_soft_cap
-    if index is None:
+    if index is None or cfg.mla.indexer_warmup:  # the warm-up's attention stays dense, as in its forward
       out_latent_BLNR = masks.latent_cache_attention(q_BLNX, latent_B1SR, rope_B1PS,
                                                      masks.cache_mask(positions_BL, length, window), soft_cap)
     else:

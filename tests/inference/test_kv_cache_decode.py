@@ -16,9 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from MaxText.configuration.config import Config
 from MaxText.inference.engine import Engine
 from MaxText.layers import kv_cache, masks
 from decode_test_utils import engine_tokens, one_device_mesh, uncached_greedy
+from test_paged_cache import DSA
 
 PREFILL, TARGET, NEW_TOKENS = 12, 32, 16
 PROMPTS = [[5, 17, 42, 7, 99, 3, 64, 20, 11], [101, 2, 33, 8]]
@@ -78,6 +80,17 @@ def test_cached_greedy_equals_uncached_and_hf(hf, family, scan_layers, tmp_path)
     assert ours == uncached_greedy(engine.spec, params, prompt, NEW_TOKENS, TARGET), family
     assert ours == hf_greedy(hf, model, prompt, NEW_TOKENS), family
   assert engine.metrics()["step_compilations"] == 1
+
+
+def test_the_indexer_warm_up_decodes_with_the_dense_attention_its_forward_runs():
+  """indexer_warmup=True: the attention stays dense (the indexer only learns), so the cache attends to every
+  past key as the uncached forward does, not to the half-trained indexer's top-4."""
+  config = Config.for_testing(**DSA, indexer_warmup=True, indexer_loss_scaling_factor=1.0)
+  engine = Engine(config, num_slots=1, mesh=one_device_mesh())
+  params = engine.load_params(seed=1)
+  prompt = PROMPTS[0][:DSA["max_prefill_predict_length"]]
+  assert engine_tokens(engine, params, [prompt], 8) == [uncached_greedy(engine.spec, params, prompt, 8,
+                                                                        DSA["max_target_length"])]
 
 
 def test_mask_sees_only_past_and_window():
