@@ -261,20 +261,23 @@ def _sampling(body: dict[str, Any], vocab_size: int) -> tuple[float, float, int,
   return temperature, top_p, min(top_k, vocab_size), seed, n
 
 
-def _check_prompt(ids: list[int], limits: Limits, token_limit: int | None, has_images: bool = False) -> None:
+def _check_prompt(ids: list[int], limits: Limits, token_limit: int | None, has_images: bool = False,
+                  param: str = "prompt") -> None:
+  """`param`: the field the ids came from (a chat's "messages": its request has no "prompt" to name)."""
+  what = "the prompt" if param == "prompt" else f"the prompt the {param} render to"
   if not ids:
-    raise ApiError(400, "the prompt is empty (it must have at least one token)", "prompt")
+    raise ApiError(400, f"{what} is empty (it must have at least one token)", param)
   if len(ids) > limits.max_prompt_tokens:
-    raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most {limits.max_prompt_tokens} "
-                   "(max_prefill_predict_length)", "prompt", "context_length_exceeded")
+    raise ApiError(400, f"{what} has {len(ids)} tokens; this server takes at most {limits.max_prompt_tokens} "
+                   "(max_prefill_predict_length)", param, "context_length_exceeded")
   limit = limits.vocab_size if token_limit is None else min(token_limit, limits.vocab_size)
   bad = [t for t in ids if not 0 <= t < limit]
   if bad:
     whose = "" if limit == limits.vocab_size else f" of the tokenizer (the model's is [0, {limits.vocab_size}))"
-    raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {limit}){whose}", "prompt")
+    raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {limit}){whose}", param)
   if not has_images and limits.image_token_id is not None and limits.image_token_id in ids:
-    raise ApiError(400, f"the prompt holds the image placeholder token {limits.image_token_id} but no image; send "
-                   "images as image_url content parts of /v1/chat/completions", "prompt")
+    raise ApiError(400, f"{what} holds the image placeholder token {limits.image_token_id} but no image; send "
+                   "images as image_url content parts of /v1/chat/completions", param)
 
 
 def _max_tokens(value: Any, name: str, prompt_len: int, limits: Limits, minimum: int) -> int:
@@ -295,14 +298,15 @@ def _max_tokens(value: Any, name: str, prompt_len: int, limits: Limits, minimum:
 
 
 def _choices(prompts: list[list[int]], body: dict[str, Any], name: str, limits: Limits, minimum: int,
-             images: PromptImages | None = None, token_limit: int | None = None) -> list[Completion]:
+             images: PromptImages | None = None, token_limit: int | None = None,
+             prompt_param: str = "prompt") -> list[Completion]:
   temperature, top_p, top_k, seed, n = _sampling(body, limits.vocab_size)
   if len(prompts) * n > limits.max_choices:
     raise ApiError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} completions; this server allows at "
                    f"most {limits.max_choices} per request (serve_max_n)", "n")
   out = []
   for p, ids in enumerate(prompts):
-    _check_prompt(ids, limits, token_limit, images is not None)
+    _check_prompt(ids, limits, token_limit, images is not None, prompt_param)
     max_tokens = _max_tokens(body.get(name), name, len(ids), limits, minimum)
     for j in range(n):
       index = p * n + j
@@ -358,6 +362,11 @@ def parse_chat(body: Any, limits: Limits, codec: Codec) -> Request:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
       raise ApiError(400, f"messages[{i}] must be an object with a role and a content", "messages")
   name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+  both = body.get("max_tokens"), body.get("max_completion_tokens")
+  # max_completion_tokens is read: a max_tokens beside it that says otherwise (or is malformed) was ignored, a 200.
+  if None not in both and not (type(both[0]) is type(both[1]) and both[0] == both[1]):
+    raise ApiError(400, f"max_tokens={str(both[0])[:40]} and max_completion_tokens={str(both[1])[:40]} differ; send "
+                   "max_completion_tokens alone (max_tokens is its deprecated name)", "max_tokens")
   tools, forced = _tools(body)
   # false: at most one call. Held for a forced call (its grammar takes one); with "auto" the model may write more.
   parallel = _get(body, "parallel_tool_calls", bool, True)
@@ -372,7 +381,7 @@ def parse_chat(body: Any, limits: Limits, codec: Codec) -> Request:
       ids, images = codec.chat_images(messages)
     except UserError as e:
       raise ApiError(400, str(e), "messages", "invalid_image") from None
-    choices = _choices([ids], body, name, limits, minimum=1, images=images)
+    choices = _choices([ids], body, name, limits, minimum=1, images=images, prompt_param="messages")
     return Request(choices, bool(_get(body, "stream", bool, False)), _stop(body),
                    include_usage=_include_usage(body), grammar=grammar, model=_model(body))
   rendered = []
@@ -394,7 +403,7 @@ def parse_chat(body: Any, limits: Limits, codec: Codec) -> Request:
     ids = codec.chat_tools(rendered, tools)
   else:
     ids = codec.chat(rendered)
-  choices = _choices([ids], body, name, limits, minimum=1)
+  choices = _choices([ids], body, name, limits, minimum=1, prompt_param="messages")
   return Request(choices, bool(_get(body, "stream", bool, False)), _stop(body),
                  include_usage=_include_usage(body), tools=bool(tools), grammar=grammar, model=_model(body))
 

@@ -182,3 +182,29 @@ def test_a_json_schema_response_format_of_the_wrong_types_is_a_400_naming_the_pa
   # A schema sent as null counts as absent, as every null field does: any JSON.
   assert api._response_format(_AnySchema(), {"json_schema": {"name": "x", "schema": None}}, "json_schema") == {}
   assert api._response_format(_AnySchema(), {"json_schema": {"name": "x"}}, "json_schema") == {}
+
+
+def test_a_chat_too_long_for_the_prompt_limit_is_a_400_naming_messages():
+  """A chat request has no "prompt" field: its rendered conversation past max_prefill_predict_length was a 400 naming
+  "prompt" (a client looking for the field at fault found none); it names "messages", as OpenAI's context-length
+  error does. A completion still names "prompt"."""
+  ids = list(range(5, 45))  # 40 tokens; the limit is 32
+  long = api.Codec(encode=lambda text: ids, decode=lambda ids: "x", chat=lambda messages: ids)
+  for parse, base, param in ((api.parse_chat, ROUTES["chat"][3], "messages"),
+                             (api.parse_completion, ROUTES["completions"][3], "prompt")):
+    with pytest.raises(api.ApiError, match="has 40 tokens; this server takes at most 32") as raised:
+      parse(base, LIMITS, long)
+    assert (raised.value.status, raised.value.param, raised.value.code) == (400, param, "context_length_exceeded")
+
+
+def test_a_chat_max_tokens_beside_a_different_max_completion_tokens_is_a_400_naming_max_tokens():
+  """max_completion_tokens is the one read: a max_tokens beside it that said otherwise, or was malformed ("abc", -5,
+  true), was ignored without a word (a 200 of max_completion_tokens tokens). The same value twice is one limit."""
+  base = ROUTES["chat"][3]
+  for max_tokens in (8, "abc", -5, True, 2.0):
+    with pytest.raises(api.ApiError, match="differ; send max_completion_tokens alone") as raised:
+      api.parse_chat({**base, "max_tokens": max_tokens, "max_completion_tokens": 2}, LIMITS, CODEC)
+    assert (raised.value.status, raised.value.param) == (400, "max_tokens")
+  for fields in ({"max_tokens": 2, "max_completion_tokens": 2}, {"max_tokens": None, "max_completion_tokens": 2},
+                 {"max_completion_tokens": 2}, {"max_tokens": 2}):
+    assert [c.max_tokens for c in api.parse_chat({**base, **fields}, LIMITS, CODEC).choices] == [2]
