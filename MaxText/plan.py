@@ -389,7 +389,7 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
                     f"slice{fixed_too}")
   if not ranked:  # the bound fits, but only with a batch or a layout the planner cannot run
     leanest = bound.leanest(topology, num_slices)
-    figure = f"{leanest[0].total / GIB:.1f} GiB per chip, " if leanest else ""
+    figure = f"{leanest[0].total / GIB:.1f} GiB per {topology.generation.device_unit}, " if leanest else ""
     change = f"drop or change the fixed keys {', '.join(sorted(fixed))}" if fixed else \
         "use a larger slice or a shorter max_target_length"
     raise UserError(f"{config['model_name']} does not fit {num_slices} x {topology.name} at any setting the planner "
@@ -484,12 +484,14 @@ def main(argv: list[str]) -> int:
     finished = _compile_all(planned, config_argv, compile_flags(gen.name), cache_dir, args)
   except KeyboardInterrupt:
     interrupted, finished = True, False
-  chips, seq_len, hbm = topology.devices * num_slices, config.data.max_target_length, gen.hbm_gib * GIB
+  devices, seq_len, hbm = topology.devices * num_slices, config.data.max_target_length, gen.hbm_gib * GIB
   host = gen.host_gib * GIB if gen.host_gib is not None else math.inf
-  rows, best = rank_compiled(planned, hbm, chips, seq_len, gen.peak_tflops, host)
-  print(format_table(rows))
-  print("HBM: XLA's device heap per chip; model ms / model MFU: the step-time model's prediction from the scheduled "
-        "HLO (compute, exposed ICI and DCN, host transfers), which ranks the candidates; tokens/s/chip at that step; "
+  rows, best = rank_compiled(planned, hbm, devices, seq_len, gen.peak_tflops, host)
+  # Every figure is a JAX device's: a TensorCore's on tpu7x (the table said per chip there, at half a chip's).
+  unit = gen.device_unit
+  print(format_table(rows, unit))
+  print(f"HBM: XLA's device heap per {unit}; model ms / model MFU: the step-time model's prediction from the scheduled "
+        f"HLO (compute, exposed ICI and DCN, host transfers), which ranks the candidates; tokens/s/{unit} at that step; "
         f"compiler ms / MFU: XLA's own estimate (communication assumed hidden); MFU of {gen.peak_tflops:g} TFLOP/s; "
         "mem err / step err: the analytical model against the compile and the ranking figure. Caveats mark what "
         "the ranking figure cannot price.")
@@ -524,7 +526,7 @@ def main(argv: list[str]) -> int:
         f"{' '.join(shlex.quote(a) for a in train_args)}")
   if args.write_recipe:
     summary = f"{config['model_name']} on {num_slices} x {topology.name}, {plan_search.describe(chosen.settings)}, {figure}"
-    dry = write_recipe(args.write_recipe, topology, train_args, summary, model_lines)
+    dry = write_recipe(args.write_recipe, topology, train_args, summary, model_lines, num_slices)
     print(f"wrote {args.write_recipe}; its dry run:\n  {dry}")
     left_out = sorted(set(Path(args.write_recipe).parts) & tpu_launch.EXCLUDED_NAMES)
     if left_out:

@@ -184,7 +184,8 @@ def _state_does_not_fit(run: run_assembly.Run, error: jax.errors.JaxRuntimeError
   advice = ("measure the step first with python3 -m MaxText.train_compile (or search settings with MaxText.plan); "
             "shard the state over more devices or offload the optimizer state (optimizer_memory_host_offload)")
   first_line = str(error).strip().splitlines()[0]
-  return UserError(f"the train state does not fit in the devices' memory ({memory_report.describe_state(parts)}; "
+  return UserError(f"the train state does not fit in the devices' memory "
+                   f"({memory_report.describe_state(parts, _device_unit(run.config))}; "
                    f"XLA: {first_line}): {advice}{_teacher_advice(run.config)}")
 
 
@@ -211,7 +212,7 @@ def _step_does_not_fit(run: run_assembly.Run, error: jax.errors.JaxRuntimeError,
     return UserError(off_heap)
   unit = _device_unit(config)
   sizes = memory_report.oom_sizes(oom, unit, _device_bytes())
-  state = memory_report.describe_state(memory_report.state_bytes_per_chip(run.abstract_inputs().state))
+  state = memory_report.describe_state(memory_report.state_bytes_per_chip(run.abstract_inputs().state), unit)
   return UserError(f"the train step does not fit in the devices' memory (compiling or running step {step}): {sizes} "
                    f"({'; '.join(filter(None, (state, f'XLA: {first_line}')))}); use less per {unit}: "
                    f"{', '.join(_ways_to_use_less(run))}{_teacher_advice(config)}; python3 -m MaxText.train_compile "

@@ -44,6 +44,7 @@ from MaxText.aot.memory_report import (GIB, MemoryReport, Offload, buffer_assign
                                        state_bytes_per_chip)
 from MaxText.errors import UserError, run_cli
 from MaxText.layers import pipeline
+from MaxText.layers.attention import select_kernel
 from MaxText.rl import rollout_mesh
 from MaxText.rl.rollouts import compile_rollout_step
 from MaxText.inference.engine import Engine
@@ -89,11 +90,11 @@ def compile_or_explain(step_fn: Any, inputs: run_assembly.StepInputs, topology: 
       raise UserError(off_heap) from None
     # XLA's figure is its whole device heap, arguments included, even where it says "HLO
     # temporaries" (getting_started/AOT.md shows the heaps it extrapolates from).
+    # The state's parts are a device's too: a TensorCore's on tpu7x.
+    unit = topology.generation.device_unit
+    state = describe_state(state_bytes_per_chip(inputs.state), unit)
     raise UserError(does_not_fit_message(oom.needed, topology.generation.name, topology.generation.hbm_gib,
-                                         "; ".join(filter(None, (f"XLA: {first_line}",
-                                                                 describe_state(state_bytes_per_chip(inputs.state))))),
-                                         topology.generation.device_unit)
-                    ) from None
+                                         "; ".join(filter(None, (f"XLA: {first_line}", state))), unit)) from None
 
 
 def report(config: config_lib.Config, topology: accelerators.TpuTopology | None, compiled: Any,
@@ -149,8 +150,9 @@ def _print_step_model(hlo_text: str, target: saved_step.StepTarget, peak_tflops:
 def _kernel_floor(config: config_lib.Config, attention_tflops: float, seconds: float, total_tflops: float,
                   peak_tflops: float) -> str:
   """With splash (attention=flash on TPU) the uncosted work is attention's: its FLOPs at the chip's
-  peak are the least time it adds."""
-  if config.model.attn.attention not in ("flash", "autoselected"):
+  peak are the least time it adds. `autoselected` as it resolves on TPU: where it runs dot_product the
+  Pallas calls are another kernel's (sparse_matmul's grouped matmuls), not splash's."""
+  if select_kernel(config.model.attn.attention, "tpu", config.model) != "flash":
     return ""
   floor = attention_tflops / peak_tflops
   return (f"; with splash attention that is attention's {attention_tflops:,.4g} TFLOP per device, at least "
@@ -212,7 +214,7 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
   memory = report(config, topology, compiled, report_dir, run.objective.passes_per_row, target,
                   run.objective.forward_only_models)
   parts = state_bytes_per_chip(inputs.state)
-  state_parts = describe_state(parts)
+  state_parts = describe_state(parts, topology.generation.device_unit if topology is not None else "chip")
   if any(name not in ("parameters", "optimizer state") for name, _ in parts):  # the objective's own (a teacher)
     print(f"  {state_parts}")
   stem = saved_step.save_requested()

@@ -6,6 +6,8 @@
 #   RECIPE_ARGS       array of train.py key=value settings
 #   RECIPE_FLAGS      LIBTPU_INIT_ARGS (TPU) or XLA_FLAGS (GPU) the recipe needs
 #   RECIPE_ENV        optional array of NAME=VALUE exported for the run
+#   RECIPE_NUM_SLICES optional: how many slices of RECIPE_TOPOLOGY its dcn_* degrees span (default 1), NUM_SLICES's
+#                     default (the planner writes it for a multi-slice plan)
 #
 # Arguments every recipe takes (any other KEY=value with a lower-case key goes to train.py):
 #   RUN_NAME=...       required on GCE (every host must use the same name); on GKE it defaults
@@ -15,7 +17,7 @@
 #                      published throughput runs did): add dataset_type=tfds dataset_name=... to use it
 #   PLATFORM=gce|gke   where the job runs (default gce; largest_job recipes default to gke)
 #   EXECUTABLE=train|train_compile   train_compile compiles for RECIPE_TOPOLOGY without TPUs
-#   NUM_SLICES=N       with EXECUTABLE=train_compile: how many slices to compile for (default 1)
+#   NUM_SLICES=N       with EXECUTABLE=train_compile: how many slices to compile for (default RECIPE_NUM_SLICES)
 #   DRY_RUN=1          print the exact command instead of running it
 
 set -euo pipefail
@@ -23,6 +25,7 @@ RECIPE_REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RECIPE_PLATFORM_DEFAULT="gce"
 RECIPE_ENV=()
 RECIPE_FLAGS=""
+RECIPE_NUM_SLICES=1
 
 # Published LIBTPU_INIT_ARGS of the v5e and v5p performance configurations: overlap of
 # data-parallel all-reduces and of FSDP all-gathers with compute. On v5p the all-gathers go to the
@@ -53,7 +56,7 @@ _recipe_quote() {
 
 recipe_run() {
   local run_name="" output_path="outputs" dataset_path="" platform="$RECIPE_PLATFORM_DEFAULT"
-  local executable="train" num_slices=1 dry_run=0 arg
+  local executable="train" num_slices="$RECIPE_NUM_SLICES" dry_run=0 arg
   local -a passthrough=()
   for arg in "$@"; do
     case "$arg" in

@@ -346,7 +346,7 @@ def test_a_teacher_too_large_for_the_devices_is_one_line_naming_it(tiny_override
   with pytest.raises(UserError) as raised:
     train.train(config)
   message = str(raised.value)
-  assert message.startswith("the train state does not fit in the devices' memory (train state per chip: parameters ")
+  assert message.startswith("the train state does not fit in the devices' memory (train state per device: parameters ")
   assert ", teacher " in message and "XLA: RESOURCE_EXHAUSTED: Out of memory allocating 68719476736 bytes." in message
   assert "precompute its top k once (python3 -m MaxText.generate_teacher_top_k, then distill_top_k_path)" in message
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from MaxText import plan, startup
-from MaxText.aot import plan_model, plan_ranking, plan_remat, plan_search
+from MaxText.aot import plan_model, plan_ranking, plan_recipe, plan_remat, plan_search
 from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib
 from MaxText.configuration.config import BASE_CONFIG_PATH
@@ -410,6 +410,63 @@ def test_tpu7x_candidates_fill_its_tensorcores_and_are_valid_configs():
   for p in planned:
     assert math.prod(degree for _, degree in p.config.mesh.ici) == 8, p.config.mesh.ici
     assert p.config["per_device_batch_size"] * 8 == 16  # 16 sequences over the 8 devices
+
+
+def test_a_model_no_tpu7x_setting_holds_is_named_per_tensorcore(tmp_path, monkeypatch):
+  """The bound and the 96 GiB are a TensorCore's: the line read "needs 514.0 GiB per chip (...), a tpu7x chip holds 96
+  GiB", and a tpu7x chip holds 192."""
+  no_compile(monkeypatch)
+  with pytest.raises(UserError, match=r"^llama3.1-70b does not fit 1 x tpu7x-2 at any setting the planner searches: "
+                                      r"its leanest setting \([^)]*\) needs [\d.]+ GiB per TensorCore \(parameters .*\), "
+                                      r"a tpu7x TensorCore holds 96 GiB \(86.4 with headroom=0.1\); it would fit"):
+    plan.main(argv(model_name="llama3.1-70b", compile_topology="tpu7x-2", max_target_length=2048, cache_dir=tmp_path))
+
+
+def test_the_tpu7x_table_reads_per_tensorcore(tmp_path, monkeypatch, capsys):
+  """The table's memory and tokens are a JAX device's (XLA's heap against 96 GiB, the batch over the devices): on
+  tpu7x a TensorCore's, which its header and legend called per chip."""
+  monkeypatch.setattr(plan, "_compile_all", lambda *args: True)  # nothing compiled: the table's rows say so
+  with pytest.raises(UserError, match=r"^none of the 1 compiled candidates fits 96 GiB per tpu7x TensorCore"):
+    plan.main(argv(compile_topology="tpu7x-8", max_candidates=1, cache_dir=tmp_path, global_batch_tokens=16 * 64, **TINY))
+  out = capsys.readouterr().out
+  header = next(line for line in out.splitlines() if line.startswith("#  candidate"))
+  assert "HBM GiB/TensorCore" in header and "tokens/s/TensorCore" in header, header
+  assert "HBM: XLA's device heap per TensorCore;" in out and "tokens/s/TensorCore at that step" in out
+  assert "chip" not in header and "per chip" not in out
+  assert "HBM GiB/chip" in plan_ranking.format_table([])  # a chip's elsewhere
+
+
+def test_a_multi_slice_plans_recipe_compiles_for_its_slices(tmp_path):
+  """A plan for 2 x tpu7x-8 writes dcn degrees over 2 slices; its recipe's `EXECUTABLE=train_compile`, as its header
+  gives it, compiled for 1 slice and stopped: "dcn_fsdp_parallelism = 2 does not divide 1 slices"."""
+  topology = accelerators.tpu_topology("tpu7x-8")
+  recipe = tmp_path / "two.sh"
+  plan_recipe.write_recipe(str(recipe), topology, ["dcn_fsdp_parallelism=2"], "s", [], num_slices=2)
+  assert "EXECUTABLE=train_compile [NUM_SLICES=N]   # compile for 2 x tpu7x-8 on any machine" in recipe.read_text()
+
+  def dry(*extra: str) -> str:
+    return subprocess.run(["bash", str(recipe), "EXECUTABLE=train_compile", "DRY_RUN=1", *extra], capture_output=True,
+                          text=True, check=True).stdout
+  assert "compile_topology=tpu7x-8 compile_topology_num_slices=2" in dry()
+  assert "compile_topology_num_slices=4" in dry("NUM_SLICES=4")  # the user's count wins
+  one = tmp_path / "one.sh"
+  plan_recipe.write_recipe(str(one), topology, [], "s", [])
+  assert "RECIPE_NUM_SLICES" not in one.read_text()
+  assert "compile_topology_num_slices=1" in subprocess.run(["bash", str(one), "EXECUTABLE=train_compile", "DRY_RUN=1"],
+                                                           capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.slow
+def test_a_two_slice_tpu7x_plans_recipe_compiles_as_written(tmp_path):
+  """What the planner writes compiles: its recipe, run as its header says (`EXECUTABLE=train_compile`), for the slices
+  it was planned for (about a minute: one candidate and the recipe's compile)."""
+  recipe = tmp_path / "planned.sh"
+  assert plan.main(argv(compile_topology="tpu7x-8", compile_topology_num_slices=2, max_candidates=1, workers=1,
+                        cache_dir=tmp_path / "cache", write_recipe=recipe, global_batch_tokens=32 * 64, **TINY)) == 0
+  compiled = subprocess.run(["bash", str(recipe), "EXECUTABLE=train_compile"], capture_output=True, text=True,
+                            timeout=600)
+  assert compiled.returncode == 0, compiled.stderr[-2000:]
+  assert "compiling for 2 x tpu7x-8" in compiled.stdout and "fits:" in compiled.stdout
 
 
 def test_tpu7x_tensorcores_share_their_chips_host_link():

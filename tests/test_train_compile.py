@@ -137,6 +137,40 @@ def test_a_tpu7x_that_does_not_fit_counts_per_tensorcore():
                                      accelerators.tpu_topology("tpu7x-8"))
 
 
+def test_a_tpu7x_that_does_not_fit_names_its_state_per_tensorcore():
+  """The state's parts are a device's shard, as XLA's figure is: the line read "needs 241.9 GiB per TensorCore, tpu7x
+  has 96 GiB (...; train state per chip: parameters 64.266 GiB, ...)" for a 34B model on tpu7x-2, half a chip's."""
+  @dataclasses.dataclass
+  class State:
+    params: object
+    opt_state: object
+  state = State(jax.ShapeDtypeStruct((1024, 256), jax.numpy.float32), jax.ShapeDtypeStruct((2048, 256), jax.numpy.float32))
+
+  with pytest.raises(UserError) as refused:
+    train_compile.compile_or_explain(*_raising("RESOURCE_EXHAUSTED: Used 120.0G of 96.0G hbm", state),
+                                     accelerators.tpu_topology("tpu7x-2"))
+  assert str(refused.value).endswith("; train state per TensorCore: parameters 1.0 MiB, optimizer state 2.0 MiB)")
+  with pytest.raises(UserError) as refused:
+    train_compile.compile_or_explain(*_raising("RESOURCE_EXHAUSTED: Used 20.0G of 16.0G hbm", state),
+                                     accelerators.tpu_topology("v5e-4"))
+  assert "GiB per chip, v5e has 16 GiB" in str(refused.value) and "; train state per chip: " in str(refused.value)
+
+
+def test_a_tpu7x_host_memory_line_counts_per_tensorcore():
+  """XLA's host figures and a tpu7x host's 111.8 GiB are a TensorCore's: the line said "need 120.0 GiB per chip, XLA
+  allows 128 GiB of offloaded buffers per chip and a tpu7x host has 111.8 GiB per TensorCore"."""
+  gib, tpu7x = memory_report.GIB, accelerators.TPU_GENERATIONS["tpu7x"]
+  message = memory_report.host_memory_message(120 * gib, tpu7x, memory_report.Offload("minimal_offloaded", 1, 1, False),
+                                              "x", xla_limit=128 * gib)
+  assert message.startswith("does not fit: host memory, not HBM: the activations remat_policy=minimal_offloaded "
+                            "offloads to the host's pinned memory need 120.0 GiB per TensorCore, XLA allows 128 GiB of "
+                            "offloaded buffers per TensorCore and a tpu7x host has 111.8 GiB per TensorCore; "), message
+  assert ("fewer sequences per TensorCore at a time (1.1x fewer: under one sequence per TensorCore, so "
+          "per_device_batch_size=0.5 with each sequence split over 2 TensorCores (ici_tensor_parallelism=2 or "
+          "ici_sequence_parallelism=2))") in message, message
+  assert "per chip" not in message
+
+
 def test_compiles_for_one_v5e_256_slice(capsys):
   assert train_compile.main(argv(compile_topology="v5e-256", **TPU_TINY)) == 0
   out = capsys.readouterr().out
@@ -246,6 +280,16 @@ def test_report_says_splash_attention_is_not_in_the_estimate(capsys):
   out = capsys.readouterr().out
   line = next(line for line in out.splitlines() if "Pallas kernel calls per step" in line)
   assert "attention's" in line and "MFU at most" in line
+
+
+def test_pallas_calls_beside_dot_product_attention_are_not_called_splash():
+  """attention=autoselected runs dot_product below 128 tokens; a MoE's grouped matmuls (sparse_matmul) are Pallas calls
+  there, and the line put "with splash attention that is attention's ... TFLOP" beside them (a tiny mixtral on tpu7x-8)."""
+  short = Config.for_testing(target=accelerators.tpu_topology("v6e-4").target(), **dict(TPU_TINY, attention="autoselected"))
+  assert train_compile._kernel_floor(short, 1e-6, 1e-3, 1e-3, 918.0) == ""
+  tiled = Config.for_testing(target=accelerators.tpu_topology("v6e-4").target(),
+                             **dict(TPU_TINY, attention="autoselected", max_target_length=512))
+  assert train_compile._kernel_floor(tiled, 1e-6, 1e-3, 1e-3, 918.0).startswith("; with splash attention")
 
 
 def test_a_kernel_scalar_memory_overflow_is_named_as_such():
@@ -457,7 +501,7 @@ def test_xla_out_of_memory_messages_name_the_memory_and_the_sizes():
   assert memory_report.parse_xla_oom("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:").space == "vmem"
 
 
-def _raising(message: str):
+def _raising(message: str, state: object = None):
   class Step:
     def lower(self, *args):
       return self
@@ -466,11 +510,11 @@ def _raising(message: str):
       raise jax.errors.JaxRuntimeError(message)
 
   class Inputs:
-    state = None  # no train state: the message names no parts
-
     def as_args(self):
       return ()
-  return Step(), Inputs()
+  inputs = Inputs()
+  inputs.state = state  # None: no train state, the message names no parts
+  return Step(), inputs
 
 
 def test_host_memory_running_out_is_named_with_its_sizes_and_what_to_change():

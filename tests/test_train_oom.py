@@ -108,7 +108,7 @@ def test_a_step_too_large_for_the_devices_is_one_line_with_the_sizes_and_what_us
   line = _error_line(stderr)
   first = message.splitlines()[0]
   assert line.startswith(f"error: the train step does not fit in the devices' memory (compiling or running step 1): "
-                         f"{sizes} (train state per chip: parameters "), line
+                         f"{sizes} (train state per device: parameters "), line
   assert f"; XLA: {first}); use less per device: a smaller per_device_batch_size (now 1), a remat_policy that saves " \
          "less (remat_policy=full; now " in line, line
   assert line.endswith("more fsdp sharding (ici_fsdp_parallelism; now fsdp=8), the optimizer state in host memory "
@@ -133,7 +133,7 @@ def test_a_resumed_run_whose_first_step_does_not_fit_leaves_its_checkpoint_as_it
   assert code == 2
   line = _error_line(stderr)
   assert line.startswith("error: the train step does not fit in the devices' memory (compiling or running step 3): "
-                         "allocating 4.390 GiB more per device failed with 2.300 GiB free (train state per chip: "), line
+                         "allocating 4.390 GiB more per device failed with 2.300 GiB free (train state per device: "), line
   assert _tree_digest(checkpoints) == saved  # not a file added, removed or rewritten
 
   monkeypatch.undo()

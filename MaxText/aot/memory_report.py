@@ -154,9 +154,10 @@ def state_bytes_per_chip(state: Any) -> list[tuple[str, int]]:
   return parts
 
 
-def describe_state(parts: list[tuple[str, int]]) -> str:
-  """'train state per chip: parameters 1.0 GiB, optimizer state 2.0 GiB, teacher 3.0 GiB'."""
-  return "train state per chip: " + ", ".join(f"{name} {format_bytes(size)}" for name, size in parts) if parts else ""
+def describe_state(parts: list[tuple[str, int]], unit: str = "chip") -> str:
+  """'train state per chip: parameters 1.0 GiB, optimizer state 2.0 GiB, teacher 3.0 GiB'; `unit`: what one device
+  is (TpuGeneration.device_unit): the parts are a JAX device's, a TensorCore's on tpu7x."""
+  return f"train state per {unit}: " + ", ".join(f"{name} {format_bytes(size)}" for name, size in parts) if parts else ""
 
 
 def buffer_assignment_dump_options(dump_dir: str) -> dict[str, str]:
@@ -326,21 +327,22 @@ class Offload:
 
 
 def host_overflow_message(needed: float, limits: str, offload: Offload, detail: str, one_buffer: str = "",
-                          available: float = 0.0) -> str:
+                          available: float = 0.0, unit: str = "chip") -> str:
   """The one line for host memory running out: what is there (offloaded activations from an
   *_offloaded remat policy, offloaded optimizer state), how much against how much (`limits`),
-  and what would use less. With `one_buffer`, `needed` is that buffer alone (a lower bound)."""
+  and what would use less. With `one_buffer`, `needed` is that buffer alone (a lower bound).
+  `unit`: what one device is (TpuGeneration.device_unit): the figures are a TensorCore's on tpu7x."""
   policy = offload.policy or remat_policies.BY_NAME.get(offload.remat_policy)
   what = f"the activations remat_policy={offload.remat_policy} offloads" if policy and policy.offloaded else \
       "what the step offloads"
   what += " and the optimizer state (optimizer_memory_host_offload)" if offload.optimizer_offloaded else ""
   what += " to the host's pinned memory"
   if one_buffer:
-    need = f"{what}: its largest buffer {one_buffer} alone needs {needed / GIB:.1f} GiB per chip"
+    need = f"{what}: its largest buffer {one_buffer} alone needs {needed / GIB:.1f} GiB per {unit}"
     if offload.estimate > needed:
       need += f" (all of them about {offload.estimate / GIB:.1f} GiB by the planner's count)"
   else:
-    need = f"{what} need {needed / GIB:.1f} GiB per chip"
+    need = f"{what} need {needed / GIB:.1f} GiB per {unit}"
   # Activations scale with the sequences a chip holds at a time; offloaded optimizer state does not.
   total = max(needed, offload.estimate if one_buffer else 0.0)
   factor = total / available if available and not offload.optimizer_offloaded else 0.0
@@ -355,18 +357,18 @@ def host_overflow_message(needed: float, limits: str, offload: Offload, detail: 
   if offload.optimizer_offloaded:
     options.append("keep the optimizer state in HBM (optimizer_memory_host_offload=false)")
   if policy and policy.offloaded and factor > 1:
-    options.append(f"fewer sequences per chip at a time ({at_least}{factor:.2g}x fewer: "
-                   f"{_fewer_sequences(offload.per_device_batch_size, offload.accumulation, factor)})")
+    options.append(f"fewer sequences per {unit} at a time ({at_least}{factor:.2g}x fewer: "
+                   f"{_fewer_sequences(offload.per_device_batch_size, offload.accumulation, factor, unit)})")
   elif policy and policy.offloaded:
-    options.append("fewer sequences per chip at a time (per_device_batch_size, gradient_accumulation_steps)")
+    options.append(f"fewer sequences per {unit} at a time (per_device_batch_size, gradient_accumulation_steps)")
   options.append(f"or the same global batch on {at_least}{factor:.2g}x the chips" if factor > 1 else
                  "or the same global batch on more chips")
   return f"does not fit: host memory, not HBM: {need}, {limits}; {', '.join(options)} ({detail})"
 
 
-def _fewer_sequences(pdb: float, accumulation: int, factor: float) -> str:
-  """Settings that hold `factor` times fewer sequences per chip at a time: a smaller batch or more
-  microbatches while a chip still holds whole sequences, else each sequence split over chips."""
+def _fewer_sequences(pdb: float, accumulation: int, factor: float, unit: str = "chip") -> str:
+  """Settings that hold `factor` times fewer sequences per device (`unit`) at a time: a smaller batch or more
+  microbatches while a device still holds whole sequences, else each sequence split over devices."""
   target = pdb / accumulation / factor  # sequences per chip at a time
   if target >= 1:
     ways = [f"per_device_batch_size={math.floor(target * accumulation)}"]
@@ -374,9 +376,9 @@ def _fewer_sequences(pdb: float, accumulation: int, factor: float) -> str:
     steps = [k for k in range(math.ceil(accumulation * factor), int(pdb) + 1) if whole and pdb % k == 0]
     ways += [f"gradient_accumulation_steps={steps[0]}"] if steps else []
     return " or ".join(ways)
-  split = 2 ** math.ceil(math.log2(1 / target))  # chips sharing each sequence
-  return (f"under one sequence per chip, so per_device_batch_size={accumulation / split:g} with each sequence split "
-          f"over {split} chips (ici_tensor_parallelism={split} or ici_sequence_parallelism={split})")
+  split = 2 ** math.ceil(math.log2(1 / target))  # devices sharing each sequence
+  return (f"under one sequence per {unit}, so per_device_batch_size={accumulation / split:g} with each sequence split "
+          f"over {split} {unit}s (ici_tensor_parallelism={split} or ici_sequence_parallelism={split})")
 
 
 def offload_of(config: config_lib.Config) -> Offload:
@@ -391,14 +393,16 @@ def offload_of(config: config_lib.Config) -> Offload:
 def host_memory_message(needed: float, gen: accelerators.TpuGeneration | None, offload: Offload | None, detail: str,
                         one_buffer: str = "", xla_limit: float = 0.0) -> str:
   """Host memory ran out: against what XLA allows offloaded buffers (`xla_limit`, from its message)
-  and what the generation's host VM has per chip, whichever is less."""
-  limits = [f"XLA allows {xla_limit / GIB:g} GiB of offloaded buffers per chip"] if xla_limit else []
+  and what the generation's host VM has per device, whichever is less: XLA's figures and host_gib are a JAX
+  device's, a TensorCore's on tpu7x."""
+  unit = gen.device_unit if gen is not None else "chip"
+  limits = [f"XLA allows {xla_limit / GIB:g} GiB of offloaded buffers per {unit}"] if xla_limit else []
   host_gib = gen.host_gib if gen is not None else None
   if gen is not None and host_gib is not None:
     limits.append(f"a {gen.name} host has {host_gib:.1f} GiB per {gen.device_unit}")
   caps = ([xla_limit] if xla_limit else []) + ([host_gib * GIB] if host_gib is not None else [])
   return host_overflow_message(needed, " and ".join(limits) or "more than there is",
-                               offload or Offload("", 0, 1, False), detail, one_buffer, min(caps, default=0.0))
+                               offload or Offload("", 0, 1, False), detail, one_buffer, min(caps, default=0.0), unit)
 
 
 def off_heap_message(message: str, oom: XlaOom, gen: accelerators.TpuGeneration | None,

@@ -104,7 +104,9 @@ HEADER = ["#", "candidate", "HBM GiB/chip", "fits", "model ms", "model MFU", "to
           "compiler MFU", "compile", "analytic GiB", "mem err", "step err", "caveats"]
 
 
-def format_table(rows: list[list[str]]) -> str:
-  widths = [max(len(r[i]) for r in [HEADER] + rows) for i in range(len(HEADER))]
-  lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [HEADER] + rows]
+def format_table(rows: list[list[str]], unit: str = "chip") -> str:
+  """`unit`: what one device is (TpuGeneration.device_unit): the per-chip columns are a TensorCore's on tpu7x."""
+  header = [h.replace("/chip", f"/{unit}") for h in HEADER]
+  widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+  lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header] + rows]
   return "\n".join([lines[0], "  ".join("-" * w for w in widths)] + lines[1:])

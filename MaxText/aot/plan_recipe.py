@@ -31,23 +31,27 @@ def compile_flags(generation: str) -> str:
 
 
 def write_recipe(path: str, topology: accelerators.TpuTopology, recipe_args: list[str], summary: str,
-                 breakdown: list[str] | None = None) -> str:
-  """A recipe like configs/v5e/*.sh running `recipe_args` on `topology`, its header stating the
+                 breakdown: list[str] | None = None, num_slices: int = 1) -> str:
+  """A recipe like configs/v5e/*.sh running `recipe_args` on `num_slices` x `topology`, its header stating the
   prediction and `breakdown` (the step-time model's lines); returns its dry run."""
   target = Path(path).resolve()
   target.parent.mkdir(parents=True, exist_ok=True)
   library = os.path.relpath(RECIPE_LIB, target.parent)
   flag_var = RECIPE_FLAG_VARS.get(topology.generation.name)
   flags = f'"${flag_var}"' if flag_var else '""'
+  # A multi-slice plan's dcn_* degrees span its slices: EXECUTABLE=train_compile compiles for that many by default
+  # (with one, its dcn degrees did not divide 1 slice and the recipe stopped as written).
+  slices = f" RECIPE_NUM_SLICES={num_slices}" if num_slices > 1 else ""
+  where = f"{num_slices} x {topology.name}" if num_slices > 1 else topology.name
   text = "\n".join([
       "#!/usr/bin/env bash",
       f"# Written by MaxText.plan: {summary}",
       *(f"# {line.strip()}" for line in breakdown or []),
       "# Predictions from the compiled step, not measurements: verify on the hardware.",
       f"#   bash {path} RUN_NAME=my_run OUTPUT_PATH=gs://my-bucket/runs [PLATFORM=gce|gke] [DRY_RUN=1]",
-      f"#   bash {path} EXECUTABLE=train_compile [NUM_SLICES=N]   # compile for {topology.name} on any machine",
+      f"#   bash {path} EXECUTABLE=train_compile [NUM_SLICES=N]   # compile for {where} on any machine",
       f'source "$(dirname "${{BASH_SOURCE[0]}}")/{library}"  # arguments: see recipe_lib.sh',
-      f"RECIPE_TOPOLOGY={topology.name} RECIPE_FLAGS={flags}",
+      f"RECIPE_TOPOLOGY={topology.name}{slices} RECIPE_FLAGS={flags}",
       f"RECIPE_ARGS=({' '.join(shlex.quote(a) for a in recipe_args)})",
       'recipe_run "$@"', ""])
   target.write_text(text)

@@ -361,6 +361,7 @@ def fits_nowhere(bound: Bound, topology: accelerators.TpuTopology, num_slices: i
   bound says so (answered before anything is ranked or compiled); None when one may fit."""
   limit_share = 1 - headroom
   gen = topology.generation
+  unit = gen.device_unit  # the bound and hbm_gib are a JAX device's: a TensorCore's on tpu7x, half its chip
   limit = gen.hbm_gib * GIB * limit_share
   found = bound.leanest(topology, num_slices)
   if found is not None and found[0].total <= limit:
@@ -370,14 +371,14 @@ def fits_nowhere(bound: Bound, topology: accelerators.TpuTopology, num_slices: i
   else:
     e, settings = found
     need = (f"its leanest setting ({describe(settings, shown=('remat_policy', 'optimizer_memory_host_offload'))}) "
-            f"needs {e.total / GIB:.1f} GiB per chip (parameters {e.params / GIB:.1f} + "
+            f"needs {e.total / GIB:.1f} GiB per {unit} (parameters {e.params / GIB:.1f} + "
             + (f"the teacher's parameters {e.teacher / GIB:.1f} + " if e.teacher else "") + "optimizer "
             f"{e.optimizer / GIB:.1f} + " + (
                 f"gradients {e.gradients / GIB:.1f} + activations {e.activations / GIB:.1f}"
                 + (f" + the weights' {e.weights_copy / GIB:.1f} in the compute dtype" if e.weights_copy else "")
                 if e.gradients_beside else
                 f"the larger of gradients {e.gradients / GIB:.1f} and activations {e.activations / GIB:.1f}") + ")")
-  have = f"a {gen.name} chip holds {gen.hbm_gib:g} GiB ({limit / GIB:.1f} with headroom={headroom:g})"
+  have = f"a {gen.name} {unit} holds {gen.hbm_gib:g} GiB ({limit / GIB:.1f} with headroom={headroom:g})"
   if bound.fixed and bound.fits(topology, num_slices, limit_share, fixed={}):
     return f"{need}, {have}; drop or change the fixed keys {', '.join(sorted(bound.fixed))}"
   return f"{need}, {have}; {where_it_fits(bound, topology, num_slices, limit_share)}"
