@@ -44,6 +44,8 @@ def _config(tiny_overrides, **extra) -> Config:
     (dict(max_completion_length=10), "max_prefill_predict_length (8) + max_completion_length (10) must be <= "
      "max_target_length + 1 (17)"),
     (dict(grpo_loss_type="ppo"), "grpo_loss_type must be one of grpo, dapo, dr_grpo"),
+    # was accepted: inf x the KL's exact 0 at the first step made every step's loss NaN
+    (dict(grpo_beta="inf"), "grpo_beta must be a finite number >= 0 (0 = no KL term), got inf"),
     (dict(use_sft=True), "'use_sft' (deprecated) says use_sft=True but Config.for_testing also gives objective='grpo'"),
     (dict(eval_interval=10, hf_eval_files="eval.jsonl"), "set eval_interval=-1"),
 ])

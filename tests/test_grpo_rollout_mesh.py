@@ -42,11 +42,23 @@ def _config(tiny_overrides, **extra) -> Config:
     (dict(rl_rollout_devices=4, rl_weight_sync_interval=3, rl_max_staleness=1),
      "rl_weight_sync_interval=3 trains on batches sampled up to 2 updates before, beyond rl_max_staleness=1"),
     (dict(rl_rollout_devices=4, rl_max_staleness=-1), "rl_max_staleness must be >= 0"),
+    # were accepted and ignored: the same-mesh rollouts run in the training layout
+    (dict(rl_rollout_ici_tensor_parallelism=2), "rl_rollout_ici_tensor_parallelism=2 lays out a rollout mesh of its "
+     "own, which needs devices: set rl_rollout_devices (a multiple of it) or rl_rollout_ici_tensor_parallelism=1"),
+    (dict(rl_rollout_ici_tensor_parallelism=0), "rl_rollout_ici_tensor_parallelism=0 lays out a rollout mesh of its "
+     "own"),
+    # was: "raise rl_max_staleness to 1", which the next run refused for want of rl_rollout_devices
+    (dict(rl_weight_sync_interval=2), "rl_weight_sync_interval=2 spaces out the weight copies to a rollout mesh of its "
+     "own, which needs devices: set rl_rollout_devices (and rl_max_staleness >= 1) or rl_weight_sync_interval=1"),
+    # was: "the global batch of 1 completions (per_device_batch_size x devices)", the 8 devices the user counted
+    (dict(rl_rollout_devices=7), "the global batch of 1 completions (per_device_batch_size x devices) does not divide "
+     "into groups of num_generations=4; make it a multiple (the training mesh has 1 of the 8 devices: "
+     "rl_rollout_devices=7 roll out)"),
 ])
 def test_rollout_mesh_errors(tiny_overrides, overrides, message):
   with pytest.raises(ConfigError) as error:
     _config(tiny_overrides, **overrides)
-  assert message in str(error.value)
+  assert message in str(error.value) and "\n" not in str(error.value)
 
 
 def test_the_training_mesh_and_batch_count_only_the_training_devices(tiny_overrides):

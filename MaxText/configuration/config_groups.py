@@ -622,9 +622,13 @@ def build_groups(values: Mapping[str, Any], target: DeviceTarget, reads_data: bo
   data = DataConfig.from_values(values, target, mesh, reads_data)
   elastic_config.check(values, mesh, target.num_devices, data.global_batch_size, data.batch_axes)
   rl = RLConfig.from_values(values if reads_data else {**values, "objective": "lm"})
+  # With a rollout mesh the batch counts the training devices alone, fewer than the user may have counted.
+  split = "" if target.num_devices == all_devices else \
+      f" (the training mesh has {target.num_devices} of the {all_devices} devices: rl_rollout_devices=" \
+      f"{all_devices - target.num_devices} roll out)"
   _require(not (data.objective == "grpo" and reads_data) or data.global_batch_size % rl.num_generations == 0,
            f"the global batch of {data.global_batch_size} completions (per_device_batch_size x devices) does not "
-           f"divide into groups of num_generations={rl.num_generations}; make it a multiple")
+           f"divide into groups of num_generations={rl.num_generations}; make it a multiple{split}")
   model = ModelConfig.from_values(values, mesh, data.global_batch_size)
   rl_config.check_rollout_heads(rl, model.num_query_heads, data.objective if reads_data else "lm")
   return Groups(model=model, mesh=mesh,

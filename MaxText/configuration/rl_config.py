@@ -85,7 +85,9 @@ class RLConfig:
     _require(all(math.isfinite(w) for w in weights), "reward_weights must be finite numbers (the reward is their "
              f"weighted sum), got {', '.join(map(str, rl.reward_weights))}")
     rl = dataclasses.replace(rl, reward_weights=weights)
-    _require(rl.grpo_beta >= 0, f"grpo_beta must be >= 0 (0 = no KL term), got {rl.grpo_beta}")
+    # inf was accepted: inf x the KL's exact 0 at the first step made every loss NaN
+    _require(math.isfinite(rl.grpo_beta) and rl.grpo_beta >= 0, f"grpo_beta must be a finite number >= 0 (0 = no "
+             f"KL term), got {rl.grpo_beta}")
     _require(0 <= rl.grpo_epsilon_low < 1 and rl.grpo_epsilon_high >= 0,
              f"grpo_epsilon_low must be in [0, 1) and grpo_epsilon_high >= 0; got {rl.grpo_epsilon_low}, "
              f"{rl.grpo_epsilon_high}")
@@ -240,6 +242,16 @@ def _check_staleness(rl: RLConfig) -> None:
   _require(stale == 0 or rl.rl_rollout_devices > 0, f"rl_max_staleness={stale} generates batches while the training "
            "runs, which needs devices of its own for the rollouts: set rl_rollout_devices (or rl_max_staleness=0)")
   interval = rl.rl_weight_sync_interval
+  # Without a rollout mesh there is no copy to space out: name the missing key here, rather than ask for a
+  # staleness bound that the check above then refuses for the same reason.
+  _require(interval == 1 or rl.rl_rollout_devices > 0, f"rl_weight_sync_interval={interval} spaces out the weight "
+           "copies to a rollout mesh of its own, which needs devices: set rl_rollout_devices (and rl_max_staleness >= "
+           f"{interval - 1}) or rl_weight_sync_interval=1")
   _require(interval - 1 <= stale, f"rl_weight_sync_interval={interval} trains on batches sampled up to {interval - 1} "
            f"updates before, beyond rl_max_staleness={stale}; raise rl_max_staleness to {interval - 1} or lower the "
            "interval")
+  tensor = rl.rl_rollout_ici_tensor_parallelism
+  # Was accepted and ignored: the same-mesh rollouts run in the training layout, whatever this degree says.
+  _require(tensor == 1 or rl.rl_rollout_devices > 0, f"rl_rollout_ici_tensor_parallelism={tensor} lays out a rollout "
+           "mesh of its own, which needs devices: set rl_rollout_devices (a multiple of it) or "
+           "rl_rollout_ici_tensor_parallelism=1 (the rollouts then run on the training mesh, in its layout)")
