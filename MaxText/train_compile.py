@@ -280,7 +280,7 @@ def _compile_rollout_mesh(config: config_lib.Config, devices: Sequence[Any], tra
   adapters = f", then {format_bytes(rollout_mesh.tree_bytes(lora.split(train_params)[0]))} per sync: the LoRA " \
       "adapters alone (the base stays on the rollout mesh)" if config.model.lora.lora_rank else ""
   print(f"weight copy to the rollout mesh: {format_bytes(rollout_mesh.tree_bytes(train_params))} per sync "
-        f"(every rl_weight_sync_interval={config.rl.rl_weight_sync_interval} updates){adapters}")
+        f"(every rl_weight_sync_interval={config.rl.rl_weight_sync_interval} steps){adapters}")
   if len({d.process_index for d in devices}) > 1:  # rollout_mesh.copy_across_processes: resharded on the trainers
     staged = sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
                  for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(engine.param_shardings)))

@@ -40,7 +40,7 @@ def _config(tiny_overrides, **extra) -> Config:
     (dict(rl_max_staleness=1), "rl_max_staleness=1 generates batches while the training runs, which needs devices of "
      "its own for the rollouts: set rl_rollout_devices"),
     (dict(rl_rollout_devices=4, rl_weight_sync_interval=3, rl_max_staleness=1),
-     "rl_weight_sync_interval=3 trains on batches sampled up to 2 updates before, beyond rl_max_staleness=1"),
+     "rl_weight_sync_interval=3 trains on batches sampled up to 2 steps before, beyond rl_max_staleness=1"),
     (dict(rl_rollout_devices=4, rl_max_staleness=-1), "rl_max_staleness must be >= 0"),
     # were accepted and ignored: the same-mesh rollouts run in the training layout
     (dict(rl_rollout_ici_tensor_parallelism=2), "rl_rollout_ici_tensor_parallelism=2 lays out a rollout mesh of its "
@@ -351,7 +351,7 @@ def test_train_compile_compiles_both_sides_of_a_split_run_for_a_topology(tiny_ov
   assert "4 devices, TPU v5 lite; 2 train, the last 2 roll out" in out
   assert "fits: " in out and "rollout mesh: 2 devices, data 1 x tensor 2" in out
   assert "rollout step on the rollout mesh (4 completions, one token each" in out and "rollout side fits: " in out
-  assert "weight copy to the rollout mesh: " in out and "per sync (every rl_weight_sync_interval=1 updates)" in out
+  assert "weight copy to the rollout mesh: " in out and "per sync (every rl_weight_sync_interval=1 steps)" in out
 
 
 
@@ -359,7 +359,7 @@ def test_train_compile_compiles_both_sides_of_a_split_run_for_a_topology(tiny_ov
 def test_train_compile_gives_a_lora_runs_copy_of_the_adapters_alone(tiny_overrides, monkeypatch, capsys):
   out = _train_compile_v5e_4(tiny_overrides, monkeypatch, capsys, per_device_batch_size=2, rl_rollout_devices=2,
                              rl_rollout_ici_tensor_parallelism=2, lora_rank=4, lora_target_modules="q_proj,v_proj")
-  assert "per sync (every rl_weight_sync_interval=1 updates), then " in out
+  assert "per sync (every rl_weight_sync_interval=1 steps), then " in out
   assert "per sync: the LoRA adapters alone (the base stays on the rollout mesh)" in out
 
 def test_train_compile_compiles_the_same_mesh_rollout_beside_the_train_step(tiny_overrides, monkeypatch, capsys):

@@ -248,7 +248,7 @@ def _check_staleness(rl: RLConfig) -> None:
            "copies to a rollout mesh of its own, which needs devices: set rl_rollout_devices (and rl_max_staleness >= "
            f"{interval - 1}) or rl_weight_sync_interval=1")
   _require(interval - 1 <= stale, f"rl_weight_sync_interval={interval} trains on batches sampled up to {interval - 1} "
-           f"updates before, beyond rl_max_staleness={stale}; raise rl_max_staleness to {interval - 1} or lower the "
+           f"steps before, beyond rl_max_staleness={stale}; raise rl_max_staleness to {interval - 1} or lower the "
            "interval")
   tensor = rl.rl_rollout_ici_tensor_parallelism
   # Was accepted and ignored: the same-mesh rollouts run in the training layout, whatever this degree says.
