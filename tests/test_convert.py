@@ -356,3 +356,50 @@ def test_an_unsupported_hf_checkpoint_is_refused_in_one_line_and_writes_nothing(
   errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
   assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
   assert not output.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def _legacy_gemma3_text(config: dict) -> dict:
+  """config.json as the published Gemma 3 checkpoints give it: sliding_window_pattern in place of layer_types,
+  rope_theta / rope_local_base_freq / rope_scaling in place of rope_parameters, and the text_config of the
+  image-text ones leaves out the fields that have transformers' defaults (soft caps, query scalar, head_dim)."""
+  rope = config.pop("rope_parameters")
+  config.pop("layer_types")
+  for key in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "head_dim",
+              "num_key_value_heads", "use_bidirectional_attention"):
+    config.pop(key, None)
+  full = {k: v for k, v in rope["full_attention"].items() if k != "rope_theta"}
+  return {**config, "sliding_window_pattern": 3, "rope_theta": rope["full_attention"]["rope_theta"],
+          "rope_local_base_freq": rope["sliding_attention"]["rope_theta"], "rope_scaling": full}
+
+
+def test_a_gemma3_config_in_the_published_form_reads_as_transformers_reads_it():
+  """Every 3rd layer global (not Gemma 2's alternation), head_dim 256, 4 KV heads, query scalar 256, no caps:
+  the model transformers builds from the same config.json."""
+  fields = {**H.REFERENCE_CONFIGS["gemma3"], "head_dim": 256, "num_key_value_heads": 4, "query_pre_attn_scalar": 256}
+  config = H.transformers.AutoConfig.for_model(fields.pop("model_type"), **fields).to_dict()
+  legacy = _legacy_gemma3_text(dict(config))
+  as_hf_reads_it = H.transformers.Gemma3TextConfig(**{k: v for k, v in legacy.items() if k != "model_type"}).to_dict()
+  assert as_hf_reads_it["layer_types"] == ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+  family = families.family_for_hf_config(legacy)
+  assert family.model_keys(legacy) == family.model_keys(as_hf_reads_it)
+  assert family.model_keys(legacy)["attention_layer_pattern"] == ["local", "local", "global"]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_fields_config_json_leaves_out_take_transformers_defaults(family):
+  fields = {**H.REFERENCE_CONFIGS[family], "head_dim": 256, "query_pre_attn_scalar": 256}
+  config = H.transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+  defaults = type(config)().to_dict()
+  full = config.to_dict()
+  trimmed = {k: v for k, v in full.items() if k == "model_type" or k not in defaults or defaults[k] != v}
+  assert "query_pre_attn_scalar" not in trimmed and "head_dim" not in trimmed
+  reader = families.family_for_hf_config(full)
+  assert reader.model_keys(trimmed) == reader.model_keys(full)
+
+
+def test_a_bidirectional_gemma3_is_refused_in_one_line():
+  """EmbeddingGemma's encoder (use_bidirectional_attention) would convert to a causal model: 5 logits off."""
+  config = {**H.REFERENCE_CONFIGS["gemma3"], "use_bidirectional_attention": True}
+  with pytest.raises(ConfigError, match=r"^HF config use_bidirectional_attention=True is not supported by the "
+                                        r"gemma3_text converter \(supported: None, False\)$"):
+    families.family_for_hf_config(config).model_keys(config)

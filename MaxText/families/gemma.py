@@ -35,7 +35,18 @@ def _activation(hf: Mapping[str, Any]) -> None:
   r.require_hf(hf, key, _TANH_GELU, "gelu_pytorch_tanh")
 
 
+# What transformers' Gemma configs take for a field config.json leaves out (the published Gemma 3 image-text
+# configs give only a few text_config fields): our own defaults would be another model.
+_GEMMA_DEFAULTS = {"head_dim": 256}
+_GEMMA2_DEFAULTS = {**_GEMMA_DEFAULTS, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                    "query_pre_attn_scalar": 256, "sliding_window": 4096}
+_GEMMA3_DEFAULTS = {**_GEMMA2_DEFAULTS, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+                    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                    "num_attention_heads": 8, "num_key_value_heads": 4}
+
+
 def gemma_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  hf = {**_GEMMA_DEFAULTS, **hf}
   _activation(hf)
   r.require_hf(hf, "attention_bias", (False,), False)
   r.require_hf(hf, "tie_word_embeddings", (True,), True)
@@ -53,7 +64,8 @@ def gemma_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
   return embedding_tensors(cfg) + decoder_tensors(cfg) + gated_mlp_tensors()
 
 
-def gemma2_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+def gemma2_model_keys(hf: Mapping[str, Any], defaults: Mapping[str, Any] = _GEMMA2_DEFAULTS) -> dict[str, Any]:
+  hf = {**defaults, **hf}
   keys = gemma_model_keys(hf)
   num_layers = hf["num_hidden_layers"]
   layer_types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
@@ -63,7 +75,7 @@ def gemma2_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   keys.update(decoder_block="gemma2", attention_layer_pattern=pattern,
               attn_logits_soft_cap=float(hf.get("attn_logit_softcapping") or 0.0),
               final_logits_soft_cap=float(hf.get("final_logit_softcapping") or 0.0),
-              query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", keys["head_dim"])))
+              query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]))
   if "local" in pattern and window:
     keys["sliding_window_size"] = int(window)
   return keys
@@ -97,8 +109,15 @@ def gemma3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   """Gemma 3 text: Gemma 2's layer and local/global layers (5:1 in the releases), with QK-norm,
   no soft caps, and separate RoPE for local layers (base `rope_local_base_freq`, unscaled) and
   global ones (base `rope_theta`, linear scaling in the 4B and larger models)."""
+  # HF computes an encoder's mask (EmbeddingGemma) from this flag; our gemma3 layers are causal.
+  r.require_hf(hf, "use_bidirectional_attention", (None, False), None)
+  hf = {**_GEMMA3_DEFAULTS, **hf}
   global_rope, local_rope = layer_type_ropes(hf, 1_000_000.0, hf.get("rope_local_base_freq", 10_000.0))
-  keys = gemma2_model_keys({**hf, "rope_parameters": global_rope, "rope_scaling": None})
+  if not hf.get("layer_types"):  # older config.json files: every sliding_window_pattern-th layer global, as HF reads them
+    period = int(hf.get("sliding_window_pattern") or 6)
+    hf = {**hf, "layer_types": ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
+                                for i in range(hf["num_hidden_layers"])]}
+  keys = gemma2_model_keys({**hf, "rope_parameters": global_rope, "rope_scaling": None}, _GEMMA3_DEFAULTS)
   r.require_hf(local_rope, "rope_type", ("default",), "default")
   keys.update(decoder_block="gemma3", use_qk_norm=True, rope_local_max_timescale=float(local_rope["rope_theta"]))
   return keys
