@@ -397,6 +397,36 @@ def test_gemma_fields_config_json_leaves_out_take_transformers_defaults(family):
   assert reader.model_keys(trimmed) == reader.model_keys(full)
 
 
+# Fields of each tiny reference config set to transformers' default (so that the trimmed config.json leaves
+# them out); Mixtral's reference gives no RoPE, so it already takes MixtralConfig's base (1e6).
+_AT_TRANSFORMERS_DEFAULT = {
+    "mistral": {"sliding_window": 4096},
+    "mixtral": {"rms_norm_eps": 1e-5, "num_experts_per_tok": 2},
+    "olmo2": {"rms_norm_eps": 1e-5},
+    "olmo3": {"rms_norm_eps": 1e-5, "sliding_window": 4096},
+    "gpt_oss": {"rms_norm_eps": 1e-5, "sliding_window": 128, "rope_parameters": None},  # None: GptOssConfig's YaRN
+    "deepseek3": {"n_shared_experts": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 8,
+                  "topk_group": 4, "first_k_dense_replace": 3, "q_lora_rank": 1536},
+    "deepseek2-lite": {"n_shared_experts": 2, "q_lora_rank": 1536},
+    "deepseek32": {"n_shared_experts": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 8,
+                   "topk_group": 4, "q_lora_rank": 1536},
+}
+
+
+@pytest.mark.parametrize("family", list(_AT_TRANSFORMERS_DEFAULT))
+def test_fields_config_json_leaves_out_take_transformers_defaults(family):
+  """As for Gemma: a field at transformers' default, left out of config.json, converts to the same model."""
+  at_default = _AT_TRANSFORMERS_DEFAULT[family]
+  fields = {**H.REFERENCE_CONFIGS[family], **at_default}
+  config = H.transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+  defaults = type(config)().to_dict()
+  full = config.to_dict()
+  trimmed = {k: v for k, v in full.items() if k == "model_type" or k not in defaults or defaults[k] != v}
+  assert not set(at_default) & set(trimmed)
+  reader = families.family_for_hf_config(full)
+  assert reader.model_keys(trimmed) == reader.model_keys(full)
+
+
 def test_a_bidirectional_gemma3_is_refused_in_one_line():
   """EmbeddingGemma's encoder (use_bidirectional_attention) would convert to a causal model: 5 logits off."""
   config = {**H.REFERENCE_CONFIGS["gemma3"], "use_bidirectional_attention": True}

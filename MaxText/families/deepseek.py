@@ -160,7 +160,16 @@ def _model_keys(hf: Mapping[str, Any], decoder_block: str) -> dict[str, Any]:
   }
 
 
+# What transformers' DeepseekV3Config (and V3.2's) / DeepseekV2Config take for a field config.json leaves out:
+# our own defaults (no shared expert, direct queries, one group, ...) would be another model.
+_DEEPSEEK3_DEFAULTS = {"n_shared_experts": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 8,
+                      "topk_group": 4, "first_k_dense_replace": 3, "q_lora_rank": 1536}
+_DEEPSEEK2_DEFAULTS = {"n_shared_experts": 2, "q_lora_rank": 1536}
+
+
 def deepseek3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  if hf.get("model_type") != "kimi_k2":  # Kimi K2's config class is its own remote code's, not transformers'
+    hf = {**_DEEPSEEK3_DEFAULTS, **hf}
   r.require_hf(hf, "scoring_func", ("sigmoid",), "sigmoid")
   r.require_hf(hf, "topk_method", ("noaux_tc",), "noaux_tc")
   groups = int(hf.get("n_group") or 1)
@@ -170,6 +179,7 @@ def deepseek3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def deepseek2_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  hf = {**_DEEPSEEK2_DEFAULTS, **hf}
   r.require_hf(hf, "scoring_func", ("softmax",), "softmax")
   method = r.require_hf(hf, "topk_method", ("greedy", "group_limited_greedy"), "greedy")
   groups = int(hf.get("n_group") or 1) if method == "group_limited_greedy" else 1

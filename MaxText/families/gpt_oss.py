@@ -86,7 +86,17 @@ def gpt_oss_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
   return maps + [r.one(sinks, "self_attention/sinks") if cfg.attn.attention_sinks else r.ignored(sinks)]
 
 
+# What transformers' GptOssConfig takes for a field config.json leaves out, its RoPE (YaRN over base 150000)
+# where neither rope_parameters nor rope_scaling is given: our own defaults would be another model.
+_GPT_OSS_DEFAULTS = {"rms_norm_eps": 1e-5, "sliding_window": 128, "rope_theta": 150_000.0}
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+
+
 def gpt_oss_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  hf = {**_GPT_OSS_DEFAULTS, **hf}
+  if not (hf.get("rope_parameters") or hf.get("rope_scaling")):
+    hf["rope_parameters"] = {**_GPT_OSS_ROPE, "rope_theta": hf["rope_theta"]}
   method = mxfp4.quant_method(hf)
   if method not in (None, "mxfp4"):
     raise ConfigError(f"this gpt_oss checkpoint is quantised with quant_method={method!r}; only the published "

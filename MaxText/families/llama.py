@@ -168,7 +168,12 @@ def llama_hf_config(cfg: ModelConfig) -> dict[str, Any]:
           "max_position_embeddings": max_positions(cfg)}
 
 
+# What transformers' MistralConfig takes for a field config.json leaves out: our own default was no window.
+_MISTRAL_DEFAULTS = {"sliding_window": 4096}
+
+
 def mistral_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  hf = {**_MISTRAL_DEFAULTS, **hf}
   r.require_hf(hf, "hidden_act", ("silu",), "silu")
   window = hf.get("sliding_window")
   keys = {"decoder_block": "mistral", **shape_keys(hf), **rope_keys(hf), "mlp_activations": ["silu", "linear"],

@@ -75,7 +75,14 @@ def mixtral_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
       r.ignored("model.layers.{i}.self_attn.rotary_emb.inv_freq")]
 
 
+# What transformers' MixtralConfig takes for a field config.json leaves out (not Mistral's: no window, another
+# epsilon and RoPE base); our own defaults would be another model.
+_MIXTRAL_DEFAULTS = {"sliding_window": None, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_local_experts": 8,
+                     "num_experts_per_tok": 2}
+
+
 def mixtral_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  hf = {**_MIXTRAL_DEFAULTS, **hf}
   return {**mistral_model_keys(hf), "decoder_block": "mixtral", "num_experts": int(hf["num_local_experts"]),
           "num_experts_per_tok": int(hf["num_experts_per_tok"])}
 

@@ -34,7 +34,14 @@ def olmo_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
       r.one(layer + "post_feedforward_layernorm.weight", "mlp_output_norm/scale")]
 
 
+# What transformers' Olmo2Config / Olmo3Config take for a field config.json leaves out: our own defaults
+# (Llama's epsilon, no window) would be another model.
+_OLMO2_DEFAULTS = {"rms_norm_eps": 1e-5}
+_OLMO3_DEFAULTS = {**_OLMO2_DEFAULTS, "sliding_window": 4096}
+
+
 def olmo2_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  hf = {**_OLMO2_DEFAULTS, **hf}
   r.require_hf(hf, "hidden_act", ("silu",), "silu")
   r.require_hf(hf, "attention_bias", (False,), False)
   if hf.get("clip_qkv") is not None:
@@ -52,6 +59,7 @@ def olmo2_hf_config(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def olmo3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  hf = {**_OLMO3_DEFAULTS, **hf}
   global_rope, local_rope = layer_type_ropes(hf, 500_000.0, hf.get("rope_theta", 500_000.0))
   r.require_hf(local_rope, "rope_type", ("default",), "default")
   keys = olmo2_model_keys({**hf, "rope_parameters": global_rope, "rope_scaling": None})
