@@ -40,7 +40,7 @@ from MaxText.rl import rollout_mesh
 from MaxText.rl.rollouts import RolloutBatches
 from MaxText.layers import pipeline
 from MaxText.layers.attention import select_kernel
-from MaxText.training.trainer import (CheckpointHook, EvalHook, LeaseHook, LoggingHook, OnPolicyBatches,
+from MaxText.training.trainer import (TRAIN_STEP, CheckpointHook, EvalHook, LeaseHook, LoggingHook, OnPolicyBatches,
                                      RouterHealthHook, Trainer, profile_hook)
 
 
@@ -243,19 +243,16 @@ def _ran_out_later(run: run_assembly.Run, error: jax.errors.JaxRuntimeError, tra
   (a hook such as the evaluation, or the steps), that one step alone fit, and the checkpoint a rerun resumes
   from. The trainer's hooks have ended, so a save in flight is complete or reported."""
   last = start_step + trainer.steps_finished
-  if trainer.activity == "the train step":
+  if trainer.activity == TRAIN_STEP:
     where, why = f"the train step after step {last}", ("so one step alone fits: memory held beside the step grew, "
                                                        "or the device allocator fragmented")
   else:
     where, why = trainer.activity, "so the train step fits; this needs more beside the train state"
   first_line = str(error).strip().splitlines()[0]
   newest = checkpoints.newest_step() if checkpoints is not None else None
-  if checkpoints is None:
-    resume = "checkpointing is off, so a rerun starts over"
-  elif newest is None:
-    resume = "no checkpoint is saved yet, so a rerun starts over"
-  else:
-    resume = f"the newest checkpoint is step {newest}: rerun the same command to resume from it"
+  resume = ("checkpointing is off, so a rerun starts over" if checkpoints is None else
+            "no checkpoint is saved yet, so a rerun starts over" if newest is None else
+            f"the newest checkpoint is step {newest}: rerun the same command to resume from it")
   unit = _device_unit(run.config)
   return TrainingError(
       f"the devices ran out of memory in {where} (steps {start_step + 1}..{last} of this start ran, {why}; "

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -557,14 +558,15 @@ def layer_layout_note(config: Config) -> str | None:
           "same checkpoint")
 
 
-_LAYOUT_NOTED: list[bool] = []  # said once a process (a speculative server loads two models)
-
-
 def note_layer_layout(config: Config) -> None:
   note = layer_layout_note(config)
-  if note and not _LAYOUT_NOTED:
-    _LAYOUT_NOTED.append(True)
-    distributed.log(note)
+  if note:
+    _log_once(note)
+
+
+@functools.cache  # once a process: a speculative server loads two models
+def _log_once(message: str) -> None:
+  distributed.log(message)
 
 
 def load_engine(config: Config, num_slots: int, fresh_note: str, mesh: Mesh | None = None) -> tuple[Engine, Params]:

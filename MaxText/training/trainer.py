@@ -141,6 +141,9 @@ class LoopState:
   last: StepRecord | None = None
 
 
+TRAIN_STEP = "the train step"  # Trainer.activity outside the hooks and the rollouts
+
+
 class Trainer:
   def __init__(self, config: Config, train_step: Callable[..., Any], data: ResumableBatches, rng: jax.Array,
                flops: metrics_lib.StepFlops, peak_tflops_per_device: float):
@@ -163,7 +166,7 @@ class Trainer:
     # Steps of this start whose metrics were read: 0 while the first is compiled, dispatched or running.
     self.steps_finished = 0
     # What the loop is doing (still named after it failed): a message's "in ..." for an error from the devices.
-    self.activity = "the train step"
+    self.activity = TRAIN_STEP
 
   def add_hook(self, hook: Hook, every: int = 1, needs_state: bool = False) -> None:
     """Runs `hook.on_step` after every `every`-th step; every=0: at the steps `hook.due` names."""
@@ -198,7 +201,7 @@ class Trainer:
     for entry in due:
       self.activity = f"{getattr(entry.hook, 'activity', type(entry.hook).__name__)} at step {record.step}"
       entry.hook.on_step(self, record, state if entry.needs_state else None)
-    self.activity = "the train step"
+    self.activity = TRAIN_STEP
 
   def _check_step(self, step: int, scalars: dict[str, float], batch_start: str) -> bool:
     """A skipped step (non-finite with skip_nonfinite_steps, or a loss spike) was not applied: say
@@ -258,7 +261,7 @@ class Trainer:
         if isinstance(self.data, OnPolicyBatches):
           self.activity = f"the rollout for step {loop.next_step + 1}"
           batch, host_scalars = self.data.next_for(loop.state)
-          self.activity = "the train step"
+          self.activity = TRAIN_STEP
         else:
           batch = next(self.data)
           host_scalars = self.data.host_metrics() if isinstance(self.data, ReportsDataMetrics) else {}
