@@ -427,6 +427,93 @@ def test_fields_config_json_leaves_out_take_transformers_defaults(family):
   assert reader.model_keys(trimmed) == reader.model_keys(full)
 
 
+# Each family's tiny model with num_key_value_heads and head_dim at what transformers takes when config.json leaves
+# them out (its query heads set so that they fit): a fixed number where its config class has one (Mistral's 8 KV
+# heads, Qwen3's head_dim 128, GPT-OSS's 8 and 64, ...), else LlamaConfig's derived ones (as many KV heads as query
+# heads; hidden_size // num_attention_heads). Checked against transformers 5's configuration_*.py.
+_SHAPE_AT_TRANSFORMERS_DEFAULT = {
+    "llama3.1": {"num_key_value_heads": 4, "head_dim": 16},
+    "mistral": {"num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 4},
+    "mixtral": {"num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 4},
+    "olmo2": {"num_key_value_heads": 4, "head_dim": 16},
+    "olmo3": {"num_key_value_heads": 4, "head_dim": 16},
+    "qwen3": {"num_attention_heads": 64, "num_key_value_heads": 32, "head_dim": 128},
+    "qwen3_moe": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8},
+    "qwen3_next": {"num_key_value_heads": 2, "head_dim": 256},
+    "qwen3_5": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256},
+    "qwen3_5_moe": {"num_key_value_heads": 2, "head_dim": 256},
+    "gemma": {"num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 256},
+    "gemma2": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256},
+    "gemma3": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256},
+    "gemma4": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256},
+    "gpt_oss": {"num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 64},
+    "llama4": {"num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128},
+    "deepseek2-lite": {"num_key_value_heads": 4},
+    "deepseek3": {"num_attention_heads": 128, "num_key_value_heads": 128},
+    "deepseek32": {"num_attention_heads": 128, "num_key_value_heads": 128},
+}
+
+# Gemma 4 at head_dim 256: unscaled queries (QK-norm sets their size) give attention logits ~4x the reference's,
+# rounding to 7e-5 at one position (as tests/test_gemma4.py's converted checkpoint, 1e-4); a bug moves them >= 0.3.
+_SHAPE_ATOL = {"gemma4": 1e-4}
+
+
+@pytest.mark.parametrize("family", [_family_case(f) for f in _SHAPE_AT_TRANSFORMERS_DEFAULT])
+def test_kv_heads_and_head_dim_config_json_leaves_out_take_transformers_defaults(family, tmp_path):
+  """A config.json without num_key_value_heads / head_dim converts to the model transformers builds from it (ours
+  took as many KV heads as query heads and hidden_size // num_attention_heads for every family: a conversion
+  that stopped on the tensors' shapes, e.g. Mistral's 8 KV heads)."""
+  shape = _SHAPE_AT_TRANSFORMERS_DEFAULT[family]
+  model = H.build_hf_model(family, **shape)
+  hf_dir = _save_hf(model, tmp_path / "hf")
+  config = json.loads((hf_dir / "config.json").read_text())
+  left_out = {"num_key_value_heads", "head_dim"} & set(shape)
+  (hf_dir / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in left_out}))
+  with H.torch.device("meta"):  # the model transformers builds from the trimmed config.json: the same shapes
+    as_hf_reads_it = H.transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), device_map="meta")
+  assert {k: v.shape for k, v in as_hf_reads_it.state_dict().items()} == {k: v.shape for k, v in model.state_dict().items()}
+  hf_to_maxtext.convert(str(hf_dir), str(tmp_path / "ckpt"), [])
+  ours, params = H.converted_checkpoint(tmp_path / "ckpt")
+  token_ids = H.tokens()
+  np.testing.assert_allclose(H.our_logits(ours, params, token_ids), H.hf_logits(model, token_ids),
+                             atol=_SHAPE_ATOL.get(family, H.CHECKER_FP32_ATOL.get(family, H.FP32_ATOL)), rtol=0)
+
+
+def _without(config: dict, *path: str) -> dict:
+  config = json.loads(json.dumps(config))
+  inner = config
+  for key in path[:-1]:
+    inner = inner[key]
+  del inner[path[-1]]
+  return config
+
+
+@pytest.mark.parametrize("hf_config, message", [
+    (lambda: _without(H.REFERENCE_CONFIGS["mistral"], "hidden_size"),
+     "config.json has no 'hidden_size', which a mistral config always has"),
+    # The family's own spelling of the expert count (the reader falls back to the other one's).
+    (lambda: _without(H.REFERENCE_CONFIGS["gpt_oss"], "num_local_experts"),
+     "config.json has no 'num_local_experts', which a gpt_oss config always has"),
+    (lambda: _without(H.REFERENCE_CONFIGS["qwen3_moe"], "num_experts"),
+     "config.json has no 'num_experts', which a qwen3_moe config always has"),
+    # An image-text config.json: the field its text_config lacks.
+    (lambda: _without(H.MULTIMODAL_CONFIGS["llama4-vision"], "text_config", "hidden_size"),
+     "config.json has no 'text_config.hidden_size', which a llama4 config always has"),
+    # DeepseekV3Config takes 128 KV heads: no model transformers can run beside 4 query heads (was: converted as 4).
+    (lambda: _without(H.REFERENCE_CONFIGS["deepseek3"], "num_key_value_heads"),
+     "HF deepseek_v3 config.json leaves out num_key_value_heads, which transformers then takes as 128"),
+])
+def test_a_config_json_missing_a_field_is_one_line_naming_it(hf_config, message, tmp_path):
+  hf_dir, output = tmp_path / "hf", tmp_path / "out"
+  hf_dir.mkdir()
+  (hf_dir / "config.json").write_text(json.dumps(hf_config()))
+  proc = subprocess.run([sys.executable, "-m", "MaxText.convert.hf_to_maxtext", f"hf_model_path={hf_dir}",
+                         f"output_path={output}"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+  assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr and not output.exists()
+
+
 def test_a_bidirectional_gemma3_is_refused_in_one_line():
   """EmbeddingGemma's encoder (use_bidirectional_attention) would convert to a causal model: 5 logits off."""
   config = {**H.REFERENCE_CONFIGS["gemma3"], "use_bidirectional_attention": True}

@@ -53,8 +53,9 @@ class HfModelKeys:
     try:
       hf_keys = family.model_keys(self.hf_config)
     except KeyError as e:  # a key the family's config always has, left out (a hand-written or cut config.json)
-      raise ConfigError(f"{self.hf_path}/config.json has no {e.args[0]!r}, which a {self.hf_config.get('model_type')} "
-                        "config always has; use the checkpoint's own config.json") from None
+      raise ConfigError(f"{self.hf_path}/config.json has no {_missing_field(self.hf_config, e)!r}, which a "
+                        f"{self.hf_config.get('model_type')} config always has and the converter takes no default "
+                        "for (transformers' would describe another model); use the checkpoint's own config.json") from None
     except (TypeError, AttributeError, ValueError) as e:  # a value of another type than the family's ("yes" for a dict)
       raise ConfigError(f"{self.hf_path}/config.json has a value the {family.name} converter cannot read "
                         f"({type(e).__name__}: {' '.join(str(e).split())[:150]}); use the checkpoint's own "
@@ -105,6 +106,14 @@ class CheckpointModelKeys:
 
   def check(self, config: config_lib.Config) -> None:
     _require_scale_one(config)
+
+
+def _missing_field(hf_config: Mapping[str, Any], error: KeyError) -> str:
+  """The config.json field a family's reader found missing: a multimodal config's text decoder reads its
+  text_config, so a field missing there is named text_config.<field>."""
+  field = str(error.args[0]) if error.args else "?"
+  text = hf_config.get("text_config")
+  return f"text_config.{field}" if isinstance(text, dict) and field not in hf_config and field not in text else field
 
 
 def _length_for(model_keys: Mapping[str, Any], overrides: config_lib.Overrides) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from MaxText.families import Family, register_family
 from MaxText.families.llama import embedding_tensors, gated_mlp_tensors, rope_hf_config, rope_keys
 from MaxText.families.mixtral import fused_expert_tensors, routed_expert_tensors
 from MaxText.configuration.model_config import ModelConfig, RopeConfig
+from MaxText.errors import ConfigError
 
 _LAYER = "model.layers.{i}."
 _ATTN = _LAYER + "self_attn."
@@ -141,7 +142,7 @@ def _model_keys(hf: Mapping[str, Any], decoder_block: str) -> dict[str, Any]:
   r.require_hf(hf, "attention_bias", (False,), False)
   r.require_hf(hf, "mlp_bias", (False,), False)
   heads = int(hf["num_attention_heads"])
-  r.require_hf(hf, "num_key_value_heads", (None, heads), heads)
+  r.require_hf(hf, "num_key_value_heads", (None, heads), heads)  # absent in V2: the query heads, as DeepseekV2Config
   nope, rope = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
   return {
       "decoder_block": decoder_block, "base_emb_dim": int(hf["hidden_size"]), "base_num_query_heads": heads,
@@ -162,14 +163,26 @@ def _model_keys(hf: Mapping[str, Any], decoder_block: str) -> dict[str, Any]:
 
 # What transformers' DeepseekV3Config (and V3.2's) / DeepseekV2Config take for a field config.json leaves out:
 # our own defaults (no shared expert, direct queries, one group, ...) would be another model.
+# DeepseekV3Config's num_key_value_heads is 128 (its query heads), DeepseekV2Config's the query heads: MLA runs
+# one KV head per query head, so a V3 config.json that leaves it out holds 128 query heads or no model HF can run.
 _DEEPSEEK3_DEFAULTS = {"n_shared_experts": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 8,
-                      "topk_group": 4, "first_k_dense_replace": 3, "q_lora_rank": 1536}
+                      "topk_group": 4, "first_k_dense_replace": 3, "q_lora_rank": 1536, "num_key_value_heads": 128}
 _DEEPSEEK2_DEFAULTS = {"n_shared_experts": 2, "q_lora_rank": 1536}
+
+
+def with_v3_defaults(hf: Mapping[str, Any]) -> dict[str, Any]:
+  """`hf` with DeepseekV3Config's defaults (V3.2's too) for the fields it leaves out."""
+  heads = hf.get("num_attention_heads")
+  if "num_key_value_heads" not in hf and heads is not None and int(heads) != _DEEPSEEK3_DEFAULTS["num_key_value_heads"]:
+    raise ConfigError(f"HF {hf.get('model_type')} config.json leaves out num_key_value_heads, which transformers then "
+                      f"takes as {_DEEPSEEK3_DEFAULTS['num_key_value_heads']}, not num_attention_heads={heads} as MLA "
+                      f"needs (no model transformers can run); add \"num_key_value_heads\": {heads} to config.json")
+  return {**_DEEPSEEK3_DEFAULTS, **hf}
 
 
 def deepseek3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   if hf.get("model_type") != "kimi_k2":  # Kimi K2's config class is its own remote code's, not transformers'
-    hf = {**_DEEPSEEK3_DEFAULTS, **hf}
+    hf = with_v3_defaults(hf)
   r.require_hf(hf, "scoring_func", ("sigmoid",), "sigmoid")
   r.require_hf(hf, "topk_method", ("noaux_tc",), "noaux_tc")
   groups = int(hf.get("n_group") or 1)

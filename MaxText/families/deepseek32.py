@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from MaxText.families import tensor_maps as r
 from MaxText.families import Family, register_family
-from MaxText.families.deepseek import _DEEPSEEK3_DEFAULTS, deepseek3_hf_config, deepseek3_model_keys, deepseek_tensors
+from MaxText.families.deepseek import deepseek3_hf_config, deepseek3_model_keys, deepseek_tensors, with_v3_defaults
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.errors import ConfigError
 
@@ -65,7 +65,7 @@ def _dense_prefix(hf: Mapping[str, Any]) -> int:
 
 
 def deepseek32_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
-  hf = {**_DEEPSEEK3_DEFAULTS, **hf}  # DeepseekV32Config's defaults are V3's
+  hf = with_v3_defaults(hf)  # DeepseekV32Config's defaults are V3's
   if not hf.get("q_lora_rank"):
     raise ConfigError("HF config q_lora_rank=None is not supported by the deepseek_v32 converter: DeepSeek-V3.2's "
                       "indexer reads the query latent, so q_lora_rank must be > 0")

@@ -37,9 +37,9 @@ def _activation(hf: Mapping[str, Any]) -> None:
 
 # What transformers' Gemma configs take for a field config.json leaves out (the published Gemma 3 image-text
 # configs give only a few text_config fields): our own defaults would be another model.
-_GEMMA_DEFAULTS = {"head_dim": 256}
+_GEMMA_DEFAULTS = {"head_dim": 256, "num_key_value_heads": 16}
 _GEMMA2_DEFAULTS = {**_GEMMA_DEFAULTS, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
-                    "query_pre_attn_scalar": 256, "sliding_window": 4096}
+                    "query_pre_attn_scalar": 256, "sliding_window": 4096, "num_key_value_heads": 4}
 _GEMMA3_DEFAULTS = {**_GEMMA2_DEFAULTS, "attn_logit_softcapping": None, "final_logit_softcapping": None,
                     "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                     "num_attention_heads": 8, "num_key_value_heads": 4}

@@ -77,7 +77,13 @@ def _global_shape(hf: Mapping[str, Any], kinds: list[str], k_eq_v: bool) -> dict
           "global_num_kv_heads": int(fields.get("num_key_value_heads", 0))}
 
 
+# What transformers' Gemma4TextConfig takes for a shape field config.json (or its text_config) leaves out:
+# fixed numbers, not derived from the query heads and width as shape_keys would.
+_GEMMA4_TEXT_DEFAULTS = {"num_key_value_heads": 4, "head_dim": 256}
+
+
 def gemma4_text_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  hf = {**_GEMMA4_TEXT_DEFAULTS, **hf}
   _activation(hf)
   r.require_hf(hf, "attention_bias", (False,), False)
   r.require_hf(hf, "tie_word_embeddings", (True,), True)

@@ -86,9 +86,11 @@ def gpt_oss_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
   return maps + [r.one(sinks, "self_attention/sinks") if cfg.attn.attention_sinks else r.ignored(sinks)]
 
 
-# What transformers' GptOssConfig takes for a field config.json leaves out, its RoPE (YaRN over base 150000)
-# where neither rope_parameters nor rope_scaling is given: our own defaults would be another model.
-_GPT_OSS_DEFAULTS = {"rms_norm_eps": 1e-5, "sliding_window": 128, "rope_theta": 150_000.0}
+# What transformers' GptOssConfig takes for a field config.json leaves out (8 KV heads and head_dim 64, not
+# derived from the query heads and width), its RoPE (YaRN over base 150000) where neither rope_parameters nor
+# rope_scaling is given: our own defaults would be another model.
+_GPT_OSS_DEFAULTS = {"rms_norm_eps": 1e-5, "sliding_window": 128, "rope_theta": 150_000.0, "num_key_value_heads": 8,
+                     "head_dim": 64}
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}
 
@@ -110,7 +112,7 @@ def gpt_oss_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   keys = {"decoder_block": "gpt_oss", **shape_keys(hf), **rope_keys(hf), "mlp_activations": list(ACTIVATIONS),
           "swiglu_limit": float(hf.get("swiglu_limit", 7.0)), "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)),
           "use_bias": True, "attention_sinks": True, "attention_layer_pattern": pattern,
-          "num_experts": int(hf.get("num_local_experts") or hf["num_experts"]),
+          "num_experts": int(hf.get("num_local_experts") or hf.get("num_experts") or hf["num_local_experts"]),
           "num_experts_per_tok": int(hf["num_experts_per_tok"]), "norm_topk_prob": True,
           "logits_via_embedding": bool(hf.get("tie_word_embeddings", False))}
   if window and "local" in pattern:

@@ -135,7 +135,10 @@ def rope_hf_config(rope: RopeConfig) -> dict[str, Any]:
 
 
 def shape_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
-  """Widths, heads and depth shared by every Llama-layout config.json."""
+  """Widths, heads and depth shared by every Llama-layout config.json. A num_key_value_heads or head_dim that
+  is absent or null is derived as LlamaConfig derives it (as many KV heads as query heads; hidden_size //
+  num_attention_heads); a family whose transformers config has a fixed default for one instead (Mistral's 8
+  KV heads, Qwen3's head_dim 128, ...) puts it in `hf` first, in its `_*_DEFAULTS`."""
   heads = hf["num_attention_heads"]
   return {
       "base_emb_dim": hf["hidden_size"], "base_num_query_heads": heads,
@@ -168,8 +171,9 @@ def llama_hf_config(cfg: ModelConfig) -> dict[str, Any]:
           "max_position_embeddings": max_positions(cfg)}
 
 
-# What transformers' MistralConfig takes for a field config.json leaves out: our own default was no window.
-_MISTRAL_DEFAULTS = {"sliding_window": 4096}
+# What transformers' MistralConfig takes for a field config.json leaves out: our own defaults were no window and
+# as many KV heads as query heads (LlamaConfig's rule; MistralConfig's default is 8, its 7B's count).
+_MISTRAL_DEFAULTS = {"sliding_window": 4096, "num_key_value_heads": 8}
 
 
 def mistral_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:

@@ -102,7 +102,13 @@ def _no_rope_layers(hf: Mapping[str, Any]) -> list[int]:
   return list(hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(hf["num_hidden_layers"])])
 
 
+# What transformers' Llama4TextConfig takes for a shape field config.json (or its text_config) leaves out:
+# fixed numbers, not derived from the query heads and width as shape_keys would.
+_LLAMA4_TEXT_DEFAULTS = {"num_key_value_heads": 8, "head_dim": 128}
+
+
 def llama4_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  hf = {**_LLAMA4_TEXT_DEFAULTS, **hf}
   r.require_hf(hf, "hidden_act", ("silu",), "silu")
   r.require_hf(hf, "attention_bias", (False,), False)
   r.require_hf(hf, "num_experts_per_tok", (1,), 1)

@@ -78,7 +78,7 @@ def mixtral_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
 # What transformers' MixtralConfig takes for a field config.json leaves out (not Mistral's: no window, another
 # epsilon and RoPE base); our own defaults would be another model.
 _MIXTRAL_DEFAULTS = {"sliding_window": None, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_local_experts": 8,
-                     "num_experts_per_tok": 2}
+                     "num_experts_per_tok": 2, "num_key_value_heads": 8}
 
 
 def mixtral_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:

@@ -48,16 +48,24 @@ def _common_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
           "logits_via_embedding": bool(hf.get("tie_word_embeddings", False))}
 
 
+# What transformers' Qwen3Config / Qwen3MoeConfig take for a shape field config.json leaves out: fixed numbers,
+# not LlamaConfig's derived ones (as many KV heads as query heads; hidden_size // num_attention_heads, which
+# Qwen3-MoE, with no head_dim default, does take).
+_QWEN3_DEFAULTS = {"num_key_value_heads": 32, "head_dim": 128}
+_QWEN3_MOE_DEFAULTS = {"num_key_value_heads": 4}
+
+
 def qwen3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
-  return {"decoder_block": "qwen3", **_common_keys(hf)}
+  return {"decoder_block": "qwen3", **_common_keys({**_QWEN3_DEFAULTS, **hf})}
 
 
 def qwen3_moe_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  hf = {**_QWEN3_MOE_DEFAULTS, **hf}
   r.require_hf(hf, "decoder_sparse_step", (1,), 1)
   if hf.get("mlp_only_layers"):
     r.require_hf(hf, "mlp_only_layers", ([],))
   return {**_common_keys(hf), "decoder_block": "qwen3_moe", "base_mlp_dim": int(hf["moe_intermediate_size"]),
-          "num_experts": int(hf.get("num_experts") or hf["num_local_experts"]), "num_experts_per_tok": int(hf["num_experts_per_tok"]),
+          "num_experts": int(hf.get("num_experts") or hf.get("num_local_experts") or hf["num_experts"]), "num_experts_per_tok": int(hf["num_experts_per_tok"]),
           "norm_topk_prob": bool(hf.get("norm_topk_prob", False))}
 
 

@@ -108,14 +108,20 @@ def _rope_checked(hf: Mapping[str, Any]) -> None:
   r.require_hf(dict(hf.get("rope_parameters") or {}), "rope_type", ("default",), "default")
 
 
+# What transformers' Qwen3_5TextConfig / Qwen3_5MoeTextConfig take for a shape field config.json (or its
+# text_config) leaves out: fixed numbers, not derived from the query heads and width as shape_keys would.
+_QWEN3_5_DEFAULTS = {"num_key_value_heads": 4, "head_dim": 256}
+_QWEN3_5_MOE_DEFAULTS = {"num_key_value_heads": 2, "head_dim": 256}
+
+
 def qwen3_5_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
-  text = _text_config(hf)
+  text = {**_QWEN3_5_DEFAULTS, **_text_config(hf)}
   _rope_checked(text)
   return hybrid_model_keys(text, "qwen3_5")
 
 
 def qwen3_5_moe_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
-  text = _text_config(hf)
+  text = {**_QWEN3_5_MOE_DEFAULTS, **_text_config(hf)}
   _rope_checked(text)
   text.setdefault("intermediate_size", text["moe_intermediate_size"])  # the MoE config has no dense width
   return {**hybrid_model_keys(text, "qwen3_5_moe"), **moe_model_keys(text, "qwen3_5_moe"), "norm_topk_prob": True}

@@ -217,7 +217,13 @@ def moe_model_keys(hf: Mapping[str, Any], converter: str) -> dict[str, Any]:
           "shared_experts": shared_width // moe_width, "shared_expert_gate": shared_width > 0}
 
 
+# What transformers' Qwen3NextConfig takes for a shape field config.json leaves out: fixed numbers, not
+# derived from the query heads and width as shape_keys would.
+_QWEN3_NEXT_DEFAULTS = {"num_key_value_heads": 2, "head_dim": 256}
+
+
 def qwen3_next_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+  hf = {**_QWEN3_NEXT_DEFAULTS, **hf}
   return {**hybrid_model_keys(hf, "qwen3_next"), **moe_model_keys(hf, "qwen3_next")}
 
 
