@@ -247,10 +247,10 @@ def layer_pool(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int,
     return paged_kv.empty_pool(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, num_slots, per_slot,
                                quantized)
   latent = paged_kv.empty_pool(num_pages, page_size, 1, cfg.mla.kv_lora_rank, dtype, num_slots, per_slot, quantized)
-  rope = paged_kv.empty_pool(num_pages, page_size, 1, kv_cache.mla_row_width(cfg), dtype, num_slots, per_slot,
-                             quantized)
-  return paged_kv.PagedKVCache(latent.key_KPZH, rope.key_KPZH, latent.block_table_BM, latent.key_scale_KPZ1,
-                               rope.key_scale_KPZ1)
+  groups = kv_cache.mla_row_groups(cfg)  # rope key (and indexer key): a scale each
+  rope = paged_kv.empty_pool(num_pages, page_size, 1, sum(groups), dtype, num_slots, per_slot, quantized, len(groups))
+  return paged_kv.PagedKVCache(latent.key_KPZH, rope.value_KPZH, latent.block_table_BM, latent.key_scale_KPZ1,
+                               rope.value_scale_KPZU)
 
 
 def model_pools(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int, quantized: bool) -> Any:
@@ -358,7 +358,7 @@ def keep_inactive_states(new: Caches, old: Caches, active_T: jax.Array, stacked:
   return jax.tree.map(keep, new, old, is_leaf=is_pool)
 
 
-_FIELDS = ("key_KPZH", "value_KPZH", "key_scale_KPZ1", "value_scale_KPZ1")  # in KVCache.tokens' order
+_FIELDS = ("key_KPZH", "value_KPZH", "key_scale_KPZ1", "value_scale_KPZU")  # in KVCache.tokens' order
 
 
 def cache_bytes(caches: Caches) -> int:

@@ -1,9 +1,10 @@
 """Key/value cache for autoregressive decoding, and attention of new queries over it.
 
 Shape legend: B batch (decode slots), L new tokens this call (the padded prompt in prefill,
-1 in generate), S cache length, N query heads, K key/value heads, G = N / K, H head dim.
+1 in generate), S cache length, N query heads, K key/value heads, G = N / K, H head dim,
+U int8 scales per value row (1 unless its parts are scaled apart, below).
 
-Storage: keys [B, K, S, H], values [B, K, H, S] (int8 scales [B, K, S, 1] and [B, K, 1, S]): the
+Storage: keys [B, K, S, H], values [B, K, H, S] (int8 scales [B, K, S, 1] and [B, K, U, S]): the
 layouts attention's two dots read their cache operand in (masks.cache_attention), so a decode step
 reads the cache in place; stored [B, S, K, H], each step copied the whole cache of every layer into
 those layouts first. `KVCache.tokens` gives the token-major [B, S, K, X] view (MLA, page inserts).
@@ -15,7 +16,10 @@ p - s < window; in a chunked layer, p // chunk == s // chunk), so padding and st
 past p are never attended. No separate padding mask is needed: the mask is masks.cache_mask.
 
 `quantize_kvcache` stores keys and values as int8 with one float32 scale per token per head
-(symmetric, scale = max|x| / 127 over the head dim), dequantized when read.
+(symmetric, scale = max|x| / 127 over the head dim), dequantized when read. A value row that holds
+parts of differing magnitude has a scale per part (U of them, each over its own features: MLA's
+rope key and DeepSeek-V3.2's indexer key, `mla_row_groups`); one shared scale would round the
+smaller part to a few levels. Its writer and readers pass the parts' widths (`value_groups`).
 
 kv_cache_layout=paged replaces each layer's KVCache by a page pool (layers/paged_kv.py); `write`
 and `cached_attention` take either.
@@ -31,6 +35,7 @@ from typing import Any, Callable, TypeVar, overload
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.typing import DTypeLike
 
@@ -61,7 +66,7 @@ class KVCache:
   key_BKSH: Any
   value_BKHS: Any
   key_scale_BKS1: Any = None
-  value_scale_BK1S: Any = None
+  value_scale_BKUS: Any = None
   layer: Any = None
 
   @property
@@ -77,40 +82,43 @@ class KVCache:
     if self.layer is None:
       return self
     take = lambda leaf: None if leaf is None else leaf[self.layer]  # noqa: E731
-    return KVCache(take(self.key_BKSH), take(self.value_BKHS), take(self.key_scale_BKS1), take(self.value_scale_BK1S))
+    return KVCache(take(self.key_BKSH), take(self.value_BKHS), take(self.key_scale_BKS1), take(self.value_scale_BKUS))
 
-  def read(self, dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
-    """Keys [B, K, S, H] and values [B, K, H, S] in `dtype`, dequantized if stored as int8."""
+  def read(self, dtype: DTypeLike, value_groups: paged_kv.Groups = None) -> tuple[jax.Array, jax.Array]:
+    """Keys [B, K, S, H] and values [B, K, H, S] in `dtype`, dequantized if stored as int8
+    (`value_groups`: the widths each value scale covers, as written)."""
     view = self.this_layer()
     if not view.quantized:
       return view.key_BKSH.astype(dtype), view.value_BKHS.astype(dtype)
-    return ((view.key_BKSH * view.key_scale_BKS1).astype(dtype),
-            (view.value_BKHS * view.value_scale_BK1S).astype(dtype))
+    value_scale = paged_kv.feature_scales(view.value_scale_BKUS, value_groups, -2)
+    return (view.key_BKSH * view.key_scale_BKS1).astype(dtype), (view.value_BKHS * value_scale).astype(dtype)
 
   def tokens(self) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
     """The stored arrays token-major, as written: key and value [B, S, K, X], scales [B, S, K, 1]
-    (None unless quantized). A view for XLA to fuse into its reader, not a copy of its own."""
+    and [B, S, K, U] (None unless quantized). A view for XLA to fuse into its reader, not a copy of its own."""
     view = self.this_layer()
     if not view.quantized:
       return jnp.swapaxes(view.key_BKSH, 1, 2), jnp.moveaxis(view.value_BKHS, 3, 1), None, None
     return (jnp.swapaxes(view.key_BKSH, 1, 2), jnp.moveaxis(view.value_BKHS, 3, 1),
-            jnp.swapaxes(view.key_scale_BKS1, 1, 2), jnp.moveaxis(view.value_scale_BK1S, 3, 1))
+            jnp.swapaxes(view.key_scale_BKS1, 1, 2), jnp.moveaxis(view.value_scale_BKUS, 3, 1))
 
-  def read_tokens(self, dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
-    """Keys and values [B, S, K, X] in `dtype`, dequantized if stored as int8."""
+  def read_tokens(self, dtype: DTypeLike, value_groups: paged_kv.Groups = None) -> tuple[jax.Array, jax.Array]:
+    """Keys and values [B, S, K, X] in `dtype`, dequantized if stored as int8 (`value_groups` as in `read`)."""
     key, value, key_scale, value_scale = self.tokens()
     if key_scale is None or value_scale is None:
       return key.astype(dtype), value.astype(dtype)
+    value_scale = paged_kv.feature_scales(value_scale, value_groups, -1)
     return (key * key_scale).astype(dtype), (value * value_scale).astype(dtype)
 
 
 def empty_cache(batch: int, length: int, num_kv_heads: int, head_dim: int, dtype: DTypeLike,
-                quantized: bool = False) -> KVCache:
+                quantized: bool = False, value_scales: int = 1) -> KVCache:
+  """An empty cache; int8 with `value_scales` scales per value row (U) when quantized."""
   key, value = (batch, num_kv_heads, length, head_dim), (batch, num_kv_heads, head_dim, length)
   if not quantized:
     return KVCache(jnp.zeros(key, dtype), jnp.zeros(value, dtype))
   return KVCache(jnp.zeros(key, jnp.int8), jnp.zeros(value, jnp.int8), jnp.zeros(key[:3] + (1,), jnp.float32),
-                 jnp.zeros((batch, num_kv_heads, 1, length), jnp.float32))
+                 jnp.zeros((batch, num_kv_heads, value_scales, length), jnp.float32))
 
 
 def cache_logical_names(cache: KVCache, stacked: bool) -> KVCache:
@@ -139,11 +147,16 @@ def _is_layer_cache(c: object) -> bool:
   return isinstance(c, (KVCache, paged_kv.PagedKVCache))
 
 
-def quantize_int8(x_BLKH: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Symmetric per-token-per-head int8: (values, float32 scales [B, L, K, 1])."""
+def quantize_int8(x_BLKH: jax.Array, groups: paged_kv.Groups = None) -> tuple[jax.Array, jax.Array]:
+  """Symmetric per-token-per-head int8: (values, float32 scales [B, L, K, 1]); with `groups` (widths
+  summing to H), a scale per group of consecutive features ([B, L, K, U])."""
   x = x_BLKH.astype(jnp.float32)
-  scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0
-  safe = jnp.where(scale == 0, 1.0, scale)
+  if groups is None:
+    scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0
+  else:
+    parts = jnp.split(x, np.cumsum(groups)[:-1].tolist(), axis=-1)
+    scale = jnp.concatenate([jnp.max(jnp.abs(part), axis=-1, keepdims=True) for part in parts], axis=-1) / 127.0
+  safe = paged_kv.feature_scales(jnp.where(scale == 0, 1.0, scale), groups, -1)
   return jnp.clip(jnp.round(x / safe), -127, 127).astype(jnp.int8), scale
 
 
@@ -161,21 +174,22 @@ def _scatter(buffer: jax.Array, update_BLKX: jax.Array, positions_BL: jax.Array,
 
 
 @overload
-def write(cache: KVCache, k_BLKH: jax.Array, v_BLKH: jax.Array, positions_BL: jax.Array) -> KVCache: ...
+def write(cache: KVCache, k_BLKH: jax.Array, v_BLKH: jax.Array, positions_BL: jax.Array,
+          value_groups: paged_kv.Groups = None) -> KVCache: ...
 @overload
 def write(cache: paged_kv.PagedKVCache, k_BLKH: jax.Array, v_BLKH: jax.Array,
-          positions_BL: jax.Array) -> paged_kv.PagedKVCache: ...
+          positions_BL: jax.Array, value_groups: paged_kv.Groups = None) -> paged_kv.PagedKVCache: ...
 def write(cache: KVCache | paged_kv.PagedKVCache, k_BLKH: jax.Array, v_BLKH: jax.Array,
-          positions_BL: jax.Array) -> KVCache | paged_kv.PagedKVCache:
+          positions_BL: jax.Array, value_groups: paged_kv.Groups = None) -> KVCache | paged_kv.PagedKVCache:
   """The cache (a KVCache or a paged_kv.PagedKVCache) with each new key/value stored at its
-  token's absolute position."""
+  token's absolute position (int8: a value scale per group of `value_groups` widths, the cache's U)."""
   if isinstance(cache, paged_kv.PagedKVCache):
     if not cache.quantized:
       return paged_kv.store(cache, k_BLKH, v_BLKH, None, None, positions_BL)
-    (k_q, k_scale), (v_q, v_scale) = quantize_int8(k_BLKH), quantize_int8(v_BLKH)
+    (k_q, k_scale), (v_q, v_scale) = quantize_int8(k_BLKH), quantize_int8(v_BLKH, value_groups)
     return paged_kv.store(cache, k_q, v_q, k_scale, v_scale, positions_BL)
   if cache.quantized:
-    (k_q, k_scale), (v_q, v_scale) = quantize_int8(k_BLKH), quantize_int8(v_BLKH)
+    (k_q, k_scale), (v_q, v_scale) = quantize_int8(k_BLKH), quantize_int8(v_BLKH, value_groups)
     updates: tuple[jax.Array | None, ...] = (k_q, v_q, k_scale, v_scale)
   else:
     updates = (k_BLKH, v_BLKH, None, None)
@@ -188,8 +202,8 @@ def write(cache: KVCache | paged_kv.PagedKVCache, k_BLKH: jax.Array, v_BLKH: jax
       for field, update in fields.items() if update is not None})
 
 
-_ARRAY_FIELDS = ("key_BKSH", "value_BKHS", "key_scale_BKS1", "value_scale_BK1S")
-_SEQUENCE_AXIS = {"key_BKSH": 2, "value_BKHS": 3, "key_scale_BKS1": 2, "value_scale_BK1S": 3}
+_ARRAY_FIELDS = ("key_BKSH", "value_BKHS", "key_scale_BKS1", "value_scale_BKUS")
+_SEQUENCE_AXIS = {"key_BKSH": 2, "value_BKHS": 3, "key_scale_BKS1": 2, "value_scale_BKUS": 3}
 
 
 def cached_attention(q_BLNH: jax.Array, cache: KVCache | paged_kv.PagedKVCache, positions_BL: jax.Array,
@@ -212,18 +226,20 @@ def cached_attention(q_BLNH: jax.Array, cache: KVCache | paged_kv.PagedKVCache, 
 def layer_cache(cfg: ModelConfig, batch: int, length: int, quantized: bool = False) -> KVCache:
   """One layer's empty cache. attention_type=mla caches its compressed form instead of keys and
   values (layers/mla.py): the key array holds the latents (K = 1, X = kv_lora_rank), the value
-  array the rotated rope keys (X = qk_rope_head_dim, then the indexer's keys: `mla_row_width`)."""
+  array the rotated rope keys (X = qk_rope_head_dim, then the indexer's keys: `mla_row_groups`)."""
   if cfg.attn.attention_type != "mla":
     return empty_cache(batch, length, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype), quantized)
   latent = empty_cache(batch, length, 1, cfg.mla.kv_lora_rank, jnp.dtype(cfg.dtype), quantized)
-  rope = empty_cache(batch, length, 1, mla_row_width(cfg), jnp.dtype(cfg.dtype), quantized)
-  return KVCache(latent.key_BKSH, rope.value_BKHS, latent.key_scale_BKS1, rope.value_scale_BK1S)
+  groups = mla_row_groups(cfg)
+  rope = empty_cache(batch, length, 1, sum(groups), jnp.dtype(cfg.dtype), quantized, len(groups))
+  return KVCache(latent.key_BKSH, rope.value_BKHS, latent.key_scale_BKS1, rope.value_scale_BKUS)
 
 
-def mla_row_width(cfg: ModelConfig) -> int:
-  """Width of MLA's second cache array per token: the rope key, and with index_topk > 0 the
-  lightning indexer's key after it (one int8 scale covers both when quantized)."""
-  return cfg.mla.qk_rope_head_dim + (cfg.mla.index_head_dim if cfg.mla.index_topk > 0 else 0)
+def mla_row_groups(cfg: ModelConfig) -> tuple[int, ...]:
+  """The parts of MLA's second cache array per token, in order: the rope key, and with index_topk > 0
+  the lightning indexer's key after it; each has an int8 scale of its own when quantized (U = their
+  count), as their magnitudes are unrelated."""
+  return (cfg.mla.qk_rope_head_dim,) + ((cfg.mla.index_head_dim,) if cfg.mla.index_topk > 0 else ())
 
 
 def _stack_caches(cfg: ModelConfig, one: object, count: int) -> Any:

@@ -21,10 +21,11 @@ expanded per head.
 With index_topk > 0 (DeepSeek-V3.2's sparse attention) a lightning indexer (layers/indexer.py)
 picks each query's index_topk keys and the attention sees only those (layers/sparse_attention.py,
 its form from attention_kernels.sparse_kernel); decoding caches the indexer's key beside the
-rope key (the cache's value array holds [rope key | indexer key]). Training the indexer
-(indexer_loss_scaling_factor > 0, indexer.py's "Training the indexer") sows its KL loss as
-`indexer_kl_sum` and `indexer_queries` (the objective takes their ratio); with indexer_warmup the
-attention stays dense and the KL covers every allowed key.
+rope key (the cache's value array holds [rope key | indexer key], with an int8 scale each when
+quantized: kv_cache.mla_row_groups). Training the indexer (indexer_loss_scaling_factor > 0,
+indexer.py's "Training the indexer") sows its KL loss as `indexer_kl_sum` and `indexer_queries`
+(the objective takes their ratio); with indexer_warmup the attention stays dense and the KL covers
+every allowed key.
 """
 
 from __future__ import annotations
@@ -210,10 +211,11 @@ class MultiHeadLatentAttention(nnx.Module):
     rope = cfg.mla.qk_rope_head_dim
     cached_BL1Y = k_rope_BL1P if index is None else jnp.concatenate(
         [k_rope_BL1P, index[2][:, :, None, :].astype(k_rope_BL1P.dtype)], axis=-1)
-    cache = kv_cache.write(cache, latent_BLR[:, :, None, :], cached_BL1Y, positions_BL)
+    groups = kv_cache.mla_row_groups(cfg)  # int8: the rope and indexer keys each scaled on their own
+    cache = kv_cache.write(cache, latent_BLR[:, :, None, :], cached_BL1Y, positions_BL, groups)
     q_BLNX, w_v_RNV = self._absorbed(q_nope_BLNC, q_rope_BLNP)
     window = layer_window_size(cfg.attn, layer_index)
-    latent_B1SR, rows_B1YS = cache.read(q_nope_BLNC.dtype)
+    latent_B1SR, rows_B1YS = cache.read(q_nope_BLNC.dtype, groups)
     rope_B1PS, length = rows_B1YS[:, :, :rope], latent_B1SR.shape[2]
     soft_cap = cfg.attn.attn_logits_soft_cap
     if index is None or cfg.mla.indexer_warmup:  # the warm-up's attention stays dense, as in its forward

@@ -1,7 +1,8 @@
 """Paged key/value cache of one attention layer, and attention of new queries over its pages.
 
 Shape legend (extends kv_cache.py): P pages in the pool, Z tokens per page (kv_page_size),
-M pages per slot (ceil(max_target_length / Z)); K kv heads, H head dim, B slots.
+M pages per slot (ceil(max_target_length / Z)); K kv heads, H head dim, B slots, U int8 scales per
+value row (kv_cache.py).
 
 The pool is [K, P, Z, H] (heads first: the layout of JAX's Pallas TPU paged-attention kernel,
 so the TPU path reads the pool as it is stored). A slot's block table row [M] names the page
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec
 from jax.typing import DTypeLike
@@ -30,12 +32,14 @@ POOL_NAMES = ("cache_kv_heads", None, None, "cache_kv")  # pages are not sharded
 POOL_SCALE_NAMES = ("cache_kv_heads", None, None, None)
 TABLE_NAMES = (None, None)
 Tree = TypeVar("Tree")  # a tree of caches (stacked per layer, or a list of layers)
+Groups = tuple[int, ...] | None  # the feature widths of a row's int8 scales (None: one scale per row)
 
 
 @struct.dataclass
 class PagedKVCache:
   """One layer's page pool and the slots' block tables (a plain pytree). Scales are None unless
-  int8-quantized. MLA stores its latents in `key` and its rope keys in `value` (K = 1).
+  int8-quantized. MLA stores its latents in `key` and its rope keys in `value` (K = 1), with
+  DeepSeek-V3.2's indexer keys after them, each part scaled on its own (U = 2).
 
   With `layer` set (a traced index), the leaves are every layer's, stacked ([layers, K, P, Z, H]),
   and this call reads and writes that layer's: the scanned stack carries the whole pool through
@@ -45,7 +49,7 @@ class PagedKVCache:
   value_KPZH: Any
   block_table_BM: Any
   key_scale_KPZ1: Any = None
-  value_scale_KPZ1: Any = None
+  value_scale_KPZU: Any = None
   layer: Any = None
 
   @property
@@ -67,37 +71,48 @@ class PagedKVCache:
       return self
     take = lambda leaf: None if leaf is None else leaf[self.layer]  # noqa: E731
     return PagedKVCache(take(self.key_KPZH), take(self.value_KPZH), take(self.block_table_BM),
-                        take(self.key_scale_KPZ1), take(self.value_scale_KPZ1))
+                        take(self.key_scale_KPZ1), take(self.value_scale_KPZU))
 
-  def read(self, dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
+  def read(self, dtype: DTypeLike, value_groups: Groups = None) -> tuple[jax.Array, jax.Array]:
     """Each slot's keys [B, K, M * Z, H] and values [B, K, H, M * Z] gathered (index = position)
-    in the layouts of kv_cache.KVCache.read, dequantized if stored as int8: the reference path,
-    any platform. The gather writes them so; no copy of them follows."""
-    return self._read(dtype, gather_keys, gather_values)
+    in the layouts of kv_cache.KVCache.read, dequantized if stored as int8 (`value_groups`: the
+    widths each value scale covers, as written): the reference path, any platform. The gather
+    writes them so; no copy of them follows."""
+    return self._read(dtype, gather_keys, gather_values, -2, value_groups)
 
-  def read_tokens(self, dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
+  def read_tokens(self, dtype: DTypeLike, value_groups: Groups = None) -> tuple[jax.Array, jax.Array]:
     """Each slot's keys and values gathered into [B, M * Z, K, X] (index = position), dequantized if
     stored as int8 (kv_cache.KVCache.read_tokens)."""
-    return self._read(dtype, gather, gather)
+    return self._read(dtype, gather, gather, -1, value_groups)
 
-  def _read(self, dtype: DTypeLike, keys: Any, values: Any) -> tuple[jax.Array, jax.Array]:
+  def _read(self, dtype: DTypeLike, keys: Any, values: Any, value_axis: int,
+            value_groups: Groups) -> tuple[jax.Array, jax.Array]:
     view = self.this_layer()
     table = view.block_table_BM
     key, value = keys(view.key_KPZH, table), values(view.value_KPZH, table)
     if not view.quantized:
       return key.astype(dtype), value.astype(dtype)
-    return ((key * keys(view.key_scale_KPZ1, table)).astype(dtype),
-            (value * values(view.value_scale_KPZ1, table)).astype(dtype))
+    value_scale = feature_scales(values(view.value_scale_KPZU, table), value_groups, value_axis)
+    return (key * keys(view.key_scale_KPZ1, table)).astype(dtype), (value * value_scale).astype(dtype)
+
+
+def feature_scales(scales: jax.Array, groups: Groups, axis: int) -> jax.Array:
+  """int8 scales with one entry per group of consecutive features along `axis` (the group
+  widths; None: one scale for all, left to broadcast) repeated to one per feature."""
+  if groups is None:
+    return scales
+  return jnp.repeat(scales, np.asarray(groups), axis=axis, total_repeat_length=sum(groups))
 
 
 def empty_pool(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: DTypeLike, num_slots: int,
-               pages_per_slot: int, quantized: bool = False) -> PagedKVCache:
+               pages_per_slot: int, quantized: bool = False, value_scales: int = 1) -> PagedKVCache:
+  """An empty pool; int8 with `value_scales` scales per value row (U) when quantized."""
   shape = (num_kv_heads, num_pages, page_size, head_dim)
   table = jnp.full((num_slots, pages_per_slot), -1, jnp.int32)
   if not quantized:
     return PagedKVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), table)
-  scale = jnp.zeros(shape[:3] + (1,), jnp.float32)
-  return PagedKVCache(jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8), table, scale, scale)
+  return PagedKVCache(jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8), table,
+                      jnp.zeros(shape[:3] + (1,), jnp.float32), jnp.zeros(shape[:3] + (value_scales,), jnp.float32))
 
 
 def logical_names(cache: PagedKVCache, stacked: bool) -> PagedKVCache:
@@ -169,7 +184,7 @@ def scatter(pool_KPZX: jax.Array, update_BLKX: jax.Array, page_BL: jax.Array, of
 
 
 def store(cache: PagedKVCache, k_BLKH: jax.Array, v_BLKH: jax.Array, k_scale_BLK1: jax.Array | None,
-          v_scale_BLK1: jax.Array | None, positions_BL: jax.Array) -> PagedKVCache:
+          v_scale_BLKU: jax.Array | None, positions_BL: jax.Array) -> PagedKVCache:
   """The cache with each new key/value (already int8 with its scales when quantized) stored at
   its slot's page for its position (in `layer`'s pool when set)."""
   table_BM = cache.block_table_BM if cache.layer is None else cache.block_table_BM[cache.layer]
@@ -177,13 +192,13 @@ def store(cache: PagedKVCache, k_BLKH: jax.Array, v_BLKH: jax.Array, k_scale_BLK
   put = lambda pool, update: None if update is None else scatter(pool, update, page_BL, offset_BL,  # noqa: E731
                                                                  cache.layer)
   new = PagedKVCache(put(cache.key_KPZH, k_BLKH), put(cache.value_KPZH, v_BLKH), cache.block_table_BM,
-                     put(cache.key_scale_KPZ1, k_scale_BLK1), put(cache.value_scale_KPZ1, v_scale_BLK1), cache.layer)
+                     put(cache.key_scale_KPZ1, k_scale_BLK1), put(cache.value_scale_KPZU, v_scale_BLKU), cache.layer)
   names = logical_names(new, stacked=cache.layer is not None)
   return dataclasses.replace(new, **{field: sharding.constrain(getattr(new, field), getattr(names, field))
                                      for field in _ARRAY_FIELDS if getattr(new, field) is not None})
 
 
-_ARRAY_FIELDS = ("key_KPZH", "value_KPZH", "block_table_BM", "key_scale_KPZ1", "value_scale_KPZ1")
+_ARRAY_FIELDS = ("key_KPZH", "value_KPZH", "block_table_BM", "key_scale_KPZ1", "value_scale_KPZU")
 
 
 def pallas_kernel_applies(cache: PagedKVCache, q_BLNH: jax.Array, window_size: masks.Window,
@@ -212,7 +227,7 @@ def tpu_paged_attention(q_BLNH: jax.Array, cache: PagedKVCache, positions_BL: ja
   pages_per_slot = cache.block_table_BM.shape[1]
   lengths_B = jnp.clip(positions_BL[:, 0] + 1, 1, pages_per_slot * cache.page_size).astype(jnp.int32)
   block = max(b for b in (8, 4, 2, 1) if pages_per_slot % b == 0)
-  pools = [cache.key_KPZH, cache.value_KPZH] + ([cache.key_scale_KPZ1, cache.value_scale_KPZ1] if cache.quantized
+  pools = [cache.key_KPZH, cache.value_KPZH] + ([cache.key_scale_KPZ1, cache.value_scale_KPZU] if cache.quantized
                                                 else [])
 
   def per_device(q_BNH: jax.Array, lengths_B: jax.Array, table_BM: jax.Array, *pools: jax.Array) -> jax.Array:

@@ -20,7 +20,7 @@ from MaxText.inference import mtp_draft, paged_cache, sampling, speculative, spe
 from MaxText.inference.engine import Engine
 from MaxText.platform import sharding
 from decode_test_utils import engine_tokens, one_device_mesh
-from test_paged_cache import CHUNKED, INTERLEAVED, MIXED, MLA, QWEN3_NEXT
+from test_paged_cache import CHUNKED, DSA, INTERLEAVED, MIXED, MLA, QWEN3_NEXT
 
 TARGET = dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16, base_mlp_dim=128,
               base_num_decoder_layers=2, vocab_size=128, max_target_length=24, max_prefill_predict_length=8,
@@ -218,16 +218,17 @@ def test_a_gated_deltanet_model_keeps_state_snapshots_for_prefix_caching_unless_
 @pytest.mark.parametrize("family,layout", [
     ("mla_int8", "paged"),
     pytest.param("mla_int8", "dense", marks=pytest.mark.slow),
+    pytest.param("dsa_int8", "paged", marks=pytest.mark.slow),  # the rope and indexer keys' two scales
     pytest.param("chunked", "paged", marks=pytest.mark.slow),
     pytest.param("windows", "dense", marks=pytest.mark.slow),
     pytest.param("moe", "paged", marks=pytest.mark.slow),
 ])
 def test_greedy_equals_plain_greedy_for_each_family(family, layout):
-  """The target's k + 1-token verify pass through MLA (int8 cache), chunked and sliding-window
-  attention and routed experts; the draft is the same architecture with weights 3% of the way
+  """The target's k + 1-token verify pass through MLA (int8 cache, DeepSeek-V3.2's too), chunked and
+  sliding-window attention and routed experts; the draft is the same architecture with weights 3% of the way
   from the target's to random ones, so most proposals are accepted and some rejected."""
-  overrides = dict({"mla_int8": dict(MLA, quantize_kvcache=True), "chunked": CHUNKED, "windows": MIXED,
-                    "moe": INTERLEAVED}[family], max_target_length=24)
+  overrides = dict({"mla_int8": dict(MLA, quantize_kvcache=True), "dsa_int8": dict(DSA, quantize_kvcache=True),
+                    "chunked": CHUNKED, "windows": MIXED, "moe": INTERLEAVED}[family], max_target_length=24)
   if layout == "paged":
     overrides.update(kv_cache_layout="paged", kv_page_size=3)
   mesh = one_device_mesh()
