@@ -37,6 +37,22 @@ def test_matrices_take_muon_with_their_input_axes_and_the_rest_adamw():
   assert experts and all(got[name] == dims((2,), (3,)) for name in experts)  # [layers, exp, mlp, embed]
 
 
+def test_lora_adapters_read_their_kernels_input_axes():
+  """An adapter lora_a [in dims..., r] reads what its kernel reads and lora_b [r, out dims...] writes what it writes.
+  The output projection's lora_a [heads, kv, r] was orthogonalised as a heads x (kv r) matrix, mixing its input's
+  kv axis into its output (and scaled for those fans), not as the (heads kv) x r matrix it applies."""
+  cfg = Config.for_testing(**TINY, lora_rank=4, lora_target_modules=["q_proj", "o_proj", "down_proj"])
+  names = models.build_model_spec(cfg.model).logical_names
+  flat = jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: isinstance(x, tuple))[0]
+  got = {"/".join(k.key for k in path): muon._dims_at(names, path) for path, _ in flat}
+  dims = contrib.MuonDimensionNumbers
+  assert got["layers/self_attention/out/lora_a"] == dims((1, 2), (3,))  # [layers, heads, kv, r]
+  assert got["layers/self_attention/out/lora_b"] == dims((1,), (2,))  # [layers, r, embed]
+  assert got["layers/self_attention/query/lora_a"] == dims((1,), (2,))  # [layers, embed, r]
+  assert got["layers/self_attention/query/lora_b"] == dims((1,), (2, 3))  # [layers, r, heads, kv]
+  assert got["layers/mlp/wo/lora_a"] == dims((1,), (2,)) and got["layers/mlp/wo/lora_b"] == dims((1,), (2,))
+
+
 def test_position_tables_multi_head_biases_and_depthwise_convs_take_adamw():
   """Parameters with two non-batch axes that are no projection's matrix took Muon's orthogonalised update: a
   learned position table ([positions, embed], no `vocab` axis: an input embedding like the token table), a

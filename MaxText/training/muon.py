@@ -6,7 +6,7 @@ names: the stacked axes (`layers`, `exp`) are batch axes, each slice orthogonali
 and any that is not a projection's kernel or LoRA adapter (learned position tables, multi-head biases, depthwise
 convolutions) take AdamW, as the reference implementations do. Of the other axes a kernel reads its input on its
 leading ones: an output projection ([heads, kv, embed]) reduces over all but its last axis, every other kernel over
-its first.
+its first; a LoRA adapter lora_a [in dims..., r] over all but its last, lora_b [r, out dims...] over its first.
 
 The orthogonalisation is optax's (`optax.contrib.muon`); the AdamW branch is the run's own AdamW
 (`optimizers.create_optimizer`), so opt_type=muon changes nothing for the non-matrix parameters. Under jit the
@@ -51,7 +51,17 @@ def _dims_at(logical_names: dict[str, Any], path: tuple[Any, ...]) -> contrib.Mu
   node: Any = logical_names
   for entry in path:
     node = node[entry.key]
-  return dimension_numbers(tuple(node))
+  names = tuple(node)
+  dims = dimension_numbers(names)
+  if dims is None or path[-1].key == "kernel":
+    return dims
+  # An adapter is [in dims..., r] (lora_a) or [r, out dims...] (lora_b): its rank axis, unnamed, tells nothing
+  # of which side is the input, so the kernel's rule would read an output projection's lora_a [heads, kv, r] as
+  # a heads x (kv r) matrix.
+  axes = [i for i, name in enumerate(names) if name not in BATCH_AXES]
+  if path[-1].key == "lora_a":
+    return contrib.MuonDimensionNumbers(reduction_axis=tuple(axes[:-1]), output_axis=(axes[-1],))
+  return contrib.MuonDimensionNumbers(reduction_axis=(axes[0],), output_axis=tuple(axes[1:]))
 
 
 def muon(cfg: OptimConfig, schedule: optax.Schedule, adamw: optax.GradientTransformation,
