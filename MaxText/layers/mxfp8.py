@@ -76,12 +76,35 @@ def dequantize_mx(elements: jax.Array, scales: jax.Array) -> jax.Array:
   return jnp.ldexp(blocks, shared[..., None]).reshape(elements.shape)
 
 
+def _varying(x: jax.Array) -> frozenset[str]:
+  """The shard_map mesh axes x varies over (none outside one)."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10's name; `vma` is the older one
+  return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def vary_over(x: jax.Array, axes: frozenset[str]) -> jax.Array:
+  """x typed as varying over `axes` too (a no-op on its values)."""
+  missing = tuple(sorted(axes - _varying(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def same_varying(lhs: jax.Array, rhs: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Both operands typed as varying over the axes either varies over. A custom_vjp's backward must return
+  each operand's gradient varying as the operand does: a weight replicated over `data` inside a shard_map
+  gets a gradient that varies over it until summed, and that sum is autodiff's to insert, at this cast."""
+  axes = _varying(lhs) | _varying(rhs)
+  return vary_over(lhs, axes), vary_over(rhs, axes)
+
+
 def _scaled_bmk(a_BMK: jax.Array, b_BNK: jax.Array) -> jax.Array:
   """[B, M, K] x [B, N, K] -> [B, M, N] float32, both operands MX-quantized along K."""
   a_q, a_scales = quantize_mx(pad_to_block(a_BMK))
   b_q, b_scales = quantize_mx(pad_to_block(b_BNK))
-  return jax.lax.scaled_dot(a_q, b_q, lhs_scale=a_scales, rhs_scale=b_scales, dimension_numbers=_BMK_DIMS,
-                            preferred_element_type=jnp.float32)
+  out = jax.lax.scaled_dot(a_q, b_q, lhs_scale=a_scales, rhs_scale=b_scales, dimension_numbers=_BMK_DIMS,
+                           preferred_element_type=jnp.float32)
+  # scaled_dot's result is typed as varying over no shard_map axis whatever its operands vary over.
+  return vary_over(out, _varying(a_BMK) | _varying(b_BNK))
 
 
 @jax.custom_vjp
@@ -115,6 +138,7 @@ def mxfp8_dot_general(lhs: jax.Array, rhs: jax.Array, dims: DotDims) -> jax.Arra
   """`jax.lax.dot_general(lhs, rhs, dims)` with MXFP8 operands forward and backward, in lhs.dtype.
   The reshapes around the core are linear, so autodiff carries the gradients through them."""
   (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dims
+  lhs, rhs = same_varying(lhs, rhs)
   lhs_BMK, lhs_free = _to_bmk(lhs, lhs_batch, lhs_contract)
   rhs_BNK, rhs_free = _to_bmk(rhs, rhs_batch, rhs_contract)
   out_BMN = mx_matmul_bmk(lhs_BMK, rhs_BNK)

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from MaxText.configuration.model_checks import QUANTIZATION_MODES
 from MaxText.errors import choices
-from MaxText.layers.mxfp8 import mxfp8_dot_general
+from MaxText.layers.mxfp8 import mxfp8_dot_general, same_varying
 
 DotDims = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
 
@@ -207,8 +207,8 @@ def quantized_dot_general(mode: str, lhs: jax.Array, rhs: jax.Array, dims: DotDi
     return jax.lax.dot_general(lhs, rhs, dims)
   if mode == "int8":
     return int8_dot_general(lhs, rhs, dims)
-  if mode == "fp8":
-    return fp8_dot_general(lhs, rhs, dims)
+  if mode == "fp8":  # its backward's dots give each gradient as varying as both operands (mxfp8.same_varying)
+    return fp8_dot_general(*same_varying(lhs, rhs), dims)
   if mode == "mxfp8":
     return mxfp8_dot_general(lhs, rhs, dims)
   raise ValueError(f"quantization must be one of {choices(QUANTIZATION_MODES, 'float')}; got {mode!r}")

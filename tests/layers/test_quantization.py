@@ -1,5 +1,7 @@
 """int8 / fp8 training matmuls (MaxText/layers/quantization.py) against NumPy references and float."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -244,3 +246,28 @@ def test_moe_block_int8_quantizes_expert_matmuls_not_the_router(tiny_overrides):
   # Expert matmuls batched over the expert dim, in int8 with int32 accumulation.
   assert "i8[4," in jaxpr and "preferred_element_type=int32" in jaxpr
   assert float(jnp.linalg.norm(y_int8 - y_float) / jnp.linalg.norm(y_float)) < 0.02
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8", "mxfp8"])
+def test_gradients_inside_shard_map_over_axes_a_weight_does_not_vary_on(mode):
+  """Expert parallelism's MoE runs the expert matmuls inside a vma-checked shard_map, the tokens split over
+  `data` and the experts' weights not. fp8's and mxfp8's custom backward returned the weight's gradient still
+  varying over `data` (its psum is autodiff's to insert), and mxfp8's lax.scaled_dot dropped the axes its
+  operands vary over: training with ici_expert_parallelism > 1 stopped with a custom_vjp type error."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  kx, kw = jax.random.split(jax.random.key(0))
+  x = jax.device_put(jax.random.normal(kx, (4, 8, 40)), NamedSharding(mesh, P("expert", "data")))
+  w = jax.device_put(jax.random.normal(kw, (4, 40, 24)) / np.sqrt(40), NamedSharding(mesh, P("expert")))
+  dims = (((2,), (1,)), ((0,), (0,)))  # per expert: [tokens, d] x [d, f]
+
+  def loss(mode: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    def body(x: jax.Array, w: jax.Array) -> jax.Array:
+      y = quantization.quantized_dot_general(mode, x, w, dims)
+      return jax.lax.psum(jnp.sum(y * y), ("data", "expert"))
+    return jax.shard_map(body, mesh=mesh, in_specs=(P("expert", "data"), P("expert")), out_specs=P())(x, w)
+
+  want = jax.jit(jax.grad(functools.partial(loss, ""), argnums=(0, 1)))(x, w)
+  got = jax.jit(jax.grad(functools.partial(loss, mode), argnums=(0, 1)))(x, w)
+  for g, r in zip(got, want):
+    assert float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r)) < 0.1
