@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import resource
+import shutil
 import signal
 from pathlib import Path
 
@@ -97,6 +98,23 @@ def _truncate_largest(step_dir: Path) -> None:
   files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
   largest = max(files, key=lambda p: p.stat().st_size)
   largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
+
+
+def test_a_file_under_the_newest_steps_name_is_set_aside_not_deleted_by_the_next_save(trained, capsys):
+  """A file named like a step is no checkpoint: the resume says so and keeps it aside, where the save of
+  that step would otherwise have deleted it without a word."""
+  config, run, checkpoints, state = trained
+  checkpoints.close()
+  directory = Path(config.checkpoint.directory)
+  shutil.rmtree(directory / "4")
+  (directory / "4").write_text("notes")
+  checkpoints, restored = _restore(config, Run(config))
+  assert restored.step == 2
+  assert "is a file, not a checkpoint step" in capsys.readouterr().out
+  checkpoints.save(4, state, {"step": 4}, {})
+  checkpoints.close()
+  aside = [p for p in directory.iterdir() if p.name.startswith("4.corrupt-")]
+  assert [p.read_text() for p in aside] == ["notes"]
 
 
 def test_load_full_state_path_falls_back_past_a_damaged_step_without_renaming_it(trained, capsys):
@@ -226,6 +244,25 @@ def test_checkpoint_config_errors(tiny_overrides, tmp_path):
     _config(tiny_overrides, tmp_path, load_parameters_path="a", load_full_state_path="b")
   with pytest.raises(ConfigError, match="max_num_checkpoints_to_keep"):
     _config(tiny_overrides, tmp_path, max_num_checkpoints_to_keep=0)
+
+
+def test_a_checkpoint_directory_that_cannot_take_saves_is_refused_before_training(tiny_overrides, tmp_path,
+                                                                                   monkeypatch):
+  """A `checkpoints` that is a file, or a folder this user cannot write, is one line at the start, not a
+  failed save after checkpoint_period steps of training; nothing in it is touched."""
+  config = _config(tiny_overrides, tmp_path)
+  directory = Path(config.checkpoint.directory)
+  directory.parent.mkdir(parents=True)
+  directory.write_text("not a folder")
+  with pytest.raises(UserError, match=r"checkpoint directory .*checkpoints is a file, not a folder"):
+    checkpointing.RunCheckpoints.for_run(config.checkpoint)
+  assert directory.read_text() == "not a folder"
+  directory.unlink()
+  directory.mkdir()
+  # root passes any permission check, so the refusal of a read-only folder is what is checked here
+  monkeypatch.setattr(checkpointing.os, "access", lambda path, mode: path != str(directory))
+  with pytest.raises(UserError, match=r"checkpoint directory .*checkpoints is not writable"):
+    checkpointing.RunCheckpoints.for_run(config.checkpoint)
 
 
 def test_max_to_keep_prunes_old_checkpoints(tiny_overrides, tmp_path):

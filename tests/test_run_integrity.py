@@ -360,6 +360,20 @@ def test_a_damaged_config_record_is_one_line_naming_it(tmp_path, damage, why):
     run_record.read_saved(str(tmp_path))
 
 
+def test_a_damaged_config_history_entry_is_not_to_be_restored_from_config_history(tmp_path):
+  """With config.yml gone, a damaged newest config_history entry was told to be restored from config_history/,
+  the folder that holds it."""
+  from MaxText.configuration import run_record
+  from MaxText.errors import UserError
+
+  (tmp_path / "config_history").mkdir()
+  (tmp_path / "config_history" / "20260101T000000Z.yml").write_bytes(b"\xff\xfe\x00")
+  with pytest.raises(UserError, match=r"20260101T000000Z\.yml is not readable YAML \(not UTF-8 text\); move it away "
+                                      r"\(out of config_history/\)") as raised:
+    run_record.newest_history(str(tmp_path))
+  assert "restore it from" not in str(raised.value)
+
+
 @pytest.mark.parametrize("text, why", [("- a\n", "it holds a list, not key: value lines"), ("a: [1", "not readable YAML"),
                                        ("llama2-7b\n", "it holds a str")])
 def test_a_damaged_model_config_beside_a_checkpoint_is_one_line_naming_it(tmp_path, text, why):

@@ -41,18 +41,23 @@ def flat_values(config: Config) -> dict[str, Any]:
   return {**dict(config.values), "global_batch_size": config.data.global_batch_size}
 
 
+def _remedy(path: str, run_dir: str) -> str:
+  # A config_history entry is itself the copy config.yml would be restored from.
+  if storage.name(storage.parent(path)) == HISTORY_DIR:
+    return "move it away (out of config_history/)"
+  return f"restore it from {storage.join(run_dir, HISTORY_DIR)}, or move it away"
+
+
 def _read_record(path: str, run_dir: str) -> dict[str, Any]:
   """The flat values of a saved configuration (config.yml or a config_history entry)."""
   try:
     data = yaml.safe_load(storage.read_text(path)) or {}
   except (yaml.YAMLError, UnicodeDecodeError) as e:  # not even text: damaged on disk or by a copy
     why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else str(e).splitlines()[0]
-    raise UserError(f"{path} is not readable YAML ({why}); restore it from "
-                    f"{storage.join(run_dir, HISTORY_DIR)}, or move it away: the resume is then checked against "
-                    "the run's other records (config_history/, the checkpoint's saved keys)") from None
+    raise UserError(f"{path} is not readable YAML ({why}); {_remedy(path, run_dir)}: the resume is then checked "
+                    "against the run's other records (config_history/, the checkpoint's saved keys)") from None
   if not isinstance(data, dict):
-    raise UserError(f"{path} does not hold a configuration (a YAML mapping); restore it from "
-                    f"{storage.join(run_dir, HISTORY_DIR)} or move it away")
+    raise UserError(f"{path} does not hold a configuration (a YAML mapping); {_remedy(path, run_dir)}")
   derived = data.pop("derived", None) or {}
   if "global_batch_size" in derived:
     data["global_batch_size"] = derived["global_batch_size"]

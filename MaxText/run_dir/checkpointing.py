@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import time
 from typing import Any, Generic, TypeVar
 
@@ -59,6 +60,20 @@ def not_a_checkpoint(path: str, root: str) -> str | None:
   if storage.is_dir(inner):
     return f"{path} is a run directory, not a checkpoint: give its checkpoints directory {inner} (its newest step)"
   return None
+
+
+def _check_writable(directory: str) -> None:
+  """A run's own local checkpoint directory must take saves: otherwise the first save, after
+  checkpoint_period steps of training, would be the first to find out."""
+  path = storage.resolve(directory)
+  if storage.is_remote(path) or jax.process_index() != 0:
+    return  # a bucket's writes are checked by its own start-up probe; one process speaks for the run
+  if storage.exists(path) and not storage.is_dir(path):
+    raise UserError(f"checkpoint directory {path} is a file, not a folder: move it away or choose another "
+                    "run_name or base_output_directory")
+  if storage.is_dir(path) and not os.access(path, os.W_OK | os.X_OK):
+    raise UserError(f"checkpoint directory {path} is not writable by this user: fix its permissions or choose "
+                    "another run_name or base_output_directory")
 
 
 def _not_damage(error: BaseException) -> bool:
@@ -162,6 +177,7 @@ class RunCheckpoints:
     if cfg.events_path:
       log(f"checkpoint: enable_checkpoint_cloud_logger: each save's and restore's events go to {cfg.events_path} "
           "(JSON lines; this project does not use Google Cloud Logging)")
+    _check_writable(cfg.directory)
     checkpoints = cls(cfg.directory, max_to_keep=cfg.max_to_keep, async_save=cfg.async_checkpointing, local=local,
                       events_path=cfg.events_path)
     storage_retry.note_saved(checkpoints.directory, checkpoints.last_saved_step)
@@ -246,6 +262,7 @@ class RunCheckpoints:
   def restore_latest(self, abstract_state: State, shardings: State) -> Restored[State] | None:
     """Newest step that restores cleanly, from whichever tier holds the newer one; a damaged
     persistent step is set aside (renamed, never deleted)."""
+    self._set_aside_step_files()
     persistent = self.all_steps()
     if self.local is not None:
       restored = self._restore_local(abstract_state, shardings, persistent[-1] if persistent else None)
@@ -283,6 +300,20 @@ class RunCheckpoints:
           "steps are damaged, move them aside (a run's own: rerun with resume_from_step=0, which sets them aside and "
           "starts from the beginning)")
     return None
+
+  def _set_aside_step_files(self) -> None:
+    """A file under a step's name is no checkpoint, and Orbax would delete it to save that step again:
+    it is set aside with a warning, like a damaged step."""
+    # Process 0 alone: Orbax lists no file as a step, so the other processes have nothing to sync on.
+    if not self._own or jax.process_index() != 0 or storage.is_remote(self.directory) \
+        or not storage.is_dir(self.directory):
+      return
+    for name in storage.listdir(self.directory):
+      path = storage.join(self.directory, name)
+      if name.isdigit() and not storage.is_dir(path):
+        moved = storage.set_aside(path, f"{name}.corrupt-{int(time.time())}")
+        log(f"warning: {path} is a file, not a checkpoint step; moved it to {moved} and resuming from the newest "
+            "step that restores")
 
   def _check_stored_shapes(self, step: int, abstract_state: object) -> None:
     """A step whose arrays have other shapes than this config builds was written by another
