@@ -349,6 +349,24 @@ def test_a_kill_mid_write_leaves_one_partial_line_which_the_resume_drops(tmp_pat
   assert metrics._lines_up_to(str(path), 5) == ['{"step": 1, "loss": 2.0}\n', '{"step": 2, "loss": 1.5}\n']
 
 
+def test_garbage_in_metrics_jsonl_is_kept_aside_with_a_warning_not_dropped_silently(tmp_path, capsys):
+  """Lines that are no step record, beyond the one a kill cuts short, are a damaged file: the resume rewrote
+  metrics.jsonl without them and said nothing."""
+  from MaxText.training import metrics
+
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+  metrics._lines_up_to(str(path), 3)
+  assert "warning" not in capsys.readouterr().out and not list(tmp_path.glob("*.damaged-*"))
+  damaged = b'{"step": 1, "loss": 2.0}\n\x00\x00garbage\n[1, 2]\n{"step": 2, "loss": 1.5}\n'
+  path.write_bytes(damaged)
+  assert metrics._lines_up_to(str(path), 5) == ['{"step": 1, "loss": 2.0}\n', '{"step": 2, "loss": 1.5}\n']
+  out = capsys.readouterr().out
+  assert out.count("\n") == 1 and "has 2 lines that are no step record (the first is line 2)" in out
+  (copy,) = tmp_path.glob("metrics.jsonl.damaged-*")
+  assert copy.read_bytes() == damaged and str(copy) in out
+
+
 @pytest.mark.parametrize("damage, why", [(b"\xff\xfe\x00", "not UTF-8 text"), (b"steps: [3", "while parsing")])
 def test_a_damaged_config_record_is_one_line_naming_it(tmp_path, damage, why):
   """config.yml holding bytes that are not UTF-8 was a UnicodeDecodeError traceback at the resume."""

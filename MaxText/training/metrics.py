@@ -51,6 +51,7 @@ import functools
 import json
 import math
 import sys
+import time
 from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
@@ -244,17 +245,24 @@ def format_step_line(step: int, loss: float, seconds: float, t: Throughput) -> s
 def _lines_up_to(jsonl_path: str, step: int) -> list[str]:
   if not storage.exists(jsonl_path):
     return []
+  data = storage.read_bytes(jsonl_path)
   # Bytes that are not UTF-8 (a disk's damage, never this writer's) fail to parse below, like a cut line.
-  text = storage.read_bytes(jsonl_path).decode("utf-8", errors="replace")
-  lines = [line + "\n" for line in text.splitlines() if line.strip()]
-  kept = []
-  for line in lines:
+  lines = [line + "\n" for line in data.decode("utf-8", errors="replace").splitlines() if line.strip()]
+  kept, damaged = [], []
+  for number, line in enumerate(lines, 1):
     try:
       record = json.loads(line)
     except json.JSONDecodeError:
-      continue  # a line cut short by a kill (only the last one can be: one writer, whole lines)
-    if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+      record = None
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+      damaged.append(number)
+    elif record["step"] <= step:
       kept.append(line)
+  if damaged and damaged != [len(lines)]:  # more than the one line a kill can cut short (one writer, whole lines)
+    copy = f"{jsonl_path}.damaged-{int(time.time())}"
+    storage.write_bytes(copy, data)
+    print(f"warning: {jsonl_path} has {len(damaged)} lines that are no step record (the first is line {damaged[0]}); "
+          f"the resumed run keeps its step records only, and the file as it was is kept at {copy}", flush=True)
   return kept
 
 
