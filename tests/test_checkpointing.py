@@ -232,9 +232,18 @@ def test_loading_errors_are_one_line_user_errors(trained, tiny_overrides, tmp_pa
       run_start.restore_full_state(str(path), run.setup.abstract_state, run.setup.state_shardings)
   bigger = _config(tiny_overrides, tmp_path, base_emb_dim=128)
   big_spec = models.build_model_spec(bigger.model)
-  with pytest.raises(UserError, match="cannot load parameters"):
+  with pytest.raises(UserError, match="cannot load parameters.*check that the model config matches"):
     params_io.load_params(str(Path(config.checkpoint.directory) / "4"), big_spec.abstract_params,
                               Run(bigger).setup.state_shardings.params)
+  # Array files cut short were the same advice, to check a config that matches.
+  copy = tmp_path / "copied_checkpoints"
+  shutil.copytree(config.checkpoint.directory, copy)
+  for data in (copy / "4").glob("**/d/*"):
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+  with pytest.raises(UserError, match=r"cannot load parameters from .*Error reading.*; its files are damaged or "
+                                      r"incomplete: copy the checkpoint again or load an earlier step") as error:
+    params_io.load_params(str(copy), abstract, shardings)
+  assert "model config" not in str(error.value)
 
 
 def test_checkpoint_config_errors(tiny_overrides, tmp_path):

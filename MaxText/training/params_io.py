@@ -52,6 +52,16 @@ def params_directory(path: str) -> tuple[str, str]:
                   f"containing '{STATE}/', or a checkpoints directory with numbered steps")
 
 
+def _remedy(error: BaseException, kind: str) -> str:
+  """What to do after a failed read: a model that differs from the writer's, or files that are damaged."""
+  # TensorStore's read errors (a file cut short, missing or overwritten) start "Error reading" after their
+  # status code; a differing model is a shape, dtype or tree mismatch, which Orbax words otherwise.
+  if "Error reading" not in first_line(error):
+    return "check that the model config matches the one that wrote it"
+  other = " or load an earlier step (its step directory)" if kind.startswith("latest step") else ""
+  return f"its files are damaged or incomplete: copy the checkpoint again{other}"
+
+
 def load_params(path: str, abstract_params: models.Params, shardings: models.Params) -> models.Params:
   """Reads only the parameters from any of our checkpoint kinds, into `shardings`.
 
@@ -88,7 +98,7 @@ def load_params(path: str, abstract_params: models.Params, shardings: models.Par
             item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
   except (ValueError, KeyError, FileNotFoundError, TypeError) as e:  # TypeError: a subtree where an array is due
     raise UserError(f"cannot load parameters from {path} ({kind} checkpoint): {first_line(e)}; "
-                    "check that the model config matches the one that wrote it") from None
+                    f"{_remedy(e, kind)}") from None
   params = restored[PARAMS]
   if convert:
     num_layers = _num_layers(abstract_params)
