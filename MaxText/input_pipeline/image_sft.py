@@ -18,6 +18,7 @@ A text-only model keeps chat.SftEncoder's behaviour and refuses a record with im
 
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping
 
 import numpy as np
@@ -30,16 +31,67 @@ from MaxText.input_pipeline.chat import PAIR_FIELDS, SftEncoder, as_mapping, as_
 from MaxText.input_pipeline.packing import ImageDocument, image_units
 
 
+def _has_image_part(parts: Any) -> bool:
+  return (isinstance(parts, list) and all(isinstance(p, dict) and p.get("type") in image_text.PART_TYPES for p in parts)
+          and any(p["type"] != "text" for p in parts))
+
+
+def _images_as_text(text: Any) -> bool:
+  """Whether a string is content parts with images, or messages holding them, written as JSON: what
+  `datasets` makes of a list in a file read after one whose values there were all strings (the
+  first file's type wins). Text parts only are left as text: a model may be taught to write them."""
+  if not isinstance(text, str) or not text.lstrip().startswith("["):
+    return False
+  try:
+    value = json.loads(text)
+  except json.JSONDecodeError:
+    return False
+  return _has_image_part(value) or (isinstance(value, list) and any(
+      isinstance(m, dict) and _has_image_part(m.get("content")) for m in value))
+
+
+def _refuse_images_as_text(text: Any, where: str) -> None:
+  if _images_as_text(text):  # else its images would silently be trained on as text
+    raise UserError(f"{where} is a list with images turned into JSON text by the dataset reader (a file of strings "
+                    f"there read first); {image_text.SAME_SHAPE}")
+
+
+def _split(messages: list[dict[str, Any]], where: str) -> tuple[list[dict[str, Any]], list[image_text.ImageSlot]]:
+  for i, message in enumerate(messages):
+    _refuse_images_as_text(message.get("content"), f"{where}: message {i}'s content")
+  return image_text.split_images(messages, where)
+
+
+def _refuse_images_column(record: Mapping[str, Any]) -> None:
+  """TRL's and many hub datasets' layout, bare {"type": "image"} parts and the images in an `images`
+  column, is not read: one line saying where the images go instead of each part's 'needs its image'."""
+  if record.get("images") is None:  # a table reader's filler, or no such column
+    return
+  fields = ("messages",) if record.get("messages") is not None else PAIR_FIELDS
+  for field in fields:
+    messages = record.get(field)
+    for message in messages if isinstance(messages, list) else []:
+      content = message.get("content") if isinstance(message, Mapping) else None
+      for part in content if isinstance(content, list) else []:
+        if isinstance(part, Mapping) and part.get("type") == "image" and not any(
+            part.get(key) for key in ("image", "path", "url")):
+          raise UserError("this record's images are in an 'images' column beside bare {\"type\": \"image\"} parts, "
+                          "which is not read; put each image in its part: {\"type\": \"image\", \"image\": PATH} (a "
+                          "path, gs:// object or data:image/...;base64, URL)")
+
+
 def split_record(record: Mapping[str, Any]) -> tuple[dict[str, Any], list[image_text.ImageSlot]]:
   """(the record with template parts for image parts, its images in the order rendered)."""
+  _refuse_images_column(record)
   if record.get("messages") is not None:  # None: a table reader's filler (SftEncoder.render)
-    messages, slots = image_text.split_images(as_messages(record["messages"], "messages"))
+    messages, slots = _split(as_messages(record["messages"], "messages"), "a conversation")
     return {**record, "messages": messages}, slots
   out, slots = dict(record), []
   if all(record.get(field) is not None for field in PAIR_FIELDS):
     for field in PAIR_FIELDS:  # rendered prompt first, then completion
+      _refuse_images_as_text(record[field], f"the {field}")
       if isinstance(record[field], list):
-        out[field], more = image_text.split_images(as_messages(record[field], field), f"the {field}")
+        out[field], more = _split(as_messages(record[field], field), f"the {field}")
         slots += more
   return out, slots
 

@@ -31,6 +31,11 @@ from MaxText.families.image_format import ImageFormat, PreparedImage
 from MaxText.input_pipeline import images
 
 DATA_URL_PREFIX = "data:"
+PART_TYPES = ("text", "image", "image_url")
+# `datasets` gives a JSON column the type of the first file it reads: a list content read after
+# string contents becomes JSON text, a string read after lists becomes a list of its characters.
+SAME_SHAPE = ("in data files, give every message's content the same shape in every file: a list of parts (a "
+              "message without images too: [{\"type\": \"text\", \"text\": ...}])")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +71,9 @@ def split_images(messages: Sequence[Mapping[str, Any]], where: str = "a conversa
       continue
     parts: list[dict[str, Any]] = []
     for part in content:
+      if isinstance(part, str):  # a string content that a dataset reader split into characters
+        raise UserError(f"{where}: message {i}'s content parts must be objects with a 'type', got the string "
+                        f"{str(part)[:80]!r}; {SAME_SHAPE}")
       if not isinstance(part, Mapping) or "type" not in part:
         raise UserError(f"{where}: message {i}'s content parts must be objects with a 'type', got {str(part)[:80]!r}")
       if part["type"] == "text":
@@ -100,9 +108,11 @@ def read_image(ref: str, *, files: bool, max_pixels: int = images.MAX_IMAGE_PIXE
     if not comma or not header.endswith(";base64") or not header[len(DATA_URL_PREFIX):].startswith("image/"):
       raise UserError(f"image {ref[:40]!r}...: a data URL must read data:image/<format>;base64,<data>")
     try:
-      data = base64.b64decode(payload, validate=True)
+      # Line breaks are the wrapping of `base64` and MIME encoders, which HF's load_image accepts too.
+      data = base64.b64decode("".join(payload.split()), validate=True)
     except (binascii.Error, ValueError):
-      raise UserError(f"image {header}: its base64 data does not decode") from None
+      raise UserError(f"image {header}: its base64 data does not decode; give the file's bytes in standard base64 "
+                      "(A-Z, a-z, 0-9, + and /, padded with =)") from None
     return images.decode(data, header, max_pixels, limit_key)
   if not files:
     raise UserError(f"image {ref[:60]!r}: only data:image/...;base64, URLs are accepted here")

@@ -4,7 +4,8 @@ bytes decoded into a Pillow image, which the model's family then cuts into its t
 
 A file or bytes that Pillow cannot decode, or decodes as a format outside SUPPORTED_FORMATS,
 is one `UserError` line naming the image. So is one of more pixels than allowed, refused from its
-header before any pixel is decoded (a small file can hold a huge image: a bomb).
+header before any pixel is decoded (a small file can hold a huge image: a bomb). A photo's EXIF
+orientation is applied, as HF's image loaders apply it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,23 @@ SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 MAX_IMAGE_PIXELS = 8192 * 8192
 # Pillow's own guard at the same limit, for every image this process opens (datasets' decoders too).
 Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
+ORIENTATION = 0x0112  # the EXIF tag
+# Each EXIF orientation's transpose to upright: ImageOps.exif_transpose's table, applied without
+# rewriting the EXIF block (exif_transpose does, and fails on a damaged one).
+_UPRIGHT = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+            5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+            8: Image.Transpose.ROTATE_90}
+
+
+def _upright(image: Image.Image) -> Image.Image:
+  """A camera's EXIF orientation applied, as HF's loaders apply it (transformers' load_image,
+  datasets' Image feature): the pixels are then the upright image HF's processor sees."""
+  try:
+    orientation = image.getexif().get(ORIENTATION)
+    method = _UPRIGHT.get(orientation) if isinstance(orientation, int) else None
+  except Exception:  # noqa: BLE001 - a damaged EXIF block fails in Pillow's parser in many ways
+    return image  # the pixels decoded: only the hint of how to turn them is lost
+  return image if method is None else image.transpose(method)
 
 
 def decode(data: bytes, name: str, max_pixels: int = MAX_IMAGE_PIXELS, limit_key: str = "") -> Image.Image:
@@ -34,7 +52,7 @@ def decode(data: bytes, name: str, max_pixels: int = MAX_IMAGE_PIXELS, limit_key
   with warnings.catch_warnings():
     warnings.simplefilter("error", Image.DecompressionBombWarning)
     try:
-      image = Image.open(io.BytesIO(data))  # the header only: no pixel is decoded yet
+      image: Image.Image = Image.open(io.BytesIO(data))  # the header only: no pixel is decoded yet
       if image.format not in SUPPORTED_FORMATS:
         raise UserError(f"image {name}: format {image.format} is not supported; use one of "
                         f"{', '.join(SUPPORTED_FORMATS)}")
@@ -42,6 +60,7 @@ def decode(data: bytes, name: str, max_pixels: int = MAX_IMAGE_PIXELS, limit_key
       if width * height > min(max_pixels, MAX_IMAGE_PIXELS):
         raise UserError(f"image {name}: {width}x{height} pixels is larger than {limit}; resize it first")
       image.load()
+      image = _upright(image)
     except (Image.DecompressionBombWarning, Image.DecompressionBombError):  # Pillow's guard, in Image.open
       raise UserError(f"image {name}: larger than {limit}; resize it first") from None
     except (OSError, ValueError, SyntaxError) as e:  # Pillow's ways of saying "not an image I can read"
@@ -56,6 +75,9 @@ def load(path: str, max_pixels: int = MAX_IMAGE_PIXELS, limit_key: str = "") -> 
   """An image file (a local path or gs:// object) decoded as `decode` does."""
   try:
     data = storage.read_bytes(path)
+  except FileNotFoundError:  # an object store's own words for it are a URL fragment
+    raise UserError(f"image {path}: cannot be read (no such file or object); check the path (a relative path "
+                    "is from the working directory)") from None
   except OSError as e:
     raise UserError(f"image {path}: cannot be read ({e.strerror or e})") from None
   return decode(data, path, max_pixels, limit_key)

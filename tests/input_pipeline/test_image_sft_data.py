@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -135,6 +136,45 @@ def test_bad_images_and_records_are_one_line_errors(tokenizer, tmp_path):
     tokens = document.tokens[0] if isinstance(document, ImageDocument) else document[0]
     assert tokenizer.convert_tokens_to_ids(typed) not in tokens.tolist()
     assert typed in tokenizer.decode(tokens.tolist(), skip_special_tokens=False)
+
+
+def _read_by_datasets(tmp_path, *files: list[dict]) -> list[dict]:
+  """The records as `datasets` reads JSONL files in order (one type per column, the first file's)."""
+  datasets = pytest.importorskip("datasets")
+  tmp_path.mkdir()
+  paths = []
+  for i, records in enumerate(files):
+    paths.append(tmp_path / f"{i}.jsonl")
+    paths[-1].write_text("".join(json.dumps(r) + "\n" for r in records))
+  return list(datasets.load_dataset("json", data_files={"train": [str(p) for p in paths]}, split="train",
+                                    cache_dir=str(tmp_path / "cache")))
+
+
+def test_contents_of_other_shapes_in_another_file_are_refused_not_mangled(tokenizer, tmp_path):
+  """A file of string contents read before one of list contents turns the lists into JSON text (its
+  images would be trained on as text); the other order splits the strings into characters."""
+  red = png(tmp_path / "red.png", (255, 0, 0))
+  text = {"messages": [{"role": "user", "content": "to be"}, {"role": "assistant", "content": "or not"}]}
+  listed = record(red)  # every content a list
+  listed["messages"][1]["content"] = [{"type": "text", "text": "a red fox"}]
+  pair = {"prompt": "to be", "completion": "or not"}
+  # A string file first: the lists of a file of mixed shapes become JSON text (its strings too: '"or not"').
+  cases = (([text], [text, record(red)]),
+           ([pair], [pair, {"prompt": record(red)["messages"][:1], "completion": record(red)["messages"][1:]}]),
+           # A file of list contents first: the strings become lists of their characters.
+           ([listed], [text]))
+  for case, (first, then) in enumerate(cases):
+    mangled = _read_by_datasets(tmp_path / f"case{case}", first, then)[-1]
+    message = _refused(tokenizer, mangled)
+    assert "give every message's content the same shape in every file" in message, message
+
+
+def test_an_images_column_beside_bare_image_parts_says_where_images_go(tokenizer, tmp_path):
+  """TRL's layout: {"type": "image"} parts and the images in a column of their own."""
+  red = png(tmp_path / "red.png", (255, 0, 0))
+  trl = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this"}]},
+                      {"role": "assistant", "content": "a red fox"}], "images": [red]}
+  assert "put each image in its part: {\"type\": \"image\", \"image\": PATH}" in _refused(tokenizer, trl)
 
 
 def test_an_image_the_template_does_not_place_is_refused(tmp_path):

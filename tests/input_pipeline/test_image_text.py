@@ -101,6 +101,11 @@ def test_data_urls_decode_and_network_urls_are_refused():
     image_text.read_image("/etc/passwd", files=False)
   with pytest.raises(UserError, match="does not decode"):
     image_text.read_image("data:image/png;base64,@@@", files=False)
+  # Wrapped at 76 columns, as `base64` and MIME encoders write it (HF's load_image reads it too).
+  png = base64.b64decode(_png_url((0, 255, 0)).split(",")[1])
+  wrapped = "data:image/png;base64," + base64.encodebytes(png).decode()
+  assert "\n" in wrapped.strip()
+  assert image_text.read_image(wrapped, files=False).getpixel((0, 0)) == (0, 255, 0)
   with pytest.raises(UserError, match="cannot be decoded as an image"):
     image_text.read_image("data:image/png;base64," + base64.b64encode(b"not a png").decode(), files=False)
 

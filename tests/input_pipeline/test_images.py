@@ -17,6 +17,7 @@ from MaxText.families import gemma3_images
 from MaxText.input_pipeline import images
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (EXTRAS=test bash setup.sh)")
+datasets = pytest.importorskip("datasets")
 
 SIZE = 64
 
@@ -58,6 +59,57 @@ def test_pixel_values_equal_hf(mode, width, height, fmt):
   np.testing.assert_allclose(ours, expected, atol=1e-6, rtol=0)
 
 
+def _saved(image: Image.Image, fmt: str, **kwargs) -> bytes:
+  out = io.BytesIO()
+  image.save(out, format=fmt, **kwargs)
+  return out.getvalue()
+
+
+def _exif(orientation: int) -> Image.Exif:
+  exif = Image.Exif()
+  exif[images.ORIENTATION] = orientation
+  return exif
+
+
+_NOISE = _image("RGB", 40, 30, seed=4)
+# Files as users hand them over: each decoded, then made RGB, must give HF's pixels.
+ODD_FILES = {
+    "16-bit grayscale PNG": lambda: _saved(Image.fromarray(
+        np.random.default_rng(5).integers(0, 65536, (30, 40)).astype(np.uint16)), "PNG"),
+    "palette PNG with a transparent entry": lambda: _saved(_NOISE.quantize(16), "PNG", transparency=3),
+    "CMYK JPEG": lambda: _saved(_NOISE.convert("CMYK"), "JPEG"),
+    "grayscale and alpha PNG": lambda: _saved(_image("LA", 40, 30), "PNG"),
+    "1-bit PNG": lambda: _saved(_NOISE.convert("1"), "PNG"),
+    "RGBA WEBP": lambda: _saved(_image("RGBA", 40, 30), "WEBP", lossless=True),
+    "animated GIF": lambda: _saved(_NOISE, "GIF", save_all=True, append_images=[_image("RGB", 40, 30, seed=6)]),
+    "1x1 PNG": lambda: _saved(Image.new("RGB", (1, 1), (1, 2, 3)), "PNG"),
+    "1x500 PNG": lambda: _saved(_image("RGB", 1, 500), "PNG"),
+    **{f"JPEG with EXIF orientation {o}": (lambda o=o: _saved(_NOISE, "JPEG", exif=_exif(o))) for o in (3, 6, 8)},
+}
+
+
+@pytest.mark.parametrize("name", list(ODD_FILES))
+def test_odd_files_give_the_pixels_of_hfs_loader_and_processor(name):
+  """HF's reference is its loaders (datasets' Image feature, as a dataset's images reach HF's processor:
+  the first frame of an animation, EXIF orientation applied) then its processor."""
+  data = ODD_FILES[name]()
+  ours = gemma3_images.pixel_values(images.decode(data, name), gemma3_images.ImageOptions(image_size=SIZE))
+  loaded = datasets.Image().decode_example({"bytes": data, "path": None})
+  np.testing.assert_allclose(ours, _hf(loaded), atol=1e-6, rtol=0)
+
+
+def test_an_exif_block_pillow_cannot_rewrite_still_turns_the_image_upright():
+  """ImageOps.exif_transpose rewrites the EXIF block and fails on one whose Make tag (0x010f) now
+  reads as ImageWidth (0x0100) holding text; its orientation still reads and is applied."""
+  exif = _exif(6)
+  exif[0x010F] = "Canon"
+  data = bytearray(_saved(_NOISE, "JPEG", exif=exif))
+  data[data.index(b"Exif\x00\x00") + 17] = 0x00  # the first entry's tag, big-endian: 0x010f -> 0x0100
+  image = images.decode(bytes(data), "damaged.jpg")
+  stored = Image.open(io.BytesIO(bytes(data)))
+  np.testing.assert_array_equal(np.asarray(image), np.asarray(stored.transpose(Image.Transpose.ROTATE_270)))
+
+
 @pytest.mark.parametrize("width, height", [(600, 200), (200, 900), (300, 280), (1000, 270)])
 def test_pan_and_scan_equals_hf(width, height):
   image = _image("RGB", width, height, seed=1)
@@ -97,6 +149,13 @@ def test_bad_images_are_one_line_errors(data, message):
 def test_unreadable_file_names_the_path(tmp_path):
   with pytest.raises(UserError, match=f"image {tmp_path / 'missing.png'}: cannot be read"):
     images.load(str(tmp_path / "missing.png"))
+
+
+def test_a_missing_gs_object_says_so(gcs_bucket):
+  """gcsfs words a missing object as a URL fragment ('b/BUCKET/o/NAME'): the line says what it is."""
+  with pytest.raises(UserError) as raised:
+    images.load(f"{gcs_bucket}/shapes/missing.png")
+  assert str(raised.value).startswith(f"image {gcs_bucket}/shapes/missing.png: cannot be read (no such file or object)")
 
 
 def test_pillows_own_guard_is_our_limit():
