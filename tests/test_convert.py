@@ -339,6 +339,20 @@ def test_one_by_one_orbax_write_holds_about_one_parameter(tmp_path):
   np.testing.assert_array_equal(np.asarray(restored["p7"]), params["p7"])
 
 
+def _convert_config_json(config: dict, tmp_path: Path, message: str) -> subprocess.CompletedProcess:
+  """The converter's CLI on a checkpoint of only `config`: asserts it exits 2 with one error line holding
+  `message`; returns the process."""
+  hf_dir, output = tmp_path / "hf", tmp_path / "out"
+  hf_dir.mkdir()
+  (hf_dir / "config.json").write_text(json.dumps(config))
+  proc = subprocess.run([sys.executable, "-m", "MaxText.convert.hf_to_maxtext", f"hf_model_path={hf_dir}",
+                         f"output_path={output}"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+  assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+  assert not output.exists()
+  return proc
+
+
 @pytest.mark.parametrize("hf_config, message", [
     (lambda: {"model_type": "llava", "text_config": {"model_type": "llama"}},
      "HF model_type 'llava' is a multimodal checkpoint (it has a text_config); only text-only models and Gemma 3's, "
@@ -348,14 +362,8 @@ def test_one_by_one_orbax_write_holds_about_one_parameter(tmp_path):
     (lambda: {"model_type": "mamba", "hidden_size": 64}, "HF model_type 'mamba' has no converter; supported:"),
 ])
 def test_an_unsupported_hf_checkpoint_is_refused_in_one_line_and_writes_nothing(hf_config, message, tmp_path):
-  hf_dir, output = tmp_path / "hf", tmp_path / "out"
-  hf_dir.mkdir()
-  (hf_dir / "config.json").write_text(json.dumps(hf_config()))
-  proc = subprocess.run([sys.executable, "-m", "MaxText.convert.hf_to_maxtext", f"hf_model_path={hf_dir}",
-                         f"output_path={output}"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
-  errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
-  assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
-  assert not output.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+  _convert_config_json(hf_config(), tmp_path, message)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
 def _legacy_gemma3_text(config: dict) -> dict:
@@ -504,14 +512,7 @@ def _without(config: dict, *path: str) -> dict:
      "HF deepseek_v3 config.json leaves out num_key_value_heads, which transformers then takes as 128"),
 ])
 def test_a_config_json_missing_a_field_is_one_line_naming_it(hf_config, message, tmp_path):
-  hf_dir, output = tmp_path / "hf", tmp_path / "out"
-  hf_dir.mkdir()
-  (hf_dir / "config.json").write_text(json.dumps(hf_config()))
-  proc = subprocess.run([sys.executable, "-m", "MaxText.convert.hf_to_maxtext", f"hf_model_path={hf_dir}",
-                         f"output_path={output}"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
-  errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
-  assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
-  assert "Traceback" not in proc.stderr and not output.exists()
+  assert "Traceback" not in _convert_config_json(hf_config(), tmp_path, message).stderr
 
 
 def test_a_bidirectional_gemma3_is_refused_in_one_line():
