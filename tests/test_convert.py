@@ -216,6 +216,58 @@ def test_maxtext_to_hf_names_parameters_that_do_not_match_the_config(converted, 
     maxtext_to_hf.export(str(bare), str(tmp_path / "hf"), wrong_model)
 
 
+def _damaged_copy(ckpt: Path, directory: Path, damage: str) -> Path:
+  shutil.copytree(ckpt, directory)
+  if damage == "data cut short":
+    for f in (directory / "ocdbt.process_0" / "d").iterdir():
+      f.write_bytes(f.read_bytes()[:100])
+  else:  # the OCDBT manifest gone: Orbax reads the tree's metadata as None
+    (directory / "manifest.ocdbt").unlink()
+  return directory
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("data cut short", r"cannot read token_embedder/embedding from .*; its files are damaged or incomplete"),
+    ("manifest missing", r"holds no readable 'params' tree .*damaged or incomplete"),
+])
+def test_a_damaged_checkpoint_exports_nothing_and_is_one_line(damage, message, converted, tmp_path):
+  """Not a traceback (TensorStore's ValueError, Orbax's None metadata) and no empty output directory left behind."""
+  _, ckpt = converted("llama3.1")
+  damaged = _damaged_copy(ckpt, tmp_path / "damaged", damage)
+  with pytest.raises(UserError, match=message):
+    maxtext_to_hf.export(str(damaged), str(tmp_path / "hf"), [])
+  assert not (tmp_path / "hf").exists()
+
+
+def test_loading_a_damaged_checkpoint_onto_devices_is_one_line(converted, tmp_path):
+  """Read into jax arrays (training, generate_param_only_checkpoint), Orbax raises TensorStore's error as the
+  cause of a bare Exception, which was a traceback."""
+  _, ckpt = converted("llama3.1")
+  damaged = _damaged_copy(ckpt, tmp_path / "damaged", "data cut short")
+  with pytest.raises(UserError, match=r"cannot load parameters from .*Error reading .*; its files are damaged or "
+                                      r"incomplete: copy the checkpoint again$"):
+    _load(damaged, scan_layers=True)
+
+
+def test_an_export_failing_midway_removes_what_it_wrote(converted, tmp_path, monkeypatch):
+  """Shards written before a read error (a data file damaged deep in the checkpoint) are removed; an empty
+  output directory the user made stays, empty, so the rerun's empty check passes."""
+  _, ckpt = converted("llama3.1")
+  read, calls = streaming.ParamReader.read, []
+
+  def failing_read(self, path):
+    calls.append(path)
+    if len(calls) > 3:
+      raise ValueError('FAILED_PRECONDITION: Error reading "params.x" in OCDBT database')
+    return read(self, path)
+
+  monkeypatch.setattr(streaming.ParamReader, "read", failing_read)
+  (tmp_path / "hf").mkdir()
+  with pytest.raises(UserError, match=r"cannot read .*its files are damaged or incomplete"):
+    maxtext_to_hf.export(str(ckpt), str(tmp_path / "hf"), [], max_shard_mb=0.0001)
+  assert len(calls) == 4 and (tmp_path / "hf").is_dir() and not list((tmp_path / "hf").iterdir())
+
+
 def test_sharded_and_bin_checkpoints_convert_to_the_same_parameters(converted, tmp_path):
   hf_dir, ckpt = converted("llama3.1")
   model = H.transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir))

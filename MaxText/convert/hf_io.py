@@ -210,6 +210,12 @@ class SafetensorsWriter:
     self._shards.append(list(self._header))
     self._header, self._data, self._data_bytes = {}, None, 0
 
+  def abort(self) -> None:
+    """Closes the open shard's data file after a failure (the caller removes the directory's files)."""
+    if self._data is not None:
+      self._data.close()
+      self._data = None
+
   def close(self) -> list[str]:
     """Writes the last shard, names the shards as HF does and writes the index; returns the file names."""
     if self._header or not self._shards:

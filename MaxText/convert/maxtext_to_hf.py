@@ -35,6 +35,7 @@ from MaxText.configuration import config as config_lib
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.convert import cli, engine, hf_io, streaming
 from MaxText.errors import ConfigError, UserError, run_cli
+from MaxText.run_dir.checkpointing import first_line
 
 PROG = "maxtext_to_hf"
 TOOL = startup.Tool(PROG, reads_run=True, hardware="cpu", reads_data=False)  # conversion is host work
@@ -42,11 +43,17 @@ OWN_KEYS = ("load_parameters_path", "output_path")  # its own key=value argument
 OPTIONAL_KEYS = ("max_shard_mb",)
 
 
-def _open_checkpoint(checkpoint: str, config: config_lib.Config) -> tuple[streaming.ParamReader, ModelConfig]:
+def _open_checkpoint(checkpoint: str, config: config_lib.Config) -> tuple[_CheckedReader, ModelConfig]:
   """A one-parameter-at-a-time reader and the model config in the checkpoint's stored layer
   layout, after checking every stored shape against the model config."""
   directory, kind = params_io.params_directory(checkpoint)  # the same checkpoint kinds as load_params
-  reader = streaming.ParamReader(directory, config.model.weight_dtype)
+  try:
+    reader = streaming.ParamReader(directory, config.model.weight_dtype)
+  except Exception as e:  # noqa: BLE001 - what params_io.is_read_error names is one line; the rest is raised
+    if not (params_io.is_read_error(e) or isinstance(e, OSError)):
+      raise
+    raise UserError(f"cannot read {checkpoint} ({kind} checkpoint): {first_line(e)}; "
+                    f"{params_io.remedy(e, kind)}") from None
   if any(path[-1] in lora.ADAPTER_KEYS for path in reader.shapes):  # the HF model would silently lose them
     raise UserError(f"{checkpoint} ({kind} checkpoint) holds LoRA adapters; write a parameters-only checkpoint with "
                     "MaxText.generate_param_only_checkpoint first (it merges them into the base weights) and convert that")
@@ -57,7 +64,27 @@ def _open_checkpoint(checkpoint: str, config: config_lib.Config) -> tuple[stream
   if wrong:
     raise UserError(f"{checkpoint} ({kind} checkpoint) does not match the model config in {len(wrong)} "
                     f"parameter(s), e.g. {'; '.join(wrong[:3])}; pass the model keys the checkpoint was written with")
-  return reader, cfg
+  return _CheckedReader(reader, checkpoint, kind), cfg
+
+
+class _CheckedReader:
+  """A ParamReader whose read errors (a data file cut short, zeroed or missing) are one UserError line."""
+
+  def __init__(self, reader: streaming.ParamReader, checkpoint: str, kind: str):
+    self.reader, self.checkpoint, self.kind = reader, checkpoint, kind
+    self.shapes, self.scanned = reader.shapes, reader.scanned
+
+  def read(self, path: streaming.ParamPath) -> np.ndarray:
+    try:
+      return self.reader.read(path)
+    except Exception as e:  # noqa: BLE001 - what params_io.is_read_error names is one line; the rest is raised
+      if not (params_io.is_read_error(e) or isinstance(e, OSError)):
+        raise
+      raise UserError(f"cannot read {'/'.join(path)} from {self.checkpoint} ({self.kind} checkpoint): "
+                      f"{first_line(e)}; {params_io.remedy(e, self.kind)}") from None
+
+  def close(self) -> None:
+    self.reader.close()
 
 
 def _hf_config(config: config_lib.Config, family: families.Family) -> dict[str, Any]:
@@ -85,19 +112,33 @@ def export(checkpoint: str, output_path: str, user_args: list[str], max_shard_mb
   reader, cfg = _open_checkpoint(checkpoint, config)
   dtype = str(np.dtype(cfg.weight_dtype))
   with storage.local_output(output_path) as out:  # uploaded when the block ends if output_path is gs://
+    created = not storage.exists(out)  # else an empty directory (checked at start-up): all in it is ours
     storage.makedirs(out)
     writer = hf_io.SafetensorsWriter(out, max_shard_mb * 2**20)
     try:
-      for name, array in engine.hf_tensors_from_params(reader.read, family, cfg):
-        writer.add(name, array)
-        del array  # may be a view of a stored parameter the generator is about to drop
-    finally:
-      reader.close()
-    files = writer.close()
-    storage.write_text(storage.join(out, hf_io.CONFIG_FILE), json.dumps({**hf_config, "dtype": dtype}, indent=2) + "\n")
+      try:
+        for name, array in engine.hf_tensors_from_params(reader.read, family, cfg):
+          writer.add(name, array)
+          del array  # may be a view of a stored parameter the generator is about to drop
+      finally:
+        reader.close()
+      files = writer.close()
+      storage.write_text(storage.join(out, hf_io.CONFIG_FILE), json.dumps({**hf_config, "dtype": dtype}, indent=2) + "\n")
+    except BaseException:  # a half-written model must not look like a model (nor block the rerun's empty check)
+      writer.abort()
+      _remove_written(out, created)
+      raise
   print(f"{PROG}: wrote {output_path} ({hf_config['model_type']}, {len(files)} safetensors file(s), "
         f"{writer.total_bytes / 2**20:.1f} MiB, {dtype})")
   return files
+
+
+def _remove_written(directory: str, created: bool) -> None:
+  if created:
+    storage.remove_tree(directory)
+    return
+  for name in storage.listdir(directory):
+    storage.remove_tree(storage.join(directory, name))
 
 
 def main(argv: list[str]) -> int:

@@ -98,7 +98,12 @@ class ParamReader:
     self.directory = storage.as_path(directory)
     self.dtype = np.dtype(dtype)
     self._checkpointer = ocp.PyTreeCheckpointer()
-    metadata = self._checkpointer.metadata(self.directory).item_metadata[PARAMS]
+    item = self._checkpointer.metadata(self.directory).item_metadata
+    if item is None or PARAMS not in item:  # Orbax answers None when the tree's metadata files are gone
+      self._checkpointer.close()
+      raise UserError(f"{directory} holds no readable {PARAMS!r} tree (its metadata or OCDBT manifest is missing): "
+                      "its files are damaged or incomplete; copy the checkpoint again")
+    metadata = item[PARAMS]
     flat = jax.tree_util.tree_flatten_with_path(
         metadata, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0]
     self.shapes: dict[ParamPath, tuple[int, ...]] = {

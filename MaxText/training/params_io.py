@@ -52,7 +52,15 @@ def params_directory(path: str) -> tuple[str, str]:
                   f"containing '{STATE}/', or a checkpoints directory with numbered steps")
 
 
-def _remedy(error: BaseException, kind: str) -> str:
+def is_read_error(error: BaseException) -> bool:
+  """Whether Orbax or TensorStore raised `error` for files that do not hold the expected parameters (cut short,
+  zeroed, missing, or another model's; TypeError: a subtree where an array is due). Reading into jax arrays,
+  Orbax raises TensorStore's error as the cause of a bare Exception."""
+  return isinstance(error, (ValueError, KeyError, FileNotFoundError, TypeError)) or (
+      error.__cause__ is not None and str(error).startswith("Encountered error while reading"))
+
+
+def remedy(error: BaseException, kind: str) -> str:
   """What to do after a failed read: a model that differs from the writer's, or files that are damaged."""
   # TensorStore's read errors (a file cut short, missing or overwritten) start "Error reading" after their
   # status code; a differing model is a shape, dtype or tree mismatch, which Orbax words otherwise.
@@ -96,9 +104,11 @@ def load_params(path: str, abstract_params: models.Params, shardings: models.Par
     restored = ocp.PyTreeCheckpointer().restore(
         storage.as_path(directory), args=ocp.args.PyTreeRestore(
             item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
-  except (ValueError, KeyError, FileNotFoundError, TypeError) as e:  # TypeError: a subtree where an array is due
+  except Exception as e:  # noqa: BLE001 - Orbax wraps a sharded array's read error in a bare Exception
+    if not is_read_error(e):
+      raise
     raise UserError(f"cannot load parameters from {path} ({kind} checkpoint): {first_line(e)}; "
-                    f"{_remedy(e, kind)}") from None
+                    f"{remedy(e, kind)}") from None
   params = restored[PARAMS]
   if convert:
     num_layers = _num_layers(abstract_params)
