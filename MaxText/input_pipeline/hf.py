@@ -135,8 +135,12 @@ def _unreadable(files_key: str, data_files: str, builder: str, files: list[str],
   cause: BaseException = error
   while cause.__cause__ is not None:
     cause = cause.__cause__
-  return (f"{files_key} {data_files}: datasets cannot read them as {builder} "
+  line = (f"{files_key} {data_files}: datasets cannot read them as {builder} "
           f"({type(cause).__name__}: {(str(cause).splitlines() or [''])[0]})")
+  if "Couldn't cast" in str(cause):  # the files are read as one table, one type per column (the first file's)
+    line += ("; a field has values of different types across the files (e.g. a string in one, a list of messages in "
+             "another): give each field one type in every file")
+  return line
 
 
 def record_locator(hf_path: str, files_key: str, data_files: str) -> Callable[[int], str]:

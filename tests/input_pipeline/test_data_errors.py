@@ -124,6 +124,20 @@ def test_hf_json_records_that_are_all_empty_objects_are_named(tmp_path):
                               "({}): there is no field to read; give each record its fields"), str(error.value)
 
 
+def test_a_field_of_another_type_in_another_file_says_to_give_it_one_type(tmp_path):
+  """A string prompt in one file and a list of messages in another: datasets' cast error alone did not say
+  what to change."""
+  from MaxText.input_pipeline import hf
+
+  (tmp_path / "a.jsonl").write_text('{"prompt": "hi", "completion": "there"}\n')
+  (tmp_path / "b.jsonl").write_text('{"prompt": [{"role": "user", "content": "hi"}], '
+                                    '"completion": [{"role": "assistant", "content": "x"}]}\n')
+  with pytest.raises(ConfigError, match=r"datasets cannot read them as json \(TypeError: Couldn't cast .*\); a field "
+                                        r"has values of different types across the files .*: give each field one "
+                                        r"type in every file$"):
+    hf.open_split("", str(tmp_path / "*.jsonl"), "train", "hf_data_files")
+
+
 @pytest.mark.parametrize("name, content, problem", [
     ("nulls.jsonl", 'null\n{"text": "a"}\n', "nulls.jsonl line 1: a JSON null, not an object (one record per line)"),
     ("spaced.jsonl", '\n  null  \n{"text": "a"}\n', "spaced.jsonl line 2: a JSON null, not an object"),
