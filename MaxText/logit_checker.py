@@ -72,6 +72,14 @@ def split_checker_args(args: list[str]) -> tuple[CheckerArgs, list[str]]:
     raise UserError("set hf_model_path=DIR: the Hugging Face model directory to compare with")
   if checker.hf_dtype not in ("float32", "bfloat16"):
     raise UserError(f"hf_dtype must be float32 or bfloat16, got {checker.hf_dtype!r}")
+  # A nan or negative tolerance failed every comparison, reading as a wrong conversion.
+  for name in ("atol", "max_kl"):
+    value = getattr(checker, name)
+    if value is not None and not value >= 0:
+      raise UserError(f"{name} must be a number >= 0 (0 = exact), got {value}")
+  for name in ("batch_size", "sequence_length"):
+    if getattr(checker, name) < 1:
+      raise UserError(f"{name} must be >= 1, got {getattr(checker, name)}")
   return checker, rest
 
 
@@ -212,6 +220,12 @@ def main(argv: list[str]) -> int:
   default_atol, default_kl = _DEFAULT_TOLERANCES.get(config.model.dtype, (1.0, 0.01))
   atol = default_atol if checker.atol is None else checker.atol
   max_kl = default_kl if checker.max_kl is None else checker.max_kl
+  table = config.model.max_position_embeddings
+  if config.model.position_embedding == "learned" and checker.sequence_length > table:
+    # Past it a learned position table is read out of range (clamped here, an index error in HF); a RoPE
+    # model has no such end.
+    raise UserError(f"sequence_length={checker.sequence_length} is longer than this model's learned position table "
+                    f"({table} positions, max_position_embeddings): use sequence_length={table} or less")
   rng = np.random.default_rng(checker.seed)
   token_ids = rng.integers(0, config.model.vocab_size, size=(checker.batch_size, checker.sequence_length))
   paths = [path.strip() for path in config.decode.image_path.split(",") if path.strip()]

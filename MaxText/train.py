@@ -44,6 +44,14 @@ from MaxText.training.trainer import (TRAIN_STEP, CheckpointHook, EvalHook, Leas
                                      RouterHealthHook, Trainer, profile_hook)
 
 
+def warn_if_never_due(intervals: dict[str, int], steps: int) -> None:
+  """A cadence longer than the run is never due: the run would end without the figure it was asked for."""
+  for name, every in intervals.items():
+    if every > steps:
+      print(f"warning: {name}={every} is more than steps={steps}: this run never evaluates; "
+            f"set {name} to at most {steps}", file=sys.stderr, flush=True)
+
+
 def check_resume(config: config_lib.Config, checkpoints: checkpointing.RunCheckpoints | None) -> None:
   """A resume must keep the saved state's shape and meaning; checked before anything is read,
   against every record the run has (run_record.check_resume) and the keys saved with the step."""
@@ -330,6 +338,9 @@ def add_hooks(trainer: Trainer, run: run_assembly.Run, checkpoints: checkpointin
   if model.moe.num_experts > 1 and is_primary:
     trainer.add_hook(RouterHealthHook(settings.router_collapse_fraction, settings.router_collapse_logs,
                                       model.moe.num_experts_per_tok / model.moe.num_experts), every=settings.log_period)
+  if is_primary:
+    warn_if_never_due({"eval_interval": settings.eval_interval, "eval_tasks_interval":
+                       config.tasks.eval_tasks_interval if config.tasks.eval_tasks else -1}, settings.steps)
   eval_data = run.eval_iterator() if settings.eval_interval > 0 else None
   if eval_data is not None:
     trainer.add_hook(EvalHook(run.eval_step, eval_data, config.data.eval_steps, writer, is_primary,

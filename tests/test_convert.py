@@ -573,3 +573,26 @@ def test_a_bidirectional_gemma3_is_refused_in_one_line():
   with pytest.raises(ConfigError, match=r"^HF config use_bidirectional_attention=True is not supported by the "
                                         r"gemma3_text converter \(supported: None, False\)$"):
     families.family_for_hf_config(config).model_keys(config)
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("atol=nan", "atol must be a number >= 0"), ("atol=-0.1", "atol must be a number >= 0"),
+    ("max_kl=nan", "max_kl must be a number >= 0"), ("max_kl=-1", "max_kl must be a number >= 0"),
+    ("batch_size=0", "batch_size must be >= 1"), ("sequence_length=0", "sequence_length must be >= 1"),
+    ("sequence_length=-4", "sequence_length must be >= 1")])
+def test_checker_tolerances_and_shapes_out_of_range_are_one_line(arg, message):
+  # A nan or negative tolerance failed every comparison as a mismatch; an empty batch ended in a numpy traceback.
+  with pytest.raises(UserError, match=f"^{re.escape(message)}"):
+    logit_checker.split_checker_args(["hf_model_path=hf", arg])
+  assert logit_checker.split_checker_args(["hf_model_path=hf", "atol=0", "max_kl=0"])[0].atol == 0
+
+
+def test_checker_sequence_past_a_learned_position_table_is_one_line(converted):
+  """Past its 64 positions GPT-3's table was read clamped on our side (HF's raises an index error), and the
+  checker compared what no model computes; a RoPE model has no such end and runs past max_target_length."""
+  hf_dir, ckpt = converted("gpt3")
+  with pytest.raises(UserError, match=r"^sequence_length=65 is longer than this model's learned position table "
+                                      r"\(64 positions"):
+    _check(hf_dir, ckpt, "sequence_length=65", "dtype=float32", "hardware=cpu")
+  hf_dir, ckpt = converted("llama3.1")
+  assert _check(hf_dir, ckpt, "sequence_length=40", "max_target_length=16", "dtype=float32", "hardware=cpu") == 0

@@ -264,3 +264,11 @@ def test_a_stop_string_spelled_as_a_special_token_ends_a_generation(setup):
   stop_token = {"STOP": greedy[2]}.get
   got = hook.scorer.generate([(context, ["STOP"], 4), (context, [], 4)], tokenizer.decode, None, stop_token)
   assert got == [tokenizer.decode(greedy[:2]), tokenizer.decode(greedy)]
+
+
+def test_a_cadence_longer_than_the_run_warns(capsys):
+  from MaxText import train
+  train.warn_if_never_due({"eval_interval": 50, "eval_tasks_interval": -1}, 10)
+  train.warn_if_never_due({"eval_interval": 10}, 10)
+  assert capsys.readouterr().err.splitlines() == [
+      "warning: eval_interval=50 is more than steps=10: this run never evaluates; set eval_interval to at most 10"]
