@@ -20,10 +20,11 @@ written to a local temporary directory (needs disk for the whole model) and uplo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -47,13 +48,8 @@ def _open_checkpoint(checkpoint: str, config: config_lib.Config) -> tuple[_Check
   """A one-parameter-at-a-time reader and the model config in the checkpoint's stored layer
   layout, after checking every stored shape against the model config."""
   directory, kind = params_io.params_directory(checkpoint)  # the same checkpoint kinds as load_params
-  try:
+  with _read_errors_as_one_line(f"{checkpoint} ({kind} checkpoint)", kind):
     reader = streaming.ParamReader(directory, config.model.weight_dtype)
-  except Exception as e:  # noqa: BLE001 - what params_io.is_read_error names is one line; the rest is raised
-    if not (params_io.is_read_error(e) or isinstance(e, OSError)):
-      raise
-    raise UserError(f"cannot read {checkpoint} ({kind} checkpoint): {first_line(e)}; "
-                    f"{params_io.remedy(e, kind)}") from None
   if any(path[-1] in lora.ADAPTER_KEYS for path in reader.shapes):  # the HF model would silently lose them
     raise UserError(f"{checkpoint} ({kind} checkpoint) holds LoRA adapters; write a parameters-only checkpoint with "
                     "MaxText.generate_param_only_checkpoint first (it merges them into the base weights) and convert that")
@@ -67,6 +63,17 @@ def _open_checkpoint(checkpoint: str, config: config_lib.Config) -> tuple[_Check
   return _CheckedReader(reader, checkpoint, kind), cfg
 
 
+@contextlib.contextmanager
+def _read_errors_as_one_line(what: str, kind: str) -> Iterator[None]:
+  """A read error (a data file cut short, zeroed or missing) inside the block becomes one UserError line."""
+  try:
+    yield
+  except Exception as e:  # noqa: BLE001 - what params_io.is_read_error names is one line; the rest is raised
+    if not (params_io.is_read_error(e) or isinstance(e, OSError)):
+      raise
+    raise UserError(f"cannot read {what}: {first_line(e)}; {params_io.remedy(e, kind)}") from None
+
+
 class _CheckedReader:
   """A ParamReader whose read errors (a data file cut short, zeroed or missing) are one UserError line."""
 
@@ -75,13 +82,8 @@ class _CheckedReader:
     self.shapes, self.scanned = reader.shapes, reader.scanned
 
   def read(self, path: streaming.ParamPath) -> np.ndarray:
-    try:
+    with _read_errors_as_one_line(f"{'/'.join(path)} from {self.checkpoint} ({self.kind} checkpoint)", self.kind):
       return self.reader.read(path)
-    except Exception as e:  # noqa: BLE001 - what params_io.is_read_error names is one line; the rest is raised
-      if not (params_io.is_read_error(e) or isinstance(e, OSError)):
-        raise
-      raise UserError(f"cannot read {'/'.join(path)} from {self.checkpoint} ({self.kind} checkpoint): "
-                      f"{first_line(e)}; {params_io.remedy(e, self.kind)}") from None
 
   def close(self) -> None:
     self.reader.close()

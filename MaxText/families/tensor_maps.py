@@ -151,6 +151,15 @@ def require_hf(hf_config: Mapping[str, Any], key: str, allowed: Sequence[Any], d
   return value
 
 
+def hf_field(hf_config: Mapping[str, Any], key: str, *aliases: str) -> Any:
+  """An HF config field that some configs spell as one of `aliases`; missing under every name, the KeyError
+  names `key`, the family's own spelling (the converter's error line quotes it)."""
+  for name in (key, *aliases):
+    if hf_config.get(name):
+      return hf_config[name]
+  raise KeyError(key)
+
+
 def hf_layer_types(pattern: Sequence[str], num_layers: int) -> list[str]:
   """HF's per-layer `layer_types` for a local/global attention_layer_pattern (its inverse: below)."""
   return ["sliding_attention" if pattern[i % len(pattern)] == "local" else "full_attention" for i in range(num_layers)]
