@@ -384,21 +384,27 @@ class Engine:
   def decode_step(self, params: Params, state: DecodeState, active: Sequence[bool] | np.ndarray | None = None,
                   mask: np.ndarray | None = None, limits: StepLimits | None = None) -> tuple[DecodeState, Emitted]:
     """`step` as engine_api.Emitted (one token per slot; `active` is not needed; `mask` as `_step`'s).
-    With decode_steps_per_call > 1 and no `mask` (a constrained slot's mask depends on its previous
-    token: one step per call), up to decode_steps_per_call steps in one call, each slot stopping on
-    the device at its `limits` (Emitted with counts; nothing here waits for the device). One step
-    per call: `limits` only keep a slot at its end from taking pages; every slot gets a token. Either
-    way, `limits.top_logprobs` False gives no top alternatives (fields [T, 0] / [T, K, 0]; a program of its own)."""
-    if mask is not None or self.steps_per_call == 1:
+    With decode_steps_per_call > 1, up to decode_steps_per_call steps in one call, each slot stopping on
+    the device at its `limits` (Emitted with counts; nothing here waits for the device); a slot whose
+    `mask` row constrains it (sampling.constrained_rows) takes one step, under its mask (its next mask
+    depends on this token), while the others take theirs. One step per call: `limits` only keep a slot at
+    its end from taking pages; every slot gets a token. Either way, `limits.top_logprobs` False gives no
+    top alternatives (fields [T, 0] / [T, K, 0]; a program of its own)."""
+    if self.steps_per_call == 1:
       ends_T = None if limits is None else np.asarray(limits.ends, np.int64)
       state, (tokens_B, logprobs) = self._step(params, state, mask, ends_T, limits is None or limits.top_logprobs)
       return state, Emitted(tokens_B, logprobs)
-    return self._steps(params, state, limits)
+    return self._steps(params, state, limits, mask)
 
-  def _steps(self, params: Params, state: DecodeState, limits: StepLimits | None) -> tuple[DecodeState, Emitted]:
+  def _steps(self, params: Params, state: DecodeState, limits: StepLimits | None, mask: np.ndarray | None = None
+             ) -> tuple[DecodeState, Emitted]:
     k, length = self.steps_per_call, self.cfg.max_target_length
     ends_T = np.full(self.num_slots, length + 1, np.int64) if limits is None else \
         np.minimum(np.asarray(limits.ends, np.int64), length + 1)
+    pages = self.cache.pages
+    if mask is not None and pages is not None:  # the host's pages follow a constrained slot's one step (_block_fn)
+      mask = np.asarray(mask)
+      ends_T = np.where(np.any(mask != sampling.ALL_TOKENS, axis=-1), np.minimum(ends_T, pages.positions + 2), ends_T)
     table = self.cache.step_table(k, ends_T)
     if limits is None:  # the same two arrays every call (rollouts, decode.py): made on the device once
       if self._unlimited is None:  # every slot ends with its cache; no stop token
@@ -409,7 +415,9 @@ class Engine:
     else:  # a host array argument is a copy to the device in every call
       ends, stop = ends_T.astype(np.int32), np.asarray(limits.stop_ids or (-1,), np.int32)
     with sharding.activation_sharding(self.mesh, self.rules):
+      # The mask as a host array: jit copies it within the call (as `_step`'s).
       state, (tokens_TK, counts_T, logprobs) = self._block(params, state, table, ends, stop,
+                                                           None if mask is None else np.asarray(mask),
                                                            **({} if limits is None or limits.top_logprobs else
                                                               {"top": False}))
     self.cache.advance(self._steps_left(ends_T, k))
@@ -521,8 +529,14 @@ class Engine:
     return DecodeState(caches, state.next_positions_B + 1, tokens_B, rows), (tokens_B, logprobs)
 
   def _block_fn(self, params: Params, state: DecodeState, table_TM: jax.Array | None, ends_T: jax.Array,
-                stop_E: jax.Array, top: bool = True) -> tuple[DecodeState, tuple[jax.Array, jax.Array, TokenLogprobs]]:
+                stop_E: jax.Array, mask_TW: jax.Array | None = None, top: bool = True
+                ) -> tuple[DecodeState, tuple[jax.Array, jax.Array, TokenLogprobs]]:
+    """decode_block.run of this engine's step. With `mask_TW`, a constrained row (its next mask depends on the
+    token it gets now) ends after one step; the mask is applied at every step, where it only leaves the
+    other rows' logits as they are (every bit set)."""
     self.traces["generate"] += 1  # once per trace
+    if mask_TW is not None:
+      ends_T = jnp.where(sampling.constrained_rows(mask_TW), jnp.minimum(ends_T, state.next_positions_B + 2), ends_T)
 
     def step(state: DecodeState, live_T: jax.Array) -> tuple[DecodeState, tuple[jax.Array, TokenLogprobs]]:
       old = self.cache.with_table(state.caches, table_TM)
@@ -533,7 +547,7 @@ class Engine:
       if has_recurrent_state(self.cfg):  # a stopped slot's recurrent state stays where it stopped
         caches = paged_cache.keep_inactive_states(caches, old, live_T, self.cfg.scan_layers)
       # A stopped slot's results are dropped (decode_block.run): only live slots decide whether any row samples.
-      tokens_B, rows, logprobs = sample(logits_B1V[:, 0], state.sampling, top=top, live_B=live_T)
+      tokens_B, rows, logprobs = sample(logits_B1V[:, 0], state.sampling, mask_TW, top=top, live_B=live_T)
       return DecodeState(caches, state.next_positions_B + 1, tokens_B, rows), (tokens_B, logprobs)
 
     return decode_block.run(step, state, self.steps_per_call, ends_T, stop_E)

@@ -170,7 +170,8 @@ class DecodeEngine(Protocol):
   def decode_step(self, params: EngineParams, state: EngineState, active: Sequence[bool] | np.ndarray | None = None,
                   mask: np.ndarray | None = None, limits: StepLimits | None = None) -> tuple[EngineState, Emitted]:
     """Every slot's next token(s); `active` names the slots holding a request (for the engine's metrics);
-    `mask` [T, W] the slots' token bitmasks for one step (a speculative engine's constrained slot emits one token).
+    `mask` [T, W] the slots' token bitmasks for one step (a constrained slot emits one token in a call of several
+    steps, or a speculative round, while the others go on).
     With decode_steps_per_call > 1 counts are given and slots stop on the device at their `limits`;
     with one step per call every slot gets a token and `limits` only keep a slot at its end from
     taking pages; a speculative engine ignores them. Callers drop tokens past a request's end."""

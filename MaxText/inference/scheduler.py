@@ -42,7 +42,8 @@ job whose max_tokens the calls in flight reach (each gives every running slot it
 is known to end there: its slot is released as that call is dispatched, so a waiting job can take
 it in the next call, and the job itself gets those calls' tokens and its end when they are read.
 A speculative engine and a constrained job (its mask depends on the token before) take one call at
-a time.
+a time; in a call of several steps a constrained job's slot takes one step while the others take
+theirs (a speculative round gives it one token).
 
 Paged cache: a job is admitted only when the pages it will hold at its end fit beside what the
 active jobs have reserved, so a step never runs out. The reservation belongs to the slot while its
@@ -493,18 +494,21 @@ class Scheduler:
     return bool(self.speculative_tokens) or any(getattr(job, "constraint", None) is not None
                                                 for job in self._active.values())
 
+  def _limits(self) -> StepLimits:
+    """Where each active job's slot stops on the device: its end of sequence, its max_tokens; without a job
+    that reads them, the engine need not compute the tokens' top alternatives."""
+    ends = np.zeros(self.engine.num_slots, np.int64)
+    for slot, job in self._active.items():
+      ends[slot] = len(job.prompt) + job.max_tokens
+    return StepLimits(ends, self._stop_ids, any(job.top_logprobs for job in self._active.values()))
+
   def _step_ahead(self) -> None:
     """Dispatches the next call of decode steps for the active jobs, then delivers the previous
     call's tokens while the device runs it."""
     previous, self._ahead = self._ahead, None
     if self._active:
-      ends = np.zeros(self.engine.num_slots, np.int64)
-      for slot, job in self._active.items():
-        ends[slot] = len(job.prompt) + job.max_tokens
-      # Without a job that reads them, the engine need not compute the tokens' top alternatives.
-      top = any(job.top_logprobs for job in self._active.values())
-      self._state, emitted = self.engine.decode_step(self.params, self._state, ends > 0,
-                                                     limits=StepLimits(ends, self._stop_ids, top))
+      limits = self._limits()
+      self._state, emitted = self.engine.decode_step(self.params, self._state, limits.ends > 0, limits=limits)
       self._ahead = (emitted, dict(self._active))
       self.counts["steps"] += 1
       self._retire_ending(emitted, previous)
@@ -572,7 +576,8 @@ class Scheduler:
     active = np.zeros(self.engine.num_slots, bool)
     active[list(self._active)] = True
     self._state, emitted = self.engine.decode_step(self.params, self._state, active,
-                                                   **_masks(self._active, self.engine.num_slots, "mask"))
+                                                   **_masks(self._active, self.engine.num_slots, "mask"),
+                                                   limits=self._limits())
     out: Emitted = jax.device_get(emitted)
     self.counts["steps"] += 1
     if self.speculative_tokens:
