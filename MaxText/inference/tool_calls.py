@@ -54,10 +54,27 @@ def _call(text: str, arguments_key: str) -> ToolCall | None:
   return ToolCall(obj["name"], arguments) if isinstance(arguments, dict) else None
 
 
+_DECODER = json.JSONDecoder()
+
+
+def _close(text: str, start: int) -> int:
+  """Where the closing tag of the call opened at `start` begins (-1: none yet): after the JSON value that
+  follows the opening tag, so a closing tag inside one of its strings does not cut it; where that value
+  does not read, at the first closing tag (the call is then malformed)."""
+  at = start + len(TAG_OPEN)
+  at += len(text[at:]) - len(text[at:].lstrip())
+  try:
+    _, after = _DECODER.raw_decode(text, at)
+  except (ValueError, RecursionError):
+    return text.find(TAG_CLOSE, start)
+  after += len(text[after:]) - len(text[after:].lstrip())
+  return after if text.startswith(TAG_CLOSE, after) else text.find(TAG_CLOSE, start)
+
+
 def _tagged(text: str) -> Parsed:
   content, calls, at = [], [], 0
   while (start := text.find(TAG_OPEN, at)) >= 0:
-    end = text.find(TAG_CLOSE, start)
+    end = _close(text, start)
     if end < 0:
       break  # an unclosed tag (cut by max_tokens): content
     call = _call(text[start + len(TAG_OPEN):end], "arguments")

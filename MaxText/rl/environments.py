@@ -62,8 +62,10 @@ class Step:
 
 def model_turn(text: str, ended: bool, turn: int) -> ModelTurn:
   parsed = tool_calls.parse(text)
-  opened = text.count(tool_calls.TAG_OPEN) + int(text.lstrip().startswith((tool_calls.PYTHON_TAG, '{"name"')))
-  return ModelTurn(text, parsed.calls, opened > len(parsed.calls), ended, turn)
+  # An opening tag left in the content is a call that did not parse; one inside a parsed call's arguments is not.
+  malformed = tool_calls.TAG_OPEN in parsed.content or (
+      not parsed.calls and text.lstrip().startswith((tool_calls.PYTHON_TAG, '{"name"')))
+  return ModelTurn(text, parsed.calls, malformed, ended, turn)
 
 
 def load(path: str) -> Callable[..., Any]:

@@ -53,6 +53,34 @@ def test_one_malformed_call_among_good_ones_stays_content():
   assert parsed.content == bad and parsed.calls == [tool_calls.ToolCall("now", {})]
 
 
+CLOSE_IN_STRING = ('<tool_call>{"name": "echo", "arguments": {"text": "write </tool_call> then <tool_call>"}}'
+                   '</tool_call>')
+
+
+def test_a_closing_tag_inside_an_arguments_string_does_not_cut_the_call():
+  """A forced tool call's grammar allows any JSON string, closing tags included: the call ends after its JSON."""
+  call = tool_calls.ToolCall("echo", {"text": "write </tool_call> then <tool_call>"})
+  assert tool_calls.parse(CLOSE_IN_STRING) == tool_calls.Parsed("", [call])
+  assert tool_calls.parse(f"a\n{CLOSE_IN_STRING}\n{CLOSE_IN_STRING}") == tool_calls.Parsed("a\n\n", [call, call])
+  splitter, ready = tool_calls.ContentSplitter(), []
+  for c in CLOSE_IN_STRING:
+    splitter.add(c)
+    ready += splitter.new_calls()
+  assert ready == [call]
+  # Junk between the JSON and the closing tag still leaves the call as content.
+  junk = '<tool_call>{"name": "now", "arguments": {}} junk</tool_call>'
+  assert tool_calls.parse(junk) == tool_calls.Parsed(junk, [])
+
+
+def test_an_rl_turn_with_a_tag_inside_its_arguments_is_not_malformed():
+  from MaxText.rl import environments
+  turn = environments.model_turn(CLOSE_IN_STRING, True, 1)
+  assert len(turn.calls) == 1 and not turn.malformed
+  assert environments.model_turn('{"name": "f", "parameters": {"s": "<tool_call>"}}', True, 1).malformed is False
+  assert environments.model_turn('<tool_call>{"name": f}</tool_call>', True, 1).malformed
+  assert environments.model_turn('{"name": "f", "parameters": ', False, 1).malformed
+
+
 @pytest.mark.parametrize("text", [TWO_CALLS, "plain text < not a tag", '{"name": "add", "parameters": {}}',
                                   'a <tool_call>{"bad"}</tool_call> b'])
 def test_streamed_content_is_a_prefix_of_the_parsed_content(text):
