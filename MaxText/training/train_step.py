@@ -179,11 +179,23 @@ def jit_train_step(setup: StateSetup, objective: Objective, config: Config, batc
 
 def make_eval_step(setup: StateSetup, objective: Objective, config: Config) -> Callable[[TrainState, Batch], Metrics]:
   """(state, batch) -> the objective's sums for the batch (no dropout); the whole state, not only
-  its parameters, because the objective may read more of it (e.g. DPO's reference)."""
+  its parameters, because the objective may read more of it (e.g. DPO's reference). With
+  gradient_accumulation_steps the batch goes through in the training step's micro-batches, summed: a
+  batch sized to fit only as micro-batches (the logits of the whole batch at once) would otherwise
+  run out of memory at the first evaluation."""
   balance = _balanced(config)
+  num_micro = config.optim.gradient_accumulation_steps
 
   def eval_step(state: TrainState, batch: Batch) -> Metrics:
+    params, context = state.params, objective.context(state)
+    sums_of = lambda b: objective.eval_sums(params, context, balance(b))  # noqa: E731
     with sharding.activation_sharding(setup.on_mesh.mesh, config.mesh.logical_axis_rules):
-      return objective.eval_sums(state.params, objective.context(state), balance(batch))
+      if num_micro == 1:
+        return sums_of(batch)
+      micro_batches = _split_microbatches(batch, num_micro)
+      first = jax.tree.map(lambda x: x[0], micro_batches)
+      zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(sums_of, first))
+      sums, _ = jax.lax.scan(lambda acc, b: (jax.tree.map(jnp.add, acc, sums_of(b)), None), zero, micro_batches)
+      return sums
 
   return jax.jit(eval_step)
