@@ -41,3 +41,20 @@ def test_eval_sums_with_accumulation_equal_the_whole_batchs_and_need_less_memory
 
   # The whole batch's logits at once are most of the eval step's memory; a quarter of the rows at a time need less.
   assert temp_bytes(split) < 0.5 * temp_bytes(whole)
+
+
+def test_task_scoring_runs_in_micro_batch_rows_with_the_same_scores():
+  """lm-eval's forward passes (training/task_eval.Scorer) hold a training micro-batch's rows at once, not the
+  global batch's, and score the same."""
+  from MaxText.training import task_eval
+
+  whole, split = task_eval.Scorer(_run(1)), task_eval.Scorer(_run(4))
+  assert (whole.rows, split.rows) == (8, 2)
+  params = jax.device_get(_run(1).init_state().params)
+  whole.params = split.params = params
+  rng = np.random.default_rng(0)
+  pairs = [(rng.integers(1, 4096, size=int(n)).tolist(), rng.integers(1, 4096, size=3).tolist())
+           for n in rng.integers(1, 40, size=5)]
+  want, got = whole.loglikelihoods(pairs), split.loglikelihoods(pairs)
+  np.testing.assert_allclose([g for g, _ in got], [w for w, _ in want], rtol=1e-5)
+  assert [g for _, g in got] == [w for _, w in want]

@@ -5,7 +5,8 @@ every `eval_tasks_interval` steps (or `eval_interval`'s), logged as `tasks/<task
 lm-eval is driven in-process: `ModelLM` is an lm-eval `TemplateLM`, so lm-eval's own prompt
 building, tokenisation of context/continuation pairs, few-shot sampling and metrics apply, and an
 exported checkpoint served by MaxText.serve scores the same under lm-eval's `local-completions`.
-Scoring runs the train state's parameters on the training mesh in rows of the global batch at
+Scoring runs the train state's parameters on the training mesh in rows of a training micro-batch
+(the global batch over gradient_accumulation_steps: what a training step holds at once) at
 max_target_length (the eval step's shapes, so no new sharding rules): log-likelihoods from one
 forward pass per row; generation greedily, one forward pass per new token (no KV cache: tasks
 are small and this keeps one compiled program per shape). Every process runs the same requests in
@@ -53,7 +54,8 @@ class Scorer:
 
   def __init__(self, run: "Run"):
     config = run.config
-    self.rows, self.length = config.data.global_batch_size, config.data.max_target_length
+    self.rows = config.data.global_batch_size // config.optim.gradient_accumulation_steps
+    self.length = config.data.max_target_length
     self.sharding = run.batch_sharding
     model, mesh, rules = run.setup.on_mesh.spec, run.mesh, config.mesh.logical_axis_rules
     replicated = NamedSharding(mesh, PartitionSpec())
