@@ -17,7 +17,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from MaxText.configuration.config import Config
-from MaxText.training import optimizers
+from MaxText.training import microbatches, optimizers
 from MaxText.platform import sharding
 from MaxText.input_pipeline.synthetic import Batch
 from MaxText.input_pipeline.batch_spec import batch_spec
@@ -27,15 +27,6 @@ from MaxText.training.objectives.base import Params
 from MaxText.training.train_state import StateSetup, TrainState
 
 Metrics = dict[str, jax.Array]
-
-
-def _split_microbatches(batch: Batch, num_micro: int) -> Batch:
-  """[B, ...] → [num_micro, B / num_micro, ...], taking every num_micro-th row so each
-  device keeps its own rows (no data movement under batch sharding)."""
-  def split(x: jax.Array) -> jax.Array:
-    per_micro = x.shape[0] // num_micro
-    return jnp.swapaxes(x.reshape((per_micro, num_micro) + x.shape[1:]), 0, 1)
-  return jax.tree.map(split, batch)
 
 
 def _balanced(config: Config) -> Callable[[Batch], Batch]:
@@ -57,7 +48,7 @@ def _grads_and_sums(setup: StateSetup, objective: Objective, config: Config, par
   if num_micro == 1:
     return grad_fn(params, batch, dropout_rng)
 
-  micro_batches = _split_microbatches(batch, num_micro)
+  micro_batches = microbatches.split(batch, num_micro)
   rngs = jax.random.split(dropout_rng, num_micro) if dropout_rng is not None else None
 
   def accumulate(carry: tuple[Any, Metrics], xs: tuple[Batch, Any]) -> tuple[tuple[Any, Metrics], None]:
@@ -190,9 +181,10 @@ def make_eval_step(setup: StateSetup, objective: Objective, config: Config) -> C
     params, context = state.params, objective.context(state)
     sums_of = lambda b: objective.eval_sums(params, context, balance(b))  # noqa: E731
     with sharding.activation_sharding(setup.on_mesh.mesh, config.mesh.logical_axis_rules):
+      batch = objective.prepare_batch(params, context, batch)  # on the whole batch, as the train step's
       if num_micro == 1:
         return sums_of(batch)
-      micro_batches = _split_microbatches(batch, num_micro)
+      micro_batches = microbatches.split(batch, num_micro)
       first = jax.tree.map(lambda x: x[0], micro_batches)
       zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(sums_of, first))
       sums, _ = jax.lax.scan(lambda acc, b: (jax.tree.map(jnp.add, acc, sums_of(b)), None), zero, micro_batches)

@@ -80,7 +80,8 @@ class Objective(abc.ABC):
 
   @abc.abstractmethod
   def eval_sums(self, params: Params, context: Params | None, batch: Batch) -> Sums:
-    """The sums of one eval batch (no dropout)."""
+    """The sums of one eval batch (no dropout), prepared (`prepare_batch`) and, with gradient
+    accumulation, one micro-batch of it (the eval step adds their sums)."""
 
   @abc.abstractmethod
   def divisor(self, sums: Sums) -> jax.Array:

@@ -6,7 +6,7 @@ completion token's advantage also holds the teacher's log-prob of it (teacher_ad
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,7 @@ from MaxText.layers.moe import ROUTING_STATS
 from MaxText.training.objectives import distill, grpo_loss, rollout_correction, teacher_advantage
 from MaxText.training.objectives.base import Batch, Metrics, Objective, ObjectiveRecord, Params, Sums, T
 from MaxText.training.objectives.language_model import routing_metrics
+from MaxText.training import microbatches
 from MaxText.training.optimizers import Partition
 from MaxText.training.train_state import PreferenceState, TrainState, reference_of
 
@@ -115,18 +116,23 @@ class Grpo(Objective):
   def prepare_batch(self, params: Params, context: Params | None, batch: Batch) -> Batch:
     """The batch with the log-probs that stay fixed over the updates (no dropout, no gradient)."""
     extra = {}
+
+    def logps(model: Any, weights: Params) -> jax.Array:
+      # One micro-batch at a time, as the gradients: the whole batch's logits at once would need more memory
+      # than the step's micro-batches do, however many gradient_accumulation_steps split them.
+      return microbatches.map_rows(lambda b: grpo_loss.token_logps(model, weights, b, None, with_entropy=False)[0],
+                                   batch, self.num_micro)
+
     if self.teacher:
       assert context is not None, "the step hands on-policy distillation its teacher (context)"
-      extra[teacher_advantage.TEACHER_LOGPS] = grpo_loss.token_logps(self.teacher.model, context["teacher"], batch,
-                                                                     None, with_entropy=False)[0]
+      extra[teacher_advantage.TEACHER_LOGPS] = logps(self.teacher.model, context["teacher"])
       context = context["reference"]
     if self.updates_per_batch > 1:
-      extra[grpo_loss.OLD_LOGPS] = grpo_loss.token_logps(self.model, params, batch, None, with_entropy=False)[0]
+      extra[grpo_loss.OLD_LOGPS] = logps(self.model, params)
     if context is not None:
-      extra[grpo_loss.REF_LOGPS] = grpo_loss.token_logps(self.model, context, batch, None, with_entropy=False)[0]
+      extra[grpo_loss.REF_LOGPS] = logps(self.model, context)
     if self.corrects:  # π_old as TRL scores it for the weights: with one update, an extra forward kept apart
-      old_BL = (extra[grpo_loss.OLD_LOGPS] if grpo_loss.OLD_LOGPS in extra else
-                grpo_loss.token_logps(self.model, params, batch, None, with_entropy=False)[0])
+      old_BL = extra[grpo_loss.OLD_LOGPS] if grpo_loss.OLD_LOGPS in extra else logps(self.model, params)
       extra.update(self._importance_fields(old_BL, batch))
     return {**batch, **jax.lax.stop_gradient(extra)}
 
@@ -174,7 +180,7 @@ class Grpo(Objective):
     return total, sums
 
   def eval_sums(self, params: Params, context: Params | None, batch: Batch) -> Sums:
-    return self.loss_sums(params, context, self.prepare_batch(params, context, batch), None)[1]
+    return self.loss_sums(params, context, batch, None)[1]  # the eval step has prepared the batch
 
   def divisor(self, sums: Sums) -> jax.Array:
     return grpo_loss.divisor(sums, self.rl.grpo_loss_type)
