@@ -75,6 +75,10 @@ class DistillConfig:
     _require(0 <= distill.distill_top_k <= v["vocab_size"],
              f"distill_top_k={distill.distill_top_k} must be in [0, vocab_size={v['vocab_size']}] (0 = the full "
              "vocabulary)")
+    # Renormalised over one token both distributions are 1: the KL is 0 at every position, with no gradient.
+    _require(distill.distill_top_k != 1,
+             "distill_top_k=1 renormalises the teacher's and the student's distributions over one token, where "
+             "both are 1, so the KL is 0 and teaches nothing; set distill_top_k >= 2 (or 0, the full vocabulary)")
     _require(not distill.distill_top_k_path or distill.distill_top_k > 0,
              f"distill_top_k_path={distill.distill_top_k_path} holds the teacher's top k only; set distill_top_k to "
              "k (the KL over the full vocabulary needs the teacher beside the student)")

@@ -265,8 +265,8 @@ class TopKBatches:
       raise _refuse(self.files.directory, f"{self.files.split} batch {self.batches + 1}, row {row}: the tokens "
                     "differ from those the teacher's top k were computed on (other data files, shuffling or "
                     "tokenizer); write the files again from this run's data")
+    self._check_values(records["indices"], records["logps"])
     indices, logps = records["indices"][..., :self.k], records["logps"][..., :self.k]
-    self._check_values(indices, logps)
     self.batches += 1
     shape, rank3 = (*batch["inputs"].shape, self.k), for_rank(self.sharding, 3)
     return {**batch, **{name: jax.make_array_from_process_local_data(rank3, values, shape)
@@ -275,18 +275,29 @@ class TopKBatches:
   def _check_values(self, indices: np.ndarray, logps: np.ndarray) -> None:
     """The row hash covers the student's tokens, not the teacher's side: an id outside the vocabulary
     made the loss NaN (the step skipped as non-finite) or, negative, silently picked a token counted
-    from the end; a non-finite log-prob made the loss NaN. (Any finite ones are fine: the loss
-    renormalises them over the k.)"""
+    from the end; a non-finite log-prob made the loss NaN. (Finite ones need not be normalised: the
+    loss renormalises them over the k.) Checked on the whole record, of the files' k."""
     bad = (indices < 0) | (indices >= self.vocab_size) | ~np.isfinite(logps)
     if bad.any():
       row, position, rank = (int(i) for i in np.argwhere(bad)[0])
       what = (f"token id {int(indices[row, position, rank])} outside the vocabulary [0, {self.vocab_size})"
               if not 0 <= indices[row, position, rank] < self.vocab_size
               else f"log-prob {float(logps[row, position, rank])}")
-      row += self.files.shard.index * self.files.shard.rows
-      raise _refuse(self.files.directory, f"{self.files.split} batch {self.batches + 1}, row {row}, position "
-                    f"{position}: {what} is not a teacher's top k; the files are damaged or not this writer's, write "
-                    "them again")
+      self._refuse_at(row, position, f"{what} is not a teacher's top k")
+    # The writer's records are sorted high to low with distinct ids. Unsorted, a distill_top_k below the
+    # files' read other tokens than the teacher's top k; a repeated id counted its probability twice.
+    unsorted = np.diff(logps, axis=-1) > 0
+    ranked = np.sort(indices[..., :self.k], axis=-1)
+    repeated = ranked[..., 1:] == ranked[..., :-1]
+    for bad, what in ((unsorted, "the log-probs are not sorted high to low"), (repeated, "a token id repeats")):
+      if bad.any():
+        row, position, _ = (int(i) for i in np.argwhere(bad)[0])
+        self._refuse_at(row, position, f"{what}, which no teacher's top k does")
+
+  def _refuse_at(self, row: int, position: int, what: str) -> None:
+    row += self.files.shard.index * self.files.shard.rows
+    raise _refuse(self.files.directory, f"{self.files.split} batch {self.batches + 1}, row {row}, position "
+                  f"{position}: {what}; the files are damaged or not this writer's, write them again")
 
   def reset(self) -> "TopKBatches":
     self.inner.reset()

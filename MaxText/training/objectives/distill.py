@@ -28,7 +28,7 @@ from MaxText.configuration import distill_config
 from MaxText.configuration import run_record
 from MaxText.configuration.config import Config
 from MaxText.configuration.model_config import ModelConfig
-from MaxText.errors import UserError
+from MaxText.errors import ConfigError, UserError
 from MaxText.input_pipeline import conversation_encoder, document_encoder
 from MaxText.input_pipeline.batch_spec import FIELDS, TEACHER_TOP_K_INDICES, TEACHER_TOP_K_LOGPS
 from MaxText.layers.moe import ROUTING_STATS
@@ -63,6 +63,13 @@ def teacher_config(config: Config, use: str = "objective=distill") -> Config:
   teacher = config_lib.companion_config(config, "teacher", d.distill_teacher_model_name, path,
                                         d.distill_teacher_overrides, TEACHER_KEYS, use,
                                         objective="lm", lora_rank=0)
+  # The teacher runs on the student's rows: a shorter max_target_length in its overrides passed the
+  # teacher's own position checks (max_position_embeddings) and its forward then read past them (NaN loss).
+  if teacher.model.max_target_length != config.model.max_target_length:
+    raise ConfigError(f"{use}: distill_teacher_overrides sets max_target_length={teacher.model.max_target_length}, "
+                      f"but the teacher runs on the student's rows of max_target_length="
+                      f"{config.model.max_target_length}; drop max_target_length from distill_teacher_overrides (the "
+                      "teacher takes the student's)")
   student_vocab, teacher_vocab = config.model.vocab_size, teacher.model.vocab_size
   if student_vocab != teacher_vocab:
     raise UserError(f"the teacher ({path}) has vocab_size={teacher_vocab}, the student {student_vocab}: distillation "
