@@ -280,6 +280,7 @@ def test_resume_and_architecture_key_lists_come_from_field_metadata():
   fixed = run_record.FIXED_ON_RESUME
   assert fixed["model shape and function"] == MODEL_KEYS
   assert fixed["state layout"] == ("scan_layers", "weight_dtype", "lora_rank", "lora_alpha", "lora_target_modules",
+                                   "distill_teacher_path", "distill_teacher_model_name", "distill_teacher_overrides",
                                    "distill_top_k_path") and fixed["optimizer state"] == ("indexer_warmup", "freeze_vision_encoder", "freeze_multimodal_projector", "opt_type")
   assert {"global_batch_size", "data_shuffle_seed", "tokenizer_path"} <= set(fixed["data position"])
 

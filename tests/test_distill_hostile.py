@@ -67,3 +67,22 @@ def test_a_top_k_of_one_is_one_line(tiny_overrides, teacher_path):  # noqa: F811
                      r"distill_top_k >= 2 \(or 0, the full vocabulary\)$"):
     _distill_config(tiny_overrides, teacher_path, distill_top_k=1)
   assert _distill_config(tiny_overrides, teacher_path, distill_top_k=2).distill.distill_top_k == 2
+
+
+def test_a_resume_naming_another_teacher_is_refused(tiny_overrides, teacher_path, tmp_path):  # noqa: F811
+  """Was: accepted. A resume reads the teacher from the checkpoint, so another teacher of the same shapes named at
+  the resume was recorded in config.yml but never used. Now the resume check names the key, as for other keys
+  that fix what the saved state means."""
+  from MaxText.configuration import run_record
+
+  run_dir = str(tmp_path / "run")
+  run_record.record_start(_distill_config(tiny_overrides, teacher_path), run_dir)
+  other = str(tmp_path / "other_teacher")
+  import shutil
+  shutil.copytree(teacher_path, other)
+  with pytest.raises(ConfigError, match=r"distill_teacher_path: '.*params' -> '.*other_teacher'"):
+    run_record.check_resume(_distill_config(tiny_overrides, other), run_dir, "checkpoint step 2")
+  with pytest.raises(ConfigError, match=r"distill_teacher_overrides: "):
+    run_record.check_resume(_distill_config(tiny_overrides, teacher_path, distill_teacher_overrides=_teacher_overrides(
+        rope_max_timescale=500)), run_dir, "checkpoint step 2")
+  run_record.check_resume(_distill_config(tiny_overrides, teacher_path), run_dir, "checkpoint step 2")  # unchanged

@@ -34,9 +34,11 @@ def live_teacher(objective: str, distill: "DistillConfig", rl_teacher_kl_weight:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DistillConfig:
-  distill_teacher_path: str = key()  # the teacher's weights: a parameters-only checkpoint or another run's checkpoints
-  distill_teacher_model_name: str = key()  # configs/models/<name>.yml; "" = the model keys saved with the teacher
-  distill_teacher_overrides: tuple[str, ...] = key()  # key=value model keys over the teacher's
+  # The teacher's parameters are part of the saved state: a resume reads them from the checkpoint, so another
+  # teacher named at a resume would be recorded but never used (a new run from load_parameters_path switches).
+  distill_teacher_path: str = key(fixed_on_resume=LAYOUT)  # the teacher's weights: a parameters-only checkpoint or another run's checkpoints
+  distill_teacher_model_name: str = key(fixed_on_resume=LAYOUT)  # configs/models/<name>.yml; "" = the model keys saved with the teacher
+  distill_teacher_overrides: tuple[str, ...] = key(fixed_on_resume=LAYOUT)  # key=value model keys over the teacher's
   distill_loss: str = key()  # forward_kl | reverse_kl
   distill_alpha: float = key()  # weight of the distillation term; 1 - alpha weighs the hard-label loss
   distill_temperature: float = key()  # both distributions are softened by it; the KL term is scaled by its square
