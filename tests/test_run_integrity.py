@@ -419,6 +419,20 @@ def test_fixed_and_allowed_keys_on_resume():
   assert run_record.resume_differences({**saved, "vocab_size": 128.0}, saved) == []  # YAML may read 128 as either
 
 
+def test_checkpoints_md_lists_every_key_a_resume_keeps():
+  """The table users read is the resume check's own list (it had fallen behind by LoRA, image and GRPO keys)."""
+  import re
+
+  from MaxText.configuration import run_record
+
+  text = (REPO_ROOT / "getting_started" / "Checkpoints.md").read_text()
+  table = text[text.index("| what they fix | keys |"):]
+  named = set(re.findall(r"`([a-z_0-9]+)`", table[:table.index("\n\n")]))
+  missing = {kind: [key for key in keys if key not in named] for kind, keys in run_record.FIXED_ON_RESUME.items()
+             if not kind.startswith("model")}  # the architecture keys are named by where they are listed
+  assert not any(missing.values()), missing
+
+
 def test_tools_take_the_saved_model_keys_and_refuse_contradicting_ones(tmp_path, capsys):
   from MaxText.configuration import config as config_lib
   from MaxText.errors import ConfigError
