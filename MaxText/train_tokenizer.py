@@ -4,7 +4,8 @@
 
 `data_files` takes comma-separated files or globs: `.txt` files give one sentence per line,
 `.json`/`.jsonl` files one document per line in the `train_data_columns` field (the key training
-reads its text column from). The output is a `.model` file for `tokenizer_type=sentencepiece
+reads its text column from), or a file's one JSON array of records (as training reads them); `.gz`, `.bz2` and `.xz`
+files are read decompressed. The files must be UTF-8. The output is a `.model` file for `tokenizer_type=sentencepiece
 tokenizer_path=...`, with ids 0 = <unk>, 1 = <s> (bos), 2 = </s> (eos). Both the corpus files and
 `output_path` may be gs:// paths.
 """
@@ -15,6 +16,7 @@ import argparse
 import io
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -22,11 +24,14 @@ from typing import Iterator
 if __package__ in (None, ""):  # `python3 MaxText/train_tokenizer.py`
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from MaxText import startup
+from MaxText import json_text, startup
 from MaxText.paths import storage
 from MaxText.configuration import tool_args
 from MaxText.errors import UserError, run_cli
-from MaxText.input_pipeline.files import expand_files
+from MaxText.input_pipeline.files import COMPRESSIONS, expand_files, open_plain, utf16_problem
+
+# Formats training reads that are not lines of text: refused by name rather than trained on as bytes.
+_NOT_TEXT = (".parquet", ".arrow", ".array_record", ".zst", ".zstd", ".lz4", ".tar", ".zip")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -49,25 +54,86 @@ def _parse(argv: list[str]) -> argparse.Namespace:
   return args
 
 
+def _format_suffix(path: str) -> str:
+  """`.jsonl` of corpus.jsonl.gz: the suffix under a compression one."""
+  base = storage.name(path).lower()
+  if base.endswith(tuple(COMPRESSIONS)):
+    base = base.rsplit(".", 1)[0]
+  return "." + base.rsplit(".", 1)[-1] if "." in base else ""
+
+
+def _check_readable(path: str) -> None:
+  suffix = _format_suffix(path)
+  if suffix in _NOT_TEXT or storage.name(path).lower().endswith(_NOT_TEXT):
+    raise UserError(f"data_files: {path} is not a text file this tool reads (.txt, .json, .jsonl, optionally .gz, .bz2 "
+                    "or .xz); export its text to .txt or .jsonl first")
+  problem = utf16_problem(path)
+  if problem is not None:
+    raise UserError(f"data_files: {problem}")
+
+
+def _text_lines(path: str) -> Iterator[tuple[int, str]]:
+  """(line number, line without its newline) of a UTF-8 file; one line naming a line that is not UTF-8."""
+  with open_plain(path) as f:
+    for number, raw in enumerate(f, 1):
+      if number == 1:
+        raw = raw.removeprefix(b"\xef\xbb\xbf")  # the file's byte order mark, not text
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise UserError(f"data_files: {path} line {number} is not UTF-8 text (byte {e.start + 1} of the line); save "
+                        "it as UTF-8") from None
+      yield number, line.rstrip("\r\n")
+
+
+def _json_array_texts(path: str, text_column: str) -> Iterator[tuple[int, str | None]] | None:
+  """(record number, text) of a file holding one JSON array of records (as training reads a .json or
+  .jsonl file starting with `[`), or None when the file does not start with `[`."""
+  with open_plain(path) as f:
+    head = f.read(1 << 12).removeprefix(b"\xef\xbb\xbf")
+    while head.isspace() and (more := f.read(1 << 16)):
+      head = more
+    if head.lstrip()[:1] != b"[":
+      return None
+    data = head + f.read()  # leading whitespace skipped above is not part of the JSON
+  try:
+    records = json.loads(data)
+  except (ValueError, RecursionError) as e:
+    why = f"{e.msg} at line {e.lineno}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else (
+        "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else "nested too deeply")
+    raise UserError(f"{path} starts with '[' but is not one readable JSON array ({why}); fix it, or write one "
+                    "JSON object per line") from None
+  return ((n, _record_text(path, f"record {n} of its array", record, text_column))
+          for n, record in enumerate(records, 1))
+
+
 def iterate_lines(paths: list[str], text_column: str, max_lines: int) -> Iterator[str]:
   """Non-empty lines of the corpus (the text field of JSON lines), at most `max_lines`."""
-  count = 0
+  count, json_records, with_column = 0, 0, 0
   for path in paths:
-    is_json = path.endswith((".json", ".jsonl"))
-    # utf-8-sig: a byte order mark is the file's, not the first line's text (nor JSON).
-    with storage.open_file(path, "rb") as raw, io.TextIOWrapper(raw, encoding="utf-8-sig", errors="replace") as f:
-      for number, line in enumerate(f, 1):
-        text = _json_text(path, number, line, text_column) if is_json and line.strip() else line.rstrip("\n")
-        if not text.strip():
-          continue
-        yield text
-        count += 1
-        if count >= max_lines:
-          return
+    _check_readable(path)
+    is_json = _format_suffix(path) in (".json", ".jsonl")
+    lines = _json_array_texts(path, text_column) if is_json else None
+    if lines is None:
+      lines = ((n, _json_text(path, n, line, text_column) if is_json else line)
+               for n, line in _text_lines(path) if line.strip() or not is_json)
+    for _, text in lines:
+      if is_json:
+        json_records += 1
+        with_column += text is not None
+      if text is None or not text.strip():
+        continue
+      yield text
+      count += 1
+      if count >= max_lines:
+        return
+  if json_records and not with_column:
+    raise UserError(f"no JSON record of {', '.join(paths)} has a field {text_column!r}; set train_data_columns to the "
+                    "field that holds the text")
 
 
-def _json_text(path: str, number: int, line: str, column: str) -> str:
-  """The `column` text of one JSON line ("" without it); one line naming the file and line for a line
+def _json_text(path: str, number: int, line: str, column: str) -> str | None:
+  """The `column` text of one JSON line (None without it); one line naming the file and line for a line
   that is not a JSON object (a JSON array file, a line cut short) or a column that is not text."""
   try:
     record = json.loads(line)
@@ -75,12 +141,23 @@ def _json_text(path: str, number: int, line: str, column: str) -> str:
     why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deeply"
     raise UserError(f"{path} line {number} is not a JSON record ({why}); .json and .jsonl files are read as one JSON "
                     "object per line") from None
+  return _record_text(path, f"line {number}", record, column)
+
+
+_JSON_KINDS = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+               float: "a number", type(None): "null"}
+
+
+def _record_text(path: str, where: str, record: object, column: str) -> str | None:
+  """The `column` text of one parsed record (None without it, or null as datasets reads a missing field)."""
   if not isinstance(record, dict):
-    raise UserError(f"{path} line {number} is a JSON {type(record).__name__}, not an object; .json and .jsonl files "
-                    "are read as one JSON object per line")
-  text = record.get(column, "")
-  if not isinstance(text, str):
-    raise UserError(f"{path} line {number}: field {column!r} is a {type(text).__name__}, not text")
+    raise UserError(f"{path} {where} is {_JSON_KINDS.get(type(record), 'a JSON value')}, not a JSON object; .json "
+                    "and .jsonl files are read as one JSON object per line (or one JSON array of them)")
+  text = record.get(column)
+  if text is not None and not isinstance(text, str):
+    raise UserError(f"{path} {where}: field {column!r} is {_JSON_KINDS.get(type(text), 'a JSON value')}, not text")
+  if text is not None and json_text.has_unpaired_surrogate(text):
+    raise UserError(f"{path} {where}: field {column!r} {json_text.UNPAIRED_SURROGATE}; fix or remove that record")
   return text
 
 
@@ -101,7 +178,13 @@ def train(paths: list[str], vocab_size: int, output: str, model_type: str = "bpe
         character_coverage=character_coverage, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
         num_threads=os.cpu_count() or 1, minloglevel=2)
   except RuntimeError as e:  # e.g. a vocabulary larger than the corpus can fill
-    raise UserError(f"SentencePiece training failed: {str(e).strip().splitlines()[-1]}") from None
+    reason = str(e).strip().splitlines()[-1]
+    most = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", reason)
+    if most:
+      raise UserError(f"vocab_size={vocab_size} is more than this corpus ({len(lines)} non-empty line(s)) can "
+                      f"fill (at most {most.group(1)} with model_type={model_type}); set vocab_size <= "
+                      f"{most.group(1)} or give a larger corpus") from None
+    raise UserError(f"SentencePiece training failed: {reason}") from None
   storage.write_bytes(output, model.getvalue())
   return len(lines)
 

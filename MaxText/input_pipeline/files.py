@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import IO, cast
+
 from MaxText.paths import storage
 from MaxText.errors import ConfigError
 
@@ -24,6 +26,68 @@ def expand_files(key: str, value: str) -> list[str]:
                         "(gcloud storage cp) and point the key at the local path")
     matched = storage.glob(pattern)
     if not matched:
+      if storage.is_dir(pattern):
+        raise ConfigError(f"{key}: {pattern} is a directory; name its files, e.g. {storage.join(pattern, '*.jsonl')}")
       raise ConfigError(f"{key}: no file matches {pattern!r}")
     files.extend(matched)
   return files
+
+
+# Compressed data files `datasets` reads through fsspec, by their last suffix (`train.jsonl.gz`): the
+# format is the suffix before it. Only the codecs Python itself has (zstd and lz4 need extra packages).
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz"}
+UNSUPPORTED_COMPRESSIONS = (".zst", ".zstd", ".lz4")
+
+
+def compression(path: str) -> str | None:
+  """The compression a file's name says it has (gzip, bz2, xz), else None."""
+  base = storage.name(path).lower()
+  return next((kind for suffix, kind in COMPRESSIONS.items() if base.endswith(suffix)), None)
+
+
+def open_plain(path: str) -> IO[bytes]:
+  """A binary file object of `path`'s content, decompressed when its name says it is compressed."""
+  raw = storage.open_file(path, "rb")
+  kind = compression(path)
+  if kind == "gzip":
+    import gzip
+
+    return cast(IO[bytes], gzip.GzipFile(fileobj=raw))
+  if kind == "bz2":
+    import bz2
+
+    return cast(IO[bytes], bz2.BZ2File(raw))
+  if kind == "xz":
+    import lzma
+
+    return cast(IO[bytes], lzma.LZMAFile(raw))
+  return raw
+
+
+def read_plain(path: str) -> bytes:
+  with open_plain(path) as f:
+    return f.read()
+
+
+def utf16_problem(path: str) -> str | None:
+  """'<path> is UTF-16 text ...' when the file starts with a UTF-16 byte order mark, else None."""
+  with open_plain(path) as f:
+    head = f.read(2)
+  if head in (b"\xff\xfe", b"\xfe\xff"):
+    return f"{path} is UTF-16 text (it starts with a UTF-16 byte order mark), not UTF-8; save it as UTF-8"
+  return None
+
+
+def first_non_utf8(path: str) -> str | None:
+  """'<path> line N is not UTF-8 text (byte B ...); save it as UTF-8' for the first line of `path` that is
+  not UTF-8 (a leading byte order mark is allowed), or None. Reads the file: for error messages only."""
+  problem = utf16_problem(path)
+  if problem is not None:
+    return problem
+  with open_plain(path) as f:
+    for number, line in enumerate(f, 1):
+      try:
+        (line.removeprefix(b"\xef\xbb\xbf") if number == 1 else line).decode("utf-8")
+      except UnicodeDecodeError as e:
+        return f"{path} line {number} is not UTF-8 text (byte {e.start + 1} of the line); save it as UTF-8"
+  return None

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator
 
 from MaxText.paths import storage
 from MaxText.errors import ConfigError, quiet_logger
+from MaxText.input_pipeline import files as data_files_lib
 from MaxText.input_pipeline.files import expand_files
 
 _BUILDER_BY_SUFFIX = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv",
@@ -32,7 +33,10 @@ def _offline_datasets() -> Any:
 
 
 def _suffix(path: str) -> str:
+  """The format suffix of a file's name: `.jsonl` of train.jsonl.gz (datasets decompresses it)."""
   base = storage.name(path)
+  if data_files_lib.compression(path) is not None:
+    base = base.rsplit(".", 1)[0]
   return "." + base.rsplit(".", 1)[1].lower() if "." in base.lstrip(".") else ""
 
 
@@ -63,7 +67,7 @@ def _quiet_loaders() -> Iterator[None]:
 
 def _blank(path: str) -> bool:
   """Whether a file holds nothing but whitespace (and a byte order mark)."""
-  with storage.open_file(path, "rb") as f:
+  with data_files_lib.open_plain(path) as f:
     first = True
     while chunk := f.read(1 << 16):
       if (chunk.removeprefix(b"\xef\xbb\xbf") if first else chunk).strip():
@@ -88,7 +92,7 @@ def _no_records(path: str, builder: str) -> bool:
     return True
   if builder != "json":
     return False
-  with storage.open_file(path, "rb") as f:
+  with data_files_lib.open_plain(path) as f:
     head = f.read(1 << 16)
   return re.fullmatch(rb"(\xef\xbb\xbf)?\s*\[\s*\]\s*", head) is not None
 
@@ -101,6 +105,26 @@ def _refuse_a_leading_null(files_key: str, files: list[str]) -> None:
   for path in files:
     if json_records.first_record_is_null(path):
       problem = json_records.first_problem(path) or "starts with a JSON null, not an object"
+      raise ConfigError(f"{files_key}: {path} {problem}; fix or remove that record")
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _refuse_lone_surrogates_in_arrays(files_key: str, files: list[str]) -> None:
+  """datasets reads a file of one JSON array with a parser that drops an unpaired surrogate escape
+  ("a \\ud800 b" becomes "a  b") where the JSON-lines reader refuses it: such a record is named
+  first. Such files are parsed whole by datasets anyway; only those holding a surrogate escape are
+  parsed here."""
+  from MaxText.input_pipeline import json_records
+
+  for path in files:
+    if not json_records.starts_with_array(path):
+      continue
+    if _SURROGATE_ESCAPE.search(data_files_lib.read_plain(path)) is None:
+      continue
+    problem = json_records.first_problem(path)
+    if problem is not None:
       raise ConfigError(f"{files_key}: {path} {problem}; fix or remove that record")
 
 
@@ -125,6 +149,11 @@ def _unreadable(files_key: str, data_files: str, builder: str, files: list[str],
     problem = _bad_parquet(files)
     if problem is not None:
       return f"{files_key}: {problem}; replace or remove it"
+  if builder in ("json", "text", "csv"):
+    for path in files:
+      problem = data_files_lib.utf16_problem(path)
+      if problem is not None:
+        return f"{files_key}: {problem}"
   if builder == "json":
     from MaxText.input_pipeline import json_records
 
@@ -132,6 +161,11 @@ def _unreadable(files_key: str, data_files: str, builder: str, files: list[str],
       problem = json_records.first_problem(path)
       if problem is not None:
         return f"{files_key}: {path} {problem}; fix or remove that record"
+  if builder in ("text", "csv"):
+    for path in files:
+      problem = data_files_lib.first_non_utf8(path)
+      if problem is not None:
+        return f"{files_key}: {problem}"
   cause: BaseException = error
   while cause.__cause__ is not None:
     cause = cause.__cause__
@@ -159,10 +193,19 @@ def record_locator(hf_path: str, files_key: str, data_files: str) -> Callable[[i
 
 
 def _builder_for(hf_path: str, files: list[str]) -> str:
+  for path in files:
+    if storage.name(path).lower().endswith(data_files_lib.UNSUPPORTED_COMPRESSIONS):
+      raise ConfigError(f"{path} is compressed with a codec datasets cannot read here; decompress it, or compress it "
+                        f"with gzip, bz2 or xz ({', '.join(data_files_lib.COMPRESSIONS)})")
   if hf_path:
     return hf_path
   suffixes = {_suffix(f) for f in files}
   builders = {_BUILDER_BY_SUFFIX.get(s) for s in suffixes}
+  if len(builders) > 1 and None not in builders:  # one table is read from every file: one format
+    examples = ", ".join(f"{next(f for f in files if _BUILDER_BY_SUFFIX.get(_suffix(f)) == b)} is {b}"
+                         for b in sorted(b for b in builders if b))
+    raise ConfigError(f"the hf data files mix formats ({examples}); datasets reads one format per key: convert them "
+                      "to one format, or make each format a source of data_mixture")
   if len(builders) != 1 or None in builders:
     raise ConfigError(f"cannot tell the format of hf data files with suffixes {sorted(suffixes)}; "
                       "set hf_path to json, parquet, text or csv")
@@ -183,6 +226,7 @@ def open_split(hf_path: str, data_files: str, split: str, files_key: str) -> tup
       options = {"encoding": "utf-8-sig"} if builder == "text" else {}
       if builder == "json":
         _refuse_a_leading_null(files_key, files)
+        _refuse_lone_surrogates_in_arrays(files_key, files)
       with _remote_files_allowed(datasets, builder, files), _quiet_loaders():
         try:
           dataset = datasets.load_dataset(builder, data_files={split: files}, split=split, **options)

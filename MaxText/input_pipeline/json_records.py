@@ -13,13 +13,14 @@ import json
 import re
 from typing import Iterator
 
-from MaxText.paths import storage
+from MaxText import json_text
+from MaxText.input_pipeline.files import open_plain, read_plain
 
 
-def _starts_with_array(path: str) -> bool:
-  with storage.open_file(path, "rb") as f:
+def starts_with_array(path: str) -> bool:
+  with open_plain(path) as f:
     for line in f:
-      stripped = line.strip()
+      stripped = line.removeprefix(b"\xef\xbb\xbf").strip()
       if stripped:
         return stripped.startswith(b"[")
   return False
@@ -32,7 +33,7 @@ def first_record_is_null(path: str) -> bool:
   """Whether the first record of `path` (its first value, or its array's first element) is a JSON null;
   reads only the whitespace before it and a few bytes more."""
   head = b""
-  with storage.open_file(path, "rb") as f:
+  with open_plain(path) as f:
     while chunk := f.read(1 << 12):
       head = (head + chunk).removeprefix(b"\xef\xbb\xbf").lstrip()
       if head.startswith(b"["):
@@ -44,7 +45,7 @@ def first_record_is_null(path: str) -> bool:
 
 def _lines(path: str) -> Iterator[tuple[int, bytes]]:
   """(1-based line number, line) of every non-blank line."""
-  with storage.open_file(path, "rb") as f:
+  with open_plain(path) as f:
     for number, line in enumerate(f, 1):
       if line.strip():
         yield number, line
@@ -52,12 +53,16 @@ def _lines(path: str) -> Iterator[tuple[int, bytes]]:
 
 def first_problem(path: str) -> str | None:
   """'line N: what is wrong' for the first line of `path` that is not a JSON object, or None."""
-  if _starts_with_array(path):
+  if starts_with_array(path):
+    data = read_plain(path)
     try:
-      records = json.loads(storage.read_bytes(path))
+      records = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
       return "is " + _describe(e)
     bad = next((i for i, r in enumerate(records) if not isinstance(r, dict)), None)
+    if bad is None and b"\\u" in data:
+      bad = next((i for i, r in enumerate(records) if json_text.has_unpaired_surrogate(r)), None)
+      return None if bad is None else f"record {bad + 1} of its array {json_text.UNPAIRED_SURROGATE}"
     return None if bad is None else f"record {bad + 1} of its array is a JSON {_kind(records[bad])}, not an object"
   for number, line in _lines(path):
     try:
@@ -66,6 +71,9 @@ def first_problem(path: str) -> str | None:
       return f"line {number}: {_describe(e, on_line=True)}"
     if not isinstance(record, dict):
       return f"line {number}: a JSON {_kind(record)}, not an object (one record per line)"
+    # pyarrow refuses an unpaired surrogate escape that Python's json takes
+    if b"\\u" in line and json_text.has_unpaired_surrogate(record):
+      return f"line {number}: {json_text.UNPAIRED_SURROGATE}"
   return None
 
 
@@ -73,8 +81,8 @@ def locate(paths: list[str], index: int) -> str | None:
   """'<file> line N' (or 'record N of <file>') of the record at 0-based `index` of the files read
   in order, or None when the files do not hold that many records."""
   for path in paths:
-    if _starts_with_array(path):
-      count = len(json.loads(storage.read_bytes(path)))
+    if starts_with_array(path):
+      count = len(json.loads(read_plain(path)))
       if index < count:
         return f"record {index + 1} of {path}"
       index -= count
@@ -93,7 +101,8 @@ def _describe(error: Exception, on_line: bool = False) -> str:
     return "not readable JSON (nested deeper than JSON can be read)"
   assert isinstance(error, json.JSONDecodeError)
   where = f"column {error.colno}" if on_line else f"line {error.lineno}, column {error.colno}"
-  return f"not valid JSON ({error.msg} at {where})"
+  # some of json's messages end in "at" themselves ("Invalid control character at")
+  return f"not valid JSON ({error.msg.removesuffix(' at')} at {where})"
 
 
 def _kind(value: object) -> str:

@@ -92,7 +92,7 @@ def record_text(record: object, column: str) -> str:
   UTF-8 (ArrayRecord). A column that is not text (null, a number, a list) is refused, not trained
   as its Python spelling."""
   if isinstance(record, (bytes, bytearray)):
-    text = bytes(record).removeprefix(BOM).decode("utf-8", errors="replace")
+    text = _utf8(bytes(record).removeprefix(BOM), "the record")
     if text[:1] in ('{', '"'):
       try:
         record = json.loads(text)
@@ -110,11 +110,22 @@ def record_text(record: object, column: str) -> str:
                         "set train_data_columns")
     value = record[column]
     if isinstance(value, (bytes, bytearray)):
-      return bytes(value).decode("utf-8", errors="replace")
+      return _utf8(bytes(value), f"column {column!r}")
     if not isinstance(value, str):
-      raise UserError(f"column {column!r} is {json_kind(value)}, not text; fix or remove that record")
+      # datasets reads a field a record lacks (and other records hold) as null
+      absent = " or missing" if value is None else ""
+      raise UserError(f"column {column!r} is {json_kind(value)}{absent}, not text; fix or remove that record")
     return value
   return str(record)
+
+
+def _utf8(data: bytes, what: str) -> str:
+  """`data` as text; bytes that are not UTF-8 are refused, not trained as replacement characters."""
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise UserError(f"{what} holds bytes that are not UTF-8 text (byte {e.start + 1}: 0x{data[e.start]:02x}); save "
+                    "it as UTF-8 or remove that record") from None
 
 
 def json_kind(value: object) -> str:

@@ -62,6 +62,8 @@ class _Shard:
 def _json_shard(path: str, data: bytes, stack: contextlib.ExitStack) -> _Shard:
   """A .jsonl/.json shard: one JSON record per non-blank line (each parsed when it is read), or, as
   `datasets` reads a file starting with `[`, one JSON array of records. A leading BOM is the file's."""
+  if data[:2] in (b"\xff\xfe", b"\xfe\xff"):  # json.loads would guess UTF-16 per line, and lines split mid-character
+    raise UserError(f"{path} is UTF-16 text (it starts with a UTF-16 byte order mark), not UTF-8; save it as UTF-8")
   data = data.removeprefix(BOM)
   if data.lstrip()[:1] == b"[":
     try:
@@ -124,7 +126,8 @@ def _close_fetched(future: "concurrent.futures.Future[_Shard]") -> None:
 
 
 def _reason(error: Exception) -> str:
-  return error.msg if isinstance(error, json.JSONDecodeError) else "not UTF-8 text"
+  # some of json's messages end in "at" themselves ("Invalid control character at")
+  return error.msg.removesuffix(" at") if isinstance(error, json.JSONDecodeError) else "not UTF-8 text"
 
 
 def _json_record(record: object) -> object:
@@ -135,7 +138,7 @@ def _json_record(record: object) -> object:
     try:
       record = json.loads(record)  # surrounding whitespace (an indented record, a CR) is allowed
     except json.JSONDecodeError as e:
-      raise UserError(f"not valid JSON ({e.msg} at column {e.colno}); fix or remove that record") from None
+      raise UserError(f"not valid JSON ({_reason(e)} at column {e.colno}); fix or remove that record") from None
     except UnicodeDecodeError as e:
       raise UserError(f"not valid JSON (not UTF-8 text at byte {e.start + 1}); fix or remove that record") from None
     except RecursionError:

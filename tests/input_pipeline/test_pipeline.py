@@ -105,7 +105,7 @@ def test_record_text_reads_json_objects_strings_and_raw_bytes():
   assert pipeline.record_text(b'{"text": "a \\ud83d\\ude00 b"}', "text") == "a \U0001f600 b"  # a pair is text
 
 
-@pytest.mark.parametrize("value, what", [(None, "is null"), (3, "is a JSON number"), (["a"], "is a JSON array"),
+@pytest.mark.parametrize("value, what", [(None, "is null or missing"), (3, "is a JSON number"), (["a"], "is a JSON array"),
                                          ({"a": 1}, "is a JSON object")])
 def test_record_text_refuses_a_column_that_is_not_text(value, what):
   with pytest.raises(UserError, match=f"column 'text' {what}, not text"):

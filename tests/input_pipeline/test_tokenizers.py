@@ -112,8 +112,7 @@ def test_a_damaged_tokenizer_config_is_one_line_naming_it(tmp_path, config, prob
 
 
 def test_train_tokenizer_reads_json_lines_or_names_the_line_it_cannot(tmp_path):
-  """A BOM before the first JSON line is the file's (was: JSONDecodeError "Unexpected UTF-8 BOM"); a pretty-printed
-  JSON array, a cut line, a string record or a non-text field is one line naming file and line (were tracebacks)."""
+  """A BOM before the first JSON line is the file's (was: JSONDecodeError "Unexpected UTF-8 BOM"); a cut line, a string record or a non-text field is one line naming file and line (were tracebacks)."""
   from MaxText import train_tokenizer
   from MaxText.errors import UserError
 
@@ -121,10 +120,9 @@ def test_train_tokenizer_reads_json_lines_or_names_the_line_it_cannot(tmp_path):
   good.write_bytes(b'\xef\xbb\xbf{"text": "first"}\n\n{"text": "second", "id": 2}\n{"id": 3}\n')
   assert list(train_tokenizer.iterate_lines([str(good)], "text", 100)) == ["first", "second"]
   for name, content, problem in [
-      ("array.json", '[\n  {"text": "a"}\n]\n', "line 1 is not a JSON record (Expecting value at column 1)"),
       ("cut.jsonl", '{"text": "a"}\n{"text": "b', "line 2 is not a JSON record (Unterminated string"),
-      ("string.jsonl", '"just text"\n', "line 1 is a JSON str, not an object"),
-      ("number.jsonl", '{"text": 5}\n', "line 1: field 'text' is a int, not text")]:
+      ("string.jsonl", '"just text"\n', "line 1 is a string, not a JSON object"),
+      ("number.jsonl", '{"text": 5}\n', "line 1: field 'text' is a number, not text")]:
     (tmp_path / name).write_text(content)
     with pytest.raises(UserError) as raised:
       list(train_tokenizer.iterate_lines([str(tmp_path / name)], "text", 100))
