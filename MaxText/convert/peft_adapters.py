@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -27,6 +28,20 @@ from MaxText.configuration.model_config import ModelConfig
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PEFT_DEFAULT_ALPHA = 8  # peft.LoraConfig's lora_alpha when a config has none
+PICKLED_FILE = "adapter_model.bin"  # PEFT's save_pretrained(safe_serialization=False)
+# LoraConfig keys that, set, make PEFT build another model than base + scale · B·A on the projections the tensors
+# name: served as plain LoRA, such an adapter would silently answer as a model nobody trained.
+NOT_PLAIN = {
+    "layer_replication": "PEFT rebuilds the base model's layer stack from copies of its layers",
+    "alora_invocation_tokens": "activated LoRA applies the adapter only after its invocation tokens",
+    "arrow_config": "Arrow routes each token among several adapters",
+    "kasa_config": "KaSA truncates the base weights and scales the adapter by learned singular values",
+    "use_bdlora": "block-diagonal LoRA factors",
+    "trainable_token_indices": "trained embedding rows beside the adapter",
+    "target_parameters": "adapters on raw parameters such as MoE experts' weights, which adapter tables do not hold",
+}
+# init_lora_weights values whose start is subtracted from the base weights (PEFT redoes that when loading).
+BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
 
 
 def _index_order(to_hf: Callable[[tuple[np.ndarray, ...], ModelConfig], np.ndarray], cfg: ModelConfig, kernel_shape: tuple[int, ...], num_in: int, side: str) -> np.ndarray:
@@ -122,18 +137,52 @@ class PeftAdapter:
   alpha: float
   targets: tuple[str, ...]
   leaves: dict[tuple[tuple[str, ...], tuple[int, ...]], tuple[np.ndarray, np.ndarray]]
+  use_rslora: bool = False
+  # Each leaf's scale where rank_pattern / alpha_pattern give its module another rank or alpha than r, lora_alpha.
+  leaf_scales: dict[tuple[tuple[str, ...], tuple[int, ...]], float] = dataclasses.field(default_factory=dict)
+
+  @property
+  def scale(self) -> float:
+    """What PEFT multiplies B·A by: lora_alpha / r, or lora_alpha / sqrt(r) for rank-stabilised LoRA."""
+    return _scale(self.alpha, self.rank, self.use_rslora)
+
+  def scale_of(self, leaf: tuple[tuple[str, ...], tuple[int, ...]]) -> float:
+    return self.leaf_scales.get(leaf, self.scale)
+
+
+def _scale(alpha: float, rank: int, use_rslora: bool) -> float:
+  return alpha / (rank ** 0.5 if use_rslora else rank)
+
+
+def _pattern_value(pattern: dict[str, Any], module: str, default: Any) -> Any:
+  """PEFT's rank_pattern / alpha_pattern lookup: the value of the first key that matches the end of `module`'s
+  dotted name (a regex), else `default`."""
+  for key, value in pattern.items():
+    if re.match(rf"(.*\.)?({key})$", module):
+      return value
+  return default
+
+
+def _module_of(tensor_name: str) -> str:
+  """The base model's module name a PEFT tensor adapts (what rank_pattern keys are matched against)."""
+  return tensor_name.removeprefix("base_model.model.").removesuffix(".lora_A.weight").removesuffix(".lora_B.weight")
 
 
 def load(path: str, cfg: ModelConfig, abstract_params: dict[str, Any]) -> PeftAdapter:
   """The adapter in `path` (adapter_config.json + adapter_model.safetensors) placed onto the kernels of
   a model whose parameters are shaped like `abstract_params` (each adapted kernel's lora_a there gives
   its input dims); raises UserError naming what does not fit."""
-  rank, _, alpha = read_config(path)
+  _, _, alpha = read_config(path)
+  config = _read_json(path)
+  use_rslora, base_rank = bool(config.get("use_rslora")), config["r"]
+  rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+  leaf_scales: dict[tuple[tuple[str, ...], tuple[int, ...]], float] = {}
   tensors = _read_tensors(path)
   unused = set(tensors)
   family = families.family_for_decoder_block(cfg.decoder_block)
   maps = family.tensors(cfg)
   leaves: dict[tuple[tuple[str, ...], tuple[int, ...]], tuple[np.ndarray, np.ndarray]] = {}
+  example = ""  # a name this model's adapters have: the naming scheme for the refusal of others
   for m in maps:
     if len(m.ours) != 1 or not m.ours[0].endswith("/kernel") or m.per_expert:
       continue
@@ -142,14 +191,18 @@ def load(path: str, cfg: ModelConfig, abstract_params: dict[str, Any]) -> PeftAd
         continue
       name = m.hf.format(i=layer).removesuffix(".weight")
       a_name, b_name = (f"base_model.model.{name}.lora_{side}.weight" for side in "AB")
+      path_, index = engine._leaf_path(cfg, m, m.ours[0], layer)
+      dense = _subtree(abstract_params, path_[:-1])
+      if not example and dense is not None and "lora_a" in dense:
+        example = a_name
       if a_name not in tensors:
         continue
       unused -= {a_name, b_name}
-      path_, index = engine._leaf_path(cfg, m, m.ours[0], layer)
-      dense = _subtree(abstract_params, path_[:-1])
       if dense is None or "lora_a" not in dense or b_name not in tensors:
         raise UserError(f"{path}: the adapter of {name} has no place in this model (its projection takes no "
                         "adapter here); serve it with a base model whose adapter targets include it")
+      rank = _pattern_value(rank_pattern, name, base_rank)
+      module_alpha = float(_pattern_value(alpha_pattern, name, alpha))
       kernel_shape = tuple(dense["kernel"].shape[len(index):])
       num_in = len(dense["lora_a"].shape) - len(index) - 1
       a_hf, b_hf = np.asarray(tensors[a_name], np.float32), np.asarray(tensors[b_name], np.float32)
@@ -158,8 +211,8 @@ def load(path: str, cfg: ModelConfig, abstract_params: dict[str, Any]) -> PeftAd
         if a_hf.ndim == b_hf.ndim == 2 and (a_hf.shape[1], b_hf.shape[0]) == (in_size, out_size) \
             and a_hf.shape[0] == b_hf.shape[1]:
           raise UserError(f"{path}: {name}'s adapter has rank {a_hf.shape[0]} (lora_A {list(a_hf.shape)}, lora_B "
-                          f"{list(b_hf.shape)}) where {CONFIG_FILE} says r={rank}; one rank for every module is "
-                          "supported: fix r or the tensors")
+                          f"{list(b_hf.shape)}) where {CONFIG_FILE} says r={rank} for it (r or rank_pattern); fix the "
+                          "config or the tensors")
         raise UserError(f"{path}: {name}'s adapter is lora_A {list(a_hf.shape)}, lora_B {list(b_hf.shape)}; this "
                         f"model needs [{rank}, {in_size}] and [{out_size}, {rank}] (an adapter of another base model?)")
       try:
@@ -172,13 +225,16 @@ def load(path: str, cfg: ModelConfig, abstract_params: dict[str, Any]) -> PeftAd
       a[in_order], b[:, out_order] = a_hf.T, b_hf.T
       leaves[(path_[:-1], index)] = (a.reshape(kernel_shape[:num_in] + (rank,)),
                                      b.reshape((rank,) + kernel_shape[num_in:]))
+      leaf_scales[(path_[:-1], index)] = _scale(module_alpha, rank, use_rslora)
   if unused:
-    raise UserError(f"{path}: {len(unused)} tensors name no projection of this model, e.g. {sorted(unused)[0]} "
-                    "(an adapter of another model family or depth?)")
+    named = f", where this model's are named like {example}" if example else ""
+    raise UserError(f"{path}: {len(unused)} tensors name no projection of this model, e.g. {sorted(unused)[0]}{named} "
+                    "(an adapter of another model family or depth, or saved from another model class?)")
   if not leaves:
     raise UserError(f"{path} holds no LoRA tensors")
   targets = tuple(sorted({name.split(".")[-3] for name in tensors}))
-  return PeftAdapter(rank, alpha, targets, leaves)
+  rank = max(a.shape[-1] for a, _ in leaves.values())  # the tables' rank it needs: its largest module's
+  return PeftAdapter(rank, alpha, targets, leaves, use_rslora, leaf_scales)
 
 
 def _read_tensors(path: str) -> dict[str, np.ndarray]:
@@ -229,17 +285,28 @@ def stored_rank(path: str) -> int:
   return max((int(shape[0]) for shape in shapes if shape), default=0)
 
 
-def read_config(path: str) -> tuple[int, tuple[str, ...], float]:
-  """(rank, the modules its tensors adapt, lora_alpha) of the PEFT LoRA adapter in `path`; UserError for anything
-  else."""
-  if not storage.exists(storage.join(path, CONFIG_FILE)) or not storage.exists(storage.join(path, WEIGHTS_FILE)):
-    raise UserError(f"{path} is not a PEFT LoRA adapter: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
+def _read_json(path: str) -> Any:
+  """`path`'s CONFIG_FILE parsed; UserError when it cannot be read or is not JSON."""
   try:
-    config = json.loads(storage.read_text(storage.join(path, CONFIG_FILE)))
+    return json.loads(storage.read_text(storage.join(path, CONFIG_FILE)))
   except (ValueError, RecursionError) as e:
     raise UserError(f"{path}/{CONFIG_FILE} is not valid JSON: {str(e)[:200]}") from None
   except OSError as e:
     raise UserError(f"cannot read {path}/{CONFIG_FILE}: {e.strerror or e}") from None
+
+
+def read_config(path: str) -> tuple[int, tuple[str, ...], float]:
+  """(rank, the modules its tensors adapt, lora_alpha) of the PEFT LoRA adapter in `path`; UserError for anything
+  else."""
+  if not storage.exists(storage.join(path, CONFIG_FILE)) or not storage.exists(storage.join(path, WEIGHTS_FILE)):
+    pickled = not storage.exists(storage.join(path, WEIGHTS_FILE)) and storage.exists(storage.join(path, PICKLED_FILE))
+    hint = (f" (it holds {PICKLED_FILE}, a PyTorch pickle, which is not read: loading one can run code; save the "
+            "adapter again with PEFT's save_pretrained(..., safe_serialization=True))") if pickled else ""
+    last = path.rstrip("/").rsplit("/", 1)[-1]
+    if last in (CONFIG_FILE, WEIGHTS_FILE, PICKLED_FILE):
+      hint = f" (give the directory that holds them, not {last})"
+    raise UserError(f"{path} is not a PEFT LoRA adapter: it needs {CONFIG_FILE} and {WEIGHTS_FILE}{hint}")
+  config = _read_json(path)
   rank = config.get("r") if isinstance(config, dict) else None
   if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA" or not isinstance(rank, int) \
       or isinstance(rank, bool):
@@ -254,16 +321,39 @@ def read_config(path: str) -> tuple[int, tuple[str, ...], float]:
   if not isinstance(targets, (str, list)) or not all(isinstance(t, str) for t in targets):
     raise UserError(f"{path}/{CONFIG_FILE}: target_modules must be a module name or a list of them, got "
                     f"{str(targets)[:80]}")
-  for name, plain in (("use_rslora", False), ("use_dora", False), ("fan_in_fan_out", False)):
-    if config.get(name, plain) != plain:
+  if config.get("use_rslora") not in (None, False, True):
+    raise UserError(f"{path}/{CONFIG_FILE}: use_rslora={str(config['use_rslora'])[:40]} is not true or false")
+  for name in ("use_dora", "fan_in_fan_out"):
+    if config.get(name):  # null reads as false, as PEFT reads it
       raise UserError(f"{path}: {name}={config[name]} is not supported; plain LoRA adapters only")
-  if config.get("rank_pattern") or config.get("alpha_pattern"):
-    raise UserError(f"{path}: rank_pattern / alpha_pattern (a rank per module) is not supported")
+  for name, what in NOT_PLAIN.items():
+    if config.get(name):
+      raise UserError(f"{path}: {name}={str(config[name])[:60]} is not supported ({what}); plain LoRA adapters only")
+  init = config.get("init_lora_weights")
+  if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
+    raise UserError(f"{path}: init_lora_weights={init!r} trains the adapter against changed base weights, which PEFT "
+                    "recreates when it loads the adapter; convert it to a plain LoRA adapter first (PEFT's "
+                    "save_pretrained(..., path_initial_model_for_weight_conversion=...))")
+  for key, is_value in (("rank_pattern", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+                        ("alpha_pattern", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+                         and abs(v) < 1e30)):
+    pattern = config.get(key) or {}
+    if not isinstance(pattern, dict) or not all(is_value(v) for v in pattern.values()):
+      wanted = "ranks >= 1" if key == "rank_pattern" else "finite numbers"
+      raise UserError(f"{path}/{CONFIG_FILE}: {key} must map module names to {wanted}, got {str(pattern)[:80]}")
+    for k in pattern:
+      try:
+        re.compile(k)
+      except re.error as e:
+        raise UserError(f"{path}/{CONFIG_FILE}: {key} key {k[:80]!r} is not a regular expression ({e})") from None
   if config.get("modules_to_save"):
     raise UserError(f"{path}: modules_to_save={str(config['modules_to_save'])[:80]} (whole modules trained beside the "
                     "adapter) is not supported; plain LoRA adapters only")
   shapes = _stored_shapes(path)
   biases = sorted(name for name in shapes if name.endswith(".bias"))
+  if biases and config.get("lora_bias"):  # PEFT's lora_bias: a trained bias on each lora_B
+    raise UserError(f"{path}: lora_bias={config['lora_bias']} (a trained bias on lora_B, e.g. {biases[0]}) is not "
+                    "supported; plain LoRA adapters only")
   if biases:  # PEFT's bias="all" / "lora_only": trained biases of the base model's projections
     raise UserError(f"{path}: holds {len(biases)} trained bias tensors (bias={config.get('bias')!r}), e.g. "
                     f"{biases[0]}; plain LoRA adapters only (bias=\"none\")")
@@ -282,4 +372,8 @@ def read_config(path: str) -> tuple[int, tuple[str, ...], float]:
                       f"module needs both lora_A and lora_B (an incomplete {WEIGHTS_FILE}?)")
   # The modules its tensors adapt: target_modules may also be a regex or PEFT's "all-linear", which name none.
   stored = {name.split(".")[-3] for name in pairs}
+  # The largest rank the config gives a module its tensors adapt: what those tensors must hold (check_stored_rank).
+  rank_pattern = config.get("rank_pattern") or {}
+  if rank_pattern:
+    rank = max(_pattern_value(rank_pattern, _module_of(name), rank) for name in pairs)
   return rank, tuple(sorted(stored)), float(alpha)

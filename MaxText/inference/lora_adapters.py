@@ -5,7 +5,8 @@ projection (the adapter table's targets, at the table's rank). `AdapterTable` tu
 place into a table (layers/lora_rows.py): lora_a [N + 1, in dims..., r], lora_b [N + 1, r, out
 dims...] (after the layer dim of a scanned stack), where row 0 stays all zeros (the base model)
 and each loaded adapter owns one other row: its PEFT weights (convert/peft_adapters.load) in our
-layout, zero-padded to rank r, its scale lora_alpha / its rank folded into lora_b. A request picks
+layout, zero-padded to rank r, PEFT's scale (lora_alpha / r, per module under rank_pattern / alpha_pattern,
+/ sqrt(r) with use_rslora) folded into lora_b. A request picks
 a row through its sampling row (sampling.RowParams.adapter), which travels with the slot like its
 temperature (decode_state.RowSampling.adapter_B); the engine's model calls run inside
 lora_rows.use_rows, so every adapted projection adds x · A[row] · B[row] per batch row.
@@ -131,15 +132,16 @@ class AdapterTable:
     for (dense, key), (shape, lead, dtype) in self._places.items():
       value = np.zeros(shape, np.float32)
       if adapter is not None:
-        scale = adapter.alpha / adapter.rank
         for index in (np.ndindex(*shape[:lead]) if lead else [()]):
-          pair = adapter.leaves.get((dense, tuple(int(i) for i in index)))
+          leaf = (dense, tuple(int(i) for i in index))
+          pair = adapter.leaves.get(leaf)
           if pair is None:
             continue
+          rank = pair[0].shape[-1]  # rank_pattern: a module's own rank, at most the adapter's
           if key == "lora_a":
-            value[index][..., :adapter.rank] = pair[0]
+            value[index][..., :rank] = pair[0]
           else:
-            value[index][:adapter.rank] = pair[1] * scale
+            value[index][:rank] = pair[1] * adapter.scale_of(leaf)
       out[(dense, key)] = value.astype(dtype)
     return out
 
@@ -218,7 +220,7 @@ class Registry:
         self.table.check(rank, targets, name)
         adapter = peft_adapters.load(path, self.table.engine.cfg, self.table.engine.spec.abstract_params)
       self.table.check(adapter.rank, adapter.targets, name)  # the targets its tensors name
-      loaded = LoadedAdapter(name, free[0], adapter.rank, adapter.alpha, adapter.targets)
+      loaded = LoadedAdapter(name, free[0], adapter.rank, adapter.alpha, adapter.targets, adapter.use_rslora)
       self._set_params(self.table.set_row(self.params, loaded.row, adapter))  # before the name is usable
       with self._lock:
         self._by_name[name], self._in_flight[name] = loaded, 0

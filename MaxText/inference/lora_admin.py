@@ -21,6 +21,7 @@ class LoadedAdapter:
   rank: int
   alpha: float
   targets: tuple[str, ...]
+  use_rslora: bool = False  # its scale is alpha / sqrt(rank), not alpha / rank
 
 
 class UnknownAdapter(KeyError):

@@ -1,7 +1,7 @@
 """The server's admin routes for LoRA adapters (inference/lora_adapters.py, reached through
 lora_admin.py: in this process or the engine's), behind its API key:
 
-    GET    /v1/admin/lora_adapters         the loaded adapters (name, table row, rank, alpha, targets)
+    GET    /v1/admin/lora_adapters         the loaded adapters (name, table row, rank, alpha, targets, use_rslora)
     POST   /v1/admin/lora_adapters         {"name": ..., "path": PEFT adapter directory}: load one, no restart
     DELETE /v1/admin/lora_adapters/{name}  unload one (409 while requests still decode with it)
 
@@ -44,6 +44,12 @@ def add_routes(app: FastAPI, registry: lora_admin.Admin, admin_allowed: bool) ->
     body = api.parse_json(await http.body())
     if not isinstance(body, dict) or not isinstance(body.get("name"), str) or not isinstance(body.get("path"), str):
       raise api.ApiError(400, "the body must be a JSON object with a string name and path (a PEFT adapter directory)")
+    extra = sorted(k for k, v in body.items() if k not in ("name", "path") and v is not None)
+    if extra:  # e.g. "lora_alpha" or "rank": never answered as if honoured; the adapter's own config sets them
+      name = str(extra[0])[:100]
+      raise api.ApiError(400, f"{name} is not supported by POST {ROUTE}; remove it (an add takes name and path: rank, "
+                         "alpha and targets come from the adapter's adapter_config.json)", name,
+                         "unsupported_parameter")
     if not body["path"].strip():  # else the refusal reads " is not a PEFT LoRA adapter", naming no path
       raise api.ApiError(400, "path is empty; give the PEFT adapter directory on the server to load", "path",
                          "invalid_adapter")

@@ -648,7 +648,7 @@ def _config_text(root) -> str:
     ({"modules_to_save": ["lm_head"]}, None, "modules_to_save=['lm_head'] (whole modules trained beside the adapter)"),
     # A rank per module without rank_pattern: was "this model needs [2, 32] ... (an adapter of another base model?)".
     (None, "rank-1-layer", "model.layers.1.self_attn.q_proj's adapter has rank 1 (lora_A [1, 32], lora_B [32, 1]) "
-                           "where adapter_config.json says r=2; one rank for every module is supported"),
+                           "where adapter_config.json says r=2 for it (r or rank_pattern); fix the config or the"),
     (None, "rank-1-b", "model.layers.1.self_attn.q_proj's adapter is lora_A [2, 32], lora_B [32, 1]; this model needs "
                        "[2, 32] and [32, 2]"),
     # numpy has no float8 type: was AttributeError "module 'numpy' has no attribute 'float8_e4m3fn'" (a 500).
