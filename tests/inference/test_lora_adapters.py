@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any, Callable, Iterable
 
 import jax
 import numpy as np
@@ -498,41 +499,54 @@ def test_unknown_model_names_the_adapter_and_the_served_ones(server):
 
 
 # ---------------------------------------------------------------- against PEFT on the HF model
-@pytest.mark.slow  # PEFT and transformers' generate on CPU: about 40 s
-def test_a_mixed_batch_gives_what_peft_generates_for_each_adapter(tmp_path):
-  """Two PEFT adapters saved by PEFT itself and the base model, in one batch: each row's greedy tokens
-  are what `PeftModel.generate` (the base model's `generate` for the base row) gives for its prompt."""
-  peft = pytest.importorskip("peft", reason="needs peft (EXTRAS=test bash setup.sh)")
+def peft_generates(peft: Any, hf: Any, tmp_path: Path, specs: dict[str, dict[str, Any]], picks: list[str | None],
+                   prompts: list[list[int]], new_tokens: int, seed: Callable[[str], int]) -> list[list[int]]:
+  """Each prompt's greedy tokens from PEFT's `generate` with the adapter `picks` names (None: the base model),
+  each adapter built from its LoraConfig keyword arguments in `specs`, given random weights (lora_B starts at
+  zero: an adapter that changes nothing proves nothing) and saved under tmp_path/<name>."""
   import torch
-  sys.path.insert(0, str(Path(__file__).parent.parent))
-  import hf_families as hf
 
-  specs = {"p": (4, 8.0, ["q_proj", "v_proj", "down_proj"]), "r": (2, 2.0, ["k_proj", "o_proj", "up_proj"])}
-  prompts = [[5, 17, 3, 99, 42], [7, 1, 120, 8], [64, 2, 2, 31, 9, 11]]
-  picks, new_tokens = ["p", None, "r"], 6
   expected = []
   for pick, prompt in zip(picks, prompts):
     model = hf.build_hf_model("llama3.1")
     if pick is not None:
-      rank, alpha, targets = specs[pick]
-      model = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
-                                                         lora_dropout=0.0))
-      generator = torch.Generator().manual_seed(rank)
+      model = peft.get_peft_model(model, peft.LoraConfig(**specs[pick], lora_dropout=0.0))
+      generator = torch.Generator().manual_seed(seed(pick))
       with torch.no_grad():
         for name, param in model.named_parameters():
-          if "lora_" in name:  # lora_B starts at zero: an adapter that changes nothing proves nothing
+          if "lora_" in name:
             param.copy_(0.3 * torch.randn(param.shape, generator=generator))
       model.save_pretrained(str(tmp_path / pick))
     with torch.no_grad():
       out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                            max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     expected.append(out[0, len(prompt):].tolist())
+  return expected
 
+
+def engine_with_adapters(hf: Any, tmp_path: Path, names: Iterable[str], num_slots: int) -> tuple[Any, Any]:
+  """A table engine of the HF base model serving the adapters peft_generates saved under tmp_path."""
   base_model = hf.build_hf_model("llama3.1")
   config = hf.our_config(base_model, dtype="float32", max_prefill_predict_length=8,
-                         serve_lora_adapters=",".join(f"{n}={tmp_path / n}" for n in specs))
+                         serve_lora_adapters=",".join(f"{n}={tmp_path / n}" for n in names))
   base = hf.our_params(base_model, hf.our_config(base_model), tmp_path / "base")
-  engine, registry = lora_adapters.load_engine(config, len(prompts), "", "base", one_device_mesh(), base_params=base)
+  return lora_adapters.load_engine(config, num_slots, "", "base", one_device_mesh(), base_params=base)
+
+
+@pytest.mark.slow  # PEFT and transformers' generate on CPU: about 40 s
+def test_a_mixed_batch_gives_what_peft_generates_for_each_adapter(tmp_path):
+  """Two PEFT adapters saved by PEFT itself and the base model, in one batch: each row's greedy tokens
+  are what `PeftModel.generate` (the base model's `generate` for the base row) gives for its prompt."""
+  peft = pytest.importorskip("peft", reason="needs peft (EXTRAS=test bash setup.sh)")
+  sys.path.insert(0, str(Path(__file__).parent.parent))
+  import hf_families as hf
+
+  specs = {"p": dict(r=4, lora_alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"]),
+           "r": dict(r=2, lora_alpha=2.0, target_modules=["k_proj", "o_proj", "up_proj"])}
+  prompts = [[5, 17, 3, 99, 42], [7, 1, 120, 8], [64, 2, 2, 31, 9, 11]]
+  picks, new_tokens = ["p", None, "r"], 6
+  expected = peft_generates(peft, hf, tmp_path, specs, picks, prompts, new_tokens, seed=lambda pick: specs[pick]["r"])
+  engine, registry = engine_with_adapters(hf, tmp_path, specs, len(prompts))
   rows = [RowParams(adapter=0 if p is None else registry.acquire(p)) for p in picks]
   assert greedy(engine, registry.params, prompts, rows, new_tokens) == expected
   assert expected[0] != greedy(engine, registry.params, prompts[:1], [RowParams()], new_tokens)[0]

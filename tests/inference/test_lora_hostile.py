@@ -14,8 +14,7 @@ from MaxText.convert import peft_adapters
 from MaxText.errors import UserError
 from MaxText.inference import lora_adapters
 from MaxText.inference.sampling import RowParams
-from decode_test_utils import one_device_mesh
-from test_lora_adapters import TINY, greedy, write_adapter
+from test_lora_adapters import TINY, engine_with_adapters, greedy, peft_generates, write_adapter
 
 
 @pytest.fixture(scope="module")
@@ -194,40 +193,19 @@ def test_rslora_and_per_module_ranks_and_alphas_generate_what_peft_generates(tmp
   base model: each row's greedy tokens are PEFT's (was: both refused). With rsLoRA's scale read as alpha / r the
   rsLoRA row's tokens differ."""
   peft = pytest.importorskip("peft", reason="needs peft (EXTRAS=test bash setup.sh)")
-  import torch
   sys.path.insert(0, str(Path(__file__).parent.parent))
   import hf_families as hf
 
   # "pat": a rank and an alpha per module (rank_pattern keys match a name's end, alpha_pattern's a whole layer's)
-  specs = {"rs": (4, 8.0, True, {}, {}), "plain": (4, 8.0, False, {}, {}),
-           "pat": (2, 8.0, False, {"v_proj": 4, "down_proj": 3}, {"layers.1.self_attn.q_proj": 1.0, "v_proj": 20.0})}
+  targets = ["q_proj", "v_proj", "down_proj"]
+  specs = {"rs": dict(r=4, lora_alpha=8.0, use_rslora=True, target_modules=targets),
+           "plain": dict(r=4, lora_alpha=8.0, target_modules=targets),
+           "pat": dict(r=2, lora_alpha=8.0, target_modules=targets, rank_pattern={"v_proj": 4, "down_proj": 3},
+                       alpha_pattern={"layers.1.self_attn.q_proj": 1.0, "v_proj": 20.0})}
   prompts = [[5, 17, 3, 99, 42], [7, 1, 120, 8], [64, 2, 2, 31, 9, 11], [3, 8, 100, 4, 4]]
   picks, new_tokens = ["rs", None, "plain", "pat"], 6
-  expected = []
-  for pick, prompt in zip(picks, prompts):
-    model = hf.build_hf_model("llama3.1")
-    if pick is not None:
-      rank, alpha, rslora, rank_pattern, alpha_pattern = specs[pick]
-      model = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora,
-                                                         rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
-                                                         target_modules=["q_proj", "v_proj", "down_proj"],
-                                                         lora_dropout=0.0))
-      generator = torch.Generator().manual_seed(7)
-      with torch.no_grad():
-        for name, param in model.named_parameters():
-          if "lora_" in name:
-            param.copy_(0.3 * torch.randn(param.shape, generator=generator))
-      model.save_pretrained(str(tmp_path / pick))
-    with torch.no_grad():
-      out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    expected.append(out[0, len(prompt):].tolist())
-
-  base_model = hf.build_hf_model("llama3.1")
-  config = hf.our_config(base_model, dtype="float32", max_prefill_predict_length=8,
-                         serve_lora_adapters=",".join(f"{n}={tmp_path / n}" for n in specs))
-  base = hf.our_params(base_model, hf.our_config(base_model), tmp_path / "base")
-  engine, registry = lora_adapters.load_engine(config, len(prompts), "", "base", one_device_mesh(), base_params=base)
+  expected = peft_generates(peft, hf, tmp_path, specs, picks, prompts, new_tokens, seed=lambda pick: 7)
+  engine, registry = engine_with_adapters(hf, tmp_path, specs, len(prompts))
   assert [(a.name, a.rank, a.use_rslora) for a in registry.adapters()] == [("pat", 4, False), ("plain", 4, False),
                                                                          ("rs", 4, True)]
   rows = [RowParams(adapter=0 if p is None else registry.acquire(p)) for p in picks]
