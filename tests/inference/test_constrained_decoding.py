@@ -84,9 +84,9 @@ class Pattern:
 PROMPTS = [[3, 9, 27], [100, 5, 6, 7, 8, 1], [1, 2, 3, 4, 5, 6, 7, 8]]
 
 
-def run(engine, params, constraints, rows=None, max_tokens: int = 7) -> list[Sink]:
+def run(engine, params, constraints, rows=None, max_tokens: int = 7, sink: Callable[[], Sink] = Sink) -> list[Any]:
   scheduler = sched.Scheduler(engine, params, max_queue=16).start()
-  sinks = [Sink() for _ in constraints]
+  sinks = [sink() for _ in constraints]
   rows = rows or [RowParams()] * len(constraints)
   try:
     scheduler.submit([sched.Job(i, PROMPTS[i % len(PROMPTS)], max_tokens, r, s, constraint=c)

@@ -15,7 +15,7 @@ from MaxText.inference.engine import Engine
 from MaxText.inference.engine_api import StepLimits
 from MaxText.inference.sampling import RowParams
 from decode_test_utils import one_device_mesh
-from test_constrained_decoding import PROMPTS, VOCAB, Pattern, bits
+from test_constrained_decoding import VOCAB, PROMPTS, Pattern, bits, run
 from test_speculative import TARGET
 from test_speculative_serving import PAGED, Sink
 
@@ -41,17 +41,8 @@ def engine_for(layout: str, steps: int) -> Engine:
   return Engine(config, num_slots=4, mesh=one_device_mesh())
 
 
-def serve(engine: Engine, constraints: list, rows: list[RowParams], max_tokens: int = 9) -> list[Runs]:
-  scheduler = sched.Scheduler(engine, engine.load_params(seed=1), max_queue=16, eos_ids=()).start()
-  sinks = [Runs() for _ in constraints]
-  try:
-    scheduler.submit([sched.Job(i, PROMPTS[i % len(PROMPTS)], max_tokens, r, s, constraint=c)
-                      for i, (c, r, s) in enumerate(zip(constraints, rows, sinks))])
-    for sink in sinks:
-      assert sink.done.wait(300), "a job did not end"
-    return sinks
-  finally:
-    scheduler.stop(30)
+def serve(engine: Engine, constraints: list, rows: list[RowParams]) -> list[Runs]:
+  return run(engine, engine.load_params(seed=1), constraints, rows, max_tokens=9, sink=Runs)
 
 
 def constraints() -> list:
