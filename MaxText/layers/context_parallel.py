@@ -122,10 +122,38 @@ def to_balanced_order(x: jax.Array, shards: int) -> jax.Array:
   return paired.reshape(x.shape)
 
 
+def is_balanced(attn: AttentionConfig) -> bool:
+  """Whether training batches arrive in balanced order (`balance_batch` reordered them)."""
+  return attn.context_parallel_load_balance and attn.context_parallel_degree > 1
+
+
+def sequence_index(attn: AttentionConfig, length: int) -> jax.Array:
+  """[1, length]: the natural index of each slot of a training sequence, what a layer that builds
+  its own causal mask must compare (0 .. length - 1 unless the batch is in balanced order)."""
+  if not is_balanced(attn):
+    return jnp.arange(length)[None]
+  return jnp.asarray(balanced_order(length, attn.context_parallel_degree), jnp.int32)[None]
+
+
+def sequence_self_mask(attn: AttentionConfig, segment_ids_BL: jax.Array) -> jax.Array:
+  """masks.self_mask of a training sequence in whichever order `balance_batch` left it."""
+  index_1L = sequence_index(attn, segment_ids_BL.shape[1])
+  return masks.allowed(index_1L, index_1L, segment_ids_BL, segment_ids_BL)
+
+
+def in_natural_order(attn: AttentionConfig, fn: Callable[..., jax.Array], *xs: jax.Array) -> jax.Array:
+  """fn(*xs) for a layer that reads the sequence in order (a recurrence, a causal conv): its [B, L, ...]
+  inputs put back in natural order and its output in the batch's balanced order again."""
+  if not is_balanced(attn):
+    return fn(*xs)
+  shards = attn.context_parallel_degree
+  return to_balanced_order(fn(*(to_natural_order(x, shards) for x in xs)), shards)
+
+
 def balance_batch(batch: dict[str, jax.Array], attn: AttentionConfig, length: int) -> dict[str, jax.Array]:
   """The batch in balanced order when load balancing is on (every [B, length, ...] entry alike,
   so targets stay next to their inputs; length is max_target_length), else unchanged."""
-  if not (attn.context_parallel_load_balance and attn.context_parallel_degree > 1):
+  if not is_balanced(attn):
     return batch
   shards = attn.context_parallel_degree
   return {name: to_balanced_order(x, shards) if x.ndim >= 2 and x.shape[1] == length else x

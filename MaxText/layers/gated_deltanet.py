@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from MaxText.configuration.model_config import ModelConfig
-from MaxText.layers import attention_kernels, gated_delta_rule
+from MaxText.layers import attention_kernels, context_parallel, gated_delta_rule
 from MaxText.layers.linears import DenseGeneral
 from MaxText.platform import sharding
 
@@ -108,6 +108,13 @@ class GatedDeltaNet(nnx.Module):
                image_blocks_BL: jax.Array | None = None) -> jax.Array | tuple[jax.Array, LinearState]:
     """Output [B, L, D]; with a decode `cache` (a LinearState), (output, the state after this call's tokens)."""
     del layer_index, image_blocks_BL  # the same on every layer; no image blocks in a text family
+    if cache is None:  # training: the recurrence and conv must see the tokens in order, not load-balanced
+      return context_parallel.in_natural_order(self.cfg.attn, lambda *xs: self._run(*xs, None), x_BLD, positions_BL,
+                                               segment_ids_BL)
+    return self._run(x_BLD, positions_BL, segment_ids_BL, cache)
+
+  def _run(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
+           cache: LinearState | None) -> jax.Array | tuple[jax.Array, LinearState]:
     la = self.cfg.linear_attn
     if cache is not None:  # a prefill (first position 0) starts afresh: a reused slot forgets its last request
       fresh_B = positions_BL[:, 0] == 0

@@ -38,7 +38,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.platform import sharding
-from MaxText.layers import attention_kernels, kv_cache, masks, sparse_attention
+from MaxText.layers import attention_kernels, context_parallel, kv_cache, masks, sparse_attention
 from MaxText.layers.attention import ATTENTION_KERNELS, layer_window_size, select_kernel
 from MaxText.layers import indexer
 from MaxText.layers.indexer import LightningIndexer
@@ -133,7 +133,11 @@ class MultiHeadLatentAttention(nnx.Module):
     if cache is not None:
       return self._decode(q_nope_BLNC, q_rope_BLNP, latent_BLR, k_rope_BL1P, positions_BL, layer_index, cache, index)
     if index is not None and not cfg.mla.indexer_warmup:
-      return self._sparse(q_nope_BLNC, q_rope_BLNP, latent_BLR, k_rope_BL1P, segment_ids_BL, index)
+      # In natural order even when the batch is load-balanced: the masks count positions by array
+      # index, and the top-k breaks ties between equal scores by it.
+      return context_parallel.in_natural_order(
+          cfg.attn, lambda *xs: self._sparse(*xs[:5], xs[5:]), q_nope_BLNC, q_rope_BLNP, latent_BLR, k_rope_BL1P,
+          segment_ids_BL, *index)
     kv_BLNX = self.wkv_b(latent_BLR)
     k_nope_BLNC = kv_BLNX[..., :cfg.mla.qk_nope_head_dim]
     v_BLNV = checkpoint_name(kv_BLNX[..., cfg.mla.qk_nope_head_dim:], "value_proj")
@@ -146,7 +150,7 @@ class MultiHeadLatentAttention(nnx.Module):
     out_BLNV = self.kernel(q_BLNH, k_BLNH, v_BLNV, segment_ids_BL, layer_window_size(cfg.attn, layer_index),
                            cfg.attn.attn_logits_soft_cap)[..., :width]
     if index is not None:  # the dense warm-up: the indexer learns the dense attention over every allowed key
-      allowed_BLS = masks.self_mask(segment_ids_BL)
+      allowed_BLS = context_parallel.sequence_self_mask(cfg.attn, segment_ids_BL)  # the batch may be load-balanced
       target_BLS = indexer.head_mean_probs(q_BLNH, k_BLNH, allowed_BLS, cfg.attn.attn_logits_soft_cap)
       self._sow_indexer_loss(*indexer.indexer_kl(target_BLS, indexer.index_scores(*index), allowed_BLS))
     return self.out(checkpoint_name(sharding.constrain(out_BLNV, _HEADS), "attention_out"))
