@@ -109,8 +109,12 @@ class GatedDeltaNet(nnx.Module):
     """Output [B, L, D]; with a decode `cache` (a LinearState), (output, the state after this call's tokens)."""
     del layer_index, image_blocks_BL  # the same on every layer; no image blocks in a text family
     if cache is None:  # training: the recurrence and conv must see the tokens in order, not load-balanced
-      return context_parallel.in_natural_order(self.cfg.attn, lambda *xs: self._run(*xs, None), x_BLD, positions_BL,
-                                               segment_ids_BL)
+      def run(x: jax.Array, positions: jax.Array, segments: jax.Array) -> jax.Array:
+        out = self._run(x, positions, segments, None)
+        assert not isinstance(out, tuple)  # no cache, no state
+        return out
+
+      return context_parallel.in_natural_order(self.cfg.attn, run, x_BLD, positions_BL, segment_ids_BL)
     return self._run(x_BLD, positions_BL, segment_ids_BL, cache)
 
   def _run(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,

@@ -135,9 +135,13 @@ class MultiHeadLatentAttention(nnx.Module):
     if index is not None and not cfg.mla.indexer_warmup:
       # In natural order even when the batch is load-balanced: the masks count positions by array
       # index, and the top-k breaks ties between equal scores by it.
-      return context_parallel.in_natural_order(
-          cfg.attn, lambda *xs: self._sparse(*xs[:5], xs[5:]), q_nope_BLNC, q_rope_BLNP, latent_BLR, k_rope_BL1P,
-          segment_ids_BL, *index)
+      def sparse(q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, segments: jax.Array,
+                 *index_parts: jax.Array) -> jax.Array:
+        parts = tuple(index_parts)
+        return self._sparse(q_nope, q_rope, latent, k_rope, segments, (parts[0], parts[1], parts[2]))
+
+      return context_parallel.in_natural_order(cfg.attn, sparse, q_nope_BLNC, q_rope_BLNP, latent_BLR, k_rope_BL1P,
+                                               segment_ids_BL, *index)
     kv_BLNX = self.wkv_b(latent_BLR)
     k_nope_BLNC = kv_BLNX[..., :cfg.mla.qk_nope_head_dim]
     v_BLNV = checkpoint_name(kv_BLNX[..., cfg.mla.qk_nope_head_dim:], "value_proj")
