@@ -4,6 +4,7 @@ the engine's process (serve.py) and each HTTP front-end process (serve_frontend.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Callable
 
 from MaxText.errors import ConfigError, UserError
@@ -39,11 +40,16 @@ def build(spec: CodecSpec, chat_images: ImageChat | None = None) -> tuple[api.Co
                     f"vocab_size is {spec.vocab_size}: this tokenizer does not belong to this checkpoint")
   encode = DocumentEncoder(tokenizer, spec.add_bos, add_eos=False)
   chat_tokenizer: list[Any] = []
+  # The first chats arrive together on worker threads (asyncio.to_thread): built once, by one of them. transformers'
+  # lazy module is not thread-safe (a concurrent first build failed with "module 'transformers' has no attribute
+  # 'PreTrainedTokenizerFast'", a 500); grammars() builds under it too, and calls template_tokenizer.
+  building = threading.RLock()
 
   def template_tokenizer() -> Any:
     try:
-      if not chat_tokenizer:
-        chat_tokenizer.append(chat_lib.load_chat_tokenizer(spec.tokenizer_path, needs="/v1/chat/completions"))
+      with building:
+        if not chat_tokenizer:
+          chat_tokenizer.append(chat_lib.load_chat_tokenizer(spec.tokenizer_path, needs="/v1/chat/completions"))
     except ConfigError as e:
       raise api.ApiError(400, str(e)) from None
     return chat_tokenizer[0]
@@ -90,13 +96,14 @@ def build(spec: CodecSpec, chat_images: ImageChat | None = None) -> tuple[api.Co
 
   def grammars() -> grammar.Compiler:
     """Built at the first constrained request: it reads the whole vocabulary."""
-    if not compilers:
-      try:
-        eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
-        compilers.append(grammar.Compiler(template_tokenizer(), spec.vocab_size, eos))
-      except ValueError as e:  # llguidance reads Hugging Face fast tokenizers only
-        raise api.ApiError(400, f"response_format and forced tool calls need a Hugging Face fast tokenizer: {e}",
-                           "response_format", "unsupported_parameter") from None
+    with building:
+      if not compilers:
+        try:
+          eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+          compilers.append(grammar.Compiler(template_tokenizer(), spec.vocab_size, eos))
+        except ValueError as e:  # llguidance reads Hugging Face fast tokenizers only
+          raise api.ApiError(400, f"response_format and forced tool calls need a Hugging Face fast tokenizer: {e}",
+                             "response_format", "unsupported_parameter") from None
     return compilers[0]
 
   def tool_format() -> str:
