@@ -28,7 +28,7 @@ from MaxText import json_text, startup
 from MaxText.paths import storage
 from MaxText.configuration import tool_args
 from MaxText.errors import UserError, run_cli
-from MaxText.input_pipeline.files import COMPRESSIONS, expand_files, open_plain, utf16_problem
+from MaxText.input_pipeline.files import expand_files, format_suffix, open_plain, utf16_problem
 
 # Formats training reads that are not lines of text: refused by name rather than trained on as bytes.
 _NOT_TEXT = (".parquet", ".arrow", ".array_record", ".zst", ".zstd", ".lz4", ".tar", ".zip")
@@ -54,16 +54,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
   return args
 
 
-def _format_suffix(path: str) -> str:
-  """`.jsonl` of corpus.jsonl.gz: the suffix under a compression one."""
-  base = storage.name(path).lower()
-  if base.endswith(tuple(COMPRESSIONS)):
-    base = base.rsplit(".", 1)[0]
-  return "." + base.rsplit(".", 1)[-1] if "." in base else ""
-
-
 def _check_readable(path: str) -> None:
-  suffix = _format_suffix(path)
+  suffix = format_suffix(path)
   if suffix in _NOT_TEXT or storage.name(path).lower().endswith(_NOT_TEXT):
     raise UserError(f"data_files: {path} is not a text file this tool reads (.txt, .json, .jsonl, optionally .gz, .bz2 "
                     "or .xz); export its text to .txt or .jsonl first")
@@ -112,7 +104,7 @@ def iterate_lines(paths: list[str], text_column: str, max_lines: int) -> Iterato
   count, json_records, with_column = 0, 0, 0
   for path in paths:
     _check_readable(path)
-    is_json = _format_suffix(path) in (".json", ".jsonl")
+    is_json = format_suffix(path) in (".json", ".jsonl")
     lines = _json_array_texts(path, text_column) if is_json else None
     if lines is None:
       lines = ((n, _json_text(path, n, line, text_column) if is_json else line)

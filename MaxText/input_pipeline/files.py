@@ -45,6 +45,15 @@ def compression(path: str) -> str | None:
   return next((kind for suffix, kind in COMPRESSIONS.items() if base.endswith(suffix)), None)
 
 
+def format_suffix(path: str) -> str:
+  """A file's format suffix, lower case: `.jsonl` of train.jsonl.gz (the one under a compression suffix); ""
+  without one."""
+  base = storage.name(path).lower()
+  if compression(path) is not None:
+    base = base.rsplit(".", 1)[0]
+  return "." + base.rsplit(".", 1)[1] if "." in base.lstrip(".") else ""
+
+
 def open_plain(path: str) -> IO[bytes]:
   """A binary file object of `path`'s content, decompressed when its name says it is compressed."""
   raw = storage.open_file(path, "rb")

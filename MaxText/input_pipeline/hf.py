@@ -32,14 +32,6 @@ def _offline_datasets() -> Any:
   return datasets
 
 
-def _suffix(path: str) -> str:
-  """The format suffix of a file's name: `.jsonl` of train.jsonl.gz (datasets decompresses it)."""
-  base = storage.name(path)
-  if data_files_lib.compression(path) is not None:
-    base = base.rsplit(".", 1)[0]
-  return "." + base.rsplit(".", 1)[1].lower() if "." in base.lstrip(".") else ""
-
-
 @contextlib.contextmanager
 def _remote_files_allowed(datasets: Any, builder: str, files: list[str]) -> Iterator[None]:
   """Offline mode also blocks fsspec URLs; lift it while a packaged builder (which never looks at
@@ -199,11 +191,11 @@ def _builder_for(hf_path: str, files: list[str]) -> str:
                         f"with gzip, bz2 or xz ({', '.join(data_files_lib.COMPRESSIONS)})")
   if hf_path:
     return hf_path
-  suffixes = {_suffix(f) for f in files}
+  suffixes = {data_files_lib.format_suffix(f) for f in files}
   builders = {_BUILDER_BY_SUFFIX.get(s) for s in suffixes}
   if len(builders) > 1 and None not in builders:  # one table is read from every file: one format
-    examples = ", ".join(f"{next(f for f in files if _BUILDER_BY_SUFFIX.get(_suffix(f)) == b)} is {b}"
-                         for b in sorted(b for b in builders if b))
+    builder_of = {f: _BUILDER_BY_SUFFIX.get(data_files_lib.format_suffix(f)) for f in files}
+    examples = ", ".join(f"{next(f for f in files if builder_of[f] == b)} is {b}" for b in sorted(b for b in builders if b))
     raise ConfigError(f"the hf data files mix formats ({examples}); datasets reads one format per key: convert them "
                       "to one format, or make each format a source of data_mixture")
   if len(builders) != 1 or None in builders:
