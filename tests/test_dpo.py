@@ -216,6 +216,11 @@ def test_a_pair_whose_sides_are_the_same_tokens_is_dropped_and_counted(tokenizer
     ({"prompt": [{"role": "user", "content": "to be"}], "chosen": [{"role": "assistant", "content": "or not"}, "and"],
       "rejected": [{"role": "assistant", "content": "not or"}]}, UserError,
      "dpo field 'chosen' must be a list of {'role': ..., 'content': ...} messages, got"),
+    # Were the chat template's own error ("TypeError: unsupported operand type(s) for +: 'int' and 'str'").
+    ({"prompt": [{"role": "user", "content": "to be"}], "chosen": [{"role": "assistant", "content": 5}],
+      "rejected": [{"role": "assistant", "content": "not or"}]}, UserError,
+     "dpo field 'chosen': message 0 (role 'assistant'): its content is 5, a number; give it a string, or a list of "
+     "content parts"),
 ])
 def test_bad_records_are_named(tokenizer_dir, record, error, message):
   with pytest.raises(error, match=None) as raised:

@@ -185,9 +185,11 @@ def test_message_prompts_without_a_chat_template_are_one_error(tiny_overrides, t
 
 
 @pytest.mark.parametrize("prompt, template, problem", [
-    ([{"role": "user", "content": None}], None, "the prompt's messages: UndefinedError"),  # (datasets drops None)
+    # Content parts, which this template adds to a string (null content is refused before the template: test_sft_data)
+    ([{"role": "user", "content": [{"type": "text", "text": "the quick fox"}]}], None,
+     "the prompt's messages: TypeError"),
     ("the quick fox", "{{ raise_exception('no system turn') }}", "TemplateError: no system turn"),
-], ids=["content-none", "template-raises"])
+], ids=["content-parts", "template-raises"])
 def test_a_prompt_the_chat_template_fails_on_is_one_error_naming_the_record(tiny_overrides, tmp_path, prompt,
                                                                              template, problem):
   """Was: the template's TypeError / TemplateError as a traceback (SFT's records already said it in one line)."""
@@ -197,6 +199,16 @@ def test_a_prompt_the_chat_template_fails_on_is_one_error_naming_the_record(tiny
   message = str(error.value)
   assert message.startswith(f"prompt record {len(records) - 1} of ") and "the chat template cannot render" in message \
       and problem in message and "\n" not in message, message
+
+
+def test_a_prompt_message_whose_content_is_not_text_is_named_as_a_grpo_field(tiny_overrides, tmp_path):
+  """Was: named as an "sft field" (the check is shared with SFT and DPO)."""
+  records = [{"prompt": "the lazy dog"}, {"prompt": [{"role": "user", "content": 7}]}]
+  with pytest.raises(UserError) as error:
+    _prompt_set(tiny_overrides, tmp_path, records, without_markers(CHATML))
+  message = str(error.value)
+  assert message.startswith("prompt record 1 of ") and "grpo field 'prompt': message 0 (role 'user'): its content is 7" \
+      in message and "\n" not in message, message
 
 
 @pytest.mark.parametrize("column", ["completions", "prompts", "completion_ids"])

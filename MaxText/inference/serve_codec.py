@@ -40,9 +40,9 @@ def build(spec: CodecSpec, chat_images: ImageChat | None = None) -> tuple[api.Co
                     f"vocab_size is {spec.vocab_size}: this tokenizer does not belong to this checkpoint")
   encode = DocumentEncoder(tokenizer, spec.add_bos, add_eos=False)
   chat_tokenizer: list[Any] = []
-  # The first chats arrive together on worker threads (asyncio.to_thread): built once, by one of them. transformers'
-  # lazy module is not thread-safe (a concurrent first build failed with "module 'transformers' has no attribute
-  # 'PreTrainedTokenizerFast'", a 500); grammars() builds under it too, and calls template_tokenizer.
+  # The first chats arrive together on worker threads (asyncio.to_thread): the chat tokenizer and the grammar compiler
+  # (each reads the whole vocabulary) are built once, by one of them, while the others wait. (load_chat_tokenizer is
+  # itself safe on several threads.) grammars() builds under it too, and calls template_tokenizer.
   building = threading.RLock()
 
   def template_tokenizer() -> Any:

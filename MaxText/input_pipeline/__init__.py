@@ -80,8 +80,9 @@ def check_sources(cfg: DataConfig) -> None:
                       f"{cfg.vocab_size}; set vocab_size >= {vocab}")
 
 
-def open_records(cfg: DataConfig, train: bool) -> tuple[Sequence[Any], str]:
-  """The random-access records of the train or eval split and a description of them."""
+def open_records(cfg: DataConfig, train: bool, text_column: str | None = None) -> tuple[Sequence[Any], str]:
+  """The random-access records of the train or eval split and a description of them; `text_column`: the column
+  read as text (None: records are read whole)."""
   split = cfg.train_split if train else cfg.eval_split
   if cfg.dataset_type == "tfds":
     from MaxText.input_pipeline import tfds
@@ -91,7 +92,7 @@ def open_records(cfg: DataConfig, train: bool) -> tuple[Sequence[Any], str]:
     from MaxText.input_pipeline import hf
 
     files, key = (cfg.hf_data_files, "hf_data_files") if train else (cfg.hf_eval_files, "hf_eval_files")
-    return hf.open_split(cfg.hf_path, files, split, key)
+    return hf.open_split(cfg.hf_path, files, split, key, text_column)
   from MaxText.input_pipeline import grain
 
   return grain.open_files(*(("grain_train_files", cfg.grain_train_files) if train
@@ -166,7 +167,7 @@ def _open_sources(cfg: DataConfig, shards: Sequence[pipeline.HostShard], encoder
       opened.append((mixture.OpenedSource(name, stream.read_from, 1 << 16, describe),
                      functools.partial(streaming.describe_position, stream=stream)))
     return opened
-  source, describe = open_records(cfg, train)
+  source, describe = open_records(cfg, train, column)
   locate = _record_locator(cfg, train)
   for shard in shards:
     dataset = pipeline.document_dataset(source, shard, encoder, column, seed, repeat=train,

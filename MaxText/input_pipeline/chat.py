@@ -40,6 +40,11 @@ PAIR_FIELDS = ("prompt", "completion")
 Rewrite = Callable[[str, list[tuple[int, int]]], tuple[str, list[tuple[int, int]]]]
 
 
+# transformers' lazy module is not thread-safe: threads resolving its first attributes together (a server's
+# first chats) saw "module 'transformers' has no attribute 'PreTrainedTokenizerFast'". Imported and built under it.
+_TRANSFORMERS_LOCK = threading.Lock()
+
+
 def _transformers() -> Any:
   try:
     import transformers
@@ -244,7 +249,8 @@ def load_chat_tokenizer(tokenizer_path: str, require_template: bool = True,
   """A transformers fast tokenizer with its chat template, from a (local or gs://) directory holding
   tokenizer.json and tokenizer_config.json. Without `require_template` a tokenizer with no template
   loads too (its chat_template is None): plain-text records do not need one."""
-  transformers = _transformers()
+  with _TRANSFORMERS_LOCK:  # its import too: another thread may read the lazy module before it is whole
+    transformers = _transformers()
   directory = tokenizer_path if storage.is_dir(tokenizer_path) else storage.parent(tokenizer_path)
   config_file = storage.join(directory, "tokenizer_config.json")
   config = read_tokenizer_config(config_file)
@@ -257,9 +263,10 @@ def load_chat_tokenizer(tokenizer_path: str, require_template: bool = True,
   if not storage.is_file(tokenizer_file):
     raise ConfigError(f"{needs} needs a Hugging Face tokenizer directory; {tokenizer_file} does not exist")
   special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
-  tokenizer = transformers.PreTrainedTokenizerFast(
-      tokenizer_object=Tokenizer.from_str(storage.read_text(tokenizer_file)),
-      **{name: value for name, value in special.items() if value})
+  backend = Tokenizer.from_str(storage.read_text(tokenizer_file))
+  with _TRANSFORMERS_LOCK:
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, **{name: value for name, value in special.items() if value})
   tokenizer.chat_template = template
   return tokenizer
 
@@ -438,7 +445,25 @@ def as_messages(value: object, field: str, what: str = "sft") -> list[dict[str, 
                                             for m in value):
     raise UserError(f"{what} field {field!r} must be a list of {{'role': ..., 'content': ...}} messages, got "
                     f"{str(value)[:80]!r}")
+  for i, m in enumerate(value):  # else the template's own error ("unsupported operand type(s) for +: 'int'...")
+    role, content = m["role"], m["content"]
+    if not isinstance(role, str):
+      raise UserError(f"{what} field {field!r}: message {i}: its role is {_json_kind(role)}; give each message a role "
+                      "string (user, assistant, system, tool)")
+    # Null content is an assistant turn's that only calls tools (a table reader gives a missing one as null too).
+    if not (isinstance(content, (str, list)) or content is None and role == "assistant" and m.get("tool_calls")):
+      raise UserError(f"{what} field {field!r}: message {i} (role {role!r}): its content is {_json_kind(content)}; "
+                      "give it a string, or a list of content parts ([{\"type\": \"text\", \"text\": ...}]); null is for an "
+                      "assistant turn with tool_calls only")
   return [dict(m) for m in value]
+
+
+def _json_kind(value: object) -> str:
+  if value is None:
+    return "null"
+  if isinstance(value, (bool, int, float)):
+    return f"{json.dumps(value)}, a {'boolean' if isinstance(value, bool) else 'number'}"
+  return "an object" if isinstance(value, Mapping) else f"a {type(value).__name__}"
 
 
 def _overlaps(offset: tuple[int, int], spans: list[tuple[int, int]]) -> bool:

@@ -106,8 +106,8 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 def _refuse_lone_surrogates_in_arrays(files_key: str, files: list[str]) -> None:
   """datasets reads a file of one JSON array with a parser that drops an unpaired surrogate escape
   ("a \\ud800 b" becomes "a  b") where the JSON-lines reader refuses it: such a record is named
-  first. Such files are parsed whole by datasets anyway; only those holding a surrogate escape are
-  parsed here."""
+  first. Called only when datasets is about to parse the files (whole, as it does these); only those
+  holding a surrogate escape are parsed here."""
   from MaxText.input_pipeline import json_records
 
   for path in files:
@@ -118,6 +118,38 @@ def _refuse_lone_surrogates_in_arrays(files_key: str, files: list[str]) -> None:
     problem = json_records.first_problem(path)
     if problem is not None:
       raise ConfigError(f"{files_key}: {path} {problem}; fix or remove that record")
+
+
+def _refuse_a_text_column_not_text(files_key: str, files: list[str], builder: str, column: str) -> None:
+  """datasets types the table by the first file's first chunk and casts the rest to it: a text column of numbers
+  (booleans, objects) in a file read after string ones trained as their spelling ("1"); read before them it was a
+  cast error. A parquet file's type is read from its footer, a JSON-lines file's from its first record (a later
+  record's is refused when it is read, unless datasets cast it: in a 10 MB chunk after the first)."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  from MaxText.input_pipeline import json_records
+
+  for path in files:
+    if builder == "parquet":
+      try:
+        with storage.open_file(path, "rb") as f:
+          schema = pq.read_schema(f)
+      except (pa.ArrowException, OSError):
+        continue  # not readable: named when datasets fails on it
+      kind = schema.field(column).type if column in schema.names else None
+      if kind is not None and not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)
+                                   or pa.types.is_binary(kind) or pa.types.is_large_binary(kind)):
+        raise ConfigError(f"{files_key}: {path}: column {column!r} is {kind} in this parquet file, not text (string); "
+                          f"store it as strings, or name the text column in train_data_columns")
+    elif builder == "json":
+      first = json_records.first_line_record(path)
+      if first is not None and isinstance(first[1], dict) and first[1].get(column) is not None \
+          and not isinstance(first[1][column], str):
+        from MaxText.input_pipeline.pipeline import json_kind
+
+        raise ConfigError(f"{files_key}: {path} line {first[0]}: column {column!r} is {json_kind(first[1][column])}, "
+                          "not text; fix or remove that record")
 
 
 def _bad_parquet(files: list[str]) -> str | None:
@@ -206,8 +238,10 @@ def _builder_for(hf_path: str, files: list[str]) -> str:
   return builder
 
 
-def open_split(hf_path: str, data_files: str, split: str, files_key: str) -> tuple[Any, str]:
-  """(random-access datasets.Dataset, description) of one split."""
+def open_split(hf_path: str, data_files: str, split: str, files_key: str, text_column: str | None = None
+               ) -> tuple[Any, str]:
+  """(random-access datasets.Dataset, description) of one split; `text_column`: the column read as the text, which
+  must be text in every file."""
   datasets = _offline_datasets()
   try:
     if data_files:
@@ -218,10 +252,17 @@ def open_split(hf_path: str, data_files: str, split: str, files_key: str) -> tup
       options = {"encoding": "utf-8-sig"} if builder == "text" else {}
       if builder == "json":
         _refuse_a_leading_null(files_key, files)
-        _refuse_lone_surrogates_in_arrays(files_key, files)
+      if text_column is not None:
+        _refuse_a_text_column_not_text(files_key, files, builder, text_column)
       with _remote_files_allowed(datasets, builder, files), _quiet_loaders():
         try:
-          dataset = datasets.load_dataset(builder, data_files={split: files}, split=split, **options)
+          # load_dataset's own three steps: a JSON array file is read whole for its check only when datasets is about
+          # to parse it, not at every start once datasets' cache holds it (its info then has the splits).
+          loader = datasets.load_dataset_builder(builder, data_files={split: files}, **options)
+          if builder == "json" and loader.info.splits is None:
+            _refuse_lone_surrogates_in_arrays(files_key, files)
+          loader.download_and_prepare()
+          dataset = loader.as_dataset(split=split)
         except (datasets.exceptions.DatasetGenerationError, StopIteration, ValueError) as e:
           # datasets fails on files with no records in its own ways (StopIteration from the JSON
           # builder, "corresponds to no data", a parquet reader's batch size of 0): they are an empty

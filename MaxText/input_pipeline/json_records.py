@@ -1,7 +1,7 @@
 """Where a JSON / JSONL record lives in the user's files, for error messages only: the first line
 `datasets` could not parse, and the file and line of the n-th record. Never on the happy path:
 the files are read again here only after something failed (but for the look at each file's first
-record that first_record_is_null takes).
+record that first_record_is_null and first_line_record take).
 
 A file whose first character is `[` holds one JSON array of records (as `datasets` reads a .json
 file); any other holds one record per non-blank line (blank lines are skipped, as `datasets` does).
@@ -49,6 +49,19 @@ def _lines(path: str) -> Iterator[tuple[int, bytes]]:
     for number, line in enumerate(f, 1):
       if line.strip():
         yield number, line
+
+
+def first_line_record(path: str) -> tuple[int, object] | None:
+  """(line number, value) of the first record of a JSON-lines file; None for a file of one array, one with no
+  records, or a first line that is not JSON (named where datasets fails on it)."""
+  if starts_with_array(path):
+    return None
+  for number, line in _lines(path):
+    try:
+      return number, json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+      return None
+  return None
 
 
 def first_problem(path: str) -> str | None:

@@ -34,7 +34,7 @@ def encode_prompt(tokenizer: chat.ChatTokenizer, value: object, add_bos: bool, t
   generation prompt; a string as one user turn when the tokenizer has a template, else as plain
   text (with the tokenizer's bos when add_bos)."""
   if isinstance(value, list):
-    messages = chat.as_messages(value, "prompt")
+    messages = chat.as_messages(value, "prompt", "grpo")
     if not tokenizer.chat_template:
       raise chat.no_template(tokenizer_path, "objective=grpo with message-list prompts (or give prompts as plain strings)")
     guard = chat.ContentGuard(tokenizer, messages)  # a typed "<|im_end|>" stays text

@@ -91,6 +91,16 @@ def test_a_lone_surrogate_escape_is_named_by_file_and_record(tmp_path, content, 
       "without its pair), which is not text; fix or remove that record")
 
 
+def test_a_json_array_file_is_read_whole_for_its_check_only_when_datasets_parses_it(tmp_path, monkeypatch):
+  """The lone-surrogate check read every JSON array file whole at every start, also once datasets' cache held it."""
+  (tmp_path / "a.json").write_text('[{"text": "\\ud83d\\ude00 paired"}, {"text": "b"}]')
+  read: list[str] = []
+  read_plain = hf.data_files_lib.read_plain
+  monkeypatch.setattr(hf.data_files_lib, "read_plain", lambda path: read.append(path) or read_plain(path))
+  assert _open(tmp_path / "a.json") == ["\U0001f600 paired", "b"] and read == [str(tmp_path / "a.json")]
+  assert _open(tmp_path / "a.json") == ["\U0001f600 paired", "b"] and len(read) == 1  # from datasets' cache
+
+
 def test_a_raw_control_character_in_json_is_worded_once(tmp_path):
   """Was: 'not valid JSON (Invalid control character at at column 13)'."""
   (tmp_path / "a.jsonl").write_bytes(b'{"text": "he\x01llo"}\n')
@@ -148,6 +158,43 @@ def test_a_missing_field_is_named_as_possibly_missing(tmp_path):
   source, _ = hf.open_split("", str(tmp_path / "a.jsonl"), "train", "hf_data_files")
   with pytest.raises(UserError, match=r"^column 'text' is null or missing, not text; fix or remove that record$"):
     pipeline.record_text(source[1], "text")
+
+
+def _write_texts(path, values: list) -> None:
+  import json
+
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  if path.suffix == ".parquet":
+    pq.write_table(pa.table({"text": values, "id": list(range(len(values)))}), str(path))
+  else:
+    path.write_text("".join(json.dumps({"text": v, "id": i}) + "\n" for i, v in enumerate(values)))
+
+
+@pytest.mark.parametrize("suffix, problem", [
+    (".parquet", "column 'text' is int64 in this parquet file, not text (string); store it as strings, or name the "
+                 "text column in train_data_columns"),
+    (".jsonl", "line 1: column 'text' is a JSON number, not text; fix or remove that record"),
+], ids=["parquet", "jsonl"])
+@pytest.mark.parametrize("numbers_first", [False, True], ids=["strings-first", "numbers-first"])
+def test_a_file_whose_text_column_is_numbers_is_named_not_cast(spm_model, tmp_path, suffix, problem, numbers_first):
+  """datasets types the table by the first file and casts the others to it: the numbers were trained as "1", "2"
+  after a file of strings, and before one the line was "datasets cannot read them as ... (ArrowInvalid: Failed to
+  parse string: 'to be' as a scalar of type int64)". Other columns may differ (the id column is int in both)."""
+  from MaxText.configuration.config import Config
+  from MaxText.input_pipeline import create_data_iterator
+  from MaxText.platform import sharding
+
+  numbers = tmp_path / f"{'a' if numbers_first else 'b'}{suffix}"
+  _write_texts(tmp_path / f"{'b' if numbers_first else 'a'}{suffix}", ["to be or not", "that is the question"])
+  _write_texts(numbers, [1, 2, 3])
+  config = Config.for_testing(dataset_type="hf", hf_data_files=str(tmp_path / f"*{suffix}"), tokenizer_path=spm_model,
+                              vocab_size=512, max_target_length=32, per_device_batch_size=1, print_config=False,
+                              enable_data_shuffling=False, data_prefetch_batches=0)
+  with pytest.raises(ConfigError) as raised:
+    next(create_data_iterator(config, sharding.create_mesh(config.mesh)))
+  assert str(raised.value) == f"hf_data_files: {numbers}{':' if suffix == '.parquet' else ''} {problem}"
 
 
 def test_what_trains_from_a_gzipped_bom_crlf_file_is_its_text(spm_model, tmp_path):

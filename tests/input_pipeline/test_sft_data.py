@@ -130,6 +130,32 @@ def test_a_tokenizer_without_a_chat_template_is_refused(tmp_path):
     chat.load_chat_tokenizer(str(directory))
 
 
+def test_chat_tokenizers_built_on_many_threads_at_once_all_load(tmp_path):
+  """transformers' lazy module is not thread-safe: threads building the first chat tokenizers of a process
+  together failed with "module 'transformers' has no attribute 'PreTrainedTokenizerFast'" (in about 5 processes of
+  6). Each try in a fresh process, so that transformers is not imported yet."""
+  import subprocess
+  import sys
+  from pathlib import Path
+
+  directory = write_tokenizer(tmp_path / "tok", without_markers(TEMPLATES["chatml"]))
+  code = ("import sys, threading\nassert 'transformers' not in sys.modules\n"
+          "from MaxText.input_pipeline import chat\n"
+          "start, failed = threading.Barrier(32), []\n"
+          "def build():\n  start.wait(60)\n  try:\n"
+          "    chat.chat_prompt_ids(chat.load_chat_tokenizer(sys.argv[1]), 'to be')\n"
+          "  except Exception as e:\n    failed.append(repr(e))\n"
+          "threads = [threading.Thread(target=build) for _ in range(32)]\n"
+          "for t in threads: t.start()\n"
+          "for t in threads: t.join()\n"
+          "print(failed)\n")
+  for _ in range(3):
+    proc = subprocess.run([sys.executable, "-c", code, str(directory)], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
 def test_a_template_that_rewrites_history_is_refused(tmp_path):
   # Renders earlier assistant turns differently once a later turn exists (as reasoning templates do).
   rewriting = ("{%- for message in messages %}{{ message['role'] + ': ' }}"
@@ -190,6 +216,45 @@ def test_a_malformed_json_line_names_file_and_line(tmp_path, lines, problem, cap
   message = str(raised.value)
   assert message == f"hf_data_files: {tmp_path / name} {problem}; fix or remove that record", message
   assert "Failed to load JSON" not in capfd.readouterr().err  # datasets' own log lines are not repeated
+
+
+@pytest.mark.parametrize("message, problem", [
+    ({"role": "user", "content": None}, "message 0 (role 'user'): its content is null"),
+    ({"role": "user", "content": 7}, "message 0 (role 'user'): its content is 7, a number"),
+    ({"role": "user", "content": True}, "message 0 (role 'user'): its content is true, a boolean"),
+    ({"role": "user", "content": {"text": "to be"}}, "message 0 (role 'user'): its content is an object"),
+    ({"role": 3, "content": "to be"}, "message 0: its role is 3, a number; give each message a role string"),
+], ids=["null", "number", "boolean", "object", "numeric-role"])
+def test_a_message_whose_content_is_not_text_is_named_by_file_line_index_and_role(tmp_path, message, problem):
+  """Was the chat template's own error ("TypeError: unsupported operand type(s) for +: 'int' and 'str'", or for null
+  "'dict object' has no attribute 'content'"), which does not say what to change."""
+  record = {"messages": [message, {"role": "assistant", "content": "or not"}]}
+  with pytest.raises(UserError) as raised:
+    first_batch(tmp_path, [json.dumps(GOOD), json.dumps(record)])
+  message_text = str(raised.value)
+  assert message_text.startswith(f"{tmp_path / 'train.jsonl'} line 2: sft field 'messages': {problem}"), message_text
+  if "content" in problem:
+    assert message_text.endswith("give it a string, or a list of content parts ([{\"type\": \"text\", \"text\": ...}]); "
+                                 "null is for an assistant turn with tool_calls only"), message_text
+  assert "\n" not in message_text
+
+
+def test_an_assistant_turn_that_only_calls_tools_may_have_null_content(tmp_path):
+  tools = ("{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+           "{%- if message.content %}{{ message.content }}{% endif %}"
+           "{%- for call in message.tool_calls or [] %}{{ call.function.name }}{%- endfor %}"
+           "{{ '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+  directory = write_tokenizer(tmp_path / "tok", tools)
+  encode = chat.SftEncoder(chat.load_chat_tokenizer(str(directory)), 512, True, True, True)
+  call = {"type": "function", "function": {"name": "question", "arguments": {}}}
+  tokens, weights = encode({"messages": [{"role": "user", "content": "to be"},
+                                         {"role": "assistant", "content": None, "tool_calls": [call]},
+                                         {"role": "tool", "content": "or not"},
+                                         {"role": "assistant", "content": "that is"}]})
+  assert "question" in encode.tokenizer.decode(tokens[weights != 0].tolist(), skip_special_tokens=True)
+  for message in ({"role": "assistant", "content": None}, {"role": "tool", "content": None, "tool_calls": [call]}):
+    with pytest.raises(UserError, match="its content is null"):
+      encode({"messages": [{"role": "user", "content": "to be"}, message]})
 
 
 def test_every_sample_too_long_names_the_max_target_length_that_keeps_one(tmp_path):
