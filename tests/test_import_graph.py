@@ -15,7 +15,6 @@ FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
     ("MaxText.input_pipeline", "MaxText.input_pipeline.teacher_top_k"): "read only when distill_top_k_path is set",
     ("MaxText.input_pipeline", "MaxText.paths.storage"): "the package's import stays free of etils for the readers",
     ("MaxText.input_pipeline", "MaxText.errors"): "imported with the readers it serves",
-    ("MaxText.input_pipeline.hf", "MaxText.input_pipeline.json_records"): "read only after a failed JSON parse",
     ("MaxText.input_pipeline.prepare_data", "MaxText.input_pipeline.tfds_builder"): "tensorflow-datasets' builder, "
     "only for the tfds preparation",
     ("MaxText.decode", "MaxText.input_pipeline.chat"): "the chat template's tokenizer stack, only for chat prompts",

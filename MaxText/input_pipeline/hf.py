@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator
 from MaxText.paths import storage
 from MaxText.errors import ConfigError, quiet_logger
 from MaxText.input_pipeline import files as data_files_lib
+from MaxText.input_pipeline import json_records
 from MaxText.input_pipeline.files import expand_files
 
 _BUILDER_BY_SUFFIX = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv",
@@ -92,8 +93,6 @@ def _no_records(path: str, builder: str) -> bool:
 def _refuse_a_leading_null(files_key: str, files: list[str]) -> None:
   """pyarrow's JSON reader (under datasets) ends the process with a segmentation fault when the first
   value it reads is null: a file whose first record is `null` is refused before datasets opens it."""
-  from MaxText.input_pipeline import json_records
-
   for path in files:
     if json_records.first_record_is_null(path):
       problem = json_records.first_problem(path) or "starts with a JSON null, not an object"
@@ -108,8 +107,6 @@ def _refuse_lone_surrogates_in_arrays(files_key: str, files: list[str]) -> None:
   ("a \\ud800 b" becomes "a  b") where the JSON-lines reader refuses it: such a record is named
   first. Called only when datasets is about to parse the files (whole, as it does these); only those
   holding a surrogate escape are parsed here."""
-  from MaxText.input_pipeline import json_records
-
   for path in files:
     if not json_records.starts_with_array(path):
       continue
@@ -128,8 +125,6 @@ def _refuse_a_text_column_not_text(files_key: str, files: list[str], builder: st
   import pyarrow as pa
   import pyarrow.parquet as pq
 
-  from MaxText.input_pipeline import json_records
-
   for path in files:
     if builder == "parquet":
       try:
@@ -146,10 +141,9 @@ def _refuse_a_text_column_not_text(files_key: str, files: list[str], builder: st
       first = json_records.first_line_record(path)
       if first is not None and isinstance(first[1], dict) and first[1].get(column) is not None \
           and not isinstance(first[1][column], str):
-        from MaxText.input_pipeline.pipeline import json_kind
-
-        raise ConfigError(f"{files_key}: {path} line {first[0]}: column {column!r} is {json_kind(first[1][column])}, "
-                          "not text; fix or remove that record")
+        kind = json_records.json_kind(first[1][column])
+        raise ConfigError(f"{files_key}: {path} line {first[0]}: column {column!r} is {kind}, not text; fix or remove "
+                          "that record")
 
 
 def _bad_parquet(files: list[str]) -> str | None:
@@ -179,8 +173,6 @@ def _unreadable(files_key: str, data_files: str, builder: str, files: list[str],
       if problem is not None:
         return f"{files_key}: {problem}"
   if builder == "json":
-    from MaxText.input_pipeline import json_records
-
     for path in files:
       problem = json_records.first_problem(path)
       if problem is not None:
@@ -207,8 +199,6 @@ def record_locator(hf_path: str, files_key: str, data_files: str) -> Callable[[i
   def locate(index: int) -> str:
     files = expand_files(files_key, data_files)
     if _builder_for(hf_path, files) == "json":
-      from MaxText.input_pipeline import json_records
-
       found = json_records.locate(files, index)
       if found is not None:
         return found

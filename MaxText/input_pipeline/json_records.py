@@ -1,4 +1,4 @@
-"""Where a JSON / JSONL record lives in the user's files, for error messages only: the first line
+"""Where a JSON / JSONL record lives in the user's files, and what a value is, for error messages only: the first line
 `datasets` could not parse, and the file and line of the n-th record. Never on the happy path:
 the files are read again here only after something failed (but for the look at each file's first
 record that first_record_is_null and first_line_record take).
@@ -49,6 +49,14 @@ def _lines(path: str) -> Iterator[tuple[int, bytes]]:
     for number, line in enumerate(f, 1):
       if line.strip():
         yield number, line
+
+
+def json_kind(value: object) -> str:
+  """'null', 'a JSON number', ...: what a value that should have been text is, for error messages."""
+  if value is None:
+    return "null"
+  kinds = {bool: "boolean", int: "number", float: "number", list: "array", tuple: "array", dict: "object"}
+  return "a JSON " + next((name for kind, name in kinds.items() if isinstance(value, kind)), type(value).__name__)
 
 
 def first_line_record(path: str) -> tuple[int, object] | None:

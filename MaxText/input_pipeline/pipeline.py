@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding
 
 from MaxText.errors import ConfigError, UserError
 from MaxText import json_text
+from MaxText.input_pipeline.json_records import json_kind
 from MaxText.input_pipeline.packing import DocumentCursor, Position, pack_batch
 from MaxText.platform.sharding import for_rank
 
@@ -126,14 +127,6 @@ def _utf8(data: bytes, what: str) -> str:
   except UnicodeDecodeError as e:
     raise UserError(f"{what} holds bytes that are not UTF-8 text (byte {e.start + 1}: 0x{data[e.start]:02x}); save "
                     "it as UTF-8 or remove that record") from None
-
-
-def json_kind(value: object) -> str:
-  """'null', 'a JSON number', ...: what a value that should have been text is, for error messages."""
-  if value is None:
-    return "null"
-  kinds = {bool: "boolean", int: "number", float: "number", list: "array", tuple: "array", dict: "object"}
-  return "a JSON " + next((name for kind, name in kinds.items() if isinstance(value, kind)), type(value).__name__)
 
 
 class _Numbered:

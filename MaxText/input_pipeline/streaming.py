@@ -27,7 +27,8 @@ from MaxText.errors import ConfigError, UserError
 from MaxText import json_text
 from MaxText.input_pipeline.files import expand_files
 from MaxText.input_pipeline.packing import Located
-from MaxText.input_pipeline.pipeline import BOM, HostShard, Unreadable, json_kind, record_text
+from MaxText.input_pipeline.json_records import json_kind
+from MaxText.input_pipeline.pipeline import BOM, HostShard, Unreadable, record_text
 from MaxText.paths import storage
 
 ROW_BITS = 32  # rows of one shard file must stay below 2**32
