@@ -9,8 +9,9 @@ the same command on the surviving slices with the overrides of `elastic_config.r
 slices, the same global batch through more gradient accumulation. The relaunched run resumes
 from its newest checkpoint, so its data position is the checkpoint's. When a lost slice is up
 again the supervisor sends SIGTERM (the run saves at the next step boundary, to its local tier
-when it has one, and exits) and relaunches on all slices. Every resize is one line and one record of `<run_dir>/elastic.jsonl`:
-cause, slices before and after, the step reached, the step resumed from, seconds to resume.
+when it has one, and exits) and relaunches on all slices. Processes that all stop at a SIGTERM it did
+not send (a preemption's) are relaunched on the slices up. Every resize is one line and one record
+of `<run_dir>/elastic.jsonl`: cause, slices before and after, the step reached, the step resumed from, seconds to resume.
 
 Launchers: `LoopbackLauncher` (CPU processes on 127.0.0.1 joined by jax.distributed, each slice
 a group of processes; a slice is "down" while its marker file exists) and `TpuVmLauncher`
@@ -32,6 +33,7 @@ No JAX backend here: the supervisor only builds the config (for the layout) and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -42,9 +44,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 from MaxText import multihost_runner, startup
 from MaxText.configuration import config as config_lib, elastic_config, tool_args
@@ -89,7 +92,8 @@ def metrics_text(run_dir: str | Path) -> str:
   """<run_dir>/metrics.jsonl as it reads now, local or gs:// ("" before the run writes it)."""
   path = storage.join(str(run_dir), "metrics.jsonl")
   storage.forget_listings(path)
-  return storage.read_text(path) if storage.exists(path) else ""
+  # Bytes that are not UTF-8 (a damaged disk) fail to parse as a step below, like a cut line.
+  return storage.read_bytes(path).decode("utf-8", errors="replace") if storage.exists(path) else ""
 
 
 def logged_step(run_dir: str | Path, stale: str | None = None) -> int:
@@ -98,15 +102,31 @@ def logged_step(run_dir: str | Path, stale: str | None = None) -> int:
   text = metrics_text(run_dir)
   if stale is not None and text == stale:
     return 0
-  steps = [json.loads(line).get("step", 0) for line in text.splitlines() if line.strip().startswith("{")]
-  return max(steps, default=0)
+  return max(_steps(text), default=0)
+
+
+def _steps(text: str) -> list[int]:
+  """The steps of the records in a metrics.jsonl text. A line that is no step record is skipped: the
+  line the run is appending now, or the one a killed process left cut short."""
+  steps = []
+  for line in text.splitlines():
+    try:
+      record = json.loads(line)
+    except ValueError:
+      continue
+    step = record.get("step") if isinstance(record, dict) else None
+    if isinstance(step, int) and not isinstance(step, bool):
+      steps.append(step)
+  return steps
 
 
 def checkpoint_step(run_dir: str | Path) -> int:
   """The newest whole step in <run_dir>/checkpoints (0: none)."""
   folder = storage.join(str(run_dir), "checkpoints")
   storage.forget_listings(folder)
-  steps = [int(name) for name in storage.listdir(folder) if name.isdigit()] if storage.is_dir(folder) else []
+  # ASCII digits only: str.isdigit also takes names such as "²", which int() refuses.
+  steps = [int(name) for name in storage.listdir(folder) if re.fullmatch(r"[0-9]+", name)] \
+      if storage.is_dir(folder) else []
   return max(steps, default=0)
 
 
@@ -122,12 +142,48 @@ class Supervisor:
     self.current: Generation | None = None
 
   def interrupt(self) -> None:
-    """Ends the running generation (Ctrl-C, the scheduler's SIGTERM): the run saves at its step boundary."""
+    """Ends the running generation (Ctrl-C, the scheduler's SIGTERM): the run saves at its step boundary.
+    A second Ctrl-C or SIGTERM meanwhile is answered with a line, not obeyed: leaving now would leave
+    the processes saving unsupervised (the stop is bounded: SIGKILL after the grace)."""
     if self.current is not None and self.current.running():
-      self._stop(self.current)
+      with self._interrupts_answered():
+        self._stop(self.current)
+
+  @contextlib.contextmanager
+  def _interrupts_answered(self) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():  # only the main thread handles signals
+      yield
+      return
+
+    def again(signum: int, frame: object) -> None:
+      self.log(f"elastic: already stopping: the running generation saves at its step boundary (SIGKILL after "
+               f"{self.stop_grace_s:.0f} s at most)")
+
+    previous = {s: signal.signal(s, again) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+      yield
+    finally:
+      for signum, handler in previous.items():
+        signal.signal(signum, handler)
 
   def run(self) -> int:
     """Runs the job to its end; returns its exit status (0: finished)."""
+    try:
+      return self._run()
+    except Exception:
+      # The supervisor cannot go on (a launcher's failed call, a bug): its processes must not train on
+      # unsupervised, so they are stopped at a step boundary, which saves, before the error is shown.
+      if self.current is not None:
+        try:
+          if self.current.running():
+            self.log("elastic: the supervisor stops on the error below; stopping the running generation first "
+                     "(it saves at its step boundary)")
+            self._stop(self.current)
+        except Exception as e:  # noqa: BLE001 - the original error is the one to show
+          self.log(f"warning: stopping the running generation failed too: {type(e).__name__}: {e}")
+      raise
+
+  def _run(self) -> int:
     slices = self._usable(self.launcher.available(), "at the start")
     pending: Resize | None = None
     began = time.time()
@@ -169,9 +225,13 @@ class Supervisor:
   def _usable(self, up: set[int], when: str) -> list[int]:
     count = elastic_config.usable_slices(self.layout, len(up))
     if count is None:
+      # Loopback slices are down while a file says so, which outlives this supervisor: name it.
+      markers: list[Path] = getattr(self.launcher, "down_markers", list)()
+      back = (f"delete {', '.join(map(str, markers))} to bring the slices back, then relaunch" if markers
+              else "relaunch when the slices are back")
       raise UserError(f"elastic: {len(up)} slice(s) up {when}, fewer than elastic_min_slices="
                       f"{self.layout.min_slices} can carry the global batch of {self.layout.global_batch_size}; "
-                      f"the run stops (its checkpoints are kept: relaunch when the slices are back)")
+                      f"the run stops (its checkpoints are kept: {back})")
     return sorted(up)[:count]
 
   def _watch(self, generation: Generation, slices: list[int], pending: Resize | None, stale: str
@@ -201,6 +261,11 @@ class Supervisor:
         self.lost.add(culprit.slice_id)
         return culprit.describe(), self.launcher.available(), seen
       if generation.running() == 0:
+        if exits and all(e.code == SIGTERM_EXIT for e in exits):
+          # Every process saved at a SIGTERM this supervisor did not send: a preemption's (JAX's
+          # preemption sync makes all of them stop at the same step). The job goes on on the slices up.
+          return ("the processes saved and stopped at a SIGTERM (a preemption)", self.launcher.available(),
+                  time.time())
         return next((e.code for e in exits if e.code != 0), 0)
       up = self.launcher.available() if len(slices) < self.layout.num_slices else set(slices)
       if len(up) > len(slices):
@@ -290,8 +355,12 @@ class LoopbackLauncher:
   def available(self) -> set[int]:
     return {s for s in range(self.num_slices) if not self.marker(s).exists()}
 
+  def down_markers(self) -> list[Path]:
+    return [self.marker(s) for s in range(self.num_slices) if self.marker(s).exists()]
+
   def mark_lost(self, slice_id: int) -> None:
-    self.marker(slice_id).write_text("lost\n")
+    if not self.marker(slice_id).exists():  # one already there (even a folder) says the same
+      self.marker(slice_id).write_text("lost\n")
 
   def start(self, slices: Sequence[int], overrides: Sequence[str], env: Mapping[str, str] | None = None
             ) -> _ProcessGeneration:
@@ -445,6 +514,7 @@ class ElasticArgs:
 
 
 TOOL_KEYS = tuple(f.name for f in dataclasses.fields(ElasticArgs))
+_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # a TPU VM's or a GKE cluster's name
 _QUEUED_ONLY = ("version", "cqr_extra_args", "setup_command")
 _TPU_ONLY = ("project", "zone", "script_dir", "use_existing_folder", "internal_ip", *_QUEUED_ONLY)
 _GKE_ONLY = ("docker_image",)
@@ -498,6 +568,31 @@ def _check_keys(args: ElasticArgs, on_tpu: bool, on_gke: bool) -> None:
   if on_gke and not args.docker_image:
     raise UserError("cluster needs docker_image=IMAGE: the image every pod runs, holding the code (see "
                     "getting_started/Run_on_GKE_XPK.md)")
+  # They name TPUs, node pools and labels: gcloud and Kubernetes refuse other names, which a run would
+  # only show as slices that never come up.
+  for key, names in (("tpu_prefix", "TPU_PREFIX-0, TPU_PREFIX-1, ..."), ("cluster", "CLUSTER-np-0, CLUSTER-np-1, ...")):
+    if getattr(args, key) and not _NAME.fullmatch(getattr(args, key)):
+      raise UserError(f"{key}={getattr(args, key)!r} must be lower-case letters, digits and '-', starting with a "
+                      f"letter and not ending with '-' (it names the slices: {names})")
+  if (on_tpu or on_gke) and not 1 <= args.megascale_port <= 65535:
+    raise UserError(f"megascale_port={args.megascale_port} is not a port: give one in 1..65535 (default 8080)")
+  try:
+    shlex.split(args.cqr_extra_args)
+  except ValueError as e:
+    raise UserError(f"cqr_extra_args={args.cqr_extra_args!r} cannot be split into flags ({e}): check its "
+                    "quotes") from None
+
+
+def _check_log_dir(log_dir: Path) -> None:
+  """One line when log_dir cannot hold the processes' logs (a file, a folder this user cannot write)."""
+  try:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    probe = log_dir / f".elastic_probe_{os.getpid()}"
+    probe.write_bytes(b"")
+    probe.unlink()
+  except OSError as e:
+    raise UserError(f"log_dir={log_dir} cannot hold the processes' logs ({e.strerror or e}): give log_dir= a "
+                    "folder this machine can write") from None
 
 
 def _gke_job(args: ElasticArgs, run_name: str, train: list[str]) -> gke_launch.GkeJob:
@@ -557,6 +652,9 @@ def main(argv: list[str]) -> int:
              "device(s) each")
     print(f"elastic: generation 1 runs on {where}: {tpu_launch.quote(train)} {first}")
     return 0
+  if not on_gke:  # GKE's logs stay with its pods
+    _check_log_dir(log_dir)
+  storage.makedirs(run_dir)  # before anything billed is asked for
   launcher: Launcher
   poll_s, queued = 0.5, None
   if on_gke:
@@ -573,7 +671,14 @@ def main(argv: list[str]) -> int:
       queued = QueuedSlices(gcloud, args.tpu_prefix, num_slices, args.tpu_type, args.version,
                             shlex.split(args.cqr_extra_args), lambda name: multihost_runner.copy_code(
                                 gcloud, [name], script_dir, run_name, log_dir, args.internal_ip, args.setup_command))
-      queued.request_all()
+      # The wait for capacity can be long: an interrupt or an error meanwhile still names what to delete.
+      with multihost_runner.sigterm_as_interrupt():
+        try:
+          queued.request_all()
+        except BaseException:
+          if queued.asked:
+            print(_delete_line(queued), file=sys.stderr, flush=True)
+          raise
       launcher, poll_s = QueuedResourceLauncher(launcher, queued), 5.0  # each look describes every slice
     elif not args.use_existing_folder:
       multihost_runner.copy_code(gcloud, names, script_dir, run_name, log_dir, args.internal_ip)
@@ -583,7 +688,6 @@ def main(argv: list[str]) -> int:
     launcher = LoopbackLauncher([sys.executable, *train[1:]], num_slices, args.processes_per_slice,
                                 args.devices_per_process, log_dir, loopback_env({"XLA_FLAGS": flags} if flags else None),
                                 log_dir)
-  storage.makedirs(run_dir)
   supervisor = Supervisor(layout, launcher, run_dir, poll_s=poll_s)
   supervisor.log(f"elastic: run {run_dir}, logs in {log_dir}")
   with multihost_runner.sigterm_as_interrupt():
@@ -595,7 +699,11 @@ def main(argv: list[str]) -> int:
       return 130
     finally:
       if queued is not None:
-        supervisor.log("elastic: the queued resources are billed until deleted: " + "; ".join(queued.delete_commands()))
+        supervisor.log(_delete_line(queued))
+
+
+def _delete_line(queued: QueuedSlices) -> str:
+  return "elastic: the queued resources are billed until deleted: " + "; ".join(queued.delete_commands())
 
 
 if __name__ == "__main__":

@@ -93,12 +93,17 @@ def describe_slice(gcloud: Gcloud, name: str, slice_id: int) -> list[Worker]:
     info = json.loads(gcloud.read(argv, f"describing TPU '{name}'"))
   except json.JSONDecodeError as e:
     raise UserError(f"could not read the description of TPU '{name}': {e}") from None
+  if not isinstance(info, dict):
+    raise UserError(f"could not read the description of TPU '{name}': gcloud printed {type(info).__name__}, "
+                    "not a JSON object")
   state = info.get("state", "UNKNOWN")
   if state != "READY":
     raise UserError(f"TPU '{name}' is {state}, not READY; wait for it or recreate it")
   endpoints = info.get("networkEndpoints") or []
   if not endpoints:
     raise UserError(f"TPU '{name}' lists no workers (networkEndpoints is empty)")
+  if not isinstance(endpoints, list) or not all(isinstance(e, dict) for e in endpoints):
+    raise UserError(f"could not read the description of TPU '{name}': networkEndpoints is not a list of objects")
   return [Worker(name, slice_id, i, e.get("ipAddress", "")) for i, e in enumerate(endpoints)]
 
 

@@ -12,6 +12,7 @@ Pure: no JAX, no I/O; the launcher (MaxText/elastic.py) turns a `Resize` into co
 from __future__ import annotations
 
 import dataclasses
+import math
 from fractions import Fraction
 from typing import Mapping, Protocol, Sequence
 
@@ -28,9 +29,12 @@ def resize_detected(environ: Mapping[str, str]) -> float | None:
   """The detection time the supervisor handed this process (None: not relaunched for a resize)."""
   text = environ.get(RESIZE_ENV, "")
   try:
-    return float(text) if text else None
+    detected = float(text) if text else None
   except ValueError:
-    raise ConfigError(f"{RESIZE_ENV}={text!r} is not a unix time; it is set by MaxText/elastic.py, unset it") from None
+    detected = math.nan
+  if detected is not None and not math.isfinite(detected):  # nan or inf would spread into goodput.json
+    raise ConfigError(f"{RESIZE_ENV}={text!r} is not a unix time; it is set by MaxText/elastic.py, unset it")
+  return detected
 
 
 class MeshLike(Protocol):

@@ -66,16 +66,22 @@ class Kubectl:
     """A read: tried again after a failure (the API server restarting must not end the supervision)."""
     for attempt in range(attempts):
       try:
-        text = self.run([*args, "-o", "json"], what)
-        break
-      except UserError as e:
+        return self._object(self.run([*args, "-o", "json"], what), what)
+      except UserError as e:  # output cut short by a restarting API server is tried again too
         if "not found on PATH" in str(e) or attempt == attempts - 1:
           raise
         time.sleep(self.retry_s)
+    raise AssertionError("unreachable")
+
+  @staticmethod
+  def _object(text: str, what: str) -> dict[str, Any]:
     try:
-      return json.loads(text)
+      read = json.loads(text)
     except json.JSONDecodeError as e:
       raise UserError(f"{what}: kubectl's output is not JSON ({e})") from None
+    if not isinstance(read, dict):  # every `kubectl get -o json` prints an object
+      raise UserError(f"{what}: kubectl's output is {type(read).__name__}, not a JSON object")
+    return read
 
   def context(self, cluster: str) -> str:
     """The current context; none is one line naming the command that sets it."""

@@ -45,6 +45,7 @@ class QueuedSlices:
     self.names = tpu_launch.slice_names(prefix, num_slices)
     self.requested = [prefix]  # every queued resource this run asked for (each is billed until deleted)
     self.replacing: dict[int, str] = {}  # slice -> its replacement's name while it is not READY
+    self.asked = False  # whether the first request went through (from then on it is billed)
 
   def request(self, name: str, num_slices: int) -> list[str]:
     return tpu_launch.queued_resource_create(self.gcloud, name, self.tpu_type, self.version, num_slices,
@@ -54,7 +55,8 @@ class QueuedSlices:
     """The node's state, NOT_FOUND when it is not listed."""
     argv = self.gcloud.command("compute", "tpus", "tpu-vm", "describe", name, "--format=json")
     try:
-      return str(json.loads(self.gcloud.read(argv, f"describing TPU '{name}'")).get("state", "UNKNOWN"))
+      described = json.loads(self.gcloud.read(argv, f"describing TPU '{name}'"))
+      return str(described.get("state", "UNKNOWN")) if isinstance(described, dict) else "UNKNOWN"
     except UserError as e:
       if "on PATH" in str(e):  # no gcloud at all
         raise
@@ -65,9 +67,20 @@ class QueuedSlices:
     except json.JSONDecodeError:
       return "UNKNOWN"
 
+  def _create(self, name: str, num_slices: int, what: str) -> None:
+    """Asks for queued resource `name`; one that exists already (this command run before, or a request
+    whose answer was lost) is taken as it is."""
+    try:
+      self.gcloud.act(self.request(name, num_slices), what)
+    except UserError as e:
+      if "ALREADY_EXISTS" not in str(e) and "already exists" not in str(e):
+        raise
+      self.log(f"elastic: queued resource {name} exists already; using it")
+
   def request_all(self, poll_s: float = 30.0) -> None:
     """Asks for every slice and waits until all are READY, then readies each."""
-    self.gcloud.act(self.request(self.prefix, self.num_slices), "creating the queued resource")
+    self._create(self.prefix, self.num_slices, "creating the queued resource")
+    self.asked = True
     self.log(f"elastic: queued resource {self.prefix} requested ({self.num_slices} x {self.tpu_type}); waiting for "
              "its slices")
     last = 0.0
@@ -102,7 +115,13 @@ class QueuedSlices:
 
   def _replace(self, s: int, name: str, state: str) -> None:
     replacement = f"{self.prefix}-{s}-r{len(self.requested)}"
-    self.gcloud.act(self.request(replacement, 1), f"creating the replacement queued resource {replacement}")
+    try:
+      self._create(replacement, 1, f"creating the replacement queued resource {replacement}")
+    except UserError as e:  # no quota now, say: the job goes on on the survivors meanwhile
+      if "on PATH" in str(e):
+        raise
+      self.log(f"warning: {e}; asking again at the next look")
+      return
     self.requested.append(replacement)
     self.replacing[s] = replacement
     self.log(f"elastic: slice {s}'s node {name} is {state}: queued resource {replacement} requested to replace it")

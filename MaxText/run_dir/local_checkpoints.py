@@ -244,15 +244,20 @@ def _steps_in(folder: str) -> list[int]:
 
 def _manifest(directory: str) -> dict[str, Any]:
   with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
-    manifest: dict[str, Any] = json.load(f)
+    manifest = json.load(f)
+  if not isinstance(manifest, dict):
+    raise ValueError(f"{os.path.join(directory, MANIFEST)} holds no JSON object")
   return manifest
 
 
 def _layout_matches(directory: str, abstract_state: object, shardings: object) -> bool:
   try:
-    manifest = _manifest(directory)
-  except (OSError, json.JSONDecodeError):
+    return _manifest_matches(_manifest(directory), abstract_state, shardings)
+  except (OSError, ValueError, KeyError, TypeError):  # a damaged manifest (not UTF-8, cut, other fields): not held
     return False
+
+
+def _manifest_matches(manifest: dict[str, Any], abstract_state: object, shardings: object) -> bool:
   # The process count may differ: an elastic run relaunched on fewer slices (each slice a whole
   # replica, laid out within it as before) asks each survivor for the regions it saved itself.
   flat = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
