@@ -299,7 +299,7 @@ def test_a_step_timeout_beyond_what_a_thread_can_wait_is_a_config_error(value):
   with pytest.raises(ConfigError) as error:
     Config.for_testing(step_timeout_seconds=value)
   assert str(error.value) == (f"step_timeout_seconds must be >= 0 (0 = off) and at most {threading.TIMEOUT_MAX:.0f}, "
-                              f"got {value}")
+                              f"got {float(value)}")  # a number of seconds, fractions allowed
 
 
 @pytest.mark.parametrize("name", ["run_lease_timeout_seconds", "stack_trace_interval_seconds",
@@ -314,4 +314,5 @@ def test_a_wait_beyond_what_a_thread_can_wait_is_a_config_error(name):
 
   with pytest.raises(ConfigError) as error:
     Config.for_testing(**{name: 10**13})
-  assert str(error.value) == f"{name} must be at most {threading.TIMEOUT_MAX:.0f} (the longest a thread can wait), got {10**13}"
+  got = float(10**13) if name in ("run_lease_timeout_seconds", "storage_retry_seconds") else 10**13  # fractions allowed
+  assert str(error.value) == f"{name} must be at most {threading.TIMEOUT_MAX:.0f} (the longest a thread can wait), got {got}"

@@ -315,8 +315,9 @@ class RunConfig:
     _positive(v, "router_collapse_logs", "max_consecutive_skipped_steps")
     _require(v["straggler_report_period"] >= 0 and v["straggler_threshold"] > 0,
              "straggler_report_period must be >= 0 (0 = off) and straggler_threshold > 0")
-    _require(v["loss_spike_threshold"] >= 0 and v["loss_spike_window"] >= 2,
-             f"loss_spike_threshold must be >= 0 (0 = off) and loss_spike_window >= 2, got "
+    # inf: a window of equal losses (std 0) gave the limit inf * 0 = NaN, and every step read as a spike
+    _require(0 <= v["loss_spike_threshold"] < math.inf and v["loss_spike_window"] >= 2,
+             f"loss_spike_threshold must be a finite number >= 0 (0 = off) and loss_spike_window >= 2, got "
              f"{v['loss_spike_threshold']} and {v['loss_spike_window']}")
     # inf or past threading.TIMEOUT_MAX: the watchdog thread's first wait raised OverflowError and the run went unwatched
     _require(0 <= v["step_timeout_seconds"] <= threading.TIMEOUT_MAX, f"step_timeout_seconds must be >= 0 (0 = off) "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import sys
 import threading
@@ -24,9 +25,10 @@ import numpy as np
 
 from MaxText.training import metrics as metrics_lib
 from MaxText.paths import storage
+from MaxText.errors import UserError
 from MaxText.configuration import elastic_config
 from MaxText.configuration.config_groups import RunConfig
-from MaxText.training.trainer import StepRecord, Trainer
+from MaxText.training.trainer import TRAIN_STEP, StepRecord, Trainer
 from MaxText.training.train_state import TrainState
 
 
@@ -48,9 +50,12 @@ class StragglerHook:
     self.period, self.threshold, self.writer, self.is_primary, self.gather = period, threshold, writer, is_primary, gather
     self._sums = np.zeros(2)  # step seconds, input wait seconds
     self._count = 0
+    self._first = 0  # the first step of the period being summed
     self.reported: list[tuple[int, list[int]]] = []  # (step, straggling processes) of each report
 
   def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
+    if not self._count:  # a resumed start's first period begins where it resumed, not at a multiple of period
+      self._first = record.step
     self._sums += (record.seconds, record.scalars.get("input_wait_s", 0.0))
     self._count += 1
     if record.step % self.period:
@@ -68,7 +73,7 @@ class StragglerHook:
                                       **{f"input_wait_s/process_{p}": float(w) for p, w in enumerate(wait_s)}})
     if slow:
       named = ", ".join(f"process {p} (input wait {wait_s[p]:.3f} s a step)" for p in slow)
-      print(f"warning: stragglers over steps {record.step - self.period + 1}..{record.step}: {named}; the median "
+      print(f"warning: stragglers over steps {self._first}..{record.step}: {named}; the median "
             f"process waits {np.median(wait_s):.3f} s for input in a {np.median(step_s):.3f} s step: check "
             "those hosts' input pipelines, disks and CPU load", file=sys.stderr, flush=True)
 
@@ -94,6 +99,19 @@ class StartRecord:
   # Unix time an elastic supervisor saw the loss or return of a slice that this start was launched for
   # (elastic_config.RESIZE_ENV); None for any other start.
   resize_detected: float | None = None
+
+
+def _checked(start: StartRecord) -> StartRecord:
+  """`start` if its fields have their types: a hand-edited "12" or null would fail the summary's sums only
+  at the end of the run, and NaN or Infinity would spread through it."""
+  for field in dataclasses.fields(start):
+    value = getattr(start, field.name)
+    if value is None and field.name == "resize_detected":
+      continue
+    kinds, what = ((int,), "a whole number") if field.name.endswith("_step") else ((int, float), "a finite number")
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
+      raise TypeError(f"{field.name} is {value!r}, not {what}")
+  return start
 
 
 def _resize_s(previous: StartRecord | None, start: StartRecord) -> tuple[float, float]:
@@ -149,6 +167,8 @@ class GoodputHook:
     self.path = storage.join(run_dir, GOODPUT_FILE)
     self.resize_detected = resize_detected
     self.started, self.start_step, self.writer, self.write_every = process_started, start_step, writer, write_every
+    if storage.is_dir(self.path):  # every write would fail, the first one after the whole run's last save
+      raise UserError(f"{self.path} is a directory, not the run's goodput record: move it aside and rerun")
     self.earlier = self._read_earlier() if storage.exists(self.path) else []
     self.first_dispatch: float | None = None
     self.step_s: list[float] = []  # each step's time, input wait excluded
@@ -159,7 +179,7 @@ class GoodputHook:
     """The earlier starts' records; a file this program did not write whole (its writes are atomic: a
     copy cut short, an edit) costs them, not the run."""
     try:
-      return [StartRecord(**r) for r in json.loads(storage.read_bytes(self.path).decode("utf-8"))["starts"]]
+      return [_checked(StartRecord(**r)) for r in json.loads(storage.read_bytes(self.path).decode("utf-8"))["starts"]]
     except (ValueError, KeyError, TypeError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
       print(f"warning: {self.path} is unreadable ({type(e).__name__}: {str(e)[:200]}); the goodput figures leave "
             "the earlier starts out and the file is rewritten with this start's", flush=True)
@@ -318,6 +338,7 @@ class StepWatchdog:
     self._stopped = threading.Event()
     self._thread: threading.Thread | None = None
     self._guarding: str | None = None  # what `guard` watches, while it does
+    self.trainer: Trainer | None = None  # its `activity` names what hangs outside the step (a checkpoint save)
     self.last_step = 0
 
   def due(self, step: int) -> bool:
@@ -370,7 +391,7 @@ class StepWatchdog:
 
   def _fire(self) -> None:
     _print_stacks()
-    doing = _in_activity()
+    doing = _in_activity() or self._loop_activity()
     if self._guarding is not None:
       inside = f" (in {doing})" if doing else ""
       print(f"error: {self._guarding} did not finish in step_timeout_seconds={self.timeout_s:g}{inside}; Python "
@@ -394,6 +415,11 @@ class StepWatchdog:
           "the job restarts and resumes from its last checkpoint", file=sys.stderr, flush=True)
     self._leave()
 
+  def _loop_activity(self) -> str | None:
+    """What the loop is in beyond the step (a checkpoint save, reading a batch), or None."""
+    trainer_activity = self.trainer.activity if self.trainer is not None else TRAIN_STEP
+    return None if trainer_activity == TRAIN_STEP else trainer_activity
+
   def _leave(self) -> None:
     try:
       self.board.leave(grace_s=min(30.0, self.timeout_s))
@@ -407,15 +433,30 @@ class StepWatchdog:
     self._petted.set()
 
 
+def warn_if_spikes_never_checked(settings: RunConfig, start_step: int) -> None:
+  """The spike limit needs loss_spike_window applied steps of this start, and lags a step behind the one
+  it is passed to: a start shorter than that would run with loss_spike_threshold set and check nothing."""
+  steps, window = settings.steps - start_step, settings.loss_spike_window
+  if settings.loss_spike_threshold > 0 and steps < window + 2:
+    advice = f"set loss_spike_window to at most {steps - 2}" if steps >= 4 else "no window (at least 2) fits"
+    print(f"warning: loss_spike_threshold={settings.loss_spike_threshold:g} checks nothing in this start: its "
+          f"{steps} step(s) are too few to fill loss_spike_window={window} first (the first step it checks is "
+          f"this start's step {window + 2}); {advice}", file=sys.stderr, flush=True)
+
+
 def add_health_hooks(trainer: Trainer, settings: RunConfig, writer: metrics_lib.MetricWriter | None,
                      is_primary: bool, num_processes: int, process_started: float, start_step: int,
                      watchdog: StepWatchdog | None = None) -> None:
   """`watchdog`: the one that guarded the first batch (train.py), else one is made here."""
+  if is_primary:
+    warn_if_spikes_never_checked(settings, start_step)
   if settings.straggler_report_period > 0 and num_processes > 1:
     trainer.add_hook(StragglerHook(settings.straggler_report_period, settings.straggler_threshold, writer,
                                    is_primary), every=1)
   if settings.step_timeout_seconds > 0:
-    trainer.add_hook(watchdog or StepWatchdog(settings.step_timeout_seconds), every=0)
+    watchdog = watchdog or StepWatchdog(settings.step_timeout_seconds)
+    watchdog.trainer = trainer
+    trainer.add_hook(watchdog, every=0)
   if is_primary:
     trainer.add_hook(GoodputHook(settings.run_dir, process_started, start_step, writer,
                                  resize_detected=elastic_config.resize_detected(os.environ)), every=1)

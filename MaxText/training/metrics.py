@@ -360,7 +360,9 @@ class MetricWriter:
       sink.log(step, scalars)
     if self._tb is not None:
       for key, value in scalars.items():
-        if isinstance(value, (int, float)) and not math.isnan(value):
+        # Not inf either: the spike limit is inf until its window fills, and tensorboardX warned "NaN or Inf
+        # found" at every logged step of a healthy run (metrics.jsonl keeps it as "inf").
+        if isinstance(value, (int, float)) and math.isfinite(value):
           self._tb.add_scalar(key, value, step)
 
   def sync(self) -> None:

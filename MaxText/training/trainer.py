@@ -155,6 +155,7 @@ class Trainer:
     self.skipped_steps: list[int] = []  # steps whose update was not applied (non-finite, or a loss spike)
     self.skipped_in_a_row = 0
     self.nonfinite_since: int | None = None  # the first non-finite step since the last applied one
+    self.nonfinite_in_a_row = 0  # of the skipped_in_a_row, those that were non-finite (the rest were spikes)
     # What to do about a run stopped by non-finite steps, given the first of them (train.py names
     # the checkpoint to go back to and the command).
     self.advise_nonfinite: Callable[[int], str] = \
@@ -212,11 +213,12 @@ class Trainer:
     finite = math.isfinite(loss) and math.isfinite(scalars["grad_norm"])
     if not finite and self.nonfinite_since is None:
       self.nonfinite_since = step
+    self.nonfinite_in_a_row += not finite
     if not scalars.get("skipped", 0.0):
       if not finite:
         raise TrainingError(f"loss became {loss} at step {step} (grad_norm {scalars['grad_norm']:.3g}); "
                             f"{self.advise_nonfinite(step)}")
-      self.skipped_in_a_row = 0
+      self.skipped_in_a_row = self.nonfinite_in_a_row = 0
       self.nonfinite_since = None
       if scalars.get("num_tokens", 1.0) == 0:
         # The loss is a mean over no tokens: reported as 0, it is no measurement, and in the spike window it
@@ -240,9 +242,13 @@ class Trainer:
       kind, what = "non-finite", f"loss {loss}, grad_norm {scalars['grad_norm']:.3g}"
     limit = self.config.run.max_consecutive_skipped_steps
     if self.skipped_in_a_row >= limit:
-      if not finite:
+      # A streak with a non-finite step in it is a diverged model whatever its last step was.
+      nonfinite, spikes = self.nonfinite_in_a_row, self.skipped_in_a_row - self.nonfinite_in_a_row
+      were = "spikes" if not nonfinite else "non-finite" if not spikes else \
+          f"skipped ({nonfinite} non-finite, {spikes} spikes)"
+      if nonfinite:
         advice = self.advise_nonfinite(self.nonfinite_since or step)
-      raise TrainingError(f"{limit} steps in a row were {'spikes' if finite else kind}, up to step {step} ({what}); "
+      raise TrainingError(f"{limit} steps in a row were {were}, up to step {step} ({what}); "
                           f"the model, not one batch, is broken: {advice}")
     where = f" ({batch_start})" if batch_start else ""
     print(f"warning: step {step} was {kind} ({what}): its update was not applied and its batch{where} is skipped "
@@ -263,7 +269,9 @@ class Trainer:
           batch, host_scalars = self.data.next_for(loop.state)
           self.activity = TRAIN_STEP
         else:
+          self.activity = f"reading the batch of step {loop.next_step + 1}"  # a reader that hangs is named
           batch = next(self.data)
+          self.activity = TRAIN_STEP
           host_scalars = self.data.host_metrics() if isinstance(self.data, ReportsDataMetrics) else {}
         input_wait_s = time.perf_counter() - waited_from  # > 0 means the input pipeline is the bottleneck
         if self.spike_limit is None:
@@ -299,17 +307,23 @@ class Trainer:
 
   def _end_hooks(self, loop: LoopState, failing: bool) -> None:
     """Every hook's on_end runs; while an error is already on its way out, a hook's own failure
-    (e.g. the same broken storage) is reported in one line instead of replacing it."""
+    (e.g. the same broken storage) is reported in one line instead of replacing it. Otherwise the first
+    failure is raised once the later hooks have ended too: the checkpoint hook's end waits for the last
+    save, which an exit before it loses."""
+    first_failure: Exception | None = None
     for hook in self.hooks:
       try:
         hook.on_end(self, loop.state)
       except Exception as e:  # noqa: BLE001
-        if not failing:
-          raise
+        if not failing and first_failure is None:
+          first_failure = e
+          continue
         if isinstance(e, storage_retry.StorageUnavailable):
           continue  # the same unreachable storage: the error line says it once
         print(f"warning: while stopping, {type(hook).__name__} failed too: {type(e).__name__}: "
               f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300], file=sys.stderr, flush=True)
+    if first_failure is not None:
+      raise first_failure
 
 
 class LeaseHook:
