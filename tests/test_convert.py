@@ -471,13 +471,16 @@ _AT_TRANSFORMERS_DEFAULT = {
     "deepseek32": {"n_shared_experts": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 8,
                    "topk_group": 4, "q_lora_rank": 1536},
 }
+# DeepSeek-V3's default first_k_dense_replace (3) needs a fourth layer to leave one MoE layer (an all-dense
+# DeepSeek is refused).
+_LAYERS_FOR_DEFAULTS = {"deepseek3": {"num_hidden_layers": 4}}
 
 
 @pytest.mark.parametrize("family", list(_AT_TRANSFORMERS_DEFAULT))
 def test_fields_config_json_leaves_out_take_transformers_defaults(family):
   """As for Gemma: a field at transformers' default, left out of config.json, converts to the same model."""
   at_default = _AT_TRANSFORMERS_DEFAULT[family]
-  fields = {**H.REFERENCE_CONFIGS[family], **at_default}
+  fields = {**H.REFERENCE_CONFIGS[family], **_LAYERS_FOR_DEFAULTS.get(family, {}), **at_default}
   config = H.transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
   defaults = type(config)().to_dict()
   full = config.to_dict()

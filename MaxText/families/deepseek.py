@@ -144,6 +144,13 @@ def _model_keys(hf: Mapping[str, Any], decoder_block: str) -> dict[str, Any]:
   heads = int(hf["num_attention_heads"])
   r.require_hf(hf, "num_key_value_heads", (None, heads), heads)  # absent in V2: the query heads, as DeepseekV2Config
   nope, rope = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
+  # Left out of config.json, first_k_dense_replace is DeepseekV3Config's 3: a 1- or 2-layer test model is all dense,
+  # which check_layer_layout would refuse in keys the user never wrote.
+  dense, layers = int(hf.get("first_k_dense_replace") or 0), int(hf["num_hidden_layers"])
+  if dense >= layers:
+    raise ConfigError(f"HF config first_k_dense_replace={dense} >= num_hidden_layers={layers} (every layer dense) is "
+                      f"not supported by the {hf.get('model_type')} converter: it needs at least one MoE layer; set "
+                      "first_k_dense_replace below num_hidden_layers in config.json")
   return {
       "decoder_block": decoder_block, "base_emb_dim": int(hf["hidden_size"]), "base_num_query_heads": heads,
       "base_num_kv_heads": heads, "base_mlp_dim": int(hf["moe_intermediate_size"]),
@@ -154,10 +161,10 @@ def _model_keys(hf: Mapping[str, Any], decoder_block: str) -> dict[str, Any]:
       "attention_type": "mla", "q_lora_rank": int(hf.get("q_lora_rank") or 0),
       "kv_lora_rank": int(hf["kv_lora_rank"]), "qk_nope_head_dim": nope, "qk_rope_head_dim": rope,
       "v_head_dim": int(hf["v_head_dim"]), **_rope_keys(hf),
-      "num_experts": int(hf["n_routed_experts"]), "num_experts_per_tok": int(hf["num_experts_per_tok"]),
+      "num_experts": r.routed_experts(hf, "n_routed_experts"), "num_experts_per_tok": int(hf["num_experts_per_tok"]),
       "shared_experts": int(hf.get("n_shared_experts") or 0), "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
       "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
-      "first_dense_layers": int(hf.get("first_k_dense_replace") or 0), "dense_mlp_dim": int(hf["intermediate_size"]),
+      "first_dense_layers": dense, "dense_mlp_dim": int(hf["intermediate_size"]),
   }
 
 

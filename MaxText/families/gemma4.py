@@ -105,7 +105,8 @@ def gemma4_text_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   if "local" in pattern:
     keys["sliding_window_size"] = int(hf.get("sliding_window", 512))
   if hf.get("enable_moe_block"):  # 26B A4B: experts (our mlp_dim) beside the dense MLP (dense_mlp_dim)
-    keys.update(moe_beside_mlp=True, num_experts=int(hf["num_experts"]), num_experts_per_tok=int(hf["top_k_experts"]),
+    keys.update(moe_beside_mlp=True, num_experts=r.routed_experts(hf, "num_experts"),
+                num_experts_per_tok=int(hf["top_k_experts"]),
                 base_mlp_dim=int(hf["moe_intermediate_size"]), dense_mlp_dim=int(hf["intermediate_size"]),
                 norm_topk_prob=True)
   return keys

@@ -112,7 +112,7 @@ def gpt_oss_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   keys = {"decoder_block": "gpt_oss", **shape_keys(hf), **rope_keys(hf), "mlp_activations": list(ACTIVATIONS),
           "swiglu_limit": float(hf.get("swiglu_limit", 7.0)), "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)),
           "use_bias": True, "attention_sinks": True, "attention_layer_pattern": pattern,
-          "num_experts": int(r.hf_field(hf, "num_local_experts", "num_experts")),
+          "num_experts": r.routed_experts(hf, "num_local_experts", "num_experts"),
           "num_experts_per_tok": int(hf["num_experts_per_tok"]), "norm_topk_prob": True,
           "logits_via_embedding": bool(hf.get("tie_word_embeddings", False))}
   if window and "local" in pattern:

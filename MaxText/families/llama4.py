@@ -132,7 +132,7 @@ def llama4_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
           "attention_layer_pattern": attention,
           "rope_layer_pattern": _pattern(["rope" if rope else "nope" for rope in uses_rope]),
           "use_qk_l2_norm": bool(hf.get("use_qk_norm", True)),
-          "num_experts": int(hf["num_local_experts"]), "num_experts_per_tok": 1, "shared_experts": 1,
+          "num_experts": r.routed_experts(hf, "num_local_experts"), "num_experts_per_tok": 1, "shared_experts": 1,
           "moe_router_scales_input": True, "moe_layer_interval": step}
   if step > 1:
     keys["dense_mlp_dim"] = int(hf["intermediate_size_mlp"])

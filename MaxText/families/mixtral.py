@@ -83,7 +83,8 @@ _MIXTRAL_DEFAULTS = {"sliding_window": None, "rms_norm_eps": 1e-5, "rope_theta":
 
 def mixtral_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   hf = {**_MIXTRAL_DEFAULTS, **hf}
-  return {**mistral_model_keys(hf), "decoder_block": "mixtral", "num_experts": int(hf["num_local_experts"]),
+  return {**mistral_model_keys(hf), "decoder_block": "mixtral",
+          "num_experts": r.routed_experts(hf, "num_local_experts"),
           "num_experts_per_tok": int(hf["num_experts_per_tok"])}
 
 

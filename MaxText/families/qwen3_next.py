@@ -212,7 +212,7 @@ def moe_model_keys(hf: Mapping[str, Any], converter: str) -> dict[str, Any]:
   if shared_width % moe_width:
     raise ConfigError(f"HF config shared_expert_intermediate_size={shared_width} is not supported by the {converter} "
                       f"converter: it must be a multiple of moe_intermediate_size ({moe_width})")
-  return {"base_mlp_dim": moe_width, "num_experts": int(hf["num_experts"]),
+  return {"base_mlp_dim": moe_width, "num_experts": r.routed_experts(hf, "num_experts"),
           "num_experts_per_tok": int(hf["num_experts_per_tok"]), "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
           "shared_experts": shared_width // moe_width, "shared_expert_gate": shared_width > 0}
 

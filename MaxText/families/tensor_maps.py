@@ -160,6 +160,17 @@ def hf_field(hf_config: Mapping[str, Any], key: str, *aliases: str) -> Any:
   raise KeyError(key)
 
 
+def routed_experts(hf_config: Mapping[str, Any], key: str, *aliases: str) -> int:
+  """An MoE config's routed-expert count. One expert is refused: our num_experts=1 is a dense MLP, which has
+  no place for the checkpoint's router (its tensors would fail to stage, naming the wrong keys)."""
+  count = int(hf_field(hf_config, key, *aliases)) if aliases else int(hf_config[key])
+  if count < 2:
+    raise ConfigError(f"HF config {key}={count} (a mixture of one expert) is not supported by the "
+                      f"{hf_config.get('model_type')} converter: num_experts=1 is a dense MLP here, without the "
+                      "checkpoint's router; convert a model with at least 2 experts")
+  return count
+
+
 def hf_layer_types(pattern: Sequence[str], num_layers: int) -> list[str]:
   """HF's per-layer `layer_types` for a local/global attention_layer_pattern (its inverse: below)."""
   return ["sliding_attention" if pattern[i % len(pattern)] == "local" else "full_attention" for i in range(num_layers)]
