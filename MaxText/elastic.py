@@ -56,8 +56,9 @@ from MaxText.errors import UserError, run_cli
 from MaxText.paths import storage
 from MaxText.platform import accelerators, gke_launch, tpu_launch
 from MaxText.platform.accelerators import DeviceTarget
-from MaxText.platform.generations import PEER_FAILURES, SIGTERM_EXIT, Exit, Generation, Launcher
-from MaxText.platform.queued_slices import QueuedResourceLauncher, QueuedSlices
+from MaxText.platform.run_progress import MetricsReader, ResumedLine, checkpoint_step
+from MaxText.platform.generations import LOST_EXIT, PEER_FAILURES, SIGTERM_EXIT, Exit, Generation, Launcher
+from MaxText.platform.queued_slices import QueuedResourceEnded, QueuedResourceLauncher, QueuedSlices
 from MaxText.platform.tpu_launch import Gcloud
 from MaxText.run_dir.preemption import GROW_BACK_MARKER
 
@@ -88,48 +89,6 @@ class Resize:
             f"{resumed} to resume")
 
 
-def metrics_text(run_dir: str | Path) -> str:
-  """<run_dir>/metrics.jsonl as it reads now, local or gs:// ("" before the run writes it)."""
-  path = storage.join(str(run_dir), "metrics.jsonl")
-  storage.forget_listings(path)
-  # Bytes that are not UTF-8 (a damaged disk) fail to parse as a step below, like a cut line.
-  return storage.read_bytes(path).decode("utf-8", errors="replace") if storage.exists(path) else ""
-
-
-def logged_step(run_dir: str | Path, stale: str | None = None) -> int:
-  """The newest step in <run_dir>/metrics.jsonl (0: none; also 0 while the file still reads `stale`,
-  as it did when the generation was launched: a relaunched run rewrites it from the step it resumed from)."""
-  text = metrics_text(run_dir)
-  if stale is not None and text == stale:
-    return 0
-  return max(_steps(text), default=0)
-
-
-def _steps(text: str) -> list[int]:
-  """The steps of the records in a metrics.jsonl text. A line that is no step record is skipped: the
-  line the run is appending now, or the one a killed process left cut short."""
-  steps = []
-  for line in text.splitlines():
-    try:
-      record = json.loads(line)
-    except ValueError:
-      continue
-    step = record.get("step") if isinstance(record, dict) else None
-    if isinstance(step, int) and not isinstance(step, bool):
-      steps.append(step)
-  return steps
-
-
-def checkpoint_step(run_dir: str | Path) -> int:
-  """The newest whole step in <run_dir>/checkpoints (0: none)."""
-  folder = storage.join(str(run_dir), "checkpoints")
-  storage.forget_listings(folder)
-  # ASCII digits only: str.isdigit also takes names such as "²", which int() refuses.
-  steps = [int(name) for name in storage.listdir(folder) if re.fullmatch(r"[0-9]+", name)] \
-      if storage.is_dir(folder) else []
-  return max(steps, default=0)
-
-
 class Supervisor:
   def __init__(self, layout: SliceLayout, launcher: Launcher, run_dir: str | Path, *, poll_s: float = 0.5,
                stop_grace_s: float = 60.0, log: Callable[[str], None] | None = None):
@@ -140,6 +99,7 @@ class Supervisor:
     self.resizes: list[Resize] = []
     self.lost: set[int] = set()  # slices whose process died, until they are up again
     self.current: Generation | None = None
+    self.metrics = MetricsReader(self.run_dir)  # polled for the whole run: read a piece at a time
 
   def interrupt(self) -> None:
     """Ends the running generation (Ctrl-C, the scheduler's SIGTERM): the run saves at its step boundary.
@@ -191,7 +151,7 @@ class Supervisor:
       overrides = elastic_config.resize(self.layout, len(slices)).overrides()
       self.log(f"elastic: starting on slice(s) {', '.join(map(str, slices))}: {' '.join(overrides)}")
       launched = time.time()
-      stale = metrics_text(self.run_dir)  # the previous generation has ended: a change is the new one's
+      stale = self.metrics.snapshot()  # the previous generation has ended: a change is the new one's
       storage.remove_tree(storage.join(self.run_dir, GROW_BACK_MARKER))  # a grow-back stop's, for its generation only
       # A relaunch tells the run when its resize began: its goodput counts the time since as the resize's.
       env = {elastic_config.RESIZE_ENV: repr(pending.detected)} if pending is not None else {}
@@ -209,7 +169,7 @@ class Supervisor:
         return outcome
       cause, up, detected = outcome
       new = self._usable(up, f"after {cause}")
-      pending = Resize(cause, len(slices), len(new), logged_step(self.run_dir), checkpoint_step(self.run_dir),
+      pending = Resize(cause, len(slices), len(new), self.metrics.step(), checkpoint_step(self.run_dir),
                        detected)
       self.resizes.append(pending)
       self.log(pending.line())
@@ -244,7 +204,7 @@ class Supervisor:
       if pending is not None and said is not None:  # newer than the persistent tier's when the local tier had it
         pending.resumed_from, pending.resumed_source = said
       if pending is not None and pending.seconds_to_resume is None and \
-          logged_step(self.run_dir, stale) > pending.resumed_from:
+          self.metrics.step(stale) > pending.resumed_from:
         pending.seconds_to_resume = time.time() - pending.detected
         self.log(pending.line())
         self._record(dataclasses.asdict(pending))
@@ -304,20 +264,14 @@ class Supervisor:
 
 
 # ----------------------------------------------------------------------------- CPU loopback launcher
-_RESUMED = re.compile(r"^state: resumed from step (\d+) of (.+)$", re.M)
-
-
 class _ProcessGeneration:
   def __init__(self, procs: list[tuple[int, subprocess.Popen[bytes]]], first_log: Path):
     self.procs, self.first_log = procs, first_log
+    self._resumed = ResumedLine(first_log)
 
   def resumed_from(self) -> tuple[int, str] | None:
     """From process 0's `state:` line (train.py)."""
-    text = self.first_log.read_text(errors="replace") if self.first_log.exists() else ""
-    if "state: initialised from seed" in text:
-      return 0, "a fresh start"
-    found = _RESUMED.search(text)
-    return (int(found.group(1)), found.group(2)) if found else None
+    return self._resumed.read()
 
   def exits(self) -> list[Exit]:
     return [Exit(slice_id, i, code) for i, (slice_id, p) in enumerate(self.procs)
@@ -408,6 +362,7 @@ class _SshGeneration:
   def __init__(self, hosts: list[multihost_runner.HostProcess], slice_of: dict[str, int], signal_commands:
                Callable[[int], list[list[str]]]):
     self.hosts, self.slice_of, self.signal_commands = hosts, slice_of, signal_commands
+    self._resumed = ResumedLine(hosts[0].log_path) if hosts else None
 
   def exits(self) -> list[Exit]:
     ended = [(i, h, code) for i, h in enumerate(self.hosts) if (code := h.proc.poll()) is not None]
@@ -429,7 +384,28 @@ class _SshGeneration:
           os.killpg(host.proc.pid, signal.SIGKILL)
 
   def resumed_from(self) -> tuple[int, str] | None:
-    return _ProcessGeneration([], self.hosts[0].log_path).resumed_from() if self.hosts else None
+    return self._resumed.read() if self._resumed is not None else None
+
+
+class _Unstarted:
+  """A generation not started because slices were lost between the supervisor's look and the start: each
+  reads as a process lost with its host, so the supervisor goes on on the slices still up (or stops with its
+  line when too few are left)."""
+
+  def __init__(self, lost: list[Exit]):
+    self.lost = lost
+
+  def exits(self) -> list[Exit]:
+    return list(self.lost)
+
+  def running(self) -> int:
+    return 0
+
+  def signal_all(self, signum: int) -> None:
+    pass
+
+  def resumed_from(self) -> tuple[int, str] | None:
+    return None
 
 
 def signal_script(run_name: str, signum: int) -> str:
@@ -467,10 +443,18 @@ class TpuVmLauncher:
     pass  # the TPU's own state says when it is back
 
   def start(self, slices: Sequence[int], overrides: Sequence[str], env: Mapping[str, str] | None = None
-            ) -> _SshGeneration:
+            ) -> _SshGeneration | _Unstarted:
     self.generations += 1
-    workers = [dataclasses.replace(w, slice_id=new) for new, s in enumerate(slices)
-               for w in multihost_runner.describe_slice(self.gcloud, self.names[s], s)]
+    workers, lost = [], []
+    for new, s in enumerate(slices):
+      try:
+        workers += [dataclasses.replace(w, slice_id=new) for w in
+                    multihost_runner.describe_slice(self.gcloud, self.names[s], s)]
+      except UserError as e:  # lost since the supervisor's look (PREEMPTED, say): a lost slice, like any other
+        lost.append(Exit(s, len(workers), LOST_EXIT,
+                         f"could not be started: {str(e).removesuffix('; wait for it or recreate it')}"))
+    if lost:  # nothing is started: the supervisor relaunches on the slices still up
+      return _Unstarted(lost)
     command = " ".join([self.command, *map(shlex.quote, overrides)])
     folder = self.log_dir / f"generation_{self.generations}"
     folder.mkdir(parents=True, exist_ok=True)
@@ -675,6 +659,8 @@ def main(argv: list[str]) -> int:
       with multihost_runner.sigterm_as_interrupt():
         try:
           queued.request_all()
+        except QueuedResourceEnded:
+          raise  # its one line names the delete command
         except BaseException:
           if queued.asked:
             print(_delete_line(queued), file=sys.stderr, flush=True)

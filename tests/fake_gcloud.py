@@ -2,9 +2,14 @@
 
 State lives in $FAKE_GCLOUD_DIR:
   config.json  {"tpus": {NAME: {"workers": N, "state": "READY"}}, "ssh_exit": {"NAME:W": CODE},
-                "create_exit": CODE, "qr_workers": N, "qr_state": STATE}
-               with qr_workers, `queued-resources create` adds its nodes to tpus (in qr_state, READY
-               unless set), as the TPU service does once the capacity is granted
+                "create_exit": CODE, "qr_workers": N, "qr_state": STATE,
+                "queued_resources": {NAME: {"state": STATE, "message": TEXT}}, "qr_resource_state": STATE,
+                "qr_resource_message": TEXT}
+               `queued-resources create` adds the queued resource (in qr_resource_state, ACCEPTED
+               unless set, with qr_resource_message; `describe` prints them, the message as its
+               failure's) and, with
+               qr_workers, its nodes to tpus (in qr_state, READY unless set), as the TPU service
+               does once the capacity is granted
   calls.jsonl  one JSON list (argv without "gcloud") per call, appended
   homes/NAME/W the "home folder" of worker W of TPU NAME: scp copies into it, and ssh runs the
                command there for real with HOME pointing at it (and FAKE_SLICE / FAKE_WORKER set),
@@ -39,6 +44,11 @@ class FakeCloud:
     path = self.root / "config.json"
     current = json.loads(path.read_text()) if path.exists() else {}
     write_config(path, {**current, **settings})
+
+  def set_queued_state(self, name: str, state: str, message: str = "") -> None:
+    """Queued resource NAME's own state from now on (FAILED, SUSPENDED, ...), with a failure's message."""
+    current = json.loads((self.root / "config.json").read_text()).get("queued_resources", {})
+    self.configure(queued_resources={**current, name: {"state": state, "message": message}})
 
   def calls(self) -> list[list[str]]:
     path = self.root / "calls.jsonl"
@@ -145,16 +155,33 @@ def storage_cp(source: str, target: str) -> int:
   return 0
 
 
+def describe_queued_resource(name: str) -> int:
+  queued = config().get("queued_resources", {})
+  if name not in queued:
+    print(f"ERROR: (gcloud.alpha.compute.tpus.queued-resources.describe) NOT_FOUND: Resource "
+          f"'projects/p/locations/z/queuedResources/{name}' was not found", file=sys.stderr)
+    return 1
+  state: dict = {"state": queued[name]["state"]}
+  if queued[name].get("message"):
+    state["failedData"] = {"error": {"code": 9, "message": queued[name]["message"]}}
+  print(json.dumps({"name": f"projects/p/locations/z/queuedResources/{name}", "state": state}))
+  return 0
+
+
 def create_queued_resource(argv: list[str]) -> int:
   settings = config()
   code = int(settings.get("create_exit", 0))
-  if code or "qr_workers" not in settings:
+  if code:
     return code
-  single = flag(argv, "node-id")
-  prefix, count = flag(argv, "node-prefix"), int(flag(argv, "node-count", "1") or 1)
-  names = [single] if single else [f"{prefix}-{i}" for i in range(count)]
-  node = {"workers": settings["qr_workers"], "state": settings.get("qr_state", "READY")}
-  write_config(state() / "config.json", {**settings, "tpus": {**settings.get("tpus", {}), **{n: dict(node) for n in names}}})
+  resource = {"state": settings.get("qr_resource_state", "ACCEPTED"), "message": settings.get("qr_resource_message", "")}
+  settings = {**settings, "queued_resources": {**settings.get("queued_resources", {}), positional(argv)[5]: resource}}
+  if "qr_workers" in settings:
+    single = flag(argv, "node-id")
+    prefix, count = flag(argv, "node-prefix"), int(flag(argv, "node-count", "1") or 1)
+    names = [single] if single else [f"{prefix}-{i}" for i in range(count)]
+    node = {"workers": settings["qr_workers"], "state": settings.get("qr_state", "READY")}
+    settings["tpus"] = {**settings.get("tpus", {}), **{n: dict(node) for n in names}}
+  write_config(state() / "config.json", settings)
   return 0
 
 
@@ -174,6 +201,8 @@ def main(argv: list[str]) -> int:
     return storage_cp(*words[2:4])
   if words[:5] == ["alpha", "compute", "tpus", "queued-resources", "create"]:
     return create_queued_resource(argv)
+  if words[:5] == ["alpha", "compute", "tpus", "queued-resources", "describe"]:
+    return describe_queued_resource(words[5])
   print(f"fake gcloud: unsupported command {argv}", file=sys.stderr)
   return 2
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from MaxText import elastic
+from MaxText.platform import run_progress
 from MaxText.configuration import elastic_config
 from MaxText.configuration.config import Config
 from MaxText.configuration.elastic_config import SliceLayout
@@ -336,19 +337,19 @@ def test_the_supervisor_follows_a_run_on_gs_through_other_processes_writes(gcs):
       elsewhere("metrics.jsonl", '{"step": 7}\n')
       elsewhere("checkpoints/6/commit_success.txt", "")
       generation.codes[1] = -signal.SIGKILL
-    elif index == 1 and elastic.logged_step(run_dir) < 8:
+    elif index == 1 and run_progress.logged_step(run_dir) < 8:
       elsewhere("metrics.jsonl", '{"step": 8}\n')
     elif index == 1:
       generation.codes = [0] * len(generation.codes)
 
   # gcsfs keeps the listings this process made: without dropping them, neither new step would be seen.
-  assert elastic.logged_step(run_dir) == 0
+  assert run_progress.logged_step(run_dir) == 0
   elsewhere("metrics.jsonl", '{"step": 3}\n')
-  assert elastic.logged_step(run_dir) == 3
+  assert run_progress.logged_step(run_dir) == 3
   elsewhere("checkpoints/2/commit_success.txt", "")
-  assert elastic.checkpoint_step(run_dir) == 2
+  assert run_progress.checkpoint_step(run_dir) == 2
   elsewhere("checkpoints/4/commit_success.txt", "")
-  assert elastic.checkpoint_step(run_dir) == 4
+  assert run_progress.checkpoint_step(run_dir) == 4
   supervisor = _supervisor(_FakeLauncher(4, script), run_dir)
   assert supervisor.run() == 0
   (lost,) = supervisor.resizes

@@ -4,6 +4,7 @@ either works or ends with one line, and no saved step is lost."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxText import elastic, multihost_runner
+from MaxText.platform import run_progress
 from MaxText.configuration import elastic_config
 from MaxText.configuration.elastic_config import SliceLayout
 from MaxText.errors import ConfigError, UserError
@@ -94,18 +96,164 @@ def test_metrics_lines_being_written_or_damaged_are_not_steps(tmp_path):
   supervisor ended with its processes still running)."""
   metrics = tmp_path / "metrics.jsonl"
   metrics.write_text('{"step": 3, "loss": 1.0}\n{"step": 4, "lo')
-  assert elastic.logged_step(tmp_path) == 3
+  assert run_progress.logged_step(tmp_path) == 3
   metrics.write_text('{"step": 3}\n[1]\n"text"\nnot json\n{"step": null}\n{"step": "9"}\n{"step": true}\n'
                      '{"step": 8.5}\n{}\n\n')
-  assert elastic.logged_step(tmp_path) == 3
+  assert run_progress.logged_step(tmp_path) == 3
   metrics.write_bytes(b'{"step": 5}\n\xff\xfe{"step": 6}\n')  # bytes that are not UTF-8
-  assert elastic.logged_step(tmp_path) == 5
+  assert run_progress.logged_step(tmp_path) == 5
+
+
+def _counting_reads(monkeypatch) -> list[int]:
+  """The bytes each GrowingFile read fetched, appended as they are read."""
+  counts: list[int] = []
+  read = run_progress.GrowingFile._read
+
+  def counted(self, start):
+    identity, data = read(self, start)
+    counts.append(len(data or b""))
+    return identity, data
+
+  monkeypatch.setattr(run_progress.GrowingFile, "_read", counted)
+  return counts
+
+
+@pytest.fixture(params=["local", "gs"])
+def run_root(request, tmp_path) -> str:
+  if request.param == "local":
+    return str(tmp_path / "run")
+  return request.getfixturevalue("gcs_bucket") + "/run"
+
+
+def test_the_supervisors_metrics_reads_fetch_only_what_was_appended(run_root, monkeypatch):
+  """The supervisor read the whole of metrics.jsonl at every look (each 0.5 s, on gs:// a download) for
+  the run's whole life, so a long run's looks cost tens of MB each. Now each look fetches what was appended
+  (and the last line again, to see it is still there), and says what a whole read says: across appends, a
+  line being written and completed later, a file cut shorter, and a new run's file written anew."""
+  from MaxText.paths import storage
+
+  storage.makedirs(run_root)
+  path = storage.join(run_root, "metrics.jsonl")
+  counts = _counting_reads(monkeypatch)
+  reader = run_progress.MetricsReader(run_root)
+  text = ""
+
+  def write(new_text: str) -> None:  # a new run's file: locally a new file (LineLog renames it into place)
+    nonlocal text
+    text = new_text
+    storage.write_text(path, text)
+
+  def append(more: str) -> None:  # as LineLog appends: locally in place, on gs:// the whole object again
+    nonlocal text
+    text += more
+    if storage.is_remote(path):
+      storage.write_text(path, text)
+    else:
+      with open(path, "a") as f:
+        f.write(more)
+
+  def agree(stale_text: str | None = None, stale: str | None = None) -> int:
+    step = reader.step(stale)
+    assert step == run_progress.logged_step(run_root, stale_text)
+    return step
+
+  assert agree() == 0 and counts == [0]
+  line = '{{"step": {}, "loss": 1.25, "step_time_seconds": 0.5, "tokens_per_second": 123456.0}}\n'
+  write("".join(line.format(step) for step in range(1, 2001)))  # about 170 kB
+  assert agree() == 2000
+  counts.clear()
+  append(line.format(2001))
+  assert agree() == 2001
+  assert counts == [len(line.format(2000)) + len(line.format(2001))]  # the last line again, and what was appended
+  append('{"step": 2002, "lo')  # being written
+  assert agree() == 2001
+  assert reader.file.tail == b'{"step": 2002, "lo'
+  append('ss": 1.0}\n')  # and completed
+  assert agree() == 2002
+  assert sum(counts) < 1000
+  # A relaunched run writes the file anew with the lines up to its checkpoint: shorter, then longer again.
+  stale_text, stale = text, reader.snapshot()
+  assert agree(stale_text, stale) == 0
+  write("".join(line.format(step) for step in range(1, 1501)))
+  assert agree(stale_text, stale) == 1500
+  append("".join(line.format(step).replace("1.25", "9.75") for step in range(1501, 2200)))
+  assert agree(stale_text, stale) == 2199
+  # Rewritten longer than what was read before the supervisor saw it shorter (on gs:// an upload it missed;
+  # locally in place, the same file): the last line read is not there any more, so it is read anew.
+  stale_text, stale = text, reader.snapshot()
+  text = "".join(line.format(step).replace("1.25", "3.5") for step in range(1, 2300)) + '{"step": 50}\n'
+  if storage.is_remote(path):
+    storage.write_text(path, text)
+  else:
+    with open(path, "r+") as f:
+      f.write(text)
+  assert agree(stale_text, stale) == 2299
+  # The same text again (a run resumed from its last logged step) still reads as the stale one.
+  stale_text, stale = text, reader.snapshot()
+  write(text)
+  assert agree(stale_text, stale) == 0
+  storage.remove_tree(path)
+  assert agree() == 0
+  write('{"step": 4}\n')
+  assert agree() == 4
+
+
+def test_the_supervisor_reads_its_runs_metrics_a_piece_at_a_time(tmp_path, monkeypatch):
+  """While a relaunched generation has not logged a step past its checkpoint, each of the supervisor's looks
+  read the whole of metrics.jsonl; now it fetches what was appended since the last look."""
+  metrics = tmp_path / "metrics.jsonl"
+  line = '{"step": %d, "loss": 1.0, "padding": "' + "x" * 200 + '"}\n'
+  metrics.write_text("".join(line % step for step in range(1, 5001)))  # about 1 MB
+  size = metrics.stat().st_size
+  (tmp_path / "checkpoints" / "6000").mkdir(parents=True)  # the relaunch resumes there: it is looked for all along
+  counts = _counting_reads(monkeypatch)
+  looks = 0
+
+  def script(launcher):
+    nonlocal looks
+    if len(launcher.generations) == 1:  # slice 1 is lost: the relaunched generation's looks read the metrics
+      launcher.generations[0].codes = [None, -9]
+      return
+    looks += 1
+    with metrics.open("a") as f:
+      f.write(line % (5000 + looks))
+    if looks == 20:
+      launcher.generations[-1].codes = [0]
+
+  supervisor = _supervisor(_Scripted(script), tmp_path)
+  assert supervisor.run() == 0 and looks == 20
+  assert supervisor.metrics.step() == 5020 and supervisor.resizes[0].resumed_from == 6000
+  assert len(counts) > 20 and counts[0] == size  # the whole file once, at the first generation's start
+  assert max(counts[1:]) <= 2 * len(line % 5020)  # then at each look the last line read and what was appended
+
+
+def test_process_0s_log_is_read_a_piece_at_a_time_and_says_what_a_whole_read_says(tmp_path, monkeypatch):
+  """The supervisor read process 0's whole log at every look while a relaunched generation ran."""
+  log = tmp_path / "process_0.log"
+  reader = run_progress.ResumedLine(log)
+  counts = _counting_reads(monkeypatch)
+  assert reader.read() is None
+  log.write_text("compiling\n" * 10000)
+  assert reader.read() is None
+  counts.clear()
+  with log.open("a") as f:
+    f.write("state: resumed from step 12 of /run/check")  # being written
+  assert reader.read() == (12, "/run/check")  # as a whole read says (the next look reads the rest)
+  with log.open("a") as f:
+    f.write("points\nstep 13\n")
+  assert reader.read() == (12, "/run/checkpoints")
+  assert sum(counts) < 200
+  with log.open("a") as f:
+    f.write("state: resumed from step 99 of elsewhere\n")
+  assert reader.read() == (12, "/run/checkpoints")  # the first one, as before
+  log.write_text("state: initialised from seed\n")  # a new file
+  assert reader.read() == (0, "a fresh start")
 
 
 def test_a_checkpoint_folder_named_with_other_digits_is_not_a_step(tmp_path):
   (tmp_path / "checkpoints" / "\u00b2").mkdir(parents=True)  # "²".isdigit() is True, int("²") fails
   (tmp_path / "checkpoints" / "4").mkdir()
-  assert elastic.checkpoint_step(tmp_path) == 4
+  assert run_progress.checkpoint_step(tmp_path) == 4
 
 
 def test_a_log_dir_that_cannot_hold_the_logs_is_one_line(tmp_path):
@@ -242,6 +390,114 @@ esac
   assert lines[-2] == "elastic: queued resource job-1-r1 exists already; using it"
 
 
+def _fake_gcloud(tmp_path, monkeypatch, **settings) -> tuple[FakeCloud, Gcloud]:
+  cloud = FakeCloud(tmp_path / "cloud", {}, **settings)
+  monkeypatch.setenv("FAKE_GCLOUD_DIR", str(cloud.root))
+  monkeypatch.setenv("PATH", cloud.env["PATH"])  # the commands read as a user runs them
+  return cloud, Gcloud("p", "z", False)
+
+
+def test_a_queued_resource_that_fails_while_its_slices_are_awaited_stops_the_wait_in_one_line(tmp_path, monkeypatch):
+  """Only the nodes' states were read: a queued resource that FAILED (or was SUSPENDED) brings no node,
+  and the supervisor waited for them for ever."""
+  from MaxText.platform import queued_slices
+
+  cloud, gcloud = _fake_gcloud(tmp_path, monkeypatch)  # no nodes: the capacity is not granted
+  looks = []
+  sleep = time.sleep
+
+  def look(seconds: float) -> None:
+    if seconds != 0.0123:  # another's sleep (subprocess waits so)
+      sleep(seconds)
+      return
+    looks.append(seconds)
+    if len(looks) == 2:
+      cloud.set_queued_state("job", "FAILED", "The zone does not have enough resources available")
+    assert len(looks) < 6, "still waiting for the nodes of a queued resource that FAILED"
+    sleep(0)
+
+  monkeypatch.setattr(queued_slices.time, "sleep", look)
+  queued = QueuedSlices(gcloud, "job", 2, "v5litepod-8", "v", [], lambda name: None, log=lambda m: None)
+  with pytest.raises(queued_slices.QueuedResourceEnded) as raised:
+    queued.request_all(poll_s=0.0123)
+  assert str(raised.value) == (
+      "queued resource job is FAILED (The zone does not have enough resources available), so its slices will not "
+      "come; delete it with `gcloud alpha compute tpus queued-resources delete job --force --async --zone=z "
+      "--project=p`, then run again")
+  assert len(looks) == 2
+
+
+def test_a_replacement_queued_resource_that_fails_is_asked_for_again_under_a_new_name(tmp_path, monkeypatch):
+  """A replacement whose queued resource FAILED was waited for as long as the job ran: the slice never came
+  back. Now it is one warning, and another replacement is asked for at the next look while the job goes on."""
+  cloud, gcloud = _fake_gcloud(tmp_path, monkeypatch, qr_workers=1)
+  lines: list[str] = []
+  queued = QueuedSlices(gcloud, "job", 2, "v5litepod-8", "v", [], lambda name: None, log=lines.append)
+  queued.request_all(poll_s=0)
+  cloud.configure(qr_state="CREATING", tpus={"job-0": {"workers": 1, "state": "READY"},
+                                             "job-1": {"workers": 1, "state": "PREEMPTED"}})
+  assert queued.available() == {0} and queued.replacing == {1: "job-1-r1"}
+  assert queued.available() == {0} and queued.replacing == {1: "job-1-r1"}  # ACCEPTED: waited for
+  cloud.set_queued_state("job-1-r1", "SUSPENDED")
+  assert queued.available() == {0} and not queued.replacing
+  assert lines[-1] == ("warning: queued resource job-1-r1, slice 1's replacement, is SUSPENDED; asking for another at "
+                       "the next look (delete it with `gcloud alpha compute tpus queued-resources delete job-1-r1 "
+                       "--force --async --zone=z --project=p`)")
+  assert queued.available() == {0} and queued.replacing == {1: "job-1-r2"}
+  assert queued.requested == ["job", "job-1-r1", "job-1-r2"]  # all of them named by the closing delete line
+  cloud.configure(tpus={**json.loads((cloud.root / "config.json").read_text())["tpus"],
+                        "job-1-r2": {"workers": 1, "state": "READY"}})
+  assert queued.available() == {0, 1} and queued.names == ["job-0", "job-1-r2"]
+
+
+class _LostAtTheStart:
+  """The TPU VM launcher, with `lose` set PREEMPTED between the supervisor's look and the first start."""
+
+  def __init__(self, cloud: FakeCloud, inner: elastic.TpuVmLauncher, lose: list[str]):
+    self.cloud, self.inner, self.lose, self.starts = cloud, inner, lose, 0
+
+  def available(self):
+    return self.inner.available()
+
+  def mark_lost(self, slice_id):
+    self.inner.mark_lost(slice_id)
+
+  def start(self, slices, overrides, env):
+    self.starts += 1
+    if self.starts == 1:
+      tpus = json.loads((self.cloud.root / "config.json").read_text())["tpus"]
+      self.cloud.configure(tpus={**tpus, **{name: {"workers": 1, "state": "PREEMPTED"} for name in self.lose}})
+    return self.inner.start(slices, overrides, env)
+
+
+@pytest.mark.parametrize("lose", [["job-1"], ["job-0", "job-1"]])
+def test_a_slice_lost_between_the_look_and_the_start_is_a_lost_slice(tmp_path, monkeypatch, lose):
+  """TpuVmLauncher.start raised "TPU job-1 is PREEMPTED, not READY" and the whole job stopped. Now nothing
+  is started and the slice is lost like any other: the job goes on on the slices still up, or, with none
+  left, stops with the usual line."""
+  cloud, gcloud = _fake_gcloud(tmp_path, monkeypatch)
+  cloud.configure(tpus={name: {"workers": 1, "state": "READY"} for name in ("job-0", "job-1")})
+  for name in ("job-0", "job-1"):
+    (cloud.home(name, 0) / "run").mkdir(parents=True)
+  inner = elastic.TpuVmLauncher(gcloud, ["job-0", "job-1"], "echo ran >> ../ran", "run", tmp_path / "logs")
+  launcher = _LostAtTheStart(cloud, inner, lose)
+  lines: list[str] = []
+  supervisor = elastic.Supervisor(_LAYOUT, launcher, tmp_path / "run_dir", poll_s=0, stop_grace_s=5, log=lines.append)
+  (tmp_path / "run_dir").mkdir()
+  if len(lose) == 2:
+    with pytest.raises(UserError, match=r"^elastic: 0 slice\(s\) up after process 0 \(slice 0\) could not be started: "
+                                        r"TPU 'job-0' is PREEMPTED, not READY, fewer than elastic_min_slices=1 "):
+      supervisor.run()
+    assert launcher.starts == 1 and not any(cloud.home(n, 0).joinpath("ran").exists() for n in lose)
+    return
+  assert supervisor.run() == 0
+  assert launcher.starts == 2 and [r.cause for r in supervisor.resizes] == [
+      "process 1 (slice 1) could not be started: TPU 'job-1' is PREEMPTED, not READY"]
+  ran = (cloud.home("job-0", 0) / "ran").read_text().splitlines()
+  assert len(ran) == 1 and ran[0].startswith("ran num_slices=1 ")  # only the relaunch ran, on slice 0 alone
+  assert not (cloud.home("job-1", 0) / "ran").exists()
+
+
 def test_gcloud_and_kubectl_printing_json_of_another_shape_is_a_slice_down_or_one_line(tmp_path):
   """Valid JSON that is not an object (a proxy's, a broken tool's) was an AttributeError traceback."""
   gcloud = Gcloud(None, None, False, _tool(tmp_path / "gcloud", "echo '[]'\n"))
@@ -318,3 +574,20 @@ def test_an_interrupt_while_waiting_for_queued_capacity_still_names_what_to_dele
   assert out.read_text().splitlines()[-2:] == [
       "elastic: the queued resources are billed until deleted: gcloud alpha compute tpus queued-resources delete qr "
       "--force --async --zone=z", "interrupted"]
+
+
+def test_the_command_line_stops_in_one_line_when_its_queued_resource_fails(tmp_path):
+  """The command line's form of the first request's failure: the error line names the queued resource, its
+  state, the failure's message and the delete command, and nothing else repeats it."""
+  cloud = FakeCloud(tmp_path / "cloud", {}, qr_resource_state="FAILED",
+                    qr_resource_message="Insufficient capacity in zone z")
+  command = [sys.executable, "-m", "MaxText.elastic", "configs/base.yml", "run_name=qr", "num_slices=2",
+             "elastic_min_slices=1", "dataset_type=synthetic", f"base_output_directory={tmp_path / 'runs'}",
+             "tpu_prefix=qr", "tpu_type=v5litepod-8", "version=v2-alpha-tpuv5-lite", f"log_dir={tmp_path / 'logs'}",
+             "zone=z"]
+  done = subprocess.run(command, cwd=REPO_ROOT, env=cloud.env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 2, done.stderr
+  assert done.stderr.splitlines()[-1] == (
+      "error: queued resource qr is FAILED (Insufficient capacity in zone z), so its slices will not come; delete "
+      "it with `gcloud alpha compute tpus queued-resources delete qr --force --async --zone=z`, then run again")
+  assert "billed until deleted" not in done.stderr

@@ -6,7 +6,9 @@ A slice whose node is gone (PREEMPTED, TERMINATED, or no longer listed) is repla
 resource PREFIX-<slice>-r<k> with one node of that name; once the node is READY, `prepare` readies
 it (the code copied, the setup run) and the slice is up again, so the supervisor grows the job
 back at the next step boundary. A node that repairs itself (REPAIRING, then READY) comes back as
-it is. The job's processes run as on TPU VMs: `QueuedResourceLauncher` wraps the TPU VM
+it is. While nodes are awaited, the queued resource's own state is read too: one that FAILED or
+was SUSPENDED will bring none, so the first request stops with one line, and a replacement is
+asked for again under a new name while the job goes on. The job's processes run as on TPU VMs: `QueuedResourceLauncher` wraps the TPU VM
 launcher, whose slice names it updates when a replacement takes a slice's place.
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from MaxText.errors import UserError
 from MaxText.platform import tpu_launch
@@ -23,6 +25,14 @@ from MaxText.platform.generations import Generation
 from MaxText.platform.tpu_launch import Gcloud
 
 GONE = frozenset({"PREEMPTED", "TERMINATED", "NOT_FOUND"})  # a node that will not come back by itself
+# A queued resource's states (`state.state` of `gcloud alpha compute tpus queued-resources describe`, the TPU
+# API's QueuedResourceState: CREATING, ACCEPTED, PROVISIONING, WAITING_FOR_RESOURCES, ACTIVE, FAILED, SUSPENDING,
+# SUSPENDED, DELETING) in which it brings no node any more.
+ENDED = frozenset({"FAILED", "SUSPENDING", "SUSPENDED", "DELETING"})
+
+
+class QueuedResourceEnded(UserError):
+  """The first request's queued resource FAILED or was SUSPENDED: its slices will not come."""
 
 
 class NamedLauncher(Protocol):
@@ -53,10 +63,32 @@ class QueuedSlices:
 
   def state(self, name: str) -> str:
     """The node's state, NOT_FOUND when it is not listed."""
-    argv = self.gcloud.command("compute", "tpus", "tpu-vm", "describe", name, "--format=json")
+    described = self._describe(self.gcloud.command("compute", "tpus", "tpu-vm", "describe", name, "--format=json"),
+                               f"describing TPU '{name}'")
+    return described if isinstance(described, str) else str(described.get("state", "UNKNOWN"))
+
+  def queued_state(self, name: str) -> tuple[str, str]:
+    """The queued resource's own state (its `state.state`; NOT_FOUND when it is not listed, UNKNOWN when the look
+    failed) and, when it failed, the error's message (`state.failedData.error.message`, "" without one)."""
+    described = self._describe(self.gcloud.command(*tpu_launch.QUEUED_RESOURCES, "describe", name, "--format=json"),
+                               f"describing queued resource '{name}'")
+    if isinstance(described, str):
+      return described, ""
+    state = described.get("state")
+    if isinstance(state, str):  # not the API's shape, but plain enough to read
+      return state, ""
+    if not isinstance(state, dict):
+      return "UNKNOWN", ""
+    failed = state.get("failedData")
+    error = failed.get("error") if isinstance(failed, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    return str(state.get("state", "UNKNOWN")), message if isinstance(message, str) else ""
+
+  def _describe(self, argv: list[str], what: str) -> dict[str, Any] | str:
+    """gcloud's JSON description, or NOT_FOUND (not listed) or UNKNOWN (the look failed: down until the next)."""
     try:
-      described = json.loads(self.gcloud.read(argv, f"describing TPU '{name}'"))
-      return str(described.get("state", "UNKNOWN")) if isinstance(described, dict) else "UNKNOWN"
+      described = json.loads(self.gcloud.read(argv, what))
+      return described if isinstance(described, dict) else "UNKNOWN"
     except UserError as e:
       if "on PATH" in str(e):  # no gcloud at all
         raise
@@ -85,6 +117,11 @@ class QueuedSlices:
              "its slices")
     last = 0.0
     while (states := [self.state(n) for n in self.names]) != ["READY"] * self.num_slices:
+      queued, message = self.queued_state(self.prefix)
+      if queued in ENDED:
+        raise QueuedResourceEnded(f"queued resource {self.prefix} is {queued}{f' ({message})' if message else ''}, so "
+                                  f"its slices will not come; delete it with `{self.delete_command(self.prefix)}`, "
+                                  "then run again")
       if time.monotonic() - last > 60:
         last = time.monotonic()
         self.log("elastic: waiting for " + ", ".join(f"{n} ({s})" for n, s in zip(self.names, states) if s != "READY"))
@@ -96,7 +133,15 @@ class QueuedSlices:
     up = set()
     for s, name in enumerate(self.names):
       replacement = self.replacing.get(s)
-      if replacement is not None and self.state(replacement) == "READY":
+      if replacement is not None and self.state(replacement) != "READY":
+        queued, message = self.queued_state(replacement)
+        if queued in ENDED:  # it will bring no node: another one is asked for at the next look
+          del self.replacing[s]
+          self.log(f"warning: queued resource {replacement}, slice {s}'s replacement, is {queued}"
+                   f"{f' ({message})' if message else ''}; asking for another at the next look (delete it with "
+                   f"`{self.delete_command(replacement)}`)")
+          continue
+      elif replacement is not None:
         try:
           self.prepare(replacement)
         except UserError as e:
@@ -128,8 +173,10 @@ class QueuedSlices:
 
   def delete_commands(self) -> list[str]:
     """What deletes every queued resource this run asked for (they are billed until then)."""
-    return [tpu_launch.quote(self.gcloud.command(*tpu_launch.QUEUED_RESOURCES, "delete", name, "--force", "--async"))
-            for name in self.requested]
+    return [self.delete_command(name) for name in self.requested]
+
+  def delete_command(self, name: str) -> str:
+    return tpu_launch.quote(self.gcloud.command(*tpu_launch.QUEUED_RESOURCES, "delete", name, "--force", "--async"))
 
 
 class QueuedResourceLauncher:

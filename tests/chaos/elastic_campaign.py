@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from MaxText import elastic
+from MaxText.platform import run_progress
 from MaxText.configuration.elastic_config import SliceLayout
 from tests.chaos.training_campaign import REPO_ROOT, committed_steps, losses, saving_in_progress
 from tests.compile_settings import FAST_COMPILE_FLAG, jax_cache_env
@@ -154,7 +155,7 @@ class Campaign:
   def _inject(self, trial: Trial, launcher: elastic.LoopbackLauncher, supervisor: elastic.Supervisor, run_dir: Path,
               outcome: Outcome) -> None:
     def reached(step: int) -> bool:
-      return elastic.logged_step(run_dir) >= step
+      return run_progress.logged_step(run_dir) >= step
 
     if not _wait(lambda: reached(trial.after_step - 1), 600):
       raise TimeoutError(f"step {trial.after_step - 1} never came")
@@ -176,11 +177,11 @@ class Campaign:
     # fast machine finish the job before the kill.
     time.sleep(trial.delay / 2 * step_s)
     if trial.fault == "kill_in_save":
-      _wait(lambda: saving_in_progress(str(run_dir)) or elastic.logged_step(run_dir) >= STEPS, 600, poll_s=0.002)
+      _wait(lambda: saving_in_progress(str(run_dir)) or run_progress.logged_step(run_dir) >= STEPS, 600, poll_s=0.002)
       outcome.landed = saving_in_progress(str(run_dir))
     outcome.saved_before = max(committed_steps(str(run_dir)), default=0)
     if not _kill(launcher, trial.victim):
-      outcome.problems.append(f"the job ended before the kill (step {elastic.logged_step(run_dir)} of {STEPS} "
+      outcome.problems.append(f"the job ended before the kill (step {run_progress.logged_step(run_dir)} of {STEPS} "
                               f"logged); the kill came {trial.delay / 2 * step_s:.2f} s after step {trial.after_step}")
 
   def _check(self, outcome: Outcome, run_dir: Path, expected: dict[int, float]) -> None:
