@@ -287,6 +287,46 @@ def test_a_hung_process_is_named_both_exit_and_a_relaunch_resumes(tmp_path):
   assert "state: resumed from step 4" in outs[0][0], outs[0][0][-2000:]  # step 4 was saved before the hang
 
 
+LAST_SAVE_HANGS = textwrap.dedent("""
+    # Test hook (sitecustomize): the write of checkpoint step 4 stops before Orbax renames its temporary
+    # folder into the step, as on a local disk or NFS mount that stopped answering (for 90 s here).
+    import asyncio
+    from orbax.checkpoint._src.path import atomicity
+    _finalize = atomicity.AtomicRenameTemporaryPath.finalize
+    async def _stuck_finalize(self):
+      if self.get_final().name == "4":
+        await asyncio.sleep(90)
+      return await _finalize(self)
+    atomicity.AtomicRenameTemporaryPath.finalize = _stuck_finalize
+""")
+
+
+@pytest.mark.slow  # two train.py processes, one after the other
+def test_a_hang_in_the_last_checkpoint_save_exits_4_and_the_relaunch_resumes_from_the_previous_step(tmp_path):
+  """The watchdog had ended before the checkpoint hook's end waited for the last async save: a save that hung
+  there hung the process (for good on a local disk: nothing else bounds it), with no stacks and no exit 4."""
+  import time
+
+  hooks = tmp_path / "hooks"
+  hooks.mkdir()
+  (hooks / "sitecustomize.py").write_text(LAST_SAVE_HANGS)
+  keys = ("steps=4", "checkpoint_period=2", "async_checkpointing=True")
+  started = time.time()
+  first = _train(tmp_path, hooks, *keys, "step_timeout_seconds=20")
+  out, err = first.communicate(timeout=600)
+  assert first.returncode == 4, (out[-1000:], err[-3000:])
+  assert "error: the final checkpoint save at step 4 did not finish in step_timeout_seconds=20; Python stacks " \
+         "above. Exiting with status 4" in err, (out[-1000:], err[-3000:])
+  assert time.time() - started < 85  # well before the hang would have ended
+  left = sorted(p.name for p in (tmp_path / "gp" / "checkpoints").iterdir())
+  assert left[0] == "2" and len(left) == 2 and left[1].startswith("4.orbax-checkpoint-tmp"), left  # cut mid-way
+  relaunched = _train(tmp_path, None, *keys)
+  out, err = relaunched.communicate(timeout=600)
+  assert relaunched.returncode == 0, err[-2000:]
+  assert "state: resumed from step 2" in out, out[-2000:]  # the unfinished step 4 is not taken
+  assert "4" in [p.name for p in (tmp_path / "gp" / "checkpoints").iterdir()]
+
+
 @pytest.mark.parametrize("value", [10**12, -1])
 def test_a_step_timeout_beyond_what_a_thread_can_wait_is_a_config_error(value):
   """A value past threading.TIMEOUT_MAX (10**12 for "never") was taken: the watchdog thread's first wait raised

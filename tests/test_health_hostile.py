@@ -232,3 +232,140 @@ def test_a_start_too_short_to_fill_the_spike_window_says_it_checks_nothing(capsy
   assert "its 20 step(s) are too few" in run(30, loss_spike_threshold=3.0, loss_spike_window=20)
   assert run(0, loss_spike_threshold=3.0, loss_spike_window=48) == ""  # step 50 is checked
   assert run(0, loss_spike_window=100) == ""  # off
+
+
+class _Batches:
+  def __next__(self):
+    return 0
+
+  def get_state(self):
+    return {"position": 0}
+
+
+class _NoPreemption:
+  def reached(self, step: int) -> bool:
+    return False
+
+  def close(self) -> None:
+    pass
+
+
+class _LastSaveHangs:
+  """RunCheckpoints on a disk that stops answering during the last (async) save: closing waits for it,
+  here until the watchdog's exit ends the wait (as os._exit would) or 10 s pass."""
+
+  directory, local = "/the/checkpoints", None
+
+  def __init__(self):
+    self.last_saved_step: int | None = None
+    self.unfinished_step: int | None = None
+    self.exited = __import__("threading").Event()
+
+  def local_due(self, step: int) -> bool:
+    return False
+
+  def save(self, step, state, data_state, meta) -> None:
+    self.last_saved_step = self.unfinished_step = step  # async: on disk once waited for
+
+  def close(self) -> None:
+    self.exited.wait(10)
+
+
+def test_a_hang_in_the_last_checkpoint_save_is_watched(tiny_overrides, capsys):
+  """The watchdog's end ran before the checkpoint hook's, which waits for the last async save: a save to a
+  local disk or NFS mount that stopped answering hung the process for good, with no stacks and no exit 4."""
+  from MaxText.training.health import StepWatchdog, add_health_hooks
+  from MaxText.training.trainer import CheckpointHook
+
+  config = Config.for_testing(**tiny_overrides, steps=3, step_timeout_seconds=0.5)
+  trainer = Trainer(config, _FiniteStep(), _Batches(), jax.random.key(0),  # type: ignore[arg-type]
+                    metrics.training_tflops_per_step(config.model, 8, 32), 1.0)
+  checkpoints, exits = _LastSaveHangs(), []
+
+  def exit(code: int) -> None:
+    exits.append(code)
+    checkpoints.exited.set()
+
+  add_health_hooks(trainer, config.run, None, False, 1, 0.0, 0, StepWatchdog(0.5, exit=exit))
+  trainer.add_hook(CheckpointHook(checkpoints, 2, 3, _NoPreemption(), jax.random.key(0)),  # type: ignore[arg-type]
+                   every=0, needs_state=True)
+  trainer.run(state={"params": 0})  # type: ignore[arg-type]
+  assert exits == [StepWatchdog.EXIT_CODE]
+  err = capsys.readouterr().err
+  assert "error: the final checkpoint save at step 3 did not finish in step_timeout_seconds=0.5; Python stacks " \
+         "above. Exiting with status 4" in err, err[-600:]
+  assert "in close" in err  # the main thread's stack shows the wait
+  assert trainer.activity == "the train step"  # restored: an error raised after the ends names what failed
+
+
+class _CompilesSlowly:
+  """An eval step whose first call (its compilation) takes 1.5 s and whose call at the second evaluation
+  never returns (released by the watchdog's exit, or after 10 s)."""
+
+  def __init__(self):
+    self.calls = 0
+    self.exited = __import__("threading").Event()
+
+  def __call__(self, state, batch):
+    import time
+
+    self.calls += 1
+    if self.calls == 1:
+      time.sleep(1.5)
+    elif self.calls == 3:  # the second evaluation's first batch
+      self.exited.wait(10)
+    return {"loss_sum": 1.0, "weight_sum": 1.0}
+
+
+class _EvalBatches:
+  def reset(self):
+    return iter(range(2))
+
+
+def test_the_first_evaluations_compilation_is_not_a_hang_but_a_later_evaluation_is(tiny_overrides, capsys):
+  """The first train step's compilation is outside the timeout, the first evaluation's was inside it: a tight
+  step_timeout_seconds on a big model killed the run at its first evaluation, at every restart."""
+  from MaxText.training.health import StepWatchdog, add_health_hooks
+  from MaxText.training.trainer import EvalHook
+
+  config = Config.for_testing(**tiny_overrides, steps=4, step_timeout_seconds=0.6)
+  trainer = Trainer(config, _FiniteStep(), iter(range(100)), jax.random.key(0),
+                    metrics.training_tflops_per_step(config.model, 8, 32), 1.0)
+  eval_step, exits = _CompilesSlowly(), []
+
+  def exit(code: int) -> None:
+    exits.append(code)
+    eval_step.exited.set()
+
+  add_health_hooks(trainer, config.run, None, False, 1, 0.0, 0, StepWatchdog(0.6, exit=exit))
+  trainer.add_hook(EvalHook(eval_step, _EvalBatches(), 2, None, False, lambda totals: ({}, "")), every=2,
+                   needs_state=True)
+  trainer.run(state={"params": 0})  # type: ignore[arg-type]
+  assert exits == [StepWatchdog.EXIT_CODE]  # once: at the evaluation of step 4, not in the compilation at step 2
+  err = capsys.readouterr().err
+  assert "error: no step finished in step_timeout_seconds=0.6 after step 4 on this process; every process started " \
+         "step 4; this process is in the evaluation at step 4; Python stacks above" in err, err[-600:]
+
+
+def test_the_eval_tasks_scorer_compiles_each_pass_inside_the_watchdogs_compiling():
+  """The eval_tasks scoring's first calls of its two jitted passes compile them, as the evaluation's first call
+  does: outside the watchdog's timeout (TaskEvalHook hands the scorer Trainer.compiling)."""
+  import contextlib
+
+  from MaxText.training.task_eval import Scorer
+
+  scorer = Scorer.__new__(Scorer)  # its bookkeeping of first calls only: no model
+  scorer._compiled = set()
+  inside: list[tuple[str, bool]] = []
+  compiling = [False]
+
+  @contextlib.contextmanager
+  def watched_compile():
+    compiling[0] = True
+    yield
+    compiling[0] = False
+
+  scorer.compiling = watched_compile
+  for name in ("logprobs", "logprobs", "next", "next", "logprobs"):
+    scorer._run(name, lambda name=name: inside.append((name, compiling[0])))
+  assert inside == [("logprobs", True), ("logprobs", False), ("next", True), ("next", False), ("logprobs", False)]

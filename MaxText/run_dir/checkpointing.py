@@ -184,6 +184,12 @@ class RunCheckpoints:
     checkpoints._own = True
     return checkpoints
 
+  @property
+  def unfinished_step(self) -> int | None:
+    """The step of a save this process started that is not known to be on disk yet (an async save
+    in flight, which `wait` and `close` wait for), else None."""
+    return self.last_saved_step if self._saved_here and self.last_saved_step != self._durable_step else None
+
   def local_due(self, step: int) -> bool:
     return self.local is not None and step % self.local.period == 0
 

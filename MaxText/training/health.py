@@ -215,6 +215,9 @@ class GoodputHook:
     storage.write_text(self.path, json.dumps(record, indent=1))
     return starts, summary
 
+  def ending(self) -> str:
+    return f"writing {GOODPUT_FILE}"
+
   def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
     starts, t = self._write(final=True)
     if t is None:
@@ -325,8 +328,10 @@ class StepWatchdog:
   stuck host): prints every thread's Python stack, names the processes that did not reach the step
   the others are waiting in, and exits with EXIT_CODE so the scheduler restarts the job, which
   resumes from its last checkpoint. Armed once the first step is dispatched (compiling it is not a
-  hang) and, before it, inside `guard` (the first batch: a reward function or a reader that never
-  returns); add with every=0 (its `due` records each dispatch) on every process."""
+  hang; nor is compiling the first evaluation, inside `compiling`) and, before it, inside `guard`
+  (the first batch: a reward function or a reader that never returns); after the last step, through
+  the other hooks' ends (the last checkpoint save), which the trainer runs inside `guard`. Add with
+  every=0 (its `due` records each dispatch) on every process, and set it as the trainer's `watchdog`."""
 
   EXIT_CODE = 4
 
@@ -355,8 +360,9 @@ class StepWatchdog:
 
   @contextlib.contextmanager
   def guard(self, what: str) -> Iterator[None]:
-    """Fires when the block (`what`, e.g. "the first rollout") does not finish within timeout_s;
-    disarmed again after it, until the first step finishes."""
+    """Fires when the block (`what`, e.g. "the first rollout", or the end of a hook: "the final
+    checkpoint save at step N") does not finish within timeout_s; disarmed again after it, until the
+    first step finishes."""
     self._guarding = what
     self._start()
     self._armed.set()
@@ -367,6 +373,21 @@ class StepWatchdog:
       self._armed.clear()
       self._guarding = None
       self._petted.set()
+
+  @contextlib.contextmanager
+  def compiling(self) -> Iterator[None]:
+    """A block that compiles (a hook's first call of its jitted step: the first evaluation's), which
+    is no hang, as the first train step's compilation is none: no deadline inside it, and the whole
+    timeout again after it."""
+    was_armed = self._armed.is_set()
+    self._armed.clear()
+    self._petted.set()  # wakes the watching thread, which then waits for the arming
+    try:
+      yield
+    finally:
+      if was_armed:
+        self._armed.set()
+        self._petted.set()
 
   def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
     self.last_step = record.step
@@ -393,7 +414,7 @@ class StepWatchdog:
     _print_stacks()
     doing = _in_activity() or self._loop_activity()
     if self._guarding is not None:
-      inside = f" (in {doing})" if doing else ""
+      inside = f" (in {doing})" if doing and doing != self._guarding else ""
       print(f"error: {self._guarding} did not finish in step_timeout_seconds={self.timeout_s:g}{inside}; Python "
             f"stacks above. Exiting with status {self.EXIT_CODE} so the job restarts", file=sys.stderr, flush=True)
       self._leave()
@@ -428,6 +449,8 @@ class StepWatchdog:
     self._exit(self.EXIT_CODE)
 
   def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
+    """The trainer ends the watchdog after every other hook (trainer.watchdog), guarding each of
+    their ends with `guard`: the checkpoint hook's waits for the last (async) save."""
     self._stopped.set()
     self._armed.set()
     self._petted.set()
@@ -455,7 +478,7 @@ def add_health_hooks(trainer: Trainer, settings: RunConfig, writer: metrics_lib.
                                    is_primary), every=1)
   if settings.step_timeout_seconds > 0:
     watchdog = watchdog or StepWatchdog(settings.step_timeout_seconds)
-    watchdog.trainer = trainer
+    watchdog.trainer, trainer.watchdog = trainer, watchdog  # the trainer ends it last: it watches the hooks' ends
     trainer.add_hook(watchdog, every=0)
   if is_primary:
     trainer.add_hook(GoodputHook(settings.run_dir, process_started, start_step, writer,

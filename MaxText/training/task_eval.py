@@ -15,10 +15,11 @@ the same order, as multi-host jitted calls need; the primary one prints and writ
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +79,15 @@ class Scorer:
     self._logprobs = jax.jit(token_logprobs, out_shardings=(replicated, replicated))
     self._next = jax.jit(next_tokens, out_shardings=replicated)
     self.params: Params = None  # set before each evaluation
+    # Around the first call of each jitted pass, which compiles it (Trainer.compiling: no hang for the watchdog).
+    self.compiling: Callable[[], ContextManager[None]] = contextlib.nullcontext
+    self._compiled: set[str] = set()
+
+  def _run(self, name: str, step: Callable[..., Any], *args: Any) -> Any:
+    with contextlib.nullcontext() if name in self._compiled else self.compiling():
+      out = step(*args)
+    self._compiled.add(name)
+    return out
 
   def _global(self, rows_BL: np.ndarray) -> jax.Array:
     # Every process holds the whole array (same requests everywhere) and gives its own shards.
@@ -99,8 +109,8 @@ class Scorer:
       wholes = [(ctx + cont)[-(self.length + 1):] for ctx, cont in chunk]
       tokens, segments = self._row_arrays([w[:-1] for w in wholes])
       targets, _ = self._row_arrays([w[1:] for w in wholes])
-      picked, greedy = jax.device_get(self._logprobs(self.params, self._global(tokens), self._global(targets),
-                                                     self._global(segments)))
+      picked, greedy = jax.device_get(self._run("logprobs", self._logprobs, self.params, self._global(tokens),
+                                                self._global(targets), self._global(segments)))
       for i, ((_, cont), whole) in enumerate(zip(chunk, wholes)):
         end = max(len(whole) - 1, 0)  # an empty pair has no target: its score is 0, not the row's padding
         span = slice(end - min(len(cont), end), end)
@@ -123,8 +133,8 @@ class Scorer:
         tokens, segments = self._row_arrays([s + n for s, n in zip(seqs, new)])
         last = np.zeros(self.rows, np.int32)
         last[:len(chunk)] = [len(s) + len(n) - 1 for s, n in zip(seqs, new)]
-        picked = jax.device_get(self._next(self.params, self._global(tokens), self._global(segments),
-                                           jax.device_put(last, NamedSharding(self.sharding.mesh, PartitionSpec()))))
+        picked = jax.device_get(self._run("next", self._next, self.params, self._global(tokens), self._global(segments),
+                                          jax.device_put(last, NamedSharding(self.sharding.mesh, PartitionSpec()))))
         for i, (_, stops, _) in enumerate(chunk):
           if done[i]:
             continue
@@ -242,6 +252,8 @@ class TaskEvalHook:
 
   def on_step(self, trainer: "Trainer", record: "StepRecord", state: "TrainState | None") -> None:
     assert state is not None, "add TaskEvalHook with needs_state=True"
+    # Each pass's first call compiles it: no hang for the watchdog (a bare call, in tests, has no trainer).
+    self.scorer.compiling = getattr(trainer, "compiling", contextlib.nullcontext)
     start = time.monotonic()
     scalars = self.evaluate(state.params)
     if self.is_primary:

@@ -8,6 +8,7 @@ are hooks; the jitted step stays pure.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 import sys
@@ -116,6 +117,26 @@ class ScheduledHook(Hook, Protocol):
   def due(self, step: int) -> bool: ...
 
 
+class Watchdog(Hook, Protocol):
+  """The hang watchdog (health.StepWatchdog) as the loop sees it: the trainer ends it after every
+  other hook, running their ends inside its `guard` (the checkpoint hook's waits for the last async
+  save, which can hang on a disk that stops answering), and a hook compiles its step (the first
+  evaluation) inside its `compiling`."""
+
+  def guard(self, what: str) -> ContextManager[None]: ...
+
+  def compiling(self) -> ContextManager[None]: ...
+
+
+def _ending(hook: Hook) -> str:
+  """What a hook's end does, for the watchdog's line should it hang (a hook's `ending()` says)."""
+  ending = getattr(hook, "ending", None)
+  try:
+    return str(ending()) if callable(ending) else f"the end of {getattr(hook, 'activity', type(hook).__name__)}"
+  except Exception:  # noqa: BLE001 - a name must not keep the hook from ending
+    return f"the end of {type(hook).__name__}"
+
+
 @dataclasses.dataclass
 class _Entry:
   hook: Hook
@@ -168,6 +189,7 @@ class Trainer:
     self.steps_finished = 0
     # What the loop is doing (still named after it failed): a message's "in ..." for an error from the devices.
     self.activity = TRAIN_STEP
+    self.watchdog: Watchdog | None = None  # the hang watchdog, one of the hooks (health.add_health_hooks)
 
   def add_hook(self, hook: Hook, every: int = 1, needs_state: bool = False) -> None:
     """Runs `hook.on_step` after every `every`-th step; every=0: at the steps `hook.due` names."""
@@ -180,6 +202,11 @@ class Trainer:
   @property
   def hooks(self) -> list[Hook]:
     return [entry.hook for entry in self._entries]
+
+  def compiling(self) -> ContextManager[None]:
+    """Around a hook's first call of its jitted step (the evaluation's): its compilation is no hang
+    for the watchdog, as the first train step's is none."""
+    return self.watchdog.compiling() if self.watchdog is not None else contextlib.nullcontext()
 
   def _finish(self, loop: LoopState, state: TrainState | None) -> None:
     """Waits for the pending step's metrics, checks them and runs the hooks."""
@@ -309,19 +336,32 @@ class Trainer:
     """Every hook's on_end runs; while an error is already on its way out, a hook's own failure
     (e.g. the same broken storage) is reported in one line instead of replacing it. Otherwise the first
     failure is raised once the later hooks have ended too: the checkpoint hook's end waits for the last
-    save, which an exit before it loses."""
+    save, which an exit before it loses.
+
+    The hang watchdog ends last: every other hook's end runs inside its `guard`, so one that hangs
+    (the last save, to a local disk or NFS mount that stopped answering) prints the stacks and exits
+    with the watchdog's status, as a hang in a step does, instead of hanging the process for good."""
     first_failure: Exception | None = None
-    for hook in self.hooks:
-      try:
-        hook.on_end(self, loop.state)
-      except Exception as e:  # noqa: BLE001
-        if not failing and first_failure is None:
-          first_failure = e
-          continue
-        if isinstance(e, storage_retry.StorageUnavailable):
-          continue  # the same unreachable storage: the error line says it once
-        print(f"warning: while stopping, {type(hook).__name__} failed too: {type(e).__name__}: "
-              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300], file=sys.stderr, flush=True)
+    watchdog = self.watchdog if any(hook is self.watchdog for hook in self.hooks) else None
+    hooks = [hook for hook in self.hooks if hook is not watchdog] + ([watchdog] if watchdog is not None else [])
+    activity = self.activity  # what failed, for the caller's message
+    try:
+      for hook in hooks:
+        what = _ending(hook)
+        self.activity = what
+        try:
+          with watchdog.guard(what) if watchdog is not None and hook is not watchdog else contextlib.nullcontext():
+            hook.on_end(self, loop.state)
+        except Exception as e:  # noqa: BLE001
+          if not failing and first_failure is None:
+            first_failure = e
+            continue
+          if isinstance(e, storage_retry.StorageUnavailable):
+            continue  # the same unreachable storage: the error line says it once
+          print(f"warning: while stopping, {type(hook).__name__} failed too: {type(e).__name__}: "
+                f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300], file=sys.stderr, flush=True)
+    finally:
+      self.activity = activity
     if first_failure is not None:
       raise first_failure
 
@@ -356,6 +396,9 @@ class LoggingHook:
     if "reward" in s:  # an RL run's loss is near 0 by construction; its progress is the reward
       line += f" | reward {s['reward']:.4f}"
     print(line, flush=True)
+
+  def ending(self) -> str:
+    return "closing the metric files"
 
   def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
     if self.writer is not None:
@@ -400,13 +443,21 @@ class EvalHook:
     objective's eval_metrics, from the summed scalars to (scalars, the log line's text)."""
     self.eval_step, self.eval_data, self.eval_steps = eval_step, eval_data, eval_steps
     self.writer, self.is_primary, self.summarise = writer, is_primary, summarise
+    self._compiled = False  # the eval step's first call (this start's first evaluation) compiles it
 
   def on_step(self, trainer: Trainer, record: StepRecord, state: TrainState | None) -> None:
     assert state is not None, "add EvalHook with needs_state=True"
     data = self.eval_data.reset()
     totals: dict[str, float] = {}
     for _ in range(self.eval_steps):
-      sums = jax.device_get(self.eval_step(state, next(data)))
+      batch = next(data)  # reading it is watched
+      # The first call's dispatch compiles the eval step, which is no hang for the watchdog (as the
+      # first train step's is none); running it is watched again.
+      compiling = getattr(trainer, "compiling", contextlib.nullcontext)  # a bare call (tests) has no trainer
+      with contextlib.nullcontext() if self._compiled else compiling():
+        pending = self.eval_step(state, batch)
+      self._compiled = True
+      sums = jax.device_get(pending)
       for name, value in sums.items():
         if np.ndim(value) == 0:
           totals[name] = totals.get(name, 0.0) + float(value)
@@ -506,6 +557,11 @@ class CheckpointHook:
     print(f"warning: step {step} is not saved: it was non-finite, its parameters give NaN/inf ({kept}); {later}",
           file=sys.stderr, flush=True)
 
+  def ending(self) -> str:
+    """The hang watchdog's name for this hook's end, which waits for the last (async) save."""
+    step = self.checkpoints.unfinished_step
+    return f"the final checkpoint save at step {step}" if step is not None else "closing the checkpoints"
+
   def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
     self.preemption.close()
     self.checkpoints.close()
@@ -553,6 +609,9 @@ class ProfilerHook:
       self._start()
     elif record.step == self.last and self.tracing:
       self._stop()
+
+  def ending(self) -> str:
+    return "stopping the profile trace" if self.tracing else "the end of the profiler"
 
   def on_end(self, trainer: Trainer, state: TrainState | None) -> None:
     if self.tracing:
