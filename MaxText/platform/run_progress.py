@@ -65,7 +65,7 @@ class GrowingFile:
 
       return None, storage_retry.call(f"reading {self.path}", self.path, fetch)
     try:
-      with open(storage.resolve(self.path), "rb") as f:
+      with storage.open_file(self.path, "rb") as f:
         stat = os.fstat(f.fileno())
         f.seek(start)
         return (stat.st_dev, stat.st_ino), f.read()
