@@ -44,6 +44,9 @@ def generate(config: Config) -> str:
                     "or load_full_state_path)")
   if storage.exists(output):
     raise UserError(f"{output} already exists; choose a new param_only_checkpoint_path or remove it first")
+  if cfg.lora_peft_export_path and storage.exists(cfg.lora_peft_export_path):  # before the long read
+    raise UserError(f"{cfg.lora_peft_export_path} already exists; choose a new lora_peft_export_path or remove it "
+                    "first")
   _, params = model_assembly.assemble_model(config, source)
   if cfg.lora_peft_export_path:  # before merging: the adapters as they are
     targets = peft_adapters.save(cfg.lora_peft_export_path, jax.device_get(lora.split(params)[0]), config.model)

@@ -356,6 +356,14 @@ def _metric_trackers(v: Mapping[str, Any]) -> tuple[str, ...]:
   return tuple(names)
 
 
+def _nested(a: str, b: str) -> bool:
+  """Whether two output directories are the same or one holds the other ("" is none)."""
+  if not a or not b:
+    return False
+  a, b = a.rstrip("/") + "/", b.rstrip("/") + "/"
+  return a.startswith(b) or b.startswith(a)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
   enable_checkpointing: bool = key()
@@ -391,6 +399,9 @@ class CheckpointConfig:
     _require(keep == -1 or keep >= 1, f"max_num_checkpoints_to_keep must be >= 1 or -1 (keep all), got {keep}")
     _require(not v["lora_peft_export_path"] or v["lora_rank"] > 0,
              "lora_peft_export_path exports LoRA adapters; the model has none (lora_rank=0)")
+    _require(not _nested(v["lora_peft_export_path"], v["param_only_checkpoint_path"]),
+             f"lora_peft_export_path={v['lora_peft_export_path']} and param_only_checkpoint_path="
+             f"{v['param_only_checkpoint_path']} overlap; each export needs a directory of its own")
     _require(not (v["load_parameters_path"] and v["load_full_state_path"]),
              "set at most one of load_parameters_path (weights only, fresh optimizer) and "
              "load_full_state_path (weights, optimizer state and step)")

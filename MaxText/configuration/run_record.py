@@ -143,11 +143,15 @@ def check_resume(config: Config, run_dir: str, what: str,
   if differences:
     note = "; global_batch_size is per_device_batch_size x the number of devices" \
         if any(d.startswith("global_batch_size:") for d in differences) else ""
+    # A LoRA run's checkpoints are refused as parameters (params_io.load_params): point at the export instead.
+    start = ("export these weights with their adapters merged (MaxText.generate_param_only_checkpoint "
+             "param_only_checkpoint_path=DIR) and start a new run from them with load_parameters_path=DIR"
+             if any(_trained_adapters(values) for values, _ in records) else
+             f"start a new run from these weights with load_parameters_path={storage.join(run_dir, 'checkpoints')}")
     raise ConfigError(
         f"cannot resume {what} of {run_dir}: the saved state was made with other values of key(s) that fix "
         f"its shape or meaning ({'; '.join(differences)}, saved -> now{note}; recorded in {' and '.join(sources)}). "
-        f"Rerun with the saved values, choose a new run_name, or start a new run from these weights with "
-        f"load_parameters_path={storage.join(run_dir, 'checkpoints')}")
+        f"Rerun with the saved values, choose a new run_name, or {start}")
   return [source for _, source in records]
 
 
@@ -205,6 +209,14 @@ def saved_model_keys(checkpoint_path: str) -> tuple[dict[str, Any], str] | None:
 
 
 def contradictions(given: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
-  """`key=given (saved: value)` for each given model key that differs from the saved one."""
-  return [f"{key}={given[key]!r} (saved: {saved[key]!r})" for key in MODEL_KEYS
+  """`key=given (saved: value)` for each given model key that differs from the saved one, the LoRA keys
+  included where the saved run trained adapters (another alpha or fewer targets exported or decoded a
+  model nobody trained), and lora_rank always (a plain run's checkpoints have no adapters to read)."""
+  lora_keys = LORA_KEYS if _trained_adapters(saved) else ("lora_rank",)
+  return [f"{key}={given[key]!r} (saved: {saved[key]!r})" for key in (*MODEL_KEYS, *lora_keys)
           if key in given and key in saved and not _same(given[key], saved[key])]
+
+
+def _trained_adapters(saved: Mapping[str, Any]) -> bool:
+  rank = saved.get("lora_rank", 0)
+  return isinstance(rank, int) and rank > 0
