@@ -28,7 +28,7 @@ import numpy as np
 
 from MaxText.configuration import config as config_lib
 from MaxText.errors import UserError, run_cli
-from MaxText.inference import image_chat, speculative_engine
+from MaxText.inference import image_chat, image_prompts, speculative_engine
 from MaxText.inference.engine import load_engine
 from MaxText.inference.engine_api import Emitted
 from MaxText.inference.image_prompts import PromptImages
@@ -54,8 +54,23 @@ def prompt_ids(config: config_lib.Config) -> tuple[list[int], Tokenizer | None]:
     from MaxText.input_pipeline import chat
 
     hf_tokenizer = chat.load_chat_tokenizer(data.tokenizer_path, needs=CHAT_TEMPLATE_NEEDS)
-    return chat.chat_prompt_ids(hf_tokenizer, config.decode.prompt), tokenizer
-  return DocumentEncoder(tokenizer, data.add_bos, add_eos=False)(config.decode.prompt), tokenizer
+    return chat.chat_prompt_ids(hf_tokenizer, prompt_text(config)), tokenizer
+  return DocumentEncoder(tokenizer, data.add_bos, add_eos=False)(prompt_text(config)), tokenizer
+
+
+def prompt_text(config: config_lib.Config) -> str:
+  """`prompt`, refused in one line unless it is Unicode text: bytes that are not UTF-8 on the command
+  line reach Python as lone surrogates, which no tokenizer encodes (it raised a TypeError traceback)."""
+  prompt = config.decode.prompt
+  try:
+    prompt.encode("utf-8")
+  except UnicodeEncodeError as e:
+    # Python keeps an undecodable argv byte b as the surrogate U+DC00 + b.
+    bad = " ".join(f"0x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else f"U+{ord(c):04X}"
+                   for c in prompt[e.start:e.end])
+    raise UserError(f"prompt is not UTF-8 text ({bad} at character {e.start}); give it in UTF-8 (the terminal's or "
+                    "file's encoding, e.g. LANG=C.UTF-8), or give its ids as prompt_token_ids=5,17,42") from None
+  return prompt
 
 
 def image_paths(config: config_lib.Config) -> list[str]:
@@ -86,21 +101,22 @@ def prompt_with_images(config: config_lib.Config) -> tuple[list[int], Tokenizer 
   hf_tokenizer = chat.load_chat_tokenizer(data.tokenizer_path, require_template=config.decode.prompt_chat_template,
                                          needs=CHAT_TEMPLATE_NEEDS)
   if config.decode.prompt_chat_template:
-    parts = [{"type": "image", "image": p} for p in paths] + [{"type": "text", "text": config.decode.prompt}]
+    parts = [{"type": "image", "image": p} for p in paths] + [{"type": "text", "text": prompt_text(config)}]
     ids, prompt_images = image_chat.conversation_ids(hf_tokenizer, [{"role": "user", "content": parts}], cfg,
                                                      files=True)
     return ids, tokenizer, prompt_images
-  text = config.decode.prompt
+  text = prompt_text(config)
   marker = image_chat.image_marker(hf_tokenizer, cfg)
   if marker not in text:
     text = marker * len(paths) + text
   prepared = image_text.prepare_images(paths, cfg.vision, cfg.decoder_block, files=True)
-  expanded = image_text.expand_image_markers(text, hf_tokenizer, cfg.vision, cfg.decoder_block, prepared)
-  prompt_images = PromptImages.of(np.concatenate([p.pixels for p in prepared]))
-  # The expanded markers are control tokens, which DocumentEncoder writes as text: the template tokenizer's ids.
-  ids = DocumentEncoder(tokenizer, data.add_bos, add_eos=False)("") + list(
-      hf_tokenizer(expanded, add_special_tokens=False)["input_ids"])
-  return ids, tokenizer, prompt_images
+  # Only the markers are control tokens (the images' places, expanded into their runs): any other special token
+  # typed in the prompt stays text, as DocumentEncoder writes a prompt without images.
+  pieces = text.split(marker)
+  guard = chat.ContentGuard(hf_tokenizer, pieces)
+  hidden = marker.join(guard.hide(piece) for piece in pieces)
+  ids, prompt_images = image_chat.ImageChat.of(cfg).encode(hf_tokenizer, hidden, prepared, guard)
+  return DocumentEncoder(tokenizer, data.add_bos, add_eos=False)("") + ids, tokenizer, prompt_images
 
 
 def decode(config: config_lib.Config) -> list[int]:
@@ -117,8 +133,12 @@ def decode(config: config_lib.Config) -> list[int]:
     raise UserError("the prompt is empty (no tokens, and add_bos=False adds none); give a prompt, or set add_bos=True "
                     "to start from the beginning-of-sequence token alone")
   if len(ids) > limit:
-    raise UserError(f"the prompt has {len(ids)} tokens, more than max_prefill_predict_length={limit}; "
+    placeholders = ids.count(config.model.vision.image_token_id) if prompt_images else 0
+    of_images = f" ({placeholders} of them the images' placeholders)" if placeholders else ""
+    raise UserError(f"the prompt has {len(ids)} tokens{of_images}, more than max_prefill_predict_length={limit}; "
                     "raise max_prefill_predict_length or shorten the prompt")
+  # Before the checkpoint loads (minutes for a large model): the prompt's placeholder runs against its images.
+  image_prompts.image_runs(ids, config.model.vision, prompt_images)
   if config.decode.speculative_tokens:
     return decode_speculative(config, ids, tokenizer)
   engine, params = load_engine(config, 1, FRESH_NOTE)

@@ -377,6 +377,10 @@ def parse_chat(body: Any, limits: Limits, codec: Codec) -> Request:
     if tools or forced:
       raise ApiError(400, "tools with images are not supported yet; send one or the other", "tools",
                      "unsupported_parameter")
+    for i, message in enumerate(messages):  # as the text path checks: other contents reached the template, unread
+      content = message.get("content")
+      if not isinstance(content, (str, list)) and not (content is None and message.get("tool_calls")):
+        raise ApiError(400, f"messages[{i}].content must be a string or a list of content parts", "messages")
     try:
       ids, images = codec.chat_images(messages)
     except UserError as e:

@@ -101,8 +101,10 @@ def read_image(ref: str, *, files: bool, max_pixels: int = images.MAX_IMAGE_PIXE
   """A data: URL, or with `files` a local path or gs:// object, decoded (images.decode's checks,
   `max_pixels` among them). http(s) URLs are refused: nothing here reaches the network."""
   if ref.startswith(("http://", "https://")):
-    raise UserError(f"image {ref[:60]!r}: http(s) image URLs are not fetched (the server reaches no network); "
-                    "send the image inline as a data:image/...;base64, URL")
+    instead = "download it and give its local path or gs:// object" if files else (
+        "send the image inline as a data:image/...;base64, URL")
+    raise UserError(f"image {ref[:60]!r}: http(s) image URLs are not fetched (nothing here reaches the network); "
+                    f"{instead}")
   if ref.startswith(DATA_URL_PREFIX):
     header, comma, payload = ref.partition(",")
     if not comma or not header.endswith(";base64") or not header[len(DATA_URL_PREFIX):].startswith("image/"):

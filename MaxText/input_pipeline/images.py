@@ -21,6 +21,9 @@ from MaxText.paths import storage
 
 # What a user's image may be encoded as: the formats chat clients and datasets send.
 SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+# Pillow's name for a JPEG that carries more pictures after the first (many phones' and cameras' photos:
+# the Multi-Picture Format); it is a JPEG, read like one (its first picture), as HF's loaders read it.
+JPEG_ALIASES = ("MPO",)
 # Decoding a huge image is where a bad input costs memory: no image of more pixels is decoded.
 MAX_IMAGE_PIXELS = 8192 * 8192
 # Pillow's own guard at the same limit, for every image this process opens (datasets' decoders too).
@@ -53,7 +56,7 @@ def decode(data: bytes, name: str, max_pixels: int = MAX_IMAGE_PIXELS, limit_key
     warnings.simplefilter("error", Image.DecompressionBombWarning)
     try:
       image: Image.Image = Image.open(io.BytesIO(data))  # the header only: no pixel is decoded yet
-      if image.format not in SUPPORTED_FORMATS:
+      if image.format not in SUPPORTED_FORMATS + JPEG_ALIASES:
         raise UserError(f"image {name}: format {image.format} is not supported; use one of "
                         f"{', '.join(SUPPORTED_FORMATS)}")
       width, height = image.size
