@@ -532,8 +532,10 @@ def test_kv_heads_and_head_dim_config_json_leaves_out_take_transformers_defaults
   config = json.loads((hf_dir / "config.json").read_text())
   left_out = {"num_key_value_heads", "head_dim"} & set(shape)
   (hf_dir / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in left_out}))
-  with H.torch.device("meta"):  # the model transformers builds from the trimmed config.json: the same shapes
-    as_hf_reads_it = H.transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), device_map="meta")
+  # The model transformers builds from the trimmed config.json has the same shapes. from_config on the meta device,
+  # not from_pretrained(device_map="meta"): transformers 5.2x refuses "meta" in from_pretrained's kernel setup.
+  with H.torch.device("meta"):
+    as_hf_reads_it = H.transformers.AutoModelForCausalLM.from_config(H.transformers.AutoConfig.from_pretrained(str(hf_dir)))
   assert {k: v.shape for k, v in as_hf_reads_it.state_dict().items()} == {k: v.shape for k, v in model.state_dict().items()}
   hf_to_maxtext.convert(str(hf_dir), str(tmp_path / "ckpt"), [])
   ours, params = H.converted_checkpoint(tmp_path / "ckpt")
