@@ -317,3 +317,16 @@ def test_a_reward_function_that_never_returns_in_the_first_rollout_ends_the_run(
          "hang_rewards:f)" in errors[0], errors
   assert "hang_rewards.py" in proc.stderr  # its stack shows the line it is stuck in
   assert not (tmp_path / "grpo" / "config.yml").exists()
+
+
+@pytest.mark.slow  # a train.py process that compiles the rollout engine, without the compilation cache
+def test_compiling_the_engine_in_the_first_environment_rollout_is_no_hang(workdir, tmp_path):
+  """An environment's first rollout generates inside the watchdog's guard, and generating first compiles the
+  engine: step_timeout_seconds shorter than that compilation ended every start with exit 4, a hang that was
+  none. The run's own compilations happen with the deadline passed (the note), and it trains to the end."""
+  command = _command(workdir, tmp_path, "steps=2", "step_timeout_seconds=1", "rl_environment=task_envs:TwoTurns",
+                     "rl_max_turns=2")
+  env = {k: v for k, v in _env(workdir, 2).items() if not k.startswith("JAX_")} | {"JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "note: step_timeout_seconds=1 passed while thread MainThread compiles a JAX function" in proc.stderr

@@ -369,3 +369,70 @@ def test_the_eval_tasks_scorer_compiles_each_pass_inside_the_watchdogs_compiling
   for name in ("logprobs", "logprobs", "next", "next", "logprobs"):
     scorer._run(name, lambda name=name: inside.append((name, compiling[0])))
   assert inside == [("logprobs", True), ("logprobs", False), ("next", True), ("next", False), ("logprobs", False)]
+
+
+def _armed_watchdog(timeout_s: float) -> tuple["StepWatchdog", list[int]]:
+  from MaxText.training.health import StepWatchdog
+
+  exits: list[int] = []
+  watchdog = StepWatchdog(timeout_s, exit=exits.append)
+  assert watchdog.due(1)  # the first step dispatched: armed from here on
+  return watchdog, exits
+
+
+def _wait_for(exits: list[int]) -> None:
+  import time
+
+  for _ in range(200):  # the exit comes about one timeout later; a loaded machine may be slower
+    if exits:
+      return
+    time.sleep(0.05)
+
+
+def test_a_compilation_the_deadline_finds_in_progress_is_no_hang(capsys):
+  """XLA compiling a function for a new shape after the first step (a GRPO rollout's environment turn, a
+  longer prompt's prefill) ran inside the timeout: a tight step_timeout_seconds killed a healthy run with
+  exit 4 at every restart. The deadline passes inside the compilation (the note says so); no exit."""
+  import time
+
+  from MaxText.training.health import StepWatchdog
+
+  watchdog, exits = _armed_watchdog(0.1)
+  salt = float(time.time_ns() % 997)  # a program the session's compilation cache has not seen
+
+  def chain(x):
+    for i in range(60):
+      x = jnp.tanh(x @ x) + (salt + i)
+    return x
+
+  jax.jit(chain).lower(jnp.ones((16, 16))).compile()
+  assert not exits
+  err = capsys.readouterr().err
+  assert "note: step_timeout_seconds=0.1 passed while thread MainThread compiles a JAX function" in err, \
+      "the compilation ended before the deadline: the test proves nothing"
+  _wait_for(exits)  # and after it, no step: the whole timeout again, then the exit
+  assert exits == [StepWatchdog.EXIT_CODE]
+  watchdog.on_end(None, None)  # type: ignore[arg-type]
+
+
+def test_tracing_a_function_is_compiling_and_a_hang_beside_it_still_fires(capsys):
+  """Tracing (the Python of a big model, a reward function's jit) is compilation too; a sleep outside
+  any JAX call is a hang as before."""
+  import time
+
+  from MaxText.training.health import StepWatchdog, compiling_thread
+
+  watchdog, exits = _armed_watchdog(0.2)
+  seen: list[str | None] = []
+
+  def slow_to_trace(x):
+    seen.append(compiling_thread())
+    time.sleep(0.7)
+    return x + 1
+
+  jax.jit(slow_to_trace).trace(jnp.ones(2))
+  assert seen == ["MainThread"] and not exits
+  assert compiling_thread() is None
+  _wait_for(exits)
+  assert exits == [StepWatchdog.EXIT_CODE]
+  assert "error: no step finished in step_timeout_seconds=0.2 after step 0" in capsys.readouterr().err

@@ -314,6 +314,25 @@ def _in_activity() -> str | None:
   return current[-1] if current else None
 
 
+# Where JAX traces, lowers and compiles a function (XLA's own compilation runs under compiler.py's frames). A
+# thread with one of these on its stack is compiling, which is no hang however long it takes: a call compiles
+# whenever it meets a new shape (a GRPO rollout's first prompt of a longer bucket, an environment's first turn),
+# not only at the first step, where the trainer can say so.
+_COMPILING_FILES = ("/jax/_src/compiler.py", "/jax/_src/interpreters/mlir.py", "/jax/_src/interpreters/partial_eval.py")
+
+
+def compiling_thread() -> str | None:
+  """The name of a thread that is tracing, lowering or compiling a JAX function now, or None."""
+  names = {t.ident: t.name for t in threading.enumerate()}
+  for ident, frame in sys._current_frames().items():
+    inner: Any = frame
+    while inner is not None:
+      if inner.f_code.co_filename.replace(os.sep, "/").endswith(_COMPILING_FILES):
+        return names.get(ident, str(ident))
+      inner = inner.f_back
+  return None
+
+
 def _print_stacks() -> None:
   """Every thread's Python stack, named, on stderr (faulthandler needs a real file descriptor)."""
   names = {t.ident: t.name for t in threading.enumerate()}
@@ -328,7 +347,8 @@ class StepWatchdog:
   stuck host): prints every thread's Python stack, names the processes that did not reach the step
   the others are waiting in, and exits with EXIT_CODE so the scheduler restarts the job, which
   resumes from its last checkpoint. Armed once the first step is dispatched (compiling it is not a
-  hang; nor is compiling the first evaluation, inside `compiling`) and, before it, inside `guard`
+  hang; nor is compiling the first evaluation, inside `compiling`, nor any compilation that the
+  deadline finds in progress) and, before it, inside `guard`
   (the first batch: a reward function or a reader that never returns); after the last step, through
   the other hooks' ends (the last checkpoint save), which the trainer runs inside `guard`. Add with
   every=0 (its `due` records each dispatch) on every process, and set it as the trainer's `watchdog`."""
@@ -407,8 +427,24 @@ class StepWatchdog:
         self._petted.clear()
         continue
       if self._armed.is_set() and not self._stopped.is_set():
+        if self._waited_out_a_compilation():
+          continue
         self._fire()
         return
+
+  def _waited_out_a_compilation(self) -> bool:
+    """At the deadline: when a thread is compiling, waits until none is (or a step finishes), then the
+    whole timeout again, as after the first step's compilation; False when nothing compiles."""
+    thread = compiling_thread()
+    if thread is None:
+      return False
+    print(f"note: step_timeout_seconds={self.timeout_s:g} passed while thread {thread} compiles a JAX function, which "
+          "is no hang: the watchdog waits for the compilation, then the whole timeout again", file=sys.stderr,
+          flush=True)
+    poll = min(1.0, self.timeout_s)
+    while not self._stopped.is_set() and not self._petted.wait(poll) and compiling_thread() is not None:
+      pass
+    return True
 
   def _fire(self) -> None:
     _print_stacks()
