@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import decimal
 import difflib
 import os
 import re
+import reprlib
 import types
 from pathlib import Path
 from typing import Any, Mapping
@@ -85,6 +87,65 @@ class _OnceLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignor
         lines[key] = key_node.start_mark.line + 1
     return super().construct_mapping(node, deep)
 
+  def construct_decimal(self, node: yaml.ScalarNode) -> int | str:
+    text = str(self.construct_scalar(node))
+    return int(text) if _DECIMAL.fullmatch(text) else text
+
+
+# Not YAML 1.1's integers and dates: `steps: 010` was octal 8, `1:30` base-60 90, a run_name of `2024_05_01` the
+# number 20240501 and one of `2024-05-01` a date. Only plain decimals are numbers; other spellings stay text, which
+# coerce reads by the key's type (an int key takes 010, 1_000, 0x10 and 1e3).
+_OnceLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:timestamp")]
+    for first, resolvers in _OnceLoader.yaml_implicit_resolvers.items()}
+_OnceLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"),
+                                  list("-+0123456789"))
+_OnceLoader.add_constructor("tag:yaml.org,2002:int", _OnceLoader.construct_decimal)
+# Past 4300 digits Python refuses to read an integer (a ValueError traceback); no count is that long.
+_DECIMAL = re.compile(r"[-+]?[0-9]{1,4000}")
+# Deeper than this a value is no config value, and printing it overflows Python's stack.
+_MAX_DEPTH = 64
+
+
+def _whole_number(text: str) -> int | None:
+  """A count as people type it: 1000, 1_000, 0x3e8, or 1e3 (YAML reads an exponent without a dot as text)."""
+  text = text.strip()
+  if re.fullmatch(r"[-+]?[0-9]+(_[0-9]+)*", text) and len(text) <= 4000:
+    return int(text)
+  if re.fullmatch(r"[-+]?0[xX][0-9a-fA-F]{1,1000}", text):
+    return int(text, 16)
+  if re.fullmatch(r"[-+]?[0-9]+(\.[0-9]*)?[eE]\+?[0-9]{1,3}", text) and float(text).is_integer():
+    return int(float(text)) if float(text) < 2**53 else int(decimal.Decimal(text))
+  return None
+
+
+def _too_deep(value: object) -> bool:
+  """Whether lists/mappings nest past _MAX_DEPTH (walked without recursion)."""
+  stack = [(value, 0)]
+  while stack:
+    item, depth = stack.pop()
+    if depth > _MAX_DEPTH:
+      return True
+    if isinstance(item, (list, tuple)):
+      stack.extend((child, depth + 1) for child in item)
+    elif isinstance(item, dict):
+      stack.extend((child, depth + 1) for child in item.values())
+  return False
+
+
+def _parse_error(path: str, e: yaml.YAMLError) -> ConfigError:
+  """One line naming the file, the line and column and what is wrong there (PyYAML's first line named only the
+  construct it was reading, e.g. `while parsing a flow sequence`)."""
+  if isinstance(e, yaml.reader.ReaderError):
+    fix = "; save it as UTF-8" if "UTF" in e.reason or "utf" in e.reason else ""
+    return ConfigError(f"cannot read {path!r}: {e.reason} (at byte {e.position}){fix}")
+  problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+  mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+  where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark is not None else ""
+  context = getattr(e, "context", None)
+  tabs = " (YAML indents with spaces, not tabs)" if "cannot start any token" in problem else ""
+  return ConfigError(f"cannot parse {path!r}:{where} {problem}{f' ({context})' if context else ''}{tabs}")
+
 
 def read_yaml(path: Path | str, stop_at: Path | None = None, _below: tuple[str, ...] = ()) -> dict[str, Any]:
   """Reads one YAML mapping (a local or gs:// file), following `base_config: parent.yml`
@@ -106,14 +167,23 @@ def read_yaml(path: Path | str, stop_at: Path | None = None, _below: tuple[str, 
   try:
     data = yaml.load(storage.read_bytes(path), Loader=_OnceLoader) or {}  # noqa: S506 - a SafeLoader
   except yaml.constructor.ConstructorError as e:
-    raise ConfigError(f"cannot use {str(path)!r}: {e.problem}") from None
+    line = f" (line {e.problem_mark.line + 1})" if e.problem_mark and "line" not in str(e.problem) else ""
+    raise ConfigError(f"cannot use {str(path)!r}{line}: {e.problem}") from None
   except yaml.YAMLError as e:
-    raise ConfigError(f"cannot parse {str(path)!r}: {str(e).splitlines()[0]}") from None
+    raise _parse_error(path, e) from None
   if not isinstance(data, dict):
     raise ConfigError(f"{str(path)!r} must hold a mapping of key: value lines")
+  for key in data:  # `5: 3` or `yes: 1` reached the key checks as a number or a boolean: a TypeError traceback
+    if not isinstance(key, str):
+      raise ConfigError(f"{str(path)!r} has a key YAML reads as {key!r}, not a name: config keys are names like "
+                        "steps")
+  if _too_deep(data):
+    raise ConfigError(f"{str(path)!r} nests lists or mappings more than {_MAX_DEPTH} deep; no config value does")
   parent = data.pop("base_config", None)
   if parent is None:
     return data
+  if not isinstance(parent, str) or not parent.strip():  # `base_config: [a.yml]` said "config file \"['a.yml']\""
+    raise ConfigError(f"{str(path)!r}: base_config must name one .yml file, got {_shown(parent)}")
   # join keeps an absolute parent as it is; a gs:// parent is taken whole
   parent_path = str(parent) if storage.is_remote(str(parent)) else storage.join(storage.parent(path), str(parent))
   return {**read_yaml(parent_path, stop_at, (*_below, path)), **data}
@@ -152,16 +222,20 @@ def coerce(key: str, value: Any, default: Any) -> Any:
   elif isinstance(default, int):
     if isinstance(value, int) and not isinstance(value, bool):
       return value
-    if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value.strip()):
-      return int(value)
+    number = _whole_number(value) if isinstance(value, str) else None
+    if number is not None:
+      return number
     if isinstance(value, float) and value.is_integer():
       return int(value)
   elif isinstance(default, float):
     if isinstance(value, (int, float)) and not isinstance(value, bool):
       return float(value)
+    number = _whole_number(value) if isinstance(value, str) else None
+    if number is not None:  # 0x10 and 1_000 as for an int key
+      return float(number)
     try:
       return float(str(value))
-    except ValueError:
+    except (ValueError, OverflowError):
       pass
   elif isinstance(default, str):
     if isinstance(value, (str, int, float)) and not isinstance(value, bool):
@@ -178,8 +252,16 @@ def coerce(key: str, value: Any, default: Any) -> Any:
   yaml_bool = (" (YAML reads an unquoted true/false, yes/no or on/off as a boolean: quote it to mean the word)"
                if isinstance(value, bool) and isinstance(default, str) else "")
   raise ConfigError(
-      f"{key} must be a {_type_name(default)} like its default {default!r}, got {value!r}{yaml_bool}"
+      f"{key} must be a {_type_name(default)} like its default {default!r}, got {_shown(value)}{yaml_bool}"
   )
+
+
+def _shown(value: object) -> str:
+  """repr(value), cut short: a pasted file's worth of text or digits would fill the terminal with one line."""
+  if value is None:  # `steps:` with nothing after it; `null` and `~` read the same
+    return "an empty value (None)"
+  text = reprlib.repr(value) if _too_deep(value) else repr(value)
+  return text if len(text) <= 200 else f"{text[:60]}... ({len(text)} characters)"
 
 
 def _parse_cli_value(text: str, default: Any = None) -> Any:
@@ -191,10 +273,12 @@ def _parse_cli_value(text: str, default: Any = None) -> Any:
     return text[1:-1] if quoted else text
   if not text.strip():
     return ""  # `key=` means an empty value, not YAML's null
+  # the files' loader: its integers, and libyaml's parser, which `[[[...` does not take past Python's stack
   try:
-    return yaml.safe_load(text)
+    value = yaml.load(text, Loader=_OnceLoader)  # noqa: S506 - a SafeLoader
   except yaml.YAMLError:
     return text
+  return text if _too_deep(value) else value
 
 
 def _unknown_key_error(key: str, known: Mapping[str, Any], source: str) -> ConfigError:
@@ -202,7 +286,10 @@ def _unknown_key_error(key: str, known: Mapping[str, Any], source: str) -> Confi
     return ConfigError(
         f"{key} ({source}) is derived, not set directly: set {DERIVED_KEYS[key]!r} instead"
     )
-  close = difflib.get_close_matches(key, list(known) + list(DERIVED_KEYS), n=1, cutoff=0.6)
+  # `--steps`, `STEPS` or `max-target-length` name a key in another tool's style; difflib misses the upper case ones
+  plain = key.lstrip("-").lower().replace("-", "_")
+  close = [plain] if plain in known or plain in DERIVED_KEYS else difflib.get_close_matches(
+      key, list(known) + list(DERIVED_KEYS), n=1, cutoff=0.6)
   suggestion = DERIVED_KEYS.get(close[0], close[0]) if close else None  # derived names point at their base key
   hint = f" (did you mean {suggestion!r}?)" if suggestion else ""
   return ConfigError(f"unknown config key {key!r} from {source}{hint}")
@@ -269,7 +356,8 @@ def parse_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -
   for arg in args:
     given, sep, text = arg.partition("=")
     if not sep or not given:
-      raise ConfigError(f"expected key=value, got {arg!r}")
+      first = " (the config file goes first, before any key=value)" if arg.endswith((".yml", ".yaml")) else ""
+      raise ConfigError(f"expected key=value, got {arg!r}{first}")
     if given in spellings.VALUE_ALIASES:
       flags[given] = text
       continue
