@@ -450,6 +450,65 @@ def test_a_replacement_queued_resource_that_fails_is_asked_for_again_under_a_new
   assert queued.available() == {0, 1} and queued.names == ["job-0", "job-1-r2"]
 
 
+def _delete_queued(cloud: FakeCloud, name: str) -> None:
+  settings = json.loads((cloud.root / "config.json").read_text())
+  cloud.configure(queued_resources={k: v for k, v in settings.get("queued_resources", {}).items() if k != name})
+
+
+def test_a_queued_resource_deleted_while_its_slices_are_awaited_stops_the_wait_in_one_line(tmp_path, monkeypatch):
+  """A queued resource deleted by hand (or by a cleanup script) while its nodes were awaited read as NOT_FOUND,
+  which was no end: the supervisor waited for ever for nodes that went with it."""
+  from MaxText.platform import queued_slices
+
+  cloud, gcloud = _fake_gcloud(tmp_path, monkeypatch)  # no nodes: the capacity is not granted
+  looks = []
+  sleep = time.sleep
+
+  def look(seconds: float) -> None:
+    if seconds != 0.0123:  # another's sleep (subprocess waits so)
+      sleep(seconds)
+      return
+    looks.append(seconds)
+    if len(looks) == 2:
+      _delete_queued(cloud, "job")
+    assert len(looks) < 8, "still waiting for the nodes of a deleted queued resource"
+    sleep(0)
+
+  monkeypatch.setattr(queued_slices.time, "sleep", look)
+  queued = QueuedSlices(gcloud, "job", 2, "v5litepod-8", "v", [], lambda name: None, log=lambda m: None)
+  with pytest.raises(queued_slices.QueuedResourceEnded) as raised:
+    queued.request_all(poll_s=0.0123)
+  assert str(raised.value) == "queued resource job is no longer listed (deleted), so its slices will not come; run again"
+  assert len(looks) == 2 + queued_slices.UNLISTED_LOOKS - 1
+
+
+def test_a_deleted_replacement_queued_resource_is_asked_for_again_and_one_missed_look_is_no_deletion(
+    tmp_path, monkeypatch):
+  """A replacement deleted while awaited was waited for as long as the job ran (NOT_FOUND was no end); one look
+  that does not find it (a list that lags the create) is not yet a deletion."""
+  from MaxText.platform import queued_slices
+
+  cloud, gcloud = _fake_gcloud(tmp_path, monkeypatch, qr_workers=1)
+  lines: list[str] = []
+  queued = QueuedSlices(gcloud, "job", 2, "v5litepod-8", "v", [], lambda name: None, log=lines.append)
+  queued.request_all(poll_s=0)
+  cloud.configure(qr_state="CREATING", tpus={"job-0": {"workers": 1, "state": "READY"},
+                                             "job-1": {"workers": 1, "state": "PREEMPTED"}})
+  assert queued.available() == {0} and queued.replacing == {1: "job-1-r1"}
+  accepted = json.loads((cloud.root / "config.json").read_text())["queued_resources"]["job-1-r1"]
+  _delete_queued(cloud, "job-1-r1")
+  assert queued.available() == {0} and queued.replacing == {1: "job-1-r1"}  # one look: not yet
+  cloud.set_queued_state("job-1-r1", accepted["state"])  # listed again: the count starts over
+  assert queued.available() == {0} and queued.replacing == {1: "job-1-r1"}
+  for _ in range(queued_slices.UNLISTED_LOOKS - 1):
+    _delete_queued(cloud, "job-1-r1")
+    assert queued.available() == {0} and queued.replacing == {1: "job-1-r1"}
+  assert queued.available() == {0} and not queued.replacing
+  assert lines[-1] == ("warning: queued resource job-1-r1, slice 1's replacement, is no longer listed (deleted); asking "
+                       "for another at the next look")
+  assert queued.available() == {0} and queued.replacing == {1: "job-1-r2"}
+
+
 class _LostAtTheStart:
   """The TPU VM launcher, with `lose` set PREEMPTED between the supervisor's look and the first start."""
 

@@ -6,10 +6,11 @@ A slice whose node is gone (PREEMPTED, TERMINATED, or no longer listed) is repla
 resource PREFIX-<slice>-r<k> with one node of that name; once the node is READY, `prepare` readies
 it (the code copied, the setup run) and the slice is up again, so the supervisor grows the job
 back at the next step boundary. A node that repairs itself (REPAIRING, then READY) comes back as
-it is. While nodes are awaited, the queued resource's own state is read too: one that FAILED or
-was SUSPENDED will bring none, so the first request stops with one line, and a replacement is
-asked for again under a new name while the job goes on. The job's processes run as on TPU VMs: `QueuedResourceLauncher` wraps the TPU VM
-launcher, whose slice names it updates when a replacement takes a slice's place.
+it is. While nodes are awaited, the queued resource's own state is read too: one that FAILED, was
+SUSPENDED or is no longer listed (deleted) will bring none, so the first request stops with one line,
+and a replacement is asked for again under a new name while the job goes on. The job's processes run
+as on TPU VMs: `QueuedResourceLauncher` wraps the TPU VM launcher, whose slice names it updates when a
+replacement takes a slice's place.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ GONE = frozenset({"PREEMPTED", "TERMINATED", "NOT_FOUND"})  # a node that will n
 # API's QueuedResourceState: CREATING, ACCEPTED, PROVISIONING, WAITING_FOR_RESOURCES, ACTIVE, FAILED, SUSPENDING,
 # SUSPENDED, DELETING) in which it brings no node any more.
 ENDED = frozenset({"FAILED", "SUSPENDING", "SUSPENDED", "DELETING"})
+# Looks in a row that must find a requested queued resource not listed before it counts as deleted (by hand, or
+# by a cleanup script): its nodes went with it. More than one, as a list read right after the create may lag.
+UNLISTED_LOOKS = 2
 
 
 class QueuedResourceEnded(UserError):
@@ -56,6 +60,7 @@ class QueuedSlices:
     self.requested = [prefix]  # every queued resource this run asked for (each is billed until deleted)
     self.replacing: dict[int, str] = {}  # slice -> its replacement's name while it is not READY
     self.asked = False  # whether the first request went through (from then on it is billed)
+    self._unlisted: dict[str, int] = {}  # queued resource -> looks in a row that did not find it
 
   def request(self, name: str, num_slices: int) -> list[str]:
     return tpu_launch.queued_resource_create(self.gcloud, name, self.tpu_type, self.version, num_slices,
@@ -83,6 +88,17 @@ class QueuedSlices:
     error = failed.get("error") if isinstance(failed, dict) else None
     message = error.get("message") if isinstance(error, dict) else None
     return str(state.get("state", "UNKNOWN")), message if isinstance(message, str) else ""
+
+  def _ended(self, name: str) -> tuple[str, str] | None:
+    """(state, message) when requested queued resource `name` brings no node any more: ENDED, or not listed
+    for UNLISTED_LOOKS looks in a row (deleted); None while it may still bring its nodes."""
+    queued, message = self.queued_state(name)
+    self._unlisted[name] = self._unlisted.get(name, 0) + 1 if queued == "NOT_FOUND" else 0
+    if queued in ENDED:
+      return queued, message
+    if self._unlisted[name] >= UNLISTED_LOOKS:
+      return "no longer listed (deleted)", ""
+    return None
 
   def _describe(self, argv: list[str], what: str) -> dict[str, Any] | str:
     """gcloud's JSON description, or NOT_FOUND (not listed) or UNKNOWN (the look failed: down until the next)."""
@@ -117,11 +133,13 @@ class QueuedSlices:
              "its slices")
     last = 0.0
     while (states := [self.state(n) for n in self.names]) != ["READY"] * self.num_slices:
-      queued, message = self.queued_state(self.prefix)
-      if queued in ENDED:
+      ended = self._ended(self.prefix)
+      if ended is not None:
+        queued, message = ended
+        advice = "run again" if queued.startswith("no longer") else \
+            f"delete it with `{self.delete_command(self.prefix)}`, then run again"
         raise QueuedResourceEnded(f"queued resource {self.prefix} is {queued}{f' ({message})' if message else ''}, so "
-                                  f"its slices will not come; delete it with `{self.delete_command(self.prefix)}`, "
-                                  "then run again")
+                                  f"its slices will not come; {advice}")
       if time.monotonic() - last > 60:
         last = time.monotonic()
         self.log("elastic: waiting for " + ", ".join(f"{n} ({s})" for n, s in zip(self.names, states) if s != "READY"))
@@ -134,12 +152,13 @@ class QueuedSlices:
     for s, name in enumerate(self.names):
       replacement = self.replacing.get(s)
       if replacement is not None and self.state(replacement) != "READY":
-        queued, message = self.queued_state(replacement)
-        if queued in ENDED:  # it will bring no node: another one is asked for at the next look
+        ended = self._ended(replacement)
+        if ended is not None:  # it will bring no node: another one is asked for at the next look
+          queued, message = ended
           del self.replacing[s]
+          delete = "" if queued.startswith("no longer") else f" (delete it with `{self.delete_command(replacement)}`)"
           self.log(f"warning: queued resource {replacement}, slice {s}'s replacement, is {queued}"
-                   f"{f' ({message})' if message else ''}; asking for another at the next look (delete it with "
-                   f"`{self.delete_command(replacement)}`)")
+                   f"{f' ({message})' if message else ''}; asking for another at the next look{delete}")
           continue
       elif replacement is not None:
         try:
