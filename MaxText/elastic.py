@@ -57,7 +57,8 @@ from MaxText.paths import storage
 from MaxText.platform import accelerators, gke_launch, tpu_launch
 from MaxText.platform.accelerators import DeviceTarget
 from MaxText.platform.run_progress import MetricsReader, ResumedLine, checkpoint_step
-from MaxText.platform.generations import LOST_EXIT, PEER_FAILURES, SIGTERM_EXIT, Exit, Generation, Launcher
+from MaxText.platform.generations import (LOST_EXIT, PEER_FAILURES, SIGTERM_EXIT, Exit, Generation, Launcher,
+                                          logged_generations)
 from MaxText.platform.queued_slices import QueuedResourceEnded, QueuedResourceLauncher, QueuedSlices
 from MaxText.platform.tpu_launch import Gcloud
 from MaxText.run_dir.preemption import GROW_BACK_MARKER
@@ -298,10 +299,10 @@ class LoopbackLauncher:
     self.command, self.num_slices = list(command), num_slices
     self.processes_per_slice, self.devices_per_process = processes_per_slice, devices_per_process
     self.state_dir, self.env, self.log_dir = state_dir, dict(env), log_dir
-    self.generations = 0
     self.current: _ProcessGeneration | None = None  # the processes running now (a fault test kills one)
     state_dir.mkdir(parents=True, exist_ok=True)
     log_dir.mkdir(parents=True, exist_ok=True)
+    self.generations = logged_generations(log_dir)  # a rerun's logs go beside the last run's
 
   def marker(self, slice_id: int) -> Path:
     return self.state_dir / f"slice_{slice_id}.down"
@@ -426,8 +427,8 @@ class TpuVmLauncher:
                internal_ip: bool = False, megascale_port: int = 8080):
     self.gcloud, self.names, self.command, self.run_name = gcloud, list(names), command, run_name
     self.log_dir, self.internal_ip, self.port = log_dir, internal_ip, megascale_port
-    self.generations = 0
     log_dir.mkdir(parents=True, exist_ok=True)
+    self.generations = logged_generations(log_dir)  # a rerun's logs go beside the last run's
 
   def available(self) -> set[int]:
     up = set()

@@ -650,3 +650,24 @@ def test_the_command_line_stops_in_one_line_when_its_queued_resource_fails(tmp_p
       "error: queued resource qr is FAILED (Insufficient capacity in zone z), so its slices will not come; delete "
       "it with `gcloud alpha compute tpus queued-resources delete qr --force --async --zone=z`, then run again")
   assert "billed until deleted" not in done.stderr
+
+
+def test_a_rerun_with_the_same_log_dir_keeps_the_last_runs_logs(tmp_path):
+  """A second supervisor run with the same log_dir (after the supervisor itself was killed, say) numbered its
+  generations from 1 again and wrote over the logs that said how the last run ended."""
+  from MaxText.platform.generations import logged_generations
+
+  logs = tmp_path / "logs"
+  logs.mkdir()
+  for name in ("generation_1_process_0.log", "generation_2_process_0.log", "generation_2_process_1.log",
+               "supervisor.log", "generation_x.log"):
+    (logs / name).write_text(f"the last run's {name}\n")
+  launcher = elastic.LoopbackLauncher([sys.executable, "-c", "print('new')"], 1, 1, 1, tmp_path / "state", {}, logs)
+  generation = launcher.start([0], [])
+  assert [p.wait(timeout=60) for _, p in generation.procs] == [0]
+  assert (logs / "generation_3_process_0.log").read_text() == "new\n"
+  assert (logs / "generation_1_process_0.log").read_text() == "the last run's generation_1_process_0.log\n"
+  assert (logs / "generation_2_process_0.log").read_text() == "the last run's generation_2_process_0.log\n"
+  (logs / "generation_7").mkdir()  # the TPU VM launcher's folder per generation
+  assert logged_generations(logs) == 7
+  assert elastic.TpuVmLauncher(None, ["a"], "true", "r", logs).generations == 7  # type: ignore[arg-type]

@@ -6,7 +6,9 @@ platform/gke_launch.py, queued-resource replacements in platform/queued_slices.p
 from __future__ import annotations
 
 import dataclasses
+import re
 import signal
+from pathlib import Path
 from typing import Mapping, Protocol, Sequence
 
 WATCHDOG_EXIT = 4  # training/health.py's StepWatchdog: no step finished in step_timeout_seconds
@@ -66,3 +68,11 @@ class Launcher(Protocol):
 
   def mark_lost(self, slice_id: int) -> None:
     ...
+
+
+def logged_generations(log_dir: Path) -> int:
+  """The highest generation whose logs `log_dir` holds (generation_<N>... names), 0 for none. A launcher
+  numbers its generations after it: a rerun of the supervisor with the same log_dir wrote over the logs
+  that said how the last run ended."""
+  numbers = [int(m.group(1)) for path in log_dir.iterdir() if (m := re.match(r"generation_(\d+)(?:_|$)", path.name))]
+  return max(numbers, default=0)
