@@ -199,6 +199,7 @@ class Supervisor:
              ) -> int | tuple[str, set[int], float]:
     """Until the generation ends: its exit status, or (cause, the slices up, when the cause was seen) for a
     resize. The generation is stopped before this returns."""
+    sigterm_seen: float | None = None  # when a process first exited at a SIGTERM while others ran on
     while True:
       time.sleep(self.poll_s)
       said = generation.resumed_from() if pending is not None else None
@@ -221,6 +222,19 @@ class Supervisor:
         self.launcher.mark_lost(culprit.slice_id)
         self.lost.add(culprit.slice_id)
         return culprit.describe(), self.launcher.available(), seen
+      stopped = [e for e in exits if e.code == SIGTERM_EXIT]
+      if stopped and generation.running():
+        # A preemption's SIGTERM reaches every process (JAX's preemption sync stops them at one step); one
+        # that alone stopped at a SIGTERM while the others ran on for the whole grace had its host preempted
+        # by itself (before the sync was set up, say), and its peers would wait for it in their next collective.
+        sigterm_seen = sigterm_seen or time.time()
+        if time.time() - sigterm_seen > self.stop_grace_s:
+          self._stop(generation)
+          culprit = stopped[0]
+          self.launcher.mark_lost(culprit.slice_id)
+          self.lost.add(culprit.slice_id)
+          return (f"{culprit.describe()} at a SIGTERM while the others ran on", self.launcher.available(),
+                  sigterm_seen)
       if generation.running() == 0:
         if exits and all(e.code == SIGTERM_EXIT for e in exits):
           # Every process saved at a SIGTERM this supervisor did not send: a preemption's (JAX's

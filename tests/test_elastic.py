@@ -608,3 +608,50 @@ def test_the_tpu_vm_launcher_shrinks_to_the_ready_slices_and_grows_back(tmp_path
   assert (shared / "args_job-1").read_text().splitlines()[1].endswith("gradient_accumulation_steps=1")
   multislice = [c for c in cloud.calls() if c[:4] == ["compute", "tpus", "tpu-vm", "ssh"] and "MEGASCALE" in str(c)]
   assert multislice and "MEGASCALE_NUM_SLICES=2" in str(multislice[-1])
+
+
+def test_a_lone_process_stopped_at_a_sigterm_while_the_others_run_on_is_a_lost_slice(tmp_path):
+  """Exit 143 is a preemption's step-boundary stop, which every process makes together; one process that
+  stopped so alone (its host preempted by itself) was waited for as long as the others ran, which was until
+  they hung in their next collective with it. After the stop grace it is its slice lost."""
+  polls = []
+
+  def script(launcher, index):
+    generation = launcher.generations[index]
+    polls.append(index)
+    assert len(polls) < 200, "still waiting for the processes beside the stopped one"
+    if index == 0 and generation.codes[1] is None:
+      generation.codes[1] = 143
+    elif index == 1:
+      generation.codes = [0] * len(generation.codes)
+
+  launcher = _FakeLauncher(4, script)
+  lines: list[str] = []
+  supervisor = elastic.Supervisor(SliceLayout(num_slices=4, devices_per_slice=2, batch_shards_per_slice=2,
+                                              global_batch_size=8, gradient_accumulation_steps=1, min_slices=1),
+                                  launcher, tmp_path, poll_s=0.05, stop_grace_s=0.3, log=lines.append)
+  assert supervisor.run() == 0
+  assert [s for s, _ in launcher.starts] == [[0, 1, 2, 3], [0, 2]]
+  assert launcher.generations[0].signals == [signal.SIGTERM]  # the others stopped at their step boundary
+  assert supervisor.resizes[0].cause == "process 1 (slice 1) exited with status 143 at a SIGTERM while the others " \
+                                       "ran on"
+
+
+def test_processes_that_stop_at_a_sigterm_one_after_another_are_one_preemption(tmp_path):
+  """The stops of one preemption come a few polls apart: not a lost slice while the others follow in the grace."""
+  def script(launcher, index):
+    generation = launcher.generations[index]
+    if index == 0:
+      done = sum(c is not None for c in generation.codes)
+      if done < 4:
+        generation.codes[done] = 143  # one more each poll
+    else:
+      generation.codes = [0] * len(generation.codes)
+
+  launcher = _FakeLauncher(4, script)
+  supervisor = elastic.Supervisor(SliceLayout(num_slices=4, devices_per_slice=2, batch_shards_per_slice=2,
+                                              global_batch_size=8, gradient_accumulation_steps=1, min_slices=1),
+                                  launcher, tmp_path, poll_s=0.01, stop_grace_s=5, log=lambda line: None)
+  assert supervisor.run() == 0
+  assert [s for s, _ in launcher.starts] == [[0, 1, 2, 3], [0, 1, 2, 3]]
+  assert launcher.generations[0].signals == [] and not supervisor.lost
