@@ -74,7 +74,10 @@ def check_sources(cfg: DataConfig) -> None:
 
     # A required template must exist before anything starts; others are needed only for message lists.
     chat.load_chat_tokenizer(cfg.tokenizer_path, require_template=template)
-  vocab = tokenizer.load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path).vocab_size
+  loaded = tokenizer.load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path)
+  if template is None:  # plain documents: add_bos/add_eos with no such token was refused only once the state was built
+    tokenizer.DocumentEncoder(loaded, cfg.add_bos, cfg.add_eos)
+  vocab = loaded.vocab_size
   if vocab > cfg.vocab_size:
     raise ConfigError(f"the tokenizer {cfg.tokenizer_path} has {vocab} tokens, more than vocab_size="
                       f"{cfg.vocab_size}; set vocab_size >= {vocab}")

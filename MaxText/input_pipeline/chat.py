@@ -33,7 +33,7 @@ import numpy as np
 from MaxText.paths import storage
 from MaxText.errors import ConfigError, UserError
 from MaxText import json_text
-from MaxText.input_pipeline.tokenizer import read_tokenizer_config
+from MaxText.input_pipeline.tokenizer import config_special_tokens, read_hf_tokenizer, read_tokenizer_config, token_text
 
 PAIR_FIELDS = ("prompt", "completion")
 # (rendered text, trained character spans) -> the same, rewritten.
@@ -63,7 +63,11 @@ def _chat_template(tokenizer_dir: str, config: Mapping[str, Any]) -> str | None:
                       f"{type(template).__name__}, not a template's text")
   jinja_file = storage.join(tokenizer_dir, "chat_template.jinja")  # transformers >= 4.50 writes it apart
   if not template and storage.is_file(jinja_file):
-    template = storage.read_text(jinja_file)
+    try:
+      template = storage.read_bytes(jinja_file).decode("utf-8")
+    except UnicodeDecodeError as e:  # was a traceback from the tokenizer's loading
+      raise ConfigError(f"{jinja_file} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                        "replace it with the model's own chat_template.jinja") from None
   return template or None
 
 
@@ -251,19 +255,22 @@ def load_chat_tokenizer(tokenizer_path: str, require_template: bool = True,
   loads too (its chat_template is None): plain-text records do not need one."""
   with _TRANSFORMERS_LOCK:  # its import too: another thread may read the lazy module before it is whole
     transformers = _transformers()
+  # Else the parent folder of a mistyped path was read: its tokenizer, if it holds one, taken silently.
+  if not tokenizer_path or not storage.exists(tokenizer_path):
+    raise ConfigError(f"tokenizer_path {tokenizer_path or '(empty)'} does not exist: {needs} needs the model's "
+                      "Hugging Face tokenizer directory")
   directory = tokenizer_path if storage.is_dir(tokenizer_path) else storage.parent(tokenizer_path)
   config_file = storage.join(directory, "tokenizer_config.json")
   config = read_tokenizer_config(config_file)
   template = _chat_template(directory, config)
   if template is None and require_template:
     raise no_template(directory, needs)
-  from tokenizers import Tokenizer
-
   tokenizer_file = storage.join(directory, "tokenizer.json")
   if not storage.is_file(tokenizer_file):
     raise ConfigError(f"{needs} needs a Hugging Face tokenizer directory; {tokenizer_file} does not exist")
-  special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
-  backend = Tokenizer.from_str(storage.read_text(tokenizer_file))
+  special = {name: token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+  backend = read_hf_tokenizer(tokenizer_file, tokenizer_path)
+  config_special_tokens(backend, tokenizer_file, config_file, config)
   with _TRANSFORMERS_LOCK:
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend, **{name: value for name, value in special.items() if value})
@@ -291,10 +298,6 @@ def chat_prompt_ids(tokenizer: ChatTokenizer, prompt: str) -> list[int]:
   guard = ContentGuard(tokenizer, prompt)
   text = render(tokenizer, [{"role": "user", "content": guard.hide(prompt)}], True, what="a prompt as one user turn")
   return guard.encode(tokenizer, text)[0]
-
-
-def _token_text(value: object) -> str | None:
-  return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
 
 
 class DroppedSamples:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 from typing import Any, Callable, Protocol
 
 from MaxText.paths import storage
@@ -25,6 +26,7 @@ from MaxText.errors import ConfigError
 _LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                    r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _NUM_TIKTOKEN_SPECIAL = 256
+_MAX_RANK = 2**32 - _NUM_TIKTOKEN_SPECIAL  # tiktoken's ids are u32, the special tokens' among them
 
 
 class Tokenizer(Protocol):
@@ -45,7 +47,8 @@ class SentencePieceTokenizer:
     try:
       self._sp.LoadFromSerializedProto(storage.read_bytes(path))  # from bytes: the file may be on gs://
     except (OSError, RuntimeError) as e:
-      raise ConfigError(f"tokenizer_path {path} is not a SentencePiece model: {str(e).splitlines()[0]}") from None
+      raise ConfigError(f"tokenizer_path {path} is not a SentencePiece model: {str(e).splitlines()[0]}"
+                        f"{_kind_hint(path, 'sentencepiece')}") from None
     self.vocab_size = self._sp.GetPieceSize()
     self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
     self.eos_id = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
@@ -72,18 +75,33 @@ def _in_vocabulary(ids: list[int], vocab_size: int) -> list[int]:
 
 def _read_ranks(path: str) -> dict[bytes, int]:
   """`<base64 token> <rank>` lines (tiktoken's format). Parsed here rather than with tiktoken's
-  loader, which cannot open gs:// and caches files by path (a rewritten file would read stale)."""
-  ranks = {}
+  loader, which cannot open gs:// and caches files by path (a rewritten file would read stale).
+  tiktoken itself takes a repeated rank as a Rust panic (past `except Exception`), a rank outside
+  u32 as an OverflowError, and a missing single byte as a panic at the first text holding it; a
+  repeated token would silently keep its last rank. Each is refused here by its line."""
+  ranks: dict[bytes, int] = {}
+  line_of: dict[int, int] = {}  # rank -> its line
   for number, line in enumerate(storage.read_bytes(path).splitlines(), 1):
     if not line.strip():
       continue
     try:
-      token, rank = line.split()
-      ranks[base64.b64decode(token)] = int(rank)
+      token_text, rank_text = line.split()
+      token, rank = base64.b64decode(token_text), int(rank_text)
     except (ValueError, binascii.Error):
       raise ValueError(f"line {number} is not '<base64 token> <rank>': {line[:60]!r}") from None
+    if not 0 <= rank < _MAX_RANK:
+      raise ValueError(f"line {number} has rank {rank}, outside [0, {_MAX_RANK})")
+    if token in ranks:
+      raise ValueError(f"line {number} repeats the token {token!r} of line {line_of[ranks[token]]}")
+    if rank in line_of:
+      raise ValueError(f"line {number} repeats rank {rank} of line {line_of[rank]}")
+    ranks[token], line_of[rank] = rank, number
   if not ranks:
     raise ValueError("it holds no ranks")
+  missing = [b for b in range(256) if bytes([b]) not in ranks]
+  if missing:
+    raise ValueError(f"it ranks {256 - len(missing)} of the 256 single bytes (none for 0x{missing[0]:02x}); "
+                     "a byte-level BPE ranks file ranks every byte, or text holding that byte cannot be encoded")
   return ranks
 
 
@@ -94,8 +112,11 @@ class TiktokenTokenizer:
     try:
       ranks = _read_ranks(path)
     except (ValueError, OSError) as e:
-      raise ConfigError(f"tokenizer_path {path} is not a tiktoken BPE ranks file: {e}") from None
-    num_base = len(ranks)
+      raise ConfigError(f"tokenizer_path {path} is not a tiktoken BPE ranks file: {e}"
+                        f"{_kind_hint(path, 'tiktoken')}") from None
+    # The special tokens follow the highest rank: with ranks that skip numbers, following their count
+    # gave special ids among the ranks' and a vocab_size below the ids encode returns.
+    num_base = max(ranks.values()) + 1
     names = ["<|begin_of_text|>", "<|end_of_text|>"] + [
         f"<|reserved_special_token_{i}|>" for i in range(_NUM_TIKTOKEN_SPECIAL - 2)]
     special = {name: num_base + i for i, name in enumerate(names)}
@@ -115,28 +136,19 @@ class TiktokenTokenizer:
 
 class HuggingFaceTokenizer:
   def __init__(self, path: str):
-    from tokenizers import Tokenizer as HFTokenizer
-
     file = storage.join(path, "tokenizer.json") if storage.is_dir(path) else path
     if file != path and not storage.is_file(file):
       model = storage.join(path, "tokenizer.model")  # a repository with only the slow tokenizer's file
       hint = (f"; it holds {model}: tokenizer_type=sentencepiece tokenizer_path={model}" if storage.is_file(model)
               else "; point tokenizer_path at the folder with the model's tokenizer.json")
       raise ConfigError(f"tokenizer_path {path} has no tokenizer.json{hint}")
-    try:
-      self._tok = HFTokenizer.from_str(storage.read_bytes(file).decode("utf-8"))
-    except Exception as e:  # noqa: BLE001 - the library raises its own untyped exception
-      raise ConfigError(f"tokenizer_path {path}: cannot read {file} as a Hugging Face tokenizer ({e})") from None
+    self._tok = read_hf_tokenizer(file, path)
     # A special token's spelling in a document or a prompt ("</s>" in web text) is data, as in the other two
     # kinds; text that needs control tokens (a chat template's) goes through input_pipeline/chat.py.
     self._tok.encode_special_tokens = True
-    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    self.vocab_size = hf_vocab_size(self._tok)
     config = storage.join(storage.parent(file), "tokenizer_config.json")
-    bos, eos = _special_tokens(config)
-    for name, token in (("bos_token", bos), ("eos_token", eos)):
-      if token and self._tok.token_to_id(token) is None:  # else the run would go on without it, silently
-        raise ConfigError(f"{config} names {name} {token!r}, which {file} does not hold: the two files are from "
-                          "different tokenizers; use the model's own pair")
+    bos, eos = config_special_tokens(self._tok, file, config, read_tokenizer_config(config))
     self.bos_id = self._tok.token_to_id(bos) if bos else None
     self.eos_id = self._tok.token_to_id(eos) if eos else None
 
@@ -167,14 +179,88 @@ def read_tokenizer_config(config_path: str) -> dict[str, Any]:
   return config
 
 
-def _special_tokens(config_path: str) -> tuple[str | None, str | None]:
-  """bos/eos token strings from a tokenizer_config.json (plain strings or {"content": ...})."""
-  config = read_tokenizer_config(config_path)
+def token_text(value: object) -> str | None:
+  """A tokenizer_config.json token entry's text: a plain string or {"content": ...}."""
+  return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
 
-  def text(value: object) -> str | None:
-    return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
 
-  return text(config.get("bos_token")), text(config.get("eos_token"))
+def read_hf_tokenizer(file: str, path: str) -> Any:
+  """`file`, a tokenizer.json, as a `tokenizers.Tokenizer`; one ConfigError line naming it when it is not one
+  (the library raises its own untyped exception, and decoding a file that is not UTF-8 a UnicodeDecodeError)."""
+  from tokenizers import Tokenizer as HFTokenizer
+
+  try:
+    backend = HFTokenizer.from_str(storage.read_bytes(file).decode("utf-8"))
+  except Exception as e:  # noqa: BLE001 - the library raises its own untyped exception
+    raise ConfigError(f"tokenizer_path {path}: cannot read {file} as a Hugging Face tokenizer "
+                      f"({str(e).splitlines()[0] if str(e) else type(e).__name__}){_kind_hint(file, 'huggingface')}"
+                      ) from None
+  if not backend.get_vocab_size(with_added_tokens=False):  # else every text fails to encode, mid-run
+    raise ConfigError(f"tokenizer_path {path}: {file} has an empty vocabulary; give the model's own tokenizer.json")
+  return backend
+
+
+def hf_vocab_size(backend: Any) -> int:
+  """The ids a Hugging Face tokenizer can return: its highest id + 1. A vocabulary may skip ids, and its
+  count (get_vocab_size) is then below ids that encode returns, which passed the vocab_size check."""
+  return max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+
+
+def config_special_tokens(backend: Any, file: str, config_path: str, config: dict[str, Any]
+                          ) -> tuple[str | None, str | None]:
+  """The bos/eos token texts `config` (tokenizer_config.json) names, each refused unless `backend` holds it: the run
+  would go on without it, or (transformers) with a new token past the vocabulary."""
+  bos, eos = token_text(config.get("bos_token")), token_text(config.get("eos_token"))
+  for name, token in (("bos_token", bos), ("eos_token", eos)):
+    if token and backend.token_to_id(token) is None:
+      raise ConfigError(f"{config_path} names {name} {token!r}, which {file} does not hold: the two files are from "
+                        "different tokenizers; use the model's own pair")
+  return bos, eos
+
+
+_KIND_FILES = {"sentencepiece": "SentencePiece model", "tiktoken": "tiktoken BPE ranks file",
+               "huggingface": "Hugging Face tokenizer.json"}
+_RANKS_LINE = re.compile(rb"[A-Za-z0-9+/]+={0,2} +[0-9]+")
+
+
+def _looks_like(data: bytes) -> str | None:
+  """The tokenizer_type whose file `data` looks like, else None."""
+  head = data.lstrip()
+  if head.startswith(b"{") and b'"model"' in data:  # not its tokenizer_config.json
+    return "huggingface"
+  if _RANKS_LINE.fullmatch(head.split(b"\n", 1)[0].strip()):
+    return "tiktoken"
+  import sentencepiece as spm
+
+  try:
+    spm.SentencePieceProcessor().LoadFromSerializedProto(data)
+  except RuntimeError:
+    return None
+  return "sentencepiece"
+
+
+def _kind_hint(path: str, tokenizer_type: str) -> str:
+  """What to do when `path` did not load as a `tokenizer_type` file: the tokenizer_type it looks like, or the file
+  to give (a directory, an empty file)."""
+  try:
+    if storage.is_dir(path):
+      if storage.is_file(storage.join(path, "tokenizer.json")):
+        return "; it is a directory holding tokenizer.json: set tokenizer_type=huggingface"
+      model = storage.join(path, "tokenizer.model")
+      return (f"; it is a directory: set tokenizer_path={model}" if storage.is_file(model)
+              else "; it is a directory: point tokenizer_path at the tokenizer's file")
+    beside = storage.join(storage.parent(path), "tokenizer.json")
+    if storage.name(path) != "tokenizer.json" and storage.is_file(beside):  # its tokenizer_config.json, say
+      return f"; its folder holds {beside}: set tokenizer_type=huggingface tokenizer_path={storage.parent(path)}"
+    data = storage.read_bytes(path)
+  except OSError:
+    return ""
+  if not data.strip():
+    return "; the file is empty: copy the tokenizer's file again"
+  kind = _looks_like(data)
+  if kind is not None and kind != tokenizer_type:
+    return f"; it looks like a {_KIND_FILES[kind]}: set tokenizer_type={kind}"
+  return f"; give the model's own {_KIND_FILES[tokenizer_type]}"
 
 
 def load_tokenizer(tokenizer_type: str, path: str) -> Tokenizer:
@@ -185,6 +271,12 @@ def load_tokenizer(tokenizer_type: str, path: str) -> Tokenizer:
                       "(train one with `python3 -m MaxText.train_tokenizer`)")
   if not storage.exists(path):
     raise ConfigError(f"tokenizer_path {path} does not exist")
+  if storage.is_dir(path):
+    if tokenizer_type != "huggingface":  # a gs:// one read as no bytes, a local one as an OSError
+      raise ConfigError(f"tokenizer_path {path} is not a {_KIND_FILES[tokenizer_type]}"
+                        f"{_kind_hint(path, tokenizer_type)}")
+  elif not storage.size(path):  # each library named something else ("unk is not defined", "EOF while parsing")
+    raise ConfigError(f"tokenizer_path {path} is an empty file; copy the tokenizer's file again")
   kinds: dict[str, Callable[[str], Tokenizer]] = {
       "sentencepiece": SentencePieceTokenizer, "tiktoken": TiktokenTokenizer, "huggingface": HuggingFaceTokenizer}
   return kinds[tokenizer_type](path)

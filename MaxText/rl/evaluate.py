@@ -28,6 +28,7 @@ from MaxText.errors import ConfigError, run_cli
 from MaxText.inference.engine import load_engine
 from MaxText.inference.sampling import RowParams
 from MaxText.input_pipeline import chat
+from MaxText.input_pipeline.tokenizer import load_tokenizer
 from MaxText.platform.distributed import log
 from MaxText.rl import episodes as episodes_lib
 from MaxText.rl import interleaved_episodes
@@ -44,6 +45,11 @@ def evaluate(config: config_lib.Config, show: int = 4) -> dict[str, float]:
     raise ConfigError("MaxText.rl.evaluate reads the GRPO keys (prompt records, reward functions): start from "
                       "configs/grpo.yml or set objective=grpo")
   tokenizer = chat.load_chat_tokenizer(config.data.tokenizer_path, require_template=False)
+  # As decode and serve check: ids past the embedding would be scored as some other token's, silently.
+  vocab = load_tokenizer(config.data.tokenizer_type, config.data.tokenizer_path).vocab_size
+  if vocab > config.model.vocab_size:
+    raise ConfigError(f"the tokenizer {config.data.tokenizer_path} has {vocab} tokens but the model's vocab_size is "
+                      f"{config.model.vocab_size}: this tokenizer does not belong to this checkpoint")
   eos_id = tokenizer.eos_token_id
   reward_set = rewards_lib.RewardSet(config.rl, eos_id)
   prompt_set = prompts_lib.PromptSet(config, tokenizer)

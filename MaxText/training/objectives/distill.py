@@ -80,7 +80,8 @@ def teacher_config(config: Config, use: str = "objective=distill") -> Config:
   if saved and "tokenizer_path" in saved:
     theirs = (str(saved.get("tokenizer_type", "")), str(saved["tokenizer_path"]))
     ours = (config.data.tokenizer_type, config.data.tokenizer_path)
-    if theirs != ours:
+    # One file however it is spelled (relative, a trailing slash, a link): its text alone refused the same tokenizer.
+    if theirs[0] != ours[0] or not storage.same_file(theirs[1], ours[1]):
       raise UserError(f"the teacher ({path}) was trained with tokenizer {theirs[1]} ({theirs[0]}), the student reads "
                       f"{ours[1]} ({ours[0]}): distillation needs the same tokenizer; set tokenizer_path and "
                       "tokenizer_type to the teacher's")
