@@ -46,12 +46,47 @@ def _weight(what: str, value: object) -> float:
 
 def _check_sum(what: str, weights: Sequence[float]) -> None:
   _require(sum(weights) > 0, f"{what} sum to {sum(weights):g}; give at least one source a positive weight")
+  # Weights near the float limit overflow their sum, and every probability would then be 0.
+  _require(math.isfinite(sum(weights)), f"{what} sum past the largest float; they are relative, so scale them "
+           "down (3 and 1 mean the same as 3e300 and 1e300)")
+
+
+def _name(i: int, value: object) -> str:
+  # YAML reads `name:` as null and `name: yes` as true: neither is the name the user meant.
+  name = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
+  _require(bool(_NAME.fullmatch(name)), f"data_mixture source {i + 1} needs a name of letters, digits, '_', '-' "
+           f"or '.' (it names its metrics and saved position), got {value!r}")
+  return name
+
+
+def _setting(name: str, key: str, value: object) -> object:
+  """A source's value of `key` in the type the run's key has (as the run's own keys are read), or
+  a ConfigError: a list of files or a number would otherwise reach the readers."""
+  if key == "train_data_columns":
+    if isinstance(value, str):
+      value = [item.strip() for item in value.split(",") if item.strip()]
+    if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+      return tuple(value)
+  elif value is None:  # YAML's `grain_train_files:` with nothing after it: the key's "needs" line follows
+    return ""
+  elif isinstance(value, (str, int, float)) and not isinstance(value, bool):
+    return str(value)
+  hint = " (comma-separated files or globs in one string)" if key.endswith("_files") else ""
+  raise ConfigError(f"data_mixture source {name!r} sets {key} to {value!r}; it must be a "
+                    f"{'list of column names' if key == 'train_data_columns' else 'string'}{hint} like the "
+                    f"run's {key}")
 
 
 def _mappings(value: object, message: str) -> list[Mapping[str, Any]]:
   """`value` as the list of mappings it must be, else the ConfigError `message`."""
   _require(isinstance(value, (list, tuple)) and all(isinstance(s, Mapping) for s in value), message)
   return [s for s in value if isinstance(s, Mapping)] if isinstance(value, (list, tuple)) else []
+
+
+def _reads(source: MixtureSource, run_values: Mapping[str, Any]) -> dict[str, Any]:
+  """What data `source` reads: its SOURCE_KEYS over the run's (lists as tuples, as a source holds them)."""
+  values = source.values(run_values)
+  return {key: tuple(values[key]) if isinstance(values[key], list) else values[key] for key in SOURCE_KEYS}
 
 
 def parse_sources(value: object, run_values: Mapping[str, Any]) -> tuple[MixtureSource, ...]:
@@ -62,9 +97,7 @@ def parse_sources(value: object, run_values: Mapping[str, Any]) -> tuple[Mixture
                     f"dataset_type: hf, hf_data_files: web/*.jsonl}}, got {value!r}")
   sources, names = [], set()
   for i, spec in enumerate(specs):
-    name = str(spec.get("name", ""))
-    _require(bool(_NAME.fullmatch(name)), f"data_mixture source {i + 1} needs a name of letters, digits, '_', '-' "
-             f"or '.' (it names its metrics and saved position), got {spec.get('name')!r}")
+    name = _name(i, spec.get("name", ""))
     _require(name not in names, f"data_mixture names source {name!r} twice; give each source its own name")
     names.add(name)
     _require("weight" in spec, f"data_mixture source {name!r} has no weight; add weight: <number >= 0>")
@@ -80,9 +113,14 @@ def parse_sources(value: object, run_values: Mapping[str, Any]) -> tuple[Mixture
         continue
       _require(key in SOURCE_KEYS, f"data_mixture source {name!r} sets {key!r}, which a source cannot set; "
                f"a source sets only {', '.join(SOURCE_KEYS)} (the rest are the run's)")
-      keys.append((key, tuple(setting) if isinstance(setting, list) else setting))
+      keys.append((key, _setting(name, key, setting)))
     sources.append(MixtureSource(name, weight, tuple(keys)))
   _check_sum("data_mixture's weights", [s.weight for s in sources])
+  # Two names for the same data would read it twice as often, split over two sets of metrics.
+  for i, source in enumerate(sources):
+    twin = next((other for other in sources[:i] if _reads(other, run_values) == _reads(source, run_values)), None)
+    _require(twin is None, f"data_mixture sources {twin.name if twin else ''!r} and {source.name!r} read the same "
+             "data; make them one source whose weight is their sum")
   return tuple(sources)
 
 

@@ -18,7 +18,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from MaxText.configuration.data_mixture import MixtureStage
-from MaxText.errors import ConfigError
+from MaxText.errors import ConfigError, UserError
 from MaxText.input_pipeline.packing import DocumentCursor, Position, pack_batch
 from MaxText.input_pipeline.pipeline import BatchIterator, HostShard
 
@@ -97,8 +97,13 @@ class MixtureBatchIterator(BatchIterator):
         picked = np.flatnonzero(mine == k)
         if not picked.size:
           continue
-        part, _ = self._pack(cursor, picked.size, self._length, self._packing)
-        cursor.settle()
+        try:
+          part, _ = self._pack(cursor, picked.size, self._length, self._packing)
+          cursor.settle()
+        except UserError as e:  # e.g. a run of documents too short to train: which of the sources?
+          if type(e) not in (UserError, ConfigError) or str(e).startswith("data_mixture source "):
+            raise  # (a storage outage is the run's, not a source's)
+          raise type(e)(f"data_mixture source {self.names[k]!r}: {e}") from None
         for name, values in part.items():
           if name not in rows:
             rows[name] = np.zeros((data_shard.rows, *values.shape[1:]), values.dtype)
@@ -139,7 +144,11 @@ class MixtureBatchIterator(BatchIterator):
   def set_state(self, state: dict[str, Any]) -> None:
     super().set_state(state)
     saved = state.get("total_tokens", {})
-    self.total_tokens = {name: int(saved.get(name, 0)) for name in self.names}
+    try:
+      self.total_tokens = {name: _count(saved.get(name, 0)) for name in self.names}
+    except (AttributeError, ValueError):
+      raise ConfigError(f"the checkpoint's data state is damaged: its total_tokens {saved!r} are not a whole number "
+                        "per source; resume from another checkpoint step or delete this one") from None
 
   def describe_next_position(self) -> str:
     wheres = []
@@ -181,5 +190,13 @@ class MixtureBatchIterator(BatchIterator):
       had = sorted(saved) if isinstance(saved, dict) else "a single source"
       raise ConfigError(f"the checkpoint's data position is for {had}; this run mixes {sorted(self.names)}: "
                         "resume with the data_mixture it was saved with")
-    return MixturePosition(int(shard_json["batches"]),
-                           tuple(Position(int(saved[n]["index"]), int(saved[n]["offset"])) for n in self.names))
+    # int() would take "7", 2.5 or true from a hand-edited state and seek somewhere else; a negative
+    # number would fail inside the draw or the packer instead (set_state names the shard as damaged).
+    return MixturePosition(_count(shard_json["batches"]),
+                           tuple(Position(_count(saved[n]["index"]), _count(saved[n]["offset"])) for n in self.names))
+
+
+def _count(value: object) -> int:
+  if not (isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0):
+    raise ValueError(f"{value!r} is not a whole number >= 0")
+  return int(value)

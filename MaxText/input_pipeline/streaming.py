@@ -11,11 +11,14 @@ touching the files finished before it.
 
 from __future__ import annotations
 
+import bz2
 import concurrent.futures
 import contextlib
 import dataclasses
+import gzip
 import io
 import json
+import lzma
 from typing import Any, Callable, Iterator, Sequence
 
 import grain
@@ -25,7 +28,7 @@ import pyarrow.parquet as pq
 
 from MaxText.errors import ConfigError, UserError
 from MaxText import json_text
-from MaxText.input_pipeline.files import expand_files
+from MaxText.input_pipeline.files import COMPRESSIONS, UNSUPPORTED_COMPRESSIONS, compression, expand_files
 from MaxText.input_pipeline.packing import Located
 from MaxText.input_pipeline.json_records import json_kind
 from MaxText.input_pipeline.pipeline import BOM, HostShard, Unreadable, record_text
@@ -37,11 +40,33 @@ FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".array_r
 
 def file_format(key: str, path: str) -> str:
   base = storage.name(path)
+  if base.lower().endswith(UNSUPPORTED_COMPRESSIONS):
+    raise ConfigError(f"{key}: {path} is compressed with a codec this reader cannot read; decompress it, or compress "
+                      f"it with gzip, bz2 or xz ({', '.join(COMPRESSIONS)})")
+  codec = compression(path)
+  if codec is not None:  # as dataset_type=hf reads it: the format is the suffix under the compression's
+    base = base.rsplit(".", 1)[0]
   for suffix, kind in FORMATS.items():
     if base.endswith(suffix):
+      if codec is not None and kind == "arrayrecord":  # its reader opens the file itself, by chunks
+        raise ConfigError(f"{key}: {path} is an ArrayRecord file compressed with {codec}; decompress it (ArrayRecord "
+                          "compresses its own chunks)")
       return kind
-  raise ConfigError(f"{key}: {path} is not a shard file this reader knows (.parquet, .jsonl, .json, .array_record); "
-                    "rename it or convert it")
+  raise ConfigError(f"{key}: {path} is not a shard file this reader knows (.parquet, .jsonl, .json, .array_record, "
+                    f"each also compressed as {', '.join(COMPRESSIONS)}); rename it or convert it")
+
+
+def _decompressed(path: str, data: bytes) -> bytes:
+  """A shard's bytes, decompressed when its name says it is compressed (the shard is held whole anyway)."""
+  codec = compression(path)
+  if codec is None:
+    return data
+  try:
+    decompress = {"gzip": gzip.decompress, "bz2": bz2.decompress}.get(codec, lzma.decompress)
+    return decompress(data)
+  except (OSError, EOFError, ValueError, lzma.LZMAError) as e:  # a truncated or mislabelled file
+    raise UserError(f"{path} is not a readable {codec} file ({str(e) or type(e).__name__}); replace or remove it, or "
+                    "rename it if it is not compressed") from None
 
 
 @dataclasses.dataclass
@@ -107,9 +132,9 @@ def _fetch_shard(path: str) -> _Shard:
   stack = contextlib.ExitStack()
   kind = file_format("stream files", path)
   if kind == "parquet":
-    return _Shard(path, _parquet_rows(path, storage.read_bytes(path)), stack)
+    return _Shard(path, _parquet_rows(path, _decompressed(path, storage.read_bytes(path))), stack)
   if kind == "jsonl":
-    return _json_shard(path, storage.read_bytes(path), stack)
+    return _json_shard(path, _decompressed(path, storage.read_bytes(path)), stack)
   # ArrayRecord's reader opens local files only: a remote shard is downloaded, and removed when done.
   local = stack.enter_context(storage.local_copy(path))
   try:
