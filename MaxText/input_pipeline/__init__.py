@@ -167,7 +167,8 @@ def _open_sources(cfg: DataConfig, shards: Sequence[pipeline.HostShard], encoder
                                      what=what.format(describe=describe))
       # An endless run of unusable documents would hang the packer; with no length known up front,
       # a fixed count of them in a row is the error.
-      opened.append((mixture.OpenedSource(name, stream.read_from, 1 << 16, describe),
+      size = f"{stream.num_files_total} file(s)"
+      opened.append((mixture.OpenedSource(name, stream.read_from, 1 << 16, describe, size),
                      functools.partial(streaming.describe_position, stream=stream)))
     return opened
   source, describe = open_records(cfg, train, column)
@@ -178,7 +179,7 @@ def _open_sources(cfg: DataConfig, shards: Sequence[pipeline.HostShard], encoder
     # An endless run of unusable documents would hang the packer; one epoch of them is an error.
     max_empty_run = max(len(source) // shard.count, 1)
     opened.append((mixture.OpenedSource(name, pipeline.reader(dataset, cfg.grain_worker_count), max_empty_run,
-                                        describe), None))
+                                        describe, f"{len(source)} record(s)"), None))
   return opened
 
 
@@ -209,6 +210,7 @@ def real_data_iterator(config: Config, mesh: Mesh, train: bool, shard: pipeline.
   return pipeline.PackedBatchIterator([o.read_from for o, _ in opened], shard, sharding, cfg.global_batch_size,
                                       cfg.max_target_length, cfg.packing, cfg.data_prefetch_batches,
                                       max_empty_run=opened[0][0].max_empty_run, describe=opened[0][0].describe,
+                                      source_size=opened[0][0].size,
                                       explain_empty=explain_empty, describe_index=[d for _, d in opened],
                                       data_shards=shards, **pack)
 

@@ -33,6 +33,7 @@ class OpenedSource:
   read_from: Callable[[int], Iterator[Any]]
   max_empty_run: int
   describe: str
+  size: str | None = None  # what its positions index (BatchIterator.source_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +77,8 @@ class MixtureBatchIterator(BatchIterator):
     super().__init__(shard, sharding, global_batch, length, packing, prefetch, describe,
                      self._start(len(shard_sources)), [data_shard for data_shard, _ in shard_sources])
     self._weights, self._stages, self._seed, self._pack = tuple(weights), tuple(stages), seed, pack
+    if all(s.size is not None for s in sources):
+      self.source_size = {s.name: s.size for s in sources}
     self._cursors = [[DocumentCursor(s.read_from, s.max_empty_run, explain_empty=explain_empty) for s in opened]
                      for _, opened in shard_sources]
     self._batches = 0  # the next batch the producer makes

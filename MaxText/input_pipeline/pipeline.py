@@ -280,6 +280,9 @@ class BatchIterator:
     self._peeked: tuple[dict[str, np.ndarray], Any] | None = None  # read by peek(), not yet handed out
     self.rows_with_data = 0  # rows of the last batch that hold any data (eval data can run out)
     self.extras: dict[str, np.ndarray] = {}
+    # What a position indexes ("12 file(s)", "4800 record(s)"; per source for a mixture), saved with it: under the
+    # same key a glob can match other files at a resume, and the same position then reads other documents.
+    self.source_size: Any = None
 
   # What a subclass provides.
   def _produce(self) -> tuple[dict[str, np.ndarray], Any]:
@@ -368,8 +371,9 @@ class BatchIterator:
       mine = np.asarray(multihost_utils.process_allgather(mine))
     rows = mine.reshape(-1, width)
     shards = {str(int(row[0])): self._shard_json([int(x) for x in row[1:]]) for row in rows}
-    return {"format": STATE_FORMAT, "source": self.describe, "num_shards": self.data_shards[0].count,
-            "global_batch_size": self.global_shape[0], "max_target_length": self._length, "shards": shards}
+    state = {"format": STATE_FORMAT, "source": self.describe, "num_shards": self.data_shards[0].count,
+             "global_batch_size": self.global_shape[0], "max_target_length": self._length, "shards": shards}
+    return state if self.source_size is None else {**state, "source_size": self.source_size}
 
   def set_state(self, state: dict[str, Any]) -> None:
     """Continues after the batches `state` describes; refuses a state from another data layout."""
@@ -388,6 +392,11 @@ class BatchIterator:
     if state.get("source") != self.describe:
       print(f"warning: the checkpoint's data position was saved for {state.get('source')}, "
             f"now reading {self.describe}", flush=True)
+    elif "source_size" in state and self.source_size is not None and state["source_size"] != self.source_size:
+      print(f"warning: the checkpoint's data position was saved over {_sizes(state['source_size'])} of "
+            f"{self.describe}, which now holds {_sizes(self.source_size)}: the same position reads other documents "
+            "than the run would have read on (files added, removed or rewritten); resume with the files it was "
+            "saved with to read on exactly", flush=True)
     shards = state["shards"]
     if not isinstance(shards, dict) or sorted(shards, key=str) != sorted(map(str, range(count))):
       had = ", ".join(sorted(map(str, shards), key=lambda k: (len(k), k))) if isinstance(shards, dict) else repr(shards)
@@ -404,6 +413,13 @@ class BatchIterator:
     self._seek(self._join(positions))
 
 
+def _sizes(size: Any) -> str:
+  """A saved source_size as text: one source's, or a mixture's per source."""
+  if isinstance(size, dict):
+    return ", ".join(f"{name}: {value}" for name, value in size.items())
+  return str(size)
+
+
 class PackedBatchIterator(BatchIterator):
   """Document cursors packed into rows by `pack` (packing.pack_batch; preference.pack_preference_batch
   for DPO's pairs): one per data shard this process reads (`read_from`, in the order of
@@ -414,13 +430,13 @@ class PackedBatchIterator(BatchIterator):
                pack: Callable[..., tuple[dict[str, np.ndarray], int]] = pack_batch,
                explain_empty: Callable[[], str | None] | None = None,
                describe_index: Sequence[Callable[[int], str] | None] | None = None,
-               data_shards: Sequence[HostShard] | None = None):
+               data_shards: Sequence[HostShard] | None = None, source_size: str | None = None):
     shards = list(data_shards or [shard])
     if len(read_from) != len(shards):
       raise ValueError(f"{len(read_from)} readers for {len(shards)} data shards")
     super().__init__(shard, sharding, global_batch, length, packing, prefetch, describe, self._start(len(shards)),
                      shards)
-    self._pack = pack
+    self._pack, self.source_size = pack, source_size
     self._describe_index = list(describe_index or [None] * len(shards))
     self._cursors = [DocumentCursor(r, max_empty_run, explain_empty=explain_empty) for r in read_from]
 

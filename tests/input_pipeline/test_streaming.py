@@ -299,3 +299,32 @@ def test_a_shard_file_gone_when_its_turn_comes_is_one_line_naming_it(tmp_path):
     message = str(error.value)
     assert message.startswith(f"{directory / 's2.jsonl'} cannot be read (") and "restore it" in message \
         and "\n" not in message, message
+
+
+@pytest.mark.parametrize("kind", ["stream", "hf"])
+def test_a_resume_whose_glob_matches_other_files_says_so(spm_model, tmp_path, capsys, kind):
+  """A shard added under the same glob (the key's text unchanged) moved the saved position into other documents
+  with no word: a stream's file index, an hf position's record index over the files put together."""
+  directory = tmp_path / "data"
+  write_shards(directory, numbered_documents(2 * PER_SHARD))
+  files = str(directory / "shard-*.jsonl")
+  key = {"stream": dict(dataset_type="stream", stream_train_files=files),
+         "hf": dict(dataset_type="hf", hf_path="json", hf_data_files=files)}[kind]
+  values = _values(spm_model, **key)
+  first = _iterator(values)
+  _take(first, 2)
+  state = first.get_state()
+  first.close()
+  same = _iterator(values)
+  same.set_state(state)
+  same.close()
+  assert "warning" not in capsys.readouterr().out
+  (directory / "shard-000a.jsonl").write_text(json.dumps({"text": "a new document"}) + "\n")
+  resumed = _iterator(values)
+  resumed.set_state(state)
+  resumed.close()
+  size = {"stream": ("2 file(s)", "3 file(s)"), "hf": (f"{2 * PER_SHARD} record(s)", f"{2 * PER_SHARD + 1} record(s)")}
+  saved, now = size[kind]
+  out = capsys.readouterr().out
+  assert f"warning: the checkpoint's data position was saved over {saved} of " in out, out
+  assert f"which now holds {now}: the same position reads other documents" in out, out
