@@ -164,3 +164,22 @@ def test_emulator_host_is_handed_on_to_every_library():
   untouched: dict = {}
   cloud_env.configure_cloud_env(untouched)
   assert untouched == {}
+
+
+@pytest.mark.parametrize("path, package", [("s3://bucket/tokenizer.model", "s3fs"), ("az://box/data.jsonl", "adlfs")])
+def test_a_scheme_whose_package_is_not_installed_is_one_line(path, package, monkeypatch):
+  """s3:// and az:// paths are etils' (through fsspec packages this project does not install): a tokenizer_path or a
+  data file there was a raw ImportError ("Install s3fs to access S3") from deep inside a library."""
+  import importlib.util
+
+  find_spec = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else find_spec(name, *a))
+  line = (f"{path}: {path.split(':')[0]}:// needs the {package} package, which this install does not have: `pip install "
+          f"{package}`, or copy the files to gs:// or a local folder")
+  for operation in (storage.read_bytes, storage.exists, lambda p: storage.write_text(p, "x")):
+    with pytest.raises(UserError) as error:
+      operation(path)
+    assert str(error.value) == line
+  with pytest.raises(UserError) as error:
+    storage.check_buckets({"tokenizer_path": path}, 20)
+  assert str(error.value) == f"tokenizer_path={line}"

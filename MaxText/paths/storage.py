@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import importlib.util
 import os
 import posixpath
 import re
@@ -38,6 +39,9 @@ def is_remote(path: str) -> bool:
 
 # etils.epath's schemes (gpath._URI_PREFIXES); any other `x://` is a KeyError traceback inside it.
 SCHEMES = ("gs", "s3", "az", "hf")
+# The fsspec packages etils reaches s3:// and az:// through: not installed with this project (gs:// is its storage),
+# and without one the first read was a raw ImportError from deep inside a library.
+_SCHEME_PACKAGES = {"s3": "s3fs", "az": "adlfs"}
 _GS_TYPO = re.compile(r"\s*gs:(?!//)", re.IGNORECASE)  # gs:/b/x, gs:b/x: else a local directory named `gs:`
 _GS_NO_COLON = re.compile(r"\s*gs//", re.IGNORECASE)  # gs//b/x: else local directories gs/b
 
@@ -54,6 +58,10 @@ def check_form(path: str, key: str = "") -> None:
       fix = ("write gs:// in lowercase, with nothing before it" if scheme.strip().lower() == "gs" else
              "a path is local or gs://BUCKET/OBJECT")
       raise UserError(f"{named}: unknown scheme {scheme!r}; {fix}")
+    package = _SCHEME_PACKAGES.get(scheme)
+    if package is not None and importlib.util.find_spec(package) is None:
+      raise UserError(f"{named}: {scheme}:// needs the {package} package, which this install does not have: "
+                      f"`pip install {package}`, or copy the files to gs:// or a local folder")
   elif _GS_TYPO.match(text):
     raise UserError(f"{named}: gs: needs two slashes; write gs://BUCKET/OBJECT")
   elif _GS_NO_COLON.match(text):
