@@ -274,8 +274,29 @@ def load_chat_tokenizer(tokenizer_path: str, require_template: bool = True,
   with _TRANSFORMERS_LOCK:
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend, **{name: value for name, value in special.items() if value})
+  if template is not None:
+    _check_template_syntax(template, directory, config)
   tokenizer.chat_template = template
   return tokenizer
+
+
+def _check_template_syntax(template: str, directory: str, config: Mapping[str, Any]) -> None:
+  """A template that does not parse was one line only at its first render, after the start-up (for a server, at
+  its first request), without naming its file. Compiled as transformers compiles it (its own environment, whose
+  tags such as {% generation %} plain jinja2 does not know); skipped where that function is missing."""
+  import jinja2
+
+  from transformers.utils import chat_template_utils
+
+  compile_template = getattr(chat_template_utils, "_compile_jinja_template", None)
+  if compile_template is None:
+    return
+  where = storage.join(directory, "tokenizer_config.json" if config.get("chat_template") else "chat_template.jinja")
+  try:
+    compile_template(template)
+  except jinja2.TemplateSyntaxError as e:
+    raise ConfigError(f"the chat template in {where} does not parse: {e.message} (line {e.lineno} of the "
+                      "template); replace it with the model's own template") from None
 
 
 def render(tokenizer: ChatTokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,

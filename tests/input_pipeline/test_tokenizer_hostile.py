@@ -223,3 +223,21 @@ def test_a_distillation_teacher_of_the_same_tokenizer_spelled_otherwise_is_accep
     assert teacher.model.vocab_size == 512
   with pytest.raises(UserError, match="was trained with tokenizer .* the student reads"):
     distill.teacher_config(Config.for_testing(**student, tokenizer_path=str(tmp_path / "other.model")))
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "chat_template.jinja"])
+def test_a_chat_template_that_does_not_parse_is_one_line_at_load_naming_its_file(tmp_path, where):
+  """A template with a syntax error loaded, and failed only at its first render: after the start-up (a server's
+  first request), in a line that did not say which file holds it. A template using transformers' own tags
+  ({% generation %}) still loads."""
+  broken = "{% for message in messages %}{{ message['content'] }\n{% endfor %}"
+  directory = write_tokenizer(tmp_path / "tok", broken if where == "tokenizer_config.json" else None)
+  if where == "chat_template.jinja":
+    (directory / "chat_template.jinja").write_text(broken)
+  with pytest.raises(ConfigError) as error:
+    chat.load_chat_tokenizer(str(directory))
+  assert str(error.value) == (f"the chat template in {directory / where} does not parse: unexpected '}}' (line 1 of the "
+                              "template); replace it with the model's own template")
+  tracked = "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}"
+  loaded = chat.load_chat_tokenizer(str(write_tokenizer(tmp_path / "ok", tracked)))
+  assert chat.render(loaded, [{"role": "user", "content": "hi"}], False) == "hi"
