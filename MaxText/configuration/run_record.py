@@ -103,13 +103,21 @@ def _same(a: object, b: object) -> bool:
   return a == b
 
 
+def _shapes_nothing(key: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+  """Whether `key` fixes nothing in this model: max_position_embeddings is a learned position table's rows, but
+  for RoPE only the length an exported config.json declares."""
+  tables = (a.get("position_embedding"), b.get("position_embedding"))
+  return key == "max_position_embeddings" and "learned" not in tables
+
+
 def resume_differences(current: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
   """`key: saved -> now` for each fixed key whose value changed (keys a saved config lacks,
   written before the key existed, are not compared)."""
   found = []
   for keys in FIXED_ON_RESUME.values():
     for key in keys:
-      if key in saved and key in current and not _same(saved[key], current[key]):
+      if key in saved and key in current and not _same(saved[key], current[key]) \
+          and not _shapes_nothing(key, current, saved):
         found.append(f"{key}: {saved[key]!r} -> {current[key]!r}")
   return found
 
@@ -214,7 +222,8 @@ def contradictions(given: Mapping[str, Any], saved: Mapping[str, Any]) -> list[s
   model nobody trained), and lora_rank always (a plain run's checkpoints have no adapters to read)."""
   lora_keys = LORA_KEYS if _trained_adapters(saved) else ("lora_rank",)
   return [f"{key}={given[key]!r} (saved: {saved[key]!r})" for key in (*MODEL_KEYS, *lora_keys)
-          if key in given and key in saved and not _same(given[key], saved[key])]
+          if key in given and key in saved and not _same(given[key], saved[key])
+          and not _shapes_nothing(key, given, saved)]
 
 
 def _trained_adapters(saved: Mapping[str, Any]) -> bool:

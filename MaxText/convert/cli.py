@@ -51,7 +51,7 @@ class HfModelKeys:
     family = families.family_for_hf_config(self.hf_config)
     schema = config_lib.read_yaml(config_lib.BASE_CONFIG_PATH)
     try:
-      hf_keys = family.model_keys(self.hf_config)
+      hf_keys = engine.hf_model_keys(family, self.hf_config)
     except KeyError as e:  # a key the family's config always has, left out (a hand-written or cut config.json)
       raise ConfigError(f"{self.hf_path}/config.json has no {_missing_field(self.hf_config, e)!r}, which a "
                         f"{self.hf_config.get('model_type')} config always has and the converter takes no default "

@@ -252,6 +252,21 @@ def differences(ours: Mapping[str, Any], theirs: Mapping[str, Any], ignore: tupl
 NOT_IN_HF_CONFIG = ("mtp_num_layers",)
 
 
+def hf_model_keys(family: families.Family, hf_config: Mapping[str, Any]) -> dict[str, Any]:
+  """The family's model keys of config.json, with its max_position_embeddings (a multimodal config's
+  text_config's): the longest sequence the model is meant for, which a RoPE model's export writes back. A
+  family with a learned position table sets it itself (its rows)."""
+  keys = family.model_keys(hf_config)
+  text = hf_config.get("text_config")
+  fields = text if isinstance(text, Mapping) and text.get("max_position_embeddings") is not None else hf_config
+  value = fields.get("max_position_embeddings")
+  if "max_position_embeddings" not in keys and value is not None:
+    if isinstance(value, bool) or not float(value).is_integer() or value < 1:
+      raise ValueError(f"max_position_embeddings must be a positive whole number, got {value!r}")
+    keys["max_position_embeddings"] = int(value)
+  return keys
+
+
 def full_model_keys(schema: Mapping[str, Any], inferred: Mapping[str, Any]) -> dict[str, Any]:
   """Every architecture key: the inferred ones over base.yml's defaults."""
   return {k: inferred.get(k, schema[k]) for k in ARCHITECTURE_KEYS if k in schema}

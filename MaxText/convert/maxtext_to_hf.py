@@ -93,7 +93,7 @@ def _hf_config(config: config_lib.Config, family: families.Family) -> dict[str, 
   """config.json for the model, refusing models the HF class would compute differently."""
   hf_config = family.hf_config(config.model)
   schema = config_lib.read_yaml(config_lib.BASE_CONFIG_PATH)
-  round_trip = engine.full_model_keys(schema, family.model_keys(hf_config))
+  round_trip = engine.full_model_keys(schema, engine.hf_model_keys(family, hf_config))
   lost = engine.differences(dict(config.values), round_trip, ignore=engine.NOT_IN_HF_CONFIG)
   if lost:
     raise ConfigError(f"HF {hf_config['model_type']} cannot express this model (ours vs what HF would "

@@ -36,7 +36,7 @@ from typing import Any, Mapping
 
 from MaxText.families import tensor_maps as r
 from MaxText.families import Family, register_family
-from MaxText.families.llama import embedding_tensors, gated_mlp_tensors, rope_hf_config, rope_keys
+from MaxText.families.llama import embedding_tensors, gated_mlp_tensors, max_positions, rope_hf_config, rope_keys
 from MaxText.families.mixtral import fused_expert_tensors, routed_expert_tensors
 from MaxText.configuration.model_config import ModelConfig, RopeConfig
 from MaxText.errors import ConfigError
@@ -224,8 +224,7 @@ def _hf_config(cfg: ModelConfig) -> dict[str, Any]:
       "kv_lora_rank": mla.kv_lora_rank, "q_lora_rank": mla.q_lora_rank or None,
       "qk_nope_head_dim": mla.qk_nope_head_dim, "qk_rope_head_dim": mla.qk_rope_head_dim,
       "v_head_dim": mla.v_head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.normalization_layer_epsilon,
-      "max_position_embeddings": max(cfg.max_target_length, 4096) if cfg.rope.rope_type != "yarn"
-      else int(cfg.rope.rope_original_max_position * cfg.rope.rope_scaling_factor),
+      "max_position_embeddings": max_positions(cfg),
       "tie_word_embeddings": cfg.logits_via_embedding, "attention_bias": False, **rope,
   }
 

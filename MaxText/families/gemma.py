@@ -23,8 +23,8 @@ from MaxText.families import VisionTower
 from MaxText.layers import decoders, vision_tower
 from MaxText.families import Family, gemma3_images, register_family
 from MaxText.families.llama import (TINY_SHAPES, decoder_tensors, embedding_tensors, gated_mlp_tensors,
-                                    layer_type_rope_hf_config, layer_type_ropes, qk_norm_tensors, rope_hf_config,
-                                    rope_keys, shape_hf_config, shape_keys)
+                                    layer_type_rope_hf_config, layer_type_ropes, max_positions, qk_norm_tensors,
+                                    rope_hf_config, rope_keys, shape_hf_config, shape_keys)
 
 # HF activation names that are the tanh-approximated GELU our "gelu" computes.
 _TANH_GELU = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
@@ -57,7 +57,7 @@ def gemma_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 def gemma_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   return {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", **shape_hf_config(cfg),
           **rope_hf_config(cfg.rope), "hidden_act": "gelu_pytorch_tanh", "attention_bias": False,
-          "max_position_embeddings": max(cfg.max_target_length, 8192)}
+          "max_position_embeddings": max_positions(cfg)}
 
 
 def gemma_tensors(cfg: ModelConfig) -> list[r.TensorMap]:

@@ -30,7 +30,7 @@ from MaxText.families import tensor_maps as r
 from MaxText.errors import ConfigError
 from MaxText.families import Family, gemma4_layers, register_family
 from MaxText.families.gemma import _activation, _same
-from MaxText.families.llama import TINY_SHAPES, layer_type_ropes, shape_hf_config, shape_keys
+from MaxText.families.llama import TINY_SHAPES, layer_type_ropes, max_positions, shape_hf_config, shape_keys
 from MaxText.layers import layer_shapes
 
 # HF's default layer kinds: five sliding to one full, the last layer always full.
@@ -132,7 +132,7 @@ def gemma4_hf_config(cfg: ModelConfig) -> dict[str, Any]:
                 factor=rope.rope_scaling_factor)
   return {"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", **shape_hf_config(cfg),
           "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
-          "max_position_embeddings": max(cfg.max_target_length, 131_072),
+          "max_position_embeddings": max_positions(cfg),
           "layer_types": r.hf_layer_types(cfg.attn.attention_layer_pattern, cfg.num_decoder_layers),
           "sliding_window": cfg.attn.sliding_window_size,
           "rope_parameters": {"full_attention": full, "sliding_attention": {

@@ -112,10 +112,13 @@ def layer_type_rope_hf_config(rope: RopeConfig) -> dict[str, Any]:
 
 
 def max_positions(cfg: ModelConfig) -> int:
-  """HF's max_position_embeddings (metadata for RoPE models): the scaled context for llama3 RoPE."""
+  """HF's max_position_embeddings, the longest sequence the model is meant for (serving stacks size their context
+  from it): a converted model's own value, raised to the length it was trained at and, for llama3 / yarn RoPE, to
+  the scaled context, so that a round trip keeps it and a model trained from scratch declares at least its run's."""
+  scaled = 0
   if cfg.rope.rope_type in ("llama3", "yarn"):
-    return int(cfg.rope.rope_original_max_position * cfg.rope.rope_scaling_factor)
-  return max(cfg.max_target_length, 4096)
+    scaled = int(cfg.rope.rope_original_max_position * cfg.rope.rope_scaling_factor)
+  return max(cfg.max_position_embeddings, cfg.max_target_length, scaled)
 
 
 def rope_hf_config(rope: RopeConfig) -> dict[str, Any]:
