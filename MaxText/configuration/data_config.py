@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import TYPE_CHECKING, Any, Mapping
 
 from MaxText.paths import storage
@@ -18,6 +19,30 @@ from MaxText.configuration.data_mixture import MixtureSource, MixtureStage, pars
 from MaxText.configuration.model_checks import one_of as _one_of, positive as _positive
 from MaxText.configuration.objective_registry import CHAT_OBJECTIVES, OBJECTIVES
 from MaxText.errors import ConfigError
+
+_warned: set[str] = set()  # each mixture warning once per process (tools build the config more than once)
+
+
+def _warn_once(line: str) -> None:
+  if line not in _warned:
+    _warned.add(line)
+    print(line, file=sys.stderr, flush=True)
+
+
+def _warn_unused_mixture(sources: "tuple[MixtureSource, ...]", schedule: "tuple[MixtureStage, ...]", steps: int) -> None:
+  """A schedule stage at or past `steps` (the batch of step N+1 is the first its weights draw), or a source whose
+  weight is 0 in every stage that applies, changes nothing in this run: said, since it reads as if it did (a
+  stage for a longer run that a later resume reaches may be meant, so no error)."""
+  late = [stage.step for stage in schedule if stage.step >= steps]
+  if late:
+    _warn_once(f"warning: data_mixture_schedule's stage(s) at step {', '.join(map(str, late))} begin at or after "
+               f"steps={steps}: they change no weight in this run")
+  first = [] if schedule and schedule[0].step == 0 else [tuple(s.weight for s in sources)]  # replaced at once
+  applied = first + [stage.weights for stage in schedule if stage.step < steps]
+  unread = [s.name for i, s in enumerate(sources) if all(weights[i] == 0 for weights in applied)]
+  if unread:
+    _warn_once(f"warning: data_mixture source(s) {', '.join(map(repr, unread))} have weight 0 throughout this run's "
+               f"{steps} steps: they are opened and checked but never read")
 
 if TYPE_CHECKING:
   from MaxText.configuration.config_groups import MeshConfig
@@ -110,6 +135,7 @@ class DataConfig:
     schedule = parse_schedule(v["data_mixture_schedule"], mixture)
     if mixture and reads_data:
       _check_mixture(v, mixture)
+      _warn_unused_mixture(mixture, schedule, int(v["steps"]))
     if v["dataset_type"] != "synthetic" and reads_data:
       _check_real_data(v, mixed=bool(mixture))
     global_batch = v["per_device_batch_size"] * target.num_devices

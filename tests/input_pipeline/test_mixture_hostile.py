@@ -180,3 +180,26 @@ def test_a_compressed_shard_the_stream_cannot_read_is_one_line_naming_it(tmp_pat
   (tmp_path / "plain.jsonl.gz").write_bytes(b'{"text": "not compressed"}\n')
   with pytest.raises(UserError, match=r"plain.jsonl.gz is not a readable gzip file \(.*\); replace or remove it"):
     _documents(tmp_path / "plain.jsonl.gz")
+
+
+@pytest.mark.parametrize("schedule, steps, lines", [
+    # A stage at or past steps: its weights never draw a batch (the batch of step N+1 is the first a stage at N draws).
+    ([{"step": 10, "web": 1, "code": 1}], 10,
+     ["warning: data_mixture_schedule's stage(s) at step 10 begin at or after steps=10: they change no weight in this "
+      "run"]),
+    # code's weight is 0 from step 0 on, and the stage that would read it comes after the run.
+    ([{"step": 0, "web": 1}, {"step": 50, "code": 1}], 20,
+     ["warning: data_mixture_schedule's stage(s) at step 50 begin at or after steps=20: they change no weight in this "
+      "run", "warning: data_mixture source(s) 'code' have weight 0 throughout this run's 20 steps: they are opened and "
+      "checked but never read"]),
+    ([{"step": 5, "web": 1}], 20, []),  # code is read for the first 5 steps
+])
+def test_a_schedule_stage_or_a_source_that_changes_nothing_in_this_run_says_so(spm_model, prepared, capsys, schedule,
+                                                                                 steps, lines):
+  """A stage at or past `steps`, or a source at weight 0 in every stage that applies, read as if it took effect."""
+  from MaxText.configuration import data_config
+
+  data_config._warned.clear()
+  Config.for_testing(**_values(spm_model, prepared, [_web(prepared), _code(prepared)], steps=steps,
+                               data_mixture_schedule=schedule))
+  assert [line for line in capsys.readouterr().err.splitlines() if "data_mixture" in line] == lines
