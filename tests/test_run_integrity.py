@@ -419,6 +419,23 @@ def test_fixed_and_allowed_keys_on_resume():
   assert run_record.resume_differences({**saved, "vocab_size": 128.0}, saved) == []  # YAML may read 128 as either
 
 
+def test_a_resume_naming_the_same_tokenizer_file_another_way_is_no_change(tmp_path, monkeypatch):
+  """./tok.model for tok.model, its absolute path or a link to it was "tokenizer_path: 'tok.model' -> './tok.model'":
+  the resume refused. Another file is still a change."""
+  from MaxText.configuration import run_record
+
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "tok.model").write_bytes(b"x")
+  (tmp_path / "other.model").write_bytes(b"y")
+  (tmp_path / "link.model").symlink_to(tmp_path / "tok.model")
+  saved = {"tokenizer_path": "tok.model", "dataset_path": "data/"}
+  for spelling in ("./tok.model", str(tmp_path / "tok.model"), "link.model"):
+    assert run_record.resume_differences({**saved, "tokenizer_path": spelling}, saved) == [], spelling
+  assert run_record.resume_differences({**saved, "dataset_path": "./data"}, saved) == []
+  assert run_record.resume_differences({**saved, "tokenizer_path": "other.model"}, saved) == [
+      "tokenizer_path: 'tok.model' -> 'other.model'"]
+
+
 def test_checkpoints_md_lists_every_key_a_resume_keeps():
   """The table users read is the resume check's own list (it had fallen behind by LoRA, image and GRPO keys)."""
   import re

@@ -110,6 +110,20 @@ def _shapes_nothing(key: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> boo
   return key == "max_position_embeddings" and "learned" not in tables
 
 
+# Keys naming one file or folder: the same one spelled another way (./tok.model, an absolute path, a link) is no
+# change, where its text alone refused the resume.
+_ONE_PATH_KEYS = ("tokenizer_path", "dataset_path")
+
+
+def _same_path(key: str, a: object, b: object) -> bool:
+  if key not in _ONE_PATH_KEYS or not isinstance(a, str) or not isinstance(b, str) or not a or not b:
+    return False
+  try:
+    return storage.same_file(a, b)
+  except UserError:  # a malformed path: compared as text
+    return False
+
+
 def resume_differences(current: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
   """`key: saved -> now` for each fixed key whose value changed (keys a saved config lacks,
   written before the key existed, are not compared)."""
@@ -117,7 +131,7 @@ def resume_differences(current: Mapping[str, Any], saved: Mapping[str, Any]) -> 
   for keys in FIXED_ON_RESUME.values():
     for key in keys:
       if key in saved and key in current and not _same(saved[key], current[key]) \
-          and not _shapes_nothing(key, current, saved):
+          and not _shapes_nothing(key, current, saved) and not _same_path(key, saved[key], current[key]):
         found.append(f"{key}: {saved[key]!r} -> {current[key]!r}")
   return found
 
