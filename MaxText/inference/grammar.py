@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 from typing import Any, Sequence
 
 import llguidance
@@ -120,17 +121,20 @@ class Compiler:
     grammar = Grammar(text, self.tokenizer, self.vocab_size)
     start = grammar.constraint()
     start.mask()  # a grammar no text satisfies fails here, before any token
-    forced = [] if start.failure() else start.forced()
-    if forced:
-      # Every reply starts with these tokens; a grammar whose forced opening never ends (a schema whose instances
-      # nest without end: {"properties": {"a": {"$ref": "#"}}, "required": ["a"]}) dead-ends at the first of them,
-      # on every request and whatever the model: found here it is the client's 400, not a failed generation (500).
-      start.advance(forced[0])
+    # Every reply starts with these tokens; a grammar whose forced opening never ends (a schema whose instances
+    # nest without end: {"properties": {"a": {"$ref": "#"}}, "required": ["a"]}) dead-ends at the first of them,
+    # and one that forces a character no token spells (a tokenizer without byte tokens) at the token llguidance
+    # stands in for it: on every request and whatever the model, so found here it is the client's 400, not a
+    # failed generation (500).
+    for token in [] if start.failure() else start.forced():
+      if start.advance(token):
+        break
     if start.failure():
       raise GrammarError(f"no text satisfies it ({' '.join(start.error.split('<state>')[0].split())[:200]})")
     return grammar
 
   def json_schema(self, schema: dict[str, Any]) -> Grammar:
+    _refuse_non_finite(schema, "the schema")
     try:
       text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
     except ValueError as e:
@@ -148,7 +152,25 @@ class Compiler:
     template's format (tool_calls.FORMATS: "tag" `<tool_call>{"name": .., "arguments": {..}}</tool_call>`, "json"
     Llama 3.1's whole-reply `{"name": .., "parameters": {..}}`), each call's arguments matching its tool's
     parameters."""
+    for tool in tools:
+      _refuse_non_finite(tool["function"].get("parameters"), f"the parameters of {tool['function']['name']!r}")
     return self.lark(tool_call_lark(tools, fmt, parallel))
+
+
+def _refuse_non_finite(value: Any, what: str) -> None:
+  """GrammarError for a NaN or an Infinity in a schema: Python's json reads them from a request body, but JSON has
+  no such number, and llguidance reads one as null (a `const` of NaN forced the reply `null`). Iterative: a schema
+  may nest as deep as the body parser allows."""
+  stack: list[tuple[Any, str]] = [(value, "")]
+  while stack:
+    item, path = stack.pop()
+    if isinstance(item, float) and not math.isfinite(item):
+      raise GrammarError(f"{what}: {json.dumps(item)} at {path or '/'} is not a JSON number (JSON has no NaN or "
+                         "Infinity)")
+    if isinstance(item, dict):
+      stack.extend((v, f"{path}/{k}") for k, v in item.items())
+    elif isinstance(item, list):
+      stack.extend((v, f"{path}/{i}") for i, v in enumerate(item))
 
 
 def call_schema(tools: list[dict[str, Any]], arguments_key: str) -> dict[str, Any]:

@@ -1,0 +1,126 @@
+"""Hostile structured-output requests against the server (inference/grammar.py through openai_api), driven by the
+official `openai` client where it can send the request: a schema whose required text holds a character no token of
+the tokenizer spells (a tokenizer without byte tokens) is a 400 naming response_format, not a failed generation
+(500) on every request; and a schema or a forced tool's parameters holding NaN or Infinity (which Python's json
+reads from a body, though JSON has no such number) is a 400 naming the part, not a reply forced to `null`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="needs openai (EXTRAS=test bash setup.sh)")
+pytest.importorskip("uvicorn", reason="needs uvicorn (pip install -r requirements.txt)")
+pytest.importorskip("llguidance", reason="needs llguidance (pip install -r requirements.txt)")
+pytest.importorskip("transformers", reason="the tokenizer is read through transformers")
+try:  # the openai client's own HTTP library (httpx2 in openai 3.x, httpx before)
+  import httpx2 as httpx
+except ImportError:
+  httpx = pytest.importorskip("httpx")
+
+from MaxText.configuration.config import Config  # noqa: E402
+from MaxText.serve import build_app, build_server  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from decode_test_utils import one_device_mesh  # noqa: E402
+from tests.uvicorn_thread import UvicornThread  # noqa: E402
+from test_serve_constrained import MODEL, TEMPLATE  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "a b"}]
+SPELLED = "a b ab ba {} : , \" 1 2 3 [ ] null true false"  # every character the tokenizer below knows
+
+
+def write_tokenizer_without_byte_tokens(directory: Path) -> Path:
+  """A SentencePiece-style BPE (Llama's decoder) trained on SPELLED only: no byte tokens, so a character outside
+  SPELLED (a `z`) has no token; llguidance reads it (ByteFallback decoder)."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+  tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+  tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+  tokenizer.train_from_iterator([SPELLED] * 5, trainers.BpeTrainer(vocab_size=60,
+                                                                   special_tokens=["<unk>", "<s>", "</s>"]))
+  directory.mkdir(parents=True, exist_ok=True)
+  tokenizer.save(str(directory / "tokenizer.json"))
+  (directory / "tokenizer_config.json").write_text(json.dumps(
+      {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": TEMPLATE}))
+  return directory
+
+
+class Served:
+  def __init__(self, tmp: Path):
+    tokenizer = write_tokenizer_without_byte_tokens(tmp / "tok")
+    self.server = build_server(Config.for_testing(**MODEL, tokenizer_path=str(tokenizer)), mesh=one_device_mesh())
+    self.http = UvicornThread(build_app(self.server, api_key="k"))
+    self.client = openai.OpenAI(base_url=f"{self.http.url}/v1", api_key="k", max_retries=0, timeout=300)
+
+  def post(self, body: dict[str, Any]) -> httpx.Response:
+    """A chat request sent as Python's json writes it (NaN and Infinity as such), which the openai client refuses
+    to send."""
+    return httpx.post(f"{self.http.url}/v1/chat/completions", content=json.dumps(body), timeout=300,
+                      headers={"content-type": "application/json", "authorization": "Bearer k"})
+
+  def close(self) -> None:
+    self.http.close()
+    self.server.scheduler.stop()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+  s = Served(tmp_path_factory.mktemp("hostile"))
+  yield s
+  s.close()
+
+
+def schema(s: dict[str, Any]) -> dict[str, Any]:
+  return {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}
+
+
+def still_serves_json(served: Served) -> None:
+  answer = served.client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, temperature=0,
+                                                 response_format={"type": "json_object"})
+  assert answer.choices[0].message.content.startswith("{")
+
+
+@pytest.mark.parametrize("fmt", [
+    schema({"type": "object", "properties": {"zz": {"type": "integer"}}, "required": ["zz"]}),
+    schema({"const": "z"}),
+    {"type": "regex", "regex": "az"},
+], ids=["required-key", "const", "regex"])
+def test_a_required_character_no_token_spells_is_a_400(served: Served, fmt: dict[str, Any]) -> None:
+  """Was: compiled, and every reply reached the character, took llguidance's stand-in token and ended as a 500
+  generation_failed."""
+  with pytest.raises(openai.BadRequestError) as raised:
+    served.client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0,
+                                          response_format=fmt)
+  body = raised.value.body
+  assert body["param"] == "response_format" and "no text satisfies it" in body["message"], body
+  assert "\n" not in body["message"]
+  still_serves_json(served)
+
+
+def test_nan_or_infinity_in_a_schema_is_a_400_naming_it(served: Served) -> None:
+  """Was: {"const": NaN} compiled (llguidance reads NaN as null) and the reply was `null` with finish_reason stop."""
+  for fmt in (schema({"const": float("nan")}), schema({"type": "object", "properties": {
+      "a": {"enum": [1, float("inf")]}}, "required": ["a"]})):
+    answer = served.post({"model": "tiny", "messages": MESSAGES, "max_tokens": 8, "temperature": 0,
+                          "response_format": fmt})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "response_format", error
+    assert "is not a JSON number" in error["message"] and "\n" not in error["message"], error
+  tools = [{"type": "function", "function": {"name": "f", "parameters": {
+      "type": "object", "properties": {"a": {"const": float("-inf")}}, "required": ["a"]}}}]
+  answer = served.post({"model": "tiny", "messages": MESSAGES, "max_tokens": 8, "tools": tools,
+                        "tool_choice": "required"})
+  assert answer.status_code == 400, answer.text
+  error = answer.json()["error"]
+  assert error["param"] == "tools" and "-Infinity at /properties/a/const" in \
+      error["message"], answer.text
+  still_serves_json(served)
