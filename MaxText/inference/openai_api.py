@@ -105,11 +105,17 @@ class Request:
   model: str = ""  # the `model` asked for ("": the served model); a LoRA adapter's name picks that adapter
 
 
+def _no_constant(name: str) -> Any:
+  """Python's json reads NaN, Infinity and -Infinity (which Python's json.dumps writes): JSON has none of them,
+  and a temperature or a schema's value of NaN passed range checks (every comparison with NaN is false)."""
+  raise ValueError(f"{name} is not a JSON number (JSON has no NaN or Infinity)")
+
+
 def parse_json(raw: bytes) -> Any:
   """A request body as JSON, or a 400: beside syntax errors, json raises ValueError for an integer
   of more digits than Python converts and RecursionError for nesting deeper than the stack."""
   try:
-    body = json.loads(raw)
+    body = json.loads(raw, parse_constant=_no_constant)
   except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
     raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
   except RecursionError:

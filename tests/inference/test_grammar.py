@@ -138,3 +138,14 @@ def test_a_mask_row_has_the_devices_width(compiler):
   assert constraint.words == sampling.mask_words(VOCAB) == constraint.mask().shape[1]
   with pytest.raises(ValueError, match="int32"):
     constraint.fill(np.zeros(constraint.words, np.int64))
+
+
+def test_a_schema_with_nan_or_infinity_is_refused_by_the_compiler(compiler):
+  """The HTTP routes refuse such a body as they read it; an in-process caller (GRPO's tool specs) reaches the
+  compiler, where llguidance read NaN as null and forced the reply `null`."""
+  c, _ = compiler
+  with pytest.raises(grammar.GrammarError, match=r"^the schema: NaN at /const is not a JSON number"):
+    c.json_schema({"const": float("nan")})
+  tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"enum": [float("inf")]}}}}}]
+  with pytest.raises(grammar.GrammarError, match=r"^the parameters of 'f': Infinity at /properties/a/enum/0 is not"):
+    c.tool_call(tools, "hermes")

@@ -105,22 +105,21 @@ def test_a_required_character_no_token_spells_is_a_400(served: Served, fmt: dict
   still_serves_json(served)
 
 
-def test_nan_or_infinity_in_a_schema_is_a_400_naming_it(served: Served) -> None:
-  """Was: {"const": NaN} compiled (llguidance reads NaN as null) and the reply was `null` with finish_reason stop."""
-  for fmt in (schema({"const": float("nan")}), schema({"type": "object", "properties": {
-      "a": {"enum": [1, float("inf")]}}, "required": ["a"]})):
-    answer = served.post({"model": "tiny", "messages": MESSAGES, "max_tokens": 8, "temperature": 0,
-                          "response_format": fmt})
-    assert answer.status_code == 400, answer.text
-    error = answer.json()["error"]
-    assert error["param"] == "response_format", error
-    assert "is not a JSON number" in error["message"] and "\n" not in error["message"], error
+def test_nan_or_infinity_anywhere_in_a_body_is_a_400_naming_it(served: Served) -> None:
+  """Was: {"const": NaN} compiled (llguidance reads NaN as null) and the reply was `null` with finish_reason stop;
+  a temperature of NaN passed the range check (every comparison with NaN is false). JSON has neither: the body is
+  refused as it is read (the grammar compiler refuses them too, for callers that are not the HTTP routes)."""
   tools = [{"type": "function", "function": {"name": "f", "parameters": {
       "type": "object", "properties": {"a": {"const": float("-inf")}}, "required": ["a"]}}}]
-  answer = served.post({"model": "tiny", "messages": MESSAGES, "max_tokens": 8, "tools": tools,
-                        "tool_choice": "required"})
-  assert answer.status_code == 400, answer.text
-  error = answer.json()["error"]
-  assert error["param"] == "tools" and "-Infinity at /properties/a/const" in \
-      error["message"], answer.text
+  for fields, constant in (({"response_format": schema({"const": float("nan")})}, "NaN"),
+                           ({"response_format": schema({"type": "object", "properties": {
+                               "a": {"enum": [1, float("inf")]}}, "required": ["a"]})}, "Infinity"),
+                           ({"tools": tools, "tool_choice": "required"}, "-Infinity"),
+                           ({"temperature": float("nan")}, "NaN")):
+    answer = served.post({"model": "tiny", "messages": MESSAGES, "max_tokens": 8, **fields})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "invalid_json", error
+    assert f"{constant} is not a JSON number (JSON has no NaN or Infinity)" in error["message"], error
+    assert "\n" not in error["message"], error
   still_serves_json(served)
