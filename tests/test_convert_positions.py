@@ -91,3 +91,19 @@ def test_on_a_rope_model_the_key_is_no_reason_to_refuse_a_resume_or_a_tool():
   learned = {**saved, "position_embedding": "learned"}
   assert run_record.resume_differences({**learned, **now}, learned) == ["max_position_embeddings: 2048 -> 40960"]
   assert run_record.contradictions(now, learned) == ["max_position_embeddings=40960 (saved: 2048)"]
+
+
+def test_a_runs_checkpoint_exports_the_length_the_run_trained_at(tmp_path):
+  """From a training run's checkpoint the export took max_target_length only from its own arguments (the CPU
+  default 128 if none), so a model trained longer declared less than it was trained at."""
+  from MaxText import train
+
+  args = dict(base_emb_dim=32, base_num_query_heads=2, base_num_kv_heads=2, head_dim=16, base_mlp_dim=64,
+              base_num_decoder_layers=1, vocab_size=128, max_target_length=256, max_position_embeddings=64,
+              per_device_batch_size=1, print_config=False, steps=1, run_name="long", base_output_directory=tmp_path,
+              enable_tensorboard=False, cpu_peak_tflops=1.0, decoder_block="llama2")
+  assert train.main(["train", "configs/base.yml"] + [f"{k}={v}" for k, v in args.items()]) == 0
+  maxtext_to_hf.export(str(tmp_path / "long" / "checkpoints"), str(tmp_path / "hf"), [])
+  assert json.loads((tmp_path / "hf" / "config.json").read_text())["max_position_embeddings"] == 256
+  maxtext_to_hf.export(str(tmp_path / "long" / "checkpoints"), str(tmp_path / "hf2"), ["max_target_length=512"])
+  assert json.loads((tmp_path / "hf2" / "config.json").read_text())["max_position_embeddings"] == 512

@@ -32,7 +32,7 @@ from MaxText import families, startup
 from MaxText import models
 from MaxText.training import lora, params_io
 from MaxText.paths import storage
-from MaxText.configuration import config as config_lib
+from MaxText.configuration import config as config_lib, run_record
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.convert import cli, engine, hf_io, streaming
 from MaxText.errors import ConfigError, UserError, run_cli
@@ -107,6 +107,9 @@ def export(checkpoint: str, output_path: str, user_args: list[str], max_shard_mb
       raise UserError(f"{output_path} exists and is not empty; choose a new output_path")
 
   paths = {"load_parameters_path": checkpoint, "output_path": output_path}
+  trained = _trained_length(checkpoint)
+  if trained and not any(arg.startswith("max_target_length=") for arg in user_args):
+    user_args = [*user_args, f"max_target_length={trained}"]  # what config.json's max_position_embeddings declares
   config = startup.start(TOOL, [PROG, *user_args], paths=paths,
                          check_paths=output_is_empty, model_keys=cli.CheckpointModelKeys(checkpoint, PROG)).config
   family = families.family_for_decoder_block(config.model.decoder_block)
@@ -133,6 +136,15 @@ def export(checkpoint: str, output_path: str, user_args: list[str], max_shard_mb
   print(f"{PROG}: wrote {output_path} ({hf_config['model_type']}, {len(files)} safetensors file(s), "
         f"{writer.total_bytes / 2**20:.1f} MiB, {dtype})")
   return files
+
+
+def _trained_length(checkpoint: str) -> int | None:
+  """The max_target_length of the run a checkpoint belongs to (its config.yml), None for another checkpoint: a
+  model trained longer than its config.json's max_position_embeddings declares the length it was trained at."""
+  run_dir = run_record.run_dir_of(checkpoint)
+  saved = run_record.read_saved(run_dir) if run_dir is not None else None
+  length = (saved or {}).get("max_target_length")
+  return length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
 
 
 def _remove_written(directory: str, created: bool) -> None:
