@@ -11,6 +11,7 @@ Layers receive a ModelConfig (or one of its records: rope, attn, moe, ...) only.
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import math
 import threading
 from typing import Any, Mapping
@@ -172,6 +173,9 @@ FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
 FLOAT32_BELOW_ONE = 1.0 - 2.0**-24  # float32's largest number below 1; a decay above it is 1.0 on the device
 # Each state dtype's largest number below 1: the moments are kept in weight_dtype, where a larger decay is 1.0.
 BELOW_ONE = {"float32": FLOAT32_BELOW_ONE, "bfloat16": 1.0 - 2.0**-8, "float16": 1.0 - 2.0**-11}
+# Each state dtype's smallest normal number: an epsilon below it is 0 (or flushed to 0) there. bfloat16 has
+# float32's exponent range.
+TINY = {"float32": FLOAT32_TINY, "bfloat16": FLOAT32_TINY, "float16": 2.0**-14}
 MAX_MUON_NS_STEPS = 100
 
 
@@ -208,6 +212,11 @@ class OptimConfig:
              and 0.0 <= v["muon_consistent_rms"] <= FLOAT32_MAX,
              f"Muon needs 0 < muon_beta < 1 (in float32), muon_ns_steps >= 1 and muon_consistent_rms a finite float32 "
              f"number >= 0; got {v['muon_beta']}, {v['muon_ns_steps']}, {v['muon_consistent_rms']}")
+    # Below float32's smallest normal it is 0 on the device (0 itself picks optax's width scaling): every
+    # matrix update would be 0.
+    rms = v["muon_consistent_rms"]
+    _require(v["opt_type"] != "muon" or rms == 0 or rms >= FLOAT32_TINY, f"muon_consistent_rms={rms} is 0 in float32 "
+             f"(below {FLOAT32_TINY:.3g}) and would zero every matrix update; set 0 (optax's width scaling) or 0.2")
     # Optax unrolls the iterations into the compiled step, whose compile time grows with their number.
     _require(v["muon_ns_steps"] <= MAX_MUON_NS_STEPS, f"muon_ns_steps must be at most {MAX_MUON_NS_STEPS} (each "
              f"iteration is unrolled into the compiled step; 5 is the published setting), got {v['muon_ns_steps']}")
@@ -215,6 +224,9 @@ class OptimConfig:
     # An infinite learning rate (or one past float32's range, inf on the device) passes `> 0` and trains on NaN.
     _require(v["learning_rate"] <= FLOAT32_MAX, f"learning_rate must be a finite float32 number > 0, got "
              f"{v['learning_rate']}")
+    # Below float32's smallest normal it is 0 (or flushed to 0) on the device: every update would be 0.
+    _require(v["learning_rate"] >= FLOAT32_TINY, f"learning_rate={v['learning_rate']} is 0 in float32 (below "
+             f"{FLOAT32_TINY:.3g}): the run would train nothing; set a learning rate such as 3e-4")
     for name in ("adam_eps", "adam_eps_root", "adam_weight_decay", "z_loss_multiplier"):
       # A negative value flips what the term does (a weight growth, a reward for large logits, a
       # denominator through zero), a silently different optimizer.
@@ -226,6 +238,13 @@ class OptimConfig:
              f"adam_eps={v['adam_eps']} and adam_eps_root={v['adam_eps_root']}: Adam's update m / (sqrt(v + "
              "adam_eps_root) + adam_eps) is 0/0 = NaN for a parameter whose gradients are 0 (an unused embedding row, "
              f"a LoRA adapter at its start); set adam_eps > 0 (at least {FLOAT32_TINY:.3g}; 1e-8 is usual)")
+    # The update is computed in the moments' dtype (weight_dtype): in float16 1e-8 is 0, and so is the square
+    # of a gradient below about 2e-4, so the update was 0/0 = NaN or m/0 = inf.
+    state_tiny = TINY.get(v["weight_dtype"], FLOAT32_TINY)
+    _require(v["opt_type"] == "sgd" or max(v["adam_eps"], v["adam_eps_root"]) >= state_tiny,
+             f"adam_eps={v['adam_eps']} and adam_eps_root={v['adam_eps_root']} are 0 in {v['weight_dtype']}, the "
+             f"dtype the optimizer keeps its moments in (weight_dtype={v['weight_dtype']}): a small or zero gradient's "
+             f"update would be NaN or inf; set adam_eps >= {state_tiny:.3g} or weight_dtype=float32")
     final = v["cosine_learning_rate_final_fraction"]
     _require(0.0 <= final <= 1.0, "cosine_learning_rate_final_fraction (the schedule's last learning rate over its "
              f"peak) must be in [0, 1], got {final}")
@@ -254,12 +273,24 @@ class OptimConfig:
       _require(v[name] <= below, f"{name}={v[name]} is 1.0 in {state_dtype}, the dtype the optimizer keeps its moments "
                f"in (weight_dtype={state_dtype}): they would never decay; set {name} <= {below:.8g} or "
                "weight_dtype=float32")
-    _require(v["gradient_clipping_threshold"] >= 0, "gradient_clipping_threshold must be >= 0 (0 = off)")
+    # The decoupled decay multiplies each weight by 1 - learning_rate x adam_weight_decay per update: at 1 or more
+    # every weight is zeroed or flipped in sign, growing each update past 2, and the loss ran off to inf.
+    decay = v["learning_rate"] * v["adam_weight_decay"]
+    _require(v["opt_type"] == "sgd" or decay < 1, f"learning_rate={v['learning_rate']} x adam_weight_decay="
+             f"{v['adam_weight_decay']} = {decay:g}: the decoupled weight decay multiplies every weight by 1 - {decay:g} "
+             f"each update, which zeroes it or flips its sign; set adam_weight_decay below 1 / learning_rate "
+             f"({1 / v['learning_rate']:g}; 0.1 is usual)")
+    # A threshold below float32's smallest normal is 0 on the device, and clipping to it zeroes every gradient.
+    clip = v["gradient_clipping_threshold"]
+    _require(clip == 0 or clip >= FLOAT32_TINY, f"gradient_clipping_threshold must be 0 (off) or a float32 number "
+             f">= {FLOAT32_TINY:.3g} (a smaller one is 0 on the device and clips every gradient to 0), got {clip}")
     # inf passed `> 0`: the first step's log-ratio difference is 0 (the policy starts as the reference), inf * 0 = NaN.
     _require(0 < v["dpo_beta"] <= FLOAT32_MAX, f"dpo_beta must be a finite float32 number > 0, got {v['dpo_beta']}")
     _require(0.0 <= v["dpo_label_smoothing"] < 0.5, f"dpo_label_smoothing (the probability a preference label is "
              f"flipped) must be in [0, 0.5), got {v['dpo_label_smoothing']}")
-    warmup_steps = int(v["warmup_steps_fraction"] * schedule_steps)
+    # The fraction as written (0.29, not the binary float 0.28999...): 0.29 of 100 updates is 29 of them, where
+    # int(0.29 * 100) is 28.
+    warmup_steps = int(fractions.Fraction(repr(v["warmup_steps_fraction"])) * schedule_steps)
     # The warmup starts at 0: a run of one update, all of it warmup, trained nothing (an explicit longer
     # learning_rate_schedule_steps is a run continued later, whose first update may well be 0).
     _require(not (v["learning_rate_schedule_steps"] == -1 and schedule_steps == 1 and warmup_steps == 1),

@@ -147,6 +147,8 @@ class DataConfig:
     _require(tokens < 2**31, f"per_device_batch_size {v['per_device_batch_size']:g} x {target.num_devices} devices x "
              f"max_target_length {v['max_target_length']} = {tokens:.3g} tokens per step, over the 2**31 this project "
              "accepts: lower per_device_batch_size")
+    # Checked here as well as in OptimConfig: the batch split below divides by it (0 was a ZeroDivisionError).
+    _positive(v, "gradient_accumulation_steps")
     accum = v["gradient_accumulation_steps"]
     shape = dict(mesh.shape)
     pipeline_micro = batch_split.pipeline_microbatches(shape, v["num_pipeline_microbatches"])

@@ -142,7 +142,10 @@ def _scaled_fp8_dot(lhs_8: jax.Array, rhs_8: jax.Array, dims: DotDims, scale: ja
   """dot_general of fp8 values (float32 accumulation inside the GEMM) times the scales, in out_dtype.
   The GEMM writes out_dtype itself: a float32 result that a later fusion scales and narrows costs
   three times the bytes of a bfloat16 one, for every projection of every layer (getting_started/GPU.md)."""
-  acc = jax.lax.dot_general(lhs_8, rhs_8, dims, preferred_element_type=out_dtype)
+  # Except float16: the unscaled sum of products of values up to 448 (e4m3) or 57344 (e5m2) is past its
+  # 65504, inf before the scale brings it back (bfloat16 has float32's range).
+  acc_dtype = jnp.float32 if out_dtype == jnp.float16 else out_dtype
+  acc = jax.lax.dot_general(lhs_8, rhs_8, dims, preferred_element_type=acc_dtype)
   return (acc.astype(jnp.float32) * scale).astype(out_dtype)
 
 
