@@ -58,6 +58,7 @@ def check_resume(config: config_lib.Config, checkpoints: checkpointing.RunCheckp
   def check() -> None:
     if checkpoints is None:
       _refuse_to_start_over(config)
+      _check_full_state(config)
       return
     rewind_to = config.checkpoint.resume_from_step
     if rewind_to >= 0 and checkpoints.rewind_plan(rewind_to):
@@ -65,6 +66,7 @@ def check_resume(config: config_lib.Config, checkpoints: checkpointing.RunCheckp
     else:
       step = checkpoints.newest_step()
     if step is None:
+      _check_full_state(config)
       return
     saved_keys = (checkpoints.saved_meta(step) or {}).get(checkpointing.RESUME_KEYS)
     records = run_record.check_resume(
@@ -78,6 +80,12 @@ def check_resume(config: config_lib.Config, checkpoints: checkpointing.RunCheckp
       log(f"resume check of checkpoint step {step}: against {' and '.join(records)}")
 
   distributed.on_process_0("checking the saved configuration", check)
+
+
+def _check_full_state(config: config_lib.Config) -> None:
+  """A first start from another run's full state (load_full_state_path) keeps that state's meaning."""
+  if config.checkpoint.load_full_state_path:
+    run_record.check_full_state(config, config.checkpoint.load_full_state_path)
 
 
 def _refuse_to_start_over(config: config_lib.Config) -> None:

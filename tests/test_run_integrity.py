@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from MaxText.errors import UserError
 from MaxText.run_dir import run_lease
 from MaxText.paths import storage
 from tests.conftest import REPO_ROOT
@@ -480,3 +481,29 @@ def test_tools_take_the_saved_model_keys_and_refuse_contradicting_ones(tmp_path,
   by_run_name = ["t", f"base_output_directory={tmp_path / 'runs'}", "run_name=r"]
   assert config_lib.load_config(by_run_name, environ={}, reads_run=True)["base_emb_dim"] == 80
   assert config_lib.load_config(by_run_name, environ={})["base_emb_dim"] != 80  # train.py resumes by its own keys
+
+
+def test_another_runs_full_state_saved_with_another_optimizer_is_refused_before_anything_is_read(tiny_overrides,
+                                                                                                tmp_path):
+  """adamw's and adam_pax's states have one layout: load_full_state_path from an adamw run loaded silently into
+  an adam_pax run, AdamW's moments read as Pax's. Now the source run's record is checked as a resume's, but for
+  the data position (a new run may read other data)."""
+  from MaxText import train
+  from MaxText.configuration.config import Config
+  from MaxText.errors import ConfigError
+
+  source = tmp_path / "src"
+  (source / "checkpoints").mkdir(parents=True)
+  (source / "config.yml").write_text(Config.for_testing(**tiny_overrides, opt_type="adamw").to_yaml())
+  args = ["train", "configs/base.yml", *(f"{k}={v}" for k, v in tiny_overrides.items()), "steps=1",
+          f"base_output_directory={tmp_path}", "run_name=new", f"load_full_state_path={source / 'checkpoints'}"]
+  with pytest.raises(ConfigError) as error:
+    train.main([*args, "opt_type=adam_pax"])
+  assert str(error.value) == (
+      f"load_full_state_path={source / 'checkpoints'}: its run ({source / 'config.yml'}) saved the state with other "
+      "values of key(s) that fix its shape or meaning (opt_type: 'adamw' -> 'adam_pax', saved -> now). Set them as "
+      f"saved, or start from its weights alone with load_parameters_path={source / 'checkpoints'} (a fresh optimizer "
+      "state)")
+  assert not (tmp_path / "new" / "config.yml").exists() and not (tmp_path / "new" / "metrics.jsonl").exists()
+  with pytest.raises(UserError, match="holds no complete checkpoint"):  # other data keys pass the check
+    train.main([*args, "dataset_type=synthetic", "data_shuffle_seed=7"])

@@ -124,12 +124,13 @@ def _same_path(key: str, a: object, b: object) -> bool:
     return False
 
 
-def resume_differences(current: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
-  """`key: saved -> now` for each fixed key whose value changed (keys a saved config lacks,
+def resume_differences(current: Mapping[str, Any], saved: Mapping[str, Any],
+                       kinds: tuple[str, ...] = config_fields.FIXED_KINDS) -> list[str]:
+  """`key: saved -> now` for each fixed key (of `kinds`) whose value changed (keys a saved config lacks,
   written before the key existed, are not compared)."""
   found = []
-  for keys in FIXED_ON_RESUME.values():
-    for key in keys:
+  for kind in kinds:
+    for key in FIXED_ON_RESUME[kind]:
       if key in saved and key in current and not _same(saved[key], current[key]) \
           and not _shapes_nothing(key, current, saved) and not _same_path(key, saved[key], current[key]):
         found.append(f"{key}: {saved[key]!r} -> {current[key]!r}")
@@ -175,6 +176,25 @@ def check_resume(config: Config, run_dir: str, what: str,
         f"its shape or meaning ({'; '.join(differences)}, saved -> now{note}; recorded in {' and '.join(sources)}). "
         f"Rerun with the saved values, choose a new run_name, or {start}")
   return [source for _, source in records]
+
+
+def check_full_state(config: Config, path: str) -> None:
+  """load_full_state_path: the state another run saved must have this run's shape and meaning, as a resume's
+  must, but for its data position (a new run may read other data). AdamW's and adam_pax's states have one
+  layout, so another opt_type loaded silently, its moments read as the other optimizer's."""
+  run_dir = run_dir_of(path)
+  if run_dir is None:
+    return
+  saved = read_saved(run_dir)
+  if saved is None:
+    return
+  kinds = tuple(kind for kind in config_fields.FIXED_KINDS if kind != config_fields.DATA_POSITION)
+  differences = resume_differences(flat_values(config), saved, kinds)
+  if differences:
+    raise ConfigError(
+        f"load_full_state_path={path}: its run ({storage.join(run_dir, CONFIG_FILE)}) saved the state with other "
+        f"values of key(s) that fix its shape or meaning ({'; '.join(differences)}, saved -> now). Set them as "
+        f"saved, or start from its weights alone with load_parameters_path={path} (a fresh optimizer state)")
 
 
 def record_start(config: Config, run_dir: str) -> str:
