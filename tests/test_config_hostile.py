@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from MaxText.platform.accelerators import DeviceTarget
+from MaxText.configuration import config as config_lib
 from MaxText.configuration.config import BASE_CONFIG_PATH, Config, load_config
 from MaxText.errors import ConfigError
 
@@ -153,3 +154,18 @@ def test_train_py_exits_2_with_one_error_line_for_a_key_that_is_no_name(tmp_path
   assert "Traceback" not in proc.stderr
   errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and "has a key YAML reads as 5, not a name" in errors[0], proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["muon_beta=0.9"], "warning: opt_type=adamw does not read muon_beta=0.9; it changes nothing"),
+    (["opt_type=sgd", "adam_weight_decay=0.2", "adam_b2=0.99"],
+     "warning: opt_type=sgd does not read adam_b2=0.99, adam_weight_decay=0.2; they change nothing"),
+    (["opt_type=muon", "muon_beta=0.9", "adam_weight_decay=0.2"], None),  # muon reads both
+    (["adam_b2=0.99"], None),
+])
+def test_an_optimizer_key_the_opt_type_does_not_read_is_one_warning(argv, line, capsys):
+  """muon_beta with adamw, or adam_b2 with sgd, was accepted without a word and changed nothing."""
+  config_lib._warned_unused.clear()
+  config_lib.load_config(["train", "configs/base.yml", *argv])
+  warnings = [w for w in capsys.readouterr().err.splitlines() if "does not read" in w]
+  assert warnings == ([line] if line else [])

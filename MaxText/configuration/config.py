@@ -24,6 +24,7 @@ import difflib
 import os
 import re
 import reprlib
+import sys
 import types
 from pathlib import Path
 from typing import Any, Mapping
@@ -578,12 +579,30 @@ def build_config(overrides: Overrides, target: DeviceTarget, reads_run: bool = F
   run may use: every process must name the same run directory. `reads_data`: False for a tool
   that reads no training data (startup.Tool), whose config may name none."""
   values = resolve_values(overrides, target.platform, reads_run)
+  _warn_unused_optimizer_keys(values, overrides.explicit_keys())
   if not values["run_name"]:
     if default_run_name is None and target.num_processes > 1:
       raise ConfigError(f"set run_name=NAME: with {target.num_processes} processes each would otherwise name "
                         "the run after its own clock")
     values["run_name"] = default_run_name or datetime.datetime.now().strftime("run_%Y%m%d_%H%M%S")
   return Config(values, target, reads_data)
+
+
+_ADAM_KEYS = ("adam_b1", "adam_b2", "adam_eps", "adam_eps_root", "adam_weight_decay")
+_warned_unused: set[str] = set()
+
+
+def _warn_unused_optimizer_keys(values: Mapping[str, Any], given: set[str]) -> None:
+  """One warning (per process) for an optimizer key given on the command line that opt_type does not read
+  (muon_beta with adamw, adam_b2 with sgd): it was accepted and changed nothing."""
+  opt_type = values["opt_type"]
+  unused = [key for key in sorted(given) if (key.startswith("muon_") and opt_type != "muon")
+            or (key in _ADAM_KEYS and opt_type == "sgd")]
+  line = (f"warning: opt_type={opt_type} does not read {', '.join(f'{k}={values[k]!r}' for k in unused)}; "
+          f"{'it changes' if len(unused) == 1 else 'they change'} nothing" if unused else "")
+  if line and line not in _warned_unused:
+    _warned_unused.add(line)
+    print(line, file=sys.stderr, flush=True)
 
 
 def load_config(
