@@ -397,9 +397,17 @@ def _fake_gcloud(tmp_path, monkeypatch, **settings) -> tuple[FakeCloud, Gcloud]:
   return cloud, Gcloud("p", "z", False)
 
 
-def test_a_queued_resource_that_fails_while_its_slices_are_awaited_stops_the_wait_in_one_line(tmp_path, monkeypatch):
+def _delete_queued(cloud: FakeCloud, name: str) -> None:
+  settings = json.loads((cloud.root / "config.json").read_text())
+  cloud.configure(queued_resources={k: v for k, v in settings.get("queued_resources", {}).items() if k != name})
+
+
+@pytest.mark.parametrize("ended", ["FAILED", "deleted"])
+def test_a_queued_resource_that_fails_while_its_slices_are_awaited_stops_the_wait_in_one_line(tmp_path, monkeypatch,
+                                                                                               ended):
   """Only the nodes' states were read: a queued resource that FAILED (or was SUSPENDED) brings no node,
-  and the supervisor waited for them for ever."""
+  and the supervisor waited for them for ever; so did it for one deleted by hand or by a cleanup script (its
+  describe reads NOT_FOUND, and its nodes went with it)."""
   from MaxText.platform import queued_slices
 
   cloud, gcloud = _fake_gcloud(tmp_path, monkeypatch)  # no nodes: the capacity is not granted
@@ -411,25 +419,31 @@ def test_a_queued_resource_that_fails_while_its_slices_are_awaited_stops_the_wai
       sleep(seconds)
       return
     looks.append(seconds)
-    if len(looks) == 2:
+    if len(looks) == 2 and ended == "FAILED":
       cloud.set_queued_state("job", "FAILED", "The zone does not have enough resources available")
-    assert len(looks) < 6, "still waiting for the nodes of a queued resource that FAILED"
+    elif len(looks) == 2:
+      _delete_queued(cloud, "job")
+    assert len(looks) < 8, f"still waiting for the nodes of a queued resource that is {ended}"
     sleep(0)
 
   monkeypatch.setattr(queued_slices.time, "sleep", look)
   queued = QueuedSlices(gcloud, "job", 2, "v5litepod-8", "v", [], lambda name: None, log=lambda m: None)
   with pytest.raises(queued_slices.QueuedResourceEnded) as raised:
     queued.request_all(poll_s=0.0123)
-  assert str(raised.value) == (
-      "queued resource job is FAILED (The zone does not have enough resources available), so its slices will not "
-      "come; delete it with `gcloud alpha compute tpus queued-resources delete job --force --async --zone=z "
-      "--project=p`, then run again")
-  assert len(looks) == 2
+  if ended == "FAILED":
+    assert str(raised.value) == (
+        "queued resource job is FAILED (The zone does not have enough resources available), so its slices will not "
+        "come; delete it with `gcloud alpha compute tpus queued-resources delete job --force --async --zone=z "
+        "--project=p`, then run again")
+    assert len(looks) == 2
+  else:
+    assert str(raised.value) == ("queued resource job is no longer listed (deleted), so its slices will not come; "
+                                 "run again")
+    assert len(looks) == 2 + queued_slices.UNLISTED_LOOKS - 1
 
 
-def test_a_replacement_queued_resource_that_fails_is_asked_for_again_under_a_new_name(tmp_path, monkeypatch):
-  """A replacement whose queued resource FAILED was waited for as long as the job ran: the slice never came
-  back. Now it is one warning, and another replacement is asked for at the next look while the job goes on."""
+def _replacing_slice_1(tmp_path, monkeypatch) -> tuple[FakeCloud, QueuedSlices, list[str]]:
+  """Two slices up, then slice 1's node PREEMPTED: its replacement job-1-r1 asked for (ACCEPTED)."""
   cloud, gcloud = _fake_gcloud(tmp_path, monkeypatch, qr_workers=1)
   lines: list[str] = []
   queued = QueuedSlices(gcloud, "job", 2, "v5litepod-8", "v", [], lambda name: None, log=lines.append)
@@ -437,6 +451,13 @@ def test_a_replacement_queued_resource_that_fails_is_asked_for_again_under_a_new
   cloud.configure(qr_state="CREATING", tpus={"job-0": {"workers": 1, "state": "READY"},
                                              "job-1": {"workers": 1, "state": "PREEMPTED"}})
   assert queued.available() == {0} and queued.replacing == {1: "job-1-r1"}
+  return cloud, queued, lines
+
+
+def test_a_replacement_queued_resource_that_fails_is_asked_for_again_under_a_new_name(tmp_path, monkeypatch):
+  """A replacement whose queued resource FAILED was waited for as long as the job ran: the slice never came
+  back. Now it is one warning, and another replacement is asked for at the next look while the job goes on."""
+  cloud, queued, lines = _replacing_slice_1(tmp_path, monkeypatch)
   assert queued.available() == {0} and queued.replacing == {1: "job-1-r1"}  # ACCEPTED: waited for
   cloud.set_queued_state("job-1-r1", "SUSPENDED")
   assert queued.available() == {0} and not queued.replacing
@@ -450,51 +471,13 @@ def test_a_replacement_queued_resource_that_fails_is_asked_for_again_under_a_new
   assert queued.available() == {0, 1} and queued.names == ["job-0", "job-1-r2"]
 
 
-def _delete_queued(cloud: FakeCloud, name: str) -> None:
-  settings = json.loads((cloud.root / "config.json").read_text())
-  cloud.configure(queued_resources={k: v for k, v in settings.get("queued_resources", {}).items() if k != name})
-
-
-def test_a_queued_resource_deleted_while_its_slices_are_awaited_stops_the_wait_in_one_line(tmp_path, monkeypatch):
-  """A queued resource deleted by hand (or by a cleanup script) while its nodes were awaited read as NOT_FOUND,
-  which was no end: the supervisor waited for ever for nodes that went with it."""
-  from MaxText.platform import queued_slices
-
-  cloud, gcloud = _fake_gcloud(tmp_path, monkeypatch)  # no nodes: the capacity is not granted
-  looks = []
-  sleep = time.sleep
-
-  def look(seconds: float) -> None:
-    if seconds != 0.0123:  # another's sleep (subprocess waits so)
-      sleep(seconds)
-      return
-    looks.append(seconds)
-    if len(looks) == 2:
-      _delete_queued(cloud, "job")
-    assert len(looks) < 8, "still waiting for the nodes of a deleted queued resource"
-    sleep(0)
-
-  monkeypatch.setattr(queued_slices.time, "sleep", look)
-  queued = QueuedSlices(gcloud, "job", 2, "v5litepod-8", "v", [], lambda name: None, log=lambda m: None)
-  with pytest.raises(queued_slices.QueuedResourceEnded) as raised:
-    queued.request_all(poll_s=0.0123)
-  assert str(raised.value) == "queued resource job is no longer listed (deleted), so its slices will not come; run again"
-  assert len(looks) == 2 + queued_slices.UNLISTED_LOOKS - 1
-
-
 def test_a_deleted_replacement_queued_resource_is_asked_for_again_and_one_missed_look_is_no_deletion(
     tmp_path, monkeypatch):
   """A replacement deleted while awaited was waited for as long as the job ran (NOT_FOUND was no end); one look
   that does not find it (a list that lags the create) is not yet a deletion."""
   from MaxText.platform import queued_slices
 
-  cloud, gcloud = _fake_gcloud(tmp_path, monkeypatch, qr_workers=1)
-  lines: list[str] = []
-  queued = QueuedSlices(gcloud, "job", 2, "v5litepod-8", "v", [], lambda name: None, log=lines.append)
-  queued.request_all(poll_s=0)
-  cloud.configure(qr_state="CREATING", tpus={"job-0": {"workers": 1, "state": "READY"},
-                                             "job-1": {"workers": 1, "state": "PREEMPTED"}})
-  assert queued.available() == {0} and queued.replacing == {1: "job-1-r1"}
+  cloud, queued, lines = _replacing_slice_1(tmp_path, monkeypatch)
   accepted = json.loads((cloud.root / "config.json").read_text())["queued_resources"]["job-1-r1"]
   _delete_queued(cloud, "job-1-r1")
   assert queued.available() == {0} and queued.replacing == {1: "job-1-r1"}  # one look: not yet
