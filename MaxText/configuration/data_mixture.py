@@ -11,7 +11,8 @@ import re
 from typing import Any, Mapping, Sequence
 
 from MaxText.configuration.config_fields import require as _require
-from MaxText.errors import ConfigError
+from MaxText.errors import ConfigError, UserError
+from MaxText.paths import storage
 
 # The data keys a source may set for itself; the rest (packing, lengths, shuffling) are the run's.
 SOURCE_KEYS = ("dataset_type", "dataset_path", "dataset_name", "train_split", "hf_path", "hf_data_files",
@@ -77,6 +78,16 @@ def _setting(name: str, key: str, value: object) -> object:
                     f"run's {key}")
 
 
+def _same_path(key: str, a: object, b: object) -> bool:
+  """tokenizer_path spelled another way (./tok.model, its absolute path): the same file, by text alone (no I/O)."""
+  if key != "tokenizer_path" or not isinstance(a, str) or not isinstance(b, str) or not a or not b:
+    return False
+  try:
+    return storage.resolve(a) == storage.resolve(b)
+  except UserError:
+    return False
+
+
 def _mappings(value: object, message: str) -> list[Mapping[str, Any]]:
   """`value` as the list of mappings it must be, else the ConfigError `message`."""
   _require(isinstance(value, (list, tuple)) and all(isinstance(s, Mapping) for s in value), message)
@@ -107,7 +118,8 @@ def parse_sources(value: object, run_values: Mapping[str, Any]) -> tuple[Mixture
       if key in ("name", "weight"):
         continue
       if key in _SAME_AS_RUN:
-        _require(setting == run_values[key], f"data_mixture source {name!r} sets {key}={setting!r} but the run "
+        _require(setting == run_values[key] or _same_path(key, setting, run_values[key]),
+                 f"data_mixture source {name!r} sets {key}={setting!r} but the run "
                  f"uses {run_values[key]!r}: every source must share the run's tokenizer (another tokenizer's "
                  "ids mean other words); retokenize the source or drop the key")
         continue

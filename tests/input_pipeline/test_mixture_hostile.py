@@ -203,3 +203,15 @@ def test_a_schedule_stage_or_a_source_that_changes_nothing_in_this_run_says_so(s
   Config.for_testing(**_values(spm_model, prepared, [_web(prepared), _code(prepared)], steps=steps,
                                data_mixture_schedule=schedule))
   assert [line for line in capsys.readouterr().err.splitlines() if "data_mixture" in line] == lines
+
+
+def test_a_source_naming_the_runs_tokenizer_another_way_is_the_same_tokenizer(spm_model, prepared, tmp_path,
+                                                                               monkeypatch):
+  """A source repeating the run's tokenizer_path as ./tok.model, or its absolute path for a relative one, was
+  refused as another tokenizer; another file still is."""
+  monkeypatch.chdir(Path(spm_model).parent)
+  relative = Path(spm_model).name
+  for run_path, source_path in ((relative, f"./{relative}"), (relative, spm_model), (spm_model, relative)):
+    Config.for_testing(**_values(run_path, prepared, [_web(prepared, tokenizer_path=source_path), _code(prepared)]))
+  with pytest.raises(ConfigError, match="sets tokenizer_path='other.model' but the run uses"):
+    Config.for_testing(**_values(spm_model, prepared, [_web(prepared, tokenizer_path="other.model"), _code(prepared)]))
