@@ -153,6 +153,18 @@ def _record_text(path: str, where: str, record: object, column: str) -> str | No
   return text
 
 
+def _check_output(output: str, paths: list[str]) -> None:
+  """Refuses, before the corpus is read, an output_path the model cannot be written to as meant."""
+  if not output.strip():
+    raise UserError("output_path is empty; name the .model file to write, e.g. output_path=tokenizer.model")
+  if output.endswith("/") or storage.is_dir(output):
+    raise UserError(f"output_path={output} is a folder; name the .model file to write in it, e.g. "
+                    f"{storage.join(output, 'tokenizer.model')}")
+  for path in paths:
+    if storage.same_file(output, path):  # the model would replace the corpus it was trained on
+      raise UserError(f"output_path={output} is one of the data_files; name a new .model file")
+
+
 def train(paths: list[str], vocab_size: int, output: str, model_type: str = "bpe", text_column: str = "text",
           character_coverage: float = 1.0, max_lines: int = 10_000_000) -> int:
   """Trains and writes the model; returns the number of corpus lines used."""
@@ -160,15 +172,22 @@ def train(paths: list[str], vocab_size: int, output: str, model_type: str = "bpe
 
   if vocab_size < 4:
     raise UserError(f"vocab_size must be at least 4 (3 special tokens and one more), got {vocab_size}")
+  if max_lines < 1:
+    raise UserError(f"max_lines must be at least 1, got {max_lines}")
+  if not 0.98 <= character_coverage <= 1.0:  # SentencePiece's own bounds, checked before reading the corpus
+    raise UserError(f"character_coverage must be between 0.98 and 1, got {character_coverage}")
+  _check_output(output, paths)
   lines = list(iterate_lines(paths, text_column, max_lines))
   if not lines:
     raise UserError(f"the corpus {', '.join(paths)} holds no text")
+  # SentencePiece skips, without a word, every line longer than max_sentence_length bytes (4192 unless set)
+  longest = max(len(line.encode("utf-8")) for line in lines)
   model = io.BytesIO()  # the trainer writes here, not to files: the output may be on gs://
   try:
     spm.SentencePieceTrainer.Train(
         sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size, model_type=model_type,
         character_coverage=character_coverage, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-        num_threads=os.cpu_count() or 1, minloglevel=2)
+        max_sentence_length=min(max(longest, 4192), 2**31 - 1), num_threads=os.cpu_count() or 1, minloglevel=2)
   except RuntimeError as e:  # e.g. a vocabulary larger than the corpus can fill
     reason = str(e).strip().splitlines()[-1]
     most = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", reason)

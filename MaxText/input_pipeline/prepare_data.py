@@ -10,14 +10,18 @@ writes
 data_files takes comma-separated files or globs, read in order as one corpus (each file's documents
 after the previous file's). Documents are paragraphs (text between blank lines) or lines; the eval split is the corpus's
 last `eval_fraction` of documents, a contiguous held-out stretch rather than a random sample, so
-no scene is half in train and half in eval. DIR may be gs://: everything is written locally, then
-uploaded (the ArrayRecord reader still needs those files staged locally to train on them).
+no scene is half in train and half in eval. Files are written into a staging folder in DIR and moved
+into place once all are complete, so a run stopped half way leaves the previous output whole. DIR may
+be gs://: everything is written locally, then uploaded (the ArrayRecord reader still needs those
+files staged locally to train on them).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -28,16 +32,19 @@ if __package__ in (None, ""):
 from MaxText import startup
 from MaxText.paths import storage
 from MaxText.configuration import tool_args
-from MaxText.input_pipeline.files import expand_files
+from MaxText.input_pipeline.files import expand_files, format_suffix, read_plain
 from MaxText.errors import UserError, run_cli
 
 SPLITS = ("train", "validation")
 FORMATS = ("jsonl", "arrayrecord", "tfds")
+# Record formats, not text: read as text their syntax would become the documents.
+_RECORDS = (".json", ".jsonl", ".parquet", ".arrow", ".array_record", ".csv")
 
 
 def read_corpus(path: str) -> str:
-  """A data file's text: UTF-8, its byte order mark (if any) not part of the first document."""
-  data = storage.read_bytes(path)
+  """A data file's text: UTF-8, its byte order mark (if any) not part of the first document;
+  a `.gz`, `.bz2` or `.xz` file decompressed, as train_tokenizer and training read it."""
+  data = read_plain(path)
   try:
     return data.decode("utf-8-sig")
   except UnicodeDecodeError as e:
@@ -52,9 +59,14 @@ def split_documents(text: str, split_by: str) -> list[str]:
 
 
 def train_eval_split(documents: list[str], eval_fraction: float) -> dict[str, list[str]]:
+  if not documents:
+    raise UserError("data_files hold no text (only blank lines); give files with text in them")
+  if not math.isfinite(eval_fraction):  # nan would fail deep in round()
+    raise UserError(f"eval_fraction={eval_fraction} is not a number; give a fraction such as 0.1")
   num_eval = int(round(len(documents) * eval_fraction))
   if not 0 < num_eval < len(documents):
-    raise UserError(f"eval_fraction={eval_fraction} of {len(documents)} documents leaves an empty split")
+    raise UserError(f"eval_fraction={eval_fraction} of {len(documents)} documents leaves an empty split; set it so "
+                    "both train and validation get at least one document")
   return {"train": documents[:-num_eval], "validation": documents[-num_eval:]}
 
 
@@ -103,30 +115,97 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 TOOL = startup.Tool("prepare_data", builds_config=False)
 
 
-def main(argv: list[str]) -> int:
-  startup.start(TOOL, argv)
-  args = _parse(argv)
-  formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+def _check_args(args: argparse.Namespace, sources: list[str]) -> list[str]:
+  """The formats to write, after refusing what would write the wrong thing or write somewhere unexpected."""
+  if not args.output_path.strip():  # an empty path would write into the current directory
+    raise UserError("output_path is empty; name the folder to write, e.g. output_path=data")
+  formats = list(dict.fromkeys(f.strip() for f in args.formats.split(",") if f.strip()))
+  if not formats:
+    raise UserError(f"formats is empty; name one or more of {', '.join(FORMATS)}")
   unknown = sorted(set(formats) - set(FORMATS))
   if unknown:
     raise UserError(f"formats: unknown {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
-  sources, out_dir = expand_files("data_files", args.data_files), args.output_path
+  seen: set[str] = set()
   for path in sources:
     if not storage.is_file(path):
       raise UserError(f"data_files: {path} is not a file")
+    if format_suffix(path) in _RECORDS:
+      raise UserError(f"data_files: {path} holds records, not plain text; train on it as it is (dataset_type=hf "
+                      "hf_data_files=..., or dataset_type=stream) or export its text to a .txt file first")
+    if storage.resolve(path) in seen:  # read twice, its documents could land in both train and validation
+      raise UserError(f"data_files names {path} twice (a path and a glob matching it?); name each file once")
+    seen.add(storage.resolve(path))
+  return formats
+
+
+_STAGING = ".prepare_data-partial-"  # + the writing process's id
+
+
+def _publish(staging: str, out: str, tfds_name: str | None) -> None:
+  """Moves the finished files from `staging` into `out`, each by one rename, after every one of them was
+  written: an interrupted run leaves the previous output as it was, never half of a new one, and a
+  TFDS dataset already there (which TFDS would reuse as is) is replaced by this corpus's."""
+  moves = [storage.join(folder, f"{split}.{suffix}") for folder, suffix in (("jsonl", "jsonl"),
+           ("arrayrecord", "array_record")) for split in SPLITS]
+  if tfds_name is not None:
+    moves.append(storage.join("tfds", "local_text", tfds_name))
+  for item in moves:
+    source, target = storage.join(staging, item), storage.join(out, item)
+    if not storage.exists(source):
+      continue
+    storage.makedirs(storage.parent(target))
+    if storage.is_dir(target):  # a directory cannot be renamed over: the old one goes first
+      storage.remove_tree(target)
+    storage.move(source, target)
+
+
+def _remove_stale_staging(out: str) -> None:
+  """Removes the staging folders of runs that were killed (SIGTERM, SIGKILL) before they could; those
+  of runs still writing here are left to them."""
+  if not storage.is_dir(out):
+    return
+  for entry in storage.listdir(out):
+    pid = entry.removeprefix(_STAGING)
+    if entry.startswith(_STAGING) and pid.isdigit() and not _alive(int(pid)):
+      storage.remove_tree(storage.join(out, entry))
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # another user's process
+    return True
+  return True
+
+
+def main(argv: list[str]) -> int:
+  startup.start(TOOL, argv)
+  args = _parse(argv)
+  sources, out_dir = expand_files("data_files", args.data_files), args.output_path
+  formats = _check_args(args, sources)
   documents = [doc for path in sources for doc in split_documents(read_corpus(path), args.split_by)]
   splits = train_eval_split(documents, args.eval_fraction)
   source = sources[0] if len(sources) == 1 else f"{len(sources)} files ({sources[0]}, ...)"
+  tfds_name = (args.name or _stem(sources[0])) if "tfds" in formats else None
   with storage.local_output(out_dir) as out:  # uploaded at the end when out_dir is gs://
-    jsonl_dir = storage.join(out, "jsonl")
-    for split in SPLITS:  # the TFDS builder reads these too
-      write_jsonl(storage.join(jsonl_dir, f"{split}.jsonl"), splits[split])
-    if "arrayrecord" in formats:
-      for split in SPLITS:
-        write_arrayrecord(storage.join(out, "arrayrecord", f"{split}.array_record"), splits[split])
-    if "tfds" in formats:
-      dataset_name = write_tfds(storage.join(out, "tfds"), args.name or _stem(sources[0]), jsonl_dir)
-  if "tfds" in formats:
+    # everything is written beside the output first and moved in when complete (_publish)
+    staging = storage.join(out, f"{_STAGING}{os.getpid()}")
+    _remove_stale_staging(out)
+    try:
+      jsonl_dir = storage.join(staging, "jsonl")
+      for split in SPLITS:  # the TFDS builder reads these too
+        write_jsonl(storage.join(jsonl_dir, f"{split}.jsonl"), splits[split])
+      if "arrayrecord" in formats:
+        for split in SPLITS:
+          write_arrayrecord(storage.join(staging, "arrayrecord", f"{split}.array_record"), splits[split])
+      if tfds_name is not None:
+        dataset_name = write_tfds(storage.join(staging, "tfds"), tfds_name, jsonl_dir)
+      _publish(staging, out, tfds_name)
+    finally:  # an error or Ctrl-C: no leftover staging folder
+      storage.remove_tree(staging)
+  if tfds_name is not None:
     print(f"prepare_data: tfds dataset_name={dataset_name} dataset_path={storage.join(out_dir, 'tfds')}")
   counts = ", ".join(f"{split} {len(splits[split])}" for split in SPLITS)
   print(f"prepare_data: {counts} documents ({args.split_by}s) of {source} in {', '.join(formats)} under {out_dir}")

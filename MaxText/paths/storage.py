@@ -276,6 +276,16 @@ def set_aside(path: str, new_name: str) -> str:
   return target
 
 
+def move(source: str, target: str) -> None:
+  """Puts the file or directory `source` at `target` (replacing a file there): one atomic rename on local
+  disk; on an object store a copy, then the original's removal."""
+  if not is_remote(source) and not is_remote(target):
+    os.replace(resolve(source), resolve(target))
+    return
+  copy_tree(source, target)
+  remove_tree(source)
+
+
 def copy_tree(source: str, target: str) -> None:
   """Copies a file or a directory tree between any two locations (local or remote)."""
   src = as_path(source)
