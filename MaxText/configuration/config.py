@@ -579,7 +579,9 @@ def build_config(overrides: Overrides, target: DeviceTarget, reads_run: bool = F
   run may use: every process must name the same run directory. `reads_data`: False for a tool
   that reads no training data (startup.Tool), whose config may name none."""
   values = resolve_values(overrides, target.platform, reads_run)
-  _warn_unused_optimizer_keys(values, overrides.explicit_keys())
+  # Only values other than base.yml's: a companion's config (a draft, a teacher) passes all of the run's as argv.
+  _warn_unused_optimizer_keys(values, {k for k in overrides.explicit_keys()
+                                       if k in overrides.schema and values.get(k) != overrides.schema[k]})
   if not values["run_name"]:
     if default_run_name is None and target.num_processes > 1:
       raise ConfigError(f"set run_name=NAME: with {target.num_processes} processes each would otherwise name "
