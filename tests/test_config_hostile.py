@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from MaxText.platform.accelerators import DeviceTarget
-from MaxText.configuration import config as config_lib
+from MaxText.configuration import config as config_lib, config_fields
 from MaxText.configuration.config import BASE_CONFIG_PATH, Config, load_config
 from MaxText.errors import ConfigError
 
@@ -166,7 +166,7 @@ def test_train_py_exits_2_with_one_error_line_for_a_key_that_is_no_name(tmp_path
 ])
 def test_an_optimizer_key_the_opt_type_does_not_read_is_one_warning(argv, line, capsys):
   """muon_beta with adamw, or adam_b2 with sgd, was accepted without a word and changed nothing."""
-  config_lib._warned_unused.clear()
+  config_fields.WARNED.clear()
   config_lib.load_config(["train", "configs/base.yml", *argv])
   warnings = [w for w in capsys.readouterr().err.splitlines() if "does not read" in w]
   assert warnings == ([line] if line else [])
@@ -175,6 +175,6 @@ def test_an_optimizer_key_the_opt_type_does_not_read_is_one_warning(argv, line, 
 def test_a_companion_config_of_an_adamw_run_warns_about_nothing(capsys):
   """A draft's or a teacher's config passes every one of the run's keys on as if given (muon_* included)."""
   config = config_lib.load_config(["decode", "configs/base.yml", "speculative_tokens=2", "draft_model_name=default"])
-  config_lib._warned_unused.clear()
+  config_fields.WARNED.clear()
   config_lib.draft_config(config)
   assert "does not read" not in capsys.readouterr().err

@@ -24,14 +24,13 @@ import difflib
 import os
 import re
 import reprlib
-import sys
 import types
 from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
 
-from MaxText.configuration import config_groups, data_config, model_checks, spellings
+from MaxText.configuration import config_fields, config_groups, data_config, model_checks, spellings
 from MaxText.platform import accelerators
 from MaxText.configuration import run_record
 from MaxText.paths import storage
@@ -591,7 +590,6 @@ def build_config(overrides: Overrides, target: DeviceTarget, reads_run: bool = F
 
 
 _ADAM_KEYS = ("adam_b1", "adam_b2", "adam_eps", "adam_eps_root", "adam_weight_decay")
-_warned_unused: set[str] = set()
 
 
 def _warn_unused_optimizer_keys(values: Mapping[str, Any], given: set[str]) -> None:
@@ -602,9 +600,8 @@ def _warn_unused_optimizer_keys(values: Mapping[str, Any], given: set[str]) -> N
             or (key in _ADAM_KEYS and opt_type == "sgd")]
   line = (f"warning: opt_type={opt_type} does not read {', '.join(f'{k}={values[k]!r}' for k in unused)}; "
           f"{'it changes' if len(unused) == 1 else 'they change'} nothing" if unused else "")
-  if line and line not in _warned_unused:
-    _warned_unused.add(line)
-    print(line, file=sys.stderr, flush=True)
+  if line:
+    config_fields.warn_once(line)
 
 
 def load_config(

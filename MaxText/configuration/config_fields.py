@@ -13,6 +13,7 @@ checkpoint's architecture; run_record and the converters read those lists from h
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import TYPE_CHECKING, Any, Mapping
 
 from MaxText.errors import ConfigError
@@ -49,6 +50,16 @@ def derived(default: Any = dataclasses.MISSING, *, fixed_on_resume: str = "") ->
 def record(group: type) -> Any:
   """A field holding a nested group; the key helpers below walk into it."""
   return dataclasses.field(metadata={_KEY: False, FIXED: "", ARCHITECTURE: False, _RECORD: group})
+
+
+WARNED: set[str] = set()  # the warnings a config build printed in this process
+
+
+def warn_once(line: str) -> None:
+  """`line` on stderr once per process: tools (and a run's draft or teacher) build a config more than once."""
+  if line not in WARNED:
+    WARNED.add(line)
+    print(line, file=sys.stderr, flush=True)
 
 
 def require(condition: bool, message: str) -> None:

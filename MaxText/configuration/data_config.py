@@ -8,25 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from typing import TYPE_CHECKING, Any, Mapping
 
 from MaxText.paths import storage
 from MaxText.configuration import batch_split
-from MaxText.configuration.config_fields import DATA_POSITION, derived, key, read_keys
+from MaxText.configuration.config_fields import DATA_POSITION, derived, key, read_keys, warn_once
 from MaxText.configuration.config_fields import require as _require
 from MaxText.configuration.data_mixture import MixtureSource, MixtureStage, parse_schedule, parse_sources
 from MaxText.configuration.model_checks import one_of as _one_of, positive as _positive
 from MaxText.configuration.objective_registry import CHAT_OBJECTIVES, OBJECTIVES
 from MaxText.errors import ConfigError
-
-_warned: set[str] = set()  # each mixture warning once per process (tools build the config more than once)
-
-
-def _warn_once(line: str) -> None:
-  if line not in _warned:
-    _warned.add(line)
-    print(line, file=sys.stderr, flush=True)
 
 
 def _warn_unused_mixture(sources: "tuple[MixtureSource, ...]", schedule: "tuple[MixtureStage, ...]", steps: int) -> None:
@@ -35,14 +26,14 @@ def _warn_unused_mixture(sources: "tuple[MixtureSource, ...]", schedule: "tuple[
   stage for a longer run that a later resume reaches may be meant, so no error)."""
   late = [stage.step for stage in schedule if stage.step >= steps]
   if late:
-    _warn_once(f"warning: data_mixture_schedule's stage(s) at step {', '.join(map(str, late))} begin at or after "
-               f"steps={steps}: they change no weight in this run")
+    warn_once(f"warning: data_mixture_schedule's stage(s) at step {', '.join(map(str, late))} begin at or after "
+              f"steps={steps}: they change no weight in this run")
   first = [] if schedule and schedule[0].step == 0 else [tuple(s.weight for s in sources)]  # replaced at once
   applied = first + [stage.weights for stage in schedule if stage.step < steps]
   unread = [s.name for i, s in enumerate(sources) if all(weights[i] == 0 for weights in applied)]
   if unread:
-    _warn_once(f"warning: data_mixture source(s) {', '.join(map(repr, unread))} have weight 0 throughout this run's "
-               f"{steps} steps: they are opened and checked but never read")
+    warn_once(f"warning: data_mixture source(s) {', '.join(map(repr, unread))} have weight 0 throughout this run's "
+              f"{steps} steps: they are opened and checked but never read")
 
 if TYPE_CHECKING:
   from MaxText.configuration.config_groups import MeshConfig

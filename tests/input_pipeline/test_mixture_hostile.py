@@ -197,9 +197,9 @@ def test_a_compressed_shard_the_stream_cannot_read_is_one_line_naming_it(tmp_pat
 def test_a_schedule_stage_or_a_source_that_changes_nothing_in_this_run_says_so(spm_model, prepared, capsys, schedule,
                                                                                  steps, lines):
   """A stage at or past `steps`, or a source at weight 0 in every stage that applies, read as if it took effect."""
-  from MaxText.configuration import data_config
+  from MaxText.configuration import config_fields
 
-  data_config._warned.clear()
+  config_fields.WARNED.clear()
   Config.for_testing(**_values(spm_model, prepared, [_web(prepared), _code(prepared)], steps=steps,
                                data_mixture_schedule=schedule))
   assert [line for line in capsys.readouterr().err.splitlines() if "data_mixture" in line] == lines
