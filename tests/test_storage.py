@@ -183,3 +183,30 @@ def test_a_scheme_whose_package_is_not_installed_is_one_line(path, package, monk
   with pytest.raises(UserError) as error:
     storage.check_buckets({"tokenizer_path": path}, 20)
   assert str(error.value) == f"tokenizer_path={line}"
+
+
+def test_an_hf_path_whose_hub_cannot_be_reached_is_one_line(monkeypatch):
+  """hf:// paths are etils' (huggingface_hub's file system): offline, a tokenizer_path there was the HTTP client's
+  traceback ("ConnectError: Name or service not known"), and with HF_HUB_OFFLINE set it "did not exist"."""
+  from MaxText.input_pipeline.tokenizer import load_tokenizer
+
+  path = "hf://meta-llama/Llama-3.1-8B"
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  with pytest.raises(UserError, match=re.escape(f"{path}: hf:// paths are read from the Hugging Face Hub, and "
+                                                "HF_HUB_OFFLINE is set; download the files")):
+    load_tokenizer("huggingface", path)
+  monkeypatch.delenv("HF_HUB_OFFLINE")
+
+  class ConnectError(Exception):  # httpx's, by name: what a failed name lookup raises inside huggingface_hub
+    pass
+
+  def unreachable(*_):
+    raise ConnectError("[Errno -2] Name or service not known")
+
+  for operation in (storage.exists, storage.read_bytes):
+    monkeypatch.setattr(storage, "as_path", lambda p: type("P", (), {"exists": unreachable,
+                                                                       "read_bytes": unreachable})())
+    with pytest.raises(UserError) as error:
+      operation(f"{path}/tokenizer.json")
+    assert str(error.value).startswith(f"{path}/tokenizer.json: cannot reach the Hugging Face Hub (ConnectError: "
+                                       "[Errno -2] Name or service not known); check the network, or download")

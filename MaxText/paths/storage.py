@@ -125,13 +125,37 @@ def _bounded(verb: str, path: str, fn: Callable[[], _T]) -> _T:
   credentials, a read an object's own permissions refuse is the one line (gcs_auth)."""
   if not is_remote(path):
     return fn()
+  _raise_if_hub_unreachable(path, None)
   key = str(path).split("://", 1)[1].partition("/")[2]
   try:
     return storage_retry.call(f"{verb} {key or path}", path, fn)
   except Exception as e:
+    _raise_if_hub_unreachable(path, e)
     gcs_auth.raise_if_credentials_refused(path, e)
     gcs_auth.raise_if_refused(path, e)  # only reads get here without credentials: writes asked for them first
     raise
+
+
+# The transport errors huggingface_hub's HTTP clients raise (httpx's, requests'), by class name: neither is an
+# OSError, and an hf:// path read offline was their traceback ("Name or service not known").
+_NETWORK_ERRORS = ("ConnectError", "ConnectionError", "ConnectTimeout", "ReadTimeout", "TimeoutException",
+                   "NetworkError", "ProxyError")
+
+
+def _raise_if_hub_unreachable(path: str, error: BaseException | None) -> None:
+  """An hf:// path whose Hub cannot be asked is one line: offline (HF_HUB_OFFLINE, where huggingface_hub answers
+  "does not exist" for every path) or a network error."""
+  if not str(path).startswith("hf://"):
+    return
+  if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+    raise UserError(f"{path}: hf:// paths are read from the Hugging Face Hub, and HF_HUB_OFFLINE is set; "
+                    "download the files (`hf download REPO --local-dir DIR`) and give DIR") from None
+  if error is None:
+    return
+  if any(type(c).__name__ in _NETWORK_ERRORS for c in gcs_auth.error_chain(error)):
+    raise UserError(f"{path}: cannot reach the Hugging Face Hub ({type(error).__name__}: {error}); check the "
+                    "network, or download the files (`hf download REPO --local-dir DIR`) and give DIR") from None
+
 
 
 def exists(path: str) -> bool:
