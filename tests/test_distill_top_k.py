@@ -156,6 +156,27 @@ def test_files_that_do_not_fit_the_run_are_one_line(top_k_dir, tmp_path):
     _read_all(str(tmp_path / "nothing"))
 
 
+def test_files_written_for_the_same_tokenizer_spelled_another_way_fit(top_k_dir, tmp_path, monkeypatch):
+  """The manifest's tokenizer_path is compared as a file: a relative spelling or a link to the one the files were
+  written with was refused as another tokenizer ('was written for tokenizer_path=...')."""
+  tokenizer = tmp_path / "tok" / "tokenizer.model"
+  tokenizer.parent.mkdir()
+  tokenizer.write_bytes(b"the same file")
+  (tmp_path / "link.model").symlink_to(tokenizer)
+  copied = _copy(top_k_dir, tmp_path / "copied")
+  manifest = os.path.join(copied, "manifest.json")
+  with open(manifest) as f:
+    written = json.load(f)
+  written["data"]["tokenizer_path"] = str(tokenizer)
+  with open(manifest, "w") as f:
+    json.dump(written, f)
+  monkeypatch.chdir(tmp_path)
+  for spelling in ("tok/tokenizer.model", "./tok//tokenizer.model", "link.model"):
+    _read_all(copied, tokenizer_path=spelling)
+  with pytest.raises(UserError, match=r"was written for tokenizer_path=.*, this run has tokenizer_path='other"):
+    _read_all(copied, tokenizer_path="other.model")
+
+
 def _copy(directory: str, to: Path) -> str:
   shutil.copytree(directory, to)
   return str(to)

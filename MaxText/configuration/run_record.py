@@ -115,7 +115,9 @@ def _shapes_nothing(key: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> boo
 _ONE_PATH_KEYS = ("tokenizer_path", "dataset_path")
 
 
-def _same_path(key: str, a: object, b: object) -> bool:
+def same_path(key: str, a: object, b: object) -> bool:
+  """Whether two values of a path key (tokenizer_path, dataset_path) name one file, through links and relative
+  spellings; False for any other key."""
   if key not in _ONE_PATH_KEYS or not isinstance(a, str) or not isinstance(b, str) or not a or not b:
     return False
   try:
@@ -132,7 +134,7 @@ def resume_differences(current: Mapping[str, Any], saved: Mapping[str, Any],
   for kind in kinds:
     for key in FIXED_ON_RESUME[kind]:
       if key in saved and key in current and not _same(saved[key], current[key]) \
-          and not _shapes_nothing(key, current, saved) and not _same_path(key, saved[key], current[key]):
+          and not _shapes_nothing(key, current, saved) and not same_path(key, saved[key], current[key]):
         found.append(f"{key}: {saved[key]!r} -> {current[key]!r}")
   return found
 

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from MaxText.configuration import run_record
 from MaxText.configuration.config_fields import DATA_POSITION, FIXED, keys_where
 from MaxText.configuration.data_config import DataConfig
 from MaxText.errors import ConfigError, UserError
@@ -183,7 +184,7 @@ def check_manifest(directory: str, manifest: Mapping[str, Any], data: DataConfig
                   f"distill_top_k<={manifest['top_k']} or write the files again with k={k}")
   ours = data_keys(data)
   for name, theirs in manifest["data"].items():
-    if ours.get(name, theirs) != theirs:
+    if ours.get(name, theirs) != theirs and not run_record.same_path(name, theirs, ours[name]):
       raise _refuse(directory, f"was written for {name}={theirs!r}, this run has {name}={ours[name]!r}: its top-k "
                     "belong to other batches; write them again with this run's data keys")
   if manifest["num_data_shards"] != num_data_shards:
