@@ -23,9 +23,15 @@ from MaxText.errors import ConfigError
 # GPU device_kind prefix (lower case) -> published peak dense bf16 TFLOP/s per GPU. TPU
 # figures live once, in TPU_GENERATIONS.
 GPU_PEAK_TFLOPS: dict[str, float] = {
+    "nvidia b200": 2250.0,
     "nvidia h200": 989.0,
-    "nvidia h100": 989.0,  # SXM
+    "nvidia gh200": 989.0,
+    "nvidia h100": 989.0,  # SXM, and JAX's name for it ("NVIDIA H100 80GB HBM3")
+    "nvidia h100 pcie": 756.0,
+    "nvidia h100 nvl": 835.0,
     "nvidia a100": 312.0,
+    "nvidia l40s": 362.0,
+    "nvidia l40": 181.0,
     "nvidia l4": 121.0,
 }
 
@@ -119,7 +125,8 @@ def known_peak_tflops(device_kind: str) -> float | None:
     return generation.peak_tflops
   kind = device_kind.lower()
   for prefix in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):  # the longest name that matches
-    if kind.startswith(prefix):
+    # Whole words only: "nvidia l4" is no prefix of "NVIDIA L40S", a GPU three times as fast.
+    if kind == prefix or kind.startswith((prefix + " ", prefix + "-")):
       return GPU_PEAK_TFLOPS[prefix]
   return None
 

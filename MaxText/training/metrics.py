@@ -21,6 +21,15 @@ multiply-add counts 2):
     forward only (one third of a training pass's count) unless the indexer trains
     (indexer_loss_scaling_factor > 0), whose KL target is not counted.
 
+  Gated DeltaNet layers (attention_type=gated_deltanet, or all but every k-th layer of a hybrid stack with
+  full_attention_interval k > 1, which keeps the MoE MLP on every layer) attend no pairs; per token:
+    projections 2·D·(2·I·J + 2·Y·W + 2·Y) (q, k; v, output gate z; b, a) + 2·Y·W·D (output), the
+    depthwise conv 2·w·(2·I·J + Y·W), and the state's update 8·Y·J·W: decay, prediction, write and read,
+    one multiply-add per state element each (the recurrent form's count, as Megatron-LM's; the chunked
+    form's intra-chunk matmuls are not counted). I key heads of J, Y value heads of W, conv width w.
+  An attention output gate (attention_output_gate) adds a query-sized projection 2·D·N·H, a gated
+  shared expert (shared_expert_gate) 2·D.
+
   tflops_per_step = 3 · (B·L · per_token · num_layers (+ logits) + B · attention) / 1e12
 
 A stack of differing layers (Gemma 4's per-layer shapes) is counted layer by layer, each at its own
@@ -67,15 +76,52 @@ class StepFlops:
   total_tflops: float
 
 
+def softmax_attention_layers(cfg: ModelConfig) -> dict[int, int]:
+  """Layers with softmax attention, the MTP modules' included, by their position in attention_layer_pattern.
+  A hybrid stack (full_attention_interval k > 1) has it on every k-th layer only, the others are Gated
+  DeltaNet; attention_type=gated_deltanet has none. MTP modules are built like the main `layers` stack."""
+  pattern = len(cfg.attn.attention_layer_pattern)
+  interval = cfg.linear_attn.full_attention_interval
+  counts: dict[int, int] = {}
+  if cfg.attn.attention_type == "gated_deltanet":
+    return counts
+  # Per position, not per layer: the planner prices models of any depth many times over.
+  step = interval if interval > 1 else 1
+  full = cfg.num_decoder_layers // step
+  period = pattern // math.gcd(pattern, step)  # full layers step·m + step − 1 revisit a position every `period`
+  for m in range(min(period, full)):
+    position = (step * m + step - 1) % pattern
+    counts[position] = counts.get(position, 0) + full // period + (1 if m < full % period else 0)
+  for depth in range(cfg.mtp.mtp_num_layers):
+    position = (cfg.num_decoder_layers + depth) % pattern
+    counts[position] = counts.get(position, 0) + 1
+  return counts
+
+
+def linear_attention_layers(cfg: ModelConfig) -> int:
+  """Gated DeltaNet layers (MTP modules' included): the rest of a hybrid stack, or every layer."""
+  if cfg.attn.attention_type == "gated_deltanet":
+    return cfg.num_decoder_layers + cfg.mtp.mtp_num_layers
+  return cfg.num_decoder_layers + cfg.mtp.mtp_num_layers - sum(softmax_attention_layers(cfg).values())
+
+
+def gated_deltanet_flops_per_token(cfg: ModelConfig) -> tuple[float, float]:
+  """(weight FLOPs, recurrence FLOPs) of one Gated DeltaNet layer per token, forward (module docstring)."""
+  la = cfg.linear_attn
+  d, y = cfg.emb_dim, la.linear_num_value_heads
+  keys, values = la.linear_num_key_heads * la.linear_key_head_dim, y * la.linear_value_head_dim
+  projections = 2 * d * (2 * keys + 2 * values + 2 * y) + 2 * values * d  # q, k, v, gate z, b, a; output
+  conv = 2 * la.linear_conv_kernel_dim * (2 * keys + values)  # depthwise taps over q, k and v
+  return float(projections + conv), float(8 * y * la.linear_key_head_dim * la.linear_value_head_dim)
+
+
 def attended_pairs(cfg: ModelConfig, length: int, causal: bool = True) -> float:
-  """Query-key pairs of one sequence summed over the layers, the MTP modules' layers included (see
-  the module docstring)."""
+  """Query-key pairs of one sequence summed over the softmax-attention layers, the MTP modules' layers
+  included (see the module docstring)."""
   pattern = cfg.attn.attention_layer_pattern
-  layers = cfg.num_decoder_layers + cfg.mtp.mtp_num_layers
   total = 0.0
-  # Per position in the pattern, times the layers at it: the planner prices models of any depth many times over.
-  for position, kind in enumerate(pattern):
-    count = layers // len(pattern) + (1 if position < layers % len(pattern) else 0)
+  for position, count in softmax_attention_layers(cfg).items():
+    kind = pattern[position]
     window = cfg.attn.sliding_window_size if kind == "local" else None
     chunk = cfg.attn.attention_chunk_size
     if not causal:
@@ -152,7 +198,8 @@ def attention_projection_flops(cfg: ModelConfig) -> float:
   """Weight-matmul FLOPs of one layer's attention projections per token."""
   d, n, k, h = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
   if cfg.attn.attention_type != "mla":  # values made from the keys' matmul (attention_k_eq_v): none of their own
-    return 2 * d * h * (n + k + (0 if cfg.layer_shapes.attention_k_eq_v else k)) + 2 * n * h * d
+    gate = n if cfg.attn.attention_output_gate else 0  # sigmoid(x W_gate): one more query-sized projection
+    return 2 * d * h * (n + gate + k + (0 if cfg.layer_shapes.attention_k_eq_v else k)) + 2 * n * h * d
   query = 2 * d * n * h if cfg.mla.q_lora_rank <= 0 else 2 * d * cfg.mla.q_lora_rank + 2 * cfg.mla.q_lora_rank * n * h
   latent = 2 * d * (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
   expand = 2 * cfg.mla.kv_lora_rank * n * (cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim)
@@ -167,6 +214,8 @@ def forward_flops_per_sequence(cfg: ModelConfig, length: int, causal: bool = Tru
   if cfg.moe.num_experts > 1:
     mlp_per_sequence = expert_mlp * moe_expert_rows(cfg, length) + 2 * d * cfg.moe.num_experts * length
     mlp_per_sequence += expert_mlp * cfg.moe.shared_experts * length  # shared experts: every token, width x shared
+    if cfg.moe.shared_experts and cfg.moe.shared_expert_gate:  # sigmoid(x W), W [D, 1]
+      mlp_per_sequence += 2 * d * length
   else:
     mlp_per_sequence = expert_mlp * length
   dense_f = cfg.moe.dense_mlp_dim or f  # the dense_layers stack (first_dense_layers, moe_layer_interval): dense_mlp_dim
@@ -174,11 +223,17 @@ def forward_flops_per_sequence(cfg: ModelConfig, length: int, causal: bool = Tru
   # Multi-token prediction (training only): per module one more layer like the main stack's, the
   # [2D -> D] projection and another pass through the output head.
   mtp = cfg.mtp.mtp_num_layers
-  weights = (length * attention_projection_flops(cfg) * (cfg.num_decoder_layers + mtp)
-             + mlp_per_sequence * (cfg.num_moe_stack_layers + mtp) + dense_mlp * cfg.num_dense_layers
+  # A hybrid stack's Gated DeltaNet layers are its dense_layers stack, with the MoE MLP of the others.
+  hybrid = cfg.linear_attn.full_attention_interval > 1
+  moe_layers = cfg.num_decoder_layers if hybrid else cfg.num_moe_stack_layers
+  linear = linear_attention_layers(cfg)
+  linear_weights, recurrence = gated_deltanet_flops_per_token(cfg) if linear else (0.0, 0.0)
+  weights = (length * attention_projection_flops(cfg) * (cfg.num_decoder_layers + mtp - linear)
+             + length * linear_weights * linear
+             + mlp_per_sequence * (moe_layers + mtp) + dense_mlp * (0 if hybrid else cfg.num_dense_layers)
              + length * 2 * d * v * (1 + mtp) + length * 2 * (2 * d) * d * mtp)
   value_dim = cfg.mla.v_head_dim if cfg.attn.attention_type == "mla" else h  # QK^T over head_dim, AV over the value width
-  scores = 2 * n * (h + value_dim) * attended_pairs(cfg, length, causal)
+  scores = 2 * n * (h + value_dim) * attended_pairs(cfg, length, causal) + length * recurrence * linear
   if cfg.layer_shapes.active:  # each layer at its own shape (layer_groups), beside the stack's common parts
     weights, scores = _differing_layers_flops(cfg, length, causal, mlp_per_sequence)
   return float(weights), float(scores)
@@ -216,8 +271,9 @@ def training_tflops_per_step(cfg: ModelConfig, global_batch: int, length: int, p
   attention_tflops = global_batch * (passes * attention + index_passes * index_scores) / 1e12
   for other in forward_only:
     other_weights, other_attention = forward_flops_per_sequence(other, length)
-    weight_tflops += global_batch * other_weights / 1e12
-    attention_tflops += global_batch * other_attention / 1e12
+    other_index_weights, other_index_scores = indexer_flops_per_sequence(other, length)  # a DSA model: its indexer too
+    weight_tflops += global_batch * (other_weights + other_index_weights) / 1e12
+    attention_tflops += global_batch * (other_attention + other_index_scores) / 1e12
   return StepFlops(weight_tflops, attention_tflops, weight_tflops + attention_tflops)
 
 
@@ -231,6 +287,8 @@ class Throughput:
 
 def throughput(step_seconds: float, tokens: float, flops: StepFlops, num_devices: int,
                peak_tflops_per_device: float) -> Throughput:
+  if not step_seconds > 0 or num_devices <= 0:  # a clock that did not advance measures no rate (nan: "n/a")
+    return Throughput(math.nan, math.nan, math.nan, math.nan)
   tflops_per_device = flops.total_tflops / num_devices / step_seconds
   mfu = tflops_per_device / peak_tflops_per_device if peak_tflops_per_device > 0 else math.nan
   return Throughput(tokens / step_seconds, tokens / step_seconds / num_devices, tflops_per_device, mfu)
