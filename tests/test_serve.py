@@ -315,6 +315,16 @@ def test_seeded_sampling_repeats_and_n_choices_differ(served):
   assert len(set(texts)) > 1, texts
 
 
+def test_a_seeded_prompt_samples_the_same_alone_or_in_a_list_of_prompts(served: Served) -> None:
+  """Choice j of each prompt draws with seed + j: the second prompt of a list (lm-eval's batches, one seed) drew with
+  the seed of its place in the answer, so its text changed with the batch it came in."""
+  args = dict(model="tiny", max_tokens=8, temperature=1.5, seed=3, n=2)
+  alone = served.client.completions.create(prompt=PROMPTS[1], **args)
+  listed = served.client.completions.create(prompt=[PROMPTS[0], PROMPTS[1]], **args)
+  texts = [c.text for c in sorted(listed.choices, key=lambda c: c.index)]
+  assert texts[2:] == [c.text for c in sorted(alone.choices, key=lambda c: c.index)], texts
+
+
 def _load(served, clients: int, per_client: int) -> None:
   rng = np.random.default_rng(0)
   work = [[(PROMPTS[int(rng.integers(len(PROMPTS)))], int(rng.integers(1, 17))) for _ in range(per_client)]

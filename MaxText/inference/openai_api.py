@@ -257,8 +257,9 @@ def _sampling(body: dict[str, Any], vocab_size: int) -> tuple[float, float, int,
     raise ApiError(400, f"temperature must be in [0, 2], got {temperature}", "temperature")
   if not 0 < top_p <= 1:
     raise ApiError(400, f"top_p must be in (0, 1], got {top_p}", "top_p")
-  if top_k < 0:
-    raise ApiError(400, f"top_k must be >= 0 (0 = all tokens), got {top_k}", "top_k")
+  if top_k < -1:
+    raise ApiError(400, f"top_k must be >= 0, or -1 (0 and -1 = all tokens), got {top_k}", "top_k")
+  top_k = max(top_k, 0)  # -1: vLLM's spelling of "all tokens"
   if n < 1:
     raise ApiError(400, f"n must be >= 1, got {n}", "n")
   if seed is not None and not 0 <= seed < SEED_LIMIT:  # folding it in would make it repeat another seed
@@ -316,8 +317,9 @@ def _choices(prompts: list[list[int]], body: dict[str, Any], name: str, limits: 
     max_tokens = _max_tokens(body.get(name), name, len(ids), limits, minimum)
     for j in range(n):
       index = p * n + j
-      # A greedy row never draws: no random seed (a system call on the event loop) for it.
-      row_seed = (secrets.randbits(32) if temperature > 0 else 0) if seed is None else (seed + index) % SEED_LIMIT
+      # A greedy row never draws: no random seed (a system call on the event loop) for it. A seeded prompt's
+      # choices count from the seed whatever other prompts share the list, as they would alone (vLLM's rule).
+      row_seed = (secrets.randbits(32) if temperature > 0 else 0) if seed is None else (seed + j) % SEED_LIMIT
       out.append(Completion(index, ids, max_tokens, RowParams(temperature, top_p, top_k, row_seed), images))
   return out
 
@@ -590,10 +592,16 @@ def has_images(body: Any) -> bool:
 class ChoiceText:
   """One choice's tokens -> text: `add(token)` returns the text now safe to send (none that a
   stop sequence could still claim, no half of a multi-byte character); a stop sequence ends the
-  text before it, as does a token of `stop_ids` (a stop sequence that is a special token decode does not write)."""
+  text before it, as does a token of `stop_ids` (a stop sequence that is a special token decode does not write).
+  `context`: the tokens before the choice's own (the prompt's last), decoded with them and cut off: SentencePiece
+  drops the space a text's first word carries, so the first token of " world" after "hello", decoded alone, read
+  as "world"."""
 
-  def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str], stop_ids: Collection[int] = ()):
+  def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str], stop_ids: Collection[int] = (),
+               context: Sequence[int] = ()):
     self.decode, self.stops, self.stop_ids = decode, list(stops), frozenset(stop_ids)
+    self.context = list(context)
+    self._context_text = decode(self.context) if self.context else ""
     self.tokens: list[int] = []
     self.text = ""
     self.sent = 0
@@ -604,7 +612,7 @@ class ChoiceText:
     if self.stopped:
       return ""
     self.tokens.append(token)
-    self.text = self.decode(self.tokens)
+    self.text = self._decode()
     if token in self.stop_ids:  # the text before it is final; a stop sequence in it may still end it sooner
       delta = self.flush()
       self.stopped = True
@@ -622,8 +630,17 @@ class ChoiceText:
         deltas.append(self.add(token))
       return "".join(deltas), len(tokens)
     self.tokens.extend(tokens)
-    self.text = self.decode(self.tokens)
+    self.text = self._decode()
     return self._advance(self._settled_end()), len(tokens)
+
+  def _decode(self) -> str:
+    """The choice's tokens as text after the context's; the tokens alone where the context's text is not a prefix
+    (a context ending inside a UTF-8 sequence that the first token completes)."""
+    if self.context:
+      text = self.decode(self.context + self.tokens)
+      if text.startswith(self._context_text):
+        return text[len(self._context_text):]
+    return self.decode(self.tokens)
 
   def _settled_end(self) -> int:
     """Where the characters no later token can change end: a trailing U+FFFD may be an incomplete UTF-8

@@ -36,9 +36,12 @@ class _Choice:
   finish_reason: str | None = None
 
 
-def _choices(server: "Server", request: api.Request) -> dict[int, _Choice]:
+def _choices(server: "Server", request: api.Request, chat: bool = False) -> dict[int, _Choice]:
+  """A completion's text continues its prompt's (prompt + text is the whole text, a leading space kept); a chat's
+  reply starts a message of its own."""
   stop_ids = server.codec.stop_ids(request.stop)
-  return {c.index: _Choice(api.ChoiceText(server.codec.decode, request.stop, stop_ids), c.prompt)
+  return {c.index: _Choice(api.ChoiceText(server.codec.decode, request.stop, stop_ids,
+                                          () if chat else c.prompt[-1:]), c.prompt)
           for c in request.choices}
 
 
@@ -132,7 +135,7 @@ def add_routes(app: FastAPI, server: "Server", json_response: Any, streaming_res
     if request.stream:
       return streaming_response(_stream(server, request, jobs, events, sse, chat=chat),
                                 media_type="text/event-stream")
-    choices = _choices(server, request)
+    choices = _choices(server, request, chat)
     async with contextlib.aclosing(events):
       async for batch in events:
         for unit in _units(batch):
@@ -227,7 +230,7 @@ async def _stream(server: "Server", request: api.Request, jobs: Sequence[job_eve
                           "model": request.model or server.limits.model_name}
   if request.include_usage:
     head["usage"] = None  # every chunk but the last, which has the usage and no choices
-  choices = _choices(server, request)
+  choices = _choices(server, request, chat)
   splitters = {index: tool_calls.ContentSplitter() for index in choices} if chat and request.tools else {}
   offsets = dict.fromkeys(choices, 0)  # text_offset counts from the choice's start, as unstreamed, not a chunk's
 
