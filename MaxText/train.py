@@ -156,10 +156,12 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None, argv:
 
   flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size,
                                            config.data.max_target_length, passes=run.objective.passes_per_row,
-                                           forward_only=run.objective.forward_only_models)
+                                           forward_only=run.objective.forward_only_models,
+                                           images_per_row=config.data.max_images_per_row)
   peak, peak_source = accelerators.peak_tflops_per_device(target, config.run.cpu_peak_tflops)
-  log(f"per step: {flops.total_tflops:.4f} model TFLOPs ({config.data.global_batch_size} sequences x "
-      f"{config.data.max_target_length} tokens); peak {peak:.3f} TFLOP/s/device ({peak_source})")
+  batch = metrics.batch_words(config.data.global_batch_size, config.data.max_target_length,
+                              config.data.max_images_per_row)
+  log(f"per step: {flops.total_tflops:.4f} model TFLOPs ({batch}); peak {peak:.3f} TFLOP/s/device ({peak_source})")
   log(f"outputs: {run_dir}")
 
   start_step = int(start.state.step)

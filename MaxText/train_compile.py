@@ -111,10 +111,13 @@ def report(config: config_lib.Config, topology: accelerators.TpuTopology | None,
     print(f"  HBM per {gen.name} {gen.device_unit} {gen.hbm_gib:g} GiB: {memory.total / (gen.hbm_gib * GIB):.1%} used")
   flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size,
                                            config.data.max_target_length, passes=passes_per_row,
-                                           forward_only=forward_only)
+                                           forward_only=forward_only,
+                                           images_per_row=config.data.max_images_per_row)
   num_devices = config.target.num_devices
+  batch = metrics.batch_words(config.data.global_batch_size, config.data.max_target_length,
+                              config.data.max_images_per_row)
   print(f"model FLOPs per step: {flops.total_tflops:,.4g} TFLOP ({flops.total_tflops / num_devices:,.4g} per device; "
-        f"{config.data.global_batch_size} sequences x {config.data.max_target_length} tokens)")
+        f"{batch})")
   hlo_text = compiled.as_text() if topology is not None else ""
   cycles = estimated_cycles(hlo_text) if topology is not None else None
   if cycles is None or topology is None:
@@ -249,7 +252,8 @@ def step_target(config: config_lib.Config, topology: accelerators.TpuTopology,
   """Where the step runs, for the step-time model: every device's torus coordinates, the mesh, the model FLOPs."""
   flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size,
                                            config.data.max_target_length, passes=run.objective.passes_per_row,
-                                           forward_only=run.objective.forward_only_models)
+                                           forward_only=run.objective.forward_only_models,
+                                           images_per_row=config.data.max_images_per_row)
   num_devices = config.target.num_devices
   return saved_step.StepTarget.from_devices(topology, config.mesh.num_slices, list(run.mesh.devices.flat),
                                             dict(run.mesh.shape), flops.total_tflops / num_devices,

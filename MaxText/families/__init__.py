@@ -37,6 +37,7 @@ if TYPE_CHECKING:
   from MaxText.families.tensor_maps import TensorMap
   from MaxText.configuration.model_config import ModelConfig
   from MaxText.families.image_format import ImageFormat
+  from MaxText.layers.vision_tower import ViewFlops
   import numpy as np
 
 
@@ -46,10 +47,12 @@ class VisionTower:
   output soft tokens [images, tokens, emb_dim] that the model places at the image placeholders;
   whether each image's tokens see each other both ways in the text stack; and the checks of the
   vision keys its own shape needs, run by configuration/vision_config.py after the shared ones
-  (the key values by name -> raises one ConfigError line)."""
+  (the key values by name -> raises one ConfigError line); and the forward FLOPs of one view (image, crop
+  or tile) through it, for the model FLOPs behind MFU."""
   encoder: Callable[..., Any]
   projector: Callable[..., Any]
   bidirectional_images: bool
+  flops_per_view: Callable[["ModelConfig"], "ViewFlops"]
   check_keys: Callable[[Mapping[str, Any]], None] | None = None
 
 

@@ -235,7 +235,8 @@ register_family(Family("gemma2", ("gemma2",), ("gemma2",), gemma2_model_keys, ge
 register_family(Family("gemma3", ("gemma3_text", "gemma3"), ("gemma3",), gemma3_any_model_keys, gemma3_any_hf_config,
                        gemma3_tensors, layer=decoders.SandwichNormDecoderLayer,
                        vision=VisionTower(vision_tower.VisionEncoder, vision_tower.MultimodalProjector,
-                                          bidirectional_images=True, check_keys=gemma3_vision_checks),
+                                          bidirectional_images=True, flops_per_view=vision_tower.flops_per_view,
+                                          check_keys=gemma3_vision_checks),
                        image_format=gemma3_images.IMAGE_FORMAT,
                        multimodal_reference_hf_configs={  # 2 images' soft tokens outnumber the window; 2x2 pooling
                            "gemma3-vision": dict(

@@ -280,7 +280,8 @@ register_family(Family("llama4", ("llama4_text", "llama4"), ("llama4",), llama4_
                        upstream_model_names={"llama4-17b-16e": "llama4-scout-17b-16e",
                                              "llama4-17b-128e": "llama4-maverick-17b-128e"},
                        vision=VisionTower(llama4_vision.Llama4VisionEncoder, llama4_vision.Llama4Projector,
-                                          bidirectional_images=False, check_keys=llama4_vision.check_vision_keys),
+                                          bidirectional_images=False, flops_per_view=llama4_vision.flops_per_view,
+                                          check_keys=llama4_vision.check_vision_keys),
                        image_format=llama4_images.IMAGE_FORMAT,
                        hf_image_text_logits={"llama4": llama4_images.hf_image_text_logits},
                        multimodal_reference_hf_configs={  # 32 x 32 tiles of 4 x 4 patches: 16 soft tokens each

@@ -193,6 +193,18 @@ class Llama4VisionEncoder(nnx.Module):
     return self.adapter(self.layernorm_post(x_IQE)[:, :-1])
 
 
+def flops_per_view(cfg: ModelConfig) -> vision_tower.ViewFlops:
+  """One tile through Llama4VisionEncoder (the patch embedding; its layers over the patches and the class token;
+  the adapter's two matmuls over the shuffled tokens) and Llama4Projector."""
+  vision = cfg.vision
+  patches, e = vision.patches_per_side**2, vision.vision_emb_dim
+  tokens, adapter = vision.mm_tokens_per_image, vision.vision_adapter_dim
+  weights, scores = vision_tower.encoder_layer_flops(cfg, patches + 1)
+  embed = 2 * patches * NUM_CHANNELS * vision.vision_patch_size**2 * e
+  adapter_flops = 2 * tokens * vision.pixel_shuffle_factor**2 * e * adapter + 2 * tokens * adapter * adapter
+  return vision_tower.ViewFlops(embed + weights + adapter_flops, scores, 2 * tokens * adapter * cfg.emb_dim)
+
+
 class Llama4Projector(nnx.Module):
   """HF's Llama4MultiModalProjector: adapter features [I, T, F] -> soft tokens [I, T, D], no bias."""
 

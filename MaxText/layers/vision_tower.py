@@ -22,6 +22,7 @@ M images per row.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -163,6 +164,35 @@ class MultimodalProjector(nnx.Module):
     t, k = vision.tokens_per_side, vision.patches_per_side // vision.tokens_per_side
     pooled = x_IPE.astype(jnp.float32).reshape(i, t, k, t, k, e).mean(axis=(2, 4)).reshape(i, t * t, e)
     return self.input_projection(self.soft_embedding_norm(pooled.astype(x_IPE.dtype)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ViewFlops:
+  """Forward FLOPs of one view through a vision tower: the encoder's weight matmuls (patch embedding, layers,
+  anything else the encoder module holds), its attention scores (Q·K and A·V over the view's tokens) and the
+  projector's matmuls."""
+  encoder_weights: float
+  encoder_scores: float
+  projector: float
+
+
+def encoder_layer_flops(cfg: ModelConfig, tokens: int) -> tuple[float, float]:
+  """(weight, score) forward FLOPs of the encoder's layers over one view of `tokens` tokens: q/k/v/out and the two
+  MLP matmuls per token, every token attending to every token."""
+  vision = cfg.vision
+  e, w, width = vision.vision_emb_dim, vision.vision_mlp_dim, vision.vision_num_heads * vision.vision_head_dim
+  layers = vision.vision_num_layers
+  return layers * tokens * (8 * e * width + 4 * e * w), layers * 4 * tokens * tokens * width
+
+
+def flops_per_view(cfg: ModelConfig) -> ViewFlops:
+  """One image through VisionEncoder (the patch embedding, its layers) and MultimodalProjector (pooled tokens
+  into emb_dim)."""
+  vision = cfg.vision
+  patches = vision.patches_per_side**2
+  weights, scores = encoder_layer_flops(cfg, patches)
+  embed = 2 * patches * NUM_CHANNELS * vision.vision_patch_size**2 * vision.vision_emb_dim
+  return ViewFlops(embed + weights, scores, 2 * vision.mm_tokens_per_image * vision.vision_emb_dim * cfg.emb_dim)
 
 
 def image_embeddings(encoder: VisionEncoder, projector: MultimodalProjector, pixels_ICRR: jax.Array) -> jax.Array:

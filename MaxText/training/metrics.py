@@ -32,6 +32,12 @@ multiply-add counts 2):
 
   tflops_per_step = 3 · (B·L · per_token · num_layers (+ logits) + B · attention) / 1e12
 
+An image-text model (use_multimodal) with max_images_per_row M adds B·M views through the family's vision tower
+(its flops_per_view: patch embedding, encoder layers with every token attending to every token, adapter,
+projector), padding slots included since the tower runs on every slot. A frozen encoder (freeze_vision_encoder,
+or any LoRA run) needs no backward, its input being pixels: forward only; a projector that trains behind it
+its forward and weight gradient (2 of the 3).
+
 A stack of differing layers (Gemma 4's per-layer shapes) is counted layer by layer, each at its own
 head width, key/value heads and MLP width (layer_groups): a KV-sharing layer projects no keys or values,
 a layer whose values are its keys (attention_k_eq_v) no values; plus per-layer inputs' projections
@@ -66,6 +72,7 @@ from typing import Any, Mapping, Protocol, Sequence
 import numpy as np
 
 from MaxText.paths import storage, storage_retry
+from MaxText.configuration import model_checks
 from MaxText.configuration.model_config import ModelConfig
 
 
@@ -260,10 +267,11 @@ def _differing_layers_flops(cfg: ModelConfig, length: int, causal: bool, experts
 
 
 def training_tflops_per_step(cfg: ModelConfig, global_batch: int, length: int, passes: int = 3,
-                             forward_only: Sequence[ModelConfig] = ()) -> StepFlops:
+                             forward_only: Sequence[ModelConfig] = (), images_per_row: int = 0) -> StepFlops:
   """`passes` forward passes' worth per batch row: forward + backward is 3 (language modelling);
   an objective that runs more sequences per row says how many (objectives/base.Objective.passes_per_row).
-  `forward_only`: other models run once forward per row (a distillation teacher: 2·N_teacher·tokens)."""
+  `forward_only`: other models run once forward per row (a distillation teacher: 2·N_teacher·tokens).
+  `images_per_row`: the views a row's vision tower encodes (max_images_per_row: padding slots run too)."""
   weights, attention = forward_flops_per_sequence(cfg, length)
   index_weights, index_scores = indexer_flops_per_sequence(cfg, length)
   index_passes = passes if cfg.mla.indexer_loss_scaling_factor > 0 else passes / 3  # detached: forward only
@@ -274,7 +282,33 @@ def training_tflops_per_step(cfg: ModelConfig, global_batch: int, length: int, p
     other_index_weights, other_index_scores = indexer_flops_per_sequence(other, length)  # a DSA model: its indexer too
     weight_tflops += global_batch * (other_weights + other_index_weights) / 1e12
     attention_tflops += global_batch * (other_attention + other_index_scores) / 1e12
+  if images_per_row and cfg.vision.use_multimodal:
+    tower_weights, tower_scores = vision_tower_flops(cfg, passes)
+    weight_tflops += global_batch * images_per_row * tower_weights / 1e12
+    attention_tflops += global_batch * images_per_row * tower_scores / 1e12
   return StepFlops(weight_tflops, attention_tflops, weight_tflops + attention_tflops)
+
+
+def batch_words(global_batch: int, length: int, images_per_row: int = 0) -> str:
+  """What the step's FLOPs are of, for the lines that print them."""
+  views = f" + {images_per_row} image view(s) a sequence" if images_per_row else ""
+  return f"{global_batch} sequences x {length} tokens{views}"
+
+
+def vision_tower_flops(cfg: ModelConfig, passes: float = 3) -> tuple[float, float]:
+  """(weight, score) FLOPs of one view through the family's vision tower at `passes` (module docstring): a frozen
+  part needs no backward (its input is pixels): the encoder forward only; the projector forward and its weight
+  gradient (2 of 3) when it trains behind a frozen encoder; everything `passes` when the encoder trains."""
+  family = model_checks.family_of(cfg.decoder_block)
+  assert family is not None and family.vision is not None, f"no vision tower for {cfg.decoder_block}"
+  view = family.vision.flops_per_view(cfg)
+  lora = cfg.lora.lora_rank > 0  # the whole tower frozen
+  encoder_trains = not (lora or cfg.vision.freeze_vision_encoder)
+  projector_trains = not (lora or cfg.vision.freeze_multimodal_projector)
+  encoder_passes = passes if encoder_trains else passes / 3
+  projector_passes = passes if encoder_trains else (2 * passes / 3 if projector_trains else passes / 3)
+  return (encoder_passes * view.encoder_weights + projector_passes * view.projector,
+          encoder_passes * view.encoder_scores)
 
 
 @dataclasses.dataclass(frozen=True)
