@@ -195,9 +195,43 @@ def train(paths: list[str], vocab_size: int, output: str, model_type: str = "bpe
       raise UserError(f"vocab_size={vocab_size} is more than this corpus ({len(lines)} non-empty line(s)) can "
                       f"fill (at most {most.group(1)} with model_type={model_type}); set vocab_size <= "
                       f"{most.group(1)} or give a larger corpus") from None
+    # SentencePiece's own wording names its --character_coverage flag and neither number's meaning
+    least = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", reason)
+    if least:
+      raise UserError(_too_few(vocab_size, int(least.group(1)), model_type, character_coverage)) from None
     raise UserError(f"SentencePiece training failed: {reason}") from None
+  if model_type == "char":
+    _check_char_model(model.getvalue(), lines, vocab_size, character_coverage)
   storage.write_bytes(output, model.getvalue())
   return len(lines)
+
+
+def _too_few(vocab_size: int, needed: int, model_type: str, character_coverage: float) -> str:
+  return (f"vocab_size={vocab_size} is fewer than the {needed} tokens model_type={model_type} needs for this corpus "
+          f"(its characters at character_coverage={character_coverage}, and 3 special tokens); set vocab_size >= "
+          f"{needed}, or lower character_coverage (not below 0.98) to leave its rarest characters out")
+
+
+def _check_char_model(model: bytes, lines: list[str], vocab_size: int, character_coverage: float) -> None:
+  """A char model gets no error from SentencePiece when vocab_size cannot hold the corpus's characters: it keeps the
+  most frequent and the others become <unk> (which character_coverage allows only for its rarest share)."""
+  import collections
+
+  import sentencepiece as spm
+
+  processor = spm.SentencePieceProcessor(model_proto=model)
+  counts = collections.Counter(ch for line in lines for ch in line if not ch.isspace())
+  dropped = sum(n for ch, n in counts.items() if processor.unk_id() in processor.encode(ch))
+  if dropped > (1.0 - character_coverage) * sum(counts.values()):
+    spaces = any(ch.isspace() for line in lines for ch in line)
+    raise UserError(_too_few(vocab_size, len(counts) + int(spaces) + 3, "char", character_coverage))
+
+
+def piece_count(path: str) -> int:
+  """The number of tokens of a written model (a char model's can be fewer than vocab_size: one per character)."""
+  import sentencepiece as spm
+
+  return spm.SentencePieceProcessor(model_proto=storage.read_bytes(path)).get_piece_size()
 
 
 TOOL = startup.Tool("train_tokenizer", builds_config=False)
@@ -209,7 +243,9 @@ def main(argv: list[str]) -> int:
   paths = expand_files("data_files", args.data_files)
   num_lines = train(paths, args.vocab_size, args.output_path, args.model_type, args.train_data_columns,
                     args.character_coverage, args.max_lines)
-  print(f"train_tokenizer: wrote {args.output_path} ({args.vocab_size} tokens, {args.model_type}) "
+  pieces = piece_count(args.output_path)
+  fewer = f" of vocab_size={args.vocab_size}: every character of the corpus" if pieces < args.vocab_size else ""
+  print(f"train_tokenizer: wrote {args.output_path} ({pieces} tokens{fewer}, {args.model_type}) "
         f"from {num_lines} lines of {len(paths)} file(s)")
   return 0
 

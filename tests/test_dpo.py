@@ -478,6 +478,35 @@ def test_conversational_records_read_from_parquet_through_the_hf_reader(tokenize
     assert _completion_text(encoder, batch, "rejected_", row) == record["rejected"][0]["content"] + "<|im_end|>"
 
 
+def test_preference_parquet_files_whose_schemas_differ(tokenizer_dir, tmp_path):
+  """A second file whose messages carry a `name` field (or a column the first lacks) failed datasets' cast to the
+  first file's types ('Couldn't cast', no file named); it now reads, and a column that is messages in one file and
+  strings in another is one line naming both."""
+  pyarrow_parquet = pytest.importorskip("pyarrow.parquet")
+  import pyarrow
+
+  from MaxText.input_pipeline import hf
+
+  records = preference_records(4, 3)
+  pyarrow_parquet.write_table(pyarrow.Table.from_pylist(records[:2]), str(tmp_path / "a.parquet"))
+  named = [{**r, "chosen": [{**m, "name": "bot"} for m in r["chosen"]], "id": i} for i, r in enumerate(records[2:])]
+  pyarrow_parquet.write_table(pyarrow.Table.from_pylist(named), str(tmp_path / "b.parquet"))
+  source, _ = hf.open_split("", str(tmp_path / "*.parquet"), "train", "hf_data_files")
+  encoder = _encoder(tokenizer_dir)
+  batch, num_real = _batch(encoder, [source[i] for i in range(4)], rows=4)
+  assert num_real == 4
+  for row, record in enumerate(records):
+    assert _completion_text(encoder, batch, "", row) == record["chosen"][0]["content"] + "<|im_end|>"
+
+  plain = [{"prompt": "to be", "chosen": " or not", "rejected": " not or"}]
+  pyarrow_parquet.write_table(pyarrow.Table.from_pylist(plain), str(tmp_path / "b.parquet"))
+  with pytest.raises(ConfigError) as raised:
+    hf.open_split("", str(tmp_path / "*.parquet"), "train", "hf_data_files")
+  assert str(raised.value).startswith("hf_data_files: column 'prompt' is list<element: struct<"), str(raised.value)
+  assert str(raised.value).endswith(f"in {tmp_path / 'a.parquet'} but string in {tmp_path / 'b.parquet'}; give it "
+                                    "one type in every file")
+
+
 def test_with_lora_the_reference_is_the_base_with_adapters_off(tiny_overrides, tmp_path):
   """No copy of the weights: the frozen base (adapters off) is the starting model, and stays bitwise."""
   from MaxText.training import lora

@@ -146,6 +146,159 @@ def _refuse_a_text_column_not_text(files_key: str, files: list[str], builder: st
                           "that record")
 
 
+class _NotText(Exception):
+  """Raised inside datasets' JSON builder when a chunk's text column is not strings; named by file and line after."""
+
+
+def _text_type(kind: Any) -> bool:
+  import pyarrow as pa
+
+  return any(test(kind) for test in (pa.types.is_string, pa.types.is_large_string, pa.types.is_null,
+                                     pa.types.is_binary, pa.types.is_large_binary))
+
+
+def _watch_the_text_column(loader: Any, column: str) -> None:
+  """datasets types a JSON column by the first 10 MB chunk and casts every later chunk to it: a number (array,
+  object) further on trained as its spelling, and a chunk mixing them had every string of it JSON-quoted ('"a"').
+  Each chunk's table is looked at before that cast (on this builder only): a text column of another type, or one
+  datasets JSON-encoded for mixing types, stops the load, and the record is found afterwards."""
+  cast = getattr(loader, "_cast_table", None)
+  if cast is None:  # another datasets: the features are still checked after loading
+    return
+
+  def checked(table: Any, json_field_paths: Any = (), *args: Any, **kwargs: Any) -> Any:
+    features = loader.info.features
+    declared = features.arrow_schema.field(column).type if features is not None and column in features else None
+    if (column in table.column_names and not _text_type(table.schema.field(column).type)) \
+        or any(list(path)[:1] == [column] for path in json_field_paths or ()) \
+        or (declared is not None and not _text_type(declared)):
+      raise _NotText(column)
+    return cast(table, json_field_paths, *args, **kwargs)
+
+  loader._cast_table = checked
+
+
+def _not_text_line(files_key: str, data_files: str, files: list[str], column: str) -> str:
+  """The one line for a JSON text column found holding something else than strings: its first such record."""
+  for path in files:
+    problem = json_records.first_not_text(path, column)
+    if problem is not None:
+      return f"{files_key}: {path} {problem}; fix or remove that record"
+  return (f"{files_key} {data_files}: column {column!r} holds values that are not text (strings); give it strings in "
+          "every record")
+
+
+def _caused_by(error: BaseException, kind: type) -> bool:
+  cause: BaseException | None = error
+  while cause is not None:
+    if isinstance(cause, kind):
+      return True
+    cause = cause.__cause__ or cause.__context__
+  return False
+
+
+def _check_the_text_column(files_key: str, data_files: str, builder: str, files: list[str], dataset: Any,
+                           column: str) -> None:
+  """The loaded table's text column (also one from datasets' cache): present, and typed as text."""
+  if len(dataset) == 0:
+    return
+  if column not in dataset.column_names:
+    raise ConfigError(f"{files_key} {data_files}: records have no column {column!r} (they have "
+                      f"{', '.join(dataset.column_names)}); set train_data_columns")
+  if builder == "json" and not _text_type(dataset.features.arrow_schema.field(column).type):
+    raise ConfigError(_not_text_line(files_key, data_files, files, column))
+
+
+def _merged_type(a: Any, b: Any) -> Any:
+  """One arrow type that holds the values of both, where the difference is harmless (string vs large_string, list vs
+  large_list, a struct field one lacks, a column of nulls, integers and floats of other widths), else None."""
+  import pyarrow as pa
+
+  if a == b:
+    return a
+  if pa.types.is_null(a) or pa.types.is_null(b):
+    return b if pa.types.is_null(a) else a
+  for small, large in ((pa.types.is_string, pa.types.is_large_string), (pa.types.is_binary, pa.types.is_large_binary)):
+    if (small(a) or large(a)) and (small(b) or large(b)):
+      return a if large(a) else b
+  if pa.types.is_integer(a) and pa.types.is_integer(b):
+    return pa.int64()
+  if all(pa.types.is_integer(t) or pa.types.is_floating(t) for t in (a, b)):
+    return pa.float64()
+  lists = (pa.types.is_list, pa.types.is_large_list)
+  if any(t(a) for t in lists) and any(t(b) for t in lists):
+    value = _merged_type(a.value_type, b.value_type)
+    if value is None:
+      return None
+    return pa.large_list(value) if pa.types.is_large_list(a) or pa.types.is_large_list(b) else pa.list_(value)
+  if pa.types.is_struct(a) and pa.types.is_struct(b):
+    fields = {f.name: f.type for f in a}
+    for f in b:
+      if f.name in fields:
+        merged = _merged_type(fields[f.name], f.type)
+        if merged is None:
+          return None
+        fields[f.name] = merged
+      else:
+        fields[f.name] = f.type  # a field the other lacks: null there
+    return pa.struct(list(fields.items()))
+  return None
+
+
+def _parquet_features(files_key: str, files: list[str]) -> Any:
+  """The features to read parquet files whose schemas differ as one table (None when they agree): datasets types the
+  table by the first file and fails to cast a later one that has a struct field more, or a column the first lacks.
+  A column a file lacks is null in its records (as a JSON record's missing field); a type that cannot hold both is
+  one line naming the two files."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  if len(files) < 2:
+    return None
+  schemas = []
+  for path in files:
+    try:
+      with storage.open_file(path, "rb") as f:
+        schemas.append((path, pq.read_schema(f).remove_metadata()))
+    except (pa.ArrowException, OSError):
+      return None  # not readable: named when datasets fails on it
+  if all(schema.equals(schemas[0][1]) for _, schema in schemas):
+    return None
+  merged: dict[str, tuple[str, Any]] = {}
+  for path, schema in schemas:
+    for field in schema:
+      if field.name not in merged:
+        merged[field.name] = (path, field.type)
+        continue
+      first, kind = merged[field.name]
+      both = _merged_type(kind, field.type)
+      if both is None:
+        raise ConfigError(f"{files_key}: column {field.name!r} is {kind} in {first} but {field.type} in {path}; "
+                          "give it one type in every file")
+      merged[field.name] = (first, both)
+  datasets = _offline_datasets()
+  return datasets.Features.from_arrow_schema(pa.schema([(name, kind) for name, (_, kind) in merged.items()]))
+
+
+def _fill_missing_columns(loader: Any) -> None:
+  """datasets' parquet builder casts each file's table to the features, which fails on a column the file lacks: it
+  is added as nulls first (on this builder only)."""
+  cast = getattr(loader, "_cast_table", None)
+  if cast is None:
+    return
+
+  def filled(table: Any, *args: Any, **kwargs: Any) -> Any:
+    import pyarrow as pa
+
+    schema = loader.info.features.arrow_schema
+    for field in schema:
+      if field.name not in table.column_names:
+        table = table.append_column(field.name, pa.nulls(len(table), field.type))
+    return cast(table.select(schema.names), *args, **kwargs)
+
+  loader._cast_table = filled
+
+
 def _bad_parquet(files: list[str]) -> str | None:
   """'<file> is not a readable parquet file (why)' for the first file whose footer cannot be read."""
   import pyarrow as pa
@@ -239,7 +392,7 @@ def open_split(hf_path: str, data_files: str, split: str, files_key: str, text_c
       builder = _builder_for(hf_path, files)
       describe = f"hf {builder} files {data_files}"
       # utf-8-sig: a text file's byte order mark is not part of its first line
-      options = {"encoding": "utf-8-sig"} if builder == "text" else {}
+      options: dict[str, Any] = {"encoding": "utf-8-sig"} if builder == "text" else {}
       if builder == "json":
         _refuse_a_leading_null(files_key, files)
       if text_column is not None:
@@ -248,10 +401,22 @@ def open_split(hf_path: str, data_files: str, split: str, files_key: str, text_c
         try:
           # load_dataset's own three steps: a JSON array file is read whole for its check only when datasets is about
           # to parse it, not at every start once datasets' cache holds it (its info then has the splits).
+          features = _parquet_features(files_key, files) if builder == "parquet" else None
+          if features is not None:
+            options["features"] = features
           loader = datasets.load_dataset_builder(builder, data_files={split: files}, **options)
+          if features is not None:
+            _fill_missing_columns(loader)
           if builder == "json" and loader.info.splits is None:
             _refuse_lone_surrogates_in_arrays(files_key, files)
-          loader.download_and_prepare()
+          if builder == "json" and text_column is not None:
+            _watch_the_text_column(loader, text_column)
+          try:
+            loader.download_and_prepare()
+          except Exception as e:
+            if text_column is not None and _caused_by(e, _NotText):
+              raise ConfigError(_not_text_line(files_key, data_files, files, text_column)) from None
+            raise
           dataset = loader.as_dataset(split=split)
         except (datasets.exceptions.DatasetGenerationError, StopIteration, ValueError) as e:
           # datasets fails on files with no records in its own ways (StopIteration from the JSON
@@ -265,6 +430,8 @@ def open_split(hf_path: str, data_files: str, split: str, files_key: str, text_c
           if isinstance(e, ValueError) and builder != "parquet":
             raise  # an argument datasets refuses: worded below
           raise ConfigError(_unreadable(files_key, data_files, builder, files, e)) from None
+      if text_column is not None:
+        _check_the_text_column(files_key, data_files, builder, files, dataset, text_column)
       return dataset, describe
     if not hf_path:
       raise ConfigError(f"dataset_type=hf needs hf_path or {files_key}")

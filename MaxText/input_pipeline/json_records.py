@@ -1,5 +1,6 @@
 """Where a JSON / JSONL record lives in the user's files, and what a value is, for error messages only: the first line
-`datasets` could not parse, and the file and line of the n-th record. Never on the happy path:
+`datasets` could not parse, the first record whose text column is not a string, and the file and line of the n-th
+record. Never on the happy path:
 the files are read again here only after something failed (but for the look at each file's first
 record that first_record_is_null and first_line_record take).
 
@@ -70,6 +71,31 @@ def first_line_record(path: str) -> tuple[int, object] | None:
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
       return None
   return None
+
+
+def first_not_text(path: str, column: str) -> str | None:
+  """'line N: column 'c' is a JSON number, not text' (or 'record N of its array: ...') for the first record of `path`
+  whose `column` holds a value that is neither a string nor null (null is named where it is read, with a missing
+  column), or None. Reads a JSON-lines file a line at a time; for error messages only."""
+  if starts_with_array(path):
+    try:
+      records = json.loads(read_plain(path))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+      return None  # named by first_problem
+    numbered: Iterator[tuple[str, object]] = ((f"record {i} of its array", r) for i, r in enumerate(records, 1))
+  else:
+    numbered = ((f"line {n}", _loaded(line)) for n, line in _lines(path))
+  for where, record in numbered:
+    if isinstance(record, dict) and record.get(column) is not None and not isinstance(record[column], str):
+      return f"{where}: column {column!r} is {json_kind(record[column])}, not text"
+  return None
+
+
+def _loaded(line: bytes) -> object:
+  try:
+    return json.loads(line)
+  except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+    return None  # not a record: named by first_problem
 
 
 def first_problem(path: str) -> str | None:

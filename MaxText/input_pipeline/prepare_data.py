@@ -159,6 +159,24 @@ def _publish(staging: str, out: str, tfds_name: str | None) -> None:
     storage.move(source, target)
 
 
+def _remove_unrequested(out: str, formats: list[str]) -> list[str]:
+  """Removes what an earlier run wrote in a format this run does not (its files would sit beside the new ones,
+  from another corpus, looking current); returns those formats. Only this tool's own files: the two ArrayRecord
+  splits, and the TFDS datasets of its `local_text` builder."""
+  owned = {"arrayrecord": [storage.join("arrayrecord", f"{split}.array_record") for split in SPLITS],
+           "tfds": [storage.join("tfds", "local_text")]}
+  removed = []
+  for kind, items in owned.items():
+    found = [storage.join(out, item) for item in items if kind not in formats and storage.exists(storage.join(out, item))]
+    for path in found:
+      storage.remove_tree(path)
+    folder = storage.join(out, kind)
+    if found and not storage.is_remote(folder) and storage.is_dir(folder) and not storage.listdir(folder):
+      storage.remove_tree(folder)
+    removed += [kind] if found else []
+  return removed
+
+
 def _remove_stale_staging(out: str) -> None:
   """Removes the staging folders of runs that were killed (SIGTERM, SIGKILL) before they could; those
   of runs still writing here are left to them."""
@@ -205,6 +223,10 @@ def main(argv: list[str]) -> int:
       _publish(staging, out, tfds_name)
     finally:  # an error or Ctrl-C: no leftover staging folder
       storage.remove_tree(staging)
+  removed = _remove_unrequested(out_dir, formats)  # after the new output is in place
+  if removed:
+    print(f"prepare_data: removed the {' and '.join(removed)} output of an earlier run from {out_dir} (not in "
+          f"formats={','.join(formats)})")
   if tfds_name is not None:
     print(f"prepare_data: tfds dataset_name={dataset_name} dataset_path={storage.join(out_dir, 'tfds')}")
   counts = ", ".join(f"{split} {len(splits[split])}" for split in SPLITS)

@@ -197,6 +197,52 @@ def test_a_file_whose_text_column_is_numbers_is_named_not_cast(spm_model, tmp_pa
   assert str(raised.value) == f"hf_data_files: {numbers}{':' if suffix == '.parquet' else ''} {problem}"
 
 
+@pytest.mark.parametrize("value, kind", [(7, "a JSON number"), ([1, 2], "a JSON array"), ({"a": 1}, "a JSON object"),
+                                         (True, "a JSON boolean")], ids=["number", "array", "object", "boolean"])
+@pytest.mark.parametrize("late", [False, True], ids=["first-chunk", "past-10MB"])
+def test_a_jsonl_text_value_that_is_not_a_string_is_named_by_line_wherever_it_is(tmp_path, value, kind, late):
+  """datasets types a JSON column by its first 10 MB and casts later chunks to it: past them, 7 trained as "7" and
+  {"a": 1} as '{"a":1}', and every string of that chunk JSON-quoted ('"text 0"'). Within the first chunk it was refused
+  only once training reached the record."""
+  import json
+
+  count = 11_000 if late else 3  # 1 kB records: past datasets' first 10 MB chunk
+  lines = [json.dumps({"text": f"text {i} " + "x" * 1000}) for i in range(count)]
+  (tmp_path / "a.jsonl").write_text("\n".join([*lines, json.dumps({"text": value}), '{"text": "after"}']) + "\n")
+  with pytest.raises(ConfigError) as raised:
+    hf.open_split("", str(tmp_path / "a.jsonl"), "train", "hf_data_files", "text")
+  assert str(raised.value) == (f"hf_data_files: {tmp_path / 'a.jsonl'} line {count + 1}: column 'text' is {kind}, not "
+                               "text; fix or remove that record")
+
+
+@pytest.mark.parametrize("records, problem", [
+    ([{"text": 5}, {"text": "b"}], "record 1 of its array: column 'text' is a JSON number, not text; fix or remove "
+                                   "that record"),
+    ([{"text": "a"}, {"text": ["b"]}], "record 2 of its array: column 'text' is a JSON array, not text; fix or "
+                                       "remove that record"),
+], ids=["first", "second"])
+def test_a_json_array_file_text_column_is_checked_as_jsonl_is(tmp_path, records, problem):
+  """A file of one JSON array was not looked at before datasets read it: its numbers were refused (without the file)
+  only once training reached them."""
+  import json
+
+  (tmp_path / "a.json").write_text(json.dumps(records))
+  with pytest.raises(ConfigError) as raised:
+    hf.open_split("", str(tmp_path / "a.json"), "train", "hf_data_files", "text")
+  assert str(raised.value) == f"hf_data_files: {tmp_path / 'a.json'} {problem}"
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_text_column_no_record_has_is_named_with_the_files(tmp_path, suffix):
+  """Was 'records have no column ...' without the files, once training read the first record."""
+  body = '[{"body": "a"}, {"body": "b"}]' if suffix == ".json" else '{"body": "a"}\n{"body": "b"}\n'
+  (tmp_path / f"a{suffix}").write_text(body)
+  with pytest.raises(ConfigError) as raised:
+    hf.open_split("", str(tmp_path / f"a{suffix}"), "train", "hf_data_files", "text")
+  assert str(raised.value) == (f"hf_data_files {tmp_path / f'a{suffix}'}: records have no column 'text' (they have "
+                               "body); set train_data_columns")
+
+
 def test_what_trains_from_a_gzipped_bom_crlf_file_is_its_text(spm_model, tmp_path):
   """The rows of a batch, decoded, are the file's documents: no BOM, no CR, nothing from the compression."""
   from MaxText.configuration.config import Config

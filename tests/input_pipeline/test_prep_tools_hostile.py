@@ -121,6 +121,20 @@ def test_prepare_data_cut_short_leaves_the_previous_output_whole(tmp_path, monke
   assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
+def test_prepare_data_rerun_with_fewer_formats_removes_the_earlier_runs_other_formats(tmp_path, capsys):
+  """Was: arrayrecord/ and tfds/ of corpus A stayed beside corpus B's jsonl/, looking current."""
+  out = tmp_path / "out"
+  assert _prepare(f"data_files={_corpus(tmp_path / 'A.txt', 'A', 12)}", f"output_path={out}", "name=mine") == 0
+  assert sorted(p.name for p in out.iterdir()) == ["arrayrecord", "jsonl", "tfds"]
+  (out / "notes.txt").write_text("mine")  # not this tool's: kept
+  capsys.readouterr()
+  assert _prepare(f"data_files={_corpus(tmp_path / 'B.txt', 'B', 8)}", f"output_path={out}", "formats=jsonl") == 0
+  assert sorted(p.name for p in out.iterdir()) == ["jsonl", "notes.txt"]
+  assert _texts(out / "jsonl" / "validation.jsonl") == ["B document 7 with a few words."]
+  assert f"prepare_data: removed the arrayrecord and tfds output of an earlier run from {out} (not in formats=jsonl)" \
+      in capsys.readouterr().out
+
+
 # ---- train_tokenizer ---------------------------------------------------------------------------------------
 
 
@@ -163,6 +177,31 @@ def test_train_tokenizer_refuses_max_lines_and_character_coverage_out_of_range(t
   assert not (tmp_path / "t.model").exists()
 
 
+@pytest.mark.parametrize("model_type", ["bpe", "unigram", "char"])
+def test_train_tokenizer_a_vocab_size_below_the_corpus_characters_names_our_arguments(tmp_path, model_type):
+  """Was SentencePiece's 'INTERNAL: src/trainer_interface.cc(638) [...] Vocabulary size is smaller than
+  required_chars. 8 vs 24. ... with --character_coverage option' (bpe, unigram), and for char no error at all: the
+  model kept 8 characters and the rest of the text encoded as <unk>."""
+  corpus = _corpus(tmp_path / "A.txt", "A", 20)
+  needed = len(set(corpus.read_text()) - {"\n", " "}) + 1 + 3  # its characters, the word boundary, 3 special
+  assert _refusal(_train, f"data_files={corpus}", "vocab_size=8", f"output_path={tmp_path / 'a.model'}",
+                  f"model_type={model_type}") == (
+      f"vocab_size=8 is fewer than the {needed} tokens model_type={model_type} needs for this corpus (its characters "
+      f"at character_coverage=1.0, and 3 special tokens); set vocab_size >= {needed}, or lower character_coverage "
+      "(not below 0.98) to leave its rarest characters out")
+  assert not (tmp_path / "a.model").exists()
+
+
+def test_train_tokenizer_says_how_many_tokens_a_char_model_has(tmp_path, capsys):
+  """A char model has one token per character whatever vocab_size asks: the line said '(5000 tokens, char)'."""
+  corpus = _corpus(tmp_path / "A.txt", "A", 20)
+  assert _train(f"data_files={corpus}", "vocab_size=5000", f"output_path={tmp_path / 'a.model'}",
+                "model_type=char") == 0
+  pieces = train_tokenizer.piece_count(str(tmp_path / "a.model"))
+  assert pieces < 5000 and f"({pieces} tokens of vocab_size=5000: every character of the corpus, char)" in \
+      capsys.readouterr().out
+
+
 def test_train_tokenizer_trains_on_lines_longer_than_sentencepieces_limit(tmp_path):
   """Was: SentencePiece skipped every line over 4192 bytes without a word, so text there never reached
   the vocabulary."""
@@ -200,7 +239,7 @@ def test_prepare_data_killed_then_rerun_keeps_the_old_output_and_leaves_no_parti
   assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()
           if not p.relative_to(out).parts[0].startswith(".")} == before
   assert _prepare(f"data_files={tmp_path / 'A.txt'}", f"output_path={out}", "formats=jsonl") == 0
-  assert sorted(p.name for p in out.iterdir()) == ["arrayrecord", "jsonl"]
+  assert sorted(p.name for p in out.iterdir()) == ["jsonl"]  # no staging folder; arrayrecord/ was not asked for
 
 
 def test_prepare_data_refuses_a_jsonl_file_instead_of_wrapping_its_syntax(tmp_path):

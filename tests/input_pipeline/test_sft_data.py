@@ -272,3 +272,44 @@ def test_every_sample_too_long_names_the_max_target_length_that_keeps_one(tmp_pa
   assert encoder(tmp_path, TEMPLATES["chatml"], length=needed)(shortest)[1, 1:].any()
   assert encoder(tmp_path, TEMPLATES["chatml"], length=needed - 1)(shortest).shape == (2, 0)
   assert longest == max(len(encoder(tmp_path, TEMPLATES["chatml"])(r)[0]) for r in records)
+
+
+def _write_parquet(path, messages: list, large: bool = False) -> None:
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  table = pa.Table.from_pylist([{"messages": m} for m in messages])
+  if large:  # what polars and some exporters write
+    text = pa.large_string()
+    table = table.cast(pa.schema([("messages", pa.list_(pa.struct([("role", text), ("content", text)])))]))
+  pq.write_table(table, str(path))
+
+
+@pytest.mark.parametrize("second", ["name-field", "large-string"])
+def test_parquet_files_whose_message_schemas_differ_harmlessly_train(tmp_path, second):
+  """datasets types the table by the first file and failed to cast a second whose messages had a `name` field
+  more ('Couldn't cast array of type', no file named)."""
+  from MaxText.input_pipeline import hf
+
+  _write_parquet(tmp_path / "a.parquet", [GOOD["messages"]] * 2)
+  named = [{**m, "name": "ann"} for m in GOOD["messages"]]
+  _write_parquet(tmp_path / "b.parquet", [named if second == "name-field" else GOOD["messages"]] * 2,
+                 large=second == "large-string")
+  source, _ = hf.open_split("", str(tmp_path / "*.parquet"), "train", "hf_data_files")
+  assert [m["content"] for m in source[3]["messages"]] == ["to be", "or not"]
+  first_batch(tmp_path, [], name="unused.jsonl", hf_data_files=str(tmp_path / "*.parquet"))
+
+
+def test_parquet_files_whose_messages_differ_in_kind_are_named_both(tmp_path):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  from MaxText.input_pipeline import hf
+
+  _write_parquet(tmp_path / "a.parquet", [GOOD["messages"]])
+  pq.write_table(pa.table({"messages": ["to be or not"]}), str(tmp_path / "b.parquet"))
+  with pytest.raises(ConfigError) as raised:
+    hf.open_split("", str(tmp_path / "*.parquet"), "train", "hf_data_files")
+  assert str(raised.value) == (
+      f"hf_data_files: column 'messages' is list<element: struct<role: string, content: string>> in "
+      f"{tmp_path / 'a.parquet'} but string in {tmp_path / 'b.parquet'}; give it one type in every file")
