@@ -48,7 +48,7 @@ API_KEY_ENV = serve_app.API_KEY_ENV
 
 def _codec(config: config_lib.Config) -> tuple[api.Codec, int | None]:
   """The tokenizer as the server uses it, and its end-of-sequence id."""
-  return serve_codec.build(codec_spec(config))
+  return serve_codec.build(codec_spec(config), probe_chat=True)
 
 
 def codec_spec(config: config_lib.Config) -> serve_codec.CodecSpec:

@@ -6,6 +6,7 @@ prompt's (a SentencePiece tokenizer's leading space kept). Parsing and the route
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 from typing import Any, AsyncGenerator
@@ -136,3 +137,101 @@ def test_top_k_minus_one_keeps_every_token_as_vllm_reads_it() -> None:
       with pytest.raises(api.ApiError) as refused:
         route({**base, "top_k": bad}, LIMITS, CODEC)
       assert (refused.value.status, refused.value.param) == (400, "top_k")
+
+
+def _events_with_tops(tokens: list[int]) -> list[job_events.Event]:
+  events: list[job_events.Event] = [job_events.Tokens(0, [t], [-1.0], [[(t, -1.0)]]) for t in tokens]
+  return events + [job_events.Done(0, "length")]
+
+
+def _logprobs_whole(codec: api.Codec, request: api.Request, tokens: list[int]) -> tuple[str, dict[str, Any]]:
+  """The unstreamed answer's text (the echoed prompt first) and logprobs."""
+  choice = serve_routes._choices(_Server(codec), request)[0]  # type: ignore[arg-type]
+  units = serve_routes._units(_events_with_tops(tokens))
+  if request.echo:
+    units.insert(0, job_events.PromptScores(0, [0.0] * len(choice.prompt), [[]] * len(choice.prompt)))
+  for unit in units:
+    serve_routes._apply(unit, choice, _Job())  # type: ignore[arg-type]
+  logprobs = serve_routes._logprobs(_Server(codec), choice, request.logprobs or 0, request.echo)  # type: ignore
+  return (codec.decode(choice.prompt) if request.echo else "") + choice.text.text, logprobs
+
+
+def _logprobs_streamed(codec: api.Codec, request: api.Request, tokens: list[int], per_chunk: int
+                       ) -> tuple[str, dict[str, list[Any]]]:
+  """The streamed text and the chunks' logprobs joined, `per_chunk` tokens reaching the stream together."""
+  events = _events_with_tops(tokens)
+  batches = [events[i:i + per_chunk] for i in range(0, len(events), per_chunk)]
+  if request.echo:
+    prompt = request.choices[0].prompt
+    batches.insert(0, [job_events.PromptScores(0, [0.0] * len(prompt), [[]] * len(prompt))])
+
+  async def stream() -> AsyncGenerator[list[job_events.Event], None]:
+    for batch in batches:
+      yield batch
+
+  async def collect() -> list[str]:
+    server: Any = _Server(codec)
+    jobs: Any = [_Job()]
+    return [piece async for piece in serve_routes._stream(server, dataclasses.replace(request, stream=True),
+                                                          jobs, stream(), serve._sse, chat=False)]
+
+  chunks = [json.loads(e[len("data: "):])["choices"][0] for piece in asyncio.run(collect())
+            for e in piece.split("\n\n") if e.startswith("data: {")]
+  joined: dict[str, list[Any]] = {"tokens": [], "text_offset": [], "top_logprobs": []}
+  for c in chunks:
+    for key in joined:
+      joined[key] += (c["logprobs"] or {}).get(key, [])
+  return "".join(c["text"] for c in chunks), joined
+
+
+def _check_token_texts(codec: api.Codec, prompt: list[int], generated: list[int], whole_characters: bool = True
+                       ) -> None:
+  for echo in (False, True):
+    request = api.Request([api.Completion(0, prompt, 16, RowParams())], stream=False, stop=[], logprobs=1, echo=echo)
+    text, logprobs = _logprobs_whole(codec, request, generated)
+    assert "".join(logprobs["tokens"]) == text, (echo, logprobs["tokens"], text)
+    starts = [sum(len(t) for t in logprobs["tokens"][:i]) for i in range(len(logprobs["tokens"]))]
+    assert logprobs["text_offset"] == starts
+    tops = logprobs["top_logprobs"][len(prompt) if echo else 0:]
+    if whole_characters:  # a chosen token keys its own alternative by its text
+      assert [list(top) for top in tops] == [[t] for t in logprobs["tokens"][len(prompt) if echo else 0:]]
+    for per_chunk in (1, 2, 100):
+      streamed_text, streamed = _logprobs_streamed(codec, request, generated, per_chunk)
+      assert streamed_text == text and streamed["tokens"] == logprobs["tokens"], (echo, per_chunk)
+      assert streamed["text_offset"] == logprobs["text_offset"]
+      assert streamed["top_logprobs"] == logprobs["top_logprobs"]
+
+
+def test_logprobs_tokens_join_to_the_text_with_a_sentencepiece_leading_space(spm_codec: api.Codec) -> None:
+  """Each token's text in `logprobs.tokens` (and the top alternatives' keys) is as it stands in the text, so that they
+  join to it and `text_offset` indexes it, streamed or not, as vLLM answers. Each token was decoded alone: " world"
+  after "hello" read "world", so the tokens joined to "helloworldthe" against the text "hello world the"."""
+  prompt, generated = spm_codec.encode("hello"), spm_codec.encode(" world the")
+  _check_token_texts(spm_codec, prompt, generated)
+  request = api.Request([api.Completion(0, prompt, 16, RowParams())], stream=False, stop=[], logprobs=1)
+  assert _logprobs_whole(spm_codec, request, generated)[1]["tokens"][0].startswith(" ")
+
+
+def test_logprobs_tokens_of_a_character_split_across_tokens_join_to_the_text() -> None:
+  """A token that ends inside a UTF-8 character reads "" and the one that completes it carries the character (it was
+  U+FFFD each, so the tokens did not join to the text); one never completed reads U+FFFD, as the text does."""
+  def decode(ids: list[int]) -> str:
+    return bytes(ids).decode("utf-8", errors="replace")
+
+  codec = api.Codec(encode=lambda text: list(text.encode()), decode=decode, chat=lambda messages: [104])
+  euro = list("\u20ac".encode())
+  _check_token_texts(codec, list(b"hi "), euro + list(b"ok") + euro[:2], whole_characters=False)
+  # the prompt ends inside the character
+  _check_token_texts(codec, [104] + euro[:2], euro[2:] + list(b"ok"), whole_characters=False)
+  request = api.Request([api.Completion(0, list(b"a"), 16, RowParams())], stream=False, stop=[], logprobs=0)
+  assert _logprobs_whole(codec, request, euro + list(b"!"))[1]["tokens"] == ["", "", "\u20ac", "!"]
+
+
+def test_best_of_below_n_is_refused_naming_best_of() -> None:
+  """OpenAI and vLLM refuse best_of < n (the n returned are chosen among best_of); best_of=1 with n=2 was served as n=2.
+  best_of is read only at 1, so with n > 1 it is left out; n alone, or best_of=1 with n=1, still works."""
+  with pytest.raises(api.ApiError) as refused:
+    api.parse_completion({"prompt": "the", "n": 2, "best_of": 1}, LIMITS, CODEC)
+  assert (refused.value.status, refused.value.param) == (400, "best_of") and "n" in refused.value.message
+  for body in ({"n": 2}, {"n": 1, "best_of": 1}, {"best_of": 1}, {"n": 2, "best_of": None}):
+    assert len(api.parse_completion({"prompt": "the", **body}, LIMITS, CODEC).choices) == body.get("n", 1)

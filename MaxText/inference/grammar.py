@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import math
 from typing import Any, Sequence
@@ -135,11 +136,27 @@ class Compiler:
 
   def json_schema(self, schema: dict[str, Any]) -> Grammar:
     _refuse_non_finite(schema, "the schema")
+    unspelled: list[str] = []
+    pruned: Any = schema if self._pieces is None else _Speller(self._pieces).prune(schema, unspelled)
+    why = f" (no token of the tokenizer spells {', '.join(unspelled)[:200]})" if unspelled else ""
+    if pruned is False:  # the whole schema pruned
+      raise GrammarError(f"no text satisfies it{why}")
     try:
-      text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
-    except ValueError as e:
-      raise GrammarError(str(e)[:300]) from None
-    return self.compile(text)
+      text = llguidance.LLMatcher.grammar_from_json_schema(pruned, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+      return self.compile(text)
+    except ValueError as e:  # GrammarError among them
+      message = str(e)[:300]
+      raise GrammarError(f"no text satisfies it: {message}{why}" if why and "no text satisfies" not in message
+                         else message + why) from None
+
+  @functools.cached_property
+  def _pieces(self) -> frozenset[bytes] | None:
+    """The bytes each token writes (special tokens aside); None when every byte has a token of its own (byte-level
+    BPE, SentencePiece's byte fallback): then every text can be spelled."""
+    tokenizer = self.tokenizer
+    pieces = {tokenizer.decode_bytes([i]) for i in range(tokenizer.vocab_size) if not tokenizer.is_special_token(i)}
+    pieces.discard(b"")
+    return None if all(bytes([b]) in pieces for b in range(256)) else frozenset(pieces)
 
   def regex(self, pattern: str) -> Grammar:
     return self.compile(llguidance.LLMatcher.grammar_from_regex(pattern))
@@ -155,6 +172,85 @@ class Compiler:
     for tool in tools:
       _refuse_non_finite(tool["function"].get("parameters"), f"the parameters of {tool['function']['name']!r}")
     return self.lark(tool_call_lark(tools, fmt, parallel))
+
+
+# Schema keywords whose values are schemas (a map of them, a list of them, or one); "not" and "if" are left out: a
+# branch pruned under them would let more through, not less.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SCHEMA_ONE = ("additionalProperties", "items", "then", "else", "contains", "propertyNames", "additionalItems",
+               "unevaluatedProperties", "unevaluatedItems")
+
+
+class _Speller:
+  """Prunes from a JSON schema what no sequence of tokens writes, for a tokenizer without a token per byte: llguidance
+  masks by each token's first bytes, so a reply may start an enum value, a const or an optional key whose later
+  character no token spells and dead-end there (a failed generation). An enum loses such values, a const or an
+  optional property such a branch, and a pattern is intersected with the characters the tokens spell (a character
+  spelled only inside a longer token is left out of it). What is left unsatisfiable is a 400 when compiled."""
+
+  def __init__(self, pieces: frozenset[bytes]):
+    self.pieces = pieces
+    self.longest = max(map(len, pieces), default=0)
+    chars = {c for piece in pieces for c in piece.decode("utf-8", errors="ignore")}
+    self.chars = "".join(sorted(c for c in chars if self.spells(c)))
+
+  def spells(self, text: str) -> bool:
+    """Whether some sequence of tokens writes `text`'s bytes."""
+    data = text.encode()
+    reach = [True] + [False] * len(data)
+    for start in range(len(data)):
+      if reach[start]:
+        for end in range(start + 1, min(start + self.longest, len(data)) + 1):
+          reach[end] = reach[end] or data[start:end] in self.pieces
+    return reach[-1]
+
+  def spelled(self) -> str:
+    """A regex of the texts of characters the tokens spell."""
+    escaped = "".join("\\x{%X}" % ord(c) for c in self.chars)
+    return f"[{escaped}]*" if escaped else ""
+
+  def prune(self, schema: Any, unspelled: list[str]) -> Any:
+    """A pruned copy of `schema`; `unspelled` gets what was dropped, by name."""
+    try:
+      return self._prune(json.loads(json.dumps(schema)), unspelled)
+    except RecursionError:
+      raise GrammarError("the schema nests too deep to compile") from None
+
+  def _prune(self, schema: Any, unspelled: list[str]) -> Any:
+    if not isinstance(schema, dict):
+      return schema
+    if "const" in schema and not self.spells(_json(schema["const"])):
+      unspelled.append(f"the const {_json(schema['const'])[:40]}")
+      return False
+    if isinstance(schema.get("enum"), list):
+      kept = [value for value in schema["enum"] if self.spells(_json(value))]
+      unspelled += [f"the enum value {_json(value)[:40]}" for value in schema["enum"] if value not in kept]
+      if not kept:
+        return False
+      schema["enum"] = kept
+    if isinstance(schema.get("properties"), dict):
+      required = set(schema.get("required") or [])
+      for name in [n for n in schema["properties"] if n not in required and not self.spells(_json(n))]:
+        unspelled.append(f"the key {_json(name)[:40]}")
+        del schema["properties"][name]
+    for key in _SCHEMA_MAPS:
+      if isinstance(schema.get(key), dict):
+        schema[key] = {name: self._prune(sub, unspelled) for name, sub in schema[key].items()}
+    for key in _SCHEMA_LISTS:
+      if isinstance(schema.get(key), list):
+        schema[key] = [self._prune(sub, unspelled) for sub in schema[key]]
+    for key in _SCHEMA_ONE:
+      if isinstance(schema.get(key), dict):
+        schema[key] = self._prune(schema[key], unspelled)
+    if isinstance(schema.get("pattern"), str):  # after the walk: this allOf is not walked again
+      schema["allOf"] = [*(schema.get("allOf") or []), {"pattern": f"^{self.spelled()}$"}]
+    return schema
+
+
+def _json(value: Any) -> str:
+  """A value as the grammar writes it (compact JSON)."""
+  return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def _refuse_non_finite(value: Any, what: str) -> None:

@@ -18,6 +18,7 @@ an http(s) URL is refused, nothing is fetched.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import secrets
@@ -351,6 +352,10 @@ def parse_completion(body: Any, limits: Limits, codec: Codec) -> Request:
   else:
     raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of such lists",
                    "prompt")
+  best_of, n = body.get("best_of"), _get(body, "n", int, 1)
+  if best_of is not None and best_of < n:  # OpenAI and vLLM refuse it: the n returned are picked from best_of
+    raise ApiError(400, f"best_of must be >= n, got best_of={best_of} and n={n} (best_of is supported only at 1: "
+                   "omit it with n > 1)", "best_of")
   echo = bool(_get(body, "echo", bool, False))
   logprobs = _get(body, "logprobs", int, None)
   if logprobs is not None and not 0 <= logprobs <= NUM_TOP_LOGPROBS:
@@ -672,18 +677,76 @@ class ChoiceText:
     return delta
 
 
-def completion_logprobs(tokens: Sequence[int], logprobs: Sequence[float | None],
+class TokenTexts:
+  """Each token's text where it stands, so that the texts of a choice's tokens join to its text (a prompt's, to the
+  prompt's decoded text) and the offsets line up: a token decoded alone loses the leading space SentencePiece writes
+  after a word. A token is decoded with the settled one before it and cut off after that one's text. A token that ends
+  inside a UTF-8 character is "" and the one that completes the character carries all of it, as vLLM reports; at
+  `finish` the last pending token takes what is left (a character never completed reads U+FFFD, as the text does).
+  `context`: the tokens before (a completion's: the prompt's last, as ChoiceText decodes)."""
+
+  def __init__(self, decode: Callable[[list[int]], str], context: Sequence[int] = ()):
+    self.decode = decode
+    self.ids = list(context)
+    self.start = len(self.ids)  # where the tokens' own ids begin
+    # ids[prefix:read]: the last settled token (at first the context's last), which each new one is decoded after
+    self._prefix, self._read = max(self.start - 1, 0), self.start
+
+  def add(self, tokens: Sequence[int]) -> list[str]:
+    """The texts of the tokens these settle, pending ones first: fewer than `tokens` while a character is unfinished."""
+    out: list[str] = []
+    for token in tokens:
+      self.ids.append(token)
+      before, after = self._texts()
+      if len(after) > len(before) and not after.endswith("\ufffd"):
+        out += self._settle(after[len(before):])
+    return out
+
+  def finish(self) -> list[str]:
+    """The texts of the tokens still pending (none, or those of a character the choice ended inside)."""
+    if self._read == len(self.ids):
+      return []
+    before, after = self._texts()
+    return self._settle(after[len(before):])
+
+  def _texts(self) -> tuple[str, str]:
+    return self.decode(self.ids[self._prefix:self._read]), self.decode(self.ids[self._prefix:])
+
+  def _settle(self, text: str) -> list[str]:
+    pending = len(self.ids) - self._read
+    self._prefix, self._read = self._read, len(self.ids)
+    return [""] * (pending - 1) + [text]
+
+  def previous(self, index: int) -> int | None:
+    """The id before the tokens' `index`-th (None: the first of tokens without context)."""
+    at = self.start + index - 1
+    return self.ids[at] if at >= 0 else None
+
+
+def alternative_text(decode: Callable[[list[int]], str], previous: int | None, token: int,
+                     alone: Callable[[int], str] | None = None) -> str:
+  """An alternative token's text in place of a chosen one, after the same `previous` token (its leading space kept);
+  `alone`: decode of one token (cached by the server)."""
+  alone = alone or (lambda t: decode([t]))
+  if previous is None:
+    return alone(token)
+  before, after = alone(previous), decode([previous, token])
+  return after[len(before):] if after.startswith(before) else alone(token)
+
+
+def completion_logprobs(texts: Sequence[str], logprobs: Sequence[float | None],
                         tops: Sequence[Sequence[tuple[int, float]] | None],
-                        how_many: int, token_text: Callable[[int], str], start_offset: int = 0) -> dict[str, Any]:
-  """OpenAI's completions `logprobs` object: tokens, their log-probabilities, the `how_many`
-  best alternatives per position (as token text -> log-probability) and character offsets."""
-  texts = [token_text(t) for t in tokens]
+                        how_many: int, alternative: Callable[[int, int], str], start_offset: int = 0) -> dict[str, Any]:
+  """OpenAI's completions `logprobs` object: the tokens' texts (TokenTexts), their log-probabilities, the `how_many`
+  best alternatives per position (as text -> log-probability; `alternative(position, token)` is the text) and
+  character offsets from `start_offset`."""
   offsets, at = [], start_offset
   for text in texts:
     offsets.append(at)
     at += len(text)
-  top = [None if t is None else _by_text(list(t)[:how_many], token_text) for t in tops]
-  return {"tokens": texts, "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
+  top = [None if t is None else _by_text(list(t)[:how_many], functools.partial(alternative, i))
+         for i, t in enumerate(tops)]
+  return {"tokens": list(texts), "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
 
 
 def _by_text(top: list[tuple[int, float]], token_text: Callable[[int], str]) -> dict[str, float]:

@@ -68,6 +68,7 @@ class HttpServer:
     raise NotImplementedError
 
   def token_text(self, token: int) -> str:
+    """One token decoded alone (cached): the text a top alternative is cut from; not how a token reads in a text."""
     if token not in self._token_text:
       self._token_text[token] = self.codec.decode([token])
     return self._token_text[token]

@@ -30,8 +30,14 @@ class CodecSpec:
   images: image_chat.ImageChat | None = None
 
 
-def build(spec: CodecSpec, chat_images: ImageChat | None = None) -> tuple[api.Codec, int | None]:
-  """The codec and the tokenizer's end-of-sequence id; `chat_images` (else `spec.images`) renders chats with images."""
+PROBE_CHAT = [{"role": "user", "content": "hi"}]  # a conversation every chat template renders
+
+
+def build(spec: CodecSpec, chat_images: ImageChat | None = None, probe_chat: bool = False
+          ) -> tuple[api.Codec, int | None]:
+  """The codec and the tokenizer's end-of-sequence id; `chat_images` (else `spec.images`) renders chats with images.
+  `probe_chat` (the server, once): a chat template that fails on PROBE_CHAT other than by its own raise_exception
+  would fail every chat request, each a 400 blaming the client: a UserError naming the file instead."""
   if not spec.tokenizer_path:
     raise UserError("MaxText.serve needs tokenizer_path=... (clients send and receive text)")
   tokenizer = load_tokenizer(spec.tokenizer_type, spec.tokenizer_path)
@@ -109,5 +115,25 @@ def build(spec: CodecSpec, chat_images: ImageChat | None = None) -> tuple[api.Co
   def tool_format() -> str:
     return tool_calls.template_format(template_tokenizer().chat_template)
 
+  if probe_chat:
+    _probe(template_tokenizer, spec.tokenizer_path)
   return (api.Codec(encode, tokenizer.decode, chat, images, chat_tools, grammars, tool_format, tokenizer.vocab_size,
                     getattr(tokenizer, "special_id", None)), tokenizer.eos_id)
+
+
+def _probe(template_tokenizer: Callable[[], Any], path: str) -> None:
+  """Renders PROBE_CHAT with the chat template; a template's own refusal (raise_exception: jinja's TemplateError
+  itself, e.g. a system turn it requires) passes: it refuses some conversations, not necessarily all."""
+  import jinja2
+
+  try:
+    chat_tokenizer = template_tokenizer()
+  except api.ApiError:
+    return  # no chat template: the chat route answers that itself, and completions still work
+  try:
+    chat_tokenizer.apply_chat_template(PROBE_CHAT, tokenize=False, add_generation_prompt=True)
+  except Exception as e:  # noqa: BLE001 - whatever the template's code raises
+    if type(e) is jinja2.TemplateError:
+      return
+    raise UserError(f"the chat template of {path} fails on a one-message conversation, so every chat request would: "
+                    f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None

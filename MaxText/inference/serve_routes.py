@@ -89,16 +89,37 @@ def _apply(unit: Unit, choice: _Choice, job: job_events.JobHandle) -> str:
   return delta
 
 
-def _logprobs(server: "Server", choice: _Choice, how_many: int, echo: bool, tokens: list[int] | None = None,
-              start: int = 0) -> dict[str, Any]:
-  lps: list[float | None] = list(choice.logprobs)
-  tops: list[list[tuple[int, float]] | None] = list(choice.tops)
-  tokens = list(choice.tokens) if tokens is None else tokens
+def _texts(server: "Server", context: Sequence[int]) -> api.TokenTexts:
+  return api.TokenTexts(server.codec.decode, context)
+
+
+def _alternative(server: "Server", texts: api.TokenTexts, first: int) -> Callable[[int, int], str]:
+  """completion_logprobs' `alternative` for the tokens from the `first`-th of `texts`."""
+  return lambda i, token: api.alternative_text(server.codec.decode, texts.previous(first + i), token, server.token_text)
+
+
+def _logprobs(server: "Server", choice: _Choice, how_many: int, echo: bool, generated: bool = True) -> dict[str, Any]:
+  """The choice's logprobs object (with echo, the prompt's tokens first; `generated` False: the prompt's alone); each
+  token's text is as it stands in the text, so that they join to it."""
+  texts: list[str] = []
+  lps: list[float | None] = []
+  tops: list[list[tuple[int, float]] | None] = []
+  prompt = _texts(server, ())
   if echo and choice.prompt_scores is not None:
-    lps = [None] + list(choice.prompt_scores.logprobs[1:]) + lps
-    tops = [None] + list(choice.prompt_scores.top[1:]) + tops
-    tokens = list(choice.prompt) + tokens
-  return api.completion_logprobs(tokens, lps, tops, how_many, server.token_text, start)
+    texts = prompt.add(choice.prompt) + prompt.finish()
+    lps = [None] + list(choice.prompt_scores.logprobs[1:])
+    tops = [None] + list(choice.prompt_scores.top[1:])
+  own, echoed = _texts(server, choice.prompt[-1:]), len(texts)
+  if generated:
+    texts += own.add(choice.tokens) + own.finish()
+    lps += choice.logprobs
+    tops += choice.tops
+  in_prompt, in_own = _alternative(server, prompt, 0), _alternative(server, own, 0)
+
+  def alternative(i: int, token: int) -> str:
+    return in_prompt(i, token) if i < echoed else in_own(i - echoed, token)
+
+  return api.completion_logprobs(texts, lps, tops, how_many, alternative)
 
 
 def _usage(request: api.Request, choices: dict[int, _Choice]) -> dict[str, int]:
@@ -233,6 +254,8 @@ async def _stream(server: "Server", request: api.Request, jobs: Sequence[job_eve
   choices = _choices(server, request, chat)
   splitters = {index: tool_calls.ContentSplitter() for index in choices} if chat and request.tools else {}
   offsets = dict.fromkeys(choices, 0)  # text_offset counts from the choice's start, as unstreamed, not a chunk's
+  token_texts = {index: _texts(server, choice.prompt[-1:]) for index, choice in choices.items()}
+  logged = dict.fromkeys(choices, 0)  # tokens whose logprobs entries went out
 
   def chunk(index: int, text: str | None, finish_reason: str | None, logprobs: Any = None) -> str:
     if chat:
@@ -257,11 +280,16 @@ async def _stream(server: "Server", request: api.Request, jobs: Sequence[job_eve
     logprobs = None
     if request.logprobs is not None and not chat:
       if isinstance(unit, job_events.PromptScores) and request.echo:
-        logprobs = _logprobs(server, choice, request.logprobs, echo=True, tokens=[])
+        logprobs = _logprobs(server, choice, request.logprobs, echo=True, generated=False)
         delta = server.codec.decode(choice.prompt)
-      elif len(choice.tokens) > had:
-        logprobs = api.completion_logprobs(choice.tokens[had:], choice.logprobs[had:], list(choice.tops[had:]),
-                                           request.logprobs, server.token_text, offsets[index])
+      else:  # the entries of the tokens whose text is settled (a character's last byte settles its first)
+        texts = token_texts[index]
+        settled = texts.add(choice.tokens[had:]) + (texts.finish() if isinstance(unit, job_events.Done) else [])
+        if settled:
+          first, logged[index] = logged[index], logged[index] + len(settled)
+          logprobs = api.completion_logprobs(settled, choice.logprobs[first:logged[index]],
+                                             list(choice.tops[first:logged[index]]), request.logprobs,
+                                             _alternative(server, texts, first), offsets[index])
       if logprobs is not None:
         offsets[index] += sum(len(text) for text in logprobs["tokens"])
     if index in splitters:
@@ -274,7 +302,7 @@ async def _stream(server: "Server", request: api.Request, jobs: Sequence[job_eve
       out += [sse({**head, "choices": [body]}) for body in bodies]
       out.append(chunk(index, None, finish_reason))
     elif isinstance(unit, job_events.Done):
-      out.append(chunk(index, delta or None, choice.finish_reason))
+      out.append(chunk(index, delta or None, choice.finish_reason, logprobs))
     elif index in splitters:  # a call whose closing tag just arrived goes out now
       if delta:
         out.append(chunk(index, delta, None))

@@ -123,3 +123,79 @@ def test_nan_or_infinity_anywhere_in_a_body_is_a_400_naming_it(served: Served) -
     assert f"{constant} is not a JSON number (JSON has no NaN or Infinity)" in error["message"], error
     assert "\n" not in error["message"], error
   still_serves_json(served)
+
+
+@pytest.fixture(scope="module")
+def compiler(tmp_path_factory: pytest.TempPathFactory) -> Any:
+  from transformers import PreTrainedTokenizerFast
+
+  from MaxText.inference import grammar
+
+  directory = write_tokenizer_without_byte_tokens(tmp_path_factory.mktemp("speller") / "tok")
+  return grammar.Compiler(PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json")), 64, [2])
+
+
+def dead_ends(compiled: Any, depth: int = 12) -> tuple[list[list[int]], int]:
+  """Every token sequence the masks allow (up to `depth` tokens) that reaches a dead end, and how many complete."""
+  dead: list[list[int]] = []
+  complete = 0
+  stack: list[list[int]] = [[]]
+  while stack:
+    tokens = stack.pop()
+    constraint = compiled.constraint()
+    ended = any([constraint.advance(t) for t in tokens])
+    if constraint.failure():
+      dead.append(tokens)
+    elif ended:
+      complete += 1
+    elif len(tokens) < depth:
+      row = constraint.mask()[0]
+      stack += [tokens + [t] for t in range(64) if (row[t // 32] >> (t % 32)) & 1]
+  return dead, complete
+
+
+@pytest.mark.parametrize("s", [
+    {"enum": ["az", "b"]},
+    {"type": "string", "pattern": "^(az|b)$"},
+    {"type": "object", "properties": {"a": {"enum": ["az", "b"]}}, "required": ["a"], "additionalProperties": False},
+    {"anyOf": [{"const": "az"}, {"const": "ba"}]},
+], ids=["enum", "pattern", "nested-enum", "const"])
+def test_a_branch_no_token_spells_is_pruned_not_a_failed_generation(compiler: Any, s: dict[str, Any]) -> None:
+  """Was: a reply could start "az" (its `a` has a token), then find no token for `z` and take llguidance's stand-in,
+  a 500 generation_failed mid-reply. The branch is pruned at compile: every reply the masks allow completes."""
+  dead, complete = dead_ends(compiler.json_schema(s))
+  assert not dead and complete, dead
+
+
+def test_a_schema_with_only_unspellable_branches_is_a_400_at_compile(compiler: Any) -> None:
+  from MaxText.inference import grammar
+
+  for s in ({"enum": ["az", "zb"]}, {"type": "object", "properties": {"a": {"const": "az"}}, "required": ["a"]}):
+    with pytest.raises(grammar.GrammarError) as refused:
+      compiler.json_schema(s)
+    assert "no text satisfies it" in str(refused.value) and "spells" in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize("template, starts", [
+    ("{{ messages[0]['nonexistent'].upper() }}", False),
+    ("{{ raise_exception('a system turn first') if messages[0]['role'] != 'system' }}x", True),
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", True),
+], ids=["fails", "refuses-some", "renders"])
+def test_a_chat_template_that_fails_every_conversation_stops_the_server_at_start(
+    tmp_path: Path, template: str, starts: bool) -> None:
+  """Was: the server started and every chat request was a 400 blaming the client's messages. A template's own
+  raise_exception may refuse only some conversations (alternation, a required system turn): the server starts."""
+  from MaxText.errors import UserError
+  from MaxText.inference import serve_codec
+
+  directory = write_tokenizer_without_byte_tokens(tmp_path / "tok")
+  config = json.loads((directory / "tokenizer_config.json").read_text())
+  (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+  spec = serve_codec.CodecSpec("huggingface", str(directory), False, 64)
+  serve_codec.build(spec)  # a front end's codec does not probe
+  if starts:
+    serve_codec.build(spec, probe_chat=True)
+  else:
+    with pytest.raises(UserError, match=f"chat template of {directory}.*every chat request") as refused:
+      serve_codec.build(spec, probe_chat=True)
+    assert "\n" not in str(refused.value)
