@@ -125,7 +125,8 @@ def _mscale(factor: float, mscale: float) -> float:
 def _rope_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   """rope_keys plus DeepSeek's YaRN mscale pair: the rotated vectors are scaled by
   mscale(factor, mscale) / mscale(factor, mscale_all_dim), the softmax by mscale(factor, mscale_all_dim)²."""
-  params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+  field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"  # transformers' precedence
+  params = dict(hf.get(field) or {})
   mscale, all_dim = params.pop("mscale", None), params.pop("mscale_all_dim", None)
   keys = rope_keys({**hf, "rope_parameters": params, "rope_scaling": None})
   keys["rope_interleaved"] = bool(hf.get("rope_interleave", True))  # V2 always rotates adjacent pairs

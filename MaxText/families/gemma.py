@@ -31,8 +31,13 @@ _TANH_GELU = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 
 
 def _activation(hf: Mapping[str, Any]) -> None:
-  key = "hidden_activation" if hf.get("hidden_activation") else "hidden_act"
-  r.require_hf(hf, key, _TANH_GELU, "gelu_pytorch_tanh")
+  """Gemma 2 and 3's MLP runs hidden_activation (hidden_act is not read). Gemma 1's runs hidden_act in transformers 5
+  and hidden_activation in 4, so both must be the tanh GELU; its releases' hidden_act "gelu" is read as that."""
+  if hf.get("model_type") == "gemma":
+    r.require_hf(hf, "hidden_act", (*_TANH_GELU, "gelu"), "gelu_pytorch_tanh")
+    r.require_hf(hf, "hidden_activation", (*_TANH_GELU, None), None)
+  else:
+    r.require_hf(hf, "hidden_activation", _TANH_GELU, "gelu_pytorch_tanh")
 
 
 # What transformers' Gemma configs take for a field config.json leaves out (the published Gemma 3 image-text
@@ -117,13 +122,19 @@ def gemma3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
     period = int(hf.get("sliding_window_pattern") or 6)
     hf = {**hf, "layer_types": ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
                                 for i in range(hf["num_hidden_layers"])]}
-  keys = gemma2_model_keys({**hf, "rope_parameters": global_rope, "rope_scaling": None}, _GEMMA3_DEFAULTS)
+  # transformers' Gemma 3 attention takes no soft cap: a config's attn_logit_softcapping is not applied
+  r.require_hf(hf, "attn_logit_softcapping", (None,))
+  # nested RoPE: transformers applies no top-level original_max_position_embeddings to it
+  keys = gemma2_model_keys({**hf, "rope_parameters": global_rope, "rope_scaling": None,
+                            "original_max_position_embeddings": None}, _GEMMA3_DEFAULTS)
   r.require_hf(local_rope, "rope_type", ("default",), "default")
   keys.update(decoder_block="gemma3", use_qk_norm=True, rope_local_max_timescale=float(local_rope["rope_theta"]))
   return keys
 
 
 def gemma3_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+  require(not cfg.attn.attn_logits_soft_cap, f"attn_logits_soft_cap={cfg.attn.attn_logits_soft_cap} cannot be written "
+          "as an HF Gemma 3 model: transformers' Gemma 3 attention applies no soft cap")
   return {**gemma2_hf_config(cfg), "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
           "rope_parameters": layer_type_rope_hf_config(cfg.rope)}
 

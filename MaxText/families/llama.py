@@ -12,6 +12,7 @@ layout our default uses; with rope_interleaved the q/k kernels are permuted.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 from MaxText.configuration.model_config import ModelConfig, RopeConfig
@@ -65,10 +66,15 @@ def llama_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
 
 
 def rope_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
-  """RoPE keys from either the transformers>=5 `rope_parameters` or the older `rope_theta`/`rope_scaling`."""
-  params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+  """RoPE keys from either the transformers>=5 `rope_parameters` or the older `rope_theta`/`rope_scaling`, read as
+  transformers reads them: `rope_scaling` over `rope_parameters` where both are set, and a top-level
+  original_max_position_embeddings over the one inside them (its Phi-3 rule, applied as the model is built)."""
+  field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+  params = dict(hf.get(field) or {})
   theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
   rope_type = params.get("rope_type", params.get("type", "default"))
+  if rope_type in ("llama3", "yarn") and hf.get("original_max_position_embeddings") is not None:
+    params["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
   keys: dict[str, Any] = {"rope_max_timescale": float(theta), "rope_type": "default"}
   if rope_type == "llama3":
     keys.update(rope_type="llama3", rope_scaling_factor=float(params["factor"]),
@@ -78,28 +84,37 @@ def rope_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   elif rope_type == "linear":
     keys.update(rope_type="linear", rope_scaling_factor=float(params["factor"]))
   elif rope_type == "yarn":
-    if params.get("mscale") or params.get("mscale_all_dim"):
-      raise ConfigError("HF yarn rope with mscale/mscale_all_dim is not supported yet (DeepSeek's form)")
     original = params.get("original_max_position_embeddings") or hf["max_position_embeddings"]
-    keys.update(rope_type="yarn", rope_scaling_factor=float(params.get("factor") or hf["max_position_embeddings"] / original),
-                rope_original_max_position=int(original),
+    factor = float(params.get("factor") or hf["max_position_embeddings"] / original)
+    attention_factor = params.get("attention_factor")
+    # transformers' YaRN takes mscale / mscale_all_dim only as this ratio, and only when both are set
+    # (DeepSeek's softmax correction from mscale_all_dim is its own, families/deepseek.py).
+    if attention_factor is None and params.get("mscale") and params.get("mscale_all_dim"):
+      attention_factor = _yarn_mscale(factor, params["mscale"]) / _yarn_mscale(factor, params["mscale_all_dim"])
+    keys.update(rope_type="yarn", rope_scaling_factor=factor, rope_original_max_position=int(original),
                 rope_yarn_beta_fast=float(params.get("beta_fast") or 32.0),
                 rope_yarn_beta_slow=float(params.get("beta_slow") or 1.0),
                 rope_yarn_truncate=bool(params.get("truncate", True)),
-                rope_attention_factor=float(params.get("attention_factor") or 0.0))
+                rope_attention_factor=float(attention_factor or 0.0))
   elif rope_type != "default":
-    raise ConfigError(f"HF rope type {rope_type!r} is not supported (supported: default, llama3, linear, yarn)")
+    raise ConfigError(f"HF config {field} rope_type={rope_type!r} is not supported (supported: default, llama3, "
+                      "linear, yarn)")
   return keys
 
 
-def layer_type_ropes(hf: Mapping[str, Any], default_theta: float, legacy_local_theta: float
+def _yarn_mscale(factor: float, mscale: float) -> float:
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def layer_type_ropes(hf: Mapping[str, Any], default_theta: float, legacy_local_theta: float | None
                      ) -> tuple[dict[str, Any], dict[str, Any]]:
   """(full-attention RoPE, sliding-attention RoPE) of a family with one RoPE per layer type (Gemma 3, OLMo 3):
   transformers >= 5's `rope_parameters` by layer type, or the older `rope_theta` / `rope_scaling` (scaling the
-  full-attention layers only) with the local layers' base `legacy_local_theta`."""
+  full-attention layers only) with the local layers' base `legacy_local_theta` (None: left unstated)."""
   params = hf.get("rope_parameters") or {}
-  if "full_attention" in params:
-    return dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
+  if "full_attention" in params:  # a rope_scaling beside them still scales the full-attention layers, as in transformers
+    return ({**params["full_attention"], **(hf.get("rope_scaling") or {})},
+            dict(params.get("sliding_attention") or {}))
   return ({**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", default_theta)},
           {"rope_theta": legacy_local_theta})
 

@@ -104,7 +104,7 @@ def _no_rope_layers(hf: Mapping[str, Any]) -> list[int]:
 
 # What transformers' Llama4TextConfig takes for a shape field config.json (or its text_config) leaves out:
 # fixed numbers, not derived from the query heads and width as shape_keys would.
-_LLAMA4_TEXT_DEFAULTS = {"num_key_value_heads": 8, "head_dim": 128}
+_LLAMA4_TEXT_DEFAULTS = {"num_key_value_heads": 8, "head_dim": 128, "rope_theta": 500_000.0}
 
 
 def llama4_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:

@@ -60,9 +60,18 @@ def olmo2_hf_config(cfg: ModelConfig) -> dict[str, Any]:
 
 def olmo3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   hf = {**_OLMO3_DEFAULTS, **hf}
-  global_rope, local_rope = layer_type_ropes(hf, 500_000.0, hf.get("rope_theta", 500_000.0))
+  global_rope, local_rope = layer_type_ropes(hf, 500_000.0, None)
+  global_rope.setdefault("rope_theta", hf.get("rope_theta", 500_000.0))
+  if local_rope.get("rope_theta") is None:  # transformers reads an unstated sliding-layer base as its default
+    if float(global_rope["rope_theta"]) != 500_000.0:
+      raise ConfigError(f"HF olmo3 config rope_theta={global_rope['rope_theta']!r} with no rope_parameters."
+                        "sliding_attention.rope_theta is not supported: transformers gives the sliding layers base "
+                        "500000 there, not rope_theta; state both layer types' rope_parameters")
+    local_rope["rope_theta"] = 500_000.0
   r.require_hf(local_rope, "rope_type", ("default",), "default")
-  keys = olmo2_model_keys({**hf, "rope_parameters": global_rope, "rope_scaling": None})
+  # nested RoPE: transformers applies no top-level original_max_position_embeddings to it
+  keys = olmo2_model_keys({**hf, "rope_parameters": global_rope, "rope_scaling": None,
+                           "original_max_position_embeddings": None})
   num_layers = hf["num_hidden_layers"]
   layer_types = hf.get("layer_types") or ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
                                           for i in range(num_layers)]

@@ -189,11 +189,16 @@ def hybrid_model_keys(hf: Mapping[str, Any], converter: str) -> dict[str, Any]:
   """The keys every Qwen3-Next-style hybrid shares: shapes, gated full attention with partial RoPE, Gated DeltaNet."""
   r.require_hf(hf, "hidden_act", ("silu",), "silu")
   r.require_hf(hf, "attention_bias", (False,), False)
-  params = dict(hf.get("rope_parameters") or {})
-  r.require_hf(params, "rope_type", ("default",), "default")
+  field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"  # transformers' precedence
+  params = dict(hf.get(field) or {})
+  rope_type = params.get("rope_type", params.get("type", "default"))
+  if rope_type != "default":
+    raise ConfigError(f"HF config {field} rope_type={rope_type!r} is not supported by the {converter} converter "
+                      "(supported: 'default')")
   return {"decoder_block": converter, **shape_keys(hf),
           "rope_max_timescale": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
-          "partial_rotary_factor": float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
+          # transformers' default for these configs is a quarter, not the whole head
+          "partial_rotary_factor": float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))),
           "mlp_activations": ["silu", "linear"], "normalization_type": "rms_plus_one", "use_qk_norm": True,
           "attention_output_gate": True, "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
           "full_attention_interval": full_attention_interval(hf, converter),
