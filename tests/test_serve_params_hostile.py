@@ -18,6 +18,7 @@ from MaxText.inference import job_events
 from MaxText.inference import openai_api as api
 from MaxText.inference import serve_routes
 from MaxText.inference.row_params import RowParams
+from tests.inference.test_tool_calls import _Job, _Server
 
 LIMITS = api.Limits("tiny", 272, 32, 48, 16, 8)
 CODEC = api.Codec(encode=lambda text: [5, 6, 7], decode=lambda ids: "x", chat=lambda messages: [5, 6, 7])
@@ -47,22 +48,6 @@ def spm_codec() -> api.Codec:
                                  model_type="bpe", minloglevel=2)
   sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
   return api.Codec(encode=sp.EncodeAsIds, decode=sp.DecodeIds, chat=lambda messages: sp.EncodeAsIds("hello"))
-
-
-class _Job:
-  def cancel(self) -> None:
-    pass
-
-
-class _Server:
-  class limits:
-    model_name = "tiny"
-
-  def __init__(self, codec: api.Codec):
-    self.codec = codec
-
-  def token_text(self, token: int) -> str:
-    return self.codec.decode([token])
 
 
 def _events(tokens: list[int]) -> list[job_events.Event]:

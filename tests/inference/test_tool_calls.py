@@ -119,10 +119,17 @@ class _Job:
 
 
 class _Server:
+  """What the routes read of a server (tests/test_serve_params_hostile.py serves its own codec through it)."""
+
   class limits:
     model_name = "tiny"
 
-  codec = api.Codec(encode=lambda t: [5], decode=lambda ids: "".join(chr(i) for i in ids), chat=lambda m: [5])
+  def __init__(self, codec: api.Codec | None = None):
+    self.codec = codec or api.Codec(encode=lambda t: [5], decode=lambda ids: "".join(chr(i) for i in ids),
+                                    chat=lambda m: [5])
+
+  def token_text(self, token: int) -> str:
+    return self.codec.decode([token])
 
 
 def _streamed(text: str, reason: str = "stop") -> list[dict]:
