@@ -122,6 +122,8 @@ def report(config: config_lib.Config, topology: accelerators.TpuTopology | None,
   cycles = estimated_cycles(hlo_text) if topology is not None else None
   if cycles is None or topology is None:
     print("compiler estimate of step time: not available for this platform")
+  elif cycles == 0:  # estimates present but none on the instructions one execution runs: no time to divide by
+    print("compiler estimate of step time: not available (the compiled step's cycle estimates add up to 0)")
   else:
     gen = topology.generation
     seconds = cycles / (gen.clock_ghz * 1e9)

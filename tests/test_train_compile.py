@@ -171,6 +171,23 @@ def test_a_tpu7x_host_memory_line_counts_per_tensorcore():
   assert "per chip" not in message
 
 
+def test_a_compile_whose_cycle_estimates_add_up_to_0_reports_no_step_time(capsys):
+  """A step whose instructions carry estimated_cycles that sum to 0 for one execution (or sit outside its
+  ENTRY) was a ZeroDivisionError after the memory report; now a line that says there is no estimate."""
+  import types
+
+  analysis = types.SimpleNamespace(argument_size_in_bytes=1, output_size_in_bytes=1, alias_size_in_bytes=0,
+                                   temp_size_in_bytes=1, generated_code_size_in_bytes=1)
+  config = Config.for_testing(**TPU_TINY)
+  for text in ('ENTRY %main {\n  ROOT %x = f32[] constant(0), backend_config={"estimated_cycles":"0"}\n}',
+               'HloModule m, backend_config={"estimated_cycles":"7"}'):
+    compiled = types.SimpleNamespace(memory_analysis=lambda: analysis, as_text=lambda text=text: text)
+    train_compile.report(config, accelerators.tpu_topology("v5e-4"), compiled)
+    out = capsys.readouterr().out
+    assert "compiler estimate of step time: not available (the compiled step's cycle estimates add up to 0)" in out
+    assert "implied MFU" not in out
+
+
 def test_compiles_for_one_v5e_256_slice(capsys):
   assert train_compile.main(argv(compile_topology="v5e-256", **TPU_TINY)) == 0
   out = capsys.readouterr().out
