@@ -425,8 +425,9 @@ def _children(pid: int) -> list[int]:
 
 def shrink_and_grow_back(command: list[str], tmp_path: Path, env: dict[str, str], victim: int):
   """Runs `command` (MaxText.train's) as `python3 -m MaxText.elastic` on 4 slices of 2 CPU devices
-  (run folder tmp_path/elastic, logs in tmp_path/logs, the persistent tier every 6 steps, the local
-  tier every step); SIGKILLs process `victim` after step 4 and brings its slice back once the
+  (run folder tmp_path/elastic, logs in tmp_path/logs, the persistent tier at the last step only, the
+  local tier every step, so every resize resumes from the local tier: a stop on a persistent step restores
+  the persistent copy, as Checkpoints.md says); SIGKILLs process `victim` after step 4 and brings its slice back once the
   shrunk job has logged its first new step (the supervisor then records how long the shrink took
   to resume), pausing that job until the supervisor has seen the slice back, so both resizes meet
   a job that is training. Returns the supervisor's CompletedProcess."""
@@ -437,7 +438,7 @@ def shrink_and_grow_back(command: list[str], tmp_path: Path, env: dict[str, str]
   from tests.conftest import REPO_ROOT
 
   run_dir, logs = tmp_path / "elastic", tmp_path / "logs"
-  tiers = ["checkpoint_period=6", "enable_emergency_checkpoint=True", f"local_checkpoint_directory={tmp_path / 'local'}",
+  tiers = [f"checkpoint_period={_LOOPBACK_STEPS}", "enable_emergency_checkpoint=True", f"local_checkpoint_directory={tmp_path / 'local'}",
            "local_checkpoint_period=1"]
   args = [sys.executable, "-m", "MaxText.elastic", *command[3:], "run_name=elastic", "num_slices=4", *tiers,
           "devices_per_process=2", f"log_dir={logs}"]
@@ -494,7 +495,7 @@ def test_a_killed_process_shrinks_the_loopback_job_and_its_return_grows_it_back(
   records = [json.loads(line) for line in (run_dir / elastic.EVENTS_FILE).read_text().splitlines()]
   lost, grown = [r for r in records if "seconds_to_resume" in r]
   assert (lost["cause"], lost["from_slices"], lost["to_slices"]) == ("process 1 (slice 1) was killed by signal 9", 4, 2)
-  # The survivors restored their own local steps (the persistent tier had none yet), slice 2's from
+  # The survivors restored their own local steps (the persistent tier has none before the last), slice 2's from
   # the folder it wrote as process 2 (each simulated host has its own local folder), so at most
   # the step in flight was redone.
   assert lost["resumed_source"].startswith("the local tier") and lost["resumed_from"] >= 3, lost
