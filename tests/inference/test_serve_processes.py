@@ -115,6 +115,18 @@ def tokenizer(tmp_path_factory) -> Path:
   return write_tokenizer(tmp_path_factory.mktemp("split") / "tok", without_markers(CHATML))
 
 
+@pytest.fixture(scope="module")
+def endless_tokenizer(tmp_path_factory) -> Path:
+  """The tokenizer without an end-of-sequence token: a long stream of the random model ends only by its length or
+  its client leaving (with one, the model sampled it within a few hundred tokens on some runs, before a dropped
+  stream was noticed or an adapter's removal was tried)."""
+  tokenizer = write_tokenizer(tmp_path_factory.mktemp("endless") / "tok", without_markers(CHATML))
+  config = json.loads((tokenizer / "tokenizer_config.json").read_text())
+  del config["eos_token"]
+  (tokenizer / "tokenizer_config.json").write_text(json.dumps(config))
+  return tokenizer
+
+
 def test_the_front_end_loads_no_jax_and_refusals_are_one_line(tokenizer):
   """What a front end imports and builds (the routes, the codec with its chat template and grammar compiler)
   leaves JAX out (its image code: test_serve_processes_shared.py); a negative key is refused by name."""
@@ -194,15 +206,10 @@ def test_greedy_text_equals_the_one_process_servers_and_sigterm_or_sigint_stops_
 
 
 @pytest.mark.slow  # a server with room for long streams
-def test_a_dropped_stream_frees_its_slot_a_full_queue_is_a_503_and_the_front_end_ends_with_the_engine(tmp_path):
-  # A stream far longer than the test (a dense cache of 32768 positions makes each step slower too), which
-  # only the client's leaving can end: its tokenizer names no end-of-sequence token (with one, the random
-  # model sampled it within a few hundred tokens on some runs, before the dropped stream was noticed).
-  tokenizer = write_tokenizer(tmp_path / "tok", without_markers(CHATML))
-  config = json.loads((tokenizer / "tokenizer_config.json").read_text())
-  del config["eos_token"]
-  (tokenizer / "tokenizer_config.json").write_text(json.dumps(config))
-  server = CliServer(tokenizer, 1, max_target_length=32768, max_prefill_predict_length=32, serve_max_tokens=32000,
+def test_a_dropped_stream_frees_its_slot_a_full_queue_is_a_503_and_the_front_end_ends_with_the_engine(
+    endless_tokenizer):
+  # A stream far longer than the test (a dense cache of 32768 positions makes each step slower too).
+  server = CliServer(endless_tokenizer, 1, max_target_length=32768, max_prefill_predict_length=32, serve_max_tokens=32000,
                      serve_max_slots=1, serve_max_queue=0)
   try:
     with httpx.Client(timeout=60) as http:
@@ -610,7 +617,7 @@ def test_a_front_end_sends_the_adapter_and_maps_the_engines_adapter_answers():
 
 
 @pytest.mark.slow  # two servers with LoRA adapter tables (JAX start-up and compiles each)
-def test_lora_adapters_through_two_front_ends_answer_as_the_one_process_server(tokenizer, tmp_path):
+def test_lora_adapters_through_two_front_ends_answer_as_the_one_process_server(endless_tokenizer, tmp_path):
   """Two front ends: a request per adapter (the start-up ones and one added while serving) gets the one-process
   server's greedy text; an adapter added through one front end is listed and usable through the other (the
   other stopped with SIGSTOP while one answers: both accept on the one socket), 409 to remove while a stream
@@ -633,7 +640,7 @@ def test_lora_adapters_through_two_front_ends_answer_as_the_one_process_server(t
     return [post(server, "/v1/completions", {"model": pick, "prompt": p, "max_tokens": 8, "temperature": 0}
                  ).json()["choices"][0]["text"] for pick in ("tiny", "alpha", "beta", "kappa") for p in PROMPTS[:2]]
 
-  one = CliServer(tokenizer, 0, **keys)
+  one = CliServer(endless_tokenizer, 0, **keys)
   try:
     assert post(one, "/v1/admin/lora_adapters", kappa).status_code == 200
     expected = texts(one)
@@ -642,7 +649,7 @@ def test_lora_adapters_through_two_front_ends_answer_as_the_one_process_server(t
     one.stop()
   assert len(set(expected)) > 2  # the adapters change the text
 
-  server = CliServer(tokenizer, 2, **keys)
+  server = CliServer(endless_tokenizer, 2, **keys)
   first, second = server.front_ends()
   try:
     models = httpx.get(f"{server.url}/v1/models", headers=auth, timeout=60).json()["data"]
