@@ -319,10 +319,10 @@ def usable_paths(args: PlanArgs) -> Path:
 
 def model_shape(config: config_lib.Config) -> plan_model.ModelShape:
   """The trained model's shape, with the teacher its objective runs beside it (none, or a distillation
-  teacher configured as the objective reads it)."""
+  teacher configured as the objective reads it) and the image views a row's vision tower encodes."""
   teachers = tuple(plan_model.Teacher(plan_model.ModelShape.of(run.cfg, None), run.held_bytes_per_token,
                                       run.per_micro_batch) for run in distill.teacher_runs(config))
-  return plan_model.ModelShape.of(config.model, config.optim, teachers)
+  return plan_model.ModelShape.of(config.model, config.optim, teachers, config.data.max_images_per_row)
 
 
 def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_lib.Config,

@@ -154,14 +154,12 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None, argv:
   if note:
     log(note)
 
-  flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size,
-                                           config.data.max_target_length, passes=run.objective.passes_per_row,
-                                           forward_only=run.objective.forward_only_models,
-                                           images_per_row=config.data.max_images_per_row)
+  flops = metrics.objective_tflops_per_step(config, run.objective)
   peak, peak_source = accelerators.peak_tflops_per_device(target, config.run.cpu_peak_tflops)
   batch = metrics.batch_words(config.data.global_batch_size, config.data.max_target_length,
                               config.data.max_images_per_row)
-  log(f"per step: {flops.total_tflops:.4f} model TFLOPs ({batch}); peak {peak:.3f} TFLOP/s/device ({peak_source})")
+  peak_text = f"peak {peak:.3f} TFLOP/s/device ({peak_source})" if peak == peak else peak_source  # nan: unknown
+  log(f"per step: {flops.total_tflops:.4f} model TFLOPs ({batch}); {peak_text}")
   log(f"outputs: {run_dir}")
 
   start_step = int(start.state.step)

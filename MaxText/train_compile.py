@@ -34,7 +34,6 @@ from MaxText.training import compiled_step
 from MaxText.training import lora, metrics, run_assembly
 from MaxText.platform import accelerators
 from MaxText.configuration import config as config_lib
-from MaxText.configuration.model_config import ModelConfig
 from MaxText.aot.hlo_cycles import estimated_cycles, uncosted_kernel_calls
 from MaxText.aot.step_time import report as step_report
 from MaxText.aot.step_time import saved as saved_step
@@ -98,22 +97,20 @@ def compile_or_explain(step_fn: Any, inputs: run_assembly.StepInputs, topology: 
 
 
 def report(config: config_lib.Config, topology: accelerators.TpuTopology | None, compiled: Any,
-           report_dir: str | None = None, passes_per_row: int = 3,
-           target: saved_step.StepTarget | None = None, forward_only: Sequence[ModelConfig] = ()) -> MemoryReport:
-  """Prints memory per device, FLOPs (`passes_per_row`: the objective's, see metrics.training_tflops_per_step),
-  the compiler's step-time estimate and, given the step's `target`, the step-time model's prediction;
-  `forward_only`: the objective's other models run forward (a distillation teacher)."""
+           report_dir: str | None = None, objective: metrics.CountedObjective | None = None,
+           target: saved_step.StepTarget | None = None) -> MemoryReport:
+  """Prints memory per device, FLOPs (`objective`'s, see metrics.objective_tflops_per_step; None: language
+  modelling), the compiler's step-time estimate and, given the step's `target`, the step-time model's prediction."""
   memory = MemoryReport.from_compiled(compiled, read_buffer_assignment(report_dir))
   print("memory per device (XLA memory analysis of the compiled step):")
   print("\n".join(memory.lines(topology.generation.device_unit if topology is not None else "chip")))
   if topology is not None:
     gen = topology.generation
     print(f"  HBM per {gen.name} {gen.device_unit} {gen.hbm_gib:g} GiB: {memory.total / (gen.hbm_gib * GIB):.1%} used")
-  flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size,
-                                           config.data.max_target_length, passes=passes_per_row,
-                                           forward_only=forward_only,
-                                           images_per_row=config.data.max_images_per_row)
-  num_devices = config.target.num_devices
+  flops = metrics.objective_tflops_per_step(config, objective) if objective is not None else \
+      metrics.training_tflops_per_step(config.model, config.data.global_batch_size, config.data.max_target_length,
+                                       images_per_row=config.data.max_images_per_row)
+  num_devices = config.mesh.num_devices  # the training mesh's (a rollout mesh's devices run no step)
   batch = metrics.batch_words(config.data.global_batch_size, config.data.max_target_length,
                               config.data.max_images_per_row)
   print(f"model FLOPs per step: {flops.total_tflops:,.4g} TFLOP ({flops.total_tflops / num_devices:,.4g} per device; "
@@ -216,8 +213,7 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
     compiled = compile_or_explain(run.train_step, inputs, topology, options, offload_of(config))
   print(f"compiled in {time.perf_counter() - start:.1f} s")
   target = step_target(config, topology, run) if topology is not None else None
-  memory = report(config, topology, compiled, report_dir, run.objective.passes_per_row, target,
-                  run.objective.forward_only_models)
+  memory = report(config, topology, compiled, report_dir, run.objective, target)
   parts = state_bytes_per_chip(inputs.state)
   state_parts = describe_state(parts, topology.generation.device_unit if topology is not None else "chip")
   if any(name not in ("parameters", "optimizer state") for name, _ in parts):  # the objective's own (a teacher)
@@ -252,11 +248,8 @@ def _compile_and_report(argv: list[str], report_dir: str | None) -> int:
 def step_target(config: config_lib.Config, topology: accelerators.TpuTopology,
                 run: run_assembly.Run) -> saved_step.StepTarget:
   """Where the step runs, for the step-time model: every device's torus coordinates, the mesh, the model FLOPs."""
-  flops = metrics.training_tflops_per_step(config.model, config.data.global_batch_size,
-                                           config.data.max_target_length, passes=run.objective.passes_per_row,
-                                           forward_only=run.objective.forward_only_models,
-                                           images_per_row=config.data.max_images_per_row)
-  num_devices = config.target.num_devices
+  flops = metrics.objective_tflops_per_step(config, run.objective)
+  num_devices = config.mesh.num_devices  # the training mesh's (a rollout mesh's devices run no step)
   return saved_step.StepTarget.from_devices(topology, config.mesh.num_slices, list(run.mesh.devices.flat),
                                             dict(run.mesh.shape), flops.total_tflops / num_devices,
                                             flops.attention_tflops / num_devices)

@@ -124,10 +124,44 @@ def test_sparse_attention_counts_each_querys_chosen_keys_and_its_indexer():
   trained = metrics.training_tflops_per_step(Config.for_testing(**DSA, index_topk=topk,
                                                                indexer_loss_scaling_factor=1.0).model, BATCH, LENGTH)
   assert math.isclose(frozen.weight_tflops - dense.weight_tflops, BATCH * projections / 1e12)
-  assert math.isclose(trained.weight_tflops - dense.weight_tflops, 3 * BATCH * projections / 1e12)
+  # Trained: the projections' forward and weight gradient (their inputs are detached), the scores' three passes.
+  assert math.isclose(trained.weight_tflops - dense.weight_tflops, 2 * BATCH * projections / 1e12)
   _, sparse_attention = metrics.forward_flops_per_sequence(config, LENGTH)
   assert math.isclose(frozen.attention_tflops, BATCH * (3 * sparse_attention + index_scores) / 1e12)
   assert math.isclose(trained.attention_tflops, 3 * BATCH * (sparse_attention + index_scores) / 1e12)
+
+
+def test_the_indexer_runs_forward_once_a_sequence_and_backward_only_where_the_loss_trains_it(tiny_overrides):
+  """DPO's 8 passes a row are 2 trained sequences and 2 reference forwards, but the detached indexer was counted
+  at passes / 3 (8/3 forwards, not 4), and GRPO's likewise; and only the language-model loss adds the indexer's
+  KL, so DPO and GRPO run no indexer backward whatever indexer_loss_scaling_factor says."""
+  from types import SimpleNamespace
+
+  from MaxText.training.objectives import Grpo, LanguageModel, Preference
+  from tests.test_grpo import GRPO
+
+  keeps_reference = SimpleNamespace(frozen_gives_base_model=False)
+  rl = Config.for_testing(**{**tiny_overrides, **GRPO, "grpo_beta": 0.1, "grpo_num_iterations": 2}).rl
+  # No model: the FLOPs count reads the objectives' passes alone.
+  objectives = {"lm": LanguageModel(None, 0.0),  # type: ignore[arg-type]
+                "dpo": Preference(None, keeps_reference, 0.1, 0.0),  # type: ignore[arg-type]
+                "grpo": Grpo(None, keeps_reference, rl)}  # type: ignore[arg-type]
+  assert (objectives["grpo"].passes_per_row, objectives["grpo"].trained_per_row) == (2 * 3 + 2, 2)  # π_old, π_ref
+
+  def indexer_passes(objective, **overrides) -> tuple[float, float]:
+    config = Config.for_testing(**DSA, index_topk=48, **overrides)
+    step = metrics.objective_tflops_per_step(config, objective)
+    weights, attention = metrics.forward_flops_per_sequence(config.model, LENGTH)
+    projections, scores = metrics.indexer_flops_per_sequence(config.model, LENGTH)
+    rows, passes = config.data.global_batch_size, objective.passes_per_row
+    return (round((step.weight_tflops * 1e12 / rows - passes * weights) / projections, 6),
+            round((step.attention_tflops * 1e12 / rows - passes * attention) / scores, 6))
+
+  trained = dict(indexer_loss_scaling_factor=1.0)
+  assert indexer_passes(objectives["lm"]) == (1, 1)
+  assert indexer_passes(objectives["lm"], **trained) == (2, 3)
+  for name in ("dpo", "grpo"):  # four sequences a row through the policy and its reference, forward only
+    assert indexer_passes(objectives[name]) == indexer_passes(objectives[name], **trained) == (4, 4), name
 
 
 def test_window_flops_unmasked_match_xla_cost_analysis():

@@ -122,6 +122,21 @@ def test_published_peak_by_device_kind(kind, peak):
   assert accelerators.known_peak_tflops(kind) == peak
 
 
+@pytest.mark.parametrize("kind, generation", [
+    ("TPU v4", "v4"), ("TPU v5 lite", "v5e"), ("TPU v5e", "v5e"), ("TPU v5", "v5p"), ("TPU v5p", "v5p"),
+    ("TPU v6 lite", "v6e"), ("TPU v6e", "v6e"), ("TPU7x", "tpu7x"),
+    ("TPU v4 lite", None),  # v4i, an inference chip: was read as v4 by prefix (its peak, memory and torus)
+    ("TPU v5 lite pod", None), ("TPU7", None), ("TPU v3", None), ("TPU v40", None), ("TPU8i", None),
+])
+def test_a_tpu_generation_is_matched_by_the_whole_device_kind(kind, generation):
+  """JAX's device kinds (jax.experimental.pallas.tpu's chip_version_from_device_kind lists them) name one chip each;
+  a longer kind that starts with a known one is another chip, not it."""
+  found = accelerators.tpu_generation_of(kind)
+  assert (found.name if found else None) == generation
+  if generation is None:
+    assert accelerators.known_peak_tflops(kind) is None
+
+
 def test_a_forward_only_sparse_attention_model_counts_its_indexer():
   """A DeepSeek-V3.2 teacher (forward_only) runs its lightning indexer to choose its keys: it was left out."""
   from tests.test_flops import DSA

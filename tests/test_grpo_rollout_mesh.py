@@ -490,3 +490,25 @@ def test_train_compile_compiles_both_sides_on_a_pod_of_several_hosts(tiny_overri
   assert "32 devices, TPU v5; 24 train, the last 8 roll out" in out and "mesh: data=3, fsdp=8" in out
   assert "rollout mesh: 8 devices, data 8 x tensor 1" in out and "rollout side fits: " in out
   assert "across 8 hosts: each sync first reshards on the training chips to the rollout layout" in out
+
+
+def test_throughput_and_mfu_are_per_device_of_the_training_mesh(tiny_overrides):
+  """The step's model FLOPs (the updates, π_old and π_ref, a teacher: none of the rollouts' decoding) run on the
+  training mesh, but TFLOP/s per device, tokens/s per device and MFU divided them among every device, the
+  rollout mesh's included (Config.target's count): half the training mesh's figures with half rolling out."""
+  from MaxText.training import metrics
+  from MaxText.training.trainer import Trainer
+
+  config = _config(tiny_overrides, rl_rollout_devices=4, per_device_batch_size=2, steps=2)
+  assert (config.mesh.num_devices, config.target.num_devices) == (4, 8)
+
+  def step(state, batch, rng):
+    return state, {"loss": jnp.asarray(1.0), "grad_norm": jnp.asarray(1.0), "num_tokens": jnp.asarray(8.0)}
+
+  flops = metrics.StepFlops(1.0, 0.0, 1.0)
+  record = Trainer(config, step, iter(range(4)), jax.random.key(0), flops, 2.0).run(None).last  # type: ignore[arg-type]
+  assert record is not None
+  s = record.scalars
+  assert s["tflops_per_s_per_device"] * s["step_seconds"] == pytest.approx(1.0 / 4)
+  assert s["tokens_per_s_per_device"] * s["step_seconds"] == pytest.approx(8.0 / 4)
+  assert s["mfu"] == pytest.approx(s["tflops_per_s_per_device"] / 2.0)

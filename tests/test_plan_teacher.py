@@ -1,6 +1,7 @@
 """The planner's analytical model with a distillation teacher (plan.model_shape, plan_model.estimate):
 its sharded weights and kept log-probs in the memory per chip, its forward FLOPs in the step, and a
-teacher too large to fit named in the planner's answer. No compiles."""
+teacher too large to fit named in the planner's answer; an image-text model's vision tower FLOPs in the
+step. No compiles."""
 
 from types import SimpleNamespace
 
@@ -81,3 +82,20 @@ def test_a_teacher_too_large_to_fit_is_named(tmp_path, monkeypatch):
                                       r"parameters [\d.]+ \+ optimizer"):
     plan.main(argv(compile_topology="v5e-4", **STUDENT, objective="distill", distill_teacher_path=tmp_path,
                    distill_teacher_model_name="default", distill_teacher_overrides=big, cache_dir=tmp_path / "cache"))
+
+
+def test_an_image_text_models_vision_tower_is_in_the_steps_flops():
+  """The planner's compute left out the views a row's vision tower encodes (max_images_per_row), which train_compile
+  and the training metrics count (metrics.vision_tower_flops): a vision-language step was priced as its text alone."""
+  from tests.test_flops_hostile import GEMMA3_VISION
+  vision = {k: v for k, v in GEMMA3_VISION.items() if k not in ("vocab_size", "base_emb_dim", "print_config")}
+  sft = dict(objective="sft", dataset_type="hf", hf_path="x", tokenizer_type="huggingface", tokenizer_path="t",
+             eval_interval=-1, **vision)
+  _, text = estimate(**sft)
+  model, images = estimate(**sft, max_images_per_row=2)
+  assert model.images_per_row == 2
+  weights, scores = metrics.vision_tower_flops(model.cfg)
+  # 4 rows a chip, 2 views each, at forward + backward (the tower trains).
+  assert images.flops - text.flops == pytest.approx(4 * 2 * (weights + scores), rel=1e-9)
+  peak = accelerators.TPU_GENERATIONS["v5e"].peak_tflops * 1e12
+  assert (images.compute_s - text.compute_s) * peak == pytest.approx(images.flops - text.flops, rel=1e-6)

@@ -144,9 +144,11 @@ class ModelShape:
   layer_params: int  # in one decoder layer (what FSDP gathers per layer)
   teachers: tuple["Teacher", ...] = ()  # models the objective runs forward-only beside this one
   layer_tensors: int = 1  # weight arrays of one decoder layer: FSDP gathers and reduces each on its own
+  images_per_row: int = 0  # views a row's vision tower encodes (max_images_per_row): their FLOPs are in the step
 
   @classmethod
-  def of(cls, cfg: ModelConfig, optim_cfg: OptimConfig | None, teachers: tuple["Teacher", ...] = ()) -> "ModelShape":
+  def of(cls, cfg: ModelConfig, optim_cfg: OptimConfig | None, teachers: tuple["Teacher", ...] = (),
+         images_per_row: int = 0) -> "ModelShape":
     """The shape of `cfg`'s model, trained with `optim_cfg` (None: frozen, no optimizer state)."""
     from MaxText import models  # noqa: PLC0415  (flax; only the planner needs it here)
     spec = models.build_model_spec(cfg)
@@ -167,7 +169,7 @@ class ModelShape:
     if not stacked and unrolled:  # an unrolled stack (scan_layers=False, Gemma 4's): the largest layer is gathered
       layer_params = max(size for size, _ in unrolled.values())
       layer_tensors = max(1, round(sum(count for _, count in unrolled.values()) / len(unrolled)))
-    return cls(cfg, leaves, opt_multiple, num_params, layer_params, teachers, layer_tensors)
+    return cls(cfg, leaves, opt_multiple, num_params, layer_params, teachers, layer_tensors, images_per_row)
 
 
 _UNROLLED_LAYER = re.compile(r"layers_(\d+)$")
@@ -309,7 +311,8 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   total = params + teacher_params + device_optimizer + held + weights_copy + accumulated
 
   flops = metrics.training_tflops_per_step(cfg, max(1, round(global_batch)), seq_len,
-                                           forward_only=tuple(t.shape.cfg for t in model.teachers))
+                                           forward_only=tuple(t.shape.cfg for t in model.teachers),
+                                           images_per_row=model.images_per_row)
   flops_per_chip = flops.total_tflops * 1e12 / chips
   # Rematerialisation re-runs the forward matmuls whose results it did not keep.
   recompute = plan_remat.rerun_flops(cfg, policy, seq_len) * global_batch / chips

@@ -114,6 +114,12 @@ class MeshConfig:
     dcn = dict(self.dcn)
     return tuple((axis, degree * dcn[axis]) for axis, degree in self.ici)
 
+  @property
+  def num_devices(self) -> int:
+    """The training mesh's devices: the target's, less a rollout mesh's (rl_rollout_devices), which
+    Config.target still counts. The step's FLOPs and tokens are per device of this mesh."""
+    return math.prod(degree for _, degree in self.shape)
+
   def batch_axes(self, rows: int, micro_batches: int = 1, pipeline_micro: int = 1) -> tuple[str, ...]:
     """The data_sharding axes a batch of `rows` rows, taken in `micro_batches` micro-batches of
     `pipeline_micro` pipeline microbatches each, is split over (batch_split.batch_axes): all of them

@@ -160,7 +160,7 @@ def peak_tflops_per_device(target: DeviceTarget, cpu_peak_tflops: float) -> tupl
     return per_device, f"measured: best 2048^3 float32 matmul at {host_rate:.3f} TFLOP/s per host"
   peak = known_peak_tflops(target.device_kind)
   if peak is None:
-    return float("nan"), f"unknown device kind {target.device_kind!r}: MFU not reported"
+    return float("nan"), f"no published peak for device kind {target.device_kind!r}: MFU not reported"
   return peak, f"published peak of {target.device_kind}"
 
 
@@ -227,11 +227,10 @@ TPU_GENERATIONS: dict[str, TpuGeneration] = {
 
 def tpu_generation_of(device_kind: str) -> TpuGeneration | None:
   """The TPU generation of a device as JAX names its kind ("TPU v5 lite": v5e, "TPU v5": v5p) or by its
-  slice name ("TPU v5e"); None for another."""
-  kind = device_kind.lower()
-  names = [(name, g) for g in TPU_GENERATIONS.values() for name in (g.device_kind.lower(), f"tpu {g.name}")]
-  matches = [(name, g) for name, g in names if kind.startswith(name)]
-  return max(matches, key=lambda m: len(m[0]), default=(None, None))[1]  # "tpu v5 lite" before "tpu v5"
+  slice name ("TPU v5e", "TPU v5p"); None for another. The whole name: "TPU v4 lite" (v4i) is no v4, and
+  "TPU7" no tpu7x."""
+  kind = " ".join(device_kind.lower().split())
+  return next((g for g in TPU_GENERATIONS.values() if kind in (g.device_kind.lower(), f"tpu {g.name}")), None)
 
 
 # 2D (v5e/v6e) slice shapes; a side of 16 is a full ring and wraps around.

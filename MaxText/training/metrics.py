@@ -18,8 +18,10 @@ multiply-add counts 2):
     outside the dense warm-up) attends each query's T chosen keys: T·L − T²/2 like a window of T.
   its lightning indexer (I heads of J), per layer: per token 2·(q_lora_rank·I·J + D·J + D·I) for
     its projections, per causal pair (L²/2) 2·I·(J + 1) for the scores and their weighted sum;
-    forward only (one third of a training pass's count) unless the indexer trains
-    (indexer_loss_scaling_factor > 0), whose KL target is not counted.
+    once forward per sequence the step runs (a frozen reference's too). Where the objective trains it
+    (the language-model loss with indexer_loss_scaling_factor > 0) each trained sequence adds the scores'
+    backward (2×) and the projections' weight gradient (1×: their inputs are detached); its KL target
+    is not counted.
 
   Gated DeltaNet layers (attention_type=gated_deltanet, or all but every k-th layer of a hybrid stack with
   full_attention_interval k > 1, which keeps the MoE MLP on every layer) attend no pairs; per token:
@@ -67,13 +69,16 @@ import json
 import math
 import sys
 import time
-from typing import Any, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from MaxText.paths import storage, storage_retry
 from MaxText.configuration import model_checks
 from MaxText.configuration.model_config import ModelConfig
+
+if TYPE_CHECKING:
+  from MaxText.configuration.config import Config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,16 +272,19 @@ def _differing_layers_flops(cfg: ModelConfig, length: int, causal: bool, experts
 
 
 def training_tflops_per_step(cfg: ModelConfig, global_batch: int, length: int, passes: int = 3,
-                             forward_only: Sequence[ModelConfig] = (), images_per_row: int = 0) -> StepFlops:
+                             forward_only: Sequence[ModelConfig] = (), images_per_row: int = 0,
+                             trained_per_row: int = 1, trains_indexer: bool = True) -> StepFlops:
   """`passes` forward passes' worth per batch row: forward + backward is 3 (language modelling);
-  an objective that runs more sequences per row says how many (objectives/base.Objective.passes_per_row).
+  an objective that runs more sequences per row says how many (objectives/base.Objective.passes_per_row),
+  `trained_per_row` of them with a backward (3 each), the rest forward only (a frozen reference's).
+  `trains_indexer`: the objective's loss adds the lightning indexer's KL (with indexer_loss_scaling_factor > 0).
   `forward_only`: other models run once forward per row (a distillation teacher: 2·N_teacher·tokens).
   `images_per_row`: the views a row's vision tower encodes (max_images_per_row: padding slots run too)."""
   weights, attention = forward_flops_per_sequence(cfg, length)
   index_weights, index_scores = indexer_flops_per_sequence(cfg, length)
-  index_passes = passes if cfg.mla.indexer_loss_scaling_factor > 0 else passes / 3  # detached: forward only
-  weight_tflops = global_batch * (passes * weights + index_passes * index_weights) / 1e12
-  attention_tflops = global_batch * (passes * attention + index_passes * index_scores) / 1e12
+  index_weight_passes, index_score_passes = indexer_passes(cfg, passes, trained_per_row, trains_indexer)
+  weight_tflops = global_batch * (passes * weights + index_weight_passes * index_weights) / 1e12
+  attention_tflops = global_batch * (passes * attention + index_score_passes * index_scores) / 1e12
   for other in forward_only:
     other_weights, other_attention = forward_flops_per_sequence(other, length)
     other_index_weights, other_index_scores = indexer_flops_per_sequence(other, length)  # a DSA model: its indexer too
@@ -287,6 +295,31 @@ def training_tflops_per_step(cfg: ModelConfig, global_batch: int, length: int, p
     weight_tflops += global_batch * images_per_row * tower_weights / 1e12
     attention_tflops += global_batch * images_per_row * tower_scores / 1e12
   return StepFlops(weight_tflops, attention_tflops, weight_tflops + attention_tflops)
+
+
+class CountedObjective(Protocol):
+  """What of an objective (objectives/base.Objective) the FLOPs count reads."""
+  passes_per_row: int
+  trained_per_row: int
+  trains_indexer: bool
+  forward_only_models: tuple[ModelConfig, ...]
+
+
+def objective_tflops_per_step(config: Config, objective: CountedObjective) -> StepFlops:
+  """training_tflops_per_step of a run's step: its batch, its objective's passes and models, its image views."""
+  return training_tflops_per_step(config.model, config.data.global_batch_size, config.data.max_target_length,
+                                  passes=objective.passes_per_row, forward_only=objective.forward_only_models,
+                                  images_per_row=config.data.max_images_per_row,
+                                  trained_per_row=objective.trained_per_row, trains_indexer=objective.trains_indexer)
+
+
+def indexer_passes(cfg: ModelConfig, passes: int, trained_per_row: int, trains_indexer: bool) -> tuple[int, int]:
+  """(projection passes, score passes) of the lightning indexer per row: a forward on every sequence the row
+  runs (passes less the trained sequences' backwards); a trained indexer's backward adds its scores' two passes
+  but its projections' weight gradient only, their inputs being detached (layers/indexer.py)."""
+  forwards = passes - 2 * trained_per_row
+  trained = trained_per_row if trains_indexer and cfg.mla.indexer_loss_scaling_factor > 0 else 0
+  return forwards + trained, forwards + 2 * trained
 
 
 def batch_words(global_batch: int, length: int, images_per_row: int = 0) -> str:

@@ -218,8 +218,7 @@ class Trainer:
     now = time.perf_counter()
     seconds, loop.last_done = now - loop.last_done, now
     nonfinite = self._check_step(index + 1, scalars, self._batch_starts.pop(index, ""))
-    t = metrics_lib.throughput(seconds, scalars["num_tokens"], self.flops, self.config.target.num_devices,
-                               self.peak)
+    t = metrics_lib.throughput(seconds, scalars["num_tokens"], self.flops, self.config.mesh.num_devices, self.peak)
     scalars.update(step_seconds=seconds, tokens_per_s=t.tokens_per_s, tokens_per_s_per_device=t.tokens_per_s_per_device,
                    tflops_per_s_per_device=t.tflops_per_s_per_device, mfu=t.mfu)
     if isinstance(self.data, OnPolicyBatches):  # the step's time but its rollout: the update

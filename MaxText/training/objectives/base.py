@@ -39,6 +39,10 @@ class Objective(abc.ABC):
   batch_fields: tuple[str, ...]
   # Model passes per batch row, a forward pass counting 1 (forward + backward: 3), for the FLOPs count.
   passes_per_row: int = 3
+  # Of those, the sequences per row with a backward pass (3 passes each); the rest run forward only.
+  trained_per_row: int = 1
+  # The loss adds the lightning indexer's KL (indexer_loss_scaling_factor): its backward runs, for the FLOPs count.
+  trains_indexer: bool = False
   # Other models run forward-only once per row (a distillation teacher), for the FLOPs count.
   forward_only_models: tuple[ModelConfig, ...] = ()
   # The train state's class: TrainState, or a subclass holding `extra_state`'s fields.

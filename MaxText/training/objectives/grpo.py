@@ -85,6 +85,7 @@ class Grpo(Objective):
     # batch the old policy's forward (when iterated) and the reference's.
     fixed_passes = int(self.updates_per_batch > 1 or self.corrects) + int(self.uses_reference)
     self.passes_per_row = 3 * self.updates_per_batch + fixed_passes
+    self.trained_per_row = self.updates_per_batch
 
   def extra_state(self, params: T, copy: Callable[[T], T]) -> dict[str, T]:
     extra = {"reference": copy(params)} if self.keeps_copy else {}

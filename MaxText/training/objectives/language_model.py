@@ -42,6 +42,7 @@ class LanguageModel(Objective):
   (0 for dense models)."""
 
   batch_fields: tuple[str, ...] = FIELDS
+  trains_indexer = True  # _sums adds the indexer's KL
 
   def __init__(self, model: ModelSpec, z_loss_multiplier: float, load_balance_loss_weight: float = 0.0,
                num_micro: int = 1, images: bool = False):

@@ -26,6 +26,7 @@ class Preference(Objective):
   batch_fields = DPO_FIELDS
   # Two sequences trained (chosen and rejected) and the same two through the reference (forward only).
   passes_per_row = 2 * 3 + 2 * 1
+  trained_per_row = 2
   needs_loaded_params = ("objective=dpo needs a reference model: set load_parameters_path to the starting weights (a "
                          "params-only checkpoint or another run's checkpoints); a fresh init has nothing to prefer "
                          "against")
