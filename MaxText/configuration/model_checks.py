@@ -378,6 +378,12 @@ def _check_indexer(v: Mapping[str, Any]) -> None:
     return
   _require(not v["indexer_warmup"] or scale > 0,
            "indexer_warmup=True trains only the indexer, by its KL loss: set indexer_loss_scaling_factor > 0")
+  # Only the language-model loss adds the KL; another objective would compute its target (a pass over the
+  # attention scores) and drop it, the indexer never training.
+  _require(scale == 0 or v["objective"] in ("lm", "sft"),
+           f"indexer_loss_scaling_factor={scale:g} trains the lightning indexer by a KL term that only objective=lm "
+           f"and sft add to their loss, not objective={v['objective']}: set indexer_loss_scaling_factor=0 (the "
+           "indexer then runs as loaded)")
   _require(not v["indexer_warmup"] or v["lora_rank"] == 0,
            "indexer_warmup=True trains only the indexer: it cannot be combined with lora_rank > 0")
   _require(v["attention_type"] == "mla" and v["q_lora_rank"] > 0,

@@ -188,6 +188,16 @@ def test_bad_indexer_key_values_are_one_line_errors():
     _config("deepseek32", indexer_loss_scaling_factor=-1.0)
   with pytest.raises(ConfigError, match="indexer_loss_scaling_factor must be a finite float32 number >= 0"):
     _config("deepseek32", indexer_loss_scaling_factor=float("inf"))
+  # Only the language-model loss adds the KL: DPO, GRPO or distillation would compute its target and drop it
+  # (checked on the model keys: those objectives' data keys are refused first on a synthetic-data config).
+  from MaxText.configuration import model_checks
+
+  values = dict(_config("deepseek32").values)
+  for objective in ("dpo", "grpo", "distill", "distill_sft"):
+    with pytest.raises(ConfigError, match=f"indexer_loss_scaling_factor=1 trains the lightning indexer by a KL term "
+                                          f"that only objective=lm and sft add to their loss, not objective={objective}"):
+      model_checks.check_mla({**values, "objective": objective, "indexer_loss_scaling_factor": 1.0})
+  model_checks.check_mla({**values, "objective": "sft", "indexer_loss_scaling_factor": 1.0})
   with pytest.raises(ConfigError, match="indexer_loss_scaling_factor > 0 is not built for pipeline_schedule=1f1b"):
     _config("deepseek32", ici_fsdp_parallelism=1, ici_pipeline_parallelism=2, ici_data_parallelism=-1,
             pipeline_schedule="1f1b", indexer_loss_scaling_factor=1.0, first_dense_layers=0)
