@@ -258,6 +258,7 @@ def hf_model_keys(family: families.Family, hf_config: Mapping[str, Any]) -> dict
   family with a learned position table sets it itself (its rows)."""
   keys = family.model_keys(hf_config)
   text = hf_config.get("text_config")
+  _check_default_kv_heads(text if isinstance(text, Mapping) else hf_config, keys, hf_config.get("model_type"))
   fields = text if isinstance(text, Mapping) and text.get("max_position_embeddings") is not None else hf_config
   value = fields.get("max_position_embeddings")
   if "max_position_embeddings" not in keys and value is not None:
@@ -265,6 +266,17 @@ def hf_model_keys(family: families.Family, hf_config: Mapping[str, Any]) -> dict
       raise ValueError(f"max_position_embeddings must be a positive whole number, got {value!r}")
     keys["max_position_embeddings"] = int(value)
   return keys
+
+
+def _check_default_kv_heads(fields: Mapping[str, Any], keys: Mapping[str, Any], model_type: str | None) -> None:
+  """A config.json without num_key_value_heads gets its transformers class's default (a fixed count in several
+  families), which may not divide the query heads: no model transformers can run, refused naming the field."""
+  heads, kv = keys.get("base_num_query_heads"), keys.get("base_num_kv_heads")
+  if "num_key_value_heads" in fields or not heads or not kv or heads % kv == 0:
+    return
+  raise ConfigError(f"HF {model_type} config.json leaves out num_key_value_heads, which transformers then takes "
+                    f"as {kv}, not a divisor of num_attention_heads={heads}; add the checkpoint's "
+                    "\"num_key_value_heads\" (its k_proj rows / head_dim) to config.json")
 
 
 def full_model_keys(schema: Mapping[str, Any], inferred: Mapping[str, Any]) -> dict[str, Any]:

@@ -135,6 +135,11 @@ def _rope_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
     if params.get("attention_factor") is None and mscale and all_dim:
       keys["rope_attention_factor"] = _mscale(factor, mscale) / _mscale(factor, all_dim)
     keys["rope_yarn_mscale_all_dim"] = float(all_dim or 0.0)
+  elif all_dim and keys["rope_type"] != "default" and keys.get("rope_scaling_factor", 1.0) > 1:
+    # transformers' MLA scales the softmax by mscale_all_dim under any scaled RoPE; ours only with YaRN
+    raise ConfigError(f"HF config {field} mscale_all_dim={all_dim} with rope_type={keys['rope_type']!r} is not "
+                      f"supported by the {hf.get('model_type')} converter: transformers scales the softmax by it, "
+                      "our MLA only with rope_type 'yarn'")
   return keys
 
 

@@ -46,10 +46,22 @@ def _layer_types(hf: Mapping[str, Any]) -> list[str]:
   return kinds
 
 
+# Gemma4TextConfig's rope_parameters where config.json has none (a rope_scaling replaces them; rope_theta is not read).
+_GEMMA4_ROPE = {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+
+
 def _rope_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
-  full, sliding = layer_type_ropes(hf, 1_000_000.0, 10_000.0)
-  r.require_hf(sliding, "rope_type", ("default",), "default")
-  rope_type = r.require_hf(full, "rope_type", ("default", "proportional"), "default")
+  field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+  params = hf.get(field) or _GEMMA4_ROPE
+  if "full_attention" not in params:  # transformers' Gemma 4 fails on it (a KeyError)
+    raise ConfigError(f"HF config {field}={params!r} is not supported by the gemma4 converter: Gemma 4 reads RoPE by "
+                      "layer type; write rope_parameters {\"full_attention\": {...}, \"sliding_attention\": {...}}")
+  full, sliding = layer_type_ropes({"rope_parameters": params}, 1_000_000.0, 10_000.0)
+  named = {"model_type": f"gemma4 ({field})"}  # so a refusal names where the rope_type sits
+  r.require_hf({**sliding, **named}, "rope_type", ("default",), "default")
+  rope_type = r.require_hf({**full, **named}, "rope_type", ("default", "proportional"), "default")
   keys: dict[str, Any] = {"rope_max_timescale": float(full.get("rope_theta", 1_000_000.0)), "rope_type": rope_type,
                           "rope_local_max_timescale": float(sliding.get("rope_theta", 10_000.0))}
   if rope_type == "proportional":
@@ -91,7 +103,7 @@ def gemma4_text_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   kinds = _layer_types(hf)
   pattern = r.attention_pattern([kind == "sliding_attention" for kind in kinds])
   k_eq_v = bool(hf.get("attention_k_eq_v", False))
-  per_layer = int(hf.get("hidden_size_per_layer_input") or 0)
+  per_layer = int(hf.get("hidden_size_per_layer_input", 256) or 0)  # transformers' default where absent
   keys = {"decoder_block": "gemma4", **shape_keys(hf), **_rope_keys(hf), "mlp_activations": ["gelu", "linear"],
           "normalization_type": "rms", "logits_via_embedding": True, "scale_embedding": True, "use_qk_norm": True,
           "query_pre_attn_scalar": 1.0, "attention_layer_pattern": pattern,
@@ -101,7 +113,7 @@ def gemma4_text_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
           "num_kv_shared_layers": int(hf.get("num_kv_shared_layers") or 0),
           "kv_shared_double_mlp": bool(hf.get("use_double_wide_mlp", False)),
           "per_layer_input_dim": per_layer,
-          "per_layer_input_vocab_size": int(hf.get("vocab_size_per_layer_input") or hf["vocab_size"]) if per_layer else 0}
+          "per_layer_input_vocab_size": int(hf.get("vocab_size_per_layer_input") or 262_144) if per_layer else 0}
   if "local" in pattern:
     keys["sliding_window_size"] = int(hf.get("sliding_window", 512))
   if hf.get("enable_moe_block"):  # 26B A4B: experts (our mlp_dim) beside the dense MLP (dense_mlp_dim)

@@ -76,6 +76,13 @@ def rope_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   if rope_type in ("llama3", "yarn") and hf.get("original_max_position_embeddings") is not None:
     params["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
   keys: dict[str, Any] = {"rope_max_timescale": float(theta), "rope_type": "default"}
+  # transformers' plain RoPE here ignores partial_rotary_factor, its scaled ones shrink the frequencies to that
+  # fraction while still rotating every dimension: a shape error, no model to convert.
+  fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+  if rope_type != "default" and fraction is not None and float(fraction) != 1.0:
+    raise ConfigError(f"HF config partial_rotary_factor={fraction} with {field} rope_type={rope_type!r} is not a model "
+                      f"transformers' {hf.get('model_type')} can run (it rotates every dimension); remove "
+                      "partial_rotary_factor from config.json or set it to 1.0")
   if rope_type == "llama3":
     keys.update(rope_type="llama3", rope_scaling_factor=float(params["factor"]),
                 rope_low_freq_factor=float(params["low_freq_factor"]),
