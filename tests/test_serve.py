@@ -614,14 +614,16 @@ def test_echo_logprobs_equal_the_model_log_softmax(served):
   expected = _direct_logprobs(served, ids)
   assert logprobs["token_logprobs"][0] is None
   np.testing.assert_allclose(logprobs["token_logprobs"][1:], expected, atol=1e-4)
-  assert all(1 <= len(top) <= 2 and max(top.values()) >= lp
-             for top, lp in zip(logprobs["top_logprobs"][1:], logprobs["token_logprobs"][1:]))
+  # The 2 best and the prompt's own token where it is not among them (the legacy API's N + 1).
+  assert all(1 <= len(top) <= 3 and max(top.values()) >= lp and top[text] == pytest.approx(lp, abs=1e-5)
+             for top, lp, text in zip(logprobs["top_logprobs"][1:], logprobs["token_logprobs"][1:],
+                                      logprobs["tokens"][1:]))
 
 
 def test_generated_tokens_carry_their_top_alternatives_only_when_asked(served):
   """logprobs=2: each generated token lists its best alternatives (the greedy token's log-probability the
-  highest); logprobs=0: the same tokens and log-probabilities, an empty object of alternatives each (the
-  scheduler reads none for such a request)."""
+  highest); logprobs=0: the same tokens and log-probabilities, and as alternatives the chosen token's alone (the
+  legacy API always returns it; the scheduler reads no alternatives for such a request)."""
   ids = served.ids(PROMPTS[1])
   body = f'{{"model": "tiny", "prompt": {ids}, "max_tokens": 5, "temperature": 0, "logprobs": '
   two = _post(served, "/v1/completions", body + "2}").json()["choices"][0]["logprobs"]
@@ -630,7 +632,9 @@ def test_generated_tokens_carry_their_top_alternatives_only_when_asked(served):
   np.testing.assert_allclose(zero["token_logprobs"], two["token_logprobs"], atol=1e-6)
   assert all(1 <= len(top) <= 2 and max(top.values()) == pytest.approx(lp, abs=1e-5)
              for top, lp in zip(two["top_logprobs"], two["token_logprobs"]))
-  assert zero["top_logprobs"] == [{}] * 5
+  assert [len(top) for top in zero["top_logprobs"]] == [1] * 5  # was {} each
+  for top, best, lp in zip(zero["top_logprobs"], two["top_logprobs"], zero["token_logprobs"]):
+    assert list(top) == [max(best, key=best.__getitem__)] and top[list(top)[0]] == lp
 
 
 def _direct_logprobs(served, ids: list[int]) -> np.ndarray:

@@ -9,7 +9,7 @@ import asyncio
 import dataclasses
 import io
 import json
-from typing import Any, AsyncGenerator
+from typing import Any, AsyncGenerator, Callable
 
 import pytest
 
@@ -124,15 +124,23 @@ def test_top_k_minus_one_keeps_every_token_as_vllm_reads_it() -> None:
       assert (refused.value.status, refused.value.param) == (400, "top_k")
 
 
-def _events_with_tops(tokens: list[int]) -> list[job_events.Event]:
-  events: list[job_events.Event] = [job_events.Tokens(0, [t], [-1.0], [[(t, -1.0)]]) for t in tokens]
+Tops = Callable[[int], list[tuple[int, float]]]  # a chosen token's alternatives from the device
+
+
+def _own(token: int) -> list[tuple[int, float]]:
+  return [(token, -1.0)]
+
+
+def _events_with_tops(tokens: list[int], tops: Tops = _own) -> list[job_events.Event]:
+  events: list[job_events.Event] = [job_events.Tokens(0, [t], [-1.0], [tops(t)]) for t in tokens]
   return events + [job_events.Done(0, "length")]
 
 
-def _logprobs_whole(codec: api.Codec, request: api.Request, tokens: list[int]) -> tuple[str, dict[str, Any]]:
+def _logprobs_whole(codec: api.Codec, request: api.Request, tokens: list[int], tops: Tops = _own
+                    ) -> tuple[str, dict[str, Any]]:
   """The unstreamed answer's text (the echoed prompt first) and logprobs."""
   choice = serve_routes._choices(_Server(codec), request)[0]  # type: ignore[arg-type]
-  units = serve_routes._units(_events_with_tops(tokens))
+  units = serve_routes._units(_events_with_tops(tokens, tops))
   if request.echo:
     units.insert(0, job_events.PromptScores(0, [0.0] * len(choice.prompt), [[]] * len(choice.prompt)))
   for unit in units:
@@ -141,10 +149,10 @@ def _logprobs_whole(codec: api.Codec, request: api.Request, tokens: list[int]) -
   return (codec.decode(choice.prompt) if request.echo else "") + choice.text.text, logprobs
 
 
-def _logprobs_streamed(codec: api.Codec, request: api.Request, tokens: list[int], per_chunk: int
+def _logprobs_streamed(codec: api.Codec, request: api.Request, tokens: list[int], per_chunk: int, tops: Tops = _own
                        ) -> tuple[str, dict[str, list[Any]]]:
   """The streamed text and the chunks' logprobs joined, `per_chunk` tokens reaching the stream together."""
-  events = _events_with_tops(tokens)
+  events = _events_with_tops(tokens, tops)
   batches = [events[i:i + per_chunk] for i in range(0, len(events), per_chunk)]
   if request.echo:
     prompt = request.choices[0].prompt
@@ -210,6 +218,35 @@ def test_logprobs_tokens_of_a_character_split_across_tokens_join_to_the_text() -
   _check_token_texts(codec, [104] + euro[:2], euro[2:] + list(b"ok"), whole_characters=False)
   request = api.Request([api.Completion(0, list(b"a"), 16, RowParams())], stream=False, stop=[], logprobs=0)
   assert _logprobs_whole(codec, request, euro + list(b"!"))[1]["tokens"] == ["", "", "\u20ac", "!"]
+
+
+def test_completions_top_logprobs_hold_the_chosen_token_when_not_among_the_best() -> None:
+  """The legacy API always returns the chosen token's logprob, so a position has up to N + 1 alternatives (was: only
+  the N best, so a sampled or masked token lacked its own entry; logprobs=0 gave {}). Its key is its text after the
+  same previous token, as the others' (U+FFFD for a piece of a character); a better token of the same text keeps
+  the key (N entries). Streamed in any chunking equals unstreamed; an echoed prompt's tokens get theirs too."""
+  def decode(ids: list[int]) -> str:  # 0x100 | c reads as c too; bytes otherwise (split characters and all)
+    return bytes(i & 0xFF for i in ids).decode("utf-8", errors="replace")
+
+  codec = api.Codec(encode=lambda text: list(text.encode()), decode=decode, chat=lambda messages: [104])
+  best = {ord("o"): [(0x100 | ord("o"), -0.1), (ord("z"), -0.5)], ord("k"): [(ord("z"), -0.5), (ord("k"), -1.0)]}
+
+  def tops(token: int) -> list[tuple[int, float]]:
+    return best.get(token, [(ord("z"), -0.5), (ord("y"), -0.7)])
+
+  generated = list(b"ok") + list("\u00e9".encode()) + [0xF0]  # é in two tokens, then a character never finished
+  for n in (0, 1, 2, 5):
+    expected = [dict([("o", -0.1), ("z", -0.5)][:n]) or {"o": -1.0}, {**dict([("z", -0.5), ("k", -1.0)][:n]),
+                                                                         "k": -1.0}]
+    expected += [{**dict([("z", -0.5), ("y", -0.7)][:n]), "\ufffd": -1.0}] * 3
+    for echo in (False, True):
+      request = api.Request([api.Completion(0, list(b"hi"), 16, RowParams())], stream=False, stop=[], logprobs=n,
+                            echo=echo)
+      text, whole = _logprobs_whole(codec, request, generated, tops)
+      assert whole["top_logprobs"] == ([None, {"i": 0.0}] if echo else []) + expected, (n, echo)
+      for per_chunk in (1, 2, 100):
+        streamed_text, streamed = _logprobs_streamed(codec, request, generated, per_chunk, tops)
+        assert streamed_text == text and streamed["top_logprobs"] == whole["top_logprobs"], (n, echo, per_chunk)
 
 
 def test_best_of_below_n_is_refused_naming_best_of() -> None:

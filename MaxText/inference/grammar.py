@@ -137,7 +137,7 @@ class Compiler:
   def json_schema(self, schema: dict[str, Any]) -> Grammar:
     _refuse_non_finite(schema, "the schema")
     unspelled: list[str] = []
-    pruned: Any = schema if self._pieces is None else _Speller(self._pieces).prune(schema, unspelled)
+    pruned: Any = schema if self._speller is None else self._speller.prune(schema, unspelled)
     why = f" (no token of the tokenizer spells {', '.join(unspelled)[:200]})" if unspelled else ""
     if pruned is False:  # the whole schema pruned
       raise GrammarError(f"no text satisfies it{why}")
@@ -158,8 +158,46 @@ class Compiler:
     pieces.discard(b"")
     return None if all(bytes([b]) in pieces for b in range(256)) else frozenset(pieces)
 
+  @functools.cached_property
+  def _speller(self) -> _Speller | None:
+    """Once per tokenizer: building one reads every token (tens of ms for a large vocabulary, on each schema)."""
+    return None if self._pieces is None else _Speller(self._pieces)
+
+  @functools.cached_property
+  def _written(self) -> str | None:
+    """A regex class of every character some token's bytes write, None when every one is. Exact for what it drops:
+    where every token is whole UTF-8, a text's characters each lie inside one token; a token that is not (a piece of
+    a character) lets every non-ASCII character through."""
+    if self._pieces is None:
+      return None
+    points: set[int] = set()
+    split = False
+    for piece in self._pieces:
+      try:
+        points.update(map(ord, piece.decode()))
+      except UnicodeDecodeError:
+        split = True
+        points.update(b for b in piece if b < 0x80)
+    if split:
+      return _char_class({p for p in points if p < 0x80}, "\\x{80}-\\x{D7FF}\\x{E000}-\\x{10FFFF}")
+    return _char_class(points)
+
   def regex(self, pattern: str) -> Grammar:
-    return self.compile(llguidance.LLMatcher.grammar_from_regex(pattern))
+    """With a tokenizer that has no token per byte, the pattern's texts are kept to the characters some token writes
+    (a text with any other has no tokens: a reply starting one dead-ends, a 500), and one left with none is a
+    GrammarError. A character written only inside longer tokens is kept: a reply may still dead-end there."""
+    text = llguidance.LLMatcher.grammar_from_regex(pattern)
+    pruned = _intersected(text, self._written)
+    if pruned == text:
+      return self.compile(text)
+    try:
+      return self.compile(pruned)
+    except GrammarError as e:
+      grammar = self.compile(text)  # the pattern's own error first
+      if not str(e).startswith("no text satisfies it"):
+        return grammar  # the intersection failed otherwise (a lexer limit): served as it was before it
+      raise GrammarError("no text satisfies it (each text it matches has a character no token of the tokenizer "
+                         "writes)") from None
 
   def lark(self, grammar: str) -> Grammar:
     return self.compile(llguidance.LLMatcher.grammar_from_lark(grammar))
@@ -246,6 +284,35 @@ class _Speller:
     if isinstance(schema.get("pattern"), str):  # after the walk: this allOf is not walked again
       schema["allOf"] = [*(schema.get("allOf") or []), {"pattern": f"^{self.spelled()}$"}]
     return schema
+
+
+def _char_class(points: set[int], more: str = "") -> str:
+  """A regex class of `points` (code points, no surrogates) as ranges of \\x{..} escapes, and `more`'s."""
+  if not points and not more:
+    return "[^\\x{0}-\\x{10FFFF}]"
+  ranges: list[list[int]] = []
+  for point in sorted(points):
+    if ranges and point == ranges[-1][1] + 1:
+      ranges[-1][1] = point
+    else:
+      ranges.append([point, point])
+  return "[" + "".join("\\x{%X}" % a if a == b else "\\x{%X}-\\x{%X}" % (a, b) for a, b in ranges) + more + "]"
+
+
+def _intersected(text: str, chars: str | None) -> str:
+  """llguidance's grammar of one regex (grammar_from_regex) with its texts kept to `chars`' characters (None: as it
+  is); as it is too where the grammar is not of the form that function writes."""
+  try:
+    spec = json.loads(text)
+    lark = spec["grammars"][0]["lark_grammar"]
+  except (ValueError, KeyError, IndexError, TypeError):
+    return text
+  if chars is None or len(spec["grammars"]) != 1 or not isinstance(lark, str) or not lark.startswith("start: /") \
+      or not lark.endswith("/") or "\n" in lark:
+    return text
+  # `&` intersects lexemes (regular languages), so the pattern's meaning is kept for every text the tokens write.
+  spec["grammars"][0]["lark_grammar"] = f"start: WRITTEN\nWRITTEN: {lark[len('start: '):]} & /{chars}*/"
+  return json.dumps(spec)
 
 
 def _json(value: Any) -> str:

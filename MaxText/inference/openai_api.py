@@ -734,19 +734,26 @@ def alternative_text(decode: Callable[[list[int]], str], previous: int | None, t
   return after[len(before):] if after.startswith(before) else alone(token)
 
 
-def completion_logprobs(texts: Sequence[str], logprobs: Sequence[float | None],
+def completion_logprobs(texts: Sequence[str], tokens: Sequence[int], logprobs: Sequence[float | None],
                         tops: Sequence[Sequence[tuple[int, float]] | None],
                         how_many: int, alternative: Callable[[int, int], str], start_offset: int = 0) -> dict[str, Any]:
   """OpenAI's completions `logprobs` object: the tokens' texts (TokenTexts), their log-probabilities, the `how_many`
   best alternatives per position (as text -> log-probability; `alternative(position, token)` is the text) and
-  character offsets from `start_offset`."""
+  character offsets from `start_offset`. Each position's alternatives also hold its own token (`tokens`) when it is
+  not among the best: the legacy API always returns the chosen token's, so up to `how_many` + 1 entries."""
   offsets, at = [], start_offset
   for text in texts:
     offsets.append(at)
     at += len(text)
-  top = [None if t is None else _by_text(list(t)[:how_many], functools.partial(alternative, i))
+  top = [None if t is None else _by_text(_with_chosen(list(t)[:how_many], tokens[i], logprobs[i]),
+                                         functools.partial(alternative, i))
          for i, t in enumerate(tops)]
   return {"tokens": list(texts), "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
+
+
+def _with_chosen(top: list[tuple[int, float]], token: int, logprob: float | None) -> list[tuple[int, float]]:
+  """Last: not among the best, it is the least probable (and so yields its text to a better token of the same)."""
+  return top if logprob is None or any(t == token for t, _ in top) else top + [(token, logprob)]
 
 
 def _by_text(top: list[tuple[int, float]], token_text: Callable[[int], str]) -> dict[str, float]:

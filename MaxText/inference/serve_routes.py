@@ -102,16 +102,18 @@ def _logprobs(server: "Server", choice: _Choice, how_many: int, echo: bool, gene
   """The choice's logprobs object (with echo, the prompt's tokens first; `generated` False: the prompt's alone); each
   token's text is as it stands in the text, so that they join to it."""
   texts: list[str] = []
+  tokens: list[int] = []
   lps: list[float | None] = []
   tops: list[list[tuple[int, float]] | None] = []
   prompt = _texts(server, ())
   if echo and choice.prompt_scores is not None:
-    texts = prompt.add(choice.prompt) + prompt.finish()
+    texts, tokens = prompt.add(choice.prompt) + prompt.finish(), list(choice.prompt)
     lps = [None] + list(choice.prompt_scores.logprobs[1:])
     tops = [None] + list(choice.prompt_scores.top[1:])
   own, echoed = _texts(server, choice.prompt[-1:]), len(texts)
   if generated:
     texts += own.add(choice.tokens) + own.finish()
+    tokens += choice.tokens
     lps += choice.logprobs
     tops += choice.tops
   in_prompt, in_own = _alternative(server, prompt, 0), _alternative(server, own, 0)
@@ -119,7 +121,7 @@ def _logprobs(server: "Server", choice: _Choice, how_many: int, echo: bool, gene
   def alternative(i: int, token: int) -> str:
     return in_prompt(i, token) if i < echoed else in_own(i - echoed, token)
 
-  return api.completion_logprobs(texts, lps, tops, how_many, alternative)
+  return api.completion_logprobs(texts, tokens, lps, tops, how_many, alternative)
 
 
 def _usage(request: api.Request, choices: dict[int, _Choice]) -> dict[str, int]:
@@ -287,7 +289,8 @@ async def _stream(server: "Server", request: api.Request, jobs: Sequence[job_eve
         settled = texts.add(choice.tokens[had:]) + (texts.finish() if isinstance(unit, job_events.Done) else [])
         if settled:
           first, logged[index] = logged[index], logged[index] + len(settled)
-          logprobs = api.completion_logprobs(settled, choice.logprobs[first:logged[index]],
+          logprobs = api.completion_logprobs(settled, choice.tokens[first:logged[index]],
+                                             choice.logprobs[first:logged[index]],
                                              list(choice.tops[first:logged[index]]), request.logprobs,
                                              _alternative(server, texts, first), offsets[index])
       if logprobs is not None:

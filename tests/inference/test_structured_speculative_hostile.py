@@ -92,10 +92,13 @@ def still_serves_json(served: Served) -> None:
     schema({"type": "object", "properties": {"zz": {"type": "integer"}}, "required": ["zz"]}),
     schema({"const": "z"}),
     {"type": "regex", "regex": "az"},
-], ids=["required-key", "const", "regex"])
+    {"type": "regex", "regex": "(a|b)z"},
+    {"type": "regex", "regex": "[ab]+\u00e9"},
+], ids=["required-key", "const", "regex", "regex-after-a-choice", "regex-after-a-loop"])
 def test_a_required_character_no_token_spells_is_a_400(served: Served, fmt: dict[str, Any]) -> None:
   """Was: compiled, and every reply reached the character, took llguidance's stand-in token and ended as a 500
-  generation_failed."""
+  generation_failed (a regex whose model chooses before the character: compiled even after the forced opening was
+  walked; the reply dead-ended, or looped to max_tokens)."""
   with pytest.raises(openai.BadRequestError) as raised:
     served.client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0,
                                           response_format=fmt)
@@ -174,6 +177,41 @@ def test_a_schema_with_only_unspellable_branches_is_a_400_at_compile(compiler: A
     with pytest.raises(grammar.GrammarError) as refused:
       compiler.json_schema(s)
     assert "no text satisfies it" in str(refused.value) and "spells" in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize("pattern", ["(a|bz)", "(zz|a)b?", "(a|\u00e9)+", "a|\U0001f600", "[a-z]{1,3}", "\"[^\"]{0,2}\""])
+def test_a_regex_text_no_token_spells_is_pruned_not_a_failed_generation(compiler: Any, pattern: str) -> None:
+  """Was: a reply could start the branch of `z` (or é, an emoji: no token writes them) and dead-end there. The
+  pattern's texts are kept to the characters the tokens write: every reply the masks allow completes."""
+  dead, complete = dead_ends(compiler.regex(pattern), depth=6)
+  assert not dead and complete, dead
+
+
+@pytest.mark.parametrize("pattern", ["(a|b)z", "a+z", "[ab]*\u00e9", "(\U0001f600|z)+", "[^ab\"\\[\\]{}:, 1-3a-z]"])
+def test_a_regex_no_token_sequence_spells_is_a_grammar_error(compiler: Any, pattern: str) -> None:
+  from MaxText.inference import grammar
+
+  with pytest.raises(grammar.GrammarError, match="no text satisfies it") as refused:
+    compiler.regex(pattern)
+  assert "\n" not in str(refused.value)
+
+
+def test_the_written_characters_are_read_once_per_tokenizer_and_let_split_characters_through() -> None:
+  """What the tokens write, computed once (schemas: the speller too; it was built per request, reading every token).
+  A token holding part of a character (not UTF-8 alone) can join others into any character: nothing non-ASCII is
+  dropped then, so the pruning stays exact."""
+  from MaxText.inference import grammar
+
+  split: Any = grammar.Compiler.__new__(grammar.Compiler)
+  split.__dict__["_pieces"] = frozenset({b"a", b"b\xc3", b"\xa9"})
+  assert split._written == "[\\x{61}-\\x{62}\\x{80}-\\x{D7FF}\\x{E000}-\\x{10FFFF}]"
+  whole: Any = grammar.Compiler.__new__(grammar.Compiler)
+  whole.__dict__["_pieces"] = frozenset({b"a", b"c", b"\xc3\xa9"})
+  assert whole._written == "[\\x{61}\\x{63}\\x{E9}]"
+  assert whole._speller is whole._speller and whole._speller.chars == "ac\u00e9"
+  nothing: Any = grammar.Compiler.__new__(grammar.Compiler)
+  nothing.__dict__["_pieces"] = frozenset()
+  assert nothing._written == "[^\\x{0}-\\x{10FFFF}]"
 
 
 @pytest.mark.parametrize("template, starts", [
