@@ -255,7 +255,7 @@ def test_prepare_data_reads_and_writes_gs(bucket):
   out = f"{bucket}/prepared"
   assert prepare_data.main(["prepare_data", f"data_files={bucket}/raw/corpus.txt", f"output_path={out}",
                             "formats=jsonl,arrayrecord", "eval_fraction=0.25"]) == 0
-  assert storage.listdir(out) == ["arrayrecord", "jsonl"]
+  assert storage.listdir(out) == ["arrayrecord", "jsonl", "prepare_data.json"]
   assert storage.listdir(f"{out}/arrayrecord") == ["train.array_record", "validation.array_record"]
   train_docs = [json.loads(line)["text"] for line in storage.read_text(f"{out}/jsonl/train.jsonl").splitlines()]
   assert train_docs == numbered_documents()[:36]

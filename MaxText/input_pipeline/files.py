@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from typing import IO, cast
 
 from MaxText.paths import storage
@@ -30,7 +33,50 @@ def expand_files(key: str, value: str) -> list[str]:
         raise ConfigError(f"{key}: {pattern} is a directory; name its files, e.g. {storage.join(pattern, '*.jsonl')}")
       raise ConfigError(f"{key}: no file matches {pattern!r}")
     files.extend(matched)
+  refuse_unfinished_output(key, files)
   return files
+
+
+# prepare_data's output folder: a marker per writing run, present while it moves files into place (a run killed then
+# leaves it), and a manifest of the files written last, with each one's content_key.
+PREPARED_MANIFEST = "prepare_data.json"
+PREPARED_WRITING = "prepare_data.incomplete-"  # + host-pid
+PREPARED_FOLDERS = ("jsonl", "arrayrecord", "tfds")
+
+
+def check_prepared(key: str, folder: str, files: list[str] | None = None) -> None:
+  """Refuses files of prepare_data's output `folder` while a run is writing it or after one was stopped half way,
+  and (of `files`, else of its tfds/ folder) one that is not what the last complete run wrote."""
+  writing = storage.glob(storage.join(folder, PREPARED_WRITING + "*"))
+  if writing:
+    raise ConfigError(f"{key}: {folder} is incomplete: a prepare_data run is writing it or was stopped before it "
+                      f"finished ({writing[0]}); wait for that run, or rerun prepare_data with output_path={folder}")
+  manifest = storage.join(folder, PREPARED_MANIFEST)
+  if not storage.is_file(manifest):
+    return  # not prepare_data's output (or from before the manifest)
+  try:
+    written = json.loads(storage.read_text(manifest))["files"]
+  except (ValueError, KeyError, TypeError):
+    raise ConfigError(f"{key}: {manifest} is damaged; rerun prepare_data with output_path={folder}") from None
+  # the files refuse_unfinished_output passes lie directly in jsonl/ or arrayrecord/
+  items = [(f"{storage.name(storage.parent(path))}/{storage.name(path)}", path) for path in files] \
+      if files is not None else [(item, storage.join(folder, *item.split("/"))) for item in written
+                                 if item.startswith("tfds/")]
+  for item, path in items:
+    if item in written and (not storage.is_file(path) or content_key(path) != written[item]):
+      raise ConfigError(f"{key}: {path} is not the file prepare_data wrote (it differs from {manifest}: another run "
+                        f"wrote over it, or it was edited); rerun prepare_data with output_path={folder}, or remove "
+                        f"{manifest} to use the files as they are")
+
+
+def refuse_unfinished_output(key: str, files: list[str]) -> None:
+  """check_prepared for the files that lie in a prepare_data output's jsonl/ or arrayrecord/ folder."""
+  folders: dict[str, list[str]] = {}
+  for path in files:
+    if storage.name(storage.parent(path)) in PREPARED_FOLDERS[:2]:
+      folders.setdefault(storage.parent(storage.parent(path)), []).append(path)
+  for folder, inside in folders.items():
+    check_prepared(key, folder, inside)
 
 
 # Compressed data files `datasets` reads through fsspec, by their last suffix (`train.jsonl.gz`): the
@@ -100,3 +146,21 @@ def first_non_utf8(path: str) -> str | None:
       except UnicodeDecodeError as e:
         return f"{path} line {number} is not UTF-8 text (byte {e.start + 1} of the line); save it as UTF-8"
   return None
+
+
+_EDGE = 1 << 16  # bytes hashed at each end of a file by content_key: a glob of thousands of shards is keyed at every start
+
+
+def content_key(path: str) -> str:
+  """A cheap key of a file's content: its size and a hash of its first and last 64 KiB (a gigabyte file is keyed at
+  every start, so not a full hash: an edit of the middle alone that keeps the size goes unseen here)."""
+  digest = hashlib.sha256()
+  with storage.open_file(path, "rb") as f:
+    head = f.read(_EDGE)
+    digest.update(head)
+    end = len(head)
+    if end == _EDGE:
+      end = f.seek(0, os.SEEK_END)
+      f.seek(max(_EDGE, end - _EDGE))
+      digest.update(f.read())
+  return f"{end}-{digest.hexdigest()[:32]}"

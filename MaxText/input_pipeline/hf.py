@@ -5,6 +5,7 @@ library is forced offline, and lifted only while it reads the user's own gs:// d
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import re
@@ -88,6 +89,17 @@ def _no_records(path: str, builder: str) -> bool:
   with data_files_lib.open_plain(path) as f:
     head = f.read(1 << 16)
   return re.fullmatch(rb"(\xef\xbb\xbf)?\s*\[\s*\]\s*", head) is not None
+
+
+def _cache_dir(datasets: Any, files: list[str]) -> str | None:
+  """datasets keys its cache of local files by path and mtime only: a file rewritten with its mtime kept (rsync -a,
+  cp -p, tar, os.utime), whatever its new size, was read from the old table. The cache of local files goes under a
+  key of their content (size, first and last 64 KiB; files.content_key) too. gs:// files are keyed by their etag."""
+  local = [f for f in files if not storage.is_remote(f)]
+  if not local:
+    return None
+  key = hashlib.sha256("\n".join(f"{storage.resolve(f)} {data_files_lib.content_key(f)}" for f in local).encode())
+  return os.path.join(datasets.config.HF_DATASETS_CACHE, "maxtext-local", key.hexdigest()[:24])
 
 
 def _refuse_a_leading_null(files_key: str, files: list[str]) -> None:
@@ -404,7 +416,8 @@ def open_split(hf_path: str, data_files: str, split: str, files_key: str, text_c
           features = _parquet_features(files_key, files) if builder == "parquet" else None
           if features is not None:
             options["features"] = features
-          loader = datasets.load_dataset_builder(builder, data_files={split: files}, **options)
+          loader = datasets.load_dataset_builder(builder, data_files={split: files},
+                                                 cache_dir=_cache_dir(datasets, files), **options)
           if features is not None:
             _fill_missing_columns(loader)
           if builder == "json" and loader.info.splits is None:

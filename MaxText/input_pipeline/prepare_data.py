@@ -11,7 +11,9 @@ data_files takes comma-separated files or globs, read in order as one corpus (ea
 after the previous file's). Documents are paragraphs (text between blank lines) or lines; the eval split is the corpus's
 last `eval_fraction` of documents, a contiguous held-out stretch rather than a random sample, so
 no scene is half in train and half in eval. Files are written into a staging folder in DIR and moved
-into place once all are complete, so a run stopped half way leaves the previous output whole. DIR may
+into place once all are complete, so a run stopped half way leaves the previous output whole. While they are
+moved (or uploaded) DIR holds a marker prepare_data.incomplete-HOST-PID, and DIR/prepare_data.json lists the
+finished files last: readers refuse a folder with a marker, or a file that differs from the list. DIR may
 be gs://: everything is written locally, then uploaded (the ArrayRecord reader still needs those
 files staged locally to train on them).
 """
@@ -23,6 +25,7 @@ import json
 import math
 import os
 import re
+import socket
 import sys
 from pathlib import Path
 
@@ -32,6 +35,7 @@ if __package__ in (None, ""):
 from MaxText import startup
 from MaxText.paths import storage
 from MaxText.configuration import tool_args
+from MaxText.input_pipeline import files as files_lib
 from MaxText.input_pipeline.files import expand_files, format_suffix, read_plain
 from MaxText.errors import UserError, run_cli
 
@@ -178,14 +182,67 @@ def _remove_unrequested(out: str, formats: list[str]) -> list[str]:
 
 
 def _remove_stale_staging(out: str) -> None:
-  """Removes the staging folders of runs that were killed (SIGTERM, SIGKILL) before they could; those
-  of runs still writing here are left to them."""
+  """Removes the staging folders of runs that were killed (SIGTERM, SIGKILL) before they could; a run still
+  writing here is refused, as two runs publishing at once would mix their files."""
   if not storage.is_dir(out):
     return
   for entry in storage.listdir(out):
     pid = entry.removeprefix(_STAGING)
-    if entry.startswith(_STAGING) and pid.isdigit() and not _alive(int(pid)):
+    if entry.startswith(_STAGING) and pid.isdigit():
+      if _alive(int(pid)):
+        raise _another_run(out, int(pid))
       storage.remove_tree(storage.join(out, entry))
+
+
+def _another_run(out: str, pid: int) -> UserError:
+  return UserError(f"output_path={out}: another prepare_data (process {pid}) is writing there now; wait for it to "
+                   "finish, or give another output_path")
+
+
+_HOST = socket.gethostname()
+
+
+def _marker_writer(marker: str) -> tuple[str, int] | None:
+  """(host, pid) of the run that wrote a marker."""
+  host, _, pid = storage.name(marker).removeprefix(files_lib.PREPARED_WRITING).rpartition("-")
+  return (host, int(pid)) if pid.isdigit() else None
+
+
+def _start_publishing(out_dir: str) -> str:
+  """Marks `out_dir` as being written (readers refuse it until _finish_publishing) and drops the previous
+  manifest; returns the marker. Refuses when another run on this host is publishing there."""
+  marker = storage.join(out_dir, f"{files_lib.PREPARED_WRITING}{_HOST}-{os.getpid()}")
+  storage.write_text(marker, "prepare_data is moving its files into this folder; until it removes this file, the "
+                     "folder may hold a mix of two corpora. Rerun prepare_data if no run is writing.\n")
+  for other in storage.glob(storage.join(out_dir, files_lib.PREPARED_WRITING + "*")):
+    writer = _marker_writer(other)
+    if other != marker and writer is not None and writer[0] == _HOST and _alive(writer[1]):
+      storage.remove_tree(marker)
+      raise _another_run(out_dir, writer[1])
+  storage.remove_tree(storage.join(out_dir, files_lib.PREPARED_MANIFEST))
+  return marker
+
+
+def _manifest(out: str, tfds_name: str | None) -> dict[str, str]:
+  """Every file this run put in `out` (local), by its path there, with its content_key."""
+  items = [f"{folder}/{split}.{suffix}" for folder, suffix in (("jsonl", "jsonl"), ("arrayrecord", "array_record"))
+           for split in SPLITS]
+  if tfds_name is not None:
+    top = os.path.join(out, "tfds", "local_text", tfds_name)
+    items += sorted(os.path.relpath(os.path.join(d, f), out).replace(os.sep, "/") for d, _, names in os.walk(top)
+                    for f in names)
+  return {item: files_lib.content_key(os.path.join(out, item)) for item in items
+          if os.path.isfile(os.path.join(out, item))}
+
+
+def _finish_publishing(out_dir: str, written: dict[str, str], marker: str) -> None:
+  """Writes the manifest, then removes the markers: this run's, and those of runs killed before they could (the
+  output is now wholly this run's); a run on this host still writing keeps its own."""
+  storage.write_text(storage.join(out_dir, files_lib.PREPARED_MANIFEST), json.dumps({"files": written}, indent=1))
+  for other in storage.glob(storage.join(out_dir, files_lib.PREPARED_WRITING + "*")):
+    writer = _marker_writer(other)
+    if other == marker or writer is None or writer[0] != _HOST or not _alive(writer[1]):
+      storage.remove_tree(other)
 
 
 def _alive(pid: int) -> bool:
@@ -220,10 +277,15 @@ def main(argv: list[str]) -> int:
           write_arrayrecord(storage.join(staging, "arrayrecord", f"{split}.array_record"), splits[split])
       if tfds_name is not None:
         dataset_name = write_tfds(storage.join(staging, "tfds"), tfds_name, jsonl_dir)
+      # from here until _finish_publishing (after a gs:// upload) readers refuse the folder: a run killed while
+      # moving or uploading files leaves a mix of two corpora
+      marker = _start_publishing(out_dir)
       _publish(staging, out, tfds_name)
+      written = _manifest(out, tfds_name)
     finally:  # an error or Ctrl-C: no leftover staging folder
       storage.remove_tree(staging)
   removed = _remove_unrequested(out_dir, formats)  # after the new output is in place
+  _finish_publishing(out_dir, written, marker)
   if removed:
     print(f"prepare_data: removed the {' and '.join(removed)} output of an earlier run from {out_dir} (not in "
           f"formats={','.join(formats)})")

@@ -11,6 +11,7 @@ import re
 from typing import Any, NoReturn
 
 from MaxText.errors import ConfigError
+from MaxText.input_pipeline.files import check_prepared
 from MaxText.input_pipeline.grain import first_unreadable
 from MaxText.paths import storage
 
@@ -43,6 +44,8 @@ def _bad_metadata(dataset_name: str, dataset_path: str, reason: str) -> str:
 def open_split(dataset_name: str, dataset_path: str, split: str) -> tuple[Any, str]:
   """(random-access source of {feature: value} dicts, description) of one split; `split` may
   slice (`train[:90%]`)."""
+  if dataset_path and storage.name(dataset_path) == "tfds":  # prepare_data's output_path/tfds
+    check_prepared("dataset_path", storage.parent(dataset_path))
   builder = _builder(dataset_name, dataset_path)
   base = re.split(r"[\[+]", split, maxsplit=1)[0]
   splits = list(builder.info.splits)

@@ -101,7 +101,7 @@ def test_prepare_data_rerun_on_a_new_corpus_replaces_the_tfds_dataset(tmp_path):
   assert builder.info.splits["train"].num_examples == 6
   assert [r["text"] for r in builder.as_data_source()["validation"]] == [b"B document 6 with a few words.",
                                                                          b"B document 7 with a few words."]
-  assert sorted(p.name for p in out.iterdir()) == ["jsonl", "tfds"]  # no staging folder left
+  assert sorted(p.name for p in out.iterdir()) == ["jsonl", "prepare_data.json", "tfds"]  # no staging folder left
 
 
 def test_prepare_data_cut_short_leaves_the_previous_output_whole(tmp_path, monkeypatch):
@@ -125,11 +125,11 @@ def test_prepare_data_rerun_with_fewer_formats_removes_the_earlier_runs_other_fo
   """Was: arrayrecord/ and tfds/ of corpus A stayed beside corpus B's jsonl/, looking current."""
   out = tmp_path / "out"
   assert _prepare(f"data_files={_corpus(tmp_path / 'A.txt', 'A', 12)}", f"output_path={out}", "name=mine") == 0
-  assert sorted(p.name for p in out.iterdir()) == ["arrayrecord", "jsonl", "tfds"]
+  assert sorted(p.name for p in out.iterdir()) == ["arrayrecord", "jsonl", "prepare_data.json", "tfds"]
   (out / "notes.txt").write_text("mine")  # not this tool's: kept
   capsys.readouterr()
   assert _prepare(f"data_files={_corpus(tmp_path / 'B.txt', 'B', 8)}", f"output_path={out}", "formats=jsonl") == 0
-  assert sorted(p.name for p in out.iterdir()) == ["jsonl", "notes.txt"]
+  assert sorted(p.name for p in out.iterdir()) == ["jsonl", "notes.txt", "prepare_data.json"]
   assert _texts(out / "jsonl" / "validation.jsonl") == ["B document 7 with a few words."]
   assert f"prepare_data: removed the arrayrecord and tfds output of an earlier run from {out} (not in formats=jsonl)" \
       in capsys.readouterr().out
@@ -239,7 +239,7 @@ def test_prepare_data_killed_then_rerun_keeps_the_old_output_and_leaves_no_parti
   assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()
           if not p.relative_to(out).parts[0].startswith(".")} == before
   assert _prepare(f"data_files={tmp_path / 'A.txt'}", f"output_path={out}", "formats=jsonl") == 0
-  assert sorted(p.name for p in out.iterdir()) == ["jsonl"]  # no staging folder; arrayrecord/ was not asked for
+  assert sorted(p.name for p in out.iterdir()) == ["jsonl", "prepare_data.json"]  # no staging folder; arrayrecord/ was not asked for
 
 
 def test_prepare_data_refuses_a_jsonl_file_instead_of_wrapping_its_syntax(tmp_path):
