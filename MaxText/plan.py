@@ -47,10 +47,10 @@ from MaxText.aot.plan_ranking import Planned, format_table, rank_compiled
 from MaxText.aot.plan_recipe import compile_flags, write_recipe
 from MaxText.aot.step_time import report as step_report
 from MaxText.aot.step_time.saved import StepTarget
-from MaxText.training import compiled_step
+from MaxText.training import compiled_step, lora
 from MaxText.training.objectives import distill
 from MaxText.platform import accelerators, tpu_launch
-from MaxText.configuration import config as config_lib, remat_policies, tool_args
+from MaxText.configuration import config as config_lib, objective_registry, remat_policies, rl_config, tool_args
 from MaxText.errors import ConfigError, UserError, run_cli
 from MaxText.aot.memory_report import GIB
 from MaxText.platform.mesh_axes import MeshAxis
@@ -319,10 +319,12 @@ def usable_paths(args: PlanArgs) -> Path:
 
 def model_shape(config: config_lib.Config) -> plan_model.ModelShape:
   """The trained model's shape, with the teacher its objective runs beside it (none, or a distillation
-  teacher configured as the objective reads it) and the image views a row's vision tower encodes."""
+  teacher configured as the objective reads it), the image views a row's vision tower encodes, and the
+  objective's passes per row and frozen copy as its record declares them (as the run's FLOPs count them)."""
   teachers = tuple(plan_model.Teacher(plan_model.ModelShape.of(run.cfg, None), run.held_bytes_per_token,
                                       run.per_micro_batch) for run in distill.teacher_runs(config))
-  return plan_model.ModelShape.of(config.model, config.optim, teachers, config.data.max_images_per_row)
+  cost = objective_registry.record(config.data.objective).cost(config, lora.partition_for(config.model))
+  return plan_model.ModelShape.of(config.model, config.optim, teachers, config.data.max_images_per_row, cost)
 
 
 def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_lib.Config,
@@ -341,6 +343,10 @@ def shortlist(args: PlanArgs, overrides: config_lib.Overrides, config: config_li
       raise ConfigError(f"global_batch_tokens={args.global_batch_tokens} is not a whole number of "
                         f"{seq_len}-token sequences (max_target_length)")
     global_batch = args.global_batch_tokens // seq_len
+  rollout = rl_config.own_rollout_devices(config.data.objective, config.rl)
+  if rollout:  # its candidates would span every device, which no config with a rollout mesh accepts
+    raise ConfigError(f"rl_rollout_devices={rollout}: the planner lays the training mesh over the whole slice and "
+                      "does not model a rollout mesh of its own; plan with rl_rollout_devices=0")
   model = model_shape(config)
   rules = config.mesh.logical_axis_rules
   kernel = select_kernel(config.model.attn.attention, "tpu", config.model)
@@ -471,6 +477,7 @@ def main(argv: list[str]) -> int:
   variants = sum(1 for p in planned if "sa_block_q" in p.settings)
   gen = topology.generation
   teacher = "".join(f", a teacher of {t.shape.num_params / 1e9:.2f} B" for t in model.teachers)
+  teacher += ", a frozen copy of them" if model.cost.reference_copy else ""
   print(f"plan for {config['model_name']} ({model.num_params / 1e9:.2f} B parameters{teacher}) on {num_slices} x {topology.name}: "
         f"{counted:,} candidates estimated to fit in {gen.hbm_gib:g} GiB with {args.headroom:.0%} headroom, ranked in "
         f"{time.perf_counter() - started:.1f} s; short list: the best {len(planned) - variants}"

@@ -131,6 +131,7 @@ class Estimate:
   teacher: float = 0.0  # a distillation teacher's parameters (in `total`, not in `params`)
   gradients_beside: bool = False  # gradients held whole beside the activations (a scanned stack), else the larger
   weights_copy: float = 0.0  # the stacked weights cast to the compute dtype (in `total`)
+  reference: float = 0.0  # the objective's frozen copy of the parameters (in `total`, not in `params`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,11 +146,14 @@ class ModelShape:
   teachers: tuple["Teacher", ...] = ()  # models the objective runs forward-only beside this one
   layer_tensors: int = 1  # weight arrays of one decoder layer: FSDP gathers and reduces each on its own
   images_per_row: int = 0  # views a row's vision tower encodes (max_images_per_row): their FLOPs are in the step
+  # The objective's passes per row and frozen copy (its ObjectiveRecord's cost); language modelling's by default.
+  cost: metrics.ObjectiveCost = metrics.ObjectiveCost()
 
   @classmethod
   def of(cls, cfg: ModelConfig, optim_cfg: OptimConfig | None, teachers: tuple["Teacher", ...] = (),
-         images_per_row: int = 0) -> "ModelShape":
-    """The shape of `cfg`'s model, trained with `optim_cfg` (None: frozen, no optimizer state)."""
+         images_per_row: int = 0, cost: metrics.ObjectiveCost = metrics.ObjectiveCost()) -> "ModelShape":
+    """The shape of `cfg`'s model, trained with `optim_cfg` (None: frozen, no optimizer state) by an objective
+    of `cost`."""
     from MaxText import models  # noqa: PLC0415  (flax; only the planner needs it here)
     spec = models.build_model_spec(cfg)
     params, names = spec.abstract_params, spec.logical_names
@@ -169,7 +173,7 @@ class ModelShape:
     if not stacked and unrolled:  # an unrolled stack (scan_layers=False, Gemma 4's): the largest layer is gathered
       layer_params = max(size for size, _ in unrolled.values())
       layer_tensors = max(1, round(sum(count for _, count in unrolled.values()) / len(unrolled)))
-    return cls(cfg, leaves, opt_multiple, num_params, layer_params, teachers, layer_tensors, images_per_row)
+    return cls(cfg, leaves, opt_multiple, num_params, layer_params, teachers, layer_tensors, images_per_row, cost)
 
 
 _UNROLLED_LAYER = re.compile(r"layers_(\d+)$")
@@ -300,6 +304,8 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   # A teacher's weights stay beside the student's; its output (log-probs) lives through the student's
   # step; its forward runs before the student's, its one layer and logits live only then.
   teacher_params = sum(param_layout(t.shape, mesh_shape, rules)[0] for t in model.teachers)
+  # A frozen reference (DPO's, GRPO's with grpo_beta > 0) is a copy of the parameters, sharded like them.
+  reference = params if model.cost.reference_copy else 0.0
   activations += sum(t.held_bytes_per_token for t in model.teachers) * tokens
   for t in model.teachers:
     t_cfg, t_tokens = t.shape.cfg, tokens if t.per_micro_batch else tokens * accumulation
@@ -308,16 +314,19 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
     t_working = t_tokens * (act_bytes * (2 * t_cfg.emb_dim + t_qkv) + t_cfg.vocab_size * 4 * 2)
     activations = max(activations, t_working + (t_gathered if shard_group > 1 else 0.0))
   held = gradients + activations if gradients_beside else max(gradients, activations)
-  total = params + teacher_params + device_optimizer + held + weights_copy + accumulated
+  total = params + teacher_params + reference + device_optimizer + held + weights_copy + accumulated
 
-  flops = metrics.training_tflops_per_step(cfg, max(1, round(global_batch)), seq_len,
+  cost = model.cost
+  flops = metrics.training_tflops_per_step(cfg, max(1, round(global_batch)), seq_len, passes=cost.passes_per_row,
                                            forward_only=tuple(t.shape.cfg for t in model.teachers),
-                                           images_per_row=model.images_per_row)
+                                           images_per_row=model.images_per_row, trained_per_row=cost.trained_per_row,
+                                           trains_indexer=cost.trains_indexer)
   flops_per_chip = flops.total_tflops * 1e12 / chips
-  # Rematerialisation re-runs the forward matmuls whose results it did not keep.
-  recompute = plan_remat.rerun_flops(cfg, policy, seq_len) * global_batch / chips
+  # Rematerialisation re-runs the forward matmuls whose results it did not keep, in each trained sequence's backward.
+  trained_rows = global_batch * cost.trained_per_row
+  recompute = plan_remat.rerun_flops(cfg, policy, seq_len) * trained_rows / chips
   executed = flops_per_chip * (1 + pipe.extra_compute) + recompute + plan_remat.kernel_rerun_flops(
-      cfg, seq_len, attention_kernel) * global_batch / chips
+      cfg, seq_len, attention_kernel) * trained_rows / chips
   compute_s = executed / (gen.peak_tflops * 1e12) / (1 - pipe.bubble)
 
   # Collectives per chip per step (ring algorithms: (g-1)/g of the buffer crosses the links).
@@ -401,7 +410,8 @@ def estimate(model: ModelShape, candidate: Mapping[str, Any], topology: accelera
   return Estimate(params, device_optimizer, gradients, activations, total, flops_per_chip,
                   compute_s, ici_s + exposed_s, dcn_s, host_s, step_s, mfu, global_batch * seq_len / chips / step_s, tuple(caveats),
                   unsharded, plan_remat.offloaded_activations(cfg, policy, tokens, mesh_shape) * pipe.live_share,
-                  optimizer if offload_opt else 0.0, recompute, teacher_params, gradients_beside, weights_copy)
+                  optimizer if offload_opt else 0.0, recompute, teacher_params, gradients_beside, weights_copy,
+                  reference)
 
 
 def full_remat_gathered_inputs(policy: remat_policies.RematPolicy, mesh_shape: Mapping[str, int]) -> int:

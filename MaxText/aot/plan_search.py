@@ -372,7 +372,8 @@ def fits_nowhere(bound: Bound, topology: accelerators.TpuTopology, num_slices: i
     e, settings = found
     need = (f"its leanest setting ({describe(settings, shown=('remat_policy', 'optimizer_memory_host_offload'))}) "
             f"needs {e.total / GIB:.1f} GiB per {unit} (parameters {e.params / GIB:.1f} + "
-            + (f"the teacher's parameters {e.teacher / GIB:.1f} + " if e.teacher else "") + "optimizer "
+            + (f"the teacher's parameters {e.teacher / GIB:.1f} + " if e.teacher else "")
+            + (f"the reference's parameters {e.reference / GIB:.1f} + " if e.reference else "") + "optimizer "
             f"{e.optimizer / GIB:.1f} + " + (
                 f"gradients {e.gradients / GIB:.1f} + activations {e.activations / GIB:.1f}"
                 + (f" + the weights' {e.weights_copy / GIB:.1f} in the compute dtype" if e.weights_copy else "")

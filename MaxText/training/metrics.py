@@ -305,6 +305,17 @@ class CountedObjective(Protocol):
   forward_only_models: tuple[ModelConfig, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class ObjectiveCost:
+  """What an objective's step runs per batch row and keeps beside the parameters, from the config and the
+  partition alone (its ObjectiveRecord's `cost`, which the objective's own attributes come from too): the
+  planner prices a step with it without building the objective. The defaults are language modelling's."""
+  passes_per_row: int = 3  # CountedObjective's
+  trained_per_row: int = 1
+  trains_indexer: bool = True
+  reference_copy: bool = False  # the state holds a frozen copy of the parameters (PreferenceState.reference)
+
+
 def objective_tflops_per_step(config: Config, objective: CountedObjective) -> StepFlops:
   """training_tflops_per_step of a run's step: its batch, its objective's passes and models, its image views."""
   return training_tflops_per_step(config.model, config.data.global_batch_size, config.data.max_target_length,

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 
 import jax
 
+from MaxText.training import metrics
 from MaxText.training.train_state import TrainState
 
 if TYPE_CHECKING:
@@ -100,6 +101,12 @@ class Objective(abc.ABC):
     """(`eval_`-named scalars, the eval log line's text) from the scalar sums over the eval batches."""
 
 
+def declared_cost(objective: type[Objective]) -> Callable[[Config, Partition], metrics.ObjectiveCost]:
+  """The cost of an objective whose passes are attributes of its class and that keeps no frozen copy."""
+  return lambda config, partition: metrics.ObjectiveCost(objective.passes_per_row, objective.trained_per_row,
+                                                         objective.trains_indexer)
+
+
 @dataclasses.dataclass(frozen=True)
 class ObjectiveRecord:
   """One objective as its module declares it and configuration/objective_registry.py names it: what
@@ -114,3 +121,5 @@ class ObjectiveRecord:
   whole_records: bool  # the encoder takes each record whole, not its text column
   # None: no chat tokenizer; False: one whose template only message lists need; True: a template is required
   chat_template: bool | None
+  # (config, the trained partition) -> its passes per row and frozen copy, without building it (the planner's)
+  cost: Callable[[Config, Partition], metrics.ObjectiveCost] = declared_cost(Objective)  # type: ignore[type-abstract]

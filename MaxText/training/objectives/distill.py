@@ -36,7 +36,7 @@ from MaxText.models import ModelSpec, token_loss_sums
 from MaxText.paths import storage
 from MaxText.training import params_io
 from MaxText.training.objectives import distill_loss
-from MaxText.training.objectives.base import Batch, Metrics, Objective, ObjectiveRecord, Params, Sums, T
+from MaxText.training.objectives.base import Batch, Metrics, Objective, ObjectiveRecord, Params, Sums, T, declared_cost
 from MaxText.training.optimizers import Partition
 from MaxText.training.train_state import TrainState
 
@@ -256,7 +256,9 @@ def _build(config: Config, model: ModelSpec, partition: Partition) -> Objective:
 
 
 # objective=distill: documents, their text column tokenized, as objective=lm reads them.
-DOCUMENTS = ObjectiveRecord(_build, FIELDS, document_encoder, whole_records=False, chat_template=None)
+DOCUMENTS = ObjectiveRecord(_build, FIELDS, document_encoder, whole_records=False, chat_template=None,
+                            cost=declared_cost(Distill))
 # objective=distill_sft: conversations rendered with the chat template, as objective=sft reads them; the
 # prompt's targets carry no weight (targets_segmentation 0), so the KL and the labels count the completion only.
-CONVERSATIONS = ObjectiveRecord(_build, FIELDS, conversation_encoder, whole_records=True, chat_template=True)
+CONVERSATIONS = ObjectiveRecord(_build, FIELDS, conversation_encoder, whole_records=True, chat_template=True,
+                                cost=declared_cost(Distill))

@@ -24,6 +24,7 @@ from MaxText.training.objectives import distill, grpo_loss, rollout_correction, 
 from MaxText.training.objectives.base import Batch, Metrics, Objective, ObjectiveRecord, Params, Sums, T
 from MaxText.training.objectives.language_model import routing_metrics
 from MaxText.training import microbatches
+from MaxText.training.metrics import ObjectiveCost
 from MaxText.training.optimizers import Partition
 from MaxText.training.train_state import PreferenceState, TrainState, reference_of
 
@@ -77,15 +78,12 @@ class Grpo(Objective):
     self.corrects = rl.rl_importance_sampling != "off"
     self.old_from_sampler = rl_config.old_logps_from_sampler(rl)
     self.uses_reference = rl.grpo_beta > 0
-    self.keeps_copy = self.uses_reference and not partition.frozen_gives_base_model
+    cost = step_cost(rl, partition)
+    self.keeps_copy = cost.reference_copy
     self.state_class = TeacherRLState if teacher else PreferenceState if self.keeps_copy else TrainState
     # The teacher's forward, once per rollout batch, counts on its own model.
     self.forward_only_models = (teacher.model.cfg,) if teacher else ()
-    # Per row: the update's forward and backward (3 passes) each iteration; once per rollout
-    # batch the old policy's forward (when iterated) and the reference's.
-    fixed_passes = int(self.updates_per_batch > 1 or self.corrects) + int(self.uses_reference)
-    self.passes_per_row = 3 * self.updates_per_batch + fixed_passes
-    self.trained_per_row = self.updates_per_batch
+    self.passes_per_row, self.trained_per_row = cost.passes_per_row, cost.trained_per_row
 
   def extra_state(self, params: T, copy: Callable[[T], T]) -> dict[str, T]:
     extra = {"reference": copy(params)} if self.keeps_copy else {}
@@ -202,6 +200,16 @@ class Grpo(Objective):
     return {"eval_loss": loss}, f"loss {loss:8.4f}"
 
 
+def step_cost(rl: RLConfig, partition: Partition) -> ObjectiveCost:
+  """Per row: the update's forward and backward (3 passes) each iteration; once per rollout batch the old
+  policy's forward (when iterated or importance-sampled) and, with grpo_beta > 0, the reference's, a copy in
+  the state unless the frozen part gives it (LoRA). The rollouts' decoding is not counted."""
+  updates, uses_reference = rl.grpo_num_iterations, rl.grpo_beta > 0
+  fixed_passes = int(updates > 1 or rl.rl_importance_sampling != "off") + int(uses_reference)
+  return ObjectiveCost(3 * updates + fixed_passes, updates, Grpo.trains_indexer,
+                       reference_copy=uses_reference and not partition.frozen_gives_base_model)
+
+
 def _build(config: Config, model: ModelSpec, partition: Partition) -> Objective:
   teacher = None
   if config.rl.rl_teacher_kl_weight > 0:
@@ -212,4 +220,5 @@ def _build(config: Config, model: ModelSpec, partition: Partition) -> Objective:
 
 
 # objective=grpo: its train batches are rollouts (uses_rollouts) of the prompts rl/prompts.py reads.
-ROLLOUTS = ObjectiveRecord(_build, GRPO_FIELDS, document_encoder, whole_records=False, chat_template=False)
+ROLLOUTS = ObjectiveRecord(_build, GRPO_FIELDS, document_encoder, whole_records=False, chat_template=False,
+                         cost=lambda config, partition: step_cost(config.rl, partition))

@@ -17,7 +17,7 @@ from MaxText.input_pipeline import conversation_encoder, document_encoder
 from MaxText.input_pipeline.batch_spec import FIELDS, PIXEL_VALUES
 from MaxText.layers.moe import ROUTING_STATS
 from MaxText.models import ModelSpec, token_loss_sums
-from MaxText.training.objectives.base import Batch, Metrics, Objective, ObjectiveRecord, Params, Sums
+from MaxText.training.objectives.base import Batch, Metrics, Objective, ObjectiveRecord, Params, Sums, declared_cost
 from MaxText.training.objectives.pipelined import one_f_one_b_loss
 from MaxText.training.optimizers import Partition
 
@@ -139,6 +139,8 @@ def _build(config: Config, model: ModelSpec, partition: Partition) -> Objective:
 
 
 # objective=lm: documents, their text column tokenized.
-DOCUMENTS = ObjectiveRecord(_build, FIELDS, document_encoder, whole_records=False, chat_template=None)
+DOCUMENTS = ObjectiveRecord(_build, FIELDS, document_encoder, whole_records=False, chat_template=None,
+                            cost=declared_cost(LanguageModel))
 # objective=sft: conversations or prompt/completion pairs rendered with the chat template (and their images).
-CONVERSATIONS = ObjectiveRecord(_build, FIELDS, conversation_encoder, whole_records=True, chat_template=True)
+CONVERSATIONS = ObjectiveRecord(_build, FIELDS, conversation_encoder, whole_records=True, chat_template=True,
+                                cost=declared_cost(LanguageModel))

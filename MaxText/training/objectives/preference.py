@@ -13,6 +13,7 @@ from MaxText.training.objectives import dpo
 from MaxText.input_pipeline import preference_encoder
 from MaxText.input_pipeline.batch_spec import DPO_FIELDS
 from MaxText.models import ModelSpec
+from MaxText.training.metrics import ObjectiveCost
 from MaxText.training.objectives.base import Batch, Metrics, Objective, ObjectiveRecord, Params, Sums, T
 from MaxText.training.optimizers import Partition
 from MaxText.training.train_state import PreferenceState, TrainState, reference_of
@@ -33,7 +34,7 @@ class Preference(Objective):
 
   def __init__(self, model: ModelSpec, partition: Partition, beta: float, label_smoothing: float):
     self.model, self.partition, self.beta, self.label_smoothing = model, partition, beta, label_smoothing
-    self.keeps_copy = not partition.frozen_gives_base_model
+    self.keeps_copy = copies_reference(partition)
     self.state_class = PreferenceState if self.keeps_copy else TrainState
 
   def extra_state(self, params: T, copy: Callable[[T], T]) -> dict[str, T]:
@@ -65,9 +66,20 @@ class Preference(Objective):
                      f"reward margin {scalars['eval_rewards/margins']:.4f}")
 
 
+def copies_reference(partition: Partition) -> bool:
+  """Whether the state holds the reference as a copy: unless the frozen part gives the starting model (LoRA)."""
+  return not partition.frozen_gives_base_model
+
+
+def _cost(config: Config, partition: Partition) -> ObjectiveCost:
+  return ObjectiveCost(Preference.passes_per_row, Preference.trained_per_row, Preference.trains_indexer,
+                       reference_copy=copies_reference(partition))
+
+
 def _build(config: Config, model: ModelSpec, partition: Partition) -> Objective:
   return Preference(model, partition, config.optim.dpo_beta, config.optim.dpo_label_smoothing)
 
 
 # objective=dpo: {"prompt", "chosen", "rejected"} records, one pair per row.
-PREFERENCE_PAIRS = ObjectiveRecord(_build, DPO_FIELDS, preference_encoder, whole_records=True, chat_template=False)
+PREFERENCE_PAIRS = ObjectiveRecord(_build, DPO_FIELDS, preference_encoder, whole_records=True, chat_template=False,
+                                   cost=_cost)
