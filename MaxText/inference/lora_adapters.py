@@ -65,6 +65,17 @@ def _path_keys(path: tuple[Any, ...]) -> tuple[str, ...]:
   return tuple(str(getattr(k, "key", k)) for k in path)
 
 
+def table_places(abstract: Params) -> dict[tuple[tuple[str, ...], str], tuple[tuple[int, ...], int, Any]]:
+  """(dense's path, lora leaf name) -> the single adapter's shape, its layer dims in front, its dtype."""
+  places = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+    keys = _path_keys(path)
+    if keys[-1] in lora.ADAPTER_KEYS:
+      lead = 1 if keys[0] in LAYER_STACKS else 0  # a scanned stack: the layer dim comes first
+      places[(keys[:-1], keys[-1])] = (tuple(leaf.shape), lead, leaf.dtype)
+  return places
+
+
 class AdapterTable:
   """Rows of the engine's adapter tables: `with_tables` gives the parameters zero tables of
   `capacity` adapters (+ the base row), `set_row` writes an adapter's weights into a row."""
@@ -75,14 +86,7 @@ class AdapterTable:
     self.engine, self.capacity = engine, capacity
     self.rank = engine.cfg.lora.lora_rank
     self.targets = tuple(engine.cfg.lora.lora_target_modules)
-    abstract = engine.spec.abstract_params
-    # (dense's path, lora leaf name) -> the single adapter's abstract shape and its layer dims in front
-    self._places: dict[tuple[tuple[str, ...], str], tuple[tuple[int, ...], int, Any]] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
-      keys = _path_keys(path)
-      if keys[-1] in lora.ADAPTER_KEYS:
-        lead = 1 if keys[0] in LAYER_STACKS else 0  # a scanned stack: the layer dim comes first
-        self._places[(keys[:-1], keys[-1])] = (tuple(leaf.shape), lead, leaf.dtype)
+    self._places = table_places(engine.spec.abstract_params)
     shardings = {_path_keys(p): s for p, s in jax.tree_util.tree_flatten_with_path(engine.param_shardings)[0]}
     self._shardings = {}
     for (dense, key), (_, lead, _) in self._places.items():
@@ -141,15 +145,23 @@ class AdapterTable:
           if key == "lora_a":
             value[index][..., :rank] = pair[0]
           else:
-            value[index][:rank] = pair[1] * adapter.scale_of(leaf)
-      out[(dense, key)] = value.astype(dtype)
+            with np.errstate(over="ignore"):  # refused below, in one line
+              value[index][:rank] = pair[1] * adapter.scale_of(leaf)
+      with np.errstate(over="ignore"):
+        out[(dense, key)] = value.astype(dtype)
+      # Finite weights times a finite scale can still overflow: an inf row decoded NaN logits (token 0 on and on).
+      if adapter is not None and not np.isfinite(out[(dense, key)]).all():
+        scale = max((adapter.scale_of(leaf) for leaf in adapter.leaves if leaf[0] == dense), key=abs)
+        raise UserError(f"its lora_B times its scale ({scale:.3g}, from lora_alpha) overflows {np.dtype(dtype).name} "
+                        f"in {'/'.join(dense)}; lora_alpha or the lora_B weights are far too large")
     return out
 
   def set_row(self, params: Params, row: int, adapter: peft_adapters.PeftAdapter | None) -> Params:
     """New parameters: `params` with table row `row` holding `adapter` (None: zeros). One compiled
     program for every row; the other parameters are shared, not copied."""
+    values = self.row_values(adapter)  # its refusals before any device work
     tables = {place: _subtree(params, place[0])[place[1]] for place in self._places}
-    new = self._set(tables, self.row_values(adapter), jnp.int32(row))
+    new = self._set(tables, values, jnp.int32(row))
     out = _copy_dicts(params)
     for (dense, key), value in new.items():
       _subtree(out, dense)[key] = value
@@ -205,6 +217,7 @@ class Registry:
     """Loads the PEFT adapter in `path` as `name`; UserError (with no change) when it cannot be served.
     Reading it happens outside the lock that requests take, so serving goes on meanwhile."""
     lora_admin.check_name(name)
+    lora_admin.check_path(path)
     with self._changing:  # one change of the tables at a time: the free row stays free
       with self._lock:
         if name == self.base_name:
@@ -221,7 +234,11 @@ class Registry:
         adapter = peft_adapters.load(path, self.table.engine.cfg, self.table.engine.spec.abstract_params)
       self.table.check(adapter.rank, adapter.targets, name)  # the targets its tensors name
       loaded = LoadedAdapter(name, free[0], adapter.rank, adapter.alpha, adapter.targets, adapter.use_rslora)
-      self._set_params(self.table.set_row(self.params, loaded.row, adapter))  # before the name is usable
+      try:
+        new = self.table.set_row(self.params, loaded.row, adapter)
+      except UserError as e:
+        raise UserError(f"LoRA adapter {name!r} ({path}): {e}") from None
+      self._set_params(new)  # before the name is usable
       with self._lock:
         self._by_name[name], self._in_flight[name] = loaded, 0
         self._loads += 1
@@ -318,8 +335,9 @@ def check_start_names(named: Sequence[tuple[str, str]], base_name: str, slots: i
   finds the same only after the engine and the base model's weights (minutes for a real model), and with the
   admin route's advice ("remove it first")."""
   seen: set[str] = set()
-  for name, _ in named:
+  for name, path in named:
     lora_admin.check_name(name)
+    lora_admin.check_path(path)
     if name == base_name:
       raise UserError(f"serve_lora_adapters names an adapter {name!r}, the base model's own name: choose another "
                       "(or another serve_model_name)")

@@ -52,6 +52,20 @@ def check_name(name: str) -> None:
                     f"(DELETE /v1/admin/lora_adapters/NAME could not name it), got {name!r}")
 
 
+# Linux's PATH_MAX: no longer path names a file (a gs:// object name is at most 1024 bytes).
+MAX_PATH_CHARS = 4096
+
+
+def check_path(path: str) -> None:
+  """UserError for an adapter path no file can have: every refusal of an adapter echoes its path, so a 100 KB one
+  made a 100 KB error line, and a NUL read as a missing folder."""
+  if len(path) > MAX_PATH_CHARS:
+    raise UserError(f"a LoRA adapter's path is {len(path)} characters, longer than any file path ({MAX_PATH_CHARS}); "
+                    f"got {path[:40]!r}...")
+  if "\0" in path:
+    raise UserError(f"a LoRA adapter's path cannot hold a NUL character, got {path[:200]!r}")
+
+
 class Admin:
   """The adapters as the admin routes see them: `names` as last known here (a quick check before
   an add; the registry refuses a taken name again), the rest answered by the registry."""

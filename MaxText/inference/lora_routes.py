@@ -57,6 +57,10 @@ def add_routes(app: FastAPI, registry: lora_admin.Admin, admin_allowed: bool) ->
       lora_admin.check_name(body["name"])
     except UserError as e:
       raise api.ApiError(400, str(e), "name", "invalid_name") from None
+    try:
+      lora_admin.check_path(body["path"])
+    except UserError as e:
+      raise api.ApiError(400, str(e), "path", "invalid_adapter") from None
     if body["name"] in registry.names() or body["name"] == registry.base_name:
       raise api.ApiError(409, f"the model name {body['name']!r} is taken (the base model's or a loaded adapter's); "
                          "choose another", "name", "name_taken")

@@ -232,23 +232,31 @@ class _Admin:
     return lora_admin.LoadedAdapter(name, len(self.added), 4, 8.0, ("q_proj",))
 
 
-@pytest.mark.parametrize("extra", [{"lora_alpha": 16}, {"rank": 8}, {"scale": 2.0}])
-def test_an_add_with_a_field_it_would_ignore_is_a_400_naming_it(extra):
-  """Was: loaded with the adapter's own alpha / rank, the field dropped without a word."""
+def _route_client(admin: _Admin):
+  """The admin routes over `admin`, answering ApiErrors as the server does."""
   from fastapi import FastAPI
   from fastapi.responses import JSONResponse
   from fastapi.testclient import TestClient
   from MaxText.inference import lora_routes
   from MaxText.inference import openai_api as api
 
-  app, admin = FastAPI(), _Admin()
+  app = FastAPI()
 
   @app.exception_handler(api.ApiError)
   async def api_error(_, e):
     return JSONResponse(e.body(), status_code=e.status)
 
   lora_routes.add_routes(app, admin, admin_allowed=True)
-  client = TestClient(app)
+  return TestClient(app)
+
+
+@pytest.mark.parametrize("extra", [{"lora_alpha": 16}, {"rank": 8}, {"scale": 2.0}])
+def test_an_add_with_a_field_it_would_ignore_is_a_400_naming_it(extra):
+  """Was: loaded with the adapter's own alpha / rank, the field dropped without a word."""
+  from MaxText.inference import lora_routes
+
+  admin = _Admin()
+  client = _route_client(admin)
   (field,) = extra
   response = client.post(lora_routes.ROUTE, json={"name": "a", "path": "/x", **extra})
   assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
@@ -257,3 +265,47 @@ def test_an_add_with_a_field_it_would_ignore_is_a_400_naming_it(extra):
   ok = client.post(lora_routes.ROUTE, json={"name": "a", "path": "/x", "comment": None})  # null is no value
   assert ok.status_code == 200 and admin.added == [("a", "/x")], ok.text
 
+
+
+@pytest.mark.parametrize("path, words", [
+    ("/x" * 50_000, "a LoRA adapter's path is 100000 characters, longer than any file path (4096); got '/x/x/x"),
+    ("/adapters/a\0b", "a LoRA adapter's path cannot hold a NUL character, got '/adapters/a\\x00b'"),
+], ids=["100k-chars", "nul"])
+def test_a_path_no_file_can_have_is_a_short_400(path, words):
+  """Was: a 100 KB path echoed whole into a 100 KB error line; a NUL read as "is not a PEFT LoRA adapter"."""
+  from MaxText.inference import lora_routes
+
+  admin = _Admin()
+  response = _route_client(admin).post(lora_routes.ROUTE, json={"name": "a", "path": path})
+  assert response.status_code == 400 and response.json()["error"]["param"] == "path", response.text[:300]
+  assert response.json()["error"]["message"].startswith(words) and len(response.text) < 400, response.text[:300]
+  assert admin.added == []
+  with pytest.raises(UserError, match="NUL character|longer than any file path"):  # serve_lora_adapters too
+    lora_adapters.check_start_names([("a", path)], "base", 0)
+
+
+def test_an_adapter_whose_scaled_weights_overflow_is_refused_with_no_change(good, tmp_path):
+  """Finite lora_B weights times a finite lora_alpha / r beyond float32's range: the table row held inf, and every
+  request for the adapter decoded NaN logits (token 0 again and again) without a word."""
+  import types
+
+  from safetensors.numpy import load, save
+
+  good_dir, model, abstract = good
+  big = _variant(good_dir, tmp_path, lora_alpha=1e29)
+  tensors = load((big / peft_adapters.WEIGHTS_FILE).read_bytes())
+  (big / peft_adapters.WEIGHTS_FILE).write_bytes(save({k: v * 1e12 if ".lora_B." in k else v
+                                                       for k, v in tensors.items()}))
+  table = object.__new__(lora_adapters.AdapterTable)  # the tables' rows without an engine: nothing compiles
+  table.engine = types.SimpleNamespace(cfg=model, spec=types.SimpleNamespace(abstract_params=abstract))
+  table.capacity, table.rank, table.targets = 2, 4, ("q_proj", "v_proj")
+  table._places = lora_adapters.table_places(abstract)
+  registry = lora_adapters.Registry(table, "base", abstract)
+  with pytest.raises(UserError) as e:
+    registry.add("big", str(big))
+  assert str(e.value) == (f"LoRA adapter 'big' ({big}): its lora_B times its scale (2.5e+28, from lora_alpha) overflows "
+                          "float32 in layers/self_attention/query; lora_alpha or the lora_B weights are far too large")
+  assert registry.names() == [] and registry.params is abstract
+  # the same adapter at its own alpha fits
+  fine = peft_adapters.load(str(good_dir), model, abstract)
+  assert all(np.isfinite(v).all() for v in table.row_values(fine).values())
