@@ -13,7 +13,8 @@ class QueueFull(Exception):
 
 
 class TooLarge(Exception):
-  """A job that needs more KV pages than the whole pool: it could never be admitted (a 400)."""
+  """A job that needs more KV pages than the whole pool, or more tokens than a slot's cache holds: it could never
+  be served (a 400)."""
 
 
 @dataclasses.dataclass

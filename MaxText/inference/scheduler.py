@@ -186,6 +186,9 @@ class Scheduler:
     self._stopping = False
     self._state: EngineState = engine.init_decode_state(seed)  # the engine's own decode state, opaque here
     self._pages_total = int(engine.cache_stats()["pages_total"])  # 0: the dense cache
+    # Tokens a job's prompt and max_tokens may reach (the last token needs no cache entry); 0: no limit known.
+    cfg = getattr(engine, "cfg", None)
+    self._room = 0 if cfg is None else cfg.max_target_length + 1
     self._reserved: dict[int, int] = {}  # slot -> pages its active job holds at its end (paged cache)
     # Jobs admitted, finished by reason, slots released, steps, loops. Every key exists from the
     # start: load() copies the counter from another thread, which a new key would break.
@@ -220,9 +223,15 @@ class Scheduler:
     return self.engine.pages_needed(len(job.prompt) + job.max_tokens - 1)
 
   def submit(self, jobs: Sequence[Job]) -> None:
-    """Queues all of `jobs` or none (QueueFull; TooLarge for a job no pool could ever hold): one
+    """Queues all of `jobs` or none (QueueFull; TooLarge for a job no pool or cache could ever hold): one
     request's choices are never split."""
+    room = self._room
     for job in jobs:
+      # Past the cache a call of several steps emits nothing more while the job waits for max_tokens: it spun
+      # forever (one step per call made tokens past the cache instead).
+      if room and job.max_tokens and len(job.prompt) + job.max_tokens > room:
+        raise TooLarge(f"{len(job.prompt)} prompt tokens + max_tokens={job.max_tokens} exceed the context of {room} "
+                       "tokens (max_target_length + 1)")
       need = self.pages_needed(job)
       if self._pages_total and need > self._pages_total:
         raise TooLarge(f"{len(job.prompt)} prompt tokens + max_tokens={job.max_tokens} need {need} KV pages but "
