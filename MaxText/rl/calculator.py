@@ -134,13 +134,13 @@ class Calculator:
     return [{"role": "user", "content": str(self.prompt)}]
 
   def step(self, turn: ModelTurn) -> Step:
-    if turn.malformed and not turn.calls:
-      return Step([{"role": "tool", "content": 'error: a tool call must be <tool_call>{"name": "calculator", '
-                                               '"arguments": {"expression": "..."}}</tool_call>'}])
-    if turn.calls:
+    malformed = ('error: a tool call must be <tool_call>{"name": "calculator", "arguments": {"expression": '
+                 '"..."}}</tool_call>')
+    if turn.calls or turn.malformed:
       replies = [answer_call(c.arguments) if c.name == TOOL_NAME else f"error: no tool named {c.name!r}; the only "
                  f"tool is {TOOL_NAME}" for c in turn.calls]
-      return Step([{"role": "tool", "content": r} for r in replies])
+      # A call that did not parse beside ones that did is answered too: not a final answer, not silence.
+      return Step([{"role": "tool", "content": r} for r in replies + ([malformed] if turn.malformed else [])])
     matched = rewards.ExactMatch("answer")(completions=[turn.text], answer=[self.answer])[0]
     return Step([], matched, True)
 

@@ -11,13 +11,15 @@ keyword arguments (`prompt` and every other column) and returns an episode objec
 `step` may also return a (messages, reward, done) tuple. A message is a dict with a "role" (tool,
 user or system) and a string "content". Every call runs guarded (`Guarded`): one that raises (an
 exit included), does not return within rl_environment_timeout_seconds or returns anything else
-stops the run with one `error:` line naming the environment, the call and the prompt record. A
-tool call the model wrote badly is not an error: the episode's `step` gets it (`malformed`) and
-answers the model, as the calculator does.
+stops the run with one `error:` line naming the environment, the call and the prompt record. Each
+episode gets a deep copy of its record, and what the calls return is copied (as JSON): later changes
+to either reach nothing the run keeps. A tool call the model wrote badly is not an error: the
+episode's `step` gets it (`malformed`) and answers the model, as the calculator does.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -99,10 +101,9 @@ class PendingStep:
 
   def __init__(self, guarded: "Guarded", episode: Any, turn: ModelTurn, index: int,
                finished: queue.SimpleQueue[Any], key: Any):
-    fn = _method(episode, "step")
     self.guarded, self.index = guarded, index
     self.deadline = time.monotonic() + guarded.timeout_s
-    self.call: _Call[Any] = _Call(lambda: fn(turn), finished, key)
+    self.call: _Call[Any] = _Call(_calling(episode, "step", turn), finished, key)
 
   def ready(self) -> bool:
     """It returned, raised, or ran past rl_environment_timeout_seconds."""
@@ -146,18 +147,16 @@ class Guarded:
   def episodes(self, records: Sequence[Mapping[str, Any]], indices: Sequence[int]) -> list[Any]:
     """One episode object per record (the factory called with the record's fields as keywords)."""
     def make(record: Mapping[str, Any]) -> Callable[[], Any]:
-      return lambda: self.factory(**dict(record))
+      # A copy each: the records are the prompt set's own, and a group's episodes share one.
+      return lambda: self.factory(**copy.deepcopy(dict(record)))
     return self.call_all("creating the episode", [make(r) for r in records], indices)
 
   def opening(self, episodes: Sequence[Any], indices: Sequence[int]) -> list[list[Message]]:
-    values = self.call_all("start", [_method(e, "start") for e in episodes], indices)
+    values = self.call_all("start", [_calling(e, "start") for e in episodes], indices)
     return [self.messages(v, "start", i, allow_assistant=True) for v, i in zip(values, indices)]
 
   def step(self, episodes: Sequence[Any], turns: Sequence[ModelTurn], indices: Sequence[int]) -> list[Step]:
-    def call(episode: Any, turn: ModelTurn) -> Callable[[], Any]:
-      fn = _method(episode, "step")
-      return lambda: fn(turn)
-    values = self.call_all("step", [call(e, t) for e, t in zip(episodes, turns)], indices)
+    values = self.call_all("step", [_calling(e, "step", t) for e, t in zip(episodes, turns)], indices)
     return [self._step(v, i) for v, i in zip(values, indices)]
 
   def step_later(self, episode: Any, turn: ModelTurn, index: int, finished: queue.SimpleQueue[Any], key: Any
@@ -174,11 +173,14 @@ class Guarded:
       raise UserError(f"environment {self.name}: the episode's tools is {type(tools).__name__} for prompt record "
                       f"{index}; it must be a list of JSON schemas (dicts), or absent")
     try:  # as a message: a checkpoint holds the episodes made ahead as JSON
-      json.dumps(tools)
+      copied = _json_copy(tools)
     except (TypeError, ValueError, RecursionError) as e:
       raise UserError(f"environment {self.name}: the episode's tools are not JSON ({type(e).__name__}: "
                       f"{str(e)[:100]}) for prompt record {index}; give JSON schemas") from None
-    return tools
+    if json_text.has_unpaired_surrogate(copied):
+      raise UserError(f"environment {self.name}: the episode's tools hold a string that is not text (an unpaired "
+                      f"surrogate, which no tokenizer takes) for prompt record {index}")
+    return copied
 
   def _step(self, value: object, index: int) -> Step:
     if isinstance(value, tuple) and len(value) == 3:
@@ -186,14 +188,14 @@ class Guarded:
     if not isinstance(value, Step):
       raise UserError(f"environment {self.name}: step returned {type(value).__name__} for prompt record {index}; it "
                       "must return a Step (messages, reward, done) or such a tuple")
-    reward = value.reward  # numpy's scalars (np.float32, np.int64) are numbers.Real too; bools are not rewards
-    if isinstance(reward, (bool, np.bool_)) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
-      raise UserError(f"environment {self.name}: step returned the reward {reward!r} for prompt record {index}; it "
-                      "must be a finite number")
+    reward = _reward(value.reward)
+    if reward is None:
+      raise UserError(f"environment {self.name}: step returned the reward {_shown(value.reward)} for prompt record "
+                      f"{index}; it must be a finite number")
     if not isinstance(value.done, (bool, np.bool_)):
-      raise UserError(f"environment {self.name}: step returned done={value.done!r} for prompt record {index}; it must "
-                      "be True or False")
-    return Step(self.messages(value.messages, "step", index), float(reward), bool(value.done))
+      raise UserError(f"environment {self.name}: step returned done={_shown(value.done)} for prompt record {index}; it "
+                      "must be True or False")
+    return Step(self.messages(value.messages, "step", index), reward, bool(value.done))
 
   def messages(self, value: object, method: str, index: int, allow_assistant: bool = False) -> list[Message]:
     roles = ROLES + (("assistant",) if allow_assistant else ())
@@ -202,7 +204,9 @@ class Guarded:
       raise UserError(f"environment {self.name}: {method} returned {problem} for prompt record {index}; it must "
                       f"return a list of messages, dicts with a role ({', '.join(roles)}) and a string content")
     assert isinstance(value, list)
-    return [dict(m) for m in value]
+    # Deep copies, as a checkpoint restores them: what the environment changes later (a list it keeps
+    # appending to, a nested field) reaches neither the episode nor its token layout.
+    return _json_copy(value)
 
 
 def _message_problem(value: object, roles: Sequence[str], empty_ok: bool) -> str | None:
@@ -219,6 +223,8 @@ def _message_problem(value: object, roles: Sequence[str], empty_ok: bool) -> str
       return f"a {type(message.get('content')).__name__} content in message {i}"
     if json_text.has_unpaired_surrogate(message["content"]):  # e.g. a tool's output decoded with surrogateescape
       return f"a content that is not text in message {i} (it holds an unpaired surrogate, which no tokenizer takes)"
+    if json_text.has_unpaired_surrogate(message):  # a field a template may render (a tool message's name)
+      return f"a field that is not text in message {i} (it holds an unpaired surrogate, which no tokenizer takes)"
     try:  # a checkpoint holds the episodes made ahead as JSON (rollouts.py)
       json.dumps(message)
     except (TypeError, ValueError, RecursionError) as e:
@@ -226,11 +232,48 @@ def _message_problem(value: object, roles: Sequence[str], empty_ok: bool) -> str
   return None
 
 
+def _json_copy(value: T) -> T:
+  return json.loads(json.dumps(value))
+
+
+def _reward(value: object) -> float | None:
+  """A step's reward as a float, None where it is not a finite number. numpy's scalars (np.float32, np.int64)
+  and 0-d arrays (a jnp.mean) are numbers; bools are not rewards."""
+  if isinstance(value, (bool, np.bool_)):
+    return None
+  try:
+    if not isinstance(value, numbers.Real):
+      if getattr(value, "shape", None) != ():
+        return None
+      array = np.asarray(value)
+      if array.dtype.kind not in "iuf":
+        return None
+      value = array.item()
+    number = float(value)  # type: ignore[arg-type]
+  except Exception:  # noqa: BLE001 - an int beyond float's range, a user's type whose __float__ fails
+    return None
+  return number if math.isfinite(number) else None
+
+
+def _shown(value: object, limit: int = 80) -> str:
+  """A value's repr for an error line: one line, at most `limit` characters."""
+  try:
+    text = " ".join(repr(value).split())
+  except Exception:  # noqa: BLE001 - a user's __repr__
+    text = f"<a {type(value).__name__}>"
+  return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
+def _calling(episode: Any, name: str, *args: Any) -> Callable[[], Any]:
+  """The episode's method called, looked up in the call too: a property or __getattr__ is the user's code."""
+  return lambda: _method(episode, name)(*args)
+
+
 def _method(episode: Any, name: str) -> Callable[..., Any]:
   fn = getattr(episode, name, None)
   if not callable(fn):
-    raise UserError(f"the episode object {type(episode).__name__} has no {name}() method; an environment's episodes "
-                    "need start() and step(turn) (getting_started/RL.md, Agentic RL)")
+    raise UserError(f"its episode object ({type(episode).__name__}) has no {name}() method; an environment's "
+                    "episodes need start() and step(turn) (getting_started/RL.md, Agentic RL)")
   return fn
 
 

@@ -20,6 +20,7 @@ scores the rollout's own context and the loss and the KL see the model's tokens 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -198,13 +199,17 @@ def run(env: environments.Guarded, tokenizer: chat.ChatTokenizer, eos_id: int | 
     steps = env.step([objects[i] for i in live], turns, [episodes[i].index for i in live])
     timing.environment_s += time.perf_counter() - started
     for i, model, step in zip(live, turns, steps):
-      advance(episodes[i], model, step, renderer, limits)
+      advance(episodes[i], model, step, renderer, limits, env.name)
   return episodes
 
 
-def advance(episode: Episode, model: ModelTurn, step: environments.Step, renderer: Renderer, limits: Limits) -> None:
-  """The episode after its environment's answer: ended, or grown by the answer's tokens."""
+def advance(episode: Episode, model: ModelTurn, step: environments.Step, renderer: Renderer, limits: Limits,
+            env_name: str = "") -> None:
+  """The episode after its environment's answer (`env_name`'s, for the error): ended, or grown by its tokens."""
   episode.reward += step.reward
+  if not math.isfinite(episode.reward):  # finite rewards each, but their sum is not (1e308 twice)
+    raise UserError(f"environment {env_name or '?'}: its rewards summed over {episode.turns} turns overflow float64 "
+                    f"(the last {step.reward:g}, prompt record {episode.index}); scale them down")
   episode.messages = episode.messages + [{"role": "assistant", "content": model.text}]
   if step.done:
     episode.end = "done"

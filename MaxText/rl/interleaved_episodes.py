@@ -170,7 +170,7 @@ def run(env: environments.Guarded, tokenizer: chat.ChatTokenizer, eos_id: int | 
     again = []  # the dense cache: slots whose grown context is prefilled whole, together
     for slot in answered:
       episode = episodes[slot]
-      advance(episode, turns.pop(slot), waiting.pop(slot).result(), renderer, limits)
+      advance(episode, turns.pop(slot), waiting.pop(slot).result(), renderer, limits, env.name)
       if episode.end:
         engine.release(slot)
       elif engine.continues_slots:

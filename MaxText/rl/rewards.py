@@ -145,7 +145,9 @@ def load_dotted(path: str, what: str, builtins: Sequence[str], kind: str,
     raise ConfigError(f"{named} is neither a built-in ({', '.join(builtins)}) nor a package.module:{kind} path")
   try:
     module = importlib.import_module(module_name)
-  except Exception as e:  # noqa: BLE001 - any failure to import is the user's to fix
+  except KeyboardInterrupt:
+    raise
+  except BaseException as e:  # noqa: BLE001 - any failure to import (an exit at import too) is the user's to fix
     raise ConfigError(f"{what} {path}: cannot import {module_name} ({type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''}); is it on PYTHONPATH?") from None
   found = getattr(module, attribute, None)

@@ -328,8 +328,9 @@ class RolloutBatches:
       with np.errstate(over="ignore", invalid="ignore"):
         scores = rewards_lib.Scores(scored.total + environment, {"environment": environment, **scored.per_function})
     if not np.all(np.isfinite(scores.total)):
-      raise UserError(f"the environment's rewards plus the reward functions' overflow float64 (episode "
-                      f"{int(np.flatnonzero(~np.isfinite(scores.total))[0])}); scale the rewards down")
+      i = int(np.flatnonzero(~np.isfinite(scores.total))[0])
+      raise UserError(f"the reward of environment {self.rl.rl_environment} plus the reward functions' overflows "
+                      f"float64 (episode {i}, prompt record {episodes[i].index}); scale the rewards down")
     advantages, group_std = rewards_lib.advantages(scores.total, self.group, self.rl.grpo_scale_rewards,
                                                    ["environment", *self.rewards.names])
     rows[ADVANTAGES] = advantages.astype(np.float32)
