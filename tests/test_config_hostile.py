@@ -53,7 +53,7 @@ def test_a_yaml_syntax_error_names_the_line_and_what_is_wrong(tmp_path, text, me
 def test_a_config_file_that_is_not_utf8_says_so(tmp_path):
   """A Latin-1 file read "unacceptable character #x-001: incomplete UTF-8 octet sequence"."""
   assert refused(tmp_path, b"steps: 5\nrun_name: caf\xe9\n").endswith(
-      "recipe.yml': incomplete UTF-8 octet sequence (at byte 22); save it as UTF-8")
+      "recipe.yml': incomplete UTF-8 octet sequence (line 2, byte 22); save it as UTF-8")
 
 
 @pytest.mark.parametrize("text, shown", [("5: 3\n", "5"), ("yes: 3\n", "True"), ("~: 3\n", "None")])

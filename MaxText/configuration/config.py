@@ -23,7 +23,6 @@ import decimal
 import difflib
 import os
 import re
-import reprlib
 import types
 from pathlib import Path
 from typing import Any, Mapping
@@ -31,6 +30,8 @@ from typing import Any, Mapping
 import yaml
 
 from MaxText.configuration import config_fields, config_groups, data_config, model_checks, spellings
+from MaxText.configuration.config_yaml import Loader as _OnceLoader, read_yaml, shown as _shown
+from MaxText.configuration.config_yaml import size_problem as _too_large
 from MaxText.platform import accelerators
 from MaxText.configuration import run_record
 from MaxText.paths import storage
@@ -68,127 +69,6 @@ _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
 
-class _OnceLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
-  """yaml.safe_load's loader, refusing a mapping that sets a key twice (PyYAML keeps the last silently, so a
-  recipe's remat placement or batch size typed twice ran with whichever came second). On libyaml's parser where
-  PyYAML has it: the pure-Python one spent most of a config's construction reading base.yml."""
-
-  def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-    lines: dict[Any, int] = {}
-    for key_node, _ in node.value:
-      if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be set again
-        continue
-      key = self.construct_object(key_node, deep=deep)
-      if isinstance(key, str) and key in lines:
-        raise yaml.constructor.ConstructorError(
-            None, None, f"it sets {key} twice (lines {lines[key]} and {key_node.start_mark.line + 1}); keep one",
-            key_node.start_mark)
-      if isinstance(key, str):
-        lines[key] = key_node.start_mark.line + 1
-    return super().construct_mapping(node, deep)
-
-  def construct_decimal(self, node: yaml.ScalarNode) -> int | str:
-    text = str(self.construct_scalar(node))
-    return int(text) if _DECIMAL.fullmatch(text) else text
-
-
-# Not YAML 1.1's integers and dates: `steps: 010` was octal 8, `1:30` base-60 90, a run_name of `2024_05_01` the
-# number 20240501 and one of `2024-05-01` a date. Only plain decimals are numbers; other spellings stay text, which
-# coerce reads by the key's type (an int key takes 010, 1_000, 0x10 and 1e3).
-_OnceLoader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:timestamp")]
-    for first, resolvers in _OnceLoader.yaml_implicit_resolvers.items()}
-_OnceLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"),
-                                  list("-+0123456789"))
-_OnceLoader.add_constructor("tag:yaml.org,2002:int", _OnceLoader.construct_decimal)
-# Past 4300 digits Python refuses to read an integer (a ValueError traceback); no count is that long.
-_DECIMAL = re.compile(r"[-+]?[0-9]{1,4000}")
-# Deeper than this a value is no config value, and printing it overflows Python's stack.
-_MAX_DEPTH = 64
-
-
-def _whole_number(text: str) -> int | None:
-  """A count as people type it: 1000, 1_000, 0x3e8, or 1e3 (YAML reads an exponent without a dot as text)."""
-  text = text.strip()
-  if re.fullmatch(r"[-+]?[0-9]+(_[0-9]+)*", text) and len(text) <= 4000:
-    return int(text)
-  if re.fullmatch(r"[-+]?0[xX][0-9a-fA-F]{1,1000}", text):
-    return int(text, 16)
-  if re.fullmatch(r"[-+]?[0-9]+(\.[0-9]*)?[eE]\+?[0-9]{1,3}", text) and float(text).is_integer():
-    return int(float(text)) if float(text) < 2**53 else int(decimal.Decimal(text))
-  return None
-
-
-def _too_deep(value: object) -> bool:
-  """Whether lists/mappings nest past _MAX_DEPTH (walked without recursion)."""
-  stack = [(value, 0)]
-  while stack:
-    item, depth = stack.pop()
-    if depth > _MAX_DEPTH:
-      return True
-    if isinstance(item, (list, tuple)):
-      stack.extend((child, depth + 1) for child in item)
-    elif isinstance(item, dict):
-      stack.extend((child, depth + 1) for child in item.values())
-  return False
-
-
-def _parse_error(path: str, e: yaml.YAMLError) -> ConfigError:
-  """One line naming the file, the line and column and what is wrong there (PyYAML's first line named only the
-  construct it was reading, e.g. `while parsing a flow sequence`)."""
-  if isinstance(e, yaml.reader.ReaderError):
-    fix = "; save it as UTF-8" if "UTF" in e.reason or "utf" in e.reason else ""
-    return ConfigError(f"cannot read {path!r}: {e.reason} (at byte {e.position}){fix}")
-  problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-  mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-  where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark is not None else ""
-  context = getattr(e, "context", None)
-  tabs = " (YAML indents with spaces, not tabs)" if "cannot start any token" in problem else ""
-  return ConfigError(f"cannot parse {path!r}:{where} {problem}{f' ({context})' if context else ''}{tabs}")
-
-
-def read_yaml(path: Path | str, stop_at: Path | None = None, _below: tuple[str, ...] = ()) -> dict[str, Any]:
-  """Reads one YAML mapping (a local or gs:// file), following `base_config: parent.yml`
-  (relative to the file).
-
-  The chain stops before `stop_at` (used to keep base.yml out of a recipe's own values). `_below`: the
-  files that named this one as their base (a chain that comes back to one of them is an error).
-  """
-  path = str(path)
-  if stop_at is not None and storage.same_file(path, str(stop_at)):
-    return {}
-  for child in _below:  # a user's own base.yml naming `base_config: base.yml` names itself
-    if storage.same_file(path, child):
-      chain = " -> ".join(repr(p) for p in (*_below, path))
-      raise ConfigError(f"base_config goes round in a circle ({chain}); point one of them at another file")
-  if not storage.is_file(path):
-    raise ConfigError(f"config file {path!r} is a directory; name a .yml file in it" if storage.is_dir(path)
-                      else f"config file {path!r} does not exist")
-  try:
-    data = yaml.load(storage.read_bytes(path), Loader=_OnceLoader) or {}  # noqa: S506 - a SafeLoader
-  except yaml.constructor.ConstructorError as e:
-    line = f" (line {e.problem_mark.line + 1})" if e.problem_mark and "line" not in str(e.problem) else ""
-    raise ConfigError(f"cannot use {str(path)!r}{line}: {e.problem}") from None
-  except yaml.YAMLError as e:
-    raise _parse_error(path, e) from None
-  if not isinstance(data, dict):
-    raise ConfigError(f"{str(path)!r} must hold a mapping of key: value lines")
-  for key in data:  # `5: 3` or `yes: 1` reached the key checks as a number or a boolean: a TypeError traceback
-    if not isinstance(key, str):
-      raise ConfigError(f"{str(path)!r} has a key YAML reads as {key!r}, not a name: config keys are names like "
-                        "steps")
-  if _too_deep(data):
-    raise ConfigError(f"{str(path)!r} nests lists or mappings more than {_MAX_DEPTH} deep; no config value does")
-  parent = data.pop("base_config", None)
-  if parent is None:
-    return data
-  if not isinstance(parent, str) or not parent.strip():  # `base_config: [a.yml]` said "config file \"['a.yml']\""
-    raise ConfigError(f"{str(path)!r}: base_config must name one .yml file, got {_shown(parent)}")
-  # join keeps an absolute parent as it is; a gs:// parent is taken whole
-  parent_path = str(parent) if storage.is_remote(str(parent)) else storage.join(storage.parent(path), str(parent))
-  return {**read_yaml(parent_path, stop_at, (*_below, path)), **data}
-
-
 def read_descriptions(path: Path = BASE_CONFIG_PATH) -> dict[str, str]:
   """The one-line description of each key: its trailing comment in base.yml."""
   descriptions = {}
@@ -206,9 +86,29 @@ def _type_name(value: object) -> str:
   return _TYPE_NAMES.get(type(value), type(value).__name__)
 
 
+def _whole_number(text: str) -> int | None:
+  """A count as people type it: 1000, 1_000, 0x3e8, or 1e3 (YAML reads an exponent without a dot as text)."""
+  text = text.strip()
+  if re.fullmatch(r"[-+]?[0-9]+(_[0-9]+)*", text) and len(text) <= 4000:
+    return int(text)
+  if re.fullmatch(r"[-+]?0[xX][0-9a-fA-F]{1,1000}", text):
+    return int(text, 16)
+  if re.fullmatch(r"[-+]?[0-9]+(\.[0-9]*)?[eE]\+?[0-9]{1,3}", text) and float(text).is_integer():
+    return int(float(text)) if float(text) < 2**53 else int(decimal.Decimal(text))
+  return None
+
+
+def _float(number: int | float) -> float | None:
+  """float(number), or None past float's range (a 400-digit learning_rate was an OverflowError traceback)."""
+  try:
+    return float(number)
+  except OverflowError:
+    return None
+
+
 def coerce(key: str, value: Any, default: Any) -> Any:
   """Converts `value` (a YAML scalar/list or a command-line string) to the type of `default`."""
-  if key in config_groups.AUTO_SWITCHES:  # auto | true | false, and an old config's boolean
+  if key in config_groups.AUTO_SWITCHES and isinstance(value, (str, int)):  # auto | true | false, an old boolean
     text = str(value).strip().lower()
     return "true" if text in _TRUE else "false" if text in _FALSE else text
   if isinstance(default, bool):
@@ -228,13 +128,13 @@ def coerce(key: str, value: Any, default: Any) -> Any:
     if isinstance(value, float) and value.is_integer():
       return int(value)
   elif isinstance(default, float):
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-      return float(value)
-    number = _whole_number(value) if isinstance(value, str) else None
-    if number is not None:  # 0x10 and 1_000 as for an int key
-      return float(number)
+    number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else (
+        _whole_number(value) if isinstance(value, str) else None)  # 0x10 and 1_000 as for an int key
+    if number is not None and _float(number) is not None:
+      return _float(number)
     try:
-      return float(str(value))
+      if number is None:  # past float's range it names what was typed, not inf
+        return float(str(value))
     except (ValueError, OverflowError):
       pass
   elif isinstance(default, str):
@@ -256,14 +156,6 @@ def coerce(key: str, value: Any, default: Any) -> Any:
   )
 
 
-def _shown(value: object) -> str:
-  """repr(value), cut short: a pasted file's worth of text or digits would fill the terminal with one line."""
-  if value is None:  # `steps:` with nothing after it; `null` and `~` read the same
-    return "an empty value (None)"
-  text = reprlib.repr(value) if _too_deep(value) else repr(value)
-  return text if len(text) <= 200 else f"{text[:60]}... ({len(text)} characters)"
-
-
 def _parse_cli_value(text: str, default: Any = None) -> Any:
   """Command-line values are YAML scalars/flow lists (`[a, b]`); anything unparsable stays text.
 
@@ -278,7 +170,7 @@ def _parse_cli_value(text: str, default: Any = None) -> Any:
     value = yaml.load(text, Loader=_OnceLoader)  # noqa: S506 - a SafeLoader
   except yaml.YAMLError:
     return text
-  return text if _too_deep(value) else value
+  return text if _too_large(value) else value
 
 
 def _unknown_key_error(key: str, known: Mapping[str, Any], source: str) -> ConfigError:
@@ -345,7 +237,9 @@ def parse_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -
   if args and "=" not in args[0]:
     yaml_path = args.pop(0)
   # the user's own YAML layer
-  file_values = spellings.canonical(read_yaml(yaml_path, stop_at=BASE_CONFIG_PATH), str(yaml_path))
+  text_keys = {k for k, v in schema.items() if isinstance(v, str)}
+  text_keys |= {old for old, new in spellings.RENAMED_KEYS.items() if new in text_keys}
+  file_values = spellings.canonical(read_yaml(yaml_path, BASE_CONFIG_PATH, text_keys), str(yaml_path))
   for key in file_values:
     if key not in schema:
       raise _unknown_key_error(key, schema, str(yaml_path))
@@ -364,8 +258,13 @@ def parse_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -
     key = spellings.rename(given)
     if key not in schema:
       raise _unknown_key_error(given, schema, "the command line")
-    value = spellings.switch_value(given, _parse_cli_value(text, schema[key]), "the command line")
-    _set_once(argv_values, spelled, key, given, coerce(key, value, schema[key]), "the command line")
+    value = coerce(key, spellings.switch_value(given, _parse_cli_value(text, schema[key]), "the command line"),
+                   schema[key])
+    if spelled.get(key) == given and not spellings.same_value(argv_values[key], value):
+      # not refused: a wrapper's (or elastic's resize) key=value after the user's overrides it on purpose
+      print(f"config: {given} is given twice on the command line ({argv_values[key]!r}, then {value!r}); the "
+            "last wins")
+    _set_once(argv_values, spelled, key, given, value, "the command line")
 
   argv_values = spellings.fold_value_aliases(argv_values, flags, "the command line")
   negated = spellings.negations(flags, argv_values, "the command line")
