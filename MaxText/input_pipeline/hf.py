@@ -99,7 +99,7 @@ def _cache_dir(datasets: Any, files: list[str]) -> str | None:
   if not local:
     return None
   key = hashlib.sha256("\n".join(f"{storage.resolve(f)} {data_files_lib.content_key(f)}" for f in local).encode())
-  return os.path.join(datasets.config.HF_DATASETS_CACHE, "maxtext-local", key.hexdigest()[:24])
+  return storage.join(str(datasets.config.HF_DATASETS_CACHE), "maxtext-local", key.hexdigest()[:24])
 
 
 def _refuse_a_leading_null(files_key: str, files: list[str]) -> None:

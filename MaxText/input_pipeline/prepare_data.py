@@ -228,11 +228,21 @@ def _manifest(out: str, tfds_name: str | None) -> dict[str, str]:
   items = [f"{folder}/{split}.{suffix}" for folder, suffix in (("jsonl", "jsonl"), ("arrayrecord", "array_record"))
            for split in SPLITS]
   if tfds_name is not None:
-    top = os.path.join(out, "tfds", "local_text", tfds_name)
-    items += sorted(os.path.relpath(os.path.join(d, f), out).replace(os.sep, "/") for d, _, names in os.walk(top)
-                    for f in names)
-  return {item: files_lib.content_key(os.path.join(out, item)) for item in items
-          if os.path.isfile(os.path.join(out, item))}
+    items += sorted(_files_under(out, f"tfds/local_text/{tfds_name}"))
+  return {item: files_lib.content_key(storage.join(out, *item.split("/"))) for item in items
+          if storage.is_file(storage.join(out, *item.split("/")))}
+
+
+def _files_under(out: str, folder: str) -> list[str]:
+  """Every file below `out`/`folder`, as its "/"-joined path from `out`."""
+  path = storage.join(out, *folder.split("/"))
+  if not storage.is_dir(path):
+    return []
+  found = []
+  for entry in storage.listdir(path):
+    inner = f"{folder}/{entry.rstrip('/')}"
+    found += _files_under(out, inner) if storage.is_dir(storage.join(out, *inner.split("/"))) else [inner]
+  return found
 
 
 def _finish_publishing(out_dir: str, written: dict[str, str], marker: str) -> None:
