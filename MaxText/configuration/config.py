@@ -128,12 +128,12 @@ def coerce(key: str, value: Any, default: Any) -> Any:
     if isinstance(value, float) and value.is_integer():
       return int(value)
   elif isinstance(default, float):
-    number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else (
+    real: int | float | None = value if isinstance(value, (int, float)) and not isinstance(value, bool) else (
         _whole_number(value) if isinstance(value, str) else None)  # 0x10 and 1_000 as for an int key
-    if number is not None and _float(number) is not None:
-      return _float(number)
+    if real is not None and _float(real) is not None:
+      return _float(real)
     try:
-      if number is None:  # past float's range it names what was typed, not inf
+      if real is None:  # past float's range it names what was typed, not inf
         return float(str(value))
     except (ValueError, OverflowError):
       pass

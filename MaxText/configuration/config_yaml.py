@@ -27,7 +27,7 @@ def loader_on(parser: type) -> type:
   """The config loader on `parser`'s reader and parser: libyaml's (yaml.CSafeLoader) or PyYAML's own
   (yaml.SafeLoader), which the tests compare."""
 
-  class Loader(parser):  # type: ignore[misc,valid-type]
+  class Loader(parser):  # type: ignore[misc]
     """yaml.safe_load's loader, refusing a mapping that sets a key twice (PyYAML keeps the last silently, so a
     recipe's remat placement or batch size typed twice ran with whichever came second). On libyaml's parser where
     PyYAML has it: the pure-Python one spent most of a config's construction reading base.yml."""

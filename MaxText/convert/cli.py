@@ -8,7 +8,7 @@ from typing import Any, Mapping, Sequence
 
 from MaxText import families
 from MaxText.configuration import run_record, tool_args
-from MaxText.configuration import config as config_lib
+from MaxText.configuration import config as config_lib, config_yaml
 from MaxText.convert import engine, hf_io
 from MaxText.families import mxfp4
 from MaxText.errors import ConfigError, UserError
@@ -49,7 +49,7 @@ class HfModelKeys:
   def values(self, overrides: config_lib.Overrides) -> tuple[Mapping[str, Any], str]:
     self.hf_config = hf_io.read_hf_config(self.hf_path)
     family = families.family_for_hf_config(self.hf_config)
-    schema = config_lib.read_yaml(config_lib.BASE_CONFIG_PATH)
+    schema = config_yaml.read_yaml(config_lib.BASE_CONFIG_PATH)
     try:
       hf_keys = engine.hf_model_keys(family, self.hf_config)
     except KeyError as e:  # a key the family's config always has, left out (a hand-written or cut config.json)
@@ -97,7 +97,7 @@ class CheckpointModelKeys:
       model_keys = saved[0]
     elif "model_name" in overrides.explicit_keys():
       named = config_lib.model_path(str(overrides.peek('model_name')))
-      model_keys = config_lib.read_yaml(named) if named.is_file() else {}
+      model_keys = config_yaml.read_yaml(named) if named.is_file() else {}
     else:
       raise UserError(f"{self.checkpoint} has no {config_lib.MODEL_CONFIG_FILE} and is not in a run directory with a "
                       "config.yml; say which model it holds with model_name=<name> (and any key=value overrides it "

@@ -32,7 +32,7 @@ from MaxText import families, startup
 from MaxText import models
 from MaxText.training import lora, params_io
 from MaxText.paths import storage
-from MaxText.configuration import config as config_lib, run_record
+from MaxText.configuration import config as config_lib, config_yaml, run_record
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.convert import cli, engine, hf_io, streaming
 from MaxText.errors import ConfigError, UserError, run_cli
@@ -92,7 +92,7 @@ class _CheckedReader:
 def _hf_config(config: config_lib.Config, family: families.Family) -> dict[str, Any]:
   """config.json for the model, refusing models the HF class would compute differently."""
   hf_config = family.hf_config(config.model)
-  schema = config_lib.read_yaml(config_lib.BASE_CONFIG_PATH)
+  schema = config_yaml.read_yaml(config_lib.BASE_CONFIG_PATH)
   round_trip = engine.full_model_keys(schema, engine.hf_model_keys(family, hf_config))
   lost = engine.differences(dict(config.values), round_trip, ignore=engine.NOT_IN_HF_CONFIG)
   if lost:
