@@ -740,15 +740,21 @@ def completion_logprobs(texts: Sequence[str], tokens: Sequence[int], logprobs: S
   """OpenAI's completions `logprobs` object: the tokens' texts (TokenTexts), their log-probabilities, the `how_many`
   best alternatives per position (as text -> log-probability; `alternative(position, token)` is the text) and
   character offsets from `start_offset`. Each position's alternatives also hold its own token (`tokens`) when it is
-  not among the best: the legacy API always returns the chosen token's, so up to `how_many` + 1 entries."""
+  not among the best: the legacy API always returns the chosen token's, so up to `how_many` + 1 entries. The chosen
+  token's key is its entry in `tokens` (lm-eval calls a position greedy when its best key equals that entry, which a
+  character split over tokens would break), and it needs no decode of its own (`logprobs: 0` then decodes nothing)."""
   offsets, at = [], start_offset
   for text in texts:
     offsets.append(at)
     at += len(text)
   top = [None if t is None else _by_text(_with_chosen(list(t)[:how_many], tokens[i], logprobs[i]),
-                                         functools.partial(alternative, i))
+                                         functools.partial(_text_of, tokens[i], texts[i], functools.partial(alternative, i)))
          for i, t in enumerate(tops)]
   return {"tokens": list(texts), "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
+
+
+def _text_of(chosen: int, chosen_text: str, alternative: Callable[[int], str], token: int) -> str:
+  return chosen_text if token == chosen else alternative(token)
 
 
 def _with_chosen(top: list[tuple[int, float]], token: int, logprob: float | None) -> list[tuple[int, float]]:
