@@ -178,3 +178,17 @@ def test_a_companion_config_of_an_adamw_run_warns_about_nothing(capsys):
   config_fields.WARNED.clear()
   config_lib.draft_config(config)
   assert "does not read" not in capsys.readouterr().err
+
+
+def test_a_list_of_names_keeps_its_numbers_as_typed_and_refuses_other_items(tmp_path):
+  """A list of names (data columns, eval tasks, mesh axes) holding a number kept YAML's float (1.10 became the number
+  1.1, a column no file has, found only at the first batch); a `true` or a mapping in it passed on to wherever the
+  item was first used. Now numbers are the text typed, in a file and on the
+  command line, and any other item is one line naming the key and the item."""
+  config = load_file(tmp_path, f"base_config: {BASE_CONFIG_PATH}\ntrain_data_columns: [1.10, 2e3, text]\n")
+  assert config.data.train_data_columns == ("1.10", "2e3", "text")
+  assert load("train_data_columns=[1.10,b]").data.train_data_columns == ("1.10", "b")
+  message = refused(tmp_path, f"base_config: {BASE_CONFIG_PATH}\neval_tasks: [hellaswag, yes]\n")
+  assert message.startswith("eval_tasks's items must be text; item 1 is bool") and "quote it" in message
+  message = refused(tmp_path, f"base_config: {BASE_CONFIG_PATH}\ntrain_data_columns: [{{a: 1}}]\n")
+  assert message.startswith("train_data_columns's items must be text; item 0 is dict")

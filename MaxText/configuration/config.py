@@ -29,8 +29,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from MaxText.configuration import config_fields, config_groups, data_config, model_checks, spellings
-from MaxText.configuration.config_yaml import Loader as _OnceLoader, read_yaml, shown as _shown
+from MaxText.configuration import config_fields, config_groups, config_yaml, data_config, model_checks, spellings
+from MaxText.configuration.config_yaml import read_yaml, shown as _shown
 from MaxText.configuration.config_yaml import size_problem as _too_large
 from MaxText.platform import accelerators
 from MaxText.configuration import run_record
@@ -156,7 +156,10 @@ def coerce(key: str, value: Any, default: Any) -> Any:
   )
 
 
-def _parse_cli_value(text: str, default: Any = None) -> Any:
+_TEXT_LIST_KEYS = config_fields.text_list_keys(config_groups.GROUPS)
+
+
+def _parse_cli_value(text: str, default: Any = None, key: str = "") -> Any:
   """Command-line values are YAML scalars/flow lists (`[a, b]`); anything unparsable stays text.
 
   A string-typed key takes the text as is (YAML would turn `run_name=off` into False)."""
@@ -167,7 +170,7 @@ def _parse_cli_value(text: str, default: Any = None) -> Any:
     return ""  # `key=` means an empty value, not YAML's null
   # the files' loader: its integers, and libyaml's parser, which `[[[...` does not take past Python's stack
   try:
-    value = yaml.load(text, Loader=_OnceLoader)  # noqa: S506 - a SafeLoader
+    value = config_yaml.value_of(text, key in _TEXT_LIST_KEYS)
   except yaml.YAMLError:
     return text
   return text if _too_large(value) else value
@@ -237,7 +240,7 @@ def parse_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -
   if args and "=" not in args[0]:
     yaml_path = args.pop(0)
   # the user's own YAML layer
-  text_keys = {k for k, v in schema.items() if isinstance(v, str)}
+  text_keys = {k for k, v in schema.items() if isinstance(v, str)} | _TEXT_LIST_KEYS
   text_keys |= {old for old, new in spellings.RENAMED_KEYS.items() if new in text_keys}
   file_values = spellings.canonical(read_yaml(yaml_path, BASE_CONFIG_PATH, text_keys), str(yaml_path))
   for key in file_values:
@@ -258,7 +261,7 @@ def parse_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -
     key = spellings.rename(given)
     if key not in schema:
       raise _unknown_key_error(given, schema, "the command line")
-    value = coerce(key, spellings.switch_value(given, _parse_cli_value(text, schema[key]), "the command line"),
+    value = coerce(key, spellings.switch_value(given, _parse_cli_value(text, schema[key], key), "the command line"),
                    schema[key])
     if spelled.get(key) == given and not spellings.same_value(argv_values[key], value):
       # not refused: a wrapper's (or elastic's resize) key=value after the user's overrides it on purpose
@@ -281,7 +284,7 @@ def parse_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -
     key = spellings.rename(given)
     if key not in schema:
       raise _unknown_key_error(given, schema, f"environment variable {name}")
-    value = spellings.switch_value(given, _parse_cli_value(text, schema[key]), f"environment variable {name}")
+    value = spellings.switch_value(given, _parse_cli_value(text, schema[key], key), f"environment variable {name}")
     _set_once(env_values, env_spelled, key, given, coerce(key, value, schema[key]), "the environment",
               prefix=ENV_PREFIX)
     if key in argv_values:
@@ -466,7 +469,7 @@ class Config:
     target = target or accelerators.local_target()
     parsed = parse_overrides(["test"], environ={})
     # A string is read as on the command line ("[local,global]", "5,17"); other values as they are.
-    values = {k: _parse_cli_value(v, parsed.schema.get(k)) if isinstance(v, str) else v for k, v in overrides.items()}
+    values = {k: _parse_cli_value(v, parsed.schema.get(k), k) if isinstance(v, str) else v for k, v in overrides.items()}
     return build_config(parsed.below_argv(values, "Config.for_testing"), target)
 
 
@@ -550,7 +553,7 @@ def companion_config(config: Config, role: str, model_name: str, path: str, mode
       raise _unknown_key_error(key, schema, names[2])
     if key in _TARGET_ONLY_KEYS:
       raise ConfigError(f"{names[2]} cannot set {key}: name the {role} with {names[0]} and {names[1]}")
-    argv[key] = coerce(key, spellings.switch_value(given, _parse_cli_value(text.strip(), schema[key]), names[2]),
+    argv[key] = coerce(key, spellings.switch_value(given, _parse_cli_value(text.strip(), schema[key], key), names[2]),
                        schema[key])
   argv.update(fixed)
   overrides = Overrides(BASE_CONFIG_PATH, {}, argv, {}, schema)

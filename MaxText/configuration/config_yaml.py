@@ -148,10 +148,33 @@ def load(path: str, data: bytes, text_keys: Collection[str] = (), loader_class: 
     # node.value holds merged pairs first, then the mapping's own: the last pair of a key is the one it kept
     last = {k.value: v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.tag == _STR}
     for key, value_node in last.items():
-      if key in text_keys and isinstance(value_node, yaml.ScalarNode) and value_node.tag in (_INT, _FLOAT) \
-          and not value_node.style:
+      if key not in text_keys:
+        continue
+      if _typed_number(value_node):
         value[key] = value_node.value
+      elif isinstance(value_node, yaml.SequenceNode) and isinstance(value[key], list) \
+          and len(value[key]) == len(value_node.value):  # a list of names: its numbers as typed too
+        value[key] = [item.value if _typed_number(item) else v for item, v in zip(value_node.value, value[key])]
   return value
+
+
+def value_of(text: str, items_as_typed: bool = False) -> Any:
+  """One command-line value read as YAML (yaml.YAMLError when it is none); `items_as_typed`: a list's plain numbers
+  stay the text typed (a list of names: `[1.10]` is '1.10')."""
+  loader = Loader(text)
+  try:
+    node = loader.get_single_node()
+    value = None if node is None else loader.construct_document(node)
+  finally:
+    loader.dispose()
+  if items_as_typed and isinstance(node, yaml.SequenceNode) and isinstance(value, list) \
+      and len(value) == len(node.value):
+    value = [item.value if _typed_number(item) else v for item, v in zip(node.value, value)]
+  return value
+
+
+def _typed_number(node: yaml.Node) -> bool:
+  return isinstance(node, yaml.ScalarNode) and node.tag in (_INT, _FLOAT) and not node.style
 
 
 def read_yaml(path: Any, stop_at: Any = None, text_keys: Collection[str] = (),
