@@ -19,7 +19,7 @@ from typing import Any, Mapping
 from MaxText.paths import storage
 from MaxText.platform.accelerators import DeviceTarget
 from MaxText.configuration.config_fields import OPTIMIZER, derived, key, read_keys
-from MaxText.configuration.config_fields import require as _require
+from MaxText.configuration.config_fields import require as _require, warn_once
 from MaxText.errors import ConfigError
 from MaxText.platform.mesh_axes import HYBRID_RING_SLICE, HYBRID_RINGS, MESH_AXES, Group, MeshAxis
 from MaxText.configuration.data_config import DataConfig
@@ -516,6 +516,10 @@ class DecodeConfig:
     _require(v["quantize_weights_block"] == 0 or v["quantize_weights"] != "",
              f"quantize_weights_block={v['quantize_weights_block']} needs quantize_weights=int8 or fp8 (it sizes their "
              "scales' blocks); set quantize_weights or quantize_weights_block=0")
+    if 0 < v["quantize_weights_block"] <= 4:  # a float32 scale per 4 or fewer 8-bit weights: 2 bytes a weight or more
+      warn_once(f"warning: quantize_weights_block={v['quantize_weights_block']} stores a float32 scale per "
+                f"{v['quantize_weights_block']} weight(s): as many bytes a weight as bfloat16 or more, so it saves no "
+                "memory; use a block of 32 to 128, or 0 (one scale per output channel)")
     _require(v["kv_page_size"] >= 1, f"kv_page_size must be >= 1, got {v['kv_page_size']}")
     # Before the products below, which a negative count would pass (and blame another key for).
     _require(v["serve_max_slots"] >= 1, f"serve_max_slots must be >= 1, got {v['serve_max_slots']}")

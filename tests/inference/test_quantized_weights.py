@@ -404,3 +404,19 @@ def test_a_checkpoint_of_converted_kernels_is_one_line_naming_one(tmp_path):
   params_io.save_params(str(tmp_path / "odd"), odd)
   with pytest.raises(UserError, match=r"cannot load parameters .* TypeError: Type mismatch at key path"):
     reader.load_params(str(tmp_path / "odd"))
+
+
+def test_a_block_too_small_to_save_memory_is_one_warning(capsys):
+  """A float32 scale per 1 to 4 int8/fp8 weights is as many bytes a weight as bfloat16 or more: served without a word,
+  it took more memory than the checkpoint it was meant to shrink."""
+  from MaxText.configuration import config_fields
+
+  config_fields.WARNED.clear()
+  Config.for_testing(**TINY, quantize_weights="int8", quantize_weights_block=2)
+  Config.for_testing(**TINY, quantize_weights="int8", quantize_weights_block=2)
+  lines = [line for line in capsys.readouterr().err.splitlines() if "quantize_weights_block" in line]
+  assert lines == ["warning: quantize_weights_block=2 stores a float32 scale per 2 weight(s): as many bytes a weight "
+                   "as bfloat16 or more, so it saves no memory; use a block of 32 to 128, or 0 (one scale per output "
+                   "channel)"]
+  Config.for_testing(**TINY, quantize_weights="int8", quantize_weights_block=8)
+  assert "quantize_weights_block" not in capsys.readouterr().err
