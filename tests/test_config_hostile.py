@@ -192,3 +192,16 @@ def test_a_list_of_names_keeps_its_numbers_as_typed_and_refuses_other_items(tmp_
   assert message.startswith("eval_tasks's items must be text; item 1 is bool") and "quote it" in message
   message = refused(tmp_path, f"base_config: {BASE_CONFIG_PATH}\ntrain_data_columns: [{{a: 1}}]\n")
   assert message.startswith("train_data_columns's items must be text; item 0 is dict")
+
+
+@pytest.mark.parametrize("key", ["mlp_activations", "attention_layer_pattern", "rope_layer_pattern"])
+def test_a_long_list_of_names_with_unknown_items_names_a_few(key):
+  """A per-layer pattern of thousands of items with a typo in it was echoed whole: one 27,000-character line."""
+  items = ["zzz"] * 2000 + [f"typo{i}" for i in range(8)]
+  with pytest.raises(ConfigError) as info:
+    load(f"{key}=[{','.join(items)}]")
+  message = str(info.value)
+  assert len(message) < 300 and message.endswith("got 2008 items, among them 'zzz', 'typo0', 'typo1', 'typo2', "
+                                                 "'typo3' and 4 more"), message
+  with pytest.raises(ConfigError, match=f"^{key} must be a non-empty list of .*; got an empty list$"):
+    load(f"{key}=[]")

@@ -58,6 +58,17 @@ def positive(values: Mapping[str, Any], *keys: str) -> None:
     _require(values[name] > 0, f"{name} must be > 0, got {values[name]}")
 
 
+def _list_of(v: Mapping[str, Any], name: str, allowed: tuple[str, ...]) -> list[Any]:
+  """v[name] as a list, which must be non-empty and hold only `allowed` names; the error lists the first few unknown
+  items, not the whole list (a pattern pasted per layer is thousands of items)."""
+  items = list(v[name])
+  unknown = list(dict.fromkeys(str(item) for item in items if item not in allowed))
+  shown = ", ".join(repr(item[:40]) for item in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+  _require(bool(items) and not unknown, f"{name} must be a non-empty list of {', '.join(allowed)}; got "
+           + (f"{len(items)} items, among them {shown}" if unknown else "an empty list"))
+  return items
+
+
 def one_of(v: Mapping[str, Any], name: str, allowed: tuple[str, ...], empty: str = "off") -> None:
   """`empty`: what "" means, where `allowed` holds it."""
   _require(v[name] in allowed, f"{name} must be one of {choices(allowed, empty)}; got {v[name]!r}")
@@ -96,9 +107,7 @@ def check_core(v: Mapping[str, Any]) -> None:
   one_of(v, "attention", ATTENTION_KINDS)
   for name in ("dtype", "weight_dtype"):
     one_of(v, name, DTYPES)
-  acts = tuple(v["mlp_activations"])
-  _require(len(acts) >= 1 and all(a in ACTIVATIONS for a in acts),
-           f"mlp_activations must be a non-empty list of {', '.join(ACTIVATIONS)}; got {list(acts)}")
+  _list_of(v, "mlp_activations", ACTIVATIONS)
   _require(v["swiglu_limit"] >= 0 and v["swiglu_alpha"] > 0,
            f"swiglu_limit must be >= 0 (0 = no clipping) and swiglu_alpha > 0; got {v['swiglu_limit']}, "
            f"{v['swiglu_alpha']}")
@@ -270,9 +279,7 @@ def check_positions_and_attention(v: Mapping[str, Any]) -> None:
            f"RoPE), got {v['rope_local_max_timescale']}")
   _require(not v["qk_norm_over_all_heads"] or v["use_qk_norm"],
            "qk_norm_over_all_heads=True sets the QK-norm's scope: it needs use_qk_norm=True")
-  pattern = list(v["attention_layer_pattern"])
-  _require(len(pattern) >= 1 and all(kind in ATTENTION_LAYER_KINDS for kind in pattern),
-           f"attention_layer_pattern must be a non-empty list of {', '.join(ATTENTION_LAYER_KINDS)}; got {pattern}")
+  pattern = _list_of(v, "attention_layer_pattern", ATTENTION_LAYER_KINDS)
   if "local" in pattern:
     positive(v, "sliding_window_size")
   if "chunked" in pattern:
@@ -280,9 +287,7 @@ def check_positions_and_attention(v: Mapping[str, Any]) -> None:
     _require(v["attention"] in ("dot_product", "autoselected"),
              f"chunked attention layers run on attention=dot_product (or autoselected, which picks it); "
              f"attention={v['attention']} has no chunked mask")
-  rope_pattern = list(v["rope_layer_pattern"])
-  _require(len(rope_pattern) >= 1 and all(kind in ROPE_LAYER_KINDS for kind in rope_pattern),
-           f"rope_layer_pattern must be a non-empty list of {', '.join(ROPE_LAYER_KINDS)}; got {rope_pattern}")
+  _list_of(v, "rope_layer_pattern", ROPE_LAYER_KINDS)
   _require(v["attn_temperature_floor_scale"] >= 0, "attn_temperature_floor_scale must be >= 0 (0 = off), got "
            f"{v['attn_temperature_floor_scale']}")
   _require(not v["attention_sinks"] or v["attention"] != "cudnn_flash",
