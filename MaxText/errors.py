@@ -6,7 +6,10 @@ import contextlib
 import logging
 import os
 import sys
-from typing import Callable, Iterable, Iterator, NoReturn
+import sysconfig
+import threading
+import time
+from typing import Any, Callable, Iterable, Iterator, NoReturn
 
 
 class UserError(Exception):
@@ -52,10 +55,22 @@ def quiet_logger(name: str, level: int = logging.ERROR) -> Iterator[None]:
     logger.setLevel(saved)
 
 
+# An error line names its culprit first; past this a value echoed into it (a pasted list, a file's worth of text) is
+# cut in the middle, so the line still fits a terminal and a log viewer.
+ERROR_LINE_CHARACTERS = 2000
+
+
+def _cut(message: str) -> str:
+  if len(message) <= ERROR_LINE_CHARACTERS:
+    return message
+  head, tail = message[:ERROR_LINE_CHARACTERS - 400], message[-300:]
+  return f"{head} ... ({len(message) - len(head) - len(tail)} characters left out) ... {tail}"
+
+
 def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> NoReturn:
   """Runs an entry point; user errors become `error: ...` on stderr and a non-zero exit. The
   process's own start-up (signals, library logs) is the entry point's first step:
-  `startup.start`."""
+  `startup.start`. Its exit does not wait for ever on threads left running (`exit_unheld`)."""
   try:
     code = main(list(sys.argv if argv is None else argv))
   except UserError as e:
@@ -66,8 +81,56 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = No
       # exit waiting for ever: the line is out and everything durable is already written.
       sys.stdout.flush()
       os._exit(e.exit_code)
-    sys.exit(e.exit_code)
+    exit_unheld(e.exit_code)
   except KeyboardInterrupt:
     print("interrupted", file=sys.stderr, flush=True)
-    sys.exit(130)
-  sys.exit(code or 0)
+    exit_unheld(130)
+  exit_unheld(code or 0)
+
+
+EXIT_GRACE_S = 30.0  # how long the exit waits for threads that are not daemons before it leaves them
+_exit_code: list[int] = []  # the status exit_unheld's watch exits with (its latest call's)
+
+
+def exit_unheld(code: int) -> NoReturn:
+  """sys.exit(code), which Python makes wait for every thread that is not a daemon (and every
+  ThreadPoolExecutor task): a user's environment or reward function that started one and never stops
+  it would keep the finished run's process alive for ever. Once the exit has waited EXIT_GRACE_S for
+  them, one `warning:` line names them and the process exits with `code` without them."""
+  register: Any = getattr(threading, "_register_atexit", None)  # run before Python joins the threads
+  if not _exit_code and register is not None:
+    try:
+      register(_watch_exit)
+    except RuntimeError:  # already shutting down
+      pass
+  _exit_code[:] = [code]
+  sys.exit(code)
+
+
+def _watch_exit() -> None:
+  threading.Thread(target=_leave_after_grace, name="exit-watch", daemon=True).start()
+
+
+def _leave_after_grace() -> None:
+  time.sleep(EXIT_GRACE_S)
+  lingering = [t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread() and t.is_alive()]
+  shown = ", ".join(_where(t) for t in lingering[:3]) + (f" and {len(lingering) - 3} more" if len(lingering) > 3 else "")
+  code = _exit_code[-1] if _exit_code else 0
+  print(f"warning: exiting with status {code} without waiting for threads still running after "
+        f"{EXIT_GRACE_S:g} s ({shown or 'none named'}); a thread an environment or reward function starts must be "
+        "a daemon (daemon=True) or end when training does", file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  os._exit(code)
+
+
+def _where(thread: threading.Thread) -> str:
+  """A thread's name and the innermost line of its stack outside Python's own library (the user's loop)."""
+  frame = sys._current_frames().get(thread.ident or -1)
+  stdlib = sysconfig.get_paths()["stdlib"]
+  place = ""
+  while frame is not None:
+    if not frame.f_code.co_filename.startswith(stdlib):
+      place = f" at {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+      break
+    frame = frame.f_back
+  return f"{thread.name}{place}"

@@ -205,3 +205,18 @@ def test_a_long_list_of_names_with_unknown_items_names_a_few(key):
                                                  "'typo3' and 4 more"), message
   with pytest.raises(ConfigError, match=f"^{key} must be a non-empty list of .*; got an empty list$"):
     load(f"{key}=[]")
+
+
+def test_an_error_line_holding_a_huge_value_is_cut_in_the_middle(capsys):
+  """Whatever check echoes a value, `error:` stays one line a terminal can show: the culprit first, the end kept."""
+  from MaxText import errors
+
+  def main(argv):
+    raise ConfigError("data_mixture names a source " + "x" * 50_000 + " that has no files; check its path")
+
+  with pytest.raises(SystemExit) as exit_info:
+    errors.run_cli(main, ["prog"])
+  line = capsys.readouterr().err.strip()
+  assert exit_info.value.code == 2 and "\n" not in line and len(line) <= errors.ERROR_LINE_CHARACTERS + 100
+  assert line.startswith("error: data_mixture names a source xxx") and line.endswith("that has no files; check its path")
+  assert "characters left out" in line
