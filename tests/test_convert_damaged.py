@@ -113,6 +113,24 @@ CASES = {
                                 "{d}/config.json has no 'hidden_size', which a mistral config always has"),
     "config.json a value of another type": ("one", lambda d: _config(d, lambda c: {**c, "rms_norm_eps": [1e-5]}),
                                             "{d}/config.json has a value the mistral converter cannot read (TypeError"),
+    # Was the shape line alone: nothing named the null field that gave the reshape its 4 heads.
+    "num_key_value_heads null on grouped weights": ("one", lambda d: _config(d, lambda c: {**c,
+                                                                                         "num_key_value_heads": None}),
+                                                    "(config.json's num_key_value_heads is null, read as "
+                                                    "num_attention_heads=4: set it to the checkpoint's count"),
+    # Was read as unset (the query heads), then a shape line.
+    "num_key_value_heads 0": ("one", lambda d: _config(d, lambda c: {**c, "num_key_value_heads": 0}),
+                              "HF config.json num_key_value_heads=0 is not a positive whole number"),
+    # Was "the model config does not match config.json (ours vs HF): base_emb_dim: 64.0 vs '64'".
+    "a number written as text": ("one", lambda d: _config(d, lambda c: {**c, "hidden_size": "64"}),
+                                 "{d}/config.json: hidden_size is the text '64' where a number belongs"),
+    # Was "(ValueError: dictionary update sequence element #0 has length 1; 2 is required)".
+    "rope_scaling a string": ("one", lambda d: _config(d, lambda c: {**c, "rope_scaling": "linear"}),
+                              "HF config rope_scaling='linear' is not an object of RoPE settings"),
+    # transformers keeps a stored lm_head that differs from the embedding (untied); was converted tied, lm_head dropped.
+    "tied with an lm_head of its own": ("one", lambda d: _config(d, lambda c: {**c, "tie_word_embeddings": True}),
+                                        "but the checkpoint's lm_head.weight differs from its model.embed_tokens."
+                                        "weight, so transformers leaves them untied"),
     "fp8 quantisation": ("one", lambda d: _config(d, lambda c: {**c, "quantization_config": {"quant_method": "fp8"}}),
                          "this checkpoint is quantised with quant_method='fp8'"),
     "a shard the index names is missing": ("sharded", _drop_second_shard,
@@ -160,5 +178,19 @@ def test_a_torch_checkpoint_converts_beside_its_trainers_settings(hf_dirs: dict[
   torch.save({k: torch.from_numpy(v.copy()) for k, v in load_file(str(d / WEIGHTS)).items()}, d / "pytorch_model.bin")
   (d / WEIGHTS).unlink()
   torch.save(argparse.Namespace(learning_rate=1e-5), d / "training_args.bin")
+  hf_to_maxtext.convert(str(d), str(tmp_path / "out"), [])
+  assert (tmp_path / "out").is_dir()
+
+
+def test_a_tied_checkpoint_that_also_stores_its_lm_head_converts(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
+  """An lm_head.weight equal to the embedding beside tie_word_embeddings (older saves kept the copy) is the tie."""
+  from safetensors.numpy import save_file
+
+  d = tmp_path / "hf"
+  shutil.copytree(hf_dirs["one"], d)
+  tensors = load_file(str(d / WEIGHTS))
+  save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].copy()}, str(d / WEIGHTS),
+            metadata={"format": "pt"})
+  _config(d, lambda c: {**c, "tie_word_embeddings": True})
   hf_to_maxtext.convert(str(d), str(tmp_path / "out"), [])
   assert (tmp_path / "out").is_dir()

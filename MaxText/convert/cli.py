@@ -60,6 +60,7 @@ class HfModelKeys:
       raise ConfigError(f"{self.hf_path}/config.json has a value the {family.name} converter cannot read "
                         f"({type(e).__name__}: {' '.join(str(e).split())[:150]}); use the checkpoint's own "
                         "config.json") from None
+    _check_numbers(self.hf_path, self.hf_config, hf_keys, schema)
     self._inferred = engine.full_model_keys(schema, hf_keys)
     method = mxfp4.quant_method(self.hf_config)
     if method not in (None, "mxfp4"):  # its weights are integer or float8 codes with scales beside them
@@ -106,6 +107,21 @@ class CheckpointModelKeys:
 
   def check(self, config: config_lib.Config) -> None:
     _require_scale_one(config)
+
+
+def _check_numbers(hf_path: str, hf_config: Mapping[str, Any], hf_keys: Mapping[str, Any],
+                   schema: Mapping[str, Any]) -> None:
+  """A number config.json gives as text ("64") reaches a model key whose default is a number: refused naming the
+  field (was: the model config does not match config.json, 64.0 vs '64')."""
+  for key, value in hf_keys.items():
+    default = schema.get(key)
+    if isinstance(value, str) and isinstance(default, (int, float)) and not isinstance(default, bool):
+      text = hf_config.get("text_config")
+      fields = [(f, v) for f, v in hf_config.items()] + (
+          [(f"text_config.{f}", v) for f, v in text.items()] if isinstance(text, Mapping) else [])
+      field = next((f for f, v in fields if v == value), key)
+      raise ConfigError(f"{hf_path}/config.json: {field} is the text {value[:40]!r} where a number belongs; write it "
+                        "without quotes")
 
 
 def _missing_field(hf_config: Mapping[str, Any], error: KeyError) -> str:

@@ -9,6 +9,7 @@ parameter at a time (`streaming.save_params_one_by_one`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from typing import Any, Callable, Iterable, Iterator, Literal, Mapping
 
@@ -63,6 +64,10 @@ def flat_abstract(abstract_params: dict[str, Any]) -> dict[tuple[str, ...], jax.
   return {tuple(str(k.key) for k in path): leaf for path, leaf in flat}
 
 
+class ShapeMismatch(ConfigError):
+  """An HF tensor whose converted shape is not its parameter's."""
+
+
 class StagedParams:
   """Our parameter tree as memory-mapped files under `directory` (local: a temporary staging
   directory of the converter), filled one slice at a time."""
@@ -87,7 +92,7 @@ class StagedParams:
                         f"{tuple(leaf.shape[:len(index)])}; the model config does not match the checkpoint")
     expected = tuple(leaf.shape[len(index):])
     if tuple(value.shape) != expected:
-      raise ConfigError(f"HF tensor {source} becomes shape {tuple(value.shape)} but {'/'.join(path)} expects "
+      raise ShapeMismatch(f"HF tensor {source} becomes shape {tuple(value.shape)} but {'/'.join(path)} expects "
                         f"{expected}; the model config does not match the checkpoint")
     written = self._written.setdefault(path, set())
     if index in written:
@@ -129,11 +134,13 @@ def _match(maps: list[TensorMap], name: str) -> tuple[TensorMap, int | None, int
 
 
 def stage_hf_tensors(tensors: Iterable[tuple[str, np.ndarray]], family: families.Family, cfg: ModelConfig,
-                     staged: StagedParams) -> int:
-  """Streams HF tensors into `staged`; returns the largest HF tensor's size in bytes."""
+                     staged: StagedParams, shape_note: str = "") -> int:
+  """Streams HF tensors into `staged`; returns the largest HF tensor's size in bytes. `shape_note` ends a
+  shape refusal (config.json fields read by a default, which the weights may contradict)."""
   maps = family.tensors(cfg)
   num_layers = _num_hf_layers(cfg, maps, family.name)
   largest, unknown = 0, []
+  tied: dict[str, bytes] = {}  # a tied model's embedding and the lm_head copy the checkpoint may hold
   for name, array in tensors:
     largest = max(largest, array.nbytes)
     found = _match(maps, name)
@@ -141,6 +148,9 @@ def stage_hf_tensors(tensors: Iterable[tuple[str, np.ndarray]], family: families
       unknown.append(name)
       continue
     tensor_map, layer, expert = found
+    if cfg.logits_via_embedding and (tensor_map.ours == ("token_embedder/embedding",)
+                                     or (not tensor_map.ours and name.endswith("lm_head.weight"))):
+      tied[name] = _values_digest(array)
     if layer is not None and layer >= num_layers:
       raise ConfigError(f"HF tensor {name} is for layer {layer}, but the model has {cfg.num_decoder_layers} layers"
                         + (f" and {cfg.mtp.mtp_num_layers} MTP module(s)" if cfg.mtp.mtp_num_layers else ""))
@@ -156,9 +166,18 @@ def stage_hf_tensors(tensors: Iterable[tuple[str, np.ndarray]], family: families
       values = tensor_map.to_ours(array, cfg)
     except ValueError as e:  # a reshape or split the tensor's shape does not allow
       raise ConfigError(f"HF tensor {name} has shape {tuple(array.shape)}, which does not fit the model config "
-                        f"({' '.join(str(e).split())[:150]}); does config.json belong to these weights?") from None
+                        f"({' '.join(str(e).split())[:150]}); does config.json belong to these weights?"
+                        f"{shape_note}") from None
     for path, value in zip(tensor_map.ours, values):
-      staged.put(prefix + tuple(path.split("/")), index, value, name)
+      try:
+        staged.put(prefix + tuple(path.split("/")), index, value, name)
+      except ShapeMismatch as e:
+        raise ConfigError(f"{e}{shape_note}") from None
+  if len(tied) == 2 and len(set(tied.values())) == 2:
+    embedding, head = sorted(tied, key=lambda n: n.endswith("lm_head.weight"))
+    raise ConfigError(f"config.json ties the output layer to the embedding (tie_word_embeddings), but the checkpoint's "
+                      f"{head} differs from its {embedding}, so transformers leaves them untied; set "
+                      "\"tie_word_embeddings\": false in config.json (or drop the stale lm_head.weight)")
   if unknown:
     raise ConfigError(f"{len(unknown)} HF tensor(s) have no mapping in the {family.name} converter, e.g. "
                       f"{', '.join(unknown[:3])}; is this the right model family?")
@@ -167,6 +186,15 @@ def stage_hf_tensors(tensors: Iterable[tuple[str, np.ndarray]], family: families
     raise ConfigError(f"the HF checkpoint does not fill {len(missing)} of our parameters, e.g. "
                       f"{', '.join(missing[:3])}; some shards may be missing")
   return largest
+
+
+def _values_digest(array: np.ndarray) -> bytes:
+  """A digest of `array`'s shape and float32 values, taken a block of rows at a time (an embedding is large)."""
+  digest = hashlib.sha256(repr(tuple(array.shape)).encode())
+  rows = array.reshape(array.shape[0], -1) if array.ndim else array.reshape(1, 1)
+  for start in range(0, rows.shape[0], 4096):
+    digest.update(np.ascontiguousarray(rows[start:start + 4096], np.float32).tobytes())
+  return digest.digest()
 
 
 def _leaf_path(cfg: ModelConfig, m: TensorMap, path: str, layer: int | None
@@ -256,9 +284,11 @@ def hf_model_keys(family: families.Family, hf_config: Mapping[str, Any]) -> dict
   """The family's model keys of config.json, with its max_position_embeddings (a multimodal config's
   text_config's): the longest sequence the model is meant for, which a RoPE model's export writes back. A
   family with a learned position table sets it itself (its rows)."""
-  keys = family.model_keys(hf_config)
   text = hf_config.get("text_config")
-  _check_default_kv_heads(text if isinstance(text, Mapping) else hf_config, keys, hf_config.get("model_type"))
+  decoder = text if isinstance(text, Mapping) else hf_config
+  _check_kv_heads_value(decoder, "text_config." if decoder is text else "")
+  keys = family.model_keys(hf_config)
+  _check_default_kv_heads(decoder, keys, hf_config.get("model_type"))
   fields = text if isinstance(text, Mapping) and text.get("max_position_embeddings") is not None else hf_config
   value = fields.get("max_position_embeddings")
   if "max_position_embeddings" not in keys and value is not None:
@@ -266,6 +296,29 @@ def hf_model_keys(family: families.Family, hf_config: Mapping[str, Any]) -> dict
       raise ValueError(f"max_position_embeddings must be a positive whole number, got {value!r}")
     keys["max_position_embeddings"] = int(value)
   return keys
+
+
+def _check_kv_heads_value(fields: Mapping[str, Any], where: str) -> None:
+  """num_key_value_heads is null (as many as the query heads) or a positive count: 0 read as "unset" would
+  convert a model whose attention divides by it in transformers."""
+  value = fields.get("num_key_value_heads")
+  if value is None:
+    return
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer() or value < 1:
+    raise ConfigError(f"HF config.json {where}num_key_value_heads={value!r} is not a positive whole number; write the "
+                      "checkpoint's key/value head count (its k_proj rows / head_dim), or null for as many as "
+                      "num_attention_heads")
+
+
+def null_fields_note(hf_config: Mapping[str, Any]) -> str:
+  """The end of a tensor-shape refusal when config.json left num_key_value_heads null: read as the query heads
+  (as transformers' Llama reads it), which a grouped-query checkpoint's weights contradict."""
+  text = hf_config.get("text_config")
+  fields = text if isinstance(text, Mapping) else hf_config
+  if "num_key_value_heads" not in fields or fields["num_key_value_heads"] is not None:
+    return ""
+  return (f" (config.json's num_key_value_heads is null, read as num_attention_heads="
+          f"{fields.get('num_attention_heads')}: set it to the checkpoint's count, k_proj rows / head_dim)")
 
 
 def _check_default_kv_heads(fields: Mapping[str, Any], keys: Mapping[str, Any], model_type: str | None) -> None:

@@ -63,7 +63,7 @@ def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict[str, f
     tensors = hf_io.iter_hf_tensors(hf_path)
     if mxfp4.quant_method(hf_config) == "mxfp4":
       tensors = mxfp4.dequantized_tensors(tensors)
-    largest = engine.stage_hf_tensors(tensors, family, cfg, staged)
+    largest = engine.stage_hf_tensors(tensors, family, cfg, staged, engine.null_fields_note(hf_config))
     streaming.save_params_one_by_one(output_path, staged.tree())
   saved = engine.write_model_config(output_path, model_keys, hf_path)
   left_out = [tower for tower in ("vision", "audio") if hf_config.get(f"{tower}_config")]

@@ -163,6 +163,57 @@ def _pattern_value(pattern: dict[str, Any], module: str, default: Any) -> Any:
   return default
 
 
+def _selects(config: dict[str, Any], module: str) -> bool:
+  """Whether PEFT puts a LoRA layer on `module` (a dotted name such as model.layers.0.self_attn.q_proj) for this
+  config: exclude_modules, then target_modules ("all-linear"; one regex matching the whole name; or names matching
+  it or its end), then layers_to_transform (the first numbered part of the name, or the one after layers_pattern).
+  A config without target_modules is taken as selecting what its tensors adapt."""
+  excluded = config.get("exclude_modules")
+  if isinstance(excluded, str) and excluded and re.fullmatch(excluded, module):
+    return False
+  if isinstance(excluded, list) and any(module == e or module.endswith("." + e) for e in excluded):
+    return False
+  targets = config.get("target_modules")
+  if not targets or targets == "all-linear":
+    return not (targets and module == "lm_head")
+  if isinstance(targets, str):
+    return re.fullmatch(targets, module) is not None
+  if module in targets:
+    return True
+  if not any(module.endswith("." + t) for t in targets):
+    return False
+  layers = config.get("layers_to_transform")
+  if layers is None or layers == []:
+    return True
+  patterns = config.get("layers_pattern") or []
+  patterns = [patterns] if isinstance(patterns, str) else patterns
+  found = (re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module) if not patterns else
+           next((m for p in patterns if (m := re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", module))), None))
+  if found is None:
+    return False
+  index = int(found.group("idx"))
+  return index == layers if isinstance(layers, int) else index in layers
+
+
+def _check_selection_keys(path: str, config: dict[str, Any]) -> None:
+  """target_modules' companions that _selects reads, of the types PEFT takes."""
+  def names(v: Any) -> bool:
+    return v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v))
+  layers = config.get("layers_to_transform")
+  if not (names(config.get("exclude_modules")) and names(config.get("layers_pattern"))) or not (
+      layers is None or (isinstance(layers, int) and not isinstance(layers, bool))
+      or (isinstance(layers, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in layers))):
+    given = {k: config.get(k) for k in ("exclude_modules", "layers_pattern", "layers_to_transform")}
+    raise UserError(f"{path}/{CONFIG_FILE}: exclude_modules and layers_pattern must be names, layers_to_transform "
+                    f"layer numbers; got {str(given)[:120]}")
+  for key in ("exclude_modules", "target_modules"):
+    if isinstance(config.get(key), str) and config[key] != "all-linear":
+      try:
+        re.compile(config[key])
+      except re.error as e:
+        raise UserError(f"{path}/{CONFIG_FILE}: {key}={config[key][:80]!r} is not a regular expression ({e})") from None
+
+
 def _module_of(tensor_name: str) -> str:
   """The base model's module name a PEFT tensor adapts (what rank_pattern keys are matched against)."""
   return tensor_name.removeprefix("base_model.model.").removesuffix(".lora_A.weight").removesuffix(".lora_B.weight")
@@ -183,6 +234,7 @@ def load(path: str, cfg: ModelConfig, abstract_params: dict[str, Any]) -> PeftAd
   maps = family.tensors(cfg)
   leaves: dict[tuple[tuple[str, ...], tuple[int, ...]], tuple[np.ndarray, np.ndarray]] = {}
   example = ""  # a name this model's adapters have: the naming scheme for the refusal of others
+  unfilled = []  # modules target_modules names that its tensors leave out
   for m in maps:
     if len(m.ours) != 1 or not m.ours[0].endswith("/kernel") or m.per_expert:
       continue
@@ -196,6 +248,10 @@ def load(path: str, cfg: ModelConfig, abstract_params: dict[str, Any]) -> PeftAd
       if not example and dense is not None and "lora_a" in dense:
         example = a_name
       if a_name not in tensors:
+        # Named targets only: a regex or "all-linear" reaches modules nobody meant, which PEFT starts at B = 0.
+        if isinstance(config.get("target_modules"), list) and (layer is None or layer < cfg.num_decoder_layers) \
+            and _selects(config, name):
+          unfilled.append(name)
         continue
       unused -= {a_name, b_name}
       if dense is None or "lora_a" not in dense or b_name not in tensors:
@@ -230,6 +286,11 @@ def load(path: str, cfg: ModelConfig, abstract_params: dict[str, Any]) -> PeftAd
     named = f", where this model's are named like {example}" if example else ""
     raise UserError(f"{path}: {len(unused)} tensors name no projection of this model, e.g. {sorted(unused)[0]}{named} "
                     "(an adapter of another model family or depth, or saved from another model class?)")
+  if unfilled:  # PEFT would start them from their initialisation (a random one with init_lora_weights=false)
+    listed = str(config.get("target_modules"))[:80]
+    raise UserError(f"{path}: {CONFIG_FILE} selects {unfilled[0]} (target_modules={listed}) but {WEIGHTS_FILE} "
+                    f"holds no adapter for it ({len(unfilled)} such module(s)): an incomplete {WEIGHTS_FILE}? save "
+                    "the adapter again, or take the module out of target_modules")
   if not leaves:
     raise UserError(f"{path} holds no LoRA tensors")
   targets = tuple(sorted({name.split(".")[-3] for name in tensors}))
@@ -370,6 +431,13 @@ def read_config(path: str) -> tuple[int, tuple[str, ...], float]:
     if other not in shapes:
       raise UserError(f"{path}: {name} has no lora_{'B' if half == 'A' else 'A'}.weight beside it; each adapted "
                       f"module needs both lora_A and lora_B (an incomplete {WEIGHTS_FILE}?)")
+  # PEFT loads a tensor only onto a module its config selects, silently dropping the rest.
+  _check_selection_keys(path, config)
+  unselected = sorted({module for module in map(_module_of, pairs) if not _selects(config, module)})
+  if unselected:
+    raise UserError(f"{path}: {WEIGHTS_FILE} holds the adapter of {unselected[0]}, which {CONFIG_FILE} does not select "
+                    f"(target_modules={str(config.get('target_modules'))[:80]}, exclude_modules, layers_to_transform), "
+                    "so PEFT would load it nowhere; add it to target_modules or remove its tensors")
   # The modules its tensors adapt: target_modules may also be a regex or PEFT's "all-linear", which name none.
   stored = {name.split(".")[-3] for name in pairs}
   # The largest rank the config gives a module its tensors adapt: what those tensors must hold (check_stored_rank).

@@ -40,10 +40,31 @@ _TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "
 
 def _layer_types(hf: Mapping[str, Any]) -> list[str]:
   num_layers = hf["num_hidden_layers"]
-  kinds = list(hf.get("layer_types") or ["sliding_attention" if (i + 1) % _SLIDING_PERIOD else "full_attention"
-                                         for i in range(num_layers)])
+  given = hf.get("layer_types")
+  if given is not None and (not isinstance(given, list) or len(given) != num_layers
+                            or not set(given) <= {"sliding_attention", "full_attention"}):
+    raise ConfigError(f"HF config layer_types={str(given)[:80]} is not a list of num_hidden_layers={num_layers} "
+                      "entries, each \"sliding_attention\" or \"full_attention\"; use the checkpoint's own config.json")
+  kinds = list(given or ["sliding_attention" if (i + 1) % _SLIDING_PERIOD else "full_attention"
+                         for i in range(num_layers)])
   kinds[-1] = "full_attention"  # as HF forces it
+  _check_kv_sharing(hf, kinds, given is None)
   return kinds
+
+
+def _check_kv_sharing(hf: Mapping[str, Any], kinds: list[str], defaulted: bool) -> None:
+  """The last num_kv_shared_layers layers read the keys and values of the last unshared layer of their kind, so
+  every kind needs one among the others (transformers refuses the config otherwise)."""
+  shared = hf.get("num_kv_shared_layers") or 0
+  if not shared or not 0 < shared < len(kinds) or set(kinds[len(kinds) - shared:]) <= set(kinds[:len(kinds) - shared]):
+    return
+  kind = sorted(set(kinds[len(kinds) - shared:]) - set(kinds[:len(kinds) - shared]))[0].replace("_", "-")
+  source = ("has no layer_types, so transformers' default kinds apply (5 sliding : 1 full, the last full), and "
+            if defaulted else "")
+  raise ConfigError(f"HF config {source}num_kv_shared_layers={shared} leaves the {kind} layers among the last {shared} "
+                    f"no earlier {kind} layer to share keys and values from; "
+                    + ("give the checkpoint's layer_types in config.json" if defaulted else
+                       "use the checkpoint's own layer_types and num_kv_shared_layers"))
 
 
 # Gemma4TextConfig's rope_parameters where config.json has none (a rope_scaling replaces them; rope_theta is not read).

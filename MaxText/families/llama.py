@@ -70,6 +70,9 @@ def rope_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   transformers reads them: `rope_scaling` over `rope_parameters` where both are set, and a top-level
   original_max_position_embeddings over the one inside them (its Phi-3 rule, applied as the model is built)."""
   field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+  if not isinstance(hf.get(field) or {}, Mapping):
+    raise ConfigError(f"HF config {field}={str(hf.get(field))[:60]!r} is not an object of RoPE settings "
+                      "({\"rope_type\": ..., \"factor\": ...}); use the checkpoint's own config.json")
   params = dict(hf.get(field) or {})
   theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
   rope_type = params.get("rope_type", params.get("type", "default"))

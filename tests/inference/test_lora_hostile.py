@@ -309,3 +309,58 @@ def test_an_adapter_whose_scaled_weights_overflow_is_refused_with_no_change(good
   # the same adapter at its own alpha fits
   fine = peft_adapters.load(str(good_dir), model, abstract)
   assert all(np.isfinite(v).all() for v in table.row_values(fine).values())
+
+
+# ---------------------------------------------------------------- target_modules against the tensors
+def _stand_in_registry(model, abstract):
+  """A Registry over the model's abstract parameters: Registry.add's reads and checks, nothing compiled."""
+  import types
+
+  table = object.__new__(lora_adapters.AdapterTable)
+  table.engine = types.SimpleNamespace(cfg=model, spec=types.SimpleNamespace(abstract_params=abstract))
+  table.capacity, table.rank, table.targets = 2, 4, ("q_proj", "v_proj", "k_proj")
+  table._places = lora_adapters.table_places(abstract)
+  return lora_adapters.Registry(table, "base", abstract)
+
+
+@pytest.mark.parametrize("keys, module", [
+    ({"target_modules": ["q_proj"]}, "model.layers.0.self_attn.v_proj"),
+    ({"target_modules": ".*q_proj"}, "model.layers.0.self_attn.v_proj"),
+    ({"exclude_modules": ["v_proj"]}, "model.layers.0.self_attn.v_proj"),
+    ({"layers_to_transform": [0]}, "model.layers.1.self_attn.q_proj"),
+    ({"layers_to_transform": 1, "layers_pattern": "layers"}, "model.layers.0.self_attn.q_proj"),
+], ids=["not-listed", "regex", "excluded", "other-layer", "layer-pattern"])
+def test_tensors_of_a_module_the_config_does_not_select_are_refused_naming_it(good, tmp_path, keys, module):
+  """PEFT puts LoRA layers only on the modules the config selects and drops the other tensors without a word (peft
+  0.21); was: served with every tensor applied, a model PEFT does not load. Refused at the add route and at start."""
+  good_dir, model, abstract = good
+  bad = _variant(good_dir, tmp_path, **keys)
+  with pytest.raises(UserError) as e:
+    _stand_in_registry(model, abstract).add("bad", str(bad))
+  assert f"{bad}: adapter_model.safetensors holds the adapter of {module}, which adapter_config.json does not " \
+         "select" in str(e.value) and "\n" not in str(e.value)
+  from MaxText.configuration.config import Config
+  from test_lora_adapters import TINY
+  with pytest.raises(UserError, match=f"holds the adapter of {module}"):  # serve_lora_adapters: before the engine
+    lora_adapters.load_engine(Config.for_testing(**TINY, serve_lora_adapters=f"bad={bad}"), 1, "", "base")
+
+
+def test_a_named_target_with_no_tensors_is_refused_naming_the_module(good, tmp_path):
+  """target_modules names k_proj, which the model has, but the file holds none of its tensors: PEFT starts it from
+  its initialisation (random with init_lora_weights=false); was: served as if k_proj were not a target."""
+  good_dir, model, abstract = good
+  bad = _variant(good_dir, tmp_path, target_modules=["q_proj", "v_proj", "k_proj"])
+  registry = _stand_in_registry(model, abstract)
+  with pytest.raises(UserError) as e:
+    registry.add("bad", str(bad))
+  assert f"{bad}: adapter_config.json selects model.layers.0.self_attn.k_proj (target_modules=['q_proj', 'v_proj', " \
+         "'k_proj']) but adapter_model.safetensors holds no adapter for it (2 such module(s))" in str(e.value)
+  assert "\n" not in str(e.value) and registry.names() == []
+
+
+def test_a_target_the_model_does_not_have_is_left_alone_as_peft_leaves_it(good, tmp_path):
+  """A target list written for several architectures (c_attn is GPT-2's): PEFT adapts the modules that exist."""
+  good_dir, model, abstract = good
+  adapter = peft_adapters.load(str(_variant(good_dir, tmp_path, target_modules=["q_proj", "v_proj", "c_attn"])),
+                               model, abstract)
+  assert adapter.targets == ("q_proj", "v_proj") and len(adapter.leaves) == 4
