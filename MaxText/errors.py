@@ -6,7 +6,6 @@ import contextlib
 import logging
 import os
 import sys
-import sysconfig
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, NoReturn
@@ -75,7 +74,7 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = No
     code = main(list(sys.argv if argv is None else argv))
   except UserError as e:
     where = f" [{_process_label}]" if _process_label else ""
-    print(f"error{where}: {e}", file=sys.stderr, flush=True)
+    print(f"error{where}: {_cut(str(e))}", file=sys.stderr, flush=True)
     if getattr(e, "exit_at_once", False):
       # Library threads still blocked on what failed (a storage's endpoint) would keep a normal
       # exit waiting for ever: the line is out and everything durable is already written.
@@ -89,7 +88,9 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = No
 
 
 EXIT_GRACE_S = 30.0  # how long the exit waits for threads that are not daemons before it leaves them
-_exit_code: list[int] = []  # the status exit_unheld's watch exits with (its latest call's)
+# The status the watch exits with: the latest call's. A host that catches the SystemExit and goes on (a test
+# session) clears it, and then no watch runs at its own exit.
+_exit_code: list[int] = []
 
 
 def exit_unheld(code: int) -> NoReturn:
@@ -108,17 +109,31 @@ def exit_unheld(code: int) -> NoReturn:
 
 
 def _watch_exit() -> None:
+  if not _exit_code:  # a host that caught every SystemExit (a test session) and cleared the status exits its own way
+    return
   threading.Thread(target=_leave_after_grace, name="exit-watch", daemon=True).start()
 
 
+def _lingering() -> list[threading.Thread]:
+  return [t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread() and t.is_alive()]
+
+
 def _leave_after_grace() -> None:
-  time.sleep(EXIT_GRACE_S)
-  lingering = [t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread() and t.is_alive()]
+  # Disarmed once Python has joined every such thread: the atexit handlers that run next (a tracker's final upload)
+  # may take as long as they need.
+  deadline = time.monotonic() + EXIT_GRACE_S
+  while _lingering():
+    if time.monotonic() >= deadline:
+      break
+    time.sleep(0.2)
+  else:
+    return
+  lingering = _lingering()
   shown = ", ".join(_where(t) for t in lingering[:3]) + (f" and {len(lingering) - 3} more" if len(lingering) > 3 else "")
   code = _exit_code[-1] if _exit_code else 0
   print(f"warning: exiting with status {code} without waiting for threads still running after "
-        f"{EXIT_GRACE_S:g} s ({shown or 'none named'}); a thread an environment or reward function starts must be "
-        "a daemon (daemon=True) or end when training does", file=sys.stderr, flush=True)
+        f"{EXIT_GRACE_S:g} s ({shown or 'none named'}); a thread your code starts (an RL environment's, a reward "
+        "function's) must be a daemon (daemon=True) or end with the run", file=sys.stderr, flush=True)
   sys.stdout.flush()
   os._exit(code)
 
@@ -126,11 +141,9 @@ def _leave_after_grace() -> None:
 def _where(thread: threading.Thread) -> str:
   """A thread's name and the innermost line of its stack outside Python's own library (the user's loop)."""
   frame = sys._current_frames().get(thread.ident or -1)
-  stdlib = sysconfig.get_paths()["stdlib"]
-  place = ""
   while frame is not None:
-    if not frame.f_code.co_filename.startswith(stdlib):
-      place = f" at {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
-      break
+    module = str(frame.f_globals.get("__name__", ""))
+    if module.split(".")[0] not in sys.stdlib_module_names:
+      return f"{thread.name} at {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
     frame = frame.f_back
-  return f"{thread.name}{place}"
+  return thread.name

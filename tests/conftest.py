@@ -43,6 +43,10 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
+  # Tests that call run_cli catch its SystemExit: pytest's own exit status stands, not the last such test's.
+  from MaxText import errors  # noqa: PLC0415
+
+  errors._exit_code.clear()
   if _owned_cache_dir is not None:
     shutil.rmtree(_owned_cache_dir, ignore_errors=True)
 

@@ -162,7 +162,8 @@ def test_reward_weights_must_be_finite(tiny_overrides, weights):
 
 # ---- 6, 7: prompt files -------------------------------------------------------------------------------
 
-def _prompt_set(tiny_overrides, tmp_path: Path, records: list[dict], template: str | None) -> prompts.PromptSet:
+def _prompt_set(tiny_overrides, tmp_path: Path, records: list[dict], template: str | None, **extra
+                ) -> prompts.PromptSet:
   from MaxText.input_pipeline import chat
 
   tokenizer_dir = write_tokenizer(tmp_path / "tokenizer", template)
@@ -170,7 +171,7 @@ def _prompt_set(tiny_overrides, tmp_path: Path, records: list[dict], template: s
   data.write_text("".join(json.dumps(r) + "\n" for r in records))
   config = Config.for_testing(**{**tiny_overrides, **GRPO, "hf_data_files": str(data),
                                  "tokenizer_path": str(tokenizer_dir), "vocab_size": 320, "max_target_length": 64,
-                                 "max_prefill_predict_length": 48})
+                                 "max_prefill_predict_length": 48, **extra})
   return prompts.PromptSet(config, chat.load_chat_tokenizer(str(tokenizer_dir), require_template=False))
 
 

@@ -189,3 +189,142 @@ def test_a_module_that_exits_at_import_is_a_config_error(tmp_path, monkeypatch):
   with pytest.raises(ConfigError, match=r"^rl_environment exits_at_import:Env: cannot import exits_at_import "
                                         r"\(SystemExit: no GPU here\)"):
     environments.load("exits_at_import:Env")
+
+
+class _Counting:
+  """The fixture's tokenizer, recording the longest text it is asked to tokenise."""
+
+  def __init__(self, inner):
+    self._inner, self.longest = inner, 0
+
+  def __call__(self, text, **kw):
+    self.longest = max(self.longest, len(text))
+    return self._inner(text, **kw)
+
+  def __getattr__(self, name):
+    return getattr(self._inner, name)
+
+
+HUGE = "word " * 800_000  # 4 MB
+
+
+def test_a_tool_that_returns_megabytes_ends_the_episode_without_tokenising_them(tokenizer):
+  """A step's 4 MB message went to the tokenizer whole, on the trainer's thread, only to end the episode."""
+  class Env(Base):
+    def step(self, turn):
+      return ([{"role": "tool", "content": HUGE}], 0.5, False)
+
+  counting = _Counting(tokenizer)
+  done = episodes.run(environments.Guarded("my_env:Env", Env, 5.0), counting, tokenizer.eos_token_id,
+                      [(7, "p", {}), (8, "q", {})], _scripted(tokenizer, ["hi"] * 4, []), _params, _limits())
+  assert [(e.end, e.turns, e.reward) for e in done] == [("tokens", 1, 0.5)] * 2
+  assert all(all(e.model_mask) for e in done)  # nothing of the tool's was appended
+  assert counting.longest < 50_000
+
+
+def test_an_opening_of_megabytes_is_one_line_without_tokenising_it(tokenizer):
+  class Env(Base):
+    def start(self):
+      return [{"role": "user", "content": HUGE}]
+
+  counting = _Counting(tokenizer)
+  with pytest.raises(UserError) as error:
+    episodes.run(environments.Guarded("my_env:Env", Env, 5.0), counting, tokenizer.eos_token_id, [(7, "p", {})],
+                 _scripted(tokenizer, ["hi"] * 4, []), _params, _limits())
+  assert str(error.value).startswith("prompt record 7: the environment's opening messages are over 400 tokens; ")
+  assert counting.longest < 50_000
+
+
+def test_a_cut_message_says_so_where_it_still_fits(tokenizer):
+  """Only a template or tokenizer that drops text lets a cut message fit: the cut is then in its content."""
+  renderer = episodes.Renderer(tokenizer, tokenizer.eos_token_id)
+  longest = episodes.longest_token(tokenizer)
+  kept, cut = renderer.within([{"role": "tool", "content": "ok"}], 3)
+  assert kept == [{"role": "tool", "content": "ok"}] and not cut
+  messages, cut = renderer.within([{"role": "tool", "content": "x" * 10_000, "name": "f"},
+                                   {"role": "user", "content": "more"}], 3)
+  assert cut and messages[0]["name"] == "f"
+  assert messages[0]["content"] == "x" * (4 * longest) + f" [{10_000 - 4 * longest} characters cut: past the " \
+                                                         "episode's token limit]"
+  assert messages[1]["content"] == " [4 characters cut: past the episode's token limit]"
+
+
+class Unreadable(Exception):
+  def __str__(self):
+    raise RuntimeError("its __str__ fails too")
+
+
+@pytest.mark.parametrize("error, shown", [
+    (Unreadable(), "Unreadable: (its message could not be read)"),  # was the RuntimeError's traceback
+    (ValueError("\n\n  the real reason\nmore"), "ValueError: the real reason"),  # was an empty reason
+    (ValueError("y" * 100_000), "ValueError: " + "y" * 297 + "..."),  # was a 100 kB line
+], ids=["str-raises", "blank-first-line", "huge"])
+def test_an_exception_from_the_environment_is_one_readable_line(tokenizer, error, shown):
+  class Env(Base):
+    def step(self, turn):
+      raise error
+
+  assert _one_line(tokenizer, Env) == f"environment my_env:Env raised {shown} (in step, prompt record 7)"
+
+
+def test_a_reward_function_whose_exception_cannot_be_read_is_one_line(tiny_overrides, tmp_path, monkeypatch):
+  from tests.test_grpo_hostile import _reward_set
+
+  source = ("class Unreadable(Exception):\n  def __str__(self):\n    raise RuntimeError('no')\n\n"
+            "def f(**kw):\n  raise Unreadable()\n")
+  scorer = _reward_set(tiny_overrides, tmp_path, monkeypatch, source)
+  with pytest.raises(UserError) as raised:
+    scorer.score(["p", "p"], ["a", "b"], [[5], [6]], {"answer": ["x", "y"]}, [3, 3])
+  assert str(raised.value).endswith("raised Unreadable: (its message could not be read) (on the completions of prompt "
+                                    "records 3)")
+
+
+def test_a_prompt_column_beside_another_rl_prompt_column_is_one_line(tiny_overrides, tmp_path):
+  """The environment is called with `prompt` and every other column: a file's own 'prompt' column silently
+  replaced the rl_prompt_column prompt the episode was meant to start from."""
+  from tests.test_grpo_hostile import _prompt_set
+
+  records = [{"question": "what is 1 + 1?", "prompt": "an unrelated column", "answer": "2"},
+             {"question": "what is 2 + 2?", "prompt": "an unrelated column", "answer": "4"}]
+  with pytest.raises(UserError) as raised:
+    _prompt_set(tiny_overrides, tmp_path, records, None, rl_prompt_column="question", rl_environment="calculator")
+  message = str(raised.value)
+  assert "has a column named 'prompt' (prompt record 0) beside rl_prompt_column='question'; " in message and \
+      message.endswith("rl_environment=calculator gets the prompt as its `prompt` argument, so rename that column in "
+                       "the file")
+  # Without an environment nothing reads that column as the prompt.
+  assert len(_prompt_set(tiny_overrides, tmp_path / "single", records, None, rl_prompt_column="question").prompts) == 2
+
+
+def test_the_environment_gets_the_prompt_whatever_the_columns_hold(tokenizer):
+  seen = []
+
+  class Env(Base):
+    def __init__(self, prompt, **columns):
+      seen.append(prompt)
+      super().__init__(prompt)
+
+  _run(tokenizer, Env, records=[(7, "the real prompt", {"prompt": "a column"})])
+  assert seen == ["the real prompt"]
+
+
+@pytest.mark.parametrize("answer, shown, extra, readers", [
+    (None, "null or missing", {}, "exact_match compares"),
+    ("  ", "blank", {"rl_environment": "calculator", "reward_functions": "[]"}, "the calculator compares"),
+    (None, "null or missing", {"rl_environment": "calculator"}, "exact_match and the calculator compare"),
+], ids=["null-exact-match", "blank-calculator", "both"])
+def test_a_record_without_an_answer_is_one_line_when_the_answer_is_read(tiny_overrides, tmp_path, answer, shown, extra,
+                                                                       readers):
+  """A null answer was compared as the text "none" (a model answering "None" scored 1) and a blank one matched
+  nothing: that record's episodes trained on a reward that meant nothing, silently."""
+  from tests.test_grpo_hostile import _prompt_set
+
+  records = [{"prompt": "what is 1 + 1?", "answer": "2"}, {"prompt": "what is 2 + 2?", "answer": answer}]
+  with pytest.raises(UserError) as raised:
+    _prompt_set(tiny_overrides, tmp_path, records, None, **extra)
+  assert str(raised.value).endswith(f"has a {shown} answer in rl_answer_column='answer', which {readers} the "
+                                    "completions with; give it an answer or drop the record")
+  assert "prompt record 1 of " in str(raised.value)
+  # Nothing reads the answer: the records load.
+  plain = _prompt_set(tiny_overrides, tmp_path / "format", records, None, reward_functions="format")
+  assert len(plain.prompts) == 2

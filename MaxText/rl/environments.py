@@ -140,9 +140,9 @@ class Guarded:
                       f"{self.timeout_s:g} {where}; make it faster or raise the limit")
     if call.error is not None:
       if isinstance(call.error, UserError):
-        raise UserError(f"environment {self.name} {where}: {call.error}") from None
-      text = str(call.error).splitlines()[0] if str(call.error) else ""
-      raise UserError(f"environment {self.name} raised {type(call.error).__name__}: {text} {where}") from None
+        raise UserError(f"environment {self.name} {where}: {rewards.error_text(call.error, 1000)}") from None
+      raise UserError(f"environment {self.name} raised {type(call.error).__name__}: {rewards.error_text(call.error)} "
+                      f"{where}") from None
 
   def episodes(self, records: Sequence[Mapping[str, Any]], indices: Sequence[int]) -> list[Any]:
     """One episode object per record (the factory called with the record's fields as keywords)."""

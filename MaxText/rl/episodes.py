@@ -10,7 +10,9 @@ Episodes run in batch by turn: each turn the engine decodes the open episodes to
 each), then every open episode's `step` runs at once on threads of its own (Guarded), then the
 next turn prefills the grown contexts. An episode ends when its environment says so (`done`), after
 rl_max_turns model turns (`turns`), or when the next turn's context would pass
-max_prefill_predict_length or leave no token within rl_max_episode_tokens (`tokens`). A model turn
+max_prefill_predict_length or leave no token within rl_max_episode_tokens (`tokens`). Messages longer
+than the characters that many tokens can spell are cut before they are tokenised (`Renderer.within`),
+so a tool that returns megabytes costs what fits, not what it wrote. A model turn
 cut at max_completion_length is the environment's to judge (ModelTurn.ended is False); if the
 episode goes on, the template's closing of that turn (its end token) is context, not the model's. The episode's tokens are kept exactly as the engine saw
 them, with a mask of which the model sampled: training_rows weighs only those, so the trainer
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
+import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 from MaxText.configuration.rl_config import RLConfig
@@ -85,6 +89,25 @@ class Renderer:
   def __init__(self, tokenizer: chat.ChatTokenizer, eos_id: int | None):
     self.tokenizer = tokenizer
     self.eos_text = tokenizer.decode([eos_id], skip_special_tokens=False) if eos_id is not None else ""
+    self.token_chars = longest_token(tokenizer)
+
+  def within(self, messages: list[Message], tokens: int) -> tuple[list[Message], bool]:
+    """`messages` with their contents cut past the characters `tokens` + 1 tokens can spell (the longest
+    token's each), and whether any was cut. Contents past that need more tokens than fit whatever the
+    template adds, so the episode ends as it would have, without tokenising them. A cut content ends with
+    a note of the cut, which fits only where the template or tokenizer drops text."""
+    if self.token_chars is None:
+      return messages, False
+    left, out, cut = (max(tokens, 0) + 1) * self.token_chars, [], False
+    for message in messages:
+      content = message["content"]
+      if len(content) > left:
+        message = {**message, "content": content[:left] + f" [{len(content) - left} characters cut: past the "
+                                                         "episode's token limit]"}
+        cut = True
+      left = max(0, left - len(content))
+      out.append(message)
+    return out, cut
 
   def text(self, messages: list[Message], tools: list[dict[str, Any]] | None, generation_prompt: bool,
            guard: chat.ContentGuard | None = None) -> str:
@@ -122,6 +145,25 @@ class Renderer:
     return self.ids(closing + after[len(before):], guard)
 
 
+_LONGEST: "weakref.WeakKeyDictionary[Any, int | None]" = weakref.WeakKeyDictionary()
+_LONGEST_LOCK = threading.Lock()
+
+
+def longest_token(tokenizer: Any) -> int | None:
+  """The most characters one token's vocabulary entry has (an upper bound on the text it covers: a
+  byte-level entry is a character per byte), per tokenizer; None without a vocabulary to read."""
+  with _LONGEST_LOCK:
+    if tokenizer in _LONGEST:
+      return _LONGEST[tokenizer]
+    vocab = tokenizer.get_vocab() if callable(getattr(tokenizer, "get_vocab", None)) else None
+    longest = (max(map(len, vocab), default=0) or None) if isinstance(vocab, Mapping) else None
+    try:
+      _LONGEST[tokenizer] = longest
+    except TypeError:  # not weakly referable: read again next time
+      pass
+    return longest
+
+
 @dataclasses.dataclass
 class Timing:
   generate_s: float = 0.0
@@ -135,21 +177,24 @@ def open_episodes(env: environments.Guarded, renderer: Renderer, records: Sequen
   """Each record's episode object (the environment's) and its Episode, opened by `start`'s messages."""
   indices = [index for index, _, _ in records]
   started = time.perf_counter()
-  objects = env.episodes([{"prompt": prompt, **columns} for _, prompt, columns in records], indices)
+  objects = env.episodes([{**columns, "prompt": prompt} for _, prompt, columns in records], indices)
   openings = env.opening(objects, indices)
   timing.environment_s += time.perf_counter() - started
   episodes = []
+  room = min(limits.max_context, limits.max_episode_tokens - 1)
   for obj, opening, index in zip(objects, openings, indices):
     tools = env.tools(obj, index)
+    opening, cut = renderer.within(opening, room)
     guard = chat.ContentGuard(renderer.tokenizer, opening, tools)
     ids = renderer.ids(renderer.text(opening, tools, True, guard), guard)
+    size = f"over {room}" if cut else f"{len(ids)}"
     if not 1 <= len(ids) <= limits.max_context:
-      raise UserError(f"prompt record {index}: the environment's opening messages are {len(ids)} tokens; an episode "
+      raise UserError(f"prompt record {index}: the environment's opening messages are {size} tokens; an episode "
                       f"must start with 1 to max_prefill_predict_length={limits.max_context} (raise it or shorten them)")
     if len(ids) >= limits.max_episode_tokens:  # else the first turn's budget (turn_budget) is not positive
-      raise UserError(f"prompt record {index}: the environment's opening messages are {len(ids)} tokens, which leaves "
-                      f"the model no token within rl_max_episode_tokens={limits.max_episode_tokens}; raise it above "
-                      f"{len(ids)} (0 = max_target_length + 1) or shorten the opening")
+      raise UserError(f"prompt record {index}: the environment's opening messages are {size} tokens, which leaves "
+                      f"the model no token within rl_max_episode_tokens={limits.max_episode_tokens}; raise it"
+                      f"{'' if cut else f' above {len(ids)}'} (0 = max_target_length + 1) or shorten the opening")
     episodes.append(Episode(index, ids, opening, tools))
   return objects, episodes
 
@@ -217,12 +262,14 @@ def advance(episode: Episode, model: ModelTurn, step: environments.Step, rendere
     episode.end = "turns"
   if episode.end:
     return
-  added = renderer.continuation(episode.messages, step.messages, episode.tools, episode.index, model.ended)
-  length = len(episode.prompt_ids) + len(episode.tokens) + len(added)
+  length = len(episode.prompt_ids) + len(episode.tokens)
+  new, _ = renderer.within(step.messages, min(limits.max_context, limits.max_episode_tokens - 1) - length)
+  added = renderer.continuation(episode.messages, new, episode.tools, episode.index, model.ended)
+  length += len(added)
   if length > limits.max_context or length >= limits.max_episode_tokens:
     episode.end = "tokens"
     return
-  episode.messages = episode.messages + step.messages
+  episode.messages = episode.messages + new
   episode.tokens += added
   episode.model_mask += [False] * len(added)
   episode.logps += [0.0] * len(added)
@@ -242,4 +289,4 @@ def metrics(episodes: Sequence[Episode], timing: Timing) -> dict[str, float]:
 
 
 __all__ = ["ENDINGS", "Episode", "Generate", "Limits", "Renderer", "Timing", "advance", "environment_for", "metrics",
-           "open_episodes", "record_turn", "run", "turn_budget"]
+           "longest_token", "open_episodes", "record_turn", "run", "turn_budget"]

@@ -69,6 +69,11 @@ class PromptSet:
       if clash:
         raise UserError(f"{describe} has a column named {clash[0]!r} (prompt record {index}), which is an argument the "
                         f"reward functions are called with ({', '.join(ARGUMENTS)}); rename the column in the file")
+      if config.rl.rl_environment and column != "prompt" and "prompt" in record:
+        # The environment's `prompt` keyword is rl_prompt_column's value: the column would have replaced it.
+        raise UserError(f"{describe} has a column named 'prompt' (prompt record {index}) beside rl_prompt_column="
+                        f"{column!r}; rl_environment={config.rl.rl_environment} gets the prompt as its `prompt` "
+                        "argument, so rename that column in the file")
       try:
         ids = encode_prompt(tokenizer, record[column], data.add_bos, data.tokenizer_path)
       except UserError as e:
@@ -80,6 +85,7 @@ class PromptSet:
       self.prompts.append(Prompt(index, ids, record[column], {k: v for k, v in record.items() if k != column}))
     if not self.prompts:
       raise UserError(f"{describe} is empty: it holds no prompt records")
+    _check_answers(self.prompts, config, describe)
     self.shuffle_seed = data.data_shuffle_seed if data.enable_data_shuffling else None
     self.position = 0
     self.describe = describe
@@ -105,6 +111,25 @@ class PromptSet:
 
   def set_state(self, state: Mapping[str, Any]) -> None:
     self.position = int(state["prompts_taken"])
+
+
+def _check_answers(prompts: Sequence[Prompt], config: Config, describe: str) -> None:
+  """Where exact_match or the calculator reads rl_answer_column and the file has it, every record needs an
+  answer: a null one compared as the text "none", and a blank one matched nothing, both silently."""
+  rl = config.rl
+  readers = [n for n in ("exact_match",) if n in rl.reward_functions] + (
+      ["the calculator"] if rl.rl_environment == "calculator" else [])
+  column = rl.rl_answer_column
+  if not readers or not any(column in p.columns for p in prompts):
+    return  # no reader, or no such column at all: the reader names the missing column when it runs
+  for p in prompts:
+    answer = p.columns.get(column)
+    if answer is None or (isinstance(answer, str) and not answer.strip()):
+      shown = "null or missing" if answer is None else "blank"
+      raise UserError(f"prompt record {p.index} of {describe} has a {shown} answer in rl_answer_column={column!r}, "
+                      f"which {' and '.join(readers)} {'compare' if len(readers) > 1 else 'compares'} the completions "
+                      "with; give it an answer or drop the "
+                      "record")
 
 
 def columns_of(prompts: Sequence[Prompt], repeat: int) -> dict[str, list[Any]]:

@@ -135,6 +135,17 @@ def _builtin(name: str, rl: RLConfig, eos_id: int | None) -> RewardFn:
   return LengthPenalty(rl.max_completion_length, rl.rl_length_penalty_window, eos_id)
 
 
+def error_text(error: BaseException, limit: int = 300) -> str:
+  """A user's exception as one line of an error: its first non-empty line, at most `limit` characters; an
+  exception whose own str() fails (a user's __str__) is named by its type alone."""
+  try:
+    text = str(error)
+  except Exception:  # noqa: BLE001 - a user's __str__: the error line must still come out
+    return "(its message could not be read)"
+  line = next((line.strip() for line in text.splitlines() if line.strip()), "")
+  return line if len(line) <= limit else f"{line[:limit - 3]}..."
+
+
 def load_dotted(path: str, what: str, builtins: Sequence[str], kind: str,
                 *, is_key: bool = False) -> Callable[..., Any]:
   """The callable `package.module:<kind>` imported for a user's hook (a reward function, an environment),
@@ -149,7 +160,7 @@ def load_dotted(path: str, what: str, builtins: Sequence[str], kind: str,
     raise
   except BaseException as e:  # noqa: BLE001 - any failure to import (an exit at import too) is the user's to fix
     raise ConfigError(f"{what} {path}: cannot import {module_name} ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0] if str(e) else ''}); is it on PYTHONPATH?") from None
+                      f"{error_text(e)}); is it on PYTHONPATH?") from None
   found = getattr(module, attribute, None)
   if not callable(found):
     raise ConfigError(f"{what} {path}: {module_name} has no callable {attribute!r}")
@@ -192,7 +203,7 @@ class RewardSet:
       except KeyboardInterrupt:  # Ctrl-C is the person's, not the function's
         raise
       except BaseException as e:  # noqa: BLE001 - the user's code (an exit too): name it and stop
-        raise UserError(f"reward function {name} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        raise UserError(f"reward function {name} raised {type(e).__name__}: {error_text(e)}"
                         f" (on the completions of prompt records {_records(prompt_indices)})") from None
       if isinstance(values, (list, tuple)) and any(v is None for v in values):  # numpy reads None as nan
         i = next(k for k, v in enumerate(values) if v is None)
@@ -311,4 +322,5 @@ def reward_metrics(scores: Scores, group_std: np.ndarray, advantage: np.ndarray)
   return out
 
 
-__all__ = ["ARGUMENTS", "BUILTINS", "RewardSet", "Scores", "advantages", "extract_answer", "load_function", "reward_metrics"]
+__all__ = ["ARGUMENTS", "BUILTINS", "RewardSet", "Scores", "advantages", "error_text", "extract_answer", "load_function",
+           "reward_metrics"]
