@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import llguidance
 import numpy as np
 
-from MaxText.inference import row_params, tool_calls
+from MaxText.inference import lark_spelling, row_params, tool_calls
 
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
@@ -200,7 +200,38 @@ class Compiler:
                          "writes)") from None
 
   def lark(self, grammar: str) -> Grammar:
-    return self.compile(llguidance.LLMatcher.grammar_from_lark(grammar))
+    """With a tokenizer that has no token per byte, the grammar is kept to the texts the tokens write
+    (lark_spelling.prune: its lexemes and %json schemas pruned, the alternatives left with no text replaced by
+    nothing), so a reply cannot start what it could not finish; one left with no text is a GrammarError. A grammar
+    whose syntax the pruner does not read is served as it is."""
+    text = llguidance.LLMatcher.grammar_from_lark(grammar)
+    if self._written is None or self._speller is None:
+      return self.compile(text)
+    pruned = lark_spelling.prune(grammar, self._written, self._speller, self._satisfiable)
+    if pruned is None:
+      return self.compile(text)
+    why = f" (no token of the tokenizer spells {', '.join(pruned.unspelled)[:200]})" if pruned.unspelled else ""
+    try:
+      original = self.compile(text)  # the grammar's own error first
+    except GrammarError as e:
+      raise GrammarError("no text satisfies it" + why if why and str(e).startswith("no text satisfies it")
+                         else str(e)) from None
+    if pruned.empty:
+      raise GrammarError(f"no text satisfies it{why}")
+    try:
+      return self.compile(llguidance.LLMatcher.grammar_from_lark(pruned.text))
+    except GrammarError as e:
+      if not str(e).startswith("no text satisfies it"):
+        return original  # the rewrite hit a limit of llguidance's: served as it was before it
+      raise GrammarError(f"{e}{why}"[:400]) from None
+
+  def _satisfiable(self, lark: str) -> bool:
+    """Whether a Lark grammar has a text the tokens write (another error: taken as yes, the real compile reports it)."""
+    try:
+      self.compile(llguidance.LLMatcher.grammar_from_lark(lark))
+    except GrammarError as e:
+      return not str(e).startswith("no text satisfies it")
+    return True
 
   def tool_call(self, tools: list[dict[str, Any]], fmt: str, parallel: bool = True) -> Grammar:
     """One or more (`parallel` False: exactly one) well-formed calls of `tools` (OpenAI's function tools) in the chat
@@ -251,7 +282,10 @@ class _Speller:
   def prune(self, schema: Any, unspelled: list[str]) -> Any:
     """A pruned copy of `schema`; `unspelled` gets what was dropped, by name."""
     try:
-      return self._prune(json.loads(json.dumps(schema)), unspelled)
+      pruned = self._prune(json.loads(json.dumps(schema)), unspelled)
+      while _falsify_refs(pruned, pruned):  # until no reference is left to a pruned schema
+        pass
+      return pruned
     except RecursionError:
       raise GrammarError("the schema nests too deep to compile") from None
 
@@ -267,6 +301,11 @@ class _Speller:
       if not kept:
         return False
       schema["enum"] = kept
+    required_names = schema.get("required")
+    for name in required_names if isinstance(required_names, list) and schema.get("type") == "object" else []:
+      if isinstance(name, str) and not self.spells(_json(name)):  # every instance writes it: the schema, pruned
+        unspelled.append(f"the required key {_json(name)[:40]}")
+        return False
     if isinstance(schema.get("properties"), dict):
       required = set(schema.get("required") or [])
       for name in [n for n in schema["properties"] if n not in required and not self.spells(_json(n))]:
@@ -284,6 +323,35 @@ class _Speller:
     if isinstance(schema.get("pattern"), str):  # after the walk: this allOf is not walked again
       schema["allOf"] = [*(schema.get("allOf") or []), {"pattern": f"^{self.spelled()}$"}]
     return schema
+
+
+def _falsify_refs(node: Any, root: Any) -> bool:
+  """Each subschema that is a local `$ref` to a pruned (false) schema made false itself, in place: llguidance refuses a
+  reference to a false schema even in a branch it could leave out. True when one was."""
+  changed = False
+  items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else []
+  for key, sub in list(items):
+    if isinstance(sub, dict) and isinstance(sub.get("$ref"), str) and _resolve(root, sub["$ref"]) is False:
+      node[key] = False
+      changed = True
+    elif isinstance(sub, (dict, list)):
+      changed = _falsify_refs(sub, root) or changed
+  return changed
+
+
+def _resolve(root: Any, ref: str) -> Any:
+  """A local JSON pointer (`#/$defs/x`) in `root`, None where it is not one or leads nowhere."""
+  if not ref.startswith("#"):
+    return None
+  node = root
+  for part in [p.replace("~1", "/").replace("~0", "~") for p in ref[1:].split("/")[1:]]:
+    if isinstance(node, dict) and part in node:
+      node = node[part]
+    elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+      node = node[int(part)]
+    else:
+      return None
+  return node
 
 
 def _char_class(points: set[int], more: str = "") -> str:

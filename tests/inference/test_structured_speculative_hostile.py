@@ -94,11 +94,12 @@ def still_serves_json(served: Served) -> None:
     {"type": "regex", "regex": "az"},
     {"type": "regex", "regex": "(a|b)z"},
     {"type": "regex", "regex": "[ab]+\u00e9"},
-], ids=["required-key", "const", "regex", "regex-after-a-choice", "regex-after-a-loop"])
+    {"type": "grammar", "grammar": 'start: ("a" | "b") "z"'},
+], ids=["required-key", "const", "regex", "regex-after-a-choice", "regex-after-a-loop", "lark-after-a-choice"])
 def test_a_required_character_no_token_spells_is_a_400(served: Served, fmt: dict[str, Any]) -> None:
   """Was: compiled, and every reply reached the character, took llguidance's stand-in token and ended as a 500
-  generation_failed (a regex whose model chooses before the character: compiled even after the forced opening was
-  walked; the reply dead-ended, or looped to max_tokens)."""
+  generation_failed (a regex or a Lark grammar whose model chooses before the character: compiled even after the
+  forced opening was walked; the reply dead-ended, or looped to max_tokens)."""
   with pytest.raises(openai.BadRequestError) as raised:
     served.client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0,
                                           response_format=fmt)
