@@ -114,11 +114,13 @@ def test_an_image_chat_gets_the_engines_greedy_answer(served):
      "cannot be decoded as an image"),
     (image_message("hi", png_url(7, kind="TIFF")), "TIFF"),
     (image_message("hi", "data:text/plain;base64,aGk="), "a data URL must read data:image/"),
-], ids=["http", "too-many", "bytes", "pixels", "undecodable", "unsupported", "not-an-image-url"])
+    (image_message("hi", "data:image/png;name=a\nb;base64,@@"), "image 'data:image/png;name=a\\nb;base64': its base64"),
+], ids=["http", "too-many", "bytes", "pixels", "undecodable", "unsupported", "not-an-image-url", "line-break-in-header"])
 def test_bad_images_get_400_json_errors(served, messages, message):
   with pytest.raises(openai.BadRequestError) as raised:
     served.client.chat.completions.create(model="tiny-vlm", messages=messages, max_tokens=4)
   assert raised.value.status_code == 400 and message in raised.value.body["message"], raised.value.body
+  assert "\n" not in raised.value.body["message"]
 
 
 def test_placeholder_tokens_without_images_are_a_400(served):
@@ -164,7 +166,7 @@ def test_a_decompression_bomb_is_refused_before_decoding(tmp_path):
   seconds, grown, raised = peak_rss_growth(lambda: openai_api.parse_chat(body, limits, codec))
   assert isinstance(raised, openai_api.ApiError) and raised.status == 400, raised
   assert "larger than serve_max_image_pixels=2304" in raised.message, raised.message
-  assert seconds < 0.5 and grown < 32 << 20, (seconds, grown)
+  assert grown < 32 << 20, (seconds, grown)  # not decoded (243 MB); time is no test here
 
 
 def test_images_are_decoded_off_the_event_loop(served, monkeypatch):

@@ -62,10 +62,16 @@ def _split(messages: list[dict[str, Any]], where: str) -> tuple[list[dict[str, A
   return image_text.split_images(messages, where)
 
 
+# The columns TRL's layout keeps a record's images in (a list, or one image), beside bare image parts.
+IMAGE_COLUMNS = ("images", "image")
+
+
 def _refuse_images_column(record: Mapping[str, Any]) -> None:
   """TRL's and many hub datasets' layout, bare {"type": "image"} parts and the images in an `images`
-  column, is not read: one line saying where the images go instead of each part's 'needs its image'."""
-  if record.get("images") is None:  # a table reader's filler, or no such column
+  (or `image`) column, is not read: one line saying where the images go instead of each part's
+  'needs its image'."""
+  column = next((name for name in IMAGE_COLUMNS if record.get(name) is not None), None)
+  if column is None:  # a table reader's filler, or no such column
     return
   fields = ("messages",) if record.get("messages") is not None else PAIR_FIELDS
   for field in fields:
@@ -75,9 +81,9 @@ def _refuse_images_column(record: Mapping[str, Any]) -> None:
       for part in content if isinstance(content, list) else []:
         if isinstance(part, Mapping) and part.get("type") == "image" and not any(
             part.get(key) for key in ("image", "path", "url")):
-          raise UserError("this record's images are in an 'images' column beside bare {\"type\": \"image\"} parts, "
-                          "which is not read; put each image in its part: {\"type\": \"image\", \"image\": PATH} (a "
-                          "path, gs:// object or data:image/...;base64, URL)")
+          raise UserError(f"this record's images are in an {column!r} column beside bare {{\"type\": \"image\"}} "
+                          "parts, which is not read; put each image in its part: {\"type\": \"image\", \"image\": "
+                          "PATH} (a path, gs:// object or data:image/...;base64, URL)")
 
 
 def split_record(record: Mapping[str, Any]) -> tuple[dict[str, Any], list[image_text.ImageSlot]]:

@@ -84,8 +84,9 @@ def split_images(messages: Sequence[Mapping[str, Any]], where: str = "a conversa
         slots.append(ImageSlot(_image_ref(part, f"{where}, message {i}"), i))
         parts.append({"type": "image"})
       else:
-        raise UserError(f"{where}: message {i} has a content part of type {part['type']!r}; the types are text, "
-                        "image and image_url")
+        kind = str(part["type"])[:40]  # a type of any length or shape
+        raise UserError(f"{where}: message {i} has a content part of type {kind!r}; the types are text, image and "
+                        "image_url")
     out.append({**message, "content": parts})
   return out, slots
 
@@ -113,8 +114,8 @@ def read_image(ref: str, *, files: bool, max_pixels: int = images.MAX_IMAGE_PIXE
       # Line breaks are the wrapping of `base64` and MIME encoders, which HF's load_image accepts too.
       data = base64.b64decode("".join(payload.split()), validate=True)
     except (binascii.Error, ValueError):
-      raise UserError(f"image {header}: its base64 data does not decode; give the file's bytes in standard base64 "
-                      "(A-Z, a-z, 0-9, + and /, padded with =)") from None
+      raise UserError(f"image {images.shown(header)}: its base64 data does not decode; give the file's bytes in "
+                      "standard base64 (A-Z, a-z, 0-9, + and /, padded with =)") from None
     return images.decode(data, header, max_pixels, limit_key)
   if not files:
     raise UserError(f"image {ref[:60]!r}: only data:image/...;base64, URLs are accepted here")

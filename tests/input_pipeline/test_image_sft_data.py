@@ -175,6 +175,9 @@ def test_an_images_column_beside_bare_image_parts_says_where_images_go(tokenizer
   trl = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this"}]},
                       {"role": "assistant", "content": "a red fox"}], "images": [red]}
   assert "put each image in its part: {\"type\": \"image\", \"image\": PATH}" in _refused(tokenizer, trl)
+  # TRL reads one image from an `image` column as well: that layout is named too, not each part's "needs its image".
+  single = {**{k: v for k, v in trl.items() if k != "images"}, "image": red}
+  assert "images are in an 'image' column beside bare" in _refused(tokenizer, single)
 
 
 def test_an_image_the_template_does_not_place_is_refused(tmp_path):

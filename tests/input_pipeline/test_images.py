@@ -6,6 +6,8 @@ refused from its header before any pixel is decoded."""
 from __future__ import annotations
 
 import io
+import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -168,7 +170,7 @@ def test_a_decompression_bomb_is_refused_from_its_header_fast_and_small():
   data = solid_png(9000, 9000)
   seconds, grown, raised = peak_rss_growth(lambda: images.decode(data, "bomb.png"))
   assert isinstance(raised, UserError) and f"larger than {images.MAX_IMAGE_PIXELS} pixels" in str(raised), raised
-  assert seconds < 0.5 and grown < 32 << 20, (seconds, grown)
+  assert grown < 32 << 20, (seconds, grown)  # not decoded (243 MB); time is no test here
 
 
 def test_a_tool_limit_is_checked_before_decoding(monkeypatch):
@@ -180,3 +182,50 @@ def test_a_tool_limit_is_checked_before_decoding(monkeypatch):
     images.decode(solid_png(100, 60), "up.png", 50 * 50, "serve_max_image_pixels")
   with pytest.raises(UserError, match=r"format TIFF is not supported"):  # the format too, from the header
     images.decode(_encoded(_image("RGB", 16, 16), "TIFF"), "up.tiff")
+
+
+@pytest.mark.parametrize("name", ["data:image/png;x=\n;base64", "records/" + "deep/" * 2000 + "cat.png"],
+                         ids=["line-break", "very-long"])
+def test_an_image_name_of_any_shape_is_one_short_line(name, tmp_path):
+  """A data URL's header or a record's path is the user's text: one with a line break, or of
+  thousands of characters, is quoted and cut, not copied into the line."""
+  for read in (lambda: images.decode(b"not an image", name), lambda: images.load(name)):
+    with pytest.raises(UserError) as raised:
+      read()
+    message = str(raised.value)
+    assert "\n" not in message and len(message) < 400 and message.startswith(f"image {images.shown(name)}: ")
+  assert images.shown("upload.png") == "upload.png"
+
+
+def test_images_decoded_on_threads_at_once_leave_the_warning_filters_as_they_were(monkeypatch):
+  """The server decodes its requests' images on worker threads. A catch_warnings around each decode
+  swapped the process's filter list: two decodes inside Image.open together, the first leaving
+  first, left an error filter behind for good (and a filter set meanwhile would have been lost)."""
+  before = list(warnings.filters)
+  data = _encoded(_image("RGB", 8, 8), "PNG")
+  both_opened, first_done = threading.Barrier(2, timeout=10), threading.Event()
+  real_open = Image.open
+
+  def open_together(fp, *args, **kwargs):
+    image = real_open(fp, *args, **kwargs)
+    both_opened.wait()
+    if threading.current_thread().name == "second":
+      first_done.wait(10)
+    return image
+
+  monkeypatch.setattr(Image, "open", open_together)
+  decoded = []
+
+  def decode_then(done: threading.Event | None) -> None:
+    decoded.append(images.decode(data, "up.png").size)
+    if done is not None:
+      done.set()
+
+  threads = [threading.Thread(target=decode_then, args=(first_done,), name="first"),
+             threading.Thread(target=decode_then, args=(None,), name="second")]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join(20)
+  assert decoded == [(8, 8), (8, 8)]
+  assert warnings.filters == before
