@@ -144,6 +144,6 @@ def _where(thread: threading.Thread) -> str:
   while frame is not None:
     module = str(frame.f_globals.get("__name__", ""))
     if module.split(".")[0] not in sys.stdlib_module_names:
-      return f"{thread.name} at {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+      return f"{thread.name} at {frame.f_code.co_filename.rsplit(os.sep, 1)[-1]}:{frame.f_lineno} in {frame.f_code.co_name}"
     frame = frame.f_back
   return thread.name
