@@ -232,7 +232,8 @@ def test_loading_errors_are_one_line_user_errors(trained, tiny_overrides, tmp_pa
       run_start.restore_full_state(str(path), run.setup.abstract_state, run.setup.state_shardings)
   bigger = _config(tiny_overrides, tmp_path, base_emb_dim=128)
   big_spec = models.build_model_spec(bigger.model)
-  with pytest.raises(UserError, match="cannot load parameters.*check that the model config matches"):
+  with pytest.raises(UserError, match=r"cannot load parameters.*written by another model config: params/\S+ \(64,\) "
+                                      r"\(this config: \(128,\)\)"):
     params_io.load_params(str(Path(config.checkpoint.directory) / "4"), big_spec.abstract_params,
                               Run(bigger).setup.state_shardings.params)
   # Array files cut short were the same advice, to check a config that matches.

@@ -83,6 +83,9 @@ def _not_damage(error: BaseException) -> bool:
       or "PERMISSION_DENIED" in text
 
 
+FIRST_LINE_CHARS = 400
+
+
 def first_line(error: BaseException) -> str:
   # Orbax wraps TensorStore's read error (which names the array and the file) in a line that names
   # neither and ends in a repr of the whole TensorStore spec.
@@ -90,7 +93,15 @@ def first_line(error: BaseException) -> str:
     error = error.__cause__
   text = str(error).strip().splitlines()
   line = text[0].split(" [tensorstore_spec", 1)[0] if text else ""  # TensorStore's JSON spec follows
-  return f"{type(error).__name__}: {line}"[:400]
+  line = f"{type(error).__name__}: {line}"
+  if len(line) <= FIRST_LINE_CHARS:
+    return line
+  # TensorStore nests its causes ("Error writing ...: Failed writing ...: ... file 18: No space left on
+  # device [os_error_code='28']"): the innermost, the one that says what to fix, comes last.
+  reason = line.rsplit(": ", 1)[-1]
+  if len(reason) > FIRST_LINE_CHARS // 2:
+    return line[:FIRST_LINE_CHARS]
+  return f"{line[:FIRST_LINE_CHARS - len(reason) - 7]} ... : {reason}"
 
 
 def quiet_absl() -> contextlib.AbstractContextManager[None]:
@@ -99,7 +110,7 @@ def quiet_absl() -> contextlib.AbstractContextManager[None]:
   return quiet_logger("absl")
 
 
-def _shapes_by_path(tree: object) -> dict[str, tuple[int, ...]]:
+def shapes_by_path(tree: object) -> dict[str, tuple[int, ...]]:
   """{'params/layers/mlp/...': shape} for the arrays of a state tree or of Orbax's metadata of
   one (whose nodes are plain dicts and lists, not the state's dataclasses and tuples)."""
   def key_name(entry: object) -> str:
@@ -229,10 +240,19 @@ class RunCheckpoints:
       self.wait(step)
 
   def _save_error(self, step: int, error: BaseException) -> TrainingError:
-    older = [s for s in self.all_steps() if s != step]
+    older = [s for s in self._steps_on_storage() if s != step]
     kept = f"older checkpoints are untouched ({', '.join(map(str, older[-3:]))})" if older else "no older checkpoint"
     return SaveFailed(f"saving checkpoint of step {step} to {self.directory} failed: {first_line(error)}; "
                          f"{kept}; free space or fix permissions, then rerun the same command to resume")
+
+  def _steps_on_storage(self) -> list[int]:
+    """The complete steps the directory holds now. Orbax's own list drops the steps that max_to_keep
+    prunes when a save starts, though it deletes them only once that save is complete."""
+    try:
+      self._manager.reload()
+    except Exception:  # noqa: BLE001 - the listing is for the message only; the failure is what to report
+      pass
+    return self.all_steps()
 
   def _raise_if_failed(self, step: int) -> None:
     try:
@@ -328,11 +348,11 @@ class RunCheckpoints:
     try:
       with quiet_absl():
         stored = ocp.PyTreeCheckpointer().metadata(storage.as_path(storage.join(self.directory, str(step), STATE)))
-      stored_shapes = _shapes_by_path(stored.item_metadata.tree if hasattr(stored.item_metadata, "tree")
+      stored_shapes = shapes_by_path(stored.item_metadata.tree if hasattr(stored.item_metadata, "tree")
                                       else stored.item_metadata)
     except Exception:  # noqa: BLE001
       return
-    wanted = _shapes_by_path(abstract_state)
+    wanted = shapes_by_path(abstract_state)
     differences = [f"{p} {stored_shapes[p]} (this config: {wanted[p]})" for p in sorted(wanted)
                    if p in stored_shapes and stored_shapes[p] != wanted[p]]
     missing = sorted(set(wanted) - set(stored_shapes))

@@ -10,13 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from MaxText import models
 from MaxText.training import lora
 from MaxText.paths import storage
-from MaxText.run_dir.checkpointing import STATE, first_line, is_step_dir, log, not_a_checkpoint, quiet_absl
+from MaxText.run_dir.checkpointing import STATE, first_line, is_step_dir, log, not_a_checkpoint, quiet_absl, \
+    shapes_by_path
 from MaxText.errors import UserError
 from MaxText.platform.sharding import with_shardings
 
@@ -77,7 +79,8 @@ def load_params(path: str, abstract_params: models.Params, shardings: models.Par
   read in its own layout and converted, so scan_layers may differ between writer and reader.
   """
   directory, kind = params_directory(path)
-  stored_rank = _stored_adapter_rank(directory)
+  stored = _stored_params(directory)
+  stored_rank = _stored_adapter_rank(stored)
   if stored_rank and not lora.has_adapters(abstract_params):
     # A LoRA run reads only the base weights here: it starts fresh adapters, and its objectives take the
     # adapters-off model as the starting one, which must then be the checkpoint's whole function.
@@ -89,16 +92,19 @@ def load_params(path: str, abstract_params: models.Params, shardings: models.Par
   if stored_rank and wanted_rank and stored_rank != wanted_rank:  # Orbax's own line suggests padding them
     raise UserError(f"{path} ({kind} checkpoint) holds LoRA adapters of rank {stored_rank}, this model's places are of "
                     f"rank {wanted_rank}: set lora_rank={stored_rank}")
-  converted = _stored_8bit_kernel(directory)
+  converted = _stored_8bit_kernel(stored)
   if converted:
     raise UserError(f"{path} ({kind} checkpoint) holds 8-bit kernels (values and scales, as quantize_weights stores "
                     f"them in memory) at {converted}; load the float checkpoint they were converted from "
                     "(quantize_weights=int8 or fp8 converts it at load)")
-  stored_scanned = _stored_layout_is_scanned(directory)
+  stored_scanned = None if stored is None else "layers" in stored
   wanted_scanned = "layers" in abstract_params
   convert = stored_scanned is not None and stored_scanned != wanted_scanned
   read_abstract, read_shardings = (_other_layout(abstract_params, shardings) if convert
                                    else (abstract_params, shardings))
+  if stored is not None and (differences := _shape_differences(stored, read_abstract)):
+    raise UserError(f"cannot load parameters from {path} ({kind} checkpoint): it was written by another model "
+                    f"config: {differences}; give the model keys that wrote it (its config.yml or model_config.yml)")
   target = {PARAMS: with_shardings(read_abstract, read_shardings)}
   try:
     restored = ocp.PyTreeCheckpointer().restore(
@@ -114,19 +120,53 @@ def load_params(path: str, abstract_params: models.Params, shardings: models.Par
     num_layers = _num_layers(abstract_params)
     relayout = models.unstack_layers if stored_scanned else models.stack_layers
     params = jax.jit(lambda p: relayout(p, num_layers), out_shardings=shardings)(params)
+  if bad := nonfinite_arrays(params):
+    raise UserError(f"cannot load parameters from {path} ({kind} checkpoint): {describe_nonfinite(bad)}")
   layout = "" if not convert else f", {'scanned' if stored_scanned else 'unrolled'} layers converted"
   log(f"checkpoint: loaded parameters from {path} ({kind} checkpoint{layout})")
   return params
 
 
-def _stored_adapter_rank(directory: str) -> int:
-  """The rank of the stored LoRA adapters (0: none, or unreadable metadata: the restore reports that)."""
+def _stored_params(directory: str) -> Any | None:
+  """The stored parameters' metadata tree (shapes and dtypes, no values); None when it is unreadable,
+  which the restore then reports."""
   try:
     with quiet_absl():
-      stored = ocp.PyTreeCheckpointer().metadata(storage.as_path(directory)).item_metadata[PARAMS]
+      return ocp.PyTreeCheckpointer().metadata(storage.as_path(directory)).item_metadata[PARAMS]
   except Exception:  # noqa: BLE001 - unreadable metadata: let the restore report the problem
-    return 0
-  return _adapter_rank(stored) if lora.has_adapters(stored) else 0
+    return None
+
+
+def _shape_differences(stored: Any, abstract_params: models.Params) -> str:
+  """The parameters this model builds that the checkpoint stores with another shape, or not at all,
+  and the unrolled layers it stores beyond this model's ("" when none). Orbax names no parameter (its
+  advice is to pad them), leaves a parameter it does not find unread, and reads an extra layer never."""
+  have, want = shapes_by_path(stored), shapes_by_path(abstract_params)
+  differ = [f"{PARAMS}/{p} {have[p]} (this config: {want[p]})" for p in sorted(want) if p in have and have[p] != want[p]]
+  differ += [f"{PARAMS}/{p} is not stored" for p in sorted(set(want) - set(have))]
+  extra_layers = [k for k in stored if models.stacked_layer_key(str(k)) is not None and k not in abstract_params]
+  differ += [f"{PARAMS}/{k} is stored but this config builds fewer layers" for k in sorted(extra_layers)]
+  return "; ".join(differ[:3]) + (f"; and {len(differ) - 3} more" if len(differ) > 3 else "")
+
+
+def nonfinite_arrays(params: Any) -> list[str]:
+  """The paths (params/...) of the floating-point arrays of `params` that hold a NaN or an infinity."""
+  leaves = [(f"{PARAMS}/{jax.tree_util.keystr(path, simple=True, separator='/')}", leaf)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+            if jnp.issubdtype(leaf.dtype, jnp.floating)]
+  finite = jax.device_get(jax.jit(lambda xs: [jnp.all(jnp.isfinite(x)) for x in xs])([x for _, x in leaves]))
+  return [name for (name, _), ok in zip(leaves, finite) if not ok]
+
+
+def describe_nonfinite(names: list[str]) -> str:
+  more = f" and {len(names) - 3} more array(s)" if len(names) > 3 else ""
+  return (f"NaN or infinite values in {', '.join(names[:3])}{more}; they were saved from a diverged run or were "
+          "damaged: load an earlier checkpoint (a full-state step saved before the run diverged)")
+
+
+def _stored_adapter_rank(stored: Any | None) -> int:
+  """The rank of the stored LoRA adapters (0: none, or unreadable metadata: the restore reports that)."""
+  return _adapter_rank(stored) if stored is not None and lora.has_adapters(stored) else 0
 
 
 def _adapter_rank(params: Any) -> int:
@@ -138,27 +178,13 @@ def _adapter_rank(params: Any) -> int:
   return 0
 
 
-def _stored_8bit_kernel(directory: str) -> str:
+def _stored_8bit_kernel(stored: Any | None) -> str:
   """The path of a stored kernel that is a converted QuantizedWeight ({values, scale}), "" when none."""
-  try:
-    with quiet_absl():
-      stored = ocp.PyTreeCheckpointer().metadata(storage.as_path(directory)).item_metadata[PARAMS]
-  except Exception:  # noqa: BLE001 - unreadable metadata: let the restore report the problem
-    return ""
-  for path, _ in jax.tree_util.tree_flatten_with_path(stored)[0]:
+  for path, _ in jax.tree_util.tree_flatten_with_path(stored)[0] if stored is not None else []:
     keys = [str(getattr(k, "key", k)) for k in path]
     if keys[-1:] == ["scale"] and keys[-2:-1] == ["kernel"]:
       return "/".join(keys[:-1])
   return ""
-
-
-def _stored_layout_is_scanned(directory: str) -> bool | None:
-  try:
-    with quiet_absl():
-      keys = ocp.PyTreeCheckpointer().metadata(storage.as_path(directory)).item_metadata[PARAMS].keys()
-  except Exception:  # noqa: BLE001 - unreadable metadata: let the restore report the problem
-    return None
-  return "layers" in keys
 
 
 def _num_layers(params: models.Params, stack: str = "layers") -> int:

@@ -15,6 +15,7 @@ from MaxText.configuration.config import Config
 from MaxText.configuration.config_groups import CheckpointConfig
 from MaxText.errors import UserError
 from MaxText.training.optimizers import Params
+from MaxText.training.params_io import describe_nonfinite, nonfinite_arrays
 from MaxText.training.train_state import StateSetup, TrainState, state_from_params
 
 
@@ -135,10 +136,12 @@ def restore_full_state(path: str, abstract_state: TrainState, shardings: TrainSt
   else:
     directory, steps = root, None
   checkpoints = RunCheckpoints(directory)
+  restored: Restored[TrainState] | None
   try:
     if steps is not None:
-      return checkpoints.restore_step(steps[0], abstract_state, shardings)
-    restored = checkpoints.restore_latest(abstract_state, shardings)
+      restored = checkpoints.restore_step(steps[0], abstract_state, shardings)
+    else:
+      restored = checkpoints.restore_latest(abstract_state, shardings)
   except UserError:
     raise
   except Exception as e:  # noqa: BLE001
@@ -146,5 +149,19 @@ def restore_full_state(path: str, abstract_state: TrainState, shardings: TrainSt
   finally:
     checkpoints.close()
   if restored is None:
-    raise UserError(f"load_full_state_path {path} holds no complete checkpoint")
+    raise UserError(f"load_full_state_path {path} holds no complete checkpoint{_what_it_holds(root)}")
+  if bad := nonfinite_arrays(restored.state.params):
+    raise UserError(f"load_full_state_path {path}: step {restored.step} holds {describe_nonfinite(bad)}")
   return restored
+
+
+def _what_it_holds(root: str) -> str:
+  """What a path that holds no full-state step is instead, and what to give: the step directory above
+  an item (state/, data/, meta/), or load_parameters_path for a parameters-only checkpoint."""
+  parent = storage.parent(root)
+  if is_step_dir(parent):
+    return f": it is the {storage.name(root)!r} item of a checkpoint step; give its step directory {parent}"
+  if storage.exists(storage.join(root, "_CHECKPOINT_METADATA")) or storage.exists(storage.join(root, "_METADATA")):
+    return (": it is a parameters-only checkpoint (no optimizer state or data position); load it with "
+            "load_parameters_path instead")
+  return ""
