@@ -192,15 +192,23 @@ def _compile_topology(tool: Tool, overrides: config_lib.Overrides) -> tuple[acce
   if tool.compiles_for == "local":
     return None, 1
   name = str(overrides.peek("compile_topology")).strip()
+  local = name.lower() == "local"  # any case, as a slice type's name (V6E-8) is read
   num_slices = int(overrides.peek("compile_topology_num_slices"))
-  if tool.compiles_for == "slice figures" and (not name or name == "local"):
+  if tool.compiles_for == "slice figures" and (not name or local):
     raise ConfigError(f"{tool.name} needs compile_topology=NAME, a TPU slice type (e.g. v5e-256)")
   if not name:
     raise ConfigError(f"{tool.name} needs compile_topology=NAME (e.g. v5e-256), or compile_topology=local "
                       "for this machine's devices")
   if num_slices < 1:
     raise ConfigError(f"compile_topology_num_slices must be >= 1, got {num_slices}")
-  return (None if name == "local" else accelerators.tpu_topology(name)), num_slices
+  if local:
+    return None, num_slices
+  try:
+    return accelerators.tpu_topology(name), num_slices
+  except ConfigError as e:
+    if tool.compiles_for == "slice figures":
+      raise
+    raise ConfigError(f"{e}; or local, for this machine's devices") from None
 
 
 def describe_topology(topology: accelerators.TpuTopology, num_slices: int) -> Sequence[jax.Device]:

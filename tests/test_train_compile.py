@@ -85,6 +85,17 @@ def test_unknown_or_missing_topology_is_a_one_line_error():
     train_compile.main(argv(compile_topology="v5e-256", compile_topology_num_slices=0))
 
 
+def test_local_is_read_in_any_case_and_named_beside_the_slice_types():
+  """"LOCAL" was an unknown slice type (where "V6E-8" is v6e-8), and the list of valid names left local out."""
+  config, devices, topology = train_compile.load_target_config(argv(compile_topology=" LOCAL ", **TPU_TINY))
+  assert topology is None and list(devices) == jax.devices()
+  with pytest.raises(ConfigError) as refused:
+    train_compile.main(argv(compile_topology="cpu"))
+  message = str(refused.value)
+  assert message.startswith("unknown compile_topology 'cpu'; valid names: v4-8, ") and "\n" not in message
+  assert message.endswith("to tpu7x-18432; or local, for this machine's devices")
+
+
 @pytest.mark.parametrize("typed, named", [("V6E-8", "v6e-8"), (" v6e-256 ", "v6e-256"), ("v6e-08", "v6e-8"),
                                           ("tpu7x-8", "tpu7x-8"), ("tpu7x-2", "tpu7x-2")])
 def test_a_topology_name_is_read_as_its_one_spelling(typed, named):

@@ -573,16 +573,21 @@ class DecodeConfig:
     prefill = v["max_prefill_predict_length"]
     _require(prefill > 0, f"max_prefill_predict_length must be > 0, got {prefill}")
     # inf (or past float32's largest, inf on the device) would sample every token alike, whatever the model says.
-    _require(0 < v["decode_sampling_temperature"] <= FLOAT32_MAX,
-             "decode_sampling_temperature must be > 0 and a finite float32 number, got "
-             f"{v['decode_sampling_temperature']}")
+    # 0 is what "greedy" means elsewhere (the serving API): greedy reads no temperature, so it takes 0 as well.
+    temperature, strategy = v["decode_sampling_temperature"], v["decode_sampling_strategy"]
+    _require(temperature != 0 or strategy == "greedy",
+             f"decode_sampling_temperature=0 does not combine with decode_sampling_strategy={strategy} (sampling divides "
+             "the logits by the temperature); for greedy decoding set decode_sampling_strategy=greedy, else give a "
+             "temperature > 0 (e.g. 0.8)")
+    _require(temperature == 0 or 0 < temperature <= FLOAT32_MAX,
+             f"decode_sampling_temperature must be > 0 and a finite float32 number, got {temperature}")
     # The engine's sampler keys are uint32 seeds (a negative or larger one stopped decode with a traceback).
     _require(0 <= v["decode_sampling_seed"] < 2**32,
              f"decode_sampling_seed must be in [0, 2**32) (an unsigned 32-bit seed), got {v['decode_sampling_seed']}")
     _require(0 < v["decode_sampling_top_p"] <= 1,
              f"decode_sampling_top_p must be in (0, 1], got {v['decode_sampling_top_p']}")
     _require(1 <= v["decode_sampling_top_k"] <= v["vocab_size"],
-             f"decode_sampling_top_k must be between 1 and vocab_size, got {v['decode_sampling_top_k']}")
+             f"decode_sampling_top_k must be between 1 and vocab_size={v['vocab_size']}, got {v['decode_sampling_top_k']}")
     try:
       ids = tuple(int(str(t)) for t in v["prompt_token_ids"])
     except ValueError:

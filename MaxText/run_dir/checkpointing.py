@@ -58,6 +58,10 @@ def not_a_checkpoint(path: str, root: str) -> str | None:
     return f"{path} is a file, not a checkpoint directory"
   inner = storage.join(root, "checkpoints")
   if storage.is_dir(inner):
+    # Naming an empty checkpoints directory would only send the user to its own refusal.
+    if not any(name.isdigit() and is_step_dir(storage.join(inner, name)) for name in storage.listdir(inner)):
+      return (f"{path} is a run directory whose checkpoints directory {inner} holds no finished step yet: load "
+              "another checkpoint, or wait for this run's first save")
     return f"{path} is a run directory, not a checkpoint: give its checkpoints directory {inner} (its newest step)"
   return None
 

@@ -113,9 +113,15 @@ def test_tokenizer_larger_than_vocab_is_an_error(tmp_path):
 
 @pytest.mark.parametrize("overrides,message", [
     (dict(decode_sampling_strategy="beam"), "decode_sampling_strategy must be one of greedy, weighted, nucleus, topk"),
-    (dict(decode_sampling_temperature=0.0), "decode_sampling_temperature must be > 0"),
+    # Was "decode_sampling_temperature must be > 0 ..., got 0.0": nothing said what 0 asks for, nor how to get it.
+    (dict(decode_sampling_temperature=0.0, decode_sampling_strategy="weighted"),
+     "decode_sampling_temperature=0 does not combine with decode_sampling_strategy=weighted (sampling divides the logits "
+     "by the temperature); for greedy decoding set decode_sampling_strategy=greedy, else give a temperature > 0"),
+    (dict(decode_sampling_temperature=-1.0), "decode_sampling_temperature must be > 0"),
     (dict(decode_sampling_top_p=1.5), "decode_sampling_top_p must be in (0, 1]"),
-    (dict(decode_sampling_top_k=0), "decode_sampling_top_k must be between 1 and vocab_size"),
+    # Was "... between 1 and vocab_size, got 1000": the bound, the checkpoint's, was not named.
+    (dict(decode_sampling_top_k=1000, decode_sampling_strategy="topk"),
+     "decode_sampling_top_k must be between 1 and vocab_size=64, got 1000"),
     (dict(prompt_token_ids="5,x"), "prompt_token_ids must be comma-separated integers"),
     (dict(prompt_token_ids="5,64"), "prompt_token_ids must lie in [0, vocab_size=64)"),
     (dict(max_prefill_predict_length=0), "max_prefill_predict_length must be > 0"),
@@ -131,6 +137,16 @@ def test_decode_keys_are_validated(overrides, message):
   with pytest.raises(ConfigError, match=None) as error:
     Config.for_testing(**MODEL, **{**RUN, **overrides})
   assert message in str(error.value)
+
+
+def test_temperature_0_is_greedy_decodings_own_setting():
+  """Greedy reads no temperature: 0, the serving API's word for greedy, was refused with decode_sampling_strategy=greedy."""
+  from MaxText.inference.sampling import RowParams, SamplingParams
+
+  decode_cfg = Config.for_testing(**MODEL, **RUN, decode_sampling_temperature=0).decode
+  assert (decode_cfg.decode_sampling_strategy, decode_cfg.decode_sampling_temperature) == ("greedy", 0.0)
+  params = SamplingParams(decode_cfg.decode_sampling_strategy, decode_cfg.decode_sampling_temperature)
+  assert RowParams.from_strategy(params, 0) == RowParams.from_strategy(SamplingParams("greedy"), 0)
 
 
 def test_lora_adapters_are_refused_rather_than_decoded_without(tmp_path):
@@ -173,6 +189,20 @@ def test_prompt_and_checkpoint_errors_name_their_culprit(hf_tokenizer, overrides
   with pytest.raises(UserError) as raised:
     decode.decode(Config.for_testing(**values))
   assert message in str(raised.value) and "\n" not in str(raised.value), str(raised.value)
+
+
+def test_a_run_directory_without_a_saved_step_is_named_as_such(tmp_path):
+  """Was "is a run directory, not a checkpoint: give its checkpoints directory ...", which, given, was refused as
+  "not a checkpoint"."""
+  from MaxText import decode
+  from MaxText.errors import UserError
+
+  (tmp_path / "run" / "checkpoints" / "3.orbax-checkpoint-tmp-1").mkdir(parents=True)  # a save cut short
+  with pytest.raises(UserError) as raised:
+    decode.decode(Config.for_testing(**MODEL, **RUN, prompt_token_ids="1,2", load_parameters_path=str(tmp_path / "run")))
+  assert str(raised.value) == (f"{tmp_path / 'run'} is a run directory whose checkpoints directory "
+                               f"{tmp_path / 'run' / 'checkpoints'} holds no finished step yet: load another "
+                               "checkpoint, or wait for this run's first save")
 
 
 def test_the_scanned_layers_note_is_for_cpu_and_scanned_stacks_only():
