@@ -107,7 +107,7 @@ def load_teacher(teacher: ModelSpec, path: str, placeholder: Params) -> Params:
     return params_io.load_params(path, teacher.abstract_params, shardings)
   except UserError as e:  # its lines name a path and "the model config": say they are the teacher's, and whose keys
     keys = (" (the teacher's model keys: distill_teacher_model_name and distill_teacher_overrides, else those saved "
-            "with its checkpoint)") if "the model config" in str(e) else ""
+            "with its checkpoint)") if "model config" in str(e) else ""
     e.args = (f"distill_teacher_path: {e}{keys}",)
     raise  # the same kind of error (its exit code, a storage failure's exit at once)
 
