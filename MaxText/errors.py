@@ -108,6 +108,11 @@ def exit_unheld(code: int) -> NoReturn:
   sys.exit(code)
 
 
+def forget_exit_status() -> None:
+  """For a host that caught run_cli's SystemExit and goes on (a test session): its own exit is then not watched."""
+  _exit_code.clear()
+
+
 def _watch_exit() -> None:
   if not _exit_code:  # a host that caught every SystemExit (a test session) and cleared the status exits its own way
     return

@@ -46,7 +46,7 @@ def pytest_unconfigure(config):
   # Tests that call run_cli catch its SystemExit: pytest's own exit status stands, not the last such test's.
   from MaxText import errors  # noqa: PLC0415
 
-  errors._exit_code.clear()
+  errors.forget_exit_status()
   if _owned_cache_dir is not None:
     shutil.rmtree(_owned_cache_dir, ignore_errors=True)
 

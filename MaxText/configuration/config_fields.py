@@ -104,39 +104,32 @@ def read_keys(group: type, values: Mapping[str, Any], **resolved: object) -> dic
   return {**out, **resolved}
 
 
-# A list key's items by its field's annotation (the module's annotations are text): what each must be, and how a
-# YAML or command-line value becomes it. Lists of numbers (token ids, weights) are checked by their groups, which
-# take a command line's `5,17` as text too.
-_ITEM_TYPES: dict[str, tuple[str, Any]] = {
-    "tuple[str, ...]": ("text", lambda v: v if isinstance(v, str) else str(v) if _is_number(v) else None),
-}
-
-
-def _is_number(value: object) -> bool:
-  return isinstance(value, (int, float)) and not isinstance(value, bool)
+# A list of names (its field annotated so; the module's annotations are text). Lists of numbers (token ids,
+# weights) are checked by their groups, which take a command line's `5,17` as text too.
+_NAMES = "tuple[str, ...]"
 
 
 def _items(name: str, value: list[Any] | tuple[Any, ...], annotation: object) -> tuple[Any, ...]:
-  """`value` as the key's tuple; an item of the wrong kind (a list of names holding `true` or a mapping, a list of
-  token ids holding 1.5) is one line naming the key and the item, not a failure wherever the item is first used."""
-  if not isinstance(annotation, str) or annotation not in _ITEM_TYPES:
+  """`value` as the key's tuple; in a list of names a number is its text, and any other item (`true`, a mapping) is one
+  line naming the key and the item, not a failure wherever the item is first used."""
+  if annotation != _NAMES:
     return tuple(value)
-  kind, convert = _ITEM_TYPES[annotation]
   out = []
   for index, item in enumerate(value):
-    converted = convert(item)
-    if converted is None:
-      hint = " (YAML reads an unquoted true/false, yes/no, on/off or null as no text: quote it)" if (
-          kind == "text" and (item is None or isinstance(item, bool))) else ""
-      raise ConfigError(f"{name}'s items must be {kind}; item {index} is {type(item).__name__} {str(item)[:80]!r}{hint}")
-    out.append(converted)
+    if isinstance(item, (int, float)) and not isinstance(item, bool):
+      item = str(item)
+    if not isinstance(item, str):
+      hint = (" (YAML reads an unquoted true/false, yes/no, on/off or null as no text: quote it)"
+              if item is None or isinstance(item, bool) else "")
+      raise ConfigError(f"{name}'s items must be text; item {index} is {type(item).__name__} {str(item)[:80]!r}{hint}")
+    out.append(item)
   return tuple(out)
 
 
 def text_list_keys(groups: tuple[type, ...]) -> set[str]:
   """Keys holding a list of names, whose numbers a YAML file keeps as typed (`[1.10]` is '1.10', not '1.1')."""
   return {f.name for group in groups for f in nested_fields(group)
-          if f.metadata.get(_KEY) and f.type == "tuple[str, ...]"}
+          if f.metadata.get(_KEY) and f.type == _NAMES}
 
 
 def keys_where(groups: tuple[type, ...], name: str, value: object) -> tuple[str, ...]:
